@@ -1,0 +1,118 @@
+"""Multi-head Latent Attention (MLA) references: expanded and weight-absorbed.
+
+Source: DeepSeek-V2 paper (arXiv 2405.04434), section 2.1, and DeepSeek-V3 report section 2.1.1.
+The KV cache holds, per token and layer, the compressed latent
+`latent_kv: [kv_lora_rank + qk_rope_head_dim]` = `[c_kv (normalized); k_pe (rotated)]`.
+
+* Expanded (prefill): up-project `c_kv` with `W_UKV = kv_b_proj.weight` to per-head keys/values, then
+  ordinary attention. Cheap when queries are many (the up-projection is amortized over them).
+* Absorbed (decode): fold `W_UK` into the query and `W_UV` into the output, so attention runs directly over
+  the latent (one shared "head" of width `kv_lora_rank + qk_rope_head_dim`): a multi-query attention.
+  Cheap when queries are few and the context is long.
+
+Both compute the same function; the tests compare them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def split_kv_b_weight(
+    kv_b_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split `kv_b_proj.weight` into the key and value up-projections.
+
+    Args:
+        kv_b_weight: `[num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`.
+
+    Returns:
+        `(w_uk [num_heads, qk_nope_head_dim, kv_lora_rank], w_uv [num_heads, v_head_dim, kv_lora_rank])`.
+    """
+    kv_lora_rank = kv_b_weight.shape[-1]
+    w = kv_b_weight.view(num_heads, qk_nope_head_dim + v_head_dim, kv_lora_rank)
+    return w[:, :qk_nope_head_dim], w[:, qk_nope_head_dim:]
+
+
+def mla_attention_expanded(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    softmax_scale: float,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """Attention with keys/values up-projected from the latent (the prefill form).
+
+    Args:
+        q_nope: `[B, Sq, H, qk_nope_head_dim]`.
+        q_pe: `[B, Sq, H, qk_rope_head_dim]`, already rotated.
+        kv_c: `[B, Sk, kv_lora_rank]`, normalized latent.
+        k_pe: `[B, Sk, qk_rope_head_dim]`, already rotated, shared by all heads.
+        kv_b_weight: `[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`.
+        softmax_scale: multiplier on q.k (`DeepseekV3Config.softmax_scale`).
+        attn_mask: optional bool `[B, Sq, Sk]`, True where the query may attend.
+        is_causal: plain causal mask with Sq == Sk (ignored when `attn_mask` is given).
+
+    Returns:
+        `[B, Sq, H, v_head_dim]` in `q_nope.dtype`.
+    """
+    batch, num_q, num_heads, qk_nope_head_dim = q_nope.shape
+    num_k = kv_c.shape[1]
+    v_head_dim = kv_b_weight.shape[0] // num_heads - qk_nope_head_dim
+    kv = torch.nn.functional.linear(kv_c, kv_b_weight).view(batch, num_k, num_heads, -1)
+    k_nope, v = kv.split([qk_nope_head_dim, v_head_dim], dim=-1)
+    k = torch.cat((k_nope, k_pe[:, :, None, :].expand(-1, -1, num_heads, -1)), dim=-1)
+    q = torch.cat((q_nope, q_pe), dim=-1)
+    mask = None if attn_mask is None else attn_mask[:, None, :, :]  # [B, 1, Sq, Sk]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2),  # [B, H, Sq, D]
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=is_causal and mask is None,
+        scale=softmax_scale,
+    )
+    return out.transpose(1, 2)  # [B, Sq, H, v_head_dim]
+
+
+def mla_attention_absorbed(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    softmax_scale: float,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """The same attention computed over the latent, with `W_UK`/`W_UV` absorbed (the decode form).
+
+    score[h, i, j] = (q_nope[i, h] W_UK[h]) . kv_c[j] + q_pe[i, h] . k_pe[j];  out[i, h] = W_UV[h] (p . kv_c).
+    Arguments and result as `mla_attention_expanded`.
+    """
+    batch, num_q, num_heads, qk_nope_head_dim = q_nope.shape
+    num_k = kv_c.shape[1]
+    v_head_dim = kv_b_weight.shape[0] // num_heads - qk_nope_head_dim
+    w_uk, w_uv = split_kv_b_weight(kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim)
+    q_latent = torch.einsum("bqhd,hdc->bqhc", q_nope, w_uk)  # [B, Sq, H, kv_lora_rank]
+    scores = torch.einsum("bqhc,bkc->bhqk", q_latent, kv_c) + torch.einsum("bqhr,bkr->bhqk", q_pe, k_pe)
+    scores = scores.float() * softmax_scale
+    if attn_mask is None and is_causal:
+        attn_mask = torch.ones(num_q, num_k, dtype=torch.bool, device=q_nope.device).tril(num_k - num_q)[None]
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask[:, None, :, :], float("-inf"))
+    probs = scores.softmax(dim=-1).to(kv_c.dtype)
+    o_latent = torch.einsum("bhqk,bkc->bqhc", probs, kv_c)  # [B, Sq, H, kv_lora_rank]
+    return torch.einsum("bqhc,hvc->bqhv", o_latent, w_uv)  # [B, Sq, H, v_head_dim]
+
+
+def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+    """Bool mask `[B, Sq, Sk]`: query i may see key j when `k_positions[j] <= q_positions[i]`.
+
+    Args:
+        q_positions: `[B, Sq]` int64. k_positions: `[B, Sk]` int64.
+    """
+    return k_positions[:, None, :] <= q_positions[:, :, None]

@@ -1,0 +1,50 @@
+"""DeepSeekMoE routing reference: sigmoid scores, bias for selection only, group-limited top-k.
+
+Source: DeepSeek-V3 technical report (arXiv 2412.19437), section 2.1.2, eqs. 12-16 and the auxiliary-
+loss-free balancing (section 2.1.2, "Auxiliary-Loss-Free Load Balancing"); group-limited routing as in
+the public config (`n_group`, `topk_group`): a group's score is the sum of its two best expert scores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def grouped_topk(
+    router_logits: torch.Tensor,
+    e_score_correction_bias: torch.Tensor | None,
+    *,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick each token's experts and their gate weights.
+
+    Args:
+        router_logits: `[num_tokens, n_routed_experts]` float32 (`hidden @ gate.weight.T`).
+        e_score_correction_bias: `[n_routed_experts]` float32, added to the scores for *selection* only.
+        top_k: experts per token (`num_experts_per_tok`).
+        n_group / topk_group: experts are split into `n_group` equal groups; only experts of the
+            `topk_group` best groups may be chosen.
+        norm_topk_prob: divide the chosen sigmoid scores by their sum.
+        routed_scaling_factor: multiplier on the final weights (2.5 for DeepSeek-V3).
+
+    Returns:
+        `(topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int64)`.
+    """
+    num_tokens, num_experts = router_logits.shape
+    scores = router_logits.float().sigmoid()
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
+    if n_group > 1:
+        group_scores = choice.view(num_tokens, n_group, -1).topk(2, dim=-1).values.sum(-1)  # [T, n_group]
+        group_ids = group_scores.topk(topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, True)
+        expert_mask = group_mask[:, :, None].expand(-1, -1, num_experts // n_group).reshape(num_tokens, -1)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+    topk_ids = choice.topk(top_k, dim=-1).indices
+    topk_weights = scores.gather(1, topk_ids)
+    if norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
+    return topk_weights * routed_scaling_factor, topk_ids

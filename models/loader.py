@@ -1,0 +1,202 @@
+"""Load and save Hugging Face-format DeepSeek-V3 checkpoints.
+
+A checkpoint directory holds `config.json` (`model_type: deepseek_v3`), the weights as
+`model.safetensors` or as shards listed in `model.safetensors.index.json`, and `tokenizer.json`.
+
+* The MTP module is stored as layer `num_hidden_layers` (public layout). Public checkpoints also store a
+  copy of the embedding and output head under that layer (`embed_tokens`, `shared_head.head`); the model
+  shares the main ones, so those copies are skipped. A checkpoint with no tensor at all for the MTP layer
+  (what `transformers`' `save_pretrained` writes) loads with MTP disabled, and says so in the log.
+* FP8 e4m3 weights with `weight_scale_inv` (one float32 scale per 128x128 block, DeepSeek-V3 report
+  section 3.3.2) are dequantized on load: `w = fp8.float() * scale_inv[block]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kernels.rope import rope_inv_freq
+from models.config import DeepseekV3Config
+from models.deepseek_v3 import DeepseekV3ForCausalLM
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the file and the tensors."""
+
+
+def checkpoint_files(path: Path) -> dict[str, Path]:
+    """Map each tensor name to the safetensors file holding it.
+
+    Raises:
+        CheckpointError: no weights file, an index naming a missing shard.
+    """
+    index = path / INDEX_FILE
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        missing = sorted({f for f in weight_map.values() if not (path / f).exists()})
+        if missing:
+            raise CheckpointError(f"{index}: shards listed but not present: {', '.join(missing)}")
+        return {name: path / f for name, f in weight_map.items()}
+    single = path / SINGLE_FILE
+    if single.exists():
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int]) -> torch.Tensor:
+    """Blockwise FP8 dequantization.
+
+    Args:
+        weight: `[out_features, in_features]` float8_e4m3fn.
+        scale_inv: `[ceil(out / block_out), ceil(in / block_in)]` float32; block (i, j) of the float
+            weight is `weight[block] * scale_inv[i, j]`.
+        block_size: `(block_out, block_in)`, (128, 128) for DeepSeek-V3.
+
+    Returns:
+        `[out_features, in_features]` float32.
+
+    Raises:
+        CheckpointError: `scale_inv` does not cover the weight with the given block size.
+    """
+    out_features, in_features = weight.shape
+    block_out, block_in = block_size
+    expected = (math.ceil(out_features / block_out), math.ceil(in_features / block_in))
+    if tuple(scale_inv.shape) != expected:
+        raise CheckpointError(
+            f"weight_scale_inv shape {tuple(scale_inv.shape)} does not match weight {tuple(weight.shape)} "
+            f"with block size {block_size} (expected {expected})"
+        )
+    scale = scale_inv.float().repeat_interleave(block_out, 0).repeat_interleave(block_in, 1)
+    return weight.float() * scale[:out_features, :in_features]
+
+
+def _iter_tensors(files: dict[str, Path], names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
+    for file, file_names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in file_names:
+                yield name, f.get_tensor(name)
+
+
+def load_checkpoint(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> DeepseekV3ForCausalLM:
+    """Build a `DeepseekV3ForCausalLM` from a checkpoint directory.
+
+    Args:
+        path: directory with `config.json` and safetensors weights.
+        device: where the weights go (`"cpu"`, `"cuda:0"`, `"npu:0"`).
+        dtype: parameter dtype; the router's `e_score_correction_bias` stays float32.
+
+    Raises:
+        FileNotFoundError: no such directory or no `config.json`.
+        ValueError: unsupported `model_type` or invalid config fields (from `DeepseekV3Config`).
+        CheckpointError: missing tensors (all listed by name), tensors of unexpected shape (name, expected,
+            got), FP8 weights without their `weight_scale_inv`.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{path}: no config.json")
+    config = DeepseekV3Config.from_json_file(config_file)
+    files = checkpoint_files(path)
+
+    num_layers = config.num_hidden_layers
+    mtp_prefixes = tuple(f"model.layers.{num_layers + k}." for k in range(config.num_nextn_predict_layers))
+    if mtp_prefixes and not any(name.startswith(mtp_prefixes) for name in files):
+        logger.warning(
+            "%s: config has %d MTP module(s) but no tensor for layer %d; loading with MTP disabled",
+            path,
+            config.num_nextn_predict_layers,
+            num_layers,
+        )
+        config = dataclasses.replace(config, num_nextn_predict_layers=0)
+        mtp_prefixes = ()
+
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+
+    missing = sorted(name for name in expected if name not in files)
+    if missing:
+        shown = "\n  ".join(missing[:50]) + (f"\n  ... and {len(missing) - 50} more" if len(missing) > 50 else "")
+        raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint:\n  {shown}")
+
+    block_size = tuple((config.quantization_config or {}).get("weight_block_size", (128, 128)))
+    state: dict[str, torch.Tensor] = {}
+    bad_shapes: list[str] = []
+    for name, tensor in _iter_tensors(files, list(expected)):
+        if tensor.dtype in FP8_DTYPES:
+            scale_name = name + SCALE_SUFFIX
+            if scale_name not in files:
+                raise CheckpointError(f"{path}: FP8 tensor {name} has no {scale_name}")
+            (_, scale_inv), = _iter_tensors(files, [scale_name])
+            tensor = dequantize_fp8_blockwise(tensor, scale_inv, block_size)  # type: ignore[arg-type]
+        if tuple(tensor.shape) != expected[name]:
+            bad_shapes.append(f"{name}: expected {expected[name]}, got {tuple(tensor.shape)}")
+            continue
+        keep_fp32 = name.endswith("e_score_correction_bias")
+        state[name] = tensor.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+    if bad_shapes:
+        raise CheckpointError(f"{path}: tensor(s) with unexpected shape:\n  " + "\n  ".join(bad_shapes))
+
+    ignored = [
+        n
+        for n in files
+        if n not in expected and not n.endswith(SCALE_SUFFIX) and not n.startswith(mtp_prefixes)
+        and not n.startswith(f"model.layers.{num_layers}.")
+    ]
+    if ignored:
+        logger.warning("%s: ignoring %d unexpected tensor(s), e.g. %s", path, len(ignored), ignored[:5])
+
+    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rope_inv_freq = rope_inv_freq(config).to(device)
+    return model.eval()
+
+
+def save_checkpoint(model: DeepseekV3ForCausalLM, path: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Write `config.json` and `model.safetensors` (public tensor names) into `path`.
+
+    Args:
+        dtype: store floating tensors in this dtype (e.g. bfloat16); the router bias stays float32.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    if dtype is not None:
+        config = dataclasses.replace(config, torch_dtype=str(dtype).removeprefix("torch."))
+    (path / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    state = {}
+    for name, tensor in model.state_dict().items():
+        t = tensor.detach()
+        if dtype is not None and t.is_floating_point() and not name.endswith("e_score_correction_bias"):
+            t = t.to(dtype)
+        state[name] = t.contiguous().cpu()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(path / SINGLE_FILE), metadata={"format": "pt"})
