@@ -1,0 +1,186 @@
+"""Paged MLA attention (float and INT8) against the non-paged references in `kernels.mla`.
+
+The reference for request b is `mla_attention_absorbed` over that request's contiguous latent (the very
+rows written to the cache), with the causal mask of its queries at positions `seq_len - n + j`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from kernels.kv_quant import dequantize_kv_int8, quantize_kv_int8
+from kernels.mla import causal_mask, mla_attention_absorbed
+from kernels.paged_mla import (
+    expanded_crossover_queries,
+    gather_kv,
+    paged_mla_attention,
+    slots_from_block_tables,
+    write_kv,
+)
+
+NUM_HEADS, QK_NOPE_HEAD_DIM, QK_ROPE_HEAD_DIM, V_HEAD_DIM, KV_LORA_RANK = 4, 8, 4, 6, 16
+KV_DIM = KV_LORA_RANK + QK_ROPE_HEAD_DIM
+SOFTMAX_SCALE = (QK_NOPE_HEAD_DIM + QK_ROPE_HEAD_DIM) ** -0.5
+# Ragged batch: decode, spec-verify (k=3), decode at length 1, full prefill, prefill chunk.
+SEQ_LENS = [7, 13, 1, 20, 9]
+NUM_QUERIES = [1, 4, 1, 20, 5]
+
+
+def make_batch(
+    seed: int,
+    *,
+    block_size: int = 4,
+    num_blocks: int = 40,
+    pad_value: int = -1,
+    table_dtype: torch.dtype = torch.int64,
+    int8: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """A ragged batch written into a paged cache through randomly permuted block ids.
+
+    The cache starts as NaN (float) so unmasked reads of unwritten slots would show up in the output.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(SEQ_LENS)
+    max_blocks = max(-(-n // block_size) for n in SEQ_LENS) + 1  # one spare padding column
+    block_ids = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.full((batch, max_blocks), pad_value, dtype=table_dtype)
+    next_block = 0
+    for b, seq_len in enumerate(SEQ_LENS):
+        num_used = -(-seq_len // block_size)
+        block_tables[b, :num_used] = block_ids[next_block : next_block + num_used].to(table_dtype)
+        next_block += num_used
+    latents = [torch.randn(n, KV_DIM, generator=gen) for n in SEQ_LENS]
+    if int8:
+        kv_cache = torch.zeros(num_blocks, block_size, KV_DIM, dtype=torch.int8)
+        kv_scale = torch.full((num_blocks, block_size), float("nan"))
+    else:
+        kv_cache = torch.full((num_blocks, block_size, KV_DIM), float("nan"), dtype=dtype)
+        kv_scale = None
+    slot_mapping = torch.cat(
+        [slots_from_block_tables(block_tables[b : b + 1], n, block_size)[0] for b, n in enumerate(SEQ_LENS)]
+    )
+    write_kv(kv_cache, torch.cat(latents).to(dtype), slot_mapping, kv_scale)
+    num_tokens = sum(NUM_QUERIES)
+    return dict(
+        q_nope=torch.randn(num_tokens, NUM_HEADS, QK_NOPE_HEAD_DIM, generator=gen).to(dtype),
+        q_pe=torch.randn(num_tokens, NUM_HEADS, QK_ROPE_HEAD_DIM, generator=gen).to(dtype),
+        kv_cache=kv_cache,
+        kv_scale=kv_scale,
+        block_tables=block_tables,
+        seq_lens=torch.tensor(SEQ_LENS),
+        query_start_loc=torch.tensor([0, *torch.tensor(NUM_QUERIES).cumsum(0).tolist()]),
+        kv_b_weight=(
+            torch.randn(NUM_HEADS * (QK_NOPE_HEAD_DIM + V_HEAD_DIM), KV_LORA_RANK, generator=gen)
+            * KV_LORA_RANK**-0.5
+        ).to(dtype),
+        latents=latents,
+    )
+
+
+def run_paged(batch: dict, **kwargs) -> torch.Tensor:
+    return paged_mla_attention(
+        batch["q_nope"], batch["q_pe"], batch["kv_cache"], batch["block_tables"], batch["seq_lens"],
+        batch["query_start_loc"], batch["kv_b_weight"], SOFTMAX_SCALE, batch["kv_scale"], **kwargs,
+    )  # fmt: skip
+
+
+def reference(batch: dict, latents: list[torch.Tensor]) -> torch.Tensor:
+    """Per request: `mla_attention_absorbed` over its contiguous latent, causal at `seq_len - n + j`."""
+    outs, start = [], 0
+    for latent, seq_len, num_queries in zip(latents, SEQ_LENS, NUM_QUERIES, strict=True):
+        rows = slice(start, start + num_queries)
+        start += num_queries
+        q_positions = torch.arange(seq_len - num_queries, seq_len)[None]
+        mask = causal_mask(q_positions, torch.arange(seq_len)[None])
+        kv_c, k_pe = latent.float()[None].split([KV_LORA_RANK, QK_ROPE_HEAD_DIM], dim=-1)
+        outs.append(
+            mla_attention_absorbed(
+                batch["q_nope"][rows][None].float(), batch["q_pe"][rows][None].float(), kv_c, k_pe,
+                batch["kv_b_weight"].float(), SOFTMAX_SCALE, attn_mask=mask,
+            )[0]
+        )  # fmt: skip
+    return torch.cat(outs)
+
+
+PATHS = {"default": None, "all_expanded": 1, "all_absorbed": sys.maxsize}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("pad_value,table_dtype", [(-1, torch.int32), (0, torch.int64)])
+def test_paged_float_matches_absorbed_reference(path: str, pad_value: int, table_dtype: torch.dtype) -> None:
+    batch = make_batch(0, pad_value=pad_value, table_dtype=table_dtype)
+    out = run_paged(batch, expanded_min_queries=PATHS[path])
+    assert out.shape == (sum(NUM_QUERIES), NUM_HEADS, V_HEAD_DIM) and out.dtype == torch.float32
+    assert (out - reference(batch, batch["latents"])).abs().max() <= 1e-5
+
+
+def test_default_threshold_mixes_paths() -> None:
+    """With these dims the crossover is 13 queries: the 20-query prefill is expanded, the rest absorbed."""
+    assert expanded_crossover_queries(KV_LORA_RANK, QK_NOPE_HEAD_DIM, QK_ROPE_HEAD_DIM, V_HEAD_DIM) == 13
+    assert expanded_crossover_queries(512, 128, 64, 128) == 171  # DeepSeek-V3
+    assert expanded_crossover_queries(64, 64, 32, 64) == sys.maxsize  # expanded never cheaper
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_paged_int8_equals_float_on_dequantized_cache(path: str) -> None:
+    """Scales folded into scores/probabilities == float attention over the dequantized latent (1e-5);
+    and within 2% relative (Frobenius) error of the unquantized float result (int8 step = absmax/127)."""
+    batch = make_batch(1, int8=True)
+    out_int8 = run_paged(batch, expanded_min_queries=PATHS[path])
+    dequantized = [dequantize_kv_int8(*quantize_kv_int8(latent)) for latent in batch["latents"]]
+    assert (out_int8 - reference(batch, dequantized)).abs().max() <= 1e-5
+    exact = reference(batch, batch["latents"])
+    assert (out_int8 - exact).norm() / exact.norm() < 0.02
+
+
+def test_bf16_cache_close_to_float32() -> None:
+    batch = make_batch(2, dtype=torch.bfloat16)
+    out = run_paged(batch)
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - reference(batch, [x.bfloat16() for x in batch["latents"]])).abs().max() < 3e-2
+
+
+def test_write_kv_skips_padding_slots_and_gathers_back() -> None:
+    kv_cache = torch.zeros(3, 2, KV_DIM)
+    latent = torch.randn(3, KV_DIM)
+    write_kv(kv_cache, latent, torch.tensor([5, -1, 0]))
+    assert torch.equal(kv_cache.view(-1, KV_DIM)[5], latent[0]) and torch.equal(kv_cache[0, 0], latent[2])
+    assert kv_cache.view(-1, KV_DIM)[1:5].abs().sum() == 0
+    gathered, scale = gather_kv(kv_cache, torch.tensor([2, 0, -1]), 3)
+    assert scale is None and torch.equal(gathered, kv_cache.view(-1, KV_DIM)[[4, 5, 0]])
+
+
+def test_write_kv_int8_stores_values_and_scales() -> None:
+    kv_cache = torch.zeros(2, 4, KV_DIM, dtype=torch.int8)
+    kv_scale = torch.zeros(2, 4)
+    latent = torch.randn(3, KV_DIM)
+    write_kv(kv_cache, latent, torch.tensor([6, 1, 2]), kv_scale)
+    stored, scale = gather_kv(kv_cache, torch.tensor([1, 0]), 3, kv_scale)  # positions 0,1,2 -> slots 4,5,6
+    expected_int8, expected_scale = quantize_kv_int8(latent[0:1])
+    assert torch.equal(stored[2], expected_int8[0]) and torch.equal(scale[2], expected_scale[0])
+    assert torch.allclose(dequantize_kv_int8(kv_cache.view(-1, KV_DIM)[[1, 2]], kv_scale.view(-1)[[1, 2]]),
+                          latent[1:], atol=latent[1:].abs().max().item() / 127)  # fmt: skip
+
+
+def test_invalid_arguments_raise() -> None:
+    batch = make_batch(3)
+    with pytest.raises(ValueError, match="kv_scale is only for an int8"):
+        write_kv(batch["kv_cache"], torch.zeros(1, KV_DIM), torch.tensor([0]), torch.zeros(40, 4))
+    with pytest.raises(ValueError, match="needs kv_scale"):
+        write_kv(torch.zeros(2, 4, KV_DIM, dtype=torch.int8), torch.zeros(1, KV_DIM), torch.tensor([0]))
+    with pytest.raises(ValueError, match="past the cache"):
+        write_kv(batch["kv_cache"], torch.zeros(1, KV_DIM), torch.tensor([40 * 4]))
+    bad = dict(batch, seq_lens=torch.tensor([7, 13, 1, 19, 9]))  # 20 queries > 19 tokens
+    with pytest.raises(ValueError, match="request 3"):
+        run_paged(bad)
+    bad = dict(batch, query_start_loc=batch["query_start_loc"] + 1)
+    with pytest.raises(ValueError, match="ragged packing"):
+        run_paged(bad)
+    tables = batch["block_tables"].clone()
+    tables[0, 0] = 40
+    with pytest.raises(ValueError, match="outside"):
+        run_paged(dict(batch, block_tables=tables))
