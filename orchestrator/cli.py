@@ -1,0 +1,342 @@
+"""The `pdcluster` command line: a thin shell over library functions.
+
+    pdcluster generate --prompt "def fibonacci(n):"        # complete one prompt with the bundled model
+    pdcluster generate --prompt "..." --json               # machine-readable result with timings
+    pdcluster demo                                         # what `make demo` runs (for now)
+
+Every error the user can cause (bad option values, a missing or broken checkpoint) is one line on stderr
+and exit code 2, never a traceback. Torch and the model code are imported only by the subcommand that
+needs them, so `--help` and option errors answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+from models import bundled_checkpoint_dir
+
+if TYPE_CHECKING:
+    import torch
+
+    from models.deepseek_v3 import DeepseekV3ForCausalLM
+    from models.tokenizer import Tokenizer
+
+PROG = "pdcluster"
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A problem the user can fix; `main` prints it as one line and exits with code 2."""
+
+
+# ---- option types (argparse turns their ValueError/ArgumentTypeError into "argument --x: message") ----
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+_positive_int.__name__ = "positive integer"  # argparse names the type in "invalid <type> value" errors
+_non_negative_int.__name__ = "integer"
+_non_negative_float.__name__ = "number"
+_probability.__name__ = "number"
+
+
+# ---- shared steps ----------------------------------------------------------------------------------
+def resolve_device(name: str) -> torch.device:
+    """`cpu`, `cuda[:i]` or `npu[:i]` as a `torch.device`; torch_npu is imported only for `npu`."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise CliError(f"--device {name!r}: not a device name (expected cpu, cuda[:i] or npu[:i])") from exc
+    if device.type == "npu":
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError as exc:
+            raise CliError("--device npu needs torch_npu (pip install 'pdcluster[npu]')") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device {name}: this torch build or machine has no CUDA device")
+    return device
+
+
+def load_model(model_dir: Path, device: torch.device) -> tuple[DeepseekV3ForCausalLM, Tokenizer, float]:
+    """Load a checkpoint directory's weights (float32) and tokenizer; returns them and the seconds taken."""
+    from models.loader import load_checkpoint
+    from models.tokenizer import Tokenizer
+
+    hint = ""
+    if model_dir.resolve() == bundled_checkpoint_dir():
+        hint = " (the bundled checkpoint is written by `python -m models.train_tiny`, ~35 min on 2 cores)"
+    if not model_dir.is_dir():
+        raise CliError(f"model directory not found: {model_dir}{hint}")
+    t_start = time.perf_counter()
+    try:
+        model = load_checkpoint(model_dir, device=device)
+        tokenizer = Tokenizer.from_dir(model_dir)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise CliError(f"cannot load the checkpoint: {exc}{hint}") from exc
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise CliError(
+            f"{model_dir}: tokenizer.json has {tokenizer.vocab_size} tokens but config.json's vocab_size is "
+            f"{model.config.vocab_size}"
+        )
+    return model, tokenizer, time.perf_counter() - t_start
+
+
+class TextStreamer:
+    """Writes `prefix` (the prompt) and then a completion to a text stream as its tokens arrive.
+
+    The prefix is written with the first token (or by `finish`), so nothing is printed for a prompt that
+    `generate` rejects. Each step decodes all completion tokens so far and writes only the new suffix,
+    holding back text that ends in an incomplete UTF-8 character (a byte-level token can end mid-character).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, out: TextIO, prefix: str = "") -> None:
+        self._tokenizer = tokenizer
+        self._out = out
+        self._pending_prefix = prefix
+        self._ids: list[int] = []
+        self._num_written_chars = 0
+
+    def _write(self, text: str) -> None:
+        self._out.write(self._pending_prefix + text[self._num_written_chars :])
+        self._out.flush()
+        self._pending_prefix = ""
+        self._num_written_chars = len(text)
+
+    def __call__(self, token_id: int) -> None:
+        self._ids.append(token_id)
+        text = self._tokenizer.decode(self._ids)
+        if not text.endswith("\ufffd"):
+            self._write(text)
+
+    def finish(self, text: str) -> None:
+        """Write whatever is still held back of the final completion `text`, and a newline."""
+        self._write(text + "\n")
+
+
+# ---- subcommands -----------------------------------------------------------------------------------
+def cmd_generate(args: argparse.Namespace) -> int:
+    from models.generate import SamplingParams, generate
+
+    if args.prompt == "":
+        raise CliError("--prompt is empty; give the text to continue, e.g. --prompt 'def fibonacci(n):'")
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    model, tokenizer, load_s = load_model(args.model, resolve_device(args.device))
+
+    streamer = None if args.json else TextStreamer(tokenizer, sys.stdout, prefix=args.prompt)
+    try:
+        result = generate(model, tokenizer, args.prompt, params, on_token=streamer)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+
+    if streamer is None:
+        timing = {"load_s": load_s, **result.timing._asdict()}
+        out = {
+            "text": result.text,
+            "token_ids": result.token_ids,
+            "finish_reason": result.finish_reason,
+            "num_prompt_tokens": result.num_prompt_tokens,
+            "timing": timing,
+        }
+        print(json.dumps(out))
+    else:
+        streamer.finish(result.text)
+        print(f"{result.summary()} | load {load_s:.2f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from orchestrator.demo import run_demo
+
+    device = resolve_device(args.device)
+    try:
+        return run_demo(lambda: load_model(args.model, device), args.model, args.max_tokens, sys.stdout)
+    except ValueError as exc:  # a prompt longer than the checkpoint's context
+        raise CliError(str(exc)) from exc
+
+
+# ---- parser ----------------------------------------------------------------------------------------
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the descriptions' line breaks; wraps option help normally."""
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=bundled_checkpoint_dir(),
+        metavar="DIR",
+        help="checkpoint directory in Hugging Face layout: config.json (model_type deepseek_v3), "
+        "model.safetensors (or an index + shards), tokenizer.json. "
+        f"Default: the bundled tiny checkpoint, {bundled_checkpoint_dir()}",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model runs: cpu, cuda[:i] or npu[:i] (npu needs torch_npu). Default: cpu",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Disaggregated prefill/decode serving for DeepSeek-V3-architecture models.",
+        formatter_class=_HelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    bundled = bundled_checkpoint_dir()
+    gen = sub.add_parser(
+        "generate",
+        help="complete one prompt with a checkpoint (default: the bundled tiny model)",
+        formatter_class=_HelpFormatter,
+        description=f"""\
+Complete one prompt on one device, in this process (no cluster involved).
+
+The default model is the bundled tiny DeepSeek-V3 checkpoint in
+  {bundled}
+(~7M parameters, MLA + DeepSeekMoE + MTP, trained by `python -m models.train_tiny` on
+the Python standard library's source; see its MODEL_CARD.md). It continues Python code;
+it is not a chat model and knows nothing else.
+
+Output: the prompt followed by the completion, streamed to stdout as tokens are chosen;
+then one line on stderr with the token count, finish reason and timings.
+Generation stops at the end-of-text token (finish reason "stop"), after --max-tokens
+tokens, or when prompt + completion fill the model's context (both "length").""",
+        epilog="""\
+--json prints one JSON object instead:
+  text               the completion only (the prompt is not repeated)
+  token_ids          completion token ids (ends with the end-of-text token on "stop")
+  finish_reason      "stop" or "length"
+  num_prompt_tokens  tokens the prompt encoded to
+  timing             seconds unless the name says otherwise:
+    load_s           reading the checkpoint and tokenizer
+    prefill_s        the forward pass over the prompt
+    ttft_s           time to first token: tokenizing + prefill + sampling
+    decode_s         from the first token to the last
+    tpot_s           time per output token after the first (null with fewer than 2)
+    tokens_per_s     tokens generated per second, prefill included, load excluded
+
+examples:
+  pdcluster generate --prompt 'def fibonacci(n):'
+  pdcluster generate --prompt 'import os' --temperature 0.8 --top-p 0.95 --seed 1 --json""",
+    )
+    gen.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue (must not be empty)")
+    _add_model_options(gen)
+    gen.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="most tokens to generate (tokens, not characters: the bundled tokenizer averages "
+        "~3.4 characters of Python per token). Default: 64",
+    )
+    gen.add_argument(
+        "--temperature",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="T",
+        help="sampling temperature; 0 is greedy (always the most likely token; deterministic). Default: 0",
+    )
+    gen.add_argument(
+        "--top-k",
+        type=_non_negative_int,
+        default=0,
+        metavar="K",
+        help="sample only among the K most likely tokens; 0 = no limit. Ignored when greedy. Default: 0",
+    )
+    gen.add_argument(
+        "--top-p",
+        type=_probability,
+        default=1.0,
+        metavar="P",
+        help="sample only among the most likely tokens whose probabilities add up to P (nucleus sampling); "
+        "1 = no limit. Ignored when greedy. Default: 1",
+    )
+    gen.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        metavar="S",
+        help="random seed for sampling; the same seed, prompt and options give the same output. "
+        "Default: a different seed each run",
+    )
+    gen.add_argument("--json", action="store_true", help="print one JSON object (fields below) instead")
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser(
+        "demo",
+        help="greedy completions of 3 held-out prompts with the bundled model (what `make demo` runs)",
+        formatter_class=_HelpFormatter,
+        description=f"""\
+Load the bundled tiny checkpoint ({bundled}) and complete three prompts cut from
+standard-library modules it never saw in training (a function's `def` line and one-line
+docstring), greedily, printing each completion and its timings.
+
+This is a stand-in: later it becomes the cluster job on clusters/local.yaml.""",
+    )
+    _add_model_options(demo)
+    demo.add_argument(
+        "--max-tokens", type=_positive_int, default=48, metavar="N", help="tokens per prompt. Default: 48"
+    )
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the `pdcluster` command; returns the exit code (0 ok, 2 usage or input error)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or an option error (2, message already on stderr)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except CliError as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

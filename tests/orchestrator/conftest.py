@@ -1,0 +1,79 @@
+"""Factories for the orchestrator tests: a throwaway checkpoint that loads in well under a second."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from models.config import DeepseekV3Config
+from models.corpus import corpus_files
+from models.deepseek_v3 import DeepseekV3ForCausalLM
+from models.loader import save_checkpoint
+from models.tokenizer import EOS_TOKEN, SPECIAL_TOKENS
+
+RANDOM_CONTEXT_LEN = 128  # max_position_embeddings of the random checkpoint: small, to reach it in a test
+
+
+def train_small_tokenizer(vocab_size: int = 320, num_chars: int = 8000) -> HFTokenizer:
+    """Byte-level BPE set up like `models.train_tiny.train_tokenizer`, on a few KB of stdlib text."""
+    files = corpus_files("train")[:3]
+    text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in files)[:num_chars]
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([text], trainer=trainer)
+    return tok
+
+
+def random_tiny_config(vocab_size: int) -> DeepseekV3Config:
+    """Two layers (one dense, one MoE) + MTP; every DeepSeek-V3 feature on, sizes as small as they go."""
+    return DeepseekV3Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        qk_nope_head_dim=8,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        max_position_embeddings=RANDOM_CONTEXT_LEN,
+        num_nextn_predict_layers=1,
+        torch_dtype="float32",
+    )
+
+
+@pytest.fixture(scope="session")
+def random_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A freshly initialised (untrained) checkpoint directory: config.json, model.safetensors, tokenizer.json.
+
+    The output head's EOS row is zeroed, so EOS's logit is always 0 while the largest of the other ~300
+    random logits is positive: greedy decoding never stops early and token counts are exact.
+    """
+    path = tmp_path_factory.mktemp("random_tiny")
+    tok = train_small_tokenizer()
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(random_tiny_config(tok.get_vocab_size()))
+    with torch.no_grad():
+        model.lm_head.weight[tok.token_to_id(EOS_TOKEN)] = 0
+    save_checkpoint(model, path)
+    tok.save(str(path / "tokenizer.json"))
+    return path
