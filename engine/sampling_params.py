@@ -1,0 +1,86 @@
+"""Per-request sampling and stopping parameters (in the spirit of vLLM's `SamplingParams`).
+
+Plain, frozen and validated at construction: a bad value raises `ValueError` naming the field and the
+value, so the HTTP edge can hand the message back to the client unchanged. The sampler kernel reads
+`temperature / top_p / top_k / seed`; the scheduler reads the stopping fields (`max_tokens`,
+`stop_token_ids`, `ignore_eos`); `stop` strings need detokenized text, so the API layer checks them and
+finishes the request through `Scheduler.finish_request`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    Attributes:
+        temperature: softmax temperature, >= 0; 0 means greedy (argmax; `top_p`, `top_k`, `seed` unused).
+        top_p: nucleus mass in (0, 1]; 1 keeps the whole distribution.
+        top_k: keep the k most likely tokens; 0 or -1 disables the filter.
+        seed: per-request generator seed for reproducible sampling; None draws from the engine's generator.
+        max_tokens: most output tokens to generate, >= 1 (the request finishes with FINISHED_LENGTH).
+        stop_token_ids: token ids that finish the request (FINISHED_STOPPED); the stop token is kept in
+            the output, like the EOS token.
+        stop: stop strings, checked on detokenized text by the API layer.
+        ignore_eos: keep generating past the model's EOS token (benchmarks).
+        logprobs: None for no log-probabilities, else how many top log-probabilities to return per
+            output token (0 = only the sampled token's).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience and frozen into tuples, so the params stay hashable.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= 1, or 0 / -1 to disable it, got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be ints >= 0, got {list(self.stop_token_ids)!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {list(self.stop)!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the next token is the argmax (temperature 0)."""
+        return self.temperature == 0
+
+    @property
+    def top_k_enabled(self) -> bool:
+        """True when `top_k` filters the distribution (0 and -1 mean off)."""
+        return self.top_k > 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
