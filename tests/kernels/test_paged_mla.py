@@ -83,9 +83,17 @@ def make_batch(
 
 def run_paged(batch: dict, **kwargs) -> torch.Tensor:
     return paged_mla_attention(
-        batch["q_nope"], batch["q_pe"], batch["kv_cache"], batch["block_tables"], batch["seq_lens"],
-        batch["query_start_loc"], batch["kv_b_weight"], SOFTMAX_SCALE, batch["kv_scale"], **kwargs,
-    )  # fmt: skip
+        batch["q_nope"],
+        batch["q_pe"],
+        batch["kv_cache"],
+        batch["block_tables"],
+        batch["seq_lens"],
+        batch["query_start_loc"],
+        batch["kv_b_weight"],
+        SOFTMAX_SCALE,
+        batch["kv_scale"],
+        **kwargs,
+    )
 
 
 def reference(batch: dict, latents: list[torch.Tensor]) -> torch.Tensor:
@@ -99,10 +107,15 @@ def reference(batch: dict, latents: list[torch.Tensor]) -> torch.Tensor:
         kv_c, k_pe = latent.float()[None].split([KV_LORA_RANK, QK_ROPE_HEAD_DIM], dim=-1)
         outs.append(
             mla_attention_absorbed(
-                batch["q_nope"][rows][None].float(), batch["q_pe"][rows][None].float(), kv_c, k_pe,
-                batch["kv_b_weight"].float(), SOFTMAX_SCALE, attn_mask=mask,
+                batch["q_nope"][rows][None].float(),
+                batch["q_pe"][rows][None].float(),
+                kv_c,
+                k_pe,
+                batch["kv_b_weight"].float(),
+                SOFTMAX_SCALE,
+                attn_mask=mask,
             )[0]
-        )  # fmt: skip
+        )
     return torch.cat(outs)
 
 
@@ -162,8 +175,11 @@ def test_write_kv_int8_stores_values_and_scales() -> None:
     stored, scale = gather_kv(kv_cache, torch.tensor([1, 0]), 3, kv_scale)  # positions 0,1,2 -> slots 4,5,6
     expected_int8, expected_scale = quantize_kv_int8(latent[0:1])
     assert torch.equal(stored[2], expected_int8[0]) and torch.equal(scale[2], expected_scale[0])
-    assert torch.allclose(dequantize_kv_int8(kv_cache.view(-1, KV_DIM)[[1, 2]], kv_scale.view(-1)[[1, 2]]),
-                          latent[1:], atol=latent[1:].abs().max().item() / 127)  # fmt: skip
+    assert torch.allclose(
+        dequantize_kv_int8(kv_cache.view(-1, KV_DIM)[[1, 2]], kv_scale.view(-1)[[1, 2]]),
+        latent[1:],
+        atol=latent[1:].abs().max().item() / 127,
+    )
 
 
 def test_invalid_arguments_raise() -> None:

@@ -1,0 +1,182 @@
+"""Batched token sampling: temperature, top-k, top-p, per-request generators, and log-probabilities.
+
+The sampling distribution of each row is computed explicitly (`probs_from_logits`), because
+speculative decoding's rejection sampler needs the exact target and draft distributions; sampling from it
+uses the exponential race `argmax_v probs[v] / E_v` with `E_v ~ Exp(1)` i.i.d., which picks `v` with
+probability `probs[v] / sum(probs)` (the minimum of independent exponentials with rates `probs[v]`), needs
+no normalization and consumes exactly `V` draws per row.
+
+Reproducibility: a row sampled with its own `torch.Generator` (seeded per request) draws only from that
+generator, and every per-row computation here is row-independent, so the same request with the same seed
+and the same logits gets the same tokens whatever else is in the batch. Rows with temperature 0 are greedy
+and consume no randomness. Generators must live on the logits' device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+Generators = torch.Generator | Sequence[torch.Generator | None] | None
+"""A single generator (or None = torch's global one) shared by the batch, or one per row."""
+
+
+def _per_row(value: torch.Tensor | float | int | None, batch: int, dtype: torch.dtype, device: torch.device):
+    if value is None:
+        return None
+    return torch.as_tensor(value, dtype=dtype, device=device).expand(batch)
+
+
+def probs_from_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | float,
+    top_k: torch.Tensor | int | None = None,
+    top_p: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """The distribution each row samples from: softmax(logits / T), restricted to top-k then top-p.
+
+    Args:
+        logits: `[B, V]` float32 (any float dtype is computed in float32).
+        temperature: `[B]` float32 (or a scalar for all rows), >= 0; 0 makes the row greedy: a one-hot
+            at `argmax(logits)` (first index on ties), top-k/top-p ignored.
+        top_k: `[B]` int64 or scalar; keep tokens whose scaled logit is >= the k-th largest (ties at the
+            k-th value are all kept); `<= 0` or `>= V` disables. None disables for all rows.
+        top_p: `[B]` float32 or scalar in (0, 1]; keep the smallest set of most likely tokens (after top-k)
+            whose mass reaches `top_p` (a token is kept when the mass of the tokens ranked above it is
+            `< top_p`); `1` disables. None disables for all rows.
+
+    Returns:
+        `probs [B, V]` float32, each row summing to 1 (up to rounding), 0 outside the kept set.
+
+    Raises:
+        ValueError: `logits` not 2-D, a negative temperature, or `top_p` outside (0, 1].
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [B, V], got {tuple(logits.shape)}")
+    batch, vocab_size = logits.shape
+    device = logits.device
+    logits = logits.float()
+    temperature = _per_row(temperature, batch, torch.float32, device)
+    if bool((temperature < 0).any()):
+        raise ValueError(f"temperature must be >= 0, got {temperature.tolist()}")
+    is_greedy = temperature == 0
+    scaled = logits / torch.where(is_greedy, 1.0, temperature)[:, None]
+
+    top_k = _per_row(top_k, batch, torch.int64, device)
+    if top_k is not None:
+        k = torch.where((top_k <= 0) | (top_k >= vocab_size), vocab_size, top_k)  # [B]
+        kth_largest = scaled.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])  # [B, 1]
+        scaled = scaled.masked_fill(scaled < kth_largest, float("-inf"))
+
+    top_p = _per_row(top_p, batch, torch.float32, device)
+    if top_p is not None:
+        if bool(((top_p <= 0) | (top_p > 1)).any()):
+            raise ValueError(f"top_p must be in (0, 1], got {top_p.tolist()}")
+        sorted_probs, order = scaled.softmax(dim=-1).sort(dim=-1, descending=True)
+        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs  # [B, V] exclusive cumulative mass
+        # top_p == 1 keeps everything explicitly: rounding can push the cumulative mass to 1 early.
+        drop_sorted = (mass_above >= top_p[:, None]) & (top_p < 1)[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+
+    probs = scaled.softmax(dim=-1)
+    if bool(is_greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(is_greedy[:, None], one_hot, probs)
+    return probs
+
+
+def sample_from_probs(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
+    """Draw one token per row from (possibly unnormalized) non-negative `probs`.
+
+    Args:
+        probs: `[B, V]` float, each row with positive mass.
+        generators: one `torch.Generator` (or None for torch's global generator) shared by all rows,
+            drawing `[B, V]` at once; or a sequence of `B` per-row generators (None entries use the
+            global generator). Each row consumes exactly `V` exponential draws.
+
+    Returns:
+        `token_ids [B]` int64; row b is `v` with probability `probs[b, v] / probs[b].sum()`.
+    """
+    batch, vocab_size = probs.shape
+    noise = torch.empty(batch, vocab_size, dtype=torch.float32, device=probs.device)
+    if generators is None or isinstance(generators, torch.Generator):
+        noise.exponential_(generator=generators)
+    else:
+        if len(generators) != batch:
+            raise ValueError(f"{len(generators)} generators for {batch} rows")
+        for row, generator in enumerate(generators):
+            noise[row].exponential_(generator=generator)
+    # Exp(1) can return exactly 0; clamping keeps 0/0 from producing NaN (bias ~1e-38 per draw).
+    return (probs.float() / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | float,
+    top_k: torch.Tensor | int | None = None,
+    top_p: torch.Tensor | float | None = None,
+    generators: Generators = None,
+) -> torch.Tensor:
+    """Sample the next token of each row (greedy rows take the argmax and consume no randomness).
+
+    Args:
+        logits: `[B, V]` float32; temperature/top_k/top_p: as `probs_from_logits`;
+        generators: as `sample_from_probs` (a per-row sequence makes a seeded row batch-invariant).
+
+    Returns:
+        `token_ids [B]` int64.
+    """
+    batch = logits.shape[0]
+    is_greedy = _per_row(temperature, batch, torch.float32, logits.device) == 0
+    token_ids = logits.argmax(dim=-1)
+    sampled_rows = (~is_greedy).nonzero().flatten().tolist()
+    if sampled_rows:
+        probs = probs_from_logits(
+            logits[sampled_rows],
+            _per_row(temperature, batch, torch.float32, logits.device)[sampled_rows],
+            None if top_k is None else _per_row(top_k, batch, torch.int64, logits.device)[sampled_rows],
+            None if top_p is None else _per_row(top_p, batch, torch.float32, logits.device)[sampled_rows],
+        )
+        if generators is not None and not isinstance(generators, torch.Generator):
+            generators = [generators[row] for row in sampled_rows]
+        token_ids[sampled_rows] = sample_from_probs(probs, generators)
+    return token_ids
+
+
+class Logprobs(NamedTuple):
+    """Log-probabilities of the raw (unscaled, unfiltered) distribution `log_softmax(logits)`.
+
+    token_logprobs: `[B]` float32, of the given tokens.
+    token_ranks: `[B]` int64, 1 + number of tokens with a strictly larger logprob.
+    top_token_ids: `[B, num_top]` int64, most likely tokens first.
+    top_logprobs: `[B, num_top]` float32.
+    """
+
+    token_logprobs: torch.Tensor
+    token_ranks: torch.Tensor
+    top_token_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> Logprobs:
+    """Log-probabilities of `token_ids` and the `num_top` most likely tokens per row.
+
+    Args:
+        logits: `[B, V]` float32; token_ids: `[B]` int64; num_top: 0 .. V (`SamplingParams.logprobs`).
+
+    Raises:
+        ValueError: `num_top` outside `[0, V]` or mismatched shapes.
+    """
+    batch, vocab_size = logits.shape
+    if not 0 <= num_top <= vocab_size:
+        raise ValueError(f"num_top must be in [0, {vocab_size}], got {num_top}")
+    if token_ids.shape != (batch,):
+        raise ValueError(f"token_ids must be [{batch}], got {tuple(token_ids.shape)}")
+    logprobs = logits.float().log_softmax(dim=-1)  # [B, V]
+    token_logprobs = logprobs.gather(-1, token_ids[:, None].long())[:, 0]
+    token_ranks = (logprobs > token_logprobs[:, None]).sum(dim=-1) + 1
+    top_logprobs, top_token_ids = logprobs.topk(num_top, dim=-1)
+    return Logprobs(token_logprobs, token_ranks, top_token_ids, top_logprobs)

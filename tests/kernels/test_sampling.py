@@ -1,0 +1,105 @@
+"""Sampler: probability computation (temperature, top-k, top-p), per-request seeds, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.sampling import compute_logprobs, probs_from_logits, sample, sample_from_probs
+from tests.kernels.chi_square import chi_square_p_value
+
+ALPHA = 0.001  # significance level of the distribution tests (fixed seeds: deterministic outcomes)
+
+
+def test_temperature_only_is_softmax_and_zero_is_one_hot_argmax() -> None:
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
+    probs = probs_from_logits(logits, torch.tensor([1.0, 0.5, 0.0]))
+    torch.testing.assert_close(probs[0], logits[0].softmax(-1))
+    torch.testing.assert_close(probs[1], (logits[1] / 0.5).softmax(-1))
+    assert torch.equal(probs[2], torch.nn.functional.one_hot(logits[2].argmax(), 10).float())
+
+
+def test_top_k_and_top_p_keep_the_right_sets() -> None:
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(5, 4)
+    probs = probs_from_logits(
+        logits, 1.0, top_k=torch.tensor([2, 0, 0, 0, 3]), top_p=torch.tensor([1.0, 0.4, 0.75, 0.85, 0.5])
+    )
+    kept = (probs > 0).tolist()
+    assert kept == [
+        [True, True, False, False],  # top-k 2
+        [True, False, False, False],  # top-p 0.4: the first token alone reaches it
+        [True, True, False, False],  # 0.5 < 0.75 <= 0.8
+        [True, True, True, False],  # 0.8 < 0.85 <= 0.95
+        [True, False, False, False],  # top-k 3, then top-p 0.5 of the renormalized 3
+    ]
+    torch.testing.assert_close(probs[0, :2], torch.tensor([0.5, 0.3]) / 0.8)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(5))
+
+
+def test_top_p_one_keeps_tiny_tail() -> None:
+    logits = torch.tensor([[30.0, 0.0, -30.0, -60.0]])
+    assert bool((probs_from_logits(logits, 1.0, top_p=1.0) > 0).all())
+
+
+def test_greedy_rows_are_argmax_and_consume_no_randomness() -> None:
+    logits = torch.randn(4, 12, generator=torch.Generator().manual_seed(1))
+    generators = [torch.Generator().manual_seed(s) for s in range(4)]
+    states = [g.get_state() for g in generators]
+    tokens = sample(logits, torch.zeros(4), generators=generators)
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert all(torch.equal(g.get_state(), s) for g, s in zip(generators, states, strict=True))
+
+
+def test_seeded_request_is_batch_invariant() -> None:
+    """Request A (seed 7) gets the same tokens alone and in a batch with other requests, over 5 steps."""
+    vocab_size = 50
+    step_logits = [
+        torch.randn(vocab_size, generator=torch.Generator().manual_seed(100 + i)) for i in range(5)
+    ]
+    alone_gen = torch.Generator().manual_seed(7)
+    batched_gens = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(7), None]
+    for step, logits in enumerate(step_logits):
+        alone = sample(logits[None], 0.8, 20, 0.9, generators=[alone_gen])
+        others = torch.randn(2, vocab_size, generator=torch.Generator().manual_seed(200 + step))
+        batch_logits = torch.stack((others[0], logits, others[1]))
+        batched = sample(
+            batch_logits,
+            torch.tensor([1.0, 0.8, 0.0]),
+            torch.tensor([0, 20, 5]),
+            torch.tensor([0.5, 0.9, 1.0]),
+            generators=batched_gens,
+        )
+        assert batched[1] == alone[0]
+
+
+def test_sample_from_probs_matches_distribution() -> None:
+    """20,000 draws from a 6-token distribution with a zero entry; chi-square at ALPHA."""
+    probs = torch.tensor([0.05, 0.3, 0.0, 0.15, 0.4, 0.1])
+    tokens = sample_from_probs(probs.expand(20_000, 6), torch.Generator().manual_seed(0))
+    counts = torch.bincount(tokens, minlength=6)
+    assert counts[2] == 0
+    assert chi_square_p_value(counts, probs) > ALPHA
+
+
+def test_compute_logprobs() -> None:
+    logits = torch.randn(3, 9, generator=torch.Generator().manual_seed(2))
+    token_ids = torch.tensor([0, 4, 8])
+    result = compute_logprobs(logits, token_ids, num_top=3)
+    reference = logits.log_softmax(-1)
+    torch.testing.assert_close(result.token_logprobs, reference.gather(1, token_ids[:, None])[:, 0])
+    expected_ranks = [
+        int((reference[b] > reference[b, t]).sum()) + 1 for b, t in enumerate(token_ids.tolist())
+    ]
+    assert result.token_ranks.tolist() == expected_ranks
+    torch.testing.assert_close(result.top_logprobs, reference.sort(-1, descending=True).values[:, :3])
+    assert torch.equal(result.top_token_ids[:, 0], logits.argmax(-1))
+    assert compute_logprobs(logits, token_ids, 0).top_token_ids.shape == (3, 0)
+
+
+def test_invalid_arguments_raise() -> None:
+    with pytest.raises(ValueError, match="temperature"):
+        probs_from_logits(torch.zeros(2, 3), torch.tensor([1.0, -1.0]))
+    with pytest.raises(ValueError, match="top_p"):
+        probs_from_logits(torch.zeros(2, 3), 1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="num_top"):
+        compute_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64), 4)
