@@ -23,7 +23,9 @@ Generators = torch.Generator | Sequence[torch.Generator | None] | None
 """A single generator (or None = torch's global one) shared by the batch, or one per row."""
 
 
-def _per_row(value: torch.Tensor | float | int | None, batch: int, dtype: torch.dtype, device: torch.device):
+def _per_row(
+    value: torch.Tensor | float | int | None, batch: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
     if value is None:
         return None
     return torch.as_tensor(value, dtype=dtype, device=device).expand(batch)
