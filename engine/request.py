@@ -149,11 +149,12 @@ class Request:
             )
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
+        # Both lists grow to the deepest draft position seen, so they always have equal lengths.
         for counts, n in (
             (self.num_draft_tokens_per_position, num_draft_tokens),
             (self.num_accepted_tokens_per_position, num_accepted_tokens),
         ):
-            counts.extend([0] * (n - len(counts)))
+            counts.extend([0] * (num_draft_tokens - len(counts)))
             for i in range(n):
                 counts[i] += 1
 

@@ -30,7 +30,10 @@ def test_spec_counters_per_position(make_request):
     assert (request.num_draft_tokens, request.num_accepted_tokens) == (9, 6)
     assert request.num_draft_tokens_per_position == [3, 3, 2, 1]
     assert request.num_accepted_tokens_per_position == [2, 2, 1, 1]
-    assert request.acceptance_rate == 6 / 9
+    request.record_spec_result(5, 0)
+    assert request.num_draft_tokens_per_position == [4, 4, 3, 2, 1]
+    assert request.num_accepted_tokens_per_position == [2, 2, 1, 1, 0]
+    assert request.acceptance_rate == 6 / 14
     with pytest.raises(ValueError, match=r"num_accepted_tokens must be in \[0, 2\], got 3"):
         request.record_spec_result(2, 3)
 
