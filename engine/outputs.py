@@ -1,0 +1,99 @@
+"""Plain data passed between the scheduler, the model runner and the engine loop each step.
+
+Scheduler.schedule() -> SchedulerOutput -> model runner -> ModelRunnerOutput
+    -> Scheduler.update_from_output(...) -> list[RequestUpdate] -> engine loop / API
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from engine.request import Request, RequestStatus
+
+
+class ScheduledRequest(NamedTuple):
+    """One request's share of a step, for the model runner.
+
+    Attributes:
+        request: the request (read-only for the runner; `sampling_params`, `request_id`).
+        start_position: position of `token_ids[0]`: the request's computed tokens before this step.
+        token_ids: `[num_scheduled_tokens]` input tokens, committed tokens then `spec_token_ids`.
+        spec_token_ids: the draft tokens among them (the tail of `token_ids`), to verify.
+        block_ids: the request's block table after this step's allocation; the step's KV goes to
+            positions `[start_position, start_position + num_scheduled_tokens)`.
+        slot_mapping: `[num_scheduled_tokens]` cache slot of each input token.
+        samples: the step reaches the end of the committed tokens, so it yields tokens: logits at the
+            last `len(spec_token_ids) + 1` inputs. False for a prefill chunk that is not the last.
+    """
+
+    request: Request
+    start_position: int
+    token_ids: list[int]
+    spec_token_ids: list[int]
+    block_ids: list[int]
+    slot_mapping: list[int]
+    samples: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What one step runs.
+
+    Attributes:
+        scheduled: per scheduled request, in batch order (decodes, prefill chunks, admissions).
+        num_scheduled_tokens: request id -> tokens computed this step.
+        total_num_scheduled_tokens: their sum (<= max_num_batched_tokens).
+        new_request_ids: requests admitted this step (new or resumed after preemption).
+        preempted_request_ids: requests preempted this step; the runner drops their per-request state.
+        finished_request_ids: requests finished or aborted since the previous step; the runner drops
+            their per-request state.
+    """
+
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    new_request_ids: list[str]
+    preempted_request_ids: list[str]
+    finished_request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """What the model runner (with the sampler and the MTP drafter) returns for a step.
+
+    Attributes:
+        sampled_token_ids: request id -> the accepted draft tokens followed by one sampled (bonus or
+            recovered) token, for each request whose `ScheduledRequest.samples` is True. Requests in the
+            middle of a prefill may be absent; tokens given for them are ignored.
+        spec_token_ids: request id -> draft tokens proposed for the next step (empty without MTP).
+    """
+
+    sampled_token_ids: dict[str, list[int]]
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+
+class RequestUpdate(NamedTuple):
+    """New committed tokens of one request after a step.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens committed this step (truncated at a stop token or at max_tokens).
+        status: RUNNING, or the finished status when this step finished the request.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    status: RequestStatus
+
+    @property
+    def finished(self) -> bool:
+        return self.status.is_finished

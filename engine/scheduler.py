@@ -1,0 +1,314 @@
+"""The stateful scheduler shell: queues, the block manager, and applying `schedule_step`'s plan.
+
+The engine loop calls, once per step and never while a step is in flight:
+
+    output = scheduler.schedule()                    # plan + allocate KV slots
+    runner_output = model_runner.execute(output)     # forward, sample, verify drafts, propose drafts
+    updates = scheduler.update_from_output(output, runner_output)   # commit tokens, stop, free
+    # between steps: add_request(...), abort(...), finish_request(...) (stop strings)
+
+The decision itself is `engine.scheduler_policy.schedule_step`, a pure function the capacity planner
+shares; this class only builds its inputs (`RequestView`s) and applies its `StepPlan`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from engine.block_manager import BlockManager, ComputedBlocks
+from engine.outputs import ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
+from engine.request import Request, RequestStatus
+from engine.scheduler_policy import (
+    RequestView,
+    SchedulerConfig,
+    StepPlan,
+    check_request_fits,
+    schedule_step,
+)
+
+
+class SchedulerStats(NamedTuple):
+    """A snapshot for metrics. `prefix_cache_hit_rate` is cached / looked-up tokens over all admissions
+    (None before any)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_hit_rate: float | None
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the `BlockManager` of one engine instance.
+
+    Args:
+        config: step limits (and block size).
+        num_blocks: KV cache blocks available to this instance.
+        enable_prefix_caching: see `BlockManager`.
+        clock: returns the current time in seconds; timestamps on requests use it (inject a simulated
+            clock in the planner and in tests).
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        enable_prefix_caching: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching)
+        self.clock = clock
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: list[Request] = []  # new and preempted requests
+        self.running: list[Request] = []  # in admission order
+        self._arrival_index: dict[str, int] = {}
+        self._num_arrived = 0
+        self._finished_request_ids: list[str] = []  # since the last schedule()
+        self.num_preemptions = 0
+        self._num_prefix_query_tokens = 0
+        self._num_prefix_hit_tokens = 0
+
+    # ---- queue management (between steps) --------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request.
+
+        Raises:
+            ValueError: duplicate request id, or a request that could never fit (see
+                `check_request_fits`: context length or the whole KV cache).
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        check_request_fits(
+            self.config,
+            self.block_manager.num_blocks,
+            request.num_prompt_tokens,
+            request.sampling_params.max_tokens,
+        )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._arrival_index[request.request_id] = self._num_arrived
+        self._num_arrived += 1
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
+        """Finish a waiting or running request from outside a step (abort, stop string); frees its blocks.
+        Returns False when the id is unknown or already finished."""
+        if not status.is_finished:
+            raise ValueError(f"status must be a finished status, got {status}")
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._remove(request, status)
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (FINISHED_ABORTED). Returns False when the id is unknown or already finished."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def stats(self) -> SchedulerStats:
+        queried = self._num_prefix_query_tokens
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_hit_rate=self._num_prefix_hit_tokens / queried if queried else None,
+        )
+
+    # ---- one step ---------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide and prepare the next step: preempt, admit, allocate KV slots, advance
+        `num_computed_tokens` of every scheduled request."""
+        bm = self.block_manager
+        # Only the first `max_num_seqs - running` waiting requests can be admitted: look up only those.
+        num_candidates = max(0, self.config.max_num_seqs - len(self.running))
+        candidates = sorted(self.waiting, key=lambda r: self._arrival_index[r.request_id])[:num_candidates]
+        lookups: dict[str, ComputedBlocks] = {r.request_id: bm.get_computed_blocks(r) for r in candidates}
+        plan = schedule_step(
+            self.config,
+            [self._running_view(r) for r in self.running],
+            [self._waiting_view(r, lookups[r.request_id]) for r in candidates],
+            bm.num_free_blocks,
+        )
+        return self._apply(plan, lookups)
+
+    def _running_view(self, request: Request) -> RequestView:
+        return RequestView(
+            request_id=request.request_id,
+            arrival_index=self._arrival_index[request.request_id],
+            num_computed_tokens=request.num_computed_tokens,
+            num_tokens_to_compute=request.num_tokens_to_compute,
+            is_prefill=request.num_computed_tokens < request.num_tokens - 1,
+            num_blocks_held=len(self.block_manager.block_ids(request)),
+            num_blocks_exclusive=self.block_manager.num_exclusive_blocks(request),
+        )
+
+    def _waiting_view(self, request: Request, computed: ComputedBlocks) -> RequestView:
+        return RequestView(
+            request_id=request.request_id,
+            arrival_index=self._arrival_index[request.request_id],
+            num_computed_tokens=request.num_computed_tokens,
+            num_tokens_to_compute=request.num_tokens_to_compute,
+            num_cached_tokens=computed.num_cached_tokens,
+            num_cached_blocks_evictable=computed.num_evictable_blocks,
+        )
+
+    def _apply(self, plan: StepPlan, lookups: dict[str, ComputedBlocks]) -> SchedulerOutput:
+        bm, now = self.block_manager, self.clock()
+        for request_id in plan.preempted_request_ids:
+            self._preempt(self.requests[request_id])
+
+        # Claim every admitted request's prefix-cache hits before any fresh allocation, so that no fresh
+        # allocation can evict a block another admission is about to reuse.
+        for request_id in plan.admitted:
+            request, computed = self.requests[request_id], lookups[request_id]
+            if not bm.allocate_slots(request, 0, computed):
+                raise RuntimeError(f"scheduler plan not applicable: prefix hit of {request_id!r}")
+            request.num_computed_tokens = computed.num_cached_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = computed.num_cached_tokens
+            if request.first_scheduled_time_s is None:
+                request.first_scheduled_time_s = now
+            self._num_prefix_query_tokens += request.num_tokens
+            self._num_prefix_hit_tokens += computed.num_cached_tokens
+            request.status = RequestStatus.RUNNING
+            self.waiting.remove(request)
+            self.running.append(request)
+
+        scheduled: list[ScheduledRequest] = []
+        for request_id, num_new_tokens in plan.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            if not bm.allocate_slots(request, num_new_tokens):
+                raise RuntimeError(
+                    f"scheduler plan not applicable: {num_new_tokens} slots for {request_id!r}"
+                )
+            start, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
+            # Drafts beyond the budget are dropped; the scheduled ones are the tail of the inputs.
+            request.spec_token_ids = request.spec_token_ids[: max(0, end - request.num_tokens)]
+            token_ids = request.all_token_ids[start : min(end, request.num_tokens)] + request.spec_token_ids
+            scheduled.append(
+                ScheduledRequest(
+                    request=request,
+                    start_position=start,
+                    token_ids=token_ids,
+                    spec_token_ids=list(request.spec_token_ids),
+                    block_ids=bm.block_ids(request),
+                    slot_mapping=bm.slot_mapping(request, start, end),
+                    samples=end >= request.num_tokens,
+                )
+            )
+            request.num_computed_tokens = end
+
+        finished, self._finished_request_ids = self._finished_request_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_scheduled_tokens=dict(plan.num_scheduled_tokens),
+            total_num_scheduled_tokens=plan.total_num_scheduled_tokens,
+            new_request_ids=list(plan.admitted),
+            preempted_request_ids=list(plan.preempted_request_ids),
+            finished_request_ids=finished,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestUpdate]:
+        """Commit the step's tokens: roll back rejected drafts, apply stop conditions, cache full blocks,
+        free finished requests, take the next drafts.
+
+        Returns:
+            One `RequestUpdate` per request that produced tokens this step.
+
+        Raises:
+            ValueError: the runner returned no token for a request whose step reached its last token, more
+                tokens than drafts + 1, or "accepted" tokens that differ from the drafts.
+        """
+        bm, now = self.block_manager, self.clock()
+        updates: list[RequestUpdate] = []
+        for item in scheduler_output.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is not item.request or request.status is not RequestStatus.RUNNING:
+                continue  # finished or aborted since the step was scheduled
+            if not item.samples:
+                bm.cache_full_blocks(request)  # a prefill chunk: nothing sampled yet
+                continue
+            sampled = list(runner_output.sampled_token_ids.get(item.request_id, ()))
+            num_drafts, num_accepted = len(item.spec_token_ids), len(sampled) - 1
+            if (
+                not 0 <= num_accepted <= num_drafts
+                or sampled[:num_accepted] != item.spec_token_ids[:num_accepted]
+            ):
+                raise ValueError(
+                    f"request {item.request_id!r}: sampled {sampled} does not fit drafts "
+                    f"{item.spec_token_ids} (expected the accepted drafts then one sampled token)"
+                )
+            if num_drafts:
+                request.record_spec_result(num_drafts, num_accepted)
+                request.num_computed_tokens -= num_drafts - num_accepted
+                bm.trim(request, request.num_computed_tokens)
+            request.spec_token_ids = []
+            new_token_ids, status = self._commit_tokens(request, sampled, now)
+            bm.cache_full_blocks(request)
+            if status.is_finished:
+                self._remove(request, status)
+            else:
+                # No draft beyond the last allowed output token (keeps slots within check_request_fits).
+                num_allowed = request.sampling_params.max_tokens - request.num_output_tokens - 1
+                request.spec_token_ids = list(runner_output.spec_token_ids.get(item.request_id, ()))[
+                    :num_allowed
+                ]
+            updates.append(RequestUpdate(item.request_id, new_token_ids, status))
+        return updates
+
+    def _commit_tokens(
+        self, request: Request, sampled: list[int], now: float
+    ) -> tuple[list[int], RequestStatus]:
+        """Append sampled tokens up to and including the first stop token or the max_tokens-th token."""
+        params = request.sampling_params
+        committed: list[int] = []
+        status = RequestStatus.RUNNING
+        for token_id in sampled:
+            committed.append(token_id)
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token_id in params.stop_token_ids:
+                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
+            elif request.num_output_tokens + len(committed) >= params.max_tokens:
+                status = RequestStatus.FINISHED_LENGTH
+            if status.is_finished:
+                break
+        request.append_output_token_ids(committed)
+        if request.first_token_time_s is None:
+            request.first_token_time_s = now
+        request.last_token_time_s = now
+        return committed, status
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: free the blocks (full ones stay cached), requeue from token 0."""
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(request)
+        self.waiting.append(request)
+
+    def _remove(self, request: Request, status: RequestStatus) -> None:
+        self.block_manager.free(request)
+        (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
+        request.status = status
+        request.finished_time_s = self.clock()
+        del self.requests[request.request_id]
+        del self._arrival_index[request.request_id]
+        self._finished_request_ids.append(request.request_id)
