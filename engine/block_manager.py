@@ -119,6 +119,9 @@ class BlockManager:
         """The request's block table (a copy; empty when it holds none)."""
         return list(self._req_to_block_ids.get(request.request_id, ()))
 
+    def num_blocks_held(self, request: Request) -> int:
+        return len(self._req_to_block_ids.get(request.request_id, ()))
+
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 

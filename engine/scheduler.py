@@ -150,7 +150,7 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             num_tokens_to_compute=request.num_tokens_to_compute,
             is_prefill=request.num_computed_tokens < request.num_tokens - 1,
-            num_blocks_held=len(self.block_manager.block_ids(request)),
+            num_blocks_held=self.block_manager.num_blocks_held(request),
             num_blocks_exclusive=self.block_manager.num_exclusive_blocks(request),
         )
 

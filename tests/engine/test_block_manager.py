@@ -61,7 +61,8 @@ def test_prefix_hit_shares_exact_blocks(make_request):
     compute(bm, second, 3, hit)
     assert bm.block_ids(second) == [0, 1, 3]
     assert [bm.ref_count(b) for b in range(4)] == [2, 2, 1, 1]
-    assert second.num_computed_tokens == 11 and bm.num_exclusive_blocks(second) == 1
+    assert second.num_computed_tokens == 11 and bm.num_blocks_held(second) == 3
+    assert bm.num_exclusive_blocks(second) == 1
     bm.free(first)
     bm.free(second)
     bm.check_no_leaks()
