@@ -62,7 +62,9 @@ def rope_cos_sin(
     return freqs.cos() * attention_factor, freqs.sin() * attention_factor
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = True) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = True
+) -> torch.Tensor:
     """Rotate the rope dimensions of `x`.
 
     Args:

@@ -40,7 +40,10 @@ class RopeScaling:
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN attention temperature `0.1 * mscale * ln(scale) + 1` (YaRN paper, section 3.4); 1 for scale <= 1."""
+    """YaRN attention temperature `0.1 * mscale * ln(scale) + 1` (YaRN paper, section 3.4).
+
+    Returns 1 for scale <= 1.
+    """
     if scale <= 1.0:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
@@ -186,7 +189,8 @@ class DeepseekV3Config:
         model_type = raw.get("model_type", "deepseek_v3")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"{source}: unsupported model_type {model_type!r}; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in names}

@@ -85,7 +85,9 @@ class DeepseekV3Attention(nn.Module):
         q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)
         kv = self.kv_a_proj_with_mqa(hidden)
         kv_c, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        latent_kv = torch.cat((self.kv_a_layernorm(kv_c), apply_rope(k_pe, cos, sin, cfg.rope_interleave)), -1)
+        latent_kv = torch.cat(
+            (self.kv_a_layernorm(kv_c), apply_rope(k_pe, cos, sin, cfg.rope_interleave)), -1
+        )
         return q_nope, q_pe, latent_kv
 
     def attend(
@@ -163,7 +165,8 @@ class DeepseekV3MoE(nn.Module):
         self.config = config
         self.gate = MoEGate(config)
         self.experts = nn.ModuleList(
-            DeepseekV3MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts)
+            DeepseekV3MLP(config.hidden_size, config.moe_intermediate_size)
+            for _ in range(config.n_routed_experts)
         )
         self.shared_experts = (
             DeepseekV3MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
@@ -258,7 +261,8 @@ class DeepseekV3Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         layers: list[nn.Module] = [DeepseekV3DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
         layers += [
-            DeepseekV3MTPLayer(config, config.num_hidden_layers + k) for k in range(config.num_nextn_predict_layers)
+            DeepseekV3MTPLayer(config, config.num_hidden_layers + k)
+            for k in range(config.num_nextn_predict_layers)
         ]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

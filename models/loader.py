@@ -60,7 +60,9 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
     raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}")
 
 
-def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int]) -> torch.Tensor:
+def dequantize_fp8_blockwise(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int]
+) -> torch.Tensor:
     """Blockwise FP8 dequantization.
 
     Args:
@@ -142,7 +144,9 @@ def load_checkpoint(
 
     missing = sorted(name for name in expected if name not in files)
     if missing:
-        shown = "\n  ".join(missing[:50]) + (f"\n  ... and {len(missing) - 50} more" if len(missing) > 50 else "")
+        shown = "\n  ".join(missing[:50]) + (
+            f"\n  ... and {len(missing) - 50} more" if len(missing) > 50 else ""
+        )
         raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint:\n  {shown}")
 
     block_size = tuple((config.quantization_config or {}).get("weight_block_size", (128, 128)))
@@ -153,8 +157,11 @@ def load_checkpoint(
             scale_name = name + SCALE_SUFFIX
             if scale_name not in files:
                 raise CheckpointError(f"{path}: FP8 tensor {name} has no {scale_name}")
-            (_, scale_inv), = _iter_tensors(files, [scale_name])
-            tensor = dequantize_fp8_blockwise(tensor, scale_inv, block_size)  # type: ignore[arg-type]
+            ((_, scale_inv),) = _iter_tensors(files, [scale_name])
+            try:
+                tensor = dequantize_fp8_blockwise(tensor, scale_inv, block_size)  # type: ignore[arg-type]
+            except CheckpointError as exc:  # name the checkpoint and the tensor, not only the shapes
+                raise CheckpointError(f"{path}: {name}: {exc}") from exc
         if tuple(tensor.shape) != expected[name]:
             bad_shapes.append(f"{name}: expected {expected[name]}, got {tuple(tensor.shape)}")
             continue
@@ -166,7 +173,9 @@ def load_checkpoint(
     ignored = [
         n
         for n in files
-        if n not in expected and not n.endswith(SCALE_SUFFIX) and not n.startswith(mtp_prefixes)
+        if n not in expected
+        and not n.endswith(SCALE_SUFFIX)
+        and not n.startswith(mtp_prefixes)
         and not n.startswith(f"model.layers.{num_layers}.")
     ]
     if ignored:

@@ -52,7 +52,9 @@ class ExpertDispatcher(ABC):
     num_local_experts: int
 
     @abstractmethod
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
+    def dispatch(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> Dispatched:
         """hidden: `[num_tokens, hidden_size]`; topk_ids / topk_weights: `[num_tokens, top_k]`."""
 
     @abstractmethod
@@ -66,7 +68,9 @@ class LocalDispatcher(ExpertDispatcher):
     def __init__(self, num_experts: int) -> None:
         self.num_local_experts = num_experts
 
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
+    def dispatch(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> Dispatched:
         num_tokens, top_k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
         order = flat_ids.argsort(stable=True)

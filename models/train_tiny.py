@@ -67,7 +67,12 @@ def tiny_config(vocab_size: int) -> DeepseekV3Config:
         max_position_embeddings=1024,
         rope_theta=10000.0,
         rope_scaling=RopeScaling(
-            factor=2.0, original_max_position_embeddings=512, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0
+            factor=2.0,
+            original_max_position_embeddings=512,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
         ),
         num_nextn_predict_layers=1,
         bos_token_id=0,
@@ -141,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     t_start = time.perf_counter()
 
-    print(f"corpus: {len(corpus_files('train'))} training files; held out: {', '.join(HELD_OUT_MODULES)}", flush=True)
+    print(
+        f"corpus: {len(corpus_files('train'))} training files; held out: {', '.join(HELD_OUT_MODULES)}",
+        flush=True,
+    )
     tokenizer = train_tokenizer(args.vocab_size)
     stream = token_stream(tokenizer)
     print(f"tokenizer: vocab {tokenizer.vocab_size}; training stream {stream.numel():,} tokens", flush=True)
@@ -250,27 +258,27 @@ the raw numbers and the loss curve).
 - MLA: q_lora_rank {config.q_lora_rank}, kv_lora_rank {config.kv_lora_rank}, qk_nope_head_dim {config.qk_nope_head_dim}, qk_rope_head_dim {config.qk_rope_head_dim}, v_head_dim {config.v_head_dim}; KV cache {config.kv_cache_dim} values per token per layer
 - YaRN RoPE: factor {config.rope_scaling.factor}, original context {config.rope_scaling.original_max_position_embeddings}, max_position_embeddings {config.max_position_embeddings}
 - MoE: {config.n_routed_experts} routed experts (moe_intermediate_size {config.moe_intermediate_size}), top-{config.num_experts_per_tok}, n_group {config.n_group}, topk_group {config.topk_group}, {config.n_shared_experts} shared expert, sigmoid scores with e_score_correction_bias, routed_scaling_factor {config.routed_scaling_factor}
-- {info['num_parameters']:,} parameters; weights stored in bfloat16: {info['checkpoint_bytes']:,} bytes (+ tokenizer {info['tokenizer_bytes']:,} bytes)
+- {info["num_parameters"]:,} parameters; weights stored in bfloat16: {info["checkpoint_bytes"]:,} bytes (+ tokenizer {info["tokenizer_bytes"]:,} bytes)
 
 ## Corpus and split
-- Text: the standard library source of CPython {info['python']} (`models/corpus.py`), test suite, GUI/IDLE, vendored and generated code excluded.
-- Training split: {info['corpus_train_files']} files, {info['train_tokens_in_stream']:,} tokens (sha256 `{info['corpus_train_sha256'][:16]}...`).
-- Held out, never trained on: {', '.join(HELD_OUT_MODULES)} ({info['corpus_heldout_files']} files, sha256 `{info['corpus_heldout_sha256'][:16]}...`).
+- Text: the standard library source of CPython {info["python"]} (`models/corpus.py`), test suite, GUI/IDLE, vendored and generated code excluded.
+- Training split: {info["corpus_train_files"]} files, {info["train_tokens_in_stream"]:,} tokens (sha256 `{info["corpus_train_sha256"][:16]}...`).
+- Held out, never trained on: {", ".join(HELD_OUT_MODULES)} ({info["corpus_heldout_files"]} files, sha256 `{info["corpus_heldout_sha256"][:16]}...`).
 - Tokenizer: byte-level BPE, vocab {config.vocab_size}, trained with `tokenizers` on the training split only.
 
 ## Training
-- {a['steps']} steps x {a['batch_size']} sequences x {a['seq_len']} tokens = {info['train_tokens_seen']:,} tokens; AdamW (peak lr {a['lr']}, warm-up {a['warmup_steps']}, cosine to 10%), weight decay 0.1, grad clip 1.0, seed {a['seed']}
-- Loss: main CE + {a['mtp_loss_weight']} x MTP CE; aux-loss-free expert balancing with bias update speed {a['bias_update_speed']}
-- Time: {info['train_seconds'] / 60:.1f} min training, {info['total_seconds'] / 60:.1f} min in all, on {info['threads']} CPU threads ({info['machine']}, torch {info['torch']})
+- {a["steps"]} steps x {a["batch_size"]} sequences x {a["seq_len"]} tokens = {info["train_tokens_seen"]:,} tokens; AdamW (peak lr {a["lr"]}, warm-up {a["warmup_steps"]}, cosine to 10%), weight decay 0.1, grad clip 1.0, seed {a["seed"]}
+- Loss: main CE + {a["mtp_loss_weight"]} x MTP CE; aux-loss-free expert balancing with bias update speed {a["bias_update_speed"]}
+- Time: {info["train_seconds"] / 60:.1f} min training, {info["total_seconds"] / 60:.1f} min in all, on {info["threads"]} CPU threads ({info["machine"]}, torch {info["torch"]})
 
 ## Held-out evaluation (bfloat16 weights reloaded into float32)
-{ev['num_windows']} windows of {ev['seq_len']} tokens spread evenly over the held-out stream ({ev['num_tokens']:,} predicted tokens):
+{ev["num_windows"]} windows of {ev["seq_len"]} tokens spread evenly over the held-out stream ({ev["num_tokens"]:,} predicted tokens):
 
 | metric | value |
 |---|---|
-| next-token loss (nats) | {ev['loss']:.4f} |
-| perplexity | {ev['perplexity']:.2f} |
-| MTP top-1 accuracy, token after next | {ev['mtp_top1_accuracy']:.4f} |
+| next-token loss (nats) | {ev["loss"]:.4f} |
+| perplexity | {ev["perplexity"]:.2f} |
+| MTP top-1 accuracy, token after next | {ev["mtp_top1_accuracy"]:.4f} |
 
 The MTP figure is what greedy speculative decoding with one draft token would accept when the draft's
 input token is right; it predicts the k=1 acceptance rate.

@@ -1,0 +1,199 @@
+"""Executes one scheduled step: forward, sample or verify drafts, propose the next drafts with MTP.
+
+    SchedulerOutput --execute--> ModelRunnerOutput (sampled tokens per request, next drafts per request)
+
+The executor keeps the per-request state that lives on the device side: each request's torch.Generator
+(seeded requests reproduce the same tokens whatever the batch) and the draft distributions of the drafts
+it proposed, needed to verify them losslessly next step. State is dropped for finished/preempted requests.
+
+Speculative decoding (k = `num_speculative_tokens`):
+1. The scheduler runs the newest committed token plus the k drafts as one k+1-token query per request.
+2. Greedy requests accept the longest prefix of drafts equal to the target argmax, then take the target's
+   token (exact match: output identical to k = 0). Others use rejection sampling (Leviathan et al. 2023,
+   Algorithm 1), which preserves the target distribution.
+3. The MTP layer then runs every position whose next token is now committed, writing its own KV, and the
+   output at the newest position proposes d_1; chaining the module gives d_2..d_k (see `mtp_proposer`).
+MTP KV read from a prefix-cache hit was written by an earlier request; a wrong MTP entry can only lower
+acceptance, never change the output, because every draft is verified by the main model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model_runner import LayerKVCallback, ModelInput, ModelRunner
+from engine.mtp_proposer import MTPWork, propose
+from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kernels.rejection_sampling import rejection_sample_batch
+from kernels.sampling import probs_from_logits, sample
+
+
+class Executor:
+    """Device-side half of the engine step. `num_speculative_tokens` may change between steps (adaptive k)."""
+
+    def __init__(self, runner: ModelRunner, num_speculative_tokens: int = 0) -> None:
+        if num_speculative_tokens and not runner.model.mtp_layers:
+            raise ValueError("num_speculative_tokens > 0 needs a checkpoint with an MTP module")
+        self.runner = runner
+        self.num_speculative_tokens = num_speculative_tokens
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._draft_probs: dict[str, torch.Tensor | None] = {}
+
+    def _generator(self, item: ScheduledRequest) -> torch.Generator | None:
+        request_id = item.request_id
+        if request_id not in self._generators:
+            seed = item.request.sampling_params.seed
+            self._generators[request_id] = (
+                None if seed is None else torch.Generator(self.runner.device).manual_seed(seed)
+            )
+        return self._generators[request_id]
+
+    def drop(self, request_ids: list[str]) -> None:
+        """Forget per-request state (finished, aborted or preempted requests)."""
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+            self._draft_probs.pop(request_id, None)
+
+    def build_input(self, scheduled: list[ScheduledRequest]) -> ModelInput:
+        """Pack the scheduled requests into one ragged batch (slots come from the scheduler)."""
+        device = self.runner.device
+
+        def t(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
+        for item in scheduled:
+            n = item.num_scheduled_tokens
+            ids.extend(item.token_ids)
+            positions.extend(range(item.start_position, item.start_position + n))
+            slots.extend(item.slot_mapping)
+            seq_lens.append(item.start_position + n)
+            starts.append(starts[-1] + n)
+        max_blocks = max(len(item.block_ids) for item in scheduled)
+        tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.long)
+        for row, item in enumerate(scheduled):
+            tables[row, : len(item.block_ids)] = torch.tensor(item.block_ids, dtype=torch.long)
+        return ModelInput(t(ids), t(positions), t(slots), tables.to(device), t(seq_lens), t(starts))
+
+    def execute(
+        self, output: SchedulerOutput, on_layer_kv: LayerKVCallback | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step. Requests whose `samples` is False (mid-prefill) get no tokens."""
+        self.drop(output.finished_request_ids + output.preempted_request_ids)
+        scheduled = output.scheduled
+        if not scheduled:
+            return ModelRunnerOutput({})
+        batch = self.build_input(scheduled)
+        hidden = self.runner.forward(batch, on_layer_kv)
+        starts = batch.query_start_loc.tolist()
+
+        sampling = [i for i, item in enumerate(scheduled) if item.samples]
+        sampled: dict[str, list[int]] = {}
+        if sampling:
+            rows: list[int] = []
+            for i in sampling:
+                k = len(scheduled[i].spec_token_ids)
+                rows.extend(range(starts[i + 1] - k - 1, starts[i + 1]))
+            logits = self.runner.compute_logits(hidden[rows])
+            sampled = self._sample_or_verify([scheduled[i] for i in sampling], logits)
+
+        spec: dict[str, list[int]] = {}
+        if self.num_speculative_tokens:
+            spec = self._propose(scheduled, hidden, starts, sampled)
+        return ModelRunnerOutput(sampled, spec)
+
+    def _sample_or_verify(self, items: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, list[int]]:
+        """logits: `[sum(k_i + 1), vocab_size]`, request i's `k_i + 1` rows after request i-1's."""
+        params = [item.request.sampling_params for item in items]
+        generators = [self._generator(item) for item in items]
+        num_drafts = [len(item.spec_token_ids) for item in items]
+        if not any(num_drafts):
+            tokens = sample(
+                logits,
+                torch.tensor([p.temperature for p in params]),
+                torch.tensor([p.top_k for p in params]),
+                torch.tensor([p.top_p for p in params]),
+                generators,
+            ).tolist()
+            return {item.request_id: [tok] for item, tok in zip(items, tokens, strict=True)}
+        row_params = [p for p, k in zip(params, num_drafts, strict=True) for _ in range(k + 1)]
+        target_probs = probs_from_logits(
+            logits,
+            torch.tensor([p.temperature for p in row_params]),
+            torch.tensor([p.top_k for p in row_params]),
+            torch.tensor([p.top_p for p in row_params]),
+        )
+        draft_ids = torch.tensor([t for item in items for t in item.spec_token_ids], dtype=torch.long)
+        draft_probs = None
+        if any(p.temperature > 0 for p, k in zip(params, num_drafts, strict=True) if k):
+            # Rows of greedy drafts are one-hot: a deterministic drafter puts all its mass on its draft.
+            draft_probs = torch.nn.functional.one_hot(draft_ids, logits.shape[1]).float()
+            offset = 0
+            for item, k in zip(items, num_drafts, strict=True):
+                stored = self._draft_probs.get(item.request_id)
+                if k and stored is not None:
+                    draft_probs[offset : offset + k] = stored[:k]
+                offset += k
+        result = rejection_sample_batch(
+            draft_ids,
+            num_drafts,
+            draft_probs,
+            target_probs.to(logits.device),
+            [p.temperature == 0 for p in params],
+            generators,
+        )
+        out = {}
+        for row, item in enumerate(items):
+            n = int(result.num_accepted[row]) + 1
+            out[item.request_id] = result.output_token_ids[row, :n].tolist()
+        return out
+
+    def _propose(
+        self,
+        scheduled: list[ScheduledRequest],
+        hidden: torch.Tensor,
+        starts: list[int],
+        sampled: dict[str, list[int]],
+    ) -> dict[str, list[int]]:
+        works: list[MTPWork] = []
+        owners: list[ScheduledRequest] = []
+        for i, item in enumerate(scheduled):
+            request = item.request
+            new_tokens = sampled.get(item.request_id, [])
+            num_rejected = len(item.spec_token_ids) - (len(new_tokens) - 1) if item.samples else 0
+            num_valid = item.num_scheduled_tokens - num_rejected
+            # Token i+1 for each valid position i: committed tokens, then this step's new ones.
+            committed = request.all_token_ids + new_tokens
+            start = item.start_position
+            next_ids = committed[start + 1 : start + num_valid + 1]
+            if len(next_ids) < num_valid:  # the prompt's last token awaits its sample (cannot happen when
+                num_valid = len(next_ids)  # samples is True); drop that position until the next step
+            if num_valid == 0:
+                continue
+            params = request.sampling_params
+            works.append(
+                MTPWork(
+                    start_position=start,
+                    next_token_ids=next_ids,
+                    prev_hidden=hidden[starts[i] : starts[i] + num_valid],
+                    block_table=item.block_ids,
+                    num_drafts=self._num_drafts(item, start + num_valid) if item.samples else 0,
+                    temperature=params.temperature,
+                    top_k=params.top_k,
+                    top_p=params.top_p,
+                    generator=self._generator(item),
+                )
+            )
+            owners.append(item)
+        spec: dict[str, list[int]] = {}
+        for item, proposal in zip(owners, propose(self.runner, works), strict=True):
+            if proposal.draft_token_ids:
+                spec[item.request_id] = proposal.draft_token_ids
+                self._draft_probs[item.request_id] = proposal.draft_probs
+        return spec
+
+    def _num_drafts(self, item: ScheduledRequest, newest_position: int) -> int:
+        """Drafts that fit the request's allocated slots: chained MTP steps write KV at
+        `newest_position .. newest_position + k - 2`."""
+        capacity = len(item.block_ids) * self.runner.block_size
+        return max(0, min(self.num_speculative_tokens, capacity - newest_position + 1))
