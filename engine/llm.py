@@ -97,6 +97,7 @@ class LLMEngine:
                 block_size=config.block_size,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                num_lookahead_tokens=max(0, config.num_speculative_tokens - 1),
             ),
             num_blocks,
             config.enable_prefix_caching,

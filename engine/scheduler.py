@@ -209,6 +209,11 @@ class Scheduler:
                 )
             )
             request.num_computed_tokens = end
+        if self.config.num_lookahead_tokens:
+            # Best effort, after every planned allocation: a request that gets no lookahead drafts less.
+            for item in scheduled:
+                if item.samples and bm.allocate_slots(item.request, self.config.num_lookahead_tokens):
+                    item.block_ids[:] = bm.block_ids(item.request)
 
         finished, self._finished_request_ids = self._finished_request_ids, []
         return SchedulerOutput(

@@ -38,6 +38,9 @@ class SchedulerConfig:
             needs `max_num_batched_tokens >= max_model_len`.
         long_prefill_token_threshold: most tokens of one prefill chunk per step (0 = no cap), so one long
             prompt cannot take the whole budget; needs chunked prefill.
+        num_lookahead_tokens: slots to reserve past a sampling request's scheduled tokens, best effort
+            (only from blocks the plan leaves free): chained MTP drafting writes MTP-layer KV there
+            (k - 1 for k speculative tokens). Not counted by the policy, so it never causes preemption.
     """
 
     max_num_batched_tokens: int = 2048
@@ -46,12 +49,15 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be >= 0, got {self.num_lookahead_tokens}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
