@@ -62,6 +62,7 @@ def mla_attention_expanded(
     batch, num_q, num_heads, qk_nope_head_dim = q_nope.shape
     num_k = kv_c.shape[1]
     v_head_dim = kv_b_weight.shape[0] // num_heads - qk_nope_head_dim
+    _check_causal(is_causal, attn_mask, num_q, num_k)
     kv = torch.nn.functional.linear(kv_c, kv_b_weight).view(batch, num_k, num_heads, -1)
     k_nope, v = kv.split([qk_nope_head_dim, v_head_dim], dim=-1)
     k = torch.cat((k_nope, k_pe[:, :, None, :].expand(-1, -1, num_heads, -1)), dim=-1)
@@ -96,6 +97,7 @@ def mla_attention_absorbed(
     batch, num_q, num_heads, qk_nope_head_dim = q_nope.shape
     num_k = kv_c.shape[1]
     v_head_dim = kv_b_weight.shape[0] // num_heads - qk_nope_head_dim
+    _check_causal(is_causal, attn_mask, num_q, num_k)
     w_uk, w_uv = split_kv_b_weight(kv_b_weight, num_heads, qk_nope_head_dim, v_head_dim)
     q_latent = torch.einsum("bqhd,hdc->bqhc", q_nope, w_uk)  # [B, Sq, H, kv_lora_rank]
     scores = torch.einsum("bqhc,bkc->bhqk", q_latent, kv_c) + torch.einsum("bqhr,bkr->bhqk", q_pe, k_pe)
@@ -107,6 +109,11 @@ def mla_attention_absorbed(
     probs = scores.softmax(dim=-1).to(kv_c.dtype)
     o_latent = torch.einsum("bhqk,bkc->bqhc", probs, kv_c)  # [B, Sq, H, kv_lora_rank]
     return torch.einsum("bqhc,hvc->bqhv", o_latent, w_uv)  # [B, Sq, H, v_head_dim]
+
+
+def _check_causal(is_causal: bool, attn_mask: torch.Tensor | None, num_q: int, num_k: int) -> None:
+    if is_causal and attn_mask is None and num_q != num_k:
+        raise ValueError(f"is_causal needs as many queries as keys (got {num_q} and {num_k}); pass attn_mask")
 
 
 def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:

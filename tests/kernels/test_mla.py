@@ -102,14 +102,9 @@ def test_absorbed_equals_expanded_in_bfloat16() -> None:
     torch.testing.assert_close(absorbed.float(), expanded.float(), rtol=0.05, atol=0.05)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="is_causal is documented for Sq == Sk only; for Sq < Sk the expanded form (SDPA) aligns the "
-    "causal mask top-left and the absorbed form bottom-right, so they disagree. Callers pass attn_mask.",
-)
-def test_is_causal_with_fewer_queries_than_keys_agrees() -> None:
+@pytest.mark.parametrize("fn", [mla_attention_expanded, mla_attention_absorbed])
+def test_is_causal_needs_as_many_queries_as_keys(fn) -> None:
+    """A square causal mask is ambiguous for Sq != Sk (top-left or bottom-right?): both forms refuse it."""
     x = inputs(batch=1, num_q=2, num_k=5, seed=3)
-    torch.testing.assert_close(
-        mla_attention_expanded(**x, softmax_scale=SCALE, is_causal=True),
-        mla_attention_absorbed(**x, softmax_scale=SCALE, is_causal=True),
-    )
+    with pytest.raises(ValueError, match="is_causal"):
+        fn(**x, softmax_scale=SCALE, is_causal=True)
