@@ -199,6 +199,10 @@ class DeepseekV3Config:
         if "rope_theta" in rope:
             kwargs["rope_theta"] = rope.pop("rope_theta")
         scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling and scaling.get("factor") is None and "original_max_position_embeddings" in scaling:
+            # No explicit factor: the stretch is max_position_embeddings / original (transformers' rule).
+            max_len = raw.get("max_position_embeddings", cls.max_position_embeddings)
+            scaling = {**scaling, "factor": max_len / scaling["original_max_position_embeddings"]}
         kwargs["rope_scaling"] = _parse_rope_scaling(scaling, source) if scaling else None
         if isinstance(kwargs.get("eos_token_id"), list):
             kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
