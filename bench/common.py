@@ -1,0 +1,113 @@
+"""What every benchmark shares: the run's environment record, CLI options, statistics and output.
+
+Each benchmark is `python -m bench.<name> [--json]`: one JSON object on stdout with `--json`, a short
+table otherwise. Nothing here downloads anything; the checkpoint is a local directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models import bundled_checkpoint_dir
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--model` (checkpoint directory, default: the bundled one) and `--json`."""
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=bundled_checkpoint_dir(),
+        help="checkpoint directory (config.json, model.safetensors, tokenizer.json); "
+        "default: the bundled tiny checkpoint (%(default)s). Never downloaded.",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: `"1,8,32"` -> `[1, 8, 32]`."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def check_checkpoint(path: Path) -> str | None:
+    """None if `path` looks like a checkpoint directory, else why not (for a clean CLI error)."""
+    missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json") if not (path / f).exists()]
+    if missing:
+        return f"{path}: not a checkpoint directory (missing {', '.join(missing)}); pass --model DIR"
+    return None
+
+
+def environment(checkpoint: Path) -> dict[str, Any]:
+    """Where and with what the benchmark ran: threads, versions, machine, checkpoint."""
+    info: dict[str, Any] = {
+        "threads": torch.get_num_threads(),
+        "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "checkpoint": str(checkpoint.resolve()),
+        "checkpoint_bytes": (checkpoint / "model.safetensors").stat().st_size,
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    log = checkpoint / "train_log.json"
+    if log.exists():  # written by models.train_tiny: tells a throwaway checkpoint from the trained one
+        try:
+            info["checkpoint_train_steps"] = json.loads(log.read_text())["args"]["steps"]
+        except (ValueError, KeyError, TypeError):
+            pass
+    return info
+
+
+def summarize_ms(values_s: Sequence[float]) -> dict[str, float]:
+    """Seconds -> `{"mean", "p50", "p90", "min", "max"}` in milliseconds (p90: nearest-rank)."""
+    ms = sorted(v * 1e3 for v in values_s)
+    if not ms:
+        return {}
+    p90 = ms[min(len(ms) - 1, max(0, -(-9 * len(ms) // 10) - 1))]
+    return {
+        "mean": round(statistics.fmean(ms), 4),
+        "p50": round(statistics.median(ms), 4),
+        "p90": round(p90, 4),
+        "min": round(ms[0], 4),
+        "max": round(ms[-1], 4),
+    }
+
+
+def ratio(num: float, den: float) -> float | None:
+    return round(num / den, 4) if den else None
+
+
+def emit(result: dict[str, Any], as_json: bool, table: Callable[[dict[str, Any]], str]) -> None:
+    """Print `result` as one JSON object (`as_json`) or as the benchmark's table."""
+    if as_json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(table(result) + "\n")
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain fixed-width text table."""
+    cells = [[str(h) for h in header]] + [["-" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
