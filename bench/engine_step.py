@@ -7,7 +7,8 @@ size and async-scheduling mode, `batch` held-out token prompts of `--prompt-len`
 run untimed, then `--num-steps` calls of `LLMEngine.step()` are timed one by one:
 
     wall_ms      the whole `step()` call
-    model_ms     time inside the model calls during that step
+    model_ms     part of that call during which a model call was running, on any thread (a forward that
+                 an async loop started earlier, or that still runs afterwards, counts only inside it)
     overhead_ms  wall - model: scheduling, input packing, sampling, commit/stop checks,
                  detokenization, output objects, Python and GC (everything but the model)
 
@@ -44,21 +45,23 @@ MODEL_CALLS = ("forward", "mtp_forward", "compute_logits")
 OVERHEAD_INCLUDES = (
     "wall time of one LLMEngine.step() minus the time inside ModelRunner.forward / mtp_forward / "
     "compute_logits (lm_head + cast to float32 count as model time). It includes: Scheduler.schedule "
-    "(policy, KV block allocation, slot mapping), Executor.build_input (packing the ragged batch into "
-    "tensors), sampling/verification (kernels.sampling on the logits), MTP draft bookkeeping when k > 0, "
-    "Scheduler.update_from_output (commit, stop checks, freeing), LLMEngine._detokenize of each request's "
-    "whole output so far, RequestOutput construction, Python interpreter and GC time, and the "
-    "benchmark's own timers (two perf_counter calls per wrapped call). Host wall-clock time on "
+    "(policy, KV block allocation, slot mapping), Executor.prepare / build_input (packing the ragged "
+    "batch into tensors), sampling/verification (kernels.sampling on the logits), MTP draft bookkeeping "
+    "when k > 0, Scheduler.update_from_output (commit, stop checks, freeing), LLMEngine._detokenize of "
+    "each request's whole output so far, RequestOutput construction, Python interpreter and GC time, "
+    "and the benchmark's own timers (two perf_counter calls per wrapped call). Host wall-clock time on "
     "time.perf_counter, not CPU time of the process."
 )
 
-# Engine functions timed for the breakdown: (owner attribute on LLMEngine or "", method name, label).
+# Engine functions timed for the breakdown: (attribute of LLMEngine or "" for the engine itself, candidate
+# method names, first found wins, label). Input packing is `Executor.prepare` where the engine has the
+# persistent-buffer executor, `Executor.build_input` before it.
 BREAKDOWN_CALLS = (
-    ("scheduler", "schedule", "schedule"),
-    ("executor", "build_input", "build_input"),
-    ("executor", "_sample_or_verify", "sample"),
-    ("scheduler", "update_from_output", "update_from_output"),
-    ("", "_detokenize", "detokenize"),
+    ("scheduler", ("schedule",), "schedule"),
+    ("executor", ("prepare", "build_input"), "prepare_input"),
+    ("executor", ("_sample_or_verify",), "sample"),
+    ("scheduler", ("update_from_output",), "update_from_output"),
+    ("", ("_detokenize",), "detokenize"),
 )
 
 
@@ -66,14 +69,33 @@ class CallTimer:
     """Accumulates `time.perf_counter` seconds spent inside wrapped methods, per label.
 
     Only the outermost wrapped call on a thread counts, so nested wrapped calls are not counted twice.
-    Safe to use from several threads (an async engine loop).
+    Safe to use from several threads (an async engine loop). With `record_intervals`, it also keeps each
+    call's `(start_s, end_s)` so that `busy_s` can say how much of a time window some call was running,
+    even for a call that started in an earlier window or is still running on another thread.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, record_intervals: bool = False) -> None:
         self.total_s: dict[str, float] = defaultdict(float)
         self.num_calls: dict[str, int] = defaultdict(int)
+        self.record_intervals = record_intervals
+        self._intervals: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        self._running: dict[tuple[str, int], float] = {}  # (label, thread id) -> start_s
         self._lock = threading.Lock()
         self._local = threading.local()
+
+    def busy_s(self, label: str, start_s: float, end_s: float) -> float:
+        """Seconds of `[start_s, end_s]` during which at least one `label` call was running."""
+        with self._lock:
+            spans = [(s, e) for s, e in self._intervals[label] if e > start_s and s < end_s]
+            spans += [(s, end_s) for (lbl, _), s in self._running.items() if lbl == label and s < end_s]
+            self._intervals[label] = [(s, e) for s, e in self._intervals[label] if e > start_s]
+        busy_s, covered_to = 0.0, start_s
+        for s, e in sorted(spans):  # union of the clipped spans
+            s, e = max(s, covered_to), min(e, end_s)
+            if e > s:
+                busy_s += e - s
+                covered_to = e
+        return busy_s
 
     def wrap(self, owner: object, name: str, label: str) -> bool:
         """Replace `owner.name` by a timed wrapper (an instance attribute); False if there is none."""
@@ -88,16 +110,23 @@ class CallTimer:
         def timed(*args: Any, **kwargs: Any) -> Any:
             depth = getattr(self._local, "depth", 0)
             self._local.depth = depth + 1
+            key = (label, threading.get_ident())
             start_s = time.perf_counter()
+            if depth == 0 and self.record_intervals:
+                with self._lock:
+                    self._running[key] = start_s
             try:
                 return fn(*args, **kwargs)
             finally:
-                elapsed_s = time.perf_counter() - start_s
+                end_s = time.perf_counter()
                 self._local.depth = depth
                 if depth == 0:
                     with self._lock:
-                        self.total_s[label] += elapsed_s
+                        self.total_s[label] += end_s - start_s
                         self.num_calls[label] += 1
+                        if self.record_intervals:
+                            self._running.pop(key, None)
+                            self._intervals[label].append((start_s, end_s))
 
         return timed
 
@@ -190,14 +219,14 @@ def measure(
     batch_size = len(prompts)
     llm = base.replace_config(async_scheduling=async_scheduling)
     engine = llm.engine
-    model_timer = CallTimer()
+    model_timer = CallTimer(record_intervals=True)
     wrapped = [name for name in MODEL_CALLS if model_timer.wrap(engine.runner, name, "model")]
     host_timer = CallTimer()
     breakdown_labels = []
     if not args.no_breakdown:
-        for owner_name, method, label in BREAKDOWN_CALLS:
-            owner = getattr(engine, owner_name) if owner_name else engine
-            if host_timer.wrap(owner, method, label):
+        for owner_name, methods, label in BREAKDOWN_CALLS:
+            owner = getattr(engine, owner_name, None) if owner_name else engine
+            if any(host_timer.wrap(owner, method, label) for method in methods):
                 breakdown_labels.append(label)
 
     # One prefill token + warm-up + timed steps, and spare room so that no request finishes in the window.
@@ -226,11 +255,11 @@ def measure(
     wall_s, model_s, step_tokens = [], [], []
     host_start = host_timer.snapshot()
     for _ in range(args.num_steps):
-        model_before_s = model_timer.total_s["model"]
         start_s = time.perf_counter()
         step_tokens.append(step())
-        wall_s.append(time.perf_counter() - start_s)
-        model_s.append(model_timer.total_s["model"] - model_before_s)
+        end_s = time.perf_counter()
+        wall_s.append(end_s - start_s)
+        model_s.append(model_timer.busy_s("model", start_s, end_s))
     host_end = host_timer.snapshot()
 
     for rid in request_ids:

@@ -1,0 +1,260 @@
+"""INT8 latent KV cache vs float: bytes per token, greedy agreement, tokens/s. `python -m bench.kv_int8`.
+
+For each model dtype in `--dtypes`, the checkpoint is loaded in that dtype and two engines run over the same
+weights: `kv_cache_dtype="auto"` (cache in the model dtype) and `"int8"` (int8 values + one float32 scale
+per token per layer). Reported per engine:
+
+    kv_cache_bytes_per_token  `ModelRunner.kv_cache_bytes_per_token`: all cached layers (main + MTP)
+    tokens_per_s              output tokens / wall time, greedy, `--batch-size` requests at a time,
+                              prefill included, after one untimed warm-up group on other prompts
+    agreement                 int8 vs the float cache of the same model dtype, as in
+                              tests/engine/test_llm.py::test_int8_kv_cache_agrees_with_float: per prompt,
+                              the tokens before the first divergence count as matching; summed over
+                              prompts and divided by all reference tokens
+
+bfloat16-vs-float32 agreement (both with float caches) is reported too, as a yardstick for how much any
+lower-precision change moves greedy tokens on this model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from fractions import Fraction
+from typing import Any
+
+from bench.common import (
+    add_common_arguments,
+    check_checkpoint,
+    emit,
+    environment,
+    format_table,
+    ratio,
+)
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.kv_int8",
+        description="INT8 latent KV cache vs float: KV bytes per token (all layers), greedy-token agreement "
+        "(matching tokens before the first divergence / all tokens) and output tokens/s (tokens per "
+        "second of wall-clock time).",
+    )
+    add_common_arguments(parser)
+    parser.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help=f"comma-separated model dtypes to load the checkpoint in, from {', '.join(DTYPES)}; "
+        "default: %(default)s",
+    )
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=32,
+        help="held-out prompts (models.prompts.heldout_def_prompts, mixed lengths); default: %(default)s",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=32,
+        help="greedy output tokens per prompt (ignore_eos); default: %(default)s",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="requests generated together (the prompts run in groups of this size); default: %(default)s",
+    )
+    parser.add_argument(
+        "--min-agreement",
+        type=float,
+        default=0.99,
+        help="agreement the tests require of int8 vs float (a fraction), reported as met or not; "
+        "default: %(default)s",
+    )
+    return parser
+
+
+def prefix_agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[int, int]:
+    """(tokens before the first divergence, summed over prompts; all reference tokens)."""
+    same = total = 0
+    for out, expected in zip(outputs, reference, strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(out, expected, strict=False)) if a != b), None)
+        same += min(len(out), len(expected)) if n is None else n
+        total += len(expected)
+    return same, total
+
+
+def exact_ratio(num: int, den: int) -> dict[str, Any]:
+    """`{"bytes": "580/1152", "reduced": "145/288", "ratio": 0.5035}`."""
+    return {"bytes": f"{num}/{den}", "reduced": str(Fraction(num, den)), "ratio": round(num / den, 4)}
+
+
+def measure(llm: Any, prompts: list[str], warmup: list[str], params: Any, batch_size: int) -> dict[str, Any]:
+    """Greedy tokens and tokens/s of one engine."""
+    llm.generate(warmup, params)
+    token_ids: list[list[int]] = []
+    wall_s = 0.0
+    for i in range(0, len(prompts), batch_size):
+        start_s = time.perf_counter()
+        outputs = llm.generate(prompts[i : i + batch_size], params)
+        wall_s += time.perf_counter() - start_s
+        token_ids.extend(o.token_ids for o in outputs)
+    runner = llm.engine.runner
+    num_layers = len(runner.kv_caches)
+    num_tokens = sum(len(t) for t in token_ids)
+    return {
+        "model_dtype": llm.engine.config.dtype,
+        "kv_cache_dtype": llm.engine.config.kv_cache_dtype,
+        "kv_cache_element_dtype": str(runner.kv_caches[0].dtype).removeprefix("torch."),
+        "kv_cache_bytes_per_token": runner.kv_cache_bytes_per_token,
+        "kv_cache_bytes_per_token_per_layer": runner.kv_cache_bytes_per_token // num_layers,
+        "num_cached_layers": num_layers,
+        "num_output_tokens": num_tokens,
+        "wall_s": round(wall_s, 4),
+        "tokens_per_s": round(num_tokens / wall_s, 2),
+        "token_ids": token_ids,  # dropped from the report after the agreement counts
+    }
+
+
+def run(args: argparse.Namespace, dtypes: list[str]) -> dict[str, Any]:
+    import torch
+
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from kernels.kv_quant import kv_cache_bytes_per_token
+    from models.prompts import heldout_def_prompts
+
+    batch_size = min(args.batch_size, args.num_prompts)
+    all_prompts = heldout_def_prompts(args.num_prompts + batch_size)
+    prompts, warmup = all_prompts[: args.num_prompts], all_prompts[args.num_prompts :]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    results = []
+    by_key: dict[tuple[str, str], dict[str, Any]] = {}
+    prompt_lens: list[int] = []
+    kv_dim = 0
+    block_size = 16
+    for dtype in dtypes:
+        probe = LLM(args.model, dtype=dtype, num_kv_blocks=1, block_size=block_size)
+        prompt_lens = [len(probe.tokenizer.encode(p)) for p in prompts]
+        kv_dim = probe.engine.model.config.kv_cache_dim
+        longest = max(prompt_lens + [len(probe.tokenizer.encode(p)) for p in warmup])
+        num_kv_blocks = batch_size * (-(-(longest + args.max_tokens + 1) // block_size) + 1) + 8
+        for kv_cache_dtype in ("auto", "int8"):
+            llm = probe.replace_config(
+                kv_cache_dtype=kv_cache_dtype, num_kv_blocks=num_kv_blocks, max_num_seqs=batch_size
+            )
+            r = measure(llm, prompts, warmup, params, batch_size)
+            by_key[(dtype, kv_cache_dtype)] = r
+            results.append(r)
+        del probe, llm
+
+    agreement = {}
+    for dtype in dtypes:
+        same, total = prefix_agreement(
+            by_key[(dtype, "int8")]["token_ids"], by_key[(dtype, "auto")]["token_ids"]
+        )
+        agreement[f"int8_vs_{dtype}"] = {
+            "model_dtype": dtype,
+            "num_matching_tokens": same,
+            "num_tokens": total,
+            "agreement": round(same / total, 4),
+            "met_min_agreement": same / total >= args.min_agreement,
+        }
+    if "float32" in dtypes and "bfloat16" in dtypes:
+        same, total = prefix_agreement(
+            by_key[("bfloat16", "auto")]["token_ids"], by_key[("float32", "auto")]["token_ids"]
+        )
+        agreement["bfloat16_vs_float32"] = {
+            "kv_cache_dtype": "auto",
+            "num_matching_tokens": same,
+            "num_tokens": total,
+            "agreement": round(same / total, 4),
+        }
+    for r in results:
+        r.pop("token_ids")
+
+    # Bytes per token of each cache dtype, from the runners (int8 taken from the first model dtype's run).
+    bytes_per_token = {dtype: by_key[(dtype, "auto")]["kv_cache_bytes_per_token"] for dtype in dtypes}
+    bytes_per_token["int8"] = by_key[(dtypes[0], "int8")]["kv_cache_bytes_per_token"]
+    ratios = {
+        f"int8_vs_{dtype}": exact_ratio(bytes_per_token["int8"], bytes_per_token[dtype]) for dtype in dtypes
+    }
+    num_layers = by_key[(dtypes[0], "int8")]["num_cached_layers"]
+    config = environment(args.model)
+    config.update(
+        {
+            "dtypes": dtypes,
+            "num_prompts": len(prompts),
+            "prompt_source": "models.prompts.heldout_def_prompts",
+            "prompt_len_tokens": prompt_lens,
+            "num_warmup_prompts": len(warmup),
+            "max_tokens": args.max_tokens,
+            "batch_size": batch_size,
+            "sampling": "greedy (temperature 0), ignore_eos",
+            "engine": {"block_size": block_size, "enable_prefix_caching": True, "device": "cpu"},
+        }
+    )
+    return {
+        "benchmark": "kv_int8",
+        "config": config,
+        "kv_cache_bytes_per_token": {
+            "num_cached_layers": num_layers,
+            "kv_dim": kv_dim,
+            "by_cache_dtype": bytes_per_token,
+            "ratios": ratios,
+            "layout": "float caches: kv_dim x dtype.itemsize bytes per layer; int8: kv_dim x 1 byte + one "
+            "float32 scale (4 bytes) per layer; kv_dim = kv_lora_rank + qk_rope_head_dim",
+            "deepseek_v3_per_layer_bytes": {
+                name: kv_cache_bytes_per_token(576, dt, 1)
+                for name, dt in (
+                    ("float32", torch.float32),
+                    ("bfloat16", torch.bfloat16),
+                    ("int8", torch.int8),
+                )
+            },
+        },
+        "agreement": agreement,
+        "results": results,
+        "speedup_int8_vs_float": {
+            dtype: ratio(by_key[(dtype, "int8")]["tokens_per_s"], by_key[(dtype, "auto")]["tokens_per_s"])
+            for dtype in dtypes
+        },
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    header = ["model", "kv_cache", "bytes/token", "tok/s"]
+    rows = [
+        [r["model_dtype"], r["kv_cache_element_dtype"], r["kv_cache_bytes_per_token"], r["tokens_per_s"]]
+        for r in result["results"]
+    ]
+    lines = [format_table(header, rows)]
+    kv = result["kv_cache_bytes_per_token"]
+    for name, rt in kv["ratios"].items():
+        lines.append(f"bytes {name}: {rt['bytes']} = {rt['ratio']} ({kv['num_cached_layers']} layers)")
+    for name, a in result["agreement"].items():
+        lines.append(f"agreement {name}: {a['num_matching_tokens']}/{a['num_tokens']} = {a['agreement']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    problem = check_checkpoint(args.model)
+    if problem is None and (not dtypes or any(d not in DTYPES for d in dtypes)):
+        problem = f"--dtypes: expected a comma-separated subset of {', '.join(DTYPES)}, got {args.dtypes!r}"
+    if problem is None and min(args.num_prompts, args.max_tokens, args.batch_size) < 1:
+        problem = "--num-prompts, --max-tokens and --batch-size must be >= 1"
+    if problem is not None:
+        parser.error(problem)
+    emit(run(args, dtypes), args.json, table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
