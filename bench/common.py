@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -67,6 +68,7 @@ def environment(checkpoint: Path) -> dict[str, Any]:
         "checkpoint_bytes": (checkpoint / "model.safetensors").stat().st_size,
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    info.update(source_revision())
     log = checkpoint / "train_log.json"
     if log.exists():  # written by models.train_tiny: tells a throwaway checkpoint from the trained one
         try:
@@ -74,6 +76,24 @@ def environment(checkpoint: Path) -> dict[str, Any]:
         except (ValueError, KeyError, TypeError):
             pass
     return info
+
+
+def source_revision() -> dict[str, Any]:
+    """The git commit of the source tree the benchmark imported, and which of its files were modified."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*argv: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *argv], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.rstrip("\n") if done.returncode == 0 else None
+
+    modified = git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_modified_files": None if modified is None else [line[3:] for line in modified.splitlines()],
+    }
 
 
 def summarize_ms(values_s: Sequence[float]) -> dict[str, float]:

@@ -12,10 +12,13 @@ run untimed, then `--num-steps` calls of `LLMEngine.step()` are timed one by one
     overhead_ms  wall - model: scheduling, input packing, sampling, commit/stop checks,
                  detokenization, output objects, Python and GC (everything but the model)
 
-With async scheduling the overhead that overlaps a forward is hidden; `overhead_ms` is what stays exposed
-on the step's critical path. `breakdown_ms` (per step, mean) times a few named engine functions by
-wrapping them the same way; under async scheduling they may run concurrently with the forward, so they
-need not add up to the exposed overhead.
+With async scheduling, host work that overlaps a forward on the worker thread is hidden: `overhead_ms` is
+the part of the step during which no model call was running (the exposed host time, which then includes
+sampling on the worker thread and waits between the two threads).
+
+`breakdown_ms` (per step, mean) times a few named engine functions by wrapping them the same way; under
+async scheduling they may run concurrently with the forward, so they need not add up to the exposed
+overhead.
 """
 
 from __future__ import annotations
