@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--batch-sizes",
         type=int_list,
-        default=[1, 8, 32],
+        default="1,8,32",
         help="comma-separated numbers of concurrent requests (one decode token each per step); "
         "default: %(default)s",
     )
@@ -168,7 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="untimed decode steps after the prefill; default: %(default)s",
     )
     parser.add_argument(
-        "--num-steps", type=int, default=64, help="timed decode steps per configuration; default: %(default)s"
+        "--num-steps",
+        type=int,
+        default=128,
+        help="timed decode steps per configuration; default: %(default)s",
     )
     parser.add_argument(
         "--num-speculative-tokens",
@@ -197,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-breakdown",
         action="store_true",
-        help="do not time the named engine functions (schedule, build_input, sample, ...)",
+        help="do not time the named engine functions "
+        "(schedule, prepare_input, sample, update_from_output, detokenize)",
     )
     return parser
 

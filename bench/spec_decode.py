@@ -42,13 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ks",
         type=int_list,
-        default=[0, 1, 2, 3],
+        default="0,1,2,3",
         help="comma-separated draft token counts k to compare (must include 0); default: %(default)s",
     )
     parser.add_argument(
         "--batch-sizes",
         type=int_list,
-        default=[1, 8],
+        default="1,8",
         help="comma-separated numbers of requests generated together; default: %(default)s",
     )
     parser.add_argument(
