@@ -12,9 +12,11 @@ int8 with a float32 scale per token (`kv_scales[layer]: [num_blocks, block_size]
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from engine.config import KV_CACHE_DTYPES
@@ -49,6 +51,114 @@ class ModelInput(NamedTuple):
         return self.input_ids.shape[0]
 
 
+class InputBuffers:
+    """Preallocated tensors that `pack` fills in place and a packed `ModelInput` views: no tensor is
+    allocated per step (vLLM's persistent input batch).
+
+    Host buffers are int64 CPU tensors, filled through numpy views; on a non-CPU device each has a device
+    twin, updated with one copy per tensor. A packed `ModelInput` is valid until the next `pack` on the
+    same buffers, so a pipelined engine (`engine.async_loop`) keeps two sets and alternates.
+
+    Args:
+        max_num_tokens: tokens of one batch at most (the step's token budget).
+        max_num_reqs: requests of one batch at most.
+        max_num_blocks_per_req: block-table columns (a request's blocks at most).
+        block_size: token slots per block.
+        device: where the model runs.
+    """
+
+    def __init__(
+        self,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        max_num_blocks_per_req: int,
+        block_size: int,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.block_size = block_size
+        self.device = torch.device(device)
+        max_num_blocks_per_req = max(1, max_num_blocks_per_req)
+        shapes = (
+            (max_num_tokens,),  # input_ids
+            (max_num_tokens,),  # positions
+            (max_num_tokens,),  # slot_mapping
+            (max_num_reqs, max_num_blocks_per_req),  # block_tables
+            (max_num_reqs,),  # seq_lens
+            (max_num_reqs + 1,),  # query_start_loc
+        )
+        self._host = [torch.zeros(shape, dtype=torch.long) for shape in shapes]
+        self._np = [t.numpy() for t in self._host]
+        on_host = self.device.type == "cpu"
+        self._device = [t if on_host else torch.zeros_like(t, device=self.device) for t in self._host]
+        self._arange = np.arange(max_num_tokens, dtype=np.int64)
+
+    def pack(
+        self,
+        token_ids: list[list[int]],
+        start_positions: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: list[int] | None = None,
+    ) -> ModelInput:
+        """Fill the buffers with one ragged batch and return the `ModelInput` viewing them.
+
+        Args:
+            token_ids: per request, the tokens to run this step (positions `start .. start + n - 1`).
+            start_positions: per request, the position of its first token this step.
+            block_tables: per request, its block ids (enough to cover every position it runs).
+            slot_mapping: `[sum n]` cache slot of every token when the caller has them (the scheduler
+                does); None computes them from the block tables.
+
+        Raises:
+            ValueError: a request runs a position its block table does not cover, or the batch exceeds
+                the buffers' capacity.
+        """
+        ids_np, pos_np, slots_np, tables_np, seq_lens_np, qsl_np = self._np
+        num_reqs = len(token_ids)
+        num_scheduled = np.fromiter(map(len, token_ids), dtype=np.int64, count=num_reqs)
+        num_tokens = int(num_scheduled.sum())
+        table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_reqs)
+        max_blocks = max(1, int(table_lens.max(initial=0)))
+        if num_tokens > len(ids_np) or num_reqs > len(seq_lens_np) or max_blocks > tables_np.shape[1]:
+            raise ValueError(
+                f"batch of {num_reqs} requests, {num_tokens} tokens, {max_blocks} blocks per request "
+                f"exceeds the input buffers ({len(seq_lens_np)}, {len(ids_np)}, {tables_np.shape[1]})"
+            )
+        starts = np.asarray(start_positions, dtype=np.int64).reshape(num_reqs)
+        ends = starts + num_scheduled
+        too_long = np.flatnonzero(ends > table_lens * self.block_size)
+        if too_long.size:
+            r = int(too_long[0])
+            raise ValueError(
+                f"positions up to {ends[r]} need {-(-int(ends[r]) // self.block_size)} blocks, "
+                f"table has {table_lens[r]}"
+            )
+        qsl_np[0] = 0
+        np.cumsum(num_scheduled, out=qsl_np[1 : num_reqs + 1])
+        seq_lens_np[:num_reqs] = ends
+        ids_np[:num_tokens] = np.fromiter(itertools.chain.from_iterable(token_ids), np.int64, num_tokens)
+        # position of flat token j of request r: starts[r] + (j - query_start_loc[r])
+        positions = pos_np[:num_tokens]
+        positions[:] = np.repeat(starts - qsl_np[:num_reqs], num_scheduled) + self._arange[:num_tokens]
+        tables = tables_np[:num_reqs, :max_blocks]
+        tables.fill(0)
+        for r, table in enumerate(block_tables):
+            tables[r, : len(table)] = table
+        if slot_mapping is None:
+            rows = np.repeat(np.arange(num_reqs), num_scheduled)
+            bs = self.block_size
+            slots_np[:num_tokens] = tables[rows, positions // bs] * bs + positions % bs
+        else:
+            slots_np[:num_tokens] = slot_mapping
+        sizes = ((num_tokens,), (num_tokens,), (num_tokens,), (num_reqs, max_blocks), (num_reqs,))
+        views = []
+        for host, dev, size in zip(self._host, self._device, (*sizes, (num_reqs + 1,)), strict=True):
+            index = tuple(slice(n) for n in size)
+            if dev is not host:
+                dev[index].copy_(host[index])
+            views.append(dev[index])
+        return ModelInput(*views)
+
+
 def build_model_input(
     token_ids: list[list[int]],
     start_positions: list[int],
@@ -56,42 +166,15 @@ def build_model_input(
     block_size: int,
     device: str | torch.device = "cpu",
 ) -> ModelInput:
-    """Pack per-request token lists into a `ModelInput`.
-
-    Args:
-        token_ids: per request, the tokens to run this step (positions `start .. start + n - 1`).
-        start_positions: per request, the position of its first token this step.
-        block_tables: per request, its block ids (enough to cover every position it runs).
-        block_size: token slots per block.
-
-    Raises:
-        ValueError: a request runs a position its block table does not cover.
-    """
-    flat_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    seq_lens: list[int] = []
-    query_start_loc = [0]
-    for ids, start, table in zip(token_ids, start_positions, block_tables, strict=True):
-        end = start + len(ids)
-        if end > len(table) * block_size:
-            raise ValueError(
-                f"positions up to {end} need {-(-end // block_size)} blocks, table has {len(table)}"
-            )
-        flat_ids.extend(ids)
-        positions.extend(range(start, end))
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        seq_lens.append(end)
-        query_start_loc.append(query_start_loc[-1] + len(ids))
-    max_blocks = max((len(t) for t in block_tables), default=0)
-    tables = torch.zeros(len(block_tables), max(max_blocks, 1), dtype=torch.long)
-    for r, table in enumerate(block_tables):
-        tables[r, : len(table)] = torch.tensor(table, dtype=torch.long)
-
-    def t(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    return ModelInput(t(flat_ids), t(positions), t(slots), tables.to(device), t(seq_lens), t(query_start_loc))
+    """Pack per-request token lists into a freshly allocated `ModelInput` (see `InputBuffers.pack`)."""
+    buffers = InputBuffers(
+        sum(map(len, token_ids)),
+        len(token_ids),
+        max(map(len, block_tables), default=1),
+        block_size,
+        device,
+    )
+    return buffers.pack(token_ids, start_positions, block_tables)
 
 
 class ModelRunner:
