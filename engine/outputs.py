@@ -11,6 +11,10 @@ from typing import NamedTuple
 
 from engine.request import Request, RequestStatus
 
+# Stands in `ScheduledRequest.token_ids` for a token sampled by the step still in flight (asynchronous
+# scheduling); the executor replaces it with that step's sample before the forward.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 class ScheduledRequest(NamedTuple):
     """One request's share of a step, for the model runner.
@@ -18,13 +22,17 @@ class ScheduledRequest(NamedTuple):
     Attributes:
         request: the request (read-only for the runner; `sampling_params`, `request_id`).
         start_position: position of `token_ids[0]`: the request's computed tokens before this step.
-        token_ids: `[num_scheduled_tokens]` input tokens, committed tokens then `spec_token_ids`.
+        token_ids: `[num_scheduled_tokens]` input tokens, committed tokens then `spec_token_ids`. With
+            asynchronous scheduling the first may be `PLACEHOLDER_TOKEN_ID`: the token the previous,
+            still running step samples for this request.
         spec_token_ids: the draft tokens among them (the tail of `token_ids`), to verify.
         block_ids: the request's block table after this step's allocation; the step's KV goes to
             positions `[start_position, start_position + num_scheduled_tokens)`.
         slot_mapping: `[num_scheduled_tokens]` cache slot of each input token.
         samples: the step reaches the end of the committed tokens, so it yields tokens: logits at the
             last `len(spec_token_ids) + 1` inputs. False for a prefill chunk that is not the last.
+        num_preemptions: the request's preemption count when scheduled; a result for an earlier
+            incarnation (preempted since, then readmitted) is discarded.
     """
 
     request: Request
@@ -34,6 +42,7 @@ class ScheduledRequest(NamedTuple):
     block_ids: list[int]
     slot_mapping: list[int]
     samples: bool
+    num_preemptions: int = 0
 
     @property
     def request_id(self) -> str:

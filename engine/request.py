@@ -8,6 +8,11 @@ cache; every step the scheduler lets it catch up with `num_tokens + len(spec_tok
 Between steps a decoding request has `num_computed_tokens == num_tokens - 1`: the token sampled last has
 no KV yet.
 
+Asynchronous scheduling (`engine.async_loop`) schedules step N+1 before step N's tokens are committed. A
+scheduled step that will sample counts one *output placeholder* (`num_output_placeholders`) until its
+token is committed, so the scheduler can already run the placeholder position (its token id is filled in
+by the executor from step N's sample). In the synchronous loop placeholders are always 0 at schedule time.
+
 Only the `Scheduler` mutates a request; the block manager and the scheduling policy read it.
 """
 
@@ -61,6 +66,8 @@ class Request:
         num_computed_tokens: leading tokens of `all_token_ids` (then of `spec_token_ids`) whose KV is
             cached. May exceed `num_tokens` while drafts are in flight.
         spec_token_ids: draft tokens to verify in the next step.
+        num_output_placeholders: scheduled sampling steps whose token is not committed yet (0 or 1 at
+            schedule time; see the module docstring).
         num_cached_tokens: prompt tokens served from the prefix cache when first scheduled (-1: not yet).
         num_preemptions: how many times the request was preempted (recomputed).
         stop_reason: the stop token id that finished the request, if one did.
@@ -81,6 +88,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)
+    num_output_placeholders: int = 0
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     stop_reason: int | None = None
@@ -124,8 +132,9 @@ class Request:
 
     @property
     def num_tokens_to_compute(self) -> int:
-        """Tokens the next step must run to catch up: `num_tokens + len(spec_token_ids) - computed`."""
-        return self.num_tokens_with_spec - self.num_computed_tokens
+        """Tokens the next step must run to catch up:
+        `num_tokens + num_output_placeholders + len(spec_token_ids) - num_computed_tokens`."""
+        return self.num_tokens_with_spec + self.num_output_placeholders - self.num_computed_tokens
 
     @property
     def max_num_tokens(self) -> int:

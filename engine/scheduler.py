@@ -7,6 +7,13 @@ The engine loop calls, once per step and never while a step is in flight:
     updates = scheduler.update_from_output(output, runner_output)   # commit tokens, stop, free
     # between steps: add_request(...), abort(...), finish_request(...) (stop strings)
 
+With asynchronous scheduling (`engine.async_loop`) the order is shifted by one step: `schedule()` for
+step N+1 runs while step N is in flight, before `update_from_output` of step N. A request whose step N
+samples then holds one output placeholder (`Request.num_output_placeholders`), and step N+1 runs that
+placeholder position with `PLACEHOLDER_TOKEN_ID` as its input (the executor fills in step N's sample). A
+request whose step N samples its `max_tokens`-th token is not scheduled again. Results for requests that
+finished, were aborted or preempted after being scheduled are discarded by `update_from_output`.
+
 The decision itself is `engine.scheduler_policy.schedule_step`, a pure function the capacity planner
 shares; this class only builds its inputs (`RequestView`s) and applies its `StepPlan`.
 """
@@ -18,7 +25,13 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from engine.block_manager import BlockManager, ComputedBlocks
-from engine.outputs import ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
+from engine.outputs import (
+    PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from engine.request import Request, RequestStatus
 from engine.scheduler_policy import (
     RequestView,
@@ -131,25 +144,34 @@ class Scheduler:
         """Decide and prepare the next step: preempt, admit, allocate KV slots, advance
         `num_computed_tokens` of every scheduled request."""
         bm = self.block_manager
-        # Only the first `max_num_seqs - running` waiting requests can be admitted: look up only those.
+        # Only the first `max_num_seqs - running` waiting requests can be admitted: look up only those
+        # (this also keeps the seats of running requests the policy does not see, below).
         num_candidates = max(0, self.config.max_num_seqs - len(self.running))
         candidates = sorted(self.waiting, key=lambda r: self._arrival_index[r.request_id])[:num_candidates]
         lookups: dict[str, ComputedBlocks] = {r.request_id: bm.get_computed_blocks(r) for r in candidates}
         plan = schedule_step(
             self.config,
-            [self._running_view(r) for r in self.running],
+            # A request whose step in flight samples its last allowed token needs no further step.
+            [self._running_view(r) for r in self.running if not self._samples_last_token(r)],
             [self._waiting_view(r, lookups[r.request_id]) for r in candidates],
             bm.num_free_blocks,
         )
         return self._apply(plan, lookups)
 
+    @staticmethod
+    def _samples_last_token(request: Request) -> bool:
+        """The step in flight (asynchronous scheduling) samples the request's `max_tokens`-th token."""
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        return request.num_output_placeholders > 0 and num_outputs >= request.sampling_params.max_tokens
+
     def _running_view(self, request: Request) -> RequestView:
+        num_known = request.num_tokens + request.num_output_placeholders  # committed + being sampled
         return RequestView(
             request_id=request.request_id,
             arrival_index=self._arrival_index[request.request_id],
             num_computed_tokens=request.num_computed_tokens,
             num_tokens_to_compute=request.num_tokens_to_compute,
-            is_prefill=request.num_computed_tokens < request.num_tokens - 1,
+            is_prefill=request.num_computed_tokens < num_known - 1,
             num_blocks_held=self.block_manager.num_blocks_held(request),
             num_blocks_exclusive=self.block_manager.num_exclusive_blocks(request),
         )
@@ -194,9 +216,15 @@ class Scheduler:
                     f"scheduler plan not applicable: {num_new_tokens} slots for {request_id!r}"
                 )
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
-            # Drafts beyond the budget are dropped; the scheduled ones are the tail of the inputs.
-            request.spec_token_ids = request.spec_token_ids[: max(0, end - request.num_tokens)]
-            token_ids = request.all_token_ids[start : min(end, request.num_tokens)] + request.spec_token_ids
+            num_tokens = request.num_tokens
+            num_known = num_tokens + request.num_output_placeholders  # committed + being sampled
+            # Inputs: committed tokens, the placeholder of a token still being sampled (asynchronous
+            # scheduling), then drafts; drafts beyond the budget are dropped.
+            request.spec_token_ids = request.spec_token_ids[: max(0, end - num_known)]
+            token_ids = request.all_token_ids[start : min(end, num_tokens)]
+            token_ids += [PLACEHOLDER_TOKEN_ID] * (min(end, num_known) - max(start, num_tokens))
+            token_ids += request.spec_token_ids
+            samples = end >= num_known
             scheduled.append(
                 ScheduledRequest(
                     request=request,
@@ -205,10 +233,12 @@ class Scheduler:
                     spec_token_ids=list(request.spec_token_ids),
                     block_ids=bm.block_ids(request),
                     slot_mapping=bm.slot_mapping(request, start, end),
-                    samples=end >= request.num_tokens,
+                    samples=samples,
+                    num_preemptions=request.num_preemptions,
                 )
             )
             request.num_computed_tokens = end
+            request.num_output_placeholders += samples
         if self.config.num_lookahead_tokens:
             # Best effort, after every planned allocation: a request that gets no lookahead drafts less.
             for item in scheduled:
@@ -229,7 +259,8 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestUpdate]:
         """Commit the step's tokens: roll back rejected drafts, apply stop conditions, cache full blocks,
-        free finished requests, take the next drafts.
+        free finished requests, take the next drafts. Requests finished, aborted or preempted since the
+        step was scheduled are skipped (their results are discarded).
 
         Returns:
             One `RequestUpdate` per request that produced tokens this step.
@@ -242,11 +273,16 @@ class Scheduler:
         updates: list[RequestUpdate] = []
         for item in scheduler_output.scheduled:
             request = self.requests.get(item.request_id)
-            if request is not item.request or request.status is not RequestStatus.RUNNING:
-                continue  # finished or aborted since the step was scheduled
+            if (
+                request is not item.request
+                or request.status is not RequestStatus.RUNNING
+                or request.num_preemptions != item.num_preemptions
+            ):
+                continue  # finished, aborted or preempted since the step was scheduled
             if not item.samples:
                 bm.cache_full_blocks(request)  # a prefill chunk: nothing sampled yet
                 continue
+            request.num_output_placeholders -= 1
             sampled = list(runner_output.sampled_token_ids.get(item.request_id, ()))
             num_drafts, num_accepted = len(item.spec_token_ids), len(sampled) - 1
             if (
@@ -304,6 +340,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.num_output_placeholders = 0  # the step in flight, if any, is discarded
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.running.remove(request)
@@ -311,6 +348,7 @@ class Scheduler:
 
     def _remove(self, request: Request, status: RequestStatus) -> None:
         self.block_manager.free(request)
+        request.num_output_placeholders = 0  # a step in flight still holding it is discarded
         (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
         request.status = status
         request.finished_time_s = self.clock()
