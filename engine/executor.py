@@ -2,9 +2,17 @@
 
     SchedulerOutput --execute--> ModelRunnerOutput (sampled tokens per request, next drafts per request)
 
+`execute` is `prepare` (pack the inputs into persistent buffers; the engine's main thread) followed by
+`run` (fill in placeholder tokens, forward, sample/verify, draft). The asynchronous loop
+(`engine.async_loop`) calls `prepare` for step N+1 while `run` of step N is executing on its worker
+thread; two buffer sets alternate so the two never share memory. Per-request state below is touched by
+`run` only (the worker), never by `prepare`.
+
 The executor keeps the per-request state that lives on the device side: each request's torch.Generator
 (seeded requests reproduce the same tokens whatever the batch) and the draft distributions of the drafts
-it proposed, needed to verify them losslessly next step. State is dropped for finished/preempted requests.
+it proposed, needed to verify them losslessly next step, and the newest token each request sampled last
+step, which replaces `PLACEHOLDER_TOKEN_ID` inputs of the next step (asynchronous scheduling). State is
+dropped for finished/preempted requests when a step lists them.
 
 Speculative decoding (k = `num_speculative_tokens`):
 1. The scheduler runs the newest committed token plus the k drafts as one k+1-token query per request.
@@ -19,25 +27,69 @@ acceptance, never change the output, because every draft is verified by the main
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from engine.model_runner import LayerKVCallback, ModelInput, ModelRunner
+from engine.model_runner import InputBuffers, LayerKVCallback, ModelInput, ModelRunner
 from engine.mtp_proposer import MTPWork, propose
-from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kernels.rejection_sampling import rejection_sample_batch
 from kernels.sampling import probs_from_logits, sample
 
 
-class Executor:
-    """Device-side half of the engine step. `num_speculative_tokens` may change between steps (adaptive k)."""
+class PreparedStep(NamedTuple):
+    """A step's packed inputs, before placeholders are filled in.
 
-    def __init__(self, runner: ModelRunner, num_speculative_tokens: int = 0) -> None:
+    batch: the `ModelInput` (views of one persistent buffer set); None for a step that runs nothing.
+    query_start_loc: `[num_reqs + 1]` host copy of `batch.query_start_loc`.
+    placeholder_rows: flat input rows holding `PLACEHOLDER_TOKEN_ID`.
+    placeholder_request_ids: the request of each placeholder row.
+    """
+
+    batch: ModelInput | None
+    query_start_loc: list[int]
+    placeholder_rows: list[int]
+    placeholder_request_ids: list[str]
+
+
+class Executor:
+    """Device-side half of the engine step. `num_speculative_tokens` may change between steps (adaptive k).
+
+    Args:
+        runner: the model runner (KV cache and forward).
+        num_speculative_tokens: MTP drafts per step, k.
+        max_num_tokens, max_num_reqs: capacity of the persistent input buffers (the scheduler's token
+            budget and `max_num_seqs`).
+        max_num_blocks_per_req: block-table columns; default the whole cache.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        num_speculative_tokens: int = 0,
+        max_num_tokens: int = 2048,
+        max_num_reqs: int = 64,
+        max_num_blocks_per_req: int | None = None,
+    ) -> None:
         if num_speculative_tokens and not runner.model.mtp_layers:
             raise ValueError("num_speculative_tokens > 0 needs a checkpoint with an MTP module")
         self.runner = runner
         self.num_speculative_tokens = num_speculative_tokens
         self._generators: dict[str, torch.Generator | None] = {}
         self._draft_probs: dict[str, torch.Tensor | None] = {}
+        self._last_sampled: dict[str, int] = {}  # request id -> newest token sampled by the last step
+        num_columns = min(runner.num_blocks, max_num_blocks_per_req or runner.num_blocks)
+        self._buffers = [
+            InputBuffers(max_num_tokens, max_num_reqs, num_columns, runner.block_size, runner.device)
+            for _ in range(2)
+        ]
+        self._num_prepared = 0
+
+    @property
+    def num_tracked_requests(self) -> int:
+        """Requests with per-request state (generators, draft distributions); 0 once all are dropped."""
+        return len(self._generators.keys() | self._draft_probs.keys())
 
     def _generator(self, item: ScheduledRequest) -> torch.Generator | None:
         request_id = item.request_id
@@ -54,38 +106,68 @@ class Executor:
             self._generators.pop(request_id, None)
             self._draft_probs.pop(request_id, None)
 
-    def build_input(self, scheduled: list[ScheduledRequest]) -> ModelInput:
-        """Pack the scheduled requests into one ragged batch (slots come from the scheduler)."""
-        device = self.runner.device
+    def prepare(self, output: SchedulerOutput) -> PreparedStep:
+        """Pack the scheduled requests into the next persistent buffer set (slots come from the scheduler).
 
-        def t(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
-        ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
+        Touches no per-request state, so it may run while the previous step's `run` executes; the
+        returned batch stays valid until the prepare after next.
+        """
+        scheduled = output.scheduled
+        if not scheduled:
+            return PreparedStep(None, [0], [], [])
+        buffers = self._buffers[self._num_prepared % 2]
+        self._num_prepared += 1
+        slots = [slot for item in scheduled for slot in item.slot_mapping]
+        batch = buffers.pack(
+            [item.token_ids for item in scheduled],
+            [item.start_position for item in scheduled],
+            [item.block_ids for item in scheduled],
+            slots,
+        )
+        starts, rows, owners = [0], [], []
         for item in scheduled:
-            n = item.num_scheduled_tokens
-            ids.extend(item.token_ids)
-            positions.extend(range(item.start_position, item.start_position + n))
-            slots.extend(item.slot_mapping)
-            seq_lens.append(item.start_position + n)
-            starts.append(starts[-1] + n)
-        max_blocks = max(len(item.block_ids) for item in scheduled)
-        tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.long)
-        for row, item in enumerate(scheduled):
-            tables[row, : len(item.block_ids)] = torch.tensor(item.block_ids, dtype=torch.long)
-        return ModelInput(t(ids), t(positions), t(slots), tables.to(device), t(seq_lens), t(starts))
+            for offset, token_id in enumerate(item.token_ids):
+                if token_id == PLACEHOLDER_TOKEN_ID:
+                    rows.append(starts[-1] + offset)
+                    owners.append(item.request_id)
+            starts.append(starts[-1] + item.num_scheduled_tokens)
+        return PreparedStep(batch, starts, rows, owners)
 
     def execute(
         self, output: SchedulerOutput, on_layer_kv: LayerKVCallback | None = None
     ) -> ModelRunnerOutput:
-        """Run one step. Requests whose `samples` is False (mid-prefill) get no tokens."""
+        """Run one step (`prepare` then `run`). Requests whose `samples` is False (mid-prefill) get no
+        tokens."""
+        return self.run(output, self.prepare(output), on_layer_kv)
+
+    def run(
+        self,
+        output: SchedulerOutput,
+        prepared: PreparedStep,
+        on_layer_kv: LayerKVCallback | None = None,
+    ) -> ModelRunnerOutput:
+        """Execute a prepared step: drop state of finished/preempted requests, replace placeholder inputs
+        by the previous step's samples, forward, sample or verify, propose drafts.
+
+        Raises:
+            RuntimeError: a placeholder for a request the previous step sampled nothing for.
+        """
         self.drop(output.finished_request_ids + output.preempted_request_ids)
-        scheduled = output.scheduled
-        if not scheduled:
+        scheduled, batch = output.scheduled, prepared.batch
+        if batch is None:
+            self._last_sampled = {}
             return ModelRunnerOutput({})
-        batch = self.build_input(scheduled)
+        if prepared.placeholder_rows:
+            missing = [r for r in prepared.placeholder_request_ids if r not in self._last_sampled]
+            if missing:
+                raise RuntimeError(f"placeholder inputs of {missing}, but the previous step sampled none")
+            tokens = [self._last_sampled[r] for r in prepared.placeholder_request_ids]
+            device = batch.input_ids.device
+            batch.input_ids[torch.tensor(prepared.placeholder_rows, device=device)] = torch.tensor(
+                tokens, dtype=torch.long, device=device
+            )
         hidden = self.runner.forward(batch, on_layer_kv)
-        starts = batch.query_start_loc.tolist()
+        starts = prepared.query_start_loc
 
         sampling = [i for i, item in enumerate(scheduled) if item.samples]
         sampled: dict[str, list[int]] = {}
@@ -97,6 +179,7 @@ class Executor:
             logits = self.runner.compute_logits(hidden[rows])
             sampled = self._sample_or_verify([scheduled[i] for i in sampling], logits)
 
+        self._last_sampled = {request_id: tokens[-1] for request_id, tokens in sampled.items()}
         spec: dict[str, list[int]] = {}
         if self.num_speculative_tokens:
             spec = self._propose(scheduled, hidden, starts, sampled)
