@@ -6,8 +6,9 @@
     step()             schedule -> execute (forward, sample/verify, MTP drafts) -> commit -> outputs
     abort_request(...) between steps
 
-With `async_scheduling`, step N+1 is scheduled and its inputs are packed on a CPU thread while step N's
-forward runs (see `engine.async_loop`); outputs are the same as the synchronous loop.
+With `async_scheduling`, step N+1 is scheduled and its inputs are packed on the calling thread while step
+N's forward runs on a worker thread (see `engine.async_loop`); each `step()` then returns the outputs of
+the step before, and the tokens are the same as the synchronous loop's.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from pathlib import Path
 
 import torch
 
+from engine.async_loop import AsyncStepLoop
 from engine.config import EngineConfig
 from engine.executor import Executor
 from engine.model_runner import LayerKVCallback, ModelRunner
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.scheduler_policy import SchedulerConfig
+from engine.scheduler_policy import SchedulerConfig, cdiv
 from models.deepseek_v3 import DeepseekV3ForCausalLM
 from models.tokenizer import Tokenizer
 
@@ -102,7 +104,17 @@ class LLMEngine:
             num_blocks,
             config.enable_prefix_caching,
         )
-        self.executor = Executor(self.runner, config.num_speculative_tokens)
+        self.executor = Executor(
+            self.runner,
+            config.num_speculative_tokens,
+            max_num_tokens=config.max_num_batched_tokens,
+            max_num_reqs=config.max_num_seqs,
+            # positions < max_model_len, plus the lookahead slots of chained MTP drafts
+            max_num_blocks_per_req=cdiv(
+                self.max_model_len + config.num_speculative_tokens, config.block_size
+            ),
+        )
+        self._async_loop = AsyncStepLoop(self.scheduler, self.executor) if config.async_scheduling else None
         self._prompts: dict[str, str | None] = {}
         self._texts: dict[str, str] = {}
         self._finished: dict[str, Request] = {}
@@ -148,6 +160,8 @@ class LLMEngine:
         if request is None or not self.scheduler.abort(request_id):
             return False
         self._finished[request_id] = request
+        if self._async_loop is not None and not self.scheduler.has_unfinished():
+            self._async_loop.drain()
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -155,25 +169,36 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self, on_layer_kv: LayerKVCallback | None = None) -> list[RequestOutput]:
-        """Run one step; returns outputs of the requests that produced tokens or finished."""
-        output = self.scheduler.schedule()
-        runner_output = self.executor.execute(output, on_layer_kv)
-        updates = self.scheduler.update_from_output(output, runner_output)
+        """Run one step; returns outputs of the requests that produced tokens or finished.
+
+        With `async_scheduling` the step submitted by this call is still running when it returns: the
+        outputs are those of the previous call's step (none on the first call).
+        """
+        if self._async_loop is None:
+            output = self.scheduler.schedule()
+            runner_output = self.executor.execute(output, on_layer_kv)
+            updates = self.scheduler.update_from_output(output, runner_output)
+        else:
+            output, updates = self._async_loop.step(on_layer_kv)
+        requests = {item.request_id: item.request for item in output.scheduled} if output else {}
         results = []
         for update in updates:
-            request = next(s.request for s in output.scheduled if s.request_id == update.request_id)
+            request = requests[update.request_id]
             self._texts[update.request_id] = self._detokenize(request)
             stop_at = self._find_stop_string(request)
             if stop_at is not None and not update.finished:
                 self.scheduler.finish_request(update.request_id, RequestStatus.FINISHED_STOPPED)
             if request.is_finished:
                 self._finished[update.request_id] = request
-                self.executor.drop([update.request_id])
+                if self._async_loop is None:  # async: the executor drops it after the step in flight
+                    self.executor.drop([update.request_id])
             results.append(self._output(request))
         for request_id in list(self._finished):
             if request_id not in {u.request_id for u in updates}:
                 results.append(self._output(self._finished[request_id]))
             self._finished.pop(request_id)
+        if self._async_loop is not None and not self.scheduler.has_unfinished():
+            self._async_loop.drain()
         return results
 
     def _detokenize(self, request: Request) -> str:
