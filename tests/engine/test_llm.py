@@ -64,6 +64,8 @@ def test_engine_matches_cacheless_model(llm, prompts, reference):
         {"max_num_batched_tokens": 40},  # prompts chunked over several steps
         {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048},
         {"num_speculative_tokens": 2, "max_num_batched_tokens": 40, "block_size": 4},
+        {"async_scheduling": True},
+        {"async_scheduling": True, "max_num_batched_tokens": 40},  # prefill chunks while a step is in flight
     ],
     ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()),
 )
