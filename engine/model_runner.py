@@ -25,6 +25,8 @@ from kernels.paged_mla import paged_mla_attention, write_kv
 from models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3ForCausalLM
 
 # Called after each layer's KV is written: (layer_idx, latent_kv [num_tokens, kv_dim], model_input).
+# The model_input's tensors view persistent buffers (`InputBuffers`) that a later step refills: a callback
+# that keeps them past its return must copy them.
 LayerKVCallback = Callable[[int, torch.Tensor, "ModelInput"], None]
 
 
