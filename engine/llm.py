@@ -172,7 +172,8 @@ class LLMEngine:
         """Run one step; returns outputs of the requests that produced tokens or finished.
 
         With `async_scheduling` the step submitted by this call is still running when it returns: the
-        outputs are those of the previous call's step (none on the first call).
+        outputs are those of the previous call's step (none on the first call), and `on_layer_kv` is
+        called on the worker thread, for the step submitted by this call.
         """
         if self._async_loop is None:
             output = self.scheduler.schedule()
