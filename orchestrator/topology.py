@@ -1,0 +1,830 @@
+"""Cluster topology: the YAML schema as frozen dataclasses, and its pre-flight validation.
+
+One YAML file (see `clusters/README.md` for every key) describes the hardware, the links between devices,
+the model, the prefill and decode pools, KV transfer, routing, SLOs and the HTTP API. YAML keys equal
+field names. `load_topology(path)` reads it with line numbers and checks it before anything starts;
+every problem found is reported at once, one `FILE:LINE: reason` per line, in a `TopologyError`.
+
+Vocabulary:
+  device    what Ray and torch schedule as one unit: a GPU, an Ascend NPU *die* (a 910C package has two),
+            or for `cpu` one CPU worker slot.
+  instance  one engine (a prefill or a decode node) over `devices_per_instance` devices. Attention runs
+            tensor-parallel over `tensor_parallel_size` devices and data-parallel over the rest;
+            routed experts are split over `expert_parallel_size` devices and each expert's FFN over the
+            rest (`moe_tensor_parallel_size`).
+
+Validation happens in two layers: each dataclass checks its own fields (type, choice, range) on
+construction, so one built in code is checked too; `check_topology` checks what needs several sections
+and the model's `config.json` (divisibility, MTP, device counts, placement).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import yaml
+
+from engine.config import KV_CACHE_DTYPES, EngineConfig
+from models import bundled_checkpoint_dir
+from models.config import DeepseekV3Config
+from orchestrator.hardware import ACCELERATORS, AcceleratorSpec
+
+DEFAULT_TOPOLOGY_PATH = Path(__file__).resolve().parent.parent / "clusters" / "local.yaml"
+
+ROLES = ("prefill", "decode")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_TRANSPORTS = ("grpc", "torch_distributed")
+WIRE_DTYPES = ("auto", "int8")
+# The router module implements one pure function per name (written with the router; keep in sync).
+ROUTER_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+
+MIB = 1024**2
+
+
+# ---- field checks shared by __post_init__ and the YAML loader -----------------------------------------
+def _choices(*values: str) -> dict[str, Any]:
+    return {"choices": values}
+
+
+def _at_least(bound: float) -> dict[str, Any]:
+    return {"min": bound}
+
+
+def _above(bound: float) -> dict[str, Any]:
+    return {"gt": bound}
+
+
+def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
+    """`X | None` -> (X, True); anything else -> (hint, False)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(hint)) == 2:
+            return args[0], True
+    return hint, False
+
+
+_TYPE_NAMES = {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}
+
+
+def _value_problem(f: dataclasses.Field, hint: Any, value: Any) -> str | None:
+    """Why `value` is not acceptable for field `f` (type, choices, bounds), or None."""
+    base, optional = _unwrap_optional(hint)
+    if value is None:
+        return None if optional else "must not be null"
+    if dataclasses.is_dataclass(base):
+        return None if isinstance(value, base) else f"expected a {base.__name__}"
+    if base is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    elif base is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, base)
+    if not ok:
+        return f"expected {_TYPE_NAMES.get(base, base.__name__)}, got {value!r}"
+    meta = f.metadata
+    if "choices" in meta and value not in meta["choices"]:
+        return f"{value!r} is not one of: {', '.join(meta['choices'])}"
+    if "min" in meta and value < meta["min"]:
+        return f"must be >= {meta['min']}, got {value!r}"
+    if "gt" in meta and not value > meta["gt"]:
+        return f"must be > {meta['gt']}, got {value!r}"
+    if "max" in meta and value > meta["max"]:
+        return f"must be <= {meta['max']}, got {value!r}"
+    return None
+
+
+def _check_fields(obj: Any) -> None:
+    """Raise ValueError naming the first field of dataclass `obj` with an unacceptable value."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        problem = _value_problem(f, hints[f.name], getattr(obj, f.name))
+        if problem is not None:
+            raise ValueError(f"{type(obj).__name__} field {f.name!r}: {problem}")
+
+
+# ---- the schema ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LinkConfig:
+    """One level of the interconnect, per device and per direction.
+
+    Attributes:
+        bandwidth_bytes_per_s: bytes per second one device can send over this level.
+        latency_s: one small message's one-way latency.
+    """
+
+    bandwidth_bytes_per_s: float = field(metadata=_above(0))
+    latency_s: float = field(metadata=_at_least(0))
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclass(frozen=True)
+class InterconnectConfig:
+    """Links between devices, from the closest level to the farthest.
+
+    `die_to_die`: between the dies of one package (None: single-die accelerators). `intra_node`: between
+    devices of one node. `supernode`: between nodes of one supernode (e.g. Huawei's Unified Bus); None when
+    `hardware.nodes_per_supernode` is. `inter_node`: between nodes that share no supernode (e.g. RoCE).
+    The defaults describe a commodity machine (process-to-process copies; 100 Gb/s Ethernet); files for
+    real clusters set every level.
+    """
+
+    die_to_die: LinkConfig | None = None
+    intra_node: LinkConfig = field(default_factory=lambda: LinkConfig(10e9, 5e-6))
+    supernode: LinkConfig | None = None
+    inter_node: LinkConfig = field(default_factory=lambda: LinkConfig(12.5e9, 10e-6))
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclass(frozen=True)
+class HardwareConfig:
+    """The machines.
+
+    Attributes:
+        accelerator: a key of `orchestrator.hardware.ACCELERATORS`.
+        num_nodes: machines in the cluster.
+        devices_per_node: devices (GPUs, NPU dies, CPU worker slots) per machine.
+        nodes_per_supernode: nodes per supernode (a group with its own fast fabric); None for no grouping.
+        cpus_per_device: CPU cores reserved in Ray next to each device.
+    """
+
+    accelerator: str = field(default="cpu", metadata=_choices(*ACCELERATORS))
+    num_nodes: int = field(default=1, metadata=_at_least(1))
+    devices_per_node: int = field(default=2, metadata=_at_least(1))
+    nodes_per_supernode: int | None = field(default=None, metadata=_at_least(1))
+    cpus_per_device: float = field(default=1.0, metadata=_above(0))
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+    @property
+    def spec(self) -> AcceleratorSpec:
+        return ACCELERATORS[self.accelerator]
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The checkpoint every instance serves.
+
+    Attributes:
+        path: Hugging Face-format checkpoint directory as the nodes see it; None is the bundled tiny
+            checkpoint (`models.bundled_checkpoint_dir()`). Relative paths are relative to the YAML file.
+        config_path: a copy of the checkpoint's `config.json` to validate against when `path` is not
+            readable where validation runs (a cluster's shared storage); None reads `<path>/config.json`.
+        dtype: parameter dtype; `auto` is float32 on cpu and bfloat16 on accelerators.
+    """
+
+    path: str | None = None
+    config_path: str | None = None
+    dtype: str = field(default="auto", metadata=_choices(*MODEL_DTYPES))
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return bundled_checkpoint_dir() if self.path is None else Path(self.path)
+
+    @property
+    def config_json(self) -> Path:
+        """Where validation reads the architecture from."""
+        return Path(self.config_path) if self.config_path is not None else self.checkpoint_dir / "config.json"
+
+    def resolved_dtype(self, spec: AcceleratorSpec) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if spec.is_accelerator else "float32"
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """What the prefill and decode pools share: size, parallelism, and engine arguments per instance.
+
+    Attributes:
+        num_instances: engines in the pool.
+        devices_per_instance: devices each engine runs on.
+        span_nodes: allow an instance larger than a node; it then takes whole nodes
+            (`devices_per_instance` a multiple of `devices_per_node`) within one supernode.
+        tensor_parallel_size: devices one attention computation is split over (heads split); the rest of
+            the instance's devices run attention data-parallel.
+        expert_parallel_size: devices the routed experts (plus redundant copies) are split over; each
+            expert's FFN is split over the remaining `devices_per_instance / expert_parallel_size`.
+        num_redundant_experts: extra copies of hot experts (EPLB) placed with the routed experts.
+        block_size: token slots per KV cache block.
+        kv_cache_dtype: `auto` (the model dtype) or `int8` (per-token scales).
+        kv_cache_memory_bytes: KV cache bytes on each device of an instance.
+        max_num_batched_tokens: token budget of one engine step.
+        max_num_seqs: requests running at once in one instance.
+        max_model_len: context length; None is the model's `max_position_embeddings`.
+        enable_prefix_caching: reuse KV of identical prompt prefixes.
+    """
+
+    num_instances: int = field(default=1, metadata=_at_least(1))
+    devices_per_instance: int = field(default=1, metadata=_at_least(1))
+    span_nodes: bool = False
+    tensor_parallel_size: int = field(default=1, metadata=_at_least(1))
+    expert_parallel_size: int = field(default=1, metadata=_at_least(1))
+    num_redundant_experts: int = field(default=0, metadata=_at_least(0))
+    block_size: int = field(default=16, metadata=_at_least(1))
+    kv_cache_dtype: str = field(default="auto", metadata=_choices(*KV_CACHE_DTYPES))
+    kv_cache_memory_bytes: int = field(default=256 * MIB, metadata=_at_least(1))
+    max_num_batched_tokens: int = field(default=2048, metadata=_at_least(1))
+    max_num_seqs: int = field(default=64, metadata=_at_least(1))
+    max_model_len: int | None = field(default=None, metadata=_at_least(1))
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+    @property
+    def num_devices(self) -> int:
+        """Devices of the whole pool."""
+        return self.num_instances * self.devices_per_instance
+
+    @property
+    def attention_data_parallel_size(self) -> int:
+        return self.devices_per_instance // self.tensor_parallel_size
+
+    @property
+    def moe_tensor_parallel_size(self) -> int:
+        return self.devices_per_instance // self.expert_parallel_size
+
+
+@dataclass(frozen=True)
+class PrefillPoolConfig(PoolConfig):
+    """The prefill pool. `enable_chunked_prefill`: split long prompts over several steps."""
+
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class DecodePoolConfig(PoolConfig):
+    """The decode pool.
+
+    Attributes:
+        num_speculative_tokens: MTP draft tokens per step, k (0: no speculative decoding). The prefill side
+            drafts the first k too, so decode starts at full acceptance.
+        adaptive_speculation: vary k in [1, num_speculative_tokens] with the recent acceptance rate.
+    """
+
+    num_speculative_tokens: int = field(default=0, metadata=_at_least(0))
+    adaptive_speculation: bool = False
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill -> decode KV handoff.
+
+    Attributes:
+        transport: `grpc` (streaming, any network) or `torch_distributed` (P2P over the accelerator's
+            collective backend: HCCL, NCCL or gloo).
+        layerwise: send each layer's KV as soon as it is computed (False: once the prompt is done).
+        wire_dtype: `auto` (the cache dtype) or `int8` (quantized on the wire, per-token scales).
+        timeout_s: a transfer not complete after this long is abandoned and the request re-dispatched.
+    """
+
+    transport: str = field(default="grpc", metadata=_choices(*KV_TRANSPORTS))
+    layerwise: bool = True
+    wire_dtype: str = field(default="auto", metadata=_choices(*WIRE_DTYPES))
+    timeout_s: float = field(default=30.0, metadata=_above(0))
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """`policy`: how the router picks instances: round_robin, least_loaded or prefix_aware."""
+
+    policy: str = field(default="least_loaded", metadata=_choices(*ROUTER_POLICIES))
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclass(frozen=True)
+class SLOConfig:
+    """Latency targets (None: no target): time to first token and time per output token."""
+
+    ttft_ms: float | None = field(default=None, metadata=_above(0))
+    tpot_ms: float | None = field(default=None, metadata=_above(0))
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """The OpenAI-compatible HTTP endpoint. `port` 0 picks a free port; `api_key` None: no auth."""
+
+    host: str = "127.0.0.1"
+    port: int = field(default=8000, metadata={"min": 0, "max": 65535})
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A whole cluster description; the root of the YAML file."""
+
+    name: str
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    interconnect: InterconnectConfig = field(default_factory=InterconnectConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    prefill: PrefillPoolConfig = field(default_factory=PrefillPoolConfig)
+    decode: DecodePoolConfig = field(default_factory=DecodePoolConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if not self.name:
+            raise ValueError("Topology field 'name': must not be empty")
+
+    def pool(self, role: str) -> PoolConfig:
+        """The `prefill` or `decode` pool."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        return self.prefill if role == "prefill" else self.decode
+
+    def engine_config(self, role: str) -> EngineConfig:
+        """Engine arguments for one instance of pool `role` (the device index is the actor's to add).
+
+        Prefill instances get decode's `num_speculative_tokens`: they draft the first MTP tokens that
+        travel with the KV. `kv_cache_memory_bytes` is per device.
+        """
+        pool = self.pool(role)
+        spec = self.hardware.spec
+        return EngineConfig(
+            model=str(self.model.checkpoint_dir),
+            device=spec.torch_device_type,
+            dtype=self.model.resolved_dtype(spec),
+            block_size=pool.block_size,
+            kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
+            kv_cache_dtype=pool.kv_cache_dtype,
+            max_num_batched_tokens=pool.max_num_batched_tokens,
+            max_num_seqs=pool.max_num_seqs,
+            max_model_len=pool.max_model_len,
+            enable_prefix_caching=pool.enable_prefix_caching,
+            enable_chunked_prefill=self.prefill.enable_chunked_prefill if role == "prefill" else True,
+            num_speculative_tokens=self.decode.num_speculative_tokens,
+            adaptive_speculation=self.decode.adaptive_speculation if role == "decode" else False,
+        )
+
+    def summary(self) -> str:
+        """One line, e.g. `2 nodes × 8 h200, prefill 1×8 devices, decode 1×8 devices`."""
+        hw = self.hardware
+        dies = hw.spec.dies_per_chip
+        per_node = f"{hw.devices_per_node // dies} {hw.accelerator}"
+        if dies > 1:
+            per_node += f" ({hw.devices_per_node} dies each)"
+        nodes = f"{hw.num_nodes} node{'s' if hw.num_nodes != 1 else ''}"
+        pools = ", ".join(
+            f"{role} {p.num_instances}×{p.devices_per_instance} devices"
+            for role, p in (("prefill", self.prefill), ("decode", self.decode))
+        )
+        return f"{nodes} × {per_node}, {pools}"
+
+
+# ---- cross-section rules ----------------------------------------------------------------------------
+Path_ = tuple[str, ...]  # a key path in the YAML file, e.g. ("decode", "expert_parallel_size")
+
+
+class Issue(NamedTuple):
+    """One problem: where (a YAML key path; the loader turns it into a line) and why."""
+
+    path: Path_
+    reason: str
+
+
+def read_model_architecture(model: ModelConfig) -> DeepseekV3Config:
+    """The architecture `config.json` of `model` (see `ModelConfig.config_json`).
+
+    Raises:
+        ValueError: unreadable or invalid; the message says which file and how to fix it.
+    """
+    path = model.config_json
+    hint = ""
+    if model.path is None and model.config_path is None:
+        hint = " (the bundled checkpoint is written by `python -m models.train_tiny`)"
+    elif model.config_path is None:
+        hint = " (set model.config_path to a local copy of the checkpoint's config.json)"
+    try:
+        return DeepseekV3Config.from_json_file(path)
+    except FileNotFoundError:
+        raise ValueError(f"no config.json at {path}{hint}") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}{hint}") from None
+
+
+def _divides(a: int, b: int) -> bool:
+    return a > 0 and b % a == 0
+
+
+def _pool_issues(
+    role: str, pool: PoolConfig, hw: HardwareConfig | None, arch: DeepseekV3Config | None, arch_src: str
+) -> Iterator[Issue]:
+    def at(key: str, reason: str) -> Issue:
+        return Issue((role, key), f"{role}.{key}: {reason}")
+
+    d = pool.devices_per_instance
+    if not _divides(pool.tensor_parallel_size, d):
+        yield at(
+            "tensor_parallel_size",
+            f"{pool.tensor_parallel_size} does not divide devices_per_instance {d} "
+            "(attention runs tensor-parallel x data-parallel over the instance's devices)",
+        )
+    if not _divides(pool.expert_parallel_size, d):
+        yield at(
+            "expert_parallel_size",
+            f"{pool.expert_parallel_size} does not divide devices_per_instance {d} "
+            "(experts are split over expert_parallel_size devices, each expert over the rest)",
+        )
+    if pool.num_redundant_experts and pool.expert_parallel_size == 1:
+        yield at("num_redundant_experts", "redundant experts need expert_parallel_size > 1")
+
+    if hw is not None:
+        spec = hw.spec
+        dpn = hw.devices_per_node
+        if not pool.span_nodes and d > dpn:
+            yield at(
+                "devices_per_instance",
+                f"{d} devices do not fit in one node (hardware.devices_per_node is {dpn}); "
+                "set span_nodes: true to run an instance over whole nodes",
+            )
+        elif pool.span_nodes and d % dpn:
+            yield at(
+                "devices_per_instance",
+                f"{d} is not a whole number of nodes of {dpn} devices (span_nodes: true takes whole nodes)",
+            )
+        elif pool.span_nodes and hw.nodes_per_supernode is not None and d // dpn > hw.nodes_per_supernode:
+            yield at(
+                "devices_per_instance",
+                f"{d} devices need {d // dpn} nodes, more than one supernode "
+                f"(hardware.nodes_per_supernode is {hw.nodes_per_supernode})",
+            )
+        if pool.kv_cache_memory_bytes >= spec.hbm_bytes:
+            yield at(
+                "kv_cache_memory_bytes",
+                f"{pool.kv_cache_memory_bytes} bytes per device leave nothing of the {spec.hbm_bytes} bytes "
+                f"of one {spec.name} device for weights and activations",
+            )
+
+    if arch is None:
+        return
+    if not _divides(pool.tensor_parallel_size, arch.num_attention_heads):
+        yield at(
+            "tensor_parallel_size",
+            f"{pool.tensor_parallel_size} does not divide the model's {arch.num_attention_heads} attention "
+            f"heads (num_attention_heads in {arch_src})",
+        )
+    num_experts = arch.n_routed_experts + pool.num_redundant_experts
+    if pool.expert_parallel_size > 1 and arch.n_routed_experts == 0:
+        yield at("expert_parallel_size", f"the model has no routed experts (n_routed_experts in {arch_src})")
+    elif not _divides(pool.expert_parallel_size, num_experts):
+        yield at(
+            "expert_parallel_size",
+            f"{pool.expert_parallel_size} does not divide the model's {arch.n_routed_experts} routed experts "
+            f"+ {pool.num_redundant_experts} redundant (n_routed_experts in {arch_src})",
+        )
+    elif _divides(pool.expert_parallel_size, d) and not _divides(
+        pool.moe_tensor_parallel_size, arch.moe_intermediate_size
+    ):
+        yield at(
+            "expert_parallel_size",
+            f"each expert would be split over {pool.moe_tensor_parallel_size} devices, which does not divide "
+            f"moe_intermediate_size {arch.moe_intermediate_size} ({arch_src})",
+        )
+    if pool.max_model_len is not None and pool.max_model_len > arch.max_position_embeddings:
+        yield at(
+            "max_model_len",
+            f"{pool.max_model_len} exceeds the model's max_position_embeddings "
+            f"{arch.max_position_embeddings} ({arch_src})",
+        )
+
+
+def _cross_issues(sections: dict[str, Any], arch: DeepseekV3Config | None, arch_src: str) -> Iterator[Issue]:
+    """Rules over several sections; a section that failed its own checks is None and its rules are skipped."""
+    from orchestrator.placement import PlacementError, assign_devices
+
+    hw: HardwareConfig | None = sections.get("hardware")
+    ic: InterconnectConfig | None = sections.get("interconnect")
+    prefill: PrefillPoolConfig | None = sections.get("prefill")
+    decode: DecodePoolConfig | None = sections.get("decode")
+
+    if hw is not None:
+        dies = hw.spec.dies_per_chip
+        if hw.devices_per_node % dies:
+            yield Issue(
+                ("hardware", "devices_per_node"),
+                f"hardware.devices_per_node: {hw.devices_per_node} is not a whole number of "
+                f"{hw.accelerator} packages ({dies} dies each; a device is one die)",
+            )
+        if hw.nodes_per_supernode is not None and hw.num_nodes % hw.nodes_per_supernode:
+            yield Issue(
+                ("hardware", "nodes_per_supernode"),
+                f"hardware.nodes_per_supernode: {hw.nodes_per_supernode} does not divide num_nodes "
+                f"{hw.num_nodes}",
+            )
+        if ic is not None and (hw.nodes_per_supernode is None) != (ic.supernode is None):
+            if ic.supernode is None:
+                yield Issue(
+                    ("hardware", "nodes_per_supernode"),
+                    "hardware.nodes_per_supernode: supernodes need an interconnect.supernode link",
+                )
+            else:
+                yield Issue(
+                    ("interconnect", "supernode"),
+                    "interconnect.supernode: a supernode link needs hardware.nodes_per_supernode",
+                )
+
+    pools: list[tuple[str, PoolConfig]] = [(r, p) for r, p in (("prefill", prefill), ("decode", decode)) if p]
+    pool_ok = {}
+    for role, pool in pools:
+        issues = list(_pool_issues(role, pool, hw, arch, arch_src))
+        pool_ok[role] = not any(i.path[1] != "max_model_len" for i in issues)
+        yield from issues
+
+    if decode is not None and arch is not None and decode.num_speculative_tokens > 0:
+        if arch.num_nextn_predict_layers < 1:
+            yield Issue(
+                ("decode", "num_speculative_tokens"),
+                f"decode.num_speculative_tokens: {decode.num_speculative_tokens} needs an MTP module, but "
+                f"the model has none (num_nextn_predict_layers is 0 in {arch_src})",
+            )
+    router = sections.get("router")
+    if router is not None and prefill is not None and router.policy == "prefix_aware":
+        if not prefill.enable_prefix_caching:
+            yield Issue(
+                ("router", "policy"),
+                "router.policy: prefix_aware routes by prefix-cache hits, but prefill.enable_prefix_caching "
+                "is false",
+            )
+
+    # Device counts and placement, once both pools and the hardware are individually sound.
+    if hw is None or prefill is None or decode is None or not all(pool_ok.get(r, False) for r in ROLES):
+        return
+    capacity = hw.num_devices
+    demand = 0
+    for role, pool in (("prefill", prefill), ("decode", decode)):
+        demand += pool.num_devices
+        if demand > capacity:
+            yield Issue(
+                (role, "num_instances"),
+                f"{role}.num_instances: the pools need "
+                f"{prefill.num_instances}×{prefill.devices_per_instance} (prefill) + "
+                f"{decode.num_instances}×{decode.devices_per_instance} (decode) = "
+                f"{prefill.num_devices + decode.num_devices} devices, but the hardware has "
+                f"{hw.num_nodes} node(s) × {hw.devices_per_node} = {capacity}",
+            )
+            return
+    try:
+        assign_devices(hw, [("prefill", prefill), ("decode", decode)])
+    except PlacementError as exc:
+        yield Issue((exc.role, "devices_per_instance"), f"{exc.role}.devices_per_instance: {exc}")
+
+
+def check_topology(topology: Topology) -> list[Issue]:
+    """Every cross-section problem of a topology built in code (reads the model's config.json)."""
+    sections = {f.name: getattr(topology, f.name) for f in dataclasses.fields(topology)}
+    try:
+        arch = read_model_architecture(topology.model)
+    except ValueError as exc:
+        return [Issue(("model", "path"), f"model: {exc}"), *_cross_issues(sections, None, "")]
+    return list(_cross_issues(sections, arch, str(topology.model.config_json)))
+
+
+# ---- YAML loading with line numbers ------------------------------------------------------------------
+class TopologyIssue(NamedTuple):
+    file: str
+    line: int | None  # 1-based; None when the problem has no line (file unreadable)
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.reason}" if self.line else f"{self.file}: {self.reason}"
+
+
+class TopologyError(ValueError):
+    """A topology file with problems; the message has one `FILE:LINE: reason` per line, in file order."""
+
+    def __init__(self, issues: list[TopologyIssue]) -> None:
+        self.issues = sorted(issues, key=lambda i: i.line or 0)
+        super().__init__("\n".join(str(i) for i in self.issues))
+
+
+class _Reader:
+    """Turns composed YAML nodes into dataclasses, recording each key's line and every problem."""
+
+    def __init__(self, loader: yaml.SafeLoader, base_dir: Path) -> None:
+        self.loader = loader
+        self.base_dir = base_dir
+        self.lines: dict[Path_, int] = {}
+        self.problems: list[tuple[int, str]] = []
+        self.broken: set[Path_] = set()  # mappings with an unknown, duplicate or missing key
+
+    def error(self, node: yaml.Node, reason: str) -> None:
+        self.problems.append((node.start_mark.line + 1, reason))
+
+    def line_of(self, path: Path_) -> int:
+        """The line of `path`'s key, else of its nearest enclosing key that is written, else 1."""
+        while path:
+            if path in self.lines:
+                return self.lines[path]
+            path = path[:-1]
+        return 1
+
+    def keys(
+        self, node: yaml.MappingNode, fields: dict[str, dataclasses.Field], path: Path_
+    ) -> Iterator[tuple[str, yaml.Node]]:
+        """(key, value node) for each known key of `node`; reports unknown and duplicate keys."""
+        where = ".".join(path) or "top level"
+        self.loader.flatten_mapping(node)  # YAML merge keys (`<<: *anchor`)
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            if not isinstance(key, str) or key_node.tag != "tag:yaml.org,2002:str":
+                self.error(key_node, f"{where}: keys must be plain names, got {_describe(key_node)}")
+                self.broken.add(path)
+                continue
+            if key in seen:
+                self.error(key_node, f"{'.'.join((*path, key))}: duplicate key")
+                self.broken.add(path)
+                continue
+            seen.add(key)
+            if key not in fields:
+                close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(fields)}"
+                self.error(key_node, f"{where}: unknown key {key!r} ({hint})")
+                self.broken.add(path)
+                continue
+            self.lines[(*path, key)] = key_node.start_mark.line + 1
+            yield key, value_node
+        for f in fields.values():
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if required and f.name not in seen:
+                self.error(node, f"{where}: missing required key {f.name!r}")
+                self.broken.add(path)
+
+    def section(self, cls: type, node: yaml.Node, path: Path_) -> Any | None:
+        """Build dataclass `cls` from mapping `node`; None if any of its keys has a problem."""
+        where = ".".join(path) or "top level"
+        if not isinstance(node, yaml.MappingNode):
+            self.error(node, f"{where}: expected a mapping of keys, got {_describe(node)}")
+            return None
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        ok = True
+        for key, value_node in self.keys(node, fields, path):
+            good, value = self.value(fields[key], hints[key], value_node, (*path, key))
+            if good:
+                kwargs[key] = value
+            else:
+                ok = False
+        if not ok or path in self.broken:
+            return None
+        try:
+            return cls(**kwargs)
+        except ValueError as exc:  # a rule of the class's own (e.g. an empty name)
+            self.error(node, f"{where}: {exc}")
+            return None
+
+    def value(self, f: dataclasses.Field, hint: Any, node: yaml.Node, path: Path_) -> tuple[bool, Any]:
+        name = ".".join(path)
+        base, optional = _unwrap_optional(hint)
+        if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null":
+            if optional:
+                return True, None
+            if dataclasses.is_dataclass(base):
+                self.error(node, f"{name}: expected a mapping of keys, got null (omit the key for defaults)")
+            else:
+                self.error(node, f"{name}: must not be null")
+            return False, None
+        if dataclasses.is_dataclass(base):
+            result = self.section(base, node, path)
+            return result is not None, result
+        if not isinstance(node, yaml.ScalarNode):
+            expected = _TYPE_NAMES.get(base, base.__name__)
+            self.error(node, f"{name}: expected {expected}, got {_describe(node)}")
+            return False, None
+        raw = self.loader.construct_object(node, deep=True)
+        value = _coerce(base, raw, plain=node.style is None)
+        problem = _value_problem(f, hint, value)
+        if problem is not None:
+            self.error(node, f"{name}: {problem}")
+            return False, None
+        if path in (("model", "path"), ("model", "config_path")) and not Path(value).is_absolute():
+            value = str((self.base_dir / value).resolve())
+        return True, value
+
+
+def _coerce(base: Any, raw: Any, plain: bool) -> Any:
+    """Accept what YAML 1.1 reads differently from what a person means; otherwise return `raw` unchanged.
+
+    PyYAML reads `196e9` and `1.6e12` (no dot, or no exponent sign) as strings: for number fields a plain
+    (unquoted) numeric string is taken as a number. Integral floats (`64.0e+9`) are accepted as integers.
+    """
+    if base in (int, float) and isinstance(raw, str) and plain:
+        try:
+            raw = float(raw.replace("_", ""))
+        except ValueError:
+            return raw
+    if base is int and isinstance(raw, float) and math.isfinite(raw) and raw.is_integer():
+        return int(raw)
+    if base is float and isinstance(raw, int) and not isinstance(raw, bool):
+        return float(raw)
+    return raw
+
+
+def _describe(node: yaml.Node) -> str:
+    if isinstance(node, yaml.MappingNode):
+        return "a mapping"
+    if isinstance(node, yaml.SequenceNode):
+        return "a list"
+    return repr(node.value)
+
+
+def load_topology(path: str | Path) -> Topology:
+    """Read and validate a topology YAML file.
+
+    Raises:
+        TopologyError: every problem found, one `FILE:LINE: reason` per line (unknown keys with the
+            closest valid key, wrong types, invalid choices, impossible parallelism for the model, more
+            devices than the hardware has, an instance that cannot be placed).
+    """
+    path = Path(path)
+    file = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise TopologyError([TopologyIssue(file, None, f"cannot read: {exc.strerror or exc}")]) from None
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark is not None else None
+        raise TopologyError([TopologyIssue(file, line, f"invalid YAML: {exc.problem or exc}")]) from None
+    finally:
+        loader.dispose()
+    if root is None:
+        raise TopologyError([TopologyIssue(file, 1, "empty file; a topology needs at least `name:`")])
+
+    reader = _Reader(loader, path.resolve().parent)
+    # Each section is read on its own, so one broken section does not hide another's problems; a section
+    # with a problem is None in `sections` and the rules that need it are skipped.
+    sections: dict[str, Any] = {}
+    topology: Topology | None = None
+    if isinstance(root, yaml.MappingNode):
+        hints = typing.get_type_hints(Topology)
+        fields = {f.name: f for f in dataclasses.fields(Topology)}
+        for key, value_node in reader.keys(root, fields, ()):
+            good, value = reader.value(fields[key], hints[key], value_node, (key,))
+            sections[key] = value if good else None
+        for name, f in fields.items():  # sections not written: their defaults, checked like the rest
+            if name not in sections and f.default_factory is not dataclasses.MISSING:
+                sections[name] = f.default_factory()
+        if all(v is not None for v in sections.values()) and "name" in sections:
+            try:
+                topology = Topology(**sections)
+            except ValueError as exc:
+                reader.problems.append((reader.line_of(("name",)), str(exc)))
+    else:
+        reader.error(root, f"top level: expected a mapping of keys, got {_describe(root)}")
+
+    model: ModelConfig | None = sections.get("model")
+    arch: DeepseekV3Config | None = None
+    arch_src = ""
+    if model is not None:
+        try:
+            arch = read_model_architecture(model)
+            arch_src = str(model.config_json)
+        except ValueError as exc:
+            key = "config_path" if model.config_path is not None else "path"
+            reader.problems.append((reader.line_of(("model", key)), f"model.{key}: {exc}"))
+    if isinstance(root, yaml.MappingNode):
+        for issue in _cross_issues(sections, arch, arch_src):
+            reader.problems.append((reader.line_of(issue.path), issue.reason))
+
+    if reader.problems or topology is None:
+        raise TopologyError([TopologyIssue(file, line, reason) for line, reason in reader.problems])
+    return topology
