@@ -3,6 +3,7 @@
     pdcluster generate --prompt "def fibonacci(n):"        # complete one prompt with the bundled model
     pdcluster generate --prompt "..." --json               # machine-readable result with timings
     pdcluster demo                                         # what `make demo` runs (for now)
+    pdcluster validate clusters/*.yaml                     # pre-flight check of topology files
 
 Every error the user can cause (bad option values, a missing or broken checkpoint) is one line on stderr
 and exit code 2, never a traceback. Torch and the model code are imported only by the subcommand that
@@ -195,6 +196,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from exc
 
 
+def cmd_validate(args: argparse.Namespace) -> int:
+    from orchestrator.topology import TopologyError, load_topology
+
+    exit_code = 0
+    for path in args.files:
+        try:
+            topology = load_topology(path)
+        except TopologyError as exc:
+            print(exc, file=sys.stderr)
+            exit_code = 1
+            continue
+        print(f"{path}: ok — {topology.summary()}")
+    return exit_code
+
+
 # ---- parser ----------------------------------------------------------------------------------------
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the descriptions' line breaks; wraps option help normally."""
@@ -320,6 +336,19 @@ This is a stand-in: later it becomes the cluster job on clusters/local.yaml.""",
         "--max-tokens", type=_positive_int, default=48, metavar="N", help="tokens per prompt. Default: 48"
     )
     demo.set_defaults(func=cmd_demo)
+
+    validate = sub.add_parser(
+        "validate",
+        help="check topology YAML files (clusters/*.yaml) without starting anything",
+        formatter_class=_HelpFormatter,
+        description="""\
+Read each topology file and check it: keys and types, choices, parallelism against the
+model's config.json, device counts and placement (clusters/README.md lists the rules).
+Prints one summary line per valid file on stdout and one FILE:LINE: reason line per
+problem on stderr. Exit code: 0 all files valid, 1 some file invalid, 2 usage error.""",
+    )
+    validate.add_argument("files", nargs="+", type=Path, metavar="FILE", help="topology YAML files")
+    validate.set_defaults(func=cmd_validate)
     return parser
 
 
