@@ -1,0 +1,468 @@
+"""Topology files: every shipped one validates; each kind of mistake is reported at its exact line with a
+message naming the key; all problems of a file come out together; `pdcluster validate` exit codes.
+
+Broken files are written to tmp_path from a small valid template whose model is a tiny architecture
+(`tests.conftest.tiny_config`: 4 heads, 8 routed experts, one MTP module; moe_intermediate_size 48, so
+1, 2, 3, 4 or 6 devices can split an expert) written as config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from models import bundled_checkpoint_dir
+from orchestrator.cli import main
+from orchestrator.hardware import ACCELERATORS, GIB, get_accelerator
+from orchestrator.topology import (
+    DEFAULT_TOPOLOGY_PATH,
+    DecodePoolConfig,
+    HardwareConfig,
+    ModelConfig,
+    PoolConfig,
+    Topology,
+    TopologyError,
+    TopologyIssue,
+    check_topology,
+    load_topology,
+)
+from tests.conftest import tiny_config
+
+CLUSTERS = Path(__file__).resolve().parents[2] / "clusters"
+SHIPPED = sorted(CLUSTERS.glob("*.yaml"))
+HAVE_BUNDLED = (bundled_checkpoint_dir() / "config.json").is_file()
+
+
+# ---- factories ---------------------------------------------------------------------------------------
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    """A directory holding only the tiny architecture's config.json (validation reads nothing else)."""
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(tiny_config(moe_intermediate_size=48).to_dict()))
+    return path
+
+
+def template(ckpt: Path, extra: str = "", devices_per_node: int = 4) -> str:
+    """A valid topology (1 node of `devices_per_node` cpu devices, 1 prefill + 1 decode), plus `extra`."""
+    return textwrap.dedent(
+        f"""\
+        name: test
+        hardware:
+          accelerator: cpu
+          num_nodes: 1
+          devices_per_node: {devices_per_node}
+        model:
+          path: {ckpt}
+        """
+    ) + textwrap.dedent(extra)
+
+
+def write(tmp_path: Path, text: str, name: str = "topo.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def issues_of(path: Path) -> list[TopologyIssue]:
+    with pytest.raises(TopologyError) as info:
+        load_topology(path)
+    return info.value.issues
+
+
+def line_of(text: str, needle: str) -> int:
+    """1-based line of the first line of `text` containing `needle`."""
+    return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+def only_issue(path: Path) -> TopologyIssue:
+    issues = issues_of(path)
+    assert len(issues) == 1, issues
+    return issues[0]
+
+
+# ---- shipped files -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_every_shipped_topology_validates(path: Path):
+    if "path: null" in path.read_text() or "model:" not in path.read_text():
+        if not HAVE_BUNDLED:
+            pytest.skip("the bundled checkpoint (python -m models.train_tiny) is not written yet")
+    topology = load_topology(path)
+    assert topology.name == path.stem
+    for role in ("prefill", "decode"):
+        topology.engine_config(role)  # the engine accepts what the pools pass down
+
+
+def test_the_shipped_set_and_the_default():
+    assert {p.name for p in SHIPPED} >= {"local.yaml", "local-1p2d.yaml", "cm384.yaml", "gpu-2node.yaml"}
+    assert DEFAULT_TOPOLOGY_PATH == CLUSTERS / "local.yaml"
+
+
+@pytest.mark.skipif(not HAVE_BUNDLED, reason="the bundled checkpoint is not written yet")
+def test_local_yaml_is_one_prefill_one_decode_on_cpu_with_mtp():
+    topology = load_topology(DEFAULT_TOPOLOGY_PATH)
+    assert topology.hardware.spec.torch_device_type == "cpu"
+    assert (topology.prefill.num_instances, topology.decode.num_instances) == (1, 1)
+    assert topology.kv_transfer.transport == "grpc"
+    assert topology.decode.num_speculative_tokens == 1
+    engine = topology.engine_config("prefill")
+    assert engine.model == str(bundled_checkpoint_dir()) and engine.device == "cpu"
+    assert engine.dtype == "float32" and engine.num_speculative_tokens == 1  # prefill drafts the first k
+
+
+def test_cm384_is_big_ep_decode_on_910c_dies():
+    topology = load_topology(CLUSTERS / "cm384.yaml")
+    hw = topology.hardware
+    assert (hw.accelerator, hw.num_nodes, hw.devices_per_node) == ("ascend-910c", 48, 16)
+    assert topology.decode.expert_parallel_size == topology.decode.devices_per_instance == 288
+    assert topology.prefill.devices_per_instance == 32
+    assert topology.model.config_path == str(CLUSTERS / "models" / "deepseek-v3.config.json")
+    assert topology.summary() == (
+        "48 nodes × 8 ascend-910c (16 dies each), prefill 14×32 devices, decode 1×288 devices"
+    )
+    engine = topology.engine_config("decode")
+    assert (engine.device, engine.dtype, engine.kv_cache_dtype) == ("npu", "bfloat16", "int8")
+
+
+def test_catalog_entries_and_910c_figures():
+    assert set(ACCELERATORS) == {"cpu", "ascend-910b", "ascend-910c", "h100", "h200", "a100"}
+    for spec in ACCELERATORS.values():
+        backend = {"cpu": "gloo", "npu": "hccl", "cuda": "nccl"}[spec.torch_device_type]
+        resource = {"cpu": None, "npu": "NPU", "cuda": "GPU"}[spec.torch_device_type]
+        assert (spec.collective_backend, spec.ray_resource) == (backend, resource)
+        assert spec.int8_ops_per_s >= spec.bf16_flops_per_s > 0
+    die = get_accelerator("ascend-910c")  # per die, as public material states (DESIGN.md)
+    assert (die.dies_per_chip, die.bf16_flops_per_s, die.int8_ops_per_s) == (2, 376e12, 752e12)
+    assert (die.hbm_bytes, die.hbm_bytes_per_s) == (64 * GIB, 1.6e12)
+    with pytest.raises(KeyError, match="known: cpu"):
+        get_accelerator("tpu-v5")
+
+
+# ---- each mistake at its line ------------------------------------------------------------------------
+def test_unknown_key_names_it_and_suggests_the_closest(tmp_path, ckpt):
+    text = template(ckpt, "prefill:\n  num_instances: 1\n  tensor_paralel_size: 1\n")
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "tensor_paralel_size")
+    assert issue.reason == "prefill: unknown key 'tensor_paralel_size' (did you mean 'tensor_parallel_size'?)"
+
+
+def test_unknown_top_level_key_suggests_and_far_ones_list_the_valid_keys(tmp_path, ckpt):
+    text = template(ckpt, "decod:\n  num_instances: 1\nzzz: 1\n")
+    first, second = issues_of(write(tmp_path, text))
+    assert (first.line, second.line) == (line_of(text, "decod:"), line_of(text, "zzz"))
+    assert "unknown key 'decod' (did you mean 'decode'?)" in first.reason
+    assert "unknown key 'zzz' (valid keys: name, hardware," in second.reason
+
+
+def test_wrong_type(tmp_path, ckpt):
+    text = template(ckpt, "decode:\n  num_instances: 1\n  max_num_seqs: many\n")
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "max_num_seqs")
+    assert issue.reason == "decode.max_num_seqs: expected an integer, got 'many'"
+
+
+@pytest.mark.parametrize(
+    ("entry", "reason"),
+    [
+        ("num_instances: true", "prefill.num_instances: expected an integer, got True"),
+        ("num_instances: 1.5", "prefill.num_instances: expected an integer, got 1.5"),
+        ("num_instances: 0", "prefill.num_instances: must be >= 1, got 0"),
+        ("devices_per_instance: 2.0", None),  # an integral float is an integer
+        ("enable_prefix_caching: 1", "prefill.enable_prefix_caching: expected a boolean (true/false), got 1"),
+        ("max_num_seqs: [1, 2]", "prefill.max_num_seqs: expected an integer, got a list"),
+        ("num_instances: null", "prefill.num_instances: must not be null"),
+    ],
+)
+def test_wrong_types_and_ranges(tmp_path, ckpt, entry, reason):
+    text = template(ckpt, f"prefill:\n  {entry}\n")
+    if reason is None:
+        load_topology(write(tmp_path, text))
+        return
+    issue = only_issue(write(tmp_path, text))
+    assert (issue.line, issue.reason) == (line_of(text, entry.split(":")[0]), reason)
+
+
+def test_bad_enum(tmp_path, ckpt):
+    text = template(ckpt, "kv_transfer:\n  transport: http\n")
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "transport")
+    assert issue.reason == "kv_transfer.transport: 'http' is not one of: grpc, torch_distributed"
+
+
+def test_unknown_accelerator_lists_the_catalog(tmp_path, ckpt):
+    text = template(ckpt).replace("accelerator: cpu", "accelerator: tpu")
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "accelerator")
+    assert "hardware.accelerator: 'tpu' is not one of: cpu, ascend-910b, ascend-910c, h100" in issue.reason
+
+
+def test_too_many_devices(tmp_path, ckpt):
+    text = template(
+        ckpt,
+        "prefill:\n  num_instances: 2\n  devices_per_instance: 2\ndecode:\n  num_instances: 1\n",
+    )
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "decode:") + 1  # decode.num_instances: where demand passes 4
+    assert issue.reason == (
+        "decode.num_instances: the pools need 2×2 (prefill) + 1×1 (decode) = 5 devices, "
+        "but the hardware has 1 node(s) × 4 = 4"
+    )
+
+
+def test_ep_not_dividing_the_routed_experts(tmp_path, ckpt):
+    text = template(
+        ckpt,
+        "decode:\n  devices_per_instance: 3\n  expert_parallel_size: 3\n",
+    )
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "expert_parallel_size")
+    assert issue.reason.startswith(
+        "decode.expert_parallel_size: 3 does not divide the model's 8 routed experts + 0 redundant "
+        f"(n_routed_experts in {ckpt / 'config.json'}"
+    )
+
+
+def test_redundant_experts_count_towards_ep(tmp_path, ckpt):
+    text = template(
+        ckpt,
+        "decode:\n  devices_per_instance: 4\n  expert_parallel_size: 4\n  num_redundant_experts: 4\n",
+        devices_per_node=5,
+    )
+    assert load_topology(write(tmp_path, text)).decode.num_redundant_experts == 4  # 12 / 4
+    bad = text.replace("num_redundant_experts: 4", "num_redundant_experts: 2")
+    assert (
+        "does not divide the model's 8 routed experts + 2 redundant"
+        in only_issue(write(tmp_path, bad)).reason
+    )
+
+
+def test_instance_larger_than_a_node(tmp_path, ckpt):
+    text = template(ckpt, "prefill:\n  devices_per_instance: 8\n  expert_parallel_size: 8\n")
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "devices_per_instance")
+    assert issue.reason == (
+        "prefill.devices_per_instance: 8 devices do not fit in one node (hardware.devices_per_node is 4); "
+        "set span_nodes: true to run an instance over whole nodes"
+    )
+
+
+def test_span_nodes_takes_whole_nodes(tmp_path, ckpt):
+    text = template(ckpt, "prefill:\n  devices_per_instance: 6\n  span_nodes: true\n")
+    text = text.replace("num_nodes: 1", "num_nodes: 3")
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "devices_per_instance")
+    assert "6 is not a whole number of nodes of 4 devices" in issue.reason
+    good = text.replace("devices_per_instance: 6", "devices_per_instance: 8")
+    assert load_topology(write(tmp_path, good)).prefill.devices_per_instance == 8
+
+
+def test_tp_must_divide_the_heads_and_the_instance(tmp_path, ckpt):
+    text = template(ckpt, "prefill:\n  devices_per_instance: 3\n  tensor_parallel_size: 3\n")
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "tensor_parallel_size")
+    assert issue.reason.startswith(
+        "prefill.tensor_parallel_size: 3 does not divide the model's 4 attention heads"
+    )
+    text = template(ckpt, "prefill:\n  devices_per_instance: 2\n  tensor_parallel_size: 4\n")
+    assert "4 does not divide devices_per_instance 2" in only_issue(write(tmp_path, text)).reason
+
+
+def test_each_expert_split_must_divide_its_ffn(tmp_path, ckpt):
+    (ckpt / "config.json").write_text(json.dumps(tiny_config(moe_intermediate_size=16).to_dict()))
+    text = template(ckpt, "prefill:\n  devices_per_instance: 3\n")  # expert_parallel_size 1: split 3 ways
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "prefill:")  # expert_parallel_size is not written: its section
+    assert "each expert would be split over 3 devices, which does not divide moe_intermediate_size 16" in (
+        issue.reason
+    )
+
+
+def test_speculative_decoding_needs_an_mtp_module(tmp_path, ckpt):
+    (ckpt / "config.json").write_text(json.dumps(tiny_config(num_nextn_predict_layers=0).to_dict()))
+    text = template(ckpt, "decode:\n  num_speculative_tokens: 2\n")
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "num_speculative_tokens")
+    assert "needs an MTP module, but the model has none (num_nextn_predict_layers is 0" in issue.reason
+
+
+def test_fragmented_devices_are_caught_even_when_the_total_fits(tmp_path, ckpt):
+    # 2 nodes x 4: two prefill instances of 3 leave 1 free device per node, not the 2 decode needs.
+    text = template(
+        ckpt,
+        "prefill:\n  num_instances: 2\n  devices_per_instance: 3\ndecode:\n  devices_per_instance: 2\n",
+    ).replace("num_nodes: 1", "num_nodes: 2")
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "devices_per_instance: 2")
+    assert "decode instance 0 needs 2 devices on one node" in issue.reason
+
+
+def test_supernode_grouping_and_link_go_together(tmp_path, ckpt):
+    text = template(ckpt).replace("num_nodes: 1", "num_nodes: 4\n  nodes_per_supernode: 3")
+    issues = issues_of(write(tmp_path, text))
+    assert [i.line for i in issues] == [line_of(text, "nodes_per_supernode")] * 2
+    assert "does not divide num_nodes 4" in issues[0].reason
+    assert "supernodes need an interconnect.supernode link" in issues[1].reason
+
+
+def test_kv_cache_must_leave_room_on_the_device(tmp_path, ckpt):
+    text = template(ckpt, "decode:\n  kv_cache_memory_bytes: 64e9\n")  # cpu "device" budget: 8 GiB
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "kv_cache_memory_bytes")
+    assert "leave nothing of the 8589934592 bytes of one cpu device" in issue.reason
+
+
+def test_prefix_aware_routing_needs_prefix_caching(tmp_path, ckpt):
+    text = template(ckpt, "prefill:\n  enable_prefix_caching: false\nrouter:\n  policy: prefix_aware\n")
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "policy")
+
+
+def test_every_problem_is_reported_at_once_in_line_order(tmp_path, ckpt):
+    text = template(
+        ckpt,
+        """\
+        prefill:
+          tensor_paralel_size: 1
+        decode:
+          devices_per_instance: 3
+          expert_parallel_size: 3
+        kv_transfer:
+          transport: http
+          timeout_s: soon
+        api:
+          port: 70000
+        """,
+    )
+    path = write(tmp_path, text)
+    issues = issues_of(path)
+    expected_lines = [
+        line_of(text, k) for k in ("tensor_paralel", "expert_parallel", "http", "soon", "70000")
+    ]
+    assert [i.line for i in issues] == expected_lines
+    with pytest.raises(TopologyError) as info:
+        load_topology(path)
+    lines = str(info.value).splitlines()
+    assert [line.split(": ", 1)[0] for line in lines] == [f"{path}:{n}" for n in expected_lines]
+    assert "api.port: must be <= 65535, got 70000" in lines[-1]
+
+
+# ---- YAML-level problems and conveniences ------------------------------------------------------------
+def test_yaml_syntax_error_has_its_line(tmp_path, ckpt):
+    text = template(ckpt, "decode:\n  num_instances: [1\n")
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line >= line_of(text, "num_instances") and issue.reason.startswith("invalid YAML")
+
+
+def test_empty_file_missing_name_and_non_mapping(tmp_path, ckpt):
+    assert only_issue(write(tmp_path, "")).reason.startswith("empty file")
+    assert only_issue(write(tmp_path, "- a\n")).reason == "top level: expected a mapping of keys, got a list"
+    text = template(ckpt).replace("name: test\n", "")
+    assert only_issue(write(tmp_path, text)).reason == "top level: missing required key 'name'"
+    issue = only_issue(write(tmp_path, template(ckpt).replace("name: test", "name: ''")))
+    assert issue.line == 1 and "name" in issue.reason
+
+
+def test_duplicate_keys_and_null_sections(tmp_path, ckpt):
+    text = template(ckpt, "decode:\n  num_instances: 1\n  num_instances: 1\nprefill:\n")
+    first, second = issues_of(write(tmp_path, text))
+    assert first.reason == "decode.num_instances: duplicate key"
+    assert second.reason.startswith("prefill: expected a mapping of keys, got null")
+
+
+def test_scientific_notation_without_a_dot_is_a_number(tmp_path, ckpt):
+    # YAML 1.1 reads 25e9 and 1.6e12 as strings; number fields take them as numbers.
+    text = template(
+        ckpt,
+        "interconnect:\n  inter_node:\n    bandwidth_bytes_per_s: 25e9\n    latency_s: 1e-5\n"
+        "decode:\n  kv_cache_memory_bytes: 1.0e+8\n",
+    )
+    topology = load_topology(write(tmp_path, text))
+    assert topology.interconnect.inter_node.bandwidth_bytes_per_s == 25e9
+    assert topology.interconnect.inter_node.latency_s == 1e-5
+    assert topology.decode.kv_cache_memory_bytes == 100_000_000
+
+
+def test_link_needs_both_figures(tmp_path, ckpt):
+    text = template(ckpt, "interconnect:\n  intra_node:\n    latency_s: 1e-6\n")
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "latency_s")  # the mapping's first line
+    assert issue.reason == "interconnect.intra_node: missing required key 'bandwidth_bytes_per_s'"
+
+
+def test_missing_model_config_points_at_model_path(tmp_path, ckpt):
+    (ckpt / "config.json").unlink()
+    text = template(ckpt)
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "path:")
+    assert "no config.json at" in issue.reason and "set model.config_path" in issue.reason
+
+
+def test_relative_model_paths_are_relative_to_the_yaml_file(tmp_path, ckpt):
+    sub = tmp_path / "clusters"
+    sub.mkdir()
+    text = template(ckpt).replace(
+        f"path: {ckpt}", "path: /nowhere/DeepSeek\n  config_path: ../ckpt/config.json"
+    )
+    topology = load_topology(write(sub, text))
+    assert topology.model.path == "/nowhere/DeepSeek"
+    assert topology.model.config_path == str(ckpt / "config.json")
+
+
+def test_unreadable_file():
+    issue = issues_of(Path("/nonexistent/topology.yaml"))[0]
+    assert issue.line is None and str(issue).startswith("/nonexistent/topology.yaml: cannot read")
+
+
+# ---- built in code -----------------------------------------------------------------------------------
+def test_dataclasses_check_their_fields_on_construction():
+    with pytest.raises(ValueError, match="PoolConfig field 'tensor_parallel_size': must be >= 1"):
+        PoolConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="HardwareConfig field 'accelerator'"):
+        HardwareConfig(accelerator="tpu")
+    with pytest.raises(ValueError, match="'kv_cache_dtype'"):
+        DecodePoolConfig(kv_cache_dtype="fp8")
+
+
+def test_check_topology_on_a_topology_built_in_code(ckpt):
+    topology = Topology(
+        name="code",
+        hardware=HardwareConfig(devices_per_node=4),
+        model=ModelConfig(path=str(ckpt)),
+        decode=DecodePoolConfig(devices_per_instance=3, expert_parallel_size=3),
+    )
+    issues = check_topology(topology)
+    assert [i.path for i in issues] == [("decode", "expert_parallel_size")]
+    assert check_topology(Topology(name="ok", model=ModelConfig(path=str(ckpt)))) == []
+
+
+# ---- pdcluster validate ------------------------------------------------------------------------------
+def test_cli_validate_exit_codes(tmp_path, ckpt, capsys):
+    good = write(tmp_path, template(ckpt), "good.yaml")
+    bad_text = template(ckpt, "kv_transfer:\n  transport: http\n")
+    bad = write(tmp_path, bad_text, "bad.yaml")
+
+    assert main(["validate", str(good)]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{good}: ok — 1 node × 4 cpu, prefill 1×1 devices, decode 1×1 devices\n" and err == ""
+
+    assert main(["validate", str(good), str(bad)]) == 1
+    out, err = capsys.readouterr()
+    assert out.startswith(f"{good}: ok")
+    reason = "kv_transfer.transport: 'http' is not one of: grpc, torch_distributed"
+    assert err == f"{bad}:{line_of(bad_text, 'transport')}: {reason}\n"
+
+    assert main(["validate"]) == 2  # usage: no file
+    assert "FILE" in capsys.readouterr().err
+
+
+def test_cli_validate_shipped_accelerator_files(capsys):
+    files = [CLUSTERS / "cm384.yaml", CLUSTERS / "gpu-2node.yaml"]
+    assert main(["validate", *map(str, files)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith(
+        "ok — 48 nodes × 8 ascend-910c (16 dies each), prefill 14×32 devices, decode 1×288 devices"
+    )
+    assert lines[1].endswith("ok — 2 nodes × 8 h200, prefill 1×8 devices, decode 1×8 devices")
