@@ -406,13 +406,13 @@ class Topology:
 
 
 # ---- cross-section rules ----------------------------------------------------------------------------
-Path_ = tuple[str, ...]  # a key path in the YAML file, e.g. ("decode", "expert_parallel_size")
+KeyPath = tuple[str, ...]  # a key path in the YAML file, e.g. ("decode", "expert_parallel_size")
 
 
 class Issue(NamedTuple):
     """One problem: where (a YAML key path; the loader turns it into a line) and why."""
 
-    path: Path_
+    path: KeyPath
     reason: str
 
 
@@ -522,6 +522,33 @@ def _pool_issues(
         )
 
 
+def _hardware_issues(hw: HardwareConfig, ic: InterconnectConfig | None) -> Iterator[Issue]:
+    dies = hw.spec.dies_per_chip
+    if hw.devices_per_node % dies:
+        yield Issue(
+            ("hardware", "devices_per_node"),
+            f"hardware.devices_per_node: {hw.devices_per_node} is not a whole number of "
+            f"{hw.accelerator} packages ({dies} dies each; a device is one die)",
+        )
+    if hw.nodes_per_supernode is not None and hw.num_nodes % hw.nodes_per_supernode:
+        yield Issue(
+            ("hardware", "nodes_per_supernode"),
+            f"hardware.nodes_per_supernode: {hw.nodes_per_supernode} does not divide num_nodes "
+            f"{hw.num_nodes}",
+        )
+    if ic is not None and (hw.nodes_per_supernode is None) != (ic.supernode is None):
+        if ic.supernode is None:
+            yield Issue(
+                ("hardware", "nodes_per_supernode"),
+                "hardware.nodes_per_supernode: supernodes need an interconnect.supernode link",
+            )
+        else:
+            yield Issue(
+                ("interconnect", "supernode"),
+                "interconnect.supernode: a supernode link needs hardware.nodes_per_supernode",
+            )
+
+
 def _cross_issues(sections: dict[str, Any], arch: DeepseekV3Config | None, arch_src: str) -> Iterator[Issue]:
     """Rules over several sections; a section that failed its own checks is None and its rules are skipped."""
     from orchestrator.placement import PlacementError, assign_devices
@@ -531,31 +558,10 @@ def _cross_issues(sections: dict[str, Any], arch: DeepseekV3Config | None, arch_
     prefill: PrefillPoolConfig | None = sections.get("prefill")
     decode: DecodePoolConfig | None = sections.get("decode")
 
+    hw_issues: list[Issue] = []
     if hw is not None:
-        dies = hw.spec.dies_per_chip
-        if hw.devices_per_node % dies:
-            yield Issue(
-                ("hardware", "devices_per_node"),
-                f"hardware.devices_per_node: {hw.devices_per_node} is not a whole number of "
-                f"{hw.accelerator} packages ({dies} dies each; a device is one die)",
-            )
-        if hw.nodes_per_supernode is not None and hw.num_nodes % hw.nodes_per_supernode:
-            yield Issue(
-                ("hardware", "nodes_per_supernode"),
-                f"hardware.nodes_per_supernode: {hw.nodes_per_supernode} does not divide num_nodes "
-                f"{hw.num_nodes}",
-            )
-        if ic is not None and (hw.nodes_per_supernode is None) != (ic.supernode is None):
-            if ic.supernode is None:
-                yield Issue(
-                    ("hardware", "nodes_per_supernode"),
-                    "hardware.nodes_per_supernode: supernodes need an interconnect.supernode link",
-                )
-            else:
-                yield Issue(
-                    ("interconnect", "supernode"),
-                    "interconnect.supernode: a supernode link needs hardware.nodes_per_supernode",
-                )
+        hw_issues = list(_hardware_issues(hw, ic))
+        yield from hw_issues
 
     pools: list[tuple[str, PoolConfig]] = [(r, p) for r, p in (("prefill", prefill), ("decode", decode)) if p]
     pool_ok = {}
@@ -581,7 +587,9 @@ def _cross_issues(sections: dict[str, Any], arch: DeepseekV3Config | None, arch_
             )
 
     # Device counts and placement, once both pools and the hardware are individually sound.
-    if hw is None or prefill is None or decode is None or not all(pool_ok.get(r, False) for r in ROLES):
+    if hw is None or hw_issues or prefill is None or decode is None:
+        return
+    if not all(pool_ok.get(r, False) for r in ROLES):
         return
     capacity = hw.num_devices
     demand = 0
@@ -637,14 +645,14 @@ class _Reader:
     def __init__(self, loader: yaml.SafeLoader, base_dir: Path) -> None:
         self.loader = loader
         self.base_dir = base_dir
-        self.lines: dict[Path_, int] = {}
+        self.lines: dict[KeyPath, int] = {}
         self.problems: list[tuple[int, str]] = []
-        self.broken: set[Path_] = set()  # mappings with an unknown, duplicate or missing key
+        self.broken: set[KeyPath] = set()  # mappings with an unknown, duplicate or missing key
 
     def error(self, node: yaml.Node, reason: str) -> None:
         self.problems.append((node.start_mark.line + 1, reason))
 
-    def line_of(self, path: Path_) -> int:
+    def line_of(self, path: KeyPath) -> int:
         """The line of `path`'s key, else of its nearest enclosing key that is written, else 1."""
         while path:
             if path in self.lines:
@@ -653,7 +661,7 @@ class _Reader:
         return 1
 
     def keys(
-        self, node: yaml.MappingNode, fields: dict[str, dataclasses.Field], path: Path_
+        self, node: yaml.MappingNode, fields: dict[str, dataclasses.Field], path: KeyPath
     ) -> Iterator[tuple[str, yaml.Node]]:
         """(key, value node) for each known key of `node`; reports unknown and duplicate keys."""
         where = ".".join(path) or "top level"
@@ -684,7 +692,7 @@ class _Reader:
                 self.error(node, f"{where}: missing required key {f.name!r}")
                 self.broken.add(path)
 
-    def section(self, cls: type, node: yaml.Node, path: Path_) -> Any | None:
+    def section(self, cls: type, node: yaml.Node, path: KeyPath) -> Any | None:
         """Build dataclass `cls` from mapping `node`; None if any of its keys has a problem."""
         where = ".".join(path) or "top level"
         if not isinstance(node, yaml.MappingNode):
@@ -708,7 +716,7 @@ class _Reader:
             self.error(node, f"{where}: {exc}")
             return None
 
-    def value(self, f: dataclasses.Field, hint: Any, node: yaml.Node, path: Path_) -> tuple[bool, Any]:
+    def value(self, f: dataclasses.Field, hint: Any, node: yaml.Node, path: KeyPath) -> tuple[bool, Any]:
         name = ".".join(path)
         base, optional = _unwrap_optional(hint)
         if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null":
