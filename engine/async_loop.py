@@ -9,14 +9,15 @@ Who runs what, in one `LLMEngine.step()` call (step N was submitted by the previ
     main thread                                          worker thread
     -----------                                          -------------
     scheduler.schedule()        -> step N+1              executor.run(N): forward, sample
-      (a request whose step N samples holds one output
-       placeholder; its N+1 input at that position is
-       PLACEHOLDER_TOKEN_ID)
+      (a request whose step N samples holds output            (verify drafts, propose drafts)
+       placeholders; its N+1 inputs are
+       PLACEHOLDER_TOKEN_IDs)
     executor.prepare(N+1)       pack into buffer set B   (run(N) reads buffer set A)
     submit executor.run(N+1)    queued behind run(N)
     wait for run(N)
-    scheduler.update_from_output(N): commit, stop,       executor.run(N+1): first replaces the
-      free finished requests' blocks                       placeholders by N's samples, then forward
+    scheduler.update_from_output(N): commit, stop,       executor.run(N+1): first resolves the
+      roll back rejected drafts, free finished             placeholders from N's results, then
+      requests' blocks                                     forward
     engine: detokenize, stop strings, RequestOutputs
     return step N's outputs
     (between calls: add_request, abort_request)
@@ -24,21 +25,30 @@ Who runs what, in one `LLMEngine.step()` call (step N was submitted by the previ
 So outputs lag one call behind the synchronous loop (the first call returns only aborted requests), and
 the tokens are the same: step N+1's inputs are exactly N's samples.
 
-A request that finished in step N (EOS, stop token, stop string; not max_tokens: the scheduler never
-schedules past the `max_tokens`-th token) but was already scheduled in N+1: `update_from_output(N)`
+With speculative decoding (k > 0), step N yields 1 to k_N + 1 tokens and proposes the drafts step N+1
+verifies, all unknown when step N+1 is scheduled. The scheduler places step N+1 as if every draft of step
+N were accepted (`1 + k_N` output placeholders) and gives it a bonus placeholder plus k draft placeholders
+(fewer near `max_tokens`). The worker fills them in (bonus token, then step N's drafts) and moves the
+request's positions, slots and sequence length back by the drafts step N rejected; committing step N
+rolls `num_computed_tokens` back by the same count, so both sides agree. Slots that step N+1 had
+reserved past its real end (lookahead for chained MTP drafts) may be freed by that rollback while step
+N+1 still writes MTP-layer KV there; as with a finished request's blocks, any new owner writes those
+slots in a later step before reading them. A request left out of step N+1 for lack of token budget runs
+step N's drafts as known tokens in a later step.
+
+A request that finished in step N (EOS, stop token, stop string; not max_tokens: a request whose step
+in flight may sample its `max_tokens`-th token is not scheduled again until that step is committed) but
+was already scheduled in N+1: `update_from_output(N)`
 finishes it and frees its blocks while N+1 computes it. Step N+1's writes to those blocks land before any
 later step can read or rewrite them (steps run one after another on the worker), and its sample for the
 request is discarded by `update_from_output(N+1)`, which skips requests that are no longer running. The
 same holds for a request aborted or preempted while a step holding it is in flight. The executor drops
-such a request's state (generator, last sample) in the first step scheduled after the request finished,
-which runs after every step that still holds it.
+such a request's state (generator, draft distributions) in the first step scheduled after the request
+finished, which runs after every step that still holds it.
 
 Draining: when no request is left after a call (or after an abort), the in-flight step is awaited and
 discarded, then an empty step hands the finished request ids to the executor, so nothing outlives its
 request and no work is left running.
-
-Not supported yet: speculative decoding (a step's start position would depend on how many of the
-previous step's drafts are accepted); `EngineConfig` rejects the combination.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ class EngineConfig:
         num_speculative_tokens: MTP draft tokens per step, k (0 disables speculative decoding).
         adaptive_speculation: shrink/grow k in [1, num_speculative_tokens] from the recent acceptance rate.
         async_scheduling: prepare step N+1 on the CPU while step N's forward runs (`engine.async_loop`);
-            greedy outputs are identical to the synchronous loop. Not yet with speculative decoding.
+            greedy outputs are identical to the synchronous loop, with or without speculative decoding.
     """
 
     model: str
@@ -64,8 +64,3 @@ class EngineConfig:
             raise bad("num_speculative_tokens", "must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad("max_model_len", "must be >= 1 or None")
-        if self.async_scheduling and self.num_speculative_tokens > 0:
-            raise ValueError(
-                "engine argument 'async_scheduling': async_scheduling with num_speculative_tokens > 0 is "
-                f"not supported yet (got num_speculative_tokens={self.num_speculative_tokens})"
-            )

@@ -3,16 +3,24 @@
     SchedulerOutput --execute--> ModelRunnerOutput (sampled tokens per request, next drafts per request)
 
 `execute` is `prepare` (pack the inputs into persistent buffers; the engine's main thread) followed by
-`run` (fill in placeholder tokens, forward, sample/verify, draft). The asynchronous loop
-(`engine.async_loop`) calls `prepare` for step N+1 while `run` of step N is executing on its worker
-thread; two buffer sets alternate so the two never share memory. Per-request state below is touched by
-`run` only (the worker), never by `prepare`.
+`run` (resolve placeholders, forward, sample/verify, draft). The asynchronous loop (`engine.async_loop`)
+calls `prepare` for step N+1 while `run` of step N is executing on its worker thread; two buffer sets
+alternate so the two never share memory. Per-request state below is touched by `run` only (the worker),
+never by `prepare`, and `run` reads no request field the engine's thread mutates.
 
 The executor keeps the per-request state that lives on the device side: each request's torch.Generator
-(seeded requests reproduce the same tokens whatever the batch) and the draft distributions of the drafts
-it proposed, needed to verify them losslessly next step, and the newest token each request sampled last
-step, which replaces `PLACEHOLDER_TOKEN_ID` inputs of the next step (asynchronous scheduling). State is
-dropped for finished/preempted requests when a step lists them.
+(seeded requests reproduce the same tokens whatever the batch), the draft distributions of the drafts it
+proposed, needed to verify them losslessly next step, and each request's last step result (`StepResult`),
+which resolves the placeholders of its next step under asynchronous scheduling. State is dropped for
+finished/preempted requests when a step lists them.
+
+Placeholders (asynchronous scheduling): a request scheduled while its previous step was in flight has
+only `PLACEHOLDER_TOKEN_ID` inputs: the bonus token then the drafts of that step, unknown when scheduled.
+The scheduler placed them as if every draft of the previous step were accepted; `run` fills in the
+tokens and moves the request's positions, slots and sequence length back by the number of drafts the
+previous step rejected (the scheduler rolls `num_computed_tokens` back by the same number when it commits
+that step). When the previous step proposed fewer drafts than the slots scheduled for them, the rest
+are filled with the bonus token: a deterministic draft, verified like any other.
 
 Speculative decoding (k = `num_speculative_tokens`):
 1. The scheduler runs the newest committed token plus the k drafts as one k+1-token query per request.
@@ -39,18 +47,30 @@ from kernels.sampling import probs_from_logits, sample
 
 
 class PreparedStep(NamedTuple):
-    """A step's packed inputs, before placeholders are filled in.
+    """A step's packed inputs, before placeholders are resolved.
 
     batch: the `ModelInput` (views of one persistent buffer set); None for a step that runs nothing.
     query_start_loc: `[num_reqs + 1]` host copy of `batch.query_start_loc`.
-    placeholder_rows: flat input rows holding `PLACEHOLDER_TOKEN_ID`.
-    placeholder_request_ids: the request of each placeholder row.
+    placeholder_items: indices (into the step's `scheduled`) of requests whose inputs are placeholders.
     """
 
     batch: ModelInput | None
     query_start_loc: list[int]
-    placeholder_rows: list[int]
-    placeholder_request_ids: list[str]
+    placeholder_items: list[int]
+
+
+class StepResult(NamedTuple):
+    """One request's result of the last step, what its next step's placeholders resolve to.
+
+    token_ids: tokens the step committed (accepted drafts, then the sampled bonus token).
+    draft_token_ids: drafts proposed for the next step.
+    num_rejected: draft slots of the step that were not accepted; the next step's positions move back by
+        this much from where the scheduler placed them.
+    """
+
+    token_ids: list[int]
+    draft_token_ids: list[int]
+    num_rejected: int
 
 
 class Executor:
@@ -78,7 +98,7 @@ class Executor:
         self.num_speculative_tokens = num_speculative_tokens
         self._generators: dict[str, torch.Generator | None] = {}
         self._draft_probs: dict[str, torch.Tensor | None] = {}
-        self._last_sampled: dict[str, int] = {}  # request id -> newest token sampled by the last step
+        self._last_step: dict[str, StepResult] = {}  # request id -> its result in the last step
         num_columns = min(runner.num_blocks, max_num_blocks_per_req or runner.num_blocks)
         self._buffers = [
             InputBuffers(max_num_tokens, max_num_reqs, num_columns, runner.block_size, runner.device)
@@ -114,7 +134,7 @@ class Executor:
         """
         scheduled = output.scheduled
         if not scheduled:
-            return PreparedStep(None, [0], [], [])
+            return PreparedStep(None, [0], [])
         buffers = self._buffers[self._num_prepared % 2]
         self._num_prepared += 1
         slots = [slot for item in scheduled for slot in item.slot_mapping]
@@ -124,14 +144,14 @@ class Executor:
             [item.block_ids for item in scheduled],
             slots,
         )
-        starts, rows, owners = [0], [], []
-        for item in scheduled:
-            for offset, token_id in enumerate(item.token_ids):
-                if token_id == PLACEHOLDER_TOKEN_ID:
-                    rows.append(starts[-1] + offset)
-                    owners.append(item.request_id)
+        starts, placeholder_items = [0], []
+        for i, item in enumerate(scheduled):
+            if PLACEHOLDER_TOKEN_ID in item.token_ids:
+                if any(t != PLACEHOLDER_TOKEN_ID for t in item.token_ids):
+                    raise ValueError(f"request {item.request_id!r} mixes placeholders and known tokens")
+                placeholder_items.append(i)
             starts.append(starts[-1] + item.num_scheduled_tokens)
-        return PreparedStep(batch, starts, rows, owners)
+        return PreparedStep(batch, starts, placeholder_items)
 
     def execute(
         self, output: SchedulerOutput, on_layer_kv: LayerKVCallback | None = None
@@ -146,26 +166,18 @@ class Executor:
         prepared: PreparedStep,
         on_layer_kv: LayerKVCallback | None = None,
     ) -> ModelRunnerOutput:
-        """Execute a prepared step: drop state of finished/preempted requests, replace placeholder inputs
-        by the previous step's samples, forward, sample or verify, propose drafts.
+        """Execute a prepared step: drop state of finished/preempted requests, resolve placeholders from
+        the previous step's results, forward, sample or verify, propose drafts.
 
         Raises:
-            RuntimeError: a placeholder for a request the previous step sampled nothing for.
+            RuntimeError: placeholders of a request the previous step sampled nothing for.
         """
         self.drop(output.finished_request_ids + output.preempted_request_ids)
-        scheduled, batch = output.scheduled, prepared.batch
+        batch = prepared.batch
         if batch is None:
-            self._last_sampled = {}
+            self._last_step = {}
             return ModelRunnerOutput({})
-        if prepared.placeholder_rows:
-            missing = [r for r in prepared.placeholder_request_ids if r not in self._last_sampled]
-            if missing:
-                raise RuntimeError(f"placeholder inputs of {missing}, but the previous step sampled none")
-            tokens = [self._last_sampled[r] for r in prepared.placeholder_request_ids]
-            device = batch.input_ids.device
-            batch.input_ids[torch.tensor(prepared.placeholder_rows, device=device)] = torch.tensor(
-                tokens, dtype=torch.long, device=device
-            )
+        scheduled = self._resolve_placeholders(output.scheduled, prepared)
         hidden = self.runner.forward(batch, on_layer_kv)
         starts = prepared.query_start_loc
 
@@ -179,11 +191,56 @@ class Executor:
             logits = self.runner.compute_logits(hidden[rows])
             sampled = self._sample_or_verify([scheduled[i] for i in sampling], logits)
 
-        self._last_sampled = {request_id: tokens[-1] for request_id, tokens in sampled.items()}
         spec: dict[str, list[int]] = {}
         if self.num_speculative_tokens:
             spec = self._propose(scheduled, hidden, starts, sampled)
+        self._last_step = {}
+        for i in sampling:
+            item = scheduled[i]
+            tokens = sampled[item.request_id]
+            num_rejected = len(item.spec_token_ids) - (len(tokens) - 1)
+            self._last_step[item.request_id] = StepResult(tokens, spec.get(item.request_id, []), num_rejected)
         return ModelRunnerOutput(sampled, spec)
+
+    def _resolve_placeholders(
+        self, scheduled: list[ScheduledRequest], prepared: PreparedStep
+    ) -> list[ScheduledRequest]:
+        """Fill in placeholder inputs and move their requests back by the previous step's rejected drafts
+        (in the batch and in the returned items). See the module docstring."""
+        if not prepared.placeholder_items:
+            return scheduled
+        batch, bs = prepared.batch, self.runner.block_size
+        assert batch is not None
+        scheduled = list(scheduled)
+        rows: list[int] = []
+        values: list[int] = []
+        for i in prepared.placeholder_items:
+            item = scheduled[i]
+            previous = self._last_step.get(item.request_id)
+            if previous is None:
+                raise RuntimeError(f"placeholders of {item.request_id!r}, but the last step sampled nothing")
+            n, first = item.num_scheduled_tokens, prepared.query_start_loc[i]
+            bonus = previous.token_ids[-1]
+            inputs = ([bonus] + previous.draft_token_ids)[:n]
+            inputs += [bonus] * (n - len(inputs))  # fewer drafts than slots: filler drafts
+            rows.extend(range(first, first + n))
+            values.extend(inputs)
+            shift = previous.num_rejected
+            if shift:
+                positions = batch.positions[first : first + n]
+                positions -= shift
+                batch.slot_mapping[first : first + n] = (
+                    batch.block_tables[i, positions // bs] * bs + positions % bs
+                )
+                batch.seq_lens[i] -= shift
+            scheduled[i] = item._replace(
+                token_ids=inputs, spec_token_ids=inputs[1:], start_position=item.start_position - shift
+            )
+        device = batch.input_ids.device
+        batch.input_ids[torch.tensor(rows, device=device)] = torch.tensor(
+            values, dtype=torch.long, device=device
+        )
+        return scheduled
 
     def _sample_or_verify(self, items: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, list[int]]:
         """logits: `[sum(k_i + 1), vocab_size]`, request i's `k_i + 1` rows after request i-1's."""
@@ -215,7 +272,8 @@ class Executor:
             for item, k in zip(items, num_drafts, strict=True):
                 stored = self._draft_probs.get(item.request_id)
                 if k and stored is not None:
-                    draft_probs[offset : offset + k] = stored[:k]
+                    m = min(k, stored.shape[0])  # rows past m: filler drafts (one-hot)
+                    draft_probs[offset : offset + m] = stored[:m]
                 offset += k
         result = rejection_sample_batch(
             draft_ids,
@@ -245,10 +303,11 @@ class Executor:
             new_tokens = sampled.get(item.request_id, [])
             num_rejected = len(item.spec_token_ids) - (len(new_tokens) - 1) if item.samples else 0
             num_valid = item.num_scheduled_tokens - num_rejected
-            # Token i+1 for each valid position i: committed tokens, then this step's new ones.
-            committed = request.all_token_ids + new_tokens
-            start = item.start_position
-            next_ids = committed[start + 1 : start + num_valid + 1]
+            start, n = item.start_position, item.num_scheduled_tokens
+            # Token i+1 for each valid position i: the step's next inputs (accepted drafts), then the
+            # sampled token, or the committed token after a prefill chunk (immutable: safe to read here).
+            after = new_tokens[-1:] if item.samples else request.all_token_ids[start + n : start + n + 1]
+            next_ids = item.token_ids[1:num_valid] + after
             if len(next_ids) < num_valid:  # the prompt's last token awaits its sample (cannot happen when
                 num_valid = len(next_ids)  # samples is True); drop that position until the next step
             if num_valid == 0:

@@ -103,6 +103,7 @@ class LLMEngine:
             ),
             num_blocks,
             config.enable_prefix_caching,
+            num_draft_placeholders=config.num_speculative_tokens if config.async_scheduling else 0,
         )
         self.executor = Executor(
             self.runner,

@@ -9,9 +9,10 @@ Between steps a decoding request has `num_computed_tokens == num_tokens - 1`: th
 no KV yet.
 
 Asynchronous scheduling (`engine.async_loop`) schedules step N+1 before step N's tokens are committed. A
-scheduled step that will sample counts one *output placeholder* (`num_output_placeholders`) until its
-token is committed, so the scheduler can already run the placeholder position (its token id is filled in
-by the executor from step N's sample). In the synchronous loop placeholders are always 0 at schedule time.
+scheduled step that will sample counts *output placeholders* (`num_output_placeholders`) until its
+tokens are committed: the most tokens it can yield, 1 + its drafts. So the scheduler can already run the
+next positions (their token ids are filled in by the executor from step N's results). In the synchronous
+loop placeholders are always 0 at schedule time.
 
 Only the `Scheduler` mutates a request; the block manager and the scheduling policy read it.
 """
@@ -66,8 +67,8 @@ class Request:
         num_computed_tokens: leading tokens of `all_token_ids` (then of `spec_token_ids`) whose KV is
             cached. May exceed `num_tokens` while drafts are in flight.
         spec_token_ids: draft tokens to verify in the next step.
-        num_output_placeholders: scheduled sampling steps whose token is not committed yet (0 or 1 at
-            schedule time; see the module docstring).
+        num_output_placeholders: tokens that scheduled, uncommitted sampling steps yield at most (at
+            schedule time: 0, or 1 + the drafts of the step in flight; see the module docstring).
         num_cached_tokens: prompt tokens served from the prefix cache when first scheduled (-1: not yet).
         num_preemptions: how many times the request was preempted (recomputed).
         stop_reason: the stop token id that finished the request, if one did.

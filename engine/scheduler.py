@@ -9,10 +9,14 @@ The engine loop calls, once per step and never while a step is in flight:
 
 With asynchronous scheduling (`engine.async_loop`) the order is shifted by one step: `schedule()` for
 step N+1 runs while step N is in flight, before `update_from_output` of step N. A request whose step N
-samples then holds one output placeholder (`Request.num_output_placeholders`), and step N+1 runs that
-placeholder position with `PLACEHOLDER_TOKEN_ID` as its input (the executor fills in step N's sample). A
-request whose step N samples its `max_tokens`-th token is not scheduled again. Results for requests that
-finished, were aborted or preempted after being scheduled are discarded by `update_from_output`.
+samples then holds output placeholders (`Request.num_output_placeholders`): as many tokens as step N
+yields at most, 1 + its drafts, as if every draft were accepted. Step N+1 runs the request from there with
+`PLACEHOLDER_TOKEN_ID` inputs: step N's bonus token, then `num_draft_placeholders` drafts that step N
+proposes (the executor fills them in, and moves the request back by the drafts step N rejected, by which
+`update_from_output` of step N rolls `num_computed_tokens` back). A request whose step in flight may
+sample its `max_tokens`-th token is not scheduled again until that step is committed, so no slot beyond
+`check_request_fits`'s count is ever allocated. Results for requests that finished, were aborted or
+preempted after being scheduled are discarded by `update_from_output`.
 
 The decision itself is `engine.scheduler_policy.schedule_step`, a pure function the capacity planner
 shares; this class only builds its inputs (`RequestView`s) and applies its `StepPlan`.
@@ -62,6 +66,10 @@ class Scheduler:
         enable_prefix_caching: see `BlockManager`.
         clock: returns the current time in seconds; timestamps on requests use it (inject a simulated
             clock in the planner and in tests).
+        num_draft_placeholders: asynchronous scheduling with speculative decoding: drafts stay in the
+            executor, and after each sampling step the scheduler reserves this many draft placeholders
+            (k, fewer near `max_tokens`) for the request's next step. 0: drafts come back in
+            `ModelRunnerOutput.spec_token_ids` (synchronous loop).
     """
 
     def __init__(
@@ -70,8 +78,10 @@ class Scheduler:
         num_blocks: int,
         enable_prefix_caching: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        num_draft_placeholders: int = 0,
     ) -> None:
         self.config = config
+        self.num_draft_placeholders = num_draft_placeholders
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching)
         self.clock = clock
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -160,7 +170,7 @@ class Scheduler:
 
     @staticmethod
     def _samples_last_token(request: Request) -> bool:
-        """The step in flight (asynchronous scheduling) samples the request's `max_tokens`-th token."""
+        """The step in flight (asynchronous scheduling) may sample the request's `max_tokens`-th token."""
         num_outputs = request.num_output_tokens + request.num_output_placeholders
         return request.num_output_placeholders > 0 and num_outputs >= request.sampling_params.max_tokens
 
@@ -238,7 +248,14 @@ class Scheduler:
                 )
             )
             request.num_computed_tokens = end
-            request.num_output_placeholders += samples
+            if samples:
+                request.num_output_placeholders += len(request.spec_token_ids) + 1
+                if self.num_draft_placeholders:
+                    # The drafts this step proposes, verified by the next; none past the last allowed token.
+                    num_outputs = request.num_output_tokens + request.num_output_placeholders
+                    num_allowed = request.sampling_params.max_tokens - num_outputs - 1
+                    num_drafts = max(0, min(self.num_draft_placeholders, num_allowed))
+                    request.spec_token_ids = [PLACEHOLDER_TOKEN_ID] * num_drafts
         if self.config.num_lookahead_tokens:
             # Best effort, after every planned allocation: a request that gets no lookahead drafts less.
             for item in scheduled:
@@ -282,12 +299,16 @@ class Scheduler:
             if not item.samples:
                 bm.cache_full_blocks(request)  # a prefill chunk: nothing sampled yet
                 continue
-            request.num_output_placeholders -= 1
             sampled = list(runner_output.sampled_token_ids.get(item.request_id, ()))
             num_drafts, num_accepted = len(item.spec_token_ids), len(sampled) - 1
+            request.num_output_placeholders -= num_drafts + 1
             if (
                 not 0 <= num_accepted <= num_drafts
-                or sampled[:num_accepted] != item.spec_token_ids[:num_accepted]
+                or any(
+                    token != draft
+                    and draft != PLACEHOLDER_TOKEN_ID  # placeholder drafts: filled by the executor
+                    for token, draft in zip(sampled[:num_accepted], item.spec_token_ids, strict=False)
+                )
             ):
                 raise ValueError(
                     f"request {item.request_id!r}: sampled {sampled} does not fit drafts "
@@ -297,16 +318,24 @@ class Scheduler:
                 request.record_spec_result(num_drafts, num_accepted)
                 request.num_computed_tokens -= num_drafts - num_accepted
                 bm.trim(request, request.num_computed_tokens)
-            request.spec_token_ids = []
+            if not self.num_draft_placeholders:
+                request.spec_token_ids = []
             new_token_ids, status = self._commit_tokens(request, sampled, now)
             bm.cache_full_blocks(request)
+            # No draft beyond the last allowed output token (keeps slots within check_request_fits).
+            num_allowed = request.sampling_params.max_tokens - request.num_output_tokens - 1
             if status.is_finished:
                 self._remove(request, status)
-            else:
-                # No draft beyond the last allowed output token (keeps slots within check_request_fits).
-                num_allowed = request.sampling_params.max_tokens - request.num_output_tokens - 1
+            elif not self.num_draft_placeholders:
                 request.spec_token_ids = list(runner_output.spec_token_ids.get(item.request_id, ()))[
                     :num_allowed
+                ]
+            elif request.num_output_placeholders == 0 and request.spec_token_ids:
+                # Left out of the step in flight (no token budget): its draft placeholders stand for the
+                # drafts this step proposed, known now; its next step runs them as known tokens.
+                num_drafts = min(len(request.spec_token_ids), num_allowed)
+                request.spec_token_ids = list(runner_output.spec_token_ids.get(item.request_id, ()))[
+                    :num_drafts
                 ]
             updates.append(RequestUpdate(item.request_id, new_token_ids, status))
         return updates
