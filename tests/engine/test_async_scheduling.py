@@ -15,15 +15,16 @@ import threading
 import pytest
 import torch
 
-from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.model_runner import InputBuffers, build_model_input
 from engine.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.scheduler_policy import SchedulerConfig
 from models import bundled_checkpoint_dir
 from models.prompts import heldout_def_prompts
+from tests.engine.conftest import FakeClock
 
 EOS = 100
 
@@ -34,29 +35,77 @@ def true_token(request_id: str, position: int) -> int:
 
 
 class FakeExecutor:
-    """Replaces placeholders by its previous step's samples (as `Executor.run` does), checks every input
-    against `true_token`, and samples `true_token` at the next position."""
+    """Mimics `Executor.run` over a fake model whose token at every position is fixed (`true_token`).
 
-    def __init__(self, prompts: dict[str, list[int]]) -> None:
+    Resolves placeholders from its previous step's results (bonus token, drafts, and the shift back by the
+    drafts that step rejected), checks every known input against the true sequence and that the block
+    table covers every position, accepts the drafts equal to the true tokens, samples the true token after
+    them, and proposes `num_speculative_tokens` drafts (every third one wrong).
+    """
+
+    def __init__(
+        self, prompts: dict[str, list[int]], block_size: int, num_speculative_tokens: int = 0
+    ) -> None:
         self.prompts = prompts
-        self.last_sampled: dict[str, int] = {}
-        self.num_placeholders = 0
+        self.block_size = block_size
+        self.num_speculative_tokens = num_speculative_tokens
+        self.last: dict[str, tuple[list[int], list[int], int]] = {}  # tokens, drafts, num_rejected
+        self.num_placeholder_steps = 0
+        self.num_shifted_steps = 0
+
+    def truth(self, request_id: str, position: int) -> int:
+        prompt = self.prompts[request_id]
+        return prompt[position] if position < len(prompt) else true_token(request_id, position)
 
     def run(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        sampled = {}
+        sampled, spec, last = {}, {}, {}
         for item in output.scheduled:
-            rid, prompt = item.request_id, self.prompts[item.request_id]
-            for offset, token in enumerate(item.token_ids):
-                position = item.start_position + offset
-                if token == PLACEHOLDER_TOKEN_ID:
-                    token = self.last_sampled[rid]
-                    self.num_placeholders += 1
-                expected = prompt[position] if position < len(prompt) else true_token(rid, position)
-                assert token == expected, f"{rid} position {position}: input {token}, expected {expected}"
-            if item.samples:
-                sampled[rid] = [true_token(rid, item.start_position + item.num_scheduled_tokens)]
-        self.last_sampled = {rid: tokens[-1] for rid, tokens in sampled.items()}
-        return ModelRunnerOutput(sampled)
+            rid, start = item.request_id, item.start_position
+            inputs, drafts = list(item.token_ids), list(item.spec_token_ids)
+            if PLACEHOLDER_TOKEN_ID in inputs:
+                tokens, proposed, num_rejected = self.last[rid]
+                inputs = ([tokens[-1]] + proposed)[: item.num_scheduled_tokens]
+                inputs += [tokens[-1]] * (item.num_scheduled_tokens - len(inputs))
+                drafts, start = inputs[1:], start - num_rejected
+                self.num_placeholder_steps += 1
+                self.num_shifted_steps += num_rejected > 0
+            assert start + len(inputs) <= len(item.block_ids) * self.block_size, f"{rid}: no KV slots"
+            num_known = len(inputs) - len(drafts)
+            for offset in range(num_known):
+                expected = self.truth(rid, start + offset)
+                assert inputs[offset] == expected, f"{rid} position {start + offset}: {inputs[offset]}"
+            if not item.samples:
+                continue
+            bonus_position = start + num_known
+            num_accepted = 0
+            while num_accepted < len(drafts) and drafts[num_accepted] == self.truth(
+                rid, bonus_position + num_accepted
+            ):
+                num_accepted += 1
+            newest = bonus_position + num_accepted
+            tokens = drafts[:num_accepted] + [self.truth(rid, newest)]
+            proposed = [
+                self.truth(rid, newest + 1 + d) if (newest + d) % 3 else 99  # 99: never the true token
+                for d in range(self.num_speculative_tokens)
+            ]
+            sampled[rid], spec[rid] = tokens, proposed
+            last[rid] = (tokens, proposed, len(drafts) - num_accepted)
+        self.last = last
+        return ModelRunnerOutput(sampled, spec)
+
+
+def make_pipelined_scheduler(
+    num_blocks: int, num_speculative_tokens: int, pipelined: bool, max_num_batched_tokens: int = 16
+) -> Scheduler:
+    config = SchedulerConfig(
+        block_size=4,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=6,
+        max_model_len=256,
+        num_lookahead_tokens=max(0, num_speculative_tokens - 1),
+    )
+    num_draft_placeholders = num_speculative_tokens if pipelined else 0
+    return Scheduler(config, num_blocks, True, FakeClock(), num_draft_placeholders=num_draft_placeholders)
 
 
 def add_workload(scheduler: Scheduler, make_request, seed: int) -> dict[str, list[int]]:
@@ -88,7 +137,8 @@ def run_pipelined(scheduler: Scheduler, fake: FakeExecutor, abort=lambda step: [
     to abort between steps (while a step is in flight)."""
     outputs, in_flight, num_steps = [], None, 0
     while scheduler.has_unfinished() or in_flight is not None:
-        assert all(r.num_output_placeholders <= 1 for r in scheduler.running)  # only step N's
+        num_max = 1 + scheduler.num_draft_placeholders
+        assert all(r.num_output_placeholders <= num_max for r in scheduler.running)  # only step N's
         output = scheduler.schedule()
         runner_output = fake.run(output)  # the worker runs it after the step in flight, in order
         previous, in_flight = in_flight, (output, runner_output)
@@ -106,26 +156,30 @@ def run_pipelined(scheduler: Scheduler, fake: FakeExecutor, abort=lambda step: [
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("num_blocks", [64, 14])  # 14: preemptions
-def test_pipelined_scheduler_commits_what_sync_commits(make_scheduler, make_request, seed, num_blocks):
+@pytest.mark.parametrize("k", [0, 2], ids=lambda k: f"k={k}")
+def test_pipelined_scheduler_commits_what_sync_commits(make_request, seed, num_blocks, k):
     results = {}
-    for mode in ("sync", "async"):
-        scheduler = make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=16, max_num_seqs=6)
+    for pipelined in (False, True):
+        scheduler = make_pipelined_scheduler(num_blocks, k, pipelined)
         prompts = add_workload(scheduler, make_request, seed)
         requests = dict(scheduler.requests)
-        fake = FakeExecutor(prompts)
-        if mode == "sync":
-            run_sync(scheduler, fake)
-            assert fake.num_placeholders == 0
-        else:
+        fake = FakeExecutor(prompts, block_size=4, num_speculative_tokens=k)
+        if pipelined:
             run_pipelined(scheduler, fake)
-            assert fake.num_placeholders > 0
+            assert fake.num_placeholder_steps > 0
+            assert (fake.num_shifted_steps > 0) == (k > 0)
+        else:
+            run_sync(scheduler, fake)
+            assert fake.num_placeholder_steps == 0
         scheduler.block_manager.check_no_leaks()
         assert all(r.num_output_placeholders == 0 for r in requests.values())
-        results[mode] = {rid: (r.output_token_ids, r.status) for rid, r in requests.items()}
-        if num_blocks == 14 and mode == "async":
+        results[pipelined] = {rid: (r.output_token_ids, r.status) for rid, r in requests.items()}
+        if num_blocks == 14:
             assert scheduler.num_preemptions > 0
-    assert results["async"] == results["sync"]
-    statuses = {status for _, status in results["sync"].values()}
+        if k:
+            assert sum(r.num_accepted_tokens for r in requests.values()) > 0
+    assert results[True] == results[False]
+    statuses = {status for _, status in results[False].values()}
     assert statuses == {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH}
 
 
@@ -150,6 +204,62 @@ def test_placeholder_is_scheduled_before_the_token_is_committed(make_scheduler, 
     scheduler.block_manager.check_no_leaks()
 
 
+@pytest.mark.parametrize("k", [0, 2], ids=lambda k: f"k={k}")
+def test_decode_left_out_of_a_step_for_lack_of_budget(make_request, k):
+    """Budget 3 = one decode with k = 2: while A's step is in flight, B (whose step is also in flight)
+    gets no token in the next step, nor in the following ones while A decodes. Committing B's step leaves
+    it with no step in flight, so once A stops (a stop token: no shorter last steps that would leave B
+    a token or two), B's next step runs known tokens: the drafts its committed step proposed."""
+    results = {}
+    for pipelined in (False, True):
+        scheduler = make_pipelined_scheduler(64, k, pipelined, max_num_batched_tokens=3)
+        prompts = {"a": [1], "b": [2]}
+        stop = (true_token("a", 4),)
+        scheduler.add_request(make_request("a", prompt=prompts["a"], max_tokens=12, stop_token_ids=stop))
+        scheduler.add_request(make_request("b", prompt=prompts["b"], max_tokens=12))
+        requests = dict(scheduler.requests)
+        fake = FakeExecutor(prompts, block_size=4, num_speculative_tokens=k)
+        if pipelined:
+            outputs = run_pipelined(scheduler, fake)
+            left_out = [i.request_id for i in outputs[1].scheduled] == ["a"]  # b's step still in flight
+            assert left_out == (k > 0)
+        else:
+            run_sync(scheduler, fake)
+        scheduler.block_manager.check_no_leaks()
+        results[pipelined] = {rid: (r.output_token_ids, r.status) for rid, r in requests.items()}
+        assert all(r.num_output_placeholders == 0 for r in requests.values())
+    assert results[True] == results[False]
+    assert results[True]["a"][1] is RequestStatus.FINISHED_STOPPED
+
+
+def test_draft_placeholders_are_placed_optimistically_and_rolled_back(make_request):
+    """k = 2: the step after an in-flight one is placed as if all its drafts were accepted; committing the
+    in-flight step rolls `num_computed_tokens` back by its rejected drafts (the executor moves the step's
+    positions back by as many)."""
+    scheduler = make_pipelined_scheduler(64, num_speculative_tokens=2, pipelined=True)
+    request = make_request(prompt=[1, 2, 3], max_tokens=10)
+    scheduler.add_request(request)
+    step_0 = scheduler.schedule()  # prompt; samples token 1 and proposes 2 drafts
+    assert request.spec_token_ids == [PLACEHOLDER_TOKEN_ID] * 2
+    step_1 = scheduler.schedule()  # bonus + 2 drafts, at position 3
+    (item,) = step_1.scheduled
+    assert (item.start_position, item.token_ids, item.samples) == (3, [PLACEHOLDER_TOKEN_ID] * 3, True)
+    assert request.num_output_placeholders == 1 + 3 and request.num_computed_tokens == 6
+    scheduler.update_from_output(step_0, ModelRunnerOutput({"r0": [7]}))
+    assert request.output_token_ids == [7] and request.num_output_placeholders == 3
+    step_2 = scheduler.schedule()  # as if step 1 accepted both drafts: bonus at position 6
+    assert [(i.start_position, i.num_scheduled_tokens) for i in step_2.scheduled] == [(6, 3)]
+    scheduler.update_from_output(step_1, ModelRunnerOutput({"r0": [8, 9]}))  # 1 of 2 drafts accepted
+    assert request.output_token_ids == [7, 8, 9] and request.num_accepted_tokens == 1
+    # Step 2 really runs positions 5..7 (moved back by 1): its KV ends where num_computed_tokens says.
+    assert request.num_computed_tokens == 8 and request.num_output_placeholders == 3
+    assert request.num_draft_tokens_per_position == [1, 1]
+    scheduler.update_from_output(step_2, ModelRunnerOutput({"r0": [10]}))  # both drafts rejected
+    # As between synchronous steps: the newest token (10, position 6) has no KV yet.
+    assert request.num_computed_tokens == 6 == request.num_tokens - 1
+    assert request.num_output_placeholders == 0
+
+
 def test_request_finished_in_step_n_is_dropped_from_step_n_plus_1(make_scheduler, make_request):
     scheduler = make_scheduler()
     request = make_request(prompt=[1, 2, 3], max_tokens=10, eos_token_id=EOS)
@@ -165,8 +275,9 @@ def test_request_finished_in_step_n_is_dropped_from_step_n_plus_1(make_scheduler
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_aborts_and_preemptions_while_a_step_is_in_flight_leak_nothing(make_scheduler, make_request, seed):
-    scheduler = make_scheduler(num_blocks=14, max_num_batched_tokens=16, max_num_seqs=6)
+@pytest.mark.parametrize("k", [0, 2], ids=lambda k: f"k={k}")
+def test_aborts_and_preemptions_while_a_step_is_in_flight_leak_nothing(make_request, seed, k):
+    scheduler = make_pipelined_scheduler(14, k, pipelined=True)
     prompts = add_workload(scheduler, make_request, seed)
     requests = dict(scheduler.requests)
     rng = random.Random(seed)
@@ -175,7 +286,7 @@ def test_aborts_and_preemptions_while_a_step_is_in_flight_leak_nothing(make_sche
         alive = sorted(scheduler.requests)
         return rng.sample(alive, 1) if alive and rng.random() < 0.2 else []
 
-    run_pipelined(scheduler, FakeExecutor(prompts), abort)
+    run_pipelined(scheduler, FakeExecutor(prompts, block_size=4, num_speculative_tokens=k), abort)
     scheduler.block_manager.check_no_leaks()
     assert scheduler.num_preemptions > 0
     assert any(r.status is RequestStatus.FINISHED_ABORTED for r in requests.values())
@@ -234,11 +345,6 @@ def assert_nothing_left(llm: LLM) -> None:
     assert not engine._async_loop.has_step_in_flight
 
 
-def test_async_with_speculative_decoding_is_rejected():
-    with pytest.raises(ValueError, match="async_scheduling with num_speculative_tokens > 0 is not supported"):
-        EngineConfig(model="x", async_scheduling=True, num_speculative_tokens=2)
-
-
 def test_forward_of_step_n_overlaps_scheduling_of_step_n_plus_1(llm, prompts, reference):
     """Each step's execution on the worker waits (up to 30 s) until the main thread has scheduled the
     following step. A synchronous loop could never get there; the pipeline always does (except for the
@@ -279,7 +385,8 @@ def test_forward_of_step_n_overlaps_scheduling_of_step_n_plus_1(llm, prompts, re
     assert len(overlapped) > 4 and sum(overlapped) >= len(overlapped) - 1
 
 
-def test_finished_in_step_n_but_scheduled_in_n_plus_1_is_dropped(llm, prompts, reference):
+@pytest.mark.parametrize("k", [0, 2], ids=lambda k: f"k={k}")
+def test_finished_in_step_n_but_scheduled_in_n_plus_1_is_dropped(llm, prompts, reference, k):
     """Stop tokens and stop strings end requests mid-pipeline: the step already scheduled for them is
     computed and discarded; outputs equal the synchronous loop's and nothing leaks."""
     params = []
@@ -295,7 +402,7 @@ def test_finished_in_step_n_but_scheduled_in_n_plus_1_is_dropped(llm, prompts, r
             params.append(SamplingParams(temperature=0.0, max_tokens=24, stop=stops))
     expected = llm.generate(prompts, params)
     assert {o.finish_reason for o in expected} == {"stop", "length"}
-    other = llm.replace_config(async_scheduling=True)
+    other = llm.replace_config(async_scheduling=True, num_speculative_tokens=k)
     history: list[SchedulerOutput] = []
     schedule = other.engine.scheduler.schedule
 
@@ -307,6 +414,10 @@ def test_finished_in_step_n_but_scheduled_in_n_plus_1_is_dropped(llm, prompts, r
     outputs = other.generate(prompts, params)
     got = [(o.token_ids, o.text, o.finish_reason) for o in outputs]
     assert got == [(o.token_ids, o.text, o.finish_reason) for o in expected]
+    assert_nothing_left(other)
+    if k:
+        assert sum(o.num_draft_tokens for o in outputs) > 0
+        return  # several tokens per step: the step counts below hold for k = 0
     wasted = 0
     for out in outputs:
         num_sampling_steps = sum(
@@ -318,11 +429,11 @@ def test_finished_in_step_n_but_scheduled_in_n_plus_1_is_dropped(llm, prompts, r
         else:
             assert num_sampling_steps == len(out.token_ids)  # never scheduled past max_tokens
     assert wasted > 0
-    assert_nothing_left(other)
 
 
-def test_abort_while_a_step_is_in_flight(llm, prompts, reference):
-    other = llm.replace_config(async_scheduling=True)
+@pytest.mark.parametrize("k", [0, 2], ids=lambda k: f"k={k}")
+def test_abort_while_a_step_is_in_flight(llm, prompts, reference, k):
+    other = llm.replace_config(async_scheduling=True, num_speculative_tokens=k)
     engine = other.engine
     ids = [engine.add_request(p, GREEDY) for p in prompts[:6]]
     results = {}
@@ -354,9 +465,40 @@ def test_abort_while_a_step_is_in_flight(llm, prompts, reference):
     assert_nothing_left(other)
 
 
-def test_preemption_under_kv_pressure_with_async_scheduling(llm, prompts, reference):
-    tight = llm.replace_config(async_scheduling=True, num_kv_blocks=24, block_size=8)
+@pytest.mark.parametrize("k", [0, 2], ids=lambda k: f"k={k}")
+def test_preemption_under_kv_pressure_with_async_scheduling(llm, prompts, reference, k):
+    tight = llm.replace_config(
+        async_scheduling=True, num_kv_blocks=24, block_size=8, num_speculative_tokens=k
+    )
     outputs = tight.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == reference
     assert sum(o.num_preemptions for o in outputs) > 0
     assert_nothing_left(tight)
+
+
+def test_sampling_with_async_speculation_preserves_the_distribution(llm):
+    """As `test_llm.test_sampling_with_speculation_preserves_the_distribution`, for the pipelined loop:
+    600 seeded requests sample 3 tokens at temperature 1.0; the third token's distribution with async
+    scheduling and k = 2 (drafts filled in by the worker, rejection sampling) must match the synchronous
+    k = 0 one (two-sample chi-square test, alpha = 0.001)."""
+    prompt = "def __init__(self, name, value):\n        self."
+    num = 600
+
+    def third_tokens(**changes) -> list[int]:
+        engine_llm = llm.replace_config(max_num_seqs=600, num_kv_blocks=2048, **changes)
+        params = [SamplingParams(temperature=1.0, max_tokens=3, seed=s, ignore_eos=True) for s in range(num)]
+        outputs = engine_llm.generate([prompt] * num, params)
+        return [o.token_ids[2] for o in outputs]
+
+    a, b = third_tokens(), third_tokens(async_scheduling=True, num_speculative_tokens=2)
+    tokens = sorted(set(a) | set(b))
+    counts = torch.tensor([[a.count(t), b.count(t)] for t in tokens], dtype=torch.float64)
+    rare = counts.sum(1) < 10  # pool rare tokens so that every expected count is >= 5
+    if rare.any():
+        counts = torch.cat([counts[~rare], counts[rare].sum(0, keepdim=True)])
+    expected = counts.sum(1, keepdim=True) / 2  # equal sample sizes
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    dof = counts.shape[0] - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+    assert dof >= 2, "the test needs a spread-out distribution to mean anything"
+    assert p_value > 0.001, f"chi-square {stat:.1f} with {dof} dof, p = {p_value:.2e}"

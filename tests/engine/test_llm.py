@@ -66,6 +66,13 @@ def test_engine_matches_cacheless_model(llm, prompts, reference):
         {"num_speculative_tokens": 2, "max_num_batched_tokens": 40, "block_size": 4},
         {"async_scheduling": True},
         {"async_scheduling": True, "max_num_batched_tokens": 40},  # prefill chunks while a step is in flight
+        {"async_scheduling": True, "num_speculative_tokens": 2},
+        {
+            "async_scheduling": True,
+            "num_speculative_tokens": 3,
+            "max_num_batched_tokens": 40,
+            "block_size": 4,
+        },
     ],
     ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()),
 )
