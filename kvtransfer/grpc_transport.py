@@ -1,0 +1,484 @@
+"""gRPC transport: the decode instance runs a server, the prefill instance streams each request to it.
+
+One client-streaming call `KVTransfer.Transfer` per request (`protos/kv_transfer.proto`): Begin, the layers
+as `LayerChunk`s (each layer split into chunks of at most `max_chunk_bytes`, below gRPC's 4 MiB message
+limit), then Finish or Abort. The call's gRPC deadline is the handoff's lease.
+
+Threads. Sender: `send_layer` copies the tensor onto the request's queue and returns; gRPC's own thread for
+the call pulls from the queue, encodes (INT8 quantization, CRC-32) and streams, so the prefill forward
+overlaps encoding and transfer. Receiver: each in-flight call occupies one server worker thread
+(`max_concurrent_streams` of them), which assembles layers, verifies them and runs decode's `on_layer`.
+
+The receiver fails a call with a status decode's error maps to (DATA_LOSS: checksum mismatch,
+FAILED_PRECONDITION: no reservation or a protocol error, DEADLINE_EXCEEDED: lease), so the sender stops
+sending a request decode has given up on; `GrpcKVSender.flush` reports it. If the sender process dies or
+`close()`s, the receiver sees the stream break and fails the request with SenderLost at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import torch
+
+from kvtransfer.base import (
+    ChecksumMismatch,
+    HandoffExtras,
+    HandoffMeta,
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+    LayerCallback,
+    ProtocolError,
+    ReceivedKV,
+    SenderLost,
+    TransferAborted,
+    TransferTimeout,
+)
+from kvtransfer.reservations import Reservations
+from kvtransfer.wire import (
+    FaultHook,
+    LayerHeader,
+    apply_fault_hook,
+    check_layer,
+    encode_layer,
+    extras_checksum,
+    tensor_from_record,
+    tensor_to_record,
+    verify_extras,
+)
+from protos import kv_transfer_pb2 as pb
+from protos import kv_transfer_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+GRPC_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's default receive limit; both ends set it explicitly
+MESSAGE_OVERHEAD_BYTES = 64 << 10  # room for the chunk's header and protobuf framing
+DEFAULT_MAX_CHUNK_BYTES = 1 << 20
+
+_ERROR_TO_CODE: list[tuple[type[KVTransferError], grpc.StatusCode]] = [
+    (ChecksumMismatch, grpc.StatusCode.DATA_LOSS),
+    (TransferTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (TransferAborted, grpc.StatusCode.ABORTED),
+    (SenderLost, grpc.StatusCode.CANCELLED),
+    (KVTransferError, grpc.StatusCode.FAILED_PRECONDITION),  # ProtocolError and the rest
+]
+_CODE_TO_ERROR = {code: cls for cls, code in _ERROR_TO_CODE} | {
+    grpc.StatusCode.FAILED_PRECONDITION: ProtocolError
+}
+
+
+# ---- protobuf <-> kvtransfer types ----
+
+
+def meta_to_proto(meta: HandoffMeta) -> pb.Begin:
+    return pb.Begin(
+        request_id=meta.request_id,
+        num_layers=meta.num_layers,
+        num_tokens=meta.num_tokens,
+        kv_dim=meta.kv_dim,
+        dtype=meta.dtype,
+        wire_dtype=meta.wire_dtype,
+        lease_s=meta.lease_s,
+    )
+
+
+def meta_from_proto(begin: pb.Begin) -> HandoffMeta:
+    try:
+        return HandoffMeta(
+            request_id=begin.request_id,
+            num_layers=begin.num_layers,
+            num_tokens=begin.num_tokens,
+            kv_dim=begin.kv_dim,
+            dtype=begin.dtype,
+            wire_dtype=begin.wire_dtype,
+            lease_s=begin.lease_s,
+        )
+    except ValueError as e:
+        raise ProtocolError(f"malformed Begin for {begin.request_id!r}: {e}") from None
+
+
+def header_to_proto(header: LayerHeader) -> pb.LayerHeader:
+    return pb.LayerHeader(**header.to_dict())
+
+
+def header_from_proto(header: pb.LayerHeader) -> LayerHeader:
+    return LayerHeader(
+        request_id=header.request_id,
+        layer_idx=header.layer_idx,
+        num_tokens=header.num_tokens,
+        kv_dim=header.kv_dim,
+        dtype=header.dtype,
+        wire_dtype=header.wire_dtype,
+        num_bytes=header.num_bytes,
+        checksum=header.checksum,
+    )
+
+
+def _raw_tensor(tensor: torch.Tensor) -> pb.RawTensor:
+    return pb.RawTensor(**tensor_to_record(tensor))
+
+
+def extras_to_proto(extras: HandoffExtras) -> pb.Finish:
+    finish = pb.Finish(
+        prompt_token_ids=extras.prompt_token_ids,
+        first_token_id=extras.first_token_id,
+        last_hidden=_raw_tensor(extras.last_hidden),
+        draft_token_ids=extras.draft_token_ids,
+        checksum=extras_checksum(extras),
+    )
+    if extras.draft_probs is not None:
+        finish.draft_probs.CopyFrom(_raw_tensor(extras.draft_probs))
+    return finish
+
+
+def extras_from_proto(request_id: str, finish: pb.Finish) -> HandoffExtras:
+    def tensor(raw: pb.RawTensor) -> torch.Tensor:
+        return tensor_from_record({"dtype": raw.dtype, "shape": list(raw.shape), "data": raw.data})
+
+    try:
+        extras = HandoffExtras(
+            prompt_token_ids=list(finish.prompt_token_ids),
+            first_token_id=finish.first_token_id,
+            last_hidden=tensor(finish.last_hidden),
+            draft_token_ids=list(finish.draft_token_ids),
+            draft_probs=tensor(finish.draft_probs) if finish.HasField("draft_probs") else None,
+        )
+    except (ValueError, RuntimeError) as e:
+        raise ProtocolError(f"{request_id}: malformed extras: {e}") from None
+    verify_extras(request_id, extras, finish.checksum)
+    return extras
+
+
+def error_from_rpc(error: grpc.RpcError) -> KVTransferError:
+    """The sender's view of a failed call: the receiver's error class where the status code names one."""
+    code, details = error.code(), error.details()  # type: ignore[attr-defined]
+    cls = _CODE_TO_ERROR.get(code, KVTransferError)
+    return cls(f"gRPC {code.name}: {details}")
+
+
+# ---- sender (prefill side) ----
+
+
+@dataclass
+class _Call:
+    """One request's stream on the sender."""
+
+    meta: HandoffMeta
+    begun_at_s: float
+    messages: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    future: grpc.Future | None = None
+    closed: bool = False  # finish() or abort() was called
+    abort_reason: str | None = None
+    stalled: bool = False  # the fault hook stopped it
+    reported: bool = False  # its failure was returned by flush()
+
+
+class GrpcKVSender(KVSender):
+    """Streams handoffs to one decode instance's `KVReceiverServer` at `target` (`"host:port"`).
+
+    max_chunk_bytes: largest payload slice per gRPC message (must leave room under the 4 MiB limit).
+    fault_hook: test-only fault injection (`kvtransfer.wire.FaultHook`).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        if not 0 < max_chunk_bytes <= GRPC_MAX_MESSAGE_BYTES - MESSAGE_OVERHEAD_BYTES:
+            raise ValueError(
+                f"max_chunk_bytes: must be in (0, {GRPC_MAX_MESSAGE_BYTES - MESSAGE_OVERHEAD_BYTES}], "
+                f"got {max_chunk_bytes}"
+            )
+        self.target = target
+        self.max_chunk_bytes = max_chunk_bytes
+        self._fault_hook = fault_hook
+        self._channel = grpc.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+            ],
+        )
+        self._stub = pb_grpc.KVTransferStub(self._channel)
+        self._lock = threading.Lock()
+        self._calls: dict[str, _Call] = {}
+        self._closed = False
+
+    def begin(self, handoff: HandoffMeta) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("GrpcKVSender is closed")
+            if handoff.request_id in self._calls:
+                raise ValueError(f"{handoff.request_id}: handoff already begun")
+            call = _Call(meta=handoff, begun_at_s=time.monotonic())
+            self._calls[handoff.request_id] = call
+        call.future = self._stub.Transfer.future(self._stream(call), timeout=handoff.lease_s)
+        call.future.add_done_callback(lambda _: self._forget_if_delivered(call))
+
+    def _forget_if_delivered(self, call: _Call) -> None:
+        """A closed call that succeeded is forgotten at once; a failed one waits for flush() to report it."""
+        with self._lock:
+            assert call.future is not None
+            if call.closed and not call.future.cancelled() and call.future.exception() is None:
+                self._calls.pop(call.meta.request_id, None)
+
+    def send_layer(self, request_id: str, layer_idx: int, latent_kv: torch.Tensor) -> None:
+        call = self._open_call(request_id)
+        check_layer(call.meta, layer_idx, latent_kv)
+        assert call.future is not None
+        if call.future.done():  # failed in the background; flush() reports it
+            return
+        call.messages.put(("layer", layer_idx, latent_kv.detach().clone()))
+
+    def finish(self, request_id: str, extras: HandoffExtras) -> None:
+        call = self._open_call(request_id)
+        with self._lock:
+            call.closed = True
+        call.messages.put(("finish", extras))
+
+    def abort(self, request_id: str, reason: str) -> None:
+        call = self._open_call(request_id)
+        with self._lock:
+            call.closed = True
+            call.abort_reason = reason  # layers still queued are dropped
+        call.messages.put(("abort", reason))
+
+    def flush(self, timeout_s: float) -> dict[str, KVTransferError]:
+        deadline_s = time.monotonic() + timeout_s
+        with self._lock:
+            calls = list(self._calls.values())
+        for call in calls:
+            if call.closed:
+                assert call.future is not None
+                try:
+                    call.future.exception(timeout=max(0.0, deadline_s - time.monotonic()))
+                except (futures.TimeoutError, grpc.FutureTimeoutError):
+                    pass
+        failures: dict[str, KVTransferError] = {}
+        in_flight = []
+        with self._lock:
+            for request_id, call in list(self._calls.items()):
+                assert call.future is not None
+                if not call.future.done():
+                    if call.closed:
+                        in_flight.append(request_id)
+                    continue
+                error = call.future.exception()
+                if error is not None and not call.reported:
+                    failures[request_id] = (
+                        error_from_rpc(error) if isinstance(error, grpc.RpcError) else error
+                    )
+                    call.reported = True
+                if call.closed:
+                    del self._calls[request_id]
+        if in_flight:
+            raise TransferTimeout(
+                f"flush: {len(in_flight)} finished handoffs in flight after {timeout_s:g} s: {in_flight}"
+            )
+        return failures
+
+    def pending_request_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._calls)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            calls = list(self._calls.values())
+            self._calls.clear()
+        for call in calls:
+            call.messages.put(("cut",))
+            if call.future is not None:
+                call.future.cancel()
+        self._channel.close()
+
+    def _open_call(self, request_id: str) -> _Call:
+        with self._lock:
+            call = self._calls.get(request_id)
+        if call is None or call.closed:
+            raise ValueError(f"{request_id}: no open handoff (never begun, or already finished/aborted)")
+        return call
+
+    def _stream(self, call: _Call) -> Iterator[pb.KVMessage]:
+        """The call's messages; runs on gRPC's thread for the call, pulling from the request's queue."""
+        meta = call.meta
+        yield pb.KVMessage(begin=meta_to_proto(meta))
+        while True:
+            try:
+                item = call.messages.get(timeout=max(0.0, call.begun_at_s + meta.lease_s - time.monotonic()))
+            except queue.Empty:
+                return  # lease over: the call's deadline fails it
+            kind = item[0]
+            if kind == "cut":
+                return
+            if call.stalled:
+                continue
+            if kind == "layer":
+                if call.abort_reason is not None:
+                    continue
+                layer, keep_sending = apply_fault_hook(self._fault_hook, encode_layer(meta, item[1], item[2]))
+                if not keep_sending:
+                    call.stalled = True
+                    continue
+                yield from self._chunks(layer.header, layer.payload)
+            elif kind == "finish":
+                yield pb.KVMessage(finish=extras_to_proto(item[1]))
+                return
+            elif kind == "abort":
+                yield pb.KVMessage(abort=pb.Abort(reason=item[1]))
+                return
+
+    def _chunks(self, header: LayerHeader, payload: torch.Tensor) -> Iterator[pb.KVMessage]:
+        data = memoryview(payload.numpy())
+        for offset_bytes in range(0, max(len(data), 1), self.max_chunk_bytes):
+            chunk = pb.LayerChunk(
+                layer_idx=header.layer_idx,
+                offset_bytes=offset_bytes,
+                data=bytes(data[offset_bytes : offset_bytes + self.max_chunk_bytes]),
+            )
+            if offset_bytes == 0:
+                chunk.header.CopyFrom(header_to_proto(header))
+            yield pb.KVMessage(chunk=chunk)
+
+
+# ---- receiver (decode side) ----
+
+
+class _LayerAssembly:
+    """One layer's payload filled from in-order chunks."""
+
+    def __init__(self, header: LayerHeader) -> None:
+        self.header = header
+        self.payload = torch.empty(header.num_bytes, dtype=torch.uint8)
+        self._payload_np = self.payload.numpy()
+        self.num_bytes_filled = 0
+
+    def add(self, chunk: pb.LayerChunk) -> bool:
+        """Copies the chunk in; True once the layer is whole."""
+        if chunk.layer_idx != self.header.layer_idx or chunk.offset_bytes != self.num_bytes_filled:
+            raise ProtocolError(
+                f"{self.header.request_id}: chunk of layer {chunk.layer_idx} at byte {chunk.offset_bytes}, "
+                f"expected layer {self.header.layer_idx} at byte {self.num_bytes_filled}"
+            )
+        end = self.num_bytes_filled + len(chunk.data)
+        if end > self.header.num_bytes:
+            raise ProtocolError(
+                f"{self.header.request_id}: layer {self.header.layer_idx} overruns {self.header.num_bytes} B"
+            )
+        self._payload_np[self.num_bytes_filled : end] = np.frombuffer(chunk.data, dtype=np.uint8)
+        self.num_bytes_filled = end
+        return end == self.header.num_bytes
+
+
+class _Servicer(pb_grpc.KVTransferServicer):
+    def __init__(self, reservations: Reservations) -> None:
+        self._reservations = reservations
+
+    def Transfer(self, request_iterator: Iterator[pb.KVMessage], context: grpc.ServicerContext) -> pb.Ack:  # noqa: N802
+        request_id: str | None = None
+        num_layers_received = 0
+        assembly: _LayerAssembly | None = None
+        error: KVTransferError | None = None
+        try:
+            while True:
+                try:
+                    message = next(request_iterator)
+                except StopIteration:
+                    lost = "the stream ended before finish"
+                    break
+                except Exception as e:  # client cancelled, deadline passed, connection lost
+                    lost = f"the stream broke ({type(e).__name__}: {e})"
+                    break
+                kind = message.WhichOneof("kind")
+                if request_id is None:
+                    if kind != "begin":
+                        raise ProtocolError(f"a stream must start with begin, got {kind}")
+                    meta = meta_from_proto(message.begin)
+                    request_id = meta.request_id
+                    self._reservations.on_begin(meta)
+                elif kind == "chunk":
+                    chunk = message.chunk
+                    if assembly is None:
+                        if not chunk.HasField("header") or chunk.offset_bytes != 0:
+                            raise ProtocolError(
+                                f"{request_id}: layer {chunk.layer_idx} starts without its header"
+                            )
+                        header = header_from_proto(chunk.header)
+                        self._reservations.check_header(header)  # before allocating header.num_bytes
+                        assembly = _LayerAssembly(header)
+                    if assembly.add(chunk):
+                        self._reservations.on_layer(assembly.header, assembly.payload)
+                        num_layers_received += 1
+                        assembly = None
+                elif kind == "finish":
+                    self._reservations.on_finish(request_id, extras_from_proto(request_id, message.finish))
+                    return pb.Ack(num_layers_received=num_layers_received)
+                elif kind == "abort":
+                    self._reservations.on_abort(request_id, message.abort.reason)
+                    return pb.Ack(num_layers_received=num_layers_received)
+                else:
+                    raise ProtocolError(f"{request_id}: unexpected message {kind}")
+            if request_id is not None:
+                self._reservations.on_sender_lost(request_id, lost)
+            error = SenderLost(f"{request_id}: {lost}")
+        except KVTransferError as e:
+            if request_id is not None:
+                self._reservations.on_error(request_id, e)
+            error = e
+        logger.info("kv transfer %s failed: %s", request_id, error)
+        code = next(code for cls, code in _ERROR_TO_CODE if isinstance(error, cls))
+        context.abort(code, str(error))
+
+
+class KVReceiverServer(KVReceiver):
+    """The decode instance's gRPC endpoint and its reservations.
+
+    Serves on `host:port` (`port=0`: a free port; the bound one is `self.port`, the address to give prefill
+    senders is `self.address`). `max_concurrent_streams` bounds the requests received at once (one server
+    thread each); `int8_passthrough` as in `kvtransfer.reservations.Reservations`.
+    """
+
+    def __init__(
+        self, host: str, port: int = 0, *, int8_passthrough: bool = False, max_concurrent_streams: int = 16
+    ):
+        self._reservations = Reservations(int8_passthrough)
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_concurrent_streams, thread_name_prefix="kv-receiver"),
+            options=[
+                ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+            ],
+        )
+        pb_grpc.add_KVTransferServicer_to_server(_Servicer(self._reservations), self._server)
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"could not bind a gRPC server to {host}:{port}")
+        self.address = f"{host}:{self.port}"
+        self._server.start()
+
+    def expect(self, handoff: HandoffMeta, on_layer: LayerCallback | None = None) -> None:
+        self._reservations.expect(handoff, on_layer)
+
+    def wait(self, request_id: str, timeout_s: float) -> ReceivedKV:
+        return self._reservations.wait(request_id, timeout_s)
+
+    def release(self, request_id: str) -> None:
+        self._reservations.release(request_id)
+
+    def pending_request_ids(self) -> list[str]:
+        return self._reservations.pending_request_ids()
+
+    def close(self, grace_s: float = 1.0) -> None:
+        self._server.stop(grace_s).wait()

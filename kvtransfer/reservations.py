@@ -1,0 +1,298 @@
+"""Receiver-side bookkeeping shared by every transport: reservations, leases, per-layer completion, checksums.
+
+`Reservations` implements `KVReceiver.expect/wait/release/pending_request_ids`; a transport feeds it what
+arrives through `on_begin`, `on_layer`, `on_finish`, `on_abort` and `on_sender_lost` from its receive
+threads. Each `on_*` raises the `KVTransferError` it recorded, so the transport can tell the sender (gRPC
+aborts the stream with it) and drop the rest of that request's data.
+
+A reservation moves `expecting -> streaming -> complete`, or to `failed` from any state before `complete`.
+Only `release` removes it. A layer is handed to decode (kept, or passed to `on_layer`) only after its
+header matched the handoff and its checksum verified, and only while the lease runs.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtransfer.base import (
+    HandoffExtras,
+    HandoffMeta,
+    KVTransferError,
+    LayerCallback,
+    ProtocolError,
+    ReceivedKV,
+    ReceivedLayer,
+    SenderLost,
+    TransferAborted,
+    TransferTimeout,
+)
+from kvtransfer.wire import LayerHeader, check_header, decode_layer, verify_layer
+
+
+class State(enum.Enum):
+    EXPECTING = "expecting"  # reserved, nothing arrived yet
+    STREAMING = "streaming"  # begin arrived; layers arriving
+    COMPLETE = "complete"  # every layer verified and the extras arrived
+    FAILED = "failed"
+
+
+@dataclass
+class _Reservation:
+    meta: HandoffMeta
+    on_layer: LayerCallback | None
+    expected_at_s: float  # monotonic time of expect()
+    state: State = State.EXPECTING
+    layers: list[ReceivedLayer | None] = field(default_factory=list)
+    arrived: list[bool] = field(default_factory=list)
+    num_layers_arrived: int = 0
+    extras: HandoffExtras | None = None
+    error: KVTransferError | None = None
+    completed_at_s: float = 0.0
+    num_callbacks_running: int = 0
+
+    @property
+    def deadline_s(self) -> float:
+        return self.expected_at_s + self.meta.lease_s
+
+    def progress(self) -> str:
+        return f"{self.num_layers_arrived}/{self.meta.num_layers} layers arrived"
+
+
+class Reservations:
+    """Thread-safe table of one receiver's reservations.
+
+    int8_passthrough: hand int8 + scales through on an int8 wire (a decode instance whose cache is int8)
+        instead of dequantizing to the model dtype.
+    """
+
+    def __init__(self, int8_passthrough: bool = False) -> None:
+        self.int8_passthrough = int8_passthrough
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._reservations: dict[str, _Reservation] = {}
+
+    # ---- decode side (KVReceiver) ----
+
+    def expect(self, handoff: HandoffMeta, on_layer: LayerCallback | None = None) -> None:
+        with self._lock:
+            if handoff.request_id in self._reservations:
+                raise ValueError(f"{handoff.request_id}: already reserved")
+            self._reservations[handoff.request_id] = _Reservation(
+                meta=handoff,
+                on_layer=on_layer,
+                expected_at_s=time.monotonic(),
+                layers=[None] * handoff.num_layers,
+                arrived=[False] * handoff.num_layers,
+            )
+
+    def wait(self, request_id: str, timeout_s: float) -> ReceivedKV:
+        wait_deadline_s = time.monotonic() + timeout_s
+        with self._lock:
+            res = self._reservations.get(request_id)
+            if res is None:
+                raise KeyError(f"{request_id}: not expected (or already released)")
+            while res.state not in (State.COMPLETE, State.FAILED):
+                now_s = time.monotonic()
+                if now_s >= res.deadline_s:
+                    self._fail(
+                        res,
+                        TransferTimeout(
+                            f"{request_id}: lease of {res.meta.lease_s:g} s expired with {res.progress()}"
+                            + ("" if res.state is State.STREAMING else " (the sender never began)")
+                        ),
+                    )
+                    break
+                if now_s >= wait_deadline_s:
+                    raise TransferTimeout(
+                        f"{request_id}: wait timed out after {timeout_s:g} s with {res.progress()} "
+                        f"(lease has {res.deadline_s - now_s:.3g} s left; the reservation stays)"
+                    )
+                self._changed.wait(min(res.deadline_s, wait_deadline_s) - now_s)
+            if res.error is not None:
+                raise res.error
+            assert res.extras is not None
+            layers = [] if res.on_layer is not None else [layer for layer in res.layers if layer is not None]
+            return ReceivedKV(
+                meta=res.meta,
+                extras=res.extras,
+                layers=layers,
+                num_wire_bytes=res.meta.total_wire_bytes,
+                elapsed_s=res.completed_at_s - res.expected_at_s,
+            )
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            res = self._reservations.get(request_id)
+            if res is None:
+                return
+            if res.state is not State.COMPLETE and res.error is None:
+                res.error = KVTransferError(f"{request_id}: released by the receiver")
+                res.state = State.FAILED  # no new callbacks start
+            while res.num_callbacks_running:
+                self._changed.wait()
+            del self._reservations[request_id]
+            self._changed.notify_all()
+
+    def pending_request_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._reservations)
+
+    # ---- transport side ----
+
+    def on_begin(self, handoff: HandoffMeta) -> None:
+        """The sender opened the handoff; ProtocolError unless it matches the reservation."""
+        with self._lock:
+            res = self._live(handoff.request_id)
+            if res.state is not State.EXPECTING:
+                self._raise(res, ProtocolError(f"{handoff.request_id}: begin received twice"))
+            if handoff != res.meta:
+                self._raise(
+                    res,
+                    ProtocolError(
+                        f"{handoff.request_id}: sender's handoff {handoff} != reservation {res.meta}"
+                    ),
+                )
+            res.state = State.STREAMING
+
+    def on_layer(self, header: LayerHeader, payload: torch.Tensor) -> None:
+        """A whole layer arrived (`payload`: 1-D uint8). Verifies it, then keeps it or calls `on_layer`.
+
+        The checksum and decoding run outside the table's lock; `on_layer` runs on the calling thread.
+        """
+        with self._lock:
+            res = self._live(header.request_id, need_streaming=True)
+            try:
+                check_header(res.meta, header)
+                if res.arrived[header.layer_idx]:
+                    raise ProtocolError(f"{header.request_id}: layer {header.layer_idx} received twice")
+            except KVTransferError as e:
+                self._raise(res, e)
+        try:
+            verify_layer(header, payload)
+        except KVTransferError as e:
+            with self._lock:
+                self._raise(res, e)
+        layer = decode_layer(header, payload, self.int8_passthrough)
+        with self._lock:
+            self._live(header.request_id, need_streaming=True)  # still wanted (not released, lease running)?
+            callback = res.on_layer
+            if callback is None:
+                res.layers[header.layer_idx] = layer
+            else:
+                res.num_callbacks_running += 1
+        error: KVTransferError | None = None
+        if callback is not None:
+            try:
+                callback(header.layer_idx, layer)
+            except Exception as e:
+                error = KVTransferError(f"{header.request_id}: on_layer({header.layer_idx}) raised {e!r}")
+                error.__cause__ = e
+        with self._lock:
+            if callback is not None:
+                res.num_callbacks_running -= 1
+                self._changed.notify_all()  # release() may be waiting for this callback
+            if error is not None:
+                self._raise(res, error)
+            if res.state is State.STREAMING:  # not failed or released meanwhile
+                res.arrived[header.layer_idx] = True
+                res.num_layers_arrived += 1
+                self._changed.notify_all()
+
+    def on_finish(self, request_id: str, extras: HandoffExtras) -> None:
+        """The sender closed the handoff (extras already checksum-verified by the transport)."""
+        with self._lock:
+            res = self._live(request_id, need_streaming=True)
+            if res.num_layers_arrived != res.meta.num_layers:
+                missing = [i for i, ok in enumerate(res.arrived) if not ok]
+                self._raise(
+                    res, ProtocolError(f"{request_id}: finish with {res.progress()}; missing {missing}")
+                )
+            res.extras = extras
+            res.state = State.COMPLETE
+            res.completed_at_s = time.monotonic()
+            self._changed.notify_all()
+
+    def on_abort(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            res = self._live(request_id)
+            self._fail(
+                res, TransferAborted(f"{request_id}: aborted by the sender after {res.progress()}: {reason}")
+            )
+
+    def on_sender_lost(self, request_id: str, why: str) -> None:
+        """The transport lost the sender before `finish`; a no-op for a finished or unknown request."""
+        with self._lock:
+            res = self._reservations.get(request_id)
+            if res is None or res.state in (State.COMPLETE, State.FAILED):
+                return
+            if time.monotonic() >= res.deadline_s:
+                error: KVTransferError = TransferTimeout(
+                    f"{request_id}: lease of {res.meta.lease_s:g} s expired with {res.progress()} ({why})"
+                )
+            else:
+                error = SenderLost(f"{request_id}: sender lost with {res.progress()}: {why}")
+            self._fail(res, error)
+
+    def check_header(self, header: LayerHeader) -> None:
+        """Raises (and records) unless a layer with this header would be accepted now; lets a transport
+        vet a header before allocating its `num_bytes`."""
+        with self._lock:
+            res = self._live(header.request_id, need_streaming=True)
+            try:
+                check_header(res.meta, header)
+            except KVTransferError as e:
+                self._raise(res, e)
+
+    def on_error(self, request_id: str, error: KVTransferError) -> None:
+        """Record an error the transport found (malformed data, corrupted extras); the first error wins."""
+        with self._lock:
+            res = self._reservations.get(request_id)
+            if res is not None and res.state is not State.COMPLETE:
+                self._fail(res, error)
+
+    def failure(self, request_id: str) -> KVTransferError | None:
+        """The recorded error of a failed reservation (None if none or unknown)."""
+        with self._lock:
+            res = self._reservations.get(request_id)
+            return None if res is None else res.error
+
+    # ---- helpers (lock held) ----
+
+    def _live(self, request_id: str, need_streaming: bool = False) -> _Reservation:
+        """The reservation data may still be applied to; raises (and records) the reason otherwise."""
+        res = self._reservations.get(request_id)
+        if res is None:
+            raise ProtocolError(
+                f"{request_id}: no reservation on this receiver (never expected, or released)"
+            )
+        if res.state is State.FAILED:
+            assert res.error is not None
+            raise res.error
+        if res.state is State.COMPLETE:
+            raise ProtocolError(f"{request_id}: data after the handoff completed")
+        if time.monotonic() >= res.deadline_s:
+            self._raise(
+                res,
+                TransferTimeout(
+                    f"{request_id}: lease of {res.meta.lease_s:g} s expired with {res.progress()}"
+                ),
+            )
+        if need_streaming and res.state is not State.STREAMING:
+            self._raise(res, ProtocolError(f"{request_id}: data before begin"))
+        return res
+
+    def _fail(self, res: _Reservation, error: KVTransferError) -> None:
+        if res.state is not State.FAILED:
+            res.state = State.FAILED
+            res.error = error
+            self._changed.notify_all()
+
+    def _raise(self, res: _Reservation, error: KVTransferError) -> None:
+        self._fail(res, error)
+        assert res.error is not None
+        raise res.error

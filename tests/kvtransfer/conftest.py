@@ -1,0 +1,106 @@
+"""Factories for KV-transfer tests: handoffs, deterministic per-layer latents, extras, fault hooks.
+
+Shapes are the tiny test model's (`tests.conftest.TINY_CONFIG`: kv_lora_rank 16 + qk_rope_head_dim 8 = 24,
+hidden 32, 2 layers + 1 MTP layer) unless a test needs more layers (the 5-layer handoff) or a layer large
+enough to be split into several gRPC chunks.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtransfer.base import HandoffExtras, HandoffMeta, ReceivedLayer
+from kvtransfer.wire import LayerHeader
+
+TINY_KV_DIM = 16 + 8  # kv_lora_rank + qk_rope_head_dim of tests.conftest.TINY_CONFIG
+TINY_HIDDEN_SIZE = 32
+
+
+def make_handoff(request_id: str = "req-0", **overrides) -> HandoffMeta:
+    """A 5-layer handoff of 37 tokens (odd on purpose) in bfloat16, 10 s lease."""
+    fields = dict(num_layers=5, num_tokens=37, kv_dim=TINY_KV_DIM, dtype="bfloat16", wire_dtype="bfloat16")
+    fields["lease_s"] = 10.0
+    fields.update(overrides)
+    return HandoffMeta(request_id=request_id, **fields)
+
+
+def make_layers(meta: HandoffMeta, seed: int = 0) -> list[torch.Tensor]:
+    """`num_layers` latents `[num_tokens, kv_dim]` in the model dtype, with rows of very different scales."""
+    gen = torch.Generator().manual_seed(seed)
+    row_scale = torch.logspace(-2, 2, meta.num_tokens)[:, None]
+    return [
+        (torch.randn(meta.num_tokens, meta.kv_dim, generator=gen) * row_scale).to(meta.torch_dtype)
+        for _ in range(meta.num_layers)
+    ]
+
+
+def make_extras(meta: HandoffMeta, seed: int = 0, with_probs: bool = False) -> HandoffExtras:
+    gen = torch.Generator().manual_seed(seed + 1)
+    return HandoffExtras(
+        prompt_token_ids=torch.randint(0, 64, (meta.num_tokens,), generator=gen).tolist(),
+        first_token_id=7,
+        last_hidden=torch.randn(TINY_HIDDEN_SIZE, generator=gen).to(meta.torch_dtype),
+        draft_token_ids=[11, 3],
+        draft_probs=torch.softmax(torch.randn(2, 64, generator=gen), dim=-1) if with_probs else None,
+    )
+
+
+def assert_extras_equal(got: HandoffExtras, want: HandoffExtras) -> None:
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert got.first_token_id == want.first_token_id
+    assert got.draft_token_ids == want.draft_token_ids
+    assert got.last_hidden.dtype == want.last_hidden.dtype
+    assert torch.equal(got.last_hidden, want.last_hidden)
+    if want.draft_probs is None:
+        assert got.draft_probs is None
+    else:
+        assert torch.equal(got.draft_probs, want.draft_probs)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (NaN-safe): same dtype, shape and bytes."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def flip_byte_in_layer(layer_idx: int, byte_offset: int = 5):
+    """A fault hook that flips one byte of the given layer's payload."""
+
+    def hook(header: LayerHeader, payload: bytearray) -> bool:
+        if header.layer_idx == layer_idx:
+            payload[byte_offset] ^= 0xFF
+        return True
+
+    return hook
+
+
+def stall_after(num_layers_sent: int):
+    """A fault hook under which the sender sends `num_layers_sent` layers, then nothing more (stays open)."""
+    sent: list[int] = []
+
+    def hook(header: LayerHeader, payload: bytearray) -> bool:
+        if len(sent) >= num_layers_sent:
+            return False
+        sent.append(header.layer_idx)
+        return True
+
+    return hook
+
+
+@dataclass
+class GatedCallback:
+    """An `on_layer` callback that records layers but blocks on `gate` until the test opens it: a slow
+    decode side. `entered` is set when the first call starts blocking."""
+
+    gate: threading.Event = field(default_factory=threading.Event)
+    entered: threading.Event = field(default_factory=threading.Event)
+    layers: dict[int, ReceivedLayer] = field(default_factory=dict)
+
+    def __call__(self, layer_idx: int, layer: ReceivedLayer) -> None:
+        self.entered.set()
+        assert self.gate.wait(30), "the test never opened the gate"
+        self.layers[layer_idx] = ReceivedLayer(
+            layer.latent.clone(), None if layer.scale is None else layer.scale.clone()
+        )

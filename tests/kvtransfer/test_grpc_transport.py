@@ -1,0 +1,273 @@
+"""gRPC transport on loopback: a real `KVReceiverServer` and `GrpcKVSender` in this process.
+
+Faults are injected only through the sender's `fault_hook`; everything else is the real transport.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kernels.kv_quant import quantize_kv_int8
+from kvtransfer.base import (
+    ChecksumMismatch,
+    ProtocolError,
+    SenderLost,
+    TransferAborted,
+    TransferTimeout,
+)
+from kvtransfer.grpc_transport import GrpcKVSender, KVReceiverServer
+from tests.kvtransfer.conftest import (
+    GatedCallback,
+    assert_extras_equal,
+    bits_equal,
+    flip_byte_in_layer,
+    make_extras,
+    make_handoff,
+    make_layers,
+    stall_after,
+)
+
+WAIT_S = 10.0  # generous upper bound for waits that should end much sooner; never a measured threshold
+
+
+@pytest.fixture
+def server():
+    server = KVReceiverServer("127.0.0.1", 0)
+    yield server
+    server.close(grace_s=0)
+
+
+def make_sender(server: KVReceiverServer, **kwargs) -> GrpcKVSender:
+    return GrpcKVSender(server.address, **kwargs)
+
+
+def send_all(sender, meta, layers, extras, order=None) -> None:
+    sender.begin(meta)
+    for layer_idx in order or range(meta.num_layers):
+        sender.send_layer(meta.request_id, layer_idx, layers[layer_idx])
+    sender.finish(meta.request_id, extras)
+
+
+def assert_no_leaks(sender, server) -> None:
+    assert sender.pending_request_ids() == []
+    assert server.pending_request_ids() == []
+
+
+def test_five_layer_handoff_arrives_bit_exact_with_extras(server):
+    meta = make_handoff("bitexact", num_tokens=300)  # 300 * 24 * 2 = 14,400 B per layer: 15 chunks of 1,000 B
+    layers, extras = make_layers(meta), make_extras(meta, with_probs=True)
+    sender = make_sender(server, max_chunk_bytes=1000)
+    server.expect(meta)
+    send_all(sender, meta, layers, extras, order=[4, 0, 3, 1, 2])  # any order; MTP layer first here
+    received = server.wait(meta.request_id, WAIT_S)
+    assert [bits_equal(r.latent, x) and r.scale is None for r, x in zip(received.layers, layers, strict=True)]
+    assert all(bits_equal(r.latent, x) for r, x in zip(received.layers, layers, strict=True))
+    assert_extras_equal(received.extras, extras)
+    assert (
+        received.num_wire_bytes == meta.num_layers * meta.num_tokens * meta.kv_dim * torch.bfloat16.itemsize
+    )
+    assert sender.flush(WAIT_S) == {}
+    server.release(meta.request_id)
+    assert_no_leaks(sender, server)
+    sender.close()
+
+
+def test_two_handoffs_in_flight_at_once(server):
+    metas = [make_handoff(f"concurrent-{i}", num_tokens=50 + i) for i in range(2)]
+    sender = make_sender(server)
+    for meta in metas:
+        server.expect(meta)
+        sender.begin(meta)
+    layers = [make_layers(meta, seed=i) for i, meta in enumerate(metas)]
+    for layer_idx in range(5):  # interleaved, as two requests in one prefill batch
+        for meta, lay in zip(metas, layers, strict=True):
+            sender.send_layer(meta.request_id, layer_idx, lay[layer_idx])
+    for i, meta in enumerate(metas):
+        sender.finish(meta.request_id, make_extras(meta, seed=i))
+    for meta, lay in zip(metas, layers, strict=True):
+        received = server.wait(meta.request_id, WAIT_S)
+        assert all(bits_equal(r.latent, x) for r, x in zip(received.layers, lay, strict=True))
+        server.release(meta.request_id)
+    assert sender.flush(WAIT_S) == {}
+    assert_no_leaks(sender, server)
+    sender.close()
+
+
+def test_send_layer_returns_while_the_receiver_is_still_blocked(server):
+    """Layer-wise streaming overlaps: every send_layer and finish return while decode is stuck in its first
+    on_layer callback (held by an event), i.e. before the bytes are delivered."""
+    meta = make_handoff("overlap")
+    layers, extras = make_layers(meta), make_extras(meta)
+    slow_decode = GatedCallback()
+    server.expect(meta, on_layer=slow_decode)
+    sender = make_sender(server)
+    send_all(sender, meta, layers, extras)  # must not block on the receiver
+    assert slow_decode.entered.wait(WAIT_S)  # the first layer reached decode, which is now blocked
+    assert slow_decode.layers == {}  # nothing delivered yet, yet every send_layer has returned
+    with pytest.raises(TransferTimeout, match="wait timed out"):
+        server.wait(meta.request_id, 0.01)  # incomplete; the reservation stays
+    slow_decode.gate.set()
+    received = server.wait(meta.request_id, WAIT_S)
+    assert received.layers == []  # the callback consumed them
+    assert all(bits_equal(slow_decode.layers[i].latent, layers[i]) for i in range(meta.num_layers))
+    assert_extras_equal(received.extras, extras)
+    server.release(meta.request_id)
+    assert sender.flush(WAIT_S) == {}
+    assert_no_leaks(sender, server)
+    sender.close()
+
+
+def test_corrupted_byte_is_a_checksum_mismatch_naming_the_layer(server):
+    meta = make_handoff("corrupt", num_tokens=200)
+    sender = make_sender(server, max_chunk_bytes=1000, fault_hook=flip_byte_in_layer(3, byte_offset=4321))
+    server.expect(meta)
+    send_all(sender, meta, make_layers(meta), make_extras(meta))
+    with pytest.raises(ChecksumMismatch, match="layer 3"):
+        server.wait(meta.request_id, WAIT_S)
+    server.release(meta.request_id)
+    failures = sender.flush(WAIT_S)
+    assert list(failures) == [meta.request_id] and isinstance(failures[meta.request_id], ChecksumMismatch)
+    assert "layer 3" in str(failures[meta.request_id])
+    assert_no_leaks(sender, server)
+    sender.close()
+
+
+def test_sender_that_stalls_after_two_layers_times_out_within_the_lease(server):
+    meta = make_handoff("stall", lease_s=0.5)
+    sender = make_sender(server, fault_hook=stall_after(2))
+    server.expect(meta)
+    send_all(sender, meta, make_layers(meta), make_extras(meta))
+    started_s = time.monotonic()
+    with pytest.raises(TransferTimeout, match=r"lease of 0.5 s expired with 2/5 layers arrived"):
+        server.wait(meta.request_id, WAIT_S)
+    assert time.monotonic() - started_s < WAIT_S  # the lease fired, not the wait's timeout
+    server.release(meta.request_id)
+    failures = sender.flush(WAIT_S)  # the sender's own lease ends its call too
+    assert list(failures) == [meta.request_id]
+    assert_no_leaks(sender, server)
+    sender.close()
+
+
+def test_explicit_abort(server):
+    meta = make_handoff("abort")
+    layers = make_layers(meta)
+    sender = make_sender(server)
+    server.expect(meta)
+    sender.begin(meta)
+    sender.send_layer(meta.request_id, 0, layers[0])
+    sender.send_layer(meta.request_id, 1, layers[1])
+    sender.abort(meta.request_id, "prefill instance draining")
+    with pytest.raises(TransferAborted, match="prefill instance draining"):
+        server.wait(meta.request_id, WAIT_S)
+    server.release(meta.request_id)
+    assert sender.flush(WAIT_S) == {}  # the abort itself was delivered
+    with pytest.raises(ValueError, match="no open handoff"):
+        sender.send_layer(meta.request_id, 2, layers[2])
+    assert_no_leaks(sender, server)
+    sender.close()
+
+
+def test_sender_closing_mid_handoff_is_seen_at_once(server):
+    meta = make_handoff("lost", lease_s=60.0)
+    layers = make_layers(meta)
+    sender = make_sender(server)
+    decode = GatedCallback()
+    decode.gate.set()
+    server.expect(meta, on_layer=decode)
+    sender.begin(meta)
+    sender.send_layer(meta.request_id, 0, layers[0])
+    assert decode.entered.wait(WAIT_S)  # layer 0 is on decode: the stream is established
+    sender.close()  # e.g. the prefill actor is shutting down
+    with pytest.raises(SenderLost, match="sender lost with 1/5 layers arrived"):
+        server.wait(meta.request_id, WAIT_S)  # long before the 60 s lease
+    server.release(meta.request_id)
+    assert_no_leaks(sender, server)
+
+
+def test_int8_wire_halves_the_bytes_within_tolerance(server):
+    meta = make_handoff("int8", dtype="float32", wire_dtype="int8")
+    layers, extras = make_layers(meta), make_extras(meta)
+    sender = make_sender(server)
+    server.expect(meta)
+    send_all(sender, meta, layers, extras)
+    received = server.wait(meta.request_id, WAIT_S)
+    for got, want in zip(received.layers, layers, strict=True):
+        assert got.latent.dtype == torch.float32 and got.scale is None
+        # quantize_kv_int8's bound: |x - x_hat| <= scale / 2 per element, scale = absmax(row) / 127
+        bound = want.abs().amax(dim=-1, keepdim=True) / 127 / 2
+        assert bool(((got.latent - want).abs() <= bound * (1 + 1e-6)).all())
+    # 37 tokens x 24 values: float32 3,552 B per layer; int8 888 B values + 148 B scales = 1,036 B
+    assert meta.layer_wire_bytes == 37 * 24 * torch.int8.itemsize + 37 * torch.float32.itemsize == 1036
+    assert received.num_wire_bytes == 5 * 1036
+    bf16_meta = make_handoff("x", dtype="bfloat16", wire_dtype="int8", num_tokens=1, kv_dim=576)
+    assert bf16_meta.layer_wire_bytes == 580  # DeepSeek-V3 per token per layer: 580 B vs 1,152 B in bf16
+    server.release(meta.request_id)
+    assert sender.flush(WAIT_S) == {}
+    assert_no_leaks(sender, server)
+    sender.close()
+
+
+def test_int8_passthrough_hands_int8_and_scales_to_an_int8_cache():
+    server = KVReceiverServer("127.0.0.1", 0, int8_passthrough=True)
+    meta = make_handoff("int8-pass", wire_dtype="int8")
+    layers = make_layers(meta)
+    sender = make_sender(server)
+    server.expect(meta)
+    send_all(sender, meta, layers, make_extras(meta))
+    received = server.wait(meta.request_id, WAIT_S)
+    for got, want in zip(received.layers, layers, strict=True):
+        want_int8, want_scale = quantize_kv_int8(want)
+        assert bits_equal(got.latent, want_int8) and bits_equal(got.scale, want_scale)
+    server.release(meta.request_id)
+    sender.flush(WAIT_S)
+    assert_no_leaks(sender, server)
+    sender.close()
+    server.close(grace_s=0)
+
+
+def test_data_without_a_reservation_is_refused(server):
+    meta = make_handoff("unexpected")
+    sender = make_sender(server)
+    send_all(sender, meta, make_layers(meta), make_extras(meta))
+    failures = sender.flush(WAIT_S)
+    assert isinstance(failures[meta.request_id], ProtocolError)
+    assert "no reservation" in str(failures[meta.request_id])
+    assert_no_leaks(sender, server)
+    sender.close()
+
+
+def test_handoff_that_disagrees_with_the_reservation_is_refused(server):
+    meta = make_handoff("mismatch")
+    server.expect(meta)
+    wrong = make_handoff("mismatch", num_tokens=meta.num_tokens + 1)
+    sender = make_sender(server)
+    send_all(sender, wrong, make_layers(wrong), make_extras(wrong))
+    with pytest.raises(ProtocolError, match="num_tokens=38"):
+        server.wait(meta.request_id, WAIT_S)
+    server.release(meta.request_id)
+    assert isinstance(sender.flush(WAIT_S)[meta.request_id], ProtocolError)
+    assert_no_leaks(sender, server)
+    sender.close()
+
+
+def test_release_waits_for_a_running_callback_and_later_layers_are_refused(server):
+    meta = make_handoff("release-midway")
+    slow_decode = GatedCallback()
+    server.expect(meta, on_layer=slow_decode)
+    sender = make_sender(server)
+    send_all(sender, meta, make_layers(meta), make_extras(meta))
+    assert slow_decode.entered.wait(WAIT_S)
+    released = threading.Event()
+    releaser = threading.Thread(target=lambda: (server.release(meta.request_id), released.set()))
+    releaser.start()
+    assert not released.wait(0.05)  # release() blocks while the callback runs ...
+    slow_decode.gate.set()
+    releaser.join(WAIT_S)
+    assert released.is_set() and len(slow_decode.layers) == 1  # ... and no callback runs after it
+    assert isinstance(sender.flush(WAIT_S)[meta.request_id], ProtocolError)
+    assert_no_leaks(sender, server)
+    sender.close()
