@@ -1,0 +1,116 @@
+"""Wire format and receiver bookkeeping without a transport: encode/decode, checksums, validation."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+
+from kvtransfer.base import ChecksumMismatch, HandoffMeta, ProtocolError, TransferTimeout
+from kvtransfer.reservations import Reservations
+from kvtransfer.wire import (
+    LayerHeader,
+    decode_layer,
+    encode_layer,
+    extras_from_dict,
+    extras_to_dict,
+    verify_layer,
+)
+from tests.kvtransfer.conftest import assert_extras_equal, bits_equal, make_extras, make_handoff, make_layers
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_float_wire_round_trip_is_bit_exact_including_special_values(dtype):
+    meta = make_handoff(dtype=dtype, wire_dtype=dtype)
+    latent = make_layers(meta)[0]
+    latent[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+    layer = encode_layer(meta, 2, latent)
+    assert layer.header.num_bytes == meta.num_tokens * meta.kv_dim * latent.dtype.itemsize
+    verify_layer(layer.header, layer.payload)
+    assert bits_equal(decode_layer(layer.header, layer.payload).latent, latent)
+
+
+def test_every_single_byte_corruption_is_detected():
+    meta = make_handoff(num_tokens=3, kv_dim=8)  # 48-byte payload: try every position and several values
+    layer = encode_layer(meta, 0, make_layers(meta)[0])
+    for position in range(layer.header.num_bytes):
+        for flip in (0x01, 0x80, 0xFF, 0x5A):
+            corrupted = layer.payload.clone()
+            corrupted[position] ^= flip
+            with pytest.raises(ChecksumMismatch, match="layer 0"):
+                verify_layer(layer.header, corrupted)
+    with pytest.raises(ChecksumMismatch, match="payload is 47 B"):
+        verify_layer(layer.header, layer.payload[:-1])
+
+
+def test_header_and_extras_survive_msgpack_and_corrupted_extras_are_caught():
+    meta = make_handoff()
+    header = encode_layer(meta, 1, make_layers(meta)[1]).header
+    assert LayerHeader.from_dict(msgpack.unpackb(msgpack.packb(header.to_dict()))) == header
+    extras = make_extras(meta, with_probs=True)
+    record = msgpack.unpackb(msgpack.packb(extras_to_dict(extras), use_bin_type=True), raw=False)
+    assert_extras_equal(extras_from_dict(meta.request_id, record), extras)
+    record["draft_token_ids"][0] += 1
+    with pytest.raises(ChecksumMismatch, match="extras"):
+        extras_from_dict(meta.request_id, record)
+
+
+def test_wire_bytes_come_from_itemsize():
+    v3 = dict(num_tokens=2048, kv_dim=576, num_layers=62)  # 61 layers + the MTP layer
+    assert HandoffMeta("a", **v3, dtype="bfloat16", wire_dtype="bfloat16").layer_wire_bytes == 2048 * 1152
+    assert HandoffMeta("a", **v3, dtype="bfloat16", wire_dtype="int8").layer_wire_bytes == 2048 * 580
+    assert HandoffMeta("a", **v3, dtype="float32", wire_dtype="float32").total_wire_bytes == 62 * 2048 * 2304
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (dict(num_layers=0), "num_layers"),
+        (dict(num_tokens=-1), "num_tokens"),
+        (dict(dtype="int8", wire_dtype="int8"), "dtype"),
+        (dict(wire_dtype="float16"), "wire_dtype"),
+        (dict(lease_s=0.0), "lease_s"),
+        (dict(request_id=""), "request_id"),
+    ],
+)
+def test_handoff_validation_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        make_handoff(**overrides)
+
+
+def test_reservation_errors_are_explicit():
+    reservations = Reservations()
+    meta = make_handoff("r", lease_s=0.05)
+    reservations.expect(meta)
+    with pytest.raises(ValueError, match="already reserved"):
+        reservations.expect(meta)
+    with pytest.raises(KeyError):
+        reservations.wait("unknown", 0.01)
+    with pytest.raises(TransferTimeout, match=r"0/5 layers arrived \(the sender never began\)"):
+        reservations.wait("r", 10.0)
+    with pytest.raises(TransferTimeout):  # the failure sticks until release
+        reservations.wait("r", 10.0)
+    reservations.release("r")
+    reservations.release("r")  # idempotent
+    assert reservations.pending_request_ids() == []
+    with pytest.raises(ProtocolError, match="no reservation"):
+        reservations.on_begin(meta)
+
+
+def test_layer_before_begin_and_duplicate_layers_are_protocol_errors():
+    reservations = Reservations()
+    meta = make_handoff("dup")
+    layer = encode_layer(meta, 0, make_layers(meta)[0])
+    reservations.expect(meta)
+    with pytest.raises(ProtocolError, match="before begin"):
+        reservations.on_layer(layer.header, layer.payload)
+    reservations.release("dup")
+    reservations.expect(meta)
+    reservations.on_begin(meta)
+    reservations.on_layer(layer.header, layer.payload)
+    with pytest.raises(ProtocolError, match="layer 0 received twice"):
+        reservations.on_layer(layer.header, layer.payload)
+    with pytest.raises(ProtocolError, match="received twice"):
+        reservations.wait("dup", 1.0)
+    reservations.release("dup")
+    assert reservations.pending_request_ids() == []
