@@ -29,8 +29,9 @@ Prefill instance (sender side, `KVSender`), on the prefill actor's thread:
 A handoff is all-or-nothing: decode admits the request only when `wait` returns. On any error the request is
 released on decode and re-dispatched to a prefill instance by the caller; nothing partial is ever used.
 
-Errors (all `KVTransferError`): `TransferTimeout` (lease expired: sender stalled or slow; says how many
-layers arrived), `SenderLost` (the transport saw the sender go away before `finish`), `ChecksumMismatch`
+Errors (all `KVTransferError`): `TransferTimeout` (lease expired: sender stalled, slow or died unseen;
+says how many layers arrived) and its subclass `SenderLost` (the transport saw the sender go away before
+`finish`, raised without waiting for the lease), `ChecksumMismatch`
 (names the layer), `TransferAborted` (sender's reason), `ProtocolError` (the two sides disagree: a handoff
 that does not match the reservation, a duplicate or out-of-range layer, no reservation).
 """
@@ -197,8 +198,10 @@ class TransferTimeout(KVTransferError):
     unseen, or is too slow. The message says how many layers arrived."""
 
 
-class SenderLost(KVTransferError):
-    """The transport saw the sender go away (stream broken, connection closed) before `finish`."""
+class SenderLost(TransferTimeout):
+    """The transport saw the sender go away (stream broken, connection closed, `close()`) before `finish`:
+    raised at once instead of when the lease runs out. A TransferTimeout, so callers that treat "sender
+    died" as a timeout need no second case. The message says how many layers arrived."""
 
 
 class ChecksumMismatch(KVTransferError):

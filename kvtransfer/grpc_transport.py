@@ -66,9 +66,9 @@ DEFAULT_MAX_CHUNK_BYTES = 1 << 20
 
 _ERROR_TO_CODE: list[tuple[type[KVTransferError], grpc.StatusCode]] = [
     (ChecksumMismatch, grpc.StatusCode.DATA_LOSS),
+    (SenderLost, grpc.StatusCode.CANCELLED),  # before its base class TransferTimeout: first match wins
     (TransferTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (TransferAborted, grpc.StatusCode.ABORTED),
-    (SenderLost, grpc.StatusCode.CANCELLED),
     (KVTransferError, grpc.StatusCode.FAILED_PRECONDITION),  # ProtocolError and the rest
 ]
 _CODE_TO_ERROR = {code: cls for cls, code in _ERROR_TO_CODE} | {
@@ -228,7 +228,9 @@ class GrpcKVSender(KVSender):
         call.future.add_done_callback(lambda _: self._forget_if_delivered(call))
 
     def _forget_if_delivered(self, call: _Call) -> None:
-        """A closed call that succeeded is forgotten at once; a failed one waits for flush() to report it."""
+        """A closed call that succeeded is forgotten at once; a failed one waits for flush() to report it.
+        Either way the call's stream generator is woken so it ends (it may be waiting for the next layer)."""
+        call.messages.put(("cut",))
         with self._lock:
             assert call.future is not None
             if call.closed and not call.future.cancelled() and call.future.exception() is None:

@@ -1,0 +1,327 @@
+"""KV transfer throughput on loopback per transport next to an in-process copy: `python -m bench.kv_transfer`.
+
+For each shape (`--shapes`) one handoff of `num_layers` layers of `[num_tokens, kv_dim]` latents in the
+model dtype is moved, `--repeats` times, by:
+
+    clone           `tensor.clone()` of every layer in this process: the memory-copy yardstick
+    grpc            `GrpcKVSender` -> `KVReceiverServer` in this process over 127.0.0.1 (HTTP/2 over TCP)
+    dist            `DistKVSender` (rank 0) -> `DistKVReceiver` (rank 1), two spawned processes, gloo
+                    over 127.0.0.1; the receiver's clock starts at a barrier both pass before `begin`
+
+each with the model dtype on the wire and with `--wire int8` too. A transfer is timed from `begin` (the
+receiver's `expect` is already done) until the receiver's `wait` returns: encoding (INT8 quantization,
+CRC-32), chunking, the socket, reassembly, verification and decoding (INT8 dequantization) included.
+
+Reported per run: `kv_GB_per_s` = KV bytes in the model dtype / seconds (what decode gets; the same for
+every wire dtype), `wire_GB_per_s` = payload bytes on the wire / seconds, best and median over repeats;
+`send_return_ms`: how long the sender's `send_layer` calls for all layers took to return (they only copy and
+enqueue). GB = 1e9 bytes. Both ends share this machine's cores, so loopback numbers bound the software path,
+not a network.
+
+Shapes: `deepseek_v3` = 2,048 tokens x 61 layers x 576 values (kv_lora_rank 512 + rope 64) in bf16, 144 MB;
+`tiny` = the bundled tiny model's dims (`--model`'s config.json, else `models.train_tiny.tiny_config`):
+its layers plus MTP layers, `min(2048, max_position_embeddings)` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import emit, format_table, source_revision
+from kvtransfer.base import HandoffExtras, HandoffMeta, KVReceiver, KVSender
+
+SHAPES = ("deepseek_v3", "tiny")
+TRANSPORTS = ("clone", "grpc", "dist")
+WAIT_S = 600.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.kv_transfer",
+        description="KV transfer throughput (GB/s, 1e9 bytes/s) of the gRPC and torch.distributed (gloo) "
+        "transports on 127.0.0.1, next to an in-process tensor.clone() of the same bytes.",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--shapes", default=",".join(SHAPES), help=f"comma-separated, from {SHAPES}; default: %(default)s"
+    )
+    parser.add_argument(
+        "--transports",
+        default=",".join(TRANSPORTS),
+        help=f"comma-separated, from {TRANSPORTS}; default: %(default)s",
+    )
+    parser.add_argument(
+        "--wire", default="model,int8", help="wire dtypes: model (raw) and/or int8; default: %(default)s"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed transfers per configuration; default: %(default)s"
+    )
+    parser.add_argument(
+        "--num-tokens", type=int, default=2048, help="tokens per layer (cap); default: %(default)s"
+    )
+    parser.add_argument(
+        "--model", type=Path, default=None, help="checkpoint directory whose config.json gives the tiny shape"
+    )
+    return parser
+
+
+def shape_of(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    if name == "deepseek_v3":
+        return {"num_layers": 61, "num_tokens": args.num_tokens, "kv_dim": 512 + 64, "dtype": "bfloat16"}
+    from models import bundled_checkpoint_dir
+    from models.config import DeepseekV3Config
+
+    path = (args.model or bundled_checkpoint_dir()) / "config.json"
+    if path.exists():
+        config, source = DeepseekV3Config.from_json_file(path), str(path)
+    else:
+        from models.train_tiny import tiny_config
+
+        config, source = tiny_config(vocab_size=1024), "models.train_tiny.tiny_config"
+    return {
+        "num_layers": config.num_hidden_layers + config.num_nextn_predict_layers,
+        "num_tokens": min(args.num_tokens, config.max_position_embeddings),
+        "kv_dim": config.kv_cache_dim,
+        "dtype": config.torch_dtype
+        if config.torch_dtype in ("bfloat16", "float16", "float32")
+        else "bfloat16",
+        "source": source,
+    }
+
+
+def make_handoff(request_id: str, shape: dict[str, Any], wire: str) -> HandoffMeta:
+    return HandoffMeta(
+        request_id=request_id,
+        num_layers=shape["num_layers"],
+        num_tokens=shape["num_tokens"],
+        kv_dim=shape["kv_dim"],
+        dtype=shape["dtype"],
+        wire_dtype=shape["dtype"] if wire == "model" else "int8",
+        lease_s=WAIT_S,
+    )
+
+
+def make_layers(meta: HandoffMeta) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(meta.num_tokens, meta.kv_dim, generator=gen).to(meta.torch_dtype)
+        for _ in range(meta.num_layers)
+    ]
+
+
+def make_extras(meta: HandoffMeta) -> HandoffExtras:
+    return HandoffExtras(
+        prompt_token_ids=list(range(meta.num_tokens)), first_token_id=1, last_hidden=torch.zeros(7168)
+    )
+
+
+def send_all(sender: KVSender, meta: HandoffMeta, layers: list[torch.Tensor]) -> float:
+    """Sends one handoff; returns seconds the send_layer calls took to return."""
+    sender.begin(meta)
+    started_s = time.perf_counter()
+    for layer_idx, latent in enumerate(layers):
+        sender.send_layer(meta.request_id, layer_idx, latent)
+    send_return_s = time.perf_counter() - started_s
+    sender.finish(meta.request_id, make_extras(meta))
+    return send_return_s
+
+
+def summarize(meta: HandoffMeta, elapsed_s: list[float], send_return_s: list[float]) -> dict[str, Any]:
+    kv_bytes = meta.num_layers * meta.num_tokens * meta.kv_dim * meta.torch_dtype.itemsize
+    best_s, median_s = min(elapsed_s), statistics.median(elapsed_s)
+    result = {
+        "wire_dtype": meta.wire_dtype,
+        "kv_bytes": kv_bytes,
+        "wire_bytes": meta.total_wire_bytes,
+        "kv_GB_per_s": {
+            "best": round(kv_bytes / best_s / 1e9, 3),
+            "median": round(kv_bytes / median_s / 1e9, 3),
+        },
+        "wire_GB_per_s": {
+            "best": round(meta.total_wire_bytes / best_s / 1e9, 3),
+            "median": round(meta.total_wire_bytes / median_s / 1e9, 3),
+        },
+        "elapsed_ms": [round(s * 1e3, 2) for s in elapsed_s],
+    }
+    if send_return_s:
+        result["send_return_ms"] = round(statistics.median(send_return_s) * 1e3, 3)
+    return result
+
+
+def bench_clone(shape: dict[str, Any], repeats: int) -> dict[str, Any]:
+    meta = make_handoff("clone", shape, "model")
+    layers = make_layers(meta)
+    elapsed_s = []
+    for _ in range(repeats + 1):  # the first one warms the allocator
+        started_s = time.perf_counter()
+        copies = [latent.clone() for latent in layers]
+        elapsed_s.append(time.perf_counter() - started_s)
+        del copies
+    return summarize(meta, elapsed_s[1:], [])
+
+
+def timed_receive(
+    receiver: KVReceiver, start_sending: Callable[[], Any], meta: HandoffMeta
+) -> tuple[float, Any]:
+    """Seconds from `start_sending()` (after `expect`) to `wait` returning; what `start_sending` returned."""
+    receiver.expect(meta)
+    started_s = time.perf_counter()
+    returned = start_sending()
+    receiver.wait(meta.request_id, WAIT_S)
+    elapsed_s = time.perf_counter() - started_s
+    receiver.release(meta.request_id)
+    return elapsed_s, returned
+
+
+def bench_grpc(shape: dict[str, Any], wire: str, repeats: int) -> dict[str, Any]:
+    from kvtransfer.grpc_transport import GrpcKVSender, KVReceiverServer
+
+    server = KVReceiverServer("127.0.0.1", 0)
+    sender = GrpcKVSender(server.address)
+    layers = make_layers(make_handoff("x", shape, wire))
+    elapsed_s, send_return_s = [], []
+    try:
+        for i in range(repeats + 1):  # the first one warms the connection
+            meta = make_handoff(f"grpc-{wire}-{i}", shape, wire)
+            elapsed, send_return = timed_receive(server, lambda m=meta: send_all(sender, m, layers), meta)
+            elapsed_s.append(elapsed)
+            send_return_s.append(send_return)
+        failures = sender.flush(WAIT_S)
+        assert not failures, failures
+    finally:
+        sender.close()
+        server.close(grace_s=0)
+    return summarize(make_handoff("x", shape, wire), elapsed_s[1:], send_return_s[1:])
+
+
+def _dist_rank(
+    rank: int, port: int, shape: dict[str, Any], wire: str, repeats: int, out_dir: str, sync
+) -> None:
+    import torch.distributed as dist
+
+    from kvtransfer.dist_transport import (
+        DistKVReceiver,
+        DistKVSender,
+        DistTransportConfig,
+        init_transport_group,
+    )
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    config = DistTransportConfig("gloo", "cpu")
+    init_transport_group(
+        config, rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=WAIT_S
+    )
+    layers = make_layers(make_handoff("x", shape, wire))
+    elapsed_s, send_return_s = [], []
+    try:
+        if rank == 0:
+            sender = DistKVSender(1, config)
+            for i in range(repeats + 1):
+                sync.wait()
+                send_return_s.append(send_all(sender, make_handoff(f"dist-{wire}-{i}", shape, wire), layers))
+                sync.wait()
+            sender.close()
+        else:
+            receiver = DistKVReceiver([0], config)
+            for i in range(repeats + 1):
+                meta = make_handoff(f"dist-{wire}-{i}", shape, wire)
+                elapsed_s.append(timed_receive(receiver, sync.wait, meta)[0])
+                sync.wait()
+            receiver.close()
+        Path(out_dir, f"rank{rank}.json").write_text(
+            json.dumps({"elapsed_s": elapsed_s, "send_return_s": send_return_s})
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_dist(shape: dict[str, Any], wire: str, repeats: int) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sync = mp.get_context("spawn").Barrier(2)
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_dist_rank, args=(port, shape, wire, repeats, out_dir, sync), nprocs=2, join=True)
+        sent = json.loads(Path(out_dir, "rank0.json").read_text())
+        received = json.loads(Path(out_dir, "rank1.json").read_text())
+    return summarize(make_handoff("x", shape, wire), received["elapsed_s"][1:], sent["send_return_s"][1:])
+
+
+def table(result: dict[str, Any]) -> str:
+    rows = [
+        (r["shape"], r["transport"], r["wire_dtype"], round(r["kv_bytes"] / 1e6, 1),
+         round(r["wire_bytes"] / 1e6, 1), r["kv_GB_per_s"]["best"], r["kv_GB_per_s"]["median"],
+         r.get("send_return_ms"))
+        for r in result["results"]
+    ]  # fmt: skip
+    header = (
+        "shape",
+        "transport",
+        "wire",
+        "kv_MB",
+        "wire_MB",
+        "kv_GB/s best",
+        "kv_GB/s median",
+        "send_return_ms",
+    )
+    return format_table(header, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    shapes = [s for s in args.shapes.split(",") if s]
+    transports = [t for t in args.transports.split(",") if t]
+    wires = [w for w in args.wire.split(",") if w]
+    bad = [s for s in shapes if s not in SHAPES] + [t for t in transports if t not in TRANSPORTS]
+    bad += [w for w in wires if w not in ("model", "int8")]
+    if bad or args.repeats < 1:
+        print(f"python -m bench.kv_transfer: unknown choice(s) {bad} or --repeats < 1", file=sys.stderr)
+        return 2
+    results = []
+    for shape_name in shapes:
+        shape = shape_of(shape_name, args)
+        for transport in transports:
+            for wire in ["model"] if transport == "clone" else wires:
+                if transport == "clone":
+                    run = bench_clone(shape, args.repeats)
+                elif transport == "grpc":
+                    run = bench_grpc(shape, wire, args.repeats)
+                else:
+                    run = bench_dist(shape, wire, args.repeats)
+                results.append({"shape": shape_name, "transport": transport, **run})
+    result = {
+        "config": {
+            "shapes": {name: shape_of(name, args) for name in shapes},
+            "repeats": args.repeats,
+            "threads": torch.get_num_threads(),
+            "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **source_revision(),
+        },
+        "results": results,
+    }
+    emit(result, args.json, table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

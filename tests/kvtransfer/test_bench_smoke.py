@@ -1,0 +1,36 @@
+"""`python -m bench.kv_transfer --json` runs (in-process transports, tiny sizes) and prints the documented
+keys. Nothing about speed is asserted: figures live in the benchmark's output."""
+
+from __future__ import annotations
+
+import json
+
+from bench import kv_transfer
+
+
+def test_bench_kv_transfer_smoke(capsys):
+    argv = [
+        "--shapes",
+        "tiny,deepseek_v3",
+        "--transports",
+        "clone,grpc",
+        "--num-tokens",
+        "16",
+        "--repeats",
+        "1",
+    ]
+    assert kv_transfer.main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {"shapes", "repeats", "threads", "torch", "git_commit"} <= result["config"].keys()
+    assert result["config"]["shapes"]["deepseek_v3"] == {
+        "num_layers": 61, "num_tokens": 16, "kv_dim": 576, "dtype": "bfloat16"
+    }  # fmt: skip
+    runs = {(r["shape"], r["transport"], r["wire_dtype"]): r for r in result["results"]}
+    assert set(runs) == {
+        (shape, transport, wire)
+        for shape in ("tiny", "deepseek_v3")
+        for transport, wire in (("clone", "bfloat16"), ("grpc", "bfloat16"), ("grpc", "int8"))
+    }
+    v3_int8 = runs[("deepseek_v3", "grpc", "int8")]
+    assert v3_int8["kv_bytes"] == 61 * 16 * 576 * 2 and v3_int8["wire_bytes"] == 61 * 16 * 580
+    assert v3_int8["kv_GB_per_s"]["best"] > 0 and "send_return_ms" in v3_int8
