@@ -278,15 +278,16 @@ class DistKVSender(KVSender):
         while True:
             item = self._queue.get()
             kind, request_id = item[0], item[1]
+            with self._lock:
+                req = None if request_id is None else self._progress.requests.get(request_id)
             try:
                 if kind == "bye":
                     self._send({"kind": "bye"})
-                    return
-                self._process(self._progress.requests[request_id], item)
-            except Exception as e:  # the pair failed: the request is lost; later ones will try again
+                elif req is not None:
+                    self._process(req, item)
+            except Exception as e:  # the pair failed: this request is lost; later ones will try again
                 logger.warning("kv send to rank %d failed: %r", self.peer_rank, e)
-                if request_id is not None:
-                    req = self._progress.requests[request_id]
+                if req is not None:
                     with self._lock:
                         req.error = req.error or KVTransferError(
                             f"{request_id}: send to rank {self.peer_rank} failed: {e!r}"
@@ -294,13 +295,14 @@ class DistKVSender(KVSender):
             finally:
                 with self._lock:
                     self._progress.num_processed += 1
-                    if kind in ("finish", "abort") and request_id is not None:
-                        req = self._progress.requests[request_id]
+                    if req is not None and kind in ("finish", "abort"):
                         if req.error is None:  # delivered: forget it; a failure waits for flush()
-                            del self._progress.requests[request_id]
+                            self._progress.requests.pop(request_id, None)
                         else:
                             req.done = True
                     self._changed.notify_all()
+            if kind == "bye":
+                return
 
     def _process(self, req: _Request, item: tuple) -> None:
         kind, meta = item[0], req.meta
@@ -374,7 +376,8 @@ class DistKVReceiver(KVReceiver):
         return self._reservations.pending_request_ids()
 
     def close(self, join_timeout_s: float = 10.0) -> None:
-        """Waits up to `join_timeout_s` for every peer's `bye` (see the module docstring)."""
+        """Waits up to `join_timeout_s` for every peer's `bye` (see the module docstring). A peer that said
+        `bye` is not listened to again: a restarted sender on that rank needs a new receiver."""
         deadline_s = time.monotonic() + join_timeout_s
         for thread in self._threads:
             thread.join(max(0.0, deadline_s - time.monotonic()))

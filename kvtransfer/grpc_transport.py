@@ -434,7 +434,7 @@ class _Servicer(pb_grpc.KVTransferServicer):
                     raise ProtocolError(f"{request_id}: unexpected message {kind}")
             if request_id is not None:
                 self._reservations.on_sender_lost(request_id, lost)
-            error = SenderLost(f"{request_id}: {lost}")
+            error = SenderLost(f"{request_id or 'a stream'}: {lost}")
         except KVTransferError as e:
             if request_id is not None:
                 self._reservations.on_error(request_id, e)
@@ -449,7 +449,8 @@ class KVReceiverServer(KVReceiver):
 
     Serves on `host:port` (`port=0`: a free port; the bound one is `self.port`, the address to give prefill
     senders is `self.address`). `max_concurrent_streams` bounds the requests received at once (one server
-    thread each); `int8_passthrough` as in `kvtransfer.reservations.Reservations`.
+    thread each; further calls wait for a free thread, their leases running); `int8_passthrough` as in
+    `kvtransfer.reservations.Reservations`.
     """
 
     def __init__(
