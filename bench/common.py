@@ -115,6 +115,17 @@ def ratio(num: float, den: float) -> float | None:
     return round(num / den, 4) if den else None
 
 
+def run_and_emit(
+    run: Callable[[], dict[str, Any]], as_json: bool, table: Callable[[dict[str, Any]], str]
+) -> None:
+    """Run a benchmark and print its result; records the machine's 1-minute load average before the run
+    (other processes on a small machine distort CPU timings: compare it with the thread count)."""
+    load_before = os.getloadavg()[0]
+    result = run()
+    result["config"]["load_avg_1min_before_run"] = round(load_before, 2)
+    emit(result, as_json, table)
+
+
 def emit(result: dict[str, Any], as_json: bool, table: Callable[[dict[str, Any]], str]) -> None:
     """Print `result` as one JSON object (`as_json`) or as the benchmark's table."""
     if as_json:

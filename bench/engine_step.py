@@ -36,10 +36,10 @@ from typing import Any
 from bench.common import (
     add_common_arguments,
     check_checkpoint,
-    emit,
     environment,
     format_table,
     int_list,
+    run_and_emit,
     summarize_ms,
 )
 
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         problem = "--batch-sizes, --num-steps and --prompt-len must be >= 1"
     if problem is not None:
         parser.error(problem)
-    emit(run(args), args.json, table)
+    run_and_emit(lambda: run(args), args.json, table)
     return 0
 
 

@@ -26,10 +26,10 @@ from typing import Any
 from bench.common import (
     add_common_arguments,
     check_checkpoint,
-    emit,
     environment,
     format_table,
     ratio,
+    run_and_emit,
 )
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         problem = "--num-prompts, --max-tokens and --batch-size must be >= 1"
     if problem is not None:
         parser.error(problem)
-    emit(run(args, dtypes), args.json, table)
+    run_and_emit(lambda: run(args, dtypes), args.json, table)
     return 0
 
 

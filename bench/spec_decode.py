@@ -24,11 +24,11 @@ from typing import Any
 from bench.common import (
     add_common_arguments,
     check_checkpoint,
-    emit,
     environment,
     format_table,
     int_list,
     ratio,
+    run_and_emit,
 )
 
 
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         problem = "--num-prompts and --max-tokens must be >= 1"
     if problem is not None:
         parser.error(problem)
-    emit(run(args), args.json, table)
+    run_and_emit(lambda: run(args), args.json, table)
     return 0
 
 
