@@ -25,7 +25,8 @@ from models import bundled_checkpoint_dir
 if TYPE_CHECKING:
     import torch
 
-    from models.deepseek_v3 import DeepseekV3ForCausalLM
+    from engine.llm import LLMEngine, RequestOutput
+    from engine.sampling_params import SamplingParams
     from models.tokenizer import Tokenizer
 
 PROG = "pdcluster"
@@ -90,28 +91,38 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def load_model(model_dir: Path, device: torch.device) -> tuple[DeepseekV3ForCausalLM, Tokenizer, float]:
-    """Load a checkpoint directory's weights (float32) and tokenizer; returns them and the seconds taken."""
-    from models.loader import load_checkpoint
-    from models.tokenizer import Tokenizer
+def load_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
+    """Build an engine over `args.model` with the CLI's engine options; returns it and the seconds taken."""
+    from engine.config import EngineConfig
+    from engine.llm import LLMEngine
 
+    model_dir: Path = args.model
     hint = ""
     if model_dir.resolve() == bundled_checkpoint_dir():
-        hint = " (the bundled checkpoint is written by `python -m models.train_tiny`, ~35 min on 2 cores)"
+        hint = " (the bundled checkpoint is written by `python -m models.train_tiny`, ~30-40 min on 2 cores)"
     if not model_dir.is_dir():
         raise CliError(f"model directory not found: {model_dir}{hint}")
+    device = resolve_device(args.device)
     t_start = time.perf_counter()
     try:
-        model = load_checkpoint(model_dir, device=device)
-        tokenizer = Tokenizer.from_dir(model_dir)
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(model_dir),
+                device=str(device),
+                num_speculative_tokens=getattr(args, "num_speculative_tokens", 0),
+                kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                async_scheduling=getattr(args, "async_scheduling", False),
+            )
+        )
     except (OSError, ValueError, RuntimeError) as exc:
         raise CliError(f"cannot load the checkpoint: {exc}{hint}") from exc
-    if tokenizer.vocab_size > model.config.vocab_size:
+    tokenizer, config = engine.tokenizer, engine.model.config
+    if tokenizer.vocab_size > config.vocab_size:
         raise CliError(
             f"{model_dir}: tokenizer.json has {tokenizer.vocab_size} tokens but config.json's vocab_size is "
-            f"{model.config.vocab_size}"
+            f"{config.vocab_size}"
         )
-    return model, tokenizer, time.perf_counter() - t_start
+    return engine, time.perf_counter() - t_start
 
 
 class TextStreamer:
@@ -147,14 +158,12 @@ class TextStreamer:
 
 
 # ---- subcommands -----------------------------------------------------------------------------------
-def cmd_generate(args: argparse.Namespace) -> int:
-    from models.generate import SamplingParams, generate
+def _sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParams:
+    from engine.sampling_params import SamplingParams
 
-    if args.prompt == "":
-        raise CliError("--prompt is empty; give the text to continue, e.g. --prompt 'def fibonacci(n):'")
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
+        return SamplingParams(
+            max_tokens=max_tokens,
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
@@ -162,38 +171,151 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc
-    model, tokenizer, load_s = load_model(args.model, resolve_device(args.device))
 
-    streamer = None if args.json else TextStreamer(tokenizer, sys.stdout, prefix=args.prompt)
+
+def _queue(engine: LLMEngine, args: argparse.Namespace, prompt: str) -> str:
+    """Queue one prompt; max_tokens is capped so prompt + completion fit the model's context."""
+    num_prompt_tokens = len(engine.tokenizer.encode(prompt))
+    room = engine.max_model_len - num_prompt_tokens
+    if num_prompt_tokens == 0:
+        raise CliError("the prompt encodes to no tokens")
+    if room < 1:
+        raise CliError(
+            f"the prompt has {num_prompt_tokens} tokens and leaves no room for a completion in the model's "
+            f"context of {engine.max_model_len} tokens"
+        )
     try:
-        result = generate(model, tokenizer, args.prompt, params, on_token=streamer)
+        return engine.add_request(prompt, _sampling_params(args, min(args.max_tokens, room)))
     except ValueError as exc:
         raise CliError(str(exc)) from exc
 
-    if streamer is None:
-        timing = {"load_s": load_s, **result.timing._asdict()}
-        out = {
-            "text": result.text,
-            "token_ids": result.token_ids,
-            "finish_reason": result.finish_reason,
-            "num_prompt_tokens": result.num_prompt_tokens,
-            "timing": timing,
-        }
-        print(json.dumps(out))
+
+def _result_json(out: RequestOutput, load_s: float) -> dict:
+    ttft = out.ttft_s
+    decode_s = None if out.e2e_s is None or ttft is None else out.e2e_s - ttft
+    return {
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason,
+        "num_prompt_tokens": len(out.prompt_token_ids),
+        "timing": {
+            "load_s": load_s,
+            "queue_s": out.queue_s,
+            "prefill_s": None if ttft is None or out.queue_s is None else ttft - out.queue_s,
+            "ttft_s": ttft,
+            "decode_s": decode_s,
+            "tpot_s": out.tpot_s,
+            "e2e_s": out.e2e_s,
+            "tokens_per_s": len(out.token_ids) / out.e2e_s if out.e2e_s else None,
+        },
+        "spec_decode": {
+            "num_draft_tokens": out.num_draft_tokens,
+            "num_accepted_tokens": out.num_accepted_tokens,
+            "acceptance_rate": out.acceptance_rate,
+            "acceptance_rate_per_position": [
+                a / d if d else None
+                for a, d in zip(
+                    out.num_accepted_tokens_per_position, out.num_draft_tokens_per_position, strict=True
+                )
+            ],
+        },
+    }
+
+
+def _summary_line(out: RequestOutput) -> str:
+    parts = [
+        f"{len(out.token_ids)} tokens ({out.finish_reason})",
+        f"prompt {len(out.prompt_token_ids)} tokens",
+    ]
+    if out.ttft_s is not None:
+        parts.append(f"ttft {out.ttft_s * 1e3:.1f} ms")
+    if out.tpot_s is not None:
+        parts.append(f"tpot {out.tpot_s * 1e3:.1f} ms")
+    if out.e2e_s:
+        parts.append(f"{len(out.token_ids) / out.e2e_s:.1f} tokens/s")
+    if out.acceptance_rate is not None:
+        parts.append(
+            f"acceptance {out.acceptance_rate:.2f} ({out.num_accepted_tokens}/{out.num_draft_tokens})"
+        )
+    return " | ".join(parts)
+
+
+def _run(
+    engine: LLMEngine, on_output: Callable[[RequestOutput], None] | None = None
+) -> dict[str, RequestOutput]:
+    finished: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if on_output is not None:
+                on_output(out)
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.batch_file is not None:
+        try:
+            prompts = [
+                line.rstrip("\n").replace("\\n", "\n") for line in args.batch_file.read_text().splitlines()
+            ]
+        except OSError as exc:
+            raise CliError(f"cannot read --batch-file: {exc}") from exc
+        prompts = [p for p in prompts if p.strip()]
+        if not prompts:
+            raise CliError(f"--batch-file {args.batch_file} has no prompts (one per line)")
+    elif args.prompt == "":
+        raise CliError("--prompt is empty; give the text to continue, e.g. --prompt 'def fibonacci(n):'")
     else:
-        streamer.finish(result.text)
-        print(f"{result.summary()} | load {load_s:.2f} s", file=sys.stderr)
+        prompts = [args.prompt]
+    _sampling_params(args, args.max_tokens)  # option errors before the slow model load
+    engine, load_s = load_engine(args)
+    ids = [_queue(engine, args, p) for p in prompts]
+
+    streamer = None
+    if not args.json and len(prompts) == 1:
+        streamer = TextStreamer(engine.tokenizer, sys.stdout, prefix=prompts[0])
+        seen = [0]
+
+        def stream(out: RequestOutput) -> None:
+            for token_id in out.token_ids[seen[0] :]:
+                streamer(token_id)
+            seen[0] = len(out.token_ids)
+
+    outputs = _run(engine, stream if streamer is not None else None)
+    results = [outputs[i] for i in ids]
+    if args.json:
+        if len(results) == 1:
+            print(json.dumps(_result_json(results[0], load_s)))
+        else:
+            print(
+                json.dumps({"outputs": [_result_json(r, load_s) for r in results], **_batch_summary(results)})
+            )
+    elif streamer is not None:
+        streamer.finish(results[0].text)
+        print(f"{_summary_line(results[0])} | load {load_s:.2f} s", file=sys.stderr)
+    else:
+        for i, (prompt, out) in enumerate(zip(prompts, results, strict=True), start=1):
+            print(f"=== [{i}/{len(results)}] ===\n{prompt}{out.text}\n--- {_summary_line(out)}")
+        print(json.dumps(_batch_summary(results)), file=sys.stderr)
     return 0
+
+
+def _batch_summary(results: list[RequestOutput]) -> dict:
+    drafted = sum(r.num_draft_tokens for r in results)
+    accepted = sum(r.num_accepted_tokens for r in results)
+    return {
+        "num_requests": len(results),
+        "num_output_tokens": sum(len(r.token_ids) for r in results),
+        "acceptance_rate": accepted / drafted if drafted else None,
+    }
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from orchestrator.demo import run_demo
 
-    device = resolve_device(args.device)
-    try:
-        return run_demo(lambda: load_model(args.model, device), args.model, args.max_tokens, sys.stdout)
-    except ValueError as exc:  # a prompt longer than the checkpoint's context
-        raise CliError(str(exc)) from exc
+    engine, load_s = load_engine(args)
+    return run_demo(engine, load_s, args.model, args.max_tokens, sys.stdout)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -230,6 +352,29 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "--device",
         default="cpu",
         help="where the model runs: cpu, cuda[:i] or npu[:i] (npu needs torch_npu). Default: cpu",
+    )
+
+
+def _add_engine_options(p: argparse.ArgumentParser, default_k: int = 0) -> None:
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=_non_negative_int,
+        default=default_k,
+        metavar="K",
+        help="draft K tokens per step with the model's own MTP module and verify them in one forward "
+        f"(speculative decoding; lossless: greedy output is unchanged). 0 = off. Default: {default_k}",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "int8"),
+        default="auto",
+        help="KV cache element type: auto = the model dtype; int8 = per-token scales, about half the bytes "
+        "of bf16 (a quarter of float32). Default: auto",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule and pack step N+1 on the CPU while step N runs (same outputs)",
     )
 
 
@@ -277,7 +422,15 @@ examples:
   pdcluster generate --prompt 'def fibonacci(n):'
   pdcluster generate --prompt 'import os' --temperature 0.8 --top-p 0.95 --seed 1 --json""",
     )
-    gen.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue (must not be empty)")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", metavar="TEXT", help="text to continue (must not be empty)")
+    source.add_argument(
+        "--batch-file",
+        type=Path,
+        metavar="FILE",
+        help="generate for every prompt in FILE, one per line (a literal \\n in a line is a newline), "
+        "batched by the engine; blank lines are skipped",
+    )
     _add_model_options(gen)
     gen.add_argument(
         "--max-tokens",
@@ -317,6 +470,7 @@ examples:
         help="random seed for sampling; the same seed, prompt and options give the same output. "
         "Default: a different seed each run",
     )
+    _add_engine_options(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object (fields below) instead")
     gen.set_defaults(func=cmd_generate)
 
@@ -332,6 +486,7 @@ docstring), greedily, printing each completion and its timings.
 This is a stand-in: later it becomes the cluster job on clusters/local.yaml.""",
     )
     _add_model_options(demo)
+    _add_engine_options(demo, default_k=1)
     demo.add_argument(
         "--max-tokens", type=_positive_int, default=48, metavar="N", help="tokens per prompt. Default: 48"
     )

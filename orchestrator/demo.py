@@ -10,15 +10,13 @@ from the first `num_prompts` files that have one (with CPython 3.11: `calendar.i
 from __future__ import annotations
 
 import ast
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TextIO
 
 from models.corpus import corpus_files, stdlib_dir
 
 if TYPE_CHECKING:
-    from models.deepseek_v3 import DeepseekV3ForCausalLM
-    from models.tokenizer import Tokenizer
+    from engine.llm import LLMEngine
 
 
 class DemoPrompt(NamedTuple):
@@ -50,29 +48,38 @@ def heldout_prompts(num_prompts: int, root: Path | None = None) -> list[DemoProm
 
 
 def run_demo(
-    load: Callable[[], tuple[DeepseekV3ForCausalLM, Tokenizer, float]],
-    model_dir: Path,
-    max_tokens: int,
-    out: TextIO,
-    num_prompts: int = 3,
+    engine: LLMEngine, load_s: float, model_dir: Path, max_tokens: int, out: TextIO, num_prompts: int = 3
 ) -> int:
-    """Load a checkpoint with `load()`, complete held-out prompts greedily, print them with timings.
+    """Complete held-out prompts greedily in one batch on `engine`, print them with timings.
 
     Returns the exit code (0).
     """
-    from models.generate import SamplingParams, generate
+    from engine.sampling_params import SamplingParams
 
-    model, tokenizer, load_s = load()
-    num_params = sum(p.numel() for p in model.parameters())
-    device = next(model.parameters()).device
-    out.write(f"model: {model_dir} ({num_params:,} parameters), loaded in {load_s:.2f} s on {device}\n")
-    out.write(f"greedy, up to {max_tokens} tokens per prompt; prompts from held-out stdlib modules\n")
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    num_params = sum(p.numel() for p in engine.model.parameters())
+    k = engine.config.num_speculative_tokens
+    out.write(
+        f"model: {model_dir} ({num_params:,} parameters), "
+        f"loaded in {load_s:.2f} s on {engine.config.device}\n"
+    )
+    out.write(
+        f"greedy, up to {max_tokens} tokens per prompt, MTP speculative decoding k={k}; "
+        "prompts from held-out stdlib modules\n"
+    )
     prompts = heldout_prompts(num_prompts)
-    for i, prompt in enumerate(prompts, start=1):
-        out.write(f"\n=== [{i}/{len(prompts)}] {prompt.source} ===\n")
-        result = generate(model, tokenizer, prompt.text, params)
-        out.write(f"{prompt.text}{result.text}\n")
-        out.write(f"--- {result.summary()}\n")
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    ids = [engine.add_request(p.text, params) for p in prompts]
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    for i, (prompt, rid) in enumerate(zip(prompts, ids, strict=True), start=1):
+        result = finished[rid]
+        out.write(f"\n=== [{i}/{len(prompts)}] {prompt.source} ===\n{prompt.text}{result.text}\n")
+        acceptance = "" if result.acceptance_rate is None else f" | acceptance {result.acceptance_rate:.2f}"
+        tpot = "" if result.tpot_s is None else f" | tpot {result.tpot_s * 1e3:.1f} ms"
+        out.write(
+            f"--- {len(result.token_ids)} tokens ({result.finish_reason}) | ttft {result.ttft_s * 1e3:.1f} ms"
+            f"{tpot}{acceptance}\n"
+        )
         out.flush()
     return 0

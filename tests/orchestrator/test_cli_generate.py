@@ -1,8 +1,8 @@
-"""`pdcluster generate` / `pdcluster demo` and the generation loop behind them (`models.generate`).
+"""`pdcluster generate` / `pdcluster demo` on the engine (`engine.llm.LLMEngine`).
 
 Most tests run the CLI in-process (`main(argv)`) against the random checkpoint from conftest.py; one runs
 the real console entry point in a subprocess to check the exit code and the absence of a traceback, and
-one runs the bundled trained checkpoint (skipped until it exists).
+one runs the bundled trained checkpoint.
 """
 
 from __future__ import annotations
@@ -12,21 +12,18 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-import torch
 
 import models
 from models import bundled_checkpoint_dir
-from models.generate import SamplingParams, generate, sample_next_token
 from models.tokenizer import Tokenizer
 from orchestrator.cli import TextStreamer, main
 from orchestrator.demo import heldout_prompts
 from tests.orchestrator.conftest import RANDOM_CONTEXT_LEN
 
 PROMPT = "def parse(text):"
-TIMING_KEYS = {"load_s", "prefill_s", "decode_s", "ttft_s", "tpot_s", "tokens_per_s"}
+TIMING_KEYS = {"load_s", "queue_s", "prefill_s", "decode_s", "ttft_s", "tpot_s", "e2e_s", "tokens_per_s"}
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
@@ -44,7 +41,7 @@ def generate_json(capsys: pytest.CaptureFixture[str], checkpoint: Path, *argv: s
 # ---- generate: output ------------------------------------------------------------------------------
 def test_json_schema_and_token_count(capsys, random_checkpoint):
     result = generate_json(capsys, random_checkpoint, "--prompt", PROMPT, "--max-tokens", "7")
-    assert set(result) == {"text", "token_ids", "finish_reason", "num_prompt_tokens", "timing"}
+    assert set(result) == {"text", "token_ids", "finish_reason", "num_prompt_tokens", "timing", "spec_decode"}
     assert set(result["timing"]) == TIMING_KEYS
     assert all(isinstance(v, float) and v >= 0 for v in result["timing"].values())
     assert len(result["token_ids"]) == 7
@@ -153,57 +150,35 @@ def test_bundled_checkpoint_dir_is_inside_the_package():
     assert bundled_checkpoint_dir() == Path(models.__file__).resolve().parent / "tiny"
 
 
-# ---- the loop and sampler directly -----------------------------------------------------------------
-class ScriptedModel(torch.nn.Module):
-    """Emits `script` one token per step after the prompt (as one-hot logits), then repeats its last token."""
-
-    def __init__(self, script: list[int], num_prompt_tokens: int, vocab_size: int, context_len: int) -> None:
-        super().__init__()
-        self.config = SimpleNamespace(max_position_embeddings=context_len)
-        self.dummy = torch.nn.Parameter(torch.zeros(1))  # generate() reads the device from the parameters
-        self.script, self.num_prompt_tokens, self.vocab_size = script, num_prompt_tokens, vocab_size
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        batch, seq_len = input_ids.shape
-        step = min(seq_len - self.num_prompt_tokens, len(self.script) - 1)
-        logits = torch.zeros(batch, seq_len, self.vocab_size)
-        logits[:, -1, self.script[step]] = 10.0
-        return logits
+# ---- engine options --------------------------------------------------------------------------------
+def test_speculative_decoding_reports_acceptance_and_keeps_greedy_output(capsys, random_checkpoint):
+    base = generate_json(capsys, random_checkpoint, "--prompt", PROMPT, "--max-tokens", "12")
+    spec = generate_json(
+        capsys, random_checkpoint, "--prompt", PROMPT, "--max-tokens", "12", "--num-speculative-tokens", "2"
+    )
+    assert spec["token_ids"] == base["token_ids"]
+    assert spec["spec_decode"]["num_draft_tokens"] > 0
+    assert len(spec["spec_decode"]["acceptance_rate_per_position"]) == 2
+    assert base["spec_decode"]["num_draft_tokens"] == 0
 
 
-def test_generate_stops_at_eos_and_streams_each_token(random_checkpoint):
-    tokenizer = Tokenizer.from_dir(random_checkpoint)
-    num_prompt_tokens = len(tokenizer.encode(PROMPT))
-    model = ScriptedModel([40, 41, tokenizer.eos_token_id, 42], num_prompt_tokens, tokenizer.vocab_size, 64)
-    streamed: list[int] = []
-    result = generate(model, tokenizer, PROMPT, SamplingParams(max_tokens=10), on_token=streamed.append)
-    assert result.finish_reason == "stop"
-    assert result.token_ids == streamed == [40, 41, tokenizer.eos_token_id]
-    assert result.text == tokenizer.decode([40, 41])
-    assert result.timing.tpot_s is not None
+def test_batch_file_generates_every_prompt(capsys, random_checkpoint, tmp_path):
+    batch = tmp_path / "prompts.txt"
+    batch.write_text(f"{PROMPT}\n\nimport os\\nimport sys\n")
+    code, out, err = run_cli(
+        capsys, "generate", "--model", random_checkpoint, "--batch-file", batch, "--max-tokens", "3", "--json"
+    )
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["num_requests"] == 2 and len(result["outputs"]) == 2
+    assert all(len(o["token_ids"]) == 3 for o in result["outputs"])
 
 
-def test_sampler_filters():
-    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
-    gen = torch.Generator().manual_seed(0)
-    assert sample_next_token(logits, SamplingParams(temperature=0.0), gen) == 0
-    assert sample_next_token(logits, SamplingParams(temperature=5.0, top_k=1), gen) == 0
-    assert sample_next_token(logits, SamplingParams(temperature=5.0, top_p=0.01), gen) == 0
-    top2 = {sample_next_token(logits, SamplingParams(temperature=100.0, top_k=2), gen) for _ in range(200)}
-    assert top2 == {0, 1}
-    # softmax(logits) ~ [0.607, 0.223, 0.135, 0.030, 0.004]: the smallest set reaching 0.8 is {0, 1}
-    for top_p, kept in ((0.8, {0, 1}), (0.85, {0, 1, 2})):
-        params = SamplingParams(temperature=1.0, top_p=top_p)
-        assert {sample_next_token(logits, params, gen) for _ in range(500)} == kept
-
-
-@pytest.mark.parametrize(
-    "kwargs", [{"max_tokens": 0}, {"temperature": -0.5}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}]
-)
-def test_sampling_params_validation_names_the_field(kwargs):
-    (field,) = kwargs
-    with pytest.raises(ValueError, match=field):
-        SamplingParams(**kwargs)
+def test_int8_kv_cache_option(capsys, random_checkpoint):
+    out = generate_json(
+        capsys, random_checkpoint, "--prompt", PROMPT, "--max-tokens", "4", "--kv-cache-dtype", "int8"
+    )
+    assert len(out["token_ids"]) == 4
 
 
 # ---- demo ------------------------------------------------------------------------------------------
@@ -223,12 +198,6 @@ def test_demo_runs(capsys, random_checkpoint):
 
 
 # ---- the bundled checkpoint ------------------------------------------------------------------------
-BUNDLED_READY = (bundled_checkpoint_dir() / "model.safetensors").exists() and (
-    bundled_checkpoint_dir() / "MODEL_CARD.md"  # written last by train_tiny: the checkpoint is complete
-).exists()
-
-
-@pytest.mark.skipif(not BUNDLED_READY, reason="models/tiny not trained yet: python -m models.train_tiny")
 def test_bundled_model_writes_python(capsys):
     """Proves the bundled checkpoint + tokenizer + loop produce code-shaped text, not noise (~1.5 s).
 
