@@ -120,6 +120,14 @@ class Executor:
             )
         return self._generators[request_id]
 
+    def set_draft_probs(self, request_id: str, draft_probs: torch.Tensor | None) -> None:
+        """Draft distributions of drafts proposed elsewhere (a prefill instance), verified next step:
+        `[num_drafts, vocab_size]` float32, or None for greedy drafts."""
+        if draft_probs is None:
+            self._draft_probs.pop(request_id, None)
+        else:
+            self._draft_probs[request_id] = draft_probs.to(self.runner.device)
+
     def drop(self, request_ids: list[str]) -> None:
         """Forget per-request state (finished, aborted or preempted requests)."""
         for request_id in request_ids:
@@ -193,14 +201,22 @@ class Executor:
 
         spec: dict[str, list[int]] = {}
         if self.num_speculative_tokens:
-            spec = self._propose(scheduled, hidden, starts, sampled)
+            spec = self._propose(scheduled, hidden, starts, sampled, on_layer_kv)
+        # Prefill-only requests (handed off to decode): their last hidden state and draft distributions.
+        last_hidden: dict[str, torch.Tensor] = {}
+        draft_probs: dict[str, torch.Tensor | None] = {}
+        for i in sampling:
+            item = scheduled[i]
+            if item.request.export_kv:
+                last_hidden[item.request_id] = hidden[starts[i + 1] - 1].clone()
+                draft_probs[item.request_id] = self._draft_probs.get(item.request_id)
         self._last_step = {}
         for i in sampling:
             item = scheduled[i]
             tokens = sampled[item.request_id]
             num_rejected = len(item.spec_token_ids) - (len(tokens) - 1)
             self._last_step[item.request_id] = StepResult(tokens, spec.get(item.request_id, []), num_rejected)
-        return ModelRunnerOutput(sampled, spec)
+        return ModelRunnerOutput(sampled, spec, last_hidden, draft_probs)
 
     def _resolve_placeholders(
         self, scheduled: list[ScheduledRequest], prepared: PreparedStep
@@ -295,6 +311,7 @@ class Executor:
         hidden: torch.Tensor,
         starts: list[int],
         sampled: dict[str, list[int]],
+        on_layer_kv: LayerKVCallback | None = None,
     ) -> dict[str, list[int]]:
         works: list[MTPWork] = []
         owners: list[ScheduledRequest] = []
@@ -328,7 +345,7 @@ class Executor:
             )
             owners.append(item)
         spec: dict[str, list[int]] = {}
-        for item, proposal in zip(owners, propose(self.runner, works), strict=True):
+        for item, proposal in zip(owners, propose(self.runner, works, on_layer_kv), strict=True):
             if proposal.draft_token_ids:
                 spec[item.request_id] = proposal.draft_token_ids
                 self._draft_probs[item.request_id] = proposal.draft_probs

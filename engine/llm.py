@@ -16,8 +16,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +31,8 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_policy import SchedulerConfig, cdiv
+from kernels.kv_quant import dequantize_kv_int8
+from kernels.paged_mla import gather_kv, write_kv
 from models.deepseek_v3 import DeepseekV3ForCausalLM
 from models.tokenizer import Tokenizer
 
@@ -64,6 +68,25 @@ class RequestOutput:
     def acceptance_rate(self) -> float | None:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
+
+class PrefillResult(NamedTuple):
+    """What a prefill-only request hands to decode besides its prompt KV (`LLMEngine.pop_prefill_result`).
+
+    first_token_id: the token sampled after the prompt.
+    draft_token_ids: MTP drafts proposed after it (empty without speculative decoding).
+    draft_probs: `[num_drafts, vocab_size]` float32 MTP probabilities of sampled drafts; None when greedy.
+    last_hidden: `[hidden_size]` final hidden state at the last prompt position.
+    """
+
+    first_token_id: int
+    draft_token_ids: list[int]
+    draft_probs: torch.Tensor | None
+    last_hidden: torch.Tensor
+
+
+# Called once per layer (MTP layer: index num_hidden_layers) when a prefill-only request's prompt KV of that
+# layer is complete: (request_id, layer_idx, latent_kv [num_prompt_tokens, kv_dim] in the model dtype).
+PromptKVCallback = Callable[[str, int, torch.Tensor], None]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -120,6 +143,8 @@ class LLMEngine:
         self._texts: dict[str, str] = {}
         self._finished: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._prefill_results: dict[str, PrefillResult] = {}
+        self._reserved_slots: dict[str, torch.Tensor] = {}  # reserved request id -> prompt slots [P]
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(
@@ -128,8 +153,14 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time_s: float | None = None,
+        prefill_only: bool = False,
     ) -> str:
         """Queue a prompt (text or token ids). Returns the request id.
+
+        `prefill_only`: the prefill half of a disaggregated request: it stops after its first sampled token
+        (max_tokens 1); with MTP the step that samples it also runs the MTP layer over the prompt and
+        proposes the first drafts. Pass `on_prompt_kv` to `step` to receive its KV per layer, and take the
+        first token, drafts and last hidden state with `pop_prefill_result` once it finished.
 
         Raises:
             ValueError: empty prompt, prompt + max_tokens over `max_model_len`, or a request the KV cache
@@ -143,17 +174,103 @@ class LLMEngine:
         if any(not 0 <= t < self.model.config.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.model.config.vocab_size})")
         request_id = request_id if request_id is not None else str(next(self._ids))
+        if prefill_only:
+            params = dataclasses.replace(params, max_tokens=1, stop=())
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=params,
             eos_token_id=self.tokenizer.eos_token_id,
             arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s,
+            export_kv=prefill_only,
         )
         self.scheduler.add_request(request)
         self._prompts[request_id] = text
         self._texts[request_id] = ""
         return request_id
+
+    def pop_prefill_result(self, request_id: str) -> PrefillResult | None:
+        """The first token, drafts and last hidden state of a finished prefill-only request (once)."""
+        return self._prefill_results.pop(request_id, None)
+
+    # ---- requests prefilled elsewhere (decode side of a disaggregated request) ------------------------
+    def reserve_remote_prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        num_draft_tokens: int = 0,
+        arrival_time_s: float | None = None,
+    ) -> bool:
+        """Hold KV blocks for a request whose prompt KV another instance computes: the prompt, the first
+        token and `num_draft_tokens` drafts (what its first decode step writes). Between steps.
+
+        Then `write_prompt_kv` per layer (any thread), and `admit_remote_prefill` (between steps), or
+        `release_remote_prefill` on failure. Returns False (nothing held) when the blocks are not free now.
+
+        Raises:
+            ValueError: a duplicate id, a bad prompt, or a request that could never fit.
+        """
+        if not prompt_token_ids or any(not 0 <= t < self.model.config.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be non-empty and in [0, {self.model.config.vocab_size})")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=sampling_params,
+            eos_token_id=self.tokenizer.eos_token_id,
+            arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s,
+        )
+        num_prompt_tokens = len(prompt_token_ids)
+        if not self.scheduler.reserve(request, num_prompt_tokens + 1 + num_draft_tokens):
+            return False
+        slots = self.scheduler.block_manager.slot_mapping(request, 0, num_prompt_tokens)
+        self._reserved_slots[request_id] = torch.tensor(slots, dtype=torch.long, device=self.runner.device)
+        return True
+
+    def write_prompt_kv(self, request_id: str, layer_idx: int, latent_kv: torch.Tensor) -> None:
+        """Write one layer's received prompt KV (`[num_prompt_tokens, kv_dim]`, model dtype; MTP layer at
+        index num_hidden_layers) into the reserved blocks. Safe from a receive thread while steps run: the
+        reserved blocks belong to no scheduled request.
+
+        Raises:
+            KeyError: no reservation; ValueError: a shape mismatch.
+        """
+        slots = self._reserved_slots[request_id]
+        write_kv(
+            self.runner.kv_caches[layer_idx],
+            latent_kv.to(self.runner.device, self.runner.dtype),
+            slots,
+            self.runner.kv_scales[layer_idx],
+        )
+
+    def admit_remote_prefill(
+        self,
+        request_id: str,
+        first_token_id: int,
+        draft_token_ids: list[int] = (),  # type: ignore[assignment]
+        draft_probs: torch.Tensor | None = None,
+    ) -> None:
+        """Admit a reserved request whose prompt KV is written (every layer, MTP included) into the running
+        batch with its first token and drafts. Between steps. Its output (first token included) comes
+        with the next `step()`.
+
+        Raises:
+            KeyError: no reservation.
+        """
+        self._reserved_slots.pop(request_id)
+        request = self.scheduler.reserved[request_id]
+        status = self.scheduler.admit_reserved(request_id, first_token_id, list(draft_token_ids))
+        self._prompts[request_id] = None
+        self._texts[request_id] = self._detokenize(request)
+        if status.is_finished:
+            self._finished[request_id] = request
+        elif request.spec_token_ids:
+            self.executor.set_draft_probs(request_id, draft_probs)
+
+    def release_remote_prefill(self, request_id: str) -> bool:
+        """Give back a reservation's blocks (handoff failed or cancelled). Between steps. False if unknown."""
+        self._reserved_slots.pop(request_id, None)
+        return self.scheduler.release_reserved(request_id)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a queued or running request and free its KV blocks. False if it is unknown/finished."""
@@ -169,16 +286,41 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- the step ------------------------------------------------------------------------------------
-    def step(self, on_layer_kv: LayerKVCallback | None = None) -> list[RequestOutput]:
+    def step(
+        self,
+        on_layer_kv: LayerKVCallback | None = None,
+        on_prompt_kv: PromptKVCallback | None = None,
+    ) -> list[RequestOutput]:
         """Run one step; returns outputs of the requests that produced tokens or finished.
 
         With `async_scheduling` the step submitted by this call is still running when it returns: the
         outputs are those of the previous call's step (none on the first call), and `on_layer_kv` is
         called on the worker thread, for the step submitted by this call.
+
+        `on_prompt_kv(request_id, layer_idx, latent_kv)` (synchronous loop only): for each prefill-only
+        request whose last prompt chunk runs in this step, called right after each layer's KV is written,
+        main layers then the MTP layer, with the whole prompt's KV of that layer (read back from the paged
+        cache, so earlier chunks and prefix-cache hits are included).
         """
+        if on_prompt_kv is not None and self._async_loop is not None:
+            raise ValueError("on_prompt_kv needs the synchronous loop (async_scheduling=False)")
         if self._async_loop is None:
             output = self.scheduler.schedule()
-            runner_output = self.executor.execute(output, on_layer_kv)
+            exporting = [item for item in output.scheduled if item.samples and item.request.export_kv]
+            hook = on_layer_kv
+            if exporting and on_prompt_kv is not None:
+                hook = self._prompt_kv_hook(exporting, on_layer_kv, on_prompt_kv)
+            runner_output = self.executor.execute(output, hook)
+            for item in exporting:
+                rid = item.request_id
+                sampled = runner_output.sampled_token_ids.get(rid)
+                if sampled:
+                    self._prefill_results[rid] = PrefillResult(
+                        first_token_id=sampled[-1],
+                        draft_token_ids=list(runner_output.spec_token_ids.get(rid, [])),
+                        draft_probs=runner_output.draft_probs.get(rid),
+                        last_hidden=runner_output.last_hidden_states[rid],
+                    )
             updates = self.scheduler.update_from_output(output, runner_output)
         else:
             output, updates = self._async_loop.step(on_layer_kv)
@@ -202,6 +344,34 @@ class LLMEngine:
         if self._async_loop is not None and not self.scheduler.has_unfinished():
             self._async_loop.drain()
         return results
+
+    def _prompt_kv_hook(
+        self,
+        items: list,
+        on_layer_kv: LayerKVCallback | None,
+        on_prompt_kv: PromptKVCallback,
+    ) -> LayerKVCallback:
+        runner = self.runner
+        tables = [
+            (item.request_id, torch.tensor(item.block_ids, dtype=torch.long), item.request.num_prompt_tokens)
+            for item in items
+        ]
+
+        def hook(layer_idx: int, latent_kv: torch.Tensor, batch) -> None:
+            if on_layer_kv is not None:
+                on_layer_kv(layer_idx, latent_kv, batch)
+            for request_id, table, num_prompt_tokens in tables:
+                latent, scale = gather_kv(
+                    runner.kv_caches[layer_idx],
+                    table.to(runner.device),
+                    num_prompt_tokens,
+                    runner.kv_scales[layer_idx],
+                )
+                if scale is not None:
+                    latent = dequantize_kv_int8(latent, scale, runner.dtype)
+                on_prompt_kv(request_id, layer_idx, latent)
+
+        return hook
 
     def _detokenize(self, request: Request) -> str:
         return self.tokenizer.decode(request.output_token_ids)

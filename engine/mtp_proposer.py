@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model_runner import ModelRunner, build_model_input
+from engine.model_runner import LayerKVCallback, ModelRunner, build_model_input
 from kernels.sampling import probs_from_logits
 
 
@@ -68,8 +68,13 @@ def _pick(logits: torch.Tensor, work: MTPWork) -> tuple[int, torch.Tensor | None
     return token, probs
 
 
-def propose(runner: ModelRunner, works: list[MTPWork]) -> list[Proposal]:
+def propose(
+    runner: ModelRunner, works: list[MTPWork], on_layer_kv: LayerKVCallback | None = None
+) -> list[Proposal]:
     """Run the MTP layer over each request's committed positions, then chain it for drafts.
+
+    `on_layer_kv` runs after the MTP layer's KV of the committed positions is written (not for the
+    chained draft positions, whose KV the next verification step overwrites).
 
     Returns one `Proposal` per work item (empty for `num_drafts == 0`).
     """
@@ -83,7 +88,7 @@ def propose(runner: ModelRunner, works: list[MTPWork]) -> list[Proposal]:
         runner.device,
     )
     prev_hidden = torch.cat([w.prev_hidden for w in works])
-    hidden = runner.mtp_forward(batch, prev_hidden)
+    hidden = runner.mtp_forward(batch, prev_hidden, on_layer_kv=on_layer_kv)
     last_rows = batch.query_start_loc[1:] - 1
     proposals = [Proposal([], None) for _ in works]
     probs_lists: list[list[torch.Tensor]] = [[] for _ in works]

@@ -7,9 +7,12 @@ Scheduler.schedule() -> SchedulerOutput -> model runner -> ModelRunnerOutput
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    import torch
 
 # Stands in `ScheduledRequest.token_ids` for a token sampled by the step still in flight (asynchronous
 # scheduling); the executor replaces it with that step's sample before the forward.
@@ -84,10 +87,16 @@ class ModelRunnerOutput:
             recovered) token, for each request whose `ScheduledRequest.samples` is True. Requests in the
             middle of a prefill may be absent; tokens given for them are ignored.
         spec_token_ids: request id -> draft tokens proposed for the next step (empty without MTP).
+        last_hidden_states: request id -> `[hidden_size]` final hidden state at the last input position, for
+            requests with `Request.export_kv` whose step sampled (a prefill to hand off to decode).
+        draft_probs: request id -> `[num_drafts, vocab_size]` float32 MTP probabilities of sampled drafts
+            (None for greedy drafts), for the same requests.
     """
 
     sampled_token_ids: dict[str, list[int]]
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    last_hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)
+    draft_probs: dict[str, torch.Tensor | None] = field(default_factory=dict)
 
 
 class RequestUpdate(NamedTuple):

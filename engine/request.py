@@ -78,6 +78,8 @@ class Request:
         num_draft_tokens_per_position[i], num_accepted_tokens_per_position[i]: the same, counted per
             draft position i (0 = first draft after the verified token); the acceptance rate at depth i is
             their ratio.
+        export_kv: a prefill-only request whose prompt KV, last hidden state and first drafts are handed
+            to a decode instance (`LLMEngine.add_request(prefill_only=True)`); set at creation, never changed.
     """
 
     request_id: str
@@ -101,6 +103,7 @@ class Request:
     num_accepted_tokens: int = 0
     num_draft_tokens_per_position: list[int] = field(default_factory=list)
     num_accepted_tokens_per_position: list[int] = field(default_factory=list)
+    export_kv: bool = False
 
     def __post_init__(self) -> None:
         if len(self.prompt_token_ids) == 0:

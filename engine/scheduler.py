@@ -87,6 +87,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []  # new and preempted requests
         self.running: list[Request] = []  # in admission order
+        self.reserved: dict[str, Request] = {}  # holding blocks for KV prefilled elsewhere (`reserve`)
         self._arrival_index: dict[str, int] = {}
         self._num_arrived = 0
         self._finished_request_ids: list[str] = []  # since the last schedule()
@@ -131,6 +132,73 @@ class Scheduler:
     def abort(self, request_id: str) -> bool:
         """Abort a request (FINISHED_ABORTED). Returns False when the id is unknown or already finished."""
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # ---- requests prefilled elsewhere (disaggregated decode) -------------------------------------------
+
+    def reserve(self, request: Request, num_slots: int) -> bool:
+        """Hold KV blocks for `num_slots` positions of a request whose prompt KV another instance computes.
+
+        The request is not scheduled until `admit_reserved`; `release_reserved` gives the blocks back. No
+        prefix-cache lookup: the prompt's blocks are fresh, and are written from outside (received KV).
+        Returns False (nothing held) when the free blocks do not suffice now.
+
+        Raises:
+            ValueError: duplicate request id, or a request that could never fit (`check_request_fits`).
+        """
+        if request.request_id in self.requests or request.request_id in self.reserved:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        check_request_fits(
+            self.config,
+            self.block_manager.num_blocks,
+            request.num_prompt_tokens,
+            request.sampling_params.max_tokens,
+        )
+        if not self.block_manager.allocate_slots(request, num_slots):
+            return False
+        self.reserved[request.request_id] = request
+        return True
+
+    def release_reserved(self, request_id: str) -> bool:
+        """Free a reservation's blocks (the handoff failed or was cancelled). False when unknown."""
+        request = self.reserved.pop(request_id, None)
+        if request is None:
+            return False
+        self.block_manager.free(request)
+        return True
+
+    def admit_reserved(
+        self, request_id: str, first_token_id: int, spec_token_ids: list[int]
+    ) -> RequestStatus:
+        """Admit a reserved request whose prompt KV is now in its blocks, into the running batch, as if
+        this instance had run its prefill: `num_computed_tokens` = prompt length, the first token committed
+        (stop conditions apply), `spec_token_ids` the drafts to verify in its next step.
+
+        Returns:
+            RUNNING, or the finished status when the first token already finished it (its blocks are freed).
+
+        Raises:
+            KeyError: no such reservation.
+        """
+        request = self.reserved.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        now = self.clock()
+        request.first_scheduled_time_s = request.first_scheduled_time_s or now
+        request.num_cached_tokens = 0
+        _, status = self._commit_tokens(request, [first_token_id], now)
+        self.block_manager.cache_full_blocks(request)
+        if status.is_finished:
+            self.block_manager.free(request)
+            request.status = status
+            request.finished_time_s = now
+            return status
+        num_allowed = request.sampling_params.max_tokens - request.num_output_tokens - 1
+        request.spec_token_ids = list(spec_token_ids)[: max(0, num_allowed)]
+        request.status = RequestStatus.RUNNING
+        self.requests[request_id] = request
+        self._arrival_index[request_id] = self._num_arrived
+        self._num_arrived += 1
+        self.running.append(request)
+        return status
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

@@ -1,0 +1,86 @@
+"""The engine halves of a disaggregated request, in one process and without a transport: a prefill-only
+request on one engine, its prompt KV (MTP layer included), first token and drafts admitted into another.
+Proves the handoff state is complete: greedy tokens and MTP acceptance equal a single engine's."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm import LLMEngine
+from engine.sampling_params import SamplingParams
+from models import bundled_checkpoint_dir
+
+PROMPTS = [
+    "def add(a, b):\n    return",
+    'import os\nimport sys\n\n\ndef main(argv):\n    """Parse the arguments and',
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    engine = LLMEngine(EngineConfig(model=str(bundled_checkpoint_dir()), num_kv_blocks=64))
+    return engine.model
+
+
+def _engine(model, k: int, **kw) -> LLMEngine:
+    config = EngineConfig(
+        model=str(bundled_checkpoint_dir()), num_kv_blocks=64, num_speculative_tokens=k, **kw
+    )
+    return LLMEngine(config, model=model)
+
+
+def _run_single(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=str(i))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_prefill_decode_handoff_matches_single_engine(model, k: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    single = _engine(model, k)
+    prompts = [single.tokenizer.encode(p) for p in PROMPTS]
+    expected = _run_single(single, prompts, params)
+
+    prefill = _engine(model, k, max_num_batched_tokens=16)  # chunked prompts
+    decode = _engine(model, k)
+    num_layers = model.config.num_hidden_layers + (1 if k else 0)
+    received: dict[str, dict[int, object]] = {}
+    for i, p in enumerate(prompts):
+        prefill.add_request(p, params, request_id=str(i), prefill_only=True)
+        assert decode.reserve_remote_prefill(str(i), p, params, num_draft_tokens=k)
+    while prefill.has_unfinished_requests():
+        prefill.step(on_prompt_kv=lambda rid, layer, kv: received.setdefault(rid, {}).update({layer: kv}))
+    for rid in map(str, range(len(prompts))):
+        assert sorted(received[rid]) == list(range(num_layers))
+        for layer, kv in received[rid].items():
+            decode.write_prompt_kv(rid, layer, kv)
+        result = prefill.pop_prefill_result(rid)
+        assert len(result.draft_token_ids) == k
+        decode.admit_remote_prefill(rid, result.first_token_id, result.draft_token_ids, result.draft_probs)
+    prefill.scheduler.block_manager.check_no_leaks()
+    got = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                got[out.request_id] = out
+    decode.scheduler.block_manager.check_no_leaks()
+    for rid, out in expected.items():
+        assert got[rid].token_ids == out.token_ids
+        assert got[rid].num_accepted_tokens == out.num_accepted_tokens
+        assert got[rid].num_draft_tokens == out.num_draft_tokens
+
+
+def test_released_reservation_frees_blocks(model) -> None:
+    decode = _engine(model, 1)
+    assert decode.reserve_remote_prefill("r", list(range(2, 40)), SamplingParams(max_tokens=4), 1)
+    assert decode.scheduler.block_manager.num_free_blocks < 64
+    assert decode.release_remote_prefill("r")
+    decode.scheduler.block_manager.check_no_leaks()
