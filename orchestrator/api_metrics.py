@@ -1,0 +1,174 @@
+"""Prometheus metrics of one API server (`GET /metrics`), in a registry owned by the app.
+
+Per request, recorded by the server when a request ends (times in seconds, measured at the HTTP edge from
+the moment the request passed validation):
+
+    pdcluster_time_to_first_token_seconds        histogram  arrival -> first token delta
+    pdcluster_time_per_output_token_seconds      histogram  (last token - first token) / (output tokens - 1)
+    pdcluster_inter_token_latency_seconds        histogram  gap between successive token deltas (a delta may
+                                                            carry several tokens with MTP)
+    pdcluster_e2e_request_latency_seconds        histogram  arrival -> last delta
+    pdcluster_request_phase_seconds{phase}       histogram  the backend's phases (queue_s, prefill_s,
+                                                            kv_transfer_s, first_decode_step_s, total_s)
+    pdcluster_kv_transfer_seconds                histogram  per-request KV transfer time (phase kv_transfer_s)
+    pdcluster_kv_transfer_bytes_total            counter    KV bytes moved prefill -> decode (phases)
+    pdcluster_spec_decode_num_draft_tokens_total{position}     counter  drafted tokens per draft depth
+    pdcluster_spec_decode_num_accepted_tokens_total{position}  counter  accepted tokens per draft depth
+                                                            (acceptance rate at depth i = accepted / drafted)
+    pdcluster_requests_total{finish_reason}      counter    stop / length / abort
+    pdcluster_request_errors_total{status_code}  counter    requests answered with an error
+    pdcluster_prompt_tokens_total, pdcluster_generation_tokens_total  counters
+    pdcluster_slo_requests_total{attained}       counter    requests meeting both TTFT and TPOT SLOs (only
+                                                            with an SLO configured)
+
+Read from `backend.stats()` at scrape time (nothing is cached between scrapes):
+
+    pdcluster_num_requests_waiting / pdcluster_num_requests_running  gauges (queue depth)
+    pdcluster_kv_cache_used_blocks{instance}, pdcluster_kv_cache_total_blocks{instance},
+    pdcluster_kv_cache_usage_ratio{instance}                          gauges
+    pdcluster_backend_kv_transfer_bytes_total, pdcluster_backend_kv_transfer_seconds_total  counters (when
+                                                            the backend reports them)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# Buckets in seconds: TTFT spans a queued long prompt on a CPU; TPOT/ITL are per-step gaps.
+_TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120)
+_TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+_E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+
+
+class _BackendStatsCollector(Collector):
+    """Gauges read from `backend.stats()` at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self._stats()
+        except Exception:  # noqa: BLE001 - a scrape must not fail because the backend is down
+            return
+        for key, name, doc in (
+            ("num_waiting_requests", "pdcluster_num_requests_waiting", "Requests queued (all instances)."),
+            ("num_running_requests", "pdcluster_num_requests_running", "Requests running (all instances)."),
+        ):
+            if key in stats:
+                yield GaugeMetricFamily(name, doc, value=stats[key])
+        kv_blocks = stats.get("kv_blocks") or {}
+        if kv_blocks:
+            used = GaugeMetricFamily(
+                "pdcluster_kv_cache_used_blocks", "KV cache blocks held by requests.", labels=["instance"]
+            )
+            total = GaugeMetricFamily(
+                "pdcluster_kv_cache_total_blocks", "KV cache blocks of the instance.", labels=["instance"]
+            )
+            usage = GaugeMetricFamily(
+                "pdcluster_kv_cache_usage_ratio", "Fraction of KV cache blocks held.", labels=["instance"]
+            )
+            for instance, blocks in sorted(kv_blocks.items()):
+                num_used, num_total = blocks["num_used_blocks"], blocks["num_total_blocks"]
+                used.add_metric([instance], num_used)
+                total.add_metric([instance], num_total)
+                usage.add_metric([instance], num_used / num_total if num_total else 0.0)
+            yield from (used, total, usage)
+        if "kv_transfer_bytes_total" in stats:
+            yield CounterMetricFamily(
+                "pdcluster_backend_kv_transfer_bytes",
+                "KV bytes moved prefill -> decode, as counted by the backend.",
+                value=stats["kv_transfer_bytes_total"],
+            )
+        if "kv_transfer_seconds_total" in stats:
+            yield CounterMetricFamily(
+                "pdcluster_backend_kv_transfer_seconds",
+                "Seconds spent in KV transfer, as counted by the backend.",
+                value=stats["kv_transfer_seconds_total"],
+            )
+
+
+class ApiMetrics:
+    """The metrics of one app (see the module docstring); `registry` is what `/metrics` exposes."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft_s = Histogram(
+            "pdcluster_time_to_first_token_seconds",
+            "Arrival at the API server -> first token.",
+            buckets=_TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self.tpot_s = Histogram(
+            "pdcluster_time_per_output_token_seconds",
+            "Per request: (last token time - first token time) / (output tokens - 1).",
+            buckets=_TPOT_BUCKETS_S,
+            registry=r,
+        )
+        self.itl_s = Histogram(
+            "pdcluster_inter_token_latency_seconds",
+            "Gap between successive token deltas of a request.",
+            buckets=_TPOT_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e_s = Histogram(
+            "pdcluster_e2e_request_latency_seconds",
+            "Arrival at the API server -> last token.",
+            buckets=_E2E_BUCKETS_S,
+            registry=r,
+        )
+        self.phase_s = Histogram(
+            "pdcluster_request_phase_seconds",
+            "Per-request phase durations reported by the backend.",
+            ["phase"],
+            buckets=_E2E_BUCKETS_S,
+            registry=r,
+        )
+        self.kv_transfer_s = Histogram(
+            "pdcluster_kv_transfer_seconds",
+            "Per-request KV transfer time prefill -> decode.",
+            buckets=_TPOT_BUCKETS_S,
+            registry=r,
+        )
+        self.kv_transfer_bytes = Counter(
+            "pdcluster_kv_transfer_bytes",
+            "KV bytes moved prefill -> decode (per-request phases).",
+            registry=r,
+        )
+        self.num_draft_tokens = Counter(
+            "pdcluster_spec_decode_num_draft_tokens",
+            "MTP draft tokens proposed, per draft position (0 = first draft).",
+            ["position"],
+            registry=r,
+        )
+        self.num_accepted_tokens = Counter(
+            "pdcluster_spec_decode_num_accepted_tokens",
+            "MTP draft tokens accepted, per draft position (0 = first draft).",
+            ["position"],
+            registry=r,
+        )
+        self.requests = Counter(
+            "pdcluster_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r
+        )
+        self.errors = Counter(
+            "pdcluster_request_errors", "Requests answered with an error.", ["status_code"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "pdcluster_prompt_tokens", "Prompt tokens of served requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "pdcluster_generation_tokens", "Output tokens generated.", registry=r
+        )
+        self.slo_requests = Counter(
+            "pdcluster_slo_requests",
+            "Finished requests by whether they met both the TTFT and the TPOT SLO.",
+            ["attained"],
+            registry=r,
+        )
+        r.register(_BackendStatsCollector(stats))
