@@ -333,6 +333,52 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return exit_code
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Replay a trace against an endpoint (`--endpoint local`: an in-process single-engine server)."""
+    import httpx
+
+    from orchestrator.bench_client import run_bench
+
+    server = backend = None
+    endpoint = args.endpoint
+    if endpoint == "local":  # one LocalEngineBackend behind the API on 127.0.0.1, a free port
+        from engine.config import EngineConfig
+        from orchestrator.api_server import ServerThread, build_app
+        from orchestrator.backend import LocalEngineBackend
+
+        backend = LocalEngineBackend(
+            EngineConfig(
+                model=str(args.model), device=args.device, num_speculative_tokens=args.num_speculative_tokens
+            )
+        )
+        server = ServerThread(build_app(backend)).start()
+        endpoint = server.url
+    try:
+        report = run_bench(
+            endpoint,
+            str(args.trace),
+            tokenizer_dir=str(args.model),
+            num_requests=args.num_requests,
+            time_scale=args.time_scale,
+            max_tokens_cap=args.max_tokens_cap,
+            ttft_slo_ms=args.ttft_slo_ms,
+            tpot_slo_ms=args.tpot_slo_ms,
+            api_key=args.api_key,
+            show_progress=not args.json,
+        )
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    except httpx.HTTPError as exc:
+        raise CliError(f"{endpoint}: {exc}") from exc
+    finally:
+        if server is not None:
+            server.stop()
+        if backend is not None:
+            backend.shutdown()
+    print(json.dumps(report.as_json(), indent=2) if args.json else report.as_table())
+    return 1 if report.summary["num_failed"] else 0
+
+
 # ---- parser ----------------------------------------------------------------------------------------
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the descriptions' line breaks; wraps option help normally."""
@@ -504,6 +550,61 @@ problem on stderr. Exit code: 0 all files valid, 1 some file invalid, 2 usage er
     )
     validate.add_argument("files", nargs="+", type=Path, metavar="FILE", help="topology YAML files")
     validate.set_defaults(func=cmd_validate)
+
+    bench = sub.add_parser(
+        "bench",
+        help="replay a request trace against an OpenAI-compatible endpoint: TTFT/TPOT, throughput, goodput",
+        formatter_class=_HelpFormatter,
+        description="""\
+Replay a public trace (Azure CSV or Mooncake JSONL; a bare name is looked up in
+../shared/traces) against an endpoint, streaming, at the trace's arrival times. Input lengths
+are scaled to the served model's context (the output says how); prompts are held-out Python
+source sent as token ids. Prints TTFT/TPOT/e2e percentiles, throughput, goodput under the SLO,
+mean acceptance rate and mean KV transfer time. Exit code 1 if any request failed.""",
+    )
+    bench.add_argument(
+        "--endpoint",
+        required=True,
+        metavar="URL",
+        help="base URL, e.g. http://127.0.0.1:8000; 'local' serves --model in-process",
+    )
+    bench.add_argument(
+        "--trace", required=True, type=Path, metavar="FILE", help="trace file (.csv or .jsonl)"
+    )
+    bench.add_argument(
+        "--num-requests",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="replay the first N requests. Default: all",
+    )
+    bench.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="divide arrival times by X (X > 1 replays faster). Default: 1",
+    )
+    bench.add_argument(
+        "--max-tokens-cap",
+        type=_positive_int,
+        default=128,
+        metavar="N",
+        help="cap on each request's output tokens. Default: 128",
+    )
+    bench.add_argument("--ttft-slo-ms", type=float, default=1000.0, metavar="MS", help="Default: 1000")
+    bench.add_argument("--tpot-slo-ms", type=float, default=100.0, metavar="MS", help="Default: 100")
+    bench.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
+    bench.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
+    _add_model_options(bench)
+    bench.add_argument(
+        "--num-speculative-tokens",
+        type=_non_negative_int,
+        default=0,
+        metavar="K",
+        help="MTP draft tokens for --endpoint local. Default: 0",
+    )
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
