@@ -1,0 +1,267 @@
+"""`DecodeNode`: the decode role, a thin shell around one `LLMEngine` and one `KVReceiver`.
+
+The driver (`orchestrator.cluster.Cluster`) wraps the class with `ray.remote` and places it in its
+instance's placement group. A disaggregated request on this node:
+
+    reserve(handoff_id, ...)   engine.reserve_remote_prefill (blocks for prompt + first token + drafts),
+                               then receiver.expect(meta, on_layer=write into the reserved slots); a waiter
+                               thread blocks in receiver.wait(lease)
+    (prefill streams layers)   on_layer -> engine.write_prompt_kv (the transport's receive thread)
+    wait returns               the engine thread admits it (first token + drafts; greedy or sampled drafts
+                               with their probabilities) and steps it with the running batch
+    wait raises                receiver.release + engine.release_remote_prefill: no block stays held;
+                               an ("error", ...) event tells the driver, which may re-dispatch
+    poll(timeout_s)            the driver's one call per node: token deltas and errors of every request
+
+The engine is touched only under `self._engine_lock` (held by the engine thread for each step), so
+reserve/abort wait at most one step. Layer writes go to reserved blocks no scheduled request uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm import LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+from kvtransfer.base import HandoffMeta, KVReceiver, KVTransferError, ReceivedKV, ReceivedLayer
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeNode:
+    """One decode instance. `host`: loopback address its gRPC receiver binds (grpc transport)."""
+
+    def __init__(self, engine_config: EngineConfig, name: str, host: str = "127.0.0.1") -> None:
+        torch.set_num_threads(1)
+        started_s = time.monotonic()
+        self.name = name
+        self.host = host
+        self.engine = LLMEngine(engine_config)
+        self.load_s = time.monotonic() - started_s
+        self.receiver: KVReceiver | None = None
+        self._engine_lock = threading.Lock()
+        self._events_lock = threading.Condition()
+        self._events: list[tuple] = []
+        self._admissions: list[tuple[str, ReceivedKV]] = []
+        self._reserved_at_s: dict[str, float] = {}
+        self._admitted_at_s: dict[str, float] = {}
+        self._transfer: dict[str, dict[str, float]] = {}
+        self._num_sent: dict[str, int] = {}
+        self._wakeup = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
+        self._thread.start()
+
+    # ---- wiring -----------------------------------------------------------------------------------------
+    def ready(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "load_s": self.load_s,
+            "num_blocks": self.engine.scheduler.block_manager.num_blocks,
+        }
+
+    def start_grpc(self) -> str:
+        """Start the gRPC receiver on a free loopback port; returns the address prefill senders use."""
+        from kvtransfer.grpc_transport import KVReceiverServer
+
+        server = KVReceiverServer(self.host, 0, max_concurrent_streams=64)
+        self.receiver = server
+        return server.address
+
+    def connect_dist(self, rank: int, world_size: int, init_method: str, prefill_ranks: list[int]) -> None:
+        """Join the transfer process group (collective) and listen to every prefill rank."""
+        from kvtransfer.dist_transport import DistKVReceiver, DistTransportConfig, init_transport_group
+
+        config = DistTransportConfig.for_device(self.engine.config.device)
+        init_transport_group(config, rank=rank, world_size=world_size, init_method=init_method)
+        self.receiver = DistKVReceiver(prefill_ranks, config)
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def reserve(
+        self,
+        handoff_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        meta: HandoffMeta,
+        num_draft_tokens: int,
+    ) -> bool:
+        """Reserve blocks and expect the handoff (before prefill starts). False: no room right now.
+
+        Raises:
+            ValueError: a request this instance could never hold.
+        """
+        assert self.receiver is not None, "connect a transport first"
+        engine = self.engine
+        with self._engine_lock:
+            if not engine.reserve_remote_prefill(handoff_id, prompt_token_ids, params, num_draft_tokens):
+                return False
+            self._reserved_at_s[handoff_id] = time.monotonic()
+
+        def on_layer(layer_idx: int, layer: ReceivedLayer) -> None:
+            engine.write_prompt_kv(handoff_id, layer_idx, layer.latent)
+
+        try:
+            self.receiver.expect(meta, on_layer)
+        except Exception:
+            with self._engine_lock:
+                engine.release_remote_prefill(handoff_id)
+            raise
+        threading.Thread(target=self._await_handoff, args=(meta,), daemon=True).start()
+        return True
+
+    def abort(self, handoff_id: str) -> None:
+        """Drop the request wherever it is (reserved or running); frees its blocks. Unknown ids: no-op."""
+        assert self.receiver is not None
+        self.receiver.release(handoff_id)  # no on_layer runs after this
+        with self._engine_lock:
+            self._admissions = [(rid, kv) for rid, kv in self._admissions if rid != handoff_id]
+            self.engine.release_remote_prefill(handoff_id)
+            if self.engine.abort_request(handoff_id):
+                self.engine._finished.pop(handoff_id, None)
+            self._forget(handoff_id)
+
+    def poll(self, timeout_s: float = 0.05) -> list[tuple]:
+        """Events since the last poll (waits up to `timeout_s` for one):
+        `("delta", handoff_id, new_token_ids, finished, finish_reason, info)` or `("error", handoff_id, msg)`.
+        """
+        with self._events_lock:
+            if not self._events:
+                self._events_lock.wait(timeout_s)
+            events, self._events = self._events, []
+        return events
+
+    def load(self) -> dict[str, Any]:
+        """Cheap snapshot for the router: free KV blocks and batch size."""
+        scheduler = self.engine.scheduler
+        bm = scheduler.block_manager
+        return {
+            "name": self.name,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": bm.num_blocks,
+            "num_running": len(scheduler.running),
+            "num_reserved": len(scheduler.reserved),
+        }
+
+    def check_no_leaks(self) -> dict[str, Any]:
+        """For tests: blocks held, reservations and unfinished requests once nothing is in flight."""
+        with self._engine_lock:
+            scheduler = self.engine.scheduler
+            bm = scheduler.block_manager
+            return {
+                "num_used_blocks": bm.num_blocks - bm.num_free_blocks,
+                "num_reserved": len(scheduler.reserved),
+                "num_unfinished": len(scheduler.requests),
+                "pending_handoffs": [] if self.receiver is None else self.receiver.pending_request_ids(),
+            }
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._wakeup.set()
+        self._thread.join(10.0)
+        if self.receiver is not None:
+            try:
+                self.receiver.close()
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                logger.exception("%s: closing the receiver failed", self.name)
+
+    # ---- threads ----------------------------------------------------------------------------------------
+    def _await_handoff(self, meta: HandoffMeta) -> None:
+        assert self.receiver is not None
+        handoff_id = meta.request_id
+        try:
+            received = self.receiver.wait(handoff_id, meta.lease_s)
+        except (KVTransferError, KeyError) as e:
+            self.receiver.release(handoff_id)
+            with self._engine_lock:
+                released = self.engine.release_remote_prefill(handoff_id)
+                self._forget(handoff_id)
+            if released:  # not already aborted
+                self._emit(("error", handoff_id, f"{type(e).__name__}: {e}"))
+            return
+        with self._engine_lock:
+            if handoff_id in self.engine.scheduler.reserved:
+                self._admissions.append((handoff_id, received))
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopped.is_set():
+            if not engine.has_unfinished_requests() and not self._admissions:
+                self._wakeup.wait(0.05)
+                self._wakeup.clear()
+                continue
+            events: list[tuple] = []
+            with self._engine_lock:
+                for handoff_id, received in self._admissions:
+                    events.extend(self._admit(handoff_id, received))
+                self._admissions = []
+                outputs: list[RequestOutput] = []
+                if engine.has_unfinished_requests():
+                    try:
+                        outputs = engine.step()
+                    except Exception as e:  # noqa: BLE001 - a broken step fails its requests
+                        logger.exception("%s: engine step failed", self.name)
+                        for rid in list(engine.scheduler.requests):
+                            engine.abort_request(rid)
+                            engine._finished.pop(rid, None)
+                            events.append(("error", rid, f"decode step failed: {e!r}"))
+                            self._forget(rid)
+                for out in outputs:
+                    events.extend(self._delta(out))
+            for event in events:
+                self._emit(event)
+
+    def _admit(self, handoff_id: str, received: ReceivedKV) -> list[tuple]:
+        assert self.receiver is not None
+        extras = received.extras
+        self.receiver.release(handoff_id)
+        now_s = time.monotonic()
+        self._transfer[handoff_id] = {
+            "kv_transfer_s": received.elapsed_s,
+            "kv_transfer_bytes": float(received.num_wire_bytes),
+        }
+        self._admitted_at_s[handoff_id] = now_s
+        self.engine.admit_remote_prefill(
+            handoff_id, extras.first_token_id, extras.draft_token_ids, extras.draft_probs
+        )
+        request = self.engine.scheduler.get_request(handoff_id)
+        if request is None:  # the first token finished it; its output comes with the next step
+            return []
+        # The first token streams at once; the engine reports it again with the next step's output.
+        self._num_sent[handoff_id] = 1
+        info = dict(self._transfer[handoff_id])
+        return [("delta", handoff_id, [extras.first_token_id], False, None, info)]
+
+    def _delta(self, out: RequestOutput) -> list[tuple]:
+        rid = out.request_id
+        num_sent = self._num_sent.get(rid, 0)
+        new = out.token_ids[num_sent:]
+        self._num_sent[rid] = len(out.token_ids)
+        info: dict[str, Any] = {
+            "num_draft_tokens": out.num_draft_tokens,
+            "num_accepted_tokens": out.num_accepted_tokens,
+            "num_draft_tokens_per_position": list(out.num_draft_tokens_per_position),
+            "num_accepted_tokens_per_position": list(out.num_accepted_tokens_per_position),
+        }
+        admitted_at_s = self._admitted_at_s.pop(rid, None)
+        if admitted_at_s is not None:
+            info["first_decode_step_s"] = time.monotonic() - admitted_at_s
+            info.update(self._transfer.get(rid, {}))
+        if out.finished:
+            self._forget(rid)
+        return [("delta", rid, new, out.finished, out.finish_reason if out.finished else None, info)]
+
+    def _forget(self, handoff_id: str) -> None:
+        for table in (self._reserved_at_s, self._admitted_at_s, self._transfer, self._num_sent):
+            table.pop(handoff_id, None)
+
+    def _emit(self, event: tuple) -> None:
+        with self._events_lock:
+            self._events.append(event)
+            self._events_lock.notify_all()

@@ -1,0 +1,492 @@
+"""`Cluster`: the disaggregated serving backend on Ray (implements `orchestrator.backend.ServingBackend`).
+
+    cluster = Cluster.deploy("clusters/local.yaml")          # ray.init, placement groups, actors, wiring
+    async for delta in cluster.generate("r1", prompt_ids, SamplingParams(temperature=0)):
+        ...                                                    # StreamDelta: tokens, phases, acceptance
+    await cluster.abort("r1")
+    cluster.shutdown()                                         # actors, placement groups, Ray if started
+
+One request (DESIGN.md, request lifecycle):
+1. The router policy (`orchestrator.router`) picks a prefill and a decode instance from load snapshots.
+2. Decode reserves KV blocks and expects the handoff (`DecodeNode.reserve`); no room: retried until the
+   transfer timeout, then `BackendUnavailable`.
+3. Prefill runs the prompt and streams each layer's KV (MTP layer, first token, drafts, last hidden
+   state) to that decode instance (`PrefillNode.prefill`).
+4. Decode admits it and streams tokens; the driver has one poll loop per decode instance that hands
+   events to the request's queue.
+Faults: a prefill actor that dies (its `prefill` call raises) or a handoff that fails on decode (lease
+expired, sender lost, checksum) releases decode's reservation; the request is re-dispatched once to another
+live prefill instance, else it fails with `BackendUnavailable` naming the cause. Nothing waits longer than
+`kv_transfer.timeout_s` (+ a few seconds of slack) for a handoff.
+
+Limits: one actor per instance (an instance of several devices is placed whole but runs on its first
+bundle); with `torch_distributed` the group is fixed at deploy time, so a dead prefill rank is not
+replaced; prefix-aware routing estimates prefill cache hits from the prompts the router sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from engine.block_manager import compute_block_hashes
+from engine.sampling_params import SamplingParams
+from kvtransfer.base import HandoffMeta
+from models.tokenizer import Tokenizer
+from orchestrator.backend import BackendUnavailable, StreamDelta
+from orchestrator.placement import plan_placement, to_ray_placement_group_args
+from orchestrator.router import POLICIES, DecodeLoad, PrefillLoad
+from orchestrator.topology import Topology, load_topology
+
+logger = logging.getLogger(__name__)
+
+MAX_DISPATCH_ATTEMPTS = 2  # the first try plus one re-dispatch to another prefill instance
+ROUTER_CACHE_BLOCKS = 4096  # block hashes remembered per prefill instance for prefix-aware routing
+
+
+class _Attempt:
+    """One dispatch of a request: its handoff id (unique per attempt), the pair, and its event queue."""
+
+    def __init__(self, handoff_id: str, prefill_index: int, decode_index: int) -> None:
+        self.handoff_id = handoff_id
+        self.prefill_index = prefill_index
+        self.decode_index = decode_index
+        self.events: asyncio.Queue = asyncio.Queue()
+
+
+class Cluster:
+    """A deployed prefill pool + decode pool. Build it with `Cluster.deploy`."""
+
+    def __init__(self) -> None:
+        raise TypeError("use Cluster.deploy(topology)")
+
+    # ---- deployment -------------------------------------------------------------------------------------
+    @classmethod
+    def deploy(
+        cls, topology: Topology | str | Path, *, num_cpus: int | None = None, log=logger.info
+    ) -> Cluster:
+        """Start the cluster: `ray.init` (RAY_ADDRESS if set, else a local Ray with `num_cpus`, default the
+        devices the topology uses), one placement group per instance (`plan_placement`), one actor per
+        instance in it, loading weights in parallel, then the KV connectors. Logs progress via `log`.
+
+        Raises:
+            ValueError: an invalid topology; RuntimeError: an actor failed to start.
+        """
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from decode_node.actor import DecodeNode
+        from prefill_node.actor import PrefillNode
+
+        self = object.__new__(cls)
+        topo = topology if isinstance(topology, Topology) else load_topology(topology)
+        self.topology = topo
+        plan = plan_placement(topo)
+        self._started_ray = False
+        if not ray.is_initialized():
+            if os.environ.get("RAY_ADDRESS"):
+                ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+            else:
+                needed = int(plan.num_devices_used * topo.hardware.cpus_per_device + 0.999)
+                ray.init(num_cpus=num_cpus or max(needed, 1), include_dashboard=False, log_to_driver=False)
+            self._started_ray = True
+        self._placement_groups = []
+        self.prefill_actors: list[Any] = []
+        self.decode_actors: list[Any] = []
+        started_s = time.monotonic()
+        try:
+            log(f"deploying {topo.name}: {topo.summary()}; {len(plan.instances)} placement groups")
+            for spec in plan.instances:
+                self._placement_groups.append(placement_group(**to_ray_placement_group_args(spec)))
+            ray.get([pg.ready() for pg in self._placement_groups], timeout=120)
+            log(f"placement groups ready in {time.monotonic() - started_s:.1f} s; loading weights")
+            env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
+            names: list[str] = []
+            for spec, pg in zip(plan.instances, self._placement_groups, strict=True):
+                options = {
+                    "num_cpus": spec.bundles[0].get("CPU", 1),
+                    "max_concurrency": 256,
+                    "runtime_env": env,
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        pg, placement_group_bundle_index=0
+                    ),
+                }
+                if plan.ray_resource is not None:
+                    options["resources"] = {plan.ray_resource: 1}
+                name = f"{spec.role}-{spec.index}"
+                names.append(name)
+                config = topo.engine_config(spec.role)
+                if spec.role == "prefill":
+                    actor = (
+                        ray.remote(PrefillNode)
+                        .options(**options)
+                        .remote(config, name, topo.kv_transfer.layerwise)
+                    )
+                    self.prefill_actors.append(actor)
+                else:
+                    actor = ray.remote(DecodeNode).options(**options).remote(config, name)
+                    self.decode_actors.append(actor)
+            ready_refs = {a.ready.remote(): n for a, n in zip(self._actors, names, strict=True)}
+            pending = list(ready_refs)
+            infos: dict[str, dict] = {}
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1, timeout=300)
+                if not done:
+                    raise RuntimeError(f"actors not ready after 300 s: {[ready_refs[r] for r in pending]}")
+                info = ray.get(done[0])
+                infos[info["name"]] = info
+                log(
+                    f"  {info['name']} ready: weights loaded in {info['load_s']:.1f} s "
+                    f"({len(infos)}/{len(ready_refs)})"
+                )
+            self._wire(ray)
+            log(
+                f"cluster {topo.name} up in {time.monotonic() - started_s:.1f} s "
+                f"({topo.kv_transfer.transport}, layerwise={topo.kv_transfer.layerwise})"
+            )
+        except BaseException:
+            self._teardown(ray, remove_placement_group)
+            raise
+        first = infos["prefill-0"]
+        self.num_hidden_layers = first["num_hidden_layers"]
+        self.kv_dim = first["kv_dim"]
+        config = topo.engine_config("decode")
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.model_name = Path(config.model).resolve().name
+        self.max_model_len = config.max_model_len or _max_position_embeddings(config.model)
+        self._dtype = config.dtype
+        self._policy = POLICIES[topo.router.policy]
+        self._prefill_alive = [True] * len(self.prefill_actors)
+        self._prefill_hashes: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in self.prefill_actors]
+        self._counter = itertools.count()
+        self._active: dict[str, _Attempt] = {}
+        self._by_handoff: dict[str, _Attempt] = {}
+        self._pollers: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._kv_transfer_bytes_total = 0
+        self._kv_transfer_seconds_total = 0.0
+        self._closed = False
+        return self
+
+    @property
+    def _actors(self) -> list[Any]:
+        return self.prefill_actors + self.decode_actors
+
+    def _wire(self, ray) -> None:
+        kv = self.topology.kv_transfer
+        if kv.transport == "grpc":
+            addresses = ray.get([d.start_grpc.remote() for d in self.decode_actors])
+            ray.get([p.connect_grpc.remote(addresses) for p in self.prefill_actors])
+            return
+        num_prefill, num_decode = len(self.prefill_actors), len(self.decode_actors)
+        world_size = num_prefill + num_decode
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        init_method = f"tcp://127.0.0.1:{port}"
+        prefill_ranks = list(range(num_prefill))
+        decode_ranks = list(range(num_prefill, world_size))
+        refs = [
+            p.connect_dist.remote(r, world_size, init_method, decode_ranks)
+            for p, r in zip(self.prefill_actors, prefill_ranks, strict=True)
+        ] + [
+            d.connect_dist.remote(r, world_size, init_method, prefill_ranks)
+            for d, r in zip(self.decode_actors, decode_ranks, strict=True)
+        ]
+        ray.get(refs, timeout=120)
+
+    # ---- serving ----------------------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[StreamDelta]:
+        """Stream one request's output through prefill -> KV transfer -> decode.
+
+        Every delta carries the phases known so far (`queue_s`, `prefill_s`, `kv_transfer_s`,
+        `first_decode_step_s`, `total_s`, and `kv_transfer_bytes`) and cumulative acceptance counts.
+
+        Raises:
+            ValueError: an empty prompt, a duplicate id, or a request no decode instance could hold.
+            BackendUnavailable: no live instance, no KV room within the timeout, or the handoff failed
+                twice / with no other prefill instance to re-dispatch to.
+        """
+        import ray
+
+        if self._closed:
+            raise BackendUnavailable("the cluster is shut down")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        if request_id in self._active:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._ensure_pollers()
+        arrival_s = time.monotonic()
+        phases: dict[str, float] = {}
+        excluded: set[int] = set()
+        errors: list[str] = []
+        num_sent = 0
+        finished = False
+        try:
+            for attempt_index in range(MAX_DISPATCH_ATTEMPTS):
+                attempt = await self._dispatch(request_id, attempt_index, prompt_token_ids, params, excluded)
+                prefill_ref = self.prefill_actors[attempt.prefill_index].prefill.remote(
+                    attempt.handoff_id,
+                    list(prompt_token_ids),
+                    params,
+                    self._meta(attempt, prompt_token_ids),
+                    attempt.decode_index,
+                )
+                prefill_task = asyncio.ensure_future(self._await_prefill(prefill_ref))
+                error: str | None = None
+                try:
+                    while True:
+                        getter = asyncio.ensure_future(attempt.events.get())
+                        waits = {getter} if prefill_task.done() else {getter, prefill_task}
+                        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                        if getter not in done:  # the prefill call returned first
+                            getter.cancel()
+                            exc = prefill_task.exception()
+                            if exc is None:
+                                phases.update(prefill_task.result())
+                                continue
+                            error = f"prefill-{attempt.prefill_index}: {type(exc).__name__}: {exc}"
+                            if isinstance(exc, ray.exceptions.RayActorError):
+                                self._prefill_alive[attempt.prefill_index] = False
+                            break
+                        if prefill_task.done() and prefill_task.exception() is None:
+                            phases.update(prefill_task.result())
+                        event = getter.result()
+                        if event[0] == "error":
+                            error = event[2]
+                            break
+                        _, _, new_token_ids, finished, finish_reason, info = event
+                        phases.update({k: v for k, v in info.items() if k.endswith(("_s", "_bytes"))})
+                        if "kv_transfer_s" in info and num_sent == 0:
+                            self._kv_transfer_seconds_total += info["kv_transfer_s"]
+                            self._kv_transfer_bytes_total += int(info.get("kv_transfer_bytes", 0))
+                        num_sent += len(new_token_ids)
+                        phases["total_s"] = time.monotonic() - arrival_s
+                        yield StreamDelta(
+                            new_token_ids=list(new_token_ids),
+                            finished=finished,
+                            finish_reason=finish_reason,
+                            phases=dict(phases),
+                            num_draft_tokens=info.get("num_draft_tokens", 0),
+                            num_accepted_tokens=info.get("num_accepted_tokens", 0),
+                            num_draft_tokens_per_position=info.get("num_draft_tokens_per_position", []),
+                            num_accepted_tokens_per_position=info.get("num_accepted_tokens_per_position", []),
+                        )
+                        if finished:
+                            return
+                finally:
+                    self._by_handoff.pop(attempt.handoff_id, None)
+                    if not finished:
+                        prefill_task.cancel()
+                if error is not None:
+                    errors.append(
+                        f"attempt {attempt_index + 1} (prefill-{attempt.prefill_index} -> "
+                        f"decode-{attempt.decode_index}): {error}"
+                    )
+                    self._release(attempt)
+                    if num_sent:  # tokens already streamed: never restart silently
+                        raise BackendUnavailable(f"{request_id}: decode failed mid-stream: {error}")
+                    excluded.add(attempt.prefill_index)
+                    logger.warning("%s: %s", request_id, errors[-1])
+            raise BackendUnavailable(f"{request_id}: KV handoff failed: " + "; ".join(errors))
+        finally:
+            attempt = self._active.pop(request_id, None)
+            if attempt is not None and not finished:
+                self._release(attempt)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop the request on both pools (prefill job and handoff, decode reservation or running request)."""
+        attempt = self._active.get(request_id)
+        if attempt is None:
+            return
+        self._release(attempt)
+        await attempt.events.put(("error", attempt.handoff_id, "aborted"))
+
+    def stats(self) -> dict[str, Any]:
+        import ray
+
+        loads = ray.get([d.load.remote() for d in self.decode_actors], timeout=10)
+        prefill_loads = ray.get(
+            [p.load.remote() for i, p in enumerate(self.prefill_actors) if self._prefill_alive[i]], timeout=10
+        )
+        return {
+            "num_waiting_requests": sum(p["num_requests"] for p in prefill_loads),
+            "num_running_requests": sum(d["num_running"] for d in loads),
+            "kv_blocks": {
+                d["name"]: {
+                    "num_used_blocks": d["num_total_blocks"] - d["num_free_blocks"],
+                    "num_total_blocks": d["num_total_blocks"],
+                }
+                for d in loads
+            },
+            "kv_transfer_bytes_total": self._kv_transfer_bytes_total,
+            "kv_transfer_seconds_total": self._kv_transfer_seconds_total,
+        }
+
+    def check_no_leaks(self) -> dict[str, dict[str, Any]]:
+        """Per live instance: blocks held, reservations, open handoffs (all zero/empty when idle)."""
+        import ray
+
+        actors = [
+            (f"prefill-{i}", a) for i, a in enumerate(self.prefill_actors) if self._prefill_alive[i]
+        ] + [(f"decode-{i}", a) for i, a in enumerate(self.decode_actors)]
+        results = ray.get([a.check_no_leaks.remote() for _, a in actors], timeout=30)
+        return {name: r for (name, _), r in zip(actors, results, strict=True)}
+
+    def shutdown(self) -> None:
+        """Stop the poll loops, close and kill the actors, remove the placement groups, and stop Ray if
+        `deploy` started it."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        self._closed = True
+        for task in self._pollers:
+            task.cancel()
+        self._pollers = []
+        self._teardown(ray, remove_placement_group)
+
+    # ---- internals --------------------------------------------------------------------------------------
+    def _teardown(self, ray, remove_placement_group) -> None:
+        closes = []
+        for actor in self._actors:
+            with contextlib.suppress(Exception):
+                closes.append(actor.close.remote())
+        with contextlib.suppress(Exception):
+            ray.wait(closes, num_returns=len(closes), timeout=15)
+        for actor in self._actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        for pg in self._placement_groups:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+        self.prefill_actors, self.decode_actors, self._placement_groups = [], [], []
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+    def _meta(self, attempt: _Attempt, prompt_token_ids: list[int]) -> HandoffMeta:
+        kv = self.topology.kv_transfer
+        return HandoffMeta(
+            request_id=attempt.handoff_id,
+            num_layers=self.num_hidden_layers + (1 if self.num_speculative_tokens else 0),
+            num_tokens=len(prompt_token_ids),
+            kv_dim=self.kv_dim,
+            dtype=self._dtype,
+            wire_dtype=self._dtype if kv.wire_dtype == "auto" else kv.wire_dtype,
+            lease_s=kv.timeout_s,
+        )
+
+    async def _dispatch(
+        self,
+        request_id: str,
+        attempt_index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        excluded: set[int],
+    ) -> _Attempt:
+        """Route, then reserve on decode (retrying while no decode instance has room)."""
+        live = [i for i, alive in enumerate(self._prefill_alive) if alive and i not in excluded]
+        if not live:
+            raise BackendUnavailable(f"{request_id}: no live prefill instance left to dispatch to")
+        deadline_s = time.monotonic() + self.topology.kv_transfer.timeout_s
+        block_size = self.topology.prefill.block_size
+        hashes = compute_block_hashes(list(prompt_token_ids), block_size)
+        while True:
+            prefill_loads, decode_loads = await asyncio.gather(
+                asyncio.gather(*[self.prefill_actors[i].load.remote() for i in live]),
+                asyncio.gather(*[d.load.remote() for d in self.decode_actors]),
+            )
+            choice = self._policy(
+                [
+                    PrefillLoad(i, p["num_queued_prefill_tokens"], frozenset(self._prefill_hashes[i]))
+                    for i, p in zip(live, prefill_loads, strict=True)
+                ],
+                [
+                    DecodeLoad(j, d["num_free_blocks"], d["num_running"] + d["num_reserved"])
+                    for j, d in enumerate(decode_loads)
+                ],
+                counter=next(self._counter),
+                prompt_token_ids=prompt_token_ids,
+                block_size=block_size,
+            )
+            prefill_index, decode_index = live[choice.prefill_index], choice.decode_index
+            attempt = _Attempt(f"{request_id}@{attempt_index}", prefill_index, decode_index)
+            self._by_handoff[attempt.handoff_id] = attempt
+            self._active[request_id] = attempt
+            reserved = await self.decode_actors[decode_index].reserve.remote(
+                attempt.handoff_id,
+                list(prompt_token_ids),
+                params,
+                self._meta(attempt, prompt_token_ids),
+                self.num_speculative_tokens,
+            )
+            if reserved:
+                remembered = self._prefill_hashes[prefill_index]
+                for h in hashes:
+                    remembered[h] = None
+                    remembered.move_to_end(h)
+                while len(remembered) > ROUTER_CACHE_BLOCKS:
+                    remembered.popitem(last=False)
+                return attempt
+            self._by_handoff.pop(attempt.handoff_id, None)
+            self._active.pop(request_id, None)
+            if time.monotonic() > deadline_s:
+                raise BackendUnavailable(f"{request_id}: no decode instance had KV blocks free in time")
+            await asyncio.sleep(0.05)
+
+    async def _await_prefill(self, ref) -> dict[str, float]:
+        result = await ref
+        return {"queue_s": result["queue_s"], "prefill_s": result["prefill_s"]}
+
+    def _release(self, attempt: _Attempt) -> None:
+        """Best effort, fire and forget: drop the attempt on its prefill and decode instances."""
+        with contextlib.suppress(Exception):
+            self.decode_actors[attempt.decode_index].abort.remote(attempt.handoff_id)
+        if self._prefill_alive[attempt.prefill_index]:
+            with contextlib.suppress(Exception):
+                self.prefill_actors[attempt.prefill_index].abort.remote(attempt.handoff_id)
+
+    def _ensure_pollers(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and self._pollers:
+            return
+        self._loop = loop
+        self._pollers = [loop.create_task(self._poll(j)) for j in range(len(self.decode_actors))]
+
+    async def _poll(self, decode_index: int) -> None:
+        actor = self.decode_actors[decode_index]
+        while not self._closed:
+            try:
+                events = await actor.poll.remote(0.05)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a dead decode instance fails its requests
+                for attempt in list(self._by_handoff.values()):
+                    if attempt.decode_index == decode_index:
+                        message = f"decode-{decode_index}: {e}"
+                        attempt.events.put_nowait(("error", attempt.handoff_id, message))
+                await asyncio.sleep(1.0)
+                continue
+            for event in events:
+                attempt = self._by_handoff.get(event[1])
+                if attempt is not None:
+                    attempt.events.put_nowait(event)
+
+
+def _max_position_embeddings(model_dir: str) -> int:
+    import json
+
+    return json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]

@@ -1,0 +1,106 @@
+"""Router policies: pure functions over plain load snapshots that pick a (prefill, decode) pair up front.
+
+Both instances are chosen before the request starts (DESIGN.md, request lifecycle step 1), so decode can
+reserve KV blocks before prefill sends the first layer. No Ray, gRPC or device calls here: the live
+cluster (`orchestrator.cluster`) and the capacity planner call the same functions.
+
+Inputs:
+    prefill: one `PrefillLoad` per live prefill instance (instances the caller knows are dead are left out).
+    decode: one `DecodeLoad` per live decode instance.
+Each policy returns `RouteChoice(prefill_index, decode_index)`: indices into those sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from engine.block_manager import compute_block_hashes
+
+
+class PrefillLoad(NamedTuple):
+    """instance: the prefill instance's index in its pool. num_queued_prefill_tokens: prompt tokens queued
+    or being prefilled. cached_block_hashes: chained block hashes the router believes the instance caches
+    (from the prompts it sent there; `engine.block_manager.hash_block_tokens`)."""
+
+    instance: int
+    num_queued_prefill_tokens: int
+    cached_block_hashes: frozenset[bytes] = frozenset()
+
+
+class DecodeLoad(NamedTuple):
+    """instance: the decode instance's index. num_free_blocks: KV blocks free now. num_running: requests in
+    its running batch (reservations included)."""
+
+    instance: int
+    num_free_blocks: int
+    num_running: int
+
+
+class RouteChoice(NamedTuple):
+    prefill_index: int
+    decode_index: int
+
+
+def _least_loaded_decode(decode: Sequence[DecodeLoad]) -> int:
+    """Most free blocks, then the smaller batch, then the lower index."""
+    return min(range(len(decode)), key=lambda i: (-decode[i].num_free_blocks, decode[i].num_running, i))
+
+
+def round_robin(
+    prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad], counter: int, **_: object
+) -> RouteChoice:
+    """The `counter`-th request goes to prefill `counter % P` and decode `counter % D`."""
+    _check(prefill, decode)
+    return RouteChoice(counter % len(prefill), counter % len(decode))
+
+
+def least_loaded(prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad], **_: object) -> RouteChoice:
+    """Prefill with the fewest queued prompt tokens; decode with the most free KV blocks, then the
+    smallest running batch. Ties go to the lower index."""
+    _check(prefill, decode)
+    p = min(range(len(prefill)), key=lambda i: (prefill[i].num_queued_prefill_tokens, i))
+    return RouteChoice(p, _least_loaded_decode(decode))
+
+
+def prefix_hit_tokens(prompt_token_ids: Sequence[int], block_size: int, cached: frozenset[bytes]) -> int:
+    """Leading prompt tokens in full blocks whose chained hashes are all in `cached` (the engine's lookup
+    rule: the last prompt token is always recomputed)."""
+    num_hit = 0
+    for block_hash in compute_block_hashes(list(prompt_token_ids[:-1]), block_size):
+        if block_hash not in cached:
+            break
+        num_hit += block_size
+    return num_hit
+
+
+def prefix_aware(
+    prefill: Sequence[PrefillLoad],
+    decode: Sequence[DecodeLoad],
+    prompt_token_ids: Sequence[int] = (),
+    block_size: int = 16,
+    **_: object,
+) -> RouteChoice:
+    """Prefill that has the fewest tokens left to compute: queued tokens plus this prompt's uncached
+    tokens (prefix hits estimated from `cached_block_hashes`); decode as `least_loaded`."""
+    _check(prefill, decode)
+
+    def cost(i: int) -> tuple[int, int]:
+        hit = prefix_hit_tokens(prompt_token_ids, block_size, prefill[i].cached_block_hashes)
+        return (prefill[i].num_queued_prefill_tokens + len(prompt_token_ids) - hit, i)
+
+    return RouteChoice(min(range(len(prefill)), key=cost), _least_loaded_decode(decode))
+
+
+POLICIES: dict[str, Callable[..., RouteChoice]] = {
+    "round_robin": round_robin,
+    "least_loaded": least_loaded,
+    "prefix_aware": prefix_aware,
+}
+
+
+def _check(prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad]) -> None:
+    if not prefill:
+        raise ValueError("no live prefill instance to route to")
+    if not decode:
+        raise ValueError("no live decode instance to route to")

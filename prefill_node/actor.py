@@ -1,0 +1,292 @@
+"""`PrefillNode`: the prefill role, a thin shell around one `LLMEngine` and a `KVSender` per decode instance.
+
+The driver (`orchestrator.cluster.Cluster`) wraps the class with `ray.remote` and places it in its
+instance's placement group. Threads inside the actor:
+
+    Ray's method threads (max_concurrency)          the engine thread (owns the engine)
+    --------------------------------------          -----------------------------------
+    prefill(...) queues a job, blocks until done    takes jobs: sender.begin, add_request(prefill_only)
+    abort(request_id) queues an abort               engine.step(on_prompt_kv=...): each layer's prompt KV
+    load() reads counters under a lock                -> sender.send_layer as soon as it is written
+                                                      (layerwise), or all layers after the step
+                                                    finished jobs: sender.finish(extras: first token,
+                                                      drafts, last hidden state), wake the caller
+
+A job that fails (engine error, send error, abort) aborts its handoff (decode's `wait` raises
+`TransferAborted`) and raises in `prefill(...)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm import LLMEngine
+from engine.sampling_params import SamplingParams
+from kvtransfer.base import HandoffExtras, HandoffMeta, KVSender
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    meta: HandoffMeta
+    decode_index: int
+    arrival_s: float = field(default_factory=time.monotonic)
+    done: threading.Event = field(default_factory=threading.Event)
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    scheduled_s: float | None = None
+    layers: dict[int, torch.Tensor] = field(default_factory=dict)  # layerwise off: buffered layers
+    num_layers_sent: int = 0
+
+
+class PrefillNode:
+    """One prefill instance.
+
+    Args:
+        engine_config: the instance's engine arguments (`Topology.engine_config("prefill")`); the engine
+            runs the synchronous loop (the prompt KV hook needs it).
+        name: instance name for logs and load reports (`prefill-0`).
+        layerwise: send each layer as soon as it is computed; False: all layers after the forward.
+    """
+
+    def __init__(self, engine_config: EngineConfig, name: str, layerwise: bool = True) -> None:
+        torch.set_num_threads(1)
+        started_s = time.monotonic()
+        self.name = name
+        self.layerwise = layerwise
+        self.engine = LLMEngine(engine_config)
+        self.load_s = time.monotonic() - started_s
+        self.senders: list[KVSender] = []
+        self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._active: dict[str, _Job] = {}
+        self._lock = threading.Lock()
+        self._num_queued_tokens = 0
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
+        self._thread.start()
+
+    # ---- wiring -----------------------------------------------------------------------------------------
+    def ready(self) -> dict[str, Any]:
+        """Load time and model facts, once the weights are loaded."""
+        cfg = self.engine.model.config
+        return {
+            "name": self.name,
+            "load_s": self.load_s,
+            "num_hidden_layers": cfg.num_hidden_layers,
+            "kv_dim": cfg.kv_cache_dim,
+            "num_blocks": self.engine.scheduler.block_manager.num_blocks,
+        }
+
+    def connect_grpc(self, decode_addresses: list[str]) -> None:
+        """One gRPC sender per decode instance, in decode index order."""
+        from kvtransfer.grpc_transport import GrpcKVSender
+
+        self.senders = [GrpcKVSender(address) for address in decode_addresses]
+
+    def connect_dist(self, rank: int, world_size: int, init_method: str, decode_ranks: list[int]) -> None:
+        """Join the transfer process group (collective: every node calls it at once); one sender per
+        decode rank, in decode index order."""
+        from kvtransfer.dist_transport import DistKVSender, DistTransportConfig, init_transport_group
+
+        config = DistTransportConfig.for_device(self.engine.config.device)
+        init_transport_group(config, rank=rank, world_size=world_size, init_method=init_method)
+        self.senders = [DistKVSender(peer, config) for peer in decode_ranks]
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        meta: HandoffMeta,
+        decode_index: int,
+    ) -> dict[str, Any]:
+        """Prefill one request and hand it to decode instance `decode_index` (which already `expect`s it).
+
+        Returns once the handoff is finished on this side: `{"first_token_id", "num_drafts", "queue_s",
+        "prefill_s"}`. Raises RuntimeError when the prefill or the send failed (the handoff is aborted).
+        """
+        job = _Job(request_id, list(prompt_token_ids), params, meta, decode_index)
+        with self._lock:
+            self._num_queued_tokens += len(job.prompt_token_ids)
+        self._jobs.put(("add", job))
+        timeout_s = meta.lease_s + 5.0
+        if not job.done.wait(timeout_s):
+            self._jobs.put(("abort", request_id))
+            raise RuntimeError(f"{self.name}: prefill of {request_id} not done after {timeout_s:g} s")
+        if job.error is not None:
+            raise RuntimeError(f"{self.name}: prefill of {request_id} failed: {job.error}")
+        assert job.result is not None
+        return job.result
+
+    def abort(self, request_id: str) -> None:
+        self._jobs.put(("abort", request_id))
+
+    def load(self) -> dict[str, Any]:
+        """Cheap snapshot for the router: queued prompt tokens and requests in flight."""
+        with self._lock:
+            return {
+                "name": self.name,
+                "num_queued_prefill_tokens": self._num_queued_tokens,
+                "num_requests": len(self._active),
+            }
+
+    def check_no_leaks(self) -> dict[str, Any]:
+        """For tests: blocks held and handoffs still open once nothing is in flight."""
+        bm = self.engine.scheduler.block_manager
+        for sender in self.senders:
+            try:
+                sender.flush(1.0)  # forget delivered and failed handoffs
+            except Exception:  # noqa: BLE001 - still in flight: reported as pending below
+                pass
+        with self._lock:
+            return {
+                "num_used_blocks": bm.num_blocks - bm.num_free_blocks,
+                "num_active": len(self._active),
+                "pending_handoffs": [rid for s in self.senders for rid in s.pending_request_ids()],
+            }
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._jobs.put(("stop", None))
+        self._thread.join(10.0)
+        for sender in self.senders:
+            try:
+                sender.close()
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                logger.exception("%s: closing a sender failed", self.name)
+
+    # ---- engine thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopped.is_set():
+            block = not engine.has_unfinished_requests()
+            try:
+                command = self._jobs.get(timeout=0.1) if block else self._jobs.get_nowait()
+            except queue.Empty:
+                command = None
+            while command is not None:
+                kind, arg = command
+                if kind == "stop":
+                    return
+                if kind == "add":
+                    self._start(arg)
+                elif kind == "abort":
+                    self._fail(arg, "aborted by the router", abort_engine=True)
+                try:
+                    command = self._jobs.get_nowait()
+                except queue.Empty:
+                    command = None
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step(on_prompt_kv=self._on_prompt_kv)
+            except Exception as e:  # noqa: BLE001 - a broken step fails its requests, not the actor
+                logger.exception("%s: engine step failed", self.name)
+                for request_id in list(self._active):
+                    self._fail(request_id, f"engine step failed: {e!r}", abort_engine=True)
+                continue
+            for out in outputs:
+                if out.finished:
+                    self._complete(out.request_id, out.finish_reason, out.queue_s or 0.0)
+
+    def _start(self, job: _Job) -> None:
+        sender = self.senders[job.decode_index]
+        try:
+            sender.begin(job.meta)
+            self.engine.add_request(
+                job.prompt_token_ids,
+                job.params,
+                request_id=job.request_id,
+                arrival_time_s=job.arrival_s,
+                prefill_only=True,
+            )
+        except Exception as e:  # noqa: BLE001
+            job.error = repr(e)
+            with self._lock:
+                self._num_queued_tokens -= len(job.prompt_token_ids)
+            if job.request_id in sender.pending_request_ids():
+                sender.abort(job.request_id, job.error)
+            job.done.set()
+            return
+        with self._lock:
+            self._active[job.request_id] = job
+
+    def _on_prompt_kv(self, request_id: str, layer_idx: int, latent_kv: torch.Tensor) -> None:
+        job = self._active.get(request_id)
+        if job is None:
+            return
+        if self.layerwise:
+            self.senders[job.decode_index].send_layer(request_id, layer_idx, latent_kv)
+            job.num_layers_sent += 1
+        else:
+            job.layers[layer_idx] = latent_kv
+
+    def _complete(self, request_id: str, finish_reason: str | None, queue_s: float) -> None:
+        job = self._active.get(request_id)
+        if job is None:
+            return
+        result = self.engine.pop_prefill_result(request_id)
+        if result is None:
+            self._fail(request_id, f"finished ({finish_reason}) without a sampled token")
+            return
+        sender = self.senders[job.decode_index]
+        try:
+            for layer_idx in sorted(job.layers):
+                sender.send_layer(request_id, layer_idx, job.layers[layer_idx])
+                job.num_layers_sent += 1
+            job.layers.clear()
+            if job.num_layers_sent != job.meta.num_layers:
+                raise RuntimeError(f"{job.num_layers_sent} of {job.meta.num_layers} layers computed")
+            sender.finish(
+                request_id,
+                HandoffExtras(
+                    prompt_token_ids=job.prompt_token_ids,
+                    first_token_id=result.first_token_id,
+                    last_hidden=result.last_hidden,
+                    draft_token_ids=result.draft_token_ids,
+                    draft_probs=result.draft_probs,
+                ),
+            )
+        except Exception as e:  # noqa: BLE001
+            self._fail(request_id, repr(e))
+            return
+        job.result = {
+            "first_token_id": result.first_token_id,
+            "num_drafts": len(result.draft_token_ids),
+            "queue_s": queue_s,
+            "prefill_s": time.monotonic() - job.arrival_s - queue_s,
+        }
+        self._finish_job(job)
+
+    def _fail(self, request_id: str, reason: str, abort_engine: bool = False) -> None:
+        job = self._active.get(request_id)
+        if job is None:
+            return
+        if abort_engine:
+            self.engine.abort_request(request_id)
+        self.engine.pop_prefill_result(request_id)
+        try:
+            self.senders[job.decode_index].abort(request_id, reason)
+        except ValueError:
+            pass  # already finished on the sender
+        job.error = reason
+        self._finish_job(job)
+
+    def _finish_job(self, job: _Job) -> None:
+        with self._lock:
+            self._active.pop(job.request_id, None)
+            self._num_queued_tokens -= len(job.prompt_token_ids)
+        job.done.set()
