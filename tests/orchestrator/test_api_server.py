@@ -1,0 +1,351 @@
+"""The OpenAI-compatible edge over a LocalEngineBackend on the bundled tiny model, through a real uvicorn
+server on 127.0.0.1 (a free port) and httpx. Fakes only inject faults (the 503 tests)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from models import bundled_checkpoint_dir
+from orchestrator.api_server import ServerThread, build_app, chat_prompt
+from orchestrator.backend import BackendUnavailable, LocalEngineBackend, ServingBackend, StreamDelta
+from orchestrator.topology import SLOConfig
+
+MAX_MODEL_LEN = 256
+PROMPT = "def fibonacci(n):\n"
+API_KEY = "sk-test"
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLM:
+    """The offline engine the server must agree with (the backends share its weights)."""
+    return LLM(bundled_checkpoint_dir(), max_model_len=MAX_MODEL_LEN, num_kv_blocks=96)
+
+
+@pytest.fixture(scope="module")
+def backend(reference: LLM) -> Iterator[LocalEngineBackend]:
+    engine = reference.replace_config().engine
+    backend = LocalEngineBackend(engine.config, engine=engine)
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(backend: LocalEngineBackend) -> Iterator[ServerThread]:
+    with ServerThread(build_app(backend, slo=SLOConfig(ttft_ms=10_000, tpot_ms=1_000))) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def sse_events(lines: Iterator[str]) -> list[Any]:
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def stream(client: httpx.Client, path: str, body: dict[str, Any]) -> list[Any]:
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return sse_events(response.iter_lines())
+
+
+def wait_idle(backend: LocalEngineBackend, timeout_s: float = 10.0) -> None:
+    """Wait until the engine has no request and holds no KV block, then check the allocator is empty."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = backend.stats()
+        blocks = stats["kv_blocks"]["local"]
+        idle = stats["num_waiting_requests"] == 0 and stats["num_running_requests"] == 0
+        if idle and blocks["num_used_blocks"] == 0 and not backend.engine.has_unfinished_requests():
+            break
+        assert time.monotonic() < deadline, f"engine still busy: {stats}"
+        time.sleep(0.02)
+    backend.engine.scheduler.block_manager.check_no_leaks()
+
+
+# ---- generation -----------------------------------------------------------------------------------------
+def test_completion_equals_llm_generate_greedy(client: httpx.Client, reference: LLM) -> None:
+    expected = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24))[0]
+    r = client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == expected.text
+    assert body["choices"][0]["finish_reason"] == expected.finish_reason
+    assert body["usage"] == {
+        "prompt_tokens": len(expected.prompt_token_ids),
+        "completion_tokens": len(expected.token_ids),
+        "total_tokens": len(expected.prompt_token_ids) + len(expected.token_ids),
+    }
+    ext = body["pdcluster"]
+    assert {"queue_s", "prefill_s", "kv_transfer_s", "first_decode_step_s", "total_s"} <= set(ext["phases"])
+    assert ext["ttft_s"] > 0 and ext["tpot_s"] > 0 and ext["e2e_s"] >= ext["ttft_s"]
+    assert ext["acceptance_rate"] is None  # no speculative decoding on this backend
+
+
+def test_token_id_prompt_and_stop_string(client: httpx.Client, reference: LLM) -> None:
+    ids = reference.tokenizer.encode(PROMPT)
+    params = SamplingParams(temperature=0, max_tokens=40, stop=["\n"])
+    expected = reference.generate([ids], params)[0]
+    body = {"prompt": ids, "max_tokens": 40, "temperature": 0, "stop": "\n"}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == expected.text
+    assert "\n" not in expected.text
+    events = stream(client, "/v1/completions", body)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streaming_concatenation_equals_non_streaming(client: httpx.Client, path: str) -> None:
+    if path.endswith("chat/completions"):
+        body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 20, "temperature": 0}
+    else:
+        body = {"prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+    whole = client.post(path, json=body).json()
+    events = stream(client, path, body)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    if path.endswith("chat/completions"):
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        assert text == whole["choices"][0]["message"]["content"]
+    else:
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        assert text == whole["choices"][0]["text"]
+    assert len(chunks) > 2  # really streamed, token by token
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert chunks[-1]["usage"] == whole["usage"]
+    assert "phases" in chunks[-1]["pdcluster"]
+
+
+def test_chat_uses_the_documented_template(client: httpx.Client, reference: LLM) -> None:
+    messages = [{"role": "system", "content": "# utilities"}, {"role": "user", "content": "import os\n"}]
+    from orchestrator.api_server import ChatMessage
+
+    prompt = chat_prompt([ChatMessage(**m) for m in messages])
+    assert prompt == "# utilities\n\nimport os\n"
+    expected = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": expected.text}
+    assert body["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
+
+
+def test_models_and_health(client: httpx.Client) -> None:
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == "tiny"
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert client.get("/health").json() == {"status": "ok"}
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ("{not json", "not valid JSON"),
+        ({"model": "gpt-4", "prompt": "x"}, "unknown model 'gpt-4'"),
+        ({"prompt": "x", "max_tokens": -3}, "max_tokens must be >= 1, got -3"),
+        ({"prompt": "x", "max_tokens": 10**9}, f"max_model_len) of {MAX_MODEL_LEN} tokens"),
+        ({"prompt": [5] * MAX_MODEL_LEN}, f"the prompt has {MAX_MODEL_LEN} tokens"),
+        ({"prompt": [5] * 200, "max_tokens": 100}, "the prompt (200 tokens) plus max_tokens (100) is 300"),
+        ({"prompt": "x", "n": 2}, "n must be 1 (got 2)"),
+        ({"prompt": "x", "logprobs": 1}, "logprobs is not supported"),
+        ({"prompt": "x", "temperature": -1}, "temperature must be"),
+        ({"prompt": [10**6]}, "prompt token ids must be in"),
+        ({"prompt": ""}, "the prompt is empty"),
+        ({"max_tokens": 4}, "prompt: Field required"),
+    ],
+)
+def test_bad_requests_get_400_with_openai_error_body(client: httpx.Client, body: Any, needle: str) -> None:
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = client.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert needle in error["message"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 400
+
+
+def test_chat_rejects_n_and_logprobs(client: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "x"}]
+    for extra in ({"n": 3}, {"logprobs": True}):
+        r = client.post("/v1/chat/completions", json={"messages": messages, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("n", "logprobs")
+
+
+def test_api_key(backend: LocalEngineBackend) -> None:
+    with ServerThread(build_app(backend, api_key=API_KEY)) as srv, httpx.Client(base_url=srv.url) as c:
+        body = {"prompt": "x", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+            r = c.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/health").status_code == 200  # probes stay open
+        r = c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 200, r.text
+
+
+class FailingBackend:
+    """Fault injection: raises BackendUnavailable before the first token, or after `num_ok_deltas`."""
+
+    model_name = "tiny"
+    max_model_len = MAX_MODEL_LEN
+
+    def __init__(self, tokenizer: Any, num_ok_deltas: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.num_ok_deltas = num_ok_deltas
+        self.aborted: list[str] = []
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[StreamDelta]:
+        for _ in range(self.num_ok_deltas):
+            yield StreamDelta([42])
+        raise BackendUnavailable("no decode instance is up (test)")
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        raise BackendUnavailable("cluster is down (test)")
+
+
+def test_backend_unavailable_gives_503(reference: LLM) -> None:
+    fake = FailingBackend(reference.tokenizer)
+    assert isinstance(fake, ServingBackend)
+    with ServerThread(build_app(fake)) as srv, httpx.Client(base_url=srv.url) as c:
+        for stream_flag in (False, True):
+            r = c.post("/v1/completions", json={"prompt": "x", "stream": stream_flag})
+            assert r.status_code == 503
+            assert r.json()["error"]["message"] == "no decode instance is up (test)"
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 503
+        assert c.get("/health").status_code == 503
+        assert c.get("/metrics").status_code == 200  # a scrape survives a down backend
+        fake.num_ok_deltas = 2  # fails mid-stream: an error event, then [DONE]
+        events = stream(c, "/v1/completions", {"prompt": "x", "max_tokens": 8})
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 503
+        assert len(fake.aborted) >= 1
+
+
+# ---- metrics, disconnects, speculative decoding ------------------------------------------------------------
+def metric_value(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.split(" ")[0] == name:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_metrics_after_requests(client: httpx.Client) -> None:
+    client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "temperature": 0})
+    text = client.get("/metrics").text
+    for name in (
+        "pdcluster_time_to_first_token_seconds_count",
+        "pdcluster_time_per_output_token_seconds_count",
+        "pdcluster_inter_token_latency_seconds_count",
+        "pdcluster_e2e_request_latency_seconds_count",
+        "pdcluster_generation_tokens_total",
+    ):
+        assert metric_value(text, name) >= 1, name
+    assert 'pdcluster_request_phase_seconds_count{phase="prefill"}' in text
+    assert 'pdcluster_kv_cache_used_blocks{instance="local"}' in text
+    assert 'pdcluster_kv_cache_total_blocks{instance="local"} 96.0' in text
+    assert "pdcluster_num_requests_waiting " in text and "pdcluster_num_requests_running " in text
+    assert 'pdcluster_slo_requests_total{attained="true"}' in text
+    assert 'pdcluster_requests_total{finish_reason="length"}' in text
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(
+    server: ServerThread, backend: LocalEngineBackend
+) -> None:
+    body = {"prompt": PROMPT * 4, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            assert backend.stats()["kv_blocks"]["local"]["num_used_blocks"] > 0
+        # leaving the block closes the connection after one chunk of 200 tokens
+    wait_idle(backend)
+    text = httpx.get(server.url + "/metrics").text
+    assert metric_value(text, 'pdcluster_requests_total{finish_reason="abort"}') >= 1
+
+
+def test_client_disconnect_non_streaming_aborts(server: ServerThread, backend: LocalEngineBackend) -> None:
+    def num_aborted() -> float:
+        text = httpx.get(server.url + "/metrics").text
+        name = 'pdcluster_requests_total{finish_reason="abort"}'
+        return metric_value(text, name) if name in text else 0.0
+
+    before = num_aborted()
+    body = {"prompt": PROMPT, "max_tokens": 230, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=server.url, timeout=0.3) as c:
+        c.post("/v1/completions", json=body)
+    wait_idle(backend)
+    assert num_aborted() == before + 1
+
+
+def test_speculative_decoding_reports_acceptance(reference: LLM) -> None:
+    engine = reference.replace_config(num_speculative_tokens=2).engine
+    spec = LocalEngineBackend(engine.config, engine=engine, name="mtp0")
+    try:
+        with ServerThread(build_app(spec)) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+            body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+            whole = c.post("/v1/completions", json=body).json()
+            expected = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24))[0]
+            assert whole["choices"][0]["text"] == expected.text  # lossless
+            ext = whole["pdcluster"]
+            assert ext["num_draft_tokens"] > 0 and 0 <= ext["acceptance_rate"] <= 1
+            assert len(ext["acceptance_rate_per_position"]) == 2
+            events = stream(c, "/v1/completions", body)
+            assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected.text
+            text = c.get("/metrics").text
+            assert metric_value(text, 'pdcluster_spec_decode_num_draft_tokens_total{position="1"}') > 0
+            assert 'pdcluster_spec_decode_num_accepted_tokens_total{position="0"}' in text
+            assert 'pdcluster_kv_cache_used_blocks{instance="mtp0"}' in text
+    finally:
+        spec.shutdown()
+
+
+def test_bench_replays_a_trace_against_the_server(server: ServerThread) -> None:
+    from orchestrator.bench_client import run_bench
+
+    report = run_bench(
+        server.url,
+        "AzureLLMInferenceTrace_conv.csv",
+        tokenizer_dir=str(bundled_checkpoint_dir()),
+        num_requests=4,
+        time_scale=50,
+        max_tokens_cap=8,
+        show_progress=False,
+    )
+    s = report.summary
+    assert s["num_ok"] == 4 and s["num_failed"] == 0
+    # ignore_eos: each request gets exactly its scaled output length (44, 109, 55, 16 capped at 8)
+    assert s["num_output_tokens"] == 4 * 8
+    # input lengths 374, 396, 879, 91 scaled by 256/8192, clamped to [16, 248]
+    assert s["num_input_tokens"] == 16 + 16 + 27 + 16
+    assert s["ttft_ms"]["p50"] > 0 and s["goodput_fraction"] <= 1
+    assert "scaled by 256/8192" in report.as_table()
+    assert set(report.as_json()) >= {"workload", "prompts", "ttft_ms", "tpot_ms", "goodput_requests_per_s"}
