@@ -224,6 +224,7 @@ class LocalEngineBackend:
                     self._fail_all(BackendUnavailable(f"engine step failed: {exc!r}"))
                     self._abort_everything()
                     outputs = []
+                self._update_stats()  # before the outputs go out: a client that sees a token sees its blocks
                 for out in outputs:
                     self._dispatch(out.request_id, out)
             self._update_stats()
