@@ -286,8 +286,8 @@ def run_bench(
     from models.tokenizer import Tokenizer
     from orchestrator.trace import build_prompts, load_trace, scale_trace
 
-    model, max_model_len = served_model(endpoint, api_key)
     trace = load_trace(trace_path, num_requests)
+    model, max_model_len = served_model(endpoint, api_key)
     workload = scale_trace(trace, max_model_len, max_tokens_cap=max_tokens_cap, time_scale=time_scale)
     prompts = build_prompts(workload, Tokenizer.from_dir(tokenizer_dir))
     note = (

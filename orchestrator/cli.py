@@ -338,7 +338,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import httpx
 
     from orchestrator.bench_client import run_bench
+    from orchestrator.trace import load_trace
 
+    try:
+        load_trace(args.trace, num_requests=1)  # a bad trace fails before any server starts
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
     server = backend = None
     endpoint = args.endpoint
     if endpoint == "local":  # one LocalEngineBackend behind the API on 127.0.0.1, a free port
