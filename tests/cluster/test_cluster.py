@@ -1,0 +1,190 @@
+"""End to end on a real local Ray cluster with the bundled tiny model (each test says what it proves)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from models import bundled_checkpoint_dir
+from orchestrator.backend import BackendUnavailable, ServingBackend
+from orchestrator.cluster import Cluster
+from orchestrator.topology import load_topology
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "def add(a, b):\n    return",
+    'import os\nimport sys\n\n\ndef main(argv):\n    """Parse the arguments and',
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
+    "for i in range(10):\n    if i % 2 == 0:\n        print(",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def _topology(transport: str = "grpc", layerwise: bool = True, k: int = 1, **pools):
+    topo = load_topology("clusters/local.yaml")
+    topo = dataclasses.replace(
+        topo,
+        kv_transfer=dataclasses.replace(
+            topo.kv_transfer, transport=transport, layerwise=layerwise, timeout_s=20
+        ),
+        decode=dataclasses.replace(topo.decode, num_speculative_tokens=k, kv_cache_memory_bytes=16 << 20),
+        prefill=dataclasses.replace(topo.prefill, kv_cache_memory_bytes=16 << 20, **pools),
+    )
+    if pools.get("num_instances", 1) > 1:
+        topo = dataclasses.replace(topo, hardware=dataclasses.replace(topo.hardware, devices_per_node=3))
+    return topo
+
+
+@pytest.fixture(scope="module")
+def single_engine_outputs():
+    """Greedy outputs of one engine (no disaggregation), per k: the oracle."""
+    llm = LLM(bundled_checkpoint_dir(), num_speculative_tokens=1)
+    results = {}
+    for k in (0, 1):
+        engine = llm if k == 1 else llm.replace_config(num_speculative_tokens=0)
+        ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+        # One at a time: each request's numerics do not depend on its batch mates.
+        results[k] = [engine.generate([i], GREEDY)[0] for i in ids]
+    return results
+
+
+async def _generate(cluster: Cluster, request_id: str, ids: list[int], params=GREEDY):
+    tokens, last = [], None
+    async for delta in cluster.generate(request_id, ids, params):
+        tokens += delta.new_token_ids
+        last = delta
+    return tokens, last
+
+
+def _assert_no_blocks_held(cluster: Cluster) -> None:
+    deadline_s = time.monotonic() + 5
+    while True:
+        leaks = cluster.check_no_leaks()
+        idle = all(
+            r["num_used_blocks"] == 0 and not r["pending_handoffs"] and not r.get("num_reserved", 0)
+            for r in leaks.values()
+        )
+        if idle or time.monotonic() > deadline_s:
+            break
+        time.sleep(0.1)
+    assert idle, leaks
+
+
+@pytest.mark.parametrize(
+    ("transport", "layerwise", "k"),
+    [("grpc", True, 1), ("grpc", False, 0), ("torch_distributed", True, 0), ("torch_distributed", False, 1)],
+)
+def test_greedy_and_acceptance_match_single_engine(
+    ray_session, single_engine_outputs, transport, layerwise, k
+) -> None:
+    """P -> D over each transport, layerwise or not, with and without MTP: the greedy tokens equal one
+    engine's token for token, and with MTP the drafts proposed/accepted are the same counts (the MTP KV,
+    first drafts and last hidden state travel with the handoff). No KV block is held afterwards."""
+    cluster = Cluster.deploy(_topology(transport, layerwise, k))
+    try:
+        assert isinstance(cluster, ServingBackend)
+
+        async def run():
+            return [
+                await _generate(cluster, f"r{i}", cluster.tokenizer.encode(p)) for i, p in enumerate(PROMPTS)
+            ]
+
+        for (tokens, last), expected in zip(asyncio.run(run()), single_engine_outputs[k], strict=True):
+            assert tokens == expected.token_ids
+            assert last.finished and last.finish_reason == "length"
+            assert last.num_draft_tokens == expected.num_draft_tokens
+            assert last.num_accepted_tokens == expected.num_accepted_tokens
+            for phase in ("queue_s", "prefill_s", "kv_transfer_s", "first_decode_step_s", "total_s"):
+                assert phase in last.phases
+        _assert_no_blocks_held(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_32_concurrent_requests_complete_without_leaks(ray_session) -> None:
+    """32 requests at once (more than fit one step's batch of handoffs) all finish with their max_tokens,
+    and afterwards no KV block, reservation or open handoff is left on either pool."""
+    cluster = Cluster.deploy(_topology("grpc", True, 1))
+    try:
+        prompts = [cluster.tokenizer.encode(f"def f{i}(x):\n    return x * {i} +") for i in range(32)]
+        params = [SamplingParams(temperature=0.0, max_tokens=8 + i % 8, ignore_eos=True) for i in range(32)]
+
+        async def run():
+            return await asyncio.gather(
+                *[
+                    _generate(cluster, f"c{i}", p, sp)
+                    for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+                ]
+            )
+
+        results = asyncio.run(asyncio.wait_for(run(), 60))
+        for (tokens, last), sp in zip(results, params, strict=True):
+            assert len(tokens) == sp.max_tokens and last.finished
+        _assert_no_blocks_held(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_prefill_killed_mid_transfer_is_redispatched(ray_session, single_engine_outputs) -> None:
+    """ray.kill of the prefill actor while decode holds the request's reservation: the request is
+    re-dispatched to the other prefill instance and completes with the right tokens, the dead instance is
+    taken out of routing, decode's reservation for the failed attempt is released, nothing hangs."""
+    topo = _topology("grpc", True, 1, num_instances=2)
+    topo = dataclasses.replace(topo, router=dataclasses.replace(topo.router, policy="round_robin"))
+    cluster = Cluster.deploy(topo)
+    try:
+        long_prompt = cluster.tokenizer.encode(PROMPTS[0] * 60)[:900]
+
+        async def run():
+            task = asyncio.ensure_future(
+                _generate(cluster, "victim", long_prompt, SamplingParams(temperature=0.0, max_tokens=4))
+            )
+            deadline_s = time.monotonic() + 10
+            while (await cluster.decode_actors[0].load.remote())["num_reserved"] == 0:
+                assert time.monotonic() < deadline_s, "the request never reached decode"
+                await asyncio.sleep(0.005)
+            ray_session.kill(cluster.prefill_actors[0])  # round robin: request 0 went to prefill-0
+            return await asyncio.wait_for(task, 40)
+
+        started_s = time.monotonic()
+        tokens, last = asyncio.run(run())
+        assert time.monotonic() - started_s < 40
+        assert last.finished and len(tokens) == 4
+        single = LLM(bundled_checkpoint_dir(), num_kv_blocks=128)
+        assert (
+            tokens
+            == single.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids
+        )
+        assert cluster._prefill_alive == [False, True]
+        _assert_no_blocks_held(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_only_prefill_killed_fails_fast_with_clear_error(ray_session) -> None:
+    """With no other prefill instance, killing the only one mid-request ends the stream with
+    BackendUnavailable naming the handoff failure (no hang), and decode holds no block afterwards."""
+    cluster = Cluster.deploy(_topology("grpc", True, 1))
+    try:
+        long_prompt = cluster.tokenizer.encode(PROMPTS[1] * 40)[:900]
+
+        async def run():
+            task = asyncio.ensure_future(_generate(cluster, "victim", long_prompt))
+            deadline_s = time.monotonic() + 10
+            while (await cluster.decode_actors[0].load.remote())["num_reserved"] == 0:
+                assert time.monotonic() < deadline_s
+                await asyncio.sleep(0.005)
+            ray_session.kill(cluster.prefill_actors[0])
+            return await asyncio.wait_for(task, 40)
+
+        with pytest.raises(BackendUnavailable, match="handoff failed|no live prefill"):
+            asyncio.run(run())
+        _assert_no_blocks_held(cluster)
+    finally:
+        cluster.shutdown()
