@@ -374,6 +374,12 @@ def build_app(backend: ServingBackend, api_key: str | None = None, slo: SLOConfi
             _error_body(str(exc.detail), "invalid_request_error", None, exc.status_code), exc.status_code
         )
 
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        metrics.errors.labels("500").inc()
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        return JSONResponse(_error_body(message, "internal_error", None, 500), 500)
+
     def check_auth(request: Request) -> None:
         if api_key is None:
             return

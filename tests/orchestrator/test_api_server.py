@@ -349,3 +349,20 @@ def test_bench_replays_a_trace_against_the_server(server: ServerThread) -> None:
     assert s["ttft_ms"]["p50"] > 0 and s["goodput_fraction"] <= 1
     assert "scaled by 256/8192" in report.as_table()
     assert set(report.as_json()) >= {"workload", "prompts", "ttft_ms", "tpot_ms", "goodput_requests_per_s"}
+
+
+class BrokenBackend(FailingBackend):
+    """Fault injection: a non-retriable bug in the backend."""
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[StreamDelta]:
+        raise RuntimeError("boom")
+        yield  # pragma: no cover - makes this an async generator
+
+
+def test_backend_bug_gives_500_json(reference: LLM) -> None:
+    with ServerThread(build_app(BrokenBackend(reference.tokenizer))) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 500
+        assert r.json()["error"]["message"] == "internal error: RuntimeError: boom"
