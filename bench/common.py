@@ -115,14 +115,53 @@ def ratio(num: float, den: float) -> float | None:
     return round(num / den, 4) if den else None
 
 
+class Contention:
+    """CPU seconds that other processes used while a measurement ran (from /proc/stat minus this process).
+
+    On a small shared machine, another process on one core can slow a multi-threaded torch run many times
+    over; a measurement with a large `other_processes_cpu_fraction` should be rerun on an idle machine.
+    Linux only; elsewhere the figures are None.
+    """
+
+    def __init__(self) -> None:
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        ticks_per_s = os.sysconf("SC_CLK_TCK")
+        busy_s = (sum(fields[:8]) - fields[3] - fields[4]) / ticks_per_s  # all but idle and iowait
+        own = os.times()
+        return busy_s, own.user + own.system, time.perf_counter()
+
+    def stop(self) -> dict[str, float | None]:
+        """`{"other_processes_cpu_s", "other_processes_cpu_fraction"}` since construction; the fraction is
+        of all the machine's CPU time in that wall time."""
+        end = self._sample()
+        if self._start is None or end is None:
+            return {"other_processes_cpu_s": None, "other_processes_cpu_fraction": None}
+        other_s = max(0.0, (end[0] - self._start[0]) - (end[1] - self._start[1]))
+        wall_s = end[2] - self._start[2]
+        return {
+            "other_processes_cpu_s": round(other_s, 2),
+            "other_processes_cpu_fraction": round(other_s / (wall_s * (os.cpu_count() or 1)), 3),
+        }
+
+
 def run_and_emit(
     run: Callable[[], dict[str, Any]], as_json: bool, table: Callable[[dict[str, Any]], str]
 ) -> None:
     """Run a benchmark and print its result; records the machine's 1-minute load average before the run
-    (other processes on a small machine distort CPU timings: compare it with the thread count)."""
+    and the CPU time other processes used during it (see `Contention`)."""
     load_before = os.getloadavg()[0]
+    contention = Contention()
     result = run()
     result["config"]["load_avg_1min_before_run"] = round(load_before, 2)
+    result["config"].update(contention.stop())
     emit(result, as_json, table)
 
 

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.common import (
+    Contention,
     add_common_arguments,
     check_checkpoint,
     environment,
@@ -259,6 +260,7 @@ def measure(
         step()
 
     gc.collect()
+    contention = Contention()
     wall_s, model_s, step_tokens = [], [], []
     host_start = host_timer.snapshot()
     for _ in range(args.num_steps):
@@ -268,6 +270,7 @@ def measure(
         wall_s.append(end_s - start_s)
         model_s.append(model_timer.busy_s("model", start_s, end_s))
     host_end = host_timer.snapshot()
+    contended = contention.stop()
 
     for rid in request_ids:
         engine.abort_request(rid)
@@ -292,6 +295,7 @@ def measure(
             label: round((host_end.get(label, 0.0) - host_start.get(label, 0.0)) * 1e3 / len(wall_s), 4)
             for label in breakdown_labels
         },
+        **contended,
     }
 
 

@@ -24,6 +24,7 @@ from fractions import Fraction
 from typing import Any
 
 from bench.common import (
+    Contention,
     add_common_arguments,
     check_checkpoint,
     environment,
@@ -95,6 +96,7 @@ def exact_ratio(num: int, den: int) -> dict[str, Any]:
 def measure(llm: Any, prompts: list[str], warmup: list[str], params: Any, batch_size: int) -> dict[str, Any]:
     """Greedy tokens and tokens/s of one engine."""
     llm.generate(warmup, params)
+    contention = Contention()
     token_ids: list[list[int]] = []
     wall_s = 0.0
     for i in range(0, len(prompts), batch_size):
@@ -102,6 +104,7 @@ def measure(llm: Any, prompts: list[str], warmup: list[str], params: Any, batch_
         outputs = llm.generate(prompts[i : i + batch_size], params)
         wall_s += time.perf_counter() - start_s
         token_ids.extend(o.token_ids for o in outputs)
+    contended = contention.stop()
     runner = llm.engine.runner
     num_layers = len(runner.kv_caches)
     num_tokens = sum(len(t) for t in token_ids)
@@ -115,6 +118,7 @@ def measure(llm: Any, prompts: list[str], warmup: list[str], params: Any, batch_
         "num_output_tokens": num_tokens,
         "wall_s": round(wall_s, 4),
         "tokens_per_s": round(num_tokens / wall_s, 2),
+        **contended,
         "token_ids": token_ids,  # dropped from the report after the agreement counts
     }
 

@@ -9,7 +9,7 @@ one untimed warm-up group on other held-out prompts (so no timed prompt hits the
     decode_tokens_per_s   tokens committed after every request of a group had its first token, over the
                           time from that moment to the group's end (the decode phase only)
     acceptance_rate       accepted / proposed draft tokens; per_position[i] for draft depth i+1
-    tokens_per_decode_step  tokens each request commits per decode step (1 + accepted drafts)
+    tokens_per_decode_step  tokens a request commits per decode step it takes part in (1 + accepted drafts)
 
 Greedy decoding makes every k produce the same tokens as k = 0; `outputs_match_k0` checks it.
 The bundled checkpoint has one MTP module; k > 1 chains it (see engine.mtp_proposer).
@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from bench.common import (
+    Contention,
     add_common_arguments,
     check_checkpoint,
     environment,
@@ -79,7 +80,7 @@ def run_group(engine: Any, prompts: list[str], params: Any) -> dict[str, Any]:
     request_ids = [engine.add_request(p, params) for p in prompts]
     num_tokens = dict.fromkeys(request_ids, 0)
     outputs: dict[str, Any] = {}
-    num_steps = num_decode_steps = 0
+    num_steps = num_decode_steps = num_decode_request_steps = 0
     prefilled_s: float | None = None
     num_tokens_at_prefilled = 0
     start_s = time.perf_counter()
@@ -89,6 +90,8 @@ def run_group(engine: Any, prompts: list[str], params: Any) -> dict[str, Any]:
         if prefilled_s is not None:
             num_decode_steps += 1
         for out in step_outputs:
+            if prefilled_s is not None and len(out.token_ids) > num_tokens[out.request_id]:
+                num_decode_request_steps += 1  # a decode step of this request that committed tokens
             num_tokens[out.request_id] = len(out.token_ids)
             if out.finished:
                 outputs[out.request_id] = out
@@ -104,6 +107,7 @@ def run_group(engine: Any, prompts: list[str], params: Any) -> dict[str, Any]:
         "num_decode_tokens": sum(num_tokens.values()) - num_tokens_at_prefilled,
         "num_steps": num_steps,
         "num_decode_steps": num_decode_steps,
+        "num_decode_request_steps": num_decode_request_steps,
     }
 
 
@@ -125,6 +129,7 @@ def measure(
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     run_group(engine, warmup[:batch_size], params)
 
+    contention = Contention()
     groups = [
         run_group(engine, prompts[i : i + batch_size], params) for i in range(0, len(prompts), batch_size)
     ]
@@ -133,11 +138,12 @@ def measure(
     wall_s = sum(g["wall_s"] for g in groups)
     decode_s = sum(g["decode_s"] for g in groups)
     num_decode_tokens = sum(g["num_decode_tokens"] for g in groups)
-    num_decode_request_steps = sum(g["num_decode_steps"] * len(g["outputs"]) for g in groups)
+    num_decode_request_steps = sum(g["num_decode_request_steps"] for g in groups)
     drafted = [sum(x) for x in zip(*(o.num_draft_tokens_per_position for o in outputs), strict=False)]
     accepted = [sum(x) for x in zip(*(o.num_accepted_tokens_per_position for o in outputs), strict=False)]
     num_draft = sum(o.num_draft_tokens for o in outputs)
     num_accepted = sum(o.num_accepted_tokens for o in outputs)
+    contended = contention.stop()
     tpots = [o.tpot_s for o in outputs if o.tpot_s is not None]
     return {
         "k": k,
@@ -158,6 +164,7 @@ def measure(
         "num_accepted_tokens_per_position": accepted,
         "acceptance_rate_per_position": [ratio(a, d) for a, d in zip(accepted, drafted, strict=True)],
         "num_cached_prompt_tokens": sum(o.num_cached_tokens for o in outputs),
+        **contended,
         "token_ids": [o.token_ids for o in outputs],  # dropped from the report after the k=0 comparison
     }
 

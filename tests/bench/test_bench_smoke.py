@@ -34,7 +34,7 @@ def run_json(capsys: pytest.CaptureFixture[str], main, *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-CONFIG_KEYS = {"threads", "torch", "machine", "checkpoint", "num_prompts"}
+CONFIG_KEYS = {"threads", "torch", "machine", "checkpoint", "num_prompts", "other_processes_cpu_fraction"}
 
 
 def test_engine_step(capsys, checkpoint):
