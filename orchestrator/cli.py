@@ -2,7 +2,8 @@
 
     pdcluster generate --prompt "def fibonacci(n):"        # complete one prompt with the bundled model
     pdcluster generate --prompt "..." --json               # machine-readable result with timings
-    pdcluster demo                                         # what `make demo` runs (for now)
+    pdcluster demo                                         # what `make demo` runs: the cluster job
+    pdcluster deploy clusters/local.yaml                   # serve a topology behind the OpenAI API
     pdcluster validate clusters/*.yaml                     # pre-flight check of topology files
 
 Every error the user can cause (bad option values, a missing or broken checkpoint) is one line on stderr
@@ -313,9 +314,37 @@ def _batch_summary(results: list[RequestOutput]) -> dict:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from orchestrator.demo import run_demo
+    from orchestrator.topology import TopologyError
 
-    engine, load_s = load_engine(args)
-    return run_demo(engine, load_s, args.model, args.max_tokens, sys.stdout)
+    if not args.trace.exists():
+        raise CliError(f"--trace {args.trace}: no such file (the public traces live in ../shared/traces)")
+    try:
+        return run_demo(args.cluster, args.trace, args.num_requests, args.max_tokens_cap, sys.stdout)
+    except TopologyError as exc:
+        raise CliError(str(exc)) from exc
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from orchestrator.serve import serve
+    from orchestrator.topology import TopologyError
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        with serve(args.file, port=args.port, log=lambda m: print(f"[pdcluster] {m}", flush=True)) as service:
+            print(f"[pdcluster] ready: {service.url}/v1/models — Ctrl-C to stop", flush=True)
+            try:
+                while not stop.wait(0.5):
+                    pass
+            except KeyboardInterrupt:
+                pass
+            print("[pdcluster] shutting down", flush=True)
+    except TopologyError as exc:
+        raise CliError(str(exc)) from exc
+    return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -525,23 +554,54 @@ examples:
     gen.add_argument("--json", action="store_true", help="print one JSON object (fields below) instead")
     gen.set_defaults(func=cmd_generate)
 
+    from orchestrator.topology import DEFAULT_TOPOLOGY_PATH
+    from orchestrator.trace import default_trace_dir
+
     demo = sub.add_parser(
         "demo",
-        help="greedy completions of 3 held-out prompts with the bundled model (what `make demo` runs)",
+        help="the main job: deploy clusters/local.yaml, replay 50 Azure trace requests, print a summary",
         formatter_class=_HelpFormatter,
         description=f"""\
-Load the bundled tiny checkpoint ({bundled}) and complete three prompts cut from
-standard-library modules it never saw in training (a function's `def` line and one-line
-docstring), greedily, printing each completion and its timings.
-
-This is a stand-in: later it becomes the cluster job on clusters/local.yaml.""",
+What `make demo` runs. Starts a local Ray cluster from the embedded default topology
+({DEFAULT_TOPOLOGY_PATH}: one prefill and one decode actor serving the bundled tiny
+model, KV streamed layer by layer over gRPC, MTP speculative decoding on decode), puts the
+OpenAI-compatible API in front of it on a free port, completes three held-out prompts,
+replays the first --num-requests requests of the Azure conversation trace at their
+arrival times (lengths scaled to the model's context; the scaling is printed), prints
+TTFT/TPOT percentiles, throughput, goodput under the SLO, MTP acceptance and KV transfer
+time, then shuts everything down.""",
     )
-    _add_model_options(demo)
-    _add_engine_options(demo, default_k=1)
+    demo.add_argument("--cluster", type=Path, default=DEFAULT_TOPOLOGY_PATH, metavar="FILE", help="topology")
     demo.add_argument(
-        "--max-tokens", type=_positive_int, default=48, metavar="N", help="tokens per prompt. Default: 48"
+        "--trace",
+        type=Path,
+        default=default_trace_dir() / "AzureLLMInferenceTrace_conv.csv",
+        metavar="FILE",
+        help="trace to replay (Azure .csv or Mooncake .jsonl). Default: the Azure conversation trace",
+    )
+    demo.add_argument("--num-requests", type=_positive_int, default=50, metavar="N", help="Default: 50")
+    demo.add_argument(
+        "--max-tokens-cap",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="cap on each request's output tokens (the trace's output lengths are clamped). Default: 64",
     )
     demo.set_defaults(func=cmd_demo)
+
+    deploy = sub.add_parser(
+        "deploy",
+        help="serve a topology (prefill + decode pools on Ray) behind the OpenAI API until interrupted",
+        formatter_class=_HelpFormatter,
+        description="""\
+Validate FILE, connect to the Ray cluster in RAY_ADDRESS (or start a local one), create one
+placement group per instance, start the prefill and decode actors (progress is logged while
+weights load), wire the KV transfer, and serve /v1/completions, /v1/chat/completions,
+/v1/models, /health and /metrics on api.host:api.port until Ctrl-C or SIGTERM.""",
+    )
+    deploy.add_argument("file", type=Path, metavar="FILE", help="topology YAML (see clusters/README.md)")
+    deploy.add_argument("--port", type=int, default=None, help="override api.port (0: a free port)")
+    deploy.set_defaults(func=cmd_deploy)
 
     validate = sub.add_parser(
         "validate",

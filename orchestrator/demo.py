@@ -1,7 +1,10 @@
-"""`pdcluster demo` (the target of `make demo`) for now: greedy completions of held-out prompts, one process.
+"""`pdcluster demo`, the target of `make demo`: the main job on the embedded default topology.
 
-Later this becomes the cluster job on clusters/local.yaml; until then it shows the bundled model on text it
-never trained on. Prompts are cut from the held-out split of `models.corpus`: in sorted file order, the
+Deploys clusters/local.yaml (one prefill + one decode actor on a local Ray), shows a few completions of
+held-out code through the OpenAI API, replays requests of the Azure conversation trace, prints the summary,
+and shuts everything down.
+
+Prompts are cut from the held-out split of `models.corpus`: in sorted file order, the
 first public module-level function with a one-line docstring of each file, `def` line + docstring, taken
 from the first `num_prompts` files that have one (with CPython 3.11: `calendar.isleap`,
 `heapq.heappush`, `shlex.split`).
@@ -11,12 +14,9 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, TextIO
+from typing import NamedTuple, TextIO
 
 from models.corpus import corpus_files, stdlib_dir
-
-if TYPE_CHECKING:
-    from engine.llm import LLMEngine
 
 
 class DemoPrompt(NamedTuple):
@@ -48,38 +48,60 @@ def heldout_prompts(num_prompts: int, root: Path | None = None) -> list[DemoProm
 
 
 def run_demo(
-    engine: LLMEngine, load_s: float, model_dir: Path, max_tokens: int, out: TextIO, num_prompts: int = 3
+    cluster_path: Path,
+    trace_path: Path,
+    num_requests: int,
+    max_tokens_cap: int,
+    out: TextIO,
+    num_prompts: int = 3,
 ) -> int:
-    """Complete held-out prompts greedily in one batch on `engine`, print them with timings.
+    """The main job: deploy `cluster_path`, show completions, replay a trace through the API, shut down.
 
-    Returns the exit code (0).
+    1. `orchestrator.serve.serve`: local Ray, prefill and decode actors, the OpenAI API on a free port.
+    2. `num_prompts` held-out prompts through `/v1/completions` (greedy), printed with their phases.
+    3. The first `num_requests` requests of the trace replayed at their arrival times (`pdcluster bench`),
+       then the summary table: TTFT/TPOT percentiles, throughput, goodput, acceptance, KV transfer time.
+
+    Returns the exit code: 0, or 1 when a request failed.
     """
-    from engine.sampling_params import SamplingParams
+    import httpx
 
-    num_params = sum(p.numel() for p in engine.model.parameters())
-    k = engine.config.num_speculative_tokens
-    out.write(
-        f"model: {model_dir} ({num_params:,} parameters), "
-        f"loaded in {load_s:.2f} s on {engine.config.device}\n"
-    )
-    out.write(
-        f"greedy, up to {max_tokens} tokens per prompt, MTP speculative decoding k={k}; "
-        "prompts from held-out stdlib modules\n"
-    )
-    prompts = heldout_prompts(num_prompts)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    ids = [engine.add_request(p.text, params) for p in prompts]
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
-    for i, (prompt, rid) in enumerate(zip(prompts, ids, strict=True), start=1):
-        result = finished[rid]
-        out.write(f"\n=== [{i}/{len(prompts)}] {prompt.source} ===\n{prompt.text}{result.text}\n")
-        acceptance = "" if result.acceptance_rate is None else f" | acceptance {result.acceptance_rate:.2f}"
-        tpot = "" if result.tpot_s is None else f" | tpot {result.tpot_s * 1e3:.1f} ms"
-        out.write(
-            f"--- {len(result.token_ids)} tokens ({result.finish_reason}) | ttft {result.ttft_s * 1e3:.1f} ms"
-            f"{tpot}{acceptance}\n"
-        )
+    from orchestrator.bench_client import run_bench
+    from orchestrator.serve import serve
+
+    def log(message: str) -> None:
+        out.write(f"[pdcluster] {message}\n")
         out.flush()
-    return 0
+
+    with serve(cluster_path, port=0, log=log) as service:
+        topo = service.topology
+        for i, prompt in enumerate(heldout_prompts(num_prompts), start=1):
+            body = {
+                "model": service.cluster.model_name,
+                "prompt": prompt.text,
+                "max_tokens": 32,
+                "temperature": 0,
+            }
+            reply = httpx.post(f"{service.url}/v1/completions", json=body, timeout=120).json()
+            ext = reply.get("pdcluster", {})
+            phases = ", ".join(
+                f"{k} {v * 1e3:.0f} ms" for k, v in ext.get("phases", {}).items() if k.endswith("_s")
+            )
+            out.write(
+                f"\n=== [{i}/{num_prompts}] {prompt.source} ===\n{prompt.text}{reply['choices'][0]['text']}\n"
+            )
+            out.write(f"--- {phases}; acceptance {ext.get('acceptance_rate')}\n")
+        out.write(f"\nreplaying {num_requests} requests of {trace_path.name} through {service.url}\n")
+        report = run_bench(
+            service.url,
+            str(trace_path),
+            tokenizer_dir=topo.engine_config("decode").model,
+            num_requests=num_requests,
+            max_tokens_cap=max_tokens_cap,
+            ttft_slo_ms=topo.slo.ttft_ms or 1000.0,
+            tpot_slo_ms=topo.slo.tpot_ms or 100.0,
+            api_key=topo.api.api_key,
+        )
+    out.write(report.as_table() + "\n")
+    out.flush()
+    return 1 if report.summary["num_failed"] else 0

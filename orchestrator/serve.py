@@ -1,0 +1,61 @@
+"""Bring a topology up as a service: the Ray cluster (prefill + decode pools) behind the OpenAI API.
+
+    with serve(topology) as service:      # Cluster.deploy + build_app + uvicorn on a thread
+        print(service.url)                # http://127.0.0.1:8000 (port 0 in the YAML: a free port)
+
+Used by `pdcluster deploy` (serves until interrupted) and `pdcluster demo` (replays a trace, then stops).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.api_server import ServerThread, build_app
+from orchestrator.cluster import Cluster
+from orchestrator.topology import Topology, load_topology
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Service:
+    """A deployed topology: `cluster` (the ServingBackend) and the HTTP `server` in front of it."""
+
+    topology: Topology
+    cluster: Cluster
+    server: ServerThread
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+
+@contextmanager
+def serve(topology: Topology | str | Path, port: int | None = None, log=logger.info) -> Iterator[Service]:
+    """Deploy `topology` and serve it over HTTP; everything is torn down on exit (also on errors).
+
+    Args:
+        port: overrides `api.port` (0 picks a free port).
+
+    Raises:
+        TopologyError: an invalid topology file; RuntimeError: an actor or the server failed to start.
+    """
+    topo = topology if isinstance(topology, Topology) else load_topology(topology)
+    cluster = Cluster.deploy(topo, log=log)
+    server = None
+    try:
+        app = build_app(cluster, api_key=topo.api.api_key, slo=topo.slo)
+        server = ServerThread(app, host=topo.api.host, port=topo.api.port if port is None else port).start()
+        log(
+            f"serving {cluster.model_name} at {server.url} "
+            "(OpenAI API: /v1/completions, /v1/chat/completions)"
+        )
+        yield Service(topo, cluster, server)
+    finally:
+        if server is not None:
+            server.stop()
+        cluster.shutdown()
