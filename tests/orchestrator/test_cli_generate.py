@@ -190,11 +190,16 @@ def test_heldout_prompts_are_def_lines_with_docstrings():
         assert p.text.startswith("def ") and p.text.rstrip().endswith('"""')
 
 
-def test_demo_runs(capsys, random_checkpoint):
-    code, out, _ = run_cli(capsys, "demo", "--model", random_checkpoint, "--max-tokens", "4")
-    assert code == 0
+@pytest.mark.slow
+def test_demo_is_the_cluster_job(capsys):
+    """`make demo`'s command end to end on a local Ray cluster (~25 s): clusters/local.yaml deployed, held-out
+    completions through the API, 4 Azure trace requests replayed, a summary with acceptance and KV transfer
+    time, everything shut down, exit code 0."""
+    code, out, err = run_cli(capsys, "demo", "--num-requests", "4", "--max-tokens-cap", "8")
+    assert code == 0, err
     assert out.count("=== [") == 3
-    assert out.count("4 tokens (length)") == 3
+    assert "requests: 4 ok / 4 (0 failed)" in out
+    assert "mean acceptance rate: 0." in out and "mean KV transfer:" in out
 
 
 # ---- the bundled checkpoint ------------------------------------------------------------------------
