@@ -103,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         workload = scale_trace(trace, cluster.max_model_len, args.max_tokens_cap, args.time_scale)
         prompts = build_prompts(workload, cluster.tokenizer)
-        print(workload.description, flush=True)
         results, records, duration_s = asyncio.run(_replay(cluster, workload, prompts))
     finally:
         cluster.shutdown()
