@@ -33,6 +33,24 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "default: the bundled tiny checkpoint (%(default)s). Never downloaded.",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch intra-op threads (torch.set_num_threads); default: torch's own choice "
+        "(OMP_NUM_THREADS, else the core count). 1 is steadier on a shared machine.",
+    )
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from e
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
 
 
 def int_list(text: str) -> list[int]:
@@ -153,16 +171,22 @@ class Contention:
 
 
 def run_and_emit(
-    run: Callable[[], dict[str, Any]], as_json: bool, table: Callable[[dict[str, Any]], str]
+    run: Callable[[], dict[str, Any]],
+    args: argparse.Namespace,
+    table: Callable[[dict[str, Any]], str],
 ) -> None:
-    """Run a benchmark and print its result; records the machine's 1-minute load average before the run
-    and the CPU time other processes used during it (see `Contention`)."""
+    """Run a benchmark with `args.threads` torch threads and print its result (`args.json`).
+
+    Records the machine's 1-minute load average before the run and the CPU time other processes used
+    during it (see `Contention`)."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
     contention = Contention()
     result = run()
     result["config"]["load_avg_1min_before_run"] = round(load_before, 2)
     result["config"].update(contention.stop())
-    emit(result, as_json, table)
+    emit(result, args.json, table)
 
 
 def emit(result: dict[str, Any], as_json: bool, table: Callable[[dict[str, Any]], str]) -> None:

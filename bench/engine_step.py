@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         problem = "--batch-sizes, --num-steps and --prompt-len must be >= 1"
     if problem is not None:
         parser.error(problem)
-    run_and_emit(lambda: run(args), args.json, table)
+    run_and_emit(lambda: run(args), args, table)
     return 0
 
 

@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         problem = "--num-prompts, --max-tokens and --batch-size must be >= 1"
     if problem is not None:
         parser.error(problem)
-    run_and_emit(lambda: run(args, dtypes), args.json, table)
+    run_and_emit(lambda: run(args, dtypes), args, table)
     return 0
 
 
