@@ -25,7 +25,12 @@ class EngineConfig:
         enable_prefix_caching: reuse KV of identical full prompt blocks across requests.
         enable_chunked_prefill: split long prompts over several steps under the token budget.
         num_speculative_tokens: MTP draft tokens per step, k (0 disables speculative decoding).
-        adaptive_speculation: shrink/grow k in [1, num_speculative_tokens] from the recent acceptance rate.
+        adaptive_speculation: shrink/grow k in [1, num_speculative_tokens] from the recent acceptance rate
+            (`engine.spec_policy`); a no-op when num_speculative_tokens is 0. Not with `async_scheduling`:
+            there step N+1's draft slots are fixed before step N's verification is known, so a smaller k
+            would only be padded back to the maximum with filler drafts (ValueError).
+        adaptive_speculation_min_accept_prob: the probability of reaching and accepting a draft below which
+            adaptive speculation stops drafting that deep (the cost of one more verified draft, in tokens).
         async_scheduling: prepare step N+1 on the CPU while step N's forward runs (`engine.async_loop`);
             greedy outputs are identical to the synchronous loop, with or without speculative decoding.
     """
@@ -44,6 +49,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     num_speculative_tokens: int = 0
     adaptive_speculation: bool = False
+    adaptive_speculation_min_accept_prob: float = 0.3
     async_scheduling: bool = False
     seed: int = 0
 
@@ -64,3 +70,11 @@ class EngineConfig:
             raise bad("num_speculative_tokens", "must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad("max_model_len", "must be >= 1 or None")
+        if not 0 < self.adaptive_speculation_min_accept_prob <= 1:
+            raise bad("adaptive_speculation_min_accept_prob", "must be in (0, 1]")
+        if self.adaptive_speculation and self.async_scheduling and self.num_speculative_tokens:
+            raise bad(
+                "adaptive_speculation",
+                "is not supported with async_scheduling (step N+1's draft slots are fixed before step N's "
+                "acceptance is known)",
+            )

@@ -29,6 +29,11 @@ Speculative decoding (k = `num_speculative_tokens`):
    Algorithm 1), which preserves the target distribution.
 3. The MTP layer then runs every position whose next token is now committed, writing its own KV, and the
    output at the newest position proposes d_1; chaining the module gives d_2..d_k (see `mtp_proposer`).
+Adaptive speculation (`adaptive_min_accept_prob` set): after each step's verification the executor folds
+the per-depth draft/accept counts of the batch into exponentially decayed counters and sets
+`num_speculative_tokens` to `spec_policy.choose_num_speculative_tokens(...)` in [1, max k] before proposing
+the next drafts. One k serves the whole batch. The scheduler's lookahead slots stay sized for the maximum.
+
 MTP KV read from a prefix-cache hit was written by an earlier request; a wrong MTP entry can only lower
 acceptance, never change the output, because every draft is verified by the main model.
 """
@@ -42,6 +47,7 @@ import torch
 from engine.model_runner import InputBuffers, LayerKVCallback, ModelInput, ModelRunner
 from engine.mtp_proposer import MTPWork, propose
 from engine.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.spec_policy import DEFAULT_DECAY, choose_num_speculative_tokens, decay_counts
 from kernels.rejection_sampling import rejection_sample_batch
 from kernels.sampling import probs_from_logits, sample
 
@@ -82,6 +88,8 @@ class Executor:
         max_num_tokens, max_num_reqs: capacity of the persistent input buffers (the scheduler's token
             budget and `max_num_seqs`).
         max_num_blocks_per_req: block-table columns; default the whole cache.
+        adaptive_min_accept_prob: None keeps k fixed; else adapt k in [1, num_speculative_tokens] each step
+            with this threshold (see the module docstring and `engine.spec_policy`).
     """
 
     def __init__(
@@ -91,11 +99,18 @@ class Executor:
         max_num_tokens: int = 2048,
         max_num_reqs: int = 64,
         max_num_blocks_per_req: int | None = None,
+        adaptive_min_accept_prob: float | None = None,
     ) -> None:
         if num_speculative_tokens and not runner.model.mtp_layers:
             raise ValueError("num_speculative_tokens > 0 needs a checkpoint with an MTP module")
         self.runner = runner
         self.num_speculative_tokens = num_speculative_tokens
+        self.max_num_speculative_tokens = num_speculative_tokens
+        self.adaptive_min_accept_prob = adaptive_min_accept_prob
+        # Adaptive k: decayed drafts proposed / accepted per depth over the batch, and k chosen per step.
+        self._drafted_per_position: list[float] = []
+        self._accepted_per_position: list[float] = []
+        self.num_steps_per_k: dict[int, int] = {}  # k -> steps that proposed drafts with it
         self._generators: dict[str, torch.Generator | None] = {}
         self._draft_probs: dict[str, torch.Tensor | None] = {}
         self._last_step: dict[str, StepResult] = {}  # request id -> its result in the last step
@@ -199,8 +214,12 @@ class Executor:
             logits = self.runner.compute_logits(hidden[rows])
             sampled = self._sample_or_verify([scheduled[i] for i in sampling], logits)
 
+        if self.adaptive_min_accept_prob is not None and self.max_num_speculative_tokens:
+            self._adapt_num_speculative_tokens([scheduled[i] for i in sampling], sampled)
         spec: dict[str, list[int]] = {}
         if self.num_speculative_tokens:
+            k = self.num_speculative_tokens
+            self.num_steps_per_k[k] = self.num_steps_per_k.get(k, 0) + 1
             spec = self._propose(scheduled, hidden, starts, sampled, on_layer_kv)
         # Prefill-only requests (handed off to decode): their last hidden state and draft distributions.
         last_hidden: dict[str, torch.Tensor] = {}
@@ -217,6 +236,30 @@ class Executor:
             num_rejected = len(item.spec_token_ids) - (len(tokens) - 1)
             self._last_step[item.request_id] = StepResult(tokens, spec.get(item.request_id, []), num_rejected)
         return ModelRunnerOutput(sampled, spec, last_hidden, draft_probs)
+
+    def _adapt_num_speculative_tokens(
+        self, items: list[ScheduledRequest], sampled: dict[str, list[int]]
+    ) -> None:
+        """Fold this step's verification results into the decayed counters (steps that verified no draft
+        leave them as they are) and choose k for the drafts proposed next."""
+        drafted: list[int] = []
+        accepted: list[int] = []
+        for item in items:
+            num_drafts = len(item.spec_token_ids)
+            num_accepted = len(sampled[item.request_id]) - 1
+            for counts, n in ((drafted, num_drafts), (accepted, num_accepted)):
+                counts.extend([0] * (num_drafts - len(counts)))
+                for i in range(n):
+                    counts[i] += 1
+        if drafted:
+            self._drafted_per_position = decay_counts(self._drafted_per_position, drafted, DEFAULT_DECAY)
+            self._accepted_per_position = decay_counts(self._accepted_per_position, accepted, DEFAULT_DECAY)
+        self.num_speculative_tokens = choose_num_speculative_tokens(
+            self._accepted_per_position,
+            self._drafted_per_position,
+            self.max_num_speculative_tokens,
+            self.adaptive_min_accept_prob,
+        )
 
     def _resolve_placeholders(
         self, scheduled: list[ScheduledRequest], prepared: PreparedStep

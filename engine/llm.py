@@ -137,6 +137,9 @@ class LLMEngine:
             max_num_blocks_per_req=cdiv(
                 self.max_model_len + config.num_speculative_tokens, config.block_size
             ),
+            adaptive_min_accept_prob=config.adaptive_speculation_min_accept_prob
+            if config.adaptive_speculation
+            else None,
         )
         self._async_loop = AsyncStepLoop(self.scheduler, self.executor) if config.async_scheduling else None
         self._prompts: dict[str, str | None] = {}

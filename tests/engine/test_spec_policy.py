@@ -1,10 +1,15 @@
-"""Adaptive speculation policy: exact choices of k on constructed acceptance counters."""
+"""Adaptive speculation: exact choices of k on constructed counters, and the engine with it on."""
 
 from __future__ import annotations
 
 import pytest
 
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
 from engine.spec_policy import choose_num_speculative_tokens, decay_counts
+from models import bundled_checkpoint_dir
+from models.prompts import heldout_def_prompts
 
 
 @pytest.mark.parametrize(
@@ -60,3 +65,30 @@ def test_decay_counts():
     assert decay_counts([], [1, 1], 0.9) == [1.0, 1.0]
     with pytest.raises(ValueError, match="decay"):
         decay_counts([1.0], [1], 1.5)
+
+
+def test_adaptive_speculation_keeps_greedy_output_and_changes_k():
+    """On the bundled model (acceptance by depth ~[0.69, 0.33, 0.23] at k=3): with threshold 0.5 the
+    engine starts at k=3, shrinks once it has measured acceptance, and greedy tokens equal k=0's."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    prompts = heldout_def_prompts(16)
+    plain = LLM(bundled_checkpoint_dir(), num_kv_blocks=512, block_size=16)
+    reference = [o.token_ids for o in plain.generate(prompts, greedy)]
+    adaptive = plain.replace_config(
+        num_speculative_tokens=3, adaptive_speculation=True, adaptive_speculation_min_accept_prob=0.5
+    )
+    outputs = adaptive.generate(prompts, greedy)
+    assert [o.token_ids for o in outputs] == reference
+    steps_per_k = adaptive.engine.executor.num_steps_per_k
+    assert steps_per_k.get(3, 0) >= 1 and steps_per_k.get(1, 0) >= 1, steps_per_k
+    assert set(steps_per_k) <= {1, 2, 3}
+    # Fewer deep drafts than fixed k=3 proposes.
+    fixed = plain.replace_config(num_speculative_tokens=3).generate(prompts, greedy)
+    assert sum(o.num_draft_tokens for o in outputs) < sum(o.num_draft_tokens for o in fixed)
+
+
+def test_adaptive_speculation_with_async_scheduling_is_rejected():
+    with pytest.raises(ValueError, match="adaptive_speculation.*async_scheduling"):
+        EngineConfig(model="m", num_speculative_tokens=2, adaptive_speculation=True, async_scheduling=True)
+    with pytest.raises(ValueError, match="adaptive_speculation_min_accept_prob"):
+        EngineConfig(model="m", adaptive_speculation_min_accept_prob=0.0)
