@@ -86,11 +86,12 @@ class AsyncStepLoop:
 
     def step(
         self, on_layer_kv: LayerKVCallback | None = None
-    ) -> tuple[SchedulerOutput | None, list[RequestUpdate]]:
+    ) -> tuple[SchedulerOutput | None, ModelRunnerOutput | None, list[RequestUpdate]]:
         """Schedule and submit the next step, then commit the step in flight.
 
         Returns:
-            The committed step's `SchedulerOutput` (None when none was in flight) and its updates.
+            The committed step's `SchedulerOutput` and `ModelRunnerOutput` (both None when none was in
+            flight) and its updates.
         """
         output = self.scheduler.schedule()
         submitted = None
@@ -99,8 +100,13 @@ class AsyncStepLoop:
             submitted = _InFlight(output, self._pool.submit(self.executor.run, output, prepared, on_layer_kv))
         previous, self._in_flight = self._in_flight, submitted
         if previous is None:
-            return None, []
-        return previous.output, self.scheduler.update_from_output(previous.output, previous.result.result())
+            return None, None, []
+        runner_output = previous.result.result()
+        return (
+            previous.output,
+            runner_output,
+            self.scheduler.update_from_output(previous.output, runner_output),
+        )
 
     def drain(self) -> None:
         """Once no request is left: wait for the step in flight and discard it, then let the executor

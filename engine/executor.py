@@ -46,10 +46,16 @@ import torch
 
 from engine.model_runner import InputBuffers, LayerKVCallback, ModelInput, ModelRunner
 from engine.mtp_proposer import MTPWork, propose
-from engine.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.outputs import (
+    PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from engine.spec_policy import DEFAULT_DECAY, choose_num_speculative_tokens, decay_counts
 from kernels.rejection_sampling import rejection_sample_batch
-from kernels.sampling import probs_from_logits, sample
+from kernels.sampling import compute_logprobs, probs_from_logits, sample
 
 
 class PreparedStep(NamedTuple):
@@ -206,6 +212,7 @@ class Executor:
 
         sampling = [i for i, item in enumerate(scheduled) if item.samples]
         sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
         if sampling:
             rows: list[int] = []
             for i in sampling:
@@ -213,6 +220,7 @@ class Executor:
                 rows.extend(range(starts[i + 1] - k - 1, starts[i + 1]))
             logits = self.runner.compute_logits(hidden[rows])
             sampled = self._sample_or_verify([scheduled[i] for i in sampling], logits)
+            logprobs = _token_logprobs([scheduled[i] for i in sampling], logits, sampled)
 
         if self.adaptive_min_accept_prob is not None and self.max_num_speculative_tokens:
             self._adapt_num_speculative_tokens([scheduled[i] for i in sampling], sampled)
@@ -235,7 +243,7 @@ class Executor:
             tokens = sampled[item.request_id]
             num_rejected = len(item.spec_token_ids) - (len(tokens) - 1)
             self._last_step[item.request_id] = StepResult(tokens, spec.get(item.request_id, []), num_rejected)
-        return ModelRunnerOutput(sampled, spec, last_hidden, draft_probs)
+        return ModelRunnerOutput(sampled, spec, last_hidden, draft_probs, logprobs)
 
     def _adapt_num_speculative_tokens(
         self, items: list[ScheduledRequest], sampled: dict[str, list[int]]
@@ -399,3 +407,47 @@ class Executor:
         `newest_position .. newest_position + k - 2`."""
         capacity = len(item.block_ids) * self.runner.block_size
         return max(0, min(self.num_speculative_tokens, capacity - newest_position + 1))
+
+
+def _token_logprobs(
+    items: list[ScheduledRequest], logits: torch.Tensor, sampled: dict[str, list[int]]
+) -> dict[str, list[TokenLogprobs]]:
+    """Raw log-probabilities of each output token, for the requests that asked for them.
+
+    logits: `[sum(k_i + 1), vocab_size]` target logits, request i's `k_i + 1` rows after request i-1's;
+    row j of a request predicts its output token j (accepted draft j+1, or the bonus/recovered token).
+    """
+    rows: list[int] = []
+    token_ids: list[int] = []
+    wanting: list[ScheduledRequest] = []
+    offset = 0
+    for item in items:
+        tokens = sampled[item.request_id]
+        if item.request.sampling_params.logprobs is not None:
+            wanting.append(item)
+            rows.extend(range(offset, offset + len(tokens)))
+            token_ids.extend(tokens)
+        offset += len(item.spec_token_ids) + 1
+    if not wanting:
+        return {}
+    num_top = max(item.request.sampling_params.logprobs for item in wanting)
+    result = compute_logprobs(
+        logits[rows], torch.tensor(token_ids, dtype=torch.long, device=logits.device), num_top
+    )
+    token_logprobs = result.token_logprobs.tolist()
+    ranks = result.token_ranks.tolist()
+    top_ids, top_logprobs = result.top_token_ids.tolist(), result.top_logprobs.tolist()
+    out: dict[str, list[TokenLogprobs]] = {}
+    row = 0
+    for item in wanting:
+        n = item.request.sampling_params.logprobs
+        per_token = []
+        for token_id in sampled[item.request_id]:
+            per_token.append(
+                TokenLogprobs(
+                    token_id, token_logprobs[row], ranks[row], top_ids[row][:n], top_logprobs[row][:n]
+                )
+            )
+            row += 1
+        out[item.request_id] = per_token
+    return out

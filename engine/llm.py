@@ -27,6 +27,7 @@ from engine.async_loop import AsyncStepLoop
 from engine.config import EngineConfig
 from engine.executor import Executor
 from engine.model_runner import LayerKVCallback, ModelRunner
+from engine.outputs import TokenLogprobs
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -44,6 +45,7 @@ class RequestOutput:
     Times are seconds on the engine's monotonic clock: `ttft_s` arrival -> first token, `tpot_s` mean gap
     between later tokens, `queue_s` arrival -> first scheduled. `acceptance_rate` is accepted / proposed
     draft tokens (None without speculative decoding); the per-position lists count each draft depth.
+    `logprobs`: one `TokenLogprobs` per output token when `SamplingParams.logprobs` is set, else None.
     """
 
     request_id: str
@@ -63,6 +65,7 @@ class RequestOutput:
     num_draft_tokens_per_position: list[int] = field(default_factory=list)
     num_accepted_tokens_per_position: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -148,6 +151,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._prefill_results: dict[str, PrefillResult] = {}
         self._reserved_slots: dict[str, torch.Tensor] = {}  # reserved request id -> prompt slots [P]
+        self._logprobs: dict[str, list[TokenLogprobs]] = {}  # request id -> per committed output token
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(
@@ -166,10 +170,12 @@ class LLMEngine:
         first token, drafts and last hidden state with `pop_prefill_result` once it finished.
 
         Raises:
-            ValueError: empty prompt, prompt + max_tokens over `max_model_len`, or a request the KV cache
-                could never hold.
+            ValueError: empty prompt, prompt + max_tokens over `max_model_len`, a request the KV cache
+                could never hold, or `logprobs` over the vocabulary size.
         """
         params = sampling_params or SamplingParams()
+        if params.logprobs is not None and params.logprobs > self.model.config.vocab_size:
+            raise ValueError(f"logprobs must be <= the vocabulary size {self.model.config.vocab_size}")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
@@ -188,6 +194,8 @@ class LLMEngine:
             export_kv=prefill_only,
         )
         self.scheduler.add_request(request)
+        if params.logprobs is not None:
+            self._logprobs[request_id] = []
         self._prompts[request_id] = text
         self._texts[request_id] = ""
         return request_id
@@ -212,8 +220,11 @@ class LLMEngine:
         `release_remote_prefill` on failure. Returns False (nothing held) when the blocks are not free now.
 
         Raises:
-            ValueError: a duplicate id, a bad prompt, or a request that could never fit.
+            ValueError: a duplicate id, a bad prompt, a request that could never fit, or `logprobs` (the
+                first token's log-probabilities stay on the prefill instance: not supported yet).
         """
+        if sampling_params.logprobs is not None:
+            raise ValueError("logprobs are not supported for requests prefilled on another instance yet")
         if not prompt_token_ids or any(not 0 <= t < self.model.config.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be non-empty and in [0, {self.model.config.vocab_size})")
         request = Request(
@@ -326,7 +337,11 @@ class LLMEngine:
                     )
             updates = self.scheduler.update_from_output(output, runner_output)
         else:
-            output, updates = self._async_loop.step(on_layer_kv)
+            output, runner_output, updates = self._async_loop.step(on_layer_kv)
+        for update in updates:
+            if update.request_id in self._logprobs and runner_output is not None:
+                new = runner_output.logprobs.get(update.request_id, [])
+                self._logprobs[update.request_id].extend(new[: len(update.new_token_ids)])
         requests = {item.request_id: item.request for item in output.scheduled} if output else {}
         results = []
         for update in updates:
@@ -409,8 +424,10 @@ class LLMEngine:
             num_draft_tokens_per_position=list(request.num_draft_tokens_per_position),
             num_accepted_tokens_per_position=list(request.num_accepted_tokens_per_position),
             num_preemptions=request.num_preemptions,
+            logprobs=list(self._logprobs[rid]) if rid in self._logprobs else None,
         )
         if request.is_finished:
+            self._logprobs.pop(rid, None)
             self._prompts.pop(rid, None)
             self._texts.pop(rid, None)
         return out
@@ -452,6 +469,7 @@ class LLM:
             for rid in ids:  # all or nothing: withdraw the prompts queued before the bad one
                 engine.abort_request(rid)
                 engine._finished.pop(rid, None)
+                engine._logprobs.pop(rid, None)
             raise
         results: dict[str, RequestOutput] = {}
         while engine.has_unfinished_requests():

@@ -78,6 +78,25 @@ class SchedulerOutput:
     finished_request_ids: list[str]
 
 
+class TokenLogprobs(NamedTuple):
+    """Log-probabilities of one output token under the raw distribution `log_softmax(logits)` of the
+    target model at its position (no temperature, top-k or top-p; `kernels.sampling.compute_logprobs`).
+
+    Attributes:
+        token_id: the output token.
+        logprob: its log-probability.
+        rank: 1 + the number of tokens with a strictly larger log-probability.
+        top_token_ids: the `SamplingParams.logprobs` most likely tokens, most likely first.
+        top_logprobs: their log-probabilities.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
 @dataclass(frozen=True)
 class ModelRunnerOutput:
     """What the model runner (with the sampler and the MTP drafter) returns for a step.
@@ -91,12 +110,16 @@ class ModelRunnerOutput:
             requests with `Request.export_kv` whose step sampled (a prefill to hand off to decode).
         draft_probs: request id -> `[num_drafts, vocab_size]` float32 MTP probabilities of sampled drafts
             (None for greedy drafts), for the same requests.
+        logprobs: request id -> one `TokenLogprobs` per token of `sampled_token_ids`, for requests whose
+            `SamplingParams.logprobs` is not None. With speculative decoding, an accepted draft's come from
+            the verification forward's target logits at its position.
     """
 
     sampled_token_ids: dict[str, list[int]]
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     last_hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)
     draft_probs: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class RequestUpdate(NamedTuple):
