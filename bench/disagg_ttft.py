@@ -21,7 +21,8 @@ Prompts are random token ids (seeded, distinct per request, so no prefix-cache h
 tiny model's context is 1,024 tokens, too short for a 1,024- or 2,048-token prompt plus an output token, so
 the benchmark writes a throwaway checkpoint into a temp dir: the bundled architecture
 (`models.train_tiny.tiny_config`) with `max_position_embeddings` 4,096 (YaRN factor 4,096 / 512 = 8),
-random seeded weights and the bundled tokenizer. Timing does not depend on the weights' values.
+random seeded weights and the bundled tokenizer (`--model` only supplies the tokenizer and vocab size).
+Timing does not depend on the weights' values; the same checkpoint serves every prompt length.
 
 `other_processes_cpu_fraction` counts the Ray actors too (they are other processes): for the disaggregated
 rows it is mostly the cluster itself; for the colocated row it is the machine's background.
