@@ -7,10 +7,13 @@ per token per layer). Reported per engine:
     kv_cache_bytes_per_token  `ModelRunner.kv_cache_bytes_per_token`: all cached layers (main + MTP)
     tokens_per_s              output tokens / wall time, greedy, `--batch-size` requests at a time,
                               prefill included, after one untimed warm-up group on other prompts
-    agreement                 int8 vs the float cache of the same model dtype, as in
-                              tests/engine/test_llm.py::test_int8_kv_cache_agrees_with_float: per prompt,
-                              the tokens before the first divergence count as matching; summed over
-                              prompts and divided by all reference tokens
+    free_running_agreement    int8 vs the float cache of the same model dtype, free-running: per
+                              prompt, the tokens before the first divergence count as matching; summed
+                              over prompts and divided by all reference tokens (one near-tie flip ends
+                              a prompt's count, so this is the strict figure)
+    teacher_forced_agreement  the float engine's continuation run through the int8 runner in one pass;
+                              positions whose greedy choice equals the float token, over all tokens (as
+                              tests/engine/test_llm.py::test_int8_kv_cache_agrees_with_float measures)
 
 bfloat16-vs-float32 agreement (both with float caches) is reported too, as a yardstick for how much any
 lower-precision change moves greedy tokens on this model.
@@ -69,10 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests generated together (the prompts run in groups of this size); default: %(default)s",
     )
     parser.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="stop each request at the model's EOS token, as tests/engine/test_llm.py does (default: "
+        "ignore_eos, so every configuration generates exactly --max-tokens per prompt; tokens after "
+        "an EOS are less certain and diverge sooner)",
+    )
+    parser.add_argument(
         "--min-agreement",
         type=float,
         default=0.99,
-        help="agreement the tests require of int8 vs float (a fraction), reported as met or not; "
+        help="teacher-forced agreement the tests require of int8 vs float (a fraction), reported as met "
+        "or not; "
         "default: %(default)s",
     )
     return parser
@@ -84,6 +95,30 @@ def prefix_agreement(outputs: list[list[int]], reference: list[list[int]]) -> tu
     for out, expected in zip(outputs, reference, strict=True):
         n = next((i for i, (a, b) in enumerate(zip(out, expected, strict=False)) if a != b), None)
         same += min(len(out), len(expected)) if n is None else n
+        total += len(expected)
+    return same, total
+
+
+def teacher_forced_agreement(
+    llm: Any, prompts: list[str], reference: list[list[int]], block_size: int
+) -> tuple[int, int]:
+    """(positions where `llm`'s runner picks the reference token, all reference tokens).
+
+    Each prompt + its reference continuation runs through the runner in one pass (every key read back
+    from its paged cache), as in tests/engine/test_llm.py::test_int8_kv_cache_agrees_with_float. Call it
+    with no request in flight: it writes the cache from block 0.
+    """
+    from engine.model_runner import build_model_input
+
+    runner = llm.engine.runner
+    same = total = 0
+    for prompt, expected in zip(prompts, reference, strict=True):
+        seq = llm.tokenizer.encode(prompt) + expected
+        num_prompt_tokens = len(seq) - len(expected)
+        num_blocks = -(-len(seq) // block_size)
+        batch = build_model_input([seq[:-1]], [0], [list(range(num_blocks))], block_size, runner.device)
+        predicted = runner.compute_logits(runner.forward(batch)).argmax(-1).tolist()
+        same += sum(predicted[i] == seq[i + 1] for i in range(num_prompt_tokens - 1, len(seq) - 1))
         total += len(expected)
     return same, total
 
@@ -134,13 +169,14 @@ def run(args: argparse.Namespace, dtypes: list[str]) -> dict[str, Any]:
     batch_size = min(args.batch_size, args.num_prompts)
     all_prompts = heldout_def_prompts(args.num_prompts + batch_size)
     prompts, warmup = all_prompts[: args.num_prompts], all_prompts[args.num_prompts :]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)
 
     results = []
     by_key: dict[tuple[str, str], dict[str, Any]] = {}
     prompt_lens: list[int] = []
     kv_dim = 0
     block_size = 16
+    teacher_forced: dict[str, tuple[int, int]] = {}
     for dtype in dtypes:
         probe = LLM(args.model, dtype=dtype, num_kv_blocks=1, block_size=block_size)
         prompt_lens = [len(probe.tokenizer.encode(p)) for p in prompts]
@@ -154,6 +190,11 @@ def run(args: argparse.Namespace, dtypes: list[str]) -> dict[str, Any]:
             r = measure(llm, prompts, warmup, params, batch_size)
             by_key[(dtype, kv_cache_dtype)] = r
             results.append(r)
+        # Teacher-forced: the float engine's continuation through the int8 runner (`llm` is the int8 one).
+        tf_same, tf_total = teacher_forced_agreement(
+            llm, prompts, by_key[(dtype, "auto")]["token_ids"], block_size
+        )
+        teacher_forced[dtype] = (tf_same, tf_total)
         del probe, llm
 
     agreement = {}
@@ -161,12 +202,15 @@ def run(args: argparse.Namespace, dtypes: list[str]) -> dict[str, Any]:
         same, total = prefix_agreement(
             by_key[(dtype, "int8")]["token_ids"], by_key[(dtype, "auto")]["token_ids"]
         )
+        tf_same, tf_total = teacher_forced[dtype]
         agreement[f"int8_vs_{dtype}"] = {
             "model_dtype": dtype,
-            "num_matching_tokens": same,
             "num_tokens": total,
-            "agreement": round(same / total, 4),
-            "met_min_agreement": same / total >= args.min_agreement,
+            "free_running_num_matching_tokens": same,
+            "free_running_agreement": round(same / total, 4),
+            "teacher_forced_num_matching_tokens": tf_same,
+            "teacher_forced_agreement": round(tf_same / tf_total, 4),
+            "teacher_forced_met_min_agreement": tf_same / tf_total >= args.min_agreement,
         }
     if "float32" in dtypes and "bfloat16" in dtypes:
         same, total = prefix_agreement(
@@ -174,9 +218,9 @@ def run(args: argparse.Namespace, dtypes: list[str]) -> dict[str, Any]:
         )
         agreement["bfloat16_vs_float32"] = {
             "kv_cache_dtype": "auto",
-            "num_matching_tokens": same,
             "num_tokens": total,
-            "agreement": round(same / total, 4),
+            "free_running_num_matching_tokens": same,
+            "free_running_agreement": round(same / total, 4),
         }
     for r in results:
         r.pop("token_ids")
@@ -198,7 +242,7 @@ def run(args: argparse.Namespace, dtypes: list[str]) -> dict[str, Any]:
             "num_warmup_prompts": len(warmup),
             "max_tokens": args.max_tokens,
             "batch_size": batch_size,
-            "sampling": "greedy (temperature 0), ignore_eos",
+            "sampling": "greedy (temperature 0), " + ("stop at EOS" if args.stop_at_eos else "ignore_eos"),
             "engine": {"block_size": block_size, "enable_prefix_caching": True, "device": "cpu"},
         }
     )
@@ -241,7 +285,16 @@ def table(result: dict[str, Any]) -> str:
     for name, rt in kv["ratios"].items():
         lines.append(f"bytes {name}: {rt['bytes']} = {rt['ratio']} ({kv['num_cached_layers']} layers)")
     for name, a in result["agreement"].items():
-        lines.append(f"agreement {name}: {a['num_matching_tokens']}/{a['num_tokens']} = {a['agreement']}")
+        line = (
+            f"agreement {name}: free-running {a['free_running_num_matching_tokens']}/{a['num_tokens']}"
+            f" = {a['free_running_agreement']}"
+        )
+        if "teacher_forced_agreement" in a:
+            line += (
+                f"; teacher-forced {a['teacher_forced_num_matching_tokens']}/{a['num_tokens']}"
+                f" = {a['teacher_forced_agreement']}"
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 
