@@ -6,7 +6,8 @@ per token per layer). Reported per engine:
 
     kv_cache_bytes_per_token  `ModelRunner.kv_cache_bytes_per_token`: all cached layers (main + MTP)
     tokens_per_s              output tokens / wall time, greedy, `--batch-size` requests at a time,
-                              prefill included, after one untimed warm-up group on other prompts
+                              prefill included (no prefix caching), after one untimed warm-up group on
+                              other prompts; the median of `--num-repeats` passes
     free_running_agreement    int8 vs the float cache of the same model dtype, free-running: per
                               prompt, the tokens before the first divergence count as matching; summed
                               over prompts and divided by all reference tokens (one near-tie flip ends
@@ -22,6 +23,7 @@ lower-precision change moves greedy tokens on this model.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from fractions import Fraction
 from typing import Any
@@ -70,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=16,
         help="requests generated together (the prompts run in groups of this size); default: %(default)s",
+    )
+    parser.add_argument(
+        "--num-repeats",
+        type=int,
+        default=3,
+        help="timed passes over the prompts per engine; tokens/s is their median; default: %(default)s",
     )
     parser.add_argument(
         "--stop-at-eos",
@@ -128,21 +136,29 @@ def exact_ratio(num: int, den: int) -> dict[str, Any]:
     return {"bytes": f"{num}/{den}", "reduced": str(Fraction(num, den)), "ratio": round(num / den, 4)}
 
 
-def measure(llm: Any, prompts: list[str], warmup: list[str], params: Any, batch_size: int) -> dict[str, Any]:
-    """Greedy tokens and tokens/s of one engine."""
+def measure(
+    llm: Any, prompts: list[str], warmup: list[str], params: Any, batch_size: int, num_repeats: int
+) -> dict[str, Any]:
+    """Greedy tokens and tokens/s of one engine (median over `num_repeats` passes over the prompts)."""
     llm.generate(warmup, params)
     contention = Contention()
     token_ids: list[list[int]] = []
-    wall_s = 0.0
-    for i in range(0, len(prompts), batch_size):
-        start_s = time.perf_counter()
-        outputs = llm.generate(prompts[i : i + batch_size], params)
-        wall_s += time.perf_counter() - start_s
-        token_ids.extend(o.token_ids for o in outputs)
+    runs_tokens_per_s = []
+    for _ in range(num_repeats):
+        pass_token_ids: list[list[int]] = []
+        wall_s = 0.0
+        for i in range(0, len(prompts), batch_size):
+            start_s = time.perf_counter()
+            outputs = llm.generate(prompts[i : i + batch_size], params)
+            wall_s += time.perf_counter() - start_s
+            pass_token_ids.extend(o.token_ids for o in outputs)
+        if token_ids and pass_token_ids != token_ids:
+            raise RuntimeError("greedy outputs changed between repeats of the same engine")
+        token_ids = pass_token_ids
+        runs_tokens_per_s.append(round(sum(len(t) for t in token_ids) / wall_s, 2))
     contended = contention.stop()
     runner = llm.engine.runner
     num_layers = len(runner.kv_caches)
-    num_tokens = sum(len(t) for t in token_ids)
     return {
         "model_dtype": llm.engine.config.dtype,
         "kv_cache_dtype": llm.engine.config.kv_cache_dtype,
@@ -150,9 +166,9 @@ def measure(llm: Any, prompts: list[str], warmup: list[str], params: Any, batch_
         "kv_cache_bytes_per_token": runner.kv_cache_bytes_per_token,
         "kv_cache_bytes_per_token_per_layer": runner.kv_cache_bytes_per_token // num_layers,
         "num_cached_layers": num_layers,
-        "num_output_tokens": num_tokens,
-        "wall_s": round(wall_s, 4),
-        "tokens_per_s": round(num_tokens / wall_s, 2),
+        "num_output_tokens": sum(len(t) for t in token_ids),
+        "tokens_per_s": statistics.median(runs_tokens_per_s),
+        "tokens_per_s_runs": runs_tokens_per_s,
         **contended,
         "token_ids": token_ids,  # dropped from the report after the agreement counts
     }
@@ -185,9 +201,12 @@ def run(args: argparse.Namespace, dtypes: list[str]) -> dict[str, Any]:
         num_kv_blocks = batch_size * (-(-(longest + args.max_tokens + 1) // block_size) + 1) + 8
         for kv_cache_dtype in ("auto", "int8"):
             llm = probe.replace_config(
-                kv_cache_dtype=kv_cache_dtype, num_kv_blocks=num_kv_blocks, max_num_seqs=batch_size
+                kv_cache_dtype=kv_cache_dtype,
+                num_kv_blocks=num_kv_blocks,
+                max_num_seqs=batch_size,
+                enable_prefix_caching=False,  # repeats recompute their prompts, like the first pass
             )
-            r = measure(llm, prompts, warmup, params, batch_size)
+            r = measure(llm, prompts, warmup, params, batch_size, args.num_repeats)
             by_key[(dtype, kv_cache_dtype)] = r
             results.append(r)
         # Teacher-forced: the float engine's continuation through the int8 runner (`llm` is the int8 one).
@@ -243,7 +262,8 @@ def run(args: argparse.Namespace, dtypes: list[str]) -> dict[str, Any]:
             "max_tokens": args.max_tokens,
             "batch_size": batch_size,
             "sampling": "greedy (temperature 0), " + ("stop at EOS" if args.stop_at_eos else "ignore_eos"),
-            "engine": {"block_size": block_size, "enable_prefix_caching": True, "device": "cpu"},
+            "num_repeats": args.num_repeats,
+            "engine": {"block_size": block_size, "enable_prefix_caching": False, "device": "cpu"},
         }
     )
     return {
@@ -305,8 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     problem = check_checkpoint(args.model)
     if problem is None and (not dtypes or any(d not in DTYPES for d in dtypes)):
         problem = f"--dtypes: expected a comma-separated subset of {', '.join(DTYPES)}, got {args.dtypes!r}"
-    if problem is None and min(args.num_prompts, args.max_tokens, args.batch_size) < 1:
-        problem = "--num-prompts, --max-tokens and --batch-size must be >= 1"
+    if problem is None and min(args.num_prompts, args.max_tokens, args.batch_size, args.num_repeats) < 1:
+        problem = "--num-prompts, --max-tokens, --batch-size and --num-repeats must be >= 1"
     if problem is not None:
         parser.error(problem)
     run_and_emit(lambda: run(args, dtypes), args, table)

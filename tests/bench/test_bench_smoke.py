@@ -72,7 +72,7 @@ def test_spec_decode(capsys, checkpoint):
 def test_kv_int8(capsys, checkpoint):
     result = run_json(
         capsys, kv_int8.main, "--model", str(checkpoint), "--dtypes", "float32", "--num-prompts", "2",
-        "--max-tokens", "3",
+        "--max-tokens", "3", "--num-repeats", "1",
     )  # fmt: skip
     assert CONFIG_KEYS <= result["config"].keys()
     kv = result["kv_cache_bytes_per_token"]
