@@ -314,6 +314,18 @@ class Executor:
         params = [item.request.sampling_params for item in items]
         generators = [self._generator(item) for item in items]
         num_drafts = [len(item.spec_token_ids) for item in items]
+        if all(p.temperature == 0 for p in params):
+            # Greedy: each row's target token is its argmax (first index on ties, as probs_from_logits);
+            # drafts are accepted while they equal it, then the target's token follows. No probabilities.
+            targets = logits.argmax(dim=-1).tolist()
+            out, row = {}, 0
+            for item, k in zip(items, num_drafts, strict=True):
+                drafts, n = item.spec_token_ids, 0
+                while n < k and drafts[n] == targets[row + n]:
+                    n += 1
+                out[item.request_id] = [*drafts[:n], targets[row + n]]
+                row += k + 1
+            return out
         if not any(num_drafts):
             tokens = sample(
                 logits,

@@ -35,7 +35,7 @@ from engine.scheduler_policy import SchedulerConfig, cdiv
 from kernels.kv_quant import dequantize_kv_int8
 from kernels.paged_mla import gather_kv, write_kv
 from models.deepseek_v3 import DeepseekV3ForCausalLM
-from models.tokenizer import Tokenizer
+from models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
@@ -147,6 +147,7 @@ class LLMEngine:
         self._async_loop = AsyncStepLoop(self.scheduler, self.executor) if config.async_scheduling else None
         self._prompts: dict[str, str | None] = {}
         self._texts: dict[str, str] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._finished: dict[str, Request] = {}
         self._ids = itertools.count()
         self._prefill_results: dict[str, PrefillResult] = {}
@@ -275,7 +276,7 @@ class LLMEngine:
         request = self.scheduler.reserved[request_id]
         status = self.scheduler.admit_reserved(request_id, first_token_id, list(draft_token_ids))
         self._prompts[request_id] = None
-        self._texts[request_id] = self._detokenize(request)
+        self._texts[request_id] = self._detokenize(request, final=status.is_finished)
         if status.is_finished:
             self._finished[request_id] = request
         elif request.spec_token_ids:
@@ -346,7 +347,7 @@ class LLMEngine:
         results = []
         for update in updates:
             request = requests[update.request_id]
-            self._texts[update.request_id] = self._detokenize(request)
+            self._texts[update.request_id] = self._detokenize(request, final=update.finished)
             stop_at = self._find_stop_string(request)
             if stop_at is not None and not update.finished:
                 self.scheduler.finish_request(update.request_id, RequestStatus.FINISHED_STOPPED)
@@ -391,8 +392,11 @@ class LLMEngine:
 
         return hook
 
-    def _detokenize(self, request: Request) -> str:
-        return self.tokenizer.decode(request.output_token_ids)
+    def _detokenize(self, request: Request, final: bool) -> str:
+        detokenizer = self._detokenizers.get(request.request_id)
+        if detokenizer is None:
+            detokenizer = self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer)
+        return detokenizer.update(request.output_token_ids, final)
 
     def _find_stop_string(self, request: Request) -> int | None:
         text = self._texts[request.request_id]
@@ -430,6 +434,7 @@ class LLMEngine:
             self._logprobs.pop(rid, None)
             self._prompts.pop(rid, None)
             self._texts.pop(rid, None)
+            self._detokenizers.pop(rid, None)
         return out
 
 

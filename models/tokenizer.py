@@ -37,3 +37,29 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Text of a growing list of output token ids, decoding only the newest tokens each time.
+
+    Decoding the whole output every step costs O(length) per step; this keeps two offsets (the vLLM
+    approach): `decode(ids[prefix:read])` is text already emitted, `decode(ids[prefix:])` is that plus the
+    new text. Text is only advanced when it does not end in an incomplete UTF-8 character (a byte-level
+    token can end mid-character), so the emitted text never contains a half character.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def update(self, token_ids: list[int], final: bool = False) -> str:
+        """Text of `token_ids` (the whole output so far). `final`: also emit an incomplete last character."""
+        decode = self._tokenizer.decode
+        emitted = decode(token_ids[self._prefix_offset : self._read_offset])
+        full = decode(token_ids[self._prefix_offset :])
+        if final or (len(full) > len(emitted) and not full.endswith("\ufffd")):
+            self.text += full[len(emitted) :]
+            self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
+        return self.text
