@@ -522,6 +522,38 @@ def _pool_issues(
         )
 
 
+def _max_model_len_issues(
+    prefill: PoolConfig, decode: PoolConfig, arch: DeepseekV3Config | None, arch_src: str
+) -> Iterator[Issue]:
+    """Prefill and decode must agree on the context length: a prompt prefill accepts must fit decode, and
+    the HTTP edge checks requests against one `max_model_len`. A null side means the model's
+    `max_position_embeddings` (compared only when the model's config.json was read)."""
+    if prefill.max_model_len is None and decode.max_model_len is None:
+        return
+    limit = arch.max_position_embeddings if arch is not None else None
+    lengths = {}
+    for role, pool in (("prefill", prefill), ("decode", decode)):
+        value = pool.max_model_len if pool.max_model_len is not None else limit
+        if value is None or (limit is not None and value > limit):
+            return  # unknown, or already reported as over max_position_embeddings
+        lengths[role] = value
+    if lengths["prefill"] == lengths["decode"]:
+        return
+
+    def describe(role: str, pool: PoolConfig) -> str:
+        if pool.max_model_len is None:
+            return f"{role}.max_model_len null (the model's max_position_embeddings {limit}, {arch_src})"
+        return f"{role}.max_model_len {pool.max_model_len}"
+
+    role = "decode" if decode.max_model_len is not None else "prefill"
+    yield Issue(
+        (role, "max_model_len"),
+        f"{role}.max_model_len: {describe('prefill', prefill)} and {describe('decode', decode)} differ; a "
+        "request prefilled on one pool must fit the other, so set both to the same value (the smaller one "
+        f"is {min(lengths.values())})",
+    )
+
+
 def _hardware_issues(hw: HardwareConfig, ic: InterconnectConfig | None) -> Iterator[Issue]:
     dies = hw.spec.dies_per_chip
     if hw.devices_per_node % dies:
@@ -569,6 +601,9 @@ def _cross_issues(sections: dict[str, Any], arch: DeepseekV3Config | None, arch_
         issues = list(_pool_issues(role, pool, hw, arch, arch_src))
         pool_ok[role] = not any(i.path[1] != "max_model_len" for i in issues)
         yield from issues
+
+    if prefill is not None and decode is not None:
+        yield from _max_model_len_issues(prefill, decode, arch, arch_src)
 
     if decode is not None and arch is not None and decode.num_speculative_tokens > 0:
         if arch.num_nextn_predict_layers < 1:

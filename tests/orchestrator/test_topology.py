@@ -466,3 +466,32 @@ def test_cli_validate_shipped_accelerator_files(capsys):
         "ok — 48 nodes × 8 ascend-910c (16 dies each), prefill 14×32 devices, decode 1×288 devices"
     )
     assert lines[1].endswith("ok — 2 nodes × 8 h200, prefill 1×8 devices, decode 1×8 devices")
+
+
+# ---- prefill and decode agree on max_model_len -------------------------------------------------------
+def test_max_model_len_that_differs_between_pools_is_an_error_at_its_line(tmp_path, ckpt):
+    text = template(ckpt, "prefill:\n  max_model_len: 128\ndecode:\n  max_model_len: 64\n")
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "max_model_len: 64")
+    assert issue.reason.startswith(
+        "decode.max_model_len: prefill.max_model_len 128 and decode.max_model_len 64 differ"
+    )
+    assert "set both to the same value (the smaller one is 64)" in issue.reason
+
+
+def test_max_model_len_set_on_one_pool_only_is_compared_with_the_models_context(tmp_path, ckpt):
+    text = template(ckpt, "prefill:\n  max_model_len: 128\n")  # decode: null = 256 (the tiny model)
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "max_model_len: 128")
+    assert "decode.max_model_len null (the model's max_position_embeddings 256" in issue.reason
+
+
+def test_max_model_len_that_agrees_validates(tmp_path, ckpt):
+    same = template(ckpt, "prefill:\n  max_model_len: 128\ndecode:\n  max_model_len: 128\n")
+    topology = load_topology(write(tmp_path, same))
+    assert topology.engine_config("prefill").max_model_len == topology.engine_config("decode").max_model_len
+    explicit_full = template(ckpt, "decode:\n  max_model_len: 256\n")  # equals prefill's null
+    load_topology(write(tmp_path, explicit_full, "full.yaml"))
+    over = template(ckpt, "prefill:\n  max_model_len: 128\ndecode:\n  max_model_len: 999\n")
+    (issue,) = issues_of(write(tmp_path, over, "over.yaml"))  # only the max_position_embeddings one
+    assert "999 exceeds the model's max_position_embeddings 256" in issue.reason
