@@ -25,6 +25,9 @@ Prefill instance (sender side, `KVSender`), on the prefill actor's thread:
        `abort(request_id, reason)` instead, which makes decode's `wait` raise `TransferAborted`.
     4. `flush(timeout_s)` to wait for delivery of finished/aborted requests and learn which failed;
        `close()` at shutdown (requests still open are cut off; decode sees `SenderLost`).
+    A sender forgets a request (its queued layers included) by itself as soon as the request is closed
+    (`finish`/`abort`) and its delivery ended, delivered or failed: only a failure's error stays, in a
+    bounded `FailureLog`, until `flush` reports it. Nobody has to call `flush` for memory to be freed.
 
 A handoff is all-or-nothing: decode admits the request only when `wait` returns. On any error the request is
 released on decode and re-dispatched to a prefill instance by the caller; nothing partial is ever used.
@@ -39,6 +42,7 @@ that does not match the reservation, a duplicate or out-of-range layer, no reser
 from __future__ import annotations
 
 import abc
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -217,6 +221,29 @@ class ProtocolError(KVTransferError):
     out-of-range layer, `finish` before every layer."""
 
 
+class FailureLog:
+    """A sender's record of handoffs that failed and were not yet reported by `flush`: request id ->
+    error only (no tensors, no call state), the oldest dropped beyond `max_records` so a sender nobody
+    flushes holds bounded memory. Not thread-safe: callers hold their own lock."""
+
+    def __init__(self, max_records: int = 1024) -> None:
+        self.max_records = max_records
+        self._errors: OrderedDict[str, KVTransferError] = OrderedDict()
+
+    def add(self, request_id: str, error: KVTransferError) -> None:
+        self._errors[request_id] = error
+        self._errors.move_to_end(request_id)
+        while len(self._errors) > self.max_records:
+            self._errors.popitem(last=False)
+
+    def pop_all(self) -> dict[str, KVTransferError]:
+        errors, self._errors = dict(self._errors), OrderedDict()
+        return errors
+
+    def __len__(self) -> int:
+        return len(self._errors)
+
+
 class KVSender(abc.ABC):
     """Prefill side. Methods are called from one thread (the prefill actor's); delivery runs in the
     background. See the module docstring for the order of calls."""
@@ -252,7 +279,8 @@ class KVSender(abc.ABC):
 
     @abc.abstractmethod
     def pending_request_ids(self) -> list[str]:
-        """Requests begun and not yet fully handed over or failed-and-reported (a leak check for tests)."""
+        """Requests begun and not yet closed (`finish`/`abort`) or, once closed, still being delivered (a
+        leak check for tests: a delivered or failed request is not pending, flushed or not)."""
 
     @abc.abstractmethod
     def close(self) -> None:

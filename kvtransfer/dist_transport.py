@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer.base import (
+    FailureLog,
     HandoffExtras,
     HandoffMeta,
     KVReceiver,
@@ -165,7 +166,7 @@ class _Request:
     abort_reason: str | None = None
     stalled: bool = False  # the fault hook stopped it
     error: KVTransferError | None = None
-    done: bool = False  # its finish/abort message was processed (kept only when failed, for flush)
+    reported: bool = False  # its error went to the sender's FailureLog
 
 
 @dataclass
@@ -198,6 +199,7 @@ class DistKVSender(KVSender):
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._progress = _Progress()
+        self._failures = FailureLog()  # failed handoffs' errors until flush() reports them
         self._closed = False
         self._worker = threading.Thread(target=self._run, name=f"kv-sender-to-rank{peer_rank}", daemon=True)
         self._worker.start()
@@ -239,13 +241,7 @@ class DistKVSender(KVSender):
                         f"still queued after {timeout_s:g} s"
                     )
                 self._changed.wait(remaining_s)
-            failures = {}
-            for request_id, req in list(self._progress.requests.items()):
-                if req.error is not None:
-                    failures[request_id] = req.error
-                if req.done or (req.closed and req.error is not None):
-                    del self._progress.requests[request_id]
-            return failures
+            return self._failures.pop_all()
 
     def pending_request_ids(self) -> list[str]:
         with self._lock:
@@ -295,11 +291,12 @@ class DistKVSender(KVSender):
             finally:
                 with self._lock:
                     self._progress.num_processed += 1
-                    if req is not None and kind in ("finish", "abort"):
-                        if req.error is None:  # delivered: forget it; a failure waits for flush()
-                            self._progress.requests.pop(request_id, None)
-                        else:
-                            req.done = True
+                    if req is not None:
+                        if req.error is not None and not req.reported:  # only the error waits for flush()
+                            self._failures.add(request_id, req.error)
+                            req.reported = True
+                        if kind in ("finish", "abort") and self._progress.requests.get(request_id) is req:
+                            del self._progress.requests[request_id]  # delivered or failed: forget it
                     self._changed.notify_all()
             if kind == "bye":
                 return

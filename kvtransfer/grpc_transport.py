@@ -31,6 +31,7 @@ import torch
 
 from kvtransfer.base import (
     ChecksumMismatch,
+    FailureLog,
     HandoffExtras,
     HandoffMeta,
     KVReceiver,
@@ -168,6 +169,15 @@ def error_from_rpc(error: grpc.RpcError) -> KVTransferError:
 # ---- sender (prefill side) ----
 
 
+def _drain(messages: queue.SimpleQueue) -> None:
+    """Drop what is queued (layer tensors included)."""
+    while True:
+        try:
+            messages.get_nowait()
+        except queue.Empty:
+            return
+
+
 @dataclass
 class _Call:
     """One request's stream on the sender."""
@@ -179,7 +189,7 @@ class _Call:
     closed: bool = False  # finish() or abort() was called
     abort_reason: str | None = None
     stalled: bool = False  # the fault hook stopped it
-    reported: bool = False  # its failure was returned by flush()
+    done: bool = False  # the RPC ended (delivered or failed): queued messages were dropped
 
 
 class GrpcKVSender(KVSender):
@@ -213,7 +223,8 @@ class GrpcKVSender(KVSender):
         )
         self._stub = pb_grpc.KVTransferStub(self._channel)
         self._lock = threading.Lock()
-        self._calls: dict[str, _Call] = {}
+        self._calls: dict[str, _Call] = {}  # open, or closed and still in flight
+        self._failures = FailureLog()
         self._closed = False
 
     def begin(self, handoff: HandoffMeta) -> None:
@@ -224,72 +235,80 @@ class GrpcKVSender(KVSender):
                 raise ValueError(f"{handoff.request_id}: handoff already begun")
             call = _Call(meta=handoff, begun_at_s=time.monotonic())
             self._calls[handoff.request_id] = call
-        call.future = self._stub.Transfer.future(self._stream(call), timeout=handoff.lease_s)
-        call.future.add_done_callback(lambda _: self._forget_if_delivered(call))
-
-    def _forget_if_delivered(self, call: _Call) -> None:
-        """A closed call that succeeded is forgotten at once; a failed one waits for flush() to report it.
-        Either way the call's stream generator is woken so it ends (it may be waiting for the next layer)."""
-        call.messages.put(("cut",))
+        future = self._stub.Transfer.future(self._stream(call), timeout=handoff.lease_s)
         with self._lock:
-            assert call.future is not None
-            if call.closed and not call.future.cancelled() and call.future.exception() is None:
-                self._calls.pop(call.meta.request_id, None)
+            call.future = future
+        future.add_done_callback(lambda _: self._on_done(call))
+
+    def _on_done(self, call: _Call) -> None:
+        """The RPC ended. Its queued layers are dropped at once (the stream generator is woken so it
+        ends), a failure is kept as an error only (for flush), and the call is forgotten if it is closed
+        (else when finish/abort closes it)."""
+        assert call.future is not None
+        error: KVTransferError | None = None
+        if not call.future.cancelled():
+            exc = call.future.exception()
+            if exc is not None:
+                error = error_from_rpc(exc) if isinstance(exc, grpc.RpcError) else exc
+        with self._lock:
+            call.done = True
+            _drain(call.messages)
+            call.messages.put(("cut",))
+            if error is not None:
+                self._failures.add(call.meta.request_id, error)
+            if call.closed:
+                self._forget(call)
+
+    def _forget(self, call: _Call) -> None:
+        if self._calls.get(call.meta.request_id) is call:
+            del self._calls[call.meta.request_id]
 
     def send_layer(self, request_id: str, layer_idx: int, latent_kv: torch.Tensor) -> None:
         call = self._open_call(request_id)
         check_layer(call.meta, layer_idx, latent_kv)
-        assert call.future is not None
-        if call.future.done():  # failed in the background; flush() reports it
+        if call.done:  # failed in the background; flush() reports it
             return
-        call.messages.put(("layer", layer_idx, latent_kv.detach().clone()))
+        copy = latent_kv.detach().clone()
+        with self._lock:
+            if not call.done:
+                call.messages.put(("layer", layer_idx, copy))
 
     def finish(self, request_id: str, extras: HandoffExtras) -> None:
-        call = self._open_call(request_id)
-        with self._lock:
-            call.closed = True
-        call.messages.put(("finish", extras))
+        self._close_call(request_id, ("finish", extras))
 
     def abort(self, request_id: str, reason: str) -> None:
-        call = self._open_call(request_id)
+        self._close_call(request_id, ("abort", reason), abort_reason=reason)  # queued layers are dropped
+
+    def _close_call(self, request_id: str, message: tuple, abort_reason: str | None = None) -> None:
         with self._lock:
+            call = self._calls.get(request_id)
+            if call is None or call.closed:
+                raise ValueError(f"{request_id}: no open handoff (never begun, or already finished/aborted)")
             call.closed = True
-            call.abort_reason = reason  # layers still queued are dropped
-        call.messages.put(("abort", reason))
+            if abort_reason is not None:
+                call.abort_reason = abort_reason
+            if call.done:  # already ended (failed): nothing left to send
+                self._forget(call)
+            else:
+                call.messages.put(message)
 
     def flush(self, timeout_s: float) -> dict[str, KVTransferError]:
         deadline_s = time.monotonic() + timeout_s
         with self._lock:
-            calls = list(self._calls.values())
+            calls = [c for c in self._calls.values() if c.closed and c.future is not None]
         for call in calls:
-            if call.closed:
-                assert call.future is not None
-                try:
-                    call.future.exception(timeout=max(0.0, deadline_s - time.monotonic()))
-                except (futures.TimeoutError, grpc.FutureTimeoutError):
-                    pass
-        failures: dict[str, KVTransferError] = {}
-        in_flight = []
+            assert call.future is not None
+            try:
+                call.future.exception(timeout=max(0.0, deadline_s - time.monotonic()))
+            except (futures.TimeoutError, grpc.FutureTimeoutError):
+                pass
         with self._lock:
-            for request_id, call in list(self._calls.items()):
-                assert call.future is not None
-                if not call.future.done():
-                    if call.closed:
-                        in_flight.append(request_id)
-                    continue
-                error = call.future.exception()
-                if error is not None and not call.reported:
-                    failures[request_id] = (
-                        error_from_rpc(error) if isinstance(error, grpc.RpcError) else error
-                    )
-                    call.reported = True
-                if call.closed:
-                    del self._calls[request_id]
-        if in_flight:
-            raise TransferTimeout(
-                f"flush: {len(in_flight)} finished handoffs in flight after {timeout_s:g} s: {in_flight}"
-            )
-        return failures
+            in_flight = sorted(rid for rid, c in self._calls.items() if c.closed and not c.done)
+            if in_flight:  # failures stay recorded for the next flush
+                raise TransferTimeout(
+                    f"flush: {len(in_flight)} finished handoffs in flight after {timeout_s:g} s: {in_flight}"
+                )
+            return self._failures.pop_all()
 
     def pending_request_ids(self) -> list[str]:
         with self._lock:
@@ -300,8 +319,10 @@ class GrpcKVSender(KVSender):
             self._closed = True
             calls = list(self._calls.values())
             self._calls.clear()
+            for call in calls:
+                _drain(call.messages)
+                call.messages.put(("cut",))
         for call in calls:
-            call.messages.put(("cut",))
             if call.future is not None:
                 call.future.cancel()
         self._channel.close()

@@ -272,3 +272,20 @@ def test_int8_round_trip_reference_matches_quantizer():
     x = make_layers(HANDOFFS["int8"])[0]
     q, scale = quantize_kv_int8(x)
     assert bool(((q.float() * scale[:, None] - x).abs() <= scale[:, None] / 2 * (1 + 1e-6)).all())
+
+
+def test_failed_send_is_forgotten_without_flush():
+    """No process group: every send fails. The request is dropped once its finish is processed; only
+    the error waits for flush (before the fix the request stayed until flush)."""
+    sender = DistKVSender(RECEIVER_RANK, DistTransportConfig("gloo", "cpu"))
+    meta = HANDOFFS["bitexact"]
+    send_all(sender, meta)
+    deadline_s = time.monotonic() + WAIT_S
+    while sender.pending_request_ids() and time.monotonic() < deadline_s:
+        time.sleep(0.01)
+    assert sender.pending_request_ids() == []
+    failures = sender.flush(WAIT_S)
+    assert list(failures) == [meta.request_id]
+    assert "failed" in str(failures[meta.request_id])
+    assert sender.flush(WAIT_S) == {}
+    sender.close(join_timeout_s=1.0)

@@ -271,3 +271,56 @@ def test_release_waits_for_a_running_callback_and_later_layers_are_refused(serve
     assert isinstance(sender.flush(WAIT_S)[meta.request_id], ProtocolError)
     assert_no_leaks(sender, server)
     sender.close()
+
+
+def _wait_until(predicate, timeout_s: float = WAIT_S) -> bool:
+    deadline_s = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline_s:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_refused_handoff_is_forgotten_without_flush(server):
+    """A failed call (its queued layers included) is dropped as soon as it ends; only its error waits
+    for flush. Before the fix it stayed in the sender until someone called flush (a leak per refusal)."""
+    metas = [make_handoff(f"refused-{i}") for i in range(3)]
+    sender = make_sender(server)
+    for meta in metas:  # no reservation on decode: each call is refused
+        send_all(sender, meta, make_layers(meta), make_extras(meta))
+    assert _wait_until(lambda: sender.pending_request_ids() == []), sender.pending_request_ids()
+    failures = sender.flush(WAIT_S)  # the errors are still reported, once
+    assert sorted(failures) == sorted(m.request_id for m in metas)
+    assert all(isinstance(e, ProtocolError) for e in failures.values())
+    assert sender.flush(WAIT_S) == {}
+    sender.close()
+
+
+def test_call_that_failed_before_finish_drops_later_layers_and_is_forgotten_on_finish(server):
+    meta = make_handoff("refused-early")
+    layers = make_layers(meta)
+    sender = make_sender(server)
+    sender.begin(meta)
+    sender.send_layer(meta.request_id, 0, layers[0])
+    # refused (no reservation): the call ends while the handoff is still open on this side
+    assert _wait_until(lambda: sender._calls[meta.request_id].done)
+    assert sender.pending_request_ids() == [meta.request_id]  # open: prefill still owns it
+    for layer_idx in range(1, meta.num_layers):
+        sender.send_layer(meta.request_id, layer_idx, layers[layer_idx])  # silently dropped
+    assert sender._calls[meta.request_id].messages.qsize() <= 1  # at most the wake-up, no tensors
+    sender.finish(meta.request_id, make_extras(meta))
+    assert sender.pending_request_ids() == []  # forgotten at once, no flush
+    assert isinstance(sender.flush(WAIT_S)[meta.request_id], ProtocolError)
+    sender.close()
+
+
+def test_failure_log_is_bounded():
+    from kvtransfer.base import FailureLog, KVTransferError
+
+    log = FailureLog(max_records=3)
+    for i in range(5):
+        log.add(f"r{i}", KVTransferError(f"e{i}"))
+    assert len(log) == 3
+    assert sorted(log.pop_all()) == ["r2", "r3", "r4"]
+    assert len(log) == 0
