@@ -51,7 +51,6 @@ class EngineConfig:
     adaptive_speculation: bool = False
     adaptive_speculation_min_accept_prob: float = 0.3
     async_scheduling: bool = False
-    seed: int = 0
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:

@@ -40,6 +40,7 @@ acceptance, never change the output, because every draft is verified by the main
 
 from __future__ import annotations
 
+import secrets
 from typing import NamedTuple
 
 import torch
@@ -136,8 +137,9 @@ class Executor:
         request_id = item.request_id
         if request_id not in self._generators:
             seed = item.request.sampling_params.seed
-            self._generators[request_id] = (
-                None if seed is None else torch.Generator(self.runner.device).manual_seed(seed)
+            # Unseeded requests get their own generator from OS entropy: never a shared, fixed global seed.
+            self._generators[request_id] = torch.Generator(self.runner.device).manual_seed(
+                secrets.randbits(63) if seed is None else seed
             )
         return self._generators[request_id]
 
@@ -342,7 +344,9 @@ class Executor:
             torch.tensor([p.top_k for p in row_params]),
             torch.tensor([p.top_p for p in row_params]),
         )
-        draft_ids = torch.tensor([t for item in items for t in item.spec_token_ids], dtype=torch.long)
+        draft_ids = torch.tensor(
+            [t for item in items for t in item.spec_token_ids], dtype=torch.long, device=logits.device
+        )
         draft_probs = None
         if any(p.temperature > 0 for p, k in zip(params, num_drafts, strict=True) if k):
             # Rows of greedy drafts are one-hot: a deterministic drafter puts all its mass on its draft.

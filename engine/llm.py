@@ -99,11 +99,16 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, model: DeepseekV3ForCausalLM | None = None) -> None:
         self.config = config
-        torch.manual_seed(config.seed)
         self.model = model or DeepseekV3ForCausalLM.from_pretrained(
             config.model, device=config.device, dtype=_DTYPES[config.dtype]
         )
         self.tokenizer = Tokenizer.from_dir(config.model)
+        # The tokenizer's end-of-text token, else the config's (public DeepSeek tokenizers name it otherwise).
+        self.eos_token_id = (
+            self.tokenizer.eos_token_id
+            if self.tokenizer.eos_token_id is not None
+            else self.model.config.eos_token_id
+        )
         model_cfg = self.model.config
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         if self.max_model_len > model_cfg.max_position_embeddings:
@@ -190,7 +195,7 @@ class LLMEngine:
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=params,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=self.eos_token_id,
             arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s,
             export_kv=prefill_only,
         )
@@ -232,7 +237,7 @@ class LLMEngine:
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=sampling_params,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=self.eos_token_id,
             arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s,
         )
         num_prompt_tokens = len(prompt_token_ids)
@@ -267,7 +272,8 @@ class LLMEngine:
     ) -> None:
         """Admit a reserved request whose prompt KV is written (every layer, MTP included) into the running
         batch with its first token and drafts. Between steps. Its output (first token included) comes
-        with the next `step()`.
+        with the next `step()`; when the first token already finished it (max_tokens=1, EOS), also from
+        `pop_finished_outputs()`, as nothing is left to step for it.
 
         Raises:
             KeyError: no reservation.
@@ -299,6 +305,14 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def pop_finished_outputs(self, request_ids: list[str] | None = None) -> list[RequestOutput]:
+        """Between steps: the outputs of requests that finished outside a step (the first token of
+        `admit_remote_prefill` finished them, or `abort_request`), which the next `step()` would report,
+        and forgets them (`request_ids`: only those). Lets a caller with nothing left to step get them
+        at once, or drop an aborted request's output."""
+        ids = list(self._finished) if request_ids is None else [r for r in request_ids if r in self._finished]
+        return [self._output(self._finished.pop(rid)) for rid in ids]
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(
@@ -349,7 +363,9 @@ class LLMEngine:
             request = requests[update.request_id]
             self._texts[update.request_id] = self._detokenize(request, final=update.finished)
             stop_at = self._find_stop_string(request)
-            if stop_at is not None and not update.finished:
+            if stop_at is not None and update.finished:  # the stop string came before max_tokens / EOS
+                request.status = RequestStatus.FINISHED_STOPPED
+            elif stop_at is not None:
                 self.scheduler.finish_request(update.request_id, RequestStatus.FINISHED_STOPPED)
             if request.is_finished:
                 self._finished[update.request_id] = request

@@ -1,8 +1,10 @@
 """Held-out evaluation of a checkpoint: next-token loss/perplexity and MTP top-1 accuracy.
 
-The MTP module's top-1 accuracy on the token after next (given the main model's hidden state at i and the
-true token i+1) is what a k=1 speculative decoder with greedy acceptance would accept, so it predicts the
-acceptance rate.
+The MTP figure is the module's top-1 accuracy on the *true* token after next (given the main model's
+hidden state at i and the true token i+1). It does not estimate greedy speculative
+acceptance: greedy verification accepts a draft when it equals the main model's own argmax, and the two
+heads agree with each other far more often than either agrees with the text (the bundled model: 0.243
+here, 0.708 acceptance at k=1 in `bench.spec_decode`).
 """
 
 from __future__ import annotations
