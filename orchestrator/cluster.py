@@ -16,12 +16,22 @@ One request (DESIGN.md, request lifecycle):
    events to the request's queue.
 Faults: a prefill actor that dies (its `prefill` call raises) or a handoff that fails on decode (lease
 expired, sender lost, checksum) releases decode's reservation; the request is re-dispatched once to another
-live prefill instance, else it fails with `BackendUnavailable` naming the cause. Nothing waits longer than
-`kv_transfer.timeout_s` (+ a few seconds of slack) for a handoff.
+live prefill instance, else it fails with `BackendUnavailable` naming the cause. A decode actor that dies
+or stops answering (an actor error or a call timeout) is marked dead and taken out of routing; its
+in-flight requests fail with `BackendUnavailable`; with no decode (or no prefill) instance left, requests
+and `stats()` raise `BackendUnavailable`. An abort ends the request with finish_reason "abort" (never a
+re-dispatch).
 
-Limits: one actor per instance (an instance of several devices is placed whole but runs on its first
-bundle); with `torch_distributed` the group is fixed at deploy time, so a dead prefill rank is not
-replaced; prefix-aware routing estimates prefill cache hits from the prompts the router sent.
+Timeouts (`kv_transfer.timeout_s` = T): every actor call in the request path (load, reserve, abort, poll)
+gives up after `call_timeout_s` = max(CALL_TIMEOUT_MIN_S, T / 2); the prefill call (queue + prompt +
+handoff) and every wait for the request's next event (before and after admission) after T + EVENT_SLACK_S.
+Nothing waits forever.
+
+Limits: one actor per instance: `deploy` refuses instances of more than one device (tensor/expert
+parallel); `pdcluster validate` still checks such plans. With `torch_distributed` the group is fixed at
+deploy time, so a dead rank is not replaced; prefix-aware routing estimates prefill cache hits from the
+prompts the router sent. Multi-node: decode gRPC servers bind 0.0.0.0 and advertise their node's IP, and
+the torch.distributed rendezvous is on rank 0's node; a single-node `cpu` topology stays on loopback.
 """
 
 from __future__ import annotations
@@ -50,6 +60,9 @@ from orchestrator.topology import Topology, load_topology
 logger = logging.getLogger(__name__)
 
 MAX_DISPATCH_ATTEMPTS = 2  # the first try plus one re-dispatch to another prefill instance
+CALL_TIMEOUT_MIN_S = 2.0  # floor of the per-call timeout (max(this, kv_transfer.timeout_s / 2))
+EVENT_SLACK_S = 5.0  # a prefill call / a wait for the next event gives up after kv_transfer.timeout_s + this
+STATS_TIMEOUT_S = 5.0  # stats() and check_no_leaks() wait at most this for the load snapshots
 ROUTER_CACHE_BLOCKS = 4096  # block hashes remembered per prefill instance for prefix-aware routing
 
 
@@ -61,6 +74,58 @@ class _Attempt:
         self.prefill_index = prefill_index
         self.decode_index = decode_index
         self.events: asyncio.Queue = asyncio.Queue()
+
+
+def check_single_device_instances(topology: Topology) -> None:
+    """Raise ValueError for instances of more than one device (or TP/EP > 1): the actor layer runs one
+    actor on one device per instance, so deploying them would silently ignore the parallelism."""
+    problems = []
+    for role in ("prefill", "decode"):
+        pool = topology.pool(role)
+        parts = []
+        if pool.tensor_parallel_size > 1:
+            parts.append(f"TP{pool.tensor_parallel_size}")
+        if pool.expert_parallel_size > 1:
+            parts.append(f"EP{pool.expert_parallel_size}")
+        if pool.devices_per_instance > 1 or parts:
+            plural = "s" if pool.devices_per_instance != 1 else ""
+            problems.append(", ".join([f"{role}: {pool.devices_per_instance} device{plural}", *parts]))
+    if problems:
+        raise ValueError(
+            f"instances of more than one device ({'; '.join(problems)}) are not supported by the actor layer "
+            "yet; `pdcluster validate` checks the plan only"
+        )
+
+
+def is_loopback_topology(topology: Topology) -> bool:
+    """A single-node `cpu` topology: every transport endpoint stays on 127.0.0.1."""
+    return topology.hardware.spec.ray_resource is None and topology.hardware.num_nodes == 1
+
+
+def actor_resource_options(ray_resource: str | None) -> dict[str, Any]:
+    """The device part of an actor's Ray options: `num_gpus=1` for GPUs (Ray refuses "GPU" in
+    `resources`), `resources={"NPU": 1}` for custom accelerators, nothing on `cpu`."""
+    if ray_resource is None:
+        return {}
+    if ray_resource == "GPU":
+        return {"num_gpus": 1}
+    return {"resources": {ray_resource: 1}}
+
+
+def advertised_address(bound_address: str, node_ip: str) -> str:
+    """The address prefill senders dial: `node_ip:port` for a server bound to all interfaces."""
+    host, _, port = bound_address.rpartition(":")
+    return f"{node_ip}:{port}" if host in ("0.0.0.0", "", "[::]", "::") else bound_address
+
+
+def _node_ip_and_free_port() -> tuple[str, int]:
+    """Run as a Ray task inside an instance's placement group bundle: that node's IP and a free port."""
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
 
 
 class Cluster:
@@ -79,7 +144,8 @@ class Cluster:
         instance in it, loading weights in parallel, then the KV connectors. Logs progress via `log`.
 
         Raises:
-            ValueError: an invalid topology; RuntimeError: an actor failed to start.
+            ValueError: an invalid topology, or instances of more than one device (not supported by the
+                actor layer yet); RuntimeError: an actor failed to start.
         """
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -90,7 +156,9 @@ class Cluster:
 
         self = object.__new__(cls)
         topo = topology if isinstance(topology, Topology) else load_topology(topology)
+        check_single_device_instances(topo)
         self.topology = topo
+        self._loopback = is_loopback_topology(topo)
         plan = plan_placement(topo)
         self._started_ray = False
         if not ray.is_initialized():
@@ -121,8 +189,7 @@ class Cluster:
                         pg, placement_group_bundle_index=0
                     ),
                 }
-                if plan.ray_resource is not None:
-                    options["resources"] = {plan.ray_resource: 1}
+                options.update(actor_resource_options(plan.ray_resource))
                 name = f"{spec.role}-{spec.index}"
                 names.append(name)
                 config = topo.engine_config(spec.role)
@@ -134,7 +201,8 @@ class Cluster:
                     )
                     self.prefill_actors.append(actor)
                 else:
-                    actor = ray.remote(DecodeNode).options(**options).remote(config, name)
+                    host = "127.0.0.1" if self._loopback else "0.0.0.0"
+                    actor = ray.remote(DecodeNode).options(**options).remote(config, name, host)
                     self.decode_actors.append(actor)
             ready_refs = {a.ready.remote(): n for a, n in zip(self._actors, names, strict=True)}
             pending = list(ready_refs)
@@ -149,7 +217,7 @@ class Cluster:
                     f"  {info['name']} ready: weights loaded in {info['load_s']:.1f} s "
                     f"({len(infos)}/{len(ready_refs)})"
                 )
-            self._wire(ray)
+            self._wire(ray, plan)
             log(
                 f"cluster {topo.name} up in {time.monotonic() - started_s:.1f} s "
                 f"({topo.kv_transfer.transport}, layerwise={topo.kv_transfer.layerwise})"
@@ -168,9 +236,14 @@ class Cluster:
         self._dtype = config.dtype
         self._policy = POLICIES[topo.router.policy]
         self._prefill_alive = [True] * len(self.prefill_actors)
+        self._decode_alive = [True] * len(self.decode_actors)
+        self._decode_dead_reason: dict[int, str] = {}
+        self._aborted: set[str] = set()
+        self.call_timeout_s = max(CALL_TIMEOUT_MIN_S, topo.kv_transfer.timeout_s / 2)
+        self.event_timeout_s = topo.kv_transfer.timeout_s + EVENT_SLACK_S
         self._prefill_hashes: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in self.prefill_actors]
         self._counter = itertools.count()
-        self._active: dict[str, _Attempt] = {}
+        self._active: dict[str, _Attempt | None] = {}  # None: between attempts
         self._by_handoff: dict[str, _Attempt] = {}
         self._pollers: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -183,18 +256,39 @@ class Cluster:
     def _actors(self) -> list[Any]:
         return self.prefill_actors + self.decode_actors
 
-    def _wire(self, ray) -> None:
+    def _probe_node(self, ray, spec_index: int) -> tuple[str, int]:
+        """(node IP, a free port there) of instance `spec_index`'s placement group (where its actor runs)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        probe = ray.remote(_node_ip_and_free_port).options(
+            num_cpus=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self._placement_groups[spec_index], placement_group_bundle_index=0
+            ),
+        )
+        return ray.get(probe.remote(), timeout=60)
+
+    def _wire(self, ray, plan) -> None:
         kv = self.topology.kv_transfer
+        spec_index = {(spec.role, spec.index): i for i, spec in enumerate(plan.instances)}
         if kv.transport == "grpc":
-            addresses = ray.get([d.start_grpc.remote() for d in self.decode_actors])
-            ray.get([p.connect_grpc.remote(addresses) for p in self.prefill_actors])
+            addresses = ray.get([d.start_grpc.remote() for d in self.decode_actors], timeout=120)
+            if not self._loopback:  # bound to 0.0.0.0: senders dial the decode node's IP
+                addresses = [
+                    advertised_address(a, self._probe_node(ray, spec_index[("decode", j)])[0])
+                    for j, a in enumerate(addresses)
+                ]
+            ray.get([p.connect_grpc.remote(addresses) for p in self.prefill_actors], timeout=120)
             return
         num_prefill, num_decode = len(self.prefill_actors), len(self.decode_actors)
         world_size = num_prefill + num_decode
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        init_method = f"tcp://127.0.0.1:{port}"
+        if self._loopback:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                host, port = "127.0.0.1", s.getsockname()[1]
+        else:  # the rendezvous store runs in rank 0 (prefill-0): its node's IP and a port free there
+            host, port = self._probe_node(ray, spec_index[("prefill", 0)])
+        init_method = f"tcp://{host}:{port}"
         prefill_ranks = list(range(num_prefill))
         decode_ranks = list(range(num_prefill, world_size))
         refs = [
@@ -214,11 +308,13 @@ class Cluster:
 
         Every delta carries the phases known so far (`queue_s`, `prefill_s`, `kv_transfer_s`,
         `first_decode_step_s`, `total_s`, and `kv_transfer_bytes`) and cumulative acceptance counts.
+        An `abort` ends the stream with an empty delta, finish_reason "abort".
 
         Raises:
             ValueError: an empty prompt, a duplicate id, or a request no decode instance could hold.
-            BackendUnavailable: no live instance, no KV room within the timeout, or the handoff failed
-                twice / with no other prefill instance to re-dispatch to.
+            BackendUnavailable: no live instance, no KV room within the timeout, the handoff failed
+                twice / with no other prefill instance to re-dispatch to, the decode instance died or
+                stopped answering, or no event came within `event_timeout_s`.
         """
         import ray
 
@@ -235,9 +331,18 @@ class Cluster:
         errors: list[str] = []
         num_sent = 0
         finished = False
+
+        def aborted_delta() -> StreamDelta:
+            phases["total_s"] = time.monotonic() - arrival_s
+            return StreamDelta(new_token_ids=[], finished=True, finish_reason="abort", phases=dict(phases))
+
+        self._active[request_id] = None  # reserved: abort() may come before the first attempt exists
         try:
             for attempt_index in range(MAX_DISPATCH_ATTEMPTS):
                 attempt = await self._dispatch(request_id, attempt_index, prompt_token_ids, params, excluded)
+                if attempt is None:  # aborted while dispatching (its reservation, if any, is released)
+                    yield aborted_delta()
+                    return
                 prefill_ref = self.prefill_actors[attempt.prefill_index].prefill.remote(
                     attempt.handoff_id,
                     list(prompt_token_ids),
@@ -247,24 +352,48 @@ class Cluster:
                 )
                 prefill_task = asyncio.ensure_future(self._await_prefill(prefill_ref))
                 error: str | None = None
+                decode_lost = False
                 try:
                     while True:
                         getter = asyncio.ensure_future(attempt.events.get())
                         waits = {getter} if prefill_task.done() else {getter, prefill_task}
-                        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                        done, _ = await asyncio.wait(
+                            waits, timeout=self.event_timeout_s, return_when=asyncio.FIRST_COMPLETED
+                        )
+                        if request_id in self._aborted:
+                            getter.cancel()
+                            self._abort_after_prefill(attempt, prefill_task)
+                            yield aborted_delta()
+                            return
+                        if not done:
+                            getter.cancel()
+                            error = (
+                                f"no event from decode-{attempt.decode_index} / prefill-"
+                                f"{attempt.prefill_index} within {self.event_timeout_s:.0f} s"
+                            )
+                            break
                         if getter not in done:  # the prefill call returned first
                             getter.cancel()
                             exc = prefill_task.exception()
                             if exc is None:
                                 phases.update(prefill_task.result())
                                 continue
+                            if isinstance(exc, asyncio.TimeoutError):
+                                exc = TimeoutError(f"no answer within {self.event_timeout_s:.0f} s")
                             error = f"prefill-{attempt.prefill_index}: {type(exc).__name__}: {exc}"
-                            if isinstance(exc, ray.exceptions.RayActorError):
+                            if isinstance(exc, (ray.exceptions.RayActorError, TimeoutError)):
                                 self._prefill_alive[attempt.prefill_index] = False
                             break
                         if prefill_task.done() and prefill_task.exception() is None:
                             phases.update(prefill_task.result())
                         event = getter.result()
+                        if event[0] == "abort":
+                            self._abort_after_prefill(attempt, prefill_task)
+                            yield aborted_delta()
+                            return
+                        if event[0] == "decode_lost":
+                            error, decode_lost = event[2], True
+                            break
                         if event[0] == "error":
                             error = event[2]
                             break
@@ -289,39 +418,73 @@ class Cluster:
                             return
                 finally:
                     self._by_handoff.pop(attempt.handoff_id, None)
-                    if not finished:
-                        prefill_task.cancel()
-                if error is not None:
-                    errors.append(
-                        f"attempt {attempt_index + 1} (prefill-{attempt.prefill_index} -> "
-                        f"decode-{attempt.decode_index}): {error}"
-                    )
-                    self._release(attempt)
-                    if num_sent:  # tokens already streamed: never restart silently
-                        raise BackendUnavailable(f"{request_id}: decode failed mid-stream: {error}")
-                    excluded.add(attempt.prefill_index)
-                    logger.warning("%s: %s", request_id, errors[-1])
+                    if not finished and not (request_id in self._aborted and not prefill_task.done()):
+                        prefill_task.cancel()  # (an aborted one runs on: `_abort_after_prefill`)
+                assert error is not None
+                errors.append(
+                    f"attempt {attempt_index + 1} (prefill-{attempt.prefill_index} -> "
+                    f"decode-{attempt.decode_index}): {error}"
+                )
+                self._release(attempt)
+                if decode_lost or not self._decode_alive[attempt.decode_index]:
+                    reason = self._decode_dead_reason.get(attempt.decode_index, "")
+                    if not decode_lost:
+                        error = (
+                            f"decode-{attempt.decode_index} died or stopped answering ({reason}); the "
+                            f"request was lost ({error})"
+                        )
+                    raise BackendUnavailable(f"{request_id}: {error}")
+                if num_sent:  # tokens already streamed: never restart silently
+                    raise BackendUnavailable(f"{request_id}: decode failed mid-stream: {error}")
+                excluded.add(attempt.prefill_index)
+                logger.warning("%s: %s", request_id, errors[-1])
             raise BackendUnavailable(f"{request_id}: KV handoff failed: " + "; ".join(errors))
         finally:
             attempt = self._active.pop(request_id, None)
+            self._aborted.discard(request_id)
             if attempt is not None and not finished:
                 self._release(attempt)
 
     async def abort(self, request_id: str) -> None:
-        """Stop the request on both pools (prefill job and handoff, decode reservation or running request)."""
-        attempt = self._active.get(request_id)
-        if attempt is None:
+        """End the request with finish_reason "abort" and free it on both pools (prefill job and handoff,
+        decode reservation or running request). Never re-dispatched. Unknown or finished ids: no-op."""
+        if request_id not in self._active or request_id in self._aborted:
+            return
+        self._aborted.add(request_id)
+        attempt = self._active[request_id]
+        if attempt is None:  # between attempts / still routing: `_dispatch` sees `_aborted`
             return
         self._release(attempt)
-        await attempt.events.put(("error", attempt.handoff_id, "aborted"))
+        attempt.events.put_nowait(("abort", attempt.handoff_id))
 
     def stats(self) -> dict[str, Any]:
+        """Load snapshot of the live instances. Raises BackendUnavailable when no prefill or no decode
+        instance is alive (an instance that fails or does not answer within STATS_TIMEOUT_S is marked dead),
+        so `/health` answers 503."""
         import ray
 
-        loads = ray.get([d.load.remote() for d in self.decode_actors], timeout=10)
-        prefill_loads = ray.get(
-            [p.load.remote() for i, p in enumerate(self.prefill_actors) if self._prefill_alive[i]], timeout=10
-        )
+        def snapshot(role: str, actors: list[Any], alive: list[bool]) -> list[dict[str, Any]]:
+            loads = []
+            for i, actor in enumerate(actors):
+                if not alive[i]:
+                    continue
+                try:
+                    loads.append(ray.get(actor.load.remote(), timeout=STATS_TIMEOUT_S))
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                    if role == "decode":
+                        self._mark_decode_dead(i, f"{type(e).__name__}: {e}")
+                    else:
+                        alive[i] = False
+            if not loads:
+                raise BackendUnavailable(
+                    f"no live {role} instance (all {len(actors)} died or stopped answering)"
+                )
+            return loads
+
+        if self._closed:
+            raise BackendUnavailable("the cluster is shut down")
+        prefill_loads = snapshot("prefill", self.prefill_actors, self._prefill_alive)
+        loads = snapshot("decode", self.decode_actors, self._decode_alive)
         return {
             "num_waiting_requests": sum(p["num_requests"] for p in prefill_loads),
             "num_running_requests": sum(d["num_running"] for d in loads),
@@ -342,7 +505,7 @@ class Cluster:
 
         actors = [
             (f"prefill-{i}", a) for i, a in enumerate(self.prefill_actors) if self._prefill_alive[i]
-        ] + [(f"decode-{i}", a) for i, a in enumerate(self.decode_actors)]
+        ] + [(f"decode-{i}", a) for i, a in enumerate(self.decode_actors) if self._decode_alive[i]]
         results = ray.get([a.check_no_leaks.remote() for _, a in actors], timeout=30)
         return {name: r for (name, _), r in zip(actors, results, strict=True)}
 
@@ -389,6 +552,34 @@ class Cluster:
             lease_s=kv.timeout_s,
         )
 
+    async def _call(self, ref, timeout_s: float | None = None):
+        """Await one actor call; asyncio.TimeoutError after `timeout_s` (default `call_timeout_s`)."""
+        return await asyncio.wait_for(ref, timeout_s if timeout_s is not None else self.call_timeout_s)
+
+    @staticmethod
+    def _is_lost(exc: BaseException) -> bool:
+        """The actor died or stopped answering (as opposed to a method that raised)."""
+        import ray
+
+        return isinstance(exc, (ray.exceptions.RayActorError, asyncio.TimeoutError, TimeoutError))
+
+    def _mark_decode_dead(self, decode_index: int, reason: str) -> None:
+        """Take decode instance `decode_index` out of routing and fail its in-flight requests (idempotent)."""
+        if not self._decode_alive[decode_index]:
+            return
+        self._decode_alive[decode_index] = False
+        self._decode_dead_reason[decode_index] = reason
+        logger.error("decode-%d is dead (%s); taken out of routing", decode_index, reason)
+        self._fail_decode_attempts(decode_index)
+
+    def _fail_decode_attempts(self, decode_index: int) -> None:
+        reason = self._decode_dead_reason.get(decode_index, "unknown")
+        for attempt in list(self._by_handoff.values()):
+            if attempt.decode_index == decode_index:
+                message = f"decode-{decode_index} died or stopped answering ({reason}); the request was lost"
+                with contextlib.suppress(RuntimeError):  # a queue of another (closed) event loop
+                    attempt.events.put_nowait(("decode_lost", attempt.handoff_id, message))
+
     async def _dispatch(
         self,
         request_id: str,
@@ -396,43 +587,89 @@ class Cluster:
         prompt_token_ids: list[int],
         params: SamplingParams,
         excluded: set[int],
-    ) -> _Attempt:
-        """Route, then reserve on decode (retrying while no decode instance has room)."""
-        live = [i for i, alive in enumerate(self._prefill_alive) if alive and i not in excluded]
-        if not live:
-            raise BackendUnavailable(f"{request_id}: no live prefill instance left to dispatch to")
+    ) -> _Attempt | None:
+        """Route, then reserve on decode (retrying while no decode instance has room). None: aborted.
+
+        Instances whose load/reserve call dies or times out are marked dead and routing continues with
+        the others."""
         deadline_s = time.monotonic() + self.topology.kv_transfer.timeout_s
         block_size = self.topology.prefill.block_size
         hashes = compute_block_hashes(list(prompt_token_ids), block_size)
         while True:
-            prefill_loads, decode_loads = await asyncio.gather(
-                asyncio.gather(*[self.prefill_actors[i].load.remote() for i in live]),
-                asyncio.gather(*[d.load.remote() for d in self.decode_actors]),
+            if request_id in self._aborted:
+                return None
+            live = [i for i, alive in enumerate(self._prefill_alive) if alive and i not in excluded]
+            if not live:
+                raise BackendUnavailable(f"{request_id}: no live prefill instance left to dispatch to")
+            live_decode = [j for j, alive in enumerate(self._decode_alive) if alive]
+            if not live_decode:
+                reasons = "; ".join(f"decode-{j}: {r}" for j, r in sorted(self._decode_dead_reason.items()))
+                raise BackendUnavailable(f"{request_id}: no live decode instance ({reasons})")
+            prefill_results, decode_results = await asyncio.gather(
+                asyncio.gather(
+                    *[self._call(self.prefill_actors[i].load.remote()) for i in live], return_exceptions=True
+                ),
+                asyncio.gather(
+                    *[self._call(self.decode_actors[j].load.remote()) for j in live_decode],
+                    return_exceptions=True,
+                ),
             )
+            lost = False
+            for i, r in zip(live, prefill_results, strict=True):
+                if isinstance(r, BaseException):
+                    if not self._is_lost(r):
+                        raise r
+                    logger.error("prefill-%d is dead (%s: %s)", i, type(r).__name__, r)
+                    self._prefill_alive[i], lost = False, True
+            for j, r in zip(live_decode, decode_results, strict=True):
+                if isinstance(r, BaseException):
+                    if not self._is_lost(r):
+                        raise r
+                    self._mark_decode_dead(j, f"load: {type(r).__name__}: {r}")
+                    lost = True
+            if lost:
+                continue  # route again over the instances that answered
+            if request_id in self._aborted:
+                return None
             choice = self._policy(
                 [
                     PrefillLoad(i, p["num_queued_prefill_tokens"], frozenset(self._prefill_hashes[i]))
-                    for i, p in zip(live, prefill_loads, strict=True)
+                    for i, p in zip(live, prefill_results, strict=True)
                 ],
                 [
-                    DecodeLoad(j, d["num_free_blocks"], d["num_running"] + d["num_reserved"])
-                    for j, d in enumerate(decode_loads)
+                    DecodeLoad(k, d["num_free_blocks"], d["num_running"] + d["num_reserved"])
+                    for k, d in enumerate(decode_results)
                 ],
                 counter=next(self._counter),
                 prompt_token_ids=prompt_token_ids,
                 block_size=block_size,
             )
-            prefill_index, decode_index = live[choice.prefill_index], choice.decode_index
+            prefill_index, decode_index = live[choice.prefill_index], live_decode[choice.decode_index]
             attempt = _Attempt(f"{request_id}@{attempt_index}", prefill_index, decode_index)
             self._by_handoff[attempt.handoff_id] = attempt
             self._active[request_id] = attempt
-            reserved = await self.decode_actors[decode_index].reserve.remote(
-                attempt.handoff_id,
-                list(prompt_token_ids),
-                params,
-                self._meta(attempt, prompt_token_ids),
-                self.num_speculative_tokens,
-            )
+            try:
+                reserved = await self._call(
+                    self.decode_actors[decode_index].reserve.remote(
+                        attempt.handoff_id,
+                        list(prompt_token_ids),
+                        params,
+                        self._meta(attempt, prompt_token_ids),
+                        self.num_speculative_tokens,
+                    )
+                )
+            except BaseException as e:
+                self._by_handoff.pop(attempt.handoff_id, None)
+                self._active[request_id] = None
+                if not self._is_lost(e):
+                    raise
+                self._release(attempt)  # a reservation that did go through after the timeout
+                self._mark_decode_dead(decode_index, f"reserve: {type(e).__name__}: {e}")
+                continue
+            if request_id in self._aborted:  # aborted while reserving: abort() saw this attempt
+                self._by_handoff.pop(attempt.handoff_id, None)
+                self._release(attempt)
+                return None
             if reserved:
                 remembered = self._prefill_hashes[prefill_index]
                 for h in hashes:
@@ -442,19 +679,32 @@ class Cluster:
                     remembered.popitem(last=False)
                 return attempt
             self._by_handoff.pop(attempt.handoff_id, None)
-            self._active.pop(request_id, None)
+            self._active[request_id] = None
             if time.monotonic() > deadline_s:
                 raise BackendUnavailable(f"{request_id}: no decode instance had KV blocks free in time")
             await asyncio.sleep(0.05)
 
     async def _await_prefill(self, ref) -> dict[str, float]:
-        result = await ref
+        result = await self._call(ref, self.event_timeout_s)
         return {"queue_s": result["queue_s"], "prefill_s": result["prefill_s"]}
+
+    def _abort_after_prefill(self, attempt: _Attempt, prefill_task: asyncio.Future) -> None:
+        """Ray runs a threaded actor's calls unordered, so abort() may overtake the `prefill` call it is
+        meant to stop (and find nothing to abort): release the attempt again once that call returns."""
+        if prefill_task.done():
+            return
+
+        def again(_task: asyncio.Future) -> None:
+            if not self._closed:
+                self._release(attempt)
+
+        prefill_task.add_done_callback(again)
 
     def _release(self, attempt: _Attempt) -> None:
         """Best effort, fire and forget: drop the attempt on its prefill and decode instances."""
-        with contextlib.suppress(Exception):
-            self.decode_actors[attempt.decode_index].abort.remote(attempt.handoff_id)
+        if self._decode_alive[attempt.decode_index]:
+            with contextlib.suppress(Exception):
+                self.decode_actors[attempt.decode_index].abort.remote(attempt.handoff_id)
         if self._prefill_alive[attempt.prefill_index]:
             with contextlib.suppress(Exception):
                 self.prefill_actors[attempt.prefill_index].abort.remote(attempt.handoff_id)
@@ -467,23 +717,23 @@ class Cluster:
         self._pollers = [loop.create_task(self._poll(j)) for j in range(len(self.decode_actors))]
 
     async def _poll(self, decode_index: int) -> None:
+        """Hand decode instance `decode_index`'s events to their requests until it dies or stops answering
+        (one poll over `call_timeout_s`): then it is marked dead and its requests fail."""
         actor = self.decode_actors[decode_index]
-        while not self._closed:
+        while not self._closed and self._decode_alive[decode_index]:
             try:
-                events = await actor.poll.remote(0.05)
+                events = await self._call(actor.poll.remote(0.05), self.call_timeout_s + 0.05)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # noqa: BLE001 - a dead decode instance fails its requests
-                for attempt in list(self._by_handoff.values()):
-                    if attempt.decode_index == decode_index:
-                        message = f"decode-{decode_index}: {e}"
-                        attempt.events.put_nowait(("error", attempt.handoff_id, message))
-                await asyncio.sleep(1.0)
-                continue
+            except Exception as e:  # noqa: BLE001 - a dead or stuck decode instance fails its requests
+                self._mark_decode_dead(decode_index, f"poll: {type(e).__name__}: {e}")
+                break
             for event in events:
                 attempt = self._by_handoff.get(event[1])
                 if attempt is not None:
                     attempt.events.put_nowait(event)
+        if not self._closed:  # marked dead elsewhere (stats, dispatch): make sure its requests end
+            self._fail_decode_attempts(decode_index)
 
 
 def _max_position_embeddings(model_dir: str) -> int:

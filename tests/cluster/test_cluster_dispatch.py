@@ -1,0 +1,165 @@
+"""Dispatch faults of `Cluster`: abort ends a request (never re-dispatched), a dead decode instance is taken
+out of routing (its requests fail fast, later ones complete elsewhere), deploy refuses multi-device
+instances, and the multi-node wiring helpers. The helpers are fast unit tests; the rest runs on the
+conftest's local Ray with the bundled tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from orchestrator.backend import BackendUnavailable
+from orchestrator.cluster import (
+    Cluster,
+    actor_resource_options,
+    advertised_address,
+    check_single_device_instances,
+    is_loopback_topology,
+)
+from orchestrator.topology import load_topology
+from tests.cluster.test_cluster import _assert_no_blocks_held, _generate, _topology
+
+CLUSTERS = Path(__file__).resolve().parents[2] / "clusters"
+
+
+# ---- pure logic (no Ray) ------------------------------------------------------------------------------
+def test_deploy_refuses_multi_device_instances_but_validate_accepts_them():
+    cm384 = load_topology(CLUSTERS / "cm384.yaml")  # validates: a planning input
+    with pytest.raises(
+        ValueError, match=r"instances of more than one device \(prefill: 32 devices, EP32"
+    ) as e:
+        check_single_device_instances(cm384)
+    assert "decode: 288 devices, EP288" in str(e.value)
+    assert "`pdcluster validate` checks the plan only" in str(e.value)
+    gpu = load_topology(CLUSTERS / "gpu-2node.yaml")
+    with pytest.raises(ValueError, match=r"prefill: 8 devices, TP8, EP8"):
+        check_single_device_instances(gpu)
+    with pytest.raises(ValueError, match="not supported by the actor layer"):
+        Cluster.deploy(cm384)  # refused before Ray is touched
+    single = dataclasses.replace(gpu.decode, devices_per_instance=1, tensor_parallel_size=1)
+    single = dataclasses.replace(single, expert_parallel_size=1)
+    with pytest.raises(ValueError, match=r"\(prefill: 8 devices, TP8, EP8\)"):  # decode alone is fine
+        check_single_device_instances(dataclasses.replace(gpu, decode=single))
+    check_single_device_instances(load_topology(CLUSTERS / "local-1p2d.yaml"))
+
+
+def test_multi_node_wiring_helpers():
+    assert actor_resource_options(None) == {}
+    assert actor_resource_options("GPU") == {"num_gpus": 1}  # Ray refuses resources={"GPU": 1}
+    assert actor_resource_options("NPU") == {"resources": {"NPU": 1}}
+    assert advertised_address("0.0.0.0:5005", "10.0.0.7") == "10.0.0.7:5005"
+    assert advertised_address("127.0.0.1:5005", "10.0.0.7") == "127.0.0.1:5005"
+    assert is_loopback_topology(load_topology(CLUSTERS / "local.yaml"))
+    assert is_loopback_topology(load_topology(CLUSTERS / "local-1p2d.yaml"))
+    assert not is_loopback_topology(load_topology(CLUSTERS / "gpu-2node.yaml"))
+
+
+# ---- on Ray ----------------------------------------------------------------------------------------------
+async def _wait_reserved(cluster: Cluster, decode_index: int = 0) -> None:
+    deadline_s = time.monotonic() + 10
+    while (await cluster.decode_actors[decode_index].load.remote())["num_reserved"] == 0:
+        assert time.monotonic() < deadline_s, "the request never reached decode"
+        await asyncio.sleep(0.002)
+
+
+@pytest.mark.slow
+def test_abort_during_handoff_ends_the_request_and_never_redispatches(ray_session) -> None:
+    """abort() while decode holds the reservation (prefill / transfer under way): the stream ends with an
+    empty delta, finish_reason "abort", no second attempt is dispatched, nothing stays held, and the
+    cluster serves the next request."""
+    topo = _topology("grpc", True, 1, num_instances=2)  # a second prefill instance to re-dispatch to
+    cluster = Cluster.deploy(topo)
+    try:
+        attempts: list[int] = []
+        dispatch = cluster._dispatch
+
+        async def spy(request_id, attempt_index, *args):
+            attempts.append(attempt_index)
+            return await dispatch(request_id, attempt_index, *args)
+
+        cluster._dispatch = spy
+        long_prompt = cluster.tokenizer.encode("def add(a, b):\n    return" * 60)[:900]
+
+        async def run():
+            task = asyncio.ensure_future(
+                _generate(cluster, "victim", long_prompt, SamplingParams(temperature=0.0, max_tokens=8))
+            )
+            await _wait_reserved(cluster)
+            await cluster.abort("victim")
+            tokens, last = await asyncio.wait_for(task, 20)
+            await asyncio.sleep(0.5)  # a re-dispatch, if any, would have started by now
+            return tokens, last
+
+        tokens, last = asyncio.run(run())
+        assert last.finished and last.finish_reason == "abort"
+        assert attempts == [0]
+        assert cluster._prefill_alive == [True, True]
+        _assert_no_blocks_held(cluster)
+
+        async def after():
+            return await _generate(cluster, "next", long_prompt[:50])
+
+        tokens, last = asyncio.run(after())
+        assert last.finish_reason == "length" and len(tokens) == 16
+        _assert_no_blocks_held(cluster)
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_dead_decode_is_taken_out_of_routing_and_the_last_one_fails_fast(ray_session) -> None:
+    """1P2D. ray.kill of the decode instance running a request: that request fails with
+    BackendUnavailable naming the dead instance; later requests complete on the other decode instance;
+    stats() reports only the live one. With the only decode killed: BackendUnavailable at once, from
+    generate and from stats() (so /health answers 503)."""
+    topo = load_topology(CLUSTERS / "local-1p2d.yaml")
+    topo = dataclasses.replace(
+        topo,
+        kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=10),
+        decode=dataclasses.replace(topo.decode, kv_cache_memory_bytes=16 << 20),
+        prefill=dataclasses.replace(topo.prefill, kv_cache_memory_bytes=16 << 20),
+    )
+    cluster = Cluster.deploy(topo, num_cpus=3)
+    try:
+        prompt = cluster.tokenizer.encode("class Stack:\n    def __init__(self):")
+        long_run = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+        async def kill_mid_stream():
+            stream = cluster.generate("victim", prompt, long_run)
+            await stream.__anext__()  # admitted and streaming
+            victim = cluster._active["victim"].decode_index
+            ray_session.kill(cluster.decode_actors[victim])
+            started_s = time.monotonic()
+            with pytest.raises(BackendUnavailable, match=f"decode-{victim} died or stopped answering"):
+                async for _ in stream:
+                    pass
+            assert time.monotonic() - started_s < 10
+            results = await asyncio.gather(*[_generate(cluster, f"after{i}", prompt) for i in range(6)])
+            return victim, results
+
+        victim, results = asyncio.run(kill_mid_stream())
+        survivor = 1 - victim
+        for tokens, last in results:
+            assert last.finish_reason == "length" and len(tokens) == 16
+        assert cluster._decode_alive[victim] is False and cluster._decode_alive[survivor] is True
+        assert set(cluster.stats()["kv_blocks"]) == {f"decode-{survivor}"}
+        _assert_no_blocks_held(cluster)
+
+        ray_session.kill(cluster.decode_actors[survivor])
+
+        async def none_left():
+            started_s = time.monotonic()
+            with pytest.raises(BackendUnavailable, match="no live decode instance|died or stopped"):
+                await _generate(cluster, "doomed", prompt)
+            return time.monotonic() - started_s
+
+        assert asyncio.run(none_left()) < 10
+        with pytest.raises(BackendUnavailable, match="no live decode instance"):
+            cluster.stats()
+    finally:
+        cluster.shutdown()
