@@ -55,6 +55,9 @@ class DecodeNode:
         self._num_sent: dict[str, int] = {}
         self._wakeup = threading.Event()
         self._stopped = threading.Event()
+        self._num_loop_errors = 0
+        self._last_loop_error: str | None = None
+        self._faults: dict[str, int] = {}  # test-only: inject_fault
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
@@ -122,8 +125,8 @@ class DecodeNode:
         with self._engine_lock:
             self._admissions = [(rid, kv) for rid, kv in self._admissions if rid != handoff_id]
             self.engine.release_remote_prefill(handoff_id)
-            if self.engine.abort_request(handoff_id):
-                self.engine._finished.pop(handoff_id, None)
+            self.engine.abort_request(handoff_id)
+            self.engine.pop_finished_outputs([handoff_id])  # aborted: no output
             self._forget(handoff_id)
 
     def poll(self, timeout_s: float = 0.05) -> list[tuple]:
@@ -146,7 +149,20 @@ class DecodeNode:
             "num_total_blocks": bm.num_blocks,
             "num_running": len(scheduler.running),
             "num_reserved": len(scheduler.reserved),
+            "engine_thread_alive": self._thread.is_alive(),
+            "num_engine_errors": self._num_loop_errors,
+            "last_engine_error": self._last_loop_error,
         }
+
+    def inject_fault(self, where: str, count: int = 1) -> None:
+        """Test-only fault injection: the next `count` passes through `where` raise RuntimeError on the
+        engine thread. `where`: "admit" (admitting a handoff), "step" (the engine step), "delta"
+        (turning a step output into an event), "loop" (the loop body, outside any request)."""
+        if where not in ("admit", "step", "delta", "loop"):
+            raise ValueError(f"unknown fault point {where!r}")
+        with self._engine_lock:
+            self._faults[where] = self._faults.get(where, 0) + count
+        self._wakeup.set()
 
     def check_no_leaks(self) -> dict[str, Any]:
         """For tests: blocks held, reservations and unfinished requests once nothing is in flight."""
@@ -176,7 +192,9 @@ class DecodeNode:
         handoff_id = meta.request_id
         try:
             received = self.receiver.wait(handoff_id, meta.lease_s)
-        except (KVTransferError, KeyError) as e:
+        except Exception as e:  # noqa: BLE001 - KVTransferError, KeyError, or a transport bug: never hang
+            if not isinstance(e, KVTransferError | KeyError):
+                logger.exception("%s: waiting for handoff %s failed", self.name, handoff_id)
             self.receiver.release(handoff_id)
             with self._engine_lock:
                 released = self.engine.release_remote_prefill(handoff_id)
@@ -190,32 +208,90 @@ class DecodeNode:
         self._wakeup.set()
 
     def _run(self) -> None:
+        """The engine thread. Any exception becomes an ("error", ...) event for the requests it touches
+        (all of this instance's in-flight requests when it is not tied to one), logged with its
+        traceback; their blocks are freed and the loop goes on. It never dies silently."""
         engine = self.engine
         while not self._stopped.is_set():
-            if not engine.has_unfinished_requests() and not self._admissions:
+            if not engine.has_unfinished_requests() and not self._admissions and not self._faults:
                 self._wakeup.wait(0.05)
                 self._wakeup.clear()
                 continue
             events: list[tuple] = []
-            with self._engine_lock:
-                for handoff_id, received in self._admissions:
-                    events.extend(self._admit(handoff_id, received))
-                self._admissions = []
-                outputs: list[RequestOutput] = []
-                if engine.has_unfinished_requests():
-                    try:
-                        outputs = engine.step()
-                    except Exception as e:  # noqa: BLE001 - a broken step fails its requests
-                        logger.exception("%s: engine step failed", self.name)
-                        for rid in list(engine.scheduler.requests):
-                            engine.abort_request(rid)
-                            engine._finished.pop(rid, None)
-                            events.append(("error", rid, f"decode step failed: {e!r}"))
-                            self._forget(rid)
-                for out in outputs:
-                    events.extend(self._delta(out))
+            try:
+                with self._engine_lock:
+                    self._maybe_fault("loop")
+                    self._run_once(events)
+            except Exception as e:  # noqa: BLE001 - the last line of defence: fail everything in flight
+                self._loop_error(e, "decode engine loop failed")
+                with self._engine_lock:
+                    events.extend(self._fail_all(f"decode engine loop failed: {e!r}"))
             for event in events:
                 self._emit(event)
+
+    def _run_once(self, events: list[tuple]) -> None:
+        """One pass under the engine lock: admit finished handoffs, step, turn outputs into events."""
+        engine = self.engine
+        admissions, self._admissions = self._admissions, []
+        for handoff_id, received in admissions:
+            try:
+                events.extend(self._admit(handoff_id, received))
+            except Exception as e:  # noqa: BLE001 - fails this request only
+                self._loop_error(e, f"admitting {handoff_id} failed")
+                events.append(self._fail(handoff_id, f"decode admission failed: {e!r}"))
+        # Requests the first token finished at admission (max_tokens=1, EOS): nothing is left to step
+        # for them, so their final output is taken now rather than with a step that may never come.
+        outputs: list[RequestOutput] = engine.pop_finished_outputs()
+        if engine.has_unfinished_requests():
+            try:
+                self._maybe_fault("step")
+                outputs.extend(engine.step())
+            except Exception as e:  # noqa: BLE001 - a broken step fails its requests
+                self._loop_error(e, "engine step failed")
+                events.extend(self._fail_all(f"decode step failed: {e!r}"))
+        for out in outputs:
+            try:
+                self._maybe_fault("delta")
+                events.extend(self._delta(out))
+            except Exception as e:  # noqa: BLE001 - fails this request only
+                self._loop_error(e, f"reporting {out.request_id} failed")
+                events.append(self._fail(out.request_id, f"decode output failed: {e!r}"))
+
+    def _fail(self, handoff_id: str, message: str) -> tuple:
+        """Under the engine lock: drop the request wherever it is (receiver, reservation, batch, finished
+        outputs not yet reported), free its blocks, and return its error event."""
+        assert self.receiver is not None
+        try:
+            self.receiver.release(handoff_id)
+        except Exception:  # noqa: BLE001 - still free the engine side
+            logger.exception("%s: releasing handoff %s failed", self.name, handoff_id)
+        self._admissions = [(rid, kv) for rid, kv in self._admissions if rid != handoff_id]
+        self.engine.release_remote_prefill(handoff_id)
+        self.engine.abort_request(handoff_id)
+        self.engine.pop_finished_outputs([handoff_id])
+        self._forget(handoff_id)
+        return ("error", handoff_id, message)
+
+    def _fail_all(self, message: str) -> list[tuple]:
+        """Under the engine lock: fail every request admitted on this instance (running or finished and
+        not yet reported); reservations still waiting for their handoff are left to their waiters."""
+        scheduler = self.engine.scheduler
+        ids = set(scheduler.requests) | set(self._num_sent) | set(self._admitted_at_s)
+        ids |= {rid for rid, _ in self._admissions}
+        ids |= {out.request_id for out in self.engine.pop_finished_outputs()}
+        return [self._fail(rid, message) for rid in sorted(ids)]
+
+    def _loop_error(self, e: BaseException, what: str) -> None:
+        self._num_loop_errors += 1
+        self._last_loop_error = f"{what}: {e!r}"
+        logger.error("%s: %s", self.name, what, exc_info=e)
+
+    def _maybe_fault(self, where: str) -> None:
+        if self._faults.get(where, 0) > 0:
+            self._faults[where] -= 1
+            if not self._faults[where]:
+                del self._faults[where]
+            raise RuntimeError(f"injected fault at {where}")
 
     def _admit(self, handoff_id: str, received: ReceivedKV) -> list[tuple]:
         assert self.receiver is not None
@@ -227,11 +303,12 @@ class DecodeNode:
             "kv_transfer_bytes": float(received.num_wire_bytes),
         }
         self._admitted_at_s[handoff_id] = now_s
+        self._maybe_fault("admit")
         self.engine.admit_remote_prefill(
             handoff_id, extras.first_token_id, extras.draft_token_ids, extras.draft_probs
         )
         request = self.engine.scheduler.get_request(handoff_id)
-        if request is None:  # the first token finished it; its output comes with the next step
+        if request is None:  # the first token finished it: `_run_once` pops its output right after
             return []
         # The first token streams at once; the engine reports it again with the next step's output.
         self._num_sent[handoff_id] = 1

@@ -74,6 +74,9 @@ class PrefillNode:
         self._lock = threading.Lock()
         self._num_queued_tokens = 0
         self._stopped = threading.Event()
+        self._num_loop_errors = 0
+        self._last_loop_error: str | None = None
+        self._faults: dict[str, int] = {}  # test-only: inject_fault
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
@@ -141,16 +144,24 @@ class PrefillNode:
                 "name": self.name,
                 "num_queued_prefill_tokens": self._num_queued_tokens,
                 "num_requests": len(self._active),
+                "engine_thread_alive": self._thread.is_alive(),
+                "num_engine_errors": self._num_loop_errors,
+                "last_engine_error": self._last_loop_error,
             }
 
+    def inject_fault(self, where: str, count: int = 1) -> None:
+        """Test-only fault injection: the next `count` passes through `where` raise RuntimeError on the
+        engine thread. `where`: "start" (taking a job), "step" (the engine step), "complete" (handing a
+        finished prefill over), "loop" (the loop body, outside any request)."""
+        if where not in ("start", "step", "complete", "loop"):
+            raise ValueError(f"unknown fault point {where!r}")
+        with self._lock:
+            self._faults[where] = self._faults.get(where, 0) + count
+
     def check_no_leaks(self) -> dict[str, Any]:
-        """For tests: blocks held and handoffs still open once nothing is in flight."""
+        """For tests: blocks held and handoffs still open once nothing is in flight. No `flush` first: a
+        sender must forget a handoff by itself once it is delivered or failed, or this reports it."""
         bm = self.engine.scheduler.block_manager
-        for sender in self.senders:
-            try:
-                sender.flush(1.0)  # forget delivered and failed handoffs
-            except Exception:  # noqa: BLE001 - still in flight: reported as pending below
-                pass
         with self._lock:
             return {
                 "num_used_blocks": bm.num_blocks - bm.num_free_blocks,
@@ -170,41 +181,77 @@ class PrefillNode:
 
     # ---- engine thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
-        engine = self.engine
+        """The engine thread. Any exception fails the jobs it touches (every active job when it is not
+        tied to one: their handoffs are aborted and `prefill` raises), is logged with its traceback, and
+        the loop goes on: it never dies silently."""
         while not self._stopped.is_set():
-            block = not engine.has_unfinished_requests()
             try:
-                command = self._jobs.get(timeout=0.1) if block else self._jobs.get_nowait()
+                if not self._run_once():
+                    return
+            except Exception as e:  # noqa: BLE001 - the last line of defence: fail everything in flight
+                self._loop_error(e, "prefill engine loop failed")
+                for request_id in list(self._active):
+                    self._fail(request_id, f"prefill engine loop failed: {e!r}", abort_engine=True)
+
+    def _run_once(self) -> bool:
+        """Take queued commands, run one step. False on `stop`."""
+        engine = self.engine
+        block = not engine.has_unfinished_requests()
+        try:
+            command = self._jobs.get(timeout=0.1) if block else self._jobs.get_nowait()
+        except queue.Empty:
+            command = None
+        while command is not None:
+            kind, arg = command
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._start(arg)
+            elif kind == "abort":
+                self._fail(arg, "aborted by the router", abort_engine=True)
+            try:
+                command = self._jobs.get_nowait()
             except queue.Empty:
                 command = None
-            while command is not None:
-                kind, arg = command
-                if kind == "stop":
-                    return
-                if kind == "add":
-                    self._start(arg)
-                elif kind == "abort":
-                    self._fail(arg, "aborted by the router", abort_engine=True)
+        self._maybe_fault("loop")
+        if not engine.has_unfinished_requests():
+            return True
+        try:
+            self._maybe_fault("step")
+            outputs = engine.step(on_prompt_kv=self._on_prompt_kv)
+        except Exception as e:  # noqa: BLE001 - a broken step fails its requests, not the actor
+            self._loop_error(e, "engine step failed")
+            for request_id in list(self._active):
+                self._fail(request_id, f"engine step failed: {e!r}", abort_engine=True)
+            return True
+        for out in outputs:
+            if out.finished:
                 try:
-                    command = self._jobs.get_nowait()
-                except queue.Empty:
-                    command = None
-            if not engine.has_unfinished_requests():
-                continue
-            try:
-                outputs = engine.step(on_prompt_kv=self._on_prompt_kv)
-            except Exception as e:  # noqa: BLE001 - a broken step fails its requests, not the actor
-                logger.exception("%s: engine step failed", self.name)
-                for request_id in list(self._active):
-                    self._fail(request_id, f"engine step failed: {e!r}", abort_engine=True)
-                continue
-            for out in outputs:
-                if out.finished:
+                    self._maybe_fault("complete")
                     self._complete(out.request_id, out.finish_reason, out.queue_s or 0.0)
+                except Exception as e:  # noqa: BLE001 - fails this request only
+                    self._loop_error(e, f"completing {out.request_id} failed")
+                    self._fail(out.request_id, f"prefill completion failed: {e!r}", abort_engine=True)
+        return True
+
+    def _loop_error(self, e: BaseException, what: str) -> None:
+        self._num_loop_errors += 1
+        self._last_loop_error = f"{what}: {e!r}"
+        logger.error("%s: %s", self.name, what, exc_info=e)
+
+    def _maybe_fault(self, where: str) -> None:
+        with self._lock:
+            if self._faults.get(where, 0) <= 0:
+                return
+            self._faults[where] -= 1
+            if not self._faults[where]:
+                del self._faults[where]
+        raise RuntimeError(f"injected fault at {where}")
 
     def _start(self, job: _Job) -> None:
         sender = self.senders[job.decode_index]
         try:
+            self._maybe_fault("start")
             sender.begin(job.meta)
             self.engine.add_request(
                 job.prompt_token_ids,
@@ -214,11 +261,17 @@ class PrefillNode:
                 prefill_only=True,
             )
         except Exception as e:  # noqa: BLE001
+            self._loop_error(e, f"starting {job.request_id} failed")
             job.error = repr(e)
             with self._lock:
                 self._num_queued_tokens -= len(job.prompt_token_ids)
-            if job.request_id in sender.pending_request_ids():
-                sender.abort(job.request_id, job.error)
+            try:
+                self.engine.abort_request(job.request_id)
+                self.engine.pop_finished_outputs([job.request_id])
+                if job.request_id in sender.pending_request_ids():
+                    sender.abort(job.request_id, job.error)
+            except Exception:  # noqa: BLE001 - the caller is told either way
+                logger.exception("%s: cleaning up %s failed", self.name, job.request_id)
             job.done.set()
             return
         with self._lock:
@@ -272,18 +325,25 @@ class PrefillNode:
         self._finish_job(job)
 
     def _fail(self, request_id: str, reason: str, abort_engine: bool = False) -> None:
+        """Fail one job: free its blocks, abort its handoff, wake `prefill` with the error. Never raises."""
         job = self._active.get(request_id)
         if job is None:
             return
-        if abort_engine:
-            self.engine.abort_request(request_id)
-        self.engine.pop_prefill_result(request_id)
         try:
-            self.senders[job.decode_index].abort(request_id, reason)
-        except ValueError:
-            pass  # already finished on the sender
-        job.error = reason
-        self._finish_job(job)
+            if abort_engine:
+                self.engine.abort_request(request_id)
+                self.engine.pop_finished_outputs([request_id])  # aborted: no output
+            self.engine.pop_prefill_result(request_id)
+            job.layers.clear()
+            try:
+                self.senders[job.decode_index].abort(request_id, reason)
+            except ValueError:
+                pass  # already finished on the sender
+        except Exception:  # noqa: BLE001 - the job still fails below
+            logger.exception("%s: failing %s did not clean up", self.name, request_id)
+        finally:
+            job.error = reason
+            self._finish_job(job)
 
     def _finish_job(self, job: _Job) -> None:
         with self._lock:

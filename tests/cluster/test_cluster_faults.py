@@ -1,0 +1,158 @@
+"""Faults on a real local Ray cluster (one deployment shared by the module): requests that finish at
+admission on decode, and exceptions on the decode and prefill engine threads. Faults are injected only
+through the actors' test-only `inject_fault` hook; everything else is the real cluster.
+
+Every request runs under a timeout: the failure these tests guard against is a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from orchestrator.backend import BackendUnavailable
+from orchestrator.cluster import Cluster
+from orchestrator.topology import load_topology
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "def add(a, b):\n    return"
+REQUEST_TIMEOUT_S = 15.0  # a request here takes well under a second; only a hang reaches this
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    topo = load_topology("clusters/local.yaml")
+    topo = dataclasses.replace(
+        topo,
+        kv_transfer=dataclasses.replace(topo.kv_transfer, transport="grpc", timeout_s=10),
+        decode=dataclasses.replace(topo.decode, num_speculative_tokens=1, kv_cache_memory_bytes=16 << 20),
+        prefill=dataclasses.replace(topo.prefill, kv_cache_memory_bytes=16 << 20),
+    )
+    cluster = Cluster.deploy(topo)
+    # One event loop for the module: the cluster's decode pollers live on the loop of the first request
+    # (a poll in flight when an `asyncio.run` loop closes would take the next request's events with it).
+    cluster.test_loop = asyncio.new_event_loop()
+    yield cluster
+    cluster.shutdown()
+    pending = asyncio.all_tasks(cluster.test_loop)
+    for task in pending:
+        task.cancel()
+    cluster.test_loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    cluster.test_loop.close()
+
+
+def _generate(cluster: Cluster, request_id: str, params: SamplingParams, prompt: str = PROMPT):
+    """(tokens, last delta), or the exception the stream raised; TimeoutError means it hung."""
+
+    async def run():
+        tokens, last = [], None
+        async for delta in cluster.generate(request_id, cluster.tokenizer.encode(prompt), params):
+            tokens += delta.new_token_ids
+            last = delta
+        return tokens, last
+
+    return cluster.test_loop.run_until_complete(asyncio.wait_for(run(), REQUEST_TIMEOUT_S))
+
+
+def _assert_no_leaks(cluster: Cluster) -> None:
+    deadline_s = time.monotonic() + 5
+    while True:
+        leaks = cluster.check_no_leaks()
+        idle = all(
+            r["num_used_blocks"] == 0
+            and not r["pending_handoffs"]
+            and not r.get("num_reserved", 0)
+            and not r.get("num_unfinished", 0)
+            and not r.get("num_active", 0)
+            for r in leaks.values()
+        )
+        if idle or time.monotonic() > deadline_s:
+            break
+        time.sleep(0.1)
+    assert idle, leaks
+
+
+def _healthy_request_completes(cluster: Cluster, request_id: str) -> None:
+    tokens, last = _generate(
+        cluster, request_id, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    )
+    assert len(tokens) == 6 and last.finished and last.finish_reason == "length"
+
+
+def test_request_finished_at_admission_completes_on_an_idle_decode(cluster) -> None:
+    """max_tokens=1 (and a first token that is a stop token) finishes the request when decode admits
+    it; with nothing else running, its final delta must still come (it hung: nothing stepped)."""
+    tokens, last = _generate(cluster, "one", SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    assert len(tokens) == 1
+    assert last.finished and last.finish_reason == "length"
+    assert "kv_transfer_s" in last.phases and "first_decode_step_s" in last.phases
+    _assert_no_leaks(cluster)
+
+    # The same first token as a stop token (as EOS would): finished at admission, reason "stop".
+    params = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(tokens[0],))
+    stopped, last = _generate(cluster, "stop-first", params)
+    assert stopped == tokens and last.finished and last.finish_reason == "stop"
+    _assert_no_leaks(cluster)
+
+
+@pytest.mark.parametrize("where", ["admit", "delta", "loop"])
+def test_decode_engine_thread_exception_fails_the_request_and_the_loop_survives(cluster, where) -> None:
+    """An exception on decode's engine thread (admitting a handoff, turning step outputs into deltas, or
+    the loop itself) becomes an error for the request (the stream raises BackendUnavailable, or the
+    cluster re-dispatches it before any token and it completes); blocks are freed, the error is counted
+    in load(), and the next request is served by the same thread. It used to kill the thread: a hang."""
+    decode = cluster.decode_actors[0]
+    errors_before = cluster_load(decode)["num_engine_errors"]
+    _ray_get(decode.inject_fault.remote(where))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    try:
+        tokens, last = _generate(cluster, f"fault-{where}", params)
+    except BackendUnavailable as e:
+        assert request_id_in(e, f"fault-{where}")  # failed fast, no hang
+    else:  # an error before the first token: re-dispatched, and the retry is served
+        assert len(tokens) == 6 and last.finished
+    load = cluster_load(decode)
+    assert load["engine_thread_alive"] and load["num_engine_errors"] > errors_before
+    _assert_no_leaks(cluster)
+    _healthy_request_completes(cluster, f"after-{where}")
+    _assert_no_leaks(cluster)
+
+
+@pytest.mark.parametrize("where", ["start", "step", "complete"])
+def test_prefill_engine_thread_exception_fails_the_request_and_the_loop_survives(cluster, where) -> None:
+    """An exception on prefill's engine thread fails that request's prefill (its handoff is aborted, so
+    decode frees its reservation at once) and the loop serves the next request."""
+    prefill = cluster.prefill_actors[0]
+    errors_before = cluster_load(prefill)["num_engine_errors"]
+    _ray_get(prefill.inject_fault.remote(where))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    try:
+        tokens, last = _generate(cluster, f"prefill-fault-{where}", params)
+    except BackendUnavailable as e:
+        assert request_id_in(e, f"prefill-fault-{where}")  # failed fast, no hang
+    else:  # re-dispatched after the failed attempt
+        assert len(tokens) == 4 and last.finished
+    load = cluster_load(prefill)
+    assert load["engine_thread_alive"] and load["num_engine_errors"] > errors_before
+    _assert_no_leaks(cluster)
+    _healthy_request_completes(cluster, f"prefill-after-{where}")
+    _assert_no_leaks(cluster)
+
+
+def cluster_load(actor) -> dict:
+    return _ray_get(actor.load.remote())
+
+
+def _ray_get(ref):
+    import ray
+
+    return ray.get(ref, timeout=30)
+
+
+def request_id_in(error: Exception, request_id: str) -> bool:
+    return request_id in str(error)
