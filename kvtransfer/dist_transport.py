@@ -47,15 +47,12 @@ from kvtransfer.base import (
     FailureLog,
     HandoffExtras,
     HandoffMeta,
-    KVReceiver,
     KVSender,
     KVTransferError,
-    LayerCallback,
     ProtocolError,
-    ReceivedKV,
     TransferTimeout,
 )
-from kvtransfer.reservations import Reservations
+from kvtransfer.reservations import ReservationReceiver, Reservations
 from kvtransfer.wire import (
     FaultHook,
     LayerHeader,
@@ -333,7 +330,7 @@ class DistKVSender(KVSender):
 # ---- receiver (decode side) ----
 
 
-class DistKVReceiver(KVReceiver):
+class DistKVReceiver(ReservationReceiver):
     """Receives handoffs from the prefill ranks `peer_ranks` of `group` (None: the default group), one
     receive thread per peer. `int8_passthrough` as in `kvtransfer.reservations.Reservations`.
 
@@ -359,18 +356,6 @@ class DistKVReceiver(KVReceiver):
         ]
         for thread in self._threads:
             thread.start()
-
-    def expect(self, handoff: HandoffMeta, on_layer: LayerCallback | None = None) -> None:
-        self._reservations.expect(handoff, on_layer)
-
-    def wait(self, request_id: str, timeout_s: float) -> ReceivedKV:
-        return self._reservations.wait(request_id, timeout_s)
-
-    def release(self, request_id: str) -> None:
-        self._reservations.release(request_id)
-
-    def pending_request_ids(self) -> list[str]:
-        return self._reservations.pending_request_ids()
 
     def close(self, join_timeout_s: float = 10.0) -> None:
         """Waits up to `join_timeout_s` for every peer's `bye` (see the module docstring). A peer that said

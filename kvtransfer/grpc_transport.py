@@ -34,17 +34,14 @@ from kvtransfer.base import (
     FailureLog,
     HandoffExtras,
     HandoffMeta,
-    KVReceiver,
     KVSender,
     KVTransferError,
-    LayerCallback,
     ProtocolError,
-    ReceivedKV,
     SenderLost,
     TransferAborted,
     TransferTimeout,
 )
-from kvtransfer.reservations import Reservations
+from kvtransfer.reservations import ReservationReceiver, Reservations
 from kvtransfer.wire import (
     FaultHook,
     LayerHeader,
@@ -465,7 +462,7 @@ class _Servicer(pb_grpc.KVTransferServicer):
         context.abort(code, str(error))
 
 
-class KVReceiverServer(KVReceiver):
+class KVReceiverServer(ReservationReceiver):
     """The decode instance's gRPC endpoint and its reservations.
 
     Serves on `host:port` (`port=0`: a free port; the bound one is `self.port`, the address to give prefill
@@ -491,18 +488,6 @@ class KVReceiverServer(KVReceiver):
             raise OSError(f"could not bind a gRPC server to {host}:{port}")
         self.address = f"{host}:{self.port}"
         self._server.start()
-
-    def expect(self, handoff: HandoffMeta, on_layer: LayerCallback | None = None) -> None:
-        self._reservations.expect(handoff, on_layer)
-
-    def wait(self, request_id: str, timeout_s: float) -> ReceivedKV:
-        return self._reservations.wait(request_id, timeout_s)
-
-    def release(self, request_id: str) -> None:
-        self._reservations.release(request_id)
-
-    def pending_request_ids(self) -> list[str]:
-        return self._reservations.pending_request_ids()
 
     def close(self, grace_s: float = 1.0) -> None:
         self._server.stop(grace_s).wait()

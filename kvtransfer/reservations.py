@@ -22,6 +22,7 @@ import torch
 from kvtransfer.base import (
     HandoffExtras,
     HandoffMeta,
+    KVReceiver,
     KVTransferError,
     LayerCallback,
     ProtocolError,
@@ -296,3 +297,22 @@ class Reservations:
         self._fail(res, error)
         assert res.error is not None
         raise res.error
+
+
+class ReservationReceiver(KVReceiver):
+    """A `KVReceiver` whose bookkeeping is a `Reservations` (`self._reservations`, set by the subclass);
+    a transport only feeds it the frames it receives."""
+
+    _reservations: Reservations
+
+    def expect(self, handoff: HandoffMeta, on_layer: LayerCallback | None = None) -> None:
+        self._reservations.expect(handoff, on_layer)
+
+    def wait(self, request_id: str, timeout_s: float) -> ReceivedKV:
+        return self._reservations.wait(request_id, timeout_s)
+
+    def release(self, request_id: str) -> None:
+        self._reservations.release(request_id)
+
+    def pending_request_ids(self) -> list[str]:
+        return self._reservations.pending_request_ids()
