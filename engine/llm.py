@@ -372,10 +372,11 @@ class LLMEngine:
                 if self._async_loop is None:  # async: the executor drops it after the step in flight
                     self.executor.drop([update.request_id])
             results.append(self._output(request))
-        for request_id in list(self._finished):
-            if request_id not in {u.request_id for u in updates}:
-                results.append(self._output(self._finished[request_id]))
-            self._finished.pop(request_id)
+        updated = {u.request_id for u in updates}
+        for request_id, request in self._finished.items():  # finished outside the step (abort, admission)
+            if request_id not in updated:
+                results.append(self._output(request))
+        self._finished.clear()
         if self._async_loop is not None and not self.scheduler.has_unfinished():
             self._async_loop.drain()
         return results
@@ -489,7 +490,7 @@ class LLM:
         except ValueError:
             for rid in ids:  # all or nothing: withdraw the prompts queued before the bad one
                 engine.abort_request(rid)
-                engine._finished.pop(rid, None)
+                engine.pop_finished_outputs([rid])
                 engine._logprobs.pop(rid, None)
             raise
         results: dict[str, RequestOutput] = {}

@@ -241,9 +241,8 @@ class LocalEngineBackend:
         elif cmd == "abort":
             if self.engine.abort_request(arg):
                 # hand the final "abort" output over now rather than with the next step (there may be none)
-                request = self.engine._finished.pop(arg, None)
-                if request is not None:
-                    self._dispatch(arg, self.engine._output(request))
+                for output in self.engine.pop_finished_outputs([arg]):
+                    self._dispatch(arg, output)
 
     def _resolve(self, future: asyncio.Future, exc: BaseException | None) -> None:
         def set_result() -> None:
@@ -278,7 +277,7 @@ class LocalEngineBackend:
         for request_id in list(scheduler.requests):
             with contextlib.suppress(Exception):
                 self.engine.abort_request(request_id)
-                self.engine._finished.pop(request_id, None)
+                self.engine.pop_finished_outputs([request_id])
 
     def _snapshot(self) -> dict[str, Any]:
         scheduler = self.engine.scheduler

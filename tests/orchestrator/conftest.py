@@ -14,6 +14,7 @@ from models.corpus import corpus_files
 from models.deepseek_v3 import DeepseekV3ForCausalLM
 from models.loader import save_checkpoint
 from models.tokenizer import EOS_TOKEN, SPECIAL_TOKENS
+from tests.conftest import tiny_config
 
 RANDOM_CONTEXT_LEN = 128  # max_position_embeddings of the random checkpoint: small, to reach it in a test
 
@@ -36,29 +37,9 @@ def train_small_tokenizer(vocab_size: int = 320, num_chars: int = 8000) -> HFTok
 
 
 def random_tiny_config(vocab_size: int) -> DeepseekV3Config:
-    """Two layers (one dense, one MoE) + MTP; every DeepSeek-V3 feature on, sizes as small as they go."""
-    return DeepseekV3Config(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        n_shared_experts=1,
-        n_routed_experts=4,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_rope_head_dim=8,
-        v_head_dim=8,
-        qk_nope_head_dim=8,
-        n_group=2,
-        topk_group=1,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
-        max_position_embeddings=RANDOM_CONTEXT_LEN,
-        num_nextn_predict_layers=1,
-        torch_dtype="float32",
-    )
+    """The shared tiny test config (`tests.conftest.tiny_config`) with this tokenizer's vocabulary and a
+    128-token context, so tests can reach the end of the context."""
+    return tiny_config(vocab_size=vocab_size, max_position_embeddings=RANDOM_CONTEXT_LEN)
 
 
 @pytest.fixture(scope="session")
