@@ -187,6 +187,9 @@ class _Call:
     abort_reason: str | None = None
     stalled: bool = False  # the fault hook stopped it
     done: bool = False  # the RPC ended (delivered or failed): queued messages were dropped
+    # Set once `_on_done` has recorded the outcome. gRPC runs done-callbacks after the future completes,
+    # so waiting on the future alone can race with the bookkeeping; flush() waits on this.
+    ended: threading.Event = field(default_factory=threading.Event)
 
 
 class GrpcKVSender(KVSender):
@@ -255,6 +258,7 @@ class GrpcKVSender(KVSender):
                 self._failures.add(call.meta.request_id, error)
             if call.closed:
                 self._forget(call)
+        call.ended.set()
 
     def _forget(self, call: _Call) -> None:
         if self._calls.get(call.meta.request_id) is call:
@@ -294,11 +298,7 @@ class GrpcKVSender(KVSender):
         with self._lock:
             calls = [c for c in self._calls.values() if c.closed and c.future is not None]
         for call in calls:
-            assert call.future is not None
-            try:
-                call.future.exception(timeout=max(0.0, deadline_s - time.monotonic()))
-            except (futures.TimeoutError, grpc.FutureTimeoutError):
-                pass
+            call.ended.wait(max(0.0, deadline_s - time.monotonic()))
         with self._lock:
             in_flight = sorted(rid for rid, c in self._calls.items() if c.closed and not c.done)
             if in_flight:  # failures stay recorded for the next flush
