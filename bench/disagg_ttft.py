@@ -192,6 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from models.config import DeepseekV3Config
     from orchestrator.backend import LocalEngineBackend
     from orchestrator.cluster import Cluster
+    from orchestrator.ray_runtime import init_local_ray
     from orchestrator.topology import load_topology
 
     if args.threads is None:
@@ -223,7 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             backend.shutdown()
 
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        init_local_ray(num_cpus=4)
         ray_started = True
         deploy_s = {}
         for name, layerwise in (("disagg_layerwise", True), ("disagg_whole", False)):

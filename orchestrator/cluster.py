@@ -54,6 +54,7 @@ from kvtransfer.base import HandoffMeta
 from models.tokenizer import Tokenizer
 from orchestrator.backend import BackendUnavailable, StreamDelta
 from orchestrator.placement import plan_placement, to_ray_placement_group_args
+from orchestrator.ray_runtime import init_local_ray
 from orchestrator.router import POLICIES, DecodeLoad, PrefillLoad
 from orchestrator.topology import Topology, load_topology
 
@@ -166,7 +167,7 @@ class Cluster:
                 ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
             else:
                 needed = int(plan.num_devices_used * topo.hardware.cpus_per_device + 0.999)
-                ray.init(num_cpus=num_cpus or max(needed, 1), include_dashboard=False, log_to_driver=False)
+                init_local_ray(num_cpus or max(needed, 1))
             self._started_ray = True
         self._placement_groups = []
         self.prefill_actors: list[Any] = []

@@ -14,6 +14,7 @@ from models import bundled_checkpoint_dir
 from orchestrator.backend import BackendUnavailable, ServingBackend
 from orchestrator.cluster import Cluster
 from orchestrator.topology import load_topology
+from tests.cluster.conftest import call_bound_s, request_bound_s
 
 pytestmark = pytest.mark.slow
 
@@ -54,6 +55,15 @@ def single_engine_outputs():
     return results
 
 
+async def _wait_reserved(cluster: Cluster, decode_index: int = 0) -> None:
+    """Until decode `decode_index` holds a reservation: routing and reserve are actor calls, each bounded
+    by call_timeout_s."""
+    deadline_s = time.monotonic() + 2 * call_bound_s(cluster)
+    while (await cluster.decode_actors[decode_index].load.remote())["num_reserved"] == 0:
+        assert time.monotonic() < deadline_s, "the request never reached decode"
+        await asyncio.sleep(0.002)
+
+
 async def _generate(cluster: Cluster, request_id: str, ids: list[int], params=GREEDY):
     tokens, last = [], None
     async for delta in cluster.generate(request_id, ids, params):
@@ -63,7 +73,9 @@ async def _generate(cluster: Cluster, request_id: str, ids: list[int], params=GR
 
 
 def _assert_no_blocks_held(cluster: Cluster) -> None:
-    deadline_s = time.monotonic() + 5
+    # Releases after a request ends are actor calls (bounded by call_timeout_s); a reservation whose
+    # handoff never came is dropped when its lease (kv_transfer.timeout_s) expires.
+    deadline_s = time.monotonic() + cluster.event_timeout_s
     while True:
         leaks = cluster.check_no_leaks()
         idle = all(
@@ -123,7 +135,7 @@ def test_32_concurrent_requests_complete_without_leaks(ray_session) -> None:
                 ]
             )
 
-        results = asyncio.run(asyncio.wait_for(run(), 60))
+        results = asyncio.run(asyncio.wait_for(run(), request_bound_s(cluster)))
         for (tokens, last), sp in zip(results, params, strict=True):
             assert len(tokens) == sp.max_tokens and last.finished
         _assert_no_blocks_held(cluster)
@@ -145,16 +157,11 @@ def test_prefill_killed_mid_transfer_is_redispatched(ray_session, single_engine_
             task = asyncio.ensure_future(
                 _generate(cluster, "victim", long_prompt, SamplingParams(temperature=0.0, max_tokens=4))
             )
-            deadline_s = time.monotonic() + 10
-            while (await cluster.decode_actors[0].load.remote())["num_reserved"] == 0:
-                assert time.monotonic() < deadline_s, "the request never reached decode"
-                await asyncio.sleep(0.005)
+            await _wait_reserved(cluster)
             ray_session.kill(cluster.prefill_actors[0])  # round robin: request 0 went to prefill-0
-            return await asyncio.wait_for(task, 40)
+            return await asyncio.wait_for(task, request_bound_s(cluster))
 
-        started_s = time.monotonic()
         tokens, last = asyncio.run(run())
-        assert time.monotonic() - started_s < 40
         assert last.finished and len(tokens) == 4
         single = LLM(bundled_checkpoint_dir(), num_kv_blocks=128)
         assert (
@@ -176,12 +183,9 @@ def test_only_prefill_killed_fails_fast_with_clear_error(ray_session) -> None:
 
         async def run():
             task = asyncio.ensure_future(_generate(cluster, "victim", long_prompt))
-            deadline_s = time.monotonic() + 10
-            while (await cluster.decode_actors[0].load.remote())["num_reserved"] == 0:
-                assert time.monotonic() < deadline_s
-                await asyncio.sleep(0.005)
+            await _wait_reserved(cluster)
             ray_session.kill(cluster.prefill_actors[0])
-            return await asyncio.wait_for(task, 40)
+            return await asyncio.wait_for(task, request_bound_s(cluster))
 
         with pytest.raises(BackendUnavailable, match="handoff failed|no live prefill"):
             asyncio.run(run())

@@ -57,8 +57,12 @@ def assert_same_model(a: DeepseekV3ForCausalLM, b: DeepseekV3ForCausalLM) -> Non
     for name, tensor in state_a.items():
         assert state_b[name].dtype == tensor.dtype, name
         assert torch.equal(state_b[name], tensor), name
+    # Equal weights in two model objects can still round differently: the loaded tensors sit at other
+    # addresses (alignment) than the originals, and oneDNN/MKL pick kernels and summation orders by
+    # alignment and CPU (2.4e-7 was seen on an AVX-512 machine). The weights are compared exactly above;
+    # this checks what loading derives (buffers, the MTP head and embedding) at a few float32 ulps of O(1).
     for x, y in zip(outputs(a), outputs(b), strict=True):
-        assert torch.equal(x, y)
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
 # ---- round trips ------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from orchestrator.placement import (
     plan_placement,
     to_ray_placement_group_args,
 )
+from orchestrator.ray_runtime import init_local_ray
 from orchestrator.topology import (
     DEFAULT_TOPOLOGY_PATH,
     DecodePoolConfig,
@@ -167,9 +168,7 @@ def test_local_plan_creates_real_placement_groups_on_a_local_ray_cluster(tmp_pat
     from ray.util.placement_group import placement_group_table, remove_placement_group
 
     plan = plan_placement(local_topology(tmp_path))
-    ray.init(
-        address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False
-    )
+    init_local_ray(num_cpus=2, configure_logging=False)
     try:
         groups = [ray.util.placement_group(**to_ray_placement_group_args(p)) for p in plan.instances]
         ray.get([g.ready() for g in groups], timeout=60)
