@@ -19,7 +19,9 @@ reserve/abort wait at most one step. Layer writes go to reserved blocks no sched
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -47,7 +49,8 @@ class DecodeNode:
         self.receiver: KVReceiver | None = None
         self._engine_lock = threading.Lock()
         self._events_lock = threading.Condition()
-        self._events: list[tuple] = []
+        self._events: collections.deque[tuple[int, tuple]] = collections.deque()  # (seq, event), unacked
+        self._next_seq = 0
         self._admissions: list[tuple[str, ReceivedKV]] = []
         self._reserved_at_s: dict[str, float] = {}
         self._admitted_at_s: dict[str, float] = {}
@@ -65,6 +68,7 @@ class DecodeNode:
     def ready(self) -> dict[str, Any]:
         return {
             "name": self.name,
+            "pid": os.getpid(),
             "load_s": self.load_s,
             "num_blocks": self.engine.scheduler.block_manager.num_blocks,
         }
@@ -76,6 +80,12 @@ class DecodeNode:
         server = KVReceiverServer(self.host, 0, max_concurrent_streams=64)
         self.receiver = server
         return server.address
+
+    def node_ip(self) -> str:
+        """This actor's node IP (what prefill senders dial when the receiver binds 0.0.0.0)."""
+        import ray
+
+        return ray.util.get_node_ip_address()
 
     def connect_dist(self, rank: int, world_size: int, init_method: str, prefill_ranks: list[int]) -> None:
         """Join the transfer process group (collective) and listen to every prefill rank."""
@@ -129,15 +139,18 @@ class DecodeNode:
             self.engine.pop_finished_outputs([handoff_id])  # aborted: no output
             self._forget(handoff_id)
 
-    def poll(self, timeout_s: float = 0.05) -> list[tuple]:
-        """Events since the last poll (waits up to `timeout_s` for one):
-        `("delta", handoff_id, new_token_ids, finished, finish_reason, info)` or `("error", handoff_id, msg)`.
+    def poll(self, timeout_s: float = 0.05, acked_seq: int = 0) -> list[tuple[int, tuple]]:
+        """Events after `acked_seq`, as `(seq, event)` with seq counting from 1 (waits up to `timeout_s` for
+        one); event: `("delta", handoff_id, new_token_ids, finished, finish_reason, info)` or
+        `("error", handoff_id, msg)`. Events up to `acked_seq` are dropped; later ones are kept until a poll
+        acknowledges them, so a reply the driver stopped waiting for (a timed-out poll) loses nothing.
         """
         with self._events_lock:
+            while self._events and self._events[0][0] <= acked_seq:
+                self._events.popleft()
             if not self._events:
                 self._events_lock.wait(timeout_s)
-            events, self._events = self._events, []
-        return events
+            return list(self._events)
 
     def load(self) -> dict[str, Any]:
         """Cheap snapshot for the router: free KV blocks and batch size."""
@@ -145,6 +158,7 @@ class DecodeNode:
         bm = scheduler.block_manager
         return {
             "name": self.name,
+            "pid": os.getpid(),  # tells a restarted actor (new process) from a stalled one
             "num_free_blocks": bm.num_free_blocks,
             "num_total_blocks": bm.num_blocks,
             "num_running": len(scheduler.running),
@@ -340,5 +354,6 @@ class DecodeNode:
 
     def _emit(self, event: tuple) -> None:
         with self._events_lock:
-            self._events.append(event)
+            self._next_seq += 1
+            self._events.append((self._next_seq, event))
             self._events_lock.notify_all()

@@ -393,7 +393,7 @@ def build_app(backend: ServingBackend, api_key: str | None = None, slo: SLOConfi
     @app.get("/health")
     async def health() -> JSONResponse:
         try:
-            backend.stats()
+            await asyncio.to_thread(backend.stats)  # the cluster's may wait for a call timeout
         except BackendUnavailable as exc:
             raise ApiError(503, str(exc), "service_unavailable") from exc
         return JSONResponse({"status": "ok"})

@@ -42,6 +42,7 @@ import itertools
 import logging
 import os
 import socket
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -53,6 +54,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.base import HandoffMeta
 from models.tokenizer import Tokenizer
 from orchestrator.backend import BackendUnavailable, StreamDelta
+from orchestrator.health import InstanceHealth, ProbeOutcome, after_answer, after_failure
 from orchestrator.placement import plan_placement, to_ray_placement_group_args
 from orchestrator.ray_runtime import init_local_ray
 from orchestrator.router import POLICIES, DecodeLoad, PrefillLoad
@@ -63,7 +65,8 @@ logger = logging.getLogger(__name__)
 MAX_DISPATCH_ATTEMPTS = 2  # the first try plus one re-dispatch to another prefill instance
 CALL_TIMEOUT_MIN_S = 2.0  # floor of the per-call timeout (max(this, kv_transfer.timeout_s / 2))
 EVENT_SLACK_S = 5.0  # a prefill call / a wait for the next event gives up after kv_transfer.timeout_s + this
-STATS_TIMEOUT_S = 5.0  # stats() and check_no_leaks() wait at most this for the load snapshots
+PROBE_INTERVAL_S = 1.0  # the health monitor probes instances that are out of routing this often
+MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc transport) this often; then it stays dead
 ROUTER_CACHE_BLOCKS = 4096  # block hashes remembered per prefill instance for prefix-aware routing
 
 
@@ -185,6 +188,9 @@ class Cluster:
                 options = {
                     "num_cpus": spec.bundles[0].get("CPU", 1),
                     "max_concurrency": 256,
+                    # A crashed actor is restarted by Ray in its bundle, then rewired by the health monitor.
+                    # A torch.distributed group is fixed at deploy time: a restarted rank could not rejoin.
+                    "max_restarts": MAX_ACTOR_RESTARTS if topo.kv_transfer.transport == "grpc" else 0,
                     "runtime_env": env,
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(
                         pg, placement_group_bundle_index=0
@@ -218,7 +224,7 @@ class Cluster:
                     f"  {info['name']} ready: weights loaded in {info['load_s']:.1f} s "
                     f"({len(infos)}/{len(ready_refs)})"
                 )
-            self._wire(ray, plan)
+            decode_addresses = self._wire(ray, plan)
             log(
                 f"cluster {topo.name} up in {time.monotonic() - started_s:.1f} s "
                 f"({topo.kv_transfer.transport}, layerwise={topo.kv_transfer.layerwise})"
@@ -236,9 +242,17 @@ class Cluster:
         self.max_model_len = config.max_model_len or _max_position_embeddings(config.model)
         self._dtype = config.dtype
         self._policy = POLICIES[topo.router.policy]
-        self._prefill_alive = [True] * len(self.prefill_actors)
-        self._decode_alive = [True] * len(self.decode_actors)
-        self._decode_dead_reason: dict[int, str] = {}
+        self._health = {
+            "prefill": [
+                InstanceHealth(pid=infos[f"prefill-{i}"]["pid"]) for i in range(len(self.prefill_actors))
+            ],
+            "decode": [
+                InstanceHealth(pid=infos[f"decode-{j}"]["pid"]) for j in range(len(self.decode_actors))
+            ],
+        }
+        self._health_lock = threading.Lock()
+        self._decode_addresses = decode_addresses
+        self._poll_acked_seq = [0] * len(self.decode_actors)
         self._aborted: set[str] = set()
         self.call_timeout_s = max(CALL_TIMEOUT_MIN_S, topo.kv_transfer.timeout_s / 2)
         self.event_timeout_s = topo.kv_transfer.timeout_s + EVENT_SLACK_S
@@ -251,6 +265,9 @@ class Cluster:
         self._kv_transfer_bytes_total = 0
         self._kv_transfer_seconds_total = 0.0
         self._closed = False
+        self._monitor_stop = threading.Event()
+        self._monitor = threading.Thread(target=self._monitor_health, name="health-monitor", daemon=True)
+        self._monitor.start()
         return self
 
     @property
@@ -269,7 +286,8 @@ class Cluster:
         )
         return ray.get(probe.remote(), timeout=60)
 
-    def _wire(self, ray, plan) -> None:
+    def _wire(self, ray, plan) -> list[str]:
+        """Connect the KV transport; returns the decode instances' gRPC addresses (grpc; else [])."""
         kv = self.topology.kv_transfer
         spec_index = {(spec.role, spec.index): i for i, spec in enumerate(plan.instances)}
         if kv.transport == "grpc":
@@ -280,7 +298,7 @@ class Cluster:
                     for j, a in enumerate(addresses)
                 ]
             ray.get([p.connect_grpc.remote(addresses) for p in self.prefill_actors], timeout=120)
-            return
+            return addresses
         num_prefill, num_decode = len(self.prefill_actors), len(self.decode_actors)
         world_size = num_prefill + num_decode
         if self._loopback:
@@ -300,6 +318,7 @@ class Cluster:
             for d, r in zip(self.decode_actors, decode_ranks, strict=True)
         ]
         ray.get(refs, timeout=120)
+        return []
 
     # ---- serving ----------------------------------------------------------------------------------------
     async def generate(
@@ -317,7 +336,6 @@ class Cluster:
                 twice / with no other prefill instance to re-dispatch to, the decode instance died or
                 stopped answering, or no event came within `event_timeout_s`.
         """
-        import ray
 
         if self._closed:
             raise BackendUnavailable("the cluster is shut down")
@@ -340,7 +358,17 @@ class Cluster:
         self._active[request_id] = None  # reserved: abort() may come before the first attempt exists
         try:
             for attempt_index in range(MAX_DISPATCH_ATTEMPTS):
-                attempt = await self._dispatch(request_id, attempt_index, prompt_token_ids, params, excluded)
+                try:
+                    attempt = await self._dispatch(
+                        request_id, attempt_index, prompt_token_ids, params, excluded
+                    )
+                except BackendUnavailable as e:
+                    if not errors:
+                        raise
+                    # A failed attempt and nowhere to re-dispatch: the client hears the attempt's cause.
+                    raise BackendUnavailable(
+                        f"{request_id}: KV handoff failed: {'; '.join(errors)}; not re-dispatched: {e}"
+                    ) from e
                 if attempt is None:  # aborted while dispatching (its reservation, if any, is released)
                     yield aborted_delta()
                     return
@@ -382,8 +410,8 @@ class Cluster:
                             if isinstance(exc, asyncio.TimeoutError):
                                 exc = TimeoutError(f"no answer within {self.event_timeout_s:.0f} s")
                             error = f"prefill-{attempt.prefill_index}: {type(exc).__name__}: {exc}"
-                            if isinstance(exc, (ray.exceptions.RayActorError, TimeoutError)):
-                                self._prefill_alive[attempt.prefill_index] = False
+                            if self._is_lost(exc):
+                                self._mark_failed("prefill", attempt.prefill_index, exc, "prefill")
                             break
                         if prefill_task.done() and prefill_task.exception() is None:
                             phases.update(prefill_task.result())
@@ -428,7 +456,7 @@ class Cluster:
                 )
                 self._release(attempt)
                 if decode_lost or not self._decode_alive[attempt.decode_index]:
-                    reason = self._decode_dead_reason.get(attempt.decode_index, "")
+                    reason = self._health["decode"][attempt.decode_index].reason
                     if not decode_lost:
                         error = (
                             f"decode-{attempt.decode_index} died or stopped answering ({reason}); the "
@@ -459,33 +487,39 @@ class Cluster:
         attempt.events.put_nowait(("abort", attempt.handoff_id))
 
     def stats(self) -> dict[str, Any]:
-        """Load snapshot of the live instances. Raises BackendUnavailable when no prefill or no decode
-        instance is alive (an instance that fails or does not answer within STATS_TIMEOUT_S is marked dead),
-        so `/health` answers 503."""
-        import ray
+        """Load snapshot of the instances in routing, and every instance's health.
 
-        def snapshot(role: str, actors: list[Any], alive: list[bool]) -> list[dict[str, Any]]:
-            loads = []
-            for i, actor in enumerate(actors):
-                if not alive[i]:
-                    continue
-                try:
-                    loads.append(ray.get(actor.load.remote(), timeout=STATS_TIMEOUT_S))
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-                    if role == "decode":
-                        self._mark_decode_dead(i, f"{type(e).__name__}: {e}")
-                    else:
-                        alive[i] = False
-            if not loads:
-                raise BackendUnavailable(
-                    f"no live {role} instance (all {len(actors)} died or stopped answering)"
-                )
-            return loads
+        The snapshots are taken in parallel, waiting at most `call_timeout_s` (derived from
+        kv_transfer.timeout_s, like every call on the request path): an instance that does not answer in
+        time leaves routing as unresponsive (its requests fail), one whose actor died as dead; the health
+        monitor brings either back once it answers again.
+
+        Raises:
+            BackendUnavailable: no prefill or no decode instance is in routing (so `/health` answers 503);
+                the message names each instance's state and why.
+        """
+        import ray
 
         if self._closed:
             raise BackendUnavailable("the cluster is shut down")
-        prefill_loads = snapshot("prefill", self.prefill_actors, self._prefill_alive)
-        loads = snapshot("decode", self.decode_actors, self._decode_alive)
+        targets = [
+            (role, i, actor)
+            for role, actors in (("prefill", self.prefill_actors), ("decode", self.decode_actors))
+            for i, actor in enumerate(actors)
+            if self._health[role][i].routable
+        ]
+        refs = [actor.load.remote() for _, _, actor in targets]
+        ray.wait(refs, num_returns=len(refs), timeout=self.call_timeout_s)
+        loads: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": []}
+        for (role, i, _), ref in zip(targets, refs, strict=True):
+            try:
+                loads[role].append(ray.get(ref, timeout=0))
+            except Exception as e:  # noqa: BLE001 - GetTimeoutError or an actor error: out of routing
+                self._mark_failed(role, i, e, "load")
+        for role in ("prefill", "decode"):
+            if not loads[role]:
+                raise BackendUnavailable(f"no live {role} instance ({self._health_summary(role)})")
+        prefill_loads, loads = loads["prefill"], loads["decode"]
         return {
             "num_waiting_requests": sum(p["num_requests"] for p in prefill_loads),
             "num_running_requests": sum(d["num_running"] for d in loads),
@@ -498,6 +532,17 @@ class Cluster:
             },
             "kv_transfer_bytes_total": self._kv_transfer_bytes_total,
             "kv_transfer_seconds_total": self._kv_transfer_seconds_total,
+            "instances": self.health(),
+        }
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        """Every instance's health: `{name: {"state": "healthy" | "unresponsive" | "dead", "reason": str,
+        "for_s": seconds in that state}}` (no calls made)."""
+        now_s = time.monotonic()
+        return {
+            f"{role}-{i}": {"state": h.state.value, "reason": h.reason, "for_s": round(now_s - h.since_s, 3)}
+            for role in ("prefill", "decode")
+            for i, h in enumerate(self._health[role])
         }
 
     def check_no_leaks(self) -> dict[str, dict[str, Any]]:
@@ -507,7 +552,7 @@ class Cluster:
         actors = [
             (f"prefill-{i}", a) for i, a in enumerate(self.prefill_actors) if self._prefill_alive[i]
         ] + [(f"decode-{i}", a) for i, a in enumerate(self.decode_actors) if self._decode_alive[i]]
-        results = ray.get([a.check_no_leaks.remote() for _, a in actors], timeout=30)
+        results = ray.get([a.check_no_leaks.remote() for _, a in actors], timeout=self.call_timeout_s)
         return {name: r for (name, _), r in zip(actors, results, strict=True)}
 
     def shutdown(self) -> None:
@@ -517,6 +562,7 @@ class Cluster:
         from ray.util.placement_group import remove_placement_group
 
         self._closed = True
+        self._monitor_stop.set()
         for task in self._pollers:
             task.cancel()
         self._pollers = []
@@ -564,17 +610,142 @@ class Cluster:
 
         return isinstance(exc, (ray.exceptions.RayActorError, asyncio.TimeoutError, TimeoutError))
 
-    def _mark_decode_dead(self, decode_index: int, reason: str) -> None:
-        """Take decode instance `decode_index` out of routing and fail its in-flight requests (idempotent)."""
-        if not self._decode_alive[decode_index]:
+    # ---- health -----------------------------------------------------------------------------------------
+    @property
+    def _prefill_alive(self) -> list[bool]:
+        """Per prefill instance: in routing (healthy)."""
+        return [h.routable for h in self._health["prefill"]]
+
+    @property
+    def _decode_alive(self) -> list[bool]:
+        """Per decode instance: in routing (healthy)."""
+        return [h.routable for h in self._health["decode"]]
+
+    def _health_summary(self, role: str) -> str:
+        return "; ".join(
+            f"{role}-{i} {h.state.value}" + (f": {h.reason}" if h.reason else "")
+            for i, h in enumerate(self._health[role])
+        )
+
+    @staticmethod
+    def _outcome(exc: BaseException) -> ProbeOutcome:
+        import ray
+
+        if isinstance(exc, (asyncio.TimeoutError, TimeoutError, ray.exceptions.GetTimeoutError)):
+            return ProbeOutcome.TIMED_OUT
+        return ProbeOutcome.DIED
+
+    def _mark_failed(self, role: str, index: int, exc: BaseException, call: str) -> None:
+        """A call `call` on instance (`role`, `index`) timed out or raised an actor error: take it out of
+        routing (unresponsive or dead) and, for decode, fail its in-flight requests. Idempotent."""
+        if self._outcome(exc) is ProbeOutcome.TIMED_OUT:
+            reason = f"{call}: no answer within {self.call_timeout_s:g} s"
+        else:
+            reason = f"{call}: {type(exc).__name__}: {_first_line(exc)}"
+        with self._health_lock:
+            before = self._health[role][index]
+            after = after_failure(before, self._outcome(exc), reason, time.monotonic())
+            self._health[role][index] = after
+        if after is before:
             return
-        self._decode_alive[decode_index] = False
-        self._decode_dead_reason[decode_index] = reason
-        logger.error("decode-%d is dead (%s); taken out of routing", decode_index, reason)
-        self._fail_decode_attempts(decode_index)
+        logger.error("%s-%d is %s (%s); taken out of routing", role, index, after.state.value, reason)
+        if role == "decode":
+            self._fail_decode_attempts(index)
+
+    def _monitor_health(self) -> None:
+        """Health monitor thread: every PROBE_INTERVAL_S, probe every instance with one `load` call (all
+        at once, waiting `call_timeout_s`). One that does not answer leaves routing, so a crash or stall is
+        noticed with no request in flight; one out of routing that answers rejoins, after rewiring its KV
+        transport if Ray restarted it (a new process id)."""
+        import ray
+
+        while not self._monitor_stop.wait(PROBE_INTERVAL_S):
+            targets = [
+                (role, i, actor)
+                for role, actors in (("prefill", self.prefill_actors), ("decode", self.decode_actors))
+                for i, actor in enumerate(actors)
+            ]
+            refs = [actor.load.remote() for _, _, actor in targets]
+            ray.wait(refs, num_returns=len(refs), timeout=self.call_timeout_s)
+            for (role, i, _), ref in zip(targets, refs, strict=True):
+                if self._closed:
+                    return
+                try:
+                    pid = ray.get(ref, timeout=0)["pid"]
+                except Exception as e:  # noqa: BLE001 - stalled, restarting, or dead
+                    self._mark_failed(role, i, e, "probe")
+                    continue
+                health = self._health[role][i]
+                if not health.routable or health.pid != pid:
+                    self._rejoin(role, i, pid)
+
+    def _rejoin(self, role: str, index: int, pid: int) -> None:
+        import ray
+
+        before = self._health[role][index]
+        after, needs_rewire = after_answer(before, pid, time.monotonic())
+        if needs_rewire and role == "decode":  # what ran on the old process is gone
+            self._fail_decode_attempts(index)
+        if self.topology.kv_transfer.transport == "grpc" and (needs_rewire or role == "prefill"):
+            try:
+                self._rewire(ray, role, index, needs_rewire)
+            except Exception as e:  # noqa: BLE001 - try again at the next probe
+                logger.error("%s-%d answers again but could not be rewired: %s", role, index, e)
+                return
+        with self._health_lock:
+            self._health[role][index] = after
+        if role == "decode":
+            self._poll_acked_seq[index] = 0 if needs_rewire else self._poll_acked_seq[index]
+        logger.warning(
+            "%s-%d rejoined routing after %.1f s %s (%s)",
+            role,
+            index,
+            after.since_s - before.since_s,
+            before.state.value,
+            "restarted and rewired" if needs_rewire else "answering again",
+        )
+
+    def _rewire(self, ray, role: str, index: int, restarted: bool) -> None:
+        """gRPC only (restarts are off for torch.distributed). A restarted decode starts its receiver on a
+        new port, which the prefill instances in routing learn at once (the others when they rejoin); a
+        rejoining prefill (re)connects to every decode's current address, in case one moved meanwhile."""
+        if role == "decode":
+            assert restarted
+            decode = self.decode_actors[index]
+            address = ray.get(decode.start_grpc.remote(), timeout=self.call_timeout_s)
+            if not self._loopback:
+                address = advertised_address(
+                    address, ray.get(decode.node_ip.remote(), timeout=self.call_timeout_s)
+                )
+            self._decode_addresses[index] = address
+            prefills = [p for i, p in enumerate(self.prefill_actors) if self._health["prefill"][i].routable]
+            ray.get(
+                [p.set_decode_address.remote(index, address) for p in prefills], timeout=self.call_timeout_s
+            )
+        else:
+            ray.get(
+                self.prefill_actors[index].connect_grpc.remote(list(self._decode_addresses)),
+                timeout=self.call_timeout_s,
+            )
 
     def _fail_decode_attempts(self, decode_index: int) -> None:
-        reason = self._decode_dead_reason.get(decode_index, "unknown")
+        """End every in-flight attempt on decode `decode_index` with a "decode_lost" event. Safe from any
+        thread: off the requests' event loop (the health monitor, stats() in a worker thread) it is
+        handed to that loop, since asyncio queues are not thread-safe."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                on_loop = asyncio.get_running_loop() is loop
+            except RuntimeError:
+                on_loop = False
+            if not on_loop:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(self._fail_decode_attempts_on_loop, decode_index)
+                return
+        self._fail_decode_attempts_on_loop(decode_index)
+
+    def _fail_decode_attempts_on_loop(self, decode_index: int) -> None:
+        reason = self._health["decode"][decode_index].reason or "unknown"
         for attempt in list(self._by_handoff.values()):
             if attempt.decode_index == decode_index:
                 message = f"decode-{decode_index} died or stopped answering ({reason}); the request was lost"
@@ -601,11 +772,15 @@ class Cluster:
                 return None
             live = [i for i, alive in enumerate(self._prefill_alive) if alive and i not in excluded]
             if not live:
-                raise BackendUnavailable(f"{request_id}: no live prefill instance left to dispatch to")
+                others = "no other prefill instance" if excluded else self._health_summary("prefill")
+                raise BackendUnavailable(
+                    f"{request_id}: no live prefill instance left to dispatch to ({others})"
+                )
             live_decode = [j for j, alive in enumerate(self._decode_alive) if alive]
             if not live_decode:
-                reasons = "; ".join(f"decode-{j}: {r}" for j, r in sorted(self._decode_dead_reason.items()))
-                raise BackendUnavailable(f"{request_id}: no live decode instance ({reasons})")
+                raise BackendUnavailable(
+                    f"{request_id}: no live decode instance ({self._health_summary('decode')})"
+                )
             prefill_results, decode_results = await asyncio.gather(
                 asyncio.gather(
                     *[self._call(self.prefill_actors[i].load.remote()) for i in live], return_exceptions=True
@@ -620,13 +795,13 @@ class Cluster:
                 if isinstance(r, BaseException):
                     if not self._is_lost(r):
                         raise r
-                    logger.error("prefill-%d is dead (%s: %s)", i, type(r).__name__, r)
-                    self._prefill_alive[i], lost = False, True
+                    self._mark_failed("prefill", i, r, "load")
+                    lost = True
             for j, r in zip(live_decode, decode_results, strict=True):
                 if isinstance(r, BaseException):
                     if not self._is_lost(r):
                         raise r
-                    self._mark_decode_dead(j, f"load: {type(r).__name__}: {r}")
+                    self._mark_failed("decode", j, r, "load")
                     lost = True
             if lost:
                 continue  # route again over the instances that answered
@@ -665,7 +840,7 @@ class Cluster:
                 if not self._is_lost(e):
                     raise
                 self._release(attempt)  # a reservation that did go through after the timeout
-                self._mark_decode_dead(decode_index, f"reserve: {type(e).__name__}: {e}")
+                self._mark_failed("decode", decode_index, e, "reserve")
                 continue
             if request_id in self._aborted:  # aborted while reserving: abort() saw this attempt
                 self._by_handoff.pop(attempt.handoff_id, None)
@@ -702,13 +877,13 @@ class Cluster:
         prefill_task.add_done_callback(again)
 
     def _release(self, attempt: _Attempt) -> None:
-        """Best effort, fire and forget: drop the attempt on its prefill and decode instances."""
-        if self._decode_alive[attempt.decode_index]:
-            with contextlib.suppress(Exception):
-                self.decode_actors[attempt.decode_index].abort.remote(attempt.handoff_id)
-        if self._prefill_alive[attempt.prefill_index]:
-            with contextlib.suppress(Exception):
-                self.prefill_actors[attempt.prefill_index].abort.remote(attempt.handoff_id)
+        """Best effort, fire and forget: drop the attempt on its prefill and decode instances. Sent to
+        instances out of routing too: a stalled actor runs the call when it resumes (so what it still held
+        for the attempt is freed before it rejoins), a dead one drops it."""
+        with contextlib.suppress(Exception):
+            self.decode_actors[attempt.decode_index].abort.remote(attempt.handoff_id)
+        with contextlib.suppress(Exception):
+            self.prefill_actors[attempt.prefill_index].abort.remote(attempt.handoff_id)
 
     def _ensure_pollers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -718,23 +893,37 @@ class Cluster:
         self._pollers = [loop.create_task(self._poll(j)) for j in range(len(self.decode_actors))]
 
     async def _poll(self, decode_index: int) -> None:
-        """Hand decode instance `decode_index`'s events to their requests until it dies or stops answering
-        (one poll over `call_timeout_s`): then it is marked dead and its requests fail."""
+        """Hand decode instance `decode_index`'s events to their requests. A poll that fails or takes over
+        `call_timeout_s` takes the instance out of routing (its requests fail); polling resumes once the
+        health monitor has brought it back. Each poll acknowledges the events received so far, so a reply
+        lost to a timeout is sent again by the next poll (`DecodeNode.poll`)."""
         actor = self.decode_actors[decode_index]
-        while not self._closed and self._decode_alive[decode_index]:
+        while not self._closed:
+            if not self._decode_alive[decode_index]:
+                await asyncio.sleep(PROBE_INTERVAL_S / 4)
+                continue
             try:
-                events = await self._call(actor.poll.remote(0.05), self.call_timeout_s + 0.05)
+                events = await self._call(
+                    actor.poll.remote(0.05, self._poll_acked_seq[decode_index]), self.call_timeout_s + 0.05
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - a dead or stuck decode instance fails its requests
-                self._mark_decode_dead(decode_index, f"poll: {type(e).__name__}: {e}")
-                break
-            for event in events:
+                self._mark_failed("decode", decode_index, e, "poll")
+                continue
+            for seq, event in events:
+                if seq <= self._poll_acked_seq[decode_index]:
+                    continue  # sent again after a lost reply; already handed over
+                self._poll_acked_seq[decode_index] = seq
                 attempt = self._by_handoff.get(event[1])
                 if attempt is not None:
                     attempt.events.put_nowait(event)
-        if not self._closed:  # marked dead elsewhere (stats, dispatch): make sure its requests end
-            self._fail_decode_attempts(decode_index)
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error's first line, without Ray's multi-line actor dumps."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
 def _max_position_embeddings(model_dir: str) -> int:

@@ -19,6 +19,7 @@ A job that fails (engine error, send error, abort) aborts its handoff (decode's 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -86,6 +87,7 @@ class PrefillNode:
         cfg = self.engine.model.config
         return {
             "name": self.name,
+            "pid": os.getpid(),
             "load_s": self.load_s,
             "num_hidden_layers": cfg.num_hidden_layers,
             "kv_dim": cfg.kv_cache_dim,
@@ -93,10 +95,21 @@ class PrefillNode:
         }
 
     def connect_grpc(self, decode_addresses: list[str]) -> None:
-        """One gRPC sender per decode instance, in decode index order."""
+        """One gRPC sender per decode instance, in decode index order (closing any previous ones)."""
         from kvtransfer.grpc_transport import GrpcKVSender
 
-        self.senders = [GrpcKVSender(address) for address in decode_addresses]
+        old, self.senders = self.senders, [GrpcKVSender(address) for address in decode_addresses]
+        for sender in old:
+            sender.close()
+
+    def set_decode_address(self, decode_index: int, address: str) -> None:
+        """Decode instance `decode_index` was restarted and listens at `address` now: replace its sender
+        (transfers in flight to the old one fail, as they would have anyway)."""
+        from kvtransfer.grpc_transport import GrpcKVSender
+
+        old = self.senders[decode_index]
+        self.senders[decode_index] = GrpcKVSender(address)
+        old.close()
 
     def connect_dist(self, rank: int, world_size: int, init_method: str, decode_ranks: list[int]) -> None:
         """Join the transfer process group (collective: every node calls it at once); one sender per
@@ -142,6 +155,7 @@ class PrefillNode:
         with self._lock:
             return {
                 "name": self.name,
+                "pid": os.getpid(),  # tells a restarted actor (new process) from a stalled one
                 "num_queued_prefill_tokens": self._num_queued_tokens,
                 "num_requests": len(self._active),
                 "engine_thread_alive": self._thread.is_alive(),

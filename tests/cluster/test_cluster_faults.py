@@ -15,7 +15,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from orchestrator.backend import BackendUnavailable
-from orchestrator.cluster import STATS_TIMEOUT_S, Cluster
+from orchestrator.cluster import Cluster
 from orchestrator.topology import load_topology
 from tests.cluster.conftest import request_bound_s
 
@@ -107,8 +107,8 @@ def test_decode_engine_thread_exception_fails_the_request_and_the_loop_survives(
     cluster re-dispatches it before any token and it completes); blocks are freed, the error is counted
     in load(), and the next request is served by the same thread. It used to kill the thread: a hang."""
     decode = cluster.decode_actors[0]
-    errors_before = cluster_load(decode)["num_engine_errors"]
-    _ray_get(decode.inject_fault.remote(where))
+    errors_before = cluster_load(cluster, decode)["num_engine_errors"]
+    _ray_get(cluster, decode.inject_fault.remote(where))
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     try:
         tokens, last = _generate(cluster, f"fault-{where}", params)
@@ -116,7 +116,7 @@ def test_decode_engine_thread_exception_fails_the_request_and_the_loop_survives(
         assert request_id_in(e, f"fault-{where}")  # failed fast, no hang
     else:  # an error before the first token: re-dispatched, and the retry is served
         assert len(tokens) == 6 and last.finished
-    load = cluster_load(decode)
+    load = cluster_load(cluster, decode)
     assert load["engine_thread_alive"] and load["num_engine_errors"] > errors_before
     _assert_no_leaks(cluster)
     _healthy_request_completes(cluster, f"after-{where}")
@@ -128,8 +128,8 @@ def test_prefill_engine_thread_exception_fails_the_request_and_the_loop_survives
     """An exception on prefill's engine thread fails that request's prefill (its handoff is aborted, so
     decode frees its reservation at once) and the loop serves the next request."""
     prefill = cluster.prefill_actors[0]
-    errors_before = cluster_load(prefill)["num_engine_errors"]
-    _ray_get(prefill.inject_fault.remote(where))
+    errors_before = cluster_load(cluster, prefill)["num_engine_errors"]
+    _ray_get(cluster, prefill.inject_fault.remote(where))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     try:
         tokens, last = _generate(cluster, f"prefill-fault-{where}", params)
@@ -137,21 +137,21 @@ def test_prefill_engine_thread_exception_fails_the_request_and_the_loop_survives
         assert request_id_in(e, f"prefill-fault-{where}")  # failed fast, no hang
     else:  # re-dispatched after the failed attempt
         assert len(tokens) == 4 and last.finished
-    load = cluster_load(prefill)
+    load = cluster_load(cluster, prefill)
     assert load["engine_thread_alive"] and load["num_engine_errors"] > errors_before
     _assert_no_leaks(cluster)
     _healthy_request_completes(cluster, f"prefill-after-{where}")
     _assert_no_leaks(cluster)
 
 
-def cluster_load(actor) -> dict:
-    return _ray_get(actor.load.remote())
+def cluster_load(cluster: Cluster, actor) -> dict:
+    return _ray_get(cluster, actor.load.remote())
 
 
-def _ray_get(ref):
+def _ray_get(cluster: Cluster, ref):
     import ray
 
-    return ray.get(ref, timeout=STATS_TIMEOUT_S)
+    return ray.get(ref, timeout=cluster.call_timeout_s)  # what the cluster itself allows one call
 
 
 def request_id_in(error: Exception, request_id: str) -> bool:

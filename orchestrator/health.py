@@ -1,0 +1,84 @@
+"""Instance health: telling a stalled actor from a dead one, and when an instance rejoins routing.
+
+Pure policy over plain data (no Ray calls), used by `orchestrator.cluster.Cluster`:
+
+    HEALTHY ──call timed out──▶ UNRESPONSIVE ──answers, same process──▶ HEALTHY
+       │                             │
+       └──actor died──▶ DEAD ◀───────┘ (died while unresponsive)
+                         │
+                         └──answers, new process (Ray restarted it)──▶ rewired ──▶ HEALTHY
+
+Only HEALTHY instances are routed to. An instance leaves HEALTHY when one call on the request path
+times out (`call_timeout_s`, derived from `kv_transfer.timeout_s`) or raises an actor error; its in-flight
+requests fail then (their KV state lives on it). The cluster's health monitor probes every instance that
+is not HEALTHY every `probe_interval_s`; the probe's answer carries the actor's process id, so a restarted
+actor (a new process in the same placement group bundle) is told from one that was only stalled: the
+restarted one is rewired (its KV transport connected again) before it rejoins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class Health(enum.Enum):
+    HEALTHY = "healthy"  # answers within the call timeout; routed to
+    UNRESPONSIVE = "unresponsive"  # a call timed out: out of routing, probed until it answers
+    DEAD = "dead"  # its process died: out of routing; rejoins only if Ray restarts it
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceHealth:
+    """One instance's health as the driver sees it.
+
+    Attributes:
+        state: see `Health`.
+        reason: why it left HEALTHY (the failed call and its error); "" while healthy.
+        since_s: time.monotonic() of the last state change, in seconds.
+        pid: process id of the actor incarnation last seen answering (None before the first answer).
+    """
+
+    state: Health = Health.HEALTHY
+    reason: str = ""
+    since_s: float = 0.0
+    pid: int | None = None
+
+    @property
+    def routable(self) -> bool:
+        return self.state is Health.HEALTHY
+
+
+class ProbeOutcome(enum.Enum):
+    ANSWERED = "answered"
+    TIMED_OUT = "timed_out"
+    DIED = "died"
+
+
+def after_failure(health: InstanceHealth, outcome: ProbeOutcome, reason: str, now_s: float) -> InstanceHealth:
+    """The health after a call on the request path (or a probe) failed with `outcome`.
+
+    A timeout makes a healthy instance UNRESPONSIVE (a DEAD one stays DEAD); an actor error makes it DEAD.
+    The first reason is kept while the state does not change.
+
+    Raises:
+        ValueError: outcome is ANSWERED (use `after_answer`).
+    """
+    if outcome is ProbeOutcome.ANSWERED:
+        raise ValueError("after_failure takes a failed outcome; use after_answer for an answer")
+    state = (
+        Health.DEAD if outcome is ProbeOutcome.DIED or health.state is Health.DEAD else Health.UNRESPONSIVE
+    )
+    if state is health.state:
+        return health
+    return dataclasses.replace(health, state=state, reason=reason, since_s=now_s)
+
+
+def after_answer(health: InstanceHealth, pid: int, now_s: float) -> tuple[InstanceHealth, bool]:
+    """The health after the instance answered a call from process `pid`, and whether it must be rewired
+    first (True when `pid` is a new incarnation of an instance seen before: Ray restarted the actor, so
+    its transport endpoints are new). A rewired instance is HEALTHY once the caller has rewired it."""
+    needs_rewire = health.pid is not None and pid != health.pid
+    if health.state is Health.HEALTHY and not needs_rewire:
+        return (health if health.pid == pid else dataclasses.replace(health, pid=pid)), False
+    return InstanceHealth(Health.HEALTHY, "", now_s, pid), needs_rewire

@@ -1,0 +1,140 @@
+"""Stalls and crashes on a real local Ray (one deployment for the module; each test says what it proves).
+
+A stall is SIGSTOP of the actor's process (as a long GC pause, swapping or a debugger would), a crash is
+SIGKILL (as the OOM killer would). Nothing else is faked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import time
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from orchestrator.backend import BackendUnavailable
+from orchestrator.cluster import PROBE_INTERVAL_S, Cluster
+from orchestrator.topology import load_topology
+from tests.cluster.conftest import call_bound_s, request_bound_s
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "def add(a, b):\n    return"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    topo = load_topology("clusters/local.yaml")
+    topo = dataclasses.replace(
+        topo,
+        # timeout_s 6: call_timeout_s 3 s, so a stall is noticed within seconds.
+        kv_transfer=dataclasses.replace(topo.kv_transfer, transport="grpc", timeout_s=6),
+        decode=dataclasses.replace(topo.decode, kv_cache_memory_bytes=16 << 20),
+        prefill=dataclasses.replace(topo.prefill, kv_cache_memory_bytes=16 << 20),
+    )
+    cluster = Cluster.deploy(topo)
+    cluster.test_loop = asyncio.new_event_loop()  # one loop: the decode pollers live on it
+    yield cluster
+    cluster.shutdown()
+    pending = asyncio.all_tasks(cluster.test_loop)
+    for task in pending:
+        task.cancel()
+    cluster.test_loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    cluster.test_loop.close()
+
+
+@pytest.fixture(scope="module")
+def expected_tokens(cluster) -> list[int]:
+    return _generate(cluster, "baseline")
+
+
+def _generate(cluster: Cluster, request_id: str) -> list[int]:
+    async def run():
+        tokens = []
+        async for delta in cluster.generate(request_id, cluster.tokenizer.encode(PROMPT), GREEDY):
+            tokens += delta.new_token_ids
+        return tokens
+
+    return cluster.test_loop.run_until_complete(asyncio.wait_for(run(), request_bound_s(cluster)))
+
+
+def _pid(cluster: Cluster, role: str, index: int = 0) -> int:
+    import ray
+
+    actors = cluster.prefill_actors if role == "prefill" else cluster.decode_actors
+    return ray.get(actors[index].load.remote(), timeout=cluster.call_timeout_s)["pid"]
+
+
+def _seconds_until_routable(cluster: Cluster, role: str, bound_s: float) -> float:
+    started_s = time.monotonic()
+    while not (cluster._prefill_alive if role == "prefill" else cluster._decode_alive)[0]:
+        assert time.monotonic() - started_s < bound_s, cluster.health()
+        time.sleep(0.05)
+    return time.monotonic() - started_s
+
+
+def _assert_idle(cluster: Cluster) -> None:
+    deadline_s = time.monotonic() + cluster.event_timeout_s
+    while True:
+        leaks = cluster.check_no_leaks()
+        idle = all(r["num_used_blocks"] == 0 and not r["pending_handoffs"] for r in leaks.values())
+        if idle or time.monotonic() > deadline_s:
+            break
+        time.sleep(0.1)
+    assert idle, leaks
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_stalled_instance_leaves_routing_and_rejoins_when_it_answers(
+    cluster, expected_tokens, role
+) -> None:
+    """SIGSTOP for longer than the call timeout: a request fails with BackendUnavailable naming the stalled
+    instance (no hang), /health's stats() raises (503), the instance is reported "unresponsive", not
+    dead. After SIGCONT it rejoins routing within one probe (interval + one call) and serves the same
+    greedy tokens as before, with nothing left held."""
+    pid = _pid(cluster, role)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(BackendUnavailable, match=f"{role}-0"):
+            _generate(cluster, f"during-{role}-stall")
+        with pytest.raises(BackendUnavailable, match=f"{role}-0 unresponsive"):
+            cluster.stats()
+        assert cluster.health()[f"{role}-0"]["state"] == "unresponsive"
+        time.sleep(call_bound_s(cluster))  # stalled past a few probes: still not declared dead
+        assert cluster.health()[f"{role}-0"]["state"] == "unresponsive"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    recovery_s = _seconds_until_routable(cluster, role, PROBE_INTERVAL_S + 2 * call_bound_s(cluster))
+    print(f"{role} rejoined {recovery_s:.2f} s after SIGCONT")
+    assert _pid(cluster, role) == pid  # the same process, not a restart
+    assert _generate(cluster, f"after-{role}-stall") == expected_tokens
+    cluster.stats()  # healthy again: no BackendUnavailable
+    _assert_idle(cluster)
+
+
+def test_a_crashed_decode_is_restarted_rewired_and_serves_again(cluster, expected_tokens) -> None:
+    """SIGKILL of the decode actor's process: Ray restarts it in its placement group bundle (a new
+    process, weights loaded again); the health monitor rewires prefill's KV sender to the new receiver and
+    puts it back in routing; the same greedy tokens come out."""
+    pid = _pid(cluster, "decode")
+    os.kill(pid, signal.SIGKILL)
+    # A restart loads the weights again: bounded by the deploy's own wait for an actor (request bound).
+    recovery_s = _seconds_until_routable_after_restart(cluster, pid, request_bound_s(cluster))
+    print(f"decode restarted and rejoined {recovery_s:.2f} s after SIGKILL")
+    assert _pid(cluster, "decode") != pid
+    assert _generate(cluster, "after-crash") == expected_tokens
+    _assert_idle(cluster)
+
+
+def _seconds_until_routable_after_restart(cluster: Cluster, old_pid: int, bound_s: float) -> float:
+    started_s = time.monotonic()
+    while True:
+        health = cluster._health["decode"][0]
+        if health.routable and health.pid != old_pid:
+            return time.monotonic() - started_s
+        assert time.monotonic() - started_s < bound_s, cluster.health()
+        time.sleep(0.05)

@@ -1,0 +1,47 @@
+"""The instance health policy (orchestrator.health): pure transitions, no Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.health import Health, InstanceHealth, ProbeOutcome, after_answer, after_failure
+
+
+def test_a_timeout_makes_an_instance_unresponsive_and_an_answer_from_the_same_process_brings_it_back():
+    healthy = InstanceHealth(pid=41)
+    stalled = after_failure(healthy, ProbeOutcome.TIMED_OUT, "poll: GetTimeoutError", now_s=10.0)
+    assert (stalled.state, stalled.reason, stalled.since_s, stalled.routable) == (
+        Health.UNRESPONSIVE,
+        "poll: GetTimeoutError",
+        10.0,
+        False,
+    )
+    # Further timeouts keep the first reason and the time it left routing.
+    assert after_failure(stalled, ProbeOutcome.TIMED_OUT, "probe: GetTimeoutError", now_s=12.0) is stalled
+    back, needs_rewire = after_answer(stalled, pid=41, now_s=30.0)
+    assert back == InstanceHealth(Health.HEALTHY, "", 30.0, 41) and back.routable
+    assert not needs_rewire
+
+
+def test_an_actor_error_makes_it_dead_and_a_new_process_must_be_rewired_before_it_rejoins():
+    dead = after_failure(InstanceHealth(pid=41), ProbeOutcome.DIED, "poll: ActorDiedError", now_s=5.0)
+    assert dead.state is Health.DEAD and not dead.routable
+    # A timeout while dead (Ray restarting it) does not make it "only stalled".
+    assert after_failure(dead, ProbeOutcome.TIMED_OUT, "probe: GetTimeoutError", now_s=6.0) is dead
+    back, needs_rewire = after_answer(dead, pid=97, now_s=20.0)
+    assert needs_rewire and back.state is Health.HEALTHY and back.pid == 97
+
+
+def test_stalled_then_died_is_dead_and_a_healthy_instance_seen_from_a_new_process_needs_rewiring():
+    stalled = after_failure(InstanceHealth(pid=1), ProbeOutcome.TIMED_OUT, "load: timeout", now_s=1.0)
+    assert after_failure(stalled, ProbeOutcome.DIED, "probe: ActorDiedError", now_s=2.0).state is Health.DEAD
+    healthy = InstanceHealth(pid=1)
+    assert after_answer(healthy, pid=1, now_s=3.0) == (healthy, False)
+    assert after_answer(InstanceHealth(), pid=5, now_s=3.0) == (InstanceHealth(pid=5), False)  # first sight
+    restarted, needs_rewire = after_answer(healthy, pid=2, now_s=3.0)  # restarted between two calls
+    assert needs_rewire and restarted.pid == 2
+
+
+def test_after_failure_refuses_an_answer():
+    with pytest.raises(ValueError, match="after_answer"):
+        after_failure(InstanceHealth(), ProbeOutcome.ANSWERED, "", now_s=0.0)
