@@ -8,10 +8,12 @@
 
 One request (DESIGN.md, request lifecycle):
 1. The router policy (`orchestrator.router`) picks a prefill and a decode instance from load snapshots.
-2. Decode reserves KV blocks and expects the handoff (`DecodeNode.reserve`); no room: retried until the
-   transfer timeout, then `BackendUnavailable`.
+2. Decode reserves KV blocks and expects the handoff (`DecodeNode.reserve`), which returns the handoff
+   bound to the reservation by a fresh secret; no room: retried until the transfer timeout, then
+   `BackendUnavailable`.
 3. Prefill runs the prompt and streams each layer's KV (MTP layer, first token, drafts, last hidden
-   state) to that decode instance (`PrefillNode.prefill`).
+   state) to that decode instance (`PrefillNode.prefill`), presenting the secret, which the driver gives
+   to that prefill instance only (over Ray); decode refuses any other sender of that handoff.
 4. Decode admits it and streams tokens; the driver has one poll loop per decode instance that hands
    events to the request's queue.
 Faults: a prefill actor that dies (its `prefill` call raises) or a handoff that fails on decode (lease
@@ -73,6 +75,7 @@ class _Attempt:
         self.handoff_id = handoff_id
         self.prefill_index = prefill_index
         self.decode_index = decode_index
+        self.meta: HandoffMeta | None = None  # as decode's reserve bound it (with the secret), once reserved
         self.events: asyncio.Queue = asyncio.Queue()
 
 
@@ -347,7 +350,7 @@ class Cluster:
                     attempt.handoff_id,
                     list(prompt_token_ids),
                     params,
-                    self._meta(attempt, prompt_token_ids),
+                    attempt.meta,
                     attempt.decode_index,
                 )
                 prefill_task = asyncio.ensure_future(self._await_prefill(prefill_ref))
@@ -649,7 +652,7 @@ class Cluster:
             self._by_handoff[attempt.handoff_id] = attempt
             self._active[request_id] = attempt
             try:
-                reserved = await self._call(
+                bound = await self._call(
                     self.decode_actors[decode_index].reserve.remote(
                         attempt.handoff_id,
                         list(prompt_token_ids),
@@ -670,7 +673,8 @@ class Cluster:
                 self._by_handoff.pop(attempt.handoff_id, None)
                 self._release(attempt)
                 return None
-            if reserved:
+            if bound is not None:
+                attempt.meta = bound
                 remembered = self._prefill_hashes[prefill_index]
                 for h in hashes:
                     remembered[h] = None

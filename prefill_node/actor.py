@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,9 @@ from engine.config import EngineConfig
 from engine.llm import LLMEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import HandoffExtras, HandoffMeta, KVSender
+
+if TYPE_CHECKING:
+    from kvtransfer.grpc_transport import TLSCredentials
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +95,11 @@ class PrefillNode:
             "num_blocks": self.engine.scheduler.block_manager.num_blocks,
         }
 
-    def connect_grpc(self, decode_addresses: list[str]) -> None:
-        """One gRPC sender per decode instance, in decode index order."""
+    def connect_grpc(self, decode_addresses: list[str], tls: TLSCredentials | None = None) -> None:
+        """One gRPC sender per decode instance, in decode index order (mutual TLS with `tls`)."""
         from kvtransfer.grpc_transport import GrpcKVSender
 
-        self.senders = [GrpcKVSender(address) for address in decode_addresses]
+        self.senders = [GrpcKVSender(address, tls=tls) for address in decode_addresses]
 
     def connect_dist(self, rank: int, world_size: int, init_method: str, decode_ranks: list[int]) -> None:
         """Join the transfer process group (collective: every node calls it at once); one sender per
@@ -116,7 +119,8 @@ class PrefillNode:
         meta: HandoffMeta,
         decode_index: int,
     ) -> dict[str, Any]:
-        """Prefill one request and hand it to decode instance `decode_index` (which already `expect`s it).
+        """Prefill one request and hand it to decode instance `decode_index` (which already `expect`s it);
+        `meta` is the one that instance's `reserve` returned, with the handoff's secret.
 
         Returns once the handoff is finished on this side: `{"first_token_id", "num_drafts", "queue_s",
         "prefill_s"}`. Raises RuntimeError when the prefill or the send failed (the handoff is aborted).
