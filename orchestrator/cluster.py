@@ -275,13 +275,20 @@ class Cluster:
         kv = self.topology.kv_transfer
         spec_index = {(spec.role, spec.index): i for i, spec in enumerate(plan.instances)}
         if kv.transport == "grpc":
-            addresses = ray.get([d.start_grpc.remote() for d in self.decode_actors], timeout=120)
+            tls = None
+            if kv.tls is not None:  # read here, sent to the actors over Ray (files need not be on every node)
+                from kvtransfer.grpc_transport import TLSCredentials
+
+                tls = TLSCredentials.from_files(
+                    kv.tls.cert_file, kv.tls.key_file, kv.tls.ca_file, kv.tls.server_name
+                )
+            addresses = ray.get([d.start_grpc.remote(tls) for d in self.decode_actors], timeout=120)
             if not self._loopback:  # bound to 0.0.0.0: senders dial the decode node's IP
                 addresses = [
                     advertised_address(a, self._probe_node(ray, spec_index[("decode", j)])[0])
                     for j, a in enumerate(addresses)
                 ]
-            ray.get([p.connect_grpc.remote(addresses) for p in self.prefill_actors], timeout=120)
+            ray.get([p.connect_grpc.remote(addresses, tls) for p in self.prefill_actors], timeout=120)
             return
         num_prefill, num_decode = len(self.prefill_actors), len(self.decode_actors)
         world_size = num_prefill + num_decode
