@@ -26,6 +26,7 @@ its layers plus MTP layers, `min(2048, max_position_embeddings)` tokens.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -174,12 +175,13 @@ def bench_clone(shape: dict[str, Any], repeats: int) -> dict[str, Any]:
 
 
 def timed_receive(
-    receiver: KVReceiver, start_sending: Callable[[], Any], meta: HandoffMeta
+    receiver: KVReceiver, start_sending: Callable[[HandoffMeta], Any], meta: HandoffMeta
 ) -> tuple[float, Any]:
-    """Seconds from `start_sending()` (after `expect`) to `wait` returning; what `start_sending` returned."""
-    receiver.expect(meta)
+    """Seconds from `start_sending(bound)` (after `expect`, which returned `bound`: `meta` with its secret)
+    to `wait` returning; what `start_sending` returned."""
+    bound = receiver.expect(meta)
     started_s = time.perf_counter()
-    returned = start_sending()
+    returned = start_sending(bound)
     receiver.wait(meta.request_id, WAIT_S)
     elapsed_s = time.perf_counter() - started_s
     receiver.release(meta.request_id)
@@ -196,7 +198,7 @@ def bench_grpc(shape: dict[str, Any], wire: str, repeats: int) -> dict[str, Any]
     try:
         for i in range(repeats + 1):  # the first one warms the connection
             meta = make_handoff(f"grpc-{wire}-{i}", shape, wire)
-            elapsed, send_return = timed_receive(server, lambda m=meta: send_all(sender, m, layers), meta)
+            elapsed, send_return = timed_receive(server, lambda bound: send_all(sender, bound, layers), meta)
             elapsed_s.append(elapsed)
             send_return_s.append(send_return)
         failures = sender.flush(WAIT_S)
@@ -208,7 +210,7 @@ def bench_grpc(shape: dict[str, Any], wire: str, repeats: int) -> dict[str, Any]
 
 
 def _dist_rank(
-    rank: int, port: int, shape: dict[str, Any], wire: str, repeats: int, out_dir: str, sync
+    rank: int, port: int, shape: dict[str, Any], wire: str, repeats: int, out_dir: str, sync, secrets_queue
 ) -> None:
     import torch.distributed as dist
 
@@ -231,14 +233,22 @@ def _dist_rank(
             sender = DistKVSender(1, config)
             for i in range(repeats + 1):
                 sync.wait()
-                send_return_s.append(send_all(sender, make_handoff(f"dist-{wire}-{i}", shape, wire), layers))
+                meta = dataclasses.replace(
+                    make_handoff(f"dist-{wire}-{i}", shape, wire), secret=secrets_queue.get()
+                )
+                send_return_s.append(send_all(sender, meta, layers))
                 sync.wait()
             sender.close()
         else:
             receiver = DistKVReceiver([0], config)
             for i in range(repeats + 1):
                 meta = make_handoff(f"dist-{wire}-{i}", shape, wire)
-                elapsed_s.append(timed_receive(receiver, sync.wait, meta)[0])
+
+                def start(bound: HandoffMeta) -> None:  # the secret to prefill, then let it send
+                    secrets_queue.put(bound.secret)
+                    sync.wait()
+
+                elapsed_s.append(timed_receive(receiver, start, meta)[0])
                 sync.wait()
             receiver.close()
         Path(out_dir, f"rank{rank}.json").write_text(
@@ -254,9 +264,12 @@ def bench_dist(shape: dict[str, Any], wire: str, repeats: int) -> dict[str, Any]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    sync = mp.get_context("spawn").Barrier(2)
+    ctx = mp.get_context("spawn")
+    sync, secrets_queue = ctx.Barrier(2), ctx.Queue()  # the secret goes decode -> prefill, as over Ray
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_dist_rank, args=(port, shape, wire, repeats, out_dir, sync), nprocs=2, join=True)
+        mp.spawn(
+            _dist_rank, args=(port, shape, wire, repeats, out_dir, sync, secrets_queue), nprocs=2, join=True
+        )
         sent = json.loads(Path(out_dir, "rank0.json").read_text())
         received = json.loads(Path(out_dir, "rank1.json").read_text())
     return summarize(make_handoff("x", shape, wire), received["elapsed_s"][1:], sent["send_return_s"][1:])

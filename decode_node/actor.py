@@ -4,8 +4,9 @@ The driver (`orchestrator.cluster.Cluster`) wraps the class with `ray.remote` an
 instance's placement group. A disaggregated request on this node:
 
     reserve(handoff_id, ...)   engine.reserve_remote_prefill (blocks for prompt + first token + drafts),
-                               then receiver.expect(meta, on_layer=write into the reserved slots); a waiter
-                               thread blocks in receiver.wait(lease)
+                               then receiver.expect(meta, on_layer=write into the reserved slots), whose
+                               bound meta (with the handoff's secret) goes back to the driver for the chosen
+                               prefill instance only; a waiter thread blocks in receiver.wait(lease)
     (prefill streams layers)   on_layer -> engine.write_prompt_kv (the transport's receive thread)
     wait returns               the engine thread admits it (first token + drafts; greedy or sampled drafts
                                with their probabilities) and steps it with the running batch
@@ -24,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +33,9 @@ from engine.config import EngineConfig
 from engine.llm import LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import HandoffMeta, KVReceiver, KVTransferError, ReceivedKV, ReceivedLayer
+
+if TYPE_CHECKING:
+    from kvtransfer.grpc_transport import TLSCredentials
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +77,12 @@ class DecodeNode:
             "num_blocks": self.engine.scheduler.block_manager.num_blocks,
         }
 
-    def start_grpc(self) -> str:
-        """Start the gRPC receiver on a free loopback port; returns the address prefill senders use."""
+    def start_grpc(self, tls: TLSCredentials | None = None) -> str:
+        """Start the gRPC receiver on a free port of `host` (mutual TLS with `tls`); returns the address
+        prefill senders use."""
         from kvtransfer.grpc_transport import KVReceiverServer
 
-        server = KVReceiverServer(self.host, 0, max_concurrent_streams=64)
+        server = KVReceiverServer(self.host, 0, max_concurrent_streams=64, tls=tls)
         self.receiver = server
         return server.address
 
@@ -103,8 +108,10 @@ class DecodeNode:
         params: SamplingParams,
         meta: HandoffMeta,
         num_draft_tokens: int,
-    ) -> bool:
-        """Reserve blocks and expect the handoff (before prefill starts). False: no room right now.
+    ) -> HandoffMeta | None:
+        """Reserve blocks and expect the handoff (before prefill starts). Returns `meta` bound to the
+        reservation (with the secret the prefill sender must present: give it to that prefill instance
+        only); None: no room right now.
 
         Raises:
             ValueError: a request this instance could never hold.
@@ -113,20 +120,20 @@ class DecodeNode:
         engine = self.engine
         with self._engine_lock:
             if not engine.reserve_remote_prefill(handoff_id, prompt_token_ids, params, num_draft_tokens):
-                return False
+                return None
             self._reserved_at_s[handoff_id] = time.monotonic()
 
         def on_layer(layer_idx: int, layer: ReceivedLayer) -> None:
             engine.write_prompt_kv(handoff_id, layer_idx, layer.latent)
 
         try:
-            self.receiver.expect(meta, on_layer)
+            bound = self.receiver.expect(meta, on_layer)
         except Exception:
             with self._engine_lock:
                 engine.release_remote_prefill(handoff_id)
             raise
         threading.Thread(target=self._await_handoff, args=(meta,), daemon=True).start()
-        return True
+        return bound
 
     def abort(self, handoff_id: str) -> None:
         """Drop the request wherever it is (reserved or running); frees its blocks. Unknown ids: no-op."""

@@ -5,7 +5,9 @@ Who calls what, and when (one request, `request_id`):
 Decode instance (receiver side, `KVReceiver`), on the decode actor's thread:
     1. `expect(handoff, on_layer)` once the router picked this instance and decode reserved the request's
        KV blocks, and BEFORE the prefill side is told to start (data for an unknown request is refused).
-       Starts the lease: the whole handoff must arrive within `handoff.lease_s` of this call.
+       Starts the lease: the whole handoff must arrive within `handoff.lease_s` of this call. Returns the
+       handoff bound to the reservation: the same `HandoffMeta` with a fresh `secret` (32 random bytes),
+       which goes to the chosen prefill instance only (through the driver, over Ray).
     2. `wait(request_id, timeout_s)` blocks until every layer arrived with a verified checksum and the
        extras arrived, and returns a `ReceivedKV`; otherwise raises a `KVTransferError` subclass.
        `on_layer(layer_idx, ReceivedLayer)` (optional) runs on the transport's receive thread as each layer
@@ -15,7 +17,8 @@ Decode instance (receiver side, `KVReceiver`), on the decode actor's thread:
        may free the request's blocks right away. Later data for the request is refused.
 
 Prefill instance (sender side, `KVSender`), on the prefill actor's thread:
-    1. `begin(handoff)` when the request's prefill is scheduled (same `HandoffMeta` as decode's `expect`).
+    1. `begin(handoff)` when the request's prefill is scheduled, with the `HandoffMeta` decode's `expect`
+       returned (the one carrying the secret).
     2. `send_layer(request_id, layer_idx, latent_kv)` from the model runner's `on_layer_kv` hook right after
        each layer's KV is computed (MTP layer: `layer_idx = num_hidden_layers`). It copies the tensor,
        enqueues it and returns, so the next layer's forward overlaps the transfer. With chunked prefill the
@@ -29,6 +32,12 @@ Prefill instance (sender side, `KVSender`), on the prefill actor's thread:
     (`finish`/`abort`) and its delivery ended, delivered or failed: only a failure's error stays, in a
     bounded `FailureLog`, until `flush` reports it. Nobody has to call `flush` for memory to be freed.
 
+Authentication: the receiver accepts a handoff's data only from the one sender that presented the
+handoff's secret first (`hmac.compare_digest`), checked before any of the sender's data is read into the
+reservation; every other sender (no secret, a wrong one, a second sender with the right one: a replay) is
+refused with `HandoffRefused` and the reservation is left untouched, so the real sender still delivers.
+The secret binds a sender to one reservation; it does not encrypt anything (gRPC can add TLS).
+
 A handoff is all-or-nothing: decode admits the request only when `wait` returns. On any error the request is
 released on decode and re-dispatched to a prefill instance by the caller; nothing partial is ever used.
 
@@ -36,12 +45,14 @@ Errors (all `KVTransferError`): `TransferTimeout` (lease expired: sender stalled
 says how many layers arrived) and its subclass `SenderLost` (the transport saw the sender go away before
 `finish`, raised without waiting for the lease), `ChecksumMismatch`
 (names the layer), `TransferAborted` (sender's reason), `ProtocolError` (the two sides disagree: a handoff
-that does not match the reservation, a duplicate or out-of-range layer, no reservation).
+that does not match the reservation, a duplicate or out-of-range layer, no reservation) and its subclass
+`HandoffRefused` (a sender not admitted: seen by that sender only, never recorded on the reservation).
 """
 
 from __future__ import annotations
 
 import abc
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +69,12 @@ DTYPES: dict[str, torch.dtype] = {
 }
 FLOAT_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 INT8_SCALE_DTYPE = torch.float32  # one scale per token on an int8 wire (kernels.kv_quant)
+HANDOFF_SECRET_NUM_BYTES = 32  # 256 bits from `secrets.token_bytes`: not guessable within any lease
+
+
+def new_handoff_secret() -> bytes:
+    """A fresh per-handoff secret: `HANDOFF_SECRET_NUM_BYTES` bytes from the OS's CSPRNG."""
+    return secrets.token_bytes(HANDOFF_SECRET_NUM_BYTES)
 
 
 def dtype_from_name(name: str, what: str = "dtype") -> torch.dtype:
@@ -91,6 +108,9 @@ class HandoffMeta:
     lease_s: seconds from `expect()` (receiver) / `begin()` (sender) within which the whole handoff must be
         complete, prefill compute included since layers stream while it runs. A duration, not a wall-clock
         deadline, so the two hosts' clocks need not agree: each side starts its own monotonic clock.
+    secret: the handoff's secret (`HANDOFF_SECRET_NUM_BYTES` bytes), created by the receiver's `expect` and
+        empty until then; the sender presents it and the receiver admits only the first sender that does.
+        Not part of equality and never in `repr` (so not in logs or error messages).
     """
 
     request_id: str
@@ -100,6 +120,7 @@ class HandoffMeta:
     dtype: str = "bfloat16"
     wire_dtype: str = "bfloat16"
     lease_s: float = 30.0
+    secret: bytes = field(default=b"", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -115,6 +136,8 @@ class HandoffMeta:
             )
         if not self.lease_s > 0:
             raise ValueError(f"lease_s: must be positive, got {self.lease_s}")
+        if not isinstance(self.secret, bytes):
+            raise ValueError(f"secret: must be bytes, got {type(self.secret).__name__}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -221,6 +244,12 @@ class ProtocolError(KVTransferError):
     out-of-range layer, `finish` before every layer."""
 
 
+class HandoffRefused(ProtocolError):
+    """A sender was not admitted to a handoff, before any of its data was accepted: no reservation, no
+    secret or a wrong one, or the handoff already has its sender (a replay). Raised to that sender only:
+    the reservation is not touched, so the real sender still delivers. The message never holds a secret."""
+
+
 class FailureLog:
     """A sender's record of handoffs that failed and were not yet reported by `flush`: request id ->
     error only (no tensors, no call state), the oldest dropped beyond `max_records` so a sender nobody
@@ -250,7 +279,11 @@ class KVSender(abc.ABC):
 
     @abc.abstractmethod
     def begin(self, handoff: HandoffMeta) -> None:
-        """Open the handoff (decode must already `expect` it). ValueError if `request_id` is already open."""
+        """Open the handoff: `handoff` is what decode's `expect` returned (it carries the secret).
+
+        Raises:
+            ValueError: `request_id` is already open, or `handoff.secret` is empty.
+        """
 
     @abc.abstractmethod
     def send_layer(self, request_id: str, layer_idx: int, latent_kv: torch.Tensor) -> None:
@@ -292,8 +325,14 @@ class KVReceiver(abc.ABC):
     the transport's threads. See the module docstring for the order of calls."""
 
     @abc.abstractmethod
-    def expect(self, handoff: HandoffMeta, on_layer: LayerCallback | None = None) -> None:
-        """Register a reservation and start its lease. ValueError if `request_id` is already reserved."""
+    def expect(self, handoff: HandoffMeta, on_layer: LayerCallback | None = None) -> HandoffMeta:
+        """Register a reservation and start its lease; returns `handoff` with a fresh `secret`, the one to
+        give the sender (and nobody else).
+
+        Raises:
+            ValueError: `request_id` is already reserved, or `handoff` already carries a secret (the
+                receiver creates it).
+        """
 
     @abc.abstractmethod
     def wait(self, request_id: str, timeout_s: float) -> ReceivedKV:

@@ -12,9 +12,25 @@ Every message is three sends, in order, on the pair:
     header  uint8 [header_num_bytes]: msgpack {"kind": "begin" | "layer" | "finish" | "abort" | "bye", ...}
     payload uint8 [header["header"]["num_bytes"]]         (layer messages only: `kvtransfer.wire` layout)
 
-`begin` carries the `HandoffMeta`, `layer` a `LayerHeader` (CRC-32 of the payload), `finish` the extras
-(with their CRC-32), `abort` the reason, `bye` ends the receiver's loop for that peer (`DistKVSender.close`)
-and fails the peer's unfinished handoffs with SenderLost.
+`begin` carries the `HandoffMeta` (its `secret` included), `layer` a `LayerHeader` (CRC-32 of the payload),
+`finish` the extras (with their CRC-32), `abort` the reason, `bye` ends the receiver's loop for that peer
+(`DistKVSender.close`) and fails the peer's unfinished handoffs with SenderLost.
+
+Authentication. The receiver admits a `begin` only with the secret decode's `expect` created, for a
+handoff that has no sender yet (`Reservations.claim`); a begin without it, with a wrong one, or a second
+begin (a replay) is dropped and the reservation is left alone. Layers, finish and abort are taken only from
+the peer rank whose begin was admitted for that request; from any other rank they are dropped unrecorded.
+The secret travels in clear inside the group (gloo/NCCL/HCCL neither authenticate nor encrypt), but it is
+used up by the begin that carries it, so seeing it later gains nothing.
+
+Rendezvous (`init_transport_group`, `tcp://host:port`): rank 0's TCPStore listens on `host` only (a
+socket bound to that address, not torch's default of every interface), so a loopback topology's store
+and, with gloo, its pairs (`GLOO_SOCKET_IFNAME` set to the loopback interface) are not reachable from
+other machines. What stays open: any process on the host (or, for a routable `host`, on the network) can
+connect to the store while the group exists and read or write its keys, and the backends' own
+connections are unauthenticated. A process that joins or disturbs the rendezvous can break the group
+(every handoff then fails, visibly) and may receive KV a prefill rank sends to the rank it impersonates;
+it still cannot forge a handoff decode admits. Where that matters, use the grpc transport with TLS.
 
 Threads: the sender's worker thread encodes (INT8, CRC-32) and sends, fed by a queue, so `send_layer`
 returns at once. The receiver runs one thread per peer rank, blocked in `recv`, which verifies each layer and
@@ -31,13 +47,17 @@ device-to-host copy per layer on each side.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlparse
 
 import msgpack
 import torch
@@ -47,6 +67,7 @@ from kvtransfer.base import (
     FailureLog,
     HandoffExtras,
     HandoffMeta,
+    HandoffRefused,
     KVSender,
     KVTransferError,
     ProtocolError,
@@ -100,6 +121,38 @@ class DistTransportConfig:
         return cls(backend=BACKEND_FOR_DEVICE[device_type], device=device)
 
 
+def _loopback_interface() -> str | None:
+    """The loopback interface's name (`lo` on Linux, `lo0` on BSD/macOS), or None if neither exists."""
+    names = {name for _, name in socket.if_nameindex()}
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def rendezvous_store(host: str, port: int, *, rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The group's TCPStore: rank 0 serves it on a socket bound to `host:port` only (torch's own binds every
+    interface whatever the host), the others connect to it. OSError if rank 0 cannot bind there."""
+    timeout = timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, port), family=family)
+    try:
+        store = dist.TCPStore(
+            host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.fileno()
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the descriptor now
+    return store
+
+
 def init_transport_group(
     config: DistTransportConfig,
     *,
@@ -109,16 +162,29 @@ def init_transport_group(
     timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
 ) -> None:
     """`torch.distributed.init_process_group` with the configured backend (torch_npu imported lazily for
-    NPU). `timeout_s` bounds how long a pair may sit idle (see the module docstring)."""
+    NPU). `timeout_s` bounds how long a pair may sit idle (see the module docstring).
+
+    `init_method` `tcp://host:port`: the rendezvous store listens on `host` only (`rendezvous_store`), and
+    with gloo on a loopback `host` the pairs bind the loopback interface too (unless `GLOO_SOCKET_IFNAME`
+    is set already). Other init methods (`env://`, `file://`) go to torch unchanged.
+    """
     if config.device.startswith("npu"):
         import torch_npu  # noqa: F401  (registers the "npu" device and the HCCL backend)
-    dist.init_process_group(
-        config.backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    timeout = timedelta(seconds=timeout_s)
+    url = urlparse(init_method)
+    if url.scheme != "tcp":
+        dist.init_process_group(
+            config.backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+        )
+        return
+    if url.hostname is None or url.port is None:
+        raise ValueError(f"init_method: expected tcp://host:port, got {init_method!r}")
+    if config.backend == "gloo" and _is_loopback(url.hostname) and "GLOO_SOCKET_IFNAME" not in os.environ:
+        interface = _loopback_interface()
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    store = rendezvous_store(url.hostname, url.port, rank=rank, world_size=world_size, timeout_s=timeout_s)
+    dist.init_process_group(config.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _send_message(
@@ -202,6 +268,10 @@ class DistKVSender(KVSender):
         self._worker.start()
 
     def begin(self, handoff: HandoffMeta) -> None:
+        if not handoff.secret:
+            raise ValueError(
+                f"{handoff.request_id}: the handoff has no secret; begin with what expect returned"
+            )
         with self._lock:
             if self._closed:
                 raise RuntimeError("DistKVSender is closed")
@@ -365,7 +435,7 @@ class DistKVReceiver(ReservationReceiver):
             thread.join(max(0.0, deadline_s - time.monotonic()))
 
     def _run(self, peer_rank: int) -> None:
-        in_flight: set[str] = set()  # begun by this peer, not yet finished or aborted
+        in_flight: set[str] = set()  # admitted for this peer (its begin), not yet finished or aborted
         while True:
             try:
                 record, payload = _recv_message(peer_rank, self._group, self._device)
@@ -381,21 +451,41 @@ class DistKVReceiver(ReservationReceiver):
                     self._reservations.on_sender_lost(request_id, f"rank {peer_rank} closed before finish")
                 return
             try:
-                self._dispatch(record, payload, in_flight)
+                self._dispatch(peer_rank, record, payload, in_flight)
+            except HandoffRefused as e:  # not this peer's handoff: dropped, nothing recorded
+                logger.warning("kv transfer from rank %d refused: %s", peer_rank, e)
             except KVTransferError as e:  # recorded on the reservation (if any); the rest of it is dropped
                 logger.info("kv transfer from rank %d: %s", peer_rank, e)
+            except (KeyError, TypeError, ValueError) as e:  # a malformed record: dropped, nothing recorded
+                logger.warning(
+                    "kv transfer from rank %d: malformed %r record: %r", peer_rank, record.get("kind"), e
+                )
 
-    def _dispatch(self, record: dict[str, Any], payload: torch.Tensor | None, in_flight: set[str]) -> None:
+    def _dispatch(
+        self, peer_rank: int, record: dict[str, Any], payload: torch.Tensor | None, in_flight: set[str]
+    ) -> None:
+        """Apply one record from `peer_rank`. `in_flight`: the requests this peer was admitted to.
+
+        Raises:
+            HandoffRefused: a begin that `Reservations.claim` refused, or data for a request this peer was
+                not admitted to (nothing recorded); other `KVTransferError`s as `Reservations` records them.
+        """
         kind = record["kind"]
         if kind == "begin":
             meta = meta_from_dict(record["meta"])
-            in_flight.add(meta.request_id)
+            self._reservations.claim(meta.request_id, meta.secret)
+            in_flight.add(meta.request_id)  # from here on, this peer's data for it is the handoff's
             self._reservations.on_begin(meta)
-        elif kind == "layer":
+            return
+        if kind not in ("layer", "finish", "abort"):
+            raise ProtocolError(f"unknown message kind {kind!r}")
+        request_id = record["header"]["request_id"] if kind == "layer" else record["request_id"]
+        if request_id not in in_flight:
+            raise HandoffRefused(f"{request_id}: {kind} from rank {peer_rank}, which was not admitted to it")
+        if kind == "layer":
             assert payload is not None
             self._reservations.on_layer(LayerHeader.from_dict(record["header"]), payload)
         elif kind == "finish":
-            request_id = record["request_id"]
             in_flight.discard(request_id)
             try:
                 extras = extras_from_dict(request_id, record["extras"])
@@ -403,8 +493,6 @@ class DistKVReceiver(ReservationReceiver):
                 self._reservations.on_error(request_id, e)
                 raise
             self._reservations.on_finish(request_id, extras)
-        elif kind == "abort":
-            in_flight.discard(record["request_id"])
-            self._reservations.on_abort(record["request_id"], record["reason"])
         else:
-            raise ProtocolError(f"unknown message kind {kind!r}")
+            in_flight.discard(request_id)
+            self._reservations.on_abort(request_id, record["reason"])

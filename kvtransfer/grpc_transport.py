@@ -4,26 +4,49 @@ One client-streaming call `KVTransfer.Transfer` per request (`protos/kv_transfer
 as `LayerChunk`s (each layer split into chunks of at most `max_chunk_bytes`, below gRPC's 4 MiB message
 limit), then Finish or Abort. The call's gRPC deadline is the handoff's lease.
 
+Authentication. The call's metadata carries the handoff's id and secret (`HandoffMeta.secret`, which
+decode's `expect` created): `pdcluster-handoff-id` and `pdcluster-handoff-secret-bin`. The receiver checks
+them (`Reservations.claim`) as soon as the call arrives, before it reads a single message: a call without
+them, with a wrong secret, or for a handoff that already has its sender (a replay) ends at once with
+UNAUTHENTICATED and touches no reservation. The rest of the call is bound to that handoff (a layer header
+naming another request is a protocol error). Optional TLS (`TLSCredentials`, mutual: both ends present a
+certificate signed by the cluster's CA) encrypts the channel; without it, the secret and the KV travel in
+clear, which on loopback only root can read.
+
+Limits, so that idle or slow callers cannot exhaust the receiver. A call that is refused holds a worker
+thread for microseconds (it is refused before reading). An admitted call is cut off by the server when
+its handoff's lease ends (`claim`'s deadline), whatever deadline its client set, so a stalled sender frees
+its thread with the lease. At most `max_concurrent_streams` calls are served at once (one worker thread
+each) and `max_queued_streams` more wait for a thread; beyond that a call fails at once with
+RESOURCE_EXHAUSTED, whichever connection it came on. (No HTTP/2 per-connection stream limit: a prefill
+instance sends all its handoffs to one decode instance over one connection, and streams over such a limit
+are reset, UNAVAILABLE, rather than queued.)
+
 Threads. Sender: `send_layer` copies the tensor onto the request's queue and returns; gRPC's own thread for
 the call pulls from the queue, encodes (INT8 quantization, CRC-32) and streams, so the prefill forward
 overlaps encoding and transfer. Receiver: each in-flight call occupies one server worker thread
-(`max_concurrent_streams` of them), which assembles layers, verifies them and runs decode's `on_layer`.
+(`max_concurrent_streams` of them), which assembles layers, verifies them and runs decode's `on_layer`;
+one more thread cuts admitted calls off at their lease.
 
 The receiver fails a call with a status decode's error maps to (DATA_LOSS: checksum mismatch,
-FAILED_PRECONDITION: no reservation or a protocol error, DEADLINE_EXCEEDED: lease), so the sender stops
-sending a request decode has given up on; `GrpcKVSender.flush` reports it. If the sender process dies or
+UNAUTHENTICATED: sender refused (`HandoffRefused`: no reservation, missing or wrong secret, replay),
+FAILED_PRECONDITION: a protocol error, DEADLINE_EXCEEDED: lease), so the sender stops sending a request
+decode has given up on; `GrpcKVSender.flush` reports it. If the sender process dies or
 `close()`s, the receiver sees the stream break and fails the request with SenderLost at once.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -34,6 +57,7 @@ from kvtransfer.base import (
     FailureLog,
     HandoffExtras,
     HandoffMeta,
+    HandoffRefused,
     KVSender,
     KVTransferError,
     ProtocolError,
@@ -61,8 +85,14 @@ logger = logging.getLogger(__name__)
 GRPC_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's default receive limit; both ends set it explicitly
 MESSAGE_OVERHEAD_BYTES = 64 << 10  # room for the chunk's header and protobuf framing
 DEFAULT_MAX_CHUNK_BYTES = 1 << 20
+# Call metadata naming the handoff and carrying its secret (a `-bin` key: raw bytes, base64 on the wire).
+HANDOFF_ID_KEY = "pdcluster-handoff-id"
+HANDOFF_SECRET_KEY = "pdcluster-handoff-secret-bin"
+QUEUED_STREAMS_PER_THREAD = 4  # default max_queued_streams per worker thread
+REFUSAL_LOG_INTERVAL_S = 10.0  # refused calls are logged at most once per this, with a count
 
 _ERROR_TO_CODE: list[tuple[type[KVTransferError], grpc.StatusCode]] = [
+    (HandoffRefused, grpc.StatusCode.UNAUTHENTICATED),  # before its base class ProtocolError
     (ChecksumMismatch, grpc.StatusCode.DATA_LOSS),
     (SenderLost, grpc.StatusCode.CANCELLED),  # before its base class TransferTimeout: first match wins
     (TransferTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
@@ -72,6 +102,55 @@ _ERROR_TO_CODE: list[tuple[type[KVTransferError], grpc.StatusCode]] = [
 _CODE_TO_ERROR = {code: cls for cls, code in _ERROR_TO_CODE} | {
     grpc.StatusCode.FAILED_PRECONDITION: ProtocolError
 }
+
+
+# ---- TLS ----
+
+
+@dataclass(frozen=True)
+class TLSCredentials:
+    """PEM material for mutual TLS on the KV channel: every decode server and prefill sender presents
+    `certificate_chain` / `private_key`, and each accepts only a peer whose certificate `root_certificates`
+    (the cluster's CA) signed.
+
+    server_name: the name senders check the server's certificate against (its subjectAltName) instead of
+        the host they dial; None: the dialled host (an IP address must then be in the certificate).
+    """
+
+    certificate_chain: bytes = field(repr=False)
+    private_key: bytes = field(repr=False)
+    root_certificates: bytes = field(repr=False)
+    server_name: str | None = None
+
+    @classmethod
+    def from_files(
+        cls, cert_file: str | Path, key_file: str | Path, ca_file: str | Path, server_name: str | None = None
+    ) -> TLSCredentials:
+        """Read the three PEM files. ValueError naming the file that cannot be read."""
+
+        def read(what: str, path: str | Path) -> bytes:
+            try:
+                return Path(path).read_bytes()
+            except OSError as e:
+                raise ValueError(f"{what} {path}: cannot read: {e.strerror or e}") from None
+
+        return cls(
+            read("cert_file", cert_file), read("key_file", key_file), read("ca_file", ca_file), server_name
+        )
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.private_key, self.certificate_chain)],
+            root_certificates=self.root_certificates,
+            require_client_auth=True,
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.root_certificates,
+            private_key=self.private_key,
+            certificate_chain=self.certificate_chain,
+        )
 
 
 # ---- protobuf <-> kvtransfer types ----
@@ -196,6 +275,7 @@ class GrpcKVSender(KVSender):
     """Streams handoffs to one decode instance's `KVReceiverServer` at `target` (`"host:port"`).
 
     max_chunk_bytes: largest payload slice per gRPC message (must leave room under the 4 MiB limit).
+    tls: mutual TLS (the server must use TLS too); None: a plaintext channel.
     fault_hook: test-only fault injection (`kvtransfer.wire.FaultHook`).
     """
 
@@ -204,6 +284,7 @@ class GrpcKVSender(KVSender):
         target: str,
         *,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        tls: TLSCredentials | None = None,
         fault_hook: FaultHook | None = None,
     ) -> None:
         if not 0 < max_chunk_bytes <= GRPC_MAX_MESSAGE_BYTES - MESSAGE_OVERHEAD_BYTES:
@@ -214,13 +295,16 @@ class GrpcKVSender(KVSender):
         self.target = target
         self.max_chunk_bytes = max_chunk_bytes
         self._fault_hook = fault_hook
-        self._channel = grpc.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
-            ],
-        )
+        options: list[tuple[str, int | str]] = [
+            ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+        ]
+        if tls is None:
+            self._channel = grpc.insecure_channel(target, options=options)
+        else:
+            if tls.server_name is not None:
+                options.append(("grpc.ssl_target_name_override", tls.server_name))
+            self._channel = grpc.secure_channel(target, tls.channel_credentials(), options=options)
         self._stub = pb_grpc.KVTransferStub(self._channel)
         self._lock = threading.Lock()
         self._calls: dict[str, _Call] = {}  # open, or closed and still in flight
@@ -228,6 +312,10 @@ class GrpcKVSender(KVSender):
         self._closed = False
 
     def begin(self, handoff: HandoffMeta) -> None:
+        if not handoff.secret:
+            raise ValueError(
+                f"{handoff.request_id}: the handoff has no secret; begin with what expect returned"
+            )
         with self._lock:
             if self._closed:
                 raise RuntimeError("GrpcKVSender is closed")
@@ -235,7 +323,8 @@ class GrpcKVSender(KVSender):
                 raise ValueError(f"{handoff.request_id}: handoff already begun")
             call = _Call(meta=handoff, begun_at_s=time.monotonic())
             self._calls[handoff.request_id] = call
-        future = self._stub.Transfer.future(self._stream(call), timeout=handoff.lease_s)
+        credentials = ((HANDOFF_ID_KEY, handoff.request_id), (HANDOFF_SECRET_KEY, handoff.secret))
+        future = self._stub.Transfer.future(self._stream(call), timeout=handoff.lease_s, metadata=credentials)
         with self._lock:
             call.future = future
         future.add_done_callback(lambda _: self._on_done(call))
@@ -402,12 +491,115 @@ class _LayerAssembly:
         return end == self.header.num_bytes
 
 
+class _StreamDeadlines:
+    """Cuts admitted calls off at their deadline (`ServicerContext.cancel`, which makes the call's blocked
+    read raise), whatever deadline the client set: one daemon thread for the whole server."""
+
+    def __init__(self, name: str) -> None:
+        self._changed = threading.Condition()
+        self._heap: list[tuple[float, int, grpc.ServicerContext]] = []  # (monotonic deadline, token, call)
+        self._watched: set[int] = set()
+        self._tokens = itertools.count()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def watch(self, context: grpc.ServicerContext, deadline_s: float) -> int:
+        """Cancel `context` at `deadline_s` (`time.monotonic()` seconds) unless `unwatch`ed first."""
+        with self._changed:
+            token = next(self._tokens)
+            heapq.heappush(self._heap, (deadline_s, token, context))
+            self._watched.add(token)
+            self._changed.notify()
+        return token
+
+    def unwatch(self, token: int) -> None:
+        with self._changed:
+            self._watched.discard(token)
+
+    def close(self) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify()
+        self._thread.join(1.0)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while True:
+                    while self._heap and self._heap[0][1] not in self._watched:
+                        heapq.heappop(self._heap)  # ended by itself
+                    if self._stopped:
+                        return
+                    now_s = time.monotonic()
+                    if self._heap and self._heap[0][0] <= now_s:
+                        _, token, context = heapq.heappop(self._heap)
+                        self._watched.discard(token)
+                        break
+                    self._changed.wait(self._heap[0][0] - now_s if self._heap else None)
+            context.cancel()
+
+
+class _RefusalLog:
+    """Counts refused calls and logs them at most once per `REFUSAL_LOG_INTERVAL_S`, so that a flood of
+    forged calls cannot flood the log. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.num_refused = 0
+        self._num_unlogged = 0
+        self._logged_at_s = -float("inf")
+
+    def add(self, peer: str, error: KVTransferError) -> None:
+        with self._lock:
+            self.num_refused += 1
+            self._num_unlogged += 1
+            now_s = time.monotonic()
+            if now_s - self._logged_at_s < REFUSAL_LOG_INTERVAL_S:
+                return
+            count, self._num_unlogged, self._logged_at_s = self._num_unlogged, 0, now_s
+        logger.warning("kv receiver refused %d call(s); latest from %r: %s", count, peer, error)
+
+
+def _credentials(metadata: Sequence[tuple[str, str | bytes]] | None) -> tuple[str, bytes]:
+    """(handoff id, secret) from a call's metadata; HandoffRefused when either is missing."""
+    request_id, secret = "", b""
+    for key, value in metadata or ():
+        if key == HANDOFF_ID_KEY and isinstance(value, str):
+            request_id = value
+        elif key == HANDOFF_SECRET_KEY and isinstance(value, bytes):
+            secret = value
+    if not request_id or not secret:
+        raise HandoffRefused(f"{request_id or 'a call'}: sender refused: no handoff credentials in the call")
+    return request_id, secret
+
+
 class _Servicer(pb_grpc.KVTransferServicer):
-    def __init__(self, reservations: Reservations) -> None:
+    def __init__(
+        self, reservations: Reservations, deadlines: _StreamDeadlines, refusals: _RefusalLog
+    ) -> None:
         self._reservations = reservations
+        self._deadlines = deadlines
+        self._refusals = refusals
 
     def Transfer(self, request_iterator: Iterator[pb.KVMessage], context: grpc.ServicerContext) -> pb.Ack:  # noqa: N802
-        request_id: str | None = None
+        try:  # before reading any message: only the handoff's one sender gets further
+            request_id, secret = _credentials(context.invocation_metadata())
+            deadline_s = self._reservations.claim(request_id, secret)
+        except HandoffRefused as e:
+            self._refusals.add(context.peer(), e)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+        token = self._deadlines.watch(context, deadline_s)
+        try:
+            return self._receive(request_id, request_iterator, context)
+        finally:
+            self._deadlines.unwatch(token)
+
+    def _receive(
+        self, request_id: str, request_iterator: Iterator[pb.KVMessage], context: grpc.ServicerContext
+    ) -> pb.Ack:
+        """The admitted sender's messages for `request_id`; every error is recorded on its reservation."""
+        begun = False
         num_layers_received = 0
         assembly: _LayerAssembly | None = None
         error: KVTransferError | None = None
@@ -418,16 +610,18 @@ class _Servicer(pb_grpc.KVTransferServicer):
                 except StopIteration:
                     lost = "the stream ended before finish"
                     break
-                except Exception as e:  # client cancelled, deadline passed, connection lost
+                except Exception as e:  # cancelled (by the client or at the lease by us), connection lost
                     lost = f"the stream broke ({type(e).__name__}: {e})"
                     break
                 kind = message.WhichOneof("kind")
-                if request_id is None:
+                if not begun:
                     if kind != "begin":
-                        raise ProtocolError(f"a stream must start with begin, got {kind}")
+                        raise ProtocolError(f"{request_id}: a stream must start with begin, got {kind}")
                     meta = meta_from_proto(message.begin)
-                    request_id = meta.request_id
+                    if meta.request_id != request_id:
+                        raise ProtocolError(f"{request_id}: the call's begin names another request")
                     self._reservations.on_begin(meta)
+                    begun = True
                 elif kind == "chunk":
                     chunk = message.chunk
                     if assembly is None:
@@ -436,6 +630,10 @@ class _Servicer(pb_grpc.KVTransferServicer):
                                 f"{request_id}: layer {chunk.layer_idx} starts without its header"
                             )
                         header = header_from_proto(chunk.header)
+                        if header.request_id != request_id:
+                            raise ProtocolError(
+                                f"{request_id}: layer {header.layer_idx} names another request"
+                            )
                         self._reservations.check_header(header)  # before allocating header.num_bytes
                         assembly = _LayerAssembly(header)
                     if assembly.add(chunk):
@@ -450,12 +648,10 @@ class _Servicer(pb_grpc.KVTransferServicer):
                     return pb.Ack(num_layers_received=num_layers_received)
                 else:
                     raise ProtocolError(f"{request_id}: unexpected message {kind}")
-            if request_id is not None:
-                self._reservations.on_sender_lost(request_id, lost)
-            error = SenderLost(f"{request_id or 'a stream'}: {lost}")
+            self._reservations.on_sender_lost(request_id, lost)
+            error = self._reservations.failure(request_id) or SenderLost(f"{request_id}: {lost}")
         except KVTransferError as e:
-            if request_id is not None:
-                self._reservations.on_error(request_id, e)
+            self._reservations.on_error(request_id, e)
             error = e
         logger.info("kv transfer %s failed: %s", request_id, error)
         code = next(code for cls, code in _ERROR_TO_CODE if isinstance(error, cls))
@@ -466,28 +662,65 @@ class KVReceiverServer(ReservationReceiver):
     """The decode instance's gRPC endpoint and its reservations.
 
     Serves on `host:port` (`port=0`: a free port; the bound one is `self.port`, the address to give prefill
-    senders is `self.address`). `max_concurrent_streams` bounds the requests received at once (one server
-    thread each; further calls wait for a free thread, their leases running); `int8_passthrough` as in
-    `kvtransfer.reservations.Reservations`.
+    senders is `self.address`). `int8_passthrough` as in `kvtransfer.reservations.Reservations`.
+
+    max_concurrent_streams: handoffs received at once (one server thread each).
+    max_queued_streams: calls that may wait for a free thread beyond those (their leases running); None:
+        `QUEUED_STREAMS_PER_THREAD * max_concurrent_streams`. Further calls fail at once with
+        RESOURCE_EXHAUSTED. Refused calls pass through this queue too, briefly, so it is sized for a burst of
+        them not to crowd out a real sender.
+    tls: serve mutual TLS only (senders need `tls` too); None: plaintext.
+
+    The module docstring says how senders are authenticated and how long a call may hold a thread.
     """
 
     def __init__(
-        self, host: str, port: int = 0, *, int8_passthrough: bool = False, max_concurrent_streams: int = 16
+        self,
+        host: str,
+        port: int = 0,
+        *,
+        int8_passthrough: bool = False,
+        max_concurrent_streams: int = 16,
+        max_queued_streams: int | None = None,
+        tls: TLSCredentials | None = None,
     ):
+        if max_concurrent_streams < 1:
+            raise ValueError(f"max_concurrent_streams: must be >= 1, got {max_concurrent_streams}")
+        num_queued = QUEUED_STREAMS_PER_THREAD * max_concurrent_streams
+        if max_queued_streams is not None:
+            num_queued = max_queued_streams
+        if num_queued < 0:
+            raise ValueError(f"max_queued_streams: must be >= 0, got {max_queued_streams}")
         self._reservations = Reservations(int8_passthrough)
+        self._deadlines = _StreamDeadlines("kv-receiver-deadlines")
+        self._refusals = _RefusalLog()
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_concurrent_streams, thread_name_prefix="kv-receiver"),
             options=[
                 ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
             ],
+            maximum_concurrent_rpcs=max_concurrent_streams + num_queued,
         )
-        pb_grpc.add_KVTransferServicer_to_server(_Servicer(self._reservations), self._server)
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        pb_grpc.add_KVTransferServicer_to_server(
+            _Servicer(self._reservations, self._deadlines, self._refusals), self._server
+        )
+        address = f"{host}:{port}"
+        if tls is None:
+            self.port = self._server.add_insecure_port(address)
+        else:
+            self.port = self._server.add_secure_port(address, tls.server_credentials())
         if self.port == 0:
+            self._deadlines.close()
             raise OSError(f"could not bind a gRPC server to {host}:{port}")
         self.address = f"{host}:{self.port}"
         self._server.start()
 
+    @property
+    def num_refused_streams(self) -> int:
+        """Calls refused before any of their data was read (no, wrong or replayed credentials)."""
+        return self._refusals.num_refused
+
     def close(self, grace_s: float = 1.0) -> None:
         self._server.stop(grace_s).wait()
+        self._deadlines.close()

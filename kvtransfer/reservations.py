@@ -1,18 +1,25 @@
 """Receiver-side bookkeeping shared by every transport: reservations, leases, per-layer completion, checksums.
 
 `Reservations` implements `KVReceiver.expect/wait/release/pending_request_ids`; a transport feeds it what
-arrives through `on_begin`, `on_layer`, `on_finish`, `on_abort` and `on_sender_lost` from its receive
-threads. Each `on_*` raises the `KVTransferError` it recorded, so the transport can tell the sender (gRPC
-aborts the stream with it) and drop the rest of that request's data.
+arrives through `claim`, `on_begin`, `on_layer`, `on_finish`, `on_abort` and `on_sender_lost` from its
+receive threads. Each `on_*` raises the `KVTransferError` it recorded, so the transport can tell the sender
+(gRPC aborts the stream with it) and drop the rest of that request's data.
 
-A reservation moves `expecting -> streaming -> complete`, or to `failed` from any state before `complete`.
-Only `release` removes it. A layer is handed to decode (kept, or passed to `on_layer`) only after its
-header matched the handoff and its checksum verified, and only while the lease runs.
+A reservation moves `expecting -> claimed -> streaming -> complete`, or to `failed` from any state before
+`complete`. Only `release` removes it. `claim(request_id, secret)` is how a sender gets in: it succeeds once
+per reservation, for the first sender presenting the secret `expect` created (compared with
+`hmac.compare_digest`); every other claim raises `HandoffRefused` and changes nothing, so a forged or
+replayed sender cannot fail or feed the reservation. The transport then takes data for the request only
+from the sender that claimed it (the same gRPC stream; the same torch.distributed peer rank). A layer is
+handed to decode (kept, or passed to `on_layer`) only after its header matched the handoff and its
+checksum verified, and only while the lease runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import hmac
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +29,7 @@ import torch
 from kvtransfer.base import (
     HandoffExtras,
     HandoffMeta,
+    HandoffRefused,
     KVReceiver,
     KVTransferError,
     LayerCallback,
@@ -31,12 +39,14 @@ from kvtransfer.base import (
     SenderLost,
     TransferAborted,
     TransferTimeout,
+    new_handoff_secret,
 )
 from kvtransfer.wire import LayerHeader, check_header, decode_layer, verify_layer
 
 
 class State(enum.Enum):
-    EXPECTING = "expecting"  # reserved, nothing arrived yet
+    EXPECTING = "expecting"  # reserved, no sender yet
+    CLAIMED = "claimed"  # a sender presented the secret; its begin is next
     STREAMING = "streaming"  # begin arrived; layers arriving
     COMPLETE = "complete"  # every layer verified and the extras arrived
     FAILED = "failed"
@@ -44,7 +54,7 @@ class State(enum.Enum):
 
 @dataclass
 class _Reservation:
-    meta: HandoffMeta
+    meta: HandoffMeta  # with its secret
     on_layer: LayerCallback | None
     expected_at_s: float  # monotonic time of expect()
     state: State = State.EXPECTING
@@ -79,17 +89,24 @@ class Reservations:
 
     # ---- decode side (KVReceiver) ----
 
-    def expect(self, handoff: HandoffMeta, on_layer: LayerCallback | None = None) -> None:
+    def expect(self, handoff: HandoffMeta, on_layer: LayerCallback | None = None) -> HandoffMeta:
+        """Reserve `handoff.request_id`; returns `handoff` bound to it (a fresh secret). See `KVReceiver`."""
+        if handoff.secret:
+            raise ValueError(
+                f"{handoff.request_id}: the handoff already has a secret; the receiver creates it"
+            )
+        bound = dataclasses.replace(handoff, secret=new_handoff_secret())
         with self._lock:
             if handoff.request_id in self._reservations:
                 raise ValueError(f"{handoff.request_id}: already reserved")
             self._reservations[handoff.request_id] = _Reservation(
-                meta=handoff,
+                meta=bound,
                 on_layer=on_layer,
                 expected_at_s=time.monotonic(),
                 layers=[None] * handoff.num_layers,
                 arrived=[False] * handoff.num_layers,
             )
+        return bound
 
     def wait(self, request_id: str, timeout_s: float) -> ReceivedKV:
         wait_deadline_s = time.monotonic() + timeout_s
@@ -145,11 +162,45 @@ class Reservations:
 
     # ---- transport side ----
 
-    def on_begin(self, handoff: HandoffMeta) -> None:
-        """The sender opened the handoff; ProtocolError unless it matches the reservation."""
+    def claim(self, request_id: str, secret: bytes) -> float:
+        """Admit the sender presenting `secret` as the one sender of `request_id`, before taking any of its
+        data. Returns the lease's end (`time.monotonic()` seconds), after which the transport may cut the
+        sender off.
+
+        Raises:
+            HandoffRefused: no live reservation, no or a wrong secret, or the handoff already has its
+                sender (a replay, whatever its secret). Nothing is recorded: the reservation, if any, goes
+                on waiting for its real sender.
+        """
         with self._lock:
-            res = self._live(handoff.request_id)
+            res = self._reservations.get(request_id)
+            if res is None:
+                raise HandoffRefused(
+                    f"{request_id}: no reservation on this receiver (never expected, or released)"
+                )
+            # Constant-time comparison, and before anything else about the reservation is revealed.
+            if not secret or not hmac.compare_digest(secret, res.meta.secret):
+                raise HandoffRefused(f"{request_id}: sender refused: missing or wrong handoff secret")
             if res.state is not State.EXPECTING:
+                raise HandoffRefused(
+                    f"{request_id}: sender refused: the handoff already has its sender ({res.state.value})"
+                )
+            if time.monotonic() >= res.deadline_s:
+                raise HandoffRefused(
+                    f"{request_id}: sender refused: the lease of {res.meta.lease_s:g} s is over"
+                )
+            res.state = State.CLAIMED
+            return res.deadline_s
+
+    def on_begin(self, handoff: HandoffMeta) -> None:
+        """The sender that `claim`ed the request opened the handoff; ProtocolError unless it matches the
+        reservation (its `secret` is not compared again: `claim` did)."""
+        with self._lock:
+            res = self._reservations.get(handoff.request_id)
+            if res is None or res.state is State.EXPECTING:  # the transport skipped claim(): record nothing
+                raise HandoffRefused(f"{handoff.request_id}: begin from a sender that was not admitted")
+            res = self._live(handoff.request_id)
+            if res.state is not State.CLAIMED:
                 self._raise(res, ProtocolError(f"{handoff.request_id}: begin received twice"))
             if handoff != res.meta:
                 self._raise(
@@ -305,8 +356,8 @@ class ReservationReceiver(KVReceiver):
 
     _reservations: Reservations
 
-    def expect(self, handoff: HandoffMeta, on_layer: LayerCallback | None = None) -> None:
-        self._reservations.expect(handoff, on_layer)
+    def expect(self, handoff: HandoffMeta, on_layer: LayerCallback | None = None) -> HandoffMeta:
+        return self._reservations.expect(handoff, on_layer)
 
     def wait(self, request_id: str, timeout_s: float) -> ReceivedKV:
         return self._reservations.wait(request_id, timeout_s)

@@ -203,14 +203,17 @@ def decode_layer(header: LayerHeader, payload: torch.Tensor, int8_passthrough: b
 
 
 def meta_to_dict(meta: HandoffMeta) -> dict[str, Any]:
+    """The handoff as a msgpack-ready dict, its `secret` included (torch.distributed's begin record)."""
     return asdict(meta)
 
 
 def meta_from_dict(record: dict[str, Any]) -> HandoffMeta:
+    """Inverse of `meta_to_dict`; ProtocolError for a malformed record (its message leaves out the secret)."""
     try:
         return HandoffMeta(**record)
     except (TypeError, ValueError) as e:
-        raise ProtocolError(f"malformed handoff {record!r}: {e}") from None
+        shown = {k: v for k, v in record.items() if k != "secret"} if isinstance(record, dict) else record
+        raise ProtocolError(f"malformed handoff {shown!r}: {e}") from None
 
 
 def extras_checksum(extras: HandoffExtras) -> int:

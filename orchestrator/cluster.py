@@ -8,10 +8,12 @@
 
 One request (DESIGN.md, request lifecycle):
 1. The router policy (`orchestrator.router`) picks a prefill and a decode instance from load snapshots.
-2. Decode reserves KV blocks and expects the handoff (`DecodeNode.reserve`); no room: retried until the
-   transfer timeout, then `BackendUnavailable`.
+2. Decode reserves KV blocks and expects the handoff (`DecodeNode.reserve`), which returns the handoff
+   bound to the reservation by a fresh secret; no room: retried until the transfer timeout, then
+   `BackendUnavailable`.
 3. Prefill runs the prompt and streams each layer's KV (MTP layer, first token, drafts, last hidden
-   state) to that decode instance (`PrefillNode.prefill`).
+   state) to that decode instance (`PrefillNode.prefill`), presenting the secret, which the driver gives
+   to that prefill instance only (over Ray); decode refuses any other sender of that handoff.
 4. Decode admits it and streams tokens; the driver has one poll loop per decode instance that hands
    events to the request's queue.
 Faults: a prefill actor that dies (its `prefill` call raises) or a handoff that fails on decode (lease
@@ -77,6 +79,7 @@ class _Attempt:
         self.handoff_id = handoff_id
         self.prefill_index = prefill_index
         self.decode_index = decode_index
+        self.meta: HandoffMeta | None = None  # as decode's reserve bound it (with the secret), once reserved
         self.events: asyncio.Queue = asyncio.Queue()
 
 
@@ -290,14 +293,23 @@ class Cluster:
         """Connect the KV transport; returns the decode instances' gRPC addresses (grpc; else [])."""
         kv = self.topology.kv_transfer
         spec_index = {(spec.role, spec.index): i for i, spec in enumerate(plan.instances)}
+        self._kv_tls = None  # the gRPC TLS material, kept for rewiring restarted actors
         if kv.transport == "grpc":
-            addresses = ray.get([d.start_grpc.remote() for d in self.decode_actors], timeout=120)
+            tls = None
+            if kv.tls is not None:  # read here, sent to the actors over Ray (files need not be on every node)
+                from kvtransfer.grpc_transport import TLSCredentials
+
+                tls = TLSCredentials.from_files(
+                    kv.tls.cert_file, kv.tls.key_file, kv.tls.ca_file, kv.tls.server_name
+                )
+            addresses = ray.get([d.start_grpc.remote(tls) for d in self.decode_actors], timeout=120)
             if not self._loopback:  # bound to 0.0.0.0: senders dial the decode node's IP
                 addresses = [
                     advertised_address(a, self._probe_node(ray, spec_index[("decode", j)])[0])
                     for j, a in enumerate(addresses)
                 ]
-            ray.get([p.connect_grpc.remote(addresses) for p in self.prefill_actors], timeout=120)
+            ray.get([p.connect_grpc.remote(addresses, tls) for p in self.prefill_actors], timeout=120)
+            self._kv_tls = tls
             return addresses
         num_prefill, num_decode = len(self.prefill_actors), len(self.decode_actors)
         world_size = num_prefill + num_decode
@@ -376,7 +388,7 @@ class Cluster:
                     attempt.handoff_id,
                     list(prompt_token_ids),
                     params,
-                    self._meta(attempt, prompt_token_ids),
+                    attempt.meta,
                     attempt.decode_index,
                 )
                 prefill_task = asyncio.ensure_future(self._await_prefill(prefill_ref))
@@ -712,7 +724,7 @@ class Cluster:
         if role == "decode":
             assert restarted
             decode = self.decode_actors[index]
-            address = ray.get(decode.start_grpc.remote(), timeout=self.call_timeout_s)
+            address = ray.get(decode.start_grpc.remote(self._kv_tls), timeout=self.call_timeout_s)
             if not self._loopback:
                 address = advertised_address(
                     address, ray.get(decode.node_ip.remote(), timeout=self.call_timeout_s)
@@ -724,7 +736,7 @@ class Cluster:
             )
         else:
             ray.get(
-                self.prefill_actors[index].connect_grpc.remote(list(self._decode_addresses)),
+                self.prefill_actors[index].connect_grpc.remote(list(self._decode_addresses), self._kv_tls),
                 timeout=self.call_timeout_s,
             )
 
@@ -825,7 +837,7 @@ class Cluster:
             self._by_handoff[attempt.handoff_id] = attempt
             self._active[request_id] = attempt
             try:
-                reserved = await self._call(
+                bound = await self._call(
                     self.decode_actors[decode_index].reserve.remote(
                         attempt.handoff_id,
                         list(prompt_token_ids),
@@ -846,7 +858,8 @@ class Cluster:
                 self._by_handoff.pop(attempt.handoff_id, None)
                 self._release(attempt)
                 return None
-            if reserved:
+            if bound is not None:
+                attempt.meta = bound
                 remembered = self._prefill_hashes[prefill_index]
                 for h in hashes:
                     remembered[h] = None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import ssl
 import types
 import typing
 from collections.abc import Iterator
@@ -287,6 +288,36 @@ class DecodePoolConfig(PoolConfig):
 
 
 @dataclass(frozen=True)
+class KVTLSConfig:
+    """Mutual TLS on the gRPC KV channel: every decode server and prefill sender presents `cert_file`, and
+    accepts a peer only with a certificate `ca_file` signed. The driver reads the files at deploy and gives
+    their contents to the actors over Ray, so they need to be readable where `pdcluster deploy` runs.
+
+    Attributes:
+        cert_file: PEM certificate (chain) of the cluster's KV endpoints, for server and client use.
+        key_file: PEM private key of `cert_file` (unencrypted).
+        ca_file: PEM certificate(s) of the CA that signs the endpoints' certificates.
+        server_name: the name senders check the decode certificate against (its subjectAltName) instead of
+            the address they dial, which is an IP address; None: the dialled address.
+    Relative paths are relative to the YAML file's directory.
+    """
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        for name in ("cert_file", "key_file", "ca_file"):
+            if not getattr(self, name):
+                raise ValueError(f"KVTLSConfig field {name!r}: must not be empty")
+
+
+TLS_FILE_KEYS = ("cert_file", "key_file", "ca_file")
+
+
+@dataclass(frozen=True)
 class KVTransferConfig:
     """Prefill -> decode KV handoff.
 
@@ -296,12 +327,15 @@ class KVTransferConfig:
         layerwise: send each layer's KV as soon as it is computed (False: once the prompt is done).
         wire_dtype: `auto` (the cache dtype) or `int8` (quantized on the wire, per-token scales).
         timeout_s: a transfer not complete after this long is abandoned and the request re-dispatched.
+        tls: mutual TLS for the grpc transport; None: plaintext (each handoff is still bound to its
+            reservation by a per-handoff secret, see `kvtransfer.base`).
     """
 
     transport: str = field(default="grpc", metadata=_choices(*KV_TRANSPORTS))
     layerwise: bool = True
     wire_dtype: str = field(default="auto", metadata=_choices(*WIRE_DTYPES))
     timeout_s: float = field(default=30.0, metadata=_above(0))
+    tls: KVTLSConfig | None = None
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -581,6 +615,54 @@ def _hardware_issues(hw: HardwareConfig, ic: InterconnectConfig | None) -> Itera
             )
 
 
+def _pem_file_problem(path: str, marker: str) -> str | None:
+    """Why `path` is not a readable PEM file holding a `-----BEGIN ...{marker}-----` block, or None."""
+    file = Path(path)
+    if not file.is_file():  # also keeps a FIFO or a directory from being opened
+        return f"{path} is not a file" if file.exists() else f"{path} does not exist"
+    try:
+        text = file.read_bytes()
+    except OSError as exc:
+        return f"cannot read {path}: {exc.strerror or exc}"
+    if b"-----BEGIN " not in text or marker.encode() not in text:
+        return f"{path} is not a PEM file with a {marker}"
+    return None
+
+
+def _tls_issues(kv: KVTransferConfig) -> Iterator[Issue]:
+    """The TLS files exist, are PEM, the key matches the certificate and the CA file loads."""
+    tls = kv.tls
+    assert tls is not None
+    if kv.transport != "grpc":
+        yield Issue(
+            ("kv_transfer", "tls"),
+            f"kv_transfer.tls: TLS is for the grpc transport; {kv.transport}'s backends (gloo, NCCL, HCCL) "
+            "have none (remove tls, or use transport: grpc)",
+        )
+    markers = {"cert_file": "CERTIFICATE", "key_file": "PRIVATE KEY", "ca_file": "CERTIFICATE"}
+    problems = {key: _pem_file_problem(getattr(tls, key), markers[key]) for key in TLS_FILE_KEYS}
+    for key, problem in problems.items():
+        if problem is not None:
+            yield Issue(("kv_transfer", "tls", key), f"kv_transfer.tls.{key}: {problem}")
+    if any(problems.values()):
+        return
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_cert_chain(tls.cert_file, tls.key_file, password=lambda: b"")
+    except ssl.SSLError as exc:
+        yield Issue(
+            ("kv_transfer", "tls", "key_file"),
+            f"kv_transfer.tls.key_file: {tls.key_file} and cert_file {tls.cert_file} do not load as a "
+            f"certificate and its unencrypted private key ({exc.reason or exc})",
+        )
+    try:
+        context.load_verify_locations(cafile=tls.ca_file)
+    except ssl.SSLError as exc:
+        yield Issue(
+            ("kv_transfer", "tls", "ca_file"), f"kv_transfer.tls.ca_file: {tls.ca_file}: {exc.reason or exc}"
+        )
+
+
 def _cross_issues(sections: dict[str, Any], arch: DeepseekV3Config | None, arch_src: str) -> Iterator[Issue]:
     """Rules over several sections; a section that failed its own checks is None and its rules are skipped."""
     from orchestrator.placement import PlacementError, assign_devices
@@ -612,6 +694,9 @@ def _cross_issues(sections: dict[str, Any], arch: DeepseekV3Config | None, arch_
                 f"decode.num_speculative_tokens: {decode.num_speculative_tokens} needs an MTP module, but "
                 f"the model has none (num_nextn_predict_layers is 0 in {arch_src})",
             )
+    kv: KVTransferConfig | None = sections.get("kv_transfer")
+    if kv is not None and kv.tls is not None:
+        yield from _tls_issues(kv)
     router = sections.get("router")
     if router is not None and prefill is not None and router.policy == "prefix_aware":
         if not prefill.enable_prefix_caching:
@@ -775,7 +860,9 @@ class _Reader:
         if problem is not None:
             self.error(node, f"{name}: {problem}")
             return False, None
-        if path in (("model", "path"), ("model", "config_path")) and not Path(value).is_absolute():
+        relative_to_file = [("model", "path"), ("model", "config_path")]
+        relative_to_file += [("kv_transfer", "tls", key) for key in TLS_FILE_KEYS]
+        if path in relative_to_file and not Path(value).is_absolute():
             value = str((self.base_dir / value).resolve())
         return True, value
 

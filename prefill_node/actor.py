@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +32,9 @@ from engine.config import EngineConfig
 from engine.llm import LLMEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import HandoffExtras, HandoffMeta, KVSender
+
+if TYPE_CHECKING:
+    from kvtransfer.grpc_transport import TLSCredentials
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +73,7 @@ class PrefillNode:
         self.engine = LLMEngine(engine_config)
         self.load_s = time.monotonic() - started_s
         self.senders: list[KVSender] = []
+        self._tls: TLSCredentials | None = None  # what connect_grpc used, for set_decode_address
         self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._active: dict[str, _Job] = {}
         self._lock = threading.Lock()
@@ -94,11 +98,13 @@ class PrefillNode:
             "num_blocks": self.engine.scheduler.block_manager.num_blocks,
         }
 
-    def connect_grpc(self, decode_addresses: list[str]) -> None:
-        """One gRPC sender per decode instance, in decode index order (closing any previous ones)."""
+    def connect_grpc(self, decode_addresses: list[str], tls: TLSCredentials | None = None) -> None:
+        """One gRPC sender per decode instance, in decode index order (mutual TLS with `tls`), closing any
+        previous ones."""
         from kvtransfer.grpc_transport import GrpcKVSender
 
-        old, self.senders = self.senders, [GrpcKVSender(address) for address in decode_addresses]
+        self._tls = tls
+        old, self.senders = self.senders, [GrpcKVSender(address, tls=tls) for address in decode_addresses]
         for sender in old:
             sender.close()
 
@@ -108,7 +114,7 @@ class PrefillNode:
         from kvtransfer.grpc_transport import GrpcKVSender
 
         old = self.senders[decode_index]
-        self.senders[decode_index] = GrpcKVSender(address)
+        self.senders[decode_index] = GrpcKVSender(address, tls=self._tls)
         old.close()
 
     def connect_dist(self, rank: int, world_size: int, init_method: str, decode_ranks: list[int]) -> None:
@@ -129,7 +135,8 @@ class PrefillNode:
         meta: HandoffMeta,
         decode_index: int,
     ) -> dict[str, Any]:
-        """Prefill one request and hand it to decode instance `decode_index` (which already `expect`s it).
+        """Prefill one request and hand it to decode instance `decode_index` (which already `expect`s it);
+        `meta` is the one that instance's `reserve` returned, with the handoff's secret.
 
         Returns once the handoff is finished on this side: `{"first_token_id", "num_drafts", "queue_s",
         "prefill_s"}`. Raises RuntimeError when the prefill or the send failed (the handoff is aborted).

@@ -13,8 +13,9 @@ from engine.sampling_params import SamplingParams
 from models import bundled_checkpoint_dir
 from orchestrator.backend import BackendUnavailable, ServingBackend
 from orchestrator.cluster import Cluster
-from orchestrator.topology import load_topology
+from orchestrator.topology import KVTLSConfig, load_topology
 from tests.cluster.conftest import call_bound_s, request_bound_s
+from tests.kvtransfer.conftest import write_test_certificates
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +28,12 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
-def _topology(transport: str = "grpc", layerwise: bool = True, k: int = 1, **pools):
+def _topology(transport: str = "grpc", layerwise: bool = True, k: int = 1, tls=None, **pools):
     topo = load_topology("clusters/local.yaml")
     topo = dataclasses.replace(
         topo,
         kv_transfer=dataclasses.replace(
-            topo.kv_transfer, transport=transport, layerwise=layerwise, timeout_s=20
+            topo.kv_transfer, transport=transport, layerwise=layerwise, timeout_s=20, tls=tls
         ),
         decode=dataclasses.replace(topo.decode, num_speculative_tokens=k, kv_cache_memory_bytes=16 << 20),
         prefill=dataclasses.replace(topo.prefill, kv_cache_memory_bytes=16 << 20, **pools),
@@ -89,16 +90,29 @@ def _assert_no_blocks_held(cluster: Cluster) -> None:
 
 
 @pytest.mark.parametrize(
-    ("transport", "layerwise", "k"),
-    [("grpc", True, 1), ("grpc", False, 0), ("torch_distributed", True, 0), ("torch_distributed", False, 1)],
+    ("transport", "layerwise", "k", "tls"),
+    [
+        ("grpc", True, 1, False),
+        ("grpc", False, 0, False),
+        ("torch_distributed", True, 0, False),
+        ("torch_distributed", False, 1, False),
+        ("grpc", True, 1, True),
+    ],
 )
 def test_greedy_and_acceptance_match_single_engine(
-    ray_session, single_engine_outputs, transport, layerwise, k
+    ray_session, single_engine_outputs, tmp_path, transport, layerwise, k, tls
 ) -> None:
-    """P -> D over each transport, layerwise or not, with and without MTP: the greedy tokens equal one
-    engine's token for token, and with MTP the drafts proposed/accepted are the same counts (the MTP KV,
-    first drafts and last hidden state travel with the handoff). No KV block is held afterwards."""
-    cluster = Cluster.deploy(_topology(transport, layerwise, k))
+    """P -> D over each transport, layerwise or not, with and without MTP, and over gRPC with mutual TLS:
+    the greedy tokens equal one engine's token for token, and with MTP the drafts proposed/accepted are
+    the same counts (the MTP KV, first drafts and last hidden state travel with the handoff). Every
+    handoff presents the secret decode's reservation created. No KV block is held afterwards."""
+    tls_config = None
+    if tls:
+        files = write_test_certificates(tmp_path)
+        if files is None:
+            pytest.skip("the openssl CLI is not installed")
+        tls_config = KVTLSConfig(**files, server_name="pdcluster-kv")
+    cluster = Cluster.deploy(_topology(transport, layerwise, k, tls_config))
     try:
         assert isinstance(cluster, ServingBackend)
 

@@ -104,3 +104,28 @@ class GatedCallback:
         self.layers[layer_idx] = ReceivedLayer(
             layer.latent.clone(), None if layer.scale is None else layer.scale.clone()
         )
+
+
+def write_test_certificates(directory) -> dict[str, str] | None:
+    """A throwaway CA and one node certificate it signed (P-256, valid one day, subjectAltName
+    `DNS:pdcluster-kv, IP:127.0.0.1`, usable as server and client), written with the `openssl` CLI into
+    `directory`: `{"cert_file", "key_file", "ca_file"}` paths. None when `openssl` is not installed."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if shutil.which("openssl") is None:
+        return None
+    d = Path(directory)
+    ext = d / "node.ext"
+    ext.write_text("subjectAltName=DNS:pdcluster-kv,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    commands = [
+        ["req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca"],
+        ["req", *ec, "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=pdcluster-kv"],
+        ["x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+         "-out", "node.pem", "-days", "1", "-extfile", "node.ext"],
+    ]  # fmt: skip
+    for args in commands:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+    return {"cert_file": str(d / "node.pem"), "key_file": str(d / "node.key"), "ca_file": str(d / "ca.pem")}

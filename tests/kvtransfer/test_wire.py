@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import time
+
 import msgpack
 import pytest
 import torch
 
-from kvtransfer.base import ChecksumMismatch, HandoffMeta, ProtocolError, TransferTimeout
+from kvtransfer.base import (
+    HANDOFF_SECRET_NUM_BYTES,
+    ChecksumMismatch,
+    HandoffMeta,
+    HandoffRefused,
+    ProtocolError,
+    TransferTimeout,
+    new_handoff_secret,
+)
 from kvtransfer.reservations import Reservations
 from kvtransfer.wire import (
     LayerHeader,
@@ -14,6 +24,8 @@ from kvtransfer.wire import (
     encode_layer,
     extras_from_dict,
     extras_to_dict,
+    meta_from_dict,
+    meta_to_dict,
     verify_layer,
 )
 from tests.kvtransfer.conftest import assert_extras_equal, bits_equal, make_extras, make_handoff, make_layers
@@ -93,8 +105,8 @@ def test_reservation_errors_are_explicit():
     reservations.release("r")
     reservations.release("r")  # idempotent
     assert reservations.pending_request_ids() == []
-    with pytest.raises(ProtocolError, match="no reservation"):
-        reservations.on_begin(meta)
+    with pytest.raises(HandoffRefused, match="no reservation"):
+        reservations.claim("r", new_handoff_secret())
 
 
 def test_layer_before_begin_and_duplicate_layers_are_protocol_errors():
@@ -105,7 +117,8 @@ def test_layer_before_begin_and_duplicate_layers_are_protocol_errors():
     with pytest.raises(ProtocolError, match="before begin"):
         reservations.on_layer(layer.header, layer.payload)
     reservations.release("dup")
-    reservations.expect(meta)
+    bound = reservations.expect(meta)
+    reservations.claim("dup", bound.secret)
     reservations.on_begin(meta)
     reservations.on_layer(layer.header, layer.payload)
     with pytest.raises(ProtocolError, match="layer 0 received twice"):
@@ -114,3 +127,51 @@ def test_layer_before_begin_and_duplicate_layers_are_protocol_errors():
         reservations.wait("dup", 1.0)
     reservations.release("dup")
     assert reservations.pending_request_ids() == []
+
+
+def test_expect_binds_a_fresh_secret_that_stays_out_of_equality_and_repr():
+    reservations = Reservations()
+    meta = make_handoff("bound")
+    bound = reservations.expect(meta)
+    assert len(bound.secret) == HANDOFF_SECRET_NUM_BYTES and bound == meta  # equal apart from the secret
+    assert "secret" not in repr(bound) and bound.secret.hex() not in repr(bound)
+    other = Reservations().expect(make_handoff("bound"))
+    assert other.secret != bound.secret
+    with pytest.raises(ValueError, match="already has a secret"):
+        Reservations().expect(bound)  # the receiver creates it; a caller cannot choose it
+    assert meta_from_dict(meta_to_dict(bound)).secret == bound.secret  # torch.distributed's begin record
+    with pytest.raises(ProtocolError) as refused:
+        meta_from_dict({**meta_to_dict(bound), "num_layers": 0})
+    assert bound.secret.hex() not in str(refused.value) and repr(bound.secret) not in str(refused.value)
+
+
+def test_claim_admits_one_sender_and_refusals_leave_the_reservation_alone():
+    reservations = Reservations()
+    bound = reservations.expect(make_handoff("claimed", lease_s=10.0))
+    for secret in (b"", new_handoff_secret(), bound.secret[:-1]):
+        with pytest.raises(HandoffRefused, match="missing or wrong handoff secret"):
+            reservations.claim("claimed", secret)
+    with pytest.raises(HandoffRefused, match="not admitted"):
+        reservations.on_begin(bound)  # a begin without a claim is refused too, unrecorded
+    assert reservations.failure("claimed") is None
+    deadline_s = reservations.claim("claimed", bound.secret)
+    assert deadline_s > 0
+    for secret in (bound.secret, new_handoff_secret()):  # a replay, right secret or not
+        with pytest.raises(HandoffRefused):
+            reservations.claim("claimed", secret)
+    reservations.on_begin(bound)
+    with pytest.raises(HandoffRefused, match="already has its sender"):
+        reservations.claim("claimed", bound.secret)
+    assert reservations.failure("claimed") is None
+    with pytest.raises(TransferTimeout, match="wait timed out"):  # still waiting for its layers
+        reservations.wait("claimed", 0.01)
+    reservations.release("claimed")
+
+
+def test_claim_after_the_lease_is_refused():
+    reservations = Reservations()
+    bound = reservations.expect(make_handoff("late", lease_s=0.01))
+    time.sleep(2 * bound.lease_s)
+    with pytest.raises(HandoffRefused, match="lease of 0.01 s is over"):
+        reservations.claim("late", bound.secret)
+    reservations.release("late")

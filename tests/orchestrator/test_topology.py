@@ -411,6 +411,80 @@ def test_relative_model_paths_are_relative_to_the_yaml_file(tmp_path, ckpt):
     assert topology.model.config_path == str(ckpt / "config.json")
 
 
+@pytest.fixture
+def certs(tmp_path: Path) -> dict[str, str]:
+    """A test CA, a node certificate and key in tmp_path/certs (openssl CLI; skipped without it)."""
+    from tests.kvtransfer.conftest import write_test_certificates
+
+    directory = tmp_path / "certs"
+    directory.mkdir()
+    files = write_test_certificates(directory)
+    if files is None:
+        pytest.skip("the openssl CLI is not installed")
+    return files
+
+
+TLS_BLOCK = """\
+kv_transfer:
+  transport: {transport}
+  tls:
+    cert_file: {cert_file}
+    key_file: {key_file}
+    ca_file: {ca_file}
+    server_name: pdcluster-kv
+"""
+
+
+def test_kv_tls_files_relative_to_the_yaml_file_validate(tmp_path, ckpt, certs):
+    text = template(
+        ckpt, TLS_BLOCK.format(transport="grpc", **{k: f"certs/{Path(v).name}" for k, v in certs.items()})
+    )
+    tls = load_topology(write(tmp_path, text)).kv_transfer.tls
+    assert (tls.cert_file, tls.key_file, tls.ca_file) == (
+        certs["cert_file"],
+        certs["key_file"],
+        certs["ca_file"],
+    )
+    assert tls.server_name == "pdcluster-kv"
+    assert load_topology(write(tmp_path, template(ckpt))).kv_transfer.tls is None  # the default: no TLS
+
+
+@pytest.mark.parametrize(
+    ("change", "key", "reason"),
+    [
+        (dict(transport="torch_distributed"), "tls:", "kv_transfer.tls: TLS is for the grpc transport"),
+        (
+            dict(cert_file="/nowhere/node.pem"),
+            "cert_file:",
+            "kv_transfer.tls.cert_file: /nowhere/node.pem does not exist",
+        ),
+        (dict(ca_file="{ckpt}/config.json"), "ca_file:", "config.json is not a PEM file with a CERTIFICATE"),
+        (
+            dict(key_file="{certs}/ca.key"),
+            "key_file:",
+            "do not load as a certificate and its unencrypted private key",
+        ),
+        (dict(ca_file="{certs}"), "ca_file:", "certs is not a file"),
+    ],
+)
+def test_kv_tls_mistakes_are_reported_at_their_key(tmp_path, ckpt, certs, change, key, reason):
+    fields = {"transport": "grpc", **certs}
+    fields.update({k: v.format(ckpt=ckpt, certs=Path(certs["ca_file"]).parent) for k, v in change.items()})
+    text = template(ckpt, TLS_BLOCK.format(**fields))
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, key) and reason in issue.reason, issue
+
+
+def test_kv_tls_needs_all_three_files(tmp_path, ckpt, certs):
+    text = template(ckpt, f"kv_transfer:\n  tls:\n    cert_file: {certs['cert_file']}\n")
+    issues = issues_of(write(tmp_path, text))
+    assert [i.line for i in issues] == [line_of(text, "cert_file:")] * 2  # the tls block's first line
+    assert [i.reason for i in issues] == [
+        "kv_transfer.tls: missing required key 'key_file'",
+        "kv_transfer.tls: missing required key 'ca_file'",
+    ]
+
+
 def test_unreadable_file():
     issue = issues_of(Path("/nonexistent/topology.yaml"))[0]
     assert issue.line is None and str(issue).startswith("/nonexistent/topology.yaml: cannot read")
