@@ -8,7 +8,9 @@ instance's placement group. A disaggregated request on this node:
                                thread blocks in receiver.wait(lease)
     (prefill streams layers)   on_layer -> engine.write_prompt_kv (the transport's receive thread)
     wait returns               the engine thread admits it (first token + drafts; greedy or sampled drafts
-                               with their probabilities) and steps it with the running batch
+                               with their probabilities) and steps it with the running batch; while
+                               max_num_seqs requests run, it waits for a seat (blocks held, first token
+                               already streamed)
     wait raises                receiver.release + engine.release_remote_prefill: no block stays held;
                                an ("error", ...) event tells the driver, which may re-dispatch
     poll(timeout_s)            the driver's one call per node: token deltas and errors of every request
@@ -140,7 +142,8 @@ class DecodeNode:
         return events
 
     def load(self) -> dict[str, Any]:
-        """Cheap snapshot for the router: free KV blocks and batch size."""
+        """Cheap snapshot for the router: free KV blocks, batch size, reservations and admitted requests
+        waiting for a seat in the batch."""
         scheduler = self.engine.scheduler
         bm = scheduler.block_manager
         return {
@@ -149,6 +152,8 @@ class DecodeNode:
             "num_total_blocks": bm.num_blocks,
             "num_running": len(scheduler.running),
             "num_reserved": len(scheduler.reserved),
+            # received, waiting for a seat in the running batch (max_num_seqs), holding their blocks
+            "num_waiting_for_seat": len(scheduler.waiting_for_seat),
             "engine_thread_alive": self._thread.is_alive(),
             "num_engine_errors": self._num_loop_errors,
             "last_engine_error": self._last_loop_error,

@@ -270,10 +270,12 @@ class LLMEngine:
         draft_token_ids: list[int] = (),  # type: ignore[assignment]
         draft_probs: torch.Tensor | None = None,
     ) -> None:
-        """Admit a reserved request whose prompt KV is written (every layer, MTP included) into the running
-        batch with its first token and drafts. Between steps. Its output (first token included) comes
-        with the next `step()`; when the first token already finished it (max_tokens=1, EOS), also from
-        `pop_finished_outputs()`, as nothing is left to step for it.
+        """Admit a reserved request whose prompt KV is written (every layer, MTP included) with its first
+        token and drafts. Between steps. It joins the running batch at the next `step()` if fewer than
+        `max_num_seqs` requests run, else waits for a seat there (holding its blocks; never an error).
+        Its output (first token included) comes with the first `step()` that runs it; when the first
+        token already finished it (max_tokens=1, EOS), also from `pop_finished_outputs()`, as nothing is
+        left to step for it.
 
         Raises:
             KeyError: no reservation.

@@ -30,6 +30,9 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()  # queued, holds no KV blocks
     RUNNING = enum.auto()  # in the running batch, holds KV blocks
     PREEMPTED = enum.auto()  # was running, blocks freed; waits to be recomputed from scratch
+    # Prefilled on another instance and admitted (prompt KV in its blocks, first token committed): holds
+    # its KV blocks and waits for a seat in the running batch (max_num_seqs).
+    WAITING_FOR_SEAT = enum.auto()
     FINISHED_STOPPED = enum.auto()  # EOS, a stop token, or a stop string
     FINISHED_LENGTH = enum.auto()  # max_tokens reached
     FINISHED_ABORTED = enum.auto()  # cancelled by the client or the engine

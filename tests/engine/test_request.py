@@ -48,5 +48,5 @@ def test_phase_times(make_request):
 
 
 def test_status_finish_reasons():
-    assert [s.finish_reason for s in RequestStatus] == [None, None, None, "stop", "length", "abort"]
-    assert [s.is_finished for s in RequestStatus] == [False, False, False, True, True, True]
+    assert [s.finish_reason for s in RequestStatus] == [None, None, None, None, "stop", "length", "abort"]
+    assert [s.is_finished for s in RequestStatus] == [False, False, False, False, True, True, True]
