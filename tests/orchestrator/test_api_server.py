@@ -176,6 +176,12 @@ def test_models_and_health(client: httpx.Client) -> None:
         ({"prompt": [10**6]}, "prompt token ids must be in"),
         ({"prompt": ""}, "the prompt is empty"),
         ({"max_tokens": 4}, "prompt: Field required"),
+        # Issue 12, finding 2: these passed the edge, then broke the engine step of every request batched
+        # with them (503 for all, the poison request included).
+        ({"prompt": "x", "seed": 2**70}, "seed must be in [0, 2**64)"),
+        ({"prompt": "x", "top_p": 1e-300}, "top_p must be > 0 in float32"),
+        ({"prompt": "x", "temperature": 1e-300}, "temperature must be 0 (greedy) or >= 1e-05"),
+        ({"prompt": "x", "top_k": 2**64}, "top_k must be <= 2**63 - 1"),
     ],
 )
 def test_bad_requests_get_400_with_openai_error_body(client: httpx.Client, body: Any, needle: str) -> None:
