@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.llm import LLMEngine, RequestOutput
+from engine.llm import EngineStepError, LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import HandoffMeta, KVReceiver, KVTransferError, ReceivedKV, ReceivedLayer
 
@@ -213,9 +213,11 @@ class DecodeNode:
         self._wakeup.set()
 
     def _run(self) -> None:
-        """The engine thread. Any exception becomes an ("error", ...) event for the requests it touches
-        (all of this instance's in-flight requests when it is not tied to one), logged with its
-        traceback; their blocks are freed and the loop goes on. It never dies silently."""
+        """The engine thread. Any exception becomes an ("error", ...) event for the requests it touches,
+        logged with its traceback; their blocks are freed and the loop goes on. It never dies silently.
+        A request whose own sampling fails, or a step whose execution fails (`EngineStepError`), fails
+        only the requests concerned (the step's); the others run on. Only an exception the engine cannot
+        tie to requests (scheduling, the loop itself: state unknown) fails every in-flight request."""
         engine = self.engine
         while not self._stopped.is_set():
             if not engine.has_unfinished_requests() and not self._admissions and not self._faults:
@@ -251,7 +253,10 @@ class DecodeNode:
             try:
                 self._maybe_fault("step")
                 outputs.extend(engine.step())
-            except Exception as e:  # noqa: BLE001 - a broken step fails its requests
+            except EngineStepError as e:  # the step's requests are finished with an error; others go on
+                self._loop_error(e, "engine step failed")
+                outputs.extend(e.outputs)
+            except Exception as e:  # noqa: BLE001 - not tied to requests: the engine state is unknown
                 self._loop_error(e, "engine step failed")
                 events.extend(self._fail_all(f"decode step failed: {e!r}"))
         for out in outputs:
@@ -322,6 +327,8 @@ class DecodeNode:
 
     def _delta(self, out: RequestOutput) -> list[tuple]:
         rid = out.request_id
+        if out.finish_reason == "error":  # failed alone in the engine (its sampling, or its step)
+            return [self._fail(rid, f"decode failed: {out.error}")]
         num_sent = self._num_sent.get(rid, 0)
         new = out.token_ids[num_sent:]
         self._num_sent[rid] = len(out.token_ids)

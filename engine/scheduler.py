@@ -123,14 +123,17 @@ class Scheduler:
         self._num_arrived += 1
         self.waiting.append(request)
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
-        """Finish a waiting or running request from outside a step (abort, stop string); frees its blocks.
-        Returns False when the id is unknown or already finished."""
+    def finish_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> bool:
+        """Finish a waiting or running request from outside a step (abort, stop string, a failed step:
+        FINISHED_ERROR with `error`, the reason); frees its blocks. Returns False when the id is unknown
+        or already finished."""
         if not status.is_finished:
             raise ValueError(f"status must be a finished status, got {status}")
         request = self.requests.get(request_id)
         if request is None:
             return False
+        if error is not None:
+            request.error = error
         self._remove(request, status)
         return True
 
@@ -369,10 +372,12 @@ class Scheduler:
     ) -> list[RequestUpdate]:
         """Commit the step's tokens: roll back rejected drafts, apply stop conditions, cache full blocks,
         free finished requests, take the next drafts. Requests finished, aborted or preempted since the
-        step was scheduled are skipped (their results are discarded).
+        step was scheduled are skipped (their results are discarded). A request in
+        `runner_output.failed` is finished with FINISHED_ERROR (`Request.error` says why) and its blocks
+        freed; the others commit as usual.
 
         Returns:
-            One `RequestUpdate` per request that produced tokens this step.
+            One `RequestUpdate` per request that produced tokens or failed this step.
 
         Raises:
             ValueError: the runner returned no token for a request whose step reached its last token, more
@@ -388,6 +393,12 @@ class Scheduler:
                 or request.num_preemptions != item.num_preemptions
             ):
                 continue  # finished, aborted or preempted since the step was scheduled
+            error = runner_output.failed.get(item.request_id)
+            if error is not None:  # failed alone (its sampling): the step's other requests go on
+                request.error = error
+                self._remove(request, RequestStatus.FINISHED_ERROR)
+                updates.append(RequestUpdate(item.request_id, [], RequestStatus.FINISHED_ERROR))
+                continue
             if not item.samples:
                 bm.cache_full_blocks(request)  # a prefill chunk: nothing sampled yet
                 continue

@@ -221,6 +221,27 @@ def test_bad_runner_output_is_an_error(make_scheduler, make_request):
         scheduler.update_from_output(output, ModelRunnerOutput({}))
 
 
+def test_a_request_the_runner_failed_finishes_alone_with_an_error(make_scheduler, make_request):
+    scheduler = make_scheduler()
+    for rid in ("a", "b"):
+        scheduler.add_request(make_request(rid, max_tokens=3))
+    output = scheduler.schedule()
+    runner_output = fake_runner_output(output)
+    runner_output.failed["a"] = "sampling failed: ValueError('bad')"
+    updates = scheduler.update_from_output(output, runner_output)
+    assert [(u.request_id, u.new_token_ids, u.status) for u in updates] == [
+        ("a", [], RequestStatus.FINISHED_ERROR),
+        ("b", [7], RequestStatus.RUNNING),
+    ]
+    assert (
+        scheduler.get_request("a") is None and output.scheduled[0].request.error == runner_output.failed["a"]
+    )
+    while scheduler.has_unfinished():
+        step(scheduler)
+    assert output.scheduled[1].request.output_token_ids == [7, 7, 7]
+    scheduler.block_manager.check_no_leaks()
+
+
 def test_requests_that_cannot_fit_are_rejected_at_add_time(make_scheduler, make_request):
     scheduler = make_scheduler(num_blocks=4, max_model_len=32)
     with pytest.raises(ValueError, match=r"needs 5 KV blocks of 4 tokens, but the whole cache has 4"):
