@@ -258,15 +258,22 @@ def _run(engine, requests):
     return [finished[rid] for rid in ids]
 
 
-@pytest.mark.parametrize("k", [0, 1])
-def test_a_sampling_error_fails_only_its_request(llm, prompts, reference, k):
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"num_speculative_tokens": 0},
+        {"num_speculative_tokens": 1},
+        {"num_speculative_tokens": 1, "async_scheduling": True},  # the next step has its placeholders
+    ],
+)
+def test_a_sampling_error_fails_only_its_request(llm, prompts, reference, changes):
     """Issue 12, finding 2 (isolation): a request whose sampling raises (here a top_p of 0 that validation
     would refuse, forced past it) fails alone with finish_reason "error"; the greedy and the sampled
     requests batched with it complete. Before, the exception failed the whole step."""
     poison = SamplingParams(temperature=0.8, max_tokens=8)
     object.__setattr__(poison, "top_p", 0.0)
     sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True)
-    llm_k = llm.replace_config(num_speculative_tokens=k)
+    llm_k = llm.replace_config(**changes)
     greedy, bad, good = _run(
         llm_k.engine, [(prompts[0], GREEDY), (prompts[1], poison), (prompts[2], sampled)]
     )
