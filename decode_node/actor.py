@@ -9,7 +9,9 @@ instance's placement group. A disaggregated request on this node:
                                prefill instance only; a waiter thread blocks in receiver.wait(lease)
     (prefill streams layers)   on_layer -> engine.write_prompt_kv (the transport's receive thread)
     wait returns               the engine thread admits it (first token + drafts; greedy or sampled drafts
-                               with their probabilities) and steps it with the running batch
+                               with their probabilities) and steps it with the running batch; while
+                               max_num_seqs requests run, it waits for a seat (blocks held, first token
+                               already streamed)
     wait raises                receiver.release + engine.release_remote_prefill: no block stays held;
                                an ("error", ...) event tells the driver, which may re-dispatch
     poll(timeout_s)            the driver's one call per node: token deltas and errors of every request
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.config import EngineConfig
-from engine.llm import LLMEngine, RequestOutput
+from engine.llm import EngineStepError, LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import HandoffMeta, KVReceiver, KVTransferError, ReceivedKV, ReceivedLayer
 
@@ -160,7 +162,8 @@ class DecodeNode:
             return list(self._events)
 
     def load(self) -> dict[str, Any]:
-        """Cheap snapshot for the router: free KV blocks and batch size."""
+        """Cheap snapshot for the router: free KV blocks, batch size, reservations and admitted requests
+        waiting for a seat in the batch."""
         scheduler = self.engine.scheduler
         bm = scheduler.block_manager
         return {
@@ -170,6 +173,8 @@ class DecodeNode:
             "num_total_blocks": bm.num_blocks,
             "num_running": len(scheduler.running),
             "num_reserved": len(scheduler.reserved),
+            # received, waiting for a seat in the running batch (max_num_seqs), holding their blocks
+            "num_waiting_for_seat": len(scheduler.waiting_for_seat),
             "engine_thread_alive": self._thread.is_alive(),
             "num_engine_errors": self._num_loop_errors,
             "last_engine_error": self._last_loop_error,
@@ -229,9 +234,11 @@ class DecodeNode:
         self._wakeup.set()
 
     def _run(self) -> None:
-        """The engine thread. Any exception becomes an ("error", ...) event for the requests it touches
-        (all of this instance's in-flight requests when it is not tied to one), logged with its
-        traceback; their blocks are freed and the loop goes on. It never dies silently."""
+        """The engine thread. Any exception becomes an ("error", ...) event for the requests it touches,
+        logged with its traceback; their blocks are freed and the loop goes on. It never dies silently.
+        A request whose own sampling fails, or a step whose execution fails (`EngineStepError`), fails
+        only the requests concerned (the step's); the others run on. Only an exception the engine cannot
+        tie to requests (scheduling, the loop itself: state unknown) fails every in-flight request."""
         engine = self.engine
         while not self._stopped.is_set():
             if not engine.has_unfinished_requests() and not self._admissions and not self._faults:
@@ -267,7 +274,10 @@ class DecodeNode:
             try:
                 self._maybe_fault("step")
                 outputs.extend(engine.step())
-            except Exception as e:  # noqa: BLE001 - a broken step fails its requests
+            except EngineStepError as e:  # the step's requests are finished with an error; others go on
+                self._loop_error(e, "engine step failed")
+                outputs.extend(e.outputs)
+            except Exception as e:  # noqa: BLE001 - not tied to requests: the engine state is unknown
                 self._loop_error(e, "engine step failed")
                 events.extend(self._fail_all(f"decode step failed: {e!r}"))
         for out in outputs:
@@ -338,6 +348,8 @@ class DecodeNode:
 
     def _delta(self, out: RequestOutput) -> list[tuple]:
         rid = out.request_id
+        if out.finish_reason == "error":  # failed alone in the engine (its sampling, or its step)
+            return [self._fail(rid, f"decode failed: {out.error}")]
         num_sent = self._num_sent.get(rid, 0)
         new = out.token_ids[num_sent:]
         self._num_sent[rid] = len(out.token_ids)

@@ -36,6 +36,13 @@ the next drafts. One k serves the whole batch. The scheduler's lookahead slots s
 
 MTP KV read from a prefix-cache hit was written by an earlier request; a wrong MTP entry can only lower
 acceptance, never change the output, because every draft is verified by the main model.
+
+Isolation: an exception while sampling, verifying or drafting for the batch is retried request by request
+(sampling from the same logits), and only the requests that still raise alone are failed
+(`ModelRunnerOutput.failed`); the others get their tokens as if nothing happened. The batch attempt
+raises before drawing randomness for the validation errors the kernels raise, so seeded requests
+stay reproducible then; an exception in the middle of the draws could leave some generators advanced.
+Exceptions in the batched forward (main model or MTP layer) fail the whole step: they propagate.
 """
 
 from __future__ import annotations
@@ -214,6 +221,7 @@ class Executor:
 
         sampling = [i for i, item in enumerate(scheduled) if item.samples]
         sampled: dict[str, list[int]] = {}
+        failed: dict[str, str] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if sampling:
             rows: list[int] = []
@@ -221,31 +229,41 @@ class Executor:
                 k = len(scheduled[i].spec_token_ids)
                 rows.extend(range(starts[i + 1] - k - 1, starts[i + 1]))
             logits = self.runner.compute_logits(hidden[rows])
-            sampled = self._sample_or_verify([scheduled[i] for i in sampling], logits)
+            sampled, failed = self._sample_isolated([scheduled[i] for i in sampling], logits)
             logprobs = _token_logprobs([scheduled[i] for i in sampling], logits, sampled)
 
         if self.adaptive_min_accept_prob is not None and self.max_num_speculative_tokens:
-            self._adapt_num_speculative_tokens([scheduled[i] for i in sampling], sampled)
+            self._adapt_num_speculative_tokens(
+                [scheduled[i] for i in sampling if scheduled[i].request_id in sampled], sampled
+            )
         spec: dict[str, list[int]] = {}
         if self.num_speculative_tokens:
             k = self.num_speculative_tokens
             self.num_steps_per_k[k] = self.num_steps_per_k.get(k, 0) + 1
-            spec = self._propose(scheduled, hidden, starts, sampled, on_layer_kv)
+            spec = self._propose(scheduled, hidden, starts, sampled, failed, on_layer_kv)
         # Prefill-only requests (handed off to decode): their last hidden state and draft distributions.
         last_hidden: dict[str, torch.Tensor] = {}
         draft_probs: dict[str, torch.Tensor | None] = {}
         for i in sampling:
             item = scheduled[i]
-            if item.request.export_kv:
+            if item.request.export_kv and item.request_id not in failed:
                 last_hidden[item.request_id] = hidden[starts[i + 1] - 1].clone()
                 draft_probs[item.request_id] = self._draft_probs.get(item.request_id)
         self._last_step = {}
         for i in sampling:
             item = scheduled[i]
+            if item.request_id in failed:
+                # Finished with an error when this step is committed; a step already scheduled after it
+                # (asynchronous scheduling) still resolves its placeholders: filler, discarded with it.
+                self._last_step[item.request_id] = StepResult([0], [], 0)
+                continue
             tokens = sampled[item.request_id]
             num_rejected = len(item.spec_token_ids) - (len(tokens) - 1)
             self._last_step[item.request_id] = StepResult(tokens, spec.get(item.request_id, []), num_rejected)
-        return ModelRunnerOutput(sampled, spec, last_hidden, draft_probs, logprobs)
+        for request_id in failed:
+            sampled.pop(request_id, None)
+            spec.pop(request_id, None)
+        return ModelRunnerOutput(sampled, spec, last_hidden, draft_probs, logprobs, failed)
 
     def _adapt_num_speculative_tokens(
         self, items: list[ScheduledRequest], sampled: dict[str, list[int]]
@@ -310,6 +328,36 @@ class Executor:
             values, dtype=torch.long, device=device
         )
         return scheduled
+
+    def _sample_isolated(
+        self, items: list[ScheduledRequest], logits: torch.Tensor
+    ) -> tuple[dict[str, list[int]], dict[str, str]]:
+        """`_sample_or_verify` over the batch; if it raises, over each request alone (its own rows of
+        `logits`), so an error one request causes fails only that request.
+
+        Args:
+            items: the sampling requests, in batch order.
+            logits: `[sum(k_i + 1), vocab_size]`, as `_sample_or_verify`.
+
+        Returns:
+            (request id -> tokens, for the requests that sampled; request id -> error message, for those
+            that raised even alone).
+        """
+        try:
+            return self._sample_or_verify(items, logits), {}
+        except Exception:  # noqa: BLE001 - find the request(s) it came from, below
+            pass
+        sampled: dict[str, list[int]] = {}
+        failed: dict[str, str] = {}
+        row = 0
+        for item in items:
+            num_rows = len(item.spec_token_ids) + 1
+            try:
+                sampled.update(self._sample_or_verify([item], logits[row : row + num_rows]))
+            except Exception as e:  # noqa: BLE001 - this request's error, this request's failure
+                failed[item.request_id] = f"sampling failed: {e!r}"
+            row += num_rows
+        return sampled, failed
 
     def _sample_or_verify(self, items: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, list[int]]:
         """logits: `[sum(k_i + 1), vocab_size]`, request i's `k_i + 1` rows after request i-1's."""
@@ -378,11 +426,16 @@ class Executor:
         hidden: torch.Tensor,
         starts: list[int],
         sampled: dict[str, list[int]],
+        failed: dict[str, str],
         on_layer_kv: LayerKVCallback | None = None,
     ) -> dict[str, list[int]]:
+        """MTP drafts per request (see `mtp_proposer.propose`); skips requests in `failed` and adds the
+        requests whose drafting fails alone to it."""
         works: list[MTPWork] = []
         owners: list[ScheduledRequest] = []
         for i, item in enumerate(scheduled):
+            if item.request_id in failed:
+                continue
             request = item.request
             new_tokens = sampled.get(item.request_id, [])
             num_rejected = len(item.spec_token_ids) - (len(new_tokens) - 1) if item.samples else 0
@@ -413,7 +466,9 @@ class Executor:
             owners.append(item)
         spec: dict[str, list[int]] = {}
         for item, proposal in zip(owners, propose(self.runner, works, on_layer_kv), strict=True):
-            if proposal.draft_token_ids:
+            if proposal.error is not None:
+                failed[item.request_id] = proposal.error
+            elif proposal.draft_token_ids:
                 spec[item.request_id] = proposal.draft_token_ids
                 self._draft_probs[item.request_id] = proposal.draft_probs
         return spec
@@ -438,8 +493,8 @@ def _token_logprobs(
     wanting: list[ScheduledRequest] = []
     offset = 0
     for item in items:
-        tokens = sampled[item.request_id]
-        if item.request.sampling_params.logprobs is not None:
+        tokens = sampled.get(item.request_id)  # None: its sampling failed
+        if tokens is not None and item.request.sampling_params.logprobs is not None:
             wanting.append(item)
             rows.extend(range(offset, offset + len(tokens)))
             token_ids.extend(tokens)

@@ -9,6 +9,11 @@
 With `async_scheduling`, step N+1 is scheduled and its inputs are packed on the calling thread while step
 N's forward runs on a worker thread (see `engine.async_loop`); each `step()` then returns the outputs of
 the step before, and the tokens are the same as the synchronous loop's.
+
+Failures are confined to the requests they concern: an error in one request's sampling or drafting
+finishes that request alone (finish_reason "error", `RequestOutput.error`); an exception in the batched
+execution of a step (synchronous loop) finishes the requests that step ran and raises `EngineStepError`
+with their outputs, while requests it did not run go on with the next `step()`.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from engine.async_loop import AsyncStepLoop
 from engine.config import EngineConfig
 from engine.executor import Executor
 from engine.model_runner import LayerKVCallback, ModelRunner
-from engine.outputs import TokenLogprobs
+from engine.outputs import SchedulerOutput, TokenLogprobs
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -66,10 +71,27 @@ class RequestOutput:
     num_accepted_tokens_per_position: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None  # finish_reason "error": why the request failed
 
     @property
     def acceptance_rate(self) -> float | None:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+
+class EngineStepError(RuntimeError):
+    """`LLMEngine.step()` (synchronous loop): executing the step raised, so the state of the requests it
+    ran (KV written, sampling) is unknown. Those requests are finished with finish_reason "error" and
+    their blocks freed; requests the step did not run are untouched and continue with the next `step()`.
+
+    Attributes:
+        outputs: what the failed `step()` would have returned: the final outputs of the step's requests
+            (finish_reason "error", `error` set) and of requests finished outside the step (aborts,
+            admissions), which the caller must still report.
+    """
+
+    def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
 
 
 class PrefillResult(NamedTuple):
@@ -270,10 +292,12 @@ class LLMEngine:
         draft_token_ids: list[int] = (),  # type: ignore[assignment]
         draft_probs: torch.Tensor | None = None,
     ) -> None:
-        """Admit a reserved request whose prompt KV is written (every layer, MTP included) into the running
-        batch with its first token and drafts. Between steps. Its output (first token included) comes
-        with the next `step()`; when the first token already finished it (max_tokens=1, EOS), also from
-        `pop_finished_outputs()`, as nothing is left to step for it.
+        """Admit a reserved request whose prompt KV is written (every layer, MTP included) with its first
+        token and drafts. Between steps. It joins the running batch at the next `step()` if fewer than
+        `max_num_seqs` requests run, else waits for a seat there (holding its blocks; never an error).
+        Its output (first token included) comes with the first `step()` that runs it; when the first
+        token already finished it (max_tokens=1, EOS), also from `pop_finished_outputs()`, as nothing is
+        left to step for it.
 
         Raises:
             KeyError: no reservation.
@@ -330,6 +354,13 @@ class LLMEngine:
         request whose last prompt chunk runs in this step, called right after each layer's KV is written,
         main layers then the MTP layer, with the whole prompt's KV of that layer (read back from the paged
         cache, so earlier chunks and prefix-cache hits are included).
+
+        A request whose own sampling or drafting raised comes back finished with finish_reason "error".
+
+        Raises:
+            EngineStepError: (synchronous loop) executing the step raised; the requests it ran are
+                finished with an error (in `EngineStepError.outputs`), the others go on. With
+                `async_scheduling` such an exception propagates unchanged.
         """
         if on_prompt_kv is not None and self._async_loop is not None:
             raise ValueError("on_prompt_kv needs the synchronous loop (async_scheduling=False)")
@@ -339,7 +370,10 @@ class LLMEngine:
             hook = on_layer_kv
             if exporting and on_prompt_kv is not None:
                 hook = self._prompt_kv_hook(exporting, on_layer_kv, on_prompt_kv)
-            runner_output = self.executor.execute(output, hook)
+            try:
+                runner_output = self.executor.execute(output, hook)
+            except Exception as e:  # noqa: BLE001 - fail the requests this step ran, not the engine
+                raise self._step_failed(output, e) from e
             for item in exporting:
                 rid = item.request_id
                 sampled = runner_output.sampled_token_ids.get(rid)
@@ -380,6 +414,20 @@ class LLMEngine:
         if self._async_loop is not None and not self.scheduler.has_unfinished():
             self._async_loop.drain()
         return results
+
+    def _step_failed(self, output: SchedulerOutput, error: Exception) -> EngineStepError:
+        """Finish every request `output` scheduled with FINISHED_ERROR (blocks freed, executor state
+        dropped) and return the `EngineStepError` carrying their outputs and those of requests finished
+        outside the step."""
+        message = f"engine step failed: {error!r}"
+        failed = [item.request for item in output.scheduled]
+        for request in failed:
+            if self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR, message):
+                self._finished[request.request_id] = request
+        self.executor.drop([request.request_id for request in failed])
+        outputs = [self._output(request) for request in self._finished.values()]
+        self._finished.clear()
+        return EngineStepError(message, outputs)
 
     def _prompt_kv_hook(
         self,
@@ -446,6 +494,7 @@ class LLMEngine:
             num_accepted_tokens_per_position=list(request.num_accepted_tokens_per_position),
             num_preemptions=request.num_preemptions,
             logprobs=list(self._logprobs[rid]) if rid in self._logprobs else None,
+            error=request.error,
         )
         if request.is_finished:
             self._logprobs.pop(rid, None)

@@ -48,10 +48,13 @@ class MTPWork:
 @dataclass
 class Proposal:
     """draft_token_ids: `num_drafts` ints.
-    draft_probs: `[num_drafts, vocab_size]` float32, or None for greedy drafts."""
+    draft_probs: `[num_drafts, vocab_size]` float32, or None for greedy drafts.
+    error: why drafting failed for this request alone (an exception picking one of its drafts, e.g.
+        from its sampling settings); the drafts are then incomplete and must not be used. None: success."""
 
     draft_token_ids: list[int]
     draft_probs: torch.Tensor | None
+    error: str | None = None
 
 
 def _pick(logits: torch.Tensor, work: MTPWork) -> tuple[int, torch.Tensor | None]:
@@ -76,7 +79,9 @@ def propose(
     `on_layer_kv` runs after the MTP layer's KV of the committed positions is written (not for the
     chained draft positions, whose KV the next verification step overwrites).
 
-    Returns one `Proposal` per work item (empty for `num_drafts == 0`).
+    Returns one `Proposal` per work item (empty for `num_drafts == 0`). An exception while picking one
+    request's draft fails that request's proposal only (`Proposal.error`); exceptions from the batched
+    MTP forward propagate.
     """
     if not works:
         return []
@@ -99,13 +104,10 @@ def propose(
     last_position = {i: works[i].start_position + len(works[i].next_token_ids) - 1 for i in active}
     logits = runner.compute_logits(torch.stack([last_hidden[i] for i in active]))
     for row, i in enumerate(active):
-        token, probs = _pick(logits[row], works[i])
-        proposals[i].draft_token_ids.append(token)
-        if probs is not None:
-            probs_lists[i].append(probs)
+        _append_pick(proposals[i], probs_lists[i], logits[row], works[i])
     depth_limit = len(runner.model.mtp_layers) - 1
     for depth in range(1, max(works[i].num_drafts for i in active)):
-        active = [i for i in active if works[i].num_drafts > depth]
+        active = [i for i in active if works[i].num_drafts > depth and proposals[i].error is None]
         if not active:
             break
         chain = build_model_input(
@@ -122,11 +124,23 @@ def propose(
         for row, i in enumerate(active):
             last_hidden[i] = out[row]
             last_position[i] += 1
-            token, probs = _pick(logits[row], works[i])
-            proposals[i].draft_token_ids.append(token)
-            if probs is not None:
-                probs_lists[i].append(probs)
+            _append_pick(proposals[i], probs_lists[i], logits[row], works[i])
     for i, plist in enumerate(probs_lists):
-        if plist:
+        if plist and proposals[i].error is None:
             proposals[i].draft_probs = torch.stack(plist)
     return proposals
+
+
+def _append_pick(
+    proposal: Proposal, probs_list: list[torch.Tensor], logits: torch.Tensor, work: MTPWork
+) -> None:
+    """Draft one more token into `proposal` (its probabilities into `probs_list`); an exception fails
+    this proposal alone (`proposal.error`), not the batch."""
+    try:
+        token, probs = _pick(logits, work)
+    except Exception as e:  # noqa: BLE001 - one request's drafting error is that request's failure
+        proposal.error = f"drafting failed: {e!r}"
+        return
+    proposal.draft_token_ids.append(token)
+    if probs is not None:
+        probs_list.append(probs)

@@ -113,6 +113,9 @@ class ModelRunnerOutput:
         logprobs: request id -> one `TokenLogprobs` per token of `sampled_token_ids`, for requests whose
             `SamplingParams.logprobs` is not None. With speculative decoding, an accepted draft's come from
             the verification forward's target logits at its position.
+        failed: request id -> why its tokens could not be produced (an exception while sampling,
+            verifying or drafting for that request alone). The scheduler finishes it with FINISHED_ERROR;
+            the step's other requests are unaffected. Tokens given for it are ignored.
     """
 
     sampled_token_ids: dict[str, list[int]]
@@ -120,6 +123,7 @@ class ModelRunnerOutput:
     last_hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)
     draft_probs: dict[str, torch.Tensor | None] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class RequestUpdate(NamedTuple):

@@ -30,9 +30,13 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()  # queued, holds no KV blocks
     RUNNING = enum.auto()  # in the running batch, holds KV blocks
     PREEMPTED = enum.auto()  # was running, blocks freed; waits to be recomputed from scratch
+    # Prefilled on another instance and admitted (prompt KV in its blocks, first token committed): holds
+    # its KV blocks and waits for a seat in the running batch (max_num_seqs).
+    WAITING_FOR_SEAT = enum.auto()
     FINISHED_STOPPED = enum.auto()  # EOS, a stop token, or a stop string
     FINISHED_LENGTH = enum.auto()  # max_tokens reached
     FINISHED_ABORTED = enum.auto()  # cancelled by the client or the engine
+    FINISHED_ERROR = enum.auto()  # failed alone: an error in its own sampling, or in a step that ran it
 
     @property
     def is_finished(self) -> bool:
@@ -40,7 +44,8 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI-style `finish_reason` ("stop", "length", "abort"), None while unfinished."""
+        """OpenAI-style `finish_reason` ("stop", "length", "abort"; "error" is ours), None while
+        unfinished."""
         return _FINISH_REASONS.get(self)
 
 
@@ -48,6 +53,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -80,6 +86,7 @@ class Request:
             their ratio.
         export_kv: a prefill-only request whose prompt KV, last hidden state and first drafts are handed
             to a decode instance (`LLMEngine.add_request(prefill_only=True)`); set at creation, never changed.
+        error: why the request failed (status FINISHED_ERROR), else None.
     """
 
     request_id: str
@@ -104,6 +111,7 @@ class Request:
     num_draft_tokens_per_position: list[int] = field(default_factory=list)
     num_accepted_tokens_per_position: list[int] = field(default_factory=list)
     export_kv: bool = False
+    error: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompt_token_ids) == 0:

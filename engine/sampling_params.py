@@ -1,16 +1,36 @@
 """Per-request sampling and stopping parameters (in the spirit of vLLM's `SamplingParams`).
 
 Plain, frozen and validated at construction: a bad value raises `ValueError` naming the field and the
-value, so the HTTP edge can hand the message back to the client unchanged. The sampler kernel reads
-`temperature / top_p / top_k / seed`; the scheduler reads the stopping fields (`max_tokens`,
-`stop_token_ids`, `ignore_eos`); `stop` strings need detokenized text, so the API layer checks them and
-finishes the request through `Scheduler.finish_request`.
+value, so the HTTP edge can hand the message back to the client unchanged (HTTP 400, before anything is
+scheduled). Numeric values are checked in the sampler's own terms, so a request that passes validation
+cannot make the sampler raise or produce NaN probabilities:
+- `seed` seeds a `torch.Generator`, whose `manual_seed` takes [-2**63, 2**64) and aliases a negative seed
+  s to s + 2**64; one seed per stream: [0, 2**64).
+- `top_p` is compared in float32: a value that rounds to 0 there (below ~7e-46, e.g. 1e-300) is rejected.
+- `temperature` divides float32 logits: it is 0 (greedy) or >= `MIN_TEMPERATURE` (1e-5). Below, logits /
+  temperature overflows to inf for logits of a few tens once temperature is under ~1e-37 (NaN probabilities),
+  and rounds to 0 (greedy in the kernel, sampled elsewhere) under ~7e-46; any temperature that small is
+  greedy in effect, so send 0. No upper bound: a huge temperature (inf in float32 included) gives the
+  uniform distribution over the tokens top-k/top-p keep.
+- `top_k` becomes an int64 tensor: at most 2**63 - 1 (anything >= the vocabulary size disables it).
+
+The sampler kernel reads `temperature / top_p / top_k / seed`; the scheduler reads the stopping fields
+(`max_tokens`, `stop_token_ids`, `ignore_eos`); `stop` strings need detokenized text, so the API layer
+checks them and finishes the request through `Scheduler.finish_request`.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
+
+MIN_TEMPERATURE = 1e-5
+"""The smallest positive temperature (see the module docstring); 0 means greedy."""
+MAX_SEED = 2**64 - 1
+"""The largest seed: `torch.Generator.manual_seed` takes unsigned 64-bit seeds."""
+MAX_TOP_K = 2**63 - 1
+"""The largest top_k: the sampler holds it in an int64 tensor."""
 
 
 @dataclass(frozen=True)
@@ -18,10 +38,12 @@ class SamplingParams:
     """How to pick each next token and when to stop.
 
     Attributes:
-        temperature: softmax temperature, >= 0; 0 means greedy (argmax; `top_p`, `top_k`, `seed` unused).
-        top_p: nucleus mass in (0, 1]; 1 keeps the whole distribution.
-        top_k: keep the k most likely tokens; 0 or -1 disables the filter.
-        seed: per-request generator seed for reproducible sampling; None draws from the engine's generator.
+        temperature: softmax temperature, 0 or >= `MIN_TEMPERATURE`, finite; 0 means greedy (argmax; `top_p`,
+            `top_k`, `seed` unused).
+        top_p: nucleus mass in (0, 1], > 0 once rounded to float32; 1 keeps the whole distribution.
+        top_k: keep the k most likely tokens, at most `MAX_TOP_K`; 0 or -1 disables the filter.
+        seed: per-request generator seed in [0, `MAX_SEED`] for reproducible sampling; None: a generator
+            seeded from OS entropy.
         max_tokens: most output tokens to generate, >= 1 (the request finishes with FINISHED_LENGTH).
         stop_token_ids: token ids that finish the request (FINISHED_STOPPED); the stop token is kept in
             the output, like the EOS token.
@@ -50,12 +72,23 @@ class SamplingParams:
 
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}: a smaller one overflows "
+                f"logits / temperature in float32 or is greedy in effect (send 0), got {self.temperature!r}"
+            )
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if _to_float32(self.top_p) == 0:
+            raise ValueError(f"top_p must be > 0 in float32 (the sampler's precision), got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an int >= 1, or 0 / -1 to disable it, got {self.top_k!r}")
+        if self.top_k > MAX_TOP_K:
+            raise ValueError(f"top_k must be <= 2**63 - 1 (int64), got {self.top_k!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**64) (a torch.Generator seed), got {self.seed!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
@@ -84,3 +117,8 @@ def _is_int(value: object) -> bool:
 
 def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _to_float32(value: float) -> float:
+    """`value` rounded to the nearest float32 (for values in float32's range, as top_p in (0, 1])."""
+    return struct.unpack("f", struct.pack("f", value))[0]

@@ -58,7 +58,9 @@ class SchedulerStats(NamedTuple):
 
 
 class Scheduler:
-    """Owns the waiting and running queues and the `BlockManager` of one engine instance.
+    """Owns the waiting and running queues, the reservations of requests prefilled elsewhere and, once
+    admitted, their queue for a seat in the running batch (`waiting_for_seat`), and the `BlockManager` of
+    one engine instance.
 
     Args:
         config: step limits (and block size).
@@ -88,6 +90,9 @@ class Scheduler:
         self.waiting: list[Request] = []  # new and preempted requests
         self.running: list[Request] = []  # in admission order
         self.reserved: dict[str, Request] = {}  # holding blocks for KV prefilled elsewhere (`reserve`)
+        # Admitted after a prefill elsewhere (`admit_reserved`), holding their blocks, waiting for a seat in
+        # the running batch (max_num_seqs); in admission order.
+        self.waiting_for_seat: list[Request] = []
         self._arrival_index: dict[str, int] = {}
         self._num_arrived = 0
         self._finished_request_ids: list[str] = []  # since the last schedule()
@@ -118,14 +123,17 @@ class Scheduler:
         self._num_arrived += 1
         self.waiting.append(request)
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
-        """Finish a waiting or running request from outside a step (abort, stop string); frees its blocks.
-        Returns False when the id is unknown or already finished."""
+    def finish_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> bool:
+        """Finish a waiting or running request from outside a step (abort, stop string, a failed step:
+        FINISHED_ERROR with `error`, the reason); frees its blocks. Returns False when the id is unknown
+        or already finished."""
         if not status.is_finished:
             raise ValueError(f"status must be a finished status, got {status}")
         request = self.requests.get(request_id)
         if request is None:
             return False
+        if error is not None:
+            request.error = error
         self._remove(request, status)
         return True
 
@@ -169,12 +177,19 @@ class Scheduler:
     def admit_reserved(
         self, request_id: str, first_token_id: int, spec_token_ids: list[int]
     ) -> RequestStatus:
-        """Admit a reserved request whose prompt KV is now in its blocks, into the running batch, as if
-        this instance had run its prefill: `num_computed_tokens` = prompt length, the first token committed
-        (stop conditions apply), `spec_token_ids` the drafts to verify in its next step.
+        """Admit a reserved request whose prompt KV is now in its blocks, as if this instance had run its
+        prefill: `num_computed_tokens` = prompt length, the first token committed (stop conditions apply),
+        `spec_token_ids` the drafts to verify in its next step.
+
+        The request joins `waiting_for_seat` (status WAITING_FOR_SEAT) with its blocks; the next
+        `schedule()` seats it in the running batch once `max_num_seqs` allows, so admissions never
+        overfill the batch (nor the executor's input buffers, which `max_num_seqs` sizes), however many
+        handoffs complete at once. Seated before waiting (new or preempted) requests: its KV is already
+        computed and its blocks held.
 
         Returns:
-            RUNNING, or the finished status when the first token already finished it (its blocks are freed).
+            RUNNING (unfinished: it will run, possibly after waiting for a seat), or the finished status
+            when the first token already finished it (its blocks are freed).
 
         Raises:
             KeyError: no such reservation.
@@ -193,11 +208,11 @@ class Scheduler:
             return status
         num_allowed = request.sampling_params.max_tokens - request.num_output_tokens - 1
         request.spec_token_ids = list(spec_token_ids)[: max(0, num_allowed)]
-        request.status = RequestStatus.RUNNING
+        request.status = RequestStatus.WAITING_FOR_SEAT
         self.requests[request_id] = request
         self._arrival_index[request_id] = self._num_arrived
         self._num_arrived += 1
-        self.running.append(request)
+        self.waiting_for_seat.append(request)
         return status
 
     def has_unfinished(self) -> bool:
@@ -210,7 +225,7 @@ class Scheduler:
         queried = self._num_prefix_query_tokens
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.waiting_for_seat),
             kv_cache_usage=self.block_manager.usage,
             num_preemptions=self.num_preemptions,
             prefix_cache_hit_rate=self._num_prefix_hit_tokens / queried if queried else None,
@@ -220,7 +235,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide and prepare the next step: preempt, admit, allocate KV slots, advance
-        `num_computed_tokens` of every scheduled request."""
+        `num_computed_tokens` of every scheduled request. Requests waiting for a seat are seated first."""
+        self._seat_admitted()
         bm = self.block_manager
         # Only the first `max_num_seqs - running` waiting requests can be admitted: look up only those
         # (this also keeps the seats of running requests the policy does not see, below).
@@ -235,6 +251,17 @@ class Scheduler:
             bm.num_free_blocks,
         )
         return self._apply(plan, lookups)
+
+    def _seat_admitted(self) -> None:
+        """Move requests admitted after a remote prefill into the running batch, oldest first, while
+        `len(running) < max_num_seqs`; the rest keep waiting (with their blocks)."""
+        num_seats = self.config.max_num_seqs - len(self.running)
+        if num_seats <= 0 or not self.waiting_for_seat:
+            return
+        seated, self.waiting_for_seat = self.waiting_for_seat[:num_seats], self.waiting_for_seat[num_seats:]
+        for request in seated:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
 
     @staticmethod
     def _samples_last_token(request: Request) -> bool:
@@ -345,10 +372,12 @@ class Scheduler:
     ) -> list[RequestUpdate]:
         """Commit the step's tokens: roll back rejected drafts, apply stop conditions, cache full blocks,
         free finished requests, take the next drafts. Requests finished, aborted or preempted since the
-        step was scheduled are skipped (their results are discarded).
+        step was scheduled are skipped (their results are discarded). A request in
+        `runner_output.failed` is finished with FINISHED_ERROR (`Request.error` says why) and its blocks
+        freed; the others commit as usual.
 
         Returns:
-            One `RequestUpdate` per request that produced tokens this step.
+            One `RequestUpdate` per request that produced tokens or failed this step.
 
         Raises:
             ValueError: the runner returned no token for a request whose step reached its last token, more
@@ -364,6 +393,12 @@ class Scheduler:
                 or request.num_preemptions != item.num_preemptions
             ):
                 continue  # finished, aborted or preempted since the step was scheduled
+            error = runner_output.failed.get(item.request_id)
+            if error is not None:  # failed alone (its sampling): the step's other requests go on
+                request.error = error
+                self._remove(request, RequestStatus.FINISHED_ERROR)
+                updates.append(RequestUpdate(item.request_id, [], RequestStatus.FINISHED_ERROR))
+                continue
             if not item.samples:
                 bm.cache_full_blocks(request)  # a prefill chunk: nothing sampled yet
                 continue
@@ -446,7 +481,8 @@ class Scheduler:
     def _remove(self, request: Request, status: RequestStatus) -> None:
         self.block_manager.free(request)
         request.num_output_placeholders = 0  # a step in flight still holding it is discarded
-        (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
+        queues = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING_FOR_SEAT: self.waiting_for_seat}
+        queues.get(request.status, self.waiting).remove(request)
         request.status = status
         request.finished_time_s = self.clock()
         del self.requests[request.request_id]

@@ -12,6 +12,23 @@ PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)  # ids 0, 1, 2 in the bundled tokenizer
 
 
+def check_unicode(text: str) -> None:
+    """Check that `text` is valid Unicode, i.e. encodes as UTF-8 (what the tokenizer needs).
+
+    Raises:
+        ValueError: `text` holds a lone surrogate (U+D800..U+DFFF, half of a UTF-16 pair: JSON's
+            `\\uXXXX` escapes and Python strings can hold one, UTF-8 cannot), naming the code point and
+            its character index.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"not valid Unicode: U+{ord(text[e.start]):04X} at character {e.start} is a lone surrogate "
+            "(half of a UTF-16 pair); send text that encodes as UTF-8"
+        ) from None
+
+
 class Tokenizer:
     """Text <-> token ids. `eos_token_id` ends generation; ids are Python ints."""
 
@@ -30,10 +47,23 @@ class Tokenizer:
         return cls(_HFTokenizer.from_file(str(file)))
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`. Raises ValueError for text that is not valid Unicode (`check_unicode`)."""
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        except TypeError:  # `tokenizers` says "TextInputSequence must be str" for a lone surrogate
+            if isinstance(text, str):
+                check_unicode(text)
+            raise
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        """`encode` of each text. Raises ValueError as `encode`."""
+        try:
+            return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        except TypeError:
+            for text in texts:
+                if isinstance(text, str):
+                    check_unicode(text)
+            raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

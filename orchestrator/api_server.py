@@ -11,10 +11,12 @@ With `api_key`, the /v1 endpoints need `Authorization: Bearer <api_key>` (401 ot
 /metrics stay open for probes and scrapers.
 
 Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON,
-a schema violation, an unknown model, unsupported options (n != 1, logprobs, echo, best_of), a bad
-sampling value, a prompt or prompt + max_tokens over the context (the message gives the lengths); 401 for
-a missing or wrong API key; 503 when the backend raises `BackendUnavailable` (retriable). An error after
-an SSE stream started is sent as a final `data: {"error": ...}` event, then `data: [DONE]`.
+a schema violation, text that is not valid Unicode (a lone surrogate such as `"\\ud800"` is valid JSON
+but no character: the message names the field, the code point and its index), an unknown model,
+unsupported options (n != 1, logprobs, echo, best_of), a bad sampling value, a prompt or prompt +
+max_tokens over the context (the message gives the lengths); 401 for a missing or wrong API key; 503
+when the backend raises `BackendUnavailable` (retriable). An error after an SSE stream started is sent
+as a final `data: {"error": ...}` event, then `data: [DONE]`.
 
 Every response carries `usage` (prompt/completion/total tokens) and a `pdcluster` extension:
     {"request_id", "phases": {queue_s, prefill_s, kv_transfer_s, first_decode_step_s, total_s, ...},
@@ -48,11 +50,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import StreamingResponse
 
 from engine.sampling_params import SamplingParams
+from models.tokenizer import check_unicode
 from orchestrator.api_metrics import ApiMetrics
 from orchestrator.backend import PHASE_NAMES, BackendUnavailable, ServingBackend, StreamDelta
 from orchestrator.topology import SLOConfig
@@ -66,6 +69,16 @@ MAX_STOP_STRINGS = 16
 
 
 # ---- request schemas (pydantic at the edge) -------------------------------------------------------------
+def _check_unicode(value: Any) -> Any:
+    """Field validator: `value` (a str, or a list whose str items are checked) unchanged when all its text
+    is valid Unicode; a lone surrogate raises `models.tokenizer.check_unicode`'s ValueError, which
+    pydantic turns into a 400 naming the field (before tokenization)."""
+    for text in value if isinstance(value, list) else [value]:
+        if isinstance(text, str):
+            check_unicode(text)
+    return value
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
 
@@ -84,6 +97,8 @@ class _Common(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
 
+    _check_stop = field_validator("stop")(_check_unicode)
+
 
 class CompletionRequest(_Common):
     prompt: str | list[int] = Field(..., description="text, or token ids of the served model's tokenizer")
@@ -91,10 +106,14 @@ class CompletionRequest(_Common):
     echo: bool = False
     best_of: int | None = None
 
+    _check_prompt = field_validator("prompt")(_check_unicode)
+
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
     content: str
+
+    _check_content = field_validator("content")(_check_unicode)
 
 
 class ChatCompletionRequest(_Common):

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from engine.config import EngineConfig
-from engine.llm import LLMEngine, RequestOutput
+from engine.llm import EngineStepError, LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 from models.tokenizer import Tokenizer
 
@@ -132,6 +132,10 @@ class LocalEngineBackend:
     thread applies them between steps, steps while anything is unfinished (else blocks on the queue), and
     hands each `RequestOutput` to its request's `asyncio.Queue` with `loop.call_soon_threadsafe`. The engine
     is only ever touched by its thread.
+
+    A request the engine failed alone (its sampling, or a step that ran it: finish_reason "error") raises
+    `BackendUnavailable` with the engine's reason in its stream, as the cluster backend does for a failed
+    decode; the other requests go on. Only an exception the engine cannot tie to requests fails them all.
     """
 
     def __init__(
@@ -174,6 +178,9 @@ class LocalEngineBackend:
                 if isinstance(item, BaseException):
                     raise item
                 out: RequestOutput = item
+                if out.finish_reason == "error":
+                    finished = True  # the engine already dropped it
+                    raise BackendUnavailable(f"the engine failed this request: {out.error}")
                 delta = _delta(out, out.token_ids[num_sent:])
                 num_sent = len(out.token_ids)
                 finished = out.finished
@@ -220,7 +227,9 @@ class LocalEngineBackend:
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
-                except Exception as exc:  # noqa: BLE001 - a broken step fails every request, not the thread
+                except EngineStepError as exc:  # the step's requests failed (error outputs); others go on
+                    outputs = exc.outputs
+                except Exception as exc:  # noqa: BLE001 - not tied to requests: fails every one, not the thread
                     self._fail_all(BackendUnavailable(f"engine step failed: {exc!r}"))
                     self._abort_everything()
                     outputs = []

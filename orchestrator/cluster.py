@@ -825,7 +825,11 @@ class Cluster:
                     for i, p in zip(live, prefill_results, strict=True)
                 ],
                 [
-                    DecodeLoad(k, d["num_free_blocks"], d["num_running"] + d["num_reserved"])
+                    DecodeLoad(
+                        k,
+                        d["num_free_blocks"],
+                        d["num_running"] + d["num_reserved"] + d["num_waiting_for_seat"],
+                    )
                     for k, d in enumerate(decode_results)
                 ],
                 counter=next(self._counter),

@@ -30,7 +30,7 @@ class PrefillLoad(NamedTuple):
 
 class DecodeLoad(NamedTuple):
     """instance: the decode instance's index. num_free_blocks: KV blocks free now. num_running: requests in
-    its running batch (reservations included)."""
+    its running batch (reservations and admitted requests waiting for a seat included)."""
 
     instance: int
     num_free_blocks: int

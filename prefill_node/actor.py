@@ -13,7 +13,9 @@ instance's placement group. Threads inside the actor:
                                                       drafts, last hidden state), wake the caller
 
 A job that fails (engine error, send error, abort) aborts its handoff (decode's `wait` raises
-`TransferAborted`) and raises in `prefill(...)`.
+`TransferAborted`) and raises in `prefill(...)`. An engine error fails only the jobs it concerns: a
+request whose own sampling fails, or the requests of a step whose execution fails (`EngineStepError`);
+other jobs go on. Only an error the engine cannot tie to requests fails every active job.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.config import EngineConfig
-from engine.llm import LLMEngine
+from engine.llm import EngineStepError, LLMEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import HandoffExtras, HandoffMeta, KVSender
 
@@ -240,13 +242,18 @@ class PrefillNode:
         try:
             self._maybe_fault("step")
             outputs = engine.step(on_prompt_kv=self._on_prompt_kv)
-        except Exception as e:  # noqa: BLE001 - a broken step fails its requests, not the actor
+        except EngineStepError as e:  # the step's requests are finished with an error; others go on
+            self._loop_error(e, "engine step failed")
+            outputs = e.outputs
+        except Exception as e:  # noqa: BLE001 - not tied to requests: fail them all, not the actor
             self._loop_error(e, "engine step failed")
             for request_id in list(self._active):
                 self._fail(request_id, f"engine step failed: {e!r}", abort_engine=True)
             return True
         for out in outputs:
-            if out.finished:
+            if out.finish_reason == "error":  # failed alone in the engine (its sampling, or its step)
+                self._fail(out.request_id, f"prefill failed: {out.error}")
+            elif out.finished:
                 try:
                     self._maybe_fault("complete")
                     self._complete(out.request_id, out.finish_reason, out.queue_s or 0.0)

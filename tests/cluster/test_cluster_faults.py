@@ -1,5 +1,6 @@
 """Faults on a real local Ray cluster (one deployment shared by the module): requests that finish at
-admission on decode, and exceptions on the decode and prefill engine threads. Faults are injected only
+admission on decode, more concurrent handoffs than decode's max_num_seqs, and exceptions on the decode
+and prefill engine threads. Faults are injected only
 through the actors' test-only `inject_fault` hook; everything else is the real cluster.
 
 Every request runs under a timeout: the failure these tests guard against is a hang.
@@ -22,6 +23,7 @@ from tests.cluster.conftest import request_bound_s
 pytestmark = pytest.mark.slow
 
 PROMPT = "def add(a, b):\n    return"
+DECODE_MAX_NUM_SEQS = 4
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,12 @@ def cluster(ray_session):
     topo = dataclasses.replace(
         topo,
         kv_transfer=dataclasses.replace(topo.kv_transfer, transport="grpc", timeout_s=10),
-        decode=dataclasses.replace(topo.decode, num_speculative_tokens=1, kv_cache_memory_bytes=16 << 20),
+        decode=dataclasses.replace(
+            topo.decode,
+            num_speculative_tokens=1,
+            kv_cache_memory_bytes=16 << 20,
+            max_num_seqs=DECODE_MAX_NUM_SEQS,
+        ),
         prefill=dataclasses.replace(topo.prefill, kv_cache_memory_bytes=16 << 20),
     )
     cluster = Cluster.deploy(topo)
@@ -97,6 +104,29 @@ def test_request_finished_at_admission_completes_on_an_idle_decode(cluster) -> N
     params = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(tokens[0],))
     stopped, last = _generate(cluster, "stop-first", params)
     assert stopped == tokens and last.finished and last.finish_reason == "stop"
+    _assert_no_leaks(cluster)
+
+
+def test_more_concurrent_streams_than_decode_max_num_seqs_all_complete(cluster) -> None:
+    """Issue 12, finding 1: with more handoffs in flight than decode's max_num_seqs, the excess waits for
+    a seat on decode; every stream completes. Before, admissions overfilled the batch and the step failed
+    every request ("decode step failed: ... exceeds the input buffers")."""
+    num_requests = 3 * DECODE_MAX_NUM_SEQS
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def one(i: int) -> tuple[int, str | None]:
+        ids = cluster.tokenizer.encode(f"{PROMPT} {i}")
+        tokens, last = [], None
+        async for delta in cluster.generate(f"concurrent-{i}", ids, params):
+            tokens += delta.new_token_ids
+            last = delta
+        return len(tokens), last.finish_reason
+
+    async def run_all():
+        return await asyncio.gather(*(one(i) for i in range(num_requests)))
+
+    results = cluster.test_loop.run_until_complete(asyncio.wait_for(run_all(), request_bound_s(cluster)))
+    assert results == [(12, "length")] * num_requests
     _assert_no_leaks(cluster)
 
 

@@ -84,3 +84,39 @@ def test_released_reservation_frees_blocks(model) -> None:
     assert decode.scheduler.block_manager.num_free_blocks < 64
     assert decode.release_remote_prefill("r")
     decode.scheduler.block_manager.check_no_leaks()
+
+
+def test_remote_prefilled_requests_beyond_max_num_seqs_all_complete(model) -> None:
+    """Issue 12, finding 1: more handoffs admitted than the decode engine's `max_num_seqs` (and its input
+    buffers, sized by it) wait for a seat and all complete with the single engine's greedy tokens; before,
+    the step holding them all raised `... exceeds the input buffers` and every request failed."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts_text = PROMPTS + ["def mul(a, b):\n    return", "for i in range(10):\n    print("]
+    single = _engine(model, 1)
+    prompts = [single.tokenizer.encode(p) for p in prompts_text]
+    expected = _run_single(single, prompts, params)
+
+    prefill = _engine(model, 1)
+    decode = _engine(model, 1, max_num_seqs=2)
+    received: dict[str, dict[int, object]] = {}
+    for i, p in enumerate(prompts):
+        prefill.add_request(p, params, request_id=str(i), prefill_only=True)
+        assert decode.reserve_remote_prefill(str(i), p, params, num_draft_tokens=1)
+    while prefill.has_unfinished_requests():
+        prefill.step(on_prompt_kv=lambda rid, layer, kv: received.setdefault(rid, {}).update({layer: kv}))
+    for rid in map(str, range(len(prompts))):
+        for layer, kv in received[rid].items():
+            decode.write_prompt_kv(rid, layer, kv)
+        result = prefill.pop_prefill_result(rid)
+        decode.admit_remote_prefill(rid, result.first_token_id, result.draft_token_ids, result.draft_probs)
+    got = {}
+    while decode.has_unfinished_requests():
+        assert len(decode.scheduler.running) <= 2
+        for out in decode.step():
+            if out.finished:
+                got[out.request_id] = out
+    assert {rid: out.token_ids for rid, out in got.items()} == {
+        rid: out.token_ids for rid, out in expected.items()
+    }
+    assert {out.finish_reason for out in got.values()} == {"length"}
+    decode.scheduler.block_manager.check_no_leaks()

@@ -247,6 +247,102 @@ def test_invalid_sampling_values_raise(kwargs, match):
         SamplingParams(**kwargs)
 
 
+def _run(engine, requests):
+    """Add (prompt, params) pairs, step until done; request id -> final output."""
+    ids = [engine.add_request(prompt, params) for prompt, params in requests]
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return [finished[rid] for rid in ids]
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"num_speculative_tokens": 0},
+        {"num_speculative_tokens": 1},
+        {"num_speculative_tokens": 1, "async_scheduling": True},  # the next step has its placeholders
+    ],
+)
+def test_a_sampling_error_fails_only_its_request(llm, prompts, reference, changes):
+    """Issue 12, finding 2 (isolation): a request whose sampling raises (here a top_p of 0 that validation
+    would refuse, forced past it) fails alone with finish_reason "error"; the greedy and the sampled
+    requests batched with it complete. Before, the exception failed the whole step."""
+    poison = SamplingParams(temperature=0.8, max_tokens=8)
+    object.__setattr__(poison, "top_p", 0.0)
+    sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True)
+    llm_k = llm.replace_config(**changes)
+    greedy, bad, good = _run(
+        llm_k.engine, [(prompts[0], GREEDY), (prompts[1], poison), (prompts[2], sampled)]
+    )
+    assert bad.finish_reason == "error" and "top_p must be in (0, 1]" in bad.error and bad.token_ids == []
+    assert greedy.token_ids == reference[0] and greedy.error is None
+    assert good.finish_reason == "length" and len(good.token_ids) == 8 and good.error is None
+    assert_no_blocks_held(llm_k)
+    assert llm_k.engine.executor.num_tracked_requests == 0
+
+
+def test_a_drafting_error_fails_only_its_request(llm, prompts, reference, monkeypatch):
+    """An exception while MTP drafts for one request (injected for temperature 0.55 only) fails that
+    request alone; the requests drafted in the same batch complete (greedy: the reference tokens)."""
+    import engine.mtp_proposer as mtp_proposer
+
+    pick = mtp_proposer._pick
+
+    def failing_pick(logits, work):
+        if work.temperature == 0.55:
+            raise RuntimeError("injected drafting fault")
+        return pick(logits, work)
+
+    monkeypatch.setattr(mtp_proposer, "_pick", failing_pick)
+    llm_k = llm.replace_config(num_speculative_tokens=1)
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)
+    greedy, bad, good = _run(
+        llm_k.engine,
+        [
+            (prompts[0], GREEDY),
+            (prompts[1], SamplingParams(temperature=0.55, max_tokens=8)),
+            (prompts[2], sampled),
+        ],
+    )
+    assert bad.finish_reason == "error" and "injected drafting fault" in bad.error
+    assert greedy.token_ids == reference[0] and greedy.num_draft_tokens > 0
+    assert good.finish_reason == "length" and len(good.token_ids) == 8
+    assert_no_blocks_held(llm_k)
+
+
+def test_a_failed_step_fails_only_the_requests_it_ran(llm, prompts, reference, monkeypatch):
+    """Issue 12, finding 1 (a step-level error must not fail every request): when executing a step raises,
+    `step()` raises EngineStepError carrying the error outputs of the requests that step ran; requests it
+    did not run (waiting for a seat, max_num_seqs=2) complete with the reference tokens afterwards."""
+    from engine.llm import EngineStepError
+
+    engine = llm.replace_config(max_num_seqs=2).engine
+    ids = [engine.add_request(p, GREEDY) for p in prompts[:4]]
+    engine.step()  # ids[0], ids[1] run; ids[2], ids[3] wait (max_num_seqs)
+    execute = engine.executor.execute
+    monkeypatch.setattr(
+        engine.executor, "execute", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("boom"))
+    )
+    with pytest.raises(EngineStepError, match="engine step failed: RuntimeError") as failure:
+        engine.step()
+    monkeypatch.setattr(engine.executor, "execute", execute)
+    assert {o.request_id: (o.finish_reason, o.error) for o in failure.value.outputs} == {
+        rid: ("error", "engine step failed: RuntimeError('boom')") for rid in ids[:2]
+    }
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert sorted(finished) == sorted(ids[2:])
+    assert [finished[rid].token_ids for rid in ids[2:]] == reference[2:4]
+    engine.scheduler.block_manager.check_no_leaks()
+    assert engine.executor.num_tracked_requests == 0
+
+
 def test_ttft_and_tpot_are_reported(llm, prompts):
     out = llm.generate(prompts[:2], GREEDY)
     for o in out:

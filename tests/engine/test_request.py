@@ -48,5 +48,6 @@ def test_phase_times(make_request):
 
 
 def test_status_finish_reasons():
-    assert [s.finish_reason for s in RequestStatus] == [None, None, None, "stop", "length", "abort"]
-    assert [s.is_finished for s in RequestStatus] == [False, False, False, True, True, True]
+    reasons = [None, None, None, None, "stop", "length", "abort", "error"]
+    assert [s.finish_reason for s in RequestStatus] == reasons
+    assert [s.is_finished for s in RequestStatus] == [False] * 4 + [True] * 4

@@ -221,6 +221,27 @@ def test_bad_runner_output_is_an_error(make_scheduler, make_request):
         scheduler.update_from_output(output, ModelRunnerOutput({}))
 
 
+def test_a_request_the_runner_failed_finishes_alone_with_an_error(make_scheduler, make_request):
+    scheduler = make_scheduler()
+    for rid in ("a", "b"):
+        scheduler.add_request(make_request(rid, max_tokens=3))
+    output = scheduler.schedule()
+    runner_output = fake_runner_output(output)
+    runner_output.failed["a"] = "sampling failed: ValueError('bad')"
+    updates = scheduler.update_from_output(output, runner_output)
+    assert [(u.request_id, u.new_token_ids, u.status) for u in updates] == [
+        ("a", [], RequestStatus.FINISHED_ERROR),
+        ("b", [7], RequestStatus.RUNNING),
+    ]
+    assert (
+        scheduler.get_request("a") is None and output.scheduled[0].request.error == runner_output.failed["a"]
+    )
+    while scheduler.has_unfinished():
+        step(scheduler)
+    assert output.scheduled[1].request.output_token_ids == [7, 7, 7]
+    scheduler.block_manager.check_no_leaks()
+
+
 def test_requests_that_cannot_fit_are_rejected_at_add_time(make_scheduler, make_request):
     scheduler = make_scheduler(num_blocks=4, max_model_len=32)
     with pytest.raises(ValueError, match=r"needs 5 KV blocks of 4 tokens, but the whole cache has 4"):
@@ -302,4 +323,30 @@ def test_random_workload_never_leaks(make_scheduler, make_request, seed):
         num_steps += 1
         assert num_steps < 5000, "no progress"
     assert num_steps > 200 and num_finished > 80 and scheduler.stats().num_preemptions > 0
+    scheduler.block_manager.check_no_leaks()
+
+
+def test_remote_prefilled_admissions_wait_for_a_seat(make_scheduler, make_request):
+    """Issue 12, finding 1: requests prefilled elsewhere and admitted (`admit_reserved`) beyond
+    `max_num_seqs` wait for a seat, holding their blocks, instead of overfilling the running batch (whose
+    step then exceeded the input buffers and failed every request); all complete, an aborted one frees its
+    blocks."""
+    scheduler = make_scheduler(max_num_seqs=2)
+    requests = [make_request(f"r{i}", num_prompt_tokens=6, max_tokens=3) for i in range(5)]
+    for request in requests:
+        assert scheduler.reserve(request, request.num_prompt_tokens + 1)
+    for request in requests:
+        assert scheduler.admit_reserved(request.request_id, 5, []) is RequestStatus.RUNNING
+    assert scheduler.has_unfinished() and not scheduler.reserved
+    assert scheduler.abort("r4")
+    finished, num_steps = [], 0
+    while scheduler.has_unfinished():
+        output, updates = step(scheduler)
+        assert len(output.scheduled) <= 2 and len(scheduler.running) <= 2
+        finished += [u.request_id for u in updates if u.finished]
+        num_steps += 1
+        assert num_steps < 50, "no progress"
+    assert finished == ["r0", "r1", "r2", "r3"]
+    assert [r.output_token_ids for r in requests[:4]] == [[5, 7, 7]] * 4
+    assert requests[4].status is RequestStatus.FINISHED_ABORTED
     scheduler.block_manager.check_no_leaks()

@@ -176,6 +176,16 @@ def test_models_and_health(client: httpx.Client) -> None:
         ({"prompt": [10**6]}, "prompt token ids must be in"),
         ({"prompt": ""}, "the prompt is empty"),
         ({"max_tokens": 4}, "prompt: Field required"),
+        # Issue 12, finding 2: these passed the edge, then broke the engine step of every request batched
+        # with them (503 for all, the poison request included).
+        ({"prompt": "x", "seed": 2**70}, "seed must be in [0, 2**64)"),
+        ({"prompt": "x", "top_p": 1e-300}, "top_p must be > 0 in float32"),
+        ({"prompt": "x", "temperature": 1e-300}, "temperature must be 0 (greedy) or >= 1e-05"),
+        ({"prompt": "x", "top_k": 2**64}, "top_k must be <= 2**63 - 1"),
+        # Issue 12, finding 3: a lone surrogate (valid JSON, invalid Unicode) was a 500 TypeError from the
+        # tokenizer ("TextInputSequence must be str").
+        ({"prompt": "x = \ud800"}, "prompt: Value error, not valid Unicode: U+D800 at character 4"),
+        ({"prompt": "x", "stop": ["\udc00"]}, "stop: Value error, not valid Unicode: U+DC00 at character 0"),
     ],
 )
 def test_bad_requests_get_400_with_openai_error_body(client: httpx.Client, body: Any, needle: str) -> None:
@@ -185,6 +195,18 @@ def test_bad_requests_get_400_with_openai_error_body(client: httpx.Client, body:
     error = r.json()["error"]
     assert needle in error["message"]
     assert error["type"] == "invalid_request_error" and error["code"] == 400
+
+
+def test_invalid_unicode_in_chat_gets_400(client: httpx.Client) -> None:
+    """Issue 12, finding 3, for chat: a lone surrogate in a message is a 400 naming the message."""
+    content = json.dumps(
+        {"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\ud83d"}]}
+    )
+    r = client.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert "messages.1.content: Value error, not valid Unicode: U+D83D at character 0" in error["message"]
+    assert error["param"] == "messages.1.content"
 
 
 def test_chat_rejects_n_and_logprobs(client: httpx.Client) -> None:
