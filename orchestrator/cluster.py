@@ -34,6 +34,9 @@ parallel); `pdcluster validate` still checks such plans. With `torch_distributed
 deploy time, so a dead rank is not replaced; prefix-aware routing estimates prefill cache hits from the
 prompts the router sent. Multi-node: decode gRPC servers bind 0.0.0.0 and advertise their node's IP, and
 the torch.distributed rendezvous is on rank 0's node; a single-node `cpu` topology stays on loopback.
+Instances are pinned to their planned nodes when the Ray nodes carry `pdcluster_node_<i>` resources
+(`orchestrator.placement.nodes_to_pin`); else Ray picks the nodes. tests/netns runs two Ray nodes in
+network namespaces on one machine and cuts, slows and black-holes the link between them.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from kvtransfer.base import HandoffMeta
 from models.tokenizer import Tokenizer
 from orchestrator.backend import BackendUnavailable, StreamDelta
 from orchestrator.health import InstanceHealth, ProbeOutcome, after_answer, after_failure
-from orchestrator.placement import plan_placement, to_ray_placement_group_args
+from orchestrator.placement import nodes_to_pin, plan_placement, to_ray_placement_group_args
 from orchestrator.ray_runtime import init_local_ray
 from orchestrator.router import POLICIES, DecodeLoad, PrefillLoad
 from orchestrator.topology import Topology, load_topology
@@ -147,8 +150,9 @@ class Cluster:
         cls, topology: Topology | str | Path, *, num_cpus: int | None = None, log=logger.info
     ) -> Cluster:
         """Start the cluster: `ray.init` (RAY_ADDRESS if set, else a local Ray with `num_cpus`, default the
-        devices the topology uses), one placement group per instance (`plan_placement`), one actor per
-        instance in it, loading weights in parallel, then the KV connectors. Logs progress via `log`.
+        devices the topology uses), one placement group per instance (`plan_placement`; pinned to its
+        planned node where the Ray nodes carry `pdcluster_node_<i>` resources), one actor per instance in
+        it, loading weights in parallel, then the KV connectors. Logs progress via `log`.
 
         Raises:
             ValueError: an invalid topology, or instances of more than one device (not supported by the
@@ -180,9 +184,13 @@ class Cluster:
         self.decode_actors: list[Any] = []
         started_s = time.monotonic()
         try:
-            log(f"deploying {topo.name}: {topo.summary()}; {len(plan.instances)} placement groups")
+            pin = nodes_to_pin(plan, ray.cluster_resources())
+            log(
+                f"deploying {topo.name}: {topo.summary()}; {len(plan.instances)} placement groups"
+                + (" pinned to their planned nodes (pdcluster_node_<i> resources)" if pin else "")
+            )
             for spec in plan.instances:
-                self._placement_groups.append(placement_group(**to_ray_placement_group_args(spec)))
+                self._placement_groups.append(placement_group(**to_ray_placement_group_args(spec, pin)))
             ray.get([pg.ready() for pg in self._placement_groups], timeout=120)
             log(f"placement groups ready in {time.monotonic() - started_s:.1f} s; loading weights")
             env = {"env_vars": {"OMP_NUM_THREADS": "1"}}

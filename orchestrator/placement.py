@@ -17,8 +17,14 @@ Bundles: one per device, `{"CPU": cpus_per_device, "GPU" | "NPU": 1}` (CPU-only 
 Strategy: `STRICT_PACK` for an instance within one node (all its bundles on one node or none);
 `PACK` for an instance spanning nodes (Ray fills as few nodes as it can; with whole nodes free that is
 exactly the planned nodes). Instances are separate placement groups, so Ray does not coordinate them;
-the plan's node indices say where this packing expects each instance, which the actor layer can enforce
-by labelling nodes (`bundle_label_selector`) or check after the groups are ready.
+the plan's node indices say where this packing expects each instance.
+
+Pinning to nodes: a Ray cluster whose node i carries the custom resource `pdcluster_node_<i>` (e.g.
+`ray start ... --resources '{"pdcluster_node_0": 1}'`) gets each bundle pinned to its planned node:
+`to_ray_placement_group_args(spec, pin_nodes=True)` adds `{"pdcluster_node_<i>": 0.001}` to the bundle
+of a device planned on node i (`node_resource`, `NODE_RESOURCE_AMOUNT`), so prefill lands where the plan
+puts prefill and decode where it puts decode. `nodes_to_pin` tells from the cluster's resources whether
+to; without those resources, Ray chooses the nodes (any node with room).
 """
 
 from __future__ import annotations
@@ -31,6 +37,13 @@ if TYPE_CHECKING:
 
 STRICT_PACK = "STRICT_PACK"
 PACK = "PACK"
+NODE_RESOURCE_PREFIX = "pdcluster_node_"  # custom Ray resource naming a node by its plan index
+NODE_RESOURCE_AMOUNT = 0.001  # what one pinned bundle takes of it (a node offering 1 holds 1000 bundles)
+
+
+def node_resource(node_index: int) -> str:
+    """The custom Ray resource that marks node `node_index` of the plan: `pdcluster_node_<index>`."""
+    return f"{NODE_RESOURCE_PREFIX}{node_index}"
 
 
 class PlacementError(ValueError):
@@ -225,6 +238,36 @@ def plan_placement(topology: Topology) -> PlacementPlan:
     )
 
 
-def to_ray_placement_group_args(spec: InstancePlacement) -> dict[str, Any]:
-    """Keyword arguments for `ray.util.placement_group`: `bundles` (fresh dicts), `strategy`, `name`."""
-    return {"bundles": [dict(b) for b in spec.bundles], "strategy": spec.strategy, "name": spec.name}
+def nodes_to_pin(plan: PlacementPlan, cluster_resources: dict[str, float]) -> bool:
+    """Whether to pin bundles to their planned nodes, from a Ray cluster's resources
+    (`ray.cluster_resources()`): True when the cluster has `pdcluster_node_<i>` for every node the plan
+    uses, False when it has none of them.
+
+    Raises:
+        PlacementError: it has some of them but not all (a node left unmarked: pinning would leave its
+            instances unplaceable, not pinning would ignore the marks).
+    """
+    wanted = {node_resource(n) for spec in plan.instances for n in spec.node_indices}
+    present = {name for name in wanted if cluster_resources.get(name, 0) > 0}
+    if present and present != wanted:
+        role = next(
+            spec.role
+            for spec in plan.instances
+            if any(node_resource(n) not in present for n in spec.node_indices)
+        )
+        raise PlacementError(
+            role,
+            f"the Ray cluster marks nodes with {', '.join(sorted(present))} but not with "
+            f"{', '.join(sorted(wanted - present))}: mark every node the plan uses, or none",
+        )
+    return bool(present)
+
+
+def to_ray_placement_group_args(spec: InstancePlacement, pin_nodes: bool = False) -> dict[str, Any]:
+    """Keyword arguments for `ray.util.placement_group`: `bundles` (fresh dicts), `strategy`, `name`.
+    `pin_nodes`: each bundle also asks for `NODE_RESOURCE_AMOUNT` of its planned node's `node_resource`."""
+    bundles = [dict(b) for b in spec.bundles]
+    if pin_nodes:
+        for bundle, device in zip(bundles, spec.devices, strict=True):
+            bundle[node_resource(device.node_index)] = NODE_RESOURCE_AMOUNT
+    return {"bundles": bundles, "strategy": spec.strategy, "name": spec.name}

@@ -17,6 +17,7 @@ from orchestrator.placement import (
     DeviceSlot,
     PlacementError,
     PlacementPlan,
+    nodes_to_pin,
     plan_placement,
     to_ray_placement_group_args,
 )
@@ -88,6 +89,32 @@ def test_gpu_2node_plan_puts_each_role_on_its_own_node():
         "strategy": STRICT_PACK,
         "name": "gpu-2node-prefill-0",
     }
+
+
+def test_pinned_bundles_ask_for_their_planned_node_resource():
+    """With `pdcluster_node_<i>` on every node the plan uses, each bundle asks for its own node's (how the
+    two-node netns test puts prefill on node 0 and decode on node 1); with none of them, nothing changes;
+    with some but not all, the deployment is refused rather than half pinned."""
+    plan = plan_placement(
+        topology(
+            HardwareConfig(num_nodes=2, devices_per_node=2),
+            PrefillPoolConfig(num_instances=1, devices_per_instance=2),
+            DecodePoolConfig(num_instances=2, devices_per_instance=1),
+        )
+    )
+    prefill, decode0, decode1 = plan.instances
+    assert (
+        to_ray_placement_group_args(prefill, pin_nodes=True)["bundles"]
+        == [{"CPU": 1.0, "pdcluster_node_0": 0.001}] * 2
+    )
+    assert to_ray_placement_group_args(decode1, pin_nodes=True)["bundles"] == [
+        {"CPU": 1.0, "pdcluster_node_1": 0.001}
+    ]
+    assert to_ray_placement_group_args(decode0) == to_ray_placement_group_args(decode0, pin_nodes=False)
+    assert nodes_to_pin(plan, {"CPU": 4.0, "pdcluster_node_0": 1.0, "pdcluster_node_1": 1.0})
+    assert not nodes_to_pin(plan, {"CPU": 4.0})
+    with pytest.raises(PlacementError, match="pdcluster_node_0 but not with pdcluster_node_1"):
+        nodes_to_pin(plan, {"CPU": 4.0, "pdcluster_node_0": 1.0})
 
 
 def test_first_fit_decreasing_fills_nodes_before_opening_new_ones():
