@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-under-load install lint clean
+.PHONY: demo test test-under-load test-netns install lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,12 @@ test: $(STAMP)
 # passes only on an idle machine fails for users. The burners stop with the suite, or after an hour.
 test-under-load: $(STAMP)
 	$(PY) -m tests.cpu_burner --max-seconds 3600 -- $(PY) -m pytest -q
+
+# Two Ray nodes in two network namespaces joined by a veth pair (root; iproute2): prefill on one, decode
+# on the other, KV across the link; bandwidth limits and a cut mid-transfer (tests/netns/). Everything it
+# starts lives in namespaces it creates and deletes; no traffic leaves them.
+test-netns: $(STAMP)
+	tests/netns/run_two_node.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
