@@ -253,12 +253,15 @@ class Cluster:
         self.max_model_len = config.max_model_len or _max_position_embeddings(config.model)
         self._dtype = config.dtype
         self._policy = POLICIES[topo.router.policy]
+        up_s = time.monotonic()
         self._health = {
             "prefill": [
-                InstanceHealth(pid=infos[f"prefill-{i}"]["pid"]) for i in range(len(self.prefill_actors))
+                InstanceHealth(since_s=up_s, pid=infos[f"prefill-{i}"]["pid"])
+                for i in range(len(self.prefill_actors))
             ],
             "decode": [
-                InstanceHealth(pid=infos[f"decode-{j}"]["pid"]) for j in range(len(self.decode_actors))
+                InstanceHealth(since_s=up_s, pid=infos[f"decode-{j}"]["pid"])
+                for j in range(len(self.decode_actors))
             ],
         }
         self._health_lock = threading.Lock()
@@ -387,7 +390,7 @@ class Cluster:
                         raise
                     # A failed attempt and nowhere to re-dispatch: the client hears the attempt's cause.
                     raise BackendUnavailable(
-                        f"{request_id}: KV handoff failed: {'; '.join(errors)}; not re-dispatched: {e}"
+                        f"{request_id}: KV handoff failed: {'; '.join(errors)}; {e}"
                     ) from e
                 if attempt is None:  # aborted while dispatching (its reservation, if any, is released)
                     yield aborted_delta()
@@ -429,7 +432,7 @@ class Cluster:
                                 continue
                             if isinstance(exc, asyncio.TimeoutError):
                                 exc = TimeoutError(f"no answer within {self.event_timeout_s:.0f} s")
-                            error = f"prefill-{attempt.prefill_index}: {type(exc).__name__}: {exc}"
+                            error = f"prefill-{attempt.prefill_index}: {describe_error(exc)}"
                             if self._is_lost(exc):
                                 self._mark_failed("prefill", attempt.prefill_index, exc, "prefill")
                             break
@@ -661,7 +664,7 @@ class Cluster:
         if self._outcome(exc) is ProbeOutcome.TIMED_OUT:
             reason = f"{call}: no answer within {self.call_timeout_s:g} s"
         else:
-            reason = f"{call}: {type(exc).__name__}: {_first_line(exc)}"
+            reason = f"{call}: {describe_error(exc)}"
         with self._health_lock:
             before = self._health[role][index]
             after = after_failure(before, self._outcome(exc), reason, time.monotonic())
@@ -792,10 +795,10 @@ class Cluster:
                 return None
             live = [i for i, alive in enumerate(self._prefill_alive) if alive and i not in excluded]
             if not live:
-                others = "no other prefill instance" if excluded else self._health_summary("prefill")
-                raise BackendUnavailable(
-                    f"{request_id}: no live prefill instance left to dispatch to ({others})"
-                )
+                if excluded:  # after a failed attempt (generate adds that attempt's cause)
+                    raise BackendUnavailable("no other live prefill instance to re-dispatch to")
+                summary = self._health_summary("prefill")
+                raise BackendUnavailable(f"{request_id}: no live prefill instance ({summary})")
             live_decode = [j for j, alive in enumerate(self._decode_alive) if alive]
             if not live_decode:
                 raise BackendUnavailable(
@@ -945,10 +948,27 @@ class Cluster:
                     attempt.events.put_nowait(event)
 
 
-def _first_line(exc: BaseException) -> str:
-    """An error's first line, without Ray's multi-line actor dumps."""
+def describe_error(exc: BaseException) -> str:
+    """A one-line description of `exc` fit for a client: Ray's errors (which carry actor ids, process ids,
+    node IPs and remote tracebacks) become what happened; an exception a remote method raised is described
+    by that exception itself (its type and first line)."""
+    import ray
+
+    if isinstance(exc, ray.exceptions.RayTaskError):  # the method raised: describe its own exception
+        cause = exc.cause if isinstance(exc.cause, BaseException) else None
+        return describe_error(cause) if cause is not None else "the remote call raised"
+    if isinstance(exc, ray.exceptions.ActorUnavailableError):
+        return "the actor is unavailable (restarting or unreachable)"
+    if isinstance(exc, ray.exceptions.ActorDiedError):
+        return "the actor process died"
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return "the actor died or is unreachable"
+    if isinstance(exc, TimeoutError) and isinstance(exc, ray.exceptions.RayError):
+        return "no answer in time"
+    if isinstance(exc, ray.exceptions.RayError):
+        return f"Ray error ({type(exc).__name__})"
     text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
 
 
 def _max_position_embeddings(model_dir: str) -> int:

@@ -45,3 +45,21 @@ def test_stalled_then_died_is_dead_and_a_healthy_instance_seen_from_a_new_proces
 def test_after_failure_refuses_an_answer():
     with pytest.raises(ValueError, match="after_answer"):
         after_failure(InstanceHealth(), ProbeOutcome.ANSWERED, "", now_s=0.0)
+
+
+def test_errors_for_clients_carry_no_ray_internals():
+    """What a client hears (BackendUnavailable, /health) names what happened, not actor ids, pids, IPs."""
+    ray = pytest.importorskip("ray")
+    from orchestrator.cluster import describe_error
+
+    unavailable = ray.exceptions.ActorUnavailableError("connection lost", b"\x01" * 16)
+    assert "0101" in str(unavailable)  # Ray's own text has the actor id
+    assert describe_error(unavailable) == "the actor is unavailable (restarting or unreachable)"
+    assert describe_error(ray.exceptions.ActorDiedError()) == "the actor process died"
+    assert describe_error(ray.exceptions.GetTimeoutError("Get timed out")) == "no answer in time"
+    try:
+        raise ValueError("top_p must be in (0, 1], got 0.0\nsecond line")
+    except ValueError as cause:
+        raised = ray.exceptions.RayTaskError("prefill", "Traceback ... pid=4242, ip=10.1.2.3", cause)
+    assert "pid=" in str(raised)  # Ray adds the raising process id and node IP
+    assert describe_error(raised) == "ValueError: top_p must be in (0, 1], got 0.0"
