@@ -165,6 +165,10 @@ def test_prefill_engine_thread_exception_fails_the_request_and_the_loop_survives
         tokens, last = _generate(cluster, f"prefill-fault-{where}", params)
     except BackendUnavailable as e:
         assert request_id_in(e, f"prefill-fault-{where}")  # failed fast, no hang
+        # Issue 12, finding 7: with one prefill the client hears the attempt's cause, not only "no live
+        # prefill instance left to dispatch to" (prefill-0 is alive), and no Ray internals.
+        assert f"injected fault at {where}" in str(e), e
+        assert "pid=" not in str(e) and "actor_id" not in str(e), e
     else:  # re-dispatched after the failed attempt
         assert len(tokens) == 4 and last.finished
     load = cluster_load(cluster, prefill)
