@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+
 import pytest
 
 from orchestrator.ray_runtime import init_local_ray
@@ -35,3 +39,46 @@ def request_bound_s(cluster) -> float:
     `event_timeout_s` (kv_transfer.timeout_s + slack) for its next event, and a request may be attempted
     once per prefill instance; one more event timeout for the decode phase."""
     return cluster.event_timeout_s * (len(cluster.prefill_actors) + 1)
+
+
+def assert_nothing_held(cluster) -> dict:
+    """Wait until no instance holds anything (KV blocks, reservations, open handoffs, unfinished or active
+    requests), then return the snapshots; AssertionError with them if that takes longer than
+    `event_timeout_s` (releases are actor calls bounded by call_timeout_s; a reservation whose handoff never
+    came is dropped when its lease, kv_transfer.timeout_s, ends)."""
+    deadline_s = time.monotonic() + cluster.event_timeout_s
+    while True:
+        leaks = cluster.check_no_leaks()
+        idle = all(
+            r["num_used_blocks"] == 0
+            and not r["pending_handoffs"]
+            and not r.get("num_reserved", 0)
+            and not r.get("num_unfinished", 0)
+            and not r.get("num_active", 0)
+            for r in leaks.values()
+        )
+        if idle or time.monotonic() > deadline_s:
+            break
+        time.sleep(0.1)
+    assert idle, leaks
+    return leaks
+
+
+@contextlib.contextmanager
+def deployed_with_loop(topology, **deploy_kwargs):
+    """`Cluster.deploy(topology)` with one event loop of its own, `cluster.test_loop`, for a module's tests:
+    the decode pollers live on the loop of the first request, so a poll in flight when an `asyncio.run`
+    loop closes would take the next request's events with it. Shut down (and the loop closed) on exit."""
+    from orchestrator.cluster import Cluster
+
+    cluster = Cluster.deploy(topology, **deploy_kwargs)
+    cluster.test_loop = asyncio.new_event_loop()
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+        pending = asyncio.all_tasks(cluster.test_loop)
+        for task in pending:
+            task.cancel()
+        cluster.test_loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        cluster.test_loop.close()

@@ -14,7 +14,7 @@ from models import bundled_checkpoint_dir
 from orchestrator.backend import BackendUnavailable, ServingBackend
 from orchestrator.cluster import Cluster
 from orchestrator.topology import KVTLSConfig, load_topology
-from tests.cluster.conftest import call_bound_s, request_bound_s
+from tests.cluster.conftest import assert_nothing_held, call_bound_s, request_bound_s
 from tests.kvtransfer.conftest import write_test_certificates
 
 pytestmark = pytest.mark.slow
@@ -74,19 +74,7 @@ async def _generate(cluster: Cluster, request_id: str, ids: list[int], params=GR
 
 
 def _assert_no_blocks_held(cluster: Cluster) -> None:
-    # Releases after a request ends are actor calls (bounded by call_timeout_s); a reservation whose
-    # handoff never came is dropped when its lease (kv_transfer.timeout_s) expires.
-    deadline_s = time.monotonic() + cluster.event_timeout_s
-    while True:
-        leaks = cluster.check_no_leaks()
-        idle = all(
-            r["num_used_blocks"] == 0 and not r["pending_handoffs"] and not r.get("num_reserved", 0)
-            for r in leaks.values()
-        )
-        if idle or time.monotonic() > deadline_s:
-            break
-        time.sleep(0.1)
-    assert idle, leaks
+    assert_nothing_held(cluster)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 
 import pytest
 
@@ -18,7 +17,7 @@ from engine.sampling_params import SamplingParams
 from orchestrator.backend import BackendUnavailable
 from orchestrator.cluster import Cluster
 from orchestrator.topology import load_topology
-from tests.cluster.conftest import request_bound_s
+from tests.cluster.conftest import assert_nothing_held, deployed_with_loop, request_bound_s
 
 pytestmark = pytest.mark.slow
 
@@ -40,17 +39,8 @@ def cluster(ray_session):
         ),
         prefill=dataclasses.replace(topo.prefill, kv_cache_memory_bytes=16 << 20),
     )
-    cluster = Cluster.deploy(topo)
-    # One event loop for the module: the cluster's decode pollers live on the loop of the first request
-    # (a poll in flight when an `asyncio.run` loop closes would take the next request's events with it).
-    cluster.test_loop = asyncio.new_event_loop()
-    yield cluster
-    cluster.shutdown()
-    pending = asyncio.all_tasks(cluster.test_loop)
-    for task in pending:
-        task.cancel()
-    cluster.test_loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-    cluster.test_loop.close()
+    with deployed_with_loop(topo) as cluster:
+        yield cluster
 
 
 def _generate(cluster: Cluster, request_id: str, params: SamplingParams, prompt: str = PROMPT):
@@ -67,21 +57,7 @@ def _generate(cluster: Cluster, request_id: str, params: SamplingParams, prompt:
 
 
 def _assert_no_leaks(cluster: Cluster) -> None:
-    deadline_s = time.monotonic() + cluster.event_timeout_s  # releases: actor calls, leases: timeout_s
-    while True:
-        leaks = cluster.check_no_leaks()
-        idle = all(
-            r["num_used_blocks"] == 0
-            and not r["pending_handoffs"]
-            and not r.get("num_reserved", 0)
-            and not r.get("num_unfinished", 0)
-            and not r.get("num_active", 0)
-            for r in leaks.values()
-        )
-        if idle or time.monotonic() > deadline_s:
-            break
-        time.sleep(0.1)
-    assert idle, leaks
+    assert_nothing_held(cluster)
 
 
 def _healthy_request_completes(cluster: Cluster, request_id: str) -> None:

@@ -18,7 +18,7 @@ from engine.sampling_params import SamplingParams
 from orchestrator.backend import BackendUnavailable
 from orchestrator.cluster import PROBE_INTERVAL_S, Cluster
 from orchestrator.topology import load_topology
-from tests.cluster.conftest import call_bound_s, request_bound_s
+from tests.cluster.conftest import assert_nothing_held, call_bound_s, deployed_with_loop, request_bound_s
 
 pytestmark = pytest.mark.slow
 
@@ -36,15 +36,8 @@ def cluster(ray_session):
         decode=dataclasses.replace(topo.decode, kv_cache_memory_bytes=16 << 20),
         prefill=dataclasses.replace(topo.prefill, kv_cache_memory_bytes=16 << 20),
     )
-    cluster = Cluster.deploy(topo)
-    cluster.test_loop = asyncio.new_event_loop()  # one loop: the decode pollers live on it
-    yield cluster
-    cluster.shutdown()
-    pending = asyncio.all_tasks(cluster.test_loop)
-    for task in pending:
-        task.cancel()
-    cluster.test_loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-    cluster.test_loop.close()
+    with deployed_with_loop(topo) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
@@ -77,17 +70,6 @@ def _seconds_until_routable(cluster: Cluster, role: str, bound_s: float) -> floa
     return time.monotonic() - started_s
 
 
-def _assert_idle(cluster: Cluster) -> None:
-    deadline_s = time.monotonic() + cluster.event_timeout_s
-    while True:
-        leaks = cluster.check_no_leaks()
-        idle = all(r["num_used_blocks"] == 0 and not r["pending_handoffs"] for r in leaks.values())
-        if idle or time.monotonic() > deadline_s:
-            break
-        time.sleep(0.1)
-    assert idle, leaks
-
-
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_a_stalled_instance_leaves_routing_and_rejoins_when_it_answers(
     cluster, expected_tokens, role
@@ -113,7 +95,7 @@ def test_a_stalled_instance_leaves_routing_and_rejoins_when_it_answers(
     assert _pid(cluster, role) == pid  # the same process, not a restart
     assert _generate(cluster, f"after-{role}-stall") == expected_tokens
     cluster.stats()  # healthy again: no BackendUnavailable
-    _assert_idle(cluster)
+    assert_nothing_held(cluster)
 
 
 def test_a_crashed_decode_is_restarted_rewired_and_serves_again(cluster, expected_tokens) -> None:
@@ -127,7 +109,7 @@ def test_a_crashed_decode_is_restarted_rewired_and_serves_again(cluster, expecte
     print(f"decode restarted and rejoined {recovery_s:.2f} s after SIGKILL")
     assert _pid(cluster, "decode") != pid
     assert _generate(cluster, "after-crash") == expected_tokens
-    _assert_idle(cluster)
+    assert_nothing_held(cluster)
 
 
 def _seconds_until_routable_after_restart(cluster: Cluster, old_pid: int, bound_s: float) -> float:

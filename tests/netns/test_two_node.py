@@ -27,6 +27,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from orchestrator.backend import BackendUnavailable
 from orchestrator.cluster import PROBE_INTERVAL_S
+from tests.cluster.conftest import assert_nothing_held, deployed_with_loop
 
 pytestmark = [
     pytest.mark.slow,
@@ -93,20 +94,11 @@ def tbf(rate_bit_per_s: float) -> tuple[str, ...]:
 # ---- the cluster -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster():
-    from orchestrator.cluster import Cluster
-
     assert os.environ.get("RAY_ADDRESS"), "run_two_node.sh sets RAY_ADDRESS to the head in pdc-a"
     restore_link()
-    cluster = Cluster.deploy(TOPOLOGY, log=lambda line: print(f"deploy: {line}", flush=True))
-    cluster.test_loop = asyncio.new_event_loop()  # one loop: the decode pollers live on it
-    yield cluster
-    restore_link()
-    cluster.shutdown()
-    pending = asyncio.all_tasks(cluster.test_loop)
-    for task in pending:
-        task.cancel()
-    cluster.test_loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-    cluster.test_loop.close()
+    with deployed_with_loop(TOPOLOGY, log=lambda line: print(f"deploy: {line}", flush=True)) as cluster:
+        yield cluster
+        restore_link()
     print("NETNS: summary = " + json.dumps(RESULTS, default=str), flush=True)
 
 
@@ -161,20 +153,8 @@ def generate(cluster, request_id: str, ids: list[int], bound_s: float | None = N
 
 
 def wait_until_idle(cluster) -> dict:
-    """Nothing held on either node: blocks, reservations, open handoffs (a reservation whose handoff never
-    came ends with its lease, kv_transfer.timeout_s)."""
-    deadline_s = time.monotonic() + cluster.event_timeout_s
-    while True:
-        leaks = cluster.check_no_leaks()
-        idle = all(
-            r["num_used_blocks"] == 0 and not r["pending_handoffs"] and not r.get("num_reserved", 0)
-            for r in leaks.values()
-        )
-        if idle or time.monotonic() > deadline_s:
-            break
-        time.sleep(0.1)
-    assert idle, leaks
-    return leaks
+    """Nothing held on either node (see tests.cluster.conftest.assert_nothing_held)."""
+    return assert_nothing_held(cluster)
 
 
 # ---- the tests -------------------------------------------------------------------------------------------
