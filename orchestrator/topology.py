@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import math
 import os
+import re
 import ssl
 import stat
 import types
@@ -71,6 +73,36 @@ def _above(bound: float) -> dict[str, Any]:
     return {"gt": bound}
 
 
+def _between(low: float, high: float) -> dict[str, Any]:
+    return {"min": low, "max": high}
+
+
+def _above_at_most(low: float, high: float) -> dict[str, Any]:
+    return {"gt": low, "max": high}
+
+
+# Upper bounds of the integer fields: far above any real deployment, low enough that a typo (`1e29`) is an
+# error at its line instead of a plan or an allocation nobody meant. Every int field has one.
+MAX_NODES = 65_536
+MAX_DEVICES_PER_NODE = 1_024
+MAX_DEVICES = MAX_NODES * MAX_DEVICES_PER_NODE  # 2**26
+MAX_INSTANCES = 65_536
+MAX_TOKENS = 2**26  # a step's token budget, a context length
+MAX_SEQS = 2**20
+MAX_BLOCK_SIZE = 65_536
+MAX_KV_CACHE_BYTES = 2**50  # 1 PiB per device; the rule against the device's memory is tighter
+MAX_SPECULATIVE_TOKENS = 64
+MAX_CPUS_PER_DEVICE = 1_024
+MAX_TIMEOUT_S = 86_400.0  # one day
+
+
+def _shown(value: Any) -> str:
+    """`value` for a message: integers of more than 15 digits in scientific notation (`1e+29`)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**15:
+        return f"{value:.3g}"
+    return repr(value)
+
+
 def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
     """`X | None` -> (X, True); anything else -> (hint, False)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
@@ -102,11 +134,13 @@ def _value_problem(f: dataclasses.Field, hint: Any, value: Any) -> str | None:
     if "choices" in meta and value not in meta["choices"]:
         return f"{value!r} is not one of: {', '.join(meta['choices'])}"
     if "min" in meta and value < meta["min"]:
-        return f"must be >= {meta['min']}, got {value!r}"
+        return f"must be >= {meta['min']}, got {_shown(value)}"
     if "gt" in meta and not value > meta["gt"]:
-        return f"must be > {meta['gt']}, got {value!r}"
+        return f"must be > {meta['gt']}, got {_shown(value)}"
     if "max" in meta and value > meta["max"]:
-        return f"must be <= {meta['max']}, got {value!r}"
+        return f"must be <= {meta['max']}, got {_shown(value)}"
+    if "check" in meta:
+        return meta["check"](value)
     return None
 
 
@@ -169,10 +203,10 @@ class HardwareConfig:
     """
 
     accelerator: str = field(default="cpu", metadata=_choices(*ACCELERATORS))
-    num_nodes: int = field(default=1, metadata=_at_least(1))
-    devices_per_node: int = field(default=2, metadata=_at_least(1))
-    nodes_per_supernode: int | None = field(default=None, metadata=_at_least(1))
-    cpus_per_device: float = field(default=1.0, metadata=_above(0))
+    num_nodes: int = field(default=1, metadata=_between(1, MAX_NODES))
+    devices_per_node: int = field(default=2, metadata=_between(1, MAX_DEVICES_PER_NODE))
+    nodes_per_supernode: int | None = field(default=None, metadata=_between(1, MAX_NODES))
+    cpus_per_device: float = field(default=1.0, metadata=_above_at_most(0, MAX_CPUS_PER_DEVICE))
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -243,18 +277,18 @@ class PoolConfig:
         enable_prefix_caching: reuse KV of identical prompt prefixes.
     """
 
-    num_instances: int = field(default=1, metadata=_at_least(1))
-    devices_per_instance: int = field(default=1, metadata=_at_least(1))
+    num_instances: int = field(default=1, metadata=_between(1, MAX_INSTANCES))
+    devices_per_instance: int = field(default=1, metadata=_between(1, MAX_DEVICES))
     span_nodes: bool = False
-    tensor_parallel_size: int = field(default=1, metadata=_at_least(1))
-    expert_parallel_size: int = field(default=1, metadata=_at_least(1))
-    num_redundant_experts: int = field(default=0, metadata=_at_least(0))
-    block_size: int = field(default=16, metadata=_at_least(1))
+    tensor_parallel_size: int = field(default=1, metadata=_between(1, MAX_DEVICES))
+    expert_parallel_size: int = field(default=1, metadata=_between(1, MAX_DEVICES))
+    num_redundant_experts: int = field(default=0, metadata=_between(0, MAX_INSTANCES))
+    block_size: int = field(default=16, metadata=_between(1, MAX_BLOCK_SIZE))
     kv_cache_dtype: str = field(default="auto", metadata=_choices(*KV_CACHE_DTYPES))
-    kv_cache_memory_bytes: int = field(default=256 * MIB, metadata=_at_least(1))
-    max_num_batched_tokens: int = field(default=2048, metadata=_at_least(1))
-    max_num_seqs: int = field(default=64, metadata=_at_least(1))
-    max_model_len: int | None = field(default=None, metadata=_at_least(1))
+    kv_cache_memory_bytes: int = field(default=256 * MIB, metadata=_between(1, MAX_KV_CACHE_BYTES))
+    max_num_batched_tokens: int = field(default=2048, metadata=_between(1, MAX_TOKENS))
+    max_num_seqs: int = field(default=64, metadata=_between(1, MAX_SEQS))
+    max_model_len: int | None = field(default=None, metadata=_between(1, MAX_TOKENS))
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -291,7 +325,7 @@ class DecodePoolConfig(PoolConfig):
         adaptive_speculation: vary k in [1, num_speculative_tokens] with the recent acceptance rate.
     """
 
-    num_speculative_tokens: int = field(default=0, metadata=_at_least(0))
+    num_speculative_tokens: int = field(default=0, metadata=_between(0, MAX_SPECULATIVE_TOKENS))
     adaptive_speculation: bool = False
 
 
@@ -342,7 +376,7 @@ class KVTransferConfig:
     transport: str = field(default="grpc", metadata=_choices(*KV_TRANSPORTS))
     layerwise: bool = True
     wire_dtype: str = field(default="auto", metadata=_choices(*WIRE_DTYPES))
-    timeout_s: float = field(default=30.0, metadata=_above(0))
+    timeout_s: float = field(default=30.0, metadata=_above_at_most(0, MAX_TIMEOUT_S))
     tls: KVTLSConfig | None = None
 
     def __post_init__(self) -> None:
@@ -370,13 +404,61 @@ class SLOConfig:
         _check_fields(self)
 
 
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def host_problem(host: str) -> str | None:
+    """Why `host` cannot be what the HTTP server binds, or None. Purely syntactic (nothing is resolved).
+
+    Accepted: an IPv4 address (`0.0.0.0` for every interface), `localhost`, or a host name of dot-separated
+    DNS labels (letters, digits, inner hyphens; 1-63 characters each, 253 in all). A name whose last label is
+    all digits is taken as a mistyped IPv4 address (`256.1.1.1`). IPv6 addresses are refused: the server
+    binds an IPv4 socket.
+    """
+    if not host:
+        return "must not be empty (127.0.0.1: this machine only; 0.0.0.0: every interface)"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        if address.version == 6:
+            return f"{host!r}: IPv6 addresses are not supported (the HTTP server binds an IPv4 socket)"
+        return None
+    labels = host.removesuffix(".").split(".")
+    if len(host) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in labels):
+        return (
+            f"{host!r} is neither an IPv4 address nor a host name (dot-separated labels of letters, digits "
+            "and inner hyphens, 1-63 characters each)"
+        )
+    if labels[-1].isdigit():
+        return f"{host!r} is not a valid IPv4 address (each of its 4 numbers is 0-255)"
+    return None
+
+
+def api_key_problem(key: str) -> str | None:
+    """Why `key` cannot be the API's bearer token, or None: empty (null means no authentication), or a
+    character a client cannot send in `Authorization: Bearer KEY` and have compared as written."""
+    if not key:
+        return "must not be empty (null: no authentication)"
+    if not all("!" <= c <= "~" for c in key):
+        return "must be printable ASCII without spaces (it is sent as `Authorization: Bearer KEY`)"
+    return None
+
+
 @dataclass(frozen=True)
 class ApiConfig:
-    """The OpenAI-compatible HTTP endpoint. `port` 0 picks a free port; `api_key` None: no auth."""
+    """The OpenAI-compatible HTTP endpoint.
 
-    host: str = "127.0.0.1"
-    port: int = field(default=8000, metadata={"min": 0, "max": 65535})
-    api_key: str | None = None
+    Attributes:
+        host: the IPv4 address or host name the server binds (`host_problem` says what is accepted).
+        port: TCP port; 0 picks a free one.
+        api_key: bearer token clients must send; None: no authentication; never empty.
+    """
+
+    host: str = field(default="127.0.0.1", metadata={"check": host_problem})
+    port: int = field(default=8000, metadata=_between(0, 65535))
+    api_key: str | None = field(default=None, metadata={"check": api_key_problem})
 
     def __post_init__(self) -> None:
         _check_fields(self)

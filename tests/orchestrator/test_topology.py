@@ -191,6 +191,83 @@ def test_wrong_types_and_ranges(tmp_path, ckpt, entry, reason):
     assert (issue.line, issue.reason) == (line_of(text, entry.split(":")[0]), reason)
 
 
+@pytest.mark.parametrize(
+    ("section", "entry", "reason"),
+    [
+        ("hardware", "devices_per_node: 1e29", "hardware.devices_per_node: must be <= 1024, got 1e+29"),
+        ("hardware", "num_nodes: 100000", "hardware.num_nodes: must be <= 65536, got 100000"),
+        ("prefill", "max_num_seqs: 1e12", "prefill.max_num_seqs: must be <= 1048576, got 1000000000000"),
+        ("decode", "num_speculative_tokens: 1000", "decode.num_speculative_tokens: must be <= 64, got 1000"),
+        ("kv_transfer", "timeout_s: 1e300", "kv_transfer.timeout_s: must be <= 86400.0, got 1e+300"),
+    ],
+)
+def test_numbers_beyond_their_bound_are_errors_at_their_line(tmp_path, ckpt, section, entry, reason):
+    key = entry.split(":")[0]
+    if section == "hardware":  # the template writes each hardware key: replace its line
+        text = "".join(
+            f"  {entry}\n" if ln.startswith(f"  {key}:") else ln for ln in template(ckpt).splitlines(True)
+        )
+    else:
+        text = template(ckpt, f"{section}:\n  {entry}\n")
+    issue = only_issue(write(tmp_path, text))
+    assert (issue.line, issue.reason) == (line_of(text, f"  {key}:"), reason)
+
+
+def test_every_integer_field_has_both_bounds():
+    import dataclasses
+    import typing
+
+    from orchestrator import topology as t
+
+    classes = [t.HardwareConfig, t.PrefillPoolConfig, t.DecodePoolConfig, t.KVTransferConfig, t.ApiConfig]
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if t._unwrap_optional(hints[f.name])[0] is int:
+                assert "max" in f.metadata and ("min" in f.metadata or "gt" in f.metadata), (cls, f.name)
+
+
+@pytest.mark.parametrize(
+    ("host", "reason"),
+    [
+        ("256.1.1.1", "'256.1.1.1' is not a valid IPv4 address (each of its 4 numbers is 0-255)"),
+        ("10.0.0", "'10.0.0' is not a valid IPv4 address (each of its 4 numbers is 0-255)"),
+        ("'::1'", "'::1': IPv6 addresses are not supported (the HTTP server binds an IPv4 socket)"),
+        ("''", "must not be empty (127.0.0.1: this machine only; 0.0.0.0: every interface)"),
+        ("my_host", "'my_host' is neither an IPv4 address nor a host name"),
+        ("-node.example", "'-node.example' is neither an IPv4 address nor a host name"),
+        ("0.0.0.0", None),
+        ("localhost", None),
+        ("node-1.cluster.local", None),
+    ],
+)
+def test_api_host_must_be_an_ipv4_address_or_a_host_name(tmp_path, ckpt, host, reason):
+    text = template(ckpt, f"api:\n  host: {host}\n")
+    if reason is None:
+        assert load_topology(write(tmp_path, text)).api.host == host
+        return
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "  host:") and issue.reason.startswith(f"api.host: {reason}")
+
+
+@pytest.mark.parametrize(
+    ("key", "reason"),
+    [
+        ("''", "api.api_key: must not be empty (null: no authentication)"),
+        ("'two words'", "api.api_key: must be printable ASCII without spaces"),
+        ("sk-local-123", None),
+        ("null", None),
+    ],
+)
+def test_api_key_must_not_be_empty(tmp_path, ckpt, key, reason):
+    text = template(ckpt, f"api:\n  api_key: {key}\n")
+    if reason is None:
+        load_topology(write(tmp_path, text))
+        return
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "  api_key:") and issue.reason.startswith(reason)
+
+
 def test_bad_enum(tmp_path, ckpt):
     text = template(ckpt, "kv_transfer:\n  transport: http\n")
     issue = only_issue(write(tmp_path, text))
