@@ -58,9 +58,10 @@ from models.tokenizer import Tokenizer
 from orchestrator.backend import BackendUnavailable, StreamDelta
 from orchestrator.health import InstanceHealth, ProbeOutcome, after_answer, after_failure
 from orchestrator.placement import plan_placement, to_ray_placement_group_args
+from orchestrator.preflight import pool_parallelism
 from orchestrator.ray_runtime import init_local_ray
 from orchestrator.router import POLICIES, DecodeLoad, PrefillLoad
-from orchestrator.topology import Topology, load_topology
+from orchestrator.topology import ROLES, Topology, load_topology
 
 logger = logging.getLogger(__name__)
 
@@ -85,18 +86,9 @@ class _Attempt:
 
 def check_single_device_instances(topology: Topology) -> None:
     """Raise ValueError for instances of more than one device (or TP/EP > 1): the actor layer runs one
-    actor on one device per instance, so deploying them would silently ignore the parallelism."""
-    problems = []
-    for role in ("prefill", "decode"):
-        pool = topology.pool(role)
-        parts = []
-        if pool.tensor_parallel_size > 1:
-            parts.append(f"TP{pool.tensor_parallel_size}")
-        if pool.expert_parallel_size > 1:
-            parts.append(f"EP{pool.expert_parallel_size}")
-        if pool.devices_per_instance > 1 or parts:
-            plural = "s" if pool.devices_per_instance != 1 else ""
-            problems.append(", ".join([f"{role}: {pool.devices_per_instance} device{plural}", *parts]))
+    actor on one device per instance, so deploying them would silently ignore the parallelism.
+    `pdcluster deploy` refuses them before this, at their YAML lines (`orchestrator.preflight`)."""
+    problems = [p for role in ROLES if (p := pool_parallelism(role, topology.pool(role))) is not None]
     if problems:
         raise ValueError(
             f"instances of more than one device ({'; '.join(problems)}) are not supported by the actor layer "

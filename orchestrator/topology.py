@@ -30,7 +30,7 @@ import ssl
 import stat
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -841,6 +841,15 @@ class TopologyIssue(NamedTuple):
         return f"{self.file}:{self.line}: {self.reason}" if self.line else f"{self.file}: {self.reason}"
 
 
+def _line_of(lines: Mapping[KeyPath, int], path: KeyPath) -> int:
+    """The line of `path`'s key in `lines`, else of its nearest enclosing key that is written, else 1."""
+    while path:
+        if path in lines:
+            return lines[path]
+        path = path[:-1]
+    return 1
+
+
 class TopologyError(ValueError):
     """A topology file with problems; the message has one `FILE:LINE: reason` per line, in file order."""
 
@@ -864,11 +873,7 @@ class _Reader:
 
     def line_of(self, path: KeyPath) -> int:
         """The line of `path`'s key, else of its nearest enclosing key that is written, else 1."""
-        while path:
-            if path in self.lines:
-                return self.lines[path]
-            path = path[:-1]
-        return 1
+        return _line_of(self.lines, path)
 
     def keys(
         self, node: yaml.MappingNode, fields: dict[str, dataclasses.Field], path: KeyPath
@@ -1087,8 +1092,43 @@ def _describe(node: yaml.Node) -> str:
     return repr(node.value)
 
 
+@dataclass(frozen=True)
+class LoadedTopology:
+    """A valid topology file: its `Topology` and the line of every key written in it, so that rules checked
+    later (`orchestrator.preflight`: what `pdcluster deploy` needs) are reported at their lines too.
+
+    Attributes:
+        file: the path as given.
+        topology: the validated topology.
+        key_lines: 1-based line of each key path written in the file.
+    """
+
+    file: str
+    topology: Topology
+    key_lines: Mapping[KeyPath, int]
+
+    def line_of(self, path: KeyPath) -> int | None:
+        """The line of `path`'s key, else of its nearest enclosing written key, else 1; None for `()` (an
+        issue about no key of the file, e.g. a command-line override)."""
+        return _line_of(self.key_lines, path) if path else None
+
+    def locate(self, issues: Iterable[Issue]) -> list[TopologyIssue]:
+        """`issues` as `FILE:LINE: reason` issues of this file, in line order."""
+        located = [TopologyIssue(self.file, self.line_of(i.path), i.reason) for i in issues]
+        return sorted(located, key=lambda i: i.line or 0)
+
+
 def load_topology(path: str | Path) -> Topology:
-    """Read and validate a topology YAML file.
+    """Read and validate a topology YAML file: `read_topology(path).topology`.
+
+    Raises:
+        TopologyError: as `read_topology`.
+    """
+    return read_topology(path).topology
+
+
+def read_topology(path: str | Path) -> LoadedTopology:
+    """Read and validate a topology YAML file; the topology with the line of each key.
 
     The file must be a regular file (a FIFO or a device is refused without being opened) of at most
     `MAX_YAML_BYTES`, in UTF-8, nested at most `MAX_YAML_DEPTH` levels and at most `MAX_YAML_NODES` YAML
@@ -1164,4 +1204,4 @@ def load_topology(path: str | Path) -> Topology:
 
     if reader.problems or topology is None:
         raise TopologyError([TopologyIssue(file, line, reason) for line, reason in reader.problems])
-    return topology
+    return LoadedTopology(file, topology, types.MappingProxyType(dict(reader.lines)))
