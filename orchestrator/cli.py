@@ -322,6 +322,7 @@ def _batch_summary(results: list[RequestOutput]) -> dict:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from orchestrator.cluster import DeployError
     from orchestrator.demo import run_demo
     from orchestrator.topology import TopologyError
 
@@ -329,7 +330,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise CliError(f"--trace {args.trace}: no such file (the public traces live in ../shared/traces)")
     try:
         return run_demo(args.cluster, args.trace, args.num_requests, args.max_tokens_cap, sys.stdout)
-    except TopologyError as exc:
+    except (TopologyError, DeployError) as exc:
         raise CliError(str(exc)) from exc
 
 
@@ -349,10 +350,21 @@ def _deploy_preflight(path: Path, port: int | None):
     return loaded.topology
 
 
-def cmd_deploy(args: argparse.Namespace) -> int:
+def _interrupt_on_sigterm() -> None:
+    """Make SIGTERM do what Ctrl-C does: raise KeyboardInterrupt in the main thread, wherever it is (a
+    second SIGTERM while shutting down is only logged). `Cluster.deploy` keeps this handler across
+    `ray.init` (`orchestrator.ray_runtime.keeping_sigterm_handler`)."""
     import signal
-    import threading
 
+    def on_sigterm(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: print("[pdcluster] already shutting down", flush=True))
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from orchestrator.cluster import DeployError
     from orchestrator.serve import serve
     from orchestrator.topology import TopologyError
 
@@ -360,18 +372,19 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         topology = _deploy_preflight(args.file, args.port)
     except TopologyError as exc:
         raise CliError(str(exc)) from exc
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    _interrupt_on_sigterm()
     try:
         with serve(topology, port=args.port, log=lambda m: print(f"[pdcluster] {m}", flush=True)) as service:
-            print(f"[pdcluster] ready: {service.url}/v1/models — Ctrl-C to stop", flush=True)
+            print(f"[pdcluster] ready: {service.url}/v1/models — Ctrl-C or SIGTERM to stop", flush=True)
             try:
-                while not stop.wait(0.5):
-                    pass
+                while True:
+                    time.sleep(0.5)
             except KeyboardInterrupt:
-                pass
-            print("[pdcluster] shutting down", flush=True)
-    except TopologyError as exc:
+                print("[pdcluster] shutting down", flush=True)
+        print("[pdcluster] stopped", flush=True)
+    except KeyboardInterrupt:  # before the service was up, or a second Ctrl-C while shutting down
+        print("[pdcluster] interrupted; what had started is shut down", flush=True)
+    except (TopologyError, DeployError) as exc:
         raise CliError(str(exc)) from exc
     return 0
 
@@ -637,6 +650,8 @@ Validate FILE, connect to the Ray cluster in RAY_ADDRESS (or start a local one),
 placement group per instance, start the prefill and decode actors (progress is logged while
 weights load), wire the KV transfer, and serve /v1/completions, /v1/chat/completions,
 /v1/models, /health and /metrics on api.host:api.port until Ctrl-C or SIGTERM.
+Both shut down the same way (HTTP server, actors, placement groups, Ray if deploy started
+it), also while starting, and exit with code 0.
 
 Before Ray starts, FILE is checked as `pdcluster validate --for-deploy FILE` checks it (the
 file, the one-device-per-instance limit, the checkpoint, that the address can be bound); each
