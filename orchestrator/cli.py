@@ -6,9 +6,12 @@
     pdcluster deploy clusters/local.yaml                   # serve a topology behind the OpenAI API
     pdcluster validate clusters/*.yaml                     # pre-flight check of topology files
 
-Every error the user can cause (bad option values, a missing or broken checkpoint) is one line on stderr
-and exit code 2, never a traceback. Torch and the model code are imported only by the subcommand that
-needs them, so `--help` and option errors answer at once.
+Every error the user can cause (bad option values, a bad topology file, a missing or broken checkpoint, a
+port in use or a host that is not this machine's) is one line on stderr per problem and exit code 2,
+never a traceback; `deploy` finds all it can before it starts Ray (`orchestrator.preflight`, also what
+`validate --for-deploy` reports). `deploy` shuts down the same way on Ctrl-C and SIGTERM, exit code 0.
+Torch and the model code are imported only by the subcommand that needs them, so `--help` and option
+errors answer at once.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from engine.llm import LLMEngine, RequestOutput
     from engine.sampling_params import SamplingParams
     from models.tokenizer import Tokenizer
+    from orchestrator.topology import Topology
 
 PROG = "pdcluster"
 EXIT_USAGE = 2
@@ -334,7 +338,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from exc
 
 
-def _deploy_preflight(path: Path, port: int | None):
+def _deploy_preflight(path: Path, port: int | None) -> Topology:
     """`path` read and checked as `pdcluster deploy` needs it (`orchestrator.preflight`), before Ray.
 
     Raises:
