@@ -213,17 +213,31 @@ class DeepseekV3Config:
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> DeepseekV3Config:
-        """Read `config.json`. Raises FileNotFoundError or ValueError naming the file."""
+        """Read `config.json`.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError naming the file: not a regular file (a FIFO is not opened), not UTF-8, not a JSON
+                object, or fields `from_dict` refuses (also values of the wrong JSON type).
+        """
         path = Path(path)
+        if path.exists() and not path.is_file():
+            raise ValueError(f"{path}: not a regular file")
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not valid UTF-8 (byte at offset {exc.start})") from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
         try:
             return cls.from_dict(raw, source=str(path))
         except ValueError as exc:
             msg = str(exc)
             raise ValueError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from exc
+        except (TypeError, AttributeError, KeyError) as exc:  # e.g. "rope_scaling": "yarn"
+            raise ValueError(f"{path}: a field has a value of the wrong type ({exc})") from exc
 
     def to_dict(self) -> dict[str, Any]:
         """The `config.json` form (public-release spelling: `rope_theta` + `rope_scaling`)."""

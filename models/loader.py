@@ -17,11 +17,14 @@ import dataclasses
 import json
 import logging
 import math
+import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from kernels.rope import rope_inv_freq
@@ -32,31 +35,97 @@ logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_HEADER_DTYPES = ("F8_E4M3",)  # how safetensors headers spell FP8_DTYPES
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
 
 
 class CheckpointError(ValueError):
     """A checkpoint directory that cannot be loaded; the message names the file and the tensors."""
 
 
+def _regular_file(file: Path) -> None:
+    """Raise CheckpointError unless `file` is a regular file (a FIFO would block whoever opens it)."""
+    try:
+        mode = os.stat(file).st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: no such file") from None
+    except OSError as exc:
+        raise CheckpointError(f"{file}: cannot read: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{file}: not a regular file")
+
+
+def read_safetensors_header(file: Path) -> dict[str, dict[str, Any]]:
+    """The tensor entries (`{"dtype", "shape", "data_offsets"}` by name) of a safetensors file's header, after
+    checking that the file holds every byte the header declares. Reads the header only (no tensor data).
+
+    Raises:
+        CheckpointError naming the file: not a regular file or unreadable; shorter than its header, or than
+            the tensor data its header declares (a truncated download or copy); not a safetensors file.
+    """
+    _regular_file(file)
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            prefix = f.read(8)
+            header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else None
+            if header_len is None or header_len > MAX_HEADER_BYTES:
+                raise CheckpointError(
+                    f"{file}: not a safetensors file ({size} bytes; it starts with an 8-byte header length)"
+                )
+            if 8 + header_len > size:
+                raise CheckpointError(
+                    f"{file}: truncated: its header is {header_len} bytes but the file has {size} (an "
+                    "incomplete download or copy?)"
+                )
+            raw = f.read(header_len)
+    except OSError as exc:
+        raise CheckpointError(f"{file}: cannot read: {exc.strerror or exc}") from None
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+        header.pop("__metadata__", None)
+        data_end = max((int(e["data_offsets"][1]) for e in header.values()), default=0)
+        for entry in header.values():
+            entry["shape"] = tuple(int(d) for d in entry["shape"])
+            str(entry["dtype"])
+    except (ValueError, TypeError, KeyError, IndexError) as exc:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"{file}: not a safetensors file (its header does not parse: {exc})") from None
+    data_bytes = size - 8 - header_len
+    if data_end > data_bytes:
+        raise CheckpointError(
+            f"{file}: truncated: its header declares {data_end} bytes of tensor data but the file holds "
+            f"{data_bytes} (an incomplete download or copy?)"
+        )
+    return header
+
+
 def checkpoint_files(path: Path) -> dict[str, Path]:
     """Map each tensor name to the safetensors file holding it.
 
     Raises:
-        CheckpointError: no weights file, an index naming a missing shard.
+        CheckpointError: no weights file, an index that does not parse or names a missing shard.
     """
     index = path / INDEX_FILE
     if index.exists():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        _regular_file(index)
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise TypeError("weight_map is not a mapping of tensor names to file names")
+        except (ValueError, TypeError, KeyError) as exc:  # JSONDecodeError, UnicodeDecodeError: ValueError
+            raise CheckpointError(f"{index}: not a safetensors index ({exc!r})") from None
         missing = sorted({f for f in weight_map.values() if not (path / f).exists()})
         if missing:
             raise CheckpointError(f"{index}: shards listed but not present: {', '.join(missing)}")
         return {name: path / f for name, f in weight_map.items()}
     single = path / SINGLE_FILE
     if single.exists():
-        with safe_open(single, framework="pt") as f:
-            return {name: single for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+        return {name: single for name in read_safetensors_header(single)}
     raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}")
 
 
@@ -94,9 +163,130 @@ def _iter_tensors(files: dict[str, Path], names: list[str]) -> Iterator[tuple[st
     for name in names:
         by_file.setdefault(files[name], []).append(name)
     for file, file_names in by_file.items():
-        with safe_open(file, framework="pt") as f:
-            for name in file_names:
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in file_names:
+                    yield name, f.get_tensor(name)
+        except SafetensorError as exc:  # e.g. the file changed since `inspect_checkpoint` read its header
+            raise CheckpointError(f"{file}: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointLayout:
+    """What `inspect_checkpoint` found in a checkpoint directory, from its headers only.
+
+    Attributes:
+        config: the architecture to build (MTP disabled when the checkpoint has no MTP tensors).
+        files: the safetensors file holding each tensor.
+        expected: the shape the model expects of each tensor it loads.
+    """
+
+    config: DeepseekV3Config
+    files: dict[str, Path]
+    expected: dict[str, tuple[int, ...]]
+
+
+def inspect_checkpoint(path: str | Path) -> CheckpointLayout:
+    """Check a checkpoint directory as far as it can be without reading tensor data: `config.json`, the
+    weights files and their headers (not truncated), every expected tensor present with its expected shape,
+    FP8 weights with a `weight_scale_inv` that covers them. Takes about as long as reading the headers.
+
+    Raises:
+        FileNotFoundError: no such directory or no `config.json`.
+        ValueError: `config.json` does not parse or has invalid fields (from `DeepseekV3Config`).
+        CheckpointError: as `load_checkpoint`, and a weights file that is truncated, not a regular file
+            or not a safetensors file (named).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{path}: no config.json")
+    config = DeepseekV3Config.from_json_file(config_file)
+    files = checkpoint_files(path)
+    entries: dict[str, dict[str, Any]] = {}
+    for file in sorted(set(files.values())):
+        header = read_safetensors_header(file)
+        absent = sorted(name for name, f in files.items() if f == file and name not in header)
+        if absent:
+            raise CheckpointError(
+                f"{path / INDEX_FILE}: lists {len(absent)} tensor(s) in {file.name} that it does not hold, "
+                f"e.g. {', '.join(absent[:3])}"
+            )
+        entries.update({name: header[name] for name, f in files.items() if f == file})
+
+    num_layers = config.num_hidden_layers
+    mtp_prefixes = tuple(f"model.layers.{num_layers + k}." for k in range(config.num_nextn_predict_layers))
+    if mtp_prefixes and not any(name.startswith(mtp_prefixes) for name in files):
+        logger.warning(
+            "%s: config has %d MTP module(s) but no tensor for layer %d; loading with MTP disabled",
+            path,
+            config.num_nextn_predict_layers,
+            num_layers,
+        )
+        config = dataclasses.replace(config, num_nextn_predict_layers=0)
+
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+
+    missing = sorted(name for name in expected if name not in files)
+    if missing:
+        shown = "\n  ".join(missing[:50]) + (
+            f"\n  ... and {len(missing) - 50} more" if len(missing) > 50 else ""
+        )
+        raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint:\n  {shown}")
+
+    block_size = tuple((config.quantization_config or {}).get("weight_block_size", (128, 128)))
+    bad_shapes: list[str] = []
+    for name, shape in expected.items():
+        entry = entries[name]
+        if entry["dtype"] in FP8_HEADER_DTYPES:
+            scale_name = name + SCALE_SUFFIX
+            if scale_name not in files:
+                raise CheckpointError(f"{path}: FP8 tensor {name} has no {scale_name}")
+            scale_shape, weight_shape = entries[scale_name]["shape"], entry["shape"]
+            if len(weight_shape) == 2:
+                covering = tuple(math.ceil(n / b) for n, b in zip(weight_shape, block_size, strict=True))
+                if scale_shape != covering:
+                    raise CheckpointError(
+                        f"{path}: {name}: weight_scale_inv shape {scale_shape} does not match weight "
+                        f"{weight_shape} with block size {block_size} (expected {covering})"
+                    )
+        if entry["shape"] != shape:
+            bad_shapes.append(f"{name}: expected {shape}, got {entry['shape']}")
+    if bad_shapes:
+        raise CheckpointError(f"{path}: tensor(s) with unexpected shape:\n  " + "\n  ".join(bad_shapes))
+    return CheckpointLayout(config=config, files=files, expected=expected)
+
+
+def check_checkpoint_dir(path: str | Path) -> None:
+    """Everything `LLMEngine` needs from a checkpoint directory, checked without loading any weights:
+    `inspect_checkpoint`, and a `tokenizer.json` that loads with a vocabulary that fits the model's.
+
+    Raises:
+        FileNotFoundError, ValueError, CheckpointError: as `inspect_checkpoint`; CheckpointError also for
+            a missing, unloadable or too large `tokenizer.json`.
+    """
+    from models.tokenizer import Tokenizer
+
+    layout = inspect_checkpoint(path)
+    tokenizer_file = Path(path) / TOKENIZER_FILE
+    if not tokenizer_file.exists():
+        raise CheckpointError(f"{tokenizer_file}: no {TOKENIZER_FILE} in the checkpoint directory")
+    _regular_file(tokenizer_file)
+    try:
+        tokenizer = Tokenizer.from_dir(path)
+    except Exception as exc:  # noqa: BLE001 - `tokenizers` raises a bare Exception for a file it cannot parse
+        raise CheckpointError(f"{tokenizer_file}: cannot load: {exc}") from None
+    if tokenizer.vocab_size > layout.config.vocab_size:
+        raise CheckpointError(
+            f"{tokenizer_file}: {tokenizer.vocab_size} tokens, but config.json's vocab_size is "
+            f"{layout.config.vocab_size}"
+        )
 
 
 def load_checkpoint(
@@ -113,41 +303,16 @@ def load_checkpoint(
         FileNotFoundError: no such directory or no `config.json`.
         ValueError: unsupported `model_type` or invalid config fields (from `DeepseekV3Config`).
         CheckpointError: missing tensors (all listed by name), tensors of unexpected shape (name, expected,
-            got), FP8 weights without their `weight_scale_inv`.
+            got), FP8 weights without their `weight_scale_inv`, a truncated or unreadable weights file
+            (named); all found from the headers before any tensor is read (`inspect_checkpoint`).
     """
     path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory not found: {path}")
-    config_file = path / "config.json"
-    if not config_file.exists():
-        raise FileNotFoundError(f"{path}: no config.json")
-    config = DeepseekV3Config.from_json_file(config_file)
-    files = checkpoint_files(path)
-
+    layout = inspect_checkpoint(path)
+    config, files, expected = layout.config, layout.files, layout.expected
     num_layers = config.num_hidden_layers
     mtp_prefixes = tuple(f"model.layers.{num_layers + k}." for k in range(config.num_nextn_predict_layers))
-    if mtp_prefixes and not any(name.startswith(mtp_prefixes) for name in files):
-        logger.warning(
-            "%s: config has %d MTP module(s) but no tensor for layer %d; loading with MTP disabled",
-            path,
-            config.num_nextn_predict_layers,
-            num_layers,
-        )
-        config = dataclasses.replace(config, num_nextn_predict_layers=0)
-        mtp_prefixes = ()
-
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(config)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-
-    missing = sorted(name for name in expected if name not in files)
-    if missing:
-        shown = "\n  ".join(missing[:50]) + (
-            f"\n  ... and {len(missing) - 50} more" if len(missing) > 50 else ""
-        )
-        raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint:\n  {shown}")
 
     block_size = tuple((config.quantization_config or {}).get("weight_block_size", (128, 128)))
     state: dict[str, torch.Tensor] = {}

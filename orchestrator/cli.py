@@ -6,9 +6,12 @@
     pdcluster deploy clusters/local.yaml                   # serve a topology behind the OpenAI API
     pdcluster validate clusters/*.yaml                     # pre-flight check of topology files
 
-Every error the user can cause (bad option values, a missing or broken checkpoint) is one line on stderr
-and exit code 2, never a traceback. Torch and the model code are imported only by the subcommand that
-needs them, so `--help` and option errors answer at once.
+Every error the user can cause (bad option values, a bad topology file, a missing or broken checkpoint, a
+port in use or a host that is not this machine's) is one line on stderr per problem and exit code 2,
+never a traceback; `deploy` finds all it can before it starts Ray (`orchestrator.preflight`, also what
+`validate --for-deploy` reports). `deploy` shuts down the same way on Ctrl-C and SIGTERM, exit code 0.
+Torch and the model code are imported only by the subcommand that needs them, so `--help` and option
+errors answer at once.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from engine.llm import LLMEngine, RequestOutput
     from engine.sampling_params import SamplingParams
     from models.tokenizer import Tokenizer
+    from orchestrator.topology import Topology
 
 PROG = "pdcluster"
 EXIT_USAGE = 2
@@ -67,6 +71,14 @@ def _probability(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {text}")
+    return value
+
+
+_port.__name__ = "port"
 _positive_int.__name__ = "positive integer"  # argparse names the type in "invalid <type> value" errors
 _non_negative_int.__name__ = "integer"
 _non_negative_float.__name__ = "number"
@@ -104,6 +116,13 @@ def load_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
     if not model_dir.is_dir():
         raise CliError(f"model directory not found: {model_dir}{hint}")
     device = resolve_device(args.device)
+    from models.loader import check_checkpoint_dir
+    from orchestrator.preflight import one_line
+
+    try:  # headers, shapes and tokenizer, before any weight is read (a truncated file is named)
+        check_checkpoint_dir(model_dir)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cannot load the checkpoint: {one_line(str(exc))}{hint}") from exc
     t_start = time.perf_counter()
     try:
         engine = LLMEngine(
@@ -116,13 +135,7 @@ def load_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
             )
         )
     except (OSError, ValueError, RuntimeError) as exc:
-        raise CliError(f"cannot load the checkpoint: {exc}{hint}") from exc
-    tokenizer, config = engine.tokenizer, engine.model.config
-    if tokenizer.vocab_size > config.vocab_size:
-        raise CliError(
-            f"{model_dir}: tokenizer.json has {tokenizer.vocab_size} tokens but config.json's vocab_size is "
-            f"{config.vocab_size}"
-        )
+        raise CliError(f"cannot load the checkpoint: {one_line(str(exc))}{hint}") from exc
     return engine, time.perf_counter() - t_start
 
 
@@ -313,6 +326,7 @@ def _batch_summary(results: list[RequestOutput]) -> dict:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from orchestrator.cluster import DeployError
     from orchestrator.demo import run_demo
     from orchestrator.topology import TopologyError
 
@@ -320,45 +334,87 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise CliError(f"--trace {args.trace}: no such file (the public traces live in ../shared/traces)")
     try:
         return run_demo(args.cluster, args.trace, args.num_requests, args.max_tokens_cap, sys.stdout)
-    except TopologyError as exc:
+    except (TopologyError, DeployError) as exc:
         raise CliError(str(exc)) from exc
 
 
-def cmd_deploy(args: argparse.Namespace) -> int:
-    import signal
-    import threading
+def _deploy_preflight(path: Path, port: int | None) -> Topology:
+    """`path` read and checked as `pdcluster deploy` needs it (`orchestrator.preflight`), before Ray.
 
+    Raises:
+        TopologyError: the file's own problems, else every reason deploy would refuse it here and now.
+    """
+    from orchestrator.preflight import deploy_issues
+    from orchestrator.topology import TopologyError, read_topology
+
+    loaded = read_topology(path)
+    issues = loaded.locate(deploy_issues(loaded.topology, port=port))
+    if issues:
+        raise TopologyError(issues)
+    return loaded.topology
+
+
+def _interrupt_on_sigterm() -> None:
+    """Make SIGTERM do what Ctrl-C does: raise KeyboardInterrupt in the main thread, wherever it is (a
+    second SIGTERM while shutting down is only logged). `Cluster.deploy` keeps this handler across
+    `ray.init` (`orchestrator.ray_runtime.keeping_sigterm_handler`)."""
+    import signal
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: print("[pdcluster] already shutting down", flush=True))
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from orchestrator.cluster import DeployError
     from orchestrator.serve import serve
     from orchestrator.topology import TopologyError
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        with serve(args.file, port=args.port, log=lambda m: print(f"[pdcluster] {m}", flush=True)) as service:
-            print(f"[pdcluster] ready: {service.url}/v1/models — Ctrl-C to stop", flush=True)
-            try:
-                while not stop.wait(0.5):
-                    pass
-            except KeyboardInterrupt:
-                pass
-            print("[pdcluster] shutting down", flush=True)
+        topology = _deploy_preflight(args.file, args.port)
     except TopologyError as exc:
+        raise CliError(str(exc)) from exc
+    _interrupt_on_sigterm()
+    try:
+        with serve(topology, port=args.port, log=lambda m: print(f"[pdcluster] {m}", flush=True)) as service:
+            print(f"[pdcluster] ready: {service.url}/v1/models — Ctrl-C or SIGTERM to stop", flush=True)
+            try:
+                while True:
+                    time.sleep(0.5)
+            except KeyboardInterrupt:
+                print("[pdcluster] shutting down", flush=True)
+        print("[pdcluster] stopped", flush=True)
+    except KeyboardInterrupt:  # before the service was up, or a second Ctrl-C while shutting down
+        print("[pdcluster] interrupted; what had started is shut down", flush=True)
+    except (TopologyError, DeployError) as exc:
         raise CliError(str(exc)) from exc
     return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from orchestrator.topology import TopologyError, load_topology
+    from orchestrator.preflight import actor_layer_issues
+    from orchestrator.topology import TopologyError, read_topology
 
     exit_code = 0
     for path in args.files:
         try:
-            topology = load_topology(path)
+            if args.for_deploy:
+                topology = _deploy_preflight(path, None)
+                notes = []
+            else:
+                loaded = read_topology(path)
+                topology = loaded.topology
+                notes = loaded.locate(actor_layer_issues(topology))
         except TopologyError as exc:
             print(exc, file=sys.stderr)
             exit_code = 1
             continue
-        print(f"{path}: ok — {topology.summary()}")
+        print(f"{path}: ok — {topology.summary()}" + (" (deployable here)" if args.for_deploy else ""))
+        for note in notes:
+            where = f"{note.file}:{note.line}" if note.line else note.file
+            print(f"{where}: note: {note.reason} (valid as a plan; --for-deploy refuses it)", file=sys.stderr)
     return exit_code
 
 
@@ -597,10 +653,18 @@ time, then shuts everything down.""",
 Validate FILE, connect to the Ray cluster in RAY_ADDRESS (or start a local one), create one
 placement group per instance, start the prefill and decode actors (progress is logged while
 weights load), wire the KV transfer, and serve /v1/completions, /v1/chat/completions,
-/v1/models, /health and /metrics on api.host:api.port until Ctrl-C or SIGTERM.""",
+/v1/models, /health and /metrics on api.host:api.port until Ctrl-C or SIGTERM.
+Both shut down the same way (HTTP server, actors, placement groups, Ray if deploy started
+it), also while starting, and exit with code 0.
+
+Before Ray starts, FILE is checked as `pdcluster validate --for-deploy FILE` checks it (the
+file, the one-device-per-instance limit, the checkpoint, that the address can be bound); each
+problem is one FILE:LINE: reason line and the exit code is 2. So is an error after Ray started
+(an actor that fails to load its weights, the port taken meanwhile), after everything started
+is shut down.""",
     )
     deploy.add_argument("file", type=Path, metavar="FILE", help="topology YAML (see clusters/README.md)")
-    deploy.add_argument("--port", type=int, default=None, help="override api.port (0: a free port)")
+    deploy.add_argument("--port", type=_port, default=None, help="override api.port (0: a free port)")
     deploy.set_defaults(func=cmd_deploy)
 
     validate = sub.add_parser(
@@ -611,9 +675,24 @@ weights load), wire the KV transfer, and serve /v1/completions, /v1/chat/complet
 Read each topology file and check it: keys and types, choices, parallelism against the
 model's config.json, device counts and placement (clusters/README.md lists the rules).
 Prints one summary line per valid file on stdout and one FILE:LINE: reason line per
-problem on stderr. Exit code: 0 all files valid, 1 some file invalid, 2 usage error.""",
+problem on stderr. Exit code: 0 all files valid, 1 some file invalid, 2 usage error.
+
+A file is checked as a plan: it may describe a cluster this machine is not part of. What
+`pdcluster deploy` cannot run yet (instances of more than one device, tensor or expert
+parallel) is valid as a plan and printed as a "note" line on stderr.
+
+--for-deploy checks what `pdcluster deploy FILE` checks before it starts Ray, here and now:
+also the actor layer's one-device-per-instance limit (an error, no longer a note), the
+checkpoint as this machine sees it (config.json, safetensors headers not truncated, every
+tensor present with its shape, tokenizer.json; no weights are read) and that api.host:api.port
+can be bound. A file it calls ok is one deploy will not refuse before starting Ray.""",
     )
     validate.add_argument("files", nargs="+", type=Path, metavar="FILE", help="topology YAML files")
+    validate.add_argument(
+        "--for-deploy",
+        action="store_true",
+        help="also check what `pdcluster deploy` needs on this machine (see above)",
+    )
     validate.set_defaults(func=cmd_validate)
 
     bench = sub.add_parser(
@@ -683,8 +762,9 @@ def main(argv: list[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except CliError as exc:
-        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+    except CliError as exc:  # one line per problem (a topology file's issues: one FILE:LINE: reason each)
+        for line in str(exc).splitlines() or [""]:
+            print(f"{PROG} {args.command}: error: {line}", file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -30,7 +30,8 @@ handoff) and every wait for the request's next event (before and after admission
 Nothing waits forever.
 
 Limits: one actor per instance: `deploy` refuses instances of more than one device (tensor/expert
-parallel); `pdcluster validate` still checks such plans. With `torch_distributed` the group is fixed at
+parallel; `pdcluster deploy` refuses them before Ray, at their YAML line, see `orchestrator.preflight`);
+`pdcluster validate` still checks such plans. With `torch_distributed` the group is fixed at
 deploy time, so a dead rank is not replaced; prefix-aware routing estimates prefill cache hits from the
 prompts the router sent. Multi-node: decode gRPC servers bind 0.0.0.0 and advertise their node's IP, and
 the torch.distributed rendezvous is on rank 0's node; a single-node `cpu` topology stays on loopback.
@@ -46,6 +47,7 @@ import contextlib
 import itertools
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -61,9 +63,10 @@ from models.tokenizer import Tokenizer
 from orchestrator.backend import BackendUnavailable, StreamDelta
 from orchestrator.health import InstanceHealth, ProbeOutcome, after_answer, after_failure
 from orchestrator.placement import nodes_to_pin, plan_placement, to_ray_placement_group_args
-from orchestrator.ray_runtime import init_local_ray
+from orchestrator.preflight import one_line, pool_parallelism
+from orchestrator.ray_runtime import init_local_ray, keeping_sigterm_handler
 from orchestrator.router import POLICIES, DecodeLoad, PrefillLoad
-from orchestrator.topology import Topology, load_topology
+from orchestrator.topology import ROLES, Topology, load_topology
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +76,55 @@ EVENT_SLACK_S = 5.0  # a prefill call / a wait for the next event gives up after
 PROBE_INTERVAL_S = 1.0  # the health monitor probes instances that are out of routing this often
 MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc transport) this often; then it stays dead
 ROUTER_CACHE_BLOCKS = 4096  # block hashes remembered per prefill instance for prefix-aware routing
+
+
+class DeployError(RuntimeError):
+    """`Cluster.deploy` (or `serve`) failed after it started: an actor did not start (its own exception,
+    named, e.g. a CheckpointError from loading weights), a Ray call failed, the HTTP server could not
+    bind. The message is one line; everything started is torn down before it is raised."""
+
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _raised_in_traceback(text: str) -> str | None:
+    """The exception a formatted Python traceback in `text` ends with (`Type: message`, the module path of
+    the type dropped), or None when `text` holds no traceback frame."""
+    lines = _ANSI_ESCAPE.sub("", text).splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
+    if not frames:
+        return None
+    rest = lines[frames[-1] + 1 :]
+    while rest and rest[0].startswith("    "):  # the frame's source line and caret annotation
+        rest = rest[1:]
+    raised = one_line("\n".join(rest))
+    return re.sub(r"^(?:\w+\.)+(\w+: )", r"\1", raised) or None
+
+
+def actor_error_message(exc: BaseException) -> str:
+    """One line for an exception out of a Ray call, without Ray's traceback or the actor's ids.
+
+    The exception raised inside the actor or task as `Type: message`: a RayTaskError's cause (also when Ray
+    raises it as the dual `RayTaskError(X)`), or, for an actor whose `__init__` raised (Ray 2.60 raises an
+    ActorDiedError that keeps only the formatted traceback), the exception that traceback ends with. Else
+    Ray's own message without the lines that only identify the actor (ids, pid, node IP).
+    """
+    from ray.exceptions import RayActorError, RayError, RayTaskError
+
+    cause: BaseException = exc
+    for _ in range(8):  # a task error inside a task error: the innermost cause
+        inner = getattr(cause, "cause", None) if isinstance(cause, RayTaskError) else None
+        if not isinstance(inner, BaseException):
+            break
+        cause = inner
+    if cause is not exc and not isinstance(cause, RayError):
+        return f"{type(cause).__name__}: {one_line(str(cause))}"
+    text = exc.error_msg if isinstance(exc, RayActorError) else str(exc)
+    raised = _raised_in_traceback(str(text))
+    if raised is not None:
+        return raised
+    kept = [line for line in str(text).splitlines() if line.strip() and not line.startswith("\t")]
+    return f"{type(exc).__name__}: {one_line(chr(10).join(kept))}"
 
 
 class _Attempt:
@@ -88,18 +140,9 @@ class _Attempt:
 
 def check_single_device_instances(topology: Topology) -> None:
     """Raise ValueError for instances of more than one device (or TP/EP > 1): the actor layer runs one
-    actor on one device per instance, so deploying them would silently ignore the parallelism."""
-    problems = []
-    for role in ("prefill", "decode"):
-        pool = topology.pool(role)
-        parts = []
-        if pool.tensor_parallel_size > 1:
-            parts.append(f"TP{pool.tensor_parallel_size}")
-        if pool.expert_parallel_size > 1:
-            parts.append(f"EP{pool.expert_parallel_size}")
-        if pool.devices_per_instance > 1 or parts:
-            plural = "s" if pool.devices_per_instance != 1 else ""
-            problems.append(", ".join([f"{role}: {pool.devices_per_instance} device{plural}", *parts]))
+    actor on one device per instance, so deploying them would silently ignore the parallelism.
+    `pdcluster deploy` refuses them before this, at their YAML lines (`orchestrator.preflight`)."""
+    problems = [p for role in ROLES if (p := pool_parallelism(role, topology.pool(role))) is not None]
     if problems:
         raise ValueError(
             f"instances of more than one device ({'; '.join(problems)}) are not supported by the actor layer "
@@ -156,7 +199,8 @@ class Cluster:
 
         Raises:
             ValueError: an invalid topology, or instances of more than one device (not supported by the
-                actor layer yet); RuntimeError: an actor failed to start.
+                actor layer yet); DeployError (a RuntimeError, one line): an actor failed to start (what
+                it raised, e.g. loading its weights, named with the instance), a Ray call failed.
         """
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -173,11 +217,12 @@ class Cluster:
         plan = plan_placement(topo)
         self._started_ray = False
         if not ray.is_initialized():
-            if os.environ.get("RAY_ADDRESS"):
-                ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-            else:
-                needed = int(plan.num_devices_used * topo.hardware.cpus_per_device + 0.999)
-                init_local_ray(num_cpus or max(needed, 1))
+            with keeping_sigterm_handler():  # the caller's clean shutdown on SIGTERM, not Ray's sys.exit
+                if os.environ.get("RAY_ADDRESS"):
+                    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+                else:
+                    needed = int(plan.num_devices_used * topo.hardware.cpus_per_device + 0.999)
+                    init_local_ray(num_cpus or max(needed, 1))
             self._started_ray = True
         self._placement_groups = []
         self.prefill_actors: list[Any] = []
@@ -191,7 +236,13 @@ class Cluster:
             )
             for spec in plan.instances:
                 self._placement_groups.append(placement_group(**to_ray_placement_group_args(spec, pin)))
-            ray.get([pg.ready() for pg in self._placement_groups], timeout=120)
+            try:
+                ray.get([pg.ready() for pg in self._placement_groups], timeout=120)
+            except ray.exceptions.GetTimeoutError:
+                raise DeployError(
+                    f"placement groups not ready after 120 s: the Ray cluster lacks the resources "
+                    f"{plan.instances[0].bundles[0]} per device for {plan.num_devices_used} devices"
+                ) from None
             log(f"placement groups ready in {time.monotonic() - started_s:.1f} s; loading weights")
             env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
             names: list[str] = []
@@ -228,8 +279,13 @@ class Cluster:
             while pending:
                 done, pending = ray.wait(pending, num_returns=1, timeout=300)
                 if not done:
-                    raise RuntimeError(f"actors not ready after 300 s: {[ready_refs[r] for r in pending]}")
-                info = ray.get(done[0])
+                    raise DeployError(f"actors not ready after 300 s: {[ready_refs[r] for r in pending]}")
+                try:
+                    info = ray.get(done[0])
+                except ray.exceptions.RayError as exc:
+                    raise DeployError(
+                        f"{ready_refs[done[0]]} failed to start: {actor_error_message(exc)}"
+                    ) from None
                 infos[info["name"]] = info
                 log(
                     f"  {info['name']} ready: weights loaded in {info['load_s']:.1f} s "
@@ -240,8 +296,10 @@ class Cluster:
                 f"cluster {topo.name} up in {time.monotonic() - started_s:.1f} s "
                 f"({topo.kv_transfer.transport}, layerwise={topo.kv_transfer.layerwise})"
             )
-        except BaseException:
+        except BaseException as exc:
             self._teardown(ray, remove_placement_group)
+            if isinstance(exc, ray.exceptions.RayError):  # e.g. wiring the KV transfer
+                raise DeployError(f"deploying {topo.name} failed: {actor_error_message(exc)}") from None
             raise
         first = infos["prefill-0"]
         self.num_hidden_layers = first["num_hidden_layers"]

@@ -5,6 +5,10 @@ Used by `Cluster.deploy` (when no Ray is running and RAY_ADDRESS is unset), the 
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 # Ray starts its worker processes (our prefill and decode actors among them) at niceness 15 by default,
@@ -39,3 +43,22 @@ def init_local_ray(num_cpus: int, **kwargs: Any) -> None:
     )
     options.update(kwargs)
     ray.init(**options)
+
+
+@contextmanager
+def keeping_sigterm_handler() -> Iterator[None]:
+    """Put the caller's SIGTERM handler back after the block (a `ray.init`).
+
+    `ray.init` replaces the driver's SIGTERM handler with `sys.exit(15)`, and Ray's core worker then adds a
+    C-level handler that prints a stack dump ("*** SIGTERM received at time=...") before chaining to it,
+    so a program that shuts down cleanly on SIGTERM (`pdcluster deploy`) would die mid-way instead. Only a
+    Python handler the caller installed (or SIG_IGN) is restored; with the default one, Ray's stays.
+    Outside the main thread (where handlers cannot be set) this does nothing.
+    """
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and (callable(previous) or previous == signal.SIG_IGN):
+            signal.signal(signal.SIGTERM, previous)

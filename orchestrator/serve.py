@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.api_server import ServerThread, build_app
-from orchestrator.cluster import Cluster
+from orchestrator.cluster import Cluster, DeployError
 from orchestrator.topology import Topology, load_topology
 
 logger = logging.getLogger(__name__)
@@ -42,14 +42,20 @@ def serve(topology: Topology | str | Path, port: int | None = None, log=logger.i
         port: overrides `api.port` (0 picks a free port).
 
     Raises:
-        TopologyError: an invalid topology file; RuntimeError: an actor or the server failed to start.
+        TopologyError: an invalid topology file; DeployError (one line): an actor or the HTTP server failed
+            to start (e.g. the port was taken while the actors loaded), after everything is torn down.
     """
     topo = topology if isinstance(topology, Topology) else load_topology(topology)
     cluster = Cluster.deploy(topo, log=log)
     server = None
     try:
         app = build_app(cluster, api_key=topo.api.api_key, slo=topo.slo)
-        server = ServerThread(app, host=topo.api.host, port=topo.api.port if port is None else port).start()
+        host, bind_port = topo.api.host, topo.api.port if port is None else port
+        try:
+            server = ServerThread(app, host=host, port=bind_port).start()
+        except (OSError, RuntimeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise DeployError(f"the HTTP server cannot serve on {host}:{bind_port}: {reason}") from exc
         log(
             f"serving {cluster.model_name} at {server.url} "
             "(OpenAI API: /v1/completions, /v1/chat/completions)"

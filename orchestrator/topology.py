@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import math
+import os
+import re
 import ssl
+import stat
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -49,6 +53,12 @@ ROUTER_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 
 MIB = 1024**2
 
+# Bounds on a topology file, far above any real one (the shipped files are under 10 KB, 4 levels deep and a
+# few hundred YAML nodes) and low enough that reading one cannot exhaust memory or the interpreter's stack.
+MAX_YAML_BYTES = 1 * MIB
+MAX_YAML_DEPTH = 32  # nesting levels of mappings and lists, aliases and merge keys expanded
+MAX_YAML_NODES = 100_000  # YAML nodes with every alias expanded (a "billion laughs" file is refused)
+
 
 # ---- field checks shared by __post_init__ and the YAML loader -----------------------------------------
 def _choices(*values: str) -> dict[str, Any]:
@@ -61,6 +71,36 @@ def _at_least(bound: float) -> dict[str, Any]:
 
 def _above(bound: float) -> dict[str, Any]:
     return {"gt": bound}
+
+
+def _between(low: float, high: float) -> dict[str, Any]:
+    return {"min": low, "max": high}
+
+
+def _above_at_most(low: float, high: float) -> dict[str, Any]:
+    return {"gt": low, "max": high}
+
+
+# Upper bounds of the integer fields: far above any real deployment, low enough that a typo (`1e29`) is an
+# error at its line instead of a plan or an allocation nobody meant. Every int field has one.
+MAX_NODES = 65_536
+MAX_DEVICES_PER_NODE = 1_024
+MAX_DEVICES = MAX_NODES * MAX_DEVICES_PER_NODE  # 2**26
+MAX_INSTANCES = 65_536
+MAX_TOKENS = 2**26  # a step's token budget, a context length
+MAX_SEQS = 2**20
+MAX_BLOCK_SIZE = 65_536
+MAX_KV_CACHE_BYTES = 2**50  # 1 PiB per device; the rule against the device's memory is tighter
+MAX_SPECULATIVE_TOKENS = 64
+MAX_CPUS_PER_DEVICE = 1_024
+MAX_TIMEOUT_S = 86_400.0  # one day
+
+
+def _shown(value: Any) -> str:
+    """`value` for a message: integers of more than 15 digits in scientific notation (`1e+29`)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**15:
+        return f"{value:.3g}"
+    return repr(value)
 
 
 def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
@@ -94,11 +134,13 @@ def _value_problem(f: dataclasses.Field, hint: Any, value: Any) -> str | None:
     if "choices" in meta and value not in meta["choices"]:
         return f"{value!r} is not one of: {', '.join(meta['choices'])}"
     if "min" in meta and value < meta["min"]:
-        return f"must be >= {meta['min']}, got {value!r}"
+        return f"must be >= {meta['min']}, got {_shown(value)}"
     if "gt" in meta and not value > meta["gt"]:
-        return f"must be > {meta['gt']}, got {value!r}"
+        return f"must be > {meta['gt']}, got {_shown(value)}"
     if "max" in meta and value > meta["max"]:
-        return f"must be <= {meta['max']}, got {value!r}"
+        return f"must be <= {meta['max']}, got {_shown(value)}"
+    if "check" in meta:
+        return meta["check"](value)
     return None
 
 
@@ -161,10 +203,10 @@ class HardwareConfig:
     """
 
     accelerator: str = field(default="cpu", metadata=_choices(*ACCELERATORS))
-    num_nodes: int = field(default=1, metadata=_at_least(1))
-    devices_per_node: int = field(default=2, metadata=_at_least(1))
-    nodes_per_supernode: int | None = field(default=None, metadata=_at_least(1))
-    cpus_per_device: float = field(default=1.0, metadata=_above(0))
+    num_nodes: int = field(default=1, metadata=_between(1, MAX_NODES))
+    devices_per_node: int = field(default=2, metadata=_between(1, MAX_DEVICES_PER_NODE))
+    nodes_per_supernode: int | None = field(default=None, metadata=_between(1, MAX_NODES))
+    cpus_per_device: float = field(default=1.0, metadata=_above_at_most(0, MAX_CPUS_PER_DEVICE))
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -235,18 +277,18 @@ class PoolConfig:
         enable_prefix_caching: reuse KV of identical prompt prefixes.
     """
 
-    num_instances: int = field(default=1, metadata=_at_least(1))
-    devices_per_instance: int = field(default=1, metadata=_at_least(1))
+    num_instances: int = field(default=1, metadata=_between(1, MAX_INSTANCES))
+    devices_per_instance: int = field(default=1, metadata=_between(1, MAX_DEVICES))
     span_nodes: bool = False
-    tensor_parallel_size: int = field(default=1, metadata=_at_least(1))
-    expert_parallel_size: int = field(default=1, metadata=_at_least(1))
-    num_redundant_experts: int = field(default=0, metadata=_at_least(0))
-    block_size: int = field(default=16, metadata=_at_least(1))
+    tensor_parallel_size: int = field(default=1, metadata=_between(1, MAX_DEVICES))
+    expert_parallel_size: int = field(default=1, metadata=_between(1, MAX_DEVICES))
+    num_redundant_experts: int = field(default=0, metadata=_between(0, MAX_INSTANCES))
+    block_size: int = field(default=16, metadata=_between(1, MAX_BLOCK_SIZE))
     kv_cache_dtype: str = field(default="auto", metadata=_choices(*KV_CACHE_DTYPES))
-    kv_cache_memory_bytes: int = field(default=256 * MIB, metadata=_at_least(1))
-    max_num_batched_tokens: int = field(default=2048, metadata=_at_least(1))
-    max_num_seqs: int = field(default=64, metadata=_at_least(1))
-    max_model_len: int | None = field(default=None, metadata=_at_least(1))
+    kv_cache_memory_bytes: int = field(default=256 * MIB, metadata=_between(1, MAX_KV_CACHE_BYTES))
+    max_num_batched_tokens: int = field(default=2048, metadata=_between(1, MAX_TOKENS))
+    max_num_seqs: int = field(default=64, metadata=_between(1, MAX_SEQS))
+    max_model_len: int | None = field(default=None, metadata=_between(1, MAX_TOKENS))
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -283,7 +325,7 @@ class DecodePoolConfig(PoolConfig):
         adaptive_speculation: vary k in [1, num_speculative_tokens] with the recent acceptance rate.
     """
 
-    num_speculative_tokens: int = field(default=0, metadata=_at_least(0))
+    num_speculative_tokens: int = field(default=0, metadata=_between(0, MAX_SPECULATIVE_TOKENS))
     adaptive_speculation: bool = False
 
 
@@ -334,7 +376,7 @@ class KVTransferConfig:
     transport: str = field(default="grpc", metadata=_choices(*KV_TRANSPORTS))
     layerwise: bool = True
     wire_dtype: str = field(default="auto", metadata=_choices(*WIRE_DTYPES))
-    timeout_s: float = field(default=30.0, metadata=_above(0))
+    timeout_s: float = field(default=30.0, metadata=_above_at_most(0, MAX_TIMEOUT_S))
     tls: KVTLSConfig | None = None
 
     def __post_init__(self) -> None:
@@ -362,13 +404,61 @@ class SLOConfig:
         _check_fields(self)
 
 
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def host_problem(host: str) -> str | None:
+    """Why `host` cannot be what the HTTP server binds, or None. Purely syntactic (nothing is resolved).
+
+    Accepted: an IPv4 address (`0.0.0.0` for every interface), `localhost`, or a host name of dot-separated
+    DNS labels (letters, digits, inner hyphens; 1-63 characters each, 253 in all). A name whose last label is
+    all digits is taken as a mistyped IPv4 address (`256.1.1.1`). IPv6 addresses are refused: the server
+    binds an IPv4 socket.
+    """
+    if not host:
+        return "must not be empty (127.0.0.1: this machine only; 0.0.0.0: every interface)"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        if address.version == 6:
+            return f"{host!r}: IPv6 addresses are not supported (the HTTP server binds an IPv4 socket)"
+        return None
+    labels = host.removesuffix(".").split(".")
+    if len(host) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in labels):
+        return (
+            f"{host!r} is neither an IPv4 address nor a host name (dot-separated labels of letters, digits "
+            "and inner hyphens, 1-63 characters each)"
+        )
+    if labels[-1].isdigit():
+        return f"{host!r} is not a valid IPv4 address (each of its 4 numbers is 0-255)"
+    return None
+
+
+def api_key_problem(key: str) -> str | None:
+    """Why `key` cannot be the API's bearer token, or None: empty (null means no authentication), or a
+    character a client cannot send in `Authorization: Bearer KEY` and have compared as written."""
+    if not key:
+        return "must not be empty (null: no authentication)"
+    if not all("!" <= c <= "~" for c in key):
+        return "must be printable ASCII without spaces (it is sent as `Authorization: Bearer KEY`)"
+    return None
+
+
 @dataclass(frozen=True)
 class ApiConfig:
-    """The OpenAI-compatible HTTP endpoint. `port` 0 picks a free port; `api_key` None: no auth."""
+    """The OpenAI-compatible HTTP endpoint.
 
-    host: str = "127.0.0.1"
-    port: int = field(default=8000, metadata={"min": 0, "max": 65535})
-    api_key: str | None = None
+    Attributes:
+        host: the IPv4 address or host name the server binds (`host_problem` says what is accepted).
+        port: TCP port; 0 picks a free one.
+        api_key: bearer token clients must send; None: no authentication; never empty.
+    """
+
+    host: str = field(default="127.0.0.1", metadata={"check": host_problem})
+    port: int = field(default=8000, metadata=_between(0, 65535))
+    api_key: str | None = field(default=None, metadata={"check": api_key_problem})
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -751,6 +841,15 @@ class TopologyIssue(NamedTuple):
         return f"{self.file}:{self.line}: {self.reason}" if self.line else f"{self.file}: {self.reason}"
 
 
+def _line_of(lines: Mapping[KeyPath, int], path: KeyPath) -> int:
+    """The line of `path`'s key in `lines`, else of its nearest enclosing key that is written, else 1."""
+    while path:
+        if path in lines:
+            return lines[path]
+        path = path[:-1]
+    return 1
+
+
 class TopologyError(ValueError):
     """A topology file with problems; the message has one `FILE:LINE: reason` per line, in file order."""
 
@@ -774,11 +873,7 @@ class _Reader:
 
     def line_of(self, path: KeyPath) -> int:
         """The line of `path`'s key, else of its nearest enclosing key that is written, else 1."""
-        while path:
-            if path in self.lines:
-                return self.lines[path]
-            path = path[:-1]
-        return 1
+        return _line_of(self.lines, path)
 
     def keys(
         self, node: yaml.MappingNode, fields: dict[str, dataclasses.Field], path: KeyPath
@@ -854,7 +949,12 @@ class _Reader:
             expected = _TYPE_NAMES.get(base, base.__name__)
             self.error(node, f"{name}: expected {expected}, got {_describe(node)}")
             return False, None
-        raw = self.loader.construct_object(node, deep=True)
+        try:
+            raw = self.loader.construct_object(node, deep=True)
+        except (yaml.YAMLError, ValueError, KeyError, TypeError) as exc:  # an explicit tag (`!!int abc`)
+            problem = exc.problem if isinstance(exc, yaml.MarkedYAMLError) else str(exc)
+            self.error(node, f"{name}: {node.value!r} cannot be read as {node.tag}: {problem}")
+            return False, None
         value = _coerce(base, raw, plain=node.style is None)
         problem = _value_problem(f, hint, value)
         if problem is not None:
@@ -885,6 +985,105 @@ def _coerce(base: Any, raw: Any, plain: bool) -> Any:
     return raw
 
 
+def _read_yaml_text(path: Path) -> str:
+    """The text of topology file `path`, checked before and while it is opened.
+
+    Raises:
+        TopologyError: no such file or unreadable; not a regular file (a FIFO, a device or a directory,
+            refused from `os.stat` without opening it, so a FIFO cannot block); larger than
+            `MAX_YAML_BYTES`; not valid UTF-8 (the line, the byte and its offset).
+    """
+    file = str(path)
+
+    def fail(reason: str, line: int | None = None) -> TopologyError:
+        return TopologyError([TopologyIssue(file, line, reason)])
+
+    too_large = f"larger than {MAX_YAML_BYTES // MIB} MiB; a topology file is a few KB"
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise fail("not a regular file")
+        # O_NONBLOCK: should the path be replaced by a FIFO after the stat, opening it still returns.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise fail("not a regular file")
+            data = f.read(MAX_YAML_BYTES + 1)
+    except OSError as exc:
+        raise fail(f"cannot read: {exc.strerror or exc}") from None
+    if len(data) > MAX_YAML_BYTES:
+        raise fail(too_large)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise fail(f"not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start})", line) from None
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing to compose nodes nested deeper than `MAX_YAML_DEPTH`.
+
+    PyYAML's composer recurses once per nesting level (50,000 nested brackets end in a RecursionError);
+    this raises a `ComposerError` at the first node too deep instead.
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        nested = self.check_event(yaml.MappingStartEvent, yaml.SequenceStartEvent)
+        if nested and self._depth >= MAX_YAML_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"nested deeper than {MAX_YAML_DEPTH} levels", self.peek_event().start_mark
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _expansion_problem(root: yaml.Node) -> tuple[yaml.Node, str] | None:
+    """The first node at which `root`, with every alias expanded, is deeper than `MAX_YAML_DEPTH`, has
+    more than `MAX_YAML_NODES` nodes, or contains itself; with the reason. None when it is within bounds.
+
+    Aliases share nodes, so a few lines can stand for billions of nodes (each level aliasing the previous
+    one twice), and merge keys (`<<: *a`) copy them when a mapping is read; a chain of merge keys is also
+    walked recursively. Sizes are computed once per distinct node, without recursion.
+    """
+    sizes: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded nodes, expanded depth)
+    in_progress: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        else:
+            children = []
+        if not children_done:
+            if id(node) in sizes:
+                continue
+            in_progress.add(id(node))
+            stack.append((node, True))
+            for child in children:
+                if id(child) in in_progress:
+                    return child, "an alias refers to a node that contains it (a recursive structure)"
+                if id(child) not in sizes:
+                    stack.append((child, False))
+            continue
+        in_progress.discard(id(node))
+        size = 1 + sum(sizes[id(c)][0] for c in children)
+        depth = 1 + max((sizes[id(c)][1] for c in children), default=0)
+        if depth > MAX_YAML_DEPTH:
+            return node, f"nested deeper than {MAX_YAML_DEPTH} levels with its aliases expanded"
+        if size > MAX_YAML_NODES:
+            return node, f"more than {MAX_YAML_NODES:,} YAML nodes with its aliases expanded"
+        sizes[id(node)] = (size, depth)
+    return None
+
+
 def _describe(node: yaml.Node) -> str:
     if isinstance(node, yaml.MappingNode):
         return "a mapping"
@@ -893,31 +1092,79 @@ def _describe(node: yaml.Node) -> str:
     return repr(node.value)
 
 
+@dataclass(frozen=True)
+class LoadedTopology:
+    """A valid topology file: its `Topology` and the line of every key written in it, so that rules checked
+    later (`orchestrator.preflight`: what `pdcluster deploy` needs) are reported at their lines too.
+
+    Attributes:
+        file: the path as given.
+        topology: the validated topology.
+        key_lines: 1-based line of each key path written in the file.
+    """
+
+    file: str
+    topology: Topology
+    key_lines: Mapping[KeyPath, int]
+
+    def line_of(self, path: KeyPath) -> int | None:
+        """The line of `path`'s key, else of its nearest enclosing written key, else 1; None for `()` (an
+        issue about no key of the file, e.g. a command-line override)."""
+        return _line_of(self.key_lines, path) if path else None
+
+    def locate(self, issues: Iterable[Issue]) -> list[TopologyIssue]:
+        """`issues` as `FILE:LINE: reason` issues of this file, in line order."""
+        located = [TopologyIssue(self.file, self.line_of(i.path), i.reason) for i in issues]
+        return sorted(located, key=lambda i: i.line or 0)
+
+
 def load_topology(path: str | Path) -> Topology:
-    """Read and validate a topology YAML file.
+    """Read and validate a topology YAML file: `read_topology(path).topology`.
+
+    Raises:
+        TopologyError: as `read_topology`.
+    """
+    return read_topology(path).topology
+
+
+def read_topology(path: str | Path) -> LoadedTopology:
+    """Read and validate a topology YAML file; the topology with the line of each key.
+
+    The file must be a regular file (a FIFO or a device is refused without being opened) of at most
+    `MAX_YAML_BYTES`, in UTF-8, nested at most `MAX_YAML_DEPTH` levels and at most `MAX_YAML_NODES` YAML
+    nodes with its aliases expanded.
 
     Raises:
         TopologyError: every problem found, one `FILE:LINE: reason` per line (unknown keys with the
             closest valid key, wrong types, invalid choices, impossible parallelism for the model, more
-            devices than the hardware has, an instance that cannot be placed).
+            devices than the hardware has, an instance that cannot be placed); a file that cannot be read
+            as YAML (not a regular file, too large, not UTF-8, a syntax error, too deep) has one issue.
     """
     path = Path(path)
     file = str(path)
+    text = _read_yaml_text(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise TopologyError([TopologyIssue(file, None, f"cannot read: {exc.strerror or exc}")]) from None
-    loader = yaml.SafeLoader(text)
+        loader = _BoundedLoader(text)  # checks every character is printable first
+    except yaml.reader.ReaderError as exc:
+        line = text.count("\n", 0, exc.position) + 1
+        reason = f"invalid YAML: character #x{exc.character:04x} at offset {exc.position}: {exc.reason}"
+        raise TopologyError([TopologyIssue(file, line, reason)]) from None
     try:
         root = loader.get_single_node()
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else None
         raise TopologyError([TopologyIssue(file, line, f"invalid YAML: {exc.problem or exc}")]) from None
+    except yaml.YAMLError as exc:
+        raise TopologyError([TopologyIssue(file, None, f"invalid YAML: {exc}")]) from None
     finally:
         loader.dispose()
     if root is None:
         raise TopologyError([TopologyIssue(file, 1, "empty file; a topology needs at least `name:`")])
+    too_big = _expansion_problem(root)
+    if too_big is not None:
+        node, reason = too_big
+        raise TopologyError([TopologyIssue(file, node.start_mark.line + 1, f"invalid YAML: {reason}")])
 
     reader = _Reader(loader, path.resolve().parent)
     # Each section is read on its own, so one broken section does not hide another's problems; a section
@@ -957,4 +1204,4 @@ def load_topology(path: str | Path) -> Topology:
 
     if reader.problems or topology is None:
         raise TopologyError([TopologyIssue(file, line, reason) for line, reason in reader.problems])
-    return topology
+    return LoadedTopology(file, topology, types.MappingProxyType(dict(reader.lines)))

@@ -9,7 +9,10 @@ Broken files are written to tmp_path from a small valid template whose model is 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,9 @@ from orchestrator.cli import main
 from orchestrator.hardware import ACCELERATORS, GIB, get_accelerator
 from orchestrator.topology import (
     DEFAULT_TOPOLOGY_PATH,
+    MAX_YAML_BYTES,
+    MAX_YAML_DEPTH,
+    MAX_YAML_NODES,
     DecodePoolConfig,
     HardwareConfig,
     ModelConfig,
@@ -183,6 +189,83 @@ def test_wrong_types_and_ranges(tmp_path, ckpt, entry, reason):
         return
     issue = only_issue(write(tmp_path, text))
     assert (issue.line, issue.reason) == (line_of(text, entry.split(":")[0]), reason)
+
+
+@pytest.mark.parametrize(
+    ("section", "entry", "reason"),
+    [
+        ("hardware", "devices_per_node: 1e29", "hardware.devices_per_node: must be <= 1024, got 1e+29"),
+        ("hardware", "num_nodes: 100000", "hardware.num_nodes: must be <= 65536, got 100000"),
+        ("prefill", "max_num_seqs: 1e12", "prefill.max_num_seqs: must be <= 1048576, got 1000000000000"),
+        ("decode", "num_speculative_tokens: 1000", "decode.num_speculative_tokens: must be <= 64, got 1000"),
+        ("kv_transfer", "timeout_s: 1e300", "kv_transfer.timeout_s: must be <= 86400.0, got 1e+300"),
+    ],
+)
+def test_numbers_beyond_their_bound_are_errors_at_their_line(tmp_path, ckpt, section, entry, reason):
+    key = entry.split(":")[0]
+    if section == "hardware":  # the template writes each hardware key: replace its line
+        text = "".join(
+            f"  {entry}\n" if ln.startswith(f"  {key}:") else ln for ln in template(ckpt).splitlines(True)
+        )
+    else:
+        text = template(ckpt, f"{section}:\n  {entry}\n")
+    issue = only_issue(write(tmp_path, text))
+    assert (issue.line, issue.reason) == (line_of(text, f"  {key}:"), reason)
+
+
+def test_every_integer_field_has_both_bounds():
+    import dataclasses
+    import typing
+
+    from orchestrator import topology as t
+
+    classes = [t.HardwareConfig, t.PrefillPoolConfig, t.DecodePoolConfig, t.KVTransferConfig, t.ApiConfig]
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if t._unwrap_optional(hints[f.name])[0] is int:
+                assert "max" in f.metadata and ("min" in f.metadata or "gt" in f.metadata), (cls, f.name)
+
+
+@pytest.mark.parametrize(
+    ("host", "reason"),
+    [
+        ("256.1.1.1", "'256.1.1.1' is not a valid IPv4 address (each of its 4 numbers is 0-255)"),
+        ("10.0.0", "'10.0.0' is not a valid IPv4 address (each of its 4 numbers is 0-255)"),
+        ("'::1'", "'::1': IPv6 addresses are not supported (the HTTP server binds an IPv4 socket)"),
+        ("''", "must not be empty (127.0.0.1: this machine only; 0.0.0.0: every interface)"),
+        ("my_host", "'my_host' is neither an IPv4 address nor a host name"),
+        ("-node.example", "'-node.example' is neither an IPv4 address nor a host name"),
+        ("0.0.0.0", None),
+        ("localhost", None),
+        ("node-1.cluster.local", None),
+    ],
+)
+def test_api_host_must_be_an_ipv4_address_or_a_host_name(tmp_path, ckpt, host, reason):
+    text = template(ckpt, f"api:\n  host: {host}\n")
+    if reason is None:
+        assert load_topology(write(tmp_path, text)).api.host == host
+        return
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "  host:") and issue.reason.startswith(f"api.host: {reason}")
+
+
+@pytest.mark.parametrize(
+    ("key", "reason"),
+    [
+        ("''", "api.api_key: must not be empty (null: no authentication)"),
+        ("'two words'", "api.api_key: must be printable ASCII without spaces"),
+        ("sk-local-123", None),
+        ("null", None),
+    ],
+)
+def test_api_key_must_not_be_empty(tmp_path, ckpt, key, reason):
+    text = template(ckpt, f"api:\n  api_key: {key}\n")
+    if reason is None:
+        load_topology(write(tmp_path, text))
+        return
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "  api_key:") and issue.reason.startswith(reason)
 
 
 def test_bad_enum(tmp_path, ckpt):
@@ -483,6 +566,102 @@ def test_kv_tls_needs_all_three_files(tmp_path, ckpt, certs):
         "kv_transfer.tls: missing required key 'key_file'",
         "kv_transfer.tls: missing required key 'ca_file'",
     ]
+
+
+# ---- files that are not a topology at all (issue 12, finding 8): one issue, never a traceback or a hang
+def read_in_thread(path: Path, timeout_s: float = 10.0) -> BaseException | None:
+    """`load_topology(path)` on a daemon thread: the exception it raised, None if it returned; fails the
+    test if it has not finished after `timeout_s` (a FIFO opened for reading blocks until a writer comes)."""
+    result: list[BaseException | None] = []
+
+    def target() -> None:
+        try:
+            load_topology(path)
+            result.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            result.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive() and stat.S_ISFIFO(os.stat(path).st_mode):
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # a writer that closes at once: EOF, unblocked
+    assert not thread.is_alive() and result, f"load_topology({path}) did not return within {timeout_s} s"
+    return result[0]
+
+
+def test_a_fifo_is_refused_without_being_opened(tmp_path):
+    fifo = tmp_path / "topo.yaml"
+    os.mkfifo(fifo)
+    error = read_in_thread(fifo)
+    assert isinstance(error, TopologyError) and str(error) == f"{fifo}: not a regular file"
+
+
+@pytest.mark.parametrize("path", ["/dev/null", "DIR"], ids=["device", "directory"])
+def test_devices_and_directories_are_not_regular_files(tmp_path, path):
+    path = tmp_path if path == "DIR" else Path(path)
+    assert str(only_issue(path)) == f"{path}: not a regular file"
+
+
+def test_non_utf8_names_the_line_the_byte_and_its_offset(tmp_path, ckpt):
+    text = template(ckpt).encode()
+    path = tmp_path / "topo.yaml"
+    path.write_bytes(text + b"router:\n  policy: caf\xe9\n")
+    issue = only_issue(path)
+    offset = len(text) + len(b"router:\n  policy: caf")
+    assert (issue.line, issue.reason) == (
+        text.count(b"\n") + 2,
+        f"not valid UTF-8 (byte 0xe9 at offset {offset})",
+    )
+
+
+def test_a_control_character_is_an_invalid_yaml_issue_at_its_line(tmp_path, ckpt):
+    issue = only_issue(write(tmp_path, template(ckpt) + "router:\n  policy: a\x00b\n"))
+    assert issue.line == len(template(ckpt).splitlines()) + 2
+    assert issue.reason.startswith("invalid YAML: character #x0000 at offset")
+
+
+def test_50000_deep_nesting_is_one_issue_not_a_recursion_error(tmp_path, ckpt):
+    text = template(ckpt) + "router: " + "[" * 50_000 + "]" * 50_000 + "\n"
+    error = read_in_thread(write(tmp_path, text))
+    assert isinstance(error, TopologyError), repr(error)
+    assert [(i.line, i.reason) for i in error.issues] == [
+        (line_of(text, "router:"), f"invalid YAML: nested deeper than {MAX_YAML_DEPTH} levels")
+    ]
+
+
+def test_a_long_chain_of_merge_keys_is_too_deep(tmp_path, ckpt):
+    # Each anchor merges the previous one: two levels deep as written, 3,000 when a mapping is read.
+    chain = ["a0: &a0 {policy: round_robin}"]
+    chain += [f"a{i}: &a{i} {{<<: *a{i - 1}}}" for i in range(1, 3000)]
+    text = template(ckpt) + "\n".join(chain) + "\nrouter: {<<: *a2999}\n"
+    error = read_in_thread(write(tmp_path, text))
+    assert isinstance(error, TopologyError), repr(error)
+    (issue,) = error.issues
+    assert issue.reason.endswith(f"nested deeper than {MAX_YAML_DEPTH} levels with its aliases expanded")
+
+
+def test_aliases_that_expand_to_billions_of_nodes_are_refused(tmp_path, ckpt):
+    # 2**60 nodes in 61 lines. Not run against the code before this check: it would exhaust memory.
+    laughs = ["l0: &l0 [1, 2]"] + [f"l{i}: &l{i} [*l{i - 1}, *l{i - 1}]" for i in range(1, 61)]
+    (issue,) = read_in_thread(write(tmp_path, template(ckpt) + "\n".join(laughs) + "\n")).issues
+    assert issue.reason == f"invalid YAML: more than {MAX_YAML_NODES:,} YAML nodes with its aliases expanded"
+    recursive = template(ckpt) + "router: &r {<<: *r}\n"
+    issue = only_issue(write(tmp_path, recursive, "recursive.yaml"))
+    assert issue.line == line_of(recursive, "router:") and "recursive structure" in issue.reason
+
+
+def test_a_file_over_the_size_cap_is_refused(tmp_path, ckpt):
+    path = write(tmp_path, "#" * MAX_YAML_BYTES + "\n" + template(ckpt))
+    assert str(only_issue(path)) == f"{path}: larger than 1 MiB; a topology file is a few KB"
+
+
+def test_explicit_tags_that_do_not_construct_are_issues_at_their_line(tmp_path, ckpt):
+    text = template(ckpt, "prefill:\n  block_size: !!int abc\nrouter:\n  policy: !!python/name:os.system x\n")
+    first, second = issues_of(write(tmp_path, text))
+    assert (first.line, second.line) == (line_of(text, "block_size"), line_of(text, "policy"))
+    assert first.reason.startswith("prefill.block_size: 'abc' cannot be read as tag:yaml.org,2002:int")
+    assert second.reason.startswith("router.policy: 'x' cannot be read as tag:yaml.org,2002:python/name")
 
 
 def test_unreadable_file():
