@@ -26,6 +26,9 @@ Every response carries `usage` (prompt/completion/total tokens) and a `pdcluster
 (first_decode_step_s: first -> second token delta; total_s: the edge's e2e), `ttft_s`/`tpot_s`/`e2e_s` are
 measured at the edge. In a stream it rides on the last chunk (the one with `finish_reason`).
 
+Prompts are tokenized on worker threads (`TOKENIZER_THREADS`, in the tokenizer's form that releases the
+GIL), so a multi-MB prompt does not hold up the event loop: /health and every other stream go on.
+
 A client that disconnects (mid-stream, or while a non-streaming request runs) has its request aborted in
 the backend, which frees its KV blocks.
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import socket
@@ -66,6 +70,7 @@ template is deliberately plain: the messages' contents joined with a blank line 
 and the model continues the text of the last message. Put code to complete in the last message."""
 
 MAX_STOP_STRINGS = 16
+TOKENIZER_THREADS = 2  # worker threads tokenizing prompts (off the event loop), per app
 
 
 # ---- request schemas (pydantic at the edge) -------------------------------------------------------------
@@ -365,6 +370,19 @@ def build_app(backend: ServingBackend, api_key: str | None = None, slo: SLOConfi
     metrics = ApiMetrics(backend.stats)
     app.state.backend = backend
     app.state.metrics = metrics
+    # Tokenizing a long prompt takes seconds: done here, the event loop (/health, every stream) goes on.
+    # Its own threads, so a queue of long prompts does not hold up /health's stats() in the default pool.
+    tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+    app.state.tokenizer_pool = tokenizer_pool
+
+    def encode_off_the_gil(text: str) -> list[int]:
+        # `tokenizers`' single `encode` holds the GIL throughout (seconds for a few MB: the event loop
+        # would stall even on another thread); its batch form releases it while the Rust code runs.
+        return backend.tokenizer.encode_batch([text])[0]
+
+    async def encode(text: str) -> list[int]:
+        """`text`'s token ids, tokenized on `tokenizer_pool`. Raises ValueError for invalid Unicode."""
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, encode_off_the_gil, text)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -452,7 +470,7 @@ def build_app(backend: ServingBackend, api_key: str | None = None, slo: SLOConfi
                 400, f"best_of must be 1 (got {body.best_of}): one completion per request", param="best_of"
             )
         if isinstance(body.prompt, str):
-            prompt_ids = backend.tokenizer.encode(body.prompt)
+            prompt_ids = await encode(body.prompt)
         else:
             prompt_ids = list(body.prompt)
         prepared = _prepare(backend, body, prompt_ids, body.max_tokens, default_max_tokens=16, prefix="cmpl")
@@ -464,7 +482,7 @@ def build_app(backend: ServingBackend, api_key: str | None = None, slo: SLOConfi
         _reject_unsupported(body)
         if body.logprobs or body.top_logprobs is not None:
             raise ApiError(400, "logprobs is not supported by this server", param="logprobs")
-        prompt_ids = backend.tokenizer.encode(chat_prompt(body.messages))
+        prompt_ids = await encode(chat_prompt(body.messages))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prepared = _prepare(backend, body, prompt_ids, max_tokens, default_max_tokens=None, prefix="chatcmpl")
         return await _serve(request, prepared, body.stream, _chat_chunk, _chat_response)

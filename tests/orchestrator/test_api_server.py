@@ -4,6 +4,8 @@ server on 127.0.0.1 (a free port) and httpx. Fakes only inject faults (the 503 t
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -388,3 +390,51 @@ def test_backend_bug_gives_500_json(reference: LLM) -> None:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x"})
         assert r.status_code == 500
         assert r.json()["error"]["message"] == "internal error: RuntimeError: boom"
+
+
+# ---- edge hygiene: tokenization off the event loop, body size, admission, docs behind the key ----------
+HEALTH_BOUND_S = 0.5  # /health runs one stats() call (microseconds here); 5x the worst loop stall measured
+# Probes /health every 50 ms from its own process (an in-process client would share the GIL with the
+# server's tokenizer thread, and stall with it) until its stdin closes; prints the latencies as JSON.
+HEALTH_PROBE = """
+import json, sys, threading, time, httpx
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+latencies = []
+with httpx.Client(base_url=sys.argv[1], timeout=60) as c:
+    c.get("/health")
+    print("ready", flush=True)
+    while not stop.is_set():
+        started = time.monotonic()
+        assert c.get("/health").status_code == 200
+        latencies.append(time.monotonic() - started)
+        time.sleep(0.05)
+print(json.dumps(latencies), flush=True)
+"""
+
+
+def test_health_answers_while_a_long_prompt_is_tokenized(server: ServerThread) -> None:
+    """Issue 12, finding 4: a multi-MB prompt was tokenized on the event loop, and /health (every request)
+    waited seconds for it. Now tokenization runs on worker threads, in the tokenizer's form that releases
+    the GIL: while a ~3 MB prompt is tokenized (seconds), every /health probe from another process
+    answers within HEALTH_BOUND_S. The prompt is then refused as over the context (400)."""
+    prompt = "def f(x):\n    return x + 1\n" * 110_000  # 3.08 MB, under the default body limit (4 MiB)
+    probe = subprocess.Popen(
+        [sys.executable, "-c", HEALTH_PROBE, server.url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert probe.stdout.readline().strip() == "ready"
+        started = time.monotonic()
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=120)
+        took_s = time.monotonic() - started
+        out, _ = probe.communicate("", timeout=120)
+    finally:
+        probe.kill()
+    latencies = json.loads(out)
+    assert r.status_code == 400 and "the prompt has" in r.json()["error"]["message"], r.text
+    assert took_s > 4 * HEALTH_BOUND_S, f"tokenizing took only {took_s:.2f} s: nothing to tell"
+    assert len(latencies) >= 4, latencies
+    assert max(latencies) < HEALTH_BOUND_S, f"/health took {max(latencies):.2f} s ({len(latencies)} probes)"
