@@ -48,7 +48,13 @@ def serve(topology: Topology | str | Path, port: int | None = None, log=logger.i
     cluster = Cluster.deploy(topo, log=log)
     server = None
     try:
-        app = build_app(cluster, api_key=topo.api.api_key, slo=topo.slo)
+        app = build_app(
+            cluster,
+            api_key=topo.api.api_key,
+            slo=topo.slo,
+            max_request_body_bytes=topo.api.max_request_body_bytes,
+            max_concurrent_requests=topo.max_concurrent_requests,
+        )
         server = ServerThread(app, host=topo.api.host, port=topo.api.port if port is None else port).start()
         log(
             f"serving {cluster.model_name} at {server.url} "
