@@ -171,3 +171,31 @@ def test_client_gone_before_first_byte_releases_decode_reservation(
             assert _is_idle(leaks := cluster.check_no_leaks()), leaks
     finally:
         cluster.shutdown()
+
+
+def test_load_test_in_small_against_the_cluster(ray_session, capsys) -> None:
+    """`make load-test` in small: `bench.load_streams` deploys clusters/local.yaml behind the edge with
+    max_concurrent_requests 8 and a separate client process opens 50 streams at once. Each completes or
+    is refused with 429 + Retry-After before its stream starts, none is killed mid-stream, and the cluster
+    holds nothing afterwards."""
+    from bench import load_streams
+
+    code = load_streams.main(
+        [
+            "--num-streams",
+            "50",
+            "--max-tokens",
+            "8",
+            "--max-concurrent-requests",
+            "8",
+            "--deadline-s",
+            "120",
+            "--json",
+        ]
+    )
+    report = json.loads(capsys.readouterr().out)
+    results = report["results"]
+    assert code == 0 and results["clean"], report
+    assert results["killed_mid_stream"] == 0 and results["completed"] + results["refused"] == 50, results
+    assert results["completed"] >= 8 and set(results["refusal_statuses"]) <= {"429", "503"}, results
+    assert report["config"]["max_concurrent_requests"] == 8 and report["cluster_idle_after_run"], report

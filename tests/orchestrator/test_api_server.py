@@ -577,6 +577,27 @@ def test_edge_refuses_beyond_max_concurrent_requests_with_429(backend: LocalEngi
     wait_idle(backend)
 
 
+def test_many_streams_complete_or_are_refused_cleanly(backend: LocalEngineBackend) -> None:
+    """The load test in small (`bench.load_streams`; `make load-test` runs 1,000 against the cluster): 50
+    streams at once against max_concurrent_requests 8. Each one completes or is refused (429 with
+    Retry-After) before its stream starts; none is killed mid-stream; the backend never runs more than
+    8 at once."""
+    from bench.load_streams import run_streams, summarize
+
+    gated = GatedBackend(backend)
+    gated.gate.set()
+    with ServerThread(build_app(gated, max_concurrent_requests=8)) as srv:
+        started = time.monotonic()
+        outcomes = asyncio.run(run_streams(srv.url, num_streams=50, max_tokens=32, deadline_s=120))
+        report = summarize(outcomes, time.monotonic() - started)
+    assert report["clean"] and report["killed_mid_stream"] == 0, report
+    assert report["completed"] + report["refused"] == 50, report
+    assert report["completed"] >= 8 and report["refused"] >= 1, report
+    assert set(report["refusal_statuses"]) == {429}, report
+    assert gated.max_running <= 8
+    wait_idle(backend)
+
+
 def test_docs_and_openapi_need_the_api_key(backend: LocalEngineBackend) -> None:
     """Issue 12, finding 9 (the API-key part): with an API key set, /docs, /redoc and /openapi.json need
     it too (401 otherwise); /health and /metrics stay open for probes and scrapers. Without a key the docs
