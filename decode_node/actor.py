@@ -67,6 +67,7 @@ class DecodeNode:
         self._num_loop_errors = 0
         self._last_loop_error: str | None = None
         self._faults: dict[str, int] = {}  # test-only: inject_fault
+        self._delays: dict[str, list[float]] = {}  # test-only: inject_delay
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
@@ -119,6 +120,7 @@ class DecodeNode:
             ValueError: a request this instance could never hold.
         """
         assert self.receiver is not None, "connect a transport first"
+        self._maybe_delay("before_reserve")
         engine = self.engine
         with self._engine_lock:
             if not engine.reserve_remote_prefill(handoff_id, prompt_token_ids, params, num_draft_tokens):
@@ -135,6 +137,7 @@ class DecodeNode:
                 engine.release_remote_prefill(handoff_id)
             raise
         threading.Thread(target=self._await_handoff, args=(meta,), daemon=True).start()
+        self._maybe_delay("after_reserve")
         return bound
 
     def abort(self, handoff_id: str) -> None:
@@ -189,6 +192,15 @@ class DecodeNode:
         with self._engine_lock:
             self._faults[where] = self._faults.get(where, 0) + count
         self._wakeup.set()
+
+    def inject_delay(self, where: str, seconds: float, count: int = 1) -> None:
+        """Test-only: the next `count` `reserve` calls sleep `seconds` (holding no lock) at `where`:
+        "before_reserve" (a reply that comes late because the reservation does: an abort sent meanwhile
+        overtakes it) or "after_reserve" (the reservation is made, its reply comes late)."""
+        if where not in ("before_reserve", "after_reserve"):
+            raise ValueError(f"unknown delay point {where!r}")
+        with self._engine_lock:
+            self._delays.setdefault(where, []).extend([seconds] * count)
 
     def check_no_leaks(self) -> dict[str, Any]:
         """For tests: blocks held, reservations and unfinished requests once nothing is in flight."""
@@ -316,6 +328,15 @@ class DecodeNode:
         self._num_loop_errors += 1
         self._last_loop_error = f"{what}: {e!r}"
         logger.error("%s: %s", self.name, what, exc_info=e)
+
+    def _maybe_delay(self, where: str) -> None:
+        if not self._delays.get(where):  # the usual case: no engine lock taken
+            return
+        with self._engine_lock:
+            delays = self._delays.get(where)
+            seconds = delays.pop(0) if delays else 0.0
+        if seconds:
+            time.sleep(seconds)
 
     def _maybe_fault(self, where: str) -> None:
         if self._faults.get(where, 0) > 0:

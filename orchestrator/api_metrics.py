@@ -18,6 +18,10 @@ the moment the request passed validation):
     pdcluster_requests_total{finish_reason}      counter    stop / length / abort
     pdcluster_request_errors_total{status_code}  counter    requests answered with an error
     pdcluster_prompt_tokens_total, pdcluster_generation_tokens_total  counters
+    pdcluster_requests_in_flight                 gauge      completion requests admitted at the edge and
+                                                            not ended (what api.max_concurrent_requests
+                                                            bounds; a refusal counts in request_errors
+                                                            {status_code="429"})
     pdcluster_slo_requests_total{attained}       counter    requests meeting both TTFT and TPOT SLOs (only
                                                             with an SLO configured)
 
@@ -35,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -164,6 +168,11 @@ class ApiMetrics:
         )
         self.generation_tokens = Counter(
             "pdcluster_generation_tokens", "Output tokens generated.", registry=r
+        )
+        self.in_flight = Gauge(
+            "pdcluster_requests_in_flight",
+            "Completion requests admitted at the HTTP edge whose response has not ended.",
+            registry=r,
         )
         self.slo_requests = Counter(
             "pdcluster_slo_requests",

@@ -7,16 +7,32 @@ Endpoints:
     GET  /health                200 {"status": "ok"}; 503 when the backend's stats() raises BackendUnavailable
     GET  /metrics               Prometheus text (orchestrator/api_metrics.py lists every metric)
 
-With `api_key`, the /v1 endpoints need `Authorization: Bearer <api_key>` (401 otherwise); /health and
-/metrics stay open for probes and scrapers.
+Access and limits (`_EdgeGuard`, checked before a request's body is read; `build_app`'s arguments, from
+the YAML's `api` section under `pdcluster deploy`):
+- `api_key`: every path needs `Authorization: Bearer <api_key>` (401 otherwise), the interactive docs
+  and the schema included (/docs, /redoc, /openapi.json: they describe the API to whoever asks), except
+  /health and /metrics. Those stay open on purpose: a load balancer's or orchestrator's liveness probe
+  and a Prometheus scraper carry no token, and neither reveals prompts, outputs or the key (/health says
+  ok or which instance is down and why; /metrics has counts, latencies and KV block usage per instance).
+  Where that is too much, bind `api.host` to a private interface or put a proxy in front.
+- `max_concurrent_requests`: completion requests in flight at most (admitted, response not ended); one
+  more is answered 429 with `Retry-After` before its stream starts, never a 200 with an error inside.
+  Past the edge, the cluster queues what it admitted (prefill queue, decode's wait for a KV reservation
+  or a seat in the batch).
+- `max_request_body_bytes`: a larger body is answered 413 (a declared Content-Length at once, a chunked
+  body as soon as it passes the limit) and the connection closed, the rest unread.
+
+Prompts are tokenized on worker threads (`TOKENIZER_THREADS`, in the tokenizer's form that releases the
+GIL), so a multi-MB prompt does not hold up the event loop: /health and every other stream go on.
 
 Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON,
 a schema violation, text that is not valid Unicode (a lone surrogate such as `"\\ud800"` is valid JSON
 but no character: the message names the field, the code point and its index), an unknown model,
 unsupported options (n != 1, logprobs, echo, best_of), a bad sampling value, a prompt or prompt +
-max_tokens over the context (the message gives the lengths); 401 for a missing or wrong API key; 503
-when the backend raises `BackendUnavailable` (retriable). An error after an SSE stream started is sent
-as a final `data: {"error": ...}` event, then `data: [DONE]`.
+max_tokens over the context (the message gives the lengths); 401 for a missing or wrong API key; 413 for a
+body over the limit; 429 when the edge is full and 503 when the backend raises `BackendUnavailable`
+(both retriable, with `Retry-After: RETRY_AFTER_S`). An error after an SSE stream started is sent as a
+final `data: {"error": ...}` event, then `data: [DONE]`.
 
 Every response carries `usage` (prompt/completion/total tokens) and a `pdcluster` extension:
     {"request_id", "phases": {queue_s, prefill_s, kv_transfer_s, first_decode_step_s, total_s, ...},
@@ -26,8 +42,8 @@ Every response carries `usage` (prompt/completion/total tokens) and a `pdcluster
 (first_decode_step_s: first -> second token delta; total_s: the edge's e2e), `ttft_s`/`tpot_s`/`e2e_s` are
 measured at the edge. In a stream it rides on the last chunk (the one with `finish_reason`).
 
-A client that disconnects (mid-stream, or while a non-streaming request runs) has its request aborted in
-the backend, which frees its KV blocks.
+A client that disconnects (before the first byte, mid-stream, or while a non-streaming request runs) has
+its request aborted in the backend, which frees its KV blocks and reservations at once.
 
 Run a single-engine server: `python -m orchestrator.api_server --model models/tiny --port 8000`.
 """
@@ -36,7 +52,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
+import hmac
 import json
 import socket
 import threading
@@ -58,7 +76,11 @@ from engine.sampling_params import SamplingParams
 from models.tokenizer import check_unicode
 from orchestrator.api_metrics import ApiMetrics
 from orchestrator.backend import PHASE_NAMES, BackendUnavailable, ServingBackend, StreamDelta
-from orchestrator.topology import SLOConfig
+from orchestrator.topology import (
+    CONCURRENT_REQUESTS_PER_DECODE_SEAT,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    SLOConfig,
+)
 
 CHAT_TEMPLATE_DOC = """\
 Chat template. The bundled tiny model is a Python *code completion* model with no chat training, so the
@@ -66,6 +88,11 @@ template is deliberately plain: the messages' contents joined with a blank line 
 and the model continues the text of the last message. Put code to complete in the last message."""
 
 MAX_STOP_STRINGS = 16
+RETRY_AFTER_S = 1  # the Retry-After header (seconds) of a 429 (edge full) and of a 503 (backend unavailable)
+TOKENIZER_THREADS = 2  # worker threads tokenizing prompts (off the event loop), per app
+# POSTs to these count against max_concurrent_requests
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # never behind the API key (probes, scrapers)
 
 
 # ---- request schemas (pydantic at the edge) -------------------------------------------------------------
@@ -147,7 +174,11 @@ def _error_body(message: str, type_: str, param: str | None, code: int) -> dict[
 
 
 def _error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(_error_body(exc.message, exc.type, exc.param, exc.status_code), exc.status_code)
+    """The error body; 429 and 503 (worth retrying) carry `Retry-After: RETRY_AFTER_S`."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status_code in (429, 503) else None
+    return JSONResponse(
+        _error_body(exc.message, exc.type, exc.param, exc.status_code), exc.status_code, headers=headers
+    )
 
 
 # ---- one request at the edge -----------------------------------------------------------------------------
@@ -358,13 +389,196 @@ def meets_slo(ttft_s: float | None, tpot_s: float | None, slo: SLOConfig) -> boo
     return not (slo.tpot_ms is not None and tpot_s is not None and tpot_s * 1000 > slo.tpot_ms)
 
 
+# ---- the edge guard: API key, admission, body size --------------------------------------------------------
+class _EdgeGuard:
+    """Pure ASGI middleware in front of every route. Per HTTP request, in this order, each refusal an
+    OpenAI-style error body sent before the app sees the request:
+
+    1. API key (when one is set): every path but `OPEN_PATHS` (/health, /metrics) needs
+       `Authorization: Bearer <key>`, the docs included (/docs, /redoc, /openapi.json): else 401, the body
+       unread.
+    2. Admission: a POST to `GENERATION_PATHS` while `max_concurrent_requests` of them are in flight
+       (admitted here and their response not ended, a stream's last byte included): 429 with
+       `Retry-After: RETRY_AFTER_S`, the body unread. A streamed request is refused with a status, never
+       with an error inside a 200 stream. None: no limit.
+    3. Body size: a `Content-Length` over `max_request_body_bytes`: 413 at once, nothing read; otherwise
+       the body is read here and refused with 413 as soon as more than the limit has arrived (a chunked
+       body), then handed to the app. A 413 carries `Connection: close`, so the rest is not read.
+
+    The counters live on the event loop's thread only (no lock).
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        *,
+        api_key: str | None,
+        max_request_body_bytes: int,
+        max_concurrent_requests: int | None,
+        metrics: ApiMetrics,
+    ) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_request_body_bytes = max_request_body_bytes
+        self.max_concurrent_requests = max_concurrent_requests
+        self.metrics = metrics
+        self.num_in_flight = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
+            await self._refuse(
+                scope,
+                receive,
+                send,
+                401,
+                "invalid or missing API key (send Authorization: Bearer <key>)",
+                "authentication_error",
+            )
+            return
+        counted = scope["method"] == "POST" and path in GENERATION_PATHS
+        limit = self.max_concurrent_requests
+        if counted and limit is not None and self.num_in_flight >= limit:
+            await self._refuse(
+                scope,
+                receive,
+                send,
+                429,
+                f"the server is at its limit of {limit} concurrent requests; retry after {RETRY_AFTER_S} s",
+                "rate_limit_exceeded",
+                {"Retry-After": str(RETRY_AFTER_S)},
+            )
+            return
+        if counted:
+            self.num_in_flight += 1
+            self.metrics.in_flight.inc()
+        try:
+            body_receive = await self._read_body(scope, receive, send)
+            if body_receive is not None:
+                await self.app(scope, body_receive, send)
+        finally:
+            if counted:
+                self.num_in_flight -= 1
+                self.metrics.in_flight.dec()
+
+    def _authorized(self, scope: Any) -> bool:
+        assert self.api_key is not None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(
+                    token.strip(), self.api_key.encode()
+                )
+        return False
+
+    async def _read_body(self, scope: Any, receive: Any, send: Any) -> Any:
+        """The whole body read (at most `max_request_body_bytes`), as a `receive` for the app that gives it
+        first, then what the server sends (a disconnect); None: refused with 413, or the client left."""
+        limit = self.max_request_body_bytes
+        too_large = (
+            f"the request body is over this server's limit of {limit} bytes (api.max_request_body_bytes)"
+        )
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.strip().isdigit() and int(value) > limit:
+                await self._refuse(scope, receive, send, 413, too_large, "invalid_request_error", _CLOSE)
+                return None
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await self._refuse(scope, receive, send, 413, too_large, "invalid_request_error", _CLOSE)
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        first: dict[str, Any] | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def body_receive() -> Any:
+            nonlocal first
+            if first is not None:
+                message, first = first, None
+                return message
+            return await receive()
+
+        return body_receive
+
+    async def _refuse(
+        self,
+        scope: Any,
+        receive: Any,
+        send: Any,
+        status: int,
+        message: str,
+        type_: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.metrics.errors.labels(str(status)).inc()
+        response = JSONResponse(_error_body(message, type_, None, status), status, headers=headers)
+        await response(scope, receive, send)
+
+
+_CLOSE = {"Connection": "close"}
+
+
 # ---- the app --------------------------------------------------------------------------------------------
-def build_app(backend: ServingBackend, api_key: str | None = None, slo: SLOConfig | None = None) -> FastAPI:
-    """An OpenAI-compatible app over `backend` (see the module docstring). State lives on the app."""
+def build_app(
+    backend: ServingBackend,
+    api_key: str | None = None,
+    slo: SLOConfig | None = None,
+    *,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    max_concurrent_requests: int | None = None,
+) -> FastAPI:
+    """An OpenAI-compatible app over `backend` (see the module docstring). State lives on the app.
+
+    Args:
+        api_key: bearer token for every path but /health and /metrics; None: no authentication.
+        max_request_body_bytes: a larger request body is answered 413, unread (`_EdgeGuard`).
+        max_concurrent_requests: completion requests in flight at most; beyond it 429 with `Retry-After`
+            before the stream starts. None: no limit (`orchestrator.serve` passes the topology's,
+            `Topology.max_concurrent_requests`).
+
+    Raises:
+        ValueError: a limit below 1, or an empty api_key (it would let an empty bearer token in).
+    """
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key must not be empty (None: no authentication)")
+    if max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}")
+    if max_concurrent_requests is not None and max_concurrent_requests < 1:
+        raise ValueError(f"max_concurrent_requests must be >= 1 or None, got {max_concurrent_requests}")
     app = FastAPI(title="pdcluster", version="0.1.0")
     metrics = ApiMetrics(backend.stats)
     app.state.backend = backend
     app.state.metrics = metrics
+    app.add_middleware(
+        _EdgeGuard,
+        api_key=api_key,
+        max_request_body_bytes=max_request_body_bytes,
+        max_concurrent_requests=max_concurrent_requests,
+        metrics=metrics,
+    )
+    # Tokenizing a long prompt takes seconds: done here, the event loop (/health, every stream) goes on.
+    # Its own threads, so a queue of long prompts does not hold up /health's stats() in the default pool.
+    tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+    app.state.tokenizer_pool = tokenizer_pool
+
+    def encode_off_the_gil(text: str) -> list[int]:
+        # `tokenizers`' single `encode` holds the GIL throughout (seconds for a few MB: the event loop
+        # would stall even on another thread); its batch form releases it while the Rust code runs.
+        return backend.tokenizer.encode_batch([text])[0]
+
+    async def encode(text: str) -> list[int]:
+        """`text`'s token ids, tokenized on `tokenizer_pool`. Raises ValueError for invalid Unicode."""
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, encode_off_the_gil, text)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -399,16 +613,6 @@ def build_app(backend: ServingBackend, api_key: str | None = None, slo: SLOConfi
         message = f"internal error: {type(exc).__name__}: {exc}"
         return JSONResponse(_error_body(message, "internal_error", None, 500), 500)
 
-    def check_auth(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or token.strip() != api_key:
-            raise ApiError(
-                401, "invalid or missing API key (send Authorization: Bearer <key>)", "authentication_error"
-            )
-
     @app.get("/health")
     async def health() -> JSONResponse:
         try:
@@ -419,11 +623,12 @@ def build_app(backend: ServingBackend, api_key: str | None = None, slo: SLOConfi
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # The collector reads backend.stats(), which may wait for a call timeout: off the event loop.
+        text = await asyncio.to_thread(generate_latest, metrics.registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def list_models(request: Request) -> JSONResponse:
-        check_auth(request)
+    async def list_models() -> JSONResponse:
         return JSONResponse(
             {
                 "object": "list",
@@ -441,7 +646,6 @@ def build_app(backend: ServingBackend, api_key: str | None = None, slo: SLOConfi
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_auth(request)
         _reject_unsupported(body)
         if body.logprobs is not None:
             raise ApiError(400, "logprobs is not supported by this server", param="logprobs")
@@ -452,7 +656,7 @@ def build_app(backend: ServingBackend, api_key: str | None = None, slo: SLOConfi
                 400, f"best_of must be 1 (got {body.best_of}): one completion per request", param="best_of"
             )
         if isinstance(body.prompt, str):
-            prompt_ids = backend.tokenizer.encode(body.prompt)
+            prompt_ids = await encode(body.prompt)
         else:
             prompt_ids = list(body.prompt)
         prepared = _prepare(backend, body, prompt_ids, body.max_tokens, default_max_tokens=16, prefix="cmpl")
@@ -460,11 +664,10 @@ def build_app(backend: ServingBackend, api_key: str | None = None, slo: SLOConfi
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_auth(request)
         _reject_unsupported(body)
         if body.logprobs or body.top_logprobs is not None:
             raise ApiError(400, "logprobs is not supported by this server", param="logprobs")
-        prompt_ids = backend.tokenizer.encode(chat_prompt(body.messages))
+        prompt_ids = await encode(chat_prompt(body.messages))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prepared = _prepare(backend, body, prompt_ids, max_tokens, default_max_tokens=None, prefix="chatcmpl")
         return await _serve(request, prepared, body.stream, _chat_chunk, _chat_response)
@@ -789,6 +992,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-speculative-tokens", type=int, default=0)
     parser.add_argument("--ttft-slo-ms", type=float, default=None)
     parser.add_argument("--tpot-slo-ms", type=float, default=None)
+    parser.add_argument(
+        "--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, help="larger: 413"
+    )
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        help=f"beyond it 429 (default: {CONCURRENT_REQUESTS_PER_DECODE_SEAT} x the engine's max_num_seqs)",
+    )
     args = parser.parse_args(argv)
     backend = LocalEngineBackend(
         EngineConfig(
@@ -798,7 +1010,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     slo = SLOConfig(ttft_ms=args.ttft_slo_ms, tpot_ms=args.tpot_slo_ms)
-    app = build_app(backend, api_key=args.api_key, slo=slo)
+    max_concurrent = args.max_concurrent_requests
+    if max_concurrent is None:
+        max_concurrent = CONCURRENT_REQUESTS_PER_DECODE_SEAT * backend.engine.config.max_num_seqs
+    app = build_app(
+        backend,
+        api_key=args.api_key,
+        slo=slo,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_concurrent_requests=max_concurrent,
+    )
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:

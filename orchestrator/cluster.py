@@ -463,6 +463,7 @@ class Cluster:
                 prefill_task = asyncio.ensure_future(self._await_prefill(prefill_ref))
                 error: str | None = None
                 decode_lost = False
+                owner_gone = False
                 try:
                     while True:
                         getter = asyncio.ensure_future(attempt.events.get())
@@ -526,10 +527,16 @@ class Cluster:
                         )
                         if finished:
                             return
+                except (asyncio.CancelledError, GeneratorExit):
+                    owner_gone = True  # the consumer went away (the HTTP client disconnected)
+                    raise
                 finally:
                     self._by_handoff.pop(attempt.handoff_id, None)
-                    if not finished and not (request_id in self._aborted and not prefill_task.done()):
-                        prefill_task.cancel()  # (an aborted one runs on: `_abort_after_prefill`)
+                    if not finished and not prefill_task.done():
+                        if owner_gone:  # released by the outer `finally`, and again after the prefill call
+                            self._abort_after_prefill(attempt, prefill_task)
+                        elif request_id not in self._aborted:  # (an aborted one runs on, likewise)
+                            prefill_task.cancel()
                 assert error is not None
                 errors.append(
                     f"attempt {attempt_index + 1} (prefill-{attempt.prefill_index} -> "
@@ -909,8 +916,8 @@ class Cluster:
             attempt = _Attempt(f"{request_id}@{attempt_index}", prefill_index, decode_index)
             self._by_handoff[attempt.handoff_id] = attempt
             self._active[request_id] = attempt
-            try:
-                bound = await self._call(
+            reserve_call = asyncio.ensure_future(
+                self._call(
                     self.decode_actors[decode_index].reserve.remote(
                         attempt.handoff_id,
                         list(prompt_token_ids),
@@ -919,6 +926,18 @@ class Cluster:
                         self.num_speculative_tokens,
                     )
                 )
+            )
+            try:
+                bound = await asyncio.shield(reserve_call)
+            except asyncio.CancelledError:
+                # The request's owner went away (the HTTP client disconnected) while decode reserved:
+                # the reservation is released now, and again once the reserve call has returned (Ray runs
+                # a threaded actor's calls unordered, so this abort may overtake the reserve).
+                self._by_handoff.pop(attempt.handoff_id, None)
+                self._active[request_id] = None
+                self._release(attempt)
+                self._release_when_done(attempt, reserve_call)
+                raise
             except BaseException as e:
                 self._by_handoff.pop(attempt.handoff_id, None)
                 self._active[request_id] = None
@@ -953,14 +972,21 @@ class Cluster:
     def _abort_after_prefill(self, attempt: _Attempt, prefill_task: asyncio.Future) -> None:
         """Ray runs a threaded actor's calls unordered, so abort() may overtake the `prefill` call it is
         meant to stop (and find nothing to abort): release the attempt again once that call returns."""
-        if prefill_task.done():
+        self._release_when_done(attempt, prefill_task)
+
+    def _release_when_done(self, attempt: _Attempt, call: asyncio.Future) -> None:
+        """Release `attempt` (`_release`) again once the actor call `call` has ended, whatever its outcome
+        (its result or error is consumed here): what the call set up after an earlier release is freed."""
+        if call.done():
             return
 
-        def again(_task: asyncio.Future) -> None:
+        def again(task: asyncio.Future) -> None:
+            if not task.cancelled():
+                task.exception()  # consumed: the request that made the call is gone
             if not self._closed:
                 self._release(attempt)
 
-        prefill_task.add_done_callback(again)
+        call.add_done_callback(again)
 
     def _release(self, attempt: _Attempt) -> None:
         """Best effort, fire and forget: drop the attempt on its prefill and decode instances. Sent to

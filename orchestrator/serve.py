@@ -49,7 +49,13 @@ def serve(topology: Topology | str | Path, port: int | None = None, log=logger.i
     cluster = Cluster.deploy(topo, log=log)
     server = None
     try:
-        app = build_app(cluster, api_key=topo.api.api_key, slo=topo.slo)
+        app = build_app(
+            cluster,
+            api_key=topo.api.api_key,
+            slo=topo.slo,
+            max_request_body_bytes=topo.api.max_request_body_bytes,
+            max_concurrent_requests=topo.max_concurrent_requests,
+        )
         host, bind_port = topo.api.host, topo.api.port if port is None else port
         try:
             server = ServerThread(app, host=host, port=bind_port).start()

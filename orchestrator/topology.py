@@ -52,6 +52,10 @@ WIRE_DTYPES = ("auto", "int8")
 ROUTER_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 
 MIB = 1024**2
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * MIB  # api.max_request_body_bytes
+# api.max_concurrent_requests when null, per decode seat (decode.num_instances x decode.max_num_seqs):
+# one batch running on each decode instance and as many again prefilling or waiting for a seat.
+CONCURRENT_REQUESTS_PER_DECODE_SEAT = 2
 
 # Bounds on a topology file, far above any real one (the shipped files are under 10 KB, 4 levels deep and a
 # few hundred YAML nodes) and low enough that reading one cannot exhaust memory or the interpreter's stack.
@@ -448,17 +452,27 @@ def api_key_problem(key: str) -> str | None:
 
 @dataclass(frozen=True)
 class ApiConfig:
-    """The OpenAI-compatible HTTP endpoint.
+    """The OpenAI-compatible HTTP endpoint (`orchestrator.api_server`).
 
     Attributes:
         host: the IPv4 address or host name the server binds (`host_problem` says what is accepted).
         port: TCP port; 0 picks a free one.
         api_key: bearer token clients must send; None: no authentication; never empty.
+        max_request_body_bytes: bytes of one request body at most (the JSON, headers excluded); a larger
+            one is answered 413 without being read. The default holds a 128K-token prompt as token ids.
+        max_concurrent_requests: completion requests in flight at the edge at most (from the request line
+            until the response ends); beyond it a request is answered 429 with `Retry-After` before its
+            stream starts. None: `CONCURRENT_REQUESTS_PER_DECODE_SEAT` per decode seat
+            (`Topology.max_concurrent_requests`).
     """
 
     host: str = field(default="127.0.0.1", metadata={"check": host_problem})
     port: int = field(default=8000, metadata=_between(0, 65535))
     api_key: str | None = field(default=None, metadata={"check": api_key_problem})
+    max_request_body_bytes: int = field(
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES, metadata=_between(1024, 1 << 30)
+    )
+    max_concurrent_requests: int | None = field(default=None, metadata=_between(1, 1_000_000))
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -483,6 +497,14 @@ class Topology:
         _check_fields(self)
         if not self.name:
             raise ValueError("Topology field 'name': must not be empty")
+
+    @property
+    def max_concurrent_requests(self) -> int:
+        """Completion requests the HTTP edge lets in at once: `api.max_concurrent_requests`, or when that
+        is null `CONCURRENT_REQUESTS_PER_DECODE_SEAT` x decode.num_instances x decode.max_num_seqs."""
+        if self.api.max_concurrent_requests is not None:
+            return self.api.max_concurrent_requests
+        return CONCURRENT_REQUESTS_PER_DECODE_SEAT * self.decode.num_instances * self.decode.max_num_seqs
 
     def pool(self, role: str) -> PoolConfig:
         """The `prefill` or `decode` pool."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import socket
 import time
 
 import httpx
@@ -87,3 +89,113 @@ def test_client_disconnect_mid_stream_aborts_on_both_pools(ray_session) -> None:
             assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
     finally:
         cluster.shutdown()
+
+
+def _send_completion(server: ServerThread, body: dict) -> socket.socket:
+    """A raw HTTP/1.1 client: the request sent, the socket returned unread (so nothing of the response has
+    been received when the test closes it)."""
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((server.host, server.port), timeout=5)
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
+def _assert_nothing_received(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        assert sock.recv(1) == b"", "the server closed the connection"
+    sock.setblocking(True)
+
+
+@pytest.mark.parametrize(
+    ("where", "stream"),
+    [("after_reserve", True), ("before_reserve", False)],
+    ids=["reserved-then-client-gone-stream", "client-gone-then-reserved"],
+)
+def test_client_gone_before_first_byte_releases_decode_reservation(
+    ray_session, where: str, stream: bool
+) -> None:
+    """Issue 12, finding 5: a client that closes its connection before the first byte of the response,
+    while decode's `reserve` call is in flight, used to leave the reservation held until its lease ran out
+    (kv_transfer.timeout_s, 6 s here): the edge cancelled the request inside `Cluster._dispatch`, which
+    dropped the attempt without releasing it. Decode's reserve reply is delayed by 0.6 x call_timeout_s
+    (decode stays in routing). after_reserve: the reservation is made, then the client goes; it is
+    released within one call bound of the close. before_reserve: the client goes before decode reserves
+    (the abort overtakes the reserve); it is released once the reserve call returns, within one call
+    bound of the reserve. Both: the pair is idle and healthy, and serves the next request."""
+    cluster = Cluster.deploy(_topology())
+    try:
+        delay_s = 0.6 * cluster.call_timeout_s
+        ray_session.get(cluster.decode_actors[0].inject_delay.remote(where, delay_s), timeout=30)
+        with ServerThread(build_app(cluster)) as server:
+            body = {
+                "prompt": "def add(a, b):\n    return",
+                "max_tokens": 8,
+                "temperature": 0,
+                "stream": stream,
+            }
+            sent_s = time.monotonic()
+            sock = _send_completion(server, body)
+            # the attempt exists (routing done) and its reserve call is in flight
+            while not any(a is not None and a.meta is None for a in list(cluster._active.values())):
+                assert time.monotonic() - sent_s < delay_s, "the request did not reach reserve"
+                time.sleep(0.01)
+            if where == "after_reserve":
+                while cluster.check_no_leaks()["decode-0"]["num_reserved"] != 1:
+                    assert time.monotonic() - sent_s < delay_s, "decode did not reserve"
+                    time.sleep(0.01)
+            else:
+                time.sleep(min(0.2, delay_s / 4))  # the reserve call has left the driver
+            _assert_nothing_received(sock)
+            sock.close()
+            closed_s = time.monotonic()
+
+            if where == "after_reserve":
+                while not _is_idle(leaks := cluster.check_no_leaks()):
+                    assert time.monotonic() - closed_s < call_bound_s(cluster), leaks  # one abort call
+                    time.sleep(0.05)
+            else:  # the reservation is made delay_s after the request reached decode, then released
+                time.sleep(max(0.0, sent_s + delay_s + call_bound_s(cluster) - time.monotonic()))
+                leaks = cluster.check_no_leaks()
+                assert _is_idle(leaks), leaks
+            assert not cluster._active
+            assert cluster.health()["decode-0"]["state"] == "healthy"
+            with httpx.Client(base_url=server.url, timeout=request_bound_s(cluster)) as client:
+                r = client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 4, "temperature": 0})
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+                assert _metric(client.get("/metrics").text, ABORTED) == 1
+            assert _is_idle(leaks := cluster.check_no_leaks()), leaks
+    finally:
+        cluster.shutdown()
+
+
+def test_load_test_in_small_against_the_cluster(ray_session, capsys) -> None:
+    """`make load-test` in small: `bench.load_streams` deploys clusters/local.yaml behind the edge with
+    max_concurrent_requests 8 and a separate client process opens 50 streams at once. Each completes or
+    is refused with 429 + Retry-After before its stream starts, none is killed mid-stream, and the cluster
+    holds nothing afterwards."""
+    from bench import load_streams
+
+    code = load_streams.main(
+        [
+            "--num-streams",
+            "50",
+            "--max-tokens",
+            "8",
+            "--max-concurrent-requests",
+            "8",
+            "--deadline-s",
+            "120",
+            "--json",
+        ]
+    )
+    report = json.loads(capsys.readouterr().out)
+    results = report["results"]
+    assert code == 0 and results["clean"], report
+    assert results["killed_mid_stream"] == 0 and results["completed"] + results["refused"] == 50, results
+    assert results["completed"] >= 8 and set(results["refusal_statuses"]) <= {"429", "503"}, results
+    assert report["config"]["max_concurrent_requests"] == 8 and report["cluster_idle_after_run"], report

@@ -3,9 +3,15 @@ server on 127.0.0.1 (a free port) and httpx. Fakes only inject faults (the 503 t
 
 from __future__ import annotations
 
+import asyncio
 import json
+import select
+import socket
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import httpx
@@ -261,6 +267,7 @@ def test_backend_unavailable_gives_503(reference: LLM) -> None:
             r = c.post("/v1/completions", json={"prompt": "x", "stream": stream_flag})
             assert r.status_code == 503
             assert r.json()["error"]["message"] == "no decode instance is up (test)"
+            assert r.headers["retry-after"] == "1"  # retriable: says when (issue 12, admission)
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 503
         assert c.get("/health").status_code == 503
@@ -388,3 +395,225 @@ def test_backend_bug_gives_500_json(reference: LLM) -> None:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x"})
         assert r.status_code == 500
         assert r.json()["error"]["message"] == "internal error: RuntimeError: boom"
+
+
+# ---- edge hygiene: tokenization off the event loop, body size, admission, docs behind the key ----------
+HEALTH_BOUND_S = 0.5  # /health runs one stats() call (microseconds here); 5x the worst loop stall measured
+# Probes /health every 50 ms from its own process (an in-process client would share the GIL with the
+# server's tokenizer thread, and stall with it) until its stdin closes; prints the latencies as JSON.
+HEALTH_PROBE = """
+import json, sys, threading, time, httpx
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+latencies = []
+with httpx.Client(base_url=sys.argv[1], timeout=60) as c:
+    c.get("/health")
+    print("ready", flush=True)
+    while not stop.is_set():
+        started = time.monotonic()
+        assert c.get("/health").status_code == 200
+        latencies.append(time.monotonic() - started)
+        time.sleep(0.05)
+print(json.dumps(latencies), flush=True)
+"""
+
+
+def test_health_answers_while_a_long_prompt_is_tokenized(server: ServerThread) -> None:
+    """Issue 12, finding 4: a multi-MB prompt was tokenized on the event loop, and /health (every request)
+    waited seconds for it. Now tokenization runs on worker threads, in the tokenizer's form that releases
+    the GIL: while a ~3 MB prompt is tokenized (seconds), every /health probe from another process
+    answers within HEALTH_BOUND_S. The prompt is then refused as over the context (400)."""
+    prompt = "def f(x):\n    return x + 1\n" * 110_000  # 3.08 MB, under the default body limit (4 MiB)
+    probe = subprocess.Popen(
+        [sys.executable, "-c", HEALTH_PROBE, server.url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert probe.stdout.readline().strip() == "ready"
+        started = time.monotonic()
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=120)
+        took_s = time.monotonic() - started
+        out, _ = probe.communicate("", timeout=120)
+    finally:
+        probe.kill()
+    latencies = json.loads(out)
+    assert r.status_code == 400 and "the prompt has" in r.json()["error"]["message"], r.text
+    assert took_s > 4 * HEALTH_BOUND_S, f"tokenizing took only {took_s:.2f} s: nothing to tell"
+    assert len(latencies) >= 4, latencies
+    assert max(latencies) < HEALTH_BOUND_S, f"/health took {max(latencies):.2f} s ({len(latencies)} probes)"
+
+
+def _raw_request(server: ServerThread, head: str, body_chunks: Iterable[bytes] = ()) -> tuple[str, int]:
+    """Send `head`, then `body_chunks` one by one until the server answers; returns (the response's first
+    bytes, body bytes sent by then)."""
+    sock = socket.create_connection((server.host, server.port), timeout=10)
+    sent = 0
+    try:
+        sock.sendall(head.encode())
+        for chunk in body_chunks:
+            if select.select([sock], [], [], 0.05)[0]:
+                break
+            try:
+                sock.sendall(chunk)
+            except OSError:  # the server closed the connection after answering
+                break
+            sent += len(chunk)
+        return sock.recv(65536).decode(errors="replace"), sent
+    finally:
+        sock.close()
+
+
+def test_body_over_the_limit_gets_413(backend: LocalEngineBackend) -> None:
+    """Edge hygiene (issue 12): a request body over max_request_body_bytes is refused with 413 and an
+    OpenAI-style error, without reading it: a Content-Length over the limit is refused before any body
+    byte is sent; a chunked body as soon as the limit is passed, not when it ends."""
+    limit = 64 * 1024
+    with (
+        ServerThread(build_app(backend, max_request_body_bytes=limit)) as srv,
+        httpx.Client(base_url=srv.url, timeout=30) as c,
+    ):
+        r = c.post("/v1/completions", json={"prompt": "x" * limit, "max_tokens": 1})
+        assert r.status_code == 413, r.text
+        error = r.json()["error"]
+        assert error["code"] == 413 and error["type"] == "invalid_request_error"
+        assert f"limit of {limit} bytes (api.max_request_body_bytes)" in error["message"]
+        r = c.post("/v1/completions", json={"prompt": "x" * (limit // 2), "max_tokens": 1})
+        assert r.status_code == 400 and "the prompt has" in r.text  # under the limit: read and judged
+
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        reply, sent = _raw_request(srv, head + "Content-Length: 1000000000\r\n\r\n")
+        assert reply.startswith("HTTP/1.1 413") and sent == 0, reply
+
+        chunk = b"4000\r\n" + b"x" * 0x4000 + b"\r\n"  # 16 KiB chunks, never a last chunk
+        reply, sent = _raw_request(srv, head + "Transfer-Encoding: chunked\r\n\r\n", [chunk] * 256)
+        assert reply.startswith("HTTP/1.1 413"), reply
+        assert sent < 8 * limit, f"{sent} bytes sent before the 413"
+        assert c.get("/health").status_code == 200
+        assert 'pdcluster_request_errors_total{status_code="413"} 3.0' in c.get("/metrics").text
+
+
+class GatedBackend:
+    """Wraps a backend: every request waits for `gate` before it is passed on; counts requests in
+    `generate` (now and at most)."""
+
+    def __init__(self, inner: LocalEngineBackend) -> None:
+        self.inner = inner
+        self.model_name, self.tokenizer, self.max_model_len = (
+            inner.model_name,
+            inner.tokenizer,
+            inner.max_model_len,
+        )
+        self.gate = threading.Event()
+        self.num_running = self.max_running = 0
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[StreamDelta]:
+        self.num_running += 1
+        self.max_running = max(self.max_running, self.num_running)
+        try:
+            while not self.gate.is_set():
+                await asyncio.sleep(0.01)
+            async for delta in self.inner.generate(request_id, prompt_token_ids, params):
+                yield delta
+        finally:
+            self.num_running -= 1
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return self.inner.stats()
+
+
+def test_edge_refuses_beyond_max_concurrent_requests_with_429(backend: LocalEngineBackend) -> None:
+    """Admission (issue 12): with max_concurrent_requests 2 and two requests in flight, a third completion
+    (streamed or not, either endpoint) gets 429 with Retry-After and an OpenAI-style error, before any
+    stream starts; /health, /metrics and /v1/models are not counted. Once the two end, requests are
+    admitted again."""
+    gated = GatedBackend(backend)
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    with (
+        ServerThread(build_app(gated, max_concurrent_requests=2)) as srv,
+        httpx.Client(base_url=srv.url, timeout=30) as c,
+    ):
+        held: list[list[Any]] = []
+        threads = [
+            threading.Thread(
+                target=lambda: held.append(stream(httpx.Client(base_url=srv.url), "/v1/completions", body))
+            )
+            for _ in range(2)
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while gated.num_running < 2:
+            assert time.monotonic() < deadline, "the two requests did not reach the backend"
+            time.sleep(0.01)
+        for path, extra in (
+            ("/v1/completions", {"stream": True}),
+            ("/v1/completions", {}),
+            ("/v1/chat/completions", {"stream": True}),
+        ):
+            payload = {**body, **extra}
+            if "chat" in path:
+                payload = {"messages": [{"role": "user", "content": PROMPT}], **extra}
+            r = c.post(path, json=payload)
+            assert r.status_code == 429, r.text
+            assert r.headers["retry-after"] == "1" and r.headers["content-type"] == "application/json"
+            error = r.json()["error"]
+            assert error["code"] == 429 and "limit of 2 concurrent requests" in error["message"]
+        assert c.get("/health").status_code == 200 and c.get("/v1/models").status_code == 200
+        assert "pdcluster_requests_in_flight 2.0" in c.get("/metrics").text
+        gated.gate.set()
+        for t in threads:
+            t.join(30)
+        assert len(held) == 2 and all(events[-1] == "[DONE]" for events in held)
+        assert gated.max_running == 2
+        assert c.post("/v1/completions", json=body).status_code == 200
+        assert 'pdcluster_request_errors_total{status_code="429"} 3.0' in c.get("/metrics").text
+    wait_idle(backend)
+
+
+def test_many_streams_complete_or_are_refused_cleanly(backend: LocalEngineBackend) -> None:
+    """The load test in small (`bench.load_streams`; `make load-test` runs 1,000 against the cluster): 50
+    streams at once against max_concurrent_requests 8. Each one completes or is refused (429 with
+    Retry-After) before its stream starts; none is killed mid-stream; the backend never runs more than
+    8 at once."""
+    from bench.load_streams import run_streams, summarize
+
+    gated = GatedBackend(backend)
+    gated.gate.set()
+    with ServerThread(build_app(gated, max_concurrent_requests=8)) as srv:
+        started = time.monotonic()
+        outcomes = asyncio.run(run_streams(srv.url, num_streams=50, max_tokens=32, deadline_s=120))
+        report = summarize(outcomes, time.monotonic() - started)
+    assert report["clean"] and report["killed_mid_stream"] == 0, report
+    assert report["completed"] + report["refused"] == 50, report
+    assert report["completed"] >= 8 and report["refused"] >= 1, report
+    assert set(report["refusal_statuses"]) == {429}, report
+    assert gated.max_running <= 8
+    wait_idle(backend)
+
+
+def test_docs_and_openapi_need_the_api_key(backend: LocalEngineBackend) -> None:
+    """Issue 12, finding 9 (the API-key part): with an API key set, /docs, /redoc and /openapi.json need
+    it too (401 otherwise); /health and /metrics stay open for probes and scrapers. Without a key the docs
+    are open."""
+    with ServerThread(build_app(backend, api_key=API_KEY)) as srv, httpx.Client(base_url=srv.url) as c:
+        for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
+            r = c.get(path)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
+            assert c.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert c.get(path, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200, path
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+    with ServerThread(build_app(backend)) as srv:
+        assert httpx.get(srv.url + "/openapi.json").status_code == 200
+
+
+def test_an_empty_api_key_is_refused():
+    """Issue 12, finding 8: `api_key: ""` let an empty bearer token in; now a ValueError at build time."""
+    with pytest.raises(ValueError, match="api_key must not be empty"):
+        build_app(LocalEngineBackend.__new__(LocalEngineBackend), api_key="")

@@ -748,3 +748,19 @@ def test_max_model_len_that_agrees_validates(tmp_path, ckpt):
     over = template(ckpt, "prefill:\n  max_model_len: 128\ndecode:\n  max_model_len: 999\n")
     (issue,) = issues_of(write(tmp_path, over, "over.yaml"))  # only the max_position_embeddings one
     assert "999 exceeds the model's max_position_embeddings 256" in issue.reason
+
+
+def test_api_limits_validated_and_the_concurrency_default_derived(tmp_path, ckpt):
+    """api.max_request_body_bytes and api.max_concurrent_requests (issue 12, edge hygiene and admission):
+    checked at their lines; null max_concurrent_requests is 2 per decode seat."""
+    text = template(ckpt, "api:\n  max_request_body_bytes: 100\n  max_concurrent_requests: 0\n")
+    issues = issues_of(write(tmp_path, text))
+    assert [i.line for i in issues] == [line_of(text, "max_request_body"), line_of(text, "max_concurrent")]
+    assert "api.max_request_body_bytes: must be >= 1024, got 100" in issues[0].reason
+    assert "api.max_concurrent_requests: must be >= 1, got 0" in issues[1].reason
+
+    topo = load_topology(write(tmp_path, template(ckpt, "decode:\n  num_instances: 2\n  max_num_seqs: 16\n")))
+    assert topo.api.max_request_body_bytes == 4 * 1024**2 and topo.api.max_concurrent_requests is None
+    assert topo.max_concurrent_requests == 2 * 2 * 16
+    topo = load_topology(write(tmp_path, template(ckpt, "api:\n  max_concurrent_requests: 7\n")))
+    assert topo.max_concurrent_requests == 7
