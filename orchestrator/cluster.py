@@ -745,27 +745,38 @@ class Cluster:
         at once, waiting `call_timeout_s`). One that does not answer leaves routing, so a crash or stall is
         noticed with no request in flight; one out of routing that answers rejoins, after rewiring its KV
         transport if Ray restarted it (a new process id)."""
-        import ray
-
         while not self._monitor_stop.wait(PROBE_INTERVAL_S):
-            targets = [
-                (role, i, actor)
-                for role, actors in (("prefill", self.prefill_actors), ("decode", self.decode_actors))
-                for i, actor in enumerate(actors)
-            ]
-            refs = [actor.load.remote() for _, _, actor in targets]
-            ray.wait(refs, num_returns=len(refs), timeout=self.call_timeout_s)
-            for (role, i, _), ref in zip(targets, refs, strict=True):
+            try:
+                self._probe_all()
+            except Exception:  # noqa: BLE001 - Ray going away under a shutdown, or a bug: never die silently
                 if self._closed:
                     return
-                try:
-                    pid = ray.get(ref, timeout=0)["pid"]
-                except Exception as e:  # noqa: BLE001 - stalled, restarting, or dead
-                    self._mark_failed(role, i, e, "probe")
-                    continue
-                health = self._health[role][i]
-                if not health.routable or health.pid != pid:
-                    self._rejoin(role, i, pid)
+                logger.exception("health monitor: a probe round failed; trying again")
+
+    def _probe_all(self) -> None:
+        """One round of the health monitor (see `_monitor_health`)."""
+        import ray
+
+        targets = [
+            (role, i, actor)
+            for role, actors in (("prefill", self.prefill_actors), ("decode", self.decode_actors))
+            for i, actor in enumerate(actors)
+        ]
+        if not targets or self._closed:
+            return
+        refs = [actor.load.remote() for _, _, actor in targets]
+        ray.wait(refs, num_returns=len(refs), timeout=self.call_timeout_s)
+        for (role, i, _), ref in zip(targets, refs, strict=True):
+            if self._closed:
+                return
+            try:
+                pid = ray.get(ref, timeout=0)["pid"]
+            except Exception as e:  # noqa: BLE001 - stalled, restarting, or dead
+                self._mark_failed(role, i, e, "probe")
+                continue
+            health = self._health[role][i]
+            if not health.routable or health.pid != pid:
+                self._rejoin(role, i, pid)
 
     def _rejoin(self, role: str, index: int, pid: int) -> None:
         import ray
