@@ -18,11 +18,12 @@ One request (DESIGN.md, request lifecycle):
    events to the request's queue.
 Faults: a prefill actor that dies (its `prefill` call raises) or a handoff that fails on decode (lease
 expired, sender lost, checksum) releases decode's reservation; the request is re-dispatched once to another
-live prefill instance, else it fails with `BackendUnavailable` naming the cause. A decode actor that dies
-or stops answering (an actor error or a call timeout) is marked dead and taken out of routing; its
-in-flight requests fail with `BackendUnavailable`; with no decode (or no prefill) instance left, requests
-and `stats()` raise `BackendUnavailable`. An abort ends the request with finish_reason "abort" (never a
-re-dispatch).
+live prefill instance, else it fails with `BackendUnavailable` naming the cause. An instance whose call
+times out is unresponsive, one whose actor died is dead (`orchestrator.health`): either leaves routing and
+its in-flight decode requests fail with `BackendUnavailable`; with no decode (or no prefill) instance in
+routing, requests and `stats()` raise `BackendUnavailable`. A health monitor thread probes every instance
+each PROBE_INTERVAL_S: one that answers again rejoins, one Ray restarted (grpc) is rewired first.
+An abort ends the request with finish_reason "abort" (never a re-dispatch).
 
 Timeouts (`kv_transfer.timeout_s` = T): every actor call in the request path (load, reserve, abort, poll)
 gives up after `call_timeout_s` = max(CALL_TIMEOUT_MIN_S, T / 2); the prefill call (queue + prompt +
@@ -73,7 +74,7 @@ logger = logging.getLogger(__name__)
 MAX_DISPATCH_ATTEMPTS = 2  # the first try plus one re-dispatch to another prefill instance
 CALL_TIMEOUT_MIN_S = 2.0  # floor of the per-call timeout (max(this, kv_transfer.timeout_s / 2))
 EVENT_SLACK_S = 5.0  # a prefill call / a wait for the next event gives up after kv_transfer.timeout_s + this
-PROBE_INTERVAL_S = 1.0  # the health monitor probes instances that are out of routing this often
+PROBE_INTERVAL_S = 1.0  # the health monitor probes every instance this often (seconds)
 MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc transport) this often; then it stays dead
 ROUTER_CACHE_BLOCKS = 4096  # block hashes remembered per prefill instance for prefix-aware routing
 
@@ -1044,14 +1045,13 @@ class Cluster:
 
 
 def describe_error(exc: BaseException) -> str:
-    """A one-line description of `exc` fit for a client: Ray's errors (which carry actor ids, process ids,
-    node IPs and remote tracebacks) become what happened; an exception a remote method raised is described
-    by that exception itself (its type and first line)."""
+    """A one-line description of `exc` fit for a client, for errors on the request path: an exception a
+    remote method raised is described by itself (`actor_error_message`); Ray's own errors, which carry
+    actor ids, process ids and node IPs, become what happened."""
     import ray
 
     if isinstance(exc, ray.exceptions.RayTaskError):  # the method raised: describe its own exception
-        cause = exc.cause if isinstance(exc.cause, BaseException) else None
-        return describe_error(cause) if cause is not None else "the remote call raised"
+        return actor_error_message(exc)
     if isinstance(exc, ray.exceptions.ActorUnavailableError):
         return "the actor is unavailable (restarting or unreachable)"
     if isinstance(exc, ray.exceptions.ActorDiedError):
@@ -1062,8 +1062,8 @@ def describe_error(exc: BaseException) -> str:
         return "no answer in time"
     if isinstance(exc, ray.exceptions.RayError):
         return f"Ray error ({type(exc).__name__})"
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
+    text = one_line(str(exc))
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _max_position_embeddings(model_dir: str) -> int:
