@@ -218,12 +218,13 @@ def test_every_integer_field_has_both_bounds():
     import typing
 
     from orchestrator import topology as t
+    from orchestrator.topology.fields import unwrap_optional
 
     classes = [t.HardwareConfig, t.PrefillPoolConfig, t.DecodePoolConfig, t.KVTransferConfig, t.ApiConfig]
     for cls in classes:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if t._unwrap_optional(hints[f.name])[0] is int:
+            if unwrap_optional(hints[f.name])[0] is int:
                 assert "max" in f.metadata and ("min" in f.metadata or "gt" in f.metadata), (cls, f.name)
 
 
