@@ -18,6 +18,7 @@ from pathlib import Path
 from engine.config import KV_CACHE_DTYPES, EngineConfig
 from models import bundled_checkpoint_dir
 from orchestrator.hardware import ACCELERATORS, AcceleratorSpec
+from orchestrator.router import POLICIES
 from orchestrator.topology.fields import (
     MAX_BLOCK_SIZE,
     MAX_CPUS_PER_DEVICE,
@@ -47,8 +48,7 @@ ROLES = ("prefill", "decode")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_TRANSPORTS = ("grpc", "torch_distributed")
 WIRE_DTYPES = ("auto", "int8")
-# The router module implements one pure function per name (written with the router; keep in sync).
-ROUTER_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+ROUTER_POLICIES = tuple(POLICIES)  # the router's policy functions, by name
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * MIB  # api.max_request_body_bytes
 # api.max_concurrent_requests when null, per decode seat (decode.num_instances x decode.max_num_seqs):
@@ -287,7 +287,8 @@ class KVTransferConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """`policy`: how the router picks instances: round_robin, least_loaded or prefix_aware."""
+    """`policy`: how the router picks instances, a name of `orchestrator.router.POLICIES` (round_robin,
+    least_loaded, prefix_aware)."""
 
     policy: str = field(default="least_loaded", metadata=choices(*ROUTER_POLICIES))
 

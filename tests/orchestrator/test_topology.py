@@ -228,6 +228,17 @@ def test_every_integer_field_has_both_bounds():
                 assert "max" in f.metadata and ("min" in f.metadata or "gt" in f.metadata), (cls, f.name)
 
 
+def test_router_policy_choices_are_the_router_modules_policies():
+    from orchestrator.router import POLICIES
+    from orchestrator.topology import RouterConfig
+
+    for name in POLICIES:
+        assert RouterConfig(policy=name).policy == name
+    with pytest.raises(ValueError) as err:
+        RouterConfig(policy="fastest")
+    assert str(err.value) == f"RouterConfig field 'policy': 'fastest' is not one of: {', '.join(POLICIES)}"
+
+
 @pytest.mark.parametrize(
     ("host", "reason"),
     [
