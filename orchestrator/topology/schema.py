@@ -19,6 +19,7 @@ from engine.config import KV_CACHE_DTYPES, EngineConfig
 from models import bundled_checkpoint_dir
 from orchestrator.hardware import ACCELERATORS, AcceleratorSpec
 from orchestrator.router import POLICIES
+from orchestrator.topology.engine_args import engine_arguments
 from orchestrator.topology.fields import (
     MAX_BLOCK_SIZE,
     MAX_CPUS_PER_DEVICE,
@@ -370,28 +371,12 @@ class Topology:
         return self.prefill if role == "prefill" else self.decode
 
     def engine_config(self, role: str) -> EngineConfig:
-        """Engine arguments for one instance of pool `role` (the device index is the actor's to add).
+        """The engine arguments of one instance of pool `role` (`engine_args.engine_arguments`).
 
-        Prefill instances get decode's `num_speculative_tokens`: they draft the first MTP tokens that
-        travel with the KV. `kv_cache_memory_bytes` is per device.
+        Raises:
+            ValueError: `role` is neither `prefill` nor `decode`, or the engine refuses an argument.
         """
-        pool = self.pool(role)
-        spec = self.hardware.spec
-        return EngineConfig(
-            model=str(self.model.checkpoint_dir),
-            device=spec.torch_device_type,
-            dtype=self.model.resolved_dtype(spec),
-            block_size=pool.block_size,
-            kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
-            kv_cache_dtype=pool.kv_cache_dtype,
-            max_num_batched_tokens=pool.max_num_batched_tokens,
-            max_num_seqs=pool.max_num_seqs,
-            max_model_len=pool.max_model_len,
-            enable_prefix_caching=pool.enable_prefix_caching,
-            enable_chunked_prefill=self.prefill.enable_chunked_prefill if role == "prefill" else True,
-            num_speculative_tokens=self.decode.num_speculative_tokens,
-            adaptive_speculation=self.decode.adaptive_speculation if role == "decode" else False,
-        )
+        return EngineConfig(**engine_arguments(self, role))
 
     def summary(self) -> str:
         """One line, e.g. `2 nodes × 8 h200, prefill 1×8 devices, decode 1×8 devices`."""

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import EngineConfig
 from models import bundled_checkpoint_dir
 from orchestrator.cli import main
 from orchestrator.hardware import ACCELERATORS, GIB, get_accelerator
@@ -29,6 +30,7 @@ from orchestrator.topology import (
     HardwareConfig,
     ModelConfig,
     PoolConfig,
+    PrefillPoolConfig,
     Topology,
     TopologyError,
     TopologyIssue,
@@ -131,6 +133,82 @@ def test_cm384_is_big_ep_decode_on_910c_dies():
     )
     engine = topology.engine_config("decode")
     assert (engine.device, engine.dtype, engine.kv_cache_dtype) == ("npu", "bfloat16", "int8")
+
+
+def test_every_engine_argument_is_derived_from_the_topology_or_deliberately_defaulted():
+    import dataclasses
+
+    from orchestrator.topology.engine_args import (
+        ENGINE_DEFAULTED,
+        ENGINE_FIELDS,
+        POOL_DEPLOYMENT_FIELDS,
+        engine_arguments,
+    )
+
+    assert ENGINE_FIELDS == {f.name for f in dataclasses.fields(EngineConfig)}
+    topology = Topology(name="t")
+    for role, pool_cls in (("prefill", PrefillPoolConfig), ("decode", DecodePoolConfig)):
+        derived = set(engine_arguments(topology, role))
+        assert derived.isdisjoint(ENGINE_DEFAULTED[role]), role
+        assert derived | ENGINE_DEFAULTED[role] == ENGINE_FIELDS, role  # a new EngineConfig field is decided
+        pool_fields = {f.name for f in dataclasses.fields(pool_cls)}
+        assert pool_fields - POOL_DEPLOYMENT_FIELDS <= derived, role  # a new pool field reaches the engine
+        assert POOL_DEPLOYMENT_FIELDS <= pool_fields and POOL_DEPLOYMENT_FIELDS.isdisjoint(ENGINE_FIELDS)
+
+
+def test_engine_config_of_each_pool():
+    topology = Topology(
+        name="t",
+        hardware=HardwareConfig(accelerator="h200"),
+        model=ModelConfig(path="/models/m", dtype="float16"),
+        prefill=PrefillPoolConfig(
+            block_size=32,
+            kv_cache_dtype="int8",
+            kv_cache_memory_bytes=1000,
+            max_num_batched_tokens=512,
+            max_num_seqs=8,
+            max_model_len=4096,
+            enable_prefix_caching=False,
+            enable_chunked_prefill=False,
+        ),
+        decode=DecodePoolConfig(
+            block_size=64,
+            kv_cache_memory_bytes=2000,
+            max_num_batched_tokens=128,
+            max_num_seqs=4,
+            max_model_len=4096,
+            enable_prefix_caching=False,
+            num_speculative_tokens=3,
+            adaptive_speculation=True,
+        ),
+    )
+    common = {"model": "/models/m", "device": "cuda", "dtype": "float16", "max_model_len": 4096}
+    assert topology.engine_config("prefill") == EngineConfig(
+        **common,
+        block_size=32,
+        kv_cache_dtype="int8",
+        kv_cache_memory_bytes=1000,
+        max_num_batched_tokens=512,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        num_speculative_tokens=3,  # decode's k: prefill drafts the first k tokens
+        adaptive_speculation=False,
+    )
+    assert topology.engine_config("decode") == EngineConfig(
+        **common,
+        block_size=64,
+        kv_cache_dtype="auto",
+        kv_cache_memory_bytes=2000,
+        max_num_batched_tokens=128,
+        max_num_seqs=4,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=True,
+        num_speculative_tokens=3,
+        adaptive_speculation=True,
+    )
+    with pytest.raises(ValueError, match="role must be one of"):
+        topology.engine_config("router")
 
 
 def test_catalog_entries_and_910c_figures():
