@@ -157,56 +157,39 @@ def test_every_engine_argument_is_derived_from_the_topology_or_deliberately_defa
 
 
 def test_engine_config_of_each_pool():
+    prefill = {
+        "block_size": 32,
+        "kv_cache_dtype": "int8",
+        "kv_cache_memory_bytes": 1000,
+        "max_num_batched_tokens": 512,
+        "max_num_seqs": 8,
+        "max_model_len": 4096,
+        "enable_prefix_caching": False,
+        "enable_chunked_prefill": False,
+    }
+    decode = {
+        "block_size": 64,
+        "kv_cache_memory_bytes": 2000,
+        "max_num_batched_tokens": 128,
+        "max_num_seqs": 4,
+        "max_model_len": 4096,
+        "num_speculative_tokens": 3,
+        "adaptive_speculation": True,
+    }
     topology = Topology(
         name="t",
         hardware=HardwareConfig(accelerator="h200"),
         model=ModelConfig(path="/models/m", dtype="float16"),
-        prefill=PrefillPoolConfig(
-            block_size=32,
-            kv_cache_dtype="int8",
-            kv_cache_memory_bytes=1000,
-            max_num_batched_tokens=512,
-            max_num_seqs=8,
-            max_model_len=4096,
-            enable_prefix_caching=False,
-            enable_chunked_prefill=False,
-        ),
-        decode=DecodePoolConfig(
-            block_size=64,
-            kv_cache_memory_bytes=2000,
-            max_num_batched_tokens=128,
-            max_num_seqs=4,
-            max_model_len=4096,
-            enable_prefix_caching=False,
-            num_speculative_tokens=3,
-            adaptive_speculation=True,
-        ),
+        prefill=PrefillPoolConfig(**prefill),
+        decode=DecodePoolConfig(**decode),
     )
-    common = {"model": "/models/m", "device": "cuda", "dtype": "float16", "max_model_len": 4096}
+    common = {"model": "/models/m", "device": "cuda", "dtype": "float16"}
+    # prefill drafts decode's first k tokens; each pool's own switches stay off the other's engine
     assert topology.engine_config("prefill") == EngineConfig(
-        **common,
-        block_size=32,
-        kv_cache_dtype="int8",
-        kv_cache_memory_bytes=1000,
-        max_num_batched_tokens=512,
-        max_num_seqs=8,
-        enable_prefix_caching=False,
-        enable_chunked_prefill=False,
-        num_speculative_tokens=3,  # decode's k: prefill drafts the first k tokens
-        adaptive_speculation=False,
+        **common, **prefill, num_speculative_tokens=3, adaptive_speculation=False
     )
-    assert topology.engine_config("decode") == EngineConfig(
-        **common,
-        block_size=64,
-        kv_cache_dtype="auto",
-        kv_cache_memory_bytes=2000,
-        max_num_batched_tokens=128,
-        max_num_seqs=4,
-        enable_prefix_caching=False,
-        enable_chunked_prefill=True,
-        num_speculative_tokens=3,
-        adaptive_speculation=True,
-    )
+    assert topology.engine_config("decode") == EngineConfig(**common, **decode, enable_chunked_prefill=True)
+    assert topology.engine_config("decode").kv_cache_dtype == "auto"
     with pytest.raises(ValueError, match="role must be one of"):
         topology.engine_config("router")
 
