@@ -17,8 +17,6 @@ from dataclasses import dataclass
 GIB = 1024**3
 TERA = 10**12
 
-VENDORS = ("generic", "huawei", "nvidia")
-
 
 @dataclass(frozen=True)
 class AcceleratorSpec:
