@@ -20,22 +20,27 @@ MIB = 1024**2
 
 # ---- metadata builders ---------------------------------------------------------------------------------
 def choices(*values: str) -> dict[str, Any]:
+    """Field metadata: the value must be one of `values`."""
     return {"choices": values}
 
 
 def at_least(bound: float) -> dict[str, Any]:
+    """Field metadata: the value must be >= `bound`."""
     return {"min": bound}
 
 
 def above(bound: float) -> dict[str, Any]:
+    """Field metadata: the value must be > `bound`."""
     return {"gt": bound}
 
 
 def between(low: float, high: float) -> dict[str, Any]:
+    """Field metadata: the value must be in [`low`, `high`]."""
     return {"min": low, "max": high}
 
 
 def above_at_most(low: float, high: float) -> dict[str, Any]:
+    """Field metadata: the value must be in (`low`, `high`]."""
     return {"gt": low, "max": high}
 
 
