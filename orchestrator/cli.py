@@ -433,7 +433,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     endpoint = args.endpoint
     if endpoint == "local":  # one LocalEngineBackend behind the API on 127.0.0.1, a free port
         from engine.config import EngineConfig
-        from orchestrator.api_server import ServerThread, build_app
+        from orchestrator.api.app import build_app
+        from orchestrator.api.server import ServerThread
         from orchestrator.backend import LocalEngineBackend
 
         backend = LocalEngineBackend(
