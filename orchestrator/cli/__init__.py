@@ -7,8 +7,10 @@
     pdcluster validate clusters/*.yaml                     # pre-flight check of topology files
     pdcluster bench --endpoint URL --trace FILE            # replay a trace against an endpoint
 
-Each subcommand module (`generate`, `demo`, `deploy`, `validate`, `bench`) defines `add_parser(sub)`, its
-argparse subparser, and `run(args) -> exit code`; `common` holds the option types and `CliError`.
+Each subcommand module (`generate`, `demo`, `deploy`, `validate`, `bench`) declares its subparser, `NAME`,
+`HELP` (the line in `pdcluster --help`), `DESCRIPTION` (and optionally `EPILOG`, both printed with their
+line breaks) and `add_arguments(parser)`, and its handler `run(args) -> exit code`; `common` holds the
+option types and `CliError`.
 
 Every error the user can cause (bad option values, a bad topology file, a missing or broken checkpoint, a
 port in use or a host that is not this machine's) is one line on stderr per problem and exit code 2,
@@ -31,7 +33,7 @@ SUBCOMMANDS = (generate, demo, deploy, validate, bench)  # in `pdcluster --help`
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `pdcluster` parser: each of `SUBCOMMANDS` adds its subparser (`args.func` runs it)."""
+    """The `pdcluster` parser: one subparser per module of `SUBCOMMANDS` (`args.func` is its `run`)."""
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Disaggregated prefill/decode serving for DeepSeek-V3-architecture models.",
@@ -39,7 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in SUBCOMMANDS:
-        module.add_parser(sub)
+        subparser = sub.add_parser(
+            module.NAME,
+            help=module.HELP,
+            description=module.DESCRIPTION,
+            epilog=getattr(module, "EPILOG", None),
+            formatter_class=HelpFormatter,
+        )
+        module.add_arguments(subparser)
+        subparser.set_defaults(func=module.run)
     return parser
 
 

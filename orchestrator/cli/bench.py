@@ -11,7 +11,6 @@ from pathlib import Path
 from orchestrator.cli.common import (
     CliError,
     add_model_options,
-    add_subcommand,
     non_negative_int,
     positive_int,
 )
@@ -70,55 +69,54 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- parser ----------------------------------------------------------------------------------------
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    bench = add_subcommand(
-        sub,
-        "bench",
-        run,
-        help="replay a request trace against an OpenAI-compatible endpoint: TTFT/TPOT, throughput, goodput",
-        description="""\
+NAME = "bench"
+HELP = "replay a request trace against an OpenAI-compatible endpoint: TTFT/TPOT, throughput, goodput"
+DESCRIPTION = """\
 Replay a public trace (Azure CSV or Mooncake JSONL; a bare name is looked up in
 ../shared/traces) against an endpoint, streaming, at the trace's arrival times. Input lengths
 are scaled to the served model's context (the output says how); prompts are held-out Python
 source sent as token ids. Prints TTFT/TPOT/e2e percentiles, throughput, goodput under the SLO,
-mean acceptance rate and mean KV transfer time. Exit code 1 if any request failed.""",
-    )
-    bench.add_argument(
+mean acceptance rate and mean KV transfer time. Exit code 1 if any request failed."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `pdcluster bench`."""
+    parser.add_argument(
         "--endpoint",
         required=True,
         metavar="URL",
         help="base URL, e.g. http://127.0.0.1:8000; 'local' serves --model in-process",
     )
-    bench.add_argument(
+    parser.add_argument(
         "--trace", required=True, type=Path, metavar="FILE", help="trace file (.csv or .jsonl)"
     )
-    bench.add_argument(
+    parser.add_argument(
         "--num-requests",
         type=positive_int,
         default=None,
         metavar="N",
         help="replay the first N requests. Default: all",
     )
-    bench.add_argument(
+    parser.add_argument(
         "--time-scale",
         type=float,
         default=1.0,
         metavar="X",
         help="divide arrival times by X (X > 1 replays faster). Default: 1",
     )
-    bench.add_argument(
+    parser.add_argument(
         "--max-tokens-cap",
         type=positive_int,
         default=128,
         metavar="N",
         help="cap on each request's output tokens. Default: 128",
     )
-    bench.add_argument("--ttft-slo-ms", type=float, default=1000.0, metavar="MS", help="Default: 1000")
-    bench.add_argument("--tpot-slo-ms", type=float, default=100.0, metavar="MS", help="Default: 100")
-    bench.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
-    bench.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
-    add_model_options(bench)
-    bench.add_argument(
+    parser.add_argument("--ttft-slo-ms", type=float, default=1000.0, metavar="MS", help="Default: 1000")
+    parser.add_argument("--tpot-slo-ms", type=float, default=100.0, metavar="MS", help="Default: 100")
+    parser.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
+    add_model_options(parser)
+    parser.add_argument(
         "--num-speculative-tokens",
         type=non_negative_int,
         default=0,

@@ -1,10 +1,9 @@
-"""What the subcommands share: the usage error (`CliError`, exit code 2), option types, the help formatter,
-`add_subcommand` and the model options."""
+"""What the subcommands share: the usage error (`CliError`, exit code 2), option types, the help formatter
+and the model options."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from pathlib import Path
 
 from models import bundled_checkpoint_dir
@@ -63,22 +62,6 @@ probability.__name__ = "number"
 # ---- parser pieces -----------------------------------------------------------------------------------
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the descriptions' line breaks; wraps option help normally."""
-
-
-def add_subcommand(
-    sub: argparse._SubParsersAction,
-    name: str,
-    func: Callable[[argparse.Namespace], int],
-    help: str,
-    description: str,
-    epilog: str | None = None,
-) -> argparse.ArgumentParser:
-    """The subparser `name` (its description's line breaks kept), which runs `func(args)` -> exit code."""
-    parser = sub.add_parser(
-        name, help=help, formatter_class=HelpFormatter, description=description, epilog=epilog
-    )
-    parser.set_defaults(func=func)
-    return parser
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.cli.common import CliError, add_subcommand, tcp_port
+from orchestrator.cli.common import CliError, tcp_port
 
 if TYPE_CHECKING:
     from orchestrator.topology import Topology
@@ -70,13 +70,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- parser ----------------------------------------------------------------------------------------
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    deploy = add_subcommand(
-        sub,
-        "deploy",
-        run,
-        help="serve a topology (prefill + decode pools on Ray) behind the OpenAI API until interrupted",
-        description="""\
+NAME = "deploy"
+HELP = "serve a topology (prefill + decode pools on Ray) behind the OpenAI API until interrupted"
+DESCRIPTION = """\
 Validate FILE, connect to the Ray cluster in RAY_ADDRESS (or start a local one), create one
 placement group per instance, start the prefill and decode actors (progress is logged while
 weights load), wire the KV transfer, and serve /v1/completions, /v1/chat/completions,
@@ -88,7 +84,10 @@ Before Ray starts, FILE is checked as `pdcluster validate --for-deploy FILE` che
 file, the one-device-per-instance limit, the checkpoint, that the address can be bound); each
 problem is one FILE:LINE: reason line and the exit code is 2. So is an error after Ray started
 (an actor that fails to load its weights, the port taken meanwhile), after everything started
-is shut down.""",
-    )
-    deploy.add_argument("file", type=Path, metavar="FILE", help="topology YAML (see clusters/README.md)")
-    deploy.add_argument("--port", type=tcp_port, default=None, help="override api.port (0: a free port)")
+is shut down."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `pdcluster deploy`."""
+    parser.add_argument("file", type=Path, metavar="FILE", help="topology YAML (see clusters/README.md)")
+    parser.add_argument("--port", type=tcp_port, default=None, help="override api.port (0: a free port)")

@@ -15,7 +15,6 @@ from models import bundled_checkpoint_dir
 from orchestrator.cli.common import (
     CliError,
     add_model_options,
-    add_subcommand,
     non_negative_float,
     non_negative_int,
     positive_int,
@@ -269,8 +268,6 @@ def _batch_summary(results: list[RequestOutput]) -> dict:
 
 
 # ---- parser ----------------------------------------------------------------------------------------
-
-
 def _add_engine_options(p: argparse.ArgumentParser, default_k: int = 0) -> None:
     p.add_argument(
         "--num-speculative-tokens",
@@ -294,18 +291,13 @@ def _add_engine_options(p: argparse.ArgumentParser, default_k: int = 0) -> None:
     )
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    bundled = bundled_checkpoint_dir()
-    gen = add_subcommand(
-        sub,
-        "generate",
-        run,
-        help="complete one prompt with a checkpoint (default: the bundled tiny model)",
-        description=f"""\
+NAME = "generate"
+HELP = "complete one prompt with a checkpoint (default: the bundled tiny model)"
+DESCRIPTION = f"""\
 Complete one prompt on one device, in this process (no cluster involved).
 
 The default model is the bundled tiny DeepSeek-V3 checkpoint in
-  {bundled}
+  {bundled_checkpoint_dir()}
 (~7M parameters, MLA + DeepSeekMoE + MTP, trained by `python -m models.train_tiny` on
 the Python standard library's source; see its MODEL_CARD.md). It continues Python code;
 it is not a chat model and knows nothing else.
@@ -313,8 +305,8 @@ it is not a chat model and knows nothing else.
 Output: the prompt followed by the completion, streamed to stdout as tokens are chosen;
 then one line on stderr with the token count, finish reason and timings.
 Generation stops at the end-of-text token (finish reason "stop"), after --max-tokens
-tokens, or when prompt + completion fill the model's context (both "length").""",
-        epilog="""\
+tokens, or when prompt + completion fill the model's context (both "length")."""
+EPILOG = """\
 --json prints one JSON object instead:
   text               the completion only (the prompt is not repeated)
   token_ids          completion token ids (ends with the end-of-text token on "stop")
@@ -330,9 +322,12 @@ tokens, or when prompt + completion fill the model's context (both "length")."""
 
 examples:
   pdcluster generate --prompt 'def fibonacci(n):'
-  pdcluster generate --prompt 'import os' --temperature 0.8 --top-p 0.95 --seed 1 --json""",
-    )
-    source = gen.add_mutually_exclusive_group(required=True)
+  pdcluster generate --prompt 'import os' --temperature 0.8 --top-p 0.95 --seed 1 --json"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `pdcluster generate`."""
+    source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", metavar="TEXT", help="text to continue (must not be empty)")
     source.add_argument(
         "--batch-file",
@@ -341,8 +336,8 @@ examples:
         help="generate for every prompt in FILE, one per line (a literal \\n in a line is a newline), "
         "batched by the engine; blank lines are skipped",
     )
-    add_model_options(gen)
-    gen.add_argument(
+    add_model_options(parser)
+    parser.add_argument(
         "--max-tokens",
         type=positive_int,
         default=64,
@@ -350,21 +345,21 @@ examples:
         help="most tokens to generate (tokens, not characters: the bundled tokenizer averages "
         "~3.4 characters of Python per token). Default: 64",
     )
-    gen.add_argument(
+    parser.add_argument(
         "--temperature",
         type=non_negative_float,
         default=0.0,
         metavar="T",
         help="sampling temperature; 0 is greedy (always the most likely token; deterministic). Default: 0",
     )
-    gen.add_argument(
+    parser.add_argument(
         "--top-k",
         type=non_negative_int,
         default=0,
         metavar="K",
         help="sample only among the K most likely tokens; 0 = no limit. Ignored when greedy. Default: 0",
     )
-    gen.add_argument(
+    parser.add_argument(
         "--top-p",
         type=probability,
         default=1.0,
@@ -372,7 +367,7 @@ examples:
         help="sample only among the most likely tokens whose probabilities add up to P (nucleus sampling); "
         "1 = no limit. Ignored when greedy. Default: 1",
     )
-    gen.add_argument(
+    parser.add_argument(
         "--seed",
         type=int,
         default=None,
@@ -380,5 +375,5 @@ examples:
         help="random seed for sampling; the same seed, prompt and options give the same output. "
         "Default: a different seed each run",
     )
-    _add_engine_options(gen)
-    gen.add_argument("--json", action="store_true", help="print one JSON object (fields below) instead")
+    _add_engine_options(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object (fields below) instead")

@@ -7,7 +7,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from orchestrator.cli.common import add_subcommand
 from orchestrator.cli.deploy import deploy_preflight
 
 
@@ -37,13 +36,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- parser ----------------------------------------------------------------------------------------
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    validate = add_subcommand(
-        sub,
-        "validate",
-        run,
-        help="check topology YAML files (clusters/*.yaml) without starting anything",
-        description="""\
+NAME = "validate"
+HELP = "check topology YAML files (clusters/*.yaml) without starting anything"
+DESCRIPTION = """\
 Read each topology file and check it: keys and types, choices, parallelism against the
 model's config.json, device counts and placement (clusters/README.md lists the rules).
 Prints one summary line per valid file on stdout and one FILE:LINE: reason line per
@@ -57,10 +52,13 @@ parallel) is valid as a plan and printed as a "note" line on stderr.
 also the actor layer's one-device-per-instance limit (an error, no longer a note), the
 checkpoint as this machine sees it (config.json, safetensors headers not truncated, every
 tensor present with its shape, tokenizer.json; no weights are read) and that api.host:api.port
-can be bound. A file it calls ok is one deploy will not refuse before starting Ray.""",
-    )
-    validate.add_argument("files", nargs="+", type=Path, metavar="FILE", help="topology YAML files")
-    validate.add_argument(
+can be bound. A file it calls ok is one deploy will not refuse before starting Ray."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `pdcluster validate`."""
+    parser.add_argument("files", nargs="+", type=Path, metavar="FILE", help="topology YAML files")
+    parser.add_argument(
         "--for-deploy",
         action="store_true",
         help="also check what `pdcluster deploy` needs on this machine (see above)",
