@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from orchestrator.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS, meets_slo
 from orchestrator.trace import Workload
 
 
@@ -168,13 +169,7 @@ def summarize(
 ) -> dict[str, Any]:
     """Aggregate figures (see the module docstring); times in ms in the output, named `_ms`."""
     ok = [r for r in results if r.ok]
-    meets = [
-        r
-        for r in ok
-        if r.ttft_s is not None
-        and r.ttft_s * 1000 <= ttft_slo_ms
-        and (r.tpot_s is None or r.tpot_s * 1000 <= tpot_slo_ms)
-    ]
+    meets = [r for r in ok if meets_slo(r.ttft_s, r.tpot_s, ttft_slo_ms, tpot_slo_ms)]
     num_output = sum(r.num_output_tokens for r in ok)
     acceptance = [r.acceptance_rate for r in ok if r.acceptance_rate is not None]
     kv_transfer = [r.kv_transfer_s for r in ok if r.kv_transfer_s is not None]
@@ -273,8 +268,8 @@ def run_bench(
     num_requests: int | None = None,
     time_scale: float = 1.0,
     max_tokens_cap: int = 128,
-    ttft_slo_ms: float = 1000.0,
-    tpot_slo_ms: float = 100.0,
+    ttft_slo_ms: float = DEFAULT_TTFT_SLO_MS,
+    tpot_slo_ms: float = DEFAULT_TPOT_SLO_MS,
     api_key: str | None = None,
     show_progress: bool = True,
 ) -> BenchReport:

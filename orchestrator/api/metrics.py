@@ -43,6 +43,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from orchestrator.slo import meets_slo
+
 if TYPE_CHECKING:
     from orchestrator.backend import StreamDelta
     from orchestrator.topology import SLOConfig
@@ -227,15 +229,5 @@ class ApiMetrics:
             for i, n in enumerate(last.num_accepted_tokens_per_position):
                 self.num_accepted_tokens.labels(str(i)).inc(n)
         if slo is not None and (slo.ttft_ms is not None or slo.tpot_ms is not None):
-            attained = meets_slo(extension["ttft_s"], extension["tpot_s"], slo)
+            attained = meets_slo(extension["ttft_s"], extension["tpot_s"], slo.ttft_ms, slo.tpot_ms)
             self.slo_requests.labels(str(attained).lower()).inc()
-
-
-def meets_slo(ttft_s: float | None, tpot_s: float | None, slo: SLOConfig) -> bool:
-    """Both SLOs met (an unset target always is; a request with one output token has no TPOT to miss).
-
-    `ttft_s`/`tpot_s` in seconds; the targets `slo.ttft_ms`/`slo.tpot_ms` in milliseconds.
-    """
-    if slo.ttft_ms is not None and (ttft_s is None or ttft_s * 1000 > slo.ttft_ms):
-        return False
-    return not (slo.tpot_ms is not None and tpot_s is not None and tpot_s * 1000 > slo.tpot_ms)

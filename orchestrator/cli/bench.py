@@ -14,6 +14,7 @@ from orchestrator.cli.common import (
     non_negative_int,
     positive_int,
 )
+from orchestrator.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,8 +112,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="cap on each request's output tokens. Default: 128",
     )
-    parser.add_argument("--ttft-slo-ms", type=float, default=1000.0, metavar="MS", help="Default: 1000")
-    parser.add_argument("--tpot-slo-ms", type=float, default=100.0, metavar="MS", help="Default: 100")
+    parser.add_argument(
+        "--ttft-slo-ms",
+        type=float,
+        default=DEFAULT_TTFT_SLO_MS,
+        metavar="MS",
+        help=f"Default: {DEFAULT_TTFT_SLO_MS:g}",
+    )
+    parser.add_argument(
+        "--tpot-slo-ms",
+        type=float,
+        default=DEFAULT_TPOT_SLO_MS,
+        metavar="MS",
+        help=f"Default: {DEFAULT_TPOT_SLO_MS:g}",
+    )
     parser.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
     add_model_options(parser)
