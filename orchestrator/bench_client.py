@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from orchestrator.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS, meets_slo
+from orchestrator.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS, meets_slo, time_per_output_token_s
 from orchestrator.trace import Workload
 
 
@@ -102,14 +102,17 @@ async def _one(
     result.ok = True
     result.num_output_tokens = final.get("usage", {}).get("completion_tokens", 0)
     result.ttft_s = first_s - sent_s
-    if result.num_output_tokens > 1:
-        result.tpot_s = (last_s - first_s) / (result.num_output_tokens - 1)
+    result.tpot_s = time_per_output_token_s(first_s, last_s, result.num_output_tokens)
     result.e2e_s = done_s - sent_s
     ext = final.get("pdcluster") or {}
     result.acceptance_rate = ext.get("acceptance_rate")
     result.phases = ext.get("phases") or {}
     result.kv_transfer_s = result.phases.get("kv_transfer_s")
     return result
+
+
+def _auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 async def replay(
@@ -125,7 +128,7 @@ async def replay(
     seconds (first send -> last answer)."""
     from tqdm import tqdm
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = _auth_headers(api_key)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     progress = tqdm(total=len(prompts), desc="requests", unit="req", disable=not show_progress)
     async with httpx.AsyncClient(
@@ -252,7 +255,7 @@ class BenchReport:
 
 def served_model(endpoint: str, api_key: str | None = None) -> tuple[str, int]:
     """(model id, max_model_len) from the endpoint's `GET /v1/models`. Raises httpx.HTTPError/ValueError."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = _auth_headers(api_key)
     response = httpx.get(endpoint.rstrip("/") + "/v1/models", headers=headers, timeout=30)
     response.raise_for_status()
     model = response.json()["data"][0]

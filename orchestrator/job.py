@@ -23,7 +23,7 @@ from pathlib import Path
 from engine.sampling_params import SamplingParams
 from orchestrator.bench_client import RequestResult, format_table, summarize
 from orchestrator.cluster import Cluster
-from orchestrator.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
+from orchestrator.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS, time_per_output_token_s
 from orchestrator.topology import DEFAULT_TOPOLOGY_PATH, load_topology
 from orchestrator.trace import build_prompts, load_trace, scale_trace
 
@@ -55,8 +55,7 @@ async def _run_one(
     result.ok = last is not None and last.finished
     result.num_output_tokens = len(token_ids)
     result.ttft_s = None if first_s is None else first_s - sent_s
-    if first_s is not None and len(token_ids) > 1:
-        result.tpot_s = (last_s - first_s) / (len(token_ids) - 1)
+    result.tpot_s = time_per_output_token_s(first_s, last_s, len(token_ids))
     result.e2e_s = done_s - sent_s
     if last is not None:
         result.phases = dict(last.phases)

@@ -1,5 +1,6 @@
-"""The SLO attainment rule, one place for the API's metrics (`pdcluster_slo_requests_total`) and the
-benchmarks' goodput (`orchestrator.bench_client.summarize`, `pdcluster bench`, `pdcluster demo`,
+"""TPOT as measured from token arrivals and the SLO attainment rule, one place for the API's metrics
+(`pdcluster_time_per_output_token_seconds`, `pdcluster_slo_requests_total`, the `pdcluster` response field)
+and the benchmarks (`orchestrator.bench_client`: `pdcluster bench`, `pdcluster demo`;
 `python -m orchestrator.job`)."""
 
 from __future__ import annotations
@@ -7,6 +8,23 @@ from __future__ import annotations
 # the targets `pdcluster bench` and the topology-driven jobs use where none is set (milliseconds)
 DEFAULT_TTFT_SLO_MS = 1000.0
 DEFAULT_TPOT_SLO_MS = 100.0
+
+
+def time_per_output_token_s(
+    first_token_s: float | None, last_token_s: float | None, num_output_tokens: int
+) -> float | None:
+    """TPOT in seconds: (last token's arrival - first token's) / (num_output_tokens - 1).
+
+    Args:
+        first_token_s, last_token_s: arrival times (seconds, one clock) of the first and the last output
+            token; None: no token arrived.
+
+    Returns:
+        None with fewer than 2 output tokens or no arrival time (no TPOT to measure).
+    """
+    if first_token_s is None or last_token_s is None or num_output_tokens < 2:
+        return None
+    return (last_token_s - first_token_s) / (num_output_tokens - 1)
 
 
 def meets_slo(

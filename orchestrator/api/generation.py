@@ -22,6 +22,7 @@ from models.tokenizer import Tokenizer
 from orchestrator.api.metrics import ApiMetrics
 from orchestrator.api.protocol import MAX_STOP_STRINGS, ApiError, CommonRequest
 from orchestrator.backend import PHASE_NAMES, BackendUnavailable, ServingBackend, StreamDelta
+from orchestrator.slo import time_per_output_token_s
 from orchestrator.topology import SLOConfig
 
 
@@ -281,10 +282,7 @@ class Generation:
         p = self.progress
         end_s = p.last_token_s if p.last_token_s is not None else time.perf_counter()
         ttft_s = None if p.first_token_s is None else p.first_token_s - p.arrival_s
-        num_tokens = len(p.token_ids)
-        tpot_s = None
-        if num_tokens > 1 and p.first_token_s is not None:
-            tpot_s = (p.last_token_s - p.first_token_s) / (num_tokens - 1)
+        tpot_s = time_per_output_token_s(p.first_token_s, p.last_token_s, len(p.token_ids))
         e2e_s = end_s - p.arrival_s
         last = p.last or StreamDelta([])
         phases = dict(last.phases)

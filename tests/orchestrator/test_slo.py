@@ -1,11 +1,12 @@
-"""`orchestrator.slo.meets_slo`: the one SLO rule behind the API's slo metric and the benchmarks' goodput."""
+"""`orchestrator.slo`: the TPOT definition and the one SLO rule behind the API's metrics and the benchmarks'
+goodput."""
 
 from __future__ import annotations
 
 import pytest
 
 from orchestrator.bench_client import RequestResult, summarize
-from orchestrator.slo import meets_slo
+from orchestrator.slo import meets_slo, time_per_output_token_s
 
 
 @pytest.mark.parametrize(
@@ -45,3 +46,16 @@ def test_goodput_counts_the_requests_meeting_the_slo() -> None:
     assert summary["goodput_fraction"] == 0.5
     assert summary["goodput_requests_per_s"] == 1.0
     assert summary["num_failed"] == 1
+
+
+@pytest.mark.parametrize(
+    ("first_token_s", "last_token_s", "num_output_tokens", "tpot_s"),
+    [
+        (10.0, 13.0, 4, 1.0),  # 3 gaps over 3 s
+        (10.0, 10.0, 1, None),  # one token: no TPOT
+        (None, None, 0, None),  # no token arrived
+        (2.0, 2.5, 2, 0.5),
+    ],
+)
+def test_time_per_output_token_s(first_token_s, last_token_s, num_output_tokens, tpot_s) -> None:
+    assert time_per_output_token_s(first_token_s, last_token_s, num_output_tokens) == tpot_s
