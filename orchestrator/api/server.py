@@ -24,7 +24,8 @@ from orchestrator.topology import (
 class ServerThread:
     """uvicorn serving `app` on `host` (a free port with port=0) in a background thread; `stop()` ends it.
 
-    Used by the tests and `pdcluster bench --serve-local`; binds 127.0.0.1 unless told otherwise.
+    Used by the tests, `orchestrator.serve` and `pdcluster bench --endpoint local`; binds 127.0.0.1 unless
+    told otherwise.
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
