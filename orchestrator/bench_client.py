@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from orchestrator.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS, meets_slo, time_per_output_token_s
 from orchestrator.trace import Workload
 
 
@@ -101,14 +102,17 @@ async def _one(
     result.ok = True
     result.num_output_tokens = final.get("usage", {}).get("completion_tokens", 0)
     result.ttft_s = first_s - sent_s
-    if result.num_output_tokens > 1:
-        result.tpot_s = (last_s - first_s) / (result.num_output_tokens - 1)
+    result.tpot_s = time_per_output_token_s(first_s, last_s, result.num_output_tokens)
     result.e2e_s = done_s - sent_s
     ext = final.get("pdcluster") or {}
     result.acceptance_rate = ext.get("acceptance_rate")
     result.phases = ext.get("phases") or {}
     result.kv_transfer_s = result.phases.get("kv_transfer_s")
     return result
+
+
+def _auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 async def replay(
@@ -124,7 +128,7 @@ async def replay(
     seconds (first send -> last answer)."""
     from tqdm import tqdm
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = _auth_headers(api_key)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     progress = tqdm(total=len(prompts), desc="requests", unit="req", disable=not show_progress)
     async with httpx.AsyncClient(
@@ -168,13 +172,7 @@ def summarize(
 ) -> dict[str, Any]:
     """Aggregate figures (see the module docstring); times in ms in the output, named `_ms`."""
     ok = [r for r in results if r.ok]
-    meets = [
-        r
-        for r in ok
-        if r.ttft_s is not None
-        and r.ttft_s * 1000 <= ttft_slo_ms
-        and (r.tpot_s is None or r.tpot_s * 1000 <= tpot_slo_ms)
-    ]
+    meets = [r for r in ok if meets_slo(r.ttft_s, r.tpot_s, ttft_slo_ms, tpot_slo_ms)]
     num_output = sum(r.num_output_tokens for r in ok)
     acceptance = [r.acceptance_rate for r in ok if r.acceptance_rate is not None]
     kv_transfer = [r.kv_transfer_s for r in ok if r.kv_transfer_s is not None]
@@ -257,7 +255,7 @@ class BenchReport:
 
 def served_model(endpoint: str, api_key: str | None = None) -> tuple[str, int]:
     """(model id, max_model_len) from the endpoint's `GET /v1/models`. Raises httpx.HTTPError/ValueError."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = _auth_headers(api_key)
     response = httpx.get(endpoint.rstrip("/") + "/v1/models", headers=headers, timeout=30)
     response.raise_for_status()
     model = response.json()["data"][0]
@@ -273,8 +271,8 @@ def run_bench(
     num_requests: int | None = None,
     time_scale: float = 1.0,
     max_tokens_cap: int = 128,
-    ttft_slo_ms: float = 1000.0,
-    tpot_slo_ms: float = 100.0,
+    ttft_slo_ms: float = DEFAULT_TTFT_SLO_MS,
+    tpot_slo_ms: float = DEFAULT_TPOT_SLO_MS,
     api_key: str | None = None,
     show_progress: bool = True,
 ) -> BenchReport:

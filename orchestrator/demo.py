@@ -68,6 +68,7 @@ def run_demo(
 
     from orchestrator.bench_client import run_bench
     from orchestrator.serve import serve
+    from orchestrator.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
 
     def log(message: str) -> None:
         out.write(f"[pdcluster] {message}\n")
@@ -98,8 +99,8 @@ def run_demo(
             tokenizer_dir=topo.engine_config("decode").model,
             num_requests=num_requests,
             max_tokens_cap=max_tokens_cap,
-            ttft_slo_ms=topo.slo.ttft_ms or 1000.0,
-            tpot_slo_ms=topo.slo.tpot_ms or 100.0,
+            ttft_slo_ms=topo.slo.ttft_ms or DEFAULT_TTFT_SLO_MS,
+            tpot_slo_ms=topo.slo.tpot_ms or DEFAULT_TPOT_SLO_MS,
             api_key=topo.api.api_key,
         )
     out.write(report.as_table() + "\n")

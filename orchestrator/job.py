@@ -23,6 +23,7 @@ from pathlib import Path
 from engine.sampling_params import SamplingParams
 from orchestrator.bench_client import RequestResult, format_table, summarize
 from orchestrator.cluster import Cluster
+from orchestrator.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS, time_per_output_token_s
 from orchestrator.topology import DEFAULT_TOPOLOGY_PATH, load_topology
 from orchestrator.trace import build_prompts, load_trace, scale_trace
 
@@ -54,14 +55,12 @@ async def _run_one(
     result.ok = last is not None and last.finished
     result.num_output_tokens = len(token_ids)
     result.ttft_s = None if first_s is None else first_s - sent_s
-    if first_s is not None and len(token_ids) > 1:
-        result.tpot_s = (last_s - first_s) / (len(token_ids) - 1)
+    result.tpot_s = time_per_output_token_s(first_s, last_s, len(token_ids))
     result.e2e_s = done_s - sent_s
     if last is not None:
         result.phases = dict(last.phases)
         result.kv_transfer_s = last.phases.get("kv_transfer_s")
-        if last.num_draft_tokens:
-            result.acceptance_rate = last.num_accepted_tokens / last.num_draft_tokens
+        result.acceptance_rate = last.acceptance_rate
     record.update(
         token_ids=token_ids,
         finish_reason=None if last is None else last.finish_reason,
@@ -109,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     with args.output.open("w") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
-    summary = summarize(results, duration_s, topology.slo.ttft_ms or 1000.0, topology.slo.tpot_ms or 100.0)
+    ttft_slo_ms = topology.slo.ttft_ms or DEFAULT_TTFT_SLO_MS
+    summary = summarize(results, duration_s, ttft_slo_ms, topology.slo.tpot_ms or DEFAULT_TPOT_SLO_MS)
     print(format_table(summary, workload.description))
     print(f"wrote {len(records)} results to {args.output}")
     return 1 if summary["num_failed"] else 0

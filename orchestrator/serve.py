@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.api_server import ServerThread, build_app
+from orchestrator.api.app import build_app
+from orchestrator.api.server import ServerThread
 from orchestrator.cluster import Cluster, DeployError
 from orchestrator.topology import Topology, load_topology
 

@@ -10,7 +10,8 @@ import time
 import httpx
 import pytest
 
-from orchestrator.api_server import ServerThread, build_app
+from orchestrator.api.app import build_app
+from orchestrator.api.server import ServerThread
 from orchestrator.cluster import Cluster
 from orchestrator.topology import load_topology
 from tests.cluster.conftest import call_bound_s, request_bound_s

@@ -20,7 +20,9 @@ import pytest
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from models import bundled_checkpoint_dir
-from orchestrator.api_server import ServerThread, build_app, chat_prompt
+from orchestrator.api.app import build_app
+from orchestrator.api.protocol import chat_prompt
+from orchestrator.api.server import ServerThread
 from orchestrator.backend import BackendUnavailable, LocalEngineBackend, ServingBackend, StreamDelta
 from orchestrator.topology import SLOConfig
 
@@ -146,7 +148,7 @@ def test_streaming_concatenation_equals_non_streaming(client: httpx.Client, path
 
 def test_chat_uses_the_documented_template(client: httpx.Client, reference: LLM) -> None:
     messages = [{"role": "system", "content": "# utilities"}, {"role": "user", "content": "import os\n"}]
-    from orchestrator.api_server import ChatMessage
+    from orchestrator.api.protocol import ChatMessage
 
     prompt = chat_prompt([ChatMessage(**m) for m in messages])
     assert prompt == "# utilities\n\nimport os\n"

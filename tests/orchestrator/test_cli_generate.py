@@ -18,7 +18,8 @@ import pytest
 import models
 from models import bundled_checkpoint_dir
 from models.tokenizer import Tokenizer
-from orchestrator.cli import TextStreamer, main
+from orchestrator.cli import main
+from orchestrator.cli.generate import TextStreamer
 from orchestrator.demo import heldout_prompts
 from tests.orchestrator.conftest import RANDOM_CONTEXT_LEN
 

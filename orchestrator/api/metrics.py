@@ -1,7 +1,7 @@
 """Prometheus metrics of one API server (`GET /metrics`), in a registry owned by the app.
 
-Per request, recorded by the server when a request ends (times in seconds, measured at the HTTP edge from
-the moment the request passed validation):
+Per request, recorded by the server when a request ends (`ApiMetrics.record_request`; times in seconds,
+measured at the HTTP edge from the moment the request passed validation):
 
     pdcluster_time_to_first_token_seconds        histogram  arrival -> first token delta
     pdcluster_time_per_output_token_seconds      histogram  (last token - first token) / (output tokens - 1)
@@ -37,11 +37,17 @@ Read from `backend.stats()` at scrape time (nothing is cached between scrapes):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from orchestrator.slo import meets_slo
+
+if TYPE_CHECKING:
+    from orchestrator.backend import StreamDelta
+    from orchestrator.topology import SLOConfig
 
 # Buckets in seconds: TTFT spans a queued long prompt on a CPU; TPOT/ITL are per-step gaps.
 _TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120)
@@ -181,3 +187,47 @@ class ApiMetrics:
             registry=r,
         )
         r.register(_BackendStatsCollector(stats))
+
+    def record_request(
+        self,
+        finish_reason: str,
+        num_prompt_tokens: int,
+        num_output_tokens: int,
+        extension: dict[str, Any],
+        last: StreamDelta | None,
+        slo: SLOConfig | None,
+    ) -> None:
+        """Count one ended request; an aborted one only in `requests{finish_reason="abort"}`.
+
+        Args:
+            extension: the response's `pdcluster` field (`Generation.extension()`): ttft_s, tpot_s, e2e_s
+                in seconds, `phases` (names ending in `_s` are seconds, `kv_transfer_bytes` bytes).
+            last: the request's last delta (its cumulative MTP draft/accept counts per position).
+            slo: counted in `slo_requests` when it sets a TTFT or a TPOT target.
+        """
+        self.requests.labels(finish_reason).inc()
+        if finish_reason == "abort":
+            return
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_output_tokens)
+        if extension["ttft_s"] is not None:
+            self.ttft_s.observe(extension["ttft_s"])
+        if extension["tpot_s"] is not None:
+            self.tpot_s.observe(extension["tpot_s"])
+        self.e2e_s.observe(extension["e2e_s"])
+        phases = extension["phases"]
+        for name, value in phases.items():
+            if name.endswith("_s"):
+                self.phase_s.labels(name.removesuffix("_s")).observe(value)
+        if "kv_transfer_s" in phases:
+            self.kv_transfer_s.observe(phases["kv_transfer_s"])
+        if "kv_transfer_bytes" in phases:
+            self.kv_transfer_bytes.inc(phases["kv_transfer_bytes"])
+        if last is not None:
+            for i, n in enumerate(last.num_draft_tokens_per_position):
+                self.num_draft_tokens.labels(str(i)).inc(n)
+            for i, n in enumerate(last.num_accepted_tokens_per_position):
+                self.num_accepted_tokens.labels(str(i)).inc(n)
+        if slo is not None and (slo.ttft_ms is not None or slo.tpot_ms is not None):
+            attained = meets_slo(extension["ttft_s"], extension["tpot_s"], slo.ttft_ms, slo.tpot_ms)
+            self.slo_requests.labels(str(attained).lower()).inc()

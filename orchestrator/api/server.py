@@ -1,0 +1,119 @@
+"""Running the app: `ServerThread` (uvicorn on a background thread, for the tests, `pdcluster deploy`,
+`pdcluster bench --endpoint local`) and `main`, a single-engine server in the foreground:
+
+    python -m orchestrator.api --model models/tiny --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import threading
+import time
+
+from fastapi import FastAPI
+
+from orchestrator.api.app import build_app
+from orchestrator.topology import (
+    CONCURRENT_REQUESTS_PER_DECODE_SEAT,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    SLOConfig,
+)
+
+
+class ServerThread:
+    """uvicorn serving `app` on `host` (a free port with port=0) in a background thread; `stop()` ends it.
+
+    Used by the tests, `orchestrator.serve` and `pdcluster bench --endpoint local`; binds 127.0.0.1 unless
+    told otherwise.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn
+
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.host, self.port = self._socket.getsockname()[:2]
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self._socket]}, name="pdcluster-http", daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> ServerThread:
+        """Start serving; returns once uvicorn is up. Raises RuntimeError if it did not start in time."""
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout_s)
+        self._socket.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m orchestrator.api`: one LocalEngineBackend behind the API (foreground)."""
+    import uvicorn
+
+    from engine.config import EngineConfig
+    from models import bundled_checkpoint_dir
+    from orchestrator.backend import LocalEngineBackend
+
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.api", description=main.__doc__)
+    parser.add_argument("--model", default=str(bundled_checkpoint_dir()))
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--num-speculative-tokens", type=int, default=0)
+    parser.add_argument("--ttft-slo-ms", type=float, default=None)
+    parser.add_argument("--tpot-slo-ms", type=float, default=None)
+    parser.add_argument(
+        "--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, help="larger: 413"
+    )
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        help=f"beyond it 429 (default: {CONCURRENT_REQUESTS_PER_DECODE_SEAT} x the engine's max_num_seqs)",
+    )
+    args = parser.parse_args(argv)
+    backend = LocalEngineBackend(
+        EngineConfig(
+            model=args.model,
+            max_model_len=args.max_model_len,
+            num_speculative_tokens=args.num_speculative_tokens,
+        )
+    )
+    slo = SLOConfig(ttft_ms=args.ttft_slo_ms, tpot_ms=args.tpot_slo_ms)
+    max_concurrent = args.max_concurrent_requests
+    if max_concurrent is None:
+        max_concurrent = CONCURRENT_REQUESTS_PER_DECODE_SEAT * backend.engine.config.max_num_seqs
+    app = build_app(
+        backend,
+        api_key=args.api_key,
+        slo=slo,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_concurrent_requests=max_concurrent,
+    )
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        backend.shutdown()
+    return 0
