@@ -357,7 +357,7 @@ class _Generation:
             tpot_s = (p.last_token_s - p.first_token_s) / (num_tokens - 1)
         e2e_s = end_s - p.arrival_s
         last = p.last or StreamDelta([])
-        phases = dict(last.phases)
+        phases = last.reported_phases()
         if "first_decode_step_s" not in phases and p.second_delta_s is not None:
             phases["first_decode_step_s"] = p.second_delta_s - p.first_token_s
         phases.setdefault("total_s", e2e_s)

@@ -58,7 +58,7 @@ async def _run_one(
         result.tpot_s = (last_s - first_s) / (len(token_ids) - 1)
     result.e2e_s = done_s - sent_s
     if last is not None:
-        result.phases = dict(last.phases)
+        result.phases = last.reported_phases()
         result.kv_transfer_s = last.phases.get("kv_transfer_s")
         if last.num_draft_tokens:
             result.acceptance_rate = last.num_accepted_tokens / last.num_draft_tokens
