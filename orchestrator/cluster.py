@@ -30,8 +30,8 @@ Timeouts (`kv_transfer.timeout_s` = T, `orchestrator.dispatch`): every actor cal
 call (queue + prompt + handoff) and every wait for the request's next event (before and after admission)
 after T + EVENT_SLACK_S. Nothing waits forever.
 
-Where the code is: `orchestrator.deployment` (deploy, placement, actors, KV wiring, stats, shutdown),
-`orchestrator.health_monitor` (marking failed instances, probing, rejoin, rewire),
+Where the code is: `orchestrator.deployment` (deploy, placement, actors, KV wiring, shutdown),
+`orchestrator.health_monitor` (stats and health, marking failed instances, probing, rejoin, rewire),
 `orchestrator.request_dispatch` (generate / abort / the poll loops: a thin loop over the pure policy of
 `orchestrator.dispatch`), `orchestrator.messages` (what crosses the driver <-> actor boundary),
 `orchestrator.instance` (an instance as a group of rank actors), `orchestrator.actor_errors`.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import socket
 import threading
@@ -24,16 +25,17 @@ from typing import Any
 
 from models.tokenizer import Tokenizer
 from orchestrator.actor_errors import DeployError, actor_error_message
-from orchestrator.backend import BackendUnavailable
 from orchestrator.dispatch import call_timeout_s, event_timeout_s
 from orchestrator.health import InstanceHealth
 from orchestrator.instance import Instance
-from orchestrator.messages import DecodeNodeLoad, NodeReady, PrefillNodeLoad
+from orchestrator.messages import NodeReady
 from orchestrator.placement import nodes_to_pin, plan_placement, to_ray_placement_group_args
 from orchestrator.preflight import pool_parallelism
 from orchestrator.ray_runtime import init_local_ray, keeping_sigterm_handler
 from orchestrator.router import POLICIES, PrefixCacheModel
 from orchestrator.topology import ROLES, Topology, load_topology
+
+logger = logging.getLogger("orchestrator.cluster")  # the driver's log, as before the split
 
 MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc transport) this often; then it stays dead
 
@@ -87,7 +89,7 @@ class ClusterDeployment:
     instances: dict[str, list[Instance]]
 
     @classmethod
-    def deploy(cls, topology: Topology | str | Path, *, num_cpus: int | None = None, log=None):
+    def deploy(cls, topology: Topology | str | Path, *, num_cpus: int | None = None, log=logger.info):
         """Start the cluster: `ray.init` (RAY_ADDRESS if set, else a local Ray with `num_cpus`, default the
         devices the topology uses), one placement group per instance (`plan_placement`; pinned to its
         planned node where the Ray nodes carry `pdcluster_node_<i>` resources), one actor per instance in
@@ -98,8 +100,6 @@ class ClusterDeployment:
                 actor layer yet); DeployError (a RuntimeError, one line): an actor failed to start (what
                 it raised, e.g. loading its weights, named with the instance), a Ray call failed.
         """
-        import logging
-
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -107,7 +107,6 @@ class ClusterDeployment:
         from decode_node.actor import DecodeNode
         from prefill_node.actor import PrefillNode
 
-        log = log or logging.getLogger("orchestrator.cluster").info
         self = object.__new__(cls)
         topo = topology if isinstance(topology, Topology) else load_topology(topology)
         check_single_device_instances(topo)
@@ -301,64 +300,17 @@ class ClusterDeployment:
         ray.get(refs, timeout=120)
         return []
 
-    def stats(self) -> dict[str, Any]:
-        """Load snapshot of the instances in routing, and every instance's health.
-
-        The snapshots are taken in parallel, waiting at most `call_timeout_s` (derived from
-        kv_transfer.timeout_s, like every call on the request path): an instance that does not answer in
-        time leaves routing as unresponsive (its requests fail), one whose actor died as dead; the health
-        monitor brings either back once it answers again.
-
-        Raises:
-            BackendUnavailable: no prefill or no decode instance is in routing (so `/health` answers 503);
-                the message names each instance's state and why.
-        """
-        import ray
-
-        if self._closed:
-            raise BackendUnavailable("the cluster is shut down")
-        targets = [  # every rank of every instance in routing
-            (role, instance.index, actor)
-            for role in ROLES
-            for instance in self.instances[role]
-            if instance.routable
-            for actor in instance.ranks
-        ]
-        refs = [actor.load.remote() for _, _, actor in targets]
-        ray.wait(refs, num_returns=len(refs), timeout=self.call_timeout_s)
-        loads: dict[str, list[Any]] = {"prefill": [], "decode": []}
-        for (role, i, _), ref in zip(targets, refs, strict=True):
-            try:
-                loads[role].append(ray.get(ref, timeout=0))
-            except Exception as e:  # noqa: BLE001 - GetTimeoutError or an actor error: out of routing
-                self._mark_failed(role, i, e, "load")
-        for role in ("prefill", "decode"):
-            if not loads[role]:
-                raise BackendUnavailable(f"no live {role} instance ({self._health_summary(role)})")
-        prefill_loads: list[PrefillNodeLoad] = loads["prefill"]
-        decode_loads: list[DecodeNodeLoad] = loads["decode"]
-        return {
-            "num_waiting_requests": sum(p.num_requests for p in prefill_loads),
-            "num_running_requests": sum(d.num_running for d in decode_loads),
-            "kv_blocks": {
-                d.name: {
-                    "num_used_blocks": d.num_total_blocks - d.num_free_blocks,
-                    "num_total_blocks": d.num_total_blocks,
-                }
-                for d in decode_loads
-            },
-            "kv_transfer_bytes_total": self._kv_transfer_bytes_total,
-            "kv_transfer_seconds_total": self._kv_transfer_seconds_total,
-            "instances": self.health(),
-        }
-
     def check_no_leaks(self) -> dict[str, dict[str, Any]]:
         """Per live instance: blocks held, reservations, open handoffs (all zero/empty when idle)."""
         import ray
 
-        actors = [
-            (f"prefill-{i}", a) for i, a in enumerate(self.prefill_actors) if self._prefill_alive[i]
-        ] + [(f"decode-{i}", a) for i, a in enumerate(self.decode_actors) if self._decode_alive[i]]
+        actors = [  # each rank of the instances in routing: `decode-0`, then `decode-0.1`, ... for more ranks
+            (instance.name + (f".{rank}" if rank else ""), actor)
+            for role in ROLES
+            for instance in self.instances[role]
+            if instance.routable
+            for rank, actor in enumerate(instance.ranks)
+        ]
         results = ray.get([a.check_no_leaks.remote() for _, a in actors], timeout=self.call_timeout_s)
         return {name: r for (name, _), r in zip(actors, results, strict=True)}
 

@@ -17,10 +17,11 @@ import time
 from typing import Any
 
 from orchestrator.actor_errors import describe_error
+from orchestrator.backend import BackendUnavailable
 from orchestrator.deployment import advertised_address
 from orchestrator.health import InstanceHealth, ProbeOutcome, after_answer, after_failure
 from orchestrator.instance import Instance
-from orchestrator.messages import DecodeLost
+from orchestrator.messages import DecodeLost, DecodeNodeLoad, PrefillNodeLoad
 from orchestrator.topology import ROLES
 
 logger = logging.getLogger("orchestrator.cluster")
@@ -41,6 +42,57 @@ class InstanceMonitor:
     def _set_health(self, role: str, index: int, health: InstanceHealth) -> None:
         self.instances[role][index].health = health
 
+    def stats(self) -> dict[str, Any]:
+        """Load snapshot of the instances in routing, and every instance's health.
+
+        The snapshots are taken in parallel, waiting at most `call_timeout_s` (derived from
+        kv_transfer.timeout_s, like every call on the request path): an instance that does not answer in
+        time leaves routing as unresponsive (its requests fail), one whose actor died as dead; the health
+        monitor brings either back once it answers again.
+
+        Raises:
+            BackendUnavailable: no prefill or no decode instance is in routing (so `/health` answers 503);
+                the message names each instance's state and why.
+        """
+        import ray
+
+        if self._closed:
+            raise BackendUnavailable("the cluster is shut down")
+        targets = [  # every rank of every instance in routing
+            (role, instance.index, actor)
+            for role in ROLES
+            for instance in self.instances[role]
+            if instance.routable
+            for actor in instance.ranks
+        ]
+        refs = [actor.load.remote() for _, _, actor in targets]
+        ray.wait(refs, num_returns=len(refs), timeout=self.call_timeout_s)
+        loads: dict[str, list[Any]] = {"prefill": [], "decode": []}
+        for (role, i, _), ref in zip(targets, refs, strict=True):
+            try:
+                loads[role].append(ray.get(ref, timeout=0))
+            except Exception as e:  # noqa: BLE001 - GetTimeoutError or an actor error: out of routing
+                self._mark_failed(role, i, e, "load")
+        for role in ("prefill", "decode"):
+            if not loads[role]:
+                raise BackendUnavailable(f"no live {role} instance ({self._health_summary(role)})")
+        prefill_loads: list[PrefillNodeLoad] = loads["prefill"]
+        decode_loads: list[DecodeNodeLoad] = loads["decode"]
+        return {
+            "num_waiting_requests": sum(p.num_requests for p in prefill_loads),
+            "num_running_requests": sum(d.num_running for d in decode_loads),
+            "kv_blocks": {
+                d.name: {
+                    "num_used_blocks": d.num_total_blocks - d.num_free_blocks,
+                    "num_total_blocks": d.num_total_blocks,
+                }
+                for d in decode_loads
+            },
+            "kv_transfer_bytes_total": self._kv_transfer_bytes_total,
+            "kv_transfer_seconds_total": self._kv_transfer_seconds_total,
+            "instances": self.health(),
+        }
+
     def health(self) -> dict[str, dict[str, Any]]:
         """Every instance's health: `{name: {"state": "healthy" | "unresponsive" | "dead", "reason": str,
         "for_s": seconds in that state}}` (no calls made)."""
@@ -51,15 +103,12 @@ class InstanceMonitor:
             for i, h in enumerate(self._health[role])
         }
 
-    @property
-    def _prefill_alive(self) -> list[bool]:
-        """Per prefill instance: in routing (healthy)."""
-        return [h.routable for h in self._health["prefill"]]
+    def _routable(self, role: str) -> list[bool]:
+        """Per instance of pool `role`, in pool order: in routing (healthy)."""
+        return [instance.routable for instance in self.instances[role]]
 
-    @property
-    def _decode_alive(self) -> list[bool]:
-        """Per decode instance: in routing (healthy)."""
-        return [h.routable for h in self._health["decode"]]
+    _prefill_alive = property(lambda self: self._routable("prefill"))
+    _decode_alive = property(lambda self: self._routable("decode"))
 
     def _health_summary(self, role: str) -> str:
         return "; ".join(
