@@ -135,3 +135,17 @@ def test_the_timeouts_derive_from_the_kv_transfer_timeout() -> None:
 def test_an_unknown_event_is_refused() -> None:
     with pytest.raises(TypeError, match="not an attempt event"):
         next_action(FIRST, "abort")  # type: ignore[arg-type]  # a positional tuple of old
+
+
+def test_phases_merge_and_the_reported_phases_keep_bytes_apart_from_seconds() -> None:
+    from orchestrator.backend import StreamDelta
+    from orchestrator.messages import Phases
+
+    prefill = Phases(queue_s=0.5, prefill_s=1.0)
+    decode = Phases(kv_transfer_s=0.25, first_decode_step_s=None)
+    merged = prefill.merged(decode).merged(Phases(queue_s=0.75))  # a later measure replaces an earlier
+    assert merged == Phases(queue_s=0.75, prefill_s=1.0, kv_transfer_s=0.25)
+    assert merged.as_dict() == {"queue_s": 0.75, "prefill_s": 1.0, "kv_transfer_s": 0.25}
+    delta = StreamDelta([1], phases=merged.as_dict(), kv_transfer_bytes=4096)
+    assert delta.reported_phases() == {**merged.as_dict(), "kv_transfer_bytes": 4096}
+    assert StreamDelta([1], phases={"total_s": 2.0}).reported_phases() == {"total_s": 2.0}
