@@ -143,7 +143,7 @@ async def _one_request(backend, request_id: str, prompt: list[int]) -> dict[str,
     async for delta in backend.generate(request_id, prompt, params):
         if delta.new_token_ids and first_s is None:
             first_s = time.perf_counter()
-        phases = dict(delta.phases)
+        phases = delta.reported_phases()
     assert first_s is not None, f"{request_id}: no token"
     return {"ttft_s": first_s - sent_s, "phases": phases}
 

@@ -3,7 +3,7 @@
 The driver (`orchestrator.cluster.Cluster`) wraps the class with `ray.remote` and places it in its
 instance's placement group. A disaggregated request on this node:
 
-    reserve(handoff_id, ...)   engine.reserve_remote_prefill (blocks for prompt + first token + drafts),
+    reserve(ReserveRequest)    engine.reserve_remote_prefill (blocks for prompt + first token + drafts),
                                then receiver.expect(meta, on_layer=write into the reserved slots), whose
                                bound meta (with the handoff's secret) goes back to the driver for the chosen
                                prefill instance only; a waiter thread blocks in receiver.wait(lease)
@@ -13,7 +13,7 @@ instance's placement group. A disaggregated request on this node:
                                max_num_seqs requests run, it waits for a seat (blocks held, first token
                                already streamed)
     wait raises                receiver.release + engine.release_remote_prefill: no block stays held;
-                               an ("error", ...) event tells the driver, which may re-dispatch
+                               a `RequestError` event tells the driver, which may re-dispatch
     poll(timeout_s)            the driver's one call per node: token deltas and errors of every request
 
 The engine is touched only under `self._engine_lock` (held by the engine thread for each step), so
@@ -27,14 +27,25 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from engine.config import EngineConfig
-from engine.llm import EngineStepError, LLMEngine, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.llm import EngineStepError, RequestOutput
 from kvtransfer.base import HandoffMeta, KVReceiver, KVTransferError, ReceivedKV, ReceivedLayer
+from orchestrator.messages import (
+    DecodeEvent,
+    DecodeNodeLoad,
+    DraftCounts,
+    NodeReady,
+    Phases,
+    PolledEvent,
+    RequestError,
+    ReserveRequest,
+    ReserveResult,
+    TokenDelta,
+)
+from orchestrator.rank_actor import RankActor
 
 if TYPE_CHECKING:
     from kvtransfer.grpc_transport import TLSCredentials
@@ -42,43 +53,42 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class DecodeNode:
-    """One decode instance. `host`: loopback address its gRPC receiver binds (grpc transport)."""
+@dataclass
+class _Handoff:
+    """One handoff on this node, from its admission on: the transfer's measures, when it was admitted
+    (until its first stepped delta), and how many of its tokens were sent to the driver."""
+
+    kv_transfer_s: float
+    kv_transfer_bytes: int
+    admitted_at_s: float | None = None
+    num_sent: int = 0
+
+
+class DecodeNode(RankActor):
+    """One decode instance (rank). `host`: loopback address its gRPC receiver binds (grpc transport)."""
+
+    # "admit" (admitting a handoff), "step" (the engine step), "delta" (turning a step output into an
+    # event), "loop" (the loop body, outside any request)
+    FAULT_POINTS = ("admit", "step", "delta", "loop")
 
     def __init__(self, engine_config: EngineConfig, name: str, host: str = "127.0.0.1") -> None:
-        torch.set_num_threads(1)
-        started_s = time.monotonic()
-        self.name = name
+        super().__init__(engine_config, name)
         self.host = host
-        self.engine = LLMEngine(engine_config)
-        self.load_s = time.monotonic() - started_s
         self.receiver: KVReceiver | None = None
         self._engine_lock = threading.Lock()
         self._events_lock = threading.Condition()
-        self._events: collections.deque[tuple[int, tuple]] = collections.deque()  # (seq, event), unacked
+        self._events: collections.deque[PolledEvent] = collections.deque()  # unacknowledged
         self._next_seq = 0
-        self._admissions: list[tuple[str, ReceivedKV]] = []
-        self._reserved_at_s: dict[str, float] = {}
-        self._admitted_at_s: dict[str, float] = {}
-        self._transfer: dict[str, dict[str, float]] = {}
-        self._num_sent: dict[str, int] = {}
+        self._admissions: list[tuple[str, ReceivedKV]] = []  # received, admitted by the engine thread next
+        self._handoffs: dict[str, _Handoff] = {}  # admitted, until finished or failed
         self._wakeup = threading.Event()
-        self._stopped = threading.Event()
-        self._num_loop_errors = 0
-        self._last_loop_error: str | None = None
-        self._faults: dict[str, int] = {}  # test-only: inject_fault
         self._delays: dict[str, list[float]] = {}  # test-only: inject_delay
-        self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
-        self._thread.start()
+        self._start_engine_thread()
 
     # ---- wiring -----------------------------------------------------------------------------------------
-    def ready(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "pid": os.getpid(),
-            "load_s": self.load_s,
-            "num_blocks": self.engine.scheduler.block_manager.num_blocks,
-        }
+    def ready(self) -> NodeReady:
+        """Name, process id and load time, once the weights are loaded."""
+        return NodeReady(self.name, os.getpid(), self.load_s, self.engine.scheduler.block_manager.num_blocks)
 
     def start_grpc(self, tls: TLSCredentials | None = None) -> str:
         """Start the gRPC receiver on a free port of `host` (mutual TLS with `tls`); returns the address
@@ -104,17 +114,10 @@ class DecodeNode:
         self.receiver = DistKVReceiver(prefill_ranks, config)
 
     # ---- requests ---------------------------------------------------------------------------------------
-    def reserve(
-        self,
-        handoff_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        meta: HandoffMeta,
-        num_draft_tokens: int,
-    ) -> HandoffMeta | None:
-        """Reserve blocks and expect the handoff (before prefill starts). Returns `meta` bound to the
-        reservation (with the secret the prefill sender must present: give it to that prefill instance
-        only); None: no room right now.
+    def reserve(self, request: ReserveRequest) -> ReserveResult:
+        """Reserve blocks and expect the handoff (before prefill starts). Returns the request's meta bound
+        to the reservation (with the secret the prefill sender must present: give it to that prefill
+        instance only), or no meta: no room right now.
 
         Raises:
             ValueError: a request this instance could never hold.
@@ -122,10 +125,13 @@ class DecodeNode:
         assert self.receiver is not None, "connect a transport first"
         self._maybe_delay("before_reserve")
         engine = self.engine
+        handoff_id, meta = request.handoff_id, request.meta
         with self._engine_lock:
-            if not engine.reserve_remote_prefill(handoff_id, prompt_token_ids, params, num_draft_tokens):
-                return None
-            self._reserved_at_s[handoff_id] = time.monotonic()
+            reserved = engine.reserve_remote_prefill(
+                handoff_id, list(request.prompt_token_ids), request.params, request.num_draft_tokens
+            )
+            if not reserved:
+                return ReserveResult(None)
 
         def on_layer(layer_idx: int, layer: ReceivedLayer) -> None:
             engine.write_prompt_kv(handoff_id, layer_idx, layer.latent)
@@ -138,7 +144,7 @@ class DecodeNode:
             raise
         threading.Thread(target=self._await_handoff, args=(meta,), daemon=True).start()
         self._maybe_delay("after_reserve")
-        return bound
+        return ReserveResult(bound)
 
     def abort(self, handoff_id: str) -> None:
         """Drop the request wherever it is (reserved or running); frees its blocks. Unknown ids: no-op."""
@@ -149,49 +155,36 @@ class DecodeNode:
             self.engine.release_remote_prefill(handoff_id)
             self.engine.abort_request(handoff_id)
             self.engine.pop_finished_outputs([handoff_id])  # aborted: no output
-            self._forget(handoff_id)
+            self._handoffs.pop(handoff_id, None)
 
-    def poll(self, timeout_s: float = 0.05, acked_seq: int = 0) -> list[tuple[int, tuple]]:
-        """Events after `acked_seq`, as `(seq, event)` with seq counting from 1 (waits up to `timeout_s` for
-        one); event: `("delta", handoff_id, new_token_ids, finished, finish_reason, info)` or
-        `("error", handoff_id, msg)`. Events up to `acked_seq` are dropped; later ones are kept until a poll
-        acknowledges them, so a reply the driver stopped waiting for (a timed-out poll) loses nothing.
+    def poll(self, timeout_s: float = 0.05, acked_seq: int = 0) -> list[PolledEvent]:
+        """Events after `acked_seq` (seq counts from 1; waits up to `timeout_s` seconds for one): a
+        `TokenDelta` or a `RequestError` per event. Events up to `acked_seq` are dropped; later ones are kept
+        until a poll acknowledges them, so a reply the driver stopped waiting for (a timed-out poll) loses
+        nothing.
         """
         with self._events_lock:
-            while self._events and self._events[0][0] <= acked_seq:
+            while self._events and self._events[0].seq <= acked_seq:
                 self._events.popleft()
             if not self._events:
                 self._events_lock.wait(timeout_s)
             return list(self._events)
 
-    def load(self) -> dict[str, Any]:
+    def load(self) -> DecodeNodeLoad:
         """Cheap snapshot for the router: free KV blocks, batch size, reservations and admitted requests
         waiting for a seat in the batch."""
         scheduler = self.engine.scheduler
         bm = scheduler.block_manager
-        return {
-            "name": self.name,
-            "pid": os.getpid(),  # tells a restarted actor (new process) from a stalled one
-            "num_free_blocks": bm.num_free_blocks,
-            "num_total_blocks": bm.num_blocks,
-            "num_running": len(scheduler.running),
-            "num_reserved": len(scheduler.reserved),
-            # received, waiting for a seat in the running batch (max_num_seqs), holding their blocks
-            "num_waiting_for_seat": len(scheduler.waiting_for_seat),
-            "engine_thread_alive": self._thread.is_alive(),
-            "num_engine_errors": self._num_loop_errors,
-            "last_engine_error": self._last_loop_error,
-        }
-
-    def inject_fault(self, where: str, count: int = 1) -> None:
-        """Test-only fault injection: the next `count` passes through `where` raise RuntimeError on the
-        engine thread. `where`: "admit" (admitting a handoff), "step" (the engine step), "delta"
-        (turning a step output into an event), "loop" (the loop body, outside any request)."""
-        if where not in ("admit", "step", "delta", "loop"):
-            raise ValueError(f"unknown fault point {where!r}")
-        with self._engine_lock:
-            self._faults[where] = self._faults.get(where, 0) + count
-        self._wakeup.set()
+        return DecodeNodeLoad(
+            name=self.name,
+            pid=os.getpid(),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            num_running=len(scheduler.running),
+            num_reserved=len(scheduler.reserved),
+            num_waiting_for_seat=len(scheduler.waiting_for_seat),
+            **self._engine_health(),
+        )
 
     def inject_delay(self, where: str, seconds: float, count: int = 1) -> None:
         """Test-only: the next `count` `reserve` calls sleep `seconds` (holding no lock) at `where`:
@@ -215,9 +208,7 @@ class DecodeNode:
             }
 
     def close(self) -> None:
-        self._stopped.set()
-        self._wakeup.set()
-        self._thread.join(10.0)
+        self._stop_engine_thread()
         if self.receiver is not None:
             try:
                 self.receiver.close()
@@ -236,9 +227,9 @@ class DecodeNode:
             self.receiver.release(handoff_id)
             with self._engine_lock:
                 released = self.engine.release_remote_prefill(handoff_id)
-                self._forget(handoff_id)
+                self._handoffs.pop(handoff_id, None)
             if released:  # not already aborted
-                self._emit(("error", handoff_id, f"{type(e).__name__}: {e}"))
+                self._emit(RequestError(handoff_id, f"{type(e).__name__}: {e}"))
             return
         with self._engine_lock:
             if handoff_id in self.engine.scheduler.reserved:
@@ -246,18 +237,18 @@ class DecodeNode:
         self._wakeup.set()
 
     def _run(self) -> None:
-        """The engine thread. Any exception becomes an ("error", ...) event for the requests it touches,
+        """The engine thread. Any exception becomes a `RequestError` event for the requests it touches,
         logged with its traceback; their blocks are freed and the loop goes on. It never dies silently.
         A request whose own sampling fails, or a step whose execution fails (`EngineStepError`), fails
         only the requests concerned (the step's); the others run on. Only an exception the engine cannot
         tie to requests (scheduling, the loop itself: state unknown) fails every in-flight request."""
         engine = self.engine
         while not self._stopped.is_set():
-            if not engine.has_unfinished_requests() and not self._admissions and not self._faults:
+            if not engine.has_unfinished_requests() and not self._admissions and not self._faults_armed():
                 self._wakeup.wait(0.05)
                 self._wakeup.clear()
                 continue
-            events: list[tuple] = []
+            events: list[DecodeEvent] = []
             try:
                 with self._engine_lock:
                     self._maybe_fault("loop")
@@ -269,7 +260,7 @@ class DecodeNode:
             for event in events:
                 self._emit(event)
 
-    def _run_once(self, events: list[tuple]) -> None:
+    def _run_once(self, events: list[DecodeEvent]) -> None:
         """One pass under the engine lock: admit finished handoffs, step, turn outputs into events."""
         engine = self.engine
         admissions, self._admissions = self._admissions, []
@@ -300,7 +291,7 @@ class DecodeNode:
                 self._loop_error(e, f"reporting {out.request_id} failed")
                 events.append(self._fail(out.request_id, f"decode output failed: {e!r}"))
 
-    def _fail(self, handoff_id: str, message: str) -> tuple:
+    def _fail(self, handoff_id: str, message: str) -> RequestError:
         """Under the engine lock: drop the request wherever it is (receiver, reservation, batch, finished
         outputs not yet reported), free its blocks, and return its error event."""
         assert self.receiver is not None
@@ -312,22 +303,17 @@ class DecodeNode:
         self.engine.release_remote_prefill(handoff_id)
         self.engine.abort_request(handoff_id)
         self.engine.pop_finished_outputs([handoff_id])
-        self._forget(handoff_id)
-        return ("error", handoff_id, message)
+        self._handoffs.pop(handoff_id, None)
+        return RequestError(handoff_id, message)
 
-    def _fail_all(self, message: str) -> list[tuple]:
+    def _fail_all(self, message: str) -> list[RequestError]:
         """Under the engine lock: fail every request admitted on this instance (running or finished and
         not yet reported); reservations still waiting for their handoff are left to their waiters."""
         scheduler = self.engine.scheduler
-        ids = set(scheduler.requests) | set(self._num_sent) | set(self._admitted_at_s)
+        ids = set(scheduler.requests) | set(self._handoffs)
         ids |= {rid for rid, _ in self._admissions}
         ids |= {out.request_id for out in self.engine.pop_finished_outputs()}
         return [self._fail(rid, message) for rid in sorted(ids)]
-
-    def _loop_error(self, e: BaseException, what: str) -> None:
-        self._num_loop_errors += 1
-        self._last_loop_error = f"{what}: {e!r}"
-        logger.error("%s: %s", self.name, what, exc_info=e)
 
     def _maybe_delay(self, where: str) -> None:
         if not self._delays.get(where):  # the usual case: no engine lock taken
@@ -338,23 +324,15 @@ class DecodeNode:
         if seconds:
             time.sleep(seconds)
 
-    def _maybe_fault(self, where: str) -> None:
-        if self._faults.get(where, 0) > 0:
-            self._faults[where] -= 1
-            if not self._faults[where]:
-                del self._faults[where]
-            raise RuntimeError(f"injected fault at {where}")
+    def _wake_engine_thread(self) -> None:
+        self._wakeup.set()
 
-    def _admit(self, handoff_id: str, received: ReceivedKV) -> list[tuple]:
+    def _admit(self, handoff_id: str, received: ReceivedKV) -> list[TokenDelta]:
         assert self.receiver is not None
         extras = received.extras
         self.receiver.release(handoff_id)
-        now_s = time.monotonic()
-        self._transfer[handoff_id] = {
-            "kv_transfer_s": received.elapsed_s,
-            "kv_transfer_bytes": float(received.num_wire_bytes),
-        }
-        self._admitted_at_s[handoff_id] = now_s
+        handoff = _Handoff(received.elapsed_s, int(received.num_wire_bytes), admitted_at_s=time.monotonic())
+        self._handoffs[handoff_id] = handoff
         self._maybe_fault("admit")
         self.engine.admit_remote_prefill(
             handoff_id, extras.first_token_id, extras.draft_token_ids, extras.draft_probs
@@ -363,37 +341,54 @@ class DecodeNode:
         if request is None:  # the first token finished it: `_run_once` pops its output right after
             return []
         # The first token streams at once; the engine reports it again with the next step's output.
-        self._num_sent[handoff_id] = 1
-        info = dict(self._transfer[handoff_id])
-        return [("delta", handoff_id, [extras.first_token_id], False, None, info)]
+        handoff.num_sent = 1
+        return [
+            TokenDelta(
+                handoff_id,
+                (extras.first_token_id,),
+                phases=Phases(kv_transfer_s=handoff.kv_transfer_s),
+                kv_transfer_bytes=handoff.kv_transfer_bytes,
+            )
+        ]
 
-    def _delta(self, out: RequestOutput) -> list[tuple]:
+    def _delta(self, out: RequestOutput) -> list[DecodeEvent]:
         rid = out.request_id
         if out.finish_reason == "error":  # failed alone in the engine (its sampling, or its step)
             return [self._fail(rid, f"decode failed: {out.error}")]
-        num_sent = self._num_sent.get(rid, 0)
-        new = out.token_ids[num_sent:]
-        self._num_sent[rid] = len(out.token_ids)
-        info: dict[str, Any] = {
-            "num_draft_tokens": out.num_draft_tokens,
-            "num_accepted_tokens": out.num_accepted_tokens,
-            "num_draft_tokens_per_position": list(out.num_draft_tokens_per_position),
-            "num_accepted_tokens_per_position": list(out.num_accepted_tokens_per_position),
-        }
-        admitted_at_s = self._admitted_at_s.pop(rid, None)
-        if admitted_at_s is not None:
-            info["first_decode_step_s"] = time.monotonic() - admitted_at_s
-            info.update(self._transfer.get(rid, {}))
+        handoff = self._handoffs.get(rid)
+        num_sent = handoff.num_sent if handoff is not None else 0
+        phases, kv_transfer_bytes = Phases(), None
+        if handoff is not None:
+            handoff.num_sent = len(out.token_ids)
+            if handoff.admitted_at_s is not None:  # its first stepped output
+                phases = Phases(
+                    kv_transfer_s=handoff.kv_transfer_s,
+                    first_decode_step_s=time.monotonic() - handoff.admitted_at_s,
+                )
+                kv_transfer_bytes = handoff.kv_transfer_bytes
+                handoff.admitted_at_s = None
         if out.finished:
-            self._forget(rid)
-        return [("delta", rid, new, out.finished, out.finish_reason if out.finished else None, info)]
+            self._handoffs.pop(rid, None)
+        drafts = DraftCounts(
+            out.num_draft_tokens,
+            out.num_accepted_tokens,
+            tuple(out.num_draft_tokens_per_position),
+            tuple(out.num_accepted_tokens_per_position),
+        )
+        return [
+            TokenDelta(
+                rid,
+                tuple(out.token_ids[num_sent:]),
+                finished=out.finished,
+                finish_reason=out.finish_reason if out.finished else None,
+                phases=phases,
+                kv_transfer_bytes=kv_transfer_bytes,
+                drafts=drafts,
+            )
+        ]
 
-    def _forget(self, handoff_id: str) -> None:
-        for table in (self._reserved_at_s, self._admitted_at_s, self._transfer, self._num_sent):
-            table.pop(handoff_id, None)
-
-    def _emit(self, event: tuple) -> None:
+    def _emit(self, event: DecodeEvent) -> None:
         with self._events_lock:
             self._next_seq += 1
-            self._events.append((self._next_seq, event))
+            self._events.append(PolledEvent(self._next_seq, event))
             self._events_lock.notify_all()

@@ -61,8 +61,9 @@ class StreamDelta:
         finish_reason: on the last delta: "stop" (EOS, stop token or stop string), "length" (max_tokens),
             "abort"; None before.
         phases: per-request phase durations in seconds, keys from `PHASE_NAMES` (whatever the backend
-            knows; the final delta should carry all it knows, `total_s` included). Also
-            `kv_transfer_bytes` (bytes, not seconds) when KV moved between instances.
+            knows; the final delta should carry all it knows, `total_s` included).
+        kv_transfer_bytes: bytes of KV moved between instances for this request (on the wire), once
+            known; None when no KV moved (a local engine) or not yet.
         num_draft_tokens: MTP draft tokens proposed for this request so far (cumulative).
         num_accepted_tokens: of those, accepted (cumulative).
         num_draft_tokens_per_position: cumulative drafts per draft depth (index 0 = first draft token).
@@ -75,11 +76,19 @@ class StreamDelta:
     finished: bool = False
     finish_reason: str | None = None
     phases: dict[str, float] = field(default_factory=dict)
+    kv_transfer_bytes: int | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_draft_tokens_per_position: list[int] = field(default_factory=list)
     num_accepted_tokens_per_position: list[int] = field(default_factory=list)
     text: str | None = None
+
+    def reported_phases(self) -> dict[str, float | int]:
+        """The phases as reports show them (`pdcluster.phases` of the HTTP API, job records): the seconds
+        of `phases` plus `kv_transfer_bytes` (bytes) when known."""
+        if self.kv_transfer_bytes is None:
+            return dict(self.phases)
+        return {**self.phases, "kv_transfer_bytes": self.kv_transfer_bytes}
 
     @property
     def acceptance_rate(self) -> float | None:

@@ -58,7 +58,7 @@ async def _run_one(
     result.tpot_s = time_per_output_token_s(first_s, last_s, len(token_ids))
     result.e2e_s = done_s - sent_s
     if last is not None:
-        result.phases = dict(last.phases)
+        result.phases = last.reported_phases()
         result.kv_transfer_s = last.phases.get("kv_transfer_s")
         result.acceptance_rate = last.acceptance_rate
     record.update(

@@ -5,13 +5,20 @@ reserve KV blocks before prefill sends the first layer. No Ray, gRPC or device c
 cluster (`orchestrator.cluster`) and the capacity planner call the same functions.
 
 Inputs:
-    prefill: one `PrefillLoad` per live prefill instance (instances the caller knows are dead are left out).
-    decode: one `DecodeLoad` per live decode instance.
-Each policy returns `RouteChoice(prefill_index, decode_index)`: indices into those sequences.
+    prefill: one `PrefillLoad` per live prefill instance (instances the caller knows are dead are left out),
+        `instance` its index in the prefill pool.
+    decode: one `DecodeLoad` per live decode instance, `instance` its index in the decode pool.
+Each policy returns `RouteChoice(prefill, decode)`: the (instance, rank) each request goes to, instances
+named by their pool index (the loads' `instance`), rank 0 (the instance's leader rank; instances are one
+rank today).
+
+The prefix-aware policy's view of what each prefill instance caches is `PrefixCacheModel`: the chained
+block hashes of the prompts the router sent there, least recently sent forgotten first.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -37,9 +44,22 @@ class DecodeLoad(NamedTuple):
     num_running: int
 
 
+class RankRef(NamedTuple):
+    """One rank of one instance: `instance` its pool index, `rank` its rank in the instance (0: leader)."""
+
+    instance: int
+    rank: int = 0
+
+
 class RouteChoice(NamedTuple):
-    prefill_index: int
-    decode_index: int
+    """Where one request goes: the prefill (instance, rank) and the decode (instance, rank)."""
+
+    prefill: RankRef
+    decode: RankRef
+
+
+def _choice(prefill: Sequence[PrefillLoad], p: int, decode: Sequence[DecodeLoad], d: int) -> RouteChoice:
+    return RouteChoice(RankRef(prefill[p].instance), RankRef(decode[d].instance))
 
 
 def _least_loaded_decode(decode: Sequence[DecodeLoad]) -> int:
@@ -52,7 +72,7 @@ def round_robin(
 ) -> RouteChoice:
     """The `counter`-th request goes to prefill `counter % P` and decode `counter % D`."""
     _check(prefill, decode)
-    return RouteChoice(counter % len(prefill), counter % len(decode))
+    return _choice(prefill, counter % len(prefill), decode, counter % len(decode))
 
 
 def least_loaded(prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad], **_: object) -> RouteChoice:
@@ -60,7 +80,7 @@ def least_loaded(prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad], *
     smallest running batch. Ties go to the lower index."""
     _check(prefill, decode)
     p = min(range(len(prefill)), key=lambda i: (prefill[i].num_queued_prefill_tokens, i))
-    return RouteChoice(p, _least_loaded_decode(decode))
+    return _choice(prefill, p, decode, _least_loaded_decode(decode))
 
 
 def prefix_hit_tokens(prompt_token_ids: Sequence[int], block_size: int, cached: frozenset[bytes]) -> int:
@@ -89,7 +109,7 @@ def prefix_aware(
         hit = prefix_hit_tokens(prompt_token_ids, block_size, prefill[i].cached_block_hashes)
         return (prefill[i].num_queued_prefill_tokens + len(prompt_token_ids) - hit, i)
 
-    return RouteChoice(min(range(len(prefill)), key=cost), _least_loaded_decode(decode))
+    return _choice(prefill, min(range(len(prefill)), key=cost), decode, _least_loaded_decode(decode))
 
 
 POLICIES: dict[str, Callable[..., RouteChoice]] = {
@@ -97,6 +117,36 @@ POLICIES: dict[str, Callable[..., RouteChoice]] = {
     "least_loaded": least_loaded,
     "prefix_aware": prefix_aware,
 }
+
+
+ROUTER_CACHE_BLOCKS = 4096  # block hashes remembered per prefill instance for prefix-aware routing
+
+
+class PrefixCacheModel:
+    """What the router believes each prefill instance caches: the chained block hashes
+    (`engine.block_manager.compute_block_hashes`) of the prompts it sent there, at most `capacity_blocks`
+    per instance, the least recently sent forgotten first (an estimate: the instance's own cache may have
+    evicted them, or hold more)."""
+
+    def __init__(
+        self, num_instances: int, block_size: int, capacity_blocks: int = ROUTER_CACHE_BLOCKS
+    ) -> None:
+        self.block_size = block_size
+        self.capacity_blocks = capacity_blocks
+        self._hashes: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_instances)]
+
+    def record(self, instance: int, prompt_token_ids: Sequence[int]) -> None:
+        """The prompt's full blocks were sent to prefill `instance` (most recent now)."""
+        remembered = self._hashes[instance]
+        for block_hash in compute_block_hashes(list(prompt_token_ids), self.block_size):
+            remembered[block_hash] = None
+            remembered.move_to_end(block_hash)
+        while len(remembered) > self.capacity_blocks:
+            remembered.popitem(last=False)
+
+    def cached(self, instance: int) -> frozenset[bytes]:
+        """The block hashes prefill `instance` is believed to cache (`PrefillLoad.cached_block_hashes`)."""
+        return frozenset(self._hashes[instance])
 
 
 def _check(prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad]) -> None:

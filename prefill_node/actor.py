@@ -31,9 +31,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.config import EngineConfig
-from engine.llm import EngineStepError, LLMEngine
-from engine.sampling_params import SamplingParams
-from kvtransfer.base import HandoffExtras, HandoffMeta, KVSender
+from engine.llm import EngineStepError
+from kvtransfer.base import HandoffExtras, KVSender
+from orchestrator.dispatch import event_timeout_s
+from orchestrator.messages import NodeReady, PrefillNodeLoad, PrefillRequest, PrefillResult
+from orchestrator.rank_actor import RankActor
 
 if TYPE_CHECKING:
     from kvtransfer.grpc_transport import TLSCredentials
@@ -43,22 +45,31 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Job:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    meta: HandoffMeta
-    decode_index: int
+    """One prefill request on this node, from `prefill` until its caller is woken (`done`)."""
+
+    request: PrefillRequest
     arrival_s: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
-    result: dict[str, Any] | None = None
+    result: PrefillResult | None = None
     error: str | None = None
-    scheduled_s: float | None = None
     layers: dict[int, torch.Tensor] = field(default_factory=dict)  # layerwise off: buffered layers
     num_layers_sent: int = 0
 
+    @property
+    def request_id(self) -> str:
+        return self.request.handoff_id
 
-class PrefillNode:
-    """One prefill instance.
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def decode_index(self) -> int:
+        return self.request.decode_index
+
+
+class PrefillNode(RankActor):
+    """One prefill instance (rank).
 
     Args:
         engine_config: the instance's engine arguments (`Topology.engine_config("prefill")`); the engine
@@ -67,38 +78,29 @@ class PrefillNode:
         layerwise: send each layer as soon as it is computed; False: all layers after the forward.
     """
 
+    # "start" (taking a job), "step" (the engine step), "complete" (handing a finished prefill over),
+    # "loop" (the loop body, outside any request)
+    FAULT_POINTS = ("start", "step", "complete", "loop")
+
     def __init__(self, engine_config: EngineConfig, name: str, layerwise: bool = True) -> None:
-        torch.set_num_threads(1)
-        started_s = time.monotonic()
-        self.name = name
+        super().__init__(engine_config, name)
         self.layerwise = layerwise
-        self.engine = LLMEngine(engine_config)
-        self.load_s = time.monotonic() - started_s
         self.senders: list[KVSender] = []
         self._tls: TLSCredentials | None = None  # what connect_grpc used, for set_decode_address
         self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._active: dict[str, _Job] = {}
         self._lock = threading.Lock()
-        self._num_queued_tokens = 0
-        self._stopped = threading.Event()
-        self._num_loop_errors = 0
-        self._last_loop_error: str | None = None
-        self._faults: dict[str, int] = {}  # test-only: inject_fault
-        self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
-        self._thread.start()
+        self._num_queued_tokens = 0  # of jobs queued or active
+        self._start_engine_thread()
 
     # ---- wiring -----------------------------------------------------------------------------------------
-    def ready(self) -> dict[str, Any]:
+    def ready(self) -> NodeReady:
         """Load time and model facts, once the weights are loaded."""
         cfg = self.engine.model.config
-        return {
-            "name": self.name,
-            "pid": os.getpid(),
-            "load_s": self.load_s,
-            "num_hidden_layers": cfg.num_hidden_layers,
-            "kv_dim": cfg.kv_cache_dim,
-            "num_blocks": self.engine.scheduler.block_manager.num_blocks,
-        }
+        num_blocks = self.engine.scheduler.block_manager.num_blocks
+        return NodeReady(
+            self.name, os.getpid(), self.load_s, num_blocks, cfg.num_hidden_layers, cfg.kv_cache_dim
+        )
 
     def connect_grpc(self, decode_addresses: list[str], tls: TLSCredentials | None = None) -> None:
         """One gRPC sender per decode instance, in decode index order (mutual TLS with `tls`), closing any
@@ -129,57 +131,39 @@ class PrefillNode:
         self.senders = [DistKVSender(peer, config) for peer in decode_ranks]
 
     # ---- requests ---------------------------------------------------------------------------------------
-    def prefill(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        meta: HandoffMeta,
-        decode_index: int,
-    ) -> dict[str, Any]:
-        """Prefill one request and hand it to decode instance `decode_index` (which already `expect`s it);
-        `meta` is the one that instance's `reserve` returned, with the handoff's secret.
+    def prefill(self, request: PrefillRequest) -> PrefillResult:
+        """Prefill one request and hand it to decode instance `request.decode_index` (which already
+        `expect`s it); `request.meta` is the one that instance's `reserve` bound, with the handoff's secret.
 
-        Returns once the handoff is finished on this side: `{"first_token_id", "num_drafts", "queue_s",
-        "prefill_s"}`. Raises RuntimeError when the prefill or the send failed (the handoff is aborted).
+        Returns once the handoff is finished on this side. Raises RuntimeError when the prefill or the send
+        failed (the handoff is aborted), or it was not done within `event_timeout_s(meta.lease_s)` seconds.
         """
-        job = _Job(request_id, list(prompt_token_ids), params, meta, decode_index)
+        job = _Job(request)
         with self._lock:
-            self._num_queued_tokens += len(job.prompt_token_ids)
+            self._num_queued_tokens += job.num_prompt_tokens
         self._jobs.put(("add", job))
-        timeout_s = meta.lease_s + 5.0
+        timeout_s = event_timeout_s(request.meta.lease_s)
         if not job.done.wait(timeout_s):
-            self._jobs.put(("abort", request_id))
-            raise RuntimeError(f"{self.name}: prefill of {request_id} not done after {timeout_s:g} s")
+            self._jobs.put(("abort", job.request_id))
+            raise RuntimeError(f"{self.name}: prefill of {job.request_id} not done after {timeout_s:g} s")
         if job.error is not None:
-            raise RuntimeError(f"{self.name}: prefill of {request_id} failed: {job.error}")
+            raise RuntimeError(f"{self.name}: prefill of {job.request_id} failed: {job.error}")
         assert job.result is not None
         return job.result
 
     def abort(self, request_id: str) -> None:
         self._jobs.put(("abort", request_id))
 
-    def load(self) -> dict[str, Any]:
+    def load(self) -> PrefillNodeLoad:
         """Cheap snapshot for the router: queued prompt tokens and requests in flight."""
         with self._lock:
-            return {
-                "name": self.name,
-                "pid": os.getpid(),  # tells a restarted actor (new process) from a stalled one
-                "num_queued_prefill_tokens": self._num_queued_tokens,
-                "num_requests": len(self._active),
-                "engine_thread_alive": self._thread.is_alive(),
-                "num_engine_errors": self._num_loop_errors,
-                "last_engine_error": self._last_loop_error,
-            }
-
-    def inject_fault(self, where: str, count: int = 1) -> None:
-        """Test-only fault injection: the next `count` passes through `where` raise RuntimeError on the
-        engine thread. `where`: "start" (taking a job), "step" (the engine step), "complete" (handing a
-        finished prefill over), "loop" (the loop body, outside any request)."""
-        if where not in ("start", "step", "complete", "loop"):
-            raise ValueError(f"unknown fault point {where!r}")
-        with self._lock:
-            self._faults[where] = self._faults.get(where, 0) + count
+            return PrefillNodeLoad(
+                name=self.name,
+                pid=os.getpid(),
+                num_queued_prefill_tokens=self._num_queued_tokens,
+                num_requests=len(self._active),
+                **self._engine_health(),
+            )
 
     def check_no_leaks(self) -> dict[str, Any]:
         """For tests: blocks held and handoffs still open once nothing is in flight. No `flush` first: a
@@ -193,9 +177,8 @@ class PrefillNode:
             }
 
     def close(self) -> None:
-        self._stopped.set()
         self._jobs.put(("stop", None))
-        self._thread.join(10.0)
+        self._stop_engine_thread()
         for sender in self.senders:
             try:
                 sender.close()
@@ -262,28 +245,14 @@ class PrefillNode:
                     self._fail(out.request_id, f"prefill completion failed: {e!r}", abort_engine=True)
         return True
 
-    def _loop_error(self, e: BaseException, what: str) -> None:
-        self._num_loop_errors += 1
-        self._last_loop_error = f"{what}: {e!r}"
-        logger.error("%s: %s", self.name, what, exc_info=e)
-
-    def _maybe_fault(self, where: str) -> None:
-        with self._lock:
-            if self._faults.get(where, 0) <= 0:
-                return
-            self._faults[where] -= 1
-            if not self._faults[where]:
-                del self._faults[where]
-        raise RuntimeError(f"injected fault at {where}")
-
     def _start(self, job: _Job) -> None:
         sender = self.senders[job.decode_index]
         try:
             self._maybe_fault("start")
-            sender.begin(job.meta)
+            sender.begin(job.request.meta)
             self.engine.add_request(
-                job.prompt_token_ids,
-                job.params,
+                list(job.request.prompt_token_ids),
+                job.request.params,
                 request_id=job.request_id,
                 arrival_time_s=job.arrival_s,
                 prefill_only=True,
@@ -292,7 +261,7 @@ class PrefillNode:
             self._loop_error(e, f"starting {job.request_id} failed")
             job.error = repr(e)
             with self._lock:
-                self._num_queued_tokens -= len(job.prompt_token_ids)
+                self._num_queued_tokens -= job.num_prompt_tokens
             try:
                 self.engine.abort_request(job.request_id)
                 self.engine.pop_finished_outputs([job.request_id])
@@ -329,12 +298,13 @@ class PrefillNode:
                 sender.send_layer(request_id, layer_idx, job.layers[layer_idx])
                 job.num_layers_sent += 1
             job.layers.clear()
-            if job.num_layers_sent != job.meta.num_layers:
-                raise RuntimeError(f"{job.num_layers_sent} of {job.meta.num_layers} layers computed")
+            num_layers = job.request.meta.num_layers
+            if job.num_layers_sent != num_layers:
+                raise RuntimeError(f"{job.num_layers_sent} of {num_layers} layers computed")
             sender.finish(
                 request_id,
                 HandoffExtras(
-                    prompt_token_ids=job.prompt_token_ids,
+                    prompt_token_ids=list(job.request.prompt_token_ids),
                     first_token_id=result.first_token_id,
                     last_hidden=result.last_hidden,
                     draft_token_ids=result.draft_token_ids,
@@ -344,12 +314,12 @@ class PrefillNode:
         except Exception as e:  # noqa: BLE001
             self._fail(request_id, repr(e))
             return
-        job.result = {
-            "first_token_id": result.first_token_id,
-            "num_drafts": len(result.draft_token_ids),
-            "queue_s": queue_s,
-            "prefill_s": time.monotonic() - job.arrival_s - queue_s,
-        }
+        job.result = PrefillResult(
+            first_token_id=result.first_token_id,
+            num_drafts=len(result.draft_token_ids),
+            queue_s=queue_s,
+            prefill_s=time.monotonic() - job.arrival_s - queue_s,
+        )
         self._finish_job(job)
 
     def _fail(self, request_id: str, reason: str, abort_engine: bool = False) -> None:
@@ -376,5 +346,5 @@ class PrefillNode:
     def _finish_job(self, job: _Job) -> None:
         with self._lock:
             self._active.pop(job.request_id, None)
-            self._num_queued_tokens -= len(job.prompt_token_ids)
+            self._num_queued_tokens -= job.num_prompt_tokens
         job.done.set()

@@ -285,7 +285,7 @@ class Generation:
         tpot_s = time_per_output_token_s(p.first_token_s, p.last_token_s, len(p.token_ids))
         e2e_s = end_s - p.arrival_s
         last = p.last or StreamDelta([])
-        phases = dict(last.phases)
+        phases = last.reported_phases()
         if "first_decode_step_s" not in phases and p.second_delta_s is not None:
             phases["first_decode_step_s"] = p.second_delta_s - p.first_token_s
         phases.setdefault("total_s", e2e_s)

@@ -60,7 +60,7 @@ async def _wait_reserved(cluster: Cluster, decode_index: int = 0) -> None:
     """Until decode `decode_index` holds a reservation: routing and reserve are actor calls, each bounded
     by call_timeout_s."""
     deadline_s = time.monotonic() + 2 * call_bound_s(cluster)
-    while (await cluster.decode_actors[decode_index].load.remote())["num_reserved"] == 0:
+    while (await cluster.decode_actors[decode_index].load.remote()).num_reserved == 0:
         assert time.monotonic() < deadline_s, "the request never reached decode"
         await asyncio.sleep(0.002)
 

@@ -127,7 +127,7 @@ def test_dead_decode_is_taken_out_of_routing_and_the_last_one_fails_fast(ray_ses
         async def kill_mid_stream():
             stream = cluster.generate("victim", prompt, long_run)
             await stream.__anext__()  # admitted and streaming
-            victim = cluster._active["victim"].decode_index
+            victim = cluster._requests["victim"].attempt.decode_index
             ray_session.kill(cluster.decode_actors[victim])
             started_s = time.monotonic()
             with pytest.raises(BackendUnavailable, match=f"decode-{victim} died or stopped answering"):

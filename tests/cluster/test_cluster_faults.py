@@ -16,6 +16,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from orchestrator.backend import BackendUnavailable
 from orchestrator.cluster import Cluster
+from orchestrator.messages import DecodeNodeLoad, PrefillNodeLoad
 from orchestrator.topology import load_topology
 from tests.cluster.conftest import assert_nothing_held, deployed_with_loop, request_bound_s
 
@@ -113,7 +114,7 @@ def test_decode_engine_thread_exception_fails_the_request_and_the_loop_survives(
     cluster re-dispatches it before any token and it completes); blocks are freed, the error is counted
     in load(), and the next request is served by the same thread. It used to kill the thread: a hang."""
     decode = cluster.decode_actors[0]
-    errors_before = cluster_load(cluster, decode)["num_engine_errors"]
+    errors_before = cluster_load(cluster, decode).num_engine_errors
     _ray_get(cluster, decode.inject_fault.remote(where))
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     try:
@@ -123,7 +124,7 @@ def test_decode_engine_thread_exception_fails_the_request_and_the_loop_survives(
     else:  # an error before the first token: re-dispatched, and the retry is served
         assert len(tokens) == 6 and last.finished
     load = cluster_load(cluster, decode)
-    assert load["engine_thread_alive"] and load["num_engine_errors"] > errors_before
+    assert load.engine_thread_alive and load.num_engine_errors > errors_before
     _assert_no_leaks(cluster)
     _healthy_request_completes(cluster, f"after-{where}")
     _assert_no_leaks(cluster)
@@ -134,7 +135,7 @@ def test_prefill_engine_thread_exception_fails_the_request_and_the_loop_survives
     """An exception on prefill's engine thread fails that request's prefill (its handoff is aborted, so
     decode frees its reservation at once) and the loop serves the next request."""
     prefill = cluster.prefill_actors[0]
-    errors_before = cluster_load(cluster, prefill)["num_engine_errors"]
+    errors_before = cluster_load(cluster, prefill).num_engine_errors
     _ray_get(cluster, prefill.inject_fault.remote(where))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     try:
@@ -148,13 +149,13 @@ def test_prefill_engine_thread_exception_fails_the_request_and_the_loop_survives
     else:  # re-dispatched after the failed attempt
         assert len(tokens) == 4 and last.finished
     load = cluster_load(cluster, prefill)
-    assert load["engine_thread_alive"] and load["num_engine_errors"] > errors_before
+    assert load.engine_thread_alive and load.num_engine_errors > errors_before
     _assert_no_leaks(cluster)
     _healthy_request_completes(cluster, f"prefill-after-{where}")
     _assert_no_leaks(cluster)
 
 
-def cluster_load(cluster: Cluster, actor) -> dict:
+def cluster_load(cluster: Cluster, actor) -> PrefillNodeLoad | DecodeNodeLoad:
     return _ray_get(cluster, actor.load.remote())
 
 

@@ -59,7 +59,7 @@ def _pid(cluster: Cluster, role: str, index: int = 0) -> int:
     import ray
 
     actors = cluster.prefill_actors if role == "prefill" else cluster.decode_actors
-    return ray.get(actors[index].load.remote(), timeout=cluster.call_timeout_s)["pid"]
+    return ray.get(actors[index].load.remote(), timeout=cluster.call_timeout_s).pid
 
 
 def _seconds_until_routable(cluster: Cluster, role: str, bound_s: float) -> float:

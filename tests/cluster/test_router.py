@@ -1,23 +1,49 @@
-"""Router policies are pure functions over load snapshots."""
+"""Router policies are pure functions over load snapshots; the prefix-aware policy's cache model; an
+instance's load over its ranks."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.block_manager import compute_block_hashes
-from orchestrator.router import DecodeLoad, PrefillLoad, least_loaded, prefix_aware, round_robin
+from orchestrator.instance import decode_instance_load, prefill_instance_load
+from orchestrator.messages import DecodeNodeLoad, PrefillNodeLoad
+from orchestrator.router import (
+    DecodeLoad,
+    PrefillLoad,
+    PrefixCacheModel,
+    RankRef,
+    RouteChoice,
+    least_loaded,
+    prefix_aware,
+    round_robin,
+)
+
+
+def _pair(choice: RouteChoice) -> tuple[int, int]:
+    assert choice.prefill.rank == 0 and choice.decode.rank == 0  # one rank per instance today
+    return choice.prefill.instance, choice.decode.instance
 
 
 def test_round_robin_cycles_both_pools() -> None:
     p = [PrefillLoad(0, 0), PrefillLoad(1, 0)]
     d = [DecodeLoad(0, 10, 0), DecodeLoad(1, 10, 0), DecodeLoad(2, 10, 0)]
-    assert [tuple(round_robin(p, d, counter=c)) for c in range(3)] == [(0, 0), (1, 1), (0, 2)]
+    assert [_pair(round_robin(p, d, counter=c)) for c in range(3)] == [(0, 0), (1, 1), (0, 2)]
 
 
 def test_least_loaded_prefers_short_queue_and_free_blocks() -> None:
     p = [PrefillLoad(0, 500), PrefillLoad(1, 20)]
     d = [DecodeLoad(0, 10, 1), DecodeLoad(1, 30, 5), DecodeLoad(2, 30, 2)]
-    assert tuple(least_loaded(p, d)) == (1, 2)
+    assert _pair(least_loaded(p, d)) == (1, 2)
+
+
+def test_choices_name_pool_indices_not_list_positions() -> None:
+    """With instances out of routing the loads are a subset: the choice names the instances' pool
+    indices (prefill-1 and decode-2 here), not their positions in the lists."""
+    p = [PrefillLoad(1, 5), PrefillLoad(3, 50)]
+    d = [DecodeLoad(2, 30, 0), DecodeLoad(4, 10, 0)]
+    assert least_loaded(p, d) == RouteChoice(RankRef(1, 0), RankRef(2, 0))
+    assert _pair(round_robin(p, d, counter=1)) == (3, 4)
 
 
 def test_prefix_aware_trades_queue_against_cache_hits() -> None:
@@ -25,9 +51,43 @@ def test_prefix_aware_trades_queue_against_cache_hits() -> None:
     cached = frozenset(compute_block_hashes(prompt, 16))
     p = [PrefillLoad(0, 10), PrefillLoad(1, 40, cached)]
     d = [DecodeLoad(0, 10, 0)]
-    assert prefix_aware(p, d, prompt_token_ids=prompt, block_size=16).prefill_index == 1
+    assert prefix_aware(p, d, prompt_token_ids=prompt, block_size=16).prefill.instance == 1
     p = [PrefillLoad(0, 10), PrefillLoad(1, 100, cached)]
-    assert prefix_aware(p, d, prompt_token_ids=prompt, block_size=16).prefill_index == 0
+    assert prefix_aware(p, d, prompt_token_ids=prompt, block_size=16).prefill.instance == 0
+
+
+def test_prefix_cache_model_remembers_sent_prompts_and_forgets_the_oldest() -> None:
+    model = PrefixCacheModel(num_instances=2, block_size=4, capacity_blocks=3)
+    first, second = list(range(8)), list(range(100, 108))  # 2 full blocks each
+    model.record(0, first)
+    assert model.cached(0) == frozenset(compute_block_hashes(first, 4))
+    assert model.cached(1) == frozenset()
+    model.record(0, second)  # 4 blocks > capacity 3: the oldest (first's first block) is forgotten
+    kept = compute_block_hashes(first, 4)[1:] + compute_block_hashes(second, 4)
+    assert model.cached(0) == frozenset(kept)
+    model.record(0, second[:4])  # sent again: most recent now, so first's second block is the oldest
+    model.record(0, first[:4])  # a new block in: first's second block goes
+    first_blocks, second_blocks = compute_block_hashes(first, 4), compute_block_hashes(second, 4)
+    assert model.cached(0) == frozenset([first_blocks[0], *second_blocks])
+    # the router's view feeds prefix_aware: prefill-1 knows nothing, prefill-0 caches `second`
+    loads = [PrefillLoad(i, 0, model.cached(i)) for i in range(2)]
+    choice = prefix_aware(loads, [DecodeLoad(0, 1, 0)], prompt_token_ids=second + [9], block_size=4)
+    assert choice.prefill == RankRef(0, 0)
+    choice = prefix_aware(loads, [DecodeLoad(0, 1, 0)], prompt_token_ids=list(range(50, 59)), block_size=4)
+    assert choice.prefill == RankRef(0, 0)  # no hit anywhere: the tie goes to the lower index
+
+
+def _decode_rank(free: int, running: int, reserved: int = 0, waiting: int = 0) -> DecodeNodeLoad:
+    return DecodeNodeLoad("decode-0", 1, free, 100, running, reserved, waiting, True, 0, None)
+
+
+def test_an_instance_reports_one_load_over_its_ranks() -> None:
+    assert decode_instance_load(3, [_decode_rank(40, 1, 1, 1)]) == DecodeLoad(3, 40, 3)
+    # several ranks: room only as much as the fullest rank has, the largest batch
+    assert decode_instance_load(1, [_decode_rank(40, 1), _decode_rank(25, 4, 1)]) == DecodeLoad(1, 25, 5)
+    ranks = [PrefillNodeLoad("prefill-2", 7, n, 1, True, 0, None) for n in (30, 80)]
+    cached = frozenset({b"x"})
+    assert prefill_instance_load(2, ranks, cached) == PrefillLoad(2, 80, cached)
 
 
 def test_no_live_instance_is_an_error() -> None:

@@ -142,7 +142,7 @@ async def _generate(cluster, request_id: str, ids: list[int]):
     async for delta in cluster.generate(request_id, ids, GREEDY):
         tokens += delta.new_token_ids
         last = delta
-    return tokens, last.phases
+    return tokens, last.reported_phases()
 
 
 def generate(cluster, request_id: str, ids: list[int], bound_s: float | None = None):

@@ -38,14 +38,14 @@ def no_ray(monkeypatch):
     """Make connecting to or starting Ray fail the test: these errors must come before it."""
     import ray
 
-    import orchestrator.cluster
+    import orchestrator.deployment
 
     def refuse(*_args, **_kwargs):
         raise RayStarted("Ray was started; the error should have been found before")
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray, "init", refuse)
-    monkeypatch.setattr(orchestrator.cluster, "init_local_ray", refuse)
+    monkeypatch.setattr(orchestrator.deployment, "init_local_ray", refuse)
 
 
 def run_cli(capsys, *argv: str | Path) -> tuple[int, str, str]:

@@ -1,0 +1,353 @@
+"""Deploying a `Cluster`: placement, actor start, KV transport wiring, and tearing it down.
+
+`ClusterDeployment.deploy` runs `ray.init` (RAY_ADDRESS if set, else a local Ray), one placement group per
+instance (`orchestrator.placement.plan_placement`; pinned to its planned node where the Ray nodes carry
+`pdcluster_node_<i>` resources), one rank actor per instance in it (`ray.remote(PrefillNode)` /
+`ray.remote(DecodeNode)`: the actor classes are plain classes), loading weights in parallel, then the KV
+connectors (`_wire`: gRPC receivers on decode and one sender per decode on each prefill, or one
+torch.distributed group). Each instance is an `orchestrator.instance.Instance` (a group of rank actors;
+one rank today: instances of more than one device are refused). The health monitor and the request path
+are `orchestrator.health_monitor` and `orchestrator.request_dispatch`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from models.tokenizer import Tokenizer
+from orchestrator.actor_errors import DeployError, actor_error_message
+from orchestrator.dispatch import call_timeout_s, event_timeout_s
+from orchestrator.health import InstanceHealth
+from orchestrator.instance import Instance
+from orchestrator.messages import NodeReady
+from orchestrator.placement import nodes_to_pin, plan_placement, to_ray_placement_group_args
+from orchestrator.preflight import pool_parallelism
+from orchestrator.ray_runtime import init_local_ray, keeping_sigterm_handler
+from orchestrator.router import POLICIES, PrefixCacheModel
+from orchestrator.topology import ROLES, Topology, load_topology
+
+logger = logging.getLogger("orchestrator.cluster")  # the driver's log, as before the split
+
+MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc transport) this often; then it stays dead
+
+
+def check_single_device_instances(topology: Topology) -> None:
+    """Raise ValueError for instances of more than one device (or TP/EP > 1): the actor layer runs one
+    actor on one device per instance, so deploying them would silently ignore the parallelism.
+    `pdcluster deploy` refuses them before this, at their YAML lines (`orchestrator.preflight`)."""
+    problems = [p for role in ROLES if (p := pool_parallelism(role, topology.pool(role))) is not None]
+    if problems:
+        raise ValueError(
+            f"instances of more than one device ({'; '.join(problems)}) are not supported by the actor layer "
+            "yet; `pdcluster validate` checks the plan only"
+        )
+
+
+def is_loopback_topology(topology: Topology) -> bool:
+    """A single-node `cpu` topology: every transport endpoint stays on 127.0.0.1."""
+    return topology.hardware.spec.ray_resource is None and topology.hardware.num_nodes == 1
+
+
+def actor_resource_options(ray_resource: str | None) -> dict[str, Any]:
+    """The device part of an actor's Ray options: `num_gpus=1` for GPUs (Ray refuses "GPU" in
+    `resources`), `resources={"NPU": 1}` for custom accelerators, nothing on `cpu`."""
+    if ray_resource is None:
+        return {}
+    if ray_resource == "GPU":
+        return {"num_gpus": 1}
+    return {"resources": {ray_resource: 1}}
+
+
+def advertised_address(bound_address: str, node_ip: str) -> str:
+    """The address prefill senders dial: `node_ip:port` for a server bound to all interfaces."""
+    host, _, port = bound_address.rpartition(":")
+    return f"{node_ip}:{port}" if host in ("0.0.0.0", "", "[::]", "::") else bound_address
+
+
+def _node_ip_and_free_port() -> tuple[str, int]:
+    """Run as a Ray task inside an instance's placement group bundle: that node's IP and a free port."""
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+class ClusterDeployment:
+    """The deployment half of `orchestrator.cluster.Cluster` (a mixin: `Cluster.deploy` builds it)."""
+
+    instances: dict[str, list[Instance]]
+
+    @classmethod
+    def deploy(cls, topology: Topology | str | Path, *, num_cpus: int | None = None, log=logger.info):
+        """Start the cluster: `ray.init` (RAY_ADDRESS if set, else a local Ray with `num_cpus`, default the
+        devices the topology uses), one placement group per instance (`plan_placement`; pinned to its
+        planned node where the Ray nodes carry `pdcluster_node_<i>` resources), one actor per instance in
+        it, loading weights in parallel, then the KV connectors. Logs progress via `log`.
+
+        Raises:
+            ValueError: an invalid topology, or instances of more than one device (not supported by the
+                actor layer yet); DeployError (a RuntimeError, one line): an actor failed to start (what
+                it raised, e.g. loading its weights, named with the instance), a Ray call failed.
+        """
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from decode_node.actor import DecodeNode
+        from prefill_node.actor import PrefillNode
+
+        self = object.__new__(cls)
+        topo = topology if isinstance(topology, Topology) else load_topology(topology)
+        check_single_device_instances(topo)
+        self.topology = topo
+        self._loopback = is_loopback_topology(topo)
+        plan = plan_placement(topo)
+        self._started_ray = False
+        if not ray.is_initialized():
+            with keeping_sigterm_handler():  # the caller's clean shutdown on SIGTERM, not Ray's sys.exit
+                if os.environ.get("RAY_ADDRESS"):
+                    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+                else:
+                    needed = int(plan.num_devices_used * topo.hardware.cpus_per_device + 0.999)
+                    init_local_ray(num_cpus or max(needed, 1))
+            self._started_ray = True
+        self._placement_groups = []
+        self.instances = {"prefill": [], "decode": []}
+        started_s = time.monotonic()
+        try:
+            pin = nodes_to_pin(plan, ray.cluster_resources())
+            log(
+                f"deploying {topo.name}: {topo.summary()}; {len(plan.instances)} placement groups"
+                + (" pinned to their planned nodes (pdcluster_node_<i> resources)" if pin else "")
+            )
+            for spec in plan.instances:
+                self._placement_groups.append(placement_group(**to_ray_placement_group_args(spec, pin)))
+            try:
+                ray.get([pg.ready() for pg in self._placement_groups], timeout=120)
+            except ray.exceptions.GetTimeoutError:
+                raise DeployError(
+                    f"placement groups not ready after 120 s: the Ray cluster lacks the resources "
+                    f"{plan.instances[0].bundles[0]} per device for {plan.num_devices_used} devices"
+                ) from None
+            log(f"placement groups ready in {time.monotonic() - started_s:.1f} s; loading weights")
+            env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
+            names: list[str] = []
+            for spec, pg in zip(plan.instances, self._placement_groups, strict=True):
+                options = {
+                    "num_cpus": spec.bundles[0].get("CPU", 1),
+                    "max_concurrency": 256,
+                    # A crashed actor is restarted by Ray in its bundle, then rewired by the health monitor.
+                    # A torch.distributed group is fixed at deploy time: a restarted rank could not rejoin.
+                    "max_restarts": MAX_ACTOR_RESTARTS if topo.kv_transfer.transport == "grpc" else 0,
+                    "runtime_env": env,
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        pg, placement_group_bundle_index=0
+                    ),
+                }
+                options.update(actor_resource_options(plan.ray_resource))
+                name = f"{spec.role}-{spec.index}"
+                names.append(name)
+                config = topo.engine_config(spec.role)
+                if spec.role == "prefill":
+                    actor = (
+                        ray.remote(PrefillNode)
+                        .options(**options)
+                        .remote(config, name, topo.kv_transfer.layerwise)
+                    )
+                    self.instances["prefill"].append(Instance("prefill", spec.index, [actor]))
+                else:
+                    host = "127.0.0.1" if self._loopback else "0.0.0.0"
+                    actor = ray.remote(DecodeNode).options(**options).remote(config, name, host)
+                    self.instances["decode"].append(Instance("decode", spec.index, [actor]))
+            ready_refs = {a.ready.remote(): n for a, n in zip(self._actors, names, strict=True)}
+            pending = list(ready_refs)
+            infos: dict[str, NodeReady] = {}
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1, timeout=300)
+                if not done:
+                    raise DeployError(f"actors not ready after 300 s: {[ready_refs[r] for r in pending]}")
+                try:
+                    info = ray.get(done[0])
+                except ray.exceptions.RayError as exc:
+                    raise DeployError(
+                        f"{ready_refs[done[0]]} failed to start: {actor_error_message(exc)}"
+                    ) from None
+                infos[info.name] = info
+                log(
+                    f"  {info.name} ready: weights loaded in {info.load_s:.1f} s "
+                    f"({len(infos)}/{len(ready_refs)})"
+                )
+            decode_addresses = self._wire(ray, plan)
+            log(
+                f"cluster {topo.name} up in {time.monotonic() - started_s:.1f} s "
+                f"({topo.kv_transfer.transport}, layerwise={topo.kv_transfer.layerwise})"
+            )
+        except BaseException as exc:
+            self._teardown(ray, remove_placement_group)
+            if isinstance(exc, ray.exceptions.RayError):  # e.g. wiring the KV transfer
+                raise DeployError(f"deploying {topo.name} failed: {actor_error_message(exc)}") from None
+            raise
+        first = infos["prefill-0"]
+        self.num_hidden_layers = first.num_hidden_layers
+        self.kv_dim = first.kv_dim
+        config = topo.engine_config("decode")
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.model_name = Path(config.model).resolve().name
+        self.max_model_len = config.max_model_len or _max_position_embeddings(config.model)
+        self._dtype = config.dtype
+        self._policy = POLICIES[topo.router.policy]
+        up_s = time.monotonic()
+        for instance in self.instances["prefill"] + self.instances["decode"]:
+            instance.health = InstanceHealth(since_s=up_s, pid=infos[instance.name].pid)
+        self._health_lock = threading.Lock()
+        self._decode_addresses = decode_addresses
+        self._poll_acked_seq = [0] * len(self.decode_actors)
+        self.call_timeout_s = call_timeout_s(topo.kv_transfer.timeout_s)
+        self.event_timeout_s = event_timeout_s(topo.kv_transfer.timeout_s)
+        self._prefix_cache = PrefixCacheModel(len(self.prefill_actors), topo.prefill.block_size)
+        self._counter = itertools.count()
+        self._requests = {}  # request id -> its record (orchestrator.request_dispatch)
+        self._by_handoff = {}  # handoff id -> the attempt it names
+        self._pollers: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._kv_transfer_bytes_total = 0
+        self._kv_transfer_seconds_total = 0.0
+        self._closed = False
+        self._monitor_stop = threading.Event()
+        self._monitor = threading.Thread(target=self._monitor_health, name="health-monitor", daemon=True)
+        self._monitor.start()
+        return self
+
+    @property
+    def prefill_actors(self) -> list[Any]:
+        """Each prefill instance's leader rank actor, in pool order."""
+        return [instance.leader for instance in self.instances["prefill"]]
+
+    @property
+    def decode_actors(self) -> list[Any]:
+        """Each decode instance's leader rank actor, in pool order."""
+        return [instance.leader for instance in self.instances["decode"]]
+
+    @property
+    def _actors(self) -> list[Any]:
+        """Every rank actor of every instance."""
+        return [actor for role in ROLES for instance in self.instances[role] for actor in instance.ranks]
+
+    def _probe_node(self, ray, spec_index: int) -> tuple[str, int]:
+        """(node IP, a free port there) of instance `spec_index`'s placement group (where its actor runs)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        probe = ray.remote(_node_ip_and_free_port).options(
+            num_cpus=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self._placement_groups[spec_index], placement_group_bundle_index=0
+            ),
+        )
+        return ray.get(probe.remote(), timeout=60)
+
+    def _wire(self, ray, plan) -> list[str]:
+        """Connect the KV transport; returns the decode instances' gRPC addresses (grpc; else [])."""
+        kv = self.topology.kv_transfer
+        spec_index = {(spec.role, spec.index): i for i, spec in enumerate(plan.instances)}
+        self._kv_tls = None  # the gRPC TLS material, kept for rewiring restarted actors
+        if kv.transport == "grpc":
+            tls = None
+            if kv.tls is not None:  # read here, sent to the actors over Ray (files need not be on every node)
+                from kvtransfer.grpc_transport import TLSCredentials
+
+                tls = TLSCredentials.from_files(
+                    kv.tls.cert_file, kv.tls.key_file, kv.tls.ca_file, kv.tls.server_name
+                )
+            addresses = ray.get([d.start_grpc.remote(tls) for d in self.decode_actors], timeout=120)
+            if not self._loopback:  # bound to 0.0.0.0: senders dial the decode node's IP
+                addresses = [
+                    advertised_address(a, self._probe_node(ray, spec_index[("decode", j)])[0])
+                    for j, a in enumerate(addresses)
+                ]
+            ray.get([p.connect_grpc.remote(addresses, tls) for p in self.prefill_actors], timeout=120)
+            self._kv_tls = tls
+            return addresses
+        num_prefill, num_decode = len(self.prefill_actors), len(self.decode_actors)
+        world_size = num_prefill + num_decode
+        if self._loopback:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                host, port = "127.0.0.1", s.getsockname()[1]
+        else:  # the rendezvous store runs in rank 0 (prefill-0): its node's IP and a port free there
+            host, port = self._probe_node(ray, spec_index[("prefill", 0)])
+        init_method = f"tcp://{host}:{port}"
+        prefill_ranks = list(range(num_prefill))
+        decode_ranks = list(range(num_prefill, world_size))
+        refs = [
+            p.connect_dist.remote(r, world_size, init_method, decode_ranks)
+            for p, r in zip(self.prefill_actors, prefill_ranks, strict=True)
+        ] + [
+            d.connect_dist.remote(r, world_size, init_method, prefill_ranks)
+            for d, r in zip(self.decode_actors, decode_ranks, strict=True)
+        ]
+        ray.get(refs, timeout=120)
+        return []
+
+    def check_no_leaks(self) -> dict[str, dict[str, Any]]:
+        """Per live instance: blocks held, reservations, open handoffs (all zero/empty when idle)."""
+        import ray
+
+        actors = [  # each rank of the instances in routing: `decode-0`, then `decode-0.1`, ... for more ranks
+            (instance.name + (f".{rank}" if rank else ""), actor)
+            for role in ROLES
+            for instance in self.instances[role]
+            if instance.routable
+            for rank, actor in enumerate(instance.ranks)
+        ]
+        results = ray.get([a.check_no_leaks.remote() for _, a in actors], timeout=self.call_timeout_s)
+        return {name: r for (name, _), r in zip(actors, results, strict=True)}
+
+    def shutdown(self) -> None:
+        """Stop the poll loops, close and kill the actors, remove the placement groups, and stop Ray if
+        `deploy` started it."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        self._closed = True
+        self._monitor_stop.set()
+        for task in self._pollers:
+            task.cancel()
+        self._pollers = []
+        self._teardown(ray, remove_placement_group)
+
+    # ---- internals --------------------------------------------------------------------------------------
+    def _teardown(self, ray, remove_placement_group) -> None:
+        closes = []
+        for actor in self._actors:
+            with contextlib.suppress(Exception):
+                closes.append(actor.close.remote())
+        with contextlib.suppress(Exception):
+            ray.wait(closes, num_returns=len(closes), timeout=15)
+        for actor in self._actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        for pg in self._placement_groups:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+        self.instances, self._placement_groups = {"prefill": [], "decode": []}, []
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+
+def _max_position_embeddings(model_dir: str) -> int:
+    import json
+
+    return json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]

@@ -1,0 +1,250 @@
+"""The health monitor of a `Cluster`: instances leave routing when a call fails, rejoin when they answer.
+
+`InstanceMonitor` (a mixin of `orchestrator.cluster.Cluster`) applies the pure health policy
+(`orchestrator.health`) to the deployed instances (`orchestrator.instance.Instance`): a call on the request
+path that times out or dies marks its instance (`_mark_failed`; a decode instance's in-flight requests get a
+`DecodeLost` event), and a monitor thread probes every rank of every instance each PROBE_INTERVAL_S
+(`_probe_all`): an instance all of whose ranks answer rejoins, after rewiring its KV transport if Ray
+restarted its actor (a new process id of its leader). An instance fails and rejoins as one unit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from orchestrator.actor_errors import describe_error
+from orchestrator.backend import BackendUnavailable
+from orchestrator.deployment import advertised_address
+from orchestrator.health import InstanceHealth, ProbeOutcome, after_answer, after_failure
+from orchestrator.instance import Instance
+from orchestrator.messages import DecodeLost, DecodeNodeLoad, PrefillNodeLoad
+from orchestrator.topology import ROLES
+
+logger = logging.getLogger("orchestrator.cluster")
+
+PROBE_INTERVAL_S = 1.0  # the health monitor probes every instance this often (seconds)
+
+
+class InstanceMonitor:
+    """Health bookkeeping of `orchestrator.cluster.Cluster` (see the module docstring)."""
+
+    instances: dict[str, list[Instance]]
+
+    @property
+    def _health(self) -> dict[str, list[InstanceHealth]]:
+        """Per role, each instance's health in pool order (read-only view; `_set_health` changes one)."""
+        return {role: [instance.health for instance in self.instances[role]] for role in ROLES}
+
+    def _set_health(self, role: str, index: int, health: InstanceHealth) -> None:
+        self.instances[role][index].health = health
+
+    def stats(self) -> dict[str, Any]:
+        """Load snapshot of the instances in routing, and every instance's health.
+
+        The snapshots are taken in parallel, waiting at most `call_timeout_s` (derived from
+        kv_transfer.timeout_s, like every call on the request path): an instance that does not answer in
+        time leaves routing as unresponsive (its requests fail), one whose actor died as dead; the health
+        monitor brings either back once it answers again.
+
+        Raises:
+            BackendUnavailable: no prefill or no decode instance is in routing (so `/health` answers 503);
+                the message names each instance's state and why.
+        """
+        import ray
+
+        if self._closed:
+            raise BackendUnavailable("the cluster is shut down")
+        targets = [  # every rank of every instance in routing
+            (role, instance.index, actor)
+            for role in ROLES
+            for instance in self.instances[role]
+            if instance.routable
+            for actor in instance.ranks
+        ]
+        refs = [actor.load.remote() for _, _, actor in targets]
+        ray.wait(refs, num_returns=len(refs), timeout=self.call_timeout_s)
+        loads: dict[str, list[Any]] = {"prefill": [], "decode": []}
+        for (role, i, _), ref in zip(targets, refs, strict=True):
+            try:
+                loads[role].append(ray.get(ref, timeout=0))
+            except Exception as e:  # noqa: BLE001 - GetTimeoutError or an actor error: out of routing
+                self._mark_failed(role, i, e, "load")
+        for role in ("prefill", "decode"):
+            if not loads[role]:
+                raise BackendUnavailable(f"no live {role} instance ({self._health_summary(role)})")
+        prefill_loads: list[PrefillNodeLoad] = loads["prefill"]
+        decode_loads: list[DecodeNodeLoad] = loads["decode"]
+        return {
+            "num_waiting_requests": sum(p.num_requests for p in prefill_loads),
+            "num_running_requests": sum(d.num_running for d in decode_loads),
+            "kv_blocks": {
+                d.name: {
+                    "num_used_blocks": d.num_total_blocks - d.num_free_blocks,
+                    "num_total_blocks": d.num_total_blocks,
+                }
+                for d in decode_loads
+            },
+            "kv_transfer_bytes_total": self._kv_transfer_bytes_total,
+            "kv_transfer_seconds_total": self._kv_transfer_seconds_total,
+            "instances": self.health(),
+        }
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        """Every instance's health: `{name: {"state": "healthy" | "unresponsive" | "dead", "reason": str,
+        "for_s": seconds in that state}}` (no calls made)."""
+        now_s = time.monotonic()
+        return {
+            f"{role}-{i}": {"state": h.state.value, "reason": h.reason, "for_s": round(now_s - h.since_s, 3)}
+            for role in ROLES
+            for i, h in enumerate(self._health[role])
+        }
+
+    def _routable(self, role: str) -> list[bool]:
+        """Per instance of pool `role`, in pool order: in routing (healthy)."""
+        return [instance.routable for instance in self.instances[role]]
+
+    _prefill_alive = property(lambda self: self._routable("prefill"))
+    _decode_alive = property(lambda self: self._routable("decode"))
+
+    def _health_summary(self, role: str) -> str:
+        return "; ".join(
+            f"{role}-{i} {h.state.value}" + (f": {h.reason}" if h.reason else "")
+            for i, h in enumerate(self._health[role])
+        )
+
+    @staticmethod
+    def _outcome(exc: BaseException) -> ProbeOutcome:
+        import ray
+
+        if isinstance(exc, (asyncio.TimeoutError, TimeoutError, ray.exceptions.GetTimeoutError)):
+            return ProbeOutcome.TIMED_OUT
+        return ProbeOutcome.DIED
+
+    def _mark_failed(self, role: str, index: int, exc: BaseException, call: str) -> None:
+        """A call `call` on instance (`role`, `index`) timed out or raised an actor error: take it out of
+        routing (unresponsive or dead) and, for decode, fail its in-flight requests. Idempotent."""
+        if self._outcome(exc) is ProbeOutcome.TIMED_OUT:
+            reason = f"{call}: no answer within {self.call_timeout_s:g} s"
+        else:
+            reason = f"{call}: {describe_error(exc)}"
+        with self._health_lock:
+            before = self._health[role][index]
+            after = after_failure(before, self._outcome(exc), reason, time.monotonic())
+            self._set_health(role, index, after)
+        if after is before:
+            return
+        logger.error("%s-%d is %s (%s); taken out of routing", role, index, after.state.value, reason)
+        if role == "decode":
+            self._fail_decode_attempts(index)
+
+    def _monitor_health(self) -> None:
+        """Health monitor thread: every PROBE_INTERVAL_S, probe every instance with one `load` call (all
+        at once, waiting `call_timeout_s`). One that does not answer leaves routing, so a crash or stall is
+        noticed with no request in flight; one out of routing that answers rejoins, after rewiring its KV
+        transport if Ray restarted it (a new process id)."""
+        while not self._monitor_stop.wait(PROBE_INTERVAL_S):
+            try:
+                self._probe_all()
+            except Exception:  # noqa: BLE001 - Ray going away under a shutdown, or a bug: never die silently
+                if self._closed:
+                    return
+                logger.exception("health monitor: a probe round failed; trying again")
+
+    def _probe_all(self) -> None:
+        """One round of the health monitor (see `_monitor_health`)."""
+        import ray
+
+        targets = [instance for role in ROLES for instance in self.instances[role]]
+        if not targets or self._closed:
+            return
+        refs = [[actor.load.remote() for actor in instance.ranks] for instance in targets]
+        flat = [ref for rank_refs in refs for ref in rank_refs]
+        ray.wait(flat, num_returns=len(flat), timeout=self.call_timeout_s)
+        for instance, rank_refs in zip(targets, refs, strict=True):
+            if self._closed:
+                return
+            try:
+                pids = [ray.get(ref, timeout=0).pid for ref in rank_refs]
+            except Exception as e:  # noqa: BLE001 - a rank stalled, restarting, or dead: the instance fails
+                self._mark_failed(instance.role, instance.index, e, "probe")
+                continue
+            health = instance.health
+            if not health.routable or health.pid != pids[0]:
+                self._rejoin(instance.role, instance.index, pids[0])
+
+    def _rejoin(self, role: str, index: int, pid: int) -> None:
+        import ray
+
+        before = self._health[role][index]
+        after, needs_rewire = after_answer(before, pid, time.monotonic())
+        if needs_rewire and role == "decode":  # what ran on the old process is gone
+            self._fail_decode_attempts(index)
+        if self.topology.kv_transfer.transport == "grpc" and (needs_rewire or role == "prefill"):
+            try:
+                self._rewire(ray, role, index, needs_rewire)
+            except Exception as e:  # noqa: BLE001 - try again at the next probe
+                logger.error("%s-%d answers again but could not be rewired: %s", role, index, e)
+                return
+        with self._health_lock:
+            self._set_health(role, index, after)
+        if role == "decode":
+            self._poll_acked_seq[index] = 0 if needs_rewire else self._poll_acked_seq[index]
+        logger.warning(
+            "%s-%d rejoined routing after %.1f s %s (%s)",
+            role,
+            index,
+            after.since_s - before.since_s,
+            before.state.value,
+            "restarted and rewired" if needs_rewire else "answering again",
+        )
+
+    def _rewire(self, ray, role: str, index: int, restarted: bool) -> None:
+        """gRPC only (restarts are off for torch.distributed). A restarted decode starts its receiver on a
+        new port, which the prefill instances in routing learn at once (the others when they rejoin); a
+        rejoining prefill (re)connects to every decode's current address, in case one moved meanwhile."""
+        if role == "decode":
+            assert restarted
+            decode = self.decode_actors[index]
+            address = ray.get(decode.start_grpc.remote(self._kv_tls), timeout=self.call_timeout_s)
+            if not self._loopback:
+                address = advertised_address(
+                    address, ray.get(decode.node_ip.remote(), timeout=self.call_timeout_s)
+                )
+            self._decode_addresses[index] = address
+            prefills = [p for i, p in enumerate(self.prefill_actors) if self._health["prefill"][i].routable]
+            ray.get(
+                [p.set_decode_address.remote(index, address) for p in prefills], timeout=self.call_timeout_s
+            )
+        else:
+            ray.get(
+                self.prefill_actors[index].connect_grpc.remote(list(self._decode_addresses), self._kv_tls),
+                timeout=self.call_timeout_s,
+            )
+
+    def _fail_decode_attempts(self, decode_index: int) -> None:
+        """End every in-flight attempt on decode `decode_index` with a "decode_lost" event. Safe from any
+        thread: off the requests' event loop (the health monitor, stats() in a worker thread) it is
+        handed to that loop, since asyncio queues are not thread-safe."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                on_loop = asyncio.get_running_loop() is loop
+            except RuntimeError:
+                on_loop = False
+            if not on_loop:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(self._fail_decode_attempts_on_loop, decode_index)
+                return
+        self._fail_decode_attempts_on_loop(decode_index)
+
+    def _fail_decode_attempts_on_loop(self, decode_index: int) -> None:
+        reason = self._health["decode"][decode_index].reason or "unknown"
+        for attempt in list(self._by_handoff.values()):
+            if attempt.decode_index == decode_index:
+                message = f"decode-{decode_index} died or stopped answering ({reason}); the request was lost"
+                with contextlib.suppress(RuntimeError):  # a queue of another (closed) event loop
+                    attempt.events.put_nowait(DecodeLost(attempt.handoff_id, message))

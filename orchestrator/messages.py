@@ -1,0 +1,230 @@
+"""The control messages between the driver (`orchestrator.cluster.Cluster`) and the rank actors
+(`prefill_node.actor.PrefillNode`, `decode_node.actor.DecodeNode`): frozen dataclasses, read by field name,
+never by position. Plain data (ints, floats, strings, tuples; `HandoffMeta`, `SamplingParams`), so a
+simulator can build them too.
+
+    driver                         prefill rank                     decode rank
+    ------                         ------------                     -----------
+    load()           ─────────▶    PrefillNodeLoad                  DecodeNodeLoad
+    reserve(ReserveRequest) ──────────────────────────────────────▶ ReserveResult (bound meta or no room)
+    prefill(PrefillRequest) ─────▶ PrefillResult
+    poll(acked_seq)  ──────────────────────────────────────────────▶ [PolledEvent(seq, DecodeEvent)]
+
+Decode events (`DecodeEvent`): `TokenDelta` (new tokens of one handoff), `RequestError` (decode dropped
+it: the handoff failed, or the engine failed it). The driver adds two of its own for a request's attempt:
+`Aborted` (the client aborted) and `DecodeLost` (the decode instance died or stopped answering).
+
+Times are seconds (`*_s` fields, from time.monotonic() differences); byte counts are ints and never sit
+with the seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+from kvtransfer.base import HandoffMeta
+
+
+# ---- wiring -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NodeReady:
+    """A rank actor's answer to `ready()` once its weights are loaded.
+
+    name: `prefill-0`; pid: its process id; load_s: seconds to load the engine; num_blocks: KV blocks of
+    its cache; num_hidden_layers / kv_dim: model facts the driver puts in `HandoffMeta` (0 on decode)."""
+
+    name: str
+    pid: int
+    load_s: float
+    num_blocks: int
+    num_hidden_layers: int = 0
+    kv_dim: int = 0
+
+
+# ---- loads --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PrefillNodeLoad:
+    """A prefill rank's load snapshot (`PrefillNode.load`).
+
+    Attributes:
+        name, pid: the rank (pid tells a restarted actor, a new process, from a stalled one).
+        num_queued_prefill_tokens: prompt tokens queued or being prefilled.
+        num_requests: prefill jobs in flight.
+        engine_thread_alive, num_engine_errors, last_engine_error: the engine thread's health.
+    """
+
+    name: str
+    pid: int
+    num_queued_prefill_tokens: int
+    num_requests: int
+    engine_thread_alive: bool
+    num_engine_errors: int
+    last_engine_error: str | None
+
+
+@dataclass(frozen=True)
+class DecodeNodeLoad:
+    """A decode rank's load snapshot (`DecodeNode.load`).
+
+    Attributes:
+        name, pid: the rank (pid tells a restarted actor from a stalled one).
+        num_free_blocks / num_total_blocks: KV cache blocks free now / in all.
+        num_running: requests in the running batch.
+        num_reserved: reservations waiting for their handoff.
+        num_waiting_for_seat: received, waiting for a seat in the batch (max_num_seqs), holding blocks.
+        engine_thread_alive, num_engine_errors, last_engine_error: the engine thread's health.
+    """
+
+    name: str
+    pid: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_reserved: int
+    num_waiting_for_seat: int
+    engine_thread_alive: bool
+    num_engine_errors: int
+    last_engine_error: str | None
+
+    @property
+    def batch_load(self) -> int:
+        """Requests holding a place on this rank: running, reserved and waiting for a seat."""
+        return self.num_running + self.num_reserved + self.num_waiting_for_seat
+
+
+# ---- reserve / prefill --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReserveRequest:
+    """Reserve KV blocks on decode for one handoff (prompt + first token + drafts) and expect it.
+
+    handoff_id: unique per dispatch attempt (`<request_id>@<attempt>`); meta: the handoff as the driver
+    built it (no secret yet); num_draft_tokens: MTP drafts the first step carries."""
+
+    handoff_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    meta: HandoffMeta
+    num_draft_tokens: int
+
+
+@dataclass(frozen=True)
+class ReserveResult:
+    """`bound_meta`: the meta bound to the reservation, with the secret the prefill sender presents (give
+    it to the chosen prefill rank only); None: no room on this decode instance right now."""
+
+    bound_meta: HandoffMeta | None
+
+    @property
+    def reserved(self) -> bool:
+        return self.bound_meta is not None
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """Prefill one handoff and stream it to decode instance `decode_index` (which already expects it);
+    `meta` is the one that instance's reserve bound (with the secret)."""
+
+    handoff_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    meta: HandoffMeta
+    decode_index: int
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A finished prefill on the prefill side: the first sampled token, how many MTP drafts went with it,
+    and its phases (seconds): queue_s (arrival to first scheduled), prefill_s (scheduled to handoff
+    finished)."""
+
+    first_token_id: int
+    num_drafts: int
+    queue_s: float
+    prefill_s: float
+
+
+# ---- decode events ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Phases:
+    """Per-request phase durations in seconds; None: not known (yet) by whoever built it."""
+
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    kv_transfer_s: float | None = None
+    first_decode_step_s: float | None = None
+    total_s: float | None = None
+
+    def merged(self, other: Phases) -> Phases:
+        """These phases with every phase `other` knows replacing this one's."""
+        known = {f.name: v for f in dataclasses.fields(other) if (v := getattr(other, f.name)) is not None}
+        return dataclasses.replace(self, **known)
+
+    def as_dict(self) -> dict[str, float]:
+        """The known phases as `{name: seconds}` (`orchestrator.backend.PHASE_NAMES` order)."""
+        return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
+
+
+@dataclass(frozen=True)
+class DraftCounts:
+    """Cumulative MTP draft statistics of one request: drafts proposed / accepted, in all and per draft
+    depth (index 0 = the first draft token)."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_draft_tokens_per_position: tuple[int, ...] = ()
+    num_accepted_tokens_per_position: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """Tokens decode committed for one handoff since its previous delta (the first one carries the first
+    token prefill sampled). finish_reason ("stop", "length", "abort") is set on the last (finished) delta.
+    phases: what decode measured (kv_transfer_s on the first delta, first_decode_step_s on the first
+    stepped one); kv_transfer_bytes: bytes of KV received on the wire for this handoff (on the deltas that
+    carry kv_transfer_s), None otherwise."""
+
+    handoff_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: str | None = None
+    phases: Phases = Phases()
+    kv_transfer_bytes: int | None = None
+    drafts: DraftCounts = DraftCounts()
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """Decode dropped the handoff (its blocks are freed): the transfer failed (lease expired, sender lost,
+    checksum) or the engine failed the request. `message` is one line for the client."""
+
+    handoff_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Aborted:
+    """Driver-side: the request was aborted (`Cluster.abort`); its attempt ends with finish_reason abort."""
+
+    handoff_id: str
+
+
+@dataclass(frozen=True)
+class DecodeLost:
+    """Driver-side: the attempt's decode instance died or stopped answering; what it held is gone."""
+
+    handoff_id: str
+    message: str
+
+
+DecodeEvent = TokenDelta | RequestError
+AttemptEvent = TokenDelta | RequestError | Aborted | DecodeLost
+
+
+@dataclass(frozen=True)
+class PolledEvent:
+    """One decode event and its sequence number (from 1, per decode rank incarnation) for acknowledgement."""
+
+    seq: int
+    event: DecodeEvent

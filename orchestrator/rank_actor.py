@@ -1,0 +1,106 @@
+"""`RankActor`: what the prefill and decode rank actors share, written once.
+
+- the engine: one `LLMEngine` built from the instance's `EngineConfig`, with torch on one thread;
+- the engine thread: started by the subclass once its own state exists (`_start_engine_thread`), running
+  the subclass's `_run`, stopped by `_stop_engine_thread`;
+- loop-error accounting: `_loop_error` counts and logs an exception the engine thread survived, and
+  `_engine_health` reports it with the thread's liveness in load snapshots;
+- test-only fault injection: `inject_fault(where, count)` arms a fault point (the subclass's
+  FAULT_POINTS), `_maybe_fault(where)` raises RuntimeError there on the engine thread.
+
+The classes are plain Python (the driver wraps them with `ray.remote` at deploy time), so their logic runs
+in-process in tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class RankActor:
+    """Base of `PrefillNode` and `DecodeNode`. `name`: the instance name for logs and loads (`decode-0`)."""
+
+    FAULT_POINTS: tuple[str, ...] = ()  # where `inject_fault` may arm a fault (set by each role)
+
+    def __init__(self, engine_config: EngineConfig, name: str) -> None:
+        torch.set_num_threads(1)
+        started_s = time.monotonic()
+        self.name = name
+        self.engine = LLMEngine(engine_config)
+        self.load_s = time.monotonic() - started_s
+        self._stopped = threading.Event()
+        self._num_loop_errors = 0
+        self._last_loop_error: str | None = None
+        self._fault_lock = threading.Lock()
+        self._faults: dict[str, int] = {}  # test-only: inject_fault
+        self._thread: threading.Thread | None = None
+
+    # ---- engine thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _start_engine_thread(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"{self.name}-engine", daemon=True)
+        self._thread.start()
+
+    def _stop_engine_thread(self, timeout_s: float = 10.0) -> None:
+        """Ask the engine thread to stop (`_stopped`) and wait up to `timeout_s` seconds for it."""
+        self._stopped.set()
+        self._wake_engine_thread()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _wake_engine_thread(self) -> None:
+        """Wake an engine thread waiting for work (subclasses that wait on something set it here)."""
+
+    # ---- loop errors ------------------------------------------------------------------------------------
+    def _loop_error(self, e: BaseException, what: str) -> None:
+        """Count and log (with its traceback) an exception the engine thread survived."""
+        self._num_loop_errors += 1
+        self._last_loop_error = f"{what}: {e!r}"
+        logger.error("%s: %s", self.name, what, exc_info=e)
+
+    def _engine_health(self) -> dict[str, object]:
+        """`engine_thread_alive`, `num_engine_errors`, `last_engine_error` for a load snapshot."""
+        return {
+            "engine_thread_alive": self._thread is not None and self._thread.is_alive(),
+            "num_engine_errors": self._num_loop_errors,
+            "last_engine_error": self._last_loop_error,
+        }
+
+    # ---- fault injection (tests) ------------------------------------------------------------------------
+    def inject_fault(self, where: str, count: int = 1) -> None:
+        """Test-only fault injection: the next `count` passes through `where` (one of the role's
+        FAULT_POINTS) raise RuntimeError on the engine thread.
+
+        Raises:
+            ValueError: `where` is not a fault point of this role.
+        """
+        if where not in self.FAULT_POINTS:
+            raise ValueError(f"unknown fault point {where!r}")
+        with self._fault_lock:
+            self._faults[where] = self._faults.get(where, 0) + count
+        self._wake_engine_thread()
+
+    def _faults_armed(self) -> bool:
+        with self._fault_lock:
+            return bool(self._faults)
+
+    def _maybe_fault(self, where: str) -> None:
+        """Raise RuntimeError("injected fault at <where>") if a fault is armed there (one use)."""
+        with self._fault_lock:
+            if self._faults.get(where, 0) <= 0:
+                return
+            self._faults[where] -= 1
+            if not self._faults[where]:
+                del self._faults[where]
+        raise RuntimeError(f"injected fault at {where}")

@@ -1,0 +1,256 @@
+"""The request path of a `Cluster`: route, reserve, prefill, stream decode's tokens (DESIGN.md, request
+lifecycle). A thin loop over the pure dispatch policy (`orchestrator.dispatch`):
+
+    generate(request_id, ...)         one `RequestRecord`; per attempt (at most MAX_DISPATCH_ATTEMPTS):
+      _dispatch (`orchestrator.routing`) load every live instance, route (`orchestrator.router` policy over
+                                      instance loads), reserve on decode (`DecodeNode.reserve`);
+                                      `after_reserve` says: start prefill, route again, retry (no room),
+                                      fail (no room until the deadline), or end (aborted)
+      prefill call                    `PrefillNode.prefill(PrefillRequest)` with the bound meta
+      _next_events                    the attempt's next events: decode's `TokenDelta` / `RequestError`
+                                      (handed over by the poll loop), `Aborted`, `DecodeLost`, the prefill
+                                      call's `PrefillDone` / `PrefillFailed`, or `NoEvent` (timeout)
+      next_action                     Emit (stream it) | Wait | EndAborted | Redispatch | Fail
+    _poll(decode_index)               one loop per decode instance: `DecodeNode.poll` -> the attempt queues
+
+Every wait is bounded: actor calls by `call_timeout_s`, the prefill call and each wait for an event by
+`event_timeout_s` (`orchestrator.dispatch`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from engine.sampling_params import SamplingParams
+from orchestrator.actor_errors import describe_error
+from orchestrator.backend import BackendUnavailable, StreamDelta
+from orchestrator.dispatch import (
+    MAX_DISPATCH_ATTEMPTS,
+    AttemptState,
+    Emit,
+    EndAborted,
+    Event,
+    Fail,
+    NoEvent,
+    PrefillDone,
+    PrefillFailed,
+    Redispatch,
+    Wait,
+    next_action,
+)
+from orchestrator.health_monitor import PROBE_INTERVAL_S
+from orchestrator.instance import Instance
+from orchestrator.messages import Aborted, Phases, PrefillRequest, TokenDelta
+from orchestrator.request_state import Attempt, RequestRecord
+
+logger = logging.getLogger("orchestrator.cluster")
+
+
+class RequestDispatch:
+    """The request path of `orchestrator.cluster.Cluster` (a mixin; see the module docstring)."""
+
+    instances: dict[str, list[Instance]]
+    _requests: dict[str, RequestRecord]
+    _by_handoff: dict[str, Attempt]
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[StreamDelta]:
+        """Stream one request's output through prefill -> KV transfer -> decode.
+
+        Every delta carries the phases known so far in seconds (`queue_s`, `prefill_s`, `kv_transfer_s`,
+        `first_decode_step_s`, `total_s`), `kv_transfer_bytes` once decode received the KV, and cumulative
+        acceptance counts. An `abort` ends the stream with an empty delta, finish_reason "abort".
+
+        Raises:
+            ValueError: an empty prompt, a duplicate id, or a request no decode instance could hold.
+            BackendUnavailable: no live instance, no KV room within the timeout, the handoff failed
+                twice / with no other prefill instance to re-dispatch to, the decode instance died or
+                stopped answering, or no event came within `event_timeout_s`.
+        """
+        if self._closed:
+            raise BackendUnavailable("the cluster is shut down")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._ensure_pollers()
+        # registered first: abort() may come before the first attempt exists
+        record = self._requests[request_id] = RequestRecord(request_id, time.monotonic())
+        try:
+            for attempt_index in range(MAX_DISPATCH_ATTEMPTS):
+                try:
+                    attempt = await self._dispatch(record, attempt_index, prompt_token_ids, params)
+                except BackendUnavailable as e:
+                    if not record.errors:
+                        raise
+                    # A failed attempt and nowhere to re-dispatch: the client hears the attempt's cause.
+                    raise BackendUnavailable(
+                        f"{request_id}: KV handoff failed: {'; '.join(record.errors)}; {e}"
+                    ) from e
+                if attempt is None:  # aborted while dispatching (its reservation, if any, is released)
+                    yield record.stream_delta()
+                    return
+                request = PrefillRequest(
+                    attempt.handoff_id, tuple(prompt_token_ids), params, attempt.meta, attempt.decode_index
+                )
+                prefill_ref = self.instances["prefill"][attempt.prefill_index].leader.prefill.remote(request)
+                prefill_task = asyncio.ensure_future(self._call(prefill_ref, self.event_timeout_s))
+                action = None
+                owner_gone = False
+                try:
+                    while not isinstance(action, Redispatch | Fail):
+                        for event in await self._next_events(record, attempt, prefill_task):
+                            action = next_action(self._attempt_state(record, attempt, attempt_index), event)
+                            if isinstance(action, Emit):
+                                yield self._emit(record, action.delta)
+                                if record.finished:
+                                    return
+                            elif isinstance(action, Wait):
+                                result = action.phases_from
+                                record.phases = record.phases.merged(
+                                    Phases(queue_s=result.queue_s, prefill_s=result.prefill_s)
+                                )
+                            elif isinstance(action, EndAborted):
+                                self._abort_after_prefill(attempt, prefill_task)
+                                yield record.stream_delta()
+                                return
+                            else:
+                                break
+                except (asyncio.CancelledError, GeneratorExit):
+                    owner_gone = True  # the consumer went away (the HTTP client disconnected)
+                    raise
+                finally:
+                    self._by_handoff.pop(attempt.handoff_id, None)
+                    if not record.finished and not prefill_task.done():
+                        if owner_gone:  # released by the outer `finally`, and again after the prefill call
+                            self._abort_after_prefill(attempt, prefill_task)
+                        elif not record.aborted:  # (an aborted one runs on, likewise)
+                            prefill_task.cancel()
+                self._release(attempt)
+                if isinstance(action, Fail):
+                    raise BackendUnavailable(action.message)
+                record.errors.append(action.error)
+                record.excluded_prefills.add(action.excluded_prefill)
+                logger.warning("%s: %s", request_id, action.error)
+            raise BackendUnavailable(f"{request_id}: KV handoff failed: " + "; ".join(record.errors))
+        finally:
+            self._requests.pop(request_id, None)
+            if record.attempt is not None and not record.finished:
+                self._release(record.attempt)
+
+    async def abort(self, request_id: str) -> None:
+        """End the request with finish_reason "abort" and free it on both pools (prefill job and handoff,
+        decode reservation or running request). Never re-dispatched. Unknown or finished ids: no-op."""
+        record = self._requests.get(request_id)
+        if record is None or record.aborted:
+            return
+        record.aborted = True
+        attempt = record.attempt
+        if attempt is None:  # between attempts / still routing: `_dispatch` sees `aborted`
+            return
+        self._release(attempt)
+        attempt.events.put_nowait(Aborted(attempt.handoff_id))
+
+    # ---- one attempt ------------------------------------------------------------------------------------
+    def _emit(self, record: RequestRecord, delta: TokenDelta) -> StreamDelta:
+        """Account decode's `delta` to the request (phases, KV totals, tokens sent) and build its
+        StreamDelta."""
+        if delta.phases.kv_transfer_s is not None and record.num_tokens_sent == 0:
+            self._kv_transfer_seconds_total += delta.phases.kv_transfer_s
+            self._kv_transfer_bytes_total += delta.kv_transfer_bytes or 0
+        record.phases = record.phases.merged(delta.phases)
+        if delta.kv_transfer_bytes is not None:
+            record.kv_transfer_bytes = delta.kv_transfer_bytes
+        record.num_tokens_sent += len(delta.new_token_ids)
+        record.finished = delta.finished
+        return record.stream_delta(delta)
+
+    def _attempt_state(self, record: RequestRecord, attempt: Attempt, attempt_index: int) -> AttemptState:
+        decode = self.instances["decode"][attempt.decode_index]
+        tried = record.excluded_prefills | {attempt.prefill_index}
+        others = [p for p in self.instances["prefill"] if p.routable and p.index not in tried]
+        return AttemptState(
+            request_id=record.request_id,
+            attempt_index=attempt_index,
+            prefill_instance=attempt.prefill_index,
+            decode_instance=attempt.decode_index,
+            num_tokens_sent=record.num_tokens_sent,
+            earlier_errors=tuple(record.errors),
+            decode_down_reason=None if decode.routable else decode.health.reason,
+            num_other_prefills=len(others),
+            event_timeout_s=self.event_timeout_s,
+        )
+
+    async def _next_events(
+        self, record: RequestRecord, attempt: Attempt, prefill_task: asyncio.Future
+    ) -> list[Event]:
+        """The attempt's next events (waits up to `event_timeout_s`): `[Aborted]`, `[NoEvent]`, the prefill
+        call's `[PrefillDone]` / `[PrefillFailed]`, or decode's event (after `PrefillDone` when the prefill
+        call returned meanwhile). A prefill instance found lost is marked so here."""
+        getter = asyncio.ensure_future(attempt.events.get())
+        waits = {getter} if prefill_task.done() else {getter, prefill_task}
+        done, _ = await asyncio.wait(waits, timeout=self.event_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if record.aborted:
+            getter.cancel()
+            return [Aborted(attempt.handoff_id)]
+        if not done:
+            getter.cancel()
+            return [NoEvent()]
+        if getter not in done:  # the prefill call returned first
+            getter.cancel()
+            exc = prefill_task.exception()
+            if exc is None:
+                attempt.prefill_reported = True
+                return [PrefillDone(prefill_task.result())]
+            if isinstance(exc, asyncio.TimeoutError):
+                exc = TimeoutError(f"no answer within {self.event_timeout_s:.0f} s")
+            failed = PrefillFailed(describe_error(exc))
+            if self._is_lost(exc):
+                self._mark_failed("prefill", attempt.prefill_index, exc, "prefill")
+            return [failed]
+        events: list[Event] = []
+        if prefill_task.done() and prefill_task.exception() is None and not attempt.prefill_reported:
+            attempt.prefill_reported = True
+            events.append(PrefillDone(prefill_task.result()))
+        events.append(getter.result())
+        return events
+
+    # ---- the poll loops -----------------------------------------------------------------------------------
+    def _ensure_pollers(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and self._pollers:
+            return
+        self._loop = loop
+        self._pollers = [loop.create_task(self._poll(j)) for j in range(len(self.instances["decode"]))]
+
+    async def _poll(self, decode_index: int) -> None:
+        """Hand decode instance `decode_index`'s events to their requests. A poll that fails or takes over
+        `call_timeout_s` takes the instance out of routing (its requests fail); polling resumes once the
+        health monitor has brought it back. Each poll acknowledges the events received so far, so a reply
+        lost to a timeout is sent again by the next poll (`DecodeNode.poll`)."""
+        instance = self.instances["decode"][decode_index]
+        while not self._closed:
+            if not instance.routable:
+                await asyncio.sleep(PROBE_INTERVAL_S / 4)
+                continue
+            try:
+                polled = await self._call(
+                    instance.leader.poll.remote(0.05, self._poll_acked_seq[decode_index]),
+                    self.call_timeout_s + 0.05,
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a dead or stuck decode instance fails its requests
+                self._mark_failed("decode", decode_index, e, "poll")
+                continue
+            for item in polled:
+                if item.seq <= self._poll_acked_seq[decode_index]:
+                    continue  # sent again after a lost reply; already handed over
+                self._poll_acked_seq[decode_index] = item.seq
+                attempt = self._by_handoff.get(item.event.handoff_id)
+                if attempt is not None:
+                    attempt.events.put_nowait(item.event)

@@ -1,0 +1,75 @@
+"""The driver's record of one request and of each of its dispatch attempts (`orchestrator.request_dispatch`):
+one record per request and one per attempt, instead of parallel dicts keyed by id. The attempt's
+reservation is held by its `meta` (bound by decode's reserve); the driver indexes attempts by handoff id
+only to hand decode's events to their queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from kvtransfer.base import HandoffMeta
+from orchestrator.backend import StreamDelta
+from orchestrator.messages import Phases, TokenDelta
+from orchestrator.router import RankRef
+
+
+@dataclass
+class Attempt:
+    """One dispatch of a request: its handoff id (unique per attempt), the (instance, rank) pair, the meta
+    decode's reserve bound (with the secret; None until reserved), and its event queue."""
+
+    handoff_id: str
+    prefill: RankRef
+    decode: RankRef
+    meta: HandoffMeta | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prefill_reported: bool = False  # its prefill call's result was taken (PrefillDone)
+
+    @property
+    def prefill_index(self) -> int:
+        return self.prefill.instance
+
+    @property
+    def decode_index(self) -> int:
+        return self.decode.instance
+
+
+@dataclass
+class RequestRecord:
+    """One request from `generate` to its end: the attempt in flight (None while routing or between
+    attempts), whether it was aborted, what the client received (tokens, phases in seconds, KV bytes), the
+    failed attempts' lines and the prefill instances they used (not tried again)."""
+
+    request_id: str
+    arrival_s: float
+    attempt: Attempt | None = None
+    aborted: bool = False
+    finished: bool = False
+    num_tokens_sent: int = 0
+    phases: Phases = Phases()
+    kv_transfer_bytes: int | None = None
+    errors: list[str] = field(default_factory=list)
+    excluded_prefills: set[int] = field(default_factory=set)
+
+    def stream_delta(self, delta: TokenDelta | None = None) -> StreamDelta:
+        """`delta` for the client with the request's phases so far (total_s now); no delta: the abort."""
+        self.phases = self.phases.merged(Phases(total_s=time.monotonic() - self.arrival_s))
+        if delta is None:
+            return StreamDelta(
+                [], True, "abort", phases=self.phases.as_dict(), kv_transfer_bytes=self.kv_transfer_bytes
+            )
+        drafts = delta.drafts
+        return StreamDelta(
+            new_token_ids=list(delta.new_token_ids),
+            finished=delta.finished,
+            finish_reason=delta.finish_reason,
+            phases=self.phases.as_dict(),
+            kv_transfer_bytes=self.kv_transfer_bytes,
+            num_draft_tokens=drafts.num_draft_tokens,
+            num_accepted_tokens=drafts.num_accepted_tokens,
+            num_draft_tokens_per_position=list(drafts.num_draft_tokens_per_position),
+            num_accepted_tokens_per_position=list(drafts.num_accepted_tokens_per_position),
+        )

@@ -1,0 +1,203 @@
+"""Routing and reserving one dispatch attempt of a request, and releasing it (`orchestrator.cluster.Cluster`).
+
+`_dispatch` loads every live instance (each rank), routes with the topology's router policy over the
+instances' loads (`orchestrator.instance`, `orchestrator.router`), and reserves on the chosen decode
+instance (`DecodeNode.reserve`); the pure `orchestrator.dispatch.after_reserve` decides what follows: start
+the prefill, route again (an instance was lost), retry after RESERVE_RETRY_S while no decode has room
+(back-pressure), fail at the deadline, or end (aborted). `_release` drops an attempt on every rank of its
+two instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+from kvtransfer.base import HandoffMeta
+from orchestrator.backend import BackendUnavailable
+from orchestrator.dispatch import EndAborted, Fail, ReserveOutcome, RetryReserve, StartPrefill, after_reserve
+from orchestrator.instance import Instance, decode_instance_load, prefill_instance_load
+from orchestrator.messages import ReserveRequest, ReserveResult
+from orchestrator.request_state import Attempt, RequestRecord
+
+
+class RouteAndReserve:
+    """The routing half of the request path (a mixin of `orchestrator.cluster.Cluster`)."""
+
+    instances: dict[str, list[Instance]]
+    _by_handoff: dict[str, Attempt]
+
+    # ---- routing and reserving ----------------------------------------------------------------------------
+    async def _dispatch(
+        self,
+        record: RequestRecord,
+        attempt_index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> Attempt | None:
+        """Route, then reserve on decode (retrying while no decode instance has room: `after_reserve`).
+        None: aborted. Instances whose load/reserve call dies or times out are marked dead and routing
+        continues with the others."""
+        request_id = record.request_id
+        deadline_s = time.monotonic() + self.topology.kv_transfer.timeout_s
+        while True:
+            if record.aborted:
+                return None
+            prefills = [
+                p for p in self.instances["prefill"] if p.routable and p.index not in record.excluded_prefills
+            ]
+            if not prefills:
+                if record.excluded_prefills:  # after a failed attempt (generate adds that attempt's cause)
+                    raise BackendUnavailable("no other live prefill instance to re-dispatch to")
+                summary = self._health_summary("prefill")
+                raise BackendUnavailable(f"{request_id}: no live prefill instance ({summary})")
+            decodes = [d for d in self.instances["decode"] if d.routable]
+            if not decodes:
+                raise BackendUnavailable(
+                    f"{request_id}: no live decode instance ({self._health_summary('decode')})"
+                )
+            prefill_loads, decode_loads = await asyncio.gather(
+                self._load_instances(prefills), self._load_instances(decodes)
+            )
+            lost = False
+            for instance, r in zip(prefills + decodes, prefill_loads + decode_loads, strict=True):
+                if isinstance(r, BaseException):
+                    if not self._is_lost(r):
+                        raise r
+                    self._mark_failed(instance.role, instance.index, r, "load")
+                    lost = True
+            if lost:
+                continue  # route again over the instances that answered (`after_reserve`: RouteAgain)
+            if record.aborted:
+                return None
+            choice = self._policy(
+                [
+                    prefill_instance_load(p.index, r, self._prefix_cache.cached(p.index))
+                    for p, r in zip(prefills, prefill_loads, strict=True)
+                ],
+                [decode_instance_load(d.index, r) for d, r in zip(decodes, decode_loads, strict=True)],
+                counter=next(self._counter),
+                prompt_token_ids=prompt_token_ids,
+                block_size=self.topology.prefill.block_size,
+            )
+            attempt = Attempt(f"{request_id}@{attempt_index}", choice.prefill, choice.decode)
+            outcome, bound = await self._reserve(record, attempt, prompt_token_ids, params)
+            action = after_reserve(request_id, outcome, time.monotonic(), deadline_s)
+            if isinstance(action, StartPrefill):
+                attempt.meta = bound
+                self._prefix_cache.record(attempt.prefill_index, prompt_token_ids)
+                return attempt
+            if isinstance(action, EndAborted):
+                return None
+            if isinstance(action, Fail):
+                raise BackendUnavailable(action.message)
+            if isinstance(action, RetryReserve):
+                await asyncio.sleep(action.delay_s)
+
+    async def _load_instances(self, instances: list[Instance]) -> list[Any]:
+        """Per instance, its ranks' load snapshots, or the exception of its first rank call that failed."""
+
+        async def ranks(instance: Instance) -> list[Any]:
+            return list(await asyncio.gather(*[self._call(a.load.remote()) for a in instance.ranks]))
+
+        return await asyncio.gather(*[ranks(i) for i in instances], return_exceptions=True)
+
+    async def _reserve(
+        self, record: RequestRecord, attempt: Attempt, prompt_token_ids: list[int], params: SamplingParams
+    ) -> tuple[ReserveOutcome, HandoffMeta | None]:
+        """Reserve `attempt` on its decode instance: the outcome and the bound meta (when BOUND). The
+        attempt is the request's (and the poll loop's) while reserved; released when not bound."""
+        self._by_handoff[attempt.handoff_id] = attempt
+        record.attempt = attempt
+        reserve = ReserveRequest(
+            attempt.handoff_id,
+            tuple(prompt_token_ids),
+            params,
+            self._meta(attempt, prompt_token_ids),
+            self.num_speculative_tokens,
+        )
+        leader = self.instances["decode"][attempt.decode_index].leader
+        reserve_call = asyncio.ensure_future(self._call(leader.reserve.remote(reserve)))
+        try:
+            result: ReserveResult = await asyncio.shield(reserve_call)
+        except asyncio.CancelledError:
+            # The request's owner went away (the HTTP client disconnected) while decode reserved: the
+            # reservation is released now, and again once the reserve call has returned (Ray runs a
+            # threaded actor's calls unordered, so this abort may overtake the reserve).
+            self._by_handoff.pop(attempt.handoff_id, None)
+            record.attempt = None
+            self._release(attempt)
+            self._release_when_done(attempt, reserve_call)
+            raise
+        except BaseException as e:
+            self._by_handoff.pop(attempt.handoff_id, None)
+            record.attempt = None
+            if not self._is_lost(e):
+                raise
+            self._release(attempt)  # a reservation that did go through after the timeout
+            self._mark_failed("decode", attempt.decode_index, e, "reserve")
+            return ReserveOutcome.INSTANCE_LOST, None
+        if record.aborted:  # aborted while reserving: abort() saw this attempt
+            self._by_handoff.pop(attempt.handoff_id, None)
+            self._release(attempt)
+            return ReserveOutcome.ABORTED, None
+        if result.reserved:
+            return ReserveOutcome.BOUND, result.bound_meta
+        self._by_handoff.pop(attempt.handoff_id, None)
+        record.attempt = None
+        return ReserveOutcome.NO_ROOM, None
+
+    def _meta(self, attempt: Attempt, prompt_token_ids: list[int]) -> HandoffMeta:
+        kv = self.topology.kv_transfer
+        return HandoffMeta(
+            request_id=attempt.handoff_id,
+            num_layers=self.num_hidden_layers + (1 if self.num_speculative_tokens else 0),
+            num_tokens=len(prompt_token_ids),
+            kv_dim=self.kv_dim,
+            dtype=self._dtype,
+            wire_dtype=self._dtype if kv.wire_dtype == "auto" else kv.wire_dtype,
+            lease_s=kv.timeout_s,
+        )
+
+    # ---- calls and releases -------------------------------------------------------------------------------
+    async def _call(self, ref, timeout_s: float | None = None):
+        """Await one actor call; asyncio.TimeoutError after `timeout_s` (default `call_timeout_s`)."""
+        return await asyncio.wait_for(ref, timeout_s if timeout_s is not None else self.call_timeout_s)
+
+    @staticmethod
+    def _is_lost(exc: BaseException) -> bool:
+        """The actor died or stopped answering (as opposed to a method that raised)."""
+        import ray
+
+        return isinstance(exc, (ray.exceptions.RayActorError, asyncio.TimeoutError, TimeoutError))
+
+    def _abort_after_prefill(self, attempt: Attempt, prefill_task: asyncio.Future) -> None:
+        """Ray runs a threaded actor's calls unordered, so abort() may overtake the `prefill` call it is
+        meant to stop (and find nothing to abort): release the attempt again once that call returns."""
+        self._release_when_done(attempt, prefill_task)
+
+    def _release_when_done(self, attempt: Attempt, call: asyncio.Future) -> None:
+        """Release `attempt` (`_release`) again once the actor call `call` has ended, whatever its outcome
+        (its result or error is consumed here): what the call set up after an earlier release is freed."""
+        if call.done():
+            return
+
+        def again(task: asyncio.Future) -> None:
+            if not task.cancelled():
+                task.exception()  # consumed: the request that made the call is gone
+            if not self._closed:
+                self._release(attempt)
+
+        call.add_done_callback(again)
+
+    def _release(self, attempt: Attempt) -> None:
+        """Best effort, fire and forget: drop the attempt on every rank of its prefill and decode instances.
+        Sent to instances out of routing too: a stalled actor runs the call when it resumes (so what it
+        still held for the attempt is freed before it rejoins), a dead one drops it."""
+        for role, index in (("decode", attempt.decode_index), ("prefill", attempt.prefill_index)):
+            for actor in self.instances[role][index].ranks:
+                with contextlib.suppress(Exception):
+                    actor.abort.remote(attempt.handoff_id)

@@ -1,0 +1,168 @@
+"""The prefill and decode rank actors as plain objects in this process (no Ray): a handoff over the gRPC
+transport on loopback, typed loads and events, poll acknowledgement, a handoff that never comes, and the
+shared engine-thread scaffolding (fault injection, loop-error accounting)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from decode_node.actor import DecodeNode
+from engine.sampling_params import SamplingParams
+from kvtransfer.base import HandoffMeta
+from orchestrator.messages import (
+    DecodeNodeLoad,
+    PrefillNodeLoad,
+    PrefillRequest,
+    PrefillResult,
+    RequestError,
+    ReserveRequest,
+    TokenDelta,
+)
+from tests.cluster.test_cluster import _topology
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPT = tuple(range(10, 50))  # 40 tokens
+EVENT_WAIT_S = 30.0  # a generous bound on a tiny model's prefill + 6 decode steps on a shared CPU
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    from prefill_node.actor import PrefillNode
+
+    topo = _topology(k=1)
+    decode = DecodeNode(topo.engine_config("decode"), "decode-0")
+    prefill = PrefillNode(topo.engine_config("prefill"), "prefill-0", layerwise=True)
+    address = decode.start_grpc()
+    prefill.connect_grpc([address])
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+def _meta(prefill, handoff_id: str, lease_s: float = 20.0) -> HandoffMeta:
+    cfg = prefill.engine.model.config
+    return HandoffMeta(
+        request_id=handoff_id,
+        num_layers=cfg.num_hidden_layers + 1,  # + the MTP layer (k=1)
+        num_tokens=len(PROMPT),
+        kv_dim=cfg.kv_cache_dim,
+        dtype=prefill.engine.config.dtype,
+        wire_dtype=prefill.engine.config.dtype,
+        lease_s=lease_s,
+    )
+
+
+def _events_until(decode, handoff_id: str, done, acked_seq: int = 0) -> tuple[list, int]:
+    """Poll (acknowledging) until `done(event)` for an event of `handoff_id`; its events and the last seq."""
+    events, deadline_s = [], time.monotonic() + EVENT_WAIT_S
+    while time.monotonic() < deadline_s:
+        for polled in decode.poll(0.05, acked_seq):
+            acked_seq = polled.seq
+            if polled.event.handoff_id == handoff_id:
+                events.append(polled.event)
+                if done(polled.event):
+                    return events, acked_seq
+    raise AssertionError(f"no final event for {handoff_id} within {EVENT_WAIT_S} s: {events}")
+
+
+def _assert_idle(prefill, decode) -> None:
+    assert prefill.check_no_leaks() == {"num_used_blocks": 0, "num_active": 0, "pending_handoffs": []}
+    assert decode.check_no_leaks() == {
+        "num_used_blocks": 0,
+        "num_reserved": 0,
+        "num_unfinished": 0,
+        "pending_handoffs": [],
+    }
+
+
+def test_a_handoff_end_to_end_with_typed_messages(nodes) -> None:
+    prefill, decode = nodes
+    free_before = decode.load().num_free_blocks
+    reserve = ReserveRequest("h1", PROMPT, GREEDY, _meta(prefill, "h1"), num_draft_tokens=1)
+    reserved = decode.reserve(reserve)
+    assert reserved.reserved and reserved.bound_meta.secret  # bound, with the handoff's secret
+    load = decode.load()
+    assert isinstance(load, DecodeNodeLoad) and load.num_reserved == 1 and load.batch_load == 1
+    assert load.num_free_blocks < free_before and load.engine_thread_alive
+
+    result = prefill.prefill(PrefillRequest("h1", PROMPT, GREEDY, reserved.bound_meta, decode_index=0))
+    assert isinstance(result, PrefillResult) and result.num_drafts == 1
+    assert result.queue_s >= 0 and result.prefill_s > 0
+    events, _ = _events_until(decode, "h1", lambda e: isinstance(e, RequestError) or e.finished)
+    assert all(isinstance(e, TokenDelta) for e in events), events
+    first, last = events[0], events[-1]
+    assert first.new_token_ids == (result.first_token_id,)  # the first token prefill sampled, at once
+    assert first.phases.kv_transfer_s is not None and first.phases.kv_transfer_s >= 0
+    assert isinstance(first.kv_transfer_bytes, int) and first.kv_transfer_bytes > 0
+    stepped = events[1]  # the first stepped delta measures the first decode step
+    assert stepped.phases.first_decode_step_s is not None
+    assert stepped.kv_transfer_bytes == first.kv_transfer_bytes
+    assert sum(len(e.new_token_ids) for e in events) == GREEDY.max_tokens
+    assert last.finished and last.finish_reason == "length"
+    assert all(not e.finished and e.finish_reason is None for e in events[:-1])
+    assert last.drafts.num_accepted_tokens <= last.drafts.num_draft_tokens
+    assert len(last.drafts.num_draft_tokens_per_position) == 1
+    prefill_load = prefill.load()
+    assert isinstance(prefill_load, PrefillNodeLoad)
+    assert prefill_load.num_queued_prefill_tokens == 0 and prefill_load.num_requests == 0
+    _assert_idle(prefill, decode)
+
+
+def test_poll_keeps_events_until_acknowledged(nodes) -> None:
+    prefill, decode = nodes
+    retained = decode.poll(0.0, 0)
+    if retained:  # acknowledge what earlier tests left
+        decode.poll(0.0, retained[-1].seq)
+    reserved = decode.reserve(ReserveRequest("h2", PROMPT, GREEDY, _meta(prefill, "h2"), 1))
+    prefill.prefill(PrefillRequest("h2", PROMPT, GREEDY, reserved.bound_meta, 0))
+    deadline_s = time.monotonic() + EVENT_WAIT_S
+    unacked = decode.poll(0.05, 0)
+    while not (unacked and unacked[-1].event.finished):  # never acknowledged: every poll repeats them
+        assert time.monotonic() < deadline_s, unacked
+        unacked = decode.poll(0.05, 0)
+    assert decode.poll(0.0, 0) == unacked  # a reply lost to a timeout is sent again
+    assert [p.seq for p in unacked] == list(range(unacked[0].seq, unacked[0].seq + len(unacked)))
+    assert sum(len(p.event.new_token_ids) for p in unacked) == GREEDY.max_tokens
+    assert decode.poll(0.0, unacked[-2].seq) == unacked[-1:]  # acknowledged ones are dropped
+    assert decode.poll(0.0, unacked[-1].seq) == []
+    _assert_idle(prefill, decode)
+
+
+def test_a_handoff_that_never_comes_is_an_error_event_and_frees_the_reservation(nodes) -> None:
+    prefill, decode = nodes
+    reserved = decode.reserve(ReserveRequest("h3", PROMPT, GREEDY, _meta(prefill, "h3", lease_s=0.5), 1))
+    assert reserved.reserved and decode.load().num_reserved == 1
+    events, _ = _events_until(decode, "h3", lambda e: isinstance(e, RequestError))
+    assert len(events) == 1 and events[0].handoff_id == "h3" and events[0].message
+    _assert_idle(prefill, decode)
+
+
+def test_an_injected_prefill_fault_fails_that_request_and_is_counted(nodes) -> None:
+    prefill, decode = nodes
+    with pytest.raises(ValueError, match="unknown fault point 'admit'"):
+        prefill.inject_fault("admit")  # a decode fault point, not a prefill one
+    errors_before = prefill.load().num_engine_errors
+    reserved = decode.reserve(ReserveRequest("h4", PROMPT, GREEDY, _meta(prefill, "h4"), 1))
+    prefill.inject_fault("start")
+    with pytest.raises(RuntimeError, match="prefill of h4 failed: RuntimeError.'injected fault at start'"):
+        prefill.prefill(PrefillRequest("h4", PROMPT, GREEDY, reserved.bound_meta, 0))
+    load = prefill.load()
+    assert load.num_engine_errors == errors_before + 1 and load.engine_thread_alive
+    assert load.last_engine_error == "starting h4 failed: RuntimeError('injected fault at start')"
+    decode.abort("h4")  # the driver releases the failed attempt
+    _assert_idle(prefill, decode)
+
+
+def test_an_injected_decode_fault_is_an_error_event_and_the_loop_survives(nodes) -> None:
+    prefill, decode = nodes
+    errors_before = decode.load().num_engine_errors
+    decode.inject_fault("delta")
+    reserved = decode.reserve(ReserveRequest("h5", PROMPT, GREEDY, _meta(prefill, "h5"), 1))
+    prefill.prefill(PrefillRequest("h5", PROMPT, GREEDY, reserved.bound_meta, 0))
+    events, _ = _events_until(decode, "h5", lambda e: isinstance(e, RequestError))
+    assert events[-1].message == "decode output failed: RuntimeError('injected fault at delta')"
+    load = decode.load()
+    assert load.num_engine_errors == errors_before + 1 and load.engine_thread_alive
+    _assert_idle(prefill, decode)
