@@ -5,13 +5,13 @@ Two implementations:
   single-machine serving.
 - the Ray cluster backend (`orchestrator/cluster.py`): router -> prefill pool -> KV transfer -> decode pool.
 
-The API server (`orchestrator/api_server.py`) only calls the five members below. It validates the request
+The API server (`orchestrator/api/`) only calls the five members below. It validates the request
 (model name, prompt length against `max_model_len`, sampling parameters) before calling `generate`, and
 calls `abort` when the client goes away before the stream ends.
 
 Who runs what:
-    api_server (asyncio loop)                       backend
-    -------------------------                       -------
+    orchestrator.api (asyncio loop)                 backend
+    -------------------------------                 -------
     async for delta in backend.generate(...)        queue the request; yield a `StreamDelta` each time
                                                     the request commits tokens; the last has finished=True
     await backend.abort(request_id)                 drop the request, free its KV blocks (no-op if it is

@@ -310,7 +310,7 @@ class SLOConfig:
 
 @dataclass(frozen=True)
 class ApiConfig:
-    """The OpenAI-compatible HTTP endpoint (`orchestrator.api_server`).
+    """The OpenAI-compatible HTTP endpoint (`orchestrator.api`).
 
     Attributes:
         host: the IPv4 address or host name the server binds (`host_problem` says what is accepted).
