@@ -168,18 +168,16 @@ class HandoffMeta:
 class HandoffExtras:
     """What decode needs besides the KV to continue at once, speculating with MTP at full acceptance.
 
-    prompt_token_ids: the prompt (decode's request state and prefix cache key).
+    The prompt is not repeated here: decode's `reserve()` received it, and `HandoffMeta.num_tokens` (checked
+    against the reservation) is its length.
+
     first_token_id: the token prefill sampled after the prompt.
-    last_hidden: `[hidden_size]` float: the main model's final hidden state at the last prompt position
-        (the `prev_hidden` row the MTP module pairs with `first_token_id`), sent bit-exact in its dtype.
     draft_token_ids: MTP draft tokens prefill proposed after `first_token_id` (may be empty).
     draft_probs: `[num_drafts, vocab_size]` float32 MTP probabilities of sampled (non-greedy) drafts, which
         lossless rejection sampling on decode needs; None for greedy drafts or no drafts.
     """
 
-    prompt_token_ids: list[int]
     first_token_id: int
-    last_hidden: torch.Tensor
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
 

@@ -206,9 +206,7 @@ def _raw_tensor(tensor: torch.Tensor) -> pb.RawTensor:
 
 def extras_to_proto(extras: HandoffExtras) -> pb.Finish:
     finish = pb.Finish(
-        prompt_token_ids=extras.prompt_token_ids,
         first_token_id=extras.first_token_id,
-        last_hidden=_raw_tensor(extras.last_hidden),
         draft_token_ids=extras.draft_token_ids,
         checksum=extras_checksum(extras),
     )
@@ -223,9 +221,7 @@ def extras_from_proto(request_id: str, finish: pb.Finish) -> HandoffExtras:
 
     try:
         extras = HandoffExtras(
-            prompt_token_ids=list(finish.prompt_token_ids),
             first_token_id=finish.first_token_id,
-            last_hidden=tensor(finish.last_hidden),
             draft_token_ids=list(finish.draft_token_ids),
             draft_probs=tensor(finish.draft_probs) if finish.HasField("draft_probs") else None,
         )

@@ -217,12 +217,10 @@ def meta_from_dict(record: dict[str, Any]) -> HandoffMeta:
 
 
 def extras_checksum(extras: HandoffExtras) -> int:
-    """CRC-32 over the extras in a fixed order: token ids as int64 (with counts), then the raw bytes of
-    `last_hidden` and of `draft_probs` (if any). Independent of how a transport encodes them."""
-    ids = [extras.first_token_id, len(extras.prompt_token_ids), *extras.prompt_token_ids]
-    ids += [len(extras.draft_token_ids), *extras.draft_token_ids]
+    """CRC-32 over the extras in a fixed order: token ids as int64 (the drafts with their count), then the
+    raw bytes of `draft_probs` (if any). Independent of how a transport encodes them."""
+    ids = [extras.first_token_id, len(extras.draft_token_ids), *extras.draft_token_ids]
     crc = checksum(np.asarray(ids, dtype="<i8"))
-    crc = checksum(tensor_bytes(extras.last_hidden).numpy(), crc)
     if extras.draft_probs is not None:
         crc = checksum(tensor_bytes(extras.draft_probs).numpy(), crc)
     return crc
@@ -246,9 +244,7 @@ def tensor_from_record(record: dict[str, Any]) -> torch.Tensor:
 def extras_to_dict(extras: HandoffExtras) -> dict[str, Any]:
     """The extras as a msgpack-ready dict, with their checksum."""
     return {
-        "prompt_token_ids": list(extras.prompt_token_ids),
         "first_token_id": extras.first_token_id,
-        "last_hidden": tensor_to_record(extras.last_hidden),
         "draft_token_ids": list(extras.draft_token_ids),
         "draft_probs": None if extras.draft_probs is None else tensor_to_record(extras.draft_probs),
         "checksum": extras_checksum(extras),
@@ -259,9 +255,7 @@ def extras_from_dict(request_id: str, record: dict[str, Any]) -> HandoffExtras:
     """Inverse of `extras_to_dict`; ChecksumMismatch if the extras were corrupted."""
     try:
         extras = HandoffExtras(
-            prompt_token_ids=list(record["prompt_token_ids"]),
             first_token_id=record["first_token_id"],
-            last_hidden=tensor_from_record(record["last_hidden"]),
             draft_token_ids=list(record["draft_token_ids"]),
             draft_probs=None if record["draft_probs"] is None else tensor_from_record(record["draft_probs"]),
         )

@@ -334,9 +334,7 @@ class PrefillNode:
             sender.finish(
                 request_id,
                 HandoffExtras(
-                    prompt_token_ids=job.prompt_token_ids,
                     first_token_id=result.first_token_id,
-                    last_hidden=result.last_hidden,
                     draft_token_ids=result.draft_token_ids,
                     draft_probs=result.draft_probs,
                 ),
