@@ -5,7 +5,7 @@ two interpreter start-ups are paid once; each scenario writes what it observed t
 functions below assert on it. A multiprocessing barrier makes decode `expect` before prefill `begin`s, and
 a multiprocessing queue carries each handoff's secret from decode's `expect` to prefill (Ray does in the
 cluster). Faults come only from the sender's fault hook, chosen per request id; forged and replayed
-begins are sent by rank 0 with the transport's own framing (`_send_message`), as a process in the group
+begins are sent by rank 0 with the transport's own framing (`send_message`), as a process in the group
 that is not the real sender could.
 """
 
@@ -38,9 +38,9 @@ from kvtransfer.dist_transport import (
     DistKVReceiver,
     DistKVSender,
     DistTransportConfig,
-    _send_message,
     init_transport_group,
     rendezvous_store,
+    send_message,
 )
 from kvtransfer.wire import encode_layer, extras_to_dict, meta_to_dict
 from tests.kvtransfer.conftest import (
@@ -91,7 +91,7 @@ def send_all(sender, meta) -> None:
 
 
 def send_raw(record: dict, payload=None) -> None:
-    _send_message(record, payload, RECEIVER_RANK, None, torch.device("cpu"))
+    send_message(record, payload, RECEIVER_RANK, None, torch.device("cpu"))
 
 
 def send_forged_handoff(meta, secret: bytes | None) -> None:
