@@ -72,6 +72,11 @@ class DecodeNode:
         self._thread.start()
 
     # ---- wiring -----------------------------------------------------------------------------------------
+    @property
+    def _int8_cache(self) -> bool:
+        """An int8 KV cache: the receiver hands an int8 wire's values and scales through as they are."""
+        return self.engine.config.kv_cache_dtype == "int8"
+
     def ready(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -85,7 +90,9 @@ class DecodeNode:
         prefill senders use."""
         from kvtransfer.grpc_transport import KVReceiverServer
 
-        server = KVReceiverServer(self.host, 0, max_concurrent_streams=64, tls=tls)
+        server = KVReceiverServer(
+            self.host, 0, int8_passthrough=self._int8_cache, max_concurrent_streams=64, tls=tls
+        )
         self.receiver = server
         return server.address
 
@@ -101,7 +108,7 @@ class DecodeNode:
 
         config = DistTransportConfig.for_device(self.engine.config.device)
         init_transport_group(config, rank=rank, world_size=world_size, init_method=init_method)
-        self.receiver = DistKVReceiver(prefill_ranks, config)
+        self.receiver = DistKVReceiver(prefill_ranks, config, int8_passthrough=self._int8_cache)
 
     # ---- requests ---------------------------------------------------------------------------------------
     def reserve(
@@ -128,7 +135,7 @@ class DecodeNode:
             self._reserved_at_s[handoff_id] = time.monotonic()
 
         def on_layer(layer_idx: int, layer: ReceivedLayer) -> None:
-            engine.write_prompt_kv(handoff_id, layer_idx, layer.latent)
+            engine.write_prompt_kv(handoff_id, layer_idx, layer.latent, layer.scale)
 
         try:
             bound = self.receiver.expect(meta, on_layer)

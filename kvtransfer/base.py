@@ -72,6 +72,23 @@ INT8_SCALE_DTYPE = torch.float32  # one scale per token on an int8 wire (kernels
 HANDOFF_SECRET_NUM_BYTES = 32  # 256 bits from `secrets.token_bytes`: not guessable within any lease
 
 
+def resolve_wire_dtype(wire_dtype: str, model_dtype: str, kv_cache_dtype: str) -> str:
+    """The `HandoffMeta.wire_dtype` for a topology's `kv_transfer.wire_dtype`.
+
+    wire_dtype: `"auto"` (the dtype decode's KV cache stores: `"int8"` for an int8 cache, whose bytes then
+        pass straight through, else `model_dtype`) or `"int8"`.
+    model_dtype: the model dtype name (`"bfloat16"`, ...); kv_cache_dtype: decode's `"auto"` or `"int8"`.
+
+    Raises:
+        ValueError: an unknown `wire_dtype`.
+    """
+    if wire_dtype == "int8":
+        return "int8"
+    if wire_dtype != "auto":
+        raise ValueError(f"wire_dtype: must be 'auto' or 'int8', got {wire_dtype!r}")
+    return "int8" if kv_cache_dtype == "int8" else model_dtype
+
+
 def new_handoff_secret() -> bytes:
     """A fresh per-handoff secret: `HANDOFF_SECRET_NUM_BYTES` bytes from the OS's CSPRNG."""
     return secrets.token_bytes(HANDOFF_SECRET_NUM_BYTES)
@@ -284,8 +301,15 @@ class KVSender(abc.ABC):
         """
 
     @abc.abstractmethod
-    def send_layer(self, request_id: str, layer_idx: int, latent_kv: torch.Tensor) -> None:
-        """Copy `latent_kv: [num_tokens, kv_dim]` (model dtype) and enqueue it; returns before delivery.
+    def send_layer(
+        self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> None:
+        """Copy one layer's KV and enqueue it; returns before delivery.
+
+        latent_kv: `[num_tokens, kv_dim]` in the model dtype; or int8 from an int8 KV cache, with
+        scale: `[num_tokens]` float32 per-token scales (`kernels.kv_quant`). An int8 wire sends int8 + scales
+            as they are (no re-quantization: the bytes decode's int8 cache gets are prefill's); a float wire
+            sends them dequantized to the model dtype. None with a float `latent_kv`.
 
         ValueError for an unknown request, a layer index out of range, or a shape/dtype other than the
         handoff's. A request that already failed in the background (lease expired, decode refused it)

@@ -59,7 +59,7 @@ from typing import Any
 
 from engine.block_manager import compute_block_hashes
 from engine.sampling_params import SamplingParams
-from kvtransfer.base import HandoffMeta
+from kvtransfer.base import HandoffMeta, resolve_wire_dtype
 from models.tokenizer import Tokenizer
 from orchestrator.backend import BackendUnavailable, StreamDelta
 from orchestrator.health import InstanceHealth, ProbeOutcome, after_answer, after_failure
@@ -311,6 +311,7 @@ class Cluster:
         self.model_name = Path(config.model).resolve().name
         self.max_model_len = config.max_model_len or _max_position_embeddings(config.model)
         self._dtype = config.dtype
+        self._decode_kv_cache_dtype = config.kv_cache_dtype
         self._policy = POLICIES[topo.router.policy]
         up_s = time.monotonic()
         self._health = {
@@ -684,7 +685,7 @@ class Cluster:
             num_tokens=len(prompt_token_ids),
             kv_dim=self.kv_dim,
             dtype=self._dtype,
-            wire_dtype=self._dtype if kv.wire_dtype == "auto" else kv.wire_dtype,
+            wire_dtype=resolve_wire_dtype(kv.wire_dtype, self._dtype, self._decode_kv_cache_dtype),
             lease_s=kv.timeout_s,
         )
 

@@ -53,7 +53,8 @@ class _Job:
     result: dict[str, Any] | None = None
     error: str | None = None
     scheduled_s: float | None = None
-    layers: dict[int, torch.Tensor] = field(default_factory=dict)  # layerwise off: buffered layers
+    # layerwise off: buffered layers, (latent_kv, scale) as the engine's PromptKVCallback gives them
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     num_layers_sent: int = 0
 
 
@@ -305,15 +306,17 @@ class PrefillNode:
         with self._lock:
             self._active[job.request_id] = job
 
-    def _on_prompt_kv(self, request_id: str, layer_idx: int, latent_kv: torch.Tensor) -> None:
+    def _on_prompt_kv(
+        self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None
+    ) -> None:
         job = self._active.get(request_id)
         if job is None:
             return
         if self.layerwise:
-            self.senders[job.decode_index].send_layer(request_id, layer_idx, latent_kv)
+            self.senders[job.decode_index].send_layer(request_id, layer_idx, latent_kv, scale)
             job.num_layers_sent += 1
         else:
-            job.layers[layer_idx] = latent_kv
+            job.layers[layer_idx] = (latent_kv, scale)
 
     def _complete(self, request_id: str, finish_reason: str | None, queue_s: float) -> None:
         job = self._active.get(request_id)
@@ -326,7 +329,7 @@ class PrefillNode:
         sender = self.senders[job.decode_index]
         try:
             for layer_idx in sorted(job.layers):
-                sender.send_layer(request_id, layer_idx, job.layers[layer_idx])
+                sender.send_layer(request_id, layer_idx, *job.layers[layer_idx])
                 job.num_layers_sent += 1
             job.layers.clear()
             if job.num_layers_sent != job.meta.num_layers:

@@ -21,7 +21,7 @@ from kvtransfer.dist_transport.group import DistTransportConfig
 from kvtransfer.wire import (
     FaultHook,
     apply_fault_hook,
-    check_layer,
+    copy_layer,
     encode_layer,
     extras_to_dict,
     meta_to_dict,
@@ -89,11 +89,13 @@ class DistKVSender(KVSender):
             self._progress.requests[handoff.request_id] = _Request(meta=handoff, begun_at_s=time.monotonic())
         self._enqueue(("begin", handoff.request_id))
 
-    def send_layer(self, request_id: str, layer_idx: int, latent_kv: torch.Tensor) -> None:
+    def send_layer(
+        self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> None:
         req = self._open_request(request_id)
-        check_layer(req.meta, layer_idx, latent_kv)
+        latent_copy, scale_copy = copy_layer(req.meta, layer_idx, latent_kv, scale)
         if req.error is None:
-            self._enqueue(("layer", request_id, layer_idx, latent_kv.detach().clone()))
+            self._enqueue(("layer", request_id, layer_idx, latent_copy, scale_copy))
 
     def finish(self, request_id: str, extras: HandoffExtras) -> None:
         self._open_request(request_id).closed = True
@@ -192,7 +194,9 @@ class DistKVSender(KVSender):
         if kind == "begin":
             self._send({"kind": "begin", "meta": meta_to_dict(meta)})
         elif kind == "layer":
-            layer, keep_sending = apply_fault_hook(self._fault_hook, encode_layer(meta, item[2], item[3]))
+            layer, keep_sending = apply_fault_hook(
+                self._fault_hook, encode_layer(meta, item[2], item[3], item[4])
+            )
             if not keep_sending:
                 req.stalled = True
                 return

@@ -30,7 +30,7 @@ from kvtransfer.grpc_transport.messages import (
     meta_to_proto,
 )
 from kvtransfer.grpc_transport.tls import TLSCredentials
-from kvtransfer.wire import FaultHook, LayerHeader, apply_fault_hook, check_layer, encode_layer
+from kvtransfer.wire import FaultHook, LayerHeader, apply_fault_hook, check_layer, copy_layer, encode_layer
 from protos import kv_transfer_pb2 as pb
 from protos import kv_transfer_pb2_grpc as pb_grpc
 
@@ -143,15 +143,17 @@ class GrpcKVSender(KVSender):
         if self._calls.get(call.meta.request_id) is call:
             del self._calls[call.meta.request_id]
 
-    def send_layer(self, request_id: str, layer_idx: int, latent_kv: torch.Tensor) -> None:
+    def send_layer(
+        self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> None:
         call = self._open_call(request_id)
-        check_layer(call.meta, layer_idx, latent_kv)
         if call.done:  # failed in the background; flush() reports it
+            check_layer(call.meta, layer_idx, latent_kv, scale)
             return
-        copy = latent_kv.detach().clone()
+        latent_copy, scale_copy = copy_layer(call.meta, layer_idx, latent_kv, scale)
         with self._lock:
             if not call.done:
-                call.messages.put(("layer", layer_idx, copy))
+                call.messages.put(("layer", layer_idx, latent_copy, scale_copy))
 
     def finish(self, request_id: str, extras: HandoffExtras) -> None:
         self._close_call(request_id, ("finish", extras))
@@ -227,7 +229,9 @@ class GrpcKVSender(KVSender):
             if kind == "layer":
                 if call.abort_reason is not None:
                     continue
-                layer, keep_sending = apply_fault_hook(self._fault_hook, encode_layer(meta, item[1], item[2]))
+                layer, keep_sending = apply_fault_hook(
+                    self._fault_hook, encode_layer(meta, item[1], item[2], item[3])
+                )
                 if not keep_sending:
                     call.stalled = True
                     continue
