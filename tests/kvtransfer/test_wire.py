@@ -12,8 +12,10 @@ from kernels.kv_quant import dequantize_kv_int8, quantize_kv_int8
 from kvtransfer.base import (
     HANDOFF_SECRET_NUM_BYTES,
     ChecksumMismatch,
+    FailureLog,
     HandoffMeta,
     HandoffRefused,
+    KVTransferError,
     ProtocolError,
     TransferTimeout,
     new_handoff_secret,
@@ -212,3 +214,12 @@ def test_claim_after_the_lease_is_refused():
     with pytest.raises(HandoffRefused, match="lease of 0.01 s is over"):
         reservations.claim("late", bound.secret)
     reservations.release("late")
+
+
+def test_failure_log_is_bounded():
+    log = FailureLog(max_records=3)
+    for i in range(5):
+        log.add(f"r{i}", KVTransferError(f"e{i}"))
+    assert len(log) == 3
+    assert sorted(log.pop_all()) == ["r2", "r3", "r4"]
+    assert len(log) == 0
