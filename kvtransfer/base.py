@@ -54,7 +54,7 @@ from __future__ import annotations
 import abc
 import secrets
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -286,6 +286,21 @@ class FailureLog:
 
     def __len__(self) -> int:
         return len(self._errors)
+
+
+def check_begin(handoff: HandoffMeta, sender: str, closed: bool, begun: Container[str]) -> None:
+    """What `KVSender.begin` refuses, for a sender named `sender` (its class), `closed` or not, that has
+    `begun` (the request ids it still holds). Call with the sender's lock held.
+
+    Raises:
+        ValueError: no secret in `handoff`, or its request already begun. RuntimeError: the sender is closed.
+    """
+    if not handoff.secret:
+        raise ValueError(f"{handoff.request_id}: the handoff has no secret; begin with what expect returned")
+    if closed:
+        raise RuntimeError(f"{sender} is closed")
+    if handoff.request_id in begun:
+        raise ValueError(f"{handoff.request_id}: handoff already begun")
 
 
 class KVSender(abc.ABC):

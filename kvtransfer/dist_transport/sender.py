@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-from kvtransfer.base import FailureLog, HandoffExtras, HandoffMeta, KVSender, KVTransferError, TransferTimeout
+from kvtransfer.base import (
+    FailureLog,
+    HandoffExtras,
+    HandoffMeta,
+    KVSender,
+    KVTransferError,
+    TransferTimeout,
+    check_begin,
+)
 from kvtransfer.dist_transport.framing import send_message
 from kvtransfer.dist_transport.group import DistTransportConfig
 from kvtransfer.wire import (
@@ -77,15 +85,8 @@ class DistKVSender(KVSender):
         self._worker.start()
 
     def begin(self, handoff: HandoffMeta) -> None:
-        if not handoff.secret:
-            raise ValueError(
-                f"{handoff.request_id}: the handoff has no secret; begin with what expect returned"
-            )
         with self._lock:
-            if self._closed:
-                raise RuntimeError("DistKVSender is closed")
-            if handoff.request_id in self._progress.requests:
-                raise ValueError(f"{handoff.request_id}: handoff already begun")
+            check_begin(handoff, "DistKVSender", self._closed, self._progress.requests)
             self._progress.requests[handoff.request_id] = _Request(meta=handoff, begun_at_s=time.monotonic())
         self._enqueue(("begin", handoff.request_id))
 

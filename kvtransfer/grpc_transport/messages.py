@@ -3,6 +3,8 @@ status code each `KVTransferError` class travels as (`protos/kv_transfer.proto`)
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import torch
 
@@ -40,29 +42,18 @@ CODE_TO_ERROR = {code: cls for cls, code in ERROR_TO_CODE} | {
 }
 
 
+# `Begin` carries the handoff's fields but its secret (that travels in the call's metadata).
+BEGIN_FIELDS = tuple(f.name for f in dataclasses.fields(HandoffMeta) if f.name != "secret")
+LAYER_HEADER_FIELDS = tuple(f.name for f in dataclasses.fields(LayerHeader))
+
+
 def meta_to_proto(meta: HandoffMeta) -> pb.Begin:
-    return pb.Begin(
-        request_id=meta.request_id,
-        num_layers=meta.num_layers,
-        num_tokens=meta.num_tokens,
-        kv_dim=meta.kv_dim,
-        dtype=meta.dtype,
-        wire_dtype=meta.wire_dtype,
-        lease_s=meta.lease_s,
-    )
+    return pb.Begin(**{name: getattr(meta, name) for name in BEGIN_FIELDS})
 
 
 def meta_from_proto(begin: pb.Begin) -> HandoffMeta:
     try:
-        return HandoffMeta(
-            request_id=begin.request_id,
-            num_layers=begin.num_layers,
-            num_tokens=begin.num_tokens,
-            kv_dim=begin.kv_dim,
-            dtype=begin.dtype,
-            wire_dtype=begin.wire_dtype,
-            lease_s=begin.lease_s,
-        )
+        return HandoffMeta(**{name: getattr(begin, name) for name in BEGIN_FIELDS})
     except ValueError as e:
         raise ProtocolError(f"malformed Begin for {begin.request_id!r}: {e}") from None
 
@@ -72,16 +63,7 @@ def header_to_proto(header: LayerHeader) -> pb.LayerHeader:
 
 
 def header_from_proto(header: pb.LayerHeader) -> LayerHeader:
-    return LayerHeader(
-        request_id=header.request_id,
-        layer_idx=header.layer_idx,
-        num_tokens=header.num_tokens,
-        kv_dim=header.kv_dim,
-        dtype=header.dtype,
-        wire_dtype=header.wire_dtype,
-        num_bytes=header.num_bytes,
-        checksum=header.checksum,
-    )
+    return LayerHeader(**{name: getattr(header, name) for name in LAYER_HEADER_FIELDS})
 
 
 def _raw_tensor(tensor: torch.Tensor) -> pb.RawTensor:

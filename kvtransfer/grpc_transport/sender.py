@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from kvtransfer.base import FailureLog, HandoffExtras, HandoffMeta, KVSender, KVTransferError, TransferTimeout
+from kvtransfer.base import (
+    FailureLog,
+    HandoffExtras,
+    HandoffMeta,
+    KVSender,
+    KVTransferError,
+    TransferTimeout,
+    check_begin,
+)
 from kvtransfer.grpc_transport.messages import (
     DEFAULT_MAX_CHUNK_BYTES,
     GRPC_MAX_MESSAGE_BYTES,
@@ -102,15 +110,8 @@ class GrpcKVSender(KVSender):
         self._closed = False
 
     def begin(self, handoff: HandoffMeta) -> None:
-        if not handoff.secret:
-            raise ValueError(
-                f"{handoff.request_id}: the handoff has no secret; begin with what expect returned"
-            )
         with self._lock:
-            if self._closed:
-                raise RuntimeError("GrpcKVSender is closed")
-            if handoff.request_id in self._calls:
-                raise ValueError(f"{handoff.request_id}: handoff already begun")
+            check_begin(handoff, "GrpcKVSender", self._closed, self._calls)
             call = _Call(meta=handoff, begun_at_s=time.monotonic())
             self._calls[handoff.request_id] = call
         credentials = ((HANDOFF_ID_KEY, handoff.request_id), (HANDOFF_SECRET_KEY, handoff.secret))
