@@ -25,6 +25,7 @@ from kvtransfer.base import (
     SenderLost,
     TransferAborted,
     TransferTimeout,
+    resolve_wire_dtype,
 )
 
 __all__ = [
@@ -42,4 +43,5 @@ __all__ = [
     "SenderLost",
     "TransferAborted",
     "TransferTimeout",
+    "resolve_wire_dtype",
 ]

@@ -19,11 +19,12 @@ Decode instance (receiver side, `KVReceiver`), on the decode actor's thread:
 Prefill instance (sender side, `KVSender`), on the prefill actor's thread:
     1. `begin(handoff)` when the request's prefill is scheduled, with the `HandoffMeta` decode's `expect`
        returned (the one carrying the secret).
-    2. `send_layer(request_id, layer_idx, latent_kv)` from the model runner's `on_layer_kv` hook right after
-       each layer's KV is computed (MTP layer: `layer_idx = num_hidden_layers`). It copies the tensor,
+    2. `send_layer(request_id, layer_idx, latent_kv, scale)` from the model runner's `on_layer_kv` hook right
+       after each layer's KV is computed (MTP layer: `layer_idx = num_hidden_layers`). It copies the tensor,
        enqueues it and returns, so the next layer's forward overlaps the transfer. With chunked prefill the
        caller sends each layer once, at the last chunk, e.g. `kernels.paged_mla.gather_kv` of that layer
-       (the hook runs after the chunk's KV was written).
+       (the hook runs after the chunk's KV was written): the cache's own bytes, so an int8 cache gives int8
+       values with their `scale`, which an int8 wire carries as they are.
     3. `finish(request_id, extras)` once the first token (and MTP drafts) are sampled; or
        `abort(request_id, reason)` instead, which makes decode's `wait` raise `TransferAborted`.
     4. `flush(timeout_s)` to wait for delivery of finished/aborted requests and learn which failed;
@@ -119,8 +120,9 @@ class HandoffMeta:
         layer at `num_hidden_layers`.
     num_tokens: tokens of KV per layer (the prompt length).
     kv_dim: `kv_lora_rank + qk_rope_head_dim` (576 for DeepSeek-V3).
-    dtype: model dtype name (`"bfloat16"`, `"float16"`, `"float32"`): the dtype of `latent_kv` given to
-        `send_layer` and of the tensors the receiver hands out (unless it passes int8 through).
+    dtype: model dtype name (`"bfloat16"`, `"float16"`, `"float32"`): the dtype of a float `latent_kv` given
+        to `send_layer` (an int8 cache's layer comes as int8 + scales) and of the tensors the receiver hands
+        out (unless it passes int8 through).
     wire_dtype: `dtype` (raw bytes) or `"int8"` (per-token INT8, `kernels.kv_quant`, about half the bytes).
     lease_s: seconds from `expect()` (receiver) / `begin()` (sender) within which the whole handoff must be
         complete, prefill compute included since layers stream while it runs. A duration, not a wall-clock
