@@ -329,7 +329,8 @@ class PrefillNode:
         sender = self.senders[job.decode_index]
         try:
             for layer_idx in sorted(job.layers):
-                sender.send_layer(request_id, layer_idx, *job.layers[layer_idx])
+                latent_kv, scale = job.layers[layer_idx]
+                sender.send_layer(request_id, layer_idx, latent_kv, scale)
                 job.num_layers_sent += 1
             job.layers.clear()
             if job.num_layers_sent != job.meta.num_layers:
