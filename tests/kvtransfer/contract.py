@@ -116,8 +116,9 @@ def flushed(sender: KVSender) -> dict[str, str]:
 
 
 # Events between the roles: decode blocks in on_layer until the sender opens "overlap"; decode's on_layer
-# sets "replayed" / "lost" once the first layer is on decode.
-EVENT_NAMES = ("overlap", "replayed", "lost")
+# sets "replayed" / "lost" once the first layer is on decode; the sender sets "forged" once the forgeries
+# are sent and waits for decode's "forged-checked" before the real sender starts.
+EVENT_NAMES = ("overlap", "replayed", "lost", "forged", "forged-checked")
 
 
 def run_sender(transport: Transport, sender: KVSender, sync, events, secrets, out: dict) -> None:
@@ -155,6 +156,8 @@ def run_sender(transport: Transport, sender: KVSender, sync, events, secrets, ou
             meta = bound(name)
             for secret in (new_handoff_secret(), None, b""):
                 transport.forge(meta, secret)
+            events["forged"].set()
+            assert events["forged-checked"].wait(WAIT_S)
             send_all(sender, meta)
         elif name == "replayed":  # the real begin and layer 0, two rogue begins, the rest
             meta = bound(name)
@@ -281,8 +284,10 @@ def run_receiver(receiver: KVReceiver, sync, events, secrets, out: dict) -> None
             secrets.put(meta.secret)
             sync.wait()
             if name in ("bitexact", "forged", "replayed", "overlap", "int8", "int8-cache"):
-                if name == "forged":
+                if name == "forged":  # before the real sender starts
+                    assert events["forged"].wait(WAIT_S)
                     result["still_waiting_after_forgeries"] = _still_waiting(receiver, name)
+                    events["forged-checked"].set()
                 received = receiver.wait(meta.request_id, WAIT_S)
                 layers = make_layers(meta)
                 if on_layer is not None:
