@@ -124,9 +124,7 @@ def make_layers(meta: HandoffMeta) -> list[torch.Tensor]:
 
 
 def make_extras(meta: HandoffMeta) -> HandoffExtras:
-    return HandoffExtras(
-        prompt_token_ids=list(range(meta.num_tokens)), first_token_id=1, last_hidden=torch.zeros(7168)
-    )
+    return HandoffExtras(first_token_id=1)
 
 
 def send_all(sender: KVSender, meta: HandoffMeta, layers: list[torch.Tensor]) -> float:

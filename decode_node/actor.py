@@ -86,6 +86,11 @@ class DecodeNode(RankActor):
         self._start_engine_thread()
 
     # ---- wiring -----------------------------------------------------------------------------------------
+    @property
+    def _int8_cache(self) -> bool:
+        """An int8 KV cache: the receiver hands an int8 wire's values and scales through as they are."""
+        return self.engine.config.kv_cache_dtype == "int8"
+
     def ready(self) -> NodeReady:
         """Name, process id and load time, once the weights are loaded."""
         return NodeReady(self.name, os.getpid(), self.load_s, self.engine.scheduler.block_manager.num_blocks)
@@ -95,7 +100,9 @@ class DecodeNode(RankActor):
         prefill senders use."""
         from kvtransfer.grpc_transport import KVReceiverServer
 
-        server = KVReceiverServer(self.host, 0, max_concurrent_streams=64, tls=tls)
+        server = KVReceiverServer(
+            self.host, 0, int8_passthrough=self._int8_cache, max_concurrent_streams=64, tls=tls
+        )
         self.receiver = server
         return server.address
 
@@ -111,7 +118,7 @@ class DecodeNode(RankActor):
 
         config = DistTransportConfig.for_device(self.engine.config.device)
         init_transport_group(config, rank=rank, world_size=world_size, init_method=init_method)
-        self.receiver = DistKVReceiver(prefill_ranks, config)
+        self.receiver = DistKVReceiver(prefill_ranks, config, int8_passthrough=self._int8_cache)
 
     # ---- requests ---------------------------------------------------------------------------------------
     def reserve(self, request: ReserveRequest) -> ReserveResult:
@@ -134,7 +141,7 @@ class DecodeNode(RankActor):
                 return ReserveResult(None)
 
         def on_layer(layer_idx: int, layer: ReceivedLayer) -> None:
-            engine.write_prompt_kv(handoff_id, layer_idx, layer.latent)
+            engine.write_prompt_kv(handoff_id, layer_idx, layer.latent, layer.scale)
 
         try:
             bound = self.receiver.expect(meta, on_layer)

@@ -110,8 +110,9 @@ class PrefillResult(NamedTuple):
 
 
 # Called once per layer (MTP layer: index num_hidden_layers) when a prefill-only request's prompt KV of that
-# layer is complete: (request_id, layer_idx, latent_kv [num_prompt_tokens, kv_dim] in the model dtype).
-PromptKVCallback = Callable[[str, int, torch.Tensor], None]
+# layer is complete: (request_id, layer_idx, latent_kv [num_prompt_tokens, kv_dim], scale), the cache's own
+# bytes: the model dtype and scale None, or int8 with scale [num_prompt_tokens] float32 (int8 KV cache).
+PromptKVCallback = Callable[[str, int, torch.Tensor, torch.Tensor | None], None]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -269,21 +270,26 @@ class LLMEngine:
         self._reserved_slots[request_id] = torch.tensor(slots, dtype=torch.long, device=self.runner.device)
         return True
 
-    def write_prompt_kv(self, request_id: str, layer_idx: int, latent_kv: torch.Tensor) -> None:
+    def write_prompt_kv(
+        self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> None:
         """Write one layer's received prompt KV (`[num_prompt_tokens, kv_dim]`, model dtype; MTP layer at
         index num_hidden_layers) into the reserved blocks. Safe from a receive thread while steps run: the
-        reserved blocks belong to no scheduled request.
+        reserved blocks belong to no scheduled request. With `scale` (`[num_prompt_tokens]` float32),
+        `latent_kv` is int8 and an int8 cache stores both as they are (a float cache stores them dequantized).
 
         Raises:
             KeyError: no reservation; ValueError: a shape mismatch.
         """
         slots = self._reserved_slots[request_id]
-        write_kv(
-            self.runner.kv_caches[layer_idx],
-            latent_kv.to(self.runner.device, self.runner.dtype),
-            slots,
-            self.runner.kv_scales[layer_idx],
-        )
+        kv_scale = self.runner.kv_scales[layer_idx]
+        if scale is not None and kv_scale is None:
+            latent_kv, scale = dequantize_kv_int8(latent_kv, scale, self.runner.dtype), None
+        if scale is None:
+            latent_kv = latent_kv.to(self.runner.device, self.runner.dtype)
+        else:
+            latent_kv, scale = latent_kv.to(self.runner.device), scale.to(self.runner.device)
+        write_kv(self.runner.kv_caches[layer_idx], latent_kv, slots, kv_scale, latent_scale=scale)
 
     def admit_remote_prefill(
         self,
@@ -350,7 +356,7 @@ class LLMEngine:
         outputs are those of the previous call's step (none on the first call), and `on_layer_kv` is
         called on the worker thread, for the step submitted by this call.
 
-        `on_prompt_kv(request_id, layer_idx, latent_kv)` (synchronous loop only): for each prefill-only
+        `on_prompt_kv(request_id, layer_idx, latent_kv, scale)` (synchronous loop only): for each prefill-only
         request whose last prompt chunk runs in this step, called right after each layer's KV is written,
         main layers then the MTP layer, with the whole prompt's KV of that layer (read back from the paged
         cache, so earlier chunks and prefix-cache hits are included).
@@ -451,9 +457,7 @@ class LLMEngine:
                     num_prompt_tokens,
                     runner.kv_scales[layer_idx],
                 )
-                if scale is not None:
-                    latent = dequantize_kv_int8(latent, scale, runner.dtype)
-                on_prompt_kv(request_id, layer_idx, latent)
+                on_prompt_kv(request_id, layer_idx, latent, scale)
 
         return hook
 

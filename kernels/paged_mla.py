@@ -71,6 +71,7 @@ def write_kv(
     latent_kv: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scale: torch.Tensor | None = None,
+    latent_scale: torch.Tensor | None = None,
 ) -> None:
     """Store this step's latent KV into the paged cache, in place (quantizing for an int8 cache).
 
@@ -82,6 +83,9 @@ def write_kv(
             (padding tokens) are skipped. Duplicate slots leave an unspecified one of the writes.
         kv_scale: `[num_blocks, block_size]` float32 for an int8 cache, written with each token's
             `absmax / 127`; None for a float cache.
+        latent_scale: `[num_tokens]` float32 when `latent_kv` is already int8 (an int8 cache's bytes, e.g.
+            received from a prefill instance): values and scales are stored as they are, no re-quantization.
+            Int8 cache only.
 
     Raises:
         ValueError: shape/dtype mismatch, a slot past the cache, or `kv_scale` given/missing wrongly.
@@ -90,6 +94,10 @@ def write_kv(
     num_blocks, block_size, kv_dim = kv_cache.shape
     if latent_kv.dim() != 2 or latent_kv.shape[1] != kv_dim:
         raise ValueError(f"latent_kv must be [num_tokens, {kv_dim}], got {tuple(latent_kv.shape)}")
+    if latent_scale is not None and (
+        kv_scale is None or latent_kv.dtype != torch.int8 or latent_scale.shape != latent_kv.shape[:1]
+    ):
+        raise ValueError("latent_scale: only with int8 latent_kv [num_tokens, kv_dim] into an int8 cache")
     if slot_mapping.shape != latent_kv.shape[:1] or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"slot_mapping must be [{latent_kv.shape[0]}] int64, got {tuple(slot_mapping.shape)}"
@@ -98,13 +106,16 @@ def write_kv(
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         latent_kv, slot_mapping = latent_kv[valid], slot_mapping[valid]
+        latent_scale = None if latent_scale is None else latent_scale[valid]
     if slot_mapping.numel() and int(slot_mapping.max()) >= num_blocks * block_size:
         raise ValueError(f"slot {int(slot_mapping.max())} past the cache ({num_blocks} x {block_size} slots)")
     flat_cache = kv_cache.view(num_blocks * block_size, kv_dim)
     if kv_scale is None:
         flat_cache.index_copy_(0, slot_mapping, latent_kv.to(kv_cache.dtype))
     else:
-        latent_int8, token_scale = quantize_kv_int8(latent_kv)
+        latent_int8, token_scale = (
+            quantize_kv_int8(latent_kv) if latent_scale is None else (latent_kv, latent_scale.float())
+        )
         flat_cache.index_copy_(0, slot_mapping, latent_int8)
         kv_scale.view(-1).index_copy_(0, slot_mapping, token_scale)
 

@@ -3,10 +3,10 @@
     base.py            connector interface (`KVSender`, `KVReceiver`), handoff types, errors; who calls what
     wire.py            per-layer header + payload, CRC-32 checksums, INT8 on the wire, extras encoding
     reservations.py    receiver-side reservations, leases, per-layer completion (shared by the transports)
-    grpc_transport.py  `GrpcKVSender` -> `KVReceiverServer` (client-streaming gRPC, protos/kv_transfer.proto)
-    dist_transport.py  `DistKVSender` -> `DistKVReceiver` (torch.distributed P2P; gloo/NCCL/HCCL by config)
+    grpc_transport/    `GrpcKVSender` -> `KVReceiverServer` (client-streaming gRPC, protos/kv_transfer.proto)
+    dist_transport/    `DistKVSender` -> `DistKVReceiver` (torch.distributed P2P; gloo/NCCL/HCCL by config)
 
-The transports are imported from their modules, so importing `kvtransfer` pulls in neither gRPC nor
+The transports are imported from their packages, so importing `kvtransfer` pulls in neither gRPC nor
 torch.distributed.
 """
 
@@ -25,6 +25,7 @@ from kvtransfer.base import (
     SenderLost,
     TransferAborted,
     TransferTimeout,
+    resolve_wire_dtype,
 )
 
 __all__ = [
@@ -42,4 +43,5 @@ __all__ = [
     "SenderLost",
     "TransferAborted",
     "TransferTimeout",
+    "resolve_wire_dtype",
 ]

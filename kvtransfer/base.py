@@ -19,11 +19,12 @@ Decode instance (receiver side, `KVReceiver`), on the decode actor's thread:
 Prefill instance (sender side, `KVSender`), on the prefill actor's thread:
     1. `begin(handoff)` when the request's prefill is scheduled, with the `HandoffMeta` decode's `expect`
        returned (the one carrying the secret).
-    2. `send_layer(request_id, layer_idx, latent_kv)` from the model runner's `on_layer_kv` hook right after
-       each layer's KV is computed (MTP layer: `layer_idx = num_hidden_layers`). It copies the tensor,
+    2. `send_layer(request_id, layer_idx, latent_kv, scale)` from the model runner's `on_layer_kv` hook right
+       after each layer's KV is computed (MTP layer: `layer_idx = num_hidden_layers`). It copies the tensor,
        enqueues it and returns, so the next layer's forward overlaps the transfer. With chunked prefill the
        caller sends each layer once, at the last chunk, e.g. `kernels.paged_mla.gather_kv` of that layer
-       (the hook runs after the chunk's KV was written).
+       (the hook runs after the chunk's KV was written): the cache's own bytes, so an int8 cache gives int8
+       values with their `scale`, which an int8 wire carries as they are.
     3. `finish(request_id, extras)` once the first token (and MTP drafts) are sampled; or
        `abort(request_id, reason)` instead, which makes decode's `wait` raise `TransferAborted`.
     4. `flush(timeout_s)` to wait for delivery of finished/aborted requests and learn which failed;
@@ -54,7 +55,7 @@ from __future__ import annotations
 import abc
 import secrets
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -70,6 +71,23 @@ DTYPES: dict[str, torch.dtype] = {
 FLOAT_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 INT8_SCALE_DTYPE = torch.float32  # one scale per token on an int8 wire (kernels.kv_quant)
 HANDOFF_SECRET_NUM_BYTES = 32  # 256 bits from `secrets.token_bytes`: not guessable within any lease
+
+
+def resolve_wire_dtype(wire_dtype: str, model_dtype: str, kv_cache_dtype: str) -> str:
+    """The `HandoffMeta.wire_dtype` for a topology's `kv_transfer.wire_dtype`.
+
+    wire_dtype: `"auto"` (the dtype decode's KV cache stores: `"int8"` for an int8 cache, whose bytes then
+        pass straight through, else `model_dtype`) or `"int8"`.
+    model_dtype: the model dtype name (`"bfloat16"`, ...); kv_cache_dtype: decode's `"auto"` or `"int8"`.
+
+    Raises:
+        ValueError: an unknown `wire_dtype`.
+    """
+    if wire_dtype == "int8":
+        return "int8"
+    if wire_dtype != "auto":
+        raise ValueError(f"wire_dtype: must be 'auto' or 'int8', got {wire_dtype!r}")
+    return "int8" if kv_cache_dtype == "int8" else model_dtype
 
 
 def new_handoff_secret() -> bytes:
@@ -102,8 +120,9 @@ class HandoffMeta:
         layer at `num_hidden_layers`.
     num_tokens: tokens of KV per layer (the prompt length).
     kv_dim: `kv_lora_rank + qk_rope_head_dim` (576 for DeepSeek-V3).
-    dtype: model dtype name (`"bfloat16"`, `"float16"`, `"float32"`): the dtype of `latent_kv` given to
-        `send_layer` and of the tensors the receiver hands out (unless it passes int8 through).
+    dtype: model dtype name (`"bfloat16"`, `"float16"`, `"float32"`): the dtype of a float `latent_kv` given
+        to `send_layer` (an int8 cache's layer comes as int8 + scales) and of the tensors the receiver hands
+        out (unless it passes int8 through).
     wire_dtype: `dtype` (raw bytes) or `"int8"` (per-token INT8, `kernels.kv_quant`, about half the bytes).
     lease_s: seconds from `expect()` (receiver) / `begin()` (sender) within which the whole handoff must be
         complete, prefill compute included since layers stream while it runs. A duration, not a wall-clock
@@ -168,18 +187,16 @@ class HandoffMeta:
 class HandoffExtras:
     """What decode needs besides the KV to continue at once, speculating with MTP at full acceptance.
 
-    prompt_token_ids: the prompt (decode's request state and prefix cache key).
+    The prompt is not repeated here: decode's `reserve()` received it, and `HandoffMeta.num_tokens` (checked
+    against the reservation) is its length.
+
     first_token_id: the token prefill sampled after the prompt.
-    last_hidden: `[hidden_size]` float: the main model's final hidden state at the last prompt position
-        (the `prev_hidden` row the MTP module pairs with `first_token_id`), sent bit-exact in its dtype.
     draft_token_ids: MTP draft tokens prefill proposed after `first_token_id` (may be empty).
     draft_probs: `[num_drafts, vocab_size]` float32 MTP probabilities of sampled (non-greedy) drafts, which
         lossless rejection sampling on decode needs; None for greedy drafts or no drafts.
     """
 
-    prompt_token_ids: list[int]
     first_token_id: int
-    last_hidden: torch.Tensor
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
 
@@ -273,6 +290,21 @@ class FailureLog:
         return len(self._errors)
 
 
+def check_begin(handoff: HandoffMeta, sender: str, closed: bool, begun: Container[str]) -> None:
+    """What `KVSender.begin` refuses, for a sender named `sender` (its class), `closed` or not, that has
+    `begun` (the request ids it still holds). Call with the sender's lock held.
+
+    Raises:
+        ValueError: no secret in `handoff`, or its request already begun. RuntimeError: the sender is closed.
+    """
+    if not handoff.secret:
+        raise ValueError(f"{handoff.request_id}: the handoff has no secret; begin with what expect returned")
+    if closed:
+        raise RuntimeError(f"{sender} is closed")
+    if handoff.request_id in begun:
+        raise ValueError(f"{handoff.request_id}: handoff already begun")
+
+
 class KVSender(abc.ABC):
     """Prefill side. Methods are called from one thread (the prefill actor's); delivery runs in the
     background. See the module docstring for the order of calls."""
@@ -286,8 +318,15 @@ class KVSender(abc.ABC):
         """
 
     @abc.abstractmethod
-    def send_layer(self, request_id: str, layer_idx: int, latent_kv: torch.Tensor) -> None:
-        """Copy `latent_kv: [num_tokens, kv_dim]` (model dtype) and enqueue it; returns before delivery.
+    def send_layer(
+        self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> None:
+        """Copy one layer's KV and enqueue it; returns before delivery.
+
+        latent_kv: `[num_tokens, kv_dim]` in the model dtype; or int8 from an int8 KV cache, with
+        scale: `[num_tokens]` float32 per-token scales (`kernels.kv_quant`). An int8 wire sends int8 + scales
+            as they are (no re-quantization: the bytes decode's int8 cache gets are prefill's); a float wire
+            sends them dequantized to the model dtype. None with a float `latent_kv`.
 
         ValueError for an unknown request, a layer index out of range, or a shape/dtype other than the
         handoff's. A request that already failed in the background (lease expired, decode refused it)

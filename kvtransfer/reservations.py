@@ -77,8 +77,8 @@ class _Reservation:
 class Reservations:
     """Thread-safe table of one receiver's reservations.
 
-    int8_passthrough: hand int8 + scales through on an int8 wire (a decode instance whose cache is int8)
-        instead of dequantizing to the model dtype.
+    int8_passthrough: hand int8 + scales through on an int8 wire (a decode instance whose cache is int8:
+        `DecodeNode` sets it then) instead of dequantizing to the model dtype.
     """
 
     def __init__(self, int8_passthrough: bool = False) -> None:

@@ -7,6 +7,9 @@ then `finish` (the `HandoffExtras`) or `abort` (a reason). A layer is a `LayerHe
         (`num_tokens * kv_dim * dtype.itemsize` bytes).
     int8 wire: `latent_int8 [num_tokens, kv_dim]` int8, then `scale [num_tokens]` float32
         (`kernels.kv_quant.quantize_kv_int8`: `value ~= int8 * scale`, `scale = absmax / 127` per token).
+        A prefill instance with an int8 KV cache sends its cache's int8 values and scales as they are, and a
+        decode instance with an int8 cache (`int8_passthrough`) stores them as they are: the same bytes,
+        quantized once, when prefill wrote its cache.
 
 The header is msgpack (torch.distributed transport) or the equivalent protobuf message (gRPC,
 `protos/kv_transfer.proto`); both carry the same fields as `LayerHeader`.
@@ -98,23 +101,49 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
 
 
-def check_layer(meta: HandoffMeta, layer_idx: int, latent_kv: torch.Tensor) -> None:
-    """ValueError unless `latent_kv` is `[num_tokens, kv_dim]` in `meta.dtype` and the index is in range."""
+def check_layer(
+    meta: HandoffMeta, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
+) -> None:
+    """ValueError unless the index is in range and `latent_kv` is `[num_tokens, kv_dim]` in `meta.dtype`
+    (`scale` None), or int8 with `scale` `[num_tokens]` float32 (an int8 KV cache's layer)."""
     if not 0 <= layer_idx < meta.num_layers:
         raise ValueError(f"{meta.request_id}: layer_idx {layer_idx} out of range [0, {meta.num_layers})")
     expected = (meta.num_tokens, meta.kv_dim)
-    if tuple(latent_kv.shape) != expected or latent_kv.dtype != meta.torch_dtype:
+    dtype = meta.torch_dtype if scale is None else torch.int8
+    if tuple(latent_kv.shape) != expected or latent_kv.dtype != dtype:
         raise ValueError(
-            f"{meta.request_id}: layer {layer_idx} latent_kv must be {list(expected)} {meta.dtype}, "
+            f"{meta.request_id}: layer {layer_idx} latent_kv must be {list(expected)} {dtype_name(dtype)}, "
             f"got {list(latent_kv.shape)} {dtype_name(latent_kv.dtype)}"
+        )
+    if scale is not None and (tuple(scale.shape) != expected[:1] or scale.dtype != INT8_SCALE_DTYPE):
+        raise ValueError(
+            f"{meta.request_id}: layer {layer_idx} scale must be [{meta.num_tokens}] float32, "
+            f"got {list(scale.shape)} {dtype_name(scale.dtype)}"
         )
 
 
-def encode_layer(meta: HandoffMeta, layer_idx: int, latent_kv: torch.Tensor) -> EncodedLayer:
-    """Payload and header of one layer (quantized for an int8 wire); `latent_kv` as `check_layer` demands."""
+def copy_layer(
+    meta: HandoffMeta, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`check_layer`, then copies of the tensors (what a sender queues: the caller may reuse its buffers)."""
+    check_layer(meta, layer_idx, latent_kv, scale)
+    return latent_kv.detach().clone(), None if scale is None else scale.detach().clone()
+
+
+def encode_layer(
+    meta: HandoffMeta, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
+) -> EncodedLayer:
+    """Payload and header of one layer; `latent_kv` / `scale` as `check_layer` demands.
+
+    int8 wire: float `latent_kv` is quantized; int8 `latent_kv` + `scale` go as they are (same bytes).
+    Float wire: float `latent_kv` goes raw; int8 + `scale` is dequantized to the model dtype.
+    """
+    if scale is not None and not meta.is_int8_wire:
+        latent_kv, scale = dequantize_kv_int8(latent_kv, scale, meta.torch_dtype), None
     if meta.is_int8_wire:
-        latent_int8, scale = quantize_kv_int8(latent_kv)  # [num_tokens, kv_dim] int8, [num_tokens] float32
-        payload = torch.cat([tensor_bytes(latent_int8), tensor_bytes(scale.to(INT8_SCALE_DTYPE))])
+        if scale is None:
+            latent_kv, scale = quantize_kv_int8(latent_kv)  # [num_tokens, kv_dim] int8, [num_tokens] float32
+        payload = torch.cat([tensor_bytes(latent_kv), tensor_bytes(scale.to(INT8_SCALE_DTYPE))])
     else:
         payload = tensor_bytes(latent_kv)
     if payload.numel() != meta.layer_wire_bytes:
@@ -217,12 +246,10 @@ def meta_from_dict(record: dict[str, Any]) -> HandoffMeta:
 
 
 def extras_checksum(extras: HandoffExtras) -> int:
-    """CRC-32 over the extras in a fixed order: token ids as int64 (with counts), then the raw bytes of
-    `last_hidden` and of `draft_probs` (if any). Independent of how a transport encodes them."""
-    ids = [extras.first_token_id, len(extras.prompt_token_ids), *extras.prompt_token_ids]
-    ids += [len(extras.draft_token_ids), *extras.draft_token_ids]
+    """CRC-32 over the extras in a fixed order: token ids as int64 (the drafts with their count), then the
+    raw bytes of `draft_probs` (if any). Independent of how a transport encodes them."""
+    ids = [extras.first_token_id, len(extras.draft_token_ids), *extras.draft_token_ids]
     crc = checksum(np.asarray(ids, dtype="<i8"))
-    crc = checksum(tensor_bytes(extras.last_hidden).numpy(), crc)
     if extras.draft_probs is not None:
         crc = checksum(tensor_bytes(extras.draft_probs).numpy(), crc)
     return crc
@@ -246,9 +273,7 @@ def tensor_from_record(record: dict[str, Any]) -> torch.Tensor:
 def extras_to_dict(extras: HandoffExtras) -> dict[str, Any]:
     """The extras as a msgpack-ready dict, with their checksum."""
     return {
-        "prompt_token_ids": list(extras.prompt_token_ids),
         "first_token_id": extras.first_token_id,
-        "last_hidden": tensor_to_record(extras.last_hidden),
         "draft_token_ids": list(extras.draft_token_ids),
         "draft_probs": None if extras.draft_probs is None else tensor_to_record(extras.draft_probs),
         "checksum": extras_checksum(extras),
@@ -259,9 +284,7 @@ def extras_from_dict(request_id: str, record: dict[str, Any]) -> HandoffExtras:
     """Inverse of `extras_to_dict`; ChecksumMismatch if the extras were corrupted."""
     try:
         extras = HandoffExtras(
-            prompt_token_ids=list(record["prompt_token_ids"]),
             first_token_id=record["first_token_id"],
-            last_hidden=tensor_from_record(record["last_hidden"]),
             draft_token_ids=list(record["draft_token_ids"]),
             draft_probs=None if record["draft_probs"] is None else tensor_from_record(record["draft_probs"]),
         )

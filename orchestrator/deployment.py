@@ -207,6 +207,7 @@ class ClusterDeployment:
         self.model_name = Path(config.model).resolve().name
         self.max_model_len = config.max_model_len or _max_position_embeddings(config.model)
         self._dtype = config.dtype
+        self._decode_kv_cache_dtype = config.kv_cache_dtype
         self._policy = POLICIES[topo.router.policy]
         up_s = time.monotonic()
         for instance in self.instances["prefill"] + self.instances["decode"]:

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from engine.sampling_params import SamplingParams
-from kvtransfer.base import HandoffMeta
+from kvtransfer.base import HandoffMeta, resolve_wire_dtype
 from orchestrator.backend import BackendUnavailable
 from orchestrator.dispatch import EndAborted, Fail, ReserveOutcome, RetryReserve, StartPrefill, after_reserve
 from orchestrator.instance import Instance, decode_instance_load, prefill_instance_load
@@ -158,7 +158,7 @@ class RouteAndReserve:
             num_tokens=len(prompt_token_ids),
             kv_dim=self.kv_dim,
             dtype=self._dtype,
-            wire_dtype=self._dtype if kv.wire_dtype == "auto" else kv.wire_dtype,
+            wire_dtype=resolve_wire_dtype(kv.wire_dtype, self._dtype, self._decode_kv_cache_dtype),
             lease_s=kv.timeout_s,
         )
 

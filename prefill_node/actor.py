@@ -52,7 +52,8 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
     result: PrefillResult | None = None
     error: str | None = None
-    layers: dict[int, torch.Tensor] = field(default_factory=dict)  # layerwise off: buffered layers
+    # layerwise off: buffered layers, (latent_kv, scale) as the engine's PromptKVCallback gives them
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     num_layers_sent: int = 0
 
     @property
@@ -274,15 +275,17 @@ class PrefillNode(RankActor):
         with self._lock:
             self._active[job.request_id] = job
 
-    def _on_prompt_kv(self, request_id: str, layer_idx: int, latent_kv: torch.Tensor) -> None:
+    def _on_prompt_kv(
+        self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None
+    ) -> None:
         job = self._active.get(request_id)
         if job is None:
             return
         if self.layerwise:
-            self.senders[job.decode_index].send_layer(request_id, layer_idx, latent_kv)
+            self.senders[job.decode_index].send_layer(request_id, layer_idx, latent_kv, scale)
             job.num_layers_sent += 1
         else:
-            job.layers[layer_idx] = latent_kv
+            job.layers[layer_idx] = (latent_kv, scale)
 
     def _complete(self, request_id: str, finish_reason: str | None, queue_s: float) -> None:
         job = self._active.get(request_id)
@@ -295,7 +298,8 @@ class PrefillNode(RankActor):
         sender = self.senders[job.decode_index]
         try:
             for layer_idx in sorted(job.layers):
-                sender.send_layer(request_id, layer_idx, job.layers[layer_idx])
+                latent_kv, scale = job.layers[layer_idx]
+                sender.send_layer(request_id, layer_idx, latent_kv, scale)
                 job.num_layers_sent += 1
             job.layers.clear()
             num_layers = job.request.meta.num_layers
@@ -304,9 +308,7 @@ class PrefillNode(RankActor):
             sender.finish(
                 request_id,
                 HandoffExtras(
-                    prompt_token_ids=list(job.request.prompt_token_ids),
                     first_token_id=result.first_token_id,
-                    last_hidden=result.last_hidden,
                     draft_token_ids=result.draft_token_ids,
                     draft_probs=result.draft_probs,
                 ),

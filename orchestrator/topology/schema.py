@@ -270,7 +270,9 @@ class KVTransferConfig:
         transport: `grpc` (streaming, any network) or `torch_distributed` (P2P over the accelerator's
             collective backend: HCCL, NCCL or gloo).
         layerwise: send each layer's KV as soon as it is computed (False: once the prompt is done).
-        wire_dtype: `auto` (the cache dtype) or `int8` (quantized on the wire, per-token scales).
+        wire_dtype: `auto` (the dtype decode's KV cache stores: int8 for an int8 cache, whose values and
+            scales then pass through unchanged, else the model dtype) or `int8` (quantized on the wire,
+            per-token scales); `kvtransfer.base.resolve_wire_dtype`.
         timeout_s: a transfer not complete after this long is abandoned and the request re-dispatched.
         tls: mutual TLS for the grpc transport; None: plaintext (each handoff is still bound to its
             reservation by a per-handoff secret, see `kvtransfer.base`).

@@ -57,7 +57,9 @@ def test_prefill_decode_handoff_matches_single_engine(model, k: int) -> None:
         prefill.add_request(p, params, request_id=str(i), prefill_only=True)
         assert decode.reserve_remote_prefill(str(i), p, params, num_draft_tokens=k)
     while prefill.has_unfinished_requests():
-        prefill.step(on_prompt_kv=lambda rid, layer, kv: received.setdefault(rid, {}).update({layer: kv}))
+        prefill.step(
+            on_prompt_kv=lambda rid, layer, kv, scale: received.setdefault(rid, {}).update({layer: kv})
+        )
     for rid in map(str, range(len(prompts))):
         assert sorted(received[rid]) == list(range(num_layers))
         for layer, kv in received[rid].items():
@@ -103,7 +105,9 @@ def test_remote_prefilled_requests_beyond_max_num_seqs_all_complete(model) -> No
         prefill.add_request(p, params, request_id=str(i), prefill_only=True)
         assert decode.reserve_remote_prefill(str(i), p, params, num_draft_tokens=1)
     while prefill.has_unfinished_requests():
-        prefill.step(on_prompt_kv=lambda rid, layer, kv: received.setdefault(rid, {}).update({layer: kv}))
+        prefill.step(
+            on_prompt_kv=lambda rid, layer, kv, scale: received.setdefault(rid, {}).update({layer: kv})
+        )
     for rid in map(str, range(len(prompts))):
         for layer, kv in received[rid].items():
             decode.write_prompt_kv(rid, layer, kv)

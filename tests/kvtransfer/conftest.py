@@ -1,7 +1,7 @@
 """Factories for KV-transfer tests: handoffs, deterministic per-layer latents, extras, fault hooks.
 
 Shapes are the tiny test model's (`tests.conftest.TINY_CONFIG`: kv_lora_rank 16 + qk_rope_head_dim 8 = 24,
-hidden 32, 2 layers + 1 MTP layer) unless a test needs more layers (the 5-layer handoff) or a layer large
+2 layers + 1 MTP layer) unless a test needs more layers (the 5-layer handoff) or a layer large
 enough to be split into several gRPC chunks.
 """
 
@@ -16,7 +16,6 @@ from kvtransfer.base import HandoffExtras, HandoffMeta, ReceivedLayer
 from kvtransfer.wire import LayerHeader
 
 TINY_KV_DIM = 16 + 8  # kv_lora_rank + qk_rope_head_dim of tests.conftest.TINY_CONFIG
-TINY_HIDDEN_SIZE = 32
 
 
 def make_handoff(request_id: str = "req-0", **overrides) -> HandoffMeta:
@@ -40,20 +39,15 @@ def make_layers(meta: HandoffMeta, seed: int = 0) -> list[torch.Tensor]:
 def make_extras(meta: HandoffMeta, seed: int = 0, with_probs: bool = False) -> HandoffExtras:
     gen = torch.Generator().manual_seed(seed + 1)
     return HandoffExtras(
-        prompt_token_ids=torch.randint(0, 64, (meta.num_tokens,), generator=gen).tolist(),
         first_token_id=7,
-        last_hidden=torch.randn(TINY_HIDDEN_SIZE, generator=gen).to(meta.torch_dtype),
         draft_token_ids=[11, 3],
         draft_probs=torch.softmax(torch.randn(2, 64, generator=gen), dim=-1) if with_probs else None,
     )
 
 
 def assert_extras_equal(got: HandoffExtras, want: HandoffExtras) -> None:
-    assert got.prompt_token_ids == want.prompt_token_ids
     assert got.first_token_id == want.first_token_id
     assert got.draft_token_ids == want.draft_token_ids
-    assert got.last_hidden.dtype == want.last_hidden.dtype
-    assert torch.equal(got.last_hidden, want.last_hidden)
     if want.draft_probs is None:
         assert got.draft_probs is None
     else:

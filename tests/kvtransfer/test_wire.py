@@ -8,18 +8,23 @@ import msgpack
 import pytest
 import torch
 
+from kernels.kv_quant import dequantize_kv_int8, quantize_kv_int8
 from kvtransfer.base import (
     HANDOFF_SECRET_NUM_BYTES,
     ChecksumMismatch,
+    FailureLog,
     HandoffMeta,
     HandoffRefused,
+    KVTransferError,
     ProtocolError,
     TransferTimeout,
     new_handoff_secret,
+    resolve_wire_dtype,
 )
 from kvtransfer.reservations import Reservations
 from kvtransfer.wire import (
     LayerHeader,
+    check_layer,
     decode_layer,
     encode_layer,
     extras_from_dict,
@@ -40,6 +45,40 @@ def test_float_wire_round_trip_is_bit_exact_including_special_values(dtype):
     assert layer.header.num_bytes == meta.num_tokens * meta.kv_dim * latent.dtype.itemsize
     verify_layer(layer.header, layer.payload)
     assert bits_equal(decode_layer(layer.header, layer.payload).latent, latent)
+
+
+def test_int8_cache_bytes_go_through_an_int8_wire_as_they_are():
+    """An int8 KV cache's layer (int8 + scales) on an int8 wire: the payload is those bytes, and a
+    passthrough receiver hands back exactly them; on a float wire it travels dequantized."""
+    meta = make_handoff(wire_dtype="int8")
+    values, scales = quantize_kv_int8(make_layers(meta)[0])
+    layer = encode_layer(meta, 1, values, scales)
+    assert bits_equal(layer.payload, torch.cat([values.view(-1).view(torch.uint8), scales.view(torch.uint8)]))
+    got = decode_layer(layer.header, layer.payload, int8_passthrough=True)
+    assert bits_equal(got.latent, values) and bits_equal(got.scale, scales)
+    float_meta = make_handoff()  # bfloat16 wire
+    got = decode_layer(*encode_layer(float_meta, 1, values, scales))
+    assert got.scale is None and bits_equal(got.latent, dequantize_kv_int8(values, scales, torch.bfloat16))
+
+
+def test_check_layer_names_what_is_wrong_with_an_int8_layer():
+    meta = make_handoff(wire_dtype="int8")
+    values, scales = quantize_kv_int8(make_layers(meta)[0])
+    check_layer(meta, 0, values, scales)
+    with pytest.raises(ValueError, match=r"latent_kv must be \[37, 24\] bfloat16"):
+        check_layer(meta, 0, values)  # int8 without its scales
+    with pytest.raises(ValueError, match=r"latent_kv must be \[37, 24\] int8"):
+        check_layer(meta, 0, make_layers(meta)[0], scales)
+    with pytest.raises(ValueError, match=r"scale must be \[37\] float32"):
+        check_layer(meta, 0, values, scales[:-1])
+
+
+def test_wire_dtype_auto_is_the_dtype_decodes_cache_stores():
+    assert resolve_wire_dtype("auto", "bfloat16", "auto") == "bfloat16"
+    assert resolve_wire_dtype("auto", "float32", "int8") == "int8"
+    assert resolve_wire_dtype("int8", "bfloat16", "auto") == "int8"
+    with pytest.raises(ValueError, match="wire_dtype"):
+        resolve_wire_dtype("fp8", "bfloat16", "auto")
 
 
 def test_every_single_byte_corruption_is_detected():
@@ -175,3 +214,12 @@ def test_claim_after_the_lease_is_refused():
     with pytest.raises(HandoffRefused, match="lease of 0.01 s is over"):
         reservations.claim("late", bound.secret)
     reservations.release("late")
+
+
+def test_failure_log_is_bounded():
+    log = FailureLog(max_records=3)
+    for i in range(5):
+        log.add(f"r{i}", KVTransferError(f"e{i}"))
+    assert len(log) == 3
+    assert sorted(log.pop_all()) == ["r2", "r3", "r4"]
+    assert len(log) == 0

@@ -1,0 +1,54 @@
+"""Mutual TLS on the KV channel: the PEM material both ends present."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+
+@dataclass(frozen=True)
+class TLSCredentials:
+    """PEM material for mutual TLS on the KV channel: every decode server and prefill sender presents
+    `certificate_chain` / `private_key`, and each accepts only a peer whose certificate `root_certificates`
+    (the cluster's CA) signed.
+
+    server_name: the name senders check the server's certificate against (its subjectAltName) instead of
+        the host they dial; None: the dialled host (an IP address must then be in the certificate).
+    """
+
+    certificate_chain: bytes = field(repr=False)
+    private_key: bytes = field(repr=False)
+    root_certificates: bytes = field(repr=False)
+    server_name: str | None = None
+
+    @classmethod
+    def from_files(
+        cls, cert_file: str | Path, key_file: str | Path, ca_file: str | Path, server_name: str | None = None
+    ) -> TLSCredentials:
+        """Read the three PEM files. ValueError naming the file that cannot be read."""
+
+        def read(what: str, path: str | Path) -> bytes:
+            try:
+                return Path(path).read_bytes()
+            except OSError as e:
+                raise ValueError(f"{what} {path}: cannot read: {e.strerror or e}") from None
+
+        return cls(
+            read("cert_file", cert_file), read("key_file", key_file), read("ca_file", ca_file), server_name
+        )
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.private_key, self.certificate_chain)],
+            root_certificates=self.root_certificates,
+            require_client_auth=True,
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.root_certificates,
+            private_key=self.private_key,
+            certificate_chain=self.certificate_chain,
+        )
