@@ -37,8 +37,9 @@ from bench.common import (
     ratio,
     run_and_emit,
 )
+from models.dtypes import MODEL_DTYPE_NAMES
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = MODEL_DTYPE_NAMES
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,6 +40,7 @@ from engine.scheduler_policy import SchedulerConfig, cdiv
 from kernels.kv_quant import dequantize_kv_int8
 from kernels.paged_mla import gather_kv, write_kv
 from models.deepseek_v3 import DeepseekV3ForCausalLM
+from models.dtypes import MODEL_DTYPES, torch_dtype
 from models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -113,8 +114,6 @@ class PrefillResult(NamedTuple):
 # layer is complete: (request_id, layer_idx, latent_kv [num_prompt_tokens, kv_dim] in the model dtype).
 PromptKVCallback = Callable[[str, int, torch.Tensor], None]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class LLMEngine:
     """One engine instance: model, KV cache, scheduler, executor."""
@@ -122,7 +121,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: DeepseekV3ForCausalLM | None = None) -> None:
         self.config = config
         self.model = model or DeepseekV3ForCausalLM.from_pretrained(
-            config.model, device=config.device, dtype=_DTYPES[config.dtype]
+            config.model, device=config.device, dtype=torch_dtype(config.dtype, "dtype", MODEL_DTYPES)
         )
         self.tokenizer = Tokenizer.from_dir(config.model)
         # The tokenizer's end-of-text token, else the config's (public DeepSeek tokenizers name it otherwise).

@@ -40,12 +40,13 @@ import yaml
 from engine.config import KV_CACHE_DTYPES, EngineConfig
 from models import bundled_checkpoint_dir
 from models.config import DeepseekV3Config
+from models.dtypes import MODEL_DTYPE_NAMES
 from orchestrator.hardware import ACCELERATORS, AcceleratorSpec
 
 DEFAULT_TOPOLOGY_PATH = Path(__file__).resolve().parent.parent / "clusters" / "local.yaml"
 
 ROLES = ("prefill", "decode")
-MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+MODEL_DTYPES = ("auto", *MODEL_DTYPE_NAMES)
 KV_TRANSPORTS = ("grpc", "torch_distributed")
 WIRE_DTYPES = ("auto", "int8")
 # The router module implements one pure function per name (written with the router; keep in sync).
