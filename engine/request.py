@@ -14,7 +14,8 @@ tokens are committed: the most tokens it can yield, 1 + its drafts. So the sched
 next positions (their token ids are filled in by the executor from step N's results). In the synchronous
 loop placeholders are always 0 at schedule time.
 
-Only the `Scheduler` mutates a request; the block manager and the scheduling policy read it.
+Only the `Scheduler` (and `engine.request_step`, which it calls per request) mutates a request; the block
+manager and the scheduling policy read it.
 """
 
 from __future__ import annotations

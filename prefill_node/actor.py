@@ -336,7 +336,7 @@ class PrefillNode:
                 HandoffExtras(
                     prompt_token_ids=job.prompt_token_ids,
                     first_token_id=result.first_token_id,
-                    last_hidden=result.last_hidden,
+                    last_hidden=torch.empty(0),  # dead data: the engine computes none (issue 8)
                     draft_token_ids=result.draft_token_ids,
                     draft_probs=result.draft_probs,
                 ),
