@@ -98,3 +98,27 @@ def test_engine_new_text_streams_the_final_text_with_stop_strings() -> None:
     full = llm.tokenizer.decode(final[ids[1]].token_ids)
     assert final[ids[1]].finish_reason == "stop" and final[ids[1]].text == full[: full.find(stop)]
     assert stop not in final[ids[1]].text and free_run[1].text.startswith(final[ids[1]].text)
+
+
+def test_a_stop_string_in_the_first_token_of_a_remote_prefill_finishes_it_at_admission() -> None:
+    """Decode side: the first token (sampled on the prefill instance) goes through the same stop rule;
+    nothing is left to step for the request, so its output comes from `pop_finished_outputs`."""
+    llm = LLM(CKPT, num_kv_blocks=32, block_size=16)
+    engine = llm.engine
+    first_token = engine.tokenizer.encode(" return")[0]
+    stop = engine.tokenizer.decode([first_token])[-2:]
+    prompt = engine.tokenizer.encode("def f(x):\n   ")
+    params = SamplingParams(temperature=0.0, max_tokens=8, stop=(stop,))
+    assert engine.reserve_remote_prefill("r", prompt, params)
+    engine.admit_remote_prefill("r", first_token)
+    assert not engine.has_unfinished_requests()
+    (out,) = engine.pop_finished_outputs()
+    full = engine.tokenizer.decode([first_token])
+    assert (out.finish_reason, out.token_ids, out.text, out.new_text) == (
+        "stop",
+        [first_token],
+        full[: full.find(stop)],
+        full[: full.find(stop)],
+    )
+    engine.scheduler.block_manager.check_no_leaks()
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
