@@ -51,10 +51,10 @@ OVERHEAD_INCLUDES = (
     "compute_logits (lm_head + cast to float32 count as model time). It includes: Scheduler.schedule "
     "(policy, KV block allocation, slot mapping), Executor.prepare / build_input (packing the ragged "
     "batch into tensors), sampling/verification (kernels.sampling on the logits), MTP draft bookkeeping "
-    "when k > 0, Scheduler.update_from_output (commit, stop checks, freeing), LLMEngine._detokenize of "
-    "each request's whole output so far, RequestOutput construction, Python interpreter and GC time, "
-    "and the benchmark's own timers (two perf_counter calls per wrapped call). Host wall-clock time on "
-    "time.perf_counter, not CPU time of the process."
+    "when k > 0, Scheduler.update_from_output (commit, stop checks, freeing), LLMEngine._update_text "
+    "(incremental detokenization and stop strings), RequestOutput construction, Python interpreter and "
+    "GC time, and the benchmark's own timers (two perf_counter calls per wrapped call). Host wall-clock "
+    "time on time.perf_counter, not CPU time of the process."
 )
 
 # Engine functions timed for the breakdown: (attribute of LLMEngine or "" for the engine itself, candidate
@@ -63,9 +63,9 @@ OVERHEAD_INCLUDES = (
 BREAKDOWN_CALLS = (
     ("scheduler", ("schedule",), "schedule"),
     ("executor", ("prepare", "build_input"), "prepare_input"),
-    ("executor", ("_sample_or_verify",), "sample"),
+    ("executor", ("sample", "_sample_or_verify"), "sample"),
     ("scheduler", ("update_from_output",), "update_from_output"),
-    ("", ("_detokenize",), "detokenize"),
+    ("", ("_update_text", "_detokenize"), "detokenize"),
 )
 
 

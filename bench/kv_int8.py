@@ -37,8 +37,10 @@ from bench.common import (
     ratio,
     run_and_emit,
 )
+from models.dtypes import DTYPES as DTYPE_TABLE
+from models.dtypes import MODEL_DTYPE_NAMES
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = MODEL_DTYPE_NAMES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,8 +177,6 @@ def measure(
 
 
 def run(args: argparse.Namespace, dtypes: list[str]) -> dict[str, Any]:
-    import torch
-
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
     from kernels.kv_quant import kv_cache_bytes_per_token
@@ -277,12 +277,8 @@ def run(args: argparse.Namespace, dtypes: list[str]) -> dict[str, Any]:
             "layout": "float caches: kv_dim x dtype.itemsize bytes per layer; int8: kv_dim x 1 byte + one "
             "float32 scale (4 bytes) per layer; kv_dim = kv_lora_rank + qk_rope_head_dim",
             "deepseek_v3_per_layer_bytes": {
-                name: kv_cache_bytes_per_token(576, dt, 1)
-                for name, dt in (
-                    ("float32", torch.float32),
-                    ("bfloat16", torch.bfloat16),
-                    ("int8", torch.int8),
-                )
+                name: kv_cache_bytes_per_token(576, DTYPE_TABLE[name], 1)
+                for name in ("float32", "bfloat16", "int8")
             },
         },
         "agreement": agreement,

@@ -43,6 +43,7 @@ import torch
 
 from bench.common import emit, format_table, source_revision
 from kvtransfer.base import HandoffExtras, HandoffMeta, KVReceiver, KVSender
+from models.dtypes import MODEL_DTYPE_NAMES
 
 SHAPES = ("deepseek_v3", "tiny")
 TRANSPORTS = ("clone", "grpc", "dist")
@@ -96,9 +97,7 @@ def shape_of(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "num_layers": config.num_hidden_layers + config.num_nextn_predict_layers,
         "num_tokens": min(args.num_tokens, config.max_position_embeddings),
         "kv_dim": config.kv_cache_dim,
-        "dtype": config.torch_dtype
-        if config.torch_dtype in ("bfloat16", "float16", "float32")
-        else "bfloat16",
+        "dtype": config.torch_dtype if config.torch_dtype in MODEL_DTYPE_NAMES else "bfloat16",
         "source": source,
     }
 

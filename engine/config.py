@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.dtypes import MODEL_DTYPE_NAMES, MODEL_DTYPES
+
 KV_CACHE_DTYPES = ("auto", "int8")
 
 
@@ -56,8 +58,8 @@ class EngineConfig:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"engine argument {name!r}: {why} (got {getattr(self, name)!r})")
 
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise bad("dtype", "must be float32, bfloat16 or float16")
+        if self.dtype not in MODEL_DTYPES:
+            raise bad("dtype", f"must be one of {MODEL_DTYPE_NAMES}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory_bytes"):

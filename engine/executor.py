@@ -24,9 +24,10 @@ are filled with the bonus token: a deterministic draft, verified like any other.
 
 Speculative decoding (k = `num_speculative_tokens`):
 1. The scheduler runs the newest committed token plus the k drafts as one k+1-token query per request.
-2. Greedy requests accept the longest prefix of drafts equal to the target argmax, then take the target's
-   token (exact match: output identical to k = 0). Others use rejection sampling (Leviathan et al. 2023,
-   Algorithm 1), which preserves the target distribution.
+2. `engine.sampler` verifies them with the accept rule of `kernels.rejection_sampling`: greedy requests
+   accept the longest prefix of drafts equal to the target argmax, then take the target's token (exact
+   match: output identical to k = 0); others use rejection sampling (Leviathan et al. 2023, Algorithm 1),
+   which preserves the target distribution.
 3. The MTP layer then runs every position whose next token is now committed, writing its own KV, and the
    output at the newest position proposes d_1; chaining the module gives d_2..d_k (see `mtp_proposer`).
 Adaptive speculation (`adaptive_min_accept_prob` set): after each step's verification the executor folds
@@ -61,9 +62,8 @@ from engine.outputs import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from engine.sampler import sample_isolated, token_logprobs
 from engine.spec_policy import DEFAULT_DECAY, choose_num_speculative_tokens, decay_counts
-from kernels.rejection_sampling import rejection_sample_batch
-from kernels.sampling import compute_logprobs, probs_from_logits, sample
 
 
 class PreparedStep(NamedTuple):
@@ -229,8 +229,9 @@ class Executor:
                 k = len(scheduled[i].spec_token_ids)
                 rows.extend(range(starts[i + 1] - k - 1, starts[i + 1]))
             logits = self.runner.compute_logits(hidden[rows])
-            sampled, failed = self._sample_isolated([scheduled[i] for i in sampling], logits)
-            logprobs = _token_logprobs([scheduled[i] for i in sampling], logits, sampled)
+            items = [scheduled[i] for i in sampling]
+            sampled, failed = self.sample(items, logits)
+            logprobs = token_logprobs(items, logits, sampled)
 
         if self.adaptive_min_accept_prob is not None and self.max_num_speculative_tokens:
             self._adapt_num_speculative_tokens(
@@ -241,13 +242,11 @@ class Executor:
             k = self.num_speculative_tokens
             self.num_steps_per_k[k] = self.num_steps_per_k.get(k, 0) + 1
             spec = self._propose(scheduled, hidden, starts, sampled, failed, on_layer_kv)
-        # Prefill-only requests (handed off to decode): their last hidden state and draft distributions.
-        last_hidden: dict[str, torch.Tensor] = {}
+        # Prefill-only requests (handed off to decode): their draft distributions.
         draft_probs: dict[str, torch.Tensor | None] = {}
         for i in sampling:
             item = scheduled[i]
             if item.request.export_kv and item.request_id not in failed:
-                last_hidden[item.request_id] = hidden[starts[i + 1] - 1].clone()
                 draft_probs[item.request_id] = self._draft_probs.get(item.request_id)
         self._last_step = {}
         for i in sampling:
@@ -263,7 +262,14 @@ class Executor:
         for request_id in failed:
             sampled.pop(request_id, None)
             spec.pop(request_id, None)
-        return ModelRunnerOutput(sampled, spec, last_hidden, draft_probs, logprobs, failed)
+        return ModelRunnerOutput(sampled, spec, draft_probs, logprobs, failed)
+
+    def sample(
+        self, items: list[ScheduledRequest], logits: torch.Tensor
+    ) -> tuple[dict[str, list[int]], dict[str, str]]:
+        """Sample or verify the sampling requests `items` from `logits` `[sum(k_i + 1), vocab_size]` with
+        their generators and stored draft distributions (`engine.sampler.sample_isolated`)."""
+        return sample_isolated(items, logits, self._generator, self._draft_probs)
 
     def _adapt_num_speculative_tokens(
         self, items: list[ScheduledRequest], sampled: dict[str, list[int]]
@@ -329,97 +335,6 @@ class Executor:
         )
         return scheduled
 
-    def _sample_isolated(
-        self, items: list[ScheduledRequest], logits: torch.Tensor
-    ) -> tuple[dict[str, list[int]], dict[str, str]]:
-        """`_sample_or_verify` over the batch; if it raises, over each request alone (its own rows of
-        `logits`), so an error one request causes fails only that request.
-
-        Args:
-            items: the sampling requests, in batch order.
-            logits: `[sum(k_i + 1), vocab_size]`, as `_sample_or_verify`.
-
-        Returns:
-            (request id -> tokens, for the requests that sampled; request id -> error message, for those
-            that raised even alone).
-        """
-        try:
-            return self._sample_or_verify(items, logits), {}
-        except Exception:  # noqa: BLE001 - find the request(s) it came from, below
-            pass
-        sampled: dict[str, list[int]] = {}
-        failed: dict[str, str] = {}
-        row = 0
-        for item in items:
-            num_rows = len(item.spec_token_ids) + 1
-            try:
-                sampled.update(self._sample_or_verify([item], logits[row : row + num_rows]))
-            except Exception as e:  # noqa: BLE001 - this request's error, this request's failure
-                failed[item.request_id] = f"sampling failed: {e!r}"
-            row += num_rows
-        return sampled, failed
-
-    def _sample_or_verify(self, items: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, list[int]]:
-        """logits: `[sum(k_i + 1), vocab_size]`, request i's `k_i + 1` rows after request i-1's."""
-        params = [item.request.sampling_params for item in items]
-        generators = [self._generator(item) for item in items]
-        num_drafts = [len(item.spec_token_ids) for item in items]
-        if all(p.temperature == 0 for p in params):
-            # Greedy: each row's target token is its argmax (first index on ties, as probs_from_logits);
-            # drafts are accepted while they equal it, then the target's token follows. No probabilities.
-            targets = logits.argmax(dim=-1).tolist()
-            out, row = {}, 0
-            for item, k in zip(items, num_drafts, strict=True):
-                drafts, n = item.spec_token_ids, 0
-                while n < k and drafts[n] == targets[row + n]:
-                    n += 1
-                out[item.request_id] = [*drafts[:n], targets[row + n]]
-                row += k + 1
-            return out
-        if not any(num_drafts):
-            tokens = sample(
-                logits,
-                torch.tensor([p.temperature for p in params]),
-                torch.tensor([p.top_k for p in params]),
-                torch.tensor([p.top_p for p in params]),
-                generators,
-            ).tolist()
-            return {item.request_id: [tok] for item, tok in zip(items, tokens, strict=True)}
-        row_params = [p for p, k in zip(params, num_drafts, strict=True) for _ in range(k + 1)]
-        target_probs = probs_from_logits(
-            logits,
-            torch.tensor([p.temperature for p in row_params]),
-            torch.tensor([p.top_k for p in row_params]),
-            torch.tensor([p.top_p for p in row_params]),
-        )
-        draft_ids = torch.tensor(
-            [t for item in items for t in item.spec_token_ids], dtype=torch.long, device=logits.device
-        )
-        draft_probs = None
-        if any(p.temperature > 0 for p, k in zip(params, num_drafts, strict=True) if k):
-            # Rows of greedy drafts are one-hot: a deterministic drafter puts all its mass on its draft.
-            draft_probs = torch.nn.functional.one_hot(draft_ids, logits.shape[1]).float()
-            offset = 0
-            for item, k in zip(items, num_drafts, strict=True):
-                stored = self._draft_probs.get(item.request_id)
-                if k and stored is not None:
-                    m = min(k, stored.shape[0])  # rows past m: filler drafts (one-hot)
-                    draft_probs[offset : offset + m] = stored[:m]
-                offset += k
-        result = rejection_sample_batch(
-            draft_ids,
-            num_drafts,
-            draft_probs,
-            target_probs.to(logits.device),
-            [p.temperature == 0 for p in params],
-            generators,
-        )
-        out = {}
-        for row, item in enumerate(items):
-            n = int(result.num_accepted[row]) + 1
-            out[item.request_id] = result.output_token_ids[row, :n].tolist()
-        return out
-
     def _propose(
         self,
         scheduled: list[ScheduledRequest],
@@ -478,47 +393,3 @@ class Executor:
         `newest_position .. newest_position + k - 2`."""
         capacity = len(item.block_ids) * self.runner.block_size
         return max(0, min(self.num_speculative_tokens, capacity - newest_position + 1))
-
-
-def _token_logprobs(
-    items: list[ScheduledRequest], logits: torch.Tensor, sampled: dict[str, list[int]]
-) -> dict[str, list[TokenLogprobs]]:
-    """Raw log-probabilities of each output token, for the requests that asked for them.
-
-    logits: `[sum(k_i + 1), vocab_size]` target logits, request i's `k_i + 1` rows after request i-1's;
-    row j of a request predicts its output token j (accepted draft j+1, or the bonus/recovered token).
-    """
-    rows: list[int] = []
-    token_ids: list[int] = []
-    wanting: list[ScheduledRequest] = []
-    offset = 0
-    for item in items:
-        tokens = sampled.get(item.request_id)  # None: its sampling failed
-        if tokens is not None and item.request.sampling_params.logprobs is not None:
-            wanting.append(item)
-            rows.extend(range(offset, offset + len(tokens)))
-            token_ids.extend(tokens)
-        offset += len(item.spec_token_ids) + 1
-    if not wanting:
-        return {}
-    num_top = max(item.request.sampling_params.logprobs for item in wanting)
-    result = compute_logprobs(
-        logits[rows], torch.tensor(token_ids, dtype=torch.long, device=logits.device), num_top
-    )
-    token_logprobs = result.token_logprobs.tolist()
-    ranks = result.token_ranks.tolist()
-    top_ids, top_logprobs = result.top_token_ids.tolist(), result.top_logprobs.tolist()
-    out: dict[str, list[TokenLogprobs]] = {}
-    row = 0
-    for item in wanting:
-        n = item.request.sampling_params.logprobs
-        per_token = []
-        for token_id in sampled[item.request_id]:
-            per_token.append(
-                TokenLogprobs(
-                    token_id, token_logprobs[row], ranks[row], top_ids[row][:n], top_logprobs[row][:n]
-                )
-            )
-            row += 1
-        out[item.request_id] = per_token
-    return out

@@ -225,25 +225,29 @@ class ModelRunner:
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder layer over the flattened batch; writes the layer's latent KV. hidden: `[T, D]`."""
+        """One decoder layer over the flattened batch (`DeepseekV3DecoderLayer.block` with paged attention);
+        writes the layer's latent KV. hidden: `[num_tokens, hidden_size]`."""
         idx = layer.layer_idx
         attn = layer.self_attn
-        q_nope, q_pe, latent_kv = attn.project(layer.input_layernorm(hidden), cos, sin)
-        write_kv(self.kv_caches[idx], latent_kv, batch.slot_mapping, self.kv_scales[idx])
-        out = paged_mla_attention(
-            q_nope,
-            q_pe,
-            self.kv_caches[idx],
-            batch.block_tables,
-            batch.seq_lens,
-            batch.query_start_loc,
-            attn.kv_b_proj.weight,
-            self.config.softmax_scale,
-            kv_scale=self.kv_scales[idx],
-        )
-        hidden = hidden + attn.o_proj(out.reshape(out.shape[0], -1))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return hidden, latent_kv
+
+        def paged_attention(
+            q_nope: torch.Tensor, q_pe: torch.Tensor, latent_kv: torch.Tensor
+        ) -> torch.Tensor:
+            write_kv(self.kv_caches[idx], latent_kv, batch.slot_mapping, self.kv_scales[idx])
+            out = paged_mla_attention(
+                q_nope,
+                q_pe,
+                self.kv_caches[idx],
+                batch.block_tables,
+                batch.seq_lens,
+                batch.query_start_loc,
+                attn.kv_b_proj.weight,
+                self.config.softmax_scale,
+                kv_scale=self.kv_scales[idx],
+            )
+            return attn.o_proj(out.reshape(out.shape[0], -1))  # [num_tokens, H * v_head_dim] -> hidden
+
+        return layer.block(hidden, cos, sin, paged_attention)
 
     @torch.inference_mode()
     def forward(self, batch: ModelInput, on_layer_kv: LayerKVCallback | None = None) -> torch.Tensor:

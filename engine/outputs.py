@@ -1,7 +1,7 @@
 """Plain data passed between the scheduler, the model runner and the engine loop each step.
 
 Scheduler.schedule() -> SchedulerOutput -> model runner -> ModelRunnerOutput
-    -> Scheduler.update_from_output(...) -> list[RequestUpdate] -> engine loop / API
+    -> Scheduler.update_from_output(...) -> list[RequestUpdate] -> engine loop -> RequestOutput -> API
 """
 
 from __future__ import annotations
@@ -97,6 +97,47 @@ class TokenLogprobs(NamedTuple):
     top_logprobs: list[float]
 
 
+@dataclass
+class RequestOutput:
+    """The result of one request, as of one `LLMEngine.step()` (or `pop_finished_outputs`).
+
+    `text` is the output's text so far (cumulative), cut before the first stop string; `new_text` is what
+    this output adds to the request's stream: the text since the request's previous output, held back
+    while it could still change (an incomplete UTF-8 character, a tail that could start a stop string;
+    see `engine.stopping`). The `new_text` of all of a request's outputs concatenate to its final `text`.
+
+    Times are seconds on the engine's monotonic clock: `ttft_s` arrival -> first token, `tpot_s` mean gap
+    between later tokens, `queue_s` arrival -> first scheduled. `acceptance_rate` is accepted / proposed
+    draft tokens (None without speculative decoding); the per-position lists count each draft depth.
+    `logprobs`: one `TokenLogprobs` per output token when `SamplingParams.logprobs` is set, else None.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    queue_s: float | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_draft_tokens_per_position: list[int] = field(default_factory=list)
+    num_accepted_tokens_per_position: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None  # finish_reason "error": why the request failed
+    new_text: str = ""
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+
 @dataclass(frozen=True)
 class ModelRunnerOutput:
     """What the model runner (with the sampler and the MTP drafter) returns for a step.
@@ -106,10 +147,9 @@ class ModelRunnerOutput:
             recovered) token, for each request whose `ScheduledRequest.samples` is True. Requests in the
             middle of a prefill may be absent; tokens given for them are ignored.
         spec_token_ids: request id -> draft tokens proposed for the next step (empty without MTP).
-        last_hidden_states: request id -> `[hidden_size]` final hidden state at the last input position, for
-            requests with `Request.export_kv` whose step sampled (a prefill to hand off to decode).
         draft_probs: request id -> `[num_drafts, vocab_size]` float32 MTP probabilities of sampled drafts
-            (None for greedy drafts), for the same requests.
+            (None for greedy drafts), for requests with `Request.export_kv` whose step sampled (a prefill
+            to hand off to decode).
         logprobs: request id -> one `TokenLogprobs` per token of `sampled_token_ids`, for requests whose
             `SamplingParams.logprobs` is not None. With speculative decoding, an accepted draft's come from
             the verification forward's target logits at its position.
@@ -120,7 +160,6 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, list[int]]
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    last_hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)
     draft_probs: dict[str, torch.Tensor | None] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)

@@ -14,7 +14,8 @@ tokens are committed: the most tokens it can yield, 1 + its drafts. So the sched
 next positions (their token ids are filled in by the executor from step N's results). In the synchronous
 loop placeholders are always 0 at schedule time.
 
-Only the `Scheduler` mutates a request; the block manager and the scheduling policy read it.
+Only the `Scheduler` (and `engine.request_step`, which it calls per request) mutates a request; the block
+manager and the scheduling policy read it.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class Request:
         num_draft_tokens_per_position[i], num_accepted_tokens_per_position[i]: the same, counted per
             draft position i (0 = first draft after the verified token); the acceptance rate at depth i is
             their ratio.
-        export_kv: a prefill-only request whose prompt KV, last hidden state and first drafts are handed
+        export_kv: a prefill-only request whose prompt KV, first token and first drafts are handed
             to a decode instance (`LLMEngine.add_request(prefill_only=True)`); set at creation, never changed.
         error: why the request failed (status FINISHED_ERROR), else None.
     """

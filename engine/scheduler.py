@@ -30,13 +30,13 @@ from typing import NamedTuple
 
 from engine.block_manager import BlockManager, ComputedBlocks
 from engine.outputs import (
-    PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
     RequestUpdate,
     ScheduledRequest,
     SchedulerOutput,
 )
 from engine.request import Request, RequestStatus
+from engine.request_step import commit_sampled, commit_tokens, schedule_request
 from engine.scheduler_policy import (
     RequestView,
     SchedulerConfig,
@@ -199,7 +199,7 @@ class Scheduler:
         now = self.clock()
         request.first_scheduled_time_s = request.first_scheduled_time_s or now
         request.num_cached_tokens = 0
-        _, status = self._commit_tokens(request, [first_token_id], now)
+        _, status = commit_tokens(request, [first_token_id], now)
         self.block_manager.cache_full_blocks(request)
         if status.is_finished:
             self.block_manager.free(request)
@@ -315,42 +315,9 @@ class Scheduler:
 
         scheduled: list[ScheduledRequest] = []
         for request_id, num_new_tokens in plan.num_scheduled_tokens.items():
-            request = self.requests[request_id]
-            if not bm.allocate_slots(request, num_new_tokens):
-                raise RuntimeError(
-                    f"scheduler plan not applicable: {num_new_tokens} slots for {request_id!r}"
-                )
-            start, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
-            num_tokens = request.num_tokens
-            num_known = num_tokens + request.num_output_placeholders  # committed + being sampled
-            # Inputs: committed tokens, the placeholder of a token still being sampled (asynchronous
-            # scheduling), then drafts; drafts beyond the budget are dropped.
-            request.spec_token_ids = request.spec_token_ids[: max(0, end - num_known)]
-            token_ids = request.all_token_ids[start : min(end, num_tokens)]
-            token_ids += [PLACEHOLDER_TOKEN_ID] * (min(end, num_known) - max(start, num_tokens))
-            token_ids += request.spec_token_ids
-            samples = end >= num_known
             scheduled.append(
-                ScheduledRequest(
-                    request=request,
-                    start_position=start,
-                    token_ids=token_ids,
-                    spec_token_ids=list(request.spec_token_ids),
-                    block_ids=bm.block_ids(request),
-                    slot_mapping=bm.slot_mapping(request, start, end),
-                    samples=samples,
-                    num_preemptions=request.num_preemptions,
-                )
+                schedule_request(self.requests[request_id], num_new_tokens, bm, self.num_draft_placeholders)
             )
-            request.num_computed_tokens = end
-            if samples:
-                request.num_output_placeholders += len(request.spec_token_ids) + 1
-                if self.num_draft_placeholders:
-                    # The drafts this step proposes, verified by the next; none past the last allowed token.
-                    num_outputs = request.num_output_tokens + request.num_output_placeholders
-                    num_allowed = request.sampling_params.max_tokens - num_outputs - 1
-                    num_drafts = max(0, min(self.num_draft_placeholders, num_allowed))
-                    request.spec_token_ids = [PLACEHOLDER_TOKEN_ID] * num_drafts
         if self.config.num_lookahead_tokens:
             # Best effort, after every planned allocation: a request that gets no lookahead drafts less.
             for item in scheduled:
@@ -402,69 +369,18 @@ class Scheduler:
             if not item.samples:
                 bm.cache_full_blocks(request)  # a prefill chunk: nothing sampled yet
                 continue
-            sampled = list(runner_output.sampled_token_ids.get(item.request_id, ()))
-            num_drafts, num_accepted = len(item.spec_token_ids), len(sampled) - 1
-            request.num_output_placeholders -= num_drafts + 1
-            if (
-                not 0 <= num_accepted <= num_drafts
-                or any(
-                    token != draft
-                    and draft != PLACEHOLDER_TOKEN_ID  # placeholder drafts: filled by the executor
-                    for token, draft in zip(sampled[:num_accepted], item.spec_token_ids, strict=False)
-                )
-            ):
-                raise ValueError(
-                    f"request {item.request_id!r}: sampled {sampled} does not fit drafts "
-                    f"{item.spec_token_ids} (expected the accepted drafts then one sampled token)"
-                )
-            if num_drafts:
-                request.record_spec_result(num_drafts, num_accepted)
-                request.num_computed_tokens -= num_drafts - num_accepted
-                bm.trim(request, request.num_computed_tokens)
-            if not self.num_draft_placeholders:
-                request.spec_token_ids = []
-            new_token_ids, status = self._commit_tokens(request, sampled, now)
-            bm.cache_full_blocks(request)
-            # No draft beyond the last allowed output token (keeps slots within check_request_fits).
-            num_allowed = request.sampling_params.max_tokens - request.num_output_tokens - 1
+            new_token_ids, status = commit_sampled(
+                item,
+                runner_output.sampled_token_ids.get(item.request_id, []),
+                runner_output.spec_token_ids.get(item.request_id, []),
+                bm,
+                self.num_draft_placeholders,
+                now,
+            )
             if status.is_finished:
                 self._remove(request, status)
-            elif not self.num_draft_placeholders:
-                request.spec_token_ids = list(runner_output.spec_token_ids.get(item.request_id, ()))[
-                    :num_allowed
-                ]
-            elif request.num_output_placeholders == 0 and request.spec_token_ids:
-                # Left out of the step in flight (no token budget): its draft placeholders stand for the
-                # drafts this step proposed, known now; its next step runs them as known tokens.
-                num_drafts = min(len(request.spec_token_ids), num_allowed)
-                request.spec_token_ids = list(runner_output.spec_token_ids.get(item.request_id, ()))[
-                    :num_drafts
-                ]
             updates.append(RequestUpdate(item.request_id, new_token_ids, status))
         return updates
-
-    def _commit_tokens(
-        self, request: Request, sampled: list[int], now: float
-    ) -> tuple[list[int], RequestStatus]:
-        """Append sampled tokens up to and including the first stop token or the max_tokens-th token."""
-        params = request.sampling_params
-        committed: list[int] = []
-        status = RequestStatus.RUNNING
-        for token_id in sampled:
-            committed.append(token_id)
-            if token_id == request.eos_token_id and not params.ignore_eos:
-                status = RequestStatus.FINISHED_STOPPED
-            elif token_id in params.stop_token_ids:
-                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
-            elif request.num_output_tokens + len(committed) >= params.max_tokens:
-                status = RequestStatus.FINISHED_LENGTH
-            if status.is_finished:
-                break
-        request.append_output_token_ids(committed)
-        if request.first_token_time_s is None:
-            request.first_token_time_s = now
-        request.last_token_time_s = now
-        return committed, status
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: free the blocks (full ones stay cached), requeue from token 0."""

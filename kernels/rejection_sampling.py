@@ -151,6 +151,107 @@ class BatchVerifyResult(NamedTuple):
     output_token_ids: torch.Tensor
     num_accepted: torch.Tensor
 
+    def token_ids(self) -> list[list[int]]:
+        """Per request, the accepted drafts then the one target token (the padding dropped)."""
+        counts = (self.num_accepted + 1).tolist()
+        return [row[:n] for row, n in zip(self.output_token_ids.tolist(), counts, strict=True)]
+
+
+class _RaggedDrafts(NamedTuple):
+    """`B` requests' drafts laid out as a padded `[B, max_k]` grid (see `_ragged_drafts`).
+
+    drafts: `[B, max_k]` int64 draft ids, 0 in padding; is_draft: `[B, max_k]` bool, False in padding.
+    draft_rows: `[B, max_k]` int64 row of each draft in the flat `[N]` drafts (0 in padding).
+    target_rows: `[B, max_k + 1]` int64 row of each position in the flat `[N + B]` target rows (padding
+        clamped to the request's bonus row).
+    """
+
+    drafts: torch.Tensor
+    is_draft: torch.Tensor
+    draft_rows: torch.Tensor
+    target_rows: torch.Tensor
+
+
+def _ragged_drafts(
+    draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[int], num_target_rows: int, device: torch.device
+) -> _RaggedDrafts:
+    """Check the ragged layout (`N = sum(k_b)` drafts, `N + B` target rows) and pad it to a grid.
+
+    Raises:
+        ValueError: the draft and target row counts do not fit `num_draft_tokens`.
+    """
+    batch, num_drafts = len(num_draft_tokens), int(draft_token_ids.shape[0])
+    if sum(num_draft_tokens) != num_drafts or num_target_rows != num_drafts + batch:
+        raise ValueError(
+            f"{num_drafts} drafts and {num_target_rows} target rows "
+            f"for num_draft_tokens {list(num_draft_tokens)}"
+        )
+    num_draft = torch.as_tensor(num_draft_tokens, dtype=torch.int64, device=device)  # [B]
+    draft_start = num_draft.cumsum(0) - num_draft  # [B]
+    max_drafts = int(num_draft.max()) if batch else 0
+    positions = torch.arange(max_drafts + 1, device=device)  # [max_k + 1]
+    is_draft = positions[None, :max_drafts] < num_draft[:, None]  # [B, max_k]
+    draft_rows = torch.where(is_draft, draft_start[:, None] + positions[None, :max_drafts], 0)
+    target_rows = (draft_start + torch.arange(batch, device=device))[:, None] + positions  # [B, max_k + 1]
+    target_rows = torch.minimum(target_rows, (target_rows[:, :1] + num_draft[:, None]))  # clamp padding
+    drafts = torch.where(is_draft, draft_token_ids.to(device)[draft_rows], 0)  # [B, max_k]
+    return _RaggedDrafts(drafts, is_draft, draft_rows, target_rows)
+
+
+def _num_accepted(accept: torch.Tensor, is_draft: torch.Tensor) -> torch.Tensor:
+    """`[B]` int64 length of the all-accepted prefix of each row of `accept` `[B, max_k]` bool: acceptance
+    stops at the first rejected draft."""
+    return (accept & is_draft).long().cumprod(dim=1).sum(dim=1)
+
+
+def _batch_result(
+    drafts: torch.Tensor, num_accepted: torch.Tensor, final_token: torch.Tensor
+) -> BatchVerifyResult:
+    """Rows of the accepted drafts, then `final_token [B]`, then -1 padding."""
+    batch, max_drafts = drafts.shape
+    positions = torch.arange(max_drafts, device=drafts.device)
+    output = torch.full((batch, max_drafts + 1), -1, dtype=torch.int64, device=drafts.device)
+    output[:, :max_drafts] = torch.where(positions[None] < num_accepted[:, None], drafts, -1)
+    output.scatter_(1, num_accepted[:, None], final_token[:, None])
+    return BatchVerifyResult(output, num_accepted)
+
+
+def _greedy_accept(ragged: _RaggedDrafts, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy rule over a grid: accept drafts while they equal the target argmax, then the argmax.
+
+    Args:
+        target_argmax: `[B, max_k + 1]` int64 target argmax at each position of each request.
+
+    Returns:
+        `(num_accepted [B] int64, final_token [B] int64)`.
+    """
+    max_drafts = ragged.drafts.shape[1]
+    num_accepted = _num_accepted(ragged.drafts == target_argmax[:, :max_drafts], ragged.is_draft)
+    return num_accepted, target_argmax.gather(1, num_accepted[:, None])[:, 0]
+
+
+def greedy_verify_batch(
+    draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[int], target_logits: torch.Tensor
+) -> BatchVerifyResult:
+    """Greedy verification of `B` requests with ragged draft counts (no randomness, no probabilities).
+
+    Equals `greedy_verify` per request; the same rule as the greedy rows of `rejection_sample_batch`.
+
+    Args:
+        draft_token_ids: `[N]` int64, the requests' drafts concatenated, `N = sum(num_draft_tokens)`.
+        num_draft_tokens: `B` ints `k_b >= 0`.
+        target_logits: `[N + B, V]` target logits (or probabilities: only the argmax is used, the first
+            index on ties); request b's `k_b + 1` rows follow request b-1's.
+
+    Raises:
+        ValueError: inconsistent shapes.
+    """
+    device = target_logits.device
+    ragged = _ragged_drafts(draft_token_ids, num_draft_tokens, target_logits.shape[0], device)
+    target_argmax = target_logits.argmax(dim=-1)[ragged.target_rows]  # [B, max_k + 1]
+    num_accepted, final_token = _greedy_accept(ragged, target_argmax)
+    return _batch_result(ragged.drafts, num_accepted, final_token)
+
 
 def rejection_sample_batch(
     draft_token_ids: torch.Tensor,
@@ -179,11 +280,7 @@ def rejection_sample_batch(
     batch = len(num_draft_tokens)
     num_drafts, vocab_size = int(draft_token_ids.shape[0]), target_probs.shape[1]
     device = target_probs.device
-    if sum(num_draft_tokens) != num_drafts or target_probs.shape[0] != num_drafts + batch:
-        raise ValueError(
-            f"{num_drafts} drafts and {target_probs.shape[0]} target rows "
-            f"for num_draft_tokens {list(num_draft_tokens)}"
-        )
+    ragged = _ragged_drafts(draft_token_ids, num_draft_tokens, target_probs.shape[0], device)
     if draft_probs is not None and draft_probs.shape != (num_drafts, vocab_size):
         raise ValueError(f"draft_probs must be [{num_drafts}, {vocab_size}], got {tuple(draft_probs.shape)}")
     is_greedy = torch.as_tensor(is_greedy, dtype=torch.bool, device=device)
@@ -191,16 +288,9 @@ def rejection_sample_batch(
     if per_request and len(generators) != batch:
         raise ValueError(f"{len(generators)} generators for {batch} requests")
 
-    num_draft = torch.as_tensor(num_draft_tokens, dtype=torch.int64, device=device)  # [B]
-    draft_start = num_draft.cumsum(0) - num_draft  # [B]
-    max_drafts = int(num_draft.max()) if batch else 0
-    positions = torch.arange(max_drafts + 1, device=device)  # [max_k + 1]
-    is_draft = positions[None, :max_drafts] < num_draft[:, None]  # [B, max_k]
-    draft_rows = torch.where(is_draft, draft_start[:, None] + positions[None, :max_drafts], 0)
-    target_rows = (draft_start + torch.arange(batch, device=device))[:, None] + positions  # [B, max_k + 1]
-    target_rows = torch.minimum(target_rows, (target_rows[:, :1] + num_draft[:, None]))  # clamp padding
-    drafts = torch.where(is_draft, draft_token_ids[draft_rows], 0)  # [B, max_k]
-    target = target_probs[target_rows].float()  # [B, max_k + 1, V]
+    drafts, draft_rows = ragged.drafts, ragged.draft_rows
+    max_drafts = drafts.shape[1]
+    target = target_probs[ragged.target_rows].float()  # [B, max_k + 1, V]
     p_x = target[:, :max_drafts].gather(-1, drafts[..., None])[..., 0]  # [B, max_k]
     q_x = (
         torch.ones_like(p_x)
@@ -222,15 +312,16 @@ def rejection_sample_batch(
         uniform[sampled] = torch.rand(len(sampled), max_drafts, generator=generators, device=device)
         noise[sampled] = noise[sampled].exponential_(generator=generators)
 
-    # Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)), as u * q < p (see `rejection_sample`); greedy
-    # requests accept x_i iff it is the target argmax. Acceptance stops at the first rejection (cumprod).
-    target_argmax = target.argmax(dim=-1)  # [B, max_k + 1]
-    accept = torch.where(is_greedy[:, None], drafts == target_argmax[:, :max_drafts], uniform * q_x < p_x)
-    num_accepted = (accept & is_draft).long().cumprod(dim=1).sum(dim=1)  # [B]
+    # Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)), as u * q < p (see `rejection_sample`);
+    # greedy requests follow `_greedy_accept`. Acceptance stops at the first rejection.
+    greedy_accepted, greedy_final = _greedy_accept(ragged, target.argmax(dim=-1))
+    num_accepted = torch.where(
+        is_greedy, greedy_accepted, _num_accepted(uniform * q_x < p_x, ragged.is_draft)
+    )
 
     # The final token: from p at the first rejection (residual max(0, p - q)) or the bonus p_{k+1}.
     final_p = target[torch.arange(batch, device=device), num_accepted]  # [B, V]
-    rejected = num_accepted < num_draft
+    rejected = num_accepted < ragged.is_draft.sum(dim=1)
     final_q = torch.zeros_like(final_p)  # q at the final position: 0 for the bonus
     if max_drafts:
         at = num_accepted.clamp_max(max_drafts - 1)[:, None]  # [B, 1], meaningful for rejected rows only
@@ -241,9 +332,5 @@ def rejection_sample_batch(
     residual = (final_p - final_q).clamp_min(0)
     residual = torch.where((residual > 0).any(dim=-1, keepdim=True), residual, final_p)
     sampled_final = (residual / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
-    final_token = torch.where(is_greedy, target_argmax.gather(1, num_accepted[:, None])[:, 0], sampled_final)
-
-    output = torch.full((batch, max_drafts + 1), -1, dtype=torch.int64, device=device)
-    output[:, :max_drafts] = torch.where(positions[None, :max_drafts] < num_accepted[:, None], drafts, -1)
-    output.scatter_(1, num_accepted[:, None], final_token[:, None])
-    return BatchVerifyResult(output, num_accepted)
+    final_token = torch.where(is_greedy, greedy_final, sampled_final)
+    return _batch_result(drafts, num_accepted, final_token)

@@ -61,14 +61,10 @@ from typing import NamedTuple
 
 import torch
 
-# Element dtypes a handoff may name (model dtype / wire dtype), by the name used on the wire.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int8": torch.int8,
-}
-FLOAT_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+from models.dtypes import DTYPES, MODEL_DTYPE_NAMES
+
+# Element dtypes a handoff may name (model dtype / wire dtype), by the name used on the wire: `DTYPES`.
+FLOAT_DTYPE_NAMES = MODEL_DTYPE_NAMES
 INT8_SCALE_DTYPE = torch.float32  # one scale per token on an int8 wire (kernels.kv_quant)
 HANDOFF_SECRET_NUM_BYTES = 32  # 256 bits from `secrets.token_bytes`: not guessable within any lease
 

@@ -11,6 +11,7 @@ engine drives layers through `DeepseekV3Attention.project` / `attend` with its o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,6 +24,10 @@ from kernels.norm import rms_norm
 from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from models.config import DeepseekV3Config
 from models.moe_dispatch import ExpertDispatcher, LocalDispatcher
+
+# The attention of one decoder block over its KV: (q_nope [T, H, qk_nope_head_dim], q_pe [T, H,
+# qk_rope_head_dim], latent_kv [T, kv_lora_rank + qk_rope_head_dim]) -> [T, hidden_size] after o_proj.
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -209,10 +214,32 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def block(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder block over flattened tokens, with the attention over the KV left to the caller:
+        `h += attention(project(RMSNorm(h))); h += FFN(RMSNorm(h))`. The cache-less `forward` and the
+        engine's paged runner (`engine.model_runner`) both run it.
+
+        Args:
+            hidden: `[num_tokens, hidden_size]` in the model dtype.
+            cos, sin: `[num_tokens, qk_rope_head_dim // 2]` float32 for the tokens' positions.
+            attention: `(q_nope, q_pe, latent_kv) -> [num_tokens, hidden_size]`, the attention output after
+                `o_proj`; gets `DeepseekV3Attention.project`'s outputs for these tokens (and may cache
+                `latent_kv`).
+
+        Returns:
+            `(hidden [num_tokens, hidden_size], latent_kv [num_tokens, kv_lora_rank + qk_rope_head_dim])`.
+        """
+        q_nope, q_pe, latent_kv = self.self_attn.project(self.input_layernorm(hidden), cos, sin)
+        hidden = hidden + attention(q_nope, q_pe, latent_kv)
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden, latent_kv
+
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, absorbed: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cache-less causal forward over whole sequences.
+        """Cache-less causal forward over whole sequences (`block` with causal attention per sequence).
 
         Args:
             hidden: `[B, S, hidden_size]`; cos, sin: `[S, qk_rope_head_dim // 2]` for positions 0..S-1.
@@ -221,15 +248,26 @@ class DeepseekV3DecoderLayer(nn.Module):
             `(hidden [B, S, hidden_size], latent_kv [B, S, kv_lora_rank + qk_rope_head_dim])`.
         """
         batch, seq_len, hidden_size = hidden.shape
-        x = self.input_layernorm(hidden).reshape(batch * seq_len, hidden_size)
-        q_nope, q_pe, latent_kv = self.self_attn.project(x, cos.repeat(batch, 1), sin.repeat(batch, 1))
-        q_nope = q_nope.view(batch, seq_len, *q_nope.shape[1:])
-        q_pe = q_pe.view(batch, seq_len, *q_pe.shape[1:])
-        latent_kv = latent_kv.view(batch, seq_len, -1)
-        hidden = hidden + self.self_attn.attend(q_nope, q_pe, latent_kv, is_causal=True, absorbed=absorbed)
-        x = self.post_attention_layernorm(hidden).reshape(batch * seq_len, hidden_size)
-        hidden = hidden + self.mlp(x).view(batch, seq_len, hidden_size)
-        return hidden, latent_kv
+
+        def causal_attention(
+            q_nope: torch.Tensor, q_pe: torch.Tensor, latent_kv: torch.Tensor
+        ) -> torch.Tensor:
+            out = self.self_attn.attend(
+                q_nope.view(batch, seq_len, *q_nope.shape[1:]),  # [B, S, H, qk_nope_head_dim]
+                q_pe.view(batch, seq_len, *q_pe.shape[1:]),  # [B, S, H, qk_rope_head_dim]
+                latent_kv.view(batch, seq_len, -1),  # [B, S, kv_dim]
+                is_causal=True,
+                absorbed=absorbed,
+            )
+            return out.reshape(batch * seq_len, hidden_size)
+
+        hidden, latent_kv = self.block(
+            hidden.reshape(batch * seq_len, hidden_size),
+            cos.repeat(batch, 1),
+            sin.repeat(batch, 1),
+            causal_attention,
+        )
+        return hidden.view(batch, seq_len, hidden_size), latent_kv.view(batch, seq_len, -1)
 
 
 class DeepseekV3MTPLayer(DeepseekV3DecoderLayer):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from engine.config import KV_CACHE_DTYPES, EngineConfig
 from models import bundled_checkpoint_dir
+from models.dtypes import MODEL_DTYPE_NAMES
 from orchestrator.hardware import ACCELERATORS, AcceleratorSpec
 from orchestrator.router import POLICIES
 from orchestrator.topology.engine_args import engine_arguments
@@ -46,7 +47,7 @@ from orchestrator.topology.fields import (
 DEFAULT_TOPOLOGY_PATH = Path(__file__).resolve().parents[2] / "clusters" / "local.yaml"
 
 ROLES = ("prefill", "decode")
-MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+MODEL_DTYPES = ("auto", *MODEL_DTYPE_NAMES)
 KV_TRANSPORTS = ("grpc", "torch_distributed")
 WIRE_DTYPES = ("auto", "int8")
 ROUTER_POLICIES = tuple(POLICIES)  # the router's policy functions, by name

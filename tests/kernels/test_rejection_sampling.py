@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rejection_sampling import greedy_verify, rejection_sample, rejection_sample_batch
+from kernels.rejection_sampling import (
+    greedy_verify,
+    greedy_verify_batch,
+    rejection_sample,
+    rejection_sample_batch,
+)
 from tests.kernels.chi_square import chi_square_p_value
 
 VOCAB_SIZE = 6
@@ -160,6 +165,34 @@ def test_batch_equals_per_request_reference(with_draft_probs: bool) -> None:
         assert bool((row[expected.num_accepted + 1 :] == -1).all())
         assert int(batched.num_accepted[b]) == expected.num_accepted
     assert batched.output_token_ids.shape == (len(num_draft_tokens), 5)
+
+
+def test_greedy_verify_batch_equals_greedy_verify_per_request() -> None:
+    """Ragged k (0..4), logits with ties (first index wins): the batched greedy rule equals the per-request
+    reference, and `token_ids()` drops exactly the padding."""
+    num_draft_tokens = [3, 0, 4, 1, 2, 0, 2]
+    num_drafts, batch = sum(num_draft_tokens), len(num_draft_tokens)
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randint(0, 3, (num_drafts + batch, VOCAB_SIZE), generator=gen).float()  # many ties
+    request_of_draft = torch.repeat_interleave(torch.arange(batch), torch.tensor(num_draft_tokens))
+    target_argmax = logits[torch.arange(num_drafts) + request_of_draft].argmax(-1)
+    random_ids = torch.randint(0, VOCAB_SIZE, (num_drafts,), generator=gen)
+    draft_ids = torch.where(torch.rand(num_drafts, generator=gen) < 0.7, target_argmax, random_ids)
+    batched = greedy_verify_batch(draft_ids, num_draft_tokens, logits)
+    expected, draft_start, target_start = [], 0, 0
+    for k in num_draft_tokens:
+        one = greedy_verify(
+            draft_ids[draft_start : draft_start + k], logits[target_start : target_start + k + 1]
+        )
+        expected.append(one.token_ids.tolist())
+        assert len(expected[-1]) == one.num_accepted + 1
+        draft_start, target_start = draft_start + k, target_start + k + 1
+    assert batched.token_ids() == expected
+    assert batched.num_accepted.tolist() == [len(t) - 1 for t in expected]
+    assert any(len(t) - 1 < k for t, k in zip(expected, num_draft_tokens, strict=True))  # some rejections
+    assert any(len(t) - 1 == k > 0 for t, k in zip(expected, num_draft_tokens, strict=True))  # all accepted
+    with pytest.raises(ValueError, match="target rows"):
+        greedy_verify_batch(draft_ids, num_draft_tokens, logits[:-1])
 
 
 def test_invalid_arguments_raise() -> None:

@@ -1,0 +1,124 @@
+"""The stop rules (`engine.stopping`) and the streamed text delta of `RequestOutput.new_text`."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.llm import LLM
+from engine.request import RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.stopping import OutputText, check_stop_token, find_stop_string, stop_prefix_len
+from models import bundled_checkpoint_dir
+from models.prompts import heldout_def_prompts
+from models.tokenizer import Tokenizer
+
+CKPT = bundled_checkpoint_dir()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_dir(CKPT)
+
+
+def test_check_stop_token(make_request) -> None:
+    request = make_request(max_tokens=3, eos_token_id=2, stop_token_ids=(7,))
+    assert check_stop_token(request, 5, 1) is RequestStatus.RUNNING
+    assert check_stop_token(request, 2, 1) is RequestStatus.FINISHED_STOPPED and request.stop_reason is None
+    assert check_stop_token(request, 7, 1) is RequestStatus.FINISHED_STOPPED and request.stop_reason == 7
+    assert check_stop_token(request, 5, 3) is RequestStatus.FINISHED_LENGTH
+    ignoring = make_request(max_tokens=3, eos_token_id=2, ignore_eos=True)
+    assert check_stop_token(ignoring, 2, 1) is RequestStatus.RUNNING
+
+
+def test_find_stop_string_and_stop_prefix_len() -> None:
+    assert find_stop_string("a cat sat", ("sat", "cat")) == 2
+    assert find_stop_string("a cat", ("dog",)) is None
+    assert stop_prefix_len("the en", ("end", "n!")) == 2  # "en" could start "end"
+    assert stop_prefix_len("the e", ("end",)) == 1
+    assert stop_prefix_len("the end", ("xyz",)) == 0
+    assert stop_prefix_len("abc", ()) == 0
+
+
+def _stream(
+    tokenizer: Tokenizer, token_ids: list[int], stop: tuple[str, ...]
+) -> tuple[list[str], OutputText]:
+    """Feed `token_ids` one at a time, as a request's steps would; the last update is final."""
+    text = OutputText(tokenizer, stop)
+    deltas = []
+    for n in range(1, len(token_ids) + 1):
+        stopped = text.update(token_ids[:n], final=n == len(token_ids))
+        finished = stopped or n == len(token_ids)
+        deltas.append(text.new_text(finished))
+        if stopped:
+            break
+    return deltas, text
+
+
+def test_deltas_concatenate_to_the_text_and_never_split_a_character(tokenizer) -> None:
+    source = "naïve café — 世界 ünïcödé 😀 end"
+    token_ids = tokenizer.encode(source)
+    deltas, text = _stream(tokenizer, token_ids, ())
+    assert "".join(deltas) == text.text == tokenizer.decode(token_ids)
+    assert all("\ufffd" not in d for d in deltas)
+    # the byte-level tokenizer splits some of these characters across tokens: some step adds no text
+    assert "" in deltas
+
+
+def test_a_stop_string_across_tokens_is_held_back_and_cut(tokenizer) -> None:
+    source = "def add(a, b):\n    return a + b\n\nprint(add(1, 2))"
+    token_ids = tokenizer.encode(source)
+    deltas, text = _stream(tokenizer, token_ids, ("\n\n", "retu"))
+    assert text.stopped and text.text == "def add(a, b):\n    "
+    assert "".join(deltas) == text.text  # no part of "retu" was ever streamed
+    assert all("r" not in d for d in deltas)
+    assert text.update(token_ids, final=True) is True and text.text == "def add(a, b):\n    "  # no change
+
+
+def test_engine_new_text_streams_the_final_text_with_stop_strings() -> None:
+    """Greedy requests with and without a stop string: each request's `new_text` deltas over its outputs
+    concatenate to its final `text`, which is the detokenized output cut before the first stop string."""
+    llm = LLM(CKPT, num_kv_blocks=128, block_size=16)
+    engine, prompts = llm.engine, heldout_def_prompts(3)
+    free_run = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
+    stop = free_run[1].text[5:8]  # occurs in request 1's output: it stops there
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=16, stop=(stop,) if i == 1 else ()) for i in range(3)
+    ]
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    streamed = dict.fromkeys(ids, "")
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed[out.request_id] += out.new_text
+            if out.finished:
+                final[out.request_id] = out
+    for rid in ids:
+        assert streamed[rid] == final[rid].text
+    assert final[ids[0]].text == free_run[0].text and final[ids[2]].text == free_run[2].text
+    full = llm.tokenizer.decode(final[ids[1]].token_ids)
+    assert final[ids[1]].finish_reason == "stop" and final[ids[1]].text == full[: full.find(stop)]
+    assert stop not in final[ids[1]].text and free_run[1].text.startswith(final[ids[1]].text)
+
+
+def test_a_stop_string_in_the_first_token_of_a_remote_prefill_finishes_it_at_admission() -> None:
+    """Decode side: the first token (sampled on the prefill instance) goes through the same stop rule;
+    nothing is left to step for the request, so its output comes from `pop_finished_outputs`."""
+    llm = LLM(CKPT, num_kv_blocks=32, block_size=16)
+    engine = llm.engine
+    first_token = engine.tokenizer.encode(" return")[0]
+    stop = engine.tokenizer.decode([first_token])[-2:]
+    prompt = engine.tokenizer.encode("def f(x):\n   ")
+    params = SamplingParams(temperature=0.0, max_tokens=8, stop=(stop,))
+    assert engine.reserve_remote_prefill("r", prompt, params)
+    engine.admit_remote_prefill("r", first_token)
+    assert not engine.has_unfinished_requests()
+    (out,) = engine.pop_finished_outputs()
+    full = engine.tokenizer.decode([first_token])
+    assert (out.finish_reason, out.token_ids, out.text, out.new_text) == (
+        "stop",
+        [first_token],
+        full[: full.find(stop)],
+        full[: full.find(stop)],
+    )
+    engine.scheduler.block_manager.check_no_leaks()
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
