@@ -347,7 +347,8 @@ class DecodeNode(RankActor):
         request = self.engine.scheduler.get_request(handoff_id)
         if request is None:  # the first token finished it: `_run_once` pops its output right after
             return []
-        # The first token streams at once; the engine reports it again with the next step's output.
+        # The first token streams at once, with its text; the engine reports the token again (its text not)
+        # with the next step's output.
         handoff.num_sent = 1
         return [
             TokenDelta(
@@ -355,6 +356,7 @@ class DecodeNode(RankActor):
                 (extras.first_token_id,),
                 phases=Phases(kv_transfer_s=handoff.kv_transfer_s),
                 kv_transfer_bytes=handoff.kv_transfer_bytes,
+                new_text=self.engine.take_new_text(handoff_id),
             )
         ]
 
@@ -391,6 +393,7 @@ class DecodeNode(RankActor):
                 phases=phases,
                 kv_transfer_bytes=kv_transfer_bytes,
                 drafts=drafts,
+                new_text=out.new_text,
             )
         ]
 

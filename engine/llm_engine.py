@@ -269,6 +269,15 @@ class LLMEngine:
         elif request.spec_token_ids:
             self.executor.set_draft_probs(request_id, draft_probs)
 
+    def take_new_text(self, request_id: str) -> str:
+        """Between steps: the text released for `request_id` since its previous output
+        (`RequestOutput.new_text`), taken now, so its next output carries only what follows. A decode
+        instance streams the first token's text at admission with it. "" for an unknown request."""
+        record = self._records.get(request_id)
+        if record is None:
+            return ""
+        return record.output_text.new_text(finished=record.request.is_finished)
+
     def release_remote_prefill(self, request_id: str) -> bool:
         """Give back a reservation's blocks (handoff failed or cancelled). Between steps. False if unknown."""
         return self.remote_prefills.release(request_id)

@@ -68,8 +68,10 @@ class StreamDelta:
         num_accepted_tokens: of those, accepted (cumulative).
         num_draft_tokens_per_position: cumulative drafts per draft depth (index 0 = first draft token).
         num_accepted_tokens_per_position: cumulative acceptances per draft depth.
-        text: the detokenized output so far, stop strings applied, when the backend knows it (the local
-            engine does); None lets the server detokenize `new_token_ids` itself.
+        new_text: text the engine released with this delta (`engine.outputs.RequestOutput.new_text`): cut
+            before a stop string, never ending in an incomplete character or a possible start of a stop
+            string before the last delta; the `new_text` of all deltas joins to the output's text. Empty
+            for a delta that released none (an abort, tokens held back).
     """
 
     new_token_ids: list[int]
@@ -81,7 +83,7 @@ class StreamDelta:
     num_accepted_tokens: int = 0
     num_draft_tokens_per_position: list[int] = field(default_factory=list)
     num_accepted_tokens_per_position: list[int] = field(default_factory=list)
-    text: str | None = None
+    new_text: str = ""
 
     def reported_phases(self) -> dict[str, float | int]:
         """The phases as reports show them (`pdcluster.phases` of the HTTP API, job records): the seconds
@@ -344,5 +346,5 @@ def _delta(out: RequestOutput, new_token_ids: list[int]) -> StreamDelta:
         num_accepted_tokens=out.num_accepted_tokens,
         num_draft_tokens_per_position=list(out.num_draft_tokens_per_position),
         num_accepted_tokens_per_position=list(out.num_accepted_tokens_per_position),
-        text=out.text,
+        new_text=out.new_text,
     )

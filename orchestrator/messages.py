@@ -183,7 +183,8 @@ class TokenDelta:
     token prefill sampled). finish_reason ("stop", "length", "abort") is set on the last (finished) delta.
     phases: what decode measured (kv_transfer_s on the first delta, first_decode_step_s on the first
     stepped one); kv_transfer_bytes: bytes of KV received on the wire for this handoff (on the deltas that
-    carry kv_transfer_s), None otherwise."""
+    carry kv_transfer_s), None otherwise. new_text: the text decode's engine released with these tokens
+    (`engine.outputs.RequestOutput.new_text`: stop strings applied), so the edge never detokenizes."""
 
     handoff_id: str
     new_token_ids: tuple[int, ...]
@@ -192,6 +193,7 @@ class TokenDelta:
     phases: Phases = Phases()
     kv_transfer_bytes: int | None = None
     drafts: DraftCounts = DraftCounts()
+    new_text: str = ""
 
 
 @dataclass(frozen=True)

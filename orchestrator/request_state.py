@@ -72,4 +72,5 @@ class RequestRecord:
             num_accepted_tokens=drafts.num_accepted_tokens,
             num_draft_tokens_per_position=list(drafts.num_draft_tokens_per_position),
             num_accepted_tokens_per_position=list(drafts.num_accepted_tokens_per_position),
+            new_text=delta.new_text,
         )

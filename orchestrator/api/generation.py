@@ -1,12 +1,10 @@
 """Edge bookkeeping of one request: admission checks against the served model (`prepare`), then one
 generation against a `ServingBackend` (`Generation`): the deltas folded into what the edge has seen,
-stop strings where the backend sends token ids only, timings, metrics, and the abort of an unfinished
-request.
+timings, metrics, and the abort of an unfinished request.
 
-Stop handling at the edge lives in `detokenize_at_edge` (the whole output re-detokenized on every delta,
-cut at the first stop string) and `stop_prefix_len` (text held back in a stream while it could be the
-start of a stop string). The engine owns the stop rule; the edge applies it again only for a backend whose
-deltas carry no `text` (`StreamDelta.text is None`, today the cluster path).
+The edge never detokenizes and never looks for stop strings: the engine that decodes the request owns the
+stop rule and the text (`engine.stopping`); each `StreamDelta.new_text` is text it released (never part of
+a stop string or an incomplete character), on the cluster path sent by the decode instance.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import SamplingParams
-from models.tokenizer import Tokenizer
 from orchestrator.api.metrics import ApiMetrics
 from orchestrator.api.protocol import MAX_STOP_STRINGS, ApiError, CommonRequest
 from orchestrator.backend import PHASE_NAMES, BackendUnavailable, ServingBackend, StreamDelta
@@ -117,33 +114,6 @@ def prepare(
     )
 
 
-# ---- stop strings at the edge ----------------------------------------------------------------------------
-def detokenize_at_edge(
-    tokenizer: Tokenizer, token_ids: list[int], stops: tuple[str, ...]
-) -> tuple[str, bool]:
-    """The text of all `token_ids` so far, cut before the first stop string found in it.
-
-    Returns:
-        (text, stopped): `stopped` is True when a stop string was found (the request is finished here).
-    """
-    text = tokenizer.decode(token_ids)
-    hits = [text.find(s) for s in stops if s in text]
-    if hits:
-        return text[: min(hits)], True
-    return text, False
-
-
-def stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
-    """Characters at the end of `text` that could be the start of a stop string (held back in a stream)."""
-    best = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
-                break
-    return best
-
-
 # ---- one generation ----------------------------------------------------------------------------------
 @dataclass
 class Progress:
@@ -164,7 +134,7 @@ class Progress:
 
 
 class Generation:
-    """Drives one backend request: stop strings (when the backend gives no text), timings, metrics, abort.
+    """Drives one backend request: the text the backend released, timings, metrics, abort.
 
     Created when the request passed `prepare`; that moment is its arrival (TTFT and e2e count from it).
     """
@@ -217,27 +187,14 @@ class Generation:
             p.last_token_s = now
             p.token_ids.extend(delta.new_token_ids)
         p.last = delta
-        if delta.text is not None:
-            p.text = delta.text
-        else:  # the backend gives tokens only: detokenize and look for stop strings here
-            p.text, stopped = detokenize_at_edge(
-                self.backend.tokenizer, p.token_ids, self.prepared.params.stop
-            )
-            if stopped:
-                p.finish_reason = "stop"  # close() aborts the backend request if it is still running
-                return
+        p.text += delta.new_text
         if delta.finished:
             p.finish_reason = delta.finish_reason or "stop"
 
     def stream_text(self, num_sent_chars: int) -> str:
-        """New text to send: held back while it ends in an incomplete character or a possible stop prefix."""
-        p = self.progress
-        text = p.text
-        if not p.finished:
-            if text.endswith("\ufffd"):
-                return ""
-            text = text[: len(text) - stop_prefix_len(text, self.prepared.params.stop)]
-        return text[num_sent_chars:]
+        """Text received since the first `num_sent_chars` characters (the engine already held back what
+        could still change: an incomplete character, a possible start of a stop string)."""
+        return self.progress.text[num_sent_chars:]
 
     async def drain(self) -> None:
         """Fold every delta until the request is finished (a non-streaming response)."""

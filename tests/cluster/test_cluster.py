@@ -53,6 +53,12 @@ def single_engine_outputs():
         ids = [engine.tokenizer.encode(p) for p in PROMPTS]
         # One at a time: each request's numerics do not depend on its batch mates.
         results[k] = [engine.generate([i], GREEDY)[0] for i in ids]
+    # A stop string inside the first prompt's greedy text: decode's engine cuts the text there.
+    stop = stopped_stop(results)[0]
+    for k in (0, 1):
+        engine = llm if k == 1 else llm.replace_config(num_speculative_tokens=0)
+        stopped = dataclasses.replace(GREEDY, stop=(stop,))
+        results["stop", k] = engine.generate([engine.tokenizer.encode(PROMPTS[0])], stopped)[0]
     return results
 
 
@@ -65,12 +71,18 @@ async def _wait_reserved(cluster: Cluster, decode_index: int = 0) -> None:
         await asyncio.sleep(0.002)
 
 
-async def _generate(cluster: Cluster, request_id: str, ids: list[int], params=GREEDY):
-    tokens, last = [], None
+async def _generate(cluster: Cluster, request_id: str, ids: list[int], params=GREEDY, with_text=False):
+    tokens, last, text = [], None, ""
     async for delta in cluster.generate(request_id, ids, params):
         tokens += delta.new_token_ids
+        text += delta.new_text
         last = delta
-    return tokens, last
+    return (tokens, last, text) if with_text else (tokens, last)
+
+
+def stopped_stop(outputs) -> tuple[str]:
+    """The stop string `single_engine_outputs` used for its stopped request."""
+    return (outputs[1][0].text[5:8],)
 
 
 def _assert_no_blocks_held(cluster: Cluster) -> None:
@@ -92,8 +104,9 @@ def test_greedy_and_acceptance_match_single_engine(
 ) -> None:
     """P -> D over each transport, layerwise or not, with and without MTP, and over gRPC with mutual TLS:
     the greedy tokens equal one engine's token for token, and with MTP the drafts proposed/accepted are
-    the same counts (the MTP KV, first drafts and last hidden state travel with the handoff). Every
-    handoff presents the secret decode's reservation created. No KV block is held afterwards."""
+    the same counts (the MTP KV and first drafts travel with the handoff). The text decode sends equals the
+    engine's, also for a request its stop string ends (finish_reason "stop", the edge detokenizes nothing).
+    Every handoff presents the secret decode's reservation created. No KV block is held afterwards."""
     tls_config = None
     if tls:
         files = write_test_certificates(tmp_path)
@@ -106,16 +119,25 @@ def test_greedy_and_acceptance_match_single_engine(
 
         async def run():
             return [
-                await _generate(cluster, f"r{i}", cluster.tokenizer.encode(p)) for i, p in enumerate(PROMPTS)
+                await _generate(cluster, f"r{i}", cluster.tokenizer.encode(p), with_text=True)
+                for i, p in enumerate(PROMPTS)
             ]
 
-        for (tokens, last), expected in zip(asyncio.run(run()), single_engine_outputs[k], strict=True):
+        for (tokens, last, text), expected in zip(asyncio.run(run()), single_engine_outputs[k], strict=True):
             assert tokens == expected.token_ids
+            assert text == expected.text
             assert last.finished and last.finish_reason == "length"
             assert last.num_draft_tokens == expected.num_draft_tokens
             assert last.num_accepted_tokens == expected.num_accepted_tokens
             for phase in ("queue_s", "prefill_s", "kv_transfer_s", "first_decode_step_s", "total_s"):
                 assert phase in last.phases
+        stopped = single_engine_outputs["stop", k]
+        assert stopped.finish_reason == "stop" and len(stopped.text) < len(single_engine_outputs[k][0].text)
+        params = dataclasses.replace(GREEDY, stop=stopped_stop(single_engine_outputs))
+        _, last, text = asyncio.run(
+            _generate(cluster, "stop", cluster.tokenizer.encode(PROMPTS[0]), params, True)
+        )
+        assert (text, last.finish_reason) == (stopped.text, "stop")
         _assert_no_blocks_held(cluster)
     finally:
         cluster.shutdown()
