@@ -91,22 +91,6 @@ def new_handoff_secret() -> bytes:
     return secrets.token_bytes(HANDOFF_SECRET_NUM_BYTES)
 
 
-def dtype_from_name(name: str, what: str = "dtype") -> torch.dtype:
-    """`"bfloat16"` -> `torch.bfloat16`; ValueError naming `what` for an unknown name."""
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"{what}: unknown dtype {name!r}; expected one of {sorted(DTYPES)}") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """`torch.bfloat16` -> `"bfloat16"` (inverse of `dtype_from_name`)."""
-    for name, value in DTYPES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"dtype {dtype} cannot be sent; expected one of {sorted(DTYPES)}")
-
-
 @dataclass(frozen=True)
 class HandoffMeta:
     """What both sides agree on before any byte moves; the router builds it once and gives it to both.

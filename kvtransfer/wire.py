@@ -42,9 +42,8 @@ from kvtransfer.base import (
     HandoffMeta,
     ProtocolError,
     ReceivedLayer,
-    dtype_from_name,
-    dtype_name,
 )
+from models.dtypes import dtype_name, torch_dtype
 
 if sys.byteorder != "little":  # raw tensor bytes go on the wire as the host lays them out
     raise ImportError("kvtransfer's wire format is little-endian; this host is big-endian")
@@ -222,13 +221,13 @@ def decode_layer(header: LayerHeader, payload: torch.Tensor, int8_passthrough: b
     """
     num_tokens, kv_dim = header.num_tokens, header.kv_dim
     if header.wire_dtype != "int8":
-        return ReceivedLayer(payload.view(dtype_from_name(header.wire_dtype)).view(num_tokens, kv_dim))
+        return ReceivedLayer(payload.view(torch_dtype(header.wire_dtype)).view(num_tokens, kv_dim))
     num_value_bytes = num_tokens * kv_dim * torch.int8.itemsize
     latent_int8 = payload[:num_value_bytes].view(torch.int8).view(num_tokens, kv_dim)
     scale = payload[num_value_bytes:].view(INT8_SCALE_DTYPE)  # [num_tokens]
     if int8_passthrough:
         return ReceivedLayer(latent_int8, scale)
-    return ReceivedLayer(dequantize_kv_int8(latent_int8, scale, dtype_from_name(header.dtype)))
+    return ReceivedLayer(dequantize_kv_int8(latent_int8, scale, torch_dtype(header.dtype)))
 
 
 def meta_to_dict(meta: HandoffMeta) -> dict[str, Any]:
@@ -267,7 +266,7 @@ def tensor_to_record(tensor: torch.Tensor) -> dict[str, Any]:
 def tensor_from_record(record: dict[str, Any]) -> torch.Tensor:
     data = bytearray(record["data"])  # writable, so torch.frombuffer shares it without a warning
     flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    return flat.view(dtype_from_name(record["dtype"])).view(record["shape"])
+    return flat.view(torch_dtype(record["dtype"])).view(record["shape"])
 
 
 def extras_to_dict(extras: HandoffExtras) -> dict[str, Any]:
