@@ -11,8 +11,8 @@ One request (DESIGN.md, request lifecycle):
 2. Decode reserves KV blocks and expects the handoff (`DecodeNode.reserve`), which returns the handoff
    bound to the reservation by a fresh secret; no room: retried until the transfer timeout, then
    `BackendUnavailable`.
-3. Prefill runs the prompt and streams each layer's KV (MTP layer, first token, drafts, last hidden
-   state) to that decode instance (`PrefillNode.prefill`), presenting the secret, which the driver gives
+3. Prefill runs the prompt and streams each layer's KV (MTP layer included; then the first token and the
+   MTP drafts) to that decode instance (`PrefillNode.prefill`), presenting the secret, which the driver gives
    to that prefill instance only (over Ray); decode refuses any other sender of that handoff.
 4. Decode admits it and streams tokens; the driver has one poll loop per decode instance that hands
    events to the request's queue.

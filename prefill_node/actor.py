@@ -10,7 +10,7 @@ instance's placement group. Threads inside the actor:
     load() reads counters under a lock                -> sender.send_layer as soon as it is written
                                                       (layerwise), or all layers after the step
                                                     finished jobs: sender.finish(extras: first token,
-                                                      drafts, last hidden state), wake the caller
+                                                      drafts and their probabilities), wake the caller
 
 A job that fails (engine error, send error, abort) aborts its handoff (decode's `wait` raises
 `TransferAborted`) and raises in `prefill(...)`. An engine error fails only the jobs it concerns: a
