@@ -366,7 +366,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     if True in modes and not config["engine_async_loop_module_found"]:
         config["async_note"] = (
-            "engine.async_loop (named in engine/llm.py's docstring) was not found: with "
+            "engine.async_loop (named in engine/llm_engine.py's docstring) was not found: with "
             "async_scheduling=True the engine may have run its synchronous loop"
         )
     return {

@@ -15,8 +15,9 @@ cannot make the sampler raise or produce NaN probabilities:
 - `top_k` becomes an int64 tensor: at most 2**63 - 1 (anything >= the vocabulary size disables it).
 
 The sampler kernel reads `temperature / top_p / top_k / seed`; the scheduler reads the stopping fields
-(`max_tokens`, `stop_token_ids`, `ignore_eos`); `stop` strings need detokenized text, so the API layer
-checks them and finishes the request through `Scheduler.finish_request`.
+(`max_tokens`, `stop_token_ids`, `ignore_eos`); `stop` strings need detokenized text: the engine checks
+them on its incremental text (`engine.stopping.OutputText`) and finishes the request through
+`Scheduler.finish_request`.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class SamplingParams:
         max_tokens: most output tokens to generate, >= 1 (the request finishes with FINISHED_LENGTH).
         stop_token_ids: token ids that finish the request (FINISHED_STOPPED); the stop token is kept in
             the output, like the EOS token.
-        stop: stop strings, checked on detokenized text by the API layer.
+        stop: stop strings, checked by the engine on its detokenized text (`engine.stopping`).
         ignore_eos: keep generating past the model's EOS token (benchmarks).
         logprobs: None for no log-probabilities, else how many top log-probabilities to return per
             output token (0 = only the sampled token's).

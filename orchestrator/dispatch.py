@@ -28,6 +28,7 @@ MAX_DISPATCH_ATTEMPTS = 2  # the first try plus one re-dispatch to another prefi
 CALL_TIMEOUT_MIN_S = 2.0  # floor of the per-call timeout (max(this, kv_transfer.timeout_s / 2))
 EVENT_SLACK_S = 5.0  # a prefill call / a wait for the next event gives up after kv_transfer.timeout_s + this
 RESERVE_RETRY_S = 0.05  # while no decode instance has room, the reserve is retried this often (seconds)
+POLL_WAIT_S = 0.05  # a decode poll returns after this long without events (its call may take that much more)
 
 
 def call_timeout_s(kv_timeout_s: float) -> float:

@@ -29,6 +29,7 @@ from orchestrator.actor_errors import describe_error
 from orchestrator.backend import BackendUnavailable, StreamDelta
 from orchestrator.dispatch import (
     MAX_DISPATCH_ATTEMPTS,
+    POLL_WAIT_S,
     AttemptState,
     Emit,
     EndAborted,
@@ -239,8 +240,8 @@ class RequestDispatch:
                 continue
             try:
                 polled = await self._call(
-                    instance.leader.poll.remote(0.05, self._poll_acked_seq[decode_index]),
-                    self.call_timeout_s + 0.05,
+                    instance.leader.poll.remote(POLL_WAIT_S, self._poll_acked_seq[decode_index]),
+                    self.call_timeout_s + POLL_WAIT_S,
                 )
             except asyncio.CancelledError:
                 raise

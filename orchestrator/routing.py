@@ -69,24 +69,27 @@ class RouteAndReserve:
                         raise r
                     self._mark_failed(instance.role, instance.index, r, "load")
                     lost = True
-            if lost:
-                continue  # route again over the instances that answered (`after_reserve`: RouteAgain)
-            if record.aborted:
-                return None
-            choice = self._policy(
-                [
-                    prefill_instance_load(p.index, r, self._prefix_cache.cached(p.index))
-                    for p, r in zip(prefills, prefill_loads, strict=True)
-                ],
-                [decode_instance_load(d.index, r) for d, r in zip(decodes, decode_loads, strict=True)],
-                counter=next(self._counter),
-                prompt_token_ids=prompt_token_ids,
-                block_size=self.topology.prefill.block_size,
-            )
-            attempt = Attempt(f"{request_id}@{attempt_index}", choice.prefill, choice.decode)
-            outcome, bound = await self._reserve(record, attempt, prompt_token_ids, params)
+            attempt, bound = None, None
+            if lost:  # out of routing now: the policy routes again over the instances that answered
+                outcome = ReserveOutcome.INSTANCE_LOST
+            elif record.aborted:
+                outcome = ReserveOutcome.ABORTED
+            else:
+                choice = self._policy(
+                    [
+                        prefill_instance_load(p.index, r, self._prefix_cache.cached(p.index))
+                        for p, r in zip(prefills, prefill_loads, strict=True)
+                    ],
+                    [decode_instance_load(d.index, r) for d, r in zip(decodes, decode_loads, strict=True)],
+                    counter=next(self._counter),
+                    prompt_token_ids=prompt_token_ids,
+                    block_size=self.topology.prefill.block_size,
+                )
+                attempt = Attempt(f"{request_id}@{attempt_index}", choice.prefill, choice.decode)
+                outcome, bound = await self._reserve(record, attempt, prompt_token_ids, params)
             action = after_reserve(request_id, outcome, time.monotonic(), deadline_s)
             if isinstance(action, StartPrefill):
+                assert attempt is not None
                 attempt.meta = bound
                 self._prefix_cache.record(attempt.prefill_index, prompt_token_ids)
                 return attempt

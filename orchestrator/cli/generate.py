@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
     from engine.llm import LLMEngine, RequestOutput
     from engine.sampling_params import SamplingParams
-    from models.tokenizer import Tokenizer
 
 
 def resolve_device(name: str) -> torch.device:
@@ -83,35 +82,29 @@ def load_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
 
 
 class TextStreamer:
-    """Writes `prefix` (the prompt) and then a completion to a text stream as its tokens arrive.
+    """Writes `prefix` (the prompt) and then a completion to a text stream as the engine releases its text
+    (`RequestOutput.new_text`: never half a character or a possible start of a stop string; the engine
+    detokenizes, `engine.stopping`).
 
-    The prefix is written with the first token (or by `finish`), so nothing is printed for a prompt that
-    `generate` rejects. Each step decodes all completion tokens so far and writes only the new suffix,
-    holding back text that ends in an incomplete UTF-8 character (a byte-level token can end mid-character).
+    The prefix is written with the first text (or by `finish`), so nothing is printed for a prompt that
+    `generate` rejects.
     """
 
-    def __init__(self, tokenizer: Tokenizer, out: TextIO, prefix: str = "") -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, out: TextIO, prefix: str = "") -> None:
         self._out = out
         self._pending_prefix = prefix
-        self._ids: list[int] = []
-        self._num_written_chars = 0
 
-    def _write(self, text: str) -> None:
-        self._out.write(self._pending_prefix + text[self._num_written_chars :])
+    def __call__(self, new_text: str) -> None:
+        if new_text:
+            self._out.write(self._pending_prefix + new_text)
+            self._out.flush()
+            self._pending_prefix = ""
+
+    def finish(self) -> None:
+        """End the completion with a newline (the prefix first if no text came)."""
+        self._out.write(self._pending_prefix + "\n")
         self._out.flush()
         self._pending_prefix = ""
-        self._num_written_chars = len(text)
-
-    def __call__(self, token_id: int) -> None:
-        self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids)
-        if not text.endswith("\ufffd"):
-            self._write(text)
-
-    def finish(self, text: str) -> None:
-        """Write whatever is still held back of the final completion `text`, and a newline."""
-        self._write(text + "\n")
 
 
 def _sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParams:
@@ -230,15 +223,9 @@ def run(args: argparse.Namespace) -> int:
 
     streamer = None
     if not args.json and len(prompts) == 1:
-        streamer = TextStreamer(engine.tokenizer, sys.stdout, prefix=prompts[0])
-        seen = [0]
+        streamer = TextStreamer(sys.stdout, prefix=prompts[0])
 
-        def stream(out: RequestOutput) -> None:
-            for token_id in out.token_ids[seen[0] :]:
-                streamer(token_id)
-            seen[0] = len(out.token_ids)
-
-    outputs = _run_to_completion(engine, stream if streamer is not None else None)
+    outputs = _run_to_completion(engine, None if streamer is None else lambda out: streamer(out.new_text))
     results = [outputs[i] for i in ids]
     if args.json:
         if len(results) == 1:
@@ -248,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
                 json.dumps({"outputs": [_result_json(r, load_s) for r in results], **_batch_summary(results)})
             )
     elif streamer is not None:
-        streamer.finish(results[0].text)
+        streamer.finish()
         print(f"{_summary_line(results[0])} | load {load_s:.2f} s", file=sys.stderr)
     else:
         for i, (prompt, out) in enumerate(zip(prompts, results, strict=True), start=1):

@@ -23,8 +23,9 @@ def ray_session():
 
 
 # ---- waits derived from the cluster's configured timeouts ------------------------------------------------
-# A test waits for what the cluster promises within its own timeouts (see orchestrator/cluster.py), never
-# for "what is fast on an idle machine": under load everything is slower, but the timeouts still hold.
+# A test waits for what the cluster promises within its own timeouts (orchestrator/dispatch.py:
+# call_timeout_s, event_timeout_s), never for "what is fast on an idle machine": under load everything is
+# slower, but the timeouts still hold.
 
 
 def call_bound_s(cluster) -> float:

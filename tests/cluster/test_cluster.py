@@ -82,7 +82,9 @@ async def _generate(cluster: Cluster, request_id: str, ids: list[int], params=GR
 
 def stopped_stop(outputs) -> tuple[str]:
     """The stop string `single_engine_outputs` used for its stopped request."""
-    return (outputs[1][0].text[5:8],)
+    stop = outputs[1][0].text[5:8]
+    assert len(stop) == 3, outputs[1][0].text
+    return (stop,)
 
 
 def _assert_no_blocks_held(cluster: Cluster) -> None:

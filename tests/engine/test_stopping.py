@@ -81,6 +81,7 @@ def test_engine_new_text_streams_the_final_text_with_stop_strings() -> None:
     engine, prompts = llm.engine, heldout_def_prompts(3)
     free_run = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
     stop = free_run[1].text[5:8]  # occurs in request 1's output: it stops there
+    assert len(stop) == 3, free_run[1].text
     params = [
         SamplingParams(temperature=0.0, max_tokens=16, stop=(stop,) if i == 1 else ()) for i in range(3)
     ]

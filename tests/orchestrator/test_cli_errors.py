@@ -368,7 +368,7 @@ def test_the_port_taken_while_the_actors_load_is_one_line_and_the_cluster_is_shu
 
 
 # ---- SIGTERM: the same clean shutdown as Ctrl-C (the one test here that starts Ray) -------------------
-# Bounds from the deploy's own timeouts (orchestrator/cluster.py): placement groups 120 s, actors ready
+# Bounds from the deploy's own timeouts (orchestrator/deployment.py): placement groups 120 s, actors ready
 # 300 s; on this 2-core machine it is up in 20-40 s. Shutdown: the HTTP server's 10 s stop plus the actor
 # teardown and ray.shutdown.
 DEPLOY_UP_BOUND_S = 120 + 300 + 60

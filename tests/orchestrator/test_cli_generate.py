@@ -105,18 +105,17 @@ def test_errors_are_one_message_and_exit_code_2(capsys, random_checkpoint, argv,
     assert "Traceback" not in err
 
 
-def test_streamer_never_writes_half_a_character(random_checkpoint):
-    tokenizer = Tokenizer.from_dir(random_checkpoint)
-    text = "naïve ✓ → 完成"
-    ids = tokenizer.encode(text)
-    assert len(ids) > len(text)  # some characters span several byte-level tokens
+def test_streamer_writes_the_released_text_after_the_prompt():
+    """The engine releases whole characters only (tests/engine/test_stopping.py); the streamer writes the
+    prompt with the first text, then each piece as it comes, and a newline at the end."""
     out = io.StringIO()
-    streamer = TextStreamer(tokenizer, out, prefix=">>> ")
-    for token_id in ids:
-        streamer(token_id)
-        assert "\ufffd" not in out.getvalue()
-    streamer.finish(tokenizer.decode(ids))
-    assert out.getvalue() == ">>> " + text + "\n"
+    streamer = TextStreamer(out, prefix=">>> ")
+    streamer("")
+    assert out.getvalue() == ""  # nothing for a prompt with no text yet
+    for piece in ("naïve ", "✓ → ", "完成"):
+        streamer(piece)
+    streamer.finish()
+    assert out.getvalue() == ">>> naïve ✓ → 完成\n"
 
 
 def test_checkpoint_dir_without_config_is_a_clear_error(capsys, tmp_path):
