@@ -6,7 +6,9 @@ Each request is sent at its (scaled) arrival time as a streaming `POST /v1/compl
 
 Measured at the client, per request:
     TTFT: send -> first SSE chunk carrying text (or the final chunk);
-    TPOT: (last chunk - first chunk) / (completion tokens - 1), completion tokens from `usage`;
+    TPOT: (last chunk - first chunk) / (completion tokens - 1), completion tokens from `usage` (asked for
+          with `stream_options.include_usage`, as vLLM and SGLang want; a chunk with an empty `choices`
+          list carries it there; without any `usage`, one token per text chunk);
     e2e:  send -> `data: [DONE]`.
 From the server's `pdcluster` extension: acceptance rate and KV transfer time (phases.kv_transfer_s).
 Goodput: requests meeting both the TTFT and the TPOT SLO (a single-token output has no TPOT to miss),
@@ -56,18 +58,23 @@ async def _one(
     model: str | None,
 ) -> RequestResult:
     result = RequestResult(index, len(prompt), num_output_tokens, scheduled_s)
-    body = {
+    body: dict[str, Any] = {
         "prompt": prompt,
         "max_tokens": num_output_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
+        # vLLM and SGLang send `usage` only when asked, in a last chunk with an empty `choices` list
+        "stream_options": {"include_usage": True},
     }
     if model is not None:
         body["model"] = model
     sent_s = time.perf_counter()
     first_s = last_s = None
-    final: dict[str, Any] | None = None
+    finished = False
+    usage: dict[str, Any] | None = None
+    extension: dict[str, Any] = {}
+    num_text_chunks = 0
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -81,32 +88,40 @@ async def _one(
                 if data == "[DONE]":
                     break
                 event = json.loads(data)
-                if "error" in event:
-                    result.error = event["error"].get("message", str(event["error"]))
+                if event.get("error"):
+                    error = event["error"]
+                    result.error = error.get("message", str(error)) if isinstance(error, dict) else str(error)
                     return result
+                usage = event.get("usage") or usage  # on the final chunk (ours) or a chunk of its own
+                extension = event.get("pdcluster") or extension
+                choices = event.get("choices") or []
+                if not choices:  # a usage-only chunk
+                    continue
                 now = time.perf_counter()
-                choice = event["choices"][0]
+                choice = choices[0]
+                if choice.get("text"):
+                    num_text_chunks += 1
                 if choice.get("text") or choice.get("finish_reason") is not None:
                     if first_s is None:
                         first_s = now
                     last_s = now
                 if choice.get("finish_reason") is not None:
-                    final = event
+                    finished = True
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     done_s = time.perf_counter()
-    if final is None or first_s is None:
-        result.error = "the stream ended without a final chunk"
+    if not finished or first_s is None:
+        result.error = "the stream ended without a finish_reason"
         return result
     result.ok = True
-    result.num_output_tokens = final.get("usage", {}).get("completion_tokens", 0)
+    # Without `usage` (a server that ignores stream_options), one token per text chunk.
+    result.num_output_tokens = int(usage["completion_tokens"]) if usage else num_text_chunks
     result.ttft_s = first_s - sent_s
     result.tpot_s = time_per_output_token_s(first_s, last_s, result.num_output_tokens)
     result.e2e_s = done_s - sent_s
-    ext = final.get("pdcluster") or {}
-    result.acceptance_rate = ext.get("acceptance_rate")
-    result.phases = ext.get("phases") or {}
+    result.acceptance_rate = extension.get("acceptance_rate")
+    result.phases = extension.get("phases") or {}
     result.kv_transfer_s = result.phases.get("kv_transfer_s")
     return result
 
