@@ -85,10 +85,10 @@ def sample_or_verify(
     draft_ids = torch.tensor(
         [t for item in items for t in item.spec_token_ids], dtype=torch.long, device=logits.device
     )
-    generators = [generator_of(item) for item in items]
-    if all(p.temperature == 0 for p in params):
+    if all(p.temperature == 0 for p in params):  # no randomness: no generator is made or drawn from
         result = greedy_verify_batch(draft_ids, num_drafts, logits)
         return dict(zip((item.request_id for item in items), result.token_ids(), strict=True))
+    generators = [generator_of(item) for item in items]
     if not any(num_drafts):
         tokens = sample(
             logits,
