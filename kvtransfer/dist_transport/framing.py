@@ -21,6 +21,9 @@ FRAME_MAGIC = 0x4B5658_0001  # "KVX" + wire version 1: a desynchronized stream i
 def send_message(
     record: dict[str, Any], payload: torch.Tensor | None, peer_rank: int, group: Any, device: torch.device
 ) -> None:
+    """Send one message to `peer_rank` of `group`: the frame, the msgpack `record` (a "kind" key), then
+    `payload` (`[num_bytes]` uint8, layer records only), moved to `device` (the backend's). Blocks until
+    the three sends completed; a failed send raises the collective backend's error (RuntimeError)."""
     header = msgpack.packb(record, use_bin_type=True)
     header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
     frame = torch.tensor([FRAME_MAGIC, header_t.numel()], dtype=torch.int64, device=device)
@@ -34,6 +37,13 @@ def send_message(
 def recv_message(
     peer_rank: int, group: Any, device: torch.device
 ) -> tuple[dict[str, Any], torch.Tensor | None]:
+    """Receive the next message from `peer_rank` of `group`: `(record, payload)`, payload `[num_bytes]`
+    uint8 on `device` for a layer record, else None. Blocks until it arrives.
+
+    Raises:
+        ProtocolError: the frame's magic is wrong (the stream is out of sync).
+        RuntimeError: the collective backend's receive failed (peer gone, group torn down).
+    """
     frame = torch.empty(2, dtype=torch.int64, device=device)
     dist.recv(frame, src=peer_rank, group=group)
     magic, header_num_bytes = frame.tolist()

@@ -48,10 +48,12 @@ LAYER_HEADER_FIELDS = tuple(f.name for f in dataclasses.fields(LayerHeader))
 
 
 def meta_to_proto(meta: HandoffMeta) -> pb.Begin:
+    """The stream's `Begin`: every `HandoffMeta` field but the secret (sent as call metadata)."""
     return pb.Begin(**{name: getattr(meta, name) for name in BEGIN_FIELDS})
 
 
 def meta_from_proto(begin: pb.Begin) -> HandoffMeta:
+    """`HandoffMeta` of a received `Begin` (no secret). ProtocolError: fields `HandoffMeta` refuses."""
     try:
         return HandoffMeta(**{name: getattr(begin, name) for name in BEGIN_FIELDS})
     except ValueError as e:
@@ -59,10 +61,12 @@ def meta_from_proto(begin: pb.Begin) -> HandoffMeta:
 
 
 def header_to_proto(header: LayerHeader) -> pb.LayerHeader:
+    """A layer's header as the protobuf message (same fields)."""
     return pb.LayerHeader(**header.to_dict())
 
 
 def header_from_proto(header: pb.LayerHeader) -> LayerHeader:
+    """`LayerHeader` of a received protobuf header (same fields)."""
     return LayerHeader(**{name: getattr(header, name) for name in LAYER_HEADER_FIELDS})
 
 
@@ -71,6 +75,8 @@ def _raw_tensor(tensor: torch.Tensor) -> pb.RawTensor:
 
 
 def extras_to_proto(extras: HandoffExtras) -> pb.Finish:
+    """The stream's `Finish`: first token, MTP drafts, their `[num_drafts, vocab_size]` float32
+    probabilities when sampled, and the extras' CRC-32 (`wire.extras_checksum`)."""
     finish = pb.Finish(
         first_token_id=extras.first_token_id,
         draft_token_ids=extras.draft_token_ids,
@@ -82,6 +88,13 @@ def extras_to_proto(extras: HandoffExtras) -> pb.Finish:
 
 
 def extras_from_proto(request_id: str, finish: pb.Finish) -> HandoffExtras:
+    """`HandoffExtras` of a received `Finish`.
+
+    Raises:
+        ProtocolError: malformed fields.
+        ChecksumMismatch: the extras do not match the CRC-32 the sender computed.
+    """
+
     def tensor(raw: pb.RawTensor) -> torch.Tensor:
         return tensor_from_record({"dtype": raw.dtype, "shape": list(raw.shape), "data": raw.data})
 
