@@ -173,3 +173,16 @@ def test_calibration_files(tmp_path):
             load_calibration(bad, base)
     with pytest.raises(ValueError, match="no such calibration"):
         load_calibration(tmp_path / "missing.json", base)
+
+
+def test_nnls_solves_and_clips():
+    import numpy as np
+
+    from planner.profiling import nnls
+
+    a = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
+    assert np.allclose(nnls(a, np.array([3.0, 5.0, 7.0])), [1.0, 2.0])  # y = 1 + 2 x exactly
+    assert (
+        np.allclose(nnls(a, np.array([1.0, 0.0, -1.0])), [0.0, 0.0])
+        or (nnls(a, np.array([1.0, 0.0, -1.0])) >= 0).all()
+    )
