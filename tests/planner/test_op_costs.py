@@ -158,6 +158,6 @@ def test_tiny_decode_step_op_list(tiny):
     assert named["moe.routed_experts"].weight_bytes == pytest.approx(
         oc.expected_active_experts(8, 8, 2, 2) * 3 * 256 * 128 * 4
     )
-    # absorbed attention of the 2 queries over 101 + 102 keys: pairs 100 * 2 + 3
+    # absorbed attention: 2 queries over 100 cached + 2 new keys, causal pairs 2 * 100 + 3 = 203
     attn = named["attn.mla_absorbed"]
     assert attn.flops == 2 * 2 * 4 * 32 * 64 * 2 + 2 * 4 * 203 * (64 + 16) + 2 * 4 * 203 * 64
