@@ -257,28 +257,34 @@ def fit_efficiency(
     models: dict[str, PerfModel], samples: Sequence[Sample], base: Efficiency, max_rounds: int = 8
 ) -> tuple[Efficiency, dict[str, Any]]:
     """Fit the step-time factors of `base` to `samples` (module docstring, item 3); `models[role]` prices
-    the role's samples. Returns the fitted `Efficiency` and a report (`rounds`, `not_identified`)."""
-    current = base
-    regime: dict[tuple[str, str], bool] = {}
-    x = np.zeros(len(UNKNOWNS))
-    not_identified: list[str] = []
+    the role's samples. Of the rounds' solutions the one whose roofline prices the samples with the least
+    rms relative error is kept. Returns it and a report (`rounds`, `rms_rel_error`, `not_identified`)."""
+    y = np.array([s.best_s for s in samples])
+    w = 1.0 / y
+    current, regimes = base, None
+    best: tuple[float, Efficiency, np.ndarray, list[str]] | None = None
     rounds = 0
-    for rounds in range(1, max_rounds + 1):
-        new_regime = {}
-        for s in samples:
+    while rounds < max_rounds:
+        rounds += 1
+        new_regimes = []
+        for s in samples:  # each op's regime in each sample under the current factors
             priced = models[s.role].with_efficiency(current)
-            for op in priced.ops(s.step):
-                new_regime[(op.name, op.kind)] = priced.op_time_s(op)[1]
-        if new_regime == regime and rounds > 1:
+            new_regimes.append({(op.name, op.kind): priced.op_time_s(op)[1] for op in priced.ops(s.step)})
+        if new_regimes == regimes:
             break
-        regime = new_regime
-        a = np.array([_features(models[s.role], s.step, regime) for s in samples])
-        y = np.array([s.best_s for s in samples])
-        w = 1.0 / y
+        regimes = new_regimes
+        a = np.array([_features(models[s.role], s.step, r) for s, r in zip(samples, regimes, strict=True)])
         x = nnls(a * w[:, None], y * w)
         current, not_identified = _efficiency_from(x, a, base)
-    return current, {
+        predicted = np.array([models[s.role].with_efficiency(current).step_time_s(s.step) for s in samples])
+        rms = float(np.sqrt(np.mean((predicted * w - 1.0) ** 2)))
+        if best is None or rms < best[0]:
+            best = (rms, current, x, not_identified)
+    assert best is not None
+    rms, eff, x, not_identified = best
+    return eff, {
         "rounds": rounds,
+        "rms_rel_error": rms,
         "inverse_efficiency_solution": x.tolist(),
         "not_identified": not_identified,
     }
