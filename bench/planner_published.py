@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from bench.common import format_table
@@ -33,7 +34,7 @@ from planner.op_costs import Dtypes
 from planner.perf_model import Link, Parallelism, PerfModel
 from planner.step_model import DecodeRow, PrefillChunk, StepShape
 
-CONFIG_PATH = "clusters/models/deepseek-v3.config.json"
+CONFIG_PATH = Path(__file__).resolve().parents[1] / "clusters" / "models" / "deepseek-v3.config.json"
 WITHIN = 0.15
 
 DAY6 = (
