@@ -2,20 +2,22 @@
 
 `PerfModel` implements `planner.step_model.StepTimeModel` for one instance of one pool:
 
-1. The step's work is split over the instance's ranks as the live engine would run it: attention and
-   dense layers data-parallel over `devices / tensor_parallel_size` ranks (DP attention, each rank gets an
-   equal share of the tokens; a request is never split, so the slowest rank holds at least the largest
-   one and `ceil(rows / dp)` decode rows), heads split over `tensor_parallel_size`; routed experts over
-   `expert_parallel_size` ranks with `(n_routed + redundant) / ep` experts each, the slowest rank taking
-   `ep_imbalance` times the mean (token, expert) pairs.
+1. The step's work is split over the instance's ranks (`planner.rank_split`): attention and dense layers
+   data-parallel over `devices / tensor_parallel_size` ranks (DP attention), heads split over
+   `tensor_parallel_size`. A request is never split: prefill chunks go largest first to the least loaded
+   rank and the most loaded rank is priced; decode rows are spread evenly, `ceil(rows / dp)` on the
+   slowest rank. Routed experts live on `expert_parallel_size` ranks, `(n_routed + redundant) / ep` each;
+   the slowest EP rank takes `ep_imbalance` times the mean (token, expert) pairs
+   (`planner.comm_costs.statistical_imbalance` when not given).
 2. `planner.op_costs` counts each op's FLOPs and bytes on that rank (MLA expanded or absorbed per request
    by the engine's own rule, dense MLP, gate, routed and shared experts, lm_head, the MTP layer).
 3. A roofline prices each op: `max(flops / (peak(dtype) x compute factor), bytes / (bandwidth x memory
    factor))` (Williams, Waterman, Patterson, "Roofline", CACM 2009), factors from
    `orchestrator.efficiency` or a calibration written by `pdcluster profile`; plus `op_overhead_s` per op.
 4. EP dispatch/combine per MoE layer moves each token's hidden state to its `k` experts and back over the
-   link level the EP group spans (`ep_link_level`); TP attention adds a ring all-reduce of `o_proj`'s
-   output. With `microbatch_overlap` (DeepSeek's dual micro-batch overlap, CloudMatrix-Infer's micro-batch
+   link level the EP group spans (`planner.topology_models.link_level`; `planner.comm_costs`, optionally
+   once per node with intra-node forwarding); TP attention adds a ring all-reduce of `o_proj`'s output.
+   With `microbatch_overlap` (DeepSeek's dual micro-batch overlap, CloudMatrix-Infer's micro-batch
    pipeline) communication hides behind compute: `max(compute, comm)`; else they add up.
 5. Host overhead per step is added on top.
 
@@ -105,6 +107,10 @@ class PerfModel:
             per destination node and forwarded inside it (DeepEP's normal kernels, DeepSeek-V3 report
             section 3.2.2: node-limited routing, IB then NVLink); None: every (token, expert) pair goes
             over `ep_link` (DeepEP's low-latency kernels, pure RDMA).
+
+    Raises:
+        ValueError: `ep_imbalance` < 1, more TP ranks than heads, or a dtype the accelerator has no matrix
+            peak for in the catalog (e.g. fp8 on an Ascend die).
     """
 
     def __init__(
