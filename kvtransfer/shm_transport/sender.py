@@ -340,6 +340,10 @@ class ShmKVSender(KVSender):
             open_requests = [r for r in self._requests.values() if not r.done]
         for req in open_requests:
             self._conclude(req, SenderLost(f"{req.meta.request_id}: {why}"), tell_receiver=False)
+        with self._lock:  # decode is gone: unmap its segments (their memory goes with the last mapping)
+            segments, self._segments = list(self._segments.values()), {}
+        for segment in segments:
+            segment.close()
 
     def _on_record(self, record: dict, fds: list[int]) -> None:
         kind = record["k"]
