@@ -65,7 +65,8 @@ class _Handoff:
 
 
 class DecodeNode(RankActor):
-    """One decode instance (rank). `host`: loopback address its gRPC receiver binds (grpc transport)."""
+    """One decode instance (rank). `host`: loopback address its gRPC receiver binds (grpc transport; the shm
+    transport's socket is a path on this host)."""
 
     # "admit" (admitting a handoff), "step" (the engine step), "delta" (turning a step output into an
     # event), "loop" (the loop body, outside any request)
@@ -105,6 +106,23 @@ class DecodeNode(RankActor):
         )
         self.receiver = server
         return server.address
+
+    def start_shm(self) -> str:
+        """Start the shared-memory receiver (prefill on this host only); returns its socket path, the
+        address prefill senders connect to."""
+        from kvtransfer.shm_transport import ShmKVReceiver
+
+        receiver = ShmKVReceiver(int8_passthrough=self._int8_cache)
+        self.receiver = receiver
+        return receiver.address
+
+    def start_receiver(self, transport: str, tls: TLSCredentials | None = None) -> str:
+        """`start_grpc(tls)` or `start_shm()` by `transport` (`grpc` / `shm`); returns the address."""
+        if transport == "shm":
+            return self.start_shm()
+        if transport != "grpc":
+            raise ValueError(f"transport: a decode receiver listens for grpc or shm, got {transport!r}")
+        return self.start_grpc(tls)
 
     def node_ip(self) -> str:
         """This actor's node IP (what prefill senders dial when the receiver binds 0.0.0.0)."""
@@ -213,6 +231,10 @@ class DecodeNode(RankActor):
                 "num_unfinished": len(scheduler.requests),
                 "pending_handoffs": [] if self.receiver is None else self.receiver.pending_request_ids(),
             }
+
+    def num_kv_segments(self) -> int:
+        """For tests: shared-memory segments the shm receiver maps (its pools; 0 for other transports)."""
+        return int(getattr(self.receiver, "num_segments", 0))
 
     def close(self) -> None:
         self._stop_engine_thread()

@@ -87,7 +87,8 @@ class PrefillNode(RankActor):
         super().__init__(engine_config, name)
         self.layerwise = layerwise
         self.senders: list[KVSender] = []
-        self._tls: TLSCredentials | None = None  # what connect_grpc used, for set_decode_address
+        self._transport = "grpc"  # what connect_receivers used, for set_decode_address
+        self._tls: TLSCredentials | None = None
         self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._active: dict[str, _Job] = {}
         self._lock = threading.Lock()
@@ -106,20 +107,34 @@ class PrefillNode(RankActor):
     def connect_grpc(self, decode_addresses: list[str], tls: TLSCredentials | None = None) -> None:
         """One gRPC sender per decode instance, in decode index order (mutual TLS with `tls`), closing any
         previous ones."""
-        from kvtransfer.grpc_transport import GrpcKVSender
+        self.connect_receivers("grpc", decode_addresses, tls)
 
-        self._tls = tls
-        old, self.senders = self.senders, [GrpcKVSender(address, tls=tls) for address in decode_addresses]
+    def connect_receivers(
+        self, transport: str, decode_addresses: list[str], tls: TLSCredentials | None = None
+    ) -> None:
+        """One `transport` sender (`grpc`: to `host:port`, mutual TLS with `tls`; `shm`: to a socket path
+        on this host) per decode instance, in decode index order, closing any previous ones."""
+        if transport not in ("grpc", "shm"):
+            raise ValueError(f"transport: senders connect to grpc or shm receivers, got {transport!r}")
+        self._transport, self._tls = transport, tls
+        old, self.senders = self.senders, [self._new_sender(address) for address in decode_addresses]
         for sender in old:
             sender.close()
+
+    def _new_sender(self, address: str) -> KVSender:
+        if self._transport == "shm":
+            from kvtransfer.shm_transport import ShmKVSender
+
+            return ShmKVSender(address)
+        from kvtransfer.grpc_transport import GrpcKVSender
+
+        return GrpcKVSender(address, tls=self._tls)
 
     def set_decode_address(self, decode_index: int, address: str) -> None:
         """Decode instance `decode_index` was restarted and listens at `address` now: replace its sender
         (transfers in flight to the old one fail, as they would have anyway)."""
-        from kvtransfer.grpc_transport import GrpcKVSender
-
         old = self.senders[decode_index]
-        self.senders[decode_index] = GrpcKVSender(address, tls=self._tls)
+        self.senders[decode_index] = self._new_sender(address)
         old.close()
 
     def connect_dist(self, rank: int, world_size: int, init_method: str, decode_ranks: list[int]) -> None:

@@ -113,13 +113,19 @@ class ShmKVSender(KVSender):
     """Sends handoffs to the `ShmKVReceiver` listening at `address` (a socket path on this host).
 
     fault_hook: test-only fault injection (`kvtransfer.wire.FaultHook`).
-    Raises OSError when the receiver's socket cannot be reached.
+    A receiver that cannot be reached (not on this host, or gone) does not fail the constructor, so that
+    one dead decode instance does not keep a prefill instance from connecting to the others: every `begin`
+    raises ConnectionError instead, naming the address and why.
     """
 
     def __init__(self, address: str, *, fault_hook: FaultHook | None = None) -> None:
         self.address = address
         self._fault_hook = fault_hook
-        self._channel = connect(address)
+        self._connect_error: OSError | None = None
+        try:
+            self._channel = connect(address)
+        except OSError as e:
+            self._connect_error = e
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._segments: dict[int, Segment] = {}
@@ -128,12 +134,18 @@ class ShmKVSender(KVSender):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._run, name="kv-shm-send", daemon=True)
         self._reader = threading.Thread(target=self._read, name="kv-shm-replies", daemon=True)
-        self._worker.start()
-        self._reader.start()
+        if self._connect_error is None:
+            self._worker.start()
+            self._reader.start()
 
     # ---- KVSender ----
 
     def begin(self, handoff: HandoffMeta) -> None:
+        if self._connect_error is not None:
+            raise ConnectionError(
+                f"shm receiver at {self.address} unreachable (prefill and decode must share a host): "
+                f"{self._connect_error}"
+            )
         with self._lock:
             check_begin(handoff, "ShmKVSender", self._closed, self._requests)
             self._requests[handoff.request_id] = _Request(handoff, time.monotonic())
@@ -194,6 +206,8 @@ class ShmKVSender(KVSender):
             if self._closed:
                 return
             self._closed = True
+        if self._connect_error is not None:
+            return
         self._queue.put(("bye", None))
         self._worker.join(join_timeout_s)
         self._channel.close()

@@ -345,7 +345,7 @@ def test_bad_enum(tmp_path, ckpt):
     text = template(ckpt, "kv_transfer:\n  transport: http\n")
     issue = only_issue(write(tmp_path, text))
     assert issue.line == line_of(text, "transport")
-    assert issue.reason == "kv_transfer.transport: 'http' is not one of: grpc, torch_distributed"
+    assert issue.reason == "kv_transfer.transport: 'http' is not one of: auto, grpc, shm, torch_distributed"
 
 
 def test_unknown_accelerator_lists_the_catalog(tmp_path, ckpt):
@@ -777,7 +777,7 @@ def test_cli_validate_exit_codes(tmp_path, ckpt, capsys):
     assert main(["validate", str(good), str(bad)]) == 1
     out, err = capsys.readouterr()
     assert out.startswith(f"{good}: ok")
-    reason = "kv_transfer.transport: 'http' is not one of: grpc, torch_distributed"
+    reason = "kv_transfer.transport: 'http' is not one of: auto, grpc, shm, torch_distributed"
     assert err == f"{bad}:{line_of(bad_text, 'transport')}: {reason}\n"
 
     assert main(["validate"]) == 2  # usage: no file
