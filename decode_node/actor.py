@@ -62,6 +62,7 @@ class _Handoff:
     kv_transfer_bytes: int
     admitted_at_s: float | None = None
     num_sent: int = 0
+    admit_s: float | None = None  # received until admitted
 
 
 class DecodeNode(RankActor):
@@ -82,6 +83,7 @@ class DecodeNode(RankActor):
         self._next_seq = 0
         self._admissions: list[tuple[str, ReceivedKV]] = []  # received, admitted by the engine thread next
         self._handoffs: dict[str, _Handoff] = {}  # admitted, until finished or failed
+        self._received_at_s: dict[str, float] = {}  # received, not yet admitted: when wait returned
         self._wakeup = threading.Event()
         self._delays: dict[str, list[float]] = {}  # test-only: inject_delay
         self._start_engine_thread()
@@ -177,6 +179,7 @@ class DecodeNode(RankActor):
         self.receiver.release(handoff_id)  # no on_layer runs after this
         with self._engine_lock:
             self._admissions = [(rid, kv) for rid, kv in self._admissions if rid != handoff_id]
+            self._received_at_s.pop(handoff_id, None)
             self.engine.release_remote_prefill(handoff_id)
             self.engine.abort_request(handoff_id)
             self.engine.pop_finished_outputs([handoff_id])  # aborted: no output
@@ -260,9 +263,11 @@ class DecodeNode(RankActor):
             if released:  # not already aborted
                 self._emit(RequestError(handoff_id, f"{type(e).__name__}: {e}"))
             return
+        received_at_s = time.monotonic()
         with self._engine_lock:
             if handoff_id in self.engine.scheduler.reserved:
                 self._admissions.append((handoff_id, received))
+                self._received_at_s[handoff_id] = received_at_s
         self._wakeup.set()
 
     def _run(self) -> None:
@@ -329,6 +334,7 @@ class DecodeNode(RankActor):
         except Exception:  # noqa: BLE001 - still free the engine side
             logger.exception("%s: releasing handoff %s failed", self.name, handoff_id)
         self._admissions = [(rid, kv) for rid, kv in self._admissions if rid != handoff_id]
+        self._received_at_s.pop(handoff_id, None)
         self.engine.release_remote_prefill(handoff_id)
         self.engine.abort_request(handoff_id)
         self.engine.pop_finished_outputs([handoff_id])
@@ -360,7 +366,14 @@ class DecodeNode(RankActor):
         assert self.receiver is not None
         extras = received.extras
         self.receiver.release(handoff_id)
-        handoff = _Handoff(received.elapsed_s, int(received.num_wire_bytes), admitted_at_s=time.monotonic())
+        now_s = time.monotonic()
+        received_at_s = self._received_at_s.pop(handoff_id, now_s)
+        handoff = _Handoff(
+            received.elapsed_s,
+            int(received.num_wire_bytes),
+            admitted_at_s=now_s,
+            admit_s=now_s - received_at_s,
+        )
         self._handoffs[handoff_id] = handoff
         self._maybe_fault("admit")
         self.engine.admit_remote_prefill(
@@ -376,7 +389,7 @@ class DecodeNode(RankActor):
             TokenDelta(
                 handoff_id,
                 (extras.first_token_id,),
-                phases=Phases(kv_transfer_s=handoff.kv_transfer_s),
+                phases=Phases(kv_transfer_s=handoff.kv_transfer_s, admit_s=handoff.admit_s),
                 kv_transfer_bytes=handoff.kv_transfer_bytes,
                 new_text=self.engine.take_new_text(handoff_id),
             )
@@ -394,6 +407,7 @@ class DecodeNode(RankActor):
             if handoff.admitted_at_s is not None:  # its first stepped output
                 phases = Phases(
                     kv_transfer_s=handoff.kv_transfer_s,
+                    admit_s=handoff.admit_s,
                     first_decode_step_s=time.monotonic() - handoff.admitted_at_s,
                 )
                 kv_transfer_bytes = handoff.kv_transfer_bytes

@@ -55,6 +55,7 @@ class _Job:
     # layerwise off: buffered layers, (latent_kv, scale) as the engine's PromptKVCallback gives them
     layers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     num_layers_sent: int = 0
+    last_layer_sent_s: float | None = None  # monotonic time the last layer went to the sender
 
     @property
     def request_id(self) -> str:
@@ -299,6 +300,7 @@ class PrefillNode(RankActor):
         if self.layerwise:
             self.senders[job.decode_index].send_layer(request_id, layer_idx, latent_kv, scale)
             job.num_layers_sent += 1
+            job.last_layer_sent_s = time.monotonic()
         else:
             job.layers[layer_idx] = (latent_kv, scale)
 
@@ -316,6 +318,7 @@ class PrefillNode(RankActor):
                 latent_kv, scale = job.layers[layer_idx]
                 sender.send_layer(request_id, layer_idx, latent_kv, scale)
                 job.num_layers_sent += 1
+                job.last_layer_sent_s = time.monotonic()
             job.layers.clear()
             num_layers = job.request.meta.num_layers
             if job.num_layers_sent != num_layers:
@@ -336,6 +339,9 @@ class PrefillNode(RankActor):
             num_drafts=len(result.draft_token_ids),
             queue_s=queue_s,
             prefill_s=time.monotonic() - job.arrival_s - queue_s,
+            last_layer_sent_s=None
+            if job.last_layer_sent_s is None
+            else job.last_layer_sent_s - job.arrival_s,
         )
         self._finish_job(job)
 
