@@ -304,6 +304,9 @@ class DecodeNode(RankActor):
             except Exception as e:  # noqa: BLE001 - fails this request only
                 self._loop_error(e, f"admitting {handoff_id} failed")
                 events.append(self._fail(handoff_id, f"decode admission failed: {e!r}"))
+        for event in events:  # the first tokens go to the driver now, not after the step below
+            self._emit(event)
+        events.clear()
         # Requests the first token finished at admission (max_tokens=1, EOS): nothing is left to step
         # for them, so their final output is taken now rather than with a step that may never come.
         outputs: list[RequestOutput] = engine.pop_finished_outputs()
