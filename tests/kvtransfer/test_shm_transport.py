@@ -7,6 +7,7 @@ anonymous, so /dev/shm must not gain a pdcluster entry either way."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -163,3 +164,35 @@ def test_segments_are_reused_across_handoffs_and_private_to_the_user():
         sender.close()
         receiver.close()
     assert not Path(receiver.address).parent.exists()
+
+
+def test_segments_beyond_the_pools_free_bytes_are_closed_on_both_sides():
+    """Two handoffs in flight need two segments; with room for none free, each is closed when its sender
+    is done with it, and the sender unmaps it too (decode's `drop`)."""
+    receiver = ShmKVReceiver(max_free_bytes=0)
+    sender = ShmKVSender(receiver.address)
+    try:
+        metas = [make_handoff(f"d{i}", num_tokens=300) for i in range(2)]
+        bound = [receiver.expect(meta) for meta in metas]
+        for meta in bound:
+            sender.begin(meta)
+        for meta in bound:
+            for layer_idx, latent in enumerate(make_layers(meta)):
+                sender.send_layer(meta.request_id, layer_idx, latent)
+            sender.finish(meta.request_id, make_extras(meta))
+        for meta in metas:
+            receiver.wait(meta.request_id, WAIT_S)
+            receiver.release(meta.request_id)
+        assert sender.flush(WAIT_S) == {}
+        assert wait_until(lambda: receiver.num_segments == 0 and own_segment_mappings() == 0)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_sender_whose_receiver_is_unreachable_refuses_each_begin(tmp_path):
+    sender = ShmKVSender(str(tmp_path / "nobody.sock"))
+    with pytest.raises(ConnectionError, match="unreachable .*must share a host"):
+        sender.begin(dataclasses.replace(make_handoff("x"), secret=b"s" * 32))
+    assert sender.pending_request_ids() == []
+    sender.close()
