@@ -41,7 +41,7 @@ from kvtransfer.base import (
     TransferTimeout,
     new_handoff_secret,
 )
-from kvtransfer.wire import LayerHeader, check_header, decode_layer, verify_layer
+from kvtransfer.wire import LayerHeader, check_header, decode_layer, extras_from_dict, verify_layer
 
 
 class State(enum.Enum):
@@ -275,6 +275,16 @@ class Reservations:
             res.state = State.COMPLETE
             res.completed_at_s = time.monotonic()
             self._changed.notify_all()
+
+    def on_finish_record(self, request_id: str, record: dict) -> None:
+        """`on_finish` with the extras as `wire.extras_to_dict` encoded them; corrupted or malformed extras
+        are recorded (ChecksumMismatch / ProtocolError) and raised."""
+        try:
+            extras = extras_from_dict(request_id, record)
+        except KVTransferError as e:
+            self.on_error(request_id, e)
+            raise
+        self.on_finish(request_id, extras)
 
     def on_abort(self, request_id: str, reason: str) -> None:
         with self._lock:

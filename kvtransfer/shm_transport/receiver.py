@@ -31,7 +31,7 @@ from kvtransfer.shm_transport.channel import (
     sweep_stale_socket_dirs,
 )
 from kvtransfer.shm_transport.segments import DEFAULT_MAX_FREE_BYTES, Segment, SegmentPool
-from kvtransfer.wire import LayerHeader, extras_from_dict, meta_from_dict
+from kvtransfer.wire import LayerHeader, meta_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -209,12 +209,7 @@ class ShmKVReceiver(ReservationReceiver):
         error: KVTransferError | None = None
         try:
             if kind == "finish":
-                try:
-                    extras = extras_from_dict(request_id, record["x"])
-                except KVTransferError as e:
-                    self._reservations.on_error(request_id, e)
-                    raise
-                self._reservations.on_finish(request_id, extras)
+                self._reservations.on_finish_record(request_id, record["x"])
             else:
                 self._reservations.on_abort(request_id, str(record["reason"]))
         except KVTransferError as e:

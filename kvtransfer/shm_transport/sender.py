@@ -46,11 +46,10 @@ from kvtransfer.shm_transport.channel import connect
 from kvtransfer.shm_transport.segments import Segment
 from kvtransfer.wire import (
     FaultHook,
-    LayerHeader,
     check_layer,
-    checksum,
     encode_layer,
     extras_to_dict,
+    layer_header,
     meta_to_dict,
     tensor_bytes,
 )
@@ -310,16 +309,7 @@ class ShmKVSender(KVSender):
             header = encoded.header
         region = req.region(layer_idx)
         if not kind_is_copy:  # written by send_layer: checksum the segment's bytes
-            header = LayerHeader(
-                request_id=meta.request_id,
-                layer_idx=layer_idx,
-                num_tokens=meta.num_tokens,
-                kv_dim=meta.kv_dim,
-                dtype=meta.dtype,
-                wire_dtype=meta.wire_dtype,
-                num_bytes=meta.layer_wire_bytes,
-                checksum=checksum(region.numpy()),
-            )
+            header = layer_header(meta, layer_idx, region)
         if self._fault_hook is not None:
             data = bytearray(region.numpy().tobytes())
             keep_sending = self._fault_hook(header, data)

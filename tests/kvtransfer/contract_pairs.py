@@ -62,21 +62,35 @@ def raw_call(address: str, requests, metadata=None, timeout_s=None):
     return future
 
 
-class GrpcTransport(Transport):
-    name = "grpc"
+class AddressedTransport(Transport):
+    """A transport whose senders connect to the receiver's `address`: a rogue sender is another one of
+    ours (`new_sender`) with a forged or replayed handoff; `replay_begin` is such a whole handoff."""
 
     def __init__(self, address: str) -> None:
         super().__init__()
         self.address = address
 
-    def _rogue(self, meta, secret: bytes) -> None:
-        from kvtransfer.grpc_transport import GrpcKVSender
+    def new_sender(self):
+        raise NotImplementedError
 
-        rogue = GrpcKVSender(self.address)
+    def _rogue(self, meta, secret: bytes) -> None:
+        rogue = self.new_sender()
         forged = dataclasses.replace(meta, secret=secret)
         send_all(rogue, forged, make_layers(meta, seed=99), forged_extras(meta))
         self.rogue_failures += flushed(rogue).values()
         rogue.close()
+
+    def replay_begin(self, meta, secret: bytes) -> None:
+        self._rogue(meta, secret)
+
+
+class GrpcTransport(AddressedTransport):
+    name = "grpc"
+
+    def new_sender(self):
+        from kvtransfer.grpc_transport import GrpcKVSender
+
+        return GrpcKVSender(self.address)
 
     def forge(self, meta, secret: bytes | None) -> None:
         if secret:
@@ -90,9 +104,6 @@ class GrpcTransport(Transport):
             metadata.append((HANDOFF_SECRET_KEY, secret))
         error = raw_call(self.address, iter(forged_messages(meta)), metadata).exception(timeout=WAIT_S)
         self.rogue_failures.append(f"{error.code().name}: {error.details()}" if error else "accepted")
-
-    def replay_begin(self, meta, secret: bytes) -> None:
-        self._rogue(meta, secret)
 
 
 def run_thread_pair(transport: Transport, server, sender) -> dict[str, dict]:
@@ -133,21 +144,13 @@ def run_grpc_pair() -> dict[str, dict]:
 # ---- shared memory: two threads ----
 
 
-class ShmTransport(Transport):
+class ShmTransport(AddressedTransport):
     name = "shm"
 
-    def __init__(self, address: str) -> None:
-        super().__init__()
-        self.address = address
-
-    def _rogue(self, meta, secret: bytes) -> None:
+    def new_sender(self):
         from kvtransfer.shm_transport import ShmKVSender
 
-        rogue = ShmKVSender(self.address)
-        forged = dataclasses.replace(meta, secret=secret)
-        send_all(rogue, forged, make_layers(meta, seed=99), forged_extras(meta))
-        self.rogue_failures += flushed(rogue).values()
-        rogue.close()
+        return ShmKVSender(self.address)
 
     def forge(self, meta, secret: bytes | None) -> None:
         if secret:
@@ -168,9 +171,6 @@ class ShmTransport(Transport):
         got = channel.recv()  # the refusal: done with [error class, message]
         self.rogue_failures.append(": ".join(got[0]["error"]) if got else "closed")
         channel.close()
-
-    def replay_begin(self, meta, secret: bytes) -> None:
-        self._rogue(meta, secret)
 
 
 def run_shm_pair() -> dict[str, dict]:
