@@ -5,6 +5,9 @@ model dtype is moved, `--repeats` times, by:
 
     clone           `tensor.clone()` of every layer in this process: the memory-copy yardstick
     grpc            `GrpcKVSender` -> `KVReceiverServer` in this process over 127.0.0.1 (HTTP/2 over TCP)
+    shm             `ShmKVSender` -> `ShmKVReceiver` in this process: the KV through a memfd segment, the
+                    headers over a Unix socket; the receiver copies each layer out (what decode's
+                    `on_layer` does into its paged blocks)
     dist            `DistKVSender` (rank 0) -> `DistKVReceiver` (rank 1), two spawned processes, gloo
                     over 127.0.0.1; the receiver's clock starts at a barrier both pass before `begin`
 
@@ -46,15 +49,16 @@ from kvtransfer.base import HandoffExtras, HandoffMeta, KVReceiver, KVSender
 from models.dtypes import MODEL_DTYPE_NAMES
 
 SHAPES = ("deepseek_v3", "tiny")
-TRANSPORTS = ("clone", "grpc", "dist")
+TRANSPORTS = ("clone", "grpc", "shm", "dist")
 WAIT_S = 600.0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.kv_transfer",
-        description="KV transfer throughput (GB/s, 1e9 bytes/s) of the gRPC and torch.distributed (gloo) "
-        "transports on 127.0.0.1, next to an in-process tensor.clone() of the same bytes.",
+        description="KV transfer throughput (GB/s, 1e9 bytes/s) of the gRPC, shared-memory and "
+        "torch.distributed (gloo) transports on this host, next to an in-process tensor.clone() of the "
+        "same bytes.",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument(
@@ -185,24 +189,33 @@ def timed_receive(
     return elapsed_s, returned
 
 
-def bench_grpc(shape: dict[str, Any], wire: str, repeats: int) -> dict[str, Any]:
-    from kvtransfer.grpc_transport import GrpcKVSender, KVReceiverServer
+def bench_in_process(transport: str, shape: dict[str, Any], wire: str, repeats: int) -> dict[str, Any]:
+    """`grpc` or `shm`: sender and receiver in this process (their own threads), the real transport."""
+    if transport == "grpc":
+        from kvtransfer.grpc_transport import GrpcKVSender, KVReceiverServer
 
-    server = KVReceiverServer("127.0.0.1", 0)
-    sender = GrpcKVSender(server.address)
+        receiver: Any = KVReceiverServer("127.0.0.1", 0)
+        sender: KVSender = GrpcKVSender(receiver.address)
+    else:
+        from kvtransfer.shm_transport import ShmKVReceiver, ShmKVSender
+
+        receiver = ShmKVReceiver()
+        sender = ShmKVSender(receiver.address)
     layers = make_layers(make_handoff("x", shape, wire))
     elapsed_s, send_return_s = [], []
     try:
-        for i in range(repeats + 1):  # the first one warms the connection
-            meta = make_handoff(f"grpc-{wire}-{i}", shape, wire)
-            elapsed, send_return = timed_receive(server, lambda bound: send_all(sender, bound, layers), meta)
+        for i in range(repeats + 1):  # the first one warms the connection (and maps shm's segment)
+            meta = make_handoff(f"{transport}-{wire}-{i}", shape, wire)
+            elapsed, send_return = timed_receive(
+                receiver, lambda bound: send_all(sender, bound, layers), meta
+            )
             elapsed_s.append(elapsed)
             send_return_s.append(send_return)
         failures = sender.flush(WAIT_S)
         assert not failures, failures
     finally:
         sender.close()
-        server.close(grace_s=0)
+        receiver.close()
     return summarize(make_handoff("x", shape, wire), elapsed_s[1:], send_return_s[1:])
 
 
@@ -276,7 +289,7 @@ def table(result: dict[str, Any]) -> str:
     rows = [
         (r["shape"], r["transport"], r["wire_dtype"], round(r["kv_bytes"] / 1e6, 1),
          round(r["wire_bytes"] / 1e6, 1), r["kv_GB_per_s"]["best"], r["kv_GB_per_s"]["median"],
-         r.get("send_return_ms"))
+         r.get("send_return_ms"), r.get("vs_clone_median"))
         for r in result["results"]
     ]  # fmt: skip
     header = (
@@ -288,6 +301,7 @@ def table(result: dict[str, Any]) -> str:
         "kv_GB/s best",
         "kv_GB/s median",
         "send_return_ms",
+        "vs clone",
     )
     return format_table(header, rows)
 
@@ -309,11 +323,15 @@ def main(argv: list[str] | None = None) -> int:
             for wire in ["model"] if transport == "clone" else wires:
                 if transport == "clone":
                     run = bench_clone(shape, args.repeats)
-                elif transport == "grpc":
-                    run = bench_grpc(shape, wire, args.repeats)
+                elif transport in ("grpc", "shm"):
+                    run = bench_in_process(transport, shape, wire, args.repeats)
                 else:
                     run = bench_dist(shape, wire, args.repeats)
                 results.append({"shape": shape_name, "transport": transport, **run})
+        clone = next((r for r in results if r["shape"] == shape_name and r["transport"] == "clone"), None)
+        for r in results:  # the targets are fractions of the in-process copy, measured in the same run
+            if clone is not None and r["shape"] == shape_name:
+                r["vs_clone_median"] = round(r["kv_GB_per_s"]["median"] / clone["kv_GB_per_s"]["median"], 3)
     result = {
         "config": {
             "shapes": {name: shape_of(name, args) for name in shapes},

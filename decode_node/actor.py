@@ -62,10 +62,12 @@ class _Handoff:
     kv_transfer_bytes: int
     admitted_at_s: float | None = None
     num_sent: int = 0
+    admit_s: float | None = None  # received until admitted
 
 
 class DecodeNode(RankActor):
-    """One decode instance (rank). `host`: loopback address its gRPC receiver binds (grpc transport)."""
+    """One decode instance (rank). `host`: loopback address its gRPC receiver binds (grpc transport; the shm
+    transport's socket is a path on this host)."""
 
     # "admit" (admitting a handoff), "step" (the engine step), "delta" (turning a step output into an
     # event), "loop" (the loop body, outside any request)
@@ -81,6 +83,7 @@ class DecodeNode(RankActor):
         self._next_seq = 0
         self._admissions: list[tuple[str, ReceivedKV]] = []  # received, admitted by the engine thread next
         self._handoffs: dict[str, _Handoff] = {}  # admitted, until finished or failed
+        self._received_at_s: dict[str, float] = {}  # received, not yet admitted: when wait returned
         self._wakeup = threading.Event()
         self._delays: dict[str, list[float]] = {}  # test-only: inject_delay
         self._start_engine_thread()
@@ -105,6 +108,23 @@ class DecodeNode(RankActor):
         )
         self.receiver = server
         return server.address
+
+    def start_shm(self) -> str:
+        """Start the shared-memory receiver (prefill on this host only); returns its socket path, the
+        address prefill senders connect to."""
+        from kvtransfer.shm_transport import ShmKVReceiver
+
+        receiver = ShmKVReceiver(int8_passthrough=self._int8_cache)
+        self.receiver = receiver
+        return receiver.address
+
+    def start_receiver(self, transport: str, tls: TLSCredentials | None = None) -> str:
+        """`start_grpc(tls)` or `start_shm()` by `transport` (`grpc` / `shm`); returns the address."""
+        if transport == "shm":
+            return self.start_shm()
+        if transport != "grpc":
+            raise ValueError(f"transport: a decode receiver listens for grpc or shm, got {transport!r}")
+        return self.start_grpc(tls)
 
     def node_ip(self) -> str:
         """This actor's node IP (what prefill senders dial when the receiver binds 0.0.0.0)."""
@@ -159,6 +179,7 @@ class DecodeNode(RankActor):
         self.receiver.release(handoff_id)  # no on_layer runs after this
         with self._engine_lock:
             self._admissions = [(rid, kv) for rid, kv in self._admissions if rid != handoff_id]
+            self._received_at_s.pop(handoff_id, None)
             self.engine.release_remote_prefill(handoff_id)
             self.engine.abort_request(handoff_id)
             self.engine.pop_finished_outputs([handoff_id])  # aborted: no output
@@ -214,6 +235,10 @@ class DecodeNode(RankActor):
                 "pending_handoffs": [] if self.receiver is None else self.receiver.pending_request_ids(),
             }
 
+    def num_kv_segments(self) -> int:
+        """For tests: shared-memory segments the shm receiver maps (its pools; 0 for other transports)."""
+        return int(getattr(self.receiver, "num_segments", 0))
+
     def close(self) -> None:
         self._stop_engine_thread()
         if self.receiver is not None:
@@ -238,9 +263,11 @@ class DecodeNode(RankActor):
             if released:  # not already aborted
                 self._emit(RequestError(handoff_id, f"{type(e).__name__}: {e}"))
             return
+        received_at_s = time.monotonic()
         with self._engine_lock:
             if handoff_id in self.engine.scheduler.reserved:
                 self._admissions.append((handoff_id, received))
+                self._received_at_s[handoff_id] = received_at_s
         self._wakeup.set()
 
     def _run(self) -> None:
@@ -277,6 +304,9 @@ class DecodeNode(RankActor):
             except Exception as e:  # noqa: BLE001 - fails this request only
                 self._loop_error(e, f"admitting {handoff_id} failed")
                 events.append(self._fail(handoff_id, f"decode admission failed: {e!r}"))
+        for event in events:  # the first tokens go to the driver now, not after the step below
+            self._emit(event)
+        events.clear()
         # Requests the first token finished at admission (max_tokens=1, EOS): nothing is left to step
         # for them, so their final output is taken now rather than with a step that may never come.
         outputs: list[RequestOutput] = engine.pop_finished_outputs()
@@ -307,6 +337,7 @@ class DecodeNode(RankActor):
         except Exception:  # noqa: BLE001 - still free the engine side
             logger.exception("%s: releasing handoff %s failed", self.name, handoff_id)
         self._admissions = [(rid, kv) for rid, kv in self._admissions if rid != handoff_id]
+        self._received_at_s.pop(handoff_id, None)
         self.engine.release_remote_prefill(handoff_id)
         self.engine.abort_request(handoff_id)
         self.engine.pop_finished_outputs([handoff_id])
@@ -338,7 +369,14 @@ class DecodeNode(RankActor):
         assert self.receiver is not None
         extras = received.extras
         self.receiver.release(handoff_id)
-        handoff = _Handoff(received.elapsed_s, int(received.num_wire_bytes), admitted_at_s=time.monotonic())
+        now_s = time.monotonic()
+        received_at_s = self._received_at_s.pop(handoff_id, now_s)
+        handoff = _Handoff(
+            received.elapsed_s,
+            int(received.num_wire_bytes),
+            admitted_at_s=now_s,
+            admit_s=now_s - received_at_s,
+        )
         self._handoffs[handoff_id] = handoff
         self._maybe_fault("admit")
         self.engine.admit_remote_prefill(
@@ -354,7 +392,7 @@ class DecodeNode(RankActor):
             TokenDelta(
                 handoff_id,
                 (extras.first_token_id,),
-                phases=Phases(kv_transfer_s=handoff.kv_transfer_s),
+                phases=Phases(kv_transfer_s=handoff.kv_transfer_s, admit_s=handoff.admit_s),
                 kv_transfer_bytes=handoff.kv_transfer_bytes,
                 new_text=self.engine.take_new_text(handoff_id),
             )
@@ -372,6 +410,7 @@ class DecodeNode(RankActor):
             if handoff.admitted_at_s is not None:  # its first stepped output
                 phases = Phases(
                     kv_transfer_s=handoff.kv_transfer_s,
+                    admit_s=handoff.admit_s,
                     first_decode_step_s=time.monotonic() - handoff.admitted_at_s,
                 )
                 kv_transfer_bytes = handoff.kv_transfer_bytes

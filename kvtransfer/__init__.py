@@ -4,6 +4,8 @@
     wire.py            per-layer header + payload, CRC-32 checksums, INT8 on the wire, extras encoding
     reservations.py    receiver-side reservations, leases, per-layer completion (shared by the transports)
     grpc_transport/    `GrpcKVSender` -> `KVReceiverServer` (client-streaming gRPC, protos/kv_transfer.proto)
+    shm_transport/     `ShmKVSender` -> `ShmKVReceiver` (one host: memfd segments owned by decode, headers
+                       over a Unix socket; what `transport: auto` picks on one node)
     dist_transport/    `DistKVSender` -> `DistKVReceiver` (torch.distributed P2P; gloo/NCCL/HCCL by config)
 
 The transports are imported from their packages, so importing `kvtransfer` pulls in neither gRPC nor

@@ -41,7 +41,7 @@ from kvtransfer.base import (
     TransferTimeout,
     new_handoff_secret,
 )
-from kvtransfer.wire import LayerHeader, check_header, decode_layer, verify_layer
+from kvtransfer.wire import LayerHeader, check_header, decode_layer, extras_from_dict, verify_layer
 
 
 class State(enum.Enum):
@@ -79,10 +79,14 @@ class Reservations:
 
     int8_passthrough: hand int8 + scales through on an int8 wire (a decode instance whose cache is int8:
         `DecodeNode` sets it then) instead of dequantizing to the model dtype.
+    copy_kept_layers: a layer kept for `wait` (no `on_layer`) is copied out of the payload (a transport
+        whose payload buffers are reused, the shm transport's segments); `on_layer` always gets the
+        payload's own views, valid during the call.
     """
 
-    def __init__(self, int8_passthrough: bool = False) -> None:
+    def __init__(self, int8_passthrough: bool = False, copy_kept_layers: bool = False) -> None:
         self.int8_passthrough = int8_passthrough
+        self.copy_kept_layers = copy_kept_layers
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._reservations: dict[str, _Reservation] = {}
@@ -149,7 +153,8 @@ class Reservations:
             if res is None:
                 return
             if res.state is not State.COMPLETE and res.error is None:
-                res.error = KVTransferError(f"{request_id}: released by the receiver")
+                # what data arriving meanwhile is told: as if it came just after (no reservation)
+                res.error = ProtocolError(f"{request_id}: no reservation on this receiver (being released)")
                 res.state = State.FAILED  # no new callbacks start
             while res.num_callbacks_running:
                 self._changed.wait()
@@ -234,6 +239,8 @@ class Reservations:
             self._live(header.request_id, need_streaming=True)  # still wanted (not released, lease running)?
             callback = res.on_layer
             if callback is None:
+                if self.copy_kept_layers:
+                    layer = ReceivedLayer(*(None if t is None else t.clone() for t in layer))
                 res.layers[header.layer_idx] = layer
             else:
                 res.num_callbacks_running += 1
@@ -268,6 +275,16 @@ class Reservations:
             res.state = State.COMPLETE
             res.completed_at_s = time.monotonic()
             self._changed.notify_all()
+
+    def on_finish_record(self, request_id: str, record: dict) -> None:
+        """`on_finish` with the extras as `wire.extras_to_dict` encoded them; corrupted or malformed extras
+        are recorded (ChecksumMismatch / ProtocolError) and raised."""
+        try:
+            extras = extras_from_dict(request_id, record)
+        except KVTransferError as e:
+            self.on_error(request_id, e)
+            raise
+        self.on_finish(request_id, extras)
 
     def on_abort(self, request_id: str, reason: str) -> None:
         with self._lock:

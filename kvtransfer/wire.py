@@ -147,7 +147,12 @@ def encode_layer(
         payload = tensor_bytes(latent_kv)
     if payload.numel() != meta.layer_wire_bytes:
         raise AssertionError(f"layer payload {payload.numel()} B != {meta.layer_wire_bytes} B")
-    header = LayerHeader(
+    return EncodedLayer(layer_header(meta, layer_idx, payload), payload)
+
+
+def layer_header(meta: HandoffMeta, layer_idx: int, payload: torch.Tensor) -> LayerHeader:
+    """The header of layer `layer_idx`'s `payload` (1-D uint8, on the host): its length and CRC-32."""
+    return LayerHeader(
         request_id=meta.request_id,
         layer_idx=layer_idx,
         num_tokens=meta.num_tokens,
@@ -157,7 +162,6 @@ def encode_layer(
         num_bytes=payload.numel(),
         checksum=checksum(payload.numpy()),
     )
-    return EncodedLayer(header, payload)
 
 
 def apply_fault_hook(hook: FaultHook | None, layer: EncodedLayer) -> tuple[EncodedLayer, bool]:

@@ -43,7 +43,17 @@ from models.tokenizer import Tokenizer
 
 # Names of the per-request phases a backend may report in `StreamDelta.phases` (seconds). A backend
 # gives the ones it knows; a local engine has no KV transfer.
-PHASE_NAMES = ("queue_s", "prefill_s", "kv_transfer_s", "first_decode_step_s", "total_s")
+PHASE_NAMES = (  # `orchestrator.messages.Phases`, in the order a request meets them
+    "route_s",
+    "reserve_s",
+    "queue_s",
+    "prefill_s",
+    "last_layer_sent_s",
+    "kv_transfer_s",
+    "admit_s",
+    "first_decode_step_s",
+    "total_s",
+)
 
 
 class BackendUnavailable(Exception):

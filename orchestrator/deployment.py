@@ -33,7 +33,7 @@ from orchestrator.placement import nodes_to_pin, plan_placement, to_ray_placemen
 from orchestrator.preflight import pool_parallelism
 from orchestrator.ray_runtime import init_local_ray, keeping_sigterm_handler
 from orchestrator.router import POLICIES, PrefixCacheModel
-from orchestrator.topology import ROLES, Topology, load_topology
+from orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES, Topology, load_topology
 
 logger = logging.getLogger("orchestrator.cluster")  # the driver's log, as before the split
 
@@ -149,7 +149,7 @@ class ClusterDeployment:
                     "max_concurrency": 256,
                     # A crashed actor is restarted by Ray in its bundle, then rewired by the health monitor.
                     # A torch.distributed group is fixed at deploy time: a restarted rank could not rejoin.
-                    "max_restarts": MAX_ACTOR_RESTARTS if topo.kv_transfer.transport == "grpc" else 0,
+                    "max_restarts": MAX_ACTOR_RESTARTS if topo.kv_transport in ADDRESSED_KV_TRANSPORTS else 0,
                     "runtime_env": env,
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(
                         pg, placement_group_bundle_index=0
@@ -191,7 +191,7 @@ class ClusterDeployment:
             decode_addresses = self._wire(ray, plan)
             log(
                 f"cluster {topo.name} up in {time.monotonic() - started_s:.1f} s "
-                f"({topo.kv_transfer.transport}, layerwise={topo.kv_transfer.layerwise})"
+                f"({topo.kv_transport}, layerwise={topo.kv_transfer.layerwise})"
             )
         except BaseException as exc:
             self._teardown(ray, remove_placement_group)
@@ -259,11 +259,16 @@ class ClusterDeployment:
         return ray.get(probe.remote(), timeout=60)
 
     def _wire(self, ray, plan) -> list[str]:
-        """Connect the KV transport; returns the decode instances' gRPC addresses (grpc; else [])."""
+        """Connect the KV transport; returns the decode instances' addresses (grpc: `host:port`, shm: a
+        socket path; torch_distributed: [])."""
         kv = self.topology.kv_transfer
         spec_index = {(spec.role, spec.index): i for i, spec in enumerate(plan.instances)}
         self._kv_tls = None  # the gRPC TLS material, kept for rewiring restarted actors
-        if kv.transport == "grpc":
+        if self.topology.kv_transport == "shm":  # one node (topology rules): socket paths on this host
+            addresses = ray.get([d.start_shm.remote() for d in self.decode_actors], timeout=120)
+            ray.get([p.connect_receivers.remote("shm", addresses) for p in self.prefill_actors], timeout=120)
+            return addresses
+        if self.topology.kv_transport == "grpc":
             tls = None
             if kv.tls is not None:  # read here, sent to the actors over Ray (files need not be on every node)
                 from kvtransfer.grpc_transport import TLSCredentials

@@ -22,7 +22,7 @@ from orchestrator.deployment import advertised_address
 from orchestrator.health import InstanceHealth, ProbeOutcome, after_answer, after_failure
 from orchestrator.instance import Instance
 from orchestrator.messages import DecodeLost, DecodeNodeLoad, PrefillNodeLoad
-from orchestrator.topology import ROLES
+from orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES
 
 logger = logging.getLogger("orchestrator.cluster")
 
@@ -183,7 +183,7 @@ class InstanceMonitor:
         after, needs_rewire = after_answer(before, pid, time.monotonic())
         if needs_rewire and role == "decode":  # what ran on the old process is gone
             self._fail_decode_attempts(index)
-        if self.topology.kv_transfer.transport == "grpc" and (needs_rewire or role == "prefill"):
+        if self.topology.kv_transport in ADDRESSED_KV_TRANSPORTS and (needs_rewire or role == "prefill"):
             try:
                 self._rewire(ray, role, index, needs_rewire)
             except Exception as e:  # noqa: BLE001 - try again at the next probe
@@ -203,14 +203,18 @@ class InstanceMonitor:
         )
 
     def _rewire(self, ray, role: str, index: int, restarted: bool) -> None:
-        """gRPC only (restarts are off for torch.distributed). A restarted decode starts its receiver on a
-        new port, which the prefill instances in routing learn at once (the others when they rejoin); a
-        rejoining prefill (re)connects to every decode's current address, in case one moved meanwhile."""
+        """gRPC and shm only (restarts are off for torch.distributed). A restarted decode starts its receiver
+        on a new port (shm: a new socket path), which the prefill instances in routing learn at once (the
+        others when they rejoin); a rejoining prefill (re)connects to every decode's current address, in
+        case one moved meanwhile."""
         if role == "decode":
             assert restarted
             decode = self.decode_actors[index]
-            address = ray.get(decode.start_grpc.remote(self._kv_tls), timeout=self.call_timeout_s)
-            if not self._loopback:
+            transport = self.topology.kv_transport
+            address = ray.get(
+                decode.start_receiver.remote(transport, self._kv_tls), timeout=self.call_timeout_s
+            )
+            if transport == "grpc" and not self._loopback:
                 address = advertised_address(
                     address, ray.get(decode.node_ip.remote(), timeout=self.call_timeout_s)
                 )
@@ -221,7 +225,9 @@ class InstanceMonitor:
             )
         else:
             ray.get(
-                self.prefill_actors[index].connect_grpc.remote(list(self._decode_addresses), self._kv_tls),
+                self.prefill_actors[index].connect_receivers.remote(
+                    self.topology.kv_transport, list(self._decode_addresses), self._kv_tls
+                ),
                 timeout=self.call_timeout_s,
             )
 

@@ -137,22 +137,38 @@ class PrefillRequest:
 class PrefillResult:
     """A finished prefill on the prefill side: the first sampled token, how many MTP drafts went with it,
     and its phases (seconds): queue_s (arrival to first scheduled), prefill_s (scheduled to handoff
-    finished)."""
+    finished), last_layer_sent_s (arrival to the last layer handed to the KV sender; None: unknown)."""
 
     first_token_id: int
     num_drafts: int
     queue_s: float
     prefill_s: float
+    last_layer_sent_s: float | None = None
 
 
 # ---- decode events ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Phases:
-    """Per-request phase durations in seconds; None: not known (yet) by whoever built it."""
+    """Per-request phase durations in seconds; None: not known (yet) by whoever built it. Each is measured
+    on one process's clock (hosts' clocks need not agree), in the order a request meets them:
 
+    route_s: the driver's routing of the attempt that ran (instance loads + the router policy).
+    reserve_s: the driver's reserve call on decode (decode's `expect` starts the KV lease inside it).
+    queue_s, prefill_s: prefill's wait to be scheduled, then compute until its handoff finished.
+    last_layer_sent_s: prefill: arrival to the last layer handed to its KV sender.
+    kv_transfer_s: decode: `expect` until the whole handoff was received and verified (prefill overlaps it).
+    admit_s: decode: received until the engine thread admitted it (the first token streams then).
+    first_decode_step_s: decode: admitted until its first stepped output.
+    total_s: the driver: arrival until the latest delta.
+    """
+
+    route_s: float | None = None
+    reserve_s: float | None = None
     queue_s: float | None = None
     prefill_s: float | None = None
+    last_layer_sent_s: float | None = None
     kv_transfer_s: float | None = None
+    admit_s: float | None = None
     first_decode_step_s: float | None = None
     total_s: float | None = None
 

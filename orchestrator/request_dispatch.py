@@ -113,7 +113,11 @@ class RequestDispatch:
                             elif isinstance(action, Wait):
                                 result = action.phases_from
                                 record.phases = record.phases.merged(
-                                    Phases(queue_s=result.queue_s, prefill_s=result.prefill_s)
+                                    Phases(
+                                        queue_s=result.queue_s,
+                                        prefill_s=result.prefill_s,
+                                        last_layer_sent_s=result.last_layer_sent_s,
+                                    )
                                 )
                             elif isinstance(action, EndAborted):
                                 self._abort_after_prefill(attempt, prefill_task)

@@ -20,7 +20,7 @@ from kvtransfer.base import HandoffMeta, resolve_wire_dtype
 from orchestrator.backend import BackendUnavailable
 from orchestrator.dispatch import EndAborted, Fail, ReserveOutcome, RetryReserve, StartPrefill, after_reserve
 from orchestrator.instance import Instance, decode_instance_load, prefill_instance_load
-from orchestrator.messages import ReserveRequest, ReserveResult
+from orchestrator.messages import Phases, ReserveRequest, ReserveResult
 from orchestrator.request_state import Attempt, RequestRecord
 
 
@@ -44,6 +44,7 @@ class RouteAndReserve:
         request_id = record.request_id
         deadline_s = time.monotonic() + self.topology.kv_transfer.timeout_s
         while True:
+            routing_started_s = time.monotonic()
             if record.aborted:
                 return None
             prefills = [
@@ -86,7 +87,14 @@ class RouteAndReserve:
                     block_size=self.topology.prefill.block_size,
                 )
                 attempt = Attempt(f"{request_id}@{attempt_index}", choice.prefill, choice.decode)
+                reserve_started_s = time.monotonic()
                 outcome, bound = await self._reserve(record, attempt, prompt_token_ids, params)
+                record.phases = record.phases.merged(
+                    Phases(
+                        route_s=reserve_started_s - routing_started_s,
+                        reserve_s=time.monotonic() - reserve_started_s,
+                    )
+                )
             action = after_reserve(request_id, outcome, time.monotonic(), deadline_s)
             if isinstance(action, StartPrefill):
                 assert attempt is not None

@@ -55,6 +55,7 @@ class _Job:
     # layerwise off: buffered layers, (latent_kv, scale) as the engine's PromptKVCallback gives them
     layers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     num_layers_sent: int = 0
+    last_layer_sent_s: float | None = None  # monotonic time the last layer went to the sender
 
     @property
     def request_id(self) -> str:
@@ -87,7 +88,8 @@ class PrefillNode(RankActor):
         super().__init__(engine_config, name)
         self.layerwise = layerwise
         self.senders: list[KVSender] = []
-        self._tls: TLSCredentials | None = None  # what connect_grpc used, for set_decode_address
+        self._transport = "grpc"  # what connect_receivers used, for set_decode_address
+        self._tls: TLSCredentials | None = None
         self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._active: dict[str, _Job] = {}
         self._lock = threading.Lock()
@@ -106,20 +108,34 @@ class PrefillNode(RankActor):
     def connect_grpc(self, decode_addresses: list[str], tls: TLSCredentials | None = None) -> None:
         """One gRPC sender per decode instance, in decode index order (mutual TLS with `tls`), closing any
         previous ones."""
-        from kvtransfer.grpc_transport import GrpcKVSender
+        self.connect_receivers("grpc", decode_addresses, tls)
 
-        self._tls = tls
-        old, self.senders = self.senders, [GrpcKVSender(address, tls=tls) for address in decode_addresses]
+    def connect_receivers(
+        self, transport: str, decode_addresses: list[str], tls: TLSCredentials | None = None
+    ) -> None:
+        """One `transport` sender (`grpc`: to `host:port`, mutual TLS with `tls`; `shm`: to a socket path
+        on this host) per decode instance, in decode index order, closing any previous ones."""
+        if transport not in ("grpc", "shm"):
+            raise ValueError(f"transport: senders connect to grpc or shm receivers, got {transport!r}")
+        self._transport, self._tls = transport, tls
+        old, self.senders = self.senders, [self._new_sender(address) for address in decode_addresses]
         for sender in old:
             sender.close()
+
+    def _new_sender(self, address: str) -> KVSender:
+        if self._transport == "shm":
+            from kvtransfer.shm_transport import ShmKVSender
+
+            return ShmKVSender(address)
+        from kvtransfer.grpc_transport import GrpcKVSender
+
+        return GrpcKVSender(address, tls=self._tls)
 
     def set_decode_address(self, decode_index: int, address: str) -> None:
         """Decode instance `decode_index` was restarted and listens at `address` now: replace its sender
         (transfers in flight to the old one fail, as they would have anyway)."""
-        from kvtransfer.grpc_transport import GrpcKVSender
-
         old = self.senders[decode_index]
-        self.senders[decode_index] = GrpcKVSender(address, tls=self._tls)
+        self.senders[decode_index] = self._new_sender(address)
         old.close()
 
     def connect_dist(self, rank: int, world_size: int, init_method: str, decode_ranks: list[int]) -> None:
@@ -284,6 +300,7 @@ class PrefillNode(RankActor):
         if self.layerwise:
             self.senders[job.decode_index].send_layer(request_id, layer_idx, latent_kv, scale)
             job.num_layers_sent += 1
+            job.last_layer_sent_s = time.monotonic()
         else:
             job.layers[layer_idx] = (latent_kv, scale)
 
@@ -301,6 +318,7 @@ class PrefillNode(RankActor):
                 latent_kv, scale = job.layers[layer_idx]
                 sender.send_layer(request_id, layer_idx, latent_kv, scale)
                 job.num_layers_sent += 1
+                job.last_layer_sent_s = time.monotonic()
             job.layers.clear()
             num_layers = job.request.meta.num_layers
             if job.num_layers_sent != num_layers:
@@ -321,6 +339,9 @@ class PrefillNode(RankActor):
             num_drafts=len(result.draft_token_ids),
             queue_s=queue_s,
             prefill_s=time.monotonic() - job.arrival_s - queue_s,
+            last_layer_sent_s=None
+            if job.last_layer_sent_s is None
+            else job.last_layer_sent_s - job.arrival_s,
         )
         self._finish_job(job)
 

@@ -17,7 +17,7 @@ from kvtransfer.base import HandoffRefused, KVTransferError, ProtocolError
 from kvtransfer.dist_transport.framing import recv_message
 from kvtransfer.dist_transport.group import DistTransportConfig
 from kvtransfer.reservations import ReservationReceiver, Reservations
-from kvtransfer.wire import LayerHeader, extras_from_dict, meta_from_dict
+from kvtransfer.wire import LayerHeader, meta_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +109,7 @@ class DistKVReceiver(ReservationReceiver):
             self._reservations.on_layer(LayerHeader.from_dict(record["header"]), payload)
         elif kind == "finish":
             in_flight.discard(request_id)
-            try:
-                extras = extras_from_dict(request_id, record["extras"])
-            except KVTransferError as e:
-                self._reservations.on_error(request_id, e)
-                raise
-            self._reservations.on_finish(request_id, extras)
+            self._reservations.on_finish_record(request_id, record["extras"])
         else:
             in_flight.discard(request_id)
             self._reservations.on_abort(request_id, record["reason"])

@@ -26,12 +26,14 @@ from kvtransfer.base import (
     TransferTimeout,
     check_begin,
 )
+from kvtransfer.grpc_transport.framing import encode_chunk, serialize_message
 from kvtransfer.grpc_transport.messages import (
     DEFAULT_MAX_CHUNK_BYTES,
     GRPC_MAX_MESSAGE_BYTES,
     HANDOFF_ID_KEY,
     HANDOFF_SECRET_KEY,
     MESSAGE_OVERHEAD_BYTES,
+    TRANSFER_METHOD,
     error_from_rpc,
     extras_to_proto,
     header_to_proto,
@@ -40,7 +42,6 @@ from kvtransfer.grpc_transport.messages import (
 from kvtransfer.grpc_transport.tls import TLSCredentials
 from kvtransfer.wire import FaultHook, LayerHeader, apply_fault_hook, check_layer, copy_layer, encode_layer
 from protos import kv_transfer_pb2 as pb
-from protos import kv_transfer_pb2_grpc as pb_grpc
 
 
 def _drain(messages: queue.SimpleQueue) -> None:
@@ -103,7 +104,10 @@ class GrpcKVSender(KVSender):
             if tls.server_name is not None:
                 options.append(("grpc.ssl_target_name_override", tls.server_name))
             self._channel = grpc.secure_channel(target, tls.channel_credentials(), options=options)
-        self._stub = pb_grpc.KVTransferStub(self._channel)
+        # The generated stub's method, with chunks pre-encoded (`framing`: no protobuf copies of the KV)
+        self._transfer = self._channel.stream_unary(
+            TRANSFER_METHOD, request_serializer=serialize_message, response_deserializer=pb.Ack.FromString
+        )
         self._lock = threading.Lock()
         self._calls: dict[str, _Call] = {}  # open, or closed and still in flight
         self._failures = FailureLog()
@@ -115,7 +119,7 @@ class GrpcKVSender(KVSender):
             call = _Call(meta=handoff, begun_at_s=time.monotonic())
             self._calls[handoff.request_id] = call
         credentials = ((HANDOFF_ID_KEY, handoff.request_id), (HANDOFF_SECRET_KEY, handoff.secret))
-        future = self._stub.Transfer.future(self._stream(call), timeout=handoff.lease_s, metadata=credentials)
+        future = self._transfer.future(self._stream(call), timeout=handoff.lease_s, metadata=credentials)
         with self._lock:
             call.future = future
         future.add_done_callback(lambda _: self._on_done(call))
@@ -213,7 +217,7 @@ class GrpcKVSender(KVSender):
             raise ValueError(f"{request_id}: no open handoff (never begun, or already finished/aborted)")
         return call
 
-    def _stream(self, call: _Call) -> Iterator[pb.KVMessage]:
+    def _stream(self, call: _Call) -> Iterator[pb.KVMessage | bytes]:
         """The call's messages; runs on gRPC's thread for the call, pulling from the request's queue."""
         meta = call.meta
         yield pb.KVMessage(begin=meta_to_proto(meta))
@@ -244,14 +248,13 @@ class GrpcKVSender(KVSender):
                 yield pb.KVMessage(abort=pb.Abort(reason=item[1]))
                 return
 
-    def _chunks(self, header: LayerHeader, payload: torch.Tensor) -> Iterator[pb.KVMessage]:
+    def _chunks(self, header: LayerHeader, payload: torch.Tensor) -> Iterator[bytes]:
+        """The layer's serialized chunk messages: memoryview slices of the payload, one copy each."""
         data = memoryview(payload.numpy())
         for offset_bytes in range(0, max(len(data), 1), self.max_chunk_bytes):
-            chunk = pb.LayerChunk(
-                layer_idx=header.layer_idx,
-                offset_bytes=offset_bytes,
-                data=bytes(data[offset_bytes : offset_bytes + self.max_chunk_bytes]),
+            yield encode_chunk(
+                header.layer_idx,
+                offset_bytes,
+                data[offset_bytes : offset_bytes + self.max_chunk_bytes],
+                header_to_proto(header) if offset_bytes == 0 else None,
             )
-            if offset_bytes == 0:
-                chunk.header.CopyFrom(header_to_proto(header))
-            yield pb.KVMessage(chunk=chunk)

@@ -21,10 +21,12 @@ import numpy as np
 import torch
 
 from kvtransfer.base import HandoffRefused, KVTransferError, ProtocolError, SenderLost
+from kvtransfer.grpc_transport.framing import RawChunk, deserialize_message
 from kvtransfer.grpc_transport.messages import (
     GRPC_MAX_MESSAGE_BYTES,
     HANDOFF_ID_KEY,
     HANDOFF_SECRET_KEY,
+    TRANSFER_METHOD,
     extras_from_proto,
     header_from_proto,
     meta_from_proto,
@@ -51,8 +53,8 @@ class _LayerAssembly:
         self._payload_np = self.payload.numpy()
         self.num_bytes_filled = 0
 
-    def add(self, chunk: pb.LayerChunk) -> bool:
-        """Copies the chunk in; True once the layer is whole."""
+    def add(self, chunk: RawChunk) -> bool:
+        """Copies the chunk in (the one copy of its bytes here); True once the layer is whole."""
         if chunk.layer_idx != self.header.layer_idx or chunk.offset_bytes != self.num_bytes_filled:
             raise ProtocolError(
                 f"{self.header.request_id}: chunk of layer {chunk.layer_idx} at byte {chunk.offset_bytes}, "
@@ -66,6 +68,12 @@ class _LayerAssembly:
         self._payload_np[self.num_bytes_filled : end] = np.frombuffer(chunk.data, dtype=np.uint8)
         self.num_bytes_filled = end
         return end == self.header.num_bytes
+
+
+def _raw(chunk: pb.LayerChunk) -> RawChunk:
+    """A protobuf chunk as a `RawChunk` (`framing.deserialize_message` gives every chunk as one already)."""
+    header = chunk.header if chunk.HasField("header") else None
+    return RawChunk(chunk.layer_idx, chunk.offset_bytes, memoryview(chunk.data), header)
 
 
 class _StreamDeadlines:
@@ -190,7 +198,7 @@ class _Servicer(pb_grpc.KVTransferServicer):
                 except Exception as e:  # cancelled (by the client or at the lease by us), connection lost
                     lost = f"the stream broke ({type(e).__name__}: {e})"
                     break
-                kind = message.WhichOneof("kind")
+                kind = "chunk" if isinstance(message, RawChunk) else message.WhichOneof("kind")
                 if not begun:
                     if kind != "begin":
                         raise ProtocolError(f"{request_id}: a stream must start with begin, got {kind}")
@@ -200,9 +208,9 @@ class _Servicer(pb_grpc.KVTransferServicer):
                     self._reservations.on_begin(meta)
                     begun = True
                 elif kind == "chunk":
-                    chunk = message.chunk
+                    chunk = message if isinstance(message, RawChunk) else _raw(message.chunk)
                     if assembly is None:
-                        if not chunk.HasField("header") or chunk.offset_bytes != 0:
+                        if chunk.header is None or chunk.offset_bytes != 0:
                             raise ProtocolError(
                                 f"{request_id}: layer {chunk.layer_idx} starts without its header"
                             )
@@ -278,8 +286,15 @@ class KVReceiverServer(ReservationReceiver):
             ],
             maximum_concurrent_rpcs=max_concurrent_streams + num_queued,
         )
-        pb_grpc.add_KVTransferServicer_to_server(
-            _Servicer(self._reservations, self._deadlines, self._refusals), self._server
+        servicer = _Servicer(self._reservations, self._deadlines, self._refusals)
+        handler = grpc.stream_unary_rpc_method_handler(  # the generated one, with `framing`'s chunks
+            servicer.Transfer,
+            request_deserializer=deserialize_message,
+            response_serializer=pb.Ack.SerializeToString,
+        )
+        service, method = TRANSFER_METHOD.strip("/").split("/")
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, {method: handler}),)
         )
         address = f"{host}:{port}"
         if tls is None:

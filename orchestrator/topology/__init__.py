@@ -21,6 +21,7 @@ from orchestrator.topology.fields import MIB, api_key_problem, host_problem
 from orchestrator.topology.issues import Issue, KeyPath, TopologyError, TopologyIssue
 from orchestrator.topology.rules import check_topology, read_model_architecture
 from orchestrator.topology.schema import (
+    ADDRESSED_KV_TRANSPORTS,
     CONCURRENT_REQUESTS_PER_DECODE_SEAT,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_TOPOLOGY_PATH,
@@ -43,11 +44,13 @@ from orchestrator.topology.schema import (
     RouterConfig,
     SLOConfig,
     Topology,
+    resolve_kv_transport,
 )
 from orchestrator.topology.yaml_file import MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_NODES
 from orchestrator.topology.yaml_loader import LoadedTopology, load_topology, read_topology
 
 __all__ = [
+    "ADDRESSED_KV_TRANSPORTS",
     "CONCURRENT_REQUESTS_PER_DECODE_SEAT",
     "DEFAULT_MAX_REQUEST_BODY_BYTES",
     "DEFAULT_TOPOLOGY_PATH",
@@ -85,4 +88,5 @@ __all__ = [
     "load_topology",
     "read_model_architecture",
     "read_topology",
+    "resolve_kv_transport",
 ]

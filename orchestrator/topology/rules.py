@@ -213,11 +213,17 @@ def _tls_issues(kv: KVTransferConfig) -> Iterator[Issue]:
     """The TLS files exist, are PEM, the key matches the certificate and the CA file loads."""
     tls = kv.tls
     assert tls is not None
-    if kv.transport != "grpc":
+    if kv.transport == "torch_distributed":
         yield Issue(
             ("kv_transfer", "tls"),
             f"kv_transfer.tls: TLS is for the grpc transport; {kv.transport}'s backends (gloo, NCCL, HCCL) "
             "have none (remove tls, or use transport: grpc)",
+        )
+    elif kv.transport == "shm":
+        yield Issue(
+            ("kv_transfer", "tls"),
+            "kv_transfer.tls: TLS is for the grpc transport; shm never leaves the host (its socket is the "
+            "user's own; remove tls, or use transport: grpc or auto)",
         )
     markers = {"cert_file": "CERTIFICATE", "key_file": "PRIVATE KEY", "ca_file": "CERTIFICATE"}
     problems = {key: _pem_file_problem(getattr(tls, key), markers[key]) for key in TLS_FILE_KEYS}
@@ -279,6 +285,12 @@ def cross_section_issues(
     kv: KVTransferConfig | None = sections.get("kv_transfer")
     if kv is not None and kv.tls is not None:
         yield from _tls_issues(kv)
+    if kv is not None and hw is not None and kv.transport == "shm" and hw.num_nodes != 1:
+        yield Issue(
+            ("kv_transfer", "transport"),
+            f"kv_transfer.transport: shm moves KV through one host's shared memory, but hardware.num_nodes "
+            f"is {hw.num_nodes} (use auto or grpc)",
+        )
     router = sections.get("router")
     if router is not None and prefill is not None and router.policy == "prefix_aware":
         if not prefill.enable_prefix_caching:

@@ -48,7 +48,8 @@ DEFAULT_TOPOLOGY_PATH = Path(__file__).resolve().parents[2] / "clusters" / "loca
 
 ROLES = ("prefill", "decode")
 MODEL_DTYPES = ("auto", *MODEL_DTYPE_NAMES)
-KV_TRANSPORTS = ("grpc", "torch_distributed")
+KV_TRANSPORTS = ("auto", "grpc", "shm", "torch_distributed")
+ADDRESSED_KV_TRANSPORTS = ("grpc", "shm")  # decode listens at an address each prefill sender connects to
 WIRE_DTYPES = ("auto", "int8")
 ROUTER_POLICIES = tuple(POLICIES)  # the router's policy functions, by name
 
@@ -268,8 +269,10 @@ class KVTransferConfig:
     """Prefill -> decode KV handoff.
 
     Attributes:
-        transport: `grpc` (streaming, any network) or `torch_distributed` (P2P over the accelerator's
-            collective backend: HCCL, NCCL or gloo).
+        transport: `auto` (`resolve_kv_transport`: `shm` when every instance is on one node and no TLS
+            is asked for, else `grpc`), `grpc` (streaming, any network), `shm` (shared memory: prefill and
+            decode on one host, `kvtransfer.shm_transport`) or `torch_distributed` (P2P over the
+            accelerator's collective backend: HCCL, NCCL or gloo).
         layerwise: send each layer's KV as soon as it is computed (False: once the prompt is done).
         wire_dtype: `auto` (the dtype decode's KV cache stores: int8 for an int8 cache, whose values and
             scales then pass through unchanged, else the model dtype) or `int8` (quantized on the wire,
@@ -287,6 +290,15 @@ class KVTransferConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+
+
+def resolve_kv_transport(kv: KVTransferConfig, num_nodes: int) -> str:
+    """The transport a topology's `kv_transfer` uses on `num_nodes` nodes: `kv.transport`, except `auto`:
+    `shm` when all instances share one node (no byte of KV then needs a socket) and no TLS is configured
+    (TLS asks for the grpc channel), else `grpc`."""
+    if kv.transport != "auto":
+        return kv.transport
+    return "shm" if num_nodes == 1 and kv.tls is None else "grpc"
 
 
 @dataclass(frozen=True)
@@ -366,6 +378,12 @@ class Topology:
         if self.api.max_concurrent_requests is not None:
             return self.api.max_concurrent_requests
         return CONCURRENT_REQUESTS_PER_DECODE_SEAT * self.decode.num_instances * self.decode.max_num_seqs
+
+    @property
+    def kv_transport(self) -> str:
+        """The KV transport deploy wires: `kv_transfer.transport` with `auto` resolved
+        (`resolve_kv_transport`)."""
+        return resolve_kv_transport(self.kv_transfer, self.hardware.num_nodes)
 
     def pool(self, role: str) -> PoolConfig:
         """The `prefill` or `decode` pool."""

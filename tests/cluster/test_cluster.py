@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from pathlib import Path
 
 import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from models import bundled_checkpoint_dir
-from orchestrator.backend import BackendUnavailable, ServingBackend
+from orchestrator.backend import PHASE_NAMES, BackendUnavailable, ServingBackend
 from orchestrator.cluster import Cluster
 from orchestrator.topology import KVTLSConfig, load_topology
 from tests.cluster.conftest import assert_nothing_held, call_bound_s, request_bound_s
@@ -99,12 +100,15 @@ def _assert_no_blocks_held(cluster: Cluster) -> None:
         ("torch_distributed", True, 0, False),
         ("torch_distributed", False, 1, False),
         ("grpc", True, 1, True),
+        ("auto", True, 1, False),  # one node: shm
+        ("shm", False, 0, False),
     ],
 )
 def test_greedy_and_acceptance_match_single_engine(
     ray_session, single_engine_outputs, tmp_path, transport, layerwise, k, tls
 ) -> None:
-    """P -> D over each transport, layerwise or not, with and without MTP, and over gRPC with mutual TLS:
+    """P -> D over each transport (`auto` resolves to shm on this one node), layerwise or not, with and
+    without MTP, and over gRPC with mutual TLS:
     the greedy tokens equal one engine's token for token, and with MTP the drafts proposed/accepted are
     the same counts (the MTP KV and first drafts travel with the handoff). The text decode sends equals the
     engine's, also for a request its stop string ends (finish_reason "stop", the edge detokenizes nothing).
@@ -115,9 +119,11 @@ def test_greedy_and_acceptance_match_single_engine(
         if files is None:
             pytest.skip("the openssl CLI is not installed")
         tls_config = KVTLSConfig(**files, server_name="pdcluster-kv")
-    cluster = Cluster.deploy(_topology(transport, layerwise, k, tls_config))
+    topo = _topology(transport, layerwise, k, tls_config)
+    cluster = Cluster.deploy(topo)
     try:
         assert isinstance(cluster, ServingBackend)
+        assert topo.kv_transport == ("shm" if transport == "auto" else transport)
 
         async def run():
             return [
@@ -131,8 +137,8 @@ def test_greedy_and_acceptance_match_single_engine(
             assert last.finished and last.finish_reason == "length"
             assert last.num_draft_tokens == expected.num_draft_tokens
             assert last.num_accepted_tokens == expected.num_accepted_tokens
-            for phase in ("queue_s", "prefill_s", "kv_transfer_s", "first_decode_step_s", "total_s"):
-                assert phase in last.phases
+            for phase in PHASE_NAMES:  # route, reserve, ..., admitted, first decode step, total
+                assert phase in last.phases, (phase, last.phases)
         stopped = single_engine_outputs["stop", k]
         assert stopped.finish_reason == "stop" and len(stopped.text) < len(single_engine_outputs[k][0].text)
         params = dataclasses.replace(GREEDY, stop=stopped_stop(single_engine_outputs))
@@ -200,10 +206,19 @@ def test_prefill_killed_mid_transfer_is_redispatched(ray_session, single_engine_
         cluster.shutdown()
 
 
-def test_only_prefill_killed_fails_fast_with_clear_error(ray_session) -> None:
+def pdcluster_shm_entries() -> set[str]:
+    root = Path("/dev/shm")
+    return {p.name for p in root.iterdir() if "pdcluster" in p.name} if root.is_dir() else set()
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_only_prefill_killed_fails_fast_with_clear_error(ray_session, transport) -> None:
     """With no other prefill instance, killing the only one mid-request ends the stream with
-    BackendUnavailable naming the handoff failure (no hang), and decode holds no block afterwards."""
-    cluster = Cluster.deploy(_topology("grpc", True, 1))
+    BackendUnavailable naming the handoff failure (no hang), and decode holds no block afterwards. Over
+    shm, decode unmaps the dead sender's segments (their memory goes with the last mapping) and nothing
+    appears in /dev/shm."""
+    shm_before = pdcluster_shm_entries()
+    cluster = Cluster.deploy(_topology(transport, True, 1))
     try:
         long_prompt = cluster.tokenizer.encode(PROMPTS[1] * 40)[:900]
 
@@ -216,5 +231,11 @@ def test_only_prefill_killed_fails_fast_with_clear_error(ray_session) -> None:
         with pytest.raises(BackendUnavailable, match="handoff failed|no live prefill"):
             asyncio.run(run())
         _assert_no_blocks_held(cluster)
+        decode = cluster.decode_actors[0]
+        deadline_s = time.monotonic() + call_bound_s(cluster)
+        while ray_session.get(decode.num_kv_segments.remote(), timeout=cluster.call_timeout_s):
+            assert time.monotonic() < deadline_s, "decode still maps the dead prefill's segments"
+            time.sleep(0.05)
+        assert pdcluster_shm_entries() == shm_before
     finally:
         cluster.shutdown()

@@ -1,6 +1,7 @@
 """The prefill and decode rank actors as plain objects in this process (no Ray): a handoff over the gRPC
-transport on loopback, typed loads and events, poll acknowledgement, a handoff that never comes, and the
-shared engine-thread scaffolding (fault injection, loop-error accounting)."""
+transport on loopback and over the shm transport (each test runs on both), typed loads and events, poll
+acknowledgement, a handoff that never comes (its lease expires), and the shared engine-thread scaffolding
+(fault injection, loop-error accounting)."""
 
 from __future__ import annotations
 
@@ -27,15 +28,15 @@ PROMPT = tuple(range(10, 50))  # 40 tokens
 EVENT_WAIT_S = 30.0  # a generous bound on a tiny model's prefill + 6 decode steps on a shared CPU
 
 
-@pytest.fixture(scope="module")
-def nodes():
+@pytest.fixture(scope="module", params=["grpc", "shm"])
+def nodes(request):
     from prefill_node.actor import PrefillNode
 
     topo = _topology(k=1)
     decode = DecodeNode(topo.engine_config("decode"), "decode-0")
     prefill = PrefillNode(topo.engine_config("prefill"), "prefill-0", layerwise=True)
-    address = decode.start_grpc()
-    prefill.connect_grpc([address])
+    address = decode.start_receiver(request.param)
+    prefill.connect_receivers(request.param, [address])
     yield prefill, decode
     prefill.close()
     decode.close()

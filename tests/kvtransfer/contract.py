@@ -67,12 +67,18 @@ SCENARIOS = (
     "lost",
 )
 BIT_EXACT_ORDER = [4, 0, 3, 1, 2]  # layers in any order; the MTP layer first here
-FAULTS = {"corrupt": flip_byte_in_layer(3, byte_offset=4321), "stall": stall_after(2)}
 
 
-def fault_hook(header, payload) -> bool:
-    hook = FAULTS.get(header.request_id)
-    return True if hook is None else hook(header, payload)
+def make_fault_hook():
+    """A sender's fault hook, chosen per request id; fresh state for each sender (the stall hook counts
+    the layers it let through, so two transports in one process must not share one)."""
+    faults = {"corrupt": flip_byte_in_layer(3, byte_offset=4321), "stall": stall_after(2)}
+
+    def fault_hook(header, payload) -> bool:
+        hook = faults.get(header.request_id)
+        return True if hook is None else hook(header, payload)
+
+    return fault_hook
 
 
 def send_all(sender: KVSender, meta, layers=None, extras=None, order=None) -> None:

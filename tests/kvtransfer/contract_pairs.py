@@ -1,7 +1,8 @@
-"""The two transports' pairs for the contract scenarios (`tests/kvtransfer/contract.py`): the gRPC roles
-as two threads of the test process (`run_grpc_pair`), the torch.distributed roles as rank 0 and rank 1 of
-a gloo group of two spawned processes (`run_dist_pair`, records back as JSON); each with its rogue sender
-(`Transport.forge` / `Transport.replay_begin`) made with the transport's own means."""
+"""The transports' pairs for the contract scenarios (`tests/kvtransfer/contract.py`): the gRPC roles and
+the shared-memory roles as two threads of the test process (`run_grpc_pair`, `run_shm_pair`; the shm
+segments' descriptors still travel over the Unix socket), the torch.distributed roles as rank 0 and rank 1
+of a gloo group of two spawned processes (`run_dist_pair`, records back as JSON); each with its rogue
+sender (`Transport.forge` / `Transport.replay_begin`) made with the transport's own means."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import queue
 import socket
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -21,9 +23,9 @@ from tests.kvtransfer.contract import (
     EVENT_NAMES,
     WAIT_S,
     Transport,
-    fault_hook,
     flushed,
     forged_extras,
+    make_fault_hook,
     run_receiver,
     run_sender,
     send_all,
@@ -60,21 +62,35 @@ def raw_call(address: str, requests, metadata=None, timeout_s=None):
     return future
 
 
-class GrpcTransport(Transport):
-    name = "grpc"
+class AddressedTransport(Transport):
+    """A transport whose senders connect to the receiver's `address`: a rogue sender is another one of
+    ours (`new_sender`) with a forged or replayed handoff; `replay_begin` is such a whole handoff."""
 
     def __init__(self, address: str) -> None:
         super().__init__()
         self.address = address
 
-    def _rogue(self, meta, secret: bytes) -> None:
-        from kvtransfer.grpc_transport import GrpcKVSender
+    def new_sender(self):
+        raise NotImplementedError
 
-        rogue = GrpcKVSender(self.address)
+    def _rogue(self, meta, secret: bytes) -> None:
+        rogue = self.new_sender()
         forged = dataclasses.replace(meta, secret=secret)
         send_all(rogue, forged, make_layers(meta, seed=99), forged_extras(meta))
         self.rogue_failures += flushed(rogue).values()
         rogue.close()
+
+    def replay_begin(self, meta, secret: bytes) -> None:
+        self._rogue(meta, secret)
+
+
+class GrpcTransport(AddressedTransport):
+    name = "grpc"
+
+    def new_sender(self):
+        from kvtransfer.grpc_transport import GrpcKVSender
+
+        return GrpcKVSender(self.address)
 
     def forge(self, meta, secret: bytes | None) -> None:
         if secret:
@@ -89,15 +105,9 @@ class GrpcTransport(Transport):
         error = raw_call(self.address, iter(forged_messages(meta)), metadata).exception(timeout=WAIT_S)
         self.rogue_failures.append(f"{error.code().name}: {error.details()}" if error else "accepted")
 
-    def replay_begin(self, meta, secret: bytes) -> None:
-        self._rogue(meta, secret)
 
-
-def run_grpc_pair() -> dict[str, dict]:
-    from kvtransfer.grpc_transport import GrpcKVSender, KVReceiverServer
-
-    server = KVReceiverServer("127.0.0.1", 0, int8_passthrough=False)
-    sender = GrpcKVSender(server.address, max_chunk_bytes=1000, fault_hook=fault_hook)
+def run_thread_pair(transport: Transport, server, sender) -> dict[str, dict]:
+    """The sender and receiver roles as two threads of this process."""
     sync, secrets = threading.Barrier(2, timeout=60), queue.Queue()
     events = {name: threading.Event() for name in EVENT_NAMES}
     results: dict[str, dict] = {"sender": {}, "receiver": {}}
@@ -110,15 +120,70 @@ def run_grpc_pair() -> dict[str, dict]:
             sync.abort()
 
     threads = [
-        threading.Thread(target=role, args=("sender", run_sender, GrpcTransport(server.address), sender)),
+        threading.Thread(target=role, args=("sender", run_sender, transport, sender)),
         threading.Thread(target=role, args=("receiver", run_receiver, server)),
     ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(120)
+    return results
+
+
+def run_grpc_pair() -> dict[str, dict]:
+    from kvtransfer.grpc_transport import GrpcKVSender, KVReceiverServer
+
+    server = KVReceiverServer("127.0.0.1", 0, int8_passthrough=False)
+    sender = GrpcKVSender(server.address, max_chunk_bytes=1000, fault_hook=make_fault_hook())
+    results = run_thread_pair(GrpcTransport(server.address), server, sender)
     results["receiver"]["num_refused_streams"] = server.num_refused_streams
     server.close(grace_s=0)
+    return results
+
+
+# ---- shared memory: two threads ----
+
+
+class ShmTransport(AddressedTransport):
+    name = "shm"
+
+    def new_sender(self):
+        from kvtransfer.shm_transport import ShmKVSender
+
+        return ShmKVSender(self.address)
+
+    def forge(self, meta, secret: bytes | None) -> None:
+        if secret:
+            self._rogue(meta, secret)
+            return
+        # Our sender refuses to begin without a secret: bare records on a connection of its own.
+        from kvtransfer.shm_transport.channel import connect
+        from kvtransfer.wire import encode_layer, extras_to_dict, meta_to_dict
+
+        record = meta_to_dict(dataclasses.replace(meta, secret=secret or b""))
+        if secret is None:
+            del record["secret"]
+        channel = connect(self.address)
+        layer = encode_layer(meta, 0, make_layers(meta, seed=99)[0])
+        channel.send({"k": "begin", "meta": record})
+        channel.send({"k": "layer", "h": layer.header.to_dict()})
+        channel.send({"k": "finish", "rid": meta.request_id, "x": extras_to_dict(forged_extras(meta))})
+        got = channel.recv()  # the refusal: done with [error class, message]
+        self.rogue_failures.append(": ".join(got[0]["error"]) if got else "closed")
+        channel.close()
+
+
+def run_shm_pair() -> dict[str, dict]:
+    from kvtransfer.shm_transport import ShmKVReceiver, ShmKVSender
+
+    receiver = ShmKVReceiver(int8_passthrough=False)
+    sender = ShmKVSender(receiver.address, fault_hook=make_fault_hook())
+    results = run_thread_pair(ShmTransport(receiver.address), receiver, sender)
+    deadline_s = time.monotonic() + WAIT_S  # the closed senders' connections end within a poll or two
+    while receiver.num_segments and time.monotonic() < deadline_s:
+        time.sleep(0.01)
+    results["receiver"]["num_segments_after_close"] = receiver.num_segments
+    receiver.close()
     return results
 
 
@@ -177,7 +242,7 @@ def _dist_rank(rank: int, port: int, result_dir: str, sync, events, secrets) -> 
     out: dict = {}
     try:
         if rank == SENDER_RANK:
-            sender = DistKVSender(RECEIVER_RANK, config, fault_hook=fault_hook)
+            sender = DistKVSender(RECEIVER_RANK, config, fault_hook=make_fault_hook())
             run_sender(DistTransport(), sender, sync, events, secrets, out)
         else:
             receiver = DistKVReceiver([SENDER_RANK], config)

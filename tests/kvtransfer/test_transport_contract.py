@@ -1,8 +1,9 @@
-"""The contract every KV transport keeps, run against both: gRPC (two threads of this process, loopback)
-and torch.distributed (gloo, two processes). The scenarios and what each role records are in
-`tests/kvtransfer/contract.py`; the assertions here are the same for both transports, except where the
-transports differ by design: only gRPC has a return path, so only a gRPC sender's `flush` learns what
-decode refused (`REPORTS_DECODE_ERRORS`)."""
+"""The contract every KV transport keeps, run against each: gRPC (two threads of this process, loopback),
+shared memory (two threads, a Unix socket and memfd segments) and torch.distributed (gloo, two
+processes). The scenarios and what each role records are in `tests/kvtransfer/contract.py`; the
+assertions here are the same for every transport, except where the
+transports differ by design: torch.distributed has no return path, so only a gRPC or shm sender's `flush`
+learns what decode refused (`REPORTS_DECODE_ERRORS`)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,18 @@ import torch
 
 from kernels.kv_quant import quantize_kv_int8
 from tests.kvtransfer.contract import HANDOFFS, SCENARIOS, WAIT_S
-from tests.kvtransfer.contract_pairs import run_dist_pair, run_grpc_pair
+from tests.kvtransfer.contract_pairs import run_dist_pair, run_grpc_pair, run_shm_pair
 
-TRANSPORTS = ("grpc", "dist")
-REPORTS_DECODE_ERRORS = {"grpc": True, "dist": False}  # a return path from receiver to sender
+TRANSPORTS = ("grpc", "shm", "dist")
+REPORTS_DECODE_ERRORS = {"grpc": True, "shm": True, "dist": False}  # a return path from receiver to sender
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def results(request, tmp_path_factory) -> dict:
     if request.param == "grpc":
         got = run_grpc_pair()
+    elif request.param == "shm":
+        got = run_shm_pair()
     else:
         got = run_dist_pair(tmp_path_factory.mktemp("dist_kv"))
     for role in ("sender", "receiver"):
@@ -129,6 +132,10 @@ def test_forged_handoffs_for_a_live_id_are_refused_and_the_victim_completes(resu
         assert refusals[0].startswith("HandoffRefused") and "wrong handoff secret" in refusals[0]
         assert all("UNAUTHENTICATED" in r and "no handoff credentials" in r for r in refusals[1:]), refusals
         assert not any(re.search("[0-9a-f]{64}", r) for r in refusals)
+    if results["transport"] == "shm":  # told on the socket: the real sender's way and bare records
+        refusals = results["sender"]["rogue_failures"][:3]
+        assert refusals[0].startswith("HandoffRefused") and "wrong handoff secret" in refusals[0]
+        assert all("HandoffRefused" in r and "missing or wrong" in r for r in refusals[1:]), refusals
 
 
 def test_replayed_begins_are_refused_and_the_transfer_in_progress_is_unaffected(results):
@@ -136,9 +143,10 @@ def test_replayed_begins_are_refused_and_the_transfer_in_progress_is_unaffected(
     got = results["receiver"]["replayed"]
     assert got["bit_exact"] and got["layers_returned"] == 0
     assert sender_failure(results, "replayed") is None
-    if results["transport"] == "grpc":
+    if results["transport"] in ("grpc", "shm"):
         replays = results["sender"]["rogue_failures"][3:]
         assert len(replays) == 2 and all(r.startswith("HandoffRefused") for r in replays), replays
+    if results["transport"] == "grpc":
         # 3 forged + 2 replayed + the unexpected handoff: refused before any of their data was read
         assert results["receiver"]["num_refused_streams"] == 6
 
@@ -161,6 +169,8 @@ def test_no_leaked_state_on_either_side(results):
     for name in SCENARIOS:
         if name != "lost":
             assert results["sender"][name]["pending"] == [], name
+    if results["transport"] == "shm":  # every sender closed: each connection's segments unmapped
+        assert results["receiver"]["num_segments_after_close"] == 0
 
 
 def test_int8_tolerance_is_the_quantizers_own_bound():

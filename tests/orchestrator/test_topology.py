@@ -28,6 +28,8 @@ from orchestrator.topology import (
     MAX_YAML_NODES,
     DecodePoolConfig,
     HardwareConfig,
+    KVTLSConfig,
+    KVTransferConfig,
     ModelConfig,
     PoolConfig,
     PrefillPoolConfig,
@@ -36,6 +38,7 @@ from orchestrator.topology import (
     TopologyIssue,
     check_topology,
     load_topology,
+    resolve_kv_transport,
 )
 from tests.conftest import tiny_config
 
@@ -114,7 +117,7 @@ def test_local_yaml_is_one_prefill_one_decode_on_cpu_with_mtp():
     topology = load_topology(DEFAULT_TOPOLOGY_PATH)
     assert topology.hardware.spec.torch_device_type == "cpu"
     assert (topology.prefill.num_instances, topology.decode.num_instances) == (1, 1)
-    assert topology.kv_transfer.transport == "grpc"
+    assert topology.kv_transfer.transport == "auto" and topology.kv_transport == "shm"  # one node
     assert topology.decode.num_speculative_tokens == 1
     engine = topology.engine_config("prefill")
     assert engine.model == str(bundled_checkpoint_dir()) and engine.device == "cpu"
@@ -345,7 +348,7 @@ def test_bad_enum(tmp_path, ckpt):
     text = template(ckpt, "kv_transfer:\n  transport: http\n")
     issue = only_issue(write(tmp_path, text))
     assert issue.line == line_of(text, "transport")
-    assert issue.reason == "kv_transfer.transport: 'http' is not one of: grpc, torch_distributed"
+    assert issue.reason == "kv_transfer.transport: 'http' is not one of: auto, grpc, shm, torch_distributed"
 
 
 def test_unknown_accelerator_lists_the_catalog(tmp_path, ckpt):
@@ -631,6 +634,36 @@ def test_kv_tls_mistakes_are_reported_at_their_key(tmp_path, ckpt, certs, change
     assert issue.line == line_of(text, key) and reason in issue.reason, issue
 
 
+@pytest.mark.parametrize(
+    ("transport", "num_nodes", "with_tls", "resolved"),
+    [
+        ("auto", 1, False, "shm"),
+        ("auto", 2, False, "grpc"),
+        ("auto", 1, True, "grpc"),  # TLS asks for the grpc channel
+        ("shm", 1, False, "shm"),
+        ("grpc", 1, False, "grpc"),
+        ("torch_distributed", 1, False, "torch_distributed"),
+    ],
+)
+def test_kv_transport_auto_is_shm_on_one_node_without_tls(transport, num_nodes, with_tls, resolved):
+    tls = KVTLSConfig(cert_file="c.pem", key_file="k.pem", ca_file="ca.pem") if with_tls else None
+    kv = KVTransferConfig(transport=transport, tls=tls)
+    assert resolve_kv_transport(kv, num_nodes) == resolved
+
+
+def test_forced_shm_across_nodes_and_tls_with_shm_are_reported_at_their_key(tmp_path, ckpt, certs):
+    text = template(ckpt, "kv_transfer:\n  transport: shm\n").replace("num_nodes: 1", "num_nodes: 2")
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "transport:")
+    assert issue.reason == (
+        "kv_transfer.transport: shm moves KV through one host's shared memory, but hardware.num_nodes "
+        "is 2 (use auto or grpc)"
+    )
+    text = template(ckpt, TLS_BLOCK.format(transport="shm", **certs))
+    issue = only_issue(write(tmp_path, text))
+    assert issue.line == line_of(text, "tls:") and "shm never leaves the host" in issue.reason
+
+
 def test_kv_tls_needs_all_three_files(tmp_path, ckpt, certs):
     text = template(ckpt, f"kv_transfer:\n  tls:\n    cert_file: {certs['cert_file']}\n")
     issues = issues_of(write(tmp_path, text))
@@ -777,7 +810,7 @@ def test_cli_validate_exit_codes(tmp_path, ckpt, capsys):
     assert main(["validate", str(good), str(bad)]) == 1
     out, err = capsys.readouterr()
     assert out.startswith(f"{good}: ok")
-    reason = "kv_transfer.transport: 'http' is not one of: grpc, torch_distributed"
+    reason = "kv_transfer.transport: 'http' is not one of: auto, grpc, shm, torch_distributed"
     assert err == f"{bad}:{line_of(bad_text, 'transport')}: {reason}\n"
 
     assert main(["validate"]) == 2  # usage: no file

@@ -1,0 +1,168 @@
+"""The control channel of the shared-memory transport: msgpack records over a Unix SOCK_SEQPACKET socket,
+with file descriptors (the KV segments) passed alongside (`SCM_RIGHTS`).
+
+A record is one or more packets of at most `MAX_PACKET_BYTES` + 1 bytes: a one-byte flag (`b"M"`: more
+packets follow, `b"E"`: the record's last packet) and a slice of the msgpack bytes. A sequenced-packet
+socket keeps packet boundaries and delivers the descriptors with the packet they were sent with, so no
+framing of our own can go out of step. Writers hold the channel's lock for a whole record.
+
+Who may connect. The receiver's socket lives in a fresh directory of mode 0700 (`tempfile.mkdtemp`), so
+only processes of the receiver's user can reach it; on Linux the receiver also checks the connecting
+process's uid (`SO_PEERCRED`). That is the same boundary as every other file of the user's; each handoff is
+then still bound to its reservation by the handoff's secret (`Reservations.claim`).
+
+Leftovers. The directory is named `pdcluster-kv-<pid>-<random>` after the receiver's process, and removed at
+`close`. A receiver killed before `close` leaves the directory (a socket file, no memory: the KV segments
+are anonymous, see `segments.py`); `sweep_stale_socket_dirs`, run by every new receiver, removes those of
+dead processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import socket
+import struct
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from kvtransfer.base import ProtocolError
+
+MAX_PACKET_BYTES = 64 << 10  # msgpack bytes per packet (a packet must fit the socket's send buffer)
+MAX_FDS_PER_RECORD = 4
+SOCKET_DIR_PREFIX = "pdcluster-kv-"
+SOCKET_NAME = "kv.sock"
+_STALE_DIR = re.compile(rf"^{re.escape(SOCKET_DIR_PREFIX)}(\d+)-")
+
+
+class Channel:
+    """One end of a connection: `send` a record (optionally with descriptors), `recv` the next one."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._write_lock = threading.Lock()
+
+    def send(self, record: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+        """Send `record` (msgpack-able), with `fds` attached to its first packet. OSError if the peer is
+        gone."""
+        data = memoryview(msgpack.packb(record, use_bin_type=True))
+        num_packets = max(1, -(-len(data) // MAX_PACKET_BYTES))
+        with self._write_lock:
+            for i in range(num_packets):
+                flag = b"E" if i == num_packets - 1 else b"M"
+                packet = flag + data[i * MAX_PACKET_BYTES : (i + 1) * MAX_PACKET_BYTES]
+                if i == 0 and fds:
+                    sent = socket.send_fds(self.sock, [packet], list(fds))
+                else:
+                    sent = self.sock.send(packet)
+                if sent != len(packet):  # a sequenced packet goes whole or not at all
+                    raise OSError(f"short send on the kv channel: {sent} of {len(packet)} B")
+
+    def recv(self) -> tuple[dict[str, Any], list[int]] | None:
+        """The next record and the descriptors that came with it; None when the peer closed.
+
+        Raises:
+            ProtocolError: a malformed packet or record (the caller drops the connection).
+            OSError: the socket failed.
+        """
+        parts: list[bytes] = []
+        fds: list[int] = []
+        while True:
+            packet, got_fds, _, _ = socket.recv_fds(self.sock, MAX_PACKET_BYTES + 1, MAX_FDS_PER_RECORD)
+            fds.extend(got_fds)
+            if not packet:
+                for fd in fds:
+                    os.close(fd)
+                return None
+            flag, body = packet[:1], packet[1:]
+            if flag not in (b"M", b"E"):
+                for fd in fds:
+                    os.close(fd)
+                raise ProtocolError(f"kv channel: bad packet flag {flag!r}")
+            parts.append(body)
+            if flag == b"E":
+                break
+        try:
+            record = msgpack.unpackb(b"".join(parts), raw=False)
+        except (ValueError, msgpack.UnpackException) as e:
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(f"kv channel: malformed record: {e}") from None
+        if not isinstance(record, dict) or "k" not in record:
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(f"kv channel: a record must be a mapping with a kind, got {record!r:.80}")
+        return record, fds
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+def connect(path: str) -> Channel:
+    """Connect to a receiver's socket at `path`. OSError (FileNotFoundError, ConnectionRefusedError)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.connect(path)
+    except OSError:
+        sock.close()
+        raise
+    return Channel(sock)
+
+
+def listen(backlog: int = 64) -> tuple[socket.socket, Path]:
+    """A listening socket in a fresh 0700 directory `pdcluster-kv-<pid>-<random>` under the temp dir."""
+    directory = Path(tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-"))  # mode 0700
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.bind(str(directory / SOCKET_NAME))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return sock, directory
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The connected peer process's uid (Linux `SO_PEERCRED`); None where the platform does not say."""
+    if not sys.platform.startswith("linux"):
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
+def sweep_stale_socket_dirs(temp_dir: str | None = None) -> list[str]:
+    """Remove this user's `pdcluster-kv-<pid>-*` socket directories whose process is gone (receivers
+    killed before `close`); returns the removed paths. A live process's directory is never touched."""
+    root = Path(temp_dir or tempfile.gettempdir())
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in root.iterdir():
+            match = _STALE_DIR.match(entry.name)
+            if match is None or _pid_alive(int(match.group(1))):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.is_dir() and entry.stat().st_uid == os.getuid():
+                    shutil.rmtree(entry)
+                    removed.append(str(entry))
+    return removed

@@ -1,0 +1,202 @@
+"""What the shm transport adds to the contract (`test_transport_contract.py`): nothing outlives a killed
+process, segments are reused, and only the user's own processes can reach them.
+
+The killed side is a real process (spawned, SIGKILLed mid-transfer); the survivor is this test process,
+whose `/proc/self/maps` shows every mapping of a segment (`/memfd:pdcluster-kv`). The segments are
+anonymous, so /dev/shm must not gain a pdcluster entry either way."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import multiprocessing
+import os
+import signal
+import stat
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtransfer.base import SenderLost
+from kvtransfer.shm_transport import Segment, ShmKVReceiver, ShmKVSender, sweep_stale_socket_dirs
+from kvtransfer.shm_transport.segments import MEMFD_NAME
+from kvtransfer.wire import meta_from_dict, meta_to_dict
+from tests.kvtransfer.conftest import bits_equal, make_extras, make_handoff, make_layers
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux memfd segments")
+
+WAIT_S = 30.0  # bound on waits that end much sooner; never a measured threshold
+
+
+def own_segment_mappings() -> int:
+    """Mappings of shm-transport segments in this process. A closed segment is unmapped with its last view;
+    a view caught in a reference cycle (an exception's traceback) goes at the collector's next run, so it
+    runs first (earlier tests in this process leave such cycles)."""
+    gc.collect()
+    return sum(MEMFD_NAME in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+def pdcluster_shm_entries() -> set[str]:
+    root = Path("/dev/shm")
+    return {p.name for p in root.iterdir() if "pdcluster" in p.name} if root.is_dir() else set()
+
+
+def wait_until(predicate, timeout_s: float = WAIT_S) -> bool:
+    deadline_s = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() >= deadline_s:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _sender_process(address: str, meta_record: dict, num_layers: int) -> None:
+    meta = meta_from_dict(meta_record)
+    sender = ShmKVSender(address)
+    sender.begin(meta)
+    for layer_idx, latent in enumerate(make_layers(meta)[:num_layers]):
+        sender.send_layer(meta.request_id, layer_idx, latent)
+    time.sleep(3600)  # killed mid-transfer
+
+
+def _receiver_process(pipe, handoff_record: dict) -> None:
+    receiver = ShmKVReceiver()
+    bound = receiver.expect(meta_from_dict(handoff_record))
+    pipe.send((receiver.address, meta_to_dict(bound)))
+    time.sleep(3600)  # killed mid-transfer
+
+
+def test_prefill_killed_mid_transfer_fails_the_handoff_at_once_and_frees_its_segment():
+    before = pdcluster_shm_entries()
+    receiver = ShmKVReceiver()
+    meta = make_handoff("victim", num_tokens=300, lease_s=60.0)
+    arrived: list[int] = []
+    two_arrived = threading.Event()
+
+    def on_layer(layer_idx, layer):
+        arrived.append(layer_idx)
+        if len(arrived) == 2:
+            two_arrived.set()
+
+    bound = receiver.expect(meta, on_layer)
+    ctx = multiprocessing.get_context("spawn")
+    child = ctx.Process(target=_sender_process, args=(receiver.address, meta_to_dict(bound), 2))
+    child.start()
+    try:
+        assert two_arrived.wait(WAIT_S)
+        assert receiver.num_segments == 1 and own_segment_mappings() == 1
+        os.kill(child.pid, signal.SIGKILL)
+        started_s = time.monotonic()
+        with pytest.raises(SenderLost, match="sender lost with 2/5 layers arrived"):
+            receiver.wait("victim", WAIT_S)
+        assert time.monotonic() - started_s < meta.lease_s  # seen at once, not at the lease
+        receiver.release("victim")
+        assert wait_until(lambda: receiver.num_segments == 0)
+        assert own_segment_mappings() == 0  # the dead sender's pages are gone with the last mapping
+        assert pdcluster_shm_entries() == before
+    finally:
+        child.kill()
+        child.join(WAIT_S)
+        receiver.close()
+
+
+def test_decode_killed_mid_transfer_fails_the_handoff_unmaps_and_its_socket_dir_is_swept():
+    before = pdcluster_shm_entries()
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    meta = make_handoff("victim", num_tokens=300, lease_s=60.0)
+    child = ctx.Process(target=_receiver_process, args=(theirs, meta_to_dict(meta)))
+    child.start()
+    try:
+        assert ours.poll(WAIT_S)
+        address, bound_record = ours.recv()
+        bound = meta_from_dict(bound_record)
+        sender = ShmKVSender(address)
+        sender.begin(bound)
+        layers = make_layers(bound)
+        for layer_idx in range(2):
+            sender.send_layer("victim", layer_idx, layers[layer_idx])
+        assert wait_until(lambda: own_segment_mappings() == 1)  # granted and mapped
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(WAIT_S)
+        assert wait_until(lambda: sender.pending_request_ids() == ["victim"] and own_segment_mappings() == 0)
+        for layer_idx in range(2, bound.num_layers):  # the caller carries on; layers are dropped
+            sender.send_layer("victim", layer_idx, layers[layer_idx])
+        sender.finish("victim", make_extras(bound))
+        failures = sender.flush(WAIT_S)
+        assert isinstance(failures["victim"], SenderLost) and "receiver" in str(failures["victim"])
+        assert sender.pending_request_ids() == []
+        sender.close()
+        socket_dir = str(Path(address).parent)
+        assert Path(socket_dir).exists()  # killed before close: left behind ...
+        assert socket_dir in sweep_stale_socket_dirs()  # ... until the next receiver sweeps it
+        assert not Path(socket_dir).exists()
+        assert pdcluster_shm_entries() == before
+    finally:
+        child.kill()
+        child.join(WAIT_S)
+
+
+def test_segments_are_reused_across_handoffs_and_private_to_the_user():
+    receiver = ShmKVReceiver()
+    sender = ShmKVSender(receiver.address)
+    try:
+        assert stat.S_IMODE(os.stat(Path(receiver.address).parent).st_mode) == 0o700
+        kept = []
+        for i, num_tokens in enumerate((300, 37, 300, 120)):
+            meta = make_handoff(f"r{i}", num_tokens=num_tokens)
+            bound = receiver.expect(meta)
+            layers = make_layers(meta, seed=i)
+            sender.begin(bound)
+            for layer_idx, latent in enumerate(layers):
+                sender.send_layer(meta.request_id, layer_idx, latent)
+            sender.finish(meta.request_id, make_extras(meta))
+            received = receiver.wait(meta.request_id, WAIT_S)
+            receiver.release(meta.request_id)
+            kept.append((received.layers, layers))
+        # kept layers are copies: the handoffs that reused the segment after them did not change them
+        for got, sent in kept:
+            assert all(bits_equal(r.latent, x) for r, x in zip(got, sent, strict=True))
+        assert sender.flush(WAIT_S) == {}
+        assert receiver.num_segments == 1  # one handoff at a time: one segment, reused
+        segment = Segment(0, 1 << 20)
+        assert stat.S_IMODE(os.fstat(segment.fd).st_mode) == 0o600
+        segment.close()
+    finally:
+        sender.close()
+        receiver.close()
+    assert not Path(receiver.address).parent.exists()
+
+
+def test_segments_beyond_the_pools_free_bytes_are_closed_on_both_sides():
+    """Two handoffs in flight need two segments; with room for none free, each is closed when its sender
+    is done with it, and the sender unmaps it too (decode's `drop`)."""
+    receiver = ShmKVReceiver(max_free_bytes=0)
+    sender = ShmKVSender(receiver.address)
+    try:
+        metas = [make_handoff(f"d{i}", num_tokens=300) for i in range(2)]
+        bound = [receiver.expect(meta) for meta in metas]
+        for meta in bound:
+            sender.begin(meta)
+        for meta in bound:
+            for layer_idx, latent in enumerate(make_layers(meta)):
+                sender.send_layer(meta.request_id, layer_idx, latent)
+            sender.finish(meta.request_id, make_extras(meta))
+        for meta in metas:
+            receiver.wait(meta.request_id, WAIT_S)
+            receiver.release(meta.request_id)
+        assert sender.flush(WAIT_S) == {}
+        assert wait_until(lambda: receiver.num_segments == 0 and own_segment_mappings() == 0)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_sender_whose_receiver_is_unreachable_refuses_each_begin(tmp_path):
+    sender = ShmKVSender(str(tmp_path / "nobody.sock"))
+    with pytest.raises(ConnectionError, match="unreachable .*must share a host"):
+        sender.begin(dataclasses.replace(make_handoff("x"), secret=b"s" * 32))
+    assert sender.pending_request_ids() == []
+    sender.close()
