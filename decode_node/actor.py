@@ -37,6 +37,7 @@ from orchestrator.messages import (
     DecodeEvent,
     DecodeNodeLoad,
     DraftCounts,
+    InstanceGroupSpec,
     NodeReady,
     Phases,
     PolledEvent,
@@ -45,7 +46,7 @@ from orchestrator.messages import (
     ReserveResult,
     TokenDelta,
 )
-from orchestrator.rank_actor import RankActor
+from orchestrator.rank_actor import LOCKSTEP_IDLE_S, RankActor
 
 if TYPE_CHECKING:
     from kvtransfer.grpc_transport import TLSCredentials
@@ -65,14 +66,21 @@ class _Handoff:
 
 
 class DecodeNode(RankActor):
-    """One decode instance (rank). `host`: loopback address its gRPC receiver binds (grpc transport)."""
+    """One decode rank (of an instance of one or more). `host`: address its gRPC receiver binds (grpc
+    transport); `group`: how it joins its instance's group (`RankActor`; None: a single-rank instance)."""
 
     # "admit" (admitting a handoff), "step" (the engine step), "delta" (turning a step output into an
     # event), "loop" (the loop body, outside any request)
     FAULT_POINTS = ("admit", "step", "delta", "loop")
 
-    def __init__(self, engine_config: EngineConfig, name: str, host: str = "127.0.0.1") -> None:
-        super().__init__(engine_config, name)
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        name: str,
+        host: str = "127.0.0.1",
+        group: InstanceGroupSpec | None = None,
+    ) -> None:
+        super().__init__(engine_config, name, group)
         self.host = host
         self.receiver: KVReceiver | None = None
         self._engine_lock = threading.Lock()
@@ -248,13 +256,16 @@ class DecodeNode(RankActor):
         logged with its traceback; their blocks are freed and the loop goes on. It never dies silently.
         A request whose own sampling fails, or a step whose execution fails (`EngineStepError`), fails
         only the requests concerned (the step's); the others run on. Only an exception the engine cannot
-        tie to requests (scheduling, the loop itself: state unknown) fails every in-flight request."""
+        tie to requests (scheduling, the loop itself: state unknown) fails every in-flight request.
+        In lockstep (an expert-parallel rank) it steps even with nothing to run, after a short wait
+        (`LOCKSTEP_IDLE_S`), since the other ranks' MoE collectives need this one."""
         engine = self.engine
         while not self._stopped.is_set():
             if not engine.has_unfinished_requests() and not self._admissions and not self._faults_armed():
-                self._wakeup.wait(0.05)
+                self._wakeup.wait(LOCKSTEP_IDLE_S if self.lockstep else 0.05)
                 self._wakeup.clear()
-                continue
+                if not self.lockstep:
+                    continue
             events: list[DecodeEvent] = []
             try:
                 with self._engine_lock:
@@ -280,7 +291,7 @@ class DecodeNode(RankActor):
         # Requests the first token finished at admission (max_tokens=1, EOS): nothing is left to step
         # for them, so their final output is taken now rather than with a step that may never come.
         outputs: list[RequestOutput] = engine.pop_finished_outputs()
-        if engine.has_unfinished_requests():
+        if engine.has_unfinished_requests() or self.lockstep:
             try:
                 self._maybe_fault("step")
                 outputs.extend(engine.step())

@@ -55,7 +55,7 @@ from orchestrator.deployment import (
     ClusterDeployment,
     actor_resource_options,
     advertised_address,
-    check_single_device_instances,
+    check_deployable_parallelism,
     is_loopback_topology,
 )
 from orchestrator.dispatch import CALL_TIMEOUT_MIN_S, EVENT_SLACK_S, MAX_DISPATCH_ATTEMPTS
@@ -76,7 +76,7 @@ __all__ = [
     "actor_error_message",
     "actor_resource_options",
     "advertised_address",
-    "check_single_device_instances",
+    "check_deployable_parallelism",
     "describe_error",
     "is_loopback_topology",
 ]

@@ -191,8 +191,8 @@ class InstanceMonitor:
                 return
         with self._health_lock:
             self._set_health(role, index, after)
-        if role == "decode":
-            self._poll_acked_seq[index] = 0 if needs_rewire else self._poll_acked_seq[index]
+        if role == "decode" and needs_rewire:  # a new process numbers its events from 1 again
+            self._poll_acked_seq[index][:] = [0] * len(self._poll_acked_seq[index])
         logger.warning(
             "%s-%d rejoined routing after %.1f s %s (%s)",
             role,
@@ -203,9 +203,10 @@ class InstanceMonitor:
         )
 
     def _rewire(self, ray, role: str, index: int, restarted: bool) -> None:
-        """gRPC only (restarts are off for torch.distributed). A restarted decode starts its receiver on a
-        new port, which the prefill instances in routing learn at once (the others when they rejoin); a
-        rejoining prefill (re)connects to every decode's current address, in case one moved meanwhile."""
+        """gRPC only (restarts are off for torch.distributed and for multi-rank instances, whose groups are
+        fixed at deploy). A restarted decode starts its receiver on a new port, which the prefill ranks in
+        routing learn at once (the others when they rejoin); a rejoining prefill instance's ranks
+        (re)connect to every decode rank's current address, in case one moved meanwhile."""
         if role == "decode":
             assert restarted
             decode = self.decode_actors[index]
@@ -214,14 +215,18 @@ class InstanceMonitor:
                 address = advertised_address(
                     address, ray.get(decode.node_ip.remote(), timeout=self.call_timeout_s)
                 )
-            self._decode_addresses[index] = address
-            prefills = [p for i, p in enumerate(self.prefill_actors) if self._health["prefill"][i].routable]
+            self._decode_addresses[index][0] = address
+            prefills = [a for p in self.instances["prefill"] if p.routable for a in p.ranks]
             ray.get(
                 [p.set_decode_address.remote(index, address) for p in prefills], timeout=self.call_timeout_s
             )
         else:
+            addresses = [list(ranks) for ranks in self._decode_addresses]
             ray.get(
-                self.prefill_actors[index].connect_grpc.remote(list(self._decode_addresses), self._kv_tls),
+                [
+                    a.connect_grpc.remote(addresses, self._kv_tls)
+                    for a in self.instances["prefill"][index].ranks
+                ],
                 timeout=self.call_timeout_s,
             )
 

@@ -43,6 +43,32 @@ class NodeReady:
     kv_dim: int = 0
 
 
+@dataclass(frozen=True)
+class InstanceGroupSpec:
+    """How one rank actor of a multi-rank instance joins its instance's torch.distributed group (given to
+    the actor's constructor; the group is made before the engine, which may need it to load its experts).
+
+    rank / num_ranks: the actor's rank in the instance and the instance's ranks (devices_per_instance).
+    init_method: `tcp://host:port` of the rendezvous, hosted by rank 0 on its node.
+    backend: `gloo`, `nccl` or `hccl` (`orchestrator.hardware`, the accelerator's collective backend).
+    timeout_s: every collective of the group gives up after this long (`orchestrator.dispatch.
+        collective_timeout_s`), so no rank waits forever for one that died or stalled.
+    rendezvous_timeout_s: how long a rank waits for the others to join (they start at once, but load
+        their weights at different speeds).
+    expert_parallel: routed experts are split over the ranks (expert_parallel_size == num_ranks): the MoE
+        collectives need every rank every step, so the ranks step in lockstep (`RankActor`); False: experts
+        are replicated and each rank steps on its own.
+    """
+
+    rank: int
+    num_ranks: int
+    init_method: str
+    backend: str
+    timeout_s: float
+    rendezvous_timeout_s: float
+    expert_parallel: bool
+
+
 # ---- loads --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PrefillNodeLoad:
@@ -123,14 +149,15 @@ class ReserveResult:
 
 @dataclass(frozen=True)
 class PrefillRequest:
-    """Prefill one handoff and stream it to decode instance `decode_index` (which already expects it);
-    `meta` is the one that instance's reserve bound (with the secret)."""
+    """Prefill one handoff and stream it to rank `decode_rank` of decode instance `decode_index` (which
+    already expects it); `meta` is the one that rank's reserve bound (with the secret)."""
 
     handoff_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     meta: HandoffMeta
     decode_index: int
+    decode_rank: int = 0
 
 
 @dataclass(frozen=True)

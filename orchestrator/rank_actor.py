@@ -1,6 +1,9 @@
 """`RankActor`: what the prefill and decode rank actors share, written once.
 
 - the engine: one `LLMEngine` built from the instance's `EngineConfig`, with torch on one thread;
+- the instance group: a rank of a multi-rank instance joins its instance's torch.distributed group
+  (`orchestrator.instance_group`) before it builds its engine; with routed experts split over the ranks
+  (EP) the engine thread steps in lockstep with the other ranks (`lockstep`, `LOCKSTEP_IDLE_S`);
 - the engine thread: started by the subclass once its own state exists (`_start_engine_thread`), running
   the subclass's `_run`, stopped by `_stop_engine_thread`;
 - loop-error accounting: `_loop_error` counts and logs an exception the engine thread survived, and
@@ -22,19 +25,36 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm import LLMEngine
+from orchestrator.messages import InstanceGroupSpec
 
 logger = logging.getLogger(__name__)
 
+# An expert-parallel rank with nothing to run still steps (its MoE collectives need every rank): when no
+# rank of the instance had work, the step returns at once and the engine thread sleeps this long (seconds).
+LOCKSTEP_IDLE_S = 0.002
+
 
 class RankActor:
-    """Base of `PrefillNode` and `DecodeNode`. `name`: the instance name for logs and loads (`decode-0`)."""
+    """Base of `PrefillNode` and `DecodeNode`. `name`: the rank's name for logs and loads (`decode-0`,
+    `decode-0.1` for rank 1 of a multi-rank instance). `group`: how a rank of a multi-rank instance joins
+    its instance group (None: a single-rank instance)."""
 
     FAULT_POINTS: tuple[str, ...] = ()  # where `inject_fault` may arm a fault (set by each role)
 
-    def __init__(self, engine_config: EngineConfig, name: str) -> None:
+    def __init__(
+        self, engine_config: EngineConfig, name: str, group: InstanceGroupSpec | None = None
+    ) -> None:
         torch.set_num_threads(1)
         started_s = time.monotonic()
         self.name = name
+        self.group_spec = group
+        self.instance_group = None
+        if group is not None and group.num_ranks > 1:
+            from orchestrator.instance_group import join_instance_group
+
+            self.instance_group = join_instance_group(group)
+        # Expert-parallel ranks step together: every rank calls `engine.step()` in a loop, idle or not.
+        self.lockstep = group is not None and group.num_ranks > 1 and group.expert_parallel
         self.engine = LLMEngine(engine_config)
         self.load_s = time.monotonic() - started_s
         self._stopped = threading.Event()

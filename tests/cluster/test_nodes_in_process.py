@@ -35,7 +35,7 @@ def nodes():
     decode = DecodeNode(topo.engine_config("decode"), "decode-0")
     prefill = PrefillNode(topo.engine_config("prefill"), "prefill-0", layerwise=True)
     address = decode.start_grpc()
-    prefill.connect_grpc([address])
+    prefill.connect_grpc([[address]])
     yield prefill, decode
     prefill.close()
     decode.close()
