@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -29,6 +30,17 @@ logger = logging.getLogger("orchestrator.cluster")
 PROBE_INTERVAL_S = 1.0  # the health monitor probes every instance this often (seconds)
 
 
+def rank_stats(load: PrefillNodeLoad | DecodeNodeLoad) -> dict[str, Any]:
+    """One rank's load for `stats()["ranks"]`: its counters by field name (`orchestrator.messages`; decode:
+    free / total KV blocks, running, reserved, waiting for a seat; prefill: queued prompt tokens,
+    requests), its engine's error count, and `ep`: its expert-parallel figures, when its engine has them."""
+    fields = {f.name: getattr(load, f.name) for f in dataclasses.fields(load)}
+    stats = {k: v for k, v in fields.items() if isinstance(v, int) and not isinstance(v, bool) and k != "pid"}
+    if fields.get("ep") is not None:
+        stats["ep"] = fields["ep"]
+    return stats
+
+
 class InstanceMonitor:
     """Health bookkeeping of `orchestrator.cluster.Cluster` (see the module docstring)."""
 
@@ -43,7 +55,8 @@ class InstanceMonitor:
         self.instances[role][index].health = health
 
     def stats(self) -> dict[str, Any]:
-        """Load snapshot of the instances in routing, and every instance's health.
+        """Load snapshot of the instances in routing, and every instance's health: `ranks` (each rank's
+        counters by rank name, `rank_stats`), `kv_blocks` per decode rank, the totals and `instances`.
 
         The snapshots are taken in parallel, waiting at most `call_timeout_s` (derived from
         kv_transfer.timeout_s, like every call on the request path): an instance that does not answer in
@@ -79,6 +92,7 @@ class InstanceMonitor:
         prefill_loads: list[PrefillNodeLoad] = loads["prefill"]
         decode_loads: list[DecodeNodeLoad] = loads["decode"]
         return {
+            "ranks": {load.name: rank_stats(load) for load in prefill_loads + decode_loads},
             "num_waiting_requests": sum(p.num_requests for p in prefill_loads),
             "num_running_requests": sum(d.num_running for d in decode_loads),
             "kv_blocks": {

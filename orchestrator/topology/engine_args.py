@@ -29,6 +29,7 @@ POOL_DEPLOYMENT_FIELDS = frozenset(
         "tensor_parallel_size",
         "expert_parallel_size",
         "num_redundant_experts",
+        "eplb_interval_steps",
     }
 )
 

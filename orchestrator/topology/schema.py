@@ -172,6 +172,8 @@ class PoolConfig:
         expert_parallel_size: devices the routed experts (plus redundant copies) are split over; each
             expert's FFN is split over the remaining `devices_per_instance / expert_parallel_size`.
         num_redundant_experts: extra copies of hot experts (EPLB) placed with the routed experts.
+        eplb_interval_steps: rebalance the experts (EPLB: new placement from the measured load, weights
+            moved between ranks) every this many engine steps; None: never (the initial placement stays).
         block_size: token slots per KV cache block.
         kv_cache_dtype: `auto` (the model dtype) or `int8` (per-token scales).
         kv_cache_memory_bytes: KV cache bytes on each device of an instance.
@@ -187,6 +189,7 @@ class PoolConfig:
     tensor_parallel_size: int = field(default=1, metadata=between(1, MAX_DEVICES))
     expert_parallel_size: int = field(default=1, metadata=between(1, MAX_DEVICES))
     num_redundant_experts: int = field(default=0, metadata=between(0, MAX_INSTANCES))
+    eplb_interval_steps: int | None = field(default=None, metadata=between(1, MAX_TOKENS))
     block_size: int = field(default=16, metadata=between(1, MAX_BLOCK_SIZE))
     kv_cache_dtype: str = field(default="auto", metadata=choices(*KV_CACHE_DTYPES))
     kv_cache_memory_bytes: int = field(default=256 * MIB, metadata=between(1, MAX_KV_CACHE_BYTES))
