@@ -77,14 +77,21 @@ def advertised_address(bound_address: str, node_ip: str) -> str:
     return f"{node_ip}:{port}" if host in ("0.0.0.0", "", "[::]", "::") else bound_address
 
 
-def _node_ip_and_free_port() -> tuple[str, int]:
-    """Run as a Ray task inside an instance's placement group bundle: that node's IP and a free port."""
+def free_ports(host: str, count: int) -> list[int]:
+    """`count` distinct ports free on `host` now (all bound at once, then released)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
+def _node_ip_and_free_ports(count: int = 1) -> tuple[str, list[int]]:
+    """Run as a Ray task inside an instance's placement group bundle: that node's IP and `count` ports
+    free there."""
     import ray
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    return ray.util.get_node_ip_address(), free_ports("", count)
 
 
 class ClusterDeployment:
@@ -220,7 +227,7 @@ class ClusterDeployment:
         for spec_index, (spec, pg) in enumerate(zip(plan.instances, self._placement_groups, strict=True)):
             num_ranks = spec.num_devices
             pool = topo.pool(spec.role)
-            init_method = self._rendezvous(ray, spec_index) if num_ranks > 1 else ""
+            init_method, barrier_port = self._rendezvous(ray, spec_index) if num_ranks > 1 else ("", 0)
             instance = Instance(spec.role, spec.index, [])
             config = topo.engine_config(spec.role)
             for rank in range(num_ranks):
@@ -245,6 +252,7 @@ class ClusterDeployment:
                         rank=rank,
                         num_ranks=num_ranks,
                         init_method=init_method,
+                        barrier_port=barrier_port,
                         backend=plan.collective_backend,
                         timeout_s=self.collective_timeout_s,
                         rendezvous_timeout_s=ACTORS_READY_TIMEOUT_S,
@@ -267,16 +275,15 @@ class ClusterDeployment:
             n for role in ROLES for instance in self.instances[role] for n in names[(role, instance.index)]
         ]
 
-    def _rendezvous(self, ray, spec_index: int) -> str:
-        """`tcp://host:port` for a group whose rank 0 runs in bundle 0 of placement group `spec_index`:
-        loopback and a free port here on a single-node cpu topology, else that node's IP and a port free
-        there."""
+    def _rendezvous(self, ray, spec_index: int) -> tuple[str, int]:
+        """(`tcp://host:port` of the group, the barrier's port) for an instance whose rank 0 runs in bundle 0
+        of placement group `spec_index`: loopback and ports free here on a single-node cpu topology, else
+        that node's IP and ports free there."""
         if self._loopback:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-        host, port = self._probe_node(ray, spec_index)
-        return f"tcp://{host}:{port}"
+            host, ports = "127.0.0.1", free_ports("127.0.0.1", 2)
+        else:
+            host, ports = self._probe_node(ray, spec_index, count=2)
+        return f"tcp://{host}:{ports[0]}", ports[1]
 
     @property
     def prefill_actors(self) -> list[Any]:
@@ -293,18 +300,19 @@ class ClusterDeployment:
         """Every rank actor of every instance."""
         return [actor for role in ROLES for instance in self.instances[role] for actor in instance.ranks]
 
-    def _probe_node(self, ray, spec_index: int, bundle_index: int = 0) -> tuple[str, int]:
+    def _probe_node(self, ray, spec_index: int, bundle_index: int = 0, count: int | None = None):
         """(node IP, a free port there) of bundle `bundle_index` (where that rank's actor runs) of instance
-        `spec_index`'s placement group."""
+        `spec_index`'s placement group; with `count`, (node IP, `count` distinct free ports)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        probe = ray.remote(_node_ip_and_free_port).options(
+        probe = ray.remote(_node_ip_and_free_ports).options(
             num_cpus=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self._placement_groups[spec_index], placement_group_bundle_index=bundle_index
             ),
         )
-        return ray.get(probe.remote(), timeout=60)
+        ip, ports = ray.get(probe.remote(count or 1), timeout=60)
+        return (ip, ports) if count is not None else (ip, ports[0])
 
     def _wire(self, ray, plan) -> list[list[str]]:
         """Connect the KV transport; returns each decode instance's ranks' gRPC addresses (grpc; else [])."""

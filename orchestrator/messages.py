@@ -49,7 +49,8 @@ class InstanceGroupSpec:
     the actor's constructor; the group is made before the engine, which may need it to load its experts).
 
     rank / num_ranks: the actor's rank in the instance and the instance's ranks (devices_per_instance).
-    init_method: `tcp://host:port` of the rendezvous, hosted by rank 0 on its node.
+    init_method: `tcp://host:port` of the group's rendezvous, hosted by rank 0 on its node.
+    barrier_port: the port on that host where the ranks first meet (`orchestrator.instance_group`).
     backend: `gloo`, `nccl` or `hccl` (`orchestrator.hardware`, the accelerator's collective backend).
     timeout_s: every collective of the group gives up after this long (`orchestrator.dispatch.
         collective_timeout_s`), so no rank waits forever for one that died or stalled.
@@ -63,6 +64,7 @@ class InstanceGroupSpec:
     rank: int
     num_ranks: int
     init_method: str
+    barrier_port: int
     backend: str
     timeout_s: float
     rendezvous_timeout_s: float
