@@ -261,6 +261,14 @@ class DecodeNode(RankActor):
         (`LOCKSTEP_IDLE_S`), since the other ranks' MoE collectives need this one."""
         engine = self.engine
         while not self._stopped.is_set():
+            if self._group_error is not None:  # the instance cannot step any more: fail what comes
+                self._wakeup.wait(0.05)
+                self._wakeup.clear()
+                with self._engine_lock:
+                    events = self._fail_all(f"{self.name}: instance group failed: {self._group_error}")
+                for event in events:
+                    self._emit(event)
+                continue
             if not engine.has_unfinished_requests() and not self._admissions and not self._faults_armed():
                 self._wakeup.wait(LOCKSTEP_IDLE_S if self.lockstep else 0.05)
                 self._wakeup.clear()
@@ -298,8 +306,11 @@ class DecodeNode(RankActor):
             except EngineStepError as e:  # the step's requests are finished with an error; others go on
                 self._loop_error(e, "engine step failed")
                 outputs.extend(e.outputs)
+                if self._group_failed(e):  # a peer rank died or stalled: nothing here can step again
+                    events.extend(self._fail_all(f"decode step failed: {e}"))
             except Exception as e:  # noqa: BLE001 - not tied to requests: the engine state is unknown
                 self._loop_error(e, "engine step failed")
+                self._group_failed(e)
                 events.extend(self._fail_all(f"decode step failed: {e!r}"))
         for out in outputs:
             try:
@@ -325,8 +336,9 @@ class DecodeNode(RankActor):
         return RequestError(handoff_id, message)
 
     def _fail_all(self, message: str) -> list[RequestError]:
-        """Under the engine lock: fail every request admitted on this instance (running or finished and
-        not yet reported); reservations still waiting for their handoff are left to their waiters."""
+        """Under the engine lock: fail every request admitted on this rank (running, received and waiting to
+        be admitted, or finished and not yet reported); reservations still waiting for their handoff are
+        left to their waiters."""
         scheduler = self.engine.scheduler
         ids = set(scheduler.requests) | set(self._handoffs)
         ids |= {rid for rid, _ in self._admissions}

@@ -21,7 +21,7 @@ from orchestrator.actor_errors import describe_error
 from orchestrator.backend import BackendUnavailable
 from orchestrator.deployment import advertised_address
 from orchestrator.health import InstanceHealth, ProbeOutcome, after_answer, after_failure
-from orchestrator.instance import Instance
+from orchestrator.instance import Instance, check_instance_group
 from orchestrator.messages import DecodeLost, DecodeNodeLoad, PrefillNodeLoad
 from orchestrator.topology import ROLES
 
@@ -83,8 +83,10 @@ class InstanceMonitor:
         loads: dict[str, list[Any]] = {"prefill": [], "decode": []}
         for (role, i, _), ref in zip(targets, refs, strict=True):
             try:
-                loads[role].append(ray.get(ref, timeout=0))
-            except Exception as e:  # noqa: BLE001 - GetTimeoutError or an actor error: out of routing
+                load = ray.get(ref, timeout=0)
+                check_instance_group([load])
+                loads[role].append(load)
+            except Exception as e:  # noqa: BLE001 - GetTimeoutError, an actor error, a failed group
                 self._mark_failed(role, i, e, "load")
         for role in ("prefill", "decode"):
             if not loads[role]:
@@ -182,8 +184,10 @@ class InstanceMonitor:
             if self._closed:
                 return
             try:
-                pids = [ray.get(ref, timeout=0).pid for ref in rank_refs]
-            except Exception as e:  # noqa: BLE001 - a rank stalled, restarting, or dead: the instance fails
+                loads = [ray.get(ref, timeout=0) for ref in rank_refs]
+                check_instance_group(loads)
+                pids = [load.pid for load in loads]
+            except Exception as e:  # noqa: BLE001 - a rank stalled, restarting, dead, or its group failed
                 self._mark_failed(instance.role, instance.index, e, "probe")
                 continue
             health = instance.health

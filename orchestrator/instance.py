@@ -55,6 +55,15 @@ class Instance:
         return self.health.routable
 
 
+def check_instance_group(ranks: Sequence[PrefillNodeLoad | DecodeNodeLoad]) -> None:
+    """Raise `InstanceGroupFailed` naming the first rank whose load reports a failed instance group."""
+    from orchestrator.actor_errors import InstanceGroupFailed
+
+    for r in ranks:
+        if r.instance_group_error is not None:
+            raise InstanceGroupFailed(f"{r.name}: instance group failed: {r.instance_group_error}")
+
+
 def prefill_rank_loads(
     instance: int, ranks: Sequence[PrefillNodeLoad], cached: Callable[[RankRef], frozenset[bytes]]
 ) -> list[PrefillLoad]:

@@ -81,6 +81,10 @@ class PrefillNodeLoad:
         num_queued_prefill_tokens: prompt tokens queued or being prefilled.
         num_requests: prefill jobs in flight.
         engine_thread_alive, num_engine_errors, last_engine_error: the engine thread's health.
+        instance_group_error: why the rank's instance group failed (a collective timed out or broke: a
+            peer rank died or stalled); the instance cannot step any more. None: the group is sound (or
+            there is none).
+        ep: the rank's expert-parallel figures (`rank_actor.ep_summary`); None without EP.
     """
 
     name: str
@@ -90,6 +94,8 @@ class PrefillNodeLoad:
     engine_thread_alive: bool
     num_engine_errors: int
     last_engine_error: str | None
+    instance_group_error: str | None = None
+    ep: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,7 @@ class DecodeNodeLoad:
         num_reserved: reservations waiting for their handoff.
         num_waiting_for_seat: received, waiting for a seat in the batch (max_num_seqs), holding blocks.
         engine_thread_alive, num_engine_errors, last_engine_error: the engine thread's health.
+        instance_group_error, ep: as in `PrefillNodeLoad`.
     """
 
     name: str
@@ -115,6 +122,8 @@ class DecodeNodeLoad:
     engine_thread_alive: bool
     num_engine_errors: int
     last_engine_error: str | None
+    instance_group_error: str | None = None
+    ep: dict | None = None
 
     @property
     def batch_load(self) -> int:

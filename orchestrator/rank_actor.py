@@ -17,6 +17,7 @@ in-process in tests.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -32,6 +33,14 @@ logger = logging.getLogger(__name__)
 # An expert-parallel rank with nothing to run still steps (its MoE collectives need every rank): when no
 # rank of the instance had work, the step returns at once and the engine thread sleeps this long (seconds).
 LOCKSTEP_IDLE_S = 0.002
+
+
+def ep_summary(engine: LLMEngine) -> dict | None:
+    """The rank's expert-parallel figures as plain data for its load snapshot (`LLMEngine.ep_stats`,
+    `engine.expert_parallel.EPStats`): every field of the engine's figures, None without EP."""
+    ep_stats = getattr(engine, "ep_stats", None)  # MERGE-PENDING: LLMEngine.ep_stats from ep-engine
+    stats = ep_stats() if ep_stats is not None else None
+    return None if stats is None else dataclasses.asdict(stats)
 
 
 class RankActor:
@@ -63,6 +72,7 @@ class RankActor:
         self._fault_lock = threading.Lock()
         self._faults: dict[str, int] = {}  # test-only: inject_fault
         self._thread: threading.Thread | None = None
+        self._group_error: str | None = None  # set once a collective of the instance group failed
 
     # ---- engine thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -90,12 +100,31 @@ class RankActor:
         logger.error("%s: %s", self.name, what, exc_info=e)
 
     def _engine_health(self) -> dict[str, object]:
-        """`engine_thread_alive`, `num_engine_errors`, `last_engine_error` for a load snapshot."""
+        """`engine_thread_alive`, `num_engine_errors`, `last_engine_error`, `instance_group_error` and
+        `ep` (`ep_summary`) for a load snapshot."""
         return {
             "engine_thread_alive": self._thread is not None and self._thread.is_alive(),
             "num_engine_errors": self._num_loop_errors,
             "last_engine_error": self._last_loop_error,
+            "instance_group_error": self._group_error,
+            "ep": ep_summary(self.engine),
         }
+
+    def _group_failed(self, e: BaseException) -> bool:
+        """Whether `e` (an exception out of a step) is a failed collective of the instance group
+        (`models.ep_dispatch.EPCollectiveError`, raised or the cause of an `EngineStepError`): a peer rank
+        died or stalled. Then the group is unusable (its collectives time out or are broken for good),
+        so the rank stops stepping and reports it in its loads (`instance_group_error`); the driver takes
+        the instance out of routing for good."""
+        from models.ep_dispatch import EPCollectiveError
+
+        failure = e if isinstance(e, EPCollectiveError) else e.__cause__
+        if not isinstance(failure, EPCollectiveError):
+            return False
+        if self._group_error is None:
+            self._group_error = str(failure)
+            logger.error("%s: the instance group failed; this rank stops stepping: %s", self.name, failure)
+        return True
 
     # ---- fault injection (tests) ------------------------------------------------------------------------
     def inject_fault(self, where: str, count: int = 1) -> None:

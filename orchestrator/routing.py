@@ -17,9 +17,10 @@ from typing import Any
 
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import HandoffMeta, resolve_wire_dtype
+from orchestrator.actor_errors import InstanceGroupFailed
 from orchestrator.backend import BackendUnavailable
 from orchestrator.dispatch import EndAborted, Fail, ReserveOutcome, RetryReserve, StartPrefill, after_reserve
-from orchestrator.instance import Instance, decode_rank_loads, prefill_rank_loads
+from orchestrator.instance import Instance, check_instance_group, decode_rank_loads, prefill_rank_loads
 from orchestrator.messages import ReserveRequest, ReserveResult
 from orchestrator.request_state import Attempt, RequestRecord
 
@@ -110,7 +111,9 @@ class RouteAndReserve:
         """Per instance, its ranks' load snapshots, or the exception of its first rank call that failed."""
 
         async def ranks(instance: Instance) -> list[Any]:
-            return list(await asyncio.gather(*[self._call(a.load.remote()) for a in instance.ranks]))
+            loads = list(await asyncio.gather(*[self._call(a.load.remote()) for a in instance.ranks]))
+            check_instance_group(loads)
+            return loads
 
         return await asyncio.gather(*[ranks(i) for i in instances], return_exceptions=True)
 
@@ -178,10 +181,12 @@ class RouteAndReserve:
 
     @staticmethod
     def _is_lost(exc: BaseException) -> bool:
-        """The actor died or stopped answering (as opposed to a method that raised)."""
+        """The actor died or stopped answering, or its instance group failed (as opposed to a method that
+        raised)."""
         import ray
 
-        return isinstance(exc, (ray.exceptions.RayActorError, asyncio.TimeoutError, TimeoutError))
+        lost = (ray.exceptions.RayActorError, asyncio.TimeoutError, TimeoutError, InstanceGroupFailed)
+        return isinstance(exc, lost)
 
     def _abort_after_prefill(self, attempt: Attempt, prefill_task: asyncio.Future) -> None:
         """Ray runs a threaded actor's calls unordered, so abort() may overtake the `prefill` call it is

@@ -230,7 +230,8 @@ class PrefillNode(RankActor):
         block = not engine.has_unfinished_requests()
         try:
             if block:
-                command = self._jobs.get(timeout=LOCKSTEP_IDLE_S if self.lockstep else 0.1)
+                stepping = self.lockstep and self._group_error is None
+                command = self._jobs.get(timeout=LOCKSTEP_IDLE_S if stepping else 0.1)
             else:
                 command = self._jobs.get_nowait()
         except queue.Empty:
@@ -248,7 +249,7 @@ class PrefillNode(RankActor):
             except queue.Empty:
                 command = None
         self._maybe_fault("loop")
-        if not engine.has_unfinished_requests() and not self.lockstep:
+        if self._group_error is not None or (not engine.has_unfinished_requests() and not self.lockstep):
             return True
         try:
             self._maybe_fault("step")
@@ -256,8 +257,12 @@ class PrefillNode(RankActor):
         except EngineStepError as e:  # the step's requests are finished with an error; others go on
             self._loop_error(e, "engine step failed")
             outputs = e.outputs
+            if self._group_failed(e):  # a peer rank died or stalled: nothing here can step again
+                for request_id in list(self._active):
+                    self._fail(request_id, f"engine step failed: {e}", abort_engine=True)
         except Exception as e:  # noqa: BLE001 - not tied to requests: fail them all, not the actor
             self._loop_error(e, "engine step failed")
+            self._group_failed(e)
             for request_id in list(self._active):
                 self._fail(request_id, f"engine step failed: {e!r}", abort_engine=True)
             return True
@@ -277,6 +282,8 @@ class PrefillNode(RankActor):
         sender = self._sender(job)
         try:
             self._maybe_fault("start")
+            if self._group_error is not None:
+                raise RuntimeError(f"{self.name}: instance group failed: {self._group_error}")
             sender.begin(job.request.meta)
             self.engine.add_request(
                 list(job.request.prompt_token_ids),
