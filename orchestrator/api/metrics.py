@@ -39,6 +39,8 @@ Read from `backend.stats()` at scrape time (nothing is cached between scrapes):
                                                             num_waiting_for_seat (decode),
                                                             num_queued_prefill_tokens, num_requests
                                                             (prefill), num_engine_errors
+    pdcluster_ep_*{rank,...}                                          expert-parallel figures of each EP rank
+                                                            (`orchestrator.api.ep_metrics`)
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from orchestrator.api.ep_metrics import ep_metrics
 from orchestrator.slo import meets_slo
 
 if TYPE_CHECKING:
@@ -97,6 +100,7 @@ class _BackendStatsCollector(Collector):
                 usage.add_metric([instance], num_used / num_total if num_total else 0.0)
             yield from (used, total, usage)
         yield from _rank_gauges(stats.get("ranks") or {})
+        yield from ep_metrics(stats.get("ranks") or {})
         if "kv_transfer_bytes_total" in stats:
             yield CounterMetricFamily(
                 "pdcluster_backend_kv_transfer_bytes",
