@@ -19,6 +19,7 @@ from typing import Any
 
 from orchestrator.health import InstanceHealth
 from orchestrator.messages import DecodeNodeLoad, PrefillNodeLoad
+from orchestrator.request_state import rank_name
 from orchestrator.router import DecodeLoad, PrefillLoad, RankRef
 
 
@@ -48,7 +49,7 @@ class Instance:
 
     def rank_name(self, rank: int) -> str:
         """One rank's name in logs, loads and leak reports: `decode-0` for rank 0, `decode-0.1` for rank 1."""
-        return self.name + (f".{rank}" if rank else "")
+        return rank_name(self.role, RankRef(self.index, rank))
 
     @property
     def routable(self) -> bool:

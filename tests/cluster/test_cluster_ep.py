@@ -100,6 +100,9 @@ def test_every_rank_serves_outputs_equal_to_one_engine(cluster, prompts, oracle)
     for i, (prompt, expected) in enumerate(zip(prompts, oracle["short"], strict=True)):
         tokens, last = run(cluster, asyncio.wait_for(generate(cluster, f"r{i}", prompt, GREEDY, routes), 120))
         assert tokens == expected.token_ids, (i, routes[f"r{i}"])
+        assert last.ranks["decode"] == cluster.instances["decode"][routes[f"r{i}"].instance].rank_name(
+            routes[f"r{i}"].rank
+        )
         assert last.finish_reason == "length"
         assert (last.num_draft_tokens, last.num_accepted_tokens) == (
             expected.num_draft_tokens,
