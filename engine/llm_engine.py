@@ -27,10 +27,12 @@ import itertools
 import time
 
 import torch
+from torch.distributed import ProcessGroup
 
 from engine.async_loop import AsyncStepLoop
 from engine.config import EngineConfig
 from engine.executor import Executor
+from engine.expert_parallel import EPStats, ExpertParallelRuntime, default_placement, load_rank_shard
 from engine.model_runner import LayerKVCallback, ModelRunner
 from engine.outputs import RequestOutput, SchedulerOutput
 from engine.remote_prefill import (
@@ -48,6 +50,7 @@ from engine.scheduler_policy import SchedulerConfig, cdiv
 from engine.stopping import OutputText
 from models.deepseek_v3 import DeepseekV3ForCausalLM
 from models.dtypes import MODEL_DTYPES, torch_dtype
+from models.ep_dispatch import EPCollectiveError
 from models.tokenizer import Tokenizer
 
 __all__ = [
@@ -77,12 +80,50 @@ class EngineStepError(RuntimeError):
 
 
 class LLMEngine:
-    """One engine instance: model, KV cache, scheduler, executor."""
+    """One engine instance (or one rank of an expert-parallel instance): model, KV cache, scheduler,
+    executor.
 
-    def __init__(self, config: EngineConfig, model: DeepseekV3ForCausalLM | None = None) -> None:
+    Expert parallelism (`config.parallel.expert_parallel_size = N > 1`, `group` the instance's process
+    group from `engine.parallel.make_instance_group`): each rank has its own engine with its own requests
+    and KV cache (data-parallel attention) and holds only its routed experts (`model` None: loaded so;
+    else a shard built for `engine.expert_parallel.default_placement`). The contract with the caller:
+
+    - EVERY rank calls `step()` in a loop, also when it has no request: each step starts with one
+      collective where the ranks agree whether any of them has work; then all run the step (a rank
+      without work runs an empty batch, joining every MoE collective) or none does. With no work anywhere
+      `step()` returns promptly with no outputs (aborts aside); the caller sleeps briefly and calls again.
+    - Requests are added, aborted, reserved, admitted between steps on each rank, as on one device.
+    - A collective that fails or times out (`parallel.collective_timeout_s`: a rank died, stopped stepping,
+      or left lockstep) fails the instance: that `step()` finishes every unfinished request of this rank
+      with finish_reason "error" and raises `EngineStepError` carrying their outputs; later steps do the
+      same for requests added since. Async scheduling is refused for EP (EngineConfig ValueError).
+    - `ep_stats()`: expert load, imbalance, dispatch/combine seconds and bytes, rebalances.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: DeepseekV3ForCausalLM | None = None,
+        group: ProcessGroup | None = None,
+    ) -> None:
         self.config = config
+        dtype = torch_dtype(config.dtype, "dtype", MODEL_DTYPES)
+        parallel = config.parallel
+        self.ep: ExpertParallelRuntime | None = None
+        self._ep_failure: str | None = None  # why the EP instance failed; every later step fails
+        if parallel.enabled:
+            if group is None:
+                raise ValueError(
+                    f"expert_parallel_size {parallel.expert_parallel_size} needs the instance process group "
+                    "(LLMEngine(config, group=engine.parallel.make_instance_group(...)))"
+                )
+            if model is None:
+                model, placement = load_rank_shard(config.model, parallel, config.device, dtype)
+            else:
+                placement = default_placement(model.config, parallel)
+            self.ep = ExpertParallelRuntime(model, parallel, group, placement)
         self.model = model or DeepseekV3ForCausalLM.from_pretrained(
-            config.model, device=config.device, dtype=torch_dtype(config.dtype, "dtype", MODEL_DTYPES)
+            config.model, device=config.device, dtype=dtype
         )
         self.tokenizer = Tokenizer.from_dir(config.model)
         # The tokenizer's end-of-text token, else the config's (public DeepSeek tokenizers name it otherwise).
@@ -339,9 +380,12 @@ class LLMEngine:
             if exporting and on_prompt_kv is not None:
                 hook = prompt_kv_hook(self.runner, exporting, on_layer_kv, on_prompt_kv)
             try:
-                runner_output = self.executor.execute(output, hook)
+                lockstep = self._ep_begin_step(bool(output.scheduled))
+                runner_output = self.executor.execute(output, hook, join_collectives=lockstep)
             except Exception as e:  # noqa: BLE001 - fail the requests this step ran, not the engine
                 raise self._step_failed(output, e) from e
+            if self.ep is not None:
+                self.ep.end_step(lockstep, was_idle=not output.scheduled)
             for item in exporting:
                 self._records[item.request_id].prefill_result = prefill_result(runner_output, item.request_id)
             updates = self.scheduler.update_from_output(output, runner_output)
@@ -366,12 +410,31 @@ class LLMEngine:
             self._async_loop.drain()
         return results
 
+    # ---- expert parallelism (engine.expert_parallel) ----------------------------------------------------
+    def _ep_begin_step(self, has_work: bool) -> bool:
+        """EP: the step's agreement (and a due rebalance); True when every rank runs this step. A failed
+        instance raises its failure again. One device: False (nothing to join)."""
+        if self.ep is None:
+            return False
+        if self._ep_failure is not None:
+            raise EPCollectiveError(self._ep_failure)
+        return self.ep.begin_step(has_work, self.executor.max_num_speculative_tokens)
+
+    def ep_stats(self) -> EPStats | None:
+        """Expert-parallel figures of this rank (`engine.expert_parallel.EPStats`); None on one device."""
+        return self.ep.stats() if self.ep is not None else None
+
     def _step_failed(self, output: SchedulerOutput, error: Exception) -> EngineStepError:
         """Finish every request `output` scheduled with FINISHED_ERROR (blocks freed, executor state
         dropped) and return the `EngineStepError` carrying their outputs and those of requests finished
-        outside the step."""
+        outside the step. A failed EP collective fails every unfinished request of this rank (the
+        instance cannot run another step)."""
         message = f"engine step failed: {error!r}"
         failed = [item.request for item in output.scheduled]
+        if isinstance(error, EPCollectiveError):
+            self._ep_failure = str(error)
+            message = f"expert-parallel instance failed: {error}"
+            failed = [r.request for r in self._records.values() if not r.request.is_finished]
         for request in failed:
             if self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR, message):
                 self._finished.append(request.request_id)

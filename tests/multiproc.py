@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -30,6 +31,7 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
+    torch.set_num_threads(1)  # N ranks on a few shared cores: one intra-op thread each
     try:
         results.put((rank, True, fn(rank, world_size, port, *args)))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
