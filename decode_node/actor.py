@@ -279,6 +279,7 @@ class DecodeNode(RankActor):
                 with self._engine_lock:
                     self._maybe_fault("loop")
                     self._run_once(events)
+                    self._refresh_ep_summary()
             except Exception as e:  # noqa: BLE001 - the last line of defence: fail everything in flight
                 self._loop_error(e, "decode engine loop failed")
                 with self._engine_lock:

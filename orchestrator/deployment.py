@@ -206,11 +206,10 @@ class ClusterDeployment(ClusterWiring):
         names: dict[tuple[str, int], list[str]] = {}
         for spec_index, (spec, pg) in enumerate(zip(plan.instances, self._placement_groups, strict=True)):
             num_ranks = spec.num_devices
-            pool = topo.pool(spec.role)
             init_method, barrier_port = self._rendezvous(ray, spec_index) if num_ranks > 1 else ("", 0)
             instance = Instance(spec.role, spec.index, [])
-            config = topo.engine_config(spec.role)
             for rank in range(num_ranks):
+                config = topo.engine_config(spec.role, rank)
                 options = {
                     "num_cpus": spec.bundles[rank].get("CPU", 1),
                     "max_concurrency": 256,
@@ -236,7 +235,6 @@ class ClusterDeployment(ClusterWiring):
                         backend=plan.collective_backend,
                         timeout_s=self.collective_timeout_s,
                         rendezvous_timeout_s=ACTORS_READY_TIMEOUT_S,
-                        expert_parallel=pool.expert_parallel_size == num_ranks,
                     )
                 name = instance.rank_name(rank)
                 if spec.role == "prefill":

@@ -56,9 +56,7 @@ class InstanceGroupSpec:
         collective_timeout_s`), so no rank waits forever for one that died or stalled.
     rendezvous_timeout_s: how long a rank waits for the others to join (they start at once, but load
         their weights at different speeds).
-    expert_parallel: routed experts are split over the ranks (expert_parallel_size == num_ranks): the MoE
-        collectives need every rank every step, so the ranks step in lockstep (`RankActor`); False: experts
-        are replicated and each rank steps on its own.
+    Whether the ranks step in lockstep is the engine's layout (`EngineConfig.parallel`), not the group's.
     """
 
     rank: int
@@ -68,7 +66,6 @@ class InstanceGroupSpec:
     backend: str
     timeout_s: float
     rendezvous_timeout_s: float
-    expert_parallel: bool
 
 
 # ---- loads --------------------------------------------------------------------------------------------

@@ -33,13 +33,15 @@ logger = logging.getLogger(__name__)
 # An expert-parallel rank with nothing to run still steps (its MoE collectives need every rank): when no
 # rank of the instance had work, the step returns at once and the engine thread sleeps this long (seconds).
 LOCKSTEP_IDLE_S = 0.002
+# The engine thread copies its engine's EP figures for load snapshots at most this often (seconds): the
+# engine's figures are only safe to read from the thread that steps it.
+EP_STATS_REFRESH_S = 1.0
 
 
 def ep_summary(engine: LLMEngine) -> dict | None:
     """The rank's expert-parallel figures as plain data for its load snapshot (`LLMEngine.ep_stats`,
     `engine.expert_parallel.EPStats`): every field of the engine's figures, None without EP."""
-    ep_stats = getattr(engine, "ep_stats", None)  # MERGE-PENDING: LLMEngine.ep_stats from ep-engine
-    stats = ep_stats() if ep_stats is not None else None
+    stats = engine.ep_stats()
     return None if stats is None else dataclasses.asdict(stats)
 
 
@@ -62,9 +64,12 @@ class RankActor:
             from orchestrator.instance_group import join_instance_group
 
             self.instance_group = join_instance_group(group)
-        # Expert-parallel ranks step together: every rank calls `engine.step()` in a loop, idle or not.
-        self.lockstep = group is not None and group.num_ranks > 1 and group.expert_parallel
-        self.engine = LLMEngine(engine_config)
+        # Expert-parallel ranks step together (`engine.llm_engine.LLMEngine`'s EP contract): every rank
+        # calls `engine.step()` in a loop, idle or not.
+        self.lockstep = engine_config.parallel.enabled
+        if self.lockstep and self.instance_group is None:
+            raise ValueError(f"{name}: an expert-parallel engine needs its instance group (group=None)")
+        self.engine = LLMEngine(engine_config, group=self.instance_group.group if self.lockstep else None)
         self.load_s = time.monotonic() - started_s
         self._stopped = threading.Event()
         self._num_loop_errors = 0
@@ -73,6 +78,8 @@ class RankActor:
         self._faults: dict[str, int] = {}  # test-only: inject_fault
         self._thread: threading.Thread | None = None
         self._group_error: str | None = None  # set once a collective of the instance group failed
+        self._ep_summary: dict | None = None  # the engine's EP figures, copied by the engine thread
+        self._ep_summary_at_s = 0.0
 
     # ---- engine thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -101,14 +108,22 @@ class RankActor:
 
     def _engine_health(self) -> dict[str, object]:
         """`engine_thread_alive`, `num_engine_errors`, `last_engine_error`, `instance_group_error` and
-        `ep` (`ep_summary`) for a load snapshot."""
+        `ep` (`ep_summary`, as the engine thread last copied it) for a load snapshot."""
         return {
             "engine_thread_alive": self._thread is not None and self._thread.is_alive(),
             "num_engine_errors": self._num_loop_errors,
             "last_engine_error": self._last_loop_error,
             "instance_group_error": self._group_error,
-            "ep": ep_summary(self.engine),
+            "ep": self._ep_summary,
         }
+
+    def _refresh_ep_summary(self) -> None:
+        """On the engine thread, after a step: copy the engine's EP figures for load snapshots, at most
+        every EP_STATS_REFRESH_S seconds (a no-op without EP)."""
+        now_s = time.monotonic()
+        if self.lockstep and now_s - self._ep_summary_at_s >= EP_STATS_REFRESH_S:
+            self._ep_summary = ep_summary(self.engine)
+            self._ep_summary_at_s = now_s
 
     def _group_failed(self, e: BaseException) -> bool:
         """Whether `e` (an exception out of a step) is a failed collective of the instance group

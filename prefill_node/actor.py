@@ -266,6 +266,7 @@ class PrefillNode(RankActor):
             for request_id in list(self._active):
                 self._fail(request_id, f"engine step failed: {e!r}", abort_engine=True)
             return True
+        self._refresh_ep_summary()
         for out in outputs:
             if out.finish_reason == "error":  # failed alone in the engine (its sampling, or its step)
                 self._fail(out.request_id, f"prefill failed: {out.error}")

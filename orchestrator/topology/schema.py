@@ -376,13 +376,14 @@ class Topology:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         return self.prefill if role == "prefill" else self.decode
 
-    def engine_config(self, role: str) -> EngineConfig:
-        """The engine arguments of one instance of pool `role` (`engine_args.engine_arguments`).
+    def engine_config(self, role: str, rank: int = 0) -> EngineConfig:
+        """The engine arguments of rank `rank` of one instance of pool `role`
+        (`engine_args.engine_arguments`).
 
         Raises:
             ValueError: `role` is neither `prefill` nor `decode`, or the engine refuses an argument.
         """
-        return EngineConfig(**engine_arguments(self, role))
+        return EngineConfig(**engine_arguments(self, role, rank))
 
     def summary(self) -> str:
         """One line, e.g. `2 nodes × 8 h200, prefill 1×8 devices, decode 1×8 devices`."""

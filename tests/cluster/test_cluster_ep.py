@@ -134,6 +134,18 @@ def test_stats_report_every_rank(cluster) -> None:
     for name in names:
         rank = stats["ranks"][name]
         assert rank["num_running"] == 0 and rank["num_free_blocks"] == rank["num_total_blocks"] > 0
+    # every rank runs its engine expert-parallel: rank r of 2, 5 of the 10 physical experts per MoE layer
+    for name, rank in stats["ranks"].items():
+        ep = rank["ep"]
+        assert (ep["rank"], ep["num_ranks"]) == (1 if name.endswith(".1") else 0, 2), name
+        assert len(ep["moe_layers"]) == len(ep["imbalance"]) == len(ep["expert_load"]) > 0
+        assert all(len(load) == 8 for load in ep["expert_load"])  # per logical expert
+    # the tests above ran one request at a time: each stepped rank had a peer with nothing to run
+    for instance in ("decode-0", "decode-1"):
+        peers = [stats["ranks"][instance]["ep"], stats["ranks"][f"{instance}.1"]["ep"]]
+        # (each rank's figures are copied by its engine thread at most every second: no exact equality)
+        assert peers[0]["num_steps"] > 0 and peers[1]["num_steps"] > 0
+        assert peers[0]["num_idle_steps"] > 0 and peers[1]["num_idle_steps"] > 0
 
 
 def test_killing_one_rank_fails_its_instance_as_one_unit(cluster, ray_session, prompts) -> None:

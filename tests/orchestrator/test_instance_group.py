@@ -26,7 +26,6 @@ def _spec(
         backend="gloo",
         timeout_s=10.0,
         rendezvous_timeout_s=rendezvous_timeout_s,
-        expert_parallel=True,
     )
 
 
