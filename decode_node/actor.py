@@ -27,16 +27,15 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from decode_node.deltas import Handoff, token_delta
 from engine.config import EngineConfig
 from engine.llm import EngineStepError, RequestOutput
 from kvtransfer.base import HandoffMeta, KVReceiver, KVTransferError, ReceivedKV, ReceivedLayer
 from orchestrator.messages import (
     DecodeEvent,
     DecodeNodeLoad,
-    DraftCounts,
     InstanceGroupSpec,
     NodeReady,
     Phases,
@@ -52,17 +51,6 @@ if TYPE_CHECKING:
     from kvtransfer.grpc_transport import TLSCredentials
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Handoff:
-    """One handoff on this node, from its admission on: the transfer's measures, when it was admitted
-    (until its first stepped delta), and how many of its tokens were sent to the driver."""
-
-    kv_transfer_s: float
-    kv_transfer_bytes: int
-    admitted_at_s: float | None = None
-    num_sent: int = 0
 
 
 class DecodeNode(RankActor):
@@ -88,7 +76,7 @@ class DecodeNode(RankActor):
         self._events: collections.deque[PolledEvent] = collections.deque()  # unacknowledged
         self._next_seq = 0
         self._admissions: list[tuple[str, ReceivedKV]] = []  # received, admitted by the engine thread next
-        self._handoffs: dict[str, _Handoff] = {}  # admitted, until finished or failed
+        self._handoffs: dict[str, Handoff] = {}  # admitted, until finished or failed
         self._wakeup = threading.Event()
         self._delays: dict[str, list[float]] = {}  # test-only: inject_delay
         self._start_engine_thread()
@@ -362,7 +350,7 @@ class DecodeNode(RankActor):
         assert self.receiver is not None
         extras = received.extras
         self.receiver.release(handoff_id)
-        handoff = _Handoff(received.elapsed_s, int(received.num_wire_bytes), admitted_at_s=time.monotonic())
+        handoff = Handoff(received.elapsed_s, int(received.num_wire_bytes), admitted_at_s=time.monotonic())
         self._handoffs[handoff_id] = handoff
         self._maybe_fault("admit")
         self.engine.admit_remote_prefill(
@@ -388,38 +376,10 @@ class DecodeNode(RankActor):
         rid = out.request_id
         if out.finish_reason == "error":  # failed alone in the engine (its sampling, or its step)
             return [self._fail(rid, f"decode failed: {out.error}")]
-        handoff = self._handoffs.get(rid)
-        num_sent = handoff.num_sent if handoff is not None else 0
-        phases, kv_transfer_bytes = Phases(), None
-        if handoff is not None:
-            handoff.num_sent = len(out.token_ids)
-            if handoff.admitted_at_s is not None:  # its first stepped output
-                phases = Phases(
-                    kv_transfer_s=handoff.kv_transfer_s,
-                    first_decode_step_s=time.monotonic() - handoff.admitted_at_s,
-                )
-                kv_transfer_bytes = handoff.kv_transfer_bytes
-                handoff.admitted_at_s = None
+        delta = token_delta(out, self._handoffs.get(rid))
         if out.finished:
             self._handoffs.pop(rid, None)
-        drafts = DraftCounts(
-            out.num_draft_tokens,
-            out.num_accepted_tokens,
-            tuple(out.num_draft_tokens_per_position),
-            tuple(out.num_accepted_tokens_per_position),
-        )
-        return [
-            TokenDelta(
-                rid,
-                tuple(out.token_ids[num_sent:]),
-                finished=out.finished,
-                finish_reason=out.finish_reason if out.finished else None,
-                phases=phases,
-                kv_transfer_bytes=kv_transfer_bytes,
-                drafts=drafts,
-                new_text=out.new_text,
-            )
-        ]
+        return [delta]
 
     def _emit(self, event: DecodeEvent) -> None:
         with self._events_lock:
