@@ -7,7 +7,8 @@ the KV handoff and the token stream go to that rank) with greedy outputs and MTP
 single-device engine's, also for a 200-token request on one rank while the other rank of its instance has
 nothing to run (lockstep without deadlock); the per-rank loads reach `stats()`; and killing one rank of a
 decode instance mid-generation fails every request of that instance (both ranks) with a clear error
-within the cluster's own timeouts, takes it out of routing, while the other instance keeps serving.
+within the cluster's own timeouts, takes it out of routing, while the other instance keeps serving; and
+stalling one rank (SIGSTOP) fails its instance the same way, for good once the peer's collective timed out.
 """
 
 from __future__ import annotations
@@ -193,3 +194,47 @@ def test_killing_one_rank_fails_its_instance_as_one_unit(cluster, ray_session, p
         assert len(tokens) == GREEDY.max_tokens
     assert set(cluster.check_no_leaks()) == {"prefill-0", "prefill-0.1", "decode-0", "decode-0.1"}
     assert_nothing_held(cluster)
+
+
+def test_a_stalled_rank_fails_its_instance_for_good(cluster, ray_session, prompts) -> None:
+    """SIGSTOP of the rank of decode-0 that has no request while its peer runs one: the request ends with
+    BackendUnavailable naming decode-0 within the call bounds (no hang) and decode-0 leaves routing. The
+    peer's next collective times out (collective_timeout_s), so its group is broken: after SIGCONT decode-0
+    does not rejoin but is declared dead, naming the failed instance group, within a probe or two."""
+    import os
+    import signal
+
+    from orchestrator.cluster import PROBE_INTERVAL_S
+
+    async def first_delta():
+        stream = cluster.generate("stalled", cluster.tokenizer.encode(prompts[0]), LONG)
+        await stream.__anext__()
+        return stream, cluster._requests["stalled"].attempt.decode
+
+    stream, route = run(cluster, asyncio.wait_for(first_delta(), request_bound_s(cluster)))
+    assert route.instance == 0  # decode-1 is dead since the test above
+    idle_rank = cluster.instances["decode"][0].ranks[1 - route.rank]
+    pid = ray_session.get(idle_rank.load.remote(), timeout=cluster.call_timeout_s).pid
+    os.kill(pid, signal.SIGSTOP)
+    stopped_s = time.monotonic()
+    try:
+
+        async def drain():
+            async for _ in stream:
+                pass
+
+        with pytest.raises(BackendUnavailable, match="decode-0 died or stopped answering"):
+            run(cluster, asyncio.wait_for(drain(), request_bound_s(cluster)))
+        assert time.monotonic() - stopped_s < 2 * call_bound_s(cluster)
+        assert cluster.health()["decode-0"]["state"] == "unresponsive"
+        time.sleep(cluster.collective_timeout_s + call_bound_s(cluster))  # the peer's collective times out
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline_s = time.monotonic() + PROBE_INTERVAL_S + 2 * call_bound_s(cluster)
+    while cluster.health()["decode-0"]["state"] != "dead":
+        assert time.monotonic() < deadline_s, cluster.health()
+        time.sleep(0.05)
+    assert "instance group failed" in cluster.health()["decode-0"]["reason"]
+    assert cluster._decode_alive == [False, False]
+    with pytest.raises(BackendUnavailable, match="no live decode instance"):
+        run(cluster, asyncio.wait_for(generate(cluster, "none-left", prompts[1], GREEDY), 60))
