@@ -20,7 +20,7 @@ from engine.parallel import ParallelConfig, make_instance_group
 from engine.sampling_params import SamplingParams
 from models import bundled_checkpoint_dir
 from models.prompts import heldout_def_prompts
-from tests.multiproc import run_ranks
+from engine.local_ranks import run_ranks
 
 CKPT = str(bundled_checkpoint_dir())
 TIMEOUT_S = 20.0  # collective timeout of the instance group
@@ -103,7 +103,7 @@ def test_ep_matches_single_device_with_mtp(world_size: int, redundant: int) -> N
     case = {"k": 1, "redundant": redundant, "rounds": [split(prompts, world_size)]}
     results = run_ranks(ep_worker, world_size, case, timeout_s=JOIN_S)
     got, accepted, drafted = {}, 0, 0
-    for rank, result in results.items():
+    for result in results.values():
         assert result["num_local"] == (8 + redundant) // world_size  # only this rank's experts
         (round_,) = result["rounds"]
         got.update(round_["tokens"])
