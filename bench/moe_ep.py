@@ -21,8 +21,9 @@ gets `e_score_correction_bias = --skew * (1 - e / n)` (low-numbered experts chos
 placement runs `--num-steps` steps, then EPLB (`ExpertParallelRuntime.rebalance`, weights moved over the
 group) places `--num-redundant-experts` replicas from that load, and the same steps run again.
 
-Overlap of two micro-batches is not implemented, so there is no figure for it. Figures on a shared
-machine are contended: compare the EP sizes of one run with each other, not with other runs.
+`overlap_step_ms`: the step at the last `--batches` size with two-micro-batch overlap off and on
+(`EPDispatcher.forward`), the same inputs one after the other. Figures on a shared machine are contended:
+compare the EP sizes and variants of one run with each other, not with other runs.
 """
 
 from __future__ import annotations
@@ -121,6 +122,13 @@ def rank_main(rank: int, world_size: int, port: int, spec: dict[str, Any]) -> di
             inputs = decode_batch(runner, batch, context, seed=1000 * rank + batch)
             timed_steps(runner, runtime, inputs, spec["num_warmup_steps"])
             rows.append({"batch": batch, **timed_steps(runner, runtime, inputs, spec["num_steps"])})
+        # two-micro-batch overlap at the last batch size: off then on, the same inputs, side by side
+        overlap = {}
+        for enabled in (False, True):
+            runtime.set_micro_batch_overlap(enabled)
+            timed_steps(runner, runtime, inputs, spec["num_warmup_steps"])
+            overlap[str(enabled).lower()] = timed_steps(runner, runtime, inputs, spec["num_steps"])["step_s"]
+        runtime.set_micro_batch_overlap(False)
         # skewed routing, default placement, then EPLB
         for moe in runtime.moe:
             moe.gate.e_score_correction_bias.copy_(spec["skew"] * (1 - torch.arange(n) / n))
@@ -133,6 +141,7 @@ def rank_main(rank: int, world_size: int, port: int, spec: dict[str, Any]) -> di
         stats = runtime.stats()
         out[name] = {
             "rows": rows,
+            "overlap_step_s": overlap,
             "imbalance_default": before,
             "imbalance_eplb": stats.total_imbalance,
             "rebalance_s": stats.last_rebalance_s,
@@ -172,8 +181,17 @@ def summarize(per_rank: dict[int, dict[str, Any]], ep: int) -> dict[str, Any]:
                     "analytic_bytes_per_step": round(analytic),
                 }
             )
+        overlap = {
+            key: round(1e3 * max(per_rank[r][name]["overlap_step_s"][key] for r in range(ep)), 3)
+            for key in ("false", "true")
+        }
         result[name] = {
             "rows": rows,
+            "overlap_step_ms": {
+                "batch": first["rows"][-1]["batch"],
+                "off": overlap["false"],
+                "on": overlap["true"],
+            },
             "num_physical_experts": first["num_physical_experts"],
             "imbalance_default": round(first["imbalance_default"], 4),
             "imbalance_eplb": round(first["imbalance_eplb"], 4),
@@ -216,7 +234,12 @@ def table(result: dict[str, Any]) -> str:
                     + [res["imbalance_default"], res["imbalance_eplb"]]
                 )
     header = ["ep", "model", "batch", "step_ms", "attn+rest", "dispatch", "expert", "combine", "bytes"]
-    return format_table(header + ["analytic", "imb_default", "imb_eplb"], rows)
+    lines = [format_table(header + ["analytic", "imb_default", "imb_eplb"], rows), ""]
+    for ep, models in result["results"].items():
+        for name, res in models.items():
+            o = res["overlap_step_ms"]
+            lines.append(f"ep {ep} {name} batch {o['batch']}: overlap off {o['off']} ms, on {o['on']} ms")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -182,6 +182,7 @@ class ExpertParallelRuntime:
             )
         self.model, self.parallel, self.group, self.placement = model, parallel, group, placement
         self.rank, self.num_ranks = parallel.rank, parallel.expert_parallel_size
+        self.device = next(model.parameters()).device  # collectives' tensors live there (NCCL: on the GPU)
         self.layer_indices = moe_layer_indices(model.config)
         self.moe: list[DeepseekV3MoE] = [model.model.layers[i].mlp for i in self.layer_indices]
         for layer_idx, moe in zip(self.layer_indices, self.moe, strict=True):
@@ -195,6 +196,7 @@ class ExpertParallelRuntime:
         ]
         for moe, dispatcher in zip(self.moe, self.dispatchers, strict=True):
             moe.dispatcher = dispatcher
+        self.set_micro_batch_overlap(parallel.enable_micro_batch_overlap)
         num_layers, num_logical = len(self.moe), placement.num_logical_experts
         self._load_window: deque[torch.Tensor] = deque(maxlen=parallel.eplb_window_steps)
         self._rank_rows = torch.zeros(num_layers, self.num_ranks, dtype=torch.int64)
@@ -220,10 +222,11 @@ class ExpertParallelRuntime:
         if self.failure is not None:
             raise EPCollectiveError(self.failure)
         k, version = num_speculative_tokens, self.num_rebalances
-        flags = torch.tensor([int(has_work), k, -k, version, -version], dtype=torch.int64)
+        flags = torch.tensor([int(has_work), k, -k, version, -version], dtype=torch.int64, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MAX
         wait(self.group.allreduce([flags], options), "step agreement", self.rank)
+        flags = flags.cpu()
         any_work, max_k, min_k, max_version, min_version = flags[0], flags[1], -flags[2], flags[3], -flags[4]
         if max_k != min_k:
             raise EPCollectiveError(
@@ -255,6 +258,12 @@ class ExpertParallelRuntime:
                 self._totals[name] += getattr(stats, name)
         self._load_window.append(torch.stack(loads))
 
+    def set_micro_batch_overlap(self, enabled: bool) -> None:
+        """Switch two-micro-batch overlap on or off (between steps, on every rank alike: the collectives'
+        order changes with it)."""
+        for dispatcher in self.dispatchers:
+            dispatcher.overlap_micro_batches = enabled
+
     def reset_window(self) -> None:
         """Forget the expert-load window and the rows per rank (benchmarks: measure a phase alone)."""
         self._load_window.clear()
@@ -274,8 +283,9 @@ class ExpertParallelRuntime:
             EPCollectiveError: a collective or transfer failed or timed out.
         """
         start_s = time.perf_counter()
-        load = sum(self._load_window, self._logical_zero.clone())
+        load = sum(self._load_window, self._logical_zero.clone()).to(self.device)
         wait(self.group.allreduce([load]), "EPLB load allreduce", self.rank)
+        load = load.cpu()
         cfg = self.model.config
         phy2log, log2phy, logcnt = rebalance_experts(
             load,

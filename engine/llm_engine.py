@@ -50,7 +50,6 @@ from engine.scheduler_policy import SchedulerConfig, cdiv
 from engine.stopping import OutputText
 from models.deepseek_v3 import DeepseekV3ForCausalLM
 from models.dtypes import MODEL_DTYPES, torch_dtype
-from models.ep_dispatch import EPCollectiveError
 from models.tokenizer import Tokenizer
 
 __all__ = [
@@ -390,12 +389,12 @@ class LLMEngine:
     def _step_failed(self, output: SchedulerOutput, error: Exception) -> EngineStepError:
         """Finish every request `output` scheduled with FINISHED_ERROR (blocks freed, executor state
         dropped) and return the `EngineStepError` carrying their outputs and those of requests finished
-        outside the step. A failed EP collective fails every unfinished request of this rank (the
-        instance cannot run another step)."""
+        outside the step. On an EP rank any step failure fails the instance (the ranks left lockstep):
+        every unfinished request of this rank, and every later step."""
         message = f"engine step failed: {error!r}"
         failed = [item.request for item in output.scheduled]
-        if isinstance(error, EPCollectiveError) and self.ep is not None:
-            self.ep.failure = str(error)
+        if self.ep is not None:
+            self.ep.failure = self.ep.failure or str(error)
             message = f"expert-parallel instance failed: {error}"
             failed = [r.request for r in self._records.values() if not r.request.is_finished]
         for request in failed:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from engine.local_ranks import run_ranks
 from engine.parallel import make_instance_group
 from models import bundled_checkpoint_dir
 from models.ep_dispatch import EPDispatcher
 from models.eplb import rebalance_experts
 from models.expert_placement import ExpertPlacement, moe_layer_indices
 from models.loader import load_checkpoint
-from engine.local_ranks import run_ranks
 
 TIMEOUT_S = 30.0
 
@@ -33,14 +33,16 @@ def placement_for(world_size: int, num_redundant: int, eplb: bool) -> ExpertPlac
     return ExpertPlacement(phy2log, log2phy, logcnt, world_size)
 
 
-def moe_worker(rank: int, world_size: int, port: int, cases: list[tuple[int, bool, list[int]]]) -> list[dict]:
+def moe_worker(
+    rank: int, world_size: int, port: int, cases: list[tuple[int, bool, list[int], bool]]
+) -> list[dict]:
     group = make_instance_group("127.0.0.1", port, rank, world_size, timeout_s=TIMEOUT_S)
     full = load_checkpoint(bundled_checkpoint_dir())
     return [moe_case(group, full, rank, world_size, *case) for case in cases]
 
 
 def moe_case(
-    group, full, rank: int, world_size: int, num_redundant: int, eplb: bool, tokens: list[int]
+    group, full, rank: int, world_size: int, num_redundant: int, eplb: bool, tokens: list[int], overlap: bool
 ) -> dict:
     torch.manual_seed(1234 + rank)
     placement = placement_for(world_size, num_redundant, eplb)
@@ -50,6 +52,7 @@ def moe_case(
     for row, layer_idx in enumerate(layers):
         ref_moe, ep_moe = full.model.layers[layer_idx].mlp, shard.model.layers[layer_idx].mlp
         ep_moe.dispatcher = EPDispatcher(group, placement, row, layer_idx)
+        ep_moe.dispatcher.overlap_micro_batches = overlap
         report["num_local"].append(len(ep_moe.experts))
         for slot, logical in enumerate(placement.local_logical_experts(row, rank)):
             got, want = ep_moe.experts[slot].up_proj.weight, ref_moe.experts[logical].up_proj.weight
@@ -64,14 +67,20 @@ def moe_case(
     return report
 
 
-# (num_redundant_experts, EPLB placement, tokens per rank): an idle rank, default replicas, EPLB replicas.
-CASES = [(0, False, [7, 0, 3, 1]), (4, False, [5, 9, 0, 2]), (4, True, [3, 0, 12, 1])]
+# (num_redundant_experts, EPLB placement, tokens per rank, two-micro-batch overlap): an idle rank, default
+# replicas, EPLB replicas, and overlap with a one-token rank (an empty second micro-batch) and an idle one.
+CASES = [
+    (0, False, [7, 0, 3, 1], False),
+    (4, False, [5, 9, 0, 2], False),
+    (4, True, [3, 0, 12, 1], False),
+    (4, True, [1, 6, 0, 9], True),
+]
 
 
 def test_ep4_dispatch_matches_single_device_moe() -> None:
     world_size, top_k = 4, 2  # top_k: the bundled model's num_experts_per_tok
     reports = run_ranks(moe_worker, world_size, CASES, timeout_s=8 * TIMEOUT_S)
-    for i, (num_redundant, _, tokens) in enumerate(CASES):
+    for i, (num_redundant, _, tokens, _) in enumerate(CASES):
         for rank in range(world_size):
             report = reports[rank][i]
             assert report["weights_ok"], f"rank {rank} holds wrong expert weights"
