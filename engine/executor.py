@@ -205,7 +205,10 @@ class Executor:
     ) -> ModelRunnerOutput:
         """Run one step (`prepare` then `run`). Requests whose `samples` is False (mid-prefill) get no
         tokens."""
-        return self.run(output, self.prepare(output), on_layer_kv, join_collectives)
+        prepared = self.prepare(output)
+        if join_collectives:  # (one device: the plain call, as the async loop and its tests make it)
+            return self.run(output, prepared, on_layer_kv, join_collectives=True)
+        return self.run(output, prepared, on_layer_kv)
 
     def run(
         self,

@@ -1,5 +1,23 @@
 """The EP side of one rank's engine: lockstep agreement, expert-load window, EPLB rebalancing, EP figures.
 
+The contract of an expert-parallel instance (`EngineConfig.parallel.expert_parallel_size = N > 1`,
+`LLMEngine(config, group=engine.parallel.make_instance_group(...))` on each of the N ranks):
+
+- Each rank has its own engine with its own requests and paged KV cache (data-parallel attention) and
+  holds only its routed experts (loaded so from the checkpoint; the shared expert, dense layers,
+  attention and router are replicated).
+- EVERY rank calls `engine.step()` in a loop, also when it has no request. Each step starts with one
+  small collective where the ranks agree whether any of them has work; then all run the step (a rank
+  without work runs an empty batch, joining every MoE collective) or none does. When no rank has work,
+  `step()` returns promptly with no outputs (aborts aside): the caller sleeps briefly and calls again.
+  `ExpertParallelRuntime.last_stepped` says whether the instance ran the last step.
+- Requests are added, aborted, reserved and admitted between steps on each rank, as on one device.
+- A collective that fails or times out (`ParallelConfig.collective_timeout_s`: a rank died, stopped
+  stepping, or left lockstep) fails the instance: that `step()` finishes every unfinished request of the
+  rank with finish_reason "error" and raises `EngineStepError` carrying their outputs; later steps do the
+  same for requests added since. Async scheduling is refused with EP (`EngineConfig` ValueError).
+- `engine.ep_stats()` (`EPStats`): expert load, imbalance, dispatch/combine seconds and bytes, rebalances.
+
 `ExpertParallelRuntime` installs an `EPDispatcher` in every MoE layer of the rank's model shard and, per
 engine step (`engine.llm_engine.LLMEngine.step`):
 
@@ -26,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.config import EngineConfig
 from engine.parallel import ParallelConfig
 from models.config import DeepseekV3Config
 from models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
@@ -101,6 +120,34 @@ def load_rank_shard(
     return model, placement
 
 
+def setup_expert_parallel(
+    config: EngineConfig,
+    model: DeepseekV3ForCausalLM | None,
+    group: dist.ProcessGroup | None,
+    dtype: torch.dtype,
+) -> tuple[DeepseekV3ForCausalLM | None, ExpertParallelRuntime | None]:
+    """`(model, runtime)` for an engine: on one device `(model, None)` unchanged; with EP this rank's
+    shard (`model` None: loaded with `load_rank_shard`; else a shard built for `default_placement`) and
+    its `ExpertParallelRuntime`.
+
+    Raises:
+        ValueError: EP without a process group, or a group/model that does not fit the config.
+    """
+    parallel = config.parallel
+    if not parallel.enabled:
+        return model, None
+    if group is None:
+        raise ValueError(
+            f"expert_parallel_size {parallel.expert_parallel_size} needs the instance process group "
+            "(LLMEngine(config, group=engine.parallel.make_instance_group(...)))"
+        )
+    if model is None:
+        model, placement = load_rank_shard(config.model, parallel, config.device, dtype)
+    else:
+        placement = default_placement(model.config, parallel)
+    return model, ExpertParallelRuntime(model, parallel, group, placement)
+
+
 def max_over_mean(rows: torch.Tensor) -> torch.Tensor:
     """max / mean over the last dimension; 1.0 where the mean is 0."""
     mean = rows.float().mean(-1)
@@ -135,6 +182,7 @@ class ExpertParallelRuntime:
             )
         self.model, self.parallel, self.group, self.placement = model, parallel, group, placement
         self.rank, self.num_ranks = parallel.rank, parallel.expert_parallel_size
+        self.device = next(model.parameters()).device  # collectives' tensors live there (NCCL: on the GPU)
         self.layer_indices = moe_layer_indices(model.config)
         self.moe: list[DeepseekV3MoE] = [model.model.layers[i].mlp for i in self.layer_indices]
         for layer_idx, moe in zip(self.layer_indices, self.moe, strict=True):
@@ -148,6 +196,7 @@ class ExpertParallelRuntime:
         ]
         for moe, dispatcher in zip(self.moe, self.dispatchers, strict=True):
             moe.dispatcher = dispatcher
+        self.set_micro_batch_overlap(parallel.enable_micro_batch_overlap)
         num_layers, num_logical = len(self.moe), placement.num_logical_experts
         self._load_window: deque[torch.Tensor] = deque(maxlen=parallel.eplb_window_steps)
         self._rank_rows = torch.zeros(num_layers, self.num_ranks, dtype=torch.int64)
@@ -157,6 +206,7 @@ class ExpertParallelRuntime:
         )
         self.num_steps = self.num_idle_steps = self.num_rebalances = 0
         self.last_stepped = False  # whether the instance ran the last step (some rank had work)
+        self.failure: str | None = None  # why the instance failed (set by the engine); every later step fails
         self.rebalance_s = self.last_rebalance_s = 0.0
         self.rebalance_moved_bytes = 0
 
@@ -166,13 +216,17 @@ class ExpertParallelRuntime:
         Returns True when every rank must run the step (some rank has work).
 
         Raises:
-            EPCollectiveError: the collective failed or timed out, or the ranks disagree on k or placement.
+            EPCollectiveError: the collective failed or timed out, the ranks disagree on k or placement, or
+                the instance failed before (`failure`).
         """
+        if self.failure is not None:
+            raise EPCollectiveError(self.failure)
         k, version = num_speculative_tokens, self.num_rebalances
-        flags = torch.tensor([int(has_work), k, -k, version, -version], dtype=torch.int64)
+        flags = torch.tensor([int(has_work), k, -k, version, -version], dtype=torch.int64, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MAX
         wait(self.group.allreduce([flags], options), "step agreement", self.rank)
+        flags = flags.cpu()
         any_work, max_k, min_k, max_version, min_version = flags[0], flags[1], -flags[2], flags[3], -flags[4]
         if max_k != min_k:
             raise EPCollectiveError(
@@ -204,6 +258,17 @@ class ExpertParallelRuntime:
                 self._totals[name] += getattr(stats, name)
         self._load_window.append(torch.stack(loads))
 
+    def set_micro_batch_overlap(self, enabled: bool) -> None:
+        """Switch two-micro-batch overlap on or off (between steps, on every rank alike: the collectives'
+        order changes with it)."""
+        for dispatcher in self.dispatchers:
+            dispatcher.overlap_micro_batches = enabled
+
+    def reset_window(self) -> None:
+        """Forget the expert-load window and the rows per rank (benchmarks: measure a phase alone)."""
+        self._load_window.clear()
+        self._rank_rows.zero_()
+
     # ---- EPLB ----------------------------------------------------------------------------------------
     def rebalance_due(self) -> bool:
         interval = self.parallel.eplb_interval_steps
@@ -218,8 +283,9 @@ class ExpertParallelRuntime:
             EPCollectiveError: a collective or transfer failed or timed out.
         """
         start_s = time.perf_counter()
-        load = sum(self._load_window, self._logical_zero.clone())
+        load = sum(self._load_window, self._logical_zero.clone()).to(self.device)
         wait(self.group.allreduce([load]), "EPLB load allreduce", self.rank)
+        load = load.cpu()
         cfg = self.model.config
         phy2log, log2phy, logcnt = rebalance_experts(
             load,

@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup
 from engine.async_loop import AsyncStepLoop
 from engine.config import EngineConfig
 from engine.executor import Executor
-from engine.expert_parallel import EPStats, ExpertParallelRuntime, default_placement, load_rank_shard
+from engine.expert_parallel import EPStats, setup_expert_parallel
 from engine.model_runner import LayerKVCallback, ModelRunner
 from engine.outputs import RequestOutput, SchedulerOutput
 from engine.remote_prefill import (
@@ -50,7 +50,6 @@ from engine.scheduler_policy import SchedulerConfig, cdiv
 from engine.stopping import OutputText
 from models.deepseek_v3 import DeepseekV3ForCausalLM
 from models.dtypes import MODEL_DTYPES, torch_dtype
-from models.ep_dispatch import EPCollectiveError
 from models.tokenizer import Tokenizer
 
 __all__ = [
@@ -80,25 +79,9 @@ class EngineStepError(RuntimeError):
 
 
 class LLMEngine:
-    """One engine instance (or one rank of an expert-parallel instance): model, KV cache, scheduler,
-    executor.
-
-    Expert parallelism (`config.parallel.expert_parallel_size = N > 1`, `group` the instance's process
-    group from `engine.parallel.make_instance_group`): each rank has its own engine with its own requests
-    and KV cache (data-parallel attention) and holds only its routed experts (`model` None: loaded so;
-    else a shard built for `engine.expert_parallel.default_placement`). The contract with the caller:
-
-    - EVERY rank calls `step()` in a loop, also when it has no request: each step starts with one
-      collective where the ranks agree whether any of them has work; then all run the step (a rank
-      without work runs an empty batch, joining every MoE collective) or none does. With no work anywhere
-      `step()` returns promptly with no outputs (aborts aside); the caller sleeps briefly and calls again.
-    - Requests are added, aborted, reserved, admitted between steps on each rank, as on one device.
-    - A collective that fails or times out (`parallel.collective_timeout_s`: a rank died, stopped stepping,
-      or left lockstep) fails the instance: that `step()` finishes every unfinished request of this rank
-      with finish_reason "error" and raises `EngineStepError` carrying their outputs; later steps do the
-      same for requests added since. Async scheduling is refused for EP (EngineConfig ValueError).
-    - `ep_stats()`: expert load, imbalance, dispatch/combine seconds and bytes, rebalances.
-    """
+    """One engine instance, or one rank of an expert-parallel instance (`config.parallel`, `group` the
+    instance's process group): model, KV cache, scheduler, executor. With EP every rank calls `step()` in
+    a loop, work or not; the contract is in `engine.expert_parallel`'s module docstring."""
 
     def __init__(
         self,
@@ -108,20 +91,8 @@ class LLMEngine:
     ) -> None:
         self.config = config
         dtype = torch_dtype(config.dtype, "dtype", MODEL_DTYPES)
-        parallel = config.parallel
-        self.ep: ExpertParallelRuntime | None = None
-        self._ep_failure: str | None = None  # why the EP instance failed; every later step fails
-        if parallel.enabled:
-            if group is None:
-                raise ValueError(
-                    f"expert_parallel_size {parallel.expert_parallel_size} needs the instance process group "
-                    "(LLMEngine(config, group=engine.parallel.make_instance_group(...)))"
-                )
-            if model is None:
-                model, placement = load_rank_shard(config.model, parallel, config.device, dtype)
-            else:
-                placement = default_placement(model.config, parallel)
-            self.ep = ExpertParallelRuntime(model, parallel, group, placement)
+        # EP: this rank's shard of experts and the runtime that keeps the ranks in lockstep; else None.
+        model, self.ep = setup_expert_parallel(config, model, group, dtype)
         self.model = model or DeepseekV3ForCausalLM.from_pretrained(
             config.model, device=config.device, dtype=dtype
         )
@@ -380,7 +351,8 @@ class LLMEngine:
             if exporting and on_prompt_kv is not None:
                 hook = prompt_kv_hook(self.runner, exporting, on_layer_kv, on_prompt_kv)
             try:
-                lockstep = self._ep_begin_step(bool(output.scheduled))
+                k = self.executor.max_num_speculative_tokens
+                lockstep = self.ep is not None and self.ep.begin_step(bool(output.scheduled), k)
                 runner_output = self.executor.execute(output, hook, join_collectives=lockstep)
             except Exception as e:  # noqa: BLE001 - fail the requests this step ran, not the engine
                 raise self._step_failed(output, e) from e
@@ -410,16 +382,6 @@ class LLMEngine:
             self._async_loop.drain()
         return results
 
-    # ---- expert parallelism (engine.expert_parallel) ----------------------------------------------------
-    def _ep_begin_step(self, has_work: bool) -> bool:
-        """EP: the step's agreement (and a due rebalance); True when every rank runs this step. A failed
-        instance raises its failure again. One device: False (nothing to join)."""
-        if self.ep is None:
-            return False
-        if self._ep_failure is not None:
-            raise EPCollectiveError(self._ep_failure)
-        return self.ep.begin_step(has_work, self.executor.max_num_speculative_tokens)
-
     def ep_stats(self) -> EPStats | None:
         """Expert-parallel figures of this rank (`engine.expert_parallel.EPStats`); None on one device."""
         return self.ep.stats() if self.ep is not None else None
@@ -427,12 +389,12 @@ class LLMEngine:
     def _step_failed(self, output: SchedulerOutput, error: Exception) -> EngineStepError:
         """Finish every request `output` scheduled with FINISHED_ERROR (blocks freed, executor state
         dropped) and return the `EngineStepError` carrying their outputs and those of requests finished
-        outside the step. A failed EP collective fails every unfinished request of this rank (the
-        instance cannot run another step)."""
+        outside the step. On an EP rank any step failure fails the instance (the ranks left lockstep):
+        every unfinished request of this rank, and every later step."""
         message = f"engine step failed: {error!r}"
         failed = [item.request for item in output.scheduled]
-        if isinstance(error, EPCollectiveError):
-            self._ep_failure = str(error)
+        if self.ep is not None:
+            self.ep.failure = self.ep.failure or str(error)
             message = f"expert-parallel instance failed: {error}"
             failed = [r.request for r in self._records.values() if not r.request.is_finished]
         for request in failed:

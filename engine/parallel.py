@@ -35,7 +35,10 @@ class ParallelConfig:
         eplb_window_steps: engine steps of expert load the rebalance looks at (a sliding window).
         eplb_num_nodes: server nodes of the instance, for EPLB's hierarchical mode (1 here).
         collective_timeout_s: the most any collective of the instance's group waits, seconds; a dead or
-            stopped rank fails every other rank's step within it.
+            stopped rank fails every other rank's step within it. The first step's agreement also waits
+            for the slowest rank to finish loading, so leave room for that.
+        enable_micro_batch_overlap: split each MoE layer's tokens in two micro-batches whose all-to-alls
+            overlap the other's expert compute (`models.ep_dispatch.EPDispatcher.forward`); same outputs.
     """
 
     expert_parallel_size: int = 1
@@ -46,6 +49,7 @@ class ParallelConfig:
     eplb_window_steps: int = 64
     eplb_num_nodes: int = 1
     collective_timeout_s: float = 60.0
+    enable_micro_batch_overlap: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:

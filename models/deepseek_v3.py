@@ -184,21 +184,24 @@ class DeepseekV3MoE(nn.Module):
             else None
         )
         self.dispatcher: ExpertDispatcher = LocalDispatcher(config.n_routed_experts)
-        # Tokens routed to each expert by the last forward (for load balancing / EPLB statistics).
+        # Rows each local expert processed in the last forward (for load balancing statistics).
         self.last_expert_load: torch.Tensor | None = None
+
+    def run_experts(self, rows: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
+        """Each local expert over its contiguous slice of `rows [num_rows, hidden_size]` (sorted by local
+        expert, `rows_per_expert` each); returns `[num_rows, hidden_size]` in the same order."""
+        self.last_expert_load = torch.tensor(rows_per_expert)
+        outputs, start = [], 0
+        for expert, num_rows in zip(self.experts, rows_per_expert, strict=True):
+            if num_rows:
+                outputs.append(expert(rows[start : start + num_rows]))
+            start += num_rows
+        return torch.cat(outputs) if outputs else rows[:0]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: `[num_tokens, hidden_size]` -> `[num_tokens, hidden_size]`."""
         topk_weights, topk_ids = self.gate(hidden)
-        dispatched = self.dispatcher.dispatch(hidden, topk_ids, topk_weights)
-        self.last_expert_load = torch.tensor(dispatched.rows_per_expert)
-        outputs, start = [], 0
-        for expert, num_rows in zip(self.experts, dispatched.rows_per_expert, strict=True):
-            if num_rows:
-                outputs.append(expert(dispatched.hidden[start : start + num_rows]))
-            start += num_rows
-        expert_out = torch.cat(outputs) if outputs else dispatched.hidden[:0]
-        out = self.dispatcher.combine(expert_out, dispatched.handle)
+        out = self.dispatcher.forward(hidden, topk_ids, topk_weights, self.run_experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden)
         return out

@@ -16,15 +16,17 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import EngineStepError, LLMEngine
+from engine.local_ranks import run_ranks
 from engine.parallel import ParallelConfig, make_instance_group
 from engine.sampling_params import SamplingParams
 from models import bundled_checkpoint_dir
 from models.prompts import heldout_def_prompts
-from tests.multiproc import run_ranks
 
 CKPT = str(bundled_checkpoint_dir())
-TIMEOUT_S = 20.0  # collective timeout of the instance group
-JOIN_S = 12 * TIMEOUT_S  # whole multi-process run (spawn + torch import + model load on a loaded machine)
+# Collective timeout of the instance group. Generous: the first step's agreement also waits for the slowest
+# rank's engine load, seconds apart on a loaded machine; a dead peer fails collectives at once anyway.
+TIMEOUT_S = 60.0
+JOIN_S = 5 * TIMEOUT_S  # a whole multi-process run at most (spawn, import, load, steps)
 
 
 def engine_config(k: int, **parallel) -> EngineConfig:
@@ -63,7 +65,8 @@ def ep_worker(rank: int, world_size: int, port: int, case: dict) -> dict:
     )
     engine = LLMEngine(cfg, group=group)
     result: dict = {"num_local": len(engine.model.model.layers[1].mlp.experts), "rounds": [], "stats": []}
-    for round_prompts in case["rounds"]:
+    for i, round_prompts in enumerate(case["rounds"]):
+        engine.ep.set_micro_batch_overlap(i in case.get("overlap_rounds", ()))
         for request_id, prompt, max_tokens in round_prompts[rank]:
             engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens), request_id)
         tokens, finals, num_calls = run_until_idle(engine, case.get("min_steps", 0))
@@ -97,57 +100,65 @@ def split(prompts: list[tuple[str, str, int]], world_size: int) -> list[list[tup
 @pytest.mark.parametrize("world_size, redundant", [(2, 2), (4, 0)])
 def test_ep_matches_single_device_with_mtp(world_size: int, redundant: int) -> None:
     """Greedy tokens identical to one device; acceptance rate equal within 0.05 (the MTP drafts' argmax may
-    flip on float noise from expert GEMMs over other row sets; the verified output cannot)."""
+    flip on float noise from expert GEMMs over other row sets; the verified output cannot). The same
+    prompts run twice: the second round with two-micro-batch overlap on."""
     prompts = [(f"p{i}", p, 16) for i, p in enumerate(heldout_def_prompts(2 * world_size + 1))]
     want, want_rate = reference(prompts, k=1)
-    case = {"k": 1, "redundant": redundant, "rounds": [split(prompts, world_size)]}
+    rounds = [split(prompts, world_size)] * 2
+    case = {"k": 1, "redundant": redundant, "rounds": rounds, "overlap_rounds": (1,)}
     results = run_ranks(ep_worker, world_size, case, timeout_s=JOIN_S)
-    got, accepted, drafted = {}, 0, 0
-    for rank, result in results.items():
-        assert result["num_local"] == (8 + redundant) // world_size  # only this rank's experts
-        (round_,) = result["rounds"]
-        got.update(round_["tokens"])
-        accepted += round_["accepted"]
-        drafted += round_["drafted"]
-    assert got == want
-    assert abs(accepted / drafted - want_rate) <= 0.05
+    for i in range(len(rounds)):
+        got, accepted, drafted = {}, 0, 0
+        for result in results.values():
+            assert result["num_local"] == (8 + redundant) // world_size  # only this rank's experts
+            round_ = result["rounds"][i]
+            got.update(round_["tokens"])
+            accepted += round_["accepted"]
+            drafted += round_["drafted"]
+        assert got == want, f"round {i}"
+        assert abs(accepted / drafted - want_rate) <= 0.05, f"round {i}"
 
 
-def test_idle_rank_joins_200_steps_without_deadlock() -> None:
-    """Rank 0 runs one 200-token request (k=0: 200 steps); rank 1 has none and joins every step with an
-    empty batch."""
+@pytest.fixture(scope="module")
+def ep2_skewed_then_idle() -> tuple[dict, dict[str, list[int]], dict[str, list[int]]]:
+    """One EP2 instance (k=0: one step per token; 2 redundant experts; `eplb_interval_steps=18`):
+    rounds 1-3: the same prompt, 4 copies per rank, 12 tokens each (12 steps a round); round 4: rank 0 one
+    200-token request, rank 1 none. Returns (results by rank, reference tokens of rounds 1-3 and 4)."""
     (prompt,) = heldout_def_prompts(1)
-    prompts = [("busy", prompt, 200)]
-    want, _ = reference(prompts, k=0)
-    case = {"k": 0, "rounds": [[prompts, []]]}
+    skewed = [[(f"r{r}-{i}", prompt, 12) for i in range(4)] for r in range(2)]
+    busy = [("busy", prompt, 200)]
+    case = {"k": 0, "redundant": 2, "eplb_interval": 18, "rounds": [skewed] * 3 + [[busy, []]]}
     results = run_ranks(ep_worker, 2, case, timeout_s=JOIN_S)
-    assert results[0]["rounds"][0]["tokens"] == want
-    assert results[1]["rounds"][0]["tokens"] == {}
-    for rank in (0, 1):
-        assert results[rank]["rounds"][0]["calls"] >= 200
-        assert results[rank]["stats"][0].num_steps == 200  # the instance stepped once per token
-    assert results[1]["stats"][0].num_idle_steps == 200
-    assert results[0]["stats"][0].num_idle_steps == 0
+    return results, reference([("x", prompt, 12)], k=0)[0], reference(busy, k=0)[0]
 
 
-def test_eplb_live_rebalance_lowers_imbalance_and_keeps_outputs() -> None:
-    """Skewed load (the same prompt, 4 copies per rank), 3 identical rounds of 12 steps each (k=0: one step
-    per token); `eplb_interval_steps=18` rebalances in the middle of round 2. Imbalance (max/mean rows per
-    rank, all MoE layers) since the start (default placement, after round 1) vs since the rebalance
-    (after round 3): lower after. Every round's tokens equal the single-device ones."""
-    (prompt,) = heldout_def_prompts(1)
-    round_prompts = [[(f"r{r}-{i}", prompt, 12) for i in range(4)] for r in range(2)]
-    want, _ = reference([(f"x{i}", prompt, 12) for i in range(1)], k=0)
-    case = {"k": 0, "redundant": 2, "eplb_interval": 18, "rounds": [round_prompts] * 3}
-    results = run_ranks(ep_worker, 2, case, timeout_s=JOIN_S)
+def test_eplb_live_rebalance_lowers_imbalance_and_keeps_outputs(ep2_skewed_then_idle) -> None:
+    """Skewed load; the rebalance comes at step 18, mid round 2. Imbalance (max/mean rows per rank over all
+    MoE layers) with the default placement (after round 1) vs since the rebalance (after round 3): lower
+    after. Every round's tokens equal the single-device ones."""
+    results, want, _ = ep2_skewed_then_idle
     for result in results.values():
-        for round_ in result["rounds"]:
-            assert set(map(tuple, round_["tokens"].values())) == {tuple(want["x0"])}
-        before, mid, after = result["stats"]
+        for round_ in result["rounds"][:3]:
+            assert set(map(tuple, round_["tokens"].values())) == {tuple(want["x"])}
+        before, mid, after = result["stats"][:3]
+        assert (before.num_steps, mid.num_steps, after.num_steps) == (12, 24, 36)
         assert (before.num_rebalances, mid.num_rebalances, after.num_rebalances) == (0, 1, 1)
         assert after.total_imbalance < before.total_imbalance, (before.total_imbalance, after.total_imbalance)
         assert after.last_rebalance_s > 0
-    print({r: [s.total_imbalance for s in res["stats"]] for r, res in results.items()})
+
+
+def test_idle_rank_joins_200_steps_without_deadlock(ep2_skewed_then_idle) -> None:
+    """Round 4: rank 0 runs one 200-token request (200 steps, rebalancing every 18); rank 1 has none and
+    joins every step with an empty batch."""
+    results, _, want = ep2_skewed_then_idle
+    assert results[0]["rounds"][3]["tokens"] == want
+    assert results[1]["rounds"][3]["tokens"] == {}
+    for rank in (0, 1):
+        assert results[rank]["rounds"][3]["calls"] >= 200
+        start, end = results[rank]["stats"][2:]
+        assert end.num_steps - start.num_steps == 200  # the instance stepped once per token
+        assert end.num_idle_steps - start.num_idle_steps == (200 if rank == 1 else 0)
+        assert end.num_rebalances == len(range(18, 236, 18))  # before steps 19, 37, ..., 235
 
 
 def killing_worker(rank: int, world_size: int, port: int) -> dict:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from engine.local_ranks import run_ranks
 from engine.parallel import make_instance_group
 from models import bundled_checkpoint_dir
 from models.ep_dispatch import EPDispatcher
 from models.eplb import rebalance_experts
 from models.expert_placement import ExpertPlacement, moe_layer_indices
 from models.loader import load_checkpoint
-from tests.multiproc import run_ranks
 
 TIMEOUT_S = 30.0
 
@@ -33,17 +33,26 @@ def placement_for(world_size: int, num_redundant: int, eplb: bool) -> ExpertPlac
     return ExpertPlacement(phy2log, log2phy, logcnt, world_size)
 
 
-def moe_worker(rank: int, world_size: int, port: int, num_redundant: int, eplb: bool, tokens: list[int]):
-    torch.manual_seed(1234 + rank)
+def moe_worker(
+    rank: int, world_size: int, port: int, cases: list[tuple[int, bool, list[int], bool]]
+) -> list[dict]:
     group = make_instance_group("127.0.0.1", port, rank, world_size, timeout_s=TIMEOUT_S)
-    placement = placement_for(world_size, num_redundant, eplb)
     full = load_checkpoint(bundled_checkpoint_dir())
+    return [moe_case(group, full, rank, world_size, *case) for case in cases]
+
+
+def moe_case(
+    group, full, rank: int, world_size: int, num_redundant: int, eplb: bool, tokens: list[int], overlap: bool
+) -> dict:
+    torch.manual_seed(1234 + rank)
+    placement = placement_for(world_size, num_redundant, eplb)
     shard = load_checkpoint(bundled_checkpoint_dir(), placement=placement, ep_rank=rank)
     layers = moe_layer_indices(full.config)
-    report = {"num_local": [], "max_err": [], "weights_ok": True}
+    report: dict = {"num_local": [], "weights_ok": True, "load": [], "rank_rows": []}
     for row, layer_idx in enumerate(layers):
         ref_moe, ep_moe = full.model.layers[layer_idx].mlp, shard.model.layers[layer_idx].mlp
         ep_moe.dispatcher = EPDispatcher(group, placement, row, layer_idx)
+        ep_moe.dispatcher.overlap_micro_batches = overlap
         report["num_local"].append(len(ep_moe.experts))
         for slot, logical in enumerate(placement.local_logical_experts(row, rank)):
             got, want = ep_moe.experts[slot].up_proj.weight, ref_moe.experts[logical].up_proj.weight
@@ -52,34 +61,32 @@ def moe_worker(rank: int, world_size: int, port: int, num_redundant: int, eplb: 
         with torch.inference_mode():
             want, got = ref_moe(hidden), ep_moe(hidden)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        report["max_err"].append(float((got - want).abs().max()) if hidden.numel() else 0.0)
         stats = ep_moe.dispatcher.take_stats()
-        report.setdefault("load", []).append(stats.logical_load.tolist())
-        report.setdefault("rank_rows", []).append(stats.rank_rows.tolist())
+        report["load"].append(stats.logical_load.tolist())
+        report["rank_rows"].append(stats.rank_rows.tolist())
     return report
 
 
-def check(world_size: int, num_redundant: int, eplb: bool, tokens: list[int]) -> dict:
-    reports = run_ranks(moe_worker, world_size, num_redundant, eplb, tokens, timeout_s=4 * TIMEOUT_S)
-    top_k = 2  # the bundled model's num_experts_per_tok
-    for rank, report in reports.items():
-        assert report["weights_ok"], f"rank {rank} holds wrong expert weights"
-        assert report["num_local"] == [(8 + num_redundant) // world_size] * len(report["num_local"])
-        for load in report["load"]:
-            assert sum(load) == tokens[rank] * top_k  # every (token, expert) pair counted once
-    for row_rows in zip(*(r["rank_rows"] for r in reports.values()), strict=True):
-        assert all(rows == row_rows[0] for rows in row_rows)  # every rank saw the same table
-        assert sum(row_rows[0]) == sum(tokens) * top_k  # every pair dispatched exactly once
-    return reports
+# (num_redundant_experts, EPLB placement, tokens per rank, two-micro-batch overlap): an idle rank, default
+# replicas, EPLB replicas, and overlap with a one-token rank (an empty second micro-batch) and an idle one.
+CASES = [
+    (0, False, [7, 0, 3, 1], False),
+    (4, False, [5, 9, 0, 2], False),
+    (4, True, [3, 0, 12, 1], False),
+    (4, True, [1, 6, 0, 9], True),
+]
 
 
-def test_ep2_matches_single_device_moe_with_an_idle_rank() -> None:
-    check(world_size=2, num_redundant=0, eplb=False, tokens=[7, 0])
-
-
-def test_ep2_redundant_experts_default_placement() -> None:
-    check(world_size=2, num_redundant=2, eplb=False, tokens=[5, 9])
-
-
-def test_ep4_eplb_placement_with_replicas() -> None:
-    check(world_size=4, num_redundant=4, eplb=True, tokens=[3, 0, 12, 1])
+def test_ep4_dispatch_matches_single_device_moe() -> None:
+    world_size, top_k = 4, 2  # top_k: the bundled model's num_experts_per_tok
+    reports = run_ranks(moe_worker, world_size, CASES, timeout_s=8 * TIMEOUT_S)
+    for i, (num_redundant, _, tokens, _) in enumerate(CASES):
+        for rank in range(world_size):
+            report = reports[rank][i]
+            assert report["weights_ok"], f"rank {rank} holds wrong expert weights"
+            assert report["num_local"] == [(8 + num_redundant) // world_size] * len(report["num_local"])
+            for load in report["load"]:
+                assert sum(load) == tokens[rank] * top_k  # every (token, expert) pair counted once
+        for rows in zip(*(reports[rank][i]["rank_rows"] for rank in range(world_size)), strict=True):
+            assert all(r == rows[0] for r in rows)  # every rank saw the same counts table
+            assert sum(rows[0]) == sum(tokens) * top_k  # every pair dispatched exactly once

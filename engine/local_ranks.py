@@ -1,4 +1,5 @@
-"""Run a function on N spawned processes (EP ranks) and collect what each returns; never hangs.
+"""Run a function on N spawned local processes (the ranks of one EP instance on this machine) and
+collect what each returns; never hangs. Tests and `bench.moe_ep` use it; Ray actors do not.
 
 `run_ranks(fn, world_size, *args, timeout_s=...)` spawns `world_size` processes (torch.multiprocessing,
 spawn) that each call `fn(rank, world_size, port, *args)`, with `port` a free TCP port on 127.0.0.1 for
