@@ -37,10 +37,9 @@ POOL_DEPLOYMENT_FIELDS = frozenset(
 
 # EngineConfig fields no topology key sets, per role: the engine's own knobs, and on each pool the field only
 # the other pool has (chunked prefill is prefill's, adaptive speculation decode's).
-# `parallel` (engine.parallel.ParallelConfig) is per rank: the deployment fills it in for each rank actor.
-_ENGINE_ONLY = frozenset(
-    {"num_kv_blocks", "adaptive_speculation_min_accept_prob", "async_scheduling", "parallel"}
-)
+# (`parallel`, engine.parallel.ParallelConfig, is per rank: `engine_arguments(topology, role, rank)` derives
+# it, `parallel_config`.)
+_ENGINE_ONLY = frozenset({"num_kv_blocks", "adaptive_speculation_min_accept_prob", "async_scheduling"})
 ENGINE_DEFAULTED = {
     "prefill": _ENGINE_ONLY | {"adaptive_speculation"},
     "decode": _ENGINE_ONLY | {"enable_chunked_prefill"},
