@@ -29,7 +29,8 @@ Read from `backend.stats()` at scrape time (nothing is cached between scrapes):
 
     pdcluster_num_requests_waiting / pdcluster_num_requests_running  gauges (queue depth)
     pdcluster_kv_cache_used_blocks{instance}, pdcluster_kv_cache_total_blocks{instance},
-    pdcluster_kv_cache_usage_ratio{instance}                          gauges
+    pdcluster_kv_cache_usage_ratio{instance}                          gauges, per decode rank (`decode-0`;
+                                                            `decode-0.1` is rank 1 of a multi-rank instance)
     pdcluster_backend_kv_transfer_bytes_total, pdcluster_backend_kv_transfer_seconds_total  counters (when
                                                             the backend reports them)
     pdcluster_rank_<counter>{rank}                                   gauges, one per counter of each rank's
