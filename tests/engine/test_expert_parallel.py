@@ -26,7 +26,11 @@ CKPT = str(bundled_checkpoint_dir())
 # Collective timeout of the instance group. Generous: the first step's agreement also waits for the slowest
 # rank's engine load, seconds apart on a loaded machine; a dead peer fails collectives at once anyway.
 TIMEOUT_S = 60.0
-JOIN_S = 5 * TIMEOUT_S  # a whole multi-process run at most (spawn, import, load, steps)
+# A whole multi-process run at most (spawn, import, load, steps: the 200-step run took 572 s on this 2-core
+# machine at load average 20, about 30 s when quiet); pytest-timeout for these tests is raised above it so
+# that a stuck run fails with the ranks' own report.
+JOIN_S = 15 * TIMEOUT_S
+multi_process = pytest.mark.timeout(JOIN_S + 2 * TIMEOUT_S)
 
 
 def engine_config(k: int, **parallel) -> EngineConfig:
@@ -97,14 +101,15 @@ def split(prompts: list[tuple[str, str, int]], world_size: int) -> list[list[tup
     return [prompts[r::world_size] for r in range(world_size)]
 
 
+@multi_process
 @pytest.mark.parametrize("world_size, redundant", [(2, 2), (4, 0)])
 def test_ep_matches_single_device_with_mtp(world_size: int, redundant: int) -> None:
     """Greedy tokens identical to one device; acceptance rate equal within 0.05 (the MTP drafts' argmax may
-    flip on float noise from expert GEMMs over other row sets; the verified output cannot). The same
-    prompts run twice: the second round with two-micro-batch overlap on."""
+    flip on float noise from expert GEMMs over other row sets; the verified output cannot). EP2 runs the
+    same prompts twice: the second round with two-micro-batch overlap on."""
     prompts = [(f"p{i}", p, 16) for i, p in enumerate(heldout_def_prompts(2 * world_size + 1))]
     want, want_rate = reference(prompts, k=1)
-    rounds = [split(prompts, world_size)] * 2
+    rounds = [split(prompts, world_size)] * (2 if world_size == 2 else 1)  # overlap: EP2 (time)
     case = {"k": 1, "redundant": redundant, "rounds": rounds, "overlap_rounds": (1,)}
     results = run_ranks(ep_worker, world_size, case, timeout_s=JOIN_S)
     for i in range(len(rounds)):
@@ -119,46 +124,44 @@ def test_ep_matches_single_device_with_mtp(world_size: int, redundant: int) -> N
         assert abs(accepted / drafted - want_rate) <= 0.05, f"round {i}"
 
 
-@pytest.fixture(scope="module")
-def ep2_skewed_then_idle() -> tuple[dict, dict[str, list[int]], dict[str, list[int]]]:
-    """One EP2 instance (k=0: one step per token; 2 redundant experts; `eplb_interval_steps=18`):
-    rounds 1-3: the same prompt, 4 copies per rank, 12 tokens each (12 steps a round); round 4: rank 0 one
-    200-token request, rank 1 none. Returns (results by rank, reference tokens of rounds 1-3 and 4)."""
-    (prompt,) = heldout_def_prompts(1)
-    skewed = [[(f"r{r}-{i}", prompt, 12) for i in range(4)] for r in range(2)]
-    busy = [("busy", prompt, 200)]
-    case = {"k": 0, "redundant": 2, "eplb_interval": 18, "rounds": [skewed] * 3 + [[busy, []]]}
-    results = run_ranks(ep_worker, 2, case, timeout_s=JOIN_S)
-    return results, reference([("x", prompt, 12)], k=0)[0], reference(busy, k=0)[0]
-
-
-def test_eplb_live_rebalance_lowers_imbalance_and_keeps_outputs(ep2_skewed_then_idle) -> None:
-    """Skewed load; the rebalance comes at step 18, mid round 2. Imbalance (max/mean rows per rank over all
+@multi_process
+def test_eplb_live_rebalance_lowers_imbalance_and_keeps_outputs() -> None:
+    """Skewed load (the same prompt, 4 copies per rank), 3 identical rounds of 8 steps (k=0: one step per
+    token); `eplb_interval_steps=12` rebalances mid round 2. Imbalance (max/mean rows per rank over all
     MoE layers) with the default placement (after round 1) vs since the rebalance (after round 3): lower
     after. Every round's tokens equal the single-device ones."""
-    results, want, _ = ep2_skewed_then_idle
+    (prompt,) = heldout_def_prompts(1)
+    skewed = [[(f"r{r}-{i}", prompt, 8) for i in range(4)] for r in range(2)]
+    want, _ = reference([("x", prompt, 8)], k=0)
+    case = {"k": 0, "redundant": 2, "eplb_interval": 12, "rounds": [skewed] * 3}
+    results = run_ranks(ep_worker, 2, case, timeout_s=JOIN_S)
     for result in results.values():
-        for round_ in result["rounds"][:3]:
+        for round_ in result["rounds"]:
             assert set(map(tuple, round_["tokens"].values())) == {tuple(want["x"])}
-        before, mid, after = result["stats"][:3]
-        assert (before.num_steps, mid.num_steps, after.num_steps) == (12, 24, 36)
+        before, mid, after = result["stats"]
+        assert (before.num_steps, mid.num_steps, after.num_steps) == (8, 16, 24)
         assert (before.num_rebalances, mid.num_rebalances, after.num_rebalances) == (0, 1, 1)
         assert after.total_imbalance < before.total_imbalance, (before.total_imbalance, after.total_imbalance)
         assert after.last_rebalance_s > 0
 
 
-def test_idle_rank_joins_200_steps_without_deadlock(ep2_skewed_then_idle) -> None:
-    """Round 4: rank 0 runs one 200-token request (200 steps, rebalancing every 18); rank 1 has none and
-    joins every step with an empty batch."""
-    results, _, want = ep2_skewed_then_idle
-    assert results[0]["rounds"][3]["tokens"] == want
-    assert results[1]["rounds"][3]["tokens"] == {}
+@multi_process
+def test_idle_rank_joins_200_steps_without_deadlock() -> None:
+    """Rank 0 runs one 200-token request (k=0: 200 steps, rebalancing every 50 steps meanwhile); rank 1
+    has none and joins every step with an empty batch."""
+    (prompt,) = heldout_def_prompts(1)
+    busy = [("busy", prompt, 200)]
+    want, _ = reference(busy, k=0)
+    case = {"k": 0, "redundant": 2, "eplb_interval": 50, "rounds": [[busy, []]]}
+    results = run_ranks(ep_worker, 2, case, timeout_s=JOIN_S)
+    assert results[0]["rounds"][0]["tokens"] == want
+    assert results[1]["rounds"][0]["tokens"] == {}
     for rank in (0, 1):
-        assert results[rank]["rounds"][3]["calls"] >= 200
-        start, end = results[rank]["stats"][2:]
-        assert end.num_steps - start.num_steps == 200  # the instance stepped once per token
-        assert end.num_idle_steps - start.num_idle_steps == (200 if rank == 1 else 0)
-        assert end.num_rebalances == len(range(18, 236, 18))  # before steps 19, 37, ..., 235
+        assert results[rank]["rounds"][0]["calls"] >= 200
+        (stats,) = results[rank]["stats"]
+        assert stats.num_steps == 200  # the instance stepped once per token
+        assert stats.num_idle_steps == (200 if rank == 1 else 0)
+        assert stats.num_rebalances == 3  # before steps 51, 101, 151
 
 
 def killing_worker(rank: int, world_size: int, port: int) -> dict:
@@ -187,6 +190,7 @@ def killing_worker(rank: int, world_size: int, port: int) -> dict:
     return {"elapsed_s": elapsed_s, "finals": finals, "message": message, "late": late}
 
 
+@multi_process
 def test_killed_rank_fails_the_instance_within_the_timeout() -> None:
     results = run_ranks(killing_worker, 2, timeout_s=JOIN_S, allow_failed=(1,))
     result = results[0]

@@ -79,7 +79,7 @@ CASES = [
 
 def test_ep4_dispatch_matches_single_device_moe() -> None:
     world_size, top_k = 4, 2  # top_k: the bundled model's num_experts_per_tok
-    reports = run_ranks(moe_worker, world_size, CASES, timeout_s=8 * TIMEOUT_S)
+    reports = run_ranks(moe_worker, world_size, CASES, timeout_s=15 * TIMEOUT_S)
     for i, (num_redundant, _, tokens, _) in enumerate(CASES):
         for rank in range(world_size):
             report = reports[rank][i]
