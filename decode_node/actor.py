@@ -27,16 +27,16 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from decode_node.deltas import Handoff, token_delta
 from engine.config import EngineConfig
 from engine.llm import EngineStepError, RequestOutput
 from kvtransfer.base import HandoffMeta, KVReceiver, KVTransferError, ReceivedKV, ReceivedLayer
 from orchestrator.messages import (
     DecodeEvent,
     DecodeNodeLoad,
-    DraftCounts,
+    InstanceGroupSpec,
     NodeReady,
     Phases,
     PolledEvent,
@@ -45,7 +45,7 @@ from orchestrator.messages import (
     ReserveResult,
     TokenDelta,
 )
-from orchestrator.rank_actor import RankActor
+from orchestrator.rank_actor import LOCKSTEP_IDLE_S, RankActor
 
 if TYPE_CHECKING:
     from kvtransfer.grpc_transport import TLSCredentials
@@ -53,28 +53,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _Handoff:
-    """One handoff on this node, from its admission on: the transfer's measures, when it was admitted
-    (until its first stepped delta), and how many of its tokens were sent to the driver."""
-
-    kv_transfer_s: float
-    kv_transfer_bytes: int
-    admitted_at_s: float | None = None
-    num_sent: int = 0
-    admit_s: float | None = None  # received until admitted
-
-
 class DecodeNode(RankActor):
-    """One decode instance (rank). `host`: loopback address its gRPC receiver binds (grpc transport; the shm
-    transport's socket is a path on this host)."""
+    """One decode rank (of an instance of one or more). `host`: address its gRPC receiver binds (grpc
+    transport; the shm transport's socket is a path on this host); `group`: how it joins its instance's
+    group (`RankActor`; None: a single-rank instance)."""
 
     # "admit" (admitting a handoff), "step" (the engine step), "delta" (turning a step output into an
     # event), "loop" (the loop body, outside any request)
     FAULT_POINTS = ("admit", "step", "delta", "loop")
 
-    def __init__(self, engine_config: EngineConfig, name: str, host: str = "127.0.0.1") -> None:
-        super().__init__(engine_config, name)
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        name: str,
+        host: str = "127.0.0.1",
+        group: InstanceGroupSpec | None = None,
+    ) -> None:
+        super().__init__(engine_config, name, group)
         self.host = host
         self.receiver: KVReceiver | None = None
         self._engine_lock = threading.Lock()
@@ -82,7 +77,7 @@ class DecodeNode(RankActor):
         self._events: collections.deque[PolledEvent] = collections.deque()  # unacknowledged
         self._next_seq = 0
         self._admissions: list[tuple[str, ReceivedKV]] = []  # received, admitted by the engine thread next
-        self._handoffs: dict[str, _Handoff] = {}  # admitted, until finished or failed
+        self._handoffs: dict[str, Handoff] = {}  # admitted, until finished or failed
         self._received_at_s: dict[str, float] = {}  # received, not yet admitted: when wait returned
         self._wakeup = threading.Event()
         self._delays: dict[str, list[float]] = {}  # test-only: inject_delay
@@ -275,18 +270,30 @@ class DecodeNode(RankActor):
         logged with its traceback; their blocks are freed and the loop goes on. It never dies silently.
         A request whose own sampling fails, or a step whose execution fails (`EngineStepError`), fails
         only the requests concerned (the step's); the others run on. Only an exception the engine cannot
-        tie to requests (scheduling, the loop itself: state unknown) fails every in-flight request."""
+        tie to requests (scheduling, the loop itself: state unknown) fails every in-flight request.
+        In lockstep (an expert-parallel rank) it steps even with nothing to run, after a short wait
+        (`LOCKSTEP_IDLE_S`), since the other ranks' MoE collectives need this one."""
         engine = self.engine
         while not self._stopped.is_set():
-            if not engine.has_unfinished_requests() and not self._admissions and not self._faults_armed():
+            if self._group_error is not None:  # the instance cannot step any more: fail what comes
                 self._wakeup.wait(0.05)
                 self._wakeup.clear()
+                with self._engine_lock:
+                    events = self._fail_all(f"{self.name}: instance group failed: {self._group_error}")
+                for event in events:
+                    self._emit(event)
                 continue
+            if not engine.has_unfinished_requests() and not self._admissions and not self._faults_armed():
+                self._wakeup.wait(LOCKSTEP_IDLE_S if self.lockstep else 0.05)
+                self._wakeup.clear()
+                if not self.lockstep:
+                    continue
             events: list[DecodeEvent] = []
             try:
                 with self._engine_lock:
                     self._maybe_fault("loop")
                     self._run_once(events)
+                    self._refresh_ep_summary()
             except Exception as e:  # noqa: BLE001 - the last line of defence: fail everything in flight
                 self._loop_error(e, "decode engine loop failed")
                 with self._engine_lock:
@@ -310,15 +317,18 @@ class DecodeNode(RankActor):
         # Requests the first token finished at admission (max_tokens=1, EOS): nothing is left to step
         # for them, so their final output is taken now rather than with a step that may never come.
         outputs: list[RequestOutput] = engine.pop_finished_outputs()
-        if engine.has_unfinished_requests():
+        if engine.has_unfinished_requests() or self.lockstep:
             try:
                 self._maybe_fault("step")
                 outputs.extend(engine.step())
             except EngineStepError as e:  # the step's requests are finished with an error; others go on
                 self._loop_error(e, "engine step failed")
                 outputs.extend(e.outputs)
+                if self._group_failed(e):  # a peer rank died or stalled: nothing here can step again
+                    events.extend(self._fail_all(f"decode step failed: {e}"))
             except Exception as e:  # noqa: BLE001 - not tied to requests: the engine state is unknown
                 self._loop_error(e, "engine step failed")
+                self._group_failed(e)
                 events.extend(self._fail_all(f"decode step failed: {e!r}"))
         for out in outputs:
             try:
@@ -345,8 +355,9 @@ class DecodeNode(RankActor):
         return RequestError(handoff_id, message)
 
     def _fail_all(self, message: str) -> list[RequestError]:
-        """Under the engine lock: fail every request admitted on this instance (running or finished and
-        not yet reported); reservations still waiting for their handoff are left to their waiters."""
+        """Under the engine lock: fail every request admitted on this rank (running, received and waiting to
+        be admitted, or finished and not yet reported); reservations still waiting for their handoff are
+        left to their waiters."""
         scheduler = self.engine.scheduler
         ids = set(scheduler.requests) | set(self._handoffs)
         ids |= {rid for rid, _ in self._admissions}
@@ -371,7 +382,7 @@ class DecodeNode(RankActor):
         self.receiver.release(handoff_id)
         now_s = time.monotonic()
         received_at_s = self._received_at_s.pop(handoff_id, now_s)
-        handoff = _Handoff(
+        handoff = Handoff(
             received.elapsed_s,
             int(received.num_wire_bytes),
             admitted_at_s=now_s,
@@ -402,39 +413,10 @@ class DecodeNode(RankActor):
         rid = out.request_id
         if out.finish_reason == "error":  # failed alone in the engine (its sampling, or its step)
             return [self._fail(rid, f"decode failed: {out.error}")]
-        handoff = self._handoffs.get(rid)
-        num_sent = handoff.num_sent if handoff is not None else 0
-        phases, kv_transfer_bytes = Phases(), None
-        if handoff is not None:
-            handoff.num_sent = len(out.token_ids)
-            if handoff.admitted_at_s is not None:  # its first stepped output
-                phases = Phases(
-                    kv_transfer_s=handoff.kv_transfer_s,
-                    admit_s=handoff.admit_s,
-                    first_decode_step_s=time.monotonic() - handoff.admitted_at_s,
-                )
-                kv_transfer_bytes = handoff.kv_transfer_bytes
-                handoff.admitted_at_s = None
+        delta = token_delta(out, self._handoffs.get(rid))
         if out.finished:
             self._handoffs.pop(rid, None)
-        drafts = DraftCounts(
-            out.num_draft_tokens,
-            out.num_accepted_tokens,
-            tuple(out.num_draft_tokens_per_position),
-            tuple(out.num_accepted_tokens_per_position),
-        )
-        return [
-            TokenDelta(
-                rid,
-                tuple(out.token_ids[num_sent:]),
-                finished=out.finished,
-                finish_reason=out.finish_reason if out.finished else None,
-                phases=phases,
-                kv_transfer_bytes=kv_transfer_bytes,
-                drafts=drafts,
-                new_text=out.new_text,
-            )
-        ]
+        return [delta]
 
     def _emit(self, event: DecodeEvent) -> None:
         with self._events_lock:

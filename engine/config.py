@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from engine.parallel import ParallelConfig
 from models.dtypes import MODEL_DTYPE_NAMES, MODEL_DTYPES
 
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -35,6 +36,10 @@ class EngineConfig:
             adaptive speculation stops drafting that deep (the cost of one more verified draft, in tokens).
         async_scheduling: prepare step N+1 on the CPU while step N's forward runs (`engine.async_loop`);
             greedy outputs are identical to the synchronous loop, with or without speculative decoding.
+            Not with expert parallelism (ValueError): every EP rank must join each step's MoE collectives
+            in the same order, which the pipelined loop's worker thread does not guarantee.
+        parallel: the instance's parallel layout as seen by this rank (`engine.parallel.ParallelConfig`);
+            the default is one device.
     """
 
     model: str
@@ -53,6 +58,7 @@ class EngineConfig:
     adaptive_speculation: bool = False
     adaptive_speculation_min_accept_prob: float = 0.3
     async_scheduling: bool = False
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -73,6 +79,12 @@ class EngineConfig:
             raise bad("max_model_len", "must be >= 1 or None")
         if not 0 < self.adaptive_speculation_min_accept_prob <= 1:
             raise bad("adaptive_speculation_min_accept_prob", "must be in (0, 1]")
+        if self.async_scheduling and self.parallel.enabled:
+            raise bad(
+                "async_scheduling",
+                "is not supported with expert parallelism (parallel.expert_parallel_size > 1): the EP ranks "
+                "must run each step's MoE collectives in lockstep on the calling thread",
+            )
         if self.adaptive_speculation and self.async_scheduling and self.num_speculative_tokens:
             raise bad(
                 "adaptive_speculation",

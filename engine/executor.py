@@ -44,6 +44,12 @@ Isolation: an exception while sampling, verifying or drafting for the batch is r
 raises before drawing randomness for the validation errors the kernels raise, so seeded requests
 stay reproducible then; an exception in the middle of the draws could leave some generators advanced.
 Exceptions in the batched forward (main model or MTP layer) fail the whole step: they propagate.
+
+Expert parallelism (`run(..., join_collectives=True)`, every rank of an EP instance in the same step):
+every MoE layer call is a collective of the instance, so every rank makes the same passes each step: one
+main forward and, with MTP, `max_num_speculative_tokens` MTP passes. A rank with nothing scheduled runs
+them over an empty batch (0 tokens: no KV written, no sampling); a rank whose drafting needed fewer MTP
+passes (no request to draft for, or fewer drafts) adds empty passes at the depths it skipped.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.model_runner import InputBuffers, LayerKVCallback, ModelInput, ModelRunner
+from engine.model_runner import InputBuffers, LayerKVCallback, ModelInput, ModelRunner, build_model_input
 from engine.mtp_proposer import MTPWork, propose
 from engine.outputs import (
     PLACEHOLDER_TOKEN_ID,
@@ -192,28 +198,39 @@ class Executor:
         return PreparedStep(batch, starts, placeholder_items)
 
     def execute(
-        self, output: SchedulerOutput, on_layer_kv: LayerKVCallback | None = None
+        self,
+        output: SchedulerOutput,
+        on_layer_kv: LayerKVCallback | None = None,
+        join_collectives: bool = False,
     ) -> ModelRunnerOutput:
         """Run one step (`prepare` then `run`). Requests whose `samples` is False (mid-prefill) get no
         tokens."""
-        return self.run(output, self.prepare(output), on_layer_kv)
+        prepared = self.prepare(output)
+        if join_collectives:  # (one device: the plain call, as the async loop and its tests make it)
+            return self.run(output, prepared, on_layer_kv, join_collectives=True)
+        return self.run(output, prepared, on_layer_kv)
 
     def run(
         self,
         output: SchedulerOutput,
         prepared: PreparedStep,
         on_layer_kv: LayerKVCallback | None = None,
+        join_collectives: bool = False,
     ) -> ModelRunnerOutput:
         """Execute a prepared step: drop state of finished/preempted requests, resolve placeholders from
-        the previous step's results, forward, sample or verify, propose drafts.
+        the previous step's results, forward, sample or verify, propose drafts. `join_collectives`: make
+        every model pass of an EP step even without work (see the module docstring).
 
         Raises:
             RuntimeError: placeholders of a request the previous step sampled nothing for.
         """
         self.drop(output.finished_request_ids + output.preempted_request_ids)
         batch = prepared.batch
+        mtp_passes_before = self.runner.num_mtp_forwards
         if batch is None:
             self._last_step = {}
+            if join_collectives:
+                self._join_empty_passes(main=True, num_mtp_done=0)
             return ModelRunnerOutput({})
         scheduled = self._resolve_placeholders(output.scheduled, prepared)
         hidden = self.runner.forward(batch, on_layer_kv)
@@ -262,7 +279,24 @@ class Executor:
         for request_id in failed:
             sampled.pop(request_id, None)
             spec.pop(request_id, None)
+        if join_collectives:
+            self._join_empty_passes(main=False, num_mtp_done=self.runner.num_mtp_forwards - mtp_passes_before)
         return ModelRunnerOutput(sampled, spec, draft_probs, logprobs, failed)
+
+    def _join_empty_passes(self, main: bool, num_mtp_done: int) -> None:
+        """Expert parallelism: run the passes this rank's step did not make over an empty batch, so it
+        joins every MoE collective of the step: the main forward (`main`), and MTP depths `num_mtp_done ..
+        max_num_speculative_tokens - 1` when speculative decoding is on."""
+        runner = self.runner
+        empty = build_model_input([], [], [], runner.block_size, runner.device)
+        if main:
+            runner.forward(empty)
+        if not self.max_num_speculative_tokens:
+            return
+        hidden = torch.zeros(0, runner.config.hidden_size, dtype=runner.dtype, device=runner.device)
+        depth_limit = len(runner.model.mtp_layers) - 1
+        for depth in range(num_mtp_done, self.max_num_speculative_tokens):
+            runner.mtp_forward(empty, hidden, min(depth, depth_limit))
 
     def sample(
         self, items: list[ScheduledRequest], logits: torch.Tensor

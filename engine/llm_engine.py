@@ -27,10 +27,12 @@ import itertools
 import time
 
 import torch
+from torch.distributed import ProcessGroup
 
 from engine.async_loop import AsyncStepLoop
 from engine.config import EngineConfig
 from engine.executor import Executor
+from engine.expert_parallel import EPStats, setup_expert_parallel
 from engine.model_runner import LayerKVCallback, ModelRunner
 from engine.outputs import RequestOutput, SchedulerOutput
 from engine.remote_prefill import (
@@ -77,12 +79,22 @@ class EngineStepError(RuntimeError):
 
 
 class LLMEngine:
-    """One engine instance: model, KV cache, scheduler, executor."""
+    """One engine instance, or one rank of an expert-parallel instance (`config.parallel`, `group` the
+    instance's process group): model, KV cache, scheduler, executor. With EP every rank calls `step()` in
+    a loop, work or not; the contract is in `engine.expert_parallel`'s module docstring."""
 
-    def __init__(self, config: EngineConfig, model: DeepseekV3ForCausalLM | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: DeepseekV3ForCausalLM | None = None,
+        group: ProcessGroup | None = None,
+    ) -> None:
         self.config = config
+        dtype = torch_dtype(config.dtype, "dtype", MODEL_DTYPES)
+        # EP: this rank's shard of experts and the runtime that keeps the ranks in lockstep; else None.
+        model, self.ep = setup_expert_parallel(config, model, group, dtype)
         self.model = model or DeepseekV3ForCausalLM.from_pretrained(
-            config.model, device=config.device, dtype=torch_dtype(config.dtype, "dtype", MODEL_DTYPES)
+            config.model, device=config.device, dtype=dtype
         )
         self.tokenizer = Tokenizer.from_dir(config.model)
         # The tokenizer's end-of-text token, else the config's (public DeepSeek tokenizers name it otherwise).
@@ -339,9 +351,13 @@ class LLMEngine:
             if exporting and on_prompt_kv is not None:
                 hook = prompt_kv_hook(self.runner, exporting, on_layer_kv, on_prompt_kv)
             try:
-                runner_output = self.executor.execute(output, hook)
+                k = self.executor.max_num_speculative_tokens
+                lockstep = self.ep is not None and self.ep.begin_step(bool(output.scheduled), k)
+                runner_output = self.executor.execute(output, hook, join_collectives=lockstep)
             except Exception as e:  # noqa: BLE001 - fail the requests this step ran, not the engine
                 raise self._step_failed(output, e) from e
+            if self.ep is not None:
+                self.ep.end_step(lockstep, was_idle=not output.scheduled)
             for item in exporting:
                 self._records[item.request_id].prefill_result = prefill_result(runner_output, item.request_id)
             updates = self.scheduler.update_from_output(output, runner_output)
@@ -366,12 +382,21 @@ class LLMEngine:
             self._async_loop.drain()
         return results
 
+    def ep_stats(self) -> EPStats | None:
+        """Expert-parallel figures of this rank (`engine.expert_parallel.EPStats`); None on one device."""
+        return self.ep.stats() if self.ep is not None else None
+
     def _step_failed(self, output: SchedulerOutput, error: Exception) -> EngineStepError:
         """Finish every request `output` scheduled with FINISHED_ERROR (blocks freed, executor state
         dropped) and return the `EngineStepError` carrying their outputs and those of requests finished
-        outside the step."""
+        outside the step. On an EP rank any step failure fails the instance (the ranks left lockstep):
+        every unfinished request of this rank, and every later step."""
         message = f"engine step failed: {error!r}"
         failed = [item.request for item in output.scheduled]
+        if self.ep is not None:
+            self.ep.failure = self.ep.failure or str(error)
+            message = f"expert-parallel instance failed: {error}"
+            failed = [r.request for r in self._records.values() if not r.request.is_finished]
         for request in failed:
             if self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR, message):
                 self._finished.append(request.request_id)

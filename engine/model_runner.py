@@ -204,6 +204,7 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in range(num_layers)
         ]
+        self.num_mtp_forwards = 0  # MTP layer passes so far (the EP lockstep pads a step's passes to k)
         self.kv_scales: list[torch.Tensor | None] = [
             torch.zeros(shape[:2], dtype=torch.float32, device=self.device)
             if kv_cache_dtype == "int8"
@@ -245,7 +246,7 @@ class ModelRunner:
                 self.config.softmax_scale,
                 kv_scale=self.kv_scales[idx],
             )
-            return attn.o_proj(out.reshape(out.shape[0], -1))  # [num_tokens, H * v_head_dim] -> hidden
+            return attn.o_proj(out.flatten(1))  # [num_tokens, H * v_head_dim] -> hidden (0 tokens too)
 
         return layer.block(hidden, cos, sin, paged_attention)
 
@@ -281,6 +282,7 @@ class ModelRunner:
             `[num_tokens, hidden_size]` post-norm hidden states (feed `compute_logits`, or the next depth).
         """
         layer = self.model.mtp_layers[depth]
+        self.num_mtp_forwards += 1
         cos, sin = self.model.model.rope(batch.positions)
         hidden = layer.combine_inputs(self.model.model.embed_tokens(batch.input_ids), prev_hidden)
         hidden, latent_kv = self._layer(layer, hidden, batch, cos, sin)

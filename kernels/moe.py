@@ -38,10 +38,12 @@ def grouped_topk(
     scores = router_logits.float().sigmoid()
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
     if n_group > 1:
-        group_scores = choice.view(num_tokens, n_group, -1).topk(2, dim=-1).values.sum(-1)  # [T, n_group]
+        # explicit group size: a batch of 0 tokens (an idle EP rank) must reshape too
+        group_size = num_experts // n_group
+        group_scores = choice.view(num_tokens, n_group, group_size).topk(2, dim=-1).values.sum(-1)  # [T, G]
         group_ids = group_scores.topk(topk_group, dim=-1).indices
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, True)
-        expert_mask = group_mask[:, :, None].expand(-1, -1, num_experts // n_group).reshape(num_tokens, -1)
+        expert_mask = group_mask[:, :, None].expand(-1, -1, group_size).reshape(num_tokens, num_experts)
         choice = choice.masked_fill(~expert_mask, float("-inf"))
     topk_ids = choice.topk(top_k, dim=-1).indices
     topk_weights = scores.gather(1, topk_ids)

@@ -163,15 +163,20 @@ class MoEGate(nn.Module):
 
 
 class DeepseekV3MoE(nn.Module):
-    """DeepSeekMoE: `n_shared_experts` always-on experts plus top-k of `n_routed_experts` (report eq. 12)."""
+    """DeepSeekMoE: `n_shared_experts` always-on experts plus top-k of `n_routed_experts` (report eq. 12).
 
-    def __init__(self, config: DeepseekV3Config) -> None:
+    `num_local_experts` (expert parallelism): hold only that many routed-expert slots, the physical experts
+    of this EP rank (`models.expert_placement`), which an `models.ep_dispatch.EPDispatcher` feeds; None
+    holds all `n_routed_experts`, fed by a `LocalDispatcher`. The router and shared expert are replicated.
+    """
+
+    def __init__(self, config: DeepseekV3Config, num_local_experts: int | None = None) -> None:
         super().__init__()
         self.config = config
         self.gate = MoEGate(config)
+        num_slots = config.n_routed_experts if num_local_experts is None else num_local_experts
         self.experts = nn.ModuleList(
-            DeepseekV3MLP(config.hidden_size, config.moe_intermediate_size)
-            for _ in range(config.n_routed_experts)
+            DeepseekV3MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(num_slots)
         )
         self.shared_experts = (
             DeepseekV3MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
@@ -179,21 +184,24 @@ class DeepseekV3MoE(nn.Module):
             else None
         )
         self.dispatcher: ExpertDispatcher = LocalDispatcher(config.n_routed_experts)
-        # Tokens routed to each expert by the last forward (for load balancing / EPLB statistics).
+        # Rows each local expert processed in the last forward (for load balancing statistics).
         self.last_expert_load: torch.Tensor | None = None
+
+    def run_experts(self, rows: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
+        """Each local expert over its contiguous slice of `rows [num_rows, hidden_size]` (sorted by local
+        expert, `rows_per_expert` each); returns `[num_rows, hidden_size]` in the same order."""
+        self.last_expert_load = torch.tensor(rows_per_expert)
+        outputs, start = [], 0
+        for expert, num_rows in zip(self.experts, rows_per_expert, strict=True):
+            if num_rows:
+                outputs.append(expert(rows[start : start + num_rows]))
+            start += num_rows
+        return torch.cat(outputs) if outputs else rows[:0]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: `[num_tokens, hidden_size]` -> `[num_tokens, hidden_size]`."""
         topk_weights, topk_ids = self.gate(hidden)
-        dispatched = self.dispatcher.dispatch(hidden, topk_ids, topk_weights)
-        self.last_expert_load = torch.tensor(dispatched.rows_per_expert)
-        outputs, start = [], 0
-        for expert, num_rows in zip(self.experts, dispatched.rows_per_expert, strict=True):
-            if num_rows:
-                outputs.append(expert(dispatched.hidden[start : start + num_rows]))
-            start += num_rows
-        expert_out = torch.cat(outputs) if outputs else dispatched.hidden[:0]
-        out = self.dispatcher.combine(expert_out, dispatched.handle)
+        out = self.dispatcher.forward(hidden, topk_ids, topk_weights, self.run_experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden)
         return out
@@ -202,12 +210,14 @@ class DeepseekV3MoE(nn.Module):
 class DeepseekV3DecoderLayer(nn.Module):
     """Pre-norm block: `h += MLA(RMSNorm(h)); h += FFN(RMSNorm(h))`; FFN dense below first_k_dense_replace."""
 
-    def __init__(self, config: DeepseekV3Config, layer_idx: int) -> None:
+    def __init__(
+        self, config: DeepseekV3Config, layer_idx: int, num_local_experts: int | None = None
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.self_attn = DeepseekV3Attention(config)
         self.mlp: nn.Module = (
-            DeepseekV3MoE(config)
+            DeepseekV3MoE(config, num_local_experts)
             if config.is_moe_layer(layer_idx)
             else DeepseekV3MLP(config.hidden_size, config.intermediate_size)
         )
@@ -279,8 +289,10 @@ class DeepseekV3MTPLayer(DeepseekV3DecoderLayer):
     the reverse of the order written in the report's eq. 21.
     """
 
-    def __init__(self, config: DeepseekV3Config, layer_idx: int) -> None:
-        super().__init__(config, layer_idx)
+    def __init__(
+        self, config: DeepseekV3Config, layer_idx: int, num_local_experts: int | None = None
+    ) -> None:
+        super().__init__(config, layer_idx, num_local_experts)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
@@ -293,13 +305,15 @@ class DeepseekV3MTPLayer(DeepseekV3DecoderLayer):
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, config: DeepseekV3Config) -> None:
+    def __init__(self, config: DeepseekV3Config, num_local_experts: int | None = None) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        layers: list[nn.Module] = [DeepseekV3DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        layers: list[nn.Module] = [
+            DeepseekV3DecoderLayer(config, i, num_local_experts) for i in range(config.num_hidden_layers)
+        ]
         layers += [
-            DeepseekV3MTPLayer(config, config.num_hidden_layers + k)
+            DeepseekV3MTPLayer(config, config.num_hidden_layers + k, num_local_experts)
             for k in range(config.num_nextn_predict_layers)
         ]
         self.layers = nn.ModuleList(layers)
@@ -315,13 +329,14 @@ class DeepseekV3ForCausalLM(nn.Module):
     """DeepSeek-V3 with its MTP module(s).
 
     `forward(input_ids [B, S]) -> logits [B, S, vocab_size]` float32 is cache-less and causal; the engine
-    uses the layers directly with a paged cache.
+    uses the layers directly with a paged cache. `num_local_experts`: routed-expert slots per MoE layer on an
+    EP rank (see `DeepseekV3MoE`); None for all experts on this device.
     """
 
-    def __init__(self, config: DeepseekV3Config) -> None:
+    def __init__(self, config: DeepseekV3Config, num_local_experts: int | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = DeepseekV3Model(config)
+        self.model = DeepseekV3Model(config, num_local_experts)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

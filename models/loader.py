@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from kernels.rope import rope_inv_freq
 from models.config import DeepseekV3Config
 from models.deepseek_v3 import DeepseekV3ForCausalLM
+from models.expert_placement import ExpertPlacement, moe_layer_indices
 
 logger = logging.getLogger(__name__)
 
@@ -289,8 +290,28 @@ def check_checkpoint_dir(path: str | Path) -> None:
         )
 
 
+def expert_sources(model: DeepseekV3ForCausalLM, placement: ExpertPlacement, ep_rank: int) -> dict[str, str]:
+    """Checkpoint tensor name for each routed-expert tensor of an EP rank's model (built with
+    `num_local_experts = placement.num_local_experts`): local slot s of MoE layer i holds logical expert
+    `placement.local_logical_experts(row, ep_rank)[s]`, stored as `model.layers.{i}.mlp.experts.{logical}.*`.
+    Tensors not listed load under their own name."""
+    rows = {layer: row for row, layer in enumerate(moe_layer_indices(model.config))}
+    sources: dict[str, str] = {}
+    for name in model.state_dict():
+        parts = name.split(".")  # model.layers.{i}.mlp.experts.{s}.{proj}.weight
+        if len(parts) > 5 and parts[3:5] == ["mlp", "experts"]:
+            layer, slot = int(parts[2]), int(parts[5])
+            logical = placement.local_logical_experts(rows[layer], ep_rank)[slot]
+            sources[name] = ".".join([*parts[:5], str(logical), *parts[6:]])
+    return sources
+
+
 def load_checkpoint(
-    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    placement: ExpertPlacement | None = None,
+    ep_rank: int = 0,
 ) -> DeepseekV3ForCausalLM:
     """Build a `DeepseekV3ForCausalLM` from a checkpoint directory.
 
@@ -298,6 +319,9 @@ def load_checkpoint(
         path: directory with `config.json` and safetensors weights.
         device: where the weights go (`"cpu"`, `"cuda:0"`, `"npu:0"`).
         dtype: parameter dtype; the router's `e_score_correction_bias` stays float32.
+        placement, ep_rank: expert parallelism: build the model of EP rank `ep_rank`, holding only the
+            routed experts `placement` puts there (`expert_sources`), and read only those experts' tensors
+            from the checkpoint (attention, dense layers, router and shared experts: all of them).
 
     Raises:
         FileNotFoundError: no such directory or no `config.json`.
@@ -312,12 +336,17 @@ def load_checkpoint(
     num_layers = config.num_hidden_layers
     mtp_prefixes = tuple(f"model.layers.{num_layers + k}." for k in range(config.num_nextn_predict_layers))
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config)
+        model = DeepseekV3ForCausalLM(config, placement.num_local_experts if placement else None)
+    sources = expert_sources(model, placement, ep_rank) if placement is not None else {}
+    targets_of: dict[str, list[str]] = {}  # checkpoint name -> model names it fills
+    for target in model.state_dict():
+        if target in expected or target in sources:
+            targets_of.setdefault(sources.get(target, target), []).append(target)
 
     block_size = tuple((config.quantization_config or {}).get("weight_block_size", (128, 128)))
     state: dict[str, torch.Tensor] = {}
     bad_shapes: list[str] = []
-    for name, tensor in _iter_tensors(files, list(expected)):
+    for name, tensor in _iter_tensors(files, list(targets_of)):
         if tensor.dtype in FP8_DTYPES:
             scale_name = name + SCALE_SUFFIX
             if scale_name not in files:
@@ -331,7 +360,9 @@ def load_checkpoint(
             bad_shapes.append(f"{name}: expected {expected[name]}, got {tuple(tensor.shape)}")
             continue
         keep_fp32 = name.endswith("e_score_correction_bias")
-        state[name] = tensor.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+        tensor = tensor.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+        for i, target in enumerate(targets_of[name]):  # an expert with two replicas on this rank: a copy
+            state[target] = tensor if i == 0 else tensor.clone()
     if bad_shapes:
         raise CheckpointError(f"{path}: tensor(s) with unexpected shape:\n  " + "\n  ".join(bad_shapes))
 

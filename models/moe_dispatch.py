@@ -15,6 +15,7 @@ not change when experts are spread over devices.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -60,6 +61,19 @@ class ExpertDispatcher(ABC):
     @abstractmethod
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """expert_out: `[num_rows, hidden_size]` in dispatch order. Returns `[num_tokens, hidden_size]`."""
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        run_experts: Callable[[torch.Tensor, list[int]], torch.Tensor],
+    ) -> torch.Tensor:
+        """The routed experts' weighted output `[num_tokens, hidden_size]`: `dispatch`, then
+        `run_experts(rows, rows_per_expert)` (the model's local experts), then `combine`. A dispatcher
+        may override it to overlap communication with expert compute (`EPDispatcher`'s micro-batches)."""
+        dispatched = self.dispatch(hidden, topk_ids, topk_weights)
+        return self.combine(run_experts(dispatched.hidden, dispatched.rows_per_expert), dispatched.handle)
 
 
 class LocalDispatcher(ExpertDispatcher):

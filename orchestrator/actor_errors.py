@@ -1,7 +1,8 @@
 """Errors out of deploying and calling Ray actors, described in one line for a person or a client.
 
-`DeployError` (deploy failed after it started), `actor_error_message` (the exception an actor method or
-`__init__` raised, without Ray's traceback and ids) and `describe_error` (any error on the request path).
+`DeployError` (deploy failed after it started), `InstanceGroupFailed` (a multi-rank instance's group
+broke), `actor_error_message` (the exception an actor method or `__init__` raised, without Ray's traceback
+and ids) and `describe_error` (any error on the request path).
 """
 
 from __future__ import annotations
@@ -9,6 +10,12 @@ from __future__ import annotations
 import re
 
 from orchestrator.preflight import one_line
+
+
+class InstanceGroupFailed(RuntimeError):
+    """A rank reports that its instance group failed (`instance_group_error` in its load: a collective
+    timed out or broke because a peer rank died or stalled): the instance can never step again, so the
+    driver takes it out of routing as dead, like an actor that died."""
 
 
 class DeployError(RuntimeError):

@@ -82,6 +82,8 @@ class StreamDelta:
             before a stop string, never ending in an incomplete character or a possible start of a stop
             string before the last delta; the `new_text` of all deltas joins to the output's text. Empty
             for a delta that released none (an abort, tokens held back).
+        ranks: the ranks that serve the request, `{"prefill": "prefill-0.1", "decode": "decode-0"}` (rank r
+            of instance `<role>-<i>` is `<role>-<i>.<r>`, rank 0 `<role>-<i>`); empty for a local engine.
     """
 
     new_token_ids: list[int]
@@ -94,6 +96,7 @@ class StreamDelta:
     num_draft_tokens_per_position: list[int] = field(default_factory=list)
     num_accepted_tokens_per_position: list[int] = field(default_factory=list)
     new_text: str = ""
+    ranks: dict[str, str] = field(default_factory=dict)
 
     def reported_phases(self) -> dict[str, float | int]:
         """The phases as reports show them (`pdcluster.phases` of the HTTP API, job records): the seconds

@@ -30,15 +30,22 @@ Timeouts (`kv_transfer.timeout_s` = T, `orchestrator.dispatch`): every actor cal
 call (queue + prompt + handoff) and every wait for the request's next event (before and after admission)
 after T + EVENT_SLACK_S. Nothing waits forever.
 
-Where the code is: `orchestrator.deployment` (deploy, placement, actors, KV wiring, shutdown),
+Where the code is: `orchestrator.deployment` (deploy, placement, rank actors, shutdown),
+`orchestrator.wiring` (rendezvous addresses, KV wiring), `orchestrator.instance_group` (a multi-rank
+instance's torch.distributed group),
 `orchestrator.health_monitor` (stats and health, marking failed instances, probing, rejoin, rewire),
 `orchestrator.request_dispatch` (generate / abort / the poll loops: a thin loop over the pure policy of
 `orchestrator.dispatch`), `orchestrator.messages` (what crosses the driver <-> actor boundary),
 `orchestrator.instance` (an instance as a group of rank actors), `orchestrator.actor_errors`.
 
-Limits: one actor per instance: `deploy` refuses instances of more than one device (tensor/expert
-parallel; `pdcluster deploy` refuses them before Ray, at their YAML line, see `orchestrator.preflight`);
-`pdcluster validate` still checks such plans. With `torch_distributed` the group is fixed at
+Instances of several ranks (`devices_per_instance` > 1): one rank actor per device, data-parallel
+attention, routed experts split over the ranks (EP, the ranks stepping in lockstep) or replicated; the
+router picks (instance, rank) and the request goes to that rank; a rank that dies, stalls or whose group
+failed takes its whole instance out of routing and fails every request on it.
+
+Limits: `deploy` refuses tensor-parallel attention and experts split over part of an instance (`pdcluster
+deploy` refuses them before Ray, at their YAML line, see `orchestrator.preflight`); `pdcluster validate`
+still checks such plans. With `torch_distributed`, and for multi-rank instances, the groups are fixed at
 deploy time, so a dead rank is not replaced; prefix-aware routing estimates prefill cache hits from the
 prompts the router sent. Multi-node: decode gRPC servers bind 0.0.0.0 and advertise their node's IP, and
 the torch.distributed rendezvous is on rank 0's node; a single-node `cpu` topology stays on loopback.
@@ -55,7 +62,7 @@ from orchestrator.deployment import (
     ClusterDeployment,
     actor_resource_options,
     advertised_address,
-    check_single_device_instances,
+    check_deployable_parallelism,
     is_loopback_topology,
 )
 from orchestrator.dispatch import CALL_TIMEOUT_MIN_S, EVENT_SLACK_S, MAX_DISPATCH_ATTEMPTS
@@ -76,7 +83,7 @@ __all__ = [
     "actor_error_message",
     "actor_resource_options",
     "advertised_address",
-    "check_single_device_instances",
+    "check_deployable_parallelism",
     "describe_error",
     "is_loopback_topology",
 ]

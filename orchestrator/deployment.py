@@ -2,12 +2,14 @@
 
 `ClusterDeployment.deploy` runs `ray.init` (RAY_ADDRESS if set, else a local Ray), one placement group per
 instance (`orchestrator.placement.plan_placement`; pinned to its planned node where the Ray nodes carry
-`pdcluster_node_<i>` resources), one rank actor per instance in it (`ray.remote(PrefillNode)` /
-`ray.remote(DecodeNode)`: the actor classes are plain classes), loading weights in parallel, then the KV
-connectors (`_wire`: gRPC receivers on decode and one sender per decode on each prefill, or one
-torch.distributed group). Each instance is an `orchestrator.instance.Instance` (a group of rank actors;
-one rank today: instances of more than one device are refused). The health monitor and the request path
-are `orchestrator.health_monitor` and `orchestrator.request_dispatch`.
+`pdcluster_node_<i>` resources), one rank actor per device of each instance in it, rank r in bundle r
+(`ray.remote(PrefillNode)` / `ray.remote(DecodeNode)`: the actor classes are plain classes), loading
+weights in parallel; the ranks of a multi-rank instance join their instance group as they start
+(`orchestrator.instance_group`, rendezvous on rank 0's node). Then the KV connectors
+(`orchestrator.wiring`: a gRPC receiver on every decode rank and one sender per decode rank on each prefill
+rank, or one torch.distributed group of every rank). Each instance is an `orchestrator.instance.Instance`
+(a group of rank actors). The health monitor and the request path are `orchestrator.health_monitor` and
+`orchestrator.request_dispatch`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import contextlib
 import itertools
 import logging
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -25,30 +26,36 @@ from typing import Any
 
 from models.tokenizer import Tokenizer
 from orchestrator.actor_errors import DeployError, actor_error_message
-from orchestrator.dispatch import call_timeout_s, event_timeout_s
+from orchestrator.dispatch import call_timeout_s, collective_timeout_s, event_timeout_s
 from orchestrator.health import InstanceHealth
 from orchestrator.instance import Instance
-from orchestrator.messages import NodeReady
+from orchestrator.messages import InstanceGroupSpec, NodeReady
 from orchestrator.placement import nodes_to_pin, plan_placement, to_ray_placement_group_args
-from orchestrator.preflight import pool_parallelism
+from orchestrator.preflight import actor_layer_issues
 from orchestrator.ray_runtime import init_local_ray, keeping_sigterm_handler
 from orchestrator.router import POLICIES, PrefixCacheModel
 from orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES, Topology, load_topology
+from orchestrator.wiring import ClusterWiring, advertised_address, free_ports
+
+__all__ = ["ClusterDeployment", "advertised_address", "free_ports"]
 
 logger = logging.getLogger("orchestrator.cluster")  # the driver's log, as before the split
 
 MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc transport) this often; then it stays dead
+# Seconds deploy waits for each rank actor to load its weights, and the ranks of an instance for each other
+# at their group's rendezvous (they start at once, but on a busy machine not at the same moment).
+ACTORS_READY_TIMEOUT_S = 300.0
 
 
-def check_single_device_instances(topology: Topology) -> None:
-    """Raise ValueError for instances of more than one device (or TP/EP > 1): the actor layer runs one
-    actor on one device per instance, so deploying them would silently ignore the parallelism.
-    `pdcluster deploy` refuses them before this, at their YAML lines (`orchestrator.preflight`)."""
-    problems = [p for role in ROLES if (p := pool_parallelism(role, topology.pool(role))) is not None]
-    if problems:
+def check_deployable_parallelism(topology: Topology) -> None:
+    """Raise ValueError for parallelism the actor layer cannot run (`orchestrator.preflight.
+    actor_layer_issues`: tensor-parallel attention, experts split over part of an instance), naming the
+    keys, so deploying never silently ignores it. `pdcluster deploy` refuses them before this, at their
+    YAML lines."""
+    issues = actor_layer_issues(topology)
+    if issues:
         raise ValueError(
-            f"instances of more than one device ({'; '.join(problems)}) are not supported by the actor layer "
-            "yet; `pdcluster validate` checks the plan only"
+            "; ".join(i.reason for i in issues) + " (`pdcluster validate` checks such a file as a plan only)"
         )
 
 
@@ -67,23 +74,7 @@ def actor_resource_options(ray_resource: str | None) -> dict[str, Any]:
     return {"resources": {ray_resource: 1}}
 
 
-def advertised_address(bound_address: str, node_ip: str) -> str:
-    """The address prefill senders dial: `node_ip:port` for a server bound to all interfaces."""
-    host, _, port = bound_address.rpartition(":")
-    return f"{node_ip}:{port}" if host in ("0.0.0.0", "", "[::]", "::") else bound_address
-
-
-def _node_ip_and_free_port() -> tuple[str, int]:
-    """Run as a Ray task inside an instance's placement group bundle: that node's IP and a free port."""
-    import ray
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
-
-
-class ClusterDeployment:
+class ClusterDeployment(ClusterWiring):
     """The deployment half of `orchestrator.cluster.Cluster` (a mixin: `Cluster.deploy` builds it)."""
 
     instances: dict[str, list[Instance]]
@@ -96,20 +87,19 @@ class ClusterDeployment:
         it, loading weights in parallel, then the KV connectors. Logs progress via `log`.
 
         Raises:
-            ValueError: an invalid topology, or instances of more than one device (not supported by the
-                actor layer yet); DeployError (a RuntimeError, one line): an actor failed to start (what
-                it raised, e.g. loading its weights, named with the instance), a Ray call failed.
+            ValueError: an invalid topology, or parallelism the actor layer cannot run
+                (`check_deployable_parallelism`); DeployError (a RuntimeError, one line): an actor failed
+                to start (what it raised, e.g. loading its weights, named with the rank), a Ray call failed.
         """
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from decode_node.actor import DecodeNode
         from prefill_node.actor import PrefillNode
 
         self = object.__new__(cls)
         topo = topology if isinstance(topology, Topology) else load_topology(topology)
-        check_single_device_instances(topo)
+        check_deployable_parallelism(topo)
         self.topology = topo
         self._loopback = is_loopback_topology(topo)
         plan = plan_placement(topo)
@@ -124,6 +114,7 @@ class ClusterDeployment:
             self._started_ray = True
         self._placement_groups = []
         self.instances = {"prefill": [], "decode": []}
+        self.collective_timeout_s = collective_timeout_s(topo.kv_transfer.timeout_s)
         started_s = time.monotonic()
         try:
             pin = nodes_to_pin(plan, ray.cluster_resources())
@@ -141,42 +132,15 @@ class ClusterDeployment:
                     f"{plan.instances[0].bundles[0]} per device for {plan.num_devices_used} devices"
                 ) from None
             log(f"placement groups ready in {time.monotonic() - started_s:.1f} s; loading weights")
-            env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
-            names: list[str] = []
-            for spec, pg in zip(plan.instances, self._placement_groups, strict=True):
-                options = {
-                    "num_cpus": spec.bundles[0].get("CPU", 1),
-                    "max_concurrency": 256,
-                    # A crashed actor is restarted by Ray in its bundle, then rewired by the health monitor.
-                    # A torch.distributed group is fixed at deploy time: a restarted rank could not rejoin.
-                    "max_restarts": MAX_ACTOR_RESTARTS if topo.kv_transport in ADDRESSED_KV_TRANSPORTS else 0,
-                    "runtime_env": env,
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                        pg, placement_group_bundle_index=0
-                    ),
-                }
-                options.update(actor_resource_options(plan.ray_resource))
-                name = f"{spec.role}-{spec.index}"
-                names.append(name)
-                config = topo.engine_config(spec.role)
-                if spec.role == "prefill":
-                    actor = (
-                        ray.remote(PrefillNode)
-                        .options(**options)
-                        .remote(config, name, topo.kv_transfer.layerwise)
-                    )
-                    self.instances["prefill"].append(Instance("prefill", spec.index, [actor]))
-                else:
-                    host = "127.0.0.1" if self._loopback else "0.0.0.0"
-                    actor = ray.remote(DecodeNode).options(**options).remote(config, name, host)
-                    self.instances["decode"].append(Instance("decode", spec.index, [actor]))
+            names = self._start_rank_actors(ray, plan, PrefillNode, DecodeNode)
             ready_refs = {a.ready.remote(): n for a, n in zip(self._actors, names, strict=True)}
             pending = list(ready_refs)
             infos: dict[str, NodeReady] = {}
             while pending:
-                done, pending = ray.wait(pending, num_returns=1, timeout=300)
+                done, pending = ray.wait(pending, num_returns=1, timeout=ACTORS_READY_TIMEOUT_S)
                 if not done:
-                    raise DeployError(f"actors not ready after 300 s: {[ready_refs[r] for r in pending]}")
+                    waiting = [ready_refs[r] for r in pending]
+                    raise DeployError(f"actors not ready after {ACTORS_READY_TIMEOUT_S:g} s: {waiting}")
                 try:
                     info = ray.get(done[0])
                 except ray.exceptions.RayError as exc:
@@ -214,10 +178,10 @@ class ClusterDeployment:
             instance.health = InstanceHealth(since_s=up_s, pid=infos[instance.name].pid)
         self._health_lock = threading.Lock()
         self._decode_addresses = decode_addresses
-        self._poll_acked_seq = [0] * len(self.decode_actors)
+        self._poll_acked_seq = [[0] * d.num_ranks for d in self.instances["decode"]]  # per decode rank
         self.call_timeout_s = call_timeout_s(topo.kv_transfer.timeout_s)
         self.event_timeout_s = event_timeout_s(topo.kv_transfer.timeout_s)
-        self._prefix_cache = PrefixCacheModel(len(self.prefill_actors), topo.prefill.block_size)
+        self._prefix_cache = PrefixCacheModel(topo.prefill.block_size)
         self._counter = itertools.count()
         self._requests = {}  # request id -> its record (orchestrator.request_dispatch)
         self._by_handoff = {}  # handoff id -> the attempt it names
@@ -230,6 +194,64 @@ class ClusterDeployment:
         self._monitor = threading.Thread(target=self._monitor_health, name="health-monitor", daemon=True)
         self._monitor.start()
         return self
+
+    def _start_rank_actors(self, ray, plan, prefill_cls, decode_cls) -> list[str]:
+        """Create every instance's rank actors, rank r in bundle r of its placement group (not waiting for
+        them); returns their names in `_actors` order. A multi-rank instance's ranks get an
+        `InstanceGroupSpec` to join its group in their constructors, its rendezvous on rank 0's node."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        topo = self.topology
+        env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
+        names: dict[tuple[str, int], list[str]] = {}
+        for spec_index, (spec, pg) in enumerate(zip(plan.instances, self._placement_groups, strict=True)):
+            num_ranks = spec.num_devices
+            init_method, barrier_port = self._rendezvous(ray, spec_index) if num_ranks > 1 else ("", 0)
+            instance = Instance(spec.role, spec.index, [])
+            for rank in range(num_ranks):
+                config = topo.engine_config(spec.role, rank)
+                options = {
+                    "num_cpus": spec.bundles[rank].get("CPU", 1),
+                    "max_concurrency": 256,
+                    # A crashed actor is restarted by Ray in its bundle, then rewired by the health monitor.
+                    # A torch.distributed group (the KV transport's, a multi-rank instance's) is fixed at
+                    # deploy time: a restarted rank could not rejoin it.
+                    "max_restarts": MAX_ACTOR_RESTARTS
+                    if topo.kv_transport in ADDRESSED_KV_TRANSPORTS and num_ranks == 1
+                    else 0,
+                    "runtime_env": env,
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        pg, placement_group_bundle_index=rank
+                    ),
+                }
+                options.update(actor_resource_options(plan.ray_resource))
+                group = None
+                if num_ranks > 1:
+                    group = InstanceGroupSpec(
+                        rank=rank,
+                        num_ranks=num_ranks,
+                        init_method=init_method,
+                        barrier_port=barrier_port,
+                        backend=plan.collective_backend,
+                        timeout_s=self.collective_timeout_s,
+                        rendezvous_timeout_s=ACTORS_READY_TIMEOUT_S,
+                    )
+                name = instance.rank_name(rank)
+                if spec.role == "prefill":
+                    actor = (
+                        ray.remote(prefill_cls)
+                        .options(**options)
+                        .remote(config, name, topo.kv_transfer.layerwise, group)
+                    )
+                else:
+                    host = "127.0.0.1" if self._loopback else "0.0.0.0"
+                    actor = ray.remote(decode_cls).options(**options).remote(config, name, host, group)
+                instance.ranks.append(actor)
+            self.instances[spec.role].append(instance)
+            names[(spec.role, spec.index)] = [instance.rank_name(r) for r in range(num_ranks)]
+        return [
+            n for role in ROLES for instance in self.instances[role] for n in names[(role, instance.index)]
+        ]
 
     @property
     def prefill_actors(self) -> list[Any]:
@@ -246,72 +268,12 @@ class ClusterDeployment:
         """Every rank actor of every instance."""
         return [actor for role in ROLES for instance in self.instances[role] for actor in instance.ranks]
 
-    def _probe_node(self, ray, spec_index: int) -> tuple[str, int]:
-        """(node IP, a free port there) of instance `spec_index`'s placement group (where its actor runs)."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        probe = ray.remote(_node_ip_and_free_port).options(
-            num_cpus=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self._placement_groups[spec_index], placement_group_bundle_index=0
-            ),
-        )
-        return ray.get(probe.remote(), timeout=60)
-
-    def _wire(self, ray, plan) -> list[str]:
-        """Connect the KV transport; returns the decode instances' addresses (grpc: `host:port`, shm: a
-        socket path; torch_distributed: [])."""
-        kv = self.topology.kv_transfer
-        spec_index = {(spec.role, spec.index): i for i, spec in enumerate(plan.instances)}
-        self._kv_tls = None  # the gRPC TLS material, kept for rewiring restarted actors
-        if self.topology.kv_transport == "shm":  # one node (topology rules): socket paths on this host
-            addresses = ray.get([d.start_shm.remote() for d in self.decode_actors], timeout=120)
-            ray.get([p.connect_receivers.remote("shm", addresses) for p in self.prefill_actors], timeout=120)
-            return addresses
-        if self.topology.kv_transport == "grpc":
-            tls = None
-            if kv.tls is not None:  # read here, sent to the actors over Ray (files need not be on every node)
-                from kvtransfer.grpc_transport import TLSCredentials
-
-                tls = TLSCredentials.from_files(
-                    kv.tls.cert_file, kv.tls.key_file, kv.tls.ca_file, kv.tls.server_name
-                )
-            addresses = ray.get([d.start_grpc.remote(tls) for d in self.decode_actors], timeout=120)
-            if not self._loopback:  # bound to 0.0.0.0: senders dial the decode node's IP
-                addresses = [
-                    advertised_address(a, self._probe_node(ray, spec_index[("decode", j)])[0])
-                    for j, a in enumerate(addresses)
-                ]
-            ray.get([p.connect_grpc.remote(addresses, tls) for p in self.prefill_actors], timeout=120)
-            self._kv_tls = tls
-            return addresses
-        num_prefill, num_decode = len(self.prefill_actors), len(self.decode_actors)
-        world_size = num_prefill + num_decode
-        if self._loopback:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                host, port = "127.0.0.1", s.getsockname()[1]
-        else:  # the rendezvous store runs in rank 0 (prefill-0): its node's IP and a port free there
-            host, port = self._probe_node(ray, spec_index[("prefill", 0)])
-        init_method = f"tcp://{host}:{port}"
-        prefill_ranks = list(range(num_prefill))
-        decode_ranks = list(range(num_prefill, world_size))
-        refs = [
-            p.connect_dist.remote(r, world_size, init_method, decode_ranks)
-            for p, r in zip(self.prefill_actors, prefill_ranks, strict=True)
-        ] + [
-            d.connect_dist.remote(r, world_size, init_method, prefill_ranks)
-            for d, r in zip(self.decode_actors, decode_ranks, strict=True)
-        ]
-        ray.get(refs, timeout=120)
-        return []
-
     def check_no_leaks(self) -> dict[str, dict[str, Any]]:
         """Per live instance: blocks held, reservations, open handoffs (all zero/empty when idle)."""
         import ray
 
         actors = [  # each rank of the instances in routing: `decode-0`, then `decode-0.1`, ... for more ranks
-            (instance.name + (f".{rank}" if rank else ""), actor)
+            (instance.rank_name(rank), actor)
             for role in ROLES
             for instance in self.instances[role]
             if instance.routable

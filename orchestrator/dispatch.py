@@ -36,6 +36,13 @@ def call_timeout_s(kv_timeout_s: float) -> float:
     return max(CALL_TIMEOUT_MIN_S, kv_timeout_s / 2)
 
 
+def collective_timeout_s(kv_timeout_s: float) -> float:
+    """Seconds one collective of a multi-rank instance's group (`orchestrator.instance_group`) may wait for
+    the other ranks: the handoff's lease. A rank that died or stalled makes the others' steps raise within
+    it, before the driver's `event_timeout_s`, so their requests end with an error and none waits forever."""
+    return kv_timeout_s
+
+
 def event_timeout_s(kv_timeout_s: float) -> float:
     """Seconds the prefill call (queue + prompt + handoff) and each wait for a request's next event may
     take: the handoff's lease plus EVENT_SLACK_S."""

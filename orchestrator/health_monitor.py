@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -20,13 +21,24 @@ from orchestrator.actor_errors import describe_error
 from orchestrator.backend import BackendUnavailable
 from orchestrator.deployment import advertised_address
 from orchestrator.health import InstanceHealth, ProbeOutcome, after_answer, after_failure
-from orchestrator.instance import Instance
+from orchestrator.instance import Instance, check_instance_group
 from orchestrator.messages import DecodeLost, DecodeNodeLoad, PrefillNodeLoad
 from orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES
 
 logger = logging.getLogger("orchestrator.cluster")
 
 PROBE_INTERVAL_S = 1.0  # the health monitor probes every instance this often (seconds)
+
+
+def rank_stats(load: PrefillNodeLoad | DecodeNodeLoad) -> dict[str, Any]:
+    """One rank's load for `stats()["ranks"]`: its counters by field name (`orchestrator.messages`; decode:
+    free / total KV blocks, running, reserved, waiting for a seat; prefill: queued prompt tokens,
+    requests), its engine's error count, and `ep`: its expert-parallel figures, when its engine has them."""
+    fields = {f.name: getattr(load, f.name) for f in dataclasses.fields(load)}
+    stats = {k: v for k, v in fields.items() if isinstance(v, int) and not isinstance(v, bool) and k != "pid"}
+    if fields.get("ep") is not None:
+        stats["ep"] = fields["ep"]
+    return stats
 
 
 class InstanceMonitor:
@@ -43,7 +55,8 @@ class InstanceMonitor:
         self.instances[role][index].health = health
 
     def stats(self) -> dict[str, Any]:
-        """Load snapshot of the instances in routing, and every instance's health.
+        """Load snapshot of the instances in routing, and every instance's health: `ranks` (each rank's
+        counters by rank name, `rank_stats`), `kv_blocks` per decode rank, the totals and `instances`.
 
         The snapshots are taken in parallel, waiting at most `call_timeout_s` (derived from
         kv_transfer.timeout_s, like every call on the request path): an instance that does not answer in
@@ -70,8 +83,10 @@ class InstanceMonitor:
         loads: dict[str, list[Any]] = {"prefill": [], "decode": []}
         for (role, i, _), ref in zip(targets, refs, strict=True):
             try:
-                loads[role].append(ray.get(ref, timeout=0))
-            except Exception as e:  # noqa: BLE001 - GetTimeoutError or an actor error: out of routing
+                load = ray.get(ref, timeout=0)
+                check_instance_group([load])
+                loads[role].append(load)
+            except Exception as e:  # noqa: BLE001 - GetTimeoutError, an actor error, a failed group
                 self._mark_failed(role, i, e, "load")
         for role in ("prefill", "decode"):
             if not loads[role]:
@@ -79,6 +94,7 @@ class InstanceMonitor:
         prefill_loads: list[PrefillNodeLoad] = loads["prefill"]
         decode_loads: list[DecodeNodeLoad] = loads["decode"]
         return {
+            "ranks": {load.name: rank_stats(load) for load in prefill_loads + decode_loads},
             "num_waiting_requests": sum(p.num_requests for p in prefill_loads),
             "num_running_requests": sum(d.num_running for d in decode_loads),
             "kv_blocks": {
@@ -168,8 +184,10 @@ class InstanceMonitor:
             if self._closed:
                 return
             try:
-                pids = [ray.get(ref, timeout=0).pid for ref in rank_refs]
-            except Exception as e:  # noqa: BLE001 - a rank stalled, restarting, or dead: the instance fails
+                loads = [ray.get(ref, timeout=0) for ref in rank_refs]
+                check_instance_group(loads)
+                pids = [load.pid for load in loads]
+            except Exception as e:  # noqa: BLE001 - a rank stalled, restarting, dead, or its group failed
                 self._mark_failed(instance.role, instance.index, e, "probe")
                 continue
             health = instance.health
@@ -191,8 +209,8 @@ class InstanceMonitor:
                 return
         with self._health_lock:
             self._set_health(role, index, after)
-        if role == "decode":
-            self._poll_acked_seq[index] = 0 if needs_rewire else self._poll_acked_seq[index]
+        if role == "decode" and needs_rewire:  # a new process numbers its events from 1 again
+            self._poll_acked_seq[index][:] = [0] * len(self._poll_acked_seq[index])
         logger.warning(
             "%s-%d rejoined routing after %.1f s %s (%s)",
             role,
@@ -203,10 +221,11 @@ class InstanceMonitor:
         )
 
     def _rewire(self, ray, role: str, index: int, restarted: bool) -> None:
-        """gRPC and shm only (restarts are off for torch.distributed). A restarted decode starts its receiver
-        on a new port (shm: a new socket path), which the prefill instances in routing learn at once (the
-        others when they rejoin); a rejoining prefill (re)connects to every decode's current address, in
-        case one moved meanwhile."""
+        """gRPC and shm only (restarts are off for torch.distributed and for multi-rank instances, whose
+        groups are fixed at deploy). A restarted decode starts its receiver on a new port (shm: a new socket
+        path), which the prefill ranks in routing learn at once (the others when they rejoin); a rejoining
+        prefill instance's ranks (re)connect to every decode rank's current address, in case one moved
+        meanwhile."""
         if role == "decode":
             assert restarted
             decode = self.decode_actors[index]
@@ -218,16 +237,18 @@ class InstanceMonitor:
                 address = advertised_address(
                     address, ray.get(decode.node_ip.remote(), timeout=self.call_timeout_s)
                 )
-            self._decode_addresses[index] = address
-            prefills = [p for i, p in enumerate(self.prefill_actors) if self._health["prefill"][i].routable]
+            self._decode_addresses[index][0] = address
+            prefills = [a for p in self.instances["prefill"] if p.routable for a in p.ranks]
             ray.get(
                 [p.set_decode_address.remote(index, address) for p in prefills], timeout=self.call_timeout_s
             )
         else:
+            addresses = [list(ranks) for ranks in self._decode_addresses]
             ray.get(
-                self.prefill_actors[index].connect_receivers.remote(
-                    self.topology.kv_transport, list(self._decode_addresses), self._kv_tls
-                ),
+                [
+                    a.connect_receivers.remote(self.topology.kv_transport, addresses, self._kv_tls)
+                    for a in self.instances["prefill"][index].ranks
+                ],
                 timeout=self.call_timeout_s,
             )
 

@@ -1,22 +1,26 @@
 """`Instance`: one prefill or decode instance as the driver sees it, a group of rank actors.
 
-An instance is routed to as one unit, reports one load (`prefill_instance_load` / `decode_instance_load`
-over its ranks' loads, which stay readable per rank), and fails as one unit: its health
-(`orchestrator.health.InstanceHealth`) is the instance's, and a rank that dies or stops answering takes
-the whole instance out of routing. Requests address (instance, rank) (`orchestrator.router.RankRef`); the
-leader, rank 0, takes the request path's calls. Every instance has one rank today (`deploy` refuses
-instances of more than one device); the expert-parallel work adds ranks here.
+An instance of `devices_per_instance` = N devices is N rank actors (one per device, in its placement
+group), joined in one torch.distributed group (`orchestrator.instance_group`): attention is data-parallel
+over the ranks, so each rank owns its requests and its paged KV cache and reports its own load; the
+router picks (instance, rank) from them (`prefill_rank_loads` / `decode_rank_loads`,
+`orchestrator.router.RankRef`), and the reservation, the KV handoff and the poll go to that rank. An
+instance fails as one unit: its health (`orchestrator.health.InstanceHealth`) is the instance's, and a rank
+that dies or stops answering takes the whole instance out of routing and fails every request on any of
+its ranks (the MoE collectives need every rank every step). Rank 0 leads: it hosts the group's
+rendezvous, and its process id tells a restarted single-rank instance from a stalled one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.health import InstanceHealth
 from orchestrator.messages import DecodeNodeLoad, PrefillNodeLoad
-from orchestrator.router import DecodeLoad, PrefillLoad
+from orchestrator.request_state import rank_name
+from orchestrator.router import DecodeLoad, PrefillLoad, RankRef
 
 
 @dataclass
@@ -36,23 +40,44 @@ class Instance:
 
     @property
     def leader(self) -> Any:
-        """Rank 0's actor: the one the request path calls."""
+        """Rank 0's actor (it hosts the instance group's rendezvous)."""
         return self.ranks[0]
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    def rank_name(self, rank: int) -> str:
+        """One rank's name in logs, loads and leak reports: `decode-0` for rank 0, `decode-0.1` for rank 1."""
+        return rank_name(self.role, RankRef(self.index, rank))
 
     @property
     def routable(self) -> bool:
         return self.health.routable
 
 
-def prefill_instance_load(
-    instance: int, ranks: Sequence[PrefillNodeLoad], cached_block_hashes: frozenset[bytes] = frozenset()
-) -> PrefillLoad:
-    """The router's load of a prefill instance from its ranks' loads: the most queued prompt tokens of any
-    rank (every rank works on the instance's whole batch, so the busiest bounds it)."""
-    return PrefillLoad(instance, max(r.num_queued_prefill_tokens for r in ranks), cached_block_hashes)
+def check_instance_group(ranks: Sequence[PrefillNodeLoad | DecodeNodeLoad]) -> None:
+    """Raise `InstanceGroupFailed` naming the first rank whose load reports a failed instance group."""
+    from orchestrator.actor_errors import InstanceGroupFailed
+
+    for r in ranks:
+        if r.instance_group_error is not None:
+            raise InstanceGroupFailed(f"{r.name}: instance group failed: {r.instance_group_error}")
 
 
-def decode_instance_load(instance: int, ranks: Sequence[DecodeNodeLoad]) -> DecodeLoad:
-    """The router's load of a decode instance from its ranks' loads: the fewest free KV blocks of any rank
-    (a request needs room on each) and the largest batch (running, reserved, waiting for a seat)."""
-    return DecodeLoad(instance, min(r.num_free_blocks for r in ranks), max(r.batch_load for r in ranks))
+def prefill_rank_loads(
+    instance: int, ranks: Sequence[PrefillNodeLoad], cached: Callable[[RankRef], frozenset[bytes]]
+) -> list[PrefillLoad]:
+    """The router's loads of a prefill instance, one per rank (attention is data-parallel: each rank
+    prefills its own prompts): its queued prompt tokens and the block hashes `cached(RankRef)` says the
+    router sent that rank."""
+    return [
+        PrefillLoad(instance, r.num_queued_prefill_tokens, cached(RankRef(instance, rank)), rank)
+        for rank, r in enumerate(ranks)
+    ]
+
+
+def decode_rank_loads(instance: int, ranks: Sequence[DecodeNodeLoad]) -> list[DecodeLoad]:
+    """The router's loads of a decode instance, one per rank (each rank owns its requests and its paged KV
+    cache): its free KV blocks and its batch (running, reserved, waiting for a seat)."""
+    return [DecodeLoad(instance, r.num_free_blocks, r.batch_load, rank) for rank, r in enumerate(ranks)]

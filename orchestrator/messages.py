@@ -43,6 +43,31 @@ class NodeReady:
     kv_dim: int = 0
 
 
+@dataclass(frozen=True)
+class InstanceGroupSpec:
+    """How one rank actor of a multi-rank instance joins its instance's torch.distributed group (given to
+    the actor's constructor; the group is made before the engine, which may need it to load its experts).
+
+    rank / num_ranks: the actor's rank in the instance and the instance's ranks (devices_per_instance).
+    init_method: `tcp://host:port` of the group's rendezvous, hosted by rank 0 on its node.
+    barrier_port: the port on that host where the ranks first meet (`orchestrator.instance_group`).
+    backend: `gloo`, `nccl` or `hccl` (`orchestrator.hardware`, the accelerator's collective backend).
+    timeout_s: every collective of the group gives up after this long (`orchestrator.dispatch.
+        collective_timeout_s`), so no rank waits forever for one that died or stalled.
+    rendezvous_timeout_s: how long a rank waits for the others to join (they start at once, but load
+        their weights at different speeds).
+    Whether the ranks step in lockstep is the engine's layout (`EngineConfig.parallel`), not the group's.
+    """
+
+    rank: int
+    num_ranks: int
+    init_method: str
+    barrier_port: int
+    backend: str
+    timeout_s: float
+    rendezvous_timeout_s: float
+
+
 # ---- loads --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PrefillNodeLoad:
@@ -53,6 +78,10 @@ class PrefillNodeLoad:
         num_queued_prefill_tokens: prompt tokens queued or being prefilled.
         num_requests: prefill jobs in flight.
         engine_thread_alive, num_engine_errors, last_engine_error: the engine thread's health.
+        instance_group_error: why the rank's instance group failed (a collective timed out or broke: a
+            peer rank died or stalled); the instance cannot step any more. None: the group is sound (or
+            there is none).
+        ep: the rank's expert-parallel figures (`rank_actor.ep_summary`); None without EP.
     """
 
     name: str
@@ -62,6 +91,8 @@ class PrefillNodeLoad:
     engine_thread_alive: bool
     num_engine_errors: int
     last_engine_error: str | None
+    instance_group_error: str | None = None
+    ep: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +106,7 @@ class DecodeNodeLoad:
         num_reserved: reservations waiting for their handoff.
         num_waiting_for_seat: received, waiting for a seat in the batch (max_num_seqs), holding blocks.
         engine_thread_alive, num_engine_errors, last_engine_error: the engine thread's health.
+        instance_group_error, ep: as in `PrefillNodeLoad`.
     """
 
     name: str
@@ -87,6 +119,8 @@ class DecodeNodeLoad:
     engine_thread_alive: bool
     num_engine_errors: int
     last_engine_error: str | None
+    instance_group_error: str | None = None
+    ep: dict | None = None
 
     @property
     def batch_load(self) -> int:
@@ -123,14 +157,15 @@ class ReserveResult:
 
 @dataclass(frozen=True)
 class PrefillRequest:
-    """Prefill one handoff and stream it to decode instance `decode_index` (which already expects it);
-    `meta` is the one that instance's reserve bound (with the secret)."""
+    """Prefill one handoff and stream it to rank `decode_rank` of decode instance `decode_index` (which
+    already expects it); `meta` is the one that rank's reserve bound (with the secret)."""
 
     handoff_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     meta: HandoffMeta
     decode_index: int
+    decode_rank: int = 0
 
 
 @dataclass(frozen=True)

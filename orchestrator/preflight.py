@@ -3,10 +3,11 @@
 `pdcluster validate --for-deploy FILE` reports exactly these, at the lines of the keys they concern;
 `pdcluster deploy` refuses a file with any of them (one `FILE:LINE: reason` line each, exit code 2) before
 it connects to or starts Ray. Plain `pdcluster validate` checks a file as a plan only (it may describe
-hardware this machine is not) and prints the actor-layer limit below as a note.
+hardware this machine is not) and prints the actor-layer limits below as a note.
 
-- The actor layer runs one actor on one device per instance (`actor_layer_issues`): instances of more
-  than one device, tensor- or expert-parallel, are valid plans that deploy cannot run yet.
+- The actor layer runs one rank actor per device with data-parallel attention, routed experts split over
+  every rank of the instance (EP) or replicated on each (`actor_layer_issues`): tensor-parallel attention
+  and experts split over part of an instance are valid plans that deploy cannot run.
 - The checkpoint as this machine sees it (`checkpoint_issues`): `config.json`, the safetensors files and
   their headers (none truncated), every tensor present with its shape, `tokenizer.json`
   (`models.loader.check_checkpoint_dir`; no tensor data is read). The driver reads the tokenizer from the
@@ -50,27 +51,35 @@ def pool_parallelism(role: str, pool: PoolConfig) -> str | None:
 
 
 def actor_layer_issues(topology: Topology) -> list[Issue]:
-    """One issue per pool whose instances need more than one device, at its tensor_parallel_size line
-    (TP > 1), else its expert_parallel_size line (EP > 1), else its devices_per_instance line."""
+    """What the actor layer cannot run, one issue per pool at the key it concerns. An instance of N devices
+    runs N rank actors with data-parallel attention; its routed experts are either split over all N ranks
+    (`expert_parallel_size` N, EP) or replicated on each (`expert_parallel_size` 1). Refused:
+    `tensor_parallel_size` > 1 (tensor-parallel attention), and 1 < `expert_parallel_size` < N (each
+    expert's FFN split over the rest, `moe_tensor_parallel_size` > 1)."""
     issues = []
     for role in ROLES:
         pool = topology.pool(role)
         described = pool_parallelism(role, pool)
-        if described is None:
-            continue
         if pool.tensor_parallel_size > 1:
-            key = "tensor_parallel_size"
-        elif pool.expert_parallel_size > 1:
-            key = "expert_parallel_size"
-        else:
-            key = "devices_per_instance"
-        issues.append(
-            Issue(
-                (role, key),
-                f"{role}.{key}: instances of more than one device ({described}) are not supported by "
-                "`pdcluster deploy` yet: it runs one actor on one device per instance",
+            issues.append(
+                Issue(
+                    (role, "tensor_parallel_size"),
+                    f"{role}.tensor_parallel_size: tensor-parallel attention ({described}) is not supported "
+                    "by `pdcluster deploy`: it runs attention data-parallel, one rank per device (set "
+                    "tensor_parallel_size: 1)",
+                )
             )
-        )
+        elif 1 < pool.expert_parallel_size < pool.devices_per_instance:
+            issues.append(
+                Issue(
+                    (role, "expert_parallel_size"),
+                    f"{role}.expert_parallel_size: {pool.expert_parallel_size} of "
+                    f"{pool.devices_per_instance} devices would split each expert's FFN over "
+                    f"{pool.moe_tensor_parallel_size} devices, "
+                    "which `pdcluster deploy` does not run: set it to devices_per_instance "
+                    f"({pool.devices_per_instance}, experts split over every rank) or 1 (experts replicated)",
+                )
+            )
     return issues
 
 

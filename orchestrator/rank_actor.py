@@ -1,6 +1,9 @@
 """`RankActor`: what the prefill and decode rank actors share, written once.
 
 - the engine: one `LLMEngine` built from the instance's `EngineConfig`, with torch on one thread;
+- the instance group: a rank of a multi-rank instance joins its instance's torch.distributed group
+  (`orchestrator.instance_group`) before it builds its engine; with routed experts split over the ranks
+  (EP) the engine thread steps in lockstep with the other ranks (`lockstep`, `LOCKSTEP_IDLE_S`);
 - the engine thread: started by the subclass once its own state exists (`_start_engine_thread`), running
   the subclass's `_run`, stopped by `_stop_engine_thread`;
 - loop-error accounting: `_loop_error` counts and logs an exception the engine thread survived, and
@@ -14,6 +17,7 @@ in-process in tests.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -22,20 +26,50 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm import LLMEngine
+from orchestrator.messages import InstanceGroupSpec
 
 logger = logging.getLogger(__name__)
 
+# An expert-parallel rank with nothing to run still steps (its MoE collectives need every rank): when no
+# rank of the instance had work, the step returns at once and the engine thread sleeps this long (seconds).
+LOCKSTEP_IDLE_S = 0.002
+# The engine thread copies its engine's EP figures for load snapshots at most this often (seconds): the
+# engine's figures are only safe to read from the thread that steps it.
+EP_STATS_REFRESH_S = 1.0
+
+
+def ep_summary(engine: LLMEngine) -> dict | None:
+    """The rank's expert-parallel figures as plain data for its load snapshot (`LLMEngine.ep_stats`,
+    `engine.expert_parallel.EPStats`): every field of the engine's figures, None without EP."""
+    stats = engine.ep_stats()
+    return None if stats is None else dataclasses.asdict(stats)
+
 
 class RankActor:
-    """Base of `PrefillNode` and `DecodeNode`. `name`: the instance name for logs and loads (`decode-0`)."""
+    """Base of `PrefillNode` and `DecodeNode`. `name`: the rank's name for logs and loads (`decode-0`,
+    `decode-0.1` for rank 1 of a multi-rank instance). `group`: how a rank of a multi-rank instance joins
+    its instance group (None: a single-rank instance)."""
 
     FAULT_POINTS: tuple[str, ...] = ()  # where `inject_fault` may arm a fault (set by each role)
 
-    def __init__(self, engine_config: EngineConfig, name: str) -> None:
+    def __init__(
+        self, engine_config: EngineConfig, name: str, group: InstanceGroupSpec | None = None
+    ) -> None:
         torch.set_num_threads(1)
         started_s = time.monotonic()
         self.name = name
-        self.engine = LLMEngine(engine_config)
+        self.group_spec = group
+        self.instance_group = None
+        if group is not None and group.num_ranks > 1:
+            from orchestrator.instance_group import join_instance_group
+
+            self.instance_group = join_instance_group(group)
+        # Expert-parallel ranks step together (`engine.llm_engine.LLMEngine`'s EP contract): every rank
+        # calls `engine.step()` in a loop, idle or not.
+        self.lockstep = engine_config.parallel.enabled
+        if self.lockstep and self.instance_group is None:
+            raise ValueError(f"{name}: an expert-parallel engine needs its instance group (group=None)")
+        self.engine = LLMEngine(engine_config, group=self.instance_group.group if self.lockstep else None)
         self.load_s = time.monotonic() - started_s
         self._stopped = threading.Event()
         self._num_loop_errors = 0
@@ -43,6 +77,9 @@ class RankActor:
         self._fault_lock = threading.Lock()
         self._faults: dict[str, int] = {}  # test-only: inject_fault
         self._thread: threading.Thread | None = None
+        self._group_error: str | None = None  # set once a collective of the instance group failed
+        self._ep_summary: dict | None = None  # the engine's EP figures, copied by the engine thread
+        self._ep_summary_at_s = 0.0
 
     # ---- engine thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -70,12 +107,39 @@ class RankActor:
         logger.error("%s: %s", self.name, what, exc_info=e)
 
     def _engine_health(self) -> dict[str, object]:
-        """`engine_thread_alive`, `num_engine_errors`, `last_engine_error` for a load snapshot."""
+        """`engine_thread_alive`, `num_engine_errors`, `last_engine_error`, `instance_group_error` and
+        `ep` (`ep_summary`, as the engine thread last copied it) for a load snapshot."""
         return {
             "engine_thread_alive": self._thread is not None and self._thread.is_alive(),
             "num_engine_errors": self._num_loop_errors,
             "last_engine_error": self._last_loop_error,
+            "instance_group_error": self._group_error,
+            "ep": self._ep_summary,
         }
+
+    def _refresh_ep_summary(self) -> None:
+        """On the engine thread, after a step: copy the engine's EP figures for load snapshots, at most
+        every EP_STATS_REFRESH_S seconds (a no-op without EP)."""
+        now_s = time.monotonic()
+        if self.lockstep and now_s - self._ep_summary_at_s >= EP_STATS_REFRESH_S:
+            self._ep_summary = ep_summary(self.engine)
+            self._ep_summary_at_s = now_s
+
+    def _group_failed(self, e: BaseException) -> bool:
+        """Whether `e` (an exception out of a step) is a failed collective of the instance group
+        (`models.ep_dispatch.EPCollectiveError`, raised or the cause of an `EngineStepError`): a peer rank
+        died or stalled. Then the group is unusable (its collectives time out or are broken for good),
+        so the rank stops stepping and reports it in its loads (`instance_group_error`); the driver takes
+        the instance out of routing for good."""
+        from models.ep_dispatch import EPCollectiveError
+
+        failure = e if isinstance(e, EPCollectiveError) else e.__cause__
+        if not isinstance(failure, EPCollectiveError):
+            return False
+        if self._group_error is None:
+            self._group_error = str(failure)
+            logger.error("%s: the instance group failed; this rank stops stepping: %s", self.name, failure)
+        return True
 
     # ---- fault injection (tests) ------------------------------------------------------------------------
     def inject_fault(self, where: str, count: int = 1) -> None:

@@ -11,7 +11,7 @@ lifecycle). A thin loop over the pure dispatch policy (`orchestrator.dispatch`):
                                       (handed over by the poll loop), `Aborted`, `DecodeLost`, the prefill
                                       call's `PrefillDone` / `PrefillFailed`, or `NoEvent` (timeout)
       next_action                     Emit (stream it) | Wait | EndAborted | Redispatch | Fail
-    _poll(decode_index)               one loop per decode instance: `DecodeNode.poll` -> the attempt queues
+    _poll(decode_index, rank)         one loop per decode rank: `DecodeNode.poll` -> the attempt queues
 
 Every wait is bounded: actor calls by `call_timeout_s`, the prefill call and each wait for an event by
 `event_timeout_s` (`orchestrator.dispatch`).
@@ -96,9 +96,15 @@ class RequestDispatch:
                     yield record.stream_delta()
                     return
                 request = PrefillRequest(
-                    attempt.handoff_id, tuple(prompt_token_ids), params, attempt.meta, attempt.decode_index
+                    attempt.handoff_id,
+                    tuple(prompt_token_ids),
+                    params,
+                    attempt.meta,
+                    attempt.decode_index,
+                    attempt.decode.rank,
                 )
-                prefill_ref = self.instances["prefill"][attempt.prefill_index].leader.prefill.remote(request)
+                prefill = self.instances["prefill"][attempt.prefill_index].ranks[attempt.prefill.rank]
+                prefill_ref = prefill.prefill.remote(request)
                 prefill_task = asyncio.ensure_future(self._call(prefill_ref, self.event_timeout_s))
                 action = None
                 owner_gone = False
@@ -230,32 +236,38 @@ class RequestDispatch:
         if self._loop is loop and self._pollers:
             return
         self._loop = loop
-        self._pollers = [loop.create_task(self._poll(j)) for j in range(len(self.instances["decode"]))]
+        self._pollers = [
+            loop.create_task(self._poll(instance.index, rank))
+            for instance in self.instances["decode"]
+            for rank in range(instance.num_ranks)
+        ]
 
-    async def _poll(self, decode_index: int) -> None:
-        """Hand decode instance `decode_index`'s events to their requests. A poll that fails or takes over
-        `call_timeout_s` takes the instance out of routing (its requests fail); polling resumes once the
-        health monitor has brought it back. Each poll acknowledges the events received so far, so a reply
-        lost to a timeout is sent again by the next poll (`DecodeNode.poll`)."""
+    async def _poll(self, decode_index: int, rank: int = 0) -> None:
+        """Hand the events of rank `rank` of decode instance `decode_index` to their requests. A poll that
+        fails or takes over `call_timeout_s` takes the instance out of routing (the requests of all its
+        ranks fail); polling resumes once the health monitor has brought it back. Each poll acknowledges
+        the events received so far, so a reply lost to a timeout is sent again by the next poll
+        (`DecodeNode.poll`)."""
         instance = self.instances["decode"][decode_index]
+        acked = self._poll_acked_seq[decode_index]  # per rank
         while not self._closed:
             if not instance.routable:
                 await asyncio.sleep(PROBE_INTERVAL_S / 4)
                 continue
             try:
                 polled = await self._call(
-                    instance.leader.poll.remote(POLL_WAIT_S, self._poll_acked_seq[decode_index]),
+                    instance.ranks[rank].poll.remote(POLL_WAIT_S, acked[rank]),
                     self.call_timeout_s + POLL_WAIT_S,
                 )
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # noqa: BLE001 - a dead or stuck decode instance fails its requests
-                self._mark_failed("decode", decode_index, e, "poll")
+            except Exception as e:  # noqa: BLE001 - a dead or stuck decode rank fails its instance
+                self._mark_failed("decode", decode_index, e, f"poll of rank {rank}")
                 continue
             for item in polled:
-                if item.seq <= self._poll_acked_seq[decode_index]:
+                if item.seq <= acked[rank]:
                     continue  # sent again after a lost reply; already handed over
-                self._poll_acked_seq[decode_index] = item.seq
+                acked[rank] = item.seq
                 attempt = self._by_handoff.get(item.event.handoff_id)
                 if attempt is not None:
                     attempt.events.put_nowait(item.event)

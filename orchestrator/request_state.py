@@ -16,6 +16,11 @@ from orchestrator.messages import Phases, TokenDelta
 from orchestrator.router import RankRef
 
 
+def rank_name(role: str, ref: RankRef) -> str:
+    """`decode-0` for rank 0 of decode instance 0, `decode-0.1` for its rank 1 (`Instance.rank_name`)."""
+    return f"{role}-{ref.instance}" + (f".{ref.rank}" if ref.rank else "")
+
+
 @dataclass
 class Attempt:
     """One dispatch of a request: its handoff id (unique per attempt), the (instance, rank) pair, the meta
@@ -62,6 +67,12 @@ class RequestRecord:
                 [], True, "abort", phases=self.phases.as_dict(), kv_transfer_bytes=self.kv_transfer_bytes
             )
         drafts = delta.drafts
+        ranks = {}
+        if self.attempt is not None:
+            ranks = {
+                role: rank_name(role, ref)
+                for role, ref in (("prefill", self.attempt.prefill), ("decode", self.attempt.decode))
+            }
         return StreamDelta(
             new_token_ids=list(delta.new_token_ids),
             finished=delta.finished,
@@ -73,4 +84,5 @@ class RequestRecord:
             num_draft_tokens_per_position=list(drafts.num_draft_tokens_per_position),
             num_accepted_tokens_per_position=list(drafts.num_accepted_tokens_per_position),
             new_text=delta.new_text,
+            ranks=ranks,
         )

@@ -5,15 +5,16 @@ reserve KV blocks before prefill sends the first layer. No Ray, gRPC or device c
 cluster (`orchestrator.cluster`) and the capacity planner call the same functions.
 
 Inputs:
-    prefill: one `PrefillLoad` per live prefill instance (instances the caller knows are dead are left out),
-        `instance` its index in the prefill pool.
-    decode: one `DecodeLoad` per live decode instance, `instance` its index in the decode pool.
-Each policy returns `RouteChoice(prefill, decode)`: the (instance, rank) each request goes to, instances
-named by their pool index (the loads' `instance`), rank 0 (the instance's leader rank; instances are one
-rank today).
+    prefill: one `PrefillLoad` per rank of each live prefill instance (instances the caller knows are dead
+        are left out), `instance` its index in the prefill pool and `rank` its rank in the instance.
+    decode: one `DecodeLoad` per rank of each live decode instance, likewise.
+Attention is data-parallel over an instance's ranks (each rank owns its requests and its paged KV cache,
+DESIGN.md "Instances of several ranks"), so a request goes to one rank: each policy returns
+`RouteChoice(prefill, decode)`, the (instance, rank) pair of each pool, instances named by their pool index
+(the loads' `instance`) and ranks by their rank (the loads' `rank`; 0 for single-rank instances).
 
-The prefix-aware policy's view of what each prefill instance caches is `PrefixCacheModel`: the chained
-block hashes of the prompts the router sent there, least recently sent forgotten first.
+The prefix-aware policy's view of what each prefill rank caches is `PrefixCacheModel`: the chained block
+hashes of the prompts the router sent there, least recently sent forgotten first.
 """
 
 from __future__ import annotations
@@ -26,22 +27,26 @@ from engine.block_manager import compute_block_hashes
 
 
 class PrefillLoad(NamedTuple):
-    """instance: the prefill instance's index in its pool. num_queued_prefill_tokens: prompt tokens queued
-    or being prefilled. cached_block_hashes: chained block hashes the router believes the instance caches
-    (from the prompts it sent there; `engine.block_manager.hash_block_tokens`)."""
+    """One prefill rank. instance: the prefill instance's index in its pool. num_queued_prefill_tokens:
+    prompt tokens queued or being prefilled on the rank. cached_block_hashes: chained block hashes the
+    router believes the rank caches (from the prompts it sent there;
+    `engine.block_manager.hash_block_tokens`). rank: the rank in its instance (0: the leader)."""
 
     instance: int
     num_queued_prefill_tokens: int
     cached_block_hashes: frozenset[bytes] = frozenset()
+    rank: int = 0
 
 
 class DecodeLoad(NamedTuple):
-    """instance: the decode instance's index. num_free_blocks: KV blocks free now. num_running: requests in
-    its running batch (reservations and admitted requests waiting for a seat included)."""
+    """One decode rank. instance: the decode instance's index. num_free_blocks: KV blocks free now on the
+    rank. num_running: requests in its running batch (reservations and admitted requests waiting for a seat
+    included). rank: the rank in its instance (0: the leader)."""
 
     instance: int
     num_free_blocks: int
     num_running: int
+    rank: int = 0
 
 
 class RankRef(NamedTuple):
@@ -59,27 +64,37 @@ class RouteChoice(NamedTuple):
 
 
 def _choice(prefill: Sequence[PrefillLoad], p: int, decode: Sequence[DecodeLoad], d: int) -> RouteChoice:
-    return RouteChoice(RankRef(prefill[p].instance), RankRef(decode[d].instance))
+    return RouteChoice(
+        RankRef(prefill[p].instance, prefill[p].rank), RankRef(decode[d].instance, decode[d].rank)
+    )
 
 
 def _least_loaded_decode(decode: Sequence[DecodeLoad]) -> int:
-    """Most free blocks, then the smaller batch, then the lower index."""
-    return min(range(len(decode)), key=lambda i: (-decode[i].num_free_blocks, decode[i].num_running, i))
+    """Most free blocks, then the smaller batch, then the lower (instance, rank)."""
+
+    def key(i: int) -> tuple[int, int, int, int]:
+        return (-decode[i].num_free_blocks, decode[i].num_running, decode[i].instance, decode[i].rank)
+
+    return min(range(len(decode)), key=key)
 
 
 def round_robin(
     prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad], counter: int, **_: object
 ) -> RouteChoice:
-    """The `counter`-th request goes to prefill `counter % P` and decode `counter % D`."""
+    """The `counter`-th request goes to prefill rank `counter % P` and decode rank `counter % D` (P, D: the
+    ranks listed)."""
     _check(prefill, decode)
     return _choice(prefill, counter % len(prefill), decode, counter % len(decode))
 
 
 def least_loaded(prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad], **_: object) -> RouteChoice:
-    """Prefill with the fewest queued prompt tokens; decode with the most free KV blocks, then the
-    smallest running batch. Ties go to the lower index."""
+    """Prefill rank with the fewest queued prompt tokens; decode rank with the most free KV blocks, then the
+    smallest running batch. Ties go to the lower (instance, rank)."""
     _check(prefill, decode)
-    p = min(range(len(prefill)), key=lambda i: (prefill[i].num_queued_prefill_tokens, i))
+    p = min(
+        range(len(prefill)),
+        key=lambda i: (prefill[i].num_queued_prefill_tokens, prefill[i].instance, prefill[i].rank),
+    )
     return _choice(prefill, p, decode, _least_loaded_decode(decode))
 
 
@@ -101,13 +116,14 @@ def prefix_aware(
     block_size: int = 16,
     **_: object,
 ) -> RouteChoice:
-    """Prefill that has the fewest tokens left to compute: queued tokens plus this prompt's uncached
+    """Prefill rank that has the fewest tokens left to compute: queued tokens plus this prompt's uncached
     tokens (prefix hits estimated from `cached_block_hashes`); decode as `least_loaded`."""
     _check(prefill, decode)
 
-    def cost(i: int) -> tuple[int, int]:
+    def cost(i: int) -> tuple[int, int, int]:
         hit = prefix_hit_tokens(prompt_token_ids, block_size, prefill[i].cached_block_hashes)
-        return (prefill[i].num_queued_prefill_tokens + len(prompt_token_ids) - hit, i)
+        remaining = prefill[i].num_queued_prefill_tokens + len(prompt_token_ids) - hit
+        return (remaining, prefill[i].instance, prefill[i].rank)
 
     return _choice(prefill, min(range(len(prefill)), key=cost), decode, _least_loaded_decode(decode))
 
@@ -119,34 +135,32 @@ POLICIES: dict[str, Callable[..., RouteChoice]] = {
 }
 
 
-ROUTER_CACHE_BLOCKS = 4096  # block hashes remembered per prefill instance for prefix-aware routing
+ROUTER_CACHE_BLOCKS = 4096  # block hashes remembered per prefill rank for prefix-aware routing
 
 
 class PrefixCacheModel:
-    """What the router believes each prefill instance caches: the chained block hashes
-    (`engine.block_manager.compute_block_hashes`) of the prompts it sent there, at most `capacity_blocks`
-    per instance, the least recently sent forgotten first (an estimate: the instance's own cache may have
-    evicted them, or hold more)."""
+    """What the router believes each prefill rank caches (each rank has its own engine and cache): the
+    chained block hashes (`engine.block_manager.compute_block_hashes`) of the prompts it sent there, at most
+    `capacity_blocks` per rank, the least recently sent forgotten first (an estimate: the rank's own cache
+    may have evicted them, or hold more). Ranks are named by `RankRef`."""
 
-    def __init__(
-        self, num_instances: int, block_size: int, capacity_blocks: int = ROUTER_CACHE_BLOCKS
-    ) -> None:
+    def __init__(self, block_size: int, capacity_blocks: int = ROUTER_CACHE_BLOCKS) -> None:
         self.block_size = block_size
         self.capacity_blocks = capacity_blocks
-        self._hashes: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_instances)]
+        self._hashes: dict[RankRef, OrderedDict[bytes, None]] = {}
 
-    def record(self, instance: int, prompt_token_ids: Sequence[int]) -> None:
-        """The prompt's full blocks were sent to prefill `instance` (most recent now)."""
-        remembered = self._hashes[instance]
+    def record(self, rank: RankRef, prompt_token_ids: Sequence[int]) -> None:
+        """The prompt's full blocks were sent to prefill `rank` (most recent now)."""
+        remembered = self._hashes.setdefault(rank, OrderedDict())
         for block_hash in compute_block_hashes(list(prompt_token_ids), self.block_size):
             remembered[block_hash] = None
             remembered.move_to_end(block_hash)
         while len(remembered) > self.capacity_blocks:
             remembered.popitem(last=False)
 
-    def cached(self, instance: int) -> frozenset[bytes]:
-        """The block hashes prefill `instance` is believed to cache (`PrefillLoad.cached_block_hashes`)."""
-        return frozenset(self._hashes[instance])
+    def cached(self, rank: RankRef) -> frozenset[bytes]:
+        """The block hashes prefill `rank` is believed to cache (`PrefillLoad.cached_block_hashes`)."""
+        return frozenset(self._hashes.get(rank, ()))
 
 
 def _check(prefill: Sequence[PrefillLoad], decode: Sequence[DecodeLoad]) -> None:

@@ -1,11 +1,11 @@
 """Routing and reserving one dispatch attempt of a request, and releasing it (`orchestrator.cluster.Cluster`).
 
 `_dispatch` loads every live instance (each rank), routes with the topology's router policy over the
-instances' loads (`orchestrator.instance`, `orchestrator.router`), and reserves on the chosen decode
-instance (`DecodeNode.reserve`); the pure `orchestrator.dispatch.after_reserve` decides what follows: start
-the prefill, route again (an instance was lost), retry after RESERVE_RETRY_S while no decode has room
-(back-pressure), fail at the deadline, or end (aborted). `_release` drops an attempt on every rank of its
-two instances.
+ranks' loads (`orchestrator.instance`, `orchestrator.router`: a (instance, rank) pair per pool), and
+reserves on the chosen decode rank (`DecodeNode.reserve`); the pure `orchestrator.dispatch.after_reserve`
+decides what follows: start the prefill, route again (an instance was lost), retry after RESERVE_RETRY_S
+while no decode has room (back-pressure), fail at the deadline, or end (aborted). `_release` drops an
+attempt on every rank of its two instances.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from typing import Any
 
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import HandoffMeta, resolve_wire_dtype
+from orchestrator.actor_errors import InstanceGroupFailed
 from orchestrator.backend import BackendUnavailable
 from orchestrator.dispatch import EndAborted, Fail, ReserveOutcome, RetryReserve, StartPrefill, after_reserve
-from orchestrator.instance import Instance, decode_instance_load, prefill_instance_load
+from orchestrator.instance import Instance, check_instance_group, decode_rank_loads, prefill_rank_loads
 from orchestrator.messages import Phases, ReserveRequest, ReserveResult
 from orchestrator.request_state import Attempt, RequestRecord
 
@@ -76,12 +77,18 @@ class RouteAndReserve:
             elif record.aborted:
                 outcome = ReserveOutcome.ABORTED
             else:
+                cached = self._prefix_cache.cached
                 choice = self._policy(
                     [
-                        prefill_instance_load(p.index, r, self._prefix_cache.cached(p.index))
+                        load
                         for p, r in zip(prefills, prefill_loads, strict=True)
+                        for load in prefill_rank_loads(p.index, r, cached)
                     ],
-                    [decode_instance_load(d.index, r) for d, r in zip(decodes, decode_loads, strict=True)],
+                    [
+                        load
+                        for d, r in zip(decodes, decode_loads, strict=True)
+                        for load in decode_rank_loads(d.index, r)
+                    ],
                     counter=next(self._counter),
                     prompt_token_ids=prompt_token_ids,
                     block_size=self.topology.prefill.block_size,
@@ -99,7 +106,7 @@ class RouteAndReserve:
             if isinstance(action, StartPrefill):
                 assert attempt is not None
                 attempt.meta = bound
-                self._prefix_cache.record(attempt.prefill_index, prompt_token_ids)
+                self._prefix_cache.record(attempt.prefill, prompt_token_ids)
                 return attempt
             if isinstance(action, EndAborted):
                 return None
@@ -112,14 +119,16 @@ class RouteAndReserve:
         """Per instance, its ranks' load snapshots, or the exception of its first rank call that failed."""
 
         async def ranks(instance: Instance) -> list[Any]:
-            return list(await asyncio.gather(*[self._call(a.load.remote()) for a in instance.ranks]))
+            loads = list(await asyncio.gather(*[self._call(a.load.remote()) for a in instance.ranks]))
+            check_instance_group(loads)
+            return loads
 
         return await asyncio.gather(*[ranks(i) for i in instances], return_exceptions=True)
 
     async def _reserve(
         self, record: RequestRecord, attempt: Attempt, prompt_token_ids: list[int], params: SamplingParams
     ) -> tuple[ReserveOutcome, HandoffMeta | None]:
-        """Reserve `attempt` on its decode instance: the outcome and the bound meta (when BOUND). The
+        """Reserve `attempt` on its decode rank: the outcome and the bound meta (when BOUND). The
         attempt is the request's (and the poll loop's) while reserved; released when not bound."""
         self._by_handoff[attempt.handoff_id] = attempt
         record.attempt = attempt
@@ -130,8 +139,8 @@ class RouteAndReserve:
             self._meta(attempt, prompt_token_ids),
             self.num_speculative_tokens,
         )
-        leader = self.instances["decode"][attempt.decode_index].leader
-        reserve_call = asyncio.ensure_future(self._call(leader.reserve.remote(reserve)))
+        decode = self.instances["decode"][attempt.decode_index].ranks[attempt.decode.rank]
+        reserve_call = asyncio.ensure_future(self._call(decode.reserve.remote(reserve)))
         try:
             result: ReserveResult = await asyncio.shield(reserve_call)
         except asyncio.CancelledError:
@@ -180,10 +189,12 @@ class RouteAndReserve:
 
     @staticmethod
     def _is_lost(exc: BaseException) -> bool:
-        """The actor died or stopped answering (as opposed to a method that raised)."""
+        """The actor died or stopped answering, or its instance group failed (as opposed to a method that
+        raised)."""
         import ray
 
-        return isinstance(exc, (ray.exceptions.RayActorError, asyncio.TimeoutError, TimeoutError))
+        lost = (ray.exceptions.RayActorError, asyncio.TimeoutError, TimeoutError, InstanceGroupFailed)
+        return isinstance(exc, lost)
 
     def _abort_after_prefill(self, attempt: Attempt, prefill_task: asyncio.Future) -> None:
         """Ray runs a threaded actor's calls unordered, so abort() may overtake the `prefill` call it is

@@ -1,4 +1,4 @@
-"""`PrefillNode`: the prefill role, a thin shell around one `LLMEngine` and a `KVSender` per decode instance.
+"""`PrefillNode`: the prefill role, a thin shell around one `LLMEngine` and a `KVSender` per decode rank.
 
 The driver (`orchestrator.cluster.Cluster`) wraps the class with `ray.remote` and places it in its
 instance's placement group. Threads inside the actor:
@@ -34,8 +34,8 @@ from engine.config import EngineConfig
 from engine.llm import EngineStepError
 from kvtransfer.base import HandoffExtras, KVSender
 from orchestrator.dispatch import event_timeout_s
-from orchestrator.messages import NodeReady, PrefillNodeLoad, PrefillRequest, PrefillResult
-from orchestrator.rank_actor import RankActor
+from orchestrator.messages import InstanceGroupSpec, NodeReady, PrefillNodeLoad, PrefillRequest, PrefillResult
+from orchestrator.rank_actor import LOCKSTEP_IDLE_S, RankActor
 
 if TYPE_CHECKING:
     from kvtransfer.grpc_transport import TLSCredentials
@@ -69,25 +69,36 @@ class _Job:
     def decode_index(self) -> int:
         return self.request.decode_index
 
+    @property
+    def decode_rank(self) -> int:
+        return self.request.decode_rank
+
 
 class PrefillNode(RankActor):
-    """One prefill instance (rank).
+    """One prefill rank (of an instance of one or more).
 
     Args:
         engine_config: the instance's engine arguments (`Topology.engine_config("prefill")`); the engine
             runs the synchronous loop (the prompt KV hook needs it).
         name: instance name for logs and load reports (`prefill-0`).
         layerwise: send each layer as soon as it is computed; False: all layers after the forward.
+        group: how the rank joins its instance's group (`RankActor`; None: a single-rank instance).
     """
 
     # "start" (taking a job), "step" (the engine step), "complete" (handing a finished prefill over),
     # "loop" (the loop body, outside any request)
     FAULT_POINTS = ("start", "step", "complete", "loop")
 
-    def __init__(self, engine_config: EngineConfig, name: str, layerwise: bool = True) -> None:
-        super().__init__(engine_config, name)
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        name: str,
+        layerwise: bool = True,
+        group: InstanceGroupSpec | None = None,
+    ) -> None:
+        super().__init__(engine_config, name, group)
         self.layerwise = layerwise
-        self.senders: list[KVSender] = []
+        self.senders: list[list[KVSender]] = []  # [decode instance][decode rank]
         self._transport = "grpc"  # what connect_receivers used, for set_decode_address
         self._tls: TLSCredentials | None = None
         self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -105,20 +116,22 @@ class PrefillNode(RankActor):
             self.name, os.getpid(), self.load_s, num_blocks, cfg.num_hidden_layers, cfg.kv_cache_dim
         )
 
-    def connect_grpc(self, decode_addresses: list[str], tls: TLSCredentials | None = None) -> None:
-        """One gRPC sender per decode instance, in decode index order (mutual TLS with `tls`), closing any
-        previous ones."""
+    def connect_grpc(self, decode_addresses: list[list[str]], tls: TLSCredentials | None = None) -> None:
+        """One gRPC sender per decode rank: `decode_addresses[i][r]` is decode instance i's rank r (mutual
+        TLS with `tls`), closing any previous ones."""
         self.connect_receivers("grpc", decode_addresses, tls)
 
     def connect_receivers(
-        self, transport: str, decode_addresses: list[str], tls: TLSCredentials | None = None
+        self, transport: str, decode_addresses: list[list[str]], tls: TLSCredentials | None = None
     ) -> None:
         """One `transport` sender (`grpc`: to `host:port`, mutual TLS with `tls`; `shm`: to a socket path
-        on this host) per decode instance, in decode index order, closing any previous ones."""
+        on this host) per decode rank: `decode_addresses[i][r]` is decode instance i's rank r; closes any
+        previous ones."""
         if transport not in ("grpc", "shm"):
             raise ValueError(f"transport: senders connect to grpc or shm receivers, got {transport!r}")
         self._transport, self._tls = transport, tls
-        old, self.senders = self.senders, [self._new_sender(address) for address in decode_addresses]
+        old = self._all_senders()
+        self.senders = [[self._new_sender(a) for a in ranks] for ranks in decode_addresses]
         for sender in old:
             sender.close()
 
@@ -131,26 +144,36 @@ class PrefillNode(RankActor):
 
         return GrpcKVSender(address, tls=self._tls)
 
-    def set_decode_address(self, decode_index: int, address: str) -> None:
-        """Decode instance `decode_index` was restarted and listens at `address` now: replace its sender
-        (transfers in flight to the old one fail, as they would have anyway)."""
-        old = self.senders[decode_index]
-        self.senders[decode_index] = self._new_sender(address)
+    def set_decode_address(self, decode_index: int, address: str, decode_rank: int = 0) -> None:
+        """Rank `decode_rank` of decode instance `decode_index` was restarted and listens at `address` now:
+        replace its sender (transfers in flight to the old one fail, as they would have anyway)."""
+        old = self.senders[decode_index][decode_rank]
+        self.senders[decode_index][decode_rank] = self._new_sender(address)
         old.close()
 
-    def connect_dist(self, rank: int, world_size: int, init_method: str, decode_ranks: list[int]) -> None:
-        """Join the transfer process group (collective: every node calls it at once); one sender per
-        decode rank, in decode index order."""
+    def connect_dist(
+        self, rank: int, world_size: int, init_method: str, decode_ranks: list[list[int]]
+    ) -> None:
+        """Join the transfer process group (collective: every rank actor calls it at once); one sender per
+        decode rank: `decode_ranks[i][r]` is decode instance i's rank r's rank in the transfer group."""
         from kvtransfer.dist_transport import DistKVSender, DistTransportConfig, init_transport_group
 
         config = DistTransportConfig.for_device(self.engine.config.device)
         init_transport_group(config, rank=rank, world_size=world_size, init_method=init_method)
-        self.senders = [DistKVSender(peer, config) for peer in decode_ranks]
+        self.senders = [[DistKVSender(peer, config) for peer in ranks] for ranks in decode_ranks]
+
+    def _all_senders(self) -> list[KVSender]:
+        return [sender for ranks in self.senders for sender in ranks]
+
+    def _sender(self, job: _Job) -> KVSender:
+        """The sender to the decode rank `job` goes to."""
+        return self.senders[job.decode_index][job.decode_rank]
 
     # ---- requests ---------------------------------------------------------------------------------------
     def prefill(self, request: PrefillRequest) -> PrefillResult:
-        """Prefill one request and hand it to decode instance `request.decode_index` (which already
-        `expect`s it); `request.meta` is the one that instance's `reserve` bound, with the handoff's secret.
+        """Prefill one request and hand it to rank `request.decode_rank` of decode instance
+        `request.decode_index` (which already `expect`s it); `request.meta` is the one that rank's `reserve`
+        bound, with the handoff's secret.
 
         Returns once the handoff is finished on this side. Raises RuntimeError when the prefill or the send
         failed (the handoff is aborted), or it was not done within `event_timeout_s(meta.lease_s)` seconds.
@@ -190,13 +213,13 @@ class PrefillNode(RankActor):
             return {
                 "num_used_blocks": bm.num_blocks - bm.num_free_blocks,
                 "num_active": len(self._active),
-                "pending_handoffs": [rid for s in self.senders for rid in s.pending_request_ids()],
+                "pending_handoffs": [rid for s in self._all_senders() for rid in s.pending_request_ids()],
             }
 
     def close(self) -> None:
         self._jobs.put(("stop", None))
         self._stop_engine_thread()
-        for sender in self.senders:
+        for sender in self._all_senders():
             try:
                 sender.close()
             except Exception:  # noqa: BLE001 - best effort at shutdown
@@ -217,11 +240,17 @@ class PrefillNode(RankActor):
                     self._fail(request_id, f"prefill engine loop failed: {e!r}", abort_engine=True)
 
     def _run_once(self) -> bool:
-        """Take queued commands, run one step. False on `stop`."""
+        """Take queued commands, run one step. False on `stop`. In lockstep (an expert-parallel rank) it
+        steps even with nothing to run, after waiting at most `LOCKSTEP_IDLE_S` for a command, since the
+        other ranks' MoE collectives need this one."""
         engine = self.engine
         block = not engine.has_unfinished_requests()
         try:
-            command = self._jobs.get(timeout=0.1) if block else self._jobs.get_nowait()
+            if block:
+                stepping = self.lockstep and self._group_error is None
+                command = self._jobs.get(timeout=LOCKSTEP_IDLE_S if stepping else 0.1)
+            else:
+                command = self._jobs.get_nowait()
         except queue.Empty:
             command = None
         while command is not None:
@@ -237,7 +266,7 @@ class PrefillNode(RankActor):
             except queue.Empty:
                 command = None
         self._maybe_fault("loop")
-        if not engine.has_unfinished_requests():
+        if self._group_error is not None or (not engine.has_unfinished_requests() and not self.lockstep):
             return True
         try:
             self._maybe_fault("step")
@@ -245,11 +274,16 @@ class PrefillNode(RankActor):
         except EngineStepError as e:  # the step's requests are finished with an error; others go on
             self._loop_error(e, "engine step failed")
             outputs = e.outputs
+            if self._group_failed(e):  # a peer rank died or stalled: nothing here can step again
+                for request_id in list(self._active):
+                    self._fail(request_id, f"engine step failed: {e}", abort_engine=True)
         except Exception as e:  # noqa: BLE001 - not tied to requests: fail them all, not the actor
             self._loop_error(e, "engine step failed")
+            self._group_failed(e)
             for request_id in list(self._active):
                 self._fail(request_id, f"engine step failed: {e!r}", abort_engine=True)
             return True
+        self._refresh_ep_summary()
         for out in outputs:
             if out.finish_reason == "error":  # failed alone in the engine (its sampling, or its step)
                 self._fail(out.request_id, f"prefill failed: {out.error}")
@@ -263,9 +297,11 @@ class PrefillNode(RankActor):
         return True
 
     def _start(self, job: _Job) -> None:
-        sender = self.senders[job.decode_index]
+        sender = self._sender(job)
         try:
             self._maybe_fault("start")
+            if self._group_error is not None:
+                raise RuntimeError(f"{self.name}: instance group failed: {self._group_error}")
             sender.begin(job.request.meta)
             self.engine.add_request(
                 list(job.request.prompt_token_ids),
@@ -298,7 +334,7 @@ class PrefillNode(RankActor):
         if job is None:
             return
         if self.layerwise:
-            self.senders[job.decode_index].send_layer(request_id, layer_idx, latent_kv, scale)
+            self._sender(job).send_layer(request_id, layer_idx, latent_kv, scale)
             job.num_layers_sent += 1
             job.last_layer_sent_s = time.monotonic()
         else:
@@ -312,7 +348,7 @@ class PrefillNode(RankActor):
         if result is None:
             self._fail(request_id, f"finished ({finish_reason}) without a sampled token")
             return
-        sender = self.senders[job.decode_index]
+        sender = self._sender(job)
         try:
             for layer_idx in sorted(job.layers):
                 latent_kv, scale = job.layers[layer_idx]
@@ -357,7 +393,7 @@ class PrefillNode(RankActor):
             self.engine.pop_prefill_result(request_id)
             job.layers.clear()
             try:
-                self.senders[job.decode_index].abort(request_id, reason)
+                self._sender(job).abort(request_id, reason)
             except ValueError:
                 pass  # already finished on the sender
         except Exception:  # noqa: BLE001 - the job still fails below

@@ -42,7 +42,7 @@ final `data: {"error": ...}` event, then `data: [DONE]`.
 Every response carries `usage` (prompt/completion/total tokens) and a `pdcluster` extension:
     {"request_id", "phases": {queue_s, prefill_s, kv_transfer_s, first_decode_step_s, total_s, ...},
      "ttft_s", "tpot_s", "e2e_s", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
-     "acceptance_rate_per_position"}
+     "acceptance_rate_per_position", "ranks" (the serving ranks, on a cluster)}
 `phases` are the backend's (seconds); a phase the backend does not report is filled from what the edge saw
 (first_decode_step_s: first -> second token delta; total_s: the edge's e2e), `ttft_s`/`tpot_s`/`e2e_s` are
 measured at the edge. In a stream it rides on the last chunk (the one with `finish_reason`).

@@ -235,7 +235,8 @@ class Generation:
 
     def extension(self) -> dict[str, Any]:
         """The `pdcluster` field: request id, phases (seconds, bytes where named so), TTFT/TPOT/e2e in
-        seconds measured at the edge (None where not measured), MTP draft/accept counts and rates."""
+        seconds measured at the edge (None where not measured), MTP draft/accept counts and rates, and
+        `ranks` (the prefill and decode ranks that served it) where the backend names them."""
         p = self.progress
         end_s = p.last_token_s if p.last_token_s is not None else time.perf_counter()
         ttft_s = None if p.first_token_s is None else p.first_token_s - p.arrival_s
@@ -264,4 +265,5 @@ class Generation:
             "num_accepted_tokens": last.num_accepted_tokens,
             "acceptance_rate": last.acceptance_rate,
             "acceptance_rate_per_position": per_position,
+            **({"ranks": last.ranks} if last.ranks else {}),
         }

@@ -29,9 +29,19 @@ Read from `backend.stats()` at scrape time (nothing is cached between scrapes):
 
     pdcluster_num_requests_waiting / pdcluster_num_requests_running  gauges (queue depth)
     pdcluster_kv_cache_used_blocks{instance}, pdcluster_kv_cache_total_blocks{instance},
-    pdcluster_kv_cache_usage_ratio{instance}                          gauges
+    pdcluster_kv_cache_usage_ratio{instance}                          gauges, per decode rank (`decode-0`;
+                                                            `decode-0.1` is rank 1 of a multi-rank instance)
     pdcluster_backend_kv_transfer_bytes_total, pdcluster_backend_kv_transfer_seconds_total  counters (when
                                                             the backend reports them)
+    pdcluster_rank_<counter>{rank}                                   gauges, one per counter of each rank's
+                                                            load (`stats()["ranks"]`; rank `decode-0.1` is
+                                                            rank 1 of decode-0): num_free_blocks,
+                                                            num_total_blocks, num_running, num_reserved,
+                                                            num_waiting_for_seat (decode),
+                                                            num_queued_prefill_tokens, num_requests
+                                                            (prefill), num_engine_errors
+    pdcluster_ep_*{rank,...}                                          expert-parallel figures of each EP rank
+                                                            (`orchestrator.api.ep_metrics`)
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from orchestrator.api.ep_metrics import ep_metrics
 from orchestrator.slo import meets_slo
 
 if TYPE_CHECKING:
@@ -89,6 +100,8 @@ class _BackendStatsCollector(Collector):
                 total.add_metric([instance], num_total)
                 usage.add_metric([instance], num_used / num_total if num_total else 0.0)
             yield from (used, total, usage)
+        yield from _rank_gauges(stats.get("ranks") or {})
+        yield from ep_metrics(stats.get("ranks") or {})
         if "kv_transfer_bytes_total" in stats:
             yield CounterMetricFamily(
                 "pdcluster_backend_kv_transfer_bytes",
@@ -101,6 +114,30 @@ class _BackendStatsCollector(Collector):
                 "Seconds spent in KV transfer, as counted by the backend.",
                 value=stats["kv_transfer_seconds_total"],
             )
+
+
+_RANK_COUNTER_DOCS = {
+    "num_free_blocks": "KV cache blocks free on the rank.",
+    "num_total_blocks": "KV cache blocks of the rank.",
+    "num_running": "Requests in the rank's running batch.",
+    "num_reserved": "Reservations on the rank waiting for their KV handoff.",
+    "num_waiting_for_seat": "Requests received on the rank, waiting for a seat in its batch.",
+    "num_queued_prefill_tokens": "Prompt tokens queued or being prefilled on the rank.",
+    "num_requests": "Prefill requests in flight on the rank.",
+    "num_engine_errors": "Exceptions the rank's engine thread survived.",
+}
+
+
+def _rank_gauges(ranks: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """`pdcluster_rank_<counter>{rank}` for every counter some rank reports (`_RANK_COUNTER_DOCS`)."""
+    for counter, doc in _RANK_COUNTER_DOCS.items():
+        reported = {name: r[counter] for name, r in ranks.items() if counter in r}
+        if not reported:
+            continue
+        gauge = GaugeMetricFamily(f"pdcluster_rank_{counter}", doc, labels=["rank"])
+        for name, value in sorted(reported.items()):
+            gauge.add_metric([name], value)
+        yield gauge
 
 
 class ApiMetrics:

@@ -45,11 +45,11 @@ Prints one summary line per valid file on stdout and one FILE:LINE: reason line 
 problem on stderr. Exit code: 0 all files valid, 1 some file invalid, 2 usage error.
 
 A file is checked as a plan: it may describe a cluster this machine is not part of. What
-`pdcluster deploy` cannot run yet (instances of more than one device, tensor or expert
-parallel) is valid as a plan and printed as a "note" line on stderr.
+`pdcluster deploy` cannot run (tensor-parallel attention, experts split over part of an
+instance) is valid as a plan and printed as a "note" line on stderr.
 
 --for-deploy checks what `pdcluster deploy FILE` checks before it starts Ray, here and now:
-also the actor layer's one-device-per-instance limit (an error, no longer a note), the
+also the actor layer's limits (errors, no longer notes), the
 checkpoint as this machine sees it (config.json, safetensors headers not truncated, every
 tensor present with its shape, tokenizer.json; no weights are read) and that api.host:api.port
 can be bound. A file it calls ok is one deploy will not refuse before starting Ray."""

@@ -1,11 +1,12 @@
-"""The engine arguments of one instance, derived from its pool by field name.
+"""The engine arguments of one instance's ranks, derived from its pool by field name.
 
 Every `EngineConfig` field named like a field of the pool (`block_size`, `kv_cache_dtype`, `max_num_seqs`,
 `enable_chunked_prefill` on prefill, `adaptive_speculation` on decode, ...) takes the pool's value; the few
-that come from elsewhere are written out in `engine_arguments`; the rest are left at the engine's default,
-listed per role in `ENGINE_DEFAULTED`. A test checks that these three cover every `EngineConfig` field and
-every pool field is an engine argument or in `POOL_DEPLOYMENT_FIELDS`, so a field added to either side is
-passed down or deliberately left out, never dropped silently.
+that come from elsewhere (the rank's `parallel` layout among them) are written out in `engine_arguments`;
+the rest are left at the engine's default, listed per role in `ENGINE_DEFAULTED`. A test checks that these
+three cover every `EngineConfig` field and every pool field is an engine argument or in
+`POOL_DEPLOYMENT_FIELDS`, so a field added to either side is passed down or deliberately left out, never
+dropped silently.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
+from engine.parallel import ParallelConfig
 
 if TYPE_CHECKING:
     from orchestrator.topology.schema import Topology
@@ -29,11 +31,14 @@ POOL_DEPLOYMENT_FIELDS = frozenset(
         "tensor_parallel_size",
         "expert_parallel_size",
         "num_redundant_experts",
+        "eplb_interval_steps",
     }
 )
 
 # EngineConfig fields no topology key sets, per role: the engine's own knobs, and on each pool the field only
 # the other pool has (chunked prefill is prefill's, adaptive speculation decode's).
+# (`parallel`, engine.parallel.ParallelConfig, is per rank: `engine_arguments(topology, role, rank)` derives
+# it, `parallel_config`.)
 _ENGINE_ONLY = frozenset({"num_kv_blocks", "adaptive_speculation_min_accept_prob", "async_scheduling"})
 ENGINE_DEFAULTED = {
     "prefill": _ENGINE_ONLY | {"adaptive_speculation"},
@@ -41,13 +46,44 @@ ENGINE_DEFAULTED = {
 }
 
 
-def engine_arguments(topology: Topology, role: str) -> dict[str, Any]:
-    """`EngineConfig` keyword arguments for one instance of pool `role` (`prefill` or `decode`).
+def parallel_config(topology: Topology, role: str, rank: int = 0) -> ParallelConfig:
+    """The `engine.parallel.ParallelConfig` of rank `rank` of an instance of pool `role`.
+
+    Routed experts split over every rank (`expert_parallel_size == devices_per_instance > 1`): that
+    size and rank, the pool's `num_redundant_experts` and `eplb_interval_steps`, EPLB's nodes (the whole
+    nodes a spanning instance takes, else 1), and collectives that wait at most
+    `orchestrator.dispatch.collective_timeout_s(kv_transfer.timeout_s)`. Otherwise (one device, or
+    experts replicated on every rank: `expert_parallel_size` 1) one device's: each rank runs on its own.
+
+    Raises:
+        ValueError: `role` is neither `prefill` nor `decode`, or the engine refuses the layout.
+    """
+    from orchestrator.dispatch import collective_timeout_s
+
+    pool = topology.pool(role)
+    size = pool.expert_parallel_size
+    if size == 1 or size != pool.devices_per_instance:
+        return ParallelConfig()
+    dpn = topology.hardware.devices_per_node
+    return ParallelConfig(
+        expert_parallel_size=size,
+        rank=rank,
+        num_redundant_experts=pool.num_redundant_experts,
+        eplb_interval_steps=pool.eplb_interval_steps,
+        eplb_num_nodes=size // dpn if pool.span_nodes and size > dpn else 1,
+        collective_timeout_s=collective_timeout_s(topology.kv_transfer.timeout_s),
+    )
+
+
+def engine_arguments(topology: Topology, role: str, rank: int = 0) -> dict[str, Any]:
+    """`EngineConfig` keyword arguments for rank `rank` of one instance of pool `role` (`prefill` or
+    `decode`).
 
     From the pool: every field of the same name (`kv_cache_memory_bytes` is per device). From elsewhere:
     `model` (the checkpoint directory), `device` (the accelerator's torch device type; the device index is
-    the actor's to add), `dtype` (`ModelConfig.resolved_dtype`), and `num_speculative_tokens` from decode
-    for both pools: prefill drafts the first MTP tokens that travel with the KV.
+    the actor's to add), `dtype` (`ModelConfig.resolved_dtype`), `num_speculative_tokens` from decode
+    for both pools (prefill drafts the first MTP tokens that travel with the KV), and `parallel`
+    (`parallel_config`: the rank's expert-parallel layout).
 
     Raises:
         ValueError: `role` is neither `prefill` nor `decode`.
@@ -60,5 +96,6 @@ def engine_arguments(topology: Topology, role: str) -> dict[str, Any]:
         device=spec.torch_device_type,
         dtype=topology.model.resolved_dtype(spec),
         num_speculative_tokens=topology.decode.num_speculative_tokens,
+        parallel=parallel_config(topology, role, rank),
     )
     return arguments

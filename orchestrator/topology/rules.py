@@ -75,6 +75,8 @@ def _pool_issues(
         )
     if pool.num_redundant_experts and pool.expert_parallel_size == 1:
         yield at("num_redundant_experts", "redundant experts need expert_parallel_size > 1")
+    if pool.eplb_interval_steps is not None and pool.expert_parallel_size == 1:
+        yield at("eplb_interval_steps", "rebalancing experts (EPLB) needs expert_parallel_size > 1")
 
     if hw is not None:
         spec = hw.spec

@@ -173,6 +173,8 @@ class PoolConfig:
         expert_parallel_size: devices the routed experts (plus redundant copies) are split over; each
             expert's FFN is split over the remaining `devices_per_instance / expert_parallel_size`.
         num_redundant_experts: extra copies of hot experts (EPLB) placed with the routed experts.
+        eplb_interval_steps: rebalance the experts (EPLB: new placement from the measured load, weights
+            moved between ranks) every this many engine steps; None: never (the initial placement stays).
         block_size: token slots per KV cache block.
         kv_cache_dtype: `auto` (the model dtype) or `int8` (per-token scales).
         kv_cache_memory_bytes: KV cache bytes on each device of an instance.
@@ -188,6 +190,7 @@ class PoolConfig:
     tensor_parallel_size: int = field(default=1, metadata=between(1, MAX_DEVICES))
     expert_parallel_size: int = field(default=1, metadata=between(1, MAX_DEVICES))
     num_redundant_experts: int = field(default=0, metadata=between(0, MAX_INSTANCES))
+    eplb_interval_steps: int | None = field(default=None, metadata=between(1, MAX_TOKENS))
     block_size: int = field(default=16, metadata=between(1, MAX_BLOCK_SIZE))
     kv_cache_dtype: str = field(default="auto", metadata=choices(*KV_CACHE_DTYPES))
     kv_cache_memory_bytes: int = field(default=256 * MIB, metadata=between(1, MAX_KV_CACHE_BYTES))
@@ -391,13 +394,14 @@ class Topology:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         return self.prefill if role == "prefill" else self.decode
 
-    def engine_config(self, role: str) -> EngineConfig:
-        """The engine arguments of one instance of pool `role` (`engine_args.engine_arguments`).
+    def engine_config(self, role: str, rank: int = 0) -> EngineConfig:
+        """The engine arguments of rank `rank` of one instance of pool `role`
+        (`engine_args.engine_arguments`).
 
         Raises:
             ValueError: `role` is neither `prefill` nor `decode`, or the engine refuses an argument.
         """
-        return EngineConfig(**engine_arguments(self, role))
+        return EngineConfig(**engine_arguments(self, role, rank))
 
     def summary(self) -> str:
         """One line, e.g. `2 nodes × 8 h200, prefill 1×8 devices, decode 1×8 devices`."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import engine_step, kv_int8, spec_decode
+from bench import engine_step, kv_int8, moe_ep, spec_decode
 from models.deepseek_v3 import DeepseekV3ForCausalLM
 from models.loader import save_checkpoint
 from tests.orchestrator.conftest import random_tiny_config, train_small_tokenizer
@@ -91,7 +91,7 @@ def test_kv_int8(capsys, checkpoint):
     ]
 
 
-@pytest.mark.parametrize("module", [engine_step, spec_decode, kv_int8])
+@pytest.mark.parametrize("module", [engine_step, spec_decode, kv_int8, moe_ep])
 def test_help_and_bad_model(capsys, module, tmp_path):
     with pytest.raises(SystemExit) as exc:
         module.main(["--help"])
@@ -101,3 +101,18 @@ def test_help_and_bad_model(capsys, module, tmp_path):
         module.main(["--model", str(tmp_path)])
     assert exc.value.code == 2
     assert "not a checkpoint directory" in capsys.readouterr().err
+
+
+def test_moe_ep(capsys):
+    """EP 2 over two spawned ranks (gloo), the bundled model only, one timed step."""
+    argv = ["--ep", "2", "--batches", "2", "--num-steps", "1", "--num-warmup-steps", "1", "--skip-moe64"]
+    result = run_json(capsys, moe_ep.main, *argv, "--threads", "1")
+    tiny = result["results"]["2"]["tiny"]
+    (row,) = tiny["rows"]
+    assert set(row) == {
+        "batch", "step_ms", "attention_ms", "dispatch_ms", "expert_ms", "combine_ms", "bytes_per_step",
+        "analytic_bytes_per_step",
+    }  # fmt: skip
+    assert row["batch"] == 2 and row["analytic_bytes_per_step"] == 2 * 2 * 2 // 2 * 256 * 4 * 3
+    assert row["bytes_per_step"] % (256 * 4) == 0  # whole float32 rows of hidden_size 256
+    assert tiny["num_physical_experts"] == 8 + 4 and tiny["imbalance_eplb"] >= 1.0

@@ -1,6 +1,6 @@
 """Dispatch faults of `Cluster`: abort ends a request (never re-dispatched), a dead decode instance is taken
-out of routing (its requests fail fast, later ones complete elsewhere), deploy refuses multi-device
-instances, and the multi-node wiring helpers. The helpers are fast unit tests; the rest runs on the
+out of routing (its requests fail fast, later ones complete elsewhere), deploy refuses tensor-parallel
+attention, and the multi-node wiring helpers. The helpers are fast unit tests; the rest runs on the
 conftest's local Ray with the bundled tiny model."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from orchestrator.cluster import (
     Cluster,
     actor_resource_options,
     advertised_address,
-    check_single_device_instances,
+    check_deployable_parallelism,
     is_loopback_topology,
 )
 from orchestrator.topology import load_topology
@@ -29,24 +29,27 @@ CLUSTERS = Path(__file__).resolve().parents[2] / "clusters"
 
 
 # ---- pure logic (no Ray) ------------------------------------------------------------------------------
-def test_deploy_refuses_multi_device_instances_but_validate_accepts_them():
-    cm384 = load_topology(CLUSTERS / "cm384.yaml")  # validates: a planning input
-    with pytest.raises(
-        ValueError, match=r"instances of more than one device \(prefill: 32 devices, EP32"
-    ) as e:
-        check_single_device_instances(cm384)
-    assert "decode: 288 devices, EP288" in str(e.value)
-    assert "`pdcluster validate` checks the plan only" in str(e.value)
+def test_deploy_refuses_tensor_parallel_attention_and_partial_ep_naming_the_key():
+    """Multi-rank instances deploy (data-parallel attention; experts split over every rank, or replicated);
+    tensor-parallel attention and experts split over part of an instance are refused before Ray, naming
+    the key."""
+    check_deployable_parallelism(load_topology(CLUSTERS / "cm384.yaml"))  # EP32 / EP288, TP1: runnable
+    check_deployable_parallelism(load_topology(CLUSTERS / "local-1p2d.yaml"))
     gpu = load_topology(CLUSTERS / "gpu-2node.yaml")
-    with pytest.raises(ValueError, match=r"prefill: 8 devices, TP8, EP8"):
-        check_single_device_instances(gpu)
-    with pytest.raises(ValueError, match="not supported by the actor layer"):
-        Cluster.deploy(cm384)  # refused before Ray is touched
-    single = dataclasses.replace(gpu.decode, devices_per_instance=1, tensor_parallel_size=1)
-    single = dataclasses.replace(single, expert_parallel_size=1)
-    with pytest.raises(ValueError, match=r"\(prefill: 8 devices, TP8, EP8\)"):  # decode alone is fine
-        check_single_device_instances(dataclasses.replace(gpu, decode=single))
-    check_single_device_instances(load_topology(CLUSTERS / "local-1p2d.yaml"))
+    with pytest.raises(ValueError, match=r"prefill\.tensor_parallel_size: tensor-parallel attention") as e:
+        check_deployable_parallelism(gpu)
+    assert "(prefill: 8 devices, TP8, EP8)" in str(e.value) and "decode" not in str(e.value)
+    assert "`pdcluster validate` checks such a file as a plan only" in str(e.value)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        Cluster.deploy(gpu)  # refused before Ray is touched
+    local = load_topology(CLUSTERS / "local.yaml")
+    partial = dataclasses.replace(
+        local,
+        hardware=dataclasses.replace(local.hardware, devices_per_node=6),
+        decode=dataclasses.replace(local.decode, devices_per_instance=4, expert_parallel_size=2),
+    )
+    with pytest.raises(ValueError, match=r"decode\.expert_parallel_size: 2 of 4 devices would split"):
+        check_deployable_parallelism(partial)
 
 
 def test_multi_node_wiring_helpers():

@@ -36,7 +36,7 @@ def nodes(request):
     decode = DecodeNode(topo.engine_config("decode"), "decode-0")
     prefill = PrefillNode(topo.engine_config("prefill"), "prefill-0", layerwise=True)
     address = decode.start_receiver(request.param)
-    prefill.connect_receivers(request.param, [address])
+    prefill.connect_receivers(request.param, [[address]])
     yield prefill, decode
     prefill.close()
     decode.close()

@@ -1,12 +1,12 @@
-"""Router policies are pure functions over load snapshots; the prefix-aware policy's cache model; an
-instance's load over its ranks."""
+"""Router policies are pure functions over load snapshots; the prefix-aware policy's cache model (per
+prefill rank); an instance's loads, one per rank, and the choice of (instance, rank)."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.block_manager import compute_block_hashes
-from orchestrator.instance import decode_instance_load, prefill_instance_load
+from orchestrator.instance import decode_rank_loads, prefill_rank_loads
 from orchestrator.messages import DecodeNodeLoad, PrefillNodeLoad
 from orchestrator.router import (
     DecodeLoad,
@@ -21,7 +21,7 @@ from orchestrator.router import (
 
 
 def _pair(choice: RouteChoice) -> tuple[int, int]:
-    assert choice.prefill.rank == 0 and choice.decode.rank == 0  # one rank per instance today
+    assert choice.prefill.rank == 0 and choice.decode.rank == 0  # single-rank instances
     return choice.prefill.instance, choice.decode.instance
 
 
@@ -57,20 +57,22 @@ def test_prefix_aware_trades_queue_against_cache_hits() -> None:
 
 
 def test_prefix_cache_model_remembers_sent_prompts_and_forgets_the_oldest() -> None:
-    model = PrefixCacheModel(num_instances=2, block_size=4, capacity_blocks=3)
+    model = PrefixCacheModel(block_size=4, capacity_blocks=3)
     first, second = list(range(8)), list(range(100, 108))  # 2 full blocks each
-    model.record(0, first)
-    assert model.cached(0) == frozenset(compute_block_hashes(first, 4))
-    assert model.cached(1) == frozenset()
-    model.record(0, second)  # 4 blocks > capacity 3: the oldest (first's first block) is forgotten
+    p0, p1 = RankRef(0), RankRef(1)
+    model.record(p0, first)
+    assert model.cached(p0) == frozenset(compute_block_hashes(first, 4))
+    assert model.cached(p1) == frozenset()
+    assert model.cached(RankRef(0, 1)) == frozenset()  # another rank of prefill-0: its own cache
+    model.record(p0, second)  # 4 blocks > capacity 3: the oldest (first's first block) is forgotten
     kept = compute_block_hashes(first, 4)[1:] + compute_block_hashes(second, 4)
-    assert model.cached(0) == frozenset(kept)
-    model.record(0, second[:4])  # sent again: most recent now, so first's second block is the oldest
-    model.record(0, first[:4])  # a new block in: first's second block goes
+    assert model.cached(p0) == frozenset(kept)
+    model.record(p0, second[:4])  # sent again: most recent now, so first's second block is the oldest
+    model.record(p0, first[:4])  # a new block in: first's second block goes
     first_blocks, second_blocks = compute_block_hashes(first, 4), compute_block_hashes(second, 4)
-    assert model.cached(0) == frozenset([first_blocks[0], *second_blocks])
+    assert model.cached(p0) == frozenset([first_blocks[0], *second_blocks])
     # the router's view feeds prefix_aware: prefill-1 knows nothing, prefill-0 caches `second`
-    loads = [PrefillLoad(i, 0, model.cached(i)) for i in range(2)]
+    loads = [PrefillLoad(i, 0, model.cached(RankRef(i))) for i in range(2)]
     choice = prefix_aware(loads, [DecodeLoad(0, 1, 0)], prompt_token_ids=second + [9], block_size=4)
     assert choice.prefill == RankRef(0, 0)
     choice = prefix_aware(loads, [DecodeLoad(0, 1, 0)], prompt_token_ids=list(range(50, 59)), block_size=4)
@@ -81,13 +83,28 @@ def _decode_rank(free: int, running: int, reserved: int = 0, waiting: int = 0) -
     return DecodeNodeLoad("decode-0", 1, free, 100, running, reserved, waiting, True, 0, None)
 
 
-def test_an_instance_reports_one_load_over_its_ranks() -> None:
-    assert decode_instance_load(3, [_decode_rank(40, 1, 1, 1)]) == DecodeLoad(3, 40, 3)
-    # several ranks: room only as much as the fullest rank has, the largest batch
-    assert decode_instance_load(1, [_decode_rank(40, 1), _decode_rank(25, 4, 1)]) == DecodeLoad(1, 25, 5)
-    ranks = [PrefillNodeLoad("prefill-2", 7, n, 1, True, 0, None) for n in (30, 80)]
-    cached = frozenset({b"x"})
-    assert prefill_instance_load(2, ranks, cached) == PrefillLoad(2, 80, cached)
+def test_an_instance_reports_one_load_per_rank() -> None:
+    assert decode_rank_loads(3, [_decode_rank(40, 1, 1, 1)]) == [DecodeLoad(3, 40, 3)]
+    ranks = [_decode_rank(40, 1), _decode_rank(25, 4, 1)]
+    assert decode_rank_loads(1, ranks) == [DecodeLoad(1, 40, 1, 0), DecodeLoad(1, 25, 5, 1)]
+    prefill = [PrefillNodeLoad("prefill-2", 7, n, 1, True, 0, None) for n in (30, 80)]
+    cached = {RankRef(2, 1): frozenset({b"x"})}
+    loads = prefill_rank_loads(2, prefill, lambda ref: cached.get(ref, frozenset()))
+    assert loads == [PrefillLoad(2, 30, frozenset(), 0), PrefillLoad(2, 80, frozenset({b"x"}), 1)]
+
+
+def test_the_policies_pick_a_rank_by_its_own_load() -> None:
+    """Attention is data-parallel over an instance's ranks: the decode choice is the rank with the most
+    free KV blocks (then the smallest batch), the prefill choice the rank with the shortest queue, and
+    round robin cycles over every rank listed."""
+    p = [PrefillLoad(0, 90, rank=0), PrefillLoad(0, 10, rank=1)]
+    d = [DecodeLoad(0, 30, 4, rank=0), DecodeLoad(0, 30, 2, rank=1), DecodeLoad(1, 20, 0, rank=0)]
+    assert least_loaded(p, d) == RouteChoice(RankRef(0, 1), RankRef(0, 1))
+    d = [DecodeLoad(0, 30, 4, rank=0), DecodeLoad(0, 50, 9, rank=1), DecodeLoad(1, 20, 0, rank=0)]
+    assert least_loaded(p, d).decode == RankRef(0, 1)  # free blocks first
+    choices = [round_robin(p, d, counter=c) for c in range(3)]
+    assert [c.decode for c in choices] == [RankRef(0, 0), RankRef(0, 1), RankRef(1, 0)]
+    assert [c.prefill for c in choices] == [RankRef(0, 0), RankRef(0, 1), RankRef(0, 0)]
 
 
 def test_no_live_instance_is_an_error() -> None:

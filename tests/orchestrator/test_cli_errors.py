@@ -106,7 +106,10 @@ def test_tensor_parallel_is_refused_by_deploy_before_ray_and_noted_by_validate(
         tmp_path, checkpoint, "prefill:\n  devices_per_instance: 2\n  tensor_parallel_size: 2\n"
     )
     where = f"{path}:{line_of(path, 'tensor_parallel_size')}: "
-    reason = "prefill.tensor_parallel_size: instances of more than one device (prefill: 2 devices, TP2)"
+    reason = (
+        "prefill.tensor_parallel_size: tensor-parallel attention (prefill: 2 devices, TP2) is not supported "
+        "by `pdcluster deploy`"
+    )
 
     code, out, err = run_cli(capsys, "deploy", path)
     assert code == 2 and out == ""

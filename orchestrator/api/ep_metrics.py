@@ -1,0 +1,98 @@
+"""Prometheus families of the expert-parallel figures each EP rank reports (`stats()["ranks"][name]["ep"]`,
+the engine's `engine.expert_parallel.EPStats` as plain data), read at scrape time by
+`orchestrator.api.metrics`. Label `rank` is the rank's name (`decode-0.1`: rank 1 of decode-0); `layer` the
+decoder-layer index of a MoE layer (the MTP module's included); `expert` a logical expert id.
+
+    pdcluster_ep_steps_total{rank}                       counter  engine steps run in lockstep
+    pdcluster_ep_idle_steps_total{rank}                  counter  of those, joined with an empty batch
+    pdcluster_ep_imbalance{rank,layer}                   gauge    max / mean rows computed per rank, per MoE
+                                                                  layer, since the last rebalance (1 = even)
+    pdcluster_ep_total_imbalance{rank}                   gauge    the same over all MoE layers' rows
+    pdcluster_ep_expert_load{rank,layer,expert}          gauge    (token, expert) pairs of the rank per
+                                                                  logical expert over the EPLB window
+    pdcluster_ep_seconds_total{rank,phase}               counter  dispatch / combine / expert seconds
+    pdcluster_ep_bytes_total{rank,kind}                  counter  dispatch / combine / counts bytes sent to
+                                                                  other ranks
+    pdcluster_ep_rebalances_total{rank}                  counter  EPLB rebalances
+    pdcluster_ep_rebalance_seconds_total{rank}           counter  seconds spent rebalancing
+    pdcluster_ep_last_rebalance_seconds{rank}            gauge    the last rebalance's duration
+    pdcluster_ep_rebalance_moved_bytes_total{rank}       counter  expert-weight bytes received in rebalances
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+# (family name, kind, help, EPStats field) of the families with the rank as their only label
+_PER_RANK = (
+    ("pdcluster_ep_steps", "counter", "Engine steps the EP rank ran in lockstep.", "num_steps"),
+    (
+        "pdcluster_ep_idle_steps",
+        "counter",
+        "Lockstep steps the rank joined with no request.",
+        "num_idle_steps",
+    ),
+    (
+        "pdcluster_ep_total_imbalance",
+        "gauge",
+        "Max / mean rows per rank over all MoE layers.",
+        "total_imbalance",
+    ),
+    ("pdcluster_ep_rebalances", "counter", "EPLB rebalances of the rank's instance.", "num_rebalances"),
+    ("pdcluster_ep_rebalance_seconds", "counter", "Seconds the rank spent rebalancing.", "rebalance_s"),
+    ("pdcluster_ep_last_rebalance_seconds", "gauge", "Duration of the last rebalance.", "last_rebalance_s"),
+    (
+        "pdcluster_ep_rebalance_moved_bytes",
+        "counter",
+        "Expert-weight bytes the rank received in rebalances.",
+        "rebalance_moved_bytes",
+    ),
+)
+_SECONDS = (("dispatch", "dispatch_s"), ("combine", "combine_s"), ("expert", "expert_s"))
+_BYTES = (("dispatch", "dispatch_bytes"), ("combine", "combine_bytes"), ("counts", "counts_bytes"))
+
+
+def _family(name: str, kind: str, doc: str, labels: list[str]) -> GaugeMetricFamily | CounterMetricFamily:
+    cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+    return cls(name, doc, labels=labels)
+
+
+def ep_metrics(ranks: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """The families above for every rank of `ranks` (`stats()["ranks"]`) that reports `ep` figures."""
+    ep = {name: r["ep"] for name, r in sorted(ranks.items()) if r.get("ep")}
+    if not ep:
+        return
+    for name, kind, doc, key in _PER_RANK:
+        family = _family(name, kind, doc, ["rank"])
+        for rank, stats in ep.items():
+            family.add_metric([rank], stats[key])
+        yield family
+    seconds = CounterMetricFamily(
+        "pdcluster_ep_seconds", "Seconds in EP dispatch / combine / local experts.", labels=["rank", "phase"]
+    )
+    sent = CounterMetricFamily(
+        "pdcluster_ep_bytes", "Bytes the rank sent to other ranks in EP collectives.", labels=["rank", "kind"]
+    )
+    imbalance = GaugeMetricFamily(
+        "pdcluster_ep_imbalance", "Max / mean rows per rank of one MoE layer.", labels=["rank", "layer"]
+    )
+    load = GaugeMetricFamily(
+        "pdcluster_ep_expert_load",
+        "(token, expert) pairs of the rank per logical expert over the EPLB window.",
+        labels=["rank", "layer", "expert"],
+    )
+    for rank, stats in ep.items():
+        for phase, key in _SECONDS:
+            seconds.add_metric([rank, phase], stats[key])
+        for kind, key in _BYTES:
+            sent.add_metric([rank, kind], stats[key])
+        for layer, value, experts in zip(
+            stats["moe_layers"], stats["imbalance"], stats["expert_load"], strict=True
+        ):
+            imbalance.add_metric([rank, str(layer)], value)
+            for expert, pairs in enumerate(experts):
+                load.add_metric([rank, str(layer), str(expert)], pairs)
+    yield from (seconds, sent, imbalance, load)
