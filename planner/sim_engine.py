@@ -147,6 +147,8 @@ class SimEngine:
         self.num_preemptions = 0
         self._num_arrived = 0
         self._step: list[tuple[SimRequest, int]] = []
+        # DecodeRow is a frozen dataclass (slow to build); rows are plain values, so equal ones are shared
+        self._rows: dict[tuple[int, int], DecodeRow] = {}
 
     # ---- requests in ---------------------------------------------------------------------------------
     def add(self, request: SimRequest) -> None:
@@ -217,7 +219,22 @@ class SimEngine:
         candidates = sorted(self.waiting, key=_by_arrival)[:num_candidates] if num_candidates else []
         plan = schedule_step(
             self.config,
-            [_running_view(r) for r in self.running],
+            # as `Scheduler._running_view`, inlined (one tuple per running request per step: the hot path)
+            [
+                new_view(
+                    RequestView,
+                    (
+                        r.request_id,
+                        r.arrival_index,
+                        r.num_computed_tokens,
+                        r.num_prompt_tokens + r.num_output_tokens + r.num_spec_tokens - r.num_computed_tokens,
+                        r.num_computed_tokens < r.num_prompt_tokens + r.num_output_tokens - 1,
+                        r.num_blocks_held,
+                        r.num_blocks_held,
+                    ),
+                )
+                for r in self.running
+            ],
             [_waiting_view(r) for r in candidates],
             self.num_free_blocks,
         )
@@ -237,6 +254,7 @@ class SimEngine:
         decode: list[DecodeRow] = []
         step = self._step = []
         is_prefill_role = self.role == "prefill"
+        rows = self._rows
         for request_id, num_new in plan.num_scheduled_tokens.items():
             request = requests[request_id]
             num_blocks = new_blocks[request_id]
@@ -247,7 +265,10 @@ class SimEngine:
             if is_prefill_role or num_computed < request.num_prompt_tokens + request.num_output_tokens - 1:
                 prefill.append(PrefillChunk(num_new, num_computed))
             else:
-                decode.append(DecodeRow(num_computed, num_new))
+                row = rows.get((num_computed, num_new))
+                if row is None:
+                    row = rows[num_computed, num_new] = DecodeRow(num_computed, num_new)
+                decode.append(row)
         if not step:
             return 0.0
         duration_s = self.model.step_time_s(StepShape(tuple(prefill), tuple(decode), self.k))
@@ -321,18 +342,7 @@ def _by_arrival(request: SimRequest) -> int:
     return request.arrival_index
 
 
-def _running_view(r: SimRequest) -> RequestView:
-    num_tokens = r.num_prompt_tokens + r.num_output_tokens
-    num_computed = r.num_computed_tokens
-    return RequestView(
-        r.request_id,
-        r.arrival_index,
-        num_computed,
-        num_tokens + r.num_spec_tokens - num_computed,
-        num_computed < num_tokens - 1,
-        r.num_blocks_held,
-        r.num_blocks_held,
-    )
+new_view = tuple.__new__  # RequestView is a NamedTuple: tuple.__new__(RequestView, fields) builds one
 
 
 def _waiting_view(r: SimRequest) -> RequestView:
