@@ -35,14 +35,12 @@ This is the torch reference: it reads `seq_lens` / `query_start_loc` on the host
 
 from __future__ import annotations
 
-import math
-import sys
-
 import torch
 import torch.nn.functional as F
 
 from kernels.kv_quant import quantize_kv_int8
 from kernels.mla import split_kv_b_weight
+from kernels.mla_cost import expanded_crossover_queries
 
 
 def _check_cache(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> None:
@@ -155,24 +153,6 @@ def gather_kv(
     slots = slots_from_block_tables(block_table[None], seq_len, block_size)[0]
     latent = kv_cache.view(-1, kv_dim)[slots]
     return latent, None if kv_scale is None else kv_scale.view(-1)[slots]
-
-
-def expanded_crossover_queries(
-    kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int
-) -> int:
-    """Queries per request above which the expanded form needs fewer multiply-adds than the absorbed one.
-
-    Per (query, key, head) the absorbed form costs `2 * kv_lora_rank + qk_rope_head_dim` (scores over
-    `[c_kv; k_pe]`, then `p . c_kv`) and the expanded form `qk_nope_head_dim + qk_rope_head_dim +
-    v_head_dim`, plus `kv_lora_rank * (qk_nope_head_dim + v_head_dim)` per (key, head) to up-project.
-    Crossover: `n = r (dn + dv) / (2r - dn - dv)`, rounded up; `sys.maxsize` when the expanded form never
-    wins. DeepSeek-V3 (512, 128, 64, 128): 171. A FLOP count only; pass `expanded_min_queries` to
-    `paged_mla_attention` to override it with a measured value.
-    """
-    saving_per_query = 2 * kv_lora_rank - qk_nope_head_dim - v_head_dim
-    if saving_per_query <= 0:
-        return sys.maxsize
-    return math.ceil(kv_lora_rank * (qk_nope_head_dim + v_head_dim) / saving_per_query)
 
 
 def paged_mla_attention(

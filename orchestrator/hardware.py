@@ -34,6 +34,9 @@ class AcceleratorSpec:
             are CPU-only bundles.
         torch_device_type: `cpu`, `npu` (torch_npu) or `cuda`.
         collective_backend: torch.distributed backend between devices: `gloo`, `hccl` or `nccl`.
+        fp8_flops_per_s: dense FP8 matrix peak; None where the device has no FP8 matrix unit.
+        fp32_flops_per_s: dense FP32 matrix peak (what the engine's float32 weights run at on `cpu`);
+            None where the catalog has no figure.
     """
 
     name: str
@@ -46,6 +49,25 @@ class AcceleratorSpec:
     ray_resource: str | None
     torch_device_type: str
     collective_backend: str
+    fp8_flops_per_s: float | None = None
+    fp32_flops_per_s: float | None = None
+
+    def matmul_flops_per_s(self, dtype: str) -> float:
+        """Dense matrix peak for operands of `dtype` (`bfloat16`/`float16`, `int8`, `fp8`, `float32`).
+
+        Raises:
+            ValueError: the catalog has no peak for `dtype` on this device.
+        """
+        peak = {
+            "bfloat16": self.bf16_flops_per_s,
+            "float16": self.bf16_flops_per_s,
+            "int8": self.int8_ops_per_s,
+            "fp8": self.fp8_flops_per_s,
+            "float32": self.fp32_flops_per_s,
+        }.get(dtype)
+        if peak is None:
+            raise ValueError(f"accelerator {self.name!r} has no {dtype} matrix peak in the catalog")
+        return peak
 
     @property
     def is_accelerator(self) -> bool:
@@ -76,6 +98,7 @@ ACCELERATORS: dict[str, AcceleratorSpec] = {
             ray_resource=None,
             torch_device_type="cpu",
             collective_backend="gloo",
+            fp32_flops_per_s=0.15 * TERA,  # AVX-512 FP32: half the BF16 lanes
         ),
         # Ascend 910B (910B3 SKU, Atlas 800T A2): ~313 TFLOPS FP16/BF16, 2x that in INT8, 64 GB HBM2e at
         # ~1.6 TB/s. Huawei publishes no single datasheet; these are the figures widely reported for the
@@ -122,6 +145,24 @@ ACCELERATORS: dict[str, AcceleratorSpec] = {
             ray_resource="GPU",
             torch_device_type="cuda",
             collective_backend="nccl",
+            fp8_flops_per_s=1979 * TERA,
+        ),
+        # H800 SXM5 80GB: the H100 SXM5 compute die for the Chinese market (989 TFLOPS BF16, 1,979 TFLOPS
+        # FP8 dense, 80 GB HBM3 at 3.35 TB/s) with NVLink cut to 400 GB/s bidirectional (~160 GB/s
+        # measured one way by DeepEP); 8 per node, one 400 Gb/s CX7 InfiniBand NIC per GPU. Sources: NVIDIA
+        # H800 product brief; DeepSeek-V3 technical report (arXiv:2412.19437) section 3.1; DeepEP README.
+        AcceleratorSpec(
+            name="h800",
+            vendor="nvidia",
+            dies_per_chip=1,
+            bf16_flops_per_s=989 * TERA,
+            int8_ops_per_s=1979 * TERA,
+            hbm_bytes=80 * GIB,
+            hbm_bytes_per_s=3.35 * TERA,
+            ray_resource="GPU",
+            torch_device_type="cuda",
+            collective_backend="nccl",
+            fp8_flops_per_s=1979 * TERA,
         ),
         # H200 SXM 141GB: same Hopper compute as H100 SXM (989 TFLOPS BF16, 1,979 TOPS INT8, dense),
         # 141 GB HBM3e at 4.8 TB/s. Source: NVIDIA H200 Tensor Core GPU datasheet ("H200 SXM" column).
@@ -136,6 +177,7 @@ ACCELERATORS: dict[str, AcceleratorSpec] = {
             ray_resource="GPU",
             torch_device_type="cuda",
             collective_backend="nccl",
+            fp8_flops_per_s=1979 * TERA,
         ),
         # A100 SXM4 80GB: 312 TFLOPS BF16 dense, 624 TOPS INT8 dense, 80 GB HBM2e at 2,039 GB/s.
         # Source: NVIDIA A100 Tensor Core GPU datasheet ("A100 80GB SXM" column, sparse figures halved).

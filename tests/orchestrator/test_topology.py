@@ -195,7 +195,7 @@ def test_engine_config_of_each_pool():
 
 
 def test_catalog_entries_and_910c_figures():
-    assert set(ACCELERATORS) == {"cpu", "ascend-910b", "ascend-910c", "h100", "h200", "a100"}
+    assert set(ACCELERATORS) == {"cpu", "ascend-910b", "ascend-910c", "h100", "h800", "h200", "a100"}
     for spec in ACCELERATORS.values():
         backend = {"cpu": "gloo", "npu": "hccl", "cuda": "nccl"}[spec.torch_device_type]
         resource = {"cpu": None, "npu": "NPU", "cuda": "GPU"}[spec.torch_device_type]

@@ -1,0 +1,169 @@
+"""Efficiency factors of the hardware catalog: what fraction of a peak (`orchestrator.hardware`) each kind of
+operation reaches, and fixed costs, each with its source.
+
+The planner's roofline (`planner.perf_model`) prices an op at `max(flops / (peak x compute factor),
+bytes / (bandwidth x memory factor))`. Every factor here is a vendor figure, a published microbenchmark,
+or, for `cpu`, a measurement here (`pdcluster profile` fits the `cpu` entry and writes a calibration that
+replaces these defaults); where none was at hand the factor says so and names the proxy it borrows.
+None is fitted to the deployment figures `bench/planner_published.py` checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Factor:
+    """One number and where it comes from. `value`: a fraction of a peak (0, 1.5] or seconds (>= 0)."""
+
+    value: float
+    source: str
+
+    def __post_init__(self) -> None:
+        if not self.value >= 0:
+            raise ValueError(f"efficiency factor must be >= 0, got {self.value!r} ({self.source})")
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Per-op efficiency of one accelerator kind.
+
+    Attributes:
+        gemm_compute: fraction of the matrix peak (in the weight dtype) a large GEMM reaches.
+        gemm_memory: fraction of memory bandwidth a weight-streaming GEMM (few rows) reaches.
+        attention_compute: fraction of the matrix peak (activation dtype) MLA attention reaches.
+        attention_memory: fraction of memory bandwidth MLA decode attention reaches reading the KV cache.
+        memory: fraction of memory bandwidth elementwise kernels (norms, residuals) reach.
+        link: fraction of a link's bandwidth the EP dispatch/combine all-to-all reaches.
+        kv_link: fraction of the prefill->decode link's bandwidth a KV transfer reaches.
+        host_overhead_s: host seconds per engine step not hidden behind the device.
+        op_overhead_s: seconds per op launched (kernel launch / framework dispatch) not hidden.
+        handoff_overhead_s: fixed seconds per KV handoff (reservation, first message, admission).
+    """
+
+    gemm_compute: Factor
+    gemm_memory: Factor
+    attention_compute: Factor
+    attention_memory: Factor
+    memory: Factor
+    link: Factor
+    kv_link: Factor
+    host_overhead_s: Factor
+    op_overhead_s: Factor
+    handoff_overhead_s: Factor
+
+    def replace(self, **values: float) -> Efficiency:
+        """A copy with some factors' values replaced (their source noted as `measured here`)."""
+        changes = {k: Factor(v, "measured here (pdcluster profile)") for k, v in values.items()}
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, dict[str, float | str]]:
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+_DEEPGEMM = Factor(
+    0.68,
+    "DeepGEMM README (deepseek-ai/DeepGEMM, Feb 2025): 'up to 1350+ FP8 TFLOPS' on H800 of 1,979 dense",
+)
+_FLASHMLA_COMPUTE = Factor(
+    0.667,
+    "FlashMLA README (deepseek-ai/FlashMLA): up to 660 TFLOPS compute-bound on H800 SXM5 (66.7% of 989 "
+    "BF16 TFLOPS; the AMLA paper, arXiv:2509.25224, quotes the same 66.7%)",
+)
+_FLASHMLA_MEMORY = Factor(0.9, "FlashMLA README: up to 3,000 GB/s memory-bound on H800 SXM5 (of 3.35 TB/s)")
+_DEEPEP_LL = Factor(
+    0.78,
+    "DeepEP README, low-latency kernels on H800 + CX7 400 Gb/s (~50 GB/s): EP128-256 dispatch/combine "
+    "reach 39-40 GB/s",
+)
+_HIDDEN_HOST = Factor(
+    0.0,
+    "assumed 0: CUDA/ACL graphs and an overlapped scheduler hide host work (DeepSeek Day 6 and "
+    "CloudMatrix-Infer both run graph-captured decode); not a measurement",
+)
+_NO_OP_OVERHEAD = Factor(
+    0.0, "assumed 0 under graph capture (kernels queued back to back); not a measurement"
+)
+_HANDOFF_ACCEL = Factor(
+    1e-3, "assumed 1 ms per handoff (RDMA registration + control message); no published figure at hand"
+)
+
+HOPPER = Efficiency(
+    gemm_compute=_DEEPGEMM,
+    gemm_memory=Factor(
+        0.7,
+        "DeepGEMM README grouped/normal GEMM tables on H800: small-M (decode) shapes move ~2.0-2.7 TB/s of "
+        "3.35 (approximate reading)",
+    ),
+    attention_compute=_FLASHMLA_COMPUTE,
+    attention_memory=_FLASHMLA_MEMORY,
+    memory=Factor(0.9, "proxy: FlashMLA's memory-bound fraction (no elementwise microbenchmark at hand)"),
+    link=_DEEPEP_LL,
+    kv_link=Factor(0.78, "proxy: DeepEP's RDMA fraction (KV transfer also rides the 400 Gb/s NIC)"),
+    host_overhead_s=_HIDDEN_HOST,
+    op_overhead_s=_NO_OP_OVERHEAD,
+    handoff_overhead_s=_HANDOFF_ACCEL,
+)
+
+ASCEND = Efficiency(
+    gemm_compute=Factor(
+        0.68,
+        "proxy: DeepGEMM's FP8 fraction on H800; no published Ascend 910C INT8 GEMM microbenchmark at hand",
+    ),
+    gemm_memory=Factor(
+        0.7, "proxy: the Hopper weight-streaming GEMM fraction (none published for 910C at hand)"
+    ),
+    attention_compute=Factor(
+        0.868,
+        "AMLA (Huawei, arXiv:2509.25224): MLA decode kernel on Ascend 910 in CloudMatrix384 reaches up to "
+        "614 TFLOPS, 86.8% of peak",
+    ),
+    attention_memory=Factor(0.9, "proxy: FlashMLA's memory-bound fraction on H800 (none published for 910C)"),
+    memory=Factor(0.9, "proxy: FlashMLA's memory-bound fraction (no elementwise microbenchmark at hand)"),
+    link=Factor(
+        0.78, "proxy: DeepEP low-latency fraction on H800 RDMA; no UB all-to-all microbenchmark at hand"
+    ),
+    kv_link=Factor(0.78, "proxy: DeepEP low-latency fraction (KV over UB)"),
+    host_overhead_s=_HIDDEN_HOST,
+    op_overhead_s=_NO_OP_OVERHEAD,
+    handoff_overhead_s=_HANDOFF_ACCEL,
+)
+
+# Defaults for `cpu` before `pdcluster profile` measures them: torch on one CPU worker slot.
+CPU = Efficiency(
+    gemm_compute=Factor(0.5, "placeholder until `pdcluster profile` measures it (no published figure)"),
+    gemm_memory=Factor(0.5, "placeholder until `pdcluster profile` measures it"),
+    attention_compute=Factor(0.2, "placeholder: torch einsum attention (padded), until measured"),
+    attention_memory=Factor(0.5, "placeholder until `pdcluster profile` measures it"),
+    memory=Factor(0.5, "placeholder until `pdcluster profile` measures it"),
+    link=Factor(0.5, "placeholder: gloo over loopback, until measured"),
+    kv_link=Factor(
+        1.0, "placeholder: KV throughput is measured by `pdcluster profile` (bench/kv_transfer.py)"
+    ),
+    host_overhead_s=Factor(2e-3, "placeholder: bench/engine_step.py's order of magnitude, until measured"),
+    op_overhead_s=Factor(2e-5, "placeholder: torch eager dispatch per op, until measured"),
+    handoff_overhead_s=Factor(5e-3, "placeholder: gRPC reservation + stream setup, until measured"),
+)
+
+EFFICIENCY: dict[str, Efficiency] = {
+    "cpu": CPU,
+    "ascend-910b": ASCEND,
+    "ascend-910c": ASCEND,
+    "h100": HOPPER,
+    "h200": HOPPER,
+    "h800": HOPPER,
+    "a100": dataclasses.replace(
+        HOPPER,
+        gemm_compute=Factor(0.7, "proxy: the Hopper GEMM fraction (cuBLAS BF16 on A100 is similar)"),
+    ),
+}
+
+
+def get_efficiency(accelerator: str) -> Efficiency:
+    """The factors of catalog entry `accelerator`; raises KeyError listing the known names."""
+    try:
+        return EFFICIENCY[accelerator]
+    except KeyError:
+        raise KeyError(f"no efficiency factors for {accelerator!r}; known: {', '.join(EFFICIENCY)}") from None

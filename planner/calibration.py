@@ -1,0 +1,69 @@
+"""Calibration files: efficiency factors measured here by `pdcluster profile`, read back by the planner.
+
+A calibration is a JSON object (written by `planner.profiling.write_calibration`):
+
+    {"format": "pdcluster-calibration/1", "accelerator": "cpu",
+     "factors": {"gemm_compute": 0.31, ..., "host_overhead_s": 0.0021},
+     "fit": {...}, "samples": [...], "residuals": {...}}
+
+Only `factors` is read here: each key an `orchestrator.efficiency.Efficiency` field, each value a number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from orchestrator.efficiency import Efficiency
+
+FORMAT = "pdcluster-calibration/1"
+
+
+def factor_names() -> tuple[str, ...]:
+    """The `Efficiency` fields a calibration may set."""
+    return tuple(f.name for f in dataclasses.fields(Efficiency))
+
+
+def read_calibration(path: str | Path) -> dict[str, Any]:
+    """The calibration JSON object at `path`.
+
+    Raises:
+        ValueError: the file is missing, not JSON, not a calibration (`format`), or a factor is unknown
+            or not a finite number >= 0; the message names the file and the key.
+    """
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such calibration file (write one with `pdcluster profile`)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable JSON calibration ({exc})") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a calibration file (expected \"format\": \"{FORMAT}\")")
+    factors = raw.get("factors")
+    if not isinstance(factors, dict):
+        raise ValueError(f"{path}: \"factors\" must be an object")
+    known = factor_names()
+    for key, value in factors.items():
+        if key not in known:
+            raise ValueError(f"{path}: unknown factor {key!r}; known: {', '.join(known)}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{path}: factor {key!r} must be a finite number >= 0, got {value!r}")
+    return raw
+
+
+def load_calibration(path: str | Path, base: Efficiency, *, accelerator: str | None = None) -> Efficiency:
+    """`base` with the factors of the calibration at `path` replaced.
+
+    Raises:
+        ValueError: as `read_calibration`, or the calibration was measured on another accelerator kind.
+    """
+    raw = read_calibration(path)
+    if accelerator is not None and raw.get("accelerator") != accelerator:
+        raise ValueError(
+            f"{path}: calibration of accelerator {raw.get('accelerator')!r}, not {accelerator!r}"
+        )
+    return base.replace(**raw["factors"])
