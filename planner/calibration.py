@@ -42,15 +42,20 @@ def read_calibration(path: str | Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not a readable JSON calibration ({exc})") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a calibration file (expected \"format\": \"{FORMAT}\")")
+        raise ValueError(f'{path}: not a calibration file (expected "format": "{FORMAT}")')
     factors = raw.get("factors")
     if not isinstance(factors, dict):
-        raise ValueError(f"{path}: \"factors\" must be an object")
+        raise ValueError(f'{path}: "factors" must be an object')
     known = factor_names()
     for key, value in factors.items():
         if key not in known:
             raise ValueError(f"{path}: unknown factor {key!r}; known: {', '.join(known)}")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value < 0
+        ):
             raise ValueError(f"{path}: factor {key!r} must be a finite number >= 0, got {value!r}")
     return raw
 

@@ -70,7 +70,7 @@ def _instance_sizes(base: int, devices_per_node: int, num_devices: int) -> list[
     return sorted(set(sizes))
 
 
-def _spread(max_count: int, num: int) -> list[int]:
+def spread_counts(max_count: int, num: int) -> list[int]:
     """Up to `num` counts in [1, max_count], evenly spread, max_count included."""
     if max_count < 1:
         return []
@@ -93,7 +93,7 @@ def candidate_topologies(
                 for k in k_options:
                     max_decodes = (total - dp) // dd
                     for num_d in range(1, min(num_decode_counts, max_decodes) + 1):
-                        for num_p in _spread((total - num_d * dd) // dp, num_prefill_counts):
+                        for num_p in spread_counts((total - num_d * dd) // dp, num_prefill_counts):
                             key = (dp, dd, seqs, k, num_d, num_p)
                             if key in seen:
                                 continue
