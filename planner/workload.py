@@ -41,10 +41,12 @@ def plan_workload(
     num_requests: int | None = None,
     rate_per_s: float | None = None,
     max_tokens_cap: int = 128,
+    context_len: int | None = None,
 ) -> Workload:
     """Load `trace_path` (a bare name is looked up in ../shared/traces), repeat it to `num_requests`
     (default: the trace as it is), scale it to `max_model_len` and, with `rate_per_s`, compress or stretch
-    its arrival times to that mean rate (requests per second).
+    its arrival times to that mean rate (requests per second). `context_len` (at most `max_model_len`):
+    scale the lengths to that context instead (8192 keeps the Azure trace's own lengths).
 
     Raises:
         FileNotFoundError, ValueError: a bad trace or option.
@@ -60,4 +62,10 @@ def plan_workload(
         if native <= 0:
             raise ValueError(f"{trace.path}: fewer than two distinct arrival times, no rate to scale")
         time_scale = rate_per_s / native
-    return scale_trace(trace, max_model_len, max_tokens_cap=max_tokens_cap, time_scale=time_scale)
+    if context_len is not None and not 0 < context_len <= max_model_len:
+        raise ValueError(
+            f"the context length must be in [1, max_model_len {max_model_len}], got {context_len}"
+        )
+    return scale_trace(
+        trace, context_len or max_model_len, max_tokens_cap=max_tokens_cap, time_scale=time_scale
+    )
