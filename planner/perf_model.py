@@ -26,6 +26,7 @@ the prefill->decode link, layer by layer behind the prefill compute when `layerw
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -36,7 +37,7 @@ from orchestrator.efficiency import Efficiency, get_efficiency
 from orchestrator.hardware import AcceleratorSpec, get_accelerator
 from planner import op_costs as oc
 from planner.op_costs import Dtypes, OpCost, RankWork
-from planner.step_model import StepShape
+from planner.step_model import PrefillChunk, StepShape
 
 if TYPE_CHECKING:
     from orchestrator.topology import Topology
@@ -161,15 +162,23 @@ class PerfModel:
         self.crossover_queries = expanded_crossover_queries(
             config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         )
-        # Peaks, looked up once (ValueError here for a dtype the device has no peak for).
-        eff = self.efficiency
+        self._set_peaks()
+
+    def with_efficiency(self, efficiency: Efficiency) -> PerfModel:
+        """The same instance priced with other efficiency factors (a calibration being fitted)."""
+        other = PerfModel.__new__(PerfModel)
+        other.__dict__.update(self.__dict__)
+        other.efficiency = efficiency
+        other._set_peaks()
+        return other
+
+    def _set_peaks(self) -> None:
+        """Peaks times factors, looked up once (ValueError for a dtype the device has no peak for)."""
+        spec, eff, d = self.spec, self.efficiency, self.dtypes
         bw = spec.hbm_bytes_per_s
-        self._gemm = (
-            spec.matmul_flops_per_s(self.dtypes.weight) * eff.gemm_compute.value,
-            bw * eff.gemm_memory.value,
-        )
+        self._gemm = (spec.matmul_flops_per_s(d.weight) * eff.gemm_compute.value, bw * eff.gemm_memory.value)
         self._attn = (
-            spec.matmul_flops_per_s(self.dtypes.activation) * eff.attention_compute.value,
+            spec.matmul_flops_per_s(d.activation) * eff.attention_compute.value,
             bw * eff.attention_memory.value,
         )
         self._mem = (math.inf, bw * eff.memory.value)
@@ -178,51 +187,59 @@ class PerfModel:
     def rank_work(self, step: StepShape) -> RankWork:
         """The slowest DP rank's share of `step` (module docstring, item 1)."""
         dp = self.parallel.data_parallel_size
-        cross = self.crossover_queries
-        acc = [0.0] * 6  # expanded q, keys, pairs; absorbed q, keys, pairs
-        p_tokens = p_max = 0
-        for c in step.prefill:
-            n, ctx = c.num_tokens, c.context_len
-            base = 0 if n >= cross else 3
-            acc[base] += n
-            acc[base + 1] += ctx + n
-            acc[base + 2] += n * ctx + n * (n + 1) / 2
-            p_tokens += n
-            p_max = max(p_max, n)
-        p_acc = acc
-        d_acc = [0.0] * 6
-        d_tokens = 0
-        for r in step.decode:
-            q, ctx = r.num_query_tokens, r.context_len
-            base = 0 if q >= cross else 3
-            d_acc[base] += q
-            d_acc[base + 1] += ctx + q
-            d_acc[base + 2] += q * ctx + q * (q + 1) / 2
-            d_tokens += q
+        chunks = self._slowest_rank_chunks(step.prefill, dp)
+        p_acc = self._attention_sums((c.num_tokens, c.context_len) for c in chunks)
+        p_tokens = sum(c.num_tokens for c in chunks)
         rows = len(step.decode)
-        fp = max(1.0 / dp, p_max / p_tokens) if p_tokens else 0.0
+        d_acc = self._attention_sums((r.num_query_tokens, r.context_len) for r in step.decode)
+        d_tokens = sum(r.num_query_tokens for r in step.decode)
         fd = math.ceil(rows / dp) / rows if rows else 0.0
-        share = [fp * a + fd * b for a, b in zip(p_acc, d_acc, strict=True)]
+        share = [a + fd * b for a, b in zip(p_acc, d_acc, strict=True)]
         k = step.num_speculative_tokens if self.config.num_nextn_predict_layers else 0
         mtp_tokens = mtp_rows = 0.0
         if k:
             mtp_tokens += fd * (d_tokens + (k - 1) * rows)
             mtp_rows += fd * k * rows
-        if self.mtp_in_prefill and step.prefill:
-            mtp_tokens += fp * p_tokens
-            mtp_rows += fp * len(step.prefill)
+        if self.mtp_in_prefill and chunks:
+            mtp_tokens += p_tokens
+            mtp_rows += len(chunks)
         return RankWork(
-            num_tokens=fp * p_tokens + fd * d_tokens,
+            num_tokens=p_tokens + fd * d_tokens,
             expanded_queries=share[0],
             expanded_keys=share[1],
             expanded_pairs=share[2],
             absorbed_queries=share[3],
             absorbed_keys=share[4],
             absorbed_pairs=share[5],
-            logit_rows=fp * len(step.prefill) + fd * d_tokens,
+            logit_rows=len(chunks) + fd * d_tokens,
             mtp_tokens=mtp_tokens,
             mtp_logit_rows=mtp_rows,
         )
+
+    def _attention_sums(self, items) -> list[float]:
+        """`[expanded q, keys, pairs, absorbed q, keys, pairs]` over `(num_queries, context_len)` items."""
+        acc = [0.0] * 6
+        cross = self.crossover_queries
+        for n, ctx in items:
+            base = 0 if n >= cross else 3
+            acc[base] += n
+            acc[base + 1] += ctx + n
+            acc[base + 2] += n * ctx + n * (n + 1) / 2
+        return acc
+
+    @staticmethod
+    def _slowest_rank_chunks(chunks: tuple[PrefillChunk, ...], dp: int) -> list[PrefillChunk]:
+        """The chunks of the most loaded DP rank when chunks go, largest first, to the least loaded rank
+        (longest-processing-time-first; a request is never split over ranks)."""
+        if dp == 1 or len(chunks) <= 1:
+            return list(chunks)
+        ranks = [(0, i, []) for i in range(min(dp, len(chunks)))]
+        heapq.heapify(ranks)
+        for c in sorted(chunks, key=lambda c: c.num_tokens, reverse=True):
+            load, i, members = heapq.heappop(ranks)
+            members.append(c)
+            heapq.heappush(ranks, (load + c.num_tokens, i, members))
+        return max(ranks)[2]
 
     def moe_load(self, instance_tokens: float) -> tuple[float, float, float]:
         """`(routed pairs on the slowest EP rank, its active experts, imbalance)` for `instance_tokens`

@@ -1,0 +1,110 @@
+"""`pdcluster profile FILE`: measure the live engine here over a grid of step shapes and KV transfers, fit
+the `cpu` catalog entry's efficiency factors, write the fit and its residuals (`planner.profiling`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from orchestrator.cli.common import CliError
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from orchestrator.efficiency import get_efficiency
+    from orchestrator.topology import TopologyError, load_topology
+    from planner import profiling
+    from planner.topology_models import perf_model_for
+
+    try:
+        topology = load_topology(args.file)
+    except TopologyError as exc:
+        raise CliError(str(exc)) from exc
+    accelerator = topology.hardware.accelerator
+    if accelerator != "cpu":
+        raise CliError(
+            f"{args.file}: hardware.accelerator is {accelerator!r}; profile measures the engine on this "
+            "machine, so it takes a topology whose accelerator is 'cpu' (e.g. clusters/local.yaml)"
+        )
+    output = args.output or Path(f"{topology.name}.calibration.json")
+    grid = profiling.Grid.default(quick=args.quick)
+    models = {role: perf_model_for(topology, role) for role in ("prefill", "decode")}
+    total = len(grid.prefill) + len(grid.decode) + 1
+    with tqdm(total=total, desc="profile", unit="point", file=sys.stderr, disable=args.no_progress) as bar:
+
+        def progress(label: str) -> None:
+            bar.set_postfix_str(label)
+            bar.update(1)
+
+        try:
+            samples = profiling.measure_steps(topology, grid, progress, seed=args.seed)
+        except (OSError, ValueError) as exc:  # a missing checkpoint, an engine argument refused
+            raise CliError(f"cannot run the engine of {args.file}: {exc}") from exc
+        bar.total = len(samples) + 1
+        model = models["decode"]
+        kv = profiling.measure_kv(model.config, model.dtypes.kv, grid.kv_tokens, grid.repeats)
+        progress("kv transfer")
+    if not samples:
+        raise CliError(f"{args.file}: no grid point fits the pools' token budgets and seats")
+    eff, fit = profiling.fit_efficiency(models, samples, get_efficiency("cpu"))
+    link = model.kv_link.bandwidth_bytes_per_s
+    eff = eff.replace(kv_link=kv["bytes_per_s"] / link, handoff_overhead_s=kv["fixed_s"])
+    fitted = [n for n in profiling.UNKNOWNS if n not in fit["not_identified"]] + [
+        "kv_link",
+        "handoff_overhead_s",
+    ]
+    rows = profiling.residuals(models, samples, eff)
+    report = {
+        "topology": str(args.file),
+        "grid": {
+            "prefill": list(grid.prefill),
+            "decode": list(grid.decode),
+            "repeats": grid.repeats,
+            "decode_steps": grid.decode_steps,
+            "kv_tokens": list(grid.kv_tokens),
+        },  # fmt: skip
+        "fitted_factors": fitted,
+        "fit": fit,
+        "kv_transfer": kv,
+        "residuals": rows,
+    }
+    profiling.write_calibration(output, accelerator, eff, report)
+    table = profiling.summary_table(rows, kv)
+    output.with_suffix(".txt").write_text(table + "\n", encoding="utf-8")
+    print(table)
+    print(f"calibration written to {output} (table: {output.with_suffix('.txt')}); "
+          f"use it with perf_model_for(..., calibration='{output}')")  # fmt: skip
+    return 0
+
+
+# ---- parser ----------------------------------------------------------------------------------------
+NAME = "profile"
+HELP = "measure the engine here and fit the planner's cpu efficiency factors (a calibration JSON)"
+DESCRIPTION = """\
+Build one engine per pool of FILE (a topology whose hardware.accelerator is cpu), time
+engine steps over a grid of prefill (batch x prompt length) and decode (batch x context
+length) shapes and KV handoffs over gRPC on 127.0.0.1, and fit the planner's cpu factors
+(GEMM and attention efficiency, memory efficiency, per-op and per-step host overhead,
+KV throughput) by non-negative least squares (planner/profiling.py says how).
+
+Writes the fit, every sample and its residual as JSON to --output and a short table
+beside it (.txt); the planner reads the JSON back (perf_model_for(..., calibration=PATH)).
+The default grid takes about two minutes on an idle 2-core machine; --quick a few seconds.
+Figures measured while other work runs on the machine are figures under contention."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `pdcluster profile`."""
+    parser.add_argument("file", type=Path, metavar="FILE", help="topology YAML (accelerator: cpu)")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="calibration JSON to write (default: ./<topology name>.calibration.json)",
+    )
+    parser.add_argument("--quick", action="store_true", help="a tiny grid and one repeat (tests, smoke runs)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -1,0 +1,317 @@
+"""`pdcluster profile`: measure the live engine here and fit the `cpu` catalog entry's efficiency factors.
+
+Method:
+1. Step times. For each pool of the topology one `engine.llm_engine.LLMEngine` is built with that pool's
+   engine arguments (`Topology.engine_config`) and warmed up by one small untimed request. Prefill points
+   `(batch, prompt_len)`: `batch` random prompts (distinct, so no prefix hits) are added with
+   `max_tokens=1` and the one `step()` that prefills them is timed. Decode points `(batch, context_len)`:
+   `batch` prompts of `context_len` tokens are prefilled (untimed), `WARMUP_STEPS` decode steps run
+   untimed, then each `step()` of the next `num_steps` is timed. A sample is the median over its repeats;
+   its `StepShape` is what was asked for (decode rows verify `1 + k` tokens with MTP k).
+   `time.perf_counter`, wall clock.
+2. KV transfer. `bench.kv_transfer.bench_grpc` moves one handoff of the model's layers at two prompt
+   lengths over gRPC on 127.0.0.1; `seconds = fixed + bytes / bandwidth` through the two medians gives the
+   per-handoff cost and the throughput.
+3. Fit. The model's step time is `host + n_ops op_overhead + sum_ops max(flops x a_kind, bytes x b_kind)`
+   with `a = 1 / (peak x compute factor)` and `b = 1 / (bandwidth x memory factor)`. Alternating: each
+   op is assigned the regime (compute or memory) the current factors give it, the 7 unknowns (host,
+   op_overhead, a and b for GEMMs and attention, b for elementwise) are solved by non-negative least
+   squares on relative errors (each sample weighted by 1 / its time), until the assignment repeats.
+   An unknown the data cannot see (its feature is zero in every sample, or NNLS sets it to 0) keeps the
+   catalog default and is listed in `fit.not_identified`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from orchestrator.efficiency import Efficiency
+from planner.calibration import FORMAT
+from planner.perf_model import PerfModel
+from planner.step_model import DecodeRow, PrefillChunk, StepShape
+
+WARMUP_STEPS = 2
+# (batch, prompt_len) prefill points and (batch, context_len) decode points.
+DEFAULT_PREFILL = ((1, 32), (1, 128), (1, 512), (4, 64), (4, 256), (8, 128))
+DEFAULT_DECODE = ((1, 64), (4, 64), (16, 64), (32, 128), (8, 512), (48, 256))
+QUICK_PREFILL = ((1, 16), (2, 64))
+QUICK_DECODE = ((1, 16), (4, 32))
+KV_TOKENS = (128, 1024)
+QUICK_KV_TOKENS = (32, 512)
+UNKNOWNS = ("host_overhead_s", "op_overhead_s", "gemm_compute", "gemm_memory", "attention_compute",
+            "attention_memory", "memory")  # fmt: skip
+
+
+@dataclass
+class Sample:
+    """One grid point measured: `role`, `phase` (`prefill`/`decode`), `batch`, `length` (prompt or
+    context tokens), the `step` priced, and the measured seconds of each repeat."""
+
+    role: str
+    phase: str
+    batch: int
+    length: int
+    step: StepShape
+    times_s: list[float]
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times_s)
+
+
+@dataclass(frozen=True)
+class Grid:
+    prefill: Sequence[tuple[int, int]]
+    decode: Sequence[tuple[int, int]]
+    repeats: int
+    decode_steps: int
+    kv_tokens: Sequence[int]
+
+    @classmethod
+    def default(cls, quick: bool = False) -> Grid:
+        if quick:
+            return cls(QUICK_PREFILL, QUICK_DECODE, 1, 3, QUICK_KV_TOKENS)
+        return cls(DEFAULT_PREFILL, DEFAULT_DECODE, 3, 6, KV_TOKENS)
+
+
+def _prompts(rng: random.Random, batch: int, length: int, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(batch)]
+
+
+def measure_prefill(engine, batch: int, prompt_len: int, repeats: int, rng: random.Random) -> list[float]:
+    """Seconds of the one step that prefills `batch` fresh prompts of `prompt_len` tokens, per repeat."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    out = []
+    for _ in range(repeats):
+        ids = [engine.add_request(p, params) for p in _prompts(rng, batch, prompt_len, engine.config_vocab)]
+        started = time.perf_counter()
+        engine.step()
+        out.append(time.perf_counter() - started)
+        while engine.has_unfinished_requests():  # (not expected: the grid fits one step's budget)
+            engine.step()
+        engine.pop_finished_outputs(ids)
+    return out
+
+
+def measure_decode(engine, batch: int, context_len: int, num_steps: int, rng: random.Random) -> list[float]:
+    """Seconds of each of `num_steps` decode steps of `batch` requests at about `context_len` tokens."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=4 * (WARMUP_STEPS + num_steps) + 8, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in _prompts(rng, batch, context_len, engine.config_vocab)]
+    while any(engine.scheduler.get_request(r).num_computed_tokens < context_len for r in ids):
+        engine.step()
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    out = []
+    for _ in range(num_steps):
+        started = time.perf_counter()
+        engine.step()
+        out.append(time.perf_counter() - started)
+    for rid in ids:
+        engine.abort_request(rid)
+    engine.pop_finished_outputs(ids)
+    return out
+
+
+def measure_steps(topology, grid: Grid, progress: Callable[[str], None], seed: int = 0) -> list[Sample]:
+    """Every step sample of `grid` on both pools' engines (see the module docstring)."""
+    from engine.llm_engine import LLMEngine
+
+    rng = random.Random(seed)
+    samples = []
+    k = topology.decode.num_speculative_tokens
+    for role in ("prefill", "decode"):
+        config = topology.engine_config(role)
+        engine = LLMEngine(config)
+        engine.config_vocab = engine.model.config.vocab_size
+        measure_decode(engine, 2, 16, 1, rng)  # warm-up, untimed: first calls allocate and load kernels
+        budget, seats = config.max_num_batched_tokens, config.max_num_seqs
+        for batch, length in grid.prefill if role == "prefill" else grid.decode:
+            if role == "prefill" and (batch * length > budget or batch > seats):
+                continue
+            if role == "decode" and batch > seats:
+                continue
+            if role == "prefill":
+                times = measure_prefill(engine, batch, length, grid.repeats, rng)
+                step = StepShape(prefill=(PrefillChunk(length),) * batch)
+            else:
+                times = measure_decode(engine, batch, length, grid.decode_steps, rng)
+                ctx = length + WARMUP_STEPS + grid.decode_steps // 2  # about the middle timed step
+                step = StepShape(decode=(DecodeRow(ctx, 1 + k),) * batch, num_speculative_tokens=k)
+            samples.append(
+                Sample(role, "prefill" if role == "prefill" else "decode", batch, length, step, times)
+            )
+            progress(f"{role} batch={batch} len={length}")
+        del engine
+    return samples
+
+
+def measure_kv(config, dtype: str, token_counts: Sequence[int], repeats: int) -> dict[str, Any]:
+    """KV handoff over gRPC on loopback at two sizes: `fixed_s`, `bytes_per_s` and the raw points."""
+    from bench.kv_transfer import bench_grpc
+
+    points = []
+    for n in token_counts:
+        shape = {
+            "num_layers": config.num_hidden_layers + config.num_nextn_predict_layers,
+            "num_tokens": n,
+            "kv_dim": config.kv_cache_dim,
+            "dtype": dtype,
+        }
+        result = bench_grpc(shape, "model", repeats)
+        points.append({"num_tokens": n, "kv_bytes": result["kv_bytes"],
+                       "median_s": statistics.median(result["elapsed_ms"]) / 1e3})  # fmt: skip
+    (b0, t0), (b1, t1) = ((p["kv_bytes"], p["median_s"]) for p in (points[0], points[-1]))
+    slope = (t1 - t0) / (b1 - b0) if b1 > b0 and t1 > t0 else t1 / b1
+    fixed = max(t0 - slope * b0, 0.0)
+    return {"points": points, "fixed_s": fixed, "bytes_per_s": 1.0 / slope}
+
+
+# ---- fit -------------------------------------------------------------------------------------------------
+def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
+    """Non-negative least squares `min |a x - b|, x >= 0` (Lawson & Hanson, "Solving Least Squares
+    Problems", 1974, ch. 23 active-set method)."""
+    m, n = a.shape
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    for _ in range(max_iter):
+        w = a.T @ (b - a @ x)
+        if passive.all() or (w[~passive] <= 1e-12 * max(1.0, np.abs(w).max())).all():
+            break
+        j = int(np.argmax(np.where(passive, -np.inf, w)))
+        passive[j] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+    return x
+
+
+def _features(model: PerfModel, step: StepShape, regime: dict[tuple[str, str], bool]) -> np.ndarray:
+    """Seconds at unit inverse-efficiency per unknown of `UNKNOWNS`, ops assigned by `regime`."""
+    f = np.zeros(len(UNKNOWNS))
+    f[0] = 1.0
+    spec = model.spec
+    peaks = {"gemm": spec.matmul_flops_per_s(model.dtypes.weight),
+             "attention": spec.matmul_flops_per_s(model.dtypes.activation)}  # fmt: skip
+    bw = spec.hbm_bytes_per_s
+    col = {("gemm", True): 2, ("gemm", False): 3, ("attention", True): 4, ("attention", False): 5,
+           ("memory", False): 6}  # fmt: skip
+    for op in model.ops(step):
+        f[1] += op.count
+        compute = op.kind != "memory" and regime.get((op.name, op.kind), False)
+        amount = op.flops / peaks[op.kind] if compute else op.bytes / bw
+        f[col[(op.kind, compute)]] += amount * op.count
+    return f
+
+
+def fit_efficiency(
+    models: dict[str, PerfModel], samples: Sequence[Sample], base: Efficiency, max_rounds: int = 8
+) -> tuple[Efficiency, dict[str, Any]]:
+    """Fit the step-time factors of `base` to `samples` (module docstring, item 3); `models[role]` prices
+    the role's samples. Returns the fitted `Efficiency` and a report (`rounds`, `not_identified`)."""
+    current = base
+    regime: dict[tuple[str, str], bool] = {}
+    x = np.zeros(len(UNKNOWNS))
+    not_identified: list[str] = []
+    rounds = 0
+    for rounds in range(1, max_rounds + 1):
+        new_regime = {}
+        for s in samples:
+            priced = models[s.role].with_efficiency(current)
+            for op in priced.ops(s.step):
+                new_regime[(op.name, op.kind)] = priced.op_time_s(op)[1]
+        if new_regime == regime and rounds > 1:
+            break
+        regime = new_regime
+        a = np.array([_features(models[s.role], s.step, regime) for s in samples])
+        y = np.array([s.median_s for s in samples])
+        w = 1.0 / y
+        x = nnls(a * w[:, None], y * w)
+        current, not_identified = _efficiency_from(x, a, base)
+    return current, {
+        "rounds": rounds,
+        "inverse_efficiency_solution": x.tolist(),
+        "not_identified": not_identified,
+    }
+
+
+def _efficiency_from(x: np.ndarray, a: np.ndarray, base: Efficiency) -> tuple[Efficiency, list[str]]:
+    values: dict[str, float] = {}
+    missing = []
+    for i, name in enumerate(UNKNOWNS):
+        seen = a[:, i].any()
+        if i < 2:  # seconds
+            if seen:
+                values[name] = float(x[i])
+            else:
+                missing.append(name)
+        elif seen and x[i] > 0:
+            values[name] = float(1.0 / x[i])
+        else:
+            missing.append(name)
+    return base.replace(**values), missing
+
+
+def residuals(
+    models: dict[str, PerfModel], samples: Sequence[Sample], eff: Efficiency
+) -> list[dict[str, Any]]:
+    """Per sample: measured and predicted seconds and the relative error `predicted / measured - 1`."""
+    rows = []
+    for s in samples:
+        pred = models[s.role].with_efficiency(eff).step_time_s(s.step)
+        rows.append({"role": s.role, "batch": s.batch, "length": s.length, "measured_s": s.median_s,
+                     "predicted_s": pred, "rel_error": pred / s.median_s - 1.0})  # fmt: skip
+    return rows
+
+
+def summary_table(rows: Sequence[dict[str, Any]], kv: dict[str, Any] | None) -> str:
+    """The text table written next to the JSON (and printed)."""
+    lines = [f"{'role':<8}{'batch':>6}{'len':>6}{'measured_ms':>13}{'predicted_ms':>14}{'error':>9}"]
+    for r in rows:
+        lines.append(f"{r['role']:<8}{r['batch']:>6}{r['length']:>6}{r['measured_s'] * 1e3:>13.2f}"
+                     f"{r['predicted_s'] * 1e3:>14.2f}{r['rel_error'] * 100:>8.1f}%")  # fmt: skip
+    errs = [abs(r["rel_error"]) for r in rows]
+    if errs:
+        rms = math.sqrt(sum(e * e for e in errs) / len(errs))
+        lines.append(f"step time: rms relative error {rms * 100:.1f}%, max {max(errs) * 100:.1f}% "
+                     f"over {len(errs)} samples")  # fmt: skip
+    if kv:
+        lines.append(f"kv transfer (grpc, loopback): {kv['bytes_per_s'] / 1e9:.3f} GB/s, "
+                     f"{kv['fixed_s'] * 1e3:.2f} ms per handoff")  # fmt: skip
+    return "\n".join(lines)
+
+
+def write_calibration(path: Path, accelerator: str, eff: Efficiency, report: dict[str, Any]) -> None:
+    """The calibration JSON (`planner.calibration.FORMAT`) and a `.txt` table beside it."""
+    factors = {name: getattr(eff, name).value for name in report["fitted_factors"]}
+    doc = {
+        "format": FORMAT,
+        "accelerator": accelerator,
+        "factors": factors,
+        **report,
+        "host": {"machine": platform.machine(), "python": platform.python_version()},
+        "note": "measured under whatever load this machine had; rerun on a quiet machine to compare",
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")

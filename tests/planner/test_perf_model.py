@@ -1,0 +1,159 @@
+"""The performance model: the work split over ranks, the roofline regime switch, EP communication, the
+layer-wise KV handoff, the topology constructor and calibration files."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from models.config import DeepseekV3Config
+from orchestrator.efficiency import get_efficiency
+from orchestrator.hardware import get_accelerator
+from orchestrator.topology import load_topology
+from planner.calibration import FORMAT, load_calibration
+from planner.op_costs import Dtypes
+from planner.perf_model import Link, Parallelism, PerfModel, perf_model_for, statistical_imbalance
+from planner.step_model import DecodeRow, PrefillChunk, StepShape
+
+ROOT = Path(__file__).resolve().parents[2]
+FP8 = Dtypes("fp8", "bfloat16", "bfloat16")
+# Relative tolerance for sums of float seconds computed in different orders.
+REL = 1e-12
+
+
+@pytest.fixture(scope="module")
+def v3() -> DeepseekV3Config:
+    return DeepseekV3Config.from_json_file(ROOT / "clusters" / "models" / "deepseek-v3.config.json")
+
+
+def decode(batch: int, context_len: int = 1024, k: int = 0) -> StepShape:
+    return StepShape(decode=(DecodeRow(context_len, 1 + k),) * batch, num_speculative_tokens=k)
+
+
+def test_empty_step_is_free(v3):
+    model = PerfModel(v3, get_accelerator("h800"), dtypes=FP8)
+    assert model.step_time_s(StepShape()) == 0.0
+
+
+def test_decode_gemms_switch_from_memory_to_compute_bound_as_the_batch_grows(v3):
+    """A GEMM's arithmetic intensity is ~batch FLOPs per weight byte (fp8): below the H800's ridge
+    (1,979 x 0.68 / (3.35 x 0.7) ~ 574 FLOP/B, i.e. ~287 tokens) it streams weights, above it computes."""
+    model = PerfModel(v3, get_accelerator("h800"), dtypes=FP8, ep_imbalance=1.0)
+    small, large = model.breakdown(decode(8)), model.breakdown(decode(4096))
+    assert "dense_mlp" not in small.compute_bound_ops and "attn.o_proj" not in small.compute_bound_ops
+    assert "dense_mlp" in large.compute_bound_ops and "attn.o_proj" in large.compute_bound_ops
+    # memory-bound: time per token falls with the batch; compute-bound: it stays flat
+    assert small.op_s["dense_mlp"] / 8 > 10 * large.op_s["dense_mlp"] / 4096
+    double = model.breakdown(decode(8192)).op_s["dense_mlp"]
+    assert double == pytest.approx(2 * large.op_s["dense_mlp"], rel=1e-9)
+
+
+def test_absorbed_attention_is_compute_bound_with_all_heads_and_memory_bound_with_few(v3):
+    """Absorbed MLA reads one 1,152 B bf16 latent per key for all heads of the rank: 128 heads make
+    2 x 128 x (576 + 512) = 278,528 FLOPs per key (242 FLOP/B, over the H800's attention ridge of
+    989 x 0.667 / (3.35 x 0.9) = 219); TP8 leaves 16 heads (30 FLOP/B), under it."""
+    bf16 = Dtypes("fp8", "bfloat16", "bfloat16")
+    dp = PerfModel(v3, get_accelerator("h800"), dtypes=bf16)
+    tp = PerfModel(v3, get_accelerator("h800"), dtypes=bf16, parallel=Parallelism(8, 8, 8))
+    step = decode(64, 8192)
+    attn = next(op for op in dp.ops(step) if op.name == "attn.mla_absorbed")
+    assert attn.flops / attn.bytes == pytest.approx(242, rel=0.03)  # + W_UK/W_UV per query, kv_b read
+    assert "attn.mla_absorbed" in dp.breakdown(step).compute_bound_ops
+    assert "attn.mla_absorbed" not in tp.breakdown(step).compute_bound_ops
+
+
+def test_dp_split_gives_the_slowest_rank_ceil_rows(v3):
+    model = PerfModel(v3, get_accelerator("h800"), dtypes=FP8, parallel=Parallelism(4, 1, 4))
+    work = model.rank_work(decode(10, 100))
+    assert work.num_tokens == 3  # ceil(10 / 4)
+    assert work.absorbed_keys == 3 * 101
+    prefill = model.rank_work(StepShape(prefill=(PrefillChunk(4000), PrefillChunk(100))))
+    assert prefill.num_tokens == 4000  # a request is never split: the 4,000-token chunk's rank is slowest
+    assert prefill.expanded_pairs == 4000 * 4001 / 2
+    balanced = model.rank_work(StepShape(prefill=(PrefillChunk(1000),) * 8))
+    assert balanced.num_tokens == 2000 and balanced.expanded_pairs == 2 * 1000 * 1001 / 2
+
+
+def test_ep_communication_and_overlap(v3):
+    link = Link(50e9, 5e-6, "inter_node")
+    kw = dict(dtypes=FP8, parallel=Parallelism(32, 1, 32), ep_link=link, ep_imbalance=1.0)
+    model = PerfModel(v3, get_accelerator("h800"), dispatch_dtype="fp8", **kw)
+    step = decode(32 * 64)  # 64 tokens per rank
+    # per MoE layer: 64 tokens x 8 experts x 7168 x (1 B fp8 dispatch + 2 B bf16 combine) x 31/32 remote
+    per_layer = 64 * 8 * 7168 * 3 * 31 / 32 / (50e9 * get_efficiency("h800").link.value) + 2 * 5e-6
+    assert model.comm_time_s(step) == pytest.approx(58 * per_layer, rel=REL)
+    b = model.breakdown(step)
+    assert b.total_s == pytest.approx(b.compute_s + b.comm_s + b.host_s, rel=REL)
+    hidden = PerfModel(v3, get_accelerator("h800"), dispatch_dtype="fp8", microbatch_overlap=True, **kw)
+    bh = hidden.breakdown(step)
+    assert bh.total_s == pytest.approx(max(bh.compute_s, bh.comm_s) + bh.host_s, rel=REL)
+
+
+def test_statistical_imbalance():
+    assert statistical_imbalance(100.0, 1) == 1.0
+    assert statistical_imbalance(768.0, 288) == pytest.approx(1 + math.sqrt(2 * math.log(288) / 768))
+
+
+def test_kv_handoff_layerwise_overlap(v3):
+    link = Link(25e9, 10e-6, "inter_node")
+    model = PerfModel(v3, get_accelerator("h800"), dtypes=FP8, kv_link=link)
+    eff = model.efficiency
+    layers = 62  # 61 + the MTP layer
+    t = 4096 * 1152 / (25e9 * eff.kv_link.value)  # one layer of a 4,096-token bf16 prompt
+    fixed = 10e-6 + eff.handoff_overhead_s.value
+    # compute much longer than the transfer: only the last layer shows
+    assert model.kv_handoff_s(4096, 10.0) == pytest.approx(t + fixed, rel=REL)
+    # no compute to hide behind: every layer
+    assert model.kv_handoff_s(4096, 0.0) == pytest.approx(layers * t + fixed, rel=REL)
+    c = 0.5 * t * layers  # half as fast as the link: L t - (L - 1) c
+    assert model.kv_handoff_s(4096, c) == pytest.approx(
+        layers * t - (layers - 1) * c / layers + fixed, rel=REL
+    )
+    whole = PerfModel(v3, get_accelerator("h800"), dtypes=FP8, kv_link=link, layerwise_kv=False)
+    assert whole.kv_handoff_s(4096, 10.0) == pytest.approx(layers * t + fixed, rel=REL)
+    with pytest.raises(ValueError, match="num_prompt_tokens"):
+        model.kv_handoff_s(0, 1.0)
+
+
+def test_perf_model_for_reads_the_pools_of_a_topology():
+    cm = load_topology(ROOT / "clusters" / "cm384.yaml")
+    d = perf_model_for(cm, "decode", weight_dtype="int8")
+    assert (d.parallel.devices, d.parallel.expert_parallel_size, d.parallel.data_parallel_size) == (
+        288,
+        288,
+        288,
+    )
+    assert d.dtypes == Dtypes("int8", "bfloat16", "int8") and d.kv_wire_dtype == "int8"
+    assert d.ep_link.level == "supernode" and d.kv_link.level == "supernode"
+    p = perf_model_for(cm, "prefill", weight_dtype="int8")
+    assert p.mtp_in_prefill and p.parallel.expert_parallel_size == 32
+    local = perf_model_for(load_topology(ROOT / "clusters" / "local.yaml"), "decode")
+    assert local.dtypes == Dtypes("float32", "float32", "float32") and local.kv_link.level == "intra_node"
+    assert local.step_time_s(decode(4, 64, k=1)) > 0
+    with pytest.raises(ValueError, match="role must be one of"):
+        perf_model_for(cm, "router")
+
+
+def test_calibration_files(tmp_path):
+    base = get_efficiency("cpu")
+    good = tmp_path / "c.json"
+    good.write_text(json.dumps({"format": FORMAT, "accelerator": "cpu", "factors": {"gemm_compute": 0.25}}))
+    eff = load_calibration(good, base, accelerator="cpu")
+    assert eff.gemm_compute.value == 0.25 and eff.memory == base.memory
+    with pytest.raises(ValueError, match="not 'h800'"):
+        load_calibration(good, base, accelerator="h800")
+    for text, match in (
+        ("{", "not a readable JSON"),
+        (json.dumps({"format": "x"}), "not a calibration"),
+        (json.dumps({"format": FORMAT, "factors": {"speed": 1}}), "unknown factor 'speed'"),
+        (json.dumps({"format": FORMAT, "factors": {"memory": -1}}), "finite number >= 0"),
+    ):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            load_calibration(bad, base)
+    with pytest.raises(ValueError, match="no such calibration"):
+        load_calibration(tmp_path / "missing.json", base)
