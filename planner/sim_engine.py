@@ -255,20 +255,24 @@ class SimEngine:
         step = self._step = []
         is_prefill_role = self.role == "prefill"
         rows = self._rows
+        num_taken = 0
         for request_id, num_new in plan.num_scheduled_tokens.items():
             request = requests[request_id]
             num_blocks = new_blocks[request_id]
-            request.num_blocks_held += num_blocks
-            self.num_free_blocks -= num_blocks
+            if num_blocks:
+                request.num_blocks_held += num_blocks
+                num_taken += num_blocks
             step.append((request, num_new))
             num_computed = request.num_computed_tokens
             if is_prefill_role or num_computed < request.num_prompt_tokens + request.num_output_tokens - 1:
                 prefill.append(PrefillChunk(num_new, num_computed))
             else:
-                row = rows.get((num_computed, num_new))
+                key = (num_computed, num_new)
+                row = rows.get(key)
                 if row is None:
-                    row = rows[num_computed, num_new] = DecodeRow(num_computed, num_new)
+                    row = rows[key] = DecodeRow(num_computed, num_new)
                 decode.append(row)
+        self.num_free_blocks -= num_taken
         if not step:
             return 0.0
         duration_s = self.model.step_time_s(StepShape(tuple(prefill), tuple(decode), self.k))
@@ -285,30 +289,34 @@ class SimEngine:
         k, acceptance, draw = self.k, self.acceptance, self.rng.random
         is_decode = self.role == "decode"
         for request, num_new in self._step:
-            request.num_computed_tokens += num_new
+            num_computed = request.num_computed_tokens + num_new
             num_spec = request.num_spec_tokens
-            num_known = request.num_prompt_tokens + request.num_output_tokens + num_spec
-            if request.num_computed_tokens < num_known:
-                continue  # a prefill chunk: nothing sampled yet
+            if num_computed < request.num_prompt_tokens + request.num_output_tokens + num_spec:
+                request.num_computed_tokens = num_computed  # a prefill chunk: nothing sampled yet
+                continue
             if not is_decode:
+                request.num_computed_tokens = num_computed
                 request.prefill_end_s = now_s
                 done.append(request)
                 continue
             num_accepted = 0
-            while num_accepted < num_spec and draw() < acceptance[num_accepted]:
-                num_accepted += 1
-            request.num_draft_tokens += num_spec
-            request.num_accepted_tokens += num_accepted
-            request.num_computed_tokens -= num_spec - num_accepted
-            request.num_output_tokens += 1 + num_accepted
+            if num_spec:
+                while num_accepted < num_spec and draw() < acceptance[num_accepted]:
+                    num_accepted += 1
+                request.num_draft_tokens += num_spec
+                request.num_accepted_tokens += num_accepted
+                num_computed -= num_spec - num_accepted  # rejected drafts: their KV is recomputed
+            request.num_computed_tokens = num_computed
+            num_output = request.num_output_tokens + 1 + num_accepted
             request.last_token_s = now_s
-            num_allowed = request.max_tokens - request.num_output_tokens
+            num_allowed = request.max_tokens - num_output
             if num_allowed <= 0:
                 request.num_output_tokens = request.max_tokens
                 request.finished_s = now_s
                 done.append(request)
             else:
-                request.num_spec_tokens = min(k, num_allowed - 1)
+                request.num_output_tokens = num_output
+                request.num_spec_tokens = k if k < num_allowed else num_allowed - 1
         self._step = []
         if done:  # one pass over the batch, not a list.remove per finished request
             finished = set(done)
