@@ -139,6 +139,7 @@ class SimEngine:
         self.waiting: list[SimRequest] = []
         self.waiting_for_seat: list[SimRequest] = []
         self.pending_admissions: list[SimRequest] = []  # handoffs complete, admitted at the next boundary
+        self.pending_reserves: list[SimRequest] = []  # reserves waiting for the step in flight to end
         self.num_reserved = 0
         self.num_queued_prefill_tokens = 0  # prompt tokens of prefill jobs queued or active (PrefillNode)
         self.busy = False

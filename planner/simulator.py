@@ -5,9 +5,11 @@ requests through the live policies, imported and called, never copied:
 
     arrival / reserve retry   the router policy (`orchestrator.router.POLICIES[topology.router.policy]`) over
                               `PrefillLoad` / `DecodeLoad` snapshots picks a (prefill, decode) pair; decode
-                              reserves the prompt's blocks; `orchestrator.dispatch.after_reserve` says start
-                              the prefill, retry after RESERVE_RETRY_S (no room), or fail at the deadline
-                              (`kv_transfer.timeout_s` after arrival)
+                              reserves the prompt's blocks, at once when idle, else when its step in flight
+                              ends (the live reserve waits for the engine lock a step holds);
+                              `orchestrator.dispatch.after_reserve` says start the prefill, retry after
+                              RESERVE_RETRY_S (no room), or fail at the deadline (`kv_transfer.timeout_s`
+                              after arrival)
     step end (prefill)        the live scheduler policy (`engine.scheduler_policy.schedule_step`, in
                               `planner.sim_engine.SimEngine`) plans each step under the token budget with
                               chunked prefill; a request whose prompt is done starts its KV handoff, which
@@ -246,12 +248,19 @@ class ClusterSimulator:
             block_size=self.block_size,
         )
         self._counter += 1
+        request.prefill_instance = choice.prefill.instance
         decode = self.decodes[choice.decode.instance]
+        if decode.busy:  # `DecodeNode.reserve` takes the engine lock, which a step holds until it ends
+            decode.pending_reserves.append(request)
+        else:
+            self._reserve(decode, request, now_s)
+
+    def _reserve(self, decode: SimEngine, request: SimRequest, now_s: float) -> None:
+        """Reserve on `decode`, then what `after_reserve` says: start the prefill, retry, or fail."""
         bound = decode.reserve(request)
         outcome = ReserveOutcome.BOUND if bound else ReserveOutcome.NO_ROOM
         action = after_reserve(request.request_id, outcome, now_s, request.deadline_s)
         if isinstance(action, StartPrefill):
-            request.prefill_instance = choice.prefill.instance
             request.decode_instance = decode.instance
             prefill = self.prefills[request.prefill_instance]
             prefill.add(request)
@@ -279,6 +288,10 @@ class ClusterSimulator:
                 compute_s = now_s - request.prefill_start_s
                 handoff_s = model.kv_handoff_s(request.num_prompt_tokens, compute_s)
                 self._push(now_s + handoff_s, _HANDOFF_DONE, request)
+        elif engine.pending_reserves:  # the reserves that waited for the engine lock, in arrival order
+            reserves, engine.pending_reserves = engine.pending_reserves, []
+            for request in reserves:
+                self._reserve(engine, request, now_s)
         self._start(engine, now_s)
 
     def _handoff_done(self, request: SimRequest, now_s: float) -> None:

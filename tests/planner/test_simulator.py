@@ -149,13 +149,26 @@ def test_back_pressure_retries_the_reserve_then_fails_at_the_deadline():
     ok = run(requests, prefill, decode, decode_blocks=10)
     first, second = ok.results
     assert first.ok and second.ok
-    # the first finishes at 0.01 + 2 x 0.1 = 0.21; the second's reserve is retried every RESERVE_RETRY_S
-    num_retries = -(-0.21 // RESERVE_RETRY_S)
-    assert second.phases["queue_s"] == pytest.approx(num_retries * RESERVE_RETRY_S, abs=1e-6)
+    # the first finishes at 0.01 + 2 x 0.1 = 0.21; the second's reserve is retried every RESERVE_RETRY_S;
+    # the retry at 0.20 waits for the decode step in flight (the engine lock), which ends at 0.21 and
+    # frees the first's blocks
+    assert RESERVE_RETRY_S * 4 < 0.21 < RESERVE_RETRY_S * 5
+    assert second.phases["queue_s"] == pytest.approx(0.21, abs=1e-6)
     failed = run(requests, LinearModel(0.01), LinearModel(0.1), decode_blocks=10, timeout_s=0.1)
     assert failed.results[0].ok and not failed.results[1].ok
     assert "no decode instance had KV blocks free in time" in failed.results[1].error
     assert failed.summary["num_failed"] == 1
+
+
+def test_a_reserve_waits_for_the_decode_step_in_flight():
+    prefill, decode = LinearModel(0.1), LinearModel(0.07)
+    # decode steps [0.1, 0.17], [0.17, 0.24], [0.24, 0.31] for the first; the second arrives at 0.15
+    result = run([TraceRequest(0.0, 16, 4), TraceRequest(0.15, 16, 2)], prefill, decode)
+    first, second = result.results
+    assert second.phases["queue_s"] == pytest.approx(0.02, abs=TOL_S)  # reserved when the step ends
+    assert second.phases["prefill_s"] == pytest.approx(0.1, abs=TOL_S)  # [0.17, 0.27]
+    assert second.ttft_s == pytest.approx(0.31 - 0.15, abs=TOL_S)  # admitted after the step [0.24, 0.31]
+    assert first.e2e_s == pytest.approx(0.31, abs=TOL_S)
 
 
 def test_a_request_that_can_never_fit_fails_alone():
