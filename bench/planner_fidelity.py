@@ -87,6 +87,9 @@ def live_and_simulated(
         "live_num_failed": live.summary["num_failed"],
         "live_acceptance_rate": acceptance,
     }
+    point["live_phases_p50_ms"] = _phases_p50_ms(live.results)
+    point["sim_phases_p50_ms"] = _phases_p50_ms(sim.results)
+    point["sim_busy_fraction"] = sim.busy_fraction
     for metric in ("ttft_ms", "tpot_ms"):
         for q in ("p50", "p90"):
             live_value, sim_value = live.summary[metric][q], sim.summary[metric][q]
@@ -96,6 +99,18 @@ def live_and_simulated(
                 ratio(sim_value, live_value) if None not in (sim_value, live_value) else None
             )
     return point
+
+
+def _phases_p50_ms(results: list) -> dict[str, float]:
+    """The median of each phase the results carry (the server's `pdcluster.phases` live; the simulator's
+    queue / prefill / kv_transfer / decode), in milliseconds."""
+    import statistics
+
+    names = sorted({name for r in results if r.ok for name in r.phases})
+    return {
+        name: round(statistics.median(r.phases[name] for r in results if r.ok and name in r.phases) * 1e3, 3)
+        for name in names
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
