@@ -222,10 +222,12 @@ def moe_ops(
     active_experts_rank: float,
     d: Dtypes,
     moe_tp: int = 1,
+    tp: int = 1,
 ) -> list[OpCost]:
     """One DeepSeekMoE layer on one rank: gate over its `t_rank` tokens (weight in the activation dtype, as
     the checkpoints keep it), `routed_pairs_rank` (token, expert) pairs through its experts (each FFN split
-    over `moe_tp`), the shared expert over its own tokens."""
+    over `moe_tp`), the shared expert over its own tokens (split over the attention's `tp` like the dense
+    MLP)."""
     wb, ab = dtype_bytes(d.weight), dtype_bytes(d.activation)
     h, e = cfg.hidden_size, cfg.n_routed_experts
     mi = cfg.moe_intermediate_size
@@ -233,7 +235,7 @@ def moe_ops(
     routed = mlp("moe.routed_experts", routed_pairs_rank, h, mi // moe_tp, wb, ab, active_experts_rank)
     ops.append(routed)
     if cfg.n_shared_experts:
-        ops.append(mlp("moe.shared_expert", t_rank, h, mi * cfg.n_shared_experts, wb, ab))
+        ops.append(mlp("moe.shared_expert", t_rank, h, mi * cfg.n_shared_experts // tp, wb, ab))
     return ops
 
 

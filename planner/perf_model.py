@@ -159,6 +159,7 @@ class PerfModel:
         self.microbatch_overlap = microbatch_overlap
         if self.parallel.tensor_parallel_size > config.num_attention_heads:
             raise ValueError("tensor_parallel_size exceeds num_attention_heads")
+        self.num_moe_layers = sum(1 for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
         self.crossover_queries = expanded_crossover_queries(
             config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         )
@@ -191,8 +192,7 @@ class PerfModel:
         p_acc = self._attention_sums((c.num_tokens, c.context_len) for c in chunks)
         p_tokens = sum(c.num_tokens for c in chunks)
         rows = len(step.decode)
-        d_acc = self._attention_sums((r.num_query_tokens, r.context_len) for r in step.decode)
-        d_tokens = sum(r.num_query_tokens for r in step.decode)
+        d_acc, d_tokens = self._decode_sums(step.decode)
         fd = math.ceil(rows / dp) / rows if rows else 0.0
         share = [a + fd * b for a, b in zip(p_acc, d_acc, strict=True)]
         k = step.num_speculative_tokens if self.config.num_nextn_predict_layers else 0
@@ -226,6 +226,23 @@ class PerfModel:
             acc[base + 1] += ctx + n
             acc[base + 2] += n * ctx + n * (n + 1) / 2
         return acc
+
+    def _decode_sums(self, rows) -> tuple[list[float], int]:
+        """`_attention_sums` of decode rows and their query tokens, in one pass when every row verifies
+        the same number of tokens (the usual case: 1 + k), which a simulator calls once per step."""
+        if not rows:
+            return [0.0] * 6, 0
+        q = rows[0].num_query_tokens
+        if any(r.num_query_tokens != q for r in rows):
+            acc = self._attention_sums((r.num_query_tokens, r.context_len) for r in rows)
+            return acc, sum(r.num_query_tokens for r in rows)
+        n, ctx_sum = len(rows), sum(r.context_len for r in rows)
+        base = 0 if q >= self.crossover_queries else 3
+        acc = [0.0] * 6
+        acc[base] = float(n * q)
+        acc[base + 1] = float(ctx_sum + n * q)
+        acc[base + 2] = q * ctx_sum + n * q * (q + 1) / 2
+        return acc, n * q
 
     @staticmethod
     def _slowest_rank_chunks(chunks: tuple[PrefillChunk, ...], dp: int) -> list[PrefillChunk]:
@@ -263,16 +280,16 @@ class PerfModel:
         )
         if moe:
             pairs, active, _ = self.moe_load(instance_tokens)
-            ops += oc.moe_ops(cfg, t, pairs, active, d, par.moe_tensor_parallel_size)
+            ops += oc.moe_ops(cfg, t, pairs, active, d, par.moe_tensor_parallel_size, tp)
         else:
             wb, ab = oc.dtype_bytes(d.weight), oc.dtype_bytes(d.activation)
             ops.append(oc.mlp("dense_mlp", t, cfg.hidden_size, cfg.intermediate_size // tp, wb, ab))
         return ops
 
-    def ops(self, step: StepShape) -> list[OpCost]:
+    def ops(self, step: StepShape, work: RankWork | None = None) -> list[OpCost]:
         """Every op of the slowest rank in `step`, each with its `count` (layers it runs in)."""
         cfg, d = self.config, self.dtypes
-        work = self.rank_work(step)
+        work = work or self.rank_work(step)
         if work.num_tokens == 0:
             return []
         ab = oc.dtype_bytes(d.activation)
@@ -317,16 +334,16 @@ class PerfModel:
         memory_s = op.bytes / bw
         return max(compute_s, memory_s), compute_s > memory_s
 
-    def comm_time_s(self, step: StepShape) -> float:
+    def comm_time_s(self, step: StepShape, work: RankWork | None = None) -> float:
         """EP dispatch + combine over all MoE layers (MTP's included) and TP all-reduces, slowest rank."""
         cfg, par = self.config, self.parallel
-        work = self.rank_work(step)
+        work = work or self.rank_work(step)
         if work.num_tokens == 0:
             return 0.0
         total = 0.0
         h = cfg.hidden_size
         ep, tp = par.expert_parallel_size, par.tensor_parallel_size
-        num_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+        num_moe = self.num_moe_layers
         layer_tokens = [(work.num_tokens, float(step.num_tokens), num_moe)]
         if work.mtp_tokens and cfg.is_moe_layer(cfg.num_hidden_layers):
             layer_tokens.append((work.mtp_tokens, work.mtp_tokens * step.num_tokens / work.num_tokens, 1))
@@ -352,7 +369,8 @@ class PerfModel:
         op_s: dict[str, float] = {}
         bound = []
         n_ops = 0
-        for op in self.ops(step):
+        work = self.rank_work(step)
+        for op in self.ops(step, work):
             s, is_compute = self.op_time_s(op)
             op_s[op.name] = op_s.get(op.name, 0.0) + s * op.count
             n_ops += op.count
@@ -361,14 +379,26 @@ class PerfModel:
         if not op_s:
             return StepBreakdown({}, 0.0, 0.0, 0.0, 0.0)
         compute = sum(op_s.values()) + n_ops * self.efficiency.op_overhead_s.value
-        comm = self.comm_time_s(step)
+        comm = self.comm_time_s(step, work)
         device = max(compute, comm) if self.microbatch_overlap else compute + comm
         host = self.efficiency.host_overhead_s.value
         return StepBreakdown(op_s, compute, comm, host, device + host, tuple(bound))
 
     def step_time_s(self, step: StepShape) -> float:
-        """Wall seconds of `step` on this instance (slowest rank); 0 for an empty step."""
-        return self.breakdown(step).total_s
+        """Wall seconds of `step` on this instance (slowest rank); 0 for an empty step. The same sum as
+        `breakdown(step).total_s`, without the per-op record."""
+        work = self.rank_work(step)
+        ops = self.ops(step, work)
+        if not ops:
+            return 0.0
+        compute = n_ops = 0.0
+        for op in ops:
+            compute += self.op_time_s(op)[0] * op.count
+            n_ops += op.count
+        compute += n_ops * self.efficiency.op_overhead_s.value
+        comm = self.comm_time_s(step, work)
+        device = max(compute, comm) if self.microbatch_overlap else compute + comm
+        return device + self.efficiency.host_overhead_s.value
 
     # ---- KV handoff ----------------------------------------------------------------------------------
     def kv_bytes_per_layer(self, num_prompt_tokens: int) -> float:

@@ -6,17 +6,20 @@ Method:
    `(batch, prompt_len)`: `batch` random prompts (distinct, so no prefix hits) are added with
    `max_tokens=1` and the one `step()` that prefills them is timed. Decode points `(batch, context_len)`:
    `batch` prompts of `context_len` tokens are prefilled (untimed), `WARMUP_STEPS` decode steps run
-   untimed, then each `step()` of the next `num_steps` is timed. A sample is the median over its repeats;
-   its `StepShape` is what was asked for (decode rows verify `1 + k` tokens with MTP k).
-   `time.perf_counter`, wall clock.
+   untimed, then each `step()` of the next `num_steps` is timed. A sample keeps every repeat; the fit uses
+   the fastest (contention only adds time); its `StepShape` is what was asked for (decode rows verify `1 +
+   k` tokens with MTP k). Times: CPU seconds of the stepping thread (`time.thread_time`; torch at 1 thread
+   as the deployed rank actors run it, the engine's synchronous loop steps in the calling thread), so load
+   from other processes does not enter the fit; wall seconds are recorded beside them.
 2. KV transfer. `bench.kv_transfer.bench_grpc` moves one handoff of the model's layers at two prompt
-   lengths over gRPC on 127.0.0.1; `seconds = fixed + bytes / bandwidth` through the two medians gives the
-   per-handoff cost and the throughput.
+   lengths over gRPC on 127.0.0.1 (wall clock: it runs on several threads); `seconds = fixed + bytes /
+   bandwidth` through the two fastest repeats gives the per-handoff cost and the throughput.
 3. Fit. The model's step time is `host + n_ops op_overhead + sum_ops max(flops x a_kind, bytes x b_kind)`
    with `a = 1 / (peak x compute factor)` and `b = 1 / (bandwidth x memory factor)`. Alternating: each
    op is assigned the regime (compute or memory) the current factors give it, the 7 unknowns (host,
    op_overhead, a and b for GEMMs and attention, b for elementwise) are solved by non-negative least
-   squares on relative errors (each sample weighted by 1 / its time), until the assignment repeats.
+   squares on relative errors (each sample weighted by 1 / its fastest time), until the assignment repeats
+   (at most 8 rounds).
    An unknown the data cannot see (its feature is zero in every sample, or NNLS sets it to 0) keeps the
    catalog default and is listed in `fit.not_identified`.
 """
@@ -30,7 +33,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,27 +50,33 @@ DEFAULT_PREFILL = ((1, 32), (1, 128), (1, 512), (4, 64), (4, 256), (8, 128))
 DEFAULT_DECODE = ((1, 64), (4, 64), (16, 64), (32, 128), (8, 512), (48, 256))
 QUICK_PREFILL = ((1, 16), (2, 64))
 QUICK_DECODE = ((1, 16), (4, 32))
-KV_TOKENS = (128, 1024)
-QUICK_KV_TOKENS = (32, 512)
+KV_TOKENS = (512, 4096)
+QUICK_KV_TOKENS = (64, 512)
 UNKNOWNS = ("host_overhead_s", "op_overhead_s", "gemm_compute", "gemm_memory", "attention_compute",
             "attention_memory", "memory")  # fmt: skip
 
 
 @dataclass
 class Sample:
-    """One grid point measured: `role`, `phase` (`prefill`/`decode`), `batch`, `length` (prompt or
-    context tokens), the `step` priced, and the measured seconds of each repeat."""
+    """One grid point measured: `role` (the pool, whose engine prefills or decodes), `batch`, `length`
+    (prompt or context tokens), the `step` priced, and per repeat the CPU seconds of the stepping thread
+    (`times_s`, what the fit uses: other processes' load does not enter it) and the wall seconds."""
 
     role: str
-    phase: str
     batch: int
     length: int
     step: StepShape
     times_s: list[float]
+    wall_s: list[float] = field(default_factory=list)
 
     @property
     def median_s(self) -> float:
         return statistics.median(self.times_s)
+
+    @property
+    def best_s(self) -> float:
+        """The fastest repeat's CPU seconds (cache and memory contention only ever add time)."""
+        return min(self.times_s)
 
 
 @dataclass(frozen=True)
@@ -85,29 +94,38 @@ class Grid:
         return cls(DEFAULT_PREFILL, DEFAULT_DECODE, 3, 6, KV_TOKENS)
 
 
+def _timed_step(engine) -> tuple[float, float]:
+    """`(wall seconds, CPU seconds of this thread)` of one `engine.step()`."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    engine.step()
+    return time.perf_counter() - wall, time.thread_time() - cpu
+
+
 def _prompts(rng: random.Random, batch: int, length: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(batch)]
 
 
-def measure_prefill(engine, batch: int, prompt_len: int, repeats: int, rng: random.Random) -> list[float]:
-    """Seconds of the one step that prefills `batch` fresh prompts of `prompt_len` tokens, per repeat."""
+def measure_prefill(
+    engine, batch: int, prompt_len: int, repeats: int, rng: random.Random
+) -> list[tuple[float, float]]:
+    """`_timed_step` of the step that prefills `batch` fresh prompts of `prompt_len` tokens, per repeat."""
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     out = []
     for _ in range(repeats):
         ids = [engine.add_request(p, params) for p in _prompts(rng, batch, prompt_len, engine.config_vocab)]
-        started = time.perf_counter()
-        engine.step()
-        out.append(time.perf_counter() - started)
+        out.append(_timed_step(engine))
         while engine.has_unfinished_requests():  # (not expected: the grid fits one step's budget)
             engine.step()
         engine.pop_finished_outputs(ids)
     return out
 
 
-def measure_decode(engine, batch: int, context_len: int, num_steps: int, rng: random.Random) -> list[float]:
-    """Seconds of each of `num_steps` decode steps of `batch` requests at about `context_len` tokens."""
+def measure_decode(
+    engine, batch: int, context_len: int, num_steps: int, rng: random.Random
+) -> list[tuple[float, float]]:
+    """`_timed_step` of each of `num_steps` decode steps of `batch` requests at about `context_len` tokens."""
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=4 * (WARMUP_STEPS + num_steps) + 8, ignore_eos=True)
@@ -116,11 +134,7 @@ def measure_decode(engine, batch: int, context_len: int, num_steps: int, rng: ra
         engine.step()
     for _ in range(WARMUP_STEPS):
         engine.step()
-    out = []
-    for _ in range(num_steps):
-        started = time.perf_counter()
-        engine.step()
-        out.append(time.perf_counter() - started)
+    out = [_timed_step(engine) for _ in range(num_steps)]
     for rid in ids:
         engine.abort_request(rid)
     engine.pop_finished_outputs(ids)
@@ -128,7 +142,19 @@ def measure_decode(engine, batch: int, context_len: int, num_steps: int, rng: ra
 
 
 def measure_steps(topology, grid: Grid, progress: Callable[[str], None], seed: int = 0) -> list[Sample]:
-    """Every step sample of `grid` on both pools' engines (see the module docstring)."""
+    """Every step sample of `grid` on both pools' engines (see the module docstring), with torch at one
+    intra-op thread as the deployed rank actors run it (`orchestrator.rank_actor`)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _measure_steps(topology, grid, progress, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure_steps(topology, grid: Grid, progress: Callable[[str], None], seed: int) -> list[Sample]:
     from engine.llm_engine import LLMEngine
 
     rng = random.Random(seed)
@@ -152,9 +178,7 @@ def measure_steps(topology, grid: Grid, progress: Callable[[str], None], seed: i
                 times = measure_decode(engine, batch, length, grid.decode_steps, rng)
                 ctx = length + WARMUP_STEPS + grid.decode_steps // 2  # about the middle timed step
                 step = StepShape(decode=(DecodeRow(ctx, 1 + k),) * batch, num_speculative_tokens=k)
-            samples.append(
-                Sample(role, "prefill" if role == "prefill" else "decode", batch, length, step, times)
-            )
+            samples.append(Sample(role, batch, length, step, [t[1] for t in times], [t[0] for t in times]))
             progress(f"{role} batch={batch} len={length}")
         del engine
     return samples
@@ -174,8 +198,9 @@ def measure_kv(config, dtype: str, token_counts: Sequence[int], repeats: int) ->
         }
         result = bench_grpc(shape, "model", repeats)
         points.append({"num_tokens": n, "kv_bytes": result["kv_bytes"],
+                       "best_s": min(result["elapsed_ms"]) / 1e3,
                        "median_s": statistics.median(result["elapsed_ms"]) / 1e3})  # fmt: skip
-    (b0, t0), (b1, t1) = ((p["kv_bytes"], p["median_s"]) for p in (points[0], points[-1]))
+    (b0, t0), (b1, t1) = ((p["kv_bytes"], p["best_s"]) for p in (points[0], points[-1]))
     slope = (t1 - t0) / (b1 - b0) if b1 > b0 and t1 > t0 else t1 / b1
     fixed = max(t0 - slope * b0, 0.0)
     return {"points": points, "fixed_s": fixed, "bytes_per_s": 1.0 / slope}
@@ -245,7 +270,7 @@ def fit_efficiency(
             break
         regime = new_regime
         a = np.array([_features(models[s.role], s.step, regime) for s in samples])
-        y = np.array([s.median_s for s in samples])
+        y = np.array([s.best_s for s in samples])
         w = 1.0 / y
         x = nnls(a * w[:, None], y * w)
         current, not_identified = _efficiency_from(x, a, base)
@@ -280,8 +305,9 @@ def residuals(
     rows = []
     for s in samples:
         pred = models[s.role].with_efficiency(eff).step_time_s(s.step)
-        rows.append({"role": s.role, "batch": s.batch, "length": s.length, "measured_s": s.median_s,
-                     "predicted_s": pred, "rel_error": pred / s.median_s - 1.0})  # fmt: skip
+        rows.append({"role": s.role, "batch": s.batch, "length": s.length, "measured_s": s.best_s,
+                     "measured_median_s": s.median_s, "wall_median_s": statistics.median(s.wall_s or [0.0]),
+                     "predicted_s": pred, "rel_error": pred / s.best_s - 1.0})  # fmt: skip
     return rows
 
 

@@ -92,6 +92,22 @@ def test_ep_communication_and_overlap(v3):
     assert bh.total_s == pytest.approx(max(bh.compute_s, bh.comm_s) + bh.host_s, rel=REL)
 
 
+def test_step_time_is_the_breakdown_total_for_mixed_steps(v3):
+    model = PerfModel(
+        v3, get_accelerator("h800"), dtypes=FP8, parallel=Parallelism(8, 1, 8), mtp_in_prefill=True
+    )
+    mixed = StepShape(
+        prefill=(PrefillChunk(512, 64), PrefillChunk(8)),
+        decode=(DecodeRow(300, 2), DecodeRow(40, 1), DecodeRow(900, 2)),  # unequal query counts
+        num_speculative_tokens=1,
+    )
+    for step in (mixed, decode(64, 2048, k=1)):
+        assert model.step_time_s(step) == pytest.approx(model.breakdown(step).total_s, rel=REL)
+    rows = tuple(DecodeRow(100 + i, 2) for i in range(16))  # the one-pass sums equal the general ones
+    general = model._attention_sums((r.num_query_tokens, r.context_len) for r in rows)
+    assert model._decode_sums(rows) == (general, 32)
+
+
 def test_statistical_imbalance():
     assert statistical_imbalance(100.0, 1) == 1.0
     assert statistical_imbalance(768.0, 288) == pytest.approx(1 + math.sqrt(2 * math.log(288) / 768))

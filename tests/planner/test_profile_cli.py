@@ -1,0 +1,41 @@
+"""`pdcluster profile --quick` runs the live engine of clusters/local.yaml and writes a calibration the
+planner loads back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cli import main
+from orchestrator.topology import load_topology
+from planner.calibration import FORMAT, read_calibration
+from planner.perf_model import perf_model_for
+from planner.step_model import DecodeRow, StepShape
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow  # builds two engines of the bundled model and times a few steps (~15 s)
+def test_profile_quick_writes_a_calibration(tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    assert main(["profile", str(ROOT / "clusters" / "local.yaml"), "--quick", "--no-progress",
+                 "--output", str(out)]) == 0  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert doc["format"] == FORMAT and doc["accelerator"] == "cpu"
+    assert read_calibration(out)["factors"] == doc["factors"]
+    assert {"kv_link", "handoff_overhead_s"} <= set(doc["factors"])
+    assert len(doc["residuals"]) == 4  # the quick grid: 2 prefill + 2 decode points
+    for row in doc["residuals"]:
+        assert row["measured_s"] > 0 and row["predicted_s"] > 0
+    assert out.with_suffix(".txt").read_text().startswith("role")
+    assert "calibration written to" in capsys.readouterr().out
+    model = perf_model_for(load_topology(ROOT / "clusters" / "local.yaml"), "decode", calibration=out)
+    assert model.efficiency.kv_link.source.startswith("measured here")
+    assert model.step_time_s(StepShape(decode=(DecodeRow(64, 2),), num_speculative_tokens=1)) > 0
+
+
+def test_profile_refuses_a_topology_it_cannot_measure_here(capsys):
+    assert main(["profile", str(ROOT / "clusters" / "cm384.yaml"), "--quick"]) == 2
+    assert "accelerator is 'ascend-910c'" in capsys.readouterr().err
