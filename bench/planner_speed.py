@@ -4,7 +4,8 @@ The issue's target: >= 100,000 simulated requests in <= 60 s on clusters/cm384.y
 Azure conversation trace repeated to `--num-requests`, its lengths kept as recorded (`--context-len 8192`,
 the 8k context the trace's service ran; outputs capped at 128), at `--rate` requests per second; step
 times from `planner.perf_model` (weights `--weight-dtype`, MTP acceptance `--acceptance`). Reported: wall
-seconds of the simulation alone (the trace loading and the model setup excluded, reported apart), events,
+and CPU seconds of the simulation alone (the trace loading and the model setup excluded, reported apart;
+the process is single-threaded, so CPU seconds are what the wall time is on an otherwise idle core), events,
 engine steps, and the simulated summary (TTFT/TPOT percentiles, goodput), so a faster simulator that
 simulates something else shows.
 
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         profiler = cProfile.Profile()
         profiler.enable()
-    start_s = time.perf_counter()
+    start_s, start_cpu_s = time.perf_counter(), time.process_time()
     result = simulate(
         topology,
         workload.requests,
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prefill_sizing=sizing["prefill"],
         decode_sizing=sizing["decode"],
     )
-    wall_s = time.perf_counter() - start_s
+    wall_s, cpu_s = time.perf_counter() - start_s, time.process_time() - start_cpu_s
     if profiler is not None:
         import pstats
 
@@ -79,8 +80,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "setup_s": round(setup_s, 3),
         "wall_s": round(wall_s, 3),
+        # CPU seconds of this (single-threaded) process: what the wall time would be without other load
+        "cpu_s": round(cpu_s, 3),
         "simulated_requests_per_wall_s": round(len(workload.requests) / wall_s, 1),
-        "target_met": len(workload.requests) >= 100_000 and wall_s <= 60.0,
+        "target_met_wall": len(workload.requests) >= 100_000 and wall_s <= 60.0,
+        "target_met_cpu": len(workload.requests) >= 100_000 and cpu_s <= 60.0,
         "num_events": result.num_events,
         "num_steps": result.num_steps,
         "busy_fraction": {k: round(v, 3) for k, v in result.busy_fraction.items()},
@@ -101,6 +105,7 @@ def table(result: dict[str, Any]) -> str:
         [
             result["config"]["num_requests"],
             result["wall_s"],
+            result["cpu_s"],
             result["simulated_requests_per_wall_s"],
             result["num_events"],
             f"{result['num_steps']['prefill']}/{result['num_steps']['decode']}",
@@ -112,6 +117,7 @@ def table(result: dict[str, Any]) -> str:
     header = [
         "requests",
         "wall s",
+        "cpu s",
         "req/wall s",
         "events",
         "steps P/D",
