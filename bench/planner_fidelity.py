@@ -106,7 +106,7 @@ def _phases_p50_ms(results: list) -> dict[str, float]:
     queue / prefill / kv_transfer / decode), in milliseconds."""
     import statistics
 
-    names = sorted({name for r in results if r.ok for name in r.phases})
+    names = sorted({name for r in results if r.ok for name in r.phases if name.endswith("_s")})
     return {
         name: round(statistics.median(r.phases[name] for r in results if r.ok and name in r.phases) * 1e3, 3)
         for name in names

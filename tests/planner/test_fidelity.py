@@ -39,7 +39,7 @@ def test_simulated_p50s_are_within_a_factor_of_the_live_cluster(tmp_path):
         == 0
     )
     point = live_and_simulated(
-        str(REPO / "clusters" / "local.yaml"), 1.0, num_requests=8, max_tokens_cap=16, calibration=calibration
+        str(REPO / "clusters" / "local.yaml"), 0.5, num_requests=8, max_tokens_cap=16, calibration=calibration
     )
     assert point["live_num_failed"] == 0
     for metric in ("sim_over_live_tpot_ms_p50", "sim_over_live_ttft_ms_p50"):
