@@ -28,6 +28,7 @@ class PlanOptions:
         calibration: a `pdcluster profile` JSON for the perf model's efficiency factors.
         weight_dtype: the perf model's weight dtype (None: model.dtype).
         ep_imbalance: slowest EP rank over the mean (None: the model's statistical estimate).
+        context_len: the context the trace's lengths are scaled to (None: decode's max_model_len).
         search_num_requests: requests per search candidate and per sweep point.
     """
 
@@ -35,6 +36,7 @@ class PlanOptions:
     num_requests: int | None = None
     rate_per_s: float | None = None
     max_tokens_cap: int = 128
+    context_len: int | None = None
     acceptance_per_position: tuple[float, ...] | None = None
     seed: int = 0
     calibration: Path | None = None
@@ -142,7 +144,12 @@ def run_plan(
 
     max_model_len = pool_sizing(topology, "decode").scheduler.max_model_len
     workload = plan_workload(
-        options.trace, max_model_len, options.num_requests, options.rate_per_s, options.max_tokens_cap
+        options.trace,
+        max_model_len,
+        options.num_requests,
+        options.rate_per_s,
+        options.max_tokens_cap,
+        options.context_len,
     )
     start_s = time.perf_counter()
     result = simulate_topology(topology, workload.requests, options)

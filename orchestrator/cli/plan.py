@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         num_requests=args.num_requests,
         rate_per_s=args.rate,
         max_tokens_cap=args.max_tokens_cap,
+        context_len=args.context_len,
         acceptance_per_position=args.acceptance,
         seed=args.seed,
         calibration=args.calibration,
@@ -90,8 +91,8 @@ the frontier of goodput per device against TPOT to the report, and writes the be
 split as OUT/plan.yaml, a topology file `pdcluster validate` accepts."""
 EPILOG = """\
 examples:
-  pdcluster plan clusters/cm384.yaml --trace AzureLLMInferenceTrace_conv.csv --rate 1000 \\
-      --num-requests 20000 --weight-dtype int8 --acceptance 0.7
+  pdcluster plan clusters/cm384.yaml --trace AzureLLMInferenceTrace_conv.csv --rate 800 \\
+      --num-requests 20000 --context-len 8192 --weight-dtype int8 --acceptance 0.7
   pdcluster plan clusters/local.yaml --trace AzureLLMInferenceTrace_conv.csv --rate 2 \\
       --num-requests 50 --calibration calibration.json --search"""
 
@@ -132,6 +133,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the P:D sweep (one simulation only)")
     parser.add_argument(
         "--max-tokens-cap", type=positive_int, default=128, metavar="N", help="output cap. Default: 128"
+    )
+    parser.add_argument(
+        "--context-len",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="scale the trace's input lengths to a context of N tokens instead of the decode pool's "
+        "max_model_len (8192 keeps the Azure trace's recorded lengths)",
     )
     parser.add_argument(
         "--acceptance",
