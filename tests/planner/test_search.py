@@ -87,3 +87,17 @@ def test_repeat_trace_keeps_the_rate():
     assert arrivals == sorted(arrivals)
     with pytest.raises(ValueError, match="num_requests must be >= 1"):
         repeat_trace(trace, 0)
+
+
+def test_pareto_frontier_keeps_candidates_no_other_beats_on_both():
+    from planner.report import pareto_frontier
+
+    base = load_topology(REPO / "clusters" / "local-1p2d.yaml")
+    points = [
+        Evaluated(base, 1, _result(g, t)) for g, t in ((1.0, 10.0), (0.5, 12.0), (2.0, 20.0), (1.5, 30.0))
+    ]
+    frontier = pareto_frontier(points)
+    assert [(e.goodput_per_device, e.result.summary["tpot_ms"]["p90"]) for e in frontier] == [
+        (1.0, 10.0),
+        (2.0, 20.0),
+    ]

@@ -203,3 +203,17 @@ def test_length_only_prompt_has_no_prefix_hits():
     prompt = LengthOnlyPrompt(48)
     assert len(prompt) == 48
     assert orchestrator.router.prefix_hit_tokens(prompt, 16, frozenset({b"x"})) == 0
+
+
+def test_decode_preempts_by_recompute_when_its_blocks_run_out():
+    # each reservation takes 1 block of 16 (15 + 1 tokens); growing to 30 outputs needs 3: the 3-block cache
+    # cannot hold both, so the most recent request is preempted, recomputed on decode, and finishes later
+    decode = LinearModel(0.01, per_token_s=1e-4)
+    requests = [TraceRequest(0.0, 15, 30), TraceRequest(0.0, 15, 30)]
+    result = run(requests, LinearModel(0.01), decode, decode_blocks=3)
+    assert all(r.ok and r.num_output_tokens == 30 for r in result.results)
+    assert result.num_preemptions["decode"] >= 1
+    recomputes = [c for s in decode.steps for c in s.prefill]
+    assert recomputes and all(c.context_len == 0 for c in recomputes[:1])
+    first, second = result.results
+    assert second.e2e_s > first.e2e_s
