@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from bench.common import format_table
@@ -33,7 +34,7 @@ from planner.op_costs import Dtypes
 from planner.perf_model import Link, Parallelism, PerfModel
 from planner.step_model import DecodeRow, PrefillChunk, StepShape
 
-CONFIG_PATH = "clusters/models/deepseek-v3.config.json"
+CONFIG_PATH = Path(__file__).resolve().parents[1] / "clusters" / "models" / "deepseek-v3.config.json"
 WITHIN = 0.15
 
 DAY6 = (
@@ -60,9 +61,11 @@ class Deployment:
     combine_dtype: str
     microbatch_overlap: bool
     facts: tuple[str, ...] = field(default=())
+    node_forwarding: tuple[int, Link] | None = None
 
 
 H800_IB = Link(50e9, 5e-6, "inter_node")  # one 400 Gb/s CX7 NIC per GPU (DeepEP README: ~50 GB/s)
+H800_NVLINK = Link(160e9, 2e-6, "intra_node")  # DeepEP README: ~160 GB/s NVLink per H800
 UB = Link(196e9, 3e-6, "supernode")  # UB ~196 GB/s per die one way (arXiv:2506.12708; clusters/cm384.yaml)
 FP8 = Dtypes("fp8", "bfloat16", "bfloat16")
 INT8 = Dtypes("int8", "bfloat16", "int8")
@@ -85,7 +88,7 @@ DEPLOYMENTS = {
             "combine; dual micro-batch overlap",
             "KV cache dtype not published: bf16 assumed (FlashMLA's)",
         ),
-    ),  # fmt: skip
+    ),
     "h800-prefill": Deployment(
         "DeepSeek H800 prefill (EP32, DP32 attention)",
         "h800",
@@ -100,8 +103,11 @@ DEPLOYMENTS = {
         (
             f"{DAY6}: prefill units of 4 nodes, routed experts EP32, MLA and shared expert DP32, 32 "
             "redundant experts (9 routed + 1 shared per GPU); dual micro-batch overlap",
+            "EP traffic as DeepEP's normal kernels move it: once per destination node over IB, then "
+            "NVLink (DeepEP README; DeepSeek-V3 report, section 3.2.2)",
         ),
-    ),  # fmt: skip
+        node_forwarding=(8, H800_NVLINK),
+    ),
     "cm-decode": Deployment(
         "CloudMatrix-Infer decode (EP320, 160 NPUs = 320 dies)",
         "ascend-910c",
@@ -119,7 +125,7 @@ DEPLOYMENTS = {
             "here the 64 non-routed dies are modelled as redundant experts, the shared expert "
             "replicated on every die; KV cache int8 as clusters/cm384.yaml",
         ),
-    ),  # fmt: skip
+    ),
     "cm-prefill": Deployment(
         "CloudMatrix-Infer prefill (EP32, 16 NPUs = 32 dies)",
         "ascend-910c",
@@ -132,7 +138,7 @@ DEPLOYMENTS = {
         "bfloat16",
         True,
         (f"{CM}: prefill instances of 16 NPUs (32 dies), EP32, INT8, microbatch pipeline",),
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -157,6 +163,7 @@ def model_for(
         microbatch_overlap=dep.microbatch_overlap if overlap is None else overlap,
         ep_imbalance=ep_imbalance,
         mtp_in_prefill=True,
+        node_forwarding=dep.node_forwarding,
     )
 
 

@@ -2,20 +2,22 @@
 
 `PerfModel` implements `planner.step_model.StepTimeModel` for one instance of one pool:
 
-1. The step's work is split over the instance's ranks as the live engine would run it: attention and
-   dense layers data-parallel over `devices / tensor_parallel_size` ranks (DP attention, each rank gets an
-   equal share of the tokens; a request is never split, so the slowest rank holds at least the largest
-   one and `ceil(rows / dp)` decode rows), heads split over `tensor_parallel_size`; routed experts over
-   `expert_parallel_size` ranks with `(n_routed + redundant) / ep` experts each, the slowest rank taking
-   `ep_imbalance` times the mean (token, expert) pairs.
+1. The step's work is split over the instance's ranks (`planner.rank_split`): attention and dense layers
+   data-parallel over `devices / tensor_parallel_size` ranks (DP attention), heads split over
+   `tensor_parallel_size`. A request is never split: prefill chunks go largest first to the least loaded
+   rank and the most loaded rank is priced; decode rows are spread evenly, `ceil(rows / dp)` on the
+   slowest rank. Routed experts live on `expert_parallel_size` ranks, `(n_routed + redundant) / ep` each;
+   the slowest EP rank takes `ep_imbalance` times the mean (token, expert) pairs
+   (`planner.comm_costs.statistical_imbalance` when not given).
 2. `planner.op_costs` counts each op's FLOPs and bytes on that rank (MLA expanded or absorbed per request
    by the engine's own rule, dense MLP, gate, routed and shared experts, lm_head, the MTP layer).
 3. A roofline prices each op: `max(flops / (peak(dtype) x compute factor), bytes / (bandwidth x memory
    factor))` (Williams, Waterman, Patterson, "Roofline", CACM 2009), factors from
    `orchestrator.efficiency` or a calibration written by `pdcluster profile`; plus `op_overhead_s` per op.
 4. EP dispatch/combine per MoE layer moves each token's hidden state to its `k` experts and back over the
-   link level the EP group spans (`ep_link_level`); TP attention adds a ring all-reduce of `o_proj`'s
-   output. With `microbatch_overlap` (DeepSeek's dual micro-batch overlap, CloudMatrix-Infer's micro-batch
+   link level the EP group spans (`planner.topology_models.link_level`; `planner.comm_costs`, optionally
+   once per node with intra-node forwarding); TP attention adds a ring all-reduce of `o_proj`'s output.
+   With `microbatch_overlap` (DeepSeek's dual micro-batch overlap, CloudMatrix-Infer's micro-batch
    pipeline) communication hides behind compute: `max(compute, comm)`; else they add up.
 5. Host overhead per step is added on top.
 
@@ -26,7 +28,6 @@ the prefill->decode link, layer by layer behind the prefill compute when `layerw
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -36,21 +37,13 @@ from models.config import DeepseekV3Config
 from orchestrator.efficiency import Efficiency, get_efficiency
 from orchestrator.hardware import AcceleratorSpec, get_accelerator
 from planner import op_costs as oc
+from planner.comm_costs import Link, ep_layer_s, statistical_imbalance
 from planner.op_costs import Dtypes, OpCost, RankWork
-from planner.step_model import PrefillChunk, StepShape
+from planner.rank_split import attention_sums, decode_sums, slowest_rank_chunks
+from planner.step_model import StepShape
 
 if TYPE_CHECKING:
     from orchestrator.topology import Topology
-
-
-@dataclass(frozen=True)
-class Link:
-    """One link level as the model uses it: `bandwidth_bytes_per_s` per device per direction, `latency_s`,
-    and `level` (its name in the topology's `interconnect`)."""
-
-    bandwidth_bytes_per_s: float
-    latency_s: float
-    level: str = "intra_node"
 
 
 @dataclass(frozen=True)
@@ -93,14 +86,6 @@ class StepBreakdown:
     compute_bound_ops: tuple[str, ...] = field(default=())
 
 
-def statistical_imbalance(pairs_per_rank: float, ep: int) -> float:
-    """Max over `ep` ranks of a balanced-in-expectation load divided by its mean: `1 + sqrt(2 ln(ep) / mu)`
-    for Poisson loads of mean `mu` (normal approximation of the maximum of `ep` draws). 1 for ep = 1."""
-    if ep <= 1 or pairs_per_rank <= 0:
-        return 1.0
-    return 1.0 + math.sqrt(2.0 * math.log(ep) / pairs_per_rank)
-
-
 class PerfModel:
     """The step-time model of one instance (see the module docstring).
 
@@ -118,6 +103,14 @@ class PerfModel:
         ep_imbalance: slowest EP rank's load over the mean; None: `statistical_imbalance` per step.
         dispatch_dtype, combine_dtype: dtypes of the EP dispatch and combine messages.
         microbatch_overlap: hide communication behind compute (two micro-batches).
+        node_forwarding: `(devices_per_node, intra-node link)` when EP traffic crossing nodes is sent once
+            per destination node and forwarded inside it (DeepEP's normal kernels, DeepSeek-V3 report
+            section 3.2.2: node-limited routing, IB then NVLink); None: every (token, expert) pair goes
+            over `ep_link` (DeepEP's low-latency kernels, pure RDMA).
+
+    Raises:
+        ValueError: `ep_imbalance` < 1, more TP ranks than heads, or a dtype the accelerator has no matrix
+            peak for in the catalog (e.g. fp8 on an Ascend die).
     """
 
     def __init__(
@@ -138,6 +131,7 @@ class PerfModel:
         dispatch_dtype: str | None = None,
         combine_dtype: str | None = None,
         microbatch_overlap: bool = False,
+        node_forwarding: tuple[int, Link] | None = None,
     ) -> None:
         self.config = config
         self.spec = spec
@@ -157,6 +151,7 @@ class PerfModel:
         self.dispatch_dtype = dispatch_dtype or self.dtypes.activation
         self.combine_dtype = combine_dtype or self.dtypes.activation
         self.microbatch_overlap = microbatch_overlap
+        self.node_forwarding = node_forwarding
         if self.parallel.tensor_parallel_size > config.num_attention_heads:
             raise ValueError("tensor_parallel_size exceeds num_attention_heads")
         self.num_moe_layers = sum(1 for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
@@ -188,11 +183,11 @@ class PerfModel:
     def rank_work(self, step: StepShape) -> RankWork:
         """The slowest DP rank's share of `step` (module docstring, item 1)."""
         dp = self.parallel.data_parallel_size
-        chunks = self._slowest_rank_chunks(step.prefill, dp)
-        p_acc = self._attention_sums((c.num_tokens, c.context_len) for c in chunks)
+        chunks = slowest_rank_chunks(step.prefill, dp)
+        p_acc = attention_sums(((c.num_tokens, c.context_len) for c in chunks), self.crossover_queries)
         p_tokens = sum(c.num_tokens for c in chunks)
         rows = len(step.decode)
-        d_acc, d_tokens = self._decode_sums(step.decode)
+        d_acc, d_tokens = decode_sums(step.decode, self.crossover_queries)
         fd = math.ceil(rows / dp) / rows if rows else 0.0
         share = [a + fd * b for a, b in zip(p_acc, d_acc, strict=True)]
         k = step.num_speculative_tokens if self.config.num_nextn_predict_layers else 0
@@ -215,48 +210,6 @@ class PerfModel:
             mtp_tokens=mtp_tokens,
             mtp_logit_rows=mtp_rows,
         )
-
-    def _attention_sums(self, items) -> list[float]:
-        """`[expanded q, keys, pairs, absorbed q, keys, pairs]` over `(num_queries, context_len)` items."""
-        acc = [0.0] * 6
-        cross = self.crossover_queries
-        for n, ctx in items:
-            base = 0 if n >= cross else 3
-            acc[base] += n
-            acc[base + 1] += ctx + n
-            acc[base + 2] += n * ctx + n * (n + 1) / 2
-        return acc
-
-    def _decode_sums(self, rows) -> tuple[list[float], int]:
-        """`_attention_sums` of decode rows and their query tokens, in one pass when every row verifies
-        the same number of tokens (the usual case: 1 + k), which a simulator calls once per step."""
-        if not rows:
-            return [0.0] * 6, 0
-        q = rows[0].num_query_tokens
-        if any(r.num_query_tokens != q for r in rows):
-            acc = self._attention_sums((r.num_query_tokens, r.context_len) for r in rows)
-            return acc, sum(r.num_query_tokens for r in rows)
-        n, ctx_sum = len(rows), sum(r.context_len for r in rows)
-        base = 0 if q >= self.crossover_queries else 3
-        acc = [0.0] * 6
-        acc[base] = float(n * q)
-        acc[base + 1] = float(ctx_sum + n * q)
-        acc[base + 2] = q * ctx_sum + n * q * (q + 1) / 2
-        return acc, n * q
-
-    @staticmethod
-    def _slowest_rank_chunks(chunks: tuple[PrefillChunk, ...], dp: int) -> list[PrefillChunk]:
-        """The chunks of the most loaded DP rank when chunks go, largest first, to the least loaded rank
-        (longest-processing-time-first; a request is never split over ranks)."""
-        if dp == 1 or len(chunks) <= 1:
-            return list(chunks)
-        ranks = [(0, i, []) for i in range(min(dp, len(chunks)))]
-        heapq.heapify(ranks)
-        for c in sorted(chunks, key=lambda c: c.num_tokens, reverse=True):
-            load, i, members = heapq.heappop(ranks)
-            members.append(c)
-            heapq.heappush(ranks, (load + c.num_tokens, i, members))
-        return max(ranks)[2]
 
     def moe_load(self, instance_tokens: float) -> tuple[float, float, float]:
         """`(routed pairs on the slowest EP rank, its active experts, imbalance)` for `instance_tokens`
@@ -348,14 +301,8 @@ class PerfModel:
         if work.mtp_tokens and cfg.is_moe_layer(cfg.num_hidden_layers):
             layer_tokens.append((work.mtp_tokens, work.mtp_tokens * step.num_tokens / work.num_tokens, 1))
         if ep > 1:
-            per_token = h * (oc.dtype_bytes(self.dispatch_dtype) + oc.dtype_bytes(self.combine_dtype))
-            remote = (ep - 1) / ep
-            bw = self.ep_link.bandwidth_bytes_per_s * self.efficiency.link.value
             for t_rank, t_inst, layers in layer_tokens:
-                pairs, _, _ = self.moe_load(t_inst)
-                send = t_rank * cfg.num_experts_per_tok * per_token * remote
-                recv = pairs * per_token * remote
-                total += layers * (max(send, recv) / bw + 2 * self.ep_link.latency_s)
+                total += layers * self._ep_layer_s(t_rank, t_inst)
         if tp > 1:
             ab = oc.dtype_bytes(self.dtypes.activation)
             bw = self.tp_link.bandwidth_bytes_per_s * self.efficiency.link.value
@@ -363,6 +310,22 @@ class PerfModel:
             ring = 2 * (tp - 1) / tp * work.num_tokens * h * ab
             total += layers * (ring / bw + 2 * (tp - 1) * self.tp_link.latency_s)
         return total
+
+    def _ep_layer_s(self, t_rank: float, t_inst: float) -> float:
+        """Dispatch + combine of one MoE layer on the slowest rank (`t_rank` own tokens, `t_inst` in the
+        instance): `planner.comm_costs.ep_layer_s`."""
+        pairs, _, imb = self.moe_load(t_inst)
+        return ep_layer_s(
+            self.config,
+            self.parallel.expert_parallel_size,
+            t_rank,
+            pairs,
+            imb,
+            oc.dtype_bytes(self.dispatch_dtype) + oc.dtype_bytes(self.combine_dtype),
+            self.ep_link,
+            self.efficiency.link.value,
+            self.node_forwarding,
+        )
 
     def breakdown(self, step: StepShape) -> StepBreakdown:
         """`step` priced op by op (seconds summed over the layers each op runs in)."""

@@ -11,9 +11,9 @@ Method:
    k` tokens with MTP k). Times: CPU seconds of the stepping thread (`time.thread_time`; torch at 1 thread
    as the deployed rank actors run it, the engine's synchronous loop steps in the calling thread), so load
    from other processes does not enter the fit; wall seconds are recorded beside them.
-2. KV transfer. `bench.kv_transfer.bench_grpc` moves one handoff of the model's layers at two prompt
+2. KV transfer. `bench.kv_transfer.bench_grpc` moves one handoff of the model's layers at a few prompt
    lengths over gRPC on 127.0.0.1 (wall clock: it runs on several threads); `seconds = fixed + bytes /
-   bandwidth` through the two fastest repeats gives the per-handoff cost and the throughput.
+   bandwidth` fitted through each size's fastest repeat gives the per-handoff cost and the throughput.
 3. Fit. The model's step time is `host + n_ops op_overhead + sum_ops max(flops x a_kind, bytes x b_kind)`
    with `a = 1 / (peak x compute factor)` and `b = 1 / (bandwidth x memory factor)`. Alternating: each
    op is assigned the regime (compute or memory) the current factors give it, the 7 unknowns (host,
@@ -50,7 +50,7 @@ DEFAULT_PREFILL = ((1, 32), (1, 128), (1, 512), (4, 64), (4, 256), (8, 128))
 DEFAULT_DECODE = ((1, 64), (4, 64), (16, 64), (32, 128), (8, 512), (48, 256))
 QUICK_PREFILL = ((1, 16), (2, 64))
 QUICK_DECODE = ((1, 16), (4, 32))
-KV_TOKENS = (512, 4096)
+KV_TOKENS = (256, 1024, 4096)
 QUICK_KV_TOKENS = (64, 512)
 UNKNOWNS = ("host_overhead_s", "op_overhead_s", "gemm_compute", "gemm_memory", "attention_compute",
             "attention_memory", "memory")  # fmt: skip
@@ -185,7 +185,8 @@ def _measure_steps(topology, grid: Grid, progress: Callable[[str], None], seed: 
 
 
 def measure_kv(config, dtype: str, token_counts: Sequence[int], repeats: int) -> dict[str, Any]:
-    """KV handoff over gRPC on loopback at two sizes: `fixed_s`, `bytes_per_s` and the raw points."""
+    """KV handoffs over gRPC on loopback at `token_counts` sizes: `seconds = fixed_s + bytes / bytes_per_s`
+    fitted by non-negative least squares through each size's fastest repeat, and the raw points."""
     from bench.kv_transfer import bench_grpc
 
     points = []
@@ -200,10 +201,12 @@ def measure_kv(config, dtype: str, token_counts: Sequence[int], repeats: int) ->
         points.append({"num_tokens": n, "kv_bytes": result["kv_bytes"],
                        "best_s": min(result["elapsed_ms"]) / 1e3,
                        "median_s": statistics.median(result["elapsed_ms"]) / 1e3})  # fmt: skip
-    (b0, t0), (b1, t1) = ((p["kv_bytes"], p["best_s"]) for p in (points[0], points[-1]))
-    slope = (t1 - t0) / (b1 - b0) if b1 > b0 and t1 > t0 else t1 / b1
-    fixed = max(t0 - slope * b0, 0.0)
-    return {"points": points, "fixed_s": fixed, "bytes_per_s": 1.0 / slope}
+    a = np.array([[1.0, p["kv_bytes"]] for p in points])
+    y = np.array([p["best_s"] for p in points])
+    fixed, slope = nnls(a / y[:, None], np.ones(len(y)))  # relative errors
+    if slope <= 0:  # sizes too close to tell bandwidth from the fixed cost: the largest point's average
+        fixed, slope = 0.0, y[-1] / a[-1, 1]
+    return {"points": points, "fixed_s": float(fixed), "bytes_per_s": float(1.0 / slope)}
 
 
 # ---- fit -------------------------------------------------------------------------------------------------
@@ -254,28 +257,34 @@ def fit_efficiency(
     models: dict[str, PerfModel], samples: Sequence[Sample], base: Efficiency, max_rounds: int = 8
 ) -> tuple[Efficiency, dict[str, Any]]:
     """Fit the step-time factors of `base` to `samples` (module docstring, item 3); `models[role]` prices
-    the role's samples. Returns the fitted `Efficiency` and a report (`rounds`, `not_identified`)."""
-    current = base
-    regime: dict[tuple[str, str], bool] = {}
-    x = np.zeros(len(UNKNOWNS))
-    not_identified: list[str] = []
+    the role's samples. Of the rounds' solutions the one whose roofline prices the samples with the least
+    rms relative error is kept. Returns it and a report (`rounds`, `rms_rel_error`, `not_identified`)."""
+    y = np.array([s.best_s for s in samples])
+    w = 1.0 / y
+    current, regimes = base, None
+    best: tuple[float, Efficiency, np.ndarray, list[str]] | None = None
     rounds = 0
-    for rounds in range(1, max_rounds + 1):
-        new_regime = {}
-        for s in samples:
+    while rounds < max_rounds:
+        rounds += 1
+        new_regimes = []
+        for s in samples:  # each op's regime in each sample under the current factors
             priced = models[s.role].with_efficiency(current)
-            for op in priced.ops(s.step):
-                new_regime[(op.name, op.kind)] = priced.op_time_s(op)[1]
-        if new_regime == regime and rounds > 1:
+            new_regimes.append({(op.name, op.kind): priced.op_time_s(op)[1] for op in priced.ops(s.step)})
+        if new_regimes == regimes:
             break
-        regime = new_regime
-        a = np.array([_features(models[s.role], s.step, regime) for s in samples])
-        y = np.array([s.best_s for s in samples])
-        w = 1.0 / y
+        regimes = new_regimes
+        a = np.array([_features(models[s.role], s.step, r) for s, r in zip(samples, regimes, strict=True)])
         x = nnls(a * w[:, None], y * w)
         current, not_identified = _efficiency_from(x, a, base)
-    return current, {
+        predicted = np.array([models[s.role].with_efficiency(current).step_time_s(s.step) for s in samples])
+        rms = float(np.sqrt(np.mean((predicted * w - 1.0) ** 2)))
+        if best is None or rms < best[0]:
+            best = (rms, current, x, not_identified)
+    assert best is not None
+    rms, eff, x, not_identified = best
+    return eff, {
         "rounds": rounds,
+        "rms_rel_error": rms,
         "inverse_efficiency_solution": x.tolist(),
         "not_identified": not_identified,
     }

@@ -50,6 +50,7 @@ def perf_model_for(
     calibration: str | Path | None = None,
     config: DeepseekV3Config | None = None,
     weight_dtype: str | None = None,
+    node_forwarding: bool = False,
     **kwargs,
 ) -> PerfModel:
     """The `PerfModel` of one instance of pool `role` (`prefill` or `decode`) of `topology`.
@@ -59,7 +60,9 @@ def perf_model_for(
     weights); the pool's `kv_cache_dtype`; the wire dtype as `kv_transfer.wire_dtype` resolves it
     (`auto`: decode's cache dtype). The prefill pool runs the MTP layer over prompts when decode
     speculates. Efficiency: the catalog's, or `calibration` (a JSON file `pdcluster profile` writes).
-    `kwargs` go to `PerfModel` (e.g. `ep_imbalance`, `microbatch_overlap`).
+    `node_forwarding`: EP traffic between nodes goes once per node and is forwarded over `intra_node`
+    (DeepEP's normal kernels; `planner.comm_costs`). `kwargs` go to `PerfModel` (e.g. `ep_imbalance`,
+    `microbatch_overlap`).
 
     Raises:
         ValueError: bad `role`, an unreadable model config.json or calibration, a dtype without a peak.
@@ -96,5 +99,8 @@ def perf_model_for(
         kv_link=link_level(topology, 0, across_instances=True),
         kv_wire_dtype=wire,
         layerwise_kv=topology.kv_transfer.layerwise,
+        node_forwarding=(topology.hardware.devices_per_node, link_level(topology, 2))
+        if node_forwarding
+        else None,
         **kwargs,
     )

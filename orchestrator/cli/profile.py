@@ -89,10 +89,11 @@ length) shapes and KV handoffs over gRPC on 127.0.0.1, and fit the planner's cpu
 (GEMM and attention efficiency, memory efficiency, per-op and per-step host overhead,
 KV throughput) by non-negative least squares (planner/profiling.py says how).
 
+Step times are CPU seconds of the stepping thread with torch at one thread (as the rank
+actors run), so other processes' load stays out of them; KV handoffs are wall clock.
 Writes the fit, every sample and its residual as JSON to --output and a short table
 beside it (.txt); the planner reads the JSON back (perf_model_for(..., calibration=PATH)).
-The default grid takes about two minutes on an idle 2-core machine; --quick a few seconds.
-Figures measured while other work runs on the machine are figures under contention."""
+The default grid takes 30-50 s on this 2-core machine under load; --quick about 15 s."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -129,3 +129,35 @@ def test_expected_active_experts():
 def test_bad_dtype_names_the_field():
     with pytest.raises(ValueError, match="weight dtype: unknown dtype 'int4'"):
         Dtypes(weight="int4")
+
+
+def test_tiny_decode_step_op_list(tiny):
+    """Every op of one tiny decode step with MTP k=1 (1 row, 2 verified tokens), with its layer count:
+    1 dense + 3 MoE layers (first_k_dense_replace 1), then the MTP module (an MoE layer) over the 2
+    verified positions and one draft's lm_head."""
+    from orchestrator.hardware import get_accelerator
+    from planner.perf_model import PerfModel
+    from planner.step_model import DecodeRow, StepShape
+
+    f32 = Dtypes("float32", "float32", "float32")
+    model = PerfModel(tiny, get_accelerator("cpu"), dtypes=f32, ep_imbalance=1.0)
+    ops = model.ops(StepShape(decode=(DecodeRow(100, 2),), num_speculative_tokens=1))
+    counts = {}
+    for op in ops:
+        counts[op.name] = counts.get(op.name, 0) + op.count
+    assert counts["attn.q_a_proj"] == 4 and counts["dense_mlp"] == 1 and counts["moe.routed_experts"] == 3
+    assert counts["mtp.attn.q_a_proj"] == 1 and counts["mtp.moe.routed_experts"] == 1
+    named = {op.name: op for op in ops}
+    assert named["embedding"].activation_bytes == 2 * 256 * 4
+    assert named["lm_head"].flops == 2 * 2 * 256 * 4096  # both verified positions get logits
+    assert named["mtp.lm_head"].flops == 2 * 1 * 256 * 4096  # one draft
+    assert named["mtp.eh_proj"].flops == 2 * 2 * 512 * 256  # [2, 2h] x [2h, h]
+    assert named["norms_residuals"].activation_bytes == 10 * 2 * 256 * 4
+    # one routed pair per (token, chosen expert): 2 tokens x top-2 = 4 pairs over 8 experts at EP1
+    assert named["moe.routed_experts"].flops == 6 * 4 * 256 * 128
+    assert named["moe.routed_experts"].weight_bytes == pytest.approx(
+        oc.expected_active_experts(8, 8, 2, 2) * 3 * 256 * 128 * 4
+    )
+    # absorbed attention: 2 queries over 100 cached + 2 new keys, causal pairs 2 * 100 + 3 = 203
+    attn = named["attn.mla_absorbed"]
+    assert attn.flops == 2 * 2 * 4 * 32 * 64 * 2 + 2 * 4 * 203 * (64 + 16) + 2 * 4 * 203 * 64

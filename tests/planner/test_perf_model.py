@@ -16,6 +16,7 @@ from orchestrator.topology import load_topology
 from planner.calibration import FORMAT, load_calibration
 from planner.op_costs import Dtypes
 from planner.perf_model import Link, Parallelism, PerfModel, perf_model_for, statistical_imbalance
+from planner.rank_split import attention_sums, decode_sums
 from planner.step_model import DecodeRow, PrefillChunk, StepShape
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,8 +105,8 @@ def test_step_time_is_the_breakdown_total_for_mixed_steps(v3):
     for step in (mixed, decode(64, 2048, k=1)):
         assert model.step_time_s(step) == pytest.approx(model.breakdown(step).total_s, rel=REL)
     rows = tuple(DecodeRow(100 + i, 2) for i in range(16))  # the one-pass sums equal the general ones
-    general = model._attention_sums((r.num_query_tokens, r.context_len) for r in rows)
-    assert model._decode_sums(rows) == (general, 32)
+    general = attention_sums(((r.num_query_tokens, r.context_len) for r in rows), model.crossover_queries)
+    assert decode_sums(rows, model.crossover_queries) == (general, 32)
 
 
 def test_statistical_imbalance():
@@ -173,3 +174,33 @@ def test_calibration_files(tmp_path):
             load_calibration(bad, base)
     with pytest.raises(ValueError, match="no such calibration"):
         load_calibration(tmp_path / "missing.json", base)
+
+
+def test_nnls_solves_and_clips():
+    import numpy as np
+
+    from planner.profiling import nnls
+
+    a = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
+    assert np.allclose(nnls(a, np.array([3.0, 5.0, 7.0])), [1.0, 2.0])  # y = 1 + 2 x exactly
+    # unconstrained [2, -1]; with x >= 0 the best is [0, 0] (x2 = 0 -> x1 = mean(y) = 0)
+    assert np.allclose(nnls(a, np.array([1.0, 0.0, -1.0])), [0.0, 0.0])
+
+
+def test_node_forwarding_sends_a_token_once_per_destination_node(v3):
+    """EP32 over 4 nodes of 8: a token's 8 experts land on 4 (1 - (3/4)^8) = 3.60 nodes on average, 3/4 of
+    them remote: 2.70 hidden states per token over IB instead of 8 x 31/32 = 7.75 point to point."""
+    from planner.comm_costs import ep_layer_s
+
+    ib, nvlink = Link(50e9, 0.0, "inter_node"), Link(160e9, 0.0, "intra_node")
+    args = (v3, 32, 1000.0, 8000.0, 1.0, 3, ib, 1.0)
+    direct = ep_layer_s(*args)
+    assert direct == pytest.approx(1000 * 8 * 7168 * 3 * 31 / 32 / 50e9, rel=REL)
+    forwarded = ep_layer_s(*args, node_forwarding=(8, nvlink))
+    distinct = 4 * (1 - 0.75**8)
+    ib_s = 1000 * distinct * 3 / 4 * 7168 * 3 / 50e9
+    nvlink_s = 1000 * 8 * 7 / 8 * 7168 * 3 / 160e9
+    assert forwarded == pytest.approx(max(ib_s, nvlink_s), rel=REL)
+    assert ep_layer_s(v3, 8, 1000.0, 8000.0, 1.0, 3, ib, 1.0, (8, nvlink)) == ep_layer_s(
+        v3, 8, 1000.0, 8000.0, 1.0, 3, ib, 1.0
+    )
