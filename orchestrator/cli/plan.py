@@ -121,14 +121,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="R",
         help="mean arrival rate in requests/s (the trace's arrival times scaled). Default: the trace's",
     )
-    parser.add_argument("--out", type=Path, default=Path("plan-report"), metavar="DIR", help="report dir")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("plan-report"),
+        metavar="DIR",
+        help="where report.md, the PNG plots and (--search) plan.yaml go. Default: plan-report",
+    )
     parser.add_argument("--search", action="store_true", help="search splits of the hardware (see above)")
     parser.add_argument(
         "--search-num-requests",
         type=positive_int,
         default=500,
         metavar="N",
-        help="requests simulated per search candidate and per P:D sweep point. Default: 500",
+        help="requests simulated per search candidate and per P:D sweep point (the first N of the "
+        "workload: too few rank a start-up transient, not a steady state). Default: 500",
     )
     parser.add_argument("--no-sweep", action="store_true", help="skip the P:D sweep (one simulation only)")
     parser.add_argument(
