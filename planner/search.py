@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from orchestrator.topology import Topology, check_topology
+from orchestrator.topology import TLS_FILE_KEYS, Topology, check_topology
 from orchestrator.trace import TraceRequest
 from planner.simulator import SimResult
 
@@ -162,17 +162,16 @@ def search(
 
 def plan_yaml(source_path: str | Path, best: Topology, header: str) -> str:
     """The topology file of `best`: the source file's YAML with the searched keys of `prefill` and
-    `decode` replaced, relative model paths made absolute (the file may be written elsewhere), `header`
-    as leading comment lines."""
+    `decode` replaced, relative paths (model, KV TLS files) made absolute (the file may be written
+    elsewhere), `header` as leading comment lines."""
     source_path = Path(source_path)
     data = yaml.safe_load(source_path.read_text()) or {}
     base_dir = source_path.resolve().parent
-    model = data.get("model") or {}
-    for key in ("path", "config_path"):
-        if model.get(key) and not Path(model[key]).is_absolute():
-            model[key] = str((base_dir / model[key]).resolve())
-    if model:
-        data["model"] = model
+    tls = (data.get("kv_transfer") or {}).get("tls") or {}
+    for section, keys in ((data.get("model") or {}, ("path", "config_path")), (tls, TLS_FILE_KEYS)):
+        for key in keys:
+            if section.get(key) and not Path(section[key]).is_absolute():
+                section[key] = str((base_dir / section[key]).resolve())
     keys = (
         "num_instances",
         "devices_per_instance",
