@@ -169,7 +169,7 @@ def table(result: dict[str, Any]) -> str:
     return format_table(header, rows)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -179,12 +179,13 @@ def main() -> None:
     parser.add_argument("--max-tokens-cap", type=positive_int, default=64)
     parser.add_argument("--calibration", type=Path, default=None, help="`pdcluster profile` JSON")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     contention = Contention()
     result = run(args)
     result["config"].update(contention.stop())
     emit(result, args.json, table)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

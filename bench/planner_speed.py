@@ -128,7 +128,7 @@ def table(result: dict[str, Any]) -> str:
     return f"{result['config']['workload']}\n" + format_table(header, rows)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -141,12 +141,13 @@ def main() -> None:
     parser.add_argument("--acceptance", type=float, default=0.7, help="MTP acceptance of the one draft")
     parser.add_argument("--profile", action="store_true", help="print the cProfile top 20 (slower run)")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     contention = Contention()
     result = run(args)
     result["config"].update(contention.stop())
     emit(result, args.json, table)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

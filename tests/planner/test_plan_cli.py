@@ -60,3 +60,14 @@ def test_plan_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
     assert main(["plan", str(REPO / "clusters" / "local.yaml"), "--trace", TRACE, "--rate", "-1"]) == 2
     assert "must be > 0" in capsys.readouterr().err
     assert main(["plan", str(REPO / "clusters" / "local.yaml"), "--trace", TRACE, "--acceptance", "1.5"]) == 2
+
+
+def test_speed_bench_smoke(capsys):
+    from bench import planner_speed
+
+    argv = ["--num-requests", "200", "--rate", "100", "--json"]
+    assert planner_speed.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"]["num_requests"] == 200 and result["simulated"]["num_ok"] == 200
+    assert result["wall_s"] > 0 and result["num_steps"]["decode"] > 0
+    assert result["target_met_cpu"] is False  # 200 requests are not the 100,000 of the target
