@@ -2,9 +2,10 @@
 
 `candidate_topologies` enumerates, for the hardware of a topology file (its nodes and devices unchanged):
 devices per instance of each pool (the file's, half and double, whole nodes beyond one node), EP degree
-(all of an instance's devices when the file's pool uses EP, else 1), decode max batch (`max_num_seqs`,
-the file's and half, the token budget scaled with it), MTP k (0 and the file's), and instances per pool
-(a few decode counts, and prefill counts from a quarter of what the remaining devices hold to all of it).
+(when the file's pool uses EP: all of an instance's devices, or half of them with each expert's FFN split
+over 2; else 1), decode max batch (`max_num_seqs`, the file's and half, the token budget scaled with it),
+MTP k (0 and the file's), and instances per pool (1 or 2 decode instances, and prefill counts from a third
+of what the remaining devices hold to all of it).
 Candidates the topology rules refuse (`orchestrator.topology.check_topology`: divisibility by the model's
 experts and heads, placement within nodes and supernodes) are dropped.
 
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from orchestrator.topology import TLS_FILE_KEYS, Topology, check_topology
+from orchestrator.topology import TLS_FILE_KEYS, Topology
 from orchestrator.trace import TraceRequest
 from planner.simulator import SimResult
 
@@ -78,33 +79,44 @@ def spread_counts(max_count: int, num: int) -> list[int]:
 
 
 def candidate_topologies(
-    base: Topology, num_decode_counts: int = 3, num_prefill_counts: int = 4
+    base: Topology, num_decode_counts: int = 2, num_prefill_counts: int = 3
 ) -> Iterator[Topology]:
-    """The candidates of `base`'s hardware (see the module docstring), each valid by `check_topology`."""
+    """The candidates of `base`'s hardware (see the module docstring), each valid by the topology rules
+    (`orchestrator.topology.check_topology`, the model's config.json read once)."""
+    from orchestrator.topology.rules import cross_section_issues, read_model_architecture
+
+    arch = read_model_architecture(base.model)
+    arch_src = str(base.model.config_json)
     hw = base.hardware
     total, dpn = hw.num_devices, hw.devices_per_node
     p0, d0 = base.prefill, base.decode
     seqs_options = sorted({max(1, d0.max_num_seqs // 2), d0.max_num_seqs})
     k_options = sorted({0, d0.num_speculative_tokens})
     seen: set[tuple] = set()
+    ep_splits = (1, 2) if p0.expert_parallel_size > 1 or d0.expert_parallel_size > 1 else (1,)
     for dp in _instance_sizes(p0.devices_per_instance, dpn, total):
         for dd in _instance_sizes(d0.devices_per_instance, dpn, total):
-            for seqs in seqs_options:
-                for k in k_options:
-                    max_decodes = (total - dp) // dd
-                    for num_d in range(1, min(num_decode_counts, max_decodes) + 1):
-                        for num_p in spread_counts((total - num_d * dd) // dp, num_prefill_counts):
-                            key = (dp, dd, seqs, k, num_d, num_p)
-                            if key in seen:
-                                continue
-                            seen.add(key)
-                            candidate = _with_split(base, dp, dd, seqs, k, num_p, num_d)
-                            if candidate is not None:
-                                yield candidate
+            for ep_split in ep_splits:
+                for seqs in seqs_options:
+                    for k in k_options:
+                        max_decodes = (total - dp) // dd
+                        for num_d in range(1, min(num_decode_counts, max_decodes) + 1):
+                            for num_p in spread_counts((total - num_d * dd) // dp, num_prefill_counts):
+                                candidate = _with_split(base, dp, dd, ep_split, seqs, k, num_p, num_d)
+                                if candidate is None or (candidate.prefill, candidate.decode) in seen:
+                                    continue
+                                seen.add((candidate.prefill, candidate.decode))
+                                sections = {
+                                    f.name: getattr(candidate, f.name) for f in dataclasses.fields(candidate)
+                                }
+                                if not any(True for _ in cross_section_issues(sections, arch, arch_src)):
+                                    yield candidate
 
 
-def _pool(pool, num_instances: int, devices: int, **changes):  # type: ignore[no-untyped-def]
-    ep = devices if pool.expert_parallel_size > 1 else 1
+def _pool(pool, num_instances: int, devices: int, ep_split: int, **changes):  # type: ignore[no-untyped-def]
+    ep = devices // ep_split if pool.expert_parallel_size > 1 else 1
+    if ep < 2:
+        ep = 1 if pool.expert_parallel_size == 1 else devices
     return dataclasses.replace(
         pool,
         num_instances=num_instances,
@@ -116,23 +128,30 @@ def _pool(pool, num_instances: int, devices: int, **changes):  # type: ignore[no
 
 
 def _with_split(
-    base: Topology, dp: int, dd: int, seqs: int, k: int, num_p: int, num_d: int
+    base: Topology, dp: int, dd: int, ep_split: int, seqs: int, k: int, num_p: int, num_d: int
 ) -> Topology | None:
     dpn = base.hardware.devices_per_node
     d0 = base.decode
     budget = max(1, d0.max_num_batched_tokens * seqs // d0.max_num_seqs)
     try:
         prefill = dataclasses.replace(
-            _pool(base.prefill, num_p, dp), span_nodes=dp > dpn or base.prefill.span_nodes
+            _pool(base.prefill, num_p, dp, ep_split), span_nodes=dp > dpn or base.prefill.span_nodes
         )
         decode = dataclasses.replace(
-            _pool(d0, num_d, dd, max_num_seqs=seqs, max_num_batched_tokens=budget, num_speculative_tokens=k),
+            _pool(
+                d0,
+                num_d,
+                dd,
+                ep_split,
+                max_num_seqs=seqs,
+                max_num_batched_tokens=budget,
+                num_speculative_tokens=k,
+            ),
             span_nodes=dd > dpn or d0.span_nodes,
         )
-        candidate = dataclasses.replace(base, prefill=prefill, decode=decode)
+        return dataclasses.replace(base, prefill=prefill, decode=decode)
     except ValueError:
         return None
-    return None if check_topology(candidate) else candidate
 
 
 def search(
