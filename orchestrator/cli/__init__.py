@@ -7,8 +7,9 @@
     pdcluster validate clusters/*.yaml                     # pre-flight check of topology files
     pdcluster bench --endpoint URL --trace FILE            # replay a trace against an endpoint
     pdcluster profile clusters/local.yaml                  # measure the engine, fit the planner's cpu factors
+    pdcluster plan clusters/cm384.yaml --trace FILE        # simulate a topology (capacity planning)
 
-Each subcommand module (`generate`, `demo`, `deploy`, `validate`, `bench`, `profile`) declares its
+Each subcommand module (`generate`, `demo`, `deploy`, `validate`, `bench`, `profile`, `plan`) declares its
 subparser, `NAME`, `HELP` (the line in `pdcluster --help`), `DESCRIPTION` (and optionally `EPILOG`, both
 printed with their line breaks) and `add_arguments(parser)`, and its handler `run(args) -> exit code`;
 `common` holds the option types and `CliError`.
@@ -27,10 +28,10 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from orchestrator.cli import bench, demo, deploy, generate, profile, validate
+from orchestrator.cli import bench, demo, deploy, generate, plan, profile, validate
 from orchestrator.cli.common import EXIT_USAGE, PROG, CliError, HelpFormatter
 
-SUBCOMMANDS = (generate, demo, deploy, validate, bench, profile)  # in `pdcluster --help` order
+SUBCOMMANDS = (generate, demo, deploy, validate, bench, profile, plan)  # in `pdcluster --help` order
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,73 @@
+"""`pdcluster plan`: the summary, the report with its plots, and --search's plan YAML."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from orchestrator.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+TRACE = "AzureLLMInferenceTrace_conv.csv"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _pngs(out: Path, names: tuple[str, ...]) -> None:
+    for name in names:
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 1000, name
+
+
+def test_plan_cm384_prints_the_summary_and_writes_the_report(tmp_path, capsys):
+    out = tmp_path / "report"
+    argv = ["plan", str(REPO / "clusters" / "cm384.yaml"), "--trace", TRACE, "--num-requests", "300"]
+    argv += ["--rate", "200", "--out", str(out), "--search-num-requests", "100", "--weight-dtype", "int8"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "requests: 300 ok / 300 (0 failed)" in printed
+    assert (
+        "TTFT ms" in printed
+        and "TPOT ms" in printed
+        and "goodput (TTFT <= 2000 ms and TPOT <= 50 ms)" in printed
+    )
+    report = (out / "report.md").read_text()
+    for section in ("## Simulated summary", "## Where the time goes", "## Goodput against the P:D ratio"):
+        assert section in report
+    _pngs(out, ("ttft_tpot_cdf.png", "goodput_vs_pd.png", "phase_breakdown.png"))
+    assert not (out / "plan.yaml").exists()
+
+
+def test_plan_search_writes_a_yaml_validate_accepts(tmp_path, capsys):
+    out = tmp_path / "search"
+    argv = ["plan", str(REPO / "clusters" / "local-1p2d.yaml"), "--trace", TRACE, "--num-requests", "20"]
+    argv += ["--rate", "2", "--out", str(out), "--search", "--search-num-requests", "10", "--json"]
+    assert main(argv) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["num_requests"] == 20 and printed["plan"] == str(out / "plan.yaml")
+    ranked = [c["goodput_per_device"] for c in printed["search"]]
+    assert ranked == sorted(ranked, reverse=True) and len(ranked) >= 2
+    assert main(["validate", str(out / "plan.yaml")]) == 0
+    assert "ok" in capsys.readouterr().out
+    _pngs(out, ("frontier.png",))
+    assert "## Search:" in (out / "report.md").read_text()
+
+
+def test_plan_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
+    argv = ["plan", str(REPO / "clusters" / "local.yaml"), "--trace", str(tmp_path / "missing.csv")]
+    assert main(argv + ["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "trace file not found" in err and "Traceback" not in err
+    assert main(["plan", str(REPO / "clusters" / "local.yaml"), "--trace", TRACE, "--rate", "-1"]) == 2
+    assert "must be > 0" in capsys.readouterr().err
+    assert main(["plan", str(REPO / "clusters" / "local.yaml"), "--trace", TRACE, "--acceptance", "1.5"]) == 2
+
+
+def test_speed_bench_smoke(capsys):
+    from bench import planner_speed
+
+    argv = ["--num-requests", "200", "--rate", "100", "--json"]
+    assert planner_speed.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"]["num_requests"] == 200 and result["simulated"]["num_ok"] == 200
+    assert result["wall_s"] > 0 and result["num_steps"]["decode"] > 0
+    assert result["target_met_cpu"] is False  # 200 requests are not the 100,000 of the target
