@@ -11,7 +11,7 @@ Method:
    k` tokens with MTP k). Times: CPU seconds of the stepping thread (`time.thread_time`; torch at 1 thread
    as the deployed rank actors run it, the engine's synchronous loop steps in the calling thread), so load
    from other processes does not enter the fit; wall seconds are recorded beside them.
-2. KV transfer. `bench.kv_transfer.bench_grpc` moves one handoff of the model's layers at a few prompt
+2. KV transfer. `bench.kv_transfer.bench_in_process("grpc", ...)` moves one handoff of the model's layers at a few prompt
    lengths over gRPC on 127.0.0.1 (wall clock: it runs on several threads); `seconds = fixed + bytes /
    bandwidth` fitted through each size's fastest repeat gives the per-handoff cost and the throughput.
 3. Fit. The model's step time is `host + n_ops op_overhead + sum_ops max(flops x a_kind, bytes x b_kind)`
@@ -187,7 +187,7 @@ def _measure_steps(topology, grid: Grid, progress: Callable[[str], None], seed: 
 def measure_kv(config, dtype: str, token_counts: Sequence[int], repeats: int) -> dict[str, Any]:
     """KV handoffs over gRPC on loopback at `token_counts` sizes: `seconds = fixed_s + bytes / bytes_per_s`
     fitted by non-negative least squares through each size's fastest repeat, and the raw points."""
-    from bench.kv_transfer import bench_grpc
+    from bench.kv_transfer import bench_in_process
 
     points = []
     for n in token_counts:
@@ -197,7 +197,7 @@ def measure_kv(config, dtype: str, token_counts: Sequence[int], repeats: int) ->
             "kv_dim": config.kv_cache_dim,
             "dtype": dtype,
         }
-        result = bench_grpc(shape, "model", repeats)
+        result = bench_in_process("grpc", shape, "model", repeats)
         points.append({"num_tokens": n, "kv_bytes": result["kv_bytes"],
                        "best_s": min(result["elapsed_ms"]) / 1e3,
                        "median_s": statistics.median(result["elapsed_ms"]) / 1e3})  # fmt: skip
