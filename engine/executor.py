@@ -8,11 +8,11 @@ calls `prepare` for step N+1 while `run` of step N is executing on its worker th
 alternate so the two never share memory. Per-request state below is touched by `run` only (the worker),
 never by `prepare`, and `run` reads no request field the engine's thread mutates.
 
-The executor keeps the per-request state that lives on the device side: each request's torch.Generator
-(seeded requests reproduce the same tokens whatever the batch), the draft distributions of the drafts it
-proposed, needed to verify them losslessly next step, and each request's last step result (`StepResult`),
-which resolves the placeholders of its next step under asynchronous scheduling. State is dropped for
-finished/preempted requests when a step lists them.
+The executor keeps the per-request state that lives on the device side: each seeded request's own
+torch.Generator (it reproduces the same tokens whatever the batch; unseeded requests share one), the
+draft distributions of the drafts it proposed, needed to verify them losslessly next step, and each
+request's last step result (`StepResult`), which resolves the placeholders of its next step under
+asynchronous scheduling. State is dropped for finished/preempted requests when a step lists them.
 
 Placeholders (asynchronous scheduling): a request scheduled while its previous step was in flight has
 only `PLACEHOLDER_TOKEN_ID` inputs: the bonus token then the drafts of that step, unknown when scheduled.
@@ -126,6 +126,7 @@ class Executor:
         self._accepted_per_position: list[float] = []
         self.num_steps_per_k: dict[int, int] = {}  # k -> steps that proposed drafts with it
         self._generators: dict[str, torch.Generator | None] = {}
+        self._shared_generator = torch.Generator(runner.device).manual_seed(secrets.randbits(63))
         self._draft_probs: dict[str, torch.Tensor | None] = {}
         self._last_step: dict[str, StepResult] = {}  # request id -> its result in the last step
         num_columns = min(runner.num_blocks, max_num_blocks_per_req or runner.num_blocks)
@@ -141,12 +142,16 @@ class Executor:
         return len(self._generators.keys() | self._draft_probs.keys())
 
     def _generator(self, item: ScheduledRequest) -> torch.Generator | None:
+        """A seeded request's own generator (its tokens do not depend on the batch); unseeded requests
+        share one generator seeded from OS entropy (never a fixed global seed), so the kernels draw their
+        randomness in one call for all of them (`kernels.sampling.group_rows_by_generator`)."""
         request_id = item.request_id
         if request_id not in self._generators:
             seed = item.request.sampling_params.seed
-            # Unseeded requests get their own generator from OS entropy: never a shared, fixed global seed.
-            self._generators[request_id] = torch.Generator(self.runner.device).manual_seed(
-                secrets.randbits(63) if seed is None else seed
+            self._generators[request_id] = (
+                self._shared_generator
+                if seed is None
+                else torch.Generator(self.runner.device).manual_seed(seed)
             )
         return self._generators[request_id]
 
