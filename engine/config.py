@@ -35,6 +35,9 @@ class EngineConfig:
             adaptive speculation stops drafting that deep (the cost of one more verified draft, in tokens).
         async_scheduling: prepare step N+1 on the CPU while step N's forward runs (`engine.async_loop`);
             greedy outputs are identical to the synchronous loop, with or without speculative decoding.
+        compile: compile the decode forward at load over padded batch-size buckets up to `max_num_seqs`
+            (`engine.compiled_forward`: torch.compile; CUDA graphs on cuda); uniform decode steps run it,
+            others run eagerly. Ignored (eager) with an int8 KV cache or expert parallelism.
     """
 
     model: str
@@ -53,6 +56,7 @@ class EngineConfig:
     adaptive_speculation: bool = False
     adaptive_speculation_min_accept_prob: float = 0.3
     async_scheduling: bool = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import secrets
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from engine.model_runner import InputBuffers, LayerKVCallback, ModelInput, ModelRunner
@@ -221,8 +222,10 @@ class Executor:
             self._last_step = {}
             return ModelRunnerOutput({})
         scheduled = self._resolve_placeholders(output.scheduled, prepared)
-        hidden = self.runner.forward(batch, on_layer_kv)
         starts = prepared.query_start_loc
+        query_lens = np.diff(starts)
+        uniform = int(query_lens[0]) if (query_lens == query_lens[0]).all() else None
+        hidden = self.runner.forward(batch, on_layer_kv, num_queries=uniform)
 
         sampling = [i for i, item in enumerate(scheduled) if item.samples]
         sampled: dict[str, list[int]] = {}

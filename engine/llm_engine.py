@@ -29,6 +29,7 @@ import time
 import torch
 
 from engine.async_loop import AsyncStepLoop
+from engine.compiled_forward import CompiledDecodeForward
 from engine.config import EngineConfig
 from engine.executor import Executor
 from engine.model_runner import LayerKVCallback, ModelRunner
@@ -131,6 +132,10 @@ class LLMEngine:
             if config.adaptive_speculation
             else None,
         )
+        if config.compile and CompiledDecodeForward.supported(self.runner) is None:
+            k = config.num_speculative_tokens
+            self.runner.compiled = CompiledDecodeForward(self.runner, config.max_num_seqs, (1, k + 1))
+            self.runner.compiled.warm_up()
         self.remote_prefills = RemotePrefillReservations(self.scheduler, self.runner)
         self._async_loop = AsyncStepLoop(self.scheduler, self.executor) if config.async_scheduling else None
         self._records: dict[str, RequestRecord] = {}  # request id -> record, until its final output
