@@ -156,7 +156,8 @@ class CompiledDecodeForward:
         the caller runs the eager forward; nothing was written)."""
         num_reqs, num_tokens = batch.block_tables.shape[0], batch.num_tokens
         pad = max(self.bucket(num_reqs), self._min_rows) - num_reqs
-        input_ids, positions, tables = batch.input_ids, batch.positions, batch.block_tables
+        # contiguous like the load-time inputs (a view of the persistent block-table buffer is strided)
+        input_ids, positions, tables = batch.input_ids, batch.positions, batch.block_tables.contiguous()
         context_lens = batch.seq_lens - num_queries
         if tables.shape[1] < self._min_columns:  # extra columns past every context are never read
             tables = torch.nn.functional.pad(tables, (0, self._min_columns - tables.shape[1]))
