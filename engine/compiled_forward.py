@@ -50,10 +50,14 @@ class CompiledDecodeForward:
     Args:
         runner: the model runner (weights, KV cache).
         max_num_reqs: the largest bucket (the engine's `max_num_seqs`).
-        query_lens: the `q` values to compile (1, and k + 1 with speculative decoding).
+        query_lens: the `q` values to compile (1, or k + 1 with speculative decoding).
+        max_num_columns: block-table columns of the longest request; on cuda every table is padded to
+            it (a CUDA graph has fixed shapes).
     """
 
-    def __init__(self, runner, max_num_reqs: int, query_lens: tuple[int, ...] = (1,)) -> None:
+    def __init__(
+        self, runner, max_num_reqs: int, query_lens: tuple[int, ...] = (1,), max_num_columns: int = 1
+    ) -> None:
         self.runner = runner
         self.buckets = batch_size_buckets(max_num_reqs)
         self.query_lens = tuple(sorted(set(query_lens)))
@@ -61,10 +65,10 @@ class CompiledDecodeForward:
         self.num_eager_fallbacks = 0  # uniform steps that needed a graph not compiled at load
         cfg = runner.config
         self._num_heads, self._dn, self._dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-        cuda = runner.device.type == "cuda"
+        cuda = self._cuda = runner.device.type == "cuda"
         options = {"mode": "reduce-overhead", "dynamic": False} if cuda else {"dynamic": True}
         # CPU: pad to >= 2 rows and columns, so that one dynamic-shape graph serves every bucket.
-        self._min_rows, self._min_columns = (1, 1) if cuda else (2, 2)
+        self._min_rows, self._min_columns = (1, max_num_columns) if cuda else (2, 2)
         self._graphs: dict[int, Callable] = {
             q: torch.compile(self._forward_fn(q), fullgraph=True, **options) for q in self.query_lens
         }
@@ -134,11 +138,15 @@ class CompiledDecodeForward:
         for q in self.query_lens:
             for size in self.buckets:
                 rows = max(size, self._min_rows)
+                # Sizes that differ (columns from rows and tokens) and distinct tensors: torch.compile
+                # would otherwise assume equal sizes / aliasing that later steps do not have.
+                num_columns = self._min_columns if self._cuda else rows * q + 1
                 ids = torch.zeros(rows * q, dtype=torch.long, device=device)
-                tables = torch.zeros(rows, self._min_columns, dtype=torch.long, device=device)
+                positions = torch.zeros(rows * q, dtype=torch.long, device=device)
+                tables = torch.zeros(rows, num_columns, dtype=torch.long, device=device)
                 lens = torch.zeros(rows, dtype=torch.long, device=device)
                 with torch.inference_mode():
-                    self._graphs[q](ids, ids, tables, lens)
+                    self._graphs[q](ids, positions, tables, lens)
                 done += 1
                 if show_progress:
                     sys.stderr.write(

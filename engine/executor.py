@@ -131,6 +131,7 @@ class Executor:
         self._draft_probs: dict[str, torch.Tensor | None] = {}
         self._last_step: dict[str, StepResult] = {}  # request id -> its result in the last step
         num_columns = min(runner.num_blocks, max_num_blocks_per_req or runner.num_blocks)
+        self.max_num_blocks_per_req = num_columns  # block-table columns of the input buffers
         self._buffers = [
             InputBuffers(max_num_tokens, max_num_reqs, num_columns, runner.block_size, runner.device)
             for _ in range(2)

@@ -133,8 +133,13 @@ class LLMEngine:
             else None,
         )
         if config.compile and CompiledDecodeForward.supported(self.runner) is None:
-            k = config.num_speculative_tokens
-            self.runner.compiled = CompiledDecodeForward(self.runner, config.max_num_seqs, (1, k + 1))
+            # q = k + 1 query tokens per request: with drafts, every decode step but the last ones
+            self.runner.compiled = CompiledDecodeForward(
+                self.runner,
+                config.max_num_seqs,
+                (config.num_speculative_tokens + 1,),
+                self.executor.max_num_blocks_per_req,
+            )
             self.runner.compiled.warm_up()
         self.remote_prefills = RemotePrefillReservations(self.scheduler, self.runner)
         self._async_loop = AsyncStepLoop(self.scheduler, self.executor) if config.async_scheduling else None
