@@ -141,11 +141,11 @@ class CompiledDecodeForward:
                 # Sizes that differ (columns from rows and tokens) and distinct tensors: torch.compile
                 # would otherwise assume equal sizes / aliasing that later steps do not have.
                 num_columns = self._min_columns if self._cuda else rows * q + 1
-                ids = torch.zeros(rows * q, dtype=torch.long, device=device)
-                positions = torch.zeros(rows * q, dtype=torch.long, device=device)
-                tables = torch.zeros(rows, num_columns, dtype=torch.long, device=device)
-                lens = torch.zeros(rows, dtype=torch.long, device=device)
-                with torch.inference_mode():
+                with torch.inference_mode():  # inference tensors, like every step's inputs
+                    ids = torch.zeros(rows * q, dtype=torch.long, device=device)
+                    positions = torch.zeros(rows * q, dtype=torch.long, device=device)
+                    tables = torch.zeros(rows, num_columns, dtype=torch.long, device=device)
+                    lens = torch.zeros(rows, dtype=torch.long, device=device)
                     self._graphs[q](ids, positions, tables, lens)
                 done += 1
                 if show_progress:
@@ -164,9 +164,12 @@ class CompiledDecodeForward:
         the caller runs the eager forward; nothing was written)."""
         num_reqs, num_tokens = batch.block_tables.shape[0], batch.num_tokens
         pad = max(self.bucket(num_reqs), self._min_rows) - num_reqs
-        # contiguous like the load-time inputs (a view of the persistent block-table buffer is strided)
-        input_ids, positions, tables = batch.input_ids, batch.positions, batch.block_tables.contiguous()
-        context_lens = batch.seq_lens - num_queries
+        # Fresh contiguous inference tensors, like the load-time inputs (the persistent buffers are
+        # ordinary tensors, the block table a strided view): the graphs' guards check both.
+        with torch.inference_mode():
+            input_ids, positions = batch.input_ids.clone(), batch.positions.clone()
+            tables = batch.block_tables.clone(memory_format=torch.contiguous_format)
+            context_lens = batch.seq_lens - num_queries
         if tables.shape[1] < self._min_columns:  # extra columns past every context are never read
             tables = torch.nn.functional.pad(tables, (0, self._min_columns - tables.shape[1]))
         if pad:
@@ -177,8 +180,10 @@ class CompiledDecodeForward:
         try:
             with torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode():
                 hidden, latents = self._graphs[num_queries](input_ids, positions, tables, context_lens)
-        except torch._dynamo.exc.RecompileError:  # a shape the load-time compilation did not cover:
-            self.num_eager_fallbacks += 1  # never compile per step
+        except RuntimeError as e:  # a shape the load-time compilation did not cover: never compile
+            if "Detected recompile" not in str(e):  # per step (torch.compiler.set_stance's message)
+                raise
+            self.num_eager_fallbacks += 1
             return None
         runner = self.runner
         for layer, latent in zip(runner.model.main_layers, latents, strict=True):
