@@ -40,6 +40,9 @@ class EngineConfig:
             in the same order, which the pipelined loop's worker thread does not guarantee.
         parallel: the instance's parallel layout as seen by this rank (`engine.parallel.ParallelConfig`);
             the default is one device.
+        compile: compile the decode forward at load over padded batch-size buckets up to `max_num_seqs`
+            (`engine.compiled_forward`: torch.compile; CUDA graphs on cuda); uniform decode steps run it,
+            others run eagerly. Ignored (eager) with an int8 KV cache or expert parallelism.
     """
 
     model: str
@@ -59,6 +62,7 @@ class EngineConfig:
     adaptive_speculation_min_accept_prob: float = 0.3
     async_scheduling: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compile: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:

@@ -8,11 +8,11 @@ calls `prepare` for step N+1 while `run` of step N is executing on its worker th
 alternate so the two never share memory. Per-request state below is touched by `run` only (the worker),
 never by `prepare`, and `run` reads no request field the engine's thread mutates.
 
-The executor keeps the per-request state that lives on the device side: each request's torch.Generator
-(seeded requests reproduce the same tokens whatever the batch), the draft distributions of the drafts it
-proposed, needed to verify them losslessly next step, and each request's last step result (`StepResult`),
-which resolves the placeholders of its next step under asynchronous scheduling. State is dropped for
-finished/preempted requests when a step lists them.
+The executor keeps the per-request state that lives on the device side: each seeded request's own
+torch.Generator (it reproduces the same tokens whatever the batch; unseeded requests share one), the
+draft distributions of the drafts it proposed, needed to verify them losslessly next step, and each
+request's last step result (`StepResult`), which resolves the placeholders of its next step under
+asynchronous scheduling. State is dropped for finished/preempted requests when a step lists them.
 
 Placeholders (asynchronous scheduling): a request scheduled while its previous step was in flight has
 only `PLACEHOLDER_TOKEN_ID` inputs: the bonus token then the drafts of that step, unknown when scheduled.
@@ -57,6 +57,7 @@ from __future__ import annotations
 import secrets
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from engine.model_runner import InputBuffers, LayerKVCallback, ModelInput, ModelRunner, build_model_input
@@ -132,9 +133,11 @@ class Executor:
         self._accepted_per_position: list[float] = []
         self.num_steps_per_k: dict[int, int] = {}  # k -> steps that proposed drafts with it
         self._generators: dict[str, torch.Generator | None] = {}
+        self._shared_generator = torch.Generator(runner.device).manual_seed(secrets.randbits(63))
         self._draft_probs: dict[str, torch.Tensor | None] = {}
         self._last_step: dict[str, StepResult] = {}  # request id -> its result in the last step
         num_columns = min(runner.num_blocks, max_num_blocks_per_req or runner.num_blocks)
+        self.max_num_blocks_per_req = num_columns  # block-table columns of the input buffers
         self._buffers = [
             InputBuffers(max_num_tokens, max_num_reqs, num_columns, runner.block_size, runner.device)
             for _ in range(2)
@@ -147,12 +150,16 @@ class Executor:
         return len(self._generators.keys() | self._draft_probs.keys())
 
     def _generator(self, item: ScheduledRequest) -> torch.Generator | None:
+        """A seeded request's own generator (its tokens do not depend on the batch); unseeded requests
+        share one generator seeded from OS entropy (never a fixed global seed), so the kernels draw their
+        randomness in one call for all of them (`kernels.sampling.group_rows_by_generator`)."""
         request_id = item.request_id
         if request_id not in self._generators:
             seed = item.request.sampling_params.seed
-            # Unseeded requests get their own generator from OS entropy: never a shared, fixed global seed.
-            self._generators[request_id] = torch.Generator(self.runner.device).manual_seed(
-                secrets.randbits(63) if seed is None else seed
+            self._generators[request_id] = (
+                self._shared_generator
+                if seed is None
+                else torch.Generator(self.runner.device).manual_seed(seed)
             )
         return self._generators[request_id]
 
@@ -233,8 +240,10 @@ class Executor:
                 self._join_empty_passes(main=True, num_mtp_done=0)
             return ModelRunnerOutput({})
         scheduled = self._resolve_placeholders(output.scheduled, prepared)
-        hidden = self.runner.forward(batch, on_layer_kv)
         starts = prepared.query_start_loc
+        query_lens = np.diff(starts)
+        uniform = int(query_lens[0]) if (query_lens == query_lens[0]).all() else None
+        hidden = self.runner.forward(batch, on_layer_kv, num_queries=uniform)
 
         sampling = [i for i, item in enumerate(scheduled) if item.samples]
         sampled: dict[str, list[int]] = {}

@@ -30,6 +30,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from engine.async_loop import AsyncStepLoop
+from engine.compiled_forward import CompiledDecodeForward
 from engine.config import EngineConfig
 from engine.executor import Executor
 from engine.expert_parallel import EPStats, setup_expert_parallel
@@ -143,6 +144,15 @@ class LLMEngine:
             if config.adaptive_speculation
             else None,
         )
+        if config.compile and CompiledDecodeForward.supported(self.runner) is None:
+            # q = k + 1 query tokens per request: with drafts, every decode step but the last ones
+            self.runner.compiled = CompiledDecodeForward(
+                self.runner,
+                config.max_num_seqs,
+                (config.num_speculative_tokens + 1,),
+                self.executor.max_num_blocks_per_req,
+            )
+            self.runner.compiled.warm_up()
         self.remote_prefills = RemotePrefillReservations(self.scheduler, self.runner)
         self._async_loop = AsyncStepLoop(self.scheduler, self.executor) if config.async_scheduling else None
         self._records: dict[str, RequestRecord] = {}  # request id -> record, until its final output

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from engine.compiled_forward import CompiledDecodeForward
 from engine.config import KV_CACHE_DTYPES
 from kernels.kv_quant import kv_cache_bytes_per_token
 from kernels.paged_mla import paged_mla_attention, write_kv
@@ -193,6 +194,8 @@ class ModelRunner:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         self.model = model
         self.config = model.config
+        # The compiled uniform-decode forward (`engine.compiled_forward`), set by the engine with `compile`.
+        self.compiled: CompiledDecodeForward | None = None
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype
@@ -251,12 +254,24 @@ class ModelRunner:
         return layer.block(hidden, cos, sin, paged_attention)
 
     @torch.inference_mode()
-    def forward(self, batch: ModelInput, on_layer_kv: LayerKVCallback | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        batch: ModelInput,
+        on_layer_kv: LayerKVCallback | None = None,
+        num_queries: int | None = None,
+    ) -> torch.Tensor:
         """Main layers over `batch`; returns final (post-norm) hidden states `[num_tokens, hidden_size]`.
 
         `on_layer_kv(layer_idx, latent_kv, batch)` runs right after each layer's KV is computed and
-        written (the prefill side streams it to decode from there).
+        written (the prefill side streams it to decode from there). `num_queries`: the query tokens of
+        every request when they are all equal (None otherwise); such a step runs the compiled forward
+        when there is one that takes it (`engine.compiled_forward`), else the eager layers below.
         """
+        compiled = self.compiled
+        if on_layer_kv is None and compiled and compiled.accepts(len(batch.seq_lens), num_queries):
+            hidden = compiled(batch, num_queries)
+            if hidden is not None:
+                return hidden
         cos, sin = self.model.model.rope(batch.positions)
         hidden = self.model.model.embed_tokens(batch.input_ids)
         for layer in self.model.main_layers:

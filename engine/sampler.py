@@ -82,6 +82,9 @@ def sample_or_verify(
     """
     params = [item.request.sampling_params for item in items]
     num_drafts = [len(item.spec_token_ids) for item in items]
+    if not any(num_drafts) and all(p.temperature == 0 for p in params):  # plain greedy decode
+        tokens = logits.argmax(dim=-1).tolist()
+        return {item.request_id: [tok] for item, tok in zip(items, tokens, strict=True)}
     draft_ids = torch.tensor(
         [t for item in items for t in item.spec_token_ids], dtype=torch.long, device=logits.device
     )

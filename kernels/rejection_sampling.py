@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.sampling import Generators, sample_from_probs
+from kernels.sampling import Generators, group_rows_by_generator, sample_from_probs
 
 
 class VerifyResult(NamedTuple):
@@ -264,7 +264,8 @@ def rejection_sample_batch(
     """Verify `B` requests with ragged draft counts in one vectorized pass.
 
     Equals `greedy_verify` (greedy rows) / `rejection_sample` (other rows) per request when each request has
-    its own generator; with one shared generator the draws are batched (same distribution, different order).
+    its own generator; with one shared generator (or requests naming the same generator object in
+    `generators`) the draws are batched (same distribution, different order).
 
     Args:
         draft_token_ids: `[N]` int64, the requests' drafts concatenated, `N = sum(num_draft_tokens)`.
@@ -303,11 +304,18 @@ def rejection_sample_batch(
     noise = torch.ones(batch, vocab_size, device=device)
     sampled = (~is_greedy).nonzero().flatten().tolist()
     if per_request:
-        for b in sampled:
-            uniform[b, : num_draft_tokens[b]] = torch.rand(
-                num_draft_tokens[b], generator=generators[b], device=device
-            )
-            noise[b].exponential_(generator=generators[b])
+        for generator, rows in group_rows_by_generator(generators, sampled):
+            if len(rows) == 1:
+                b = rows[0]
+                uniform[b, : num_draft_tokens[b]] = torch.rand(
+                    num_draft_tokens[b], generator=generator, device=device
+                )
+                noise[b].exponential_(generator=generator)
+            else:  # requests sharing one generator (unseeded): one draw for the group
+                uniform[rows] = torch.rand(len(rows), max_drafts, generator=generator, device=device)
+                noise[rows] = torch.empty(len(rows), vocab_size, device=device).exponential_(
+                    generator=generator
+                )
     elif sampled:
         uniform[sampled] = torch.rand(len(sampled), max_drafts, generator=generators, device=device)
         noise[sampled] = noise[sampled].exponential_(generator=generators)

@@ -90,6 +90,19 @@ def probs_from_logits(
     return probs
 
 
+def group_rows_by_generator(
+    generators: Sequence[torch.Generator | None], rows: Sequence[int]
+) -> list[tuple[torch.Generator | None, list[int]]]:
+    """`rows` grouped by the generator object each uses (`generators[row]`), groups in order of first
+    appearance and rows in order within a group: rows sharing one generator draw their randomness in
+    one call, a row with a generator of its own (a seeded request) draws alone, as it would in any batch."""
+    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
+    for row in rows:
+        generator = generators[row]
+        groups.setdefault(id(generator), (generator, []))[1].append(row)
+    return list(groups.values())
+
+
 def sample_from_probs(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
     """Draw one token per row from (possibly unnormalized) non-negative `probs`.
 
@@ -97,7 +110,9 @@ def sample_from_probs(probs: torch.Tensor, generators: Generators = None) -> tor
         probs: `[B, V]` float, each row with positive mass.
         generators: one `torch.Generator` (or None for torch's global generator) shared by all rows,
             drawing `[B, V]` at once; or a sequence of `B` per-row generators (None entries use the
-            global generator). Each row consumes exactly `V` exponential draws.
+            global generator): rows naming the same generator object draw together in one call
+            (`group_rows_by_generator`), a row with a generator of its own alone. Each row consumes
+            exactly `V` exponential draws.
 
     Returns:
         `token_ids [B]` int64; row b is `v` with probability `probs[b, v] / probs[b].sum()`.
@@ -109,8 +124,13 @@ def sample_from_probs(probs: torch.Tensor, generators: Generators = None) -> tor
     else:
         if len(generators) != batch:
             raise ValueError(f"{len(generators)} generators for {batch} rows")
-        for row, generator in enumerate(generators):
-            noise[row].exponential_(generator=generator)
+        for generator, rows in group_rows_by_generator(generators, range(batch)):
+            if len(rows) == 1:
+                noise[rows[0]].exponential_(generator=generator)
+            else:  # rows sharing one generator (unseeded requests): one draw for all of them
+                noise[rows] = torch.empty(len(rows), vocab_size, device=probs.device).exponential_(
+                    generator=generator
+                )
     # Exp(1) can return exactly 0; clamping keeps 0/0 from producing NaN (bias ~1e-38 per draw).
     return (probs.float() / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
 

@@ -206,6 +206,25 @@ class DeepseekV3MoE(nn.Module):
             out = out + self.shared_experts(hidden)
         return out
 
+    def forward_dense(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The same function as `forward` with fixed shapes: every local expert runs every token and its
+        output is weighted by the token's gate weight for it (0 when not routed there). No host sync and
+        no data-dependent shape, so it traces into one graph (`engine.compiled_forward`); worth it only
+        where experts are few and small (the work grows with `n_routed_experts`), and only with the
+        local dispatcher (expert parallelism moves tokens). Equal to `forward` up to float rounding of
+        the sum order. hidden: `[num_tokens, hidden_size]` -> `[num_tokens, hidden_size]`."""
+        topk_weights, topk_ids = self.gate(hidden)
+        weights = torch.zeros(
+            hidden.shape[0], len(self.experts), dtype=torch.float32, device=hidden.device
+        ).scatter_(1, topk_ids, topk_weights.float())
+        weights = weights.to(hidden.dtype)
+        out = hidden.new_zeros(hidden.shape)
+        for e, expert in enumerate(self.experts):
+            out = out + expert(hidden) * weights[:, e : e + 1]
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden)
+        return out
+
 
 class DeepseekV3DecoderLayer(nn.Module):
     """Pre-norm block: `h += MLA(RMSNorm(h)); h += FFN(RMSNorm(h))`; FFN dense below first_k_dense_replace."""
@@ -225,7 +244,12 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def block(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionFn,
+        mlp: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder block over flattened tokens, with the attention over the KV left to the caller:
         `h += attention(project(RMSNorm(h))); h += FFN(RMSNorm(h))`. The cache-less `forward` and the
@@ -237,13 +261,14 @@ class DeepseekV3DecoderLayer(nn.Module):
             attention: `(q_nope, q_pe, latent_kv) -> [num_tokens, hidden_size]`, the attention output after
                 `o_proj`; gets `DeepseekV3Attention.project`'s outputs for these tokens (and may cache
                 `latent_kv`).
+            mlp: the FFN to run instead of `self.mlp` (the same function, e.g. `DeepseekV3MoE.forward_dense`).
 
         Returns:
             `(hidden [num_tokens, hidden_size], latent_kv [num_tokens, kv_lora_rank + qk_rope_head_dim])`.
         """
         q_nope, q_pe, latent_kv = self.self_attn.project(self.input_layernorm(hidden), cos, sin)
         hidden = hidden + attention(q_nope, q_pe, latent_kv)
-        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + (mlp or self.mlp)(self.post_attention_layernorm(hidden))
         return hidden, latent_kv
 
     def forward(

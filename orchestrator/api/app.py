@@ -75,6 +75,7 @@ from orchestrator.api.protocol import (
     error_response,
     reject_unsupported,
     response_body,
+    usage_chunk,
 )
 from orchestrator.api.sse import DISCONNECTED, SSEResponse, sse_events, until_disconnect
 from orchestrator.backend import BackendUnavailable, ServingBackend
@@ -176,7 +177,7 @@ def build_app(
         else:
             prompt_ids = list(body.prompt)
         prepared = prepare(backend, body, prompt_ids, body.max_tokens, default_max_tokens=16, prefix="cmpl")
-        return await serve_one(request, prepared, body.stream, "completion")
+        return await serve_one(request, prepared, body, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -184,10 +185,13 @@ def build_app(
         prompt_ids = await encode(chat_prompt(body.messages))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prepared = prepare(backend, body, prompt_ids, max_tokens, default_max_tokens=None, prefix="chatcmpl")
-        return await serve_one(request, prepared, body.stream, "chat")
+        return await serve_one(request, prepared, body, "chat")
 
     async def serve_one(
-        request: Request, prepared: PreparedRequest, stream: bool, endpoint: Endpoint
+        request: Request,
+        prepared: PreparedRequest,
+        body: CompletionRequest | ChatCompletionRequest,
+        endpoint: Endpoint,
     ) -> Response:
         gen = Generation(backend, prepared, metrics, slo)
         # Wait for the first delta before answering, so a request the backend refuses gets a real 400/503
@@ -200,9 +204,11 @@ def build_app(
         if first is DISCONNECTED:
             await gen.close()
             return Response(status_code=499)
-        if stream:
+        if body.stream:
             chunk = partial(_chunk, endpoint)
-            return SSEResponse(sse_events(gen, chunk), on_close=gen.close)
+            usage = partial(usage_chunk, endpoint=endpoint)
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return SSEResponse(sse_events(gen, chunk, usage if include_usage else None), on_close=gen.close)
         try:
             result = await until_disconnect(request, gen.drain())
         finally:

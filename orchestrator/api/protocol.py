@@ -37,6 +37,16 @@ def _check_unicode(value: Any) -> Any:
     return value
 
 
+class StreamOptions(BaseModel):
+    """OpenAI `stream_options`: `include_usage` adds a last chunk with an empty `choices` list carrying
+    `usage`, before `data: [DONE]` (what vLLM's and SGLang's clients, `vllm bench serve` among them, read
+    the completion token count from)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
 class CommonRequest(BaseModel):
     """The fields /v1/completions and /v1/chat/completions share (sampling, stop strings, streaming)."""
 
@@ -52,6 +62,7 @@ class CommonRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = 1
     ignore_eos: bool = Field(False, description="extension: generate past EOS (benchmarks)")
     presence_penalty: float = 0.0
@@ -193,3 +204,16 @@ def response_body(
         body["usage"] = gen.usage()
         body["pdcluster"] = gen.extension()
     return body
+
+
+def usage_chunk(gen: Generation, endpoint: Endpoint) -> dict[str, Any]:
+    """The chunk `stream_options.include_usage` asks for after the last one: `choices: []` and `usage`."""
+    prepared = gen.prepared
+    return {
+        "id": prepared.request_id,
+        "object": "text_completion" if endpoint == "completion" else "chat.completion.chunk",
+        "created": prepared.created_s,
+        "model": prepared.model,
+        "choices": [],
+        "usage": gen.usage(),
+    }

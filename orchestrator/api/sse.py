@@ -2,8 +2,9 @@
 SSE response that aborts its request when it ends, and `until_disconnect` for the non-streaming path.
 
 A stream is `data: <chunk JSON>` events, the last one with `finish_reason` (plus `usage` and the
-`pdcluster` extension), then `data: [DONE]`. An error after the stream started is sent as a final
-`data: {"error": ...}` event, then `data: [DONE]`.
+`pdcluster` extension), with `stream_options.include_usage` one more with `choices: []` and `usage`
+(OpenAI's form, the one vLLM's clients read), then `data: [DONE]`. An error after the stream started
+is sent as a final `data: {"error": ...}` event, then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ DISCONNECTED = object()
 
 # builds one chunk: (generation, new text, finish_reason or None, first chunk?) -> JSON body
 ChunkBuilder = Callable[[Generation, str, "str | None", bool], dict[str, Any]]
+# builds the usage-only chunk of `stream_options.include_usage`: (generation) -> JSON body
+UsageChunkBuilder = Callable[[Generation], dict[str, Any]]
 
 
 def sse_event(payload: Any) -> bytes:
@@ -33,10 +36,13 @@ def sse_event(payload: Any) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-async def sse_events(gen: Generation, chunk: ChunkBuilder) -> AsyncIterator[bytes]:
+async def sse_events(
+    gen: Generation, chunk: ChunkBuilder, usage_chunk: UsageChunkBuilder | None = None
+) -> AsyncIterator[bytes]:
     """The events of `gen`'s stream: a first chunk at once (its first delta is already folded), then one
     chunk per delta with new text to send (`Generation.stream_text`), the last with its finish reason;
-    then `[DONE]`. An `ApiError` becomes an error event (counted in `request_errors`)."""
+    with `usage_chunk` (the request's `stream_options.include_usage`), a chunk with no choices carrying
+    `usage`; then `[DONE]`. An `ApiError` becomes an error event (counted in `request_errors`)."""
     num_sent_chars = 0
     first = True
     try:
@@ -50,6 +56,8 @@ async def sse_events(gen: Generation, chunk: ChunkBuilder) -> AsyncIterator[byte
             if finish is not None:
                 break
             await gen.next()
+        if usage_chunk is not None:
+            yield sse_event(usage_chunk(gen))
     except ApiError as exc:
         gen.metrics.errors.labels(str(exc.status_code)).inc()
         yield sse_event(exc.body())

@@ -182,6 +182,8 @@ class PoolConfig:
         max_num_seqs: requests running at once in one instance.
         max_model_len: context length; None is the model's `max_position_embeddings`.
         enable_prefix_caching: reuse KV of identical prompt prefixes.
+        compile: compile the decode forward at load over padded batch-size buckets
+            (`engine.compiled_forward`; CUDA graphs on cuda).
     """
 
     num_instances: int = field(default=1, metadata=between(1, MAX_INSTANCES))
@@ -198,6 +200,7 @@ class PoolConfig:
     max_num_seqs: int = field(default=64, metadata=between(1, MAX_SEQS))
     max_model_len: int | None = field(default=None, metadata=between(1, MAX_TOKENS))
     enable_prefix_caching: bool = True
+    compile: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sampling import compute_logprobs, probs_from_logits, sample, sample_from_probs
+from kernels.sampling import (
+    compute_logprobs,
+    group_rows_by_generator,
+    probs_from_logits,
+    sample,
+    sample_from_probs,
+)
 from tests.kernels.chi_square import chi_square_p_value
 
 ALPHA = 0.001  # significance level of the distribution tests (fixed seeds: deterministic outcomes)
@@ -70,6 +76,27 @@ def test_seeded_request_is_batch_invariant() -> None:
             generators=batched_gens,
         )
         assert batched[1] == alone[0]
+
+
+def test_rows_sharing_a_generator_draw_together_and_a_seeded_row_stays_batch_invariant() -> None:
+    """Unseeded requests share one generator (one draw for their rows); a seeded row between them gets
+    the tokens it gets alone; the shared rows still follow their distribution (chi-square at ALPHA)."""
+    shared = torch.Generator().manual_seed(11)
+    seeded = torch.Generator().manual_seed(5)
+    assert group_rows_by_generator([shared, seeded, shared, None], range(4)) == [
+        (shared, [0, 2]),
+        (seeded, [1]),
+        (None, [3]),
+    ]
+    probs = torch.tensor([0.1, 0.6, 0.0, 0.3])
+    alone = sample_from_probs(probs[None], [torch.Generator().manual_seed(5)])
+    num_rows = 4001
+    generators = [seeded if row == 1 else shared for row in range(num_rows)]
+    tokens = sample_from_probs(probs.expand(num_rows, 4), generators)
+    assert tokens[1] == alone[0]
+    counts = torch.bincount(torch.cat((tokens[:1], tokens[2:])), minlength=4)
+    assert counts[2] == 0
+    assert chi_square_p_value(counts, probs) > ALPHA
 
 
 def test_sample_from_probs_matches_distribution() -> None:

@@ -146,6 +146,31 @@ def test_streaming_concatenation_equals_non_streaming(client: httpx.Client, path
     assert "phases" in chunks[-1]["pdcluster"]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_include_usage_sends_a_usage_only_last_chunk(client: httpx.Client, path: str) -> None:
+    """Issue 11's temperature-1.0 "shortfall": `vllm bench serve` (no temperature sent: the default 1.0)
+    reads `usage` only from a chunk with an empty `choices` list, else re-tokenizes the text, which at
+    temperature 1.0 gives another count than the tokens generated. With `stream_options.include_usage`
+    that chunk comes last, before [DONE], and counts every generated token."""
+    max_tokens = 48
+    common = {"max_tokens": max_tokens, "ignore_eos": True, "seed": 7}
+    if path.endswith("chat/completions"):
+        body = {"messages": [{"role": "user", "content": PROMPT}], **common}
+    else:
+        body = {"prompt": PROMPT, **common}
+    events = stream(client, path, {**body, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    *chunks, last = events[:-1]
+    assert last["choices"] == [] and last["id"] == chunks[0]["id"]
+    assert last["usage"]["completion_tokens"] == max_tokens
+    assert all(c["choices"] for c in chunks)  # only the last chunk lacks choices
+    # counted as vLLM's benchmark client counts: usage from choice-less chunks only
+    counted = [e["usage"]["completion_tokens"] for e in events[:-1] if not e["choices"] and e.get("usage")]
+    assert counted == [max_tokens]
+    plain = stream(client, path, body)  # without stream_options: no choice-less chunk
+    assert all(e["choices"] for e in plain[:-1])
+
+
 def test_chat_uses_the_documented_template(client: httpx.Client, reference: LLM) -> None:
     messages = [{"role": "system", "content": "# utilities"}, {"role": "user", "content": "import os\n"}]
     from orchestrator.api.protocol import ChatMessage

@@ -1,0 +1,193 @@
+"""The decode forward compiled once, at load, over a fixed set of padded batch-size buckets.
+
+A step is *uniform* when every request runs the same number `q` of query tokens: plain decode (`q = 1`)
+or speculative verification of `k` drafts each (`q = k + 1`). Such a step, with at most the largest
+bucket's requests, runs the compiled main-model forward: the batch is padded up to the next bucket by
+repeating request 0 (its outputs are dropped; its KV writes repeat request 0's, the same values into
+the same slots), the main layers run as one graph (`kernels.mla_decode` attention over the cache plus
+this step's latents; `DeepseekV3MoE.forward_dense` for MoE layers), and this step's latent KV of every
+layer is written into the paged cache after the graph returns. Any other step (a prefill chunk, mixed
+query lengths, an `on_layer_kv` hook, a batch past the largest bucket) runs the eager forward.
+
+    CPU:  torch.compile (inductor), shapes dynamic in the batch and the context length, so the buckets
+          share one graph per query length: batches and block tables are padded to at least 2 rows and
+          2 columns, as torch.compile specializes a size of 1 into a graph of its own.
+    CUDA: torch.compile(mode="reduce-overhead"): CUDA graphs captured per bucket (static shapes). Not run
+          on this project's machines (no GPU was lent); the switch and the buckets are the same.
+
+Greedy output is the same as the eager forward's up to float rounding (another summation order in
+the fused kernels and the dense MoE), which greedy argmax does not see on the bundled model
+(tests/engine/test_compiled_forward.py checks token identity for k = 0, 1, 3).
+Compilation happens in `warm_up` (the engine calls it at load, printing progress to stderr); after it a
+step that would need a new graph runs eagerly instead of compiling (`torch.compiler.set_stance`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from kernels.mla import split_kv_b_weight
+from kernels.mla_decode import mla_decode_attention
+from kernels.paged_mla import write_kv
+from models.deepseek_v3 import DeepseekV3MoE
+from models.moe_dispatch import LocalDispatcher
+
+
+def batch_size_buckets(max_num_reqs: int) -> list[int]:
+    """Padded batch sizes: 1, 2, 4, 8, then multiples of 8 up to `max_num_reqs` (vLLM's capture sizes)."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_reqs]
+    sizes += list(range(8, max_num_reqs, 8))
+    return sorted(set(sizes + [max_num_reqs]))
+
+
+class CompiledDecodeForward:
+    """The compiled uniform-decode forward of one `ModelRunner` (see the module docstring).
+
+    Args:
+        runner: the model runner (weights, KV cache).
+        max_num_reqs: the largest bucket (the engine's `max_num_seqs`).
+        query_lens: the `q` values to compile (1, or k + 1 with speculative decoding).
+        max_num_columns: block-table columns of the longest request; on cuda every table is padded to
+            it (a CUDA graph has fixed shapes).
+    """
+
+    def __init__(
+        self, runner, max_num_reqs: int, query_lens: tuple[int, ...] = (1,), max_num_columns: int = 1
+    ) -> None:
+        self.runner = runner
+        self.buckets = batch_size_buckets(max_num_reqs)
+        self.query_lens = tuple(sorted(set(query_lens)))
+        self.num_compiled_steps = 0  # steps that ran the compiled graph (tests, benchmarks)
+        self.num_eager_fallbacks = 0  # uniform steps that needed a graph not compiled at load
+        cfg = runner.config
+        self._num_heads, self._dn, self._dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+        cuda = self._cuda = runner.device.type == "cuda"
+        options = {"mode": "reduce-overhead", "dynamic": False} if cuda else {"dynamic": True}
+        # CPU: pad to >= 2 rows and columns, so that one dynamic-shape graph serves every bucket.
+        self._min_rows, self._min_columns = (1, max_num_columns) if cuda else (2, 2)
+        self._graphs: dict[int, Callable] = {
+            q: torch.compile(self._forward_fn(q), fullgraph=True, **options) for q in self.query_lens
+        }
+        self._ready = False
+
+    @staticmethod
+    def supported(runner) -> str | None:
+        """None when the compiled forward can run `runner`'s model, else why not."""
+        if runner.kv_cache_dtype != "auto":
+            return "kv_cache_dtype int8 (the compiled attention reads a float cache)"
+        for layer in runner.model.main_layers:
+            mlp = layer.mlp
+            if isinstance(mlp, DeepseekV3MoE) and not isinstance(mlp.dispatcher, LocalDispatcher):
+                return "an MoE layer with a non-local expert dispatcher (expert parallelism)"
+        return None
+
+    def _forward_fn(self, num_queries: int) -> Callable:
+        runner = self.runner
+        model = runner.model
+        scale = runner.config.softmax_scale
+
+        def forward(
+            input_ids: torch.Tensor,
+            positions: torch.Tensor,
+            block_tables: torch.Tensor,
+            context_lens: torch.Tensor,
+        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            cos, sin = model.model.rope(positions)
+            hidden = model.model.embed_tokens(input_ids)
+            latents = []
+            for layer in model.main_layers:
+                attn, cache = layer.self_attn, runner.kv_caches[layer.layer_idx]
+                w_uk, w_uv = split_kv_b_weight(attn.kv_b_proj.weight, self._num_heads, self._dn, self._dv)
+
+                def attention(q_nope, q_pe, latent_kv, attn=attn, cache=cache, w_uk=w_uk, w_uv=w_uv):
+                    out = mla_decode_attention(
+                        q_nope, q_pe, latent_kv.to(cache.dtype), cache, block_tables, context_lens,
+                        w_uk, w_uv, scale, num_queries,
+                    )  # fmt: skip
+                    return attn.o_proj(out.reshape(out.shape[0], -1))
+
+                mlp = layer.mlp.forward_dense if isinstance(layer.mlp, DeepseekV3MoE) else None
+                hidden, latent_kv = layer.block(hidden, cos, sin, attention, mlp=mlp)
+                latents.append(latent_kv)
+            return model.model.norm(hidden), latents
+
+        return forward
+
+    def bucket(self, num_reqs: int) -> int | None:
+        """The smallest bucket holding `num_reqs` requests, None past the largest."""
+        for size in self.buckets:
+            if size >= num_reqs:
+                return size
+        return None
+
+    def accepts(self, num_reqs: int, num_queries: int | None) -> bool:
+        """Whether a step of `num_reqs` requests with `num_queries` each (None: not uniform) runs here."""
+        return self._ready and num_queries in self._graphs and self.bucket(num_reqs) is not None
+
+    def warm_up(self, show_progress: bool = True) -> float:
+        """Compile the graphs of every (query length, bucket) on dummy inputs (block 0, no context;
+        nothing is written). Returns the seconds it took; progress lines go to stderr."""
+        start = time.perf_counter()
+        total = len(self.query_lens) * len(self.buckets)
+        done = 0
+        device = self.runner.device
+        for q in self.query_lens:
+            for size in self.buckets:
+                rows = max(size, self._min_rows)
+                # Sizes that differ (columns from rows and tokens) and distinct tensors: torch.compile
+                # would otherwise assume equal sizes / aliasing that later steps do not have.
+                num_columns = self._min_columns if self._cuda else rows * q + 1
+                with torch.inference_mode():  # inference tensors, like every step's inputs
+                    ids = torch.zeros(rows * q, dtype=torch.long, device=device)
+                    positions = torch.zeros(rows * q, dtype=torch.long, device=device)
+                    tables = torch.zeros(rows, num_columns, dtype=torch.long, device=device)
+                    lens = torch.zeros(rows, dtype=torch.long, device=device)
+                    self._graphs[q](ids, positions, tables, lens)
+                done += 1
+                if show_progress:
+                    sys.stderr.write(
+                        f"\rcompiling the decode forward: q={q} batch {size} ({done}/{total}), "
+                        f"{time.perf_counter() - start:.0f} s"
+                    )
+        if show_progress:
+            sys.stderr.write("\n")
+        self._ready = True
+        return time.perf_counter() - start
+
+    def __call__(self, batch, num_queries: int) -> torch.Tensor | None:
+        """Run a uniform step (`accepts` said yes); writes its KV. Returns the final hidden states
+        `[num_tokens, hidden_size]`, or None when it would need a graph not compiled at load (then
+        the caller runs the eager forward; nothing was written)."""
+        num_reqs, num_tokens = batch.block_tables.shape[0], batch.num_tokens
+        pad = max(self.bucket(num_reqs), self._min_rows) - num_reqs
+        # Fresh contiguous inference tensors, like the load-time inputs (the persistent buffers are
+        # ordinary tensors, the block table a strided view): the graphs' guards check both.
+        with torch.inference_mode():
+            input_ids, positions = batch.input_ids.clone(), batch.positions.clone()
+            tables = batch.block_tables.clone(memory_format=torch.contiguous_format)
+            context_lens = batch.seq_lens - num_queries
+        if tables.shape[1] < self._min_columns:  # extra columns past every context are never read
+            tables = torch.nn.functional.pad(tables, (0, self._min_columns - tables.shape[1]))
+        if pad:
+            input_ids = torch.cat((input_ids, input_ids[:num_queries].repeat(pad)))
+            positions = torch.cat((positions, positions[:num_queries].repeat(pad)))
+            tables = torch.cat((tables, tables[:1].expand(pad, -1)))
+            context_lens = torch.cat((context_lens, context_lens[:1].expand(pad)))
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode():
+                hidden, latents = self._graphs[num_queries](input_ids, positions, tables, context_lens)
+        except RuntimeError as e:  # a shape the load-time compilation did not cover: never compile
+            if "Detected recompile" not in str(e):  # per step (torch.compiler.set_stance's message)
+                raise
+            self.num_eager_fallbacks += 1
+            return None
+        runner = self.runner
+        for layer, latent in zip(runner.model.main_layers, latents, strict=True):
+            idx = layer.layer_idx
+            write_kv(runner.kv_caches[idx], latent[:num_tokens], batch.slot_mapping, runner.kv_scales[idx])
+        self.num_compiled_steps += 1
+        return hidden[:num_tokens]

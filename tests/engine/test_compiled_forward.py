@@ -1,0 +1,59 @@
+"""The compiled decode forward (`engine.compiled_forward`, EngineConfig `compile`): buckets, the dense
+MoE it traces, and the one compile-axis test: greedy tokens identical with compile on and off for
+k = 0, 1, 3 (async scheduling on for k = 1), the compiled graph really used. Compilation is slow, so this
+is the only engine test that compiles (a small `max_num_seqs`: few buckets)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.compiled_forward import CompiledDecodeForward, batch_size_buckets
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from models import bundled_checkpoint_dir
+from models.deepseek_v3 import DeepseekV3MoE
+from models.prompts import heldout_def_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+
+
+def test_batch_size_buckets() -> None:
+    assert batch_size_buckets(1) == [1]
+    assert batch_size_buckets(4) == [1, 2, 4]
+    assert batch_size_buckets(30) == [1, 2, 4, 8, 16, 24, 30]
+    assert batch_size_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+@pytest.fixture(scope="module")
+def eager() -> LLM:
+    return LLM(bundled_checkpoint_dir(), num_kv_blocks=256, max_num_seqs=4)
+
+
+def test_dense_moe_equals_routed_moe(eager: LLM) -> None:
+    layer = next(m for m in eager.engine.model.modules() if isinstance(m, DeepseekV3MoE))
+    hidden = torch.randn(9, eager.engine.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        # Same function, other summation order over experts: float32 rounding only.
+        torch.testing.assert_close(layer.forward_dense(hidden), layer(hidden), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_cache_is_not_compiled(eager: LLM) -> None:
+    int8 = eager.replace_config(compile=True, kv_cache_dtype="int8")
+    assert CompiledDecodeForward.supported(int8.engine.runner) is not None
+    assert int8.engine.runner.compiled is None
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"num_speculative_tokens": 0}, {"num_speculative_tokens": 1, "async_scheduling": True},
+     {"num_speculative_tokens": 3}],
+    ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()),
+)  # fmt: skip
+def test_greedy_output_identical_with_compile_on_and_off(eager: LLM, changes: dict) -> None:
+    prompts = heldout_def_prompts(6)  # more requests than max_num_seqs: requests join and finish
+    expected = [o.token_ids for o in eager.replace_config(**changes).generate(prompts, GREEDY)]
+    compiled = eager.replace_config(compile=True, **changes)
+    assert [o.token_ids for o in compiled.generate(prompts, GREEDY)] == expected
+    forward = compiled.engine.runner.compiled
+    assert forward is not None and forward.num_compiled_steps > 0 and forward.num_eager_fallbacks == 0
