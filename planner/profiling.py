@@ -11,8 +11,8 @@ Method:
    k` tokens with MTP k). Times: CPU seconds of the stepping thread (`time.thread_time`; torch at 1 thread
    as the deployed rank actors run it, the engine's synchronous loop steps in the calling thread), so load
    from other processes does not enter the fit; wall seconds are recorded beside them.
-2. KV transfer. `bench.kv_transfer.bench_in_process("grpc", ...)` moves one handoff of the model's layers at a few prompt
-   lengths over gRPC on 127.0.0.1 (wall clock: it runs on several threads); `seconds = fixed + bytes /
+2. KV transfer. `bench.kv_transfer.bench_in_process("grpc", ...)` moves one handoff of the model's
+   layers at a few prompt lengths over gRPC on 127.0.0.1 (wall clock: it runs on several threads); `seconds = fixed + bytes /
    bandwidth` fitted through each size's fastest repeat gives the per-handoff cost and the throughput.
 3. Fit. The model's step time is `host + n_ops op_overhead + sum_ops max(flops x a_kind, bytes x b_kind)`
    with `a = 1 / (peak x compute factor)` and `b = 1 / (bandwidth x memory factor)`. Alternating: each
