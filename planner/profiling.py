@@ -13,7 +13,8 @@ Method:
    from other processes does not enter the fit; wall seconds are recorded beside them.
 2. KV transfer. `bench.kv_transfer.bench_in_process("grpc", ...)` moves one handoff of the model's
    layers at a few prompt lengths over gRPC on 127.0.0.1 (wall clock: it runs on several threads);
-   `seconds = fixed + bytes / bandwidth` fitted through each size's fastest repeat gives the per-handoff cost and the throughput.
+   `seconds = fixed + bytes / bandwidth` fitted through each size's fastest repeat gives the per-handoff
+   cost and the throughput.
 3. Fit. The model's step time is `host + n_ops op_overhead + sum_ops max(flops x a_kind, bytes x b_kind)`
    with `a = 1 / (peak x compute factor)` and `b = 1 / (bandwidth x memory factor)`. Alternating: each
    op is assigned the regime (compute or memory) the current factors give it, the 7 unknowns (host,
