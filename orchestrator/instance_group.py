@@ -10,7 +10,9 @@ most `spec.timeout_s`, so a rank that died or stalled fails the others' steps wi
 The ranks start at once but load at different speeds on a busy machine, so they first meet at a barrier
 with a longer wait (`spec.rendezvous_timeout_s`): a store of their own on `spec.barrier_port`, where each
 rank sets its key and waits for all. Only then do they make the group, all present, within the short
-timeout. A handshake all-reduce checks that every rank joined.
+timeout. A handshake all-reduce checks that every rank joined. They meet at the barrier once more when
+each has built its engine (`wait_until_loaded`): the engines' first lockstep collective would otherwise
+wait out the slowest rank's weight loading within the short timeout.
 """
 
 from __future__ import annotations
@@ -77,3 +79,15 @@ def join_instance_group(spec: InstanceGroupSpec) -> InstanceGroup:
     if int(joined.item()) != spec.num_ranks:
         raise RuntimeError(f"instance group handshake: {int(joined.item())} of {spec.num_ranks} ranks")
     return InstanceGroup(group, barrier, spec.rank, spec.num_ranks)
+
+
+def wait_until_loaded(joined: InstanceGroup) -> None:
+    """Meet the instance's other ranks at the barrier again once this rank's engine is built (collective:
+    every rank calls it after loading), so no rank's first step collective starts while a peer still
+    loads. Waits up to the barrier store's timeout (`InstanceGroupSpec.rendezvous_timeout_s`).
+
+    Raises:
+        RuntimeError (torch.distributed's DistStoreError): a rank did not finish loading in time.
+    """
+    joined.barrier_store.set(f"loaded{joined.rank}", "ready")
+    joined.barrier_store.wait([f"loaded{r}" for r in range(joined.num_ranks)])

@@ -70,6 +70,10 @@ class RankActor:
         if self.lockstep and self.instance_group is None:
             raise ValueError(f"{name}: an expert-parallel engine needs its instance group (group=None)")
         self.engine = LLMEngine(engine_config, group=self.instance_group.group if self.lockstep else None)
+        if self.instance_group is not None:  # every rank loaded before the first lockstep collective
+            from orchestrator.instance_group import wait_until_loaded
+
+            wait_until_loaded(self.instance_group)
         self.load_s = time.monotonic() - started_s
         self._stopped = threading.Event()
         self._num_loop_errors = 0

@@ -79,7 +79,9 @@ def engine_arguments(topology: Topology, role: str, rank: int = 0) -> dict[str, 
     """`EngineConfig` keyword arguments for rank `rank` of one instance of pool `role` (`prefill` or
     `decode`).
 
-    From the pool: every field of the same name (`kv_cache_memory_bytes` is per device). From elsewhere:
+    From the pool: every field of the same name (`kv_cache_memory_bytes` is per device; `max_num_seqs`
+    and `max_num_batched_tokens` are per instance, so each of its data-parallel attention ranks gets
+    `ceil(value / attention_data_parallel_size)`). From elsewhere:
     `model` (the checkpoint directory), `device` (the accelerator's torch device type; the device index is
     the actor's to add), `dtype` (`ModelConfig.resolved_dtype`), `num_speculative_tokens` from decode
     for both pools (prefill drafts the first MTP tokens that travel with the KV), and `parallel`
@@ -91,6 +93,11 @@ def engine_arguments(topology: Topology, role: str, rank: int = 0) -> dict[str, 
     pool = topology.pool(role)
     spec = topology.hardware.spec
     arguments = {f.name: getattr(pool, f.name) for f in dataclasses.fields(pool) if f.name in ENGINE_FIELDS}
+    # The pool's step budget and running-request limit are per instance (as the planner simulates them);
+    # with data-parallel attention each rank's engine takes its share, rounded up.
+    dp = pool.attention_data_parallel_size
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        arguments[name] = -(-arguments[name] // dp)
     arguments.update(
         model=str(topology.model.checkpoint_dir),
         device=spec.torch_device_type,

@@ -36,3 +36,17 @@ def test_single_device_and_replicated_experts_run_as_one_device() -> None:
         decode=dataclasses.replace(local.decode, devices_per_instance=2, expert_parallel_size=1),
     )
     assert replicated.engine_config("decode", 1).parallel == ParallelConfig()  # each rank on its own
+
+
+def test_per_instance_limits_are_shared_by_the_data_parallel_ranks() -> None:
+    topo = load_topology(CLUSTERS / "local-ep.yaml")
+    odd = dataclasses.replace(
+        topo, decode=dataclasses.replace(topo.decode, max_num_seqs=7, max_num_batched_tokens=1001)
+    )
+    for rank in (0, 1):
+        config = odd.engine_config("decode", rank)
+        assert (config.max_num_seqs, config.max_num_batched_tokens) == (4, 501)  # ceil(7 / 2), ceil(1001 / 2)
+    single = load_topology(CLUSTERS / "local.yaml")
+    assert single.engine_config("decode").max_num_seqs == single.decode.max_num_seqs
+    cm384 = load_topology(CLUSTERS / "cm384.yaml")  # decode: 27,648 per instance of 288 dies
+    assert cm384.engine_config("decode", 287).max_num_seqs == 96
