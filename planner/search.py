@@ -7,7 +7,9 @@ over 2; else 1), decode max batch (`max_num_seqs`, the file's and half, the toke
 MTP k (0 and the file's), and instances per pool (1 or 2 decode instances, and prefill counts from a third
 of what the remaining devices hold to all of it).
 Candidates the topology rules refuse (`orchestrator.topology.check_topology`: divisibility by the model's
-experts and heads, placement within nodes and supernodes) are dropped.
+experts and heads, placement within nodes and supernodes) are dropped, and so are those `pdcluster deploy`
+does not run (`orchestrator.preflight.actor_layer_issues`: tensor-parallel attention, an expert's FFN split
+over part of an instance), so the half-instance EP degree is only simulated where deploy would run it.
 
 `search` simulates every candidate on the same workload (`planner.simulator.simulate`) and ranks them by
 goodput (requests per second meeting both the TTFT and the TPOT SLO) per device used; `plan_yaml` writes
@@ -83,6 +85,7 @@ def candidate_topologies(
 ) -> Iterator[Topology]:
     """The candidates of `base`'s hardware (see the module docstring), each valid by the topology rules
     (`orchestrator.topology.check_topology`, the model's config.json read once)."""
+    from orchestrator.preflight import actor_layer_issues
     from orchestrator.topology.rules import cross_section_issues, read_model_architecture
 
     arch = read_model_architecture(base.model)
@@ -109,7 +112,9 @@ def candidate_topologies(
                                 sections = {
                                     f.name: getattr(candidate, f.name) for f in dataclasses.fields(candidate)
                                 }
-                                if not any(True for _ in cross_section_issues(sections, arch, arch_src)):
+                                if not any(
+                                    True for _ in cross_section_issues(sections, arch, arch_src)
+                                ) and not actor_layer_issues(candidate):
                                     yield candidate
 
 
