@@ -78,6 +78,23 @@ def test_the_simulator_calls_the_live_policy_functions():
     assert simulator.after_reserve is orchestrator.dispatch.after_reserve
     assert sim_engine.schedule_step is engine.scheduler_policy.schedule_step
     assert simulator.check_request_fits is engine.scheduler_policy.check_request_fits
+    for name, live in orchestrator.router.POLICIES.items():  # the instance routes with the live object
+        sim = simulator.ClusterSimulator(
+            topology(policy=name), LinearModel(0.1), LinearModel(0.01), sizing(), sizing()
+        )
+        assert sim.policy is live
+
+
+def test_the_simulator_runs_the_scheduler_policy_it_imports(monkeypatch):
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return engine.scheduler_policy.schedule_step(*args, **kwargs)
+
+    monkeypatch.setattr(sim_engine, "schedule_step", counting)
+    run([TraceRequest(0.0, 8, 4)], LinearModel(0.1), LinearModel(0.01))
+    assert calls  # every simulated step is planned by the live function (the name checked above)
 
 
 def test_one_request_ttft_tpot_e2e_exact():
