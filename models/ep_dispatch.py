@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from models.expert_placement import ExpertPlacement
-from models.moe_dispatch import Dispatched, ExpertDispatcher
+from models.moe_dispatch import Dispatched, ExpertDispatcher, weighted_sum
 
 
 class EPCollectiveError(RuntimeError):
@@ -248,9 +248,7 @@ class EPDispatcher(ExpertDispatcher):
     @staticmethod
     def _weighted_sum(returned: torch.Tensor, handle: EPDispatchHandle) -> torch.Tensor:
         """`[num_tokens, hidden_size]`: each token's gate-weighted sum of its returned expert rows."""
-        weighted = returned * handle.weights[:, None].to(returned.dtype)
-        out = returned.new_zeros(handle.num_tokens, returned.shape[-1])
-        return out.index_add_(0, handle.token_ids, weighted)
+        return weighted_sum(returned, handle.token_ids, handle.weights, handle.num_tokens)
 
     def combine(self, expert_out: torch.Tensor, handle: EPDispatchHandle) -> torch.Tensor:  # type: ignore[override]
         """expert_out: `[num_received_rows, hidden_size]` in dispatch order. Returns `[num_tokens,

@@ -47,6 +47,19 @@ class Dispatched(NamedTuple):
     handle: DispatchHandle
 
 
+def weighted_sum(
+    rows: torch.Tensor, token_ids: torch.Tensor, weights: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """Each token's gate-weighted sum of its expert rows (the MoE combine).
+
+    rows: `[num_rows, hidden_size]` expert outputs; token_ids: `[num_rows]` int64, each row's source
+    token; weights: `[num_rows]` float32 gate weights. Returns `[num_tokens, hidden_size]` in `rows`'
+    dtype; a token's rows are summed in row order.
+    """
+    weighted = rows * weights[:, None].to(rows.dtype)
+    return rows.new_zeros(num_tokens, rows.shape[-1]).index_add_(0, token_ids, weighted)
+
+
 class ExpertDispatcher(ABC):
     """Moves tokens to the experts that process them and back. See the module docstring."""
 
@@ -94,6 +107,4 @@ class LocalDispatcher(ExpertDispatcher):
         return Dispatched(hidden[token_ids], rows_per_expert, handle)
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        weighted = expert_out * handle.weights[:, None].to(expert_out.dtype)
-        out = expert_out.new_zeros(handle.num_tokens, expert_out.shape[-1])
-        return out.index_add_(0, handle.token_ids, weighted)
+        return weighted_sum(expert_out, handle.token_ids, handle.weights, handle.num_tokens)

@@ -12,6 +12,7 @@ peaks from vendors and papers, not measurements, and the planner calibrates agai
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 GIB = 1024**3
@@ -80,6 +81,24 @@ class AcceleratorSpec:
         return self.hbm_bytes * self.dies_per_chip
 
 
+# H100 SXM5 80GB: 989 TFLOPS BF16 dense (1,979 with sparsity), 1,979 TOPS INT8 dense, 80 GB HBM3 at
+# 3.35 TB/s. Source: NVIDIA H100 Tensor Core GPU datasheet (table "H100 SXM"; its sparse figures
+# halved).
+_H100_SXM = AcceleratorSpec(
+    name="h100",
+    vendor="nvidia",
+    dies_per_chip=1,
+    bf16_flops_per_s=989 * TERA,
+    int8_ops_per_s=1979 * TERA,
+    hbm_bytes=80 * GIB,
+    hbm_bytes_per_s=3.35 * TERA,
+    ray_resource="GPU",
+    torch_device_type="cuda",
+    collective_backend="nccl",
+    fp8_flops_per_s=1979 * TERA,
+)
+
+
 ACCELERATORS: dict[str, AcceleratorSpec] = {
     spec.name: spec
     for spec in (
@@ -131,39 +150,12 @@ ACCELERATORS: dict[str, AcceleratorSpec] = {
             torch_device_type="npu",
             collective_backend="hccl",
         ),
-        # H100 SXM5 80GB: 989 TFLOPS BF16 dense (1,979 with sparsity), 1,979 TOPS INT8 dense, 80 GB HBM3 at
-        # 3.35 TB/s. Source: NVIDIA H100 Tensor Core GPU datasheet (table "H100 SXM"; its sparse figures
-        # halved).
-        AcceleratorSpec(
-            name="h100",
-            vendor="nvidia",
-            dies_per_chip=1,
-            bf16_flops_per_s=989 * TERA,
-            int8_ops_per_s=1979 * TERA,
-            hbm_bytes=80 * GIB,
-            hbm_bytes_per_s=3.35 * TERA,
-            ray_resource="GPU",
-            torch_device_type="cuda",
-            collective_backend="nccl",
-            fp8_flops_per_s=1979 * TERA,
-        ),
+        _H100_SXM,
         # H800 SXM5 80GB: the H100 SXM5 compute die for the Chinese market (989 TFLOPS BF16, 1,979 TFLOPS
         # FP8 dense, 80 GB HBM3 at 3.35 TB/s) with NVLink cut to 400 GB/s bidirectional (~160 GB/s
         # measured one way by DeepEP); 8 per node, one 400 Gb/s CX7 InfiniBand NIC per GPU. Sources: NVIDIA
         # H800 product brief; DeepSeek-V3 technical report (arXiv:2412.19437) section 3.1; DeepEP README.
-        AcceleratorSpec(
-            name="h800",
-            vendor="nvidia",
-            dies_per_chip=1,
-            bf16_flops_per_s=989 * TERA,
-            int8_ops_per_s=1979 * TERA,
-            hbm_bytes=80 * GIB,
-            hbm_bytes_per_s=3.35 * TERA,
-            ray_resource="GPU",
-            torch_device_type="cuda",
-            collective_backend="nccl",
-            fp8_flops_per_s=1979 * TERA,
-        ),
+        dataclasses.replace(_H100_SXM, name="h800"),
         # H200 SXM 141GB: same Hopper compute as H100 SXM (989 TFLOPS BF16, 1,979 TOPS INT8, dense),
         # 141 GB HBM3e at 4.8 TB/s. Source: NVIDIA H200 Tensor Core GPU datasheet ("H200 SXM" column).
         AcceleratorSpec(
