@@ -1,4 +1,5 @@
-"""One local Ray session per test module (clusters are deployed into it and torn down per test)."""
+"""One local Ray session for the whole tests/cluster package (clusters are deployed into it and torn down
+per test or per module; each module shuts down what it deployed, so the next one finds 4 free CPUs)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import pytest
 from orchestrator.ray_runtime import init_local_ray
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def ray_session():
+    """The Ray API with a local instance of 4 logical CPUs, started once for the package (a start and a
+    shutdown cost seconds each, more under load); one already started by the caller is left running."""
     ray = pytest.importorskip("ray")
     started = not ray.is_initialized()
     if started:
