@@ -53,43 +53,79 @@ def _metric(text: str, name: str) -> float:
     return 0.0
 
 
-def test_client_disconnect_mid_stream_aborts_on_both_pools(ray_session) -> None:
+def test_load_test_in_small_against_the_cluster(ray_session, capsys) -> None:
+    """`make load-test` in small: `bench.load_streams` deploys clusters/local.yaml behind the edge with
+    max_concurrent_requests 8 and a separate client process opens 50 streams at once. Each completes or
+    is refused with 429 + Retry-After before its stream starts, none is killed mid-stream, and the cluster
+    holds nothing afterwards. (First in the module: it deploys its own cluster, before `served` exists.)"""
+    from bench import load_streams
+
+    code = load_streams.main(
+        [
+            "--num-streams",
+            "50",
+            "--max-tokens",
+            "8",
+            "--max-concurrent-requests",
+            "8",
+            "--deadline-s",
+            "120",
+            "--json",
+        ]
+    )
+    report = json.loads(capsys.readouterr().out)
+    results = report["results"]
+    assert code == 0 and results["clean"], report
+    assert results["killed_mid_stream"] == 0 and results["completed"] + results["refused"] == 50, results
+    assert results["completed"] >= 8 and set(results["refusal_statuses"]) <= {"429", "503"}, results
+    assert report["config"]["max_concurrent_requests"] == 8 and report["cluster_idle_after_run"], report
+
+
+@pytest.fixture(scope="module")
+def served(ray_session):
+    """One deployed pair behind one edge for the two abort tests (each leaves it idle and healthy, and
+    counts its own aborts as a difference, so they share it; a deploy costs seconds)."""
+    cluster = Cluster.deploy(_topology())
+    try:
+        with ServerThread(build_app(cluster)) as server:
+            yield cluster, server
+    finally:
+        cluster.shutdown()
+
+
+def test_client_disconnect_mid_stream_aborts_on_both_pools(served) -> None:
     """A streamed completion (900 tokens asked) whose client closes the connection after the first chunk:
     the edge aborts it in the cluster, which releases it on decode (the running request and its blocks) and
     on prefill (job and handoff); within seconds, long before 900 tokens could be decoded, check_no_leaks
     reports nothing held on either pool, the edge counts one aborted request, and the pair still serves."""
-    cluster = Cluster.deploy(_topology())
-    try:
-        with (
-            ServerThread(build_app(cluster)) as server,
-            httpx.Client(base_url=server.url, timeout=request_bound_s(cluster)) as client,
-        ):
-            body = {
-                "prompt": "def add(a, b):\n    return",
-                "max_tokens": 900,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            with client.stream("POST", "/v1/completions", json=body) as response:
-                assert response.status_code == 200
-                lines = response.iter_lines()
-                assert next(line for line in lines if line.startswith("data: "))
-                running = cluster.check_no_leaks()["decode-0"]
-                assert running["num_unfinished"] == 1 and running["num_used_blocks"] > 0, running
-            # leaving the block closed the connection after the first chunk
+    cluster, server = served
+    assert _is_idle(leaks := cluster.check_no_leaks()), leaks
+    with httpx.Client(base_url=server.url, timeout=request_bound_s(cluster)) as client:
+        aborted_before = _metric(client.get("/metrics").text, ABORTED)
+        body = {
+            "prompt": "def add(a, b):\n    return",
+            "max_tokens": 900,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            running = cluster.check_no_leaks()["decode-0"]
+            assert running["num_unfinished"] == 1 and running["num_used_blocks"] > 0, running
+        # leaving the block closed the connection after the first chunk
 
-            closed_s = time.monotonic()
-            while not _is_idle(leaks := cluster.check_no_leaks()):
-                assert time.monotonic() - closed_s < call_bound_s(cluster), leaks  # one abort call
-                time.sleep(0.05)
-            assert not cluster._requests
-            assert _metric(client.get("/metrics").text, ABORTED) == 1
+        closed_s = time.monotonic()
+        while not _is_idle(leaks := cluster.check_no_leaks()):
+            assert time.monotonic() - closed_s < call_bound_s(cluster), leaks  # one abort call
+            time.sleep(0.05)
+        assert not cluster._requests
+        assert _metric(client.get("/metrics").text, ABORTED) == aborted_before + 1
 
-            after = client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 4, "temperature": 0})
-            assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
-    finally:
-        cluster.shutdown()
+        after = client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 4, "temperature": 0})
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
 
 
 def _send_completion(server: ServerThread, body: dict) -> socket.socket:
@@ -118,7 +154,7 @@ def _assert_nothing_received(sock: socket.socket) -> None:
     ids=["reserved-then-client-gone-stream", "client-gone-then-reserved"],
 )
 def test_client_gone_before_first_byte_releases_decode_reservation(
-    ray_session, where: str, stream: bool
+    ray_session, served, where: str, stream: bool
 ) -> None:
     """Issue 12, finding 5: a client that closes its connection before the first byte of the response,
     while decode's `reserve` call is in flight, used to leave the reservation held until its lease ran out
@@ -128,76 +164,48 @@ def test_client_gone_before_first_byte_releases_decode_reservation(
     released within one call bound of the close. before_reserve: the client goes before decode reserves
     (the abort overtakes the reserve); it is released once the reserve call returns, within one call
     bound of the reserve. Both: the pair is idle and healthy, and serves the next request."""
-    cluster = Cluster.deploy(_topology())
-    try:
-        delay_s = 0.6 * cluster.call_timeout_s
-        ray_session.get(cluster.decode_actors[0].inject_delay.remote(where, delay_s), timeout=30)
-        with ServerThread(build_app(cluster)) as server:
-            body = {
-                "prompt": "def add(a, b):\n    return",
-                "max_tokens": 8,
-                "temperature": 0,
-                "stream": stream,
-            }
-            sent_s = time.monotonic()
-            sock = _send_completion(server, body)
-            # the attempt exists (routing done) and its reserve call is in flight
-            attempts = lambda: [r.attempt for r in list(cluster._requests.values())]  # noqa: E731
-            while not any(a is not None and a.meta is None for a in attempts()):
-                assert time.monotonic() - sent_s < delay_s, "the request did not reach reserve"
-                time.sleep(0.01)
-            if where == "after_reserve":
-                while cluster.check_no_leaks()["decode-0"]["num_reserved"] != 1:
-                    assert time.monotonic() - sent_s < delay_s, "decode did not reserve"
-                    time.sleep(0.01)
-            else:
-                time.sleep(min(0.2, delay_s / 4))  # the reserve call has left the driver
-            _assert_nothing_received(sock)
-            sock.close()
-            closed_s = time.monotonic()
+    cluster, server = served
+    assert _is_idle(leaks := cluster.check_no_leaks()), leaks
+    with httpx.Client(base_url=server.url, timeout=request_bound_s(cluster)) as client:
+        aborted_before = _metric(client.get("/metrics").text, ABORTED)
+    delay_s = 0.6 * cluster.call_timeout_s
+    # one delayed reserve (count=1): this test's request's; the next request's reserve is not delayed
+    ray_session.get(cluster.decode_actors[0].inject_delay.remote(where, delay_s), timeout=30)
+    body = {
+        "prompt": "def add(a, b):\n    return",
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": stream,
+    }
+    sent_s = time.monotonic()
+    sock = _send_completion(server, body)
+    # the attempt exists (routing done) and its reserve call is in flight
+    attempts = lambda: [r.attempt for r in list(cluster._requests.values())]  # noqa: E731
+    while not any(a is not None and a.meta is None for a in attempts()):
+        assert time.monotonic() - sent_s < delay_s, "the request did not reach reserve"
+        time.sleep(0.01)
+    if where == "after_reserve":
+        while cluster.check_no_leaks()["decode-0"]["num_reserved"] != 1:
+            assert time.monotonic() - sent_s < delay_s, "decode did not reserve"
+            time.sleep(0.01)
+    else:
+        time.sleep(min(0.2, delay_s / 4))  # the reserve call has left the driver
+    _assert_nothing_received(sock)
+    sock.close()
+    closed_s = time.monotonic()
 
-            if where == "after_reserve":
-                while not _is_idle(leaks := cluster.check_no_leaks()):
-                    assert time.monotonic() - closed_s < call_bound_s(cluster), leaks  # one abort call
-                    time.sleep(0.05)
-            else:  # the reservation is made delay_s after the request reached decode, then released
-                time.sleep(max(0.0, sent_s + delay_s + call_bound_s(cluster) - time.monotonic()))
-                leaks = cluster.check_no_leaks()
-                assert _is_idle(leaks), leaks
-            assert not cluster._requests
-            assert cluster.health()["decode-0"]["state"] == "healthy"
-            with httpx.Client(base_url=server.url, timeout=request_bound_s(cluster)) as client:
-                r = client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 4, "temperature": 0})
-                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-                assert _metric(client.get("/metrics").text, ABORTED) == 1
-            assert _is_idle(leaks := cluster.check_no_leaks()), leaks
-    finally:
-        cluster.shutdown()
-
-
-def test_load_test_in_small_against_the_cluster(ray_session, capsys) -> None:
-    """`make load-test` in small: `bench.load_streams` deploys clusters/local.yaml behind the edge with
-    max_concurrent_requests 8 and a separate client process opens 50 streams at once. Each completes or
-    is refused with 429 + Retry-After before its stream starts, none is killed mid-stream, and the cluster
-    holds nothing afterwards."""
-    from bench import load_streams
-
-    code = load_streams.main(
-        [
-            "--num-streams",
-            "50",
-            "--max-tokens",
-            "8",
-            "--max-concurrent-requests",
-            "8",
-            "--deadline-s",
-            "120",
-            "--json",
-        ]
-    )
-    report = json.loads(capsys.readouterr().out)
-    results = report["results"]
-    assert code == 0 and results["clean"], report
-    assert results["killed_mid_stream"] == 0 and results["completed"] + results["refused"] == 50, results
-    assert results["completed"] >= 8 and set(results["refusal_statuses"]) <= {"429", "503"}, results
-    assert report["config"]["max_concurrent_requests"] == 8 and report["cluster_idle_after_run"], report
+    if where == "after_reserve":
+        while not _is_idle(leaks := cluster.check_no_leaks()):
+            assert time.monotonic() - closed_s < call_bound_s(cluster), leaks  # one abort call
+            time.sleep(0.05)
+    else:  # the reservation is made delay_s after the request reached decode, then released
+        time.sleep(max(0.0, sent_s + delay_s + call_bound_s(cluster) - time.monotonic()))
+        leaks = cluster.check_no_leaks()
+        assert _is_idle(leaks), leaks
+    assert not cluster._requests
+    assert cluster.health()["decode-0"]["state"] == "healthy"
+    with httpx.Client(base_url=server.url, timeout=request_bound_s(cluster)) as client:
+        r = client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert _metric(client.get("/metrics").text, ABORTED) == aborted_before + 1
+    assert _is_idle(leaks := cluster.check_no_leaks()), leaks
