@@ -112,7 +112,9 @@ def test_greedy_and_acceptance_match_single_engine(
     the greedy tokens equal one engine's token for token, and with MTP the drafts proposed/accepted are
     the same counts (the MTP KV and first drafts travel with the handoff). The text decode sends equals the
     engine's, also for a request its stop string ends (finish_reason "stop", the edge detokenizes nothing).
-    Every handoff presents the secret decode's reservation created. No KV block is held afterwards."""
+    Every handoff presents the secret decode's reservation created. No KV block is held afterwards.
+    On the default pair (gRPC, layerwise, k=1, no TLS), the same deployment then serves 32 requests at
+    once (`_assert_32_concurrent_requests_complete_without_leaks`; it had a deploy of its own)."""
     tls_config = None
     if tls:
         files = write_test_certificates(tmp_path)
@@ -147,32 +149,30 @@ def test_greedy_and_acceptance_match_single_engine(
         )
         assert (text, last.finish_reason) == (stopped.text, "stop")
         _assert_no_blocks_held(cluster)
+        if (transport, layerwise, k, tls) == ("grpc", True, 1, False):  # the default pair: one deploy
+            _assert_32_concurrent_requests_complete_without_leaks(cluster)
     finally:
         cluster.shutdown()
 
 
-def test_32_concurrent_requests_complete_without_leaks(ray_session) -> None:
+def _assert_32_concurrent_requests_complete_without_leaks(cluster: Cluster) -> None:
     """32 requests at once (more than fit one step's batch of handoffs) all finish with their max_tokens,
     and afterwards no KV block, reservation or open handoff is left on either pool."""
-    cluster = Cluster.deploy(_topology("grpc", True, 1))
-    try:
-        prompts = [cluster.tokenizer.encode(f"def f{i}(x):\n    return x * {i} +") for i in range(32)]
-        params = [SamplingParams(temperature=0.0, max_tokens=8 + i % 8, ignore_eos=True) for i in range(32)]
+    prompts = [cluster.tokenizer.encode(f"def f{i}(x):\n    return x * {i} +") for i in range(32)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + i % 8, ignore_eos=True) for i in range(32)]
 
-        async def run():
-            return await asyncio.gather(
-                *[
-                    _generate(cluster, f"c{i}", p, sp)
-                    for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
-                ]
-            )
+    async def run():
+        return await asyncio.gather(
+            *[
+                _generate(cluster, f"c{i}", p, sp)
+                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+            ]
+        )
 
-        results = asyncio.run(asyncio.wait_for(run(), request_bound_s(cluster)))
-        for (tokens, last), sp in zip(results, params, strict=True):
-            assert len(tokens) == sp.max_tokens and last.finished
-        _assert_no_blocks_held(cluster)
-    finally:
-        cluster.shutdown()
+    results = asyncio.run(asyncio.wait_for(run(), request_bound_s(cluster)))
+    for (tokens, last), sp in zip(results, params, strict=True):
+        assert len(tokens) == sp.max_tokens and last.finished
+    _assert_no_blocks_held(cluster)
 
 
 def test_prefill_killed_mid_transfer_is_redispatched(ray_session, single_engine_outputs) -> None:
