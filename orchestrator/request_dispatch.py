@@ -2,8 +2,8 @@
 lifecycle). A thin loop over the pure dispatch policy (`orchestrator.dispatch`):
 
     generate(request_id, ...)         one `RequestRecord`; per attempt (at most MAX_DISPATCH_ATTEMPTS):
-      _dispatch (`orchestrator.routing`) load every live instance, route (`orchestrator.router` policy over
-                                      instance loads), reserve on decode (`DecodeNode.reserve`);
+      _dispatch (`orchestrator.routing`) route (`orchestrator.router` policy over the load board's rank
+                                      loads: no call), reserve on decode (`DecodeNode.reserve`);
                                       `after_reserve` says: start prefill, route again, retry (no room),
                                       fail (no room until the deadline), or end (aborted)
       prefill call                    `PrefillNode.prefill(PrefillRequest)` with the bound meta
@@ -11,7 +11,8 @@ lifecycle). A thin loop over the pure dispatch policy (`orchestrator.dispatch`):
                                       (handed over by the poll loop), `Aborted`, `DecodeLost`, the prefill
                                       call's `PrefillDone` / `PrefillFailed`, or `NoEvent` (timeout)
       next_action                     Emit (stream it) | Wait | EndAborted | Redispatch | Fail
-    _poll(decode_index, rank)         one loop per decode rank: `DecodeNode.poll` -> the attempt queues
+    _poll(decode_index, rank)         one loop per decode rank: `DecodeNode.poll_with_load` -> the attempt
+                                      queues, and the rank's load snapshot -> the load board (routing)
 
 Every wait is bounded: actor calls by `call_timeout_s`, the prefill call and each wait for an event by
 `event_timeout_s` (`orchestrator.dispatch`).
@@ -44,8 +45,10 @@ from orchestrator.dispatch import (
 )
 from orchestrator.health_monitor import PROBE_INTERVAL_S
 from orchestrator.instance import Instance
-from orchestrator.messages import Aborted, Phases, PrefillRequest, TokenDelta
+from orchestrator.load_board import LoadBoard
+from orchestrator.messages import Aborted, Phases, PollReply, PrefillRequest, TokenDelta
 from orchestrator.request_state import Attempt, RequestRecord
+from orchestrator.router import RankRef
 
 logger = logging.getLogger("orchestrator.cluster")
 
@@ -56,6 +59,7 @@ class RequestDispatch:
     instances: dict[str, list[Instance]]
     _requests: dict[str, RequestRecord]
     _by_handoff: dict[str, Attempt]
+    _loads: LoadBoard
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -106,6 +110,10 @@ class RequestDispatch:
                 prefill = self.instances["prefill"][attempt.prefill_index].ranks[attempt.prefill.rank]
                 prefill_ref = prefill.prefill.remote(request)
                 prefill_task = asyncio.ensure_future(self._call(prefill_ref, self.event_timeout_s))
+                attempt.prefill_call = prefill_task
+                prefill_task.add_done_callback(
+                    lambda _, rank=attempt.prefill, n=len(prompt_token_ids): self._loads.prefill_ended(rank, n)
+                )
                 action = None
                 owner_gone = False
                 try:
@@ -255,8 +263,8 @@ class RequestDispatch:
                 await asyncio.sleep(PROBE_INTERVAL_S / 4)
                 continue
             try:
-                polled = await self._call(
-                    instance.ranks[rank].poll.remote(POLL_WAIT_S, acked[rank]),
+                reply: PollReply = await self._call(
+                    instance.ranks[rank].poll_with_load.remote(POLL_WAIT_S, acked[rank]),
                     self.call_timeout_s + POLL_WAIT_S,
                 )
             except asyncio.CancelledError:
@@ -264,7 +272,9 @@ class RequestDispatch:
             except Exception as e:  # noqa: BLE001 - a dead or stuck decode rank fails its instance
                 self._mark_failed("decode", decode_index, e, f"poll of rank {rank}")
                 continue
-            for item in polled:
+            if instance.routable:  # (a reply that raced the instance leaving routing is stale)
+                self._loads.update_decode(RankRef(decode_index, rank), reply.load)
+            for item in reply.events:
                 if item.seq <= acked[rank]:
                     continue  # sent again after a lost reply; already handed over
                 acked[rank] = item.seq

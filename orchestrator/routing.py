@@ -1,8 +1,9 @@
 """Routing and reserving one dispatch attempt of a request, and releasing it (`orchestrator.cluster.Cluster`).
 
-`_dispatch` loads every live instance (each rank), routes with the topology's router policy over the
-ranks' loads (`orchestrator.instance`, `orchestrator.router`: a (instance, rank) pair per pool), and
-reserves on the chosen decode rank (`DecodeNode.reserve`); the pure `orchestrator.dispatch.after_reserve`
+`_dispatch` routes with the topology's router policy over the ranks' loads as the driver's load board
+holds them (`orchestrator.load_board`: decode snapshots piggy-backed on poll and reserve replies, prefill
+work the driver has in flight; no `load` call per request once every decode rank has reported once;
+`orchestrator.router`: a (instance, rank) pair per pool), and reserves on the chosen decode rank (`DecodeNode.reserve`); the pure `orchestrator.dispatch.after_reserve`
 decides what follows: start the prefill, route again (an instance was lost), retry after RESERVE_RETRY_S
 while no decode has room (back-pressure), fail at the deadline, or end (aborted). `_release` drops an
 attempt on every rank of its two instances.
@@ -20,9 +21,11 @@ from kvtransfer.base import HandoffMeta, resolve_wire_dtype
 from orchestrator.actor_errors import InstanceGroupFailed
 from orchestrator.backend import BackendUnavailable
 from orchestrator.dispatch import EndAborted, Fail, ReserveOutcome, RetryReserve, StartPrefill, after_reserve
-from orchestrator.instance import Instance, check_instance_group, decode_rank_loads, prefill_rank_loads
+from orchestrator.instance import Instance, check_instance_group
+from orchestrator.load_board import LoadBoard
 from orchestrator.messages import Phases, ReserveRequest, ReserveResult
 from orchestrator.request_state import Attempt, RequestRecord
+from orchestrator.router import DecodeLoad, PrefillLoad, RankRef
 
 
 class RouteAndReserve:
@@ -30,6 +33,7 @@ class RouteAndReserve:
 
     instances: dict[str, list[Instance]]
     _by_handoff: dict[str, Attempt]
+    _loads: LoadBoard
 
     # ---- routing and reserving ----------------------------------------------------------------------------
     async def _dispatch(
@@ -61,16 +65,16 @@ class RouteAndReserve:
                 raise BackendUnavailable(
                     f"{request_id}: no live decode instance ({self._health_summary('decode')})"
                 )
-            prefill_loads, decode_loads = await asyncio.gather(
-                self._load_instances(prefills), self._load_instances(decodes)
-            )
-            lost = False
-            for instance, r in zip(prefills + decodes, prefill_loads + decode_loads, strict=True):
-                if isinstance(r, BaseException):
-                    if not self._is_lost(r):
-                        raise r
-                    self._mark_failed(instance.role, instance.index, r, "load")
+            lost = await self._load_missing_decodes(decodes)
+            decode_loads: list[DecodeLoad] = []
+            for d in decodes if not lost else ():
+                try:
+                    check_instance_group(self._loads.decode_snapshots(d.index))
+                except InstanceGroupFailed as e:  # its latest snapshot reports a failed group
+                    self._mark_failed("decode", d.index, e, "load")
                     lost = True
+                    continue
+                decode_loads.extend(self._loads.decode_loads(d.index))
             attempt, bound = None, None
             if lost:  # out of routing now: the policy routes again over the instances that answered
                 outcome = ReserveOutcome.INSTANCE_LOST
@@ -80,22 +84,23 @@ class RouteAndReserve:
                 cached = self._prefix_cache.cached
                 choice = self._policy(
                     [
-                        load
-                        for p, r in zip(prefills, prefill_loads, strict=True)
-                        for load in prefill_rank_loads(p.index, r, cached)
+                        PrefillLoad(p.index, self._loads.prefill_queued_tokens(rank), cached(rank), rank.rank)
+                        for p in prefills
+                        for rank in (RankRef(p.index, r) for r in range(p.num_ranks))
                     ],
-                    [
-                        load
-                        for d, r in zip(decodes, decode_loads, strict=True)
-                        for load in decode_rank_loads(d.index, r)
-                    ],
+                    decode_loads,
                     counter=next(self._counter),
                     prompt_token_ids=prompt_token_ids,
                     block_size=self.topology.prefill.block_size,
                 )
                 attempt = Attempt(f"{request_id}@{attempt_index}", choice.prefill, choice.decode)
+                self._loads.prefill_started(attempt.prefill, len(prompt_token_ids))
                 reserve_started_s = time.monotonic()
-                outcome, bound = await self._reserve(record, attempt, prompt_token_ids, params)
+                try:
+                    outcome, bound = await self._reserve(record, attempt, prompt_token_ids, params)
+                except BaseException:
+                    self._loads.prefill_ended(attempt.prefill, len(prompt_token_ids))
+                    raise
                 record.phases = record.phases.merged(
                     Phases(
                         route_s=reserve_started_s - routing_started_s,
@@ -107,7 +112,9 @@ class RouteAndReserve:
                 assert attempt is not None
                 attempt.meta = bound
                 self._prefix_cache.record(attempt.prefill, prompt_token_ids)
-                return attempt
+                return attempt  # its prefill tokens stay counted until its prefill call ends (generate)
+            if attempt is not None:
+                self._loads.prefill_ended(attempt.prefill, len(prompt_token_ids))
             if isinstance(action, EndAborted):
                 return None
             if isinstance(action, Fail):
@@ -115,15 +122,32 @@ class RouteAndReserve:
             if isinstance(action, RetryReserve):
                 await asyncio.sleep(action.delay_s)
 
-    async def _load_instances(self, instances: list[Instance]) -> list[Any]:
-        """Per instance, its ranks' load snapshots, or the exception of its first rank call that failed."""
+    async def _load_missing_decodes(self, decodes: list[Instance]) -> bool:
+        """Load (one call per rank) the decode instances of `decodes` no snapshot has reached yet
+        (`LoadBoard.missing_decodes`: right after deploy or a restart), into the board. True: one of them
+        died, stopped answering or reports a failed group (marked so; route again)."""
+        missing = set(self._loads.missing_decodes(d.index for d in decodes))
+        if not missing:
+            return False
 
         async def ranks(instance: Instance) -> list[Any]:
             loads = list(await asyncio.gather(*[self._call(a.load.remote()) for a in instance.ranks]))
             check_instance_group(loads)
             return loads
 
-        return await asyncio.gather(*[ranks(i) for i in instances], return_exceptions=True)
+        targets = [d for d in decodes if d.index in missing]
+        results = await asyncio.gather(*[ranks(d) for d in targets], return_exceptions=True)
+        lost = False
+        for instance, r in zip(targets, results, strict=True):
+            if isinstance(r, BaseException):
+                if not self._is_lost(r):
+                    raise r
+                self._mark_failed(instance.role, instance.index, r, "load")
+                lost = True
+                continue
+            for rank, load in enumerate(r):
+                self._loads.update_decode(RankRef(instance.index, rank), load)
+        return lost
 
     async def _reserve(
         self, record: RequestRecord, attempt: Attempt, prompt_token_ids: list[int], params: SamplingParams
@@ -140,9 +164,12 @@ class RouteAndReserve:
             self.num_speculative_tokens,
         )
         decode = self.instances["decode"][attempt.decode_index].ranks[attempt.decode.rank]
+        self._loads.reserve_sent(attempt.decode)
         reserve_call = asyncio.ensure_future(self._call(decode.reserve.remote(reserve)))
+        answered: ReserveResult | None = None
         try:
-            result: ReserveResult = await asyncio.shield(reserve_call)
+            answered = await asyncio.shield(reserve_call)
+            result: ReserveResult = answered
         except asyncio.CancelledError:
             # The request's owner went away (the HTTP client disconnected) while decode reserved: the
             # reservation is released now, and again once the reserve call has returned (Ray runs a
@@ -160,6 +187,8 @@ class RouteAndReserve:
             self._release(attempt)  # a reservation that did go through after the timeout
             self._mark_failed("decode", attempt.decode_index, e, "reserve")
             return ReserveOutcome.INSTANCE_LOST, None
+        finally:
+            self._loads.reserve_answered(attempt.decode, None if answered is None else answered.load)
         if record.aborted:  # aborted while reserving: abort() saw this attempt
             self._by_handoff.pop(attempt.handoff_id, None)
             self._release(attempt)
