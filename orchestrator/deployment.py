@@ -29,11 +29,11 @@ from orchestrator.actor_errors import DeployError, actor_error_message
 from orchestrator.dispatch import call_timeout_s, collective_timeout_s, event_timeout_s
 from orchestrator.health import InstanceHealth
 from orchestrator.instance import Instance
+from orchestrator.load_board import LoadBoard
 from orchestrator.messages import InstanceGroupSpec, NodeReady
 from orchestrator.placement import nodes_to_pin, plan_placement, to_ray_placement_group_args
 from orchestrator.preflight import actor_layer_issues
 from orchestrator.ray_runtime import init_local_ray, keeping_sigterm_handler
-from orchestrator.load_board import LoadBoard
 from orchestrator.router import POLICIES, PrefixCacheModel
 from orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES, Topology, load_topology
 from orchestrator.wiring import ClusterWiring, advertised_address, free_ports

@@ -20,9 +20,9 @@ from typing import Any
 from orchestrator.actor_errors import describe_error
 from orchestrator.backend import BackendUnavailable
 from orchestrator.deployment import advertised_address
+from orchestrator.dispatch import PrefillFailed
 from orchestrator.health import InstanceHealth, ProbeOutcome, after_answer, after_failure
 from orchestrator.instance import Instance, check_instance_group
-from orchestrator.dispatch import PrefillFailed
 from orchestrator.messages import DecodeLost, DecodeNodeLoad, PrefillNodeLoad
 from orchestrator.request_state import Attempt
 from orchestrator.router import RankRef

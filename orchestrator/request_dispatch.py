@@ -6,7 +6,9 @@ lifecycle). A thin loop over the pure dispatch policy (`orchestrator.dispatch`):
                                       loads: no call), reserve on decode (`DecodeNode.reserve`);
                                       `after_reserve` says: start prefill, route again, retry (no room),
                                       fail (no room until the deadline), or end (aborted)
-      prefill call                    `PrefillNode.prefill(PrefillRequest)` with the bound meta
+      prefill call                    `PrefillNode.prefill(PrefillRequest)`, sent by _dispatch as soon as
+                                      routed (awaiting its bind: prefill computes while decode reserves),
+                                      then `PrefillNode.bind` with the meta decode bound
       _next_events                    the attempt's next events: decode's `TokenDelta` / `RequestError`
                                       (handed over by the poll loop), `Aborted`, `DecodeLost`, the prefill
                                       call's `PrefillDone` / `PrefillFailed`, or `NoEvent` (timeout)
@@ -46,7 +48,7 @@ from orchestrator.dispatch import (
 from orchestrator.health_monitor import PROBE_INTERVAL_S
 from orchestrator.instance import Instance
 from orchestrator.load_board import LoadBoard
-from orchestrator.messages import Aborted, Phases, PollReply, PrefillRequest, TokenDelta
+from orchestrator.messages import Aborted, Phases, PollReply, TokenDelta
 from orchestrator.request_state import Attempt, RequestRecord
 from orchestrator.router import RankRef
 
@@ -99,21 +101,8 @@ class RequestDispatch:
                 if attempt is None:  # aborted while dispatching (its reservation, if any, is released)
                     yield record.stream_delta()
                     return
-                request = PrefillRequest(
-                    attempt.handoff_id,
-                    tuple(prompt_token_ids),
-                    params,
-                    attempt.meta,
-                    attempt.decode_index,
-                    attempt.decode.rank,
-                )
-                prefill = self.instances["prefill"][attempt.prefill_index].ranks[attempt.prefill.rank]
-                prefill_ref = prefill.prefill.remote(request)
-                prefill_task = asyncio.ensure_future(self._call(prefill_ref, self.event_timeout_s))
-                attempt.prefill_call = prefill_task
-                prefill_task.add_done_callback(
-                    lambda _, rank=attempt.prefill, n=len(prompt_token_ids): self._loads.prefill_ended(rank, n)
-                )
+                prefill_task = attempt.prefill_call  # sent by _dispatch (bound once decode reserved)
+                assert prefill_task is not None
                 action = None
                 owner_gone = False
                 try:
