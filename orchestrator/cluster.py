@@ -31,7 +31,8 @@ An abort ends the request with finish_reason "abort" (never a re-dispatch).
 Timeouts (`kv_transfer.timeout_s` = T, `orchestrator.dispatch`): every actor call in the request path
 (load, reserve, abort, poll) gives up after `call_timeout_s` = max(CALL_TIMEOUT_MIN_S, T / 2); every wait
 for the request's next event (before and after admission) after T + EVENT_SLACK_S; the prefill call
-(awaiting its bind up to T, then queue + prompt + handoff) after T + (T + EVENT_SLACK_S). Nothing waits forever.
+(awaiting its bind up to T, then queue + prompt + handoff) after T + (T + EVENT_SLACK_S). Nothing waits
+forever.
 
 Where the code is: `orchestrator.deployment` (deploy, placement, rank actors, shutdown),
 `orchestrator.wiring` (rendezvous addresses, KV wiring), `orchestrator.instance_group` (a multi-rank

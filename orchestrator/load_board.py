@@ -40,6 +40,7 @@ class LoadBoard:
         self._decode: dict[RankRef, DecodeNodeLoad] = {}
         self._reserving: dict[RankRef, int] = {}  # reserve calls sent, reply not yet seen
         self._prefill_tokens: dict[RankRef, int] = {}  # prompt tokens of prefill calls in flight
+        self._prefill_calls: dict[RankRef, int] = {}  # prefill calls in flight
 
     # ---- decode ---------------------------------------------------------------------------------------
     def update_decode(self, rank: RankRef, load: DecodeNodeLoad) -> None:
@@ -112,22 +113,30 @@ class LoadBoard:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         with self._lock:
             self._prefill_tokens[rank] = self._prefill_tokens.get(rank, 0) + num_tokens
+            self._prefill_calls[rank] = self._prefill_calls.get(rank, 0) + 1
 
     def prefill_ended(self, rank: RankRef, num_tokens: int) -> None:
         """The work `prefill_started(rank, num_tokens)` counted is over (prefilled, failed or dropped)."""
         with self._lock:
             left = self._prefill_tokens.get(rank, 0) - num_tokens
-            if left < 0:
+            calls = self._prefill_calls.get(rank, 0) - 1
+            if left < 0 or calls < 0:
                 raise ValueError(f"prefill rank {tuple(rank)}: {num_tokens} tokens ended, fewer in flight")
-            if left:
-                self._prefill_tokens[rank] = left
-            else:
-                self._prefill_tokens.pop(rank, None)
+            for counts, value in ((self._prefill_tokens, left), (self._prefill_calls, calls)):
+                if value:
+                    counts[rank] = value
+                else:
+                    counts.pop(rank, None)
 
     def prefill_queued_tokens(self, rank: RankRef) -> int:
         """Prompt tokens of the driver's prefill work in flight on `rank`."""
         with self._lock:
             return self._prefill_tokens.get(rank, 0)
+
+    def prefill_calls(self, rank: RankRef) -> int:
+        """The driver's prefill calls in flight on `rank` (each holds one of the actor's call threads)."""
+        with self._lock:
+            return self._prefill_calls.get(rank, 0)
 
     def _check_decode(self, rank: RankRef) -> None:
         if not (0 <= rank.instance < len(self._num_decode_ranks)) or not (

@@ -38,6 +38,11 @@ from orchestrator.messages import Phases, PrefillBind, PrefillRequest, ReserveRe
 from orchestrator.request_state import Attempt, RequestRecord
 from orchestrator.router import DecodeLoad, PrefillLoad, RankRef
 
+# Prefill calls in flight per prefill rank up to which a new one is sent before its reservation (each
+# blocks one of the actor's call threads, `max_concurrency` 256, and its bind needs another); past it, a
+# request reserves first and its prefill is sent bound (the order without the overlap).
+MAX_EARLY_PREFILL_CALLS = 64
+
 
 class RouteAndReserve:
     """The routing half of the request path (a mixin of `orchestrator.cluster.Cluster`)."""
@@ -99,7 +104,7 @@ class RouteAndReserve:
             routing_started_s = time.monotonic()
             if record.aborted:
                 return attempt, False
-            if attempt is not None:  # its prefill is running: it stays there, only decode is routed again
+            if attempt is not None and attempt.prefill_call is not None:  # it stays there: route decode only
                 prefill_instance = self.instances["prefill"][attempt.prefill_index]
                 assert attempt.prefill_call is not None
                 if attempt.prefill_call.done() or not prefill_instance.routable:
@@ -146,7 +151,7 @@ class RouteAndReserve:
                 cached = self._prefix_cache.cached
                 prefill_ranks = (
                     [attempt.prefill]
-                    if attempt is not None
+                    if attempt is not None and attempt.prefill_call is not None
                     else [RankRef(p.index, r) for p in prefills for r in range(p.num_ranks)]
                 )
                 choice = self._policy(
@@ -161,10 +166,11 @@ class RouteAndReserve:
                     prompt_token_ids=prompt_token_ids,
                     block_size=self.topology.prefill.block_size,
                 )
-                if attempt is None:
+                if attempt is None or attempt.prefill_call is None:
                     attempt = Attempt(f"{request_id}@{attempt_index}", choice.prefill, choice.decode)
-                    self._start_prefill(attempt, prompt_token_ids, params)
-                    started.append(attempt)
+                    if self._loads.prefill_calls(attempt.prefill) < MAX_EARLY_PREFILL_CALLS:
+                        self._start_prefill(attempt, prompt_token_ids, params)
+                        started.append(attempt)
                 else:
                     attempt.decode = choice.decode
                 reserve_started_s = time.monotonic()
@@ -179,7 +185,11 @@ class RouteAndReserve:
             if isinstance(action, StartPrefill):
                 assert attempt is not None and bound is not None
                 attempt.meta = bound
-                self._bind_prefill(attempt)
+                if attempt.prefill_call is None:  # not sent early (MAX_EARLY_PREFILL_CALLS): sent bound now
+                    self._start_prefill(attempt, prompt_token_ids, params)
+                    started.append(attempt)
+                else:
+                    self._bind_prefill(attempt)
                 self._prefix_cache.record(attempt.prefill, prompt_token_ids)
                 return attempt, True
             if isinstance(action, EndAborted):
@@ -190,18 +200,18 @@ class RouteAndReserve:
                 await asyncio.sleep(action.delay_s)
 
     def _start_prefill(self, attempt: Attempt, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Send `attempt`'s prefill call now, awaiting its bind (`PrefillRequest.awaiting_bind`): the
-        prefill computes while decode reserves. Its prompt tokens count on the load board until it ends.
-        Its timeout: the bind may take the reservation's deadline (kv_transfer.timeout_s), then the
-        prefill its `event_timeout_s`."""
+        """Send `attempt`'s prefill call now: with its bound meta once reserved (`attempt.meta`), else
+        awaiting its bind (`PrefillRequest.awaiting_bind`: the prefill computes while decode reserves).
+        Its prompt tokens count on the load board until it ends. Its timeout: the bind may take the
+        reservation's deadline (kv_transfer.timeout_s), then the prefill its `event_timeout_s`."""
         request = PrefillRequest(
             attempt.handoff_id,
             tuple(prompt_token_ids),
             params,
-            self._meta(attempt, prompt_token_ids),
+            attempt.meta or self._meta(attempt, prompt_token_ids),
             attempt.decode_index,
             attempt.decode.rank,
-            awaiting_bind=True,
+            awaiting_bind=attempt.meta is None,
         )
         prefill = self.instances["prefill"][attempt.prefill_index].ranks[attempt.prefill.rank]
         timeout_s = self.event_timeout_s + self.topology.kv_transfer.timeout_s

@@ -73,9 +73,11 @@ def test_prefill_tokens_in_flight():
     board.prefill_started(a, 28)
     board.prefill_started(b, 7)
     assert (board.prefill_queued_tokens(a), board.prefill_queued_tokens(b)) == (128, 7)
+    assert (board.prefill_calls(a), board.prefill_calls(b)) == (2, 1)
     board.prefill_ended(a, 100)
     board.prefill_ended(b, 7)
     assert (board.prefill_queued_tokens(a), board.prefill_queued_tokens(b)) == (28, 0)
+    assert (board.prefill_calls(a), board.prefill_calls(b)) == (1, 0)
     with pytest.raises(ValueError, match="fewer in flight"):
         board.prefill_ended(b, 1)
     with pytest.raises(ValueError, match=">= 0"):
