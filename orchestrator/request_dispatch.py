@@ -200,7 +200,9 @@ class RequestDispatch:
         call's `[PrefillDone]` / `[PrefillFailed]`, or decode's event (after `PrefillDone` when the prefill
         call returned meanwhile). A prefill instance found lost is marked so here."""
         getter = asyncio.ensure_future(attempt.events.get())
-        waits = {getter} if prefill_task.done() else {getter, prefill_task}
+        # The prefill call is sent while decode reserves, so it may have ended (failed) before the first
+        # wait: it is waited on until its result was taken.
+        waits = {getter} if attempt.prefill_reported else {getter, prefill_task}
         done, _ = await asyncio.wait(waits, timeout=self.event_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if record.aborted:
             getter.cancel()
@@ -216,6 +218,7 @@ class RequestDispatch:
                 return [PrefillDone(prefill_task.result())]
             if isinstance(exc, asyncio.TimeoutError):
                 exc = TimeoutError(f"no answer within {self.event_timeout_s:.0f} s")
+            attempt.prefill_reported = True
             failed = PrefillFailed(describe_error(exc))
             if self._is_lost(exc):
                 self._mark_failed("prefill", attempt.prefill_index, exc, "prefill")
