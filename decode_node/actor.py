@@ -15,6 +15,7 @@ instance's placement group. A disaggregated request on this node:
     wait raises                receiver.release + engine.release_remote_prefill: no block stays held;
                                a `RequestError` event tells the driver, which may re-dispatch
     poll(timeout_s)            the driver's one call per node: token deltas and errors of every request
+                               (`poll_with_load`: with the rank's load snapshot, which is what routes)
 
 The engine is touched only under `self._engine_lock` (held by the engine thread for each step), so
 reserve/abort wait at most one step. Layer writes go to reserved blocks no scheduled request uses.
@@ -40,6 +41,7 @@ from orchestrator.messages import (
     NodeReady,
     Phases,
     PolledEvent,
+    PollReply,
     RequestError,
     ReserveRequest,
     ReserveResult,
@@ -153,7 +155,7 @@ class DecodeNode(RankActor):
                 handoff_id, list(request.prompt_token_ids), request.params, request.num_draft_tokens
             )
             if not reserved:
-                return ReserveResult(None)
+                return ReserveResult(None, self.load())
 
         def on_layer(layer_idx: int, layer: ReceivedLayer) -> None:
             engine.write_prompt_kv(handoff_id, layer_idx, layer.latent, layer.scale)
@@ -166,7 +168,7 @@ class DecodeNode(RankActor):
             raise
         threading.Thread(target=self._await_handoff, args=(meta,), daemon=True).start()
         self._maybe_delay("after_reserve")
-        return ReserveResult(bound)
+        return ReserveResult(bound, self.load())
 
     def abort(self, handoff_id: str) -> None:
         """Drop the request wherever it is (reserved or running); frees its blocks. Unknown ids: no-op."""
@@ -193,6 +195,12 @@ class DecodeNode(RankActor):
                 self._events_lock.wait(timeout_s)
             return list(self._events)
 
+    def poll_with_load(self, timeout_s: float = 0.05, acked_seq: int = 0) -> PollReply:
+        """`poll(timeout_s, acked_seq)` and this rank's `load()` taken as the reply leaves (the router's
+        view without a `load` call per request: `orchestrator.load_board`)."""
+        events = self.poll(timeout_s, acked_seq)
+        return PollReply(events, self.load())
+
     def load(self) -> DecodeNodeLoad:
         """Cheap snapshot for the router: free KV blocks, batch size, reservations and admitted requests
         waiting for a seat in the batch."""
@@ -207,6 +215,7 @@ class DecodeNode(RankActor):
             num_reserved=len(scheduler.reserved),
             num_waiting_for_seat=len(scheduler.waiting_for_seat),
             **self._engine_health(),
+            taken_s=time.monotonic(),
         )
 
     def inject_delay(self, where: str, seconds: float, count: int = 1) -> None:

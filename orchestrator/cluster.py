@@ -7,15 +7,18 @@
     cluster.shutdown()                                         # actors, placement groups, Ray if started
 
 One request (DESIGN.md, request lifecycle):
-1. The router policy (`orchestrator.router`) picks a prefill and a decode instance from load snapshots.
-2. Decode reserves KV blocks and expects the handoff (`DecodeNode.reserve`), which returns the handoff
-   bound to the reservation by a fresh secret; no room: retried until the transfer timeout, then
-   `BackendUnavailable`.
-3. Prefill runs the prompt and streams each layer's KV (MTP layer included; then the first token and the
-   MTP drafts) to that decode instance (`PrefillNode.prefill`), presenting the secret, which the driver gives
-   to that prefill instance only (over Ray); decode refuses any other sender of that handoff.
-4. Decode admits it and streams tokens; the driver has one poll loop per decode instance that hands
-   events to the request's queue.
+1. The router policy (`orchestrator.router`) picks a prefill and a decode rank from the driver's load board
+   (`orchestrator.load_board`: decode loads piggy-backed on poll and reserve replies, prefill work the
+   driver has in flight), with no Ray call of its own.
+2. At once, prefill is sent the request awaiting its bind (`PrefillNode.prefill`, `awaiting_bind`: it
+   computes the prompt and holds its KV) and decode reserves KV blocks and expects the handoff
+   (`DecodeNode.reserve`), which returns the handoff bound to the reservation by a fresh secret; no room:
+   the reserve is retried (the prefill waits) until the transfer timeout, then `BackendUnavailable`.
+3. The driver binds the prefill to the reservation (`PrefillNode.bind`), handing it the secret (over Ray, to
+   that prefill rank only): it streams each layer's KV (MTP layer included; then the first token and the
+   MTP drafts) to that decode rank, presenting the secret; decode refuses any other sender of that handoff.
+4. Decode admits it and streams tokens; the driver has one poll loop per decode rank (a long poll that
+   returns at once with the first event) that hands events to the request's queue.
 Faults: a prefill actor that dies (its `prefill` call raises) or a handoff that fails on decode (lease
 expired, sender lost, checksum) releases decode's reservation; the request is re-dispatched once to another
 live prefill instance, else it fails with `BackendUnavailable` naming the cause. An instance whose call
@@ -26,9 +29,10 @@ each PROBE_INTERVAL_S: one that answers again rejoins, one Ray restarted (grpc) 
 An abort ends the request with finish_reason "abort" (never a re-dispatch).
 
 Timeouts (`kv_transfer.timeout_s` = T, `orchestrator.dispatch`): every actor call in the request path
-(load, reserve, abort, poll) gives up after `call_timeout_s` = max(CALL_TIMEOUT_MIN_S, T / 2); the prefill
-call (queue + prompt + handoff) and every wait for the request's next event (before and after admission)
-after T + EVENT_SLACK_S. Nothing waits forever.
+(load, reserve, abort, poll) gives up after `call_timeout_s` = max(CALL_TIMEOUT_MIN_S, T / 2); every wait
+for the request's next event (before and after admission) after T + EVENT_SLACK_S; the prefill call
+(awaiting its bind up to T, then queue + prompt + handoff) after T + (T + EVENT_SLACK_S). Nothing waits
+forever.
 
 Where the code is: `orchestrator.deployment` (deploy, placement, rank actors, shutdown),
 `orchestrator.wiring` (rendezvous addresses, KV wiring), `orchestrator.instance_group` (a multi-rank

@@ -29,6 +29,7 @@ from orchestrator.actor_errors import DeployError, actor_error_message
 from orchestrator.dispatch import call_timeout_s, collective_timeout_s, event_timeout_s
 from orchestrator.health import InstanceHealth
 from orchestrator.instance import Instance
+from orchestrator.load_board import LoadBoard
 from orchestrator.messages import InstanceGroupSpec, NodeReady
 from orchestrator.placement import nodes_to_pin, plan_placement, to_ray_placement_group_args
 from orchestrator.preflight import actor_layer_issues
@@ -182,6 +183,7 @@ class ClusterDeployment(ClusterWiring):
         self.call_timeout_s = call_timeout_s(topo.kv_transfer.timeout_s)
         self.event_timeout_s = event_timeout_s(topo.kv_transfer.timeout_s)
         self._prefix_cache = PrefixCacheModel(topo.prefill.block_size)
+        self._loads = LoadBoard([d.num_ranks for d in self.instances["decode"]])
         self._counter = itertools.count()
         self._requests = {}  # request id -> its record (orchestrator.request_dispatch)
         self._by_handoff = {}  # handoff id -> the attempt it names

@@ -20,9 +20,12 @@ from typing import Any
 from orchestrator.actor_errors import describe_error
 from orchestrator.backend import BackendUnavailable
 from orchestrator.deployment import advertised_address
+from orchestrator.dispatch import PrefillFailed
 from orchestrator.health import InstanceHealth, ProbeOutcome, after_answer, after_failure
 from orchestrator.instance import Instance, check_instance_group
 from orchestrator.messages import DecodeLost, DecodeNodeLoad, PrefillNodeLoad
+from orchestrator.request_state import Attempt
+from orchestrator.router import RankRef
 from orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES
 
 logger = logging.getLogger("orchestrator.cluster")
@@ -151,11 +154,12 @@ class InstanceMonitor:
             before = self._health[role][index]
             after = after_failure(before, self._outcome(exc), reason, time.monotonic())
             self._set_health(role, index, after)
+        if role == "decode":
+            self._loads.forget_decode(index)
         if after is before:
             return
         logger.error("%s-%d is %s (%s); taken out of routing", role, index, after.state.value, reason)
-        if role == "decode":
-            self._fail_decode_attempts(index)
+        self._fail_attempts(role, index)
 
     def _monitor_health(self) -> None:
         """Health monitor thread: every PROBE_INTERVAL_S, probe every instance with one `load` call (all
@@ -190,6 +194,9 @@ class InstanceMonitor:
             except Exception as e:  # noqa: BLE001 - a rank stalled, restarting, dead, or its group failed
                 self._mark_failed(instance.role, instance.index, e, "probe")
                 continue
+            if instance.role == "decode" and instance.routable and instance.health.pid == pids[0]:
+                for rank, load in enumerate(loads):  # the router's view, refreshed (orchestrator.load_board)
+                    self._loads.update_decode(RankRef(instance.index, rank), load)
             health = instance.health
             if not health.routable or health.pid != pids[0]:
                 self._rejoin(instance.role, instance.index, pids[0])
@@ -252,10 +259,12 @@ class InstanceMonitor:
                 timeout=self.call_timeout_s,
             )
 
-    def _fail_decode_attempts(self, decode_index: int) -> None:
-        """End every in-flight attempt on decode `decode_index` with a "decode_lost" event. Safe from any
-        thread: off the requests' event loop (the health monitor, stats() in a worker thread) it is
-        handed to that loop, since asyncio queues are not thread-safe."""
+    def _fail_attempts(self, role: str, index: int) -> None:
+        """End every in-flight attempt on instance (`role`, `index`) with a "decode_lost" event (decode)
+        or a failed prefill (prefill: the dispatch policy re-dispatches it or fails it, as when its
+        prefill call fails; the call is not waited for). Safe from any thread: off the requests' event
+        loop (the health monitor, stats() in a worker thread) it is handed to that loop, since asyncio
+        queues are not thread-safe."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
             try:
@@ -264,14 +273,29 @@ class InstanceMonitor:
                 on_loop = False
             if not on_loop:
                 with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                    loop.call_soon_threadsafe(self._fail_decode_attempts_on_loop, decode_index)
+                    loop.call_soon_threadsafe(self._fail_attempts_on_loop, role, index)
                 return
-        self._fail_decode_attempts_on_loop(decode_index)
+        self._fail_attempts_on_loop(role, index)
 
-    def _fail_decode_attempts_on_loop(self, decode_index: int) -> None:
-        reason = self._health["decode"][decode_index].reason or "unknown"
+    def _fail_decode_attempts(self, decode_index: int) -> None:
+        """`_fail_attempts("decode", decode_index)`."""
+        self._fail_attempts("decode", decode_index)
+
+    def _fail_attempts_on_loop(self, role: str, index: int) -> None:
+        reason = self._health[role][index].reason or "unknown"
         for attempt in list(self._by_handoff.values()):
-            if attempt.decode_index == decode_index:
-                message = f"decode-{decode_index} died or stopped answering ({reason}); the request was lost"
-                with contextlib.suppress(RuntimeError):  # a queue of another (closed) event loop
-                    attempt.events.put_nowait(DecodeLost(attempt.handoff_id, message))
+            if role == "decode" and attempt.decode_index == index:
+                message = f"decode-{index} died or stopped answering ({reason}); the request was lost"
+                event: object = DecodeLost(attempt.handoff_id, message)
+            elif role == "prefill" and attempt.prefill_index == index and _prefill_pending(attempt):
+                event = PrefillFailed(f"died or stopped answering ({reason})")
+            else:
+                continue
+            with contextlib.suppress(RuntimeError):  # a queue of another (closed) event loop
+                attempt.events.put_nowait(event)
+
+
+def _prefill_pending(attempt: Attempt) -> bool:
+    """The attempt's prefill call was sent and has not returned (a prefill lost after it returned took
+    nothing of the attempt with it: its KV is on decode)."""
+    return attempt.prefill_call is not None and not attempt.prefill_call.done()

@@ -107,6 +107,8 @@ class DecodeNodeLoad:
         num_waiting_for_seat: received, waiting for a seat in the batch (max_num_seqs), holding blocks.
         engine_thread_alive, num_engine_errors, last_engine_error: the engine thread's health.
         instance_group_error, ep: as in `PrefillNodeLoad`.
+        taken_s: when it was taken, on the rank's monotonic clock (seconds; orders snapshots of one
+            process in `orchestrator.load_board.LoadBoard`).
     """
 
     name: str
@@ -121,6 +123,7 @@ class DecodeNodeLoad:
     last_engine_error: str | None
     instance_group_error: str | None = None
     ep: dict | None = None
+    taken_s: float = 0.0
 
     @property
     def batch_load(self) -> int:
@@ -146,9 +149,12 @@ class ReserveRequest:
 @dataclass(frozen=True)
 class ReserveResult:
     """`bound_meta`: the meta bound to the reservation, with the secret the prefill sender presents (give
-    it to the chosen prefill rank only); None: no room on this decode instance right now."""
+    it to the chosen prefill rank only); None: no room on this decode instance right now. `load`: the
+    rank's load snapshot right after the reservation (or the refusal), for the router
+    (`orchestrator.load_board`)."""
 
     bound_meta: HandoffMeta | None
+    load: DecodeNodeLoad | None = None
 
     @property
     def reserved(self) -> bool:
@@ -158,11 +164,29 @@ class ReserveResult:
 @dataclass(frozen=True)
 class PrefillRequest:
     """Prefill one handoff and stream it to rank `decode_rank` of decode instance `decode_index` (which
-    already expects it); `meta` is the one that rank's reserve bound (with the secret)."""
+    already expects it); `meta` is the one that rank's reserve bound (with the secret).
+
+    `awaiting_bind`: sent while decode still reserves (the driver overlaps the two): `meta` is not bound
+    yet (no secret); prefill computes at once, holds the prompt's KV, and starts the handoff when a
+    `PrefillBind` names the reservation (`PrefillNode.bind`), within `meta.lease_s` seconds.
+    """
 
     handoff_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
+    meta: HandoffMeta
+    decode_index: int
+    decode_rank: int = 0
+    awaiting_bind: bool = False
+
+
+@dataclass(frozen=True)
+class PrefillBind:
+    """The reservation of a prefill sent `awaiting_bind`: `meta` as rank `decode_rank` of decode instance
+    `decode_index` bound it (with the secret; the decode rank may differ from the request's first choice
+    when that one had no room)."""
+
+    handoff_id: str
     meta: HandoffMeta
     decode_index: int
     decode_rank: int = 0
@@ -281,3 +305,12 @@ class PolledEvent:
 
     seq: int
     event: DecodeEvent
+
+
+@dataclass(frozen=True)
+class PollReply:
+    """`DecodeNode.poll_with_load`: the unacknowledged events and the rank's load snapshot taken as the
+    reply left (piggy-backed, so routing needs no `load` call of its own)."""
+
+    events: list[PolledEvent]
+    load: DecodeNodeLoad

@@ -2,16 +2,19 @@
 lifecycle). A thin loop over the pure dispatch policy (`orchestrator.dispatch`):
 
     generate(request_id, ...)         one `RequestRecord`; per attempt (at most MAX_DISPATCH_ATTEMPTS):
-      _dispatch (`orchestrator.routing`) load every live instance, route (`orchestrator.router` policy over
-                                      instance loads), reserve on decode (`DecodeNode.reserve`);
+      _dispatch (`orchestrator.routing`) route (`orchestrator.router` policy over the load board's rank
+                                      loads: no call), reserve on decode (`DecodeNode.reserve`);
                                       `after_reserve` says: start prefill, route again, retry (no room),
                                       fail (no room until the deadline), or end (aborted)
-      prefill call                    `PrefillNode.prefill(PrefillRequest)` with the bound meta
+      prefill call                    `PrefillNode.prefill(PrefillRequest)`, sent by _dispatch as soon as
+                                      routed (awaiting its bind: prefill computes while decode reserves),
+                                      then `PrefillNode.bind` with the meta decode bound
       _next_events                    the attempt's next events: decode's `TokenDelta` / `RequestError`
                                       (handed over by the poll loop), `Aborted`, `DecodeLost`, the prefill
                                       call's `PrefillDone` / `PrefillFailed`, or `NoEvent` (timeout)
       next_action                     Emit (stream it) | Wait | EndAborted | Redispatch | Fail
-    _poll(decode_index, rank)         one loop per decode rank: `DecodeNode.poll` -> the attempt queues
+    _poll(decode_index, rank)         one loop per decode rank: `DecodeNode.poll_with_load` -> the attempt
+                                      queues, and the rank's load snapshot -> the load board (routing)
 
 Every wait is bounded: actor calls by `call_timeout_s`, the prefill call and each wait for an event by
 `event_timeout_s` (`orchestrator.dispatch`).
@@ -44,8 +47,10 @@ from orchestrator.dispatch import (
 )
 from orchestrator.health_monitor import PROBE_INTERVAL_S
 from orchestrator.instance import Instance
-from orchestrator.messages import Aborted, Phases, PrefillRequest, TokenDelta
+from orchestrator.load_board import LoadBoard
+from orchestrator.messages import Aborted, Phases, PollReply, TokenDelta
 from orchestrator.request_state import Attempt, RequestRecord
+from orchestrator.router import RankRef
 
 logger = logging.getLogger("orchestrator.cluster")
 
@@ -56,6 +61,7 @@ class RequestDispatch:
     instances: dict[str, list[Instance]]
     _requests: dict[str, RequestRecord]
     _by_handoff: dict[str, Attempt]
+    _loads: LoadBoard
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -95,17 +101,8 @@ class RequestDispatch:
                 if attempt is None:  # aborted while dispatching (its reservation, if any, is released)
                     yield record.stream_delta()
                     return
-                request = PrefillRequest(
-                    attempt.handoff_id,
-                    tuple(prompt_token_ids),
-                    params,
-                    attempt.meta,
-                    attempt.decode_index,
-                    attempt.decode.rank,
-                )
-                prefill = self.instances["prefill"][attempt.prefill_index].ranks[attempt.prefill.rank]
-                prefill_ref = prefill.prefill.remote(request)
-                prefill_task = asyncio.ensure_future(self._call(prefill_ref, self.event_timeout_s))
+                prefill_task = attempt.prefill_call  # sent by _dispatch (bound once decode reserved)
+                assert prefill_task is not None
                 action = None
                 owner_gone = False
                 try:
@@ -203,7 +200,9 @@ class RequestDispatch:
         call's `[PrefillDone]` / `[PrefillFailed]`, or decode's event (after `PrefillDone` when the prefill
         call returned meanwhile). A prefill instance found lost is marked so here."""
         getter = asyncio.ensure_future(attempt.events.get())
-        waits = {getter} if prefill_task.done() else {getter, prefill_task}
+        # The prefill call is sent while decode reserves, so it may have ended (failed) before the first
+        # wait: it is waited on until its result was taken.
+        waits = {getter} if attempt.prefill_reported else {getter, prefill_task}
         done, _ = await asyncio.wait(waits, timeout=self.event_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if record.aborted:
             getter.cancel()
@@ -219,6 +218,7 @@ class RequestDispatch:
                 return [PrefillDone(prefill_task.result())]
             if isinstance(exc, asyncio.TimeoutError):
                 exc = TimeoutError(f"no answer within {self.event_timeout_s:.0f} s")
+            attempt.prefill_reported = True
             failed = PrefillFailed(describe_error(exc))
             if self._is_lost(exc):
                 self._mark_failed("prefill", attempt.prefill_index, exc, "prefill")
@@ -255,8 +255,8 @@ class RequestDispatch:
                 await asyncio.sleep(PROBE_INTERVAL_S / 4)
                 continue
             try:
-                polled = await self._call(
-                    instance.ranks[rank].poll.remote(POLL_WAIT_S, acked[rank]),
+                reply: PollReply = await self._call(
+                    instance.ranks[rank].poll_with_load.remote(POLL_WAIT_S, acked[rank]),
                     self.call_timeout_s + POLL_WAIT_S,
                 )
             except asyncio.CancelledError:
@@ -264,7 +264,9 @@ class RequestDispatch:
             except Exception as e:  # noqa: BLE001 - a dead or stuck decode rank fails its instance
                 self._mark_failed("decode", decode_index, e, f"poll of rank {rank}")
                 continue
-            for item in polled:
+            if instance.routable:  # (a reply that raced the instance leaving routing is stale)
+                self._loads.update_decode(RankRef(decode_index, rank), reply.load)
+            for item in reply.events:
                 if item.seq <= acked[rank]:
                     continue  # sent again after a lost reply; already handed over
                 acked[rank] = item.seq

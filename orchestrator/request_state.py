@@ -32,6 +32,7 @@ class Attempt:
     meta: HandoffMeta | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     prefill_reported: bool = False  # its prefill call's result was taken (PrefillDone)
+    prefill_call: asyncio.Future | None = None  # its prefill call, once sent
 
     @property
     def prefill_index(self) -> int:

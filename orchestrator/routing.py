@@ -1,11 +1,15 @@
 """Routing and reserving one dispatch attempt of a request, and releasing it (`orchestrator.cluster.Cluster`).
 
-`_dispatch` loads every live instance (each rank), routes with the topology's router policy over the
-ranks' loads (`orchestrator.instance`, `orchestrator.router`: a (instance, rank) pair per pool), and
-reserves on the chosen decode rank (`DecodeNode.reserve`); the pure `orchestrator.dispatch.after_reserve`
-decides what follows: start the prefill, route again (an instance was lost), retry after RESERVE_RETRY_S
-while no decode has room (back-pressure), fail at the deadline, or end (aborted). `_release` drops an
-attempt on every rank of its two instances.
+`_dispatch` routes with the topology's router policy over the ranks' loads as the driver's load board
+holds them (`orchestrator.load_board`: decode snapshots piggy-backed on poll and reserve replies, prefill
+work the driver has in flight; no `load` call per request once every decode rank has reported once;
+`orchestrator.router`: a (instance, rank) pair per pool). It sends the prefill call at once, awaiting its
+bind (`PrefillRequest.awaiting_bind`: prefill computes while decode reserves), and reserves on the chosen
+decode rank (`DecodeNode.reserve`) meanwhile; the pure `orchestrator.dispatch.after_reserve` decides what
+follows: bind the prefill to the reservation (`PrefillNode.bind`), route decode again (an instance was
+lost), retry after RESERVE_RETRY_S while no decode has room (back-pressure; the prefill waits where it
+is), fail at the deadline, or end (aborted). Every end but the bind releases the prefill too, so nothing
+is computed twice or held after. `_release` drops an attempt on every rank of its two instances.
 """
 
 from __future__ import annotations
@@ -19,10 +23,25 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.base import HandoffMeta, resolve_wire_dtype
 from orchestrator.actor_errors import InstanceGroupFailed
 from orchestrator.backend import BackendUnavailable
-from orchestrator.dispatch import EndAborted, Fail, ReserveOutcome, RetryReserve, StartPrefill, after_reserve
-from orchestrator.instance import Instance, check_instance_group, decode_rank_loads, prefill_rank_loads
-from orchestrator.messages import Phases, ReserveRequest, ReserveResult
+from orchestrator.dispatch import (
+    EndAborted,
+    Fail,
+    PrefillFailed,
+    ReserveOutcome,
+    RetryReserve,
+    StartPrefill,
+    after_reserve,
+)
+from orchestrator.instance import Instance, check_instance_group
+from orchestrator.load_board import LoadBoard
+from orchestrator.messages import Phases, PrefillBind, PrefillRequest, ReserveRequest, ReserveResult
 from orchestrator.request_state import Attempt, RequestRecord
+from orchestrator.router import DecodeLoad, PrefillLoad, RankRef
+
+# Prefill calls in flight per prefill rank up to which a new one is sent before its reservation (each
+# blocks one of the actor's call threads, `max_concurrency` 256, and its bind needs another); past it, a
+# request reserves first and its prefill is sent bound (the order without the overlap).
+MAX_EARLY_PREFILL_CALLS = 64
 
 
 class RouteAndReserve:
@@ -30,6 +49,7 @@ class RouteAndReserve:
 
     instances: dict[str, list[Instance]]
     _by_handoff: dict[str, Attempt]
+    _loads: LoadBoard
 
     # ---- routing and reserving ----------------------------------------------------------------------------
     async def _dispatch(
@@ -39,18 +59,69 @@ class RouteAndReserve:
         prompt_token_ids: list[int],
         params: SamplingParams,
     ) -> Attempt | None:
-        """Route, then reserve on decode (retrying while no decode instance has room: `after_reserve`).
-        None: aborted. Instances whose load/reserve call dies or times out are marked dead and routing
-        continues with the others."""
+        """Route; send the prefill call at once (`awaiting_bind`: prefill computes while decode reserves)
+        and reserve on decode (retrying while no decode instance has room: `after_reserve`, the prefill
+        staying where it is); once bound, hand the prefill the bound meta (`PrefillNode.bind`). Returns the
+        attempt with its prefill call (`Attempt.prefill_call`) running; None: aborted. On every other end
+        (abort, failure, an exception) the prefill and any reservation are released. Instances whose
+        load/reserve call dies or times out are marked so and routing continues with the others; a
+        prefill lost before its bind is returned unbound with its failure as an event (the dispatch policy
+        re-dispatches it)."""
+        started: list[Attempt] = []
+        try:
+            attempt, done = await self._route_and_reserve(
+                record, attempt_index, prompt_token_ids, params, started
+            )
+        except BaseException:
+            for attempt in started:
+                self._drop(attempt)
+            raise
+        if attempt is not None and not done:
+            self._drop(attempt)
+            return None
+        return attempt
+
+    def _drop(self, attempt: Attempt) -> None:
+        """Release `attempt` on both instances, and again once its prefill call ends."""
+        self._release(attempt)
+        if attempt.prefill_call is not None:
+            self._release_when_done(attempt, attempt.prefill_call)
+
+    async def _route_and_reserve(
+        self,
+        record: RequestRecord,
+        attempt_index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        started: list[Attempt],
+    ) -> tuple[Attempt | None, bool]:
+        """`_dispatch`'s loop: (the attempt, True) to go on with; (the attempt or None, False): aborted.
+        The attempt is appended to `started` once its prefill call is sent."""
         request_id = record.request_id
         deadline_s = time.monotonic() + self.topology.kv_transfer.timeout_s
+        attempt: Attempt | None = None
         while True:
             routing_started_s = time.monotonic()
             if record.aborted:
-                return None
-            prefills = [
-                p for p in self.instances["prefill"] if p.routable and p.index not in record.excluded_prefills
-            ]
+                return attempt, False
+            if attempt is not None and attempt.prefill_call is not None:  # it stays there: route decode only
+                prefill_instance = self.instances["prefill"][attempt.prefill_index]
+                assert attempt.prefill_call is not None
+                if attempt.prefill_call.done() or not prefill_instance.routable:
+                    # lost before its bind: the caller's policy re-dispatches it (PrefillFailed)
+                    self._by_handoff[attempt.handoff_id] = attempt
+                    record.attempt = attempt
+                    if not attempt.prefill_call.done():
+                        reason = prefill_instance.health.reason or "out of routing"
+                        attempt.events.put_nowait(PrefillFailed(f"died or stopped answering ({reason})"))
+                    return attempt, True
+                prefills = [prefill_instance]
+            else:
+                prefills = [
+                    p
+                    for p in self.instances["prefill"]
+                    if p.routable and p.index not in record.excluded_prefills
+                ]
             if not prefills:
                 if record.excluded_prefills:  # after a failed attempt (generate adds that attempt's cause)
                     raise BackendUnavailable("no other live prefill instance to re-dispatch to")
@@ -61,39 +132,47 @@ class RouteAndReserve:
                 raise BackendUnavailable(
                     f"{request_id}: no live decode instance ({self._health_summary('decode')})"
                 )
-            prefill_loads, decode_loads = await asyncio.gather(
-                self._load_instances(prefills), self._load_instances(decodes)
-            )
-            lost = False
-            for instance, r in zip(prefills + decodes, prefill_loads + decode_loads, strict=True):
-                if isinstance(r, BaseException):
-                    if not self._is_lost(r):
-                        raise r
-                    self._mark_failed(instance.role, instance.index, r, "load")
+            lost = await self._load_missing_decodes(decodes)
+            decode_loads: list[DecodeLoad] = []
+            for d in decodes if not lost else ():
+                try:
+                    check_instance_group(self._loads.decode_snapshots(d.index))
+                except InstanceGroupFailed as e:  # its latest snapshot reports a failed group
+                    self._mark_failed("decode", d.index, e, "load")
                     lost = True
-            attempt, bound = None, None
+                    continue
+                decode_loads.extend(self._loads.decode_loads(d.index))
+            bound = None
             if lost:  # out of routing now: the policy routes again over the instances that answered
                 outcome = ReserveOutcome.INSTANCE_LOST
             elif record.aborted:
                 outcome = ReserveOutcome.ABORTED
             else:
                 cached = self._prefix_cache.cached
+                prefill_ranks = (
+                    [attempt.prefill]
+                    if attempt is not None and attempt.prefill_call is not None
+                    else [RankRef(p.index, r) for p in prefills for r in range(p.num_ranks)]
+                )
                 choice = self._policy(
                     [
-                        load
-                        for p, r in zip(prefills, prefill_loads, strict=True)
-                        for load in prefill_rank_loads(p.index, r, cached)
+                        PrefillLoad(
+                            rank.instance, self._loads.prefill_queued_tokens(rank), cached(rank), rank.rank
+                        )
+                        for rank in prefill_ranks
                     ],
-                    [
-                        load
-                        for d, r in zip(decodes, decode_loads, strict=True)
-                        for load in decode_rank_loads(d.index, r)
-                    ],
+                    decode_loads,
                     counter=next(self._counter),
                     prompt_token_ids=prompt_token_ids,
                     block_size=self.topology.prefill.block_size,
                 )
-                attempt = Attempt(f"{request_id}@{attempt_index}", choice.prefill, choice.decode)
+                if attempt is None or attempt.prefill_call is None:
+                    attempt = Attempt(f"{request_id}@{attempt_index}", choice.prefill, choice.decode)
+                    if self._loads.prefill_calls(attempt.prefill) < MAX_EARLY_PREFILL_CALLS:
+                        self._start_prefill(attempt, prompt_token_ids, params)
+                        started.append(attempt)
+                else:
+                    attempt.decode = choice.decode
                 reserve_started_s = time.monotonic()
                 outcome, bound = await self._reserve(record, attempt, prompt_token_ids, params)
                 record.phases = record.phases.merged(
@@ -104,26 +183,80 @@ class RouteAndReserve:
                 )
             action = after_reserve(request_id, outcome, time.monotonic(), deadline_s)
             if isinstance(action, StartPrefill):
-                assert attempt is not None
+                assert attempt is not None and bound is not None
                 attempt.meta = bound
+                if attempt.prefill_call is None:  # not sent early (MAX_EARLY_PREFILL_CALLS): sent bound now
+                    self._start_prefill(attempt, prompt_token_ids, params)
+                    started.append(attempt)
+                else:
+                    self._bind_prefill(attempt)
                 self._prefix_cache.record(attempt.prefill, prompt_token_ids)
-                return attempt
+                return attempt, True
             if isinstance(action, EndAborted):
-                return None
+                return attempt, False
             if isinstance(action, Fail):
                 raise BackendUnavailable(action.message)
             if isinstance(action, RetryReserve):
                 await asyncio.sleep(action.delay_s)
 
-    async def _load_instances(self, instances: list[Instance]) -> list[Any]:
-        """Per instance, its ranks' load snapshots, or the exception of its first rank call that failed."""
+    def _start_prefill(self, attempt: Attempt, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Send `attempt`'s prefill call now: with its bound meta once reserved (`attempt.meta`), else
+        awaiting its bind (`PrefillRequest.awaiting_bind`: the prefill computes while decode reserves).
+        Its prompt tokens count on the load board until it ends. Its timeout: the bind may take the
+        reservation's deadline (kv_transfer.timeout_s), then the prefill its `event_timeout_s`."""
+        request = PrefillRequest(
+            attempt.handoff_id,
+            tuple(prompt_token_ids),
+            params,
+            attempt.meta or self._meta(attempt, prompt_token_ids),
+            attempt.decode_index,
+            attempt.decode.rank,
+            awaiting_bind=attempt.meta is None,
+        )
+        prefill = self.instances["prefill"][attempt.prefill_index].ranks[attempt.prefill.rank]
+        timeout_s = self.event_timeout_s + self.topology.kv_transfer.timeout_s
+        call = asyncio.ensure_future(self._call(prefill.prefill.remote(request), timeout_s))
+        attempt.prefill_call = call
+        rank, num_tokens = attempt.prefill, len(prompt_token_ids)
+        self._loads.prefill_started(rank, num_tokens)
+        call.add_done_callback(lambda _: self._loads.prefill_ended(rank, num_tokens))
+
+    def _bind_prefill(self, attempt: Attempt) -> None:
+        """Hand `attempt`'s running prefill the meta decode bound (fire and forget: a bind that does not
+        arrive shows as the prefill call failing or timing out)."""
+        assert attempt.meta is not None
+        prefill = self.instances["prefill"][attempt.prefill_index].ranks[attempt.prefill.rank]
+        with contextlib.suppress(Exception):
+            prefill.bind.remote(
+                PrefillBind(attempt.handoff_id, attempt.meta, attempt.decode_index, attempt.decode.rank)
+            )
+
+    async def _load_missing_decodes(self, decodes: list[Instance]) -> bool:
+        """Load (one call per rank) the decode instances of `decodes` no snapshot has reached yet
+        (`LoadBoard.missing_decodes`: right after deploy or a restart), into the board. True: one of them
+        died, stopped answering or reports a failed group (marked so; route again)."""
+        missing = set(self._loads.missing_decodes(d.index for d in decodes))
+        if not missing:
+            return False
 
         async def ranks(instance: Instance) -> list[Any]:
             loads = list(await asyncio.gather(*[self._call(a.load.remote()) for a in instance.ranks]))
             check_instance_group(loads)
             return loads
 
-        return await asyncio.gather(*[ranks(i) for i in instances], return_exceptions=True)
+        targets = [d for d in decodes if d.index in missing]
+        results = await asyncio.gather(*[ranks(d) for d in targets], return_exceptions=True)
+        lost = False
+        for instance, r in zip(targets, results, strict=True):
+            if isinstance(r, BaseException):
+                if not self._is_lost(r):
+                    raise r
+                self._mark_failed(instance.role, instance.index, r, "load")
+                lost = True
+                continue
+            for rank, load in enumerate(r):
+                self._loads.update_decode(RankRef(instance.index, rank), load)
+        return lost
 
     async def _reserve(
         self, record: RequestRecord, attempt: Attempt, prompt_token_ids: list[int], params: SamplingParams
@@ -140,9 +273,12 @@ class RouteAndReserve:
             self.num_speculative_tokens,
         )
         decode = self.instances["decode"][attempt.decode_index].ranks[attempt.decode.rank]
+        self._loads.reserve_sent(attempt.decode)
         reserve_call = asyncio.ensure_future(self._call(decode.reserve.remote(reserve)))
+        answered: ReserveResult | None = None
         try:
-            result: ReserveResult = await asyncio.shield(reserve_call)
+            answered = await asyncio.shield(reserve_call)
+            result: ReserveResult = answered
         except asyncio.CancelledError:
             # The request's owner went away (the HTTP client disconnected) while decode reserved: the
             # reservation is released now, and again once the reserve call has returned (Ray runs a
@@ -160,6 +296,8 @@ class RouteAndReserve:
             self._release(attempt)  # a reservation that did go through after the timeout
             self._mark_failed("decode", attempt.decode_index, e, "reserve")
             return ReserveOutcome.INSTANCE_LOST, None
+        finally:
+            self._loads.reserve_answered(attempt.decode, None if answered is None else answered.load)
         if record.aborted:  # aborted while reserving: abort() saw this attempt
             self._by_handoff.pop(attempt.handoff_id, None)
             self._release(attempt)

@@ -25,7 +25,6 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,44 +33,21 @@ from engine.config import EngineConfig
 from engine.llm import EngineStepError
 from kvtransfer.base import HandoffExtras, KVSender
 from orchestrator.dispatch import event_timeout_s
-from orchestrator.messages import InstanceGroupSpec, NodeReady, PrefillNodeLoad, PrefillRequest, PrefillResult
+from orchestrator.messages import (
+    InstanceGroupSpec,
+    NodeReady,
+    PrefillBind,
+    PrefillNodeLoad,
+    PrefillRequest,
+    PrefillResult,
+)
 from orchestrator.rank_actor import LOCKSTEP_IDLE_S, RankActor
+from prefill_node.job import Job
 
 if TYPE_CHECKING:
     from kvtransfer.grpc_transport import TLSCredentials
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Job:
-    """One prefill request on this node, from `prefill` until its caller is woken (`done`)."""
-
-    request: PrefillRequest
-    arrival_s: float = field(default_factory=time.monotonic)
-    done: threading.Event = field(default_factory=threading.Event)
-    result: PrefillResult | None = None
-    error: str | None = None
-    # layerwise off: buffered layers, (latent_kv, scale) as the engine's PromptKVCallback gives them
-    layers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
-    num_layers_sent: int = 0
-    last_layer_sent_s: float | None = None  # monotonic time the last layer went to the sender
-
-    @property
-    def request_id(self) -> str:
-        return self.request.handoff_id
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.request.prompt_token_ids)
-
-    @property
-    def decode_index(self) -> int:
-        return self.request.decode_index
-
-    @property
-    def decode_rank(self) -> int:
-        return self.request.decode_rank
 
 
 class PrefillNode(RankActor):
@@ -102,7 +78,9 @@ class PrefillNode(RankActor):
         self._transport = "grpc"  # what connect_receivers used, for set_decode_address
         self._tls: TLSCredentials | None = None
         self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._active: dict[str, _Job] = {}
+        self._active: dict[str, Job] = {}
+        # binds that overtook their prefill call, with when they came (dropped after their lease)
+        self._early_binds: dict[str, tuple[PrefillBind, float]] = {}
         self._lock = threading.Lock()
         self._num_queued_tokens = 0  # of jobs queued or active
         self._start_engine_thread()
@@ -165,7 +143,7 @@ class PrefillNode(RankActor):
     def _all_senders(self) -> list[KVSender]:
         return [sender for ranks in self.senders for sender in ranks]
 
-    def _sender(self, job: _Job) -> KVSender:
+    def _sender(self, job: Job) -> KVSender:
         """The sender to the decode rank `job` goes to."""
         return self.senders[job.decode_index][job.decode_rank]
 
@@ -178,11 +156,14 @@ class PrefillNode(RankActor):
         Returns once the handoff is finished on this side. Raises RuntimeError when the prefill or the send
         failed (the handoff is aborted), or it was not done within `event_timeout_s(meta.lease_s)` seconds.
         """
-        job = _Job(request)
+        job = Job(request)
         with self._lock:
             self._num_queued_tokens += job.num_prompt_tokens
         self._jobs.put(("add", job))
-        timeout_s = event_timeout_s(request.meta.lease_s)
+        # sent awaiting the bind: the reservation may take up to its lease (decode back-pressure) first
+        timeout_s = event_timeout_s(request.meta.lease_s) + (
+            request.meta.lease_s if request.awaiting_bind else 0
+        )
         if not job.done.wait(timeout_s):
             self._jobs.put(("abort", job.request_id))
             raise RuntimeError(f"{self.name}: prefill of {job.request_id} not done after {timeout_s:g} s")
@@ -190,6 +171,13 @@ class PrefillNode(RankActor):
             raise RuntimeError(f"{self.name}: prefill of {job.request_id} failed: {job.error}")
         assert job.result is not None
         return job.result
+
+    def bind(self, bind: PrefillBind) -> None:
+        """The reservation of a request sent `awaiting_bind` (`PrefillRequest`): its handoff begins with
+        `bind.meta` towards the decode rank named, and the KV computed so far goes out. A bind for an id
+        not (or no longer) here is kept until its request arrives (Ray runs a threaded actor's calls
+        unordered: the bind may overtake its `prefill` call) or an abort names it."""
+        self._jobs.put(("bind", bind))
 
     def abort(self, request_id: str) -> None:
         self._jobs.put(("abort", request_id))
@@ -259,7 +247,10 @@ class PrefillNode(RankActor):
                 return False
             if kind == "add":
                 self._start(arg)
+            elif kind == "bind":
+                self._bind(arg)
             elif kind == "abort":
+                self._early_binds.pop(arg, None)
                 self._fail(arg, "aborted by the router", abort_engine=True)
             try:
                 command = self._jobs.get_nowait()
@@ -296,13 +287,17 @@ class PrefillNode(RankActor):
                     self._fail(out.request_id, f"prefill completion failed: {e!r}", abort_engine=True)
         return True
 
-    def _start(self, job: _Job) -> None:
-        sender = self._sender(job)
+    def _start(self, job: Job) -> None:
+        early, _ = self._early_binds.pop(job.request_id, (None, 0.0))
+        if early is not None and not job.bound:
+            job.bind(early.meta, early.decode_index, early.decode_rank)
         try:
             self._maybe_fault("start")
             if self._group_error is not None:
                 raise RuntimeError(f"{self.name}: instance group failed: {self._group_error}")
-            sender.begin(job.request.meta)
+            if job.bound:
+                assert job.meta is not None
+                self._sender(job).begin(job.meta)
             self.engine.add_request(
                 list(job.request.prompt_token_ids),
                 job.request.params,
@@ -318,6 +313,7 @@ class PrefillNode(RankActor):
             try:
                 self.engine.abort_request(job.request_id)
                 self.engine.pop_finished_outputs([job.request_id])
+                sender = self._sender(job)
                 if job.request_id in sender.pending_request_ids():
                     sender.abort(job.request_id, job.error)
             except Exception:  # noqa: BLE001 - the caller is told either way
@@ -333,7 +329,7 @@ class PrefillNode(RankActor):
         job = self._active.get(request_id)
         if job is None:
             return
-        if self.layerwise:
+        if self.layerwise and job.bound:
             self._sender(job).send_layer(request_id, layer_idx, latent_kv, scale)
             job.num_layers_sent += 1
             job.last_layer_sent_s = time.monotonic()
@@ -348,6 +344,38 @@ class PrefillNode(RankActor):
         if result is None:
             self._fail(request_id, f"finished ({finish_reason}) without a sampled token")
             return
+        if not job.bound:  # its KV (job.layers) waits for the reservation (`_bind`)
+            job.pending = (result, queue_s)
+            return
+        self._hand_over(job, result, queue_s)
+
+    def _bind(self, bind: PrefillBind) -> None:
+        """Begin the handoff of a job that awaited its reservation; send what it computed meanwhile (and
+        finish it when its prefill is done)."""
+        job = self._active.get(bind.handoff_id)
+        if job is None:  # its prefill call has not arrived yet (or it is gone: dropped after its lease)
+            now_s = time.monotonic()
+            for rid, (b, at_s) in list(self._early_binds.items()):
+                if now_s - at_s > b.meta.lease_s:
+                    del self._early_binds[rid]
+            self._early_binds[bind.handoff_id] = (bind, now_s)
+            return
+        if job.bound:
+            return
+        job.bind(bind.meta, bind.decode_index, bind.decode_rank)
+        try:
+            self._sender(job).begin(bind.meta)
+        except Exception as e:  # noqa: BLE001 - fails this request only
+            self._fail(job.request_id, f"beginning the handoff failed: {e!r}", abort_engine=True)
+            return
+        if job.pending is not None:
+            result, queue_s = job.pending
+            job.pending = None
+            self._hand_over(job, result, queue_s)
+
+    def _hand_over(self, job: Job, result: Any, queue_s: float) -> None:
+        """Send the layers not sent yet, then finish the handoff with the first token and drafts."""
+        request_id = job.request_id
         sender = self._sender(job)
         try:
             for layer_idx in sorted(job.layers):
@@ -357,6 +385,7 @@ class PrefillNode(RankActor):
                 job.last_layer_sent_s = time.monotonic()
             job.layers.clear()
             num_layers = job.request.meta.num_layers
+            assert job.meta is not None
             if job.num_layers_sent != num_layers:
                 raise RuntimeError(f"{job.num_layers_sent} of {num_layers} layers computed")
             sender.finish(
@@ -393,7 +422,8 @@ class PrefillNode(RankActor):
             self.engine.pop_prefill_result(request_id)
             job.layers.clear()
             try:
-                self._sender(job).abort(request_id, reason)
+                if job.bound:
+                    self._sender(job).abort(request_id, reason)
             except ValueError:
                 pass  # already finished on the sender
         except Exception:  # noqa: BLE001 - the job still fails below
@@ -402,7 +432,7 @@ class PrefillNode(RankActor):
             job.error = reason
             self._finish_job(job)
 
-    def _finish_job(self, job: _Job) -> None:
+    def _finish_job(self, job: Job) -> None:
         with self._lock:
             self._active.pop(job.request_id, None)
             self._num_queued_tokens -= job.num_prompt_tokens

@@ -161,3 +161,33 @@ def test_dead_decode_is_taken_out_of_routing_and_the_last_one_fails_fast(ray_ses
             cluster.stats()
     finally:
         cluster.shutdown()
+
+
+def test_prefill_overlapped_with_the_reservation_or_after_it_gives_the_same_tokens(
+    ray_session, monkeypatch
+) -> None:
+    """The prefill call sent before decode's reservation (awaiting its bind) and, past
+    MAX_EARLY_PREFILL_CALLS, after it (bound): the same greedy tokens, concurrent requests included; the
+    load board counts no prefill work in flight afterwards and nothing stays held. After the first
+    requests the board holds a snapshot of every decode rank (so routing needs no `load` call)."""
+    import orchestrator.routing as routing
+    from orchestrator.router import RankRef
+
+    cluster = Cluster.deploy(_topology("grpc", True, 1))
+    try:
+        prompt = cluster.tokenizer.encode("def fib(n):\n    if n < 2:\n        return n")
+
+        async def batch(tag: str) -> list[list[int]]:
+            done = await asyncio.gather(*[_generate(cluster, f"{tag}{i}", prompt) for i in range(3)])
+            return [tokens for tokens, _ in done]
+
+        overlapped = asyncio.run(batch("early"))
+        assert cluster._loads.missing_decodes([0]) == []
+        monkeypatch.setattr(routing, "MAX_EARLY_PREFILL_CALLS", 0)
+        sequential = asyncio.run(batch("late"))
+        assert len(overlapped[0]) == 16 and overlapped == sequential == [overlapped[0]] * 3
+        assert cluster._loads.prefill_calls(RankRef(0, 0)) == 0
+        assert cluster._loads.prefill_queued_tokens(RankRef(0, 0)) == 0
+        _assert_no_blocks_held(cluster)
+    finally:
+        cluster.shutdown()

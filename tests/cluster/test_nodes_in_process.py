@@ -167,3 +167,95 @@ def test_an_injected_decode_fault_is_an_error_event_and_the_loop_survives(nodes)
     load = decode.load()
     assert load.num_engine_errors == errors_before + 1 and load.engine_thread_alive
     _assert_idle(prefill, decode)
+
+
+def _tokens(events) -> list[int]:
+    return [t for e in events for t in e.new_token_ids]
+
+
+def test_a_prefill_sent_before_its_reservation_hands_off_once_bound(nodes) -> None:
+    """The driver's overlap (`PrefillRequest.awaiting_bind`): prefill computes before decode has reserved,
+    holds the prompt's KV, and hands it off when the bind comes, or at once when the bind overtook the
+    prefill call. Greedy tokens equal those of the reserve-first handoff; nothing stays held."""
+    import threading
+
+    from orchestrator.messages import PrefillBind
+
+    prefill, decode = nodes
+
+    def reserve(handoff_id: str):
+        reserved = decode.reserve(ReserveRequest(handoff_id, PROMPT, GREEDY, _meta(prefill, handoff_id), 1))
+        assert reserved.reserved
+        assert reserved.load is not None and reserved.load.num_reserved == 1  # the piggy-backed load
+        return reserved.bound_meta
+
+    def until_done(handoff_id: str, acked: int) -> tuple[list[int], int]:
+        events, acked = _events_until(
+            decode, handoff_id, lambda e: isinstance(e, RequestError) or e.finished, acked
+        )
+        assert all(isinstance(e, TokenDelta) for e in events), events
+        return _tokens(events), acked
+
+    bound = reserve("ref")
+    prefill.prefill(PrefillRequest("ref", PROMPT, GREEDY, bound, decode_index=0))
+    expected, acked = until_done("ref", 0)
+    assert len(expected) == GREEDY.max_tokens
+
+    # Prefill first: its call blocks (no reservation yet) until the bind.
+    results: list = []
+    request = PrefillRequest(
+        "late", PROMPT, GREEDY, _meta(prefill, "late"), decode_index=0, awaiting_bind=True
+    )
+    caller = threading.Thread(target=lambda: results.append(prefill.prefill(request)))
+    caller.start()
+    deadline_s = time.monotonic() + EVENT_WAIT_S
+    while prefill.load().num_requests == 0:  # taken by the engine thread
+        assert time.monotonic() < deadline_s
+        time.sleep(0.01)
+    caller.join(0.5)
+    assert caller.is_alive() and not results  # prefilled (or prefilling), waiting for its bind
+    assert decode.poll(0.0, acked) == []  # nothing reached decode
+    prefill.bind(PrefillBind("late", reserve("late"), decode_index=0))
+    caller.join(EVENT_WAIT_S)
+    assert len(results) == 1 and isinstance(results[0], PrefillResult)
+    tokens, acked = until_done("late", acked)
+    assert tokens == expected
+
+    # The bind overtakes the prefill call (Ray runs a threaded actor's calls unordered).
+    prefill.bind(PrefillBind("early", reserve("early"), decode_index=0))
+    request = PrefillRequest(
+        "early", PROMPT, GREEDY, _meta(prefill, "early"), decode_index=0, awaiting_bind=True
+    )
+    assert isinstance(prefill.prefill(request), PrefillResult)
+    tokens, acked = until_done("early", acked)
+    assert tokens == expected
+    _assert_idle(prefill, decode)
+
+
+def test_a_prefill_awaiting_its_bind_is_aborted_cleanly(nodes) -> None:
+    """No room on decode in the end: the driver aborts the prefill that awaited its bind; its call raises
+    and nothing stays held on either side."""
+    import threading
+
+    prefill, decode = nodes
+    errors: list = []
+    request = PrefillRequest(
+        "gone", PROMPT, GREEDY, _meta(prefill, "gone"), decode_index=0, awaiting_bind=True
+    )
+
+    def call() -> None:
+        try:
+            prefill.prefill(request)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    deadline_s = time.monotonic() + EVENT_WAIT_S
+    while prefill.load().num_requests == 0:
+        assert time.monotonic() < deadline_s
+        time.sleep(0.01)
+    prefill.abort("gone")
+    caller.join(EVENT_WAIT_S)
+    assert len(errors) == 1 and "aborted by the router" in errors[0]
+    _assert_idle(prefill, decode)
