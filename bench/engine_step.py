@@ -199,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="batch size the target applies to; default: %(default)s",
     )
     parser.add_argument(
+        "--stream",
+        choices=("on", "off"),
+        default="on",
+        help="on: every request's output is built and read each step (a streaming server); off: "
+        "requests added with stream=False, as LLM.generate does (outputs only when they finish; "
+        "tokens are counted from the scheduler's requests); default: %(default)s",
+    )
+    parser.add_argument(
         "--no-breakdown",
         action="store_true",
         help="do not time the named engine functions "
@@ -240,7 +248,12 @@ def measure(
     # One prefill token + warm-up + timed steps, and spare room so that no request finishes in the window.
     max_tokens = 1 + args.num_warmup_steps + (args.num_steps + 2) * (args.num_speculative_tokens + 1)
     params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
-    request_ids = [engine.add_request(p, params) for p in prompts]
+    stream = args.stream == "on"
+    if stream:
+        request_ids = [engine.add_request(p, params) for p in prompts]
+    else:
+        request_ids = [engine.add_request(p, params, stream=False) for p in prompts]
+    requests = [engine.scheduler.get_request(rid) for rid in request_ids]
     num_tokens = dict.fromkeys(request_ids, 0)
 
     def step() -> int:
@@ -248,6 +261,9 @@ def measure(
         before = sum(num_tokens.values())
         for out in engine.step():
             num_tokens[out.request_id] = len(out.token_ids)
+        if not stream:  # no outputs before they finish: count the committed tokens
+            for request in requests:
+                num_tokens[request.request_id] = len(request.output_token_ids)
         return sum(num_tokens.values()) - before
 
     num_prefill_steps = 0
@@ -352,6 +368,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "num_steps": args.num_steps,
             "num_speculative_tokens": args.num_speculative_tokens,
             "temperature": args.temperature,
+            "stream": args.stream,
             "engine": {
                 "num_kv_blocks": num_kv_blocks,
                 "block_size": block_size,

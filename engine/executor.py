@@ -60,6 +60,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from engine.input_batch import BlockTableRows
 from engine.model_runner import InputBuffers, LayerKVCallback, ModelInput, ModelRunner, build_model_input
 from engine.mtp_proposer import MTPWork, propose
 from engine.outputs import (
@@ -143,6 +144,8 @@ class Executor:
             for _ in range(2)
         ]
         self._num_prepared = 0
+        # Each running request's block table row, updated by deltas in `prepare` (`engine.input_batch`).
+        self._block_table_rows = BlockTableRows(max_num_reqs, num_columns)
 
     @property
     def num_tracked_requests(self) -> int:
@@ -184,16 +187,23 @@ class Executor:
         returned batch stays valid until the prepare after next.
         """
         scheduled = output.scheduled
+        block_table_rows = self._block_table_rows
+        block_table_rows.remove(output.finished_request_ids + output.preempted_request_ids)
         if not scheduled:
             return PreparedStep(None, [0], [])
         buffers = self._buffers[self._num_prepared % 2]
         self._num_prepared += 1
         slots = [slot for item in scheduled for slot in item.slot_mapping]
+        update = block_table_rows.update
+        rows = np.fromiter(
+            (update(item.request_id, item.block_ids) for item in scheduled), np.int64, len(scheduled)
+        )
         batch = buffers.pack(
             [item.token_ids for item in scheduled],
             [item.start_position for item in scheduled],
-            [item.block_ids for item in scheduled],
+            None,
             slots,
+            block_table_rows=(block_table_rows, rows),
         )
         starts, placeholder_items = [0], []
         for i, item in enumerate(scheduled):

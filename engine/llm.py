@@ -47,7 +47,7 @@ class LLM:
         ids = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
-                ids.append(engine.add_request(prompt, p or SamplingParams()))
+                ids.append(engine.add_request(prompt, p or SamplingParams(), stream=False))
         except ValueError:
             for rid in ids:  # all or nothing: withdraw the prompts queued before the bad one
                 engine.abort_request(rid)

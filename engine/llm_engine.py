@@ -167,8 +167,14 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time_s: float | None = None,
         prefill_only: bool = False,
+        stream: bool = True,
     ) -> str:
         """Queue a prompt (text or token ids). Returns the request id.
+
+        `stream`: `step` reports an output each step the request commits tokens (True), or only its
+        final one (False: `LLM.generate`). A request that is not streamed is detokenized once, when it
+        finishes, unless it has stop strings (those are looked for after every step, so they stop it
+        exactly where a streamed request stops); its outputs are not built before then.
 
         `prefill_only`: the prefill half of a disaggregated request: it stops after its first sampled token
         (max_tokens 1); with MTP the step that samples it also runs the MTP layer over the prompt and
@@ -201,6 +207,7 @@ class LLMEngine:
         )
         self.scheduler.add_request(request)
         self._records[request_id] = self._new_record(request, text)
+        self._records[request_id].stream = stream
         return request_id
 
     def _new_record(self, request: Request, prompt: str | None) -> RequestRecord:
@@ -380,8 +387,15 @@ class LLMEngine:
             if record.logprobs is not None and runner_output is not None:
                 new = runner_output.logprobs.get(update.request_id, [])
                 record.logprobs.extend(new[: len(update.new_token_ids)])
-            self._update_text(record)
-            if request.is_finished and self._async_loop is None:
+            # Off the step path for a request nobody reads until it finishes (`add_request(stream=False)`):
+            # its text (one decode at the end) and its output objects; stop strings are still checked.
+            if record.stream or record.output_text.has_stop_strings or request.is_finished:
+                self._update_text(record)
+            if not request.is_finished:
+                if record.stream:
+                    results.append(self._output(record))
+                continue
+            if self._async_loop is None:
                 self.executor.drop([update.request_id])  # async: the executor drops it after the step
             results.append(self._output(record))
         updated = {u.request_id for u in updates}
@@ -430,6 +444,9 @@ class LLMEngine:
         """The request's output now; its record is forgotten with its final output (kept for
         `pop_prefill_result` while it holds a prefill result)."""
         request = record.request
+        if not record.stream and not record.output_text.has_stop_strings:
+            # not detokenized on the step path (see `add_request`): its text now, up to its last token
+            record.output_text.update(request.output_token_ids, final=request.is_finished)
         out = record.output()
         if request.is_finished and record.prefill_result is None:
             self._records.pop(request.request_id, None)

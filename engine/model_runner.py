@@ -21,6 +21,7 @@ import torch
 
 from engine.compiled_forward import CompiledDecodeForward
 from engine.config import KV_CACHE_DTYPES
+from engine.input_batch import BlockTableRows
 from kernels.kv_quant import kv_cache_bytes_per_token
 from kernels.paged_mla import paged_mla_attention, write_kv
 from models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3ForCausalLM
@@ -99,8 +100,9 @@ class InputBuffers:
         self,
         token_ids: list[list[int]],
         start_positions: list[int],
-        block_tables: list[list[int]],
+        block_tables: list[list[int]] | None,
         slot_mapping: list[int] | None = None,
+        block_table_rows: tuple[BlockTableRows, np.ndarray] | None = None,
     ) -> ModelInput:
         """Fill the buffers with one ragged batch and return the `ModelInput` viewing them.
 
@@ -110,6 +112,9 @@ class InputBuffers:
             block_tables: per request, its block ids (enough to cover every position it runs).
             slot_mapping: `[sum n]` cache slot of every token when the caller has them (the scheduler
                 does); None computes them from the block tables.
+            block_table_rows: instead of `block_tables` (then None), the persistent rows
+                (`engine.input_batch.BlockTableRows`) and `[num_reqs]` int64 the row of each request:
+                the table is one gather of those rows.
 
         Raises:
             ValueError: a request runs a position its block table does not cover, or the batch exceeds
@@ -119,7 +124,11 @@ class InputBuffers:
         num_reqs = len(token_ids)
         num_scheduled = np.fromiter(map(len, token_ids), dtype=np.int64, count=num_reqs)
         num_tokens = int(num_scheduled.sum())
-        table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_reqs)
+        if block_table_rows is not None:
+            persistent, rows = block_table_rows
+            table_lens = persistent.lens[rows]
+        else:
+            table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_reqs)
         max_blocks = max(1, int(table_lens.max(initial=0)))
         if num_tokens > len(ids_np) or num_reqs > len(seq_lens_np) or max_blocks > tables_np.shape[1]:
             raise ValueError(
@@ -143,9 +152,12 @@ class InputBuffers:
         positions = pos_np[:num_tokens]
         positions[:] = np.repeat(starts - qsl_np[:num_reqs], num_scheduled) + self._arange[:num_tokens]
         tables = tables_np[:num_reqs, :max_blocks]
-        tables.fill(0)
-        for r, table in enumerate(block_tables):
-            tables[r, : len(table)] = table
+        if block_table_rows is not None:  # rows hold 0 past their blocks: the gather pads with 0
+            np.take(persistent.table[:, :max_blocks], rows, axis=0, out=tables)
+        else:
+            tables.fill(0)
+            for r, table in enumerate(block_tables):
+                tables[r, : len(table)] = table
         if slot_mapping is None:
             rows = np.repeat(np.arange(num_reqs), num_scheduled)
             bs = self.block_size

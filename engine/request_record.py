@@ -21,6 +21,7 @@ class RequestRecord:
         output_text: its detokenized text, stop strings and streamed deltas.
         logprobs: one `TokenLogprobs` per committed output token when `SamplingParams.logprobs` is set.
         prefill_result: a finished prefill-only request's handoff data, until `pop_prefill_result`.
+        stream: an output is reported every step it commits tokens (else only its final output).
     """
 
     request: Request
@@ -28,6 +29,7 @@ class RequestRecord:
     output_text: OutputText
     logprobs: list[TokenLogprobs] | None = None
     prefill_result: PrefillResult | None = None
+    stream: bool = True
 
     def output(self) -> RequestOutput:
         """The request's `RequestOutput` now; takes the text streamed since the previous one

@@ -123,3 +123,44 @@ def test_a_stop_string_in_the_first_token_of_a_remote_prefill_finishes_it_at_adm
     )
     engine.scheduler.block_manager.check_no_leaks()
     assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
+
+
+def test_requests_not_streamed_report_only_their_final_output_with_the_same_text_and_stop() -> None:
+    """`add_request(stream=False)`: `step` reports nothing for the request until it finishes (no text or
+    output built on the step path), and then the very tokens and text a streamed twin gets, stop string
+    included (still checked every step, so it stops at the same token). An aborted one gets its text."""
+    llm = LLM(CKPT, num_kv_blocks=256, block_size=16)
+    engine, prompts = llm.engine, heldout_def_prompts(3)
+    free_run = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
+    stop = free_run[1].text[5:8]
+    assert len(stop) == 3, free_run[1].text
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=16, stop=(stop,) if i == 1 else ()) for i in range(3)
+    ]
+    streamed = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    quiet = [engine.add_request(p, sp, stream=False) for p, sp in zip(prompts, params, strict=True)]
+    final, reports = {}, dict.fromkeys(streamed + quiet, 0)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            reports[out.request_id] += 1
+            if out.finished:
+                final[out.request_id] = out
+    for s, q in zip(streamed, quiet, strict=True):
+        assert reports[q] == 1 and reports[s] > 1
+        assert (final[q].token_ids, final[q].text, final[q].finish_reason) == (
+            final[s].token_ids,
+            final[s].text,
+            final[s].finish_reason,
+        )
+        assert final[q].new_text == final[q].text
+    assert final[quiet[1]].finish_reason == "stop" and stop not in final[quiet[1]].text
+    assert len(final[quiet[1]].token_ids) < 16
+
+    rid = engine.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=16), stream=False)
+    for _ in range(4):
+        assert engine.step() == []
+    assert engine.abort_request(rid)
+    (aborted,) = engine.step()
+    assert aborted.finished and len(aborted.token_ids) >= 1
+    assert aborted.text == llm.tokenizer.decode(aborted.token_ids)
+    assert free_run[0].text.startswith(aborted.text)
