@@ -23,6 +23,8 @@ def run(args: argparse.Namespace) -> int:
         topology = load_topology(args.file)
     except TopologyError as exc:
         raise CliError(str(exc)) from exc
+    if args.control_plane_requests is not None and args.control_plane_requests < 0:
+        raise CliError(f"--control-plane-requests must be >= 0, got {args.control_plane_requests}")
     accelerator = topology.hardware.accelerator
     if accelerator != "cpu":
         raise CliError(
@@ -61,8 +63,6 @@ def run(args: argparse.Namespace) -> int:
     num_probes = args.control_plane_requests
     if num_probes is None:
         num_probes = cp.QUICK_REQUESTS if args.quick else cp.DEFAULT_REQUESTS
-    if num_probes < 0:
-        raise CliError(f"--control-plane-requests must be >= 0, got {num_probes}")
     if num_probes > 0:
         calibrated = {role: m.with_efficiency(eff) for role, m in models.items()}
         max_tokens = cp.QUICK_MAX_TOKENS if args.quick else cp.DEFAULT_MAX_TOKENS
