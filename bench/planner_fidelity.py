@@ -73,6 +73,7 @@ def live_and_simulated(
         time_scale=time_scale,
     )
     prefill_model, decode_model = step_models(topology, PlanOptions(trace=TRACE, calibration=calibration))
+
     def simulated(control_plane):
         return simulate(
             topology,

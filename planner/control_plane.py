@@ -85,8 +85,14 @@ def control_plane_from_calibration(path: str | Path | None) -> ControlPlane:
 
 def _modelled(prefill: StepTimeModel, decode: StepTimeModel, prompt_len: int, k: int) -> dict[str, float]:
     prefill_s = prefill.step_time_s(StepShape(prefill=(PrefillChunk(prompt_len),), num_speculative_tokens=k))
-    decode_s = decode.step_time_s(StepShape(decode=(DecodeRow(prompt_len + 2, 1 + k),), num_speculative_tokens=k))
-    return {"prefill_s": prefill_s, "kv_handoff_s": prefill.kv_handoff_s(prompt_len, prefill_s), "decode_s": decode_s}
+    decode_s = decode.step_time_s(
+        StepShape(decode=(DecodeRow(prompt_len + 2, 1 + k),), num_speculative_tokens=k)
+    )
+    return {
+        "prefill_s": prefill_s,
+        "kv_handoff_s": prefill.kv_handoff_s(prompt_len, prefill_s),
+        "decode_s": decode_s,
+    }
 
 
 def derive(points: list[dict[str, Any]]) -> ControlPlane:
@@ -106,9 +112,15 @@ def point_from_result(result, k: int, modelled: dict[str, float]) -> dict[str, A
     """One request's measured pieces (seconds) from its `orchestrator.bench_client.RequestResult`."""
     ph = result.phases
     dispatch = (ph.get("route_s") or 0.0) + (ph.get("reserve_s") or 0.0)
-    point: dict[str, Any] = {"num_prompt_tokens": result.num_input_tokens, "num_output_tokens": result.num_output_tokens,
-                             "ttft_s": result.ttft_s, "tpot_s": result.tpot_s, "phases": dict(ph),
-                             "modelled": modelled, "dispatch_s": dispatch}  # fmt: skip
+    point: dict[str, Any] = {
+        "num_prompt_tokens": result.num_input_tokens,
+        "num_output_tokens": result.num_output_tokens,
+        "ttft_s": result.ttft_s,
+        "tpot_s": result.tpot_s,
+        "phases": dict(ph),
+        "modelled": modelled,
+        "dispatch_s": dispatch,
+    }
     point["first_token_extra_s"] = result.ttft_s - dispatch - modelled["prefill_s"] - modelled["kv_handoff_s"]
     first = ph.get("first_decode_step_s")
     if first is not None:
@@ -142,14 +154,18 @@ def measure_control_plane(
     tokenizer = Tokenizer.from_dir(topology.engine_config("decode").model)
     lengths = [PROMPT_LENS[i % len(PROMPT_LENS)] for i in range(num_requests + 1)]
     # consecutive held-out slices: distinct prompts, so no prefix hit shortens a prefill priced in full
-    every = Workload([TraceRequest(0.0, n, max_tokens) for n in lengths], "control-plane probes", "azure", 1.0)
+    every = Workload(
+        [TraceRequest(0.0, n, max_tokens) for n in lengths], "control-plane probes", "azure", 1.0
+    )
     prompts = build_prompts(every, tokenizer)
     points, failed = [], 0
     with serve(topology, port=0, log=lambda message: None) as service:
         model, _ = served_model(service.url)
         for i, prompt_len in enumerate(lengths):  # the first, untimed: warms the path (connections, calls)
             one = Workload([every.requests[i]], every.description, every.kind, every.input_scale)
-            (result,), _ = asyncio.run(replay(service.url, one, [prompts[i]], model=model, show_progress=False))
+            (result,), _ = asyncio.run(
+                replay(service.url, one, [prompts[i]], model=model, show_progress=False)
+            )
             if i == 0:
                 continue
             if not result.ok or result.ttft_s is None:

@@ -202,7 +202,10 @@ class ClusterSimulator:
             for i in range(topology.decode.num_instances)
         ]
         for engine in self.decodes:
-            engine.step_extra_s, engine.admission_step_extra_s = cp.decode_step_extra_s, cp.first_decode_step_extra_s
+            engine.step_extra_s, engine.admission_step_extra_s = (
+                cp.decode_step_extra_s,
+                cp.first_decode_step_extra_s,
+            )
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self._counter = 0

@@ -12,8 +12,8 @@ from orchestrator.bench_client import RequestResult
 from orchestrator.trace import TraceRequest
 from planner.calibration import FORMAT
 from planner.control_plane import ControlPlane, control_plane_from_calibration, derive, point_from_result
-from tests.planner.test_simulator import LinearModel, sizing, topology
 from planner.simulator import simulate
+from tests.planner.test_simulator import LinearModel, sizing, topology
 
 TOL_S = 1e-9
 
@@ -52,7 +52,8 @@ def test_one_request_pays_each_control_plane_cost_once_where_the_live_path_does(
 def test_derive_subtracts_the_modelled_engine_time_from_the_measured_phases():
     result = RequestResult(0, 64, 9, 0.0, ok=True, num_output_tokens=9, ttft_s=0.050, tpot_s=0.008,
                            acceptance_rate=0.5,
-                           phases={"route_s": 0.001, "reserve_s": 0.002, "first_decode_step_s": 0.010})  # fmt: skip
+                           phases={"route_s": 0.001, "reserve_s": 0.002,
+                                   "first_decode_step_s": 0.010})  # fmt: skip
     modelled = {"prefill_s": 0.020, "kv_handoff_s": 0.005, "decode_s": 0.004}
     point = point_from_result(result, 1, modelled)
     steps = 8 / 1.5  # 8 tokens after the first at 1 + 0.5 x 1 per step
