@@ -15,6 +15,10 @@ Reported per point: p50 and p90 of TTFT and TPOT, live and simulated, and the si
 issue's target: p50s within 10%). The live side runs while other engineers use this machine's CPUs: its
 figures are measured under contention (the `other_processes_cpu_fraction` says how much), which the
 calibration, measured at another moment, does not see.
+
+The simulated side adds the calibration's `control_plane` (route + reserve, handoff fixed costs,
+admission, decode step host work: `planner.control_plane`, measured by `pdcluster profile` on probes of
+its own, never on this replay); `engine_only_over_live_*` is the same simulation without it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ def live_and_simulated(
     from orchestrator.serve import serve
     from orchestrator.topology import load_topology
     from orchestrator.trace import arrival_rate_per_s, load_trace, scale_trace
+    from planner.control_plane import control_plane_from_calibration
     from planner.plan import PlanOptions, step_models
     from planner.simulator import pool_sizing, simulate
 
@@ -68,17 +73,24 @@ def live_and_simulated(
         time_scale=time_scale,
     )
     prefill_model, decode_model = step_models(topology, PlanOptions(trace=TRACE, calibration=calibration))
-    sim = simulate(
-        topology,
-        workload.requests,
-        prefill_model,
-        decode_model,
-        acceptance_per_position,
-        prefill_sizing=sizing["prefill"],
-        decode_sizing=sizing["decode"],
-        ttft_slo_ms=live.summary["slo"]["ttft_ms"],
-        tpot_slo_ms=live.summary["slo"]["tpot_ms"],
-    )
+
+    def simulated(control_plane):
+        return simulate(
+            topology,
+            workload.requests,
+            prefill_model,
+            decode_model,
+            acceptance_per_position,
+            prefill_sizing=sizing["prefill"],
+            decode_sizing=sizing["decode"],
+            ttft_slo_ms=live.summary["slo"]["ttft_ms"],
+            tpot_slo_ms=live.summary["slo"]["tpot_ms"],
+            control_plane=control_plane,
+        )
+
+    control_plane = control_plane_from_calibration(calibration)
+    sim = simulated(control_plane)
+    engine_only = simulated(None)  # the same simulation without the control-plane path, for the A/B
     point: dict[str, Any] = {
         "cluster": cluster,
         "rate_per_s": rate_per_s,
@@ -90,6 +102,12 @@ def live_and_simulated(
     point["live_phases_p50_ms"] = _phases_p50_ms(live.results)
     point["sim_phases_p50_ms"] = _phases_p50_ms(sim.results)
     point["sim_busy_fraction"] = sim.busy_fraction
+    point["control_plane_ms"] = {k: round(v * 1e3, 3) for k, v in control_plane.to_dict().items()}
+    for metric in ("ttft_ms", "tpot_ms"):
+        value, live_value = engine_only.summary[metric]["p50"], live.summary[metric]["p50"]
+        point[f"engine_only_over_live_{metric}_p50"] = (
+            ratio(value, live_value) if None not in (value, live_value) else None
+        )
     for metric in ("ttft_ms", "tpot_ms"):
         for q in ("p50", "p90"):
             live_value, sim_value = live.summary[metric][q], sim.summary[metric][q]

@@ -236,13 +236,34 @@ ROWS: tuple[dict[str, Any], ...] = (
 )  # fmt: skip
 
 
+def row_step(model: PerfModel, kind: str, point: dict[str, Any]) -> StepShape:
+    """The one instance step `predict_decode` / `predict_prefill` price at `point`."""
+    n = model.parallel.devices
+    if kind == "decode":
+        rows = (DecodeRow(point["context_len"], 1 + point["k"]),) * (point["batch"] * n)
+        return StepShape(decode=rows, num_speculative_tokens=point["k"])
+    chunk = PrefillChunk(point["prompt_len"] - point.get("cached", 0), point.get("cached", 0))
+    return StepShape(prefill=(chunk,) * (point["prompts"] * n))
+
+
+def breakdown_ms(model: PerfModel, step: StepShape) -> dict[str, Any]:
+    """`PerfModel.breakdown` of `step` in milliseconds: per op (summed over layers), compute,
+    communication (EP dispatch + combine), host, total, and the compute-bound ops."""
+    b = model.breakdown(step)
+    return {"op_ms": {k: round(v * 1e3, 3) for k, v in sorted(b.op_s.items(), key=lambda kv: -kv[1])},
+            "compute_ms": round(b.compute_s * 1e3, 3), "comm_ms": round(b.comm_s * 1e3, 3),
+            "host_ms": round(b.host_s * 1e3, 3), "total_ms": round(b.total_s * 1e3, 3),
+            "compute_bound_ops": sorted(set(b.compute_bound_ops))}  # fmt: skip
+
+
 def evaluate(config: DeepseekV3Config) -> list[dict[str, Any]]:
     """Every row of `ROWS` predicted and compared."""
     out = []
     for row in ROWS:
         dep, point = DEPLOYMENTS[row["deployment"]], row["point"]
         predict = predict_decode if row["kind"] == "decode" else predict_prefill
-        pred = predict(model_for(dep, config, ep_imbalance=row.get("ep_imbalance")), **point)
+        model = model_for(dep, config, ep_imbalance=row.get("ep_imbalance"))
+        pred = predict(model, **point)
         # Sensitivity, not the prediction: the same point with communication not hidden behind compute.
         serial = predict(model_for(dep, config, ep_imbalance=row.get("ep_imbalance"), overlap=False), **point)
         checks = {}
@@ -253,6 +274,7 @@ def evaluate(config: DeepseekV3Config) -> list[dict[str, Any]]:
                                 "no_overlap_predicted": round(serial[quantity], 2)}  # fmt: skip
         out.append({"id": row["id"], "deployment": DEPLOYMENTS[row["deployment"]].name, "point": point,
                     "predicted": {k: round(v, 3) for k, v in pred.items()}, "checks": checks,
+                    "breakdown": breakdown_ms(model, row_step(model, row["kind"], point)),
                     "source": row["source"]})  # fmt: skip
     return out
 
@@ -270,11 +292,23 @@ def table(result: dict[str, Any]) -> str:
     return format_table(header, rows)
 
 
+def breakdown_table(result: dict[str, Any], top: int = 6) -> str:
+    """Per row: the step's compute / communication / host milliseconds and its `top` costliest ops."""
+    rows = []
+    for r in result["rows"]:
+        b = r["breakdown"]
+        ops = ", ".join(f"{name} {ms:.2f}" for name, ms in list(b["op_ms"].items())[:top])
+        rows.append((r["id"], b["total_ms"], b["compute_ms"], b["comm_ms"], b["host_ms"], ops))
+    header = ("row", "step ms", "compute ms", "comm ms", "host ms", f"top {top} ops (ms per step)")
+    return format_table(header, rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.planner_published", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--breakdown", action="store_true", help="also print each row's op breakdown")
     args = parser.parse_args(argv)
     config = DeepseekV3Config.from_json_file(CONFIG_PATH)
     rows = evaluate(config)
@@ -290,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write("\n")
     else:
         sys.stdout.write(table(result) + "\n")
+        if args.breakdown:
+            sys.stdout.write("\n" + breakdown_table(result) + "\n")
     return 0
 
 

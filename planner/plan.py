@@ -71,10 +71,19 @@ def acceptance_for(topology: Topology, options: PlanOptions) -> tuple[float, ...
 def simulate_topology(
     topology: Topology, requests: Sequence[TraceRequest], options: PlanOptions
 ) -> SimResult:
-    """`planner.simulator.simulate` with the perf model and the options' acceptance."""
+    """`planner.simulator.simulate` with the perf model, the options' acceptance and the calibration's
+    control-plane path (`planner.control_plane`; none without a calibration)."""
+    from planner.control_plane import control_plane_from_calibration
+
     prefill_model, decode_model = step_models(topology, options)
     return simulate(
-        topology, requests, prefill_model, decode_model, acceptance_for(topology, options), seed=options.seed
+        topology,
+        requests,
+        prefill_model,
+        decode_model,
+        acceptance_for(topology, options),
+        seed=options.seed,
+        control_plane=control_plane_from_calibration(options.calibration),
     )
 
 

@@ -147,6 +147,8 @@ class SimEngine:
         self.busy_s = 0.0
         self.num_preemptions = 0
         self._num_arrived = 0
+        self.step_extra_s = 0.0  # decode: host seconds per step beside the model (`ControlPlane`)
+        self.admission_step_extra_s = 0.0  # decode: extra seconds of a step that admitted handoffs
         self._step: list[tuple[SimRequest, int]] = []
         # DecodeRow is a frozen dataclass (slow to build); rows are plain values, so equal ones are shared
         self._rows: dict[tuple[int, int], DecodeRow] = {}
@@ -206,7 +208,9 @@ class SimEngine:
     def start_step(self, now_s: float) -> float:
         """Admit completed handoffs, plan and price one step; returns its duration in seconds, or 0 when
         there is nothing to run (the engine stays idle)."""
+        extra_s = self.step_extra_s
         if self.pending_admissions:
+            extra_s += self.admission_step_extra_s
             admissions, self.pending_admissions = self.pending_admissions, []
             for request in admissions:
                 self._admit(request, now_s)
@@ -276,7 +280,7 @@ class SimEngine:
         self.num_free_blocks -= num_taken
         if not step:
             return 0.0
-        duration_s = self.model.step_time_s(StepShape(tuple(prefill), tuple(decode), self.k))
+        duration_s = self.model.step_time_s(StepShape(tuple(prefill), tuple(decode), self.k)) + extra_s
         self.busy = True
         self.num_steps += 1
         self.busy_s += duration_s

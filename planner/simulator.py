@@ -38,11 +38,12 @@ from orchestrator.router import POLICIES, DecodeLoad, PrefillLoad
 from orchestrator.slo import time_per_output_token_s
 from orchestrator.topology import Topology
 from orchestrator.trace import TraceRequest
+from planner.control_plane import ControlPlane
 from planner.sim_engine import SimEngine, SimRequest, num_kv_blocks
 from planner.step_model import StepTimeModel
 
 # event kinds, in tie-break order at equal times: steps end before handoffs land before arrivals
-_STEP_END, _HANDOFF_DONE, _ARRIVAL = 0, 1, 2
+_STEP_END, _HANDOFF_DONE, _ARRIVAL, _PREFILL_QUEUED = 0, 1, 2, 3
 
 
 class LengthOnlyPrompt(Sequence[int]):
@@ -158,6 +159,9 @@ class ClusterSimulator:
         acceptance_per_position: MTP acceptance per draft position (decode.num_speculative_tokens entries
             at least; ignored without MTP).
         seed: seeds the draft-acceptance draws (same seed, same inputs: the same result).
+        control_plane: the live path's seconds around the steps (`planner.control_plane`): the route +
+            reserve round trip delays the prefill's queueing, the first-token extra the admission, and
+            each decode step (and the first after an admission) pays its extra. Zero by default.
     """
 
     def __init__(
@@ -169,8 +173,10 @@ class ClusterSimulator:
         decode_sizing: PoolSizing,
         acceptance_per_position: Sequence[float] = (),
         seed: int = 0,
+        control_plane: ControlPlane | None = None,
     ) -> None:
         self.topology = topology
+        self.control_plane = cp = control_plane or ControlPlane()
         self.policy = POLICIES[topology.router.policy]
         self.prefill_model = prefill_model
         self.decode_sizing = decode_sizing
@@ -195,6 +201,11 @@ class ClusterSimulator:
             )
             for i in range(topology.decode.num_instances)
         ]
+        for engine in self.decodes:
+            engine.step_extra_s, engine.admission_step_extra_s = (
+                cp.decode_step_extra_s,
+                cp.first_decode_step_extra_s,
+            )
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self._counter = 0
@@ -221,6 +232,8 @@ class ClusterSimulator:
                 self._step_end(payload, now_s)  # type: ignore[arg-type]
             elif kind == _HANDOFF_DONE:
                 self._handoff_done(payload, now_s)  # type: ignore[arg-type]
+            elif kind == _PREFILL_QUEUED:
+                self._queue_prefill(payload, now_s)  # type: ignore[arg-type]
             else:
                 self._route(payload, now_s)  # type: ignore[arg-type]
         return sims
@@ -262,16 +275,22 @@ class ClusterSimulator:
         action = after_reserve(request.request_id, outcome, now_s, request.deadline_s)
         if isinstance(action, StartPrefill):
             request.decode_instance = decode.instance
-            prefill = self.prefills[request.prefill_instance]
-            prefill.add(request)
-            if not prefill.busy:
-                self._start(prefill, now_s)
+            if self.control_plane.dispatch_s > 0:  # the reserve's round trip before the prefill job lands
+                self._push(now_s + self.control_plane.dispatch_s, _PREFILL_QUEUED, request)
+            else:
+                self._queue_prefill(request, now_s)
         elif isinstance(action, RetryReserve):
             self._push(now_s + action.delay_s, _ARRIVAL, request)
         elif isinstance(action, Fail):
             request.error = action.message
         else:  # RouteAgain / EndAborted: no instance is lost nor a request aborted in the simulation
             raise AssertionError(f"unexpected dispatch action {action!r}")
+
+    def _queue_prefill(self, request: SimRequest, now_s: float) -> None:
+        prefill = self.prefills[request.prefill_instance]
+        prefill.add(request)
+        if not prefill.busy:
+            self._start(prefill, now_s)
 
     def _start(self, engine: SimEngine, now_s: float) -> None:
         duration_s = engine.start_step(now_s)
@@ -281,12 +300,12 @@ class ClusterSimulator:
     def _step_end(self, engine: SimEngine, now_s: float) -> None:
         done = engine.finish_step(now_s)
         if engine.role == "prefill":
-            model = self.prefill_model
+            model, first_token_extra_s = self.prefill_model, self.control_plane.first_token_extra_s
             for request in done:
                 assert request.prefill_start_s is not None
                 # MTP state (drafts) travels with the KV; decode starts at full acceptance
                 compute_s = now_s - request.prefill_start_s
-                handoff_s = model.kv_handoff_s(request.num_prompt_tokens, compute_s)
+                handoff_s = model.kv_handoff_s(request.num_prompt_tokens, compute_s) + first_token_extra_s
                 self._push(now_s + handoff_s, _HANDOFF_DONE, request)
         elif engine.pending_reserves:  # the reserves that waited for the engine lock, in arrival order
             reserves, engine.pending_reserves = engine.pending_reserves, []
@@ -347,6 +366,7 @@ def simulate(
     decode_sizing: PoolSizing | None = None,
     ttft_slo_ms: float | None = None,
     tpot_slo_ms: float | None = None,
+    control_plane: ControlPlane | None = None,
 ) -> SimResult:
     """Simulate `requests` on `topology`; see the module docstring.
 
@@ -356,6 +376,7 @@ def simulate(
         prefill_sizing / decode_sizing: default `pool_sizing(topology, role)` (reads the model config).
         ttft_slo_ms / tpot_slo_ms: the SLO of the summary's goodput; default the topology's `slo`, else
             `orchestrator.slo`'s defaults.
+        control_plane: `ClusterSimulator`'s (zero by default: engine-side times only).
 
     Raises:
         ValueError: acceptance_per_position shorter than k, or a topology the sizing refuses.
@@ -370,6 +391,7 @@ def simulate(
         decode_sizing or pool_sizing(topology, "decode"),
         acceptance_per_position,
         seed,
+        control_plane,
     )
     sims = simulator.run(requests)
     results, duration_s = to_results(sims)

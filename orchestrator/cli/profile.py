@@ -15,6 +15,7 @@ def run(args: argparse.Namespace) -> int:
 
     from orchestrator.efficiency import get_efficiency
     from orchestrator.topology import TopologyError, load_topology
+    from planner import control_plane as cp
     from planner import profiling
     from planner.topology_models import perf_model_for
 
@@ -22,6 +23,8 @@ def run(args: argparse.Namespace) -> int:
         topology = load_topology(args.file)
     except TopologyError as exc:
         raise CliError(str(exc)) from exc
+    if args.control_plane_requests is not None and args.control_plane_requests < 0:
+        raise CliError(f"--control-plane-requests must be >= 0, got {args.control_plane_requests}")
     accelerator = topology.hardware.accelerator
     if accelerator != "cpu":
         raise CliError(
@@ -56,6 +59,19 @@ def run(args: argparse.Namespace) -> int:
         "handoff_overhead_s",
     ]
     rows = profiling.residuals(models, samples, eff)
+    control_plane = None
+    num_probes = args.control_plane_requests
+    if num_probes is None:
+        num_probes = cp.QUICK_REQUESTS if args.quick else cp.DEFAULT_REQUESTS
+    if num_probes > 0:
+        calibrated = {role: m.with_efficiency(eff) for role, m in models.items()}
+        max_tokens = cp.QUICK_MAX_TOKENS if args.quick else cp.DEFAULT_MAX_TOKENS
+        try:
+            control_plane = cp.measure_control_plane(
+                topology, calibrated["prefill"], calibrated["decode"], num_probes, max_tokens
+            )
+        except ValueError as exc:
+            raise CliError(f"control-plane probes on the live cluster of {args.file} failed: {exc}") from exc
     report = {
         "topology": str(args.file),
         "grid": {
@@ -70,8 +86,13 @@ def run(args: argparse.Namespace) -> int:
         "kv_transfer": kv,
         "residuals": rows,
     }
+    if control_plane is not None:
+        report["control_plane"] = control_plane
     profiling.write_calibration(output, accelerator, eff, report)
     table = profiling.summary_table(rows, kv)
+    if control_plane is not None:
+        values = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in control_plane["values"].items())
+        table += f"\ncontrol plane (live, {len(control_plane['points'])} probes one at a time): {values}"
     output.with_suffix(".txt").write_text(table + "\n", encoding="utf-8")
     print(table)
     print(f"calibration written to {output} (table: {output.with_suffix('.txt')}); "
@@ -93,6 +114,9 @@ Step times are CPU seconds of the stepping thread with torch at one thread (as t
 actors run), so other processes' load stays out of them; KV handoffs are wall clock.
 Writes the fit, every sample and its residual as JSON to --output and a short table
 beside it (.txt); the planner reads the JSON back (perf_model_for(..., calibration=PATH)).
+Then FILE is deployed here and a few requests run one at a time to measure the live
+control-plane path (route + reserve, handoff fixed costs, admission, first and later decode
+steps' host work) against the calibrated model; the simulator adds these (control_plane).
 The default grid takes 30-50 s on this 2-core machine under load; --quick about 15 s."""
 
 
@@ -109,3 +133,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny grid and one repeat (tests, smoke runs)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument(
+        "--control-plane-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests sent one at a time to FILE's live cluster to measure route/reserve, handoff, "
+        "admission and per-decode-step costs (planner/control_plane.py); default 9 (--quick 3); 0 skips",
+    )

@@ -3,12 +3,17 @@
 One small live run (Ray actors, gRPC KV, the OpenAI API; `bench.planner_fidelity.live_and_simulated`)
 and the simulation of the same workload with the perf model calibrated in this test (`pdcluster profile
 --quick`, seconds before). The issue's target (10%) is a benchmark figure measured by hand; this test
-must hold on a shared 2-core machine under load, where two known gaps grow with the load (README, "Live
-vs simulated"): the calibration times CPU seconds (the live wall times also wait for a core), and the
-simulation leaves out control-plane latency (Ray calls, the decode poll loop, SSE). So:
-- p50 TPOT within a factor of 4 either way (0.3-1.0 measured at 97% of the CPU taken by other work);
-- p50 TTFT simulated at most 1.5x the live one (it can only be lower by what is left out; a prefill or
-  handoff priced several times too slow fails).
+must hold on a shared 2-core machine under load, where the calibration times CPU seconds while the live
+wall times also wait for a core (README, "Live vs simulated"). The calibration now carries the live
+control-plane path (route + reserve, handoff fixed costs, admission, decode step host work;
+`planner.control_plane`), measured by the profile's own probes. Bounds, from what the bench showed
+(`python -m bench.planner_fidelity`, local.yaml at 0.5 req/s, 24 requests, 97% of the CPU taken by other
+work): sim/live p50 TTFT 0.27 (0.18 without the control plane), p50 TPOT 0.50; on a quiet machine before
+(no control plane) TTFT 0.24-0.40, TPOT 0.64-0.87. So:
+- p50 TPOT within a factor of 4 either way (measured 0.3-1.0);
+- p50 TTFT simulated between 1/10 and 1.5x the live one: not absurdly fast (a missing phase or a step
+  priced 10x too fast fails; the lowest measured, 0.27, leaves a factor 2.7 for heavier load) and not
+  slower than live beyond the noise of 8 requests (a prefill or handoff priced several times too slow).
 Only a gross modelling error (a wrong unit, a missing phase, a step priced 10x off) fails.
 """
 
@@ -23,6 +28,7 @@ from orchestrator.cli import main
 REPO = Path(__file__).resolve().parents[2]
 TPOT_FACTOR = 4.0
 TTFT_UPPER = 1.5
+TTFT_LOWER = 0.1
 
 
 @pytest.mark.timeout(600)
@@ -37,4 +43,5 @@ def test_simulated_p50s_are_within_a_factor_of_the_live_cluster(tmp_path):
     )
     assert point["live_num_failed"] == 0
     assert 1 / TPOT_FACTOR <= point["sim_over_live_tpot_ms_p50"] <= TPOT_FACTOR, point
-    assert 0 < point["sim_over_live_ttft_ms_p50"] <= TTFT_UPPER, point
+    assert TTFT_LOWER <= point["sim_over_live_ttft_ms_p50"] <= TTFT_UPPER, point
+    assert point["control_plane_ms"]["dispatch_s"] > 0  # the profile's probes measured the path

@@ -4,6 +4,7 @@ planner loads back."""
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -11,13 +12,14 @@ import pytest
 from orchestrator.cli import main
 from orchestrator.topology import load_topology
 from planner.calibration import FORMAT, read_calibration
+from planner.control_plane import ControlPlane, control_plane_from_calibration
 from planner.perf_model import perf_model_for
 from planner.step_model import DecodeRow, StepShape
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow  # builds two engines of the bundled model and times a few steps (~15 s)
+@pytest.mark.slow  # two engines timed, then the live cluster probed (~90 s loaded)
 def test_profile_quick_writes_a_calibration(tmp_path, capsys):
     out = tmp_path / "cal.json"
     assert main(["profile", str(ROOT / "clusters" / "local.yaml"), "--quick", "--no-progress",
@@ -34,6 +36,20 @@ def test_profile_quick_writes_a_calibration(tmp_path, capsys):
     model = perf_model_for(load_topology(ROOT / "clusters" / "local.yaml"), "decode", calibration=out)
     assert model.efficiency.kv_link.source.startswith("measured here")
     assert model.step_time_s(StepShape(decode=(DecodeRow(64, 2),), num_speculative_tokens=1)) > 0
+    # the live control-plane probes (3 with --quick), each piece of the path measured, none negative
+    cp = doc["control_plane"]
+    assert len(cp["points"]) + cp["num_failed"] == 3 and cp["num_failed"] == 0
+    assert set(cp["values"]) == {f.name for f in fields(ControlPlane)}
+    assert all(v >= 0 for v in cp["values"].values())
+    assert cp["values"]["dispatch_s"] > 0  # route + reserve cross Ray: never free
+    assert all({"route_s", "reserve_s", "first_decode_step_s"} <= set(p["phases"]) for p in cp["points"])
+    assert control_plane_from_calibration(out) == ControlPlane(**cp["values"])
+
+
+def test_profile_refuses_a_negative_probe_count(capsys):
+    assert main(["profile", str(ROOT / "clusters" / "local.yaml"), "--quick", "--no-progress",
+                 "--control-plane-requests", "-1", "--output", "/dev/null"]) == 2  # fmt: skip
+    assert "--control-plane-requests must be >= 0" in capsys.readouterr().err
 
 
 def test_profile_refuses_a_topology_it_cannot_measure_here(capsys):

@@ -1,0 +1,86 @@
+"""The control-plane path the simulator adds (`planner.control_plane`): exact arithmetic of one request
+through the simulator, the derivation from measured requests, and the calibration round trip. Times are
+sums of a few binary floats: compared with a 1e-9 s tolerance (rounding, not modelling)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orchestrator.bench_client import RequestResult
+from orchestrator.trace import TraceRequest
+from planner.calibration import FORMAT
+from planner.control_plane import ControlPlane, control_plane_from_calibration, derive, point_from_result
+from planner.simulator import simulate
+from tests.planner.test_simulator import LinearModel, sizing, topology
+
+TOL_S = 1e-9
+
+
+def _one_request(control_plane: ControlPlane | None):
+    result = simulate(
+        topology(),
+        [TraceRequest(0.0, 100, 5)],
+        LinearModel(0.010, handoff_s=0.003),
+        LinearModel(0.002),
+        prefill_sizing=sizing(),
+        decode_sizing=sizing(),
+        control_plane=control_plane,
+    )
+    (r,) = result.results
+    assert r.ok
+    return r
+
+
+def test_one_request_pays_each_control_plane_cost_once_where_the_live_path_does():
+    bare = _one_request(None)
+    assert bare.ttft_s == pytest.approx(0.010 + 0.003, abs=TOL_S)  # prefill step + handoff
+    assert bare.tpot_s == pytest.approx(0.002, abs=TOL_S)  # 4 decode steps for tokens 2..5
+    cp = ControlPlane(dispatch_s=0.004, first_token_extra_s=0.005, first_decode_step_extra_s=0.003,
+                      decode_step_extra_s=0.001)  # fmt: skip
+    r = _one_request(cp)
+    # route + reserve before the prefill is queued, then prefill, handoff and the first-token extra
+    assert r.ttft_s == pytest.approx(0.004 + 0.010 + 0.003 + 0.005, abs=TOL_S)
+    assert r.phases["queue_s"] == pytest.approx(0.004, abs=TOL_S)
+    # the first decode step (it admitted the request) pays both extras, the next three the per-step one
+    decode_s = (0.002 + 0.001 + 0.003) + 3 * (0.002 + 0.001)
+    assert r.tpot_s == pytest.approx(decode_s / 4, abs=TOL_S)
+    assert r.e2e_s == pytest.approx(r.ttft_s + decode_s, abs=TOL_S)
+
+
+def test_derive_subtracts_the_modelled_engine_time_from_the_measured_phases():
+    result = RequestResult(0, 64, 9, 0.0, ok=True, num_output_tokens=9, ttft_s=0.050, tpot_s=0.008,
+                           acceptance_rate=0.5,
+                           phases={"route_s": 0.001, "reserve_s": 0.002,
+                                   "first_decode_step_s": 0.010})  # fmt: skip
+    modelled = {"prefill_s": 0.020, "kv_handoff_s": 0.005, "decode_s": 0.004}
+    point = point_from_result(result, 1, modelled)
+    steps = 8 / 1.5  # 8 tokens after the first at 1 + 0.5 x 1 per step
+    assert point["dispatch_s"] == pytest.approx(0.003, abs=TOL_S)
+    assert point["first_token_extra_s"] == pytest.approx(0.050 - 0.003 - 0.020 - 0.005, abs=TOL_S)
+    assert point["first_decode_step_extra_s"] == pytest.approx(0.010 - 0.004, abs=TOL_S)
+    assert point["decode_step_extra_s"] == pytest.approx((0.064 - 0.010) / (steps - 1) - 0.004, abs=TOL_S)
+    slower = dict(point, decode_step_extra_s=-0.5)  # a model slower than the live path adds nothing
+    cp = derive([point, slower, point])
+    assert cp.decode_step_extra_s == pytest.approx(point["decode_step_extra_s"], abs=TOL_S)
+    assert derive([slower]).decode_step_extra_s == 0.0
+    with pytest.raises(ValueError, match="no measured request"):
+        derive([])
+
+
+def test_calibration_round_trip_and_bad_values(tmp_path):
+    assert control_plane_from_calibration(None) == ControlPlane()
+    path = tmp_path / "cal.json"
+    doc = {"format": FORMAT, "accelerator": "cpu", "factors": {}}
+    path.write_text(json.dumps(doc))
+    assert control_plane_from_calibration(path) == ControlPlane()  # written before it was measured
+    values = {"dispatch_s": 0.01, "first_token_extra_s": 0.02, "first_decode_step_extra_s": 0.0,
+              "decode_step_extra_s": 0.004}  # fmt: skip
+    path.write_text(json.dumps({**doc, "control_plane": {"values": values, "points": []}}))
+    assert control_plane_from_calibration(path) == ControlPlane(**values)
+    path.write_text(json.dumps({**doc, "control_plane": {"values": {"route_ms": 1.0}}}))
+    with pytest.raises(ValueError, match="control_plane.values"):
+        control_plane_from_calibration(path)
+    with pytest.raises(ValueError, match="dispatch_s must be a finite number >= 0"):
+        ControlPlane(dispatch_s=-1.0)
