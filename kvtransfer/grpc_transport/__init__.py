@@ -23,7 +23,7 @@ instance sends all its handoffs to one decode instance over one connection, and 
 are reset, UNAVAILABLE, rather than queued.)
 
 Threads. Sender: `send_layer` copies the tensor onto the request's queue and returns; gRPC's own thread for
-the call pulls from the queue, encodes (INT8 quantization, CRC-32) and streams, so the prefill forward
+the call pulls from the queue, encodes (INT8 quantization, CRC-32C) and streams, so the prefill forward
 overlaps encoding and transfer. Receiver: each in-flight call occupies one server worker thread
 (`max_concurrent_streams` of them), which assembles layers, verifies them and runs decode's `on_layer`;
 one more thread cuts admitted calls off at their lease.
