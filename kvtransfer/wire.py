@@ -19,12 +19,14 @@ x86-64, ARMv8's crc32c*, with a software fallback elsewhere) of the payload byte
 before the bytes leave it and checked by the receiver before the layer is handed to decode. Why a CRC rather
 than BLAKE2b: it is an error-detecting code, not a hash: it is guaranteed to catch every error burst of up
 to 32 bits (so any flipped or overwritten byte, which is what a bad copy, a stale buffer or a torn DMA looks
-like), while other corruptions slip through with probability 2^-32 (Castagnoli, Braeuer, Herrmann 1993,
-"Optimization of cyclic redundancy-check codes with 24 and 32 parity bits", IEEE Trans. Commun. 41(6): the
-CRC-32C polynomial 0x1EDC6F41 keeps a larger minimum Hamming distance than CRC-32's at these lengths).
+like), while other corruptions slip through with probability 2^-32. CRC-32C's polynomial 0x1EDC6F41
+(Castagnoli, Braeuer, Herrmann 1993, IEEE Trans. Commun. 41(6)) even detects every 3-bit error in messages
+up to 2^31 bits, where CRC-32's stops at 91,607 bits (Koopman 2002, "32-bit cyclic redundancy codes for
+Internet applications", DSN): a 2.36 MB layer is 18.9 Mbit.
 Nobody here is an adversary, so a cryptographic hash buys nothing. Why CRC-32C rather than zlib's CRC-32:
-the hardware instruction runs at several times zlib's speed (measured on this host's AMD EPYC, 64 MiB,
-one thread: crc32c ~6.9 GB/s, zlib.crc32 ~2.3 GB/s), and `crc32c` releases the GIL on buffers of 32 KiB
+the hardware instruction runs at about 3x zlib's speed (this 2-core AMD EPYC, shared and under load, one
+thread: 64 MiB buffers 6.9 against 2.3 GB/s; a DeepSeek-V3 handoff's 61 layers of 2.36 MB, the two timed
+alternately, 1.36 against 0.41 GB/s at load average ~38), and `crc32c` releases the GIL on buffers of 32 KiB
 and more, so a transport's checksum thread overlaps the copies of the threads around it. The extras carry
 a CRC-32C too (`extras_checksum`).
 """
