@@ -18,8 +18,11 @@ CRC-32), chunking, the socket, reassembly, verification and decoding (INT8 dequa
 Reported per run: `kv_GB_per_s` = KV bytes in the model dtype / seconds (what decode gets; the same for
 every wire dtype), `wire_GB_per_s` = payload bytes on the wire / seconds, best and median over repeats;
 `send_return_ms`: how long the sender's `send_layer` calls for all layers took to return (they only copy and
-enqueue). GB = 1e9 bytes. Both ends share this machine's cores, so loopback numbers bound the software path,
-not a network.
+enqueue). `vs_clone_median`: the median GB/s over the clone run's median GB/s (one clone run per shape, at
+its start); for grpc and shm also `vs_adjacent_clone_median`: the median over repeats of (a clone of the
+same layers timed just before that transfer) / (that transfer's seconds), the ratio to quote on a machine
+whose load changes during the run. GB = 1e9 bytes. Both ends share this machine's cores, so loopback
+numbers bound the software path, not a network.
 
 Shapes: `deepseek_v3` = 2,048 tokens x 61 layers x 576 values (kv_lora_rank 512 + rope 64) in bf16, 144 MB;
 `tiny` = the bundled tiny model's dims (`--model`'s config.json, else `models.train_tiny.tiny_config`):
@@ -141,7 +144,9 @@ def send_all(sender: KVSender, meta: HandoffMeta, layers: list[torch.Tensor]) ->
     return send_return_s
 
 
-def summarize(meta: HandoffMeta, elapsed_s: list[float], send_return_s: list[float]) -> dict[str, Any]:
+def summarize(
+    meta: HandoffMeta, elapsed_s: list[float], send_return_s: list[float], clone_s: list[float] | None = None
+) -> dict[str, Any]:
     kv_bytes = meta.num_layers * meta.num_tokens * meta.kv_dim * meta.torch_dtype.itemsize
     best_s, median_s = min(elapsed_s), statistics.median(elapsed_s)
     result = {
@@ -160,18 +165,26 @@ def summarize(meta: HandoffMeta, elapsed_s: list[float], send_return_s: list[flo
     }
     if send_return_s:
         result["send_return_ms"] = round(statistics.median(send_return_s) * 1e3, 3)
+    if clone_s:  # each transfer's own yardstick, timed just before it: robust to a machine whose load moves
+        result["vs_adjacent_clone_median"] = round(
+            statistics.median(c / e for c, e in zip(clone_s, elapsed_s, strict=True)), 3
+        )
     return result
+
+
+def time_clone(layers: list[torch.Tensor]) -> float:
+    """Seconds of one `clone()` of every layer (the copies freed at once)."""
+    started_s = time.perf_counter()
+    copies = [latent.clone() for latent in layers]
+    elapsed_s = time.perf_counter() - started_s
+    del copies
+    return elapsed_s
 
 
 def bench_clone(shape: dict[str, Any], repeats: int) -> dict[str, Any]:
     meta = make_handoff("clone", shape, "model")
     layers = make_layers(meta)
-    elapsed_s = []
-    for _ in range(repeats + 1):  # the first one warms the allocator
-        started_s = time.perf_counter()
-        copies = [latent.clone() for latent in layers]
-        elapsed_s.append(time.perf_counter() - started_s)
-        del copies
+    elapsed_s = [time_clone(layers) for _ in range(repeats + 1)]  # the first one warms the allocator
     return summarize(meta, elapsed_s[1:], [])
 
 
@@ -202,9 +215,10 @@ def bench_in_process(transport: str, shape: dict[str, Any], wire: str, repeats: 
         receiver = ShmKVReceiver()
         sender = ShmKVSender(receiver.address)
     layers = make_layers(make_handoff("x", shape, wire))
-    elapsed_s, send_return_s = [], []
+    elapsed_s, send_return_s, clone_s = [], [], []
     try:
         for i in range(repeats + 1):  # the first one warms the connection (and maps shm's segment)
+            clone_s.append(time_clone(layers))
             meta = make_handoff(f"{transport}-{wire}-{i}", shape, wire)
             elapsed, send_return = timed_receive(
                 receiver, lambda bound: send_all(sender, bound, layers), meta
@@ -216,7 +230,7 @@ def bench_in_process(transport: str, shape: dict[str, Any], wire: str, repeats: 
     finally:
         sender.close()
         receiver.close()
-    return summarize(make_handoff("x", shape, wire), elapsed_s[1:], send_return_s[1:])
+    return summarize(make_handoff("x", shape, wire), elapsed_s[1:], send_return_s[1:], clone_s[1:])
 
 
 def _dist_rank(
@@ -289,7 +303,7 @@ def table(result: dict[str, Any]) -> str:
     rows = [
         (r["shape"], r["transport"], r["wire_dtype"], round(r["kv_bytes"] / 1e6, 1),
          round(r["wire_bytes"] / 1e6, 1), r["kv_GB_per_s"]["best"], r["kv_GB_per_s"]["median"],
-         r.get("send_return_ms"), r.get("vs_clone_median"))
+         r.get("send_return_ms"), r.get("vs_clone_median"), r.get("vs_adjacent_clone_median"))
         for r in result["results"]
     ]  # fmt: skip
     header = (
@@ -302,6 +316,7 @@ def table(result: dict[str, Any]) -> str:
         "kv_GB/s median",
         "send_return_ms",
         "vs clone",
+        "vs adjacent clone",
     )
     return format_table(header, rows)
 

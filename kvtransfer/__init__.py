@@ -1,7 +1,7 @@
 """KV transfer from prefill to decode instances, layer by layer (DESIGN.md: "transactional P->D handoff").
 
     base.py            connector interface (`KVSender`, `KVReceiver`), handoff types, errors; who calls what
-    wire.py            per-layer header + payload, CRC-32 checksums, INT8 on the wire, extras encoding
+    wire.py            per-layer header + payload, CRC-32C checksums, INT8 on the wire, extras encoding
     reservations.py    receiver-side reservations, leases, per-layer completion (shared by the transports)
     grpc_transport/    `GrpcKVSender` -> `KVReceiverServer` (client-streaming gRPC, protos/kv_transfer.proto)
     shm_transport/     `ShmKVSender` -> `ShmKVReceiver` (one host: memfd segments owned by decode, headers

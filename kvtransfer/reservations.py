@@ -220,6 +220,9 @@ class Reservations:
         """A whole layer arrived (`payload`: 1-D uint8). Verifies it, then keeps it or calls `on_layer`.
 
         The checksum and decoding run outside the table's lock; `on_layer` runs on the calling thread.
+        With `copy_kept_layers` and no `on_layer`, the payload is copied first and the copy is verified: the
+        bytes kept are the bytes checked (nothing the sender writes later can change them), and the checksum
+        reads them while they are still in cache.
         """
         with self._lock:
             res = self._live(header.request_id, need_streaming=True)
@@ -229,6 +232,9 @@ class Reservations:
                     raise ProtocolError(f"{header.request_id}: layer {header.layer_idx} received twice")
             except KVTransferError as e:
                 self._raise(res, e)
+            callback = res.on_layer
+        if callback is None and self.copy_kept_layers:
+            payload = payload.clone()
         try:
             verify_layer(header, payload)
         except KVTransferError as e:
@@ -237,10 +243,7 @@ class Reservations:
         layer = decode_layer(header, payload, self.int8_passthrough)
         with self._lock:
             self._live(header.request_id, need_streaming=True)  # still wanted (not released, lease running)?
-            callback = res.on_layer
             if callback is None:
-                if self.copy_kept_layers:
-                    layer = ReceivedLayer(*(None if t is None else t.clone() for t in layer))
                 res.layers[header.layer_idx] = layer
             else:
                 res.num_callbacks_running += 1

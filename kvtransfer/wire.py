@@ -14,23 +14,31 @@ then `finish` (the `HandoffExtras`) or `abort` (a reason). A layer is a `LayerHe
 The header is msgpack (torch.distributed transport) or the equivalent protobuf message (gRPC,
 `protos/kv_transfer.proto`); both carry the same fields as `LayerHeader`.
 
-Checksum: CRC-32 (`zlib.crc32`) of the payload bytes, computed by the sender before the bytes leave it and
-checked by the receiver before the layer is handed to decode. Why CRC-32 rather than BLAKE2b: it is an
-error-detecting code, not a hash: it is guaranteed to catch every error burst of up to 32 bits (so any
-flipped or overwritten byte, which is what a bad copy, a stale buffer or a torn DMA looks like), while other
-corruptions slip through with probability 2^-32. Nobody here is an adversary, so a cryptographic hash buys
-nothing, and zlib's CRC-32 runs at several GB/s per core (about 4 GB/s on this machine; BLAKE2b about 0.7),
-so checking never becomes the transfer's bottleneck. The extras carry a CRC-32 too (`extras_checksum`).
+Checksum: CRC-32C (Castagnoli; the `crc32c` package, which uses the CPU's CRC32 instruction: SSE 4.2 on
+x86-64, ARMv8's crc32c*, with a software fallback elsewhere) of the payload bytes, computed by the sender
+before the bytes leave it and checked by the receiver before the layer is handed to decode. Why a CRC rather
+than BLAKE2b: it is an error-detecting code, not a hash: it is guaranteed to catch every error burst of up
+to 32 bits (so any flipped or overwritten byte, which is what a bad copy, a stale buffer or a torn DMA looks
+like), while other corruptions slip through with probability 2^-32. CRC-32C's polynomial 0x1EDC6F41
+(Castagnoli, Braeuer, Herrmann 1993, IEEE Trans. Commun. 41(6)) even detects every 3-bit error in messages
+up to 2^31 bits, where CRC-32's stops at 91,607 bits (Koopman 2002, "32-bit cyclic redundancy codes for
+Internet applications", DSN): a 2.36 MB layer is 18.9 Mbit.
+Nobody here is an adversary, so a cryptographic hash buys nothing. Why CRC-32C rather than zlib's CRC-32:
+the hardware instruction runs at about 3x zlib's speed (this 2-core AMD EPYC, shared and under load, one
+thread: 64 MiB buffers 6.9 against 2.3 GB/s; a DeepSeek-V3 handoff's 61 layers of 2.36 MB, the two timed
+alternately, 1.36 against 0.41 GB/s at load average ~38), and `crc32c` releases the GIL on buffers of 32 KiB
+and more, so a transport's checksum thread overlaps the copies of the threads around it. The extras carry
+a CRC-32C too (`extras_checksum`).
 """
 
 from __future__ import annotations
 
 import sys
-import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
+import crc32c
 import numpy as np
 import torch
 
@@ -54,7 +62,7 @@ class LayerHeader:
     """Describes one layer's payload.
 
     num_bytes: payload bytes (values, plus `num_tokens` float32 scales on an int8 wire).
-    checksum: `zlib.crc32` of the payload, as an unsigned 32-bit int.
+    checksum: CRC-32C (`checksum`) of the payload, as an unsigned 32-bit int.
     """
 
     request_id: str
@@ -91,8 +99,9 @@ FaultHook = Callable[[LayerHeader, bytearray], bool]
 
 
 def checksum(data: Any, start: int = 0) -> int:
-    """CRC-32 of a bytes-like object (bytes, memoryview, numpy array), chained from `start`."""
-    return zlib.crc32(data, start) & 0xFFFFFFFF
+    """CRC-32C (unsigned 32-bit int) of a bytes-like object (bytes, memoryview, C-contiguous numpy array),
+    chained from `start`: `checksum(b, checksum(a)) == checksum(a + b)`. Releases the GIL from 32 KiB on."""
+    return crc32c.crc32c(data, start)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -214,7 +223,7 @@ def verify_layer(header: LayerHeader, payload: torch.Tensor) -> None:
     if got != header.checksum:
         raise ChecksumMismatch(
             f"{header.request_id}: checksum mismatch on layer {header.layer_idx} "
-            f"(crc32 {got:#010x} != sender's {header.checksum:#010x}, {header.num_bytes} B)"
+            f"(crc32c {got:#010x} != sender's {header.checksum:#010x}, {header.num_bytes} B)"
         )
 
 
@@ -249,7 +258,7 @@ def meta_from_dict(record: dict[str, Any]) -> HandoffMeta:
 
 
 def extras_checksum(extras: HandoffExtras) -> int:
-    """CRC-32 over the extras in a fixed order: token ids as int64 (the drafts with their count), then the
+    """CRC-32C over the extras in a fixed order: token ids as int64 (the drafts with their count), then the
     raw bytes of `draft_probs` (if any). Independent of how a transport encodes them."""
     ids = [extras.first_token_id, len(extras.draft_token_ids), *extras.draft_token_ids]
     crc = checksum(np.asarray(ids, dtype="<i8"))
@@ -301,5 +310,5 @@ def verify_extras(request_id: str, extras: HandoffExtras, expected_checksum: int
     got = extras_checksum(extras)
     if got != expected_checksum:
         raise ChecksumMismatch(
-            f"{request_id}: checksum mismatch on the extras (crc32 {got:#010x} != {expected_checksum:#010x})"
+            f"{request_id}: checksum mismatch on the extras (crc32c {got:#010x} != {expected_checksum:#010x})"
         )

@@ -12,8 +12,8 @@ Every message is three sends, in order, on the pair:
     header  uint8 [header_num_bytes]: msgpack {"kind": "begin" | "layer" | "finish" | "abort" | "bye", ...}
     payload uint8 [header["header"]["num_bytes"]]         (layer messages only: `kvtransfer.wire` layout)
 
-`begin` carries the `HandoffMeta` (its `secret` included), `layer` a `LayerHeader` (CRC-32 of the payload),
-`finish` the extras (with their CRC-32), `abort` the reason, `bye` ends the receiver's loop for that peer
+`begin` carries the `HandoffMeta` (its `secret` included), `layer` a `LayerHeader` (CRC-32C of the payload),
+`finish` the extras (with their CRC-32C), `abort` the reason, `bye` ends the receiver's loop for that peer
 (`DistKVSender.close`) and fails the peer's unfinished handoffs with SenderLost.
 
 Authentication. The receiver admits a `begin` only with the secret decode's `expect` created, for a
@@ -32,7 +32,7 @@ connections are unauthenticated. A process that joins or disturbs the rendezvous
 (every handoff then fails, visibly) and may receive KV a prefill rank sends to the rank it impersonates;
 it still cannot forge a handoff decode admits. Where that matters, use the grpc transport with TLS.
 
-Threads: the sender's worker thread encodes (INT8, CRC-32) and sends, fed by a queue, so `send_layer`
+Threads: the sender's worker thread encodes (INT8, CRC-32C) and sends, fed by a queue, so `send_layer`
 returns at once. The receiver runs one thread per peer rank, blocked in `recv`, which verifies each layer and
 runs decode's `on_layer`. There is no return path: a request decode refuses (checksum, no reservation) is
 dropped on the receiver and the sender does not learn of it; the decode actor reports it (decode is the one

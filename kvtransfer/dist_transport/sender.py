@@ -1,6 +1,6 @@
 """`DistKVSender`: the prefill side of the torch.distributed transport.
 
-One worker thread per sender encodes (INT8, CRC-32) and sends, fed by a queue, so `send_layer` returns at
+One worker thread per sender encodes (INT8, CRC-32C) and sends, fed by a queue, so `send_layer` returns at
 once. There is no return path: the sender learns only of its own send failures and of its lease ending.
 """
 

@@ -79,7 +79,7 @@ def _raw_tensor(tensor: torch.Tensor) -> pb.RawTensor:
 
 def extras_to_proto(extras: HandoffExtras) -> pb.Finish:
     """The stream's `Finish`: first token, MTP drafts, their `[num_drafts, vocab_size]` float32
-    probabilities when sampled, and the extras' CRC-32 (`wire.extras_checksum`)."""
+    probabilities when sampled, and the extras' CRC-32C (`wire.extras_checksum`)."""
     finish = pb.Finish(
         first_token_id=extras.first_token_id,
         draft_token_ids=extras.draft_token_ids,
@@ -95,7 +95,7 @@ def extras_from_proto(request_id: str, finish: pb.Finish) -> HandoffExtras:
 
     Raises:
         ProtocolError: malformed fields.
-        ChecksumMismatch: the extras do not match the CRC-32 the sender computed.
+        ChecksumMismatch: the extras do not match the CRC-32C the sender computed.
     """
 
     def tensor(raw: pb.RawTensor) -> torch.Tensor:

@@ -1,9 +1,12 @@
 """`GrpcKVSender`: the prefill side of the gRPC transport (one client-streaming call per handoff).
 
-`send_layer` copies the tensor onto the request's queue and returns; gRPC's own thread for the call pulls
-from the queue, encodes (INT8 quantization, CRC-32) and streams, so the prefill forward overlaps encoding
-and transfer. A call the receiver fails ends with a status code `error_from_rpc` maps back to the
-receiver's error class; `flush` reports it.
+`send_layer` copies the layer onto the request's queue and returns; gRPC's own thread for the call pulls
+from the queue, encodes what needs encoding (INT8 quantization or dequantization, CRC-32C) and streams, so
+the prefill forward overlaps encoding and transfer. A float layer on a float wire (the common case) is
+checksummed (CRC-32C, several GB/s) and copied straight into its chunk messages by `send_layer` itself: that
+copy is the one the caller is owed, so the layer's bytes are copied once on this side before gRPC's own copy
+(a tensor copy and then the messages' copy, before). A call the receiver fails ends with a status code
+`error_from_rpc` maps back to the receiver's error class; `flush` reports it.
 """
 
 from __future__ import annotations
@@ -155,10 +158,17 @@ class GrpcKVSender(KVSender):
         if call.done:  # failed in the background; flush() reports it
             check_layer(call.meta, layer_idx, latent_kv, scale)
             return
-        latent_copy, scale_copy = copy_layer(call.meta, layer_idx, latent_kv, scale)
+        if scale is None and not call.meta.is_int8_wire and self._fault_hook is None:
+            # A float layer on a float wire goes as it is: its chunk messages are built here, and they are
+            # the copy send_layer owes its caller (no tensor copy first, then a second copy into messages).
+            check_layer(call.meta, layer_idx, latent_kv)
+            layer = encode_layer(call.meta, layer_idx, latent_kv)  # a view of latent_kv, and its CRC-32C
+            item: tuple = ("chunks", list(self._chunks(layer.header, layer.payload)))
+        else:  # quantized or dequantized on gRPC's thread, off the caller's
+            item = ("layer", layer_idx, *copy_layer(call.meta, layer_idx, latent_kv, scale))
         with self._lock:
             if not call.done:
-                call.messages.put(("layer", layer_idx, latent_copy, scale_copy))
+                call.messages.put(item)
 
     def finish(self, request_id: str, extras: HandoffExtras) -> None:
         self._close_call(request_id, ("finish", extras))
@@ -231,7 +241,10 @@ class GrpcKVSender(KVSender):
                 return
             if call.stalled:
                 continue
-            if kind == "layer":
+            if kind == "chunks":
+                if call.abort_reason is None:
+                    yield from item[1]
+            elif kind == "layer":
                 if call.abort_reason is not None:
                     continue
                 layer, keep_sending = apply_fault_hook(

@@ -4,10 +4,12 @@ Decode's `ShmKVReceiver` owns the memory: per prefill connection, a pool of anon
 segments (`memfd_create`, mode 0600, no name anywhere), reused across handoffs. A handoff admitted by its
 secret gets one; its descriptor travels to the prefill sender once, over a Unix socket only the user's own
 processes can reach (a 0700 directory, peer uid checked). Prefill's `ShmKVSender.send_layer` copies each
-layer into the segment; the worker sends its header (with the CRC-32 of the segment's bytes) on the socket;
-decode verifies the bytes and hands `on_layer` a view of them, which decode copies into its paged blocks.
-So a layer is copied once on each side (prefill's tensor -> shared pages -> decode's blocks) and checksummed
-once on each side, and no byte of KV goes through a socket.
+layer into the segment; the worker sends its header (with the CRC-32C of the segment's bytes) on the socket;
+decode verifies the bytes and hands `on_layer` a view of them, which decode copies into its paged blocks
+(without `on_layer`, `wait`'s layers are copied out first and the copy is verified). So a layer is copied
+once on each side (prefill's tensor -> shared pages -> decode's blocks) and checksummed once on each side
+(CRC-32C, the CPU's instruction, on threads that overlap the copies), and no byte of KV goes through a
+socket.
 
 What goes over the socket (msgpack records, `channel.py`):
 

@@ -5,7 +5,7 @@ time, then its id) where the handoff's layers go, layer `i` at byte `i * meta.la
 `send_layer` copies a layer straight into the segment (the one copy on this side: prefill's tensor to the
 shared pages) and queues it; before the grant, or when the layer needs re-encoding (INT8 quantization of a
 float layer, dequantization of an int8 one for a float wire), it copies the tensor and the worker thread
-encodes it into the segment. The worker computes each layer's CRC-32 on the segment's bytes and sends the
+encodes it into the segment. The worker computes each layer's CRC-32C on the segment's bytes and sends the
 layer's header on the control socket; decode verifies the same bytes.
 
 A reader thread takes decode's records: grants, `drop` (unmap a segment decode closed) and `done` (the
@@ -271,7 +271,7 @@ class ShmKVSender(KVSender):
         return not req.done
 
     def _run(self) -> None:
-        """The worker: begins, layer headers (after their CRC-32), finishes and aborts, in order."""
+        """The worker: begins, layer headers (after their CRC-32C), finishes and aborts, in order."""
         while True:
             item = self._queue.get()
             kind, request_id = item[0], item[1]

@@ -33,4 +33,9 @@ def test_bench_kv_transfer_smoke(capsys):
     }
     v3_int8 = runs[("deepseek_v3", "grpc", "int8")]
     assert v3_int8["kv_bytes"] == 61 * 16 * 576 * 2 and v3_int8["wire_bytes"] == 61 * 16 * 580
-    assert v3_int8["kv_GB_per_s"]["best"] > 0 and "send_return_ms" in v3_int8
+    # GB/s is rounded to 3 decimals: a 1 MB transfer on a loaded machine may print 0.0; the times say it ran
+    assert len(v3_int8["elapsed_ms"]) == 1 and v3_int8["elapsed_ms"][0] > 0 and "send_return_ms" in v3_int8
+    assert {"best", "median"} <= v3_int8["kv_GB_per_s"].keys()
+    # tiny transfers are mostly fixed costs: the ratio to a 16-token clone may round to 0.0
+    assert isinstance(v3_int8["vs_adjacent_clone_median"], float) and v3_int8["vs_adjacent_clone_median"] >= 0
+    assert "vs_adjacent_clone_median" not in runs[("tiny", "clone", "bfloat16")]

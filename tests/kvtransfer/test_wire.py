@@ -25,6 +25,7 @@ from kvtransfer.reservations import Reservations
 from kvtransfer.wire import (
     LayerHeader,
     check_layer,
+    checksum,
     decode_layer,
     encode_layer,
     extras_from_dict,
@@ -223,3 +224,44 @@ def test_failure_log_is_bounded():
     assert len(log) == 3
     assert sorted(log.pop_all()) == ["r2", "r3", "r4"]
     assert len(log) == 0
+
+
+def test_checksum_is_crc32c_and_chains():
+    # The CRC-32C check value of the ASCII digits 1..9 (RFC 3720 appendix B.4; Castagnoli's polynomial)
+    assert checksum(b"123456789") == 0xE3069283
+    assert checksum(b"") == 0
+    data = torch.arange(100_000, dtype=torch.int32).view(torch.uint8).numpy()  # past the GIL-release size
+    assert checksum(data[40_000:], checksum(data[:40_000])) == checksum(data)
+    assert checksum(memoryview(data)) == checksum(data.tobytes())
+
+
+def test_kept_layers_are_copies_verified_after_copying():
+    """copy_kept_layers (the shm receiver, whose segments are reused): wait's layers own their bytes, so a
+    later write into the payload buffer changes nothing decode got; a corrupted payload is still refused."""
+    reservations = Reservations(copy_kept_layers=True)
+    meta = make_handoff("kept", num_layers=2)
+    layers = make_layers(meta)
+    bound = reservations.expect(meta)
+    reservations.claim("kept", bound.secret)
+    reservations.on_begin(meta)
+    buffer = torch.empty(meta.layer_wire_bytes, dtype=torch.uint8)  # one reused payload buffer
+    for layer_idx, latent in enumerate(layers):
+        layer = encode_layer(meta, layer_idx, latent)
+        buffer.copy_(layer.payload)
+        reservations.on_layer(layer.header, buffer)
+    buffer.fill_(0xA5)  # the sender's next handoff overwrites the segment
+    reservations.on_finish("kept", make_extras(meta))
+    received = reservations.wait("kept", 1.0)
+    assert len(received.layers) == 2
+    for got, sent in zip(received.layers, layers, strict=True):
+        assert bits_equal(got.latent, sent)
+    reservations.release("kept")
+    bound = reservations.expect(meta)
+    reservations.claim("kept", bound.secret)
+    reservations.on_begin(meta)
+    layer = encode_layer(meta, 0, layers[0])
+    corrupted = layer.payload.clone()
+    corrupted[7] ^= 0x01
+    with pytest.raises(ChecksumMismatch, match="layer 0"):
+        reservations.on_layer(layer.header, corrupted)
+    reservations.release("kept")
