@@ -70,7 +70,7 @@ def test_first_drafts_match_a_cacheless_mtp(llm):
     """Each d_1 the engine proposes (k=1, greedy) is the argmax of the cacheless MTP module run over the
     final sequence (`DeepseekV3ForCausalLM.mtp_forward` on the main model's hidden states) at the newest
     committed position. Float rounding differs between the paged, batched path and the dense one, so a
-    near tie may flip: at least 98% must agree (all agree on this checkpoint when run at review time)."""
+    near tie may flip: at least 98% must agree."""
     engine = llm.replace_config(num_speculative_tokens=1).engine
     executor = engine.executor
     drafts: dict[str, list[tuple[int, int]]] = {}  # request id -> (newest committed position, d_1)
