@@ -28,8 +28,9 @@ Speculative decoding (k = `num_speculative_tokens`):
    accept the longest prefix of drafts equal to the target argmax, then take the target's token (exact
    match: output identical to k = 0); others use rejection sampling (Leviathan et al. 2023, Algorithm 1),
    which preserves the target distribution.
-3. The MTP layer then runs every position whose next token is now committed, writing its own KV, and the
-   output at the newest position proposes d_1; chaining the module gives d_2..d_k (see `mtp_proposer`).
+3. The MTP layer then runs as the tail of the step's forward, over the same batch and metadata (positions,
+   slots, block tables), writing its own KV; its output at each request's newest committed position
+   proposes d_1; chaining the module gives d_2..d_k (see `mtp_proposer`).
 Adaptive speculation (`adaptive_min_accept_prob` set): after each step's verification the executor folds
 the per-depth draft/accept counts of the batch into exponentially decayed counters and sets
 `num_speculative_tokens` to `spec_policy.choose_num_speculative_tokens(...)` in [1, max k] before proposing
@@ -62,7 +63,7 @@ import torch
 
 from engine.input_batch import BlockTableRows
 from engine.model_runner import InputBuffers, LayerKVCallback, ModelInput, ModelRunner, build_model_input
-from engine.mtp_proposer import MTPWork, propose
+from engine.mtp_proposer import MTPWork, mtp_input_ids, propose
 from engine.outputs import (
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
@@ -277,7 +278,7 @@ class Executor:
         if self.num_speculative_tokens:
             k = self.num_speculative_tokens
             self.num_steps_per_k[k] = self.num_steps_per_k.get(k, 0) + 1
-            spec = self._propose(scheduled, hidden, starts, sampled, failed, on_layer_kv)
+            spec = self._propose(scheduled, batch, hidden, starts, sampled, failed, on_layer_kv)
         # Prefill-only requests (handed off to decode): their draft distributions.
         draft_probs: dict[str, torch.Tensor | None] = {}
         for i in sampling:
@@ -391,40 +392,46 @@ class Executor:
     def _propose(
         self,
         scheduled: list[ScheduledRequest],
+        batch: ModelInput,
         hidden: torch.Tensor,
         starts: list[int],
         sampled: dict[str, list[int]],
         failed: dict[str, str],
         on_layer_kv: LayerKVCallback | None = None,
     ) -> dict[str, list[int]]:
-        """MTP drafts per request (see `mtp_proposer.propose`); skips requests in `failed` and adds the
-        requests whose drafting fails alone to it."""
+        """Run the MTP layer as the tail of this step's forward over the same batch and propose drafts per
+        request (see `mtp_proposer.propose`); skips requests in `failed` and adds the requests whose
+        drafting fails alone to it."""
+        rows: list[int] = []  # newest committed position of each request that has the token after it
+        next_ids: list[int] = []
         works: list[MTPWork] = []
         owners: list[ScheduledRequest] = []
         for i, item in enumerate(scheduled):
             if item.request_id in failed:
                 continue
-            request = item.request
-            new_tokens = sampled.get(item.request_id, [])
-            num_rejected = len(item.spec_token_ids) - (len(new_tokens) - 1) if item.samples else 0
-            num_valid = item.num_scheduled_tokens - num_rejected
             start, n = item.start_position, item.num_scheduled_tokens
-            # Token i+1 for each valid position i: the step's next inputs (accepted drafts), then the
-            # sampled token, or the committed token after a prefill chunk (immutable: safe to read here).
-            after = new_tokens[-1:] if item.samples else request.all_token_ids[start + n : start + n + 1]
-            next_ids = item.token_ids[1:num_valid] + after
-            if len(next_ids) < num_valid:  # the prompt's last token awaits its sample (cannot happen when
-                num_valid = len(next_ids)  # samples is True); drop that position until the next step
-            if num_valid == 0:
+            if item.samples:
+                new_tokens = sampled[item.request_id]
+                num_valid = n - (len(item.spec_token_ids) - (len(new_tokens) - 1))
+                after = new_tokens[-1]
+            else:  # a prefill chunk: the committed prompt token after it (immutable: safe to read here)
+                num_valid = n
+                following = item.request.all_token_ids[start + n : start + n + 1]
+                if not following:  # the prompt's last token awaits its sample: that row's MTP input is
+                    continue  # unknown until the next step (its MTP KV here is a filler's)
+                after = following[0]
+            newest_row = starts[i] + num_valid - 1
+            rows.append(newest_row)
+            next_ids.append(after)
+            num_drafts = self._num_drafts(item, start + num_valid) if item.samples else 0
+            if num_drafts == 0:
                 continue
-            params = request.sampling_params
+            params = item.request.sampling_params
             works.append(
                 MTPWork(
-                    start_position=start,
-                    next_token_ids=next_ids,
-                    prev_hidden=hidden[starts[i] : starts[i] + num_valid],
-                    block_table=item.block_ids,
-                    num_drafts=self._num_drafts(item, start + num_valid) if item.samples else 0,
+                    request_row=i,
+                    newest_row=newest_row,
+                    num_drafts=num_drafts,
                     temperature=params.temperature,
                     top_k=params.top_k,
                     top_p=params.top_p,
@@ -432,8 +439,10 @@ class Executor:
                 )
             )
             owners.append(item)
+        input_ids = mtp_input_ids(batch, rows, next_ids)
         spec: dict[str, list[int]] = {}
-        for item, proposal in zip(owners, propose(self.runner, works, on_layer_kv), strict=True):
+        proposals = propose(self.runner, batch, hidden, input_ids, works, on_layer_kv)
+        for item, proposal in zip(owners, proposals, strict=True):
             if proposal.error is not None:
                 failed[item.request_id] = proposal.error
             elif proposal.draft_token_ids:
