@@ -146,22 +146,22 @@ def test_eplb_live_rebalance_lowers_imbalance_and_keeps_outputs() -> None:
 
 
 @multi_process
-def test_idle_rank_joins_200_steps_without_deadlock() -> None:
-    """Rank 0 runs one 200-token request (k=0: 200 steps, rebalancing every 50 steps meanwhile); rank 1
+def test_idle_rank_joins_100_steps_without_deadlock() -> None:
+    """Rank 0 runs one 100-token request (k=0: 100 steps, rebalancing every 25 steps meanwhile); rank 1
     has none and joins every step with an empty batch."""
     (prompt,) = heldout_def_prompts(1)
-    busy = [("busy", prompt, 200)]
+    busy = [("busy", prompt, 100)]
     want, _ = reference(busy, k=0)
-    case = {"k": 0, "redundant": 2, "eplb_interval": 50, "rounds": [[busy, []]]}
+    case = {"k": 0, "redundant": 2, "eplb_interval": 25, "rounds": [[busy, []]]}
     results = run_ranks(ep_worker, 2, case, timeout_s=JOIN_S)
     assert results[0]["rounds"][0]["tokens"] == want
     assert results[1]["rounds"][0]["tokens"] == {}
     for rank in (0, 1):
-        assert results[rank]["rounds"][0]["calls"] >= 200
+        assert results[rank]["rounds"][0]["calls"] >= 100
         (stats,) = results[rank]["stats"]
-        assert stats.num_steps == 200  # the instance stepped once per token
-        assert stats.num_idle_steps == (200 if rank == 1 else 0)
-        assert stats.num_rebalances == 3  # before steps 51, 101, 151
+        assert stats.num_steps == 100  # the instance stepped once per token
+        assert stats.num_idle_steps == (100 if rank == 1 else 0)
+        assert stats.num_rebalances == 3  # before steps 26, 51, 76
 
 
 def killing_worker(rank: int, world_size: int, port: int) -> dict:

@@ -19,11 +19,9 @@ from planner.step_model import DecodeRow, StepShape
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow  # two engines timed, then the live cluster probed (~90 s loaded)
-def test_profile_quick_writes_a_calibration(tmp_path, capsys):
-    out = tmp_path / "cal.json"
-    assert main(["profile", str(ROOT / "clusters" / "local.yaml"), "--quick", "--no-progress",
-                 "--output", str(out)]) == 0  # fmt: skip
+@pytest.mark.slow  # two engines timed, then the live cluster probed (the session's one profile run)
+def test_profile_quick_writes_a_calibration(quick_calibration):
+    out = quick_calibration.path
     doc = json.loads(out.read_text())
     assert doc["format"] == FORMAT and doc["accelerator"] == "cpu"
     assert read_calibration(out)["factors"] == doc["factors"]
@@ -32,7 +30,7 @@ def test_profile_quick_writes_a_calibration(tmp_path, capsys):
     for row in doc["residuals"]:
         assert row["measured_s"] > 0 and row["predicted_s"] > 0
     assert out.with_suffix(".txt").read_text().startswith("role")
-    assert "calibration written to" in capsys.readouterr().out
+    assert "calibration written to" in quick_calibration.stdout
     model = perf_model_for(load_topology(ROOT / "clusters" / "local.yaml"), "decode", calibration=out)
     assert model.efficiency.kv_link.source.startswith("measured here")
     assert model.step_time_s(StepShape(decode=(DecodeRow(64, 2),), num_speculative_tokens=1)) > 0
