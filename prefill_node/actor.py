@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Aborts remembered for prefill calls not here yet (a threaded actor runs calls unordered; a stalled actor
+# runs the calls queued meanwhile at once). Ids are unique, so only memory bounds it: 4,096 ids, ~0.5 MB.
+MAX_EARLY_ABORTS = 4096
+
 
 class PrefillNode(RankActor):
     """One prefill rank (of an instance of one or more).
@@ -81,6 +85,9 @@ class PrefillNode(RankActor):
         self._active: dict[str, Job] = {}
         # binds that overtook their prefill call, with when they came (dropped after their lease)
         self._early_binds: dict[str, tuple[PrefillBind, float]] = {}
+        # aborts that overtook their prefill call (handoff ids are unique), oldest first, at most
+        # MAX_EARLY_ABORTS: the call, when it comes, fails at once instead of awaiting a bind that never comes
+        self._early_aborts: dict[str, None] = {}
         self._lock = threading.Lock()
         self._num_queued_tokens = 0  # of jobs queued or active
         self._start_engine_thread()
@@ -180,6 +187,9 @@ class PrefillNode(RankActor):
         self._jobs.put(("bind", bind))
 
     def abort(self, request_id: str) -> None:
+        """Fail the prefill of `request_id` (its `prefill` call raises), freeing its blocks and handoff.
+        An abort that overtakes its `prefill` call is remembered (`MAX_EARLY_ABORTS`), and that call then
+        raises at once without prefilling."""
         self._jobs.put(("abort", request_id))
 
     def load(self) -> PrefillNodeLoad:
@@ -251,7 +261,12 @@ class PrefillNode(RankActor):
                 self._bind(arg)
             elif kind == "abort":
                 self._early_binds.pop(arg, None)
-                self._fail(arg, "aborted by the router", abort_engine=True)
+                if arg in self._active:
+                    self._fail(arg, "aborted by the router", abort_engine=True)
+                else:  # its prefill call has not arrived yet (or it is done: then never will)
+                    self._early_aborts[arg] = None
+                    while len(self._early_aborts) > MAX_EARLY_ABORTS:
+                        del self._early_aborts[next(iter(self._early_aborts))]
             try:
                 command = self._jobs.get_nowait()
             except queue.Empty:
@@ -288,6 +303,12 @@ class PrefillNode(RankActor):
         return True
 
     def _start(self, job: Job) -> None:
+        if job.request_id in self._early_aborts:  # the abort overtook this call (threaded actor)
+            del self._early_aborts[job.request_id]
+            self._early_binds.pop(job.request_id, None)
+            job.error = "aborted by the router (before its prefill call arrived)"
+            self._finish_job(job)
+            return
         early, _ = self._early_binds.pop(job.request_id, (None, 0.0))
         if early is not None and not job.bound:
             job.bind(early.meta, early.decode_index, early.decode_rank)

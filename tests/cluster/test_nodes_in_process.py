@@ -259,3 +259,19 @@ def test_a_prefill_awaiting_its_bind_is_aborted_cleanly(nodes) -> None:
     caller.join(EVENT_WAIT_S)
     assert len(errors) == 1 and "aborted by the router" in errors[0]
     _assert_idle(prefill, decode)
+
+
+def test_an_abort_that_overtakes_its_prefill_call_fails_that_call_at_once(nodes) -> None:
+    """Ray runs a threaded actor's calls unordered (and a stalled actor runs the calls queued meanwhile at
+    once): the driver's abort may come before the prefill call it aborts. That call then raises at once,
+    without prefilling or awaiting a bind that never comes, and nothing stays held."""
+    prefill, decode = nodes
+    prefill.abort("overtaken")
+    request = PrefillRequest(
+        "overtaken", PROMPT, GREEDY, _meta(prefill, "overtaken"), decode_index=0, awaiting_bind=True
+    )
+    with pytest.raises(RuntimeError, match="aborted by the router"):
+        prefill.prefill(request)  # without the fix: waits for the bind until its lease and timeout end
+    assert prefill.load().num_requests == 0
+    _assert_idle(prefill, decode)
+
