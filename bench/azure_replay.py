@@ -33,6 +33,10 @@ the targets (disaggregated TTFT p50 - colocated p50 <= TARGET_TTFT_P50_MARGIN_MS
 TTFT p50 <= TARGET_TTFT_P50_VS_VLLM); how each server stopped (`clean_shutdown`: every server exited, no
 process of theirs alive, no port still served). Exit code 1 if a server failed to start (the error names
 it, with its log tail) or a request failed; everything started is stopped first, also on Ctrl-C/SIGTERM.
+The model is the topology's (`--model` may only name it); `--threads` sets this client's torch threads.
+`config.other_processes_cpu_fraction` (`bench.common.Contention`) counts the servers' own CPU time too
+(they are other processes to this one), so it does not measure outside contention here; neither do the
+load averages before and after.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from typing import Any
 
 from bench.common import add_common_arguments, environment, format_table, positive_int, ratio, run_and_emit
 from bench.server_procs import ServerProcess, ServerStartError, free_port, wait_all_ready
+from models import bundled_checkpoint_dir
 
 TARGET_TTFT_P50_MARGIN_MS = 3.0  # issue 13: disaggregated TTFT p50 <= colocated p50 + this
 TARGET_TTFT_P50_VS_VLLM = 1.5  # issue 13: disaggregated TTFT p50 <= this x vLLM's, same run
@@ -63,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_arguments(parser)
     parser.add_argument("--topology", default="clusters/local.yaml", help="the disaggregated deployment")
-    parser.add_argument("--trace", default=DEFAULT_TRACE, help="Azure CSV or Mooncake JSONL (path or bare name)")
+    parser.add_argument(
+        "--trace", default=DEFAULT_TRACE, help="Azure CSV or Mooncake JSONL (path or bare name)"
+    )
     parser.add_argument("--num-requests", type=positive_int, default=50)
     parser.add_argument("--warmup-requests", type=positive_int, default=5)
     parser.add_argument("--rounds", type=positive_int, default=2, help="replays per server, alternating")
@@ -105,7 +112,15 @@ def make_servers(args: argparse.Namespace, topo, log_dir: Path) -> list[ServerPr
         ),
         ServerProcess(
             "colocated",
-            [sys.executable, "-m", "bench.colocated_server", "--topology", args.topology, "--threads", threads],
+            [
+                sys.executable,
+                "-m",
+                "bench.colocated_server",
+                "--topology",
+                args.topology,
+                "--threads",
+                threads,
+            ],
             port=0,
             log_path=log_dir / "colocated.log",
             env=dict(base_env, OMP_NUM_THREADS=threads),
@@ -119,7 +134,9 @@ def make_servers(args: argparse.Namespace, topo, log_dir: Path) -> list[ServerPr
         return servers
     modes = [m for m in args.vllm_modes.split(",") if m]
     if not modes or any(m not in VLLM_MODES for m in modes):
-        raise ValueError(f"--vllm-modes: expected a comma-separated list from {VLLM_MODES}, got {args.vllm_modes!r}")
+        raise ValueError(
+            f"--vllm-modes: expected a comma-separated list from {VLLM_MODES}, got {args.vllm_modes!r}"
+        )
     python = args.vllm_venv / "bin" / "python"
     if not python.exists():
         raise FileNotFoundError(f"{python}: no vLLM venv (see ../shared/PEERS.md; or pass --no-vllm)")
@@ -143,10 +160,16 @@ def make_servers(args: argparse.Namespace, topo, log_dir: Path) -> list[ServerPr
         ]  # fmt: skip
         if mode == "mtp_eager":
             k = engine_config.num_speculative_tokens
-            argv += ["--enforce-eager", "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k})]
+            argv += [
+                "--enforce-eager",
+                "--speculative-config",
+                json.dumps({"method": "mtp", "num_speculative_tokens": k}),
+            ]
         # not the repo root: its packages must not shadow vLLM's imports
         servers.append(
-            ServerProcess(f"vllm_{mode}", argv, port, log_dir / f"vllm_{mode}.log", env, tempfile.gettempdir())
+            ServerProcess(
+                f"vllm_{mode}", argv, port, log_dir / f"vllm_{mode}.log", env, tempfile.gettempdir()
+            )
         )
     return servers
 
@@ -181,16 +204,22 @@ def replay_all(args: argparse.Namespace, servers: list[ServerProcess], tokenizer
     if len(lengths) != 1:
         raise RuntimeError(f"the servers serve different max_model_len: {served}")
     trace = load_trace(args.trace, args.num_requests)
-    workload = scale_trace(trace, lengths.pop(), max_tokens_cap=args.max_tokens_cap, time_scale=args.time_scale)
+    workload = scale_trace(
+        trace, lengths.pop(), max_tokens_cap=args.max_tokens_cap, time_scale=args.time_scale
+    )
     warmup = replace(workload, requests=workload.requests[: args.warmup_requests])
-    sizes = [r.num_input_tokens for r in warmup.requests] + [r.num_input_tokens for r in workload.requests] * args.rounds
+    sizes = [r.num_input_tokens for r in warmup.requests] + [
+        r.num_input_tokens for r in workload.requests
+    ] * args.rounds
     prompts = heldout_token_prompts(Tokenizer.from_dir(tokenizer_dir), sizes)
     warm_prompts, prompts = prompts[: len(warmup.requests)], prompts[len(warmup.requests) :]
     n = len(workload.requests)
 
     def one(server: ServerProcess, load, prompt_ids) -> dict[str, Any]:
         model = served[server.name][0]
-        results, duration_s = asyncio.run(replay(server.url, load, prompt_ids, model=model, show_progress=False))
+        results, duration_s = asyncio.run(
+            replay(server.url, load, prompt_ids, model=model, show_progress=False)
+        )
         return _figures(summarize(results, duration_s, DEFAULT_TTFT_SLO_MS, DEFAULT_TPOT_SLO_MS), results)
 
     warm = {s.name: one(s, warmup, warm_prompts) for s in servers}
@@ -234,10 +263,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from orchestrator.topology import load_topology
 
     topo = load_topology(args.topology)
+    served = Path(topo.engine_config("decode").model).resolve()
+    if args.model.resolve() != served and args.model.resolve() != bundled_checkpoint_dir().resolve():
+        raise ValueError(f"--model {args.model}: every server serves the topology's model ({served})")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="azure_replay_"))
     load_before = os.getloadavg()
     servers = make_servers(args, topo, log_dir)
-    info: dict[str, dict[str, Any]] = {s.name: {"command": " ".join(s.argv), "log": str(s.log_path)} for s in servers}
+    info: dict[str, dict[str, Any]] = {
+        s.name: {"command": " ".join(s.argv), "log": str(s.log_path)} for s in servers
+    }
     try:
         for server in servers:
             server.start()
@@ -251,7 +285,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for server in reversed(servers):
         info[server.name]["stop"] = server.stop()
     medians = {
-        name: {k: _median(per_round, k) for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "mean_kv_transfer_ms")}
+        name: {
+            k: _median(per_round, k)
+            for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "mean_kv_transfer_ms")
+        }
         for name, per_round in out["rounds"].items()
     }
     vllm_names = [s.name for s in servers if s.name.startswith("vllm_")]
@@ -260,8 +297,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "azure_replay",
         "median_over_rounds": medians,
         "targets": targets(medians, vllm_names[0] if vllm_names else None),
-        "num_failed": sum(r["num_failed"] + r["num_wrong_output_length"] for rs in out["rounds"].values() for r in rs),
-        "clean_shutdown": all(s["exit_code"] is not None and not s["leaked_pids"] and not s["port_in_use"] for s in stops),
+        "num_failed": sum(
+            r["num_failed"] + r["num_wrong_output_length"] for rs in out["rounds"].values() for r in rs
+        ),
+        "clean_shutdown": all(
+            s["exit_code"] is not None and not s["leaked_pids"] and not s["port_in_use"] for s in stops
+        ),
         **out,
         "servers": info,
         "config": {

@@ -7,7 +7,8 @@ engine, on one thread of its own) behind `orchestrator.backend.LocalEngineBacken
 The engine takes the topology's decode `EngineConfig` (model, dtype, MTP k, KV cache, max_model_len,
 prefix caching: the same engine arguments the decode actor of `pdcluster deploy` gets) and `--threads`
 torch threads (default 1, like each actor of the deployment: OMP_NUM_THREADS=1); the API takes the
-topology's SLO, body-size and concurrency limits. Stops cleanly on SIGTERM or Ctrl-C (uvicorn's handlers), exit code 0.
+topology's SLO, body-size and concurrency limits. Stops cleanly on SIGTERM or Ctrl-C (uvicorn's handlers),
+exit code 0.
 """
 
 from __future__ import annotations
