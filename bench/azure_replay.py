@@ -1,41 +1,67 @@
-"""The Azure conversation replay of issue 13, disaggregated next to colocated in one run:
-`python -m bench.azure_replay [--num-requests 50] [--rounds 2] [--json]`.
+"""The Azure conversation replay of issue 13: disaggregated, colocated and vLLM, one client, one run:
+`python -m bench.azure_replay [--num-requests 50] [--rounds 2] [--vllm-venv DIR | --no-vllm] [--json]`.
 
 Method (the issue's): the first `--num-requests` requests of the Azure LLM inference conversation trace
-(../shared/traces/AzureLLMInferenceTrace_conv.csv), replayed at their arrival times by the same client
-(`orchestrator.bench_client.run_bench`, what `pdcluster bench` runs: streaming over HTTP, prompt lengths
-scaled to the served model's context, output capped at `--max-tokens-cap`, ignore_eos, greedy) against
-two servers in this process's machine:
+(../shared/traces/AzureLLMInferenceTrace_conv.csv), prompt lengths scaled to the served model's context
+and outputs capped at `--max-tokens-cap` (`orchestrator.trace.scale_trace`), replayed at their arrival
+times by one client (`orchestrator.bench_client.replay`, what `pdcluster bench` runs: streaming
+`/v1/completions` over HTTP, prompts as token ids, ignore_eos, greedy) against each server. Every server is
+a child process of its own (`bench.server_procs`), so none shares this client's interpreter:
 
-    disaggregated   `orchestrator.serve.serve("clusters/local.yaml")`: what `pdcluster deploy
-                    clusters/local.yaml` serves (1 prefill + 1 decode Ray actor, its KV transport, MTP)
-    colocated       one `LLMEngine` behind `orchestrator.backend.LocalEngineBackend` and the same API
-                    (what `pdcluster bench --endpoint local` serves), with the topology's decode
-                    `EngineConfig` (same model, dtype, MTP k, max_model_len), one torch thread like each
-                    actor (their OMP_NUM_THREADS=1; `--threads` overrides)
+    disaggregated   `pdcluster deploy TOPOLOGY` (default clusters/local.yaml: 1 prefill + 1 decode Ray
+                    actor, one torch thread each, KV over its transport, MTP k=1), in a Ray it starts
+                    itself (RAY_ADDRESS is dropped from its environment)
+    colocated       `python -m bench.colocated_server`: one `LLMEngine` doing both prefill and decode,
+                    with the topology's decode `EngineConfig` (same model, dtype, MTP k, KV cache,
+                    prefix caching), `--server-threads` torch threads, behind the same API
+    vllm_mtp_eager  vLLM's CPU build (`vllm serve` from `--vllm-venv`, `bench.vllm_server`), the same
+                    checkpoint in float32, MTP k=1, `enforce_eager`: the same algorithm as ours
+    vllm_default    the same, in vLLM's default mode (torch.compile, no speculation); `--vllm-modes`
+                    picks which of the two run (the first listed is the one the target compares with)
 
-Both servers stay up for the whole run and the replays alternate (`--rounds` rounds of colocated then
-disaggregated), so machine load drifts into both alike; each server gets one untimed warm-up replay of
-`--warmup-requests` requests first. Reported per configuration and round: TTFT p50/p90 and TPOT p50
-(ms, `orchestrator.bench_client.summarize`), failures, mean KV transfer (ms); the medians over the
-rounds; the ratio disaggregated / colocated TTFT p50 and the difference in ms (the issue's target:
-disaggregated p50 <= colocated p50 + TARGET_TTFT_P50_MARGIN_MS); and the load average before and after.
+vLLM gets ../shared/PEERS.md's workarounds (a checkpoint copy saying `topk_method: noaux_tc`,
+`VLLM_MLA_DISABLE=1`, `VLLM_CPU_KVCACHE_SPACE`) and `VLLM_CPU_OMP_THREADS_BIND=nobind` with
+OMP_NUM_THREADS=`--server-threads` (no core pinning on a shared machine).
+
+All servers start together and stay up for the whole run; each gets one untimed warm-up replay of the first
+`--warmup-requests` requests, then `--rounds` rounds replay every server in turn (the order rotates each
+round), so machine load drifts into all alike. The warm-up and each round send different prompts
+(consecutive held-out slices of the same lengths), so no server's prefix cache holds a timed prompt.
+Reported per server and round: TTFT p50/p90 and TPOT p50 (ms, `orchestrator.bench_client.summarize`),
+requests failed or short of their output length, mean KV transfer (ms, ours); the medians over the rounds;
+the targets (disaggregated TTFT p50 - colocated p50 <= TARGET_TTFT_P50_MARGIN_MS, disaggregated / vLLM
+TTFT p50 <= TARGET_TTFT_P50_VS_VLLM); how each server stopped (`clean_shutdown`: every server exited, no
+process of theirs alive, no port still served). Exit code 1 if a server failed to start (the error names
+it, with its log tail) or a request failed; everything started is stopped first, also on Ctrl-C/SIGTERM.
+The model is the topology's (`--model` may only name it); `--threads` sets this client's torch threads.
+`config.other_processes_cpu_fraction` (`bench.common.Contention`) counts the servers' own CPU time too
+(they are other processes to this one), so it does not measure outside contention here; neither do the
+load averages before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import os
+import signal
 import statistics
+import sys
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from bench.common import add_common_arguments, environment, format_table, positive_int, ratio, run_and_emit
+from bench.server_procs import ServerProcess, ServerStartError, free_port, wait_all_ready
+from models import bundled_checkpoint_dir
 
 TARGET_TTFT_P50_MARGIN_MS = 3.0  # issue 13: disaggregated TTFT p50 <= colocated p50 + this
+TARGET_TTFT_P50_VS_VLLM = 1.5  # issue 13: disaggregated TTFT p50 <= this x vLLM's, same run
 DEFAULT_TRACE = "AzureLLMInferenceTrace_conv.csv"  # a bare name: looked up in ../shared/traces
+VLLM_MODES = ("mtp_eager", "default")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,103 +73,306 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--num-requests", type=positive_int, default=50)
     parser.add_argument("--warmup-requests", type=positive_int, default=5)
-    parser.add_argument("--rounds", type=positive_int, default=2, help="alternating replays per server")
+    parser.add_argument("--rounds", type=positive_int, default=2, help="replays per server, alternating")
     parser.add_argument("--max-tokens-cap", type=positive_int, default=128)
-    parser.add_argument("--time-scale", type=float, default=1.0, help="arrival times multiplied by this")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="arrival times divided by this")
+    parser.add_argument("--server-threads", type=positive_int, default=1, help="colocated's and vLLM's")
+    parser.add_argument("--vllm-venv", type=Path, default=Path("../vllm-venv"), help="venv with vllm-cpu")
+    parser.add_argument("--vllm-modes", default="mtp_eager", help=f"comma-separated from {VLLM_MODES}")
+    parser.add_argument("--vllm-kvcache-gib", type=positive_int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--no-vllm", action="store_true", help="only our two servers")
+    parser.add_argument("--startup-timeout-s", type=float, default=900.0, help="per server, until it serves")
+    parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a new temp dir)")
     return parser
 
 
-def _figures(summary: dict[str, Any]) -> dict[str, Any]:
+def _max_model_len(topo) -> int:
+    config = topo.engine_config("decode")
+    if config.max_model_len:
+        return config.max_model_len
+    return json.loads((Path(config.model) / "config.json").read_text())["max_position_embeddings"]
+
+
+def make_servers(args: argparse.Namespace, topo, log_dir: Path) -> list[ServerProcess]:
+    """The servers to compare, not started (`bench.server_procs.ServerProcess`).
+
+    Raises:
+        ValueError: an unknown `--vllm-modes` entry; FileNotFoundError: `--vllm-venv` has no bin/python.
+    """
+    threads = str(args.server_threads)
+    base_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    servers = [
+        ServerProcess(
+            "disaggregated",
+            [sys.executable, "-m", "orchestrator.cli", "deploy", args.topology, "--port", str(free_port())],
+            port=0,
+            log_path=log_dir / "disaggregated.log",
+            env=base_env,
+            cwd=str(ROOT),
+        ),
+        ServerProcess(
+            "colocated",
+            [
+                sys.executable,
+                "-m",
+                "bench.colocated_server",
+                "--topology",
+                args.topology,
+                "--threads",
+                threads,
+            ],
+            port=0,
+            log_path=log_dir / "colocated.log",
+            env=dict(base_env, OMP_NUM_THREADS=threads),
+            cwd=str(ROOT),
+        ),
+    ]
+    servers[0].port = int(servers[0].argv[-1])
+    servers[1].port = free_port()
+    servers[1].argv = [*servers[1].argv, "--port", str(servers[1].port)]
+    if args.no_vllm:
+        return servers
+    modes = [m for m in args.vllm_modes.split(",") if m]
+    if not modes or any(m not in VLLM_MODES for m in modes):
+        raise ValueError(
+            f"--vllm-modes: expected a comma-separated list from {VLLM_MODES}, got {args.vllm_modes!r}"
+        )
+    python = args.vllm_venv / "bin" / "python"
+    if not python.exists():
+        raise FileNotFoundError(f"{python}: no vLLM venv (see ../shared/PEERS.md; or pass --no-vllm)")
+    from bench.vs_vllm import vllm_checkpoint
+
+    engine_config = topo.engine_config("decode")
+    model = vllm_checkpoint(Path(engine_config.model), log_dir / "vllm_model")
+    env = dict(
+        base_env,
+        VLLM_MLA_DISABLE="1",
+        VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kvcache_gib),
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        OMP_NUM_THREADS=threads,
+    )
+    for mode in modes:
+        port = free_port()
+        argv = [
+            str(python), str(ROOT / "bench" / "vllm_server.py"), str(model), "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", "--max-model-len", str(_max_model_len(topo)),
+            "--served-model-name", Path(engine_config.model).resolve().name, "--seed", "0",
+        ]  # fmt: skip
+        if mode == "mtp_eager":
+            k = engine_config.num_speculative_tokens
+            argv += [
+                "--enforce-eager",
+                "--speculative-config",
+                json.dumps({"method": "mtp", "num_speculative_tokens": k}),
+            ]
+        # not the repo root: its packages must not shadow vLLM's imports
+        servers.append(
+            ServerProcess(
+                f"vllm_{mode}", argv, port, log_dir / f"vllm_{mode}.log", env, tempfile.gettempdir()
+            )
+        )
+    return servers
+
+
+def _figures(summary: dict[str, Any], results) -> dict[str, Any]:
+    short = [r.index for r in results if r.ok and r.num_output_tokens != r.num_output_tokens_requested]
     return {
-        "ttft_p50_ms": summary["ttft_ms"].get("p50"),
-        "ttft_p90_ms": summary["ttft_ms"].get("p90"),
-        "tpot_p50_ms": summary["tpot_ms"].get("p50"),
+        "ttft_p50_ms": summary["ttft_ms"]["p50"],
+        "ttft_p90_ms": summary["ttft_ms"]["p90"],
+        "tpot_p50_ms": summary["tpot_ms"]["p50"],
+        "num_requests": summary["num_requests"],
+        "num_ok": summary["num_ok"],
         "num_failed": summary["num_failed"],
+        "num_wrong_output_length": len(short),
         "errors": summary["errors"],
         "mean_kv_transfer_ms": summary["mean_kv_transfer_ms"],
+        "mean_acceptance_rate": summary["mean_acceptance_rate"],
+        "duration_s": round(summary["duration_s"], 3),
+    }
+
+
+def replay_all(args: argparse.Namespace, servers: list[ServerProcess], tokenizer_dir: str) -> dict[str, Any]:
+    """Warm-up and timed rounds against every (serving) server; see the module docstring."""
+    from models.prompts import heldout_token_prompts
+    from models.tokenizer import Tokenizer
+    from orchestrator.bench_client import replay, served_model, summarize
+    from orchestrator.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
+    from orchestrator.trace import load_trace, scale_trace
+
+    served = {s.name: served_model(s.url) for s in servers}
+    lengths = {max_len for _, max_len in served.values()}
+    if len(lengths) != 1:
+        raise RuntimeError(f"the servers serve different max_model_len: {served}")
+    trace = load_trace(args.trace, args.num_requests)
+    workload = scale_trace(
+        trace, lengths.pop(), max_tokens_cap=args.max_tokens_cap, time_scale=args.time_scale
+    )
+    warmup = replace(workload, requests=workload.requests[: args.warmup_requests])
+    sizes = [r.num_input_tokens for r in warmup.requests] + [
+        r.num_input_tokens for r in workload.requests
+    ] * args.rounds
+    prompts = heldout_token_prompts(Tokenizer.from_dir(tokenizer_dir), sizes)
+    warm_prompts, prompts = prompts[: len(warmup.requests)], prompts[len(warmup.requests) :]
+    n = len(workload.requests)
+
+    def one(server: ServerProcess, load, prompt_ids) -> dict[str, Any]:
+        model = served[server.name][0]
+        results, duration_s = asyncio.run(
+            replay(server.url, load, prompt_ids, model=model, show_progress=False)
+        )
+        return _figures(summarize(results, duration_s, DEFAULT_TTFT_SLO_MS, DEFAULT_TPOT_SLO_MS), results)
+
+    warm = {s.name: one(s, warmup, warm_prompts) for s in servers}
+    rounds: dict[str, list[dict[str, Any]]] = {s.name: [] for s in servers}
+    for r in range(args.rounds):
+        order = servers[r % len(servers) :] + servers[: r % len(servers)]
+        for server in order:
+            rounds[server.name].append(one(server, workload, prompts[r * n : (r + 1) * n]))
+    return {"workload": workload.description, "served_models": served, "warmup": warm, "rounds": rounds}
+
+
+def _median(per_round: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in per_round if r[key] is not None]
+    return round(statistics.median(values), 3) if values else None
+
+
+def targets(medians: dict[str, dict[str, Any]], vllm_reference: str | None) -> dict[str, Any]:
+    """The issue's two TTFT p50 targets from the medians over rounds (None where a server is missing)."""
+    dis = medians.get("disaggregated", {}).get("ttft_p50_ms")
+    col = medians.get("colocated", {}).get("ttft_p50_ms")
+    ref = medians.get(vllm_reference, {}).get("ttft_p50_ms") if vllm_reference else None
+    excess = None if dis is None or col is None else round(dis - col, 3)
+    vs_vllm = None if dis is None or not ref else ratio(dis, ref)
+    return {
+        "disagg_minus_colocated_ttft_p50_ms": excess,
+        "margin_ms": TARGET_TTFT_P50_MARGIN_MS,
+        "met_vs_colocated": None if excess is None else excess <= TARGET_TTFT_P50_MARGIN_MS,
+        "vllm_reference": vllm_reference,
+        "disagg_over_vllm_ttft_p50": vs_vllm,
+        "max_ratio_vs_vllm": TARGET_TTFT_P50_VS_VLLM,
+        "met_vs_vllm": None if vs_vllm is None else vs_vllm <= TARGET_TTFT_P50_VS_VLLM,
     }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from orchestrator.api.app import build_app
-    from orchestrator.api.server import ServerThread
-    from orchestrator.backend import LocalEngineBackend
-    from orchestrator.bench_client import run_bench
-    from orchestrator.serve import serve
+    """Start the servers, replay, stop them; the JSON result (see the module docstring).
+
+    Raises:
+        ServerStartError: a server did not come up (after every server is stopped).
+    """
     from orchestrator.topology import load_topology
 
-    if args.threads is None:
-        torch.set_num_threads(1)
     topo = load_topology(args.topology)
+    served = Path(topo.engine_config("decode").model).resolve()
+    if args.model.resolve() != served and args.model.resolve() != bundled_checkpoint_dir().resolve():
+        raise ValueError(f"--model {args.model}: every server serves the topology's model ({served})")
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="azure_replay_"))
     load_before = os.getloadavg()
-    rows: dict[str, list[dict[str, Any]]] = {"colocated": [], "disaggregated": []}
-    engine_config = topo.engine_config("decode")
-    backend = LocalEngineBackend(engine_config)
-    colocated = ServerThread(build_app(backend)).start()
-    try:
-        with serve(topo, port=0, log=lambda _: None) as service:
-            urls = {"colocated": colocated.url, "disaggregated": service.url}
-
-            def replay(name: str, num_requests: int) -> dict[str, Any]:
-                report = run_bench(
-                    urls[name],
-                    args.trace,
-                    tokenizer_dir=str(engine_config.model),
-                    num_requests=num_requests,
-                    time_scale=args.time_scale,
-                    max_tokens_cap=args.max_tokens_cap,
-                    show_progress=False,
-                )
-                return report.summary
-
-            for name in urls:
-                replay(name, args.warmup_requests)
-            for _ in range(args.rounds):
-                for name in urls:
-                    rows[name].append(_figures(replay(name, args.num_requests)))
-    finally:
-        colocated.stop()
-        backend.shutdown()
-    out: dict[str, Any] = {"rounds": rows, "median_over_rounds": {}}
-    for name, per_round in rows.items():
-        out["median_over_rounds"][name] = {
-            key: statistics.median(r[key] for r in per_round if r[key] is not None)
-            for key in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms")
-            if any(r[key] is not None for r in per_round)
-        }
-    med = out["median_over_rounds"]
-    if "ttft_p50_ms" in med["disaggregated"] and "ttft_p50_ms" in med["colocated"]:
-        dis, col = med["disaggregated"]["ttft_p50_ms"], med["colocated"]["ttft_p50_ms"]
-        out["ttft_p50_ratio"] = ratio(dis, col)
-        out["ttft_p50_excess_ms"] = round(dis - col, 3)
-        out["target_ttft_p50_within_margin"] = dis - col <= TARGET_TTFT_P50_MARGIN_MS
-    out["config"] = {
-        "topology": args.topology,
-        "trace": args.trace,
-        "num_requests": args.num_requests,
-        "rounds": args.rounds,
-        "max_tokens_cap": args.max_tokens_cap,
-        "time_scale": args.time_scale,
-        "kv_transport": topo.kv_transport,
+    servers = make_servers(args, topo, log_dir)
+    info: dict[str, dict[str, Any]] = {
+        s.name: {"command": " ".join(s.argv), "log": str(s.log_path)} for s in servers
     }
-    out["load_average"] = {"before": load_before, "after": os.getloadavg()}
-    out["environment"] = environment(Path(engine_config.model))
-    return out
+    try:
+        for server in servers:
+            server.start()
+        for name, seconds in wait_all_ready(servers, args.startup_timeout_s).items():
+            info[name]["ready_after_s"] = seconds
+        out = replay_all(args, servers, str(topo.engine_config("decode").model))
+    except BaseException:
+        for server in reversed(servers):
+            print(f"azure_replay: stopping {server.name}: {server.stop()}", file=sys.stderr, flush=True)
+        raise
+    for server in reversed(servers):
+        info[server.name]["stop"] = server.stop()
+    medians = {
+        name: {
+            k: _median(per_round, k)
+            for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "mean_kv_transfer_ms")
+        }
+        for name, per_round in out["rounds"].items()
+    }
+    vllm_names = [s.name for s in servers if s.name.startswith("vllm_")]
+    stops = [i["stop"] for i in info.values()]
+    return {
+        "benchmark": "azure_replay",
+        "median_over_rounds": medians,
+        "targets": targets(medians, vllm_names[0] if vllm_names else None),
+        "num_failed": sum(
+            r["num_failed"] + r["num_wrong_output_length"] for rs in out["rounds"].values() for r in rs
+        ),
+        "clean_shutdown": all(
+            s["exit_code"] is not None and not s["leaked_pids"] and not s["port_in_use"] for s in stops
+        ),
+        **out,
+        "servers": info,
+        "config": {
+            **environment(Path(topo.engine_config("decode").model)),
+            "topology": args.topology,
+            "kv_transport": topo.kv_transport,
+            "trace": args.trace,
+            "num_requests": args.num_requests,
+            "warmup_requests": args.warmup_requests,
+            "rounds": args.rounds,
+            "max_tokens_cap": args.max_tokens_cap,
+            "time_scale": args.time_scale,
+            "server_threads": args.server_threads,
+            "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in os.getloadavg()],
+            "command": " ".join(["python -m bench.azure_replay", *sys.argv[1:]]),
+        },
+    }
 
 
 def table(result: dict[str, Any]) -> str:
-    rows = [
-        [name, *(round(m[k], 2) if k in m else None for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms"))]
-        for name, m in result["median_over_rounds"].items()
-    ]
-    text = format_table(["server", "TTFT p50 ms", "TTFT p90 ms", "TPOT p50 ms"], rows)
-    return text + f"\nexcess TTFT p50: {result.get('ttft_p50_excess_ms')} ms; load {result['load_average']}"
+    keys = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "mean_kv_transfer_ms")
+    rows = [[name, *(m[k] for k in keys)] for name, m in result["median_over_rounds"].items()]
+    text = format_table(["server", "TTFT p50 ms", "TTFT p90 ms", "TPOT p50 ms", "KV transfer ms"], rows)
+    t, c = result["targets"], result["config"]
+    return (
+        f"{text}\n(median over {c['rounds']} rounds of {c['num_requests']} requests)\n"
+        f"disaggregated - colocated TTFT p50: {t['disagg_minus_colocated_ttft_p50_ms']} ms "
+        f"(target <= {t['margin_ms']}: {t['met_vs_colocated']})\n"
+        f"disaggregated / {t['vllm_reference']} TTFT p50: {t['disagg_over_vllm_ttft_p50']} "
+        f"(target <= {t['max_ratio_vs_vllm']}: {t['met_vs_vllm']})\n"
+        f"failed requests: {result['num_failed']}; clean shutdown: {result['clean_shutdown']}; "
+        f"load average {c['load_average_before']} -> {c['load_average_after']}"
+    )
 
 
-def main(argv: list[str] | None = None) -> None:
+def _interrupt_on_sigterm():
+    """SIGTERM raises KeyboardInterrupt (so `run`'s cleanup stops the servers); returns the old handler."""
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    run_and_emit(lambda: run(args), args, table)
+    if args.num_requests < args.warmup_requests:
+        args.warmup_requests = args.num_requests
+    previous = _interrupt_on_sigterm()
+    failed: list[int] = []
+
+    def go() -> dict[str, Any]:
+        result = run(args)
+        failed.append(result["num_failed"])
+        return result
+
+    try:
+        run_and_emit(go, args, table)
+    except (ServerStartError, FileNotFoundError, ValueError) as exc:
+        print(f"azure_replay: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("azure_replay: interrupted; every server started was stopped", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 1 if failed and failed[0] else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Smoke tests of `bench.azure_replay` without vLLM: the real `pdcluster deploy clusters/local.yaml` (Ray,
+two actors, gRPC KV) and the colocated server as child processes, a 3-request replay, the JSON's shape,
+every request completed at its full length, and nothing left running afterwards. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import re
+import stat
+
+from bench import azure_replay
+from bench.server_procs import port_in_use
+
+FIGURES = {
+    "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "num_requests", "num_ok", "num_failed",
+    "num_wrong_output_length", "errors", "mean_kv_transfer_ms", "mean_acceptance_rate", "duration_s",
+}  # fmt: skip
+SMALL = ["--no-vllm", "--num-requests", "3", "--warmup-requests", "1", "--rounds", "1"]
+
+
+def test_replay_completes_and_stops_cleanly(capsys, tmp_path):
+    assert azure_replay.main([*SMALL, "--json", "--log-dir", str(tmp_path)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["benchmark"] == "azure_replay"
+    assert set(result["rounds"]) == set(result["median_over_rounds"]) == {"disaggregated", "colocated"}
+    for name, (row,) in result["rounds"].items():
+        assert set(row) == FIGURES
+        assert (row["num_requests"], row["num_ok"], row["num_failed"], row["num_wrong_output_length"]) == (
+            3, 3, 0, 0,
+        ), name  # fmt: skip
+        assert row["ttft_p50_ms"] > 0 and row["tpot_p50_ms"] > 0
+        assert result["warmup"][name]["num_ok"] == 1
+    assert result["rounds"]["disaggregated"][0]["mean_kv_transfer_ms"] > 0  # the KV went over gRPC
+    assert result["num_failed"] == 0
+    targets = result["targets"]
+    col = result["median_over_rounds"]["colocated"]["ttft_p50_ms"]
+    dis = result["median_over_rounds"]["disaggregated"]["ttft_p50_ms"]
+    assert targets["disagg_minus_colocated_ttft_p50_ms"] == round(dis - col, 3)
+    assert targets["vllm_reference"] is None and targets["disagg_over_vllm_ttft_p50"] is None
+    assert result["clean_shutdown"] is True
+    for name, server in result["servers"].items():
+        assert server["stop"] == {"exit_code": 0, "killed": False, "leaked_pids": [], "port_in_use": False}
+        port = int(server["command"].rsplit("--port ", 1)[1].split()[0])
+        assert not port_in_use(port), name
+    assert {"load_average_before", "load_average_after", "command", "kv_transport"} <= result["config"].keys()
+
+
+def test_failed_server_start_names_it_and_stops_the_others(capsys, tmp_path):
+    """A 'vLLM venv' whose python fails at once: the error names the server and its log tail, the two of
+    ours (still starting) are stopped, and no process of theirs is left."""
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\necho 'no vllm here: simulated failure' >&2\nexit 3\n")
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    argv = [*SMALL[1:], "--vllm-venv", str(tmp_path / "venv"), "--log-dir", str(tmp_path / "logs")]
+    assert azure_replay.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "server 'vllm_mtp_eager' exited with code 3 before it served" in err
+    assert "no vllm here: simulated failure" in err  # its log tail
+    stops = re.findall(r"azure_replay: stopping (\w+): (\{.*\})", err)
+    assert [name for name, _ in stops] == ["vllm_mtp_eager", "colocated", "disaggregated"]
+    for name, text in stops:
+        assert "'leaked_pids': []" in text and "'port_in_use': False" in text, (name, text)
