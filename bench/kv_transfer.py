@@ -97,11 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-tokens", type=int, default=2048, help="tokens per layer (cap); default: %(default)s"
     )
     parser.add_argument(
-        "--threads", type=int, default=1,
+        "--threads",
+        type=int,
+        default=1,
         help="torch.set_num_threads for every run, the clone yardstick included; default: %(default)s",
     )
     parser.add_argument(
-        "--stages", action=argparse.BooleanOptionalAction, default=True,
+        "--stages",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="also time the shm path's stages (copy, CRC, chunked copy+CRC, a header round trip)",
     )
     parser.add_argument(

@@ -107,15 +107,17 @@ def checksum(data: Any, start: int = 0) -> int:
 COPY_CHUNK_BYTES = 256 << 10  # copied then checksummed while in cache (L2-sized; a whole layer is not)
 
 
-def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor, start: int = 0) -> int:
-    """Copy `src` into `dst` (both 1-D uint8 CPU tensors of one length) in `COPY_CHUNK_BYTES` chunks,
+def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor | memoryview | bytes, start: int = 0) -> int:
+    """Copy `src` into `dst` (a 1-D uint8 CPU tensor; `src` one too, or a bytes-like object, of the same
+    length) in `COPY_CHUNK_BYTES` chunks,
     CRC-32C-ing each chunk of `dst` right after it is written (the bytes still in cache); returns the
     CRC-32C of the bytes written, chained from `start` (`checksum`). The copies are numpy's (`np.copyto`),
     single-threaded and GIL-free whatever torch's intra-op threads are; the checksum too. ValueError on a
     length mismatch."""
-    if dst.numel() != src.numel():
-        raise ValueError(f"copy_with_checksum: {src.numel()} B into {dst.numel()} B")
-    dst_np, src_np, crc = dst.numpy(), src.numpy(), start
+    src_np = src.numpy() if isinstance(src, torch.Tensor) else np.frombuffer(src, dtype=np.uint8)
+    if dst.numel() != src_np.size:
+        raise ValueError(f"copy_with_checksum: {src_np.size} B into {dst.numel()} B")
+    dst_np, crc = dst.numpy(), start
     for offset in range(0, dst_np.size, COPY_CHUNK_BYTES):
         chunk = dst_np[offset : offset + COPY_CHUNK_BYTES]
         np.copyto(chunk, src_np[offset : offset + COPY_CHUNK_BYTES])

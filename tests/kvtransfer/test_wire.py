@@ -23,9 +23,9 @@ from kvtransfer.base import (
 )
 from kvtransfer.reservations import Reservations
 from kvtransfer.wire import (
+    COPY_CHUNK_BYTES,
     LayerHeader,
     check_layer,
-    COPY_CHUNK_BYTES,
     checksum,
     copy_with_checksum,
     decode_layer,
@@ -270,7 +270,8 @@ def test_kept_layers_are_copies_verified_after_copying():
 
 
 @pytest.mark.parametrize(
-    "num_bytes", [0, 1, COPY_CHUNK_BYTES - 1, COPY_CHUNK_BYTES, COPY_CHUNK_BYTES + 1, 3 * COPY_CHUNK_BYTES + 7]
+    "num_bytes",
+    [0, 1, COPY_CHUNK_BYTES - 1, COPY_CHUNK_BYTES, COPY_CHUNK_BYTES + 1, 3 * COPY_CHUNK_BYTES + 7],
 )
 def test_copy_with_checksum_copies_and_returns_the_crc32c_of_the_whole(num_bytes):
     """The chunked copy + CRC (both shm sides) gives the bytes and the one-shot CRC-32C of all of them."""
@@ -280,6 +281,7 @@ def test_copy_with_checksum_copies_and_returns_the_crc32c_of_the_whole(num_bytes
     crc = copy_with_checksum(dst, src)
     assert torch.equal(dst, src)
     assert crc == checksum(src.numpy())
+    assert copy_with_checksum(torch.empty_like(src), memoryview(src.numpy().tobytes())) == crc  # bytes-like
     tail = torch.randint(0, 256, (COPY_CHUNK_BYTES + 3,), dtype=torch.uint8, generator=gen)
     tail_dst = torch.empty_like(tail)
     assert copy_with_checksum(tail_dst, tail, crc) == checksum(torch.cat([src, tail]).numpy())
