@@ -24,6 +24,20 @@ same layers timed just before that transfer) / (that transfer's seconds), the ra
 whose load changes during the run. GB = 1e9 bytes. Both ends share this machine's cores, so loopback
 numbers bound the software path, not a network.
 
+Threads. Every run here uses `torch.set_num_threads(--threads)` (default 1; `config.threads` in the JSON),
+the clone yardstick included, so the yardstick and the transports copy under the same settings: the clone
+runs on the calling thread with that many intra-op threads; shm copies on one thread per side (numpy
+copies, `wire.copy_with_checksum`: the sender's `send_layer` on the calling thread, the receiver's copy on
+its connection thread), so its two copies can overlap on two cores. On this shared 2-core machine two
+intra-op threads made the clone swing between 0.2 and 2.9 GB/s from one run to the next (load ~5), which is
+why the default is 1.
+
+Stages (`stages`, per shape, `--stages`): single-thread GB/s of the pieces of the shm path on the same
+layers, each best of `--repeats`: `clone` (fresh tensors), `copy` (into a preallocated, already-touched
+shared segment), `crc32c` (of the segment's bytes, cold), `copy_with_checksum` (the chunked copy + CRC
+both shm sides run), and `shm_header_rtt_us` (one header-sized record there and back over a Unix
+SOCK_SEQPACKET pair, microseconds; the transport sends one header per layer, no round trip per layer).
+
 Shapes: `deepseek_v3` = 2,048 tokens x 61 layers x 576 values (kv_lora_rank 512 + rope 64) in bf16, 144 MB;
 `tiny` = the bundled tiny model's dims (`--model`'s config.json, else `models.train_tiny.tiny_config`):
 its layers plus MTP layers, `min(2048, max_position_embeddings)` tokens.
@@ -45,6 +59,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from bench.common import emit, format_table, source_revision
@@ -80,6 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--num-tokens", type=int, default=2048, help="tokens per layer (cap); default: %(default)s"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads for every run, the clone yardstick included; default: %(default)s",
+    )
+    parser.add_argument(
+        "--stages",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the shm path's stages (copy, CRC, chunked copy+CRC, a header round trip)",
     )
     parser.add_argument(
         "--model", type=Path, default=None, help="checkpoint directory whose config.json gives the tiny shape"
@@ -170,6 +197,60 @@ def summarize(
             statistics.median(c / e for c, e in zip(clone_s, elapsed_s, strict=True)), 3
         )
     return result
+
+
+def bench_stages(shape: dict[str, Any], repeats: int) -> dict[str, Any]:
+    """Single-thread GB/s of the shm path's pieces on one handoff's layers (see the module docstring)."""
+    import crc32c
+
+    from kvtransfer.shm_transport.segments import Segment, segment_capacity
+    from kvtransfer.wire import copy_with_checksum, tensor_bytes
+
+    meta = make_handoff("stages", shape, "model")
+    layers = [tensor_bytes(latent) for latent in make_layers(meta)]
+    num_bytes = meta.layer_wire_bytes
+    segment = Segment(0, segment_capacity(meta.total_wire_bytes))
+    regions = [segment.view(i * num_bytes, num_bytes) for i in range(meta.num_layers)]
+
+    def copy() -> None:
+        for region, src in zip(regions, layers, strict=True):
+            np.copyto(region.numpy(), src.numpy())
+
+    def crc() -> None:
+        for region in regions:
+            crc32c.crc32c(region.numpy())
+
+    def copy_crc() -> None:
+        for region, src in zip(regions, layers, strict=True):
+            copy_with_checksum(region, src)
+
+    def best_s(fn: Callable[[], Any]) -> float:
+        times = []
+        for _ in range(repeats + 1):  # the first touches the pages
+            started_s = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started_s)
+        return min(times[1:])
+
+    total = meta.num_layers * num_bytes
+    result = {
+        name: round(total / best_s(fn) / 1e9, 3)
+        for name, fn in (("clone", lambda: time_clone(layers)), ("copy", copy), ("crc32c", crc),
+                         ("copy_with_checksum", copy_crc))
+    }  # fmt: skip
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    record = b"x" * 200  # about a msgpack'd LayerHeader
+    with left, right:
+        rtts = []
+        for _ in range(200):
+            started_s = time.perf_counter()
+            left.send(record)
+            right.send(right.recv(4096))
+            left.recv(4096)
+            rtts.append(time.perf_counter() - started_s)
+    result["shm_header_rtt_us"] = round(statistics.median(rtts) * 1e6, 1)
+    segment.close()
+    return {"unit": "GB/s, one thread, best of repeats", **result}
 
 
 def time_clone(layers: list[torch.Tensor]) -> float:
@@ -331,8 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad or args.repeats < 1:
         print(f"python -m bench.kv_transfer: unknown choice(s) {bad} or --repeats < 1", file=sys.stderr)
         return 2
-    results = []
+    torch.set_num_threads(args.threads)
+    results, stages = [], {}
     for shape_name in shapes:
+        if args.stages:
+            stages[shape_name] = bench_stages(shape_of(shape_name, args), args.repeats)
         shape = shape_of(shape_name, args)
         for transport in transports:
             for wire in ["model"] if transport == "clone" else wires:
@@ -351,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             "shapes": {name: shape_of(name, args) for name in shapes},
             "repeats": args.repeats,
-            "threads": torch.get_num_threads(),
+            "threads": torch.get_num_threads(),  # --threads: every run, the clone yardstick included
             "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
             "cpu_count": os.cpu_count(),
             "torch": torch.__version__,
@@ -361,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             **source_revision(),
         },
         "results": results,
+        "stages": stages,
     }
     emit(result, args.json, table)
     return 0

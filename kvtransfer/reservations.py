@@ -41,7 +41,14 @@ from kvtransfer.base import (
     TransferTimeout,
     new_handoff_secret,
 )
-from kvtransfer.wire import LayerHeader, check_header, decode_layer, extras_from_dict, verify_layer
+from kvtransfer.wire import (
+    LayerHeader,
+    check_header,
+    copy_with_checksum,
+    decode_layer,
+    extras_from_dict,
+    verify_layer,
+)
 
 
 class State(enum.Enum):
@@ -221,8 +228,8 @@ class Reservations:
 
         The checksum and decoding run outside the table's lock; `on_layer` runs on the calling thread.
         With `copy_kept_layers` and no `on_layer`, the payload is copied first and the copy is verified: the
-        bytes kept are the bytes checked (nothing the sender writes later can change them), and the checksum
-        reads them while they are still in cache.
+        bytes kept are the bytes checked (nothing the sender writes later can change them); on the host the
+        copy is chunked and each chunk checksummed right after it lands (`wire.copy_with_checksum`).
         """
         with self._lock:
             res = self._live(header.request_id, need_streaming=True)
@@ -233,10 +240,15 @@ class Reservations:
             except KVTransferError as e:
                 self._raise(res, e)
             callback = res.on_layer
-        if callback is None and self.copy_kept_layers:
+        got = None
+        if callback is None and self.copy_kept_layers and payload.device.type == "cpu":
+            kept = torch.empty_like(payload)  # the copy's bytes are checksummed as they land (in cache)
+            got = copy_with_checksum(kept, payload)
+            payload = kept
+        elif callback is None and self.copy_kept_layers:
             payload = payload.clone()
         try:
-            verify_layer(header, payload)
+            verify_layer(header, payload, got)
         except KVTransferError as e:
             with self._lock:
                 self._raise(res, e)

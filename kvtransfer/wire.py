@@ -104,6 +104,27 @@ def checksum(data: Any, start: int = 0) -> int:
     return crc32c.crc32c(data, start)
 
 
+COPY_CHUNK_BYTES = 256 << 10  # copied then checksummed while in cache (L2-sized; a whole layer is not)
+
+
+def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor | memoryview | bytes, start: int = 0) -> int:
+    """Copy `src` into `dst` (a 1-D uint8 CPU tensor; `src` one too, or a bytes-like object, of the same
+    length) in `COPY_CHUNK_BYTES` chunks,
+    CRC-32C-ing each chunk of `dst` right after it is written (the bytes still in cache); returns the
+    CRC-32C of the bytes written, chained from `start` (`checksum`). The copies are numpy's (`np.copyto`),
+    single-threaded and GIL-free whatever torch's intra-op threads are; the checksum too. ValueError on a
+    length mismatch."""
+    src_np = src.numpy() if isinstance(src, torch.Tensor) else np.frombuffer(src, dtype=np.uint8)
+    if dst.numel() != src_np.size:
+        raise ValueError(f"copy_with_checksum: {src_np.size} B into {dst.numel()} B")
+    dst_np, crc = dst.numpy(), start
+    for offset in range(0, dst_np.size, COPY_CHUNK_BYTES):
+        chunk = dst_np[offset : offset + COPY_CHUNK_BYTES]
+        np.copyto(chunk, src_np[offset : offset + COPY_CHUNK_BYTES])
+        crc = crc32c.crc32c(chunk, crc)
+    return crc
+
+
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The raw bytes of `tensor` as a 1-D uint8 CPU tensor (a view when already contiguous on CPU)."""
     return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
@@ -159,8 +180,11 @@ def encode_layer(
     return EncodedLayer(layer_header(meta, layer_idx, payload), payload)
 
 
-def layer_header(meta: HandoffMeta, layer_idx: int, payload: torch.Tensor) -> LayerHeader:
-    """The header of layer `layer_idx`'s `payload` (1-D uint8, on the host): its length and CRC-32."""
+def layer_header(
+    meta: HandoffMeta, layer_idx: int, payload: torch.Tensor, crc: int | None = None
+) -> LayerHeader:
+    """The header of layer `layer_idx`'s `payload` (1-D uint8, on the host): its length and CRC-32C
+    (`crc` when the caller already has it, e.g. from `copy_with_checksum`)."""
     return LayerHeader(
         request_id=meta.request_id,
         layer_idx=layer_idx,
@@ -169,7 +193,7 @@ def layer_header(meta: HandoffMeta, layer_idx: int, payload: torch.Tensor) -> La
         dtype=meta.dtype,
         wire_dtype=meta.wire_dtype,
         num_bytes=payload.numel(),
-        checksum=checksum(payload.numpy()),
+        checksum=checksum(payload.numpy()) if crc is None else crc,
     )
 
 
@@ -212,14 +236,16 @@ def check_header(meta: HandoffMeta, header: LayerHeader) -> None:
         )
 
 
-def verify_layer(header: LayerHeader, payload: torch.Tensor) -> None:
-    """ChecksumMismatch naming the layer unless `payload` (1-D uint8) has the header's length and CRC."""
+def verify_layer(header: LayerHeader, payload: torch.Tensor, got: int | None = None) -> None:
+    """ChecksumMismatch naming the layer unless `payload` (1-D uint8) has the header's length and CRC
+    (`got`: its CRC-32C already computed by the caller, e.g. `copy_with_checksum` while copying it)."""
     if payload.numel() != header.num_bytes:
         raise ChecksumMismatch(
             f"{header.request_id}: layer {header.layer_idx} payload is {payload.numel()} B, "
             f"header says {header.num_bytes} B"
         )
-    got = checksum(payload.cpu().numpy())  # a host copy for accelerator-resident payloads
+    if got is None:
+        got = checksum(payload.cpu().numpy())  # a host copy for accelerator-resident payloads
     if got != header.checksum:
         raise ChecksumMismatch(
             f"{header.request_id}: checksum mismatch on layer {header.layer_idx} "

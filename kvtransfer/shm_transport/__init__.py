@@ -8,8 +8,11 @@ layer into the segment; the worker sends its header (with the CRC-32C of the seg
 decode verifies the bytes and hands `on_layer` a view of them, which decode copies into its paged blocks
 (without `on_layer`, `wait`'s layers are copied out first and the copy is verified). So a layer is copied
 once on each side (prefill's tensor -> shared pages -> decode's blocks) and checksummed once on each side
-(CRC-32C, the CPU's instruction, on threads that overlap the copies), and no byte of KV goes through a
-socket.
+(CRC-32C, the CPU's instruction), and no byte of KV goes through a socket. Where a side copies, it copies in
+256 KiB chunks and checksums each chunk right after writing it, while it is in cache
+(`wire.copy_with_checksum`: the sender's copy into the segment, the receiver's copy out for `wait`); with
+`on_layer` the receiver checksums the segment's bytes, then decode copies them into its blocks. The sender
+(prefill's thread) and the receiver (its connection thread) work on different layers at once.
 
 What goes over the socket (msgpack records, `channel.py`):
 

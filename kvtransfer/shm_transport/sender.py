@@ -5,8 +5,10 @@ time, then its id) where the handoff's layers go, layer `i` at byte `i * meta.la
 `send_layer` copies a layer straight into the segment (the one copy on this side: prefill's tensor to the
 shared pages) and queues it; before the grant, or when the layer needs re-encoding (INT8 quantization of a
 float layer, dequantization of an int8 one for a float wire), it copies the tensor and the worker thread
-encodes it into the segment. The worker computes each layer's CRC-32C on the segment's bytes and sends the
-layer's header on the control socket; decode verifies the same bytes.
+encodes it into the segment. `send_layer`'s copy is chunked and each chunk of the segment is CRC-32C'd right
+after it is written, while in cache (`wire.copy_with_checksum`, numpy copies: one thread, the GIL released,
+whatever torch's intra-op threads); the worker sends the layer's header with that CRC on the control
+socket; decode verifies the same bytes.
 
 A reader thread takes decode's records: grants, `drop` (unmap a segment decode closed) and `done` (the
 handoff was delivered, or decode refused or failed it: the error class and message, which `flush`
@@ -26,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvtransfer.base import (
@@ -47,6 +50,7 @@ from kvtransfer.shm_transport.segments import Segment
 from kvtransfer.wire import (
     FaultHook,
     check_layer,
+    copy_with_checksum,
     encode_layer,
     extras_to_dict,
     layer_header,
@@ -166,10 +170,10 @@ class ShmKVSender(KVSender):
                     return
                 region = req.region(layer_idx)
                 num_value_bytes = latent_kv.numel() * latent_kv.element_size()
-                region[:num_value_bytes].copy_(tensor_bytes(latent_kv))
+                crc = copy_with_checksum(region[:num_value_bytes], tensor_bytes(latent_kv))
                 if scale is not None:
-                    region[num_value_bytes:].copy_(tensor_bytes(scale))
-            self._queue.put(("written", request_id, layer_idx))
+                    crc = copy_with_checksum(region[num_value_bytes:], tensor_bytes(scale), crc)
+            self._queue.put(("written", request_id, layer_idx, crc))
         else:
             copies = (latent_kv.detach().clone(), None if scale is None else scale.detach().clone())
             self._queue.put(("layer", request_id, layer_idx, *copies))
@@ -305,11 +309,11 @@ class ShmKVSender(KVSender):
             with req.write_lock:
                 if req.done:
                     return
-                req.region(layer_idx).copy_(encoded.payload)
+                np.copyto(req.region(layer_idx).numpy(), encoded.payload.numpy())
             header = encoded.header
         region = req.region(layer_idx)
-        if not kind_is_copy:  # written by send_layer: checksum the segment's bytes
-            header = layer_header(meta, layer_idx, region)
+        if not kind_is_copy:  # written by send_layer, which checksummed the bytes as it wrote them
+            header = layer_header(meta, layer_idx, region, crc=item[3])
         if self._fault_hook is not None:
             data = bytearray(region.numpy().tobytes())
             keep_sending = self._fault_hook(header, data)

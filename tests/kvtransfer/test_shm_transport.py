@@ -19,11 +19,17 @@ from pathlib import Path
 
 import pytest
 
-from kvtransfer.base import SenderLost
+from kvtransfer.base import ChecksumMismatch, SenderLost
 from kvtransfer.shm_transport import Segment, ShmKVReceiver, ShmKVSender, sweep_stale_socket_dirs
 from kvtransfer.shm_transport.segments import MEMFD_NAME
-from kvtransfer.wire import meta_from_dict, meta_to_dict
-from tests.kvtransfer.conftest import bits_equal, make_extras, make_handoff, make_layers
+from kvtransfer.wire import COPY_CHUNK_BYTES, meta_from_dict, meta_to_dict
+from tests.kvtransfer.conftest import (
+    bits_equal,
+    flip_byte_in_layer,
+    make_extras,
+    make_handoff,
+    make_layers,
+)
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux memfd segments")
 
@@ -200,3 +206,43 @@ def test_a_sender_whose_receiver_is_unreachable_refuses_each_begin(tmp_path):
         sender.begin(dataclasses.replace(make_handoff("x"), secret=b"s" * 32))
     assert sender.pending_request_ids() == []
     sender.close()
+
+
+def test_multi_chunk_layers_arrive_bit_exact_and_a_flip_in_a_later_chunk_is_caught():
+    """Layers of several `COPY_CHUNK_BYTES` chunks (copied and CRC-32C'd chunk by chunk on both sides):
+    a clean handoff arrives bit-exact; a byte flipped in the segment in layer 1's third chunk, after the
+    sender checksummed it, is a ChecksumMismatch naming layer 1, on decode and in the sender's flush."""
+    num_tokens = 3 * COPY_CHUNK_BYTES // (576 * 2) + 11  # bf16 [num_tokens, 576]: 3 chunks and a bit
+    clean = make_handoff("multi-chunk", num_layers=3, num_tokens=num_tokens, kv_dim=576)
+    corrupt = make_handoff("multi-chunk-corrupt", num_layers=3, num_tokens=num_tokens, kv_dim=576)
+    layers = make_layers(clean)
+    receiver = ShmKVReceiver()
+    sender = ShmKVSender(receiver.address, fault_hook=flip_byte_in_layer(1, 2 * COPY_CHUNK_BYTES + 5))
+    clean_sender = ShmKVSender(receiver.address)
+    try:
+        bound = receiver.expect(clean)
+        clean_sender.begin(bound)
+        for layer_idx, latent in enumerate(layers):
+            clean_sender.send_layer(clean.request_id, layer_idx, latent)
+        clean_sender.finish(clean.request_id, make_extras(clean))
+        received = receiver.wait(clean.request_id, WAIT_S)
+        assert all(bits_equal(got.latent, sent) for got, sent in zip(received.layers, layers, strict=True))
+        receiver.release(clean.request_id)
+        assert clean_sender.flush(WAIT_S) == {}
+
+        bound = receiver.expect(corrupt)
+        sender.begin(bound)
+        for layer_idx, latent in enumerate(layers):
+            sender.send_layer(corrupt.request_id, layer_idx, latent)
+        sender.finish(corrupt.request_id, make_extras(corrupt))
+        with pytest.raises(ChecksumMismatch, match="layer 1"):
+            receiver.wait(corrupt.request_id, WAIT_S)
+        failures = sender.flush(WAIT_S)
+        assert list(failures) == [corrupt.request_id]
+        assert isinstance(failures[corrupt.request_id], ChecksumMismatch)
+        receiver.release(corrupt.request_id)
+    finally:
+        sender.close()
+        clean_sender.close()
+        receiver.close()
+    assert pdcluster_shm_entries() == set()

@@ -23,9 +23,11 @@ from kvtransfer.base import (
 )
 from kvtransfer.reservations import Reservations
 from kvtransfer.wire import (
+    COPY_CHUNK_BYTES,
     LayerHeader,
     check_layer,
     checksum,
+    copy_with_checksum,
     decode_layer,
     encode_layer,
     extras_from_dict,
@@ -265,3 +267,23 @@ def test_kept_layers_are_copies_verified_after_copying():
     with pytest.raises(ChecksumMismatch, match="layer 0"):
         reservations.on_layer(layer.header, corrupted)
     reservations.release("kept")
+
+
+@pytest.mark.parametrize(
+    "num_bytes",
+    [0, 1, COPY_CHUNK_BYTES - 1, COPY_CHUNK_BYTES, COPY_CHUNK_BYTES + 1, 3 * COPY_CHUNK_BYTES + 7],
+)
+def test_copy_with_checksum_copies_and_returns_the_crc32c_of_the_whole(num_bytes):
+    """The chunked copy + CRC (both shm sides) gives the bytes and the one-shot CRC-32C of all of them."""
+    gen = torch.Generator().manual_seed(num_bytes)
+    src = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, generator=gen)
+    dst = torch.full((num_bytes,), 0xA5, dtype=torch.uint8)
+    crc = copy_with_checksum(dst, src)
+    assert torch.equal(dst, src)
+    assert crc == checksum(src.numpy())
+    assert copy_with_checksum(torch.empty_like(src), memoryview(src.numpy().tobytes())) == crc  # bytes-like
+    tail = torch.randint(0, 256, (COPY_CHUNK_BYTES + 3,), dtype=torch.uint8, generator=gen)
+    tail_dst = torch.empty_like(tail)
+    assert copy_with_checksum(tail_dst, tail, crc) == checksum(torch.cat([src, tail]).numpy())
+    with pytest.raises(ValueError, match="into"):
+        copy_with_checksum(torch.empty(num_bytes + 1, dtype=torch.uint8), src)
