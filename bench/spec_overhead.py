@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_arguments(parser)
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32])
     parser.add_argument("--num-repeats", type=positive_int, default=30, help="timed calls of each part")
-    parser.add_argument("--num-decode-steps", type=positive_int, default=6, help="decode steps before capture")
+    parser.add_argument(
+        "--num-decode-steps", type=positive_int, default=6, help="decode steps before capture"
+    )
     parser.add_argument("--compile", action="store_true", help="compiled decode forward (engine.compile)")
     return parser
 

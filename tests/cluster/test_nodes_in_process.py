@@ -274,4 +274,3 @@ def test_an_abort_that_overtakes_its_prefill_call_fails_that_call_at_once(nodes)
         prefill.prefill(request)  # without the fix: waits for the bind until its lease and timeout end
     assert prefill.load().num_requests == 0
     _assert_idle(prefill, decode)
-

@@ -24,7 +24,14 @@ class QuickCalibration(NamedTuple):
 @pytest.fixture(scope="session")
 def quick_calibration(tmp_path_factory) -> QuickCalibration:
     out = tmp_path_factory.mktemp("calibration") / "local.calibration.json"
-    argv = ["profile", str(ROOT / "clusters" / "local.yaml"), "--quick", "--no-progress", "--output", str(out)]
+    argv = [
+        "profile",
+        str(ROOT / "clusters" / "local.yaml"),
+        "--quick",
+        "--no-progress",
+        "--output",
+        str(out),
+    ]
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         code = main(argv)

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 
-
 REPO = Path(__file__).resolve().parents[2]
 TPOT_FACTOR = 4.0
 TTFT_UPPER = 3.0
