@@ -102,6 +102,25 @@ class StepResult(NamedTuple):
     num_rejected: int
 
 
+def _logit_rows(
+    hidden: torch.Tensor,
+    items: list[ScheduledRequest],
+    sampling: list[int],
+    starts: list[int],
+    query_lens: np.ndarray,
+) -> torch.Tensor:
+    """The rows of `hidden` that yield tokens: each sampling request's last `k_i + 1` (its drafts' and
+    the bonus position's), in batch order. A decode step whose every request runs exactly its drafts and
+    one more token (the uniform decode step) uses every row: `hidden` itself, no gather."""
+    counts = np.fromiter((len(item.spec_token_ids) + 1 for item in items), np.int64, len(items))
+    if len(sampling) == len(query_lens) and (counts == query_lens).all():
+        return hidden
+    ends = np.asarray(starts, dtype=np.int64)[1:][sampling]
+    offsets = np.cumsum(counts) - counts  # first logit row of each request in the gathered rows
+    rows = np.repeat(ends - counts - offsets, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+    return hidden[torch.from_numpy(rows).to(hidden.device)]
+
+
 class Executor:
     """Device-side half of the engine step. `num_speculative_tokens` may change between steps (adaptive k).
 
@@ -261,12 +280,8 @@ class Executor:
         failed: dict[str, str] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if sampling:
-            rows: list[int] = []
-            for i in sampling:
-                k = len(scheduled[i].spec_token_ids)
-                rows.extend(range(starts[i + 1] - k - 1, starts[i + 1]))
-            logits = self.runner.compute_logits(hidden[rows])
             items = [scheduled[i] for i in sampling]
+            logits = self.runner.compute_logits(_logit_rows(hidden, items, sampling, starts, query_lens))
             sampled, failed = self.sample(items, logits)
             logprobs = token_logprobs(items, logits, sampled)
 
