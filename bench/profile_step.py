@@ -15,7 +15,6 @@ from pathlib import Path
 
 from bench.common import add_common_arguments, check_checkpoint
 
-
 MODEL_CALLS = ("forward", "mtp_forward", "compute_logits")
 
 

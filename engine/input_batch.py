@@ -157,7 +157,9 @@ class RequestRows(BlockTableRows):
     def _grow_rows(self) -> None:
         super()._grow_rows()
         extra = _default_sampling(len(self.lens) - len(self.sampling.temperature))
-        self.sampling = SamplingArrays(*(np.concatenate(pair) for pair in zip(self.sampling, extra, strict=True)))
+        self.sampling = SamplingArrays(
+            *(np.concatenate(pair) for pair in zip(self.sampling, extra, strict=True))
+        )
 
 
 def _default_sampling(num_rows: int) -> SamplingArrays:

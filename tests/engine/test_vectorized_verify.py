@@ -19,7 +19,9 @@ def scheduled(request_id: str, drafts: list[int], **sampling) -> ScheduledReques
     from engine.sampling_params import SamplingParams
 
     request = Request(request_id, [1, 2, 3], SamplingParams(**sampling), arrival_time_s=0.0)
-    return ScheduledRequest(request, 3, [4, *drafts], list(drafts), [0], [3 + i for i in range(len(drafts) + 1)], True)
+    return ScheduledRequest(
+        request, 3, [4, *drafts], list(drafts), [0], [3 + i for i in range(len(drafts) + 1)], True
+    )
 
 
 def peaked(argmaxes: list[int]) -> torch.Tensor:
@@ -68,13 +70,15 @@ def test_sampled_rows_accept_exactly_where_the_target_has_all_the_mass():
     logits = peaked([5, 6, 0] + [2, 3, 4, 9] + [3, 1])  # g: [5, 6]; s: 2 accepted, 8 rejected -> 3; t: [3, 1]
     shared = torch.Generator().manual_seed(0)
     own = torch.Generator().manual_seed(11)
-    result = sample_or_verify(items, logits, lambda item: own if item.request.sampling_params.seed else shared, {})
+    result = sample_or_verify(
+        items, logits, lambda item: own if item.request.sampling_params.seed else shared, {}
+    )
     assert result == {"g": [5, 6], "s": [2, 3], "t": [3, 1]}
 
 
 def test_a_seeded_request_verifies_as_it_would_alone():
     """A seeded request's tokens in a mixed batch (greedy, unseeded, seeded) equal the per-request
-    reference `rejection_sample` with a generator of the same seed (randomness from its own generator only)."""
+    reference `rejection_sample` with a generator of the same seed (it draws from its own generator only)."""
     torch.manual_seed(0)
     logits = torch.randn(2 + 3 + 4, VOCAB)
     draft_probs = torch.softmax(torch.randn(3, VOCAB), dim=-1)
@@ -83,11 +87,17 @@ def test_a_seeded_request_verifies_as_it_would_alone():
              scheduled("s", drafts, temperature=0.7, top_k=5, top_p=0.9, seed=1234)]  # fmt: skip
     shared = torch.Generator().manual_seed(99)
     for _ in range(3):  # three different generator states of the others: same tokens for "s"
-        generators = {"u": shared, "s": torch.Generator().manual_seed(1234), "g": None}
+        own = {"u": shared, "s": torch.Generator().manual_seed(1234), "g": None}
+
+        def generator_of(item, own=own):
+            return own[item.request_id]
+
         shared.manual_seed(int(torch.randint(0, 1000, ())))
-        result = sample_or_verify(items, logits, lambda item: generators[item.request_id], {"s": draft_probs})
+        result = sample_or_verify(items, logits, generator_of, {"s": draft_probs})
         target = probs_from_logits(logits[5:], 0.7, 5, 0.9)
-        reference = rejection_sample(torch.tensor(drafts), draft_probs, target, torch.Generator().manual_seed(1234))
+        reference = rejection_sample(
+            torch.tensor(drafts), draft_probs, target, torch.Generator().manual_seed(1234)
+        )
         assert result["s"] == reference.token_ids.tolist()
         first, second = int(logits[0].argmax()), int(logits[1].argmax())
         assert result["g"] == ([1, second] if first == 1 else [first])
