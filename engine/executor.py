@@ -55,13 +55,14 @@ passes (no request to draft for, or fewer drafts) adds empty passes at the depth
 
 from __future__ import annotations
 
+import itertools
 import secrets
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from engine.input_batch import BlockTableRows
+from engine.input_batch import RequestRows, SamplingArrays
 from engine.model_runner import InputBuffers, LayerKVCallback, ModelInput, ModelRunner, build_model_input
 from engine.mtp_proposer import MTPWork, mtp_input_ids, propose
 from engine.outputs import (
@@ -81,11 +82,14 @@ class PreparedStep(NamedTuple):
     batch: the `ModelInput` (views of one persistent buffer set); None for a step that runs nothing.
     query_start_loc: `[num_reqs + 1]` host copy of `batch.query_start_loc`.
     placeholder_items: indices (into the step's `scheduled`) of requests whose inputs are placeholders.
+    sampling: the scheduled requests' sampling parameters, gathered from their persistent rows (a copy:
+        the rows may change before `run` reads it).
     """
 
     batch: ModelInput | None
     query_start_loc: list[int]
     placeholder_items: list[int]
+    sampling: SamplingArrays | None = None
 
 
 class StepResult(NamedTuple):
@@ -100,6 +104,25 @@ class StepResult(NamedTuple):
     token_ids: list[int]
     draft_token_ids: list[int]
     num_rejected: int
+
+
+def _logit_rows(
+    hidden: torch.Tensor,
+    items: list[ScheduledRequest],
+    sampling: list[int],
+    starts: list[int],
+    query_lens: np.ndarray,
+) -> torch.Tensor:
+    """The rows of `hidden` that yield tokens: each sampling request's last `k_i + 1` (its drafts' and
+    the bonus position's), in batch order. A decode step whose every request runs exactly its drafts and
+    one more token (the uniform decode step) uses every row: `hidden` itself, no gather."""
+    counts = np.fromiter((len(item.spec_token_ids) + 1 for item in items), np.int64, len(items))
+    if len(sampling) == len(query_lens) and (counts == query_lens).all():
+        return hidden
+    ends = np.asarray(starts, dtype=np.int64)[1:][sampling]
+    offsets = np.cumsum(counts) - counts  # first logit row of each request in the gathered rows
+    rows = np.repeat(ends - counts - offsets, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+    return hidden[torch.from_numpy(rows).to(hidden.device)]
 
 
 class Executor:
@@ -145,8 +168,9 @@ class Executor:
             for _ in range(2)
         ]
         self._num_prepared = 0
-        # Each running request's block table row, updated by deltas in `prepare` (`engine.input_batch`).
-        self._block_table_rows = BlockTableRows(max_num_reqs, num_columns)
+        # Each running request's row (block table, sampling parameters), updated by deltas in `prepare`
+        # (`engine.input_batch`).
+        self._block_table_rows = RequestRows(max_num_reqs, num_columns)
 
     @property
     def num_tracked_requests(self) -> int:
@@ -194,10 +218,12 @@ class Executor:
             return PreparedStep(None, [0], [])
         buffers = self._buffers[self._num_prepared % 2]
         self._num_prepared += 1
-        slots = [slot for item in scheduled for slot in item.slot_mapping]
-        update = block_table_rows.update
+        slots = list(itertools.chain.from_iterable(item.slot_mapping for item in scheduled))
+        join = block_table_rows.join
         rows = np.fromiter(
-            (update(item.request_id, item.block_ids) for item in scheduled), np.int64, len(scheduled)
+            (join(item.request_id, item.block_ids, item.request.sampling_params) for item in scheduled),
+            np.int64,
+            len(scheduled),
         )
         batch = buffers.pack(
             [item.token_ids for item in scheduled],
@@ -206,14 +232,21 @@ class Executor:
             slots,
             block_table_rows=(block_table_rows, rows),
         )
-        starts, placeholder_items = [0], []
-        for i, item in enumerate(scheduled):
-            if PLACEHOLDER_TOKEN_ID in item.token_ids:
-                if any(t != PLACEHOLDER_TOKEN_ID for t in item.token_ids):
-                    raise ValueError(f"request {item.request_id!r} mixes placeholders and known tokens")
-                placeholder_items.append(i)
-            starts.append(starts[-1] + item.num_scheduled_tokens)
-        return PreparedStep(batch, starts, placeholder_items)
+        # Placeholders, for the whole batch at once: count them per request over the packed input ids.
+        num_tokens, num_reqs = batch.num_tokens, len(scheduled)
+        qsl = buffers.host_query_start_loc[: num_reqs + 1]
+        placeholder_items: list[int] = []
+        is_placeholder = buffers.host_input_ids[:num_tokens] == PLACEHOLDER_TOKEN_ID
+        if is_placeholder.any():
+            cumulative = np.concatenate(([0], np.cumsum(is_placeholder, dtype=np.int64)))
+            counts, lens = cumulative[qsl[1:]] - cumulative[qsl[:-1]], np.diff(qsl)
+            mixed = np.flatnonzero((counts > 0) & (counts < lens))
+            if mixed.size:
+                request_id = scheduled[int(mixed[0])].request_id
+                raise ValueError(f"request {request_id!r} mixes placeholders and known tokens")
+            placeholder_items = np.flatnonzero(counts).tolist()
+        sampling = block_table_rows.sampling.take(rows)
+        return PreparedStep(batch, qsl.tolist(), placeholder_items, sampling)
 
     def execute(
         self,
@@ -261,13 +294,12 @@ class Executor:
         failed: dict[str, str] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if sampling:
-            rows: list[int] = []
-            for i in sampling:
-                k = len(scheduled[i].spec_token_ids)
-                rows.extend(range(starts[i + 1] - k - 1, starts[i + 1]))
-            logits = self.runner.compute_logits(hidden[rows])
             items = [scheduled[i] for i in sampling]
-            sampled, failed = self.sample(items, logits)
+            logits = self.runner.compute_logits(_logit_rows(hidden, items, sampling, starts, query_lens))
+            params = prepared.sampling
+            if params is not None and len(sampling) < len(scheduled):
+                params = params.take(np.asarray(sampling, dtype=np.int64))
+            sampled, failed = self.sample(items, logits, params)
             logprobs = token_logprobs(items, logits, sampled)
 
         if self.adaptive_min_accept_prob is not None and self.max_num_speculative_tokens:
@@ -319,11 +351,12 @@ class Executor:
             runner.mtp_forward(empty, hidden, min(depth, depth_limit))
 
     def sample(
-        self, items: list[ScheduledRequest], logits: torch.Tensor
+        self, items: list[ScheduledRequest], logits: torch.Tensor, params: SamplingArrays | None = None
     ) -> tuple[dict[str, list[int]], dict[str, str]]:
         """Sample or verify the sampling requests `items` from `logits` `[sum(k_i + 1), vocab_size]` with
-        their generators and stored draft distributions (`engine.sampler.sample_isolated`)."""
-        return sample_isolated(items, logits, self._generator, self._draft_probs)
+        their generators, stored draft distributions and sampling parameters (`params`, None: from the
+        items) (`engine.sampler.sample_isolated`)."""
+        return sample_isolated(items, logits, self._generator, self._draft_probs, params)
 
     def _adapt_num_speculative_tokens(
         self, items: list[ScheduledRequest], sampled: dict[str, list[int]]

@@ -1,5 +1,7 @@
-"""Persistent block tables: one preallocated row per running request, updated by deltas (vLLM v1's
-input batch keeps its block table the same way; this is our own, smaller version).
+"""Persistent batch rows: one preallocated row per running request, updated by deltas (vLLM v1's input
+batch keeps its rows the same way; this is our own, smaller version): the block table, and (`RequestRows`)
+the sampling parameters as arrays, written once when the request joins, so a step gathers them for the
+whole batch (`SamplingArrays`) instead of rebuilding them from each request's `SamplingParams`.
 
 A running request's block list only grows (the scheduler appends blocks as it runs further), so a step
 writes only the block ids appended since the request's previous step, usually none; a step's
@@ -11,7 +13,43 @@ rewritten, so a stale row is never read.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from engine.sampling_params import SamplingParams
+
+
+class SamplingArrays(NamedTuple):
+    """Sampling parameters of a batch, one entry per request (the sampler's own terms, see
+    `kernels.sampling.probs_from_logits`).
+
+    temperature: `[B]` float32 (0 = greedy); top_k: `[B]` int64 (<= 0 off); top_p: `[B]` float32.
+    """
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams]) -> SamplingArrays:
+        """From per-request `SamplingParams` (the reference the persistent rows must equal)."""
+        n = len(params)
+        return cls(
+            np.fromiter((p.temperature for p in params), np.float32, n),
+            np.fromiter((p.top_k for p in params), np.int64, n),
+            np.fromiter((p.top_p for p in params), np.float32, n),
+        )
+
+    def take(self, index: np.ndarray | Sequence[int] | slice) -> SamplingArrays:
+        """The entries at `index` (a copy for an index array)."""
+        return SamplingArrays(self.temperature[index], self.top_k[index], self.top_p[index])
+
+    @property
+    def all_greedy(self) -> bool:
+        return not self.temperature.any()
 
 
 class BlockTableRows:
@@ -77,10 +115,54 @@ class BlockTableRows:
     def _allocate(self, request_id: str) -> int:
         if not self._free:  # more running requests than rows: double the rows
             old = len(self.lens)
-            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
-            self.lens = np.concatenate([self.lens, np.zeros_like(self.lens)])
+            self._grow_rows()
             self._known += [(0, -1, -1)] * old
             self._free = list(range(2 * old - 1, old - 1, -1))
         row = self._free.pop()
         self._row_of[request_id] = row
         return row
+
+    def _grow_rows(self) -> None:
+        """Double the row arrays (a subclass doubles its own arrays too)."""
+        self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+        self.lens = np.concatenate([self.lens, np.zeros_like(self.lens)])
+
+
+class RequestRows(BlockTableRows):
+    """`BlockTableRows` plus each row's sampling parameters, written when the request takes its row
+    (`join`) and kept while it runs (a request's `SamplingParams` never change).
+
+    Attributes (besides `table`, `lens`):
+        sampling: `SamplingArrays` over all rows; a free row holds greedy defaults.
+    """
+
+    def __init__(self, num_rows: int, num_columns: int) -> None:
+        super().__init__(num_rows, num_columns)
+        self.sampling = _default_sampling(len(self.lens))
+
+    def join(self, request_id: str, block_ids: list[int], params: SamplingParams) -> int:
+        """`update`, writing the request's sampling parameters the first time it takes a row."""
+        if request_id not in self._row_of:
+            row = self._allocate(request_id)
+            temperature, top_k, top_p = self.sampling
+            temperature[row], top_k[row], top_p[row] = params.temperature, params.top_k, params.top_p
+        return self.update(request_id, block_ids)
+
+    def remove(self, request_ids: list[str]) -> None:
+        rows = [self._row_of[r] for r in request_ids if r in self._row_of]
+        super().remove(request_ids)
+        temperature, top_k, top_p = self.sampling
+        temperature[rows], top_k[rows], top_p[rows] = 0.0, 0, 1.0
+
+    def _grow_rows(self) -> None:
+        super()._grow_rows()
+        extra = _default_sampling(len(self.lens) - len(self.sampling.temperature))
+        self.sampling = SamplingArrays(
+            *(np.concatenate(pair) for pair in zip(self.sampling, extra, strict=True))
+        )
+
+
+def _default_sampling(num_rows: int) -> SamplingArrays:
+    return SamplingArrays(
+        np.zeros(num_rows, np.float32), np.zeros(num_rows, np.int64), np.ones(num_rows, np.float32)
+    )

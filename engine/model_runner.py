@@ -96,6 +96,16 @@ class InputBuffers:
         self._device = [t if on_host else torch.zeros_like(t, device=self.device) for t in self._host]
         self._arange = np.arange(max_num_tokens, dtype=np.int64)
 
+    @property
+    def host_input_ids(self) -> np.ndarray:
+        """`[max_num_tokens]` int64 host copy of the packed input ids (valid up to the last pack's tokens)."""
+        return self._np[0]
+
+    @property
+    def host_query_start_loc(self) -> np.ndarray:
+        """`[max_num_reqs + 1]` int64 host copy of the last pack's query starts."""
+        return self._np[5]
+
     def pack(
         self,
         token_ids: list[list[int]],

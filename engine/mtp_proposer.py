@@ -18,7 +18,10 @@ small pass of one token per drafting request; its metadata is derived from the s
 KV at slots the next verification step overwrites, so they must be allocated.
 
 Drafts are greedy for greedy requests; otherwise sampled from the MTP distribution under the request's own
-temperature/top-k/top-p, whose probabilities are kept for lossless rejection sampling.
+temperature/top-k/top-p, whose probabilities are kept for lossless rejection sampling. Each depth is
+picked for every drafting request at once (one argmax, batched masks, draws grouped by generator) and the
+drafts of all depths reach the host in one transfer at the end; when the batched pick raises, the depth
+is picked request by request and only the requests that still raise fail.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model_runner import LayerKVCallback, ModelInput, ModelRunner
-from kernels.sampling import probs_from_logits
+from kernels.sampling import probs_from_logits, sample_from_probs
 
 
 @dataclass
@@ -64,7 +67,7 @@ class Proposal:
 
 
 def _pick(logits: torch.Tensor, work: MTPWork) -> tuple[int, torch.Tensor | None]:
-    """Draft one token from MTP logits `[vocab_size]`."""
+    """Draft one token from MTP logits `[vocab_size]`: one request alone (the fallback of `_pick_batch`)."""
     if work.temperature == 0.0:
         return int(logits.argmax()), None
     probs = probs_from_logits(
@@ -73,8 +76,96 @@ def _pick(logits: torch.Tensor, work: MTPWork) -> tuple[int, torch.Tensor | None
         torch.tensor([work.top_k]),
         torch.tensor([work.top_p]),
     )[0]
-    token = int(torch.multinomial(probs, 1, generator=work.generator))
+    token = int(sample_from_probs(probs[None], [work.generator])[0])
     return token, probs
+
+
+def _pick_batch(logits: torch.Tensor, works: list[MTPWork]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft one token per row of MTP logits `[n, vocab_size]` (row j for `works[j]`), vectorized: one
+    argmax over all rows; the sampled rows' distributions (temperature/top-k/top-p masks) in one batch
+    and their draws grouped by generator (`kernels.sampling.sample_from_probs`: a seeded request draws
+    alone from its own generator, the unseeded ones in one call from the shared one), which makes a
+    seeded request's drafts the same as `_pick`'s, whatever the batch.
+
+    Returns `(tokens [n] int64, probs [n, vocab_size] float32 or None when every row is greedy; greedy
+    rows' probabilities are unused)`. Raises what the kernels raise (validation, before any draw)."""
+    tokens = logits.argmax(dim=-1)
+    sampled = [j for j, w in enumerate(works) if w.temperature != 0.0]
+    if not sampled:
+        return tokens, None
+    rows = sampled if len(sampled) < len(works) else slice(None)
+    sampled_probs = probs_from_logits(
+        logits[rows],
+        torch.tensor([works[j].temperature for j in sampled]),
+        torch.tensor([works[j].top_k for j in sampled]),
+        torch.tensor([works[j].top_p for j in sampled]),
+    )
+    tokens[rows] = sample_from_probs(sampled_probs, [works[j].generator for j in sampled])
+    if isinstance(rows, slice):
+        return tokens, sampled_probs
+    probs = torch.zeros(len(works), logits.shape[1], dtype=torch.float32, device=logits.device)
+    probs[rows] = sampled_probs
+    return tokens, probs
+
+
+class _Drafts:
+    """The drafts of the active requests, one depth at a time, kept on the device until `finish`.
+
+    Each depth is picked for all active rows at once (`_pick_batch`); if that raises, row by row
+    (`_pick`), and only the rows that still raise fail (their `Proposal.error`)."""
+
+    def __init__(self, works: list[MTPWork]) -> None:
+        self.works = works
+        self.proposals = [Proposal([], None) for _ in works]
+        self._tokens: list[tuple[list[int], torch.Tensor]] = []  # (work indices, tokens [n]) per depth
+        self._probs: list[list[torch.Tensor]] = [[] for _ in works]
+
+    def pick(self, logits: torch.Tensor, active: list[int]) -> torch.Tensor:
+        """Draft the next token of each `active` work from `logits [len(active), V]`; returns the tokens
+        `[len(active)]` (a failed row's is 0: its proposal is dropped)."""
+        works = [self.works[i] for i in active]
+        try:
+            tokens, probs = _pick_batch(logits, works)
+        except Exception:  # noqa: BLE001 - find the request(s) it came from, below
+            tokens, probs = self._pick_alone(logits, active)
+        if probs is not None:
+            for row, i in enumerate(active):
+                if works[row].temperature != 0.0:
+                    self._probs[i].append(probs[row])
+        self._tokens.append((active, tokens))
+        return tokens
+
+    def _pick_alone(self, logits: torch.Tensor, active: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.zeros(len(active), dtype=torch.long, device=logits.device)
+        probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        for row, i in enumerate(active):
+            if self.proposals[i].error is not None:
+                continue
+            try:
+                token, row_probs = _pick(logits[row], self.works[i])
+            except Exception as e:  # noqa: BLE001 - one request's drafting error is that request's failure
+                self.proposals[i].error = f"drafting failed: {e!r}"
+                continue
+            tokens[row] = token
+            if row_probs is not None:
+                probs[row] = row_probs
+        return tokens, probs
+
+    def finish(self) -> list[Proposal]:
+        """The proposals, with every depth's tokens moved to the host in one transfer."""
+        if self._tokens:
+            flat = torch.cat([tokens for _, tokens in self._tokens]).tolist()
+            offset = 0
+            for active, _ in self._tokens:
+                for i in active:
+                    self.proposals[i].draft_token_ids.append(flat[offset])
+                    offset += 1
+        for i, proposal in enumerate(self.proposals):
+            if proposal.error is not None:
+                proposal.draft_token_ids, proposal.draft_probs = [], None
+            elif self._probs[i]:
+                proposal.draft_probs = torch.stack(self._probs[i])
+        return self.proposals
 
 
 def mtp_input_ids(batch: ModelInput, rows: list[int], token_ids: list[int]) -> torch.Tensor:
@@ -114,17 +205,14 @@ def propose(
     request's proposal only (`Proposal.error`); exceptions from the batched MTP forward propagate.
     """
     out = runner.mtp_forward(batch._replace(input_ids=input_ids), hidden, on_layer_kv=on_layer_kv)
-    proposals = [Proposal([], None) for _ in works]
-    probs_lists: list[list[torch.Tensor]] = [[] for _ in works]
+    drafts = _Drafts(works)
     active = [i for i, w in enumerate(works) if w.num_drafts > 0]
     if not active:
-        return proposals
+        return drafts.proposals
     device = batch.positions.device
     newest_rows = torch.tensor([works[i].newest_row for i in active], device=device)
     last_hidden = out[newest_rows]
-    logits = runner.compute_logits(last_hidden)
-    for row, i in enumerate(active):
-        _append_pick(proposals[i], probs_lists[i], logits[row], works[i])
+    last_tokens = drafts.pick(runner.compute_logits(last_hidden), active)
     # Chained depths: one token per request, metadata derived from the step's batch.
     request_rows = torch.tensor([works[i].request_row for i in active], device=device)
     positions = batch.positions[newest_rows]
@@ -132,6 +220,7 @@ def propose(
     depth_limit = len(runner.model.mtp_layers) - 1
     bs = runner.block_size
     for depth in range(1, max(works[i].num_drafts for i in active)):
+        proposals = drafts.proposals
         keep = [j for j, i in enumerate(active) if works[i].num_drafts > depth and proposals[i].error is None]
         if not keep:
             break
@@ -139,10 +228,11 @@ def propose(
             index = torch.tensor(keep, device=device)
             active = [active[j] for j in keep]
             positions, block_tables, last_hidden = positions[index], block_tables[index], last_hidden[index]
+            last_tokens = last_tokens[index]
         positions = positions + 1
         columns = torch.arange(len(active), device=device)
         chain = ModelInput(
-            input_ids=torch.tensor([proposals[i].draft_token_ids[-1] for i in active], device=device),
+            input_ids=last_tokens,
             positions=positions,
             slot_mapping=block_tables[columns, positions // bs] * bs + positions % bs,
             block_tables=block_tables,
@@ -150,25 +240,5 @@ def propose(
             query_start_loc=torch.arange(len(active) + 1, device=device),
         )
         last_hidden = runner.mtp_forward(chain, last_hidden, min(depth, depth_limit))
-        logits = runner.compute_logits(last_hidden)
-        for row, i in enumerate(active):
-            _append_pick(proposals[i], probs_lists[i], logits[row], works[i])
-    for i, plist in enumerate(probs_lists):
-        if plist and proposals[i].error is None:
-            proposals[i].draft_probs = torch.stack(plist)
-    return proposals
-
-
-def _append_pick(
-    proposal: Proposal, probs_list: list[torch.Tensor], logits: torch.Tensor, work: MTPWork
-) -> None:
-    """Draft one more token into `proposal` (its probabilities into `probs_list`); an exception fails
-    this proposal alone (`proposal.error`), not the batch."""
-    try:
-        token, probs = _pick(logits, work)
-    except Exception as e:  # noqa: BLE001 - one request's drafting error is that request's failure
-        proposal.error = f"drafting failed: {e!r}"
-        return
-    proposal.draft_token_ids.append(token)
-    if probs is not None:
-        probs_list.append(probs)
+        last_tokens = drafts.pick(runner.compute_logits(last_hidden), active)
+    return drafts.finish()

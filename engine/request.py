@@ -39,6 +39,10 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = enum.auto()  # cancelled by the client or the engine
     FINISHED_ERROR = enum.auto()  # failed alone: an error in its own sampling, or in a step that ran it
 
+    # Members are singletons compared by identity: hash them by identity too (C level), instead of
+    # Enum's Python-level hash of the name, which the per-step status checks (`is_finished`) pay often.
+    __hash__ = object.__hash__
+
     @property
     def is_finished(self) -> bool:
         return self in _FINISH_REASONS

@@ -14,10 +14,12 @@ fails that request alone (see `engine.executor`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 
 import torch
 
+from engine.input_batch import SamplingArrays
 from engine.outputs import ScheduledRequest, TokenLogprobs
 from kernels.rejection_sampling import greedy_verify_batch, rejection_sample_batch
 from kernels.sampling import compute_logprobs, probs_from_logits, sample
@@ -31,6 +33,7 @@ def sample_isolated(
     logits: torch.Tensor,
     generator_of: GeneratorOf,
     draft_probs: Mapping[str, torch.Tensor | None],
+    params: SamplingArrays | None = None,
 ) -> tuple[dict[str, list[int]], dict[str, str]]:
     """`sample_or_verify` over the batch; if it raises, over each request alone (its own rows of
     `logits`), so an error one request causes fails only that request.
@@ -38,23 +41,27 @@ def sample_isolated(
     Args:
         items: the sampling requests, in batch order.
         logits: `[sum(k_i + 1), vocab_size]` float32, as `sample_or_verify`.
-        generator_of, draft_probs: as `sample_or_verify`.
+        generator_of, draft_probs, params: as `sample_or_verify`.
 
     Returns:
         (request id -> tokens, for the requests that sampled; request id -> error message, for those
         that raised even alone).
     """
+    if params is None:
+        params = SamplingArrays.of([item.request.sampling_params for item in items])
     try:
-        return sample_or_verify(items, logits, generator_of, draft_probs), {}
+        return sample_or_verify(items, logits, generator_of, draft_probs, params), {}
     except Exception:  # noqa: BLE001 - find the request(s) it came from, below
         pass
     sampled: dict[str, list[int]] = {}
     failed: dict[str, str] = {}
     row = 0
-    for item in items:
+    for i, item in enumerate(items):
         num_rows = len(item.spec_token_ids) + 1
         try:
-            sampled.update(sample_or_verify([item], logits[row : row + num_rows], generator_of, draft_probs))
+            rows = logits[row : row + num_rows]
+            alone = params.take(slice(i, i + 1))
+            sampled.update(sample_or_verify([item], rows, generator_of, draft_probs, alone))
         except Exception as e:  # noqa: BLE001 - this request's error, this request's failure
             failed[item.request_id] = f"sampling failed: {e!r}"
         row += num_rows
@@ -66,8 +73,13 @@ def sample_or_verify(
     logits: torch.Tensor,
     generator_of: GeneratorOf,
     draft_probs: Mapping[str, torch.Tensor | None],
+    params: SamplingArrays | None = None,
 ) -> dict[str, list[int]]:
-    """Tokens of each request: its accepted drafts then one sampled (bonus or recovered) token.
+    """Tokens of each request: its accepted drafts then one sampled (bonus or recovered) token, for the
+    whole batch at once: greedy rows by one argmax over all rows (accept lengths from one compare and a
+    cumulative product, `kernels.rejection_sampling`), the other rows' top-k/top-p masks in one batch,
+    and one host transfer of the result. Seeded requests draw from their own generators (alone, so their
+    tokens do not depend on the batch); unseeded ones share a generator and draw together.
 
     Args:
         items: the sampling requests, in batch order.
@@ -76,40 +88,43 @@ def sample_or_verify(
         draft_probs: request id -> `[num_drafts, vocab_size]` float32 distributions its drafts were
             sampled from (None or absent: deterministic drafts, one-hot). Rows past a stored tensor's
             length are filler drafts (one-hot).
+        params: the items' sampling parameters (`engine.input_batch.SamplingArrays`, gathered from the
+            persistent rows); None: built from the items' `SamplingParams`.
 
     Raises:
         ValueError: from the kernels, for inconsistent shapes or draft ids outside the vocabulary.
     """
-    params = [item.request.sampling_params for item in items]
+    if params is None:
+        params = SamplingArrays.of([item.request.sampling_params for item in items])
+    request_ids = [item.request_id for item in items]
     num_drafts = [len(item.spec_token_ids) for item in items]
-    if not any(num_drafts) and all(p.temperature == 0 for p in params):  # plain greedy decode
-        tokens = logits.argmax(dim=-1).tolist()
-        return {item.request_id: [tok] for item, tok in zip(items, tokens, strict=True)}
+    all_greedy = params.all_greedy
+    if not any(num_drafts) and all_greedy:  # plain greedy decode
+        return {rid: [tok] for rid, tok in zip(request_ids, logits.argmax(dim=-1).tolist(), strict=True)}
     draft_ids = torch.tensor(
-        [t for item in items for t in item.spec_token_ids], dtype=torch.long, device=logits.device
+        list(itertools.chain.from_iterable(item.spec_token_ids for item in items)),
+        dtype=torch.long,
+        device=logits.device,
     )
-    if all(p.temperature == 0 for p in params):  # no randomness: no generator is made or drawn from
+    if all_greedy:  # no randomness: no generator is made or drawn from
         result = greedy_verify_batch(draft_ids, num_drafts, logits)
-        return dict(zip((item.request_id for item in items), result.token_ids(), strict=True))
+        return dict(zip(request_ids, result.token_ids(), strict=True))
     generators = [generator_of(item) for item in items]
+    temperature = torch.from_numpy(params.temperature)
+    top_k, top_p = torch.from_numpy(params.top_k), torch.from_numpy(params.top_p)
     if not any(num_drafts):
-        tokens = sample(
-            logits,
-            torch.tensor([p.temperature for p in params]),
-            torch.tensor([p.top_k for p in params]),
-            torch.tensor([p.top_p for p in params]),
-            generators,
-        ).tolist()
-        return {item.request_id: [tok] for item, tok in zip(items, tokens, strict=True)}
-    row_params = [p for p, k in zip(params, num_drafts, strict=True) for _ in range(k + 1)]
+        tokens = sample(logits, temperature, top_k, top_p, generators).tolist()
+        return {rid: [tok] for rid, tok in zip(request_ids, tokens, strict=True)}
+    counts = torch.tensor(num_drafts) + 1
     target_probs = probs_from_logits(
         logits,
-        torch.tensor([p.temperature for p in row_params]),
-        torch.tensor([p.top_k for p in row_params]),
-        torch.tensor([p.top_p for p in row_params]),
+        temperature.repeat_interleave(counts),
+        top_k.repeat_interleave(counts),
+        top_p.repeat_interleave(counts),
     )
+    is_greedy = (params.temperature == 0).tolist()
     batch_draft_probs = None
-    if any(p.temperature > 0 for p, k in zip(params, num_drafts, strict=True) if k):
+    if any(not greedy for greedy, k in zip(is_greedy, num_drafts, strict=True) if k):
         # Rows of greedy drafts are one-hot: a deterministic drafter puts all its mass on its draft.
         batch_draft_probs = torch.nn.functional.one_hot(draft_ids, logits.shape[1]).float()
         offset = 0
@@ -120,14 +135,9 @@ def sample_or_verify(
                 batch_draft_probs[offset : offset + m] = stored[:m]
             offset += k
     result = rejection_sample_batch(
-        draft_ids,
-        num_drafts,
-        batch_draft_probs,
-        target_probs.to(logits.device),
-        [p.temperature == 0 for p in params],
-        generators,
+        draft_ids, num_drafts, batch_draft_probs, target_probs.to(logits.device), is_greedy, generators
     )
-    return dict(zip((item.request_id for item in items), result.token_ids(), strict=True))
+    return dict(zip(request_ids, result.token_ids(), strict=True))
 
 
 def token_logprobs(

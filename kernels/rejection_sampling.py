@@ -152,9 +152,10 @@ class BatchVerifyResult(NamedTuple):
     num_accepted: torch.Tensor
 
     def token_ids(self) -> list[list[int]]:
-        """Per request, the accepted drafts then the one target token (the padding dropped)."""
-        counts = (self.num_accepted + 1).tolist()
-        return [row[:n] for row, n in zip(self.output_token_ids.tolist(), counts, strict=True)]
+        """Per request, the accepted drafts then the one target token (the padding dropped); one host
+        transfer for the whole batch (counts and tokens travel as one tensor)."""
+        both = torch.cat((self.num_accepted[:, None], self.output_token_ids), dim=1).tolist()
+        return [row[1 : row[0] + 2] for row in both]
 
 
 class _RaggedDrafts(NamedTuple):
@@ -284,6 +285,7 @@ def rejection_sample_batch(
     ragged = _ragged_drafts(draft_token_ids, num_draft_tokens, target_probs.shape[0], device)
     if draft_probs is not None and draft_probs.shape != (num_drafts, vocab_size):
         raise ValueError(f"draft_probs must be [{num_drafts}, {vocab_size}], got {tuple(draft_probs.shape)}")
+    greedy_flags = is_greedy
     is_greedy = torch.as_tensor(is_greedy, dtype=torch.bool, device=device)
     per_request = generators is not None and not isinstance(generators, torch.Generator)
     if per_request and len(generators) != batch:
@@ -302,7 +304,10 @@ def rejection_sample_batch(
     # Randomness in per-request order: k_b uniforms, then V exponentials; none for greedy requests.
     uniform = torch.zeros(batch, max_drafts, device=device)
     noise = torch.ones(batch, vocab_size, device=device)
-    sampled = (~is_greedy).nonzero().flatten().tolist()
+    if isinstance(greedy_flags, torch.Tensor):
+        sampled = (~is_greedy).nonzero().flatten().tolist()
+    else:  # host-side flags: no device round trip
+        sampled = [b for b, greedy in enumerate(greedy_flags) if not greedy]
     if per_request:
         for generator, rows in group_rows_by_generator(generators, sampled):
             if len(rows) == 1:

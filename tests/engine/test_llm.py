@@ -289,14 +289,20 @@ def test_a_drafting_error_fails_only_its_request(llm, prompts, reference, monkey
     request alone; the requests drafted in the same batch complete (greedy: the reference tokens)."""
     import engine.mtp_proposer as mtp_proposer
 
-    pick = mtp_proposer._pick
+    pick, pick_batch = mtp_proposer._pick, mtp_proposer._pick_batch
 
     def failing_pick(logits, work):
         if work.temperature == 0.55:
             raise RuntimeError("injected drafting fault")
         return pick(logits, work)
 
+    def failing_pick_batch(logits, works):  # the batched pick raises; the per-request retry isolates it
+        if any(work.temperature == 0.55 for work in works):
+            raise RuntimeError("injected drafting fault")
+        return pick_batch(logits, works)
+
     monkeypatch.setattr(mtp_proposer, "_pick", failing_pick)
+    monkeypatch.setattr(mtp_proposer, "_pick_batch", failing_pick_batch)
     llm_k = llm.replace_config(num_speculative_tokens=1)
     sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)
     greedy, bad, good = _run(
