@@ -19,8 +19,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/pdcluster demo
 
+# --durations: the slowest tests, so a run's log says where the suite's time went (budget ~10 minutes).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # The whole suite while two bounded CPU burners (one per core here) keep the machine busy: a suite that
 # passes only on an idle machine fails for users. The burners stop with the suite, or after an hour.
