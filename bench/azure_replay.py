@@ -1,4 +1,5 @@
-"""The Azure conversation replay of issue 13: disaggregated, colocated and vLLM, one client, one run:
+"""The Azure conversation replay of issue 13: disaggregated, colocated and vLLM, one client, one run.
+
 `python -m bench.azure_replay [--num-requests 50] [--rounds 2] [--vllm-venv DIR | --no-vllm] [--json]`.
 
 Method (the issue's): the first `--num-requests` requests of the Azure LLM inference conversation trace
@@ -65,7 +66,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.azure_replay", description=__doc__.splitlines()[0])
     add_common_arguments(parser)
     parser.add_argument("--topology", default="clusters/local.yaml", help="the disaggregated deployment")
     parser.add_argument(
@@ -332,9 +333,13 @@ def table(result: dict[str, Any]) -> str:
         f"{text}\n(median over {c['rounds']} rounds of {c['num_requests']} requests)\n"
         f"disaggregated - colocated TTFT p50: {t['disagg_minus_colocated_ttft_p50_ms']} ms "
         f"(target <= {t['margin_ms']}: {t['met_vs_colocated']})\n"
-        f"disaggregated / {t['vllm_reference']} TTFT p50: {t['disagg_over_vllm_ttft_p50']} "
-        f"(target <= {t['max_ratio_vs_vllm']}: {t['met_vs_vllm']})\n"
-        f"failed requests: {result['num_failed']}; clean shutdown: {result['clean_shutdown']}; "
+        + (
+            f"disaggregated / {t['vllm_reference']} TTFT p50: {t['disagg_over_vllm_ttft_p50']} "
+            f"(target <= {t['max_ratio_vs_vllm']}: {t['met_vs_vllm']})\n"
+            if t["vllm_reference"] is not None
+            else "disaggregated / vLLM TTFT p50: not measured (--no-vllm)\n"
+        )
+        + f"failed requests: {result['num_failed']}; clean shutdown: {result['clean_shutdown']}; "
         f"load average {c['load_average_before']} -> {c['load_average_after']}"
     )
 
@@ -353,6 +358,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.num_requests < args.warmup_requests:
         args.warmup_requests = args.num_requests
+    from orchestrator.trace import load_trace
+
+    try:  # before any server starts: a wrong --trace fails at once
+        load_trace(args.trace, 1)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"azure_replay: {exc}", file=sys.stderr)
+        return 1
     previous = _interrupt_on_sigterm()
     failed: list[int] = []
 

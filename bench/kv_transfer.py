@@ -409,8 +409,15 @@ def main(argv: list[str] | None = None) -> int:
     wires = [w for w in args.wire.split(",") if w]
     bad = [s for s in shapes if s not in SHAPES] + [t for t in transports if t not in TRANSPORTS]
     bad += [w for w in wires if w not in ("model", "int8")]
-    if bad or args.repeats < 1:
-        print(f"python -m bench.kv_transfer: unknown choice(s) {bad} or --repeats < 1", file=sys.stderr)
+    if bad:
+        print(
+            f"python -m bench.kv_transfer: unknown choice(s) {bad}: --shapes from {SHAPES}, --transports "
+            f"from {TRANSPORTS}, --wire from ('model', 'int8')",
+            file=sys.stderr,
+        )
+        return 2
+    if args.repeats < 1:
+        print(f"python -m bench.kv_transfer: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     results, stages = [], {}

@@ -218,6 +218,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompts = [args.prompt]
     _sampling_params(args, args.max_tokens)  # option errors before the slow model load
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     engine, load_s = load_engine(args)
     ids = [_queue(engine, args, p) for p in prompts]
 
@@ -363,4 +367,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Default: a different seed each run",
     )
     _add_engine_options(parser)
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="torch intra-op threads (torch.set_num_threads). On a machine other jobs keep busy, 1 is "
+        "much faster than one per core: idle-waiting threads spin for cores they do not get. "
+        "Default: torch's own choice (one per core)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object (fields below) instead")

@@ -61,3 +61,10 @@ def test_failed_server_start_names_it_and_stops_the_others(capsys, tmp_path):
     assert [name for name, _ in stops] == ["vllm_mtp_eager", "colocated", "disaggregated"]
     for name, text in stops:
         assert "'leaked_pids': []" in text and "'port_in_use': False" in text, (name, text)
+
+
+def test_a_missing_trace_fails_before_any_server_starts(capsys, tmp_path):
+    assert azure_replay.main(["--no-vllm", "--trace", str(tmp_path / "nosuch.csv")]) == 1
+    err = capsys.readouterr().err
+    assert "trace file not found" in err and "nosuch.csv" in err
+    assert "starting" not in err and "stopping" not in err  # no server was started
