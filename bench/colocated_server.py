@@ -1,6 +1,6 @@
 """pdcluster's colocated server for `bench.azure_replay`: one `LLMEngine` (prefill and decode in the same
 engine, on one thread of its own) behind `orchestrator.backend.LocalEngineBackend` and the OpenAI API
-(`orchestrator.api.app.build_app`, as `pdcluster bench --endpoint local` serves it), in the foreground:
+with the topology's API settings (`orchestrator.api.app.build_topology_app`), in the foreground:
 
     python -m bench.colocated_server --topology clusters/local.yaml --port 8001
 
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import uvicorn
 
-    from orchestrator.api.app import build_app
+    from orchestrator.api.app import build_topology_app
     from orchestrator.backend import LocalEngineBackend
     from orchestrator.topology import load_topology
 
@@ -34,13 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     topo = load_topology(args.topology)
     backend = LocalEngineBackend(topo.engine_config("decode"))
-    app = build_app(
-        backend,
-        api_key=topo.api.api_key,
-        slo=topo.slo,
-        max_request_body_bytes=topo.api.max_request_body_bytes,
-        max_concurrent_requests=topo.max_concurrent_requests,
-    )
+    app = build_topology_app(backend, topo)
     # uvicorn handles SIGTERM/SIGINT while it serves (a graceful shutdown), then re-raises the signal to
     # the handler it found: a no-op one lets `backend.shutdown()` run and the process exit with code 0.
     # Before this point (while the engine loads) SIGTERM's default action ends the process: it owns nothing

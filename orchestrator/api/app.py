@@ -79,9 +79,21 @@ from orchestrator.api.protocol import (
 )
 from orchestrator.api.sse import DISCONNECTED, SSEResponse, sse_events, until_disconnect
 from orchestrator.backend import BackendUnavailable, ServingBackend
-from orchestrator.topology import DEFAULT_MAX_REQUEST_BODY_BYTES, SLOConfig
+from orchestrator.topology import DEFAULT_MAX_REQUEST_BODY_BYTES, SLOConfig, Topology
 
 TOKENIZER_THREADS = 2  # worker threads tokenizing prompts (off the event loop), per app
+
+
+def build_topology_app(backend: ServingBackend, topology: Topology) -> FastAPI:
+    """`build_app` over `backend` with `topology`'s API settings: its api key, SLO, request-body limit and
+    limit on concurrent requests (`Topology.max_concurrent_requests`). Raises as `build_app`."""
+    return build_app(
+        backend,
+        api_key=topology.api.api_key,
+        slo=topology.slo,
+        max_request_body_bytes=topology.api.max_request_body_bytes,
+        max_concurrent_requests=topology.max_concurrent_requests,
+    )
 
 
 def build_app(
