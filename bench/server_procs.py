@@ -103,7 +103,7 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> ServerProcess:
-        """Start the process (returns at once; `wait_ready` waits until it serves)."""
+        """Start the process (returns at once; `wait_all_ready` waits until it serves)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
@@ -145,10 +145,6 @@ class ServerProcess:
             return httpx.get(self.url + "/v1/models", timeout=5).status_code == 200
         except httpx.HTTPError:
             return False
-
-    def wait_ready(self, timeout_s: float) -> None:
-        """Block until the server serves (`wait_all_ready([self], timeout_s)`)."""
-        wait_all_ready([self], timeout_s)
 
     def stop(self, timeout_s: float = 60.0) -> dict[str, object]:
         """SIGTERM, wait up to `timeout_s`, then SIGKILL the group and the descendants seen at the start.
