@@ -23,7 +23,7 @@ class EdgeGuard:
        `Authorization: Bearer <key>`, the docs included (/docs, /redoc, /openapi.json): else 401, the body
        unread.
     2. Admission: a POST to `GENERATION_PATHS` while `max_concurrent_requests` of them are in flight
-       (admitted here and their response not ended, a stream's last byte included): 429 with
+       (admitted here and their response's last body message not yet sent): 429 with
        `Retry-After: RETRY_AFTER_S`, the body unread. A streamed request is refused with a status, never
        with an error inside a 200 stream. None: no limit.
     3. Body size: a `Content-Length` over `max_request_body_bytes`: 413 at once, nothing read; otherwise
@@ -77,17 +77,35 @@ class EdgeGuard:
                 {"Retry-After": str(RETRY_AFTER_S)},
             )
             return
-        if counted:
-            self.num_in_flight += 1
-            self.metrics.in_flight.inc()
-        try:
+        if not counted:
             body_receive = await self._read_body(scope, receive, send)
             if body_receive is not None:
                 await self.app(scope, body_receive, send)
-        finally:
-            if counted:
+            return
+        self.num_in_flight += 1
+        self.metrics.in_flight.inc()
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
                 self.num_in_flight -= 1
                 self.metrics.in_flight.dec()
+
+        async def send_releasing(message: Any) -> None:
+            # The slot is free before the response's last byte is handed to the server, so a client that has
+            # read a whole response (a stream's [DONE] included) always finds it free.
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                release()
+            await send(message)
+
+        try:
+            body_receive = await self._read_body(scope, receive, send_releasing)
+            if body_receive is not None:
+                await self.app(scope, body_receive, send_releasing)
+        finally:
+            release()
 
     def _authorized(self, scope: Any) -> bool:
         assert self.api_key is not None
