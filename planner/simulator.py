@@ -122,9 +122,12 @@ def kv_cache_bytes_per_token(topology: Topology, role: str) -> int:
 
 
 def pool_sizing(topology: Topology, role: str, bytes_per_token: int | None = None) -> PoolSizing:
-    """The scheduler limits (from `Topology.engine_config`, as `LLMEngine` builds its `SchedulerConfig`)
-    and KV blocks of one instance of pool `role`: each device's `kv_cache_memory_bytes` over
-    `bytes_per_token` (default: `kv_cache_bytes_per_token`), times the attention data-parallel ranks.
+    """The scheduler limits and KV blocks of one instance of pool `role`, simulated as one engine: the pool's
+    per-instance `max_num_seqs` and `max_num_batched_tokens` (the live instance splits them over its
+    data-parallel attention ranks, `Topology.engine_config` giving each rank its share), the rest as
+    `LLMEngine` builds its `SchedulerConfig` from `Topology.engine_config`; each device's
+    `kv_cache_memory_bytes` over `bytes_per_token` (default: `kv_cache_bytes_per_token`), times the
+    attention data-parallel ranks.
 
     Raises:
         ValueError: an unreadable model config or limits the live scheduler refuses.
@@ -137,8 +140,8 @@ def pool_sizing(topology: Topology, role: str, bytes_per_token: int | None = Non
         bytes_per_token = kv_cache_bytes_per_token(topology, role)
     max_model_len = engine.max_model_len or read_model_architecture(topology.model).max_position_embeddings
     scheduler = SchedulerConfig(
-        max_num_batched_tokens=engine.max_num_batched_tokens,
-        max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=pool.max_num_batched_tokens,  # the instance's, not one rank's share
+        max_num_seqs=pool.max_num_seqs,
         block_size=engine.block_size,
         max_model_len=max_model_len,
         enable_chunked_prefill=engine.enable_chunked_prefill,

@@ -234,3 +234,32 @@ def test_decode_preempts_by_recompute_when_its_blocks_run_out():
     assert recomputes and all(c.context_len == 0 for c in recomputes[:1])
     first, second = result.results
     assert second.e2e_s > first.e2e_s
+
+
+@pytest.mark.parametrize(
+    ("path", "role", "max_num_seqs", "max_num_batched_tokens", "dp"),
+    [
+        ("clusters/cm384.yaml", "decode", 27648, 55296, 288),
+        ("clusters/cm384.yaml", "prefill", 1024, 524288, 32),
+        ("clusters/local-ep.yaml", "decode", 64, 2048, 2),
+    ],
+)
+def test_pool_sizing_keeps_the_instances_limits(path, role, max_num_seqs, max_num_batched_tokens, dp):
+    """An instance is simulated as one engine: it keeps the pool's own per-instance `max_num_seqs` and
+    `max_num_batched_tokens` (the YAML's figures), not one data-parallel rank's share of them (which the live
+    ranks run with, `Topology.engine_config`), and gets the KV blocks of all its ranks. (Simulating one rank's
+    share made cm384's decode instance take 96 requests instead of 27,648.)"""
+    from pathlib import Path
+
+    from orchestrator.topology import load_topology
+    from planner.simulator import pool_sizing
+
+    topology = load_topology(Path(__file__).resolve().parents[2] / path)
+    pool = topology.pool(role)
+    assert pool.attention_data_parallel_size == dp
+    sizing = pool_sizing(topology, role, bytes_per_token=1000)
+    assert sizing.scheduler.max_num_seqs == max_num_seqs == pool.max_num_seqs
+    assert sizing.scheduler.max_num_batched_tokens == max_num_batched_tokens
+    rank = topology.engine_config(role)
+    assert rank.max_num_seqs == -(-max_num_seqs // dp)  # what each live rank runs with
+    assert sizing.num_blocks == dp * (rank.kv_cache_memory_bytes // (1000 * rank.block_size))
