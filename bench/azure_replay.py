@@ -29,7 +29,9 @@ All servers start together and stay up for the whole run; each gets one untimed 
 round), so machine load drifts into all alike. The warm-up and each round send different prompts
 (consecutive held-out slices of the same lengths), so no server's prefix cache holds a timed prompt.
 Reported per server and round: TTFT p50/p90 and TPOT p50 (ms, `orchestrator.bench_client.summarize`),
-requests failed or short of their output length, mean KV transfer (ms, ours); the medians over the rounds;
+requests failed or short of their output length, mean KV transfer (ms, ours), the p50 of each phase our
+servers report (`pdcluster.phases`: route, reserve, queue, prefill, KV transfer, admission, ...); the medians
+over the rounds;
 the targets (disaggregated TTFT p50 - colocated p50 <= TARGET_TTFT_P50_MARGIN_MS, disaggregated / vLLM
 TTFT p50 <= TARGET_TTFT_P50_VS_VLLM); how each server stopped (`clean_shutdown`: every server exited, no
 process of theirs alive, no port still served). Exit code 1 if a server failed to start (the error names
@@ -188,6 +190,7 @@ def _figures(summary: dict[str, Any], results) -> dict[str, Any]:
         "errors": summary["errors"],
         "mean_kv_transfer_ms": summary["mean_kv_transfer_ms"],
         "mean_acceptance_rate": summary["mean_acceptance_rate"],
+        "phases_p50_ms": summary["phases_p50_ms"],
         "duration_s": round(summary["duration_s"], 3),
     }
 
@@ -292,6 +295,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         for name, per_round in out["rounds"].items()
     }
+    for name, per_round in out["rounds"].items():  # where each server's TTFT goes (ours report phases)
+        phase_names = dict.fromkeys(k for r in per_round for k in r["phases_p50_ms"])
+        medians[name]["phases_p50_ms"] = {
+            k: round(
+                statistics.median(r["phases_p50_ms"][k] for r in per_round if k in r["phases_p50_ms"]), 3
+            )
+            for k in phase_names
+        }
     vllm_names = [s.name for s in servers if s.name.startswith("vllm_")]
     stops = [i["stop"] for i in info.values()]
     return {
@@ -329,8 +340,15 @@ def table(result: dict[str, Any]) -> str:
     rows = [[name, *(m[k] for k in keys)] for name, m in result["median_over_rounds"].items()]
     text = format_table(["server", "TTFT p50 ms", "TTFT p90 ms", "TPOT p50 ms", "KV transfer ms"], rows)
     t, c = result["targets"], result["config"]
+    phases = "".join(
+        f"{name} server phases, p50 ms: "
+        + ", ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in m["phases_p50_ms"].items())
+        + "\n"
+        for name, m in result["median_over_rounds"].items()
+        if m.get("phases_p50_ms")
+    )
     return (
-        f"{text}\n(median over {c['rounds']} rounds of {c['num_requests']} requests)\n"
+        f"{text}\n(median over {c['rounds']} rounds of {c['num_requests']} requests)\n{phases}"
         f"disaggregated - colocated TTFT p50: {t['disagg_minus_colocated_ttft_p50_ms']} ms "
         f"(target <= {t['margin_ms']}: {t['met_vs_colocated']})\n"
         + (

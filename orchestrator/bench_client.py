@@ -10,7 +10,8 @@ Measured at the client, per request:
           with `stream_options.include_usage`, as vLLM and SGLang want; a chunk with an empty `choices`
           list carries it there; without any `usage`, one token per text chunk);
     e2e:  send -> `data: [DONE]`.
-From the server's `pdcluster` extension: acceptance rate and KV transfer time (phases.kv_transfer_s).
+From the server's `pdcluster` extension: acceptance rate, KV transfer time (phases.kv_transfer_s) and the
+median of every phase it reports (`phases_p50_ms`).
 Goodput: requests meeting both the TTFT and the TPOT SLO (a single-token output has no TPOT to miss),
 as a fraction of all requests and per second of the benchmark's duration (first send -> last answer).
 """
@@ -213,7 +214,21 @@ def summarize(
         "goodput_requests_per_s": len(meets) / duration_s if duration_s > 0 else 0.0,
         "mean_acceptance_rate": statistics.fmean(acceptance) if acceptance else None,
         "mean_kv_transfer_ms": statistics.fmean(kv_transfer) * 1000 if kv_transfer else None,
+        "phases_p50_ms": _phase_medians_ms(ok),
     }
+
+
+def _phase_medians_ms(results: list[RequestResult]) -> dict[str, float]:
+    """Median of each phase the server reported (`pdcluster.phases`: seconds, named `*_s`), in ms, over the
+    requests that report it, in the order the server lists them (the order a request meets them): where a
+    server's TTFT goes. Empty for a server without the extension (vLLM, SGLang)."""
+    names = dict.fromkeys(name for r in results for name in r.phases if name.endswith("_s"))
+    medians: dict[str, float] = {}
+    for name in names:
+        values = [r.phases[name] for r in results if isinstance(r.phases.get(name), int | float)]
+        if values:
+            medians[name.removesuffix("_s") + "_ms"] = statistics.median(values) * 1000
+    return medians
 
 
 def format_table(summary: dict[str, Any], description: str = "") -> str:
@@ -246,6 +261,12 @@ def format_table(summary: dict[str, Any], description: str = "") -> str:
         f"mean acceptance rate: {f(summary['mean_acceptance_rate'], 3)}; "
         f"mean KV transfer: {f(summary['mean_kv_transfer_ms'], 2)} ms",
     ]
+    phases = summary.get("phases_p50_ms") or {}
+    if phases:
+        lines.append(
+            "server phases, p50 ms: "
+            + ", ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in phases.items())
+        )
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
@@ -89,3 +90,26 @@ def test_a_stream_without_a_finish_reason_is_a_failed_request() -> None:
     result, _ = _replay_one(NO_FINISH_STREAM)
     assert not result.ok
     assert result.error == "the stream ended without a finish_reason"
+
+
+def test_summary_gives_the_median_of_each_reported_phase_in_server_order() -> None:
+    """`phases_p50_ms`: per phase, the median over the requests that report it (a failed request and one
+    without a phase do not count), in the order the server lists them; none for a server without them."""
+    from orchestrator.bench_client import RequestResult, summarize
+
+    def ok(**phases: float) -> RequestResult:
+        return RequestResult(0, 8, 4, 0.0, ok=True, ttft_s=0.05, tpot_s=0.01, e2e_s=0.2, num_output_tokens=4,
+                             phases=phases)  # fmt: skip
+
+    results = [
+        ok(route_s=0.001, prefill_s=0.030, kv_transfer_s=0.040),
+        ok(route_s=0.003, prefill_s=0.010, kv_transfer_s=0.020),
+        ok(route_s=0.002, prefill_s=0.020),
+        RequestResult(3, 8, 4, 0.0, ok=False, error="boom", phases={"route_s": 9.0}),
+    ]
+    phases = summarize(results, 1.0, 1000.0, 100.0)["phases_p50_ms"]
+    assert list(phases) == ["route_ms", "prefill_ms", "kv_transfer_ms"]
+    assert phases["route_ms"] == pytest.approx(2.0)
+    assert phases["prefill_ms"] == pytest.approx(20.0)
+    assert phases["kv_transfer_ms"] == pytest.approx(30.0)  # the two that report it
+    assert summarize([ok()], 1.0, 1000.0, 100.0)["phases_p50_ms"] == {}
