@@ -82,9 +82,21 @@ def test_plan_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
     assert main(argv + ["--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "trace file not found" in err and "Traceback" not in err
-    assert main(["plan", str(REPO / "clusters" / "local.yaml"), "--trace", TRACE, "--rate", "-1"]) == 2
-    assert "must be > 0" in capsys.readouterr().err
+    for rate in ("-1", "0", "inf", "nan"):
+        assert main(["plan", str(REPO / "clusters" / "local.yaml"), "--trace", TRACE, "--rate", rate]) == 2
+        assert f"must be finite and > 0, got {rate}" in capsys.readouterr().err
     assert main(["plan", str(REPO / "clusters" / "local.yaml"), "--trace", TRACE, "--acceptance", "1.5"]) == 2
+
+
+def test_plan_out_that_is_a_file_is_refused_before_simulating(tmp_path, capsys):
+    out = tmp_path / "report.md"
+    out.write_text("not a directory\n")
+    argv = ["plan", str(REPO / "clusters" / "local.yaml"), "--trace", TRACE, "--num-requests", "5"]
+    assert main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out must be a directory: {out} exists and is not one" in err
+    assert "Errno" not in err and "Traceback" not in err
+    assert out.read_text() == "not a directory\n"
 
 
 def test_speed_bench_smoke(capsys):
