@@ -13,7 +13,16 @@ from typing import Any
 from orchestrator.topology import Topology, check_topology
 from orchestrator.trace import TraceRequest
 from planner import DEFAULT_ACCEPTANCE
-from planner.search import Evaluated, describe, plan_yaml, search, spread_counts
+from planner.op_costs import dtype_bytes
+from planner.search import (
+    Evaluated,
+    describe,
+    fits_in_memory,
+    memory_overflows,
+    plan_yaml,
+    search,
+    spread_counts,
+)
 from planner.simulator import SimResult, pool_sizing, simulate
 from planner.step_model import StepTimeModel
 from planner.workload import plan_workload
@@ -55,6 +64,12 @@ def step_models(topology: Topology, options: PlanOptions) -> tuple[StepTimeModel
     if options.ep_imbalance is not None:
         kwargs["ep_imbalance"] = options.ep_imbalance
     return perf_model_for(topology, "prefill", **kwargs), perf_model_for(topology, "decode", **kwargs)
+
+
+def weight_dtype_for(topology: Topology, options: PlanOptions) -> str:
+    """The weight dtype the plan assumes: `options.weight_dtype`, else the file's resolved `model.dtype`
+    (what `planner.topology_models.perf_model_for` prices)."""
+    return options.weight_dtype or topology.model.resolved_dtype(topology.hardware.spec)
 
 
 def acceptance_for(topology: Topology, options: PlanOptions) -> tuple[float, ...]:
@@ -110,6 +125,7 @@ class PlanOutcome:
     wall_s: float
     searched: list[Evaluated] = field(default_factory=list)
     plan_path: Path | None = None
+    notes: list[str] = field(default_factory=list)
 
     def as_text(self) -> str:
         text = self.result.as_table(self.description)
@@ -120,11 +136,13 @@ class PlanOutcome:
                 f"\nsearch: {len(self.searched)} candidates; best {describe(best.topology)}: "
                 f"{best.goodput_per_device:.4f} goodput req/s per device -> {self.plan_path}"
             )
-        return text
+        return "\n".join([text, *self.notes])
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"workload": self.description, **self.result.summary, "wall_s": self.wall_s}
         out["report"] = str(self.report_path)
+        if self.notes:
+            out["notes"] = self.notes
         if self.searched:
             out["search"] = [
                 {
@@ -142,10 +160,13 @@ def run_plan(
     path: str | Path, topology: Topology, options: PlanOptions, out_dir: Path, show_progress: bool = True
 ) -> PlanOutcome:
     """Simulate `topology` (read from `path`) on the options' trace, sweep P:D, search if asked, and write
-    the report (and with the search `out_dir/plan.yaml`).
+    the report (and with the search `out_dir/plan.yaml`). The search simulates only the splits whose weights
+    (in `weight_dtype_for`) and KV cache fit device memory (`planner.search.fits_in_memory`); the outcome's
+    notes say how many it dropped, and whether the file's own split fits.
 
     Raises:
-        FileNotFoundError, ValueError: a bad trace, option, calibration or model config.
+        FileNotFoundError, ValueError: a bad trace, option, calibration or model config; a search where no
+            split passes the topology rules or fits device memory.
     """
     from tqdm import tqdm
 
@@ -160,19 +181,42 @@ def run_plan(
         options.max_tokens_cap,
         options.context_len,
     )
+    weight_dtype = weight_dtype_for(topology, options)
+    notes = [
+        f"note: {path}'s own split does not fit device memory: {line}"
+        for line in memory_overflows(topology, weight_dtype)
+    ]
+    candidates: list[Topology] = []
+    if options.search:  # before any simulation: a search with nothing to rank fails at once
+        from planner.search import candidate_topologies
+
+        candidates, too_big = fits_in_memory(list(candidate_topologies(topology)), weight_dtype)
+        if not candidates and not too_big:
+            raise ValueError(f"{path}: no split of the hardware passes the topology rules")
+        if not candidates:
+            hint = "" if dtype_bytes(weight_dtype) == 1 else "try --weight-dtype int8, or "
+            raise ValueError(
+                f"{path}: none of the {len(too_big)} splits that pass the topology rules fits device memory "
+                f"with {weight_dtype} weights (e.g. {describe(too_big[0])}: "
+                f"{'; '.join(memory_overflows(too_big[0], weight_dtype))}); {hint}lower kv_cache_memory_bytes"
+            )
+        notes.append(
+            f"search: {len(too_big)} of {len(candidates) + len(too_big)} splits dropped because their "
+            f"{weight_dtype} weights + kv_cache_memory_bytes exceed one device's memory"
+        )
     start_s = time.perf_counter()
     result = simulate_topology(topology, workload.requests, options)
     wall_s = time.perf_counter() - start_s
     few = workload.requests[: options.search_num_requests]
 
-    def evaluate(candidates: list[Topology], what: str) -> list[Evaluated]:
-        progress = tqdm(total=len(candidates), desc=what, unit="split", disable=not show_progress)
+    def evaluate(splits: list[Topology], what: str) -> list[Evaluated]:
+        progress = tqdm(total=len(splits), desc=what, unit="split", disable=not show_progress)
         try:
             return search(
                 topology,
                 few,
                 lambda t, r: simulate_topology(t, r, options),
-                candidates,
+                splits,
                 lambda done, total: progress.update(1),
             )
         finally:
@@ -182,11 +226,7 @@ def run_plan(
     searched: list[Evaluated] = []
     plan_path = None
     if options.search:
-        from planner.search import candidate_topologies
-
-        searched = evaluate(list(candidate_topologies(topology)), "search")
-        if not searched:
-            raise ValueError(f"{path}: no split of the hardware passes the topology rules")
+        searched = evaluate(candidates, "search")
         out_dir.mkdir(parents=True, exist_ok=True)
         plan_path = out_dir / "plan.yaml"
         best = searched[0]
@@ -195,6 +235,11 @@ def run_plan(
             f"best of {len(searched)} splits by goodput per device under the SLO: {describe(best.topology)}, "
             f"{best.goodput_per_device:.4f} req/s per device"
         )
+        if weight_dtype != topology.model.resolved_dtype(topology.hardware.spec):
+            header += (
+                f"\nranked with {weight_dtype} weights (--weight-dtype); model.dtype below is the source "
+                "file's, which cannot say the weights are quantized"
+            )
         plan_path.write_text(plan_yaml(path, best.topology, header))
     report_path = write_report(
         out_dir,
@@ -202,10 +247,11 @@ def run_plan(
         f"{workload.description}. Step times: planner.perf_model "
         f"(calibration: {options.calibration or 'the catalog'}; "
         f"weights {options.weight_dtype or 'model.dtype'}); "
-        f"MTP acceptance per position {acceptance_for(topology, options)}.",
+        f"MTP acceptance per position {acceptance_for(topology, options)}."
+        + "".join(f"\n\n{note}." for note in notes),
         result,
         sweep or searched,
         searched,
         plan_path,
     )
-    return PlanOutcome(workload.description, result, report_path, wall_s, searched, plan_path)
+    return PlanOutcome(workload.description, result, report_path, wall_s, searched, plan_path, notes)

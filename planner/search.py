@@ -10,6 +10,9 @@ Candidates the topology rules refuse (`orchestrator.topology.check_topology`: di
 experts and heads, placement within nodes and supernodes) are dropped, and so are those `pdcluster deploy`
 does not run (`orchestrator.preflight.actor_layer_issues`: tensor-parallel attention, an expert's FFN split
 over part of an instance), so the half-instance EP degree is only simulated where deploy would run it.
+`memory_overflows` says which pools of a candidate cannot hold their weights (`planner.memory`, in the
+plan's weight dtype) plus their `kv_cache_memory_bytes` in one device's memory; `fits_in_memory` splits
+the candidates by it, and `pdcluster plan` simulates only those that fit.
 
 `search` simulates every candidate on the same workload (`planner.simulator.simulate`) and ranks them by
 goodput (requests per second meeting both the TTFT and the TPOT SLO) per device used; `plan_yaml` writes
@@ -25,9 +28,13 @@ from pathlib import Path
 
 import yaml
 
+from models.config import DeepseekV3Config
 from orchestrator.topology import TLS_FILE_KEYS, Topology
 from orchestrator.trace import TraceRequest
+from planner.memory import pool_resident_params
 from planner.simulator import SimResult
+
+GB = 1e9  # for messages
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,53 @@ def describe(topology: Topology) -> str:
         f"D {d.num_instances}x{d.devices_per_instance} (EP{d.expert_parallel_size}, "
         f"max_num_seqs {d.max_num_seqs}, k={d.num_speculative_tokens})"
     )
+
+
+def memory_overflows(
+    topology: Topology, weight_dtype: str, config: DeepseekV3Config | None = None
+) -> list[str]:
+    """One line per pool of `topology` whose per-device parameters (`planner.memory.resident_params`) in
+    `weight_dtype` plus the pool's `kv_cache_memory_bytes` exceed one device's memory
+    (`hardware.spec.hbm_bytes`); empty when both fit. `config`: the model's architecture (default: read
+    from `topology.model`).
+
+    Raises:
+        ValueError: an unreadable model config.json, an unknown `weight_dtype`.
+    """
+    from orchestrator.topology.rules import read_model_architecture
+
+    cfg = config or read_model_architecture(topology.model)
+    spec = topology.hardware.spec
+    lines = []
+    for role in ("prefill", "decode"):
+        pool = topology.pool(role)
+        params = pool_resident_params(cfg, pool)
+        weight_bytes = params.bytes(weight_dtype)
+        if weight_bytes + pool.kv_cache_memory_bytes > spec.hbm_bytes:
+            lines.append(
+                f"{role} (EP{pool.expert_parallel_size}, {params.experts_per_layer} routed "
+                f"expert{'s' if params.experts_per_layer != 1 else ''} per device per MoE layer): "
+                f"{weight_bytes / GB:.1f} GB of {weight_dtype} weights + "
+                f"{pool.kv_cache_memory_bytes / GB:.1f} GB of KV cache per device > "
+                f"{spec.hbm_bytes / GB:.1f} GB of one {spec.name} device"
+            )
+    return lines
+
+
+def fits_in_memory(
+    candidates: Sequence[Topology], weight_dtype: str, config: DeepseekV3Config | None = None
+) -> tuple[list[Topology], list[Topology]]:
+    """`candidates` split into those whose pools fit device memory (`memory_overflows` empty) and those
+    that do not, each in the given order (the model's config.json read once)."""
+    from orchestrator.topology.rules import read_model_architecture
+
+    if config is None and candidates:
+        config = read_model_architecture(candidates[0].model)
+    fit: list[Topology] = []
+    overflow: list[Topology] = []
+    for candidate in candidates:
+        (overflow if memory_overflows(candidate, weight_dtype, config) else fit).append(candidate)
+    return fit, overflow
 
 
 def _instance_sizes(base: int, devices_per_node: int, num_devices: int) -> list[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -25,8 +26,8 @@ _acceptance.__name__ = "acceptance list"
 
 def _positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not (value > 0 and math.isfinite(value)):  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"must be finite and > 0, got {text}")
     return value
 
 
@@ -37,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
     from orchestrator.topology import TopologyError, read_topology
     from planner.plan import PlanOptions, run_plan
 
+    if args.out.exists() and not args.out.is_dir():
+        raise CliError(f"--out must be a directory: {args.out} exists and is not one")
     try:
         topology = read_topology(args.file).topology
     except TopologyError as exc:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from orchestrator.cli import main
+from orchestrator.topology import load_topology
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE = "AzureLLMInferenceTrace_conv.csv"
@@ -35,6 +37,7 @@ def test_plan_cm384_prints_the_summary_and_writes_the_report(tmp_path, capsys):
         assert section in report
     _pngs(out, ("ttft_tpot_cdf.png", "goodput_vs_pd.png", "phase_breakdown.png"))
     assert not (out / "plan.yaml").exists()
+    assert "does not fit device memory" not in printed  # int8 weights + the file's KV fit a 910C die
 
 
 def test_plan_search_writes_a_yaml_validate_accepts(tmp_path, capsys):
@@ -52,14 +55,48 @@ def test_plan_search_writes_a_yaml_validate_accepts(tmp_path, capsys):
     assert "## Search:" in (out / "report.md").read_text()
 
 
+def test_plan_search_on_cm384_ranks_only_splits_that_fit_a_die(tmp_path, capsys):
+    # DeepSeek-V3 on 64 GiB dies (tests/planner/test_search.py has the bytes by hand): in bf16 no split fits,
+    # and the search fails before simulating anything; in int8 the EP16 prefill splits (18 experts per die
+    # per layer, 64.2 GB + 8 GiB of KV) are dropped and an EP32 one is written.
+    out = tmp_path / "search"
+    argv = ["plan", str(REPO / "clusters" / "cm384.yaml"), "--trace", TRACE, "--num-requests", "20"]
+    argv += ["--rate", "200", "--out", str(out), "--search", "--search-num-requests", "10", "--no-sweep"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "splits that pass the topology rules fits device memory with bfloat16 weights" in err
+    assert "try --weight-dtype int8" in err and "Traceback" not in err
+    assert main([*argv, "--weight-dtype", "int8"]) == 0
+    printed = capsys.readouterr().out
+    match = re.search(r"search: (\d+) of (\d+) splits dropped because their int8 weights", printed)
+    assert match and 0 < int(match[1]) < int(match[2]), printed
+    assert "does not fit device memory" not in printed
+    plan = (out / "plan.yaml").read_text()
+    assert "\n# ranked with int8 weights (--weight-dtype)" in plan
+    assert load_topology(out / "plan.yaml").prefill.expert_parallel_size == 32
+    assert match[0] in (out / "report.md").read_text()
+
+
 def test_plan_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
     argv = ["plan", str(REPO / "clusters" / "local.yaml"), "--trace", str(tmp_path / "missing.csv")]
     assert main(argv + ["--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "trace file not found" in err and "Traceback" not in err
-    assert main(["plan", str(REPO / "clusters" / "local.yaml"), "--trace", TRACE, "--rate", "-1"]) == 2
-    assert "must be > 0" in capsys.readouterr().err
+    for rate in ("-1", "0", "inf", "nan"):
+        assert main(["plan", str(REPO / "clusters" / "local.yaml"), "--trace", TRACE, "--rate", rate]) == 2
+        assert f"must be finite and > 0, got {rate}" in capsys.readouterr().err
     assert main(["plan", str(REPO / "clusters" / "local.yaml"), "--trace", TRACE, "--acceptance", "1.5"]) == 2
+
+
+def test_plan_out_that_is_a_file_is_refused_before_simulating(tmp_path, capsys):
+    out = tmp_path / "report.md"
+    out.write_text("not a directory\n")
+    argv = ["plan", str(REPO / "clusters" / "local.yaml"), "--trace", TRACE, "--num-requests", "5"]
+    assert main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out must be a directory: {out} exists and is not one" in err
+    assert "Errno" not in err and "Traceback" not in err
+    assert out.read_text() == "not a directory\n"
 
 
 def test_speed_bench_smoke(capsys):

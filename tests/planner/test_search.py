@@ -10,7 +10,16 @@ from orchestrator.cli import main
 from orchestrator.preflight import actor_layer_issues
 from orchestrator.topology import check_topology, load_topology
 from orchestrator.trace import TraceRequest
-from planner.search import Evaluated, candidate_topologies, describe, plan_yaml, search, spread_counts
+from planner.search import (
+    Evaluated,
+    candidate_topologies,
+    describe,
+    fits_in_memory,
+    memory_overflows,
+    plan_yaml,
+    search,
+    spread_counts,
+)
 from planner.simulator import SimResult
 from planner.workload import repeat_trace
 
@@ -42,6 +51,61 @@ def test_cm384_candidates_use_its_hardware_and_pass_the_topology_rules():
         (144, 144),
         (288, 288),
     }
+
+
+# DeepSeek-V3 (clusters/models/deepseek-v3.config.json) by hand, parameters per device:
+# h 7168, V 129280, 61 layers (first 3 dense) + 1 MTP layer, 256 routed experts of 3 x 7168 x 2048.
+V3_EXPERT = 3 * 7168 * 2048  # 44,040,192
+V3_MLA = (  # q_a, its norm, q_b, kv_a, its norm, kv_b, o
+    7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168
+)
+V3_REPLICATED = (
+    2 * 129_280 * 7168  # embedding, lm_head
+    + 7168  # final norm
+    + 62 * (V3_MLA + 2 * 7168)  # attention + 2 layer norms, 61 layers + MTP
+    + 3 * 3 * 7168 * 18_432  # dense MLP of the first 3 layers
+    + 59 * (256 * 7168 + V3_EXPERT)  # gate + shared expert of 58 MoE layers + the MTP layer's
+    + 2 * 7168 * 7168  # MTP eh_proj
+    + 3 * 7168  # MTP enorm, hnorm, shared_head.norm
+)
+HBM_910C = 64 * 2**30
+GIB = 2**30
+
+
+def test_cm384_memory_by_hand():
+    assert V3_REPLICATED == 17_453_412_352
+    # per die, weights + the file's KV cache (prefill 8 GiB, decode 32 GiB) against 64 GiB = 68.7 GB:
+    bf16_ep16 = 2 * (V3_REPLICATED + 59 * 18 * V3_EXPERT)  # 288 / 16 = 18 experts per layer
+    bf16_ep32 = 2 * (V3_REPLICATED + 59 * 9 * V3_EXPERT)  # 288 / 32 = 9
+    int8_ep16 = V3_REPLICATED + 59 * 18 * V3_EXPERT
+    int8_ep32 = V3_REPLICATED + 59 * 9 * V3_EXPERT
+    assert (bf16_ep16, bf16_ep32) == (128_448_192_512, 81_677_508_608)
+    assert (int8_ep16, int8_ep32) == (64_224_096_256, 40_838_754_304)
+    assert bf16_ep16 + 8 * GIB > HBM_910C and bf16_ep32 + 8 * GIB > HBM_910C  # the file's split too
+    assert int8_ep16 + 8 * GIB > HBM_910C  # 72.8 GB: EP16 does not fit even in int8
+    assert int8_ep32 + 8 * GIB <= HBM_910C  # 49.4 GB
+    bf16_ep288 = 2 * (V3_REPLICATED + 59 * 1 * V3_EXPERT)
+    int8_ep144 = V3_REPLICATED + 59 * 2 * V3_EXPERT
+    assert bf16_ep288 == 40_103_567_360 and bf16_ep288 + 32 * GIB > HBM_910C  # 74.5 GB
+    assert int8_ep144 + 32 * GIB <= HBM_910C  # 57.0 GB; EP288 in int8: 54.4 GB
+
+
+def test_search_refuses_cm384_splits_whose_weights_and_kv_exceed_a_die():
+    candidates = list(candidate_topologies(load_topology(CM384)))
+    fit, too_big = fits_in_memory(candidates, "bfloat16")
+    assert fit == [] and len(too_big) == len(candidates)  # bf16 DeepSeek-V3 fits no split of cm384
+    ep16 = next(t for t in candidates if t.prefill.expert_parallel_size == 16)
+    assert (
+        "prefill (EP16, 18 routed experts per device per MoE layer): 128.4 GB of bfloat16 weights + 8.6 GB "
+        "of KV cache per device > 68.7 GB of one ascend-910c device"
+    ) in memory_overflows(ep16, "bfloat16")
+
+    fit, too_big = fits_in_memory(candidates, "int8")
+    assert fit and too_big
+    assert {t.prefill.expert_parallel_size for t in fit} == {32}  # both decode sizes (EP144, EP288) fit
+    assert {t.decode.expert_parallel_size for t in fit} == {144, 288}
+    assert {t.prefill.expert_parallel_size for t in too_big} == {16}
+    assert all(memory_overflows(t, "int8")[0].startswith("prefill (EP16") for t in too_big)
 
 
 def test_spread_counts():
