@@ -13,8 +13,14 @@ from bench.server_procs import port_in_use
 
 FIGURES = {
     "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "num_requests", "num_ok", "num_failed",
-    "num_wrong_output_length", "errors", "mean_kv_transfer_ms", "mean_acceptance_rate", "duration_s",
+    "num_wrong_output_length", "errors", "mean_kv_transfer_ms", "mean_acceptance_rate", "phases_p50_ms",
+    "duration_s",
 }  # fmt: skip
+# what each of our servers reports of a request's way (`pdcluster.phases`), by name
+PHASES = {
+    "disaggregated": {"route_ms", "reserve_ms", "queue_ms", "prefill_ms", "kv_transfer_ms", "admit_ms"},
+    "colocated": {"queue_ms", "prefill_ms"},
+}
 SMALL = ["--no-vllm", "--num-requests", "3", "--warmup-requests", "1", "--rounds", "1"]
 
 
@@ -30,6 +36,11 @@ def test_replay_completes_and_stops_cleanly(capsys, tmp_path):
         ), name  # fmt: skip
         assert row["ttft_p50_ms"] > 0 and row["tpot_p50_ms"] > 0
         assert result["warmup"][name]["num_ok"] == 1
+        assert PHASES[name] <= set(row["phases_p50_ms"]) and all(
+            v >= 0 for v in row["phases_p50_ms"].values()
+        )
+        median = result["median_over_rounds"][name]["phases_p50_ms"]  # of one round: its figures, rounded
+        assert median == {k: round(v, 3) for k, v in row["phases_p50_ms"].items()}
     assert result["rounds"]["disaggregated"][0]["mean_kv_transfer_ms"] > 0  # the KV went over gRPC
     assert result["num_failed"] == 0
     targets = result["targets"]
