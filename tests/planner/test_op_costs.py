@@ -104,6 +104,57 @@ def test_v3_per_op_counts(v3):
     )
 
 
+def test_v3_each_op_by_hand(v3):
+    """Every op kind of a DeepSeek-V3 layer, FLOPs and bytes from the config's numbers (h 7168, 128 heads,
+    q_lora 1536, kv_lora 512, rope 64, nope 128, v 128, inter 18432, moe_inter 2048, 256 routed experts,
+    1 shared, V 129,280), INT8 weights and KV, bf16 activations."""
+    int8 = Dtypes("int8", "bfloat16", "int8")
+    t = 10
+    proj = by_name(oc.attention_projections(v3, t, int8))
+    # [10, 7168] x [7168, 1536]; [10, 1536] x [1536, 128 * 192]; [10, 7168] x [7168, 576];
+    # [10, 128 * 128] x [16384, 7168]
+    expected = {
+        "attn.q_a_proj": (2 * 10 * 7168 * 1536, 7168 * 1536, 10 * (7168 + 1536) * 2),
+        "attn.q_b_proj": (2 * 10 * 1536 * 24576, 1536 * 24576, 10 * (1536 + 24576) * 2),
+        "attn.kv_a_proj_with_mqa": (2 * 10 * 7168 * 576, 7168 * 576, 10 * (7168 + 576) * 2),
+        "attn.o_proj": (2 * 10 * 16384 * 7168, 16384 * 7168, 10 * (16384 + 7168) * 2),
+    }
+    assert {n: (op.flops, op.weight_bytes, op.activation_bytes) for n, op in proj.items()} == expected
+    tp8 = by_name(oc.attention_projections(v3, t, int8, tp=8))  # 16 heads per rank; q_a, kv_a whole
+    assert tp8["attn.q_b_proj"].weight_bytes == 1536 * 16 * 192
+    assert tp8["attn.o_proj"].flops == 2 * 10 * (16 * 128) * 7168
+    assert tp8["attn.q_a_proj"].weight_bytes == 7168 * 1536
+
+    # a 4,096-token prompt from scratch, expanded: 4,096 keys, 4,096 * 4,097 / 2 causal pairs
+    pairs = 4096 * 4097 // 2  # 8,390,656
+    work = RankWork(num_tokens=4096, expanded_queries=4096, expanded_keys=4096, expanded_pairs=pairs)
+    (mla,) = oc.attention_core(v3, work, int8)
+    up = 2 * 4096 * 512 * 128 * (128 + 128)  # kv_b_proj over every key
+    scores, pv = 2 * 128 * pairs * (128 + 64), 2 * 128 * pairs * 128
+    assert mla.flops == up + scores + pv
+    assert mla.weight_bytes == 512 * 128 * 256  # kv_b_proj, int8
+    assert mla.kv_bytes == 4096 * 580 + 4096 * 580  # read every latent + write the prompt's, int8 + scale
+    assert mla.activation_bytes == 2 * 4096 * 128 * 256 * 2 + 4096 * 128 * (128 + 64 + 128) * 2
+
+    dense = oc.mlp("dense_mlp", t, v3.hidden_size, v3.intermediate_size, 1, 2)  # the first 3 layers
+    assert (dense.flops, dense.weight_bytes) == (6 * 10 * 7168 * 18432, 3 * 7168 * 18432)
+    # one EP288 decode rank: 64 tokens, 512 (token, expert) pairs through its 1 expert
+    moe = by_name(oc.moe_ops(v3, 64, routed_pairs_rank=512, active_experts_rank=1, d=int8))
+    assert (moe["moe.gate"].flops, moe["moe.gate"].weight_bytes) == (2 * 64 * 7168 * 256, 7168 * 256 * 2)
+    assert (moe["moe.routed_experts"].flops, moe["moe.routed_experts"].weight_bytes) == (
+        6 * 512 * 7168 * 2048,
+        3 * 7168 * 2048,
+    )
+    assert (moe["moe.shared_expert"].flops, moe["moe.shared_expert"].weight_bytes) == (
+        6 * 64 * 7168 * 2048,
+        3 * 7168 * 2048,
+    )
+    split = by_name(oc.moe_ops(v3, 64, 512, 1, int8, moe_tp=2))  # each expert's FFN over 2 ranks
+    assert split["moe.routed_experts"].weight_bytes == 3 * 7168 * 1024
+    head = oc.lm_head(v3, 4, int8)
+    assert (head.flops, head.weight_bytes) == (2 * 4 * 7168 * 129_280, 7168 * 129_280)
+
+
 def test_v3_active_parameters_per_token(v3):
     """One token's GEMM FLOPs / 2 are the active parameters without the embedding: the report's 37B
     (DeepSeek-V3 technical report, arXiv:2412.19437, section 1) less the 0.93B embedding table."""
