@@ -85,16 +85,33 @@ def test_the_simulator_calls_the_live_policy_functions():
         assert sim.policy is live
 
 
-def test_the_simulator_runs_the_scheduler_policy_it_imports(monkeypatch):
-    calls = []
+def test_the_simulator_runs_the_policy_functions_it_imports(monkeypatch):
+    """Not only the same names: each live function is what decides (a copy inlined next to the import
+    would leave these counters at 0). Two requests: each is routed, reserved (after_reserve), admitted
+    (check_request_fits) and scheduled by the live functions."""
+    calls: dict[str, int] = {}
 
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return engine.scheduler_policy.schedule_step(*args, **kwargs)
+    def counting(owner, name, live):
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return live(*args, **kwargs)
 
-    monkeypatch.setattr(sim_engine, "schedule_step", counting)
-    run([TraceRequest(0.0, 8, 4)], LinearModel(0.1), LinearModel(0.01))
-    assert calls  # every simulated step is planned by the live function (the name checked above)
+        if isinstance(owner, dict):
+            monkeypatch.setitem(owner, name, wrapper)
+        else:
+            monkeypatch.setattr(owner, name, wrapper)
+        return wrapper
+
+    counting(sim_engine, "schedule_step", engine.scheduler_policy.schedule_step)
+    counting(simulator, "after_reserve", orchestrator.dispatch.after_reserve)
+    counting(simulator, "check_request_fits", engine.scheduler_policy.check_request_fits)
+    policy = counting(
+        orchestrator.router.POLICIES, "least_loaded", orchestrator.router.POLICIES["least_loaded"]
+    )
+    assert simulator.POLICIES["least_loaded"] is policy  # the simulator's table is the live one
+    run([TraceRequest(0.0, 8, 4), TraceRequest(0.5, 8, 4)], LinearModel(0.1), LinearModel(0.01))
+    assert calls["least_loaded"] >= 2 and calls["after_reserve"] >= 2 and calls["check_request_fits"] >= 2
+    assert calls["schedule_step"] >= 2  # every simulated step is planned by the live function
 
 
 def test_one_request_ttft_tpot_e2e_exact():
