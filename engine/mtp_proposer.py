@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model_runner import LayerKVCallback, ModelInput, ModelRunner
-from kernels.sampling import probs_from_logits, sample_from_probs
+from kernels.sampling import argmax, probs_from_logits, sample_from_probs
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Proposal:
 def _pick(logits: torch.Tensor, work: MTPWork) -> tuple[int, torch.Tensor | None]:
     """Draft one token from MTP logits `[vocab_size]`: one request alone (the fallback of `_pick_batch`)."""
     if work.temperature == 0.0:
-        return int(logits.argmax()), None
+        return int(argmax(logits)), None
     probs = probs_from_logits(
         logits[None],
         torch.tensor([work.temperature]),
@@ -89,7 +89,7 @@ def _pick_batch(logits: torch.Tensor, works: list[MTPWork]) -> tuple[torch.Tenso
 
     Returns `(tokens [n] int64, probs [n, vocab_size] float32 or None when every row is greedy; greedy
     rows' probabilities are unused)`. Raises what the kernels raise (validation, before any draw)."""
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax(logits)
     sampled = [j for j, w in enumerate(works) if w.temperature != 0.0]
     if not sampled:
         return tokens, None

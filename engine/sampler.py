@@ -22,7 +22,7 @@ import torch
 from engine.input_batch import SamplingArrays
 from engine.outputs import ScheduledRequest, TokenLogprobs
 from kernels.rejection_sampling import greedy_verify_batch, rejection_sample_batch
-from kernels.sampling import compute_logprobs, probs_from_logits, sample
+from kernels.sampling import argmax, compute_logprobs, probs_from_logits, sample
 
 # The request's own torch.Generator (None: torch's global one); the executor creates them lazily.
 GeneratorOf = Callable[[ScheduledRequest], "torch.Generator | None"]
@@ -100,7 +100,7 @@ def sample_or_verify(
     num_drafts = [len(item.spec_token_ids) for item in items]
     all_greedy = params.all_greedy
     if not any(num_drafts) and all_greedy:  # plain greedy decode
-        return {rid: [tok] for rid, tok in zip(request_ids, logits.argmax(dim=-1).tolist(), strict=True)}
+        return {rid: [tok] for rid, tok in zip(request_ids, argmax(logits).tolist(), strict=True)}
     draft_ids = torch.tensor(
         list(itertools.chain.from_iterable(item.spec_token_ids for item in items)),
         dtype=torch.long,

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.sampling import Generators, group_rows_by_generator, sample_from_probs
+from kernels.sampling import Generators, argmax, group_rows_by_generator, sample_from_probs
 
 
 class VerifyResult(NamedTuple):
@@ -77,7 +77,7 @@ def greedy_verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor) -> 
     """
     _check(draft_token_ids, None, target_probs)
     num_drafts = draft_token_ids.shape[0]
-    target_argmax = target_probs.argmax(dim=-1)  # [k + 1]
+    target_argmax = argmax(target_probs)  # [k + 1]
     matches = draft_token_ids == target_argmax[:num_drafts]
     num_accepted = int(matches.long().cumprod(dim=0).sum())  # length of the all-match prefix
     token_ids = torch.cat((draft_token_ids[:num_accepted], target_argmax[num_accepted : num_accepted + 1]))
@@ -249,7 +249,7 @@ def greedy_verify_batch(
     """
     device = target_logits.device
     ragged = _ragged_drafts(draft_token_ids, num_draft_tokens, target_logits.shape[0], device)
-    target_argmax = target_logits.argmax(dim=-1)[ragged.target_rows]  # [B, max_k + 1]
+    target_argmax = argmax(target_logits)[ragged.target_rows]  # [B, max_k + 1]
     num_accepted, final_token = _greedy_accept(ragged, target_argmax)
     return _batch_result(ragged.drafts, num_accepted, final_token)
 
@@ -327,7 +327,7 @@ def rejection_sample_batch(
 
     # Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)), as u * q < p (see `rejection_sample`);
     # greedy requests follow `_greedy_accept`. Acceptance stops at the first rejection.
-    greedy_accepted, greedy_final = _greedy_accept(ragged, target.argmax(dim=-1))
+    greedy_accepted, greedy_final = _greedy_accept(ragged, argmax(target))
     num_accepted = torch.where(
         is_greedy, greedy_accepted, _num_accepted(uniform * q_x < p_x, ragged.is_draft)
     )
@@ -344,6 +344,6 @@ def rejection_sample_batch(
             final_q = torch.where(rejected[:, None], draft_probs[draft_rows.gather(1, at)[:, 0]].float(), 0.0)
     residual = (final_p - final_q).clamp_min(0)
     residual = torch.where((residual > 0).any(dim=-1, keepdim=True), residual, final_p)
-    sampled_final = (residual / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+    sampled_final = argmax(residual / noise.clamp_min(torch.finfo(torch.float32).tiny))
     final_token = torch.where(is_greedy, greedy_final, sampled_final)
     return _batch_result(drafts, num_accepted, final_token)

@@ -130,3 +130,34 @@ def test_invalid_arguments_raise() -> None:
         probs_from_logits(torch.zeros(2, 3), 1.0, top_p=0.0)
     with pytest.raises(ValueError, match="num_top"):
         compute_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64), 4)
+
+
+def test_argmax_is_torchs_argmax_ties_nan_and_all() -> None:
+    """`kernels.sampling.argmax` (numpy's on CPU float32/float64, torch's otherwise) gives exactly
+    `torch.argmax(dim=-1)`: the first index on ties, NaN as the largest, -inf rows, strided views, 1-D,
+    empty batches, and the bfloat16 fallback; int64 either way."""
+    from kernels.sampling import argmax
+
+    nan, inf = float("nan"), float("inf")
+    special = torch.tensor(
+        [[1.0, nan, 3.0, nan], [-inf, -inf, -inf, -inf], [2.0, 5.0, 5.0, 1.0], [inf, nan, 0.0, 0.0]]
+    )
+    generator = torch.Generator().manual_seed(0)
+    cases = [
+        special,
+        special.double(),
+        torch.randn(32, 4096, generator=generator),
+        torch.randn(6, 20, generator=generator)[:, ::3],  # a strided view
+        torch.randn(3, 4, 7, generator=generator),  # leading dimensions kept
+        torch.randn(17, generator=generator),  # 1-D: a 0-d result
+        torch.zeros(0, 9),  # no rows
+        torch.randint(0, 3, (8, 5), generator=generator).float(),  # many ties
+        torch.randn(5, 11, generator=generator).bfloat16(),  # torch's own path
+    ]
+    for x in cases:
+        got, expected = argmax(x), x.argmax(dim=-1)
+        assert got.dtype == torch.int64 and got.shape == expected.shape
+        assert torch.equal(got, expected), x
+    with torch.inference_mode():  # the engine's mode: numpy reads an inference tensor too
+        x = torch.randn(4, 10, generator=generator)
+        assert torch.equal(argmax(x), x.argmax(dim=-1))
