@@ -16,7 +16,7 @@ the candidates by it, and `pdcluster plan` simulates only those that fit.
 
 `search` simulates every candidate on the same workload (`planner.simulator.simulate`) and ranks them by
 goodput (requests per second meeting both the TTFT and the TPOT SLO) per device used; `plan_yaml` writes
-the best one as a topology file `pdcluster validate` accepts.
+the best one as a topology file `pdcluster validate` accepts, its `model.weight_dtype` the one ranked with.
 """
 
 from __future__ import annotations
@@ -238,10 +238,11 @@ def search(
     return sorted(evaluated, key=rank)
 
 
-def plan_yaml(source_path: str | Path, best: Topology, header: str) -> str:
+def plan_yaml(source_path: str | Path, best: Topology, header: str, weight_dtype: str | None = None) -> str:
     """The topology file of `best`: the source file's YAML with the searched keys of `prefill` and
-    `decode` replaced, relative paths (model, KV TLS files) made absolute (the file may be written
-    elsewhere), `header` as leading comment lines."""
+    `decode` replaced, `model.weight_dtype` set to the `weight_dtype` the search ranked with when that is
+    not what the source's resolves to (None: the source's), relative paths (model, KV TLS files) made
+    absolute (the file may be written elsewhere), `header` as leading comment lines."""
     source_path = Path(source_path)
     data = yaml.safe_load(source_path.read_text()) or {}
     base_dir = source_path.resolve().parent
@@ -266,6 +267,8 @@ def plan_yaml(source_path: str | Path, best: Topology, header: str) -> str:
             section[key] = getattr(pool, key)
         data[role] = section
     data["decode"]["num_speculative_tokens"] = best.decode.num_speculative_tokens
+    if weight_dtype is not None and weight_dtype != best.model.resolved_weight_dtype(best.hardware.spec):
+        data["model"] = {**(data.get("model") or {}), "weight_dtype": weight_dtype}
     data["name"] = f"{data.get('name', 'plan')}-plan"
     comments = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
     return comments + yaml.safe_dump(data, sort_keys=False)

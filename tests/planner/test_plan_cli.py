@@ -72,8 +72,9 @@ def test_plan_search_on_cm384_ranks_only_splits_that_fit_a_die(tmp_path, capsys)
     assert match and 0 < int(match[1]) < int(match[2]), printed
     assert "does not fit device memory" not in printed
     plan = (out / "plan.yaml").read_text()
-    assert "\n# ranked with int8 weights (--weight-dtype)" in plan
-    assert load_topology(out / "plan.yaml").prefill.expert_parallel_size == 32
+    assert "\n# ranked with int8 weights (--weight-dtype; model.weight_dtype below)" in plan
+    written = load_topology(out / "plan.yaml")
+    assert written.prefill.expert_parallel_size == 32 and written.model.weight_dtype == "int8"
     assert match[0] in (out / "report.md").read_text()
 
 

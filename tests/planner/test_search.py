@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -137,12 +138,14 @@ def test_plan_yaml_is_a_topology_pdcluster_validate_accepts(tmp_path, capsys):
     base = load_topology(CM384)
     best = next(t for t in candidate_topologies(base) if t.decode.num_speculative_tokens == 0)
     path = tmp_path / "plan.yaml"
-    path.write_text(plan_yaml(CM384, best, "searched\nin a test"))
+    path.write_text(plan_yaml(CM384, best, "searched\nin a test", weight_dtype="fp8"))
     assert path.read_text().startswith("# searched\n# in a test\n")
     assert main(["validate", str(path)]) == 0
     assert "ok" in capsys.readouterr().out
     written = load_topology(path)
     assert written.prefill == best.prefill and written.decode == best.decode
+    assert written.model.weight_dtype == "fp8"  # the weight dtype the search ranked with
+    assert dataclasses.replace(written.model, weight_dtype=base.model.weight_dtype) == base.model
     assert written.hardware == base.hardware and written.slo == base.slo
 
 
