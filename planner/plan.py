@@ -199,7 +199,8 @@ def run_plan(
         if not candidates and not too_big:
             raise ValueError(f"{path}: no split of the hardware passes the topology rules")
         if not candidates:
-            hint = "" if dtype_bytes(weight_dtype) == 1 else "try --weight-dtype int8, or "
+            hint = "try --weight-dtype int8 (or model.weight_dtype: int8), or "
+            hint = "" if dtype_bytes(weight_dtype) == 1 else hint
             raise ValueError(
                 f"{path}: none of the {len(too_big)} splits that pass the topology rules fits device memory "
                 f"with {weight_dtype} weights (e.g. {describe(too_big[0])}: "
