@@ -40,7 +40,8 @@ NAME = "validate"
 HELP = "check topology YAML files (clusters/*.yaml) without starting anything"
 DESCRIPTION = """\
 Read each topology file and check it: keys and types, choices, parallelism against the
-model's config.json, device counts and placement (clusters/README.md lists the rules).
+model's config.json, each pool's weights (in model.weight_dtype) + KV cache against one
+device's memory, device counts and placement (clusters/README.md lists the rules).
 Prints one summary line per valid file on stdout and one FILE:LINE: reason line per
 problem on stderr. Exit code: 0 all files valid, 1 some file invalid, 2 usage error.
 

@@ -7,7 +7,7 @@ every problem found is reported at once, one `FILE:LINE: reason` per line, in a 
 
 Validation happens in two layers: each dataclass checks its own fields (type, choice, range) on
 construction, so one built in code is checked too; `check_topology` checks what needs several sections
-and the model's `config.json` (divisibility, MTP, device counts, placement).
+and the model's `config.json` (divisibility, MTP, weights + KV cache per device, device counts, placement).
 
     fields.py       field metadata (choices, bounds, checks) and the check of one field's value
     schema.py       the dataclasses, one per YAML section, and `Topology` (pools, engine arguments, summary)

@@ -139,9 +139,10 @@ class ModelConfig:
             readable where validation runs (a cluster's shared storage); None reads `<path>/config.json`.
         dtype: parameter dtype; `auto` is float32 on cpu and bfloat16 on accelerators.
         weight_dtype: the dtype the checkpoint's GEMM weights are stored and read in, for planning and
-            validation: `auto` is `dtype` resolved, `int8` / `fp8` are 8-bit weights. The engine loads
-            weights in `dtype`: `pdcluster deploy` refuses a `weight_dtype` that resolves to another
-            dtype (`orchestrator.preflight.weight_dtype_issues`).
+            validation (the rule that each pool's weights + KV cache fit one device, `planner.memory`; the
+            planner's default weight dtype): `auto` is `dtype` resolved, `int8` / `fp8` are 8-bit weights.
+            The engine loads weights in `dtype`: `pdcluster deploy` refuses a `weight_dtype` that resolves
+            to another dtype (`orchestrator.preflight.weight_dtype_issues`).
     """
 
     path: str | None = None
