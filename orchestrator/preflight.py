@@ -3,11 +3,13 @@
 `pdcluster validate --for-deploy FILE` reports exactly these, at the lines of the keys they concern;
 `pdcluster deploy` refuses a file with any of them (one `FILE:LINE: reason` line each, exit code 2) before
 it connects to or starts Ray. Plain `pdcluster validate` checks a file as a plan only (it may describe
-hardware this machine is not) and prints the actor-layer limits below as a note.
+hardware this machine is not) and prints the actor-layer and weight-dtype limits below as notes.
 
 - The actor layer runs one rank actor per device with data-parallel attention, routed experts split over
   every rank of the instance (EP) or replicated on each (`actor_layer_issues`): tensor-parallel attention
   and experts split over part of an instance are valid plans that deploy cannot run.
+- The weight dtype (`weight_dtype_issues`): the engine loads weights in `model.dtype`; a
+  `model.weight_dtype` that resolves to another dtype (8-bit weights) is a valid plan deploy cannot run.
 - The checkpoint as this machine sees it (`checkpoint_issues`): `config.json`, the safetensors files and
   their headers (none truncated), every tensor present with its shape, `tokenizer.json`
   (`models.loader.check_checkpoint_dir`; no tensor data is read). The driver reads the tokenizer from the
@@ -83,6 +85,26 @@ def actor_layer_issues(topology: Topology) -> list[Issue]:
     return issues
 
 
+def weight_dtype_issues(topology: Topology) -> list[Issue]:
+    """`model.weight_dtype` when it resolves to another dtype than `model.dtype`: the engine loads the
+    checkpoint's weights in `model.dtype` and has no 8-bit GEMMs, so another weight dtype is a planning
+    assumption (`planner.memory`, `planner.perf_model`) that deploy cannot run. At most one issue, at
+    `model.weight_dtype`."""
+    model, spec = topology.model, topology.hardware.spec
+    weight, engine = model.resolved_weight_dtype(spec), model.resolved_dtype(spec)
+    if weight == engine:
+        return []
+    written = "" if model.dtype == engine else f" ({model.dtype} on {spec.name})"
+    return [
+        Issue(
+            ("model", "weight_dtype"),
+            f"model.weight_dtype: {weight} is not the dtype the engine runs: it loads the checkpoint's "
+            f"weights in model.dtype, {engine}{written}, and {weight} weights are a planning assumption "
+            f"only (set weight_dtype: auto or {engine} to deploy)",
+        )
+    ]
+
+
 def checkpoint_issues(model: ModelConfig) -> list[Issue]:
     """The checkpoint directory `model.checkpoint_dir` as `LLMEngine` will load it; at most one issue (at
     `model.path`), its reason on one line."""
@@ -129,10 +151,11 @@ def deploy_issues(topology: Topology, *, port: int | None = None) -> list[Issue]
         port: the `--port` override of `api.port` (its issue has no line in the file: path `()`).
 
     Returns:
-        issues at the key paths they concern: `actor_layer_issues`, `checkpoint_issues` and the bind check
-        of `api.host` and the port (in use or no permission: at `api.port`; otherwise at `api.host`).
+        issues at the key paths they concern: `actor_layer_issues`, `weight_dtype_issues`,
+        `checkpoint_issues` and the bind check of `api.host` and the port (in use or no permission: at
+        `api.port`; otherwise at `api.host`).
     """
-    issues = actor_layer_issues(topology) + checkpoint_issues(topology.model)
+    issues = actor_layer_issues(topology) + weight_dtype_issues(topology) + checkpoint_issues(topology.model)
     api = topology.api
     effective_port = api.port if port is None else port
     problem = bind_problem(api.host, effective_port)

@@ -47,7 +47,10 @@ from models.config import DeepseekV3Config
 from planner.op_costs import dtype_bytes
 
 if TYPE_CHECKING:
+    from orchestrator.hardware import AcceleratorSpec
     from orchestrator.topology import PoolConfig
+
+GB = 1e9  # for messages
 
 
 @dataclass(frozen=True)
@@ -152,4 +155,28 @@ def pool_resident_params(cfg: DeepseekV3Config, pool: PoolConfig) -> ResidentPar
         pool.tensor_parallel_size,
         pool.expert_parallel_size,
         pool.num_redundant_experts,
+    )
+
+
+def pool_memory_overflow(
+    cfg: DeepseekV3Config, pool: PoolConfig, spec: AcceleratorSpec, weight_dtype: str
+) -> str | None:
+    """Why one device of `pool` cannot hold its parameters (`pool_resident_params`) in `weight_dtype` plus
+    the pool's `kv_cache_memory_bytes` in `spec.hbm_bytes`, or None when they fit, e.g. `(EP32, 9 routed
+    experts per device per MoE layer): 81.7 GB of bfloat16 weights + 8.6 GB of KV cache per device > 68.7 GB
+    of one ascend-910c device` (GB = 1e9 bytes).
+
+    Raises:
+        ValueError: an unknown `weight_dtype`, parallel sizes that do not divide the instance.
+    """
+    params = pool_resident_params(cfg, pool)
+    weight_bytes = params.bytes(weight_dtype)
+    if weight_bytes + pool.kv_cache_memory_bytes <= spec.hbm_bytes:
+        return None
+    experts = params.experts_per_layer
+    return (
+        f"(EP{pool.expert_parallel_size}, {experts} routed expert{'s' if experts != 1 else ''} per device "
+        f"per MoE layer): {weight_bytes / GB:.1f} GB of {weight_dtype} weights + "
+        f"{pool.kv_cache_memory_bytes / GB:.1f} GB of KV cache per device > {spec.hbm_bytes / GB:.1f} GB of "
+        f"one {spec.name} device"
     )

@@ -35,7 +35,8 @@ class PlanOptions:
     Attributes:
         acceptance_per_position: MTP acceptance per draft position; None: DEFAULT_ACCEPTANCE for each.
         calibration: a `pdcluster profile` JSON for the perf model's efficiency factors.
-        weight_dtype: the perf model's weight dtype (None: model.dtype).
+        weight_dtype: the weight dtype of the memory filter and the perf model (None: the file's
+            `model.weight_dtype` resolved; `weight_dtype_for`).
         ep_imbalance: slowest EP rank over the mean (None: the model's statistical estimate).
         context_len: the context the trace's lengths are scaled to (None: decode's max_model_len).
         search_num_requests: requests per search candidate and per sweep point.
@@ -60,16 +61,20 @@ def step_models(topology: Topology, options: PlanOptions) -> tuple[StepTimeModel
     """The performance model of one prefill and one decode instance (`planner.topology_models`)."""
     from planner.topology_models import perf_model_for
 
-    kwargs: dict[str, Any] = {"calibration": options.calibration, "weight_dtype": options.weight_dtype}
+    kwargs: dict[str, Any] = {
+        "calibration": options.calibration,
+        "weight_dtype": weight_dtype_for(topology, options),
+    }
     if options.ep_imbalance is not None:
         kwargs["ep_imbalance"] = options.ep_imbalance
     return perf_model_for(topology, "prefill", **kwargs), perf_model_for(topology, "decode", **kwargs)
 
 
 def weight_dtype_for(topology: Topology, options: PlanOptions) -> str:
-    """The weight dtype the plan assumes: `options.weight_dtype`, else the file's resolved `model.dtype`
-    (what `planner.topology_models.perf_model_for` prices)."""
-    return options.weight_dtype or topology.model.resolved_dtype(topology.hardware.spec)
+    """The weight dtype the plan assumes: `options.weight_dtype` (`--weight-dtype`), else the file's
+    `model.weight_dtype` resolved (`auto`: `model.dtype`), as `planner.topology_models.perf_model_for`
+    defaults to."""
+    return options.weight_dtype or topology.model.resolved_weight_dtype(topology.hardware.spec)
 
 
 def acceptance_for(topology: Topology, options: PlanOptions) -> tuple[float, ...]:
@@ -194,7 +199,8 @@ def run_plan(
         if not candidates and not too_big:
             raise ValueError(f"{path}: no split of the hardware passes the topology rules")
         if not candidates:
-            hint = "" if dtype_bytes(weight_dtype) == 1 else "try --weight-dtype int8, or "
+            hint = "try --weight-dtype int8 (or model.weight_dtype: int8), or "
+            hint = "" if dtype_bytes(weight_dtype) == 1 else hint
             raise ValueError(
                 f"{path}: none of the {len(too_big)} splits that pass the topology rules fits device memory "
                 f"with {weight_dtype} weights (e.g. {describe(too_big[0])}: "
@@ -235,18 +241,15 @@ def run_plan(
             f"best of {len(searched)} splits by goodput per device under the SLO: {describe(best.topology)}, "
             f"{best.goodput_per_device:.4f} req/s per device"
         )
-        if weight_dtype != topology.model.resolved_dtype(topology.hardware.spec):
-            header += (
-                f"\nranked with {weight_dtype} weights (--weight-dtype); model.dtype below is the source "
-                "file's, which cannot say the weights are quantized"
-            )
-        plan_path.write_text(plan_yaml(path, best.topology, header))
+        if weight_dtype != topology.model.resolved_weight_dtype(topology.hardware.spec):
+            header += f"\nranked with {weight_dtype} weights (--weight-dtype; model.weight_dtype below)"
+        plan_path.write_text(plan_yaml(path, best.topology, header, weight_dtype))
     report_path = write_report(
         out_dir,
         f"Capacity plan: {path}",
         f"{workload.description}. Step times: planner.perf_model "
         f"(calibration: {options.calibration or 'the catalog'}; "
-        f"weights {options.weight_dtype or 'model.dtype'}); "
+        f"weights {weight_dtype}); "
         f"MTP acceptance per position {acceptance_for(topology, options)}."
         + "".join(f"\n\n{note}." for note in notes),
         result,

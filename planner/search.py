@@ -7,16 +7,17 @@ over 2; else 1), decode max batch (`max_num_seqs`, the file's and half, the toke
 MTP k (0 and the file's), and instances per pool (1 or 2 decode instances, and prefill counts from a third
 of what the remaining devices hold to all of it).
 Candidates the topology rules refuse (`orchestrator.topology.check_topology`: divisibility by the model's
-experts and heads, placement within nodes and supernodes) are dropped, and so are those `pdcluster deploy`
-does not run (`orchestrator.preflight.actor_layer_issues`: tensor-parallel attention, an expert's FFN split
-over part of an instance), so the half-instance EP degree is only simulated where deploy would run it.
+experts and heads, placement within nodes and supernodes; all but the device-memory rule, below) are
+dropped, and so are those `pdcluster deploy` does not run (`orchestrator.preflight.actor_layer_issues`:
+tensor-parallel attention, an expert's FFN split over part of an instance), so the half-instance EP degree
+is only simulated where deploy would run it.
 `memory_overflows` says which pools of a candidate cannot hold their weights (`planner.memory`, in the
 plan's weight dtype) plus their `kv_cache_memory_bytes` in one device's memory; `fits_in_memory` splits
 the candidates by it, and `pdcluster plan` simulates only those that fit.
 
 `search` simulates every candidate on the same workload (`planner.simulator.simulate`) and ranks them by
 goodput (requests per second meeting both the TTFT and the TPOT SLO) per device used; `plan_yaml` writes
-the best one as a topology file `pdcluster validate` accepts.
+the best one as a topology file `pdcluster validate` accepts, its `model.weight_dtype` the one ranked with.
 """
 
 from __future__ import annotations
@@ -31,10 +32,8 @@ import yaml
 from models.config import DeepseekV3Config
 from orchestrator.topology import TLS_FILE_KEYS, Topology
 from orchestrator.trace import TraceRequest
-from planner.memory import pool_resident_params
+from planner.memory import pool_memory_overflow
 from planner.simulator import SimResult
-
-GB = 1e9  # for messages
 
 
 @dataclass(frozen=True)
@@ -77,8 +76,9 @@ def memory_overflows(
 ) -> list[str]:
     """One line per pool of `topology` whose per-device parameters (`planner.memory.resident_params`) in
     `weight_dtype` plus the pool's `kv_cache_memory_bytes` exceed one device's memory
-    (`hardware.spec.hbm_bytes`); empty when both fit. `config`: the model's architecture (default: read
-    from `topology.model`).
+    (`hardware.spec.hbm_bytes`; `planner.memory.pool_memory_overflow`); empty when both fit. The topology
+    rules check the same in the file's `model.weight_dtype`; this takes the plan's. `config`: the model's
+    architecture (default: read from `topology.model`).
 
     Raises:
         ValueError: an unreadable model config.json, an unknown `weight_dtype`.
@@ -86,20 +86,11 @@ def memory_overflows(
     from orchestrator.topology.rules import read_model_architecture
 
     cfg = config or read_model_architecture(topology.model)
-    spec = topology.hardware.spec
     lines = []
     for role in ("prefill", "decode"):
-        pool = topology.pool(role)
-        params = pool_resident_params(cfg, pool)
-        weight_bytes = params.bytes(weight_dtype)
-        if weight_bytes + pool.kv_cache_memory_bytes > spec.hbm_bytes:
-            lines.append(
-                f"{role} (EP{pool.expert_parallel_size}, {params.experts_per_layer} routed "
-                f"expert{'s' if params.experts_per_layer != 1 else ''} per device per MoE layer): "
-                f"{weight_bytes / GB:.1f} GB of {weight_dtype} weights + "
-                f"{pool.kv_cache_memory_bytes / GB:.1f} GB of KV cache per device > "
-                f"{spec.hbm_bytes / GB:.1f} GB of one {spec.name} device"
-            )
+        overflow = pool_memory_overflow(cfg, topology.pool(role), topology.hardware.spec, weight_dtype)
+        if overflow is not None:
+            lines.append(f"{role} {overflow}")
     return lines
 
 
@@ -138,7 +129,8 @@ def candidate_topologies(
     base: Topology, num_decode_counts: int = 2, num_prefill_counts: int = 3
 ) -> Iterator[Topology]:
     """The candidates of `base`'s hardware (see the module docstring), each valid by the topology rules
-    (`orchestrator.topology.check_topology`, the model's config.json read once)."""
+    (`orchestrator.topology.check_topology`, the model's config.json read once) but the device-memory one,
+    which `fits_in_memory` applies in the plan's weight dtype."""
     from orchestrator.preflight import actor_layer_issues
     from orchestrator.topology.rules import cross_section_issues, read_model_architecture
 
@@ -166,9 +158,8 @@ def candidate_topologies(
                                 sections = {
                                     f.name: getattr(candidate, f.name) for f in dataclasses.fields(candidate)
                                 }
-                                if not any(
-                                    True for _ in cross_section_issues(sections, arch, arch_src)
-                                ) and not actor_layer_issues(candidate):
+                                issues = cross_section_issues(sections, arch, arch_src, device_memory=False)
+                                if not any(True for _ in issues) and not actor_layer_issues(candidate):
                                     yield candidate
 
 
@@ -238,10 +229,11 @@ def search(
     return sorted(evaluated, key=rank)
 
 
-def plan_yaml(source_path: str | Path, best: Topology, header: str) -> str:
+def plan_yaml(source_path: str | Path, best: Topology, header: str, weight_dtype: str | None = None) -> str:
     """The topology file of `best`: the source file's YAML with the searched keys of `prefill` and
-    `decode` replaced, relative paths (model, KV TLS files) made absolute (the file may be written
-    elsewhere), `header` as leading comment lines."""
+    `decode` replaced, `model.weight_dtype` set to the `weight_dtype` the search ranked with when that is
+    not what the source's resolves to (None: the source's), relative paths (model, KV TLS files) made
+    absolute (the file may be written elsewhere), `header` as leading comment lines."""
     source_path = Path(source_path)
     data = yaml.safe_load(source_path.read_text()) or {}
     base_dir = source_path.resolve().parent
@@ -266,6 +258,8 @@ def plan_yaml(source_path: str | Path, best: Topology, header: str) -> str:
             section[key] = getattr(pool, key)
         data[role] = section
     data["decode"]["num_speculative_tokens"] = best.decode.num_speculative_tokens
+    if weight_dtype is not None and weight_dtype != best.model.resolved_weight_dtype(best.hardware.spec):
+        data["model"] = {**(data.get("model") or {}), "weight_dtype": weight_dtype}
     data["name"] = f"{data.get('name', 'plan')}-plan"
     comments = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
     return comments + yaml.safe_dump(data, sort_keys=False)

@@ -1,6 +1,6 @@
 """A `PerfModel` per pool of a topology YAML: dtypes, parallelism and link levels read from the file.
 
-model = perf_model_for(load_topology("clusters/cm384.yaml"), "decode", weight_dtype="int8")
+model = perf_model_for(load_topology("clusters/cm384.yaml"), "decode")  # weights in its model.weight_dtype
 """
 
 from __future__ import annotations
@@ -55,11 +55,12 @@ def perf_model_for(
 ) -> PerfModel:
     """The `PerfModel` of one instance of pool `role` (`prefill` or `decode`) of `topology`.
 
-    Dtypes: weights in `model.dtype` (resolved: float32 on cpu, bfloat16 on accelerators) unless
-    `weight_dtype` (e.g. `int8`, `fp8`) says otherwise; activations in the model dtype (bfloat16 for 8-bit
-    weights); the pool's `kv_cache_dtype`; the wire dtype as `kv_transfer.wire_dtype` resolves it
-    (`auto`: decode's cache dtype). The prefill pool runs the MTP layer over prompts when decode
-    speculates. Efficiency: the catalog's, or `calibration` (a JSON file `pdcluster profile` writes).
+    Dtypes: weights in `weight_dtype` (e.g. `int8`, `fp8`), by default the file's `model.weight_dtype`
+    resolved (`auto`: `model.dtype`, float32 on cpu, bfloat16 on accelerators); activations in the model
+    dtype (bfloat16 for 8-bit weights); the pool's `kv_cache_dtype`; the wire dtype as
+    `kv_transfer.wire_dtype` resolves it (`auto`: decode's cache dtype). The prefill pool runs the MTP
+    layer over prompts when decode speculates. Efficiency: the catalog's, or `calibration` (a JSON file
+    `pdcluster profile` writes).
     `node_forwarding`: EP traffic between nodes goes once per node and is forwarded over `intra_node`
     (DeepEP's normal kernels; `planner.comm_costs`). `kwargs` go to `PerfModel` (e.g. `ep_imbalance`,
     `microbatch_overlap`).
@@ -73,7 +74,7 @@ def perf_model_for(
     spec = topology.hardware.spec
     cfg = config or read_model_architecture(topology.model)
     model_dtype = topology.model.resolved_dtype(spec)
-    weight = weight_dtype or model_dtype
+    weight = weight_dtype or topology.model.resolved_weight_dtype(spec)
     activation = model_dtype if weight in oc.DTYPE_BYTES and weight not in ("int8", "fp8") else "bfloat16"
     kv = activation if pool.kv_cache_dtype == "auto" else pool.kv_cache_dtype
     decode_kv = activation if topology.decode.kv_cache_dtype == "auto" else topology.decode.kv_cache_dtype

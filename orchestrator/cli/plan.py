@@ -172,7 +172,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--weight-dtype",
         default=None,
         metavar="DTYPE",
-        help="weight dtype of the model (e.g. int8, fp8). Default: model.dtype of FILE",
+        help="weight dtype of the model (e.g. int8, fp8, bfloat16). Default: model.weight_dtype of FILE "
+        "(auto: its model.dtype)",
     )
     parser.add_argument(
         "--ep-imbalance",

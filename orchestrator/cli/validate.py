@@ -11,7 +11,7 @@ from orchestrator.cli.deploy import deploy_preflight
 
 
 def run(args: argparse.Namespace) -> int:
-    from orchestrator.preflight import actor_layer_issues
+    from orchestrator.preflight import actor_layer_issues, weight_dtype_issues
     from orchestrator.topology import TopologyError, read_topology
 
     exit_code = 0
@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 loaded = read_topology(path)
                 topology = loaded.topology
-                notes = loaded.locate(actor_layer_issues(topology))
+                notes = loaded.locate(actor_layer_issues(topology) + weight_dtype_issues(topology))
         except TopologyError as exc:
             print(exc, file=sys.stderr)
             exit_code = 1
@@ -40,16 +40,18 @@ NAME = "validate"
 HELP = "check topology YAML files (clusters/*.yaml) without starting anything"
 DESCRIPTION = """\
 Read each topology file and check it: keys and types, choices, parallelism against the
-model's config.json, device counts and placement (clusters/README.md lists the rules).
+model's config.json, each pool's weights (in model.weight_dtype) + KV cache against one
+device's memory, device counts and placement (clusters/README.md lists the rules).
 Prints one summary line per valid file on stdout and one FILE:LINE: reason line per
 problem on stderr. Exit code: 0 all files valid, 1 some file invalid, 2 usage error.
 
 A file is checked as a plan: it may describe a cluster this machine is not part of. What
 `pdcluster deploy` cannot run (tensor-parallel attention, experts split over part of an
-instance) is valid as a plan and printed as a "note" line on stderr.
+instance, a model.weight_dtype other than model.dtype) is valid as a plan and printed as a
+"note" line on stderr.
 
 --for-deploy checks what `pdcluster deploy FILE` checks before it starts Ray, here and now:
-also the actor layer's limits (errors, no longer notes), the
+also the actor layer's and the weight dtype's limits (errors, no longer notes), the
 checkpoint as this machine sees it (config.json, safetensors headers not truncated, every
 tensor present with its shape, tokenizer.json; no weights are read) and that api.host:api.port
 can be bound. A file it calls ok is one deploy will not refuse before starting Ray."""

@@ -7,7 +7,7 @@ every problem found is reported at once, one `FILE:LINE: reason` per line, in a 
 
 Validation happens in two layers: each dataclass checks its own fields (type, choice, range) on
 construction, so one built in code is checked too; `check_topology` checks what needs several sections
-and the model's `config.json` (divisibility, MTP, device counts, placement).
+and the model's `config.json` (divisibility, MTP, weights + KV cache per device, device counts, placement).
 
     fields.py       field metadata (choices, bounds, checks) and the check of one field's value
     schema.py       the dataclasses, one per YAML section, and `Topology` (pools, engine arguments, summary)
@@ -25,11 +25,13 @@ from orchestrator.topology.schema import (
     CONCURRENT_REQUESTS_PER_DECODE_SEAT,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_TOPOLOGY_PATH,
+    EIGHT_BIT_WEIGHT_DTYPES,
     KV_TRANSPORTS,
     MODEL_DTYPES,
     ROLES,
     ROUTER_POLICIES,
     TLS_FILE_KEYS,
+    WEIGHT_DTYPES,
     WIRE_DTYPES,
     ApiConfig,
     DecodePoolConfig,
@@ -54,6 +56,7 @@ __all__ = [
     "CONCURRENT_REQUESTS_PER_DECODE_SEAT",
     "DEFAULT_MAX_REQUEST_BODY_BYTES",
     "DEFAULT_TOPOLOGY_PATH",
+    "EIGHT_BIT_WEIGHT_DTYPES",
     "KV_TRANSPORTS",
     "MAX_YAML_BYTES",
     "MAX_YAML_DEPTH",
@@ -63,6 +66,7 @@ __all__ = [
     "ROLES",
     "ROUTER_POLICIES",
     "TLS_FILE_KEYS",
+    "WEIGHT_DTYPES",
     "WIRE_DTYPES",
     "ApiConfig",
     "DecodePoolConfig",

@@ -1,7 +1,8 @@
 """Cross-section rules of a topology: what needs several sections or the model's `config.json`.
 
 Divisibility of the parallelism by the model's heads and experts, MTP, context lengths, the hardware's
-dies and supernodes, TLS files, the router's needs, device counts and placement. Each rule yields an
+dies and supernodes, device memory (weights + KV cache per device), TLS files, the router's needs, device
+counts and placement. Each rule yields an
 `Issue` at the key path it concerns; `check_topology` runs them on a topology built in code, the YAML
 loader on the sections of a file (a section with a problem of its own is None and its rules are skipped).
 """
@@ -17,6 +18,7 @@ from typing import Any
 from models.config import DeepseekV3Config
 from orchestrator.topology.issues import Issue
 from orchestrator.topology.schema import (
+    EIGHT_BIT_WEIGHT_DTYPES,
     ROLES,
     TLS_FILE_KEYS,
     DecodePoolConfig,
@@ -138,6 +140,29 @@ def _pool_issues(
         )
 
 
+def _device_memory_issue(
+    role: str, pool: PoolConfig, hw: HardwareConfig, model: ModelConfig, arch: DeepseekV3Config
+) -> Iterator[Issue]:
+    """The parameters one device of the pool holds (`planner.memory.pool_resident_params`), in the model's
+    resolved `weight_dtype`, plus `kv_cache_memory_bytes` must fit the device's `hbm_bytes` (a lower bound
+    of what it needs: activations and buffers come on top). At the pool's line."""
+    from planner.memory import pool_memory_overflow  # lazily: the planner imports this package
+
+    weight_dtype = model.resolved_weight_dtype(hw.spec)
+    overflow = pool_memory_overflow(arch, pool, hw.spec, weight_dtype)
+    if overflow is None:
+        return
+    fixes = ["more expert parallelism (larger devices_per_instance and expert_parallel_size)"]
+    fixes.append("a smaller kv_cache_memory_bytes")
+    if weight_dtype not in EIGHT_BIT_WEIGHT_DTYPES:
+        fixes.append(f"8-bit weights (model.weight_dtype: {' or '.join(EIGHT_BIT_WEIGHT_DTYPES)})")
+    yield Issue(
+        (role,),
+        f"{role}: weights + KV cache do not fit one device {overflow}; use {', '.join(fixes[:-1])}, or "
+        f"{fixes[-1]}",
+    )
+
+
 def _max_model_len_issues(
     prefill: PoolConfig, decode: PoolConfig, arch: DeepseekV3Config | None, arch_src: str
 ) -> Iterator[Issue]:
@@ -252,12 +277,15 @@ def _tls_issues(kv: KVTransferConfig) -> Iterator[Issue]:
 
 
 def cross_section_issues(
-    sections: dict[str, Any], arch: DeepseekV3Config | None, arch_src: str
+    sections: dict[str, Any], arch: DeepseekV3Config | None, arch_src: str, *, device_memory: bool = True
 ) -> Iterator[Issue]:
-    """Rules over several sections; a section that failed its own checks is None and its rules are skipped."""
+    """Rules over several sections; a section that failed its own checks is None and its rules are skipped.
+    `device_memory`: also check that each pool's weights and KV cache fit one device (the planner's search
+    checks that itself, in the weight dtype it plans with)."""
     from orchestrator.placement import PlacementError, assign_devices
 
     hw: HardwareConfig | None = sections.get("hardware")
+    model: ModelConfig | None = sections.get("model")
     ic: InterconnectConfig | None = sections.get("interconnect")
     prefill: PrefillPoolConfig | None = sections.get("prefill")
     decode: DecodePoolConfig | None = sections.get("decode")
@@ -273,6 +301,8 @@ def cross_section_issues(
         issues = list(_pool_issues(role, pool, hw, arch, arch_src))
         pool_ok[role] = not any(i.path[1] != "max_model_len" for i in issues)
         yield from issues
+        if device_memory and pool_ok[role] and hw is not None and model is not None and arch is not None:
+            yield from _device_memory_issue(role, pool, hw, model, arch)
 
     if prefill is not None and decode is not None:
         yield from _max_model_len_issues(prefill, decode, arch, arch_src)

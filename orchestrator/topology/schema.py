@@ -48,6 +48,9 @@ DEFAULT_TOPOLOGY_PATH = Path(__file__).resolve().parents[2] / "clusters" / "loca
 
 ROLES = ("prefill", "decode")
 MODEL_DTYPES = ("auto", *MODEL_DTYPE_NAMES)
+# model.weight_dtype: a model dtype, or an 8-bit one (the names `planner.op_costs.DTYPE_BYTES` gives 1 byte)
+EIGHT_BIT_WEIGHT_DTYPES = ("int8", "fp8")
+WEIGHT_DTYPES = (*MODEL_DTYPES, *EIGHT_BIT_WEIGHT_DTYPES)
 KV_TRANSPORTS = ("auto", "grpc", "shm", "torch_distributed")
 ADDRESSED_KV_TRANSPORTS = ("grpc", "shm")  # decode listens at an address each prefill sender connects to
 WIRE_DTYPES = ("auto", "int8")
@@ -135,11 +138,17 @@ class ModelConfig:
         config_path: a copy of the checkpoint's `config.json` to validate against when `path` is not
             readable where validation runs (a cluster's shared storage); None reads `<path>/config.json`.
         dtype: parameter dtype; `auto` is float32 on cpu and bfloat16 on accelerators.
+        weight_dtype: the dtype the checkpoint's GEMM weights are stored and read in, for planning and
+            validation (the rule that each pool's weights + KV cache fit one device, `planner.memory`; the
+            planner's default weight dtype): `auto` is `dtype` resolved, `int8` / `fp8` are 8-bit weights.
+            The engine loads weights in `dtype`: `pdcluster deploy` refuses a `weight_dtype` that resolves
+            to another dtype (`orchestrator.preflight.weight_dtype_issues`).
     """
 
     path: str | None = None
     config_path: str | None = None
     dtype: str = field(default="auto", metadata=choices(*MODEL_DTYPES))
+    weight_dtype: str = field(default="auto", metadata=choices(*WEIGHT_DTYPES))
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -157,6 +166,10 @@ class ModelConfig:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if spec.is_accelerator else "float32"
+
+    def resolved_weight_dtype(self, spec: AcceleratorSpec) -> str:
+        """`weight_dtype`, with `auto` the resolved `dtype`."""
+        return self.resolved_dtype(spec) if self.weight_dtype == "auto" else self.weight_dtype
 
 
 @dataclass(frozen=True)

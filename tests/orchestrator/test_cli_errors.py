@@ -123,6 +123,30 @@ def test_tensor_parallel_is_refused_by_deploy_before_ray_and_noted_by_validate(
     assert code == 1 and out == "" and err.startswith(where + reason)
 
 
+def test_a_weight_dtype_other_than_the_model_dtype_is_refused_by_deploy_and_noted_by_validate(
+    capsys, tmp_path, checkpoint, no_ray
+):
+    path = topology_file(tmp_path, checkpoint)  # cpu: model.dtype auto is float32
+    path.write_text(path.read_text().replace("  path:", "  weight_dtype: int8\n  path:"))
+    where = f"{path}:{line_of(path, 'weight_dtype')}: "
+    reason = (
+        "model.weight_dtype: int8 is not the dtype the engine runs: it loads the checkpoint's weights in "
+        "model.dtype, float32 (auto on cpu), and int8 weights are a planning assumption only (set "
+        "weight_dtype: auto or float32 to deploy)"
+    )
+    code, out, err = run_cli(capsys, "validate", "--for-deploy", path)
+    assert code == 1 and out == "" and err == where + reason + "\n"
+    code, out, err = run_cli(capsys, "deploy", path)
+    assert code == 2 and out == ""
+    assert_one_error_line(err, "deploy", where + reason)
+    code, out, err = run_cli(capsys, "validate", path)  # a valid plan, with a note
+    assert code == 0 and err.startswith(where + "note: " + reason)
+
+    path.write_text(path.read_text().replace("weight_dtype: int8", "weight_dtype: float32"))
+    code, out, err = run_cli(capsys, "validate", "--for-deploy", path)  # the engine's own dtype, spelled out
+    assert code == 0 and out.endswith("(deployable here)\n") and err == ""
+
+
 def test_api_host_256_1_1_1_is_a_validation_error(capsys, tmp_path, checkpoint, no_ray):
     path = topology_file(tmp_path, checkpoint)
     path.write_text(path.read_text().replace("host: 127.0.0.1", "host: 256.1.1.1"))

@@ -473,6 +473,47 @@ def test_kv_cache_must_leave_room_on_the_device(tmp_path, ckpt):
     assert "leave nothing of the 8589934592 bytes of one cpu device" in issue.reason
 
 
+def test_weights_and_kv_cache_must_fit_one_device(tmp_path):
+    """cm384 (DeepSeek-V3 on 64 GiB 910C dies) in bf16 fits neither pool; in int8, its weight_dtype, both.
+    Per die: the parts every die holds + 59 MoE layers (58 + MTP) x (256 + 32 redundant) / EP routed
+    experts; `tests/planner/test_search.py` derives both counts from config.json's numbers."""
+    from tests.planner.test_search import V3_EXPERT, V3_REPLICATED
+
+    text = (CLUSTERS / "cm384.yaml").read_text()
+    text = text.replace("config_path: models/", f"config_path: {CLUSTERS}/models/")
+    assert "  weight_dtype: int8 " in text
+    prefill_params = V3_REPLICATED + 59 * (288 // 32) * V3_EXPERT  # EP32: 9 experts per die per layer
+    decode_params = V3_REPLICATED + 59 * (288 // 288) * V3_EXPERT  # EP288: 1
+    assert (prefill_params, decode_params) == (40_838_754_304, 20_051_783_680)
+    hbm, prefill_kv, decode_kv = 64 * GIB, 8 * GIB, 32 * GIB  # the die; the file's kv_cache_memory_bytes
+    assert 2 * prefill_params + prefill_kv > hbm and 2 * decode_params + decode_kv > hbm
+    assert prefill_params + prefill_kv <= hbm and decode_params + decode_kv <= hbm
+
+    bf16 = text.replace("  weight_dtype: int8 ", "  weight_dtype: bfloat16 ")
+    issues = issues_of(write(tmp_path, bf16, "bf16.yaml"))
+    fixes = (
+        "use more expert parallelism (larger devices_per_instance and expert_parallel_size), a smaller "
+        "kv_cache_memory_bytes, or 8-bit weights (model.weight_dtype: int8 or fp8)"
+    )
+    assert [(i.line, i.reason) for i in issues] == [
+        (
+            bf16.splitlines().index("prefill:") + 1,  # the pool's line
+            "prefill: weights + KV cache do not fit one device (EP32, 9 routed experts per device per MoE "
+            "layer): 81.7 GB of bfloat16 weights + 8.6 GB of KV cache per device > 68.7 GB of one "
+            f"ascend-910c device; {fixes}",
+        ),
+        (
+            bf16.splitlines().index("decode:") + 1,
+            "decode: weights + KV cache do not fit one device (EP288, 1 routed expert per device per MoE "
+            "layer): 40.1 GB of bfloat16 weights + 34.4 GB of KV cache per device > 68.7 GB of one "
+            f"ascend-910c device; {fixes}",
+        ),
+    ]
+    assert f"{2 * prefill_params / 1e9:.1f} GB" in issues[0].reason  # 81.7, by hand
+    assert f"{2 * decode_params / 1e9:.1f} GB" in issues[1].reason  # 40.1
+    assert load_topology(write(tmp_path, text, "int8.yaml")).model.weight_dtype == "int8"
+
+
 def test_prefix_aware_routing_needs_prefix_caching(tmp_path, ckpt):
     text = template(ckpt, "prefill:\n  enable_prefix_caching: false\nrouter:\n  policy: prefix_aware\n")
     issue = only_issue(write(tmp_path, text))

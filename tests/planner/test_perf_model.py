@@ -137,7 +137,7 @@ def test_kv_handoff_layerwise_overlap(v3):
 
 def test_perf_model_for_reads_the_pools_of_a_topology():
     cm = load_topology(ROOT / "clusters" / "cm384.yaml")
-    d = perf_model_for(cm, "decode", weight_dtype="int8")
+    d = perf_model_for(cm, "decode")  # weights: the file's model.weight_dtype, int8
     assert (d.parallel.devices, d.parallel.expert_parallel_size, d.parallel.data_parallel_size) == (
         288,
         288,
@@ -145,8 +145,8 @@ def test_perf_model_for_reads_the_pools_of_a_topology():
     )
     assert d.dtypes == Dtypes("int8", "bfloat16", "int8") and d.kv_wire_dtype == "int8"
     assert d.ep_link.level == "supernode" and d.kv_link.level == "supernode"
-    p = perf_model_for(cm, "prefill", weight_dtype="int8")
-    assert p.mtp_in_prefill and p.parallel.expert_parallel_size == 32
+    p = perf_model_for(cm, "prefill", weight_dtype="bfloat16")
+    assert p.mtp_in_prefill and p.parallel.expert_parallel_size == 32 and p.dtypes.weight == "bfloat16"
     local = perf_model_for(load_topology(ROOT / "clusters" / "local.yaml"), "decode")
     assert local.dtypes == Dtypes("float32", "float32", "float32") and local.kv_link.level == "intra_node"
     assert local.step_time_s(decode(4, 64, k=1)) > 0

@@ -23,7 +23,7 @@ def _pngs(out: Path, names: tuple[str, ...]) -> None:
 def test_plan_cm384_prints_the_summary_and_writes_the_report(tmp_path, capsys):
     out = tmp_path / "report"
     argv = ["plan", str(REPO / "clusters" / "cm384.yaml"), "--trace", TRACE, "--num-requests", "300"]
-    argv += ["--rate", "200", "--out", str(out), "--search-num-requests", "100", "--weight-dtype", "int8"]
+    argv += ["--rate", "200", "--out", str(out), "--search-num-requests", "100"]  # model.weight_dtype: int8
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "requests: 300 ok / 300 (0 failed)" in printed
@@ -57,23 +57,24 @@ def test_plan_search_writes_a_yaml_validate_accepts(tmp_path, capsys):
 
 def test_plan_search_on_cm384_ranks_only_splits_that_fit_a_die(tmp_path, capsys):
     # DeepSeek-V3 on 64 GiB dies (tests/planner/test_search.py has the bytes by hand): in bf16 no split fits,
-    # and the search fails before simulating anything; in int8 the EP16 prefill splits (18 experts per die
-    # per layer, 64.2 GB + 8 GiB of KV) are dropped and an EP32 one is written.
+    # and the search fails before simulating anything; in int8 (the file's model.weight_dtype, used when
+    # --weight-dtype is not given) the EP16 prefill splits (18 experts per die per layer, 64.2 GB + 8 GiB of
+    # KV) are dropped and an EP32 one is written.
     out = tmp_path / "search"
     argv = ["plan", str(REPO / "clusters" / "cm384.yaml"), "--trace", TRACE, "--num-requests", "20"]
     argv += ["--rate", "200", "--out", str(out), "--search", "--search-num-requests", "10", "--no-sweep"]
-    assert main(argv) == 2
+    assert main([*argv, "--weight-dtype", "bfloat16"]) == 2
     err = capsys.readouterr().err
     assert "splits that pass the topology rules fits device memory with bfloat16 weights" in err
     assert "try --weight-dtype int8" in err and "Traceback" not in err
-    assert main([*argv, "--weight-dtype", "int8"]) == 0
+    assert main(argv) == 0
     printed = capsys.readouterr().out
     match = re.search(r"search: (\d+) of (\d+) splits dropped because their int8 weights", printed)
     assert match and 0 < int(match[1]) < int(match[2]), printed
     assert "does not fit device memory" not in printed
-    plan = (out / "plan.yaml").read_text()
-    assert "\n# ranked with int8 weights (--weight-dtype)" in plan
-    assert load_topology(out / "plan.yaml").prefill.expert_parallel_size == 32
+    assert "ranked with" not in (out / "plan.yaml").read_text()  # the file's own weight dtype
+    written = load_topology(out / "plan.yaml")
+    assert written.prefill.expert_parallel_size == 32 and written.model.weight_dtype == "int8"
     assert match[0] in (out / "report.md").read_text()
 
 
