@@ -17,8 +17,10 @@ instance's placement group. A disaggregated request on this node:
     poll(timeout_s)            the driver's one call per node: token deltas and errors of every request
                                (`poll_with_load`: with the rank's load snapshot, which is what routes)
 
-The engine is touched only under `self._engine_lock` (held by the engine thread for each step), so
-reserve/abort wait at most one step. Layer writes go to reserved blocks no scheduled request uses.
+The engine is touched only under `self._engine_lock` (held by the engine thread for each step), a
+`FairLock` granted in request order, so reserve/abort and a received handoff's admission wait for the step
+in progress at most, never for the steps after it. Layer writes go to reserved blocks no scheduled
+request uses.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from decode_node.deltas import Handoff, token_delta
 from engine.config import EngineConfig
 from engine.llm import EngineStepError, RequestOutput
 from kvtransfer.base import HandoffMeta, KVReceiver, KVTransferError, ReceivedKV, ReceivedLayer
+from orchestrator.fair_lock import FairLock
 from orchestrator.messages import (
     DecodeEvent,
     DecodeNodeLoad,
@@ -74,7 +77,7 @@ class DecodeNode(RankActor):
         super().__init__(engine_config, name, group)
         self.host = host
         self.receiver: KVReceiver | None = None
-        self._engine_lock = threading.Lock()
+        self._engine_lock = FairLock()  # granted in order: a waiting reserve goes before the next step
         self._events_lock = threading.Condition()
         self._events: collections.deque[PolledEvent] = collections.deque()  # unacknowledged
         self._next_seq = 0
