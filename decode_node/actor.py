@@ -17,19 +17,24 @@ instance's placement group. A disaggregated request on this node:
     poll(timeout_s)            the driver's one call per node: token deltas and errors of every request
                                (`poll_with_load`: with the rank's load snapshot, which is what routes)
 
-The engine is touched only under `self._engine_lock` (held by the engine thread for each step), a
-`FairLock` granted in request order, so reserve/abort and a received handoff's admission wait for the step
-in progress at most, never for the steps after it. Layer writes go to reserved blocks no scheduled
-request uses.
+Locks (both `FairLock`s, granted in request order; taken in this order): `_engine_lock`, held by the
+engine thread for each pass (admissions, the step, its events) and by every call that touches the engine,
+so an abort or a received handoff's admission waits for the step in progress at most, never for the steps
+after it; `_alloc_lock`, held with it, except that the engine thread lets it go while its step's forward,
+sampling and drafting run (`LLMEngine.step`'s `while_executing`): a reserve takes only `_alloc_lock`, so it
+allocates its fresh blocks while a step executes instead of waiting for the step to end. Layer writes go to
+reserved blocks no scheduled request uses.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from decode_node.deltas import Handoff, token_delta
@@ -77,7 +82,8 @@ class DecodeNode(RankActor):
         super().__init__(engine_config, name, group)
         self.host = host
         self.receiver: KVReceiver | None = None
-        self._engine_lock = FairLock()  # granted in order: a waiting reserve goes before the next step
+        self._engine_lock = FairLock()  # see the module docstring
+        self._alloc_lock = FairLock()
         self._events_lock = threading.Condition()
         self._events: collections.deque[PolledEvent] = collections.deque()  # unacknowledged
         self._next_seq = 0
@@ -153,7 +159,7 @@ class DecodeNode(RankActor):
         self._maybe_delay("before_reserve")
         engine = self.engine
         handoff_id, meta = request.handoff_id, request.meta
-        with self._engine_lock:
+        with self._alloc_lock:  # not the engine lock: a step may be executing (module docstring)
             reserved = engine.reserve_remote_prefill(
                 handoff_id, list(request.prompt_token_ids), request.params, request.num_draft_tokens
             )
@@ -166,7 +172,7 @@ class DecodeNode(RankActor):
         try:
             bound = self.receiver.expect(meta, on_layer)
         except Exception:
-            with self._engine_lock:
+            with self._alloc_lock:
                 engine.release_remote_prefill(handoff_id)
             raise
         threading.Thread(target=self._await_handoff, args=(meta,), daemon=True).start()
@@ -177,7 +183,7 @@ class DecodeNode(RankActor):
         """Drop the request wherever it is (reserved or running); frees its blocks. Unknown ids: no-op."""
         assert self.receiver is not None
         self.receiver.release(handoff_id)  # no on_layer runs after this
-        with self._engine_lock:
+        with self._locked():
             self._admissions = [(rid, kv) for rid, kv in self._admissions if rid != handoff_id]
             self._received_at_s.pop(handoff_id, None)
             self.engine.release_remote_prefill(handoff_id)
@@ -227,12 +233,12 @@ class DecodeNode(RankActor):
         overtakes it) or "after_reserve" (the reservation is made, its reply comes late)."""
         if where not in ("before_reserve", "after_reserve"):
             raise ValueError(f"unknown delay point {where!r}")
-        with self._engine_lock:
+        with self._locked():
             self._delays.setdefault(where, []).extend([seconds] * count)
 
     def check_no_leaks(self) -> dict[str, Any]:
         """For tests: blocks held, reservations and unfinished requests once nothing is in flight."""
-        with self._engine_lock:
+        with self._locked():
             scheduler = self.engine.scheduler
             bm = scheduler.block_manager
             return {
@@ -264,14 +270,14 @@ class DecodeNode(RankActor):
             if not isinstance(e, KVTransferError | KeyError):
                 logger.exception("%s: waiting for handoff %s failed", self.name, handoff_id)
             self.receiver.release(handoff_id)
-            with self._engine_lock:
+            with self._locked():
                 released = self.engine.release_remote_prefill(handoff_id)
                 self._handoffs.pop(handoff_id, None)
             if released:  # not already aborted
                 self._emit(RequestError(handoff_id, f"{type(e).__name__}: {e}"))
             return
         received_at_s = time.monotonic()
-        with self._engine_lock:
+        with self._locked():
             if handoff_id in self.engine.scheduler.reserved:
                 self._admissions.append((handoff_id, received))
                 self._received_at_s[handoff_id] = received_at_s
@@ -290,7 +296,7 @@ class DecodeNode(RankActor):
             if self._group_error is not None:  # the instance cannot step any more: fail what comes
                 self._wakeup.wait(0.05)
                 self._wakeup.clear()
-                with self._engine_lock:
+                with self._locked():
                     events = self._fail_all(f"{self.name}: instance group failed: {self._group_error}")
                 for event in events:
                     self._emit(event)
@@ -302,13 +308,13 @@ class DecodeNode(RankActor):
                     continue
             events: list[DecodeEvent] = []
             try:
-                with self._engine_lock:
+                with self._locked():
                     self._maybe_fault("loop")
                     self._run_once(events)
                     self._refresh_ep_summary()
             except Exception as e:  # noqa: BLE001 - the last line of defence: fail everything in flight
                 self._loop_error(e, "decode engine loop failed")
-                with self._engine_lock:
+                with self._locked():
                     events.extend(self._fail_all(f"decode engine loop failed: {e!r}"))
             for event in events:
                 self._emit(event)
@@ -332,7 +338,7 @@ class DecodeNode(RankActor):
         if engine.has_unfinished_requests() or self.lockstep:
             try:
                 self._maybe_fault("step")
-                outputs.extend(engine.step())
+                outputs.extend(engine.step(while_executing=self._reserves_allowed))
             except EngineStepError as e:  # the step's requests are finished with an error; others go on
                 self._loop_error(e, "engine step failed")
                 outputs.extend(e.outputs)
@@ -379,7 +385,7 @@ class DecodeNode(RankActor):
     def _maybe_delay(self, where: str) -> None:
         if not self._delays.get(where):  # the usual case: no engine lock taken
             return
-        with self._engine_lock:
+        with self._locked():
             delays = self._delays.get(where)
             seconds = delays.pop(0) if delays else 0.0
         if seconds:
@@ -387,6 +393,23 @@ class DecodeNode(RankActor):
 
     def _wake_engine_thread(self) -> None:
         self._wakeup.set()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Both locks, in order: the engine to this thread alone (a step never runs meanwhile)."""
+        with self._engine_lock, self._alloc_lock:
+            yield
+
+    @contextlib.contextmanager
+    def _reserves_allowed(self) -> Iterator[None]:
+        """The engine thread, inside its step while the forward runs (`LLMEngine.step`'s
+        `while_executing`): `_alloc_lock` is free for reserves meanwhile, and taken back before the step
+        commits its tokens (after any reserve already waiting)."""
+        self._alloc_lock.release()
+        try:
+            yield
+        finally:
+            self._alloc_lock.acquire()
 
     def _admit(self, handoff_id: str, received: ReceivedKV) -> list[TokenDelta]:
         assert self.receiver is not None

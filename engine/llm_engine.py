@@ -22,9 +22,13 @@ engine keeps per request in `engine.request_record.RequestRecord`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
@@ -237,7 +241,8 @@ class LLMEngine:
         arrival_time_s: float | None = None,
     ) -> bool:
         """Hold KV blocks for a request whose prompt KV another instance computes: the prompt, the first
-        token and `num_draft_tokens` drafts (what its first decode step writes). Between steps.
+        token and `num_draft_tokens` drafts (what its first decode step writes). Between steps, or while a
+        synchronous step executes (inside `step`'s `while_executing`).
 
         Then `write_prompt_kv` per layer (any thread), and `admit_remote_prefill` (between steps), or
         `release_remote_prefill` on failure. Returns False (nothing held) when the blocks are not free now.
@@ -308,7 +313,8 @@ class LLMEngine:
         return record.output_text.new_text(finished=record.request.is_finished)
 
     def release_remote_prefill(self, request_id: str) -> bool:
-        """Give back a reservation's blocks (handoff failed or cancelled). Between steps. False if unknown."""
+        """Give back a reservation's blocks (handoff failed or cancelled). Between steps, or inside `step`'s
+        `while_executing` (a reservation's blocks are in no step). False if unknown."""
         return self.remote_prefills.release(request_id)
 
     def abort_request(self, request_id: str) -> bool:
@@ -340,6 +346,7 @@ class LLMEngine:
         self,
         on_layer_kv: LayerKVCallback | None = None,
         on_prompt_kv: PromptKVCallback | None = None,
+        while_executing: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> list[RequestOutput]:
         """Run one step; returns outputs of the requests that produced tokens or finished.
 
@@ -353,6 +360,12 @@ class LLMEngine:
         cache, so earlier chunks and prefix-cache hits are included).
 
         A request whose own sampling or drafting raised comes back finished with finish_reason "error".
+
+        `while_executing()` (synchronous loop only; ignored with `async_scheduling`): a context manager
+        entered around the step's forward, sampling and drafting, after the step was scheduled and before
+        its tokens are committed. While it is open the scheduler and the block manager are not touched by
+        this call, so the caller may let another thread `reserve_remote_prefill` (fresh blocks, which no
+        scheduled request uses) or `release_remote_prefill` a reservation meanwhile; nothing else.
 
         Raises:
             EngineStepError: (synchronous loop) executing the step raised; the requests it ran are
@@ -370,7 +383,8 @@ class LLMEngine:
             try:
                 k = self.executor.max_num_speculative_tokens
                 lockstep = self.ep is not None and self.ep.begin_step(bool(output.scheduled), k)
-                runner_output = self.executor.execute(output, hook, join_collectives=lockstep)
+                with while_executing() if while_executing is not None else contextlib.nullcontext():
+                    runner_output = self.executor.execute(output, hook, join_collectives=lockstep)
             except Exception as e:  # noqa: BLE001 - fail the requests this step ran, not the engine
                 raise self._step_failed(output, e) from e
             if self.ep is not None:

@@ -274,3 +274,44 @@ def test_an_abort_that_overtakes_its_prefill_call_fails_that_call_at_once(nodes)
         prefill.prefill(request)  # without the fix: waits for the bind until its lease and timeout end
     assert prefill.load().num_requests == 0
     _assert_idle(prefill, decode)
+
+
+def test_a_reserve_is_served_while_a_decode_step_executes(nodes, monkeypatch) -> None:
+    """The engine thread lets reserves in while its step's forward runs (`LLMEngine.step`'s
+    `while_executing`): with a step held inside `Executor.execute`, a reserve returns bound at once (it used
+    to wait for the step's end under the engine lock), while an abort, which may free a running request's
+    blocks, still waits for the step. Both requests then finish and nothing stays held."""
+    import threading
+
+    prefill, decode = nodes
+    in_execute, release_step, step_went_on = threading.Event(), threading.Event(), threading.Event()
+    execute = decode.engine.executor.execute
+
+    def held_execute(*args, **kwargs):
+        if not release_step.is_set():
+            in_execute.set()
+            release_step.wait(EVENT_WAIT_S)
+            step_went_on.set()
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(decode.engine.executor, "execute", held_execute)
+    reserved = decode.reserve(ReserveRequest("h9", PROMPT, GREEDY, _meta(prefill, "h9"), 1))
+    prefill.prefill(PrefillRequest("h9", PROMPT, GREEDY, reserved.bound_meta, decode_index=0))
+    assert in_execute.wait(EVENT_WAIT_S)  # h9's first decode step is held inside its forward
+    try:
+        started_s = time.monotonic()
+        during = decode.reserve(ReserveRequest("h10", PROMPT, GREEDY, _meta(prefill, "h10"), 1))
+        assert during.reserved and during.bound_meta.secret
+        assert not step_went_on.is_set()  # served inside the step, not after it
+        assert decode.load().num_reserved == 1
+        aborted = threading.Thread(target=decode.abort, args=("h10",))
+        aborted.start()
+        aborted.join(0.2)  # waits for the step (it takes the engine lock)
+        assert aborted.is_alive()
+    finally:
+        release_step.set()
+    aborted.join(EVENT_WAIT_S)
+    assert not aborted.is_alive() and time.monotonic() - started_s < EVENT_WAIT_S
+    events, _ = _events_until(decode, "h9", lambda e: isinstance(e, RequestError) or e.finished)
+    assert events[-1].finished and sum(len(e.new_token_ids) for e in events) == GREEDY.max_tokens
+    _assert_idle(prefill, decode)
