@@ -22,8 +22,9 @@ engine thread for each pass (admissions, the step, its events) and by every call
 so an abort or a received handoff's admission waits for the step in progress at most, never for the steps
 after it; `_alloc_lock`, held with it, except that the engine thread lets it go while its step's forward,
 sampling and drafting run (`LLMEngine.step`'s `while_executing`): a reserve takes only `_alloc_lock`, so it
-allocates its fresh blocks while a step executes instead of waiting for the step to end. Layer writes go to
-reserved blocks no scheduled request uses.
+allocates its fresh blocks while a step executes instead of waiting for the step to end (unless that step
+has run for half the driver's reserve timeout: then it waits for it, and a hung step still takes the rank
+out of routing). Layer writes go to reserved blocks no scheduled request uses.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from decode_node.deltas import Handoff, token_delta
 from engine.config import EngineConfig
 from engine.llm import EngineStepError, RequestOutput
 from kvtransfer.base import HandoffMeta, KVReceiver, KVTransferError, ReceivedKV, ReceivedLayer
+from orchestrator.dispatch import call_timeout_s
 from orchestrator.fair_lock import FairLock
 from orchestrator.messages import (
     DecodeEvent,
@@ -84,6 +87,7 @@ class DecodeNode(RankActor):
         self.receiver: KVReceiver | None = None
         self._engine_lock = FairLock()  # see the module docstring
         self._alloc_lock = FairLock()
+        self._step_started_s: float | None = None  # monotonic start of the engine step in progress
         self._events_lock = threading.Condition()
         self._events: collections.deque[PolledEvent] = collections.deque()  # unacknowledged
         self._next_seq = 0
@@ -159,7 +163,7 @@ class DecodeNode(RankActor):
         self._maybe_delay("before_reserve")
         engine = self.engine
         handoff_id, meta = request.handoff_id, request.meta
-        with self._alloc_lock:  # not the engine lock: a step may be executing (module docstring)
+        with self._reserve_lock(meta.lease_s):
             reserved = engine.reserve_remote_prefill(
                 handoff_id, list(request.prompt_token_ids), request.params, request.num_draft_tokens
             )
@@ -338,7 +342,11 @@ class DecodeNode(RankActor):
         if engine.has_unfinished_requests() or self.lockstep:
             try:
                 self._maybe_fault("step")
-                outputs.extend(engine.step(while_executing=self._reserves_allowed))
+                self._step_started_s = time.monotonic()
+                try:
+                    outputs.extend(engine.step(while_executing=self._reserves_allowed))
+                finally:
+                    self._step_started_s = None
             except EngineStepError as e:  # the step's requests are finished with an error; others go on
                 self._loop_error(e, "engine step failed")
                 outputs.extend(e.outputs)
@@ -399,6 +407,17 @@ class DecodeNode(RankActor):
         """Both locks, in order: the engine to this thread alone (a step never runs meanwhile)."""
         with self._engine_lock, self._alloc_lock:
             yield
+
+    def _reserve_lock(self, kv_timeout_s: float) -> AbstractContextManager[Any]:
+        """What a reserve takes: `_alloc_lock` alone, so it is served while a step executes; both locks (it
+        waits for the step, as every other call does) once the step in progress has run for half the
+        driver's reserve timeout (`orchestrator.dispatch.call_timeout_s` of `kv_timeout_s`, the handoff's
+        lease), so a rank whose step hangs stops answering reserves and the driver takes it out of routing
+        (a reserve that times out marks its instance failed)."""
+        started_s = self._step_started_s
+        if started_s is not None and time.monotonic() - started_s > call_timeout_s(kv_timeout_s) / 2:
+            return self._locked()
+        return self._alloc_lock
 
     @contextlib.contextmanager
     def _reserves_allowed(self) -> Iterator[None]:

@@ -21,8 +21,9 @@ from types import TracebackType
 class FairLock:
     """A non-reentrant lock granted in request order (a ticket lock over one `threading.Condition`).
 
-    `with lock:` (or `acquire()` / `release()`) as a `threading.Lock`; blocking acquisition only (no
-    timeout: a waiter that gave up would stall the queue behind it). Releasing a lock this thread does not
+    `with lock:` (or `acquire()` / `release()`) as a `threading.Lock`; blocking acquisition only. A waiter
+    interrupted by an exception while it waits (KeyboardInterrupt on the main thread) gives its turn up: the
+    lock passes over its ticket, so the queue behind it never stalls. Releasing a lock this thread does not
     hold raises RuntimeError, as `threading.Lock.release` does for an unlocked lock.
     """
 
@@ -30,6 +31,7 @@ class FairLock:
         self._condition = threading.Condition(threading.Lock())
         self._next_ticket = 0  # the ticket the next acquire takes
         self._serving = 0  # the ticket that holds (or may now take) the lock
+        self._abandoned: set[int] = set()  # tickets of waiters interrupted before their turn
         self._owner: int | None = None
 
     def acquire(self) -> bool:
@@ -37,10 +39,25 @@ class FairLock:
         with self._condition:
             ticket = self._next_ticket
             self._next_ticket += 1
-            while self._serving != ticket:
-                self._condition.wait()
+            try:
+                while self._serving != ticket:
+                    self._condition.wait()
+            except BaseException:  # interrupted while waiting (Condition.wait re-took the mutex first)
+                if self._serving == ticket:
+                    self._pass_on()  # its turn had come: hand it to the next
+                else:
+                    self._abandoned.add(ticket)  # skipped when its turn comes
+                raise
             self._owner = threading.get_ident()
         return True
+
+    def _pass_on(self) -> None:
+        """Under the mutex: the turn goes to the next ticket whose waiter still waits."""
+        self._serving += 1
+        while self._serving in self._abandoned:
+            self._abandoned.discard(self._serving)
+            self._serving += 1
+        self._condition.notify_all()
 
     def release(self) -> None:
         """Give the lock to the next request in order.
@@ -52,8 +69,7 @@ class FairLock:
             if self._owner != threading.get_ident():
                 raise RuntimeError("FairLock released by a thread that does not hold it")
             self._owner = None
-            self._serving += 1
-            self._condition.notify_all()
+            self._pass_on()
 
     def locked(self) -> bool:
         """True while some thread holds the lock."""
@@ -64,7 +80,8 @@ class FairLock:
     def num_waiting(self) -> int:
         """Threads waiting for the lock now (not counting the holder)."""
         with self._condition:
-            return self._next_ticket - self._serving - (1 if self._owner is not None else 0)
+            holder = 1 if self._owner is not None else 0
+            return self._next_ticket - self._serving - len(self._abandoned) - holder
 
     def __enter__(self) -> bool:
         return self.acquire()

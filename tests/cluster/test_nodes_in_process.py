@@ -279,39 +279,82 @@ def test_an_abort_that_overtakes_its_prefill_call_fails_that_call_at_once(nodes)
 def test_a_reserve_is_served_while_a_decode_step_executes(nodes, monkeypatch) -> None:
     """The engine thread lets reserves in while its step's forward runs (`LLMEngine.step`'s
     `while_executing`): with a step held inside `Executor.execute`, a reserve returns bound at once (it used
-    to wait for the step's end under the engine lock), while an abort, which may free a running request's
-    blocks, still waits for the step. Both requests then finish and nothing stays held."""
+    to wait for the step's end under the engine lock), on blocks disjoint from the held step's, while an
+    abort, which may free a running request's blocks, still waits for the step. Once the held step is older
+    than half the reserve's call timeout (`orchestrator.dispatch.call_timeout_s` of its lease) a reserve
+    waits for it too, so a hung step still makes reserves time out. The held request's tokens equal those of
+    an undisturbed handoff, and nothing stays held."""
     import threading
 
+    from orchestrator.dispatch import call_timeout_s
+
     prefill, decode = nodes
+
+    def handoff(handoff_id: str) -> None:
+        reserved = decode.reserve(ReserveRequest(handoff_id, PROMPT, GREEDY, _meta(prefill, handoff_id), 1))
+        prefill.prefill(PrefillRequest(handoff_id, PROMPT, GREEDY, reserved.bound_meta, decode_index=0))
+
+    retained = decode.poll(0.0, 0)
+    acked = retained[-1].seq if retained else 0
+    handoff("h8")
+    events, acked = _events_until(decode, "h8", lambda e: isinstance(e, RequestError) or e.finished, acked)
+    expected = _tokens(events)
+
     in_execute, release_step, step_went_on = threading.Event(), threading.Event(), threading.Event()
+    held_blocks: list[int] = []
     execute = decode.engine.executor.execute
 
-    def held_execute(*args, **kwargs):
+    def held_execute(output, *args, **kwargs):
         if not release_step.is_set():
+            held_blocks.extend(b for item in output.scheduled for b in item.block_ids)
             in_execute.set()
             release_step.wait(EVENT_WAIT_S)
             step_went_on.set()
-        return execute(*args, **kwargs)
+        return execute(output, *args, **kwargs)
 
     monkeypatch.setattr(decode.engine.executor, "execute", held_execute)
-    reserved = decode.reserve(ReserveRequest("h9", PROMPT, GREEDY, _meta(prefill, "h9"), 1))
-    prefill.prefill(PrefillRequest("h9", PROMPT, GREEDY, reserved.bound_meta, decode_index=0))
+    handoff("h9")
     assert in_execute.wait(EVENT_WAIT_S)  # h9's first decode step is held inside its forward
+    held_since_s = time.monotonic()
+    late: list = []
     try:
-        started_s = time.monotonic()
-        during = decode.reserve(ReserveRequest("h10", PROMPT, GREEDY, _meta(prefill, "h10"), 1))
+        # a long lease: its bound (half of call_timeout_s) is far away, however slow this machine
+        during = decode.reserve(ReserveRequest("h10", PROMPT, GREEDY, _meta(prefill, "h10", lease_s=60.0), 1))
         assert during.reserved and during.bound_meta.secret
         assert not step_went_on.is_set()  # served inside the step, not after it
-        assert decode.load().num_reserved == 1
+        scheduler = decode.engine.scheduler
+        h10_blocks = scheduler.block_manager.block_ids(scheduler.reserved["h10"])
+        assert held_blocks and not set(h10_blocks) & set(held_blocks)
         aborted = threading.Thread(target=decode.abort, args=("h10",))
         aborted.start()
         aborted.join(0.2)  # waits for the step (it takes the engine lock)
         assert aborted.is_alive()
+        # a short lease: once the held step is older than half its reserve timeout, a reserve waits for it
+        bound_s = call_timeout_s(0.5) / 2
+        time.sleep(max(0.0, bound_s - (time.monotonic() - held_since_s)) + 0.05)
+        waiting = threading.Thread(
+            target=lambda: late.append(
+                decode.reserve(ReserveRequest("h11", PROMPT, GREEDY, _meta(prefill, "h11", lease_s=0.5), 1))
+            )
+        )
+        waiting.start()
+        waiting.join(0.2)
+        assert waiting.is_alive() and not late
     finally:
         release_step.set()
-    aborted.join(EVENT_WAIT_S)
-    assert not aborted.is_alive() and time.monotonic() - started_s < EVENT_WAIT_S
-    events, _ = _events_until(decode, "h9", lambda e: isinstance(e, RequestError) or e.finished)
-    assert events[-1].finished and sum(len(e.new_token_ids) for e in events) == GREEDY.max_tokens
+    for thread in (aborted, waiting):
+        thread.join(EVENT_WAIT_S)
+        assert not thread.is_alive()
+    assert late and late[0].reserved  # after the step; its handoff never comes: its lease frees it
+    h9: list = []
+    h11: list = []
+    deadline_s = time.monotonic() + EVENT_WAIT_S
+    while not (h9 and (isinstance(h9[-1], RequestError) or h9[-1].finished) and h11):
+        assert time.monotonic() < deadline_s, (h9, h11)
+        for polled in decode.poll(0.05, acked):
+            acked = polled.seq
+            {"h9": h9, "h11": h11}.get(polled.event.handoff_id, []).append(polled.event)
+    assert _tokens(h9) == expected
+    assert len(h11) == 1 and isinstance(h11[0], RequestError)
+    decode.engine.scheduler.block_manager.check_invariants()
     _assert_idle(prefill, decode)

@@ -82,3 +82,43 @@ def _release_into(lock: FairLock, errors: list[Exception]) -> None:
         lock.release()
     except RuntimeError as e:
         errors.append(e)
+
+
+def _interrupt(thread: threading.Thread) -> None:
+    """Raise KeyboardInterrupt in `thread` when it next runs Python code (CPython's async exception)."""
+    import ctypes
+
+    done = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt)
+    )
+    assert done == 1
+
+
+@pytest.mark.parametrize("interrupted", [0, 1])
+def test_an_interrupted_waiter_never_stalls_the_queue(interrupted: int) -> None:
+    """Two waiters queue; one gets KeyboardInterrupt while it waits (the first, whose turn comes next, or
+    the second, whose turn has not come): the other still gets the lock, and the lock ends free."""
+    lock, got, raised = FairLock(), [], []
+
+    def waiter(i: int) -> None:
+        try:
+            with lock:
+                got.append(i)
+        except KeyboardInterrupt:
+            raised.append(i)
+
+    lock.acquire()
+    threads = []
+    for i in range(2):
+        thread = threading.Thread(target=waiter, args=(i,))
+        thread.start()
+        _wait_until(lambda n=i + 1: lock.num_waiting == n)
+        threads.append(thread)
+    _interrupt(threads[interrupted])  # delivered when it wakes, at the release below
+    lock.release()
+    for thread in threads:
+        thread.join(WAIT_S)
+    assert raised == [interrupted] and got == [1 - interrupted]
+    assert not lock.locked() and lock.num_waiting == 0
+    with lock:  # and it is still a working lock
+        assert lock.locked()
