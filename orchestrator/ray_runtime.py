@@ -5,6 +5,7 @@ Used by `Cluster.deploy` (when no Ray is running and RAY_ADDRESS is unset), the 
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from collections.abc import Iterator
@@ -17,6 +18,14 @@ from typing import Any
 # 36 against 1024), turning seconds into minutes. Seen here: with two busy processes on a 2-core machine,
 # loading two actors took over 3 minutes instead of ~5 s. Workers run at the driver's priority instead.
 LOCAL_RAY_SYSTEM_CONFIG: dict[str, Any] = {"worker_niceness": 0}
+# Ray gives its raylet a fixed 30 s to register with the GCS (ray._private.node, not configurable) and
+# raises an Exception saying so; on a host whose cores other processes keep busy (seen with two CPU burners
+# on 2 cores) one start can miss it. `init_local_ray` then shuts the half-started session down and tries
+# this many times more.
+STARTUP_RETRIES = 1
+_STARTUP_TIMEOUT_MESSAGE = "timed out during startup"
+
+logger = logging.getLogger(__name__)
 
 
 def init_local_ray(num_cpus: int, **kwargs: Any) -> None:
@@ -26,9 +35,13 @@ def init_local_ray(num_cpus: int, **kwargs: Any) -> None:
         num_cpus: logical CPUs Ray may hand out (>= 1); actors reserve them, they do not pin cores.
         kwargs: further `ray.init` keyword arguments (override the defaults below).
 
+    A start that fails on Ray's own 30 s raylet registration limit is retried `STARTUP_RETRIES` times after
+    `ray.shutdown()`, with a warning; any other failure is raised at once.
+
     Raises:
         ValueError: num_cpus < 1.
-        RuntimeError: Ray failed to start (as raised by `ray.init`).
+        RuntimeError: Ray failed to start (as raised by `ray.init`; Ray's startup timeout as an
+            `Exception` once the retries are spent).
     """
     import ray
 
@@ -42,7 +55,15 @@ def init_local_ray(num_cpus: int, **kwargs: Any) -> None:
         _system_config=dict(LOCAL_RAY_SYSTEM_CONFIG),
     )
     options.update(kwargs)
-    ray.init(**options)
+    for attempt in range(STARTUP_RETRIES + 1):
+        try:
+            ray.init(**options)
+            return
+        except Exception as e:
+            if _STARTUP_TIMEOUT_MESSAGE not in str(e) or attempt == STARTUP_RETRIES:
+                raise
+            logger.warning("Ray did not start in time (%s); shutting it down and starting again", e)
+            ray.shutdown()
 
 
 @contextmanager

@@ -211,3 +211,41 @@ def test_local_plan_creates_real_placement_groups_on_a_local_ray_cluster(tmp_pat
             time.sleep(0.1)
     finally:
         ray.shutdown()
+
+
+def test_init_local_ray_retries_rays_startup_timeout_once(monkeypatch):
+    """Ray's fixed 30 s raylet registration limit can be missed on a busy host: `init_local_ray` shuts the
+    half-started session down and starts again, once; any other failure, or a second timeout, is raised.
+    (`ray.init` and `ray.shutdown` replaced by recorders: the fault is Ray's message, injected.)"""
+    import ray
+
+    from orchestrator import ray_runtime
+
+    calls: list[str] = []
+    outcomes: list[BaseException | None] = []
+
+    def fake_init(**options):
+        calls.append("init")
+        outcome = outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    timeout = Exception("The current node timed out during startup. This could happen because ...")
+
+    outcomes[:] = [timeout, None]
+    init_local_ray(num_cpus=2)
+    assert calls == ["init", "shutdown", "init"]
+
+    calls.clear()
+    outcomes[:] = [timeout, timeout]
+    with pytest.raises(Exception, match="timed out during startup"):
+        init_local_ray(num_cpus=2)
+    assert calls == ["init", "shutdown", "init"] and ray_runtime.STARTUP_RETRIES == 1
+
+    calls.clear()
+    outcomes[:] = [RuntimeError("port in use")]
+    with pytest.raises(RuntimeError, match="port in use"):
+        init_local_ray(num_cpus=2)
+    assert calls == ["init"]
