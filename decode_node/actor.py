@@ -96,6 +96,7 @@ class DecodeNode(RankActor):
         self._received_at_s: dict[str, float] = {}  # received, not yet admitted: when wait returned
         self._wakeup = threading.Event()
         self._delays: dict[str, list[float]] = {}  # test-only: inject_delay
+        self._delays_released = threading.Event()  # test-only: release_delays ends the delays at once
         self._start_engine_thread()
 
     # ---- wiring -----------------------------------------------------------------------------------------
@@ -232,13 +233,19 @@ class DecodeNode(RankActor):
         )
 
     def inject_delay(self, where: str, seconds: float, count: int = 1) -> None:
-        """Test-only: the next `count` `reserve` calls sleep `seconds` (holding no lock) at `where`:
-        "before_reserve" (a reply that comes late because the reservation does: an abort sent meanwhile
-        overtakes it) or "after_reserve" (the reservation is made, its reply comes late)."""
-        if where not in ("before_reserve", "after_reserve"):
+        """Test-only: the next `count` passes through `where` wait `seconds` (holding no lock), or until
+        `release_delays`: "before_reserve" (a reply that comes late because the reservation does: an abort
+        sent meanwhile overtakes it), "after_reserve" (the reservation is made, its reply comes late), or
+        "before_admit" (a handoff is received; its admission comes late)."""
+        if where not in ("before_reserve", "after_reserve", "before_admit"):
             raise ValueError(f"unknown delay point {where!r}")
         with self._locked():
+            self._delays_released.clear()
             self._delays.setdefault(where, []).extend([seconds] * count)
+
+    def release_delays(self) -> None:
+        """Test-only: end the injected delays now (those in progress and those armed)."""
+        self._delays_released.set()
 
     def check_no_leaks(self) -> dict[str, Any]:
         """For tests: blocks held, reservations and unfinished requests once nothing is in flight."""
@@ -280,6 +287,7 @@ class DecodeNode(RankActor):
             if released:  # not already aborted
                 self._emit(RequestError(handoff_id, f"{type(e).__name__}: {e}"))
             return
+        self._maybe_delay("before_admit")
         received_at_s = time.monotonic()
         with self._locked():
             if handoff_id in self.engine.scheduler.reserved:
@@ -396,8 +404,8 @@ class DecodeNode(RankActor):
         with self._locked():
             delays = self._delays.get(where)
             seconds = delays.pop(0) if delays else 0.0
-        if seconds:
-            time.sleep(seconds)
+        if seconds and not self._delays_released.is_set():
+            self._delays_released.wait(seconds)
 
     def _wake_engine_thread(self) -> None:
         self._wakeup.set()

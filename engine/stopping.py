@@ -20,6 +20,7 @@ equal its final `text`, and no delta ever contains (part of) a stop string that 
 from __future__ import annotations
 
 from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
 from models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -36,6 +37,24 @@ def check_stop_token(request: Request, token_id: int, num_output_tokens: int) ->
     if num_output_tokens >= params.max_tokens:
         return RequestStatus.FINISHED_LENGTH
     return RequestStatus.RUNNING
+
+
+def early_first_token_text(tokenizer: Tokenizer, params: SamplingParams, token_id: int) -> str | None:
+    """The streamed text of `token_id` as a request's first output token, when the token may reach the
+    client before the decode instance admits the request (`orchestrator.dispatch`: the prefill instance's
+    reply carries it); None when only decode may stream it: the request has stop strings (decode may hold
+    the text back or cut it) or asks for `logprobs` (decode reports them).
+
+    Returns the text decode's first output streams for the token: an `OutputText` without stop strings
+    over `[token_id]`, not finished ("" while the token ends mid-character; decode streams the character
+    with the token that completes it). Decode's text for the token once finished (EOS, `max_tokens` 1)
+    starts with it.
+    """
+    if params.stop or params.logprobs is not None:
+        return None
+    text = OutputText(tokenizer)
+    text.update([token_id], final=False)
+    return text.new_text(finished=False)
 
 
 def find_stop_string(text: str, stop: tuple[str, ...]) -> int | None:

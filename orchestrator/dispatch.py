@@ -8,9 +8,20 @@ Two decisions:
 - `after_reserve(outcome, now_s, deadline_s)`: after a reserve on decode (or a load round that lost an
   instance): start the prefill, route again at once, retry the reserve after RESERVE_RETRY_S (back-pressure:
   no decode has room), or fail once the deadline (kv_transfer.timeout_s after the request arrived) passed.
-- `next_action(state, event)`: for each event of a running attempt: emit a token delta, wait on (the prefill
-  call returned), end with finish_reason "abort", re-dispatch to another prefill instance (the handoff
-  failed before any token reached the client), or fail with a message for the client.
+- `next_action(state, event)`: for each event of a running attempt: emit a token delta, stream the first
+  token from the prefill call's reply (it returned before decode streamed anything) or wait on, end with
+  finish_reason "abort", re-dispatch to another prefill instance (the handoff failed before decode
+  streamed any token), or fail with a message for the client.
+
+The first token from prefill: prefill samples it, so the driver streams it as soon as the prefill call
+returns, without waiting for decode to receive the KV and admit the request (a few ms of hops on the
+TTFT path). Decode still streams it too, at admission; the driver drops it there
+(`without_first_token`). When the prefill instance says the token may not go early (its reply has no
+`first_token_text`: stop strings or logprobs), decode streams it as before. A request whose first token
+went early and whose handoff then fails is re-dispatched with that token as its first
+(`PrefillRequest.first_token_id`: the new prefill hands it to decode instead of the token it samples),
+so the client never sees a token twice or a token taken back, and the rest is what an undisturbed
+request would have produced after it.
 
 Timeouts (kv_transfer.timeout_s = T) live here, one place for the driver and the actors:
 `call_timeout_s(T)` for every actor call on the request path, `event_timeout_s(T)` for the prefill call and
@@ -19,6 +30,7 @@ every wait for a request's next event.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -112,6 +124,10 @@ class AttemptState:
         attempt_index: 0 for the first dispatch, 1 for the re-dispatch.
         prefill_instance / decode_instance: the pair's pool indices.
         num_tokens_sent: tokens already streamed to the client (over all attempts).
+        decode_streamed: a decode instance streamed tokens of the request to the client (any attempt);
+            tokens streamed from a prefill reply alone do not count.
+        first_token_streamed: this attempt's first token already reached the client (from its prefill
+            call's reply or from decode).
         earlier_errors: one line per failed earlier attempt (`describe_attempt`).
         decode_down_reason: None while the decode instance is in routing; else why it left routing.
         num_other_prefills: prefill instances in routing other than those tried so far.
@@ -124,6 +140,8 @@ class AttemptState:
     prefill_instance: int
     decode_instance: int
     num_tokens_sent: int = 0
+    decode_streamed: bool = False
+    first_token_streamed: bool = False
     earlier_errors: tuple[str, ...] = ()
     decode_down_reason: str | None = None
     num_other_prefills: int = 1
@@ -165,6 +183,14 @@ class Wait:
 
 
 @dataclass(frozen=True)
+class EmitFirstToken:
+    """Record the prefill's phases and stream its first token (`result.first_token_id`, text
+    `result.first_token_text`) now, before decode admits the request."""
+
+    result: PrefillResult
+
+
+@dataclass(frozen=True)
 class Redispatch:
     """Release this attempt and dispatch again to a prefill instance other than `excluded_prefill`;
     `error` is this attempt's line (`describe_attempt`), kept for the final message."""
@@ -174,7 +200,7 @@ class Redispatch:
 
 
 Event = TokenDelta | RequestError | Aborted | DecodeLost | PrefillFailed | PrefillDone | NoEvent
-Action = Emit | Wait | EndAborted | Redispatch | Fail
+Action = Emit | EmitFirstToken | Wait | EndAborted | Redispatch | Fail
 
 
 def describe_attempt(state: AttemptState, error: str) -> str:
@@ -188,14 +214,18 @@ def describe_attempt(state: AttemptState, error: str) -> str:
 def next_action(state: AttemptState, event: Event) -> Action:
     """The action for `event` of the attempt `state`.
 
-    A token delta is emitted; a prefill call that returned is waited on; an abort ends the stream. Any
-    failure (prefill call, decode's handoff error, no event in time) ends the attempt: the request fails if
-    its decode instance is lost (what it held is gone), if tokens already reached the client (never restart
-    silently), or if no attempt or no other prefill instance is left; else it is re-dispatched.
+    A token delta is emitted; a prefill call that returned streams its first token when its reply allows
+    it and nothing of the attempt reached the client yet, else it is waited on; an abort ends the stream.
+    Any failure (prefill call, decode's handoff error, no event in time) ends the attempt: the request
+    fails if its decode instance is lost (what it held is gone), if decode streamed tokens to the client
+    (never restart silently), or if no attempt or no other prefill instance is left; else it is
+    re-dispatched (keeping a first token a prefill reply streamed).
     """
     if isinstance(event, TokenDelta):
         return Emit(event)
     if isinstance(event, PrefillDone):
+        if event.result.first_token_text is not None and not state.first_token_streamed:
+            return EmitFirstToken(event.result)
         return Wait(event.result)
     if isinstance(event, Aborted):
         return EndAborted()
@@ -217,7 +247,7 @@ def next_action(state: AttemptState, event: Event) -> Action:
             f"{state.request_id}: decode-{state.decode_instance} died or stopped answering "
             f"({state.decode_down_reason}); the request was lost ({error})"
         )
-    if state.num_tokens_sent:
+    if state.decode_streamed:
         return Fail(f"{state.request_id}: decode failed mid-stream: {error}")
     errors = (*state.earlier_errors, describe_attempt(state, error))
     handoff_failed = f"{state.request_id}: KV handoff failed: {'; '.join(errors)}"
@@ -226,3 +256,23 @@ def next_action(state: AttemptState, event: Event) -> Action:
     if state.num_other_prefills <= 0:
         return Fail(f"{handoff_failed}; no other live prefill instance to re-dispatch to")
     return Redispatch(state.prefill_instance, errors[-1])
+
+
+def without_first_token(delta: TokenDelta, first_token_id: int, first_token_text: str) -> TokenDelta:
+    """Decode's first delta of an attempt whose first token the driver already streamed from the prefill
+    reply (`EmitFirstToken`): the same delta (phases, KV bytes, draft counts, finish) without that token
+    and its text.
+
+    Raises:
+        ValueError: decode's first token is not `first_token_id`, or its text does not start with
+            `first_token_text` (the two instances disagree: the request must fail, not stream both).
+    """
+    tokens = delta.new_token_ids
+    if not tokens or tokens[0] != first_token_id or not delta.new_text.startswith(first_token_text):
+        raise ValueError(
+            f"decode's first token {tokens[:1]} / text {delta.new_text[:20]!r} differs from the one prefill "
+            f"streamed ({first_token_id} / {first_token_text[:20]!r})"
+        )
+    return dataclasses.replace(
+        delta, new_token_ids=tuple(tokens[1:]), new_text=delta.new_text[len(first_token_text) :]
+    )

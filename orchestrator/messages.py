@@ -169,6 +169,10 @@ class PrefillRequest:
     `awaiting_bind`: sent while decode still reserves (the driver overlaps the two): `meta` is not bound
     yet (no secret); prefill computes at once, holds the prompt's KV, and starts the handoff when a
     `PrefillBind` names the reservation (`PrefillNode.bind`), within `meta.lease_s` seconds.
+
+    `first_token_id`: the first token the client already has (streamed from an earlier attempt's prefill
+    reply, `orchestrator.dispatch`): the handoff carries it instead of the token this prefill samples, so
+    the re-dispatched request continues after it.
     """
 
     handoff_id: str
@@ -178,6 +182,7 @@ class PrefillRequest:
     decode_index: int
     decode_rank: int = 0
     awaiting_bind: bool = False
+    first_token_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -196,13 +201,18 @@ class PrefillBind:
 class PrefillResult:
     """A finished prefill on the prefill side: the first sampled token, how many MTP drafts went with it,
     and its phases (seconds): queue_s (arrival to first scheduled), prefill_s (scheduled to handoff
-    finished), last_layer_sent_s (arrival to the last layer handed to the KV sender; None: unknown)."""
+    finished), last_layer_sent_s (arrival to the last layer handed to the KV sender; None: unknown).
+
+    first_token_text: the first token's streamed text when the driver may stream the token before decode
+    admits the request (`engine.stopping.early_first_token_text`); None: decode streams it.
+    """
 
     first_token_id: int
     num_drafts: int
     queue_s: float
     prefill_s: float
     last_layer_sent_s: float | None = None
+    first_token_text: str | None = None
 
 
 # ---- decode events ------------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ lifecycle). A thin loop over the pure dispatch policy (`orchestrator.dispatch`):
       _next_events                    the attempt's next events: decode's `TokenDelta` / `RequestError`
                                       (handed over by the poll loop), `Aborted`, `DecodeLost`, the prefill
                                       call's `PrefillDone` / `PrefillFailed`, or `NoEvent` (timeout)
-      next_action                     Emit (stream it) | Wait | EndAborted | Redispatch | Fail
+      next_action                     Emit (stream it) | EmitFirstToken (stream prefill's first token
+                                      before decode admits the request) | Wait | EndAborted |
+                                      Redispatch (keeping a first token streamed early) | Fail
     _poll(decode_index, rank)         one loop per decode rank: `DecodeNode.poll_with_load` -> the attempt
                                       queues, and the rank's load snapshot -> the load board (routing)
 
@@ -35,6 +37,7 @@ from orchestrator.dispatch import (
     POLL_WAIT_S,
     AttemptState,
     Emit,
+    EmitFirstToken,
     EndAborted,
     Event,
     Fail,
@@ -44,11 +47,12 @@ from orchestrator.dispatch import (
     Redispatch,
     Wait,
     next_action,
+    without_first_token,
 )
 from orchestrator.health_monitor import PROBE_INTERVAL_S
 from orchestrator.instance import Instance
 from orchestrator.load_board import LoadBoard
-from orchestrator.messages import Aborted, Phases, PollReply, TokenDelta
+from orchestrator.messages import Aborted, Phases, PollReply, PrefillResult, TokenDelta
 from orchestrator.request_state import Attempt, RequestRecord
 from orchestrator.router import RankRef
 
@@ -110,18 +114,15 @@ class RequestDispatch:
                         for event in await self._next_events(record, attempt, prefill_task):
                             action = next_action(self._attempt_state(record, attempt, attempt_index), event)
                             if isinstance(action, Emit):
-                                yield self._emit(record, action.delta)
+                                delta = self._from_decode(record, attempt, action.delta)
+                                if delta is not None:
+                                    yield delta
                                 if record.finished:
                                     return
+                            elif isinstance(action, EmitFirstToken):
+                                yield self._first_token_from_prefill(record, attempt, action.result)
                             elif isinstance(action, Wait):
-                                result = action.phases_from
-                                record.phases = record.phases.merged(
-                                    Phases(
-                                        queue_s=result.queue_s,
-                                        prefill_s=result.prefill_s,
-                                        last_layer_sent_s=result.last_layer_sent_s,
-                                    )
-                                )
+                                self._record_prefill_phases(record, action.phases_from)
                             elif isinstance(action, EndAborted):
                                 self._abort_after_prefill(attempt, prefill_task)
                                 yield record.stream_delta()
@@ -164,17 +165,53 @@ class RequestDispatch:
         attempt.events.put_nowait(Aborted(attempt.handoff_id))
 
     # ---- one attempt ------------------------------------------------------------------------------------
-    def _emit(self, record: RequestRecord, delta: TokenDelta) -> StreamDelta:
+    @staticmethod
+    def _record_prefill_phases(record: RequestRecord, result: PrefillResult) -> None:
+        record.phases = record.phases.merged(
+            Phases(
+                queue_s=result.queue_s, prefill_s=result.prefill_s, last_layer_sent_s=result.last_layer_sent_s
+            )
+        )
+
+    def _first_token_from_prefill(
+        self, record: RequestRecord, attempt: Attempt, result: PrefillResult
+    ) -> StreamDelta:
+        """`EmitFirstToken`: the prefill call's first token (and text), streamed before decode admits the
+        request; decode's first delta of the attempt is then streamed without it (`_from_decode`)."""
+        self._record_prefill_phases(record, result)
+        assert result.first_token_text is not None
+        record.first_token = (result.first_token_id, result.first_token_text)
+        record.num_tokens_sent += 1
+        return record.stream_delta(
+            TokenDelta(attempt.handoff_id, (result.first_token_id,), new_text=result.first_token_text)
+        )
+
+    def _from_decode(self, record: RequestRecord, attempt: Attempt, delta: TokenDelta) -> StreamDelta | None:
         """Account decode's `delta` to the request (phases, KV totals, tokens sent) and build its
-        StreamDelta."""
-        if delta.phases.kv_transfer_s is not None and record.num_tokens_sent == 0:
+        StreamDelta; None when nothing is left for the client (decode's first delta was the first token
+        the prefill reply already streamed).
+
+        Raises:
+            BackendUnavailable: decode's first token is not the one the prefill reply streamed.
+        """
+        first_of_attempt = not attempt.decode_delta_seen
+        attempt.decode_delta_seen = True
+        if first_of_attempt and record.first_token is not None:
+            try:
+                delta = without_first_token(delta, *record.first_token)
+            except ValueError as e:
+                raise BackendUnavailable(f"{record.request_id}: {e}") from e
+        if delta.phases.kv_transfer_s is not None and first_of_attempt:
             self._kv_transfer_seconds_total += delta.phases.kv_transfer_s
             self._kv_transfer_bytes_total += delta.kv_transfer_bytes or 0
         record.phases = record.phases.merged(delta.phases)
         if delta.kv_transfer_bytes is not None:
             record.kv_transfer_bytes = delta.kv_transfer_bytes
         record.num_tokens_sent += len(delta.new_token_ids)
+        record.decode_streamed = record.decode_streamed or bool(delta.new_token_ids)
         record.finished = delta.finished
+        if not (delta.new_token_ids or delta.new_text or delta.finished):
+            return None
         return record.stream_delta(delta)
 
     def _attempt_state(self, record: RequestRecord, attempt: Attempt, attempt_index: int) -> AttemptState:
@@ -187,6 +224,8 @@ class RequestDispatch:
             prefill_instance=attempt.prefill_index,
             decode_instance=attempt.decode_index,
             num_tokens_sent=record.num_tokens_sent,
+            decode_streamed=record.decode_streamed,
+            first_token_streamed=attempt.decode_delta_seen or record.first_token is not None,
             earlier_errors=tuple(record.errors),
             decode_down_reason=None if decode.routable else decode.health.reason,
             num_other_prefills=len(others),

@@ -33,6 +33,7 @@ class Attempt:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     prefill_reported: bool = False  # its prefill call's result was taken (PrefillDone)
     prefill_call: asyncio.Future | None = None  # its prefill call, once sent
+    decode_delta_seen: bool = False  # decode's first delta of this attempt was handled
 
     @property
     def prefill_index(self) -> int:
@@ -46,8 +47,9 @@ class Attempt:
 @dataclass
 class RequestRecord:
     """One request from `generate` to its end: the attempt in flight (None while routing or between
-    attempts), whether it was aborted, what the client received (tokens, phases in seconds, KV bytes), the
-    failed attempts' lines and the prefill instances they used (not tried again)."""
+    attempts), whether it was aborted, what the client received (tokens, phases in seconds, KV bytes; the
+    first token when a prefill reply streamed it, which a re-dispatch keeps), the failed attempts'
+    lines and the prefill instances they used (not tried again)."""
 
     request_id: str
     arrival_s: float
@@ -55,6 +57,10 @@ class RequestRecord:
     aborted: bool = False
     finished: bool = False
     num_tokens_sent: int = 0
+    decode_streamed: bool = False  # a decode delta carried tokens to the client (no re-dispatch after)
+    # (token id, text): the first token, when a prefill call's reply streamed it (`EmitFirstToken`);
+    # decode's first delta of each attempt comes without it, and a re-dispatch keeps it
+    first_token: tuple[int, str] | None = None
     phases: Phases = Phases()
     kv_transfer_bytes: int | None = None
     errors: list[str] = field(default_factory=list)

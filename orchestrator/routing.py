@@ -100,6 +100,7 @@ class RouteAndReserve:
         request_id = record.request_id
         deadline_s = time.monotonic() + self.topology.kv_transfer.timeout_s
         attempt: Attempt | None = None
+        first_token_id = None if record.first_token is None else record.first_token[0]
         while True:
             routing_started_s = time.monotonic()
             if record.aborted:
@@ -169,7 +170,7 @@ class RouteAndReserve:
                 if attempt is None or attempt.prefill_call is None:
                     attempt = Attempt(f"{request_id}@{attempt_index}", choice.prefill, choice.decode)
                     if self._loads.prefill_calls(attempt.prefill) < MAX_EARLY_PREFILL_CALLS:
-                        self._start_prefill(attempt, prompt_token_ids, params)
+                        self._start_prefill(attempt, prompt_token_ids, params, first_token_id)
                         started.append(attempt)
                 else:
                     attempt.decode = choice.decode
@@ -186,7 +187,7 @@ class RouteAndReserve:
                 assert attempt is not None and bound is not None
                 attempt.meta = bound
                 if attempt.prefill_call is None:  # not sent early (MAX_EARLY_PREFILL_CALLS): sent bound now
-                    self._start_prefill(attempt, prompt_token_ids, params)
+                    self._start_prefill(attempt, prompt_token_ids, params, first_token_id)
                     started.append(attempt)
                 else:
                     self._bind_prefill(attempt)
@@ -199,9 +200,16 @@ class RouteAndReserve:
             if isinstance(action, RetryReserve):
                 await asyncio.sleep(action.delay_s)
 
-    def _start_prefill(self, attempt: Attempt, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _start_prefill(
+        self,
+        attempt: Attempt,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        first_token_id: int | None = None,
+    ) -> None:
         """Send `attempt`'s prefill call now: with its bound meta once reserved (`attempt.meta`), else
-        awaiting its bind (`PrefillRequest.awaiting_bind`: the prefill computes while decode reserves).
+        awaiting its bind (`PrefillRequest.awaiting_bind`: the prefill computes while decode reserves);
+        `first_token_id`: the first token the client already has (`PrefillRequest.first_token_id`).
         Its prompt tokens count on the load board until it ends. Its timeout: the bind may take the
         reservation's deadline (kv_transfer.timeout_s), then the prefill its `event_timeout_s`."""
         request = PrefillRequest(
@@ -212,6 +220,7 @@ class RouteAndReserve:
             attempt.decode_index,
             attempt.decode.rank,
             awaiting_bind=attempt.meta is None,
+            first_token_id=first_token_id,
         )
         prefill = self.instances["prefill"][attempt.prefill_index].ranks[attempt.prefill.rank]
         timeout_s = self.event_timeout_s + self.topology.kv_transfer.timeout_s

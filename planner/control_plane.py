@@ -13,9 +13,10 @@ at a time (no queueing, so each difference below is overhead, not waiting), with
 output lengths of its own (`PROMPT_LENS`; not a trace, so never the replay the fidelity bench checks):
 
     dispatch_s                 median of `route_s + reserve_s` (Phases, the driver's clock)
-    first_token_extra_s        median of client TTFT - dispatch - modelled prefill step - modelled KV
-                               handoff (`StepTimeModel.kv_handoff_s`): the handoff's per-request fixed
-                               costs beyond the model, the admission wait and the HTTP/SSE path
+    first_token_extra_s        median of client TTFT - dispatch - modelled prefill step: the prefill
+                               call's reply and the HTTP/SSE path (the first token streams from the
+                               prefill reply, `orchestrator.dispatch.EmitFirstToken`, not after the KV
+                               handoff)
     first_decode_step_extra_s  median of Phases `first_decode_step_s` - modelled decode step at batch 1
     decode_step_extra_s        median of (client decode time - first_decode_step_s) / (steps - 1) -
                                modelled decode step; steps = (output tokens - 1) / (1 + accepted drafts per
@@ -121,7 +122,7 @@ def point_from_result(result, k: int, modelled: dict[str, float]) -> dict[str, A
         "modelled": modelled,
         "dispatch_s": dispatch,
     }
-    point["first_token_extra_s"] = result.ttft_s - dispatch - modelled["prefill_s"] - modelled["kv_handoff_s"]
+    point["first_token_extra_s"] = result.ttft_s - dispatch - modelled["prefill_s"]
     first = ph.get("first_decode_step_s")
     if first is not None:
         point["first_decode_step_extra_s"] = first - modelled["decode_s"]

@@ -54,6 +54,7 @@ class SimRequest:
         "prefill_start_s",
         "prefill_end_s",
         "first_token_s",
+        "admitted_s",
         "last_token_s",
         "finished_s",
         "error",
@@ -80,7 +81,10 @@ class SimRequest:
         self.prefill_queued_s: float | None = None
         self.prefill_start_s: float | None = None
         self.prefill_end_s: float | None = None
-        self.first_token_s: float | None = None
+        self.first_token_s: float | None = (
+            None  # at the client: from the prefill reply (`orchestrator.dispatch`)
+        )
+        self.admitted_s: float | None = None  # on decode
         self.last_token_s: float | None = None
         self.finished_s: float | None = None
         self.error: str | None = None
@@ -177,13 +181,15 @@ class SimEngine:
         self.pending_admissions.append(request)
 
     def _admit(self, request: SimRequest, now_s: float) -> None:
-        """`Scheduler.admit_reserved`: prompt computed, first token committed and streamed, drafts from the
-        prefill side to verify next."""
+        """`Scheduler.admit_reserved`: prompt computed, first token committed (the client has it already
+        from the prefill reply: `EmitFirstToken`), drafts from the prefill side to verify next."""
         self.num_reserved -= 1
         request.num_blocks_held, request.num_reserved_blocks = request.num_reserved_blocks, 0
         request.num_computed_tokens = request.num_prompt_tokens
         request.num_output_tokens = 1
-        request.first_token_s = request.last_token_s = now_s
+        request.admitted_s = request.last_token_s = now_s
+        if request.first_token_s is None:
+            request.first_token_s = now_s
         if request.max_tokens <= 1:  # the first token finished it
             request.finished_s = now_s
             self._free(request)

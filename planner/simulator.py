@@ -306,9 +306,11 @@ class ClusterSimulator:
             model, first_token_extra_s = self.prefill_model, self.control_plane.first_token_extra_s
             for request in done:
                 assert request.prefill_start_s is not None
+                # the first token reaches the client with the prefill call's reply (`EmitFirstToken`)
+                request.first_token_s = now_s + first_token_extra_s
                 # MTP state (drafts) travels with the KV; decode starts at full acceptance
                 compute_s = now_s - request.prefill_start_s
-                handoff_s = model.kv_handoff_s(request.num_prompt_tokens, compute_s) + first_token_extra_s
+                handoff_s = model.kv_handoff_s(request.num_prompt_tokens, compute_s)
                 self._push(now_s + handoff_s, _HANDOFF_DONE, request)
         elif engine.pending_reserves:  # the reserves that waited for the engine lock, in arrival order
             reserves, engine.pending_reserves = engine.pending_reserves, []
@@ -328,7 +330,9 @@ def to_results(sims: Sequence[SimRequest]) -> tuple[list[RequestResult], float]:
     """`RequestResult`s of finished simulations and the duration (first arrival -> last answer), as
     `orchestrator.bench_client.replay` measures them at the client. Phases in seconds: queue_s (arrival ->
     first prefill step, reserve retries included), prefill_s (-> prompt done), kv_transfer_s (-> handoff
-    admitted on decode, waiting for the step boundary included), decode_s (first token -> last)."""
+    admitted on decode, waiting for the step boundary included), decode_s (first token -> last). The first
+    token reaches the client at the prefill's end plus the control plane's `first_token_extra_s` (the
+    prefill reply streams it, `orchestrator.dispatch.EmitFirstToken`), before decode admits the request."""
     results = []
     first_s = min((s.arrival_s for s in sims), default=0.0)
     last_s = first_s
@@ -339,6 +343,7 @@ def to_results(sims: Sequence[SimRequest]) -> tuple[list[RequestResult], float]:
             results.append(result)
             continue
         assert s.prefill_start_s is not None and s.prefill_end_s is not None and s.last_token_s is not None
+        assert s.admitted_s is not None
         result.ok = True
         result.num_output_tokens = s.num_output_tokens
         result.ttft_s = s.first_token_s - s.arrival_s
@@ -346,7 +351,7 @@ def to_results(sims: Sequence[SimRequest]) -> tuple[list[RequestResult], float]:
         result.e2e_s = s.finished_s - s.arrival_s
         if s.num_draft_tokens:
             result.acceptance_rate = s.num_accepted_tokens / s.num_draft_tokens
-        result.kv_transfer_s = s.first_token_s - s.prefill_end_s
+        result.kv_transfer_s = s.admitted_s - s.prefill_end_s
         result.phases = {
             "queue_s": s.prefill_start_s - s.arrival_s,
             "prefill_s": s.prefill_end_s - s.prefill_start_s,

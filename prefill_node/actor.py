@@ -31,6 +31,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm import EngineStepError
+from engine.stopping import early_first_token_text
 from kvtransfer.base import HandoffExtras, KVSender
 from orchestrator.dispatch import event_timeout_s
 from orchestrator.messages import (
@@ -395,8 +396,13 @@ class PrefillNode(RankActor):
             self._hand_over(job, result, queue_s)
 
     def _hand_over(self, job: Job, result: Any, queue_s: float) -> None:
-        """Send the layers not sent yet, then finish the handoff with the first token and drafts."""
+        """Send the layers not sent yet, then finish the handoff with the first token and drafts (the
+        request's `first_token_id` instead of the sampled one when it has one; its drafts, proposed after
+        another token, are dropped then)."""
         request_id = job.request_id
+        forced = job.request.first_token_id
+        if forced is not None and forced != result.first_token_id:
+            result = result._replace(first_token_id=forced, draft_token_ids=[], draft_probs=None)
         sender = self._sender(job)
         try:
             for layer_idx in sorted(job.layers):
@@ -428,6 +434,9 @@ class PrefillNode(RankActor):
             last_layer_sent_s=None
             if job.last_layer_sent_s is None
             else job.last_layer_sent_s - job.arrival_s,
+            first_token_text=None
+            if job.request.first_token_id is not None  # the client has it
+            else early_first_token_text(self.engine.tokenizer, job.request.params, result.first_token_id),
         )
         self._finish_job(job)
 

@@ -204,6 +204,47 @@ def test_prefill_killed_mid_transfer_is_redispatched(ray_session, single_engine_
         cluster.shutdown()
 
 
+def test_the_first_token_streams_from_prefill_and_a_failed_handoff_continues_after_it(
+    ray_session, single_engine_outputs
+) -> None:
+    """The first token reaches the client from the prefill call's reply, before decode admits the request
+    (decode's admission is held back until the client has it). Decode's admission then fails (an injected
+    fault): the request is re-dispatched to the other prefill instance, which hands decode that token as
+    the first instead of its own, and the client's tokens and text equal one engine's, none twice.
+    Nothing is held afterwards."""
+    topo = _topology("grpc", True, 1, num_instances=2)
+    cluster = Cluster.deploy(topo)
+    try:
+        decode = cluster.decode_actors[0]
+        # held until released below, at most one call bound (then the test fails: no early token came)
+        ray_session.get(decode.inject_delay.remote("before_admit", call_bound_s(cluster)))
+        ray_session.get(decode.inject_fault.remote("admit"))
+        prompt = cluster.tokenizer.encode(PROMPTS[1])
+
+        async def run():
+            deltas = []
+            async for delta in cluster.generate("early", prompt, GREEDY):
+                if not deltas:
+                    await decode.release_delays.remote()
+                deltas.append(delta)
+            return deltas
+
+        deltas = asyncio.run(asyncio.wait_for(run(), request_bound_s(cluster)))
+        first, last = deltas[0], deltas[-1]
+        # from attempt 1's prefill reply: decode had not received / admitted it
+        assert len(first.new_token_ids) == 1 and "kv_transfer_s" not in first.phases, first
+        assert "prefill_s" in first.phases
+        assert first.ranks["prefill"] != last.ranks["prefill"]  # re-dispatched to the other prefill
+        expected = single_engine_outputs[1][1]
+        assert [t for d in deltas for t in d.new_token_ids] == expected.token_ids
+        assert "".join(d.new_text for d in deltas) == expected.text
+        assert last.finished and last.finish_reason == "length"
+        assert ray_session.get(decode.load.remote()).num_engine_errors == 1
+        _assert_no_blocks_held(cluster)
+    finally:
+        cluster.shutdown()
+
+
 def pdcluster_shm_entries() -> set[str]:
     root = Path("/dev/shm")
     return {p.name for p in root.iterdir() if "pdcluster" in p.name} if root.is_dir() else set()

@@ -11,6 +11,7 @@ from orchestrator.dispatch import (
     RESERVE_RETRY_S,
     AttemptState,
     Emit,
+    EmitFirstToken,
     EndAborted,
     Fail,
     NoEvent,
@@ -26,8 +27,9 @@ from orchestrator.dispatch import (
     call_timeout_s,
     event_timeout_s,
     next_action,
+    without_first_token,
 )
-from orchestrator.messages import Aborted, DecodeLost, PrefillResult, RequestError, TokenDelta
+from orchestrator.messages import Aborted, DecodeLost, Phases, PrefillResult, RequestError, TokenDelta
 
 FIRST = AttemptState("r1", attempt_index=0, prefill_instance=0, decode_instance=1, event_timeout_s=35.0)
 
@@ -42,6 +44,36 @@ def test_the_first_token_delta_is_emitted_as_it_came() -> None:
 def test_a_returned_prefill_call_is_waited_on() -> None:
     result = PrefillResult(first_token_id=42, num_drafts=1, queue_s=0.25, prefill_s=1.5)
     assert next_action(FIRST, PrefillDone(result)) == Wait(result)
+
+
+def test_a_prefill_reply_streams_its_first_token_unless_the_client_has_one() -> None:
+    result = PrefillResult(42, 1, 0.25, 1.5, first_token_text=" the")
+    assert next_action(FIRST, PrefillDone(result)) == EmitFirstToken(result)
+    # decode's delta came first: the reply is only waited on (decode streamed the token)
+    streamed = AttemptState("r1", 0, 0, 1, num_tokens_sent=1, decode_streamed=True, first_token_streamed=True)
+    assert next_action(streamed, PrefillDone(result)) == Wait(result)
+    # an incomplete character streams no text yet, but the token goes
+    partial = PrefillResult(42, 1, 0.25, 1.5, first_token_text="")
+    assert next_action(FIRST, PrefillDone(partial)) == EmitFirstToken(partial)
+
+
+def test_decodes_first_delta_after_an_early_first_token_drops_that_token() -> None:
+    delta = TokenDelta(
+        "r1@0", (42, 7), phases=Phases(kv_transfer_s=0.03), kv_transfer_bytes=4096, new_text=" the cat"
+    )
+    assert without_first_token(delta, 42, " the") == TokenDelta(
+        "r1@0", (7,), phases=Phases(kv_transfer_s=0.03), kv_transfer_bytes=4096, new_text=" cat"
+    )
+    finished = TokenDelta("r1@0", (42,), finished=True, finish_reason="stop", new_text=" the")
+    assert without_first_token(finished, 42, " the") == TokenDelta(
+        "r1@0", (), finished=True, finish_reason="stop", new_text=""
+    )
+    with pytest.raises(ValueError, match="differs from the one prefill streamed"):
+        without_first_token(delta, 43, " the")
+    with pytest.raises(ValueError, match="differs from the one prefill streamed"):
+        without_first_token(delta, 42, " a")
+    with pytest.raises(ValueError, match="differs from the one prefill streamed"):
+        without_first_token(TokenDelta("r1@0", ()), 42, "")
 
 
 def test_prefill_died_before_any_token_is_redispatched_to_another_prefill() -> None:
@@ -65,9 +97,17 @@ def test_prefill_died_after_decodes_reservation_the_transfer_fails_on_decode() -
 
 
 def test_transfer_failed_with_tokens_already_sent_fails_mid_stream() -> None:
-    state = AttemptState("r1", 0, 0, 1, num_tokens_sent=3)
+    state = AttemptState("r1", 0, 0, 1, num_tokens_sent=3, decode_streamed=True)
     action = next_action(state, RequestError("r1@0", "decode failed: boom"))
     assert action == Fail("r1: decode failed mid-stream: decode failed: boom")
+
+
+def test_transfer_failed_after_only_prefills_first_token_is_redispatched() -> None:
+    """The first token went to the client from the prefill reply, decode streamed nothing: re-dispatched
+    (`Cluster.generate` keeps that token: `PrefillRequest.first_token_id`)."""
+    state = AttemptState("r1", 0, 0, 1, num_tokens_sent=1, first_token_streamed=True)
+    action = next_action(state, RequestError("r1@0", "checksum mismatch"))
+    assert action == Redispatch(0, "attempt 1 (prefill-0 -> decode-1): checksum mismatch")
 
 
 def test_transfer_failed_with_no_other_prefill_fails_naming_the_cause() -> None:
@@ -110,7 +150,7 @@ def test_no_event_within_the_event_timeout() -> None:
     assert next_action(FIRST, NoEvent()) == Redispatch(
         0, "attempt 1 (prefill-0 -> decode-1): no event from decode-1 / prefill-0 within 35 s"
     )
-    mid_stream = AttemptState("r1", 0, 0, 1, num_tokens_sent=1, event_timeout_s=35.0)
+    mid_stream = AttemptState("r1", 0, 0, 1, num_tokens_sent=1, decode_streamed=True, event_timeout_s=35.0)
     assert next_action(mid_stream, NoEvent()) == Fail(
         "r1: decode failed mid-stream: no event from decode-1 / prefill-0 within 35 s"
     )

@@ -7,7 +7,13 @@ import pytest
 from engine.llm import LLM
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.stopping import OutputText, check_stop_token, find_stop_string, stop_prefix_len
+from engine.stopping import (
+    OutputText,
+    check_stop_token,
+    early_first_token_text,
+    find_stop_string,
+    stop_prefix_len,
+)
 from models import bundled_checkpoint_dir
 from models.prompts import heldout_def_prompts
 from models.tokenizer import Tokenizer
@@ -28,6 +34,22 @@ def test_check_stop_token(make_request) -> None:
     assert check_stop_token(request, 5, 3) is RequestStatus.FINISHED_LENGTH
     ignoring = make_request(max_tokens=3, eos_token_id=2, ignore_eos=True)
     assert check_stop_token(ignoring, 2, 1) is RequestStatus.RUNNING
+
+
+def test_the_first_token_goes_early_only_when_decode_would_stream_it_unchanged(tokenizer: Tokenizer) -> None:
+    """`early_first_token_text`: the text decode's first output streams for the token (an incomplete
+    character streams nothing yet), or None where decode may hold it back or cut it (stop strings) or
+    reports more than the token (logprobs)."""
+    plain = SamplingParams(max_tokens=8)
+    (the,) = tokenizer.encode(" the")
+    assert early_first_token_text(tokenizer, plain, the) == " the"
+    partial = next(i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]).endswith("\ufffd"))
+    assert early_first_token_text(tokenizer, plain, partial) == ""
+    assert early_first_token_text(tokenizer, SamplingParams(max_tokens=8, stop=("x",)), the) is None
+    assert early_first_token_text(tokenizer, SamplingParams(max_tokens=8, logprobs=2), the) is None
+    # a token that finishes the request goes too: decode's final text for it starts with this one
+    assert early_first_token_text(tokenizer, SamplingParams(max_tokens=1), the) == " the"
+    assert early_first_token_text(tokenizer, plain, tokenizer.eos_token_id) == ""
 
 
 def test_find_stop_string_and_stop_prefix_len() -> None:

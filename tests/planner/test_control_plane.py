@@ -35,18 +35,21 @@ def _one_request(control_plane: ControlPlane | None):
 
 def test_one_request_pays_each_control_plane_cost_once_where_the_live_path_does():
     bare = _one_request(None)
-    assert bare.ttft_s == pytest.approx(0.010 + 0.003, abs=TOL_S)  # prefill step + handoff
-    assert bare.tpot_s == pytest.approx(0.002, abs=TOL_S)  # 4 decode steps for tokens 2..5
+    # the first token streams from the prefill reply: TTFT is the prefill step; the handoff (3 ms) and
+    # 4 decode steps for tokens 2..5 follow
+    assert bare.ttft_s == pytest.approx(0.010, abs=TOL_S)
+    assert bare.tpot_s == pytest.approx((0.003 + 4 * 0.002) / 4, abs=TOL_S)
     cp = ControlPlane(dispatch_s=0.004, first_token_extra_s=0.005, first_decode_step_extra_s=0.003,
                       decode_step_extra_s=0.001)  # fmt: skip
     r = _one_request(cp)
-    # route + reserve before the prefill is queued, then prefill, handoff and the first-token extra
-    assert r.ttft_s == pytest.approx(0.004 + 0.010 + 0.003 + 0.005, abs=TOL_S)
+    # route + reserve before the prefill is queued, then prefill and the first-token extra (its reply)
+    assert r.ttft_s == pytest.approx(0.004 + 0.010 + 0.005, abs=TOL_S)
     assert r.phases["queue_s"] == pytest.approx(0.004, abs=TOL_S)
-    # the first decode step (it admitted the request) pays both extras, the next three the per-step one
+    # decode admits it after the handoff; the first decode step pays both extras, the next three the
+    # per-step one
     decode_s = (0.002 + 0.001 + 0.003) + 3 * (0.002 + 0.001)
-    assert r.tpot_s == pytest.approx(decode_s / 4, abs=TOL_S)
-    assert r.e2e_s == pytest.approx(r.ttft_s + decode_s, abs=TOL_S)
+    assert r.e2e_s == pytest.approx(0.004 + 0.010 + 0.003 + decode_s, abs=TOL_S)
+    assert r.tpot_s == pytest.approx((r.e2e_s - r.ttft_s) / 4, abs=TOL_S)
 
 
 def test_derive_subtracts_the_modelled_engine_time_from_the_measured_phases():
@@ -58,7 +61,7 @@ def test_derive_subtracts_the_modelled_engine_time_from_the_measured_phases():
     point = point_from_result(result, 1, modelled)
     steps = 8 / 1.5  # 8 tokens after the first at 1 + 0.5 x 1 per step
     assert point["dispatch_s"] == pytest.approx(0.003, abs=TOL_S)
-    assert point["first_token_extra_s"] == pytest.approx(0.050 - 0.003 - 0.020 - 0.005, abs=TOL_S)
+    assert point["first_token_extra_s"] == pytest.approx(0.050 - 0.003 - 0.020, abs=TOL_S)
     assert point["first_decode_step_extra_s"] == pytest.approx(0.010 - 0.004, abs=TOL_S)
     assert point["decode_step_extra_s"] == pytest.approx((0.064 - 0.010) / (steps - 1) - 0.004, abs=TOL_S)
     slower = dict(point, decode_step_extra_s=-0.5)  # a model slower than the live path adds nothing

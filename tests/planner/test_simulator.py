@@ -119,16 +119,17 @@ def test_one_request_ttft_tpot_e2e_exact():
     result = run([TraceRequest(0.0, 100, 4)], prefill, decode)
     (r,) = result.results
     assert r.ok and r.num_output_tokens == 4
-    # prefill step [0, 0.1], handoff until 0.15: admitted, first token; 3 decode steps of 0.01 s
-    assert r.ttft_s == pytest.approx(0.15, abs=TOL_S)
-    assert r.tpot_s == pytest.approx(0.01, abs=TOL_S)
+    # prefill step [0, 0.1]: the first token (the prefill reply streams it); handoff until 0.15:
+    # admitted; 3 decode steps of 0.01 s
+    assert r.ttft_s == pytest.approx(0.1, abs=TOL_S)
+    assert r.tpot_s == pytest.approx(0.08 / 3, abs=TOL_S)
     assert r.e2e_s == pytest.approx(0.18, abs=TOL_S)
     assert r.phases == pytest.approx(
-        {"queue_s": 0.0, "prefill_s": 0.1, "kv_transfer_s": 0.05, "decode_s": 0.03}, abs=TOL_S
+        {"queue_s": 0.0, "prefill_s": 0.1, "kv_transfer_s": 0.05, "decode_s": 0.08}, abs=TOL_S
     )
     assert prefill.steps == [StepShape((PrefillChunk(100, 0),), (), 0)]
     assert decode.steps == [StepShape((), (DecodeRow(100 + i, 1),), 0) for i in range(3)]
-    assert result.summary["num_ok"] == 1 and result.summary["ttft_ms"]["p50"] == pytest.approx(150.0)
+    assert result.summary["num_ok"] == 1 and result.summary["ttft_ms"]["p50"] == pytest.approx(100.0)
 
 
 def test_chunked_prefill_under_the_token_budget():
@@ -166,7 +167,7 @@ def test_continuous_batching_joins_requests_at_step_boundaries():
     result = run([TraceRequest(0.0, 16, 8), TraceRequest(0.05, 16, 4)], prefill, decode)
     first, second = result.results
     assert first.ttft_s == pytest.approx(0.1, abs=TOL_S)
-    assert second.ttft_s == pytest.approx(0.22 - 0.05, abs=TOL_S)  # admitted when that step ends
+    assert second.ttft_s == pytest.approx(0.2 - 0.05, abs=TOL_S)  # its prefill's end (the reply streams it)
     assert second.phases["kv_transfer_s"] == pytest.approx(0.02, abs=TOL_S)
     # steps ending 0.13, 0.16, 0.19, 0.22 run the first alone; 0.25, 0.28, 0.31 both (both end at 0.31)
     assert [len(s.decode) for s in decode.steps] == [1, 1, 1, 1, 2, 2, 2]
@@ -201,7 +202,10 @@ def test_a_reserve_waits_for_the_decode_step_in_flight():
     first, second = result.results
     assert second.phases["queue_s"] == pytest.approx(0.02, abs=TOL_S)  # reserved when the step ends
     assert second.phases["prefill_s"] == pytest.approx(0.1, abs=TOL_S)  # [0.17, 0.27]
-    assert second.ttft_s == pytest.approx(0.31 - 0.15, abs=TOL_S)  # admitted after the step [0.24, 0.31]
+    assert second.ttft_s == pytest.approx(0.27 - 0.15, abs=TOL_S)  # its prefill's end (the reply streams it)
+    assert second.phases["kv_transfer_s"] == pytest.approx(
+        0.31 - 0.27, abs=TOL_S
+    )  # admitted after [0.24, 0.31]
     assert first.e2e_s == pytest.approx(0.31, abs=TOL_S)
 
 
