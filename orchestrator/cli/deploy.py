@@ -33,7 +33,9 @@ def deploy_preflight(path: Path, port: int | None) -> Topology:
 def _interrupt_on_sigterm() -> None:
     """Make SIGTERM do what Ctrl-C does: raise KeyboardInterrupt in the main thread, wherever it is (a
     second SIGTERM while shutting down is only logged). `Cluster.deploy` keeps this handler across
-    `ray.init` (`orchestrator.ray_runtime.keeping_sigterm_handler`)."""
+    `ray.init` (`orchestrator.ray_runtime.keeping_sigterm_handler`). SIGINT raises KeyboardInterrupt too
+    even when the process started with it ignored (a background job of a non-interactive shell inherits
+    SIG_IGN, and Python then leaves it so): `kill -INT` stops a server like Ctrl-C does."""
     import signal
 
     def on_sigterm(signum: int, frame: object) -> None:
@@ -41,6 +43,7 @@ def _interrupt_on_sigterm() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -394,6 +394,22 @@ def test_the_port_taken_while_the_actors_load_is_one_line_and_the_cluster_is_shu
     assert FakeCluster.shut_down
 
 
+def test_deploy_takes_sigint_even_when_started_with_it_ignored():
+    """A background job of a non-interactive shell starts with SIGINT ignored; deploy's signal setup puts
+    Ctrl-C's handler back (and SIGTERM's), so `kill -INT` stops it like Ctrl-C."""
+    from orchestrator.cli.deploy import _interrupt_on_sigterm
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.getsignal(signal.SIGTERM)
+    try:
+        _interrupt_on_sigterm()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    finally:
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+
+
 # ---- SIGTERM: the same clean shutdown as Ctrl-C (the one test here that starts Ray) -------------------
 # Bounds from the deploy's own timeouts (orchestrator/deployment.py): placement groups 120 s, actors ready
 # 300 s; on this 2-core machine it is up in 20-40 s. Shutdown: the HTTP server's 10 s stop plus the actor
