@@ -32,7 +32,7 @@ from orchestrator.instance import Instance
 from orchestrator.load_board import LoadBoard
 from orchestrator.messages import InstanceGroupSpec, NodeReady
 from orchestrator.placement import nodes_to_pin, plan_placement, to_ray_placement_group_args
-from orchestrator.preflight import actor_layer_issues
+from orchestrator.preflight import actor_layer_issues, weight_dtype_issues
 from orchestrator.ray_runtime import init_local_ray, keeping_sigterm_handler
 from orchestrator.router import POLICIES, PrefixCacheModel
 from orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES, Topology, load_topology
@@ -58,6 +58,16 @@ def check_deployable_parallelism(topology: Topology) -> None:
         raise ValueError(
             "; ".join(i.reason for i in issues) + " (`pdcluster validate` checks such a file as a plan only)"
         )
+
+
+def check_deployable(topology: Topology) -> None:
+    """`check_deployable_parallelism`, then a `model.weight_dtype` the engine does not run
+    (`orchestrator.preflight.weight_dtype_issues`: 8-bit weights are a planning assumption): ValueError
+    naming the key, as `pdcluster deploy` refuses it at its YAML line."""
+    check_deployable_parallelism(topology)
+    issues = weight_dtype_issues(topology)
+    if issues:
+        raise ValueError("; ".join(i.reason for i in issues))
 
 
 def is_loopback_topology(topology: Topology) -> bool:
@@ -88,9 +98,10 @@ class ClusterDeployment(ClusterWiring):
         it, loading weights in parallel, then the KV connectors. Logs progress via `log`.
 
         Raises:
-            ValueError: an invalid topology, or parallelism the actor layer cannot run
-                (`check_deployable_parallelism`); DeployError (a RuntimeError, one line): an actor failed
-                to start (what it raised, e.g. loading its weights, named with the rank), a Ray call failed.
+            ValueError: an invalid topology, parallelism the actor layer cannot run or an 8-bit
+                `model.weight_dtype` (`check_deployable`); DeployError (a RuntimeError, one line): an
+                actor failed to start (what it raised, e.g. loading its weights, named with the rank), a
+                Ray call failed.
         """
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -100,7 +111,7 @@ class ClusterDeployment(ClusterWiring):
 
         self = object.__new__(cls)
         topo = topology if isinstance(topology, Topology) else load_topology(topology)
-        check_deployable_parallelism(topo)
+        check_deployable(topo)
         self.topology = topo
         self._loopback = is_loopback_topology(topo)
         plan = plan_placement(topo)

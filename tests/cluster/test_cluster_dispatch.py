@@ -52,6 +52,15 @@ def test_deploy_refuses_tensor_parallel_attention_and_partial_ep_naming_the_key(
         check_deployable_parallelism(partial)
 
 
+def test_deploy_from_python_refuses_8_bit_weights_before_ray():
+    """`model.weight_dtype: int8` is a planning assumption (the engine runs `model.dtype`): `Cluster.deploy`
+    refuses it as `pdcluster deploy` does, naming the key, before Ray is touched."""
+    local = load_topology(CLUSTERS / "local.yaml")
+    int8 = dataclasses.replace(local, model=dataclasses.replace(local.model, weight_dtype="int8"))
+    with pytest.raises(ValueError, match=r"^model\.weight_dtype: int8 is not the dtype the engine runs"):
+        Cluster.deploy(int8)
+
+
 def test_multi_node_wiring_helpers():
     assert actor_resource_options(None) == {}
     assert actor_resource_options("GPU") == {"num_gpus": 1}  # Ray refuses resources={"GPU": 1}
