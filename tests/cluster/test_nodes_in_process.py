@@ -111,6 +111,34 @@ def test_a_handoff_end_to_end_with_typed_messages(nodes) -> None:
     _assert_idle(prefill, decode)
 
 
+def test_a_first_token_the_client_has_replaces_the_sampled_one(nodes) -> None:
+    """A re-dispatch after the first token streamed from an earlier prefill reply
+    (`PrefillRequest.first_token_id`): the prefill hands decode that token instead of the one it samples,
+    without the drafts it proposed after its own (and without streaming it again: no first_token_text);
+    decode continues after it exactly as one engine continues the prompt plus that token."""
+    from engine.llm import LLM
+    from models import bundled_checkpoint_dir
+
+    prefill, decode = nodes
+    reserved = decode.reserve(ReserveRequest("f0", PROMPT, GREEDY, _meta(prefill, "f0"), 1))
+    sampled = prefill.prefill(PrefillRequest("f0", PROMPT, GREEDY, reserved.bound_meta, 0))
+    assert sampled.first_token_text is not None  # greedy, no stop strings: it may go early
+    _events_until(decode, "f0", lambda e: isinstance(e, RequestError) or e.finished)
+    given = (sampled.first_token_id + 1) % prefill.engine.model.config.vocab_size
+    reserved = decode.reserve(ReserveRequest("f1", PROMPT, GREEDY, _meta(prefill, "f1"), 1))
+    result = prefill.prefill(
+        PrefillRequest("f1", PROMPT, GREEDY, reserved.bound_meta, 0, first_token_id=given)
+    )
+    assert (result.first_token_id, result.num_drafts, result.first_token_text) == (given, 0, None)
+    events, _ = _events_until(decode, "f1", lambda e: isinstance(e, RequestError) or e.finished)
+    assert all(isinstance(e, TokenDelta) for e in events), events
+    tokens = [t for e in events for t in e.new_token_ids]
+    oracle = LLM(bundled_checkpoint_dir(), num_kv_blocks=64)
+    rest = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens - 1, ignore_eos=True)
+    assert tokens == [given, *oracle.generate([[*PROMPT, given]], rest)[0].token_ids]
+    _assert_idle(prefill, decode)
+
+
 def test_poll_keeps_events_until_acknowledged(nodes) -> None:
     prefill, decode = nodes
     retained = decode.poll(0.0, 0)
