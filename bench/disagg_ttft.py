@@ -32,11 +32,11 @@ rows it is mostly the cluster itself; for the colocated row it is the machine's 
 Reported per configuration and prompt length: TTFT median/p90 (ms), the medians of every phase the cluster
 reports (`orchestrator.messages.Phases`: route, reserve, queue, prefill compute, last layer sent, received
 (`kv_transfer`: decode's `expect` to the last layer verified), admitted, first decode step), the rest of
-TTFT none of them covers (`unaccounted_ms_p50`: TTFT - route - reserve - kv_transfer - admit; the poll
-loop delivering the token, the prefill call's dispatch before prefill's clock starts being inside
-kv_transfer), the KV transfer's share of
-TTFT (with layerwise streaming the transfer overlaps prefill, so the shares are not additive),
-`after_prefill_ms`: TTFT minus queue and prefill, the part of the handoff prefill did not hide, KV bytes per
+TTFT none of them covers (`unaccounted_ms_p50`: TTFT - route - queue - prefill: the first token streams
+from the prefill call's reply (`orchestrator.dispatch.EmitFirstToken`), so this is the prefill call's way
+to the prefill rank and its reply's way back; the reserve runs beside the prefill, and the KV transfer and
+decode's admission come after the first token unless decode's delta is faster than the reply),
+`after_prefill_ms`: TTFT minus queue and prefill, what the prefill compute did not hide, KV bytes per
 request (model dtype, all layers incl. MTP) and the bytes the transfer reported; per prompt length the
 ratios disaggregated / colocated, and whether the issue's targets hold per transport: disaggregated TTFT
 (layerwise) at 2K-token prompts p50 <= `TARGET_P50_RATIO` x colocated p50 and p90 <= `TARGET_P90_RATIO` x
@@ -75,7 +75,7 @@ from orchestrator.backend import PHASE_NAMES
 TARGET_P50_RATIO = 1.05  # issue 13: disaggregated TTFT p50 <= 1.05 x colocated (layerwise, 2K prompts)
 TARGET_P90_RATIO = 1.10  # and p90 <= 1.10 x colocated p90
 TRANSPORTS = ("grpc", "shm")
-PHASES_IN_TTFT = ("route_s", "reserve_s", "kv_transfer_s", "admit_s")  # consecutive on the request path
+PHASES_IN_TTFT = ("route_s", "queue_s", "prefill_s")  # consecutive on the first token's path
 TARGET_PROMPT_LEN = 2048
 CONTEXT_LEN = 4096  # max_position_embeddings of the throwaway checkpoint
 MAX_TOKENS = 2  # TTFT needs one token; two make sure the request also went through decode
@@ -194,11 +194,9 @@ def point_summary(raw: dict[str, Any], kv_bytes: int, disaggregated: bool) -> di
     if disaggregated:
         rest = [s["ttft_s"] - sum(s["phases"].get(p, 0.0) for p in PHASES_IN_TTFT) for s in samples]
         out["unaccounted_ms_p50"] = round(statistics.median(rest) * 1e3, 3)
-        # what prefill did not hide: Ray calls, the transfer's tail, decode's admission, the token's delivery
+        # what prefill did not hide: routing, the prefill call's way there and its reply's way back
         exposed = [s["ttft_s"] - s["phases"]["queue_s"] - s["phases"]["prefill_s"] for s in samples]
         out["after_prefill_ms_p50"] = round(statistics.median(exposed) * 1e3, 3)
-        shares = [s["phases"]["kv_transfer_s"] / s["ttft_s"] for s in samples]
-        out["kv_transfer_share_of_ttft_p50"] = round(statistics.median(shares), 4)
         out["kv_bytes_per_request"] = kv_bytes
         wire = [s["phases"].get("kv_transfer_bytes") for s in samples]
         out["kv_transfer_bytes_reported"] = int(wire[0]) if wire and wire[0] is not None else None
@@ -336,7 +334,11 @@ def table(result: dict[str, Any]) -> str:
             )
     header = ("prompt", "config", "ttft p50", "p90", "ratio p50", "p90", "route", "reserve", "queue",
               "prefill", "last layer sent", "received", "admitted", "rest")  # fmt: skip
-    note = "(ms; phases are medians; rest: TTFT - route - reserve - received - admitted)"
+    note = (
+        "(ms; phases are medians; the first token streams from the prefill reply: rest = TTFT - route - "
+        "queue - prefill, the prefill call's way there and back; reserve, received and admitted run beside "
+        "or after it)"
+    )
     lines = [format_table(header, rows), note, f"target: {result['target']['rule']}"]
     lines += [f"  {k}: {v}" for k, v in result["target"].items() if k != "rule"]
     return "\n".join(lines)

@@ -458,8 +458,8 @@ class DecodeNode(RankActor):
         request = self.engine.scheduler.get_request(handoff_id)
         if request is None:  # the first token finished it: `_run_once` pops its output right after
             return []
-        # The first token streams at once, with its text; the engine reports the token again (its text not)
-        # with the next step's output.
+        # The first token streams at once, with its text (the driver drops it when the prefill call's reply
+        # streamed it first); the engine reports the token again (its text not) with the next step's output.
         handoff.num_sent = 1
         return [
             TokenDelta(

@@ -123,7 +123,6 @@ class AttemptState:
         request_id: the client's id.
         attempt_index: 0 for the first dispatch, 1 for the re-dispatch.
         prefill_instance / decode_instance: the pair's pool indices.
-        num_tokens_sent: tokens already streamed to the client (over all attempts).
         decode_streamed: a decode instance streamed tokens of the request to the client (any attempt);
             tokens streamed from a prefill reply alone do not count.
         first_token_streamed: this attempt's first token already reached the client (from its prefill
@@ -131,6 +130,7 @@ class AttemptState:
         earlier_errors: one line per failed earlier attempt (`describe_attempt`).
         decode_down_reason: None while the decode instance is in routing; else why it left routing.
         num_other_prefills: prefill instances in routing other than those tried so far.
+        prefill_routable: the attempt's prefill instance is still in routing.
         event_timeout_s: the wait for the next event (`event_timeout_s`), for the timeout message.
         max_attempts: dispatch attempts allowed (MAX_DISPATCH_ATTEMPTS).
     """
@@ -139,12 +139,12 @@ class AttemptState:
     attempt_index: int
     prefill_instance: int
     decode_instance: int
-    num_tokens_sent: int = 0
     decode_streamed: bool = False
     first_token_streamed: bool = False
     earlier_errors: tuple[str, ...] = ()
     decode_down_reason: str | None = None
     num_other_prefills: int = 1
+    prefill_routable: bool = True
     event_timeout_s: float = 0.0
     max_attempts: int = MAX_DISPATCH_ATTEMPTS
 
@@ -192,10 +192,11 @@ class EmitFirstToken:
 
 @dataclass(frozen=True)
 class Redispatch:
-    """Release this attempt and dispatch again to a prefill instance other than `excluded_prefill`;
-    `error` is this attempt's line (`describe_attempt`), kept for the final message."""
+    """Release this attempt and dispatch again to a prefill instance other than `excluded_prefill` (None:
+    any, the attempt's own included); `error` is this attempt's line (`describe_attempt`), kept for the
+    final message."""
 
-    excluded_prefill: int
+    excluded_prefill: int | None
     error: str
 
 
@@ -218,8 +219,9 @@ def next_action(state: AttemptState, event: Event) -> Action:
     it and nothing of the attempt reached the client yet, else it is waited on; an abort ends the stream.
     Any failure (prefill call, decode's handoff error, no event in time) ends the attempt: the request
     fails if its decode instance is lost (what it held is gone), if decode streamed tokens to the client
-    (never restart silently), or if no attempt or no other prefill instance is left; else it is
-    re-dispatched (keeping a first token a prefill reply streamed).
+    (never restart silently), or if no attempt is left; else it is re-dispatched (keeping a first token a
+    prefill reply streamed) to another prefill instance, or, when there is none, to the same one unless
+    the prefill call itself failed or that instance left routing.
     """
     if isinstance(event, TokenDelta):
         return Emit(event)
@@ -253,9 +255,13 @@ def next_action(state: AttemptState, event: Event) -> Action:
     handoff_failed = f"{state.request_id}: KV handoff failed: {'; '.join(errors)}"
     if state.attempt_index + 1 >= state.max_attempts:
         return Fail(handoff_failed)
-    if state.num_other_prefills <= 0:
+    if state.num_other_prefills > 0:
+        return Redispatch(state.prefill_instance, errors[-1])
+    if isinstance(event, PrefillFailed) or not state.prefill_routable:
         return Fail(f"{handoff_failed}; no other live prefill instance to re-dispatch to")
-    return Redispatch(state.prefill_instance, errors[-1])
+    # Decode's side failed (the transfer, the admission) or nothing came, and the prefill instance is still
+    # in routing: it may serve the retry (a one-prefill pool then retries too).
+    return Redispatch(None, errors[-1])
 
 
 def without_first_token(delta: TokenDelta, first_token_id: int, first_token_text: str) -> TokenDelta:

@@ -226,7 +226,8 @@ class Phases:
     queue_s, prefill_s: prefill's wait to be scheduled, then compute until its handoff finished.
     last_layer_sent_s: prefill: arrival to the last layer handed to its KV sender.
     kv_transfer_s: decode: `expect` until the whole handoff was received and verified (prefill overlaps it).
-    admit_s: decode: received until the engine thread admitted it (the first token streams then).
+    admit_s: decode: received until the engine thread admitted it (decode streams the first token then;
+        the driver drops it when the prefill call's reply streamed it first).
     first_decode_step_s: decode: admitted until its first stepped output.
     total_s: the driver: arrival until the latest delta.
     """

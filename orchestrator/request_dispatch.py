@@ -143,7 +143,8 @@ class RequestDispatch:
                 if isinstance(action, Fail):
                     raise BackendUnavailable(action.message)
                 record.errors.append(action.error)
-                record.excluded_prefills.add(action.excluded_prefill)
+                if action.excluded_prefill is not None:
+                    record.excluded_prefills.add(action.excluded_prefill)
                 logger.warning("%s: %s", request_id, action.error)
             raise BackendUnavailable(f"{request_id}: KV handoff failed: " + "; ".join(record.errors))
         finally:
@@ -181,7 +182,6 @@ class RequestDispatch:
         self._record_prefill_phases(record, result)
         assert result.first_token_text is not None
         record.first_token = (result.first_token_id, result.first_token_text)
-        record.num_tokens_sent += 1
         return record.stream_delta(
             TokenDelta(attempt.handoff_id, (result.first_token_id,), new_text=result.first_token_text)
         )
@@ -199,7 +199,8 @@ class RequestDispatch:
         if first_of_attempt and record.first_token is not None:
             try:
                 delta = without_first_token(delta, *record.first_token)
-            except ValueError as e:
+            except ValueError as e:  # the two instances disagree: a bug, never streamed as output
+                logger.error("%s: %s", record.request_id, e)
                 raise BackendUnavailable(f"{record.request_id}: {e}") from e
         if delta.phases.kv_transfer_s is not None and first_of_attempt:
             self._kv_transfer_seconds_total += delta.phases.kv_transfer_s
@@ -207,7 +208,6 @@ class RequestDispatch:
         record.phases = record.phases.merged(delta.phases)
         if delta.kv_transfer_bytes is not None:
             record.kv_transfer_bytes = delta.kv_transfer_bytes
-        record.num_tokens_sent += len(delta.new_token_ids)
         record.decode_streamed = record.decode_streamed or bool(delta.new_token_ids)
         record.finished = delta.finished
         if not (delta.new_token_ids or delta.new_text or delta.finished):
@@ -223,12 +223,12 @@ class RequestDispatch:
             attempt_index=attempt_index,
             prefill_instance=attempt.prefill_index,
             decode_instance=attempt.decode_index,
-            num_tokens_sent=record.num_tokens_sent,
             decode_streamed=record.decode_streamed,
             first_token_streamed=attempt.decode_delta_seen or record.first_token is not None,
             earlier_errors=tuple(record.errors),
             decode_down_reason=None if decode.routable else decode.health.reason,
             num_other_prefills=len(others),
+            prefill_routable=self.instances["prefill"][attempt.prefill_index].routable,
             event_timeout_s=self.event_timeout_s,
         )
 

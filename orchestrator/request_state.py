@@ -56,7 +56,6 @@ class RequestRecord:
     attempt: Attempt | None = None
     aborted: bool = False
     finished: bool = False
-    num_tokens_sent: int = 0
     decode_streamed: bool = False  # a decode delta carried tokens to the client (no re-dispatch after)
     # (token id, text): the first token, when a prefill call's reply streamed it (`EmitFirstToken`);
     # decode's first delta of each attempt comes without it, and a re-dispatch keeps it

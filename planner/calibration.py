@@ -2,7 +2,7 @@
 
 A calibration is a JSON object (written by `planner.profiling.write_calibration`):
 
-    {"format": "pdcluster-calibration/1", "accelerator": "cpu",
+    {"format": "pdcluster-calibration/2", "accelerator": "cpu",
      "factors": {"gemm_compute": 0.31, ..., "host_overhead_s": 0.0021},
      "fit": {...}, "samples": [...], "residuals": {...}}
 
@@ -19,7 +19,10 @@ from typing import Any
 
 from orchestrator.efficiency import Efficiency
 
-FORMAT = "pdcluster-calibration/1"
+FORMAT = "pdcluster-calibration/2"
+# /1: its control plane's first_token_extra_s held the KV handoff and the admission (the first token
+# streamed from decode then); read as /2 it would price them twice
+OLD_FORMATS = ("pdcluster-calibration/1",)
 
 
 def factor_names() -> tuple[str, ...]:
@@ -41,6 +44,11 @@ def read_calibration(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: no such calibration file (write one with `pdcluster profile`)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not a readable JSON calibration ({exc})") from None
+    if isinstance(raw, dict) and raw.get("format") in OLD_FORMATS:
+        raise ValueError(
+            f'{path}: "format": "{raw["format"]}" was written by an earlier pdcluster, whose control plane '
+            f"priced the first token after the KV handoff; run `pdcluster profile` again"
+        )
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise ValueError(f'{path}: not a calibration file (expected "format": "{FORMAT}")')
     factors = raw.get("factors")

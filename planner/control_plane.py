@@ -2,11 +2,11 @@
 
 The step model (`planner.perf_model`) prices what an engine computes; a live request also pays for the
 path around it (`orchestrator.messages.Phases` names the pieces): the driver's route and its reserve round
-trip to decode before prefill starts, the KV handoff's fixed costs and the admission on decode before the
-first token reaches the client, an extra cost of the first decode step after an admission, and per decode
-step the host work the engine loop does beside the model (output polling, streaming). `ControlPlane` holds
-these in seconds; the zero one (the default) is the published deployments' case, whose figures are
-engine-side only.
+trip to decode before prefill starts, the prefill call's reply that carries the first token to the client
+(`orchestrator.dispatch.EmitFirstToken`), the KV handoff's fixed costs and the admission on decode, an
+extra cost of the first decode step after an admission, and per decode step the host work the engine loop
+does beside the model (output polling, streaming). `ControlPlane` holds these in seconds; the zero one
+(the default) is the published deployments' case, whose figures are engine-side only.
 
 `measure_control_plane` measures them here, on the live cluster of a topology, from requests that run one
 at a time (no queueing, so each difference below is overhead, not waiting), with prompt lengths and
@@ -14,13 +14,18 @@ output lengths of its own (`PROMPT_LENS`; not a trace, so never the replay the f
 
     dispatch_s                 median of `route_s + reserve_s` (Phases, the driver's clock)
     first_token_extra_s        median of client TTFT - dispatch - modelled prefill step: the prefill
-                               call's reply and the HTTP/SSE path (the first token streams from the
-                               prefill reply, `orchestrator.dispatch.EmitFirstToken`, not after the KV
-                               handoff)
+                               call's reply and the HTTP/SSE path
+    handoff_extra_s            median of `kv_transfer_s + admit_s` (decode: from its `expect`, inside the
+                               reserve, to the admission; prefill runs inside it) - modelled prefill step -
+                               modelled KV handoff (`StepTimeModel.kv_handoff_s`): the handoff's fixed
+                               costs beyond the model and the admission wait
     first_decode_step_extra_s  median of Phases `first_decode_step_s` - modelled decode step at batch 1
     decode_step_extra_s        median of (client decode time - first_decode_step_s) / (steps - 1) -
-                               modelled decode step; steps = (output tokens - 1) / (1 + accepted drafts per
-                               step, from the request's measured acceptance rate x k)
+                               modelled decode step; the client decode time is the client's last token
+                               - first token less the gap from the first token to the admission
+                               (dispatch + kv_transfer_s + admit_s - TTFT, when positive); steps =
+                               (output tokens - 1) / (1 + accepted drafts per step, from the request's
+                               measured acceptance rate x k)
 
 Each is clamped at 0 (a model slower than the live path adds nothing). Measured at batch 1: per-step
 extras that grow with the batch are not seen (stated, not modelled).
@@ -49,6 +54,7 @@ class ControlPlane:
 
     dispatch_s: float = 0.0
     first_token_extra_s: float = 0.0
+    handoff_extra_s: float = 0.0
     first_decode_step_extra_s: float = 0.0
     decode_step_extra_s: float = 0.0
 
@@ -105,8 +111,7 @@ def derive(points: list[dict[str, Any]]) -> ControlPlane:
         values = [p[key] for p in points if p.get(key) is not None]
         return max(0.0, statistics.median(values)) if values else 0.0
 
-    return ControlPlane(med("dispatch_s"), med("first_token_extra_s"), med("first_decode_step_extra_s"),
-                        med("decode_step_extra_s"))  # fmt: skip
+    return ControlPlane(**{f.name: med(f.name) for f in fields(ControlPlane)})
 
 
 def point_from_result(result, k: int, modelled: dict[str, float]) -> dict[str, Any]:
@@ -123,13 +128,18 @@ def point_from_result(result, k: int, modelled: dict[str, float]) -> dict[str, A
         "dispatch_s": dispatch,
     }
     point["first_token_extra_s"] = result.ttft_s - dispatch - modelled["prefill_s"]
+    kv_transfer, admit = ph.get("kv_transfer_s"), ph.get("admit_s") or 0.0
+    gap = 0.0  # the first token at the client -> its admission on decode
+    if kv_transfer is not None:
+        point["handoff_extra_s"] = kv_transfer + admit - modelled["prefill_s"] - modelled["kv_handoff_s"]
+        gap = max(0.0, dispatch + kv_transfer + admit - result.ttft_s)
     first = ph.get("first_decode_step_s")
     if first is not None:
         point["first_decode_step_extra_s"] = first - modelled["decode_s"]
     tokens_per_step = 1.0 + (result.acceptance_rate or 0.0) * k
     num_steps = (result.num_output_tokens - 1) / tokens_per_step
     if first is not None and result.tpot_s is not None and num_steps > 1.5:
-        decode_time = result.tpot_s * (result.num_output_tokens - 1)
+        decode_time = result.tpot_s * (result.num_output_tokens - 1) - gap
         point["decode_step_extra_s"] = (decode_time - first) / (num_steps - 1) - modelled["decode_s"]
     return point
 

@@ -81,9 +81,8 @@ class SimRequest:
         self.prefill_queued_s: float | None = None
         self.prefill_start_s: float | None = None
         self.prefill_end_s: float | None = None
-        self.first_token_s: float | None = (
-            None  # at the client: from the prefill reply (`orchestrator.dispatch`)
-        )
+        # at the client: the prefill reply's time (`orchestrator.dispatch.EmitFirstToken`), or the admission
+        self.first_token_s: float | None = None
         self.admitted_s: float | None = None  # on decode
         self.last_token_s: float | None = None
         self.finished_s: float | None = None
@@ -188,8 +187,8 @@ class SimEngine:
         request.num_computed_tokens = request.num_prompt_tokens
         request.num_output_tokens = 1
         request.admitted_s = request.last_token_s = now_s
-        if request.first_token_s is None:
-            request.first_token_s = now_s
+        if request.first_token_s is None or request.first_token_s > now_s:
+            request.first_token_s = now_s  # decode's delta reaches the client before the prefill reply
         if request.max_tokens <= 1:  # the first token finished it
             request.finished_s = now_s
             self._free(request)

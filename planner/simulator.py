@@ -12,10 +12,12 @@ requests through the live policies, imported and called, never copied:
                               after arrival)
     step end (prefill)        the live scheduler policy (`engine.scheduler_policy.schedule_step`, in
                               `planner.sim_engine.SimEngine`) plans each step under the token budget with
-                              chunked prefill; a request whose prompt is done starts its KV handoff, which
-                              ends `StepTimeModel.kv_handoff_s` later (layer-wise overlap is the model's)
-    handoff done              decode admits the request at its next step boundary and streams the first
-                              token (`DecodeNode._run_once`): that is the request's TTFT
+                              chunked prefill; a request whose prompt is done sends its first token to the
+                              client with the prefill call's reply (`orchestrator.dispatch.EmitFirstToken`):
+                              that is the request's TTFT; its KV handoff ends `StepTimeModel.kv_handoff_s`
+                              later (layer-wise overlap is the model's)
+    handoff done              decode admits the request at its next step boundary (`DecodeNode._run_once`;
+                              its first token reaches the client then if the reply has not yet)
     step end (decode)         continuous batching: every running request verifies its MTP drafts
                               (acceptance per draft position) and streams its tokens
 
@@ -163,8 +165,9 @@ class ClusterSimulator:
             at least; ignored without MTP).
         seed: seeds the draft-acceptance draws (same seed, same inputs: the same result).
         control_plane: the live path's seconds around the steps (`planner.control_plane`): the route +
-            reserve round trip delays the prefill's queueing, the first-token extra the admission, and
-            each decode step (and the first after an admission) pays its extra. Zero by default.
+            reserve round trip delays the prefill's queueing, the first-token extra the first token after
+            the prefill's end, the handoff extra the admission, and each decode step (and the first after
+            an admission) pays its extra. Zero by default.
     """
 
     def __init__(
@@ -303,14 +306,14 @@ class ClusterSimulator:
     def _step_end(self, engine: SimEngine, now_s: float) -> None:
         done = engine.finish_step(now_s)
         if engine.role == "prefill":
-            model, first_token_extra_s = self.prefill_model, self.control_plane.first_token_extra_s
+            model, cp = self.prefill_model, self.control_plane
             for request in done:
                 assert request.prefill_start_s is not None
                 # the first token reaches the client with the prefill call's reply (`EmitFirstToken`)
-                request.first_token_s = now_s + first_token_extra_s
+                request.first_token_s = now_s + cp.first_token_extra_s
                 # MTP state (drafts) travels with the KV; decode starts at full acceptance
                 compute_s = now_s - request.prefill_start_s
-                handoff_s = model.kv_handoff_s(request.num_prompt_tokens, compute_s)
+                handoff_s = model.kv_handoff_s(request.num_prompt_tokens, compute_s) + cp.handoff_extra_s
                 self._push(now_s + handoff_s, _HANDOFF_DONE, request)
         elif engine.pending_reserves:  # the reserves that waited for the engine lock, in arrival order
             reserves, engine.pending_reserves = engine.pending_reserves, []
@@ -330,9 +333,10 @@ def to_results(sims: Sequence[SimRequest]) -> tuple[list[RequestResult], float]:
     """`RequestResult`s of finished simulations and the duration (first arrival -> last answer), as
     `orchestrator.bench_client.replay` measures them at the client. Phases in seconds: queue_s (arrival ->
     first prefill step, reserve retries included), prefill_s (-> prompt done), kv_transfer_s (-> handoff
-    admitted on decode, waiting for the step boundary included), decode_s (first token -> last). The first
-    token reaches the client at the prefill's end plus the control plane's `first_token_extra_s` (the
-    prefill reply streams it, `orchestrator.dispatch.EmitFirstToken`), before decode admits the request."""
+    admitted on decode, waiting for the step boundary included), decode_s (admitted -> last token); they
+    add up to e2e. The first token reaches the client at the prefill's end plus the control plane's
+    `first_token_extra_s` (the prefill reply streams it, `orchestrator.dispatch.EmitFirstToken`), or at
+    the admission if that comes first."""
     results = []
     first_s = min((s.arrival_s for s in sims), default=0.0)
     last_s = first_s
@@ -356,7 +360,7 @@ def to_results(sims: Sequence[SimRequest]) -> tuple[list[RequestResult], float]:
             "queue_s": s.prefill_start_s - s.arrival_s,
             "prefill_s": s.prefill_end_s - s.prefill_start_s,
             "kv_transfer_s": result.kv_transfer_s,
-            "decode_s": s.last_token_s - s.first_token_s,
+            "decode_s": s.last_token_s - s.admitted_s,
         }
         last_s = max(last_s, s.finished_s)
         results.append(result)

@@ -398,7 +398,9 @@ class PrefillNode(RankActor):
     def _hand_over(self, job: Job, result: Any, queue_s: float) -> None:
         """Send the layers not sent yet, then finish the handoff with the first token and drafts (the
         request's `first_token_id` instead of the sampled one when it has one; its drafts, proposed after
-        another token, are dropped then)."""
+        another token, are dropped then. The MTP layer's KV at the prompt's last position was computed
+        with the sampled token's embedding and is sent as it is: decode's drafts attend to it, so their
+        acceptance may be lower for this request, never its tokens, which verification decides)."""
         request_id = job.request_id
         forced = job.request.first_token_id
         if forced is not None and forced != result.first_token_id:

@@ -207,7 +207,9 @@ def build_app(
     ) -> Response:
         gen = Generation(backend, prepared, metrics, slo)
         # Wait for the first delta before answering, so a request the backend refuses gets a real 400/503
-        # instead of an error event inside a 200 stream.
+        # instead of an error event inside a 200 stream. On the cluster the first delta is the prefill
+        # reply's first token (`orchestrator.dispatch.EmitFirstToken`): a handoff that fails after it and
+        # cannot be re-dispatched (`next_action`) ends the stream with an error event instead.
         try:
             first = await until_disconnect(request, gen.next())
         except BaseException:

@@ -50,7 +50,7 @@ def test_a_prefill_reply_streams_its_first_token_unless_the_client_has_one() -> 
     result = PrefillResult(42, 1, 0.25, 1.5, first_token_text=" the")
     assert next_action(FIRST, PrefillDone(result)) == EmitFirstToken(result)
     # decode's delta came first: the reply is only waited on (decode streamed the token)
-    streamed = AttemptState("r1", 0, 0, 1, num_tokens_sent=1, decode_streamed=True, first_token_streamed=True)
+    streamed = AttemptState("r1", 0, 0, 1, decode_streamed=True, first_token_streamed=True)
     assert next_action(streamed, PrefillDone(result)) == Wait(result)
     # an incomplete character streams no text yet, but the token goes
     partial = PrefillResult(42, 1, 0.25, 1.5, first_token_text="")
@@ -97,7 +97,7 @@ def test_prefill_died_after_decodes_reservation_the_transfer_fails_on_decode() -
 
 
 def test_transfer_failed_with_tokens_already_sent_fails_mid_stream() -> None:
-    state = AttemptState("r1", 0, 0, 1, num_tokens_sent=3, decode_streamed=True)
+    state = AttemptState("r1", 0, 0, 1, decode_streamed=True)
     action = next_action(state, RequestError("r1@0", "decode failed: boom"))
     assert action == Fail("r1: decode failed mid-stream: decode failed: boom")
 
@@ -105,14 +105,30 @@ def test_transfer_failed_with_tokens_already_sent_fails_mid_stream() -> None:
 def test_transfer_failed_after_only_prefills_first_token_is_redispatched() -> None:
     """The first token went to the client from the prefill reply, decode streamed nothing: re-dispatched
     (`Cluster.generate` keeps that token: `PrefillRequest.first_token_id`)."""
-    state = AttemptState("r1", 0, 0, 1, num_tokens_sent=1, first_token_streamed=True)
+    state = AttemptState("r1", 0, 0, 1, first_token_streamed=True)
     action = next_action(state, RequestError("r1@0", "checksum mismatch"))
     assert action == Redispatch(0, "attempt 1 (prefill-0 -> decode-1): checksum mismatch")
 
 
-def test_transfer_failed_with_no_other_prefill_fails_naming_the_cause() -> None:
+def test_with_no_other_prefill_a_decode_side_failure_retries_on_the_same_prefill() -> None:
+    """A one-prefill pool: the transfer or the admission failed on decode, the prefill instance is still in
+    routing: re-dispatched with no prefill excluded (it serves the retry)."""
     state = AttemptState("r1", 0, 0, 1, num_other_prefills=0)
     action = next_action(state, RequestError("r1@0", "LeaseExpired: no layer in 30 s"))
+    assert action == Redispatch(None, "attempt 1 (prefill-0 -> decode-1): LeaseExpired: no layer in 30 s")
+    assert next_action(state, NoEvent()) == Redispatch(
+        None, "attempt 1 (prefill-0 -> decode-1): no event from decode-1 / prefill-0 within 0 s"
+    )
+
+
+def test_with_no_other_prefill_a_failed_prefill_fails_naming_the_cause() -> None:
+    state = AttemptState("r1", 0, 0, 1, num_other_prefills=0)
+    assert next_action(state, PrefillFailed("the actor process died")) == Fail(
+        "r1: KV handoff failed: attempt 1 (prefill-0 -> decode-1): prefill-0: the actor process died; "
+        "no other live prefill instance to re-dispatch to"
+    )
+    gone = AttemptState("r1", 0, 0, 1, num_other_prefills=0, prefill_routable=False)
+    action = next_action(gone, RequestError("r1@0", "LeaseExpired: no layer in 30 s"))
     assert action == Fail(
         "r1: KV handoff failed: attempt 1 (prefill-0 -> decode-1): LeaseExpired: no layer in 30 s; "
         "no other live prefill instance to re-dispatch to"
@@ -150,7 +166,7 @@ def test_no_event_within_the_event_timeout() -> None:
     assert next_action(FIRST, NoEvent()) == Redispatch(
         0, "attempt 1 (prefill-0 -> decode-1): no event from decode-1 / prefill-0 within 35 s"
     )
-    mid_stream = AttemptState("r1", 0, 0, 1, num_tokens_sent=1, decode_streamed=True, event_timeout_s=35.0)
+    mid_stream = AttemptState("r1", 0, 0, 1, decode_streamed=True, event_timeout_s=35.0)
     assert next_action(mid_stream, NoEvent()) == Fail(
         "r1: decode failed mid-stream: no event from decode-1 / prefill-0 within 35 s"
     )

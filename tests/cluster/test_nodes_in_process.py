@@ -115,7 +115,7 @@ def test_a_first_token_the_client_has_replaces_the_sampled_one(nodes) -> None:
     """A re-dispatch after the first token streamed from an earlier prefill reply
     (`PrefillRequest.first_token_id`): the prefill hands decode that token instead of the one it samples,
     without the drafts it proposed after its own (and without streaming it again: no first_token_text);
-    decode continues after it exactly as one engine continues the prompt plus that token."""
+    decode's tokens after it are one engine's greedy continuation of the prompt plus that token."""
     from engine.llm import LLM
     from models import bundled_checkpoint_dir
 

@@ -39,31 +39,48 @@ def test_one_request_pays_each_control_plane_cost_once_where_the_live_path_does(
     # 4 decode steps for tokens 2..5 follow
     assert bare.ttft_s == pytest.approx(0.010, abs=TOL_S)
     assert bare.tpot_s == pytest.approx((0.003 + 4 * 0.002) / 4, abs=TOL_S)
-    cp = ControlPlane(dispatch_s=0.004, first_token_extra_s=0.005, first_decode_step_extra_s=0.003,
-                      decode_step_extra_s=0.001)  # fmt: skip
+    cp = ControlPlane(dispatch_s=0.004, first_token_extra_s=0.002, handoff_extra_s=0.004,
+                      first_decode_step_extra_s=0.003, decode_step_extra_s=0.001)  # fmt: skip
     r = _one_request(cp)
     # route + reserve before the prefill is queued, then prefill and the first-token extra (its reply)
-    assert r.ttft_s == pytest.approx(0.004 + 0.010 + 0.005, abs=TOL_S)
-    assert r.phases["queue_s"] == pytest.approx(0.004, abs=TOL_S)
-    # decode admits it after the handoff; the first decode step pays both extras, the next three the
-    # per-step one
+    assert r.ttft_s == pytest.approx(0.004 + 0.010 + 0.002, abs=TOL_S)
+    # decode admits it after the modelled handoff and the handoff extra; the first decode step pays both
+    # extras, the next three the per-step one
     decode_s = (0.002 + 0.001 + 0.003) + 3 * (0.002 + 0.001)
-    assert r.e2e_s == pytest.approx(0.004 + 0.010 + 0.003 + decode_s, abs=TOL_S)
-    assert r.tpot_s == pytest.approx((r.e2e_s - r.ttft_s) / 4, abs=TOL_S)
+    assert r.phases == pytest.approx(
+        {"queue_s": 0.004, "prefill_s": 0.010, "kv_transfer_s": 0.003 + 0.004, "decode_s": decode_s},
+        abs=TOL_S,
+    )
+    assert r.e2e_s == pytest.approx(sum(r.phases.values()), abs=TOL_S)
+    assert r.tpot_s == pytest.approx((0.004 + 0.010 + 0.007 + decode_s - r.ttft_s) / 4, abs=TOL_S)
+    # a reply slower than the handoff: decode's delta (at the admission) is the first token the client sees
+    late = _one_request(ControlPlane(first_token_extra_s=0.050))
+    assert late.ttft_s == pytest.approx(0.010 + 0.003, abs=TOL_S)
+    assert late.tpot_s == pytest.approx(0.002, abs=TOL_S) and late.e2e_s >= late.ttft_s
 
 
 def test_derive_subtracts_the_modelled_engine_time_from_the_measured_phases():
     result = RequestResult(0, 64, 9, 0.0, ok=True, num_output_tokens=9, ttft_s=0.050, tpot_s=0.008,
                            acceptance_rate=0.5,
-                           phases={"route_s": 0.001, "reserve_s": 0.002,
-                                   "first_decode_step_s": 0.010})  # fmt: skip
+                           phases={"route_s": 0.001, "reserve_s": 0.002, "kv_transfer_s": 0.040,
+                                   "admit_s": 0.001, "first_decode_step_s": 0.010})  # fmt: skip
     modelled = {"prefill_s": 0.020, "kv_handoff_s": 0.005, "decode_s": 0.004}
     point = point_from_result(result, 1, modelled)
     steps = 8 / 1.5  # 8 tokens after the first at 1 + 0.5 x 1 per step
     assert point["dispatch_s"] == pytest.approx(0.003, abs=TOL_S)
     assert point["first_token_extra_s"] == pytest.approx(0.050 - 0.003 - 0.020, abs=TOL_S)
+    assert point["handoff_extra_s"] == pytest.approx(0.040 + 0.001 - 0.020 - 0.005, abs=TOL_S)
     assert point["first_decode_step_extra_s"] == pytest.approx(0.010 - 0.004, abs=TOL_S)
+    # the client's decode time less the gap from its first token to the admission (3 + 40 + 1 - 50 ms:
+    # none here, the reply came after the admission)
     assert point["decode_step_extra_s"] == pytest.approx((0.064 - 0.010) / (steps - 1) - 0.004, abs=TOL_S)
+    early_reply = RequestResult(0, 64, 9, 0.0, ok=True, num_output_tokens=9, ttft_s=0.030, tpot_s=0.008,
+                                acceptance_rate=0.5, phases=dict(result.phases))  # fmt: skip
+    early = point_from_result(early_reply, 1, modelled)
+    gap = 0.003 + 0.040 + 0.001 - 0.030
+    assert early["decode_step_extra_s"] == pytest.approx(
+        (0.064 - gap - 0.010) / (steps - 1) - 0.004, abs=TOL_S
+    )
     slower = dict(point, decode_step_extra_s=-0.5)  # a model slower than the live path adds nothing
     cp = derive([point, slower, point])
     assert cp.decode_step_extra_s == pytest.approx(point["decode_step_extra_s"], abs=TOL_S)

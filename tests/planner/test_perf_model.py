@@ -165,6 +165,7 @@ def test_calibration_files(tmp_path):
     for text, match in (
         ("{", "not a readable JSON"),
         (json.dumps({"format": "x"}), "not a calibration"),
+        (json.dumps({"format": "pdcluster-calibration/1"}), "written by an earlier pdcluster"),
         (json.dumps({"format": FORMAT, "factors": {"speed": 1}}), "unknown factor 'speed'"),
         (json.dumps({"format": FORMAT, "factors": {"memory": -1}}), "finite number >= 0"),
     ):

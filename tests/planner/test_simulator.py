@@ -125,7 +125,7 @@ def test_one_request_ttft_tpot_e2e_exact():
     assert r.tpot_s == pytest.approx(0.08 / 3, abs=TOL_S)
     assert r.e2e_s == pytest.approx(0.18, abs=TOL_S)
     assert r.phases == pytest.approx(
-        {"queue_s": 0.0, "prefill_s": 0.1, "kv_transfer_s": 0.05, "decode_s": 0.08}, abs=TOL_S
+        {"queue_s": 0.0, "prefill_s": 0.1, "kv_transfer_s": 0.05, "decode_s": 0.03}, abs=TOL_S
     )
     assert prefill.steps == [StepShape((PrefillChunk(100, 0),), (), 0)]
     assert decode.steps == [StepShape((), (DecodeRow(100 + i, 1),), 0) for i in range(3)]
