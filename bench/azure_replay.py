@@ -14,7 +14,9 @@ a child process of its own (`bench.server_procs`), so none shares this client's 
                     itself (RAY_ADDRESS is dropped from its environment)
     colocated       `python -m bench.colocated_server`: one `LLMEngine` doing both prefill and decode,
                     with the topology's decode `EngineConfig` (same model, dtype, MTP k, KV cache,
-                    prefix caching), `--server-threads` torch threads, behind the same API
+                    prefix caching, `compile`: both servers compile their decode forward at load unless
+                    the topology says `decode: compile: false`), `--server-threads` torch threads,
+                    behind the same API
     vllm_mtp_eager  vLLM's CPU build (`vllm serve` from `--vllm-venv`, `bench.vllm_server`), the same
                     checkpoint in float32, MTP k=1, `enforce_eager`: the same algorithm as ours
     vllm_default    the same, in vLLM's default mode (torch.compile, no speculation); `--vllm-modes`

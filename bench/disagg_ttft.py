@@ -13,8 +13,11 @@ prompt length discarded, then `--repeats` timed:
 
 Why this colocated baseline is the fair one: TTFT is taken at the same interface in both cases
 (`ServingBackend.generate`, the first delta that carries a token, on the caller's clock), with the same
-`EngineConfig` (the prefill pool's: same chunking, token budget, MTP drafting, dtype) and one torch thread
-per engine (Cluster actors run with OMP_NUM_THREADS=1; this process is set to `--threads`, default 1). So
+`EngineConfig` (the prefill pool's: same chunking, token budget, MTP drafting, dtype, `compile` off; the
+decode pool's `compile` is turned off too, so every engine runs eagerly as before compile became decode's
+default: one request at a time its decode steps barely enter TTFT, and compiling would add tens of seconds
+to each deployment) and one torch thread per engine (Cluster actors run with OMP_NUM_THREADS=1; this
+process is set to `--threads`, default 1). So
 the difference is exactly what disaggregation adds: the router's load snapshots and decode's reservation
 (Ray calls), the prefill call, the KV handoff, decode's admission and the poll loop delivering the token.
 A colocated engine inside a Ray actor would add a Ray hop the single-engine server does not have.
@@ -227,7 +230,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             n: make_prompts(n, num_per_point, arch.vocab_size, seed=n) for n in args.prompt_lens
         }
         base = load_topology("clusters/local.yaml")
-        base = dataclasses.replace(base, model=dataclasses.replace(base.model, path=str(ckpt)))
+        base = dataclasses.replace(
+            base,
+            model=dataclasses.replace(base.model, path=str(ckpt)),
+            decode=dataclasses.replace(base.decode, compile=False),  # eager, like colocated (docstring)
+        )
         engine_config = base.engine_config("prefill")
         num_kv_layers = arch.num_hidden_layers + (1 if engine_config.num_speculative_tokens else 0)
         itemsize = getattr(torch, engine_config.dtype).itemsize

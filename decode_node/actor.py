@@ -106,8 +106,10 @@ class DecodeNode(RankActor):
         return self.engine.config.kv_cache_dtype == "int8"
 
     def ready(self) -> NodeReady:
-        """Name, process id and load time, once the weights are loaded."""
-        return NodeReady(self.name, os.getpid(), self.load_s, self.engine.scheduler.block_manager.num_blocks)
+        """Name, process id, load time and what `compile` did, once the engine is loaded (weights read and,
+        with `compile`, the decode forward compiled: Ray runs no call before the constructor returns)."""
+        num_blocks = self.engine.scheduler.block_manager.num_blocks
+        return NodeReady(self.name, os.getpid(), self.load_s, num_blocks, compile=self.engine.compile_stats())
 
     def start_grpc(self, tls: TLSCredentials | None = None) -> str:
         """Start the gRPC receiver on a free port of `host` (mutual TLS with `tls`); returns the address

@@ -19,7 +19,10 @@ Greedy output is the same as the eager forward's up to float rounding (another s
 the fused kernels and the dense MoE), which greedy argmax does not see on the bundled model
 (tests/engine/test_compiled_forward.py checks token identity for k = 0, 1, 3).
 Compilation happens in `warm_up` (the engine calls it at load, printing progress to stderr); after it a
-step that would need a new graph runs eagerly instead of compiling (`torch.compiler.set_stance`).
+step that would need a new graph runs eagerly instead of compiling (`torch.compiler.set_stance`). When
+compiling fails at load (no C++ compiler for inductor, an inductor or dynamo error), the engine logs a
+warning naming the error and runs every step eagerly (`LLMEngine`, `CompileStats.error`): same tokens,
+slower decode.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +46,36 @@ def batch_size_buckets(max_num_reqs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4) if b < max_num_reqs]
     sizes += list(range(8, max_num_reqs, 8))
     return sorted(set(sizes + [max_num_reqs]))
+
+
+def _progress(line: str) -> None:
+    """Overwrite the progress line on stderr (padded: a shorter line hides the longer one before it)."""
+    sys.stderr.write("\r" + line.ljust(80))
+    sys.stderr.flush()
+
+
+@dataclass(frozen=True)
+class CompileStats:
+    """What EngineConfig `compile` did in one engine (`LLMEngine.compile_stats`).
+
+    Attributes:
+        requested: `compile` was on.
+        compiled: the compiled forward runs this engine's uniform decode steps (False: every step eager).
+        compile_s: seconds compiling took at load (`CompiledDecodeForward.warm_up`), up to the failure when
+            it failed; 0.0 when nothing was compiled.
+        error: why `compile` was on and nothing runs compiled: what the model or cache lacks
+            (`CompiledDecodeForward.supported`), or `ExceptionType: first line of its message` of a failed
+            compilation; None otherwise.
+        num_compiled_steps: steps that ran the compiled graph.
+        num_eager_fallbacks: uniform steps that needed a graph not compiled at load (they ran eagerly).
+    """
+
+    requested: bool
+    compiled: bool
+    compile_s: float = 0.0
+    error: str | None = None
+    num_compiled_steps: int = 0
+    num_eager_fallbacks: int = 0
 
 
 class CompiledDecodeForward:
@@ -130,31 +164,42 @@ class CompiledDecodeForward:
 
     def warm_up(self, show_progress: bool = True) -> float:
         """Compile the graphs of every (query length, bucket) on dummy inputs (block 0, no context;
-        nothing is written). Returns the seconds it took; progress lines go to stderr."""
+        nothing is written). Returns the seconds it took; progress lines go to stderr.
+
+        Raises:
+            Exception: whatever compiling raised (e.g. torch._dynamo.exc.BackendCompilerFailed when
+                inductor finds no C++ compiler); the forward then stays unusable (`accepts` is False).
+        """
         start = time.perf_counter()
         total = len(self.query_lens) * len(self.buckets)
         done = 0
         device = self.runner.device
-        for q in self.query_lens:
-            for size in self.buckets:
-                rows = max(size, self._min_rows)
-                # Sizes that differ (columns from rows and tokens) and distinct tensors: torch.compile
-                # would otherwise assume equal sizes / aliasing that later steps do not have.
-                num_columns = self._min_columns if self._cuda else rows * q + 1
-                with torch.inference_mode():  # inference tensors, like every step's inputs
-                    ids = torch.zeros(rows * q, dtype=torch.long, device=device)
-                    positions = torch.zeros(rows * q, dtype=torch.long, device=device)
-                    tables = torch.zeros(rows, num_columns, dtype=torch.long, device=device)
-                    lens = torch.zeros(rows, dtype=torch.long, device=device)
-                    self._graphs[q](ids, positions, tables, lens)
-                done += 1
-                if show_progress:
-                    sys.stderr.write(
-                        f"\rcompiling the decode forward: q={q} batch {size} ({done}/{total}), "
-                        f"{time.perf_counter() - start:.0f} s"
-                    )
-        if show_progress:
-            sys.stderr.write("\n")
+        try:
+            for q in self.query_lens:
+                for size in self.buckets:
+                    rows = max(size, self._min_rows)
+                    # Sizes that differ (columns from rows and tokens) and distinct tensors: torch.compile
+                    # would otherwise assume equal sizes / aliasing that later steps do not have.
+                    num_columns = self._min_columns if self._cuda else rows * q + 1
+                    if show_progress:  # before the call: the first bucket of each q takes the longest
+                        _progress(
+                            f"compiling the decode forward: q={q} batch {size} ({done + 1}/{total}), "
+                            f"{time.perf_counter() - start:.0f} s so far"
+                        )
+                    with torch.inference_mode():  # inference tensors, like every step's inputs
+                        ids = torch.zeros(rows * q, dtype=torch.long, device=device)
+                        positions = torch.zeros(rows * q, dtype=torch.long, device=device)
+                        tables = torch.zeros(rows, num_columns, dtype=torch.long, device=device)
+                        lens = torch.zeros(rows, dtype=torch.long, device=device)
+                        self._graphs[q](ids, positions, tables, lens)
+                    done += 1
+            if show_progress:
+                elapsed_s = time.perf_counter() - start
+                _progress(f"compiled the decode forward: {total} buckets in {elapsed_s:.1f} s")
+        finally:
+            if show_progress:  # end the progress line, also before a failure's message
+                sys.stderr.write("\n")
+                sys.stderr.flush()
         self._ready = True
         return time.perf_counter() - start
 

@@ -46,6 +46,28 @@ MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc transport) this oft
 # Seconds deploy waits for each rank actor to load its weights, and the ranks of an instance for each other
 # at their group's rendezvous (they start at once, but on a busy machine not at the same moment).
 ACTORS_READY_TIMEOUT_S = 300.0
+# Seconds more deploy waits for the ranks of a pool with `compile` on (the decode pool's default): compiling
+# the decode forward at load took ~50 s on an idle 2-core machine and 196 s with its cores contended.
+COMPILE_READY_TIMEOUT_S = 600.0
+
+
+def ready_timeout_s(topology: Topology) -> float:
+    """How long deploy waits for each rank actor to be ready, and the ranks of a multi-rank instance for
+    each other at their rendezvous (seconds): ACTORS_READY_TIMEOUT_S, plus COMPILE_READY_TIMEOUT_S when a
+    pool compiles its decode forward at load."""
+    compiles = topology.prefill.compile or topology.decode.compile
+    return ACTORS_READY_TIMEOUT_S + (COMPILE_READY_TIMEOUT_S if compiles else 0.0)
+
+
+def load_summary(info: NodeReady) -> str:
+    """How a rank's load went, for deploy's log: its load time and what `compile` did (compiled in how
+    long, or why the rank runs eagerly)."""
+    stats = info.compile
+    if stats is None or not stats.requested:
+        return f"weights loaded in {info.load_s:.1f} s"
+    if stats.compiled:
+        return f"loaded in {info.load_s:.1f} s, the decode forward compiled in {stats.compile_s:.1f} s"
+    return f"loaded in {info.load_s:.1f} s; compile is on but the decode forward runs eagerly: {stats.error}"
 
 
 def check_deployable_parallelism(topology: Topology) -> None:
@@ -95,7 +117,8 @@ class ClusterDeployment(ClusterWiring):
         """Start the cluster: `ray.init` (RAY_ADDRESS if set, else a local Ray with `num_cpus`, default the
         devices the topology uses), one placement group per instance (`plan_placement`; pinned to its
         planned node where the Ray nodes carry `pdcluster_node_<i>` resources), one actor per instance in
-        it, loading weights in parallel, then the KV connectors. Logs progress via `log`.
+        it, loading weights in parallel (and compiling the decode forward where `compile` is on), then the
+        KV connectors. Logs progress via `log`, each rank's load time and what `compile` did among it.
 
         Raises:
             ValueError: an invalid topology, parallelism the actor layer cannot run or an 8-bit
@@ -143,16 +166,26 @@ class ClusterDeployment(ClusterWiring):
                     f"placement groups not ready after 120 s: the Ray cluster lacks the resources "
                     f"{plan.instances[0].bundles[0]} per device for {plan.num_devices_used} devices"
                 ) from None
-            log(f"placement groups ready in {time.monotonic() - started_s:.1f} s; loading weights")
+            compiling = [role for role in ROLES if topo.pool(role).compile]
+            log(
+                f"placement groups ready in {time.monotonic() - started_s:.1f} s; loading weights"
+                + (
+                    f", then compiling the decode forward on the {' and '.join(compiling)} instances "
+                    "(compile: true; tens of seconds, less with inductor's cache from an earlier load)"
+                    if compiling
+                    else ""
+                )
+            )
             names = self._start_rank_actors(ray, plan, PrefillNode, DecodeNode)
             ready_refs = {a.ready.remote(): n for a, n in zip(self._actors, names, strict=True)}
             pending = list(ready_refs)
             infos: dict[str, NodeReady] = {}
+            timeout_s = ready_timeout_s(topo)
             while pending:
-                done, pending = ray.wait(pending, num_returns=1, timeout=ACTORS_READY_TIMEOUT_S)
+                done, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
                 if not done:
                     waiting = [ready_refs[r] for r in pending]
-                    raise DeployError(f"actors not ready after {ACTORS_READY_TIMEOUT_S:g} s: {waiting}")
+                    raise DeployError(f"actors not ready after {timeout_s:g} s: {waiting}")
                 try:
                     info = ray.get(done[0])
                 except ray.exceptions.RayError as exc:
@@ -160,10 +193,7 @@ class ClusterDeployment(ClusterWiring):
                         f"{ready_refs[done[0]]} failed to start: {actor_error_message(exc)}"
                     ) from None
                 infos[info.name] = info
-                log(
-                    f"  {info.name} ready: weights loaded in {info.load_s:.1f} s "
-                    f"({len(infos)}/{len(ready_refs)})"
-                )
+                log(f"  {info.name} ready: {load_summary(info)} ({len(infos)}/{len(ready_refs)})")
             decode_addresses = self._wire(ray, plan)
             log(
                 f"cluster {topo.name} up in {time.monotonic() - started_s:.1f} s "
@@ -247,7 +277,7 @@ class ClusterDeployment(ClusterWiring):
                         barrier_port=barrier_port,
                         backend=plan.collective_backend,
                         timeout_s=self.collective_timeout_s,
-                        rendezvous_timeout_s=ACTORS_READY_TIMEOUT_S,
+                        rendezvous_timeout_s=ready_timeout_s(topo),
                     )
                 name = instance.rank_name(rank)
                 if spec.role == "prefill":

@@ -22,9 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import HandoffMeta
+
+if TYPE_CHECKING:
+    from engine.compiled_forward import CompileStats
 
 
 # ---- wiring -------------------------------------------------------------------------------------------
@@ -32,8 +36,10 @@ from kvtransfer.base import HandoffMeta
 class NodeReady:
     """A rank actor's answer to `ready()` once its weights are loaded.
 
-    name: `prefill-0`; pid: its process id; load_s: seconds to load the engine; num_blocks: KV blocks of
-    its cache; num_hidden_layers / kv_dim: model facts the driver puts in `HandoffMeta` (0 on decode)."""
+    name: `prefill-0`; pid: its process id; load_s: seconds to load the engine (weights, and the compiled
+    decode forward's compilation when `compile` is on); num_blocks: KV blocks of its cache;
+    num_hidden_layers / kv_dim: model facts the driver puts in `HandoffMeta` (0 on decode); compile: what
+    `compile` did (`engine.compiled_forward.CompileStats`: compiled, its seconds, or why not)."""
 
     name: str
     pid: int
@@ -41,6 +47,7 @@ class NodeReady:
     num_blocks: int
     num_hidden_layers: int = 0
     kv_dim: int = 0
+    compile: CompileStats | None = None
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from engine.compiled_forward import CompileStats
 from engine.config import EngineConfig
 from engine.llm import LLMEngine
 from orchestrator.messages import InstanceGroupSpec
@@ -84,6 +85,12 @@ class RankActor:
         self._group_error: str | None = None  # set once a collective of the instance group failed
         self._ep_summary: dict | None = None  # the engine's EP figures, copied by the engine thread
         self._ep_summary_at_s = 0.0
+
+    def compile_stats(self) -> CompileStats:
+        """What the engine's `compile` did (`engine.compiled_forward.CompileStats`): whether uniform decode
+        steps run compiled, the compile time at load or why nothing was compiled, and how many steps ran
+        the compiled graph so far (counters the engine thread updates; read as they stand)."""
+        return self.engine.compile_stats()
 
     # ---- engine thread ----------------------------------------------------------------------------------
     def _run(self) -> None:

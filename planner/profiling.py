@@ -2,7 +2,10 @@
 
 Method:
 1. Step times. For each pool of the topology one `engine.llm_engine.LLMEngine` is built with that pool's
-   engine arguments (`Topology.engine_config`) and warmed up by one small untimed request. Prefill points
+   engine arguments (`Topology.engine_config`; `compile` as the pool deploys it: by default the decode
+   engine compiles its forward while it is built, and its decode points time the compiled steps; the
+   perf model has no compile axis, so one fit spans an eager prefill and a compiled decode) and warmed up
+   by one small untimed request. Prefill points
    `(batch, prompt_len)`: `batch` random prompts (distinct, so no prefix hits) are added with
    `max_tokens=1` and the one `step()` that prefills them is timed. Decode points `(batch, context_len)`:
    `batch` prompts of `context_len` tokens are prefilled (untimed), `WARMUP_STEPS` decode steps run

@@ -99,7 +99,13 @@ class PrefillNode(RankActor):
         cfg = self.engine.model.config
         num_blocks = self.engine.scheduler.block_manager.num_blocks
         return NodeReady(
-            self.name, os.getpid(), self.load_s, num_blocks, cfg.num_hidden_layers, cfg.kv_cache_dim
+            self.name,
+            os.getpid(),
+            self.load_s,
+            num_blocks,
+            cfg.num_hidden_layers,
+            cfg.kv_cache_dim,
+            compile=self.engine.compile_stats(),
         )
 
     def connect_grpc(self, decode_addresses: list[list[str]], tls: TLSCredentials | None = None) -> None:

@@ -1,12 +1,19 @@
-"""Shared test factories: tiny DeepSeek-V3 configs and deterministically randomized models.
+"""Shared test factories: tiny DeepSeek-V3 configs and deterministically randomized models; eager copies
+of topology files.
 
 Tiny means every dimension is a few dozen at most, so a forward pass takes milliseconds on one CPU core,
 while every architectural switch (q_lora_rank, n_group, YaRN, first_k_dense_replace, rope_interleave,
 MTP) can still be flipped.
+
+Compiling: a decode pool compiles its forward at load by default (`compile`, tens of seconds on this
+2-core machine). Every test that deploys a decode pool opts out explicitly, `compile=False` in its
+`DecodePoolConfig` or a file from `eager_topology_file`, except tests/cluster/test_cluster_compiled.py,
+the one end-to-end test of the default.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -130,3 +137,21 @@ def hf_config_for(config: DeepseekV3Config) -> Any:
         }
     # num_key_value_heads must equal num_attention_heads, or transformers' MLA forward breaks.
     return HFDeepseekV3Config(**kwargs, num_key_value_heads=config.num_attention_heads, rope_parameters=rope)
+
+
+def eager_topology_file(source: Path, directory: Path) -> Path:
+    """A copy of topology file `source` in `directory`, same name, with `decode.compile: false` (a
+    deployment that loads in seconds; see the module docstring). Comments are dropped; a relative
+    `model.path` / `model.config_path` is made absolute, as the copy lives elsewhere."""
+    import yaml
+
+    data = yaml.safe_load(source.read_text())
+    model = data.get("model") or {}
+    for key in ("path", "config_path"):
+        if model.get(key) and not Path(model[key]).is_absolute():
+            model[key] = str((source.resolve().parent / model[key]).resolve())
+    data["decode"] = {**(data.get("decode") or {}), "compile": False}
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / source.name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

@@ -30,12 +30,13 @@ HELP = "the main job: deploy clusters/local.yaml, replay 50 Azure trace requests
 DESCRIPTION = f"""\
 What `make demo` runs. Starts a local Ray cluster from the embedded default topology
 ({DEFAULT_TOPOLOGY_PATH}: one prefill and one decode actor serving the bundled tiny
-model, KV streamed layer by layer over gRPC, MTP speculative decoding on decode), puts the
-OpenAI-compatible API in front of it on a free port, completes three held-out prompts,
-replays the first --num-requests requests of the Azure conversation trace at their
-arrival times (lengths scaled to the model's context; the scaling is printed), prints
-TTFT/TPOT percentiles, throughput, goodput under the SLO, MTP acceptance and KV transfer
-time, then shuts everything down."""
+model, KV streamed layer by layer over gRPC, MTP speculative decoding on decode, the
+decode forward compiled at load: tens of seconds, which a --cluster file with
+`decode: compile: false` skips), puts the OpenAI-compatible API in front of it on a free
+port, completes three held-out prompts, replays the first --num-requests requests of the
+Azure conversation trace at their arrival times (lengths scaled to the model's context; the
+scaling is printed), prints TTFT/TPOT percentiles, throughput, goodput under the SLO, MTP
+acceptance and KV transfer time, then shuts everything down."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

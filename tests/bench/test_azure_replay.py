@@ -1,6 +1,7 @@
 """Smoke tests of `bench.azure_replay` without vLLM: the real `pdcluster deploy clusters/local.yaml` (Ray,
 two actors, gRPC KV) and the colocated server as child processes, a 3-request replay, the JSON's shape,
-every request completed at its full length, and nothing left running afterwards. No timing is asserted."""
+every request completed at its full length, and nothing left running afterwards. No timing is asserted.
+Both servers run the file's eager copy (`tests.conftest.eager_topology_file`): they load in seconds."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import stat
 
 from bench import azure_replay
 from bench.server_procs import port_in_use
+from orchestrator.topology import DEFAULT_TOPOLOGY_PATH
+from tests.conftest import eager_topology_file
 
 FIGURES = {
     "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "num_requests", "num_ok", "num_failed",
@@ -25,7 +28,9 @@ SMALL = ["--no-vllm", "--num-requests", "3", "--warmup-requests", "1", "--rounds
 
 
 def test_replay_completes_and_stops_cleanly(capsys, tmp_path):
-    assert azure_replay.main([*SMALL, "--json", "--log-dir", str(tmp_path)]) == 0
+    topology = eager_topology_file(DEFAULT_TOPOLOGY_PATH, tmp_path / "cluster")
+    argv = [*SMALL, "--topology", str(topology), "--json", "--log-dir", str(tmp_path)]
+    assert azure_replay.main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["benchmark"] == "azure_replay"
     assert set(result["rounds"]) == set(result["median_over_rounds"]) == {"disaggregated", "colocated"}
@@ -64,6 +69,7 @@ def test_failed_server_start_names_it_and_stops_the_others(capsys, tmp_path):
     python.write_text("#!/bin/sh\necho 'no vllm here: simulated failure' >&2\nexit 3\n")
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
     argv = [*SMALL[1:], "--vllm-venv", str(tmp_path / "venv"), "--log-dir", str(tmp_path / "logs")]
+    argv += ["--topology", str(eager_topology_file(DEFAULT_TOPOLOGY_PATH, tmp_path / "cluster"))]
     assert azure_replay.main(argv) == 1
     err = capsys.readouterr().err
     assert "server 'vllm_mtp_eager' exited with code 3 before it served" in err

@@ -36,7 +36,9 @@ def _topology(transport: str = "grpc", layerwise: bool = True, k: int = 1, tls=N
         kv_transfer=dataclasses.replace(
             topo.kv_transfer, transport=transport, layerwise=layerwise, timeout_s=20, tls=tls
         ),
-        decode=dataclasses.replace(topo.decode, num_speculative_tokens=k, kv_cache_memory_bytes=16 << 20),
+        decode=dataclasses.replace(  # eager: only test_cluster_compiled.py compiles (tests/conftest.py)
+            topo.decode, num_speculative_tokens=k, kv_cache_memory_bytes=16 << 20, compile=False
+        ),
         prefill=dataclasses.replace(topo.prefill, kv_cache_memory_bytes=16 << 20, **pools),
     )
     if pools.get("num_instances", 1) > 1:

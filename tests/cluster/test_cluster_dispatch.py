@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.compiled_forward import CompileStats
 from engine.sampling_params import SamplingParams
 from orchestrator.backend import BackendUnavailable
 from orchestrator.cluster import (
@@ -21,6 +22,13 @@ from orchestrator.cluster import (
     check_deployable_parallelism,
     is_loopback_topology,
 )
+from orchestrator.deployment import (
+    ACTORS_READY_TIMEOUT_S,
+    COMPILE_READY_TIMEOUT_S,
+    load_summary,
+    ready_timeout_s,
+)
+from orchestrator.messages import NodeReady
 from orchestrator.topology import load_topology
 from tests.cluster.conftest import call_bound_s, request_bound_s
 from tests.cluster.test_cluster import _assert_no_blocks_held, _generate, _topology, _wait_reserved
@@ -70,6 +78,27 @@ def test_multi_node_wiring_helpers():
     assert is_loopback_topology(load_topology(CLUSTERS / "local.yaml"))
     assert is_loopback_topology(load_topology(CLUSTERS / "local-1p2d.yaml"))
     assert not is_loopback_topology(load_topology(CLUSTERS / "gpu-2node.yaml"))
+
+
+def test_deploy_log_and_ready_wait_say_what_compile_does():
+    """Each rank's ready line names its load time and what `compile` did (compiled in how long, or why the
+    rank runs eagerly); deploy waits COMPILE_READY_TIMEOUT_S longer for ranks that compile."""
+    ready = NodeReady("decode-0", 1, 52.04, 64, compile=CompileStats(True, True, compile_s=49.96))
+    assert load_summary(ready) == "loaded in 52.0 s, the decode forward compiled in 50.0 s"
+    failed = CompileStats(
+        True, False, compile_s=0.5, error="InductorError: CppCompileError: C++ compile error"
+    )
+    assert load_summary(dataclasses.replace(ready, load_s=3.0, compile=failed)) == (
+        "loaded in 3.0 s; compile is on but the decode forward runs eagerly: "
+        "InductorError: CppCompileError: C++ compile error"
+    )
+    off = dataclasses.replace(ready, name="prefill-0", load_s=2.0, compile=CompileStats(False, False))
+    assert load_summary(off) == "weights loaded in 2.0 s"
+    local = load_topology(CLUSTERS / "local.yaml")
+    compiled = dataclasses.replace(local, decode=dataclasses.replace(local.decode, compile=True))
+    assert ready_timeout_s(compiled) == ACTORS_READY_TIMEOUT_S + COMPILE_READY_TIMEOUT_S
+    eager = dataclasses.replace(local, decode=dataclasses.replace(local.decode, compile=False))
+    assert ready_timeout_s(eager) == ACTORS_READY_TIMEOUT_S
 
 
 # ---- on Ray ----------------------------------------------------------------------------------------------
@@ -128,7 +157,7 @@ def test_dead_decode_is_taken_out_of_routing_and_the_last_one_fails_fast(ray_ses
     topo = dataclasses.replace(
         topo,
         kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=10),
-        decode=dataclasses.replace(topo.decode, kv_cache_memory_bytes=16 << 20),
+        decode=dataclasses.replace(topo.decode, kv_cache_memory_bytes=16 << 20, compile=False),  # eager
         prefill=dataclasses.replace(topo.prefill, kv_cache_memory_bytes=16 << 20),
     )
     cluster = Cluster.deploy(topo, num_cpus=3)

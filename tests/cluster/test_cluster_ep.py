@@ -52,6 +52,7 @@ def ep_topology(num_decode_ranks: int = 2, num_decode_instances: int = 2, redund
             expert_parallel_size=num_decode_ranks,
             num_redundant_experts=redundant,
             kv_cache_memory_bytes=16 << 20,
+            compile=False,  # EP runs eagerly anyway (CompiledDecodeForward.supported); said outright
         ),
         kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=10),
         router=dataclasses.replace(topo.router, policy="round_robin"),

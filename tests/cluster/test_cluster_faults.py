@@ -37,6 +37,7 @@ def cluster(ray_session):
             num_speculative_tokens=1,
             kv_cache_memory_bytes=16 << 20,
             max_num_seqs=DECODE_MAX_NUM_SEQS,
+            compile=False,  # eager: only test_cluster_compiled.py compiles (tests/conftest.py)
         ),
         prefill=dataclasses.replace(topo.prefill, kv_cache_memory_bytes=16 << 20),
     )

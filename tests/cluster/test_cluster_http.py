@@ -13,8 +13,9 @@ import pytest
 from orchestrator.api.app import build_app
 from orchestrator.api.server import ServerThread
 from orchestrator.cluster import Cluster
-from orchestrator.topology import load_topology
+from orchestrator.topology import DEFAULT_TOPOLOGY_PATH, load_topology
 from tests.cluster.conftest import call_bound_s, request_bound_s
+from tests.conftest import eager_topology_file
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +30,7 @@ def _topology():
         # tokens could be decoded (>= 5 s at the ~6 ms TPOT of an idle machine, longer under load).
         kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=6),
         prefill=dataclasses.replace(topo.prefill, kv_cache_memory_bytes=16 << 20),
-        decode=dataclasses.replace(topo.decode, kv_cache_memory_bytes=16 << 20),
+        decode=dataclasses.replace(topo.decode, kv_cache_memory_bytes=16 << 20, compile=False),  # eager
     )
 
 
@@ -53,15 +54,18 @@ def _metric(text: str, name: str) -> float:
     return 0.0
 
 
-def test_load_test_in_small_against_the_cluster(ray_session, capsys) -> None:
-    """`make load-test` in small: `bench.load_streams` deploys clusters/local.yaml behind the edge with
-    max_concurrent_requests 8 and a separate client process opens 50 streams at once. Each completes or
-    is refused with 429 + Retry-After before its stream starts, none is killed mid-stream, and the cluster
-    holds nothing afterwards. (First in the module: it deploys its own cluster, before `served` exists.)"""
+def test_load_test_in_small_against_the_cluster(ray_session, capsys, tmp_path) -> None:
+    """`make load-test` in small: `bench.load_streams` deploys clusters/local.yaml (its eager copy,
+    `tests.conftest.eager_topology_file`) behind the edge with max_concurrent_requests 8 and a separate
+    client process opens 50 streams at once. Each completes or is refused with 429 + Retry-After before its
+    stream starts, none is killed mid-stream, and the cluster holds nothing afterwards. (First in the
+    module: it deploys its own cluster, before `served` exists.)"""
     from bench import load_streams
 
     code = load_streams.main(
         [
+            "--cluster",
+            str(eager_topology_file(DEFAULT_TOPOLOGY_PATH, tmp_path)),
             "--num-streams",
             "50",
             "--max-tokens",

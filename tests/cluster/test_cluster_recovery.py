@@ -33,7 +33,7 @@ def cluster(ray_session):
         topo,
         # timeout_s 6: call_timeout_s 3 s, so a stall is noticed within seconds.
         kv_transfer=dataclasses.replace(topo.kv_transfer, transport="grpc", timeout_s=6),
-        decode=dataclasses.replace(topo.decode, kv_cache_memory_bytes=16 << 20),
+        decode=dataclasses.replace(topo.decode, kv_cache_memory_bytes=16 << 20, compile=False),  # eager
         prefill=dataclasses.replace(topo.prefill, kv_cache_memory_bytes=16 << 20),
     )
     with deployed_with_loop(topo) as cluster:

@@ -1,14 +1,18 @@
 """The compiled decode forward (`engine.compiled_forward`, EngineConfig `compile`): buckets, the dense
 MoE it traces, and the one compile-axis test: greedy tokens identical with compile on and off for
-k = 0, 1, 3 (async scheduling on for k = 1), the compiled graph really used. Compilation is slow, so this
-is the only engine test that compiles (a small `max_num_seqs`: few buckets)."""
+k = 0, 1, 3 (async scheduling on for k = 1), the compiled graph really used; a compilation that fails at
+load (injected) leaves the engine running eagerly. Compilation is slow, so this is the only engine test
+that compiles (a small `max_num_seqs`: few buckets)."""
 
 from __future__ import annotations
+
+import dataclasses
+import logging
 
 import pytest
 import torch
 
-from engine.compiled_forward import CompiledDecodeForward, batch_size_buckets
+from engine.compiled_forward import CompiledDecodeForward, CompileStats, batch_size_buckets
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from models import bundled_checkpoint_dir
@@ -40,8 +44,43 @@ def test_dense_moe_equals_routed_moe(eager: LLM) -> None:
 
 def test_int8_cache_is_not_compiled(eager: LLM) -> None:
     int8 = eager.replace_config(compile=True, kv_cache_dtype="int8")
-    assert CompiledDecodeForward.supported(int8.engine.runner) is not None
+    why_not = CompiledDecodeForward.supported(int8.engine.runner)
+    assert why_not is not None and "int8" in why_not
     assert int8.engine.runner.compiled is None
+    assert int8.engine.compile_stats() == CompileStats(requested=True, compiled=False, error=why_not)
+
+
+def test_a_compilation_that_fails_at_load_runs_eagerly_with_a_warning(
+    eager: LLM, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Injected: every graph torch.compile returns raises inductor's error for a missing C++ compiler on its
+    first call (where torch.compile really compiles, in `warm_up`). The engine still starts, warns naming
+    the error, installs no compiled forward, and its greedy tokens equal the eager engine's."""
+    from torch._inductor.exc import CppCompileError, InductorError
+
+    error = InductorError(CppCompileError(["g++", "graph.cpp"], "g++: command not found"), None)
+
+    def failing_compile(fn, **options):
+        def graph(*args):
+            raise error
+
+        return graph
+
+    prompts = heldout_def_prompts(3)
+    expected = [o.token_ids for o in eager.generate(prompts, GREEDY)]
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    with caplog.at_level(logging.WARNING, logger="engine.llm_engine"):
+        failed = eager.replace_config(compile=True)
+    named = "InductorError: CppCompileError: C++ compile error"
+    (record,) = [r for r in caplog.records if r.name == "engine.llm_engine"]
+    assert record.levelno == logging.WARNING and named in record.getMessage()
+    assert record.exc_info is not None and record.exc_info[1] is error  # the traceback in the log
+    assert failed.engine.runner.compiled is None
+    stats = failed.engine.compile_stats()
+    assert dataclasses.replace(stats, compile_s=0.0) == CompileStats(
+        requested=True, compiled=False, error=named
+    )
+    assert [o.token_ids for o in failed.generate(prompts, GREEDY)] == expected
 
 
 @pytest.mark.parametrize(
@@ -57,3 +96,6 @@ def test_greedy_output_identical_with_compile_on_and_off(eager: LLM, changes: di
     assert [o.token_ids for o in compiled.generate(prompts, GREEDY)] == expected
     forward = compiled.engine.runner.compiled
     assert forward is not None and forward.num_compiled_steps > 0 and forward.num_eager_fallbacks == 0
+    stats = compiled.engine.compile_stats()
+    assert (stats.requested, stats.compiled, stats.error, stats.compile_s > 0) == (True, True, None, True)
+    assert (stats.num_compiled_steps, stats.num_eager_fallbacks) == (forward.num_compiled_steps, 0)

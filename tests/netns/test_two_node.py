@@ -15,6 +15,7 @@ interface and no default route.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 import os
@@ -27,6 +28,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from orchestrator.backend import BackendUnavailable
 from orchestrator.cluster import PROBE_INTERVAL_S
+from orchestrator.topology import load_topology
 from tests.cluster.conftest import assert_nothing_held, deployed_with_loop
 
 pytestmark = [
@@ -96,7 +98,10 @@ def tbf(rate_bit_per_s: float) -> tuple[str, ...]:
 def cluster():
     assert os.environ.get("RAY_ADDRESS"), "run_two_node.sh sets RAY_ADDRESS to the head in pdc-a"
     restore_link()
-    with deployed_with_loop(TOPOLOGY, log=lambda line: print(f"deploy: {line}", flush=True)) as cluster:
+    topology = load_topology(TOPOLOGY)
+    # eager: only tests/cluster/test_cluster_compiled.py compiles (tests/conftest.py)
+    topology = dataclasses.replace(topology, decode=dataclasses.replace(topology.decode, compile=False))
+    with deployed_with_loop(topology, log=lambda line: print(f"deploy: {line}", flush=True)) as cluster:
         yield cluster
         restore_link()
     print("NETNS: summary = " + json.dumps(RESULTS, default=str), flush=True)

@@ -4,7 +4,8 @@ can be checked before; `validate --for-deploy` says what deploy will refuse.
 
 Everything here runs `main(argv)` in this process with Ray made to fail if anything starts it (`no_ray`),
 except two subprocesses: a FIFO as the YAML path (the real process must not block) and one end-to-end
-`pdcluster deploy clusters/local.yaml` that is sent SIGTERM (the only test that starts Ray).
+`pdcluster deploy clusters/local.yaml` (its eager copy, `tests.conftest.eager_topology_file`) that is sent
+SIGTERM (the only test that starts Ray).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 
 from models.loader import SINGLE_FILE
 from orchestrator.cli import main
+from tests.conftest import eager_topology_file
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -427,7 +429,7 @@ def test_sigterm_shuts_deploy_down_like_ctrl_c(tmp_path):
             "-m",
             "orchestrator.cli",
             "deploy",
-            str(REPO / "clusters" / "local.yaml"),
+            str(eager_topology_file(REPO / "clusters" / "local.yaml", tmp_path)),  # loads in seconds
             "--port",
             str(port),
         ],

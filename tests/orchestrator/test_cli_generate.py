@@ -21,6 +21,8 @@ from models.tokenizer import Tokenizer
 from orchestrator.cli import main
 from orchestrator.cli.generate import TextStreamer
 from orchestrator.demo import heldout_prompts
+from orchestrator.topology import DEFAULT_TOPOLOGY_PATH
+from tests.conftest import eager_topology_file
 from tests.orchestrator.conftest import RANDOM_CONTEXT_LEN
 
 PROMPT = "def parse(text):"
@@ -191,11 +193,14 @@ def test_heldout_prompts_are_def_lines_with_docstrings():
 
 
 @pytest.mark.slow
-def test_demo_is_the_cluster_job(capsys):
-    """`make demo`'s command end to end on a local Ray cluster (~25 s): clusters/local.yaml deployed, held-out
-    completions through the API, 4 Azure trace requests replayed, a summary with acceptance and KV transfer
-    time, everything shut down, exit code 0."""
-    code, out, err = run_cli(capsys, "demo", "--num-requests", "4", "--max-tokens-cap", "8")
+def test_demo_is_the_cluster_job(capsys, tmp_path):
+    """`make demo`'s command end to end on a local Ray cluster (~25 s): clusters/local.yaml deployed (its
+    eager copy: `make demo` itself compiles the decode forward, tests/cluster/test_cluster_compiled.py
+    covers that), held-out completions through the API, 4 Azure trace requests replayed, a summary with
+    acceptance and KV transfer time, everything shut down, exit code 0."""
+    cluster = eager_topology_file(DEFAULT_TOPOLOGY_PATH, tmp_path)
+    argv = ["demo", "--cluster", cluster, "--num-requests", "4", "--max-tokens-cap", "8"]
+    code, out, err = run_cli(capsys, *argv)
     assert code == 0, err
     assert out.count("=== [") == 3
     assert "requests: 4 ok / 4 (0 failed)" in out

@@ -7,20 +7,24 @@ import json
 import pytest
 
 from orchestrator.job import main
+from orchestrator.topology import DEFAULT_TOPOLOGY_PATH
+from tests.conftest import eager_topology_file
 
 PHASES = {"queue_s", "prefill_s", "kv_transfer_s", "first_decode_step_s", "total_s"}
 
 
 @pytest.mark.slow
 def test_job_replays_a_trace_slice_to_jsonl(tmp_path, capsys) -> None:
-    """4 Azure trace requests (outputs capped at 4 tokens) through clusters/local.yaml: exit code 0, one JSON
-    line per request in trace order with its 4 greedy token ids, finish reason, TTFT and phases, and the
-    summary on stdout. The job starts and stops its own Ray; a Ray session already up in this process (another
-    module's) is attached to and left running."""
+    """4 Azure trace requests (outputs capped at 4 tokens) through clusters/local.yaml (its eager copy,
+    `tests.conftest.eager_topology_file`): exit code 0, one JSON line per request in trace order with its 4
+    greedy token ids, finish reason, TTFT and phases, and the summary on stdout. The job starts and stops its
+    own Ray; a Ray session already up in this process (another module's) is attached to and left running."""
     ray = pytest.importorskip("ray")
     was_initialized = ray.is_initialized()
     output = tmp_path / "results.jsonl"
-    argv = ["--trace", "AzureLLMInferenceTrace_conv.csv", "--num-requests", "4", "--max-tokens-cap", "4"]
+    cluster = eager_topology_file(DEFAULT_TOPOLOGY_PATH, tmp_path / "cluster")
+    argv = ["--cluster", str(cluster), "--trace", "AzureLLMInferenceTrace_conv.csv", "--num-requests", "4"]
+    argv += ["--max-tokens-cap", "4"]
     code = main([*argv, "--time-scale", "100", "--output", str(output)])
     captured = capsys.readouterr()
     assert code == 0, captured.err

@@ -8,6 +8,7 @@ Broken files are written to tmp_path from a small valid template whose model is 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -187,14 +188,38 @@ def test_engine_config_of_each_pool():
         decode=DecodePoolConfig(**decode),
     )
     common = {"model": "/models/m", "device": "cuda", "dtype": "float16"}
-    # prefill drafts decode's first k tokens; each pool's own switches stay off the other's engine
+    # prefill drafts decode's first k tokens; each pool's own switches stay off the other's engine;
+    # `compile` at each pool's default: off on prefill, on on decode (the engine's own default is off)
     assert topology.engine_config("prefill") == EngineConfig(
-        **common, **prefill, num_speculative_tokens=3, adaptive_speculation=False
+        **common, **prefill, num_speculative_tokens=3, adaptive_speculation=False, compile=False
     )
-    assert topology.engine_config("decode") == EngineConfig(**common, **decode, enable_chunked_prefill=True)
+    assert topology.engine_config("decode") == EngineConfig(
+        **common, **decode, enable_chunked_prefill=True, compile=True
+    )
+    assert not EngineConfig(model="/models/m").compile
+    eager = dataclasses.replace(topology, decode=dataclasses.replace(topology.decode, compile=False))
+    assert not eager.engine_config("decode").compile
     assert topology.engine_config("decode").kv_cache_dtype == "auto"
     with pytest.raises(ValueError, match="role must be one of"):
         topology.engine_config("router")
+
+
+def test_compile_defaults_to_on_for_decode_and_off_for_prefill_in_yaml(tmp_path, ckpt):
+    defaults = load_topology(write(tmp_path, template(ckpt), "defaults.yaml"))
+    assert (defaults.prefill.compile, defaults.decode.compile) == (False, True)
+    assert (defaults.engine_config("prefill").compile, defaults.engine_config("decode").compile) == (
+        False,
+        True,
+    )
+    flipped = load_topology(
+        write(
+            tmp_path, template(ckpt, "prefill:\n  compile: true\ndecode:\n  compile: false\n"), "flipped.yaml"
+        )
+    )
+    assert (flipped.engine_config("prefill").compile, flipped.engine_config("decode").compile) == (
+        True,
+        False,
+    )
 
 
 def test_catalog_entries_and_910c_figures():

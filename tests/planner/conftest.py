@@ -1,6 +1,8 @@
 """One `pdcluster profile clusters/local.yaml --quick` per test session, shared by the profile CLI test
 (what the calibration holds) and the live-vs-simulated fidelity test (which simulates with it): the
-profile deploys the live cluster and times both pools' engines, tens of seconds a run."""
+profile deploys the live cluster and times both pools' engines, tens of seconds a run. Both run the file's
+eager copy (`eager_local_yaml`), so the calibration and the live cluster are the same engines and neither
+compiles at load."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import NamedTuple
 import pytest
 
 from orchestrator.cli import main
+from tests.conftest import eager_topology_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,11 +25,17 @@ class QuickCalibration(NamedTuple):
 
 
 @pytest.fixture(scope="session")
-def quick_calibration(tmp_path_factory) -> QuickCalibration:
+def eager_local_yaml(tmp_path_factory) -> Path:
+    """clusters/local.yaml with `decode.compile: false` (`tests.conftest.eager_topology_file`)."""
+    return eager_topology_file(ROOT / "clusters" / "local.yaml", tmp_path_factory.mktemp("eager"))
+
+
+@pytest.fixture(scope="session")
+def quick_calibration(tmp_path_factory, eager_local_yaml) -> QuickCalibration:
     out = tmp_path_factory.mktemp("calibration") / "local.calibration.json"
     argv = [
         "profile",
-        str(ROOT / "clusters" / "local.yaml"),
+        str(eager_local_yaml),
         "--quick",
         "--no-progress",
         "--output",

@@ -1,4 +1,5 @@
-"""Live vs simulated on clusters/local.yaml, a loose bound (the README's table holds the measured figures).
+"""Live vs simulated on clusters/local.yaml (its eager copy), a loose bound (the README's table holds the
+measured figures).
 
 One small live run (Ray actors, gRPC KV, the OpenAI API; `bench.planner_fidelity.live_and_simulated`)
 and the simulation of the same workload with the perf model calibrated in this session (`pdcluster profile
@@ -21,23 +22,20 @@ Only a gross modelling error (a wrong unit, a missing phase, a step priced 10x o
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
 TPOT_FACTOR = 4.0
 TTFT_UPPER = 3.0
 TTFT_LOWER = 0.1
 
 
 @pytest.mark.timeout(600)
-def test_simulated_p50s_are_within_a_factor_of_the_live_cluster(quick_calibration):
+def test_simulated_p50s_are_within_a_factor_of_the_live_cluster(quick_calibration, eager_local_yaml):
     from bench.planner_fidelity import live_and_simulated
 
     calibration = quick_calibration.path  # `pdcluster profile --quick` (tests/planner/conftest.py)
-    point = live_and_simulated(
-        str(REPO / "clusters" / "local.yaml"), 0.5, num_requests=8, max_tokens_cap=16, calibration=calibration
+    point = live_and_simulated(  # the profiled file: both eager
+        str(eager_local_yaml), 0.5, num_requests=8, max_tokens_cap=16, calibration=calibration
     )
     assert point["live_num_failed"] == 0
     assert 1 / TPOT_FACTOR <= point["sim_over_live_tpot_ms_p50"] <= TPOT_FACTOR, point
