@@ -55,7 +55,7 @@ def ready_timeout_s(topology: Topology) -> float:
     """How long deploy waits for each rank actor to be ready, and the ranks of a multi-rank instance for
     each other at their rendezvous (seconds): ACTORS_READY_TIMEOUT_S, plus COMPILE_READY_TIMEOUT_S when a
     pool compiles its decode forward at load."""
-    compiles = topology.prefill.compile or topology.decode.compile
+    compiles = topology.compiles("prefill") or topology.compiles("decode")
     return ACTORS_READY_TIMEOUT_S + (COMPILE_READY_TIMEOUT_S if compiles else 0.0)
 
 
@@ -166,12 +166,12 @@ class ClusterDeployment(ClusterWiring):
                     f"placement groups not ready after 120 s: the Ray cluster lacks the resources "
                     f"{plan.instances[0].bundles[0]} per device for {plan.num_devices_used} devices"
                 ) from None
-            compiling = [role for role in ROLES if topo.pool(role).compile]
+            compiling = [role for role in ROLES if topo.compiles(role)]
             log(
                 f"placement groups ready in {time.monotonic() - started_s:.1f} s; loading weights"
                 + (
                     f", then compiling the decode forward on the {' and '.join(compiling)} instances "
-                    "(compile: true; tens of seconds, less with inductor's cache from an earlier load)"
+                    "(compile; tens of seconds, less with inductor's cache from an earlier load)"
                     if compiling
                     else ""
                 )

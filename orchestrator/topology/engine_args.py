@@ -84,8 +84,9 @@ def engine_arguments(topology: Topology, role: str, rank: int = 0) -> dict[str, 
     `ceil(value / attention_data_parallel_size)`). From elsewhere:
     `model` (the checkpoint directory), `device` (the accelerator's torch device type; the device index is
     the actor's to add), `dtype` (`ModelConfig.resolved_dtype`), `num_speculative_tokens` from decode
-    for both pools (prefill drafts the first MTP tokens that travel with the KV), and `parallel`
-    (`parallel_config`: the rank's expert-parallel layout).
+    for both pools (prefill drafts the first MTP tokens that travel with the KV), `parallel`
+    (`parallel_config`: the rank's expert-parallel layout) and `compile` (`Topology.compiles`: the
+    decode pool's null default resolved by the accelerator).
 
     Raises:
         ValueError: `role` is neither `prefill` nor `decode`.
@@ -104,5 +105,6 @@ def engine_arguments(topology: Topology, role: str, rank: int = 0) -> dict[str, 
         dtype=topology.model.resolved_dtype(spec),
         num_speculative_tokens=topology.decode.num_speculative_tokens,
         parallel=parallel_config(topology, role, rank),
+        compile=topology.compiles(role),
     )
     return arguments

@@ -197,11 +197,12 @@ class PoolConfig:
         enable_prefix_caching: reuse KV of identical prompt prefixes.
         compile: compile the decode forward at load over padded batch-size buckets up to `max_num_seqs`
             (`engine.compiled_forward`; CUDA graphs on cuda); uniform decode steps run it, the rest eagerly,
-            greedy output unchanged. On by default on decode (`DecodePoolConfig`), off on prefill: a
-            prefill instance runs prompts and their first tokens, never a uniform decode step, so there
-            `true` only adds compile time at load. Ignored (eager, with a warning in the rank's log) with
-            an int8 KV cache or expert parallelism; a compilation that fails at load (no C++ compiler, an
-            inductor error) leaves the rank running eagerly, with a warning naming the error.
+            greedy output unchanged. Off by default on prefill: a prefill instance runs prompts and their
+            first tokens, never a uniform decode step, so there `true` only adds compile time at load (on
+            decode, `DecodePoolConfig`: null, on where measured; `Topology.compiles` resolves it).
+            Ignored (eager, with a warning in the rank's log) with an int8 KV cache or expert parallelism;
+            a compilation that fails at load (no C++ compiler, an inductor error) leaves the rank running
+            eagerly, with a warning naming the error.
     """
 
     num_instances: int = field(default=1, metadata=between(1, MAX_INSTANCES))
@@ -252,17 +253,18 @@ class DecodePoolConfig(PoolConfig):
         num_speculative_tokens: MTP draft tokens per step, k (0: no speculative decoding). The prefill side
             drafts the first k too, so decode starts at full acceptance.
         adaptive_speculation: vary k in [1, num_speculative_tokens] with the recent acceptance rate.
-        compile: as in `PoolConfig`, on by default here: measured on a 2-core CPU machine it won at every
-            batch size (1.9x / 2.3x / 1.7x output tokens/s at batch 1 / 8 / 32, k=0) and in the cluster
-            (`make demo`: TPOT p50 10.6 -> 6.5 ms, TTFT p50 75 -> 62.5 ms, same tokens); the cost is
-            compile time at each decode rank's load (~50 s there; less with inductor's on-disk cache),
-            during which a (re)starting rank is out of routing. `false` loads in seconds. Measured on
-            cpu only: the CUDA-graph path (cuda) and npu have not been run on this project's machines.
+        compile: as in `PoolConfig`; null (the default) compiles where it was measured to win, on `cpu`:
+            on a 2-core CPU machine it won at every batch size (1.9x / 2.3x / 1.7x output tokens/s at
+            batch 1 / 8 / 32, k=0) and in the cluster (`make demo`: TPOT p50 10.6 -> 6.5 ms, TTFT p50 75
+            -> 62.5 ms, same tokens); the cost is compile time at each decode rank's load (~50 s there;
+            less with inductor's on-disk cache), during which a (re)starting rank is out of routing. On
+            GPUs and NPUs null stays eager until the CUDA-graph / graph-mode path has been measured there
+            (it has not run on this project's machines); `true` turns it on anywhere, `false` off.
     """
 
     num_speculative_tokens: int = field(default=0, metadata=between(0, MAX_SPECULATIVE_TOKENS))
     adaptive_speculation: bool = False
-    compile: bool = True
+    compile: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -421,6 +423,16 @@ class Topology:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         return self.prefill if role == "prefill" else self.decode
+
+    def compiles(self, role: str) -> bool:
+        """Whether pool `role`'s engines compile their decode forward: its `compile`, or for null (the
+        decode pool's default) whether the accelerator is `cpu`, the one place it was measured to win.
+
+        Raises:
+            ValueError: `role` is neither `prefill` nor `decode`.
+        """
+        compile_ = self.pool(role).compile
+        return compile_ if compile_ is not None else self.hardware.spec.torch_device_type == "cpu"
 
     def engine_config(self, role: str, rank: int = 0) -> EngineConfig:
         """The engine arguments of rank `rank` of one instance of pool `role`

@@ -33,7 +33,7 @@ DECODE_MAX_NUM_SEQS = 4
 
 def test_default_compiled_decode_matches_one_eager_engine(ray_session) -> None:
     topo = load_topology("clusters/local.yaml")
-    assert topo.decode.compile and not topo.prefill.compile  # the defaults under test
+    assert topo.compiles("decode") and not topo.compiles("prefill")  # the defaults under test (cpu)
     topo = dataclasses.replace(
         topo,
         kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=20),
