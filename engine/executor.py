@@ -55,14 +55,13 @@ passes (no request to draft for, or fewer drafts) adds empty passes at the depth
 
 from __future__ import annotations
 
-import itertools
 import secrets
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from engine.input_batch import RequestRows, SamplingArrays
+from engine.input_batch import SamplingArrays
 from engine.model_runner import InputBuffers, LayerKVCallback, ModelInput, ModelRunner, build_model_input
 from engine.mtp_proposer import MTPWork, mtp_input_ids, propose
 from engine.outputs import (
@@ -168,9 +167,6 @@ class Executor:
             for _ in range(2)
         ]
         self._num_prepared = 0
-        # Each running request's row (block table, sampling parameters), updated by deltas in `prepare`
-        # (`engine.input_batch`).
-        self._block_table_rows = RequestRows(max_num_reqs, num_columns)
 
     @property
     def num_tracked_requests(self) -> int:
@@ -206,32 +202,27 @@ class Executor:
             self._draft_probs.pop(request_id, None)
 
     def prepare(self, output: SchedulerOutput) -> PreparedStep:
-        """Pack the scheduled requests into the next persistent buffer set (slots come from the scheduler).
+        """Pack the scheduled requests into the next persistent buffer set: token ids, block tables and
+        sampling parameters gathered from the scheduler's persistent rows (`output.rows`), positions and
+        slots computed from them, all with whole-batch numpy ops (`InputBuffers.pack_rows`).
 
-        Touches no per-request state, so it may run while the previous step's `run` executes; the
-        returned batch stays valid until the prepare after next.
+        Runs right after `Scheduler.schedule` (the rows change at the next schedule or commit). Touches
+        no per-request state of the executor, so it may run while the previous step's `run` executes;
+        the returned batch stays valid until the prepare after next.
+
+        Raises:
+            ValueError: requests scheduled without `output.rows`, or a step the buffers or rows do not
+                cover (see `pack_rows`); a request that mixes placeholders and known tokens.
         """
         scheduled = output.scheduled
-        block_table_rows = self._block_table_rows
-        block_table_rows.remove(output.finished_request_ids + output.preempted_request_ids)
         if not scheduled:
             return PreparedStep(None, [0], [])
+        step_rows = output.rows
+        if step_rows is None or len(step_rows.row_index) != len(scheduled):
+            raise ValueError("SchedulerOutput.rows must give the row of every scheduled request")
         buffers = self._buffers[self._num_prepared % 2]
         self._num_prepared += 1
-        slots = list(itertools.chain.from_iterable(item.slot_mapping for item in scheduled))
-        join = block_table_rows.join
-        rows = np.fromiter(
-            (join(item.request_id, item.block_ids, item.request.sampling_params) for item in scheduled),
-            np.int64,
-            len(scheduled),
-        )
-        batch = buffers.pack(
-            [item.token_ids for item in scheduled],
-            [item.start_position for item in scheduled],
-            None,
-            slots,
-            block_table_rows=(block_table_rows, rows),
-        )
+        batch = buffers.pack_rows(step_rows)
         # Placeholders, for the whole batch at once: count them per request over the packed input ids.
         num_tokens, num_reqs = batch.num_tokens, len(scheduled)
         qsl = buffers.host_query_start_loc[: num_reqs + 1]
@@ -245,7 +236,7 @@ class Executor:
                 request_id = scheduled[int(mixed[0])].request_id
                 raise ValueError(f"request {request_id!r} mixes placeholders and known tokens")
             placeholder_items = np.flatnonzero(counts).tolist()
-        sampling = block_table_rows.sampling.take(rows)
+        sampling = step_rows.rows.sampling.take(step_rows.row_index)
         return PreparedStep(batch, qsl.tolist(), placeholder_items, sampling)
 
     def execute(
@@ -413,8 +404,9 @@ class Executor:
                     batch.block_tables[i, positions // bs] * bs + positions % bs
                 )
                 batch.seq_lens[i] -= shift
+            # The bonus token stays a placeholder in the item (its `token_ids`): known to this step only.
             scheduled[i] = item._replace(
-                token_ids=inputs, spec_token_ids=inputs[1:], start_position=item.start_position - shift
+                spec_token_ids=inputs[1:], start_position=item.start_position - shift, num_placeholders=1
             )
         device = batch.input_ids.device
         batch.input_ids[torch.tensor(rows, device=device)] = torch.tensor(

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from engine.block_manager import BlockManager, ComputedBlocks
+from engine.input_batch import RequestRows
 from engine.outputs import (
     ModelRunnerOutput,
     RequestUpdate,
@@ -85,6 +86,14 @@ class Scheduler:
         self.config = config
         self.num_draft_placeholders = num_draft_placeholders
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching)
+        # The running requests' persistent rows (token ids, block table, sampling parameters), updated by
+        # deltas where requests change: scheduled (`_apply`), committed, finished or preempted.
+        max_num_positions = config.max_model_len + config.num_lookahead_tokens + 1
+        self.request_rows = RequestRows(
+            config.max_num_seqs,
+            min(num_blocks, -(-max_num_positions // config.block_size)),
+            max_num_positions,
+        )
         self.clock = clock
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []  # new and preempted requests
@@ -332,6 +341,7 @@ class Scheduler:
             new_request_ids=list(plan.admitted),
             preempted_request_ids=list(plan.preempted_request_ids),
             finished_request_ids=finished,
+            rows=self.request_rows.add_step(scheduled) if scheduled else None,
         )
 
     def update_from_output(
@@ -352,6 +362,7 @@ class Scheduler:
         """
         bm, now = self.block_manager, self.clock()
         updates: list[RequestUpdate] = []
+        commits: list[tuple[str, int, list[int]]] = []  # for the persistent rows, all in one write
         for item in scheduler_output.scheduled:
             request = self.requests.get(item.request_id)
             if (
@@ -379,12 +390,16 @@ class Scheduler:
             )
             if status.is_finished:
                 self._remove(request, status)
+            elif new_token_ids:
+                commits.append((item.request_id, request.num_tokens - len(new_token_ids), new_token_ids))
             updates.append(RequestUpdate(item.request_id, new_token_ids, status))
+        self.request_rows.write_committed(commits)
         return updates
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: free the blocks (full ones stay cached), requeue from token 0."""
         self.block_manager.free(request)
+        self.request_rows.remove([request.request_id])
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -396,6 +411,7 @@ class Scheduler:
 
     def _remove(self, request: Request, status: RequestStatus) -> None:
         self.block_manager.free(request)
+        self.request_rows.remove([request.request_id])
         request.num_output_placeholders = 0  # a step in flight still holding it is discarded
         queues = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING_FOR_SEAT: self.waiting_for_seat}
         queues.get(request.status, self.waiting).remove(request)

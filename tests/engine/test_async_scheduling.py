@@ -24,7 +24,7 @@ from engine.scheduler import Scheduler
 from engine.scheduler_policy import SchedulerConfig
 from models import bundled_checkpoint_dir
 from models.prompts import heldout_def_prompts
-from tests.engine.conftest import FakeClock
+from tests.engine.conftest import FakeClock, check_packed_rows
 
 EOS = 100
 
@@ -58,6 +58,7 @@ class FakeExecutor:
         return prompt[position] if position < len(prompt) else true_token(request_id, position)
 
     def run(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        check_packed_rows(output, self.block_size)  # called right after schedule(), as the executor is
         sampled, spec, last = {}, {}, {}
         for item in output.scheduled:
             rid, start = item.request_id, item.start_position
