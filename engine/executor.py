@@ -227,8 +227,11 @@ class Executor:
         num_tokens, num_reqs = batch.num_tokens, len(scheduled)
         qsl = buffers.host_query_start_loc[: num_reqs + 1]
         placeholder_items: list[int] = []
-        is_placeholder = buffers.host_input_ids[:num_tokens] == PLACEHOLDER_TOKEN_ID
-        if is_placeholder.any():
+        # Only inputs the scheduler wrote as uncommitted (placeholders, drafts) can be placeholders.
+        is_placeholder = None
+        if step_rows.num_uncommitted_inputs:
+            is_placeholder = buffers.host_input_ids[:num_tokens] == PLACEHOLDER_TOKEN_ID
+        if is_placeholder is not None and is_placeholder.any():
             cumulative = np.concatenate(([0], np.cumsum(is_placeholder, dtype=np.int64)))
             counts, lens = cumulative[qsl[1:]] - cumulative[qsl[:-1]], np.diff(qsl)
             mixed = np.flatnonzero((counts > 0) & (counts < lens))

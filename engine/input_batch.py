@@ -1,26 +1,30 @@
 """Persistent batch rows: one preallocated row per running request, updated by deltas (vLLM v1's input
 batch keeps its rows the same way; this is our own, smaller version). `RequestRows` holds, per row, the
-request's block table, its sampling parameters and its token ids; the `Scheduler` owns it (the rows
-change where the request changes: when it is scheduled and when its tokens are committed, both on the
-scheduler's thread) and a step hands the executor only row indices (`ScheduledRows`), so packing a step
+request's block table, its sampling parameters and its token ids. The `Scheduler` owns it and updates
+it on its own thread when it schedules a step (`add_step`) and when a request finishes or is preempted
+(`remove`); the step hands the executor only row indices (`ScheduledRows`), so packing a step
 (`engine.model_runner.InputBuffers.pack_rows`) is a few numpy gathers whatever the batch.
 
 Deltas, per request:
 
     join            first scheduled (new, resumed after preemption, admitted after a remote prefill):
                     takes a free row; sampling parameters and every committed token written once
-    add_step        each step it runs: block ids appended since its previous step (usually none), and
+    add_step        each step it runs: the tokens committed since its previous step (usually one, or
+                    the accepted drafts and a bonus token), the block ids appended (usually none), and
                     the inputs that are not committed tokens (placeholders, drafts) at their positions
-    write_committed its step's tokens are committed: written at their positions (the bonus token
-                    overwrites the first rejected draft; drafts past it are no longer valid)
     remove          finished, aborted or preempted: the row is free for the next request that joins
 
-Token ids: positions `0 .. num_tokens - 1` of a row always equal the request's committed tokens
-(`Request.all_token_ids`); `num_valid_tokens` marks how far the row is valid, and packing refuses a
-step that reads past it. A running request's block list grows as it runs, so a step writes only the
-block ids appended since the request's previous step; a request whose blocks changed other than by
-growing (rolled back, its first or last known block differs) has its table row rewritten, so a stale
-row is never read. A step's `[num_reqs, max_num_blocks]` block table is one gather of the scheduled rows.
+Token ids: after `add_step`, positions `0 .. num_tokens - 1` of a scheduled request's row equal its
+committed tokens (`Request.all_token_ids`; committed tokens only ever grow, so the row needs only the
+new ones), then come the step's placeholders and drafts; `num_valid_tokens` marks how far the row is
+valid, and packing refuses a step that reads past it. Committed tokens are written when the request is
+next scheduled rather than when they are committed: one pass over the step's requests (under
+asynchronous scheduling the step in flight was packed before its tokens are committed anyway).
+
+Block tables: a running request's block list grows as it runs, so a step writes only the block ids
+appended since the request's previous step; a request whose blocks changed other than by growing
+(rolled back, its first or last known block differs) has its table row rewritten, so a stale row is
+never read. A step's `[num_reqs, max_num_blocks]` block table is one gather of the scheduled rows.
 """
 
 from __future__ import annotations
@@ -154,8 +158,8 @@ class RequestRows(BlockTableRows):
     Attributes (besides `table`, `lens`):
         sampling: `SamplingArrays` over all rows; a free row holds greedy defaults.
         token_ids: `[num_rows, max_num_tokens]` int64; row r's positions `0 .. num_valid_tokens[r] - 1`
-            hold its request's committed tokens, then the placeholders and drafts its last scheduled step
-            runs; positions past that hold stale values (never read).
+            hold its request's committed tokens (as of its last scheduled step), then the placeholders
+            and drafts that step runs; positions past that hold stale values (never read).
         num_valid_tokens: `[num_rows]` int64, see `token_ids`; 0 for a free row.
 
     Args:
@@ -172,6 +176,14 @@ class RequestRows(BlockTableRows):
         self.sampling = _default_sampling(len(self.lens))
         self.token_ids = np.zeros((len(self.lens), max(1, max_num_tokens)), dtype=np.int64)
         self.num_valid_tokens = np.zeros(len(self.lens), dtype=np.int64)
+        self._num_committed = [0] * len(self.lens)  # per row: committed tokens written (Python ints)
+        self._make_views()
+
+    def _make_views(self) -> None:
+        # Flat memoryviews of the token arrays: a per-element write from Python is one C-level store
+        # (tens of ns), where a numpy call on a few elements costs microseconds.
+        self._token_ids_flat = memoryview(self.token_ids.reshape(-1))
+        self._num_valid_flat = memoryview(self.num_valid_tokens)
 
     def join(self, request_id: str, token_ids: Sequence[int], params: SamplingParams) -> int:
         """Give a request that holds no row one, with its sampling parameters and committed tokens
@@ -190,86 +202,77 @@ class RequestRows(BlockTableRows):
         temperature[row], top_k[row], top_p[row] = params.temperature, params.top_k, params.top_p
         self.token_ids[row, :num_tokens] = token_ids
         self.num_valid_tokens[row] = num_tokens
+        self._num_committed[row] = num_tokens
         return row
 
     def add_step(self, items: Sequence[ScheduledRequest]) -> ScheduledRows:
-        """Bring the rows of a step's requests up to date and return the step as row indices: a request
-        without a row joins (`join`, with `request.all_token_ids`), each row's block table follows the
-        item's `block_ids` (`update`), and the inputs that are not committed tokens (placeholders, then
-        drafts: the tail of `item.token_ids`) are written at their positions, all rows in one scatter.
-        The items' committed inputs are already in the rows (written at join or by `write_committed`).
+        """Bring the rows of a step's requests up to date and return the step as row indices. Per
+        request: a request without a row joins (`join`, with `request.all_token_ids`); the tokens
+        committed since its previous step are written (its outputs only ever grow: rejected drafts never
+        become committed tokens); its block table follows the item's `block_ids` (`update`); the inputs
+        that are not committed tokens (placeholders, then drafts: the tail of `item.token_ids`) are
+        written at their positions. Element writes through memoryviews, no numpy call per request.
 
         Raises:
-            ValueError: a request's inputs reach past a row's `max_num_tokens` positions, or it holds
-                more blocks than the table's columns.
+            ValueError: a request's tokens or inputs reach past a row's `max_num_tokens` positions, or it
+                holds more blocks than the table's columns.
         """
-        num_reqs = len(items)
         width = self.token_ids.shape[1]
-        row_of = self._row_of
+        row_of, num_committed, known = self._row_of, self._num_committed, self._known
+        tokens, num_valid = self._token_ids_flat, self._num_valid_flat
         rows: list[int] = []
         starts: list[int] = []
         counts: list[int] = []
-        scatter_index: list[int] = []  # flat indices into token_ids of the uncommitted inputs
-        scatter_values: list[int] = []
-        grown_rows: list[int] = []  # rows whose valid tokens now end at their step's end
-        grown_ends: list[int] = []
+        num_uncommitted_inputs = 0
         for item in items:
             request = item.request
             request_id = request.request_id
             row = row_of.get(request_id)
             if row is None:
                 row = self.join(request_id, request.all_token_ids, request.sampling_params)
-            self._write_blocks(row, request_id, item.block_ids)
+                tokens, num_valid = self._token_ids_flat, self._num_valid_flat  # new if the rows doubled
+            all_token_ids = request.all_token_ids
+            num_tokens = len(all_token_ids)
+            num_written = num_committed[row]
+            if num_tokens > num_written:  # committed since the request's previous step
+                self._check_fits(request_id, num_tokens)
+                index = row * width
+                if num_tokens == num_written + 1:  # the usual decode step: one token
+                    tokens[index + num_written] = all_token_ids[num_written]
+                else:
+                    for position in range(num_written, num_tokens):
+                        tokens[index + position] = all_token_ids[position]
+                num_committed[row] = num_tokens
+            block_ids = item.block_ids
+            num_blocks, first, last = known[row]
+            if len(block_ids) != num_blocks or (
+                num_blocks and (block_ids[-1] != last or block_ids[0] != first)
+            ):
+                self._write_blocks(
+                    row, request_id, block_ids
+                )  # (`update`; usually the blocks did not change)
             start, count = item.start_position, item.num_scheduled_tokens
-            end = start + count
             rows.append(row)
             starts.append(start)
             counts.append(count)
             num_placeholders, spec_token_ids = item.num_placeholders, item.spec_token_ids
-            num_uncommitted = num_placeholders + len(spec_token_ids)
-            if num_uncommitted:
+            if num_placeholders or spec_token_ids:  # at positions num_tokens .. end - 1
+                end = start + count
                 self._check_fits(request_id, end)
-                last = row * width + end
-                scatter_index.extend(range(last - num_uncommitted, last))
-                if num_placeholders:
-                    scatter_values.extend([PLACEHOLDER_TOKEN_ID] * num_placeholders)
-                scatter_values.extend(spec_token_ids)
-                grown_rows.append(row)
-                grown_ends.append(end)
-        if scatter_index:
-            np.put(self.token_ids, scatter_index, scatter_values)
-            self.num_valid_tokens[grown_rows] = grown_ends
-        return ScheduledRows(
-            self,
-            np.array(rows, dtype=np.int64).reshape(num_reqs),
-            np.array(starts, dtype=np.int64).reshape(num_reqs),
-            np.array(counts, dtype=np.int64).reshape(num_reqs),
-        )
-
-    def write_committed(self, commits: Sequence[tuple[str, int, Sequence[int]]]) -> None:
-        """Write newly committed tokens, all requests in one scatter: `(request_id, position, token_ids)`
-        puts `token_ids` at positions `position ..`, and the row's valid tokens end after them (drafts
-        and placeholders past them are dropped: a later step writes its own). Ids that hold no row are
-        skipped (such a request joins with all its tokens when next scheduled)."""
-        width = self.token_ids.shape[1]
-        scatter_index: list[int] = []
-        scatter_values: list[int] = []
-        rows: list[int] = []
-        ends: list[int] = []
-        for request_id, position, token_ids in commits:
-            row = self._row_of.get(request_id)
-            if row is None:
-                continue
-            end = position + len(token_ids)
-            self._check_fits(request_id, end)
-            first = row * width + position
-            scatter_index.extend(range(first, first + len(token_ids)))
-            scatter_values.extend(token_ids)
-            rows.append(row)
-            ends.append(end)
-        if rows:
-            np.put(self.token_ids, scatter_index, scatter_values)
-            self.num_valid_tokens[rows] = ends
+                index = row * width + end - num_placeholders - len(spec_token_ids)
+                for _ in range(num_placeholders):
+                    tokens[index] = PLACEHOLDER_TOKEN_ID
+                    index += 1
+                for token_id in spec_token_ids:
+                    tokens[index] = token_id
+                    index += 1
+                num_valid[row] = end
+                num_uncommitted_inputs += num_placeholders + len(spec_token_ids)
+            else:  # drafts of an earlier step past the committed tokens are no longer valid
+                num_valid[row] = num_tokens
+        # [3, num_reqs]: one conversion for the three per-step arrays
+        row_index, start_positions, num_scheduled_tokens = np.array((rows, starts, counts), dtype=np.int64)
+        return ScheduledRows(self, row_index, start_positions, num_scheduled_tokens, num_uncommitted_inputs)
 
     def remove(self, request_ids: list[str]) -> None:
         rows = [self._row_of[r] for r in request_ids if r in self._row_of]
@@ -277,6 +280,8 @@ class RequestRows(BlockTableRows):
         temperature, top_k, top_p = self.sampling
         temperature[rows], top_k[rows], top_p[rows] = 0.0, 0, 1.0
         self.num_valid_tokens[rows] = 0
+        for row in rows:
+            self._num_committed[row] = 0
 
     def _check_fits(self, request_id: str, num_tokens: int) -> None:
         if num_tokens > self.token_ids.shape[1]:
@@ -293,6 +298,8 @@ class RequestRows(BlockTableRows):
         )
         self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])
         self.num_valid_tokens = np.concatenate([self.num_valid_tokens, np.zeros_like(self.num_valid_tokens)])
+        self._num_committed += [0] * (len(self.lens) - len(self._num_committed))
+        self._make_views()
 
 
 class ScheduledRows(NamedTuple):
@@ -306,12 +313,15 @@ class ScheduledRows(NamedTuple):
     start_positions: `[num_reqs]` int64, the position of its first input this step.
     num_scheduled_tokens: `[num_reqs]` int64, its inputs this step (positions
         `start .. start + num_scheduled_tokens - 1` of its row).
+    num_uncommitted_inputs: placeholders and drafts among the inputs; 0 when every input is a committed
+        token (then no input can be a placeholder).
     """
 
     rows: RequestRows
     row_index: np.ndarray
     start_positions: np.ndarray
     num_scheduled_tokens: np.ndarray
+    num_uncommitted_inputs: int = 0
 
 
 def _default_sampling(num_rows: int) -> SamplingArrays:

@@ -95,6 +95,7 @@ class InputBuffers:
         on_host = self.device.type == "cpu"
         self._device = [t if on_host else torch.zeros_like(t, device=self.device) for t in self._host]
         self._arange = np.arange(max(max_num_tokens, max_num_reqs), dtype=np.int64)
+        self._last_views: tuple[tuple[int, int, int], ModelInput] | None = None
 
     @property
     def host_input_ids(self) -> np.ndarray:
@@ -150,6 +151,9 @@ class InputBuffers:
         are one `np.take` of the rows' `token_ids` at `row * row_width + position`, block tables one
         gather of the rows, positions `start + arange`, slots from the gathered tables.
 
+        Each numpy call costs microseconds right after a forward (cold caches), so the step is built
+        with few of them; a step of one input per request (decode without drafts) skips the repeats.
+
         Args:
             step: the rows (`engine.input_batch.RequestRows`) and, per request, its row, first position
                 and number of inputs (`engine.input_batch.ScheduledRows`).
@@ -158,48 +162,55 @@ class InputBuffers:
             ValueError: a request runs a position its block table does not cover or its row does not
                 hold (`RequestRows.num_valid_tokens`), or the batch exceeds the buffers' capacity.
         """
-        rows, row_index, starts, num_scheduled = step
+        rows, row_index, starts, num_scheduled = step[:4]
+        ids_np, pos_np, slots_np, tables_np, seq_lens_np, qsl_np = self._np
         num_reqs = len(row_index)
+        num_tokens = int(num_scheduled.sum())
         table_lens = rows.lens[row_index]
-        num_tokens, max_blocks = self._layout(num_scheduled, starts, table_lens)
-        ends = self._np[4][:num_reqs]  # seq_lens: starts + num_scheduled
-        num_valid = rows.num_valid_tokens[row_index]
-        unwritten = np.flatnonzero(ends > num_valid)
-        if unwritten.size:
-            r = int(unwritten[0])
+        max_blocks = max(1, int(table_lens.max(initial=0)))
+        self._check_capacity(num_tokens, num_reqs, max_blocks)
+        ends = seq_lens_np[:num_reqs]
+        np.add(starts, num_scheduled, out=ends)
+        bs = self.block_size
+        if (ends > np.minimum(table_lens * bs, rows.num_valid_tokens[row_index])).any():
+            self._check_ends(ends, table_lens)
+            num_valid = rows.num_valid_tokens[row_index]
+            r = int(np.flatnonzero(ends > num_valid)[0])
             raise ValueError(
                 f"positions up to {ends[r]} of row {row_index[r]}, which holds {num_valid[r]} valid tokens"
             )
-        ids_np, pos_np, _, tables_np = self._np[:4]
+        qsl_np[0] = 0
+        np.cumsum(num_scheduled, out=qsl_np[1 : num_reqs + 1])
         positions = pos_np[:num_tokens]
         row_width = rows.token_ids.shape[1]
-        # flat index of input j of request r: row[r] * row_width + positions[j]
-        flat = np.repeat(row_index * row_width, num_scheduled)
-        flat += positions
+        if num_tokens == num_reqs:  # one input per request: position = start
+            request_of_token = self._arange[:num_reqs]
+            positions[:] = starts
+            flat = row_index * row_width
+        else:
+            # position of flat token j of request r: starts[r] + (j - query_start_loc[r])
+            request_of_token = np.repeat(self._arange[:num_reqs], num_scheduled)
+            np.add((starts - qsl_np[:num_reqs])[request_of_token], self._arange[:num_tokens], out=positions)
+            flat = (row_index * row_width)[request_of_token]
+        flat += positions  # flat index into the rows' token ids: row * row_width + position
         np.take(rows.token_ids, flat, out=ids_np[:num_tokens])
         # rows hold 0 past their blocks: the gather pads with 0
         tables = tables_np[:num_reqs, :max_blocks]
         np.take(rows.table[:, :max_blocks], row_index, axis=0, out=tables)
-        self._fill_slots(num_scheduled, tables, num_tokens)
+        slots = slots_np[:num_tokens]
+        np.multiply(tables[request_of_token, positions // bs], bs, out=slots)
+        slots += positions % bs
         return self._views(num_tokens, num_reqs, max_blocks)
 
-    def _layout(
-        self, num_scheduled: np.ndarray, starts: np.ndarray, table_lens: np.ndarray
-    ) -> tuple[int, int]:
-        """Check the batch against the buffers and block tables, fill query starts, sequence lengths and
-        positions. `num_scheduled`, `starts`, `table_lens`: `[num_reqs]` int64. Returns (num_tokens,
-        block-table columns used)."""
-        _, pos_np, _, tables_np, seq_lens_np, qsl_np = self._np
-        num_reqs = len(num_scheduled)
-        num_tokens = int(num_scheduled.sum())
-        max_blocks = max(1, int(table_lens.max(initial=0)))
+    def _check_capacity(self, num_tokens: int, num_reqs: int, max_blocks: int) -> None:
+        _, pos_np, _, tables_np, seq_lens_np, _ = self._np
         if num_tokens > len(pos_np) or num_reqs > len(seq_lens_np) or max_blocks > tables_np.shape[1]:
             raise ValueError(
                 f"batch of {num_reqs} requests, {num_tokens} tokens, {max_blocks} blocks per request "
                 f"exceeds the input buffers ({len(seq_lens_np)}, {len(pos_np)}, {tables_np.shape[1]})"
             )
-        ends = seq_lens_np[:num_reqs]
-        np.add(starts, num_scheduled, out=ends)
+
+    def _check_ends(self, ends: np.ndarray, table_lens: np.ndarray) -> None:
         too_long = np.flatnonzero(ends > table_lens * self.block_size)
         if too_long.size:
             r = int(too_long[0])
@@ -207,6 +218,21 @@ class InputBuffers:
                 f"positions up to {ends[r]} need {-(-int(ends[r]) // self.block_size)} blocks, "
                 f"table has {table_lens[r]}"
             )
+
+    def _layout(
+        self, num_scheduled: np.ndarray, starts: np.ndarray, table_lens: np.ndarray
+    ) -> tuple[int, int]:
+        """Check the batch against the buffers and block tables, fill query starts, sequence lengths and
+        positions. `num_scheduled`, `starts`, `table_lens`: `[num_reqs]` int64. Returns (num_tokens,
+        block-table columns used)."""
+        _, pos_np, _, _, seq_lens_np, qsl_np = self._np
+        num_reqs = len(num_scheduled)
+        num_tokens = int(num_scheduled.sum())
+        max_blocks = max(1, int(table_lens.max(initial=0)))
+        self._check_capacity(num_tokens, num_reqs, max_blocks)
+        ends = seq_lens_np[:num_reqs]
+        np.add(starts, num_scheduled, out=ends)
+        self._check_ends(ends, table_lens)
         qsl_np[0] = 0
         np.cumsum(num_scheduled, out=qsl_np[1 : num_reqs + 1])
         # position of flat token j of request r: starts[r] + (j - query_start_loc[r])
@@ -223,7 +249,9 @@ class InputBuffers:
         slots += positions % bs
 
     def _views(self, num_tokens: int, num_reqs: int, max_blocks: int) -> ModelInput:
-        """The `ModelInput` viewing the packed prefix of each buffer (copied to the device ones first)."""
+        """The `ModelInput` viewing the packed prefix of each buffer (copied to the device ones first).
+        The views of the last shape are kept for the next pack of the same shape (a decode step usually
+        packs the shape of the one before): they stay valid, what they view is refilled in place."""
         sizes = (
             (num_tokens,),
             (num_tokens,),
@@ -232,13 +260,18 @@ class InputBuffers:
             (num_reqs,),
             (num_reqs + 1,),
         )
-        views = []
-        for host, dev, size in zip(self._host, self._device, sizes, strict=True):
-            index = tuple(slice(n) for n in size)
-            if dev is not host:
+        if self._device[0] is not self._host[0]:
+            for host, dev, size in zip(self._host, self._device, sizes, strict=True):
+                index = tuple(slice(n) for n in size)
                 dev[index].copy_(host[index])
-            views.append(dev[index])
-        return ModelInput(*views)
+        key = (num_tokens, num_reqs, max_blocks)
+        if self._last_views is not None and self._last_views[0] == key:
+            return self._last_views[1]
+        batch = ModelInput(
+            *(dev[tuple(slice(n) for n in size)] for dev, size in zip(self._device, sizes, strict=True))
+        )
+        self._last_views = (key, batch)
+        return batch
 
 
 def build_model_input(

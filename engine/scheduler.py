@@ -87,7 +87,7 @@ class Scheduler:
         self.num_draft_placeholders = num_draft_placeholders
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching)
         # The running requests' persistent rows (token ids, block table, sampling parameters), updated by
-        # deltas where requests change: scheduled (`_apply`), committed, finished or preempted.
+        # deltas when they are scheduled (`_apply`: new tokens, blocks, drafts), finished or preempted.
         max_num_positions = config.max_model_len + config.num_lookahead_tokens + 1
         self.request_rows = RequestRows(
             config.max_num_seqs,
@@ -362,7 +362,6 @@ class Scheduler:
         """
         bm, now = self.block_manager, self.clock()
         updates: list[RequestUpdate] = []
-        commits: list[tuple[str, int, list[int]]] = []  # for the persistent rows, all in one write
         for item in scheduler_output.scheduled:
             request = self.requests.get(item.request_id)
             if (
@@ -390,10 +389,7 @@ class Scheduler:
             )
             if status.is_finished:
                 self._remove(request, status)
-            elif new_token_ids:
-                commits.append((item.request_id, request.num_tokens - len(new_token_ids), new_token_ids))
             updates.append(RequestUpdate(item.request_id, new_token_ids, status))
-        self.request_rows.write_committed(commits)
         return updates
 
     def _preempt(self, request: Request) -> None:

@@ -85,11 +85,12 @@ def make_item(
 
 
 def test_token_rows_join_grow_commit_roll_back_and_reuse() -> None:
-    """The token-id deltas of one request's life, with the exact rows after each: join (prompt), a
-    prefill chunk (nothing written), a decode step with drafts (written past the committed tokens), the
-    commit of one accepted draft and a bonus token (the rejected drafts are no longer valid), a step
-    with a placeholder and draft placeholders (asynchronous scheduling), removal, and reuse of the row by
-    another request; and a request resumed after preemption joins with its prompt and outputs."""
+    """The token-id deltas of requests' lives, with the exact rows after each step: join (the prompt),
+    a prefill chunk (nothing more written), a decode step with drafts (written past the committed
+    tokens), the next step after one accepted draft and a bonus token were committed (only the new
+    committed tokens are written; the rejected drafts are no longer valid), a step with a placeholder
+    and draft placeholders (asynchronous scheduling), removal, reuse of the row by another request, and
+    a request resumed after preemption, which joins again with its prompt and outputs."""
     rows = RequestRows(num_rows=2, num_columns=4, max_num_tokens=12)
     a = Request("a", [11, 12, 13, 14, 15], GREEDY, arrival_time_s=0.0)
     b = Request("b", [21, 22], GREEDY, arrival_time_s=0.0)
@@ -100,38 +101,62 @@ def test_token_rows_join_grow_commit_roll_back_and_reuse() -> None:
     step = rows.add_step([make_item(a, 0, 3, [], [7])._replace(samples=False), make_item(b, 0, 2, [], [8])])
     ra, rb = step.row_index.tolist()
     assert (step.start_positions.tolist(), step.num_scheduled_tokens.tolist()) == ([0, 0], [3, 2])
+    assert step.num_uncommitted_inputs == 0
     assert valid(ra) == [11, 12, 13, 14, 15] and valid(rb) == [21, 22]
     assert rows.table[ra].tolist() == [7, 0, 0, 0] and rows.lens[[ra, rb]].tolist() == [1, 1]
 
-    rows.write_committed([("b", 2, [23])])  # b's first token
-    b.append_output_token_ids([23])
+    b.append_output_token_ids([23])  # b's first token, committed
     step = rows.add_step([make_item(a, 3, 2, [], [7, 9]), make_item(b, 2, 4, [31, 32, 33], [8])])
     assert step.row_index.tolist() == [ra, rb] and step.start_positions.tolist() == [3, 2]
+    assert step.num_uncommitted_inputs == 3
     assert valid(ra) == [11, 12, 13, 14, 15] and rows.table[ra].tolist() == [7, 9, 0, 0]  # grew by one block
     assert valid(rb) == [21, 22, 23, 31, 32, 33]  # the committed tokens, then the drafts to verify
 
-    rows.write_committed([("a", 5, [16]), ("b", 3, [31, 40])])  # b: accepts 31, rejects 32 and 33
+    a.append_output_token_ids([16])
+    b.append_output_token_ids([31, 40])  # b accepted 31, rejected 32 and 33, sampled 40
+    step = rows.add_step([make_item(a, 5, 1, [], [7, 9]), make_item(b, 4, 1, [], [8, 3])])
     assert valid(ra) == [11, 12, 13, 14, 15, 16]
     assert valid(rb) == [21, 22, 23, 31, 40]  # the bonus token over the first rejected draft
+    assert rows.token_ids[rb, 5].tolist() == 33  # a rejected draft, past the valid tokens
 
-    step = rows.add_step([make_item(b, 5, 3, [P, P], [8, 3], num_placeholders=1)])  # async: in flight
+    step = rows.add_step([make_item(b, 5, 3, [P, P], [8, 3], num_placeholders=1)])  # async: 41 in flight
     assert valid(rb) == [21, 22, 23, 31, 40, P, P, P]
+    b.append_output_token_ids([41])  # committed after the step above was scheduled (and packed)
+    step = rows.add_step([make_item(b, 5, 1, [], [8, 3])])  # no draft accepted: 41 runs next
+    assert valid(rb) == [21, 22, 23, 31, 40, 41]
 
     rows.remove(["b", "unknown"])
     assert rows.num_valid_tokens[rb] == 0 and rows.lens[rb] == 0 and rows.num_requests == 1
-    rows.write_committed([("b", 5, [41])])  # a result for a request gone since: skipped
-    assert rows.num_valid_tokens[rb] == 0
     c = Request("c", [51], GREEDY, arrival_time_s=0.0)
     step = rows.add_step([make_item(c, 0, 1, [], [5])])
     assert step.row_index.tolist() == [rb] and valid(rb) == [51] and rows.table[rb].tolist() == [5, 0, 0, 0]
 
     rows.remove(["a"])  # preempted: resumed later from token 0 with its prompt and outputs
-    a.append_output_token_ids([16, 17])
+    a.append_output_token_ids([17])
     step = rows.add_step([make_item(a, 0, 4, [], [2, 6])._replace(samples=False)])
     assert step.row_index.tolist() == [ra] and valid(ra) == [11, 12, 13, 14, 15, 16, 17]
     assert rows.table[ra].tolist() == [2, 6, 0, 0]
     with pytest.raises(ValueError, match="needs 13 token positions, a row has 12"):
         rows.add_step([make_item(a, 7, 6, [1, 2, 3, 4, 5], [2, 6, 1, 3])])
+
+
+def test_rows_double_inside_a_step() -> None:
+    """More requests than rows: a join in the middle of `add_step` doubles the arrays, and the writes of
+    the requests before and after it (committed tokens, drafts) land in the new arrays."""
+    rows = RequestRows(num_rows=1, num_columns=2, max_num_tokens=8)
+    a = Request("a", [1, 2], GREEDY, arrival_time_s=0.0)
+    rows.add_step([make_item(a, 0, 2, [], [4])])
+    a.append_output_token_ids([3])
+    b = Request("b", [5], GREEDY, arrival_time_s=0.0)
+    step = rows.add_step([make_item(a, 2, 3, [6, 7], [4]), make_item(b, 0, 1, [], [9])])
+    assert rows.token_ids.shape == (2, 8) and step.row_index.tolist() == [0, 1]
+    assert rows.token_ids[0, :5].tolist() == [1, 2, 3, 6, 7] and rows.token_ids[1, :1].tolist() == [5]
+    assert rows.num_valid_tokens.tolist() == [5, 1] and rows.table.tolist() == [[4, 0], [9, 0]]
+    a.append_output_token_ids([6, 8])
+    c = Request("c", [10, 11], GREEDY, arrival_time_s=0.0)
+    rows.add_step([make_item(c, 0, 2, [], [3]), make_item(a, 4, 2, [12], [4, 5])])  # doubles first
+    assert rows.token_ids.shape == (4, 8) and rows.token_ids[2, :2].tolist() == [10, 11]
+    assert rows.token_ids[0, :6].tolist() == [1, 2, 3, 6, 8, 12] and rows.num_valid_tokens[0] == 6
 
 
 def test_mixed_batch_packs_as_the_per_request_reference() -> None:
@@ -144,11 +169,10 @@ def test_mixed_batch_packs_as_the_per_request_reference() -> None:
     decode = Request("decode", [1, 2, 3, 4, 5], GREEDY, arrival_time_s=0.0)
     drafts = Request("drafts", [6, 7, 8], GREEDY, arrival_time_s=0.0)
     in_flight = Request("in_flight", [9, 10, 11, 12, 13, 14], GREEDY, arrival_time_s=0.0)
+    # An earlier step, so that the batch below reads tokens committed since the rows joined too.
+    rows.add_step([make_item(r, 0, 1, [], [0]) for r in (decode, drafts, in_flight)])
     for request in (decode, drafts, in_flight):
         request.append_output_token_ids([60, 61])
-    # An earlier step, so that the batch below reads rows written by commits too.
-    rows.add_step([make_item(r, 0, 1, [], [0]) for r in (decode, drafts, in_flight)])
-    rows.write_committed([(r.request_id, r.num_tokens - 2, [60, 61]) for r in (decode, drafts, in_flight)])
     items = [
         make_item(prefill, 8, 6, [], [3, 1, 4, 2])._replace(samples=False),  # chunk: positions 8..13
         make_item(decode, 6, 1, [], [5, 9]),
