@@ -380,41 +380,52 @@ class Executor:
         self, scheduled: list[ScheduledRequest], prepared: PreparedStep
     ) -> list[ScheduledRequest]:
         """Fill in placeholder inputs and move their requests back by the previous step's rejected drafts
-        (in the batch and in the returned items). See the module docstring."""
-        if not prepared.placeholder_items:
+        (in the batch and in the returned items). See the module docstring. The previous results are
+        looked up per request; the batch is then patched with a few whole-batch ops (input ids, and for
+        shifted requests positions, slots and sequence lengths), not per request."""
+        items = prepared.placeholder_items
+        if not items:
             return scheduled
         batch, bs = prepared.batch, self.runner.block_size
         assert batch is not None
         scheduled = list(scheduled)
-        rows: list[int] = []
-        values: list[int] = []
-        for i in prepared.placeholder_items:
+        values: list[int] = []  # the inputs of every placeholder request, back to back
+        counts: list[int] = []
+        shifts: list[int] = []
+        for i in items:
             item = scheduled[i]
             previous = self._last_step.get(item.request_id)
             if previous is None:
                 raise RuntimeError(f"placeholders of {item.request_id!r}, but the last step sampled nothing")
-            n, first = item.num_scheduled_tokens, prepared.query_start_loc[i]
+            n, shift = item.num_scheduled_tokens, previous.num_rejected
             bonus = previous.token_ids[-1]
             inputs = ([bonus] + previous.draft_token_ids)[:n]
             inputs += [bonus] * (n - len(inputs))  # fewer drafts than slots: filler drafts
-            rows.extend(range(first, first + n))
             values.extend(inputs)
-            shift = previous.num_rejected
-            if shift:
-                positions = batch.positions[first : first + n]
-                positions -= shift
-                batch.slot_mapping[first : first + n] = (
-                    batch.block_tables[i, positions // bs] * bs + positions % bs
-                )
-                batch.seq_lens[i] -= shift
+            counts.append(n)
+            shifts.append(shift)
             # The bonus token stays a placeholder in the item (its `token_ids`): known to this step only.
             scheduled[i] = item._replace(
                 spec_token_ids=inputs[1:], start_position=item.start_position - shift, num_placeholders=1
             )
         device = batch.input_ids.device
-        batch.input_ids[torch.tensor(rows, device=device)] = torch.tensor(
-            values, dtype=torch.long, device=device
-        )
+        item_index = np.asarray(items, dtype=np.int64)
+        num_inputs = np.asarray(counts, dtype=np.int64)
+        # flat row of each of their inputs in the batch: query start + offset within the request
+        firsts = np.asarray(prepared.query_start_loc, dtype=np.int64)[item_index]
+        flat = np.repeat(firsts - (np.cumsum(num_inputs) - num_inputs), num_inputs)
+        flat += np.arange(len(values), dtype=np.int64)
+        flat_rows = torch.from_numpy(flat).to(device)
+        batch.input_ids[flat_rows] = torch.tensor(values, dtype=torch.long, device=device)
+        if any(shifts):
+            shift = np.asarray(shifts, dtype=np.int64)
+            positions = batch.positions[flat_rows] - torch.from_numpy(np.repeat(shift, num_inputs)).to(device)
+            batch.positions[flat_rows] = positions
+            request_rows = torch.from_numpy(np.repeat(item_index, num_inputs)).to(device)
+            batch.slot_mapping[flat_rows] = (
+                batch.block_tables[request_rows, positions // bs] * bs + positions % bs
+            )
+            batch.seq_lens[torch.from_numpy(item_index).to(device)] -= torch.from_numpy(shift).to(device)
         return scheduled
 
     def _propose(

@@ -214,8 +214,11 @@ class RequestRows(BlockTableRows):
         written at their positions. Element writes through memoryviews, no numpy call per request.
 
         Raises:
-            ValueError: a request's tokens or inputs reach past a row's `max_num_tokens` positions, or it
-                holds more blocks than the table's columns.
+            ValueError: a request's tokens or inputs reach past a row's `max_num_tokens` positions, its
+                placeholders and drafts would overwrite committed tokens, or it holds more blocks than the
+                table's columns.
+            RuntimeError: a request has fewer committed tokens than its row (the row of a request that
+                left without `remove`, under a reused id).
         """
         width = self.token_ids.shape[1]
         row_of, num_committed, known = self._row_of, self._num_committed, self._known
@@ -243,14 +246,15 @@ class RequestRows(BlockTableRows):
                     for position in range(num_written, num_tokens):
                         tokens[index + position] = all_token_ids[position]
                 num_committed[row] = num_tokens
+            elif num_tokens < num_written:  # committed tokens never shrink: not the row's request
+                raise RuntimeError(f"request {request_id!r} has {num_tokens} tokens, its row {num_written}")
+            # `update`, inlined check: usually the blocks did not change
             block_ids = item.block_ids
             num_blocks, first, last = known[row]
             if len(block_ids) != num_blocks or (
                 num_blocks and (block_ids[-1] != last or block_ids[0] != first)
             ):
-                self._write_blocks(
-                    row, request_id, block_ids
-                )  # (`update`; usually the blocks did not change)
+                self._write_blocks(row, request_id, block_ids)
             start, count = item.start_position, item.num_scheduled_tokens
             rows.append(row)
             starts.append(start)
@@ -258,8 +262,13 @@ class RequestRows(BlockTableRows):
             num_placeholders, spec_token_ids = item.num_placeholders, item.spec_token_ids
             if num_placeholders or spec_token_ids:  # at positions num_tokens .. end - 1
                 end = start + count
-                self._check_fits(request_id, end)
-                index = row * width + end - num_placeholders - len(spec_token_ids)
+                first_uncommitted = end - num_placeholders - len(spec_token_ids)
+                if first_uncommitted < num_tokens or end > width:
+                    raise ValueError(
+                        f"request {request_id!r}: inputs {first_uncommitted} .. {end - 1} are not past its "
+                        f"{num_tokens} committed tokens or not within a row of {width}"
+                    )
+                index = row * width + first_uncommitted
                 for _ in range(num_placeholders):
                     tokens[index] = PLACEHOLDER_TOKEN_ID
                     index += 1

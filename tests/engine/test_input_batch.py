@@ -136,8 +136,11 @@ def test_token_rows_join_grow_commit_roll_back_and_reuse() -> None:
     step = rows.add_step([make_item(a, 0, 4, [], [2, 6])._replace(samples=False)])
     assert step.row_index.tolist() == [ra] and valid(ra) == [11, 12, 13, 14, 15, 16, 17]
     assert rows.table[ra].tolist() == [2, 6, 0, 0]
-    with pytest.raises(ValueError, match="needs 13 token positions, a row has 12"):
-        rows.add_step([make_item(a, 7, 6, [1, 2, 3, 4, 5], [2, 6, 1, 3])])
+    with pytest.raises(ValueError, match="inputs 8 .. 12 are not past its 7 committed tokens or not within"):
+        rows.add_step([make_item(a, 7, 6, [1, 2, 3, 4, 5], [2, 6, 1, 3])])  # past the row's 12 positions
+    with pytest.raises(ValueError, match="inputs 6 .. 7 are not past its 7 committed tokens"):
+        rows.add_step([make_item(a, 5, 3, [1, 2], [2, 6])])  # drafts over committed tokens: refused
+    assert valid(ra) == [11, 12, 13, 14, 15, 16, 17]
 
 
 def test_rows_double_inside_a_step() -> None:
