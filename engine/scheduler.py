@@ -19,7 +19,10 @@ sample its `max_tokens`-th token is not scheduled again until that step is commi
 preempted after being scheduled are discarded by `update_from_output`.
 
 The decision itself is `engine.scheduler_policy.schedule_step`, a pure function the capacity planner
-shares; this class only builds its inputs (`RequestView`s) and applies its `StepPlan`.
+shares; this class only builds its inputs (`RequestView`s) and applies its `StepPlan`. Applying it ends
+with the step's delta to the persistent batch rows (`engine.input_batch`): the executor packs the step
+from those rows with whole-batch numpy ops, so a `SchedulerOutput` must be packed (`Executor.prepare`)
+before the next `schedule()`.
 """
 
 from __future__ import annotations
@@ -60,8 +63,10 @@ class SchedulerStats(NamedTuple):
 
 class Scheduler:
     """Owns the waiting and running queues, the reservations of requests prefilled elsewhere and, once
-    admitted, their queue for a seat in the running batch (`waiting_for_seat`), and the `BlockManager` of
-    one engine instance.
+    admitted, their queue for a seat in the running batch (`waiting_for_seat`), the `BlockManager` of
+    one engine instance, and the running requests' persistent rows (`request_rows`, an
+    `engine.input_batch.RequestRows`: token ids, block tables, sampling parameters), which `schedule()`
+    brings up to date and hands to the executor as row indices (`SchedulerOutput.rows`).
 
     Args:
         config: step limits (and block size).

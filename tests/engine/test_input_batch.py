@@ -197,14 +197,25 @@ def test_mixed_batch_packs_as_the_per_request_reference() -> None:
     assert got.slot_mapping.tolist() == [16, 17, 18, 19, 8, 9, 38, 40, 41, 42, 43, 48, 49, 50]
 
 
-def test_prepare_over_persistent_rows_equals_the_reference_pack() -> None:
-    """A real engine whose requests join, grow (block size 4) and finish at different steps, two seats:
-    every step `Executor.prepare` builds from its rows exactly what packing the scheduled requests'
-    lists gives (`build_model_input`), and the sampling parameters gathered from the rows equal theirs."""
+@pytest.mark.parametrize(
+    ("async_scheduling", "k"), [(False, 0), (False, 2), (True, 2)], ids=["sync-k0", "sync-k2", "async-k2"]
+)
+def test_prepare_over_persistent_rows_equals_the_reference_pack(async_scheduling: bool, k: int) -> None:
+    """A real engine whose requests join, grow (block size 4) and finish at different steps, two seats,
+    with MTP drafts (k = 2) and placeholders (asynchronous scheduling): every step `Executor.prepare`
+    builds from the rows exactly what packing the scheduled requests' lists gives (`build_model_input`;
+    placeholders still unresolved), and the sampling parameters gathered from the rows equal theirs."""
     from engine.llm import LLM
     from models import bundled_checkpoint_dir
 
-    engine = LLM(bundled_checkpoint_dir(), num_kv_blocks=64, block_size=4, max_num_seqs=2).engine
+    engine = LLM(
+        bundled_checkpoint_dir(),
+        num_kv_blocks=64,
+        block_size=4,
+        max_num_seqs=2,
+        num_speculative_tokens=k,
+        async_scheduling=async_scheduling,
+    ).engine
     settings = [
         SamplingParams(temperature=0.0, max_tokens=3),
         SamplingParams(temperature=0.9, top_k=7, seed=1, max_tokens=9, ignore_eos=True),
@@ -215,6 +226,7 @@ def test_prepare_over_persistent_rows_equals_the_reference_pack() -> None:
         engine.add_request(list(range(10 + i, 15 + 2 * i)), params)
     prepare = engine.executor.prepare
     checked = []
+    checked_items = []
 
     def checking_prepare(output):
         prepared = prepare(output)
@@ -235,9 +247,14 @@ def test_prepare_over_persistent_rows_equals_the_reference_pack() -> None:
                 np.testing.assert_array_equal(have, expected)
             assert prepared.query_start_loc == reference.query_start_loc.tolist()
             checked.append(len(items))
+            checked_items.extend(items)
         return prepared
 
     engine.executor.prepare = checking_prepare
     while engine.has_unfinished_requests():
         engine.step()
-    assert len(checked) > 8 and max(checked) == 2
+    assert len(checked) > 5 and max(checked) == 2
+    if k:
+        assert any(item.spec_token_ids for item in checked_items)
+    if async_scheduling:
+        assert any(item.num_placeholders for item in checked_items)
