@@ -183,7 +183,7 @@ class InputBuffers:
         np.cumsum(num_scheduled, out=qsl_np[1 : num_reqs + 1])
         positions = pos_np[:num_tokens]
         row_width = rows.token_ids.shape[1]
-        if num_tokens == num_reqs:  # one input per request: position = start
+        if num_tokens == num_reqs and num_scheduled.min(initial=1) == 1:  # one input each: position = start
             request_of_token = self._arange[:num_reqs]
             positions[:] = starts
             flat = row_index * row_width

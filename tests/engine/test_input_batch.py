@@ -61,6 +61,23 @@ def test_pack_over_rows_equals_pack_over_lists() -> None:
         InputBuffers(16, 4, 4, 16).pack_rows(step._replace(num_scheduled_tokens=np.array([3, 1, 3])))
 
 
+def test_pack_rows_one_input_each_and_a_request_with_none() -> None:
+    """The path for one input per request, and a batch with as many inputs as requests that is not
+    one each (a request with no input): both equal the reference packing."""
+    rows = RequestRows(num_rows=4, num_columns=4, max_num_tokens=32)
+    for name, first, blocks in (("a", 10, [1, 2, 3]), ("b", 30, [4, 5, 6])):
+        rows.join(name, list(range(first, first + 10)), GREEDY)
+        rows.update(name, blocks)
+    tables = [[1, 2, 3], [4, 5, 6]]
+    for token_ids, starts in (([[19], [37]], [9, 7]), ([[], [35, 36]], [3, 5])):
+        counts = [len(t) for t in token_ids]
+        step = ScheduledRows(rows, np.array([0, 1]), np.array(starts), np.array(counts))
+        got = InputBuffers(8, 4, 4, 4).pack_rows(step)
+        want = InputBuffers(8, 4, 4, 4).pack(token_ids, starts, tables)
+        for name, expected, packed in zip(want._fields, want, got, strict=True):
+            assert packed.tolist() == expected.tolist(), (counts, name)
+
+
 def test_request_rows_keep_sampling_parameters_from_join_to_finish() -> None:
     a_params, b_params = SamplingParams(temperature=0.7, top_k=5), SamplingParams(top_p=0.25)
     rows = RequestRows(num_rows=1, num_columns=4, max_num_tokens=8)
