@@ -165,7 +165,8 @@ class RequestRows(BlockTableRows):
     Args:
         num_rows, num_columns: see `BlockTableRows`.
         max_num_tokens: token positions of one row (the context length; the scheduler adds its lookahead).
-            The array is allocated zeroed, so the OS backs only the pages rows actually write.
+            The array is allocated zeroed, so the OS backs only the pages rows actually write. int64 (vLLM
+            keeps int32) so that packing gathers straight into the int64 input buffer.
 
     Raises:
         ValueError: a request's tokens or inputs reach past `max_num_tokens` (`join`, `add_step`).
@@ -315,9 +316,9 @@ class ScheduledRows(NamedTuple):
     """A step's requests as rows of the persistent `RequestRows` (`RequestRows.add_step`): what
     `engine.model_runner.InputBuffers.pack_rows` packs, with no per-request Python.
 
-    rows: the persistent rows. They change when the scheduler next schedules or commits, so the step
-        must be packed before that (`Executor.prepare` runs right after `Scheduler.schedule`); the packed
-        buffers are copies.
+    rows: the persistent rows. They change when the scheduler next schedules or a request leaves, so
+        the step must be packed before that (`Executor.prepare` runs right after `Scheduler.schedule`);
+        the packed buffers are copies.
     row_index: `[num_reqs]` int64, each scheduled request's row, in batch order.
     start_positions: `[num_reqs]` int64, the position of its first input this step.
     num_scheduled_tokens: `[num_reqs]` int64, its inputs this step (positions
