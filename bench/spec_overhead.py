@@ -74,7 +74,7 @@ def capture_step(engine: Any, num_decode_steps: int) -> tuple[Any, Any]:
             if step < num_decode_steps or not captured:
                 continue
             output, prepared = captured[-1]
-            if output.scheduled and all(len(s.token_ids) == 2 and len(s.spec_token_ids) == 1
+            if output.scheduled and all(s.num_scheduled_tokens == 2 and len(s.spec_token_ids) == 1
                                         for s in output.scheduled):  # fmt: skip
                 return output, prepared
     finally:

@@ -55,14 +55,13 @@ passes (no request to draft for, or fewer drafts) adds empty passes at the depth
 
 from __future__ import annotations
 
-import itertools
 import secrets
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from engine.input_batch import RequestRows, SamplingArrays
+from engine.input_batch import SamplingArrays
 from engine.model_runner import InputBuffers, LayerKVCallback, ModelInput, ModelRunner, build_model_input
 from engine.mtp_proposer import MTPWork, mtp_input_ids, propose
 from engine.outputs import (
@@ -168,9 +167,6 @@ class Executor:
             for _ in range(2)
         ]
         self._num_prepared = 0
-        # Each running request's row (block table, sampling parameters), updated by deltas in `prepare`
-        # (`engine.input_batch`).
-        self._block_table_rows = RequestRows(max_num_reqs, num_columns)
 
     @property
     def num_tracked_requests(self) -> int:
@@ -206,38 +202,36 @@ class Executor:
             self._draft_probs.pop(request_id, None)
 
     def prepare(self, output: SchedulerOutput) -> PreparedStep:
-        """Pack the scheduled requests into the next persistent buffer set (slots come from the scheduler).
+        """Pack the scheduled requests into the next persistent buffer set: token ids, block tables and
+        sampling parameters gathered from the scheduler's persistent rows (`output.rows`), positions and
+        slots computed from them, all with whole-batch numpy ops (`InputBuffers.pack_rows`).
 
-        Touches no per-request state, so it may run while the previous step's `run` executes; the
-        returned batch stays valid until the prepare after next.
+        Runs right after `Scheduler.schedule` (the rows change at the next schedule or commit). Touches
+        no per-request state of the executor, so it may run while the previous step's `run` executes;
+        the returned batch stays valid until the prepare after next.
+
+        Raises:
+            ValueError: requests scheduled without `output.rows`, or a step the buffers or rows do not
+                cover (see `pack_rows`); a request that mixes placeholders and known tokens.
         """
         scheduled = output.scheduled
-        block_table_rows = self._block_table_rows
-        block_table_rows.remove(output.finished_request_ids + output.preempted_request_ids)
         if not scheduled:
             return PreparedStep(None, [0], [])
+        step_rows = output.rows
+        if step_rows is None or len(step_rows.row_index) != len(scheduled):
+            raise ValueError("SchedulerOutput.rows must give the row of every scheduled request")
         buffers = self._buffers[self._num_prepared % 2]
         self._num_prepared += 1
-        slots = list(itertools.chain.from_iterable(item.slot_mapping for item in scheduled))
-        join = block_table_rows.join
-        rows = np.fromiter(
-            (join(item.request_id, item.block_ids, item.request.sampling_params) for item in scheduled),
-            np.int64,
-            len(scheduled),
-        )
-        batch = buffers.pack(
-            [item.token_ids for item in scheduled],
-            [item.start_position for item in scheduled],
-            None,
-            slots,
-            block_table_rows=(block_table_rows, rows),
-        )
+        batch = buffers.pack_rows(step_rows)
         # Placeholders, for the whole batch at once: count them per request over the packed input ids.
         num_tokens, num_reqs = batch.num_tokens, len(scheduled)
         qsl = buffers.host_query_start_loc[: num_reqs + 1]
         placeholder_items: list[int] = []
-        is_placeholder = buffers.host_input_ids[:num_tokens] == PLACEHOLDER_TOKEN_ID
-        if is_placeholder.any():
+        # Only inputs the scheduler wrote as uncommitted (placeholders, drafts) can be placeholders.
+        is_placeholder = None
+        if step_rows.num_uncommitted_inputs:
+            is_placeholder = buffers.host_input_ids[:num_tokens] == PLACEHOLDER_TOKEN_ID
+        if is_placeholder is not None and is_placeholder.any():
             cumulative = np.concatenate(([0], np.cumsum(is_placeholder, dtype=np.int64)))
             counts, lens = cumulative[qsl[1:]] - cumulative[qsl[:-1]], np.diff(qsl)
             mixed = np.flatnonzero((counts > 0) & (counts < lens))
@@ -245,7 +239,7 @@ class Executor:
                 request_id = scheduled[int(mixed[0])].request_id
                 raise ValueError(f"request {request_id!r} mixes placeholders and known tokens")
             placeholder_items = np.flatnonzero(counts).tolist()
-        sampling = block_table_rows.sampling.take(rows)
+        sampling = step_rows.rows.sampling.take(step_rows.row_index)
         return PreparedStep(batch, qsl.tolist(), placeholder_items, sampling)
 
     def execute(
@@ -386,40 +380,52 @@ class Executor:
         self, scheduled: list[ScheduledRequest], prepared: PreparedStep
     ) -> list[ScheduledRequest]:
         """Fill in placeholder inputs and move their requests back by the previous step's rejected drafts
-        (in the batch and in the returned items). See the module docstring."""
-        if not prepared.placeholder_items:
+        (in the batch and in the returned items). See the module docstring. The previous results are
+        looked up per request; the batch is then patched with a few whole-batch ops (input ids, and for
+        shifted requests positions, slots and sequence lengths), not per request."""
+        items = prepared.placeholder_items
+        if not items:
             return scheduled
         batch, bs = prepared.batch, self.runner.block_size
         assert batch is not None
         scheduled = list(scheduled)
-        rows: list[int] = []
-        values: list[int] = []
-        for i in prepared.placeholder_items:
+        values: list[int] = []  # the inputs of every placeholder request, back to back
+        counts: list[int] = []
+        shifts: list[int] = []
+        for i in items:
             item = scheduled[i]
             previous = self._last_step.get(item.request_id)
             if previous is None:
                 raise RuntimeError(f"placeholders of {item.request_id!r}, but the last step sampled nothing")
-            n, first = item.num_scheduled_tokens, prepared.query_start_loc[i]
+            n, shift = item.num_scheduled_tokens, previous.num_rejected
             bonus = previous.token_ids[-1]
             inputs = ([bonus] + previous.draft_token_ids)[:n]
             inputs += [bonus] * (n - len(inputs))  # fewer drafts than slots: filler drafts
-            rows.extend(range(first, first + n))
             values.extend(inputs)
-            shift = previous.num_rejected
-            if shift:
-                positions = batch.positions[first : first + n]
-                positions -= shift
-                batch.slot_mapping[first : first + n] = (
-                    batch.block_tables[i, positions // bs] * bs + positions % bs
-                )
-                batch.seq_lens[i] -= shift
+            counts.append(n)
+            shifts.append(shift)
+            # The bonus token stays a placeholder in the item (its `token_ids`): known to this step only.
             scheduled[i] = item._replace(
-                token_ids=inputs, spec_token_ids=inputs[1:], start_position=item.start_position - shift
+                spec_token_ids=inputs[1:], start_position=item.start_position - shift, num_placeholders=1
             )
         device = batch.input_ids.device
-        batch.input_ids[torch.tensor(rows, device=device)] = torch.tensor(
-            values, dtype=torch.long, device=device
-        )
+        item_index = np.asarray(items, dtype=np.int64)
+        num_inputs = np.asarray(counts, dtype=np.int64)
+        # flat row of each of their inputs in the batch: query start + offset within the request
+        firsts = np.asarray(prepared.query_start_loc, dtype=np.int64)[item_index]
+        flat = np.repeat(firsts - (np.cumsum(num_inputs) - num_inputs), num_inputs)
+        flat += np.arange(len(values), dtype=np.int64)
+        flat_rows = torch.from_numpy(flat).to(device)
+        batch.input_ids[flat_rows] = torch.tensor(values, dtype=torch.long, device=device)
+        if any(shifts):
+            shift = np.asarray(shifts, dtype=np.int64)
+            positions = batch.positions[flat_rows] - torch.from_numpy(np.repeat(shift, num_inputs)).to(device)
+            batch.positions[flat_rows] = positions
+            request_rows = torch.from_numpy(np.repeat(item_index, num_inputs)).to(device)
+            batch.slot_mapping[flat_rows] = (
+                batch.block_tables[request_rows, positions // bs] * bs + positions % bs
+            )
+            batch.seq_lens[torch.from_numpy(item_index).to(device)] -= torch.from_numpy(shift).to(device)
         return scheduled
 
     def _propose(

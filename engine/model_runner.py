@@ -21,7 +21,7 @@ import torch
 
 from engine.compiled_forward import CompiledDecodeForward
 from engine.config import KV_CACHE_DTYPES
-from engine.input_batch import BlockTableRows
+from engine.input_batch import ScheduledRows
 from kernels.kv_quant import kv_cache_bytes_per_token
 from kernels.paged_mla import paged_mla_attention, write_kv
 from models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3ForCausalLM
@@ -94,7 +94,8 @@ class InputBuffers:
         self._np = [t.numpy() for t in self._host]
         on_host = self.device.type == "cpu"
         self._device = [t if on_host else torch.zeros_like(t, device=self.device) for t in self._host]
-        self._arange = np.arange(max_num_tokens, dtype=np.int64)
+        self._arange = np.arange(max(max_num_tokens, max_num_reqs), dtype=np.int64)
+        self._last_views: tuple[tuple[int, int, int], ModelInput] | None = None
 
     @property
     def host_input_ids(self) -> np.ndarray:
@@ -110,43 +111,106 @@ class InputBuffers:
         self,
         token_ids: list[list[int]],
         start_positions: list[int],
-        block_tables: list[list[int]] | None,
+        block_tables: list[list[int]],
         slot_mapping: list[int] | None = None,
-        block_table_rows: tuple[BlockTableRows, np.ndarray] | None = None,
     ) -> ModelInput:
-        """Fill the buffers with one ragged batch and return the `ModelInput` viewing them.
+        """Fill the buffers with one ragged batch given as per-request lists and return the `ModelInput`
+        viewing them (the reference packing; the engine's steps use `pack_rows`).
 
         Args:
             token_ids: per request, the tokens to run this step (positions `start .. start + n - 1`).
             start_positions: per request, the position of its first token this step.
             block_tables: per request, its block ids (enough to cover every position it runs).
-            slot_mapping: `[sum n]` cache slot of every token when the caller has them (the scheduler
-                does); None computes them from the block tables.
-            block_table_rows: instead of `block_tables` (then None), the persistent rows
-                (`engine.input_batch.BlockTableRows`) and `[num_reqs]` int64 the row of each request:
-                the table is one gather of those rows.
+            slot_mapping: `[sum n]` cache slot of every token when the caller has them; None computes
+                them from the block tables.
 
         Raises:
             ValueError: a request runs a position its block table does not cover, or the batch exceeds
                 the buffers' capacity.
         """
-        ids_np, pos_np, slots_np, tables_np, seq_lens_np, qsl_np = self._np
         num_reqs = len(token_ids)
         num_scheduled = np.fromiter(map(len, token_ids), dtype=np.int64, count=num_reqs)
-        num_tokens = int(num_scheduled.sum())
-        if block_table_rows is not None:
-            persistent, rows = block_table_rows
-            table_lens = persistent.lens[rows]
+        table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_reqs)
+        starts = np.asarray(start_positions, dtype=np.int64).reshape(num_reqs)
+        num_tokens, max_blocks = self._layout(num_scheduled, starts, table_lens)
+        ids_np, pos_np, slots_np, tables_np = self._np[:4]
+        ids_np[:num_tokens] = np.fromiter(itertools.chain.from_iterable(token_ids), np.int64, num_tokens)
+        tables = tables_np[:num_reqs, :max_blocks]
+        tables.fill(0)
+        for r, table in enumerate(block_tables):
+            tables[r, : len(table)] = table
+        if slot_mapping is None:
+            self._fill_slots(num_scheduled, tables, num_tokens)
         else:
-            table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_reqs)
+            slots_np[:num_tokens] = slot_mapping
+        return self._views(num_tokens, num_reqs, max_blocks)
+
+    def pack_rows(self, step: ScheduledRows) -> ModelInput:
+        """Fill the buffers with one step given as rows of the persistent batch and return the
+        `ModelInput` viewing them, with whole-batch numpy ops only (no per-request Python): token ids
+        are one `np.take` of the rows' `token_ids` at `row * row_width + position`, block tables one
+        gather of the rows, positions `start + arange`, slots from the gathered tables.
+
+        Each numpy call costs microseconds right after a forward (cold caches), so the step is built
+        with few of them; a step of one input per request (decode without drafts) skips the repeats.
+
+        Args:
+            step: the rows (`engine.input_batch.RequestRows`) and, per request, its row, first position
+                and number of inputs (`engine.input_batch.ScheduledRows`).
+
+        Raises:
+            ValueError: a request runs a position its block table does not cover or its row does not
+                hold (`RequestRows.num_valid_tokens`), or the batch exceeds the buffers' capacity.
+        """
+        rows, row_index, starts, num_scheduled = step[:4]
+        ids_np, pos_np, slots_np, tables_np, seq_lens_np, qsl_np = self._np
+        num_reqs = len(row_index)
+        num_tokens = int(num_scheduled.sum())
+        table_lens = rows.lens[row_index]
         max_blocks = max(1, int(table_lens.max(initial=0)))
-        if num_tokens > len(ids_np) or num_reqs > len(seq_lens_np) or max_blocks > tables_np.shape[1]:
+        self._check_capacity(num_tokens, num_reqs, max_blocks)
+        ends = seq_lens_np[:num_reqs]
+        np.add(starts, num_scheduled, out=ends)
+        bs = self.block_size
+        if (ends > np.minimum(table_lens * bs, rows.num_valid_tokens[row_index])).any():
+            self._check_ends(ends, table_lens)
+            num_valid = rows.num_valid_tokens[row_index]
+            r = int(np.flatnonzero(ends > num_valid)[0])
+            raise ValueError(
+                f"positions up to {ends[r]} of row {row_index[r]}, which holds {num_valid[r]} valid tokens"
+            )
+        qsl_np[0] = 0
+        np.cumsum(num_scheduled, out=qsl_np[1 : num_reqs + 1])
+        positions = pos_np[:num_tokens]
+        row_width = rows.token_ids.shape[1]
+        if num_tokens == num_reqs and num_scheduled.min(initial=1) == 1:  # one input each: position = start
+            request_of_token = self._arange[:num_reqs]
+            positions[:] = starts
+            flat = row_index * row_width
+        else:
+            # position of flat token j of request r: starts[r] + (j - query_start_loc[r])
+            request_of_token = np.repeat(self._arange[:num_reqs], num_scheduled)
+            np.add((starts - qsl_np[:num_reqs])[request_of_token], self._arange[:num_tokens], out=positions)
+            flat = (row_index * row_width)[request_of_token]
+        flat += positions  # flat index into the rows' token ids: row * row_width + position
+        np.take(rows.token_ids, flat, out=ids_np[:num_tokens])
+        # rows hold 0 past their blocks: the gather pads with 0
+        tables = tables_np[:num_reqs, :max_blocks]
+        np.take(rows.table[:, :max_blocks], row_index, axis=0, out=tables)
+        slots = slots_np[:num_tokens]
+        np.multiply(tables[request_of_token, positions // bs], bs, out=slots)
+        slots += positions % bs
+        return self._views(num_tokens, num_reqs, max_blocks)
+
+    def _check_capacity(self, num_tokens: int, num_reqs: int, max_blocks: int) -> None:
+        _, pos_np, _, tables_np, seq_lens_np, _ = self._np
+        if num_tokens > len(pos_np) or num_reqs > len(seq_lens_np) or max_blocks > tables_np.shape[1]:
             raise ValueError(
                 f"batch of {num_reqs} requests, {num_tokens} tokens, {max_blocks} blocks per request "
-                f"exceeds the input buffers ({len(seq_lens_np)}, {len(ids_np)}, {tables_np.shape[1]})"
+                f"exceeds the input buffers ({len(seq_lens_np)}, {len(pos_np)}, {tables_np.shape[1]})"
             )
-        starts = np.asarray(start_positions, dtype=np.int64).reshape(num_reqs)
-        ends = starts + num_scheduled
+
+    def _check_ends(self, ends: np.ndarray, table_lens: np.ndarray) -> None:
         too_long = np.flatnonzero(ends > table_lens * self.block_size)
         if too_long.size:
             r = int(too_long[0])
@@ -154,34 +218,60 @@ class InputBuffers:
                 f"positions up to {ends[r]} need {-(-int(ends[r]) // self.block_size)} blocks, "
                 f"table has {table_lens[r]}"
             )
+
+    def _layout(
+        self, num_scheduled: np.ndarray, starts: np.ndarray, table_lens: np.ndarray
+    ) -> tuple[int, int]:
+        """Check the batch against the buffers and block tables, fill query starts, sequence lengths and
+        positions. `num_scheduled`, `starts`, `table_lens`: `[num_reqs]` int64. Returns (num_tokens,
+        block-table columns used)."""
+        _, pos_np, _, _, seq_lens_np, qsl_np = self._np
+        num_reqs = len(num_scheduled)
+        num_tokens = int(num_scheduled.sum())
+        max_blocks = max(1, int(table_lens.max(initial=0)))
+        self._check_capacity(num_tokens, num_reqs, max_blocks)
+        ends = seq_lens_np[:num_reqs]
+        np.add(starts, num_scheduled, out=ends)
+        self._check_ends(ends, table_lens)
         qsl_np[0] = 0
         np.cumsum(num_scheduled, out=qsl_np[1 : num_reqs + 1])
-        seq_lens_np[:num_reqs] = ends
-        ids_np[:num_tokens] = np.fromiter(itertools.chain.from_iterable(token_ids), np.int64, num_tokens)
         # position of flat token j of request r: starts[r] + (j - query_start_loc[r])
         positions = pos_np[:num_tokens]
-        positions[:] = np.repeat(starts - qsl_np[:num_reqs], num_scheduled) + self._arange[:num_tokens]
-        tables = tables_np[:num_reqs, :max_blocks]
-        if block_table_rows is not None:  # rows hold 0 past their blocks: the gather pads with 0
-            np.take(persistent.table[:, :max_blocks], rows, axis=0, out=tables)
-        else:
-            tables.fill(0)
-            for r, table in enumerate(block_tables):
-                tables[r, : len(table)] = table
-        if slot_mapping is None:
-            rows = np.repeat(np.arange(num_reqs), num_scheduled)
-            bs = self.block_size
-            slots_np[:num_tokens] = tables[rows, positions // bs] * bs + positions % bs
-        else:
-            slots_np[:num_tokens] = slot_mapping
-        sizes = ((num_tokens,), (num_tokens,), (num_tokens,), (num_reqs, max_blocks), (num_reqs,))
-        views = []
-        for host, dev, size in zip(self._host, self._device, (*sizes, (num_reqs + 1,)), strict=True):
-            index = tuple(slice(n) for n in size)
-            if dev is not host:
+        np.add(np.repeat(starts - qsl_np[:num_reqs], num_scheduled), self._arange[:num_tokens], out=positions)
+        return num_tokens, max_blocks
+
+    def _fill_slots(self, num_scheduled: np.ndarray, tables: np.ndarray, num_tokens: int) -> None:
+        """Slots of the packed positions from the packed block tables `tables` `[num_reqs, max_blocks]`."""
+        positions, bs = self._np[1][:num_tokens], self.block_size
+        request_of_token = np.repeat(self._arange[: len(num_scheduled)], num_scheduled)
+        slots = self._np[2][:num_tokens]
+        np.multiply(tables[request_of_token, positions // bs], bs, out=slots)
+        slots += positions % bs
+
+    def _views(self, num_tokens: int, num_reqs: int, max_blocks: int) -> ModelInput:
+        """The `ModelInput` viewing the packed prefix of each buffer (copied to the device ones first).
+        The views of the last shape are kept for the next pack of the same shape (a decode step usually
+        packs the shape of the one before): they stay valid, what they view is refilled in place."""
+        sizes = (
+            (num_tokens,),
+            (num_tokens,),
+            (num_tokens,),
+            (num_reqs, max_blocks),
+            (num_reqs,),
+            (num_reqs + 1,),
+        )
+        if self._device[0] is not self._host[0]:
+            for host, dev, size in zip(self._host, self._device, sizes, strict=True):
+                index = tuple(slice(n) for n in size)
                 dev[index].copy_(host[index])
-            views.append(dev[index])
-        return ModelInput(*views)
+        key = (num_tokens, num_reqs, max_blocks)
+        if self._last_views is not None and self._last_views[0] == key:
+            return self._last_views[1]
+        batch = ModelInput(
+            *(dev[tuple(slice(n) for n in size)] for dev, size in zip(self._device, sizes, strict=True))
+        )
+        self._last_views = (key, batch)
+        return batch
 
 
 def build_model_input(

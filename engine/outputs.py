@@ -14,46 +14,69 @@ from engine.request import Request, RequestStatus
 if TYPE_CHECKING:
     import torch
 
+    from engine.input_batch import ScheduledRows
+
 # Stands in `ScheduledRequest.token_ids` for a token sampled by the step still in flight (asynchronous
 # scheduling); the executor replaces it with that step's sample before the forward.
 PLACEHOLDER_TOKEN_ID = -1
 
 
 class ScheduledRequest(NamedTuple):
-    """One request's share of a step, for the model runner.
+    """One request's share of a step, for the model runner. Its input token ids are not stored here:
+    the executor packs them from the scheduler's persistent rows (`SchedulerOutput.rows`); `token_ids`
+    and `slot_mapping` rebuild them per request, for checks and tests.
 
     Attributes:
         request: the request (read-only for the runner; `sampling_params`, `request_id`).
-        start_position: position of `token_ids[0]`: the request's computed tokens before this step.
-        token_ids: `[num_scheduled_tokens]` input tokens, committed tokens then `spec_token_ids`. With
-            asynchronous scheduling the first may be `PLACEHOLDER_TOKEN_ID`: the token the previous,
-            still running step samples for this request.
-        spec_token_ids: the draft tokens among them (the tail of `token_ids`), to verify.
+        start_position: position of the first input: the request's computed tokens before this step.
+        num_scheduled_tokens: inputs this step, at positions `start_position ..`: committed tokens, then
+            `num_placeholders` placeholders, then `spec_token_ids`.
+        spec_token_ids: the draft tokens among them (the tail of the inputs), to verify.
         block_ids: the request's block table after this step's allocation; the step's KV goes to
             positions `[start_position, start_position + num_scheduled_tokens)`.
-        slot_mapping: `[num_scheduled_tokens]` cache slot of each input token.
         samples: the step reaches the end of the committed tokens, so it yields tokens: logits at the
             last `len(spec_token_ids) + 1` inputs. False for a prefill chunk that is not the last.
         num_preemptions: the request's preemption count when scheduled; a result for an earlier
             incarnation (preempted since, then readmitted) is discarded.
+        num_placeholders: inputs that are `PLACEHOLDER_TOKEN_ID` (asynchronous scheduling): the token the
+            previous, still running step samples for this request; they precede the drafts.
     """
 
     request: Request
     start_position: int
-    token_ids: list[int]
+    num_scheduled_tokens: int
     spec_token_ids: list[int]
     block_ids: list[int]
-    slot_mapping: list[int]
     samples: bool
     num_preemptions: int = 0
+    num_placeholders: int = 0
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
 
     @property
-    def num_scheduled_tokens(self) -> int:
-        return len(self.token_ids)
+    def token_ids(self) -> list[int]:
+        """`[num_scheduled_tokens]` the inputs as scheduled: committed tokens, placeholders, drafts (a
+        fresh list, built on each call; the committed part is read from `request.all_token_ids`, whose
+        committed prefix never changes)."""
+        num_committed = self.num_scheduled_tokens - self.num_placeholders - len(self.spec_token_ids)
+        start = self.start_position
+        committed = self.request.all_token_ids[start : start + num_committed]
+        return committed + [PLACEHOLDER_TOKEN_ID] * self.num_placeholders + list(self.spec_token_ids)
+
+    def slot_mapping(self, block_size: int) -> list[int]:
+        """`[num_scheduled_tokens]` cache slot `block_id * block_size + offset` of each input.
+
+        Raises:
+            IndexError: `block_ids` does not cover the inputs' positions.
+        """
+        start = self.start_position
+        blocks = self.block_ids
+        return [
+            blocks[p // block_size] * block_size + p % block_size
+            for p in range(start, start + self.num_scheduled_tokens)
+        ]
 
 
 @dataclass(frozen=True)
@@ -68,6 +91,8 @@ class SchedulerOutput:
         preempted_request_ids: requests preempted this step; the runner drops their per-request state.
         finished_request_ids: requests finished or aborted since the previous step; the runner drops
             their per-request state.
+        rows: `scheduled` as rows of the scheduler's persistent batch (`engine.input_batch`), what the
+            executor packs; None when nothing is scheduled.
     """
 
     scheduled: list[ScheduledRequest]
@@ -76,6 +101,7 @@ class SchedulerOutput:
     new_request_ids: list[str]
     preempted_request_ids: list[str]
     finished_request_ids: list[str]
+    rows: ScheduledRows | None = None
 
 
 class TokenLogprobs(NamedTuple):

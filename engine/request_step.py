@@ -2,7 +2,7 @@
 it sampled. The `Scheduler` calls these for each request (it owns the queues, the policy and the blocks);
 they mutate only the request they are given and its blocks.
 
-    schedule_request -> ScheduledRequest       inputs (committed tokens, placeholders, drafts), slots
+    schedule_request -> ScheduledRequest       slots; inputs: committed tokens, placeholders, drafts
     commit_sampled   -> (new tokens, status)   roll back rejected drafts, commit up to a stop, next drafts
     commit_tokens    -> (new tokens, status)   append tokens up to the first that stops the request
 
@@ -22,10 +22,12 @@ from engine.stopping import check_stop_token
 def schedule_request(
     request: Request, num_new_tokens: int, bm: BlockManager, num_draft_placeholders: int
 ) -> ScheduledRequest:
-    """Allocate slots for the request's next `num_new_tokens` positions and build its step inputs:
+    """Allocate slots for the request's next `num_new_tokens` positions and describe its step inputs:
     committed tokens, the placeholder of a token still being sampled, then its drafts (drafts beyond the
-    budget are dropped). Advances `num_computed_tokens`; a step that samples adds its output
-    placeholders and, with `num_draft_placeholders`, the draft placeholders for the next step.
+    budget are dropped); the token ids themselves go to the scheduler's persistent rows
+    (`engine.input_batch.RequestRows.add_step`). Advances `num_computed_tokens`; a step that samples
+    adds its output placeholders and, with `num_draft_placeholders`, the draft placeholders for the
+    next step.
 
     Raises:
         RuntimeError: the slots cannot be allocated (the plan did not fit the free blocks).
@@ -38,19 +40,17 @@ def schedule_request(
     num_tokens = request.num_tokens
     num_known = num_tokens + request.num_output_placeholders  # committed + being sampled
     request.spec_token_ids = request.spec_token_ids[: max(0, end - num_known)]
-    token_ids = request.all_token_ids[start : min(end, num_tokens)]
-    token_ids += [PLACEHOLDER_TOKEN_ID] * (min(end, num_known) - max(start, num_tokens))
-    token_ids += request.spec_token_ids
     samples = end >= num_known
     item = ScheduledRequest(
         request=request,
         start_position=start,
-        token_ids=token_ids,
+        num_scheduled_tokens=num_new_tokens,
         spec_token_ids=list(request.spec_token_ids),
         block_ids=bm.block_ids(request),
-        slot_mapping=bm.slot_mapping(request, start, end),
         samples=samples,
         num_preemptions=request.num_preemptions,
+        # the tokens still being sampled among the inputs (positions num_tokens .. num_known - 1)
+        num_placeholders=max(0, min(end, num_known) - max(start, num_tokens)),
     )
     request.num_computed_tokens = end
     if samples:

@@ -19,7 +19,10 @@ sample its `max_tokens`-th token is not scheduled again until that step is commi
 preempted after being scheduled are discarded by `update_from_output`.
 
 The decision itself is `engine.scheduler_policy.schedule_step`, a pure function the capacity planner
-shares; this class only builds its inputs (`RequestView`s) and applies its `StepPlan`.
+shares; this class only builds its inputs (`RequestView`s) and applies its `StepPlan`. Applying it ends
+with the step's delta to the persistent batch rows (`engine.input_batch`): the executor packs the step
+from those rows with whole-batch numpy ops, so a `SchedulerOutput` must be packed (`Executor.prepare`)
+before the next `schedule()`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from engine.block_manager import BlockManager, ComputedBlocks
+from engine.input_batch import RequestRows
 from engine.outputs import (
     ModelRunnerOutput,
     RequestUpdate,
@@ -59,8 +63,10 @@ class SchedulerStats(NamedTuple):
 
 class Scheduler:
     """Owns the waiting and running queues, the reservations of requests prefilled elsewhere and, once
-    admitted, their queue for a seat in the running batch (`waiting_for_seat`), and the `BlockManager` of
-    one engine instance.
+    admitted, their queue for a seat in the running batch (`waiting_for_seat`), the `BlockManager` of
+    one engine instance, and the running requests' persistent rows (`request_rows`, an
+    `engine.input_batch.RequestRows`: token ids, block tables, sampling parameters), which `schedule()`
+    brings up to date and hands to the executor as row indices (`SchedulerOutput.rows`).
 
     Args:
         config: step limits (and block size).
@@ -85,6 +91,14 @@ class Scheduler:
         self.config = config
         self.num_draft_placeholders = num_draft_placeholders
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching)
+        # The running requests' persistent rows (token ids, block table, sampling parameters), updated by
+        # deltas when they are scheduled (`_apply`: new tokens, blocks, drafts), finished or preempted.
+        max_num_positions = config.max_model_len + config.num_lookahead_tokens + 1
+        self.request_rows = RequestRows(
+            config.max_num_seqs,
+            min(num_blocks, -(-max_num_positions // config.block_size)),
+            max_num_positions,
+        )
         self.clock = clock
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []  # new and preempted requests
@@ -332,6 +346,7 @@ class Scheduler:
             new_request_ids=list(plan.admitted),
             preempted_request_ids=list(plan.preempted_request_ids),
             finished_request_ids=finished,
+            rows=self.request_rows.add_step(scheduled) if scheduled else None,
         )
 
     def update_from_output(
@@ -385,6 +400,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: free the blocks (full ones stay cached), requeue from token 0."""
         self.block_manager.free(request)
+        self.request_rows.remove([request.request_id])
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -396,6 +412,7 @@ class Scheduler:
 
     def _remove(self, request: Request, status: RequestStatus) -> None:
         self.block_manager.free(request)
+        self.request_rows.remove([request.request_id])
         request.num_output_placeholders = 0  # a step in flight still holding it is discarded
         queues = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING_FOR_SEAT: self.waiting_for_seat}
         queues.get(request.status, self.waiting).remove(request)

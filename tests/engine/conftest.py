@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from engine.block_manager import BlockManager
+from engine.model_runner import InputBuffers
 from engine.outputs import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -98,7 +99,32 @@ def fake_runner_output(
     return ModelRunnerOutput(sampled, spec)
 
 
+def check_packed_rows(output: SchedulerOutput, block_size: int) -> None:
+    """The step packed from the scheduler's persistent rows (`InputBuffers.pack_rows`, what the executor
+    runs) equals the reference packing of the items' per-request lists (`token_ids`, `start_position`,
+    `block_ids`), field by field; the slots also equal each item's `slot_mapping`. Call it right after
+    `schedule()` (the rows change at the next schedule or commit)."""
+    items = output.scheduled
+    if not items:
+        assert output.rows is None
+        return
+    num_tokens = sum(item.num_scheduled_tokens for item in items)
+    num_columns = max(len(item.block_ids) for item in items)
+    token_ids = [item.token_ids for item in items]
+    assert [len(t) for t in token_ids] == [item.num_scheduled_tokens for item in items]
+    want = InputBuffers(num_tokens, len(items), num_columns, block_size).pack(
+        token_ids, [item.start_position for item in items], [item.block_ids for item in items]
+    )
+    got = InputBuffers(num_tokens, len(items), num_columns, block_size).pack_rows(output.rows)
+    for name, expected, packed in zip(want._fields, want, got, strict=True):
+        assert packed.tolist() == expected.tolist(), name
+    slots = [slot for item in items for slot in item.slot_mapping(block_size)]
+    assert got.slot_mapping.tolist() == slots
+
+
 def step(scheduler: Scheduler, **runner) -> tuple[SchedulerOutput, list[RequestUpdate]]:
-    """One engine step with `fake_runner_output(**runner)`."""
+    """One engine step with `fake_runner_output(**runner)`; checks the packed rows
+    (`check_packed_rows`)."""
     output = scheduler.schedule()
+    check_packed_rows(output, scheduler.config.block_size)
     return output, scheduler.update_from_output(output, fake_runner_output(output, **runner))

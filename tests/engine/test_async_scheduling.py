@@ -24,7 +24,7 @@ from engine.scheduler import Scheduler
 from engine.scheduler_policy import SchedulerConfig
 from models import bundled_checkpoint_dir
 from models.prompts import heldout_def_prompts
-from tests.engine.conftest import FakeClock
+from tests.engine.conftest import FakeClock, check_packed_rows
 
 EOS = 100
 
@@ -58,6 +58,7 @@ class FakeExecutor:
         return prompt[position] if position < len(prompt) else true_token(request_id, position)
 
     def run(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        check_packed_rows(output, self.block_size)  # called right after schedule(), as the executor is
         sampled, spec, last = {}, {}, {}
         for item in output.scheduled:
             rid, start = item.request_id, item.start_position
@@ -315,6 +316,52 @@ def test_input_buffers_pack_in_place_and_match_a_fresh_pack():
         buffers.pack([[1] * 17], [0], [[0, 1, 2, 3]])
     with pytest.raises(ValueError, match="table has 1"):
         buffers.pack([[1] * 5], [0], [[0]])
+
+
+def test_placeholders_resolved_for_the_whole_batch_as_request_by_request():
+    """`Executor._resolve_placeholders` patches the packed batch with whole-batch ops exactly as resolving
+    each placeholder request alone does: a known-token request left as is, one with no rejected draft,
+    one whose previous step rejected 2 of 3 drafts (moved back: positions, slots, sequence length) and
+    one given fewer drafts than its slots (filler drafts)."""
+    from types import SimpleNamespace
+
+    from engine.executor import Executor, PreparedStep, StepResult
+    from engine.outputs import ScheduledRequest
+    from engine.request import Request
+
+    bs, P = 4, PLACEHOLDER_TOKEN_ID
+    requests = [Request(f"r{i}", [1, 2, 3], GREEDY, arrival_time_s=0.0) for i in range(4)]
+    items = [
+        ScheduledRequest(requests[0], 5, 1, [], [0, 1], True),
+        ScheduledRequest(requests[1], 3, 1, [], [2], True, num_placeholders=1),
+        ScheduledRequest(requests[2], 9, 4, [P, P, P], [3, 4, 5, 6], True, num_placeholders=1),
+        ScheduledRequest(requests[3], 6, 3, [P, P], [7, 8, 9], True, num_placeholders=1),
+    ]
+    last_step = {
+        "r1": StepResult([40], [], 0),
+        "r2": StepResult([50, 51], [52, 53, 54], 2),
+        "r3": StepResult([60], [61], 0),
+    }
+    inputs = [[9], [P], [P] * 4, [P] * 3]
+    starts = [item.start_position for item in items]
+    tables = [item.block_ids for item in items]
+    executor = Executor.__new__(Executor)  # only the placeholder state: no model needed
+    executor.runner, executor._last_step = SimpleNamespace(block_size=bs), last_step
+    batch = build_model_input(inputs, starts, tables, bs)
+    prepared = PreparedStep(batch, batch.query_start_loc.tolist(), [1, 2, 3])
+    resolved = executor._resolve_placeholders(items, prepared)
+
+    want_inputs = [[9], [40], [51, 52, 53, 54], [60, 61, 60]]
+    want_starts = [5, 3, 7, 6]  # r2 moved back by its 2 rejected drafts
+    want = build_model_input(want_inputs, want_starts, tables, bs)
+    for name, expected, got in zip(want._fields, want, batch, strict=True):
+        assert got.tolist() == expected.tolist(), name
+    assert [item.start_position for item in resolved] == want_starts
+    assert [item.spec_token_ids for item in resolved] == [[], [], [52, 53, 54], [61, 60]]
+    assert items[2].start_position == 9  # the scheduler's items are left as they were
+    executor._last_step = {}
+    with pytest.raises(RuntimeError, match="placeholders of 'r1', but the last step sampled nothing"):
+        executor._resolve_placeholders(items, prepared)
 
 
 # ---- engine end to end (tiny checkpoint) ---------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 
 from engine.outputs import ModelRunnerOutput
 from engine.request import RequestStatus
-from tests.engine.conftest import FakeClock, fake_runner_output, step
+from tests.engine.conftest import FakeClock, check_packed_rows, fake_runner_output, step
 
 
 def scheduled_tokens(output):
@@ -43,17 +43,17 @@ def test_model_inputs_and_slots(make_scheduler, make_request):
     scheduler.add_request(make_request("b", prompt=[6, 7, 8]))
     output, _ = step(scheduler)
     a, b = output.scheduled
-    assert (a.token_ids, a.block_ids, a.slot_mapping, a.samples) == (
+    assert (a.token_ids, a.block_ids, a.slot_mapping(4), a.samples) == (
         [1, 2, 3, 4, 5],
         [0, 1],
         [0, 1, 2, 3, 4],
         True,
     )
-    assert (b.token_ids, b.block_ids, b.slot_mapping, b.samples) == ([6], [2], [8], False)
+    assert (b.token_ids, b.block_ids, b.slot_mapping(4), b.samples) == ([6], [2], [8], False)
     assert output.new_request_ids == ["a", "b"] and output.total_num_scheduled_tokens == 6
     output, _ = step(scheduler)
     assert scheduled_tokens(output) == [("a", 5, 1), ("b", 1, 2)]
-    assert output.scheduled[0].token_ids == [7] and output.scheduled[0].slot_mapping == [5]
+    assert output.scheduled[0].token_ids == [7] and output.scheduled[0].slot_mapping(4) == [5]
 
 
 def test_budget_and_max_num_seqs(make_scheduler, make_request):
@@ -81,7 +81,7 @@ def test_drafts_verified_rolled_back_and_counted(make_scheduler, make_request):
     )
     (item,) = output.scheduled
     assert (item.start_position, item.token_ids, item.spec_token_ids) == (6, [50, 51, 52, 53], [51, 52, 53])
-    assert item.slot_mapping == [6, 7, 8, 9] and item.block_ids == [0, 1, 2]
+    assert item.slot_mapping(4) == [6, 7, 8, 9] and item.block_ids == [0, 1, 2]
     assert updates[0].new_token_ids == [51, 60]
     assert request.output_token_ids == [50, 51, 60] and request.num_computed_tokens == 8
     assert scheduler.block_manager.block_ids(request) == [0, 1]  # the draft-only block 2 was trimmed
@@ -273,7 +273,7 @@ def check_and_write_kv(kv_cache: dict[int, int], output, block_size: int) -> Non
     for item in output.scheduled:
         tokens = item.request.all_token_ids[: item.start_position] + item.token_ids
         slots = [item.block_ids[p // block_size] * block_size + p % block_size for p in range(len(tokens))]
-        assert slots[item.start_position :] == item.slot_mapping
+        assert slots[item.start_position :] == item.slot_mapping(block_size)
         for position in range(len(tokens)):
             expected = hash(tuple(tokens[: position + 1]))
             if position < item.start_position:
@@ -303,6 +303,7 @@ def test_random_workload_never_leaks(make_scheduler, make_request, seed):
         if scheduler.running and rng.random() < 0.05:
             assert scheduler.abort(rng.choice(scheduler.running).request_id)
         output = scheduler.schedule()
+        check_packed_rows(output, block_size=4)
         check_and_write_kv(kv_cache, output, block_size=4)
         runner_output = fake_runner_output(
             output,
@@ -315,7 +316,7 @@ def test_random_workload_never_leaks(make_scheduler, make_request, seed):
         assert output.total_num_scheduled_tokens <= 24 and len(scheduler.running) <= 6
         for item in output.scheduled:
             request = item.request
-            assert len(item.slot_mapping) == item.num_scheduled_tokens == len(item.token_ids)
+            assert len(item.slot_mapping(4)) == item.num_scheduled_tokens == len(item.token_ids)
             assert request.num_tokens <= request.max_num_tokens
         for request in scheduler.running:  # tables cover exactly the computed tokens (drafts rolled back)
             assert len(scheduler.block_manager.block_ids(request)) == -(-request.num_computed_tokens // 4)

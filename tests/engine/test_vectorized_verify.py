@@ -19,9 +19,7 @@ def scheduled(request_id: str, drafts: list[int], **sampling) -> ScheduledReques
     from engine.sampling_params import SamplingParams
 
     request = Request(request_id, [1, 2, 3], SamplingParams(**sampling), arrival_time_s=0.0)
-    return ScheduledRequest(
-        request, 3, [4, *drafts], list(drafts), [0], [3 + i for i in range(len(drafts) + 1)], True
-    )
+    return ScheduledRequest(request, 3, len(drafts) + 1, list(drafts), [0], True)
 
 
 def peaked(argmaxes: list[int]) -> torch.Tensor:
