@@ -98,10 +98,11 @@ def served(ray_session):
 
 
 def test_client_disconnect_mid_stream_aborts_on_both_pools(served) -> None:
-    """A streamed completion (900 tokens asked) whose client closes the connection after the first chunk:
-    the edge aborts it in the cluster, which releases it on decode (the running request and its blocks) and
-    on prefill (job and handoff); within seconds, long before 900 tokens could be decoded, check_no_leaks
-    reports nothing held on either pool, the edge counts one aborted request, and the pair still serves."""
+    """A streamed completion (900 tokens asked) whose client closes the connection after the first chunk,
+    once decode runs it: the edge aborts it in the cluster, which releases it on decode (the running
+    request and its blocks) and on prefill (job and handoff); within seconds, long before 900 tokens could
+    be decoded, check_no_leaks reports nothing held on either pool, the edge counts one aborted request,
+    and the pair still serves."""
     cluster, server = served
     assert _is_idle(leaks := cluster.check_no_leaks()), leaks
     with httpx.Client(base_url=server.url, timeout=request_bound_s(cluster)) as client:
@@ -117,9 +118,14 @@ def test_client_disconnect_mid_stream_aborts_on_both_pools(served) -> None:
             assert response.status_code == 200
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
-            running = cluster.check_no_leaks()["decode-0"]
-            assert running["num_unfinished"] == 1 and running["num_used_blocks"] > 0, running
-        # leaving the block closed the connection after the first chunk
+            # The first token comes with the prefill call's reply, maybe before decode admitted the
+            # request: wait until decode runs it (its handoff ends within the lease, event_timeout_s).
+            deadline_s = time.monotonic() + cluster.event_timeout_s
+            while (running := cluster.check_no_leaks()["decode-0"])["num_unfinished"] != 1:
+                assert time.monotonic() < deadline_s, running
+                time.sleep(0.02)
+            assert running["num_used_blocks"] > 0, running
+        # leaving the block closed the connection mid-stream
 
         closed_s = time.monotonic()
         while not _is_idle(leaks := cluster.check_no_leaks()):

@@ -258,7 +258,24 @@ def test_admitted_idle_stream_is_cut_at_its_lease_and_calls_beyond_the_limit_are
     assert time.monotonic() - started_s < WAIT_S
     server.release("idle")
     idle.release()
-    assert_delivers_bit_exact(server, sender, server.expect(make_handoff("after-the-cut")))
+    # The cut call's thread is back once its handler has unwound (a moment after the client saw CANCELLED,
+    # longer on a loaded machine): until then a new call is refused like the one beyond the limit.
+    deadline_s = time.monotonic() + WAIT_S
+    for attempt in range(1000):
+        meta = server.expect(make_handoff(f"after-the-cut-{attempt}"))
+        layers, extras = make_layers(meta), make_extras(meta)
+        send_all(sender, meta, layers, extras)
+        failure = sender.flush(WAIT_S).get(meta.request_id)
+        if failure is None:
+            received = server.wait(meta.request_id, WAIT_S)
+            assert all(bits_equal(r.latent, x) for r, x in zip(received.layers, layers, strict=True))
+            assert_extras_equal(received.extras, extras)
+            server.release(meta.request_id)
+            break
+        assert "RESOURCE_EXHAUSTED" in str(failure)
+        server.release(meta.request_id)
+        assert time.monotonic() < deadline_s, "the cut call's thread never served again"
+        time.sleep(0.05)
     assert_no_leaks(sender, server)
     sender.close()
     server.close(grace_s=0)
