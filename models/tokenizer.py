@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -37,6 +38,13 @@ class Tokenizer:
         self.eos_token_id = tokenizer.token_to_id(EOS_TOKEN)
         self.bos_token_id = tokenizer.token_to_id(BOS_TOKEN)
         self.vocab_size = tokenizer.get_vocab_size()
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters one token's text holds at most: the longest vocabulary entry (a byte-level or
+        SentencePiece entry has at least as many characters as its decoded text). A text of n characters
+        has at least ceil(n / max_token_chars) tokens, known without tokenizing it."""
+        return max((len(token) for token in self._tok.get_vocab(with_added_tokens=True)), default=1) or 1
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:

@@ -144,8 +144,25 @@ def build_app(
         # would stall even on another thread); its batch form releases it while the Rust code runs.
         return backend.tokenizer.encode_batch([text])[0]
 
+    max_prompt_chars = backend.max_model_len * backend.tokenizer.max_token_chars
+
     async def encode(text: str) -> list[int]:
-        """`text`'s token ids, tokenized on `tokenizer_pool`. Raises ValueError for invalid Unicode."""
+        """`text`'s token ids, tokenized on `tokenizer_pool`.
+
+        Raises:
+            ValueError: invalid Unicode. ApiError: 400 at once, untokenized, for a text with more characters
+                than `max_model_len` tokens can hold (`Tokenizer.max_token_chars` each): tokenizing a few
+                MB takes seconds of the pool that other requests' prompts wait for.
+        """
+        if len(text) > max_prompt_chars:
+            max_chars = backend.tokenizer.max_token_chars
+            raise ApiError(
+                400,
+                f"the prompt has {len(text):,} characters, so at least {-(-len(text) // max_chars):,} tokens "
+                f"(a token holds at most {max_chars} characters): more than max_model_len "
+                f"{backend.max_model_len}",
+                param="prompt",
+            )
         return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, encode_off_the_gil, text)
 
     _add_error_handlers(app, metrics)

@@ -67,6 +67,9 @@ class CommonRequest(BaseModel):
     ignore_eos: bool = Field(False, description="extension: generate past EOS (benchmarks)")
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # read only to refuse them (`reject_unsupported`): accepted silently, they would be ignored
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     _check_stop = field_validator("stop")(_check_unicode)
 
@@ -76,6 +79,7 @@ class CompletionRequest(CommonRequest):
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
+    suffix: str | None = None
 
     _check_prompt = field_validator("prompt")(_check_unicode)
 
@@ -92,6 +96,7 @@ class ChatCompletionRequest(CommonRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Any] | None = None
 
 
 def chat_prompt(messages: list[ChatMessage]) -> str:
@@ -100,7 +105,8 @@ def chat_prompt(messages: list[ChatMessage]) -> str:
 
 
 def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
-    """Refuse the OpenAI options this server does not implement (n != 1, penalties, logprobs, echo, best_of).
+    """Refuse the OpenAI options this server does not implement (n != 1, penalties, logprobs, echo, best_of,
+    logit_bias, a response_format other than text, suffix, tools), rather than ignore them.
 
     Raises:
         ApiError: 400 naming the option (`param`).
@@ -112,10 +118,22 @@ def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) != 0:
             raise ApiError(400, f"{name} is not supported by this server (must be 0)", param=name)
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        raise ApiError(
+            400,
+            'response_format is not supported by this server (only {"type": "text"})',
+            param="response_format",
+        )
     if isinstance(body, ChatCompletionRequest):
         if body.logprobs or body.top_logprobs is not None:
             raise ApiError(400, "logprobs is not supported by this server", param="logprobs")
+        if body.tools:
+            raise ApiError(400, "tools (function calling) is not supported by this server", param="tools")
         return
+    if body.suffix:
+        raise ApiError(400, "suffix is not supported by this server", param="suffix")
     if body.logprobs is not None:
         raise ApiError(400, "logprobs is not supported by this server", param="logprobs")
     if body.echo:

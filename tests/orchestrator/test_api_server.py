@@ -7,8 +7,6 @@ import asyncio
 import json
 import select
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
@@ -205,6 +203,10 @@ def test_models_and_health(client: httpx.Client) -> None:
         ({"prompt": [5] * 200, "max_tokens": 100}, "the prompt (200 tokens) plus max_tokens (100) is 300"),
         ({"prompt": "x", "n": 2}, "n must be 1 (got 2)"),
         ({"prompt": "x", "logprobs": 1}, "logprobs is not supported"),
+        # found by an attack pass: accepted and silently ignored before
+        ({"prompt": "x", "logit_bias": {"100": 100}}, "logit_bias is not supported"),
+        ({"prompt": "x", "suffix": "y"}, "suffix is not supported"),
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format is not supported"),
         ({"prompt": "x", "temperature": -1}, "temperature must be"),
         ({"prompt": [10**6]}, "prompt token ids must be in"),
         ({"prompt": ""}, "the prompt is empty"),
@@ -244,9 +246,11 @@ def test_invalid_unicode_in_chat_gets_400(client: httpx.Client) -> None:
 
 def test_chat_rejects_n_and_logprobs(client: httpx.Client) -> None:
     messages = [{"role": "user", "content": "x"}]
-    for extra in ({"n": 3}, {"logprobs": True}):
+    for extra in ({"n": 3}, {"logprobs": True}, {"tools": [{"type": "function"}]}, {"logit_bias": {"5": 1}}):
         r = client.post("/v1/chat/completions", json={"messages": messages, **extra})
-        assert r.status_code == 400 and r.json()["error"]["param"] in ("n", "logprobs")
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), r.text
+    plain = {"messages": messages, "max_tokens": 1, "response_format": {"type": "text"}, "logit_bias": {}}
+    assert client.post("/v1/chat/completions", json=plain).status_code == 200
 
 
 def test_api_key(backend: LocalEngineBackend) -> None:
@@ -425,51 +429,32 @@ def test_backend_bug_gives_500_json(reference: LLM) -> None:
 
 
 # ---- edge hygiene: tokenization off the event loop, body size, admission, docs behind the key ----------
-HEALTH_BOUND_S = 0.5  # /health runs one stats() call (microseconds here); 5x the worst loop stall measured
-# Probes /health every 50 ms from its own process (an in-process client would share the GIL with the
-# server's tokenizer thread, and stall with it) until its stdin closes; prints the latencies as JSON.
-HEALTH_PROBE = """
-import json, sys, threading, time, httpx
-stop = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-latencies = []
-with httpx.Client(base_url=sys.argv[1], timeout=60) as c:
-    c.get("/health")
-    print("ready", flush=True)
-    while not stop.is_set():
-        started = time.monotonic()
-        assert c.get("/health").status_code == 200
-        latencies.append(time.monotonic() - started)
-        time.sleep(0.05)
-print(json.dumps(latencies), flush=True)
-"""
-
-
-def test_health_answers_while_a_long_prompt_is_tokenized(server: ServerThread) -> None:
-    """Issue 12, finding 4: a multi-MB prompt was tokenized on the event loop, and /health (every request)
-    waited seconds for it. Now tokenization runs on worker threads, in the tokenizer's form that releases
-    the GIL: while a ~3 MB prompt is tokenized (seconds), every /health probe from another process
-    answers within HEALTH_BOUND_S. The prompt is then refused as over the context (400)."""
-    prompt = "def f(x):\n    return x + 1\n" * 110_000  # 3.08 MB, under the default body limit (4 MiB)
-    probe = subprocess.Popen(
-        [sys.executable, "-c", HEALTH_PROBE, server.url],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+def test_a_prompt_longer_than_the_context_can_hold_is_refused_untokenized(
+    server: ServerThread, backend: LocalEngineBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A multi-MB prompt took seconds of the tokenizer pool, which every other request's prompt waited for
+    (found by an attack pass: a small request took 13 s beside four 3.8 MB prompts). It is now refused with
+    a 400 from its length alone: more characters than max_model_len tokens of the vocabulary's longest
+    entry can hold; the tokenizer never sees it. A prompt just within that bound is tokenized (and refused
+    by its token count)."""
+    seen: list[int] = []
+    encode_batch = backend.tokenizer.encode_batch
+    monkeypatch.setattr(  # a spy on the real tokenizer: the lengths of the texts it is given
+        backend.tokenizer, "encode_batch", lambda texts: seen.extend(map(len, texts)) or encode_batch(texts)
     )
-    try:
-        assert probe.stdout.readline().strip() == "ready"
-        started = time.monotonic()
-        r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=120)
-        took_s = time.monotonic() - started
-        out, _ = probe.communicate("", timeout=120)
-    finally:
-        probe.kill()
-    latencies = json.loads(out)
+    max_chars = backend.tokenizer.max_token_chars
+    prompt = "def f(x):\n    return x + 1\n" * 110_000  # 3.08 MB, under the default body limit (4 MiB)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == (
+        f"the prompt has {len(prompt):,} characters, so at least {-(-len(prompt) // max_chars):,} tokens "
+        f"(a token holds at most {max_chars} characters): more than max_model_len {MAX_MODEL_LEN}"
+    )
+    assert seen == []
+    within = "x" * (MAX_MODEL_LEN * max_chars)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": within, "max_tokens": 1}, timeout=60)
     assert r.status_code == 400 and "the prompt has" in r.json()["error"]["message"], r.text
-    assert took_s > 4 * HEALTH_BOUND_S, f"tokenizing took only {took_s:.2f} s: nothing to tell"
-    assert len(latencies) >= 4, latencies
-    assert max(latencies) < HEALTH_BOUND_S, f"/health took {max(latencies):.2f} s ({len(latencies)} probes)"
+    assert seen == [len(within)]
 
 
 def _raw_request(server: ServerThread, head: str, body_chunks: Iterable[bytes] = ()) -> tuple[str, int]:
