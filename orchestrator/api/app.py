@@ -144,8 +144,6 @@ def build_app(
         # would stall even on another thread); its batch form releases it while the Rust code runs.
         return backend.tokenizer.encode_batch([text])[0]
 
-    max_prompt_chars = backend.max_model_len * backend.tokenizer.max_token_chars
-
     async def encode(text: str) -> list[int]:
         """`text`'s token ids, tokenized on `tokenizer_pool`.
 
@@ -154,8 +152,8 @@ def build_app(
                 than `max_model_len` tokens can hold (`Tokenizer.max_token_chars` each): tokenizing a few
                 MB takes seconds of the pool that other requests' prompts wait for.
         """
-        if len(text) > max_prompt_chars:
-            max_chars = backend.tokenizer.max_token_chars
+        max_chars = backend.tokenizer.max_token_chars  # (cached: the vocabulary is read once)
+        if len(text) > backend.max_model_len * max_chars:
             raise ApiError(
                 400,
                 f"the prompt has {len(text):,} characters, so at least {-(-len(text) // max_chars):,} tokens "
