@@ -52,7 +52,7 @@ from engine.request import Request, RequestStatus
 from engine.request_record import RequestRecord
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.scheduler_policy import SchedulerConfig, cdiv
+from engine.scheduler_policy import SchedulerConfig
 from engine.stopping import OutputText
 from models.deepseek_v3 import DeepseekV3ForCausalLM
 from models.dtypes import MODEL_DTYPES, torch_dtype
@@ -151,10 +151,9 @@ class LLMEngine:
             config.num_speculative_tokens,
             max_num_tokens=config.max_num_batched_tokens,
             max_num_reqs=config.max_num_seqs,
-            # positions < max_model_len, plus the lookahead slots of chained MTP drafts
-            max_num_blocks_per_req=cdiv(
-                self.max_model_len + config.num_speculative_tokens, config.block_size
-            ),
+            # the persistent rows' block-table columns (positions < max_model_len plus the lookahead
+            # slots of chained MTP drafts): the step's table is a gather of those rows
+            max_num_blocks_per_req=self.scheduler.request_rows.table.shape[1],
             adaptive_min_accept_prob=config.adaptive_speculation_min_accept_prob
             if config.adaptive_speculation
             else None,
