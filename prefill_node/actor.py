@@ -84,6 +84,9 @@ class PrefillNode(RankActor):
         self._tls: TLSCredentials | None = None
         self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._active: dict[str, Job] = {}
+        # binds that came and that the engine thread has not taken yet (`_take_bind`: at its next command,
+        # or at the next layer of the request's prefill step, whichever comes first)
+        self._binds: dict[str, PrefillBind] = {}
         # binds that overtook their prefill call, with when they came (dropped after their lease)
         self._early_binds: dict[str, tuple[PrefillBind, float]] = {}
         # aborts that overtook their prefill call (handoff ids are unique), oldest first, at most
@@ -190,8 +193,12 @@ class PrefillNode(RankActor):
         """The reservation of a request sent `awaiting_bind` (`PrefillRequest`): its handoff begins with
         `bind.meta` towards the decode rank named, and the KV computed so far goes out. A bind for an id
         not (or no longer) here is kept until its request arrives (Ray runs a threaded actor's calls
-        unordered: the bind may overtake its `prefill` call) or an abort names it."""
-        self._jobs.put(("bind", bind))
+        unordered: the bind may overtake its `prefill` call) or an abort names it. A bind that comes while
+        its request's prefill step runs is taken at the step's next layer: the handoff begins there and the
+        layers computed so far go out then, not after the step (the first token waits for none of it)."""
+        with self._lock:
+            self._binds[bind.handoff_id] = bind
+        self._jobs.put(("bind", bind.handoff_id))
 
     def abort(self, request_id: str) -> None:
         """Fail the prefill of `request_id` (its `prefill` call raises), freeing its blocks and handoff.
@@ -265,8 +272,11 @@ class PrefillNode(RankActor):
             if kind == "add":
                 self._start(arg)
             elif kind == "bind":
-                self._bind(arg)
+                bind = self._take_bind(arg)
+                if bind is not None:  # (else taken already, mid-step)
+                    self._bind(bind)
             elif kind == "abort":
+                self._take_bind(arg)
                 self._early_binds.pop(arg, None)
                 if arg in self._active:
                     self._fail(arg, "aborted by the router", abort_engine=True)
@@ -357,12 +367,28 @@ class PrefillNode(RankActor):
         job = self._active.get(request_id)
         if job is None:
             return
+        if not job.bound:  # its bind may have come during this step
+            bind = self._take_bind(request_id)
+            if bind is not None:
+                self._bind(bind)
+                if request_id not in self._active:  # beginning the handoff failed: the job failed
+                    return
+        job.layers[layer_idx] = (latent_kv, scale)
         if self.layerwise and job.bound:
-            self._sender(job).send_layer(request_id, layer_idx, latent_kv, scale)
+            self._send_computed_layers(job)
+
+    def _take_bind(self, handoff_id: str) -> PrefillBind | None:
+        with self._lock:
+            return self._binds.pop(handoff_id, None)
+
+    def _send_computed_layers(self, job: Job) -> None:
+        """Send the layers `job` holds (`job.layers`, computed before its bind, or this step's), in order."""
+        sender = self._sender(job)
+        for layer_idx in sorted(job.layers):
+            latent_kv, scale = job.layers.pop(layer_idx)
+            sender.send_layer(job.request_id, layer_idx, latent_kv, scale)
             job.num_layers_sent += 1
             job.last_layer_sent_s = time.monotonic()
-        else:
-            job.layers[layer_idx] = (latent_kv, scale)
 
     def _complete(self, request_id: str, finish_reason: str | None, queue_s: float) -> None:
         job = self._active.get(request_id)
@@ -413,12 +439,7 @@ class PrefillNode(RankActor):
             result = result._replace(first_token_id=forced, draft_token_ids=[], draft_probs=None)
         sender = self._sender(job)
         try:
-            for layer_idx in sorted(job.layers):
-                latent_kv, scale = job.layers[layer_idx]
-                sender.send_layer(request_id, layer_idx, latent_kv, scale)
-                job.num_layers_sent += 1
-                job.last_layer_sent_s = time.monotonic()
-            job.layers.clear()
+            self._send_computed_layers(job)
             num_layers = job.request.meta.num_layers
             assert job.meta is not None
             if job.num_layers_sent != num_layers:

@@ -302,8 +302,8 @@ class KVTransferConfig:
     """Prefill -> decode KV handoff.
 
     Attributes:
-        transport: `auto` (`resolve_kv_transport`: `shm` when every instance is on one node and no TLS
-            is asked for, else `grpc`), `grpc` (streaming, any network), `shm` (shared memory: prefill and
+        transport: `auto`, the default (`resolve_kv_transport`: `shm` when every instance is on one node
+            and no TLS is asked for, else `grpc`), `grpc` (streaming, any network), `shm` (shared memory: prefill and
             decode on one host, `kvtransfer.shm_transport`) or `torch_distributed` (P2P over the
             accelerator's collective backend: HCCL, NCCL or gloo).
         layerwise: send each layer's KV as soon as it is computed (False: once the prompt is done).
@@ -315,7 +315,7 @@ class KVTransferConfig:
             reservation by a per-handoff secret, see `kvtransfer.base`).
     """
 
-    transport: str = field(default="grpc", metadata=choices(*KV_TRANSPORTS))
+    transport: str = field(default="auto", metadata=choices(*KV_TRANSPORTS))
     layerwise: bool = True
     wire_dtype: str = field(default="auto", metadata=choices(*WIRE_DTYPES))
     timeout_s: float = field(default=30.0, metadata=above_at_most(0, MAX_TIMEOUT_S))

@@ -260,6 +260,43 @@ def test_a_prefill_sent_before_its_reservation_hands_off_once_bound(nodes) -> No
     _assert_idle(prefill, decode)
 
 
+def test_a_bind_that_comes_during_the_prefill_step_streams_the_layers_before_the_step_ends(
+    nodes, monkeypatch
+) -> None:
+    """A bind that arrives while its request's prefill step runs is taken at the step's next layer: the
+    handoff begins there and every layer is sent before the step returns (not buffered until after it, which
+    delayed the first token by the handoff's begin and sends); tokens equal the reserve-first handoff's."""
+    from orchestrator.messages import PrefillBind
+
+    prefill, decode = nodes
+    reserved = decode.reserve(ReserveRequest("ref-mid", PROMPT, GREEDY, _meta(prefill, "ref-mid"), 1))
+    prefill.prefill(PrefillRequest("ref-mid", PROMPT, GREEDY, reserved.bound_meta, decode_index=0))
+    expected, acked = _events_until(decode, "ref-mid", lambda e: isinstance(e, RequestError) or e.finished)
+    assert all(isinstance(e, TokenDelta) for e in expected), expected
+
+    bound = decode.reserve(ReserveRequest("mid", PROMPT, GREEDY, _meta(prefill, "mid"), 1)).bound_meta
+    engine, real_step, sent_when_step_returned = prefill.engine, prefill.engine.step, []
+
+    def step(*args, **kwargs):
+        job = prefill._active.get("mid")
+        if job is not None and not job.bound:  # the bind comes while this step runs (before its first layer)
+            prefill.bind(PrefillBind("mid", bound, decode_index=0))
+        outputs = real_step(*args, **kwargs)
+        if job is not None:
+            sent_when_step_returned.append(job.num_layers_sent)
+        return outputs
+
+    monkeypatch.setattr(engine, "step", step)
+    request = PrefillRequest("mid", PROMPT, GREEDY, _meta(prefill, "mid"), decode_index=0, awaiting_bind=True)
+    assert isinstance(prefill.prefill(request), PrefillResult)
+    monkeypatch.setattr(engine, "step", real_step)
+    assert sent_when_step_returned == [bound.num_layers]  # one step; all layers out before it returned
+    tokens, _ = _events_until(decode, "mid", lambda e: isinstance(e, RequestError) or e.finished, acked)
+    assert all(isinstance(e, TokenDelta) for e in tokens), tokens
+    assert _tokens(tokens) == _tokens(expected)
+    _assert_idle(prefill, decode)
+
+
 def test_a_prefill_awaiting_its_bind_is_aborted_cleanly(nodes) -> None:
     """No room on decode in the end: the driver aborts the prefill that awaited its bind; its call raises
     and nothing stays held on either side."""

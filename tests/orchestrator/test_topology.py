@@ -118,7 +118,7 @@ def test_local_yaml_is_one_prefill_one_decode_on_cpu_with_mtp():
     topology = load_topology(DEFAULT_TOPOLOGY_PATH)
     assert topology.hardware.spec.torch_device_type == "cpu"
     assert (topology.prefill.num_instances, topology.decode.num_instances) == (1, 1)
-    assert topology.kv_transfer.transport == "grpc" and topology.kv_transport == "grpc"
+    assert topology.kv_transfer.transport == "auto" and topology.kv_transport == "shm"  # one node
     assert topology.decode.num_speculative_tokens == 1
     engine = topology.engine_config("prefill")
     assert engine.model == str(bundled_checkpoint_dir()) and engine.device == "cpu"
