@@ -25,7 +25,7 @@ live prefill instance, else it fails with `BackendUnavailable` naming the cause.
 times out is unresponsive, one whose actor died is dead (`orchestrator.health`): either leaves routing and
 its in-flight decode requests fail with `BackendUnavailable`; with no decode (or no prefill) instance in
 routing, requests and `stats()` raise `BackendUnavailable`. A health monitor thread probes every instance
-each PROBE_INTERVAL_S: one that answers again rejoins, one Ray restarted (grpc) is rewired first.
+each PROBE_INTERVAL_S: one that answers again rejoins, one Ray restarted (grpc, shm) is rewired first.
 An abort ends the request with finish_reason "abort" (never a re-dispatch).
 
 Timeouts (`kv_transfer.timeout_s` = T, `orchestrator.dispatch`): every actor call in the request path

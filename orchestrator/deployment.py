@@ -42,7 +42,7 @@ __all__ = ["ClusterDeployment", "advertised_address", "free_ports"]
 
 logger = logging.getLogger("orchestrator.cluster")  # the driver's log, as before the split
 
-MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc transport) this often; then it stays dead
+MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc, shm) this often; then it stays dead
 # Seconds deploy waits for each rank actor to load its weights, and the ranks of an instance for each other
 # at their group's rendezvous (they start at once, but on a busy machine not at the same moment).
 ACTORS_READY_TIMEOUT_S = 300.0

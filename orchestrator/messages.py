@@ -208,7 +208,10 @@ class PrefillBind:
 class PrefillResult:
     """A finished prefill on the prefill side: the first sampled token, how many MTP drafts went with it,
     and its phases (seconds): queue_s (arrival to first scheduled), prefill_s (scheduled to handoff
-    finished), last_layer_sent_s (arrival to the last layer handed to the KV sender; None: unknown).
+    finished), last_layer_sent_s (arrival to the last layer handed to the KV sender; None: unknown),
+    cpu_wait_s (of queue_s + prefill_s, how long the prefill engine thread was ready to run but waited for
+    a CPU in the steps it ran while this request was in the engine: `prefill_node.thread_clock`; None where
+    the OS does not say).
 
     first_token_text: the first token's streamed text when the driver may stream the token before decode
     admits the request (`engine.stopping.early_first_token_text`); None: decode streams it.
@@ -220,6 +223,7 @@ class PrefillResult:
     prefill_s: float
     last_layer_sent_s: float | None = None
     first_token_text: str | None = None
+    cpu_wait_s: float | None = None
 
 
 # ---- decode events ------------------------------------------------------------------------------------
@@ -232,6 +236,8 @@ class Phases:
     reserve_s: the driver's reserve call on decode (decode's `expect` starts the KV lease inside it).
     queue_s, prefill_s: prefill's wait to be scheduled, then compute until its handoff finished.
     last_layer_sent_s: prefill: arrival to the last layer handed to its KV sender.
+    prefill_cpu_wait_s: of queue_s + prefill_s, the prefill engine thread's wait for a CPU (runnable, not
+        running; Linux only): the share of that time other processes on the prefill node's cores took.
     kv_transfer_s: decode: `expect` until the whole handoff was received and verified (prefill overlaps it).
     admit_s: decode: received until the engine thread admitted it (decode streams the first token then;
         the driver drops it when the prefill call's reply streamed it first).
@@ -244,6 +250,7 @@ class Phases:
     queue_s: float | None = None
     prefill_s: float | None = None
     last_layer_sent_s: float | None = None
+    prefill_cpu_wait_s: float | None = None
     kv_transfer_s: float | None = None
     admit_s: float | None = None
     first_decode_step_s: float | None = None

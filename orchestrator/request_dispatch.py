@@ -170,7 +170,10 @@ class RequestDispatch:
     def _record_prefill_phases(record: RequestRecord, result: PrefillResult) -> None:
         record.phases = record.phases.merged(
             Phases(
-                queue_s=result.queue_s, prefill_s=result.prefill_s, last_layer_sent_s=result.last_layer_sent_s
+                queue_s=result.queue_s,
+                prefill_s=result.prefill_s,
+                last_layer_sent_s=result.last_layer_sent_s,
+                prefill_cpu_wait_s=result.cpu_wait_s,
             )
         )
 

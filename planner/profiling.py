@@ -14,8 +14,9 @@ Method:
    k` tokens with MTP k). Times: CPU seconds of the stepping thread (`time.thread_time`; torch at 1 thread
    as the deployed rank actors run it, the engine's synchronous loop steps in the calling thread), so load
    from other processes does not enter the fit; wall seconds are recorded beside them.
-2. KV transfer. `bench.kv_transfer.bench_in_process("grpc", ...)` moves one handoff of the model's
-   layers at a few prompt lengths over gRPC on 127.0.0.1 (wall clock: it runs on several threads);
+2. KV transfer. `bench.kv_transfer.bench_in_process(transport, ...)` moves one handoff of the model's
+   layers at a few prompt lengths over the topology's KV transport (`Topology.kv_transport`: shm, or gRPC
+   on 127.0.0.1; gRPC stands in for torch_distributed) (wall clock: it runs on several threads);
    `seconds = fixed + bytes / bandwidth` fitted through each size's fastest repeat gives the per-handoff
    cost and the throughput.
 3. Fit. The model's step time is `host + n_ops op_overhead + sum_ops max(flops x a_kind, bytes x b_kind)`
@@ -188,10 +189,16 @@ def _measure_steps(topology, grid: Grid, progress: Callable[[str], None], seed: 
     return samples
 
 
-def measure_kv(config, dtype: str, token_counts: Sequence[int], repeats: int) -> dict[str, Any]:
-    """KV handoffs over gRPC on loopback at `token_counts` sizes: `seconds = fixed_s + bytes / bytes_per_s`
-    fitted by non-negative least squares through each size's fastest repeat, and the raw points."""
+def measure_kv(
+    config, dtype: str, token_counts: Sequence[int], repeats: int, transport: str = "grpc"
+) -> dict[str, Any]:
+    """KV handoffs over `transport` (`grpc` on loopback or `shm`; torch_distributed is measured as `grpc`:
+    the in-process bench has no process group) at `token_counts` sizes: `seconds = fixed_s + bytes /
+    bytes_per_s` fitted by non-negative least squares through each size's fastest repeat, the raw points and
+    the transport measured."""
     from bench.kv_transfer import bench_in_process
+
+    transport = transport if transport in ("grpc", "shm") else "grpc"
 
     points = []
     for n in token_counts:
@@ -201,7 +208,7 @@ def measure_kv(config, dtype: str, token_counts: Sequence[int], repeats: int) ->
             "kv_dim": config.kv_cache_dim,
             "dtype": dtype,
         }
-        result = bench_in_process("grpc", shape, "model", repeats)
+        result = bench_in_process(transport, shape, "model", repeats)
         points.append({"num_tokens": n, "kv_bytes": result["kv_bytes"],
                        "best_s": min(result["elapsed_ms"]) / 1e3,
                        "median_s": statistics.median(result["elapsed_ms"]) / 1e3})  # fmt: skip
@@ -210,7 +217,12 @@ def measure_kv(config, dtype: str, token_counts: Sequence[int], repeats: int) ->
     fixed, slope = nnls(a / y[:, None], np.ones(len(y)))  # relative errors
     if slope <= 0:  # sizes too close to tell bandwidth from the fixed cost: the largest point's average
         fixed, slope = 0.0, y[-1] / a[-1, 1]
-    return {"points": points, "fixed_s": float(fixed), "bytes_per_s": float(1.0 / slope)}
+    return {
+        "transport": transport,
+        "points": points,
+        "fixed_s": float(fixed),
+        "bytes_per_s": float(1.0 / slope),
+    }
 
 
 # ---- fit -------------------------------------------------------------------------------------------------
@@ -336,7 +348,8 @@ def summary_table(rows: Sequence[dict[str, Any]], kv: dict[str, Any] | None) -> 
         lines.append(f"step time: rms relative error {rms * 100:.1f}%, max {max(errs) * 100:.1f}% "
                      f"over {len(errs)} samples")  # fmt: skip
     if kv:
-        lines.append(f"kv transfer (grpc, loopback): {kv['bytes_per_s'] / 1e9:.3f} GB/s, "
+        where = "shared memory" if kv.get("transport") == "shm" else "grpc, loopback"
+        lines.append(f"kv transfer ({where}): {kv['bytes_per_s'] / 1e9:.3f} GB/s, "
                      f"{kv['fixed_s'] * 1e3:.2f} ms per handoff")  # fmt: skip
     return "\n".join(lines)
 

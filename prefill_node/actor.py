@@ -44,6 +44,7 @@ from orchestrator.messages import (
 )
 from orchestrator.rank_actor import LOCKSTEP_IDLE_S, RankActor
 from prefill_node.job import Job
+from prefill_node.thread_clock import run_delay_s
 
 if TYPE_CHECKING:
     from kvtransfer.grpc_transport import TLSCredentials
@@ -194,8 +195,8 @@ class PrefillNode(RankActor):
         `bind.meta` towards the decode rank named, and the KV computed so far goes out. A bind for an id
         not (or no longer) here is kept until its request arrives (Ray runs a threaded actor's calls
         unordered: the bind may overtake its `prefill` call) or an abort names it. A bind that comes while
-        its request's prefill step runs is taken at the step's next layer: the handoff begins there and the
-        layers computed so far go out then, not after the step (the first token waits for none of it)."""
+        its request's prefill step runs is taken at the step's next layer: the handoff begins there and,
+        with `layerwise`, the layers computed so far go out then rather than after the step."""
         with self._lock:
             self._binds[bind.handoff_id] = bind
         self._jobs.put(("bind", bind.handoff_id))
@@ -291,6 +292,8 @@ class PrefillNode(RankActor):
         self._maybe_fault("loop")
         if self._group_error is not None or (not engine.has_unfinished_requests() and not self.lockstep):
             return True
+        in_engine = [job for job in self._active.values() if job.pending is None]  # (not prefilled yet)
+        wait_before_s = run_delay_s()
         try:
             self._maybe_fault("step")
             outputs = engine.step(on_prompt_kv=self._on_prompt_kv)
@@ -306,6 +309,10 @@ class PrefillNode(RankActor):
             for request_id in list(self._active):
                 self._fail(request_id, f"engine step failed: {e!r}", abort_engine=True)
             return True
+        _charge_cpu_wait(in_engine, wait_before_s)
+        for job in in_engine:  # failed inside the step (`_on_prompt_kv`): failed now that it is over
+            if job.step_error is not None:
+                self._fail(job.request_id, job.step_error, abort_engine=True)
         self._refresh_ep_summary()
         for out in outputs:
             if out.finish_reason == "error":  # failed alone in the engine (its sampling, or its step)
@@ -364,18 +371,22 @@ class PrefillNode(RankActor):
     def _on_prompt_kv(
         self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None
     ) -> None:
+        """The engine's prompt-KV callback, inside the step: a bind that came meanwhile begins the handoff
+        here, and with `layerwise` the layers go to the sender. An error fails this job only, once the
+        step is over (`Job.step_error`): failing it here would free engine state the step still uses."""
         job = self._active.get(request_id)
-        if job is None:
+        if job is None or job.step_error is not None:
             return
-        if not job.bound:  # its bind may have come during this step
-            bind = self._take_bind(request_id)
-            if bind is not None:
-                self._bind(bind)
-                if request_id not in self._active:  # beginning the handoff failed: the job failed
-                    return
-        job.layers[layer_idx] = (latent_kv, scale)
-        if self.layerwise and job.bound:
-            self._send_computed_layers(job)
+        try:
+            if not job.bound:  # its bind may have come during this step
+                bind = self._take_bind(request_id)
+                if bind is not None:
+                    self._begin(job, bind)
+            job.layers[layer_idx] = (latent_kv, scale)
+            if self.layerwise and job.bound:
+                self._send_computed_layers(job)
+        except Exception as e:  # noqa: BLE001 - fails this job after the step, not the step's others
+            job.step_error = f"handing its KV to the sender failed: {e!r}"
 
     def _take_bind(self, handoff_id: str) -> PrefillBind | None:
         with self._lock:
@@ -416,9 +427,8 @@ class PrefillNode(RankActor):
             return
         if job.bound:
             return
-        job.bind(bind.meta, bind.decode_index, bind.decode_rank)
         try:
-            self._sender(job).begin(bind.meta)
+            self._begin(job, bind)
         except Exception as e:  # noqa: BLE001 - fails this request only
             self._fail(job.request_id, f"beginning the handoff failed: {e!r}", abort_engine=True)
             return
@@ -426,6 +436,11 @@ class PrefillNode(RankActor):
             result, queue_s = job.pending
             job.pending = None
             self._hand_over(job, result, queue_s)
+
+    def _begin(self, job: Job, bind: PrefillBind) -> None:
+        """Bind `job` to the reservation and begin its handoff on the sender (raises what `begin` raises)."""
+        job.bind(bind.meta, bind.decode_index, bind.decode_rank)
+        self._sender(job).begin(bind.meta)
 
     def _hand_over(self, job: Job, result: Any, queue_s: float) -> None:
         """Send the layers not sent yet, then finish the handoff with the first token and drafts (the
@@ -463,6 +478,7 @@ class PrefillNode(RankActor):
             last_layer_sent_s=None
             if job.last_layer_sent_s is None
             else job.last_layer_sent_s - job.arrival_s,
+            cpu_wait_s=job.cpu_wait_s,
             first_token_text=None
             if job.request.first_token_id is not None  # the client has it
             else early_first_token_text(self.engine.tokenizer, job.request.params, result.first_token_id),
@@ -496,3 +512,14 @@ class PrefillNode(RankActor):
             self._active.pop(job.request_id, None)
             self._num_queued_tokens -= job.num_prompt_tokens
         job.done.set()
+
+
+def _charge_cpu_wait(jobs: list[Job], wait_before_s: float | None) -> None:
+    """Add the engine thread's run-queue wait during the step just run (`thread_clock.run_delay_s`, read
+    before it) to each job that was in the engine for it; None (unknown) where the OS does not say."""
+    wait_after_s = run_delay_s() if wait_before_s is not None else None
+    for job in jobs:
+        if wait_before_s is None or wait_after_s is None or job.cpu_wait_s is None:
+            job.cpu_wait_s = None
+        else:
+            job.cpu_wait_s += wait_after_s - wait_before_s

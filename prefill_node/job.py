@@ -32,6 +32,10 @@ class Job:
     layers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     num_layers_sent: int = 0
     last_layer_sent_s: float | None = None  # monotonic time the last layer went to the sender
+    # the engine thread's run-queue wait (s) during the steps this job was in the engine for; None: unknown
+    cpu_wait_s: float | None = 0.0
+    # why handing its KV to the sender failed inside a step (`PrefillNode._on_prompt_kv`); failed after it
+    step_error: str | None = None
 
     @property
     def request_id(self) -> str:

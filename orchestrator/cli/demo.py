@@ -30,7 +30,7 @@ HELP = "the main job: deploy clusters/local.yaml, replay 50 Azure trace requests
 DESCRIPTION = f"""\
 What `make demo` runs. Starts a local Ray cluster from the embedded default topology
 ({DEFAULT_TOPOLOGY_PATH}: one prefill and one decode actor serving the bundled tiny
-model, KV streamed layer by layer over gRPC, MTP speculative decoding on decode, the
+model, KV streamed layer by layer through shared memory, MTP speculative decoding on decode, the
 decode forward compiled at load: tens of seconds, which a --cluster file with
 `decode: compile: false` skips), puts the OpenAI-compatible API in front of it on a free
 port, completes three held-out prompts, replays the first --num-requests requests of the

@@ -47,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"cannot run the engine of {args.file}: {exc}") from exc
         bar.total = len(samples) + 1
         model = models["decode"]
-        kv = profiling.measure_kv(model.config, model.dtypes.kv, grid.kv_tokens, grid.repeats)
+        kv = profiling.measure_kv(
+            model.config, model.dtypes.kv, grid.kv_tokens, grid.repeats, topology.kv_transport
+        )
         progress("kv transfer")
     if not samples:
         raise CliError(f"{args.file}: no grid point fits the pools' token budgets and seats")
@@ -106,9 +108,10 @@ HELP = "measure the engine here and fit the planner's cpu efficiency factors (a 
 DESCRIPTION = """\
 Build one engine per pool of FILE (a topology whose hardware.accelerator is cpu), time
 engine steps over a grid of prefill (batch x prompt length) and decode (batch x context
-length) shapes and KV handoffs over gRPC on 127.0.0.1, and fit the planner's cpu factors
-(GEMM and attention efficiency, memory efficiency, per-op and per-step host overhead,
-KV throughput) by non-negative least squares (planner/profiling.py says how).
+length) shapes and KV handoffs over FILE's KV transport (shm, or gRPC on 127.0.0.1), and
+fit the planner's cpu factors (GEMM and attention efficiency, memory efficiency, per-op and
+per-step host overhead, KV throughput) by non-negative least squares (planner/profiling.py
+says how).
 
 Step times are CPU seconds of the stepping thread with torch at one thread (as the rank
 actors run), so other processes' load stays out of them; KV handoffs are wall clock.

@@ -303,9 +303,9 @@ class KVTransferConfig:
 
     Attributes:
         transport: `auto`, the default (`resolve_kv_transport`: `shm` when every instance is on one node
-            and no TLS is asked for, else `grpc`), `grpc` (streaming, any network), `shm` (shared memory: prefill and
-            decode on one host, `kvtransfer.shm_transport`) or `torch_distributed` (P2P over the
-            accelerator's collective backend: HCCL, NCCL or gloo).
+            and no TLS is asked for, else `grpc`), `grpc` (streaming, any network), `shm` (shared memory:
+            prefill and decode on one host, `kvtransfer.shm_transport`) or `torch_distributed` (P2P over
+            the accelerator's collective backend: HCCL, NCCL or gloo).
         layerwise: send each layer's KV as soon as it is computed (False: once the prompt is done).
         wire_dtype: `auto` (the dtype decode's KV cache stores: int8 for an int8 cache, whose values and
             scales then pass through unchanged, else the model dtype) or `int8` (quantized on the wire,

@@ -15,6 +15,7 @@ from models import bundled_checkpoint_dir
 from orchestrator.backend import PHASE_NAMES, BackendUnavailable, ServingBackend
 from orchestrator.cluster import Cluster
 from orchestrator.topology import KVTLSConfig, load_topology
+from prefill_node.thread_clock import run_delay_s
 from tests.cluster.conftest import assert_nothing_held, call_bound_s, request_bound_s
 from tests.kvtransfer.conftest import write_test_certificates
 
@@ -97,10 +98,10 @@ def _assert_no_blocks_held(cluster: Cluster) -> None:
 @pytest.mark.parametrize(
     ("transport", "layerwise", "k", "tls"),
     [
-        ("grpc", True, 1, False),  # the default pair
+        ("grpc", True, 1, False),
         ("grpc", False, 0, True),
         ("torch_distributed", True, 0, False),
-        ("auto", True, 1, False),  # one node: shm
+        ("auto", True, 1, False),  # the default pair (auto: shm on this one node)
         ("shm", False, 0, False),
     ],  # each transport, layerwise and whole, k = 0 and 1, TLS: a deployment each, so not every product
 )
@@ -113,7 +114,7 @@ def test_greedy_and_acceptance_match_single_engine(
     the same counts (the MTP KV and first drafts travel with the handoff). The text decode sends equals the
     engine's, also for a request its stop string ends (finish_reason "stop", the edge detokenizes nothing).
     Every handoff presents the secret decode's reservation created. No KV block is held afterwards.
-    On the default pair (gRPC, layerwise, k=1, no TLS), the same deployment then serves 32 requests at
+    On the default pair (auto = shm, layerwise, k=1, no TLS), the same deployment then serves 32 requests at
     once (`_assert_32_concurrent_requests_complete_without_leaks`; it had a deploy of its own)."""
     tls_config = None
     if tls:
@@ -141,6 +142,9 @@ def test_greedy_and_acceptance_match_single_engine(
             assert last.num_accepted_tokens == expected.num_accepted_tokens
             for phase in PHASE_NAMES:  # route, reserve, ..., admitted, first decode step, total
                 assert phase in last.phases, (phase, last.phases)
+            if run_delay_s() is not None:  # Linux: of prefill_s, the prefill engine thread's wait for a CPU
+                waited_s, prefill_s = last.phases["prefill_cpu_wait_s"], last.phases["prefill_s"]
+                assert 0.0 <= waited_s <= last.phases["queue_s"] + prefill_s, last.phases
         stopped = single_engine_outputs["stop", k]
         assert stopped.finish_reason == "stop" and len(stopped.text) < len(single_engine_outputs[k][0].text)
         params = dataclasses.replace(GREEDY, stop=stopped_stop(single_engine_outputs))
@@ -149,7 +153,7 @@ def test_greedy_and_acceptance_match_single_engine(
         )
         assert (text, last.finish_reason) == (stopped.text, "stop")
         _assert_no_blocks_held(cluster)
-        if (transport, layerwise, k, tls) == ("grpc", True, 1, False):  # the default pair: one deploy
+        if (transport, layerwise, k, tls) == ("auto", True, 1, False):  # the default pair: one deploy
             _assert_32_concurrent_requests_complete_without_leaks(cluster)
     finally:
         cluster.shutdown()

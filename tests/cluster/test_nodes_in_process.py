@@ -21,6 +21,7 @@ from orchestrator.messages import (
     ReserveRequest,
     TokenDelta,
 )
+from prefill_node.thread_clock import run_delay_s
 from tests.cluster.test_cluster import _topology
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -260,27 +261,47 @@ def test_a_prefill_sent_before_its_reservation_hands_off_once_bound(nodes) -> No
     _assert_idle(prefill, decode)
 
 
+BIND_AT_LAYER = 2  # the bind comes once layers 0 and 1 are computed (held, not sent: no handoff yet)
+
+
+def _deliver_bind_at_layer(prefill, monkeypatch, handoff_id: str, bind) -> None:
+    """Deliver `bind` the way a late one comes: from another thread's `bind()` while the step runs, here
+    just before the prompt KV of layer `BIND_AT_LAYER` is handed over."""
+    real_on_prompt_kv = prefill._on_prompt_kv
+
+    def on_prompt_kv(request_id, layer_idx, latent_kv, scale):
+        if request_id == handoff_id and layer_idx == BIND_AT_LAYER:
+            prefill.bind(bind)
+        real_on_prompt_kv(request_id, layer_idx, latent_kv, scale)
+
+    monkeypatch.setattr(prefill, "_on_prompt_kv", on_prompt_kv)
+
+
+def _reference_tokens(prefill, decode, handoff_id: str) -> tuple[list[int], int]:
+    reserved = decode.reserve(ReserveRequest(handoff_id, PROMPT, GREEDY, _meta(prefill, handoff_id), 1))
+    prefill.prefill(PrefillRequest(handoff_id, PROMPT, GREEDY, reserved.bound_meta, decode_index=0))
+    events, acked = _events_until(decode, handoff_id, lambda e: isinstance(e, RequestError) or e.finished)
+    assert all(isinstance(e, TokenDelta) for e in events), events
+    return _tokens(events), acked
+
+
 def test_a_bind_that_comes_during_the_prefill_step_streams_the_layers_before_the_step_ends(
     nodes, monkeypatch
 ) -> None:
     """A bind that arrives while its request's prefill step runs is taken at the step's next layer: the
-    handoff begins there and every layer is sent before the step returns (not buffered until after it, which
-    delayed the first token by the handoff's begin and sends); tokens equal the reserve-first handoff's."""
+    handoff begins there, the layers held until then go out in order, and every layer is sent before the
+    step returns (not buffered until after it, which delayed the first token by the handoff's begin and
+    sends); tokens equal the reserve-first handoff's."""
     from orchestrator.messages import PrefillBind
 
     prefill, decode = nodes
-    reserved = decode.reserve(ReserveRequest("ref-mid", PROMPT, GREEDY, _meta(prefill, "ref-mid"), 1))
-    prefill.prefill(PrefillRequest("ref-mid", PROMPT, GREEDY, reserved.bound_meta, decode_index=0))
-    expected, acked = _events_until(decode, "ref-mid", lambda e: isinstance(e, RequestError) or e.finished)
-    assert all(isinstance(e, TokenDelta) for e in expected), expected
-
+    expected, acked = _reference_tokens(prefill, decode, "ref-mid")
     bound = decode.reserve(ReserveRequest("mid", PROMPT, GREEDY, _meta(prefill, "mid"), 1)).bound_meta
+    _deliver_bind_at_layer(prefill, monkeypatch, "mid", PrefillBind("mid", bound, decode_index=0))
     engine, real_step, sent_when_step_returned = prefill.engine, prefill.engine.step, []
 
     def step(*args, **kwargs):
         job = prefill._active.get("mid")
-        if job is not None and not job.bound:  # the bind comes while this step runs (before its first layer)
-            prefill.bind(PrefillBind("mid", bound, decode_index=0))
         outputs = real_step(*args, **kwargs)
         if job is not None:
             sent_when_step_returned.append(job.num_layers_sent)
@@ -288,12 +309,83 @@ def test_a_bind_that_comes_during_the_prefill_step_streams_the_layers_before_the
 
     monkeypatch.setattr(engine, "step", step)
     request = PrefillRequest("mid", PROMPT, GREEDY, _meta(prefill, "mid"), decode_index=0, awaiting_bind=True)
-    assert isinstance(prefill.prefill(request), PrefillResult)
-    monkeypatch.setattr(engine, "step", real_step)
+    result = prefill.prefill(request)
+    monkeypatch.undo()
+    assert isinstance(result, PrefillResult)
+    if run_delay_s() is not None:  # the engine thread's wait for a CPU: part of the prefill time
+        assert result.cpu_wait_s is not None
+        assert 0.0 <= result.cpu_wait_s <= result.queue_s + result.prefill_s
     assert sent_when_step_returned == [bound.num_layers]  # one step; all layers out before it returned
-    tokens, _ = _events_until(decode, "mid", lambda e: isinstance(e, RequestError) or e.finished, acked)
-    assert all(isinstance(e, TokenDelta) for e in tokens), tokens
-    assert _tokens(tokens) == _tokens(expected)
+    events, _ = _events_until(decode, "mid", lambda e: isinstance(e, RequestError) or e.finished, acked)
+    assert all(isinstance(e, TokenDelta) for e in events), events
+    assert _tokens(events) == expected
+    _assert_idle(prefill, decode)
+
+
+def test_a_handoff_that_cannot_begin_mid_step_fails_alone(nodes, monkeypatch) -> None:
+    """Two requests prefill in one step; the bind of one comes mid-step and its sender's `begin` raises:
+    that request's prefill call fails with the cause, the other one's handoff completes with the reference
+    tokens, and nothing stays held (failing it inside the step freed engine state the step still used,
+    which failed every request in the step)."""
+    import threading
+
+    from orchestrator.messages import PrefillBind
+
+    prefill, decode = nodes
+    expected, acked = _reference_tokens(prefill, decode, "ref-fail")
+    good = decode.reserve(ReserveRequest("good", PROMPT, GREEDY, _meta(prefill, "good"), 1)).bound_meta
+    bad = decode.reserve(ReserveRequest("bad", PROMPT, GREEDY, _meta(prefill, "bad"), 1)).bound_meta
+    _deliver_bind_at_layer(prefill, monkeypatch, "bad", PrefillBind("bad", bad, decode_index=0))
+    sender = prefill.senders[0][0]
+    real_begin, real_start = sender.begin, prefill._start
+
+    def begin(meta):
+        if meta.request_id == "bad":
+            raise ConnectionError("injected: the receiver is unreachable")
+        real_begin(meta)
+
+    good_taken = threading.Event()
+
+    def start(job):  # the first job starts once the second is queued behind it: both run in one step
+        if job.request_id == "good":
+            good_taken.set()
+            deadline_s = time.monotonic() + EVENT_WAIT_S
+            while prefill._jobs.qsize() == 0:
+                assert time.monotonic() < deadline_s
+                time.sleep(0.005)
+        real_start(job)
+
+    monkeypatch.setattr(sender, "begin", begin)
+    monkeypatch.setattr(prefill, "_start", start)
+    results: dict[str, object] = {}
+
+    def call(request: PrefillRequest) -> None:
+        try:
+            results[request.handoff_id] = prefill.prefill(request)
+        except RuntimeError as e:
+            results[request.handoff_id] = e
+
+    first = threading.Thread(
+        target=call, args=(PrefillRequest("good", PROMPT, GREEDY, good, decode_index=0),)
+    )
+    first.start()
+    assert good_taken.wait(EVENT_WAIT_S)  # "bad" is queued after it
+    bad_request = PrefillRequest(
+        "bad", PROMPT, GREEDY, _meta(prefill, "bad"), decode_index=0, awaiting_bind=True
+    )
+    second = threading.Thread(target=call, args=(bad_request,))
+    second.start()
+    first.join(EVENT_WAIT_S)
+    second.join(EVENT_WAIT_S)
+    monkeypatch.undo()
+    assert isinstance(results["good"], PrefillResult), results
+    assert isinstance(results["bad"], RuntimeError) and "injected: the receiver is unreachable" in str(
+        results["bad"]
+    )
+    events, _ = _events_until(decode, "good", lambda e: isinstance(e, RequestError) or e.finished, acked)
+    assert all(isinstance(e, TokenDelta) for e in events), events
+    assert _tokens(events) == expected
+    decode.abort("bad")  # its reservation: the driver releases it when the prefill call fails
     _assert_idle(prefill, decode)
 
 
