@@ -137,6 +137,7 @@ class ClusterDeployment(ClusterWiring):
         check_deployable(topo)
         self.topology = topo
         self._loopback = is_loopback_topology(topo)
+        self._reply_listener = None
         plan = plan_placement(topo)
         self._started_ray = False
         if not ray.is_initialized():
@@ -195,6 +196,7 @@ class ClusterDeployment(ClusterWiring):
                 infos[info.name] = info
                 log(f"  {info.name} ready: {load_summary(info)} ({len(infos)}/{len(ready_refs)})")
             decode_addresses = self._wire(ray, plan)
+            self._connect_reply_channel(ray, [a for p in self.instances["prefill"] for a in p.ranks])
             log(
                 f"cluster {topo.name} up in {time.monotonic() - started_s:.1f} s "
                 f"({topo.kv_transport}, layerwise={topo.kv_transfer.layerwise})"
@@ -232,6 +234,8 @@ class ClusterDeployment(ClusterWiring):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._kv_transfer_bytes_total = 0
         self._kv_transfer_seconds_total = 0.0
+        self._num_prefill_replies_received = 0
+        self._num_prefill_replies_pushed = 0
         self._closed = False
         self._monitor_stop = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_health, name="health-monitor", daemon=True)
@@ -353,6 +357,9 @@ class ClusterDeployment(ClusterWiring):
             with contextlib.suppress(Exception):
                 remove_placement_group(pg)
         self.instances, self._placement_groups = {"prefill": [], "decode": []}, []
+        if self._reply_listener is not None:
+            self._reply_listener.close()
+            self._reply_listener = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

@@ -251,13 +251,14 @@ class InstanceMonitor:
             )
         else:
             addresses = [list(ranks) for ranks in self._decode_addresses]
+            ranks = self.instances["prefill"][index].ranks
+            transport = self.topology.kv_transport
             ray.get(
-                [
-                    a.connect_receivers.remote(self.topology.kv_transport, addresses, self._kv_tls)
-                    for a in self.instances["prefill"][index].ranks
-                ],
+                [a.connect_receivers.remote(transport, addresses, self._kv_tls) for a in ranks],
                 timeout=self.call_timeout_s,
             )
+            if restarted:  # the new process has no reply socket yet
+                self._connect_reply_channel(ray, ranks, self.call_timeout_s)
 
     def _fail_attempts(self, role: str, index: int) -> None:
         """End every in-flight attempt on instance (`role`, `index`) with a "decode_lost" event (decode)
@@ -296,6 +297,8 @@ class InstanceMonitor:
 
 
 def _prefill_pending(attempt: Attempt) -> bool:
-    """The attempt's prefill call was sent and has not returned (a prefill lost after it returned took
-    nothing of the attempt with it: its KV is on decode)."""
-    return attempt.prefill_call is not None and not attempt.prefill_call.done()
+    """The attempt's prefill call was sent and neither returned nor pushed its result (a prefill lost after
+    that took nothing of the attempt with it: its KV was handed to the sender, decode reports the rest)."""
+    return (
+        attempt.prefill_call is not None and not attempt.prefill_call.done() and not attempt.prefill_reported
+    )

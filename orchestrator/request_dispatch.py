@@ -11,7 +11,10 @@ lifecycle). A thin loop over the pure dispatch policy (`orchestrator.dispatch`):
                                       then `PrefillNode.bind` with the meta decode bound
       _next_events                    the attempt's next events: decode's `TokenDelta` / `RequestError`
                                       (handed over by the poll loop), `Aborted`, `DecodeLost`, the prefill
-                                      call's `PrefillDone` / `PrefillFailed`, or `NoEvent` (timeout)
+                                      call's `PrefillDone` / `PrefillFailed`, or `NoEvent` (timeout); on
+                                      one host the prefill rank also pushes its result over a Unix socket
+                                      (`_on_prefill_reply`, `orchestrator.reply_channel`): the first of the
+                                      two is the attempt's `PrefillDone`
       next_action                     Emit (stream it) | EmitFirstToken (stream prefill's first token
                                       before decode admits the request) | Wait | EndAborted |
                                       Redispatch (keeping a first token streamed early) | Fail
@@ -25,6 +28,7 @@ Every wait is bounded: actor calls by `call_timeout_s`, the prefill call and eac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -66,6 +70,8 @@ class RequestDispatch:
     _requests: dict[str, RequestRecord]
     _by_handoff: dict[str, Attempt]
     _loads: LoadBoard
+    _num_prefill_replies_received: int  # results the reply socket brought (`_on_prefill_reply`)
+    _num_prefill_replies_pushed: int  # of those, taken before the call's reply
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -271,6 +277,26 @@ class RequestDispatch:
             events.append(PrefillDone(prefill_task.result()))
         events.append(getter.result())
         return events
+
+    # ---- prefill results pushed over the reply socket (`orchestrator.reply_channel`) ---------------------
+    def _on_prefill_reply_threadsafe(self, handoff_id: str, result: PrefillResult) -> None:
+        """The reply listener's thread: hand a pushed result to the requests' event loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: that attempt is gone with it
+            loop.call_soon_threadsafe(self._on_prefill_reply, handoff_id, result)
+
+    def _on_prefill_reply(self, handoff_id: str, result: PrefillResult) -> None:
+        """A prefill rank pushed the result its call is about to return: it is the attempt's `PrefillDone`
+        unless the call's reply came first (then this one is dropped, as the reply is after this)."""
+        self._num_prefill_replies_received += 1
+        attempt = self._by_handoff.get(handoff_id)
+        if attempt is None or attempt.prefill_reported:
+            return
+        attempt.prefill_reported = True
+        self._num_prefill_replies_pushed += 1
+        attempt.events.put_nowait(PrefillDone(result))
 
     # ---- the poll loops -----------------------------------------------------------------------------------
     def _ensure_pollers(self) -> None:

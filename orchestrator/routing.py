@@ -229,6 +229,9 @@ class RouteAndReserve:
         rank, num_tokens = attempt.prefill, len(prompt_token_ids)
         self._loads.prefill_started(rank, num_tokens)
         call.add_done_callback(lambda _: self._loads.prefill_ended(rank, num_tokens))
+        # After a pushed result (`orchestrator.reply_channel`) nobody waits for the call: its outcome is
+        # taken here so that a late failure is not reported as an exception never retrieved.
+        call.add_done_callback(lambda c: c.cancelled() or c.exception())
 
     def _bind_prefill(self, attempt: Attempt) -> None:
         """Hand `attempt`'s running prefill the meta decode bound (fire and forget: a bind that does not

@@ -9,10 +9,15 @@ sender per decode rank on every prefill rank, or one torch.distributed group of 
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from orchestrator.instance import Instance
+from orchestrator.reply_channel import ReplyListener
+
+logger = logging.getLogger("orchestrator.cluster")
 
 
 def advertised_address(bound_address: str, node_ip: str) -> str:
@@ -44,6 +49,24 @@ class ClusterWiring:
     instances: dict[str, list[Instance]]
     _placement_groups: list[Any]
     _loopback: bool
+    _reply_listener: ReplyListener | None
+    _on_prefill_reply_threadsafe: Callable[[str, Any], None]  # `RequestDispatch`'s
+
+    def _connect_reply_channel(self, ray, ranks: list[Any], timeout_s: float = 120.0) -> None:
+        """On a single-node cpu topology (every prefill rank on this host), have prefill ranks `ranks` push
+        their results over a Unix socket too (`orchestrator.reply_channel`; the listener starts on first
+        use). A rank that cannot connect is logged and keeps the Ray reply alone."""
+        if not self._loopback or not ranks:
+            return
+        if self._reply_listener is None:
+            self._reply_listener = ReplyListener(self._on_prefill_reply_threadsafe)
+        address, secret = self._reply_listener.address, self._reply_listener.secret
+        refs = [rank.connect_reply_channel.remote(address, secret) for rank in ranks]
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except Exception as e:  # noqa: BLE001 - the Ray reply still carries every result
+                logger.warning("a prefill rank could not connect to the driver's reply socket: %s", e)
 
     def _rendezvous(self, ray, spec_index: int) -> tuple[str, int]:
         """(`tcp://host:port` of the group, the barrier's port) for an instance whose rank 0 runs in bundle 0

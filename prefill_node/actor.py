@@ -43,6 +43,7 @@ from orchestrator.messages import (
     PrefillResult,
 )
 from orchestrator.rank_actor import LOCKSTEP_IDLE_S, RankActor
+from orchestrator.reply_channel import ReplyPusher
 from prefill_node.job import Job
 from prefill_node.thread_clock import run_delay_s
 
@@ -95,6 +96,7 @@ class PrefillNode(RankActor):
         self._early_aborts: dict[str, None] = {}
         self._lock = threading.Lock()
         self._num_queued_tokens = 0  # of jobs queued or active
+        self._reply_pusher: ReplyPusher | None = None  # results pushed to the driver too (same host)
         self._start_engine_thread()
 
     # ---- wiring -----------------------------------------------------------------------------------------
@@ -130,6 +132,15 @@ class PrefillNode(RankActor):
         self.senders = [[self._new_sender(a) for a in ranks] for ranks in decode_addresses]
         for sender in old:
             sender.close()
+
+    def connect_reply_channel(self, address: str, secret: str) -> None:
+        """Push each finished prefill's `PrefillResult` to the driver's socket at `address` too (it is on
+        this host), presenting `secret`, beside the `prefill` call's reply (`orchestrator.reply_channel`).
+        Replaces an earlier connection. Raises OSError when the socket cannot be reached."""
+        pusher, old = ReplyPusher(address, secret), self._reply_pusher
+        self._reply_pusher = pusher
+        if old is not None:
+            old.close()
 
     def _new_sender(self, address: str) -> KVSender:
         if self._transport == "shm":
@@ -232,6 +243,8 @@ class PrefillNode(RankActor):
     def close(self) -> None:
         self._jobs.put(("stop", None))
         self._stop_engine_thread()
+        if self._reply_pusher is not None:
+            self._reply_pusher.close()
         for sender in self._all_senders():
             try:
                 sender.close()
@@ -483,6 +496,9 @@ class PrefillNode(RankActor):
             if job.request.first_token_id is not None  # the client has it
             else early_first_token_text(self.engine.tokenizer, job.request.params, result.first_token_id),
         )
+        pusher = self._reply_pusher
+        if pusher is not None:  # the driver has it before the reply of the call below
+            pusher.push(job.request_id, job.result)
         self._finish_job(job)
 
     def _fail(self, request_id: str, reason: str, abort_engine: bool = False) -> None:
