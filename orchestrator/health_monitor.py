@@ -258,7 +258,7 @@ class InstanceMonitor:
                 timeout=self.call_timeout_s,
             )
             if restarted:  # the new process has no reply socket yet
-                self._connect_reply_channel(ray, ranks, self.call_timeout_s)
+                self._connect_reply_channel(ray, ranks, self.call_timeout_s, restarted=True)
 
     def _fail_attempts(self, role: str, index: int) -> None:
         """End every in-flight attempt on instance (`role`, `index`) with a "decode_lost" event (decode)

@@ -10,9 +10,11 @@ finished on its side) and the driver takes whichever comes first as the attempt'
 everything else: failures, timeouts, the prefill load accounting.
 
 Who may connect. The socket is `kvtransfer.shm_transport.channel`'s (a fresh 0700 directory, the peer's uid
-checked, msgpack records on SOCK_SEQPACKET), and a connection's first record must present the secret the
-driver handed the prefill rank over Ray (`ReplyListener.secret`); anything else closes it. A malformed
-record from an authenticated peer is dropped with a warning.
+checked, msgpack records on SOCK_SEQPACKET, each one packet here), and a connection's first record must
+present the secret the driver handed the prefill rank over Ray (`ReplyListener.secret`) within
+`HELLO_TIMEOUT_S`; anything else closes it. A malformed record from an authenticated peer is dropped with a
+warning. Each result names its attempt by `handoff_tag` (a hash of the handoff's secret), checked by the
+driver against the attempt's reservation.
 
 Where. Only when every prefill rank runs on the driver's host (a single-node cpu topology); elsewhere
 the Ray reply alone carries the result.
@@ -22,21 +24,24 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import hmac
 import logging
 import os
 import secrets
-import select
+import selectors
 import shutil
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtransfer.base import ProtocolError
+import msgpack
+
 from kvtransfer.shm_transport.channel import (
+    MAX_PACKET_BYTES,
     SOCKET_NAME,
-    Channel,
     connect,
     listen,
     peer_uid,
@@ -46,7 +51,9 @@ from orchestrator.messages import PrefillResult
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.2  # how often the listener thread looks at close()
+POLL_S = 0.2  # how often the listener thread looks at close() and at connections without a hello
+HELLO_TIMEOUT_S = 2.0  # a connection must present the secret this soon after it is accepted
+MAX_CONNECTIONS = 1024  # open at once (prefill ranks on this host, and their reconnections)
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "first_token_id": (int,),
     "num_drafts": (int,),
@@ -58,37 +65,82 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
-def result_to_record(handoff_id: str, result: PrefillResult) -> dict[str, Any]:
-    return {"k": "done", "rid": handoff_id, "r": dataclasses.asdict(result)}
+def handoff_tag(secret: bytes) -> str:
+    """Names one attempt's handoff in a pushed record without its secret: 16 hex digits of SHA-256 over
+    the per-handoff secret decode's reservation bound (`HandoffMeta.secret`). The driver takes a pushed
+    result only for the attempt whose bound meta gives the same tag, so a result for an earlier attempt
+    of a reused request id is never taken for the current one."""
+    return hashlib.sha256(secret).hexdigest()[:16]
 
 
-def result_from_record(record: dict[str, Any]) -> tuple[str, PrefillResult]:
-    """(handoff id, result) of a `done` record. ValueError naming the field when it is malformed."""
-    handoff_id, fields = record.get("rid"), record.get("r")
-    if not isinstance(handoff_id, str) or not isinstance(fields, dict):
-        raise ValueError("a done record needs a string rid and a mapping r")
+def result_to_record(handoff_id: str, tag: str, result: PrefillResult) -> dict[str, Any]:
+    return {"k": "done", "rid": handoff_id, "tag": tag, "r": dataclasses.asdict(result)}
+
+
+def result_from_record(record: dict[str, Any]) -> tuple[str, str, PrefillResult]:
+    """(handoff id, tag, result) of a `done` record. ValueError naming the field when it is malformed."""
+    handoff_id, tag, fields = record.get("rid"), record.get("tag"), record.get("r")
+    if not isinstance(handoff_id, str) or not isinstance(tag, str) or not isinstance(fields, dict):
+        raise ValueError("a done record needs a string rid, a string tag and a mapping r")
     if set(fields) != set(_FIELD_TYPES):
         raise ValueError(f"fields {sorted(fields)} are not {sorted(_FIELD_TYPES)}")
     for name, types in _FIELD_TYPES.items():
         if not isinstance(fields[name], types) or isinstance(fields[name], bool):
             raise ValueError(f"{name} is {type(fields[name]).__name__}")
-    return handoff_id, PrefillResult(**fields)
+    return handoff_id, tag, PrefillResult(**fields)
+
+
+def _packet(record: dict[str, Any]) -> bytes:
+    """A record as the one packet of `kvtransfer.shm_transport.channel`'s framing (flag `E`)."""
+    return b"E" + msgpack.packb(record, use_bin_type=True)
+
+
+def _unpack(packet: bytes) -> dict[str, Any]:
+    """The record of a one-packet record; ValueError otherwise (a multi-packet one included: every record
+    on this socket fits one packet, so a peer sending more is not a prefill rank)."""
+    if packet[:1] != b"E":
+        raise ValueError(f"expected a one-packet record, got flag {packet[:1]!r}")
+    try:
+        record = msgpack.unpackb(packet[1:], raw=False)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise ValueError(f"malformed record: {e}") from None
+    if not isinstance(record, dict):
+        raise ValueError("a record must be a mapping")
+    return record
+
+
+@dataclasses.dataclass
+class _Peer:
+    sock: socket.socket
+    accepted_at_s: float
+    authenticated: bool = False
 
 
 class ReplyListener:
-    """The driver's end: accepts prefill ranks' connections and calls `on_result(handoff_id, result)` on its
-    own thread for every result an authenticated rank pushes (`on_result` must hand it to the event loop).
-    `address` (a socket path) and `secret` go to the prefill ranks (`PrefillNode.connect_reply_channel`)."""
+    """The driver's end: accepts prefill ranks' connections and calls `on_result(handoff_id, tag, result)`
+    on its own thread for every result an authenticated rank pushes (`on_result` must hand it to the event
+    loop). `address` (a socket path) and `secret` go to the prefill ranks
+    (`PrefillNode.connect_reply_channel`).
 
-    def __init__(self, on_result: Callable[[str, PrefillResult], None]) -> None:
+    One thread, non-blocking sockets, one packet read per readiness: no peer can hold it. A connection that
+    has not presented the secret within `HELLO_TIMEOUT_S`, or sends anything but one-packet records, is
+    closed; at most `MAX_CONNECTIONS` are open at once (newer ones are refused).
+    """
+
+    def __init__(self, on_result: Callable[[str, str, PrefillResult], None]) -> None:
         sweep_stale_socket_dirs()
         self._on_result = on_result
         self._listener, self._dir = listen()
+        self._listener.setblocking(False)
         self.address = str(self._dir / SOCKET_NAME)
         self.secret = secrets.token_hex(16)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="prefill-replies", daemon=True)
         self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
 
     def close(self, join_timeout_s: float = 2.0) -> None:
         self._closed.set()
@@ -97,66 +149,88 @@ class ReplyListener:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _run(self) -> None:
-        channels: dict[socket.socket, Channel] = {}
-        authenticated: set[socket.socket] = set()
+        peers: dict[socket.socket, _Peer] = {}
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._listener, selectors.EVENT_READ)
 
-        def drop(sock: socket.socket) -> None:
-            channels.pop(sock).close()
-            authenticated.discard(sock)
+            def drop(peer: _Peer) -> None:
+                selector.unregister(peer.sock)
+                peers.pop(peer.sock, None)
+                with contextlib.suppress(OSError):
+                    peer.sock.close()
 
-        try:
-            while not self._closed.is_set():
-                readable, _, _ = select.select([self._listener, *channels], [], [], POLL_S)
-                for sock in readable:
-                    if sock is self._listener:
-                        self._accept(channels)
-                        continue
+            try:
+                while not self._closed.is_set():
                     try:
-                        got = channels[sock].recv()
-                    except (OSError, ProtocolError) as e:
-                        logger.warning("prefill reply channel: a connection failed: %r", e)
-                        drop(sock)
-                        continue
-                    if got is None:
-                        drop(sock)
-                        continue
-                    record, fds = got
-                    for fd in fds:  # prefill ranks never pass descriptors
-                        os.close(fd)
-                    if sock not in authenticated:
-                        secret = record.get("secret")
-                        if record.get("k") == "hello" and isinstance(secret, str):
-                            if hmac.compare_digest(secret.encode(), self.secret.encode()):
-                                authenticated.add(sock)
-                                continue
-                        logger.warning("prefill reply channel: refused a connection without the secret")
-                        drop(sock)
-                        continue
-                    self._deliver(record)
-        finally:
-            for sock in list(channels):
-                drop(sock)
+                        for key, _ in selector.select(POLL_S):
+                            if key.fileobj is self._listener:
+                                self._accept(selector, peers)
+                            else:
+                                self._read(peers[key.fileobj], drop)
+                        now_s = time.monotonic()
+                        for peer in [p for p in peers.values() if not p.authenticated]:
+                            if now_s - peer.accepted_at_s > HELLO_TIMEOUT_S:
+                                logger.warning(
+                                    "prefill reply channel: closed a connection that sent no secret"
+                                )
+                                drop(peer)
+                    except Exception:  # noqa: BLE001 - the listener never dies of one bad moment
+                        logger.exception("prefill reply channel: the listener's loop failed; going on")
+                        time.sleep(POLL_S)
+            finally:
+                for peer in list(peers.values()):
+                    drop(peer)
 
-    def _accept(self, channels: dict[socket.socket, Channel]) -> None:
+    def _accept(self, selector: selectors.BaseSelector, peers: dict[socket.socket, _Peer]) -> None:
         try:
             sock, _ = self._listener.accept()
-        except OSError:
+        except (BlockingIOError, InterruptedError):
             return
         uid = peer_uid(sock)
-        if uid is not None and uid != os.getuid():
-            logger.warning("prefill reply channel: refused a connection from uid %d", uid)
+        if (uid is not None and uid != os.getuid()) or len(peers) >= MAX_CONNECTIONS:
+            logger.warning(
+                "prefill reply channel: refused a connection (%s)",
+                f"uid {uid}" if uid != os.getuid() else f"{len(peers)} open already",
+            )
             sock.close()
             return
-        channels[sock] = Channel(sock)
+        sock.setblocking(False)
+        peers[sock] = _Peer(sock, time.monotonic())
+        selector.register(sock, selectors.EVENT_READ)
 
-    def _deliver(self, record: dict[str, Any]) -> None:
+    def _read(self, peer: _Peer, drop: Callable[[_Peer], None]) -> None:
         try:
-            handoff_id, result = result_from_record(record)
+            packet = peer.sock.recv(MAX_PACKET_BYTES + 1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            drop(peer)
+            return
+        if not packet:  # the rank closed it
+            drop(peer)
+            return
+        try:
+            record = _unpack(packet)
+        except ValueError as e:
+            logger.warning("prefill reply channel: closed a connection that sent %s", e)
+            drop(peer)
+            return
+        if not peer.authenticated:
+            secret = record.get("secret")
+            if record.get("k") == "hello" and isinstance(secret, str):
+                if hmac.compare_digest(secret.encode(), self.secret.encode()):
+                    peer.authenticated = True
+                    return
+            logger.warning("prefill reply channel: refused a connection without the secret")
+            drop(peer)
+            return
+        try:
+            handoff_id, tag, result = result_from_record(record)
         except ValueError as e:
             logger.warning("prefill reply channel: dropped a malformed %r record: %s", record.get("k"), e)
             return
         try:
-            self._on_result(handoff_id, result)
+            self._on_result(handoff_id, tag, result)
         except Exception:  # noqa: BLE001 - one result's delivery never stops the listener
             logger.exception("prefill reply channel: delivering %s failed", handoff_id)
 
@@ -167,28 +241,36 @@ class ReplyPusher:
     Raises (constructor only): OSError when the driver's socket cannot be reached."""
 
     def __init__(self, address: str, secret: str) -> None:
-        self._channel = connect(address)
-        self._channel.send({"k": "hello", "secret": secret})
-        self._channel.sock.setblocking(False)  # a stalled driver costs a dropped push, not the engine thread
+        self._sock = connect(address).sock
+        try:
+            self._sock.sendall(_packet({"k": "hello", "secret": secret}))
+        except OSError:
+            self._sock.close()
+            raise
+        self._sock.setblocking(False)  # a stalled driver costs a dropped push, not the engine thread
         self._lock = threading.Lock()
         self._broken = False
 
-    def push(self, handoff_id: str, result: PrefillResult) -> None:
+    def push(self, handoff_id: str, secret: bytes, result: PrefillResult) -> None:
+        """Push `result` of handoff `handoff_id` (whose bound meta carries `secret`: `handoff_tag`)."""
         with self._lock:
             if self._broken:
                 return
             try:
-                self._channel.send(result_to_record(handoff_id, result))
+                packet = _packet(result_to_record(handoff_id, handoff_tag(secret), result))
+                if len(packet) > MAX_PACKET_BYTES + 1:  # (a token's text: never near 64 KiB)
+                    return
+                self._sock.send(packet)  # a sequenced packet goes whole or not at all
             except BlockingIOError:  # the driver's socket buffer is full: this one goes by Ray only
                 pass
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 - the Ray reply still carries every result
                 logger.warning("prefill reply channel to the driver failed (Ray replies only now): %r", e)
                 self._broken = True
                 with contextlib.suppress(OSError):
-                    self._channel.close()
+                    self._sock.close()
 
     def close(self) -> None:
         with self._lock:
             self._broken = True
             with contextlib.suppress(OSError):
-                self._channel.close()
+                self._sock.close()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -57,6 +58,7 @@ from orchestrator.health_monitor import PROBE_INTERVAL_S
 from orchestrator.instance import Instance
 from orchestrator.load_board import LoadBoard
 from orchestrator.messages import Aborted, Phases, PollReply, PrefillResult, TokenDelta
+from orchestrator.reply_channel import handoff_tag
 from orchestrator.request_state import Attempt, RequestRecord
 from orchestrator.router import RankRef
 
@@ -262,6 +264,8 @@ class RequestDispatch:
             getter.cancel()
             exc = prefill_task.exception()
             if exc is None:
+                if attempt.prefill_reported:  # pushed in the same turn: its PrefillDone is in the queue
+                    return []
                 attempt.prefill_reported = True
                 return [PrefillDone(prefill_task.result())]
             if isinstance(exc, asyncio.TimeoutError):
@@ -279,20 +283,23 @@ class RequestDispatch:
         return events
 
     # ---- prefill results pushed over the reply socket (`orchestrator.reply_channel`) ---------------------
-    def _on_prefill_reply_threadsafe(self, handoff_id: str, result: PrefillResult) -> None:
+    def _on_prefill_reply_threadsafe(self, handoff_id: str, tag: str, result: PrefillResult) -> None:
         """The reply listener's thread: hand a pushed result to the requests' event loop."""
         loop = self._loop
         if loop is None or loop.is_closed():
             return
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: that attempt is gone with it
-            loop.call_soon_threadsafe(self._on_prefill_reply, handoff_id, result)
+            loop.call_soon_threadsafe(self._on_prefill_reply, handoff_id, tag, result)
 
-    def _on_prefill_reply(self, handoff_id: str, result: PrefillResult) -> None:
+    def _on_prefill_reply(self, handoff_id: str, tag: str, result: PrefillResult) -> None:
         """A prefill rank pushed the result its call is about to return: it is the attempt's `PrefillDone`
-        unless the call's reply came first (then this one is dropped, as the reply is after this)."""
+        unless the call's reply came first (then this one is dropped), or it is not this attempt's (an
+        earlier request's, under a reused id: its tag is another reservation's)."""
         self._num_prefill_replies_received += 1
         attempt = self._by_handoff.get(handoff_id)
-        if attempt is None or attempt.prefill_reported:
+        if attempt is None or attempt.prefill_reported or attempt.meta is None:
+            return
+        if not hmac.compare_digest(tag.encode(), handoff_tag(attempt.meta.secret).encode()):
             return
         attempt.prefill_reported = True
         self._num_prefill_replies_pushed += 1

@@ -50,17 +50,23 @@ class ClusterWiring:
     _placement_groups: list[Any]
     _loopback: bool
     _reply_listener: ReplyListener | None
-    _on_prefill_reply_threadsafe: Callable[[str, Any], None]  # `RequestDispatch`'s
+    _on_prefill_reply_threadsafe: Callable[[str, str, Any], None]  # `RequestDispatch`'s
 
-    def _connect_reply_channel(self, ray, ranks: list[Any], timeout_s: float = 120.0) -> None:
+    def _connect_reply_channel(
+        self, ray, ranks: list[Any], timeout_s: float = 120.0, restarted: bool = False
+    ) -> None:
         """On a single-node cpu topology (every prefill rank on this host), have prefill ranks `ranks` push
-        their results over a Unix socket too (`orchestrator.reply_channel`; the listener starts on first
-        use). A rank that cannot connect is logged and keeps the Ray reply alone."""
+        their results over a Unix socket too (`orchestrator.reply_channel`): at deploy the listener starts;
+        `restarted` ranks (the health monitor's rewire) reconnect to it while it is open. A rank that cannot
+        connect is logged and keeps the Ray reply alone."""
         if not self._loopback or not ranks:
             return
-        if self._reply_listener is None:
+        if not restarted:  # deploy: the listener starts here (a rejoin after shutdown starts none)
             self._reply_listener = ReplyListener(self._on_prefill_reply_threadsafe)
-        address, secret = self._reply_listener.address, self._reply_listener.secret
+        listener = self._reply_listener
+        if listener is None or listener.closed:
+            return
+        address, secret = listener.address, listener.secret
         refs = [rank.connect_reply_channel.remote(address, secret) for rank in ranks]
         for ref in refs:
             try:

@@ -498,7 +498,7 @@ class PrefillNode(RankActor):
         )
         pusher = self._reply_pusher
         if pusher is not None:  # the driver has it before the reply of the call below
-            pusher.push(job.request_id, job.result)
+            pusher.push(job.request_id, job.meta.secret, job.result)
         self._finish_job(job)
 
     def _fail(self, request_id: str, reason: str, abort_engine: bool = False) -> None:

@@ -129,10 +129,18 @@ def test_greedy_and_acceptance_match_single_engine(
         assert topo.kv_transport == ("shm" if transport == "auto" else transport)
 
         async def run():
-            return [
+            results = [
                 await _generate(cluster, f"r{i}", cluster.tokenizer.encode(p), with_text=True)
                 for i, p in enumerate(PROMPTS)
             ]
+            # One host: every prefill also pushed its result over the driver's reply socket (the first of
+            # it and the call's reply is the attempt's PrefillDone; the outputs are the same either way).
+            # Waited for on this loop: a push is handed to the loop that runs the requests.
+            deadline_s = time.monotonic() + call_bound_s(cluster)
+            while cluster._num_prefill_replies_received < len(PROMPTS):
+                assert time.monotonic() < deadline_s, cluster._num_prefill_replies_received
+                await asyncio.sleep(0.01)
+            return results
 
         for (tokens, last, text), expected in zip(asyncio.run(run()), single_engine_outputs[k], strict=True):
             assert tokens == expected.token_ids
@@ -145,13 +153,6 @@ def test_greedy_and_acceptance_match_single_engine(
             if run_delay_s() is not None:  # Linux: of prefill_s, the prefill engine thread's wait for a CPU
                 waited_s, prefill_s = last.phases["prefill_cpu_wait_s"], last.phases["prefill_s"]
                 assert 0.0 <= waited_s <= last.phases["queue_s"] + prefill_s, last.phases
-        # One host: every prefill also pushed its result over the driver's reply socket (the first of it and
-        # the call's reply is the attempt's PrefillDone; the outputs above are the same either way).
-        deadline_s = time.monotonic() + call_bound_s(cluster)
-        while cluster._num_prefill_replies_received < len(PROMPTS):
-            assert time.monotonic() < deadline_s, cluster._num_prefill_replies_received
-            time.sleep(0.01)
-        assert cluster._num_prefill_replies_received == len(PROMPTS)
         stopped = single_engine_outputs["stop", k]
         assert stopped.finish_reason == "stop" and len(stopped.text) < len(single_engine_outputs[k][0].text)
         params = dataclasses.replace(GREEDY, stop=stopped_stop(single_engine_outputs))

@@ -1,18 +1,35 @@
 """`orchestrator.reply_channel`: prefill results pushed to the driver over its Unix socket, in one process
-(the listener's thread and a pusher, as a prefill rank would hold it)."""
+(the listener's thread and a pusher, as a prefill rank holds it), and how the driver takes a pushed result
+(`RequestDispatch._on_prefill_reply`)."""
 
 from __future__ import annotations
 
 import contextlib
 import queue
+import socket
+from types import SimpleNamespace
 
 import pytest
 
 from kvtransfer.shm_transport.channel import connect
+from orchestrator import reply_channel
+from orchestrator.dispatch import PrefillDone
+from orchestrator.health_monitor import _prefill_pending
 from orchestrator.messages import PrefillResult
-from orchestrator.reply_channel import ReplyListener, ReplyPusher, result_from_record, result_to_record
+from orchestrator.reply_channel import (
+    ReplyListener,
+    ReplyPusher,
+    _packet,
+    handoff_tag,
+    result_from_record,
+    result_to_record,
+)
+from orchestrator.request_dispatch import RequestDispatch
+from orchestrator.request_state import Attempt
+from orchestrator.router import RankRef
 
 WAIT_S = 10.0  # a bound on one record crossing a local socket and a thread hop on a loaded machine
+SECRET = b"s" * 32  # a handoff's secret (`HandoffMeta.secret`)
 RESULT = PrefillResult(
     first_token_id=7, num_drafts=1, queue_s=0.001, prefill_s=0.02, last_layer_sent_s=0.019,
     first_token_text=" the", cpu_wait_s=0.004,
@@ -22,46 +39,52 @@ RESULT = PrefillResult(
 @pytest.fixture
 def listener():
     got: queue.Queue = queue.Queue()
-    listener = ReplyListener(lambda handoff_id, result: got.put((handoff_id, result)))
+    listener = ReplyListener(lambda handoff_id, tag, result: got.put((handoff_id, tag, result)))
     yield listener, got
     listener.close()
+
+
+def _assert_closed_by_the_listener(sock: socket.socket) -> None:
+    """The listener never writes to a connection: a read returns only once it closed it (an end of file, or
+    a reset when packets it did not read were still queued)."""
+    sock.settimeout(WAIT_S)
+    try:
+        assert sock.recv(1) == b""
+    except ConnectionResetError:
+        pass
 
 
 def test_a_pushed_result_reaches_the_driver_as_it_was_sent(listener) -> None:
     listener, got = listener
     pusher = ReplyPusher(listener.address, listener.secret)
-    pusher.push("r1@0", RESULT)
-    pusher.push("r2@0", PrefillResult(3, 0, 0.0, 0.5))  # the optional fields left out
-    assert got.get(timeout=WAIT_S) == ("r1@0", RESULT)
-    assert got.get(timeout=WAIT_S) == ("r2@0", PrefillResult(3, 0, 0.0, 0.5))
+    pusher.push("r1@0", SECRET, RESULT)
+    pusher.push("r2@0", SECRET, PrefillResult(3, 0, 0.0, 0.5))  # the optional fields left out
+    assert got.get(timeout=WAIT_S) == ("r1@0", handoff_tag(SECRET), RESULT)
+    assert got.get(timeout=WAIT_S) == ("r2@0", handoff_tag(SECRET), PrefillResult(3, 0, 0.0, 0.5))
     pusher.close()
 
 
-def _assert_closed_by_the_listener(channel) -> None:
-    """The listener never writes to a connection: `recv` returns only once it closed it (an end of file,
-    or a reset when records it did not read were still queued)."""
-    channel.sock.settimeout(WAIT_S)
-    try:
-        assert channel.recv() is None
-    except ConnectionResetError:
-        pass
-
-
-def test_a_connection_without_the_secret_is_closed_and_delivers_nothing(listener) -> None:
+def test_connections_without_the_secret_are_closed_and_deliver_nothing(listener, monkeypatch) -> None:
+    """A wrong secret, a result before any hello, a record in several packets, or no hello in time: each
+    connection is closed and nothing it sent is delivered; an honest rank's result still is."""
     listener, got = listener
-    intruder = connect(listener.address)
-    intruder.send({"k": "hello", "secret": "0" * 32})
+    wrong = connect(listener.address).sock
+    wrong.send(_packet({"k": "hello", "secret": "0" * 32}))
     with contextlib.suppress(OSError):  # the listener may have closed it already (a broken pipe)
-        intruder.send(result_to_record("forged@0", RESULT))
-    _assert_closed_by_the_listener(intruder)
-    no_hello = connect(listener.address)
-    no_hello.send(
-        result_to_record("forged@1", RESULT)
-    )  # a result as the first record (sent before any close)
+        wrong.send(_packet(result_to_record("forged@0", handoff_tag(SECRET), RESULT)))
+    _assert_closed_by_the_listener(wrong)
+    no_hello = connect(listener.address).sock
+    no_hello.send(_packet(result_to_record("forged@1", handoff_tag(SECRET), RESULT)))
     _assert_closed_by_the_listener(no_hello)
+    split = connect(listener.address).sock
+    split.send(b"M" + b"\x81")  # the first packet of a record that would go on: never held for the rest
+    _assert_closed_by_the_listener(split)
+    monkeypatch.setattr(reply_channel, "HELLO_TIMEOUT_S", 0.2)
+    silent = connect(listener.address).sock
+    _assert_closed_by_the_listener(silent)
     honest = ReplyPusher(listener.address, listener.secret)
-    honest.push("ok@0", RESULT)
-    assert got.get(timeout=WAIT_S) == ("ok@0", RESULT)  # only the authenticated one's
+    honest.push("ok@0", SECRET, RESULT)
+    assert got.get(timeout=WAIT_S) == ("ok@0", handoff_tag(SECRET), RESULT)  # only the authenticated one's
     assert got.empty()
     honest.close()
 
@@ -69,11 +92,11 @@ def test_a_connection_without_the_secret_is_closed_and_delivers_nothing(listener
 def test_a_malformed_record_is_dropped_and_the_connection_goes_on(listener) -> None:
     listener, got = listener
     pusher = ReplyPusher(listener.address, listener.secret)
-    bad = result_to_record("bad@0", RESULT)
+    bad = result_to_record("bad@0", handoff_tag(SECRET), RESULT)
     bad["r"]["first_token_id"] = "7"
-    pusher._channel.send(bad)
-    pusher.push("good@0", RESULT)
-    assert got.get(timeout=WAIT_S) == ("good@0", RESULT)
+    pusher._sock.send(_packet(bad))
+    pusher.push("good@0", SECRET, RESULT)
+    assert got.get(timeout=WAIT_S) == ("good@0", handoff_tag(SECRET), RESULT)
     assert got.empty()
     pusher.close()
 
@@ -82,14 +105,15 @@ def test_a_malformed_record_is_dropped_and_the_connection_goes_on(listener) -> N
     ("change", "message"),
     [
         ({"rid": 5}, "string rid"),
+        ({"tag": None}, "string tag"),
         ({"r": {"first_token_id": 1}}, "are not"),
-        ({"r": {**result_to_record("x", RESULT)["r"], "num_drafts": True}}, "num_drafts is bool"),
-        ({"r": {**result_to_record("x", RESULT)["r"], "queue_s": "1"}}, "queue_s is str"),
+        ({"r": {**result_to_record("x", "t", RESULT)["r"], "num_drafts": True}}, "num_drafts is bool"),
+        ({"r": {**result_to_record("x", "t", RESULT)["r"], "queue_s": "1"}}, "queue_s is str"),
     ],
 )
 def test_result_from_record_names_what_is_malformed(change, message) -> None:
     with pytest.raises(ValueError, match=message):
-        result_from_record({**result_to_record("x", RESULT), **change})
+        result_from_record({**result_to_record("x", "t", RESULT), **change})
 
 
 def test_a_push_to_a_listener_gone_never_raises(listener) -> None:
@@ -97,6 +121,43 @@ def test_a_push_to_a_listener_gone_never_raises(listener) -> None:
     pusher = ReplyPusher(listener.address, listener.secret)
     listener.close()
     for i in range(3):  # the first may still go into the socket buffer; then the peer is gone
-        pusher.push(f"late@{i}", RESULT)
+        pusher.push(f"late@{i}", SECRET, RESULT)
     pusher.close()
-    pusher.push("after-close@0", RESULT)
+    pusher.push("after-close@0", SECRET, RESULT)
+
+
+def _driver(*attempts: Attempt) -> SimpleNamespace:
+    """What `RequestDispatch._on_prefill_reply` reads of the driver."""
+    return SimpleNamespace(
+        _by_handoff={a.handoff_id: a for a in attempts},
+        _num_prefill_replies_received=0,
+        _num_prefill_replies_pushed=0,
+    )
+
+
+def _attempt(handoff_id: str, secret: bytes | None) -> Attempt:
+    attempt = Attempt(handoff_id, RankRef(0, 0), RankRef(0, 0))
+    if secret is not None:
+        attempt.meta = SimpleNamespace(secret=secret)
+    attempt.prefill_call = SimpleNamespace(done=lambda: False)  # the Ray call has not returned
+    return attempt
+
+
+def test_the_driver_takes_a_pushed_result_once_and_only_for_its_own_attempt() -> None:
+    """The first push for a reserved attempt is its PrefillDone (and its prefill is no longer pending for the
+    health monitor); a second one, one for an unknown id, one for an attempt not reserved yet, and one whose
+    tag is another reservation's (an earlier request's under a reused id) are dropped."""
+    current, unbound, earlier = _attempt("r@0", SECRET), _attempt("u@0", None), _attempt("e@0", SECRET)
+    driver = _driver(current, unbound, earlier)
+    on_reply = RequestDispatch._on_prefill_reply
+    assert _prefill_pending(current)
+    on_reply(driver, "r@0", handoff_tag(SECRET), RESULT)
+    assert current.prefill_reported and not _prefill_pending(current)
+    assert current.events.get_nowait() == PrefillDone(RESULT)
+    on_reply(driver, "r@0", handoff_tag(SECRET), RESULT)  # the same again (or after the call's reply)
+    on_reply(driver, "gone@0", handoff_tag(SECRET), RESULT)
+    on_reply(driver, "u@0", handoff_tag(SECRET), RESULT)
+    on_reply(driver, "e@0", handoff_tag(b"another reservation's secret...."), RESULT)
+    assert current.events.empty() and unbound.events.empty() and earlier.events.empty()
+    assert not unbound.prefill_reported and not earlier.prefill_reported
+    assert (driver._num_prefill_replies_received, driver._num_prefill_replies_pushed) == (5, 1)
