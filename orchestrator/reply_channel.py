@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.2  # how often the listener thread looks at close() and at connections without a hello
 HELLO_TIMEOUT_S = 2.0  # a connection must present the secret this soon after it is accepted
+REFUSAL_LOG_INTERVAL_S = 10.0  # refused connections are logged at most once per this, with their count
 MAX_CONNECTIONS = 1024  # open at once (prefill ranks on this host, and their reconnections)
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "first_token_id": (int,),
@@ -135,6 +136,8 @@ class ReplyListener:
         self.address = str(self._dir / SOCKET_NAME)
         self.secret = secrets.token_hex(16)
         self._closed = threading.Event()
+        self._num_refused = 0  # since the last refusal logged
+        self._refusal_logged_at_s = -REFUSAL_LOG_INTERVAL_S
         self._thread = threading.Thread(target=self._run, name="prefill-replies", daemon=True)
         self._thread.start()
 
@@ -170,9 +173,7 @@ class ReplyListener:
                         now_s = time.monotonic()
                         for peer in [p for p in peers.values() if not p.authenticated]:
                             if now_s - peer.accepted_at_s > HELLO_TIMEOUT_S:
-                                logger.warning(
-                                    "prefill reply channel: closed a connection that sent no secret"
-                                )
+                                self._refused("sent no secret in time")
                                 drop(peer)
                     except Exception:  # noqa: BLE001 - the listener never dies of one bad moment
                         logger.exception("prefill reply channel: the listener's loop failed; going on")
@@ -188,15 +189,26 @@ class ReplyListener:
             return
         uid = peer_uid(sock)
         if (uid is not None and uid != os.getuid()) or len(peers) >= MAX_CONNECTIONS:
-            logger.warning(
-                "prefill reply channel: refused a connection (%s)",
-                f"uid {uid}" if uid != os.getuid() else f"{len(peers)} open already",
-            )
+            self._refused(f"uid {uid}" if uid != os.getuid() else f"{len(peers)} open already")
             sock.close()
             return
         sock.setblocking(False)
         peers[sock] = _Peer(sock, time.monotonic())
         selector.register(sock, selectors.EVENT_READ)
+
+    def _refused(self, why: str) -> None:
+        """Count a refused or closed connection; log it at most once per `REFUSAL_LOG_INTERVAL_S` (a local
+        process looping on connect must not flood the driver's log)."""
+        self._num_refused += 1
+        now_s = time.monotonic()
+        if now_s - self._refusal_logged_at_s >= REFUSAL_LOG_INTERVAL_S:
+            logger.warning(
+                "prefill reply channel: refused or closed %d connection(s) of processes that are not "
+                "prefill ranks of this deployment (latest: %s)",
+                self._num_refused,
+                why,
+            )
+            self._num_refused, self._refusal_logged_at_s = 0, now_s
 
     def _read(self, peer: _Peer, drop: Callable[[_Peer], None]) -> None:
         try:
@@ -212,7 +224,7 @@ class ReplyListener:
         try:
             record = _unpack(packet)
         except ValueError as e:
-            logger.warning("prefill reply channel: closed a connection that sent %s", e)
+            self._refused(f"sent {e}")
             drop(peer)
             return
         if not peer.authenticated:
@@ -221,7 +233,7 @@ class ReplyListener:
                 if hmac.compare_digest(secret.encode(), self.secret.encode()):
                     peer.authenticated = True
                     return
-            logger.warning("prefill reply channel: refused a connection without the secret")
+            self._refused("no secret")
             drop(peer)
             return
         try:

@@ -322,10 +322,15 @@ class RequestDispatch:
         fails or takes over `call_timeout_s` takes the instance out of routing (the requests of all its
         ranks fail); polling resumes once the health monitor has brought it back. Each poll acknowledges
         the events received so far, so a reply lost to a timeout is sent again by the next poll
-        (`DecodeNode.poll`)."""
+        (`DecodeNode.poll`). Ends when cancelled, also when `asyncio.wait_for` swallowed the cancellation
+        (Python 3.11 returns the result of a call that completed as the cancellation came, CPython
+        gh-86296): the request is still counted by `Task.cancelling`, and the loop would poll forever."""
         instance = self.instances["decode"][decode_index]
         acked = self._poll_acked_seq[decode_index]  # per rank
+        task = asyncio.current_task()
         while not self._closed:
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
             if not instance.routable:
                 await asyncio.sleep(PROBE_INTERVAL_S / 4)
                 continue

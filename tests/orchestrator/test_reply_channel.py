@@ -161,3 +161,17 @@ def test_the_driver_takes_a_pushed_result_once_and_only_for_its_own_attempt() ->
     assert current.events.empty() and unbound.events.empty() and earlier.events.empty()
     assert not unbound.prefill_reported and not earlier.prefill_reported
     assert (driver._num_prefill_replies_received, driver._num_prefill_replies_pushed) == (5, 1)
+
+
+def test_refused_connections_are_logged_once_per_interval_not_once_each(listener, caplog) -> None:
+    """A local process looping on connect with a wrong secret does not flood the driver's log: one line per
+    `REFUSAL_LOG_INTERVAL_S`, carrying the count."""
+    listener, _ = listener
+    caplog.set_level("WARNING", logger="orchestrator.reply_channel")
+    for _ in range(5):
+        sock = connect(listener.address).sock
+        sock.send(_packet({"k": "hello", "secret": "0" * 32}))
+        _assert_closed_by_the_listener(sock)
+        sock.close()
+    refusals = [r for r in caplog.records if "refused or closed" in r.getMessage()]
+    assert len(refusals) == 1, [r.getMessage() for r in refusals]  # the first; the next 4 within 10 s

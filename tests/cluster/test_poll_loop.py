@@ -1,0 +1,51 @@
+"""The driver's poll loop (`RequestDispatch._poll`) against a scripted decode rank, in one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from orchestrator.messages import PollReply
+from orchestrator.request_dispatch import RequestDispatch
+
+
+def test_the_poll_loop_ends_when_wait_for_swallowed_its_cancellation() -> None:
+    """Python 3.11's `asyncio.wait_for` returns the result of a call that completed as the cancellation
+    came and drops the CancelledError (CPython gh-86296). A poll loop that only stopped on that error then
+    polled forever, and `asyncio.run` never returned (a deployment test hung in CI on it). The loop ends
+    at its next turn instead, and makes no further call."""
+    calls: list[int] = []
+
+    async def call(_ref, _timeout_s=None):
+        calls.append(1)
+        if len(calls) == 1:  # what wait_for does on that race: cancelled, the call's result returned
+            asyncio.current_task().cancel()
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                pass
+        else:  # later polls: a decode rank with nothing to say (a cancellation now would be delivered)
+            await asyncio.sleep(0.01)
+        return PollReply(events=[], load=None)
+
+    rank = SimpleNamespace(poll_with_load=SimpleNamespace(remote=lambda *_: None))
+    driver = SimpleNamespace(
+        _closed=False,
+        instances={"decode": [SimpleNamespace(routable=True, ranks=[rank])]},
+        _poll_acked_seq={0: [0]},
+        call_timeout_s=1.0,
+        _call=call,
+        _loads=SimpleNamespace(update_decode=lambda *_: None),
+        _by_handoff={},
+    )
+
+    async def run() -> bool:
+        task = asyncio.ensure_future(RequestDispatch._poll(driver, 0, 0))
+        try:
+            await asyncio.wait_for(asyncio.shield(task), 5.0)
+        except asyncio.CancelledError:
+            pass
+        return task.cancelled()
+
+    assert asyncio.run(run())
+    assert calls == [1]
