@@ -38,14 +38,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
-
+from kvtransfer.base import ProtocolError
 from kvtransfer.shm_transport.channel import (
     MAX_PACKET_BYTES,
     SOCKET_NAME,
     connect,
     listen,
     peer_uid,
+    record_from_single_packet,
+    single_packet,
     sweep_stale_socket_dirs,
 )
 from orchestrator.messages import PrefillResult
@@ -76,6 +77,7 @@ def handoff_tag(secret: bytes) -> str:
 
 
 def result_to_record(handoff_id: str, tag: str, result: PrefillResult) -> dict[str, Any]:
+    """The `done` record a prefill rank pushes: handoff id, `handoff_tag`, the result's fields."""
     return {"k": "done", "rid": handoff_id, "tag": tag, "r": dataclasses.asdict(result)}
 
 
@@ -90,25 +92,6 @@ def result_from_record(record: dict[str, Any]) -> tuple[str, str, PrefillResult]
         if not isinstance(fields[name], types) or isinstance(fields[name], bool):
             raise ValueError(f"{name} is {type(fields[name]).__name__}")
     return handoff_id, tag, PrefillResult(**fields)
-
-
-def _packet(record: dict[str, Any]) -> bytes:
-    """A record as the one packet of `kvtransfer.shm_transport.channel`'s framing (flag `E`)."""
-    return b"E" + msgpack.packb(record, use_bin_type=True)
-
-
-def _unpack(packet: bytes) -> dict[str, Any]:
-    """The record of a one-packet record; ValueError otherwise (a multi-packet one included: every record
-    on this socket fits one packet, so a peer sending more is not a prefill rank)."""
-    if packet[:1] != b"E":
-        raise ValueError(f"expected a one-packet record, got flag {packet[:1]!r}")
-    try:
-        record = msgpack.unpackb(packet[1:], raw=False)
-    except (ValueError, msgpack.UnpackException) as e:
-        raise ValueError(f"malformed record: {e}") from None
-    if not isinstance(record, dict):
-        raise ValueError("a record must be a mapping")
-    return record
 
 
 @dataclasses.dataclass
@@ -223,8 +206,8 @@ class ReplyListener:
             drop(peer)
             return
         try:
-            record = _unpack(packet)
-        except ValueError as e:
+            record = record_from_single_packet(packet)
+        except ProtocolError as e:
             self._refused(f"sent {e}")
             drop(peer)
             return
@@ -256,7 +239,9 @@ class ReplyPusher:
     def __init__(self, address: str, secret: str) -> None:
         self._sock = connect(address).sock
         try:
-            self._sock.sendall(_packet({"k": "hello", "secret": secret}))
+            hello = single_packet({"k": "hello", "secret": secret})
+            assert hello is not None  # a few dozen bytes
+            self._sock.sendall(hello)
         except OSError:
             self._sock.close()
             raise
@@ -270,8 +255,8 @@ class ReplyPusher:
             if self._broken:
                 return
             try:
-                packet = _packet(result_to_record(handoff_id, handoff_tag(secret), result))
-                if len(packet) > MAX_PACKET_BYTES + 1:  # (a token's text: never near 64 KiB)
+                packet = single_packet(result_to_record(handoff_id, handoff_tag(secret), result))
+                if packet is None:  # over one packet (a token's text: never near 64 KiB)
                     return
                 self._sock.send(packet)  # a sequenced packet goes whole or not at all
             except BlockingIOError:  # the driver's socket buffer is full: this one goes by Ray only

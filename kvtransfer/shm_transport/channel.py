@@ -90,21 +90,42 @@ class Channel:
             if flag == b"E":
                 break
         try:
-            record = msgpack.unpackb(b"".join(parts), raw=False)
-        except (ValueError, msgpack.UnpackException) as e:
+            return record_from_bytes(b"".join(parts)), fds
+        except ProtocolError:
             for fd in fds:
                 os.close(fd)
-            raise ProtocolError(f"kv channel: malformed record: {e}") from None
-        if not isinstance(record, dict) or "k" not in record:
-            for fd in fds:
-                os.close(fd)
-            raise ProtocolError(f"kv channel: a record must be a mapping with a kind, got {record!r:.80}")
-        return record, fds
+            raise
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+def record_from_bytes(data: bytes) -> dict[str, Any]:
+    """The record whose msgpack bytes are `data`. ProtocolError unless it is a mapping with a kind (`k`)."""
+    try:
+        record = msgpack.unpackb(data, raw=False)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise ProtocolError(f"kv channel: malformed record: {e}") from None
+    if not isinstance(record, dict) or "k" not in record:
+        raise ProtocolError(f"kv channel: a record must be a mapping with a kind, got {record!r:.80}")
+    return record
+
+
+def single_packet(record: dict[str, Any]) -> bytes | None:
+    """`record` framed as one packet (flag `E`), for a sender that must not block mid-record; None when it
+    needs more than one (over `MAX_PACKET_BYTES`)."""
+    data = msgpack.packb(record, use_bin_type=True)
+    return b"E" + data if len(data) <= MAX_PACKET_BYTES else None
+
+
+def record_from_single_packet(packet: bytes) -> dict[str, Any]:
+    """The record of a one-packet record (`single_packet`). ProtocolError for any other packet, the first
+    of a longer record included, or a malformed record."""
+    if packet[:1] != b"E":
+        raise ProtocolError(f"kv channel: expected a one-packet record, got flag {packet[:1]!r}")
+    return record_from_bytes(packet[1:])
 
 
 def connect(path: str) -> Channel:

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvtransfer.shm_transport.channel import connect
+from kvtransfer.shm_transport.channel import single_packet as _packet
 from orchestrator import reply_channel
 from orchestrator.dispatch import PrefillDone
 from orchestrator.health_monitor import _prefill_pending
@@ -19,7 +20,6 @@ from orchestrator.messages import PrefillResult
 from orchestrator.reply_channel import (
     ReplyListener,
     ReplyPusher,
-    _packet,
     handoff_tag,
     result_from_record,
     result_to_record,
