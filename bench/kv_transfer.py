@@ -4,16 +4,21 @@ For each shape (`--shapes`) one handoff of `num_layers` layers of `[num_tokens, 
 model dtype is moved, `--repeats` times, by:
 
     clone           `tensor.clone()` of every layer in this process: the memory-copy yardstick
-    grpc            `GrpcKVSender` -> `KVReceiverServer` in this process over 127.0.0.1 (HTTP/2 over TCP)
-    shm             `ShmKVSender` -> `ShmKVReceiver` in this process: the KV through a memfd segment, the
-                    headers over a Unix socket; the receiver copies each layer out (what decode's
-                    `on_layer` does into its paged blocks)
+    grpc            `GrpcKVSender` -> `KVReceiverServer` over 127.0.0.1 (HTTP/2 over TCP)
+    shm             `ShmKVSender` -> `ShmKVReceiver`: the KV through a memfd segment, the headers over a Unix
+                    socket
     dist            `DistKVSender` (rank 0) -> `DistKVReceiver` (rank 1), two spawned processes, gloo
                     over 127.0.0.1; the receiver's clock starts at a barrier both pass before `begin`
 
-each with the model dtype on the wire and with `--wire int8` too. A transfer is timed from `begin` (the
-receiver's `expect` is already done) until the receiver's `wait` returns: encoding (INT8 quantization,
-CRC-32), chunking, the socket, reassembly, verification and decoding (INT8 dequantization) included.
+each with the model dtype on the wire and with `--wire int8` too. The receiver runs in this process (dist:
+rank 1) and writes each layer, as it arrives, into a paged KV cache through a reservation's block table, as
+decode does (`PagedDestination`: `kernels.paged_mla.write_prompt_kv`, 16-token blocks in a shuffled order);
+after the run the cache is checked against the layers sent (float wire). grpc's and shm's sender runs in a
+spawned process of its own (`--sender process`, the default: prefill and decode are different actors, so
+each side has its own GIL and core), or on a thread of this process (`--sender thread`: one GIL for both
+sides; slower). A transfer is timed from handing the bound handoff to the sender (the receiver's `expect`
+is already done) until the receiver's `wait` returns: encoding (INT8 quantization, CRC-32C), chunking, the
+socket, reassembly, verification, decoding (INT8 dequantization) and the writes into the cache included.
 
 Reported per run: `kv_GB_per_s` = KV bytes in the model dtype / seconds (what decode gets; the same for
 every wire dtype), `wire_GB_per_s` = payload bytes on the wire / seconds, best and median over repeats;
@@ -112,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also time the shm path's stages (copy, CRC, chunked copy+CRC, a header round trip)",
+    )
+    parser.add_argument(
+        "--sender",
+        choices=("process", "thread"),
+        default="process",
+        help="where grpc's and shm's sender runs: its own spawned process (as deployed: prefill and decode "
+        "are different actors) or a thread of the receiver's process (one GIL for both); default: %(default)s",
     )
     parser.add_argument(
         "--model", type=Path, default=None, help="checkpoint directory whose config.json gives the tiny shape"
@@ -280,12 +292,50 @@ def bench_clone(shape: dict[str, Any], repeats: int) -> dict[str, Any]:
     return {**summarize(meta, elapsed_s[1:], []), "minor_faults_median": int(statistics.median(faults[1:]))}
 
 
+class PagedDestination:
+    """Decode's side of a handoff as decode does it: each received layer is written into a paged KV cache
+    (`[num_blocks, BLOCK_SIZE, kv_dim]` per layer, allocated and touched once, reused by every handoff)
+    through the block table of a reservation, by the function decode's `write_prompt_kv` calls
+    (`kernels.paged_mla.write_prompt_kv`). The table is the prompt's blocks in a shuffled order (a cache
+    that has served requests hands out scattered blocks)."""
+
+    BLOCK_SIZE = 16  # the engine's default (`EngineConfig.block_size`)
+
+    def __init__(self, meta: HandoffMeta) -> None:
+        num_blocks = -(-meta.num_tokens // self.BLOCK_SIZE)
+        spare = 8  # blocks no handoff writes: a write past its table would show there
+        self.caches = [
+            torch.zeros(num_blocks + spare, self.BLOCK_SIZE, meta.kv_dim, dtype=meta.torch_dtype)
+            for _ in range(meta.num_layers)
+        ]
+        self.block_table = torch.randperm(num_blocks + spare, generator=torch.Generator().manual_seed(0))[
+            :num_blocks
+        ]
+
+    def on_layer(self, layer_idx: int, layer: Any) -> None:
+        from kernels.paged_mla import write_prompt_kv
+
+        write_prompt_kv(self.caches[layer_idx], layer.latent, self.block_table)
+
+    def check(self, layers: list[torch.Tensor]) -> None:
+        """AssertionError unless the caches hold `layers` (a float wire: the bytes sent)."""
+        from kernels.paged_mla import gather_kv
+
+        for layer_idx in (0, len(layers) - 1):
+            got, _ = gather_kv(self.caches[layer_idx], self.block_table, layers[layer_idx].shape[0])
+            assert torch.equal(got, layers[layer_idx]), f"layer {layer_idx} arrived different"
+
+
 def timed_receive(
-    receiver: KVReceiver, start_sending: Callable[[HandoffMeta], Any], meta: HandoffMeta
+    receiver: KVReceiver,
+    start_sending: Callable[[HandoffMeta], Any],
+    meta: HandoffMeta,
+    destination: PagedDestination | None = None,
 ) -> tuple[float, Any]:
     """Seconds from `start_sending(bound)` (after `expect`, which returned `bound`: `meta` with its secret)
-    to `wait` returning; what `start_sending` returned."""
-    bound = receiver.expect(meta)
+    to `wait` returning, each layer written into `destination`'s paged cache as it arrives (None: kept by
+    the receiver until `wait`); what `start_sending` returned."""
+    bound = receiver.expect(meta, None if destination is None else destination.on_layer)
     started_s = time.perf_counter()
     returned = start_sending(bound)
     receiver.wait(meta.request_id, WAIT_S)
@@ -294,36 +344,111 @@ def timed_receive(
     return elapsed_s, returned
 
 
-def bench_in_process(transport: str, shape: dict[str, Any], wire: str, repeats: int) -> dict[str, Any]:
-    """`grpc` or `shm`: sender and receiver in this process (their own threads), the real transport."""
+def _make_pair(transport: str) -> tuple[Any, Callable[[], KVSender]]:
+    """The receiver of `transport` (`grpc` or `shm`) and a function that connects a sender to it (run in
+    the sender's process)."""
     if transport == "grpc":
-        from kvtransfer.grpc_transport import GrpcKVSender, KVReceiverServer
+        from kvtransfer.grpc_transport import KVReceiverServer
 
         receiver: Any = KVReceiverServer("127.0.0.1", 0)
-        sender: KVSender = GrpcKVSender(receiver.address)
     else:
-        from kvtransfer.shm_transport import ShmKVReceiver, ShmKVSender
+        from kvtransfer.shm_transport import ShmKVReceiver
 
         receiver = ShmKVReceiver()
-        sender = ShmKVSender(receiver.address)
+    return receiver, _SenderFactory(transport, receiver.address)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SenderFactory:
+    """Connects a sender of `transport` to `address` (picklable: it crosses to the sender's process)."""
+
+    transport: str
+    address: str
+
+    def __call__(self) -> KVSender:
+        if self.transport == "grpc":
+            from kvtransfer.grpc_transport import GrpcKVSender
+
+            return GrpcKVSender(self.address)
+        from kvtransfer.shm_transport import ShmKVSender
+
+        return ShmKVSender(self.address)
+
+
+def _sender_process(connect: _SenderFactory, shape: dict[str, Any], wire: str, threads: int, conn) -> None:
+    """Prefill's side in its own process: for each bound handoff received on `conn`, send every layer and
+    answer with `send_all`'s seconds; None ends it (after a flush, whose failures it reports)."""
+    torch.set_num_threads(threads)
+    sender = connect()
     layers = make_layers(make_handoff("x", shape, wire))
+    try:
+        while (bound := conn.recv()) is not None:
+            conn.send(send_all(sender, bound, layers))
+        failures = sender.flush(WAIT_S)
+        conn.send({rid: repr(e) for rid, e in failures.items()})
+    finally:
+        sender.close()
+
+
+def bench_pair(transport: str, shape: dict[str, Any], wire: str, repeats: int, sender_in: str) -> dict[str, Any]:
+    """`grpc` or `shm`, the real transport: the receiver (decode's side) in this process, the sender
+    (prefill's) in a spawned process of its own (`sender_in="process"`, as deployed: prefill and decode are
+    different actors) or on a thread of this one (`"thread"`: both sides then share one GIL)."""
+    receiver, connect = _make_pair(transport)
+    layers = make_layers(make_handoff("x", shape, wire))
+    destination = PagedDestination(make_handoff("x", shape, wire))
     elapsed_s, send_return_s, clone_s, clone_faults = [], [], [], []
+    if sender_in == "process":
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        here, there = ctx.Pipe()
+        child = ctx.Process(
+            target=_sender_process, args=(connect, shape, wire, torch.get_num_threads(), there), daemon=True
+        )
+        child.start()
+
+        def start(bound: HandoffMeta) -> None:
+            here.send(bound)
+
+        def sent() -> float:
+            return here.recv()
+    else:
+        sender = connect()
+        returned: list[float] = []
+
+        def start(bound: HandoffMeta) -> None:
+            returned.append(send_all(sender, bound, layers))
+
+        def sent() -> float:
+            return returned.pop()
+
     try:
         for i in range(repeats + 1):  # the first one warms the connection (and maps shm's segment)
             clone_s.append(time_clone(layers, clone_faults))
             meta = make_handoff(f"{transport}-{wire}-{i}", shape, wire)
-            elapsed, send_return = timed_receive(
-                receiver, lambda bound: send_all(sender, bound, layers), meta
-            )
-            elapsed_s.append(elapsed)
-            send_return_s.append(send_return)
-        failures = sender.flush(WAIT_S)
+            elapsed_s.append(timed_receive(receiver, start, meta, destination)[0])
+            send_return_s.append(sent())
+        if sender_in == "process":
+            here.send(None)
+            failures = here.recv()
+            child.join(WAIT_S)
+        else:
+            failures = sender.flush(WAIT_S)
+            sender.close()
         assert not failures, failures
+        if wire == "model":
+            destination.check(layers)
     finally:
-        sender.close()
+        if sender_in == "process" and child.is_alive():
+            child.kill()
         receiver.close()
     result = summarize(make_handoff("x", shape, wire), elapsed_s[1:], send_return_s[1:], clone_s[1:])
-    return {**result, "adjacent_clone_minor_faults_median": int(statistics.median(clone_faults[1:]))}
+    return {
+        **result,
+        "sender_in": sender_in,
+        "adjacent_clone_minor_faults_median": int(statistics.median(clone_faults[1:])),
+    }
 
 
 def _dist_rank(
@@ -358,6 +483,7 @@ def _dist_rank(
             sender.close()
         else:
             receiver = DistKVReceiver([0], config)
+            destination = PagedDestination(make_handoff("x", shape, wire))
             for i in range(repeats + 1):
                 meta = make_handoff(f"dist-{wire}-{i}", shape, wire)
 
@@ -365,9 +491,11 @@ def _dist_rank(
                     secrets_queue.put(bound.secret)
                     sync.wait()
 
-                elapsed_s.append(timed_receive(receiver, start, meta)[0])
+                elapsed_s.append(timed_receive(receiver, start, meta, destination)[0])
                 sync.wait()
             receiver.close()
+            if wire == "model":
+                destination.check(layers)
         Path(out_dir, f"rank{rank}.json").write_text(
             json.dumps({"elapsed_s": elapsed_s, "send_return_s": send_return_s})
         )
@@ -442,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
                 if transport == "clone":
                     run = bench_clone(shape, args.repeats)
                 elif transport in ("grpc", "shm"):
-                    run = bench_in_process(transport, shape, wire, args.repeats)
+                    run = bench_pair(transport, shape, wire, args.repeats, args.sender)
                 else:
                     run = bench_dist(shape, wire, args.repeats)
                 results.append({"shape": shape_name, "transport": transport, **run})

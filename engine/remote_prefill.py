@@ -28,7 +28,7 @@ from engine.outputs import ModelRunnerOutput, ScheduledRequest
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from kernels.kv_quant import dequantize_kv_int8
-from kernels.paged_mla import gather_kv, write_kv
+from kernels.paged_mla import gather_kv, write_prompt_kv
 
 
 class PrefillResult(NamedTuple):
@@ -104,10 +104,11 @@ class RemotePrefillReservations:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
         self.scheduler = scheduler
         self.runner = runner
-        self._slots: dict[str, torch.Tensor] = {}  # reserved request id -> prompt slots [num_prompt_tokens]
+        # reserved request id -> (its block table [num_blocks] int64 on the host, num_prompt_tokens)
+        self._tables: dict[str, tuple[torch.Tensor, int]] = {}
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._slots
+        return request_id in self._tables
 
     def reserve(self, request: Request, num_draft_tokens: int) -> bool:
         """Hold KV blocks for a new request's prompt, first token and `num_draft_tokens` drafts (what its
@@ -120,8 +121,9 @@ class RemotePrefillReservations:
         num_prompt_tokens = request.num_prompt_tokens
         if not self.scheduler.reserve(request, num_prompt_tokens + 1 + num_draft_tokens):
             return False
-        slots = self.scheduler.block_manager.slot_mapping(request, 0, num_prompt_tokens)
-        self._slots[request.request_id] = torch.tensor(slots, dtype=torch.long, device=self.runner.device)
+        self.scheduler.block_manager.slot_mapping(request, 0, num_prompt_tokens)  # ValueError if not covered
+        table = torch.tensor(self.scheduler.block_manager.block_ids(request), dtype=torch.long)
+        self._tables[request.request_id] = (table, num_prompt_tokens)
         return True
 
     def write_prompt_kv(
@@ -131,7 +133,12 @@ class RemotePrefillReservations:
         reserved slots. With `scale` (`[num_prompt_tokens]` float32) `latent_kv` is int8: an int8 cache
         stores both as they are, a float cache stores them dequantized. Any thread. KeyError: no
         reservation; ValueError: a shape mismatch."""
-        slots = self._slots[request_id]
+        table, num_prompt_tokens = self._tables[request_id]
+        if latent_kv.shape[:1] != (num_prompt_tokens,):
+            raise ValueError(
+                f"{request_id}: layer {layer_idx} has {tuple(latent_kv.shape)[:1]} rows, the reservation "
+                f"{num_prompt_tokens} prompt tokens"
+            )
         kv_scale = self.runner.kv_scales[layer_idx]
         if scale is not None and kv_scale is None:
             latent_kv, scale = dequantize_kv_int8(latent_kv, scale, self.runner.dtype), None
@@ -139,7 +146,7 @@ class RemotePrefillReservations:
             latent_kv = latent_kv.to(self.runner.device, self.runner.dtype)
         else:
             latent_kv, scale = latent_kv.to(self.runner.device), scale.to(self.runner.device)
-        write_kv(self.runner.kv_caches[layer_idx], latent_kv, slots, kv_scale, latent_scale=scale)
+        write_prompt_kv(self.runner.kv_caches[layer_idx], latent_kv, table, kv_scale, latent_scale=scale)
 
     def admit(
         self, request_id: str, first_token_id: int, draft_token_ids: list[int]
@@ -151,11 +158,11 @@ class RemotePrefillReservations:
         Raises:
             KeyError: no reservation.
         """
-        self._slots.pop(request_id)
+        self._tables.pop(request_id)
         request = self.scheduler.reserved[request_id]
         return request, self.scheduler.admit_reserved(request_id, first_token_id, list(draft_token_ids))
 
     def release(self, request_id: str) -> bool:
         """Give back a reservation's blocks (handoff failed or cancelled). False if unknown."""
-        self._slots.pop(request_id, None)
+        self._tables.pop(request_id, None)
         return self.scheduler.release_reserved(request_id)

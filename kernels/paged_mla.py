@@ -118,6 +118,71 @@ def write_kv(
         kv_scale.view(-1).index_copy_(0, slot_mapping, token_scale)
 
 
+def write_prompt_kv(
+    kv_cache: torch.Tensor,
+    latent_kv: torch.Tensor,
+    block_ids: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+    latent_scale: torch.Tensor | None = None,
+) -> None:
+    """Store positions `0 .. num_tokens - 1` of one request (its latent KV from another instance) into its
+    blocks, in place: what `write_kv` does with the slots of those positions, a block at a time.
+
+    Args:
+        kv_cache, kv_scale, latent_scale: as in `write_kv`.
+        latent_kv: `[num_tokens, kv_dim]`, the request's first `num_tokens` positions.
+        block_ids: `[>= ceil(num_tokens / block_size)]` int32/int64, the request's block table; position
+            `pos` goes to block `block_ids[pos // block_size]`, offset `pos % block_size`.
+
+    On the host, with a float cache and `latent_kv` in its dtype, whole blocks are copied with one numpy
+    fancy-index assignment of `block_size * kv_dim` contiguous values per block, and the last partial block
+    with a slice copy: about the speed of a memory copy (6.8 GB/s on this repo's 2-core test machine, one
+    thread, DeepSeek-V3's 2,048 x 576 bf16 layer into 16-token blocks; `index_copy_` of the token slots,
+    `write_kv`'s path, ran at 3.4). Anything else (int8, other devices, a dtype cast) goes through
+    `write_kv`.
+
+    Raises:
+        ValueError: as `write_kv`; also a block table shorter than the tokens need, or a block id past
+        the cache.
+    """
+    _check_cache(kv_cache, kv_scale)
+    num_blocks, block_size, kv_dim = kv_cache.shape
+    if latent_kv.dim() != 2 or latent_kv.shape[1] != kv_dim:
+        raise ValueError(f"latent_kv must be [num_tokens, {kv_dim}], got {tuple(latent_kv.shape)}")
+    num_tokens = latent_kv.shape[0]
+    num_full, tail = divmod(num_tokens, block_size)
+    needed = num_full + (tail > 0)
+    if block_ids.dim() != 1 or block_ids.numel() < needed:
+        raise ValueError(
+            f"block_ids must be [>= {needed}] for {num_tokens} tokens of {block_size}-token blocks, "
+            f"got {tuple(block_ids.shape)}"
+        )
+    block_ids = block_ids[:needed].long()
+    fast = (
+        kv_cache.device.type == "cpu"
+        and latent_kv.device.type == "cpu"
+        and kv_scale is None
+        and latent_scale is None
+        and latent_kv.dtype == kv_cache.dtype
+    )
+    if not fast:
+        slots = slots_from_block_tables(block_ids[None].to(kv_cache.device), num_tokens, block_size)[0]
+        write_kv(kv_cache, latent_kv, slots, kv_scale, latent_scale)
+        return
+    if not needed:
+        return
+    if int(block_ids.min()) < 0 or int(block_ids.max()) >= num_blocks:
+        raise ValueError(f"block ids {block_ids.tolist()} outside the cache's {num_blocks} blocks")
+    cache_rows = kv_cache.view(torch.uint8).numpy().reshape(num_blocks, -1)  # one row per block
+    src = latent_kv.contiguous().view(torch.uint8).numpy().reshape(num_tokens, kv_dim * kv_cache.element_size())
+    ids = block_ids.numpy()
+    if num_full:
+        cache_rows[ids[:num_full]] = src[: num_full * block_size].reshape(num_full, -1)
+    if tail:
+        row_bytes = src.shape[1]
+        cache_rows[ids[num_full], : tail * row_bytes] = src[num_full * block_size :].reshape(-1)
+
+
 def slots_from_block_tables(block_tables: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
     """Cache slots of positions `0 .. num_positions-1` of each request.
 
@@ -150,9 +215,20 @@ def gather_kv(
     """
     _check_cache(kv_cache, kv_scale)
     num_blocks, block_size, kv_dim = kv_cache.shape
-    slots = slots_from_block_tables(block_table[None], seq_len, block_size)[0]
-    latent = kv_cache.view(-1, kv_dim)[slots]
-    return latent, None if kv_scale is None else kv_scale.view(-1)[slots]
+    needed = -(-seq_len // block_size)
+    if block_table.dim() != 1 or block_table.numel() < needed:
+        raise ValueError(
+            f"block_table must be [>= {needed}] for {seq_len} tokens of {block_size}-token blocks, "
+            f"got {tuple(block_table.shape)}"
+        )
+    # Whole blocks (block_size * kv_dim contiguous values each) with one index_select, then the first
+    # seq_len rows: twice the speed of indexing the token slots (6.5 against 3.2 GB/s, DeepSeek-V3's
+    # 2,048 x 576 bf16 layer in 16-token blocks, one thread, this repo's test machine).
+    blocks = block_table[:needed].long().to(kv_cache.device)
+    latent = torch.index_select(kv_cache, 0, blocks).view(-1, kv_dim)[:seq_len]
+    if kv_scale is None:
+        return latent, None
+    return latent, torch.index_select(kv_scale, 0, blocks).view(-1)[:seq_len]
 
 
 def paged_mla_attention(

@@ -49,6 +49,7 @@ from kvtransfer.shm_transport.channel import connect
 from kvtransfer.shm_transport.segments import Segment
 from kvtransfer.wire import (
     FaultHook,
+    LayerHeader,
     check_layer,
     copy_with_checksum,
     encode_layer,
@@ -173,7 +174,11 @@ class ShmKVSender(KVSender):
                 crc = copy_with_checksum(region[:num_value_bytes], tensor_bytes(latent_kv))
                 if scale is not None:
                     crc = copy_with_checksum(region[num_value_bytes:], tensor_bytes(scale), crc)
-            self._queue.put(("written", request_id, layer_idx, crc))
+            if self._fault_hook is None:  # the header from here: no hop to the worker thread and back
+                if not req.done:
+                    self._send_header(layer_header(req.meta, layer_idx, region, crc=crc))
+            else:
+                self._queue.put(("written", request_id, layer_idx, crc))
         else:
             copies = (latent_kv.detach().clone(), None if scale is None else scale.detach().clone())
             self._queue.put(("layer", request_id, layer_idx, *copies))
@@ -323,6 +328,17 @@ class ShmKVSender(KVSender):
                 req.stalled = True
                 return
         self._channel.send({"k": "layer", "h": header.to_dict()})
+
+    def _send_header(self, header: LayerHeader) -> None:
+        """Send a written layer's header from the calling thread (the begin went first: decode granted
+        the segment in answer to it; layers may go in any order, and `finish` is queued after this
+        returns). A failed send closes the channel, as the worker does: the reader then ends every open
+        handoff with SenderLost."""
+        try:
+            self._channel.send({"k": "layer", "h": header.to_dict()})
+        except OSError as e:
+            logger.warning("kv shm send to %s failed: %r", self.address, e)
+            self._channel.close()
 
     def _read(self) -> None:
         """The reader: decode's grants, drops and outcomes; leases ending on this side."""

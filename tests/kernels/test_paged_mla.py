@@ -19,6 +19,7 @@ from kernels.paged_mla import (
     paged_mla_attention,
     slots_from_block_tables,
     write_kv,
+    write_prompt_kv,
 )
 
 NUM_HEADS, QK_NOPE_HEAD_DIM, QK_ROPE_HEAD_DIM, V_HEAD_DIM, KV_LORA_RANK = 4, 8, 4, 6, 16
@@ -180,6 +181,47 @@ def test_write_kv_int8_stores_values_and_scales() -> None:
         latent[1:],
         atol=latent[1:].abs().max().item() / 127,
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("num_tokens", [0, 3, 8, 11])  # block_size 4: none, a partial block, 2 full, 2 + 3
+def test_write_prompt_kv_stores_what_write_kv_stores(dtype: torch.dtype, num_tokens: int) -> None:
+    """Block by block (numpy on the host for a float cache; `write_kv` otherwise), the same bytes land in the
+    same slots as `write_kv` with the request's slots, and nothing else changes: a byte copy, so equal."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    block_ids = torch.tensor([5, 0, 3, 6])  # out of order, with a spare entry past what the tokens need
+    int8 = dtype == torch.int8
+    latent = torch.randn(num_tokens, KV_DIM, generator=gen)
+    latent_scale = None
+    if int8:
+        latent, latent_scale = quantize_kv_int8(latent)
+    else:
+        latent = latent.to(dtype)
+    caches = []
+    for write in ("write_kv", "write_prompt_kv"):
+        kv_cache = torch.randn(8, 4, KV_DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
+        kv_scale = torch.full((8, 4), 7.0) if int8 else None
+        if write == "write_kv":
+            slots = slots_from_block_tables(block_ids[None], num_tokens, 4)[0]
+            write_kv(kv_cache, latent, slots, kv_scale, latent_scale)
+        else:
+            write_prompt_kv(kv_cache, latent, block_ids, kv_scale, latent_scale)
+        caches.append((kv_cache, kv_scale))
+    (want, want_scale), (got, got_scale) = caches
+    assert torch.equal(got, want) and (not int8 or torch.equal(got_scale, want_scale))
+    stored, _ = gather_kv(got, block_ids, num_tokens, got_scale)
+    assert torch.equal(stored, latent)
+
+
+def test_write_prompt_kv_invalid_arguments_raise() -> None:
+    kv_cache = torch.zeros(4, 4, KV_DIM)
+    with pytest.raises(ValueError, match="block_ids must be"):
+        write_prompt_kv(kv_cache, torch.zeros(9, KV_DIM), torch.tensor([0, 1]))  # 9 tokens need 3 blocks
+    with pytest.raises(ValueError, match="outside the cache"):
+        write_prompt_kv(kv_cache, torch.zeros(5, KV_DIM), torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="latent_kv must be"):
+        write_prompt_kv(kv_cache, torch.zeros(5, KV_DIM + 1), torch.tensor([0, 1]))
+    assert kv_cache.abs().sum() == 0
 
 
 def test_invalid_arguments_raise() -> None:

@@ -1,4 +1,4 @@
-"""`python -m bench.kv_transfer --json` runs (in-process transports, tiny sizes) and prints the documented
+"""`python -m bench.kv_transfer --json` runs (the clone and gRPC, tiny sizes) and prints the documented
 keys. Nothing about speed is asserted: figures live in the benchmark's output."""
 
 from __future__ import annotations
@@ -39,3 +39,6 @@ def test_bench_kv_transfer_smoke(capsys):
     # tiny transfers are mostly fixed costs: the ratio to a 16-token clone may round to 0.0
     assert isinstance(v3_int8["vs_adjacent_clone_median"], float) and v3_int8["vs_adjacent_clone_median"] >= 0
     assert "vs_adjacent_clone_median" not in runs[("tiny", "clone", "bfloat16")]
+    # the sender ran in a process of its own (prefill's, as deployed), and the paged cache it wrote was
+    # checked against the layers sent (PagedDestination.check raises otherwise)
+    assert v3_int8["sender_in"] == "process" and runs[("tiny", "grpc", "bfloat16")]["sender_in"] == "process"
