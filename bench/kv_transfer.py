@@ -122,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--sender",
         choices=("process", "thread"),
         default="process",
-        help="where grpc's and shm's sender runs: its own spawned process (as deployed: prefill and decode "
-        "are different actors) or a thread of the receiver's process (one GIL for both); default: %(default)s",
+        help="where grpc's and shm's sender runs: its own spawned process (as deployed: prefill and "
+        "decode are different actors) or a thread of the receiver's process (one GIL for both); "
+        "default: %(default)s",
     )
     parser.add_argument(
         "--model", type=Path, default=None, help="checkpoint directory whose config.json gives the tiny shape"
@@ -390,7 +391,9 @@ def _sender_process(connect: _SenderFactory, shape: dict[str, Any], wire: str, t
         sender.close()
 
 
-def bench_pair(transport: str, shape: dict[str, Any], wire: str, repeats: int, sender_in: str) -> dict[str, Any]:
+def bench_pair(
+    transport: str, shape: dict[str, Any], wire: str, repeats: int, sender_in: str
+) -> dict[str, Any]:
     """`grpc` or `shm`, the real transport: the receiver (decode's side) in this process, the sender
     (prefill's) in a spawned process of its own (`sender_in="process"`, as deployed: prefill and decode are
     different actors) or on a thread of this one (`"thread"`: both sides then share one GIL)."""

@@ -174,12 +174,12 @@ def write_prompt_kv(
     if int(block_ids.min()) < 0 or int(block_ids.max()) >= num_blocks:
         raise ValueError(f"block ids {block_ids.tolist()} outside the cache's {num_blocks} blocks")
     cache_rows = kv_cache.view(torch.uint8).numpy().reshape(num_blocks, -1)  # one row per block
-    src = latent_kv.contiguous().view(torch.uint8).numpy().reshape(num_tokens, kv_dim * kv_cache.element_size())
+    row_bytes = kv_dim * kv_cache.element_size()
+    src = latent_kv.contiguous().view(torch.uint8).numpy().reshape(num_tokens, row_bytes)
     ids = block_ids.numpy()
     if num_full:
         cache_rows[ids[:num_full]] = src[: num_full * block_size].reshape(num_full, -1)
     if tail:
-        row_bytes = src.shape[1]
         cache_rows[ids[num_full], : tail * row_bytes] = src[num_full * block_size :].reshape(-1)
 
 
