@@ -14,9 +14,10 @@ Method:
    k` tokens with MTP k). Times: CPU seconds of the stepping thread (`time.thread_time`; torch at 1 thread
    as the deployed rank actors run it, the engine's synchronous loop steps in the calling thread), so load
    from other processes does not enter the fit; wall seconds are recorded beside them.
-2. KV transfer. `bench.kv_transfer.bench_in_process(transport, ...)` moves one handoff of the model's
+2. KV transfer. `bench.kv_transfer.bench_pair(transport, ...)` moves one handoff of the model's
    layers at a few prompt lengths over the topology's KV transport (`Topology.kv_transport`: shm, or gRPC
-   on 127.0.0.1; gRPC stands in for torch_distributed) (wall clock: it runs on several threads);
+   on 127.0.0.1; gRPC stands in for torch_distributed and for shm+grpc's cross-node pairs), the sender in
+   a process of its own and the receiver writing a paged cache, as deployed (wall clock);
    `seconds = fixed + bytes / bandwidth` fitted through each size's fastest repeat gives the per-handoff
    cost and the throughput.
 3. Fit. The model's step time is `host + n_ops op_overhead + sum_ops max(flops x a_kind, bytes x b_kind)`
@@ -192,11 +193,12 @@ def _measure_steps(topology, grid: Grid, progress: Callable[[str], None], seed: 
 def measure_kv(
     config, dtype: str, token_counts: Sequence[int], repeats: int, transport: str = "grpc"
 ) -> dict[str, Any]:
-    """KV handoffs over `transport` (`grpc` on loopback or `shm`; torch_distributed is measured as `grpc`:
-    the in-process bench has no process group) at `token_counts` sizes: `seconds = fixed_s + bytes /
+    """KV handoffs over `transport` (`grpc` on loopback or `shm`; torch_distributed and shm+grpc are measured
+    as `grpc`: the bench has no process group, and a mixed topology's cross-node pairs are its slower ones)
+    at `token_counts` sizes: `seconds = fixed_s + bytes /
     bytes_per_s` fitted by non-negative least squares through each size's fastest repeat, the raw points and
     the transport measured."""
-    from bench.kv_transfer import bench_in_process
+    from bench.kv_transfer import bench_pair
 
     transport = transport if transport in ("grpc", "shm") else "grpc"
 
@@ -208,7 +210,7 @@ def measure_kv(
             "kv_dim": config.kv_cache_dim,
             "dtype": dtype,
         }
-        result = bench_in_process(transport, shape, "model", repeats)
+        result = bench_pair(transport, shape, "model", repeats, sender_in="process")
         points.append({"num_tokens": n, "kv_bytes": result["kv_bytes"],
                        "best_s": min(result["elapsed_ms"]) / 1e3,
                        "median_s": statistics.median(result["elapsed_ms"]) / 1e3})  # fmt: skip
