@@ -43,6 +43,7 @@ from decode_node.deltas import Handoff, token_delta
 from engine.config import EngineConfig
 from engine.llm import EngineStepError, RequestOutput
 from kvtransfer.base import HandoffMeta, KVReceiver, KVTransferError, ReceivedKV, ReceivedLayer
+from kvtransfer.paired import PairedAddress
 from orchestrator.dispatch import call_timeout_s
 from orchestrator.fair_lock import FairLock
 from orchestrator.messages import (
@@ -131,12 +132,30 @@ class DecodeNode(RankActor):
         self.receiver = receiver
         return receiver.address
 
-    def start_receiver(self, transport: str, tls: TLSCredentials | None = None) -> str:
-        """`start_grpc(tls)` or `start_shm()` by `transport` (`grpc` / `shm`); returns the address."""
+    def start_paired(self) -> PairedAddress:
+        """Start the shm receiver and the gRPC server over one set of reservations (`shm+grpc`: prefill on
+        this node takes the first, prefill elsewhere the second, `kvtransfer.paired`); returns both
+        addresses and this node's id, the gRPC one at this node's IP when bound to all interfaces."""
+        from kvtransfer.paired import PairedReceiver
+
+        receiver = PairedReceiver(self.host, int8_passthrough=self._int8_cache, max_concurrent_streams=64)
+        self.receiver = receiver
+        address = receiver.address
+        if self.host in ("0.0.0.0", "", "::", "[::]"):
+            address = address.with_grpc_host(self.node_ip())
+        return address
+
+    def start_receiver(self, transport: str, tls: TLSCredentials | None = None) -> str | PairedAddress:
+        """`start_grpc(tls)`, `start_shm()` or `start_paired()` by `transport` (`grpc` / `shm` /
+        `shm+grpc`); returns the address."""
         if transport == "shm":
             return self.start_shm()
+        if transport == "shm+grpc":
+            return self.start_paired()
         if transport != "grpc":
-            raise ValueError(f"transport: a decode receiver listens for grpc or shm, got {transport!r}")
+            raise ValueError(
+                f"transport: a decode receiver listens for grpc, shm or shm+grpc, got {transport!r}"
+            )
         return self.start_grpc(tls)
 
     def node_ip(self) -> str:

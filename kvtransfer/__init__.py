@@ -7,6 +7,8 @@
     shm_transport/     `ShmKVSender` -> `ShmKVReceiver` (one host: memfd segments owned by decode, headers
                        over a Unix socket; what `transport: auto` picks on one node)
     dist_transport/    `DistKVSender` -> `DistKVReceiver` (torch.distributed P2P; gloo/NCCL/HCCL by config)
+    paired.py          `shm+grpc` (`auto` on several nodes): a decode rank listens on shm and gRPC over one
+                       set of reservations; each prefill rank picks shm on its own node, gRPC elsewhere
 
 The transports are imported from their packages, so importing `kvtransfer` pulls in neither gRPC nor
 torch.distributed.

@@ -100,16 +100,20 @@ class ClusterWiring:
 
     def _wire(self, ray, plan) -> list[list[str]]:
         """Connect the KV transport; returns each decode instance's ranks' addresses (grpc: `host:port`,
-        shm: a socket path on this host; torch_distributed: [])."""
+        shm: a socket path on this host, shm+grpc: a `kvtransfer.paired.PairedAddress`; torch_distributed:
+        [])."""
         kv = self.topology.kv_transfer
         spec_index = {(spec.role, spec.index): i for i, spec in enumerate(plan.instances)}
         prefill_ranks = [a for p in self.instances["prefill"] for a in p.ranks]
         decodes = self.instances["decode"]
         self._kv_tls = None  # the gRPC TLS material, kept for rewiring restarted actors
-        if self.topology.kv_transport == "shm":  # one node (topology rules): socket paths on this host
-            refs = [[d.start_shm.remote() for d in instance.ranks] for instance in decodes]
+        if self.topology.kv_transport in ("shm", "shm+grpc"):
+            # shm: one node (topology rules), socket paths on this host. shm+grpc: each decode rank listens
+            # on both (its gRPC address at its node's IP); each prefill rank picks per decode rank by node.
+            transport = self.topology.kv_transport
+            refs = [[d.start_receiver.remote(transport) for d in instance.ranks] for instance in decodes]
             addresses = [ray.get(rank_refs, timeout=120) for rank_refs in refs]
-            ray.get([p.connect_receivers.remote("shm", addresses) for p in prefill_ranks], timeout=120)
+            ray.get([p.connect_receivers.remote(transport, addresses) for p in prefill_ranks], timeout=120)
             return addresses
         if self.topology.kv_transport == "grpc":
             tls = None

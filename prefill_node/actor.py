@@ -33,6 +33,7 @@ from engine.config import EngineConfig
 from engine.llm import EngineStepError
 from engine.stopping import early_first_token_text
 from kvtransfer.base import HandoffExtras, KVSender
+from kvtransfer.paired import PairedAddress, node_id
 from orchestrator.dispatch import event_timeout_s
 from orchestrator.messages import (
     InstanceGroupSpec,
@@ -83,6 +84,7 @@ class PrefillNode(RankActor):
         self.layerwise = layerwise
         self.senders: list[list[KVSender]] = []  # [decode instance][decode rank]
         self._transport = "grpc"  # what connect_receivers used, for set_decode_address
+        self._node_id: str | None = None  # this rank's node (kvtransfer.paired.node_id), looked up once
         self._tls: TLSCredentials | None = None
         self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._active: dict[str, Job] = {}
@@ -120,13 +122,19 @@ class PrefillNode(RankActor):
         self.connect_receivers("grpc", decode_addresses, tls)
 
     def connect_receivers(
-        self, transport: str, decode_addresses: list[list[str]], tls: TLSCredentials | None = None
+        self,
+        transport: str,
+        decode_addresses: list[list[str]] | list[list[PairedAddress]],
+        tls: TLSCredentials | None = None,
     ) -> None:
         """One `transport` sender (`grpc`: to `host:port`, mutual TLS with `tls`; `shm`: to a socket path
-        on this host) per decode rank: `decode_addresses[i][r]` is decode instance i's rank r; closes any
+        on this host; `shm+grpc`: to a `PairedAddress`, by shm when that decode rank runs on this node, else
+        by gRPC) per decode rank: `decode_addresses[i][r]` is decode instance i's rank r; closes any
         previous ones."""
-        if transport not in ("grpc", "shm"):
-            raise ValueError(f"transport: senders connect to grpc or shm receivers, got {transport!r}")
+        if transport not in ("grpc", "shm", "shm+grpc"):
+            raise ValueError(
+                f"transport: senders connect to grpc, shm or shm+grpc receivers, got {transport!r}"
+            )
         self._transport, self._tls = transport, tls
         old = self._all_senders()
         self.senders = [[self._new_sender(a) for a in ranks] for ranks in decode_addresses]
@@ -142,8 +150,13 @@ class PrefillNode(RankActor):
         if old is not None:
             old.close()
 
-    def _new_sender(self, address: str) -> KVSender:
-        if self._transport == "shm":
+    def _new_sender(self, address: str | PairedAddress) -> KVSender:
+        transport = self._transport
+        if isinstance(address, PairedAddress):  # shm+grpc: shm to a decode rank on this node
+            if self._node_id is None:
+                self._node_id = node_id()
+            transport, address = address.pick(self._node_id)
+        if transport == "shm":
             from kvtransfer.shm_transport import ShmKVSender
 
             return ShmKVSender(address)
@@ -151,7 +164,14 @@ class PrefillNode(RankActor):
 
         return GrpcKVSender(address, tls=self._tls)
 
-    def set_decode_address(self, decode_index: int, address: str, decode_rank: int = 0) -> None:
+    def sender_transports(self) -> list[list[str]]:
+        """The transport of each decode rank's sender (`[instance][rank]`: `grpc`, `shm` or `dist`)."""
+        names = {"GrpcKVSender": "grpc", "ShmKVSender": "shm", "DistKVSender": "dist"}
+        return [[names.get(type(s).__name__, type(s).__name__) for s in ranks] for ranks in self.senders]
+
+    def set_decode_address(
+        self, decode_index: int, address: str | PairedAddress, decode_rank: int = 0
+    ) -> None:
         """Rank `decode_rank` of decode instance `decode_index` was restarted and listens at `address` now:
         replace its sender (transfers in flight to the old one fail, as they would have anyway)."""
         old = self.senders[decode_index][decode_rank]

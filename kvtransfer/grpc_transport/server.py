@@ -254,6 +254,8 @@ class KVReceiverServer(ReservationReceiver):
         RESOURCE_EXHAUSTED. Refused calls pass through this queue too, briefly, so it is sized for a burst of
         them not to crowd out a real sender.
     tls: serve mutual TLS only (senders need `tls` too); None: plaintext.
+    reservations: the `Reservations` to feed (shared with another receiver of the same decode rank,
+        `kvtransfer.paired`); None: its own, with `int8_passthrough`.
 
     The module docstring says how senders are authenticated and how long a call may hold a thread.
     """
@@ -267,6 +269,7 @@ class KVReceiverServer(ReservationReceiver):
         max_concurrent_streams: int = 16,
         max_queued_streams: int | None = None,
         tls: TLSCredentials | None = None,
+        reservations: Reservations | None = None,
     ):
         if max_concurrent_streams < 1:
             raise ValueError(f"max_concurrent_streams: must be >= 1, got {max_concurrent_streams}")
@@ -275,7 +278,7 @@ class KVReceiverServer(ReservationReceiver):
             num_queued = max_queued_streams
         if num_queued < 0:
             raise ValueError(f"max_queued_streams: must be >= 0, got {max_queued_streams}")
-        self._reservations = Reservations(int8_passthrough)
+        self._reservations = Reservations(int8_passthrough) if reservations is None else reservations
         self._deadlines = _StreamDeadlines("kv-receiver-deadlines")
         self._refusals = _RefusalLog()
         self._server = grpc.server(

@@ -84,14 +84,23 @@ class ShmKVReceiver(ReservationReceiver):
     `self.address` (a socket path on this host). `int8_passthrough` as in `Reservations`.
 
     max_free_bytes: free segments each connection keeps for reuse (`SegmentPool`).
+    reservations: the `Reservations` to feed (shared with another receiver of the same decode rank,
+        `kvtransfer.paired`); it must copy kept layers (`copy_kept_layers`: a segment is reused once its
+        sender is done). None: its own, with `int8_passthrough`.
     """
 
     def __init__(
-        self, *, int8_passthrough: bool = False, max_free_bytes: int = DEFAULT_MAX_FREE_BYTES
+        self,
+        *,
+        int8_passthrough: bool = False,
+        max_free_bytes: int = DEFAULT_MAX_FREE_BYTES,
+        reservations: Reservations | None = None,
     ) -> None:
+        if reservations is not None and not reservations.copy_kept_layers:
+            raise ValueError("ShmKVReceiver: shared reservations must copy kept layers (copy_kept_layers)")
         sweep_stale_socket_dirs()
         self.max_free_bytes = max_free_bytes
-        self._reservations = Reservations(int8_passthrough, copy_kept_layers=True)
+        self._reservations = reservations or Reservations(int8_passthrough, copy_kept_layers=True)
         self._listener, self._dir = listen()
         self.address = str(self._dir / SOCKET_NAME)
         self._closed = threading.Event()

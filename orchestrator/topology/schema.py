@@ -52,7 +52,8 @@ MODEL_DTYPES = ("auto", *MODEL_DTYPE_NAMES)
 EIGHT_BIT_WEIGHT_DTYPES = ("int8", "fp8")
 WEIGHT_DTYPES = (*MODEL_DTYPES, *EIGHT_BIT_WEIGHT_DTYPES)
 KV_TRANSPORTS = ("auto", "grpc", "shm", "torch_distributed")
-ADDRESSED_KV_TRANSPORTS = ("grpc", "shm")  # decode listens at an address each prefill sender connects to
+# decode listens at an address each prefill sender connects to (shm+grpc: `auto` on several nodes)
+ADDRESSED_KV_TRANSPORTS = ("grpc", "shm", "shm+grpc")
 WIRE_DTYPES = ("auto", "int8")
 ROUTER_POLICIES = tuple(POLICIES)  # the router's policy functions, by name
 
@@ -302,10 +303,11 @@ class KVTransferConfig:
     """Prefill -> decode KV handoff.
 
     Attributes:
-        transport: `auto`, the default (`resolve_kv_transport`: `shm` when every instance is on one node
-            and no TLS is asked for, else `grpc`), `grpc` (streaming, any network), `shm` (shared memory:
-            prefill and decode on one host, `kvtransfer.shm_transport`) or `torch_distributed` (P2P over
-            the accelerator's collective backend: HCCL, NCCL or gloo).
+        transport: `auto`, the default (`resolve_kv_transport`: without TLS, `shm` when every instance is
+            on one node and `shm+grpc` on several: shared memory between the prefill and decode ranks that
+            share a node, gRPC across nodes, `kvtransfer.paired`; with TLS `grpc`), `grpc` (streaming,
+            any network), `shm` (shared memory: prefill and decode on one host, `kvtransfer.shm_transport`)
+            or `torch_distributed` (P2P over the accelerator's collective backend: HCCL, NCCL or gloo).
         layerwise: send each layer's KV as soon as it is computed (False: once the prompt is done).
         wire_dtype: `auto` (the dtype decode's KV cache stores: int8 for an int8 cache, whose values and
             scales then pass through unchanged, else the model dtype) or `int8` (quantized on the wire,
@@ -327,11 +329,15 @@ class KVTransferConfig:
 
 def resolve_kv_transport(kv: KVTransferConfig, num_nodes: int) -> str:
     """The transport a topology's `kv_transfer` uses on `num_nodes` nodes: `kv.transport`, except `auto`:
-    `shm` when all instances share one node (no byte of KV then needs a socket) and no TLS is configured
-    (TLS asks for the grpc channel), else `grpc`."""
+    with TLS configured `grpc` (TLS asks for the gRPC channel); else `shm` when all instances share one node
+    (no byte of KV then needs a socket), and `shm+grpc` on several nodes: each prefill -> decode pair of
+    ranks on one node through shared memory, the others over gRPC (`kvtransfer.paired`; the pairs are
+    decided by where Ray runs the ranks, not by the plan)."""
     if kv.transport != "auto":
         return kv.transport
-    return "shm" if num_nodes == 1 and kv.tls is None else "grpc"
+    if kv.tls is not None:
+        return "grpc"
+    return "shm" if num_nodes == 1 else "shm+grpc"
 
 
 @dataclass(frozen=True)

@@ -515,3 +515,45 @@ def test_a_reserve_is_served_while_a_decode_step_executes(nodes, monkeypatch) ->
     assert len(h11) == 1 and isinstance(h11[0], RequestError)
     decode.engine.scheduler.block_manager.check_invariants()
     _assert_idle(prefill, decode)
+
+
+def test_shm_grpc_pairs_take_shm_on_the_node_and_grpc_across() -> None:
+    """`shm+grpc` (`auto` on several nodes): each decode rank listens on shm and gRPC over one set of
+    reservations and advertises its node; the prefill rank sends by shm to the decode on its node and by
+    gRPC to the other (here the same host, its address labelled with another node's id, as a decode rank on
+    another Ray node reports it). Both handoffs complete with the same greedy tokens; only the same-node
+    decode mapped shared memory; nothing is held afterwards."""
+    from kvtransfer.paired import PairedAddress, node_id
+    from prefill_node.actor import PrefillNode
+
+    topo = _topology(k=1)
+    decodes = [DecodeNode(topo.engine_config("decode"), f"decode-{i}") for i in range(2)]
+    prefill = PrefillNode(topo.engine_config("prefill"), "prefill-0", layerwise=True)
+    try:
+        here, there = (d.start_receiver("shm+grpc") for d in decodes)
+        assert isinstance(here, PairedAddress) and here.node_id == node_id()
+        elsewhere = PairedAddress("another-node", there.shm, there.grpc)
+        prefill.connect_receivers("shm+grpc", [[here], [elsewhere]])
+        assert prefill.sender_transports() == [["shm"], ["grpc"]]
+        tokens = []
+        for index, decode in enumerate(decodes):
+            handoff_id = f"pair-{index}"
+            reserved = decode.reserve(
+                ReserveRequest(handoff_id, PROMPT, GREEDY, _meta(prefill, handoff_id), 1)
+            )
+            assert reserved.reserved
+            result = prefill.prefill(
+                PrefillRequest(handoff_id, PROMPT, GREEDY, reserved.bound_meta, decode_index=index)
+            )
+            events, _ = _events_until(decode, handoff_id, lambda e: isinstance(e, RequestError) or e.finished)
+            assert all(isinstance(e, TokenDelta) for e in events), events
+            assert events[0].new_token_ids == (result.first_token_id,)
+            tokens.append(_tokens(events))
+        assert tokens[0] == tokens[1] and len(tokens[0]) == GREEDY.max_tokens
+        assert decodes[0].num_kv_segments() > 0 and decodes[1].num_kv_segments() == 0
+        for decode in decodes:
+            _assert_idle(prefill, decode)
+    finally:
+        prefill.close()
+        for decode in decodes:
+            decode.close()

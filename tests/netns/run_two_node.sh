@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Two Ray nodes on one machine, each in its own network namespace, joined by one veth pair:
 #
-#   pdc-a: lo + pdc-veth-a 10.200.0.1/30   Ray head (node 0: prefill), the driver (pytest)
-#   pdc-b: lo + pdc-veth-b 10.200.0.2/30   Ray worker (node 1: decode)
+#   pdc-a: lo + pdc-veth-a 10.200.0.1/30   Ray head, 2 CPUs (node 0: prefill; test_two_node_auto's decode-0
+#                                          too), the driver (pytest)
+#   pdc-b: lo + pdc-veth-b 10.200.0.2/30   Ray worker, 1 CPU (node 1: decode)
 #
 # The namespaces have no other interface and no default route, so nothing started in them can reach any
 # address but 127.0.0.1 (each its own) and 10.200.0.1/10.200.0.2. Every process started here lives in
@@ -11,7 +12,8 @@
 # clusters on this machine are never touched.
 #
 # Usage (root; iproute2):
-#   tests/netns/run_two_node.sh                      # runs tests/netns/test_two_node.py in pdc-a
+#   tests/netns/run_two_node.sh                      # runs tests/netns/test_two_node_auto.py, then
+#                                                    # tests/netns/test_two_node.py, in pdc-a
 #   tests/netns/run_two_node.sh -- CMD ARGS...       # runs CMD in pdc-a instead (RAY_ADDRESS set)
 # Env: PYTHON (default .venv/bin/python), PDC_NETNS_TIMEOUT_S (whole command, default 900).
 # Exit status: the command's; 2 if the sandbox refuses a step (the refused command and its error are
@@ -126,13 +128,13 @@ export PATH="$BIN:$PATH"
 # `ray start` nor the driver reads (or writes) the ~/.ray/auth_token other Ray clusters here use.
 export HOME=$RAY_HOME RAY_AUTH_MODE=token
 mkdir -p "$HOME/.ray" && (umask 077 && "$PYTHON" -c "import secrets; print(secrets.token_hex(32), end='')" >"$HOME/.ray/auth_token")
-RAY_START_COMMON=(--num-cpus 1 --disable-usage-stats)
+RAY_START_COMMON=(--disable-usage-stats)  # the head has 2 CPUs (test_two_node_auto: prefill and decode-0), the worker 1
 log "starting the Ray head in $PDC_NETNS_A ($PDC_IP_A:$RAY_PORT)"
 step timeout 120 ip netns exec "$PDC_NETNS_A" "$BIN/ray" start --head --node-ip-address "$PDC_IP_A" \
-    --port "$RAY_PORT" --temp-dir "$RAY_TMP_A" "${RAY_START_COMMON[@]}" --include-dashboard false --resources '{"pdcluster_node_0": 1}'
+    --port "$RAY_PORT" --temp-dir "$RAY_TMP_A" --num-cpus 2 "${RAY_START_COMMON[@]}" --include-dashboard false --resources '{"pdcluster_node_0": 1}'
 log "starting the Ray worker in $PDC_NETNS_B ($PDC_IP_B)"
 step timeout 120 ip netns exec "$PDC_NETNS_B" "$BIN/ray" start --address "$PDC_IP_A:$RAY_PORT" \
-    --node-ip-address "$PDC_IP_B" --temp-dir "$RAY_TMP_B" "${RAY_START_COMMON[@]}" \
+    --node-ip-address "$PDC_IP_B" --temp-dir "$RAY_TMP_B" --num-cpus 1 "${RAY_START_COMMON[@]}" \
     --resources '{"pdcluster_node_1": 1}'
 
 export RAY_ADDRESS="$PDC_IP_A:$RAY_PORT" PDCLUSTER_NETNS=1
@@ -142,7 +144,7 @@ if [ "${1:-}" = "--" ]; then
     shift
     cmd=("$@")
 else
-    cmd=("$PYTHON" -m pytest -n 0 -s -v -p no:cacheprovider --timeout "$TIMEOUT_S" tests/netns/test_two_node.py)
+    cmd=("$PYTHON" -m pytest -n 0 -s -v -p no:cacheprovider --timeout "$TIMEOUT_S" tests/netns/test_two_node_auto.py tests/netns/test_two_node.py)
 fi
 log "running in $PDC_NETNS_A (RAY_ADDRESS=$RAY_ADDRESS, bounded by ${TIMEOUT_S} s): ${cmd[*]}"
 timeout -k 10 "$TIMEOUT_S" ip netns exec "$PDC_NETNS_A" "${cmd[@]}"

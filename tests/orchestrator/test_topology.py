@@ -706,14 +706,18 @@ def test_kv_tls_mistakes_are_reported_at_their_key(tmp_path, ckpt, certs, change
     ("transport", "num_nodes", "with_tls", "resolved"),
     [
         ("auto", 1, False, "shm"),
-        ("auto", 2, False, "grpc"),
+        ("auto", 2, False, "shm+grpc"),  # per pair of ranks: shm on one node, gRPC across
         ("auto", 1, True, "grpc"),  # TLS asks for the grpc channel
+        ("auto", 2, True, "grpc"),
+        ("grpc", 2, False, "grpc"),
         ("shm", 1, False, "shm"),
         ("grpc", 1, False, "grpc"),
         ("torch_distributed", 1, False, "torch_distributed"),
     ],
 )
-def test_kv_transport_auto_is_shm_on_one_node_without_tls(transport, num_nodes, with_tls, resolved):
+def test_kv_transport_auto_is_shm_on_one_node_and_per_pair_on_several(
+    transport, num_nodes, with_tls, resolved
+):
     tls = KVTLSConfig(cert_file="c.pem", key_file="k.pem", ca_file="ca.pem") if with_tls else None
     kv = KVTransferConfig(transport=transport, tls=tls)
     assert resolve_kv_transport(kv, num_nodes) == resolved
