@@ -22,16 +22,20 @@ socket, reassembly, verification, decoding (INT8 dequantization) and the writes 
 
 Reported per run: `kv_GB_per_s` = KV bytes in the model dtype / seconds (what decode gets; the same for
 every wire dtype), `wire_GB_per_s` = payload bytes on the wire / seconds, best and median over repeats;
-`send_return_ms`: how long the sender's `send_layer` calls for all layers took to return (they only copy and
-enqueue). `vs_clone_median`: the median GB/s over the clone run's median GB/s (one clone run per shape, at
-its start); for grpc and shm also `vs_adjacent_clone_median`: the median over repeats of (a clone of the
-same layers timed just before that transfer) / (that transfer's seconds), the ratio to quote on a machine
-whose load changes during the run. GB = 1e9 bytes. The clone's speed depends on the allocator: when the
-previous copies' memory went back to the kernel, every clone page-faults fresh pages (~35,000 for the
-V3 shape) and runs at about half the speed of one into kept memory (seen here: 2.64 against 6.2 GB/s in
-one run); `minor_faults_median` (clone runs) and `adjacent_clone_minor_faults_median` say which one a
-ratio was taken against. Both ends share this machine's cores, so loopback
-numbers bound the software path, not a network.
+`send_return_ms`: how long the sender's `send_layer` calls for all layers took to return (shm: each copies
+the layer into the segment with its CRC and sends its header; gRPC: copies into chunks and enqueues).
+`vs_clone_median`: the median GB/s over the clone run's median GB/s (one clone run per shape, at its
+start); for grpc and shm also `vs_adjacent_clone_median`: the median over repeats of (a clone of the same
+layers timed just before that transfer) / (that transfer's seconds), the ratio to quote on a machine whose
+load changes during the run; and (float wire) `vs_adjacent_copy_median`, the same against writing the
+layers in this process into a touched paged cache just before the transfer (`time_paged_copy`: decode's
+own copy with no transport and no fresh memory), the strictest yardstick. GB = 1e9 bytes. The clone's
+speed depends on the allocator: when the previous copies' memory went back to the kernel, every clone
+page-faults fresh pages (~35,000 for the V3 shape) and runs at about half the speed of one into kept memory
+(seen here: 2.64 against 6.2 GB/s in one run); `minor_faults_median` (clone runs) and
+`adjacent_clone_minor_faults_median` say which one a ratio was taken against. Both ends share this
+machine's cores, so loopback numbers bound the software path, not a network; and a transport's two sides
+(sender, receiver) run on two cores at once where a yardstick copies on one.
 
 Threads. Every run here uses `torch.set_num_threads(--threads)` (default 1; `config.threads` in the JSON),
 the clone yardstick included, so the yardstick and the transports copy under the same settings: the clone
@@ -190,7 +194,11 @@ def send_all(sender: KVSender, meta: HandoffMeta, layers: list[torch.Tensor]) ->
 
 
 def summarize(
-    meta: HandoffMeta, elapsed_s: list[float], send_return_s: list[float], clone_s: list[float] | None = None
+    meta: HandoffMeta,
+    elapsed_s: list[float],
+    send_return_s: list[float],
+    clone_s: list[float] | None = None,
+    copy_s: list[float] | None = None,
 ) -> dict[str, Any]:
     kv_bytes = meta.num_layers * meta.num_tokens * meta.kv_dim * meta.torch_dtype.itemsize
     best_s, median_s = min(elapsed_s), statistics.median(elapsed_s)
@@ -213,6 +221,10 @@ def summarize(
     if clone_s:  # each transfer's own yardstick, timed just before it: robust to a machine whose load moves
         result["vs_adjacent_clone_median"] = round(
             statistics.median(c / e for c, e in zip(clone_s, elapsed_s, strict=True)), 3
+        )
+    if copy_s:
+        result["vs_adjacent_copy_median"] = round(
+            statistics.median(c / e for c, e in zip(copy_s, elapsed_s, strict=True)), 3
         )
     return result
 
@@ -269,6 +281,18 @@ def bench_stages(shape: dict[str, Any], repeats: int) -> dict[str, Any]:
     result["shm_header_rtt_us"] = round(statistics.median(rtts) * 1e6, 1)
     segment.close()
     return {"unit": "GB/s, one thread, best of repeats", **result}
+
+
+def time_paged_copy(destination: PagedDestination, layers: list[torch.Tensor]) -> float:
+    """Seconds of writing every layer, in this process, into `destination`'s paged cache (touched memory,
+    reused): decode's own copy with nothing before it, the strict yardstick (no allocation, no page
+    faults, one thread)."""
+    from kvtransfer.base import ReceivedLayer
+
+    started_s = time.perf_counter()
+    for layer_idx, latent in enumerate(layers):
+        destination.on_layer(layer_idx, ReceivedLayer(latent))
+    return time.perf_counter() - started_s
 
 
 def time_clone(layers: list[torch.Tensor], minor_faults: list[int] | None = None) -> float:
@@ -400,7 +424,8 @@ def bench_pair(
     receiver, connect = _make_pair(transport)
     layers = make_layers(make_handoff("x", shape, wire))
     destination = PagedDestination(make_handoff("x", shape, wire))
-    elapsed_s, send_return_s, clone_s, clone_faults = [], [], [], []
+    elapsed_s, send_return_s, clone_s, clone_faults, copy_s = [], [], [], [], []
+    yardstick = PagedDestination(make_handoff("x", shape, wire)) if wire == "model" else None
     if sender_in == "process":
         import multiprocessing as mp
 
@@ -410,11 +435,14 @@ def bench_pair(
             target=_sender_process, args=(connect, shape, wire, torch.get_num_threads(), there), daemon=True
         )
         child.start()
+        there.close()  # the child's end: a child that dies closes the pipe, and recv raises EOFError
 
         def start(bound: HandoffMeta) -> None:
             here.send(bound)
 
-        def sent() -> float:
+        def sent() -> Any:
+            if not here.poll(WAIT_S):
+                raise TimeoutError(f"the sender process answered nothing in {WAIT_S:g} s")
             return here.recv()
     else:
         sender = connect()
@@ -429,12 +457,14 @@ def bench_pair(
     try:
         for i in range(repeats + 1):  # the first one warms the connection (and maps shm's segment)
             clone_s.append(time_clone(layers, clone_faults))
+            if yardstick is not None:
+                copy_s.append(time_paged_copy(yardstick, layers))
             meta = make_handoff(f"{transport}-{wire}-{i}", shape, wire)
             elapsed_s.append(timed_receive(receiver, start, meta, destination)[0])
             send_return_s.append(sent())
         if sender_in == "process":
             here.send(None)
-            failures = here.recv()
+            failures = sent()
             child.join(WAIT_S)
         else:
             failures = sender.flush(WAIT_S)
@@ -446,7 +476,9 @@ def bench_pair(
         if sender_in == "process" and child.is_alive():
             child.kill()
         receiver.close()
-    result = summarize(make_handoff("x", shape, wire), elapsed_s[1:], send_return_s[1:], clone_s[1:])
+    result = summarize(
+        make_handoff("x", shape, wire), elapsed_s[1:], send_return_s[1:], clone_s[1:], copy_s[1:]
+    )
     return {
         **result,
         "sender_in": sender_in,
@@ -527,7 +559,8 @@ def table(result: dict[str, Any]) -> str:
     rows = [
         (r["shape"], r["transport"], r["wire_dtype"], round(r["kv_bytes"] / 1e6, 1),
          round(r["wire_bytes"] / 1e6, 1), r["kv_GB_per_s"]["best"], r["kv_GB_per_s"]["median"],
-         r.get("send_return_ms"), r.get("vs_clone_median"), r.get("vs_adjacent_clone_median"))
+         r.get("send_return_ms"), r.get("vs_clone_median"), r.get("vs_adjacent_clone_median"),
+         r.get("vs_adjacent_copy_median"))
         for r in result["results"]
     ]  # fmt: skip
     header = (
@@ -541,6 +574,7 @@ def table(result: dict[str, Any]) -> str:
         "send_return_ms",
         "vs clone",
         "vs adjacent clone",
+        "vs adjacent copy",
     )
     return format_table(header, rows)
 

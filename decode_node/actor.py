@@ -120,7 +120,7 @@ class DecodeNode(RankActor):
         server = KVReceiverServer(
             self.host, 0, int8_passthrough=self._int8_cache, max_concurrent_streams=64, tls=tls
         )
-        self.receiver = server
+        self._set_receiver(server)
         return server.address
 
     def start_shm(self) -> str:
@@ -129,7 +129,7 @@ class DecodeNode(RankActor):
         from kvtransfer.shm_transport import ShmKVReceiver
 
         receiver = ShmKVReceiver(int8_passthrough=self._int8_cache)
-        self.receiver = receiver
+        self._set_receiver(receiver)
         return receiver.address
 
     def start_paired(self) -> PairedAddress:
@@ -139,11 +139,21 @@ class DecodeNode(RankActor):
         from kvtransfer.paired import PairedReceiver
 
         receiver = PairedReceiver(self.host, int8_passthrough=self._int8_cache, max_concurrent_streams=64)
-        self.receiver = receiver
+        self._set_receiver(receiver)
         address = receiver.address
         if self.host in ("0.0.0.0", "", "::", "[::]"):
             address = address.with_grpc_host(self.node_ip())
         return address
+
+    def _set_receiver(self, receiver: KVReceiver) -> None:
+        """Listen with `receiver` from now on; one started earlier in this process (a rewire that failed
+        after starting it, then retried) is closed, not leaked."""
+        old, self.receiver = self.receiver, receiver
+        if old is not None:
+            try:
+                old.close()
+            except Exception:  # noqa: BLE001 - the new receiver is up; the old one is best effort
+                logger.exception("%s: closing the previous receiver failed", self.name)
 
     def start_receiver(self, transport: str, tls: TLSCredentials | None = None) -> str | PairedAddress:
         """`start_grpc(tls)`, `start_shm()` or `start_paired()` by `transport` (`grpc` / `shm` /

@@ -158,6 +158,9 @@ def write_prompt_kv(
             f"got {tuple(block_ids.shape)}"
         )
     block_ids = block_ids[:needed].long()
+    if needed and (int(block_ids.min()) < 0 or int(block_ids.max()) >= num_blocks):  # before either path:
+        # write_kv's slots would clamp a negative id (a padded table) into block 0
+        raise ValueError(f"block ids {block_ids.tolist()} outside the cache's {num_blocks} blocks")
     fast = (
         kv_cache.device.type == "cpu"
         and latent_kv.device.type == "cpu"
@@ -171,8 +174,6 @@ def write_prompt_kv(
         return
     if not needed:
         return
-    if int(block_ids.min()) < 0 or int(block_ids.max()) >= num_blocks:
-        raise ValueError(f"block ids {block_ids.tolist()} outside the cache's {num_blocks} blocks")
     cache_rows = kv_cache.view(torch.uint8).numpy().reshape(num_blocks, -1)  # one row per block
     row_bytes = kv_dim * kv_cache.element_size()
     src = latent_kv.contiguous().view(torch.uint8).numpy().reshape(num_tokens, row_bytes)
@@ -203,7 +204,8 @@ def slots_from_block_tables(block_tables: torch.Tensor, num_positions: int, bloc
 def gather_kv(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, kv_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Contiguous copy of one request's cached latent (raw: int8 stays int8), e.g. to ship or to test.
+    """A copy of one request's cached latent (raw: int8 stays int8), e.g. to ship or to test: contiguous,
+    the first `seq_len` rows of a copy of its whole blocks (so it holds up to `block_size - 1` rows more).
 
     Args:
         kv_cache: `[num_blocks, block_size, kv_dim]`; kv_scale: `[num_blocks, block_size]` float32 or None.

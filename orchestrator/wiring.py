@@ -12,10 +12,13 @@ import contextlib
 import logging
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.instance import Instance
 from orchestrator.reply_channel import ReplyListener
+
+if TYPE_CHECKING:
+    from kvtransfer.paired import PairedAddress
 
 logger = logging.getLogger("orchestrator.cluster")
 
@@ -98,7 +101,7 @@ class ClusterWiring:
         ip, ports = ray.get(probe.remote(count or 1), timeout=60)
         return (ip, ports) if count is not None else (ip, ports[0])
 
-    def _wire(self, ray, plan) -> list[list[str]]:
+    def _wire(self, ray, plan) -> list[list[str]] | list[list[PairedAddress]]:
         """Connect the KV transport; returns each decode instance's ranks' addresses (grpc: `host:port`,
         shm: a socket path on this host, shm+grpc: a `kvtransfer.paired.PairedAddress`; torch_distributed:
         [])."""

@@ -151,17 +151,31 @@ class PrefillNode(RankActor):
             old.close()
 
     def _new_sender(self, address: str | PairedAddress) -> KVSender:
-        transport = self._transport
-        if isinstance(address, PairedAddress):  # shm+grpc: shm to a decode rank on this node
+        from kvtransfer.grpc_transport import GrpcKVSender
+        from kvtransfer.shm_transport import ShmKVSender
+
+        if isinstance(address, PairedAddress):  # shm+grpc: shm to a decode rank on this node, else gRPC
             if self._node_id is None:
                 self._node_id = node_id()
-            transport, address = address.pick(self._node_id)
-        if transport == "shm":
-            from kvtransfer.shm_transport import ShmKVSender
-
+            transport, picked = address.pick(self._node_id)
+            if transport == "grpc":
+                return GrpcKVSender(picked, tls=self._tls)
+            sender = ShmKVSender(picked)
+            if sender.connect_error is None:
+                return sender
+            # the same Ray node, yet its socket is out of reach (another temp dir or container, another
+            # uid): gRPC still works between any two processes
+            logger.warning(
+                "%s: decode's shm socket %s on this node is unreachable (%s); sending to it by gRPC at %s",
+                self.name,
+                picked,
+                sender.connect_error,
+                address.grpc,
+            )
+            sender.close()
+            return GrpcKVSender(address.grpc, tls=self._tls)
+        if self._transport == "shm":
             return ShmKVSender(address)
-        from kvtransfer.grpc_transport import GrpcKVSender
-
         return GrpcKVSender(address, tls=self._tls)
 
     def sender_transports(self) -> list[list[str]]:

@@ -65,6 +65,23 @@ class Channel:
                 if sent != len(packet):  # a sequenced packet goes whole or not at all
                     raise OSError(f"short send on the kv channel: {sent} of {len(packet)} B")
 
+    def try_send(self, record: dict[str, Any]) -> bool:
+        """Send `record` (one packet's worth) if the socket takes it now; False when its buffer is full (the
+        peer is behind) or when another writer holds the channel. OSError if the peer is gone; ValueError
+        for a record over one packet."""
+        data = msgpack.packb(record, use_bin_type=True)
+        if len(data) > MAX_PACKET_BYTES:
+            raise ValueError(f"try_send: a {len(data)} B record is more than one packet")
+        if not self._write_lock.acquire(blocking=False):
+            return False
+        try:
+            self.sock.send(b"E" + data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        finally:
+            self._write_lock.release()
+        return True
+
     def recv(self) -> tuple[dict[str, Any], list[int]] | None:
         """The next record and the descriptors that came with it; None when the peer closed.
 

@@ -100,7 +100,9 @@ class ShmKVReceiver(ReservationReceiver):
             raise ValueError("ShmKVReceiver: shared reservations must copy kept layers (copy_kept_layers)")
         sweep_stale_socket_dirs()
         self.max_free_bytes = max_free_bytes
-        self._reservations = reservations or Reservations(int8_passthrough, copy_kept_layers=True)
+        self._reservations = (
+            Reservations(int8_passthrough, copy_kept_layers=True) if reservations is None else reservations
+        )
         self._listener, self._dir = listen()
         self.address = str(self._dir / SOCKET_NAME)
         self._closed = threading.Event()

@@ -7,8 +7,9 @@ shared pages) and queues it; before the grant, or when the layer needs re-encodi
 float layer, dequantization of an int8 one for a float wire), it copies the tensor and the worker thread
 encodes it into the segment. `send_layer`'s copy is chunked and each chunk of the segment is CRC-32C'd right
 after it is written, while in cache (`wire.copy_with_checksum`, numpy copies: one thread, the GIL released,
-whatever torch's intra-op threads); the worker sends the layer's header with that CRC on the control
-socket; decode verifies the same bytes.
+whatever torch's intra-op threads); then `send_layer` sends the layer's header with that CRC on the control
+socket itself when the socket takes it at once, else (and for the layers the worker encodes) the worker
+thread does, so the caller never waits for decode; decode verifies the same bytes.
 
 A reader thread takes decode's records: grants, `drop` (unmap a segment decode closed) and `done` (the
 handoff was delivered, or decode refused or failed it: the error class and message, which `flush`
@@ -49,7 +50,6 @@ from kvtransfer.shm_transport.channel import connect
 from kvtransfer.shm_transport.segments import Segment
 from kvtransfer.wire import (
     FaultHook,
-    LayerHeader,
     check_layer,
     copy_with_checksum,
     encode_layer,
@@ -142,6 +142,12 @@ class ShmKVSender(KVSender):
             self._worker.start()
             self._reader.start()
 
+    @property
+    def connect_error(self) -> OSError | None:
+        """Why the receiver could not be reached at construction (every `begin` then raises); None: it
+        was."""
+        return self._connect_error
+
     # ---- KVSender ----
 
     def begin(self, handoff: HandoffMeta) -> None:
@@ -174,10 +180,9 @@ class ShmKVSender(KVSender):
                 crc = copy_with_checksum(region[:num_value_bytes], tensor_bytes(latent_kv))
                 if scale is not None:
                     crc = copy_with_checksum(region[num_value_bytes:], tensor_bytes(scale), crc)
-            if self._fault_hook is None:  # the header from here: no hop to the worker thread and back
-                if not req.done:
-                    self._send_header(layer_header(req.meta, layer_idx, region, crc=crc))
-            else:
+            # The header from here when the socket takes it at once (no hop to the worker thread and
+            # back); else, and with a fault hook, the worker sends it (this thread never blocks on decode).
+            if self._fault_hook is not None or not self._try_send_header(req, layer_idx, region, crc):
                 self._queue.put(("written", request_id, layer_idx, crc))
         else:
             copies = (latent_kv.detach().clone(), None if scale is None else scale.detach().clone())
@@ -280,7 +285,8 @@ class ShmKVSender(KVSender):
         return not req.done
 
     def _run(self) -> None:
-        """The worker: begins, layer headers (after their CRC-32C), finishes and aborts, in order."""
+        """The worker: begins, the layer headers `send_layer` did not send itself (and the layers it
+        encodes, with their CRC-32C), finishes and aborts, in order."""
         while True:
             item = self._queue.get()
             kind, request_id = item[0], item[1]
@@ -329,16 +335,21 @@ class ShmKVSender(KVSender):
                 return
         self._channel.send({"k": "layer", "h": header.to_dict()})
 
-    def _send_header(self, header: LayerHeader) -> None:
-        """Send a written layer's header from the calling thread (the begin went first: decode granted
-        the segment in answer to it; layers may go in any order, and `finish` is queued after this
-        returns). A failed send closes the channel, as the worker does: the reader then ends every open
-        handoff with SenderLost."""
+    def _try_send_header(self, req: _Request, layer_idx: int, region: torch.Tensor, crc: int) -> bool:
+        """Send a written layer's header from the calling thread if the socket takes it without waiting
+        (the begin went first: decode granted the segment in answer to it; layers may go in any order, and
+        `finish` is queued after this returns). True when it is sent or nothing is to be sent (the handoff
+        is over, or the channel failed: a failed send closes it, as the worker does, and the reader then
+        ends every open handoff with SenderLost); False: the worker must send it."""
+        if req.done:
+            return True
+        header = layer_header(req.meta, layer_idx, region, crc=crc)
         try:
-            self._channel.send({"k": "layer", "h": header.to_dict()})
+            return self._channel.try_send({"k": "layer", "h": header.to_dict()})
         except OSError as e:
             logger.warning("kv shm send to %s failed: %r", self.address, e)
             self._channel.close()
+            return True
 
     def _read(self) -> None:
         """The reader: decode's grants, drops and outcomes; leases ending on this side."""

@@ -522,7 +522,8 @@ def test_shm_grpc_pairs_take_shm_on_the_node_and_grpc_across() -> None:
     reservations and advertises its node; the prefill rank sends by shm to the decode on its node and by
     gRPC to the other (here the same host, its address labelled with another node's id, as a decode rank on
     another Ray node reports it). Both handoffs complete with the same greedy tokens; only the same-node
-    decode mapped shared memory; nothing is held afterwards."""
+    decode mapped shared memory. A same-node address whose socket cannot be reached falls back to gRPC.
+    Nothing is held afterwards."""
     from kvtransfer.paired import PairedAddress, node_id
     from prefill_node.actor import PrefillNode
 
@@ -551,6 +552,15 @@ def test_shm_grpc_pairs_take_shm_on_the_node_and_grpc_across() -> None:
             tokens.append(_tokens(events))
         assert tokens[0] == tokens[1] and len(tokens[0]) == GREEDY.max_tokens
         assert decodes[0].num_kv_segments() > 0 and decodes[1].num_kv_segments() == 0
+        # On this node by id, yet its socket out of reach (another temp dir, container or uid): gRPC.
+        prefill.set_decode_address(1, PairedAddress(node_id(), "/nonexistent/kv.sock", there.grpc))
+        assert prefill.sender_transports() == [["shm"], ["grpc"]]
+        reserved = decodes[1].reserve(
+            ReserveRequest("pair-far", PROMPT, GREEDY, _meta(prefill, "pair-far"), 1)
+        )
+        prefill.prefill(PrefillRequest("pair-far", PROMPT, GREEDY, reserved.bound_meta, decode_index=1))
+        events, _ = _events_until(decodes[1], "pair-far", lambda e: isinstance(e, RequestError) or e.finished)
+        assert _tokens(events) == tokens[0]
         for decode in decodes:
             _assert_idle(prefill, decode)
     finally:

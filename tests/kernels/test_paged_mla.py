@@ -187,7 +187,9 @@ def test_write_kv_int8_stores_values_and_scales() -> None:
 @pytest.mark.parametrize("num_tokens", [0, 3, 8, 11])  # block_size 4: none, a partial block, 2 full, 2 + 3
 def test_write_prompt_kv_stores_what_write_kv_stores(dtype: torch.dtype, num_tokens: int) -> None:
     """Block by block (numpy on the host for a float cache; `write_kv` otherwise), the same bytes land in the
-    same slots as `write_kv` with the request's slots, and nothing else changes: a byte copy, so equal."""
+    same slots as `write_kv` with the request's slots, and nothing else changes: a byte copy, so equal. (The
+    int8 cache takes `write_kv` itself, so there the check that counts is the read-back: `gather_kv`, by
+    whole blocks, returns the values written.)"""
     gen = torch.Generator().manual_seed(num_tokens)
     block_ids = torch.tensor([5, 0, 3, 6])  # out of order, with a spare entry past what the tokens need
     int8 = dtype == torch.int8
@@ -221,6 +223,9 @@ def test_write_prompt_kv_invalid_arguments_raise() -> None:
         write_prompt_kv(kv_cache, torch.zeros(5, KV_DIM), torch.tensor([0, 4]))
     with pytest.raises(ValueError, match="latent_kv must be"):
         write_prompt_kv(kv_cache, torch.zeros(5, KV_DIM + 1), torch.tensor([0, 1]))
+    for latent in (torch.ones(5, KV_DIM), torch.ones(5, KV_DIM, dtype=torch.float64)):  # fast, write_kv path
+        with pytest.raises(ValueError, match="outside the cache"):  # a padded table's -1 is no block 0
+            write_prompt_kv(kv_cache, latent, torch.tensor([1, -1]))
     assert kv_cache.abs().sum() == 0
 
 

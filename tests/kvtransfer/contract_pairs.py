@@ -187,6 +187,34 @@ def run_shm_pair() -> dict[str, dict]:
     return results
 
 
+# ---- shm+grpc: a decode rank's two listeners over one set of reservations ----
+
+
+def run_paired_pair(kind: str) -> dict[str, dict]:
+    """`kvtransfer.paired.PairedReceiver` with a sender of `kind` (`shm`: on its node, `grpc`: elsewhere)
+    at the matching address; the other listener idles beside it on the same reservations."""
+    from kvtransfer.grpc_transport import GrpcKVSender
+    from kvtransfer.paired import PairedReceiver
+    from kvtransfer.shm_transport import ShmKVSender
+
+    receiver = PairedReceiver("127.0.0.1")
+    address = receiver.address
+    if kind == "shm":
+        transport: AddressedTransport = ShmTransport(address.shm)
+        sender = ShmKVSender(address.shm, fault_hook=make_fault_hook())
+    else:
+        transport = GrpcTransport(address.grpc)
+        sender = GrpcKVSender(address.grpc, max_chunk_bytes=1000, fault_hook=make_fault_hook())
+    results = run_thread_pair(transport, receiver, sender)
+    results["receiver"]["num_refused_streams"] = receiver.grpc.num_refused_streams
+    deadline_s = time.monotonic() + WAIT_S
+    while receiver.num_segments and time.monotonic() < deadline_s:
+        time.sleep(0.01)
+    results["receiver"]["num_segments_after_close"] = receiver.num_segments
+    receiver.close()
+    return results
+
+
 # ---- torch.distributed: two processes ----
 
 SENDER_RANK, RECEIVER_RANK = 0, 1

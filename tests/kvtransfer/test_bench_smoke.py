@@ -42,3 +42,6 @@ def test_bench_kv_transfer_smoke(capsys):
     # the sender ran in a process of its own (prefill's, as deployed), and the paged cache it wrote was
     # checked against the layers sent (PagedDestination.check raises otherwise)
     assert v3_int8["sender_in"] == "process" and runs[("tiny", "grpc", "bfloat16")]["sender_in"] == "process"
+    # the strict yardstick (decode's own copy into a touched paged cache) for the float wire only
+    assert isinstance(runs[("deepseek_v3", "grpc", "bfloat16")]["vs_adjacent_copy_median"], float)
+    assert "vs_adjacent_copy_median" not in v3_int8

@@ -246,3 +246,29 @@ def test_multi_chunk_layers_arrive_bit_exact_and_a_flip_in_a_later_chunk_is_caug
         clean_sender.close()
         receiver.close()
     assert pdcluster_shm_entries() == set()
+
+
+def test_try_send_never_waits_for_a_peer_that_is_behind():
+    """`Channel.try_send` (how `send_layer` sends a header from prefill's engine thread) returns False once
+    the socket's buffer is full instead of blocking, and sends again once the peer has read; a record over
+    one packet is refused. A False sends nothing: the peer gets exactly the records that returned True."""
+    import socket
+
+    from kvtransfer.shm_transport.channel import MAX_PACKET_BYTES, Channel
+
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sender, peer = Channel(left), Channel(right)
+    try:
+        sent = 0
+        while sender.try_send({"k": "layer", "n": sent}):
+            sent += 1
+            assert sent < 1_000_000, "the buffer never filled"
+        assert not sender.try_send({"k": "layer", "n": sent})  # still full: no wait, no send
+        assert [peer.recv()[0]["n"] for _ in range(sent)] == list(range(sent))
+        assert sender.try_send({"k": "layer", "n": sent})
+        assert peer.recv()[0]["n"] == sent
+        with pytest.raises(ValueError, match="more than one packet"):
+            sender.try_send({"k": "layer", "blob": b"x" * MAX_PACKET_BYTES})
+    finally:
+        sender.close()
+        peer.close()

@@ -1,5 +1,6 @@
 """The contract every KV transport keeps, run against each: gRPC (two threads of this process, loopback),
-shared memory (two threads, a Unix socket and memfd segments) and torch.distributed (gloo, two
+shared memory (two threads, a Unix socket and memfd segments), both again into a `shm+grpc` decode rank's
+`PairedReceiver` (its two listeners over one set of reservations) and torch.distributed (gloo, two
 processes). The scenarios and what each role records are in `tests/kvtransfer/contract.py`; the
 assertions here are the same for every transport, except where the
 transports differ by design: torch.distributed has no return path, so only a gRPC or shm sender's `flush`
@@ -14,9 +15,9 @@ import torch
 
 from kernels.kv_quant import quantize_kv_int8
 from tests.kvtransfer.contract import HANDOFFS, SCENARIOS, WAIT_S
-from tests.kvtransfer.contract_pairs import run_dist_pair, run_grpc_pair, run_shm_pair
+from tests.kvtransfer.contract_pairs import run_dist_pair, run_grpc_pair, run_paired_pair, run_shm_pair
 
-TRANSPORTS = ("grpc", "shm", "dist")
+TRANSPORTS = ("grpc", "shm", "shm+grpc:shm", "shm+grpc:grpc", "dist")
 REPORTS_DECODE_ERRORS = {"grpc": True, "shm": True, "dist": False}  # a return path from receiver to sender
 
 
@@ -26,11 +27,13 @@ def results(request, tmp_path_factory) -> dict:
         got = run_grpc_pair()
     elif request.param == "shm":
         got = run_shm_pair()
+    elif request.param.startswith("shm+grpc:"):
+        got = run_paired_pair(request.param.split(":")[1])
     else:
         got = run_dist_pair(tmp_path_factory.mktemp("dist_kv"))
     for role in ("sender", "receiver"):
         assert "traceback" not in got[role], got[role]["traceback"]
-    got["transport"] = request.param
+    got["transport"] = request.param.rpartition(":")[2]  # a paired receiver keeps its sender's contract
     return got
 
 
