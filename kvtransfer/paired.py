@@ -54,8 +54,9 @@ class PairedAddress:
 class PairedReceiver(ReservationReceiver):
     """A decode rank's shm receiver and gRPC server over one set of reservations (the module docstring).
 
-    grpc_host: the interface the gRPC server binds (port chosen freely); the other keywords as in
-    `KVReceiverServer`. `self.address` is the `PairedAddress` (its gRPC host the bound one).
+    grpc_host: the interface the gRPC server binds (port chosen freely); node: the node id to advertise
+    (default `node_id()`); the other keywords as in `KVReceiverServer`. `self.address` is the
+    `PairedAddress` (its gRPC host the bound one).
 
     Raises:
         OSError: either listener cannot start (the other is closed first).

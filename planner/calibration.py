@@ -6,18 +6,33 @@ A calibration is a JSON object (written by `planner.profiling.write_calibration`
      "factors": {"gemm_compute": 0.31, ..., "host_overhead_s": 0.0021},
      "fit": {...}, "samples": [...], "residuals": {...}}
 
-Only `factors` is read here: each key an `orchestrator.efficiency.Efficiency` field, each value a number.
+Only `factors` is read here (each key an `orchestrator.efficiency.Efficiency` field, each value a number),
+and `kv_transfer.transport`, the KV transport the link factors were measured over (`KV_LINK_FACTORS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
 from orchestrator.efficiency import Efficiency
+
+logger = logging.getLogger(__name__)
+
+# what `pdcluster profile` fits from KV handoffs over one transport (`planner.profiling.measure_kv`)
+KV_LINK_FACTORS = ("kv_link", "handoff_overhead_s")
+
+
+def measured_kv_transport(transport: str) -> str:
+    """The transport `pdcluster profile` measures for a topology whose handoffs use `transport`
+    (`Topology.kv_transport`): `shm` for shm, else `grpc` (loopback gRPC stands in for torch_distributed,
+    and for shm+grpc, whose cross-node pairs are the slower ones)."""
+    return "shm" if transport == "shm" else "grpc"
+
 
 FORMAT = "pdcluster-calibration/2"
 # /1: its control plane's first_token_extra_s held the KV handoff and the admission (the first token
@@ -68,8 +83,13 @@ def read_calibration(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def load_calibration(path: str | Path, base: Efficiency, *, accelerator: str | None = None) -> Efficiency:
-    """`base` with the factors of the calibration at `path` replaced.
+def load_calibration(
+    path: str | Path, base: Efficiency, *, accelerator: str | None = None, kv_transport: str | None = None
+) -> Efficiency:
+    """`base` with the factors of the calibration at `path` replaced. With `kv_transport` (the topology's
+    `Topology.kv_transport`), the KV link factors (`KV_LINK_FACTORS`) are taken only from a calibration
+    whose handoffs were measured over the same transport (`measured_kv_transport`): shared memory's
+    bandwidth says nothing of gRPC's; otherwise `base` keeps its own, and a warning says so.
 
     Raises:
         ValueError: as `read_calibration`, or the calibration was measured on another accelerator kind.
@@ -79,4 +99,22 @@ def load_calibration(path: str | Path, base: Efficiency, *, accelerator: str | N
         raise ValueError(
             f"{path}: calibration of accelerator {raw.get('accelerator')!r}, not {accelerator!r}"
         )
-    return base.replace(**raw["factors"])
+    factors = dict(raw["factors"])
+    kv = raw.get("kv_transfer")
+    measured = kv.get("transport") if isinstance(kv, dict) else None
+    if kv_transport is not None and measured is not None:
+        wanted = measured_kv_transport(kv_transport)
+        dropped = [name for name in KV_LINK_FACTORS if name in factors]
+        if measured != wanted and dropped:
+            for name in dropped:
+                del factors[name]
+            logger.warning(
+                "%s: its KV link factors (%s) were measured over %s, this topology's handoffs go over %s "
+                "(%s): the catalog's are used instead",
+                path,
+                ", ".join(dropped),
+                measured,
+                kv_transport,
+                wanted,
+            )
+    return base.replace(**factors)

@@ -199,8 +199,9 @@ def measure_kv(
     bytes_per_s` fitted by non-negative least squares through each size's fastest repeat, the raw points and
     the transport measured."""
     from bench.kv_transfer import bench_pair
+    from planner.calibration import measured_kv_transport
 
-    transport = transport if transport in ("grpc", "shm") else "grpc"
+    transport = measured_kv_transport(transport)
 
     points = []
     for n in token_counts:

@@ -81,7 +81,9 @@ def perf_model_for(
     wire = decode_kv if topology.kv_transfer.wire_dtype == "auto" else topology.kv_transfer.wire_dtype
     efficiency = get_efficiency(spec.name)
     if calibration is not None:
-        efficiency = load_calibration(calibration, efficiency, accelerator=spec.name)
+        efficiency = load_calibration(
+            calibration, efficiency, accelerator=spec.name, kv_transport=topology.kv_transport
+        )
     parallel = Parallelism(
         pool.devices_per_instance,
         pool.tensor_parallel_size,

@@ -177,6 +177,32 @@ def test_calibration_files(tmp_path):
         load_calibration(tmp_path / "missing.json", base)
 
 
+@pytest.mark.parametrize(
+    ("topology_transport", "applied"),
+    [("shm", True), ("grpc", False), ("shm+grpc", False), ("torch_distributed", False), (None, True)],
+)
+def test_kv_link_factors_apply_only_to_the_transport_they_were_measured_over(
+    tmp_path, caplog, topology_transport, applied
+):
+    """A calibration of a one-node topology measured its handoffs over shared memory: its kv_link and
+    handoff overhead are applied to an shm topology (and when the caller names none), not to one whose
+    handoffs go over gRPC or torch.distributed (the catalog's stay, with a warning); the compute factors
+    apply either way."""
+    base = get_efficiency("cpu")
+    path = tmp_path / "shm.json"
+    factors = {"gemm_compute": 0.25, "kv_link": 0.125, "handoff_overhead_s": 0.002}
+    doc = {"format": FORMAT, "accelerator": "cpu", "factors": factors, "kv_transfer": {"transport": "shm"}}
+    path.write_text(json.dumps(doc))
+    with caplog.at_level("WARNING", logger="planner.calibration"):
+        eff = load_calibration(path, base, accelerator="cpu", kv_transport=topology_transport)
+    assert eff.gemm_compute.value == 0.25
+    if applied:
+        assert (eff.kv_link.value, eff.handoff_overhead_s.value) == (0.125, 0.002) and not caplog.records
+    else:
+        assert eff.kv_link == base.kv_link and eff.handoff_overhead_s == base.handoff_overhead_s
+        assert "measured over shm" in caplog.text and "kv_link, handoff_overhead_s" in caplog.text
+
+
 def test_nnls_solves_and_clips():
     import numpy as np
 
