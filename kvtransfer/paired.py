@@ -47,7 +47,10 @@ class PairedAddress:
         return ("shm", self.shm) if sender_node_id == self.node_id else ("grpc", self.grpc)
 
     def with_grpc_host(self, host: str) -> PairedAddress:
-        """The same, the gRPC address's host replaced (a server bound to 0.0.0.0 is dialed at its node IP)."""
+        """The same, the gRPC address's host replaced (a server bound to 0.0.0.0 is dialed at its node IP;
+        an IPv6 address is bracketed)."""
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
         return PairedAddress(self.node_id, self.shm, f"{host}:{self.grpc.rpartition(':')[2]}")
 
 

@@ -24,9 +24,14 @@ logger = logging.getLogger("orchestrator.cluster")
 
 
 def advertised_address(bound_address: str, node_ip: str) -> str:
-    """The address prefill senders dial: `node_ip:port` for a server bound to all interfaces."""
+    """The address prefill senders dial: `node_ip:port` for a server bound to all interfaces (an IPv6 node
+    IP bracketed)."""
     host, _, port = bound_address.rpartition(":")
-    return f"{node_ip}:{port}" if host in ("0.0.0.0", "", "[::]", "::") else bound_address
+    if host not in ("0.0.0.0", "", "[::]", "::"):
+        return bound_address
+    if ":" in node_ip and not node_ip.startswith("["):
+        node_ip = f"[{node_ip}]"
+    return f"{node_ip}:{port}"
 
 
 def free_ports(host: str, count: int) -> list[int]:

@@ -75,6 +75,16 @@ def test_multi_node_wiring_helpers():
     assert actor_resource_options("NPU") == {"resources": {"NPU": 1}}
     assert advertised_address("0.0.0.0:5005", "10.0.0.7") == "10.0.0.7:5005"
     assert advertised_address("127.0.0.1:5005", "10.0.0.7") == "127.0.0.1:5005"
+    assert advertised_address("[::]:5005", "fd00::7") == "[fd00::7]:5005"  # gRPC's form of an IPv6 host
+    from kvtransfer.paired import PairedAddress
+
+    paired = PairedAddress("node-a", "/tmp/kv.sock", "0.0.0.0:5005")
+    assert paired.with_grpc_host("10.0.0.7").grpc == "10.0.0.7:5005"
+    assert paired.with_grpc_host("fd00::7").grpc == "[fd00::7]:5005"
+    assert paired.pick("node-a") == ("shm", "/tmp/kv.sock") and paired.pick("node-b") == (
+        "grpc",
+        "0.0.0.0:5005",
+    )
     assert is_loopback_topology(load_topology(CLUSTERS / "local.yaml"))
     assert is_loopback_topology(load_topology(CLUSTERS / "local-1p2d.yaml"))
     assert not is_loopback_topology(load_topology(CLUSTERS / "gpu-2node.yaml"))
