@@ -7,7 +7,10 @@ repeating request 0 (its outputs are dropped; its KV writes repeat request 0's, 
 the same slots), the main layers run as one graph (`kernels.mla_decode` attention over the cache plus
 this step's latents; `DeepseekV3MoE.forward_dense` for MoE layers), and this step's latent KV of every
 layer is written into the paged cache after the graph returns. Any other step (a prefill chunk, mixed
-query lengths, an `on_layer_kv` hook, a batch past the largest bucket) runs the eager forward.
+query lengths, an `on_layer_kv` hook, a batch past the largest bucket) runs the eager forward. With MTP, the
+first MTP pass of such a step (the MTP layer over the same batch, `ModelRunner.mtp_forward` at depth 0) runs
+as a graph of its own too (`mtp`), padded the same way (the main forward's hidden states by request 0's
+rows); the chained draft depths stay eager.
 
     CPU:  torch.compile (inductor), shapes dynamic in the batch and the context length, so the buckets
           share one graph per query length: batches and block tables are padded to at least 2 rows and
@@ -68,6 +71,7 @@ class CompileStats:
             compilation; None otherwise.
         num_compiled_steps: steps that ran the compiled graph.
         num_eager_fallbacks: uniform steps that needed a graph not compiled at load (they ran eagerly).
+        num_compiled_mtp_passes: MTP passes (depth 0) that ran the compiled MTP graph.
     """
 
     requested: bool
@@ -76,6 +80,7 @@ class CompileStats:
     error: str | None = None
     num_compiled_steps: int = 0
     num_eager_fallbacks: int = 0
+    num_compiled_mtp_passes: int = 0
 
 
 class CompiledDecodeForward:
@@ -97,6 +102,7 @@ class CompiledDecodeForward:
         self.query_lens = tuple(sorted(set(query_lens)))
         self.num_compiled_steps = 0  # steps that ran the compiled graph (tests, benchmarks)
         self.num_eager_fallbacks = 0  # uniform steps that needed a graph not compiled at load
+        self.num_compiled_mtp_passes = 0  # depth-0 MTP passes that ran the compiled MTP graph
         cfg = runner.config
         self._num_heads, self._dn, self._dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
         cuda = self._cuda = runner.device.type == "cuda"
@@ -106,6 +112,12 @@ class CompiledDecodeForward:
         self._graphs: dict[int, Callable] = {
             q: torch.compile(self._forward_fn(q), fullgraph=True, **options) for q in self.query_lens
         }
+        # The first MTP layer over a uniform step's batch (speculative decoding: q = k + 1 only).
+        self._mtp_graphs: dict[int, Callable] = {
+            q: torch.compile(self._mtp_forward_fn(q), fullgraph=True, **options)
+            for q in self.query_lens
+            if q > 1 and runner.model.mtp_layers
+        }
         self._ready = False
 
     @staticmethod
@@ -113,16 +125,50 @@ class CompiledDecodeForward:
         """None when the compiled forward can run `runner`'s model, else why not."""
         if runner.kv_cache_dtype != "auto":
             return "kv_cache_dtype int8 (the compiled attention reads a float cache)"
-        for layer in runner.model.main_layers:
+        for layer in [*runner.model.main_layers, *runner.model.mtp_layers]:
             mlp = layer.mlp
             if isinstance(mlp, DeepseekV3MoE) and not isinstance(mlp.dispatcher, LocalDispatcher):
                 return "an MoE layer with a non-local expert dispatcher (expert parallelism)"
         return None
 
+    def _attention(self, layer, block_tables: torch.Tensor, context_lens: torch.Tensor, num_queries: int):
+        """`layer`'s attention as the graphs run it: absorbed MLA over its paged cache plus this step's
+        latents (`kernels.mla_decode`), then the output projection."""
+        attn, cache = layer.self_attn, self.runner.kv_caches[layer.layer_idx]
+        w_uk, w_uv = split_kv_b_weight(attn.kv_b_proj.weight, self._num_heads, self._dn, self._dv)
+        scale = self.runner.config.softmax_scale
+
+        def attention(q_nope, q_pe, latent_kv):
+            out = mla_decode_attention(
+                q_nope, q_pe, latent_kv.to(cache.dtype), cache, block_tables, context_lens,
+                w_uk, w_uv, scale, num_queries,
+            )  # fmt: skip
+            return attn.o_proj(out.reshape(out.shape[0], -1))
+
+        return attention
+
+    def _mtp_forward_fn(self, num_queries: int) -> Callable:
+        model = self.runner.model
+        layer = model.mtp_layers[0]
+
+        def forward(
+            input_ids: torch.Tensor,
+            prev_hidden: torch.Tensor,
+            positions: torch.Tensor,
+            block_tables: torch.Tensor,
+            context_lens: torch.Tensor,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            cos, sin = model.model.rope(positions)
+            hidden = layer.combine_inputs(model.model.embed_tokens(input_ids), prev_hidden)
+            attention = self._attention(layer, block_tables, context_lens, num_queries)
+            mlp = layer.mlp.forward_dense if isinstance(layer.mlp, DeepseekV3MoE) else None
+            hidden, latent_kv = layer.block(hidden, cos, sin, attention, mlp=mlp)
+            return layer.shared_head.norm(hidden), latent_kv
+
+        return forward
+
     def _forward_fn(self, num_queries: int) -> Callable:
-        runner = self.runner
-        model = runner.model
-        scale = runner.config.softmax_scale
+        model = self.runner.model
 
         def forward(
             input_ids: torch.Tensor,
@@ -134,16 +180,7 @@ class CompiledDecodeForward:
             hidden = model.model.embed_tokens(input_ids)
             latents = []
             for layer in model.main_layers:
-                attn, cache = layer.self_attn, runner.kv_caches[layer.layer_idx]
-                w_uk, w_uv = split_kv_b_weight(attn.kv_b_proj.weight, self._num_heads, self._dn, self._dv)
-
-                def attention(q_nope, q_pe, latent_kv, attn=attn, cache=cache, w_uk=w_uk, w_uv=w_uv):
-                    out = mla_decode_attention(
-                        q_nope, q_pe, latent_kv.to(cache.dtype), cache, block_tables, context_lens,
-                        w_uk, w_uv, scale, num_queries,
-                    )  # fmt: skip
-                    return attn.o_proj(out.reshape(out.shape[0], -1))
-
+                attention = self._attention(layer, block_tables, context_lens, num_queries)
                 mlp = layer.mlp.forward_dense if isinstance(layer.mlp, DeepseekV3MoE) else None
                 hidden, latent_kv = layer.block(hidden, cos, sin, attention, mlp=mlp)
                 latents.append(latent_kv)
@@ -162,6 +199,10 @@ class CompiledDecodeForward:
         """Whether a step of `num_reqs` requests with `num_queries` each (None: not uniform) runs here."""
         return self._ready and num_queries in self._graphs and self.bucket(num_reqs) is not None
 
+    def accepts_mtp(self, num_reqs: int, num_queries: int | None) -> bool:
+        """Whether the depth-0 MTP pass over such a step runs here (`mtp`)."""
+        return self._ready and num_queries in self._mtp_graphs and self.bucket(num_reqs) is not None
+
     def warm_up(self, show_progress: bool = True) -> float:
         """Compile the graphs of every (query length, bucket) on dummy inputs (block 0, no context;
         nothing is written). Returns the seconds it took; progress lines go to stderr.
@@ -171,9 +212,10 @@ class CompiledDecodeForward:
                 inductor finds no C++ compiler); the forward then stays unusable (`accepts` is False).
         """
         start = time.perf_counter()
-        total = len(self.query_lens) * len(self.buckets)
+        total = (len(self.query_lens) + len(self._mtp_graphs)) * len(self.buckets)
         done = 0
         device = self.runner.device
+        hidden_size, dtype = self.runner.config.hidden_size, self.runner.dtype
         try:
             for q in self.query_lens:
                 for size in self.buckets:
@@ -192,6 +234,10 @@ class CompiledDecodeForward:
                         tables = torch.zeros(rows, num_columns, dtype=torch.long, device=device)
                         lens = torch.zeros(rows, dtype=torch.long, device=device)
                         self._graphs[q](ids, positions, tables, lens)
+                        if q in self._mtp_graphs:
+                            done += 1
+                            prev = torch.zeros(rows * q, hidden_size, dtype=dtype, device=device)
+                            self._mtp_graphs[q](ids, prev, positions, tables, lens)
                     done += 1
             if show_progress:
                 elapsed_s = time.perf_counter() - start
@@ -203,11 +249,10 @@ class CompiledDecodeForward:
         self._ready = True
         return time.perf_counter() - start
 
-    def __call__(self, batch, num_queries: int) -> torch.Tensor | None:
-        """Run a uniform step (`accepts` said yes); writes its KV. Returns the final hidden states
-        `[num_tokens, hidden_size]`, or None when it would need a graph not compiled at load (then
-        the caller runs the eager forward; nothing was written)."""
-        num_reqs, num_tokens = batch.block_tables.shape[0], batch.num_tokens
+    def _padded(self, batch, num_queries: int, prev_hidden: torch.Tensor | None = None) -> tuple:
+        """The graph inputs of a uniform step: (input_ids, [prev_hidden,] positions, block tables,
+        context lengths), padded to the bucket by repeating request 0's rows."""
+        num_reqs = batch.block_tables.shape[0]
         pad = max(self.bucket(num_reqs), self._min_rows) - num_reqs
         # Fresh contiguous inference tensors, like the load-time inputs (the persistent buffers are
         # ordinary tensors, the block table a strided view): the graphs' guards check both.
@@ -215,6 +260,8 @@ class CompiledDecodeForward:
             input_ids, positions = batch.input_ids.clone(), batch.positions.clone()
             tables = batch.block_tables.clone(memory_format=torch.contiguous_format)
             context_lens = batch.seq_lens - num_queries
+            if prev_hidden is not None:
+                prev_hidden = prev_hidden.contiguous()
         if tables.shape[1] < self._min_columns:  # extra columns past every context are never read
             tables = torch.nn.functional.pad(tables, (0, self._min_columns - tables.shape[1]))
         if pad:
@@ -222,14 +269,48 @@ class CompiledDecodeForward:
             positions = torch.cat((positions, positions[:num_queries].repeat(pad)))
             tables = torch.cat((tables, tables[:1].expand(pad, -1)))
             context_lens = torch.cat((context_lens, context_lens[:1].expand(pad)))
+            if prev_hidden is not None:
+                prev_hidden = torch.cat((prev_hidden, prev_hidden[:num_queries].repeat(pad, 1)))
+        if prev_hidden is None:
+            return input_ids, positions, tables, context_lens
+        return input_ids, prev_hidden, positions, tables, context_lens
+
+    def _run(self, graph: Callable, inputs: tuple):
+        """The graph's outputs, or None when it would need a graph not compiled at load."""
         try:
             with torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode():
-                hidden, latents = self._graphs[num_queries](input_ids, positions, tables, context_lens)
+                return graph(*inputs)
         except RuntimeError as e:  # a shape the load-time compilation did not cover: never compile
             if "Detected recompile" not in str(e):  # per step (torch.compiler.set_stance's message)
                 raise
             self.num_eager_fallbacks += 1
             return None
+
+    def mtp(self, batch, prev_hidden: torch.Tensor, num_queries: int) -> torch.Tensor | None:
+        """The depth-0 MTP pass over a uniform step (`accepts_mtp` said yes; `batch.input_ids` the MTP
+        inputs, `prev_hidden` `[num_tokens, hidden_size]` the main forward's output); writes the MTP
+        layer's KV. Returns `shared_head.norm` of its hidden states `[num_tokens, hidden_size]`, or None
+        when it would need a graph not compiled at load (the caller runs it eagerly; nothing written)."""
+        num_tokens = batch.num_tokens
+        out = self._run(self._mtp_graphs[num_queries], self._padded(batch, num_queries, prev_hidden))
+        if out is None:
+            return None
+        hidden, latent = out
+        runner = self.runner
+        idx = runner.model.mtp_layers[0].layer_idx
+        write_kv(runner.kv_caches[idx], latent[:num_tokens], batch.slot_mapping, runner.kv_scales[idx])
+        self.num_compiled_mtp_passes += 1
+        return hidden[:num_tokens]
+
+    def __call__(self, batch, num_queries: int) -> torch.Tensor | None:
+        """Run a uniform step (`accepts` said yes); writes its KV. Returns the final hidden states
+        `[num_tokens, hidden_size]`, or None when it would need a graph not compiled at load (then
+        the caller runs the eager forward; nothing was written)."""
+        num_tokens = batch.num_tokens
+        out = self._run(self._graphs[num_queries], self._padded(batch, num_queries))
+        if out is None:
+            return None
+        hidden, latents = out
         runner = self.runner
         for layer, latent in zip(runner.model.main_layers, latents, strict=True):
             idx = layer.layer_idx

@@ -304,7 +304,7 @@ class Executor:
         if self.num_speculative_tokens:
             k = self.num_speculative_tokens
             self.num_steps_per_k[k] = self.num_steps_per_k.get(k, 0) + 1
-            spec = self._propose(scheduled, batch, hidden, starts, sampled, failed, on_layer_kv)
+            spec = self._propose(scheduled, batch, hidden, starts, sampled, failed, on_layer_kv, uniform)
         # Prefill-only requests (handed off to decode): their draft distributions.
         draft_probs: dict[str, torch.Tensor | None] = {}
         for i in sampling:
@@ -437,6 +437,7 @@ class Executor:
         sampled: dict[str, list[int]],
         failed: dict[str, str],
         on_layer_kv: LayerKVCallback | None = None,
+        num_queries: int | None = None,
     ) -> dict[str, list[int]]:
         """Run the MTP layer as the tail of this step's forward over the same batch and propose drafts per
         request (see `mtp_proposer.propose`); skips requests in `failed` and adds the requests whose
@@ -480,7 +481,7 @@ class Executor:
             owners.append(item)
         input_ids = mtp_input_ids(batch, rows, next_ids)
         spec: dict[str, list[int]] = {}
-        proposals = propose(self.runner, batch, hidden, input_ids, works, on_layer_kv)
+        proposals = propose(self.runner, batch, hidden, input_ids, works, on_layer_kv, num_queries)
         for item, proposal in zip(owners, proposals, strict=True):
             if proposal.error is not None:
                 failed[item.request_id] = proposal.error

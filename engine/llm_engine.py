@@ -436,6 +436,7 @@ class LLMEngine:
             error=self._compile_error,
             num_compiled_steps=compiled.num_compiled_steps if compiled is not None else 0,
             num_eager_fallbacks=compiled.num_eager_fallbacks if compiled is not None else 0,
+            num_compiled_mtp_passes=compiled.num_compiled_mtp_passes if compiled is not None else 0,
         )
 
     def _compile_decode_forward(self) -> None:

@@ -399,15 +399,30 @@ class ModelRunner:
         prev_hidden: torch.Tensor,
         depth: int = 0,
         on_layer_kv: LayerKVCallback | None = None,
+        num_queries: int | None = None,
     ) -> torch.Tensor:
         """MTP module `depth` over `batch` (whose `input_ids` are the *next* tokens t_{i+1}).
 
         Args:
             prev_hidden: `[num_tokens, hidden_size]`, hidden state at each position i.
+            num_queries: the query tokens of every request when they are all equal (None otherwise): a
+                depth-0 pass over such a batch runs the compiled MTP graph when there is one that takes
+                it (`engine.compiled_forward`, no `on_layer_kv`), else the eager layer below.
 
         Returns:
             `[num_tokens, hidden_size]` post-norm hidden states (feed `compute_logits`, or the next depth).
         """
+        compiled = self.compiled
+        if (
+            depth == 0
+            and on_layer_kv is None
+            and compiled
+            and compiled.accepts_mtp(len(batch.seq_lens), num_queries)
+        ):
+            hidden = compiled.mtp(batch, prev_hidden, num_queries)
+            if hidden is not None:
+                self.num_mtp_forwards += 1
+                return hidden
         layer = self.model.mtp_layers[depth]
         self.num_mtp_forwards += 1
         cos, sin = self.model.model.rope(batch.positions)

@@ -190,6 +190,7 @@ def propose(
     input_ids: torch.Tensor,
     works: list[MTPWork],
     on_layer_kv: LayerKVCallback | None = None,
+    num_queries: int | None = None,
 ) -> list[Proposal]:
     """Run the MTP layer as the tail of the step's main forward, then chain it for drafts.
 
@@ -200,11 +201,14 @@ def propose(
         works: the requests to draft for (a request with no work still gets its MTP KV written).
         on_layer_kv: runs after the MTP layer's KV over the step's batch is written (not for the chained
             draft positions, whose KV the next verification step overwrites).
+        num_queries: the step's query tokens per request when uniform (the compiled MTP pass may take it).
 
     Returns one `Proposal` per work item. An exception while picking one request's draft fails that
     request's proposal only (`Proposal.error`); exceptions from the batched MTP forward propagate.
     """
-    out = runner.mtp_forward(batch._replace(input_ids=input_ids), hidden, on_layer_kv=on_layer_kv)
+    out = runner.mtp_forward(
+        batch._replace(input_ids=input_ids), hidden, on_layer_kv=on_layer_kv, num_queries=num_queries
+    )
     drafts = _Drafts(works)
     active = [i for i, w in enumerate(works) if w.num_drafts > 0]
     if not active:

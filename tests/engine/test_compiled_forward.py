@@ -91,11 +91,21 @@ def test_a_compilation_that_fails_at_load_runs_eagerly_with_a_warning(
 )  # fmt: skip
 def test_greedy_output_identical_with_compile_on_and_off(eager: LLM, changes: dict) -> None:
     prompts = heldout_def_prompts(6)  # more requests than max_num_seqs: requests join and finish
-    expected = [o.token_ids for o in eager.replace_config(**changes).generate(prompts, GREEDY)]
+    eager_outputs = eager.replace_config(**changes).generate(prompts, GREEDY)
     compiled = eager.replace_config(compile=True, **changes)
-    assert [o.token_ids for o in compiled.generate(prompts, GREEDY)] == expected
+    outputs = compiled.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in eager_outputs]
+    # The drafts too (the depth-0 MTP pass runs compiled with drafts): the same accepted counts per
+    # position. Greedy drafts are argmaxes, which the compiled graph's other summation order does not move
+    # on the bundled model (as for the tokens above).
+    assert [o.num_accepted_tokens_per_position for o in outputs] == [
+        o.num_accepted_tokens_per_position for o in eager_outputs
+    ]
     forward = compiled.engine.runner.compiled
     assert forward is not None and forward.num_compiled_steps > 0 and forward.num_eager_fallbacks == 0
+    k = changes["num_speculative_tokens"]
+    assert (forward.num_compiled_mtp_passes > 0) == (k > 0)
     stats = compiled.engine.compile_stats()
     assert (stats.requested, stats.compiled, stats.error, stats.compile_s > 0) == (True, True, None, True)
     assert (stats.num_compiled_steps, stats.num_eager_fallbacks) == (forward.num_compiled_steps, 0)
+    assert stats.num_compiled_mtp_passes == forward.num_compiled_mtp_passes
