@@ -574,9 +574,15 @@ def table(result: dict[str, Any]) -> str:
         "send_return_ms",
         "vs clone",
         "vs adjacent clone",
-        "vs adjacent copy",
+        "vs adjacent paged write",
     )
-    return format_table(header, rows)
+    legend = (
+        "send_return_ms: the sender's send_layer calls, all layers; vs clone: median GB/s over the clone "
+        "run's;\nvs adjacent clone / paged write: median over repeats of (a clone of the layers / decode's "
+        "write of them into\na touched paged cache, timed just before the transfer) over the transfer's time "
+        "(details: bench/kv_transfer.py's docstring)"
+    )
+    return format_table(header, rows) + "\n" + legend
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -196,6 +196,8 @@ class ClusterDeployment(ClusterWiring):
                 infos[info.name] = info
                 log(f"  {info.name} ready: {load_summary(info)} ({len(infos)}/{len(ready_refs)})")
             decode_addresses = self._wire(ray, plan)
+            if topo.kv_transport == "shm+grpc":  # which transport each prefill -> decode pair took
+                log(f"  KV pairs ({topo.kv_transport}): {self._pair_transports(ray)}")
             self._connect_reply_channel(ray, [a for p in self.instances["prefill"] for a in p.ranks])
             log(
                 f"cluster {topo.name} up in {time.monotonic() - started_s:.1f} s "
@@ -241,6 +243,16 @@ class ClusterDeployment(ClusterWiring):
         self._monitor = threading.Thread(target=self._monitor_health, name="health-monitor", daemon=True)
         self._monitor.start()
         return self
+
+    def _pair_transports(self, ray) -> str:
+        """`prefill-0 -> decode-0 shm, prefill-0 -> decode-1 grpc, ...`: each prefill instance's rank 0 and
+        the transport of its sender to each decode instance's rank 0 (`PrefillNode.sender_transports`)."""
+        pairs = []
+        for prefill in self.instances["prefill"]:
+            transports = ray.get(prefill.ranks[0].sender_transports.remote(), timeout=120)
+            for decode, ranks in zip(self.instances["decode"], transports, strict=True):
+                pairs.append(f"{prefill.name} -> {decode.name} {ranks[0]}")
+        return ", ".join(pairs)
 
     def _start_rank_actors(self, ray, plan, prefill_cls, decode_cls) -> list[str]:
         """Create every instance's rank actors, rank r in bundle r of its placement group (not waiting for

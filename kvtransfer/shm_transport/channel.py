@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import select
 import shutil
 import socket
 import struct
@@ -36,6 +37,10 @@ import msgpack
 from kvtransfer.base import ProtocolError
 
 MAX_PACKET_BYTES = 64 << 10  # msgpack bytes per packet (a packet must fit the socket's send buffer)
+# A record's msgpack bytes at most: the largest real one is a finish with its draft probabilities
+# (num_drafts x vocab_size float32: 4.1 MB for DeepSeek-V3's 129,280 tokens at 8 drafts); a peer that sends
+# more is cut off rather than buffered.
+MAX_RECORD_BYTES = 16 << 20
 MAX_FDS_PER_RECORD = 4
 SOCKET_DIR_PREFIX = "pdcluster-kv-"
 SOCKET_NAME = "kv.sock"
@@ -106,6 +111,10 @@ class Channel:
             parts.append(body)
             if flag == b"E":
                 break
+            if len(parts) * MAX_PACKET_BYTES > MAX_RECORD_BYTES:
+                for fd in fds:
+                    os.close(fd)
+                raise ProtocolError(f"kv channel: a record over {MAX_RECORD_BYTES} B")
         try:
             return record_from_bytes(b"".join(parts)), fds
         except ProtocolError:
@@ -117,6 +126,14 @@ class Channel:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+def wait_readable(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether `sock` has something to read (or is closed) within `timeout_s`. `poll`, not `select`:
+    any descriptor number works (select() refuses those of 1024 and more)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
 
 
 def record_from_bytes(data: bytes) -> dict[str, Any]:

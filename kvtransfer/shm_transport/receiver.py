@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import shutil
 import threading
 import time
@@ -29,6 +28,7 @@ from kvtransfer.shm_transport.channel import (
     listen,
     peer_uid,
     sweep_stale_socket_dirs,
+    wait_readable,
 )
 from kvtransfer.shm_transport.segments import DEFAULT_MAX_FREE_BYTES, Segment, SegmentPool
 from kvtransfer.wire import LayerHeader, meta_from_dict
@@ -36,6 +36,7 @@ from kvtransfer.wire import LayerHeader, meta_from_dict
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.2  # how often an idle connection thread looks at its leases and at close()
+MAX_CONNECTIONS = 256  # default `ShmKVReceiver.max_connections`
 # A segment whose sender neither finished nor ended it is closed (not reused) this long after its lease:
 # the sender stops writing at its lease, so by then no late write can land in another handoff's bytes.
 LEASE_GRACE_S = 5.0
@@ -84,6 +85,8 @@ class ShmKVReceiver(ReservationReceiver):
     `self.address` (a socket path on this host). `int8_passthrough` as in `Reservations`.
 
     max_free_bytes: free segments each connection keeps for reuse (`SegmentPool`).
+    max_connections: connections served at once (one thread each; prefill ranks need one per decode
+        rank); more are closed at accept, logged once per 10 s with a count.
     reservations: the `Reservations` to feed (shared with another receiver of the same decode rank,
         `kvtransfer.paired`); it must copy kept layers (`copy_kept_layers`: a segment is reused once its
         sender is done). None: its own, with `int8_passthrough`.
@@ -95,11 +98,15 @@ class ShmKVReceiver(ReservationReceiver):
         int8_passthrough: bool = False,
         max_free_bytes: int = DEFAULT_MAX_FREE_BYTES,
         reservations: Reservations | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         if reservations is not None and not reservations.copy_kept_layers:
             raise ValueError("ShmKVReceiver: shared reservations must copy kept layers (copy_kept_layers)")
         sweep_stale_socket_dirs()
         self.max_free_bytes = max_free_bytes
+        self.max_connections = max_connections
+        self._num_refused = 0
+        self._refusal_logged_s = -1e9
         self._reservations = (
             Reservations(int8_passthrough, copy_kept_layers=True) if reservations is None else reservations
         )
@@ -132,8 +139,7 @@ class ShmKVReceiver(ReservationReceiver):
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
-            readable, _, _ = select.select([self._listener], [], [], POLL_S)
-            if not readable:
+            if not wait_readable(self._listener, POLL_S):
                 continue
             try:
                 sock, _ = self._listener.accept()
@@ -142,6 +148,20 @@ class ShmKVReceiver(ReservationReceiver):
             uid = peer_uid(sock)
             if uid is not None and uid != os.getuid():
                 logger.warning("kv shm: refused a connection from uid %d", uid)
+                sock.close()
+                continue
+            with self._lock:
+                full = len(self._connections) >= self.max_connections
+            if full:  # a thread per connection: a flood of them must not take the process down
+                self._num_refused += 1
+                now_s = time.monotonic()
+                if now_s - self._refusal_logged_s >= 10.0:
+                    self._refusal_logged_s = now_s
+                    logger.warning(
+                        "kv shm: refused connections: %d open already (max_connections); %d refused so far",
+                        self.max_connections,
+                        self._num_refused,
+                    )
                 sock.close()
                 continue
             connection = _Connection(Channel(sock), SegmentPool(self.max_free_bytes))
@@ -156,8 +176,7 @@ class ShmKVReceiver(ReservationReceiver):
         try:
             while not self._closed.is_set():
                 self._reclaim_expired(connection)
-                readable, _, _ = select.select([connection.channel.sock], [], [], POLL_S)
-                if not readable:
+                if not wait_readable(connection.channel.sock, POLL_S):
                     continue
                 try:
                     got = connection.channel.recv()

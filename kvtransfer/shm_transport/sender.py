@@ -24,7 +24,6 @@ import contextlib
 import logging
 import os
 import queue
-import select
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ from kvtransfer.base import (
     TransferTimeout,
     check_begin,
 )
-from kvtransfer.shm_transport.channel import connect
+from kvtransfer.shm_transport.channel import connect, wait_readable
 from kvtransfer.shm_transport.segments import Segment
 from kvtransfer.wire import (
     FaultHook,
@@ -135,12 +134,43 @@ class ShmKVSender(KVSender):
         self._segments: dict[int, Segment] = {}
         self._failures = FailureLog()
         self._closed = False
+        self._lost: str | None = None  # why the connection ended (the next begin reconnects)
+        self._reconnect_lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._worker = threading.Thread(target=self._run, name="kv-shm-send", daemon=True)
-        self._reader = threading.Thread(target=self._read, name="kv-shm-replies", daemon=True)
         if self._connect_error is None:
-            self._worker.start()
-            self._reader.start()
+            self._start_threads()
+
+    def _start_threads(self) -> None:
+        self._worker = threading.Thread(
+            target=self._run, args=(self._queue,), name="kv-shm-send", daemon=True
+        )
+        self._reader = threading.Thread(target=self._read, name="kv-shm-replies", daemon=True)
+        self._worker.start()
+        self._reader.start()
+
+    def _reconnect(self) -> None:
+        """After the connection ended (decode closed it, a send failed), connect again, with a fresh queue,
+        worker and reader; every handoff of the old connection was already concluded (SenderLost), and
+        its segments unmapped. Raises ConnectionError when the receiver cannot be reached."""
+        with self._reconnect_lock:
+            with self._lock:
+                why = self._lost
+            if why is None or self._closed:
+                return
+            try:
+                channel = connect(self.address)
+            except OSError as e:
+                raise ConnectionError(
+                    f"shm receiver at {self.address}: the connection ended ({why}) and reconnecting "
+                    f"failed: {e}"
+                ) from e
+            old_queue, self._queue = self._queue, queue.SimpleQueue()
+            self._channel = channel
+            with self._lock:
+                self._lost = None
+            old_queue.put(("bye", None))  # the old worker ends
+            self._start_threads()
+            logger.warning("kv shm: reconnected to %s after the connection ended (%s)", self.address, why)
 
     @property
     def connect_error(self) -> OSError | None:
@@ -156,8 +186,12 @@ class ShmKVSender(KVSender):
                 f"shm receiver at {self.address} unreachable (prefill and decode must share a host): "
                 f"{self._connect_error}"
             )
+        if self._lost is not None:
+            self._reconnect()
         with self._lock:
             check_begin(handoff, "ShmKVSender", self._closed, self._requests)
+            if self._lost is not None:  # lost again since: this handoff would never be concluded
+                raise ConnectionError(f"shm receiver at {self.address}: the connection ended ({self._lost})")
             self._requests[handoff.request_id] = _Request(handoff, time.monotonic())
         self._queue.put(("begin", handoff.request_id))
 
@@ -284,11 +318,11 @@ class ShmKVSender(KVSender):
                 return False
         return not req.done
 
-    def _run(self) -> None:
+    def _run(self, jobs: queue.SimpleQueue) -> None:
         """The worker: begins, the layer headers `send_layer` did not send itself (and the layers it
         encodes, with their CRC-32C), finishes and aborts, in order."""
         while True:
-            item = self._queue.get()
+            item = jobs.get()
             kind, request_id = item[0], item[1]
             if kind == "bye":
                 return
@@ -352,15 +386,16 @@ class ShmKVSender(KVSender):
             return True
 
     def _read(self) -> None:
-        """The reader: decode's grants, drops and outcomes; leases ending on this side."""
+        """The reader: decode's grants, drops and outcomes; leases ending on this side. When the connection
+        ends, every open handoff fails (SenderLost) and the next `begin` reconnects."""
+        channel = self._channel
         why = "the receiver closed the connection"
         while True:
             self._expire_leases()
             try:
-                readable, _, _ = select.select([self._channel.sock], [], [], POLL_S)
-                if not readable:
+                if not wait_readable(channel.sock, POLL_S):
                     continue
-                got = self._channel.recv()
+                got = channel.recv()
             except (OSError, ValueError, KVTransferError) as e:  # ValueError: the socket was closed
                 why = f"the connection to the receiver failed: {e!r}"
                 break
@@ -371,7 +406,9 @@ class ShmKVSender(KVSender):
                 self._on_record(record, fds)
             except (KeyError, TypeError, ValueError) as e:
                 logger.warning("kv shm: malformed %r record from the receiver: %r", record.get("k"), e)
-        with self._lock:
+        channel.close()
+        with self._lock:  # with the snapshot: a begin from now on reconnects first
+            self._lost = why
             open_requests = [r for r in self._requests.values() if not r.done]
         for req in open_requests:
             self._conclude(req, SenderLost(f"{req.meta.request_id}: {why}"), tell_receiver=False)

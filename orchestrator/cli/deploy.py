@@ -84,7 +84,8 @@ Both shut down the same way (HTTP server, actors, placement groups, Ray if deplo
 it), also while starting, and exit with code 0.
 
 Before Ray starts, FILE is checked as `pdcluster validate --for-deploy FILE` checks it (the
-file, the one-device-per-instance limit, the checkpoint, that the address can be bound); each
+file, the parallelism and weight dtypes the actors can run, the checkpoint, that the address can be
+bound); each
 problem is one FILE:LINE: reason line and the exit code is 2. So is an error after Ray started
 (an actor that fails to load its weights, the port taken meanwhile), after everything started
 is shut down."""

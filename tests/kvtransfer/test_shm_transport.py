@@ -272,3 +272,99 @@ def test_try_send_never_waits_for_a_peer_that_is_behind():
     finally:
         sender.close()
         peer.close()
+
+
+def _handoff(receiver, sender, request_id: str) -> None:
+    """One clean handoff from `sender` to `receiver`, checked bit-exact and released."""
+    meta = make_handoff(request_id)
+    layers = make_layers(meta)
+    bound = receiver.expect(meta)
+    sender.begin(bound)
+    for layer_idx, latent in enumerate(layers):
+        sender.send_layer(meta.request_id, layer_idx, latent)
+    sender.finish(meta.request_id, make_extras(meta))
+    received = receiver.wait(meta.request_id, WAIT_S)
+    assert all(bits_equal(got.latent, sent) for got, sent in zip(received.layers, layers, strict=True))
+    receiver.release(meta.request_id)
+
+
+def test_a_sender_whose_connection_ended_reconnects_at_its_next_begin():
+    """Decode drops the sender's connection (its connection thread closes it): the handoff open then fails
+    with SenderLost, and the next `begin` connects again instead of queueing onto a dead socket forever
+    (found by an attack that ran decode out of descriptors: every later request waited out two leases)."""
+    receiver = ShmKVReceiver()
+    sender = ShmKVSender(receiver.address)
+    try:
+        _handoff(receiver, sender, "before")
+        open_meta = make_handoff("open")
+        sender.begin(receiver.expect(open_meta))
+        assert wait_until(lambda: receiver._connections)
+        receiver._connections[0].channel.close()  # what decode does to a connection it gives up on
+        assert wait_until(lambda: open_meta.request_id in sender.flush(0.0))
+        receiver.release(open_meta.request_id)
+        _handoff(receiver, sender, "after")
+        assert sender.flush(WAIT_S) == {}
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_descriptors_past_1024_work():
+    """With this process's descriptors 0..1100 taken, the receiver's and sender's sockets get numbers past
+    1024, which `select()` refuses (the attack's decode crashed its connection threads so): a handoff still
+    completes."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"RLIMIT_NOFILE {soft} < 1200")
+    filler = []
+    try:
+        while not filler or filler[-1] < 1100:
+            filler.append(os.open(os.devnull, os.O_RDONLY))
+        receiver = ShmKVReceiver()
+        sender = ShmKVSender(receiver.address)
+        try:
+            assert sender._channel.sock.fileno() > 1024
+            _handoff(receiver, sender, "high-fd")
+            assert sender.flush(WAIT_S) == {}
+        finally:
+            sender.close()
+            receiver.close()
+    finally:
+        for fd in filler:
+            os.close(fd)
+
+
+def test_connections_past_the_cap_are_closed_and_oversized_records_cut_off():
+    """A receiver serves at most `max_connections` connections (one thread each): one more is closed at
+    accept while the others go on; a record of more than MAX_RECORD_BYTES closes its connection rather than
+    being buffered. A clean handoff works afterwards."""
+
+    from kvtransfer.shm_transport.channel import MAX_PACKET_BYTES, MAX_RECORD_BYTES, connect
+
+    receiver = ShmKVReceiver(max_connections=2)
+    sender = ShmKVSender(receiver.address)
+    idle = connect(receiver.address)
+    extra = connect(receiver.address)
+    try:
+        assert wait_until(lambda: len(receiver._connections) == 2)
+        extra.sock.settimeout(WAIT_S)
+        assert extra.sock.recv(1) == b""  # closed by the receiver
+        idle.close()
+        assert wait_until(lambda: len(receiver._connections) == 1)
+        flood = connect(receiver.address)
+        flood.sock.settimeout(WAIT_S)
+        with pytest.raises(OSError):  # the receiver closes it mid-record: a send fails
+            for _ in range(MAX_RECORD_BYTES // MAX_PACKET_BYTES + 2):
+                flood.sock.send(b"M" + b"x" * MAX_PACKET_BYTES)
+            flood.sock.send(b"E")
+            assert flood.sock.recv(1) == b""  # or it reads the close
+            raise OSError("closed")
+        flood.close()
+        _handoff(receiver, sender, "after-flood")
+        assert sender.flush(WAIT_S) == {}
+    finally:
+        extra.close()
+        sender.close()
+        receiver.close()
