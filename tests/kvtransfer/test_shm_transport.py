@@ -208,6 +208,21 @@ def test_a_sender_whose_receiver_is_unreachable_refuses_each_begin(tmp_path):
     sender.close()
 
 
+def _handoff(receiver, sender, request_id: str, meta=None) -> None:
+    """One clean handoff (`meta`, else a default one named `request_id`) from `sender` to `receiver`,
+    checked bit-exact and released."""
+    meta = meta or make_handoff(request_id)
+    layers = make_layers(meta)
+    bound = receiver.expect(meta)
+    sender.begin(bound)
+    for layer_idx, latent in enumerate(layers):
+        sender.send_layer(meta.request_id, layer_idx, latent)
+    sender.finish(meta.request_id, make_extras(meta))
+    received = receiver.wait(meta.request_id, WAIT_S)
+    assert all(bits_equal(got.latent, sent) for got, sent in zip(received.layers, layers, strict=True))
+    receiver.release(meta.request_id)
+
+
 def test_multi_chunk_layers_arrive_bit_exact_and_a_flip_in_a_later_chunk_is_caught():
     """Layers of several `COPY_CHUNK_BYTES` chunks (copied and CRC-32C'd chunk by chunk on both sides):
     a clean handoff arrives bit-exact; a byte flipped in the segment in layer 1's third chunk, after the
@@ -220,14 +235,7 @@ def test_multi_chunk_layers_arrive_bit_exact_and_a_flip_in_a_later_chunk_is_caug
     sender = ShmKVSender(receiver.address, fault_hook=flip_byte_in_layer(1, 2 * COPY_CHUNK_BYTES + 5))
     clean_sender = ShmKVSender(receiver.address)
     try:
-        bound = receiver.expect(clean)
-        clean_sender.begin(bound)
-        for layer_idx, latent in enumerate(layers):
-            clean_sender.send_layer(clean.request_id, layer_idx, latent)
-        clean_sender.finish(clean.request_id, make_extras(clean))
-        received = receiver.wait(clean.request_id, WAIT_S)
-        assert all(bits_equal(got.latent, sent) for got, sent in zip(received.layers, layers, strict=True))
-        receiver.release(clean.request_id)
+        _handoff(receiver, clean_sender, clean.request_id, clean)
         assert clean_sender.flush(WAIT_S) == {}
 
         bound = receiver.expect(corrupt)
@@ -272,20 +280,6 @@ def test_try_send_never_waits_for_a_peer_that_is_behind():
     finally:
         sender.close()
         peer.close()
-
-
-def _handoff(receiver, sender, request_id: str) -> None:
-    """One clean handoff from `sender` to `receiver`, checked bit-exact and released."""
-    meta = make_handoff(request_id)
-    layers = make_layers(meta)
-    bound = receiver.expect(meta)
-    sender.begin(bound)
-    for layer_idx, latent in enumerate(layers):
-        sender.send_layer(meta.request_id, layer_idx, latent)
-    sender.finish(meta.request_id, make_extras(meta))
-    received = receiver.wait(meta.request_id, WAIT_S)
-    assert all(bits_equal(got.latent, sent) for got, sent in zip(received.layers, layers, strict=True))
-    receiver.release(meta.request_id)
 
 
 def test_a_sender_whose_connection_ended_reconnects_at_its_next_begin():
