@@ -74,13 +74,13 @@ class Channel:
         """Send `record` (one packet's worth) if the socket takes it now; False when its buffer is full (the
         peer is behind) or when another writer holds the channel. OSError if the peer is gone; ValueError
         for a record over one packet."""
-        data = msgpack.packb(record, use_bin_type=True)
-        if len(data) > MAX_PACKET_BYTES:
-            raise ValueError(f"try_send: a {len(data)} B record is more than one packet")
+        packet = single_packet(record)
+        if packet is None:
+            raise ValueError("try_send: the record is more than one packet")
         if not self._write_lock.acquire(blocking=False):
             return False
         try:
-            self.sock.send(b"E" + data, socket.MSG_DONTWAIT)
+            self.sock.send(packet, socket.MSG_DONTWAIT)
         except BlockingIOError:
             return False
         finally:
