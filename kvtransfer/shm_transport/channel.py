@@ -131,6 +131,8 @@ class Channel:
 def wait_readable(sock: socket.socket, timeout_s: float) -> bool:
     """Whether `sock` has something to read (or is closed) within `timeout_s`. `poll`, not `select`:
     any descriptor number works (select() refuses those of 1024 and more)."""
+    if sock.fileno() < 0:  # closed here: readable, so that the caller's recv fails and it stops
+        return True
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     return bool(poller.poll(timeout_s * 1000))

@@ -290,6 +290,7 @@ def test_a_sender_whose_connection_ended_reconnects_at_its_next_begin():
     sender = ShmKVSender(receiver.address)
     try:
         _handoff(receiver, sender, "before")
+        assert sender.flush(WAIT_S) == {}  # its done record has arrived: flush(0.0) below sees only "open"
         open_meta = make_handoff("open")
         sender.begin(receiver.expect(open_meta))
         assert wait_until(lambda: receiver._connections)
