@@ -15,7 +15,10 @@ instance's placement group. A disaggregated request on this node:
     wait raises                receiver.release + engine.release_remote_prefill: no block stays held;
                                a `RequestError` event tells the driver, which may re-dispatch
     poll(timeout_s)            the driver's one call per node: token deltas and errors of every request
-                               (`poll_with_load`: with the rank's load snapshot, which is what routes)
+                               (`poll_with_load`: with the rank's load snapshot, which is what routes);
+                               on the driver's host each pass's events are also pushed to it as they are
+                               emitted (`connect_reply_channel`, `orchestrator.reply_channel`), and a
+                               poll then returns early only for events that were not pushed
 
 Locks (both `FairLock`s, granted in request order; taken in this order): `_engine_lock`, held by the
 engine thread for each pass (admissions, the step, its events) and by every call that touches the engine,
@@ -60,6 +63,7 @@ from orchestrator.messages import (
     TokenDelta,
 )
 from orchestrator.rank_actor import LOCKSTEP_IDLE_S, RankActor
+from orchestrator.reply_channel import ReplyPusher
 
 if TYPE_CHECKING:
     from kvtransfer.grpc_transport import TLSCredentials
@@ -92,6 +96,8 @@ class DecodeNode(RankActor):
         self._events_lock = threading.Condition()
         self._events: collections.deque[PolledEvent] = collections.deque()  # unacknowledged
         self._next_seq = 0
+        self._pusher: ReplyPusher | None = None  # connect_reply_channel
+        self._pushed_through = 0  # every event up to this seq was pushed or acknowledged by a poll
         self._admissions: list[tuple[str, ReceivedKV]] = []  # received, admitted by the engine thread next
         self._handoffs: dict[str, Handoff] = {}  # admitted, until finished or failed
         self._received_at_s: dict[str, float] = {}  # received, not yet admitted: when wait returned
@@ -227,17 +233,36 @@ class DecodeNode(RankActor):
             self.engine.pop_finished_outputs([handoff_id])  # aborted: no output
             self._handoffs.pop(handoff_id, None)
 
+    def connect_reply_channel(self, address: str, secret: str, who: str) -> None:
+        """Push each engine pass's events, with the load, to the driver's socket at `address` too (it is on
+        this host), presenting `secret` and this incarnation's tag `who` (`orchestrator.reply_channel`).
+        Events emitted before are left to the poll. Replaces an earlier connection. Raises OSError when the
+        socket cannot be reached."""
+        pusher = ReplyPusher(address, secret, who)
+        with self._events_lock:
+            old, self._pusher = self._pusher, pusher
+            self._pushed_through = self._next_seq
+        if old is not None:
+            old.close()
+
     def poll(self, timeout_s: float = 0.05, acked_seq: int = 0) -> list[PolledEvent]:
-        """Events after `acked_seq` (seq counts from 1; waits up to `timeout_s` seconds for one): a
-        `TokenDelta` or a `RequestError` per event. Events up to `acked_seq` are dropped; later ones are kept
-        until a poll acknowledges them, so a reply the driver stopped waiting for (a timed-out poll) loses
-        nothing.
+        """Every event after `acked_seq` (seq counts from 1): a `TokenDelta` or a `RequestError` per event.
+        Waits up to `timeout_s` seconds for one that was not pushed to the driver (`connect_reply_channel`;
+        without it, for any event). Events up to `acked_seq` are dropped; later ones are kept until a poll
+        acknowledges them, so neither a reply the driver stopped waiting for (a timed-out poll) nor a push
+        that did not arrive loses anything.
         """
+        deadline_s = time.monotonic() + timeout_s
         with self._events_lock:
             while self._events and self._events[0].seq <= acked_seq:
                 self._events.popleft()
-            if not self._events:
-                self._events_lock.wait(timeout_s)
+            # The driver has every event through acked_seq: pushes may go on from there.
+            self._pushed_through = max(self._pushed_through, acked_seq)
+            while self._next_seq <= self._pushed_through:  # nothing the driver could lack
+                remaining_s = deadline_s - time.monotonic()
+                if remaining_s <= 0 or self._stopped.is_set():
+                    break
+                self._events_lock.wait(remaining_s)
             return list(self._events)
 
     def poll_with_load(self, timeout_s: float = 0.05, acked_seq: int = 0) -> PollReply:
@@ -296,6 +321,10 @@ class DecodeNode(RankActor):
 
     def close(self) -> None:
         self._stop_engine_thread()
+        with self._events_lock:
+            pusher, self._pusher = self._pusher, None
+        if pusher is not None:
+            pusher.close()
         if self.receiver is not None:
             try:
                 self.receiver.close()
@@ -316,7 +345,7 @@ class DecodeNode(RankActor):
                 released = self.engine.release_remote_prefill(handoff_id)
                 self._handoffs.pop(handoff_id, None)
             if released:  # not already aborted
-                self._emit(RequestError(handoff_id, f"{type(e).__name__}: {e}"))
+                self._emit([RequestError(handoff_id, f"{type(e).__name__}: {e}")])
             return
         self._maybe_delay("before_admit")
         received_at_s = time.monotonic()
@@ -341,8 +370,7 @@ class DecodeNode(RankActor):
                 self._wakeup.clear()
                 with self._locked():
                     events = self._fail_all(f"{self.name}: instance group failed: {self._group_error}")
-                for event in events:
-                    self._emit(event)
+                self._emit(events)
                 continue
             if not engine.has_unfinished_requests() and not self._admissions and not self._faults_armed():
                 self._wakeup.wait(LOCKSTEP_IDLE_S if self.lockstep else 0.05)
@@ -359,8 +387,7 @@ class DecodeNode(RankActor):
                 self._loop_error(e, "decode engine loop failed")
                 with self._locked():
                     events.extend(self._fail_all(f"decode engine loop failed: {e!r}"))
-            for event in events:
-                self._emit(event)
+            self._emit(events)
 
     def _run_once(self, events: list[DecodeEvent]) -> None:
         """One pass under the engine lock: admit finished handoffs, step, turn outputs into events."""
@@ -372,8 +399,7 @@ class DecodeNode(RankActor):
             except Exception as e:  # noqa: BLE001 - fails this request only
                 self._loop_error(e, f"admitting {handoff_id} failed")
                 events.append(self._fail(handoff_id, f"decode admission failed: {e!r}"))
-        for event in events:  # the first tokens go to the driver now, not after the step below
-            self._emit(event)
+        self._emit(list(events))  # the first tokens go to the driver now, not after the step below
         events.clear()
         # Requests the first token finished at admission (max_tokens=1, EOS): nothing is left to step
         # for them, so their final output is taken now rather than with a step that may never come.
@@ -511,8 +537,19 @@ class DecodeNode(RankActor):
             self._handoffs.pop(rid, None)
         return [delta]
 
-    def _emit(self, event: DecodeEvent) -> None:
+    def _emit(self, events: list[DecodeEvent]) -> None:
+        """Number `events`, keep them for the poll, and push them to the driver when every earlier event
+        was pushed or acknowledged (so the driver can take them in sequence); else wake the poll."""
+        if not events:
+            return
         with self._events_lock:
-            self._next_seq += 1
-            self._events.append(PolledEvent(self._next_seq, event))
+            first_seq = self._next_seq + 1
+            items = [PolledEvent(first_seq + i, event) for i, event in enumerate(events)]
+            self._next_seq = items[-1].seq
+            self._events.extend(items)
+            pusher = self._pusher
+            if pusher is not None and first_seq == self._pushed_through + 1:
+                if pusher.push_events(items, self.load()):
+                    self._pushed_through = self._next_seq
+                    return
             self._events_lock.notify_all()

@@ -138,6 +138,7 @@ class ClusterDeployment(ClusterWiring):
         self.topology = topo
         self._loopback = is_loopback_topology(topo)
         self._reply_listener = None
+        self._decode_push_tags = {}  # tag of a decode rank's reply connection -> the rank (wiring)
         plan = plan_placement(topo)
         self._started_ray = False
         if not ray.is_initialized():
@@ -198,7 +199,11 @@ class ClusterDeployment(ClusterWiring):
             decode_addresses = self._wire(ray, plan)
             if topo.kv_transport == "shm+grpc":  # which transport each prefill -> decode pair took
                 log(f"  KV pairs ({topo.kv_transport}): {self._pair_transports(ray)}")
-            self._connect_reply_channel(ray, [a for p in self.instances["prefill"] for a in p.ranks])
+            self._connect_reply_channel(
+                ray,
+                [a for p in self.instances["prefill"] for a in p.ranks],
+                decode_indices=range(len(self.instances["decode"])),
+            )
             log(
                 f"cluster {topo.name} up in {time.monotonic() - started_s:.1f} s "
                 f"({topo.kv_transport}, layerwise={topo.kv_transfer.layerwise})"
@@ -238,6 +243,7 @@ class ClusterDeployment(ClusterWiring):
         self._kv_transfer_seconds_total = 0.0
         self._num_prefill_replies_received = 0
         self._num_prefill_replies_pushed = 0
+        self._num_decode_events_pushed = 0
         self._closed = False
         self._monitor_stop = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_health, name="health-monitor", daemon=True)

@@ -214,10 +214,10 @@ class InstanceMonitor:
             except Exception as e:  # noqa: BLE001 - try again at the next probe
                 logger.error("%s-%d answers again but could not be rewired: %s", role, index, e)
                 return
-        with self._health_lock:
-            self._set_health(role, index, after)
         if role == "decode" and needs_rewire:  # a new process numbers its events from 1 again
             self._poll_acked_seq[index][:] = [0] * len(self._poll_acked_seq[index])
+        with self._health_lock:
+            self._set_health(role, index, after)
         logger.warning(
             "%s-%d rejoined routing after %.1f s %s (%s)",
             role,
@@ -249,6 +249,8 @@ class InstanceMonitor:
             ray.get(
                 [p.set_decode_address.remote(index, address) for p in prefills], timeout=self.call_timeout_s
             )
+            # the new process pushes its events under a new tag (the old one's are no longer taken)
+            self._connect_reply_channel(ray, [], self.call_timeout_s, restarted=True, decode_indices=[index])
         else:
             addresses = [list(ranks) for ranks in self._decode_addresses]
             ranks = self.instances["prefill"][index].ranks

@@ -4,7 +4,8 @@ Before, each request's routing called `load` on every rank of every live instanc
 critical path of every request). The board keeps what the steady state already delivers instead:
 
     decode rank   the latest `DecodeNodeLoad` it sent: piggy-backed on every poll reply
-                  (`DecodeNode.poll_with_load`, at least every POLL_WAIT_S and with every token event), on
+                  (`DecodeNode.poll_with_load`, at least every POLL_WAIT_S) and on every engine pass's
+                  events (the poll reply, or on one host their push, `orchestrator.reply_channel`), on
                   every reserve reply (`ReserveResult.load`, taken right after the reservation), and the
                   health monitor's probe each PROBE_INTERVAL_S. Snapshots of one process are ordered by
                   their `taken_s` (that process's monotonic clock), so a late reply never overwrites a newer

@@ -1,24 +1,35 @@
-"""Prefill results pushed to the driver over a Unix socket on its host, beside the prefill call's Ray reply.
+"""Results and token events pushed to the driver over a Unix socket on its host, beside the Ray calls.
 
-Why. The first token of a request comes back in the prefill call's reply (`orchestrator.dispatch.
-EmitFirstToken`). Measured on this 2-core host (per-process timestamps, p50), that Ray reply took 2.3-2.6
-ms from the actor method's return to the driver's event loop; from a push on this socket to the first token
-streamed took 0.98 ms, while the Ray reply reached the driver 2.73 ms after the push (20 sequential
-requests at idle; 0.71 ms of it to the event loop). So each prefill rank on the driver's host pushes the
-`PrefillResult` it is about to return (`ReplyPusher.push`, from the prefill engine thread once the handoff is
-finished on its side) and the driver takes whichever comes first as the attempt's `PrefillDone`
-(`RequestDispatch._on_prefill_reply`); the other is dropped. The Ray call stays the authority for
-everything else: failures, timeouts, the prefill load accounting.
+Prefill results. The first token of a request comes back in the prefill call's reply (`orchestrator.
+dispatch.EmitFirstToken`). Measured on this 2-core host (per-process timestamps, p50), that Ray reply took
+2.3-2.6 ms from the actor method's return to the driver's event loop; from a push on this socket to the
+first token streamed took 0.98 ms, while the Ray reply reached the driver 2.73 ms after the push (20
+sequential requests at idle; 0.71 ms of it to the event loop). So each prefill rank on the driver's host
+pushes the `PrefillResult` it is about to return (`ReplyPusher.push`, from the prefill engine thread once
+the handoff is finished on its side) and the driver takes whichever comes first as the attempt's
+`PrefillDone` (`RequestDispatch._on_prefill_reply`); the other is dropped. The Ray call stays the authority
+for everything else: failures, timeouts, the prefill load accounting.
+
+Decode token events. Each decode rank on the driver's host pushes the events of each engine pass with its
+load snapshot (`ReplyPusher.push_events`: `TokenDelta` / `RequestError` with their sequence numbers) as it
+emits them, instead of a `DecodeNode.poll_with_load` Ray call returning them once per step. The poll stays,
+as the authority: every event is kept until a poll acknowledges it, and a poll returns early only for an
+event that was not pushed (the socket buffer was full, the push failed, or an earlier one was not pushed:
+pushes are contiguous in sequence), else after `POLL_WAIT_S` with the load, so a push lost or refused costs
+that event's delay, never the event. The driver hands an event over once, in sequence, whichever way it came
+(`RequestDispatch._on_decode_events`).
 
 Who may connect. The socket is `kvtransfer.shm_transport.channel`'s (a fresh 0700 directory, the peer's uid
 checked, msgpack records on SOCK_SEQPACKET, each one packet here), and a connection's first record must
-present the secret the driver handed the prefill rank over Ray (`ReplyListener.secret`) within
-`HELLO_TIMEOUT_S`; anything else closes it. A malformed record from an authenticated peer is dropped with a
-warning. Each result names its attempt by `handoff_tag` (a hash of the handoff's secret), checked by the
-driver against the attempt's reservation.
+present the secret the driver handed the rank over Ray (`ReplyListener.secret`) within `HELLO_TIMEOUT_S`;
+anything else closes it. A decode rank's hello also names it by the fresh tag the driver gave that
+incarnation (`who`): events are taken only under the current tag of a decode rank, so a restarted rank's
+predecessor, whose sequence numbers started over, is never mistaken for it. A malformed record from an
+authenticated peer is dropped with a warning. Each prefill result names its attempt by `handoff_tag` (a
+hash of the handoff's secret), checked by the driver against the attempt's reservation.
 
-Where. Only when every prefill rank runs on the driver's host (a single-node cpu topology); elsewhere
-the Ray reply alone carries the result.
+Where. Only on a single-node cpu topology (every rank on the driver's host); elsewhere the Ray reply and the
+poll alone carry results and events.
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtransfer.base import ProtocolError
@@ -49,7 +60,15 @@ from kvtransfer.shm_transport.channel import (
     single_packet,
     sweep_stale_socket_dirs,
 )
-from orchestrator.messages import PrefillResult
+from orchestrator.messages import (
+    DecodeNodeLoad,
+    DraftCounts,
+    Phases,
+    PolledEvent,
+    PrefillResult,
+    RequestError,
+    TokenDelta,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -94,27 +113,149 @@ def result_from_record(record: dict[str, Any]) -> tuple[str, str, PrefillResult]
     return handoff_id, tag, PrefillResult(**fields)
 
 
+_NUMBER = (int, float)
+_PHASE_NAMES = frozenset(f.name for f in dataclasses.fields(Phases))
+_LOAD_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "name": (str,),
+    "pid": (int,),
+    "num_free_blocks": (int,),
+    "num_total_blocks": (int,),
+    "num_running": (int,),
+    "num_reserved": (int,),
+    "num_waiting_for_seat": (int,),
+    "engine_thread_alive": (bool,),
+    "num_engine_errors": (int,),
+    "last_engine_error": (str, type(None)),
+    "instance_group_error": (str, type(None)),
+    "ep": (dict, type(None)),
+    "taken_s": _NUMBER,
+}
+
+
+def _event_to_record(item: PolledEvent) -> list[Any]:
+    event = item.event
+    if isinstance(event, RequestError):
+        return [item.seq, "error", event.handoff_id, event.message]
+    drafts = event.drafts
+    return [
+        item.seq,
+        "delta",
+        event.handoff_id,
+        list(event.new_token_ids),
+        event.finished,
+        event.finish_reason,
+        event.phases.as_dict(),
+        event.kv_transfer_bytes,
+        [
+            drafts.num_draft_tokens,
+            drafts.num_accepted_tokens,
+            list(drafts.num_draft_tokens_per_position),
+            list(drafts.num_accepted_tokens_per_position),
+        ],
+        event.new_text,
+    ]
+
+
+def events_to_record(events: Sequence[PolledEvent], load: DecodeNodeLoad) -> dict[str, Any]:
+    """The `ev` record a decode rank pushes: its events (`[seq, "delta", fields...]` or `[seq, "error",
+    handoff id, message]`) and its load snapshot's fields."""
+    return {"k": "ev", "e": [_event_to_record(item) for item in events], "l": dataclasses.asdict(load)}
+
+
+def _check(name: str, value: Any, types: tuple[type, ...]) -> Any:
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise ValueError(f"{name} is {type(value).__name__}")
+    return value
+
+
+def _ints(name: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"{name} is {type(value).__name__}, not a list")
+    return tuple(_check(name, v, (int,)) for v in value)
+
+
+def _event_from_record(fields: Any) -> PolledEvent:
+    if not isinstance(fields, list) or len(fields) < 2:
+        raise ValueError("an event is a list [seq, kind, ...]")
+    seq, kind = _check("seq", fields[0], (int,)), fields[1]
+    if kind == "error" and len(fields) == 4:
+        _, _, handoff_id, message = fields
+        return PolledEvent(
+            seq, RequestError(_check("handoff_id", handoff_id, (str,)), _check("message", message, (str,)))
+        )
+    if kind != "delta" or len(fields) != 10:
+        raise ValueError(f"event {seq}: kind {kind!r} with {len(fields)} fields")
+    _, _, handoff_id, token_ids, finished, finish_reason, phases, num_bytes, drafts, new_text = fields
+    if not isinstance(phases, dict) or not set(phases) <= _PHASE_NAMES:
+        raise ValueError(f"event {seq}: phases {phases!r}")
+    for name, seconds in phases.items():
+        _check(name, seconds, _NUMBER)
+    if not isinstance(drafts, list) or len(drafts) != 4:
+        raise ValueError(f"event {seq}: drafts {drafts!r}")
+    delta = TokenDelta(
+        handoff_id=_check("handoff_id", handoff_id, (str,)),
+        new_token_ids=_ints("new_token_ids", token_ids),
+        finished=_check("finished", finished, (bool,)),
+        finish_reason=_check("finish_reason", finish_reason, (str, type(None))),
+        phases=Phases(**phases),
+        kv_transfer_bytes=_check("kv_transfer_bytes", num_bytes, (int, type(None))),
+        drafts=DraftCounts(
+            _check("num_draft_tokens", drafts[0], (int,)),
+            _check("num_accepted_tokens", drafts[1], (int,)),
+            _ints("num_draft_tokens_per_position", drafts[2]),
+            _ints("num_accepted_tokens_per_position", drafts[3]),
+        ),
+        new_text=_check("new_text", new_text, (str,)),
+    )
+    return PolledEvent(seq, delta)
+
+
+def events_from_record(record: dict[str, Any]) -> tuple[list[PolledEvent], DecodeNodeLoad]:
+    """(events in sequence, load snapshot) of an `ev` record. ValueError naming what is malformed (a field
+    of the wrong type, events out of sequence)."""
+    events, load = record.get("e"), record.get("l")
+    if not isinstance(events, list) or not events or not isinstance(load, dict):
+        raise ValueError("an ev record needs a non-empty list e and a mapping l")
+    if set(load) != set(_LOAD_FIELD_TYPES):
+        raise ValueError(f"load fields {sorted(load)} are not {sorted(_LOAD_FIELD_TYPES)}")
+    for name, types in _LOAD_FIELD_TYPES.items():
+        _check(name, load[name], types)
+    items = [_event_from_record(fields) for fields in events]
+    if any(b.seq != a.seq + 1 for a, b in zip(items, items[1:], strict=False)):
+        raise ValueError(f"events out of sequence: {[item.seq for item in items]}")
+    return items, DecodeNodeLoad(**load)
+
+
 @dataclasses.dataclass
 class _Peer:
     sock: socket.socket
     accepted_at_s: float
     authenticated: bool = False
+    who: str | None = None  # a decode rank's tag (its hello's `who`); None: a prefill rank
+
+
+EventsCallback = Callable[[str, list[PolledEvent], DecodeNodeLoad], None]
 
 
 class ReplyListener:
-    """The driver's end: accepts prefill ranks' connections and calls `on_result(handoff_id, tag, result)`
-    on its own thread for every result an authenticated rank pushes (`on_result` must hand it to the event
-    loop). `address` (a socket path) and `secret` go to the prefill ranks
-    (`PrefillNode.connect_reply_channel`).
+    """The driver's end: accepts the ranks' connections and calls, on its own thread (the callbacks must
+    hand what they get to the event loop), `on_result(handoff_id, tag, result)` for every result an
+    authenticated prefill rank pushes and `on_events(who, events, load)` for every batch of events an
+    authenticated decode rank pushes (`who`: the tag its hello named; without `on_events` such records are
+    dropped). `address` (a socket path) and `secret` go to the ranks (`PrefillNode.connect_reply_channel`,
+    `DecodeNode.connect_reply_channel`).
 
     One thread, non-blocking sockets, one packet read per readiness: no peer can hold it. A connection that
     has not presented the secret within `HELLO_TIMEOUT_S`, or sends anything but one-packet records, is
     closed; at most `MAX_CONNECTIONS` are open at once (newer ones are refused).
     """
 
-    def __init__(self, on_result: Callable[[str, str, PrefillResult], None]) -> None:
+    def __init__(
+        self, on_result: Callable[[str, str, PrefillResult], None], on_events: EventsCallback | None = None
+    ) -> None:
         sweep_stale_socket_dirs()
         self._on_result = on_result
+        self._on_events = on_events
         self._listener, self._dir = listen()
         self._listener.setblocking(False)
         self.address = str(self._dir / SOCKET_NAME)
@@ -213,33 +354,41 @@ class ReplyListener:
             return
         if not peer.authenticated:
             secret = record.get("secret")
-            if record.get("k") == "hello" and isinstance(secret, str):
+            who = record.get("who")
+            if record.get("k") == "hello" and isinstance(secret, str) and isinstance(who, str | None):
                 if hmac.compare_digest(secret.encode(), self.secret.encode()):
-                    peer.authenticated = True
+                    peer.authenticated, peer.who = True, who
                     return
             self._refused("no secret")
             drop(peer)
             return
         try:
-            handoff_id, tag, result = result_from_record(record)
+            if peer.who is None:
+                handoff_id, tag, result = result_from_record(record)
+            else:
+                events, load = events_from_record(record)
         except ValueError as e:
-            logger.warning("prefill reply channel: dropped a malformed %r record: %s", record.get("k"), e)
+            logger.warning("reply channel: dropped a malformed %r record: %s", record.get("k"), e)
             return
         try:
-            self._on_result(handoff_id, tag, result)
-        except Exception:  # noqa: BLE001 - one result's delivery never stops the listener
-            logger.exception("prefill reply channel: delivering %s failed", handoff_id)
+            if peer.who is None:
+                self._on_result(handoff_id, tag, result)
+            elif self._on_events is not None:
+                self._on_events(peer.who, events, load)
+        except Exception:  # noqa: BLE001 - one delivery never stops the listener
+            logger.exception("reply channel: delivering a record of %s failed", peer.who or "a prefill rank")
 
 
 class ReplyPusher:
-    """A prefill rank's end: `push` never blocks and never raises (the Ray reply carries the result anyway).
+    """A rank's end: `push` (a prefill rank) and `push_events` (a decode rank, which connects with its tag
+    `who`) never block and never raise (the Ray reply and the poll carry everything anyway).
 
     Raises (constructor only): OSError when the driver's socket cannot be reached."""
 
-    def __init__(self, address: str, secret: str) -> None:
+    def __init__(self, address: str, secret: str, who: str | None = None) -> None:
         self._sock = connect(address).sock
         try:
-            hello = single_packet({"k": "hello", "secret": secret})
+            hello = single_packet({"k": "hello", "secret": secret, "who": who})
             assert hello is not None  # a few dozen bytes
             self._sock.sendall(hello)
         except OSError:
@@ -251,21 +400,31 @@ class ReplyPusher:
 
     def push(self, handoff_id: str, secret: bytes, result: PrefillResult) -> None:
         """Push `result` of handoff `handoff_id` (whose bound meta carries `secret`: `handoff_tag`)."""
+        self._send(result_to_record(handoff_id, handoff_tag(secret), result))
+
+    def push_events(self, events: Sequence[PolledEvent], load: DecodeNodeLoad) -> bool:
+        """Push `events` (consecutive sequence numbers) with `load`. True: they are in the driver's socket
+        buffer; False: not sent (buffer full, over one packet, or the channel broke): the poll brings them."""
+        return self._send(events_to_record(events, load))
+
+    def _send(self, record: dict[str, Any]) -> bool:
         with self._lock:
             if self._broken:
-                return
+                return False
             try:
-                packet = single_packet(result_to_record(handoff_id, handoff_tag(secret), result))
-                if packet is None:  # over one packet (a token's text: never near 64 KiB)
-                    return
+                packet = single_packet(record)
+                if packet is None:  # over one packet (a result: never; a pass's events: very long texts)
+                    return False
                 self._sock.send(packet)  # a sequenced packet goes whole or not at all
+                return True
             except BlockingIOError:  # the driver's socket buffer is full: this one goes by Ray only
-                pass
-            except Exception as e:  # noqa: BLE001 - the Ray reply still carries every result
-                logger.warning("prefill reply channel to the driver failed (Ray replies only now): %r", e)
+                return False
+            except Exception as e:  # noqa: BLE001 - the Ray reply and the poll still carry everything
+                logger.warning("reply channel to the driver failed (Ray calls only now): %r", e)
                 self._broken = True
                 with contextlib.suppress(OSError):
                     self._sock.close()
+                return False
 
     def close(self) -> None:
         with self._lock:

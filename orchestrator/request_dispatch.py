@@ -19,7 +19,10 @@ lifecycle). A thin loop over the pure dispatch policy (`orchestrator.dispatch`):
                                       before decode admits the request) | Wait | EndAborted |
                                       Redispatch (keeping a first token streamed early) | Fail
     _poll(decode_index, rank)         one loop per decode rank: `DecodeNode.poll_with_load` -> the attempt
-                                      queues, and the rank's load snapshot -> the load board (routing)
+                                      queues, and the rank's load snapshot -> the load board (routing); on
+                                      one host the decode rank also pushes each engine pass's events with
+                                      its load over the Unix socket (`_on_decode_events`): an event is
+                                      handed over once, in sequence, whichever way came first
 
 Every wait is bounded: actor calls by `call_timeout_s`, the prefill call and each wait for an event by
 `event_timeout_s` (`orchestrator.dispatch`).
@@ -57,7 +60,15 @@ from orchestrator.dispatch import (
 from orchestrator.health_monitor import PROBE_INTERVAL_S
 from orchestrator.instance import Instance
 from orchestrator.load_board import LoadBoard
-from orchestrator.messages import Aborted, Phases, PollReply, PrefillResult, TokenDelta
+from orchestrator.messages import (
+    Aborted,
+    DecodeNodeLoad,
+    Phases,
+    PolledEvent,
+    PollReply,
+    PrefillResult,
+    TokenDelta,
+)
 from orchestrator.reply_channel import handoff_tag
 from orchestrator.request_state import Attempt, RequestRecord
 from orchestrator.router import RankRef
@@ -74,6 +85,8 @@ class RequestDispatch:
     _loads: LoadBoard
     _num_prefill_replies_received: int  # results the reply socket brought (`_on_prefill_reply`)
     _num_prefill_replies_pushed: int  # of those, taken before the call's reply
+    _decode_push_tags: dict[str, RankRef]  # the current tag of each decode rank's reply connection
+    _num_decode_events_pushed: int  # events handed over from the reply socket (`_on_decode_events`)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -305,6 +318,45 @@ class RequestDispatch:
         self._num_prefill_replies_pushed += 1
         attempt.events.put_nowait(PrefillDone(result))
 
+    # ---- decode events pushed over the reply socket (`orchestrator.reply_channel`) -------------------------
+    def _on_decode_events_threadsafe(self, who: str, events: list[PolledEvent], load: DecodeNodeLoad) -> None:
+        """The reply listener's thread: hand a decode rank's pushed events to the requests' event loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: its requests are gone with it
+            loop.call_soon_threadsafe(self._on_decode_events, who, events, load)
+
+    def _on_decode_events(self, who: str, events: list[PolledEvent], load: DecodeNodeLoad) -> None:
+        """Events a decode rank pushed (consecutive seqs) and its load then, from the connection tagged
+        `who`: taken only while `who` is that rank's current tag (a restarted rank numbers from 1 again, under
+        a new tag). Handed over as the poll's are."""
+        ref = self._decode_push_tags.get(who)
+        if ref is None:
+            return
+        instance = self.instances["decode"][ref.instance]
+        if instance.routable:
+            self._loads.update_decode(ref, load)
+        self._num_decode_events_pushed += self._hand_over(ref, events)
+
+    def _hand_over(self, ref: RankRef, events: list[PolledEvent]) -> int:
+        """Hand decode rank `ref`'s events to their attempts in sequence, once each: an event at or before
+        the rank's acknowledged seq came already; one after a gap waits for the poll (it returns every event
+        not acknowledged), and so do the ones after it. Returns how many were handed over."""
+        acked = self._poll_acked_seq[ref.instance]
+        num_handed = 0
+        for item in events:
+            if item.seq <= acked[ref.rank]:
+                continue
+            if item.seq != acked[ref.rank] + 1:
+                break
+            acked[ref.rank] = item.seq
+            num_handed += 1
+            attempt = self._by_handoff.get(item.event.handoff_id)
+            if attempt is not None:
+                attempt.events.put_nowait(item.event)
+        return num_handed
+
     # ---- the poll loops -----------------------------------------------------------------------------------
     def _ensure_pollers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -324,7 +376,9 @@ class RequestDispatch:
         the events received so far, so a reply lost to a timeout is sent again by the next poll
         (`DecodeNode.poll`). Ends when cancelled, also when `asyncio.wait_for` swallowed the cancellation
         (Python 3.11 returns the result of a call that completed as the cancellation came, CPython
-        gh-86296): the request is still counted by `Task.cancelling`, and the loop would poll forever."""
+        gh-86296): the request is still counted by `Task.cancelling`, and the loop would poll forever. With
+        the rank's events pushed (`_on_decode_events`), a poll returns after `POLL_WAIT_S` with the load and
+        any event the push has not brought yet."""
         instance = self.instances["decode"][decode_index]
         acked = self._poll_acked_seq[decode_index]  # per rank
         task = asyncio.current_task()
@@ -344,12 +398,7 @@ class RequestDispatch:
             except Exception as e:  # noqa: BLE001 - a dead or stuck decode rank fails its instance
                 self._mark_failed("decode", decode_index, e, f"poll of rank {rank}")
                 continue
+            ref = RankRef(decode_index, rank)
             if instance.routable:  # (a reply that raced the instance leaving routing is stale)
-                self._loads.update_decode(RankRef(decode_index, rank), reply.load)
-            for item in reply.events:
-                if item.seq <= acked[rank]:
-                    continue  # sent again after a lost reply; already handed over
-                acked[rank] = item.seq
-                attempt = self._by_handoff.get(item.event.handoff_id)
-                if attempt is not None:
-                    attempt.events.put_nowait(item.event)
+                self._loads.update_decode(ref, reply.load)
+            self._hand_over(ref, reply.events)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.instance import Instance
 from orchestrator.reply_channel import ReplyListener
+from orchestrator.router import RankRef
 
 if TYPE_CHECKING:
     from kvtransfer.paired import PairedAddress
@@ -59,28 +61,46 @@ class ClusterWiring:
     _loopback: bool
     _reply_listener: ReplyListener | None
     _on_prefill_reply_threadsafe: Callable[[str, str, Any], None]  # `RequestDispatch`'s
+    _on_decode_events_threadsafe: Callable[[str, list, Any], None]  # `RequestDispatch`'s
+    _decode_push_tags: dict[str, RankRef]
 
     def _connect_reply_channel(
-        self, ray, ranks: list[Any], timeout_s: float = 120.0, restarted: bool = False
+        self,
+        ray,
+        ranks: list[Any],
+        timeout_s: float = 120.0,
+        restarted: bool = False,
+        decode_indices: Iterable[int] = (),
     ) -> None:
-        """On a single-node cpu topology (every prefill rank on this host), have prefill ranks `ranks` push
-        their results over a Unix socket too (`orchestrator.reply_channel`): at deploy the listener starts;
-        `restarted` ranks (the health monitor's rewire) reconnect to it while it is open. A rank that cannot
-        connect is logged and keeps the Ray reply alone."""
-        if not self._loopback or not ranks:
+        """On a single-node cpu topology (every rank on this host), have prefill ranks `ranks` push their
+        results, and the ranks of decode instances `decode_indices` their events, over a Unix socket too
+        (`orchestrator.reply_channel`): at deploy the listener starts; `restarted` ranks (the health
+        monitor's rewire) reconnect to it while it is open. Each decode rank connects under a fresh tag,
+        which replaces its earlier one. A rank that cannot connect is logged and keeps its Ray calls alone."""
+        if not self._loopback:
             return
         if not restarted:  # deploy: the listener starts here (a rejoin after shutdown starts none)
-            self._reply_listener = ReplyListener(self._on_prefill_reply_threadsafe)
+            self._reply_listener = ReplyListener(
+                self._on_prefill_reply_threadsafe, self._on_decode_events_threadsafe
+            )
         listener = self._reply_listener
         if listener is None or listener.closed:
             return
         address, secret = listener.address, listener.secret
-        refs = [rank.connect_reply_channel.remote(address, secret) for rank in ranks]
-        for ref in refs:
+        refs = {rank.connect_reply_channel.remote(address, secret): "a prefill rank" for rank in ranks}
+        for index in decode_indices:
+            instance = self.instances["decode"][index]
+            for tag in [t for t, ref in self._decode_push_tags.items() if ref.instance == index]:
+                del self._decode_push_tags[tag]  # that incarnation's pushes are no longer taken
+            for rank, actor in enumerate(instance.ranks):
+                who = f"{instance.rank_name(rank)}:{secrets.token_hex(8)}"
+                self._decode_push_tags[who] = RankRef(index, rank)
+                refs[actor.connect_reply_channel.remote(address, secret, who)] = instance.rank_name(rank)
+        for ref, what in refs.items():
             try:
                 ray.get(ref, timeout=timeout_s)
-            except Exception as e:  # noqa: BLE001 - the Ray reply still carries every result
-                logger.warning("a prefill rank could not connect to the driver's reply socket: %s", e)
+            except Exception as e:  # noqa: BLE001 - the Ray calls still carry every result and event
+                logger.warning("%s could not connect to the driver's reply socket: %s", what, e)
 
     def _rendezvous(self, ray, spec_index: int) -> tuple[str, int]:
         """(`tcp://host:port` of the group, the barrier's port) for an instance whose rank 0 runs in bundle 0

@@ -101,14 +101,19 @@ def test_a_stalled_instance_leaves_routing_and_rejoins_when_it_answers(
 def test_a_crashed_decode_is_restarted_rewired_and_serves_again(cluster, expected_tokens) -> None:
     """SIGKILL of the decode actor's process: Ray restarts it in its placement group bundle (a new
     process, weights loaded again); the health monitor rewires prefill's KV sender to the new receiver and
-    puts it back in routing; the same greedy tokens come out."""
+    puts it back in routing; the same greedy tokens come out. The new process pushes its token events to
+    the driver under a new tag (the old one's would no longer be taken)."""
     pid = _pid(cluster, "decode")
+    tags_before = set(cluster._decode_push_tags)
     os.kill(pid, signal.SIGKILL)
     # A restart loads the weights again: bounded by the deploy's own wait for an actor (request bound).
     recovery_s = _seconds_until_routable_after_restart(cluster, pid, request_bound_s(cluster))
     print(f"decode restarted and rejoined {recovery_s:.2f} s after SIGKILL")
     assert _pid(cluster, "decode") != pid
+    assert len(cluster._decode_push_tags) == 1 and not tags_before & set(cluster._decode_push_tags)
+    pushed_before = cluster._num_decode_events_pushed
     assert _generate(cluster, "after-crash") == expected_tokens
+    assert cluster._num_decode_events_pushed > pushed_before
     assert_nothing_held(cluster)
 
 

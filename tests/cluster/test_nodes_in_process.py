@@ -5,6 +5,7 @@ acknowledgement, a handoff that never comes (its lease expires), and the shared 
 
 from __future__ import annotations
 
+import queue
 import time
 
 import pytest
@@ -21,6 +22,7 @@ from orchestrator.messages import (
     ReserveRequest,
     TokenDelta,
 )
+from orchestrator.reply_channel import ReplyListener
 from prefill_node.thread_clock import run_delay_s
 from tests.cluster.test_cluster import _topology
 
@@ -567,3 +569,59 @@ def test_shm_grpc_pairs_take_shm_on_the_node_and_grpc_across() -> None:
         prefill.close()
         for decode in decodes:
             decode.close()
+
+
+def _pushed_until_finished(got: queue.Queue, handoff_id: str) -> list:
+    """The PolledEvents pushed for `handoff_id` until its finished delta (each record checked for sender)."""
+    items, deadline_s = [], time.monotonic() + EVENT_WAIT_S
+    while not (items and items[-1].event.finished):
+        who, events, load = got.get(timeout=max(deadline_s - time.monotonic(), 0.001))
+        assert who == "decode-0:push-test" and isinstance(load, DecodeNodeLoad) and load.name == "decode-0"
+        items.extend(p for p in events if p.event.handoff_id == handoff_id)
+    return items
+
+
+def test_events_are_pushed_in_sequence_and_the_poll_returns_early_only_for_the_rest(nodes) -> None:
+    """With the reply channel connected, a request's events reach the driver's listener as they are
+    emitted; a poll then waits its whole timeout (nothing is missing) and returns them for acknowledgement.
+    A push that fails (injected) is left to the poll, which returns it at once; pushes resume in sequence
+    once the poll has acknowledged it."""
+    prefill, decode = nodes
+    got: queue.Queue = queue.Queue()
+    listener = ReplyListener(lambda *result: None, lambda who, events, load: got.put((who, events, load)))
+    try:
+        retained = decode.poll(0.0, 0)
+        if retained:  # acknowledge what earlier tests left
+            decode.poll(0.0, retained[-1].seq)
+        decode.connect_reply_channel(listener.address, listener.secret, "decode-0:push-test")
+        reserved = decode.reserve(ReserveRequest("p1", PROMPT, GREEDY, _meta(prefill, "p1"), 1))
+        prefill.prefill(PrefillRequest("p1", PROMPT, GREEDY, reserved.bound_meta, 0))
+        pushed = _pushed_until_finished(got, "p1")
+        acked = pushed[0].seq - 1  # every event before was acknowledged
+        assert [p.seq for p in pushed] == list(range(acked + 1, acked + 1 + len(pushed)))
+        assert sum(len(p.event.new_token_ids) for p in pushed) == GREEDY.max_tokens
+        started_s = time.monotonic()
+        assert decode.poll(0.3, acked) == pushed  # kept until acknowledged, but nothing was missing:
+        assert time.monotonic() - started_s >= 0.3  # the poll waited its whole timeout
+        acked = pushed[-1].seq
+
+        decode._pusher.push_events = lambda events, load: False  # injected: every push fails
+        reserved = decode.reserve(ReserveRequest("p2", PROMPT, GREEDY, _meta(prefill, "p2"), 1))
+        prefill.prefill(PrefillRequest("p2", PROMPT, GREEDY, reserved.bound_meta, 0))
+        polled, acked = _events_until(decode, "p2", lambda e: e.finished, acked)
+        assert sum(len(e.new_token_ids) for e in polled) == GREEDY.max_tokens and got.empty()
+        assert decode.poll(0.0, acked) == []  # acknowledged (the driver's next poll does this at once)
+
+        del decode._pusher.push_events  # pushes work again, from the seq after the acknowledged ones
+        reserved = decode.reserve(ReserveRequest("p3", PROMPT, GREEDY, _meta(prefill, "p3"), 1))
+        prefill.prefill(PrefillRequest("p3", PROMPT, GREEDY, reserved.bound_meta, 0))
+        pushed = _pushed_until_finished(got, "p3")
+        assert pushed[0].seq == acked + 1
+        assert sum(len(p.event.new_token_ids) for p in pushed) == GREEDY.max_tokens
+        decode.poll(0.0, pushed[-1].seq)
+    finally:
+        if decode._pusher is not None:
+            decode._pusher.close()
+        decode._pusher = None
+        listener.close()
+    _assert_idle(prefill, decode)

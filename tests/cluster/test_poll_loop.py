@@ -38,6 +38,7 @@ def test_the_poll_loop_ends_when_wait_for_swallowed_its_cancellation() -> None:
         _loads=SimpleNamespace(update_decode=lambda *_: None),
         _by_handoff={},
     )
+    driver._hand_over = lambda ref, events: RequestDispatch._hand_over(driver, ref, events)
 
     async def run() -> bool:
         task = asyncio.ensure_future(RequestDispatch._poll(driver, 0, 0))

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import socket
 from types import SimpleNamespace
@@ -16,10 +17,21 @@ from kvtransfer.shm_transport.channel import single_packet as _packet
 from orchestrator import reply_channel
 from orchestrator.dispatch import PrefillDone
 from orchestrator.health_monitor import _prefill_pending
-from orchestrator.messages import PrefillResult
+from orchestrator.load_board import LoadBoard
+from orchestrator.messages import (
+    DecodeNodeLoad,
+    DraftCounts,
+    Phases,
+    PolledEvent,
+    PrefillResult,
+    RequestError,
+    TokenDelta,
+)
 from orchestrator.reply_channel import (
     ReplyListener,
     ReplyPusher,
+    events_from_record,
+    events_to_record,
     handoff_tag,
     result_from_record,
     result_to_record,
@@ -175,3 +187,103 @@ def test_refused_connections_are_logged_once_per_interval_not_once_each(listener
         sock.close()
     refusals = [r for r in caplog.records if "refused or closed" in r.getMessage()]
     assert len(refusals) == 1, [r.getMessage() for r in refusals]  # the first; the next 4 within 10 s
+
+
+LOAD = DecodeNodeLoad(
+    name="decode-0", pid=4242, num_free_blocks=90, num_total_blocks=128, num_running=2, num_reserved=1,
+    num_waiting_for_seat=0, engine_thread_alive=True, num_engine_errors=0, last_engine_error=None,
+    ep={"num_tokens": 3}, taken_s=12.5,
+)  # fmt: skip
+DELTA = TokenDelta(
+    "r@0", (5, 6), finished=True, finish_reason="length", phases=Phases(kv_transfer_s=0.004, admit_s=0.001),
+    kv_transfer_bytes=12_800, drafts=DraftCounts(4, 3, (4,), (3,)), new_text=" a b",
+)  # fmt: skip
+EVENTS = [
+    PolledEvent(7, TokenDelta("r@0", (4,))),
+    PolledEvent(8, DELTA),
+    PolledEvent(9, RequestError("q@1", "x")),
+]
+
+
+def test_pushed_events_reach_the_driver_as_they_were_sent_under_the_rank_tag(listener) -> None:
+    """A decode rank's events and load arrive whole, tagged with the `who` of its hello; a prefill rank's
+    connection (no tag) that sends events has them dropped, and a result still reaches `on_result`."""
+    _, got_results = listener
+    got: queue.Queue = queue.Queue()
+    listener = ReplyListener(lambda *r: got_results.put(r), lambda who, ev, load: got.put((who, ev, load)))
+    try:
+        decode = ReplyPusher(listener.address, listener.secret, who="decode-0:t1")
+        assert decode.push_events(EVENTS, LOAD)
+        assert got.get(timeout=WAIT_S) == ("decode-0:t1", EVENTS, LOAD)
+        prefill = ReplyPusher(listener.address, listener.secret)
+        assert prefill.push_events(EVENTS, LOAD)  # sent, but a prefill rank has no events to give
+        prefill.push("ok@0", SECRET, RESULT)
+        assert got_results.get(timeout=WAIT_S) == ("ok@0", handoff_tag(SECRET), RESULT)
+        assert got.empty()
+        decode.close()
+        assert not decode.push_events(EVENTS, LOAD)  # closed: the poll brings them
+        prefill.close()
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"e": []}, "non-empty list e"),
+        ({"l": {**dataclasses.asdict(LOAD), "pid": "1"}}, "pid is str"),
+        ({"l": {"name": "decode-0"}}, "load fields"),
+        ({"e": [[1, "delta", "r", [1], False, None, {"nope_s": 1.0}, None, [0, 0, [], []], ""]]}, "phases"),
+        (
+            {"e": [[1, "delta", "r", [1.5], False, None, {}, None, [0, 0, [], []], ""]]},
+            "new_token_ids is float",
+        ),
+        ({"e": [[1, "delta", "r", [1], 0, None, {}, None, [0, 0, [], []], ""]]}, "finished is int"),
+        ({"e": [[1, "error", "r"]]}, "kind 'error' with 3 fields"),
+        ({"e": [[1, "error", "r", "m"], [3, "error", "r", "m"]]}, "out of sequence"),
+        ({"e": [["1", "error", "r", "m"]]}, "seq is str"),
+    ],
+)
+def test_events_from_record_names_what_is_malformed(change, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        events_from_record({**events_to_record(EVENTS, LOAD), **change})
+
+
+def _decode_driver(routable: bool = True) -> SimpleNamespace:
+    """What `RequestDispatch._on_decode_events` reads of the driver: one decode instance of one rank."""
+    driver = SimpleNamespace(
+        _decode_push_tags={"decode-0:new": RankRef(0, 0)},
+        instances={"decode": [SimpleNamespace(routable=routable)]},
+        _loads=LoadBoard([1]),
+        _poll_acked_seq=[[6]],
+        _by_handoff={"r@0": _attempt("r@0", SECRET), "q@1": _attempt("q@1", SECRET)},
+        _num_decode_events_pushed=0,
+    )
+    driver._hand_over = lambda ref, events: RequestDispatch._hand_over(driver, ref, events)
+    return driver
+
+
+def _queued(attempt: Attempt) -> list:
+    return [attempt.events.get_nowait() for _ in range(attempt.events.qsize())]
+
+
+def test_the_driver_takes_pushed_events_once_in_sequence_and_only_under_the_current_tag() -> None:
+    driver = _decode_driver()
+    on_events = RequestDispatch._on_decode_events
+    on_events(driver, "decode-0:old", EVENTS, LOAD)  # a restarted rank's predecessor: dropped
+    assert driver._poll_acked_seq == [[6]] and driver._loads.missing_decodes([0]) == [0]
+    on_events(driver, "decode-0:new", EVENTS[1:], LOAD)  # 8 after 6: a gap (7 comes by the poll)
+    assert driver._poll_acked_seq == [[6]] and driver._num_decode_events_pushed == 0
+    on_events(driver, "decode-0:new", EVENTS, LOAD)
+    assert driver._poll_acked_seq == [[9]] and driver._num_decode_events_pushed == 3
+    assert _queued(driver._by_handoff["r@0"]) == [EVENTS[0].event, DELTA]
+    assert _queued(driver._by_handoff["q@1"]) == [EVENTS[2].event]
+    assert driver._loads.decode_snapshots(0) == [LOAD]  # the load came with them
+    on_events(driver, "decode-0:new", EVENTS, LOAD)  # again (e.g. the poll brought them first)
+    assert driver._num_decode_events_pushed == 3 and driver._by_handoff["r@0"].events.empty()
+
+
+def test_pushed_events_of_a_rank_out_of_routing_are_handed_over_but_its_load_is_not() -> None:
+    driver = _decode_driver(routable=False)
+    RequestDispatch._on_decode_events(driver, "decode-0:new", EVENTS, LOAD)
+    assert driver._poll_acked_seq == [[9]] and driver._loads.missing_decodes([0]) == [0]
