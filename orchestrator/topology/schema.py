@@ -450,7 +450,8 @@ class Topology:
         return EngineConfig(**engine_arguments(self, role, rank))
 
     def summary(self) -> str:
-        """One line, e.g. `2 nodes × 8 h200, prefill 1×8 devices, decode 1×8 devices`."""
+        """One line, e.g. `2 nodes × 8 h200, prefill 1×8 devices, decode 1×8 devices, KV shm+grpc (auto)`:
+        the KV transport deploy wires, and `(auto)` when `kv_transfer.transport: auto` chose it."""
         hw = self.hardware
         dies = hw.spec.dies_per_chip
         per_node = f"{hw.devices_per_node // dies} {hw.accelerator}"
@@ -461,4 +462,5 @@ class Topology:
             f"{role} {p.num_instances}×{p.devices_per_instance} devices"
             for role, p in (("prefill", self.prefill), ("decode", self.decode))
         )
-        return f"{nodes} × {per_node}, {pools}"
+        kv = self.kv_transport + (" (auto)" if self.kv_transfer.transport == "auto" else "")
+        return f"{nodes} × {per_node}, {pools}, KV {kv}"

@@ -133,7 +133,8 @@ def test_cm384_is_big_ep_decode_on_910c_dies():
     assert topology.prefill.devices_per_instance == 32
     assert topology.model.config_path == str(CLUSTERS / "models" / "deepseek-v3.config.json")
     assert topology.summary() == (
-        "48 nodes × 8 ascend-910c (16 dies each), prefill 14×32 devices, decode 1×288 devices"
+        "48 nodes × 8 ascend-910c (16 dies each), prefill 14×32 devices, decode 1×288 devices, "
+        "KV torch_distributed"
     )
     engine = topology.engine_config("decode")
     assert (engine.device, engine.dtype, engine.kv_cache_dtype) == ("npu", "bfloat16", "int8")
@@ -877,7 +878,8 @@ def test_cli_validate_exit_codes(tmp_path, ckpt, capsys):
 
     assert main(["validate", str(good)]) == 0
     out, err = capsys.readouterr()
-    assert out == f"{good}: ok — 1 node × 4 cpu, prefill 1×1 devices, decode 1×1 devices\n" and err == ""
+    assert out == f"{good}: ok — 1 node × 4 cpu, prefill 1×1 devices, decode 1×1 devices, KV shm (auto)\n"
+    assert err == ""
 
     assert main(["validate", str(good), str(bad)]) == 1
     out, err = capsys.readouterr()
@@ -894,9 +896,12 @@ def test_cli_validate_shipped_accelerator_files(capsys):
     assert main(["validate", *map(str, files)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith(
-        "ok — 48 nodes × 8 ascend-910c (16 dies each), prefill 14×32 devices, decode 1×288 devices"
+        "ok — 48 nodes × 8 ascend-910c (16 dies each), prefill 14×32 devices, decode 1×288 devices, "
+        "KV torch_distributed"
     )
-    assert lines[1].endswith("ok — 2 nodes × 8 h200, prefill 1×8 devices, decode 1×8 devices")
+    assert lines[1].endswith(
+        "ok — 2 nodes × 8 h200, prefill 1×8 devices, decode 1×8 devices, KV torch_distributed"
+    )
 
 
 # ---- prefill and decode agree on max_model_len -------------------------------------------------------
