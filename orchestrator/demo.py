@@ -91,7 +91,9 @@ def run_demo(
             out.write(
                 f"\n=== [{i}/{num_prompts}] {prompt.source} ===\n{prompt.text}{reply['choices'][0]['text']}\n"
             )
-            out.write(f"--- {phases}; acceptance {ext.get('acceptance_rate')}\n")
+            rate = ext.get("acceptance_rate")
+            acceptance = "n/a (no drafts)" if rate is None else f"{rate:.2f}"
+            out.write(f"--- {phases}; acceptance {acceptance}\n")
         out.write(f"\nreplaying {num_requests} requests of {trace_path.name} through {service.url}\n")
         report = run_bench(
             service.url,
