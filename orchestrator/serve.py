@@ -36,11 +36,19 @@ class Service:
 
 
 @contextmanager
-def serve(topology: Topology | str | Path, port: int | None = None, log=logger.info) -> Iterator[Service]:
+def serve(
+    topology: Topology | str | Path,
+    port: int | None = None,
+    log=logger.info,
+    drain_timeout_s: float = 2.0,
+) -> Iterator[Service]:
     """Deploy `topology` and serve it over HTTP; everything is torn down on exit (also on errors).
 
     Args:
         port: overrides `api.port` (0 picks a free port).
+        drain_timeout_s: on exit, new connections are refused at once and requests in flight get up to
+            this many seconds to finish before the actors stop (`ServerThread`; `pdcluster deploy`'s
+            `--drain-timeout-s`).
 
     Raises:
         TopologyError: an invalid topology file; DeployError (one line): an actor or the HTTP server failed
@@ -53,7 +61,7 @@ def serve(topology: Topology | str | Path, port: int | None = None, log=logger.i
         app = build_topology_app(cluster, topo)
         host, bind_port = topo.api.host, topo.api.port if port is None else port
         try:
-            server = ServerThread(app, host=host, port=bind_port).start()
+            server = ServerThread(app, host=host, port=bind_port, drain_timeout_s=drain_timeout_s).start()
         except (OSError, RuntimeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise DeployError(f"the HTTP server cannot serve on {host}:{bind_port}: {reason}") from exc
@@ -63,6 +71,8 @@ def serve(topology: Topology | str | Path, port: int | None = None, log=logger.i
         )
         yield Service(topo, cluster, server)
     finally:
-        if server is not None:
-            server.stop()
-        cluster.shutdown()
+        try:
+            if server is not None:
+                server.stop()
+        finally:  # also when a second Ctrl-C cut the drain short
+            cluster.shutdown()

@@ -25,17 +25,27 @@ class ServerThread:
     """uvicorn serving `app` on `host` (a free port with port=0) in a background thread; `stop()` ends it.
 
     Used by the tests, `orchestrator.serve` and `pdcluster bench --endpoint local`; binds 127.0.0.1 unless
-    told otherwise.
+    told otherwise. `drain_timeout_s`: at `stop`, the listening socket closes at once (new connections are
+    refused) and requests in flight, streams included, get up to this many seconds to finish before they
+    are cut.
     """
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, drain_timeout_s: float = 2.0
+    ) -> None:
         import uvicorn
+
+        if drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {drain_timeout_s}")
+        self.drain_timeout_s = drain_timeout_s
 
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
         self.host, self.port = self._socket.getsockname()[:2]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=drain_timeout_s
+        )
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self._socket]}, name="pdcluster-http", daemon=True
@@ -55,9 +65,10 @@ class ServerThread:
             time.sleep(0.01)
         return self
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self) -> None:
+        """Refuse new connections, let requests in flight finish (`drain_timeout_s`), then end."""
         self.server.should_exit = True
-        self._thread.join(timeout_s)
+        self._thread.join(self.drain_timeout_s + 10.0)  # + uvicorn's own shutdown steps
         self._socket.close()
 
     def __enter__(self) -> ServerThread:

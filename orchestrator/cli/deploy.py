@@ -8,10 +8,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.cli.common import CliError, tcp_port
+from orchestrator.cli.common import CliError, non_negative_float, tcp_port
 
 if TYPE_CHECKING:
     from orchestrator.topology import Topology
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # --drain-timeout-s: how long requests in flight may finish at shutdown
 
 
 def deploy_preflight(path: Path, port: int | None) -> Topology:
@@ -57,13 +59,18 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from exc
     _interrupt_on_sigterm()
     try:
-        with serve(topology, port=args.port, log=lambda m: print(f"[pdcluster] {m}", flush=True)) as service:
+        log = lambda m: print(f"[pdcluster] {m}", flush=True)  # noqa: E731
+        with serve(topology, port=args.port, log=log, drain_timeout_s=args.drain_timeout_s) as service:
             print(f"[pdcluster] ready: {service.url}/v1/models — Ctrl-C or SIGTERM to stop", flush=True)
             try:
                 while True:
                     time.sleep(0.5)
             except KeyboardInterrupt:
-                print("[pdcluster] shutting down", flush=True)
+                print(
+                    "[pdcluster] shutting down: new connections refused; requests in flight get up to "
+                    f"{args.drain_timeout_s:g} s to finish (Ctrl-C again to cut them)",
+                    flush=True,
+                )
         print("[pdcluster] stopped", flush=True)
     except KeyboardInterrupt:  # before the service was up, or a second Ctrl-C while shutting down
         print("[pdcluster] interrupted; what had started is shut down", flush=True)
@@ -80,8 +87,9 @@ Validate FILE, connect to the Ray cluster in RAY_ADDRESS (or start a local one),
 placement group per instance, start the prefill and decode actors (progress is logged while
 weights load), wire the KV transfer, and serve /v1/completions, /v1/chat/completions,
 /v1/models, /health and /metrics on api.host:api.port until Ctrl-C or SIGTERM.
-Both shut down the same way (HTTP server, actors, placement groups, Ray if deploy started
-it), also while starting, and exit with code 0.
+Both shut down the same way, also while starting, and exit with code 0: new connections are
+refused at once, requests in flight get --drain-timeout-s to finish, then the HTTP server, the
+actors, the placement groups and Ray (if deploy started it) stop.
 
 Before Ray starts, FILE is checked as `pdcluster validate --for-deploy FILE` checks it (the
 file, the parallelism and weight dtypes the actors can run, the checkpoint, that the address can be
@@ -95,3 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `pdcluster deploy`."""
     parser.add_argument("file", type=Path, metavar="FILE", help="topology YAML (see clusters/README.md)")
     parser.add_argument("--port", type=tcp_port, default=None, help="override api.port (0: a free port)")
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=non_negative_float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        metavar="S",
+        help="at Ctrl-C or SIGTERM, new connections are refused at once and requests in flight (streams "
+        "included) get up to S seconds to finish before the actors stop; a second Ctrl-C cuts them "
+        f"(0: cut at once). Default: {DEFAULT_DRAIN_TIMEOUT_S:g}",
+    )

@@ -629,3 +629,54 @@ def test_an_empty_api_key_is_refused():
     """Issue 12, finding 8: `api_key: ""` let an empty bearer token in; now a ValueError at build time."""
     with pytest.raises(ValueError, match="api_key must not be empty"):
         build_app(LocalEngineBackend.__new__(LocalEngineBackend), api_key="")
+
+
+@pytest.mark.parametrize("drain_timeout_s", [10.0, 0.0])
+def test_stop_refuses_new_connections_and_drains_streams_in_flight(
+    backend: LocalEngineBackend, drain_timeout_s: float
+) -> None:
+    """`ServerThread.stop` (what `pdcluster deploy` does at Ctrl-C / SIGTERM): the port is closed at once,
+    and a stream in flight (held in the backend until after that) finishes whole within the drain timeout;
+    with 0, stop returns at once and the stream is cut."""
+    gated = GatedBackend(backend)
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    srv = ServerThread(build_app(gated), drain_timeout_s=drain_timeout_s).start()
+    outcome: list[Any] = []
+
+    def client() -> None:
+        try:
+            outcome.append(stream(httpx.Client(base_url=srv.url, timeout=30), "/v1/completions", body))
+        except (httpx.HTTPError, AssertionError) as e:  # cut mid-way, or before its 200
+            outcome.append(e)
+
+    streaming = threading.Thread(target=client)
+    streaming.start()
+    deadline_s = time.monotonic() + 10
+    while gated.num_running < 1:
+        assert time.monotonic() < deadline_s, "the request did not reach the backend"
+        time.sleep(0.01)
+    stopping = threading.Thread(target=srv.stop)
+    stopping.start()
+    while True:  # the listening socket closes first: a new connection is refused
+        try:
+            with socket.create_connection((srv.host, srv.port), timeout=1):
+                pass
+        except ConnectionRefusedError:
+            break
+        assert time.monotonic() < deadline_s, "the port still accepts connections"
+        time.sleep(0.01)
+    if not drain_timeout_s:  # stop returns without waiting for the request still held in the backend
+        stopping.join(30)
+        assert not stopping.is_alive()
+    gated.gate.set()
+    streaming.join(30)
+    stopping.join(30)
+    assert not streaming.is_alive() and not stopping.is_alive()
+    if drain_timeout_s:
+        events = outcome[0]
+        assert events[-1] == "[DONE]", events
+        assert sum(len(e["choices"][0]["text"]) > 0 for e in events[:-1] if e["choices"]) >= 1
+        assert [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1] == "length"
+    else:
+        assert not isinstance(outcome[0], list) or outcome[0][-1] != "[DONE]", outcome
+    wait_idle(backend)
