@@ -27,13 +27,16 @@ after it; `_alloc_lock`, held with it, except that the engine thread lets it go 
 sampling and drafting run (`LLMEngine.step`'s `while_executing`): a reserve takes only `_alloc_lock`, so it
 allocates its fresh blocks while a step executes instead of waiting for the step to end (unless that step
 has run for half the driver's reserve timeout: then it waits for it, and a hung step still takes the rank
-out of routing). Layer writes go to reserved blocks no scheduled request uses.
+out of routing). Layer writes go to reserved blocks no scheduled request uses. `_events_lock` (the event
+queue, and the push to the driver under it: a non-blocking send) is taken last and never waits for the
+others.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -236,12 +239,11 @@ class DecodeNode(RankActor):
     def connect_reply_channel(self, address: str, secret: str, who: str) -> None:
         """Push each engine pass's events, with the load, to the driver's socket at `address` too (it is on
         this host), presenting `secret` and this incarnation's tag `who` (`orchestrator.reply_channel`).
-        Events emitted before are left to the poll. Replaces an earlier connection. Raises OSError when the
-        socket cannot be reached."""
+        Events not acknowledged yet go with the next pass's push. Replaces an earlier connection. Raises
+        OSError when the socket cannot be reached."""
         pusher = ReplyPusher(address, secret, who)
         with self._events_lock:
             old, self._pusher = self._pusher, pusher
-            self._pushed_through = self._next_seq
         if old is not None:
             old.close()
 
@@ -256,8 +258,9 @@ class DecodeNode(RankActor):
         with self._events_lock:
             while self._events and self._events[0].seq <= acked_seq:
                 self._events.popleft()
-            # The driver has every event through acked_seq: pushes may go on from there.
-            self._pushed_through = max(self._pushed_through, acked_seq)
+            # The driver has every event through acked_seq (a number past the last event is another
+            # incarnation's: a restarted rank's first poll may still carry its predecessor's).
+            self._pushed_through = max(self._pushed_through, min(acked_seq, self._next_seq))
             while self._next_seq <= self._pushed_through:  # nothing the driver could lack
                 remaining_s = deadline_s - time.monotonic()
                 if remaining_s <= 0 or self._stopped.is_set():
@@ -538,8 +541,9 @@ class DecodeNode(RankActor):
         return [delta]
 
     def _emit(self, events: list[DecodeEvent]) -> None:
-        """Number `events`, keep them for the poll, and push them to the driver when every earlier event
-        was pushed or acknowledged (so the driver can take them in sequence); else wake the poll."""
+        """Number `events`, keep them for the poll, and push every event neither pushed nor acknowledged yet
+        (these, and any a failed push left behind: the driver takes them in sequence) to the driver, with
+        the load; when that push fails, wake the poll. Never raises for the push."""
         if not events:
             return
         with self._events_lock:
@@ -547,9 +551,15 @@ class DecodeNode(RankActor):
             items = [PolledEvent(first_seq + i, event) for i, event in enumerate(events)]
             self._next_seq = items[-1].seq
             self._events.extend(items)
-            pusher = self._pusher
-            if pusher is not None and first_seq == self._pushed_through + 1:
-                if pusher.push_events(items, self.load()):
+            if self._pusher is not None:
+                if first_seq != self._pushed_through + 1:  # a push failed since: send its events again
+                    items = [item for item in self._events if item.seq > self._pushed_through]
+                try:  # the load without its EP figures (large; the poll's and stats() carry them)
+                    pushed = self._pusher.push_events(items, dataclasses.replace(self.load(), ep=None))
+                except Exception:  # noqa: BLE001 - the poll brings them
+                    logger.exception("%s: pushing events to the driver failed", self.name)
+                    pushed = False
+                if pushed:
                     self._pushed_through = self._next_seq
                     return
             self._events_lock.notify_all()

@@ -231,7 +231,8 @@ class InstanceMonitor:
         """gRPC, shm and shm+grpc only (restarts are off for torch.distributed and for multi-rank instances,
         whose groups are fixed at deploy). A restarted decode starts its receiver on a new port (shm: a new
         socket path; shm+grpc: both, in a new `PairedAddress`), which the prefill ranks in routing learn at
-        once (the others when they rejoin); a rejoining prefill instance's ranks (re)connect to every decode
+        once (the others when they rejoin), and (one host) reconnects to the driver's reply socket under a
+        new tag; a rejoining prefill instance's ranks (re)connect to every decode
         rank's current address, in case one moved meanwhile."""
         if role == "decode":
             assert restarted

@@ -301,7 +301,7 @@ class ReplyListener:
                                 self._refused("sent no secret in time")
                                 drop(peer)
                     except Exception:  # noqa: BLE001 - the listener never dies of one bad moment
-                        logger.exception("prefill reply channel: the listener's loop failed; going on")
+                        logger.exception("reply channel: the listener's loop failed; going on")
                         time.sleep(POLL_S)
             finally:
                 for peer in list(peers.values()):
@@ -328,8 +328,8 @@ class ReplyListener:
         now_s = time.monotonic()
         if now_s - self._refusal_logged_at_s >= REFUSAL_LOG_INTERVAL_S:
             logger.warning(
-                "prefill reply channel: refused or closed %d connection(s) of processes that are not "
-                "prefill ranks of this deployment (latest: %s)",
+                "reply channel: refused or closed %d connection(s) of processes that are not "
+                "ranks of this deployment (latest: %s)",
                 self._num_refused,
                 why,
             )
@@ -417,7 +417,7 @@ class ReplyPusher:
                     return False
                 self._sock.send(packet)  # a sequenced packet goes whole or not at all
                 return True
-            except BlockingIOError:  # the driver's socket buffer is full: this one goes by Ray only
+            except BlockingIOError:  # the driver's socket buffer is full: the Ray reply or the poll brings it
                 return False
             except Exception as e:  # noqa: BLE001 - the Ray reply and the poll still carry everything
                 logger.warning("reply channel to the driver failed (Ray calls only now): %r", e)

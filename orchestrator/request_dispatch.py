@@ -377,8 +377,9 @@ class RequestDispatch:
         (`DecodeNode.poll`). Ends when cancelled, also when `asyncio.wait_for` swallowed the cancellation
         (Python 3.11 returns the result of a call that completed as the cancellation came, CPython
         gh-86296): the request is still counted by `Task.cancelling`, and the loop would poll forever. With
-        the rank's events pushed (`_on_decode_events`), a poll returns after `POLL_WAIT_S` with the load and
-        any event the push has not brought yet."""
+        the rank's events pushed (`_on_decode_events`), a poll returns early only for events the push did
+        not bring, else after `POLL_WAIT_S`, with the load and every event not acknowledged (those the push
+        brought are skipped)."""
         instance = self.instances["decode"][decode_index]
         acked = self._poll_acked_seq[decode_index]  # per rank
         task = asyncio.current_task()

@@ -581,11 +581,16 @@ def _pushed_until_finished(got: queue.Queue, handoff_id: str) -> list:
     return items
 
 
+def _run(prefill, decode, handoff_id: str) -> None:
+    reserved = decode.reserve(ReserveRequest(handoff_id, PROMPT, GREEDY, _meta(prefill, handoff_id), 1))
+    prefill.prefill(PrefillRequest(handoff_id, PROMPT, GREEDY, reserved.bound_meta, 0))
+
+
 def test_events_are_pushed_in_sequence_and_the_poll_returns_early_only_for_the_rest(nodes) -> None:
     """With the reply channel connected, a request's events reach the driver's listener as they are
     emitted; a poll then waits its whole timeout (nothing is missing) and returns them for acknowledgement.
-    A push that fails (injected) is left to the poll, which returns it at once; pushes resume in sequence
-    once the poll has acknowledged it."""
+    When every push fails (injected) the poll returns the events at once. When one push fails, the next
+    pass pushes its events again with its own, so pushes go on in sequence without waiting for a poll."""
     prefill, decode = nodes
     got: queue.Queue = queue.Queue()
     listener = ReplyListener(lambda *result: None, lambda who, events, load: got.put((who, events, load)))
@@ -594,8 +599,7 @@ def test_events_are_pushed_in_sequence_and_the_poll_returns_early_only_for_the_r
         if retained:  # acknowledge what earlier tests left
             decode.poll(0.0, retained[-1].seq)
         decode.connect_reply_channel(listener.address, listener.secret, "decode-0:push-test")
-        reserved = decode.reserve(ReserveRequest("p1", PROMPT, GREEDY, _meta(prefill, "p1"), 1))
-        prefill.prefill(PrefillRequest("p1", PROMPT, GREEDY, reserved.bound_meta, 0))
+        _run(prefill, decode, "p1")
         pushed = _pushed_until_finished(got, "p1")
         acked = pushed[0].seq - 1  # every event before was acknowledged
         assert [p.seq for p in pushed] == list(range(acked + 1, acked + 1 + len(pushed)))
@@ -605,19 +609,28 @@ def test_events_are_pushed_in_sequence_and_the_poll_returns_early_only_for_the_r
         assert time.monotonic() - started_s >= 0.3  # the poll waited its whole timeout
         acked = pushed[-1].seq
 
+        real_push = decode._pusher.push_events
         decode._pusher.push_events = lambda events, load: False  # injected: every push fails
-        reserved = decode.reserve(ReserveRequest("p2", PROMPT, GREEDY, _meta(prefill, "p2"), 1))
-        prefill.prefill(PrefillRequest("p2", PROMPT, GREEDY, reserved.bound_meta, 0))
+        _run(prefill, decode, "p2")
+        started_s = time.monotonic()
+        first = decode.poll(EVENT_WAIT_S, acked)  # returns once an event is there, not after its timeout
+        assert first and time.monotonic() - started_s < EVENT_WAIT_S / 2, first
         polled, acked = _events_until(decode, "p2", lambda e: e.finished, acked)
         assert sum(len(e.new_token_ids) for e in polled) == GREEDY.max_tokens and got.empty()
         assert decode.poll(0.0, acked) == []  # acknowledged (the driver's next poll does this at once)
 
-        del decode._pusher.push_events  # pushes work again, from the seq after the acknowledged ones
-        reserved = decode.reserve(ReserveRequest("p3", PROMPT, GREEDY, _meta(prefill, "p3"), 1))
-        prefill.prefill(PrefillRequest("p3", PROMPT, GREEDY, reserved.bound_meta, 0))
-        pushed = _pushed_until_finished(got, "p3")
-        assert pushed[0].seq == acked + 1
+        attempts: list[list[int]] = []
+
+        def fails_once(events, load) -> bool:
+            attempts.append([item.seq for item in events])
+            return len(attempts) > 1 and real_push(events, load)
+
+        decode._pusher.push_events = fails_once
+        _run(prefill, decode, "p3")
+        pushed = _pushed_until_finished(got, "p3")  # no poll meanwhile
+        assert [p.seq for p in pushed] == list(range(acked + 1, acked + 1 + len(pushed)))
         assert sum(len(p.event.new_token_ids) for p in pushed) == GREEDY.max_tokens
+        assert attempts[1][: len(attempts[0])] == attempts[0]  # the failed one's events went again
         decode.poll(0.0, pushed[-1].seq)
     finally:
         if decode._pusher is not None:
