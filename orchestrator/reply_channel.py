@@ -53,6 +53,7 @@ from kvtransfer.base import ProtocolError
 from kvtransfer.shm_transport.channel import (
     MAX_PACKET_BYTES,
     SOCKET_NAME,
+    LogThrottle,
     connect,
     listen,
     peer_uid,
@@ -261,8 +262,7 @@ class ReplyListener:
         self.address = str(self._dir / SOCKET_NAME)
         self.secret = secrets.token_hex(16)
         self._closed = threading.Event()
-        self._num_refused = 0  # since the last refusal logged
-        self._refusal_logged_at_s = -REFUSAL_LOG_INTERVAL_S
+        self._refusals = LogThrottle(REFUSAL_LOG_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name="prefill-replies", daemon=True)
         self._thread.start()
 
@@ -324,16 +324,14 @@ class ReplyListener:
     def _refused(self, why: str) -> None:
         """Count a refused or closed connection; log it at most once per `REFUSAL_LOG_INTERVAL_S` (a local
         process looping on connect must not flood the driver's log)."""
-        self._num_refused += 1
-        now_s = time.monotonic()
-        if now_s - self._refusal_logged_at_s >= REFUSAL_LOG_INTERVAL_S:
+        count = self._refusals.count()
+        if count is not None:
             logger.warning(
                 "reply channel: refused or closed %d connection(s) of processes that are not "
                 "ranks of this deployment (latest: %s)",
-                self._num_refused,
+                count,
                 why,
             )
-            self._num_refused, self._refusal_logged_at_s = 0, now_s
 
     def _read(self, peer: _Peer, drop: Callable[[_Peer], None]) -> None:
         try:

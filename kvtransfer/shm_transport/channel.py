@@ -20,6 +20,7 @@ dead processes.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import select
@@ -29,6 +30,7 @@ import struct
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +52,12 @@ _STALE_DIR = re.compile(rf"^{re.escape(SOCKET_DIR_PREFIX)}(\d+)-")
 class Channel:
     """One end of a connection: `send` a record (optionally with descriptors), `recv` the next one."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, max_fds: int = MAX_FDS_PER_RECORD) -> None:
+        """max_fds: descriptors a record may bring, all on its first packet; a peer that sends more (or any
+        on a later packet) is cut off, and the kernel closes what did not fit. 0 for a side that never
+        receives descriptors (decode's receiver): none ever reach this process."""
         self.sock = sock
+        self.max_fds = max_fds
         self._write_lock = threading.Lock()
 
     def send(self, record: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
@@ -96,36 +102,63 @@ class Channel:
         """
         parts: list[bytes] = []
         fds: list[int] = []
-        while True:
-            packet, got_fds, _, _ = socket.recv_fds(self.sock, MAX_PACKET_BYTES + 1, MAX_FDS_PER_RECORD)
-            fds.extend(got_fds)
-            if not packet:
-                for fd in fds:
-                    os.close(fd)
-                return None
-            flag, body = packet[:1], packet[1:]
-            if flag not in (b"M", b"E"):
-                for fd in fds:
-                    os.close(fd)
-                raise ProtocolError(f"kv channel: bad packet flag {flag!r}")
-            parts.append(body)
-            if flag == b"E":
-                break
-            if len(parts) * MAX_PACKET_BYTES > MAX_RECORD_BYTES:
-                for fd in fds:
-                    os.close(fd)
-                raise ProtocolError(f"kv channel: a record over {MAX_RECORD_BYTES} B")
         try:
-            return record_from_bytes(b"".join(parts)), fds
-        except ProtocolError:
-            for fd in fds:
-                os.close(fd)
+            while True:
+                packet, got_fds, msg_flags, _ = socket.recv_fds(self.sock, MAX_PACKET_BYTES + 1, self.max_fds)
+                if got_fds and parts:  # held back until the record ends, they could pile up without bound
+                    fds.extend(got_fds)
+                    raise ProtocolError("kv channel: descriptors on a record's later packet")
+                fds.extend(got_fds)
+                if msg_flags & socket.MSG_CTRUNC:
+                    raise ProtocolError(f"kv channel: a packet with more than {self.max_fds} descriptors")
+                if not packet:
+                    _close_all(fds)
+                    return None
+                flag, body = packet[:1], packet[1:]
+                if flag not in (b"M", b"E"):
+                    raise ProtocolError(f"kv channel: bad packet flag {flag!r}")
+                parts.append(body)
+                if flag == b"E":
+                    return record_from_bytes(b"".join(parts)), fds
+                if len(parts) * MAX_PACKET_BYTES > MAX_RECORD_BYTES:
+                    raise ProtocolError(f"kv channel: a record over {MAX_RECORD_BYTES} B")
+        except BaseException:  # malformed, or the socket failed: nothing received is kept
+            _close_all(fds)
             raise
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+class LogThrottle:
+    """Says when to log one kind of repeated event (a refused connection, a malformed record): at its first
+    occurrence, then at most once per `interval_s`, with how many occurred since the last line, so that a
+    local process looping on bad input cannot flood the log. Thread-safe."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self._count = 0
+        self._logged_at_s = -math.inf
+        self._lock = threading.Lock()
+
+    def count(self) -> int | None:
+        """Count one occurrence; the number to log (those since the last line, this one included) when a
+        line is due, else None."""
+        with self._lock:
+            self._count += 1
+            now_s = time.monotonic()
+            if now_s - self._logged_at_s < self.interval_s:
+                return None
+            count, self._count, self._logged_at_s = self._count, 0, now_s
+            return count
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def wait_readable(sock: socket.socket, timeout_s: float) -> bool:

@@ -25,6 +25,7 @@ from kvtransfer.reservations import ReservationReceiver, Reservations
 from kvtransfer.shm_transport.channel import (
     SOCKET_NAME,
     Channel,
+    LogThrottle,
     listen,
     peer_uid,
     sweep_stale_socket_dirs,
@@ -105,8 +106,8 @@ class ShmKVReceiver(ReservationReceiver):
         sweep_stale_socket_dirs()
         self.max_free_bytes = max_free_bytes
         self.max_connections = max_connections
-        self._num_refused = 0
-        self._refusal_logged_s = -1e9
+        self._refusals = LogThrottle()
+        self._malformed = LogThrottle()
         self._reservations = (
             Reservations(int8_passthrough, copy_kept_layers=True) if reservations is None else reservations
         )
@@ -153,18 +154,18 @@ class ShmKVReceiver(ReservationReceiver):
             with self._lock:
                 full = len(self._connections) >= self.max_connections
             if full:  # a thread per connection: a flood of them must not take the process down
-                self._num_refused += 1
-                now_s = time.monotonic()
-                if now_s - self._refusal_logged_s >= 10.0:
-                    self._refusal_logged_s = now_s
+                count = self._refusals.count()
+                if count is not None:
                     logger.warning(
-                        "kv shm: refused connections: %d open already (max_connections); %d refused so far",
+                        "kv shm: refused %d connection(s) (logged at most every %g s): %d open already "
+                        "(max_connections)",
+                        count,
+                        self._refusals.interval_s,
                         self.max_connections,
-                        self._num_refused,
                     )
                 sock.close()
                 continue
-            connection = _Connection(Channel(sock), SegmentPool(self.max_free_bytes))
+            connection = _Connection(Channel(sock, max_fds=0), SegmentPool(self.max_free_bytes))
             thread = threading.Thread(target=self._serve, args=(connection,), name="kv-shm-recv", daemon=True)
             with self._lock:
                 self._connections.append(connection)
@@ -185,13 +186,26 @@ class ShmKVReceiver(ReservationReceiver):
                     break
                 if got is None:
                     break
-                record, fds = got
-                for fd in fds:  # senders never pass descriptors
-                    os.close(fd)
+                record, _ = got  # none: senders never pass descriptors (max_fds=0)
                 try:
                     self._dispatch(connection, record)
                 except (KeyError, TypeError, ValueError) as e:  # malformed: dropped, nothing recorded
-                    logger.warning("kv shm: malformed %r record: %r", record.get("k"), e)
+                    count = self._malformed.count()
+                    if count is not None:
+                        logger.warning(
+                            "kv shm: dropped %d malformed record(s) (logged at most every %g s; latest: a %r "
+                            "record: %r)",
+                            count,
+                            self._malformed.interval_s,
+                            record.get("k"),
+                            e,
+                        )
+                except Exception as e:  # noqa: BLE001 - a fault here must not end the thread unseen
+                    logger.exception(
+                        "kv shm: serving a %r record failed; closing the connection", record.get("k")
+                    )
+                    why = f"the receiver failed on a {record.get('k')!r} record: {e!r}"
+                    break
             else:
                 why = "the receiver closed"
         finally:
@@ -258,7 +272,16 @@ class ShmKVReceiver(ReservationReceiver):
         except KVTransferError as e:  # refused (nothing recorded) or a mismatch (recorded by on_begin)
             connection.done(request_id, e)
             return
-        segment, is_new = connection.pool.acquire(meta.total_wire_bytes)
+        try:
+            segment, is_new = connection.pool.acquire(meta.total_wire_bytes)
+        except OSError as e:  # out of descriptors or memory: this handoff fails, the connection goes on
+            error = KVTransferError(
+                f"{request_id}: decode could not map a {meta.total_wire_bytes} B segment: {e}"
+            )
+            logger.warning("kv shm: %s", error)
+            self._reservations.on_error(request_id, error)
+            connection.done(request_id, error)
+            return
         connection.lent[request_id] = _Lent(meta, segment, time.monotonic())
         grant = {"k": "grant", "rid": request_id, "seg": segment.segment_id, "cap": segment.capacity_bytes}
         if is_new:

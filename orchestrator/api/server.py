@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import socket
 import threading
 import time
@@ -19,6 +21,27 @@ from orchestrator.topology import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     SLOConfig,
 )
+
+
+class _DrainLogFilter(logging.Filter):
+    """uvicorn's log of a drain that ran out, in one line: its ERROR "Cancel N running task(s), timeout
+    graceful shutdown exceeded" becomes a WARNING saying what happened, and the traceback it then logs for
+    each request it cut (an "Exception in ASGI application" whose exception is the CancelledError it
+    injected) is dropped. Every other record passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("Cancel %s running task(s)"):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg = "the drain timeout ran out: %s request(s) still in flight were cut"
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, asyncio.CancelledError)
+
+
+def _install_drain_log_filter() -> None:
+    uvicorn_logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _DrainLogFilter) for f in uvicorn_logger.filters):
+        uvicorn_logger.addFilter(_DrainLogFilter())
 
 
 class ServerThread:
@@ -46,6 +69,7 @@ class ServerThread:
         config = uvicorn.Config(
             app, log_level="warning", lifespan="off", timeout_graceful_shutdown=drain_timeout_s
         )
+        _install_drain_log_filter()  # after Config, which (re)configures uvicorn's loggers
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self._socket]}, name="pdcluster-http", daemon=True

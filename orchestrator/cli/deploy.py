@@ -66,11 +66,13 @@ def run(args: argparse.Namespace) -> int:
                 while True:
                     time.sleep(0.5)
             except KeyboardInterrupt:
-                print(
-                    "[pdcluster] shutting down: new connections refused; requests in flight get up to "
-                    f"{args.drain_timeout_s:g} s to finish (Ctrl-C again to cut them)",
-                    flush=True,
+                drain = (
+                    f"requests in flight get up to {args.drain_timeout_s:g} s to finish "
+                    "(Ctrl-C again to cut them)"
+                    if args.drain_timeout_s
+                    else "requests in flight are cut (--drain-timeout-s 0)"
                 )
+                print(f"[pdcluster] shutting down: new connections refused; {drain}", flush=True)
         print("[pdcluster] stopped", flush=True)
     except KeyboardInterrupt:  # before the service was up, or a second Ctrl-C while shutting down
         print("[pdcluster] interrupted; what had started is shut down", flush=True)
@@ -92,11 +94,10 @@ refused at once, requests in flight get --drain-timeout-s to finish, then the HT
 actors, the placement groups and Ray (if deploy started it) stop.
 
 Before Ray starts, FILE is checked as `pdcluster validate --for-deploy FILE` checks it (the
-file, the parallelism and weight dtypes the actors can run, the checkpoint, that the address can be
-bound); each
-problem is one FILE:LINE: reason line and the exit code is 2. So is an error after Ray started
-(an actor that fails to load its weights, the port taken meanwhile), after everything started
-is shut down."""
+file, the parallelism and weight dtypes the actors can run, the checkpoint, that the address can
+be bound); each problem is one FILE:LINE: reason line and the exit code is 2. So is an error after
+Ray started (an actor that fails to load its weights, the port taken meanwhile), after everything
+started is shut down."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

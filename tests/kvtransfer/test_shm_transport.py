@@ -363,3 +363,108 @@ def test_connections_past_the_cap_are_closed_and_oversized_records_cut_off():
         extra.close()
         sender.close()
         receiver.close()
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_descriptors_sent_to_decode_never_reach_it_and_a_record_cannot_pile_them_up():
+    """Senders never pass descriptors, so decode's receiver takes none (the kernel closes what a peer
+    sends) and closes the connection. Before, a record's unfinished packets (flag M) could each bring 4,
+    kept until the record ended: an attack held 20,000 and the receiver's thread then died on EMFILE. On a
+    channel that does take descriptors, any on a record's later packet cut it off and all are closed."""
+    import socket
+
+    from kvtransfer.base import ProtocolError
+    from kvtransfer.shm_transport.channel import Channel, connect
+
+    receiver = ShmKVReceiver()
+    sender = ShmKVSender(receiver.address)
+    read_end, write_end = os.pipe()
+    try:
+        assert wait_until(lambda: len(receiver._connections) == 1)
+        baseline = _open_descriptors()
+        attacker = connect(receiver.address)
+        attacker.sock.settimeout(WAIT_S)
+        with pytest.raises(OSError):  # closed by the receiver at the first packet
+            for _ in range(200):
+                socket.send_fds(attacker.sock, [b"M" + b"x" * 16], [read_end, write_end, read_end, write_end])
+            assert attacker.sock.recv(1) == b""
+            raise OSError("closed")
+        attacker.close()
+        assert wait_until(lambda: len(receiver._connections) == 1 and _open_descriptors() == baseline)
+        _handoff(receiver, sender, "after-descriptors")
+        assert sender.flush(WAIT_S) == {}
+
+        left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        peer = Channel(right)
+        try:
+            baseline = _open_descriptors()
+            socket.send_fds(left, [b"M" + b"x"], [read_end])  # the first packet may bring some
+            socket.send_fds(left, [b"M" + b"y"], [write_end])  # a later one may not
+            with pytest.raises(ProtocolError, match="later packet"):
+                peer.recv()
+            assert _open_descriptors() == baseline
+        finally:
+            left.close()
+            peer.close()
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+        sender.close()
+        receiver.close()
+
+
+def test_a_segment_that_cannot_be_made_fails_its_handoff_only(monkeypatch, caplog):
+    """Out of descriptors or memory when decode makes a handoff's segment (injected: `SegmentPool.acquire`
+    raises EMFILE once): that handoff fails on both sides, naming the cause, and the connection serves the
+    next one. Malformed records are dropped with one log line per interval, not one each."""
+    import errno
+    import logging
+
+    from kvtransfer.base import KVTransferError
+    from kvtransfer.shm_transport.channel import connect
+    from kvtransfer.shm_transport.segments import SegmentPool
+
+    real_acquire = SegmentPool.acquire
+    calls = []
+
+    def acquire_failing_once(self, num_bytes):
+        calls.append(num_bytes)
+        if len(calls) == 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_acquire(self, num_bytes)
+
+    monkeypatch.setattr(SegmentPool, "acquire", acquire_failing_once)
+    receiver = ShmKVReceiver()
+    sender = ShmKVSender(receiver.address)
+    try:
+        meta = make_handoff("no-segment")
+        sender.begin(receiver.expect(meta))
+        for layer_idx, latent in enumerate(make_layers(meta)):
+            sender.send_layer(meta.request_id, layer_idx, latent)
+        sender.finish(meta.request_id, make_extras(meta))
+        with pytest.raises(KVTransferError, match="could not map .*Too many open files"):
+            receiver.wait(meta.request_id, WAIT_S)
+        failures = sender.flush(WAIT_S)
+        assert list(failures) == [meta.request_id]
+        assert "could not map" in str(failures[meta.request_id])
+        receiver.release(meta.request_id)
+        _handoff(receiver, sender, "next")
+        assert sender.flush(WAIT_S) == {}
+
+        noisy = connect(receiver.address)
+        with caplog.at_level(logging.WARNING, logger="kvtransfer.shm_transport.receiver"):
+            for _ in range(50):
+                noisy.send({"k": "layer"})  # no header: KeyError, dropped
+            noisy.send({"k": "end", "rid": "nothing"})  # processed after all 50: the connection is alive
+            assert wait_until(lambda: len(receiver._connections) == 2)
+            _handoff(receiver, sender, "beside-the-noise")
+        noisy.close()
+        lines = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert "dropped 1 malformed record(s)" in lines[0]
+    finally:
+        sender.close()
+        receiver.close()

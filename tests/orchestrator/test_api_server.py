@@ -633,11 +633,12 @@ def test_an_empty_api_key_is_refused():
 
 @pytest.mark.parametrize("drain_timeout_s", [10.0, 0.0])
 def test_stop_refuses_new_connections_and_drains_streams_in_flight(
-    backend: LocalEngineBackend, drain_timeout_s: float
+    backend: LocalEngineBackend, drain_timeout_s: float, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """`ServerThread.stop` (what `pdcluster deploy` does at Ctrl-C / SIGTERM): the port is closed at once,
     and a stream in flight (held in the backend until after that) finishes whole within the drain timeout;
-    with 0, stop returns at once and the stream is cut."""
+    with 0, stop returns at once and the stream is cut, logged as one warning line (uvicorn's ERROR and a
+    traceback per cut request before)."""
     gated = GatedBackend(backend)
     body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     srv = ServerThread(build_app(gated), drain_timeout_s=drain_timeout_s).start()
@@ -679,4 +680,7 @@ def test_stop_refuses_new_connections_and_drains_streams_in_flight(
         assert [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1] == "length"
     else:
         assert not isinstance(outcome[0], list) or outcome[0][-1] != "[DONE]", outcome
+        err = capfd.readouterr().err
+        assert "the drain timeout ran out: 1 request(s) still in flight were cut" in err, err
+        assert "Exception in ASGI application" not in err and "Traceback" not in err, err
     wait_idle(backend)
