@@ -27,7 +27,8 @@ class _DrainLogFilter(logging.Filter):
     """uvicorn's log of a drain that ran out, in one line: its ERROR "Cancel N running task(s), timeout
     graceful shutdown exceeded" becomes a WARNING saying what happened, and the traceback it then logs for
     each request it cut (an "Exception in ASGI application" whose exception is the CancelledError it
-    injected) is dropped. Every other record passes unchanged."""
+    injected) is dropped: so is any other record of a CancelledError, which only a cancelled task logs.
+    Every other record passes unchanged."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, str) and record.msg.startswith("Cancel %s running task(s)"):
