@@ -33,7 +33,7 @@ from orchestrator.load_board import LoadBoard
 from orchestrator.messages import InstanceGroupSpec, NodeReady
 from orchestrator.placement import nodes_to_pin, plan_placement, to_ray_placement_group_args
 from orchestrator.preflight import actor_layer_issues, weight_dtype_issues
-from orchestrator.ray_runtime import init_local_ray, keeping_sigterm_handler
+from orchestrator.ray_runtime import gcs_reachable, init_local_ray, keeping_sigterm_handler
 from orchestrator.router import POLICIES, PrefixCacheModel
 from orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES, Topology, load_topology
 from orchestrator.wiring import ClusterWiring, advertised_address, free_ports
@@ -362,6 +362,23 @@ class ClusterDeployment(ClusterWiring):
 
     # ---- internals --------------------------------------------------------------------------------------
     def _teardown(self, ray, remove_placement_group) -> None:
+        if self._actors or self._placement_groups:
+            if gcs_reachable():
+                self._stop_actors(ray, remove_placement_group)
+            else:  # the actors died with the raylet; a Ray call would block until Ray ends the process
+                logger.warning(
+                    "Ray's GCS is gone (a signal to the whole process group stops Ray's processes too): "
+                    "the actors and placement groups went with it; nothing of Ray's left to stop"
+                )
+        self.instances, self._placement_groups = {"prefill": [], "decode": []}, []
+        if self._reply_listener is not None:
+            self._reply_listener.close()
+            self._reply_listener = None
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+    def _stop_actors(self, ray, remove_placement_group) -> None:
         closes = []
         for actor in self._actors:
             with contextlib.suppress(Exception):
@@ -374,13 +391,6 @@ class ClusterDeployment(ClusterWiring):
         for pg in self._placement_groups:
             with contextlib.suppress(Exception):
                 remove_placement_group(pg)
-        self.instances, self._placement_groups = {"prefill": [], "decode": []}, []
-        if self._reply_listener is not None:
-            self._reply_listener.close()
-            self._reply_listener = None
-        if self._started_ray:
-            ray.shutdown()
-            self._started_ray = False
 
 
 def _max_position_embeddings(model_dir: str) -> int:

@@ -83,3 +83,23 @@ def keeping_sigterm_handler() -> Iterator[None]:
     finally:
         if main and (callable(previous) or previous == signal.SIG_IGN):
             signal.signal(signal.SIGTERM, previous)
+
+
+def gcs_reachable(timeout_s: float = 1.0) -> bool:
+    """Whether this driver's Ray GCS still accepts a TCP connection (within `timeout_s`). False means Ray's
+    own processes are gone: e.g. a SIGTERM to the whole process group (systemd's default `KillMode`,
+    coreutils `timeout`) reaches the GCS and raylet that `ray.init` started as children, and they exit at
+    once; a Ray call would then block until Ray's core worker gives up (60 s) and ends the process. True
+    as well when the address cannot be known (the caller goes the normal way)."""
+    import socket
+
+    import ray
+
+    try:
+        host, port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (ConnectionRefusedError, TimeoutError):
+        return False
+    except Exception:  # noqa: BLE001 - no address to probe: assume Ray is there
+        return True

@@ -420,7 +420,12 @@ DEPLOY_UP_BOUND_S = 120 + 300 + 60
 SHUTDOWN_BOUND_S = 120
 
 
-def test_sigterm_shuts_deploy_down_like_ctrl_c(tmp_path):
+@pytest.mark.parametrize("to_group", [False, True], ids=["process", "process-group"])
+def test_sigterm_shuts_deploy_down_like_ctrl_c(tmp_path, to_group):
+    """SIGTERM to deploy, or to its whole process group (systemd's default KillMode, coreutils `timeout`):
+    that one also reaches the GCS and raylet `ray.init` started, which exit at once; the teardown then
+    skips the Ray calls (they used to block until Ray's core worker ended the process after 60 s, exit
+    code 1) and deploy exits 0."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(
@@ -438,6 +443,7 @@ def test_sigterm_shuts_deploy_down_like_ctrl_c(tmp_path):
         text=True,
         env=env,
         cwd=REPO,
+        start_new_session=to_group,  # its own process group, with Ray's processes in it
     )
     try:
         deadline = time.monotonic() + DEPLOY_UP_BOUND_S
@@ -452,7 +458,10 @@ def test_sigterm_shuts_deploy_down_like_ctrl_c(tmp_path):
                 break
             time.sleep(0.5)
         assert healthy, f"deploy not healthy within {DEPLOY_UP_BOUND_S} s (exit code {proc.poll()})"
-        proc.send_signal(signal.SIGTERM)
+        if to_group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=SHUTDOWN_BOUND_S)
     finally:
         if proc.poll() is None:  # the test failed: stop it the way a user would, then for sure
@@ -460,10 +469,14 @@ def test_sigterm_shuts_deploy_down_like_ctrl_c(tmp_path):
             try:
                 proc.communicate(timeout=SHUTDOWN_BOUND_S)
             except subprocess.TimeoutExpired:
+                if to_group:  # Ray's processes too
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.kill()
                 proc.communicate()
     assert proc.returncode == 0, err
-    assert "Traceback" not in err and "SIGTERM received" not in err, err
+    assert (
+        "Traceback" not in err and "SIGTERM received" not in err and "Failed to connect to GCS" not in err
+    ), err
     shutting_down, stopped = out.splitlines()[-2:]
     assert shutting_down.startswith("[pdcluster] shutting down: new connections refused") and stopped == (
         "[pdcluster] stopped"
