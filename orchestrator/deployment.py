@@ -141,6 +141,7 @@ class ClusterDeployment(ClusterWiring):
         self._decode_push_tags = {}  # tag of a decode rank's reply connection -> the rank (wiring)
         plan = plan_placement(topo)
         self._started_ray = False
+        self._started_ray_head = False
         if not ray.is_initialized():
             with keeping_sigterm_handler():  # the caller's clean shutdown on SIGTERM, not Ray's sys.exit
                 if os.environ.get("RAY_ADDRESS"):
@@ -148,6 +149,7 @@ class ClusterDeployment(ClusterWiring):
                 else:
                     needed = int(plan.num_devices_used * topo.hardware.cpus_per_device + 0.999)
                     init_local_ray(num_cpus or max(needed, 1))
+                    self._started_ray_head = True  # its GCS and raylet are this process's children
             self._started_ray = True
         self._placement_groups = []
         self.instances = {"prefill": [], "decode": []}
@@ -363,7 +365,7 @@ class ClusterDeployment(ClusterWiring):
     # ---- internals --------------------------------------------------------------------------------------
     def _teardown(self, ray, remove_placement_group) -> None:
         if self._actors or self._placement_groups:
-            if gcs_reachable():
+            if not self._started_ray_head or gcs_reachable():
                 self._stop_actors(ray, remove_placement_group)
             else:  # the actors died with the raylet; a Ray call would block until Ray ends the process
                 logger.warning(

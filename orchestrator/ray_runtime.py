@@ -86,11 +86,13 @@ def keeping_sigterm_handler() -> Iterator[None]:
 
 
 def gcs_reachable(timeout_s: float = 1.0) -> bool:
-    """Whether this driver's Ray GCS still accepts a TCP connection (within `timeout_s`). False means Ray's
-    own processes are gone: e.g. a SIGTERM to the whole process group (systemd's default `KillMode`,
-    coreutils `timeout`) reaches the GCS and raylet that `ray.init` started as children, and they exit at
-    once; a Ray call would then block until Ray's core worker gives up (60 s) and ends the process. True
-    as well when the address cannot be known (the caller goes the normal way)."""
+    """Whether the GCS of a Ray head this process started (`init_local_ray`) is still there: False only
+    when a connection to its address is refused. That happens when Ray's own processes are gone: e.g. a
+    SIGTERM to the whole process group (systemd's default `KillMode`, coreutils `timeout`) reaches the GCS
+    and raylet that `ray.init` started as children, and they exit at once; a Ray call would then block
+    until Ray's core worker gives up (60 s) and ends the process. True on a timeout, or when the address
+    cannot be known (the caller goes the normal way). Meant for a local head only: a remote GCS that does
+    not answer the driver's connect is no sign that it is gone."""
     import socket
 
     import ray
@@ -99,7 +101,7 @@ def gcs_reachable(timeout_s: float = 1.0) -> bool:
         host, port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=timeout_s):
             return True
-    except (ConnectionRefusedError, TimeoutError):
+    except ConnectionRefusedError:
         return False
-    except Exception:  # noqa: BLE001 - no address to probe: assume Ray is there
+    except Exception:  # noqa: BLE001 - a timeout, or no address to probe: assume Ray is there
         return True

@@ -477,6 +477,7 @@ def test_sigterm_shuts_deploy_down_like_ctrl_c(tmp_path, to_group):
     assert (
         "Traceback" not in err and "SIGTERM received" not in err and "Failed to connect to GCS" not in err
     ), err
+    assert ("Ray's GCS is gone" in err) == to_group, err  # the group case takes the new path, and only it
     shutting_down, stopped = out.splitlines()[-2:]
     assert shutting_down.startswith("[pdcluster] shutting down: new connections refused") and stopped == (
         "[pdcluster] stopped"
