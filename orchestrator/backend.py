@@ -141,6 +141,20 @@ class ServingBackend(Protocol):
         kv_blocks: {instance_name: {"num_used_blocks": int, "num_total_blocks": int}}.
         kv_transfer_bytes_total: int, bytes of KV moved prefill -> decode since start.
         kv_transfer_seconds_total: float, seconds spent in KV transfer since start.
+
+        May block (the cluster's asks every rank, waiting up to its call timeout): call it off the event
+        loop.
+        """
+        ...
+
+    def check_ready(self) -> None:
+        """Return if the backend can take requests now, as far as it knows without asking anyone (no
+        call, no lock held for longer than a bookkeeping update: `/health` answers in milliseconds even
+        while an instance stalls).
+
+        Raises:
+            BackendUnavailable: it cannot; the message says why (which instance is down, or the engine
+                thread stopped).
         """
         ...
 
@@ -223,6 +237,12 @@ class LocalEngineBackend:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return dict(self._stats)
+
+    def check_ready(self) -> None:
+        if self._stopped.is_set():
+            raise BackendUnavailable(f"{self.instance_name}: the engine is shut down")
+        if not self._thread.is_alive():
+            raise BackendUnavailable(f"{self.instance_name}: the engine thread ended")
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine thread (after the step in progress); pending streams get BackendUnavailable."""

@@ -24,8 +24,9 @@ expired, sender lost, checksum) releases decode's reservation; the request is re
 live prefill instance, else it fails with `BackendUnavailable` naming the cause. An instance whose call
 times out is unresponsive, one whose actor died is dead (`orchestrator.health`): either leaves routing and
 its in-flight decode requests fail with `BackendUnavailable`; with no decode (or no prefill) instance in
-routing, requests and `stats()` raise `BackendUnavailable`. A health monitor thread probes every instance
-each PROBE_INTERVAL_S: one that answers again rejoins, one Ray restarted (grpc, shm) is rewired first.
+routing, requests, `stats()` and `check_ready()` (`/health`; it makes no call) raise `BackendUnavailable`.
+A health monitor thread probes every instance each PROBE_INTERVAL_S: one that answers again rejoins, one
+Ray restarted (grpc, shm) is rewired first.
 An abort ends the request with finish_reason "abort" (never a re-dispatch).
 
 Timeouts (`kv_transfer.timeout_s` = T, `orchestrator.dispatch`): every actor call in the request path

@@ -67,7 +67,7 @@ class InstanceMonitor:
         monitor brings either back once it answers again.
 
         Raises:
-            BackendUnavailable: no prefill or no decode instance is in routing (so `/health` answers 503);
+            BackendUnavailable: no prefill or no decode instance is in routing;
                 the message names each instance's state and why.
         """
         import ray
@@ -111,6 +111,21 @@ class InstanceMonitor:
             "kv_transfer_seconds_total": self._kv_transfer_seconds_total,
             "instances": self.health(),
         }
+
+    def check_ready(self) -> None:
+        """`ServingBackend.check_ready`: from the health the monitor and the request path last recorded (no
+        call: a stalled instance shows here once a probe or a request's call to it timed out, within
+        `PROBE_INTERVAL_S` + `call_timeout_s` of the stall).
+
+        Raises:
+            BackendUnavailable: shut down, or no prefill or no decode instance in routing; the message
+                names each instance's state and why.
+        """
+        if self._closed:
+            raise BackendUnavailable("the cluster is shut down")
+        for role in ROLES:
+            if not any(self._routable(role)):
+                raise BackendUnavailable(f"no live {role} instance ({self._health_summary(role)})")
 
     def health(self) -> dict[str, dict[str, Any]]:
         """Every instance's health: `{name: {"state": "healthy" | "unresponsive" | "dead", "reason": str,

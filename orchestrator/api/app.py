@@ -4,7 +4,9 @@ Endpoints:
     POST /v1/completions        prompt: text or token ids; streaming (SSE) or not
     POST /v1/chat/completions   messages -> one prompt through `CHAT_TEMPLATE_DOC`'s template
     GET  /v1/models             the served model
-    GET  /health                200 {"status": "ok"}; 503 when the backend's stats() raises BackendUnavailable
+    GET  /health                200 {"status": "ok"}; 503 naming why when the backend's check_ready() raises
+                                BackendUnavailable. No call to any instance: it answers at once, from the
+                                health the cluster last recorded, even while an instance stalls
     GET  /metrics               Prometheus text (orchestrator/api/metrics.py lists every metric)
 
 The package by concept: `protocol` (request schemas, error and response bodies), `generation` (checks
@@ -135,7 +137,7 @@ def build_app(
         metrics=metrics,
     )
     # Tokenizing a long prompt takes seconds: done here, the event loop (/health, every stream) goes on.
-    # Its own threads, so a queue of long prompts does not hold up /health's stats() in the default pool.
+    # Its own threads, so a queue of long prompts does not hold up /metrics' stats() in the default pool.
     tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
     app.state.tokenizer_pool = tokenizer_pool
 
@@ -168,7 +170,7 @@ def build_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         try:
-            await asyncio.to_thread(backend.stats)  # the cluster's may wait for a call timeout
+            backend.check_ready()  # bookkeeping only: on the event loop, answered at once
         except BackendUnavailable as exc:
             raise ApiError(503, str(exc), "service_unavailable") from exc
         return JSONResponse({"status": "ok"})

@@ -72,6 +72,13 @@ class _BackendStatsCollector(Collector):
     def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self._stats = stats
 
+    def describe(self) -> Iterator[Metric]:
+        """Nothing: without it the registry (`auto_describe`) would `collect`, i.e. call `stats()`, when
+        the collector is registered, and `build_app` would wait for every rank's answer (a call timeout on
+        a stalled cluster). The gauges' names depend on the ranks anyway; the registry then skips its
+        duplicate-name check for them."""
+        return iter(())
+
     def collect(self) -> Iterator[Metric]:
         try:
             stats = self._stats()

@@ -162,7 +162,7 @@ def test_dead_decode_is_taken_out_of_routing_and_the_last_one_fails_fast(ray_ses
     """1P2D. ray.kill of the decode instance running a request: that request fails with
     BackendUnavailable naming the dead instance; later requests complete on the other decode instance;
     stats() reports only the live one. With the only decode killed: BackendUnavailable at once, from
-    generate and from stats() (so /health answers 503)."""
+    generate, from check_ready (/health answers 503) and from stats()."""
     topo = load_topology(CLUSTERS / "local-1p2d.yaml")
     topo = dataclasses.replace(
         topo,
@@ -205,6 +205,8 @@ def test_dead_decode_is_taken_out_of_routing_and_the_last_one_fails_fast(ray_ses
             return time.monotonic() - started_s
 
         assert asyncio.run(none_left()) < 2 * call_bound_s(cluster)
+        with pytest.raises(BackendUnavailable, match="no live decode instance"):
+            cluster.check_ready()  # /health
         with pytest.raises(BackendUnavailable, match="no live decode instance"):
             cluster.stats()
     finally:

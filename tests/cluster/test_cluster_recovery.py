@@ -75,14 +75,17 @@ def test_a_stalled_instance_leaves_routing_and_rejoins_when_it_answers(
     cluster, expected_tokens, role
 ) -> None:
     """SIGSTOP for longer than the call timeout: a request fails with BackendUnavailable naming the stalled
-    instance (no hang), /health's stats() raises (503), the instance is reported "unresponsive", not
-    dead. After SIGCONT it rejoins routing within one probe (interval + one call) and serves the same
-    greedy tokens as before, with nothing left held."""
+    instance (no hang), `check_ready` (/health) and stats() raise naming it, the instance is reported
+    "unresponsive", not dead. After SIGCONT it rejoins routing within one probe (interval + one call) and
+    serves the same greedy tokens as before, with nothing left held."""
     pid = _pid(cluster, role)
+    cluster.check_ready()
     os.kill(pid, signal.SIGSTOP)
     try:
         with pytest.raises(BackendUnavailable, match=f"{role}-0"):
             _generate(cluster, f"during-{role}-stall")
+        with pytest.raises(BackendUnavailable, match=f"{role}-0 unresponsive"):
+            cluster.check_ready()  # /health's answer, from what the failed call recorded (no call)
         with pytest.raises(BackendUnavailable, match=f"{role}-0 unresponsive"):
             cluster.stats()
         assert cluster.health()[f"{role}-0"]["state"] == "unresponsive"
@@ -95,6 +98,7 @@ def test_a_stalled_instance_leaves_routing_and_rejoins_when_it_answers(
     assert _pid(cluster, role) == pid  # the same process, not a restart
     assert _generate(cluster, f"after-{role}-stall") == expected_tokens
     cluster.stats()  # healthy again: no BackendUnavailable
+    cluster.check_ready()
     assert_nothing_held(cluster)
 
 

@@ -289,6 +289,9 @@ class FailingBackend:
     def stats(self) -> dict[str, Any]:
         raise BackendUnavailable("cluster is down (test)")
 
+    def check_ready(self) -> None:
+        raise BackendUnavailable("cluster is down (test)")
+
 
 def test_backend_unavailable_gives_503(reference: LLM) -> None:
     fake = FailingBackend(reference.tokenizer)
@@ -301,12 +304,47 @@ def test_backend_unavailable_gives_503(reference: LLM) -> None:
             assert r.headers["retry-after"] == "1"  # retriable: says when (issue 12, admission)
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 503
-        assert c.get("/health").status_code == 503
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["message"] == "cluster is down (test)"
         assert c.get("/metrics").status_code == 200  # a scrape survives a down backend
         fake.num_ok_deltas = 2  # fails mid-stream: an error event, then [DONE]
         events = stream(c, "/v1/completions", {"prompt": "x", "max_tokens": 8})
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 503
         assert len(fake.aborted) >= 1
+
+
+class StalledStatsBackend(FailingBackend):
+    """Fault injection: `stats()` blocks until `released` (an instance that stopped answering: the
+    cluster's waits up to its call timeout), while `check_ready` says ready."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer)
+        self.released = threading.Event()
+        self.stats_called = threading.Event()
+
+    def stats(self) -> dict[str, Any]:
+        self.stats_called.set()
+        self.released.wait(STALL_S)
+        return {}
+
+    def check_ready(self) -> None:
+        return None
+
+
+STALL_S = 60.0  # how long the stalled stats() blocks unless released; /health must not wait for it
+
+
+def test_health_answers_at_once_while_stats_stalls(reference: LLM) -> None:
+    """/health asks `check_ready` (bookkeeping) and never `stats()`, which on a cluster waits for every
+    rank's answer: a probe with a 5 s timeout gets 200 while stats() is blocked for STALL_S (60 s)."""
+    fake = StalledStatsBackend(reference.tokenizer)
+    try:
+        with ServerThread(build_app(fake)) as srv, httpx.Client(base_url=srv.url, timeout=5.0) as c:
+            for _ in range(3):
+                assert c.get("/health").json() == {"status": "ok"}
+            assert not fake.stats_called.is_set()
+    finally:
+        fake.released.set()
 
 
 # ---- metrics, disconnects, speculative decoding ------------------------------------------------------------
@@ -538,6 +576,9 @@ class GatedBackend:
 
     def stats(self) -> dict[str, Any]:
         return self.inner.stats()
+
+    def check_ready(self) -> None:
+        self.inner.check_ready()
 
 
 def test_edge_refuses_beyond_max_concurrent_requests_with_429(backend: LocalEngineBackend) -> None:
