@@ -14,9 +14,10 @@ One request (DESIGN.md, request lifecycle):
    computes the prompt and holds its KV) and decode reserves KV blocks and expects the handoff
    (`DecodeNode.reserve`), which returns the handoff bound to the reservation by a fresh secret; no room:
    the reserve is retried (the prefill waits) until the transfer timeout, then `BackendUnavailable`.
-3. The driver binds the prefill to the reservation (`PrefillNode.bind`), handing it the secret (over Ray, to
-   that prefill rank only): it streams each layer's KV (MTP layer included; then the first token and the
-   MTP drafts) to that decode rank, presenting the secret; decode refuses any other sender of that handoff.
+3. The driver binds the prefill to the reservation (`PrefillBind`), handing it the secret (to that prefill
+   rank only: on its own connection to the driver's reply socket on one host, else `PrefillNode.bind`): it
+   streams each layer's KV (MTP layer included; then the first token and the MTP drafts) to that decode
+   rank, presenting the secret; decode refuses any other sender of that handoff.
 4. Decode admits it and streams tokens; the driver has one poll loop per decode rank (a long poll that
    returns at once with the first event) that hands events to the request's queue.
 Faults: a prefill actor that dies (its `prefill` call raises) or a handoff that fails on decode (lease

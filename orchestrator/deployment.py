@@ -139,6 +139,7 @@ class ClusterDeployment(ClusterWiring):
         self._loopback = is_loopback_topology(topo)
         self._reply_listener = None
         self._decode_push_tags = {}  # tag of a decode rank's reply connection -> the rank (wiring)
+        self._prefill_push_tags = {}  # a prefill rank -> the tag of its reply connection (wiring)
         plan = plan_placement(topo)
         self._started_ray = False
         self._started_ray_head = False
@@ -203,7 +204,7 @@ class ClusterDeployment(ClusterWiring):
                 log(f"  KV pairs ({topo.kv_transport}): {self._pair_transports(ray)}")
             self._connect_reply_channel(
                 ray,
-                [a for p in self.instances["prefill"] for a in p.ranks],
+                prefill_indices=range(len(self.instances["prefill"])),
                 decode_indices=range(len(self.instances["decode"])),
             )
             log(
@@ -246,6 +247,7 @@ class ClusterDeployment(ClusterWiring):
         self._num_prefill_replies_received = 0
         self._num_prefill_replies_pushed = 0
         self._num_decode_events_pushed = 0
+        self._num_binds_pushed = 0  # binds sent on a prefill rank's reply connection (routing)
         self._closed = False
         self._monitor_stop = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_health, name="health-monitor", daemon=True)

@@ -266,7 +266,7 @@ class InstanceMonitor:
                 [p.set_decode_address.remote(index, address) for p in prefills], timeout=self.call_timeout_s
             )
             # the new process pushes its events under a new tag (the old one's are no longer taken)
-            self._connect_reply_channel(ray, [], self.call_timeout_s, restarted=True, decode_indices=[index])
+            self._connect_reply_channel(ray, (), self.call_timeout_s, restarted=True, decode_indices=[index])
         else:
             addresses = [list(ranks) for ranks in self._decode_addresses]
             ranks = self.instances["prefill"][index].ranks
@@ -276,7 +276,7 @@ class InstanceMonitor:
                 timeout=self.call_timeout_s,
             )
             if restarted:  # the new process has no reply socket yet
-                self._connect_reply_channel(ray, ranks, self.call_timeout_s, restarted=True)
+                self._connect_reply_channel(ray, [index], self.call_timeout_s, restarted=True)
 
     def _fail_attempts(self, role: str, index: int) -> None:
         """End every in-flight attempt on instance (`role`, `index`) with a "decode_lost" event (decode)

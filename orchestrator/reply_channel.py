@@ -22,11 +22,22 @@ that event's delay, never the event. The driver hands an event over once, in seq
 Who may connect. The socket is `kvtransfer.shm_transport.channel`'s (a fresh 0700 directory, the peer's uid
 checked, msgpack records on SOCK_SEQPACKET, each one packet here), and a connection's first record must
 present the secret the driver handed the rank over Ray (`ReplyListener.secret`) within `HELLO_TIMEOUT_S`;
-anything else closes it. A decode rank's hello also names it by the fresh tag the driver gave that
-incarnation (`who`): events are taken only under the current tag of a decode rank, so a restarted rank's
+anything else closes it. A rank's hello also names it by the fresh tag the driver gave that incarnation
+(`who`; a prefill rank's says `prefill`: it pushes results and takes binds): events are taken only under the
+current tag of a decode rank, so a restarted rank's
 predecessor, whose sequence numbers started over, is never mistaken for it. A malformed record from an
 authenticated peer is dropped with a warning. Each prefill result names its attempt by `handoff_tag` (a
 hash of the handoff's secret), checked by the driver against the attempt's reservation.
+
+Binds, the other way. A prefill call sent before decode reserved (`PrefillRequest.awaiting_bind`) learns
+its reservation from a bind (`PrefillBind`: the bound meta, with the handoff's secret). The driver writes it
+on the prefill rank's own connection (`ReplyListener.send_bind`), found by the tag that rank's hello named,
+instead of a `PrefillNode.bind` Ray call, which cost about 1 ms of CPU on each side per request on this
+host; the rank's `ReplyPusher` reads it on a thread of its own and hands it to `on_bind`. When the rank has
+no connection (not on this host, not connected yet, or restarted and not yet reconnected) or its socket
+buffer is full, the driver makes the Ray call instead. A bind goes over one path only, so it is never taken
+twice; one that is lost with its connection shows as the prefill call failing or timing out, as a lost Ray
+call does.
 
 Where. Only on a single-node cpu topology (every rank on the driver's host); elsewhere the Ray reply and the
 poll alone carry results and events.
@@ -60,12 +71,15 @@ from kvtransfer.shm_transport.channel import (
     record_from_single_packet,
     single_packet,
     sweep_stale_socket_dirs,
+    wait_readable,
 )
+from kvtransfer.wire import meta_from_dict, meta_to_dict
 from orchestrator.messages import (
     DecodeNodeLoad,
     DraftCounts,
     Phases,
     PolledEvent,
+    PrefillBind,
     PrefillResult,
     RequestError,
     TokenDelta,
@@ -86,6 +100,36 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "first_token_text": (str, type(None)),
     "cpu_wait_s": (int, float, type(None)),
 }
+
+
+def bind_to_record(bind: PrefillBind) -> dict[str, Any]:
+    """The `bind` record the driver sends a prefill rank: the handoff id, the bound meta (its secret
+    included: the connection is the rank's own, authenticated, on this host) and the decode rank."""
+    return {
+        "k": "bind",
+        "rid": bind.handoff_id,
+        "m": meta_to_dict(bind.meta),
+        "d": bind.decode_index,
+        "r": bind.decode_rank,
+    }
+
+
+def bind_from_record(record: dict[str, Any]) -> PrefillBind:
+    """The `PrefillBind` of a `bind` record. ValueError naming what is malformed (the secret is never in
+    the message)."""
+    handoff_id, meta, decode_index, decode_rank = (record.get(k) for k in ("rid", "m", "d", "r"))
+    if not isinstance(handoff_id, str) or not isinstance(meta, dict):
+        raise ValueError("a bind record needs a string rid and a mapping m")
+    for name, value in (("decode_index", decode_index), ("decode_rank", decode_rank)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} is {value!r}, not an int >= 0")
+    try:
+        bound = meta_from_dict(meta)
+    except ProtocolError as e:
+        raise ValueError(str(e)) from None
+    if bound.request_id != handoff_id or not isinstance(bound.secret, bytes) or not bound.secret:
+        raise ValueError(f"the meta of bind {handoff_id!r} names {bound.request_id!r} or has no secret")
+    return PrefillBind(handoff_id, bound, decode_index, decode_rank)
 
 
 def handoff_tag(secret: bytes) -> str:
@@ -232,7 +276,8 @@ class _Peer:
     sock: socket.socket
     accepted_at_s: float
     authenticated: bool = False
-    who: str | None = None  # a decode rank's tag (its hello's `who`); None: a prefill rank
+    who: str | None = None  # the rank's tag (its hello's `who`); None: a prefill rank that named none
+    prefill: bool = True  # a prefill rank (pushes results, takes binds); else a decode rank (pushes events)
 
 
 EventsCallback = Callable[[str, list[PolledEvent], DecodeNodeLoad], None]
@@ -263,6 +308,8 @@ class ReplyListener:
         self.secret = secrets.token_hex(16)
         self._closed = threading.Event()
         self._refusals = LogThrottle(REFUSAL_LOG_INTERVAL_S)
+        self._prefill_socks: dict[str, socket.socket] = {}  # tag -> its authenticated prefill connection
+        self._socks_lock = threading.Lock()  # guards _prefill_socks (the listener thread and send_bind)
         self._thread = threading.Thread(target=self._run, name="prefill-replies", daemon=True)
         self._thread.start()
 
@@ -276,6 +323,21 @@ class ReplyListener:
         self._listener.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
+    def send_bind(self, who: str, bind: PrefillBind) -> bool:
+        """Send `bind` on the connection of the prefill rank whose hello named `who`; never blocks or
+        raises. True: it is in that connection's socket buffer (the rank reads it); False: not sent (no such
+        connection now, its buffer full, or it broke): make the Ray call instead."""
+        packet = single_packet(bind_to_record(bind))
+        with self._socks_lock:
+            sock = self._prefill_socks.get(who)
+            if sock is None or packet is None:
+                return False
+            try:
+                sock.send(packet)  # non-blocking: a sequenced packet goes whole or not at all
+            except OSError:  # BlockingIOError (full), or the rank is gone: the listener drops it
+                return False
+        return True
+
     def _run(self) -> None:
         peers: dict[socket.socket, _Peer] = {}
         with selectors.DefaultSelector() as selector:
@@ -284,8 +346,11 @@ class ReplyListener:
             def drop(peer: _Peer) -> None:
                 selector.unregister(peer.sock)
                 peers.pop(peer.sock, None)
-                with contextlib.suppress(OSError):
-                    peer.sock.close()
+                with self._socks_lock:  # no bind goes to it any more
+                    if peer.who is not None and self._prefill_socks.get(peer.who) is peer.sock:
+                        del self._prefill_socks[peer.who]
+                    with contextlib.suppress(OSError):
+                        peer.sock.close()
 
             try:
                 while not self._closed.is_set():
@@ -351,17 +416,26 @@ class ReplyListener:
             drop(peer)
             return
         if not peer.authenticated:
-            secret = record.get("secret")
-            who = record.get("who")
-            if record.get("k") == "hello" and isinstance(secret, str) and isinstance(who, str | None):
+            secret, who, prefill = record.get("secret"), record.get("who"), record.get("prefill", None)
+            if prefill is None:  # a hello without it: a decode rank names itself, a prefill rank does not
+                prefill = who is None
+            if (
+                record.get("k") == "hello"
+                and isinstance(secret, str)
+                and isinstance(who, str | None)
+                and isinstance(prefill, bool)
+            ):
                 if hmac.compare_digest(secret.encode(), self.secret.encode()):
-                    peer.authenticated, peer.who = True, who
+                    peer.authenticated, peer.who, peer.prefill = True, who, prefill
+                    if prefill and who is not None:
+                        with self._socks_lock:  # the newest connection under a tag takes its binds
+                            self._prefill_socks[who] = peer.sock
                     return
             self._refused("no secret")
             drop(peer)
             return
         try:
-            if peer.who is None:
+            if peer.prefill:
                 handoff_id, tag, result = result_from_record(record)
             else:
                 events, load = events_from_record(record)
@@ -369,7 +443,7 @@ class ReplyListener:
             logger.warning("reply channel: dropped a malformed %r record: %s", record.get("k"), e)
             return
         try:
-            if peer.who is None:
+            if peer.prefill:
                 self._on_result(handoff_id, tag, result)
             elif self._on_events is not None:
                 self._on_events(peer.who, events, load)
@@ -381,20 +455,71 @@ class ReplyPusher:
     """A rank's end: `push` (a prefill rank) and `push_events` (a decode rank, which connects with its tag
     `who`) never block and never raise (the Ray reply and the poll carry everything anyway).
 
+    A prefill rank (`on_bind` given; `who` its tag) also takes the binds the driver sends on this connection
+    (`ReplyListener.send_bind`): a thread of its own reads them and calls `on_bind(PrefillBind)`; a malformed
+    record is dropped with a warning. The thread ends when the driver closes the connection or at `close`.
+
     Raises (constructor only): OSError when the driver's socket cannot be reached."""
 
-    def __init__(self, address: str, secret: str, who: str | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        secret: str,
+        who: str | None = None,
+        on_bind: Callable[[PrefillBind], None] | None = None,
+    ) -> None:
         self._sock = connect(address).sock
         try:
-            hello = single_packet({"k": "hello", "secret": secret, "who": who})
-            assert hello is not None  # a few dozen bytes
-            self._sock.sendall(hello)
+            hello = {"k": "hello", "secret": secret, "who": who}
+            if on_bind is not None:
+                hello["prefill"] = True
+            packet = single_packet(hello)
+            assert packet is not None  # a few dozen bytes
+            self._sock.sendall(packet)
         except OSError:
             self._sock.close()
             raise
         self._sock.setblocking(False)  # a stalled driver costs a dropped push, not the engine thread
         self._lock = threading.Lock()
         self._broken = False
+        self._closed = threading.Event()
+        self.num_binds_received = 0
+        self._reader: threading.Thread | None = None
+        if on_bind is not None:
+            self._reader = threading.Thread(
+                target=self._read_binds, args=(on_bind,), name="driver-binds", daemon=True
+            )
+            self._reader.start()
+
+    def _read_binds(self, on_bind: Callable[[PrefillBind], None]) -> None:
+        """The reader thread of a prefill rank: each `bind` record to `on_bind`, until the connection ends."""
+        sock = self._sock
+        while not self._closed.is_set():
+            try:
+                if not wait_readable(sock, POLL_S):
+                    continue
+                packet = sock.recv(MAX_PACKET_BYTES + 1)
+            except BlockingIOError:
+                continue
+            except (OSError, ValueError):  # closed under us (`close`), or the driver went away
+                return
+            if not packet:  # the driver closed it
+                with self._lock:
+                    self._broken = True
+                return
+            try:
+                record = record_from_single_packet(packet)
+                if record.get("k") != "bind":
+                    raise ValueError(f"a {record.get('k')!r} record, not a bind")
+                bind = bind_from_record(record)
+            except (ProtocolError, ValueError) as e:
+                logger.warning("reply channel: dropped a malformed record from the driver: %s", e)
+                continue
+            self.num_binds_received += 1
+            try:
+                on_bind(bind)
+            except Exception:  # noqa: BLE001 - one bind never stops the reader
+                logger.exception("reply channel: taking the bind of %s failed", bind.handoff_id)
 
     def push(self, handoff_id: str, secret: bytes, result: PrefillResult) -> None:
         """Push `result` of handoff `handoff_id` (whose bound meta carries `secret`: `handoff_tag`)."""
@@ -424,7 +549,10 @@ class ReplyPusher:
                     self._sock.close()
                 return False
 
-    def close(self) -> None:
+    def close(self, join_timeout_s: float = 2.0) -> None:
+        self._closed.set()
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(join_timeout_s)  # it looks at `_closed` every POLL_S
         with self._lock:
             self._broken = True
             with contextlib.suppress(OSError):

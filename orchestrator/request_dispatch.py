@@ -8,7 +8,9 @@ lifecycle). A thin loop over the pure dispatch policy (`orchestrator.dispatch`):
                                       fail (no room until the deadline), or end (aborted)
       prefill call                    `PrefillNode.prefill(PrefillRequest)`, sent by _dispatch as soon as
                                       routed (awaiting its bind: prefill computes while decode reserves),
-                                      then `PrefillNode.bind` with the meta decode bound
+                                      then its bind with the meta decode bound (on the
+                                      rank's reply connection on one host, else
+                                      `PrefillNode.bind`)
       _next_events                    the attempt's next events: decode's `TokenDelta` / `RequestError`
                                       (handed over by the poll loop), `Aborted`, `DecodeLost`, the prefill
                                       call's `PrefillDone` / `PrefillFailed`, or `NoEvent` (timeout); on

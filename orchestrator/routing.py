@@ -6,7 +6,8 @@ work the driver has in flight; no `load` call per request once every decode rank
 `orchestrator.router`: a (instance, rank) pair per pool). It sends the prefill call at once, awaiting its
 bind (`PrefillRequest.awaiting_bind`: prefill computes while decode reserves), and reserves on the chosen
 decode rank (`DecodeNode.reserve`) meanwhile; the pure `orchestrator.dispatch.after_reserve` decides what
-follows: bind the prefill to the reservation (`PrefillNode.bind`), route decode again (an instance was
+follows: bind the prefill to the reservation (on the prefill rank's reply connection on this host,
+`orchestrator.reply_channel`; else `PrefillNode.bind`), route decode again (an instance was
 lost), retry after RESERVE_RETRY_S while no decode has room (back-pressure; the prefill waits where it
 is), fail at the deadline, or end (aborted). Every end but the bind releases the prefill too, so nothing
 is computed twice or held after. `_release` drops an attempt on every rank of its two instances.
@@ -35,6 +36,7 @@ from orchestrator.dispatch import (
 from orchestrator.instance import Instance, check_instance_group
 from orchestrator.load_board import LoadBoard
 from orchestrator.messages import Phases, PrefillBind, PrefillRequest, ReserveRequest, ReserveResult
+from orchestrator.reply_channel import ReplyListener
 from orchestrator.request_state import Attempt, RequestRecord
 from orchestrator.router import DecodeLoad, PrefillLoad, RankRef
 
@@ -50,6 +52,9 @@ class RouteAndReserve:
     instances: dict[str, list[Instance]]
     _by_handoff: dict[str, Attempt]
     _loads: LoadBoard
+    _reply_listener: ReplyListener | None  # `ClusterWiring`'s
+    _prefill_push_tags: dict[RankRef, str]  # `ClusterWiring`'s: each prefill rank's reply connection tag
+    _num_binds_pushed: int  # binds sent on a prefill rank's reply connection, not by a Ray call
 
     # ---- routing and reserving ----------------------------------------------------------------------------
     async def _dispatch(
@@ -234,14 +239,18 @@ class RouteAndReserve:
         call.add_done_callback(lambda c: c.cancelled() or c.exception())
 
     def _bind_prefill(self, attempt: Attempt) -> None:
-        """Hand `attempt`'s running prefill the meta decode bound (fire and forget: a bind that does not
-        arrive shows as the prefill call failing or timing out)."""
+        """Hand `attempt`'s running prefill the meta decode bound: on the prefill rank's reply connection
+        when it has one on this host (`ReplyListener.send_bind`), else by a `PrefillNode.bind` Ray call.
+        Fire and forget: a bind that does not arrive shows as the prefill call failing or timing out."""
         assert attempt.meta is not None
+        bind = PrefillBind(attempt.handoff_id, attempt.meta, attempt.decode_index, attempt.decode.rank)
+        listener, who = self._reply_listener, self._prefill_push_tags.get(attempt.prefill)
+        if listener is not None and who is not None and listener.send_bind(who, bind):
+            self._num_binds_pushed += 1
+            return
         prefill = self.instances["prefill"][attempt.prefill_index].ranks[attempt.prefill.rank]
         with contextlib.suppress(Exception):
-            prefill.bind.remote(
-                PrefillBind(attempt.handoff_id, attempt.meta, attempt.decode_index, attempt.decode.rank)
-            )
+            prefill.bind.remote(bind)
 
     async def _load_missing_decodes(self, decodes: list[Instance]) -> bool:
         """Load (one call per rank) the decode instances of `decodes` no snapshot has reached yet

@@ -63,20 +63,22 @@ class ClusterWiring:
     _on_prefill_reply_threadsafe: Callable[[str, str, Any], None]  # `RequestDispatch`'s
     _on_decode_events_threadsafe: Callable[[str, list, Any], None]  # `RequestDispatch`'s
     _decode_push_tags: dict[str, RankRef]
+    _prefill_push_tags: dict[RankRef, str]
 
     def _connect_reply_channel(
         self,
         ray,
-        ranks: list[Any],
+        prefill_indices: Iterable[int] = (),
         timeout_s: float = 120.0,
         restarted: bool = False,
         decode_indices: Iterable[int] = (),
     ) -> None:
-        """On a single-node cpu topology (every rank on this host), have prefill ranks `ranks` push their
-        results, and the ranks of decode instances `decode_indices` their events, over a Unix socket too
-        (`orchestrator.reply_channel`): at deploy the listener starts; `restarted` ranks (the health
-        monitor's rewire) reconnect to it while it is open. Each decode rank connects under a fresh tag,
-        which replaces its earlier one. A rank that cannot connect is logged and keeps its Ray calls alone."""
+        """On a single-node cpu topology (every rank on this host), have the ranks of prefill instances
+        `prefill_indices` push their results and take their binds, and the ranks of decode instances
+        `decode_indices` push their events, over a Unix socket too (`orchestrator.reply_channel`): at
+        deploy the listener starts; `restarted` ranks (the health monitor's rewire) reconnect to it while it
+        is open. Each rank connects under a fresh tag, which replaces its earlier one. A rank that cannot
+        connect is logged and keeps its Ray calls alone."""
         if not self._loopback:
             return
         if not restarted:  # deploy: the listener starts here (a rejoin after shutdown starts none)
@@ -87,7 +89,13 @@ class ClusterWiring:
         if listener is None or listener.closed:
             return
         address, secret = listener.address, listener.secret
-        refs = {rank.connect_reply_channel.remote(address, secret): "a prefill rank" for rank in ranks}
+        refs = {}
+        for index in prefill_indices:
+            instance = self.instances["prefill"][index]
+            for rank, actor in enumerate(instance.ranks):
+                who = f"{instance.rank_name(rank)}:{secrets.token_hex(8)}"
+                self._prefill_push_tags[RankRef(index, rank)] = who  # binds go to this incarnation only
+                refs[actor.connect_reply_channel.remote(address, secret, who)] = instance.rank_name(rank)
         for index in decode_indices:
             instance = self.instances["decode"][index]
             for tag in [t for t, ref in self._decode_push_tags.items() if ref.instance == index]:

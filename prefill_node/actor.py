@@ -141,11 +141,12 @@ class PrefillNode(RankActor):
         for sender in old:
             sender.close()
 
-    def connect_reply_channel(self, address: str, secret: str) -> None:
+    def connect_reply_channel(self, address: str, secret: str, who: str | None = None) -> None:
         """Push each finished prefill's `PrefillResult` to the driver's socket at `address` too (it is on
-        this host), presenting `secret`, beside the `prefill` call's reply (`orchestrator.reply_channel`).
+        this host), presenting `secret`, beside the `prefill` call's reply (`orchestrator.reply_channel`);
+        and take the binds the driver sends on that connection, to this rank's tag `who`, as `bind` calls.
         Replaces an earlier connection. Raises OSError when the socket cannot be reached."""
-        pusher, old = ReplyPusher(address, secret), self._reply_pusher
+        pusher, old = ReplyPusher(address, secret, who, on_bind=self.bind), self._reply_pusher
         self._reply_pusher = pusher
         if old is not None:
             old.close()

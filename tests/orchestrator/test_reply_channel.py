@@ -8,10 +8,12 @@ import contextlib
 import dataclasses
 import queue
 import socket
+import time
 from types import SimpleNamespace
 
 import pytest
 
+from kvtransfer.base import HandoffMeta
 from kvtransfer.shm_transport.channel import connect
 from kvtransfer.shm_transport.channel import single_packet as _packet
 from orchestrator import reply_channel
@@ -23,6 +25,7 @@ from orchestrator.messages import (
     DraftCounts,
     Phases,
     PolledEvent,
+    PrefillBind,
     PrefillResult,
     RequestError,
     TokenDelta,
@@ -30,6 +33,8 @@ from orchestrator.messages import (
 from orchestrator.reply_channel import (
     ReplyListener,
     ReplyPusher,
+    bind_from_record,
+    bind_to_record,
     events_from_record,
     events_to_record,
     handoff_tag,
@@ -57,8 +62,9 @@ def listener():
 
 
 def _assert_closed_by_the_listener(sock: socket.socket) -> None:
-    """The listener never writes to a connection: a read returns only once it closed it (an end of file, or
-    a reset when packets it did not read were still queued)."""
+    """The listener writes only binds, only to a prefill rank's authenticated connection: on any other a
+    read returns only once it closed it (an end of file, or a reset when packets it did not read were still
+    queued)."""
     sock.settimeout(WAIT_S)
     try:
         assert sock.recv(1) == b""
@@ -287,3 +293,97 @@ def test_pushed_events_of_a_rank_out_of_routing_are_handed_over_but_its_load_is_
     driver = _decode_driver(routable=False)
     RequestDispatch._on_decode_events(driver, "decode-0:new", EVENTS, LOAD)
     assert driver._poll_acked_seq == [[9]] and driver._loads.missing_decodes([0]) == [0]
+
+
+# ---- binds, driver -> prefill rank ---------------------------------------------------------------------
+BIND = PrefillBind(
+    "r@0",
+    HandoffMeta(
+        "r@0", num_layers=5, num_tokens=64, kv_dim=80, dtype="float32", wire_dtype="float32", secret=SECRET
+    ),
+    1,
+    0,
+)
+
+
+def _send_bind_once_registered(listener: ReplyListener, who: str, bind: PrefillBind) -> None:
+    """`send_bind` as soon as the listener thread has taken `who`'s hello (it sends False until then)."""
+    deadline_s = time.monotonic() + WAIT_S
+    while not listener.send_bind(who, bind):
+        assert time.monotonic() < deadline_s, f"no connection of {who} registered in {WAIT_S} s"
+        time.sleep(0.01)
+
+
+def test_a_bind_reaches_the_prefill_rank_of_its_tag_only(listener) -> None:
+    """A bind goes to the prefill connection whose hello named the tag, whole (the secret included), and to
+    no other rank; never to a decode rank's connection or an unknown tag; after the rank closes its
+    connection it is not sent (the caller makes the Ray call), and a new connection under the tag (a
+    restarted rank) takes the binds from then on. The prefill rank's results still reach the driver."""
+    listener, got = listener
+    binds_0: queue.Queue = queue.Queue()
+    binds_1: queue.Queue = queue.Queue()
+    prefill_0 = ReplyPusher(listener.address, listener.secret, "prefill-0:a", on_bind=binds_0.put)
+    prefill_1 = ReplyPusher(listener.address, listener.secret, "prefill-1:b", on_bind=binds_1.put)
+    decode = ReplyPusher(listener.address, listener.secret, "decode-0:c")
+    try:
+        _send_bind_once_registered(listener, "prefill-0:a", BIND)
+        taken = binds_0.get(timeout=WAIT_S)
+        assert taken == BIND and taken.meta.secret == SECRET
+        assert prefill_0.num_binds_received == 1
+        assert not listener.send_bind("decode-0:c", BIND) and not listener.send_bind("nobody", BIND)
+        prefill_0.push("r@0", SECRET, RESULT)
+        assert got.get(timeout=WAIT_S) == ("r@0", handoff_tag(SECRET), RESULT)
+        prefill_0.close()
+        deadline_s = time.monotonic() + WAIT_S
+        while listener.send_bind("prefill-0:a", BIND):  # until the listener saw the connection end
+            assert time.monotonic() < deadline_s
+            time.sleep(0.01)
+        restarted = ReplyPusher(listener.address, listener.secret, "prefill-0:a", on_bind=binds_0.put)
+        second = dataclasses.replace(BIND, decode_index=0)
+        _send_bind_once_registered(listener, "prefill-0:a", second)
+        assert binds_0.get(timeout=WAIT_S) == second
+        restarted.close()
+        assert binds_1.empty() and prefill_1.num_binds_received == 0
+    finally:
+        for pusher in (prefill_0, prefill_1, decode):
+            pusher.close()
+
+
+def test_a_malformed_record_from_the_driver_is_dropped_and_the_binds_go_on(listener, caplog) -> None:
+    listener, _ = listener
+    binds: queue.Queue = queue.Queue()
+    pusher = ReplyPusher(listener.address, listener.secret, "prefill-0:a", on_bind=binds.put)
+    try:
+        _send_bind_once_registered(listener, "prefill-0:a", BIND)
+        assert binds.get(timeout=WAIT_S) == BIND
+        sock = listener._prefill_socks["prefill-0:a"]
+        sock.send(_packet({**bind_to_record(BIND), "d": -1}))
+        sock.send(_packet({"k": "done"}))
+        listener.send_bind("prefill-0:a", dataclasses.replace(BIND, decode_rank=1))
+        assert binds.get(timeout=WAIT_S).decode_rank == 1
+        assert binds.empty() and pusher.num_binds_received == 2
+        messages = [
+            r.getMessage() for r in caplog.records if "malformed record from the driver" in r.getMessage()
+        ]
+        assert len(messages) == 2 and not any(SECRET.decode() in m for m in messages)
+    finally:
+        pusher.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"rid": 5}, "string rid"),
+        ({"m": None}, "mapping m"),
+        ({"d": -1}, "decode_index is -1"),
+        ({"r": True}, "decode_rank is True"),
+        ({"m": {**bind_to_record(BIND)["m"], "num_layers": "5"}}, "malformed handoff"),
+        ({"m": {**bind_to_record(BIND)["m"], "request_id": "other@0"}}, "names 'other@0'"),
+        ({"m": {**bind_to_record(BIND)["m"], "secret": b""}}, "no secret"),
+    ],
+)
+def test_bind_from_record_names_what_is_malformed(change, message) -> None:
+    assert bind_from_record(bind_to_record(BIND)) == BIND
+    with pytest.raises(ValueError, match=message) as info:
+        bind_from_record({**bind_to_record(BIND), **change})
+    assert SECRET.decode() not in str(info.value)
