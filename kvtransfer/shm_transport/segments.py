@@ -60,7 +60,9 @@ def anonymous_fd(num_bytes: int) -> int:
 
 class Segment:
     """One mapped segment: `segment_id` (unique per connection), `capacity_bytes`, and its descriptor
-    (`fd`, kept by the owner to pass it on; None once passed and closed, e.g. on the sender).
+    (`fd`, kept by the owner to pass it on; None once passed and closed, e.g. on the sender). A segment
+    given a descriptor owns it: the constructor closes it when it raises (ValueError: the file is smaller
+    than `capacity_bytes`; OSError: it cannot be mapped).
 
     `view(offset_bytes, num_bytes)` is a 1-D uint8 tensor sharing the mapping (no copy)."""
 
@@ -69,6 +71,11 @@ class Segment:
         self.capacity_bytes = capacity_bytes
         self.fd = anonymous_fd(capacity_bytes) if fd is None else fd
         try:
+            size = os.fstat(self.fd).st_size
+            if size < capacity_bytes:  # a mapping past the end of the file faults (SIGBUS) when written
+                raise ValueError(
+                    f"segment {segment_id}: its file has {size} B, fewer than the {capacity_bytes} B granted"
+                )
             self._mmap = mmap.mmap(self.fd, capacity_bytes)
         except BaseException:
             os.close(self.fd)

@@ -404,8 +404,12 @@ class ShmKVSender(KVSender):
             record, fds = got
             try:
                 self._on_record(record, fds)
-            except (KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError, OSError) as e:
                 logger.warning("kv shm: malformed %r record from the receiver: %r", record.get("k"), e)
+            finally:  # what `_on_record` did not keep (a grant keeps its first, and only a valid one)
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
         channel.close()
         with self._lock:  # with the snapshot: a begin from now on reconnects first
             self._lost = why
@@ -418,14 +422,19 @@ class ShmKVSender(KVSender):
             segment.close()
 
     def _on_record(self, record: dict, fds: list[int]) -> None:
+        """Take one of decode's records. A grant's first descriptor is taken out of `fds` once it is mapped;
+        the caller closes whatever is left there, whatever this raised."""
         kind = record["k"]
         if kind == "grant":
-            segment_id = record["seg"]
+            segment_id, capacity = record["seg"], record["cap"]
+            if not isinstance(segment_id, int) or not isinstance(capacity, int):
+                raise TypeError(f"a grant's seg and cap must be ints, got {segment_id!r}, {capacity!r}")
             if fds:
-                segment = Segment(segment_id, record["cap"], fd=fds[0])
-                segment.close_fd()
-                for fd in fds[1:]:
-                    os.close(fd)
+                segment = Segment(segment_id, capacity, fd=fds.pop(0))  # it owns the descriptor (closes it
+                segment.close_fd()  # if it cannot map it); the mapping stays
+                replaced = self._segments.pop(segment_id, None)
+                if replaced is not None:  # a second grant under one id: the first mapping goes
+                    replaced.close()
                 self._segments[segment_id] = segment
             with self._lock:
                 req = self._requests.get(record["rid"])

@@ -416,6 +416,55 @@ def test_descriptors_sent_to_decode_never_reach_it_and_a_record_cannot_pile_them
         receiver.close()
 
 
+def test_the_sender_closes_every_descriptor_decode_sends_that_it_does_not_map(caplog):
+    """Prefill's side of the channel takes descriptors (decode's segment grants). Each one it does not keep
+    is closed: a second descriptor on a grant, one on a record that is not a grant, one on a malformed
+    grant, one whose file is smaller than the capacity granted (mapped, a write past the file's end would
+    kill the process with SIGBUS). A valid grant's segment is mapped, and a second grant under its id
+    replaces the mapping."""
+    import shutil
+
+    from kvtransfer.shm_transport.channel import SOCKET_NAME, Channel, listen
+    from kvtransfer.shm_transport.segments import anonymous_fd
+
+    listener, directory = listen()
+    sender = ShmKVSender(str(directory / SOCKET_NAME))
+    conn, _ = listener.accept()
+    decode = Channel(conn)
+    try:
+        baseline = _open_descriptors()
+        mib = 1 << 20
+
+        def send(record: dict, *sizes: int) -> None:
+            fds = [anonymous_fd(size) for size in sizes]
+            try:
+                decode.send(record, fds)  # the kernel gives the sender its own copies
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+        send({"k": "grant", "rid": "a", "seg": 1, "cap": mib}, mib, mib)  # one extra descriptor
+        send({"k": "done", "rid": "a", "error": None}, mib)  # a descriptor on a record that is no grant
+        send({"k": "grant", "rid": "a", "seg": 2}, mib)  # no capacity
+        send({"k": "grant", "rid": "a", "seg": 3, "cap": "1"}, mib)  # a capacity that is no int
+        send({"k": "grant", "rid": "a", "seg": 4, "cap": 4 * mib}, mib)  # more than the file holds
+        assert wait_until(lambda: 1 in sender._segments)
+        first = sender._segments[1]
+        send({"k": "grant", "rid": "a", "seg": 1, "cap": 2 * mib}, 2 * mib)  # replaces segment 1
+        assert wait_until(lambda: sender._segments.get(1) is not first)
+        # One left: the mapping of segment 1 (Python's mmap keeps a duplicate of the descriptor it maps).
+        assert wait_until(lambda: _open_descriptors() == baseline + 1), (_open_descriptors(), baseline)
+        assert set(sender._segments) == {1} and sender._segments[1].capacity_bytes == 2 * mib
+        sender._segments[1].view(0, 2 * mib).numpy()[:] = 7  # every byte granted can be written
+        malformed = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+        assert len(malformed) == 3 and "fewer than the 4194304 B granted" in malformed[-1]
+    finally:
+        sender.close()
+        decode.close()
+        listener.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def test_a_segment_that_cannot_be_made_fails_its_handoff_only(monkeypatch, caplog):
     """Out of descriptors or memory when decode makes a handoff's segment (injected: `SegmentPool.acquire`
     raises EMFILE once): that handoff fails on both sides, naming the cause, and the connection serves the
