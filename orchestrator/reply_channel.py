@@ -24,10 +24,10 @@ checked, msgpack records on SOCK_SEQPACKET, each one packet here), and a connect
 present the secret the driver handed the rank over Ray (`ReplyListener.secret`) within `HELLO_TIMEOUT_S`;
 anything else closes it. A rank's hello also names it by the fresh tag the driver gave that incarnation
 (`who`; a prefill rank's says `prefill`: it pushes results and takes binds): events are taken only under the
-current tag of a decode rank, so a restarted rank's
-predecessor, whose sequence numbers started over, is never mistaken for it. A malformed record from an
-authenticated peer is dropped with a warning. Each prefill result names its attempt by `handoff_tag` (a
-hash of the handoff's secret), checked by the driver against the attempt's reservation.
+current tag of a decode rank, so a restarted rank's predecessor, whose sequence numbers started over, is
+never mistaken for it. A malformed record from an authenticated peer is dropped with a warning. Each
+prefill result names its attempt by `handoff_tag` (a hash of the handoff's secret), checked by the driver
+against the attempt's reservation.
 
 Binds, the other way. A prefill call sent before decode reserved (`PrefillRequest.awaiting_bind`) learns
 its reservation from a bind (`PrefillBind`: the bound meta, with the handoff's secret). The driver writes it

@@ -17,6 +17,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from orchestrator.backend import BackendUnavailable
 from orchestrator.cluster import PROBE_INTERVAL_S, Cluster
+from orchestrator.router import RankRef
 from orchestrator.topology import load_topology
 from tests.cluster.conftest import assert_nothing_held, call_bound_s, deployed_with_loop, request_bound_s
 
@@ -111,7 +112,7 @@ def test_a_crashed_decode_is_restarted_rewired_and_serves_again(cluster, expecte
     tags_before = set(cluster._decode_push_tags)
     os.kill(pid, signal.SIGKILL)
     # A restart loads the weights again: bounded by the deploy's own wait for an actor (request bound).
-    recovery_s = _seconds_until_routable_after_restart(cluster, pid, request_bound_s(cluster))
+    recovery_s = _seconds_until_routable_after_restart(cluster, "decode", pid, request_bound_s(cluster))
     print(f"decode restarted and rejoined {recovery_s:.2f} s after SIGKILL")
     assert _pid(cluster, "decode") != pid
     assert len(cluster._decode_push_tags) == 1 and not tags_before & set(cluster._decode_push_tags)
@@ -121,10 +122,29 @@ def test_a_crashed_decode_is_restarted_rewired_and_serves_again(cluster, expecte
     assert_nothing_held(cluster)
 
 
-def _seconds_until_routable_after_restart(cluster: Cluster, old_pid: int, bound_s: float) -> float:
+def test_a_crashed_prefill_is_restarted_and_takes_its_binds_on_its_new_connection(
+    cluster, expected_tokens
+) -> None:
+    """SIGKILL of the prefill actor's process: Ray restarts it; the health monitor rewires its KV senders
+    and it connects to the driver's reply socket under a new tag, on which the next request's bind goes
+    (not a Ray call); the same greedy tokens come out."""
+    pid = _pid(cluster, "prefill")
+    tag_before = cluster._prefill_push_tags[RankRef(0, 0)]
+    os.kill(pid, signal.SIGKILL)
+    recovery_s = _seconds_until_routable_after_restart(cluster, "prefill", pid, request_bound_s(cluster))
+    print(f"prefill restarted and rejoined {recovery_s:.2f} s after SIGKILL")
+    assert _pid(cluster, "prefill") != pid
+    assert cluster._prefill_push_tags[RankRef(0, 0)] != tag_before
+    binds_before = cluster._num_binds_pushed
+    assert _generate(cluster, "after-prefill-crash") == expected_tokens
+    assert cluster._num_binds_pushed == binds_before + 1
+    assert_nothing_held(cluster)
+
+
+def _seconds_until_routable_after_restart(cluster: Cluster, role: str, old_pid: int, bound_s: float) -> float:
     started_s = time.monotonic()
     while True:
-        health = cluster._health["decode"][0]
+        health = cluster._health[role][0]
         if health.routable and health.pid != old_pid:
             return time.monotonic() - started_s
         assert time.monotonic() - started_s < bound_s, cluster.health()
