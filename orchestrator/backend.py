@@ -5,7 +5,7 @@ Two implementations:
   single-machine serving.
 - the Ray cluster backend (`orchestrator/cluster.py`): router -> prefill pool -> KV transfer -> decode pool.
 
-The API server (`orchestrator/api/`) only calls the five members below. It validates the request
+The API server (`orchestrator/api/`) only calls the six members below. It validates the request
 (model name, prompt length against `max_model_len`, sampling parameters) before calling `generate`, and
 calls `abort` when the client goes away before the stream ends.
 
@@ -17,6 +17,8 @@ Who runs what:
     await backend.abort(request_id)                 drop the request, free its KV blocks (no-op if it is
                                                     unknown or already finished)
     backend.stats()                                 a plain dict read by GET /metrics (see `stats` below)
+    backend.check_ready()                           GET /health: raise BackendUnavailable if it cannot
+                                                    serve now, from its own bookkeeping (no call)
 
 Failures: a backend raises `BackendUnavailable` (from `generate`, before or during the stream) for a
 retriable failure (no instance up, a prefill instance lost with no other to re-dispatch to, overload);

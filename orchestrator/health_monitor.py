@@ -114,8 +114,9 @@ class InstanceMonitor:
 
     def check_ready(self) -> None:
         """`ServingBackend.check_ready`: from the health the monitor and the request path last recorded (no
-        call: a stalled instance shows here once a probe or a request's call to it timed out, within
-        `PROBE_INTERVAL_S` + `call_timeout_s` of the stall).
+        call: a stalled instance shows here once a probe or a request's call to it timed out: within
+        `PROBE_INTERVAL_S` + `call_timeout_s` of the stall, up to about twice `call_timeout_s` more when a
+        probe round is already waiting on another instance).
 
         Raises:
             BackendUnavailable: shut down, or no prefill or no decode instance in routing; the message
@@ -247,8 +248,9 @@ class InstanceMonitor:
         whose groups are fixed at deploy). A restarted decode starts its receiver on a new port (shm: a new
         socket path; shm+grpc: both, in a new `PairedAddress`), which the prefill ranks in routing learn at
         once (the others when they rejoin), and (one host) reconnects to the driver's reply socket under a
-        new tag; a rejoining prefill instance's ranks (re)connect to every decode
-        rank's current address, in case one moved meanwhile."""
+        new tag; a rejoining prefill instance's ranks (re)connect to every decode rank's current address, in
+        case one moved meanwhile, and a restarted one (one host) to the reply socket under a new tag, where
+        its binds go from then on."""
         if role == "decode":
             assert restarted
             decode = self.decode_actors[index]

@@ -289,7 +289,8 @@ class ReplyListener:
     authenticated prefill rank pushes and `on_events(who, events, load)` for every batch of events an
     authenticated decode rank pushes (`who`: the tag its hello named; without `on_events` such records are
     dropped). `address` (a socket path) and `secret` go to the ranks (`PrefillNode.connect_reply_channel`,
-    `DecodeNode.connect_reply_channel`).
+    `DecodeNode.connect_reply_channel`). `send_bind(who, bind)` (any thread) writes a bind on the connection
+    of the prefill rank whose hello named tag `who` (the first one under that tag, while it is open).
 
     One thread, non-blocking sockets, one packet read per readiness: no peer can hold it. A connection that
     has not presented the secret within `HELLO_TIMEOUT_S`, or sends anything but one-packet records, is
@@ -327,16 +328,23 @@ class ReplyListener:
         """Send `bind` on the connection of the prefill rank whose hello named `who`; never blocks or
         raises. True: it is in that connection's socket buffer (the rank reads it); False: not sent (no such
         connection now, its buffer full, or it broke): make the Ray call instead."""
-        packet = single_packet(bind_to_record(bind))
         with self._socks_lock:
             sock = self._prefill_socks.get(who)
-            if sock is None or packet is None:
+            if sock is None:
                 return False
             try:
+                packet = single_packet(bind_to_record(bind))
+                if packet is None:
+                    return False
                 sock.send(packet)  # non-blocking: a sequenced packet goes whole or not at all
-            except OSError:  # BlockingIOError (full), or the rank is gone: the listener drops it
+            except Exception:  # noqa: BLE001 - BlockingIOError (full), the rank gone (the listener drops it)
                 return False
         return True
+
+    def is_registered(self, who: str) -> bool:
+        """Whether a prefill connection under tag `who` has presented the secret (binds can go to it)."""
+        with self._socks_lock:
+            return who in self._prefill_socks
 
     def _run(self) -> None:
         peers: dict[socket.socket, _Peer] = {}
@@ -424,12 +432,13 @@ class ReplyListener:
                 and isinstance(secret, str)
                 and isinstance(who, str | None)
                 and isinstance(prefill, bool)
+                and (prefill or who is not None)  # a decode rank names itself
             ):
                 if hmac.compare_digest(secret.encode(), self.secret.encode()):
                     peer.authenticated, peer.who, peer.prefill = True, who, prefill
                     if prefill and who is not None:
-                        with self._socks_lock:  # the newest connection under a tag takes its binds
-                            self._prefill_socks[who] = peer.sock
+                        with self._socks_lock:  # the first connection under a tag keeps it while open
+                            self._prefill_socks.setdefault(who, peer.sock)
                     return
             self._refused("no secret")
             drop(peer)
@@ -492,34 +501,46 @@ class ReplyPusher:
             self._reader.start()
 
     def _read_binds(self, on_bind: Callable[[PrefillBind], None]) -> None:
-        """The reader thread of a prefill rank: each `bind` record to `on_bind`, until the connection ends."""
+        """The reader thread of a prefill rank: each `bind` record to `on_bind`, until the connection ends.
+        However it ends, the connection is shut down on the way out, so the driver drops it and sends no
+        bind there that nobody would read (they go by Ray)."""
         sock = self._sock
-        while not self._closed.is_set():
-            try:
-                if not wait_readable(sock, POLL_S):
+        try:
+            while not self._closed.is_set():
+                try:
+                    if not wait_readable(sock, POLL_S):
+                        continue
+                    packet = sock.recv(MAX_PACKET_BYTES + 1)
+                except BlockingIOError:
                     continue
-                packet = sock.recv(MAX_PACKET_BYTES + 1)
-            except BlockingIOError:
-                continue
-            except (OSError, ValueError):  # closed under us (`close`), or the driver went away
-                return
-            if not packet:  # the driver closed it
-                with self._lock:
-                    self._broken = True
-                return
-            try:
-                record = record_from_single_packet(packet)
-                if record.get("k") != "bind":
-                    raise ValueError(f"a {record.get('k')!r} record, not a bind")
-                bind = bind_from_record(record)
-            except (ProtocolError, ValueError) as e:
-                logger.warning("reply channel: dropped a malformed record from the driver: %s", e)
-                continue
-            self.num_binds_received += 1
-            try:
-                on_bind(bind)
-            except Exception:  # noqa: BLE001 - one bind never stops the reader
-                logger.exception("reply channel: taking the bind of %s failed", bind.handoff_id)
+                if not packet:  # the driver closed it
+                    return
+                try:
+                    record = record_from_single_packet(packet)
+                    if record.get("k") != "bind":
+                        raise ValueError(f"a {record.get('k')!r} record, not a bind")
+                    bind = bind_from_record(record)
+                except (ProtocolError, ValueError) as e:
+                    logger.warning("reply channel: dropped a malformed record from the driver: %s", e)
+                    continue
+                self.num_binds_received += 1
+                try:
+                    on_bind(bind)
+                except Exception:  # noqa: BLE001 - one bind never stops the reader
+                    logger.exception("reply channel: taking the bind of %s failed", bind.handoff_id)
+        except Exception as e:  # noqa: BLE001 - the socket failed, or a bug: logged, then shut down below
+            if not self._closed.is_set():
+                logger.warning("reply channel: reading the driver's binds failed (Ray binds only now): %r", e)
+        finally:
+            self._shut_down()
+
+    def _shut_down(self) -> None:
+        """Mark the connection broken and shut it down (both ways; the descriptor stays open until `close`,
+        so no other thread's call on it can reach a socket that reused its number)."""
+        with self._lock:
+            self._broken = True
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
 
     def push(self, handoff_id: str, secret: bytes, result: PrefillResult) -> None:
         """Push `result` of handoff `handoff_id` (whose bound meta carries `secret`: `handoff_tag`)."""
@@ -546,14 +567,14 @@ class ReplyPusher:
                 logger.warning("reply channel to the driver failed (Ray calls only now): %r", e)
                 self._broken = True
                 with contextlib.suppress(OSError):
-                    self._sock.close()
+                    self._sock.shutdown(socket.SHUT_RDWR)  # closed at `close`: the reader may be in it
                 return False
 
     def close(self, join_timeout_s: float = 2.0) -> None:
         self._closed.set()
+        self._shut_down()  # the reader's poll returns at once
         if self._reader is not None and self._reader is not threading.current_thread():
-            self._reader.join(join_timeout_s)  # it looks at `_closed` every POLL_S
+            self._reader.join(join_timeout_s)
         with self._lock:
-            self._broken = True
             with contextlib.suppress(OSError):
                 self._sock.close()

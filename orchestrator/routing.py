@@ -41,8 +41,8 @@ from orchestrator.request_state import Attempt, RequestRecord
 from orchestrator.router import DecodeLoad, PrefillLoad, RankRef
 
 # Prefill calls in flight per prefill rank up to which a new one is sent before its reservation (each
-# blocks one of the actor's call threads, `max_concurrency` 256, and its bind needs another); past it, a
-# request reserves first and its prefill is sent bound (the order without the overlap).
+# blocks one of the actor's call threads, `max_concurrency` 256, and a bind made by Ray needs another);
+# past it, a request reserves first and its prefill is sent bound (the order without the overlap).
 MAX_EARLY_PREFILL_CALLS = 64
 
 
@@ -66,7 +66,7 @@ class RouteAndReserve:
     ) -> Attempt | None:
         """Route; send the prefill call at once (`awaiting_bind`: prefill computes while decode reserves)
         and reserve on decode (retrying while no decode instance has room: `after_reserve`, the prefill
-        staying where it is); once bound, hand the prefill the bound meta (`PrefillNode.bind`). Returns the
+        staying where it is); once bound, hand the prefill the bound meta (`_bind_prefill`). Returns the
         attempt with its prefill call (`Attempt.prefill_call`) running; None: aborted. On every other end
         (abort, failure, an exception) the prefill and any reservation are released. Instances whose
         load/reserve call dies or times out are marked so and routing continues with the others; a

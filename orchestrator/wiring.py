@@ -12,6 +12,7 @@ import contextlib
 import logging
 import secrets
 import socket
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -90,11 +91,13 @@ class ClusterWiring:
             return
         address, secret = listener.address, listener.secret
         refs = {}
+        prefill_tags: dict[str, str] = {}  # tag -> rank name
         for index in prefill_indices:
             instance = self.instances["prefill"][index]
             for rank, actor in enumerate(instance.ranks):
                 who = f"{instance.rank_name(rank)}:{secrets.token_hex(8)}"
                 self._prefill_push_tags[RankRef(index, rank)] = who  # binds go to this incarnation only
+                prefill_tags[who] = instance.rank_name(rank)
                 refs[actor.connect_reply_channel.remote(address, secret, who)] = instance.rank_name(rank)
         for index in decode_indices:
             instance = self.instances["decode"][index]
@@ -104,11 +107,23 @@ class ClusterWiring:
                 who = f"{instance.rank_name(rank)}:{secrets.token_hex(8)}"
                 self._decode_push_tags[who] = RankRef(index, rank)
                 refs[actor.connect_reply_channel.remote(address, secret, who)] = instance.rank_name(rank)
+        connected = set()
         for ref, what in refs.items():
             try:
                 ray.get(ref, timeout=timeout_s)
+                connected.add(what)
             except Exception as e:  # noqa: BLE001 - the Ray calls still carry every result and event
                 logger.warning("%s could not connect to the driver's reply socket: %s", what, e)
+        # The rank returns once its hello is sent; the listener thread takes it a moment later. Until then a
+        # bind goes by Ray (correct, only slower): wait, so that the ranks take their binds here from now on.
+        deadline_s = time.monotonic() + timeout_s
+        waiting = [who for who, name in prefill_tags.items() if name in connected]
+        while waiting and time.monotonic() < deadline_s:
+            waiting = [who for who in waiting if not listener.is_registered(who)]
+            if waiting:
+                time.sleep(0.005)
+        for who in waiting:
+            logger.warning("%s: reply connection not registered in %g s (binds go by Ray)", who, timeout_s)
 
     def _rendezvous(self, ray, spec_index: int) -> tuple[str, int]:
         """(`tcp://host:port` of the group, the barrier's port) for an instance whose rank 0 runs in bundle 0

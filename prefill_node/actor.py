@@ -6,11 +6,13 @@ instance's placement group. Threads inside the actor:
     Ray's method threads (max_concurrency)          the engine thread (owns the engine)
     --------------------------------------          -----------------------------------
     prefill(...) queues a job, blocks until done    takes jobs: sender.begin, add_request(prefill_only)
-    abort(request_id) queues an abort               engine.step(on_prompt_kv=...): each layer's prompt KV
-    load() reads counters under a lock                -> sender.send_layer as soon as it is written
-                                                      (layerwise), or all layers after the step
+    bind(...) queues the job's reservation          engine.step(on_prompt_kv=...): each layer's prompt KV
+    abort(request_id) queues an abort                 -> sender.send_layer as soon as it is written
+    load() reads counters under a lock                (layerwise), or all layers after the step
                                                     finished jobs: sender.finish(extras: first token,
                                                       drafts and their probabilities), wake the caller
+    On one host, the driver-binds thread of the reply connection (`ReplyPusher`) calls `bind(...)` for
+    each bind the driver sends on it, and the engine thread pushes each result there too.
 
 A job that fails (engine error, send error, abort) aborts its handoff (decode's `wait` raises
 `TransferAborted`) and raises in `prefill(...)`. An engine error fails only the jobs it concerns: a

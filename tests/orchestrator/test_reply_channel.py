@@ -314,39 +314,65 @@ def _send_bind_once_registered(listener: ReplyListener, who: str, bind: PrefillB
         time.sleep(0.01)
 
 
-def test_a_bind_reaches_the_prefill_rank_of_its_tag_only(listener) -> None:
+def test_a_bind_reaches_the_prefill_rank_of_its_tag_only() -> None:
     """A bind goes to the prefill connection whose hello named the tag, whole (the secret included), and to
-    no other rank; never to a decode rank's connection or an unknown tag; after the rank closes its
-    connection it is not sent (the caller makes the Ray call), and a new connection under the tag (a
-    restarted rank) takes the binds from then on. The prefill rank's results still reach the driver."""
-    listener, got = listener
+    no other rank; never to a decode rank's connection (its hello taken: its events arrived) or an unknown
+    tag; after the rank closes its connection it is not sent (the caller makes the Ray call), and a new
+    connection under the tag (a restarted rank) takes the binds from then on. A second connection under a
+    tag still open takes none. The prefill rank's results still reach the driver."""
+    results: queue.Queue = queue.Queue()
+    events: queue.Queue = queue.Queue()
+    listener = ReplyListener(lambda *r: results.put(r), lambda who, ev, load: events.put(who))
     binds_0: queue.Queue = queue.Queue()
     binds_1: queue.Queue = queue.Queue()
-    prefill_0 = ReplyPusher(listener.address, listener.secret, "prefill-0:a", on_bind=binds_0.put)
-    prefill_1 = ReplyPusher(listener.address, listener.secret, "prefill-1:b", on_bind=binds_1.put)
-    decode = ReplyPusher(listener.address, listener.secret, "decode-0:c")
+    pushers = []
     try:
+        prefill_0 = ReplyPusher(listener.address, listener.secret, "prefill-0:a", on_bind=binds_0.put)
+        prefill_1 = ReplyPusher(listener.address, listener.secret, "prefill-1:b", on_bind=binds_1.put)
+        decode = ReplyPusher(listener.address, listener.secret, "decode-0:c")
+        pushers += [prefill_0, prefill_1, decode]
         _send_bind_once_registered(listener, "prefill-0:a", BIND)
         taken = binds_0.get(timeout=WAIT_S)
         assert taken == BIND and taken.meta.secret == SECRET
         assert prefill_0.num_binds_received == 1
+        second = ReplyPusher(listener.address, listener.secret, "prefill-0:a", on_bind=binds_1.put)
+        pushers.append(second)
+        assert decode.push_events(EVENTS, LOAD)
+        assert events.get(timeout=WAIT_S) == "decode-0:c"  # its hello was taken before these
         assert not listener.send_bind("decode-0:c", BIND) and not listener.send_bind("nobody", BIND)
         prefill_0.push("r@0", SECRET, RESULT)
-        assert got.get(timeout=WAIT_S) == ("r@0", handoff_tag(SECRET), RESULT)
+        assert results.get(timeout=WAIT_S) == ("r@0", handoff_tag(SECRET), RESULT)
         prefill_0.close()
+        second.close()
         deadline_s = time.monotonic() + WAIT_S
         while listener.send_bind("prefill-0:a", BIND):  # until the listener saw the connection end
             assert time.monotonic() < deadline_s
             time.sleep(0.01)
         restarted = ReplyPusher(listener.address, listener.secret, "prefill-0:a", on_bind=binds_0.put)
-        second = dataclasses.replace(BIND, decode_index=0)
-        _send_bind_once_registered(listener, "prefill-0:a", second)
-        assert binds_0.get(timeout=WAIT_S) == second
-        restarted.close()
-        assert binds_1.empty() and prefill_1.num_binds_received == 0
+        pushers.append(restarted)
+        rebound = dataclasses.replace(BIND, decode_index=0)
+        _send_bind_once_registered(listener, "prefill-0:a", rebound)
+        assert binds_0.get(timeout=WAIT_S) == rebound
+        assert binds_1.empty() and prefill_1.num_binds_received == 0 and second.num_binds_received == 0
     finally:
-        for pusher in (prefill_0, prefill_1, decode):
+        for pusher in pushers:
             pusher.close()
+        listener.close()
+
+
+def test_the_bind_reader_ends_when_the_driver_goes_and_the_rank_pushes_no_more(listener) -> None:
+    """The driver's end closes (the listener stops): the prefill rank's reader thread ends and marks the
+    connection broken, so its pushes return at once (the Ray reply carries the result)."""
+    listener, _ = listener
+    pusher = ReplyPusher(listener.address, listener.secret, "prefill-0:a", on_bind=lambda bind: None)
+    try:
+        assert pusher._reader is not None and pusher._reader.is_alive()
+        listener.close()
+        pusher._reader.join(WAIT_S)
+        assert not pusher._reader.is_alive()
+        assert not pusher.push_events(EVENTS, LOAD)
+    finally:
+        pusher.close()
 
 
 def test_a_malformed_record_from_the_driver_is_dropped_and_the_binds_go_on(listener, caplog) -> None:
