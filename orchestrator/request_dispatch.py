@@ -71,7 +71,7 @@ from orchestrator.messages import (
     PrefillResult,
     TokenDelta,
 )
-from orchestrator.reply_channel import handoff_tag
+from orchestrator.reply_records import handoff_tag
 from orchestrator.request_state import Attempt, RequestRecord
 from orchestrator.router import RankRef
 

@@ -1,0 +1,209 @@
+"""The records of the driver's reply socket (`orchestrator.reply_channel`), as msgpack-ready dicts.
+
+    done   a prefill rank's `PrefillResult` for one handoff, named by `handoff_tag` (`result_to_record`)
+    ev     a decode rank's events (`TokenDelta` / `RequestError` with their sequence numbers) and its load
+           snapshot (`events_to_record`)
+    bind   the driver's `PrefillBind` for a prefill rank (`bind_to_record`), the handoff's secret included
+
+Each `*_from_record` is the inverse and raises ValueError naming the field that is malformed (never a
+secret); the channel drops such a record with a warning and goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from kvtransfer.base import ProtocolError
+from kvtransfer.wire import meta_from_dict, meta_to_dict
+from orchestrator.messages import (
+    DecodeNodeLoad,
+    DraftCounts,
+    Phases,
+    PolledEvent,
+    PrefillBind,
+    PrefillResult,
+    RequestError,
+    TokenDelta,
+)
+
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "first_token_id": (int,),
+    "num_drafts": (int,),
+    "queue_s": (int, float),
+    "prefill_s": (int, float),
+    "last_layer_sent_s": (int, float, type(None)),
+    "first_token_text": (str, type(None)),
+    "cpu_wait_s": (int, float, type(None)),
+}
+
+
+def bind_to_record(bind: PrefillBind) -> dict[str, Any]:
+    """The `bind` record the driver sends a prefill rank: the handoff id, the bound meta (its secret
+    included: the connection is the rank's own, authenticated, on this host) and the decode rank."""
+    return {
+        "k": "bind",
+        "rid": bind.handoff_id,
+        "m": meta_to_dict(bind.meta),
+        "d": bind.decode_index,
+        "r": bind.decode_rank,
+    }
+
+
+def bind_from_record(record: dict[str, Any]) -> PrefillBind:
+    """The `PrefillBind` of a `bind` record. ValueError naming what is malformed (the secret is never in
+    the message)."""
+    handoff_id, meta, decode_index, decode_rank = (record.get(k) for k in ("rid", "m", "d", "r"))
+    if not isinstance(handoff_id, str) or not isinstance(meta, dict):
+        raise ValueError("a bind record needs a string rid and a mapping m")
+    for name, value in (("decode_index", decode_index), ("decode_rank", decode_rank)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} is {value!r}, not an int >= 0")
+    try:
+        bound = meta_from_dict(meta)
+    except ProtocolError as e:
+        raise ValueError(str(e)) from None
+    if bound.request_id != handoff_id or not isinstance(bound.secret, bytes) or not bound.secret:
+        raise ValueError(f"the meta of bind {handoff_id!r} names {bound.request_id!r} or has no secret")
+    return PrefillBind(handoff_id, bound, decode_index, decode_rank)
+
+
+def handoff_tag(secret: bytes) -> str:
+    """Names one attempt's handoff in a pushed record without its secret: 16 hex digits of SHA-256 over
+    the per-handoff secret decode's reservation bound (`HandoffMeta.secret`). The driver takes a pushed
+    result only for the attempt whose bound meta gives the same tag, so a result for an earlier attempt
+    of a reused request id is never taken for the current one."""
+    return hashlib.sha256(secret).hexdigest()[:16]
+
+
+def result_to_record(handoff_id: str, tag: str, result: PrefillResult) -> dict[str, Any]:
+    """The `done` record a prefill rank pushes: handoff id, `handoff_tag`, the result's fields."""
+    return {"k": "done", "rid": handoff_id, "tag": tag, "r": dataclasses.asdict(result)}
+
+
+def result_from_record(record: dict[str, Any]) -> tuple[str, str, PrefillResult]:
+    """(handoff id, tag, result) of a `done` record. ValueError naming the field when it is malformed."""
+    handoff_id, tag, fields = record.get("rid"), record.get("tag"), record.get("r")
+    if not isinstance(handoff_id, str) or not isinstance(tag, str) or not isinstance(fields, dict):
+        raise ValueError("a done record needs a string rid, a string tag and a mapping r")
+    if set(fields) != set(_FIELD_TYPES):
+        raise ValueError(f"fields {sorted(fields)} are not {sorted(_FIELD_TYPES)}")
+    for name, types in _FIELD_TYPES.items():
+        if not isinstance(fields[name], types) or isinstance(fields[name], bool):
+            raise ValueError(f"{name} is {type(fields[name]).__name__}")
+    return handoff_id, tag, PrefillResult(**fields)
+
+
+_NUMBER = (int, float)
+_PHASE_NAMES = frozenset(f.name for f in dataclasses.fields(Phases))
+_LOAD_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "name": (str,),
+    "pid": (int,),
+    "num_free_blocks": (int,),
+    "num_total_blocks": (int,),
+    "num_running": (int,),
+    "num_reserved": (int,),
+    "num_waiting_for_seat": (int,),
+    "engine_thread_alive": (bool,),
+    "num_engine_errors": (int,),
+    "last_engine_error": (str, type(None)),
+    "instance_group_error": (str, type(None)),
+    "ep": (dict, type(None)),
+    "taken_s": _NUMBER,
+}
+
+
+def _event_to_record(item: PolledEvent) -> list[Any]:
+    event = item.event
+    if isinstance(event, RequestError):
+        return [item.seq, "error", event.handoff_id, event.message]
+    drafts = event.drafts
+    return [
+        item.seq,
+        "delta",
+        event.handoff_id,
+        list(event.new_token_ids),
+        event.finished,
+        event.finish_reason,
+        event.phases.as_dict(),
+        event.kv_transfer_bytes,
+        [
+            drafts.num_draft_tokens,
+            drafts.num_accepted_tokens,
+            list(drafts.num_draft_tokens_per_position),
+            list(drafts.num_accepted_tokens_per_position),
+        ],
+        event.new_text,
+    ]
+
+
+def events_to_record(events: Sequence[PolledEvent], load: DecodeNodeLoad) -> dict[str, Any]:
+    """The `ev` record a decode rank pushes: its events (`[seq, "delta", fields...]` or `[seq, "error",
+    handoff id, message]`) and its load snapshot's fields."""
+    return {"k": "ev", "e": [_event_to_record(item) for item in events], "l": dataclasses.asdict(load)}
+
+
+def _check(name: str, value: Any, types: tuple[type, ...]) -> Any:
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise ValueError(f"{name} is {type(value).__name__}")
+    return value
+
+
+def _ints(name: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"{name} is {type(value).__name__}, not a list")
+    return tuple(_check(name, v, (int,)) for v in value)
+
+
+def _event_from_record(fields: Any) -> PolledEvent:
+    if not isinstance(fields, list) or len(fields) < 2:
+        raise ValueError("an event is a list [seq, kind, ...]")
+    seq, kind = _check("seq", fields[0], (int,)), fields[1]
+    if kind == "error" and len(fields) == 4:
+        _, _, handoff_id, message = fields
+        return PolledEvent(
+            seq, RequestError(_check("handoff_id", handoff_id, (str,)), _check("message", message, (str,)))
+        )
+    if kind != "delta" or len(fields) != 10:
+        raise ValueError(f"event {seq}: kind {kind!r} with {len(fields)} fields")
+    _, _, handoff_id, token_ids, finished, finish_reason, phases, num_bytes, drafts, new_text = fields
+    if not isinstance(phases, dict) or not set(phases) <= _PHASE_NAMES:
+        raise ValueError(f"event {seq}: phases {phases!r}")
+    for name, seconds in phases.items():
+        _check(name, seconds, _NUMBER)
+    if not isinstance(drafts, list) or len(drafts) != 4:
+        raise ValueError(f"event {seq}: drafts {drafts!r}")
+    delta = TokenDelta(
+        handoff_id=_check("handoff_id", handoff_id, (str,)),
+        new_token_ids=_ints("new_token_ids", token_ids),
+        finished=_check("finished", finished, (bool,)),
+        finish_reason=_check("finish_reason", finish_reason, (str, type(None))),
+        phases=Phases(**phases),
+        kv_transfer_bytes=_check("kv_transfer_bytes", num_bytes, (int, type(None))),
+        drafts=DraftCounts(
+            _check("num_draft_tokens", drafts[0], (int,)),
+            _check("num_accepted_tokens", drafts[1], (int,)),
+            _ints("num_draft_tokens_per_position", drafts[2]),
+            _ints("num_accepted_tokens_per_position", drafts[3]),
+        ),
+        new_text=_check("new_text", new_text, (str,)),
+    )
+    return PolledEvent(seq, delta)
+
+
+def events_from_record(record: dict[str, Any]) -> tuple[list[PolledEvent], DecodeNodeLoad]:
+    """(events in sequence, load snapshot) of an `ev` record. ValueError naming what is malformed (a field
+    of the wrong type, events out of sequence)."""
+    events, load = record.get("e"), record.get("l")
+    if not isinstance(events, list) or not events or not isinstance(load, dict):
+        raise ValueError("an ev record needs a non-empty list e and a mapping l")
+    if set(load) != set(_LOAD_FIELD_TYPES):
+        raise ValueError(f"load fields {sorted(load)} are not {sorted(_LOAD_FIELD_TYPES)}")
+    for name, types in _LOAD_FIELD_TYPES.items():
+        _check(name, load[name], types)
+    items = [_event_from_record(fields) for fields in events]
+    if any(b.seq != a.seq + 1 for a, b in zip(items, items[1:], strict=False)):
+        raise ValueError(f"events out of sequence: {[item.seq for item in items]}")
+    return items, DecodeNodeLoad(**load)
