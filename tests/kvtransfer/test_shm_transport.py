@@ -510,7 +510,8 @@ def test_a_segment_that_cannot_be_made_fails_its_handoff_only(monkeypatch, caplo
             noisy.send({"k": "end", "rid": "nothing"})  # processed after all 50: the connection is alive
             assert wait_until(lambda: len(receiver._connections) == 2)
             _handoff(receiver, sender, "beside-the-noise")
-        noisy.close()
+            noisy.close()  # its thread reads every record sent, then the end of file, and goes
+            assert wait_until(lambda: len(receiver._connections) == 1)
         lines = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
         assert len(lines) == 1, lines
         assert "dropped 1 malformed record(s)" in lines[0]
