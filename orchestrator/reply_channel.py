@@ -220,14 +220,12 @@ class ReplyListener:
     def _refused(self, why: str) -> None:
         """Count a refused or closed connection; log it at most once per `REFUSAL_LOG_INTERVAL_S` (a local
         process looping on connect must not flood the driver's log)."""
-        count = self._refusals.count()
-        if count is not None:
-            logger.warning(
-                "reply channel: refused or closed %d connection(s) of processes that are not "
-                "ranks of this deployment (latest: %s)",
-                count,
-                why,
-            )
+        self._refusals.warning(
+            logger,
+            "reply channel: refused or closed %d connection(s) of processes that are not ranks of this "
+            "deployment (latest: %s)",
+            why,
+        )
 
     def _read(self, peer: _Peer, drop: Callable[[_Peer], None]) -> None:
         try:

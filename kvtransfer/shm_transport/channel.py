@@ -20,6 +20,7 @@ dead processes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import re
@@ -112,7 +113,7 @@ class Channel:
                 if msg_flags & socket.MSG_CTRUNC:
                     raise ProtocolError(f"kv channel: a packet with more than {self.max_fds} descriptors")
                 if not packet:
-                    _close_all(fds)
+                    close_fds(fds)
                     return None
                 flag, body = packet[:1], packet[1:]
                 if flag not in (b"M", b"E"):
@@ -123,7 +124,7 @@ class Channel:
                 if len(parts) * MAX_PACKET_BYTES > MAX_RECORD_BYTES:
                     raise ProtocolError(f"kv channel: a record over {MAX_RECORD_BYTES} B")
         except BaseException:  # malformed, or the socket failed: nothing received is kept
-            _close_all(fds)
+            close_fds(fds)
             raise
 
     def close(self) -> None:
@@ -154,8 +155,16 @@ class LogThrottle:
             count, self._count, self._logged_at_s = self._count, 0, now_s
             return count
 
+    def warning(self, logger: logging.Logger, message: str, *args: Any) -> None:
+        """Count one occurrence and, when a line is due, log `message` at WARNING with the count as its
+        first argument (`message` starts with a `%d` for it), then `args`."""
+        count = self.count()
+        if count is not None:
+            logger.warning(message, count, *args)
 
-def _close_all(fds: list[int]) -> None:
+
+def close_fds(fds: list[int]) -> None:
+    """Close every descriptor of `fds`, ignoring those already closed."""
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)

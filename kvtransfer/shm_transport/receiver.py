@@ -154,15 +154,13 @@ class ShmKVReceiver(ReservationReceiver):
             with self._lock:
                 full = len(self._connections) >= self.max_connections
             if full:  # a thread per connection: a flood of them must not take the process down
-                count = self._refusals.count()
-                if count is not None:
-                    logger.warning(
-                        "kv shm: refused %d connection(s) (logged at most every %g s): %d open already "
-                        "(max_connections)",
-                        count,
-                        self._refusals.interval_s,
-                        self.max_connections,
-                    )
+                self._refusals.warning(
+                    logger,
+                    "kv shm: refused %d connection(s) (logged at most every %g s): %d open already "
+                    "(max_connections)",
+                    self._refusals.interval_s,
+                    self.max_connections,
+                )
                 sock.close()
                 continue
             connection = _Connection(Channel(sock, max_fds=0), SegmentPool(self.max_free_bytes))
@@ -190,16 +188,14 @@ class ShmKVReceiver(ReservationReceiver):
                 try:
                     self._dispatch(connection, record)
                 except (KeyError, TypeError, ValueError) as e:  # malformed: dropped, nothing recorded
-                    count = self._malformed.count()
-                    if count is not None:
-                        logger.warning(
-                            "kv shm: dropped %d malformed record(s) (logged at most every %g s; latest: a %r "
-                            "record: %r)",
-                            count,
-                            self._malformed.interval_s,
-                            record.get("k"),
-                            e,
-                        )
+                    self._malformed.warning(
+                        logger,
+                        "kv shm: dropped %d malformed record(s) (logged at most every %g s; latest: a %r "
+                        "record: %r)",
+                        self._malformed.interval_s,
+                        record.get("k"),
+                        e,
+                    )
                 except Exception as e:  # noqa: BLE001 - a fault here must not end the thread unseen
                     logger.exception(
                         "kv shm: serving a %r record failed; closing the connection", record.get("k")

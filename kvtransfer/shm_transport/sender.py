@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
 import threading
 import time
@@ -45,7 +44,7 @@ from kvtransfer.base import (
     TransferTimeout,
     check_begin,
 )
-from kvtransfer.shm_transport.channel import connect, wait_readable
+from kvtransfer.shm_transport.channel import close_fds, connect, wait_readable
 from kvtransfer.shm_transport.segments import Segment
 from kvtransfer.wire import (
     FaultHook,
@@ -407,9 +406,7 @@ class ShmKVSender(KVSender):
             except (KeyError, TypeError, ValueError, OSError) as e:
                 logger.warning("kv shm: malformed %r record from the receiver: %r", record.get("k"), e)
             finally:  # what `_on_record` did not keep (a grant keeps its first, and only a valid one)
-                for fd in fds:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
+                close_fds(fds)
         channel.close()
         with self._lock:  # with the snapshot: a begin from now on reconnects first
             self._lost = why
