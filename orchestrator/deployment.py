@@ -248,6 +248,8 @@ class ClusterDeployment(ClusterWiring):
         self._num_prefill_replies_pushed = 0
         self._num_decode_events_pushed = 0
         self._num_binds_pushed = 0  # binds sent on a prefill rank's reply connection (routing)
+        self._num_reserves_pushed = 0  # reserves sent on a decode rank's reply connection (routing)
+        self._pending_reserves = {}  # handoff id -> (decode rank's tag, the answer's future) (routing)
         self._closed = False
         self._monitor_stop = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_health, name="health-monitor", daemon=True)

@@ -39,11 +39,20 @@ buffer is full, the driver makes the Ray call instead. A bind goes over one path
 twice; one that is lost with its connection shows as the prefill call failing or timing out, as a lost Ray
 call does.
 
-Where. Only on a single-node cpu topology (every rank on the driver's host); elsewhere the Ray reply and the
-poll alone carry results and events, and binds go by Ray.
+Reserves, likewise. The driver writes a decode reserve (`ReserveRequest`) on the decode rank's connection
+when its hello said it takes them (`ReplyListener.send_reserve`), instead of a `DecodeNode.reserve` Ray call;
+the rank serves it on a thread of its own and answers on the same connection (`ReplyPusher.push_reserved`:
+the `ReserveResult` with the bound meta and its load, or the error the reserve raised), which the listener
+hands to `on_reserved` only from the connection the reserve went to. The driver waits for the answer as for
+the Ray call (`call_timeout_s`); when the connection closes first, every reserve waiting on it fails as a
+call to a dead actor does (`routing.DecodeConnectionLost`). An answer the rank cannot send within that bound
+is released on the rank. No connection, a full buffer or a prompt over one packet: the Ray call.
 
-The records (`done`, `ev`, `bind`) and their checks are `orchestrator.reply_records`'; this module is the
-socket: `ReplyListener` (the driver's end) and `ReplyPusher` (a rank's end).
+Where. Only on a single-node cpu topology (every rank on the driver's host); elsewhere the Ray reply and the
+poll alone carry results and events, and binds and reserves go by Ray.
+
+The records (`done`, `ev`, `bind`, `rsv`, `rsvd`) and their checks are `orchestrator.reply_records`'; this
+module is the socket: `ReplyListener` (the driver's end) and `ReplyPusher` (a rank's end).
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ import hmac
 import logging
 import os
 import secrets
+import select
 import selectors
 import shutil
 import socket
@@ -75,13 +85,24 @@ from kvtransfer.shm_transport.channel import (
     sweep_stale_socket_dirs,
     wait_readable,
 )
-from orchestrator.messages import DecodeNodeLoad, PolledEvent, PrefillBind, PrefillResult
+from orchestrator.messages import (
+    DecodeNodeLoad,
+    PolledEvent,
+    PrefillBind,
+    PrefillResult,
+    ReserveRequest,
+    ReserveResult,
+)
 from orchestrator.reply_records import (
     bind_from_record,
     bind_to_record,
     events_from_record,
     events_to_record,
     handoff_tag,
+    reserve_from_record,
+    reserve_to_record,
+    reserved_from_record,
+    reserved_to_record,
     result_from_record,
     result_to_record,
 )
@@ -101,9 +122,12 @@ class _Peer:
     authenticated: bool = False
     who: str | None = None  # the rank's tag (its hello's `who`); None: a prefill rank that named none
     prefill: bool = True  # a prefill rank (pushes results, takes binds); else a decode rank (pushes events)
+    registered: bool = False  # the first connection under its tag: binds / reserves go to it
 
 
 EventsCallback = Callable[[str, list[PolledEvent], DecodeNodeLoad], None]
+# (who, handoff id, the reserve's result or the error it raised; None: the connection closed first)
+ReservedCallback = Callable[[str, str | None, "ReserveResult | Exception | None"], None]
 
 
 class ReplyListener:
@@ -113,7 +137,11 @@ class ReplyListener:
     authenticated decode rank pushes (`who`: the tag its hello named; without `on_events` such records are
     dropped). `address` (a socket path) and `secret` go to the ranks (`PrefillNode.connect_reply_channel`,
     `DecodeNode.connect_reply_channel`). `send_bind(who, bind)` (any thread) writes a bind on the connection
-    of the prefill rank whose hello named tag `who` (the first one under that tag, while it is open).
+    of the prefill rank whose hello named tag `who` (the first one under that tag, while it is open), and
+    `send_reserve(who, request)` a reserve on the connection of the decode rank under tag `who` whose hello
+    said it takes reserves; that rank's answers go to `on_reserved(who, handoff_id, result or error)`, and
+    when its connection closes, `on_reserved(who, None, None)` (the reserves it had not answered never
+    will be on it).
 
     One thread, non-blocking sockets, one packet read per readiness: no peer can hold it. A connection that
     has not presented the secret within `HELLO_TIMEOUT_S`, or sends anything but one-packet records, is
@@ -121,19 +149,23 @@ class ReplyListener:
     """
 
     def __init__(
-        self, on_result: Callable[[str, str, PrefillResult], None], on_events: EventsCallback | None = None
+        self,
+        on_result: Callable[[str, str, PrefillResult], None],
+        on_events: EventsCallback | None = None,
+        on_reserved: ReservedCallback | None = None,
     ) -> None:
         sweep_stale_socket_dirs()
         self._on_result = on_result
         self._on_events = on_events
+        self._on_reserved = on_reserved
         self._listener, self._dir = listen()
         self._listener.setblocking(False)
         self.address = str(self._dir / SOCKET_NAME)
         self.secret = secrets.token_hex(16)
         self._closed = threading.Event()
         self._refusals = LogThrottle(REFUSAL_LOG_INTERVAL_S)
-        self._prefill_socks: dict[str, socket.socket] = {}  # tag -> its authenticated prefill connection
-        self._socks_lock = threading.Lock()  # guards _prefill_socks (the listener thread and send_bind)
+        self._registered: dict[str, _Peer] = {}  # tag -> the authenticated connection binds/reserves go to
+        self._socks_lock = threading.Lock()  # guards _registered (the listener thread and the senders)
         self._thread = threading.Thread(target=self._run, name="prefill-replies", daemon=True)
         self._thread.start()
 
@@ -151,23 +183,34 @@ class ReplyListener:
         """Send `bind` on the connection of the prefill rank whose hello named `who`; never blocks or
         raises. True: it is in that connection's socket buffer (the rank reads it); False: not sent (no such
         connection now, its buffer full, or it broke): make the Ray call instead."""
+        return self._send_to(who, True, lambda: bind_to_record(bind))
+
+    def send_reserve(self, who: str, request: ReserveRequest) -> bool:
+        """Send `request` on the connection of the decode rank whose hello named `who` and said it takes
+        reserves; never blocks or raises. True: it is in that connection's socket buffer (the answer comes
+        to `on_reserved`, or the connection's close does); False: not sent (no such connection now, its
+        buffer full, a prompt too long for one packet, or it broke): make the Ray call instead."""
+        return self._send_to(who, False, lambda: reserve_to_record(request))
+
+    def _send_to(self, who: str, prefill: bool, record: Callable[[], dict[str, Any]]) -> bool:
         with self._socks_lock:
-            sock = self._prefill_socks.get(who)
-            if sock is None:
+            peer = self._registered.get(who)
+            if peer is None or peer.prefill != prefill:
                 return False
             try:
-                packet = single_packet(bind_to_record(bind))
+                packet = single_packet(record())
                 if packet is None:
                     return False
-                sock.send(packet)  # non-blocking: a sequenced packet goes whole or not at all
+                peer.sock.send(packet)  # non-blocking: a sequenced packet goes whole or not at all
             except Exception:  # noqa: BLE001 - BlockingIOError (full), the rank gone (the listener drops it)
                 return False
         return True
 
     def is_registered(self, who: str) -> bool:
-        """Whether a prefill connection under tag `who` has presented the secret (binds can go to it)."""
+        """Whether the connection binds (a prefill rank) or reserves (a decode rank) go to under tag `who`
+        has presented the secret."""
         with self._socks_lock:
-            return who in self._prefill_socks
+            return who in self._registered
 
     def _run(self) -> None:
         peers: dict[socket.socket, _Peer] = {}
@@ -177,11 +220,13 @@ class ReplyListener:
             def drop(peer: _Peer) -> None:
                 selector.unregister(peer.sock)
                 peers.pop(peer.sock, None)
-                with self._socks_lock:  # no bind goes to it any more
-                    if peer.who is not None and self._prefill_socks.get(peer.who) is peer.sock:
-                        del self._prefill_socks[peer.who]
+                with self._socks_lock:  # no bind or reserve goes to it any more
+                    if peer.registered:
+                        del self._registered[peer.who]
                     with contextlib.suppress(OSError):
                         peer.sock.close()
+                if peer.registered and not peer.prefill and self._on_reserved is not None:
+                    self._deliver(peer, self._on_reserved, peer.who, None, None)
 
             try:
                 while not self._closed.is_set():
@@ -245,38 +290,60 @@ class ReplyListener:
             drop(peer)
             return
         if not peer.authenticated:
-            secret, who, prefill = record.get("secret"), record.get("who"), record.get("prefill", None)
-            if prefill is None:  # a hello without it: a decode rank names itself, a prefill rank does not
-                prefill = who is None
-            if (
-                record.get("k") == "hello"
-                and isinstance(secret, str)
-                and isinstance(who, str | None)
-                and isinstance(prefill, bool)
-                and (prefill or who is not None)  # a decode rank names itself
-            ):
-                if hmac.compare_digest(secret.encode(), self.secret.encode()):
-                    peer.authenticated, peer.who, peer.prefill = True, who, prefill
-                    if prefill and who is not None:
-                        with self._socks_lock:  # the first connection under a tag keeps it while open
-                            self._prefill_socks.setdefault(who, peer.sock)
-                    return
-            self._refused("no secret")
-            drop(peer)
+            self._hello(peer, record, drop)
             return
+        kind = record.get("k")
         try:
             if peer.prefill:
                 handoff_id, tag, result = result_from_record(record)
+            elif kind == "rsvd":
+                if not peer.registered:  # no reserve was sent to it
+                    raise ValueError("an answer to a reserve from a connection that was sent none")
+                handoff_id, outcome = reserved_from_record(record)
             else:
                 events, load = events_from_record(record)
         except ValueError as e:
-            logger.warning("reply channel: dropped a malformed %r record: %s", record.get("k"), e)
+            logger.warning("reply channel: dropped a malformed %r record: %s", kind, e)
             return
+        if peer.prefill:
+            self._deliver(peer, self._on_result, handoff_id, tag, result)
+        elif kind == "rsvd":
+            if self._on_reserved is not None:
+                self._deliver(peer, self._on_reserved, peer.who, handoff_id, outcome)
+        elif self._on_events is not None:
+            self._deliver(peer, self._on_events, peer.who, events, load)
+
+    def _hello(self, peer: _Peer, record: dict[str, Any], drop: Callable[[_Peer], None]) -> None:
+        """Authenticate `peer` by its first record, or drop it. A prefill rank's hello says `prefill`
+        (binds go to it when it names a tag); a decode rank's names its tag and says `reserves` when it takes
+        reserves. The first connection under a tag keeps it while open."""
+        secret, who, prefill = record.get("secret"), record.get("who"), record.get("prefill", None)
+        reserves = record.get("reserves", False)
+        if prefill is None:  # a hello without it: a decode rank names itself, a prefill rank does not
+            prefill = who is None
+        if (
+            record.get("k") == "hello"
+            and isinstance(secret, str)
+            and isinstance(who, str | None)
+            and isinstance(prefill, bool)
+            and isinstance(reserves, bool)
+            and (prefill or who is not None)  # a decode rank names itself
+            and hmac.compare_digest(secret.encode(), self.secret.encode())
+        ):
+            peer.authenticated, peer.who, peer.prefill = True, who, prefill
+            if who is not None and (prefill or reserves):
+                with self._socks_lock:
+                    if who not in self._registered:
+                        self._registered[who] = peer
+                        peer.registered = True
+            return
+        self._refused("no secret")
+        drop(peer)
+
+    @staticmethod
+    def _deliver(peer: _Peer, callback: Callable[..., None], *args: Any) -> None:
         try:
-            if peer.prefill:
-                self._on_result(handoff_id, tag, result)
-            elif self._on_events is not None:
-                self._on_events(peer.who, events, load)
+            callback(*args)
         except Exception:  # noqa: BLE001 - one delivery never stops the listener
             logger.exception("reply channel: delivering a record of %s failed", peer.who or "a prefill rank")
 
@@ -286,8 +353,11 @@ class ReplyPusher:
     `who`) never block and never raise (the Ray reply and the poll carry everything anyway).
 
     A prefill rank (`on_bind` given; `who` its tag) also takes the binds the driver sends on this connection
-    (`ReplyListener.send_bind`): a thread of its own reads them and calls `on_bind(PrefillBind)`; a malformed
-    record is dropped with a warning. The thread ends when the driver closes the connection or at `close`.
+    (`ReplyListener.send_bind`), and a decode rank (`on_reserve` given) the reserves (`send_reserve`),
+    which it answers with `push_reserved`: a thread of its own reads them and calls `on_bind(PrefillBind)`
+    or `on_reserve(ReserveRequest, this pusher)` (which must not block: a decode rank hands the reserve to a
+    thread of its own, which answers on this pusher); a malformed record is dropped with a warning. The
+    thread ends when the driver closes the connection or at `close`.
 
     Raises (constructor only): OSError when the driver's socket cannot be reached."""
 
@@ -297,12 +367,17 @@ class ReplyPusher:
         secret: str,
         who: str | None = None,
         on_bind: Callable[[PrefillBind], None] | None = None,
+        on_reserve: Callable[[ReserveRequest, ReplyPusher], None] | None = None,
     ) -> None:
+        if on_bind is not None and on_reserve is not None:
+            raise ValueError("a rank takes binds (prefill) or reserves (decode), not both")
         self._sock = connect(address).sock
         try:
             hello = {"k": "hello", "secret": secret, "who": who}
             if on_bind is not None:
                 hello["prefill"] = True
+            if on_reserve is not None:
+                hello["reserves"] = True
             packet = single_packet(hello)
             assert packet is not None  # a few dozen bytes
             self._sock.sendall(packet)
@@ -314,17 +389,26 @@ class ReplyPusher:
         self._broken = False
         self._closed = threading.Event()
         self.num_binds_received = 0
+        self.num_reserves_received = 0
         self._reader: threading.Thread | None = None
         if on_bind is not None:
-            self._reader = threading.Thread(
-                target=self._read_binds, args=(on_bind,), name="driver-binds", daemon=True
-            )
-            self._reader.start()
+            kind, parse, handler = "bind", bind_from_record, on_bind
+        elif on_reserve is not None:
+            kind, parse, handler = "rsv", reserve_from_record, lambda request: on_reserve(request, self)
+        else:
+            return
+        self._reader = threading.Thread(
+            target=self._read_driver, args=(kind, parse, handler), name=f"driver-{kind}", daemon=True
+        )
+        self._reader.start()
 
-    def _read_binds(self, on_bind: Callable[[PrefillBind], None]) -> None:
-        """The reader thread of a prefill rank: each `bind` record to `on_bind`, until the connection ends.
-        However it ends, the connection is shut down on the way out, so the driver drops it and sends no
-        bind there that nobody would read (they go by Ray)."""
+    def _read_driver(
+        self, kind: str, parse: Callable[[dict[str, Any]], Any], handler: Callable[[Any], None]
+    ) -> None:
+        """The reader thread: each record of `kind` (`bind` on a prefill rank, `rsv` on a decode rank),
+        parsed by `parse`, to `handler`, until the connection ends. However it ends, the connection is shut
+        down on the way out, so the driver drops it and sends nothing more there that nobody would read
+        (binds and reserves go by Ray)."""
         sock = self._sock
         try:
             while not self._closed.is_set():
@@ -338,20 +422,23 @@ class ReplyPusher:
                     return
                 try:
                     record = record_from_single_packet(packet)
-                    if record.get("k") != "bind":
-                        raise ValueError(f"a {record.get('k')!r} record, not a bind")
-                    bind = bind_from_record(record)
+                    if record.get("k") != kind:
+                        raise ValueError(f"a {record.get('k')!r} record, not a {kind}")
+                    item = parse(record)
                 except (ProtocolError, ValueError) as e:
                     logger.warning("reply channel: dropped a malformed record from the driver: %s", e)
                     continue
-                self.num_binds_received += 1
+                if kind == "bind":
+                    self.num_binds_received += 1
+                else:
+                    self.num_reserves_received += 1
                 try:
-                    on_bind(bind)
-                except Exception:  # noqa: BLE001 - one bind never stops the reader
-                    logger.exception("reply channel: taking the bind of %s failed", bind.handoff_id)
+                    handler(item)
+                except Exception:  # noqa: BLE001 - one record never stops the reader
+                    logger.exception("reply channel: taking the %s of %s failed", kind, item.handoff_id)
         except Exception as e:  # noqa: BLE001 - the socket failed, or a bug: logged, then shut down below
             if not self._closed.is_set():
-                logger.warning("reply channel: reading the driver's binds failed (Ray binds only now): %r", e)
+                logger.warning("reply channel: reading the driver's %s records failed (Ray now): %r", kind, e)
         finally:
             self._shut_down()
 
@@ -372,6 +459,42 @@ class ReplyPusher:
         buffer; False: not sent (buffer full, over one packet, or the channel broke): the poll brings them."""
         return self._send(events_to_record(events, load))
 
+    def push_reserved(self, handoff_id: str, outcome: ReserveResult | BaseException, wait_s: float) -> bool:
+        """Answer the driver's reserve of `handoff_id` with its result or the error it raised, waiting up to
+        `wait_s` seconds for room in the driver's socket buffer (without holding the lock `push_events`
+        takes). True: sent; False: not (the channel broke, or no room in time): the driver never learns of
+        the reservation, so the caller releases it (the driver's wait for it times out)."""
+        record = reserved_to_record(handoff_id, outcome)
+        deadline_s = time.monotonic() + wait_s
+        while True:
+            with self._lock:
+                if self._broken:
+                    return False
+                try:
+                    packet = single_packet(record)
+                    if packet is None:
+                        return False
+                    self._sock.send(packet)
+                    return True
+                except BlockingIOError:
+                    pass
+                except Exception as e:  # noqa: BLE001 - as `_send`
+                    self._break(e)
+                    return False
+            remaining_s = deadline_s - time.monotonic()
+            if remaining_s <= 0:
+                return False
+            with contextlib.suppress(OSError, ValueError):
+                select.select([], [self._sock], [], min(remaining_s, POLL_S))
+
+    def _break(self, e: BaseException) -> None:
+        """(Lock held.) The channel failed: no more pushes; shut down (closed at `close`: the reader may be
+        in it)."""
+        logger.warning("reply channel to the driver failed (Ray calls only now): %r", e)
+        self._broken = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
     def _send(self, record: dict[str, Any]) -> bool:
         with self._lock:
             if self._broken:
@@ -385,10 +508,7 @@ class ReplyPusher:
             except BlockingIOError:  # the driver's socket buffer is full: the Ray reply or the poll brings it
                 return False
             except Exception as e:  # noqa: BLE001 - the Ray reply and the poll still carry everything
-                logger.warning("reply channel to the driver failed (Ray calls only now): %r", e)
-                self._broken = True
-                with contextlib.suppress(OSError):
-                    self._sock.shutdown(socket.SHUT_RDWR)  # closed at `close`: the reader may be in it
+                self._break(e)
                 return False
 
     def close(self, join_timeout_s: float = 2.0) -> None:

@@ -4,6 +4,9 @@
     ev     a decode rank's events (`TokenDelta` / `RequestError` with their sequence numbers) and its load
            snapshot (`events_to_record`)
     bind   the driver's `PrefillBind` for a prefill rank (`bind_to_record`), the handoff's secret included
+    rsv    the driver's `ReserveRequest` for a decode rank (`reserve_to_record`)
+    rsvd   a decode rank's answer to it: the `ReserveResult` (the bound meta, its secret included, and the
+           rank's load) or the error the reserve raised (`reserved_to_record`)
 
 Each `*_from_record` is the inverse and raises ValueError naming the field that is malformed (never a
 secret); the channel drops such a record with a warning and goes on.
@@ -16,7 +19,8 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from kvtransfer.base import ProtocolError
+from engine.sampling_params import SamplingParams
+from kvtransfer.base import HandoffMeta, ProtocolError
 from kvtransfer.wire import meta_from_dict, meta_to_dict
 from orchestrator.messages import (
     DecodeNodeLoad,
@@ -26,6 +30,8 @@ from orchestrator.messages import (
     PrefillBind,
     PrefillResult,
     RequestError,
+    ReserveRequest,
+    ReserveResult,
     TokenDelta,
 )
 
@@ -61,13 +67,18 @@ def bind_from_record(record: dict[str, Any]) -> PrefillBind:
     for name, value in (("decode_index", decode_index), ("decode_rank", decode_rank)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} is {value!r}, not an int >= 0")
+    return PrefillBind(handoff_id, _bound_meta(meta, handoff_id, "bind"), decode_index, decode_rank)
+
+
+def _bound_meta(meta: dict[str, Any], handoff_id: str, what: str) -> HandoffMeta:
+    """The bound meta of `what` record `handoff_id`: it must name that handoff and carry a secret."""
     try:
         bound = meta_from_dict(meta)
     except ProtocolError as e:
         raise ValueError(str(e)) from None
     if bound.request_id != handoff_id or not isinstance(bound.secret, bytes) or not bound.secret:
-        raise ValueError(f"the meta of bind {handoff_id!r} names {bound.request_id!r} or has no secret")
-    return PrefillBind(handoff_id, bound, decode_index, decode_rank)
+        raise ValueError(f"the meta of {what} {handoff_id!r} names {bound.request_id!r} or has no secret")
+    return bound
 
 
 def handoff_tag(secret: bytes) -> str:
@@ -199,11 +210,93 @@ def events_from_record(record: dict[str, Any]) -> tuple[list[PolledEvent], Decod
     events, load = record.get("e"), record.get("l")
     if not isinstance(events, list) or not events or not isinstance(load, dict):
         raise ValueError("an ev record needs a non-empty list e and a mapping l")
+    items = [_event_from_record(fields) for fields in events]
+    if any(b.seq != a.seq + 1 for a, b in zip(items, items[1:], strict=False)):
+        raise ValueError(f"events out of sequence: {[item.seq for item in items]}")
+    return items, _load_from_dict(load)
+
+
+def _load_from_dict(load: dict[str, Any]) -> DecodeNodeLoad:
     if set(load) != set(_LOAD_FIELD_TYPES):
         raise ValueError(f"load fields {sorted(load)} are not {sorted(_LOAD_FIELD_TYPES)}")
     for name, types in _LOAD_FIELD_TYPES.items():
         _check(name, load[name], types)
-    items = [_event_from_record(fields) for fields in events]
-    if any(b.seq != a.seq + 1 for a, b in zip(items, items[1:], strict=False)):
-        raise ValueError(f"events out of sequence: {[item.seq for item in items]}")
-    return items, DecodeNodeLoad(**load)
+    return DecodeNodeLoad(**load)
+
+
+# ---- reserves (driver -> decode rank, and its answer) ----------------------------------------------------
+_PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def reserve_to_record(request: ReserveRequest) -> dict[str, Any]:
+    """The `rsv` record the driver sends a decode rank: the handoff id, the prompt's token ids, the
+    sampling parameters' fields, the unbound meta (no secret yet) and the number of draft tokens."""
+    params = dataclasses.asdict(request.params)
+    params["stop_token_ids"], params["stop"] = list(params["stop_token_ids"]), list(params["stop"])
+    return {
+        "k": "rsv",
+        "rid": request.handoff_id,
+        "t": list(request.prompt_token_ids),
+        "p": params,
+        "m": meta_to_dict(request.meta),
+        "n": request.num_draft_tokens,
+    }
+
+
+def reserve_from_record(record: dict[str, Any]) -> ReserveRequest:
+    """The `ReserveRequest` of an `rsv` record. ValueError naming what is malformed (the sampling
+    parameters are checked as `SamplingParams` checks a client's)."""
+    handoff_id, tokens, params, meta, num_drafts = (record.get(k) for k in ("rid", "t", "p", "m", "n"))
+    if not isinstance(handoff_id, str) or not isinstance(params, dict) or not isinstance(meta, dict):
+        raise ValueError("a reserve record needs a string rid and mappings p and m")
+    token_ids = _ints("prompt_token_ids", tokens)
+    if not token_ids or min(token_ids) < 0:
+        raise ValueError(f"{handoff_id}: prompt_token_ids must be a non-empty list of ints >= 0")
+    _check("num_draft_tokens", num_drafts, (int,))
+    if num_drafts < 0:
+        raise ValueError(f"{handoff_id}: num_draft_tokens is {num_drafts}, not >= 0")
+    if set(params) != _PARAM_NAMES:
+        raise ValueError(f"sampling parameters {sorted(params)} are not {sorted(_PARAM_NAMES)}")
+    try:
+        sampling = SamplingParams(**params)
+        unbound = meta_from_dict(meta)
+    except (TypeError, ProtocolError) as e:
+        raise ValueError(str(e)) from None
+    if unbound.request_id != handoff_id or unbound.secret:
+        raise ValueError(f"the meta of reserve {handoff_id!r} names {unbound.request_id!r} or has a secret")
+    return ReserveRequest(handoff_id, token_ids, sampling, unbound, num_drafts)
+
+
+def reserved_to_record(handoff_id: str, outcome: ReserveResult | BaseException) -> dict[str, Any]:
+    """The `rsvd` record a decode rank answers a reserve with: the bound meta (its secret included: the
+    connection is the rank's own to the driver, authenticated, on this host) or none (no room), and its
+    load; or the error the reserve raised, as `[class name, message]`."""
+    if isinstance(outcome, BaseException):
+        return {"k": "rsvd", "rid": handoff_id, "err": [type(outcome).__name__, str(outcome)]}
+    bound = None if outcome.bound_meta is None else meta_to_dict(outcome.bound_meta)
+    load = None if outcome.load is None else dataclasses.asdict(outcome.load)
+    return {"k": "rsvd", "rid": handoff_id, "m": bound, "l": load}
+
+
+class ReserveRaised(RuntimeError):
+    """A decode rank's reserve raised an error other than ValueError (named in the message)."""
+
+
+def reserved_from_record(record: dict[str, Any]) -> tuple[str, ReserveResult | Exception]:
+    """(handoff id, the `ReserveResult` or the error to raise) of an `rsvd` record: a ValueError the reserve
+    raised (a request the instance could never hold) comes back as ValueError, any other as
+    `ReserveRaised`. ValueError (raised) naming what is malformed, never the secret."""
+    handoff_id, error = record.get("rid"), record.get("err")
+    if not isinstance(handoff_id, str):
+        raise ValueError("a reserved record needs a string rid")
+    if error is not None:
+        if not (isinstance(error, list) and len(error) == 2 and all(isinstance(x, str) for x in error)):
+            raise ValueError(f"{handoff_id}: err is not [class name, message]")
+        name, message = error
+        raised = ValueError(message) if name == "ValueError" else ReserveRaised(f"{name}: {message}")
+        return handoff_id, raised
+    meta, load = record.get("m"), record.get("l")
+    if not isinstance(meta, dict | type(None)) or not isinstance(load, dict | type(None)):
+        raise ValueError(f"{handoff_id}: m and l must be mappings or nil")
+    bound = None if meta is None else _bound_meta(meta, handoff_id, "reserved")
+    return handoff_id, ReserveResult(bound, None if load is None else _load_from_dict(load))

@@ -5,7 +5,8 @@ holds them (`orchestrator.load_board`: decode snapshots piggy-backed on poll and
 work the driver has in flight; no `load` call per request once every decode rank has reported once;
 `orchestrator.router`: a (instance, rank) pair per pool). It sends the prefill call at once, awaiting its
 bind (`PrefillRequest.awaiting_bind`: prefill computes while decode reserves), and reserves on the chosen
-decode rank (`DecodeNode.reserve`) meanwhile; the pure `orchestrator.dispatch.after_reserve` decides what
+decode rank (`DecodeNode.reserve`: on its reply connection on this host, `_push_reserve`, else a Ray call)
+meanwhile; the pure `orchestrator.dispatch.after_reserve` decides what
 follows: bind the prefill to the reservation (on the prefill rank's reply connection on this host,
 `orchestrator.reply_channel`; else `PrefillNode.bind`), route decode again (an instance was
 lost), retry after RESERVE_RETRY_S while no decode has room (back-pressure; the prefill waits where it
@@ -46,6 +47,11 @@ from orchestrator.router import DecodeLoad, PrefillLoad, RankRef
 MAX_EARLY_PREFILL_CALLS = 64
 
 
+class DecodeConnectionLost(ConnectionError):
+    """A decode rank's reply connection closed before it answered a reserve sent on it (the rank died or
+    its connection broke): the instance is treated as lost, as after a Ray call to a dead actor."""
+
+
 class RouteAndReserve:
     """The routing half of the request path (a mixin of `orchestrator.cluster.Cluster`)."""
 
@@ -55,6 +61,10 @@ class RouteAndReserve:
     _reply_listener: ReplyListener | None  # `ClusterWiring`'s
     _prefill_push_tags: dict[RankRef, str]  # `ClusterWiring`'s: each prefill rank's reply connection tag
     _num_binds_pushed: int  # binds sent on a prefill rank's reply connection, not by a Ray call
+    _decode_push_tags: dict[str, RankRef]  # `ClusterWiring`'s: each decode rank's reply connection tag
+    _pending_reserves: dict[str, tuple[str, asyncio.Future]]  # handoff id -> (the rank's tag, its answer)
+    _num_reserves_pushed: int  # reserves sent on a decode rank's reply connection, not by a Ray call
+    _loop: asyncio.AbstractEventLoop | None  # `RequestDispatch`'s
 
     # ---- routing and reserving ----------------------------------------------------------------------------
     async def _dispatch(
@@ -295,7 +305,9 @@ class RouteAndReserve:
         )
         decode = self.instances["decode"][attempt.decode_index].ranks[attempt.decode.rank]
         self._loads.reserve_sent(attempt.decode)
-        reserve_call = asyncio.ensure_future(self._call(decode.reserve.remote(reserve)))
+        reserve_call = self._push_reserve(attempt.decode, reserve)
+        if reserve_call is None:
+            reserve_call = asyncio.ensure_future(self._call(decode.reserve.remote(reserve)))
         answered: ReserveResult | None = None
         try:
             answered = await asyncio.shield(reserve_call)
@@ -329,6 +341,57 @@ class RouteAndReserve:
         record.attempt = None
         return ReserveOutcome.NO_ROOM, None
 
+    def _push_reserve(self, rank: RankRef, reserve: ReserveRequest) -> asyncio.Future | None:
+        """Send `reserve` to decode `rank` on its reply connection (`ReplyListener.send_reserve`) when it
+        has one on this host; None: it has none, or the send failed (make the Ray call). The future is the
+        answer (`_on_reserved`) as the Ray call's would be: the `ReserveResult`, the error the reserve
+        raised, `DecodeConnectionLost` when the connection closes first, or asyncio.TimeoutError after
+        `call_timeout_s`."""
+        listener = self._reply_listener
+        who = next((tag for tag, ref in self._decode_push_tags.items() if ref == rank), None)
+        if listener is None or who is None:
+            return None
+        handoff_id = reserve.handoff_id
+        answer = asyncio.get_running_loop().create_future()
+        self._pending_reserves[handoff_id] = (who, answer)  # answered on this thread, after this returns
+        if not listener.send_reserve(who, reserve):
+            del self._pending_reserves[handoff_id]
+            return None
+        self._num_reserves_pushed += 1
+
+        def forget(_: asyncio.Future) -> None:
+            if self._pending_reserves.get(handoff_id, (None, None))[1] is answer:
+                del self._pending_reserves[handoff_id]
+
+        answer.add_done_callback(forget)
+        return asyncio.ensure_future(asyncio.wait_for(answer, self.call_timeout_s))
+
+    def _on_reserved_threadsafe(self, who: str, handoff_id: str | None, outcome: Any) -> None:
+        """The reply listener's thread (`ReplyListener`'s `on_reserved`): hand a decode rank's answer to a
+        reserve, or its connection's close (`handoff_id` None), to the requests' event loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: its requests are gone with it
+            loop.call_soon_threadsafe(self._on_reserved, who, handoff_id, outcome)
+
+    def _on_reserved(self, who: str, handoff_id: str | None, outcome: Any) -> None:
+        """Decode rank `who` answered the reserve of `handoff_id` (the `ReserveResult`, or the error it
+        raised): taken only for a reserve waiting for that rank's answer. `handoff_id` None: the rank's
+        connection closed; every reserve still waiting for it fails as a Ray call to a dead actor does."""
+        if handoff_id is None:
+            for tag, answer in list(self._pending_reserves.values()):
+                if tag == who and not answer.done():
+                    answer.set_exception(DecodeConnectionLost(f"{who}: its reply connection closed"))
+            return
+        tag, answer = self._pending_reserves.get(handoff_id, (None, None))
+        if tag != who or answer is None or answer.done():
+            return
+        if isinstance(outcome, BaseException):
+            answer.set_exception(outcome)
+        else:
+            answer.set_result(outcome)
+
     def _meta(self, attempt: Attempt, prompt_token_ids: list[int]) -> HandoffMeta:
         kv = self.topology.kv_transfer
         return HandoffMeta(
@@ -352,7 +415,13 @@ class RouteAndReserve:
         raised)."""
         import ray
 
-        lost = (ray.exceptions.RayActorError, asyncio.TimeoutError, TimeoutError, InstanceGroupFailed)
+        lost = (
+            ray.exceptions.RayActorError,
+            asyncio.TimeoutError,
+            TimeoutError,
+            InstanceGroupFailed,
+            DecodeConnectionLost,
+        )
         return isinstance(exc, lost)
 
     def _abort_after_prefill(self, attempt: Attempt, prefill_task: asyncio.Future) -> None:

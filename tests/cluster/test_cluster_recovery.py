@@ -107,7 +107,7 @@ def test_a_crashed_decode_is_restarted_rewired_and_serves_again(cluster, expecte
     """SIGKILL of the decode actor's process: Ray restarts it in its placement group bundle (a new
     process, weights loaded again); the health monitor rewires prefill's KV sender to the new receiver and
     puts it back in routing; the same greedy tokens come out. The new process pushes its token events to
-    the driver under a new tag (the old one's would no longer be taken)."""
+    the driver, and takes its reserves, under a new tag (the old one's would no longer be taken)."""
     pid = _pid(cluster, "decode")
     tags_before = set(cluster._decode_push_tags)
     os.kill(pid, signal.SIGKILL)
@@ -117,8 +117,10 @@ def test_a_crashed_decode_is_restarted_rewired_and_serves_again(cluster, expecte
     assert _pid(cluster, "decode") != pid
     assert len(cluster._decode_push_tags) == 1 and not tags_before & set(cluster._decode_push_tags)
     pushed_before = cluster._num_decode_events_pushed
+    reserves_before = cluster._num_reserves_pushed
     assert _generate(cluster, "after-crash") == expected_tokens
     assert cluster._num_decode_events_pushed > pushed_before
+    assert cluster._num_reserves_pushed == reserves_before + 1
     assert_nothing_held(cluster)
 
 

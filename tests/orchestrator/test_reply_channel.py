@@ -381,7 +381,7 @@ def test_a_malformed_record_from_the_driver_is_dropped_and_the_binds_go_on(liste
     try:
         _send_bind_once_registered(listener, "prefill-0:a", BIND)
         assert binds.get(timeout=WAIT_S) == BIND
-        sock = listener._prefill_socks["prefill-0:a"]
+        sock = listener._registered["prefill-0:a"].sock
         sock.send(_packet({**bind_to_record(BIND), "d": -1}))
         sock.send(_packet({"k": "done"}))
         listener.send_bind("prefill-0:a", dataclasses.replace(BIND, decode_rank=1))
