@@ -4,7 +4,7 @@ The driver (`orchestrator.cluster.Cluster`) wraps the class with `ray.remote` an
 instance's placement group. A disaggregated request on this node:
 
     reserve(ReserveRequest)    (a Ray call, or on the driver's host a record on the reply connection,
-                               `_reserve_pushed`, answered there)
+                               `RankActor._take_call`, answered there)
                                engine.reserve_remote_prefill (blocks for prompt + first token + drafts),
                                then receiver.expect(meta, on_layer=write into the reserved slots), whose
                                bound meta (with the handoff's secret) goes back to the driver for the chosen
@@ -44,7 +44,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -69,17 +68,12 @@ from orchestrator.messages import (
     TokenDelta,
 )
 from orchestrator.rank_actor import LOCKSTEP_IDLE_S, RankActor
-from orchestrator.reply_channel import ReplyPusher
+from orchestrator.reply_pusher import ReplyPusher
 
 if TYPE_CHECKING:
     from kvtransfer.grpc_transport import TLSCredentials
 
 logger = logging.getLogger(__name__)
-
-# Threads serving the reserves the driver pushes on the reply connection at once (a Ray call's were the
-# actor's call threads); more wait their turn. A reserve holds one for a few hundred microseconds (or, while
-# a step has hung, up to half the driver's reserve timeout).
-MAX_RESERVE_THREADS = 16
 
 
 class DecodeNode(RankActor):
@@ -108,7 +102,6 @@ class DecodeNode(RankActor):
         self._events: collections.deque[PolledEvent] = collections.deque()  # unacknowledged
         self._next_seq = 0
         self._pusher: ReplyPusher | None = None  # connect_reply_channel
-        self._reserve_threads: ThreadPoolExecutor | None = None  # serve the reserves pushed on it
         self._pushed_through = 0  # every event up to this seq was pushed or acknowledged by a poll
         self._admissions: list[tuple[str, ReceivedKV]] = []  # received, admitted by the engine thread next
         self._handoffs: dict[str, Handoff] = {}  # admitted, until finished or failed
@@ -248,43 +241,25 @@ class DecodeNode(RankActor):
     def connect_reply_channel(self, address: str, secret: str, who: str) -> None:
         """Push each engine pass's events, with the load, to the driver's socket at `address` too (it is on
         this host), presenting `secret` and this incarnation's tag `who` (`orchestrator.reply_channel`),
-        and take the driver's reserves on that connection (`_reserve_pushed`). Events not acknowledged yet
-        go with the next pass's push. Replaces an earlier connection. Raises OSError when the socket cannot
-        be reached."""
-        pusher = ReplyPusher(address, secret, who, on_reserve=self._reserve_pushed)
+        and take the driver's reserves on that connection (`RankActor._take_call`). Events not acknowledged
+        yet go with the next pass's push. Replaces an earlier connection. Raises OSError when the socket
+        cannot be reached."""
+        pusher = ReplyPusher(address, secret, who, on_call=self._take_call)
         with self._events_lock:
             old, self._pusher = self._pusher, pusher
         if old is not None:
             old.close()
 
-    def _reserve_pushed(self, request: ReserveRequest, pusher: ReplyPusher) -> None:
-        """A reserve the driver sent on the reply connection (`ReplyListener.send_reserve`), instead of a
-        `reserve` Ray call: served on a thread of `_reserve_threads` (the reader must not wait on the
-        engine's locks), answered on the same connection (`ReplyPusher.push_reserved`)."""
-        with self._events_lock:
-            if self._reserve_threads is None:
-                self._reserve_threads = ThreadPoolExecutor(MAX_RESERVE_THREADS, thread_name_prefix="reserve")
-            threads = self._reserve_threads
-        threads.submit(self._serve_pushed_reserve, pusher, request)
+    def _call_method(self, call: Any) -> Any:
+        """A reserve sent on the reply connection (`RankActor._take_call`) is served by `reserve`."""
+        if isinstance(call, ReserveRequest):
+            return self.reserve
+        return super()._call_method(call)
 
-    def _serve_pushed_reserve(self, pusher: ReplyPusher, request: ReserveRequest) -> None:
-        """`reserve(request)` and its answer to the driver. An answer that cannot be sent (the connection
-        broke, or the driver's buffer stayed full for the driver's whole wait) would leave a reservation
-        nobody knows of: it is released at once (the driver's wait times out, as for a lost Ray reply)."""
-        outcome: ReserveResult | Exception
-        try:
-            outcome = self.reserve(request)
-        except Exception as e:  # noqa: BLE001 - the driver raises it for the request, as a Ray call's error
-            outcome = e
-        if pusher.push_reserved(request.handoff_id, outcome, call_timeout_s(request.meta.lease_s)):
-            return
+    def _answer_lost(self, call: Any, outcome: Any) -> None:
+        """A reservation the driver never learns of is released at once."""
         if isinstance(outcome, ReserveResult) and outcome.reserved:
-            logger.warning(
-                "%s: the answer to reserve %s did not reach the driver; released",
-                self.name,
-                request.handoff_id,
-            )
-            self.abort(request.handoff_id)
+            self.abort(call.handoff_id)
 
     def poll(self, timeout_s: float = 0.05, acked_seq: int = 0) -> list[PolledEvent]:
         """Every event after `acked_seq` (seq counts from 1): a `TokenDelta` or a `RequestError` per event.
@@ -365,11 +340,9 @@ class DecodeNode(RankActor):
         self._stop_engine_thread()
         with self._events_lock:
             pusher, self._pusher = self._pusher, None
-            threads, self._reserve_threads = self._reserve_threads, None
         if pusher is not None:
             pusher.close()
-        if threads is not None:
-            threads.shutdown(wait=False, cancel_futures=True)
+        self._close_call_threads()
         if self.receiver is not None:
             try:
                 self.receiver.close()

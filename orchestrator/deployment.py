@@ -139,6 +139,7 @@ class ClusterDeployment(ClusterWiring):
         self._loopback = is_loopback_topology(topo)
         self._reply_listener = None
         self._decode_push_tags = {}  # tag of a decode rank's reply connection -> the rank (wiring)
+        self._decode_tag_of = {}  # the inverse: a decode rank -> its current tag (wiring; read by routing)
         self._prefill_push_tags = {}  # a prefill rank -> the tag of its reply connection (wiring)
         plan = plan_placement(topo)
         self._started_ray = False
@@ -248,8 +249,9 @@ class ClusterDeployment(ClusterWiring):
         self._num_prefill_replies_pushed = 0
         self._num_decode_events_pushed = 0
         self._num_binds_pushed = 0  # binds sent on a prefill rank's reply connection (routing)
-        self._num_reserves_pushed = 0  # reserves sent on a decode rank's reply connection (routing)
-        self._pending_reserves = {}  # handoff id -> (decode rank's tag, the answer's future) (routing)
+        self._num_calls_pushed = {"reserve": 0, "prefill": 0}  # sent on a rank's reply connection (routing)
+        self._pending_calls = {}  # call id -> (the rank's tag, its answer's future) (routing)
+        self._call_ids = itertools.count(1)
         self._closed = False
         self._monitor_stop = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_health, name="health-monitor", daemon=True)

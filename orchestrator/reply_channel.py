@@ -23,9 +23,11 @@ Who may connect. The socket is `kvtransfer.shm_transport.channel`'s (a fresh 070
 checked, msgpack records on SOCK_SEQPACKET, each one packet here), and a connection's first record must
 present the secret the driver handed the rank over Ray (`ReplyListener.secret`) within `HELLO_TIMEOUT_S`;
 anything else closes it. A rank's hello also names it by the fresh tag the driver gave that incarnation
-(`who`; a prefill rank's says `prefill`: it pushes results and takes binds): events are taken only under the
-current tag of a decode rank, so a restarted rank's predecessor, whose sequence numbers started over, is
-never mistaken for it. A malformed record from an authenticated peer is dropped with a warning. Each
+(`who`; a prefill rank's says `prefill`: it pushes results and takes binds; either says `calls` when it
+takes calls): events are taken only under the current tag of a decode rank, so a restarted rank's
+predecessor, whose sequence numbers started over, is never mistaken for it; binds and calls go only to the
+first connection under a tag (while it is open), and answers are taken only from it, for a call sent on it
+(by call id). A malformed record from an authenticated peer is dropped with a warning. Each
 prefill result names its attempt by `handoff_tag` (a hash of the handoff's secret), checked by the driver
 against the attempt's reservation.
 
@@ -39,20 +41,23 @@ buffer is full, the driver makes the Ray call instead. A bind goes over one path
 twice; one that is lost with its connection shows as the prefill call failing or timing out, as a lost Ray
 call does.
 
-Reserves, likewise. The driver writes a decode reserve (`ReserveRequest`) on the decode rank's connection
-when its hello said it takes them (`ReplyListener.send_reserve`), instead of a `DecodeNode.reserve` Ray call;
-the rank serves it on a thread of its own and answers on the same connection (`ReplyPusher.push_reserved`:
-the `ReserveResult` with the bound meta and its load, or the error the reserve raised), which the listener
-hands to `on_reserved` only from the connection the reserve went to. The driver waits for the answer as for
-the Ray call (`call_timeout_s`); when the connection closes first, every reserve waiting on it fails as a
-call to a dead actor does (`routing.DecodeConnectionLost`). An answer the rank cannot send within that bound
-is released on the rank. No connection, a full buffer or a prompt over one packet: the Ray call.
+Calls, likewise. The driver sends a decode rank's reserve (`ReserveRequest`) and a prefill rank's request
+(`PrefillRequest`) on the rank's connection when its hello said it takes calls (`ReplyListener.send_call`),
+instead of a `DecodeNode.reserve` / `PrefillNode.prefill` Ray call (about 1 ms of CPU on each side here);
+the rank runs the method on a thread of its own (`RankActor._take_call`) and answers on the same
+connection (`ReplyPusher.push_answer`: the method's result or the error it raised), which the listener hands
+to `on_answer` only from the connection the call went to. The driver waits for the answer as it did for the
+Ray call, with the same bound; when the connection closes first, every call waiting on it fails as a call
+to a dead actor does (`routing.RankConnectionLost`). A prefill rank still pushes its result from the engine
+thread as soon as the handoff is finished (the first of it and the answer is the attempt's `PrefillDone`);
+the answer, like the Ray reply it replaces, settles the call. A reserve whose answer the rank cannot send
+is released there. No connection, a full buffer or a prompt over one packet: the Ray call.
 
 Where. Only on a single-node cpu topology (every rank on the driver's host); elsewhere the Ray reply and the
-poll alone carry results and events, and binds and reserves go by Ray.
+poll alone carry results and events, and binds and calls go by Ray.
 
-The records (`done`, `ev`, `bind`, `rsv`, `rsvd`) and their checks are `orchestrator.reply_records`'; this
-module is the socket: `ReplyListener` (the driver's end) and `ReplyPusher` (a rank's end).
+The records (`done`, `ev`, `bind`, `rsv`, `pf`, `ans`) and their checks are `orchestrator.reply_records`';
+this module is the driver's end of the socket (`ReplyListener`), `orchestrator.reply_pusher` a rank's.
 """
 
 from __future__ import annotations
@@ -63,13 +68,12 @@ import hmac
 import logging
 import os
 import secrets
-import select
 import selectors
 import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from kvtransfer.base import ProtocolError
@@ -77,34 +81,21 @@ from kvtransfer.shm_transport.channel import (
     MAX_PACKET_BYTES,
     SOCKET_NAME,
     LogThrottle,
-    connect,
     listen,
     peer_uid,
     record_from_single_packet,
     single_packet,
     sweep_stale_socket_dirs,
-    wait_readable,
 )
-from orchestrator.messages import (
-    DecodeNodeLoad,
-    PolledEvent,
-    PrefillBind,
-    PrefillResult,
-    ReserveRequest,
-    ReserveResult,
-)
+from orchestrator.messages import DecodeNodeLoad, PolledEvent, PrefillBind, PrefillRequest, PrefillResult
 from orchestrator.reply_records import (
-    bind_from_record,
+    CallAnswer,
+    RankCall,
+    answer_from_record,
     bind_to_record,
+    call_to_record,
     events_from_record,
-    events_to_record,
-    handoff_tag,
-    reserve_from_record,
-    reserve_to_record,
-    reserved_from_record,
-    reserved_to_record,
     result_from_record,
-    result_to_record,
 )
 
 logger = logging.getLogger(__name__)
@@ -122,12 +113,14 @@ class _Peer:
     authenticated: bool = False
     who: str | None = None  # the rank's tag (its hello's `who`); None: a prefill rank that named none
     prefill: bool = True  # a prefill rank (pushes results, takes binds); else a decode rank (pushes events)
-    registered: bool = False  # the first connection under its tag: binds / reserves go to it
+    calls: bool = False  # it takes calls (`send_call`): a prefill rank's prefills, a decode rank's reserves
+    registered: bool = False  # the first connection under its tag: binds and calls go to it
 
 
 EventsCallback = Callable[[str, list[PolledEvent], DecodeNodeLoad], None]
-# (who, handoff id, the reserve's result or the error it raised; None: the connection closed first)
-ReservedCallback = Callable[[str, str | None, "ReserveResult | Exception | None"], None]
+# (who, the answer to a call sent on its connection; None: the connection closed, and the calls it had not
+# answered never will be on it)
+AnswerCallback = Callable[[str, CallAnswer | None], None]
 
 
 class ReplyListener:
@@ -138,10 +131,9 @@ class ReplyListener:
     dropped). `address` (a socket path) and `secret` go to the ranks (`PrefillNode.connect_reply_channel`,
     `DecodeNode.connect_reply_channel`). `send_bind(who, bind)` (any thread) writes a bind on the connection
     of the prefill rank whose hello named tag `who` (the first one under that tag, while it is open), and
-    `send_reserve(who, request)` a reserve on the connection of the decode rank under tag `who` whose hello
-    said it takes reserves; that rank's answers go to `on_reserved(who, handoff_id, result or error)`, and
-    when its connection closes, `on_reserved(who, None, None)` (the reserves it had not answered never
-    will be on it).
+    `send_call(who, call)` a `RankCall` (a reserve or a prefill request) on the connection of the rank under
+    tag `who` whose hello said it takes calls; that rank's answers go to `on_answer(who, CallAnswer)`, and
+    when its connection closes, `on_answer(who, None)`.
 
     One thread, non-blocking sockets, one packet read per readiness: no peer can hold it. A connection that
     has not presented the secret within `HELLO_TIMEOUT_S`, or sends anything but one-packet records, is
@@ -152,19 +144,19 @@ class ReplyListener:
         self,
         on_result: Callable[[str, str, PrefillResult], None],
         on_events: EventsCallback | None = None,
-        on_reserved: ReservedCallback | None = None,
+        on_answer: AnswerCallback | None = None,
     ) -> None:
         sweep_stale_socket_dirs()
         self._on_result = on_result
         self._on_events = on_events
-        self._on_reserved = on_reserved
+        self._on_answer = on_answer
         self._listener, self._dir = listen()
         self._listener.setblocking(False)
         self.address = str(self._dir / SOCKET_NAME)
         self.secret = secrets.token_hex(16)
         self._closed = threading.Event()
         self._refusals = LogThrottle(REFUSAL_LOG_INTERVAL_S)
-        self._registered: dict[str, _Peer] = {}  # tag -> the authenticated connection binds/reserves go to
+        self._registered: dict[str, _Peer] = {}  # tag -> the authenticated connection binds/calls go to
         self._socks_lock = threading.Lock()  # guards _registered (the listener thread and the senders)
         self._thread = threading.Thread(target=self._run, name="prefill-replies", daemon=True)
         self._thread.start()
@@ -183,19 +175,21 @@ class ReplyListener:
         """Send `bind` on the connection of the prefill rank whose hello named `who`; never blocks or
         raises. True: it is in that connection's socket buffer (the rank reads it); False: not sent (no such
         connection now, its buffer full, or it broke): make the Ray call instead."""
-        return self._send_to(who, True, lambda: bind_to_record(bind))
+        return self._send_to(who, True, False, lambda: bind_to_record(bind))
 
-    def send_reserve(self, who: str, request: ReserveRequest) -> bool:
-        """Send `request` on the connection of the decode rank whose hello named `who` and said it takes
-        reserves; never blocks or raises. True: it is in that connection's socket buffer (the answer comes
-        to `on_reserved`, or the connection's close does); False: not sent (no such connection now, its
-        buffer full, a prompt too long for one packet, or it broke): make the Ray call instead."""
-        return self._send_to(who, False, lambda: reserve_to_record(request))
+    def send_call(self, who: str, call: RankCall) -> bool:
+        """Send `call` (a `ReserveRequest` to a decode rank, a `PrefillRequest` to a prefill rank) on the
+        connection of the rank whose hello named `who` and said it takes calls; never blocks or raises.
+        True: it is in that connection's socket buffer (the answer comes to `on_answer`, or the connection's
+        close does); False: not sent (no such connection now, its buffer full, a prompt too long for one
+        packet, or it broke): make the Ray call instead."""
+        prefill = isinstance(call.request, PrefillRequest)
+        return self._send_to(who, prefill, True, lambda: call_to_record(call))
 
-    def _send_to(self, who: str, prefill: bool, record: Callable[[], dict[str, Any]]) -> bool:
+    def _send_to(self, who: str, prefill: bool, call: bool, record: Callable[[], dict[str, Any]]) -> bool:
         with self._socks_lock:
             peer = self._registered.get(who)
-            if peer is None or peer.prefill != prefill:
+            if peer is None or peer.prefill != prefill or (call and not peer.calls):
                 return False
             try:
                 packet = single_packet(record())
@@ -207,8 +201,8 @@ class ReplyListener:
         return True
 
     def is_registered(self, who: str) -> bool:
-        """Whether the connection binds (a prefill rank) or reserves (a decode rank) go to under tag `who`
-        has presented the secret."""
+        """Whether the connection binds (a prefill rank) or calls go to under tag `who` has presented the
+        secret."""
         with self._socks_lock:
             return who in self._registered
 
@@ -220,13 +214,13 @@ class ReplyListener:
             def drop(peer: _Peer) -> None:
                 selector.unregister(peer.sock)
                 peers.pop(peer.sock, None)
-                with self._socks_lock:  # no bind or reserve goes to it any more
+                with self._socks_lock:  # no bind or call goes to it any more
                     if peer.registered:
                         del self._registered[peer.who]
                     with contextlib.suppress(OSError):
                         peer.sock.close()
-                if peer.registered and not peer.prefill and self._on_reserved is not None:
-                    self._deliver(peer, self._on_reserved, peer.who, None, None)
+                if peer.registered and peer.calls and self._on_answer is not None:
+                    self._deliver(peer, self._on_answer, peer.who, None)
 
             try:
                 while not self._closed.is_set():
@@ -294,31 +288,31 @@ class ReplyListener:
             return
         kind = record.get("k")
         try:
-            if peer.prefill:
+            if kind == "ans":
+                if not (peer.registered and peer.calls):  # no call was sent to it
+                    raise ValueError("an answer from a connection that was sent no call")
+                answer = answer_from_record(record)
+            elif peer.prefill:
                 handoff_id, tag, result = result_from_record(record)
-            elif kind == "rsvd":
-                if not peer.registered:  # no reserve was sent to it
-                    raise ValueError("an answer to a reserve from a connection that was sent none")
-                handoff_id, outcome = reserved_from_record(record)
             else:
                 events, load = events_from_record(record)
         except ValueError as e:
             logger.warning("reply channel: dropped a malformed %r record: %s", kind, e)
             return
-        if peer.prefill:
+        if kind == "ans":
+            if self._on_answer is not None:
+                self._deliver(peer, self._on_answer, peer.who, answer)
+        elif peer.prefill:
             self._deliver(peer, self._on_result, handoff_id, tag, result)
-        elif kind == "rsvd":
-            if self._on_reserved is not None:
-                self._deliver(peer, self._on_reserved, peer.who, handoff_id, outcome)
         elif self._on_events is not None:
             self._deliver(peer, self._on_events, peer.who, events, load)
 
     def _hello(self, peer: _Peer, record: dict[str, Any], drop: Callable[[_Peer], None]) -> None:
         """Authenticate `peer` by its first record, or drop it. A prefill rank's hello says `prefill`
-        (binds go to it when it names a tag); a decode rank's names its tag and says `reserves` when it takes
-        reserves. The first connection under a tag keeps it while open."""
+        (binds go to it when it names a tag); a decode rank's names its tag; either says `calls` when it
+        takes calls. The first connection under a tag keeps it while open."""
         secret, who, prefill = record.get("secret"), record.get("who"), record.get("prefill", None)
-        reserves = record.get("reserves", False)
+        calls = record.get("calls", False)
         if prefill is None:  # a hello without it: a decode rank names itself, a prefill rank does not
             prefill = who is None
         if (
@@ -326,12 +320,12 @@ class ReplyListener:
             and isinstance(secret, str)
             and isinstance(who, str | None)
             and isinstance(prefill, bool)
-            and isinstance(reserves, bool)
+            and isinstance(calls, bool)
             and (prefill or who is not None)  # a decode rank names itself
             and hmac.compare_digest(secret.encode(), self.secret.encode())
         ):
-            peer.authenticated, peer.who, peer.prefill = True, who, prefill
-            if who is not None and (prefill or reserves):
+            peer.authenticated, peer.who, peer.prefill, peer.calls = True, who, prefill, calls
+            if who is not None and (prefill or calls):
                 with self._socks_lock:
                     if who not in self._registered:
                         self._registered[who] = peer
@@ -346,176 +340,3 @@ class ReplyListener:
             callback(*args)
         except Exception:  # noqa: BLE001 - one delivery never stops the listener
             logger.exception("reply channel: delivering a record of %s failed", peer.who or "a prefill rank")
-
-
-class ReplyPusher:
-    """A rank's end: `push` (a prefill rank) and `push_events` (a decode rank, which connects with its tag
-    `who`) never block and never raise (the Ray reply and the poll carry everything anyway).
-
-    A prefill rank (`on_bind` given; `who` its tag) also takes the binds the driver sends on this connection
-    (`ReplyListener.send_bind`), and a decode rank (`on_reserve` given) the reserves (`send_reserve`),
-    which it answers with `push_reserved`: a thread of its own reads them and calls `on_bind(PrefillBind)`
-    or `on_reserve(ReserveRequest, this pusher)` (which must not block: a decode rank hands the reserve to a
-    thread of its own, which answers on this pusher); a malformed record is dropped with a warning. The
-    thread ends when the driver closes the connection or at `close`.
-
-    Raises (constructor only): OSError when the driver's socket cannot be reached."""
-
-    def __init__(
-        self,
-        address: str,
-        secret: str,
-        who: str | None = None,
-        on_bind: Callable[[PrefillBind], None] | None = None,
-        on_reserve: Callable[[ReserveRequest, ReplyPusher], None] | None = None,
-    ) -> None:
-        if on_bind is not None and on_reserve is not None:
-            raise ValueError("a rank takes binds (prefill) or reserves (decode), not both")
-        self._sock = connect(address).sock
-        try:
-            hello = {"k": "hello", "secret": secret, "who": who}
-            if on_bind is not None:
-                hello["prefill"] = True
-            if on_reserve is not None:
-                hello["reserves"] = True
-            packet = single_packet(hello)
-            assert packet is not None  # a few dozen bytes
-            self._sock.sendall(packet)
-        except OSError:
-            self._sock.close()
-            raise
-        self._sock.setblocking(False)  # a stalled driver costs a dropped push, not the engine thread
-        self._lock = threading.Lock()
-        self._broken = False
-        self._closed = threading.Event()
-        self.num_binds_received = 0
-        self.num_reserves_received = 0
-        self._reader: threading.Thread | None = None
-        if on_bind is not None:
-            kind, parse, handler = "bind", bind_from_record, on_bind
-        elif on_reserve is not None:
-            kind, parse, handler = "rsv", reserve_from_record, lambda request: on_reserve(request, self)
-        else:
-            return
-        self._reader = threading.Thread(
-            target=self._read_driver, args=(kind, parse, handler), name=f"driver-{kind}", daemon=True
-        )
-        self._reader.start()
-
-    def _read_driver(
-        self, kind: str, parse: Callable[[dict[str, Any]], Any], handler: Callable[[Any], None]
-    ) -> None:
-        """The reader thread: each record of `kind` (`bind` on a prefill rank, `rsv` on a decode rank),
-        parsed by `parse`, to `handler`, until the connection ends. However it ends, the connection is shut
-        down on the way out, so the driver drops it and sends nothing more there that nobody would read
-        (binds and reserves go by Ray)."""
-        sock = self._sock
-        try:
-            while not self._closed.is_set():
-                try:
-                    if not wait_readable(sock, POLL_S):
-                        continue
-                    packet = sock.recv(MAX_PACKET_BYTES + 1)
-                except BlockingIOError:
-                    continue
-                if not packet:  # the driver closed it
-                    return
-                try:
-                    record = record_from_single_packet(packet)
-                    if record.get("k") != kind:
-                        raise ValueError(f"a {record.get('k')!r} record, not a {kind}")
-                    item = parse(record)
-                except (ProtocolError, ValueError) as e:
-                    logger.warning("reply channel: dropped a malformed record from the driver: %s", e)
-                    continue
-                if kind == "bind":
-                    self.num_binds_received += 1
-                else:
-                    self.num_reserves_received += 1
-                try:
-                    handler(item)
-                except Exception:  # noqa: BLE001 - one record never stops the reader
-                    logger.exception("reply channel: taking the %s of %s failed", kind, item.handoff_id)
-        except Exception as e:  # noqa: BLE001 - the socket failed, or a bug: logged, then shut down below
-            if not self._closed.is_set():
-                logger.warning("reply channel: reading the driver's %s records failed (Ray now): %r", kind, e)
-        finally:
-            self._shut_down()
-
-    def _shut_down(self) -> None:
-        """Mark the connection broken and shut it down (both ways; the descriptor stays open until `close`,
-        so no other thread's call on it can reach a socket that reused its number)."""
-        with self._lock:
-            self._broken = True
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
-
-    def push(self, handoff_id: str, secret: bytes, result: PrefillResult) -> None:
-        """Push `result` of handoff `handoff_id` (whose bound meta carries `secret`: `handoff_tag`)."""
-        self._send(result_to_record(handoff_id, handoff_tag(secret), result))
-
-    def push_events(self, events: Sequence[PolledEvent], load: DecodeNodeLoad) -> bool:
-        """Push `events` (consecutive sequence numbers) with `load`. True: they are in the driver's socket
-        buffer; False: not sent (buffer full, over one packet, or the channel broke): the poll brings them."""
-        return self._send(events_to_record(events, load))
-
-    def push_reserved(self, handoff_id: str, outcome: ReserveResult | BaseException, wait_s: float) -> bool:
-        """Answer the driver's reserve of `handoff_id` with its result or the error it raised, waiting up to
-        `wait_s` seconds for room in the driver's socket buffer (without holding the lock `push_events`
-        takes). True: sent; False: not (the channel broke, or no room in time): the driver never learns of
-        the reservation, so the caller releases it (the driver's wait for it times out)."""
-        record = reserved_to_record(handoff_id, outcome)
-        deadline_s = time.monotonic() + wait_s
-        while True:
-            with self._lock:
-                if self._broken:
-                    return False
-                try:
-                    packet = single_packet(record)
-                    if packet is None:
-                        return False
-                    self._sock.send(packet)
-                    return True
-                except BlockingIOError:
-                    pass
-                except Exception as e:  # noqa: BLE001 - as `_send`
-                    self._break(e)
-                    return False
-            remaining_s = deadline_s - time.monotonic()
-            if remaining_s <= 0:
-                return False
-            with contextlib.suppress(OSError, ValueError):
-                select.select([], [self._sock], [], min(remaining_s, POLL_S))
-
-    def _break(self, e: BaseException) -> None:
-        """(Lock held.) The channel failed: no more pushes; shut down (closed at `close`: the reader may be
-        in it)."""
-        logger.warning("reply channel to the driver failed (Ray calls only now): %r", e)
-        self._broken = True
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-
-    def _send(self, record: dict[str, Any]) -> bool:
-        with self._lock:
-            if self._broken:
-                return False
-            try:
-                packet = single_packet(record)
-                if packet is None:  # over one packet (a result: never; a pass's events: very long texts)
-                    return False
-                self._sock.send(packet)  # a sequenced packet goes whole or not at all
-                return True
-            except BlockingIOError:  # the driver's socket buffer is full: the Ray reply or the poll brings it
-                return False
-            except Exception as e:  # noqa: BLE001 - the Ray reply and the poll still carry everything
-                self._break(e)
-                return False
-
-    def close(self, join_timeout_s: float = 2.0) -> None:
-        self._closed.set()
-        self._shut_down()  # the reader's poll returns at once
-        if self._reader is not None and self._reader is not threading.current_thread():
-            self._reader.join(join_timeout_s)
-        with self._lock:
-            with contextlib.suppress(OSError):
-                self._sock.close()

@@ -4,9 +4,10 @@
     ev     a decode rank's events (`TokenDelta` / `RequestError` with their sequence numbers) and its load
            snapshot (`events_to_record`)
     bind   the driver's `PrefillBind` for a prefill rank (`bind_to_record`), the handoff's secret included
-    rsv    the driver's `ReserveRequest` for a decode rank (`reserve_to_record`)
-    rsvd   a decode rank's answer to it: the `ReserveResult` (the bound meta, its secret included, and the
-           rank's load) or the error the reserve raised (`reserved_to_record`)
+    rsv    a call: the driver's `ReserveRequest` for a decode rank (`call_to_record`)
+    pf     a call: the driver's `PrefillRequest` for a prefill rank (`call_to_record`)
+    ans    a rank's answer to a call: the `ReserveResult` (the bound meta, its secret included, and the
+           rank's load) or `PrefillResult`, or the error the call raised (`answer_to_record`)
 
 Each `*_from_record` is the inverse and raises ValueError naming the field that is malformed (never a
 secret); the channel drops such a record with a warning and goes on.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import HandoffMeta, ProtocolError
@@ -28,6 +29,7 @@ from orchestrator.messages import (
     Phases,
     PolledEvent,
     PrefillBind,
+    PrefillRequest,
     PrefillResult,
     RequestError,
     ReserveRequest,
@@ -99,12 +101,16 @@ def result_from_record(record: dict[str, Any]) -> tuple[str, str, PrefillResult]
     handoff_id, tag, fields = record.get("rid"), record.get("tag"), record.get("r")
     if not isinstance(handoff_id, str) or not isinstance(tag, str) or not isinstance(fields, dict):
         raise ValueError("a done record needs a string rid, a string tag and a mapping r")
+    return handoff_id, tag, _prefill_result(fields)
+
+
+def _prefill_result(fields: dict[str, Any]) -> PrefillResult:
     if set(fields) != set(_FIELD_TYPES):
         raise ValueError(f"fields {sorted(fields)} are not {sorted(_FIELD_TYPES)}")
     for name, types in _FIELD_TYPES.items():
         if not isinstance(fields[name], types) or isinstance(fields[name], bool):
             raise ValueError(f"{name} is {type(fields[name]).__name__}")
-    return handoff_id, tag, PrefillResult(**fields)
+    return PrefillResult(**fields)
 
 
 _NUMBER = (int, float)
@@ -224,79 +230,154 @@ def _load_from_dict(load: dict[str, Any]) -> DecodeNodeLoad:
     return DecodeNodeLoad(**load)
 
 
-# ---- reserves (driver -> decode rank, and its answer) ----------------------------------------------------
+# ---- calls (driver -> rank) and their answers -----------------------------------------------------------
 _PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+CALL_KINDS = {"rsv": "reserve", "pf": "prefill"}  # record kind -> the rank's method it stands for
 
 
-def reserve_to_record(request: ReserveRequest) -> dict[str, Any]:
-    """The `rsv` record the driver sends a decode rank: the handoff id, the prompt's token ids, the
-    sampling parameters' fields, the unbound meta (no secret yet) and the number of draft tokens."""
-    params = dataclasses.asdict(request.params)
-    params["stop_token_ids"], params["stop"] = list(params["stop_token_ids"]), list(params["stop"])
-    return {
-        "k": "rsv",
+class RankCall(NamedTuple):
+    """A call the driver sends on a rank's reply connection: `call_id` (unique per driver, echoed by the
+    answer, so an answer is only ever taken for the send it answers) and the request."""
+
+    call_id: int
+    request: ReserveRequest | PrefillRequest
+
+
+class CallAnswer(NamedTuple):
+    """A rank's answer to a `RankCall`: its call id, record kind, handoff id, and the result or the error
+    the call raised."""
+
+    call_id: int
+    kind: str
+    handoff_id: str
+    outcome: ReserveResult | PrefillResult | Exception
+
+
+def _params_to_dict(params: SamplingParams) -> dict[str, Any]:
+    fields = dataclasses.asdict(params)
+    fields["stop_token_ids"], fields["stop"] = list(fields["stop_token_ids"]), list(fields["stop"])
+    return fields
+
+
+def call_to_record(call: RankCall) -> dict[str, Any]:
+    """The record of a call the driver sends a rank instead of a Ray call: `rsv` (a `ReserveRequest` for a
+    decode rank: the meta unbound) or `pf` (a `PrefillRequest` for a prefill rank: the meta bound, with its
+    secret, unless `awaiting_bind`; the connection is the rank's own, authenticated, on this host)."""
+    request = call.request
+    record = {
+        "id": call.call_id,
         "rid": request.handoff_id,
         "t": list(request.prompt_token_ids),
-        "p": params,
+        "p": _params_to_dict(request.params),
         "m": meta_to_dict(request.meta),
-        "n": request.num_draft_tokens,
+    }
+    if isinstance(request, ReserveRequest):
+        return {"k": "rsv", **record, "n": request.num_draft_tokens}
+    return {
+        "k": "pf",
+        **record,
+        "d": request.decode_index,
+        "r": request.decode_rank,
+        "ab": request.awaiting_bind,
+        "ft": request.first_token_id,
     }
 
 
-def reserve_from_record(record: dict[str, Any]) -> ReserveRequest:
-    """The `ReserveRequest` of an `rsv` record. ValueError naming what is malformed (the sampling
-    parameters are checked as `SamplingParams` checks a client's)."""
-    handoff_id, tokens, params, meta, num_drafts = (record.get(k) for k in ("rid", "t", "p", "m", "n"))
+def call_from_record(record: dict[str, Any]) -> RankCall:
+    """The call of a `rsv` or `pf` record. ValueError naming what is malformed (the sampling parameters
+    are checked as `SamplingParams` checks a client's; never the secret)."""
+    kind, handoff_id, tokens, params, meta = (record.get(k) for k in ("k", "rid", "t", "p", "m"))
+    if kind not in CALL_KINDS:
+        raise ValueError(f"a {kind!r} record is not a call")
+    call_id = _check("call id", record.get("id"), (int,))
     if not isinstance(handoff_id, str) or not isinstance(params, dict) or not isinstance(meta, dict):
-        raise ValueError("a reserve record needs a string rid and mappings p and m")
+        raise ValueError(f"a {kind} record needs a string rid and mappings p and m")
     token_ids = _ints("prompt_token_ids", tokens)
     if not token_ids or min(token_ids) < 0:
         raise ValueError(f"{handoff_id}: prompt_token_ids must be a non-empty list of ints >= 0")
-    _check("num_draft_tokens", num_drafts, (int,))
-    if num_drafts < 0:
-        raise ValueError(f"{handoff_id}: num_draft_tokens is {num_drafts}, not >= 0")
     if set(params) != _PARAM_NAMES:
         raise ValueError(f"sampling parameters {sorted(params)} are not {sorted(_PARAM_NAMES)}")
     try:
         sampling = SamplingParams(**params)
-        unbound = meta_from_dict(meta)
+        handoff = meta_from_dict(meta)
     except (TypeError, ProtocolError) as e:
         raise ValueError(str(e)) from None
-    if unbound.request_id != handoff_id or unbound.secret:
-        raise ValueError(f"the meta of reserve {handoff_id!r} names {unbound.request_id!r} or has a secret")
-    return ReserveRequest(handoff_id, token_ids, sampling, unbound, num_drafts)
+    if handoff.request_id != handoff_id:
+        raise ValueError(f"the meta of {kind} {handoff_id!r} names {handoff.request_id!r}")
+    if kind == "rsv":
+        num_drafts = _check("num_draft_tokens", record.get("n"), (int,))
+        if num_drafts < 0:
+            raise ValueError(f"{handoff_id}: num_draft_tokens is {num_drafts}, not >= 0")
+        if handoff.secret:
+            raise ValueError(f"the meta of reserve {handoff_id!r} has a secret (decode makes it)")
+        return RankCall(call_id, ReserveRequest(handoff_id, token_ids, sampling, handoff, num_drafts))
+    awaiting_bind = _check("awaiting_bind", record.get("ab"), (bool,))
+    first_token_id = _check("first_token_id", record.get("ft"), (int, type(None)))
+    decode_index, decode_rank = record.get("d"), record.get("r")
+    for name, value in (("decode_index", decode_index), ("decode_rank", decode_rank)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} is {value!r}, not an int >= 0")
+    if awaiting_bind == bool(handoff.secret):
+        raise ValueError(f"the meta of prefill {handoff_id!r} must carry a secret exactly when it is bound")
+    request = PrefillRequest(
+        handoff_id, token_ids, sampling, handoff, decode_index, decode_rank, awaiting_bind, first_token_id
+    )
+    return RankCall(call_id, request)
 
 
-def reserved_to_record(handoff_id: str, outcome: ReserveResult | BaseException) -> dict[str, Any]:
-    """The `rsvd` record a decode rank answers a reserve with: the bound meta (its secret included: the
-    connection is the rank's own to the driver, authenticated, on this host) or none (no room), and its
-    load; or the error the reserve raised, as `[class name, message]`."""
+class RankCallRaised(RuntimeError):
+    """A call sent on a rank's reply connection raised an error other than ValueError or RuntimeError
+    (its class is named in the message)."""
+
+
+def answer_to_record(
+    call: RankCall, outcome: ReserveResult | PrefillResult | BaseException
+) -> dict[str, Any]:
+    """The `ans` record a rank answers a call with (`c`: the call's record kind): a reserve's
+    `ReserveResult` (the bound meta, its secret included, or none: no room; and the rank's load), a
+    prefill's `PrefillResult`, or the error the call raised as `[class name, message]`."""
+    kind, handoff_id = call_kind(call.request), call.request.handoff_id
+    record: dict[str, Any] = {"k": "ans", "id": call.call_id, "c": kind, "rid": handoff_id}
     if isinstance(outcome, BaseException):
-        return {"k": "rsvd", "rid": handoff_id, "err": [type(outcome).__name__, str(outcome)]}
+        return {**record, "err": [type(outcome).__name__, str(outcome)]}
+    if isinstance(outcome, PrefillResult):
+        return {**record, "ok": dataclasses.asdict(outcome)}
     bound = None if outcome.bound_meta is None else meta_to_dict(outcome.bound_meta)
     load = None if outcome.load is None else dataclasses.asdict(outcome.load)
-    return {"k": "rsvd", "rid": handoff_id, "m": bound, "l": load}
+    return {**record, "ok": {"m": bound, "l": load}}
 
 
-class ReserveRaised(RuntimeError):
-    """A decode rank's reserve raised an error other than ValueError (named in the message)."""
+def call_kind(call: ReserveRequest | PrefillRequest) -> str:
+    """The record kind of `call`: `rsv` or `pf`."""
+    return "rsv" if isinstance(call, ReserveRequest) else "pf"
 
 
-def reserved_from_record(record: dict[str, Any]) -> tuple[str, ReserveResult | Exception]:
-    """(handoff id, the `ReserveResult` or the error to raise) of an `rsvd` record: a ValueError the reserve
-    raised (a request the instance could never hold) comes back as ValueError, any other as
-    `ReserveRaised`. ValueError (raised) naming what is malformed, never the secret."""
-    handoff_id, error = record.get("rid"), record.get("err")
-    if not isinstance(handoff_id, str):
-        raise ValueError("a reserved record needs a string rid")
+_RAISED = {"ValueError": ValueError, "RuntimeError": RuntimeError}
+
+
+def answer_from_record(record: dict[str, Any]) -> CallAnswer:
+    """The `CallAnswer` of an `ans` record: the result, or the error to raise. A
+    ValueError (a request the instance could never hold) or RuntimeError (a failed prefill) the call raised
+    comes back as such, any other as `RankCallRaised`. ValueError (raised) naming what is malformed, never
+    the secret."""
+    call_id, kind, handoff_id, error, ok = (record.get(k) for k in ("id", "c", "rid", "err", "ok"))
+    if kind not in CALL_KINDS or not isinstance(handoff_id, str):
+        raise ValueError("an answer needs a call kind c (rsv or pf) and a string rid")
+    _check("call id", call_id, (int,))
     if error is not None:
         if not (isinstance(error, list) and len(error) == 2 and all(isinstance(x, str) for x in error)):
             raise ValueError(f"{handoff_id}: err is not [class name, message]")
         name, message = error
-        raised = ValueError(message) if name == "ValueError" else ReserveRaised(f"{name}: {message}")
-        return handoff_id, raised
-    meta, load = record.get("m"), record.get("l")
+        raised = _RAISED[name](message) if name in _RAISED else RankCallRaised(f"{name}: {message}")
+        return CallAnswer(call_id, kind, handoff_id, raised)
+    if not isinstance(ok, dict):
+        raise ValueError(f"{handoff_id}: an answer needs err or a mapping ok")
+    if kind == "pf":
+        return CallAnswer(call_id, kind, handoff_id, _prefill_result(ok))
+    meta, load = ok.get("m"), ok.get("l")
     if not isinstance(meta, dict | type(None)) or not isinstance(load, dict | type(None)):
         raise ValueError(f"{handoff_id}: m and l must be mappings or nil")
-    bound = None if meta is None else _bound_meta(meta, handoff_id, "reserved")
-    return handoff_id, ReserveResult(bound, None if load is None else _load_from_dict(load))
+    bound = None if meta is None else _bound_meta(meta, handoff_id, "reserve answer")
+    return CallAnswer(
+        call_id, kind, handoff_id, ReserveResult(bound, None if load is None else _load_from_dict(load))
+    )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from engine.sampling_params import SamplingParams
@@ -38,6 +39,7 @@ from orchestrator.instance import Instance, check_instance_group
 from orchestrator.load_board import LoadBoard
 from orchestrator.messages import Phases, PrefillBind, PrefillRequest, ReserveRequest, ReserveResult
 from orchestrator.reply_channel import ReplyListener
+from orchestrator.reply_records import CALL_KINDS, CallAnswer, RankCall, call_kind
 from orchestrator.request_state import Attempt, RequestRecord
 from orchestrator.router import DecodeLoad, PrefillLoad, RankRef
 
@@ -47,9 +49,9 @@ from orchestrator.router import DecodeLoad, PrefillLoad, RankRef
 MAX_EARLY_PREFILL_CALLS = 64
 
 
-class DecodeConnectionLost(ConnectionError):
-    """A decode rank's reply connection closed before it answered a reserve sent on it (the rank died or
-    its connection broke): the instance is treated as lost, as after a Ray call to a dead actor."""
+class RankConnectionLost(ConnectionError):
+    """A rank's reply connection closed before it answered a call sent on it (the rank died or its
+    connection broke): the instance is treated as lost, as after a Ray call to a dead actor."""
 
 
 class RouteAndReserve:
@@ -61,9 +63,10 @@ class RouteAndReserve:
     _reply_listener: ReplyListener | None  # `ClusterWiring`'s
     _prefill_push_tags: dict[RankRef, str]  # `ClusterWiring`'s: each prefill rank's reply connection tag
     _num_binds_pushed: int  # binds sent on a prefill rank's reply connection, not by a Ray call
-    _decode_push_tags: dict[str, RankRef]  # `ClusterWiring`'s: each decode rank's reply connection tag
-    _pending_reserves: dict[str, tuple[str, asyncio.Future]]  # handoff id -> (the rank's tag, its answer)
-    _num_reserves_pushed: int  # reserves sent on a decode rank's reply connection, not by a Ray call
+    _decode_tag_of: dict[RankRef, str]  # `ClusterWiring`'s: each decode rank's current reply connection tag
+    _call_ids: Iterator[int]  # numbers the calls sent on reply connections
+    _pending_calls: dict[int, tuple[str, asyncio.Future]]  # call id -> (the rank's tag, its answer's future)
+    _num_calls_pushed: dict[str, int]  # "reserve" / "prefill": calls sent on a reply connection, not by Ray
     _loop: asyncio.AbstractEventLoop | None  # `RequestDispatch`'s
 
     # ---- routing and reserving ----------------------------------------------------------------------------
@@ -239,7 +242,9 @@ class RouteAndReserve:
         )
         prefill = self.instances["prefill"][attempt.prefill_index].ranks[attempt.prefill.rank]
         timeout_s = self.event_timeout_s + self.topology.kv_transfer.timeout_s
-        call = asyncio.ensure_future(self._call(prefill.prefill.remote(request), timeout_s))
+        call = self._push_call(self._prefill_push_tags.get(attempt.prefill), request, timeout_s)
+        if call is None:
+            call = asyncio.ensure_future(self._call(prefill.prefill.remote(request), timeout_s))
         attempt.prefill_call = call
         rank, num_tokens = attempt.prefill, len(prompt_token_ids)
         self._loads.prefill_started(rank, num_tokens)
@@ -305,7 +310,7 @@ class RouteAndReserve:
         )
         decode = self.instances["decode"][attempt.decode_index].ranks[attempt.decode.rank]
         self._loads.reserve_sent(attempt.decode)
-        reserve_call = self._push_reserve(attempt.decode, reserve)
+        reserve_call = self._push_call(self._decode_tag_of.get(attempt.decode), reserve, self.call_timeout_s)
         if reserve_call is None:
             reserve_call = asyncio.ensure_future(self._call(decode.reserve.remote(reserve)))
         answered: ReserveResult | None = None
@@ -341,56 +346,52 @@ class RouteAndReserve:
         record.attempt = None
         return ReserveOutcome.NO_ROOM, None
 
-    def _push_reserve(self, rank: RankRef, reserve: ReserveRequest) -> asyncio.Future | None:
-        """Send `reserve` to decode `rank` on its reply connection (`ReplyListener.send_reserve`) when it
-        has one on this host; None: it has none, or the send failed (make the Ray call). The future is the
-        answer (`_on_reserved`) as the Ray call's would be: the `ReserveResult`, the error the reserve
-        raised, `DecodeConnectionLost` when the connection closes first, or asyncio.TimeoutError after
-        `call_timeout_s`."""
+    def _push_call(
+        self, who: str | None, request: ReserveRequest | PrefillRequest, timeout_s: float
+    ) -> asyncio.Future | None:
+        """Send `request` to the rank whose reply connection has tag `who` (`ReplyListener.send_call`) instead
+        of a Ray call; None: no tag or no listener, or the send failed (make the Ray call). The future is the
+        answer (`_on_answer`) as the Ray call's would be: the method's result, the error it raised,
+        `RankConnectionLost` when the connection closes first, or asyncio.TimeoutError after `timeout_s`."""
         listener = self._reply_listener
-        who = next((tag for tag, ref in self._decode_push_tags.items() if ref == rank), None)
         if listener is None or who is None:
             return None
-        handoff_id = reserve.handoff_id
+        call = RankCall(next(self._call_ids), request)
         answer = asyncio.get_running_loop().create_future()
-        self._pending_reserves[handoff_id] = (who, answer)  # answered on this thread, after this returns
-        if not listener.send_reserve(who, reserve):
-            del self._pending_reserves[handoff_id]
+        self._pending_calls[call.call_id] = (who, answer)  # answered on this thread, after this returns
+        if not listener.send_call(who, call):
+            del self._pending_calls[call.call_id]
             return None
-        self._num_reserves_pushed += 1
+        self._num_calls_pushed[CALL_KINDS[call_kind(request)]] += 1
+        answer.add_done_callback(lambda _: self._pending_calls.pop(call.call_id, None))
+        return asyncio.ensure_future(asyncio.wait_for(answer, timeout_s))
 
-        def forget(_: asyncio.Future) -> None:
-            if self._pending_reserves.get(handoff_id, (None, None))[1] is answer:
-                del self._pending_reserves[handoff_id]
-
-        answer.add_done_callback(forget)
-        return asyncio.ensure_future(asyncio.wait_for(answer, self.call_timeout_s))
-
-    def _on_reserved_threadsafe(self, who: str, handoff_id: str | None, outcome: Any) -> None:
-        """The reply listener's thread (`ReplyListener`'s `on_reserved`): hand a decode rank's answer to a
-        reserve, or its connection's close (`handoff_id` None), to the requests' event loop."""
+    def _on_answer_threadsafe(self, who: str, answer: CallAnswer | None) -> None:
+        """The reply listener's thread (`ReplyListener`'s `on_answer`): hand a rank's answer to a call, or
+        its connection's close (None), to the requests' event loop."""
         loop = self._loop
         if loop is None or loop.is_closed():
             return
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: its requests are gone with it
-            loop.call_soon_threadsafe(self._on_reserved, who, handoff_id, outcome)
+            loop.call_soon_threadsafe(self._on_answer, who, answer)
 
-    def _on_reserved(self, who: str, handoff_id: str | None, outcome: Any) -> None:
-        """Decode rank `who` answered the reserve of `handoff_id` (the `ReserveResult`, or the error it
-        raised): taken only for a reserve waiting for that rank's answer. `handoff_id` None: the rank's
-        connection closed; every reserve still waiting for it fails as a Ray call to a dead actor does."""
-        if handoff_id is None:
-            for tag, answer in list(self._pending_reserves.values()):
-                if tag == who and not answer.done():
-                    answer.set_exception(DecodeConnectionLost(f"{who}: its reply connection closed"))
+    def _on_answer(self, who: str, answer: CallAnswer | None) -> None:
+        """Rank `who` answered a call with its result or the error it raised: taken only for the call of that
+        id, sent to that rank, still waiting (a late answer, whose wait timed out, is dropped: as with a Ray
+        call, a reservation it made is released at its lease on the rank). None: the rank's connection
+        closed; every call still waiting for it fails as a Ray call to a dead actor does."""
+        if answer is None:
+            for tag, future in list(self._pending_calls.values()):
+                if tag == who and not future.done():
+                    future.set_exception(RankConnectionLost(f"{who}: its reply connection closed"))
             return
-        tag, answer = self._pending_reserves.get(handoff_id, (None, None))
-        if tag != who or answer is None or answer.done():
+        tag, future = self._pending_calls.get(answer.call_id, (None, None))
+        if tag != who or future is None or future.done():
             return
-        if isinstance(outcome, BaseException):
-            answer.set_exception(outcome)
+        if isinstance(answer.outcome, BaseException):
+            future.set_exception(answer.outcome)
         else:
-            answer.set_result(outcome)
+            future.set_result(answer.outcome)
 
     def _meta(self, attempt: Attempt, prompt_token_ids: list[int]) -> HandoffMeta:
         kv = self.topology.kv_transfer
@@ -420,7 +421,7 @@ class RouteAndReserve:
             asyncio.TimeoutError,
             TimeoutError,
             InstanceGroupFailed,
-            DecodeConnectionLost,
+            RankConnectionLost,
         )
         return isinstance(exc, lost)
 

@@ -63,8 +63,9 @@ class ClusterWiring:
     _reply_listener: ReplyListener | None
     _on_prefill_reply_threadsafe: Callable[[str, str, Any], None]  # `RequestDispatch`'s
     _on_decode_events_threadsafe: Callable[[str, list, Any], None]  # `RequestDispatch`'s
-    _on_reserved_threadsafe: Callable[[str, str | None, Any], None]  # `RouteAndReserve`'s
+    _on_answer_threadsafe: Callable[[str, Any], None]  # `RouteAndReserve`'s
     _decode_push_tags: dict[str, RankRef]
+    _decode_tag_of: dict[RankRef, str]
     _prefill_push_tags: dict[RankRef, str]
 
     def _connect_reply_channel(
@@ -76,8 +77,8 @@ class ClusterWiring:
         decode_indices: Iterable[int] = (),
     ) -> None:
         """On a single-node cpu topology (every rank on this host), have the ranks of prefill instances
-        `prefill_indices` push their results and take their binds, and the ranks of decode instances
-        `decode_indices` push their events and take their reserves, over a Unix socket too
+        `prefill_indices` push their results and take their binds and prefill calls, and the ranks of
+        decode instances `decode_indices` push their events and take their reserves, over a Unix socket too
         (`orchestrator.reply_channel`): at deploy the listener starts; `restarted` ranks (the health
         monitor's rewire) reconnect to it while it is open. Each rank connects under a fresh tag, which
         replaces its earlier one. A rank that cannot connect is logged and keeps its Ray calls alone."""
@@ -87,7 +88,7 @@ class ClusterWiring:
             self._reply_listener = ReplyListener(
                 self._on_prefill_reply_threadsafe,
                 self._on_decode_events_threadsafe,
-                self._on_reserved_threadsafe,
+                self._on_answer_threadsafe,
             )
         listener = self._reply_listener
         if listener is None or listener.closed:
@@ -109,6 +110,7 @@ class ClusterWiring:
             for rank, actor in enumerate(instance.ranks):
                 who = f"{instance.rank_name(rank)}:{secrets.token_hex(8)}"
                 self._decode_push_tags[who] = RankRef(index, rank)
+                self._decode_tag_of[RankRef(index, rank)] = who  # one atomic store: calls go there now
                 tags[who] = instance.rank_name(rank)
                 refs[actor.connect_reply_channel.remote(address, secret, who)] = instance.rank_name(rank)
         connected = set()

@@ -11,8 +11,9 @@ instance's placement group. Threads inside the actor:
     load() reads counters under a lock                (layerwise), or all layers after the step
                                                     finished jobs: sender.finish(extras: first token,
                                                       drafts and their probabilities), wake the caller
-    On one host, the driver-binds thread of the reply connection (`ReplyPusher`) calls `bind(...)` for
-    each bind the driver sends on it, and the engine thread pushes each result there too.
+    On one host, the reader thread of the reply connection (`ReplyPusher`) calls `bind(...)` for each bind
+    the driver sends on it and hands each prefill request sent there to a call thread (`prefill(...)`, as
+    Ray's method threads do, answered on that connection); the engine thread pushes each result there too.
 
 A job that fails (engine error, send error, abort) aborts its handoff (decode's `wait` raises
 `TransferAborted`) and raises in `prefill(...)`. An engine error fails only the jobs it concerns: a
@@ -46,7 +47,7 @@ from orchestrator.messages import (
     PrefillResult,
 )
 from orchestrator.rank_actor import LOCKSTEP_IDLE_S, RankActor
-from orchestrator.reply_channel import ReplyPusher
+from orchestrator.reply_pusher import ReplyPusher
 from prefill_node.job import Job
 from prefill_node.thread_clock import run_delay_s
 
@@ -146,9 +147,11 @@ class PrefillNode(RankActor):
     def connect_reply_channel(self, address: str, secret: str, who: str | None = None) -> None:
         """Push each finished prefill's `PrefillResult` to the driver's socket at `address` too (it is on
         this host), presenting `secret`, beside the `prefill` call's reply (`orchestrator.reply_channel`);
-        and take the binds the driver sends on that connection, to this rank's tag `who`, as `bind` calls.
-        Replaces an earlier connection. Raises OSError when the socket cannot be reached."""
-        pusher, old = ReplyPusher(address, secret, who, on_bind=self.bind), self._reply_pusher
+        and take the binds and the prefill calls the driver sends on that connection, to this rank's tag
+        `who`, as `bind` and `prefill` calls (`RankActor._take_call`). Replaces an earlier connection. Raises
+        OSError when the socket cannot be reached."""
+        pusher = ReplyPusher(address, secret, who, on_bind=self.bind, on_call=self._take_call)
+        old = self._reply_pusher
         self._reply_pusher = pusher
         if old is not None:
             old.close()
@@ -238,6 +241,13 @@ class PrefillNode(RankActor):
         assert job.result is not None
         return job.result
 
+    def _call_method(self, call: Any) -> Any:
+        """A prefill request sent on the reply connection (`RankActor._take_call`) is served by `prefill`
+        (its answer settles the driver's call; nothing to undo when it cannot be sent: the job is over)."""
+        if isinstance(call, PrefillRequest):
+            return self.prefill
+        return super()._call_method(call)
+
     def bind(self, bind: PrefillBind) -> None:
         """The reservation of a request sent `awaiting_bind` (`PrefillRequest`): its handoff begins with
         `bind.meta` towards the decode rank named, and the KV computed so far goes out. A bind for an id
@@ -282,6 +292,7 @@ class PrefillNode(RankActor):
         self._stop_engine_thread()
         if self._reply_pusher is not None:
             self._reply_pusher.close()
+        self._close_call_threads()
         for sender in self._all_senders():
             try:
                 sender.close()

@@ -141,10 +141,11 @@ def test_greedy_and_acceptance_match_single_engine(
                 assert time.monotonic() < deadline_s, cluster._num_prefill_replies_received
                 await asyncio.sleep(0.01)
             # ... and the decode rank pushed its token events over it (the poll brings any it could not),
-            # each reserve went to decode on its connection and each prefill (sent before decode reserved)
-            # got its bind on its own, not by Ray calls (the socket buffers never fill with one at a time).
+            # each reserve went to decode on its connection, and each prefill request and its bind (sent
+            # before decode reserved) to prefill on its own, not by Ray calls (the socket buffers never
+            # fill with one at a time).
             assert cluster._num_decode_events_pushed > 0
-            assert cluster._num_reserves_pushed == len(PROMPTS)
+            assert cluster._num_calls_pushed == {"reserve": len(PROMPTS), "prefill": len(PROMPTS)}
             assert cluster._num_binds_pushed == len(PROMPTS)
             return results
 

@@ -117,10 +117,10 @@ def test_a_crashed_decode_is_restarted_rewired_and_serves_again(cluster, expecte
     assert _pid(cluster, "decode") != pid
     assert len(cluster._decode_push_tags) == 1 and not tags_before & set(cluster._decode_push_tags)
     pushed_before = cluster._num_decode_events_pushed
-    reserves_before = cluster._num_reserves_pushed
+    reserves_before = cluster._num_calls_pushed["reserve"]
     assert _generate(cluster, "after-crash") == expected_tokens
     assert cluster._num_decode_events_pushed > pushed_before
-    assert cluster._num_reserves_pushed == reserves_before + 1
+    assert cluster._num_calls_pushed["reserve"] == reserves_before + 1
     assert_nothing_held(cluster)
 
 
@@ -128,8 +128,8 @@ def test_a_crashed_prefill_is_restarted_and_takes_its_binds_on_its_new_connectio
     cluster, expected_tokens
 ) -> None:
     """SIGKILL of the prefill actor's process: Ray restarts it; the health monitor rewires its KV senders
-    and it connects to the driver's reply socket under a new tag, on which the next request's bind goes
-    (not a Ray call); the same greedy tokens come out."""
+    and it connects to the driver's reply socket under a new tag, on which the next request and its bind
+    go (not Ray calls); the same greedy tokens come out."""
     pid = _pid(cluster, "prefill")
     tag_before = cluster._prefill_push_tags[RankRef(0, 0)]
     os.kill(pid, signal.SIGKILL)
@@ -138,8 +138,10 @@ def test_a_crashed_prefill_is_restarted_and_takes_its_binds_on_its_new_connectio
     assert _pid(cluster, "prefill") != pid
     assert cluster._prefill_push_tags[RankRef(0, 0)] != tag_before
     binds_before = cluster._num_binds_pushed
+    prefills_before = cluster._num_calls_pushed["prefill"]
     assert _generate(cluster, "after-prefill-crash") == expected_tokens
     assert cluster._num_binds_pushed == binds_before + 1
+    assert cluster._num_calls_pushed["prefill"] == prefills_before + 1
     assert_nothing_held(cluster)
 
 

@@ -30,7 +30,8 @@ from orchestrator.messages import (
     RequestError,
     TokenDelta,
 )
-from orchestrator.reply_channel import ReplyListener, ReplyPusher
+from orchestrator.reply_channel import ReplyListener
+from orchestrator.reply_pusher import ReplyPusher
 from orchestrator.reply_records import (
     bind_from_record,
     bind_to_record,
