@@ -12,9 +12,10 @@ One request (DESIGN.md, request lifecycle):
    driver has in flight), with no Ray call of its own.
 2. At once, prefill is sent the request awaiting its bind (`PrefillNode.prefill`, `awaiting_bind`: it
    computes the prompt and holds its KV) and decode reserves KV blocks and expects the handoff
-   (`DecodeNode.reserve`: on one host sent on the decode rank's own connection to the driver's reply
-   socket, else a Ray call), which returns the handoff bound to the reservation by a fresh secret; no room:
-   the reserve is retried (the prefill waits) until the transfer timeout, then `BackendUnavailable`.
+   (`DecodeNode.reserve`); on one host both calls go on the rank's own connection to the driver's reply
+   socket and are answered there, else they are Ray calls. The reserve returns the handoff bound to the
+   reservation by a fresh secret; no room: the reserve is retried (the prefill waits) until the transfer
+   timeout, then `BackendUnavailable`.
 3. The driver binds the prefill to the reservation (`PrefillBind`), handing it the secret (to that prefill
    rank only: on its own connection to the driver's reply socket on one host, else `PrefillNode.bind`): it
    streams each layer's KV (MTP layer included; then the first token and the MTP drafts) to that decode

@@ -250,7 +250,7 @@ class ClusterDeployment(ClusterWiring):
         self._num_decode_events_pushed = 0
         self._num_binds_pushed = 0  # binds sent on a prefill rank's reply connection (routing)
         self._num_calls_pushed = {"reserve": 0, "prefill": 0}  # sent on a rank's reply connection (routing)
-        self._pending_calls = {}  # call id -> (the rank's tag, its answer's future) (routing)
+        self._pending_calls = {}  # call id -> (tag, kind, handoff id, the answer's future) (routing)
         self._call_ids = itertools.count(1)
         self._closed = False
         self._monitor_stop = threading.Event()

@@ -48,6 +48,9 @@ class InstanceMonitor:
     """Health bookkeeping of `orchestrator.cluster.Cluster` (see the module docstring)."""
 
     instances: dict[str, list[Instance]]
+    _reply_listener: Any  # `ClusterWiring`'s `ReplyListener` (None: not one host)
+    _prefill_push_tags: dict[RankRef, str]  # `ClusterWiring`'s: each prefill rank's reply connection tag
+    _decode_tag_of: dict[RankRef, str]  # `ClusterWiring`'s: each decode rank's reply connection tag
 
     @property
     def _health(self) -> dict[str, list[InstanceHealth]]:
@@ -216,6 +219,8 @@ class InstanceMonitor:
             health = instance.health
             if not health.routable or health.pid != pids[0]:
                 self._rejoin(instance.role, instance.index, pids[0])
+            elif self._reply_channel_lost(instance.role, instance.index):
+                self._reconnect_reply_channel(ray, instance.role, instance.index)
 
     def _rejoin(self, role: str, index: int, pid: int) -> None:
         import ray
@@ -230,6 +235,8 @@ class InstanceMonitor:
             except Exception as e:  # noqa: BLE001 - try again at the next probe
                 logger.error("%s-%d answers again but could not be rewired: %s", role, index, e)
                 return
+        if not needs_rewire and self._reply_channel_lost(role, index):
+            self._reconnect_reply_channel(ray, role, index)
         if role == "decode" and needs_rewire:  # a new process numbers its events from 1 again
             self._poll_acked_seq[index][:] = [0] * len(self._poll_acked_seq[index])
         with self._health_lock:
@@ -243,6 +250,27 @@ class InstanceMonitor:
             "restarted and rewired" if needs_rewire else "answering again",
         )
 
+    def _reconnect_reply_channel(self, ray, role: str, index: int) -> None:
+        """The same process, but a rank's connection to the reply socket closed (it broke, or the driver
+        dropped it): connect the instance's ranks again, under new tags, so that their binds and calls stop
+        going by Ray from now on."""
+        indices = {"prefill_indices": [index]} if role == "prefill" else {"decode_indices": [index]}
+        logger.warning("%s-%d: its connection to the reply socket closed; reconnecting", role, index)
+        try:
+            self._connect_reply_channel(ray, timeout_s=self.call_timeout_s, restarted=True, **indices)
+        except Exception as e:  # noqa: BLE001 - its Ray calls still carry everything; tried at the next probe
+            logger.warning("%s-%d could not reconnect to the reply socket: %s", role, index, e)
+
+    def _reply_channel_lost(self, role: str, index: int) -> bool:
+        """Whether a rank of instance (`role`, `index`) had a connection to the driver's reply socket (one
+        host) that is no longer registered there."""
+        listener = self._reply_listener
+        if listener is None or listener.closed:
+            return False
+        tags = self._prefill_push_tags if role == "prefill" else self._decode_tag_of
+        ranks = [RankRef(index, r) for r in range(self.instances[role][index].num_ranks)]
+        return any(ref in tags and not listener.is_registered(tags[ref]) for ref in ranks)
+
     def _rewire(self, ray, role: str, index: int, restarted: bool) -> None:
         """gRPC, shm and shm+grpc only (restarts are off for torch.distributed and for multi-rank instances,
         whose groups are fixed at deploy). A restarted decode starts its receiver on a new port (shm: a new
@@ -250,7 +278,7 @@ class InstanceMonitor:
         once (the others when they rejoin), and (one host) reconnects to the driver's reply socket under a
         new tag; a rejoining prefill instance's ranks (re)connect to every decode rank's current address, in
         case one moved meanwhile, and a restarted one (one host) to the reply socket under a new tag, where
-        its binds go from then on."""
+        its binds and calls go from then on."""
         if role == "decode":
             assert restarted
             decode = self.decode_actors[index]

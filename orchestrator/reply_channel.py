@@ -7,8 +7,9 @@ first token streamed took 0.98 ms, while the Ray reply reached the driver 2.73 m
 sequential requests at idle; 0.71 ms of it to the event loop). So each prefill rank on the driver's host
 pushes the `PrefillResult` it is about to return (`ReplyPusher.push`, from the prefill engine thread once
 the handoff is finished on its side) and the driver takes whichever comes first as the attempt's
-`PrefillDone` (`RequestDispatch._on_prefill_reply`); the other is dropped. The Ray call stays the authority
-for everything else: failures, timeouts, the prefill load accounting.
+`PrefillDone` (`RequestDispatch._on_prefill_reply`); the other is dropped. The call itself (its answer on
+this socket, below, or where the rank has no connection the Ray reply) stays the authority for everything
+else: failures, timeouts, the prefill load accounting.
 
 Decode token events. Each decode rank on the driver's host pushes the events of each engine pass with its
 load snapshot (`ReplyPusher.push_events`: `TokenDelta` / `RequestError` with their sequence numbers) as it

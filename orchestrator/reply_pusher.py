@@ -40,8 +40,9 @@ POLL_S = 0.2  # how often the reader looks at close() while the driver is quiet
 
 class ReplyPusher:
     """A rank's end: `push` (a prefill rank) and `push_events` (a decode rank, which connects with its tag
-    `who`) never block and never raise (the Ray reply and the poll carry everything anyway); `push_answer`
-    may wait a bounded time for room (a call's answer has no other way to the driver).
+    `who`) never block and never raise (the call's answer or Ray reply, and the poll, carry everything
+    anyway); `push_answer` may wait a bounded time for room (a call's answer has no other way to the
+    driver).
 
     A prefill rank (`on_bind` given; `who` its tag) also takes the binds the driver sends on this connection
     (`ReplyListener.send_bind`), and a rank given `on_call` the calls (`send_call`: a prefill rank's

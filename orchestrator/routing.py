@@ -5,13 +5,14 @@ holds them (`orchestrator.load_board`: decode snapshots piggy-backed on poll and
 work the driver has in flight; no `load` call per request once every decode rank has reported once;
 `orchestrator.router`: a (instance, rank) pair per pool). It sends the prefill call at once, awaiting its
 bind (`PrefillRequest.awaiting_bind`: prefill computes while decode reserves), and reserves on the chosen
-decode rank (`DecodeNode.reserve`: on its reply connection on this host, `_push_reserve`, else a Ray call)
-meanwhile; the pure `orchestrator.dispatch.after_reserve` decides what
-follows: bind the prefill to the reservation (on the prefill rank's reply connection on this host,
-`orchestrator.reply_channel`; else `PrefillNode.bind`), route decode again (an instance was
-lost), retry after RESERVE_RETRY_S while no decode has room (back-pressure; the prefill waits where it
-is), fail at the deadline, or end (aborted). Every end but the bind releases the prefill too, so nothing
-is computed twice or held after. `_release` drops an attempt on every rank of its two instances.
+decode rank (`DecodeNode.reserve`) meanwhile; on one host both calls go on the rank's reply connection
+(`_push_call`, answered there: `_on_answer`), else they are Ray calls. The pure
+`orchestrator.dispatch.after_reserve` decides what follows: bind the prefill to the reservation (on the
+prefill rank's reply connection on this host, `orchestrator.reply_channel`; else `PrefillNode.bind`),
+route decode again (an instance was lost), retry after RESERVE_RETRY_S while no decode has room
+(back-pressure; the prefill waits where it is), fail at the deadline, or end (aborted). Every end but the
+bind releases the prefill too, so nothing is computed twice or held after. `_release` drops an attempt on
+every rank of its two instances.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from orchestrator.request_state import Attempt, RequestRecord
 from orchestrator.router import DecodeLoad, PrefillLoad, RankRef
 
 # Prefill calls in flight per prefill rank up to which a new one is sent before its reservation (each
-# blocks one of the actor's call threads, `max_concurrency` 256, and a bind made by Ray needs another);
+# blocks one of the actor's call threads, 256 of Ray's (`max_concurrency`) or of the reply connection's
+# (`rank_actor.MAX_CALL_THREADS`), and a bind made by Ray needs another);
 # past it, a request reserves first and its prefill is sent bound (the order without the overlap).
 MAX_EARLY_PREFILL_CALLS = 64
 
@@ -65,7 +67,8 @@ class RouteAndReserve:
     _num_binds_pushed: int  # binds sent on a prefill rank's reply connection, not by a Ray call
     _decode_tag_of: dict[RankRef, str]  # `ClusterWiring`'s: each decode rank's current reply connection tag
     _call_ids: Iterator[int]  # numbers the calls sent on reply connections
-    _pending_calls: dict[int, tuple[str, asyncio.Future]]  # call id -> (the rank's tag, its answer's future)
+    # call id -> (the rank's tag, the call's record kind, its handoff id, the future of its answer)
+    _pending_calls: dict[int, tuple[str, str, str, asyncio.Future]]
     _num_calls_pushed: dict[str, int]  # "reserve" / "prefill": calls sent on a reply connection, not by Ray
     _loop: asyncio.AbstractEventLoop | None  # `RequestDispatch`'s
 
@@ -358,7 +361,8 @@ class RouteAndReserve:
             return None
         call = RankCall(next(self._call_ids), request)
         answer = asyncio.get_running_loop().create_future()
-        self._pending_calls[call.call_id] = (who, answer)  # answered on this thread, after this returns
+        # answered on this thread, after this returns
+        self._pending_calls[call.call_id] = (who, call_kind(request), request.handoff_id, answer)
         if not listener.send_call(who, call):
             del self._pending_calls[call.call_id]
             return None
@@ -377,17 +381,22 @@ class RouteAndReserve:
 
     def _on_answer(self, who: str, answer: CallAnswer | None) -> None:
         """Rank `who` answered a call with its result or the error it raised: taken only for the call of that
-        id, sent to that rank, still waiting (a late answer, whose wait timed out, is dropped: as with a Ray
-        call, a reservation it made is released at its lease on the rank). None: the rank's connection
-        closed; every call still waiting for it fails as a Ray call to a dead actor does."""
+        id, kind and handoff, sent to that rank, still waiting (a late answer, whose wait timed out, is
+        dropped: as with a Ray call, a reservation it made is released at its lease on the rank). None: the
+        rank's connection closed; every call still waiting for it fails as a Ray call to a dead actor
+        does."""
         if answer is None:
-            for tag, future in list(self._pending_calls.values()):
+            rank = who.split(":")[0]  # the rank's name without the incarnation's tag
+            for tag, _, _, future in list(self._pending_calls.values()):
                 if tag == who and not future.done():
-                    future.set_exception(RankConnectionLost(f"{who}: its reply connection closed"))
+                    future.set_exception(
+                        RankConnectionLost(f"{rank}: its connection to the driver closed before it answered")
+                    )
             return
-        tag, future = self._pending_calls.get(answer.call_id, (None, None))
-        if tag != who or future is None or future.done():
-            return
+        pending = self._pending_calls.get(answer.call_id)
+        if pending is None or pending[:3] != (who, answer.kind, answer.handoff_id) or pending[3].done():
+            return  # not a call sent to that rank (or not this call's kind and handoff), or given up on
+        future = pending[3]
         if isinstance(answer.outcome, BaseException):
             future.set_exception(answer.outcome)
         else:

@@ -121,7 +121,7 @@ class ClusterWiring:
             except Exception as e:  # noqa: BLE001 - the Ray calls still carry every result and event
                 logger.warning("%s could not connect to the driver's reply socket: %s", what, e)
         # The rank returns once its hello is sent; the listener thread takes it a moment later. Until then a
-        # bind or a reserve goes by Ray (correct, only slower): wait, so that the ranks take theirs here from
+        # bind or a call goes by Ray (correct, only slower): wait, so that the ranks take theirs here from
         # now on.
         deadline_s = time.monotonic() + timeout_s
         waiting = [who for who, name in tags.items() if name in connected]
@@ -131,7 +131,7 @@ class ClusterWiring:
                 time.sleep(0.005)
         for who in waiting:
             logger.warning(
-                "%s: reply connection not registered in %g s (binds / reserves go by Ray)", who, timeout_s
+                "%s: reply connection not registered in %g s (binds and calls go by Ray)", who, timeout_s
             )
 
     def _rendezvous(self, ray, spec_index: int) -> tuple[str, int]:

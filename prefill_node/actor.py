@@ -288,8 +288,21 @@ class PrefillNode(RankActor):
             }
 
     def close(self) -> None:
+        """Stop the engine thread, then fail every job still waiting (their `prefill` calls raise at once
+        instead of waiting out their timeouts), close the reply connection and the senders."""
         self._jobs.put(("stop", None))
         self._stop_engine_thread()
+        waiting = list(self._active.values())
+        while True:
+            try:
+                kind, arg = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                waiting.append(arg)
+        for job in waiting:
+            job.error = f"{self.name} is closing"
+            job.done.set()
         if self._reply_pusher is not None:
             self._reply_pusher.close()
         self._close_call_threads()

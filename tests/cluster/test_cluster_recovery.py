@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -142,6 +143,27 @@ def test_a_crashed_prefill_is_restarted_and_takes_its_binds_on_its_new_connectio
     assert _generate(cluster, "after-prefill-crash") == expected_tokens
     assert cluster._num_binds_pushed == binds_before + 1
     assert cluster._num_calls_pushed["prefill"] == prefills_before + 1
+    assert_nothing_held(cluster)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_live_rank_whose_reply_connection_closed_is_connected_again(cluster, expected_tokens, role) -> None:
+    """The driver drops a live rank's connection to its reply socket (as after a broken channel): the
+    health monitor sees at its next probe that the rank's tag is no longer registered and connects the same
+    process again under a new tag, so the next request's calls go on the socket again, not by Ray; the
+    same greedy tokens come out and the instance never left routing."""
+    tags = cluster._prefill_push_tags if role == "prefill" else cluster._decode_tag_of
+    listener, tag_before = cluster._reply_listener, tags[RankRef(0, 0)]
+    pid = _pid(cluster, role)
+    listener._registered[tag_before].sock.shutdown(socket.SHUT_RDWR)  # the listener drops it
+    deadline_s = time.monotonic() + PROBE_INTERVAL_S + 2 * call_bound_s(cluster)
+    while not listener.is_registered(tags[RankRef(0, 0)]) or tags[RankRef(0, 0)] == tag_before:
+        assert time.monotonic() < deadline_s, "not connected again within a probe interval and a call bound"
+        time.sleep(0.05)
+    assert _pid(cluster, role) == pid and cluster.health()[f"{role}-0"]["state"] == "healthy"
+    calls_before = dict(cluster._num_calls_pushed)
+    assert _generate(cluster, f"after-{role}-reconnect") == expected_tokens
+    assert cluster._num_calls_pushed == {k: v + 1 for k, v in calls_before.items()}
     assert_nothing_held(cluster)
 
 

@@ -23,6 +23,7 @@ from orchestrator.messages import (
     TokenDelta,
 )
 from orchestrator.reply_channel import ReplyListener
+from orchestrator.reply_records import RankCall
 from prefill_node.thread_clock import run_delay_s
 from tests.cluster.test_cluster import _topology
 
@@ -584,6 +585,44 @@ def _pushed_until_finished(got: queue.Queue, handoff_id: str) -> list:
 def _run(prefill, decode, handoff_id: str) -> None:
     reserved = decode.reserve(ReserveRequest(handoff_id, PROMPT, GREEDY, _meta(prefill, handoff_id), 1))
     prefill.prefill(PrefillRequest(handoff_id, PROMPT, GREEDY, reserved.bound_meta, 0))
+
+
+class _Answers:
+    """A reply connection as `RankActor._serve_call` answers on it: keeps each answer; `reachable` False:
+    the driver cannot be reached (every answer fails)."""
+
+    def __init__(self, reachable: bool = True) -> None:
+        self.reachable = reachable
+        self.got: list = []
+
+    def push_answer(self, call, outcome, wait_s: float) -> bool:
+        self.got.append((call.call_id, outcome))
+        return self.reachable
+
+
+def test_calls_sent_on_the_reply_connection_are_served_and_answered_as_ray_calls_are(nodes) -> None:
+    """`RankActor._serve_call`, as a call the driver sent on a rank's reply connection runs: a reserve is
+    answered with its bound meta and a prefill with its result (the handoff then completes as with Ray
+    calls); a call of the wrong role is answered with a ValueError; a reserve whose answer cannot reach the
+    driver is released on the rank at once (nobody else knows of it)."""
+    prefill, decode = nodes
+    answers = _Answers()
+    decode._serve_call(RankCall(1, ReserveRequest("c1", PROMPT, GREEDY, _meta(prefill, "c1"), 1)), answers)
+    ((call_id, reserved),) = answers.got
+    assert call_id == 1 and reserved.reserved and reserved.bound_meta.secret
+    prefill._serve_call(RankCall(2, PrefillRequest("c1", PROMPT, GREEDY, reserved.bound_meta, 0)), answers)
+    assert answers.got[1][0] == 2 and isinstance(answers.got[1][1], PrefillResult)
+    events, _ = _events_until(decode, "c1", lambda e: isinstance(e, RequestError) or e.finished)
+    assert sum(len(e.new_token_ids) for e in events) == GREEDY.max_tokens, events
+    prefill._serve_call(RankCall(3, ReserveRequest("c2", PROMPT, GREEDY, _meta(prefill, "c2"), 1)), answers)
+    assert answers.got[2][0] == 3 and isinstance(answers.got[2][1], ValueError)
+    _assert_idle(prefill, decode)
+
+    lost = _Answers(reachable=False)
+    decode._serve_call(RankCall(4, ReserveRequest("c3", PROMPT, GREEDY, _meta(prefill, "c3"), 1)), lost)
+    ((_, reserved),) = lost.got
+    assert reserved.reserved  # it did reserve, then released it when the answer failed
+    _assert_idle(prefill, decode)
 
 
 def test_events_are_pushed_in_sequence_and_the_poll_returns_early_only_for_the_rest(nodes) -> None:

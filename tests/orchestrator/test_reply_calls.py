@@ -318,7 +318,8 @@ def _answer(driver, index: int, outcome) -> CallAnswer:
 
 def test_the_driver_takes_an_answer_only_for_the_call_and_rank_it_answers() -> None:
     """An answer settles the call of its id sent to the rank that answers; one from another rank, for an
-    unknown id, or for an earlier send of the same handoff (a late answer) settles nothing."""
+    unknown id, with another kind or handoff than that call's, or for an earlier send of the same handoff
+    (a late answer) settles nothing."""
 
     async def run() -> None:
         driver = _driver()
@@ -331,6 +332,9 @@ def test_the_driver_takes_an_answer_only_for_the_call_and_rank_it_answers() -> N
         driver._on_answer("decode-0:t", _answer(driver, 0, ReserveResult(BOUND, LOAD)))  # the late one
         driver._on_answer("decode-0:old", _answer(driver, 1, ReserveResult(None, LOAD)))  # another rank
         driver._on_answer("decode-0:t", CallAnswer(99, "rsv", "r@0", ReserveResult(None, LOAD)))  # unknown
+        call_id = driver.sent[1].call_id
+        driver._on_answer("decode-0:t", CallAnswer(call_id, "pf", "r@0", RESULT))  # not that call's kind
+        driver._on_answer("decode-0:t", CallAnswer(call_id, "rsv", "q@0", ReserveResult(None, LOAD)))
         await asyncio.sleep(0)
         assert not call.done() and not prefill_call.done()
         driver._on_answer("decode-0:t", _answer(driver, 1, ReserveResult(None, LOAD)))
@@ -349,7 +353,7 @@ def test_the_driver_takes_an_answer_only_for_the_call_and_rank_it_answers() -> N
         await asyncio.sleep(0)
         assert not call.done()
         driver._on_answer("decode-0:t", None)
-        with pytest.raises(RankConnectionLost, match="decode-0:t"):
+        with pytest.raises(RankConnectionLost, match="^decode-0: its connection to the driver closed"):
             await call
         assert driver._pending_calls == {}
 
