@@ -18,6 +18,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.base import HandoffMeta
 from kvtransfer.shm_transport.channel import single_packet
 from orchestrator.messages import DecodeNodeLoad, PrefillRequest, PrefillResult, ReserveRequest, ReserveResult
+from orchestrator.rank_calls import RankConnectionLost
 from orchestrator.reply_channel import ReplyListener
 from orchestrator.reply_pusher import ReplyPusher
 from orchestrator.reply_records import (
@@ -29,7 +30,7 @@ from orchestrator.reply_records import (
     call_from_record,
     call_to_record,
 )
-from orchestrator.routing import RankConnectionLost, RouteAndReserve
+from orchestrator.routing import RouteAndReserve
 
 WAIT_S = 10.0  # a bound on one record crossing a local socket and a thread hop on a loaded machine
 SECRET = b"k" * 32
