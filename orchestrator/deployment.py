@@ -393,6 +393,13 @@ class ClusterDeployment(ClusterWiring):
                 closes.append(actor.close.remote())
         with contextlib.suppress(Exception):
             ray.wait(closes, num_returns=len(closes), timeout=15)
+        # A SIGTERM to the whole process group reaches the GCS as it reaches this process; under load the
+        # GCS may still accept connections when `_teardown` looked and be gone by now (the closes above then
+        # waited their whole bound). Look again: `ray.kill` and `remove_placement_group` would block until
+        # Ray's core worker gave up on the GCS (60 s) and ended this process with exit code 1.
+        if self._started_ray_head and not gcs_reachable():
+            logger.warning("Ray's GCS went away during the teardown: nothing of Ray's left to stop")
+            return
         for actor in self._actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
