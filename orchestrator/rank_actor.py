@@ -168,8 +168,8 @@ class RankActor:
             logger.exception("%s: answering %s failed", self.name, request.handoff_id)
 
     def _close_call_threads(self) -> None:
-        """At close (after the reply connection's reader has stopped): no call runs from now on; those not
-        started are dropped (their connection goes with this rank, which fails them on the driver)."""
+        """At close (after the reply connection's reader has stopped): no new call starts from now on; those
+        queued are dropped (their connection goes with this rank, which fails them on the driver)."""
         with self._calls_lock:
             self._calls_closed = True
             threads, self._call_threads = self._call_threads, None
