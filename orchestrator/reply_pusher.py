@@ -28,6 +28,7 @@ from orchestrator.reply_records import (
     answer_to_record,
     bind_from_record,
     call_from_record,
+    error_answer_record,
     events_to_record,
     handoff_tag,
     result_to_record,
@@ -143,9 +144,13 @@ class ReplyPusher:
         """Mark the connection broken and shut it down (both ways; the descriptor stays open until `close`,
         so no other thread's call on it can reach a socket that reused its number)."""
         with self._lock:
-            self._broken = True
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
+            self._mark_broken()
+
+    def _mark_broken(self) -> None:
+        """(Lock held.) No more pushes; the socket shut down both ways (closed at `close`)."""
+        self._broken = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
 
     def push(self, handoff_id: str, secret: bytes, result: PrefillResult) -> None:
         """Push `result` of handoff `handoff_id` (whose bound meta carries `secret`: `handoff_tag`)."""
@@ -170,31 +175,28 @@ class ReplyPusher:
         the driver fails that request at once instead of waiting out its bound."""
         call_id, handoff_id = record.get("id"), record.get("rid")
         if isinstance(call_id, int) and isinstance(handoff_id, str):
-            message = f"the rank could not read the call: {error}"
-            answer = {"k": "ans", "id": call_id, "c": record["k"], "rid": handoff_id}
-            self._send({**answer, "err": ["RuntimeError", message]})
+            raised = RuntimeError(f"the rank could not read the call: {error}")
+            self._send(error_answer_record(call_id, record["k"], handoff_id, raised))
 
     def _break(self, e: BaseException) -> None:
         """(Lock held.) The channel failed: no more pushes; shut down (closed at `close`: the reader may be
         in it)."""
         logger.warning("reply channel to the driver failed (Ray calls only now): %r", e)
-        self._broken = True
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
+        self._mark_broken()
 
     def _send(self, record: dict[str, Any], wait_s: float = 0.0) -> bool:
         """Send `record` without blocking; while the driver's socket buffer is full, wait for room up to
         `wait_s` seconds (outside the lock). True: sent; False: not (no room in time, over one packet, or
         the channel broke: after that nothing more is sent)."""
+        packet = single_packet(record)  # encoded once, outside the lock
+        if packet is None:  # over one packet (a result: never; a pass's events: very long texts)
+            return False
         deadline_s = time.monotonic() + wait_s
         while True:
             with self._lock:
                 if self._broken:
                     return False
                 try:
-                    packet = single_packet(record)
-                    if packet is None:  # over one packet (a result: never; a pass's events: very long texts)
-                        return False
                     self._sock.send(packet)  # a sequenced packet goes whole or not at all
                     return True
                 except BlockingIOError:  # the driver's socket buffer is full

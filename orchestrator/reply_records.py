@@ -337,14 +337,26 @@ def answer_to_record(
     `ReserveResult` (the bound meta, its secret included, or none: no room; and the rank's load), a
     prefill's `PrefillResult`, or the error the call raised as `[class name, message]`."""
     kind, handoff_id = call_kind(call.request), call.request.handoff_id
-    record: dict[str, Any] = {"k": "ans", "id": call.call_id, "c": kind, "rid": handoff_id}
     if isinstance(outcome, BaseException):
-        return {**record, "err": [type(outcome).__name__, str(outcome)]}
+        return error_answer_record(call.call_id, kind, handoff_id, outcome)
+    record: dict[str, Any] = {"k": "ans", "id": call.call_id, "c": kind, "rid": handoff_id}
     if isinstance(outcome, PrefillResult):
         return {**record, "ok": dataclasses.asdict(outcome)}
     bound = None if outcome.bound_meta is None else meta_to_dict(outcome.bound_meta)
     load = None if outcome.load is None else dataclasses.asdict(outcome.load)
     return {**record, "ok": {"m": bound, "l": load}}
+
+
+def error_answer_record(call_id: int, kind: str, handoff_id: str, error: BaseException) -> dict[str, Any]:
+    """The `ans` record of a call (id, record kind, handoff id) that raised `error`: `[class name, message]`
+    (also for a call the rank could not read, whose request is unknown)."""
+    return {
+        "k": "ans",
+        "id": call_id,
+        "c": kind,
+        "rid": handoff_id,
+        "err": [type(error).__name__, str(error)],
+    }
 
 
 def call_kind(call: ReserveRequest | PrefillRequest) -> str:
