@@ -263,13 +263,14 @@ class InstanceMonitor:
 
     def _reply_channel_lost(self, role: str, index: int) -> bool:
         """Whether a rank of instance (`role`, `index`) had a connection to the driver's reply socket (one
-        host) that is no longer registered there."""
+        host) that closed since. A rank that never connected under its tag (it could not, at deploy or at a
+        reconnect) is not asked again at every probe: it keeps its Ray calls."""
         listener = self._reply_listener
         if listener is None or listener.closed:
             return False
         tags = self._prefill_push_tags if role == "prefill" else self._decode_tag_of
         ranks = [RankRef(index, r) for r in range(self.instances[role][index].num_ranks)]
-        return any(ref in tags and not listener.is_registered(tags[ref]) for ref in ranks)
+        return any(ref in tags and listener.dropped(tags[ref]) for ref in ranks)
 
     def _rewire(self, ray, role: str, index: int, restarted: bool) -> None:
         """gRPC, shm and shm+grpc only (restarts are off for torch.distributed and for multi-rank instances,

@@ -158,6 +158,7 @@ class ReplyListener:
         self._closed = threading.Event()
         self._refusals = LogThrottle(REFUSAL_LOG_INTERVAL_S)
         self._registered: dict[str, _Peer] = {}  # tag -> the authenticated connection binds/calls go to
+        self._ever_registered: set[str] = set()  # every tag that was registered once (`dropped`)
         self._socks_lock = threading.Lock()  # guards _registered (the listener thread and the senders)
         self._thread = threading.Thread(target=self._run, name="prefill-replies", daemon=True)
         self._thread.start()
@@ -200,6 +201,11 @@ class ReplyListener:
             except Exception:  # noqa: BLE001 - BlockingIOError (full), the rank gone (the listener drops it)
                 return False
         return True
+
+    def dropped(self, who: str) -> bool:
+        """Whether the connection under tag `who` was registered once and is not any more (it closed)."""
+        with self._socks_lock:
+            return who in self._ever_registered and who not in self._registered
 
     def is_registered(self, who: str) -> bool:
         """Whether the connection binds (a prefill rank) or calls go to under tag `who` has presented the
@@ -330,6 +336,7 @@ class ReplyListener:
                 with self._socks_lock:
                     if who not in self._registered:
                         self._registered[who] = peer
+                        self._ever_registered.add(who)
                         peer.registered = True
             return
         self._refused("no secret")

@@ -217,6 +217,9 @@ def test_a_call_reaches_its_rank_only_and_its_answer_comes_back_under_its_tag(ca
         assert answers.get(timeout=WAIT_S) == ("decode-0:a", None)
         assert answers.empty() and taken.empty()
         assert not listener.is_registered("decode-0:a")  # the second connection does not inherit the tag
+        assert listener.dropped("decode-0:a")  # (the health monitor connects such a rank again)
+        assert not listener.dropped("prefill-0:c")  # still open
+        assert not listener.dropped("decode-1:b") and not listener.dropped("nobody")  # never registered
     finally:
         for p in pushers:
             p.close()
