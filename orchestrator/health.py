@@ -74,6 +74,16 @@ def after_failure(health: InstanceHealth, outcome: ProbeOutcome, reason: str, no
     return dataclasses.replace(health, state=state, reason=reason, since_s=now_s)
 
 
+def is_stale(health: InstanceHealth, issued_at_s: float | None) -> bool:
+    """Whether the failure of a call issued at `issued_at_s` (time.monotonic(); None: unknown, never stale)
+    is older than what `health` knows: the instance is HEALTHY since after that call went out, so it
+    answered a probe later than the call was sent (it rejoined after a stall or a restart). Its timeout
+    then says the reply came late (the rank worked through a backlog after a stall, or the driver's event
+    loop ran the timeout late), not that the instance is unresponsive now: a fault that persists fails the
+    next call, issued after the rejoin, which is not stale."""
+    return issued_at_s is not None and health.state is Health.HEALTHY and issued_at_s < health.since_s
+
+
 def after_answer(health: InstanceHealth, pid: int, now_s: float) -> tuple[InstanceHealth, bool]:
     """The health after the instance answered a call from process `pid`, and whether it must be rewired
     first (True when `pid` is a new incarnation of an instance seen before: Ray restarted the actor, so

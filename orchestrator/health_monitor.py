@@ -21,7 +21,7 @@ from orchestrator.actor_errors import describe_error
 from orchestrator.backend import BackendUnavailable
 from orchestrator.deployment import advertised_address
 from orchestrator.dispatch import PrefillFailed
-from orchestrator.health import InstanceHealth, ProbeOutcome, after_answer, after_failure
+from orchestrator.health import InstanceHealth, ProbeOutcome, after_answer, after_failure, is_stale
 from orchestrator.instance import Instance, check_instance_group
 from orchestrator.messages import DecodeLost, DecodeNodeLoad, PrefillNodeLoad
 from orchestrator.request_state import Attempt
@@ -162,15 +162,29 @@ class InstanceMonitor:
             return ProbeOutcome.TIMED_OUT
         return ProbeOutcome.DIED
 
-    def _mark_failed(self, role: str, index: int, exc: BaseException, call: str) -> None:
+    def _mark_failed(
+        self, role: str, index: int, exc: BaseException, call: str, issued_at_s: float | None = None
+    ) -> None:
         """A call `call` on instance (`role`, `index`) timed out or raised an actor error: take it out of
-        routing (unresponsive or dead) and, for decode, fail its in-flight requests. Idempotent."""
+        routing (unresponsive or dead) and, for decode, fail its in-flight requests. Idempotent. A call
+        issued (`issued_at_s`, time.monotonic()) before the instance last rejoined routing changes nothing
+        (`health.is_stale`): logged, ignored."""
         if self._outcome(exc) is ProbeOutcome.TIMED_OUT:
             reason = f"{call}: no answer within {self.call_timeout_s:g} s"
         else:
             reason = f"{call}: {describe_error(exc)}"
         with self._health_lock:
             before = self._health[role][index]
+            if is_stale(before, issued_at_s):
+                assert issued_at_s is not None
+                logger.warning(
+                    "%s-%d: ignored a failed call (%s) sent %.2f s before the instance rejoined routing",
+                    role,
+                    index,
+                    reason,
+                    before.since_s - issued_at_s,
+                )
+                return
             after = after_failure(before, self._outcome(exc), reason, time.monotonic())
             self._set_health(role, index, after)
         if role == "decode":

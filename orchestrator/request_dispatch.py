@@ -288,7 +288,7 @@ class RequestDispatch:
             attempt.prefill_reported = True
             failed = PrefillFailed(describe_error(exc))
             if self._is_lost(exc):
-                self._mark_failed("prefill", attempt.prefill_index, exc, "prefill")
+                self._mark_failed("prefill", attempt.prefill_index, exc, "prefill", attempt.prefill_sent_s)
             return [failed]
         events: list[Event] = []
         if prefill_task.done() and prefill_task.exception() is None and not attempt.prefill_reported:
@@ -391,6 +391,7 @@ class RequestDispatch:
             if not instance.routable:
                 await asyncio.sleep(PROBE_INTERVAL_S / 4)
                 continue
+            sent_s = time.monotonic()
             try:
                 reply: PollReply = await self._call(
                     instance.ranks[rank].poll_with_load.remote(POLL_WAIT_S, acked[rank]),
@@ -399,7 +400,7 @@ class RequestDispatch:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - a dead or stuck decode rank fails its instance
-                self._mark_failed("decode", decode_index, e, f"poll of rank {rank}")
+                self._mark_failed("decode", decode_index, e, f"poll of rank {rank}", sent_s)
                 continue
             ref = RankRef(decode_index, rank)
             if instance.routable:  # (a reply that raced the instance leaving routing is stale)

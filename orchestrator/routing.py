@@ -237,7 +237,7 @@ class RouteAndReserve(RankCalls):
         call = self._push_call(self._prefill_push_tags.get(attempt.prefill), request, timeout_s)
         if call is None:
             call = asyncio.ensure_future(self._call(prefill.prefill.remote(request), timeout_s))
-        attempt.prefill_call = call
+        attempt.prefill_call, attempt.prefill_sent_s = call, time.monotonic()
         rank, num_tokens = attempt.prefill, len(prompt_token_ids)
         self._loads.prefill_started(rank, num_tokens)
         call.add_done_callback(lambda _: self._loads.prefill_ended(rank, num_tokens))
@@ -273,13 +273,14 @@ class RouteAndReserve(RankCalls):
             return loads
 
         targets = [d for d in decodes if d.index in missing]
+        sent_s = time.monotonic()
         results = await asyncio.gather(*[ranks(d) for d in targets], return_exceptions=True)
         lost = False
         for instance, r in zip(targets, results, strict=True):
             if isinstance(r, BaseException):
                 if not self._is_lost(r):
                     raise r
-                self._mark_failed(instance.role, instance.index, r, "load")
+                self._mark_failed(instance.role, instance.index, r, "load", sent_s)
                 lost = True
                 continue
             for rank, load in enumerate(r):
@@ -302,6 +303,7 @@ class RouteAndReserve(RankCalls):
         )
         decode = self.instances["decode"][attempt.decode_index].ranks[attempt.decode.rank]
         self._loads.reserve_sent(attempt.decode)
+        sent_s = time.monotonic()
         reserve_call = self._push_call(self._decode_tag_of.get(attempt.decode), reserve, self.call_timeout_s)
         if reserve_call is None:
             reserve_call = asyncio.ensure_future(self._call(decode.reserve.remote(reserve)))
@@ -324,7 +326,7 @@ class RouteAndReserve(RankCalls):
             if not self._is_lost(e):
                 raise
             self._release(attempt)  # a reservation that did go through after the timeout
-            self._mark_failed("decode", attempt.decode_index, e, "reserve")
+            self._mark_failed("decode", attempt.decode_index, e, "reserve", sent_s)
             return ReserveOutcome.INSTANCE_LOST, None
         finally:
             self._loads.reserve_answered(attempt.decode, None if answered is None else answered.load)

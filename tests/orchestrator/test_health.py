@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.health import Health, InstanceHealth, ProbeOutcome, after_answer, after_failure
+from orchestrator.health import Health, InstanceHealth, ProbeOutcome, after_answer, after_failure, is_stale
 
 
 def test_a_timeout_makes_an_instance_unresponsive_and_an_answer_from_the_same_process_brings_it_back():
@@ -45,6 +45,40 @@ def test_stalled_then_died_is_dead_and_a_healthy_instance_seen_from_a_new_proces
 def test_after_failure_refuses_an_answer():
     with pytest.raises(ValueError, match="after_answer"):
         after_failure(InstanceHealth(), ProbeOutcome.ANSWERED, "", now_s=0.0)
+
+
+def test_a_failure_of_a_call_sent_before_the_instance_rejoined_is_stale():
+    rejoined = InstanceHealth(Health.HEALTHY, "", since_s=30.0, pid=41)
+    assert is_stale(rejoined, issued_at_s=29.9)  # sent before the probe that brought it back answered
+    assert not is_stale(rejoined, issued_at_s=30.1)
+    assert not is_stale(rejoined, issued_at_s=None)  # unknown: applied
+    stalled = InstanceHealth(Health.UNRESPONSIVE, "probe", since_s=30.0, pid=41)
+    assert not is_stale(stalled, issued_at_s=29.9)  # out of routing already: nothing to keep
+
+
+def test_the_monitor_ignores_a_stale_failure_and_applies_the_next_one(caplog):
+    """`_mark_failed` with the send time: a timeout of a call sent before the rejoin leaves the instance in
+    routing with its loads and requests; the same timeout of a call sent after it takes it out."""
+    pytest.importorskip("ray")
+    import threading
+    from types import SimpleNamespace
+
+    from orchestrator.health_monitor import InstanceMonitor
+
+    monitor = object.__new__(InstanceMonitor)
+    decode = SimpleNamespace(health=InstanceHealth(Health.HEALTHY, "", since_s=30.0, pid=41))
+    monitor.instances = {"prefill": [], "decode": [decode]}
+    monitor._health_lock, monitor.call_timeout_s, done = threading.Lock(), 3.0, []
+    monitor._loads = SimpleNamespace(forget_decode=lambda index: done.append(("forget loads", index)))
+    monitor._fail_attempts = lambda role, index: done.append(("fail attempts", role, index))
+    with caplog.at_level("WARNING", logger="orchestrator.cluster"):
+        monitor._mark_failed("decode", 0, TimeoutError(), "poll of rank 0", issued_at_s=27.0)
+    assert decode.health.routable and done == []
+    assert "ignored a failed call (poll of rank 0: no answer within 3 s) sent 3.00 s before" in caplog.text
+    monitor._mark_failed("decode", 0, TimeoutError(), "poll of rank 0", issued_at_s=31.0)
+    assert decode.health.state is Health.UNRESPONSIVE
+    assert decode.health.reason == "poll of rank 0: no answer within 3 s"
+    assert done == [("forget loads", 0), ("fail attempts", "decode", 0)]
 
 
 def test_errors_for_clients_carry_no_ray_internals():
