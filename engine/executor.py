@@ -56,6 +56,7 @@ passes (no request to draft for, or fewer drafts) adds empty passes at the depth
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -73,6 +74,9 @@ from engine.outputs import (
 )
 from engine.sampler import sample_isolated, token_logprobs
 from engine.spec_policy import DEFAULT_DECAY, choose_num_speculative_tokens, decay_counts
+
+# `Executor.run`'s `on_sampled`: request id -> the tokens one step sampled for it, before its drafts.
+SampledCallback = Callable[[dict[str, list[int]]], None]
 
 
 class PreparedStep(NamedTuple):
@@ -247,12 +251,13 @@ class Executor:
         output: SchedulerOutput,
         on_layer_kv: LayerKVCallback | None = None,
         join_collectives: bool = False,
+        on_sampled: SampledCallback | None = None,
     ) -> ModelRunnerOutput:
         """Run one step (`prepare` then `run`). Requests whose `samples` is False (mid-prefill) get no
         tokens."""
         prepared = self.prepare(output)
-        if join_collectives:  # (one device: the plain call, as the async loop and its tests make it)
-            return self.run(output, prepared, on_layer_kv, join_collectives=True)
+        if join_collectives or on_sampled is not None:  # (else the plain call the async loop makes)
+            return self.run(output, prepared, on_layer_kv, join_collectives, on_sampled)
         return self.run(output, prepared, on_layer_kv)
 
     def run(
@@ -261,10 +266,13 @@ class Executor:
         prepared: PreparedStep,
         on_layer_kv: LayerKVCallback | None = None,
         join_collectives: bool = False,
+        on_sampled: SampledCallback | None = None,
     ) -> ModelRunnerOutput:
         """Execute a prepared step: drop state of finished/preempted requests, resolve placeholders from
         the previous step's results, forward, sample or verify, propose drafts. `join_collectives`: make
-        every model pass of an EP step even without work (see the module docstring).
+        every model pass of an EP step even without work (see the module docstring). `on_sampled(sampled)`
+        (request id -> the tokens this step sampled for it, the requests whose sampling failed left out)
+        runs right after sampling, before the drafts are proposed; it must not raise.
 
         Raises:
             RuntimeError: placeholders of a request the previous step sampled nothing for.
@@ -295,6 +303,8 @@ class Executor:
                 params = params.take(np.asarray(sampling, dtype=np.int64))
             sampled, failed = self.sample(items, logits, params)
             logprobs = token_logprobs(items, logits, sampled)
+            if on_sampled is not None:
+                on_sampled({rid: tokens for rid, tokens in sampled.items() if rid not in failed})
 
         if self.adaptive_min_accept_prob is not None and self.max_num_speculative_tokens:
             self._adapt_num_speculative_tokens(

@@ -352,6 +352,7 @@ class LLMEngine:
         on_layer_kv: LayerKVCallback | None = None,
         on_prompt_kv: PromptKVCallback | None = None,
         while_executing: Callable[[], AbstractContextManager[Any]] | None = None,
+        on_first_token: Callable[[str, int], None] | None = None,
     ) -> list[RequestOutput]:
         """Run one step; returns outputs of the requests that produced tokens or finished.
 
@@ -363,6 +364,11 @@ class LLMEngine:
         request whose last prompt chunk runs in this step, called right after each layer's KV is written,
         main layers then the MTP layer, with the whole prompt's KV of that layer (read back from the paged
         cache, so earlier chunks and prefix-cache hits are included).
+
+        `on_first_token(request_id, token_id)` (synchronous loop only): for each prefill-only request whose
+        first token this step sampled, called as soon as it is sampled, before the MTP drafts are proposed
+        (and before the MTP layer's `on_prompt_kv`), so that the token can be streamed before the handoff is
+        finished; it must not raise. The token is the one `pop_prefill_result` reports.
 
         A request whose own sampling or drafting raised comes back finished with finish_reason "error".
 
@@ -377,19 +383,30 @@ class LLMEngine:
                 finished with an error (in `EngineStepError.outputs`), the others go on. With
                 `async_scheduling` such an exception propagates unchanged.
         """
-        if on_prompt_kv is not None and self._async_loop is not None:
-            raise ValueError("on_prompt_kv needs the synchronous loop (async_scheduling=False)")
+        if (on_prompt_kv is not None or on_first_token is not None) and self._async_loop is not None:
+            raise ValueError("on_prompt_kv and on_first_token need the synchronous loop (no async loop)")
         if self._async_loop is None:
             output = self.scheduler.schedule()
             exporting = [item for item in output.scheduled if item.samples and item.request.export_kv]
             hook = on_layer_kv
             if exporting and on_prompt_kv is not None:
                 hook = prompt_kv_hook(self.runner, exporting, on_layer_kv, on_prompt_kv)
+            on_sampled = None
+            if exporting and on_first_token is not None:
+                first_token_ids = {item.request_id for item in exporting}
+
+                def on_sampled(sampled: dict[str, list[int]]) -> None:
+                    for request_id, tokens in sampled.items():
+                        if request_id in first_token_ids and tokens:
+                            on_first_token(request_id, tokens[-1])
+
             try:
                 k = self.executor.max_num_speculative_tokens
                 lockstep = self.ep is not None and self.ep.begin_step(bool(output.scheduled), k)
                 with while_executing() if while_executing is not None else contextlib.nullcontext():
-                    runner_output = self.executor.execute(output, hook, join_collectives=lockstep)
+                    runner_output = self.executor.execute(
+                        output, hook, join_collectives=lockstep, on_sampled=on_sampled
+                    )
             except Exception as e:  # noqa: BLE001 - fail the requests this step ran, not the engine
                 raise self._step_failed(output, e) from e
             if self.ep is not None:

@@ -247,6 +247,7 @@ class ClusterDeployment(ClusterWiring):
         self._kv_transfer_seconds_total = 0.0
         self._num_prefill_replies_received = 0
         self._num_prefill_replies_pushed = 0
+        self._num_first_tokens_early = 0
         self._num_decode_events_pushed = 0
         self._num_binds_pushed = 0  # binds sent on a prefill rank's reply connection (routing)
         self._num_calls_pushed = {"reserve": 0, "prefill": 0}  # sent on a rank's reply connection (routing)

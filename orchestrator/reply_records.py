@@ -45,6 +45,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "last_layer_sent_s": (int, float, type(None)),
     "first_token_text": (str, type(None)),
     "cpu_wait_s": (int, float, type(None)),
+    "handoff_finished": (bool,),
 }
 
 
@@ -108,7 +109,7 @@ def _prefill_result(fields: dict[str, Any]) -> PrefillResult:
     if set(fields) != set(_FIELD_TYPES):
         raise ValueError(f"fields {sorted(fields)} are not {sorted(_FIELD_TYPES)}")
     for name, types in _FIELD_TYPES.items():
-        if not isinstance(fields[name], types) or isinstance(fields[name], bool):
+        if not isinstance(fields[name], types) or (isinstance(fields[name], bool) and bool not in types):
             raise ValueError(f"{name} is {type(fields[name]).__name__}")
     return PrefillResult(**fields)
 

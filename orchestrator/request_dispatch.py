@@ -87,6 +87,7 @@ class RequestDispatch:
     _loads: LoadBoard
     _num_prefill_replies_received: int  # results the reply socket brought (`_on_prefill_reply`)
     _num_prefill_replies_pushed: int  # of those, taken before the call's reply
+    _num_first_tokens_early: int  # of those, pushed as soon as sampled (`PrefillResult.handoff_finished`)
     _decode_push_tags: dict[str, RankRef]  # the current tag of each decode rank's reply connection
     _num_decode_events_pushed: int  # events handed over from the reply socket (`_on_decode_events`)
 
@@ -191,6 +192,9 @@ class RequestDispatch:
     # ---- one attempt ------------------------------------------------------------------------------------
     @staticmethod
     def _record_prefill_phases(record: RequestRecord, result: PrefillResult) -> None:
+        """The prefill phases of a finished result (an early one's end at its sampling: not recorded)."""
+        if not result.handoff_finished:
+            return
         record.phases = record.phases.merged(
             Phases(
                 queue_s=result.queue_s,
@@ -309,15 +313,25 @@ class RequestDispatch:
     def _on_prefill_reply(self, handoff_id: str, tag: str, result: PrefillResult) -> None:
         """A prefill rank pushed the result its call is about to return: it is the attempt's `PrefillDone`
         unless the call's reply came first (then this one is dropped), or it is not this attempt's (an
-        earlier request's, under a reused id: its tag is another reservation's)."""
+        earlier request's, under a reused id: its tag is another reservation's). An early result (its first
+        token, pushed as soon as it was sampled: `handoff_finished` False) is the attempt's `PrefillDone`
+        just the same, and streams the token; the finished result that follows it is queued too, for its
+        phases (`next_action` waits on it: the token is out)."""
         self._num_prefill_replies_received += 1
         attempt = self._by_handoff.get(handoff_id)
-        if attempt is None or attempt.prefill_reported or attempt.meta is None:
+        if attempt is None or attempt.meta is None:
             return
         if not hmac.compare_digest(tag.encode(), handoff_tag(attempt.meta.secret).encode()):
             return
+        if attempt.prefill_reported:
+            if attempt.first_token_early and result.handoff_finished:
+                attempt.first_token_early = False
+                attempt.events.put_nowait(PrefillDone(result))
+            return
         attempt.prefill_reported = True
+        attempt.first_token_early = not result.handoff_finished
         self._num_prefill_replies_pushed += 1
+        self._num_first_tokens_early += attempt.first_token_early
         attempt.events.put_nowait(PrefillDone(result))
 
     # ---- decode events pushed over the reply socket (`orchestrator.reply_channel`) -------------------------

@@ -32,6 +32,7 @@ class Attempt:
     meta: HandoffMeta | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     prefill_reported: bool = False  # its prefill call's result was taken (PrefillDone)
+    first_token_early: bool = False  # that result was an early one (handoff_finished False): one more comes
     prefill_call: asyncio.Future | None = None  # its prefill call, once sent
     prefill_sent_s: float | None = None  # time.monotonic() when it was sent
     decode_delta_seen: bool = False  # decode's first delta of this attempt was handled

@@ -370,7 +370,7 @@ class PrefillNode(RankActor):
         wait_before_s = run_delay_s()
         try:
             self._maybe_fault("step")
-            outputs = engine.step(on_prompt_kv=self._on_prompt_kv)
+            outputs = engine.step(on_prompt_kv=self._on_prompt_kv, on_first_token=self._on_first_token)
         except EngineStepError as e:  # the step's requests are finished with an error; others go on
             self._loop_error(e, "engine step failed")
             outputs = e.outputs
@@ -461,6 +461,35 @@ class PrefillNode(RankActor):
                 self._send_computed_layers(job)
         except Exception as e:  # noqa: BLE001 - fails this job after the step, not the step's others
             job.step_error = f"handing its KV to the sender failed: {e!r}"
+
+    def _on_first_token(self, request_id: str, token_id: int) -> None:
+        """The engine's first-token callback, inside the step, right after sampling: the token goes to the
+        driver now (a result with `handoff_finished` False on the reply connection), before the MTP drafts
+        are proposed and the handoff is finished, so the client has it that much sooner; the finished result
+        follows as before. Only when the driver could stream it (`early_first_token_text`), when the job is
+        bound (the push names its reservation) and when the client does not have a first token already.
+        Never raises: the finished result carries the token anyway."""
+        job = self._active.get(request_id)
+        pusher = self._reply_pusher
+        if job is None or pusher is None or job.meta is None or job.request.first_token_id is not None:
+            return
+        try:
+            text = early_first_token_text(self.engine.tokenizer, job.request.params, token_id)
+            request = self.engine.scheduler.get_request(request_id)
+            if text is None or request is None:
+                return
+            queue_s = request.queue_time_s or 0.0
+            early = PrefillResult(
+                first_token_id=token_id,
+                num_drafts=0,
+                queue_s=queue_s,
+                prefill_s=time.monotonic() - job.arrival_s - queue_s,
+                first_token_text=text,
+                handoff_finished=False,
+            )
+            pusher.push(request_id, job.meta.secret, early)
+        except Exception:  # noqa: BLE001 - an optimization: the finished result still comes
+            logger.exception("%s: pushing the first token of %s early failed", self.name, request_id)
 
     def _take_bind(self, handoff_id: str) -> PrefillBind | None:
         with self._lock:

@@ -53,19 +53,31 @@ def test_prefill_decode_handoff_matches_single_engine(model, k: int) -> None:
     decode = _engine(model, k)
     num_layers = model.config.num_hidden_layers + (1 if k else 0)
     received: dict[str, dict[int, object]] = {}
+    order: dict[str, list[object]] = {}  # per request: layer indices and ("first token", id), as called
+
+    def on_prompt_kv(rid, layer, kv, scale) -> None:
+        received.setdefault(rid, {})[layer] = kv
+        order.setdefault(rid, []).append(layer)
+
     for i, p in enumerate(prompts):
         prefill.add_request(p, params, request_id=str(i), prefill_only=True)
         assert decode.reserve_remote_prefill(str(i), p, params, num_draft_tokens=k)
     while prefill.has_unfinished_requests():
         prefill.step(
-            on_prompt_kv=lambda rid, layer, kv, scale: received.setdefault(rid, {}).update({layer: kv})
+            on_prompt_kv=on_prompt_kv,
+            on_first_token=lambda rid, token: order.setdefault(rid, []).append(("first token", token)),
         )
+    main_layers = list(range(model.config.num_hidden_layers))
     for rid in map(str, range(len(prompts))):
         assert sorted(received[rid]) == list(range(num_layers))
         for layer, kv in received[rid].items():
             decode.write_prompt_kv(rid, layer, kv)
         result = prefill.pop_prefill_result(rid)
         assert len(result.draft_token_ids) == k
+        # The first token is reported once, after the main layers' KV and before the MTP layer's (the
+        # drafts are proposed after it): the token prefill_result reports.
+        mtp_layers = list(range(len(main_layers), num_layers))
+        assert order[rid] == [*main_layers, ("first token", result.first_token_id), *mtp_layers]
         decode.admit_remote_prefill(rid, result.first_token_id, result.draft_token_ids, result.draft_probs)
     prefill.scheduler.block_manager.check_no_leaks()
     got = {}

@@ -5,6 +5,7 @@ acknowledgement, a handoff that never comes (its lease expires), and the shared 
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
 
@@ -675,5 +676,48 @@ def test_events_are_pushed_in_sequence_and_the_poll_returns_early_only_for_the_r
         if decode._pusher is not None:
             decode._pusher.close()
         decode._pusher = None
+        listener.close()
+    _assert_idle(prefill, decode)
+
+
+def test_a_prefill_pushes_its_first_token_as_soon_as_it_is_sampled_then_the_finished_result(nodes) -> None:
+    """With the reply channel connected, a bound prefill pushes its first token (a result with
+    `handoff_finished` False: no drafts, no last layer yet) before it pushes the finished result (same
+    token and text, its drafts and its phases); the call returns the finished one. A request whose first
+    token the client already has pushes no early one; nor does one whose text only decode may stream."""
+    prefill, decode = nodes
+    got: queue.Queue = queue.Queue()
+    listener = ReplyListener(lambda handoff_id, tag, result: got.put((handoff_id, result)))
+    try:
+        prefill.connect_reply_channel(listener.address, listener.secret, "prefill-0:early-test")
+        reserved = decode.reserve(ReserveRequest("e1", PROMPT, GREEDY, _meta(prefill, "e1"), 1))
+        returned = prefill.prefill(PrefillRequest("e1", PROMPT, GREEDY, reserved.bound_meta, 0))
+        early, finished = (got.get(timeout=EVENT_WAIT_S) for _ in range(2))
+        assert (early[0], finished[0]) == ("e1", "e1")
+        early, finished = early[1], finished[1]
+        assert not early.handoff_finished and finished.handoff_finished and finished == returned
+        assert (early.first_token_id, early.first_token_text) == (
+            finished.first_token_id,
+            finished.first_token_text,
+        )
+        assert early.num_drafts == 0 and finished.num_drafts == 1  # k = 1: its draft went with the finish
+        assert early.last_layer_sent_s is None and finished.last_layer_sent_s is not None
+        assert 0.0 <= early.prefill_s <= finished.prefill_s
+        _events_until(decode, "e1", lambda e: isinstance(e, RequestError) or e.finished)
+
+        reserved = decode.reserve(ReserveRequest("e2", PROMPT, GREEDY, _meta(prefill, "e2"), 1))
+        given = (finished.first_token_id + 1) % prefill.engine.model.config.vocab_size
+        prefill.prefill(PrefillRequest("e2", PROMPT, GREEDY, reserved.bound_meta, 0, first_token_id=given))
+        stopped = dataclasses.replace(GREEDY, stop=["never in the output"])
+        reserved = decode.reserve(ReserveRequest("e3", PROMPT, stopped, _meta(prefill, "e3"), 1))
+        prefill.prefill(PrefillRequest("e3", PROMPT, stopped, reserved.bound_meta, 0))
+        pushed = [got.get(timeout=EVENT_WAIT_S) for _ in range(2)]
+        assert [(rid, r.handoff_finished) for rid, r in pushed] == [("e2", True), ("e3", True)]
+        for handoff_id in ("e2", "e3"):
+            _events_until(decode, handoff_id, lambda e: isinstance(e, RequestError) or e.finished)
+    finally:
+        pusher, prefill._reply_pusher = prefill._reply_pusher, None
+        if pusher is not None:
+            pusher.close()
         listener.close()
     _assert_idle(prefill, decode)

@@ -127,11 +127,17 @@ def test_a_malformed_record_is_dropped_and_the_connection_goes_on(listener) -> N
         ({"r": {"first_token_id": 1}}, "are not"),
         ({"r": {**result_to_record("x", "t", RESULT)["r"], "num_drafts": True}}, "num_drafts is bool"),
         ({"r": {**result_to_record("x", "t", RESULT)["r"], "queue_s": "1"}}, "queue_s is str"),
+        ({"r": {**result_to_record("x", "t", RESULT)["r"], "handoff_finished": 0}}, "finished is int"),
     ],
 )
 def test_result_from_record_names_what_is_malformed(change, message) -> None:
     with pytest.raises(ValueError, match=message):
         result_from_record({**result_to_record("x", "t", RESULT), **change})
+
+
+def test_an_early_result_round_trips() -> None:
+    early = dataclasses.replace(RESULT, num_drafts=0, last_layer_sent_s=None, handoff_finished=False)
+    assert result_from_record(result_to_record("x@0", "t", early)) == ("x@0", "t", early)
 
 
 def test_a_push_to_a_listener_gone_never_raises(listener) -> None:
@@ -150,6 +156,7 @@ def _driver(*attempts: Attempt) -> SimpleNamespace:
         _by_handoff={a.handoff_id: a for a in attempts},
         _num_prefill_replies_received=0,
         _num_prefill_replies_pushed=0,
+        _num_first_tokens_early=0,
     )
 
 
@@ -179,6 +186,27 @@ def test_the_driver_takes_a_pushed_result_once_and_only_for_its_own_attempt() ->
     assert current.events.empty() and unbound.events.empty() and earlier.events.empty()
     assert not unbound.prefill_reported and not earlier.prefill_reported
     assert (driver._num_prefill_replies_received, driver._num_prefill_replies_pushed) == (5, 1)
+
+
+def test_an_early_first_token_is_the_attempts_prefill_done_and_the_finished_result_follows_it() -> None:
+    """A result pushed as soon as the first token was sampled (`handoff_finished` False) is the attempt's
+    PrefillDone (its token streams); the finished result after it is queued too (for its phases), once;
+    a second early one is dropped. Without an early one, the finished result is the PrefillDone alone."""
+    early = dataclasses.replace(RESULT, num_drafts=0, last_layer_sent_s=None, handoff_finished=False)
+    attempt, plain = _attempt("r@0", SECRET), _attempt("p@0", SECRET)
+    driver = _driver(attempt, plain)
+    on_reply = RequestDispatch._on_prefill_reply
+    on_reply(driver, "r@0", handoff_tag(SECRET), early)
+    assert attempt.prefill_reported and attempt.first_token_early and not _prefill_pending(attempt)
+    on_reply(driver, "r@0", handoff_tag(SECRET), early)  # dropped
+    on_reply(driver, "r@0", handoff_tag(SECRET), RESULT)
+    on_reply(driver, "r@0", handoff_tag(SECRET), RESULT)  # (the call's reply, or a repeat): dropped
+    assert [attempt.events.get_nowait() for _ in range(2)] == [PrefillDone(early), PrefillDone(RESULT)]
+    assert attempt.events.empty() and not attempt.first_token_early
+    on_reply(driver, "p@0", handoff_tag(SECRET), RESULT)
+    on_reply(driver, "p@0", handoff_tag(SECRET), RESULT)
+    assert plain.events.get_nowait() == PrefillDone(RESULT) and plain.events.empty()
+    assert (driver._num_prefill_replies_pushed, driver._num_first_tokens_early) == (2, 1)
 
 
 def test_refused_connections_are_logged_once_per_interval_not_once_each(listener, caplog) -> None:
