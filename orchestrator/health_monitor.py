@@ -84,6 +84,7 @@ class InstanceMonitor:
             if instance.routable
             for actor in instance.ranks
         ]
+        sent_s = time.monotonic()
         refs = [actor.load.remote() for _, _, actor in targets]
         ray.wait(refs, num_returns=len(refs), timeout=self.call_timeout_s)
         loads: dict[str, list[Any]] = {"prefill": [], "decode": []}
@@ -93,7 +94,7 @@ class InstanceMonitor:
                 check_instance_group([load])
                 loads[role].append(load)
             except Exception as e:  # noqa: BLE001 - GetTimeoutError, an actor error, a failed group
-                self._mark_failed(role, i, e, "load")
+                self._mark_failed(role, i, e, "load", sent_s)
         for role in ("prefill", "decode"):
             if not loads[role]:
                 raise BackendUnavailable(f"no live {role} instance ({self._health_summary(role)})")
@@ -166,16 +167,18 @@ class InstanceMonitor:
         self, role: str, index: int, exc: BaseException, call: str, issued_at_s: float | None = None
     ) -> None:
         """A call `call` on instance (`role`, `index`) timed out or raised an actor error: take it out of
-        routing (unresponsive or dead) and, for decode, fail its in-flight requests. Idempotent. A call
-        issued (`issued_at_s`, time.monotonic()) before the instance last rejoined routing changes nothing
-        (`health.is_stale`): logged, ignored."""
+        routing (unresponsive or dead) and, for decode, fail its in-flight requests. Idempotent. The
+        timeout of a call issued (`issued_at_s`, time.monotonic()) before the instance last rejoined routing
+        changes nothing (`health.is_stale`): logged, ignored."""
         if self._outcome(exc) is ProbeOutcome.TIMED_OUT:
             reason = f"{call}: no answer within {self.call_timeout_s:g} s"
         else:
             reason = f"{call}: {describe_error(exc)}"
         with self._health_lock:
             before = self._health[role][index]
-            if is_stale(before, issued_at_s):
+            # Only a timeout: an error saying the actor died may come from a process that died after the
+            # probe that brought it back answered.
+            if self._outcome(exc) is ProbeOutcome.TIMED_OUT and is_stale(before, issued_at_s):
                 assert issued_at_s is not None
                 logger.warning(
                     "%s-%d: ignored a failed call (%s) sent %.2f s before the instance rejoined routing",
@@ -360,8 +363,8 @@ class InstanceMonitor:
 
 
 def _prefill_pending(attempt: Attempt) -> bool:
-    """The attempt's prefill call was sent and neither returned nor pushed its result (a prefill lost after
-    that took nothing of the attempt with it: its KV was handed to the sender, decode reports the rest)."""
-    return (
-        attempt.prefill_call is not None and not attempt.prefill_call.done() and not attempt.prefill_reported
-    )
+    """The attempt's prefill call was sent and neither returned nor pushed its finished result (a prefill
+    lost after that took nothing of the attempt with it: its KV was handed to the sender, decode reports the
+    rest; after an early first token alone it is still pending: its MTP layer and finish are to come)."""
+    call, taken = attempt.prefill_call, attempt.prefill_reported and not attempt.first_token_early
+    return call is not None and not call.done() and not taken

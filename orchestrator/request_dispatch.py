@@ -270,8 +270,10 @@ class RequestDispatch:
         call returned meanwhile). A prefill instance found lost is marked so here."""
         getter = asyncio.ensure_future(attempt.events.get())
         # The prefill call is sent while decode reserves, so it may have ended (failed) before the first
-        # wait: it is waited on until its result was taken.
-        waits = {getter} if attempt.prefill_reported else {getter, prefill_task}
+        # wait: it is waited on until its finished result was taken (after an early first token its MTP
+        # layer and the handoff's finish are still to come, and may fail).
+        watched = not attempt.prefill_reported or attempt.first_token_early
+        waits = {getter, prefill_task} if watched else {getter}
         done, _ = await asyncio.wait(waits, timeout=self.event_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if record.aborted:
             getter.cancel()
@@ -283,20 +285,20 @@ class RequestDispatch:
             getter.cancel()
             exc = prefill_task.exception()
             if exc is None:
-                if attempt.prefill_reported:  # pushed in the same turn: its PrefillDone is in the queue
-                    return []
-                attempt.prefill_reported = True
+                if attempt.prefill_reported and not attempt.first_token_early:  # pushed in the same turn:
+                    return []  # its PrefillDone is in the queue
+                attempt.prefill_reported, attempt.first_token_early = True, False
                 return [PrefillDone(prefill_task.result())]
             if isinstance(exc, asyncio.TimeoutError):
                 exc = TimeoutError(f"no answer within {self.event_timeout_s:.0f} s")
-            attempt.prefill_reported = True
+            attempt.prefill_reported, attempt.first_token_early = True, False
             failed = PrefillFailed(describe_error(exc))
             if self._is_lost(exc):
                 self._mark_failed("prefill", attempt.prefill_index, exc, "prefill", attempt.prefill_sent_s)
             return [failed]
         events: list[Event] = []
-        if prefill_task.done() and prefill_task.exception() is None and not attempt.prefill_reported:
-            attempt.prefill_reported = True
+        if watched and prefill_task.done() and prefill_task.exception() is None:
+            attempt.prefill_reported, attempt.first_token_early = True, False
             events.append(PrefillDone(prefill_task.result()))
         events.append(getter.result())
         return events

@@ -473,6 +473,8 @@ class PrefillNode(RankActor):
         pusher = self._reply_pusher
         if job is None or pusher is None or job.meta is None or job.request.first_token_id is not None:
             return
+        if job.step_error is not None:  # it fails once the step is over: its token is not the client's
+            return
         try:
             text = early_first_token_text(self.engine.tokenizer, job.request.params, token_id)
             request = self.engine.scheduler.get_request(request_id)

@@ -330,7 +330,9 @@ def test_a_handoff_that_cannot_begin_mid_step_fails_alone(nodes, monkeypatch) ->
     """Two requests prefill in one step; the bind of one comes mid-step and its sender's `begin` raises:
     that request's prefill call fails with the cause, the other one's handoff completes with the reference
     tokens, and nothing stays held (failing it inside the step freed engine state the step still used,
-    which failed every request in the step)."""
+    which failed every request in the step). On the reply connection the failed one pushes nothing, not
+    even its first token early (the client must not get a token of a failed prefill); the other pushes its
+    early first token, then its finished result."""
     import threading
 
     from orchestrator.messages import PrefillBind
@@ -362,6 +364,9 @@ def test_a_handoff_that_cannot_begin_mid_step_fails_alone(nodes, monkeypatch) ->
     monkeypatch.setattr(sender, "begin", begin)
     monkeypatch.setattr(prefill, "_start", start)
     results: dict[str, object] = {}
+    pushed: queue.Queue = queue.Queue()
+    listener = ReplyListener(lambda rid, tag, result: pushed.put((rid, result.handoff_finished)))
+    prefill.connect_reply_channel(listener.address, listener.secret, "prefill-0:mid-step-test")
 
     def call(request: PrefillRequest) -> None:
         try:
@@ -382,6 +387,13 @@ def test_a_handoff_that_cannot_begin_mid_step_fails_alone(nodes, monkeypatch) ->
     first.join(EVENT_WAIT_S)
     second.join(EVENT_WAIT_S)
     monkeypatch.undo()
+    try:
+        assert [pushed.get(timeout=EVENT_WAIT_S) for _ in range(2)] == [("good", False), ("good", True)]
+    finally:
+        pusher, prefill._reply_pusher = prefill._reply_pusher, None
+        pusher.close()
+        listener.close()
+    assert pushed.empty()
     assert isinstance(results["good"], PrefillResult), results
     assert isinstance(results["bad"], RuntimeError) and "injected: the receiver is unreachable" in str(
         results["bad"]

@@ -79,6 +79,11 @@ def test_the_monitor_ignores_a_stale_failure_and_applies_the_next_one(caplog):
     assert decode.health.state is Health.UNRESPONSIVE
     assert decode.health.reason == "poll of rank 0: no answer within 3 s"
     assert done == [("forget loads", 0), ("fail attempts", "decode", 0)]
+    # An error saying the actor died is applied even from a call sent before the rejoin: the process may
+    # have died after the probe that brought it back answered.
+    decode.health = InstanceHealth(Health.HEALTHY, "", since_s=30.0, pid=41)
+    monitor._mark_failed("decode", 0, RuntimeError("the actor died"), "reserve", issued_at_s=27.0)
+    assert decode.health.state is Health.DEAD
 
 
 def test_errors_for_clients_carry_no_ray_internals():

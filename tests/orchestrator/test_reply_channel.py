@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import queue
@@ -17,7 +18,7 @@ from kvtransfer.base import HandoffMeta
 from kvtransfer.shm_transport.channel import connect
 from kvtransfer.shm_transport.channel import single_packet as _packet
 from orchestrator import reply_channel
-from orchestrator.dispatch import PrefillDone
+from orchestrator.dispatch import PrefillDone, PrefillFailed
 from orchestrator.health_monitor import _prefill_pending
 from orchestrator.load_board import LoadBoard
 from orchestrator.messages import (
@@ -197,9 +198,11 @@ def test_an_early_first_token_is_the_attempts_prefill_done_and_the_finished_resu
     driver = _driver(attempt, plain)
     on_reply = RequestDispatch._on_prefill_reply
     on_reply(driver, "r@0", handoff_tag(SECRET), early)
-    assert attempt.prefill_reported and attempt.first_token_early and not _prefill_pending(attempt)
+    # Its MTP layer and the handoff's finish are still to come: a prefill lost now fails the attempt.
+    assert attempt.prefill_reported and attempt.first_token_early and _prefill_pending(attempt)
     on_reply(driver, "r@0", handoff_tag(SECRET), early)  # dropped
     on_reply(driver, "r@0", handoff_tag(SECRET), RESULT)
+    assert not _prefill_pending(attempt)
     on_reply(driver, "r@0", handoff_tag(SECRET), RESULT)  # (the call's reply, or a repeat): dropped
     assert [attempt.events.get_nowait() for _ in range(2)] == [PrefillDone(early), PrefillDone(RESULT)]
     assert attempt.events.empty() and not attempt.first_token_early
@@ -207,6 +210,46 @@ def test_an_early_first_token_is_the_attempts_prefill_done_and_the_finished_resu
     on_reply(driver, "p@0", handoff_tag(SECRET), RESULT)
     assert plain.events.get_nowait() == PrefillDone(RESULT) and plain.events.empty()
     assert (driver._num_prefill_replies_pushed, driver._num_first_tokens_early) == (2, 1)
+
+
+@pytest.mark.parametrize("outcome", ["fails", "returns"])
+def test_after_an_early_first_token_the_prefill_call_is_still_waited_on(outcome) -> None:
+    """`RequestDispatch._next_events` after an early result: the prefill call is still watched, so a failure
+    before its finished result is the attempt's PrefillFailed at once (the instance marked when lost), not
+    a wait for decode's lease; a call that returns is the finished result (PrefillDone, for its phases),
+    and then the call is no longer waited on."""
+    from orchestrator.routing import RouteAndReserve
+
+    early = dataclasses.replace(RESULT, num_drafts=0, last_layer_sent_s=None, handoff_finished=False)
+
+    async def run() -> None:
+        attempt = _attempt("r@0", SECRET)
+        attempt.prefill_call = call = asyncio.get_running_loop().create_future()
+        marked: list = []
+        driver = _driver(attempt)
+        driver.event_timeout_s = 30.0
+        driver._is_lost = RouteAndReserve._is_lost
+        driver._mark_failed = lambda *args: marked.append(args[:4])
+        record = SimpleNamespace(aborted=False)
+        RequestDispatch._on_prefill_reply(driver, "r@0", handoff_tag(SECRET), early)
+
+        def next_events():
+            return asyncio.wait_for(RequestDispatch._next_events(driver, record, attempt, call), 5.0)
+
+        assert await next_events() == [PrefillDone(early)]
+        if outcome == "fails":
+            call.set_exception(TimeoutError("no answer"))
+            assert await next_events() == [PrefillFailed("TimeoutError: no answer within 30 s")]
+            ((role, index, error, call_name),) = marked
+            assert (role, index, type(error), call_name) == ("prefill", 0, TimeoutError, "prefill")
+        else:
+            call.set_result(RESULT)
+            assert await next_events() == [PrefillDone(RESULT)] and not marked
+        assert not attempt.first_token_early and not _prefill_pending(attempt)
+        attempt.events.put_nowait(PrefillDone(RESULT))  # (a late push): the call is not waited on again
+        assert await next_events() == [PrefillDone(RESULT)]
+
+    asyncio.run(run())
 
 
 def test_refused_connections_are_logged_once_per_interval_not_once_each(listener, caplog) -> None:
