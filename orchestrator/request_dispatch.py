@@ -192,8 +192,11 @@ class RequestDispatch:
     # ---- one attempt ------------------------------------------------------------------------------------
     @staticmethod
     def _record_prefill_phases(record: RequestRecord, result: PrefillResult) -> None:
-        """The prefill phases of a finished result (an early one's end at its sampling: not recorded)."""
+        """The prefill phases of a result: all of a finished one's; of an early one (pushed at its first
+        token's sampling, `handoff_finished` False) its queue_s alone, the same as the finished one's (its
+        prefill_s ends at the sampling: the finished result brings the phase)."""
         if not result.handoff_finished:
+            record.phases = record.phases.merged(Phases(queue_s=result.queue_s))
             return
         record.phases = record.phases.merged(
             Phases(
