@@ -366,5 +366,5 @@ def _prefill_pending(attempt: Attempt) -> bool:
     """The attempt's prefill call was sent and neither returned nor pushed its finished result (a prefill
     lost after that took nothing of the attempt with it: its KV was handed to the sender, decode reports the
     rest; after an early first token alone it is still pending: its MTP layer and finish are to come)."""
-    call, taken = attempt.prefill_call, attempt.prefill_reported and not attempt.first_token_early
-    return call is not None and not call.done() and not taken
+    call = attempt.prefill_call
+    return call is not None and not call.done() and attempt.awaiting_prefill_result

@@ -275,8 +275,7 @@ class RequestDispatch:
         # The prefill call is sent while decode reserves, so it may have ended (failed) before the first
         # wait: it is waited on until its finished result was taken (after an early first token its MTP
         # layer and the handoff's finish are still to come, and may fail).
-        watched = not attempt.prefill_reported or attempt.first_token_early
-        waits = {getter, prefill_task} if watched else {getter}
+        waits = {getter, prefill_task} if attempt.awaiting_prefill_result else {getter}
         done, _ = await asyncio.wait(waits, timeout=self.event_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if record.aborted:
             getter.cancel()
@@ -286,10 +285,10 @@ class RequestDispatch:
             return [NoEvent()]
         if getter not in done:  # the prefill call returned first
             getter.cancel()
+            if not attempt.awaiting_prefill_result:  # its finished result was pushed meanwhile: that
+                return []  # PrefillDone is in the queue
             exc = prefill_task.exception()
             if exc is None:
-                if attempt.prefill_reported and not attempt.first_token_early:  # pushed in the same turn:
-                    return []  # its PrefillDone is in the queue
                 attempt.prefill_reported, attempt.first_token_early = True, False
                 return [PrefillDone(prefill_task.result())]
             if isinstance(exc, asyncio.TimeoutError):
@@ -300,7 +299,7 @@ class RequestDispatch:
                 self._mark_failed("prefill", attempt.prefill_index, exc, "prefill", attempt.prefill_sent_s)
             return [failed]
         events: list[Event] = []
-        if watched and prefill_task.done() and prefill_task.exception() is None:
+        if attempt.awaiting_prefill_result and prefill_task.done() and prefill_task.exception() is None:
             attempt.prefill_reported, attempt.first_token_early = True, False
             events.append(PrefillDone(prefill_task.result()))
         events.append(getter.result())

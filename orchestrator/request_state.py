@@ -38,6 +38,11 @@ class Attempt:
     decode_delta_seen: bool = False  # decode's first delta of this attempt was handled
 
     @property
+    def awaiting_prefill_result(self) -> bool:
+        """Its prefill call's finished result was not taken yet (none was, or only an early first token)."""
+        return not self.prefill_reported or self.first_token_early
+
+    @property
     def prefill_index(self) -> int:
         return self.prefill.instance
 
