@@ -60,7 +60,7 @@ from typing import Any
 
 from bench.common import add_common_arguments, environment, format_table, positive_int, ratio, run_and_emit
 from bench.server_procs import ServerProcess, ServerStartError, free_port, wait_all_ready
-from models import bundled_checkpoint_dir
+from pdcluster.models import bundled_checkpoint_dir
 
 TARGET_TTFT_P50_MARGIN_MS = 3.0  # issue 13: disaggregated TTFT p50 <= colocated p50 + this
 TARGET_TTFT_P50_VS_VLLM = 1.5  # issue 13: disaggregated TTFT p50 <= this x vLLM's, same run
@@ -111,7 +111,15 @@ def make_servers(args: argparse.Namespace, topo, log_dir: Path) -> list[ServerPr
     servers = [
         ServerProcess(
             "disaggregated",
-            [sys.executable, "-m", "orchestrator.cli", "deploy", args.topology, "--port", str(free_port())],
+            [
+                sys.executable,
+                "-m",
+                "pdcluster.orchestrator.cli",
+                "deploy",
+                args.topology,
+                "--port",
+                str(free_port()),
+            ],
             port=0,
             log_path=log_dir / "disaggregated.log",
             env=base_env,
@@ -201,11 +209,11 @@ def _figures(summary: dict[str, Any], results) -> dict[str, Any]:
 
 def replay_all(args: argparse.Namespace, servers: list[ServerProcess], tokenizer_dir: str) -> dict[str, Any]:
     """Warm-up and timed rounds against every (serving) server; see the module docstring."""
-    from models.prompts import heldout_token_prompts
-    from models.tokenizer import Tokenizer
-    from orchestrator.bench_client import replay, served_model, summarize
-    from orchestrator.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
-    from orchestrator.trace import load_trace, scale_trace
+    from pdcluster.models.prompts import heldout_token_prompts
+    from pdcluster.models.tokenizer import Tokenizer
+    from pdcluster.orchestrator.bench_client import replay, served_model, summarize
+    from pdcluster.orchestrator.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
+    from pdcluster.orchestrator.trace import load_trace, scale_trace
 
     served = {s.name: served_model(s.url) for s in servers}
     lengths = {max_len for _, max_len in served.values()}
@@ -268,7 +276,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         ServerStartError: a server did not come up (after every server is stopped).
     """
-    from orchestrator.topology import load_topology
+    from pdcluster.orchestrator.topology import load_topology
 
     topo = load_topology(args.topology)
     served = Path(topo.engine_config("decode").model).resolve()
@@ -380,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.num_requests < args.warmup_requests:
         args.warmup_requests = args.num_requests
-    from orchestrator.trace import load_trace
+    from pdcluster.orchestrator.trace import load_trace
 
     try:  # before any server starts: a wrong --trace fails at once
         load_trace(args.trace, 1)

@@ -21,9 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import uvicorn
 
-    from orchestrator.api.app import build_topology_app
-    from orchestrator.backend import LocalEngineBackend
-    from orchestrator.topology import load_topology
+    from pdcluster.orchestrator.api.app import build_topology_app
+    from pdcluster.orchestrator.backend import LocalEngineBackend
+    from pdcluster.orchestrator.topology import load_topology
 
     parser = argparse.ArgumentParser(prog="python -m bench.colocated_server", description=__doc__)
     parser.add_argument("--topology", default="clusters/local.yaml")

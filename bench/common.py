@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from models import bundled_checkpoint_dir
+from pdcluster.models import bundled_checkpoint_dir
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:

@@ -73,7 +73,7 @@ from bench.common import (
     run_and_emit,
     summarize_ms,
 )
-from orchestrator.backend import PHASE_NAMES
+from pdcluster.orchestrator.backend import PHASE_NAMES
 
 TARGET_P50_RATIO = 1.05  # issue 13: disaggregated TTFT p50 <= 1.05 x colocated (layerwise, 2K prompts)
 TARGET_P90_RATIO = 1.10  # and p90 <= 1.10 x colocated p90
@@ -118,10 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
 def write_long_context_checkpoint(model_dir: Path, out_dir: Path, seed: int = 0) -> dict[str, Any]:
     """`tiny_config` with a 4,096-token context, seeded random weights (bf16 like the bundled checkpoint),
     and `model_dir`'s tokenizer, written to `out_dir`. Returns what it wrote, for the JSON."""
-    from models.config import DeepseekV3Config
-    from models.deepseek_v3 import DeepseekV3ForCausalLM
-    from models.loader import save_checkpoint
-    from models.train_tiny import tiny_config
+    from pdcluster.models.config import DeepseekV3Config
+    from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from pdcluster.models.loader import save_checkpoint
+    from pdcluster.models.train_tiny import tiny_config
 
     vocab_size = DeepseekV3Config.from_json_file(model_dir / "config.json").vocab_size
     config = tiny_config(vocab_size)
@@ -155,7 +155,7 @@ def make_prompts(num_tokens: int, count: int, vocab_size: int, seed: int) -> lis
 
 # ---- measurement ------------------------------------------------------------------------------------------
 async def _one_request(backend, request_id: str, prompt: list[int]) -> dict[str, Any]:
-    from engine.sampling_params import SamplingParams
+    from pdcluster.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     sent_s = time.perf_counter()
@@ -210,11 +210,11 @@ def point_summary(raw: dict[str, Any], kv_bytes: int, disaggregated: bool) -> di
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from models.config import DeepseekV3Config
-    from orchestrator.backend import LocalEngineBackend
-    from orchestrator.cluster import Cluster
-    from orchestrator.ray_runtime import init_local_ray
-    from orchestrator.topology import load_topology
+    from pdcluster.models.config import DeepseekV3Config
+    from pdcluster.orchestrator.backend import LocalEngineBackend
+    from pdcluster.orchestrator.cluster import Cluster
+    from pdcluster.orchestrator.ray_runtime import init_local_ray
+    from pdcluster.orchestrator.topology import load_topology
 
     if args.threads is None:
         torch.set_num_threads(1)  # the actors' OMP_NUM_THREADS=1: one thread per engine on both sides

@@ -231,7 +231,7 @@ def measure(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     """Prefill `prompts` together, then time `args.num_steps` decode steps of a fresh engine."""
-    from engine.sampling_params import SamplingParams
+    from pdcluster.engine.sampling_params import SamplingParams
 
     batch_size = len(prompts)
     llm = base.replace_config(async_scheduling=async_scheduling)
@@ -317,8 +317,8 @@ def measure(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.llm import LLM
-    from models.prompts import heldout_token_prompts
+    from pdcluster.engine.llm import LLM
+    from pdcluster.models.prompts import heldout_token_prompts
 
     modes = _parse_modes(args.async_modes)
     max_batch = max(args.batch_sizes)
@@ -364,7 +364,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "async_modes": ["on" if m else "off" for m in modes],
             "num_prompts": max_batch,
             "prompt_len_tokens": args.prompt_len,
-            "prompt_source": "models.prompts.heldout_token_prompts",
+            "prompt_source": "pdcluster.models.prompts.heldout_token_prompts",
             "num_warmup_steps": args.num_warmup_steps,
             "num_steps": args.num_steps,
             "num_speculative_tokens": args.num_speculative_tokens,
@@ -379,12 +379,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "enable_prefix_caching": base.engine.config.enable_prefix_caching,
                 "device": base.engine.config.device,
             },
-            "engine_async_loop_module_found": importlib.util.find_spec("engine.async_loop") is not None,
+            "engine_async_loop_module_found": importlib.util.find_spec("pdcluster.engine.async_loop")
+            is not None,
         }
     )
     if True in modes and not config["engine_async_loop_module_found"]:
         config["async_note"] = (
-            "engine.async_loop (named in engine/llm_engine.py's docstring) was not found: with "
+            "pdcluster.engine.async_loop (named in pdcluster/engine/llm_engine.py's docstring) was not "
+            "found: with "
             "async_scheduling=True the engine may have run its synchronous loop"
         )
     return {

@@ -37,8 +37,8 @@ from bench.common import (
     ratio,
     run_and_emit,
 )
-from models.dtypes import DTYPES as DTYPE_TABLE
-from models.dtypes import MODEL_DTYPE_NAMES
+from pdcluster.models.dtypes import DTYPES as DTYPE_TABLE
+from pdcluster.models.dtypes import MODEL_DTYPE_NAMES
 
 DTYPES = MODEL_DTYPE_NAMES
 
@@ -118,7 +118,7 @@ def teacher_forced_agreement(
     from its paged cache), as in tests/engine/test_llm.py::test_int8_kv_cache_agrees_with_float. Call it
     with no request in flight: it writes the cache from block 0.
     """
-    from engine.model_runner import build_model_input
+    from pdcluster.engine.model_runner import build_model_input
 
     runner = llm.engine.runner
     same = total = 0
@@ -177,10 +177,10 @@ def measure(
 
 
 def run(args: argparse.Namespace, dtypes: list[str]) -> dict[str, Any]:
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
-    from kernels.kv_quant import kv_cache_bytes_per_token
-    from models.prompts import heldout_def_prompts
+    from pdcluster.engine.llm import LLM
+    from pdcluster.engine.sampling_params import SamplingParams
+    from pdcluster.kernels.kv_quant import kv_cache_bytes_per_token
+    from pdcluster.models.prompts import heldout_def_prompts
 
     batch_size = min(args.batch_size, args.num_prompts)
     all_prompts = heldout_def_prompts(args.num_prompts + batch_size)
@@ -256,7 +256,7 @@ def run(args: argparse.Namespace, dtypes: list[str]) -> dict[str, Any]:
         {
             "dtypes": dtypes,
             "num_prompts": len(prompts),
-            "prompt_source": "models.prompts.heldout_def_prompts",
+            "prompt_source": "pdcluster.models.prompts.heldout_def_prompts",
             "prompt_len_tokens": prompt_lens,
             "num_warmup_prompts": len(warmup),
             "max_tokens": args.max_tokens,

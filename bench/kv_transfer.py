@@ -77,8 +77,8 @@ import numpy as np
 import torch
 
 from bench.common import emit, format_table, source_revision
-from kvtransfer.base import HandoffExtras, HandoffMeta, KVReceiver, KVSender
-from models.dtypes import MODEL_DTYPE_NAMES
+from pdcluster.kvtransfer.base import HandoffExtras, HandoffMeta, KVReceiver, KVSender
+from pdcluster.models.dtypes import MODEL_DTYPE_NAMES
 
 SHAPES = ("deepseek_v3", "tiny")
 TRANSPORTS = ("clone", "grpc", "shm", "dist")
@@ -139,16 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
 def shape_of(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if name == "deepseek_v3":
         return {"num_layers": 61, "num_tokens": args.num_tokens, "kv_dim": 512 + 64, "dtype": "bfloat16"}
-    from models import bundled_checkpoint_dir
-    from models.config import DeepseekV3Config
+    from pdcluster.models import bundled_checkpoint_dir
+    from pdcluster.models.config import DeepseekV3Config
 
     path = (args.model or bundled_checkpoint_dir()) / "config.json"
     if path.exists():
         config, source = DeepseekV3Config.from_json_file(path), str(path)
     else:
-        from models.train_tiny import tiny_config
+        from pdcluster.models.train_tiny import tiny_config
 
-        config, source = tiny_config(vocab_size=1024), "models.train_tiny.tiny_config"
+        config, source = tiny_config(vocab_size=1024), "pdcluster.models.train_tiny.tiny_config"
     return {
         "num_layers": config.num_hidden_layers + config.num_nextn_predict_layers,
         "num_tokens": min(args.num_tokens, config.max_position_embeddings),
@@ -233,8 +233,8 @@ def bench_stages(shape: dict[str, Any], repeats: int) -> dict[str, Any]:
     """Single-thread GB/s of the shm path's pieces on one handoff's layers (see the module docstring)."""
     import crc32c
 
-    from kvtransfer.shm_transport.segments import Segment, segment_capacity
-    from kvtransfer.wire import copy_with_checksum, tensor_bytes
+    from pdcluster.kvtransfer.shm_transport.segments import Segment, segment_capacity
+    from pdcluster.kvtransfer.wire import copy_with_checksum, tensor_bytes
 
     meta = make_handoff("stages", shape, "model")
     layers = [tensor_bytes(latent) for latent in make_layers(meta)]
@@ -287,7 +287,7 @@ def time_paged_copy(destination: PagedDestination, layers: list[torch.Tensor]) -
     """Seconds of writing every layer, in this process, into `destination`'s paged cache (touched memory,
     reused): decode's own copy with nothing before it, the strict yardstick (no allocation, no page
     faults, one thread)."""
-    from kvtransfer.base import ReceivedLayer
+    from pdcluster.kvtransfer.base import ReceivedLayer
 
     started_s = time.perf_counter()
     for layer_idx, latent in enumerate(layers):
@@ -338,13 +338,13 @@ class PagedDestination:
         ]
 
     def on_layer(self, layer_idx: int, layer: Any) -> None:
-        from kernels.paged_mla import write_prompt_kv
+        from pdcluster.kernels.paged_mla import write_prompt_kv
 
         write_prompt_kv(self.caches[layer_idx], layer.latent, self.block_table)
 
     def check(self, layers: list[torch.Tensor]) -> None:
         """AssertionError unless the caches hold `layers` (a float wire: the bytes sent)."""
-        from kernels.paged_mla import gather_kv
+        from pdcluster.kernels.paged_mla import gather_kv
 
         for layer_idx in (0, len(layers) - 1):
             got, _ = gather_kv(self.caches[layer_idx], self.block_table, layers[layer_idx].shape[0])
@@ -373,11 +373,11 @@ def _make_pair(transport: str) -> tuple[Any, Callable[[], KVSender]]:
     """The receiver of `transport` (`grpc` or `shm`) and a function that connects a sender to it (run in
     the sender's process)."""
     if transport == "grpc":
-        from kvtransfer.grpc_transport import KVReceiverServer
+        from pdcluster.kvtransfer.grpc_transport import KVReceiverServer
 
         receiver: Any = KVReceiverServer("127.0.0.1", 0)
     else:
-        from kvtransfer.shm_transport import ShmKVReceiver
+        from pdcluster.kvtransfer.shm_transport import ShmKVReceiver
 
         receiver = ShmKVReceiver()
     return receiver, _SenderFactory(transport, receiver.address)
@@ -392,10 +392,10 @@ class _SenderFactory:
 
     def __call__(self) -> KVSender:
         if self.transport == "grpc":
-            from kvtransfer.grpc_transport import GrpcKVSender
+            from pdcluster.kvtransfer.grpc_transport import GrpcKVSender
 
             return GrpcKVSender(self.address)
-        from kvtransfer.shm_transport import ShmKVSender
+        from pdcluster.kvtransfer.shm_transport import ShmKVSender
 
         return ShmKVSender(self.address)
 
@@ -491,7 +491,7 @@ def _dist_rank(
 ) -> None:
     import torch.distributed as dist
 
-    from kvtransfer.dist_transport import (
+    from pdcluster.kvtransfer.dist_transport import (
         DistKVReceiver,
         DistKVSender,
         DistTransportConfig,

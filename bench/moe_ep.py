@@ -45,13 +45,13 @@ from bench.common import (
     int_list,
     run_and_emit,
 )
-from engine.expert_parallel import ExpertParallelRuntime
-from engine.local_ranks import run_ranks
-from engine.model_runner import ModelRunner, build_model_input
-from engine.parallel import ParallelConfig, make_instance_group
-from models.deepseek_v3 import DeepseekV3ForCausalLM
-from models.expert_placement import ExpertPlacement, moe_layer_indices
-from models.loader import load_checkpoint, save_checkpoint
+from pdcluster.engine.expert_parallel import ExpertParallelRuntime
+from pdcluster.engine.local_ranks import run_ranks
+from pdcluster.engine.model_runner import ModelRunner, build_model_input
+from pdcluster.engine.parallel import ParallelConfig, make_instance_group
+from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM
+from pdcluster.models.expert_placement import ExpertPlacement, moe_layer_indices
+from pdcluster.models.loader import load_checkpoint, save_checkpoint
 
 TIMEOUT_S = 120.0
 

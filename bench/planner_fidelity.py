@@ -41,13 +41,13 @@ def live_and_simulated(
     show_progress: bool = False,
 ) -> dict[str, Any]:
     """One point: the live replay and the simulation of the same workload (see the module docstring)."""
-    from orchestrator.bench_client import run_bench
-    from orchestrator.serve import serve
-    from orchestrator.topology import load_topology
-    from orchestrator.trace import arrival_rate_per_s, load_trace, scale_trace
-    from planner.control_plane import control_plane_from_calibration
-    from planner.plan import PlanOptions, step_models
-    from planner.simulator import pool_sizing, simulate
+    from pdcluster.orchestrator.bench_client import run_bench
+    from pdcluster.orchestrator.serve import serve
+    from pdcluster.orchestrator.topology import load_topology
+    from pdcluster.orchestrator.trace import arrival_rate_per_s, load_trace, scale_trace
+    from pdcluster.planner.control_plane import control_plane_from_calibration
+    from pdcluster.planner.plan import PlanOptions, step_models
+    from pdcluster.planner.simulator import pool_sizing, simulate
 
     topology = load_topology(cluster)
     native_rate = arrival_rate_per_s(load_trace(TRACE, num_requests).requests)

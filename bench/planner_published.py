@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import format_table
-from models.config import DeepseekV3Config
-from orchestrator.hardware import get_accelerator
-from planner.op_costs import Dtypes
-from planner.perf_model import Link, Parallelism, PerfModel
-from planner.step_model import DecodeRow, PrefillChunk, StepShape
+from pdcluster.models.config import DeepseekV3Config
+from pdcluster.orchestrator.hardware import get_accelerator
+from pdcluster.planner.op_costs import Dtypes
+from pdcluster.planner.perf_model import Link, Parallelism, PerfModel
+from pdcluster.planner.step_model import DecodeRow, PrefillChunk, StepShape
 
 CONFIG_PATH = Path(__file__).resolve().parents[1] / "clusters" / "models" / "deepseek-v3.config.json"
 WITHIN = 0.15

@@ -23,10 +23,10 @@ from bench.common import Contention, emit, format_table, positive_int, source_re
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from orchestrator.topology import load_topology
-    from planner.plan import PlanOptions, acceptance_for, step_models
-    from planner.simulator import pool_sizing, simulate
-    from planner.workload import plan_workload
+    from pdcluster.orchestrator.topology import load_topology
+    from pdcluster.planner.plan import PlanOptions, acceptance_for, step_models
+    from pdcluster.planner.simulator import pool_sizing, simulate
+    from pdcluster.planner.workload import plan_workload
 
     setup_start_s = time.perf_counter()
     topology = load_topology(args.topology)

@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from pyinstrument import Profiler
 
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
-    from models.prompts import heldout_token_prompts
+    from pdcluster.engine.llm import LLM
+    from pdcluster.engine.sampling_params import SamplingParams
+    from pdcluster.models.prompts import heldout_token_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)

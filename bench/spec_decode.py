@@ -115,7 +115,7 @@ def measure(
     base: Any, k: int, batch_size: int, prompts: list[str], warmup: list[str], args: argparse.Namespace
 ) -> dict[str, Any]:
     """One (k, batch size) configuration on a fresh engine over `base`'s weights."""
-    from engine.sampling_params import SamplingParams
+    from pdcluster.engine.sampling_params import SamplingParams
 
     longest = max(len(base.tokenizer.encode(p)) for p in prompts + warmup)
     blocks_per_request = -(-(longest + args.max_tokens + k + 2) // 16) + 1
@@ -170,8 +170,8 @@ def measure(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.llm import LLM
-    from models.prompts import heldout_def_prompts
+    from pdcluster.engine.llm import LLM
+    from pdcluster.models.prompts import heldout_def_prompts
 
     max_batch = max(args.batch_sizes)
     all_prompts = heldout_def_prompts(args.num_prompts + max_batch)
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "ks": ks,
             "batch_sizes": args.batch_sizes,
             "num_prompts": len(prompts),
-            "prompt_source": "models.prompts.heldout_def_prompts",
+            "prompt_source": "pdcluster.models.prompts.heldout_def_prompts",
             "prompt_len_tokens": [len(base.tokenizer.encode(p)) for p in prompts],
             "num_warmup_prompts": len(warmup),
             "max_tokens": args.max_tokens,

@@ -85,7 +85,7 @@ def capture_step(engine: Any, num_decode_steps: int) -> tuple[Any, Any]:
 def measure(base: Any, batch_size: int, prompts: list[str], args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from engine.sampling_params import SamplingParams
+    from pdcluster.engine.sampling_params import SamplingParams
 
     llm = base.replace_config(
         num_speculative_tokens=1,
@@ -142,8 +142,8 @@ def measure(base: Any, batch_size: int, prompts: list[str], args: argparse.Names
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.llm import LLM
-    from models.prompts import heldout_def_prompts
+    from pdcluster.engine.llm import LLM
+    from pdcluster.models.prompts import heldout_def_prompts
 
     prompts = heldout_def_prompts(max(args.batch_sizes))
     base = LLM(args.model, num_kv_blocks=8, block_size=16)

@@ -117,8 +117,8 @@ def run_vllm(args: argparse.Namespace, model: Path, prompts: list[list[int]], ea
 
 def run_ours(args: argparse.Namespace, prompts: list[list[int]], compile_: bool) -> dict[str, Any]:
     """Our `engine.llm.LLM` over the same batches, same method as `bench.vllm_child`."""
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from pdcluster.engine.llm import LLM
+    from pdcluster.engine.sampling_params import SamplingParams
 
     start = time.perf_counter()
     llm = LLM(args.model, compile=compile_, max_num_seqs=max(args.batch_sizes))
@@ -175,8 +175,8 @@ def summarize(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> dict
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from models.prompts import heldout_token_prompts
-    from models.tokenizer import Tokenizer
+    from pdcluster.models.prompts import heldout_token_prompts
+    from pdcluster.models.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(args.model)
     prompts = heldout_token_prompts(tokenizer, [args.prompt_len] * max(args.batch_sizes))

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.config import DeepseekV3Config, RopeScaling
-from models.deepseek_v3 import DeepseekV3ForCausalLM
+from pdcluster.models.config import DeepseekV3Config, RopeScaling
+from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM
 
 TINY_CONFIG: dict[str, Any] = dict(
     vocab_size=64,

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from bench import engine_step, kv_int8, moe_ep, spec_decode
-from models.deepseek_v3 import DeepseekV3ForCausalLM
-from models.loader import save_checkpoint
+from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM
+from pdcluster.models.loader import save_checkpoint
 from tests.orchestrator.conftest import random_tiny_config, train_small_tokenizer
 
 

@@ -16,12 +16,12 @@ import dataclasses
 
 import pytest
 
-from engine.compiled_forward import CompileStats
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from models import bundled_checkpoint_dir
-from models.prompts import heldout_def_prompts
-from orchestrator.topology import load_topology
+from pdcluster.engine.compiled_forward import CompileStats
+from pdcluster.engine.llm import LLM
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.prompts import heldout_def_prompts
+from pdcluster.orchestrator.topology import load_topology
 from tests.cluster.conftest import assert_nothing_held, deployed_with_loop, request_bound_s
 from tests.cluster.test_cluster_ep import generate
 

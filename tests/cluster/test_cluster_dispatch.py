@@ -12,24 +12,24 @@ from pathlib import Path
 
 import pytest
 
-from engine.compiled_forward import CompileStats
-from engine.sampling_params import SamplingParams
-from orchestrator.backend import BackendUnavailable
-from orchestrator.cluster import (
+from pdcluster.engine.compiled_forward import CompileStats
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.orchestrator.backend import BackendUnavailable
+from pdcluster.orchestrator.cluster import (
     Cluster,
     actor_resource_options,
     advertised_address,
     check_deployable_parallelism,
     is_loopback_topology,
 )
-from orchestrator.deployment import (
+from pdcluster.orchestrator.deployment import (
     ACTORS_READY_TIMEOUT_S,
     COMPILE_READY_TIMEOUT_S,
     load_summary,
     ready_timeout_s,
 )
-from orchestrator.messages import NodeReady
-from orchestrator.topology import load_topology
+from pdcluster.orchestrator.messages import NodeReady
+from pdcluster.orchestrator.topology import load_topology
 from tests.cluster.conftest import call_bound_s, request_bound_s
 from tests.cluster.test_cluster import _assert_no_blocks_held, _generate, _topology, _wait_reserved
 
@@ -76,7 +76,7 @@ def test_multi_node_wiring_helpers():
     assert advertised_address("0.0.0.0:5005", "10.0.0.7") == "10.0.0.7:5005"
     assert advertised_address("127.0.0.1:5005", "10.0.0.7") == "127.0.0.1:5005"
     assert advertised_address("[::]:5005", "fd00::7") == "[fd00::7]:5005"  # gRPC's form of an IPv6 host
-    from kvtransfer.paired import PairedAddress
+    from pdcluster.kvtransfer.paired import PairedAddress
 
     paired = PairedAddress("node-a", "/tmp/kv.sock", "0.0.0.0:5005")
     assert paired.with_grpc_host("10.0.0.7").grpc == "10.0.0.7:5005"
@@ -220,8 +220,8 @@ def test_prefill_overlapped_with_the_reservation_or_after_it_gives_the_same_toke
     MAX_EARLY_PREFILL_CALLS, after it (bound): the same greedy tokens, concurrent requests included; the
     load board counts no prefill work in flight afterwards and nothing stays held. After the first
     requests the board holds a snapshot of every decode rank (so routing needs no `load` call)."""
-    import orchestrator.routing as routing
-    from orchestrator.router import RankRef
+    import pdcluster.orchestrator.routing as routing
+    from pdcluster.orchestrator.router import RankRef
 
     cluster = Cluster.deploy(_topology("grpc", True, 1))
     try:

@@ -10,10 +10,10 @@ import time
 import httpx
 import pytest
 
-from orchestrator.api.app import build_app
-from orchestrator.api.server import ServerThread
-from orchestrator.cluster import Cluster
-from orchestrator.topology import DEFAULT_TOPOLOGY_PATH, load_topology
+from pdcluster.orchestrator.api.app import build_app
+from pdcluster.orchestrator.api.server import ServerThread
+from pdcluster.orchestrator.cluster import Cluster
+from pdcluster.orchestrator.topology import DEFAULT_TOPOLOGY_PATH, load_topology
 from tests.cluster.conftest import call_bound_s, request_bound_s
 from tests.conftest import eager_topology_file
 

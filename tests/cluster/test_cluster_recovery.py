@@ -15,11 +15,11 @@ import time
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from orchestrator.backend import BackendUnavailable
-from orchestrator.cluster import PROBE_INTERVAL_S, Cluster
-from orchestrator.router import RankRef
-from orchestrator.topology import load_topology
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.orchestrator.backend import BackendUnavailable
+from pdcluster.orchestrator.cluster import PROBE_INTERVAL_S, Cluster
+from pdcluster.orchestrator.router import RankRef
+from pdcluster.orchestrator.topology import load_topology
 from tests.cluster.conftest import assert_nothing_held, call_bound_s, deployed_with_loop, request_bound_s
 
 pytestmark = pytest.mark.slow

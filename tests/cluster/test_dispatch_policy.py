@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.dispatch import (
+from pdcluster.orchestrator.dispatch import (
     CALL_TIMEOUT_MIN_S,
     EVENT_SLACK_S,
     RESERVE_RETRY_S,
@@ -29,7 +29,14 @@ from orchestrator.dispatch import (
     next_action,
     without_first_token,
 )
-from orchestrator.messages import Aborted, DecodeLost, Phases, PrefillResult, RequestError, TokenDelta
+from pdcluster.orchestrator.messages import (
+    Aborted,
+    DecodeLost,
+    Phases,
+    PrefillResult,
+    RequestError,
+    TokenDelta,
+)
 
 FIRST = AttemptState("r1", attempt_index=0, prefill_instance=0, decode_instance=1, event_timeout_s=35.0)
 
@@ -194,8 +201,8 @@ def test_an_unknown_event_is_refused() -> None:
 
 
 def test_phases_merge_and_the_reported_phases_keep_bytes_apart_from_seconds() -> None:
-    from orchestrator.backend import StreamDelta
-    from orchestrator.messages import Phases
+    from pdcluster.orchestrator.backend import StreamDelta
+    from pdcluster.orchestrator.messages import Phases
 
     prefill = Phases(queue_s=0.5, prefill_s=1.0)
     decode = Phases(kv_transfer_s=0.25, first_decode_step_s=None)

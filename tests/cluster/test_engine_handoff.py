@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm import LLMEngine
-from engine.sampling_params import SamplingParams
-from models import bundled_checkpoint_dir
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.llm import LLMEngine
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.models import bundled_checkpoint_dir
 
 PROMPTS = [
     "def add(a, b):\n    return",

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from decode_node.actor import DecodeNode
-from engine.sampling_params import SamplingParams
-from kvtransfer.base import HandoffMeta
-from orchestrator.messages import (
+from pdcluster.decode_node.actor import DecodeNode
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.kvtransfer.base import HandoffMeta
+from pdcluster.orchestrator.messages import (
     DecodeNodeLoad,
     PrefillNodeLoad,
     PrefillRequest,
@@ -23,9 +23,9 @@ from orchestrator.messages import (
     ReserveRequest,
     TokenDelta,
 )
-from orchestrator.reply_channel import ReplyListener
-from orchestrator.reply_records import RankCall
-from prefill_node.thread_clock import run_delay_s
+from pdcluster.orchestrator.reply_channel import ReplyListener
+from pdcluster.orchestrator.reply_records import RankCall
+from pdcluster.prefill_node.thread_clock import run_delay_s
 from tests.cluster.test_cluster import _topology
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -35,7 +35,7 @@ EVENT_WAIT_S = 30.0  # a generous bound on a tiny model's prefill + 6 decode ste
 
 @pytest.fixture(scope="module", params=["grpc", "shm"])
 def nodes(request):
-    from prefill_node.actor import PrefillNode
+    from pdcluster.prefill_node.actor import PrefillNode
 
     topo = _topology(k=1)
     decode = DecodeNode(topo.engine_config("decode"), "decode-0")
@@ -121,8 +121,8 @@ def test_a_first_token_the_client_has_replaces_the_sampled_one(nodes) -> None:
     (`PrefillRequest.first_token_id`): the prefill hands decode that token instead of the one it samples,
     without the drafts it proposed after its own (and without streaming it again: no first_token_text);
     decode's tokens after it are one engine's greedy continuation of the prompt plus that token."""
-    from engine.llm import LLM
-    from models import bundled_checkpoint_dir
+    from pdcluster.engine.llm import LLM
+    from pdcluster.models import bundled_checkpoint_dir
 
     prefill, decode = nodes
     reserved = decode.reserve(ReserveRequest("f0", PROMPT, GREEDY, _meta(prefill, "f0"), 1))
@@ -212,7 +212,7 @@ def test_a_prefill_sent_before_its_reservation_hands_off_once_bound(nodes) -> No
     prefill call. Greedy tokens equal those of the reserve-first handoff; nothing stays held."""
     import threading
 
-    from orchestrator.messages import PrefillBind
+    from pdcluster.orchestrator.messages import PrefillBind
 
     prefill, decode = nodes
 
@@ -296,7 +296,7 @@ def test_a_bind_that_comes_during_the_prefill_step_streams_the_layers_before_the
     handoff begins there, the layers held until then go out in order, and every layer is sent before the
     step returns (not buffered until after it, which delayed the first token by the handoff's begin and
     sends); tokens equal the reserve-first handoff's."""
-    from orchestrator.messages import PrefillBind
+    from pdcluster.orchestrator.messages import PrefillBind
 
     prefill, decode = nodes
     expected, acked = _reference_tokens(prefill, decode, "ref-mid")
@@ -335,7 +335,7 @@ def test_a_handoff_that_cannot_begin_mid_step_fails_alone(nodes, monkeypatch) ->
     early first token, then its finished result."""
     import threading
 
-    from orchestrator.messages import PrefillBind
+    from pdcluster.orchestrator.messages import PrefillBind
 
     prefill, decode = nodes
     expected, acked = _reference_tokens(prefill, decode, "ref-fail")
@@ -459,7 +459,7 @@ def test_a_reserve_is_served_while_a_decode_step_executes(nodes, monkeypatch) ->
     an undisturbed handoff, and nothing stays held."""
     import threading
 
-    from orchestrator.dispatch import call_timeout_s
+    from pdcluster.orchestrator.dispatch import call_timeout_s
 
     prefill, decode = nodes
 
@@ -540,8 +540,8 @@ def test_shm_grpc_pairs_take_shm_on_the_node_and_grpc_across() -> None:
     another Ray node reports it). Both handoffs complete with the same greedy tokens; only the same-node
     decode mapped shared memory. A same-node address whose socket cannot be reached falls back to gRPC.
     Nothing is held afterwards."""
-    from kvtransfer.paired import PairedAddress, node_id
-    from prefill_node.actor import PrefillNode
+    from pdcluster.kvtransfer.paired import PairedAddress, node_id
+    from pdcluster.prefill_node.actor import PrefillNode
 
     topo = _topology(k=1)
     decodes = [DecodeNode(topo.engine_config("decode"), f"decode-{i}") for i in range(2)]

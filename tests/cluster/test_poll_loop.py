@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from orchestrator.messages import PollReply
-from orchestrator.request_dispatch import RequestDispatch
+from pdcluster.orchestrator.messages import PollReply
+from pdcluster.orchestrator.request_dispatch import RequestDispatch
 
 
 def test_the_poll_loop_ends_when_wait_for_swallowed_its_cancellation() -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import compute_block_hashes
-from orchestrator.instance import decode_rank_loads, prefill_rank_loads
-from orchestrator.messages import DecodeNodeLoad, PrefillNodeLoad
-from orchestrator.router import (
+from pdcluster.engine.block_manager import compute_block_hashes
+from pdcluster.orchestrator.instance import decode_rank_loads, prefill_rank_loads
+from pdcluster.orchestrator.messages import DecodeNodeLoad, PrefillNodeLoad
+from pdcluster.orchestrator.router import (
     DecodeLoad,
     PrefillLoad,
     PrefixCacheModel,

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from prefill_node.thread_clock import run_delay_s
+from pdcluster.prefill_node.thread_clock import run_delay_s
 
 SPIN_S = 0.4  # each side spins this long on one shared CPU
 

@@ -7,13 +7,13 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.model_runner import InputBuffers
-from engine.outputs import ModelRunnerOutput, RequestUpdate, SchedulerOutput
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_policy import SchedulerConfig
+from pdcluster.engine.block_manager import BlockManager
+from pdcluster.engine.model_runner import InputBuffers
+from pdcluster.engine.outputs import ModelRunnerOutput, RequestUpdate, SchedulerOutput
+from pdcluster.engine.request import Request
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.scheduler import Scheduler
+from pdcluster.engine.scheduler_policy import SchedulerConfig
 
 
 class FakeClock:

@@ -1,4 +1,5 @@
-"""Asynchronous scheduling (engine/async_loop.py): step N+1 is scheduled before step N's tokens are known.
+"""Asynchronous scheduling (pdcluster/engine/async_loop.py): step N+1 is scheduled before step N's tokens
+are known.
 
 Scheduler-level tests drive the real `Scheduler` in the pipelined order (schedule N+1, then commit N) with a
 fake runner whose token at each position is a fixed function of (request, position): the pipelined loop
@@ -15,15 +16,15 @@ import threading
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.model_runner import InputBuffers, build_model_input
-from engine.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_policy import SchedulerConfig
-from models import bundled_checkpoint_dir
-from models.prompts import heldout_def_prompts
+from pdcluster.engine.llm import LLM
+from pdcluster.engine.model_runner import InputBuffers, build_model_input
+from pdcluster.engine.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
+from pdcluster.engine.request import RequestStatus
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.scheduler import Scheduler
+from pdcluster.engine.scheduler_policy import SchedulerConfig
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.prompts import heldout_def_prompts
 from tests.engine.conftest import FakeClock, check_packed_rows
 
 EOS = 100
@@ -325,9 +326,9 @@ def test_placeholders_resolved_for_the_whole_batch_as_request_by_request():
     one given fewer drafts than its slots (filler drafts)."""
     from types import SimpleNamespace
 
-    from engine.executor import Executor, PreparedStep, StepResult
-    from engine.outputs import ScheduledRequest
-    from engine.request import Request
+    from pdcluster.engine.executor import Executor, PreparedStep, StepResult
+    from pdcluster.engine.outputs import ScheduledRequest
+    from pdcluster.engine.request import Request
 
     bs, P = 4, PLACEHOLDER_TOKEN_ID
     requests = [Request(f"r{i}", [1, 2, 3], GREEDY, arrival_time_s=0.0) for i in range(4)]

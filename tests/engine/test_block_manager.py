@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from engine.block_manager import BlockManager, compute_block_hashes, hash_block_tokens
+from pdcluster.engine.block_manager import BlockManager, compute_block_hashes, hash_block_tokens
 from tests.engine.conftest import compute
 
 PROMPT = list(range(100, 116))  # 16 tokens = 4 full blocks

@@ -12,12 +12,12 @@ import logging
 import pytest
 import torch
 
-from engine.compiled_forward import CompiledDecodeForward, CompileStats, batch_size_buckets
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from models import bundled_checkpoint_dir
-from models.deepseek_v3 import DeepseekV3MoE
-from models.prompts import heldout_def_prompts
+from pdcluster.engine.compiled_forward import CompiledDecodeForward, CompileStats, batch_size_buckets
+from pdcluster.engine.llm import LLM
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.deepseek_v3 import DeepseekV3MoE
+from pdcluster.models.prompts import heldout_def_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
@@ -69,10 +69,10 @@ def test_a_compilation_that_fails_at_load_runs_eagerly_with_a_warning(
     prompts = heldout_def_prompts(3)
     expected = [o.token_ids for o in eager.generate(prompts, GREEDY)]
     monkeypatch.setattr(torch, "compile", failing_compile)
-    with caplog.at_level(logging.WARNING, logger="engine.llm_engine"):
+    with caplog.at_level(logging.WARNING, logger="pdcluster.engine.llm_engine"):
         failed = eager.replace_config(compile=True)
     named = "InductorError: CppCompileError: C++ compile error"
-    (record,) = [r for r in caplog.records if r.name == "engine.llm_engine"]
+    (record,) = [r for r in caplog.records if r.name == "pdcluster.engine.llm_engine"]
     assert record.levelno == logging.WARNING and named in record.getMessage()
     assert record.exc_info is not None and record.exc_info[1] is error  # the traceback in the log
     assert failed.engine.runner.compiled is None

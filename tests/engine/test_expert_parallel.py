@@ -14,13 +14,13 @@ import time
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import EngineStepError, LLMEngine
-from engine.local_ranks import run_ranks
-from engine.parallel import ParallelConfig, make_instance_group
-from engine.sampling_params import SamplingParams
-from models import bundled_checkpoint_dir
-from models.prompts import heldout_def_prompts
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.llm_engine import EngineStepError, LLMEngine
+from pdcluster.engine.local_ranks import run_ranks
+from pdcluster.engine.parallel import ParallelConfig, make_instance_group
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.prompts import heldout_def_prompts
 
 CKPT = str(bundled_checkpoint_dir())
 # Collective timeout of the instance group. Generous: the first step's agreement also waits for the slowest

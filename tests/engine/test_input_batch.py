@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.input_batch import BlockTableRows, RequestRows, SamplingArrays, ScheduledRows
-from engine.model_runner import InputBuffers, build_model_input
-from engine.outputs import PLACEHOLDER_TOKEN_ID as P
-from engine.outputs import ScheduledRequest
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pdcluster.engine.input_batch import BlockTableRows, RequestRows, SamplingArrays, ScheduledRows
+from pdcluster.engine.model_runner import InputBuffers, build_model_input
+from pdcluster.engine.outputs import PLACEHOLDER_TOKEN_ID as P
+from pdcluster.engine.outputs import ScheduledRequest
+from pdcluster.engine.request import Request
+from pdcluster.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -222,8 +222,8 @@ def test_prepare_over_persistent_rows_equals_the_reference_pack(async_scheduling
     with MTP drafts (k = 2) and placeholders (asynchronous scheduling): every step `Executor.prepare`
     builds from the rows exactly what packing the scheduled requests' lists gives (`build_model_input`;
     placeholders still unresolved), and the sampling parameters gathered from the rows equal theirs."""
-    from engine.llm import LLM
-    from models import bundled_checkpoint_dir
+    from pdcluster.engine.llm import LLM
+    from pdcluster.models import bundled_checkpoint_dir
 
     engine = LLM(
         bundled_checkpoint_dir(),

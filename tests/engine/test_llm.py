@@ -12,14 +12,14 @@ import math
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.model_runner import build_model_input
-from engine.sampling_params import SamplingParams
-from engine.scheduler_policy import cdiv
-from kernels.kv_quant import kv_cache_bytes_per_token
-from models import bundled_checkpoint_dir
-from models.deepseek_v3 import DeepseekV3ForCausalLM
-from models.prompts import heldout_def_prompts, heldout_token_prompts
+from pdcluster.engine.llm import LLM
+from pdcluster.engine.model_runner import build_model_input
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.scheduler_policy import cdiv
+from pdcluster.kernels.kv_quant import kv_cache_bytes_per_token
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM
+from pdcluster.models.prompts import heldout_def_prompts, heldout_token_prompts
 
 CKPT = bundled_checkpoint_dir()
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -287,7 +287,7 @@ def test_a_sampling_error_fails_only_its_request(llm, prompts, reference, change
 def test_a_drafting_error_fails_only_its_request(llm, prompts, reference, monkeypatch):
     """An exception while MTP drafts for one request (injected for temperature 0.55 only) fails that
     request alone; the requests drafted in the same batch complete (greedy: the reference tokens)."""
-    import engine.mtp_proposer as mtp_proposer
+    import pdcluster.engine.mtp_proposer as mtp_proposer
 
     pick, pick_batch = mtp_proposer._pick, mtp_proposer._pick_batch
 
@@ -323,7 +323,7 @@ def test_a_failed_step_fails_only_the_requests_it_ran(llm, prompts, reference, m
     """Issue 12, finding 1 (a step-level error must not fail every request): when executing a step raises,
     `step()` raises EngineStepError carrying the error outputs of the requests that step ran; requests it
     did not run (waiting for a seat, max_num_seqs=2) complete with the reference tokens afterwards."""
-    from engine.llm import EngineStepError
+    from pdcluster.engine.llm import EngineStepError
 
     engine = llm.replace_config(max_num_seqs=2).engine
     ids = [engine.add_request(p, GREEDY) for p in prompts[:4]]

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from models import bundled_checkpoint_dir
-from models.prompts import heldout_def_prompts
+from pdcluster.engine.llm import LLM
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.prompts import heldout_def_prompts
 
 NUM_TOP = 3
 

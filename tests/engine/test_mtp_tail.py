@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from models import bundled_checkpoint_dir
-from models.prompts import heldout_def_prompts
+from pdcluster.engine.llm import LLM
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.prompts import heldout_def_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 METADATA = ("positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc")

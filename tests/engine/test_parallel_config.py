@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.local_ranks import free_port
-from engine.parallel import ParallelConfig, make_instance_group
-from models import bundled_checkpoint_dir
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.local_ranks import free_port
+from pdcluster.engine.parallel import ParallelConfig, make_instance_group
+from pdcluster.models import bundled_checkpoint_dir
 
 CKPT = str(bundled_checkpoint_dir())
 

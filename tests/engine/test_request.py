@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import Request, RequestStatus
+from pdcluster.engine.request import Request, RequestStatus
 
 
 def test_token_accounting(make_request):

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from pdcluster.engine.sampling_params import SamplingParams
 
 
 def test_defaults_and_derived_flags():
@@ -70,7 +70,7 @@ def test_values_that_pass_validation_sample_without_error():
     probabilities that sum to 1, a seeded generator, top_k as int64."""
     import torch
 
-    from kernels.sampling import probs_from_logits, sample
+    from pdcluster.kernels.sampling import probs_from_logits, sample
 
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 30
     edges = [

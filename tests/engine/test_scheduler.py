@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from engine.outputs import ModelRunnerOutput
-from engine.request import RequestStatus
+from pdcluster.engine.outputs import ModelRunnerOutput
+from pdcluster.engine.request import RequestStatus
 from tests.engine.conftest import FakeClock, check_packed_rows, fake_runner_output, step
 
 

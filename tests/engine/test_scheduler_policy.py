@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.scheduler_policy import RequestView, SchedulerConfig, check_request_fits, schedule_step
+from pdcluster.engine.scheduler_policy import RequestView, SchedulerConfig, check_request_fits, schedule_step
 
 CONFIG = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4, block_size=4, max_model_len=64)
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.spec_policy import choose_num_speculative_tokens, decay_counts
-from models import bundled_checkpoint_dir
-from models.prompts import heldout_def_prompts
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.llm import LLM
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.spec_policy import choose_num_speculative_tokens, decay_counts
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.prompts import heldout_def_prompts
 
 
 @pytest.mark.parametrize(

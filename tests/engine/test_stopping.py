@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm import LLM
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.stopping import (
+from pdcluster.engine.llm import LLM
+from pdcluster.engine.request import RequestStatus
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.stopping import (
     OutputText,
     check_stop_token,
     early_first_token_text,
     find_stop_string,
     stop_prefix_len,
 )
-from models import bundled_checkpoint_dir
-from models.prompts import heldout_def_prompts
-from models.tokenizer import Tokenizer
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.prompts import heldout_def_prompts
+from pdcluster.models.tokenizer import Tokenizer
 
 CKPT = bundled_checkpoint_dir()
 

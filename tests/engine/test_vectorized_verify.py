@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from engine.mtp_proposer import MTPWork, _pick, _pick_batch
-from engine.outputs import ScheduledRequest
-from engine.request import Request
-from engine.sampler import sample_isolated, sample_or_verify
-from kernels.rejection_sampling import rejection_sample
-from kernels.sampling import probs_from_logits
+from pdcluster.engine.mtp_proposer import MTPWork, _pick, _pick_batch
+from pdcluster.engine.outputs import ScheduledRequest
+from pdcluster.engine.request import Request
+from pdcluster.engine.sampler import sample_isolated, sample_or_verify
+from pdcluster.kernels.rejection_sampling import rejection_sample
+from pdcluster.kernels.sampling import probs_from_logits
 
 VOCAB = 10
 
 
 def scheduled(request_id: str, drafts: list[int], **sampling) -> ScheduledRequest:
-    from engine.sampling_params import SamplingParams
+    from pdcluster.engine.sampling_params import SamplingParams
 
     request = Request(request_id, [1, 2, 3], SamplingParams(**sampling), arrival_time_s=0.0)
     return ScheduledRequest(request, 3, len(drafts) + 1, list(drafts), [0], True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_quant import dequantize_kv_int8, kv_cache_bytes_per_token, quantize_kv_int8
+from pdcluster.kernels.kv_quant import dequantize_kv_int8, kv_cache_bytes_per_token, quantize_kv_int8
 
 
 def test_round_trip_error_is_at_most_half_a_step() -> None:

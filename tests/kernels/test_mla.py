@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.mla import causal_mask, mla_attention_absorbed, mla_attention_expanded, split_kv_b_weight
+from pdcluster.kernels.mla import (
+    causal_mask,
+    mla_attention_absorbed,
+    mla_attention_expanded,
+    split_kv_b_weight,
+)
 
 NUM_HEADS, QK_NOPE, QK_ROPE, V_DIM, KV_LORA = 3, 8, 4, 6, 10
 SCALE = 0.37

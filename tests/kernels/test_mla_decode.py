@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.mla import split_kv_b_weight
-from kernels.mla_decode import mla_decode_attention
-from kernels.paged_mla import paged_mla_attention, slots_from_block_tables, write_kv
+from pdcluster.kernels.mla import split_kv_b_weight
+from pdcluster.kernels.mla_decode import mla_decode_attention
+from pdcluster.kernels.paged_mla import paged_mla_attention, slots_from_block_tables, write_kv
 
 NUM_HEADS, QK_NOPE_HEAD_DIM, QK_ROPE_HEAD_DIM, V_HEAD_DIM, KV_LORA_RANK = 4, 8, 4, 6, 16
 KV_DIM = KV_LORA_RANK + QK_ROPE_HEAD_DIM

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from kernels.moe import grouped_topk
-from models.moe_dispatch import LocalDispatcher
+from pdcluster.kernels.moe import grouped_topk
+from pdcluster.models.moe_dispatch import LocalDispatcher
 
 
 @pytest.fixture(autouse=True)

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from kernels.kv_quant import dequantize_kv_int8, quantize_kv_int8
-from kernels.mla import causal_mask, mla_attention_absorbed
-from kernels.paged_mla import (
+from pdcluster.kernels.kv_quant import dequantize_kv_int8, quantize_kv_int8
+from pdcluster.kernels.mla import causal_mask, mla_attention_absorbed
+from pdcluster.kernels.paged_mla import (
     expanded_crossover_queries,
     gather_kv,
     paged_mla_attention,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rejection_sampling import (
+from pdcluster.kernels.rejection_sampling import (
     greedy_verify,
     greedy_verify_batch,
     rejection_sample,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.norm import rms_norm
-from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from pdcluster.kernels.norm import rms_norm
+from pdcluster.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from tests.conftest import hf_config_for, tiny_config
 
 ROPE_DIM = 8

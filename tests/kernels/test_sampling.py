@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sampling import (
+from pdcluster.kernels.sampling import (
     compute_logprobs,
     group_rows_by_generator,
     probs_from_logits,
@@ -136,7 +136,7 @@ def test_argmax_is_torchs_argmax_ties_nan_and_all() -> None:
     """`kernels.sampling.argmax` (numpy's on CPU float32/float64, torch's otherwise) gives exactly
     `torch.argmax(dim=-1)`: the first index on ties, NaN as the largest, -inf rows, strided views, 1-D,
     empty batches, and the bfloat16 fallback; int64 either way."""
-    from kernels.sampling import argmax
+    from pdcluster.kernels.sampling import argmax
 
     nan, inf = float("nan"), float("inf")
     special = torch.tensor(

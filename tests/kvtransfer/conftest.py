@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtransfer.base import HandoffExtras, HandoffMeta, ReceivedLayer
-from kvtransfer.wire import LayerHeader
+from pdcluster.kvtransfer.base import HandoffExtras, HandoffMeta, ReceivedLayer
+from pdcluster.kvtransfer.wire import LayerHeader
 
 TINY_KV_DIM = 16 + 8  # kv_lora_rank + qk_rope_head_dim of tests.conftest.TINY_CONFIG
 

@@ -17,8 +17,8 @@ import threading
 import time
 from typing import Any
 
-from kernels.kv_quant import dequantize_kv_int8, quantize_kv_int8
-from kvtransfer.base import KVReceiver, KVSender, KVTransferError, new_handoff_secret
+from pdcluster.kernels.kv_quant import dequantize_kv_int8, quantize_kv_int8
+from pdcluster.kvtransfer.base import KVReceiver, KVSender, KVTransferError, new_handoff_secret
 from tests.kvtransfer.conftest import (
     GatedCallback,
     assert_extras_equal,

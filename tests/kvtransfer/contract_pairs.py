@@ -36,9 +36,9 @@ from tests.kvtransfer.contract import (
 
 def forged_messages(meta) -> list:
     """Begin + one layer of junk + Finish carrying a forged first token, as protobuf messages."""
-    from kvtransfer.grpc_transport import extras_to_proto, header_to_proto, meta_to_proto
-    from kvtransfer.wire import encode_layer
-    from protos import kv_transfer_pb2 as pb
+    from pdcluster.kvtransfer.grpc_transport import extras_to_proto, header_to_proto, meta_to_proto
+    from pdcluster.kvtransfer.wire import encode_layer
+    from pdcluster.protos import kv_transfer_pb2 as pb
 
     layer = encode_layer(meta, 0, make_layers(meta, seed=99)[0])
     chunk = pb.LayerChunk(layer_idx=0, offset_bytes=0, data=layer.payload.numpy().tobytes())
@@ -54,7 +54,7 @@ def raw_call(address: str, requests, metadata=None, timeout_s=None):
     """A `Transfer` call made with the bare generated stub (what a process that is not our sender can do)."""
     import grpc
 
-    from protos import kv_transfer_pb2_grpc as pb_grpc
+    from pdcluster.protos import kv_transfer_pb2_grpc as pb_grpc
 
     channel = grpc.insecure_channel(address)
     future = pb_grpc.KVTransferStub(channel).Transfer.future(requests, metadata=metadata, timeout=timeout_s)
@@ -88,7 +88,7 @@ class GrpcTransport(AddressedTransport):
     name = "grpc"
 
     def new_sender(self):
-        from kvtransfer.grpc_transport import GrpcKVSender
+        from pdcluster.kvtransfer.grpc_transport import GrpcKVSender
 
         return GrpcKVSender(self.address)
 
@@ -97,7 +97,7 @@ class GrpcTransport(AddressedTransport):
             self._rogue(meta, secret)
             return
         # Our sender refuses to begin without a secret: a bare stub call, without or with an empty one.
-        from kvtransfer.grpc_transport import HANDOFF_ID_KEY, HANDOFF_SECRET_KEY
+        from pdcluster.kvtransfer.grpc_transport import HANDOFF_ID_KEY, HANDOFF_SECRET_KEY
 
         metadata = [(HANDOFF_ID_KEY, meta.request_id)]
         if secret is not None:
@@ -131,7 +131,7 @@ def run_thread_pair(transport: Transport, server, sender) -> dict[str, dict]:
 
 
 def run_grpc_pair() -> dict[str, dict]:
-    from kvtransfer.grpc_transport import GrpcKVSender, KVReceiverServer
+    from pdcluster.kvtransfer.grpc_transport import GrpcKVSender, KVReceiverServer
 
     server = KVReceiverServer("127.0.0.1", 0, int8_passthrough=False)
     sender = GrpcKVSender(server.address, max_chunk_bytes=1000, fault_hook=make_fault_hook())
@@ -148,7 +148,7 @@ class ShmTransport(AddressedTransport):
     name = "shm"
 
     def new_sender(self):
-        from kvtransfer.shm_transport import ShmKVSender
+        from pdcluster.kvtransfer.shm_transport import ShmKVSender
 
         return ShmKVSender(self.address)
 
@@ -157,8 +157,8 @@ class ShmTransport(AddressedTransport):
             self._rogue(meta, secret)
             return
         # Our sender refuses to begin without a secret: bare records on a connection of its own.
-        from kvtransfer.shm_transport.channel import connect
-        from kvtransfer.wire import encode_layer, extras_to_dict, meta_to_dict
+        from pdcluster.kvtransfer.shm_transport.channel import connect
+        from pdcluster.kvtransfer.wire import encode_layer, extras_to_dict, meta_to_dict
 
         record = meta_to_dict(dataclasses.replace(meta, secret=secret or b""))
         if secret is None:
@@ -174,7 +174,7 @@ class ShmTransport(AddressedTransport):
 
 
 def run_shm_pair() -> dict[str, dict]:
-    from kvtransfer.shm_transport import ShmKVReceiver, ShmKVSender
+    from pdcluster.kvtransfer.shm_transport import ShmKVReceiver, ShmKVSender
 
     receiver = ShmKVReceiver(int8_passthrough=False)
     sender = ShmKVSender(receiver.address, fault_hook=make_fault_hook())
@@ -193,9 +193,9 @@ def run_shm_pair() -> dict[str, dict]:
 def run_paired_pair(kind: str) -> dict[str, dict]:
     """`kvtransfer.paired.PairedReceiver` with a sender of `kind` (`shm`: on its node, `grpc`: elsewhere)
     at the matching address; the other listener idles beside it on the same reservations."""
-    from kvtransfer.grpc_transport import GrpcKVSender
-    from kvtransfer.paired import PairedReceiver
-    from kvtransfer.shm_transport import ShmKVSender
+    from pdcluster.kvtransfer.grpc_transport import GrpcKVSender
+    from pdcluster.kvtransfer.paired import PairedReceiver
+    from pdcluster.kvtransfer.shm_transport import ShmKVSender
 
     receiver = PairedReceiver("127.0.0.1")
     address = receiver.address
@@ -225,12 +225,12 @@ class DistTransport(Transport):
 
     @staticmethod
     def _send_raw(record: dict, payload=None) -> None:
-        from kvtransfer.dist_transport import send_message
+        from pdcluster.kvtransfer.dist_transport import send_message
 
         send_message(record, payload, RECEIVER_RANK, None, torch.device("cpu"))
 
     def forge(self, meta, secret: bytes | None) -> None:
-        from kvtransfer.wire import encode_layer, extras_to_dict, meta_to_dict
+        from pdcluster.kvtransfer.wire import encode_layer, extras_to_dict, meta_to_dict
 
         record = meta_to_dict(dataclasses.replace(meta, secret=secret or b""))
         if secret is None:
@@ -242,7 +242,7 @@ class DistTransport(Transport):
         self._send_raw({"kind": "finish", "request_id": meta.request_id, "extras": extras})
 
     def replay_begin(self, meta, secret: bytes) -> None:
-        from kvtransfer.wire import meta_to_dict
+        from pdcluster.kvtransfer.wire import meta_to_dict
 
         self._send_raw({"kind": "begin", "meta": meta_to_dict(dataclasses.replace(meta, secret=secret))})
 
@@ -256,7 +256,7 @@ def free_port() -> int:
 def _dist_rank(rank: int, port: int, result_dir: str, sync, events, secrets) -> None:
     import torch.distributed as dist
 
-    from kvtransfer.dist_transport import (
+    from pdcluster.kvtransfer.dist_transport import (
         DistKVReceiver,
         DistKVSender,
         DistTransportConfig,

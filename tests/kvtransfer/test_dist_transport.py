@@ -13,9 +13,14 @@ import time
 
 import pytest
 
-from kvtransfer.base import HandoffRefused, new_handoff_secret
-from kvtransfer.dist_transport import DistKVReceiver, DistKVSender, DistTransportConfig, rendezvous_store
-from kvtransfer.wire import encode_layer, extras_to_dict, meta_to_dict
+from pdcluster.kvtransfer.base import HandoffRefused, new_handoff_secret
+from pdcluster.kvtransfer.dist_transport import (
+    DistKVReceiver,
+    DistKVSender,
+    DistTransportConfig,
+    rendezvous_store,
+)
+from pdcluster.kvtransfer.wire import encode_layer, extras_to_dict, meta_to_dict
 from tests.kvtransfer.conftest import bits_equal, make_extras, make_handoff, make_layers
 from tests.kvtransfer.contract import HANDOFFS, WAIT_S, send_all
 from tests.kvtransfer.contract_pairs import RECEIVER_RANK, free_port

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvtransfer.base import ProtocolError
-from kvtransfer.grpc_transport.framing import RawChunk, deserialize_message, encode_chunk
-from protos import kv_transfer_pb2 as pb
+from pdcluster.kvtransfer.base import ProtocolError
+from pdcluster.kvtransfer.grpc_transport.framing import RawChunk, deserialize_message, encode_chunk
+from pdcluster.protos import kv_transfer_pb2 as pb
 
 
 def _header() -> pb.LayerHeader:

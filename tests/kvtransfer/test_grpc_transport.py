@@ -12,16 +12,16 @@ import time
 import grpc
 import pytest
 
-from kernels.kv_quant import quantize_kv_int8
-from kvtransfer.base import ProtocolError, TransferTimeout, new_handoff_secret
-from kvtransfer.grpc_transport import (
+from pdcluster.kernels.kv_quant import quantize_kv_int8
+from pdcluster.kvtransfer.base import ProtocolError, TransferTimeout, new_handoff_secret
+from pdcluster.kvtransfer.grpc_transport import (
     HANDOFF_ID_KEY,
     HANDOFF_SECRET_KEY,
     GrpcKVSender,
     KVReceiverServer,
     TLSCredentials,
 )
-from kvtransfer.reservations import State
+from pdcluster.kvtransfer.reservations import State
 from tests.kvtransfer.conftest import (
     assert_extras_equal,
     bits_equal,

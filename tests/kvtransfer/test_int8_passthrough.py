@@ -14,12 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.llm import LLMEngine
-from engine.sampling_params import SamplingParams
-from kvtransfer.base import HandoffExtras, HandoffMeta, ReceivedLayer
-from kvtransfer.grpc_transport import GrpcKVSender, KVReceiverServer
-from models import bundled_checkpoint_dir
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.llm import LLMEngine
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.kvtransfer.base import HandoffExtras, HandoffMeta, ReceivedLayer
+from pdcluster.kvtransfer.grpc_transport import GrpcKVSender, KVReceiverServer
+from pdcluster.models import bundled_checkpoint_dir
 from tests.kvtransfer.conftest import bits_equal
 
 PROMPT = 'import os\nimport sys\n\n\ndef main(argv):\n    """Parse the arguments and'

@@ -1,4 +1,4 @@
-"""The committed gRPC stubs are what `make protos` generates from protos/kv_transfer.proto."""
+"""The committed gRPC stubs are what `make protos` generates from pdcluster/protos/kv_transfer.proto."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-STUBS = ("protos/kv_transfer_pb2.py", "protos/kv_transfer_pb2_grpc.py")
+STUBS = ("pdcluster/protos/kv_transfer_pb2.py", "pdcluster/protos/kv_transfer_pb2_grpc.py")
 
 
 def test_committed_stubs_match_a_fresh_protoc_run(tmp_path):
@@ -22,10 +22,11 @@ def test_committed_stubs_match_a_fresh_protoc_run(tmp_path):
     installed_version = metadata.version("grpcio-tools")
     if installed_version != committed_version:
         pytest.skip(f"stubs come from grpcio-tools {committed_version}; {installed_version} is installed")
-    # The documented command (protos/README.md, `make protos`), writing into tmp_path instead of the tree.
+    # The documented command (pdcluster/protos/README.md, `make protos`), writing into tmp_path instead of
+    # the tree.
     subprocess.run(
         [sys.executable, "-m", "grpc_tools.protoc", "-I.", f"--python_out={tmp_path}",
-         f"--grpc_python_out={tmp_path}", "protos/kv_transfer.proto"],
+         f"--grpc_python_out={tmp_path}", "pdcluster/protos/kv_transfer.proto"],
         cwd=REPO_ROOT, check=True, capture_output=True, text=True,
     )  # fmt: skip
     for stub in STUBS:

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtransfer.base import ChecksumMismatch, SenderLost
-from kvtransfer.shm_transport import Segment, ShmKVReceiver, ShmKVSender, sweep_stale_socket_dirs
-from kvtransfer.shm_transport.segments import MEMFD_NAME
-from kvtransfer.wire import COPY_CHUNK_BYTES, meta_from_dict, meta_to_dict
+from pdcluster.kvtransfer.base import ChecksumMismatch, SenderLost
+from pdcluster.kvtransfer.shm_transport import Segment, ShmKVReceiver, ShmKVSender, sweep_stale_socket_dirs
+from pdcluster.kvtransfer.shm_transport.segments import MEMFD_NAME
+from pdcluster.kvtransfer.wire import COPY_CHUNK_BYTES, meta_from_dict, meta_to_dict
 from tests.kvtransfer.conftest import (
     bits_equal,
     flip_byte_in_layer,
@@ -262,7 +262,7 @@ def test_try_send_never_waits_for_a_peer_that_is_behind():
     one packet is refused. A False sends nothing: the peer gets exactly the records that returned True."""
     import socket
 
-    from kvtransfer.shm_transport.channel import MAX_PACKET_BYTES, Channel
+    from pdcluster.kvtransfer.shm_transport.channel import MAX_PACKET_BYTES, Channel
 
     left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sender, peer = Channel(left), Channel(right)
@@ -336,7 +336,7 @@ def test_connections_past_the_cap_are_closed_and_oversized_records_cut_off():
     accept while the others go on; a record of more than MAX_RECORD_BYTES closes its connection rather than
     being buffered. A clean handoff works afterwards."""
 
-    from kvtransfer.shm_transport.channel import MAX_PACKET_BYTES, MAX_RECORD_BYTES, connect
+    from pdcluster.kvtransfer.shm_transport.channel import MAX_PACKET_BYTES, MAX_RECORD_BYTES, connect
 
     receiver = ShmKVReceiver(max_connections=2)
     sender = ShmKVSender(receiver.address)
@@ -376,8 +376,8 @@ def test_descriptors_sent_to_decode_never_reach_it_and_a_record_cannot_pile_them
     channel that does take descriptors, any on a record's later packet cut it off and all are closed."""
     import socket
 
-    from kvtransfer.base import ProtocolError
-    from kvtransfer.shm_transport.channel import Channel, connect
+    from pdcluster.kvtransfer.base import ProtocolError
+    from pdcluster.kvtransfer.shm_transport.channel import Channel, connect
 
     receiver = ShmKVReceiver()
     sender = ShmKVSender(receiver.address)
@@ -424,8 +424,8 @@ def test_the_sender_closes_every_descriptor_decode_sends_that_it_does_not_map(ca
     replaces the mapping."""
     import shutil
 
-    from kvtransfer.shm_transport.channel import SOCKET_NAME, Channel, listen
-    from kvtransfer.shm_transport.segments import anonymous_fd
+    from pdcluster.kvtransfer.shm_transport.channel import SOCKET_NAME, Channel, listen
+    from pdcluster.kvtransfer.shm_transport.segments import anonymous_fd
 
     listener, directory = listen()
     sender = ShmKVSender(str(directory / SOCKET_NAME))
@@ -472,9 +472,9 @@ def test_a_segment_that_cannot_be_made_fails_its_handoff_only(monkeypatch, caplo
     import errno
     import logging
 
-    from kvtransfer.base import KVTransferError
-    from kvtransfer.shm_transport.channel import connect
-    from kvtransfer.shm_transport.segments import SegmentPool
+    from pdcluster.kvtransfer.base import KVTransferError
+    from pdcluster.kvtransfer.shm_transport.channel import connect
+    from pdcluster.kvtransfer.shm_transport.segments import SegmentPool
 
     real_acquire = SegmentPool.acquire
     calls = []
@@ -504,7 +504,7 @@ def test_a_segment_that_cannot_be_made_fails_its_handoff_only(monkeypatch, caplo
         assert sender.flush(WAIT_S) == {}
 
         noisy = connect(receiver.address)
-        with caplog.at_level(logging.WARNING, logger="kvtransfer.shm_transport.receiver"):
+        with caplog.at_level(logging.WARNING, logger="pdcluster.kvtransfer.shm_transport.receiver"):
             for _ in range(50):
                 noisy.send({"k": "layer"})  # no header: KeyError, dropped
             noisy.send({"k": "end", "rid": "nothing"})  # processed after all 50: the connection is alive

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from kernels.kv_quant import quantize_kv_int8
+from pdcluster.kernels.kv_quant import quantize_kv_int8
 from tests.kvtransfer.contract import HANDOFFS, SCENARIOS, WAIT_S
 from tests.kvtransfer.contract_pairs import run_dist_pair, run_grpc_pair, run_paired_pair, run_shm_pair
 

@@ -8,8 +8,8 @@ import msgpack
 import pytest
 import torch
 
-from kernels.kv_quant import dequantize_kv_int8, quantize_kv_int8
-from kvtransfer.base import (
+from pdcluster.kernels.kv_quant import dequantize_kv_int8, quantize_kv_int8
+from pdcluster.kvtransfer.base import (
     HANDOFF_SECRET_NUM_BYTES,
     ChecksumMismatch,
     FailureLog,
@@ -21,8 +21,8 @@ from kvtransfer.base import (
     new_handoff_secret,
     resolve_wire_dtype,
 )
-from kvtransfer.reservations import Reservations
-from kvtransfer.wire import (
+from pdcluster.kvtransfer.reservations import Reservations
+from pdcluster.kvtransfer.wire import (
     COPY_CHUNK_BYTES,
     LayerHeader,
     check_layer,

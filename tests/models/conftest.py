@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.config import DeepseekV3Config
+from pdcluster.models.config import DeepseekV3Config
 from tests.conftest import hf_config_for, randomize_
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0

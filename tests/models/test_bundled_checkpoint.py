@@ -8,11 +8,11 @@ import re
 
 import pytest
 
-from models import bundled_checkpoint_dir
-from models.corpus import corpus_digest
-from models.deepseek_v3 import DeepseekV3ForCausalLM
-from models.evaluate import evaluate, heldout_windows
-from models.tokenizer import Tokenizer
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.corpus import corpus_digest
+from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM
+from pdcluster.models.evaluate import evaluate, heldout_windows
+from pdcluster.models.tokenizer import Tokenizer
 
 CKPT = bundled_checkpoint_dir()
 MAX_CHECKPOINT_BYTES = 16 * 1024 * 1024

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from models.config import DeepseekV3Config, RopeScaling
+from pdcluster.models.config import DeepseekV3Config, RopeScaling
 from tests.conftest import TINY_CONFIG, TINY_YARN, tiny_config
 
 

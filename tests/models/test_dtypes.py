@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from models.dtypes import DTYPES, MODEL_DTYPE_NAMES, MODEL_DTYPES, dtype_name, torch_dtype
+from pdcluster.models.dtypes import DTYPES, MODEL_DTYPE_NAMES, MODEL_DTYPES, dtype_name, torch_dtype
 
 
 def test_names_map_to_torch_dtypes_and_back() -> None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.local_ranks import run_ranks
-from engine.parallel import make_instance_group
-from models import bundled_checkpoint_dir
-from models.ep_dispatch import EPDispatcher
-from models.eplb import rebalance_experts
-from models.expert_placement import ExpertPlacement, moe_layer_indices
-from models.loader import load_checkpoint
+from pdcluster.engine.local_ranks import run_ranks
+from pdcluster.engine.parallel import make_instance_group
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.ep_dispatch import EPDispatcher
+from pdcluster.models.eplb import rebalance_experts
+from pdcluster.models.expert_placement import ExpertPlacement, moe_layer_indices
+from pdcluster.models.loader import load_checkpoint
 
 TIMEOUT_S = 30.0
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.eplb import balanced_packing, rebalance_experts
-from models.expert_placement import ExpertPlacement
+from pdcluster.models.eplb import balanced_packing, rebalance_experts
+from pdcluster.models.expert_placement import ExpertPlacement
 
 # Zipf-like skew: expert e gets load 1000 / (e + 1); 16 logical experts, 2 layers (the second reversed).
 ZIPF = torch.stack([1000 / torch.arange(1, 17).float(), (1000 / torch.arange(1, 17).float()).flip(0)])

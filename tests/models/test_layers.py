@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.deepseek_v3 import DeepseekV3MoE
+from pdcluster.models.deepseek_v3 import DeepseekV3MoE
 from tests.conftest import random_ids, tiny_model
 
 

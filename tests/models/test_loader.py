@@ -10,9 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.config import DeepseekV3Config
-from models.deepseek_v3 import DeepseekV3ForCausalLM
-from models.loader import CheckpointError, dequantize_fp8_blockwise, load_checkpoint, save_checkpoint
+from pdcluster.models.config import DeepseekV3Config
+from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM
+from pdcluster.models.loader import (
+    CheckpointError,
+    dequantize_fp8_blockwise,
+    load_checkpoint,
+    save_checkpoint,
+)
 from tests.conftest import random_ids, tiny_config, tiny_model
 from tests.models.conftest import (
     dequantize_reference,
@@ -90,7 +95,7 @@ def test_public_layout_mtp_copies_of_embedding_and_head_are_accepted(model, save
     tensors[MTP + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     write_checkpoint(saved, config, tensors)
 
-    with caplog.at_level(logging.WARNING, logger="models.loader"):
+    with caplog.at_level(logging.WARNING, logger="pdcluster.models.loader"):
         loaded = load_checkpoint(saved)
     assert caplog.text == ""
     assert_same_model(model, loaded)
@@ -100,7 +105,7 @@ def test_unknown_tensor_is_ignored_with_a_warning(model, saved, caplog) -> None:
     config, tensors = read_checkpoint(saved)
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(4)
     write_checkpoint(saved, config, tensors)
-    with caplog.at_level(logging.WARNING, logger="models.loader"):
+    with caplog.at_level(logging.WARNING, logger="pdcluster.models.loader"):
         loaded = load_checkpoint(saved)
     assert "ignoring 1 unexpected tensor(s)" in caplog.text
     assert "rotary_emb.inv_freq" in caplog.text

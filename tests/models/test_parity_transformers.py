@@ -15,7 +15,7 @@ import logging
 import pytest
 import torch
 
-from models.loader import load_checkpoint
+from pdcluster.models.loader import load_checkpoint
 from tests.conftest import random_ids, tiny_config
 from tests.models.conftest import save_hf_checkpoint
 
@@ -62,7 +62,7 @@ def test_logits_match_transformers(tmp_path, caplog, overrides) -> None:
     config = tiny_config(**dict(overrides))
     hf_model = save_hf_checkpoint(config, tmp_path, seed=1)
 
-    with caplog.at_level(logging.WARNING, logger="models.loader"):
+    with caplog.at_level(logging.WARNING, logger="pdcluster.models.loader"):
         ours = load_checkpoint(tmp_path)
     # transformers writes no MTP tensors: the loader says so and disables MTP; nothing else is ignored.
     assert "MTP disabled" in caplog.text

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from models import bundled_checkpoint_dir
-from models.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 def test_incremental_text_equals_a_full_decode_at_every_step():

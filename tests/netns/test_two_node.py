@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from orchestrator.backend import BackendUnavailable
-from orchestrator.cluster import PROBE_INTERVAL_S
-from orchestrator.dispatch import MAX_DISPATCH_ATTEMPTS
-from orchestrator.topology import load_topology
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.orchestrator.backend import BackendUnavailable
+from pdcluster.orchestrator.cluster import PROBE_INTERVAL_S
+from pdcluster.orchestrator.dispatch import MAX_DISPATCH_ATTEMPTS
+from pdcluster.orchestrator.topology import load_topology
 from tests.cluster.conftest import assert_nothing_held, deployed_with_loop
 
 pytestmark = [
@@ -117,8 +117,8 @@ def link_restored_after_each_test(cluster):
 @pytest.fixture(scope="module")
 def oracle():
     """Greedy tokens of one in-process engine (no disaggregation, no network), per prompt."""
-    from engine.llm import LLM
-    from models import bundled_checkpoint_dir
+    from pdcluster.engine.llm import LLM
+    from pdcluster.models import bundled_checkpoint_dir
 
     llm = LLM(bundled_checkpoint_dir(), num_speculative_tokens=1)
     cache: dict[tuple[int, ...], list[int]] = {}

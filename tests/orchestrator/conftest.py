@@ -9,11 +9,11 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from models.config import DeepseekV3Config
-from models.corpus import corpus_files
-from models.deepseek_v3 import DeepseekV3ForCausalLM
-from models.loader import save_checkpoint
-from models.tokenizer import EOS_TOKEN, SPECIAL_TOKENS
+from pdcluster.models.config import DeepseekV3Config
+from pdcluster.models.corpus import corpus_files
+from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM
+from pdcluster.models.loader import save_checkpoint
+from pdcluster.models.tokenizer import EOS_TOKEN, SPECIAL_TOKENS
 from tests.conftest import tiny_config
 
 RANDOM_CONTEXT_LEN = 128  # max_position_embeddings of the random checkpoint: small, to reach it in a test

@@ -15,14 +15,14 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from models import bundled_checkpoint_dir
-from orchestrator.api.app import build_app
-from orchestrator.api.protocol import chat_prompt
-from orchestrator.api.server import ServerThread
-from orchestrator.backend import BackendUnavailable, LocalEngineBackend, ServingBackend, StreamDelta
-from orchestrator.topology import SLOConfig
+from pdcluster.engine.llm import LLM
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.orchestrator.api.app import build_app
+from pdcluster.orchestrator.api.protocol import chat_prompt
+from pdcluster.orchestrator.api.server import ServerThread
+from pdcluster.orchestrator.backend import BackendUnavailable, LocalEngineBackend, ServingBackend, StreamDelta
+from pdcluster.orchestrator.topology import SLOConfig
 
 MAX_MODEL_LEN = 256
 PROMPT = "def fibonacci(n):\n"
@@ -171,7 +171,7 @@ def test_include_usage_sends_a_usage_only_last_chunk(client: httpx.Client, path:
 
 def test_chat_uses_the_documented_template(client: httpx.Client, reference: LLM) -> None:
     messages = [{"role": "system", "content": "# utilities"}, {"role": "user", "content": "import os\n"}]
-    from orchestrator.api.protocol import ChatMessage
+    from pdcluster.orchestrator.api.protocol import ChatMessage
 
     prompt = chat_prompt([ChatMessage(**m) for m in messages])
     assert prompt == "# utilities\n\nimport os\n"
@@ -427,7 +427,7 @@ def test_speculative_decoding_reports_acceptance(reference: LLM) -> None:
 
 
 def test_bench_replays_a_trace_against_the_server(server: ServerThread) -> None:
-    from orchestrator.bench_client import run_bench
+    from pdcluster.orchestrator.bench_client import run_bench
 
     report = run_bench(
         server.url,

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from models.loader import SINGLE_FILE
-from orchestrator.cli import main
+from pdcluster.models.loader import SINGLE_FILE
+from pdcluster.orchestrator.cli import main
 from tests.conftest import eager_topology_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,14 +40,14 @@ def no_ray(monkeypatch):
     """Make connecting to or starting Ray fail the test: these errors must come before it."""
     import ray
 
-    import orchestrator.deployment
+    import pdcluster.orchestrator.deployment
 
     def refuse(*_args, **_kwargs):
         raise RayStarted("Ray was started; the error should have been found before")
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray, "init", refuse)
-    monkeypatch.setattr(orchestrator.deployment, "init_local_ray", refuse)
+    monkeypatch.setattr(pdcluster.orchestrator.deployment, "init_local_ray", refuse)
 
 
 def run_cli(capsys, *argv: str | Path) -> tuple[int, str, str]:
@@ -280,7 +280,7 @@ def test_a_fifo_as_the_yaml_path_does_not_block_the_real_process(tmp_path):
     for command in (["validate"], ["deploy"]):
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "orchestrator.cli", *command, str(fifo)],
+                [sys.executable, "-m", "pdcluster.orchestrator.cli", *command, str(fifo)],
                 capture_output=True,
                 text=True,
                 timeout=120,
@@ -319,8 +319,8 @@ def ray_task_error(exc: Exception, function_name: str = "PrefillNode.__init__"):
 def test_actor_errors_are_the_exception_raised_inside_on_one_line():
     from ray.exceptions import ActorDiedError, RayActorError
 
-    from models.loader import CheckpointError
-    from orchestrator.cluster import actor_error_message
+    from pdcluster.models.loader import CheckpointError
+    from pdcluster.orchestrator.cluster import actor_error_message
 
     shapes = "model.norm.weight: expected (32,), got (31,)"
     broken = CheckpointError(
@@ -349,14 +349,14 @@ def test_actor_errors_are_the_exception_raised_inside_on_one_line():
 def test_an_actor_that_fails_to_start_is_one_line_and_exit_2(capsys, tmp_path, checkpoint, monkeypatch):
     from ray.exceptions import ActorDiedError
 
-    import orchestrator.serve
-    from orchestrator.cluster import DeployError, actor_error_message
+    import pdcluster.orchestrator.serve
+    from pdcluster.orchestrator.cluster import DeployError, actor_error_message
 
     def deploy(*_args, **_kwargs):  # what Cluster.deploy raises when prefill-0's weights do not load
         exc = ActorDiedError(cause=ray_task_error(MemoryError("cannot allocate 40 GB")))
         raise DeployError(f"prefill-0 failed to start: {actor_error_message(exc)}")
 
-    monkeypatch.setattr(orchestrator.serve.Cluster, "deploy", deploy)
+    monkeypatch.setattr(pdcluster.orchestrator.serve.Cluster, "deploy", deploy)
     code, _, err = run_cli(capsys, "deploy", topology_file(tmp_path, checkpoint))
     assert code == 2
     assert_one_error_line(err, "deploy", "prefill-0 failed to start: MemoryError: cannot allocate 40 GB")
@@ -365,7 +365,7 @@ def test_an_actor_that_fails_to_start_is_one_line_and_exit_2(capsys, tmp_path, c
 def test_the_port_taken_while_the_actors_load_is_one_line_and_the_cluster_is_shut_down(
     capsys, tmp_path, checkpoint, monkeypatch
 ):
-    import orchestrator.serve
+    import pdcluster.orchestrator.serve
 
     class FakeCluster:
         model_name = "fake"
@@ -385,13 +385,13 @@ def test_the_port_taken_while_the_actors_load_is_one_line_and_the_cluster_is_shu
         def deploy(*_args, **_kwargs):  # the preflight found the port free; someone took it since
             return FakeCluster()
 
-        monkeypatch.setattr(orchestrator.serve.Cluster, "deploy", deploy)
-        from orchestrator.cluster import DeployError
-        from orchestrator.topology import load_topology
+        monkeypatch.setattr(pdcluster.orchestrator.serve.Cluster, "deploy", deploy)
+        from pdcluster.orchestrator.cluster import DeployError
+        from pdcluster.orchestrator.topology import load_topology
 
         topology = load_topology(topology_file(tmp_path, checkpoint, port=port))
         with pytest.raises(DeployError, match=rf"^the HTTP server cannot serve on 127.0.0.1:{port}: Address"):
-            with orchestrator.serve.serve(topology):
+            with pdcluster.orchestrator.serve.serve(topology):
                 pass
     assert FakeCluster.shut_down
 
@@ -399,7 +399,7 @@ def test_the_port_taken_while_the_actors_load_is_one_line_and_the_cluster_is_shu
 def test_deploy_takes_sigint_even_when_started_with_it_ignored():
     """A background job of a non-interactive shell starts with SIGINT ignored; deploy's signal setup puts
     Ctrl-C's handler back (and SIGTERM's), so `kill -INT` stops it like Ctrl-C."""
-    from orchestrator.cli.deploy import _interrupt_on_sigterm
+    from pdcluster.orchestrator.cli.deploy import _interrupt_on_sigterm
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.getsignal(signal.SIGTERM)
     try:
@@ -413,9 +413,9 @@ def test_deploy_takes_sigint_even_when_started_with_it_ignored():
 
 
 # ---- SIGTERM: the same clean shutdown as Ctrl-C (the one test here that starts Ray) -------------------
-# Bounds from the deploy's own timeouts (orchestrator/deployment.py): placement groups 120 s, actors ready
-# 300 s; on this 2-core machine it is up in 20-40 s. Shutdown: the HTTP server's 10 s stop plus the actor
-# teardown and ray.shutdown.
+# Bounds from the deploy's own timeouts (pdcluster/orchestrator/deployment.py): placement groups 120 s, actors
+# ready 300 s; on this 2-core machine it is up in 20-40 s. Shutdown: the HTTP server's 10 s stop plus the
+# actor teardown and ray.shutdown.
 DEPLOY_UP_BOUND_S = 120 + 300 + 60
 SHUTDOWN_BOUND_S = 120
 
@@ -432,7 +432,7 @@ def test_sigterm_shuts_deploy_down_like_ctrl_c(tmp_path, to_group):
         [
             sys.executable,
             "-m",
-            "orchestrator.cli",
+            "pdcluster.orchestrator.cli",
             "deploy",
             str(eager_topology_file(REPO / "clusters" / "local.yaml", tmp_path)),  # loads in seconds
             "--port",

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-import models
-from models import bundled_checkpoint_dir
-from models.tokenizer import Tokenizer
-from orchestrator.cli import main
-from orchestrator.cli.generate import TextStreamer
-from orchestrator.demo import heldout_prompts
-from orchestrator.topology import DEFAULT_TOPOLOGY_PATH
+from pdcluster import models
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.tokenizer import Tokenizer
+from pdcluster.orchestrator.cli import main
+from pdcluster.orchestrator.cli.generate import TextStreamer
+from pdcluster.orchestrator.demo import heldout_prompts
+from pdcluster.orchestrator.topology import DEFAULT_TOPOLOGY_PATH
 from tests.conftest import eager_topology_file
 from tests.orchestrator.conftest import RANDOM_CONTEXT_LEN
 
@@ -129,7 +129,16 @@ def test_checkpoint_dir_without_config_is_a_clear_error(capsys, tmp_path):
 def test_error_exit_code_from_the_real_process():
     """The console script path: the process exits 2 with one message and no traceback."""
     proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "generate", "--prompt", "x", "--model", "/nonexistent"],
+        [
+            sys.executable,
+            "-m",
+            "pdcluster.orchestrator.cli",
+            "generate",
+            "--prompt",
+            "x",
+            "--model",
+            "/nonexistent",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -143,7 +152,7 @@ def test_help_names_the_default_model_and_units(capsys):
     assert code == 0
     flat = " ".join(out.split())  # argparse wraps long lines
     assert str(bundled_checkpoint_dir()) in flat
-    assert "python -m models.train_tiny" in flat
+    assert "python -m pdcluster.models.train_tiny" in flat
     for phrase in ("greedy", "tokens", "seconds", "ttft_s", "tpot_s", "Default: 64"):
         assert phrase in flat
 

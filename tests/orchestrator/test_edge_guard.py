@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from orchestrator.api.guard import EdgeGuard
-from orchestrator.api.metrics import ApiMetrics
+from pdcluster.orchestrator.api.guard import EdgeGuard
+from pdcluster.orchestrator.api.metrics import ApiMetrics
 
 SCOPE = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
 

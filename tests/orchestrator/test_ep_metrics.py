@@ -6,8 +6,8 @@ import dataclasses
 
 from prometheus_client import generate_latest
 
-from engine.expert_parallel import EPStats
-from orchestrator.api.metrics import ApiMetrics
+from pdcluster.engine.expert_parallel import EPStats
+from pdcluster.orchestrator.api.metrics import ApiMetrics
 
 
 def _stats(rank: int) -> dict:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.health import Health, InstanceHealth, ProbeOutcome, after_answer, after_failure, is_stale
+from pdcluster.orchestrator.health import (
+    Health,
+    InstanceHealth,
+    ProbeOutcome,
+    after_answer,
+    after_failure,
+    is_stale,
+)
 
 
 def test_a_timeout_makes_an_instance_unresponsive_and_an_answer_from_the_same_process_brings_it_back():
@@ -63,7 +70,7 @@ def test_the_monitor_ignores_a_stale_failure_and_applies_the_next_one(caplog):
     import threading
     from types import SimpleNamespace
 
-    from orchestrator.health_monitor import InstanceMonitor
+    from pdcluster.orchestrator.health_monitor import InstanceMonitor
 
     monitor = object.__new__(InstanceMonitor)
     decode = SimpleNamespace(health=InstanceHealth(Health.HEALTHY, "", since_s=30.0, pid=41))
@@ -71,7 +78,7 @@ def test_the_monitor_ignores_a_stale_failure_and_applies_the_next_one(caplog):
     monitor._health_lock, monitor.call_timeout_s, done = threading.Lock(), 3.0, []
     monitor._loads = SimpleNamespace(forget_decode=lambda index: done.append(("forget loads", index)))
     monitor._fail_attempts = lambda role, index: done.append(("fail attempts", role, index))
-    with caplog.at_level("WARNING", logger="orchestrator.cluster"):
+    with caplog.at_level("WARNING", logger="pdcluster.orchestrator.cluster"):
         monitor._mark_failed("decode", 0, TimeoutError(), "poll of rank 0", issued_at_s=27.0)
     assert decode.health.routable and done == []
     assert "ignored a failed call (poll of rank 0: no answer within 3 s) sent 3.00 s before" in caplog.text
@@ -89,7 +96,7 @@ def test_the_monitor_ignores_a_stale_failure_and_applies_the_next_one(caplog):
 def test_errors_for_clients_carry_no_ray_internals():
     """What a client hears (BackendUnavailable, /health) names what happened, not actor ids, pids, IPs."""
     ray = pytest.importorskip("ray")
-    from orchestrator.cluster import describe_error
+    from pdcluster.orchestrator.cluster import describe_error
 
     unavailable = ray.exceptions.ActorUnavailableError("connection lost", b"\x01" * 16)
     assert "0101" in str(unavailable)  # Ray's own text has the actor id

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from orchestrator.deployment import free_ports
-from orchestrator.instance_group import join_instance_group
-from orchestrator.messages import InstanceGroupSpec
+from pdcluster.orchestrator.deployment import free_ports
+from pdcluster.orchestrator.instance_group import join_instance_group
+from pdcluster.orchestrator.messages import InstanceGroupSpec
 
 
 def _spec(

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from engine.parallel import ParallelConfig
-from orchestrator.topology import load_topology
+from pdcluster.engine.parallel import ParallelConfig
+from pdcluster.orchestrator.topology import load_topology
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "clusters"
 

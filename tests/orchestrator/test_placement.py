@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from models import bundled_checkpoint_dir
-from orchestrator.placement import (
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.orchestrator.placement import (
     PACK,
     STRICT_PACK,
     DeviceSlot,
@@ -21,8 +21,8 @@ from orchestrator.placement import (
     plan_placement,
     to_ray_placement_group_args,
 )
-from orchestrator.ray_runtime import init_local_ray
-from orchestrator.topology import (
+from pdcluster.orchestrator.ray_runtime import init_local_ray
+from pdcluster.orchestrator.topology import (
     DEFAULT_TOPOLOGY_PATH,
     DecodePoolConfig,
     HardwareConfig,
@@ -219,7 +219,7 @@ def test_init_local_ray_retries_rays_startup_timeout_once(monkeypatch):
     (`ray.init` and `ray.shutdown` replaced by recorders: the fault is Ray's message, injected.)"""
     import ray
 
-    from orchestrator import ray_runtime
+    from pdcluster.orchestrator import ray_runtime
 
     calls: list[str] = []
     outcomes: list[BaseException | None] = []

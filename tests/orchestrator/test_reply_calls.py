@@ -14,14 +14,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from kvtransfer.base import HandoffMeta
-from kvtransfer.shm_transport.channel import single_packet
-from orchestrator.messages import DecodeNodeLoad, PrefillRequest, PrefillResult, ReserveRequest, ReserveResult
-from orchestrator.rank_calls import RankConnectionLost
-from orchestrator.reply_channel import ReplyListener
-from orchestrator.reply_pusher import ReplyPusher
-from orchestrator.reply_records import (
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.kvtransfer.base import HandoffMeta
+from pdcluster.kvtransfer.shm_transport.channel import single_packet
+from pdcluster.orchestrator.messages import (
+    DecodeNodeLoad,
+    PrefillRequest,
+    PrefillResult,
+    ReserveRequest,
+    ReserveResult,
+)
+from pdcluster.orchestrator.rank_calls import RankConnectionLost
+from pdcluster.orchestrator.reply_channel import ReplyListener
+from pdcluster.orchestrator.reply_pusher import ReplyPusher
+from pdcluster.orchestrator.reply_records import (
     CallAnswer,
     RankCall,
     RankCallRaised,
@@ -30,7 +36,7 @@ from orchestrator.reply_records import (
     call_from_record,
     call_to_record,
 )
-from orchestrator.routing import RouteAndReserve
+from pdcluster.orchestrator.routing import RouteAndReserve
 
 WAIT_S = 10.0  # a bound on one record crossing a local socket and a thread hop on a loaded machine
 SECRET = b"k" * 32
@@ -277,7 +283,7 @@ def test_an_answer_that_finds_no_room_waits_then_gives_up_without_holding_the_pu
 
     try:
         monkeypatch.setattr(pusher, "_sock", Full())
-        monkeypatch.setattr("orchestrator.reply_pusher.select.select", wait)
+        monkeypatch.setattr("pdcluster.orchestrator.reply_pusher.select.select", wait)
         started_s = time.monotonic()
         assert not pusher.push_answer(RESERVE, ReserveResult(BOUND, LOAD), 0.3)
         assert 0.3 <= time.monotonic() - started_s < WAIT_S

@@ -14,14 +14,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvtransfer.base import HandoffMeta
-from kvtransfer.shm_transport.channel import connect
-from kvtransfer.shm_transport.channel import single_packet as _packet
-from orchestrator import reply_channel
-from orchestrator.dispatch import PrefillDone, PrefillFailed
-from orchestrator.health_monitor import _prefill_pending
-from orchestrator.load_board import LoadBoard
-from orchestrator.messages import (
+from pdcluster.kvtransfer.base import HandoffMeta
+from pdcluster.kvtransfer.shm_transport.channel import connect
+from pdcluster.kvtransfer.shm_transport.channel import single_packet as _packet
+from pdcluster.orchestrator import reply_channel
+from pdcluster.orchestrator.dispatch import PrefillDone, PrefillFailed
+from pdcluster.orchestrator.health_monitor import _prefill_pending
+from pdcluster.orchestrator.load_board import LoadBoard
+from pdcluster.orchestrator.messages import (
     DecodeNodeLoad,
     DraftCounts,
     Phases,
@@ -31,9 +31,9 @@ from orchestrator.messages import (
     RequestError,
     TokenDelta,
 )
-from orchestrator.reply_channel import ReplyListener
-from orchestrator.reply_pusher import ReplyPusher
-from orchestrator.reply_records import (
+from pdcluster.orchestrator.reply_channel import ReplyListener
+from pdcluster.orchestrator.reply_pusher import ReplyPusher
+from pdcluster.orchestrator.reply_records import (
     bind_from_record,
     bind_to_record,
     events_from_record,
@@ -42,9 +42,9 @@ from orchestrator.reply_records import (
     result_from_record,
     result_to_record,
 )
-from orchestrator.request_dispatch import RequestDispatch
-from orchestrator.request_state import Attempt
-from orchestrator.router import RankRef
+from pdcluster.orchestrator.request_dispatch import RequestDispatch
+from pdcluster.orchestrator.request_state import Attempt
+from pdcluster.orchestrator.router import RankRef
 
 WAIT_S = 10.0  # a bound on one record crossing a local socket and a thread hop on a loaded machine
 SECRET = b"s" * 32  # a handoff's secret (`HandoffMeta.secret`)
@@ -218,7 +218,7 @@ def test_after_an_early_first_token_the_prefill_call_is_still_waited_on(outcome)
     before its finished result is the attempt's PrefillFailed at once (the instance marked when lost), not
     a wait for decode's lease; a call that returns is the finished result (PrefillDone, for its phases),
     and then the call is no longer waited on."""
-    from orchestrator.routing import RouteAndReserve
+    from pdcluster.orchestrator.routing import RouteAndReserve
 
     early = dataclasses.replace(RESULT, num_drafts=0, last_layer_sent_s=None, handoff_finished=False)
 
@@ -256,7 +256,7 @@ def test_refused_connections_are_logged_once_per_interval_not_once_each(listener
     """A local process looping on connect with a wrong secret does not flood the driver's log: one line per
     `REFUSAL_LOG_INTERVAL_S`, carrying the count."""
     listener, _ = listener
-    caplog.set_level("WARNING", logger="orchestrator.reply_channel")
+    caplog.set_level("WARNING", logger="pdcluster.orchestrator.reply_channel")
     for _ in range(5):
         sock = connect(listener.address).sock
         sock.send(_packet({"k": "hello", "secret": "0" * 32}))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.bench_client import RequestResult, summarize
-from orchestrator.slo import meets_slo, time_per_output_token_s
+from pdcluster.orchestrator.bench_client import RequestResult, summarize
+from pdcluster.orchestrator.slo import meets_slo, time_per_output_token_s
 
 
 @pytest.mark.parametrize(

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from models import bundled_checkpoint_dir
-from orchestrator.cli import main
-from orchestrator.hardware import ACCELERATORS, GIB, get_accelerator
-from orchestrator.topology import (
+from pdcluster.engine.config import EngineConfig
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.orchestrator.cli import main
+from pdcluster.orchestrator.hardware import ACCELERATORS, GIB, get_accelerator
+from pdcluster.orchestrator.topology import (
     DEFAULT_TOPOLOGY_PATH,
     MAX_YAML_BYTES,
     MAX_YAML_DEPTH,
@@ -101,7 +101,7 @@ def only_issue(path: Path) -> TopologyIssue:
 def test_every_shipped_topology_validates(path: Path):
     if "path: null" in path.read_text() or "model:" not in path.read_text():
         if not HAVE_BUNDLED:
-            pytest.skip("the bundled checkpoint (python -m models.train_tiny) is not written yet")
+            pytest.skip("the bundled checkpoint (python -m pdcluster.models.train_tiny) is not written yet")
     topology = load_topology(path)
     assert topology.name == path.stem
     for role in ("prefill", "decode"):
@@ -143,7 +143,7 @@ def test_cm384_is_big_ep_decode_on_910c_dies():
 def test_every_engine_argument_is_derived_from_the_topology_or_deliberately_defaulted():
     import dataclasses
 
-    from orchestrator.topology.engine_args import (
+    from pdcluster.orchestrator.topology.engine_args import (
         ENGINE_DEFAULTED,
         ENGINE_FIELDS,
         POOL_DEPLOYMENT_FIELDS,
@@ -309,8 +309,8 @@ def test_every_integer_field_has_both_bounds():
     import dataclasses
     import typing
 
-    from orchestrator import topology as t
-    from orchestrator.topology.fields import unwrap_optional
+    from pdcluster.orchestrator import topology as t
+    from pdcluster.orchestrator.topology.fields import unwrap_optional
 
     classes = [t.HardwareConfig, t.PrefillPoolConfig, t.DecodePoolConfig, t.KVTransferConfig, t.ApiConfig]
     for cls in classes:
@@ -321,8 +321,8 @@ def test_every_integer_field_has_both_bounds():
 
 
 def test_router_policy_choices_are_the_router_modules_policies():
-    from orchestrator.router import POLICIES
-    from orchestrator.topology import RouterConfig
+    from pdcluster.orchestrator.router import POLICIES
+    from pdcluster.orchestrator.topology import RouterConfig
 
     for name in POLICIES:
         assert RouterConfig(policy=name).policy == name

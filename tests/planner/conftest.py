@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import pytest
 
-from orchestrator.cli import main
+from pdcluster.orchestrator.cli import main
 from tests.conftest import eager_topology_file
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,11 +8,16 @@ import json
 
 import pytest
 
-from orchestrator.bench_client import RequestResult
-from orchestrator.trace import TraceRequest
-from planner.calibration import FORMAT
-from planner.control_plane import ControlPlane, control_plane_from_calibration, derive, point_from_result
-from planner.simulator import simulate
+from pdcluster.orchestrator.bench_client import RequestResult
+from pdcluster.orchestrator.trace import TraceRequest
+from pdcluster.planner.calibration import FORMAT
+from pdcluster.planner.control_plane import (
+    ControlPlane,
+    control_plane_from_calibration,
+    derive,
+    point_from_result,
+)
+from pdcluster.planner.simulator import simulate
 from tests.planner.test_simulator import LinearModel, sizing, topology
 
 TOL_S = 1e-9

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from models import bundled_checkpoint_dir
-from models.config import DeepseekV3Config
-from models.deepseek_v3 import DeepseekV3ForCausalLM
-from planner.memory import resident_params
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.config import DeepseekV3Config
+from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM
+from pdcluster.planner.memory import resident_params
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,6 @@
 """FLOP and byte counts of each op against values computed by hand (in the comments) for the bundled tiny
-config (models/tiny/config.json) and DeepSeek-V3's public config (clusters/models/deepseek-v3.config.json).
+config (pdcluster/models/tiny/config.json) and DeepSeek-V3's public config
+(clusters/models/deepseek-v3.config.json).
 
 Counts are sums of products of integers held in floats below 2**53, so they compare exactly.
 """
@@ -10,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from models import bundled_checkpoint_dir
-from models.config import DeepseekV3Config
-from planner import op_costs as oc
-from planner.op_costs import Dtypes, RankWork
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.config import DeepseekV3Config
+from pdcluster.planner import op_costs as oc
+from pdcluster.planner.op_costs import Dtypes, RankWork
 
 ROOT = Path(__file__).resolve().parents[2]
 BF16 = Dtypes("bfloat16", "bfloat16", "bfloat16")
@@ -158,9 +159,9 @@ def test_v3_each_op_by_hand(v3):
 def test_v3_active_parameters_per_token(v3):
     """One token's GEMM FLOPs / 2 are the active parameters without the embedding: the report's 37B
     (DeepSeek-V3 technical report, arXiv:2412.19437, section 1) less the 0.93B embedding table."""
-    from orchestrator.hardware import get_accelerator
-    from planner.perf_model import PerfModel
-    from planner.step_model import DecodeRow, StepShape
+    from pdcluster.orchestrator.hardware import get_accelerator
+    from pdcluster.planner.perf_model import PerfModel
+    from pdcluster.planner.step_model import DecodeRow, StepShape
 
     model = PerfModel(v3, get_accelerator("h800"), ep_imbalance=1.0)
     ops = model.ops(StepShape(decode=(DecodeRow(1),)))
@@ -186,9 +187,9 @@ def test_tiny_decode_step_op_list(tiny):
     """Every op of one tiny decode step with MTP k=1 (1 row, 2 verified tokens), with its layer count:
     1 dense + 3 MoE layers (first_k_dense_replace 1), then the MTP module (an MoE layer) over the 2
     verified positions and one draft's lm_head."""
-    from orchestrator.hardware import get_accelerator
-    from planner.perf_model import PerfModel
-    from planner.step_model import DecodeRow, StepShape
+    from pdcluster.orchestrator.hardware import get_accelerator
+    from pdcluster.planner.perf_model import PerfModel
+    from pdcluster.planner.step_model import DecodeRow, StepShape
 
     f32 = Dtypes("float32", "float32", "float32")
     model = PerfModel(tiny, get_accelerator("cpu"), dtypes=f32, ep_imbalance=1.0)

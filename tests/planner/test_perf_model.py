@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from models.config import DeepseekV3Config
-from orchestrator.efficiency import get_efficiency
-from orchestrator.hardware import get_accelerator
-from orchestrator.topology import load_topology
-from planner.calibration import FORMAT, load_calibration
-from planner.op_costs import Dtypes
-from planner.perf_model import Link, Parallelism, PerfModel, perf_model_for, statistical_imbalance
-from planner.rank_split import attention_sums, decode_sums
-from planner.step_model import DecodeRow, PrefillChunk, StepShape
+from pdcluster.models.config import DeepseekV3Config
+from pdcluster.orchestrator.efficiency import get_efficiency
+from pdcluster.orchestrator.hardware import get_accelerator
+from pdcluster.orchestrator.topology import load_topology
+from pdcluster.planner.calibration import FORMAT, load_calibration
+from pdcluster.planner.op_costs import Dtypes
+from pdcluster.planner.perf_model import Link, Parallelism, PerfModel, perf_model_for, statistical_imbalance
+from pdcluster.planner.rank_split import attention_sums, decode_sums
+from pdcluster.planner.step_model import DecodeRow, PrefillChunk, StepShape
 
 ROOT = Path(__file__).resolve().parents[2]
 FP8 = Dtypes("fp8", "bfloat16", "bfloat16")
@@ -193,7 +193,7 @@ def test_kv_link_factors_apply_only_to_the_transport_they_were_measured_over(
     factors = {"gemm_compute": 0.25, "kv_link": 0.125, "handoff_overhead_s": 0.002}
     doc = {"format": FORMAT, "accelerator": "cpu", "factors": factors, "kv_transfer": {"transport": "shm"}}
     path.write_text(json.dumps(doc))
-    with caplog.at_level("WARNING", logger="planner.calibration"):
+    with caplog.at_level("WARNING", logger="pdcluster.planner.calibration"):
         eff = load_calibration(path, base, accelerator="cpu", kv_transport=topology_transport)
     assert eff.gemm_compute.value == 0.25
     if applied:
@@ -206,7 +206,7 @@ def test_kv_link_factors_apply_only_to_the_transport_they_were_measured_over(
 def test_nnls_solves_and_clips():
     import numpy as np
 
-    from planner.profiling import nnls
+    from pdcluster.planner.profiling import nnls
 
     a = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
     assert np.allclose(nnls(a, np.array([3.0, 5.0, 7.0])), [1.0, 2.0])  # y = 1 + 2 x exactly
@@ -217,7 +217,7 @@ def test_nnls_solves_and_clips():
 def test_node_forwarding_sends_a_token_once_per_destination_node(v3):
     """EP32 over 4 nodes of 8: a token's 8 experts land on 4 (1 - (3/4)^8) = 3.60 nodes on average, 3/4 of
     them remote: 2.70 hidden states per token over IB instead of 8 x 31/32 = 7.75 point to point."""
-    from planner.comm_costs import ep_layer_s
+    from pdcluster.planner.comm_costs import ep_layer_s
 
     ib, nvlink = Link(50e9, 0.0, "inter_node"), Link(160e9, 0.0, "intra_node")
     args = (v3, 32, 1000.0, 8000.0, 1.0, 3, ib, 1.0)

@@ -6,8 +6,8 @@ import json
 import re
 from pathlib import Path
 
-from orchestrator.cli import main
-from orchestrator.topology import load_topology
+from pdcluster.orchestrator.cli import main
+from pdcluster.orchestrator.topology import load_topology
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE = "AzureLLMInferenceTrace_conv.csv"

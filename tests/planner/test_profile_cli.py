@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import main
-from orchestrator.topology import load_topology
-from planner.calibration import FORMAT, read_calibration
-from planner.control_plane import ControlPlane, control_plane_from_calibration
-from planner.perf_model import perf_model_for
-from planner.step_model import DecodeRow, StepShape
+from pdcluster.orchestrator.cli import main
+from pdcluster.orchestrator.topology import load_topology
+from pdcluster.planner.calibration import FORMAT, read_calibration
+from pdcluster.planner.control_plane import ControlPlane, control_plane_from_calibration
+from pdcluster.planner.perf_model import perf_model_for
+from pdcluster.planner.step_model import DecodeRow, StepShape
 
 ROOT = Path(__file__).resolve().parents[2]
 

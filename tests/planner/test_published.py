@@ -9,8 +9,8 @@ import json
 import pytest
 
 from bench import planner_published as pub
-from models.config import DeepseekV3Config
-from orchestrator.efficiency import EFFICIENCY
+from pdcluster.models.config import DeepseekV3Config
+from pdcluster.orchestrator.efficiency import EFFICIENCY
 
 
 def test_every_row_is_predicted_and_compared(capsys):

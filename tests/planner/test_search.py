@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import main
-from orchestrator.preflight import actor_layer_issues
-from orchestrator.topology import check_topology, load_topology
-from orchestrator.trace import TraceRequest
-from planner.search import (
+from pdcluster.orchestrator.cli import main
+from pdcluster.orchestrator.preflight import actor_layer_issues
+from pdcluster.orchestrator.topology import check_topology, load_topology
+from pdcluster.orchestrator.trace import TraceRequest
+from pdcluster.planner.search import (
     Evaluated,
     candidate_topologies,
     describe,
@@ -21,8 +21,8 @@ from planner.search import (
     search,
     spread_counts,
 )
-from planner.simulator import SimResult
-from planner.workload import repeat_trace
+from pdcluster.planner.simulator import SimResult
+from pdcluster.planner.workload import repeat_trace
 
 REPO = Path(__file__).resolve().parents[2]
 CM384 = REPO / "clusters" / "cm384.yaml"
@@ -154,7 +154,7 @@ def test_plan_yaml_is_a_topology_pdcluster_validate_accepts(tmp_path, capsys):
 
 
 def test_repeat_trace_keeps_the_rate():
-    from orchestrator.trace import load_trace
+    from pdcluster.orchestrator.trace import load_trace
 
     trace = load_trace("AzureLLMInferenceTrace_conv.csv", 100)
     repeated = repeat_trace(trace, 250)
@@ -167,7 +167,7 @@ def test_repeat_trace_keeps_the_rate():
 
 
 def test_pareto_frontier_keeps_candidates_no_other_beats_on_both():
-    from planner.report import pareto_frontier
+    from pdcluster.planner.report import pareto_frontier
 
     base = load_topology(REPO / "clusters" / "local-1p2d.yaml")
     points = [

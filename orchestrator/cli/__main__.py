@@ -1,7 +1,0 @@
-"""`python -m orchestrator.cli`: the `pdcluster` command."""
-
-import sys
-
-from orchestrator.cli import main
-
-sys.exit(main())

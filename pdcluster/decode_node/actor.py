@@ -1,0 +1,584 @@
+"""`DecodeNode`: the decode role, a thin shell around one `LLMEngine` and one `KVReceiver`.
+
+The driver (`orchestrator.cluster.Cluster`) wraps the class with `ray.remote` and places it in its
+instance's placement group. A disaggregated request on this node:
+
+    reserve(ReserveRequest)    (a Ray call, or on the driver's host a record on the reply connection,
+                               `RankActor._take_call`, answered there)
+                               engine.reserve_remote_prefill (blocks for prompt + first token + drafts),
+                               then receiver.expect(meta, on_layer=write into the reserved slots), whose
+                               bound meta (with the handoff's secret) goes back to the driver for the chosen
+                               prefill instance only; a waiter thread blocks in receiver.wait(lease)
+    (prefill streams layers)   on_layer -> engine.write_prompt_kv (the transport's receive thread)
+    wait returns               the engine thread admits it (first token + drafts; greedy or sampled drafts
+                               with their probabilities) and steps it with the running batch; while
+                               max_num_seqs requests run, it waits for a seat (blocks held, first token
+                               already streamed)
+    wait raises                receiver.release + engine.release_remote_prefill: no block stays held;
+                               a `RequestError` event tells the driver, which may re-dispatch
+    poll(timeout_s)            the driver's one call per node: token deltas and errors of every request
+                               (`poll_with_load`: with the rank's load snapshot, which is what routes);
+                               on the driver's host each pass's events are also pushed to it as they are
+                               emitted (`connect_reply_channel`, `orchestrator.reply_channel`), and a
+                               poll then returns early only for events that were not pushed
+
+Locks (both `FairLock`s, granted in request order; taken in this order): `_engine_lock`, held by the
+engine thread for each pass (admissions, the step, its events) and by every call that touches the engine,
+so an abort or a received handoff's admission waits for the step in progress at most, never for the steps
+after it; `_alloc_lock`, held with it, except that the engine thread lets it go while its step's forward,
+sampling and drafting run (`LLMEngine.step`'s `while_executing`): a reserve takes only `_alloc_lock`, so it
+allocates its fresh blocks while a step executes instead of waiting for the step to end (unless that step
+has run for half the driver's reserve timeout: then it waits for it, and a hung step still takes the rank
+out of routing). Layer writes go to reserved blocks no scheduled request uses. `_events_lock` (the event
+queue, and the push to the driver under it: a non-blocking send) is taken last and never waits for the
+others.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from pdcluster.decode_node.deltas import Handoff, token_delta
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.llm import EngineStepError, RequestOutput
+from pdcluster.kvtransfer.base import HandoffMeta, KVReceiver, KVTransferError, ReceivedKV, ReceivedLayer
+from pdcluster.kvtransfer.paired import PairedAddress
+from pdcluster.orchestrator.dispatch import call_timeout_s
+from pdcluster.orchestrator.fair_lock import FairLock
+from pdcluster.orchestrator.messages import (
+    DecodeEvent,
+    DecodeNodeLoad,
+    InstanceGroupSpec,
+    NodeReady,
+    Phases,
+    PolledEvent,
+    PollReply,
+    RequestError,
+    ReserveRequest,
+    ReserveResult,
+    TokenDelta,
+)
+from pdcluster.orchestrator.rank_actor import LOCKSTEP_IDLE_S, RankActor
+from pdcluster.orchestrator.reply_pusher import ReplyPusher
+
+if TYPE_CHECKING:
+    from pdcluster.kvtransfer.grpc_transport import TLSCredentials
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeNode(RankActor):
+    """One decode rank (of an instance of one or more). `host`: address its gRPC receiver binds (grpc
+    transport; the shm transport's socket is a path on this host); `group`: how it joins its instance's
+    group (`RankActor`; None: a single-rank instance)."""
+
+    # "admit" (admitting a handoff), "step" (the engine step), "delta" (turning a step output into an
+    # event), "loop" (the loop body, outside any request)
+    FAULT_POINTS = ("admit", "step", "delta", "loop")
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        name: str,
+        host: str = "127.0.0.1",
+        group: InstanceGroupSpec | None = None,
+    ) -> None:
+        super().__init__(engine_config, name, group)
+        self.host = host
+        self.receiver: KVReceiver | None = None
+        self._engine_lock = FairLock()  # see the module docstring
+        self._alloc_lock = FairLock()
+        self._step_started_s: float | None = None  # monotonic start of the engine step in progress
+        self._events_lock = threading.Condition()
+        self._events: collections.deque[PolledEvent] = collections.deque()  # unacknowledged
+        self._next_seq = 0
+        self._pusher: ReplyPusher | None = None  # connect_reply_channel
+        self._pushed_through = 0  # every event up to this seq was pushed or acknowledged by a poll
+        self._admissions: list[tuple[str, ReceivedKV]] = []  # received, admitted by the engine thread next
+        self._handoffs: dict[str, Handoff] = {}  # admitted, until finished or failed
+        self._received_at_s: dict[str, float] = {}  # received, not yet admitted: when wait returned
+        self._wakeup = threading.Event()
+        self._delays: dict[str, list[float]] = {}  # test-only: inject_delay
+        self._delays_released = threading.Event()  # test-only: release_delays ends the delays at once
+        self._start_engine_thread()
+
+    # ---- wiring -----------------------------------------------------------------------------------------
+    @property
+    def _int8_cache(self) -> bool:
+        """An int8 KV cache: the receiver hands an int8 wire's values and scales through as they are."""
+        return self.engine.config.kv_cache_dtype == "int8"
+
+    def ready(self) -> NodeReady:
+        """Name, process id, load time and what `compile` did, once the engine is loaded (weights read and,
+        with `compile`, the decode forward compiled: Ray runs no call before the constructor returns)."""
+        num_blocks = self.engine.scheduler.block_manager.num_blocks
+        return NodeReady(self.name, os.getpid(), self.load_s, num_blocks, compile=self.engine.compile_stats())
+
+    def start_grpc(self, tls: TLSCredentials | None = None) -> str:
+        """Start the gRPC receiver on a free port of `host` (mutual TLS with `tls`); returns the address
+        prefill senders use."""
+        from pdcluster.kvtransfer.grpc_transport import KVReceiverServer
+
+        server = KVReceiverServer(
+            self.host, 0, int8_passthrough=self._int8_cache, max_concurrent_streams=64, tls=tls
+        )
+        self._set_receiver(server)
+        return server.address
+
+    def start_shm(self) -> str:
+        """Start the shared-memory receiver (prefill on this host only); returns its socket path, the
+        address prefill senders connect to."""
+        from pdcluster.kvtransfer.shm_transport import ShmKVReceiver
+
+        receiver = ShmKVReceiver(int8_passthrough=self._int8_cache)
+        self._set_receiver(receiver)
+        return receiver.address
+
+    def start_paired(self) -> PairedAddress:
+        """Start the shm receiver and the gRPC server over one set of reservations (`shm+grpc`: prefill on
+        this node takes the first, prefill elsewhere the second, `kvtransfer.paired`); returns both
+        addresses and this node's id, the gRPC one at this node's IP when bound to all interfaces."""
+        from pdcluster.kvtransfer.paired import PairedReceiver
+
+        receiver = PairedReceiver(self.host, int8_passthrough=self._int8_cache, max_concurrent_streams=64)
+        self._set_receiver(receiver)
+        address = receiver.address
+        if self.host in ("0.0.0.0", "", "::", "[::]"):
+            address = address.with_grpc_host(self.node_ip())
+        return address
+
+    def _set_receiver(self, receiver: KVReceiver) -> None:
+        """Listen with `receiver` from now on; one started earlier in this process (a rewire that failed
+        after starting it, then retried) is closed, not leaked."""
+        old, self.receiver = self.receiver, receiver
+        if old is not None:
+            try:
+                old.close()
+            except Exception:  # noqa: BLE001 - the new receiver is up; the old one is best effort
+                logger.exception("%s: closing the previous receiver failed", self.name)
+
+    def start_receiver(self, transport: str, tls: TLSCredentials | None = None) -> str | PairedAddress:
+        """`start_grpc(tls)`, `start_shm()` or `start_paired()` by `transport` (`grpc` / `shm` /
+        `shm+grpc`); returns the address."""
+        if transport == "shm":
+            return self.start_shm()
+        if transport == "shm+grpc":
+            return self.start_paired()
+        if transport != "grpc":
+            raise ValueError(
+                f"transport: a decode receiver listens for grpc, shm or shm+grpc, got {transport!r}"
+            )
+        return self.start_grpc(tls)
+
+    def node_ip(self) -> str:
+        """This actor's node IP (what prefill senders dial when the receiver binds 0.0.0.0)."""
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def connect_dist(self, rank: int, world_size: int, init_method: str, prefill_ranks: list[int]) -> None:
+        """Join the transfer process group (collective) and listen to every prefill rank."""
+        from pdcluster.kvtransfer.dist_transport import (
+            DistKVReceiver,
+            DistTransportConfig,
+            init_transport_group,
+        )
+
+        config = DistTransportConfig.for_device(self.engine.config.device)
+        init_transport_group(config, rank=rank, world_size=world_size, init_method=init_method)
+        self.receiver = DistKVReceiver(prefill_ranks, config, int8_passthrough=self._int8_cache)
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def reserve(self, request: ReserveRequest) -> ReserveResult:
+        """Reserve blocks and expect the handoff (before prefill starts). Returns the request's meta bound
+        to the reservation (with the secret the prefill sender must present: give it to that prefill
+        instance only), or no meta: no room right now.
+
+        Raises:
+            ValueError: a request this instance could never hold.
+        """
+        assert self.receiver is not None, "connect a transport first"
+        self._maybe_delay("before_reserve")
+        engine = self.engine
+        handoff_id, meta = request.handoff_id, request.meta
+        with self._reserve_lock(meta.lease_s):
+            reserved = engine.reserve_remote_prefill(
+                handoff_id, list(request.prompt_token_ids), request.params, request.num_draft_tokens
+            )
+            if not reserved:
+                return ReserveResult(None, self.load())
+
+        def on_layer(layer_idx: int, layer: ReceivedLayer) -> None:
+            engine.write_prompt_kv(handoff_id, layer_idx, layer.latent, layer.scale)
+
+        try:
+            bound = self.receiver.expect(meta, on_layer)
+        except Exception:
+            with self._alloc_lock:
+                engine.release_remote_prefill(handoff_id)
+            raise
+        threading.Thread(target=self._await_handoff, args=(meta,), daemon=True).start()
+        self._maybe_delay("after_reserve")
+        return ReserveResult(bound, self.load())
+
+    def abort(self, handoff_id: str) -> None:
+        """Drop the request wherever it is (reserved or running); frees its blocks. Unknown ids: no-op."""
+        assert self.receiver is not None
+        self.receiver.release(handoff_id)  # no on_layer runs after this
+        with self._locked():
+            self._admissions = [(rid, kv) for rid, kv in self._admissions if rid != handoff_id]
+            self._received_at_s.pop(handoff_id, None)
+            self.engine.release_remote_prefill(handoff_id)
+            self.engine.abort_request(handoff_id)
+            self.engine.pop_finished_outputs([handoff_id])  # aborted: no output
+            self._handoffs.pop(handoff_id, None)
+
+    def connect_reply_channel(self, address: str, secret: str, who: str) -> None:
+        """Push each engine pass's events, with the load, to the driver's socket at `address` too (it is on
+        this host), presenting `secret` and this incarnation's tag `who` (`orchestrator.reply_channel`),
+        and take the driver's reserves on that connection (`RankActor._take_call`). Events not acknowledged
+        yet go with the next pass's push. Replaces an earlier connection. Raises OSError when the socket
+        cannot be reached."""
+        pusher = ReplyPusher(address, secret, who, on_call=self._take_call)
+        with self._events_lock:
+            old, self._pusher = self._pusher, pusher
+        if old is not None:
+            old.close()
+
+    def _call_method(self, call: Any) -> Any:
+        """A reserve sent on the reply connection (`RankActor._take_call`) is served by `reserve`."""
+        if isinstance(call, ReserveRequest):
+            return self.reserve
+        return super()._call_method(call)
+
+    def _answer_lost(self, call: Any, outcome: Any) -> None:
+        """A reservation the driver never learns of is released at once."""
+        if isinstance(outcome, ReserveResult) and outcome.reserved:
+            self.abort(call.handoff_id)
+
+    def poll(self, timeout_s: float = 0.05, acked_seq: int = 0) -> list[PolledEvent]:
+        """Every event after `acked_seq` (seq counts from 1): a `TokenDelta` or a `RequestError` per event.
+        Waits up to `timeout_s` seconds for one that was not pushed to the driver (`connect_reply_channel`;
+        without it, for any event). Events up to `acked_seq` are dropped; later ones are kept until a poll
+        acknowledges them, so neither a reply the driver stopped waiting for (a timed-out poll) nor a push
+        that did not arrive loses anything.
+        """
+        deadline_s = time.monotonic() + timeout_s
+        with self._events_lock:
+            while self._events and self._events[0].seq <= acked_seq:
+                self._events.popleft()
+            # The driver has every event through acked_seq (a number past the last event is another
+            # incarnation's: a restarted rank's first poll may still carry its predecessor's).
+            self._pushed_through = max(self._pushed_through, min(acked_seq, self._next_seq))
+            while self._next_seq <= self._pushed_through:  # nothing the driver could lack
+                remaining_s = deadline_s - time.monotonic()
+                if remaining_s <= 0 or self._stopped.is_set():
+                    break
+                self._events_lock.wait(remaining_s)
+            return list(self._events)
+
+    def poll_with_load(self, timeout_s: float = 0.05, acked_seq: int = 0) -> PollReply:
+        """`poll(timeout_s, acked_seq)` and this rank's `load()` taken as the reply leaves (the router's
+        view without a `load` call per request: `orchestrator.load_board`)."""
+        events = self.poll(timeout_s, acked_seq)
+        return PollReply(events, self.load())
+
+    def load(self) -> DecodeNodeLoad:
+        """Cheap snapshot for the router: free KV blocks, batch size, reservations and admitted requests
+        waiting for a seat in the batch."""
+        scheduler = self.engine.scheduler
+        bm = scheduler.block_manager
+        return DecodeNodeLoad(
+            name=self.name,
+            pid=os.getpid(),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            num_running=len(scheduler.running),
+            num_reserved=len(scheduler.reserved),
+            num_waiting_for_seat=len(scheduler.waiting_for_seat),
+            **self._engine_health(),
+            taken_s=time.monotonic(),
+        )
+
+    def inject_delay(self, where: str, seconds: float, count: int = 1) -> None:
+        """Test-only: the next `count` passes through `where` wait `seconds` (holding no lock), or until
+        `release_delays`: "before_reserve" (a reply that comes late because the reservation does: an abort
+        sent meanwhile overtakes it), "after_reserve" (the reservation is made, its reply comes late), or
+        "before_admit" (a handoff is received; its admission comes late)."""
+        if where not in ("before_reserve", "after_reserve", "before_admit"):
+            raise ValueError(f"unknown delay point {where!r}")
+        with self._locked():
+            self._delays_released.clear()
+            self._delays.setdefault(where, []).extend([seconds] * count)
+
+    def release_delays(self) -> None:
+        """Test-only: end the injected delays now (those in progress and those armed)."""
+        self._delays_released.set()
+
+    def check_no_leaks(self) -> dict[str, Any]:
+        """For tests: blocks held, reservations and unfinished requests once nothing is in flight."""
+        with self._locked():
+            scheduler = self.engine.scheduler
+            bm = scheduler.block_manager
+            return {
+                "num_used_blocks": bm.num_blocks - bm.num_free_blocks,
+                "num_reserved": len(scheduler.reserved),
+                "num_unfinished": len(scheduler.requests),
+                "pending_handoffs": [] if self.receiver is None else self.receiver.pending_request_ids(),
+            }
+
+    def num_kv_segments(self) -> int:
+        """For tests: shared-memory segments the shm receiver maps (its pools; 0 for other transports)."""
+        return int(getattr(self.receiver, "num_segments", 0))
+
+    def close(self) -> None:
+        self._stop_engine_thread()
+        with self._events_lock:
+            pusher, self._pusher = self._pusher, None
+        if pusher is not None:
+            pusher.close()
+        self._close_call_threads()
+        if self.receiver is not None:
+            try:
+                self.receiver.close()
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                logger.exception("%s: closing the receiver failed", self.name)
+
+    # ---- threads ----------------------------------------------------------------------------------------
+    def _await_handoff(self, meta: HandoffMeta) -> None:
+        assert self.receiver is not None
+        handoff_id = meta.request_id
+        try:
+            received = self.receiver.wait(handoff_id, meta.lease_s)
+        except Exception as e:  # noqa: BLE001 - KVTransferError, KeyError, or a transport bug: never hang
+            if not isinstance(e, KVTransferError | KeyError):
+                logger.exception("%s: waiting for handoff %s failed", self.name, handoff_id)
+            self.receiver.release(handoff_id)
+            with self._locked():
+                released = self.engine.release_remote_prefill(handoff_id)
+                self._handoffs.pop(handoff_id, None)
+            if released:  # not already aborted
+                self._emit([RequestError(handoff_id, f"{type(e).__name__}: {e}")])
+            return
+        self._maybe_delay("before_admit")
+        received_at_s = time.monotonic()
+        with self._locked():
+            if handoff_id in self.engine.scheduler.reserved:
+                self._admissions.append((handoff_id, received))
+                self._received_at_s[handoff_id] = received_at_s
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        """The engine thread. Any exception becomes a `RequestError` event for the requests it touches,
+        logged with its traceback; their blocks are freed and the loop goes on. It never dies silently.
+        A request whose own sampling fails, or a step whose execution fails (`EngineStepError`), fails
+        only the requests concerned (the step's); the others run on. Only an exception the engine cannot
+        tie to requests (scheduling, the loop itself: state unknown) fails every in-flight request.
+        In lockstep (an expert-parallel rank) it steps even with nothing to run, after a short wait
+        (`LOCKSTEP_IDLE_S`), since the other ranks' MoE collectives need this one."""
+        engine = self.engine
+        while not self._stopped.is_set():
+            if self._group_error is not None:  # the instance cannot step any more: fail what comes
+                self._wakeup.wait(0.05)
+                self._wakeup.clear()
+                with self._locked():
+                    events = self._fail_all(f"{self.name}: instance group failed: {self._group_error}")
+                self._emit(events)
+                continue
+            if not engine.has_unfinished_requests() and not self._admissions and not self._faults_armed():
+                self._wakeup.wait(LOCKSTEP_IDLE_S if self.lockstep else 0.05)
+                self._wakeup.clear()
+                if not self.lockstep:
+                    continue
+            events: list[DecodeEvent] = []
+            try:
+                with self._locked():
+                    self._maybe_fault("loop")
+                    self._run_once(events)
+                    self._refresh_ep_summary()
+            except Exception as e:  # noqa: BLE001 - the last line of defence: fail everything in flight
+                self._loop_error(e, "decode engine loop failed")
+                with self._locked():
+                    events.extend(self._fail_all(f"decode engine loop failed: {e!r}"))
+            self._emit(events)
+
+    def _run_once(self, events: list[DecodeEvent]) -> None:
+        """One pass under the engine lock: admit finished handoffs, step, turn outputs into events."""
+        engine = self.engine
+        admissions, self._admissions = self._admissions, []
+        for handoff_id, received in admissions:
+            try:
+                events.extend(self._admit(handoff_id, received))
+            except Exception as e:  # noqa: BLE001 - fails this request only
+                self._loop_error(e, f"admitting {handoff_id} failed")
+                events.append(self._fail(handoff_id, f"decode admission failed: {e!r}"))
+        self._emit(list(events))  # the first tokens go to the driver now, not after the step below
+        events.clear()
+        # Requests the first token finished at admission (max_tokens=1, EOS): nothing is left to step
+        # for them, so their final output is taken now rather than with a step that may never come.
+        outputs: list[RequestOutput] = engine.pop_finished_outputs()
+        if engine.has_unfinished_requests() or self.lockstep:
+            try:
+                self._maybe_fault("step")
+                self._step_started_s = time.monotonic()
+                try:
+                    outputs.extend(engine.step(while_executing=self._reserves_allowed))
+                finally:
+                    self._step_started_s = None
+            except EngineStepError as e:  # the step's requests are finished with an error; others go on
+                self._loop_error(e, "engine step failed")
+                outputs.extend(e.outputs)
+                if self._group_failed(e):  # a peer rank died or stalled: nothing here can step again
+                    events.extend(self._fail_all(f"decode step failed: {e}"))
+            except Exception as e:  # noqa: BLE001 - not tied to requests: the engine state is unknown
+                self._loop_error(e, "engine step failed")
+                self._group_failed(e)
+                events.extend(self._fail_all(f"decode step failed: {e!r}"))
+        for out in outputs:
+            try:
+                self._maybe_fault("delta")
+                events.extend(self._delta(out))
+            except Exception as e:  # noqa: BLE001 - fails this request only
+                self._loop_error(e, f"reporting {out.request_id} failed")
+                events.append(self._fail(out.request_id, f"decode output failed: {e!r}"))
+
+    def _fail(self, handoff_id: str, message: str) -> RequestError:
+        """Under the engine lock: drop the request wherever it is (receiver, reservation, batch, finished
+        outputs not yet reported), free its blocks, and return its error event."""
+        assert self.receiver is not None
+        try:
+            self.receiver.release(handoff_id)
+        except Exception:  # noqa: BLE001 - still free the engine side
+            logger.exception("%s: releasing handoff %s failed", self.name, handoff_id)
+        self._admissions = [(rid, kv) for rid, kv in self._admissions if rid != handoff_id]
+        self._received_at_s.pop(handoff_id, None)
+        self.engine.release_remote_prefill(handoff_id)
+        self.engine.abort_request(handoff_id)
+        self.engine.pop_finished_outputs([handoff_id])
+        self._handoffs.pop(handoff_id, None)
+        return RequestError(handoff_id, message)
+
+    def _fail_all(self, message: str) -> list[RequestError]:
+        """Under the engine lock: fail every request admitted on this rank (running, received and waiting to
+        be admitted, or finished and not yet reported); reservations still waiting for their handoff are
+        left to their waiters."""
+        scheduler = self.engine.scheduler
+        ids = set(scheduler.requests) | set(self._handoffs)
+        ids |= {rid for rid, _ in self._admissions}
+        ids |= {out.request_id for out in self.engine.pop_finished_outputs()}
+        return [self._fail(rid, message) for rid in sorted(ids)]
+
+    def _maybe_delay(self, where: str) -> None:
+        if not self._delays.get(where):  # the usual case: no engine lock taken
+            return
+        with self._locked():
+            delays = self._delays.get(where)
+            seconds = delays.pop(0) if delays else 0.0
+        if seconds and not self._delays_released.is_set():
+            self._delays_released.wait(seconds)
+
+    def _wake_engine_thread(self) -> None:
+        self._wakeup.set()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Both locks, in order: the engine to this thread alone (a step never runs meanwhile)."""
+        with self._engine_lock, self._alloc_lock:
+            yield
+
+    def _reserve_lock(self, kv_timeout_s: float) -> AbstractContextManager[Any]:
+        """What a reserve takes: `_alloc_lock` alone, so it is served while a step executes; both locks (it
+        waits for the step, as every other call does) once the step in progress has run for half the
+        driver's reserve timeout (`orchestrator.dispatch.call_timeout_s` of `kv_timeout_s`, the handoff's
+        lease), so a rank whose step hangs stops answering reserves and the driver takes it out of routing
+        (a reserve that times out marks its instance failed)."""
+        started_s = self._step_started_s
+        if started_s is not None and time.monotonic() - started_s > call_timeout_s(kv_timeout_s) / 2:
+            return self._locked()
+        return self._alloc_lock
+
+    @contextlib.contextmanager
+    def _reserves_allowed(self) -> Iterator[None]:
+        """The engine thread, inside its step while the forward runs (`LLMEngine.step`'s
+        `while_executing`): `_alloc_lock` is free for reserves meanwhile, and taken back before the step
+        commits its tokens (after any reserve already waiting)."""
+        self._alloc_lock.release()
+        try:
+            yield
+        finally:
+            self._alloc_lock.acquire()
+
+    def _admit(self, handoff_id: str, received: ReceivedKV) -> list[TokenDelta]:
+        assert self.receiver is not None
+        extras = received.extras
+        self.receiver.release(handoff_id)
+        now_s = time.monotonic()
+        received_at_s = self._received_at_s.pop(handoff_id, now_s)
+        handoff = Handoff(
+            received.elapsed_s,
+            int(received.num_wire_bytes),
+            admitted_at_s=now_s,
+            admit_s=now_s - received_at_s,
+        )
+        self._handoffs[handoff_id] = handoff
+        self._maybe_fault("admit")
+        self.engine.admit_remote_prefill(
+            handoff_id, extras.first_token_id, extras.draft_token_ids, extras.draft_probs
+        )
+        request = self.engine.scheduler.get_request(handoff_id)
+        if request is None:  # the first token finished it: `_run_once` pops its output right after
+            return []
+        # The first token streams at once, with its text (the driver drops it when the prefill call's reply
+        # streamed it first); the engine reports the token again (its text not) with the next step's output.
+        handoff.num_sent = 1
+        return [
+            TokenDelta(
+                handoff_id,
+                (extras.first_token_id,),
+                phases=Phases(kv_transfer_s=handoff.kv_transfer_s, admit_s=handoff.admit_s),
+                kv_transfer_bytes=handoff.kv_transfer_bytes,
+                new_text=self.engine.take_new_text(handoff_id),
+            )
+        ]
+
+    def _delta(self, out: RequestOutput) -> list[DecodeEvent]:
+        rid = out.request_id
+        if out.finish_reason == "error":  # failed alone in the engine (its sampling, or its step)
+            return [self._fail(rid, f"decode failed: {out.error}")]
+        delta = token_delta(out, self._handoffs.get(rid))
+        if out.finished:
+            self._handoffs.pop(rid, None)
+        return [delta]
+
+    def _emit(self, events: list[DecodeEvent]) -> None:
+        """Number `events`, keep them for the poll, and push every event neither pushed nor acknowledged yet
+        (these, and any a failed push left behind: the driver takes them in sequence) to the driver, with
+        the load; when that push fails, wake the poll. Never raises for the push."""
+        if not events:
+            return
+        with self._events_lock:
+            first_seq = self._next_seq + 1
+            items = [PolledEvent(first_seq + i, event) for i, event in enumerate(events)]
+            self._next_seq = items[-1].seq
+            self._events.extend(items)
+            if self._pusher is not None:
+                if first_seq != self._pushed_through + 1:  # a push failed since: send its events again
+                    items = [item for item in self._events if item.seq > self._pushed_through]
+                try:  # the load without its EP figures (large; the poll's and stats() carry them)
+                    pushed = self._pusher.push_events(items, dataclasses.replace(self.load(), ep=None))
+                except Exception:  # noqa: BLE001 - the poll brings them
+                    logger.exception("%s: pushing events to the driver failed", self.name)
+                    pushed = False
+                if pushed:
+                    self._pushed_through = self._next_seq
+                    return
+            self._events_lock.notify_all()

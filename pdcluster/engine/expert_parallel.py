@@ -1,0 +1,382 @@
+"""The EP side of one rank's engine: lockstep agreement, expert-load window, EPLB rebalancing, EP figures.
+
+The contract of an expert-parallel instance (`EngineConfig.parallel.expert_parallel_size = N > 1`,
+`LLMEngine(config, group=engine.parallel.make_instance_group(...))` on each of the N ranks):
+
+- Each rank has its own engine with its own requests and paged KV cache (data-parallel attention) and
+  holds only its routed experts (loaded so from the checkpoint; the shared expert, dense layers,
+  attention and router are replicated).
+- EVERY rank calls `engine.step()` in a loop, also when it has no request. Each step starts with one
+  small collective where the ranks agree whether any of them has work; then all run the step (a rank
+  without work runs an empty batch, joining every MoE collective) or none does. When no rank has work,
+  `step()` returns promptly with no outputs (aborts aside): the caller sleeps briefly and calls again.
+  `ExpertParallelRuntime.last_stepped` says whether the instance ran the last step.
+- Requests are added, aborted, reserved and admitted between steps on each rank, as on one device.
+- A collective that fails or times out (`ParallelConfig.collective_timeout_s`: a rank died, stopped
+  stepping, or left lockstep) fails the instance: that `step()` finishes every unfinished request of the
+  rank with finish_reason "error" and raises `EngineStepError` carrying their outputs; later steps do the
+  same for requests added since. Async scheduling is refused with EP (`EngineConfig` ValueError).
+- `engine.ep_stats()` (`EPStats`): expert load, imbalance, dispatch/combine seconds and bytes, rebalances.
+
+`ExpertParallelRuntime` installs an `EPDispatcher` in every MoE layer of the rank's model shard and, per
+engine step (`engine.llm_engine.LLMEngine.step`):
+
+- `begin_step(has_work)`: one `allreduce` (MAX) of `[has_work, k, -k, placement_version,
+  -placement_version]`: whether any rank has work (then every rank steps, an idle one with an empty
+  batch), and that all ranks agree on the speculative depth k (the MTP passes each step makes) and on the
+  placement (else `EPCollectiveError`). Every `eplb_interval_steps` stepped steps it rebalances first.
+- `end_step(stepped)`: takes each dispatcher's figures into the sliding window.
+
+Rebalancing (`rebalance`): the window's logical expert loads are summed over the ranks (`allreduce`),
+`models.eplb.rebalance_experts` computes the new placement (identical on every rank: same input, pure
+function), each physical slot whose logical expert changes gets the new expert's weights from the lowest
+physical replica of it in the old placement (a copy on the same rank, else `send`/`recv` over the group),
+and the dispatchers switch maps. It runs between two steps on every rank alike, so no request sees a
+half-moved expert; replicas carry identical weights, so outputs do not depend on the placement.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.parallel import ParallelConfig
+from pdcluster.models.config import DeepseekV3Config
+from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
+from pdcluster.models.ep_dispatch import EPCollectiveError, EPDispatcher, wait
+from pdcluster.models.eplb import rebalance_experts
+from pdcluster.models.expert_placement import ExpertPlacement, moe_layer_indices
+from pdcluster.models.loader import inspect_checkpoint, load_checkpoint
+
+
+@dataclass(frozen=True)
+class EPStats:
+    """Expert-parallel figures of one rank (`LLMEngine.ep_stats()`), for /metrics and benchmarks.
+
+    Attributes:
+        rank, num_ranks: this rank of the instance's EP ranks.
+        moe_layers: decoder-layer index of each MoE layer (MTP included), the rows below.
+        num_steps: engine steps run in lockstep (some rank had work); num_idle_steps: of those, steps this
+            rank joined with an empty batch.
+        expert_load: `[num_moe_layers][num_logical_experts]` (token, expert) pairs of this rank per logical
+            expert over the last `eplb_window_steps` steps.
+        rank_rows: `[num_moe_layers][num_ranks]` rows each rank's experts computed since the last
+            rebalance (instance-wide, identical on every rank).
+        imbalance: per MoE layer, max / mean of `rank_rows` over ranks (1.0 = balanced; 1.0 with no rows).
+        total_imbalance: the same over all MoE layers' rows together.
+        dispatch_s, combine_s, expert_s: seconds this rank spent in dispatch, combine, local experts.
+        dispatch_bytes, combine_bytes: token-row bytes this rank sent to other ranks; counts_bytes: bytes
+            of the per-layer counts exchange it sent.
+        num_rebalances, rebalance_s, last_rebalance_s: rebalances so far, their total and last duration.
+        rebalance_moved_bytes: expert-weight bytes this rank received over the group in rebalances.
+    """
+
+    rank: int
+    num_ranks: int
+    moe_layers: list[int]
+    num_steps: int
+    num_idle_steps: int
+    expert_load: list[list[int]]
+    rank_rows: list[list[int]]
+    imbalance: list[float]
+    total_imbalance: float
+    dispatch_s: float
+    combine_s: float
+    expert_s: float
+    dispatch_bytes: int
+    combine_bytes: int
+    counts_bytes: int
+    num_rebalances: int
+    rebalance_s: float
+    last_rebalance_s: float
+    rebalance_moved_bytes: int
+
+
+def default_placement(config: DeepseekV3Config, parallel: ParallelConfig) -> ExpertPlacement:
+    """The placement an instance starts with (`ExpertPlacement.default`: no load known yet).
+
+    Raises:
+        ValueError: `n_routed_experts + num_redundant_experts` not a multiple of expert_parallel_size.
+    """
+    return ExpertPlacement.default(
+        len(moe_layer_indices(config)),
+        config.n_routed_experts,
+        parallel.expert_parallel_size,
+        parallel.num_redundant_experts,
+    )
+
+
+def load_rank_shard(
+    path: str, parallel: ParallelConfig, device: str, dtype: torch.dtype
+) -> tuple[DeepseekV3ForCausalLM, ExpertPlacement]:
+    """This rank's model shard (its experts only, read from the checkpoint alone) and its placement."""
+    placement = default_placement(inspect_checkpoint(path).config, parallel)
+    model = load_checkpoint(path, device=device, dtype=dtype, placement=placement, ep_rank=parallel.rank)
+    return model, placement
+
+
+def setup_expert_parallel(
+    config: EngineConfig,
+    model: DeepseekV3ForCausalLM | None,
+    group: dist.ProcessGroup | None,
+    dtype: torch.dtype,
+) -> tuple[DeepseekV3ForCausalLM | None, ExpertParallelRuntime | None]:
+    """`(model, runtime)` for an engine: on one device `(model, None)` unchanged; with EP this rank's
+    shard (`model` None: loaded with `load_rank_shard`; else a shard built for `default_placement`) and
+    its `ExpertParallelRuntime`.
+
+    Raises:
+        ValueError: EP without a process group, or a group/model that does not fit the config.
+    """
+    parallel = config.parallel
+    if not parallel.enabled:
+        return model, None
+    if group is None:
+        raise ValueError(
+            f"expert_parallel_size {parallel.expert_parallel_size} needs the instance process group "
+            "(LLMEngine(config, group=engine.parallel.make_instance_group(...)))"
+        )
+    if model is None:
+        model, placement = load_rank_shard(config.model, parallel, config.device, dtype)
+    else:
+        placement = default_placement(model.config, parallel)
+    return model, ExpertParallelRuntime(model, parallel, group, placement)
+
+
+def max_over_mean(rows: torch.Tensor) -> torch.Tensor:
+    """max / mean over the last dimension; 1.0 where the mean is 0."""
+    mean = rows.float().mean(-1)
+    return torch.where(mean > 0, rows.float().max(-1).values / mean.clamp(min=1e-12), torch.ones_like(mean))
+
+
+class ExpertParallelRuntime:
+    """See the module docstring.
+
+    Args:
+        model: this rank's shard (built with `num_local_experts = placement.num_local_experts`, weights of
+            `placement`'s local experts for `parallel.rank`: `models.loader.load_checkpoint(placement=...)`).
+        parallel: the instance's parallel settings (this rank's view).
+        group: the instance's process group (`engine.parallel.make_instance_group`).
+        placement: the placement the shard was loaded with.
+
+    Raises:
+        ValueError: the group's size or rank disagree with `parallel`, or the model is not such a shard.
+    """
+
+    def __init__(
+        self,
+        model: DeepseekV3ForCausalLM,
+        parallel: ParallelConfig,
+        group: dist.ProcessGroup,
+        placement: ExpertPlacement,
+    ) -> None:
+        if group.size() != parallel.expert_parallel_size or group.rank() != parallel.rank:
+            raise ValueError(
+                f"process group is rank {group.rank()} of {group.size()}, but the parallel config says rank "
+                f"{parallel.rank} of expert_parallel_size {parallel.expert_parallel_size}"
+            )
+        self.model, self.parallel, self.group, self.placement = model, parallel, group, placement
+        self.rank, self.num_ranks = parallel.rank, parallel.expert_parallel_size
+        self.device = next(model.parameters()).device  # collectives' tensors live there (NCCL: on the GPU)
+        self.layer_indices = moe_layer_indices(model.config)
+        self.moe: list[DeepseekV3MoE] = [model.model.layers[i].mlp for i in self.layer_indices]
+        for layer_idx, moe in zip(self.layer_indices, self.moe, strict=True):
+            if len(moe.experts) != placement.num_local_experts:
+                raise ValueError(
+                    f"MoE layer {layer_idx} holds {len(moe.experts)} experts; this rank's shard needs "
+                    f"{placement.num_local_experts} (models.loader.load_checkpoint(placement=...) builds it)"
+                )
+        self.dispatchers = [
+            EPDispatcher(group, placement, row, layer_idx) for row, layer_idx in enumerate(self.layer_indices)
+        ]
+        for moe, dispatcher in zip(self.moe, self.dispatchers, strict=True):
+            moe.dispatcher = dispatcher
+        self.set_micro_batch_overlap(parallel.enable_micro_batch_overlap)
+        num_layers, num_logical = len(self.moe), placement.num_logical_experts
+        self._load_window: deque[torch.Tensor] = deque(maxlen=parallel.eplb_window_steps)
+        self._rank_rows = torch.zeros(num_layers, self.num_ranks, dtype=torch.int64)
+        self._logical_zero = torch.zeros(num_layers, num_logical, dtype=torch.int64)
+        self._totals = dict.fromkeys(
+            ("dispatch_s", "combine_s", "expert_s", "dispatch_bytes", "combine_bytes", "counts_bytes"), 0
+        )
+        self.num_steps = self.num_idle_steps = self.num_rebalances = 0
+        self.last_stepped = False  # whether the instance ran the last step (some rank had work)
+        self.failure: str | None = None  # why the instance failed (set by the engine); every later step fails
+        self.rebalance_s = self.last_rebalance_s = 0.0
+        self.rebalance_moved_bytes = 0
+
+    # ---- per step ------------------------------------------------------------------------------------
+    def begin_step(self, has_work: bool, num_speculative_tokens: int) -> bool:
+        """The step's agreement (one collective; see the module docstring), then a rebalance when due.
+        Returns True when every rank must run the step (some rank has work).
+
+        Raises:
+            EPCollectiveError: the collective failed or timed out, the ranks disagree on k or placement, or
+                the instance failed before (`failure`).
+        """
+        if self.failure is not None:
+            raise EPCollectiveError(self.failure)
+        k, version = num_speculative_tokens, self.num_rebalances
+        flags = torch.tensor([int(has_work), k, -k, version, -version], dtype=torch.int64, device=self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        wait(self.group.allreduce([flags], options), "step agreement", self.rank)
+        flags = flags.cpu()
+        any_work, max_k, min_k, max_version, min_version = flags[0], flags[1], -flags[2], flags[3], -flags[4]
+        if max_k != min_k:
+            raise EPCollectiveError(
+                f"EP rank {self.rank}: ranks disagree on num_speculative_tokens (from {min_k} to {max_k}); "
+                "every rank of an instance needs the same engine settings"
+            )
+        if max_version != min_version:
+            raise EPCollectiveError(
+                f"EP rank {self.rank}: ranks at different expert placements (rebalances {min_version} to "
+                f"{max_version}): lockstep was lost"
+            )
+        stepped = self.last_stepped = bool(any_work)
+        if stepped and self.rebalance_due():
+            self.rebalance()
+        return stepped
+
+    def end_step(self, stepped: bool, was_idle: bool) -> None:
+        """Fold the dispatchers' figures of the step just run into the window and totals."""
+        if not stepped:
+            return
+        self.num_steps += 1
+        self.num_idle_steps += int(was_idle)
+        loads = []
+        for row, dispatcher in enumerate(self.dispatchers):
+            stats = dispatcher.take_stats()
+            loads.append(stats.logical_load)
+            self._rank_rows[row] += stats.rank_rows
+            for name in self._totals:
+                self._totals[name] += getattr(stats, name)
+        self._load_window.append(torch.stack(loads))
+
+    def set_micro_batch_overlap(self, enabled: bool) -> None:
+        """Switch two-micro-batch overlap on or off (between steps, on every rank alike: the collectives'
+        order changes with it)."""
+        for dispatcher in self.dispatchers:
+            dispatcher.overlap_micro_batches = enabled
+
+    def reset_window(self) -> None:
+        """Forget the expert-load window and the rows per rank (benchmarks: measure a phase alone)."""
+        self._load_window.clear()
+        self._rank_rows.zero_()
+
+    # ---- EPLB ----------------------------------------------------------------------------------------
+    def rebalance_due(self) -> bool:
+        interval = self.parallel.eplb_interval_steps
+        return interval is not None and self.num_steps > 0 and self.num_steps % interval == 0
+
+    def rebalance(self) -> ExpertPlacement:
+        """Compute the new placement from the window's instance-wide load, move expert weights, switch the
+        dispatch maps (see the module docstring). Every rank calls it at the same point. Returns the new
+        placement.
+
+        Raises:
+            EPCollectiveError: a collective or transfer failed or timed out.
+        """
+        start_s = time.perf_counter()
+        load = sum(self._load_window, self._logical_zero.clone()).to(self.device)
+        wait(self.group.allreduce([load]), "EPLB load allreduce", self.rank)
+        load = load.cpu()
+        cfg = self.model.config
+        phy2log, log2phy, logcnt = rebalance_experts(
+            load,
+            self.placement.num_physical_experts,
+            cfg.n_group,
+            self.parallel.eplb_num_nodes,
+            self.num_ranks,
+        )
+        new = ExpertPlacement(phy2log, log2phy, logcnt, self.num_ranks)
+        self._move_weights(self.placement, new)
+        self.placement = new
+        for dispatcher in self.dispatchers:
+            dispatcher.set_placement(new)
+        self._rank_rows.zero_()
+        self.num_rebalances += 1
+        self.last_rebalance_s = time.perf_counter() - start_s
+        self.rebalance_s += self.last_rebalance_s
+        return new
+
+    def _move_weights(self, old: ExpertPlacement, new: ExpertPlacement) -> None:
+        """Give every local slot the weights of its new logical expert. Plan (the same on every rank):
+        for each (layer, physical slot) whose logical expert changes, the source is the lowest physical id
+        holding that expert in `old`; same rank: a copy, else a `send`/`recv` with the plan index as tag."""
+        n = old.num_local_experts
+        works: list[tuple[dist.Work, str]] = []
+        received: list[tuple[int, int, torch.Tensor]] = []  # (row, slot, flat weights)
+        copies: list[tuple[int, int, torch.Tensor]] = []
+        tag = 0
+        for row in range(old.num_moe_layers):
+            experts = self.moe[row].experts
+            for phy in range(old.num_physical_experts):
+                logical = int(new.phy2log[row, phy])
+                if int(old.phy2log[row, phy]) == logical:
+                    continue
+                src_phy = int(old.log2phy[row, logical, 0])
+                dst_rank, src_rank = phy // n, src_phy // n
+                tag += 1
+                if dst_rank == src_rank == self.rank:
+                    copies.append((row, phy % n, _flat(experts[src_phy % n])))
+                elif src_rank == self.rank:
+                    buf = _flat(experts[src_phy % n])
+                    works.append((self.group.send([buf], dst_rank, tag), f"EPLB send of layer row {row}"))
+                    copies.append((-1, -1, buf))  # keep the buffer alive until the send completes
+                elif dst_rank == self.rank:
+                    buf = torch.empty_like(_flat(experts[phy % n]))
+                    works.append((self.group.recv([buf], src_rank, tag), f"EPLB recv of layer row {row}"))
+                    received.append((row, phy % n, buf))
+        for work, what in works:
+            wait(work, what, self.rank)
+        for row, slot, flat in copies + received:
+            if row >= 0:
+                _unflat(self.moe[row].experts[slot], flat)
+        self.rebalance_moved_bytes += sum(buf.numel() * buf.element_size() for _, _, buf in received)
+
+    # ---- figures -------------------------------------------------------------------------------------
+    def stats(self) -> EPStats:
+        window = sum(self._load_window, self._logical_zero.clone())
+        per_layer = max_over_mean(self._rank_rows)
+        total = float(max_over_mean(self._rank_rows.sum(0)))
+        return EPStats(
+            rank=self.rank,
+            num_ranks=self.num_ranks,
+            moe_layers=list(self.layer_indices),
+            num_steps=self.num_steps,
+            num_idle_steps=self.num_idle_steps,
+            expert_load=window.tolist(),
+            rank_rows=self._rank_rows.tolist(),
+            imbalance=per_layer.tolist(),
+            total_imbalance=total,
+            dispatch_s=float(self._totals["dispatch_s"]),
+            combine_s=float(self._totals["combine_s"]),
+            expert_s=float(self._totals["expert_s"]),
+            dispatch_bytes=int(self._totals["dispatch_bytes"]),
+            combine_bytes=int(self._totals["combine_bytes"]),
+            counts_bytes=int(self._totals["counts_bytes"]),
+            num_rebalances=self.num_rebalances,
+            rebalance_s=self.rebalance_s,
+            last_rebalance_s=self.last_rebalance_s,
+            rebalance_moved_bytes=self.rebalance_moved_bytes,
+        )
+
+
+def _flat(expert: torch.nn.Module) -> torch.Tensor:
+    """An expert's parameters as one flat tensor (a copy; parameter order as in `parameters()`)."""
+    return torch.cat([p.detach().reshape(-1) for p in expert.parameters()])
+
+
+@torch.no_grad()
+def _unflat(expert: torch.nn.Module, flat: torch.Tensor) -> None:
+    """Write `_flat`'s layout back into the expert's parameters."""
+    offset = 0
+    for p in expert.parameters():
+        p.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()

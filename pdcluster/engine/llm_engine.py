@@ -1,0 +1,537 @@
+"""`LLMEngine`: the step loop of one instance (a prefill or decode node wraps one).
+
+    add_request(...)   between steps
+    step()             schedule -> execute (forward, sample/verify, MTP drafts) -> commit -> outputs
+    abort_request(...) between steps
+
+With `async_scheduling`, step N+1 is scheduled and its inputs are packed on the calling thread while step
+N's forward runs on a worker thread (see `engine.async_loop`); each `step()` then returns the outputs of
+the step before, and the tokens are the same as the synchronous loop's.
+
+Failures are confined to the requests they concern: an error in one request's sampling or drafting
+finishes that request alone (finish_reason "error", `RequestOutput.error`); an exception in the batched
+execution of a step (synchronous loop) finishes the requests that step ran and raises `EngineStepError`
+with their outputs, while requests it did not run go on with the next `step()`.
+
+Where the rules live: stop tokens, EOS, max_tokens and stop strings in `engine.stopping` (the text of
+each `RequestOutput`, cumulative and as a streamed delta, too); the accept rule of speculative decoding
+in `kernels.rejection_sampling` (called through `engine.sampler`); the handoff of a disaggregated
+request (prefill export; decode reserve / write / admit / release) in `engine.remote_prefill`; what the
+engine keeps per request in `engine.request_record.RequestRecord`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from pdcluster.engine.async_loop import AsyncStepLoop
+from pdcluster.engine.compiled_forward import CompiledDecodeForward, CompileStats
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.executor import Executor
+from pdcluster.engine.expert_parallel import EPStats, setup_expert_parallel
+from pdcluster.engine.model_runner import LayerKVCallback, ModelRunner
+from pdcluster.engine.outputs import RequestOutput, SchedulerOutput
+from pdcluster.engine.remote_prefill import (
+    PrefillResult,
+    PromptKVCallback,
+    RemotePrefillReservations,
+    prefill_result,
+    prompt_kv_hook,
+)
+from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.request_record import RequestRecord
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.scheduler import Scheduler
+from pdcluster.engine.scheduler_policy import SchedulerConfig
+from pdcluster.engine.stopping import OutputText
+from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM
+from pdcluster.models.dtypes import MODEL_DTYPES, torch_dtype
+from pdcluster.models.tokenizer import Tokenizer
+
+__all__ = [
+    "CompileStats",
+    "EngineStepError",
+    "LLMEngine",
+    "PrefillResult",
+    "PromptKVCallback",
+    "RequestOutput",
+    "RequestRecord",
+]
+
+logger = logging.getLogger(__name__)
+MAX_ERROR_CHARS = 300  # of a failed compilation's message in CompileStats.error (inductor's run to pages)
+
+
+def _first_line(message: str) -> str:
+    """The first non-empty line of an exception's message, at most MAX_ERROR_CHARS characters."""
+    line = next((part.strip() for part in message.splitlines() if part.strip()), "")
+    return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 3] + "..."
+
+
+class EngineStepError(RuntimeError):
+    """`LLMEngine.step()` (synchronous loop): executing the step raised, so the state of the requests it
+    ran (KV written, sampling) is unknown. Those requests are finished with finish_reason "error" and
+    their blocks freed; requests the step did not run are untouched and continue with the next `step()`.
+
+    Attributes:
+        outputs: what the failed `step()` would have returned: the final outputs of the step's requests
+            (finish_reason "error", `error` set) and of requests finished outside the step (aborts,
+            admissions), which the caller must still report.
+    """
+
+    def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
+
+
+class LLMEngine:
+    """One engine instance, or one rank of an expert-parallel instance (`config.parallel`, `group` the
+    instance's process group): model, KV cache, scheduler, executor. With EP every rank calls `step()` in
+    a loop, work or not; the contract is in `engine.expert_parallel`'s module docstring."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: DeepseekV3ForCausalLM | None = None,
+        group: ProcessGroup | None = None,
+    ) -> None:
+        self.config = config
+        dtype = torch_dtype(config.dtype, "dtype", MODEL_DTYPES)
+        # EP: this rank's shard of experts and the runtime that keeps the ranks in lockstep; else None.
+        model, self.ep = setup_expert_parallel(config, model, group, dtype)
+        self.model = model or DeepseekV3ForCausalLM.from_pretrained(
+            config.model, device=config.device, dtype=dtype
+        )
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        # The tokenizer's end-of-text token, else the config's (public DeepSeek tokenizers name it otherwise).
+        self.eos_token_id = (
+            self.tokenizer.eos_token_id
+            if self.tokenizer.eos_token_id is not None
+            else self.model.config.eos_token_id
+        )
+        model_cfg = self.model.config
+        self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+        if self.max_model_len > model_cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{model_cfg.max_position_embeddings}"
+            )
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            probe = ModelRunner(self.model, 1, config.block_size, config.kv_cache_dtype)
+            num_blocks = max(
+                1, config.kv_cache_memory_bytes // (probe.kv_cache_bytes_per_token * config.block_size)
+            )
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.kv_cache_dtype)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                block_size=config.block_size,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                num_lookahead_tokens=max(0, config.num_speculative_tokens - 1),
+            ),
+            num_blocks,
+            config.enable_prefix_caching,
+            num_draft_placeholders=config.num_speculative_tokens if config.async_scheduling else 0,
+        )
+        self.executor = Executor(
+            self.runner,
+            config.num_speculative_tokens,
+            max_num_tokens=config.max_num_batched_tokens,
+            max_num_reqs=config.max_num_seqs,
+            # the persistent rows' block-table columns (positions < max_model_len plus the lookahead
+            # slots of chained MTP drafts): the step's table is a gather of those rows
+            max_num_blocks_per_req=self.scheduler.request_rows.table.shape[1],
+            adaptive_min_accept_prob=config.adaptive_speculation_min_accept_prob
+            if config.adaptive_speculation
+            else None,
+        )
+        self._compile_s = 0.0
+        self._compile_error: str | None = None  # why `compile` is on and nothing runs compiled
+        if config.compile:
+            self._compile_decode_forward()
+        self.remote_prefills = RemotePrefillReservations(self.scheduler, self.runner)
+        self._async_loop = AsyncStepLoop(self.scheduler, self.executor) if config.async_scheduling else None
+        self._records: dict[str, RequestRecord] = {}  # request id -> record, until its final output
+        self._finished: list[str] = []  # finished outside a step (abort, admission), not reported yet
+        self._ids = itertools.count()
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time_s: float | None = None,
+        prefill_only: bool = False,
+        stream: bool = True,
+    ) -> str:
+        """Queue a prompt (text or token ids). Returns the request id.
+
+        `stream`: `step` reports an output each step the request commits tokens (True), or only its
+        final one (False: `LLM.generate`). A request that is not streamed is detokenized once, when it
+        finishes, unless it has stop strings (those are looked for after every step, so they stop it
+        exactly where a streamed request stops); its outputs are not built before then.
+
+        `prefill_only`: the prefill half of a disaggregated request: it stops after its first sampled token
+        (max_tokens 1); with MTP the step that samples it also runs the MTP layer over the prompt and
+        proposes the first drafts. Pass `on_prompt_kv` to `step` to receive its KV per layer, and take the
+        first token and drafts with `pop_prefill_result` once it finished.
+
+        Raises:
+            ValueError: empty prompt, prompt + max_tokens over `max_model_len`, a request the KV cache
+                could never hold, or `logprobs` over the vocabulary size.
+        """
+        params = sampling_params or SamplingParams()
+        if params.logprobs is not None and params.logprobs > self.model.config.vocab_size:
+            raise ValueError(f"logprobs must be <= the vocabulary size {self.model.config.vocab_size}")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        if any(not 0 <= t < self.model.config.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.model.config.vocab_size})")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if prefill_only:
+            params = dataclasses.replace(params, max_tokens=1, stop=())
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s,
+            export_kv=prefill_only,
+        )
+        self.scheduler.add_request(request)
+        self._records[request_id] = self._new_record(request, text)
+        self._records[request_id].stream = stream
+        return request_id
+
+    def _new_record(self, request: Request, prompt: str | None) -> RequestRecord:
+        params = request.sampling_params
+        return RequestRecord(
+            request,
+            prompt,
+            OutputText(self.tokenizer, params.stop),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+
+    def pop_prefill_result(self, request_id: str) -> PrefillResult | None:
+        """The first token and drafts of a finished prefill-only request (once)."""
+        record = self._records.get(request_id)
+        if record is None or record.prefill_result is None or not record.request.is_finished:
+            return None
+        del self._records[request_id]
+        return record.prefill_result
+
+    # ---- requests prefilled elsewhere (decode side of a disaggregated request; engine.remote_prefill) --
+    def reserve_remote_prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        num_draft_tokens: int = 0,
+        arrival_time_s: float | None = None,
+    ) -> bool:
+        """Hold KV blocks for a request whose prompt KV another instance computes: the prompt, the first
+        token and `num_draft_tokens` drafts (what its first decode step writes). Between steps, or while a
+        synchronous step executes (inside `step`'s `while_executing`).
+
+        Then `write_prompt_kv` per layer (any thread), and `admit_remote_prefill` (between steps), or
+        `release_remote_prefill` on failure. Returns False (nothing held) when the blocks are not free now.
+
+        Raises:
+            ValueError: a duplicate id, a bad prompt, a request that could never fit, or `logprobs` (the
+                first token's log-probabilities stay on the prefill instance: not supported yet).
+        """
+        if sampling_params.logprobs is not None:
+            raise ValueError("logprobs are not supported for requests prefilled on another instance yet")
+        vocab_size = self.model.config.vocab_size
+        if not prompt_token_ids or any(not 0 <= t < vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be non-empty and in [0, {vocab_size})")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=sampling_params,
+            eos_token_id=self.eos_token_id,
+            arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s,
+        )
+        return self.remote_prefills.reserve(request, num_draft_tokens)
+
+    def write_prompt_kv(
+        self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> None:
+        """Write one layer's received prompt KV (`[num_prompt_tokens, kv_dim]`, model dtype; MTP layer at
+        index num_hidden_layers) into the reserved blocks. Safe from a receive thread while steps run: the
+        reserved blocks belong to no scheduled request. With `scale` (`[num_prompt_tokens]` float32),
+        `latent_kv` is int8 and an int8 cache stores both as they are (a float cache stores them dequantized).
+
+        Raises:
+            KeyError: no reservation; ValueError: a shape mismatch.
+        """
+        self.remote_prefills.write_prompt_kv(request_id, layer_idx, latent_kv, scale)
+
+    def admit_remote_prefill(
+        self,
+        request_id: str,
+        first_token_id: int,
+        draft_token_ids: list[int] = (),  # type: ignore[assignment]
+        draft_probs: torch.Tensor | None = None,
+    ) -> None:
+        """Admit a reserved request whose prompt KV is written (every layer, MTP included) with its first
+        token and drafts. Between steps. It joins the running batch at the next `step()` if fewer than
+        `max_num_seqs` requests run, else waits for a seat there (holding its blocks; never an error).
+        Its output (first token included) comes with the first `step()` that runs it; when the first
+        token already finished it (max_tokens=1, EOS, a stop string), also from `pop_finished_outputs()`,
+        as nothing is left to step for it.
+
+        Raises:
+            KeyError: no reservation.
+        """
+        request, status = self.remote_prefills.admit(request_id, first_token_id, list(draft_token_ids))
+        record = self._records[request_id] = self._new_record(request, None)
+        self._update_text(record)
+        if request.is_finished:
+            self._finished.append(request_id)
+        elif request.spec_token_ids:
+            self.executor.set_draft_probs(request_id, draft_probs)
+
+    def take_new_text(self, request_id: str) -> str:
+        """Between steps: the text released for `request_id` since its previous output
+        (`RequestOutput.new_text`), taken now, so its next output carries only what follows. A decode
+        instance streams the first token's text at admission with it. "" for an unknown request."""
+        record = self._records.get(request_id)
+        if record is None:
+            return ""
+        return record.output_text.new_text(finished=record.request.is_finished)
+
+    def release_remote_prefill(self, request_id: str) -> bool:
+        """Give back a reservation's blocks (handoff failed or cancelled). Between steps, or inside `step`'s
+        `while_executing` (a reservation's blocks are in no step). False if unknown."""
+        return self.remote_prefills.release(request_id)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a queued or running request and free its KV blocks. False if it is unknown/finished."""
+        request = self.scheduler.get_request(request_id)
+        if request is None or not self.scheduler.abort(request_id):
+            return False
+        self._finished.append(request_id)
+        if self._async_loop is not None and not self.scheduler.has_unfinished():
+            self._async_loop.drain()
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def pop_finished_outputs(self, request_ids: list[str] | None = None) -> list[RequestOutput]:
+        """Between steps: the outputs of requests that finished outside a step (the first token of
+        `admit_remote_prefill` finished them, or `abort_request`), which the next `step()` would report,
+        and forgets them (`request_ids`: only those). Lets a caller with nothing left to step get them
+        at once, or drop an aborted request's output."""
+        wanted = (
+            list(self._finished) if request_ids is None else [r for r in request_ids if r in self._finished]
+        )
+        self._finished = [r for r in self._finished if r not in wanted]
+        return [self._output(self._records[rid]) for rid in wanted]
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def step(
+        self,
+        on_layer_kv: LayerKVCallback | None = None,
+        on_prompt_kv: PromptKVCallback | None = None,
+        while_executing: Callable[[], AbstractContextManager[Any]] | None = None,
+        on_first_token: Callable[[str, int], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run one step; returns outputs of the requests that produced tokens or finished.
+
+        With `async_scheduling` the step submitted by this call is still running when it returns: the
+        outputs are those of the previous call's step (none on the first call), and `on_layer_kv` is
+        called on the worker thread, for the step submitted by this call.
+
+        `on_prompt_kv(request_id, layer_idx, latent_kv, scale)` (synchronous loop only): for each prefill-only
+        request whose last prompt chunk runs in this step, called right after each layer's KV is written,
+        main layers then the MTP layer, with the whole prompt's KV of that layer (read back from the paged
+        cache, so earlier chunks and prefix-cache hits are included).
+
+        `on_first_token(request_id, token_id)` (synchronous loop only): for each prefill-only request whose
+        first token this step sampled, called as soon as it is sampled, before the MTP drafts are proposed
+        (and before the MTP layer's `on_prompt_kv`), so that the token can be streamed before the handoff is
+        finished; it must not raise. The token is the one `pop_prefill_result` reports.
+
+        A request whose own sampling or drafting raised comes back finished with finish_reason "error".
+
+        `while_executing()` (synchronous loop only; ignored with `async_scheduling`): a context manager
+        entered around the step's forward, sampling and drafting, after the step was scheduled and before
+        its tokens are committed. While it is open the scheduler and the block manager are not touched by
+        this call, so the caller may let another thread `reserve_remote_prefill` (fresh blocks, which no
+        scheduled request uses) or `release_remote_prefill` a reservation meanwhile; nothing else.
+
+        Raises:
+            EngineStepError: (synchronous loop) executing the step raised; the requests it ran are
+                finished with an error (in `EngineStepError.outputs`), the others go on. With
+                `async_scheduling` such an exception propagates unchanged.
+        """
+        if (on_prompt_kv is not None or on_first_token is not None) and self._async_loop is not None:
+            raise ValueError("on_prompt_kv and on_first_token need the synchronous loop (no async loop)")
+        if self._async_loop is None:
+            output = self.scheduler.schedule()
+            exporting = [item for item in output.scheduled if item.samples and item.request.export_kv]
+            hook = on_layer_kv
+            if exporting and on_prompt_kv is not None:
+                hook = prompt_kv_hook(self.runner, exporting, on_layer_kv, on_prompt_kv)
+            on_sampled = None
+            if exporting and on_first_token is not None:
+                first_token_ids = {item.request_id for item in exporting}
+
+                def on_sampled(sampled: dict[str, list[int]]) -> None:
+                    for request_id, tokens in sampled.items():
+                        if request_id in first_token_ids and tokens:
+                            on_first_token(request_id, tokens[-1])
+
+            try:
+                k = self.executor.max_num_speculative_tokens
+                lockstep = self.ep is not None and self.ep.begin_step(bool(output.scheduled), k)
+                with while_executing() if while_executing is not None else contextlib.nullcontext():
+                    runner_output = self.executor.execute(
+                        output, hook, join_collectives=lockstep, on_sampled=on_sampled
+                    )
+            except Exception as e:  # noqa: BLE001 - fail the requests this step ran, not the engine
+                raise self._step_failed(output, e) from e
+            if self.ep is not None:
+                self.ep.end_step(lockstep, was_idle=not output.scheduled)
+            for item in exporting:
+                self._records[item.request_id].prefill_result = prefill_result(runner_output, item.request_id)
+            updates = self.scheduler.update_from_output(output, runner_output)
+        else:
+            output, runner_output, updates = self._async_loop.step(on_layer_kv)
+        results = []
+        for update in updates:
+            record = self._records[update.request_id]
+            request = record.request
+            if record.logprobs is not None and runner_output is not None:
+                new = runner_output.logprobs.get(update.request_id, [])
+                record.logprobs.extend(new[: len(update.new_token_ids)])
+            # Off the step path for a request nobody reads until it finishes (`add_request(stream=False)`):
+            # its text (one decode at the end) and its output objects; stop strings are still checked.
+            if record.stream or record.output_text.has_stop_strings or request.is_finished:
+                self._update_text(record)
+            if not request.is_finished:
+                if record.stream:
+                    results.append(self._output(record))
+                continue
+            if self._async_loop is None:
+                self.executor.drop([update.request_id])  # async: the executor drops it after the step
+            results.append(self._output(record))
+        updated = {u.request_id for u in updates}
+        # Finished outside the step (abort, admission); reported once.
+        results += [self._output(self._records[rid]) for rid in self._finished if rid not in updated]
+        self._finished = []
+        if self._async_loop is not None and not self.scheduler.has_unfinished():
+            self._async_loop.drain()
+        return results
+
+    def compile_stats(self) -> CompileStats:
+        """What `config.compile` did here (`engine.compiled_forward.CompileStats`): compiled or not, why not,
+        the compile time at load and the steps that ran the compiled graph."""
+        compiled = self.runner.compiled
+        return CompileStats(
+            requested=self.config.compile,
+            compiled=compiled is not None,
+            compile_s=self._compile_s,
+            error=self._compile_error,
+            num_compiled_steps=compiled.num_compiled_steps if compiled is not None else 0,
+            num_eager_fallbacks=compiled.num_eager_fallbacks if compiled is not None else 0,
+            num_compiled_mtp_passes=compiled.num_compiled_mtp_passes if compiled is not None else 0,
+        )
+
+    def _compile_decode_forward(self) -> None:
+        """Compile the uniform-decode forward at load (`engine.compiled_forward`) and install it in the
+        runner. Where the model or cache cannot run it, or compiling raises (no C++ compiler for inductor,
+        an inductor or dynamo error), log a warning naming why and leave every step eager (same tokens):
+        `compile` speeds decoding up, and is never a reason for an engine not to start."""
+        why_not = CompiledDecodeForward.supported(self.runner)
+        if why_not is not None:
+            self._compile_error = why_not
+            logger.warning("compile is on, but the decode forward runs eagerly: %s", why_not)
+            return
+        config = self.config
+        started_s = time.perf_counter()
+        try:
+            # q = k + 1 query tokens per request: with drafts, every decode step but the last ones
+            compiled = CompiledDecodeForward(
+                self.runner,
+                config.max_num_seqs,
+                (config.num_speculative_tokens + 1,),
+                self.executor.max_num_blocks_per_req,
+            )
+            self._compile_s = compiled.warm_up()
+        except Exception as e:  # noqa: BLE001 - any failure of an optional speed-up: run eagerly instead
+            self._compile_s = time.perf_counter() - started_s
+            self._compile_error = f"{type(e).__name__}: {_first_line(str(e))}"
+            logger.warning(
+                "compiling the decode forward failed after %.1f s (%s); every step runs the eager forward "
+                "(same tokens, slower decode). Set compile: false to skip the attempt.",
+                self._compile_s,
+                self._compile_error,
+                exc_info=e,
+            )
+            return
+        self.runner.compiled = compiled
+
+    def ep_stats(self) -> EPStats | None:
+        """Expert-parallel figures of this rank (`engine.expert_parallel.EPStats`); None on one device."""
+        return self.ep.stats() if self.ep is not None else None
+
+    def _step_failed(self, output: SchedulerOutput, error: Exception) -> EngineStepError:
+        """Finish every request `output` scheduled with FINISHED_ERROR (blocks freed, executor state
+        dropped) and return the `EngineStepError` carrying their outputs and those of requests finished
+        outside the step. On an EP rank any step failure fails the instance (the ranks left lockstep):
+        every unfinished request of this rank, and every later step."""
+        message = f"engine step failed: {error!r}"
+        failed = [item.request for item in output.scheduled]
+        if self.ep is not None:
+            self.ep.failure = self.ep.failure or str(error)
+            message = f"expert-parallel instance failed: {error}"
+            failed = [r.request for r in self._records.values() if not r.request.is_finished]
+        for request in failed:
+            if self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR, message):
+                self._finished.append(request.request_id)
+        self.executor.drop([request.request_id for request in failed])
+        outputs = [self._output(self._records[rid]) for rid in self._finished]
+        self._finished = []
+        return EngineStepError(message, outputs)
+
+    def _update_text(self, record: RequestRecord) -> None:
+        """Detokenize the request's new output tokens (`engine.stopping.OutputText`); a stop string in the
+        text finishes it with FINISHED_STOPPED."""
+        request = record.request
+        if not record.output_text.update(request.output_token_ids, final=request.is_finished):
+            return
+        if request.is_finished:  # the stop string came with the token that finished it (max_tokens, EOS)
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _output(self, record: RequestRecord) -> RequestOutput:
+        """The request's output now; its record is forgotten with its final output (kept for
+        `pop_prefill_result` while it holds a prefill result)."""
+        request = record.request
+        if not record.stream and not record.output_text.has_stop_strings:
+            # not detokenized on the step path (see `add_request`): its text now, up to its last token
+            record.output_text.update(request.output_token_ids, final=request.is_finished)
+        out = record.output()
+        if request.is_finished and record.prefill_result is None:
+            self._records.pop(request.request_id, None)
+        return out

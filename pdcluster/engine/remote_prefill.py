@@ -1,0 +1,168 @@
+"""Disaggregated prefill in the engine: the prefill instance's export and the decode instance's import.
+
+Prefill instance (`LLMEngine.add_request(prefill_only=True)`): the request stops after its first sampled
+token; the step that samples it streams the whole prompt's KV per layer through `prompt_kv_hook`
+(`PromptKVCallback`), and `PrefillResult` keeps what decode needs besides the KV (first token, MTP drafts
+and their distributions) until `LLMEngine.pop_prefill_result`.
+
+Decode instance, a request's handoff in four calls on `RemotePrefillReservations` (through the
+`LLMEngine.*_remote_prefill` / `write_prompt_kv` methods):
+
+    reserve(...)          between steps: hold KV blocks for the prompt, first token and drafts
+    write_prompt_kv(...)  any thread, per layer: received latent KV into the reserved slots
+    admit(...)            between steps: the prompt KV is complete; commit the first token, queue for a seat
+    release(...)          between steps, instead of admit: the handoff failed or was cancelled
+
+The reserved blocks belong to no scheduled request, so `write_prompt_kv` is safe while steps run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from pdcluster.engine.model_runner import LayerKVCallback, ModelInput, ModelRunner
+from pdcluster.engine.outputs import ModelRunnerOutput, ScheduledRequest
+from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.scheduler import Scheduler
+from pdcluster.kernels.kv_quant import dequantize_kv_int8
+from pdcluster.kernels.paged_mla import gather_kv, write_prompt_kv
+
+
+class PrefillResult(NamedTuple):
+    """What a prefill-only request hands to decode besides its prompt KV (`LLMEngine.pop_prefill_result`).
+
+    first_token_id: the token sampled after the prompt.
+    draft_token_ids: MTP drafts proposed after it (empty without speculative decoding).
+    draft_probs: `[num_drafts, vocab_size]` float32 MTP probabilities of sampled drafts; None when greedy.
+    """
+
+    first_token_id: int
+    draft_token_ids: list[int]
+    draft_probs: torch.Tensor | None
+
+
+# Called once per layer (MTP layer: index num_hidden_layers) when a prefill-only request's prompt KV of that
+# layer is complete: (request_id, layer_idx, latent_kv [num_prompt_tokens, kv_dim], scale), the cache's own
+# bytes: the model dtype and scale None, or int8 with scale [num_prompt_tokens] float32 (int8 KV cache).
+PromptKVCallback = Callable[[str, int, torch.Tensor, torch.Tensor | None], None]
+
+
+def prefill_result(runner_output: ModelRunnerOutput, request_id: str) -> PrefillResult | None:
+    """The `PrefillResult` of a prefill-only request from its sampling step's output; None when the step
+    sampled nothing for it (it failed)."""
+    sampled = runner_output.sampled_token_ids.get(request_id)
+    if not sampled:
+        return None
+    return PrefillResult(
+        first_token_id=sampled[-1],
+        draft_token_ids=list(runner_output.spec_token_ids.get(request_id, [])),
+        draft_probs=runner_output.draft_probs.get(request_id),
+    )
+
+
+def prompt_kv_hook(
+    runner: ModelRunner,
+    items: list[ScheduledRequest],
+    on_layer_kv: LayerKVCallback | None,
+    on_prompt_kv: PromptKVCallback,
+) -> LayerKVCallback:
+    """A `LayerKVCallback` that calls `on_layer_kv` (if any), then `on_prompt_kv` for each of `items`
+    (prefill-only requests whose last prompt chunk runs in this step) with the whole prompt's KV of the
+    layer, read back from the paged cache (so earlier chunks and prefix-cache hits are included) as the
+    cache stores it: an int8 cache's values with their scales (no dequantization), else the model dtype."""
+    tables = [
+        (item.request_id, torch.tensor(item.block_ids, dtype=torch.long), item.request.num_prompt_tokens)
+        for item in items
+    ]
+
+    def hook(layer_idx: int, latent_kv: torch.Tensor, batch: ModelInput) -> None:
+        if on_layer_kv is not None:
+            on_layer_kv(layer_idx, latent_kv, batch)
+        for request_id, table, num_prompt_tokens in tables:
+            latent, scale = gather_kv(
+                runner.kv_caches[layer_idx],
+                table.to(runner.device),
+                num_prompt_tokens,
+                runner.kv_scales[layer_idx],
+            )
+            on_prompt_kv(request_id, layer_idx, latent, scale)
+
+    return hook
+
+
+class RemotePrefillReservations:
+    """The decode side: requests whose prompt KV another instance computes, from reservation to admission.
+
+    Args:
+        scheduler: holds the reserved blocks (`Scheduler.reserve`) and admits the request.
+        runner: whose KV cache the received layers are written into.
+    """
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        # reserved request id -> (its block table [num_blocks] int64 on the host, num_prompt_tokens)
+        self._tables: dict[str, tuple[torch.Tensor, int]] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    def reserve(self, request: Request, num_draft_tokens: int) -> bool:
+        """Hold KV blocks for a new request's prompt, first token and `num_draft_tokens` drafts (what its
+        first decode step writes; `LLMEngine.reserve_remote_prefill` builds and checks the request).
+        Returns False (nothing held) when the blocks are not free now.
+
+        Raises:
+            ValueError: a duplicate id or a request that could never fit (`Scheduler.reserve`).
+        """
+        num_prompt_tokens = request.num_prompt_tokens
+        if not self.scheduler.reserve(request, num_prompt_tokens + 1 + num_draft_tokens):
+            return False
+        self.scheduler.block_manager.slot_mapping(request, 0, num_prompt_tokens)  # ValueError if not covered
+        table = torch.tensor(self.scheduler.block_manager.block_ids(request), dtype=torch.long)
+        self._tables[request.request_id] = (table, num_prompt_tokens)
+        return True
+
+    def write_prompt_kv(
+        self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> None:
+        """`LLMEngine.write_prompt_kv`: one layer's `[num_prompt_tokens, kv_dim]` received KV into the
+        reserved slots. With `scale` (`[num_prompt_tokens]` float32) `latent_kv` is int8: an int8 cache
+        stores both as they are, a float cache stores them dequantized. Any thread. KeyError: no
+        reservation; ValueError: a shape mismatch."""
+        table, num_prompt_tokens = self._tables[request_id]
+        if latent_kv.shape[:1] != (num_prompt_tokens,):
+            raise ValueError(
+                f"{request_id}: layer {layer_idx} has {tuple(latent_kv.shape)[:1]} rows, the reservation "
+                f"{num_prompt_tokens} prompt tokens"
+            )
+        kv_scale = self.runner.kv_scales[layer_idx]
+        if scale is not None and kv_scale is None:
+            latent_kv, scale = dequantize_kv_int8(latent_kv, scale, self.runner.dtype), None
+        if scale is None:
+            latent_kv = latent_kv.to(self.runner.device, self.runner.dtype)
+        else:
+            latent_kv, scale = latent_kv.to(self.runner.device), scale.to(self.runner.device)
+        write_prompt_kv(self.runner.kv_caches[layer_idx], latent_kv, table, kv_scale, latent_scale=scale)
+
+    def admit(
+        self, request_id: str, first_token_id: int, draft_token_ids: list[int]
+    ) -> tuple[Request, RequestStatus]:
+        """Admit a reserved request whose prompt KV is written, with its first token and drafts
+        (`Scheduler.admit_reserved`). Returns the request and RUNNING, or the finished status when the
+        first token already finished it.
+
+        Raises:
+            KeyError: no reservation.
+        """
+        self._tables.pop(request_id)
+        request = self.scheduler.reserved[request_id]
+        return request, self.scheduler.admit_reserved(request_id, first_token_id, list(draft_token_ids))
+
+    def release(self, request_id: str) -> bool:
+        """Give back a reservation's blocks (handoff failed or cancelled). False if unknown."""
+        self._tables.pop(request_id, None)
+        return self.scheduler.release_reserved(request_id)

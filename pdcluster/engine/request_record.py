@@ -1,0 +1,61 @@
+"""What the engine keeps per request beside the scheduler's `Request`, and the `RequestOutput` it reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdcluster.engine.outputs import RequestOutput, TokenLogprobs
+from pdcluster.engine.remote_prefill import PrefillResult
+from pdcluster.engine.request import Request
+from pdcluster.engine.stopping import OutputText
+
+
+@dataclass(eq=False)
+class RequestRecord:
+    """What the engine keeps for one request beside the scheduler's `Request`, from `add_request` (or
+    admission after a remote prefill) until its final output.
+
+    Attributes:
+        request: the scheduler's request (tokens, status, timings).
+        prompt: the prompt text, None when given as token ids (or prefilled elsewhere).
+        output_text: its detokenized text, stop strings and streamed deltas.
+        logprobs: one `TokenLogprobs` per committed output token when `SamplingParams.logprobs` is set.
+        prefill_result: a finished prefill-only request's handoff data, until `pop_prefill_result`.
+        stream: an output is reported every step it commits tokens (else only its final output).
+    """
+
+    request: Request
+    prompt: str | None
+    output_text: OutputText
+    logprobs: list[TokenLogprobs] | None = None
+    prefill_result: PrefillResult | None = None
+    stream: bool = True
+
+    def output(self) -> RequestOutput:
+        """The request's `RequestOutput` now; takes the text streamed since the previous one
+        (`OutputText.new_text`), so call it once per output reported."""
+        request = self.request
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            text=self.output_text.text,
+            new_text=self.output_text.new_text(finished=request.is_finished),
+            token_ids=list(request.output_token_ids),
+            finished=request.is_finished,
+            finish_reason=request.status.finish_reason,
+            num_cached_tokens=max(0, request.num_cached_tokens),
+            queue_s=request.queue_time_s,
+            ttft_s=request.ttft_s,
+            tpot_s=request.tpot_s,
+            e2e_s=None
+            if request.finished_time_s is None
+            else request.finished_time_s - request.arrival_time_s,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
+            num_draft_tokens_per_position=list(request.num_draft_tokens_per_position),
+            num_accepted_tokens_per_position=list(request.num_accepted_tokens_per_position),
+            num_preemptions=request.num_preemptions,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            error=request.error,
+        )

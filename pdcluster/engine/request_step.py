@@ -1,0 +1,145 @@
+"""One request's share of a step, at both ends: what the scheduler gives it to run, and committing what
+it sampled. The `Scheduler` calls these for each request (it owns the queues, the policy and the blocks);
+they mutate only the request they are given and its blocks.
+
+    schedule_request -> ScheduledRequest       slots; inputs: committed tokens, placeholders, drafts
+    commit_sampled   -> (new tokens, status)   roll back rejected drafts, commit up to a stop, next drafts
+    commit_tokens    -> (new tokens, status)   append tokens up to the first that stops the request
+
+Placeholders (asynchronous scheduling, see `engine.scheduler`): a request whose previous step is still
+in flight runs `PLACEHOLDER_TOKEN_ID` inputs, the bonus token and then the drafts that step proposes,
+placed as if every draft were accepted; the executor fills them in.
+"""
+
+from __future__ import annotations
+
+from pdcluster.engine.block_manager import BlockManager
+from pdcluster.engine.outputs import PLACEHOLDER_TOKEN_ID, ScheduledRequest
+from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.stopping import check_stop_token
+
+
+def schedule_request(
+    request: Request, num_new_tokens: int, bm: BlockManager, num_draft_placeholders: int
+) -> ScheduledRequest:
+    """Allocate slots for the request's next `num_new_tokens` positions and describe its step inputs:
+    committed tokens, the placeholder of a token still being sampled, then its drafts (drafts beyond the
+    budget are dropped); the token ids themselves go to the scheduler's persistent rows
+    (`engine.input_batch.RequestRows.add_step`). Advances `num_computed_tokens`; a step that samples
+    adds its output placeholders and, with `num_draft_placeholders`, the draft placeholders for the
+    next step.
+
+    Raises:
+        RuntimeError: the slots cannot be allocated (the plan did not fit the free blocks).
+    """
+    if not bm.allocate_slots(request, num_new_tokens):
+        raise RuntimeError(
+            f"scheduler plan not applicable: {num_new_tokens} slots for {request.request_id!r}"
+        )
+    start, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
+    num_tokens = request.num_tokens
+    num_known = num_tokens + request.num_output_placeholders  # committed + being sampled
+    request.spec_token_ids = request.spec_token_ids[: max(0, end - num_known)]
+    samples = end >= num_known
+    item = ScheduledRequest(
+        request=request,
+        start_position=start,
+        num_scheduled_tokens=num_new_tokens,
+        spec_token_ids=list(request.spec_token_ids),
+        block_ids=bm.block_ids(request),
+        samples=samples,
+        num_preemptions=request.num_preemptions,
+        # the tokens still being sampled among the inputs (positions num_tokens .. num_known - 1)
+        num_placeholders=max(0, min(end, num_known) - max(start, num_tokens)),
+    )
+    request.num_computed_tokens = end
+    if samples:
+        request.num_output_placeholders += len(request.spec_token_ids) + 1
+        if num_draft_placeholders:
+            # The drafts this step proposes, verified by the next; none past the last allowed token.
+            num_outputs = request.num_output_tokens + request.num_output_placeholders
+            num_allowed = request.sampling_params.max_tokens - num_outputs - 1
+            num_drafts = max(0, min(num_draft_placeholders, num_allowed))
+            request.spec_token_ids = [PLACEHOLDER_TOKEN_ID] * num_drafts
+    return item
+
+
+def commit_sampled(
+    item: ScheduledRequest,
+    sampled: list[int],
+    next_draft_token_ids: list[int],
+    bm: BlockManager,
+    num_draft_placeholders: int,
+    now: float,
+) -> tuple[list[int], RequestStatus]:
+    """Commit what a sampling step yielded for `item.request`: count and roll back rejected drafts, commit
+    tokens up to a stop (`commit_tokens`), cache full blocks, and, unless it finished, take the drafts
+    proposed for its next step (`next_draft_token_ids`; with `num_draft_placeholders` only for a request
+    left out of the step in flight). The caller frees a finished request.
+
+    Args:
+        sampled: the accepted drafts then one sampled token.
+
+    Returns:
+        (the tokens committed, RUNNING or the finished status).
+
+    Raises:
+        ValueError: no token, more tokens than drafts + 1, or "accepted" tokens that differ from the drafts.
+    """
+    request = item.request
+    sampled = list(sampled)
+    num_drafts, num_accepted = len(item.spec_token_ids), len(sampled) - 1
+    request.num_output_placeholders -= num_drafts + 1
+    if (
+        not 0 <= num_accepted <= num_drafts
+        or any(
+            token != draft and draft != PLACEHOLDER_TOKEN_ID  # placeholder drafts: filled by the executor
+            for token, draft in zip(sampled[:num_accepted], item.spec_token_ids, strict=False)
+        )
+    ):
+        raise ValueError(
+            f"request {item.request_id!r}: sampled {sampled} does not fit drafts "
+            f"{item.spec_token_ids} (expected the accepted drafts then one sampled token)"
+        )
+    if num_drafts:
+        request.record_spec_result(num_drafts, num_accepted)
+        request.num_computed_tokens -= num_drafts - num_accepted
+        bm.trim(request, request.num_computed_tokens)
+    if not num_draft_placeholders:
+        request.spec_token_ids = []
+    new_token_ids, status = commit_tokens(request, sampled, now)
+    bm.cache_full_blocks(request)
+    # No draft beyond the last allowed output token (keeps slots within check_request_fits).
+    num_allowed = request.sampling_params.max_tokens - request.num_output_tokens - 1
+    if status.is_finished:
+        return new_token_ids, status
+    if not num_draft_placeholders:
+        request.spec_token_ids = list(next_draft_token_ids)[:num_allowed]
+    elif request.num_output_placeholders == 0 and request.spec_token_ids:
+        # Left out of the step in flight (no token budget): its draft placeholders stand for the drafts
+        # this step proposed, known now; its next step runs them as known tokens.
+        num_drafts = min(len(request.spec_token_ids), num_allowed)
+        request.spec_token_ids = list(next_draft_token_ids)[:num_drafts]
+    return new_token_ids, status
+
+
+def commit_tokens(request: Request, sampled: list[int], now: float) -> tuple[list[int], RequestStatus]:
+    """Append sampled tokens up to and including the first that stops the request
+    (`engine.stopping.check_stop_token`: EOS, a stop token id, the max_tokens-th token); sets the first
+    and last token times to `now` (seconds, the scheduler's clock).
+
+    Returns:
+        (the tokens appended, RUNNING or the finished status).
+    """
+    committed: list[int] = []
+    status = RequestStatus.RUNNING
+    for token_id in sampled:
+        committed.append(token_id)
+        status = check_stop_token(request, token_id, request.num_output_tokens + len(committed))
+        if status.is_finished:
+            break
+    request.append_output_token_ids(committed)
+    if request.first_token_time_s is None:
+        request.first_token_time_s = now
+    request.last_token_time_s = now
+    return committed, status

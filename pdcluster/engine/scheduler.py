@@ -1,0 +1,423 @@
+"""The stateful scheduler shell: queues, the block manager, and applying `schedule_step`'s plan.
+
+The engine loop calls, once per step and never while a step is in flight:
+
+    output = scheduler.schedule()                    # plan + allocate KV slots
+    runner_output = model_runner.execute(output)     # forward, sample, verify drafts, propose drafts
+    updates = scheduler.update_from_output(output, runner_output)   # commit tokens, stop, free
+    # between steps: add_request(...), abort(...), finish_request(...) (stop strings)
+
+With asynchronous scheduling (`engine.async_loop`) the order is shifted by one step: `schedule()` for
+step N+1 runs while step N is in flight, before `update_from_output` of step N. A request whose step N
+samples then holds output placeholders (`Request.num_output_placeholders`): as many tokens as step N
+yields at most, 1 + its drafts, as if every draft were accepted. Step N+1 runs the request from there with
+`PLACEHOLDER_TOKEN_ID` inputs: step N's bonus token, then `num_draft_placeholders` drafts that step N
+proposes (the executor fills them in, and moves the request back by the drafts step N rejected, by which
+`update_from_output` of step N rolls `num_computed_tokens` back). A request whose step in flight may
+sample its `max_tokens`-th token is not scheduled again until that step is committed, so no slot beyond
+`check_request_fits`'s count is ever allocated. Results for requests that finished, were aborted or
+preempted after being scheduled are discarded by `update_from_output`.
+
+The decision itself is `engine.scheduler_policy.schedule_step`, a pure function the capacity planner
+shares; this class only builds its inputs (`RequestView`s) and applies its `StepPlan`. Applying it ends
+with the step's delta to the persistent batch rows (`engine.input_batch`): the executor packs the step
+from those rows with whole-batch numpy ops, so a `SchedulerOutput` must be packed (`Executor.prepare`)
+before the next `schedule()`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from pdcluster.engine.block_manager import BlockManager, ComputedBlocks
+from pdcluster.engine.input_batch import RequestRows
+from pdcluster.engine.outputs import (
+    ModelRunnerOutput,
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.request_step import commit_sampled, commit_tokens, schedule_request
+from pdcluster.engine.scheduler_policy import (
+    RequestView,
+    SchedulerConfig,
+    StepPlan,
+    check_request_fits,
+    schedule_step,
+)
+
+
+class SchedulerStats(NamedTuple):
+    """A snapshot for metrics. `prefix_cache_hit_rate` is cached / looked-up tokens over all admissions
+    (None before any)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_hit_rate: float | None
+
+
+class Scheduler:
+    """Owns the waiting and running queues, the reservations of requests prefilled elsewhere and, once
+    admitted, their queue for a seat in the running batch (`waiting_for_seat`), the `BlockManager` of
+    one engine instance, and the running requests' persistent rows (`request_rows`, an
+    `engine.input_batch.RequestRows`: token ids, block tables, sampling parameters), which `schedule()`
+    brings up to date and hands to the executor as row indices (`SchedulerOutput.rows`).
+
+    Args:
+        config: step limits (and block size).
+        num_blocks: KV cache blocks available to this instance.
+        enable_prefix_caching: see `BlockManager`.
+        clock: returns the current time in seconds; timestamps on requests use it (inject a simulated
+            clock in the planner and in tests).
+        num_draft_placeholders: asynchronous scheduling with speculative decoding: drafts stay in the
+            executor, and after each sampling step the scheduler reserves this many draft placeholders
+            (k, fewer near `max_tokens`) for the request's next step. 0: drafts come back in
+            `ModelRunnerOutput.spec_token_ids` (synchronous loop).
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        enable_prefix_caching: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        num_draft_placeholders: int = 0,
+    ) -> None:
+        self.config = config
+        self.num_draft_placeholders = num_draft_placeholders
+        self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching)
+        # The running requests' persistent rows (token ids, block table, sampling parameters), updated by
+        # deltas when they are scheduled (`_apply`: new tokens, blocks, drafts), finished or preempted.
+        max_num_positions = config.max_model_len + config.num_lookahead_tokens + 1
+        self.request_rows = RequestRows(
+            config.max_num_seqs,
+            min(num_blocks, -(-max_num_positions // config.block_size)),
+            max_num_positions,
+        )
+        self.clock = clock
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: list[Request] = []  # new and preempted requests
+        self.running: list[Request] = []  # in admission order
+        self.reserved: dict[str, Request] = {}  # holding blocks for KV prefilled elsewhere (`reserve`)
+        # Admitted after a prefill elsewhere (`admit_reserved`), holding their blocks, waiting for a seat in
+        # the running batch (max_num_seqs); in admission order.
+        self.waiting_for_seat: list[Request] = []
+        self._arrival_index: dict[str, int] = {}
+        self._num_arrived = 0
+        self._finished_request_ids: list[str] = []  # since the last schedule()
+        self.num_preemptions = 0
+        self._num_prefix_query_tokens = 0
+        self._num_prefix_hit_tokens = 0
+
+    # ---- queue management (between steps) --------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request.
+
+        Raises:
+            ValueError: duplicate request id, or a request that could never fit (see
+                `check_request_fits`: context length or the whole KV cache).
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        check_request_fits(
+            self.config,
+            self.block_manager.num_blocks,
+            request.num_prompt_tokens,
+            request.sampling_params.max_tokens,
+        )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._arrival_index[request.request_id] = self._num_arrived
+        self._num_arrived += 1
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> bool:
+        """Finish a waiting or running request from outside a step (abort, stop string, a failed step:
+        FINISHED_ERROR with `error`, the reason); frees its blocks. Returns False when the id is unknown
+        or already finished."""
+        if not status.is_finished:
+            raise ValueError(f"status must be a finished status, got {status}")
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if error is not None:
+            request.error = error
+        self._remove(request, status)
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (FINISHED_ABORTED). Returns False when the id is unknown or already finished."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # ---- requests prefilled elsewhere (disaggregated decode) -------------------------------------------
+
+    def reserve(self, request: Request, num_slots: int) -> bool:
+        """Hold KV blocks for `num_slots` positions of a request whose prompt KV another instance computes.
+
+        The request is not scheduled until `admit_reserved`; `release_reserved` gives the blocks back. No
+        prefix-cache lookup: the prompt's blocks are fresh, and are written from outside (received KV).
+        Returns False (nothing held) when the free blocks do not suffice now.
+
+        Raises:
+            ValueError: duplicate request id, or a request that could never fit (`check_request_fits`).
+        """
+        if request.request_id in self.requests or request.request_id in self.reserved:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        check_request_fits(
+            self.config,
+            self.block_manager.num_blocks,
+            request.num_prompt_tokens,
+            request.sampling_params.max_tokens,
+        )
+        if not self.block_manager.allocate_slots(request, num_slots):
+            return False
+        self.reserved[request.request_id] = request
+        return True
+
+    def release_reserved(self, request_id: str) -> bool:
+        """Free a reservation's blocks (the handoff failed or was cancelled). False when unknown."""
+        request = self.reserved.pop(request_id, None)
+        if request is None:
+            return False
+        self.block_manager.free(request)
+        return True
+
+    def admit_reserved(
+        self, request_id: str, first_token_id: int, spec_token_ids: list[int]
+    ) -> RequestStatus:
+        """Admit a reserved request whose prompt KV is now in its blocks, as if this instance had run its
+        prefill: `num_computed_tokens` = prompt length, the first token committed (stop conditions apply),
+        `spec_token_ids` the drafts to verify in its next step.
+
+        The request joins `waiting_for_seat` (status WAITING_FOR_SEAT) with its blocks; the next
+        `schedule()` seats it in the running batch once `max_num_seqs` allows, so admissions never
+        overfill the batch (nor the executor's input buffers, which `max_num_seqs` sizes), however many
+        handoffs complete at once. Seated before waiting (new or preempted) requests: its KV is already
+        computed and its blocks held.
+
+        Returns:
+            RUNNING (unfinished: it will run, possibly after waiting for a seat), or the finished status
+            when the first token already finished it (its blocks are freed).
+
+        Raises:
+            KeyError: no such reservation.
+        """
+        request = self.reserved.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        now = self.clock()
+        request.first_scheduled_time_s = request.first_scheduled_time_s or now
+        request.num_cached_tokens = 0
+        _, status = commit_tokens(request, [first_token_id], now)
+        self.block_manager.cache_full_blocks(request)
+        if status.is_finished:
+            self.block_manager.free(request)
+            request.status = status
+            request.finished_time_s = now
+            return status
+        num_allowed = request.sampling_params.max_tokens - request.num_output_tokens - 1
+        request.spec_token_ids = list(spec_token_ids)[: max(0, num_allowed)]
+        request.status = RequestStatus.WAITING_FOR_SEAT
+        self.requests[request_id] = request
+        self._arrival_index[request_id] = self._num_arrived
+        self._num_arrived += 1
+        self.waiting_for_seat.append(request)
+        return status
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def stats(self) -> SchedulerStats:
+        queried = self._num_prefix_query_tokens
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting) + len(self.waiting_for_seat),
+            kv_cache_usage=self.block_manager.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_hit_rate=self._num_prefix_hit_tokens / queried if queried else None,
+        )
+
+    # ---- one step ---------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide and prepare the next step: preempt, admit, allocate KV slots, advance
+        `num_computed_tokens` of every scheduled request. Requests waiting for a seat are seated first."""
+        self._seat_admitted()
+        bm = self.block_manager
+        # Only the first `max_num_seqs - running` waiting requests can be admitted: look up only those
+        # (this also keeps the seats of running requests the policy does not see, below).
+        num_candidates = max(0, self.config.max_num_seqs - len(self.running))
+        candidates = sorted(self.waiting, key=lambda r: self._arrival_index[r.request_id])[:num_candidates]
+        lookups: dict[str, ComputedBlocks] = {r.request_id: bm.get_computed_blocks(r) for r in candidates}
+        plan = schedule_step(
+            self.config,
+            # A request whose step in flight samples its last allowed token needs no further step.
+            [self._running_view(r) for r in self.running if not self._samples_last_token(r)],
+            [self._waiting_view(r, lookups[r.request_id]) for r in candidates],
+            bm.num_free_blocks,
+        )
+        return self._apply(plan, lookups)
+
+    def _seat_admitted(self) -> None:
+        """Move requests admitted after a remote prefill into the running batch, oldest first, while
+        `len(running) < max_num_seqs`; the rest keep waiting (with their blocks)."""
+        num_seats = self.config.max_num_seqs - len(self.running)
+        if num_seats <= 0 or not self.waiting_for_seat:
+            return
+        seated, self.waiting_for_seat = self.waiting_for_seat[:num_seats], self.waiting_for_seat[num_seats:]
+        for request in seated:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
+    @staticmethod
+    def _samples_last_token(request: Request) -> bool:
+        """The step in flight (asynchronous scheduling) may sample the request's `max_tokens`-th token."""
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        return request.num_output_placeholders > 0 and num_outputs >= request.sampling_params.max_tokens
+
+    def _running_view(self, request: Request) -> RequestView:
+        num_known = request.num_tokens + request.num_output_placeholders  # committed + being sampled
+        return RequestView(
+            request_id=request.request_id,
+            arrival_index=self._arrival_index[request.request_id],
+            num_computed_tokens=request.num_computed_tokens,
+            num_tokens_to_compute=request.num_tokens_to_compute,
+            is_prefill=request.num_computed_tokens < num_known - 1,
+            num_blocks_held=self.block_manager.num_blocks_held(request),
+            num_blocks_exclusive=self.block_manager.num_exclusive_blocks(request),
+        )
+
+    def _waiting_view(self, request: Request, computed: ComputedBlocks) -> RequestView:
+        return RequestView(
+            request_id=request.request_id,
+            arrival_index=self._arrival_index[request.request_id],
+            num_computed_tokens=request.num_computed_tokens,
+            num_tokens_to_compute=request.num_tokens_to_compute,
+            num_cached_tokens=computed.num_cached_tokens,
+            num_cached_blocks_evictable=computed.num_evictable_blocks,
+        )
+
+    def _apply(self, plan: StepPlan, lookups: dict[str, ComputedBlocks]) -> SchedulerOutput:
+        bm, now = self.block_manager, self.clock()
+        for request_id in plan.preempted_request_ids:
+            self._preempt(self.requests[request_id])
+
+        # Claim every admitted request's prefix-cache hits before any fresh allocation, so that no fresh
+        # allocation can evict a block another admission is about to reuse.
+        for request_id in plan.admitted:
+            request, computed = self.requests[request_id], lookups[request_id]
+            if not bm.allocate_slots(request, 0, computed):
+                raise RuntimeError(f"scheduler plan not applicable: prefix hit of {request_id!r}")
+            request.num_computed_tokens = computed.num_cached_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = computed.num_cached_tokens
+            if request.first_scheduled_time_s is None:
+                request.first_scheduled_time_s = now
+            self._num_prefix_query_tokens += request.num_tokens
+            self._num_prefix_hit_tokens += computed.num_cached_tokens
+            request.status = RequestStatus.RUNNING
+            self.waiting.remove(request)
+            self.running.append(request)
+
+        scheduled: list[ScheduledRequest] = []
+        for request_id, num_new_tokens in plan.num_scheduled_tokens.items():
+            scheduled.append(
+                schedule_request(self.requests[request_id], num_new_tokens, bm, self.num_draft_placeholders)
+            )
+        if self.config.num_lookahead_tokens:
+            # Best effort, after every planned allocation: a request that gets no lookahead drafts less.
+            for item in scheduled:
+                if item.samples and bm.allocate_slots(item.request, self.config.num_lookahead_tokens):
+                    item.block_ids[:] = bm.block_ids(item.request)
+
+        finished, self._finished_request_ids = self._finished_request_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_scheduled_tokens=dict(plan.num_scheduled_tokens),
+            total_num_scheduled_tokens=plan.total_num_scheduled_tokens,
+            new_request_ids=list(plan.admitted),
+            preempted_request_ids=list(plan.preempted_request_ids),
+            finished_request_ids=finished,
+            rows=self.request_rows.add_step(scheduled) if scheduled else None,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestUpdate]:
+        """Commit the step's tokens: roll back rejected drafts, apply stop conditions, cache full blocks,
+        free finished requests, take the next drafts. Requests finished, aborted or preempted since the
+        step was scheduled are skipped (their results are discarded). A request in
+        `runner_output.failed` is finished with FINISHED_ERROR (`Request.error` says why) and its blocks
+        freed; the others commit as usual.
+
+        Returns:
+            One `RequestUpdate` per request that produced tokens or failed this step.
+
+        Raises:
+            ValueError: the runner returned no token for a request whose step reached its last token, more
+                tokens than drafts + 1, or "accepted" tokens that differ from the drafts.
+        """
+        bm, now = self.block_manager, self.clock()
+        updates: list[RequestUpdate] = []
+        for item in scheduler_output.scheduled:
+            request = self.requests.get(item.request_id)
+            if (
+                request is not item.request
+                or request.status is not RequestStatus.RUNNING
+                or request.num_preemptions != item.num_preemptions
+            ):
+                continue  # finished, aborted or preempted since the step was scheduled
+            error = runner_output.failed.get(item.request_id)
+            if error is not None:  # failed alone (its sampling): the step's other requests go on
+                request.error = error
+                self._remove(request, RequestStatus.FINISHED_ERROR)
+                updates.append(RequestUpdate(item.request_id, [], RequestStatus.FINISHED_ERROR))
+                continue
+            if not item.samples:
+                bm.cache_full_blocks(request)  # a prefill chunk: nothing sampled yet
+                continue
+            new_token_ids, status = commit_sampled(
+                item,
+                runner_output.sampled_token_ids.get(item.request_id, []),
+                runner_output.spec_token_ids.get(item.request_id, []),
+                bm,
+                self.num_draft_placeholders,
+                now,
+            )
+            if status.is_finished:
+                self._remove(request, status)
+            updates.append(RequestUpdate(item.request_id, new_token_ids, status))
+        return updates
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: free the blocks (full ones stay cached), requeue from token 0."""
+        self.block_manager.free(request)
+        self.request_rows.remove([request.request_id])
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_output_placeholders = 0  # the step in flight, if any, is discarded
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(request)
+        self.waiting.append(request)
+
+    def _remove(self, request: Request, status: RequestStatus) -> None:
+        self.block_manager.free(request)
+        self.request_rows.remove([request.request_id])
+        request.num_output_placeholders = 0  # a step in flight still holding it is discarded
+        queues = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING_FOR_SEAT: self.waiting_for_seat}
+        queues.get(request.status, self.waiting).remove(request)
+        request.status = status
+        request.finished_time_s = self.clock()
+        del self.requests[request.request_id]
+        del self._arrival_index[request.request_id]
+        self._finished_request_ids.append(request.request_id)

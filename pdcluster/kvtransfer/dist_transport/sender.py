@@ -1,0 +1,211 @@
+"""`DistKVSender`: the prefill side of the torch.distributed transport.
+
+One worker thread per sender encodes (INT8, CRC-32C) and sends, fed by a queue, so `send_layer` returns at
+once. There is no return path: the sender learns only of its own send failures and of its lease ending.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pdcluster.kvtransfer.base import (
+    FailureLog,
+    HandoffExtras,
+    HandoffMeta,
+    KVSender,
+    KVTransferError,
+    TransferTimeout,
+    check_begin,
+)
+from pdcluster.kvtransfer.dist_transport.framing import send_message
+from pdcluster.kvtransfer.dist_transport.group import DistTransportConfig
+from pdcluster.kvtransfer.wire import (
+    FaultHook,
+    apply_fault_hook,
+    copy_layer,
+    encode_layer,
+    extras_to_dict,
+    meta_to_dict,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    meta: HandoffMeta
+    begun_at_s: float
+    closed: bool = False  # finish() or abort() called
+    abort_reason: str | None = None
+    stalled: bool = False  # the fault hook stopped it
+    error: KVTransferError | None = None
+    reported: bool = False  # its error went to the sender's FailureLog
+
+
+@dataclass
+class _Progress:
+    num_enqueued: int = 0
+    num_processed: int = 0
+    requests: dict[str, _Request] = field(default_factory=dict)
+
+
+class DistKVSender(KVSender):
+    """Sends handoffs to the decode rank `peer_rank` of `group` (None: the default group).
+
+    fault_hook: test-only fault injection (`kvtransfer.wire.FaultHook`); it sees every request's layers.
+    """
+
+    def __init__(
+        self,
+        peer_rank: int,
+        config: DistTransportConfig,
+        *,
+        group: Any = None,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        self.peer_rank = peer_rank
+        self.config = config
+        self._device = torch.device(config.device)
+        self._group = group
+        self._fault_hook = fault_hook
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._progress = _Progress()
+        self._failures = FailureLog()  # failed handoffs' errors until flush() reports them
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name=f"kv-sender-to-rank{peer_rank}", daemon=True)
+        self._worker.start()
+
+    def begin(self, handoff: HandoffMeta) -> None:
+        with self._lock:
+            check_begin(handoff, "DistKVSender", self._closed, self._progress.requests)
+            self._progress.requests[handoff.request_id] = _Request(meta=handoff, begun_at_s=time.monotonic())
+        self._enqueue(("begin", handoff.request_id))
+
+    def send_layer(
+        self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> None:
+        req = self._open_request(request_id)
+        latent_copy, scale_copy = copy_layer(req.meta, layer_idx, latent_kv, scale)
+        if req.error is None:
+            self._enqueue(("layer", request_id, layer_idx, latent_copy, scale_copy))
+
+    def finish(self, request_id: str, extras: HandoffExtras) -> None:
+        self._open_request(request_id).closed = True
+        self._enqueue(("finish", request_id, extras))
+
+    def abort(self, request_id: str, reason: str) -> None:
+        req = self._open_request(request_id)
+        req.closed = True
+        req.abort_reason = reason  # layers still queued are dropped
+        self._enqueue(("abort", request_id, reason))
+
+    def flush(self, timeout_s: float) -> dict[str, KVTransferError]:
+        deadline_s = time.monotonic() + timeout_s
+        with self._lock:
+            target = self._progress.num_enqueued
+            while self._progress.num_processed < target:
+                remaining_s = deadline_s - time.monotonic()
+                if remaining_s <= 0:
+                    raise TransferTimeout(
+                        f"flush: {target - self._progress.num_processed} messages to rank {self.peer_rank} "
+                        f"still queued after {timeout_s:g} s"
+                    )
+                self._changed.wait(remaining_s)
+            return self._failures.pop_all()
+
+    def pending_request_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._progress.requests)
+
+    def close(self, join_timeout_s: float = 10.0) -> None:
+        """Sends what is queued, then `bye` (decode fails this sender's unfinished handoffs), and stops."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._enqueue(("bye", None))
+        self._worker.join(join_timeout_s)
+        with self._lock:
+            self._progress.requests.clear()
+
+    def _enqueue(self, item: tuple) -> None:
+        with self._lock:
+            self._progress.num_enqueued += 1
+        self._queue.put(item)
+
+    def _open_request(self, request_id: str) -> _Request:
+        with self._lock:
+            req = self._progress.requests.get(request_id)
+        if req is None or req.closed:
+            raise ValueError(f"{request_id}: no open handoff (never begun, or already finished/aborted)")
+        return req
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            kind, request_id = item[0], item[1]
+            with self._lock:
+                req = None if request_id is None else self._progress.requests.get(request_id)
+            try:
+                if kind == "bye":
+                    self._send({"kind": "bye"})
+                elif req is not None:
+                    self._process(req, item)
+            except Exception as e:  # the pair failed: this request is lost; later ones will try again
+                logger.warning("kv send to rank %d failed: %r", self.peer_rank, e)
+                if req is not None:
+                    with self._lock:
+                        req.error = req.error or KVTransferError(
+                            f"{request_id}: send to rank {self.peer_rank} failed: {e!r}"
+                        )
+            finally:
+                with self._lock:
+                    self._progress.num_processed += 1
+                    if req is not None:
+                        if req.error is not None and not req.reported:  # only the error waits for flush()
+                            self._failures.add(request_id, req.error)
+                            req.reported = True
+                        if kind in ("finish", "abort") and self._progress.requests.get(request_id) is req:
+                            del self._progress.requests[request_id]  # delivered or failed: forget it
+                    self._changed.notify_all()
+            if kind == "bye":
+                return
+
+    def _process(self, req: _Request, item: tuple) -> None:
+        kind, meta = item[0], req.meta
+        if req.error is not None or req.stalled:
+            return
+        if kind == "layer" and req.abort_reason is not None:
+            return
+        if kind != "abort" and time.monotonic() >= req.begun_at_s + meta.lease_s:
+            req.error = TransferTimeout(
+                f"{meta.request_id}: sender's lease of {meta.lease_s:g} s expired before {kind}"
+            )
+            self._send({"kind": "abort", "request_id": meta.request_id, "reason": str(req.error)})
+            return
+        if kind == "begin":
+            self._send({"kind": "begin", "meta": meta_to_dict(meta)})
+        elif kind == "layer":
+            layer, keep_sending = apply_fault_hook(
+                self._fault_hook, encode_layer(meta, item[2], item[3], item[4])
+            )
+            if not keep_sending:
+                req.stalled = True
+                return
+            self._send({"kind": "layer", "header": layer.header.to_dict()}, layer.payload)
+        elif kind == "finish":
+            self._send({"kind": "finish", "request_id": meta.request_id, "extras": extras_to_dict(item[2])})
+        elif kind == "abort":
+            self._send({"kind": "abort", "request_id": meta.request_id, "reason": item[2]})
+
+    def _send(self, record: dict[str, Any], payload: torch.Tensor | None = None) -> None:
+        send_message(record, payload, self.peer_rank, self._group, self._device)

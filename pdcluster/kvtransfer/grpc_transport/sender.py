@@ -1,0 +1,280 @@
+"""`GrpcKVSender`: the prefill side of the gRPC transport (one client-streaming call per handoff).
+
+`send_layer` copies the layer onto the request's queue and returns; gRPC's own thread for the call pulls
+from the queue, encodes what needs encoding (INT8 quantization or dequantization, CRC-32C) and streams, so
+the prefill forward overlaps encoding and transfer. A float layer on a float wire (the common case) is
+checksummed (CRC-32C, several GB/s) and copied straight into its chunk messages by `send_layer` itself: that
+copy is the one the caller is owed, so the layer's bytes are copied once on this side before gRPC's own copy
+(a tensor copy and then the messages' copy, before). A call the receiver fails ends with a status code
+`error_from_rpc` maps back to the receiver's error class; `flush` reports it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from pdcluster.kvtransfer.base import (
+    FailureLog,
+    HandoffExtras,
+    HandoffMeta,
+    KVSender,
+    KVTransferError,
+    TransferTimeout,
+    check_begin,
+)
+from pdcluster.kvtransfer.grpc_transport.framing import encode_chunk, serialize_message
+from pdcluster.kvtransfer.grpc_transport.messages import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    GRPC_MAX_MESSAGE_BYTES,
+    HANDOFF_ID_KEY,
+    HANDOFF_SECRET_KEY,
+    MESSAGE_OVERHEAD_BYTES,
+    TRANSFER_METHOD,
+    error_from_rpc,
+    extras_to_proto,
+    header_to_proto,
+    meta_to_proto,
+)
+from pdcluster.kvtransfer.grpc_transport.tls import TLSCredentials
+from pdcluster.kvtransfer.wire import (
+    FaultHook,
+    LayerHeader,
+    apply_fault_hook,
+    check_layer,
+    copy_layer,
+    encode_layer,
+)
+from pdcluster.protos import kv_transfer_pb2 as pb
+
+
+def _drain(messages: queue.SimpleQueue) -> None:
+    """Drop what is queued (layer tensors included)."""
+    while True:
+        try:
+            messages.get_nowait()
+        except queue.Empty:
+            return
+
+
+@dataclass
+class _Call:
+    """One request's stream on the sender."""
+
+    meta: HandoffMeta
+    begun_at_s: float
+    messages: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    future: grpc.Future | None = None
+    closed: bool = False  # finish() or abort() was called
+    abort_reason: str | None = None
+    stalled: bool = False  # the fault hook stopped it
+    done: bool = False  # the RPC ended (delivered or failed): queued messages were dropped
+    # Set once `_on_done` has recorded the outcome. gRPC runs done-callbacks after the future completes,
+    # so waiting on the future alone can race with the bookkeeping; flush() waits on this.
+    ended: threading.Event = field(default_factory=threading.Event)
+
+
+class GrpcKVSender(KVSender):
+    """Streams handoffs to one decode instance's `KVReceiverServer` at `target` (`"host:port"`).
+
+    max_chunk_bytes: largest payload slice per gRPC message (must leave room under the 4 MiB limit).
+    tls: mutual TLS (the server must use TLS too); None: a plaintext channel.
+    fault_hook: test-only fault injection (`kvtransfer.wire.FaultHook`).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        tls: TLSCredentials | None = None,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        if not 0 < max_chunk_bytes <= GRPC_MAX_MESSAGE_BYTES - MESSAGE_OVERHEAD_BYTES:
+            raise ValueError(
+                f"max_chunk_bytes: must be in (0, {GRPC_MAX_MESSAGE_BYTES - MESSAGE_OVERHEAD_BYTES}], "
+                f"got {max_chunk_bytes}"
+            )
+        self.target = target
+        self.max_chunk_bytes = max_chunk_bytes
+        self._fault_hook = fault_hook
+        options: list[tuple[str, int | str]] = [
+            ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+        ]
+        if tls is None:
+            self._channel = grpc.insecure_channel(target, options=options)
+        else:
+            if tls.server_name is not None:
+                options.append(("grpc.ssl_target_name_override", tls.server_name))
+            self._channel = grpc.secure_channel(target, tls.channel_credentials(), options=options)
+        # The generated stub's method, with chunks pre-encoded (`framing`: no protobuf copies of the KV)
+        self._transfer = self._channel.stream_unary(
+            TRANSFER_METHOD, request_serializer=serialize_message, response_deserializer=pb.Ack.FromString
+        )
+        self._lock = threading.Lock()
+        self._calls: dict[str, _Call] = {}  # open, or closed and still in flight
+        self._failures = FailureLog()
+        self._closed = False
+
+    def begin(self, handoff: HandoffMeta) -> None:
+        with self._lock:
+            check_begin(handoff, "GrpcKVSender", self._closed, self._calls)
+            call = _Call(meta=handoff, begun_at_s=time.monotonic())
+            self._calls[handoff.request_id] = call
+        credentials = ((HANDOFF_ID_KEY, handoff.request_id), (HANDOFF_SECRET_KEY, handoff.secret))
+        future = self._transfer.future(self._stream(call), timeout=handoff.lease_s, metadata=credentials)
+        with self._lock:
+            call.future = future
+        future.add_done_callback(lambda _: self._on_done(call))
+
+    def _on_done(self, call: _Call) -> None:
+        """The RPC ended. Its queued layers are dropped at once (the stream generator is woken so it
+        ends), a failure is kept as an error only (for flush), and the call is forgotten if it is closed
+        (else when finish/abort closes it)."""
+        assert call.future is not None
+        error: KVTransferError | None = None
+        if not call.future.cancelled():
+            exc = call.future.exception()
+            if exc is not None:
+                error = error_from_rpc(exc) if isinstance(exc, grpc.RpcError) else exc
+        with self._lock:
+            call.done = True
+            _drain(call.messages)
+            call.messages.put(("cut",))
+            if error is not None:
+                self._failures.add(call.meta.request_id, error)
+            if call.closed:
+                self._forget(call)
+        call.ended.set()
+
+    def _forget(self, call: _Call) -> None:
+        if self._calls.get(call.meta.request_id) is call:
+            del self._calls[call.meta.request_id]
+
+    def send_layer(
+        self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> None:
+        call = self._open_call(request_id)
+        if call.done:  # failed in the background; flush() reports it
+            check_layer(call.meta, layer_idx, latent_kv, scale)
+            return
+        if scale is None and not call.meta.is_int8_wire and self._fault_hook is None:
+            # A float layer on a float wire goes as it is: its chunk messages are built here, and they are
+            # the copy send_layer owes its caller (no tensor copy first, then a second copy into messages).
+            check_layer(call.meta, layer_idx, latent_kv)
+            layer = encode_layer(call.meta, layer_idx, latent_kv)  # a view of latent_kv, and its CRC-32C
+            item: tuple = ("chunks", list(self._chunks(layer.header, layer.payload)))
+        else:  # quantized or dequantized on gRPC's thread, off the caller's
+            item = ("layer", layer_idx, *copy_layer(call.meta, layer_idx, latent_kv, scale))
+        with self._lock:
+            if not call.done:
+                call.messages.put(item)
+
+    def finish(self, request_id: str, extras: HandoffExtras) -> None:
+        self._close_call(request_id, ("finish", extras))
+
+    def abort(self, request_id: str, reason: str) -> None:
+        self._close_call(request_id, ("abort", reason), abort_reason=reason)  # queued layers are dropped
+
+    def _close_call(self, request_id: str, message: tuple, abort_reason: str | None = None) -> None:
+        with self._lock:
+            call = self._calls.get(request_id)
+            if call is None or call.closed:
+                raise ValueError(f"{request_id}: no open handoff (never begun, or already finished/aborted)")
+            call.closed = True
+            if abort_reason is not None:
+                call.abort_reason = abort_reason
+            if call.done:  # already ended (failed): nothing left to send
+                self._forget(call)
+            else:
+                call.messages.put(message)
+
+    def flush(self, timeout_s: float) -> dict[str, KVTransferError]:
+        deadline_s = time.monotonic() + timeout_s
+        with self._lock:
+            calls = [c for c in self._calls.values() if c.closed and c.future is not None]
+        for call in calls:
+            call.ended.wait(max(0.0, deadline_s - time.monotonic()))
+        with self._lock:
+            in_flight = sorted(rid for rid, c in self._calls.items() if c.closed and not c.done)
+            if in_flight:  # failures stay recorded for the next flush
+                raise TransferTimeout(
+                    f"flush: {len(in_flight)} finished handoffs in flight after {timeout_s:g} s: {in_flight}"
+                )
+            return self._failures.pop_all()
+
+    def pending_request_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._calls)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            calls = list(self._calls.values())
+            self._calls.clear()
+            for call in calls:
+                _drain(call.messages)
+                call.messages.put(("cut",))
+        for call in calls:
+            if call.future is not None:
+                call.future.cancel()
+        self._channel.close()
+
+    def _open_call(self, request_id: str) -> _Call:
+        with self._lock:
+            call = self._calls.get(request_id)
+        if call is None or call.closed:
+            raise ValueError(f"{request_id}: no open handoff (never begun, or already finished/aborted)")
+        return call
+
+    def _stream(self, call: _Call) -> Iterator[pb.KVMessage | bytes]:
+        """The call's messages; runs on gRPC's thread for the call, pulling from the request's queue."""
+        meta = call.meta
+        yield pb.KVMessage(begin=meta_to_proto(meta))
+        while True:
+            try:
+                item = call.messages.get(timeout=max(0.0, call.begun_at_s + meta.lease_s - time.monotonic()))
+            except queue.Empty:
+                return  # lease over: the call's deadline fails it
+            kind = item[0]
+            if kind == "cut":
+                return
+            if call.stalled:
+                continue
+            if kind == "chunks":
+                if call.abort_reason is None:
+                    yield from item[1]
+            elif kind == "layer":
+                if call.abort_reason is not None:
+                    continue
+                layer, keep_sending = apply_fault_hook(
+                    self._fault_hook, encode_layer(meta, item[1], item[2], item[3])
+                )
+                if not keep_sending:
+                    call.stalled = True
+                    continue
+                yield from self._chunks(layer.header, layer.payload)
+            elif kind == "finish":
+                yield pb.KVMessage(finish=extras_to_proto(item[1]))
+                return
+            elif kind == "abort":
+                yield pb.KVMessage(abort=pb.Abort(reason=item[1]))
+                return
+
+    def _chunks(self, header: LayerHeader, payload: torch.Tensor) -> Iterator[bytes]:
+        """The layer's serialized chunk messages: memoryview slices of the payload, one copy each."""
+        data = memoryview(payload.numpy())
+        for offset_bytes in range(0, max(len(data), 1), self.max_chunk_bytes):
+            yield encode_chunk(
+                header.layer_idx,
+                offset_bytes,
+                data[offset_bytes : offset_bytes + self.max_chunk_bytes],
+                header_to_proto(header) if offset_bytes == 0 else None,
+            )

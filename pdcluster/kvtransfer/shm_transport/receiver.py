@@ -1,0 +1,288 @@
+"""`ShmKVReceiver`: the decode side of the shared-memory transport.
+
+It listens on a Unix socket (`channel.listen`: a 0700 directory, peer uid checked) and serves each prefill
+sender's connection on one thread, which admits begins (`Reservations.claim`, the handoff's secret), lends
+the admitted handoff a segment of the connection's `SegmentPool` (its descriptor passed the first time),
+and for each layer record verifies the bytes the sender wrote there (CRC-32C) and hands decode a view of
+them, which decode's `on_layer` copies into its paged blocks: the one copy on this side. Everything that
+reads a segment runs on that thread, so a segment is free for the next handoff as soon as its sender is
+done writing it (finish, abort, or its `end` after a failure), whatever decode does with the reservation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pdcluster.kvtransfer.base import HandoffMeta, HandoffRefused, KVTransferError, ProtocolError
+from pdcluster.kvtransfer.reservations import ReservationReceiver, Reservations
+from pdcluster.kvtransfer.shm_transport.channel import (
+    SOCKET_NAME,
+    Channel,
+    LogThrottle,
+    listen,
+    peer_uid,
+    sweep_stale_socket_dirs,
+    wait_readable,
+)
+from pdcluster.kvtransfer.shm_transport.segments import DEFAULT_MAX_FREE_BYTES, Segment, SegmentPool
+from pdcluster.kvtransfer.wire import LayerHeader, meta_from_dict
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.2  # how often an idle connection thread looks at its leases and at close()
+MAX_CONNECTIONS = 256  # default `ShmKVReceiver.max_connections`
+# A segment whose sender neither finished nor ended it is closed (not reused) this long after its lease:
+# the sender stops writing at its lease, so by then no late write can land in another handoff's bytes.
+LEASE_GRACE_S = 5.0
+
+
+def error_record(error: KVTransferError) -> list[str]:
+    """How a `done` record carries an error: `[class name, message]` (`sender.error_from_record`)."""
+    return [type(error).__name__, str(error)]
+
+
+@dataclass
+class _Lent:
+    """A handoff admitted on a connection, and the segment its sender writes."""
+
+    meta: HandoffMeta
+    segment: Segment
+    begun_at_s: float
+    failed: bool = False  # decode refused it (the sender was told); the segment waits for the sender's end
+
+
+class _Connection:
+    def __init__(self, channel: Channel, pool: SegmentPool) -> None:
+        self.channel = channel
+        self.pool = pool
+        self.lent: dict[str, _Lent] = {}
+
+    def send(self, record: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+        try:
+            self.channel.send(record, fds)
+        except OSError as e:  # the sender is gone: its connection thread notices at its next receive
+            logger.info("kv shm: telling the sender failed: %r", e)
+
+    def done(self, request_id: str, error: KVTransferError | None) -> None:
+        self.send({"k": "done", "rid": request_id, "error": None if error is None else error_record(error)})
+
+    def give_back(self, request_id: str, reuse: bool = True) -> None:
+        lent = self.lent.pop(request_id, None)
+        if lent is not None:
+            dropped = self.pool.give_back(lent.segment, reuse=reuse)
+            if dropped:
+                self.send({"k": "drop", "segs": dropped})
+
+
+class ShmKVReceiver(ReservationReceiver):
+    """The decode instance's shared-memory endpoint and its reservations; senders connect to
+    `self.address` (a socket path on this host). `int8_passthrough` as in `Reservations`.
+
+    max_free_bytes: free segments each connection keeps for reuse (`SegmentPool`).
+    max_connections: connections served at once (one thread each; prefill ranks need one per decode
+        rank); more are closed at accept, logged once per 10 s with a count.
+    reservations: the `Reservations` to feed (shared with another receiver of the same decode rank,
+        `kvtransfer.paired`); it must copy kept layers (`copy_kept_layers`: a segment is reused once its
+        sender is done). None: its own, with `int8_passthrough`.
+    """
+
+    def __init__(
+        self,
+        *,
+        int8_passthrough: bool = False,
+        max_free_bytes: int = DEFAULT_MAX_FREE_BYTES,
+        reservations: Reservations | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        if reservations is not None and not reservations.copy_kept_layers:
+            raise ValueError("ShmKVReceiver: shared reservations must copy kept layers (copy_kept_layers)")
+        sweep_stale_socket_dirs()
+        self.max_free_bytes = max_free_bytes
+        self.max_connections = max_connections
+        self._refusals = LogThrottle()
+        self._malformed = LogThrottle()
+        self._reservations = (
+            Reservations(int8_passthrough, copy_kept_layers=True) if reservations is None else reservations
+        )
+        self._listener, self._dir = listen()
+        self.address = str(self._dir / SOCKET_NAME)
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._connections: list[_Connection] = []
+        self._threads: list[threading.Thread] = []
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="kv-shm-accept", daemon=True)
+        self._accept_thread.start()
+
+    @property
+    def num_segments(self) -> int:
+        """Segments mapped by this receiver, over all connections (a leak check for tests)."""
+        with self._lock:
+            return sum(c.pool.num_segments for c in self._connections)
+
+    def close(self, join_timeout_s: float = 2.0) -> None:
+        """Stop accepting and serving; connections close (their senders fail what is open), segments are
+        unmapped and the socket directory is removed."""
+        self._closed.set()
+        self._accept_thread.join(join_timeout_s)
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(join_timeout_s)
+        self._listener.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            if not wait_readable(self._listener, POLL_S):
+                continue
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                continue
+            uid = peer_uid(sock)
+            if uid is not None and uid != os.getuid():
+                logger.warning("kv shm: refused a connection from uid %d", uid)
+                sock.close()
+                continue
+            with self._lock:
+                full = len(self._connections) >= self.max_connections
+            if full:  # a thread per connection: a flood of them must not take the process down
+                self._refusals.warning(
+                    logger,
+                    "kv shm: refused %d connection(s) (logged at most every %g s): %d open already "
+                    "(max_connections)",
+                    self._refusals.interval_s,
+                    self.max_connections,
+                )
+                sock.close()
+                continue
+            connection = _Connection(Channel(sock, max_fds=0), SegmentPool(self.max_free_bytes))
+            thread = threading.Thread(target=self._serve, args=(connection,), name="kv-shm-recv", daemon=True)
+            with self._lock:
+                self._connections.append(connection)
+                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
+
+    def _serve(self, connection: _Connection) -> None:
+        why = "the sender closed its connection"
+        try:
+            while not self._closed.is_set():
+                self._reclaim_expired(connection)
+                if not wait_readable(connection.channel.sock, POLL_S):
+                    continue
+                try:
+                    got = connection.channel.recv()
+                except (OSError, ProtocolError) as e:
+                    why = f"the sender's connection failed: {e}"
+                    break
+                if got is None:
+                    break
+                record, _ = got  # none: senders never pass descriptors (max_fds=0)
+                try:
+                    self._dispatch(connection, record)
+                except (KeyError, TypeError, ValueError) as e:  # malformed: dropped, nothing recorded
+                    self._malformed.warning(
+                        logger,
+                        "kv shm: dropped %d malformed record(s) (logged at most every %g s; latest: a %r "
+                        "record: %r)",
+                        self._malformed.interval_s,
+                        record.get("k"),
+                        e,
+                    )
+                except Exception as e:  # noqa: BLE001 - a fault here must not end the thread unseen
+                    logger.exception(
+                        "kv shm: serving a %r record failed; closing the connection", record.get("k")
+                    )
+                    why = f"the receiver failed on a {record.get('k')!r} record: {e!r}"
+                    break
+            else:
+                why = "the receiver closed"
+        finally:
+            for request_id in list(connection.lent):
+                self._reservations.on_sender_lost(request_id, why)
+            connection.lent.clear()
+            connection.channel.close()
+            connection.pool.close()
+            with self._lock:
+                self._connections.remove(connection)
+
+    def _reclaim_expired(self, connection: _Connection) -> None:
+        now_s = time.monotonic()
+        for request_id, lent in list(connection.lent.items()):
+            if now_s > lent.begun_at_s + lent.meta.lease_s + LEASE_GRACE_S:
+                connection.give_back(request_id, reuse=False)
+
+    def _dispatch(self, connection: _Connection, record: dict[str, Any]) -> None:
+        kind = record["k"]
+        if kind == "begin":
+            self._begin(connection, meta_from_dict(record["meta"]))
+            return
+        if kind == "layer":
+            header = LayerHeader.from_dict(record["h"])
+            lent = connection.lent.get(header.request_id)
+            if lent is None or lent.failed:  # not admitted on this connection, or already refused
+                return
+            try:
+                self._reservations.check_header(header)  # before the header's bytes are looked at
+                offset_bytes = header.layer_idx * lent.meta.layer_wire_bytes
+                self._reservations.on_layer(header, lent.segment.view(offset_bytes, header.num_bytes))
+            except KVTransferError as e:
+                lent.failed = True
+                connection.done(header.request_id, e)
+            return
+        request_id = record["rid"]
+        lent = connection.lent.get(request_id)
+        if kind not in ("finish", "abort", "end"):
+            raise ValueError(f"unknown record kind {kind!r}")
+        if lent is None:  # not admitted on this connection
+            return
+        if kind == "end" or lent.failed:  # the sender stopped writing after being told of a failure
+            connection.give_back(request_id)
+            return
+        error: KVTransferError | None = None
+        try:
+            if kind == "finish":
+                self._reservations.on_finish_record(request_id, record["x"])
+            else:
+                self._reservations.on_abort(request_id, str(record["reason"]))
+        except KVTransferError as e:
+            error = e
+        connection.give_back(request_id)  # the sender writes no more
+        connection.done(request_id, error)
+
+    def _begin(self, connection: _Connection, meta: HandoffMeta) -> None:
+        request_id = meta.request_id
+        if request_id in connection.lent:
+            connection.done(request_id, HandoffRefused(f"{request_id}: begun twice on one connection"))
+            return
+        try:
+            self._reservations.claim(request_id, meta.secret)
+            self._reservations.on_begin(meta)
+        except KVTransferError as e:  # refused (nothing recorded) or a mismatch (recorded by on_begin)
+            connection.done(request_id, e)
+            return
+        try:
+            segment, is_new = connection.pool.acquire(meta.total_wire_bytes)
+        except OSError as e:  # out of descriptors or memory: this handoff fails, the connection goes on
+            error = KVTransferError(
+                f"{request_id}: decode could not map a {meta.total_wire_bytes} B segment: {e}"
+            )
+            logger.warning("kv shm: %s", error)
+            self._reservations.on_error(request_id, error)
+            connection.done(request_id, error)
+            return
+        connection.lent[request_id] = _Lent(meta, segment, time.monotonic())
+        grant = {"k": "grant", "rid": request_id, "seg": segment.segment_id, "cap": segment.capacity_bytes}
+        if is_new:
+            connection.send(grant, [segment.fd])
+            with contextlib.suppress(OSError):
+                segment.close_fd()  # the mapping stays; the sender has its own descriptor now
+        else:
+            connection.send(grant)

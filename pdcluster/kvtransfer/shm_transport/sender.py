@@ -1,0 +1,462 @@
+"""`ShmKVSender`: the prefill side of the shared-memory transport.
+
+`begin` queues the handoff's begin; decode answers with a grant: the segment (its descriptor the first
+time, then its id) where the handoff's layers go, layer `i` at byte `i * meta.layer_wire_bytes`. From then
+`send_layer` copies a layer straight into the segment (the one copy on this side: prefill's tensor to the
+shared pages) and queues it; before the grant, or when the layer needs re-encoding (INT8 quantization of a
+float layer, dequantization of an int8 one for a float wire), it copies the tensor and the worker thread
+encodes it into the segment. `send_layer`'s copy is chunked and each chunk of the segment is CRC-32C'd right
+after it is written, while in cache (`wire.copy_with_checksum`, numpy copies: one thread, the GIL released,
+whatever torch's intra-op threads); then `send_layer` sends the layer's header with that CRC on the control
+socket itself when the socket takes it at once, else (and for the layers the worker encodes) the worker
+thread does, so the caller never waits for decode; decode verifies the same bytes.
+
+A reader thread takes decode's records: grants, `drop` (unmap a segment decode closed) and `done` (the
+handoff was delivered, or decode refused or failed it: the error class and message, which `flush`
+reports). After a failure the sender writes nothing more for the handoff and answers `end`, upon which
+decode reuses the segment. The reader also ends handoffs whose lease ran out on this side (TransferTimeout),
+so a stalled handoff is forgotten by itself. Both sides are on one host and read the same monotonic clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pdcluster.kvtransfer.base import (
+    ChecksumMismatch,
+    FailureLog,
+    HandoffExtras,
+    HandoffMeta,
+    HandoffRefused,
+    KVSender,
+    KVTransferError,
+    ProtocolError,
+    SenderLost,
+    TransferAborted,
+    TransferTimeout,
+    check_begin,
+)
+from pdcluster.kvtransfer.shm_transport.channel import close_fds, connect, wait_readable
+from pdcluster.kvtransfer.shm_transport.segments import Segment
+from pdcluster.kvtransfer.wire import (
+    FaultHook,
+    check_layer,
+    copy_with_checksum,
+    encode_layer,
+    extras_to_dict,
+    layer_header,
+    meta_to_dict,
+    tensor_bytes,
+)
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.05  # how often the reader looks at leases while decode is quiet
+ERROR_CLASSES = {
+    cls.__name__: cls
+    for cls in (
+        HandoffRefused,
+        ChecksumMismatch,
+        SenderLost,
+        TransferTimeout,
+        TransferAborted,
+        ProtocolError,
+        KVTransferError,
+    )
+}
+
+
+def error_from_record(record: list[str] | None) -> KVTransferError | None:
+    """The error a `done` record carries (`receiver.error_record`), as its class; None: delivered."""
+    if record is None:
+        return None
+    name, message = record
+    return ERROR_CLASSES.get(name, KVTransferError)(message)
+
+
+@dataclass
+class _Request:
+    meta: HandoffMeta
+    begun_at_s: float
+    segment: Segment | None = None  # granted by decode
+    granted: threading.Event = field(default_factory=threading.Event)
+    sent_layers: set[int] = field(default_factory=set)
+    closed: bool = False  # finish() or abort() called
+    abort_reason: str | None = None
+    stalled: bool = False  # the fault hook stopped it
+    done: bool = False  # its outcome is known (delivered, failed, lease over): nothing more is written
+    ended: threading.Event = field(default_factory=threading.Event)
+    write_lock: threading.Lock = field(default_factory=threading.Lock)  # held while writing its segment
+
+    @property
+    def deadline_s(self) -> float:
+        return self.begun_at_s + self.meta.lease_s
+
+    def region(self, layer_idx: int) -> torch.Tensor:
+        assert self.segment is not None
+        num_bytes = self.meta.layer_wire_bytes
+        return self.segment.view(layer_idx * num_bytes, num_bytes)
+
+
+def _is_raw(meta: HandoffMeta, scale: torch.Tensor | None) -> bool:
+    """The layer's bytes are the wire's as they are (float on a float wire, int8 + scales on an int8 one)."""
+    return (scale is None) != meta.is_int8_wire
+
+
+class ShmKVSender(KVSender):
+    """Sends handoffs to the `ShmKVReceiver` listening at `address` (a socket path on this host).
+
+    fault_hook: test-only fault injection (`kvtransfer.wire.FaultHook`).
+    A receiver that cannot be reached (not on this host, or gone) does not fail the constructor, so that
+    one dead decode instance does not keep a prefill instance from connecting to the others: every `begin`
+    raises ConnectionError instead, naming the address and why.
+    """
+
+    def __init__(self, address: str, *, fault_hook: FaultHook | None = None) -> None:
+        self.address = address
+        self._fault_hook = fault_hook
+        self._connect_error: OSError | None = None
+        try:
+            self._channel = connect(address)
+        except OSError as e:
+            self._connect_error = e
+        self._lock = threading.Lock()
+        self._requests: dict[str, _Request] = {}
+        self._segments: dict[int, Segment] = {}
+        self._failures = FailureLog()
+        self._closed = False
+        self._lost: str | None = None  # why the connection ended (the next begin reconnects)
+        self._reconnect_lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        if self._connect_error is None:
+            self._start_threads()
+
+    def _start_threads(self) -> None:
+        self._worker = threading.Thread(
+            target=self._run, args=(self._queue,), name="kv-shm-send", daemon=True
+        )
+        self._reader = threading.Thread(target=self._read, name="kv-shm-replies", daemon=True)
+        self._worker.start()
+        self._reader.start()
+
+    def _reconnect(self) -> None:
+        """After the connection ended (decode closed it, a send failed), connect again, with a fresh queue,
+        worker and reader; every handoff of the old connection was already concluded (SenderLost), and
+        its segments unmapped. Raises ConnectionError when the receiver cannot be reached."""
+        with self._reconnect_lock:
+            with self._lock:
+                why = self._lost
+            if why is None or self._closed:
+                return
+            try:
+                channel = connect(self.address)
+            except OSError as e:
+                raise ConnectionError(
+                    f"shm receiver at {self.address}: the connection ended ({why}) and reconnecting "
+                    f"failed: {e}"
+                ) from e
+            old_queue, self._queue = self._queue, queue.SimpleQueue()
+            self._channel = channel
+            with self._lock:
+                self._lost = None
+            old_queue.put(("bye", None))  # the old worker ends
+            self._start_threads()
+            logger.warning("kv shm: reconnected to %s after the connection ended (%s)", self.address, why)
+
+    @property
+    def connect_error(self) -> OSError | None:
+        """Why the receiver could not be reached at construction (every `begin` then raises); None: it
+        was."""
+        return self._connect_error
+
+    # ---- KVSender ----
+
+    def begin(self, handoff: HandoffMeta) -> None:
+        if self._connect_error is not None:
+            raise ConnectionError(
+                f"shm receiver at {self.address} unreachable (prefill and decode must share a host): "
+                f"{self._connect_error}"
+            )
+        if self._lost is not None:
+            self._reconnect()
+        with self._lock:
+            check_begin(handoff, "ShmKVSender", self._closed, self._requests)
+            if self._lost is not None:  # lost again since: this handoff would never be concluded
+                raise ConnectionError(f"shm receiver at {self.address}: the connection ended ({self._lost})")
+            self._requests[handoff.request_id] = _Request(handoff, time.monotonic())
+        self._queue.put(("begin", handoff.request_id))
+
+    def send_layer(
+        self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> None:
+        req = self._open_request(request_id)
+        check_layer(req.meta, layer_idx, latent_kv, scale)
+        if layer_idx in req.sent_layers:
+            raise ValueError(f"{request_id}: layer {layer_idx} sent twice")
+        req.sent_layers.add(layer_idx)
+        if req.done:  # failed in the background; flush() reports it
+            return
+        if _is_raw(req.meta, scale) and req.granted.is_set():
+            with req.write_lock:
+                if req.done:
+                    return
+                region = req.region(layer_idx)
+                num_value_bytes = latent_kv.numel() * latent_kv.element_size()
+                crc = copy_with_checksum(region[:num_value_bytes], tensor_bytes(latent_kv))
+                if scale is not None:
+                    crc = copy_with_checksum(region[num_value_bytes:], tensor_bytes(scale), crc)
+            # The header from here when the socket takes it at once (no hop to the worker thread and
+            # back); else, and with a fault hook, the worker sends it (this thread never blocks on decode).
+            if self._fault_hook is not None or not self._try_send_header(req, layer_idx, region, crc):
+                self._queue.put(("written", request_id, layer_idx, crc))
+        else:
+            copies = (latent_kv.detach().clone(), None if scale is None else scale.detach().clone())
+            self._queue.put(("layer", request_id, layer_idx, *copies))
+
+    def finish(self, request_id: str, extras: HandoffExtras) -> None:
+        self._close_request(request_id, ("finish", request_id, extras))
+
+    def abort(self, request_id: str, reason: str) -> None:
+        self._close_request(request_id, ("abort", request_id, reason), abort_reason=reason)
+
+    def flush(self, timeout_s: float) -> dict[str, KVTransferError]:
+        deadline_s = time.monotonic() + timeout_s
+        with self._lock:
+            closed = [r for r in self._requests.values() if r.closed]
+        for req in closed:
+            req.ended.wait(max(0.0, deadline_s - time.monotonic()))
+        with self._lock:
+            in_flight = sorted(rid for rid, r in self._requests.items() if r.closed and not r.done)
+            if in_flight:
+                raise TransferTimeout(
+                    f"flush: {len(in_flight)} finished handoffs in flight after {timeout_s:g} s: {in_flight}"
+                )
+            return self._failures.pop_all()
+
+    def pending_request_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._requests)
+
+    def close(self, join_timeout_s: float = 10.0) -> None:
+        """Sends what is queued, then closes the connection (decode fails this sender's unfinished handoffs
+        with SenderLost) and unmaps every segment."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._connect_error is not None:
+            return
+        self._queue.put(("bye", None))
+        self._worker.join(join_timeout_s)
+        self._channel.close()
+        self._reader.join(join_timeout_s)
+        with self._lock:
+            self._requests.clear()
+            segments, self._segments = list(self._segments.values()), {}
+        for segment in segments:
+            segment.close()
+
+    # ---- bookkeeping ----
+
+    def _open_request(self, request_id: str) -> _Request:
+        with self._lock:
+            req = self._requests.get(request_id)
+        if req is None or req.closed:
+            raise ValueError(f"{request_id}: no open handoff (never begun, or already finished/aborted)")
+        return req
+
+    def _close_request(self, request_id: str, item: tuple, abort_reason: str | None = None) -> None:
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None or req.closed:
+                raise ValueError(f"{request_id}: no open handoff (never begun, or already finished/aborted)")
+            req.closed = True
+            if abort_reason is not None:
+                req.abort_reason = abort_reason
+            if req.done:
+                self._forget(req)
+                return
+        self._queue.put(item)
+
+    def _forget(self, req: _Request) -> None:
+        if self._requests.get(req.meta.request_id) is req:
+            del self._requests[req.meta.request_id]
+
+    def _conclude(self, req: _Request, error: KVTransferError | None, tell_receiver: bool) -> None:
+        """The handoff's outcome is known: record it, stop writing its segment, and (after a failure
+        decode did not see end) tell decode the segment is free."""
+        with self._lock:
+            if req.done:
+                return
+            req.done = True
+            if error is not None:
+                self._failures.add(req.meta.request_id, error)
+            if req.closed:
+                self._forget(req)
+        with req.write_lock:  # a write in progress ends first; none starts after
+            pass
+        if tell_receiver:
+            with contextlib.suppress(OSError):
+                self._channel.send({"k": "end", "rid": req.meta.request_id})
+        req.ended.set()
+
+    # ---- threads ----
+
+    def _await_grant(self, req: _Request) -> bool:
+        """Wait for decode's grant of `req`'s segment; False if the handoff ended first."""
+        while not req.granted.wait(POLL_S):
+            if req.done or self._closed or time.monotonic() >= req.deadline_s:
+                return False
+        return not req.done
+
+    def _run(self, jobs: queue.SimpleQueue) -> None:
+        """The worker: begins, the layer headers `send_layer` did not send itself (and the layers it
+        encodes, with their CRC-32C), finishes and aborts, in order."""
+        while True:
+            item = jobs.get()
+            kind, request_id = item[0], item[1]
+            if kind == "bye":
+                return
+            with self._lock:
+                req = self._requests.get(request_id)
+            if req is None or req.done:
+                continue
+            try:
+                if kind == "begin":
+                    self._channel.send({"k": "begin", "meta": meta_to_dict(req.meta)})
+                elif kind in ("layer", "written"):
+                    self._send_layer(req, item)
+                elif kind == "finish" and not req.stalled:
+                    self._channel.send({"k": "finish", "rid": request_id, "x": extras_to_dict(item[2])})
+                elif kind == "abort":
+                    self._channel.send({"k": "abort", "rid": request_id, "reason": item[2]})
+            except OSError as e:  # decode is gone: the reader concludes every open handoff
+                logger.warning("kv shm send to %s failed: %r", self.address, e)
+                self._channel.close()
+
+    def _send_layer(self, req: _Request, item: tuple) -> None:
+        meta, layer_idx = req.meta, item[2]
+        if req.stalled or req.abort_reason is not None:
+            return
+        if kind_is_copy := item[0] == "layer":
+            if not self._await_grant(req):
+                return
+            encoded = encode_layer(meta, layer_idx, item[3], item[4])
+            with req.write_lock:
+                if req.done:
+                    return
+                np.copyto(req.region(layer_idx).numpy(), encoded.payload.numpy())
+            header = encoded.header
+        region = req.region(layer_idx)
+        if not kind_is_copy:  # written by send_layer, which checksummed the bytes as it wrote them
+            header = layer_header(meta, layer_idx, region, crc=item[3])
+        if self._fault_hook is not None:
+            data = bytearray(region.numpy().tobytes())
+            keep_sending = self._fault_hook(header, data)
+            with req.write_lock:
+                region.copy_(torch.frombuffer(data, dtype=torch.uint8))
+            if not keep_sending:
+                req.stalled = True
+                return
+        self._channel.send({"k": "layer", "h": header.to_dict()})
+
+    def _try_send_header(self, req: _Request, layer_idx: int, region: torch.Tensor, crc: int) -> bool:
+        """Send a written layer's header from the calling thread if the socket takes it without waiting
+        (the begin went first: decode granted the segment in answer to it; layers may go in any order, and
+        `finish` is queued after this returns). True when it is sent or nothing is to be sent (the handoff
+        is over, or the channel failed: a failed send closes it, as the worker does, and the reader then
+        ends every open handoff with SenderLost); False: the worker must send it."""
+        if req.done:
+            return True
+        header = layer_header(req.meta, layer_idx, region, crc=crc)
+        try:
+            return self._channel.try_send({"k": "layer", "h": header.to_dict()})
+        except OSError as e:
+            logger.warning("kv shm send to %s failed: %r", self.address, e)
+            self._channel.close()
+            return True
+
+    def _read(self) -> None:
+        """The reader: decode's grants, drops and outcomes; leases ending on this side. When the connection
+        ends, every open handoff fails (SenderLost) and the next `begin` reconnects."""
+        channel = self._channel
+        why = "the receiver closed the connection"
+        while True:
+            self._expire_leases()
+            try:
+                if not wait_readable(channel.sock, POLL_S):
+                    continue
+                got = channel.recv()
+            except (OSError, ValueError, KVTransferError) as e:  # ValueError: the socket was closed
+                why = f"the connection to the receiver failed: {e!r}"
+                break
+            if got is None:
+                break
+            record, fds = got
+            try:
+                self._on_record(record, fds)
+            except (KeyError, TypeError, ValueError, OSError) as e:
+                logger.warning("kv shm: malformed %r record from the receiver: %r", record.get("k"), e)
+            finally:  # what `_on_record` did not keep (a grant keeps its first, and only a valid one)
+                close_fds(fds)
+        channel.close()
+        with self._lock:  # with the snapshot: a begin from now on reconnects first
+            self._lost = why
+            open_requests = [r for r in self._requests.values() if not r.done]
+        for req in open_requests:
+            self._conclude(req, SenderLost(f"{req.meta.request_id}: {why}"), tell_receiver=False)
+        with self._lock:  # decode is gone: unmap its segments (their memory goes with the last mapping)
+            segments, self._segments = list(self._segments.values()), {}
+        for segment in segments:
+            segment.close()
+
+    def _on_record(self, record: dict, fds: list[int]) -> None:
+        """Take one of decode's records. A grant's first descriptor is taken out of `fds` once it is mapped;
+        the caller closes whatever is left there, whatever this raised."""
+        kind = record["k"]
+        if kind == "grant":
+            segment_id, capacity = record["seg"], record["cap"]
+            if not isinstance(segment_id, int) or not isinstance(capacity, int):
+                raise TypeError(f"a grant's seg and cap must be ints, got {segment_id!r}, {capacity!r}")
+            if fds:
+                segment = Segment(segment_id, capacity, fd=fds.pop(0))  # it owns the descriptor (closes it
+                segment.close_fd()  # if it cannot map it); the mapping stays
+                replaced = self._segments.pop(segment_id, None)
+                if replaced is not None:  # a second grant under one id: the first mapping goes
+                    replaced.close()
+                self._segments[segment_id] = segment
+            with self._lock:
+                req = self._requests.get(record["rid"])
+            if req is not None and segment_id in self._segments:
+                req.segment = self._segments[segment_id]
+                req.granted.set()
+        elif kind == "done":
+            with self._lock:
+                req = self._requests.get(record["rid"])
+            if req is not None:
+                error = error_from_record(record["error"])
+                self._conclude(req, error, tell_receiver=error is not None)
+        elif kind == "drop":
+            for segment_id in record["segs"]:
+                segment = self._segments.pop(segment_id, None)
+                if segment is not None:
+                    segment.close()
+
+    def _expire_leases(self) -> None:
+        now_s = time.monotonic()
+        with self._lock:
+            expired = [r for r in self._requests.values() if not r.done and now_s >= r.deadline_s]
+        for req in expired:
+            error = TransferTimeout(
+                f"{req.meta.request_id}: the sender's lease of {req.meta.lease_s:g} s expired before "
+                "the handoff was delivered"
+            )
+            self._conclude(req, error, tell_receiver=True)

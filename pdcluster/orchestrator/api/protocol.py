@@ -1,0 +1,237 @@
+"""The OpenAI wire format at the edge: request schemas (pydantic), their validation, error bodies and the
+response bodies of /v1/completions and /v1/chat/completions (whole and streamed chunks).
+
+Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}` (`error_response`);
+`ApiError` is what the routes and the edge bookkeeping raise to answer one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pdcluster.models.tokenizer import check_unicode
+
+if TYPE_CHECKING:
+    from pdcluster.orchestrator.api.generation import Generation
+
+CHAT_TEMPLATE_DOC = """\
+Chat template. The bundled tiny model is a Python *code completion* model with no chat training, so the
+template is deliberately plain: the messages' contents joined with a blank line ("\\n\\n"), roles dropped,
+and the model continues the text of the last message. Put code to complete in the last message."""
+
+MAX_STOP_STRINGS = 16
+RETRY_AFTER_S = 1  # the Retry-After header (seconds) of a 429 (edge full) and of a 503 (backend unavailable)
+
+
+# ---- request schemas (pydantic at the edge) -------------------------------------------------------------
+def _check_unicode(value: Any) -> Any:
+    """Field validator: `value` (a str, or a list whose str items are checked) unchanged when all its text
+    is valid Unicode; a lone surrogate raises `models.tokenizer.check_unicode`'s ValueError, which
+    pydantic turns into a 400 naming the field (before tokenization)."""
+    for text in value if isinstance(value, list) else [value]:
+        if isinstance(text, str):
+            check_unicode(text)
+    return value
+
+
+class StreamOptions(BaseModel):
+    """OpenAI `stream_options`: `include_usage` adds a last chunk with an empty `choices` list carrying
+    `usage`, before `data: [DONE]` (what vLLM's and SGLang's clients, `vllm bench serve` among them, read
+    the completion token count from)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class CommonRequest(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share (sampling, stop strings, streaming)."""
+
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
+
+    model: str | None = Field(None, description="the served model's id (GET /v1/models); None: that one")
+    max_tokens: int | None = Field(
+        None, description="output tokens at most; None: 16 (completions) or the rest of the context (chat)"
+    )
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = Field(0, description="extension: keep the k most likely tokens; 0 or -1 disables")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    ignore_eos: bool = Field(False, description="extension: generate past EOS (benchmarks)")
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # read only to refuse them (`reject_unsupported`): accepted silently, they would be ignored
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    _check_stop = field_validator("stop")(_check_unicode)
+
+
+class CompletionRequest(CommonRequest):
+    prompt: str | list[int] = Field(..., description="text, or token ids of the served model's tokenizer")
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    _check_prompt = field_validator("prompt")(_check_unicode)
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+    _check_content = field_validator("content")(_check_unicode)
+
+
+class ChatCompletionRequest(CommonRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+
+
+def chat_prompt(messages: list[ChatMessage]) -> str:
+    """The prompt text of a chat request (see `CHAT_TEMPLATE_DOC`)."""
+    return "\n\n".join(m.content for m in messages)
+
+
+def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuse the OpenAI options this server does not implement (n != 1, penalties, logprobs, echo, best_of,
+    logit_bias, a response_format other than text, suffix, tools), rather than ignore them.
+
+    Raises:
+        ApiError: 400 naming the option (`param`).
+    """
+    if body.n != 1:
+        raise ApiError(
+            400, f"n must be 1 (got {body.n}): this server returns one choice per request", param="n"
+        )
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) != 0:
+            raise ApiError(400, f"{name} is not supported by this server (must be 0)", param=name)
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        raise ApiError(
+            400,
+            'response_format is not supported by this server (only {"type": "text"})',
+            param="response_format",
+        )
+    if isinstance(body, ChatCompletionRequest):
+        if body.logprobs or body.top_logprobs is not None:
+            raise ApiError(400, "logprobs is not supported by this server", param="logprobs")
+        if body.tools:
+            raise ApiError(400, "tools (function calling) is not supported by this server", param="tools")
+        return
+    if body.suffix:
+        raise ApiError(400, "suffix is not supported by this server", param="suffix")
+    if body.logprobs is not None:
+        raise ApiError(400, "logprobs is not supported by this server", param="logprobs")
+    if body.echo:
+        raise ApiError(400, "echo is not supported by this server", param="echo")
+    if body.best_of not in (None, 1):
+        raise ApiError(
+            400, f"best_of must be 1 (got {body.best_of}): one completion per request", param="best_of"
+        )
+
+
+# ---- errors -----------------------------------------------------------------------------------------------
+class ApiError(Exception):
+    """Answered as an OpenAI-style error body with `status_code` (`response()`)."""
+
+    def __init__(
+        self, status_code: int, message: str, type_: str = "invalid_request_error", param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type_
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.status_code)
+
+    def response(self) -> JSONResponse:
+        """The error body; 429 and 503 (worth retrying) carry `Retry-After: RETRY_AFTER_S`."""
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status_code in (429, 503) else None
+        return error_response(self.status_code, self.message, self.type, self.param, headers)
+
+
+def error_body(message: str, type_: str, param: str | None, code: int) -> dict[str, Any]:
+    """`{"error": {"message", "type", "param", "code"}}`, `code` the HTTP status."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(
+    status_code: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """An OpenAI-style error body answered with `status_code` and `headers` (none added here)."""
+    return JSONResponse(error_body(message, type_, param, status_code), status_code, headers=headers)
+
+
+# ---- response bodies ------------------------------------------------------------------------------------
+Endpoint = Literal["completion", "chat"]
+
+
+def response_body(
+    gen: Generation, endpoint: Endpoint, text: str, finish: str | None, *, chunk: bool, first: bool = False
+) -> dict[str, Any]:
+    """A response body of `gen` carrying `text` with `finish` (its finish_reason; None mid-stream).
+
+    Args:
+        endpoint: "completion" (`object: text_completion`, `choices[0].text`) or "chat"
+            (`chat.completion` with `choices[0].message`; a chunk: `chat.completion.chunk` with
+            `choices[0].delta`, whose first one names the role).
+        chunk: an SSE chunk (usage and the `pdcluster` extension only on the last, `finish` set) rather
+            than the whole response (always with both).
+        first: the stream's first chunk (chat: the delta carries `role: assistant`).
+    """
+    choice: dict[str, Any] = {"index": 0}
+    if endpoint == "completion":
+        object_ = "text_completion"
+        choice["text"] = text
+    elif chunk:
+        object_ = "chat.completion.chunk"
+        choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+    else:
+        object_ = "chat.completion"
+        choice["message"] = {"role": "assistant", "content": text}
+    choice.update(logprobs=None, finish_reason=finish)
+    prepared = gen.prepared
+    body: dict[str, Any] = {
+        "id": prepared.request_id,
+        "object": object_,
+        "created": prepared.created_s,
+        "model": prepared.model,
+        "choices": [choice],
+    }
+    if finish is not None or not chunk:
+        body["usage"] = gen.usage()
+        body["pdcluster"] = gen.extension()
+    return body
+
+
+def usage_chunk(gen: Generation, endpoint: Endpoint) -> dict[str, Any]:
+    """The chunk `stream_options.include_usage` asks for after the last one: `choices: []` and `usage`."""
+    prepared = gen.prepared
+    return {
+        "id": prepared.request_id,
+        "object": "text_completion" if endpoint == "completion" else "chat.completion.chunk",
+        "created": prepared.created_s,
+        "model": prepared.model,
+        "choices": [],
+        "usage": gen.usage(),
+    }

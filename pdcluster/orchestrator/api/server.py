@@ -1,0 +1,155 @@
+"""Running the app: `ServerThread` (uvicorn on a background thread, for the tests, `pdcluster deploy`,
+`pdcluster bench --endpoint local`) and `main`, a single-engine server in the foreground:
+
+    python -m pdcluster.orchestrator.api --model pdcluster/models/tiny --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import threading
+import time
+
+from fastapi import FastAPI
+
+from pdcluster.orchestrator.api.app import build_app
+from pdcluster.orchestrator.topology import (
+    CONCURRENT_REQUESTS_PER_DECODE_SEAT,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    SLOConfig,
+)
+
+
+class _DrainLogFilter(logging.Filter):
+    """uvicorn's log of a drain that ran out, in one line: its ERROR "Cancel N running task(s), timeout
+    graceful shutdown exceeded" becomes a WARNING saying what happened, and the traceback it then logs for
+    each request it cut (an "Exception in ASGI application" whose exception is the CancelledError it
+    injected) is dropped: so is any other record of a CancelledError, which only a cancelled task logs.
+    Every other record passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("Cancel %s running task(s)"):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg = "the drain timeout ran out: %s request(s) still in flight were cut"
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, asyncio.CancelledError)
+
+
+def _install_drain_log_filter() -> None:
+    uvicorn_logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _DrainLogFilter) for f in uvicorn_logger.filters):
+        uvicorn_logger.addFilter(_DrainLogFilter())
+
+
+class ServerThread:
+    """uvicorn serving `app` on `host` (a free port with port=0) in a background thread; `stop()` ends it.
+
+    Used by the tests, `orchestrator.serve` and `pdcluster bench --endpoint local`; binds 127.0.0.1 unless
+    told otherwise. `drain_timeout_s`: at `stop`, the listening socket closes at once (new connections are
+    refused) and requests in flight, streams included, get up to this many seconds to finish before they
+    are cut.
+    """
+
+    def __init__(
+        self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, drain_timeout_s: float = 2.0
+    ) -> None:
+        import uvicorn
+
+        if drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {drain_timeout_s}")
+        self.drain_timeout_s = drain_timeout_s
+
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.host, self.port = self._socket.getsockname()[:2]
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=drain_timeout_s
+        )
+        _install_drain_log_filter()  # after Config, which (re)configures uvicorn's loggers
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self._socket]}, name="pdcluster-http", daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> ServerThread:
+        """Start serving; returns once uvicorn is up. Raises RuntimeError if it did not start in time."""
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        """Refuse new connections, let requests in flight finish (`drain_timeout_s`), then end."""
+        self.server.should_exit = True
+        self._thread.join(self.drain_timeout_s + 10.0)  # + uvicorn's own shutdown steps
+        self._socket.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pdcluster.orchestrator.api`: one LocalEngineBackend behind the API (foreground)."""
+    import uvicorn
+
+    from pdcluster.engine.config import EngineConfig
+    from pdcluster.models import bundled_checkpoint_dir
+    from pdcluster.orchestrator.backend import LocalEngineBackend
+
+    parser = argparse.ArgumentParser(prog="python -m pdcluster.orchestrator.api", description=main.__doc__)
+    parser.add_argument("--model", default=str(bundled_checkpoint_dir()))
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--num-speculative-tokens", type=int, default=0)
+    parser.add_argument("--ttft-slo-ms", type=float, default=None)
+    parser.add_argument("--tpot-slo-ms", type=float, default=None)
+    parser.add_argument(
+        "--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, help="larger: 413"
+    )
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        help=f"beyond it 429 (default: {CONCURRENT_REQUESTS_PER_DECODE_SEAT} x the engine's max_num_seqs)",
+    )
+    args = parser.parse_args(argv)
+    backend = LocalEngineBackend(
+        EngineConfig(
+            model=args.model,
+            max_model_len=args.max_model_len,
+            num_speculative_tokens=args.num_speculative_tokens,
+        )
+    )
+    slo = SLOConfig(ttft_ms=args.ttft_slo_ms, tpot_ms=args.tpot_slo_ms)
+    max_concurrent = args.max_concurrent_requests
+    if max_concurrent is None:
+        max_concurrent = CONCURRENT_REQUESTS_PER_DECODE_SEAT * backend.engine.config.max_num_seqs
+    app = build_app(
+        backend,
+        api_key=args.api_key,
+        slo=slo,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_concurrent_requests=max_concurrent,
+    )
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        backend.shutdown()
+    return 0

@@ -1,0 +1,115 @@
+"""`pdcluster deploy FILE`: check FILE as deploy needs it (before Ray starts), then serve the topology behind
+the OpenAI API until Ctrl-C or SIGTERM (`orchestrator.serve.serve`)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pdcluster.orchestrator.cli.common import CliError, non_negative_float, tcp_port
+
+if TYPE_CHECKING:
+    from pdcluster.orchestrator.topology import Topology
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # --drain-timeout-s: how long requests in flight may finish at shutdown
+
+
+def deploy_preflight(path: Path, port: int | None) -> Topology:
+    """`path` read and checked as `pdcluster deploy` needs it (`orchestrator.preflight`), before Ray.
+
+    Raises:
+        TopologyError: the file's own problems, else every reason deploy would refuse it here and now.
+    """
+    from pdcluster.orchestrator.preflight import deploy_issues
+    from pdcluster.orchestrator.topology import TopologyError, read_topology
+
+    loaded = read_topology(path)
+    issues = loaded.locate(deploy_issues(loaded.topology, port=port))
+    if issues:
+        raise TopologyError(issues)
+    return loaded.topology
+
+
+def _interrupt_on_sigterm() -> None:
+    """Make SIGTERM do what Ctrl-C does: raise KeyboardInterrupt in the main thread, wherever it is (a
+    second SIGTERM while shutting down is only logged). `Cluster.deploy` keeps this handler across
+    `ray.init` (`orchestrator.ray_runtime.keeping_sigterm_handler`). SIGINT raises KeyboardInterrupt too
+    even when the process started with it ignored (a background job of a non-interactive shell inherits
+    SIG_IGN, and Python then leaves it so): `kill -INT` stops a server like Ctrl-C does."""
+    import signal
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: print("[pdcluster] already shutting down", flush=True))
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdcluster.orchestrator.cluster import DeployError
+    from pdcluster.orchestrator.serve import serve
+    from pdcluster.orchestrator.topology import TopologyError
+
+    try:
+        topology = deploy_preflight(args.file, args.port)
+    except TopologyError as exc:
+        raise CliError(str(exc)) from exc
+    _interrupt_on_sigterm()
+    try:
+        log = lambda m: print(f"[pdcluster] {m}", flush=True)  # noqa: E731
+        with serve(topology, port=args.port, log=log, drain_timeout_s=args.drain_timeout_s) as service:
+            print(f"[pdcluster] ready: {service.url}/v1/models — Ctrl-C or SIGTERM to stop", flush=True)
+            try:
+                while True:
+                    time.sleep(0.5)
+            except KeyboardInterrupt:
+                drain = (
+                    f"requests in flight get up to {args.drain_timeout_s:g} s to finish "
+                    "(Ctrl-C again to cut them)"
+                    if args.drain_timeout_s
+                    else "requests in flight are cut (--drain-timeout-s 0)"
+                )
+                print(f"[pdcluster] shutting down: new connections refused; {drain}", flush=True)
+        print("[pdcluster] stopped", flush=True)
+    except KeyboardInterrupt:  # before the service was up, or a second Ctrl-C while shutting down
+        print("[pdcluster] interrupted; what had started is shut down", flush=True)
+    except (TopologyError, DeployError) as exc:
+        raise CliError(str(exc)) from exc
+    return 0
+
+
+# ---- parser ----------------------------------------------------------------------------------------
+NAME = "deploy"
+HELP = "serve a topology (prefill + decode pools on Ray) behind the OpenAI API until interrupted"
+DESCRIPTION = """\
+Validate FILE, connect to the Ray cluster in RAY_ADDRESS (or start a local one), create one
+placement group per instance, start the prefill and decode actors (progress is logged while
+weights load), wire the KV transfer, and serve /v1/completions, /v1/chat/completions,
+/v1/models, /health and /metrics on api.host:api.port until Ctrl-C or SIGTERM.
+Both shut down the same way, also while starting, and exit with code 0: new connections are
+refused at once, requests in flight get --drain-timeout-s to finish, then the HTTP server, the
+actors, the placement groups and Ray (if deploy started it) stop.
+
+Before Ray starts, FILE is checked as `pdcluster validate --for-deploy FILE` checks it (the
+file, the parallelism and weight dtypes the actors can run, the checkpoint, that the address can
+be bound); each problem is one FILE:LINE: reason line and the exit code is 2. So is an error after
+Ray started (an actor that fails to load its weights, the port taken meanwhile), after everything
+started is shut down."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `pdcluster deploy`."""
+    parser.add_argument("file", type=Path, metavar="FILE", help="topology YAML (see clusters/README.md)")
+    parser.add_argument("--port", type=tcp_port, default=None, help="override api.port (0: a free port)")
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=non_negative_float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        metavar="S",
+        help="at Ctrl-C or SIGTERM, new connections are refused at once and requests in flight (streams "
+        "included) get up to S seconds to finish before the actors stop; a second Ctrl-C cuts them "
+        f"(0: cut at once). Default: {DEFAULT_DRAIN_TIMEOUT_S:g}",
+    )

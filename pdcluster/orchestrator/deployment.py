@@ -1,0 +1,415 @@
+"""Deploying a `Cluster`: placement, actor start, KV transport wiring, and tearing it down.
+
+`ClusterDeployment.deploy` runs `ray.init` (RAY_ADDRESS if set, else a local Ray), one placement group per
+instance (`orchestrator.placement.plan_placement`; pinned to its planned node where the Ray nodes carry
+`pdcluster_node_<i>` resources), one rank actor per device of each instance in it, rank r in bundle r
+(`ray.remote(PrefillNode)` / `ray.remote(DecodeNode)`: the actor classes are plain classes), loading
+weights in parallel; the ranks of a multi-rank instance join their instance group as they start
+(`orchestrator.instance_group`, rendezvous on rank 0's node). Then the KV connectors
+(`orchestrator.wiring`: a gRPC receiver on every decode rank and one sender per decode rank on each prefill
+rank, or one torch.distributed group of every rank). Each instance is an `orchestrator.instance.Instance`
+(a group of rank actors). The health monitor and the request path are `orchestrator.health_monitor` and
+`orchestrator.request_dispatch`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from pdcluster.models.tokenizer import Tokenizer
+from pdcluster.orchestrator.actor_errors import DeployError, actor_error_message
+from pdcluster.orchestrator.dispatch import call_timeout_s, collective_timeout_s, event_timeout_s
+from pdcluster.orchestrator.health import InstanceHealth
+from pdcluster.orchestrator.instance import Instance
+from pdcluster.orchestrator.load_board import LoadBoard
+from pdcluster.orchestrator.messages import InstanceGroupSpec, NodeReady
+from pdcluster.orchestrator.placement import nodes_to_pin, plan_placement, to_ray_placement_group_args
+from pdcluster.orchestrator.preflight import actor_layer_issues, weight_dtype_issues
+from pdcluster.orchestrator.ray_runtime import gcs_reachable, init_local_ray, keeping_sigterm_handler
+from pdcluster.orchestrator.router import POLICIES, PrefixCacheModel
+from pdcluster.orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES, Topology, load_topology
+from pdcluster.orchestrator.wiring import ClusterWiring, advertised_address, free_ports
+
+__all__ = ["ClusterDeployment", "advertised_address", "free_ports"]
+
+logger = logging.getLogger("pdcluster.orchestrator.cluster")  # the driver's log, as before the split
+
+MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc, shm) this often; then it stays dead
+# Seconds deploy waits for each rank actor to load its weights, and the ranks of an instance for each other
+# at their group's rendezvous (they start at once, but on a busy machine not at the same moment).
+ACTORS_READY_TIMEOUT_S = 300.0
+# Seconds more deploy waits for the ranks of a pool with `compile` on (the decode pool's default): compiling
+# the decode forward at load took ~50 s on an idle 2-core machine and 196 s with its cores contended.
+COMPILE_READY_TIMEOUT_S = 600.0
+
+
+def ready_timeout_s(topology: Topology) -> float:
+    """How long deploy waits for each rank actor to be ready, and the ranks of a multi-rank instance for
+    each other at their rendezvous (seconds): ACTORS_READY_TIMEOUT_S, plus COMPILE_READY_TIMEOUT_S when a
+    pool compiles its decode forward at load."""
+    compiles = topology.compiles("prefill") or topology.compiles("decode")
+    return ACTORS_READY_TIMEOUT_S + (COMPILE_READY_TIMEOUT_S if compiles else 0.0)
+
+
+def load_summary(info: NodeReady) -> str:
+    """How a rank's load went, for deploy's log: its load time and what `compile` did (compiled in how
+    long, or why the rank runs eagerly)."""
+    stats = info.compile
+    if stats is None or not stats.requested:
+        return f"weights loaded in {info.load_s:.1f} s"
+    if stats.compiled:
+        return f"loaded in {info.load_s:.1f} s, the decode forward compiled in {stats.compile_s:.1f} s"
+    return f"loaded in {info.load_s:.1f} s; compile is on but the decode forward runs eagerly: {stats.error}"
+
+
+def check_deployable_parallelism(topology: Topology) -> None:
+    """Raise ValueError for parallelism the actor layer cannot run (`orchestrator.preflight.
+    actor_layer_issues`: tensor-parallel attention, experts split over part of an instance), naming the
+    keys, so deploying never silently ignores it. `pdcluster deploy` refuses them before this, at their
+    YAML lines."""
+    issues = actor_layer_issues(topology)
+    if issues:
+        raise ValueError(
+            "; ".join(i.reason for i in issues) + " (`pdcluster validate` checks such a file as a plan only)"
+        )
+
+
+def check_deployable(topology: Topology) -> None:
+    """`check_deployable_parallelism`, then a `model.weight_dtype` the engine does not run
+    (`orchestrator.preflight.weight_dtype_issues`: 8-bit weights are a planning assumption): ValueError
+    naming the key, as `pdcluster deploy` refuses it at its YAML line."""
+    check_deployable_parallelism(topology)
+    issues = weight_dtype_issues(topology)
+    if issues:
+        raise ValueError("; ".join(i.reason for i in issues))
+
+
+def is_loopback_topology(topology: Topology) -> bool:
+    """A single-node `cpu` topology: every transport endpoint stays on 127.0.0.1."""
+    return topology.hardware.spec.ray_resource is None and topology.hardware.num_nodes == 1
+
+
+def actor_resource_options(ray_resource: str | None) -> dict[str, Any]:
+    """The device part of an actor's Ray options: `num_gpus=1` for GPUs (Ray refuses "GPU" in
+    `resources`), `resources={"NPU": 1}` for custom accelerators, nothing on `cpu`."""
+    if ray_resource is None:
+        return {}
+    if ray_resource == "GPU":
+        return {"num_gpus": 1}
+    return {"resources": {ray_resource: 1}}
+
+
+class ClusterDeployment(ClusterWiring):
+    """The deployment half of `orchestrator.cluster.Cluster` (a mixin: `Cluster.deploy` builds it)."""
+
+    instances: dict[str, list[Instance]]
+
+    @classmethod
+    def deploy(cls, topology: Topology | str | Path, *, num_cpus: int | None = None, log=logger.info):
+        """Start the cluster: `ray.init` (RAY_ADDRESS if set, else a local Ray with `num_cpus`, default the
+        devices the topology uses), one placement group per instance (`plan_placement`; pinned to its
+        planned node where the Ray nodes carry `pdcluster_node_<i>` resources), one actor per instance in
+        it, loading weights in parallel (and compiling the decode forward where `compile` is on), then the
+        KV connectors. Logs progress via `log`, each rank's load time and what `compile` did among it.
+
+        Raises:
+            ValueError: an invalid topology, parallelism the actor layer cannot run or an 8-bit
+                `model.weight_dtype` (`check_deployable`); DeployError (a RuntimeError, one line): an
+                actor failed to start (what it raised, e.g. loading its weights, named with the rank), a
+                Ray call failed.
+        """
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        from pdcluster.decode_node.actor import DecodeNode
+        from pdcluster.prefill_node.actor import PrefillNode
+
+        self = object.__new__(cls)
+        topo = topology if isinstance(topology, Topology) else load_topology(topology)
+        check_deployable(topo)
+        self.topology = topo
+        self._loopback = is_loopback_topology(topo)
+        self._reply_listener = None
+        self._decode_push_tags = {}  # tag of a decode rank's reply connection -> the rank (wiring)
+        self._decode_tag_of = {}  # the inverse: a decode rank -> its current tag (wiring; read by routing)
+        self._prefill_push_tags = {}  # a prefill rank -> the tag of its reply connection (wiring)
+        plan = plan_placement(topo)
+        self._started_ray = False
+        self._started_ray_head = False
+        if not ray.is_initialized():
+            with keeping_sigterm_handler():  # the caller's clean shutdown on SIGTERM, not Ray's sys.exit
+                if os.environ.get("RAY_ADDRESS"):
+                    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+                else:
+                    needed = int(plan.num_devices_used * topo.hardware.cpus_per_device + 0.999)
+                    init_local_ray(num_cpus or max(needed, 1))
+                    self._started_ray_head = True  # its GCS and raylet are this process's children
+            self._started_ray = True
+        self._placement_groups = []
+        self.instances = {"prefill": [], "decode": []}
+        self.collective_timeout_s = collective_timeout_s(topo.kv_transfer.timeout_s)
+        started_s = time.monotonic()
+        try:
+            pin = nodes_to_pin(plan, ray.cluster_resources())
+            log(
+                f"deploying {topo.name}: {topo.summary()}; {len(plan.instances)} placement groups"
+                + (" pinned to their planned nodes (pdcluster_node_<i> resources)" if pin else "")
+            )
+            for spec in plan.instances:
+                self._placement_groups.append(placement_group(**to_ray_placement_group_args(spec, pin)))
+            try:
+                ray.get([pg.ready() for pg in self._placement_groups], timeout=120)
+            except ray.exceptions.GetTimeoutError:
+                raise DeployError(
+                    f"placement groups not ready after 120 s: the Ray cluster lacks the resources "
+                    f"{plan.instances[0].bundles[0]} per device for {plan.num_devices_used} devices"
+                ) from None
+            compiling = [role for role in ROLES if topo.compiles(role)]
+            log(
+                f"placement groups ready in {time.monotonic() - started_s:.1f} s; loading weights"
+                + (
+                    f", then compiling the decode forward on the {' and '.join(compiling)} instances "
+                    "(compile; tens of seconds, less with inductor's cache from an earlier load)"
+                    if compiling
+                    else ""
+                )
+            )
+            names = self._start_rank_actors(ray, plan, PrefillNode, DecodeNode)
+            ready_refs = {a.ready.remote(): n for a, n in zip(self._actors, names, strict=True)}
+            pending = list(ready_refs)
+            infos: dict[str, NodeReady] = {}
+            timeout_s = ready_timeout_s(topo)
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+                if not done:
+                    waiting = [ready_refs[r] for r in pending]
+                    raise DeployError(f"actors not ready after {timeout_s:g} s: {waiting}")
+                try:
+                    info = ray.get(done[0])
+                except ray.exceptions.RayError as exc:
+                    raise DeployError(
+                        f"{ready_refs[done[0]]} failed to start: {actor_error_message(exc)}"
+                    ) from None
+                infos[info.name] = info
+                log(f"  {info.name} ready: {load_summary(info)} ({len(infos)}/{len(ready_refs)})")
+            decode_addresses = self._wire(ray, plan)
+            if topo.kv_transport == "shm+grpc":  # which transport each prefill -> decode pair took
+                log(f"  KV pairs ({topo.kv_transport}): {self._pair_transports(ray)}")
+            self._connect_reply_channel(
+                ray,
+                prefill_indices=range(len(self.instances["prefill"])),
+                decode_indices=range(len(self.instances["decode"])),
+            )
+            log(
+                f"cluster {topo.name} up in {time.monotonic() - started_s:.1f} s "
+                f"({topo.kv_transport}, layerwise={topo.kv_transfer.layerwise})"
+            )
+        except BaseException as exc:
+            self._teardown(ray, remove_placement_group)
+            if isinstance(exc, ray.exceptions.RayError):  # e.g. wiring the KV transfer
+                raise DeployError(f"deploying {topo.name} failed: {actor_error_message(exc)}") from None
+            raise
+        first = infos["prefill-0"]
+        self.num_hidden_layers = first.num_hidden_layers
+        self.kv_dim = first.kv_dim
+        config = topo.engine_config("decode")
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.model_name = Path(config.model).resolve().name
+        self.max_model_len = config.max_model_len or _max_position_embeddings(config.model)
+        self._dtype = config.dtype
+        self._decode_kv_cache_dtype = config.kv_cache_dtype
+        self._policy = POLICIES[topo.router.policy]
+        up_s = time.monotonic()
+        for instance in self.instances["prefill"] + self.instances["decode"]:
+            instance.health = InstanceHealth(since_s=up_s, pid=infos[instance.name].pid)
+        self._health_lock = threading.Lock()
+        self._decode_addresses = decode_addresses
+        self._poll_acked_seq = [[0] * d.num_ranks for d in self.instances["decode"]]  # per decode rank
+        self.call_timeout_s = call_timeout_s(topo.kv_transfer.timeout_s)
+        self.event_timeout_s = event_timeout_s(topo.kv_transfer.timeout_s)
+        self._prefix_cache = PrefixCacheModel(topo.prefill.block_size)
+        self._loads = LoadBoard([d.num_ranks for d in self.instances["decode"]])
+        self._counter = itertools.count()
+        self._requests = {}  # request id -> its record (orchestrator.request_dispatch)
+        self._by_handoff = {}  # handoff id -> the attempt it names
+        self._pollers: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._kv_transfer_bytes_total = 0
+        self._kv_transfer_seconds_total = 0.0
+        self._num_prefill_replies_received = 0
+        self._num_prefill_replies_pushed = 0
+        self._num_first_tokens_early = 0
+        self._num_decode_events_pushed = 0
+        self._num_binds_pushed = 0  # binds sent on a prefill rank's reply connection (routing)
+        self._num_calls_pushed = {"reserve": 0, "prefill": 0}  # sent on a rank's reply connection (routing)
+        self._pending_calls = {}  # call id -> (tag, kind, handoff id, the answer's future) (routing)
+        self._call_ids = itertools.count(1)
+        self._closed = False
+        self._monitor_stop = threading.Event()
+        self._monitor = threading.Thread(target=self._monitor_health, name="health-monitor", daemon=True)
+        self._monitor.start()
+        return self
+
+    def _pair_transports(self, ray) -> str:
+        """`prefill-0 -> decode-0 shm, prefill-0 -> decode-1 grpc, ...`: each prefill instance's rank 0 and
+        the transport of its sender to each decode instance's rank 0 (`PrefillNode.sender_transports`)."""
+        pairs = []
+        for prefill in self.instances["prefill"]:
+            transports = ray.get(prefill.ranks[0].sender_transports.remote(), timeout=120)
+            for decode, ranks in zip(self.instances["decode"], transports, strict=True):
+                pairs.append(f"{prefill.name} -> {decode.name} {ranks[0]}")
+        return ", ".join(pairs)
+
+    def _start_rank_actors(self, ray, plan, prefill_cls, decode_cls) -> list[str]:
+        """Create every instance's rank actors, rank r in bundle r of its placement group (not waiting for
+        them); returns their names in `_actors` order. A multi-rank instance's ranks get an
+        `InstanceGroupSpec` to join its group in their constructors, its rendezvous on rank 0's node."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        topo = self.topology
+        env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
+        names: dict[tuple[str, int], list[str]] = {}
+        for spec_index, (spec, pg) in enumerate(zip(plan.instances, self._placement_groups, strict=True)):
+            num_ranks = spec.num_devices
+            init_method, barrier_port = self._rendezvous(ray, spec_index) if num_ranks > 1 else ("", 0)
+            instance = Instance(spec.role, spec.index, [])
+            for rank in range(num_ranks):
+                config = topo.engine_config(spec.role, rank)
+                options = {
+                    "num_cpus": spec.bundles[rank].get("CPU", 1),
+                    "max_concurrency": 256,
+                    # A crashed actor is restarted by Ray in its bundle, then rewired by the health monitor.
+                    # A torch.distributed group (the KV transport's, a multi-rank instance's) is fixed at
+                    # deploy time: a restarted rank could not rejoin it.
+                    "max_restarts": MAX_ACTOR_RESTARTS
+                    if topo.kv_transport in ADDRESSED_KV_TRANSPORTS and num_ranks == 1
+                    else 0,
+                    "runtime_env": env,
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        pg, placement_group_bundle_index=rank
+                    ),
+                }
+                options.update(actor_resource_options(plan.ray_resource))
+                group = None
+                if num_ranks > 1:
+                    group = InstanceGroupSpec(
+                        rank=rank,
+                        num_ranks=num_ranks,
+                        init_method=init_method,
+                        barrier_port=barrier_port,
+                        backend=plan.collective_backend,
+                        timeout_s=self.collective_timeout_s,
+                        rendezvous_timeout_s=ready_timeout_s(topo),
+                    )
+                name = instance.rank_name(rank)
+                if spec.role == "prefill":
+                    actor = (
+                        ray.remote(prefill_cls)
+                        .options(**options)
+                        .remote(config, name, topo.kv_transfer.layerwise, group)
+                    )
+                else:
+                    host = "127.0.0.1" if self._loopback else "0.0.0.0"
+                    actor = ray.remote(decode_cls).options(**options).remote(config, name, host, group)
+                instance.ranks.append(actor)
+            self.instances[spec.role].append(instance)
+            names[(spec.role, spec.index)] = [instance.rank_name(r) for r in range(num_ranks)]
+        return [
+            n for role in ROLES for instance in self.instances[role] for n in names[(role, instance.index)]
+        ]
+
+    @property
+    def prefill_actors(self) -> list[Any]:
+        """Each prefill instance's leader rank actor, in pool order."""
+        return [instance.leader for instance in self.instances["prefill"]]
+
+    @property
+    def decode_actors(self) -> list[Any]:
+        """Each decode instance's leader rank actor, in pool order."""
+        return [instance.leader for instance in self.instances["decode"]]
+
+    @property
+    def _actors(self) -> list[Any]:
+        """Every rank actor of every instance."""
+        return [actor for role in ROLES for instance in self.instances[role] for actor in instance.ranks]
+
+    def check_no_leaks(self) -> dict[str, dict[str, Any]]:
+        """Per live instance: blocks held, reservations, open handoffs (all zero/empty when idle)."""
+        import ray
+
+        actors = [  # each rank of the instances in routing: `decode-0`, then `decode-0.1`, ... for more ranks
+            (instance.rank_name(rank), actor)
+            for role in ROLES
+            for instance in self.instances[role]
+            if instance.routable
+            for rank, actor in enumerate(instance.ranks)
+        ]
+        results = ray.get([a.check_no_leaks.remote() for _, a in actors], timeout=self.call_timeout_s)
+        return {name: r for (name, _), r in zip(actors, results, strict=True)}
+
+    def shutdown(self) -> None:
+        """Stop the poll loops, close and kill the actors, remove the placement groups, and stop Ray if
+        `deploy` started it."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        self._closed = True
+        self._monitor_stop.set()
+        for task in self._pollers:
+            task.cancel()
+        self._pollers = []
+        self._teardown(ray, remove_placement_group)
+
+    # ---- internals --------------------------------------------------------------------------------------
+    def _teardown(self, ray, remove_placement_group) -> None:
+        if self._actors or self._placement_groups:
+            if not self._started_ray_head or gcs_reachable():
+                self._stop_actors(ray, remove_placement_group)
+            else:  # the actors died with the raylet; a Ray call would block until Ray ends the process
+                logger.warning(
+                    "Ray's GCS is gone (a signal to the whole process group stops Ray's processes too): "
+                    "the actors and placement groups went with it; nothing of Ray's left to stop"
+                )
+        self.instances, self._placement_groups = {"prefill": [], "decode": []}, []
+        if self._reply_listener is not None:
+            self._reply_listener.close()
+            self._reply_listener = None
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+    def _stop_actors(self, ray, remove_placement_group) -> None:
+        closes = []
+        for actor in self._actors:
+            with contextlib.suppress(Exception):
+                closes.append(actor.close.remote())
+        with contextlib.suppress(Exception):
+            ray.wait(closes, num_returns=len(closes), timeout=15)
+        # A SIGTERM to the whole process group reaches the GCS as it reaches this process; under load the
+        # GCS may still accept connections when `_teardown` looked and be gone by now (the closes above then
+        # waited their whole bound). Look again: `ray.kill` and `remove_placement_group` would block until
+        # Ray's core worker gave up on the GCS (60 s) and ended this process with exit code 1.
+        if self._started_ray_head and not gcs_reachable():
+            logger.warning("Ray's GCS went away during the teardown: nothing of Ray's left to stop")
+            return
+        for actor in self._actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        for pg in self._placement_groups:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+
+
+def _max_position_embeddings(model_dir: str) -> int:
+    import json
+
+    return json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]

@@ -1,0 +1,370 @@
+"""The health monitor of a `Cluster`: instances leave routing when a call fails, rejoin when they answer.
+
+`InstanceMonitor` (a mixin of `orchestrator.cluster.Cluster`) applies the pure health policy
+(`orchestrator.health`) to the deployed instances (`orchestrator.instance.Instance`): a call on the request
+path that times out or dies marks its instance (`_mark_failed`; a decode instance's in-flight requests get a
+`DecodeLost` event), and a monitor thread probes every rank of every instance each PROBE_INTERVAL_S
+(`_probe_all`): an instance all of whose ranks answer rejoins, after rewiring its KV transport if Ray
+restarted its actor (a new process id of its leader). An instance fails and rejoins as one unit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from pdcluster.orchestrator.actor_errors import describe_error
+from pdcluster.orchestrator.backend import BackendUnavailable
+from pdcluster.orchestrator.deployment import advertised_address
+from pdcluster.orchestrator.dispatch import PrefillFailed
+from pdcluster.orchestrator.health import InstanceHealth, ProbeOutcome, after_answer, after_failure, is_stale
+from pdcluster.orchestrator.instance import Instance, check_instance_group
+from pdcluster.orchestrator.messages import DecodeLost, DecodeNodeLoad, PrefillNodeLoad
+from pdcluster.orchestrator.request_state import Attempt
+from pdcluster.orchestrator.router import RankRef
+from pdcluster.orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES
+
+logger = logging.getLogger("pdcluster.orchestrator.cluster")
+
+PROBE_INTERVAL_S = 1.0  # the health monitor probes every instance this often (seconds)
+
+
+def rank_stats(load: PrefillNodeLoad | DecodeNodeLoad) -> dict[str, Any]:
+    """One rank's load for `stats()["ranks"]`: its counters by field name (`orchestrator.messages`; decode:
+    free / total KV blocks, running, reserved, waiting for a seat; prefill: queued prompt tokens,
+    requests), its engine's error count, and `ep`: its expert-parallel figures, when its engine has them."""
+    fields = {f.name: getattr(load, f.name) for f in dataclasses.fields(load)}
+    stats = {k: v for k, v in fields.items() if isinstance(v, int) and not isinstance(v, bool) and k != "pid"}
+    if fields.get("ep") is not None:
+        stats["ep"] = fields["ep"]
+    return stats
+
+
+class InstanceMonitor:
+    """Health bookkeeping of `orchestrator.cluster.Cluster` (see the module docstring)."""
+
+    instances: dict[str, list[Instance]]
+    _reply_listener: Any  # `ClusterWiring`'s `ReplyListener` (None: not one host)
+    _prefill_push_tags: dict[RankRef, str]  # `ClusterWiring`'s: each prefill rank's reply connection tag
+    _decode_tag_of: dict[RankRef, str]  # `ClusterWiring`'s: each decode rank's reply connection tag
+
+    @property
+    def _health(self) -> dict[str, list[InstanceHealth]]:
+        """Per role, each instance's health in pool order (read-only view; `_set_health` changes one)."""
+        return {role: [instance.health for instance in self.instances[role]] for role in ROLES}
+
+    def _set_health(self, role: str, index: int, health: InstanceHealth) -> None:
+        self.instances[role][index].health = health
+
+    def stats(self) -> dict[str, Any]:
+        """Load snapshot of the instances in routing, and every instance's health: `ranks` (each rank's
+        counters by rank name, `rank_stats`), `kv_blocks` per decode rank, the totals and `instances`.
+
+        The snapshots are taken in parallel, waiting at most `call_timeout_s` (derived from
+        kv_transfer.timeout_s, like every call on the request path): an instance that does not answer in
+        time leaves routing as unresponsive (its requests fail), one whose actor died as dead; the health
+        monitor brings either back once it answers again.
+
+        Raises:
+            BackendUnavailable: no prefill or no decode instance is in routing;
+                the message names each instance's state and why.
+        """
+        import ray
+
+        if self._closed:
+            raise BackendUnavailable("the cluster is shut down")
+        targets = [  # every rank of every instance in routing
+            (role, instance.index, actor)
+            for role in ROLES
+            for instance in self.instances[role]
+            if instance.routable
+            for actor in instance.ranks
+        ]
+        sent_s = time.monotonic()
+        refs = [actor.load.remote() for _, _, actor in targets]
+        ray.wait(refs, num_returns=len(refs), timeout=self.call_timeout_s)
+        loads: dict[str, list[Any]] = {"prefill": [], "decode": []}
+        for (role, i, _), ref in zip(targets, refs, strict=True):
+            try:
+                load = ray.get(ref, timeout=0)
+                check_instance_group([load])
+                loads[role].append(load)
+            except Exception as e:  # noqa: BLE001 - GetTimeoutError, an actor error, a failed group
+                self._mark_failed(role, i, e, "load", sent_s)
+        for role in ("prefill", "decode"):
+            if not loads[role]:
+                raise BackendUnavailable(f"no live {role} instance ({self._health_summary(role)})")
+        prefill_loads: list[PrefillNodeLoad] = loads["prefill"]
+        decode_loads: list[DecodeNodeLoad] = loads["decode"]
+        return {
+            "ranks": {load.name: rank_stats(load) for load in prefill_loads + decode_loads},
+            "num_waiting_requests": sum(p.num_requests for p in prefill_loads),
+            "num_running_requests": sum(d.num_running for d in decode_loads),
+            "kv_blocks": {
+                d.name: {
+                    "num_used_blocks": d.num_total_blocks - d.num_free_blocks,
+                    "num_total_blocks": d.num_total_blocks,
+                }
+                for d in decode_loads
+            },
+            "kv_transfer_bytes_total": self._kv_transfer_bytes_total,
+            "kv_transfer_seconds_total": self._kv_transfer_seconds_total,
+            "instances": self.health(),
+        }
+
+    def check_ready(self) -> None:
+        """`ServingBackend.check_ready`: from the health the monitor and the request path last recorded (no
+        call: a stalled instance shows here once a probe or a request's call to it timed out: within
+        `PROBE_INTERVAL_S` + `call_timeout_s` of the stall, up to about twice `call_timeout_s` more when a
+        probe round is already waiting on another instance).
+
+        Raises:
+            BackendUnavailable: shut down, or no prefill or no decode instance in routing; the message
+                names each instance's state and why.
+        """
+        if self._closed:
+            raise BackendUnavailable("the cluster is shut down")
+        for role in ROLES:
+            if not any(self._routable(role)):
+                raise BackendUnavailable(f"no live {role} instance ({self._health_summary(role)})")
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        """Every instance's health: `{name: {"state": "healthy" | "unresponsive" | "dead", "reason": str,
+        "for_s": seconds in that state}}` (no calls made)."""
+        now_s = time.monotonic()
+        return {
+            f"{role}-{i}": {"state": h.state.value, "reason": h.reason, "for_s": round(now_s - h.since_s, 3)}
+            for role in ROLES
+            for i, h in enumerate(self._health[role])
+        }
+
+    def _routable(self, role: str) -> list[bool]:
+        """Per instance of pool `role`, in pool order: in routing (healthy)."""
+        return [instance.routable for instance in self.instances[role]]
+
+    _prefill_alive = property(lambda self: self._routable("prefill"))
+    _decode_alive = property(lambda self: self._routable("decode"))
+
+    def _health_summary(self, role: str) -> str:
+        return "; ".join(
+            f"{role}-{i} {h.state.value}" + (f": {h.reason}" if h.reason else "")
+            for i, h in enumerate(self._health[role])
+        )
+
+    @staticmethod
+    def _outcome(exc: BaseException) -> ProbeOutcome:
+        import ray
+
+        if isinstance(exc, (asyncio.TimeoutError, TimeoutError, ray.exceptions.GetTimeoutError)):
+            return ProbeOutcome.TIMED_OUT
+        return ProbeOutcome.DIED
+
+    def _mark_failed(
+        self, role: str, index: int, exc: BaseException, call: str, issued_at_s: float | None = None
+    ) -> None:
+        """A call `call` on instance (`role`, `index`) timed out or raised an actor error: take it out of
+        routing (unresponsive or dead) and, for decode, fail its in-flight requests. Idempotent. The
+        timeout of a call issued (`issued_at_s`, time.monotonic()) before the instance last rejoined routing
+        changes nothing (`health.is_stale`): logged, ignored."""
+        if self._outcome(exc) is ProbeOutcome.TIMED_OUT:
+            reason = f"{call}: no answer within {self.call_timeout_s:g} s"
+        else:
+            reason = f"{call}: {describe_error(exc)}"
+        with self._health_lock:
+            before = self._health[role][index]
+            # Only a timeout: an error saying the actor died may come from a process that died after the
+            # probe that brought it back answered.
+            if self._outcome(exc) is ProbeOutcome.TIMED_OUT and is_stale(before, issued_at_s):
+                assert issued_at_s is not None
+                logger.warning(
+                    "%s-%d: ignored a failed call (%s) sent %.2f s before the instance rejoined routing",
+                    role,
+                    index,
+                    reason,
+                    before.since_s - issued_at_s,
+                )
+                return
+            after = after_failure(before, self._outcome(exc), reason, time.monotonic())
+            self._set_health(role, index, after)
+        if role == "decode":
+            self._loads.forget_decode(index)
+        if after is before:
+            return
+        logger.error("%s-%d is %s (%s); taken out of routing", role, index, after.state.value, reason)
+        self._fail_attempts(role, index)
+
+    def _monitor_health(self) -> None:
+        """Health monitor thread: every PROBE_INTERVAL_S, probe every instance with one `load` call (all
+        at once, waiting `call_timeout_s`). One that does not answer leaves routing, so a crash or stall is
+        noticed with no request in flight; one out of routing that answers rejoins, after rewiring its KV
+        transport if Ray restarted it (a new process id)."""
+        while not self._monitor_stop.wait(PROBE_INTERVAL_S):
+            try:
+                self._probe_all()
+            except Exception:  # noqa: BLE001 - Ray going away under a shutdown, or a bug: never die silently
+                if self._closed:
+                    return
+                logger.exception("health monitor: a probe round failed; trying again")
+
+    def _probe_all(self) -> None:
+        """One round of the health monitor (see `_monitor_health`)."""
+        import ray
+
+        targets = [instance for role in ROLES for instance in self.instances[role]]
+        if not targets or self._closed:
+            return
+        refs = [[actor.load.remote() for actor in instance.ranks] for instance in targets]
+        flat = [ref for rank_refs in refs for ref in rank_refs]
+        ray.wait(flat, num_returns=len(flat), timeout=self.call_timeout_s)
+        for instance, rank_refs in zip(targets, refs, strict=True):
+            if self._closed:
+                return
+            try:
+                loads = [ray.get(ref, timeout=0) for ref in rank_refs]
+                check_instance_group(loads)
+                pids = [load.pid for load in loads]
+            except Exception as e:  # noqa: BLE001 - a rank stalled, restarting, dead, or its group failed
+                self._mark_failed(instance.role, instance.index, e, "probe")
+                continue
+            if instance.role == "decode" and instance.routable and instance.health.pid == pids[0]:
+                for rank, load in enumerate(loads):  # the router's view, refreshed (orchestrator.load_board)
+                    self._loads.update_decode(RankRef(instance.index, rank), load)
+            health = instance.health
+            if not health.routable or health.pid != pids[0]:
+                self._rejoin(instance.role, instance.index, pids[0])
+            elif self._reply_channel_lost(instance.role, instance.index):
+                self._reconnect_reply_channel(ray, instance.role, instance.index)
+
+    def _rejoin(self, role: str, index: int, pid: int) -> None:
+        import ray
+
+        before = self._health[role][index]
+        after, needs_rewire = after_answer(before, pid, time.monotonic())
+        if needs_rewire and role == "decode":  # what ran on the old process is gone
+            self._fail_decode_attempts(index)
+        if self.topology.kv_transport in ADDRESSED_KV_TRANSPORTS and (needs_rewire or role == "prefill"):
+            try:
+                self._rewire(ray, role, index, needs_rewire)
+            except Exception as e:  # noqa: BLE001 - try again at the next probe
+                logger.error("%s-%d answers again but could not be rewired: %s", role, index, e)
+                return
+        if not needs_rewire and self._reply_channel_lost(role, index):
+            self._reconnect_reply_channel(ray, role, index)
+        if role == "decode" and needs_rewire:  # a new process numbers its events from 1 again
+            self._poll_acked_seq[index][:] = [0] * len(self._poll_acked_seq[index])
+        with self._health_lock:
+            self._set_health(role, index, after)
+        logger.warning(
+            "%s-%d rejoined routing after %.1f s %s (%s)",
+            role,
+            index,
+            after.since_s - before.since_s,
+            before.state.value,
+            "restarted and rewired" if needs_rewire else "answering again",
+        )
+
+    def _reconnect_reply_channel(self, ray, role: str, index: int) -> None:
+        """The same process, but a rank's connection to the reply socket closed (it broke, or the driver
+        dropped it): connect the instance's ranks again, under new tags, so that their binds and calls stop
+        going by Ray from now on."""
+        indices = {"prefill_indices": [index]} if role == "prefill" else {"decode_indices": [index]}
+        logger.warning("%s-%d: its connection to the reply socket closed; reconnecting", role, index)
+        try:
+            self._connect_reply_channel(ray, timeout_s=self.call_timeout_s, restarted=True, **indices)
+        except Exception as e:  # noqa: BLE001 - its Ray calls still carry everything; tried at the next probe
+            logger.warning("%s-%d could not reconnect to the reply socket: %s", role, index, e)
+
+    def _reply_channel_lost(self, role: str, index: int) -> bool:
+        """Whether a rank of instance (`role`, `index`) had a connection to the driver's reply socket (one
+        host) that closed since. A rank that never connected under its tag (it could not, at deploy or at a
+        reconnect) is not asked again at every probe: it keeps its Ray calls."""
+        listener = self._reply_listener
+        if listener is None or listener.closed:
+            return False
+        tags = self._prefill_push_tags if role == "prefill" else self._decode_tag_of
+        ranks = [RankRef(index, r) for r in range(self.instances[role][index].num_ranks)]
+        return any(ref in tags and listener.dropped(tags[ref]) for ref in ranks)
+
+    def _rewire(self, ray, role: str, index: int, restarted: bool) -> None:
+        """gRPC, shm and shm+grpc only (restarts are off for torch.distributed and for multi-rank instances,
+        whose groups are fixed at deploy). A restarted decode starts its receiver on a new port (shm: a new
+        socket path; shm+grpc: both, in a new `PairedAddress`), which the prefill ranks in routing learn at
+        once (the others when they rejoin), and (one host) reconnects to the driver's reply socket under a
+        new tag; a rejoining prefill instance's ranks (re)connect to every decode rank's current address, in
+        case one moved meanwhile, and a restarted one (one host) to the reply socket under a new tag, where
+        its binds and calls go from then on."""
+        if role == "decode":
+            assert restarted
+            decode = self.decode_actors[index]
+            transport = self.topology.kv_transport
+            address = ray.get(
+                decode.start_receiver.remote(transport, self._kv_tls), timeout=self.call_timeout_s
+            )
+            if transport == "grpc" and not self._loopback:
+                address = advertised_address(
+                    address, ray.get(decode.node_ip.remote(), timeout=self.call_timeout_s)
+                )
+            self._decode_addresses[index][0] = address
+            prefills = [a for p in self.instances["prefill"] if p.routable for a in p.ranks]
+            ray.get(
+                [p.set_decode_address.remote(index, address) for p in prefills], timeout=self.call_timeout_s
+            )
+            # the new process pushes its events under a new tag (the old one's are no longer taken)
+            self._connect_reply_channel(ray, (), self.call_timeout_s, restarted=True, decode_indices=[index])
+        else:
+            addresses = [list(ranks) for ranks in self._decode_addresses]
+            ranks = self.instances["prefill"][index].ranks
+            transport = self.topology.kv_transport
+            ray.get(
+                [a.connect_receivers.remote(transport, addresses, self._kv_tls) for a in ranks],
+                timeout=self.call_timeout_s,
+            )
+            if restarted:  # the new process has no reply socket yet
+                self._connect_reply_channel(ray, [index], self.call_timeout_s, restarted=True)
+
+    def _fail_attempts(self, role: str, index: int) -> None:
+        """End every in-flight attempt on instance (`role`, `index`) with a "decode_lost" event (decode)
+        or a failed prefill (prefill: the dispatch policy re-dispatches it or fails it, as when its
+        prefill call fails; the call is not waited for). Safe from any thread: off the requests' event
+        loop (the health monitor, stats() in a worker thread) it is handed to that loop, since asyncio
+        queues are not thread-safe."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                on_loop = asyncio.get_running_loop() is loop
+            except RuntimeError:
+                on_loop = False
+            if not on_loop:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(self._fail_attempts_on_loop, role, index)
+                return
+        self._fail_attempts_on_loop(role, index)
+
+    def _fail_decode_attempts(self, decode_index: int) -> None:
+        """`_fail_attempts("decode", decode_index)`."""
+        self._fail_attempts("decode", decode_index)
+
+    def _fail_attempts_on_loop(self, role: str, index: int) -> None:
+        reason = self._health[role][index].reason or "unknown"
+        for attempt in list(self._by_handoff.values()):
+            if role == "decode" and attempt.decode_index == index:
+                message = f"decode-{index} died or stopped answering ({reason}); the request was lost"
+                event: object = DecodeLost(attempt.handoff_id, message)
+            elif role == "prefill" and attempt.prefill_index == index and _prefill_pending(attempt):
+                event = PrefillFailed(f"died or stopped answering ({reason})")
+            else:
+                continue
+            with contextlib.suppress(RuntimeError):  # a queue of another (closed) event loop
+                attempt.events.put_nowait(event)
+
+
+def _prefill_pending(attempt: Attempt) -> bool:
+    """The attempt's prefill call was sent and neither returned nor pushed its finished result (a prefill
+    lost after that took nothing of the attempt with it: its KV was handed to the sender, decode reports the
+    rest; after an early first token alone it is still pending: its MTP layer and finish are to come)."""
+    call = attempt.prefill_call
+    return call is not None and not call.done() and attempt.awaiting_prefill_result

@@ -1,0 +1,247 @@
+"""`RankActor`: what the prefill and decode rank actors share, written once.
+
+- the engine: one `LLMEngine` built from the instance's `EngineConfig`, with torch on one thread;
+- the instance group: a rank of a multi-rank instance joins its instance's torch.distributed group
+  (`orchestrator.instance_group`) before it builds its engine; with routed experts split over the ranks
+  (EP) the engine thread steps in lockstep with the other ranks (`lockstep`, `LOCKSTEP_IDLE_S`);
+- the engine thread: started by the subclass once its own state exists (`_start_engine_thread`), running
+  the subclass's `_run`, stopped by `_stop_engine_thread`;
+- loop-error accounting: `_loop_error` counts and logs an exception the engine thread survived, and
+  `_engine_health` reports it with the thread's liveness in load snapshots;
+- calls over the driver's reply socket (`orchestrator.reply_channel`): `_take_call` runs a call the driver
+  sent there (the subclass's `_call_method`) on a thread of `_call_threads` and answers on the same
+  connection, as a Ray call's reply would (`_answer_lost`: what to undo when the answer cannot be sent);
+- test-only fault injection: `inject_fault(where, count)` arms a fault point (the subclass's
+  FAULT_POINTS), `_maybe_fault(where)` raises RuntimeError there on the engine thread.
+
+The classes are plain Python (the driver wraps them with `ray.remote` at deploy time), so their logic runs
+in-process in tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pdcluster.engine.compiled_forward import CompileStats
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.llm import LLMEngine
+from pdcluster.orchestrator.dispatch import call_timeout_s
+from pdcluster.orchestrator.messages import InstanceGroupSpec, PrefillRequest, ReserveRequest
+
+if TYPE_CHECKING:
+    from pdcluster.orchestrator.reply_pusher import ReplyPusher
+    from pdcluster.orchestrator.reply_records import RankCall
+
+logger = logging.getLogger(__name__)
+
+# An expert-parallel rank with nothing to run still steps (its MoE collectives need every rank): when no
+# rank of the instance had work, the step returns at once and the engine thread sleeps this long (seconds).
+LOCKSTEP_IDLE_S = 0.002
+# The engine thread copies its engine's EP figures for load snapshots at most this often (seconds): the
+# engine's figures are only safe to read from the thread that steps it.
+EP_STATS_REFRESH_S = 1.0
+# Threads running the calls the driver sends on the reply socket at once, as Ray's call threads did for its
+# calls (`max_concurrency`): a prefill call holds one until its handoff is finished (they wait, using no
+# CPU); more wait their turn.
+MAX_CALL_THREADS = 256
+
+
+def ep_summary(engine: LLMEngine) -> dict | None:
+    """The rank's expert-parallel figures as plain data for its load snapshot (`LLMEngine.ep_stats`,
+    `engine.expert_parallel.EPStats`): every field of the engine's figures, None without EP."""
+    stats = engine.ep_stats()
+    return None if stats is None else dataclasses.asdict(stats)
+
+
+class RankActor:
+    """Base of `PrefillNode` and `DecodeNode`. `name`: the rank's name for logs and loads (`decode-0`,
+    `decode-0.1` for rank 1 of a multi-rank instance). `group`: how a rank of a multi-rank instance joins
+    its instance group (None: a single-rank instance)."""
+
+    FAULT_POINTS: tuple[str, ...] = ()  # where `inject_fault` may arm a fault (set by each role)
+
+    def __init__(
+        self, engine_config: EngineConfig, name: str, group: InstanceGroupSpec | None = None
+    ) -> None:
+        torch.set_num_threads(1)
+        started_s = time.monotonic()
+        self.name = name
+        self.group_spec = group
+        self.instance_group = None
+        if group is not None and group.num_ranks > 1:
+            from pdcluster.orchestrator.instance_group import join_instance_group
+
+            self.instance_group = join_instance_group(group)
+        # Expert-parallel ranks step together (`engine.llm_engine.LLMEngine`'s EP contract): every rank
+        # calls `engine.step()` in a loop, idle or not.
+        self.lockstep = engine_config.parallel.enabled
+        if self.lockstep and self.instance_group is None:
+            raise ValueError(f"{name}: an expert-parallel engine needs its instance group (group=None)")
+        self.engine = LLMEngine(engine_config, group=self.instance_group.group if self.lockstep else None)
+        if self.instance_group is not None:  # every rank loaded before the first lockstep collective
+            from pdcluster.orchestrator.instance_group import wait_until_loaded
+
+            wait_until_loaded(self.instance_group)
+        self.load_s = time.monotonic() - started_s
+        self._stopped = threading.Event()
+        self._num_loop_errors = 0
+        self._last_loop_error: str | None = None
+        self._fault_lock = threading.Lock()
+        self._faults: dict[str, int] = {}  # test-only: inject_fault
+        self._thread: threading.Thread | None = None
+        self._group_error: str | None = None  # set once a collective of the instance group failed
+        self._ep_summary: dict | None = None  # the engine's EP figures, copied by the engine thread
+        self._ep_summary_at_s = 0.0
+        self._calls_lock = threading.Lock()
+        self._call_threads: ThreadPoolExecutor | None = None  # `_take_call`'s, made at the first call
+        self._calls_closed = False
+
+    def compile_stats(self) -> CompileStats:
+        """What the engine's `compile` did (`engine.compiled_forward.CompileStats`): whether uniform decode
+        steps run compiled, the compile time at load or why nothing was compiled, and how many steps ran
+        the compiled graph so far (counters the engine thread updates; read as they stand)."""
+        return self.engine.compile_stats()
+
+    # ---- engine thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _start_engine_thread(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"{self.name}-engine", daemon=True)
+        self._thread.start()
+
+    def _stop_engine_thread(self, timeout_s: float = 10.0) -> None:
+        """Ask the engine thread to stop (`_stopped`) and wait up to `timeout_s` seconds for it."""
+        self._stopped.set()
+        self._wake_engine_thread()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _wake_engine_thread(self) -> None:
+        """Wake an engine thread waiting for work (subclasses that wait on something set it here)."""
+
+    # ---- calls over the driver's reply socket -------------------------------------------------------------
+    def _call_method(self, call: ReserveRequest | PrefillRequest) -> Callable[[Any], Any]:
+        """The method that serves `call` on this role (`reserve` or `prefill`). ValueError: not one this
+        role takes."""
+        raise ValueError(f"{self.name}: takes no {type(call).__name__} calls")
+
+    def _answer_lost(self, call: ReserveRequest | PrefillRequest, outcome: Any) -> None:
+        """The answer to `call` (its result `outcome`) could not be sent: undo what it set up (the driver's
+        wait for it times out)."""
+
+    def _take_call(self, call: RankCall, pusher: ReplyPusher) -> None:
+        """The reply connection's reader hands over a call the driver sent on it (`ReplyPusher`'s
+        `on_call`): run on a call thread, answered on `pusher`. Once the rank is closing, answered at once
+        with a RuntimeError."""
+        with self._calls_lock:
+            if self._calls_closed:
+                threads = None
+            elif self._call_threads is None:
+                threads = self._call_threads = ThreadPoolExecutor(MAX_CALL_THREADS, thread_name_prefix="call")
+            else:
+                threads = self._call_threads
+        if threads is None:
+            pusher.push_answer(call, RuntimeError(f"{self.name} is closing"), 0.0)
+            return
+        threads.submit(self._serve_call, call, pusher)
+
+    def _serve_call(self, call: RankCall, pusher: ReplyPusher) -> None:
+        request = call.request
+        try:
+            outcome = self._call_method(request)(request)
+        except Exception as e:  # noqa: BLE001 - the driver raises it for the request, as a Ray call's error
+            outcome = e
+        try:
+            if not pusher.push_answer(call, outcome, call_timeout_s(request.meta.lease_s)):
+                logger.warning("%s: the answer to %s did not reach the driver", self.name, request.handoff_id)
+                self._answer_lost(request, outcome)
+        except Exception:  # noqa: BLE001 - a call thread's error would otherwise stay in its future, unseen
+            logger.exception("%s: answering %s failed", self.name, request.handoff_id)
+
+    def _close_call_threads(self) -> None:
+        """At close (after the reply connection's reader has stopped): no new call starts from now on; those
+        queued are dropped (their connection goes with this rank, which fails them on the driver)."""
+        with self._calls_lock:
+            self._calls_closed = True
+            threads, self._call_threads = self._call_threads, None
+        if threads is not None:
+            threads.shutdown(wait=False, cancel_futures=True)
+
+    # ---- loop errors ------------------------------------------------------------------------------------
+    def _loop_error(self, e: BaseException, what: str) -> None:
+        """Count and log (with its traceback) an exception the engine thread survived."""
+        self._num_loop_errors += 1
+        self._last_loop_error = f"{what}: {e!r}"
+        logger.error("%s: %s", self.name, what, exc_info=e)
+
+    def _engine_health(self) -> dict[str, object]:
+        """`engine_thread_alive`, `num_engine_errors`, `last_engine_error`, `instance_group_error` and
+        `ep` (`ep_summary`, as the engine thread last copied it) for a load snapshot."""
+        return {
+            "engine_thread_alive": self._thread is not None and self._thread.is_alive(),
+            "num_engine_errors": self._num_loop_errors,
+            "last_engine_error": self._last_loop_error,
+            "instance_group_error": self._group_error,
+            "ep": self._ep_summary,
+        }
+
+    def _refresh_ep_summary(self) -> None:
+        """On the engine thread, after a step: copy the engine's EP figures for load snapshots, at most
+        every EP_STATS_REFRESH_S seconds (a no-op without EP)."""
+        now_s = time.monotonic()
+        if self.lockstep and now_s - self._ep_summary_at_s >= EP_STATS_REFRESH_S:
+            self._ep_summary = ep_summary(self.engine)
+            self._ep_summary_at_s = now_s
+
+    def _group_failed(self, e: BaseException) -> bool:
+        """Whether `e` (an exception out of a step) is a failed collective of the instance group
+        (`models.ep_dispatch.EPCollectiveError`, raised or the cause of an `EngineStepError`): a peer rank
+        died or stalled. Then the group is unusable (its collectives time out or are broken for good),
+        so the rank stops stepping and reports it in its loads (`instance_group_error`); the driver takes
+        the instance out of routing for good."""
+        from pdcluster.models.ep_dispatch import EPCollectiveError
+
+        failure = e if isinstance(e, EPCollectiveError) else e.__cause__
+        if not isinstance(failure, EPCollectiveError):
+            return False
+        if self._group_error is None:
+            self._group_error = str(failure)
+            logger.error("%s: the instance group failed; this rank stops stepping: %s", self.name, failure)
+        return True
+
+    # ---- fault injection (tests) ------------------------------------------------------------------------
+    def inject_fault(self, where: str, count: int = 1) -> None:
+        """Test-only fault injection: the next `count` passes through `where` (one of the role's
+        FAULT_POINTS) raise RuntimeError on the engine thread.
+
+        Raises:
+            ValueError: `where` is not a fault point of this role.
+        """
+        if where not in self.FAULT_POINTS:
+            raise ValueError(f"unknown fault point {where!r}")
+        with self._fault_lock:
+            self._faults[where] = self._faults.get(where, 0) + count
+        self._wake_engine_thread()
+
+    def _faults_armed(self) -> bool:
+        with self._fault_lock:
+            return bool(self._faults)
+
+    def _maybe_fault(self, where: str) -> None:
+        """Raise RuntimeError("injected fault at <where>") if a fault is armed there (one use)."""
+        with self._fault_lock:
+            if self._faults.get(where, 0) <= 0:
+                return
+            self._faults[where] -= 1
+            if not self._faults[where]:
+                del self._faults[where]
+        raise RuntimeError(f"injected fault at {where}")

@@ -1,0 +1,101 @@
+"""The driver's record of one request and of each of its dispatch attempts (`orchestrator.request_dispatch`):
+one record per request and one per attempt, instead of parallel dicts keyed by id. The attempt's
+reservation is held by its `meta` (bound by decode's reserve); the driver indexes attempts by handoff id
+only to hand decode's events to their queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from pdcluster.kvtransfer.base import HandoffMeta
+from pdcluster.orchestrator.backend import StreamDelta
+from pdcluster.orchestrator.messages import Phases, TokenDelta
+from pdcluster.orchestrator.router import RankRef
+
+
+def rank_name(role: str, ref: RankRef) -> str:
+    """`decode-0` for rank 0 of decode instance 0, `decode-0.1` for its rank 1 (`Instance.rank_name`)."""
+    return f"{role}-{ref.instance}" + (f".{ref.rank}" if ref.rank else "")
+
+
+@dataclass
+class Attempt:
+    """One dispatch of a request: its handoff id (unique per attempt), the (instance, rank) pair, the meta
+    decode's reserve bound (with the secret; None until reserved), and its event queue."""
+
+    handoff_id: str
+    prefill: RankRef
+    decode: RankRef
+    meta: HandoffMeta | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prefill_reported: bool = False  # its prefill call's result was taken (PrefillDone)
+    first_token_early: bool = False  # that result was an early one (handoff_finished False): one more comes
+    prefill_call: asyncio.Future | None = None  # its prefill call, once sent
+    prefill_sent_s: float | None = None  # time.monotonic() when it was sent
+    decode_delta_seen: bool = False  # decode's first delta of this attempt was handled
+
+    @property
+    def awaiting_prefill_result(self) -> bool:
+        """Its prefill call's finished result was not taken yet (none was, or only an early first token)."""
+        return not self.prefill_reported or self.first_token_early
+
+    @property
+    def prefill_index(self) -> int:
+        return self.prefill.instance
+
+    @property
+    def decode_index(self) -> int:
+        return self.decode.instance
+
+
+@dataclass
+class RequestRecord:
+    """One request from `generate` to its end: the attempt in flight (None while routing or between
+    attempts), whether it was aborted, what the client received (tokens, phases in seconds, KV bytes; the
+    first token when a prefill reply streamed it, which a re-dispatch keeps), the failed attempts'
+    lines and the prefill instances they used (not tried again)."""
+
+    request_id: str
+    arrival_s: float
+    attempt: Attempt | None = None
+    aborted: bool = False
+    finished: bool = False
+    decode_streamed: bool = False  # a decode delta carried tokens to the client (no re-dispatch after)
+    # (token id, text): the first token, when a prefill call's reply streamed it (`EmitFirstToken`);
+    # decode's first delta of each attempt comes without it, and a re-dispatch keeps it
+    first_token: tuple[int, str] | None = None
+    phases: Phases = Phases()
+    kv_transfer_bytes: int | None = None
+    errors: list[str] = field(default_factory=list)
+    excluded_prefills: set[int] = field(default_factory=set)
+
+    def stream_delta(self, delta: TokenDelta | None = None) -> StreamDelta:
+        """`delta` for the client with the request's phases so far (total_s now); no delta: the abort."""
+        self.phases = self.phases.merged(Phases(total_s=time.monotonic() - self.arrival_s))
+        if delta is None:
+            return StreamDelta(
+                [], True, "abort", phases=self.phases.as_dict(), kv_transfer_bytes=self.kv_transfer_bytes
+            )
+        drafts = delta.drafts
+        ranks = {}
+        if self.attempt is not None:
+            ranks = {
+                role: rank_name(role, ref)
+                for role, ref in (("prefill", self.attempt.prefill), ("decode", self.attempt.decode))
+            }
+        return StreamDelta(
+            new_token_ids=list(delta.new_token_ids),
+            finished=delta.finished,
+            finish_reason=delta.finish_reason,
+            phases=self.phases.as_dict(),
+            kv_transfer_bytes=self.kv_transfer_bytes,
+            num_draft_tokens=drafts.num_draft_tokens,
+            num_accepted_tokens=drafts.num_accepted_tokens,
+            num_draft_tokens_per_position=list(drafts.num_draft_tokens_per_position),
+            num_accepted_tokens_per_position=list(drafts.num_accepted_tokens_per_position),
+            new_text=delta.new_text,
+            ranks=ranks,
+        )

@@ -1,0 +1,401 @@
+"""Routing and reserving one dispatch attempt of a request, and releasing it (`orchestrator.cluster.Cluster`).
+
+`_dispatch` routes with the topology's router policy over the ranks' loads as the driver's load board
+holds them (`orchestrator.load_board`: decode snapshots piggy-backed on poll and reserve replies, prefill
+work the driver has in flight; no `load` call per request once every decode rank has reported once;
+`orchestrator.router`: a (instance, rank) pair per pool). It sends the prefill call at once, awaiting its
+bind (`PrefillRequest.awaiting_bind`: prefill computes while decode reserves), and reserves on the chosen
+decode rank (`DecodeNode.reserve`) meanwhile; on one host both calls go on the rank's reply connection
+(`_push_call`, answered there: `_on_answer`), else they are Ray calls. The pure
+`orchestrator.dispatch.after_reserve` decides what follows: bind the prefill to the reservation (on the
+prefill rank's reply connection on this host, `orchestrator.reply_channel`; else `PrefillNode.bind`),
+route decode again (an instance was lost), retry after RESERVE_RETRY_S while no decode has room
+(back-pressure; the prefill waits where it is), fail at the deadline, or end (aborted). Every end but the
+bind releases the prefill too, so nothing is computed twice or held after. `_release` drops an attempt on
+every rank of its two instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.kvtransfer.base import HandoffMeta, resolve_wire_dtype
+from pdcluster.orchestrator.actor_errors import InstanceGroupFailed
+from pdcluster.orchestrator.backend import BackendUnavailable
+from pdcluster.orchestrator.dispatch import (
+    EndAborted,
+    Fail,
+    PrefillFailed,
+    ReserveOutcome,
+    RetryReserve,
+    StartPrefill,
+    after_reserve,
+)
+from pdcluster.orchestrator.instance import Instance, check_instance_group
+from pdcluster.orchestrator.load_board import LoadBoard
+from pdcluster.orchestrator.messages import Phases, PrefillBind, PrefillRequest, ReserveRequest, ReserveResult
+from pdcluster.orchestrator.rank_calls import RankCalls, RankConnectionLost
+from pdcluster.orchestrator.reply_channel import ReplyListener
+from pdcluster.orchestrator.request_state import Attempt, RequestRecord
+from pdcluster.orchestrator.router import DecodeLoad, PrefillLoad, RankRef
+
+# Prefill calls in flight per prefill rank up to which a new one is sent before its reservation (each
+# blocks one of the actor's call threads, 256 of Ray's (`max_concurrency`) or of the reply connection's
+# (`rank_actor.MAX_CALL_THREADS`), and a bind made by Ray needs another);
+# past it, a request reserves first and its prefill is sent bound (the order without the overlap).
+MAX_EARLY_PREFILL_CALLS = 64
+
+
+class RouteAndReserve(RankCalls):
+    """The routing half of the request path (a mixin of `orchestrator.cluster.Cluster`)."""
+
+    instances: dict[str, list[Instance]]
+    _by_handoff: dict[str, Attempt]
+    _loads: LoadBoard
+    _reply_listener: ReplyListener | None  # `ClusterWiring`'s
+    _prefill_push_tags: dict[RankRef, str]  # `ClusterWiring`'s: each prefill rank's reply connection tag
+    _num_binds_pushed: int  # binds sent on a prefill rank's reply connection, not by a Ray call
+    _decode_tag_of: dict[RankRef, str]  # `ClusterWiring`'s: each decode rank's current reply connection tag
+
+    # ---- routing and reserving ----------------------------------------------------------------------------
+    async def _dispatch(
+        self,
+        record: RequestRecord,
+        attempt_index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> Attempt | None:
+        """Route; send the prefill call at once (`awaiting_bind`: prefill computes while decode reserves)
+        and reserve on decode (retrying while no decode instance has room: `after_reserve`, the prefill
+        staying where it is); once bound, hand the prefill the bound meta (`_bind_prefill`). Returns the
+        attempt with its prefill call (`Attempt.prefill_call`) running; None: aborted. On every other end
+        (abort, failure, an exception) the prefill and any reservation are released. Instances whose
+        load/reserve call dies or times out are marked so and routing continues with the others; a
+        prefill lost before its bind is returned unbound with its failure as an event (the dispatch policy
+        re-dispatches it)."""
+        started: list[Attempt] = []
+        try:
+            attempt, done = await self._route_and_reserve(
+                record, attempt_index, prompt_token_ids, params, started
+            )
+        except BaseException:
+            for attempt in started:
+                self._drop(attempt)
+            raise
+        if attempt is not None and not done:
+            self._drop(attempt)
+            return None
+        return attempt
+
+    def _drop(self, attempt: Attempt) -> None:
+        """Release `attempt` on both instances, and again once its prefill call ends."""
+        self._release(attempt)
+        if attempt.prefill_call is not None:
+            self._release_when_done(attempt, attempt.prefill_call)
+
+    async def _route_and_reserve(
+        self,
+        record: RequestRecord,
+        attempt_index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        started: list[Attempt],
+    ) -> tuple[Attempt | None, bool]:
+        """`_dispatch`'s loop: (the attempt, True) to go on with; (the attempt or None, False): aborted.
+        The attempt is appended to `started` once its prefill call is sent."""
+        request_id = record.request_id
+        deadline_s = time.monotonic() + self.topology.kv_transfer.timeout_s
+        attempt: Attempt | None = None
+        first_token_id = None if record.first_token is None else record.first_token[0]
+        while True:
+            routing_started_s = time.monotonic()
+            if record.aborted:
+                return attempt, False
+            if attempt is not None and attempt.prefill_call is not None:  # it stays there: route decode only
+                prefill_instance = self.instances["prefill"][attempt.prefill_index]
+                assert attempt.prefill_call is not None
+                if attempt.prefill_call.done() or not prefill_instance.routable:
+                    # lost before its bind: the caller's policy re-dispatches it (PrefillFailed)
+                    self._by_handoff[attempt.handoff_id] = attempt
+                    record.attempt = attempt
+                    if not attempt.prefill_call.done():
+                        reason = prefill_instance.health.reason or "out of routing"
+                        attempt.events.put_nowait(PrefillFailed(f"died or stopped answering ({reason})"))
+                    return attempt, True
+                prefills = [prefill_instance]
+            else:
+                prefills = [
+                    p
+                    for p in self.instances["prefill"]
+                    if p.routable and p.index not in record.excluded_prefills
+                ]
+            if not prefills:
+                if record.excluded_prefills:  # after a failed attempt (generate adds that attempt's cause)
+                    raise BackendUnavailable("no other live prefill instance to re-dispatch to")
+                summary = self._health_summary("prefill")
+                raise BackendUnavailable(f"{request_id}: no live prefill instance ({summary})")
+            decodes = [d for d in self.instances["decode"] if d.routable]
+            if not decodes:
+                raise BackendUnavailable(
+                    f"{request_id}: no live decode instance ({self._health_summary('decode')})"
+                )
+            lost = await self._load_missing_decodes(decodes)
+            decode_loads: list[DecodeLoad] = []
+            for d in decodes if not lost else ():
+                try:
+                    check_instance_group(self._loads.decode_snapshots(d.index))
+                except InstanceGroupFailed as e:  # its latest snapshot reports a failed group
+                    self._mark_failed("decode", d.index, e, "load")
+                    lost = True
+                    continue
+                decode_loads.extend(self._loads.decode_loads(d.index))
+            bound = None
+            if lost:  # out of routing now: the policy routes again over the instances that answered
+                outcome = ReserveOutcome.INSTANCE_LOST
+            elif record.aborted:
+                outcome = ReserveOutcome.ABORTED
+            else:
+                cached = self._prefix_cache.cached
+                prefill_ranks = (
+                    [attempt.prefill]
+                    if attempt is not None and attempt.prefill_call is not None
+                    else [RankRef(p.index, r) for p in prefills for r in range(p.num_ranks)]
+                )
+                choice = self._policy(
+                    [
+                        PrefillLoad(
+                            rank.instance, self._loads.prefill_queued_tokens(rank), cached(rank), rank.rank
+                        )
+                        for rank in prefill_ranks
+                    ],
+                    decode_loads,
+                    counter=next(self._counter),
+                    prompt_token_ids=prompt_token_ids,
+                    block_size=self.topology.prefill.block_size,
+                )
+                if attempt is None or attempt.prefill_call is None:
+                    attempt = Attempt(f"{request_id}@{attempt_index}", choice.prefill, choice.decode)
+                    if self._loads.prefill_calls(attempt.prefill) < MAX_EARLY_PREFILL_CALLS:
+                        self._start_prefill(attempt, prompt_token_ids, params, first_token_id)
+                        started.append(attempt)
+                else:
+                    attempt.decode = choice.decode
+                reserve_started_s = time.monotonic()
+                outcome, bound = await self._reserve(record, attempt, prompt_token_ids, params)
+                record.phases = record.phases.merged(
+                    Phases(
+                        route_s=reserve_started_s - routing_started_s,
+                        reserve_s=time.monotonic() - reserve_started_s,
+                    )
+                )
+            action = after_reserve(request_id, outcome, time.monotonic(), deadline_s)
+            if isinstance(action, StartPrefill):
+                assert attempt is not None and bound is not None
+                attempt.meta = bound
+                if attempt.prefill_call is None:  # not sent early (MAX_EARLY_PREFILL_CALLS): sent bound now
+                    self._start_prefill(attempt, prompt_token_ids, params, first_token_id)
+                    started.append(attempt)
+                else:
+                    self._bind_prefill(attempt)
+                self._prefix_cache.record(attempt.prefill, prompt_token_ids)
+                return attempt, True
+            if isinstance(action, EndAborted):
+                return attempt, False
+            if isinstance(action, Fail):
+                raise BackendUnavailable(action.message)
+            if isinstance(action, RetryReserve):
+                await asyncio.sleep(action.delay_s)
+
+    def _start_prefill(
+        self,
+        attempt: Attempt,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        first_token_id: int | None = None,
+    ) -> None:
+        """Send `attempt`'s prefill call now: with its bound meta once reserved (`attempt.meta`), else
+        awaiting its bind (`PrefillRequest.awaiting_bind`: the prefill computes while decode reserves);
+        `first_token_id`: the first token the client already has (`PrefillRequest.first_token_id`).
+        Its prompt tokens count on the load board until it ends. Its timeout: the bind may take the
+        reservation's deadline (kv_transfer.timeout_s), then the prefill its `event_timeout_s`."""
+        request = PrefillRequest(
+            attempt.handoff_id,
+            tuple(prompt_token_ids),
+            params,
+            attempt.meta or self._meta(attempt, prompt_token_ids),
+            attempt.decode_index,
+            attempt.decode.rank,
+            awaiting_bind=attempt.meta is None,
+            first_token_id=first_token_id,
+        )
+        prefill = self.instances["prefill"][attempt.prefill_index].ranks[attempt.prefill.rank]
+        timeout_s = self.event_timeout_s + self.topology.kv_transfer.timeout_s
+        call = self._push_call(self._prefill_push_tags.get(attempt.prefill), request, timeout_s)
+        if call is None:
+            call = asyncio.ensure_future(self._call(prefill.prefill.remote(request), timeout_s))
+        attempt.prefill_call, attempt.prefill_sent_s = call, time.monotonic()
+        rank, num_tokens = attempt.prefill, len(prompt_token_ids)
+        self._loads.prefill_started(rank, num_tokens)
+        call.add_done_callback(lambda _: self._loads.prefill_ended(rank, num_tokens))
+        # After a pushed result (`orchestrator.reply_channel`) nobody waits for the call: its outcome is
+        # taken here so that a late failure is not reported as an exception never retrieved.
+        call.add_done_callback(lambda c: c.cancelled() or c.exception())
+
+    def _bind_prefill(self, attempt: Attempt) -> None:
+        """Hand `attempt`'s running prefill the meta decode bound: on the prefill rank's reply connection
+        when it has one on this host (`ReplyListener.send_bind`), else by a `PrefillNode.bind` Ray call.
+        Fire and forget: a bind that does not arrive shows as the prefill call failing or timing out."""
+        assert attempt.meta is not None
+        bind = PrefillBind(attempt.handoff_id, attempt.meta, attempt.decode_index, attempt.decode.rank)
+        listener, who = self._reply_listener, self._prefill_push_tags.get(attempt.prefill)
+        if listener is not None and who is not None and listener.send_bind(who, bind):
+            self._num_binds_pushed += 1
+            return
+        prefill = self.instances["prefill"][attempt.prefill_index].ranks[attempt.prefill.rank]
+        with contextlib.suppress(Exception):
+            prefill.bind.remote(bind)
+
+    async def _load_missing_decodes(self, decodes: list[Instance]) -> bool:
+        """Load (one call per rank) the decode instances of `decodes` no snapshot has reached yet
+        (`LoadBoard.missing_decodes`: right after deploy or a restart), into the board. True: one of them
+        died, stopped answering or reports a failed group (marked so; route again)."""
+        missing = set(self._loads.missing_decodes(d.index for d in decodes))
+        if not missing:
+            return False
+
+        async def ranks(instance: Instance) -> list[Any]:
+            loads = list(await asyncio.gather(*[self._call(a.load.remote()) for a in instance.ranks]))
+            check_instance_group(loads)
+            return loads
+
+        targets = [d for d in decodes if d.index in missing]
+        sent_s = time.monotonic()
+        results = await asyncio.gather(*[ranks(d) for d in targets], return_exceptions=True)
+        lost = False
+        for instance, r in zip(targets, results, strict=True):
+            if isinstance(r, BaseException):
+                if not self._is_lost(r):
+                    raise r
+                self._mark_failed(instance.role, instance.index, r, "load", sent_s)
+                lost = True
+                continue
+            for rank, load in enumerate(r):
+                self._loads.update_decode(RankRef(instance.index, rank), load)
+        return lost
+
+    async def _reserve(
+        self, record: RequestRecord, attempt: Attempt, prompt_token_ids: list[int], params: SamplingParams
+    ) -> tuple[ReserveOutcome, HandoffMeta | None]:
+        """Reserve `attempt` on its decode rank: the outcome and the bound meta (when BOUND). The
+        attempt is the request's (and the poll loop's) while reserved; released when not bound."""
+        self._by_handoff[attempt.handoff_id] = attempt
+        record.attempt = attempt
+        reserve = ReserveRequest(
+            attempt.handoff_id,
+            tuple(prompt_token_ids),
+            params,
+            self._meta(attempt, prompt_token_ids),
+            self.num_speculative_tokens,
+        )
+        decode = self.instances["decode"][attempt.decode_index].ranks[attempt.decode.rank]
+        self._loads.reserve_sent(attempt.decode)
+        sent_s = time.monotonic()
+        reserve_call = self._push_call(self._decode_tag_of.get(attempt.decode), reserve, self.call_timeout_s)
+        if reserve_call is None:
+            reserve_call = asyncio.ensure_future(self._call(decode.reserve.remote(reserve)))
+        answered: ReserveResult | None = None
+        try:
+            answered = await asyncio.shield(reserve_call)
+            result: ReserveResult = answered
+        except asyncio.CancelledError:
+            # The request's owner went away (the HTTP client disconnected) while decode reserved: the
+            # reservation is released now, and again once the reserve call has returned (Ray runs a
+            # threaded actor's calls unordered, so this abort may overtake the reserve).
+            self._by_handoff.pop(attempt.handoff_id, None)
+            record.attempt = None
+            self._release(attempt)
+            self._release_when_done(attempt, reserve_call)
+            raise
+        except BaseException as e:
+            self._by_handoff.pop(attempt.handoff_id, None)
+            record.attempt = None
+            if not self._is_lost(e):
+                raise
+            self._release(attempt)  # a reservation that did go through after the timeout
+            self._mark_failed("decode", attempt.decode_index, e, "reserve", sent_s)
+            return ReserveOutcome.INSTANCE_LOST, None
+        finally:
+            self._loads.reserve_answered(attempt.decode, None if answered is None else answered.load)
+        if record.aborted:  # aborted while reserving: abort() saw this attempt
+            self._by_handoff.pop(attempt.handoff_id, None)
+            self._release(attempt)
+            return ReserveOutcome.ABORTED, None
+        if result.reserved:
+            return ReserveOutcome.BOUND, result.bound_meta
+        self._by_handoff.pop(attempt.handoff_id, None)
+        record.attempt = None
+        return ReserveOutcome.NO_ROOM, None
+
+    def _meta(self, attempt: Attempt, prompt_token_ids: list[int]) -> HandoffMeta:
+        kv = self.topology.kv_transfer
+        return HandoffMeta(
+            request_id=attempt.handoff_id,
+            num_layers=self.num_hidden_layers + (1 if self.num_speculative_tokens else 0),
+            num_tokens=len(prompt_token_ids),
+            kv_dim=self.kv_dim,
+            dtype=self._dtype,
+            wire_dtype=resolve_wire_dtype(kv.wire_dtype, self._dtype, self._decode_kv_cache_dtype),
+            lease_s=kv.timeout_s,
+        )
+
+    # ---- calls and releases -------------------------------------------------------------------------------
+    async def _call(self, ref, timeout_s: float | None = None):
+        """Await one actor call; asyncio.TimeoutError after `timeout_s` (default `call_timeout_s`)."""
+        return await asyncio.wait_for(ref, timeout_s if timeout_s is not None else self.call_timeout_s)
+
+    @staticmethod
+    def _is_lost(exc: BaseException) -> bool:
+        """The actor died or stopped answering, or its instance group failed (as opposed to a method that
+        raised)."""
+        import ray
+
+        lost = (
+            ray.exceptions.RayActorError,
+            asyncio.TimeoutError,
+            TimeoutError,
+            InstanceGroupFailed,
+            RankConnectionLost,
+        )
+        return isinstance(exc, lost)
+
+    def _abort_after_prefill(self, attempt: Attempt, prefill_task: asyncio.Future) -> None:
+        """Ray runs a threaded actor's calls unordered, so abort() may overtake the `prefill` call it is
+        meant to stop (and find nothing to abort): release the attempt again once that call returns."""
+        self._release_when_done(attempt, prefill_task)
+
+    def _release_when_done(self, attempt: Attempt, call: asyncio.Future) -> None:
+        """Release `attempt` (`_release`) again once the actor call `call` has ended, whatever its outcome
+        (its result or error is consumed here): what the call set up after an earlier release is freed."""
+        if call.done():
+            return
+
+        def again(task: asyncio.Future) -> None:
+            if not task.cancelled():
+                task.exception()  # consumed: the request that made the call is gone
+            if not self._closed:
+                self._release(attempt)
+
+        call.add_done_callback(again)
+
+    def _release(self, attempt: Attempt) -> None:
+        """Best effort, fire and forget: drop the attempt on every rank of its prefill and decode instances.
+        Sent to instances out of routing too: a stalled actor runs the call when it resumes (so what it
+        still held for the attempt is freed before it rejoins), a dead one drops it."""
+        for role, index in (("decode", attempt.decode_index), ("prefill", attempt.prefill_index)):
+            for actor in self.instances[role][index].ranks:
+                with contextlib.suppress(Exception):
+                    actor.abort.remote(attempt.handoff_id)

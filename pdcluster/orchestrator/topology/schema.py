@@ -1,0 +1,466 @@
+"""The topology schema: one frozen dataclass per YAML section, each checking its own fields on construction
+(type, choice, range; `orchestrator.topology.fields`), so one built in code is checked too.
+
+Vocabulary:
+  device    what Ray and torch schedule as one unit: a GPU, an Ascend NPU *die* (a 910C package has two),
+            or for `cpu` one CPU worker slot.
+  instance  one engine (a prefill or a decode node) over `devices_per_instance` devices. Attention runs
+            tensor-parallel over `tensor_parallel_size` devices and data-parallel over the rest;
+            routed experts are split over `expert_parallel_size` devices and each expert's FFN over the
+            rest (`moe_tensor_parallel_size`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdcluster.engine.config import KV_CACHE_DTYPES, EngineConfig
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.dtypes import MODEL_DTYPE_NAMES
+from pdcluster.orchestrator.hardware import ACCELERATORS, AcceleratorSpec
+from pdcluster.orchestrator.router import POLICIES
+from pdcluster.orchestrator.topology.engine_args import engine_arguments
+from pdcluster.orchestrator.topology.fields import (
+    MAX_BLOCK_SIZE,
+    MAX_CPUS_PER_DEVICE,
+    MAX_DEVICES,
+    MAX_DEVICES_PER_NODE,
+    MAX_INSTANCES,
+    MAX_KV_CACHE_BYTES,
+    MAX_NODES,
+    MAX_SEQS,
+    MAX_SPECULATIVE_TOKENS,
+    MAX_TIMEOUT_S,
+    MAX_TOKENS,
+    MIB,
+    above,
+    above_at_most,
+    api_key_problem,
+    at_least,
+    between,
+    check_fields,
+    choices,
+    host_problem,
+)
+
+DEFAULT_TOPOLOGY_PATH = Path(__file__).resolve().parents[3] / "clusters" / "local.yaml"
+
+ROLES = ("prefill", "decode")
+MODEL_DTYPES = ("auto", *MODEL_DTYPE_NAMES)
+# model.weight_dtype: a model dtype, or an 8-bit one (the names `planner.op_costs.DTYPE_BYTES` gives 1 byte)
+EIGHT_BIT_WEIGHT_DTYPES = ("int8", "fp8")
+WEIGHT_DTYPES = (*MODEL_DTYPES, *EIGHT_BIT_WEIGHT_DTYPES)
+KV_TRANSPORTS = ("auto", "grpc", "shm", "torch_distributed")
+# decode listens at an address each prefill sender connects to (shm+grpc: `auto` on several nodes)
+ADDRESSED_KV_TRANSPORTS = ("grpc", "shm", "shm+grpc")
+WIRE_DTYPES = ("auto", "int8")
+ROUTER_POLICIES = tuple(POLICIES)  # the router's policy functions, by name
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * MIB  # api.max_request_body_bytes
+# api.max_concurrent_requests when null, per decode seat (decode.num_instances x decode.max_num_seqs):
+# one batch running on each decode instance and as many again prefilling or waiting for a seat.
+CONCURRENT_REQUESTS_PER_DECODE_SEAT = 2
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """One level of the interconnect, per device and per direction.
+
+    Attributes:
+        bandwidth_bytes_per_s: bytes per second one device can send over this level.
+        latency_s: one small message's one-way latency.
+    """
+
+    bandwidth_bytes_per_s: float = field(metadata=above(0))
+    latency_s: float = field(metadata=at_least(0))
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class InterconnectConfig:
+    """Links between devices, from the closest level to the farthest.
+
+    `die_to_die`: between the dies of one package (None: single-die accelerators). `intra_node`: between
+    devices of one node. `supernode`: between nodes of one supernode (e.g. Huawei's Unified Bus); None when
+    `hardware.nodes_per_supernode` is. `inter_node`: between nodes that share no supernode (e.g. RoCE).
+    The defaults describe a commodity machine (process-to-process copies; 100 Gb/s Ethernet); files for
+    real clusters set every level.
+    """
+
+    die_to_die: LinkConfig | None = None
+    intra_node: LinkConfig = field(default_factory=lambda: LinkConfig(10e9, 5e-6))
+    supernode: LinkConfig | None = None
+    inter_node: LinkConfig = field(default_factory=lambda: LinkConfig(12.5e9, 10e-6))
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class HardwareConfig:
+    """The machines.
+
+    Attributes:
+        accelerator: a key of `orchestrator.hardware.ACCELERATORS`.
+        num_nodes: machines in the cluster.
+        devices_per_node: devices (GPUs, NPU dies, CPU worker slots) per machine.
+        nodes_per_supernode: nodes per supernode (a group with its own fast fabric); None for no grouping.
+        cpus_per_device: CPU cores reserved in Ray next to each device.
+    """
+
+    accelerator: str = field(default="cpu", metadata=choices(*ACCELERATORS))
+    num_nodes: int = field(default=1, metadata=between(1, MAX_NODES))
+    devices_per_node: int = field(default=2, metadata=between(1, MAX_DEVICES_PER_NODE))
+    nodes_per_supernode: int | None = field(default=None, metadata=between(1, MAX_NODES))
+    cpus_per_device: float = field(default=1.0, metadata=above_at_most(0, MAX_CPUS_PER_DEVICE))
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    @property
+    def spec(self) -> AcceleratorSpec:
+        return ACCELERATORS[self.accelerator]
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The checkpoint every instance serves.
+
+    Attributes:
+        path: Hugging Face-format checkpoint directory as the nodes see it; None is the bundled tiny
+            checkpoint (`models.bundled_checkpoint_dir()`). Relative paths are relative to the YAML file.
+        config_path: a copy of the checkpoint's `config.json` to validate against when `path` is not
+            readable where validation runs (a cluster's shared storage); None reads `<path>/config.json`.
+        dtype: parameter dtype; `auto` is float32 on cpu and bfloat16 on accelerators.
+        weight_dtype: the dtype the checkpoint's GEMM weights are stored and read in, for planning and
+            validation (the rule that each pool's weights + KV cache fit one device, `planner.memory`; the
+            planner's default weight dtype): `auto` is `dtype` resolved, `int8` / `fp8` are 8-bit weights.
+            The engine loads weights in `dtype`: `pdcluster deploy` refuses a `weight_dtype` that resolves
+            to another dtype (`orchestrator.preflight.weight_dtype_issues`).
+    """
+
+    path: str | None = None
+    config_path: str | None = None
+    dtype: str = field(default="auto", metadata=choices(*MODEL_DTYPES))
+    weight_dtype: str = field(default="auto", metadata=choices(*WEIGHT_DTYPES))
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return bundled_checkpoint_dir() if self.path is None else Path(self.path)
+
+    @property
+    def config_json(self) -> Path:
+        """Where validation reads the architecture from."""
+        return Path(self.config_path) if self.config_path is not None else self.checkpoint_dir / "config.json"
+
+    def resolved_dtype(self, spec: AcceleratorSpec) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if spec.is_accelerator else "float32"
+
+    def resolved_weight_dtype(self, spec: AcceleratorSpec) -> str:
+        """`weight_dtype`, with `auto` the resolved `dtype`."""
+        return self.resolved_dtype(spec) if self.weight_dtype == "auto" else self.weight_dtype
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """What the prefill and decode pools share: size, parallelism, and engine arguments per instance.
+
+    Attributes:
+        num_instances: engines in the pool.
+        devices_per_instance: devices each engine runs on.
+        span_nodes: allow an instance larger than a node; it then takes whole nodes
+            (`devices_per_instance` a multiple of `devices_per_node`) within one supernode.
+        tensor_parallel_size: devices one attention computation is split over (heads split); the rest of
+            the instance's devices run attention data-parallel.
+        expert_parallel_size: devices the routed experts (plus redundant copies) are split over; each
+            expert's FFN is split over the remaining `devices_per_instance / expert_parallel_size`.
+        num_redundant_experts: extra copies of hot experts (EPLB) placed with the routed experts.
+        eplb_interval_steps: rebalance the experts (EPLB: new placement from the measured load, weights
+            moved between ranks) every this many engine steps; None: never (the initial placement stays).
+        block_size: token slots per KV cache block.
+        kv_cache_dtype: `auto` (the model dtype) or `int8` (per-token scales).
+        kv_cache_memory_bytes: KV cache bytes on each device of an instance.
+        max_num_batched_tokens: token budget of one engine step.
+        max_num_seqs: requests running at once in one instance.
+        max_model_len: context length; None is the model's `max_position_embeddings`.
+        enable_prefix_caching: reuse KV of identical prompt prefixes.
+        compile: compile the decode forward at load over padded batch-size buckets up to `max_num_seqs`
+            (`engine.compiled_forward`; CUDA graphs on cuda); uniform decode steps run it, the rest eagerly,
+            greedy output unchanged. Off by default on prefill: a prefill instance runs prompts and their
+            first tokens, never a uniform decode step, so there `true` only adds compile time at load (on
+            decode, `DecodePoolConfig`: null, on where measured; `Topology.compiles` resolves it).
+            Ignored (eager, with a warning in the rank's log) with an int8 KV cache or expert parallelism;
+            a compilation that fails at load (no C++ compiler, an inductor error) leaves the rank running
+            eagerly, with a warning naming the error.
+    """
+
+    num_instances: int = field(default=1, metadata=between(1, MAX_INSTANCES))
+    devices_per_instance: int = field(default=1, metadata=between(1, MAX_DEVICES))
+    span_nodes: bool = False
+    tensor_parallel_size: int = field(default=1, metadata=between(1, MAX_DEVICES))
+    expert_parallel_size: int = field(default=1, metadata=between(1, MAX_DEVICES))
+    num_redundant_experts: int = field(default=0, metadata=between(0, MAX_INSTANCES))
+    eplb_interval_steps: int | None = field(default=None, metadata=between(1, MAX_TOKENS))
+    block_size: int = field(default=16, metadata=between(1, MAX_BLOCK_SIZE))
+    kv_cache_dtype: str = field(default="auto", metadata=choices(*KV_CACHE_DTYPES))
+    kv_cache_memory_bytes: int = field(default=256 * MIB, metadata=between(1, MAX_KV_CACHE_BYTES))
+    max_num_batched_tokens: int = field(default=2048, metadata=between(1, MAX_TOKENS))
+    max_num_seqs: int = field(default=64, metadata=between(1, MAX_SEQS))
+    max_model_len: int | None = field(default=None, metadata=between(1, MAX_TOKENS))
+    enable_prefix_caching: bool = True
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    @property
+    def num_devices(self) -> int:
+        """Devices of the whole pool."""
+        return self.num_instances * self.devices_per_instance
+
+    @property
+    def attention_data_parallel_size(self) -> int:
+        return self.devices_per_instance // self.tensor_parallel_size
+
+    @property
+    def moe_tensor_parallel_size(self) -> int:
+        return self.devices_per_instance // self.expert_parallel_size
+
+
+@dataclass(frozen=True)
+class PrefillPoolConfig(PoolConfig):
+    """The prefill pool. `enable_chunked_prefill`: split long prompts over several steps."""
+
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class DecodePoolConfig(PoolConfig):
+    """The decode pool.
+
+    Attributes:
+        num_speculative_tokens: MTP draft tokens per step, k (0: no speculative decoding). The prefill side
+            drafts the first k too, so decode starts at full acceptance.
+        adaptive_speculation: vary k in [1, num_speculative_tokens] with the recent acceptance rate.
+        compile: as in `PoolConfig`; null (the default) compiles where it was measured to win, on `cpu`:
+            on a 2-core CPU machine it won at every batch size (1.9x / 2.3x / 1.7x output tokens/s at
+            batch 1 / 8 / 32, k=0) and in the cluster (`make demo`: TPOT p50 10.6 -> 6.5 ms, TTFT p50 75
+            -> 62.5 ms, same tokens); the cost is compile time at each decode rank's load (~50 s there;
+            less with inductor's on-disk cache), during which a (re)starting rank is out of routing. On
+            GPUs and NPUs null stays eager until the CUDA-graph / graph-mode path has been measured there
+            (it has not run on this project's machines); `true` turns it on anywhere, `false` off.
+    """
+
+    num_speculative_tokens: int = field(default=0, metadata=between(0, MAX_SPECULATIVE_TOKENS))
+    adaptive_speculation: bool = False
+    compile: bool | None = None
+
+
+@dataclass(frozen=True)
+class KVTLSConfig:
+    """Mutual TLS on the gRPC KV channel: every decode server and prefill sender presents `cert_file`, and
+    accepts a peer only with a certificate `ca_file` signed. The driver reads the files at deploy and gives
+    their contents to the actors over Ray, so they need to be readable where `pdcluster deploy` runs.
+
+    Attributes:
+        cert_file: PEM certificate (chain) of the cluster's KV endpoints, for server and client use.
+        key_file: PEM private key of `cert_file` (unencrypted).
+        ca_file: PEM certificate(s) of the CA that signs the endpoints' certificates.
+        server_name: the name senders check the decode certificate against (its subjectAltName) instead of
+            the address they dial, which is an IP address; None: the dialled address.
+    Relative paths are relative to the YAML file's directory.
+    """
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for name in ("cert_file", "key_file", "ca_file"):
+            if not getattr(self, name):
+                raise ValueError(f"KVTLSConfig field {name!r}: must not be empty")
+
+
+TLS_FILE_KEYS = ("cert_file", "key_file", "ca_file")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill -> decode KV handoff.
+
+    Attributes:
+        transport: `auto`, the default (`resolve_kv_transport`: without TLS, `shm` when every instance is
+            on one node and `shm+grpc` on several: shared memory between the prefill and decode ranks that
+            share a node, gRPC across nodes, `kvtransfer.paired`; with TLS `grpc`), `grpc` (streaming,
+            any network), `shm` (shared memory: prefill and decode on one host, `kvtransfer.shm_transport`)
+            or `torch_distributed` (P2P over the accelerator's collective backend: HCCL, NCCL or gloo).
+        layerwise: send each layer's KV as soon as it is computed (False: once the prompt is done).
+        wire_dtype: `auto` (the dtype decode's KV cache stores: int8 for an int8 cache, whose values and
+            scales then pass through unchanged, else the model dtype) or `int8` (quantized on the wire,
+            per-token scales); `kvtransfer.base.resolve_wire_dtype`.
+        timeout_s: a transfer not complete after this long is abandoned and the request re-dispatched.
+        tls: mutual TLS for the grpc transport; None: plaintext (each handoff is still bound to its
+            reservation by a per-handoff secret, see `kvtransfer.base`).
+    """
+
+    transport: str = field(default="auto", metadata=choices(*KV_TRANSPORTS))
+    layerwise: bool = True
+    wire_dtype: str = field(default="auto", metadata=choices(*WIRE_DTYPES))
+    timeout_s: float = field(default=30.0, metadata=above_at_most(0, MAX_TIMEOUT_S))
+    tls: KVTLSConfig | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+def resolve_kv_transport(kv: KVTransferConfig, num_nodes: int) -> str:
+    """The transport a topology's `kv_transfer` uses on `num_nodes` nodes: `kv.transport`, except `auto`:
+    with TLS configured `grpc` (TLS asks for the gRPC channel); else `shm` when all instances share one node
+    (no byte of KV then needs a socket), and `shm+grpc` on several nodes: each prefill -> decode pair of
+    ranks on one node through shared memory, the others over gRPC (`kvtransfer.paired`; the pairs are
+    decided by where Ray runs the ranks, not by the plan)."""
+    if kv.transport != "auto":
+        return kv.transport
+    if kv.tls is not None:
+        return "grpc"
+    return "shm" if num_nodes == 1 else "shm+grpc"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """`policy`: how the router picks instances, a name of `orchestrator.router.POLICIES` (round_robin,
+    least_loaded, prefix_aware)."""
+
+    policy: str = field(default="least_loaded", metadata=choices(*ROUTER_POLICIES))
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class SLOConfig:
+    """Latency targets (None: no target): time to first token and time per output token."""
+
+    ttft_ms: float | None = field(default=None, metadata=above(0))
+    tpot_ms: float | None = field(default=None, metadata=above(0))
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """The OpenAI-compatible HTTP endpoint (`orchestrator.api`).
+
+    Attributes:
+        host: the IPv4 address or host name the server binds (`host_problem` says what is accepted).
+        port: TCP port; 0 picks a free one.
+        api_key: bearer token clients must send; None: no authentication; never empty.
+        max_request_body_bytes: bytes of one request body at most (the JSON, headers excluded); a larger
+            one is answered 413 without being read. The default holds a 128K-token prompt as token ids.
+        max_concurrent_requests: completion requests in flight at the edge at most (from the request line
+            until the response ends); beyond it a request is answered 429 with `Retry-After` before its
+            stream starts. None: `CONCURRENT_REQUESTS_PER_DECODE_SEAT` per decode seat
+            (`Topology.max_concurrent_requests`).
+    """
+
+    host: str = field(default="127.0.0.1", metadata={"check": host_problem})
+    port: int = field(default=8000, metadata=between(0, 65535))
+    api_key: str | None = field(default=None, metadata={"check": api_key_problem})
+    max_request_body_bytes: int = field(
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES, metadata=between(1024, 1 << 30)
+    )
+    max_concurrent_requests: int | None = field(default=None, metadata=between(1, 1_000_000))
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A whole cluster description; the root of the YAML file."""
+
+    name: str
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    interconnect: InterconnectConfig = field(default_factory=InterconnectConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    prefill: PrefillPoolConfig = field(default_factory=PrefillPoolConfig)
+    decode: DecodePoolConfig = field(default_factory=DecodePoolConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not self.name:
+            raise ValueError("Topology field 'name': must not be empty")
+
+    @property
+    def max_concurrent_requests(self) -> int:
+        """Completion requests the HTTP edge lets in at once: `api.max_concurrent_requests`, or when that
+        is null `CONCURRENT_REQUESTS_PER_DECODE_SEAT` x decode.num_instances x decode.max_num_seqs."""
+        if self.api.max_concurrent_requests is not None:
+            return self.api.max_concurrent_requests
+        return CONCURRENT_REQUESTS_PER_DECODE_SEAT * self.decode.num_instances * self.decode.max_num_seqs
+
+    @property
+    def kv_transport(self) -> str:
+        """The KV transport deploy wires: `kv_transfer.transport` with `auto` resolved
+        (`resolve_kv_transport`)."""
+        return resolve_kv_transport(self.kv_transfer, self.hardware.num_nodes)
+
+    def pool(self, role: str) -> PoolConfig:
+        """The `prefill` or `decode` pool."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        return self.prefill if role == "prefill" else self.decode
+
+    def compiles(self, role: str) -> bool:
+        """Whether pool `role`'s engines compile their decode forward: its `compile`, or for null (the
+        decode pool's default) whether the accelerator is `cpu`, the one place it was measured to win.
+
+        Raises:
+            ValueError: `role` is neither `prefill` nor `decode`.
+        """
+        compile_ = self.pool(role).compile
+        return compile_ if compile_ is not None else self.hardware.spec.torch_device_type == "cpu"
+
+    def engine_config(self, role: str, rank: int = 0) -> EngineConfig:
+        """The engine arguments of rank `rank` of one instance of pool `role`
+        (`engine_args.engine_arguments`).
+
+        Raises:
+            ValueError: `role` is neither `prefill` nor `decode`, or the engine refuses an argument.
+        """
+        return EngineConfig(**engine_arguments(self, role, rank))
+
+    def summary(self) -> str:
+        """One line, e.g. `2 nodes × 8 h200, prefill 1×8 devices, decode 1×8 devices, KV shm+grpc (auto)`:
+        the KV transport deploy wires, and `(auto)` when `kv_transfer.transport: auto` chose it."""
+        hw = self.hardware
+        dies = hw.spec.dies_per_chip
+        per_node = f"{hw.devices_per_node // dies} {hw.accelerator}"
+        if dies > 1:
+            per_node += f" ({hw.devices_per_node} dies each)"
+        nodes = f"{hw.num_nodes} node{'s' if hw.num_nodes != 1 else ''}"
+        pools = ", ".join(
+            f"{role} {p.num_instances}×{p.devices_per_instance} devices"
+            for role, p in (("prefill", self.prefill), ("decode", self.decode))
+        )
+        kv = self.kv_transport + (" (auto)" if self.kv_transfer.transport == "auto" else "")
+        return f"{nodes} × {per_node}, {pools}, KV {kv}"

@@ -1,0 +1,219 @@
+"""Wiring a deployed `Cluster`: rendezvous addresses on the nodes that host them, and the KV transport.
+
+`ClusterWiring` (a mixin of `orchestrator.deployment.ClusterDeployment`): `_rendezvous` (where a
+multi-rank instance's group meets: rank 0's node), `_probe_node` (a node's IP and free ports, asked from
+inside a placement-group bundle), `_wire` (the KV connectors: a gRPC receiver on every decode rank and one
+sender per decode rank on every prefill rank, or one torch.distributed group of every rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from pdcluster.orchestrator.instance import Instance
+from pdcluster.orchestrator.reply_channel import ReplyListener
+from pdcluster.orchestrator.router import RankRef
+
+if TYPE_CHECKING:
+    from pdcluster.kvtransfer.paired import PairedAddress
+
+logger = logging.getLogger("pdcluster.orchestrator.cluster")
+
+
+def advertised_address(bound_address: str, node_ip: str) -> str:
+    """The address prefill senders dial: `node_ip:port` for a server bound to all interfaces (an IPv6 node
+    IP bracketed)."""
+    host, _, port = bound_address.rpartition(":")
+    if host not in ("0.0.0.0", "", "[::]", "::"):
+        return bound_address
+    if ":" in node_ip and not node_ip.startswith("["):
+        node_ip = f"[{node_ip}]"
+    return f"{node_ip}:{port}"
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """`count` distinct ports free on `host` now (all bound at once, then released)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
+def _node_ip_and_free_ports(count: int = 1) -> tuple[str, list[int]]:
+    """Run as a Ray task inside an instance's placement group bundle: that node's IP and `count` ports
+    free there."""
+    import ray
+
+    return ray.util.get_node_ip_address(), free_ports("", count)
+
+
+class ClusterWiring:
+    """See the module docstring."""
+
+    instances: dict[str, list[Instance]]
+    _placement_groups: list[Any]
+    _loopback: bool
+    _reply_listener: ReplyListener | None
+    _on_prefill_reply_threadsafe: Callable[[str, str, Any], None]  # `RequestDispatch`'s
+    _on_decode_events_threadsafe: Callable[[str, list, Any], None]  # `RequestDispatch`'s
+    _on_answer_threadsafe: Callable[[str, Any], None]  # `RouteAndReserve`'s
+    _decode_push_tags: dict[str, RankRef]
+    _decode_tag_of: dict[RankRef, str]
+    _prefill_push_tags: dict[RankRef, str]
+
+    def _connect_reply_channel(
+        self,
+        ray,
+        prefill_indices: Iterable[int] = (),
+        timeout_s: float = 120.0,
+        restarted: bool = False,
+        decode_indices: Iterable[int] = (),
+    ) -> None:
+        """On a single-node cpu topology (every rank on this host), have the ranks of prefill instances
+        `prefill_indices` push their results and take their binds and prefill calls, and the ranks of
+        decode instances `decode_indices` push their events and take their reserves, over a Unix socket too
+        (`orchestrator.reply_channel`): at deploy the listener starts; `restarted` ranks (the health
+        monitor's rewire) reconnect to it while it is open. Each rank connects under a fresh tag, which
+        replaces its earlier one. A rank that cannot connect is logged and keeps its Ray calls alone."""
+        if not self._loopback:
+            return
+        if not restarted:  # deploy: the listener starts here (a rejoin after shutdown starts none)
+            self._reply_listener = ReplyListener(
+                self._on_prefill_reply_threadsafe,
+                self._on_decode_events_threadsafe,
+                self._on_answer_threadsafe,
+            )
+        listener = self._reply_listener
+        if listener is None or listener.closed:
+            return
+        address, secret = listener.address, listener.secret
+        refs = {}
+        tags: dict[str, str] = {}  # tag -> rank name
+        for index in prefill_indices:
+            instance = self.instances["prefill"][index]
+            for rank, actor in enumerate(instance.ranks):
+                who = f"{instance.rank_name(rank)}:{secrets.token_hex(8)}"
+                self._prefill_push_tags[RankRef(index, rank)] = who  # binds go to this incarnation only
+                tags[who] = instance.rank_name(rank)
+                refs[actor.connect_reply_channel.remote(address, secret, who)] = instance.rank_name(rank)
+        for index in decode_indices:
+            instance = self.instances["decode"][index]
+            for tag in [t for t, ref in self._decode_push_tags.items() if ref.instance == index]:
+                del self._decode_push_tags[tag]  # that incarnation's pushes are no longer taken
+            for rank, actor in enumerate(instance.ranks):
+                who = f"{instance.rank_name(rank)}:{secrets.token_hex(8)}"
+                self._decode_push_tags[who] = RankRef(index, rank)
+                self._decode_tag_of[RankRef(index, rank)] = who  # one atomic store: calls go there now
+                tags[who] = instance.rank_name(rank)
+                refs[actor.connect_reply_channel.remote(address, secret, who)] = instance.rank_name(rank)
+        connected = set()
+        for ref, what in refs.items():
+            try:
+                ray.get(ref, timeout=timeout_s)
+                connected.add(what)
+            except Exception as e:  # noqa: BLE001 - the Ray calls still carry every result and event
+                logger.warning("%s could not connect to the driver's reply socket: %s", what, e)
+        # The rank returns once its hello is sent; the listener thread takes it a moment later. Until then a
+        # bind or a call goes by Ray (correct, only slower): wait, so that the ranks take theirs here from
+        # now on.
+        deadline_s = time.monotonic() + timeout_s
+        waiting = [who for who, name in tags.items() if name in connected]
+        while waiting and time.monotonic() < deadline_s:
+            waiting = [who for who in waiting if not listener.is_registered(who)]
+            if waiting:
+                time.sleep(0.005)
+        for who in waiting:
+            logger.warning(
+                "%s: reply connection not registered in %g s (binds and calls go by Ray)", who, timeout_s
+            )
+
+    def _rendezvous(self, ray, spec_index: int) -> tuple[str, int]:
+        """(`tcp://host:port` of the group, the barrier's port) for an instance whose rank 0 runs in bundle 0
+        of placement group `spec_index`: loopback and ports free here on a single-node cpu topology, else
+        that node's IP and ports free there."""
+        if self._loopback:
+            host, ports = "127.0.0.1", free_ports("127.0.0.1", 2)
+        else:
+            host, ports = self._probe_node(ray, spec_index, count=2)
+        return f"tcp://{host}:{ports[0]}", ports[1]
+
+    def _probe_node(self, ray, spec_index: int, bundle_index: int = 0, count: int | None = None):
+        """(node IP, a free port there) of bundle `bundle_index` (where that rank's actor runs) of instance
+        `spec_index`'s placement group; with `count`, (node IP, `count` distinct free ports)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        probe = ray.remote(_node_ip_and_free_ports).options(
+            num_cpus=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self._placement_groups[spec_index], placement_group_bundle_index=bundle_index
+            ),
+        )
+        ip, ports = ray.get(probe.remote(count or 1), timeout=60)
+        return (ip, ports) if count is not None else (ip, ports[0])
+
+    def _wire(self, ray, plan) -> list[list[str]] | list[list[PairedAddress]]:
+        """Connect the KV transport; returns each decode instance's ranks' addresses (grpc: `host:port`,
+        shm: a socket path on this host, shm+grpc: a `kvtransfer.paired.PairedAddress`; torch_distributed:
+        [])."""
+        kv = self.topology.kv_transfer
+        spec_index = {(spec.role, spec.index): i for i, spec in enumerate(plan.instances)}
+        prefill_ranks = [a for p in self.instances["prefill"] for a in p.ranks]
+        decodes = self.instances["decode"]
+        self._kv_tls = None  # the gRPC TLS material, kept for rewiring restarted actors
+        if self.topology.kv_transport in ("shm", "shm+grpc"):
+            # shm: one node (topology rules), socket paths on this host. shm+grpc: each decode rank listens
+            # on both (its gRPC address at its node's IP); each prefill rank picks per decode rank by node.
+            transport = self.topology.kv_transport
+            refs = [[d.start_receiver.remote(transport) for d in instance.ranks] for instance in decodes]
+            addresses = [ray.get(rank_refs, timeout=120) for rank_refs in refs]
+            ray.get([p.connect_receivers.remote(transport, addresses) for p in prefill_ranks], timeout=120)
+            return addresses
+        if self.topology.kv_transport == "grpc":
+            tls = None
+            if kv.tls is not None:  # read here, sent to the actors over Ray (files need not be on every node)
+                from pdcluster.kvtransfer.grpc_transport import TLSCredentials
+
+                tls = TLSCredentials.from_files(
+                    kv.tls.cert_file, kv.tls.key_file, kv.tls.ca_file, kv.tls.server_name
+                )
+            refs = [[d.start_grpc.remote(tls) for d in instance.ranks] for instance in decodes]
+            addresses = [ray.get(rank_refs, timeout=120) for rank_refs in refs]
+            if not self._loopback:  # bound to 0.0.0.0: senders dial the decode node's IP
+                addresses = [
+                    [
+                        advertised_address(a, self._probe_node(ray, spec_index[("decode", j)], rank)[0])
+                        for rank, a in enumerate(rank_addresses)
+                    ]
+                    for j, rank_addresses in enumerate(addresses)
+                ]
+            ray.get([p.connect_grpc.remote(addresses, tls) for p in prefill_ranks], timeout=120)
+            self._kv_tls = tls
+            return addresses
+        num_prefill = len(prefill_ranks)
+        world_size = num_prefill + sum(d.num_ranks for d in decodes)
+        if self._loopback:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                host, port = "127.0.0.1", s.getsockname()[1]
+        else:  # the rendezvous store runs in rank 0 (prefill-0's rank 0): its node's IP and a port free there
+            host, port = self._probe_node(ray, spec_index[("prefill", 0)])
+        init_method = f"tcp://{host}:{port}"
+        ranks = iter(range(num_prefill, world_size))
+        decode_ranks = [[next(ranks) for _ in d.ranks] for d in decodes]  # [instance][rank] -> group rank
+        refs = [
+            p.connect_dist.remote(r, world_size, init_method, decode_ranks)
+            for r, p in enumerate(prefill_ranks)
+        ] + [
+            actor.connect_dist.remote(r, world_size, init_method, list(range(num_prefill)))
+            for d, rank_ids in zip(decodes, decode_ranks, strict=True)
+            for actor, r in zip(d.ranks, rank_ids, strict=True)
+        ]
+        ray.get(refs, timeout=120)
+        return []

@@ -1,0 +1,189 @@
+"""The live cluster's control-plane and handoff path, as the simulator prices it, and its measurement.
+
+The step model (`planner.perf_model`) prices what an engine computes; a live request also pays for the
+path around it (`orchestrator.messages.Phases` names the pieces): the driver's route and its reserve round
+trip to decode before prefill starts, the prefill call's reply that carries the first token to the client
+(`orchestrator.dispatch.EmitFirstToken`), the KV handoff's fixed costs and the admission on decode, an
+extra cost of the first decode step after an admission, and per decode step the host work the engine loop
+does beside the model (output polling, streaming). `ControlPlane` holds these in seconds; the zero one
+(the default) is the published deployments' case, whose figures are engine-side only.
+
+`measure_control_plane` measures them here, on the live cluster of a topology, from requests that run one
+at a time (no queueing, so each difference below is overhead, not waiting), with prompt lengths and
+output lengths of its own (`PROMPT_LENS`; not a trace, so never the replay the fidelity bench checks):
+
+    dispatch_s                 median of `route_s + reserve_s` (Phases, the driver's clock)
+    first_token_extra_s        median of client TTFT - dispatch - modelled prefill step: the prefill
+                               call's reply and the HTTP/SSE path
+    handoff_extra_s            median of `kv_transfer_s + admit_s` (decode: from its `expect`, inside the
+                               reserve, to the admission; prefill runs inside it) - modelled prefill step -
+                               modelled KV handoff (`StepTimeModel.kv_handoff_s`): the handoff's fixed
+                               costs beyond the model and the admission wait
+    first_decode_step_extra_s  median of Phases `first_decode_step_s` - modelled decode step at batch 1
+    decode_step_extra_s        median of (client decode time - first_decode_step_s) / (steps - 1) -
+                               modelled decode step; the client decode time is the client's last token
+                               - first token less the gap from the first token to the admission
+                               (dispatch + kv_transfer_s + admit_s - TTFT, when positive); steps =
+                               (output tokens - 1) / (1 + accepted drafts per step, from the request's
+                               measured acceptance rate x k)
+
+Each is clamped at 0 (a model slower than the live path adds nothing). Measured at batch 1: per-step
+extras that grow with the batch are not seen (stated, not modelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from pdcluster.planner.step_model import DecodeRow, PrefillChunk, StepShape, StepTimeModel
+
+PROMPT_LENS = (32, 64, 128)
+DEFAULT_REQUESTS, QUICK_REQUESTS = 9, 3
+DEFAULT_MAX_TOKENS, QUICK_MAX_TOKENS = 24, 12
+
+
+@dataclass(frozen=True)
+class ControlPlane:
+    """Seconds the live path adds around the engine steps (module docstring); all >= 0."""
+
+    dispatch_s: float = 0.0
+    first_token_extra_s: float = 0.0
+    handoff_extra_s: float = 0.0
+    first_decode_step_extra_s: float = 0.0
+    decode_step_extra_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+                    or value < 0:  # fmt: skip
+                raise ValueError(f"ControlPlane.{f.name} must be a finite number >= 0, got {value!r}")
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def control_plane_from_calibration(path: str | Path | None) -> ControlPlane:
+    """The `control_plane` object of a calibration JSON (`pdcluster profile`); zero when `path` is None or
+    the calibration has none (one written before it was measured).
+
+    Raises:
+        ValueError: as `planner.calibration.read_calibration`, or a key / value `ControlPlane` refuses.
+    """
+    if path is None:
+        return ControlPlane()
+    from pdcluster.planner.calibration import read_calibration
+
+    raw = read_calibration(path).get("control_plane")
+    if raw is None:
+        return ControlPlane()
+    known = {f.name for f in fields(ControlPlane)}
+    values = raw.get("values") if isinstance(raw, dict) else None
+    if not isinstance(values, dict) or set(values) - known:
+        raise ValueError(f"{path}: control_plane.values must be an object with keys among {sorted(known)}")
+    return ControlPlane(**values)
+
+
+def _modelled(prefill: StepTimeModel, decode: StepTimeModel, prompt_len: int, k: int) -> dict[str, float]:
+    prefill_s = prefill.step_time_s(StepShape(prefill=(PrefillChunk(prompt_len),), num_speculative_tokens=k))
+    decode_s = decode.step_time_s(
+        StepShape(decode=(DecodeRow(prompt_len + 2, 1 + k),), num_speculative_tokens=k)
+    )
+    return {
+        "prefill_s": prefill_s,
+        "kv_handoff_s": prefill.kv_handoff_s(prompt_len, prefill_s),
+        "decode_s": decode_s,
+    }
+
+
+def derive(points: list[dict[str, Any]]) -> ControlPlane:
+    """`ControlPlane` from the per-request points of `measure_control_plane` (module docstring)."""
+    if not points:
+        raise ValueError("no measured request: cannot derive the control plane")
+
+    def med(key: str) -> float:
+        values = [p[key] for p in points if p.get(key) is not None]
+        return max(0.0, statistics.median(values)) if values else 0.0
+
+    return ControlPlane(**{f.name: med(f.name) for f in fields(ControlPlane)})
+
+
+def point_from_result(result, k: int, modelled: dict[str, float]) -> dict[str, Any]:
+    """One request's measured pieces (seconds) from its `orchestrator.bench_client.RequestResult`."""
+    ph = result.phases
+    dispatch = (ph.get("route_s") or 0.0) + (ph.get("reserve_s") or 0.0)
+    point: dict[str, Any] = {
+        "num_prompt_tokens": result.num_input_tokens,
+        "num_output_tokens": result.num_output_tokens,
+        "ttft_s": result.ttft_s,
+        "tpot_s": result.tpot_s,
+        "phases": dict(ph),
+        "modelled": modelled,
+        "dispatch_s": dispatch,
+    }
+    point["first_token_extra_s"] = result.ttft_s - dispatch - modelled["prefill_s"]
+    kv_transfer, admit = ph.get("kv_transfer_s"), ph.get("admit_s") or 0.0
+    gap = 0.0  # the first token at the client -> its admission on decode
+    if kv_transfer is not None:
+        point["handoff_extra_s"] = kv_transfer + admit - modelled["prefill_s"] - modelled["kv_handoff_s"]
+        gap = max(0.0, dispatch + kv_transfer + admit - result.ttft_s)
+    first = ph.get("first_decode_step_s")
+    if first is not None:
+        point["first_decode_step_extra_s"] = first - modelled["decode_s"]
+    tokens_per_step = 1.0 + (result.acceptance_rate or 0.0) * k
+    num_steps = (result.num_output_tokens - 1) / tokens_per_step
+    if first is not None and result.tpot_s is not None and num_steps > 1.5:
+        decode_time = result.tpot_s * (result.num_output_tokens - 1) - gap
+        point["decode_step_extra_s"] = (decode_time - first) / (num_steps - 1) - modelled["decode_s"]
+    return point
+
+
+def measure_control_plane(
+    topology, prefill: StepTimeModel, decode: StepTimeModel, num_requests: int, max_tokens: int,
+    progress: Callable[[str], None] = lambda label: None,
+) -> dict[str, Any]:  # fmt: skip
+    """Deploy `topology` here (`orchestrator.serve.serve`: Ray actors, gRPC KV, the OpenAI API), send
+    `num_requests` requests one at a time (prompt lengths cycling over `PROMPT_LENS`, `max_tokens` each,
+    greedy, ignore_eos), and derive the `ControlPlane` against the calibrated `prefill` / `decode` models.
+    Returns `{"values": ControlPlane fields, "points": per request, "num_failed": int}`.
+
+    Raises:
+        ValueError: no request succeeded; DeployError / TopologyError: as `serve`.
+    """
+    from pdcluster.models.tokenizer import Tokenizer
+    from pdcluster.orchestrator.bench_client import replay, served_model
+    from pdcluster.orchestrator.serve import serve
+    from pdcluster.orchestrator.trace import TraceRequest, Workload, build_prompts
+
+    k = topology.decode.num_speculative_tokens
+    tokenizer = Tokenizer.from_dir(topology.engine_config("decode").model)
+    lengths = [PROMPT_LENS[i % len(PROMPT_LENS)] for i in range(num_requests + 1)]
+    # consecutive held-out slices: distinct prompts, so no prefix hit shortens a prefill priced in full
+    every = Workload(
+        [TraceRequest(0.0, n, max_tokens) for n in lengths], "control-plane probes", "azure", 1.0
+    )
+    prompts = build_prompts(every, tokenizer)
+    points, failed = [], 0
+    with serve(topology, port=0, log=lambda message: None) as service:
+        model, _ = served_model(service.url)
+        for i, prompt_len in enumerate(lengths):  # the first, untimed: warms the path (connections, calls)
+            one = Workload([every.requests[i]], every.description, every.kind, every.input_scale)
+            (result,), _ = asyncio.run(
+                replay(service.url, one, [prompts[i]], model=model, show_progress=False)
+            )
+            if i == 0:
+                continue
+            if not result.ok or result.ttft_s is None:
+                failed += 1
+                continue
+            points.append(point_from_result(result, k, _modelled(prefill, decode, prompt_len, k)))
+            progress(f"control plane {i}/{num_requests}")
+    if not points:
+        raise ValueError(f"none of {num_requests} control-plane probes succeeded")
+    return {"values": derive(points).to_dict(), "points": points, "num_failed": failed}

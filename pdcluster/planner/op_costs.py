@@ -1,0 +1,249 @@
+"""FLOPs and bytes of each operation of one engine step on one rank, for a DeepSeek-V3-architecture config.
+
+Pure arithmetic over `models.config.DeepseekV3Config`; `planner.perf_model` turns these counts into seconds
+(a roofline on a hardware catalog entry). Conventions, the same for every op:
+
+* A GEMM `[M, K] x [K, N]` costs `2 M K N` FLOPs, reads its weight once per step (`K N` elements in the
+  weight dtype: bf16 2 B, fp8/int8 1 B, float32 4 B) and reads/writes its activations once
+  (`M (K + N)` elements in the activation dtype).
+* MLA (DeepSeek-V2 paper, arXiv 2405.04434, section 2.1; the engine's `kernels.paged_mla`): per request the
+  engine picks the *expanded* form when it has at least `kernels.mla_cost.expanded_crossover_queries`
+  queries (a prefill chunk), else the *absorbed* form (decode, speculative verification). A query at
+  position p attends to `p + 1` keys (causal): a chunk of n queries over c cached tokens has
+  `n c + n (n + 1) / 2` query-key pairs.
+    expanded: `kv_b_proj` up-projects every key's latent to per-head K/V (`2 S r H (dn + dv)` FLOPs for S
+      keys), then ordinary attention: `2 H pairs (dn + dr)` for scores and `2 H pairs dv` for P.V.
+      Bytes: the latent of the S keys read from the cache, the up-projected K/V written and read once.
+    absorbed: `W_UK` on the queries (`2 q H dn r`), scores over `[c_kv; k_pe]` (`2 H pairs (r + dr)`),
+      P.c_kv (`2 H pairs r`), `W_UV` on the outputs (`2 q H r dv`). Bytes: the latent of the keys read once
+      for all heads (what makes decode memory-bound).
+  Both write the step's new latent KV (`num_tokens x (r + dr)` in the KV cache dtype; int8 adds one
+  float32 scale per token, `kernels.kv_quant`).
+* Routed experts (DeepSeekMoE, DeepSeek-V3 report section 2.1.2): every token goes to `num_experts_per_tok`
+  experts; the experts' weights are read only for experts that receive a token this step.
+* Elementwise work per decoder layer: two RMSNorms (read + write `h`) and two residual adds (read 2, write
+  1): `10 T h` activation elements. The final norm and the embedding gather: `2 T h` and `T h`.
+
+Symbols: T tokens, h `hidden_size`, H heads, r `kv_lora_rank`, dr `qk_rope_head_dim`, dn
+`qk_nope_head_dim`, dv `v_head_dim`, V `vocab_size`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdcluster.models.config import DeepseekV3Config
+
+# Bytes per element of the dtypes the model names (weights, activations, KV cache, wire).
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
+INT8_SCALE_BYTES = 4  # one float32 scale per token of an int8 KV cache or wire (kernels.kv_quant)
+OP_KINDS = ("gemm", "attention", "memory")
+
+
+def dtype_bytes(name: str, what: str = "dtype") -> int:
+    """Bytes per element of dtype `name`. Raises ValueError naming `what` for an unknown name."""
+    try:
+        return DTYPE_BYTES[name]
+    except KeyError:
+        raise ValueError(f"{what}: unknown dtype {name!r}; expected one of {sorted(DTYPE_BYTES)}") from None
+
+
+def kv_bytes_per_token_per_layer(config: DeepseekV3Config, kv_dtype: str) -> int:
+    """Bytes of one token's latent KV in one layer: `(r + dr) x dtype`, plus a float32 scale for int8.
+    DeepSeek-V3: 1,152 B in bf16, 580 B in int8."""
+    scale = INT8_SCALE_BYTES if kv_dtype == "int8" else 0
+    return config.kv_cache_dim * dtype_bytes(kv_dtype, "kv dtype") + scale
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One operation's work on one rank in one step.
+
+    Attributes:
+        name: e.g. `attn.q_b_proj`, `moe.routed_experts`, `lm_head`.
+        kind: `gemm` (matrix peak in the weight dtype), `attention` (matrix peak in the activation dtype)
+            or `memory` (bandwidth only); selects the efficiency factors of the roofline.
+        flops: floating-point (or integer) operations, multiply and add counted apart.
+        weight_bytes: parameter bytes read.
+        activation_bytes: activation bytes read and written.
+        kv_bytes: KV cache bytes read and written.
+        count: how many times this op runs in the step (one per layer it is in).
+    """
+
+    name: str
+    kind: str
+    flops: float
+    weight_bytes: float
+    activation_bytes: float
+    kv_bytes: float = 0.0
+    count: int = 1
+
+    @property
+    def bytes(self) -> float:
+        """All memory traffic of one run of the op."""
+        return self.weight_bytes + self.activation_bytes + self.kv_bytes
+
+    def times(self, count: int) -> OpCost:
+        """The same op run `count` times (e.g. once in each of `count` layers)."""
+        return OpCost(
+            self.name, self.kind, self.flops, self.weight_bytes, self.activation_bytes, self.kv_bytes, count
+        )
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """What one rank's share of a step amounts to, as the op counts need it (all counts, >= 0).
+
+    Attributes:
+        num_tokens: tokens this rank's attention and dense layers compute (its DP share of the step).
+        expanded_queries, expanded_keys, expanded_pairs: queries, keys (cached + new) and causal
+            query-key pairs of requests computed in the expanded MLA form.
+        absorbed_queries, absorbed_keys, absorbed_pairs: the same for the absorbed form.
+        logit_rows: rows the main model's lm_head computes (one per prefill chunk, one per decode query).
+        mtp_tokens: tokens the MTP layer computes (prefill tokens, verified positions and chained drafts).
+        mtp_logit_rows: rows the MTP head computes (one per proposed draft).
+    """
+
+    num_tokens: float
+    expanded_queries: float = 0.0
+    expanded_keys: float = 0.0
+    expanded_pairs: float = 0.0
+    absorbed_queries: float = 0.0
+    absorbed_keys: float = 0.0
+    absorbed_pairs: float = 0.0
+    logit_rows: float = 0.0
+    mtp_tokens: float = 0.0
+    mtp_logit_rows: float = 0.0
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Element dtypes of one deployment: `weight` (GEMM weights: bfloat16, fp8, int8, float32),
+    `activation` (activations, attention, the MoE gate and norms), `kv` (the KV cache: a model dtype or
+    int8)."""
+
+    weight: str = "bfloat16"
+    activation: str = "bfloat16"
+    kv: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("weight", "activation", "kv"):
+            dtype_bytes(getattr(self, name), f"{name} dtype")
+
+
+def gemm(name: str, m: float, k: int, n: int, weight_b: int, act_b: int) -> OpCost:
+    """`[m, k] x [k, n]`: `2 m k n` FLOPs, `k n` weight elements, `m (k + n)` activation elements."""
+    return OpCost(name, "gemm", 2.0 * m * k * n, float(k * n * weight_b), m * (k + n) * act_b)
+
+
+def attention_projections(cfg: DeepseekV3Config, t: float, d: Dtypes, tp: int = 1) -> list[OpCost]:
+    """MLA's projections for `t` tokens with heads split over `tp` ranks (`q_a`/`kv_a` replicated)."""
+    wb, ab = dtype_bytes(d.weight), dtype_bytes(d.activation)
+    h, heads = cfg.hidden_size, cfg.num_attention_heads // tp
+    ops = []
+    if cfg.q_lora_rank is None:
+        ops.append(gemm("attn.q_proj", t, h, heads * cfg.qk_head_dim, wb, ab))
+    else:
+        ops.append(gemm("attn.q_a_proj", t, h, cfg.q_lora_rank, wb, ab))
+        ops.append(gemm("attn.q_b_proj", t, cfg.q_lora_rank, heads * cfg.qk_head_dim, wb, ab))
+    ops.append(gemm("attn.kv_a_proj_with_mqa", t, h, cfg.kv_cache_dim, wb, ab))
+    ops.append(gemm("attn.o_proj", t, heads * cfg.v_head_dim, h, wb, ab))
+    return ops
+
+
+def attention_core(cfg: DeepseekV3Config, work: RankWork, d: Dtypes, tp: int = 1) -> list[OpCost]:
+    """MLA attention of one layer, expanded and absorbed parts apart; `kv_b_proj`'s weight is read by
+    whichever part runs (once if both do). The new tokens' KV write is charged to the first op present."""
+    wb, ab = dtype_bytes(d.weight), dtype_bytes(d.activation)
+    kv_tok = kv_bytes_per_token_per_layer(cfg, d.kv)
+    heads, r, dr = cfg.num_attention_heads // tp, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    dn, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+    kv_b_weight = float(r * heads * (dn + dv) * wb)
+    kv_write = work.num_tokens * kv_tok
+    ops = []
+    if work.expanded_queries:
+        keys, pairs, q = work.expanded_keys, work.expanded_pairs, work.expanded_queries
+        up_flops = 2.0 * keys * r * heads * (dn + dv)
+        attn_flops = 2.0 * heads * pairs * (dn + dr) + 2.0 * heads * pairs * dv
+        acts = 2.0 * keys * heads * (dn + dv) * ab + q * heads * (dn + dr + dv) * ab
+        ops.append(
+            OpCost("attn.mla_expanded", "attention", up_flops + attn_flops, kv_b_weight, acts, keys * kv_tok)
+        )
+    if work.absorbed_queries:
+        keys, pairs, q = work.absorbed_keys, work.absorbed_pairs, work.absorbed_queries
+        proj_flops = 2.0 * q * heads * dn * r + 2.0 * q * heads * r * dv
+        attn_flops = 2.0 * heads * pairs * (r + dr) + 2.0 * heads * pairs * r
+        acts = q * heads * (dn + dr + dv) * ab
+        weight = 0.0 if work.expanded_queries else kv_b_weight
+        ops.append(
+            OpCost("attn.mla_absorbed", "attention", proj_flops + attn_flops, weight, acts, keys * kv_tok)
+        )
+    if ops:
+        first = ops[0]
+        ops[0] = OpCost(
+            first.name,
+            first.kind,
+            first.flops,
+            first.weight_bytes,
+            first.activation_bytes,
+            first.kv_bytes + kv_write,
+        )
+    return ops
+
+
+def mlp(
+    name: str, t: float, h: int, inter: int, weight_b: int, act_b: int, weight_copies: float = 1.0
+) -> OpCost:
+    """SwiGLU `down(silu(gate x) * up x)` over `t` tokens: `6 t h inter` FLOPs, `3 h inter` weights per copy
+    read (`weight_copies` experts' worth), `t (2h + 3 inter)` activations (gate/up in, out; down in, out)."""
+    return OpCost(
+        name,
+        "gemm",
+        6.0 * t * h * inter,
+        weight_copies * 3.0 * h * inter * weight_b,
+        t * (2 * h + 3 * inter) * act_b,
+    )
+
+
+def expected_active_experts(
+    num_local_experts: float, num_experts: int, top_k: int, num_tokens: float
+) -> float:
+    """Local experts receiving at least one of `num_tokens` tokens, each choosing `top_k` of `num_experts`
+    uniformly: `E_local (1 - (1 - k/E)^T)` (balanced routing, what EPLB aims for)."""
+    if num_tokens <= 0 or num_local_experts <= 0:
+        return 0.0
+    return num_local_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+
+
+def moe_ops(
+    cfg: DeepseekV3Config,
+    t_rank: float,
+    routed_pairs_rank: float,
+    active_experts_rank: float,
+    d: Dtypes,
+    moe_tp: int = 1,
+    tp: int = 1,
+) -> list[OpCost]:
+    """One DeepSeekMoE layer on one rank: gate over its `t_rank` tokens (weight in the activation dtype, as
+    the checkpoints keep it), `routed_pairs_rank` (token, expert) pairs through its experts (each FFN split
+    over `moe_tp`), the shared expert over its own tokens (split over the attention's `tp` like the dense
+    MLP)."""
+    wb, ab = dtype_bytes(d.weight), dtype_bytes(d.activation)
+    h, e = cfg.hidden_size, cfg.n_routed_experts
+    mi = cfg.moe_intermediate_size
+    ops = [gemm("moe.gate", t_rank, h, e, ab, ab)]
+    routed = mlp("moe.routed_experts", routed_pairs_rank, h, mi // moe_tp, wb, ab, active_experts_rank)
+    ops.append(routed)
+    if cfg.n_shared_experts:
+        ops.append(mlp("moe.shared_expert", t_rank, h, mi * cfg.n_shared_experts // tp, wb, ab))
+    return ops
+
+
+def elementwise(name: str, elements: float, act_b: int) -> OpCost:
+    """Bandwidth-only work over `elements` activation elements."""
+    return OpCost(name, "memory", 0.0, 0.0, elements * act_b)
+
+
+def lm_head(cfg: DeepseekV3Config, rows: float, d: Dtypes, name: str = "lm_head") -> OpCost:
+    """`[rows, h] x [h, V]`."""
+    return gemm(name, rows, cfg.hidden_size, cfg.vocab_size, dtype_bytes(d.weight), dtype_bytes(d.activation))

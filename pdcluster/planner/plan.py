@@ -1,0 +1,260 @@
+"""What `pdcluster plan` runs: the workload, the step models, the simulation, the P:D sweep, the search and
+the report (`orchestrator.cli.plan` is its shell)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdcluster.orchestrator.topology import Topology, check_topology
+from pdcluster.orchestrator.trace import TraceRequest
+from pdcluster.planner import DEFAULT_ACCEPTANCE
+from pdcluster.planner.op_costs import dtype_bytes
+from pdcluster.planner.search import (
+    Evaluated,
+    describe,
+    fits_in_memory,
+    memory_overflows,
+    plan_yaml,
+    search,
+    spread_counts,
+)
+from pdcluster.planner.simulator import SimResult, pool_sizing, simulate
+from pdcluster.planner.step_model import StepTimeModel
+from pdcluster.planner.workload import plan_workload
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The inputs of one plan besides the topology (see `pdcluster plan --help`).
+
+    Attributes:
+        acceptance_per_position: MTP acceptance per draft position; None: DEFAULT_ACCEPTANCE for each.
+        calibration: a `pdcluster profile` JSON for the perf model's efficiency factors.
+        weight_dtype: the weight dtype of the memory filter and the perf model (None: the file's
+            `model.weight_dtype` resolved; `weight_dtype_for`).
+        ep_imbalance: slowest EP rank over the mean (None: the model's statistical estimate).
+        context_len: the context the trace's lengths are scaled to (None: decode's max_model_len).
+        search_num_requests: requests per search candidate and per sweep point.
+    """
+
+    trace: str
+    num_requests: int | None = None
+    rate_per_s: float | None = None
+    max_tokens_cap: int = 128
+    context_len: int | None = None
+    acceptance_per_position: tuple[float, ...] | None = None
+    seed: int = 0
+    calibration: Path | None = None
+    weight_dtype: str | None = None
+    ep_imbalance: float | None = None
+    search: bool = False
+    search_num_requests: int = 500
+    sweep: bool = True
+
+
+def step_models(topology: Topology, options: PlanOptions) -> tuple[StepTimeModel, StepTimeModel]:
+    """The performance model of one prefill and one decode instance (`planner.topology_models`)."""
+    from pdcluster.planner.topology_models import perf_model_for
+
+    kwargs: dict[str, Any] = {
+        "calibration": options.calibration,
+        "weight_dtype": weight_dtype_for(topology, options),
+    }
+    if options.ep_imbalance is not None:
+        kwargs["ep_imbalance"] = options.ep_imbalance
+    return perf_model_for(topology, "prefill", **kwargs), perf_model_for(topology, "decode", **kwargs)
+
+
+def weight_dtype_for(topology: Topology, options: PlanOptions) -> str:
+    """The weight dtype the plan assumes: `options.weight_dtype` (`--weight-dtype`), else the file's
+    `model.weight_dtype` resolved (`auto`: `model.dtype`), as `planner.topology_models.perf_model_for`
+    defaults to."""
+    return options.weight_dtype or topology.model.resolved_weight_dtype(topology.hardware.spec)
+
+
+def acceptance_for(topology: Topology, options: PlanOptions) -> tuple[float, ...]:
+    """The acceptance per draft position, one per MTP draft of the decode pool."""
+    k = topology.decode.num_speculative_tokens
+    given = options.acceptance_per_position
+    if given is None:
+        return (DEFAULT_ACCEPTANCE,) * k
+    if len(given) < k:  # the last given probability for the deeper positions
+        return given + (given[-1],) * (k - len(given))
+    return given
+
+
+def simulate_topology(
+    topology: Topology, requests: Sequence[TraceRequest], options: PlanOptions
+) -> SimResult:
+    """`planner.simulator.simulate` with the perf model, the options' acceptance and the calibration's
+    control-plane path (`planner.control_plane`; none without a calibration)."""
+    from pdcluster.planner.control_plane import control_plane_from_calibration
+
+    prefill_model, decode_model = step_models(topology, options)
+    return simulate(
+        topology,
+        requests,
+        prefill_model,
+        decode_model,
+        acceptance_for(topology, options),
+        seed=options.seed,
+        control_plane=control_plane_from_calibration(options.calibration),
+    )
+
+
+def pd_sweep(base: Topology) -> list[Topology]:
+    """The file's split with the number of prefill instances varied over what the hardware holds next to
+    the file's decode pool (the file's own count included), each valid by `check_topology`."""
+    free = base.hardware.num_devices - base.decode.num_devices
+    counts = set(spread_counts(free // base.prefill.devices_per_instance, 5)) | {base.prefill.num_instances}
+    out = []
+    for count in sorted(counts):
+        candidate = dataclasses.replace(base, prefill=dataclasses.replace(base.prefill, num_instances=count))
+        if count == base.prefill.num_instances or not check_topology(candidate):
+            out.append(candidate)
+    return out
+
+
+@dataclass
+class PlanOutcome:
+    """What a plan produced."""
+
+    description: str
+    result: SimResult
+    report_path: Path
+    wall_s: float
+    searched: list[Evaluated] = field(default_factory=list)
+    plan_path: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def as_text(self) -> str:
+        text = self.result.as_table(self.description)
+        text += f"\nsimulated {len(self.result.results)} requests in {self.wall_s:.1f} s wall"
+        if self.searched:
+            best = self.searched[0]
+            text += (
+                f"\nsearch: {len(self.searched)} candidates; best {describe(best.topology)}: "
+                f"{best.goodput_per_device:.4f} goodput req/s per device -> {self.plan_path}"
+            )
+        return "\n".join([text, *self.notes])
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"workload": self.description, **self.result.summary, "wall_s": self.wall_s}
+        out["report"] = str(self.report_path)
+        if self.notes:
+            out["notes"] = self.notes
+        if self.searched:
+            out["search"] = [
+                {
+                    "split": describe(e.topology),
+                    "num_devices": e.num_devices,
+                    "goodput_per_device": e.goodput_per_device,
+                }
+                for e in self.searched
+            ]
+            out["plan"] = str(self.plan_path)
+        return out
+
+
+def run_plan(
+    path: str | Path, topology: Topology, options: PlanOptions, out_dir: Path, show_progress: bool = True
+) -> PlanOutcome:
+    """Simulate `topology` (read from `path`) on the options' trace, sweep P:D, search if asked, and write
+    the report (and with the search `out_dir/plan.yaml`). The search simulates only the splits whose weights
+    (in `weight_dtype_for`) and KV cache fit device memory (`planner.search.fits_in_memory`); the outcome's
+    notes say how many it dropped, and whether the file's own split fits.
+
+    Raises:
+        FileNotFoundError, ValueError: a bad trace, option, calibration or model config; a search where no
+            split passes the topology rules or fits device memory.
+    """
+    from tqdm import tqdm
+
+    from pdcluster.planner.report import write_report
+
+    max_model_len = pool_sizing(topology, "decode").scheduler.max_model_len
+    workload = plan_workload(
+        options.trace,
+        max_model_len,
+        options.num_requests,
+        options.rate_per_s,
+        options.max_tokens_cap,
+        options.context_len,
+    )
+    weight_dtype = weight_dtype_for(topology, options)
+    notes = [
+        f"note: {path}'s own split does not fit device memory: {line}"
+        for line in memory_overflows(topology, weight_dtype)
+    ]
+    candidates: list[Topology] = []
+    if options.search:  # before any simulation: a search with nothing to rank fails at once
+        from pdcluster.planner.search import candidate_topologies
+
+        candidates, too_big = fits_in_memory(list(candidate_topologies(topology)), weight_dtype)
+        if not candidates and not too_big:
+            raise ValueError(f"{path}: no split of the hardware passes the topology rules")
+        if not candidates:
+            hint = "try --weight-dtype int8 (or model.weight_dtype: int8), or "
+            hint = "" if dtype_bytes(weight_dtype) == 1 else hint
+            raise ValueError(
+                f"{path}: none of the {len(too_big)} splits that pass the topology rules fits device memory "
+                f"with {weight_dtype} weights (e.g. {describe(too_big[0])}: "
+                f"{'; '.join(memory_overflows(too_big[0], weight_dtype))}); {hint}lower kv_cache_memory_bytes"
+            )
+        notes.append(
+            f"search: {len(too_big)} of {len(candidates) + len(too_big)} splits dropped because their "
+            f"{weight_dtype} weights + kv_cache_memory_bytes exceed one device's memory"
+        )
+    start_s = time.perf_counter()
+    result = simulate_topology(topology, workload.requests, options)
+    wall_s = time.perf_counter() - start_s
+    few = workload.requests[: options.search_num_requests]
+
+    def evaluate(splits: list[Topology], what: str) -> list[Evaluated]:
+        progress = tqdm(total=len(splits), desc=what, unit="split", disable=not show_progress)
+        try:
+            return search(
+                topology,
+                few,
+                lambda t, r: simulate_topology(t, r, options),
+                splits,
+                lambda done, total: progress.update(1),
+            )
+        finally:
+            progress.close()
+
+    sweep = evaluate(pd_sweep(topology), "P:D sweep") if options.sweep else []
+    searched: list[Evaluated] = []
+    plan_path = None
+    if options.search:
+        searched = evaluate(candidates, "search")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        plan_path = out_dir / "plan.yaml"
+        best = searched[0]
+        header = (
+            f"Written by `pdcluster plan {path} --search` on {len(few)} requests of {workload.description}\n"
+            f"best of {len(searched)} splits by goodput per device under the SLO: {describe(best.topology)}, "
+            f"{best.goodput_per_device:.4f} req/s per device"
+        )
+        if weight_dtype != topology.model.resolved_weight_dtype(topology.hardware.spec):
+            header += f"\nranked with {weight_dtype} weights (--weight-dtype; model.weight_dtype below)"
+        plan_path.write_text(plan_yaml(path, best.topology, header, weight_dtype))
+    report_path = write_report(
+        out_dir,
+        f"Capacity plan: {path}",
+        f"{workload.description}. Step times: planner.perf_model "
+        f"(calibration: {options.calibration or 'the catalog'}; "
+        f"weights {weight_dtype}); "
+        f"MTP acceptance per position {acceptance_for(topology, options)}."
+        + "".join(f"\n\n{note}." for note in notes),
+        result,
+        sweep or searched,
+        searched,
+        plan_path,
+    )
+    return PlanOutcome(workload.description, result, report_path, wall_s, searched, plan_path, notes)

@@ -1,0 +1,425 @@
+"""Discrete-event simulation of a disaggregated cluster, from the same topology YAML the live cluster runs.
+
+The loop (a heap of timed events, in the shape of Vidur's `simulator.py`; our own code) replays a trace's
+requests through the live policies, imported and called, never copied:
+
+    arrival / reserve retry   the router policy (`orchestrator.router.POLICIES[topology.router.policy]`) over
+                              `PrefillLoad` / `DecodeLoad` snapshots picks a (prefill, decode) pair; decode
+                              reserves the prompt's blocks, at once when idle, else when its step in flight
+                              ends (the live reserve waits for the engine lock a step holds);
+                              `orchestrator.dispatch.after_reserve` says start the prefill, retry after
+                              RESERVE_RETRY_S (no room), or fail at the deadline (`kv_transfer.timeout_s`
+                              after arrival)
+    step end (prefill)        the live scheduler policy (`engine.scheduler_policy.schedule_step`, in
+                              `planner.sim_engine.SimEngine`) plans each step under the token budget with
+                              chunked prefill; a request whose prompt is done sends its first token to the
+                              client with the prefill call's reply (`orchestrator.dispatch.EmitFirstToken`):
+                              that is the request's TTFT; its KV handoff ends `StepTimeModel.kv_handoff_s`
+                              later (layer-wise overlap is the model's)
+    handoff done              decode admits the request at its next step boundary (`DecodeNode._run_once`;
+                              its first token reaches the client then if the reply has not yet)
+    step end (decode)         continuous batching: every running request verifies its MTP drafts
+                              (acceptance per draft position) and streams its tokens
+
+Per request the result is a `orchestrator.bench_client.RequestResult` (TTFT, TPOT, e2e, acceptance rate,
+phases: queue_s, prefill_s, kv_transfer_s, decode_s), so `orchestrator.bench_client.summarize` and
+`format_table` give the very table `pdcluster bench` prints.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pdcluster.engine.scheduler_policy import SchedulerConfig, check_request_fits
+from pdcluster.orchestrator.bench_client import RequestResult, format_table, summarize
+from pdcluster.orchestrator.dispatch import Fail, ReserveOutcome, RetryReserve, StartPrefill, after_reserve
+from pdcluster.orchestrator.router import POLICIES, DecodeLoad, PrefillLoad
+from pdcluster.orchestrator.slo import time_per_output_token_s
+from pdcluster.orchestrator.topology import Topology
+from pdcluster.orchestrator.trace import TraceRequest
+from pdcluster.planner.control_plane import ControlPlane
+from pdcluster.planner.sim_engine import SimEngine, SimRequest, num_kv_blocks
+from pdcluster.planner.step_model import StepTimeModel
+
+# event kinds, in tie-break order at equal times: steps end before handoffs land before arrivals
+_STEP_END, _HANDOFF_DONE, _ARRIVAL, _PREFILL_QUEUED = 0, 1, 2, 3
+
+
+class LengthOnlyPrompt(Sequence[int]):
+    """A prompt known by its length only: the traces carry no text, and the simulation no token ids.
+
+    The prefix-aware router reads `len(prompt)` and the chained hashes of its full blocks; this prompt
+    has none (slicing gives an empty list), so its prefix hit is 0 on every instance: the simulation does
+    not model prefix caching (every prompt is unique, as the Azure trace's held-out prompts are)."""
+
+    __slots__ = ("_len",)
+
+    def __init__(self, num_tokens: int) -> None:
+        self._len = num_tokens
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def, override]
+        if isinstance(index, slice):
+            return []
+        raise IndexError("a LengthOnlyPrompt has no token ids")
+
+
+@dataclass(frozen=True)
+class PoolSizing:
+    """What the simulator needs of one pool beyond the topology: the scheduler limits and KV blocks of
+    one instance. Built by `pool_sizing` from the topology and the model's KV bytes per token."""
+
+    scheduler: SchedulerConfig
+    num_blocks: int
+
+
+@dataclass
+class SimResult:
+    """The outcome of one simulation.
+
+    Attributes:
+        results: one `RequestResult` per trace request, in trace order.
+        duration_s: simulated seconds from the first arrival to the last answer.
+        summary: `orchestrator.bench_client.summarize` of the results under the SLO.
+        num_steps: engine steps per pool (all instances together).
+        busy_fraction: per pool, busy seconds / (instances x duration).
+        num_preemptions: per pool.
+        num_events: events the loop processed.
+    """
+
+    results: list[RequestResult]
+    duration_s: float
+    summary: dict
+    num_steps: dict[str, int] = field(default_factory=dict)
+    busy_fraction: dict[str, float] = field(default_factory=dict)
+    num_preemptions: dict[str, int] = field(default_factory=dict)
+    num_events: int = 0
+
+    def as_table(self, description: str = "") -> str:
+        return format_table(self.summary, description)
+
+
+def kv_cache_bytes_per_token(topology: Topology, role: str) -> int:
+    """Bytes of KV cache one token occupies on one device of pool `role`, as the live engine sizes it
+    (`engine.model_runner.ModelRunner.kv_cache_bytes_per_token`: `kv_lora_rank + qk_rope_head_dim` values
+    per main layer, int8 plus a float32 scale for an int8 cache). Reads the model's config.json."""
+    import torch
+
+    from pdcluster.kernels.kv_quant import kv_cache_bytes_per_token as bytes_per_token
+    from pdcluster.models.dtypes import MODEL_DTYPES
+    from pdcluster.orchestrator.topology import read_model_architecture
+
+    arch = read_model_architecture(topology.model)
+    pool = topology.pool(role)
+    if pool.kv_cache_dtype == "int8":
+        dtype = torch.int8
+    else:
+        dtype = MODEL_DTYPES[topology.model.resolved_dtype(topology.hardware.spec)]
+    return bytes_per_token(arch.kv_cache_dim, dtype, arch.num_hidden_layers)
+
+
+def pool_sizing(topology: Topology, role: str, bytes_per_token: int | None = None) -> PoolSizing:
+    """The scheduler limits and KV blocks of one instance of pool `role`, simulated as one engine: the pool's
+    per-instance `max_num_seqs` and `max_num_batched_tokens` (the live instance splits them over its
+    data-parallel attention ranks, `Topology.engine_config` giving each rank its share), the rest as
+    `LLMEngine` builds its `SchedulerConfig` from `Topology.engine_config`; each device's
+    `kv_cache_memory_bytes` over `bytes_per_token` (default: `kv_cache_bytes_per_token`), times the
+    attention data-parallel ranks.
+
+    Raises:
+        ValueError: an unreadable model config or limits the live scheduler refuses.
+    """
+    from pdcluster.orchestrator.topology import read_model_architecture
+
+    engine = topology.engine_config(role)
+    pool = topology.pool(role)
+    if bytes_per_token is None:
+        bytes_per_token = kv_cache_bytes_per_token(topology, role)
+    max_model_len = engine.max_model_len or read_model_architecture(topology.model).max_position_embeddings
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=pool.max_num_batched_tokens,  # the instance's, not one rank's share
+        max_num_seqs=pool.max_num_seqs,
+        block_size=engine.block_size,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=engine.enable_chunked_prefill,
+        num_lookahead_tokens=max(0, engine.num_speculative_tokens - 1),
+    )
+    per_device = num_kv_blocks(engine.kv_cache_memory_bytes, bytes_per_token, engine.block_size)
+    return PoolSizing(scheduler, per_device * pool.attention_data_parallel_size)
+
+
+class ClusterSimulator:
+    """The event loop over one topology (see the module docstring).
+
+    Args:
+        topology: the cluster (pools, router policy, kv_transfer.timeout_s, SLO).
+        prefill_model / decode_model: step time of one instance of each pool; the prefill model also
+            prices the KV handoff (`kv_handoff_s`).
+        prefill_sizing / decode_sizing: `pool_sizing` of each pool.
+        acceptance_per_position: MTP acceptance per draft position (decode.num_speculative_tokens entries
+            at least; ignored without MTP).
+        seed: seeds the draft-acceptance draws (same seed, same inputs: the same result).
+        control_plane: the live path's seconds around the steps (`planner.control_plane`): the route +
+            reserve round trip delays the prefill's queueing, the first-token extra the first token after
+            the prefill's end, the handoff extra the admission, and each decode step (and the first after
+            an admission) pays its extra. Zero by default.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        prefill_model: StepTimeModel,
+        decode_model: StepTimeModel,
+        prefill_sizing: PoolSizing,
+        decode_sizing: PoolSizing,
+        acceptance_per_position: Sequence[float] = (),
+        seed: int = 0,
+        control_plane: ControlPlane | None = None,
+    ) -> None:
+        self.topology = topology
+        self.control_plane = cp = control_plane or ControlPlane()
+        self.policy = POLICIES[topology.router.policy]
+        self.prefill_model = prefill_model
+        self.decode_sizing = decode_sizing
+        self.block_size = topology.prefill.block_size
+        self.timeout_s = topology.kv_transfer.timeout_s
+        k = topology.decode.num_speculative_tokens
+        rng = random.Random(seed)
+        self.prefills = [
+            SimEngine("prefill", i, prefill_sizing.scheduler, prefill_sizing.num_blocks, prefill_model, k)
+            for i in range(topology.prefill.num_instances)
+        ]
+        self.decodes = [
+            SimEngine(
+                "decode",
+                i,
+                decode_sizing.scheduler,
+                decode_sizing.num_blocks,
+                decode_model,
+                k,
+                acceptance_per_position,
+                rng,
+            )
+            for i in range(topology.decode.num_instances)
+        ]
+        for engine in self.decodes:
+            engine.step_extra_s, engine.admission_step_extra_s = (
+                cp.decode_step_extra_s,
+                cp.first_decode_step_extra_s,
+            )
+        self._events: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self._counter = 0
+        self.num_events = 0
+
+    def _push(self, time_s: float, kind: int, payload: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (time_s, kind, self._seq, payload))
+
+    def run(self, requests: Sequence[TraceRequest]) -> list[SimRequest]:
+        """Simulate `requests` (arrival_s ascending or not); returns their final states in trace order."""
+        sims = [
+            SimRequest(i, r.num_input_tokens, r.num_output_tokens, r.arrival_s)
+            for i, r in enumerate(requests)
+        ]
+        for sim in sims:
+            sim.deadline_s = sim.arrival_s + self.timeout_s
+            self._push(sim.arrival_s, _ARRIVAL, sim)
+        events, pop = self._events, heapq.heappop
+        while events:
+            now_s, kind, _, payload = pop(events)
+            self.num_events += 1
+            if kind == _STEP_END:
+                self._step_end(payload, now_s)  # type: ignore[arg-type]
+            elif kind == _HANDOFF_DONE:
+                self._handoff_done(payload, now_s)  # type: ignore[arg-type]
+            elif kind == _PREFILL_QUEUED:
+                self._queue_prefill(payload, now_s)  # type: ignore[arg-type]
+            else:
+                self._route(payload, now_s)  # type: ignore[arg-type]
+        return sims
+
+    # ---- events --------------------------------------------------------------------------------------
+    def _route(self, request: SimRequest, now_s: float) -> None:
+        """Route + reserve (`orchestrator.routing.RouteAndReserve._dispatch`), then `after_reserve`."""
+        if request.prefill_queued_s is None:  # first round: a request that can never fit fails alone
+            try:
+                check_request_fits(
+                    self.decode_sizing.scheduler,
+                    self.decode_sizing.num_blocks,
+                    request.num_prompt_tokens,
+                    request.max_tokens,
+                )
+            except ValueError as exc:
+                request.error = str(exc)
+                return
+            request.prefill_queued_s = now_s
+        choice = self.policy(
+            [PrefillLoad(e.instance, e.num_queued_prefill_tokens) for e in self.prefills],
+            [DecodeLoad(e.instance, e.num_free_blocks, e.batch_load) for e in self.decodes],
+            counter=self._counter,
+            prompt_token_ids=LengthOnlyPrompt(request.num_prompt_tokens),
+            block_size=self.block_size,
+        )
+        self._counter += 1
+        request.prefill_instance = choice.prefill.instance
+        decode = self.decodes[choice.decode.instance]
+        if decode.busy:  # `DecodeNode.reserve` takes the engine lock, which a step holds until it ends
+            decode.pending_reserves.append(request)
+        else:
+            self._reserve(decode, request, now_s)
+
+    def _reserve(self, decode: SimEngine, request: SimRequest, now_s: float) -> None:
+        """Reserve on `decode`, then what `after_reserve` says: start the prefill, retry, or fail."""
+        bound = decode.reserve(request)
+        outcome = ReserveOutcome.BOUND if bound else ReserveOutcome.NO_ROOM
+        action = after_reserve(request.request_id, outcome, now_s, request.deadline_s)
+        if isinstance(action, StartPrefill):
+            request.decode_instance = decode.instance
+            if self.control_plane.dispatch_s > 0:  # the reserve's round trip before the prefill job lands
+                self._push(now_s + self.control_plane.dispatch_s, _PREFILL_QUEUED, request)
+            else:
+                self._queue_prefill(request, now_s)
+        elif isinstance(action, RetryReserve):
+            self._push(now_s + action.delay_s, _ARRIVAL, request)
+        elif isinstance(action, Fail):
+            request.error = action.message
+        else:  # RouteAgain / EndAborted: no instance is lost nor a request aborted in the simulation
+            raise AssertionError(f"unexpected dispatch action {action!r}")
+
+    def _queue_prefill(self, request: SimRequest, now_s: float) -> None:
+        prefill = self.prefills[request.prefill_instance]
+        prefill.add(request)
+        if not prefill.busy:
+            self._start(prefill, now_s)
+
+    def _start(self, engine: SimEngine, now_s: float) -> None:
+        duration_s = engine.start_step(now_s)
+        if duration_s > 0:
+            self._push(now_s + duration_s, _STEP_END, engine)
+
+    def _step_end(self, engine: SimEngine, now_s: float) -> None:
+        done = engine.finish_step(now_s)
+        if engine.role == "prefill":
+            model, cp = self.prefill_model, self.control_plane
+            for request in done:
+                assert request.prefill_start_s is not None
+                # the first token reaches the client with the prefill call's reply (`EmitFirstToken`)
+                request.first_token_s = now_s + cp.first_token_extra_s
+                # MTP state (drafts) travels with the KV; decode starts at full acceptance
+                compute_s = now_s - request.prefill_start_s
+                handoff_s = model.kv_handoff_s(request.num_prompt_tokens, compute_s) + cp.handoff_extra_s
+                self._push(now_s + handoff_s, _HANDOFF_DONE, request)
+        elif engine.pending_reserves:  # the reserves that waited for the engine lock, in arrival order
+            reserves, engine.pending_reserves = engine.pending_reserves, []
+            for request in reserves:
+                self._reserve(engine, request, now_s)
+        self._start(engine, now_s)
+
+    def _handoff_done(self, request: SimRequest, now_s: float) -> None:
+        self.prefills[request.prefill_instance].release_prefill(request)
+        decode = self.decodes[request.decode_instance]
+        decode.handoff_done(request)
+        if not decode.busy:
+            self._start(decode, now_s)
+
+
+def to_results(sims: Sequence[SimRequest]) -> tuple[list[RequestResult], float]:
+    """`RequestResult`s of finished simulations and the duration (first arrival -> last answer), as
+    `orchestrator.bench_client.replay` measures them at the client. Phases in seconds: queue_s (arrival ->
+    first prefill step, reserve retries included), prefill_s (-> prompt done), kv_transfer_s (-> handoff
+    admitted on decode, waiting for the step boundary included), decode_s (admitted -> last token); they
+    add up to e2e. The first token reaches the client at the prefill's end plus the control plane's
+    `first_token_extra_s` (the prefill reply streams it, `orchestrator.dispatch.EmitFirstToken`), or at
+    the admission if that comes first."""
+    results = []
+    first_s = min((s.arrival_s for s in sims), default=0.0)
+    last_s = first_s
+    for s in sims:
+        result = RequestResult(s.index, s.num_prompt_tokens, s.max_tokens, s.arrival_s - first_s)
+        if s.finished_s is None or s.first_token_s is None:
+            result.error = s.error or "not finished when the simulation ended"
+            results.append(result)
+            continue
+        assert s.prefill_start_s is not None and s.prefill_end_s is not None and s.last_token_s is not None
+        assert s.admitted_s is not None
+        result.ok = True
+        result.num_output_tokens = s.num_output_tokens
+        result.ttft_s = s.first_token_s - s.arrival_s
+        result.tpot_s = time_per_output_token_s(s.first_token_s, s.last_token_s, s.num_output_tokens)
+        result.e2e_s = s.finished_s - s.arrival_s
+        if s.num_draft_tokens:
+            result.acceptance_rate = s.num_accepted_tokens / s.num_draft_tokens
+        result.kv_transfer_s = s.admitted_s - s.prefill_end_s
+        result.phases = {
+            "queue_s": s.prefill_start_s - s.arrival_s,
+            "prefill_s": s.prefill_end_s - s.prefill_start_s,
+            "kv_transfer_s": result.kv_transfer_s,
+            "decode_s": s.last_token_s - s.admitted_s,
+        }
+        last_s = max(last_s, s.finished_s)
+        results.append(result)
+    return results, last_s - first_s
+
+
+def simulate(
+    topology: Topology,
+    requests: Sequence[TraceRequest],
+    prefill_model: StepTimeModel,
+    decode_model: StepTimeModel,
+    acceptance_per_position: Sequence[float] = (),
+    seed: int = 0,
+    prefill_sizing: PoolSizing | None = None,
+    decode_sizing: PoolSizing | None = None,
+    ttft_slo_ms: float | None = None,
+    tpot_slo_ms: float | None = None,
+    control_plane: ControlPlane | None = None,
+) -> SimResult:
+    """Simulate `requests` on `topology`; see the module docstring.
+
+    Args:
+        requests: the (scaled) trace; num_output_tokens is each request's max_tokens (ignore_eos).
+        acceptance_per_position: MTP acceptance per draft position (>= decode.num_speculative_tokens).
+        prefill_sizing / decode_sizing: default `pool_sizing(topology, role)` (reads the model config).
+        ttft_slo_ms / tpot_slo_ms: the SLO of the summary's goodput; default the topology's `slo`, else
+            `orchestrator.slo`'s defaults.
+        control_plane: `ClusterSimulator`'s (zero by default: engine-side times only).
+
+    Raises:
+        ValueError: acceptance_per_position shorter than k, or a topology the sizing refuses.
+    """
+    from pdcluster.orchestrator.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
+
+    simulator = ClusterSimulator(
+        topology,
+        prefill_model,
+        decode_model,
+        prefill_sizing or pool_sizing(topology, "prefill"),
+        decode_sizing or pool_sizing(topology, "decode"),
+        acceptance_per_position,
+        seed,
+        control_plane,
+    )
+    sims = simulator.run(requests)
+    results, duration_s = to_results(sims)
+    ttft = ttft_slo_ms or topology.slo.ttft_ms or DEFAULT_TTFT_SLO_MS
+    tpot = tpot_slo_ms or topology.slo.tpot_ms or DEFAULT_TPOT_SLO_MS
+    summary = summarize(results, duration_s, ttft, tpot)
+    pools = {"prefill": simulator.prefills, "decode": simulator.decodes}
+    return SimResult(
+        results,
+        duration_s,
+        summary,
+        num_steps={role: sum(e.num_steps for e in engines) for role, engines in pools.items()},
+        busy_fraction={
+            role: sum(e.busy_s for e in engines) / (len(engines) * duration_s) if duration_s > 0 else 0.0
+            for role, engines in pools.items()
+        },
+        num_preemptions={role: sum(e.num_preemptions for e in engines) for role, engines in pools.items()},
+        num_events=simulator.num_events,
+    )

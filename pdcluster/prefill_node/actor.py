@@ -1,0 +1,637 @@
+"""`PrefillNode`: the prefill role, a thin shell around one `LLMEngine` and a `KVSender` per decode rank.
+
+The driver (`orchestrator.cluster.Cluster`) wraps the class with `ray.remote` and places it in its
+instance's placement group. Threads inside the actor:
+
+    Ray's method threads (max_concurrency)          the engine thread (owns the engine)
+    --------------------------------------          -----------------------------------
+    prefill(...) queues a job, blocks until done    takes jobs: sender.begin, add_request(prefill_only)
+    bind(...) queues the job's reservation          engine.step(on_prompt_kv=...): each layer's prompt KV
+    abort(request_id) queues an abort                 -> sender.send_layer as soon as it is written
+    load() reads counters under a lock                (layerwise), or all layers after the step
+                                                    finished jobs: sender.finish(extras: first token,
+                                                      drafts and their probabilities), wake the caller
+    On one host, the reader thread of the reply connection (`ReplyPusher`) calls `bind(...)` for each bind
+    the driver sends on it and hands each prefill request sent there to a call thread (`prefill(...)`, as
+    Ray's method threads do, answered on that connection); the engine thread pushes each result there too.
+
+A job that fails (engine error, send error, abort) aborts its handoff (decode's `wait` raises
+`TransferAborted`) and raises in `prefill(...)`. An engine error fails only the jobs it concerns: a
+request whose own sampling fails, or the requests of a step whose execution fails (`EngineStepError`);
+other jobs go on. Only an error the engine cannot tie to requests fails every active job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.llm import EngineStepError
+from pdcluster.engine.stopping import early_first_token_text
+from pdcluster.kvtransfer.base import HandoffExtras, KVSender
+from pdcluster.kvtransfer.paired import PairedAddress, node_id
+from pdcluster.orchestrator.dispatch import event_timeout_s
+from pdcluster.orchestrator.messages import (
+    InstanceGroupSpec,
+    NodeReady,
+    PrefillBind,
+    PrefillNodeLoad,
+    PrefillRequest,
+    PrefillResult,
+)
+from pdcluster.orchestrator.rank_actor import LOCKSTEP_IDLE_S, RankActor
+from pdcluster.orchestrator.reply_pusher import ReplyPusher
+from pdcluster.prefill_node.job import Job
+from pdcluster.prefill_node.thread_clock import run_delay_s
+
+if TYPE_CHECKING:
+    from pdcluster.kvtransfer.grpc_transport import TLSCredentials
+
+logger = logging.getLogger(__name__)
+
+# Aborts remembered for prefill calls not here yet (a threaded actor runs calls unordered; a stalled actor
+# runs the calls queued meanwhile at once). Ids are unique, so only memory bounds it: 4,096 ids, ~0.5 MB.
+MAX_EARLY_ABORTS = 4096
+
+
+class PrefillNode(RankActor):
+    """One prefill rank (of an instance of one or more).
+
+    Args:
+        engine_config: the instance's engine arguments (`Topology.engine_config("prefill")`); the engine
+            runs the synchronous loop (the prompt KV hook needs it).
+        name: instance name for logs and load reports (`prefill-0`).
+        layerwise: send each layer as soon as it is computed; False: all layers after the forward.
+        group: how the rank joins its instance's group (`RankActor`; None: a single-rank instance).
+    """
+
+    # "start" (taking a job), "step" (the engine step), "complete" (handing a finished prefill over),
+    # "loop" (the loop body, outside any request)
+    FAULT_POINTS = ("start", "step", "complete", "loop")
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        name: str,
+        layerwise: bool = True,
+        group: InstanceGroupSpec | None = None,
+    ) -> None:
+        super().__init__(engine_config, name, group)
+        self.layerwise = layerwise
+        self.senders: list[list[KVSender]] = []  # [decode instance][decode rank]
+        self._transport = "grpc"  # what connect_receivers used, for set_decode_address
+        self._node_id: str | None = None  # this rank's node (kvtransfer.paired.node_id), looked up once
+        self._tls: TLSCredentials | None = None
+        self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._active: dict[str, Job] = {}
+        # binds that came and that the engine thread has not taken yet (`_take_bind`: at its next command,
+        # or at the next layer of the request's prefill step, whichever comes first)
+        self._binds: dict[str, PrefillBind] = {}
+        # binds that overtook their prefill call, with when they came (dropped after their lease)
+        self._early_binds: dict[str, tuple[PrefillBind, float]] = {}
+        # aborts that overtook their prefill call (handoff ids are unique), oldest first, at most
+        # MAX_EARLY_ABORTS: the call, when it comes, fails at once instead of awaiting a bind that never comes
+        self._early_aborts: dict[str, None] = {}
+        self._lock = threading.Lock()
+        self._num_queued_tokens = 0  # of jobs queued or active
+        self._reply_pusher: ReplyPusher | None = None  # results pushed to the driver too (same host)
+        self._start_engine_thread()
+
+    # ---- wiring -----------------------------------------------------------------------------------------
+    def ready(self) -> NodeReady:
+        """Load time and model facts, once the weights are loaded."""
+        cfg = self.engine.model.config
+        num_blocks = self.engine.scheduler.block_manager.num_blocks
+        return NodeReady(
+            self.name,
+            os.getpid(),
+            self.load_s,
+            num_blocks,
+            cfg.num_hidden_layers,
+            cfg.kv_cache_dim,
+            compile=self.engine.compile_stats(),
+        )
+
+    def connect_grpc(self, decode_addresses: list[list[str]], tls: TLSCredentials | None = None) -> None:
+        """One gRPC sender per decode rank: `decode_addresses[i][r]` is decode instance i's rank r (mutual
+        TLS with `tls`), closing any previous ones."""
+        self.connect_receivers("grpc", decode_addresses, tls)
+
+    def connect_receivers(
+        self,
+        transport: str,
+        decode_addresses: list[list[str]] | list[list[PairedAddress]],
+        tls: TLSCredentials | None = None,
+    ) -> None:
+        """One `transport` sender (`grpc`: to `host:port`, mutual TLS with `tls`; `shm`: to a socket path
+        on this host; `shm+grpc`: to a `PairedAddress`, by shm when that decode rank runs on this node, else
+        by gRPC) per decode rank: `decode_addresses[i][r]` is decode instance i's rank r; closes any
+        previous ones."""
+        if transport not in ("grpc", "shm", "shm+grpc"):
+            raise ValueError(
+                f"transport: senders connect to grpc, shm or shm+grpc receivers, got {transport!r}"
+            )
+        self._transport, self._tls = transport, tls
+        old = self._all_senders()
+        self.senders = [[self._new_sender(a) for a in ranks] for ranks in decode_addresses]
+        for sender in old:
+            sender.close()
+
+    def connect_reply_channel(self, address: str, secret: str, who: str | None = None) -> None:
+        """Push each finished prefill's `PrefillResult` to the driver's socket at `address` too (it is on
+        this host), presenting `secret`, beside the `prefill` call's reply (`orchestrator.reply_channel`);
+        and take the binds and the prefill calls the driver sends on that connection, to this rank's tag
+        `who`, as `bind` and `prefill` calls (`RankActor._take_call`). Replaces an earlier connection. Raises
+        OSError when the socket cannot be reached."""
+        pusher = ReplyPusher(address, secret, who, on_bind=self.bind, on_call=self._take_call)
+        old = self._reply_pusher
+        self._reply_pusher = pusher
+        if old is not None:
+            old.close()
+
+    def _new_sender(self, address: str | PairedAddress) -> KVSender:
+        from pdcluster.kvtransfer.grpc_transport import GrpcKVSender
+        from pdcluster.kvtransfer.shm_transport import ShmKVSender
+
+        if isinstance(address, PairedAddress):  # shm+grpc: shm to a decode rank on this node, else gRPC
+            if self._node_id is None:
+                self._node_id = node_id()
+            transport, picked = address.pick(self._node_id)
+            if transport == "grpc":
+                return GrpcKVSender(picked, tls=self._tls)
+            sender = ShmKVSender(picked)
+            if sender.connect_error is None:
+                return sender
+            # the same Ray node, yet its socket is out of reach (another temp dir or container, another
+            # uid): gRPC still works between any two processes
+            logger.warning(
+                "%s: decode's shm socket %s on this node is unreachable (%s); sending to it by gRPC at %s",
+                self.name,
+                picked,
+                sender.connect_error,
+                address.grpc,
+            )
+            sender.close()
+            return GrpcKVSender(address.grpc, tls=self._tls)
+        if self._transport == "shm":
+            return ShmKVSender(address)
+        return GrpcKVSender(address, tls=self._tls)
+
+    def sender_transports(self) -> list[list[str]]:
+        """The transport of each decode rank's sender (`[instance][rank]`: `grpc`, `shm` or `dist`)."""
+        names = {"GrpcKVSender": "grpc", "ShmKVSender": "shm", "DistKVSender": "dist"}
+        return [[names.get(type(s).__name__, type(s).__name__) for s in ranks] for ranks in self.senders]
+
+    def set_decode_address(
+        self, decode_index: int, address: str | PairedAddress, decode_rank: int = 0
+    ) -> None:
+        """Rank `decode_rank` of decode instance `decode_index` was restarted and listens at `address` now:
+        replace its sender (transfers in flight to the old one fail, as they would have anyway)."""
+        old = self.senders[decode_index][decode_rank]
+        self.senders[decode_index][decode_rank] = self._new_sender(address)
+        old.close()
+
+    def connect_dist(
+        self, rank: int, world_size: int, init_method: str, decode_ranks: list[list[int]]
+    ) -> None:
+        """Join the transfer process group (collective: every rank actor calls it at once); one sender per
+        decode rank: `decode_ranks[i][r]` is decode instance i's rank r's rank in the transfer group."""
+        from pdcluster.kvtransfer.dist_transport import (
+            DistKVSender,
+            DistTransportConfig,
+            init_transport_group,
+        )
+
+        config = DistTransportConfig.for_device(self.engine.config.device)
+        init_transport_group(config, rank=rank, world_size=world_size, init_method=init_method)
+        self.senders = [[DistKVSender(peer, config) for peer in ranks] for ranks in decode_ranks]
+
+    def _all_senders(self) -> list[KVSender]:
+        return [sender for ranks in self.senders for sender in ranks]
+
+    def _sender(self, job: Job) -> KVSender:
+        """The sender to the decode rank `job` goes to."""
+        return self.senders[job.decode_index][job.decode_rank]
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def prefill(self, request: PrefillRequest) -> PrefillResult:
+        """Prefill one request and hand it to rank `request.decode_rank` of decode instance
+        `request.decode_index` (which already `expect`s it); `request.meta` is the one that rank's `reserve`
+        bound, with the handoff's secret.
+
+        Returns once the handoff is finished on this side. Raises RuntimeError when the prefill or the send
+        failed (the handoff is aborted), or it was not done within `event_timeout_s(meta.lease_s)` seconds.
+        """
+        job = Job(request)
+        with self._lock:
+            self._num_queued_tokens += job.num_prompt_tokens
+        self._jobs.put(("add", job))
+        # sent awaiting the bind: the reservation may take up to its lease (decode back-pressure) first
+        timeout_s = event_timeout_s(request.meta.lease_s) + (
+            request.meta.lease_s if request.awaiting_bind else 0
+        )
+        if not job.done.wait(timeout_s):
+            self._jobs.put(("abort", job.request_id))
+            raise RuntimeError(f"{self.name}: prefill of {job.request_id} not done after {timeout_s:g} s")
+        if job.error is not None:
+            raise RuntimeError(f"{self.name}: prefill of {job.request_id} failed: {job.error}")
+        assert job.result is not None
+        return job.result
+
+    def _call_method(self, call: Any) -> Any:
+        """A prefill request sent on the reply connection (`RankActor._take_call`) is served by `prefill`
+        (its answer settles the driver's call; nothing to undo when it cannot be sent: the job is over)."""
+        if isinstance(call, PrefillRequest):
+            return self.prefill
+        return super()._call_method(call)
+
+    def bind(self, bind: PrefillBind) -> None:
+        """The reservation of a request sent `awaiting_bind` (`PrefillRequest`): its handoff begins with
+        `bind.meta` towards the decode rank named, and the KV computed so far goes out. A bind for an id
+        not (or no longer) here is kept until its request arrives (Ray runs a threaded actor's calls
+        unordered: the bind may overtake its `prefill` call) or an abort names it. A bind that comes while
+        its request's prefill step runs is taken at the step's next layer: the handoff begins there and,
+        with `layerwise`, the layers computed so far go out then rather than after the step."""
+        with self._lock:
+            self._binds[bind.handoff_id] = bind
+        self._jobs.put(("bind", bind.handoff_id))
+
+    def abort(self, request_id: str) -> None:
+        """Fail the prefill of `request_id` (its `prefill` call raises), freeing its blocks and handoff.
+        An abort that overtakes its `prefill` call is remembered (`MAX_EARLY_ABORTS`), and that call then
+        raises at once without prefilling."""
+        self._jobs.put(("abort", request_id))
+
+    def load(self) -> PrefillNodeLoad:
+        """Cheap snapshot for the router: queued prompt tokens and requests in flight."""
+        with self._lock:
+            return PrefillNodeLoad(
+                name=self.name,
+                pid=os.getpid(),
+                num_queued_prefill_tokens=self._num_queued_tokens,
+                num_requests=len(self._active),
+                **self._engine_health(),
+            )
+
+    def check_no_leaks(self) -> dict[str, Any]:
+        """For tests: blocks held and handoffs still open once nothing is in flight. No `flush` first: a
+        sender must forget a handoff by itself once it is delivered or failed, or this reports it."""
+        bm = self.engine.scheduler.block_manager
+        with self._lock:
+            return {
+                "num_used_blocks": bm.num_blocks - bm.num_free_blocks,
+                "num_active": len(self._active),
+                "pending_handoffs": [rid for s in self._all_senders() for rid in s.pending_request_ids()],
+            }
+
+    def close(self) -> None:
+        """Stop the engine thread, then fail every job still waiting (their `prefill` calls raise at once
+        instead of waiting out their timeouts), close the reply connection and the senders."""
+        self._jobs.put(("stop", None))
+        self._stop_engine_thread()
+        waiting = list(self._active.values())
+        while True:
+            try:
+                kind, arg = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                waiting.append(arg)
+        for job in waiting:
+            job.error = f"{self.name} is closing"
+            job.done.set()
+        if self._reply_pusher is not None:
+            self._reply_pusher.close()
+        self._close_call_threads()
+        for sender in self._all_senders():
+            try:
+                sender.close()
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                logger.exception("%s: closing a sender failed", self.name)
+
+    # ---- engine thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        """The engine thread. Any exception fails the jobs it touches (every active job when it is not
+        tied to one: their handoffs are aborted and `prefill` raises), is logged with its traceback, and
+        the loop goes on: it never dies silently."""
+        while not self._stopped.is_set():
+            try:
+                if not self._run_once():
+                    return
+            except Exception as e:  # noqa: BLE001 - the last line of defence: fail everything in flight
+                self._loop_error(e, "prefill engine loop failed")
+                for request_id in list(self._active):
+                    self._fail(request_id, f"prefill engine loop failed: {e!r}", abort_engine=True)
+
+    def _run_once(self) -> bool:
+        """Take queued commands, run one step. False on `stop`. In lockstep (an expert-parallel rank) it
+        steps even with nothing to run, after waiting at most `LOCKSTEP_IDLE_S` for a command, since the
+        other ranks' MoE collectives need this one."""
+        engine = self.engine
+        block = not engine.has_unfinished_requests()
+        try:
+            if block:
+                stepping = self.lockstep and self._group_error is None
+                command = self._jobs.get(timeout=LOCKSTEP_IDLE_S if stepping else 0.1)
+            else:
+                command = self._jobs.get_nowait()
+        except queue.Empty:
+            command = None
+        while command is not None:
+            kind, arg = command
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._start(arg)
+            elif kind == "bind":
+                bind = self._take_bind(arg)
+                if bind is not None:  # (else taken already, mid-step)
+                    self._bind(bind)
+            elif kind == "abort":
+                self._take_bind(arg)
+                self._early_binds.pop(arg, None)
+                if arg in self._active:
+                    self._fail(arg, "aborted by the router", abort_engine=True)
+                else:  # its prefill call has not arrived yet (or it is done: then never will)
+                    self._early_aborts[arg] = None
+                    while len(self._early_aborts) > MAX_EARLY_ABORTS:
+                        del self._early_aborts[next(iter(self._early_aborts))]
+            try:
+                command = self._jobs.get_nowait()
+            except queue.Empty:
+                command = None
+        self._maybe_fault("loop")
+        if self._group_error is not None or (not engine.has_unfinished_requests() and not self.lockstep):
+            return True
+        in_engine = [job for job in self._active.values() if job.pending is None]  # (not prefilled yet)
+        wait_before_s = run_delay_s()
+        try:
+            self._maybe_fault("step")
+            outputs = engine.step(on_prompt_kv=self._on_prompt_kv, on_first_token=self._on_first_token)
+        except EngineStepError as e:  # the step's requests are finished with an error; others go on
+            self._loop_error(e, "engine step failed")
+            outputs = e.outputs
+            if self._group_failed(e):  # a peer rank died or stalled: nothing here can step again
+                for request_id in list(self._active):
+                    self._fail(request_id, f"engine step failed: {e}", abort_engine=True)
+        except Exception as e:  # noqa: BLE001 - not tied to requests: fail them all, not the actor
+            self._loop_error(e, "engine step failed")
+            self._group_failed(e)
+            for request_id in list(self._active):
+                self._fail(request_id, f"engine step failed: {e!r}", abort_engine=True)
+            return True
+        _charge_cpu_wait(in_engine, wait_before_s)
+        for job in in_engine:  # failed inside the step (`_on_prompt_kv`): failed now that it is over
+            if job.step_error is not None:
+                self._fail(job.request_id, job.step_error, abort_engine=True)
+        self._refresh_ep_summary()
+        for out in outputs:
+            if out.finish_reason == "error":  # failed alone in the engine (its sampling, or its step)
+                self._fail(out.request_id, f"prefill failed: {out.error}")
+            elif out.finished:
+                try:
+                    self._maybe_fault("complete")
+                    self._complete(out.request_id, out.finish_reason, out.queue_s or 0.0)
+                except Exception as e:  # noqa: BLE001 - fails this request only
+                    self._loop_error(e, f"completing {out.request_id} failed")
+                    self._fail(out.request_id, f"prefill completion failed: {e!r}", abort_engine=True)
+        return True
+
+    def _start(self, job: Job) -> None:
+        if job.request_id in self._early_aborts:  # the abort overtook this call (threaded actor)
+            del self._early_aborts[job.request_id]
+            self._early_binds.pop(job.request_id, None)
+            job.error = "aborted by the router (before its prefill call arrived)"
+            self._finish_job(job)
+            return
+        early, _ = self._early_binds.pop(job.request_id, (None, 0.0))
+        if early is not None and not job.bound:
+            job.bind(early.meta, early.decode_index, early.decode_rank)
+        try:
+            self._maybe_fault("start")
+            if self._group_error is not None:
+                raise RuntimeError(f"{self.name}: instance group failed: {self._group_error}")
+            if job.bound:
+                assert job.meta is not None
+                self._sender(job).begin(job.meta)
+            self.engine.add_request(
+                list(job.request.prompt_token_ids),
+                job.request.params,
+                request_id=job.request_id,
+                arrival_time_s=job.arrival_s,
+                prefill_only=True,
+            )
+        except Exception as e:  # noqa: BLE001
+            self._loop_error(e, f"starting {job.request_id} failed")
+            job.error = repr(e)
+            with self._lock:
+                self._num_queued_tokens -= job.num_prompt_tokens
+            try:
+                self.engine.abort_request(job.request_id)
+                self.engine.pop_finished_outputs([job.request_id])
+                sender = self._sender(job)
+                if job.request_id in sender.pending_request_ids():
+                    sender.abort(job.request_id, job.error)
+            except Exception:  # noqa: BLE001 - the caller is told either way
+                logger.exception("%s: cleaning up %s failed", self.name, job.request_id)
+            job.done.set()
+            return
+        with self._lock:
+            self._active[job.request_id] = job
+
+    def _on_prompt_kv(
+        self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None
+    ) -> None:
+        """The engine's prompt-KV callback, inside the step: a bind that came meanwhile begins the handoff
+        here, and with `layerwise` the layers go to the sender. An error fails this job only, once the
+        step is over (`Job.step_error`): failing it here would free engine state the step still uses."""
+        job = self._active.get(request_id)
+        if job is None or job.step_error is not None:
+            return
+        try:
+            if not job.bound:  # its bind may have come during this step
+                bind = self._take_bind(request_id)
+                if bind is not None:
+                    self._begin(job, bind)
+            job.layers[layer_idx] = (latent_kv, scale)
+            if self.layerwise and job.bound:
+                self._send_computed_layers(job)
+        except Exception as e:  # noqa: BLE001 - fails this job after the step, not the step's others
+            job.step_error = f"handing its KV to the sender failed: {e!r}"
+
+    def _on_first_token(self, request_id: str, token_id: int) -> None:
+        """The engine's first-token callback, inside the step, right after sampling: the token goes to the
+        driver now (a result with `handoff_finished` False on the reply connection), before the MTP drafts
+        are proposed and the handoff is finished, so the client has it that much sooner; the finished result
+        follows as before. Only when the driver could stream it (`early_first_token_text`), when the job is
+        bound (the push names its reservation) and when the client does not have a first token already.
+        Never raises: the finished result carries the token anyway."""
+        job = self._active.get(request_id)
+        pusher = self._reply_pusher
+        if job is None or pusher is None or job.meta is None or job.request.first_token_id is not None:
+            return
+        if job.step_error is not None:  # it fails once the step is over: its token is not the client's
+            return
+        try:
+            text = early_first_token_text(self.engine.tokenizer, job.request.params, token_id)
+            request = self.engine.scheduler.get_request(request_id)
+            if text is None or request is None:
+                return
+            queue_s = request.queue_time_s or 0.0
+            early = PrefillResult(
+                first_token_id=token_id,
+                num_drafts=0,
+                queue_s=queue_s,
+                prefill_s=time.monotonic() - job.arrival_s - queue_s,
+                first_token_text=text,
+                handoff_finished=False,
+            )
+            pusher.push(request_id, job.meta.secret, early)
+        except Exception:  # noqa: BLE001 - an optimization: the finished result still comes
+            logger.exception("%s: pushing the first token of %s early failed", self.name, request_id)
+
+    def _take_bind(self, handoff_id: str) -> PrefillBind | None:
+        with self._lock:
+            return self._binds.pop(handoff_id, None)
+
+    def _send_computed_layers(self, job: Job) -> None:
+        """Send the layers `job` holds (`job.layers`, computed before its bind, or this step's), in order."""
+        sender = self._sender(job)
+        for layer_idx in sorted(job.layers):
+            latent_kv, scale = job.layers.pop(layer_idx)
+            sender.send_layer(job.request_id, layer_idx, latent_kv, scale)
+            job.num_layers_sent += 1
+            job.last_layer_sent_s = time.monotonic()
+
+    def _complete(self, request_id: str, finish_reason: str | None, queue_s: float) -> None:
+        job = self._active.get(request_id)
+        if job is None:
+            return
+        result = self.engine.pop_prefill_result(request_id)
+        if result is None:
+            self._fail(request_id, f"finished ({finish_reason}) without a sampled token")
+            return
+        if not job.bound:  # its KV (job.layers) waits for the reservation (`_bind`)
+            job.pending = (result, queue_s)
+            return
+        self._hand_over(job, result, queue_s)
+
+    def _bind(self, bind: PrefillBind) -> None:
+        """Begin the handoff of a job that awaited its reservation; send what it computed meanwhile (and
+        finish it when its prefill is done)."""
+        job = self._active.get(bind.handoff_id)
+        if job is None:  # its prefill call has not arrived yet (or it is gone: dropped after its lease)
+            now_s = time.monotonic()
+            for rid, (b, at_s) in list(self._early_binds.items()):
+                if now_s - at_s > b.meta.lease_s:
+                    del self._early_binds[rid]
+            self._early_binds[bind.handoff_id] = (bind, now_s)
+            return
+        if job.bound:
+            return
+        try:
+            self._begin(job, bind)
+        except Exception as e:  # noqa: BLE001 - fails this request only
+            self._fail(job.request_id, f"beginning the handoff failed: {e!r}", abort_engine=True)
+            return
+        if job.pending is not None:
+            result, queue_s = job.pending
+            job.pending = None
+            self._hand_over(job, result, queue_s)
+
+    def _begin(self, job: Job, bind: PrefillBind) -> None:
+        """Bind `job` to the reservation and begin its handoff on the sender (raises what `begin` raises)."""
+        job.bind(bind.meta, bind.decode_index, bind.decode_rank)
+        self._sender(job).begin(bind.meta)
+
+    def _hand_over(self, job: Job, result: Any, queue_s: float) -> None:
+        """Send the layers not sent yet, then finish the handoff with the first token and drafts (the
+        request's `first_token_id` instead of the sampled one when it has one; its drafts, proposed after
+        another token, are dropped then. The MTP layer's KV at the prompt's last position was computed
+        with the sampled token's embedding and is sent as it is: decode's drafts attend to it, so their
+        acceptance may be lower for this request, never its tokens, which verification decides)."""
+        request_id = job.request_id
+        forced = job.request.first_token_id
+        if forced is not None and forced != result.first_token_id:
+            result = result._replace(first_token_id=forced, draft_token_ids=[], draft_probs=None)
+        sender = self._sender(job)
+        try:
+            self._send_computed_layers(job)
+            num_layers = job.request.meta.num_layers
+            assert job.meta is not None
+            if job.num_layers_sent != num_layers:
+                raise RuntimeError(f"{job.num_layers_sent} of {num_layers} layers computed")
+            sender.finish(
+                request_id,
+                HandoffExtras(
+                    first_token_id=result.first_token_id,
+                    draft_token_ids=result.draft_token_ids,
+                    draft_probs=result.draft_probs,
+                ),
+            )
+        except Exception as e:  # noqa: BLE001
+            self._fail(request_id, repr(e))
+            return
+        job.result = PrefillResult(
+            first_token_id=result.first_token_id,
+            num_drafts=len(result.draft_token_ids),
+            queue_s=queue_s,
+            prefill_s=time.monotonic() - job.arrival_s - queue_s,
+            last_layer_sent_s=None
+            if job.last_layer_sent_s is None
+            else job.last_layer_sent_s - job.arrival_s,
+            cpu_wait_s=job.cpu_wait_s,
+            first_token_text=None
+            if job.request.first_token_id is not None  # the client has it
+            else early_first_token_text(self.engine.tokenizer, job.request.params, result.first_token_id),
+        )
+        pusher = self._reply_pusher
+        if pusher is not None:  # the driver has it before the reply of the call below
+            pusher.push(job.request_id, job.meta.secret, job.result)
+        self._finish_job(job)
+
+    def _fail(self, request_id: str, reason: str, abort_engine: bool = False) -> None:
+        """Fail one job: free its blocks, abort its handoff, wake `prefill` with the error. Never raises."""
+        job = self._active.get(request_id)
+        if job is None:
+            return
+        try:
+            if abort_engine:
+                self.engine.abort_request(request_id)
+                self.engine.pop_finished_outputs([request_id])  # aborted: no output
+            self.engine.pop_prefill_result(request_id)
+            job.layers.clear()
+            try:
+                if job.bound:
+                    self._sender(job).abort(request_id, reason)
+            except ValueError:
+                pass  # already finished on the sender
+        except Exception:  # noqa: BLE001 - the job still fails below
+            logger.exception("%s: failing %s did not clean up", self.name, request_id)
+        finally:
+            job.error = reason
+            self._finish_job(job)
+
+    def _finish_job(self, job: Job) -> None:
+        with self._lock:
+            self._active.pop(job.request_id, None)
+            self._num_queued_tokens -= job.num_prompt_tokens
+        job.done.set()
+
+
+def _charge_cpu_wait(jobs: list[Job], wait_before_s: float | None) -> None:
+    """Add the engine thread's run-queue wait during the step just run (`thread_clock.run_delay_s`, read
+    before it) to each job that was in the engine for it; None (unknown) where the OS does not say."""
+    wait_after_s = run_delay_s() if wait_before_s is not None else None
+    for job in jobs:
+        if wait_before_s is None or wait_after_s is None or job.cpu_wait_s is None:
+            job.cpu_wait_s = None
+        else:
+            job.cpu_wait_s += wait_after_s - wait_before_s
