@@ -330,8 +330,9 @@ def run_bench(
     workload = scale_trace(trace, max_model_len, max_tokens_cap=max_tokens_cap, time_scale=time_scale)
     prompts = build_prompts(workload, Tokenizer.from_dir(tokenizer_dir))
     note = (
-        f"prompts: held-out Python source (pdcluster.models.prompts.heldout_token_prompts), sent as token ids "
-        f"(prompt: [ids]) of exactly the scaled lengths; ignore_eos, greedy; model {model!r} at {endpoint}"
+        f"prompts: held-out Python source (pdcluster.models.prompts.heldout_token_prompts), sent as token "
+        f"ids (prompt: [ids]) of exactly the scaled lengths; ignore_eos, greedy; model {model!r} at "
+        f"{endpoint}"
     )
     results, duration_s = asyncio.run(
         replay(endpoint, workload, prompts, model=model, api_key=api_key, show_progress=show_progress)

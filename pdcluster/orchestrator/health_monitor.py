@@ -51,6 +51,12 @@ class InstanceMonitor:
     _reply_listener: Any  # `ClusterWiring`'s `ReplyListener` (None: not one host)
     _prefill_push_tags: dict[RankRef, str]  # `ClusterWiring`'s: each prefill rank's reply connection tag
     _decode_tag_of: dict[RankRef, str]  # `ClusterWiring`'s: each decode rank's reply connection tag
+    # `RequestDispatch`'s and `ClusterRouting`'s counts of what went over a reply connection (`pushed_total`)
+    _num_prefill_replies_pushed: int
+    _num_first_tokens_early: int
+    _num_decode_events_pushed: int
+    _num_binds_pushed: int
+    _num_calls_pushed: dict[str, int]
 
     @property
     def _health(self) -> dict[str, list[InstanceHealth]]:
@@ -62,7 +68,8 @@ class InstanceMonitor:
 
     def stats(self) -> dict[str, Any]:
         """Load snapshot of the instances in routing, and every instance's health: `ranks` (each rank's
-        counters by rank name, `rank_stats`), `kv_blocks` per decode rank, the totals and `instances`.
+        counters by rank name, `rank_stats`), `kv_blocks` per decode rank, the totals, `pushed_total`
+        (`pushed_total()`) and `instances`.
 
         The snapshots are taken in parallel, waiting at most `call_timeout_s` (derived from
         kv_transfer.timeout_s, like every call on the request path): an instance that does not answer in
@@ -113,7 +120,24 @@ class InstanceMonitor:
             },
             "kv_transfer_bytes_total": self._kv_transfer_bytes_total,
             "kv_transfer_seconds_total": self._kv_transfer_seconds_total,
+            "pushed_total": self.pushed_total(),
             "instances": self.health(),
+        }
+
+    def pushed_total(self) -> dict[str, int]:
+        """What the request path sent over a rank's reply connection (a Unix socket; one host only) instead
+        of a Ray call or its reply, since start, by kind: `prefill_result` (a prefill result taken from the
+        socket before the call's reply), `first_token_early` (of those, a first token pushed as soon as it
+        was sampled, before the MTP drafts and the handoff's finish), `decode_event` (token events),
+        `bind`, `reserve_call`, `prefill_call`. All zero on several nodes or when the socket is down;
+        against the request count they say how much of the request path took the fast one."""
+        return {
+            "prefill_result": self._num_prefill_replies_pushed,
+            "first_token_early": self._num_first_tokens_early,
+            "decode_event": self._num_decode_events_pushed,
+            "bind": self._num_binds_pushed,
+            "reserve_call": self._num_calls_pushed["reserve"],
+            "prefill_call": self._num_calls_pushed["prefill"],
         }
 
     def check_ready(self) -> None:

@@ -203,9 +203,9 @@ def mooncake_block_tokens(input_scale: float) -> int:
 def build_prompts(workload: Workload, tokenizer: Tokenizer) -> list[list[int]]:
     """Token-id prompts of exactly each request's scaled input length, cut from held-out source.
 
-    Azure: consecutive held-out slices (`pdcluster.models.prompts.heldout_token_prompts`). Mooncake: the prompt is
-    the concatenation of one fixed held-out chunk per hash id (so shared leading ids give a shared token
-    prefix), cut or extended with a per-request slice to the scaled length.
+    Azure: consecutive held-out slices (`pdcluster.models.prompts.heldout_token_prompts`). Mooncake: the
+    prompt is the concatenation of one fixed held-out chunk per hash id (so shared leading ids give a shared
+    token prefix), cut or extended with a per-request slice to the scaled length.
     """
     from pdcluster.models.prompts import heldout_token_prompts
 

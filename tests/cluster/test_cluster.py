@@ -141,16 +141,19 @@ def test_greedy_and_acceptance_match_single_engine(
             while cluster._num_prefill_replies_received < len(PROMPTS) + cluster._num_first_tokens_early:
                 assert time.monotonic() < deadline_s, cluster._num_prefill_replies_received
                 await asyncio.sleep(0.01)
-            # ... and the decode rank pushed its token events over it (the poll brings any it could not),
-            # each reserve went to decode on its connection, and each prefill request and its bind (sent
-            # before decode reserved) to prefill on its own, not by Ray calls (the socket buffers never
-            # fill with one at a time).
-            assert cluster._num_decode_events_pushed > 0
-            assert cluster._num_calls_pushed == {"reserve": len(PROMPTS), "prefill": len(PROMPTS)}
-            assert cluster._num_binds_pushed == len(PROMPTS)
             return results
 
-        for (tokens, last, text), expected in zip(asyncio.run(run()), single_engine_outputs[k], strict=True):
+        results = asyncio.run(run())
+        # The decode rank pushed its token events over the socket too (the poll brings any it could not),
+        # each reserve went to decode on its connection, and each prefill request and its bind (sent before
+        # decode reserved) to prefill on its own, not by Ray calls (the socket buffers never fill with one
+        # at a time): the counts the backend exports (`/metrics`: pdcluster_backend_pushed_total{kind}).
+        # A result counts once, from the socket or from the call's reply, whichever came first.
+        pushed = cluster.stats()["pushed_total"]
+        assert pushed["first_token_early"] <= pushed["prefill_result"] <= len(PROMPTS)
+        assert pushed["decode_event"] == cluster._num_decode_events_pushed > 0
+        assert pushed["bind"] == pushed["reserve_call"] == pushed["prefill_call"] == len(PROMPTS)
+        for (tokens, last, text), expected in zip(results, single_engine_outputs[k], strict=True):
             assert tokens == expected.token_ids
             assert text == expected.text
             assert last.finished and last.finish_reason == "length"

@@ -1,0 +1,34 @@
+"""/metrics families read from `backend.stats()` at scrape time: the backend's own totals."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from pdcluster.orchestrator.api.metrics import ApiMetrics
+
+
+def _scrape(stats: dict) -> str:
+    return generate_latest(ApiMetrics(lambda: stats).registry).decode()
+
+
+def test_backend_totals_reach_metrics() -> None:
+    pushed = {
+        "prefill_result": 7,
+        "first_token_early": 5,
+        "decode_event": 40,
+        "bind": 7,
+        "reserve_call": 8,
+        "prefill_call": 7,
+    }
+    text = _scrape(
+        {"kv_transfer_bytes_total": 4096, "kv_transfer_seconds_total": 0.25, "pushed_total": pushed}
+    )
+    assert "pdcluster_backend_kv_transfer_bytes_total 4096.0" in text
+    assert "pdcluster_backend_kv_transfer_seconds_total 0.25" in text
+    for kind, count in pushed.items():
+        assert f'pdcluster_backend_pushed_total{{kind="{kind}"}} {float(count)}' in text
+
+
+def test_a_backend_without_the_totals_exports_none_of_them() -> None:
+    text = _scrape({})
+    assert "pdcluster_backend_" not in text
