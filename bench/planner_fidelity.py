@@ -189,7 +189,9 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.planner_fidelity",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--clusters", nargs="+", default=["clusters/local.yaml", "clusters/local-1p2d.yaml"])
     parser.add_argument("--rates", nargs="+", type=float, default=[0.5, 2.0], help="requests per second")

@@ -130,7 +130,9 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.planner_speed",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--topology", default="clusters/cm384.yaml")
     parser.add_argument("--trace", default="AzureLLMInferenceTrace_conv.csv")

@@ -51,7 +51,7 @@ def host_summary(root, num_steps: int, top: int = 15) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.profile_step", description=__doc__.splitlines()[0])
     add_common_arguments(parser)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--k", type=int, default=0, help="num_speculative_tokens")

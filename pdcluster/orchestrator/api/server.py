@@ -112,14 +112,24 @@ def main(argv: list[str] | None = None) -> int:
     from pdcluster.orchestrator.backend import LocalEngineBackend
 
     parser = argparse.ArgumentParser(prog="python -m pdcluster.orchestrator.api", description=main.__doc__)
-    parser.add_argument("--model", default=str(bundled_checkpoint_dir()))
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-speculative-tokens", type=int, default=0)
-    parser.add_argument("--ttft-slo-ms", type=float, default=None)
-    parser.add_argument("--tpot-slo-ms", type=float, default=None)
+    parser.add_argument(
+        "--model",
+        default=str(bundled_checkpoint_dir()),
+        help="checkpoint directory (default: the bundled one)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    parser.add_argument(
+        "--api-key", default=None, help="bearer token every path but /health and /metrics requires"
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)"
+    )
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=0, help="MTP draft tokens per step (default: 0, off)"
+    )
+    parser.add_argument("--ttft-slo-ms", type=float, default=None, help="TTFT SLO for goodput metrics")
+    parser.add_argument("--tpot-slo-ms", type=float, default=None, help="TPOT SLO for goodput metrics")
     parser.add_argument(
         "--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, help="larger: 413"
     )

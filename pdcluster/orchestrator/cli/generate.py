@@ -308,11 +308,17 @@ EPILOG = """\
   num_prompt_tokens  tokens the prompt encoded to
   timing             seconds unless the name says otherwise:
     load_s           reading the checkpoint and tokenizer
-    prefill_s        the forward pass over the prompt
-    ttft_s           time to first token: tokenizing + prefill + sampling
+    queue_s          from the request's arrival to its first scheduled step
+    prefill_s        the forward pass over the prompt (ttft_s - queue_s)
+    ttft_s           time to first token: tokenizing + queue + prefill + sampling
     decode_s         from the first token to the last
     tpot_s           time per output token after the first (null with fewer than 2)
+    e2e_s            from arrival to the last token
     tokens_per_s     tokens generated per second, prefill included, load excluded
+  spec_decode        MTP speculative decoding (0, null and [] with --num-speculative-tokens 0):
+    num_draft_tokens, num_accepted_tokens   draft tokens proposed / accepted
+    acceptance_rate                         accepted / proposed (null when none was proposed)
+    acceptance_rate_per_position            the same per draft position (1st, 2nd, ... draft)
 
 examples:
   pdcluster generate --prompt 'def fibonacci(n):'
