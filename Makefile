@@ -48,7 +48,8 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-# Regenerate the gRPC/protobuf stubs from pdcluster/protos/*.proto (see pdcluster/protos/README.md); run from the repo root.
+# Regenerate the gRPC/protobuf stubs from pdcluster/protos/*.proto (see pdcluster/protos/README.md); run
+# from the repo root.
 .PHONY: protos
 protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. pdcluster/protos/kv_transfer.proto
