@@ -264,9 +264,15 @@ class InstanceMonitor:
                 self._reconnect_reply_channel(ray, instance.role, instance.index)
 
     def _rejoin(self, role: str, index: int, pid: int) -> None:
+        """Instance (`role`, `index`) out of routing (or restarted) answered a probe from process `pid`:
+        rewire it if Ray restarted it, reconnect its reply channel if that closed, then put it back in
+        routing. The rewiring makes Ray calls (seconds), during which the request path may record a failure
+        of the instance (an actor-died error, say); the health is set only if nobody changed it meanwhile
+        (compare and set under the lock), else the failure stands and the next probe decides."""
         import ray
 
-        before = self._health[role][index]
+        with self._health_lock:
+            before = self._health[role][index]
         after, needs_rewire = after_answer(before, pid, time.monotonic())
         if needs_rewire and role == "decode":  # what ran on the old process is gone
             self._fail_decode_attempts(index)
@@ -281,6 +287,16 @@ class InstanceMonitor:
         if role == "decode" and needs_rewire:  # a new process numbers its events from 1 again
             self._poll_acked_seq[index][:] = [0] * len(self._poll_acked_seq[index])
         with self._health_lock:
+            now = self._health[role][index]
+            if now is not before:  # the request path recorded a failure meanwhile (its calls, not ours)
+                logger.warning(
+                    "%s-%d answered a probe but became %s (%s) while it rejoined; the next probe decides",
+                    role,
+                    index,
+                    now.state.value,
+                    now.reason,
+                )
+                return
             self._set_health(role, index, after)
         logger.warning(
             "%s-%d rejoined routing after %.1f s %s (%s)",

@@ -93,6 +93,37 @@ def test_the_monitor_ignores_a_stale_failure_and_applies_the_next_one(caplog):
     assert decode.health.state is Health.DEAD
 
 
+def test_a_failure_recorded_while_an_instance_rejoins_is_not_overwritten(caplog):
+    """`_rejoin` rewires (Ray calls, seconds) before it puts the instance back: an actor-died error the
+    request path records meanwhile stands (the instance stays out of routing); without one it rejoins."""
+    pytest.importorskip("ray")
+    import threading
+    from types import SimpleNamespace
+
+    from pdcluster.orchestrator.health_monitor import InstanceMonitor
+
+    monitor = object.__new__(InstanceMonitor)
+    prefill = SimpleNamespace(health=InstanceHealth(Health.UNRESPONSIVE, "probe", since_s=30.0, pid=41))
+    monitor.instances = {"prefill": [prefill], "decode": []}
+    monitor._health_lock, monitor.call_timeout_s, failed = threading.Lock(), 3.0, []
+    monitor.topology = SimpleNamespace(kv_transport="shm")  # prefill is rewired when it rejoins
+    monitor._reply_channel_lost = lambda role, index: False
+    monitor._fail_attempts = lambda role, index: failed.append((role, index))
+
+    def rewire_while_the_actor_dies(ray, role, index, needs_rewire):
+        monitor._mark_failed(role, index, RuntimeError("the actor died"), "prefill")
+
+    monitor._rewire = rewire_while_the_actor_dies
+    with caplog.at_level("WARNING", logger="pdcluster.orchestrator.cluster"):
+        monitor._rejoin("prefill", 0, pid=41)
+    assert prefill.health.state is Health.DEAD and not prefill.health.routable
+    assert failed == [("prefill", 0)]
+    assert "prefill-0 answered a probe but became dead" in caplog.text
+    monitor._rewire = lambda ray, role, index, needs_rewire: None
+    monitor._rejoin("prefill", 0, pid=41)  # the next probe: the same process answers, nothing fails
+    assert prefill.health.state is Health.HEALTHY and prefill.health.pid == 41
+
+
 def test_errors_for_clients_carry_no_ray_internals():
     """What a client hears (BackendUnavailable, /health) names what happened, not actor ids, pids, IPs."""
     ray = pytest.importorskip("ray")
