@@ -25,7 +25,8 @@ import enum
 class Health(enum.Enum):
     HEALTHY = "healthy"  # answers within the call timeout; routed to
     UNRESPONSIVE = "unresponsive"  # a call timed out: out of routing, probed until it answers
-    DEAD = "dead"  # its process died: out of routing; rejoins only if Ray restarts it
+    DEAD = "dead"  # a call said its process died: out of routing; rejoins when a probe is answered (by
+    # a process Ray restarted, rewired first, or by the same one: then the error was not its death)
 
 
 @dataclasses.dataclass(frozen=True)
