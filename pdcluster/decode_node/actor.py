@@ -385,31 +385,36 @@ class DecodeNode(RankActor):
         tie to requests (scheduling, the loop itself: state unknown) fails every in-flight request.
         In lockstep (an expert-parallel rank) it steps even with nothing to run, after a short wait
         (`LOCKSTEP_IDLE_S`), since the other ranks' MoE collectives need this one."""
-        engine = self.engine
         while not self._stopped.is_set():
-            if self._group_error is not None:  # the instance cannot step any more: fail what comes
-                self._wakeup.wait(0.05)
-                self._wakeup.clear()
-                with self._locked():
-                    events = self._fail_all(f"{self.name}: instance group failed: {self._group_error}")
-                self._emit(events)
-                continue
-            if not engine.has_unfinished_requests() and not self._admissions and not self._faults_armed():
-                self._wakeup.wait(LOCKSTEP_IDLE_S if self.lockstep else 0.05)
-                self._wakeup.clear()
-                if not self.lockstep:
-                    continue
-            events: list[DecodeEvent] = []
-            try:
-                with self._locked():
-                    self._maybe_fault("loop")
-                    self._run_once(events)
-                    self._refresh_ep_summary()
-            except Exception as e:  # noqa: BLE001 - the last line of defence: fail everything in flight
-                self._loop_error(e, "decode engine loop failed")
-                with self._locked():
-                    events.extend(self._fail_all(f"decode engine loop failed: {e!r}"))
+            with self._engine_pass():
+                self._run_pass()
+
+    def _run_pass(self) -> None:
+        """One pass of the engine thread's loop (`_run`): wait a little for work, then `_run_once`."""
+        engine = self.engine
+        if self._group_error is not None:  # the instance cannot step any more: fail what comes
+            self._wakeup.wait(0.05)
+            self._wakeup.clear()
+            with self._locked():
+                events = self._fail_all(f"{self.name}: instance group failed: {self._group_error}")
             self._emit(events)
+            return
+        if not engine.has_unfinished_requests() and not self._admissions and not self._faults_armed():
+            self._wakeup.wait(LOCKSTEP_IDLE_S if self.lockstep else 0.05)
+            self._wakeup.clear()
+            if not self.lockstep:
+                return
+        events: list[DecodeEvent] = []
+        try:
+            with self._locked():
+                self._maybe_fault("loop")
+                self._run_once(events)
+                self._refresh_ep_summary()
+        except Exception as e:  # noqa: BLE001 - the last line of defence: fail everything in flight
+            self._loop_error(e, "decode engine loop failed")
+            with self._locked():
+                events.extend(self._fail_all(f"decode engine loop failed: {e!r}"))
+        self._emit(events)
 
     def _run_once(self, events: list[DecodeEvent]) -> None:
         """One pass under the engine lock: admit finished handoffs, step, turn outputs into events."""

@@ -1,8 +1,9 @@
 """Errors out of deploying and calling Ray actors, described in one line for a person or a client.
 
 `DeployError` (deploy failed after it started), `InstanceGroupFailed` (a multi-rank instance's group
-broke), `actor_error_message` (the exception an actor method or `__init__` raised, without Ray's traceback
-and ids) and `describe_error` (any error on the request path).
+broke), `EngineFailed` (a rank's engine thread died or is stuck), `actor_error_message` (the exception an
+actor method or `__init__` raised, without Ray's traceback and ids) and `describe_error` (any error on the
+request path).
 """
 
 from __future__ import annotations
@@ -16,6 +17,17 @@ class InstanceGroupFailed(RuntimeError):
     """A rank reports that its instance group failed (`instance_group_error` in its load: a collective
     timed out or broke because a peer rank died or stalled): the instance can never step again, so the
     driver takes it out of routing as dead, like an actor that died."""
+
+
+class EngineFailed(RuntimeError):
+    """A rank's engine thread died, or is stuck in one pass of its loop past the pool's `engine_watchdog_s`
+    (`orchestrator.health.engine_fault`), while the actor still answers calls: the instance is failed as
+    if its actor had died. `pid`: the rank's process, which the health monitor has Ray restart where Ray
+    restarts the instance's actors."""
+
+    def __init__(self, message: str, pid: int) -> None:
+        super().__init__(message)
+        self.pid = pid
 
 
 class DeployError(RuntimeError):

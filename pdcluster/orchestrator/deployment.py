@@ -38,11 +38,21 @@ from pdcluster.orchestrator.router import POLICIES, PrefixCacheModel
 from pdcluster.orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES, Topology, load_topology
 from pdcluster.orchestrator.wiring import ClusterWiring, advertised_address, free_ports
 
-__all__ = ["ClusterDeployment", "advertised_address", "free_ports"]
+__all__ = ["ClusterDeployment", "advertised_address", "free_ports", "ray_restarts"]
 
 logger = logging.getLogger("pdcluster.orchestrator.cluster")  # the driver's log, as before the split
 
 MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc, shm) this often; then it stays dead
+
+
+def ray_restarts(kv_transport: str, num_ranks: int) -> bool:
+    """Whether Ray restarts the actor of a rank that died (up to MAX_ACTOR_RESTARTS times): a one-rank
+    instance on an addressed KV transport (grpc, shm), which the health monitor rewires when it answers
+    again. A torch.distributed group (the KV transport's, a multi-rank instance's) is fixed at deploy
+    time: a restarted rank could not rejoin it."""
+    return kv_transport in ADDRESSED_KV_TRANSPORTS and num_ranks == 1
+
+
 # Seconds deploy waits for each rank actor to load its weights, and the ranks of an instance for each other
 # at their group's rendezvous (they start at once, but on a busy machine not at the same moment).
 ACTORS_READY_TIMEOUT_S = 300.0
@@ -232,6 +242,8 @@ class ClusterDeployment(ClusterWiring):
         for instance in self.instances["prefill"] + self.instances["decode"]:
             instance.health = InstanceHealth(since_s=up_s, pid=infos[instance.name].pid)
         self._health_lock = threading.Lock()
+        self._stuck_passes = {}  # the engine watchdog's (pid, pass) per rank name (health_monitor)
+        self._engine_restarts = {}  # the process the monitor last had Ray restart, per instance
         self._decode_addresses = decode_addresses
         self._poll_acked_seq = [[0] * d.num_ranks for d in self.instances["decode"]]  # per decode rank
         self.call_timeout_s = call_timeout_s(topo.kv_transfer.timeout_s)
@@ -288,11 +300,7 @@ class ClusterDeployment(ClusterWiring):
                     "num_cpus": spec.bundles[rank].get("CPU", 1),
                     "max_concurrency": 256,
                     # A crashed actor is restarted by Ray in its bundle, then rewired by the health monitor.
-                    # A torch.distributed group (the KV transport's, a multi-rank instance's) is fixed at
-                    # deploy time: a restarted rank could not rejoin it.
-                    "max_restarts": MAX_ACTOR_RESTARTS
-                    if topo.kv_transport in ADDRESSED_KV_TRANSPORTS and num_ranks == 1
-                    else 0,
+                    "max_restarts": MAX_ACTOR_RESTARTS if ray_restarts(topo.kv_transport, num_ranks) else 0,
                     "runtime_env": env,
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(
                         pg, placement_group_bundle_index=rank

@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdcluster.orchestrator.messages import DecodeNodeLoad, PrefillNodeLoad
 
 
 class Health(enum.Enum):
@@ -93,3 +97,32 @@ def after_answer(health: InstanceHealth, pid: int, now_s: float) -> tuple[Instan
     if health.state is Health.HEALTHY and not needs_rewire:
         return (health if health.pid == pid else dataclasses.replace(health, pid=pid)), False
     return InstanceHealth(Health.HEALTHY, "", now_s, pid), needs_rewire
+
+
+def engine_fault(
+    load: PrefillNodeLoad | DecodeNodeLoad, watchdog_s: float, stuck_before: tuple[int, int] | None
+) -> tuple[str | None, tuple[int, int] | None]:
+    """The engine watchdog, for one rank's load taken by a probe: whether its engine has failed.
+
+    It has when its engine thread is not alive, or when one pass of its loop has run longer than
+    `watchdog_s` seconds and was already that pass, past the watchdog, at the previous probe
+    (`stuck_before`: (pid, pass number) this function returned then). Needing two probes keeps a process
+    that was paused whole (SIGSTOP, swapping; `Health.UNRESPONSIVE`'s case) from being failed by the
+    first answer after it resumes, whose pass clock still counts the pause.
+
+    Returns:
+        (fault, stuck): `fault` says why the engine failed (None: it did not); `stuck` is (pid, pass
+        number) of a pass over the watchdog, to pass as `stuck_before` at the next probe (None: none).
+    """
+    if not load.engine_thread_alive:
+        return f"{load.name}: its engine thread died (last error: {load.last_engine_error or 'none'})", None
+    if load.engine_pass_s <= watchdog_s:
+        return None, None
+    stuck = (load.pid, load.engine_passes)
+    if stuck != stuck_before:
+        return None, stuck
+    return (
+        f"{load.name}: its engine thread has been in one pass of its loop for {load.engine_pass_s:.1f} s "
+        f"(engine_watchdog_s {watchdog_s:g})",
+        stuck,
+    )

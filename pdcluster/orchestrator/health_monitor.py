@@ -6,6 +6,12 @@ path that times out or dies marks its instance (`_mark_failed`; a decode instanc
 `DecodeLost` event), and a monitor thread probes every rank of every instance each PROBE_INTERVAL_S
 (`_probe_all`): an instance all of whose ranks answer rejoins, after rewiring its KV transport if Ray
 restarted its actor (a new process id of its leader). An instance fails and rejoins as one unit.
+
+The probe's loads also feed the engine watchdog (`health.engine_fault`): an instance one of whose ranks
+answers while its engine thread died or hangs in one pass (past the pool's `engine_watchdog_s`) is failed
+as dead, and where Ray restarts its actors (`deployment.ray_restarts`) the monitor kills them for Ray to
+restart; the new process is rewired and rejoins as after a crash. Elsewhere the instance stays out of
+routing until its engine passes again.
 """
 
 from __future__ import annotations
@@ -17,11 +23,18 @@ import logging
 import time
 from typing import Any
 
-from pdcluster.orchestrator.actor_errors import describe_error
+from pdcluster.orchestrator.actor_errors import EngineFailed, describe_error
 from pdcluster.orchestrator.backend import BackendUnavailable
-from pdcluster.orchestrator.deployment import advertised_address
+from pdcluster.orchestrator.deployment import advertised_address, ray_restarts
 from pdcluster.orchestrator.dispatch import PrefillFailed
-from pdcluster.orchestrator.health import InstanceHealth, ProbeOutcome, after_answer, after_failure, is_stale
+from pdcluster.orchestrator.health import (
+    InstanceHealth,
+    ProbeOutcome,
+    after_answer,
+    after_failure,
+    engine_fault,
+    is_stale,
+)
 from pdcluster.orchestrator.instance import Instance, check_instance_group
 from pdcluster.orchestrator.messages import DecodeLost, DecodeNodeLoad, PrefillNodeLoad
 from pdcluster.orchestrator.request_state import Attempt
@@ -57,6 +70,8 @@ class InstanceMonitor:
     _num_decode_events_pushed: int
     _num_binds_pushed: int
     _num_calls_pushed: dict[str, int]
+    _stuck_passes: dict[str, tuple[int, int]]  # the engine watchdog's `stuck` per rank name (engine_fault)
+    _engine_restarts: dict[tuple[str, int], int]  # the process last killed for Ray to restart, per instance
 
     @property
     def _health(self) -> dict[str, list[InstanceHealth]]:
@@ -250,9 +265,12 @@ class InstanceMonitor:
             try:
                 loads = [ray.get(ref, timeout=0) for ref in rank_refs]
                 check_instance_group(loads)
+                self._check_engines(instance, loads)
                 pids = [load.pid for load in loads]
-            except Exception as e:  # noqa: BLE001 - a rank stalled, restarting, dead, or its group failed
+            except Exception as e:  # noqa: BLE001 - a rank stalled, restarting, dead, its group or engine failed
                 self._mark_failed(instance.role, instance.index, e, "probe")
+                if isinstance(e, EngineFailed):
+                    self._restart_failed_engine(ray, instance, e.pid)
                 continue
             if instance.role == "decode" and instance.routable and instance.health.pid == pids[0]:
                 for rank, load in enumerate(loads):  # the router's view, refreshed (orchestrator.load_board)
@@ -262,6 +280,42 @@ class InstanceMonitor:
                 self._rejoin(instance.role, instance.index, pids[0])
             elif self._reply_channel_lost(instance.role, instance.index):
                 self._reconnect_reply_channel(ray, instance.role, instance.index)
+
+    def _check_engines(self, instance: Instance, loads: list[PrefillNodeLoad] | list[DecodeNodeLoad]) -> None:
+        """The engine watchdog over one instance's probe answers (`health.engine_fault`). Raises
+        EngineFailed naming the first rank whose engine failed."""
+        watchdog_s = self.topology.pool(instance.role).engine_watchdog_s
+        for load in loads:
+            fault, stuck = engine_fault(load, watchdog_s, self._stuck_passes.get(load.name))
+            if stuck is None:
+                self._stuck_passes.pop(load.name, None)
+            else:
+                self._stuck_passes[load.name] = stuck
+            if fault is not None:
+                raise EngineFailed(fault, loads[0].pid)
+
+    def _restart_failed_engine(self, ray, instance: Instance, pid: int) -> None:
+        """Instance `instance`, whose leader runs in process `pid`, failed the engine watchdog: kill its
+        actors for Ray to restart them (once per process), where Ray restarts them; else it stays out of
+        routing until its engine passes again (a dead engine thread: for good)."""
+        key = (instance.role, instance.index)
+        if self._engine_restarts.get(key) == pid:
+            return
+        self._engine_restarts[key] = pid
+        if not ray_restarts(self.topology.kv_transport, len(instance.ranks)):
+            logger.error(
+                "%s-%d: Ray does not restart its actors (kv_transfer %s, %d ranks): it stays out of routing "
+                "until its engine passes again",
+                instance.role,
+                instance.index,
+                self.topology.kv_transport,
+                len(instance.ranks),
+            )
+            return
+        logger.error("%s-%d: killing its actor for Ray to restart it (its engine failed)", *key)
+        for actor in instance.ranks:
+            with contextlib.suppress(Exception):  # gone already: Ray restarts it or it stays dead
+                ray.kill(actor, no_restart=False)
 
     def _rejoin(self, role: str, index: int, pid: int) -> None:
         """Instance (`role`, `index`) out of routing (or restarted) answered a probe from process `pid`:

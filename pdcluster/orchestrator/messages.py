@@ -85,6 +85,8 @@ class PrefillNodeLoad:
         num_queued_prefill_tokens: prompt tokens queued or being prefilled.
         num_requests: prefill jobs in flight.
         engine_thread_alive, num_engine_errors, last_engine_error: the engine thread's health.
+        engine_passes, engine_pass_s: passes of its loop the engine thread has begun, and the seconds the
+            current one has run so far (the health monitor's engine watchdog, `engine_watchdog_s`).
         instance_group_error: why the rank's instance group failed (a collective timed out or broke: a
             peer rank died or stalled); the instance cannot step any more. None: the group is sound (or
             there is none).
@@ -100,6 +102,8 @@ class PrefillNodeLoad:
     last_engine_error: str | None
     instance_group_error: str | None = None
     ep: dict | None = None
+    engine_passes: int = 0
+    engine_pass_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ class DecodeNodeLoad:
         num_reserved: reservations waiting for their handoff.
         num_waiting_for_seat: received, waiting for a seat in the batch (max_num_seqs), holding blocks.
         engine_thread_alive, num_engine_errors, last_engine_error: the engine thread's health.
-        instance_group_error, ep: as in `PrefillNodeLoad`.
+        engine_passes, engine_pass_s, instance_group_error, ep: as in `PrefillNodeLoad`.
         taken_s: when it was taken, on the rank's monotonic clock (seconds; orders snapshots of one
             process in `orchestrator.load_board.LoadBoard`).
     """
@@ -130,6 +134,8 @@ class DecodeNodeLoad:
     last_engine_error: str | None
     instance_group_error: str | None = None
     ep: dict | None = None
+    engine_passes: int = 0
+    engine_pass_s: float = 0.0
     taken_s: float = 0.0
 
     @property

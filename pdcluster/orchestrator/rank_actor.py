@@ -8,11 +8,16 @@
   the subclass's `_run`, stopped by `_stop_engine_thread`;
 - loop-error accounting: `_loop_error` counts and logs an exception the engine thread survived, and
   `_engine_health` reports it with the thread's liveness in load snapshots;
+- the engine watchdog's inputs: each pass of the engine loop runs in `_engine_pass`, which counts the
+  passes and times the current one; `_engine_health` reports both, and the driver's health monitor fails
+  an instance whose engine thread died or is stuck in one pass (`orchestrator.health.engine_fault`);
 - calls over the driver's reply socket (`orchestrator.reply_channel`): `_take_call` runs a call the driver
   sent there (the subclass's `_call_method`) on a thread of `_call_threads` and answers on the same
   connection, as a Ray call's reply would (`_answer_lost`: what to undo when the answer cannot be sent);
 - test-only fault injection: `inject_fault(where, count)` arms a fault point (the subclass's
-  FAULT_POINTS), `_maybe_fault(where)` raises RuntimeError there on the engine thread.
+  FAULT_POINTS), `_maybe_fault(where)` raises RuntimeError there on the engine thread; `inject_stall`
+  makes the engine thread's next pass hang (a deadlock or a kernel that never returns, as the watchdog
+  sees it) until `release_stall`.
 
 The classes are plain Python (the driver wraps them with `ray.remote` at deploy time), so their logic runs
 in-process in tests.
@@ -20,6 +25,7 @@ in-process in tests.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -97,6 +103,10 @@ class RankActor:
         self._fault_lock = threading.Lock()
         self._faults: dict[str, int] = {}  # test-only: inject_fault
         self._thread: threading.Thread | None = None
+        self._engine_passes = 0  # passes of the engine loop begun (`_engine_pass`)
+        self._pass_started_s: float | None = None  # time.monotonic() when the current one began
+        self._stall_s = 0.0  # test-only: inject_stall, release_stall
+        self._stall_released = threading.Event()
         self._group_error: str | None = None  # set once a collective of the instance group failed
         self._ep_summary: dict | None = None  # the engine's EP figures, copied by the engine thread
         self._ep_summary_at_s = 0.0
@@ -121,12 +131,27 @@ class RankActor:
     def _stop_engine_thread(self, timeout_s: float = 10.0) -> None:
         """Ask the engine thread to stop (`_stopped`) and wait up to `timeout_s` seconds for it."""
         self._stopped.set()
+        self._stall_released.set()
         self._wake_engine_thread()
         if self._thread is not None:
             self._thread.join(timeout_s)
 
     def _wake_engine_thread(self) -> None:
         """Wake an engine thread waiting for work (subclasses that wait on something set it here)."""
+
+    @contextlib.contextmanager
+    def _engine_pass(self):
+        """Around one pass of the engine loop (its wait for work included, at most a fraction of a second):
+        counts it and times it for the watchdog (`_engine_health`)."""
+        self._engine_passes += 1
+        self._pass_started_s = time.monotonic()
+        try:
+            if self._stall_s > 0:  # test-only: inject_stall
+                stall_s, self._stall_s = self._stall_s, 0.0
+                self._stall_released.wait(stall_s)
+            yield
+        finally:
+            self._pass_started_s = None
 
     # ---- calls over the driver's reply socket -------------------------------------------------------------
     def _call_method(self, call: ReserveRequest | PrefillRequest) -> Callable[[Any], Any]:
@@ -184,10 +209,14 @@ class RankActor:
         logger.error("%s: %s", self.name, what, exc_info=e)
 
     def _engine_health(self) -> dict[str, object]:
-        """`engine_thread_alive`, `num_engine_errors`, `last_engine_error`, `instance_group_error` and
-        `ep` (`ep_summary`, as the engine thread last copied it) for a load snapshot."""
+        """`engine_thread_alive`, `engine_passes`, `engine_pass_s`, `num_engine_errors`,
+        `last_engine_error`, `instance_group_error` and `ep` (`ep_summary`, as the engine thread last copied
+        it) for a load snapshot."""
+        started_s = self._pass_started_s
         return {
             "engine_thread_alive": self._thread is not None and self._thread.is_alive(),
+            "engine_passes": self._engine_passes,
+            "engine_pass_s": 0.0 if started_s is None else time.monotonic() - started_s,
             "num_engine_errors": self._num_loop_errors,
             "last_engine_error": self._last_loop_error,
             "instance_group_error": self._group_error,
@@ -231,6 +260,17 @@ class RankActor:
         with self._fault_lock:
             self._faults[where] = self._faults.get(where, 0) + count
         self._wake_engine_thread()
+
+    def inject_stall(self, seconds: float) -> None:
+        """Test-only: the engine thread's next pass hangs `seconds` (or until `release_stall` or the rank
+        stops), holding no lock: calls on other threads (`load`, reserves, KV receipt) are still answered."""
+        self._stall_released.clear()
+        self._stall_s = seconds
+        self._wake_engine_thread()
+
+    def release_stall(self) -> None:
+        """Test-only: end an injected stall now."""
+        self._stall_released.set()
 
     def _faults_armed(self) -> bool:
         with self._fault_lock:

@@ -129,6 +129,8 @@ _LOAD_FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "last_engine_error": (str, type(None)),
     "instance_group_error": (str, type(None)),
     "ep": (dict, type(None)),
+    "engine_passes": (int,),
+    "engine_pass_s": _NUMBER,
     "taken_s": _NUMBER,
 }
 

@@ -323,8 +323,9 @@ class PrefillNode(RankActor):
         the loop goes on: it never dies silently."""
         while not self._stopped.is_set():
             try:
-                if not self._run_once():
-                    return
+                with self._engine_pass():
+                    if not self._run_once():
+                        return
             except Exception as e:  # noqa: BLE001 - the last line of defence: fail everything in flight
                 self._loop_error(e, "prefill engine loop failed")
                 for request_id in list(self._active):

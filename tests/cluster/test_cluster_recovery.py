@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "def add(a, b):\n    return"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+ENGINE_WATCHDOG_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,10 @@ def cluster(ray_session):
         topo,
         # timeout_s 6: call_timeout_s 3 s, so a stall is noticed within seconds.
         kv_transfer=dataclasses.replace(topo.kv_transfer, transport="grpc", timeout_s=6),
-        decode=dataclasses.replace(topo.decode, kv_cache_memory_bytes=16 << 20, compile=False),  # eager
+        # eager; the engine watchdog at 2 s (its minimum is 1; this model's passes take milliseconds)
+        decode=dataclasses.replace(
+            topo.decode, kv_cache_memory_bytes=16 << 20, compile=False, engine_watchdog_s=ENGINE_WATCHDOG_S
+        ),
         prefill=dataclasses.replace(topo.prefill, kv_cache_memory_bytes=16 << 20),
     )
     with deployed_with_loop(topo) as cluster:
@@ -143,6 +147,33 @@ def test_a_crashed_prefill_is_restarted_and_takes_its_binds_on_its_new_connectio
     assert _generate(cluster, "after-prefill-crash") == expected_tokens
     assert cluster._num_binds_pushed == binds_before + 1
     assert cluster._num_calls_pushed["prefill"] == prefills_before + 1
+    assert_nothing_held(cluster)
+
+
+def test_a_decode_engine_stuck_in_one_pass_is_failed_and_restarted(cluster, expected_tokens, caplog) -> None:
+    """The decode engine thread hangs in one pass (inject_stall: a deadlock, a kernel that never returns)
+    while its actor answers every call: the health monitor's engine watchdog fails the instance (the
+    request in flight ends with BackendUnavailable naming decode-0, not a hang), kills the actor for Ray
+    to restart, and the new process is rewired and serves the same greedy tokens."""
+    import ray
+
+    pid = _pid(cluster, "decode")
+    stall_s = 10 * request_bound_s(cluster)  # never ends by itself within the test
+    ray.get(cluster.decode_actors[0].inject_stall.remote(stall_s), timeout=cluster.call_timeout_s)
+    with caplog.at_level("ERROR", logger="pdcluster.orchestrator.cluster"):
+        with pytest.raises(BackendUnavailable, match="decode-0"):
+            _generate(cluster, "during-engine-stall")
+        # Two probes past the watchdog (its pass runs over ENGINE_WATCHDOG_S, then is seen again), then a
+        # restart, which loads the weights again (bounded as in the crash test).
+        probes_s = 2 * (PROBE_INTERVAL_S + call_bound_s(cluster))
+        bound_s = ENGINE_WATCHDOG_S + probes_s + request_bound_s(cluster)
+        recovery_s = _seconds_until_routable_after_restart(cluster, "decode", pid, bound_s)
+    print(f"decode failed by the watchdog, restarted and back {recovery_s:.2f} s after the request failed")
+    failed = "decode-0 is dead (probe: EngineFailed: decode-0: its engine thread has been in one pass of its"
+    assert failed in caplog.text
+    assert "decode-0: killing its actor for Ray to restart it (its engine failed)" in caplog.text
+    assert _pid(cluster, "decode") != pid
+    assert _generate(cluster, "after-engine-stall") == expected_tokens
     assert_nothing_held(cluster)
 
 

@@ -203,6 +203,37 @@ def test_an_injected_decode_fault_is_an_error_event_and_the_loop_survives(nodes)
     _assert_idle(prefill, decode)
 
 
+def test_a_stalled_engine_pass_shows_in_the_load_and_the_loop_goes_on(nodes) -> None:
+    """The engine watchdog's inputs (`engine_passes`, `engine_pass_s`): while an engine thread hangs in one
+    pass (inject_stall), its count stands still and the pass's seconds grow, and `load` still answers;
+    released, the loop passes again and a handoff is served."""
+    prefill, decode = nodes
+    for node in (prefill, decode):
+        node.inject_stall(EVENT_WAIT_S)
+        try:
+            deadline_s = time.monotonic() + EVENT_WAIT_S
+            while (stalled := node.load()).engine_pass_s < 0.2:
+                assert time.monotonic() < deadline_s, f"{node.name}: the stall never showed"
+                time.sleep(0.01)
+            time.sleep(0.1)
+            later = node.load()
+            assert later.engine_passes == stalled.engine_passes and later.engine_thread_alive
+            assert later.engine_pass_s >= stalled.engine_pass_s + 0.1
+        finally:
+            node.release_stall()
+        deadline_s = time.monotonic() + EVENT_WAIT_S
+        while (after := node.load()).engine_passes == stalled.engine_passes:
+            assert time.monotonic() < deadline_s, f"{node.name}: the loop did not pass again"
+            time.sleep(0.01)
+        assert after.engine_pass_s < EVENT_WAIT_S
+    reserved = decode.reserve(ReserveRequest("h-stall", PROMPT, GREEDY, _meta(prefill, "h-stall"), 1))
+    prefill.prefill(PrefillRequest("h-stall", PROMPT, GREEDY, reserved.bound_meta, 0))
+    events, _ = _events_until(decode, "h-stall", lambda e: isinstance(e, RequestError) or e.finished)
+    assert all(isinstance(e, TokenDelta) for e in events), events
+    assert sum(len(e.new_token_ids) for e in events) == GREEDY.max_tokens
+    _assert_idle(prefill, decode)
+
+
 def _tokens(events) -> list[int]:
     return [t for e in events for t in e.new_token_ids]
 

@@ -10,8 +10,10 @@ from pdcluster.orchestrator.health import (
     ProbeOutcome,
     after_answer,
     after_failure,
+    engine_fault,
     is_stale,
 )
+from pdcluster.orchestrator.messages import DecodeNodeLoad
 
 
 def test_a_timeout_makes_an_instance_unresponsive_and_an_answer_from_the_same_process_brings_it_back():
@@ -141,3 +143,98 @@ def test_errors_for_clients_carry_no_ray_internals():
     assert "pid=" in str(raised)  # Ray adds the raising process id and node IP
     assert describe_error(raised).startswith("ValueError: top_p must be in (0, 1], got 0.0")
     assert "pid=" not in describe_error(raised)
+
+
+def _load(pid=41, passes=7, pass_s=0.0, alive=True, error=None) -> DecodeNodeLoad:
+    return DecodeNodeLoad(
+        name="decode-0",
+        pid=pid,
+        num_free_blocks=10,
+        num_total_blocks=10,
+        num_running=1,
+        num_reserved=0,
+        num_waiting_for_seat=0,
+        engine_thread_alive=alive,
+        num_engine_errors=0 if error is None else 1,
+        last_engine_error=error,
+        engine_passes=passes,
+        engine_pass_s=pass_s,
+    )
+
+
+def test_the_engine_watchdog_fails_a_pass_stuck_at_two_probes_in_a_row():
+    """Over the watchdog at one probe is remembered, not failed (a process paused whole answers first with
+    its pre-pause pass); the same pass of the same process over it at the next probe is a fault."""
+    assert engine_fault(_load(pass_s=0.02), 10.0, None) == (None, None)
+    fault, stuck = engine_fault(_load(pass_s=12.0), 10.0, None)
+    assert fault is None and stuck == (41, 7)
+    fault, stuck = engine_fault(_load(pass_s=13.0), 10.0, stuck)
+    assert (
+        fault
+        == "decode-0: its engine thread has been in one pass of its loop for 13.0 s (engine_watchdog_s 10)"
+    )
+    assert stuck == (41, 7)
+    # The loop moved on (a new pass), or a new process numbers its passes from 1: remembered afresh.
+    assert engine_fault(_load(passes=8, pass_s=12.0), 10.0, (41, 7)) == (None, (41, 8))
+    assert engine_fault(_load(pid=42, pass_s=12.0), 10.0, (41, 7)) == (None, (42, 7))
+    assert engine_fault(_load(pass_s=3.0), 10.0, (41, 7)) == (None, None)  # it passes again
+
+
+def test_the_engine_watchdog_fails_a_dead_engine_thread_at_once():
+    fault, stuck = engine_fault(_load(alive=False, error="decode step failed: MemoryError()"), 10.0, None)
+    assert fault == "decode-0: its engine thread died (last error: decode step failed: MemoryError())"
+    assert stuck is None
+
+
+def _watchdog_monitor(kv_transport: str, num_ranks: int, watchdog_s: float = 10.0):
+    import threading
+    from types import SimpleNamespace
+
+    from pdcluster.orchestrator.health_monitor import InstanceMonitor
+
+    monitor = object.__new__(InstanceMonitor)
+    pool = SimpleNamespace(engine_watchdog_s=watchdog_s)
+    monitor.topology = SimpleNamespace(kv_transport=kv_transport, pool=lambda role: pool)
+    monitor._health_lock, monitor._stuck_passes, monitor._engine_restarts = threading.Lock(), {}, {}
+    instance = SimpleNamespace(role="decode", index=0, ranks=[f"actor-{r}" for r in range(num_ranks)])
+    return monitor, instance
+
+
+def test_the_monitor_has_ray_restart_a_failed_engine_once_per_process(caplog):
+    pytest.importorskip("ray")
+    from types import SimpleNamespace
+
+    from pdcluster.orchestrator.actor_errors import EngineFailed
+
+    monitor, instance = _watchdog_monitor("shm", num_ranks=1)
+    monitor._check_engines(instance, [_load(pass_s=11.0)])  # first sighting: remembered
+    assert monitor._stuck_passes == {"decode-0": (41, 7)}
+    with pytest.raises(EngineFailed, match="one pass of its loop for 12.0 s") as failed:
+        monitor._check_engines(instance, [_load(pass_s=12.0)])
+    assert failed.value.pid == 41
+    killed = []
+    ray = SimpleNamespace(kill=lambda actor, no_restart: killed.append((actor, no_restart)))
+    with caplog.at_level("ERROR", logger="pdcluster.orchestrator.cluster"):
+        monitor._restart_failed_engine(ray, instance, failed.value.pid)
+        monitor._restart_failed_engine(ray, instance, failed.value.pid)  # the next probe, same process
+    assert killed == [("actor-0", False)]  # once, and restartable
+    assert "decode-0: killing its actor for Ray to restart it (its engine failed)" in caplog.text
+    monitor._check_engines(instance, [_load(pid=42, passes=3)])  # the restarted process passes: no fault
+    assert monitor._stuck_passes == {}
+
+
+def test_an_instance_ray_does_not_restart_is_left_out_of_routing_not_killed(caplog):
+    pytest.importorskip("ray")
+    from types import SimpleNamespace
+
+    killed = []
+    ray = SimpleNamespace(kill=lambda actor, no_restart: killed.append(actor))
+    for transport, num_ranks in (("torch_distributed", 1), ("shm", 2)):
+        monitor, instance = _watchdog_monitor(transport, num_ranks)
+        with caplog.at_level("ERROR", logger="pdcluster.orchestrator.cluster"):
+            monitor._restart_failed_engine(ray, instance, pid=41)
+        assert (
+            f"decode-0: Ray does not restart its actors (kv_transfer {transport}, {num_ranks} ranks)"
+            in caplog.text
+        )
+    assert killed == []

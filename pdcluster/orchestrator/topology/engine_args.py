@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 
-# Pool fields that size and place the pool (instances, their devices, parallelism): not engine arguments.
+# Pool fields that size and place the pool (instances, their devices, parallelism) or that the driver
+# applies (the engine watchdog): not engine arguments.
 POOL_DEPLOYMENT_FIELDS = frozenset(
     {
         "num_instances",
@@ -32,6 +33,7 @@ POOL_DEPLOYMENT_FIELDS = frozenset(
         "expert_parallel_size",
         "num_redundant_experts",
         "eplb_interval_steps",
+        "engine_watchdog_s",
     }
 )
 

@@ -204,6 +204,13 @@ class PoolConfig:
             Ignored (eager, with a warning in the rank's log) with an int8 KV cache or expert parallelism;
             a compilation that fails at load (no C++ compiler, an inductor error) leaves the rank running
             eagerly, with a warning naming the error.
+        engine_watchdog_s: the engine watchdog (seconds). A rank whose engine thread died, or has spent
+            longer than this in one pass of its loop (a step with the admissions and outputs around it)
+            and is still in that pass at the next probe, fails its instance: out of routing, its in-flight
+            requests failed, and its actors restarted where Ray restarts them (one-rank instances on an
+            addressed KV transport); else it rejoins when its engine passes again. SGLang's
+            `--watchdog-timeout` has the same default (300 s). Set it above the longest step expected (a
+            long prompt on a slow device).
     """
 
     num_instances: int = field(default=1, metadata=between(1, MAX_INSTANCES))
@@ -221,6 +228,7 @@ class PoolConfig:
     max_model_len: int | None = field(default=None, metadata=between(1, MAX_TOKENS))
     enable_prefix_caching: bool = True
     compile: bool = False
+    engine_watchdog_s: float = field(default=300.0, metadata=between(1, MAX_TIMEOUT_S))
 
     def __post_init__(self) -> None:
         check_fields(self)
