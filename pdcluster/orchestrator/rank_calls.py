@@ -8,11 +8,10 @@ to the requests' event loop, where `_on_answer` settles the call it answers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterator
 
 from pdcluster.orchestrator.messages import PrefillRequest, ReserveRequest
-from pdcluster.orchestrator.reply_channel import ReplyListener
+from pdcluster.orchestrator.reply_channel import ReplyListener, call_soon_on
 from pdcluster.orchestrator.reply_records import CALL_KINDS, CallAnswer, RankCall, call_kind
 
 
@@ -55,11 +54,7 @@ class RankCalls:
     def _on_answer_threadsafe(self, who: str, answer: CallAnswer | None) -> None:
         """The reply listener's thread (`ReplyListener`'s `on_answer`): hand a rank's answer to a call, or
         its connection's close (None), to the requests' event loop."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: its requests are gone with it
-            loop.call_soon_threadsafe(self._on_answer, who, answer)
+        call_soon_on(self._loop, self._on_answer, who, answer)
 
     def _on_answer(self, who: str, answer: CallAnswer | None) -> None:
         """Rank `who` answered a call with its result or the error it raised: taken only for the call of that

@@ -63,6 +63,7 @@ this module is the driver's end of the socket (`ReplyListener`), `orchestrator.r
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import hmac
@@ -122,6 +123,16 @@ class _Peer:
     prefill: bool = True  # a prefill rank (pushes results, takes binds); else a decode rank (pushes events)
     calls: bool = False  # it takes calls (`send_call`): a prefill rank's prefills, a decode rank's reserves
     registered: bool = False  # the first connection under its tag: binds and calls go to it
+
+
+def call_soon_on(loop: asyncio.AbstractEventLoop | None, callback: Callable[..., Any], *args: Any) -> None:
+    """From the listener's thread: run `callback(*args)` on `loop` (the requests' event loop, which owns
+    every request's state and queues), or drop it when there is no loop or it has closed (what it was for
+    went with it)."""
+    if loop is None or loop.is_closed():
+        return
+    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+        loop.call_soon_threadsafe(callback, *args)
 
 
 EventsCallback = Callable[[str, list[PolledEvent], DecodeNodeLoad], None]

@@ -33,7 +33,6 @@ Every wait is bounded: actor calls by `call_timeout_s`, the prefill call and eac
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import time
@@ -71,6 +70,7 @@ from pdcluster.orchestrator.messages import (
     PrefillResult,
     TokenDelta,
 )
+from pdcluster.orchestrator.reply_channel import call_soon_on
 from pdcluster.orchestrator.reply_records import handoff_tag
 from pdcluster.orchestrator.request_state import Attempt, RequestRecord
 from pdcluster.orchestrator.router import RankRef
@@ -308,11 +308,7 @@ class RequestDispatch:
     # ---- prefill results pushed over the reply socket (`orchestrator.reply_channel`) ---------------------
     def _on_prefill_reply_threadsafe(self, handoff_id: str, tag: str, result: PrefillResult) -> None:
         """The reply listener's thread: hand a pushed result to the requests' event loop."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: that attempt is gone with it
-            loop.call_soon_threadsafe(self._on_prefill_reply, handoff_id, tag, result)
+        call_soon_on(self._loop, self._on_prefill_reply, handoff_id, tag, result)
 
     def _on_prefill_reply(self, handoff_id: str, tag: str, result: PrefillResult) -> None:
         """A prefill rank pushed the result its call is about to return: it is the attempt's `PrefillDone`
@@ -341,11 +337,7 @@ class RequestDispatch:
     # ---- decode events pushed over the reply socket (`orchestrator.reply_channel`) -------------------------
     def _on_decode_events_threadsafe(self, who: str, events: list[PolledEvent], load: DecodeNodeLoad) -> None:
         """The reply listener's thread: hand a decode rank's pushed events to the requests' event loop."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: its requests are gone with it
-            loop.call_soon_threadsafe(self._on_decode_events, who, events, load)
+        call_soon_on(self._loop, self._on_decode_events, who, events, load)
 
     def _on_decode_events(self, who: str, events: list[PolledEvent], load: DecodeNodeLoad) -> None:
         """Events a decode rank pushed (consecutive seqs) and its load then, from the connection tagged
