@@ -481,7 +481,7 @@ class PrefillNode(RankActor):
         if job.step_error is not None:  # it fails once the step is over: its token is not the client's
             return
         try:
-            text = early_first_token_text(self.engine.tokenizer, job.request.params, token_id)
+            text = self._first_token_text(job, token_id)
             request = self.engine.scheduler.get_request(request_id)
             if text is None or request is None:
                 return
@@ -497,6 +497,13 @@ class PrefillNode(RankActor):
             pusher.push(request_id, job.meta.secret, early)
         except Exception:  # noqa: BLE001 - an optimization: the finished result still comes
             logger.exception("%s: pushing the first token of %s early failed", self.name, request_id)
+
+    def _first_token_text(self, job: Job, token_id: int) -> str | None:
+        """`early_first_token_text` of `job`'s first token `token_id`, decoded once per job."""
+        if job.first_token_text is None or job.first_token_text[0] != token_id:
+            text = early_first_token_text(self.engine.tokenizer, job.request.params, token_id)
+            job.first_token_text = (token_id, text)
+        return job.first_token_text[1]
 
     def _take_bind(self, handoff_id: str) -> PrefillBind | None:
         with self._lock:
@@ -591,7 +598,7 @@ class PrefillNode(RankActor):
             cpu_wait_s=job.cpu_wait_s,
             first_token_text=None
             if job.request.first_token_id is not None  # the client has it
-            else early_first_token_text(self.engine.tokenizer, job.request.params, result.first_token_id),
+            else self._first_token_text(job, result.first_token_id),
         )
         pusher = self._reply_pusher
         if pusher is not None:  # the driver has it before the reply of the call below

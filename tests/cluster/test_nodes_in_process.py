@@ -724,12 +724,22 @@ def test_events_are_pushed_in_sequence_and_the_poll_returns_early_only_for_the_r
     _assert_idle(prefill, decode)
 
 
-def test_a_prefill_pushes_its_first_token_as_soon_as_it_is_sampled_then_the_finished_result(nodes) -> None:
+def test_a_prefill_pushes_its_first_token_as_soon_as_it_is_sampled_then_the_finished_result(
+    nodes, monkeypatch
+) -> None:
     """With the reply channel connected, a bound prefill pushes its first token (a result with
     `handoff_finished` False: no drafts, no last layer yet) before it pushes the finished result (same
-    token and text, its drafts and its phases); the call returns the finished one. A request whose first
-    token the client already has pushes no early one; nor does one whose text only decode may stream."""
+    token and text, decoded once, its drafts and its phases); the call returns the finished one. A request
+    whose first token the client already has pushes no early one; nor does one whose text only decode may
+    stream."""
+    import pdcluster.prefill_node.actor as prefill_actor
+
     prefill, decode = nodes
+    decoded = []
+    real = prefill_actor.early_first_token_text
+    monkeypatch.setattr(
+        prefill_actor, "early_first_token_text", lambda *args: decoded.append(args[2]) or real(*args)
+    )
     got: queue.Queue = queue.Queue()
     listener = ReplyListener(lambda handoff_id, tag, result: got.put((handoff_id, result)))
     try:
@@ -744,6 +754,7 @@ def test_a_prefill_pushes_its_first_token_as_soon_as_it_is_sampled_then_the_fini
             finished.first_token_id,
             finished.first_token_text,
         )
+        assert decoded == [early.first_token_id]  # its text was decoded once, for both results
         assert early.num_drafts == 0 and finished.num_drafts == 1  # k = 1: its draft went with the finish
         assert early.last_layer_sent_s is None and finished.last_layer_sent_s is not None
         assert 0.0 <= early.prefill_s <= finished.prefill_s
