@@ -408,6 +408,7 @@ class DecodeNode(RankActor):
         try:
             with self._locked():
                 self._maybe_fault("loop")
+                self._maybe_stall()
                 self._run_once(events)
                 self._refresh_ep_summary()
         except Exception as e:  # noqa: BLE001 - the last line of defence: fail everything in flight

@@ -22,8 +22,8 @@ class InstanceGroupFailed(RuntimeError):
 class EngineFailed(RuntimeError):
     """A rank's engine thread died, or is stuck in one pass of its loop past the pool's `engine_watchdog_s`
     (`orchestrator.health.engine_fault`), while the actor still answers calls: the instance is failed as
-    if its actor had died. `pid`: the rank's process, which the health monitor has Ray restart where Ray
-    restarts the instance's actors."""
+    if its actor had died. `pid`: the process of the instance's leader (rank 0), by which the health
+    monitor kills the instance's actors once per incarnation, for Ray to restart, where Ray restarts them."""
 
     def __init__(self, message: str, pid: int) -> None:
         super().__init__(message)

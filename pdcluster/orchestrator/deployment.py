@@ -38,11 +38,16 @@ from pdcluster.orchestrator.router import POLICIES, PrefixCacheModel
 from pdcluster.orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES, Topology, load_topology
 from pdcluster.orchestrator.wiring import ClusterWiring, advertised_address, free_ports
 
-__all__ = ["ClusterDeployment", "advertised_address", "free_ports", "ray_restarts"]
+__all__ = ["PROBE_GROUP", "ClusterDeployment", "advertised_address", "free_ports", "ray_restarts"]
 
 logger = logging.getLogger("pdcluster.orchestrator.cluster")  # the driver's log, as before the split
 
 MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc, shm) this often; then it stays dead
+# The rank actors' Ray concurrency group for the health monitor's probes (`load`), with threads of its own:
+# calls that wait for a hung engine (a decode abort, a reserve) can take every thread of the default group
+# (max_concurrency), and a probe queued behind them would never be answered.
+PROBE_GROUP = "probe"
+PROBE_GROUPS = {PROBE_GROUP: 2}  # the actor classes' `concurrency_groups` (Ray takes them only at ray.remote)
 
 
 def ray_restarts(kv_transport: str, num_ranks: int) -> bool:
@@ -321,13 +326,17 @@ class ClusterDeployment(ClusterWiring):
                 name = instance.rank_name(rank)
                 if spec.role == "prefill":
                     actor = (
-                        ray.remote(prefill_cls)
+                        ray.remote(concurrency_groups=PROBE_GROUPS)(prefill_cls)
                         .options(**options)
                         .remote(config, name, topo.kv_transfer.layerwise, group)
                     )
                 else:
                     host = "127.0.0.1" if self._loopback else "0.0.0.0"
-                    actor = ray.remote(decode_cls).options(**options).remote(config, name, host, group)
+                    actor = (
+                        ray.remote(concurrency_groups=PROBE_GROUPS)(decode_cls)
+                        .options(**options)
+                        .remote(config, name, host, group)
+                    )
                 instance.ranks.append(actor)
             self.instances[spec.role].append(instance)
             names[(spec.role, spec.index)] = [instance.rank_name(r) for r in range(num_ranks)]

@@ -4,9 +4,10 @@ Pure policy over plain data (no Ray calls), used by `orchestrator.cluster.Cluste
 
     HEALTHY ──call timed out──▶ UNRESPONSIVE ──answers, same process──▶ HEALTHY
        │                             │
-       └──actor died──▶ DEAD ◀───────┘ (died while unresponsive)
-                         │
-                         └──answers, new process (Ray restarted it)──▶ rewired ──▶ HEALTHY
+       ├──actor died──▶ DEAD ◀───────┘ (died while unresponsive)
+       │                 │
+       │                 └──answers, new process (Ray restarted it)──▶ rewired ──▶ HEALTHY
+       └──engine failed (answers, but its engine thread died or is stuck: `engine_fault`)──▶ DEAD
 
 Only HEALTHY instances are routed to. An instance leaves HEALTHY when one call on the request path
 times out (`call_timeout_s`, derived from `kv_transfer.timeout_s`) or raises an actor error; its in-flight
@@ -14,6 +15,11 @@ requests fail then (their KV state lives on it). The cluster's health monitor pr
 is not HEALTHY every `probe_interval_s`; the probe's answer carries the actor's process id, so a restarted
 actor (a new process in the same placement group bundle) is told from one that was only stalled: the
 restarted one is rewired (its KV transport connected again) before it rejoins.
+
+An actor can answer while its engine does not run: its engine thread died, or hangs in a step (a deadlock,
+a kernel that never returns). `engine_fault` is the watchdog over what a probe's load reports: such an
+instance is failed as DEAD, like one whose actor died, and stays out of routing while its engine fails
+(the monitor has Ray restart it where Ray restarts actors).
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ if TYPE_CHECKING:
 class Health(enum.Enum):
     HEALTHY = "healthy"  # answers within the call timeout; routed to
     UNRESPONSIVE = "unresponsive"  # a call timed out: out of routing, probed until it answers
-    DEAD = "dead"  # a call said its process died: out of routing; rejoins when a probe is answered (by
-    # a process Ray restarted, rewired first, or by the same one: then the error was not its death)
+    DEAD = "dead"  # a call said its process died, or its engine failed: out of routing; rejoins when a
+    # probe is answered with a working engine (by a process Ray restarted, rewired first, or by the same
+    # one: then the error was not its death, or its engine passes again)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,30 +106,41 @@ def after_answer(health: InstanceHealth, pid: int, now_s: float) -> tuple[Instan
     return InstanceHealth(Health.HEALTHY, "", now_s, pid), needs_rewire
 
 
+# A pass over the watchdog must still be the current pass this long later on the driver's clock (at most the
+# watchdog itself) before it is a fault: a process paused whole (SIGSTOP, swapping) answers its first probe
+# after resuming with a pass clock that counts the pause, and gets this long to finish that pass.
+STUCK_CONFIRM_S = 10.0
+
+
 def engine_fault(
-    load: PrefillNodeLoad | DecodeNodeLoad, watchdog_s: float, stuck_before: tuple[int, int] | None
-) -> tuple[str | None, tuple[int, int] | None]:
-    """The engine watchdog, for one rank's load taken by a probe: whether its engine has failed.
+    load: PrefillNodeLoad | DecodeNodeLoad,
+    watchdog_s: float,
+    stuck_before: tuple[int, int, float] | None,
+    now_s: float,
+) -> tuple[str | None, tuple[int, int, float] | None]:
+    """The engine watchdog, for one rank's load taken by a probe at `now_s` (the driver's time.monotonic(),
+    seconds): whether its engine has failed.
 
     It has when its engine thread is not alive, or when one pass of its loop has run longer than
-    `watchdog_s` seconds and was already that pass, past the watchdog, at the previous probe
-    (`stuck_before`: (pid, pass number) this function returned then). Needing two probes keeps a process
-    that was paused whole (SIGSTOP, swapping; `Health.UNRESPONSIVE`'s case) from being failed by the
-    first answer after it resumes, whose pass clock still counts the pause.
+    `watchdog_s` seconds and the driver has seen that same pass (process id and pass number) over the
+    watchdog for at least min(`watchdog_s`, `STUCK_CONFIRM_S`) seconds (`stuck_before`: what this
+    function returned at the previous probe).
 
     Returns:
         (fault, stuck): `fault` says why the engine failed (None: it did not); `stuck` is (pid, pass
-        number) of a pass over the watchdog, to pass as `stuck_before` at the next probe (None: none).
+        number, when first seen over the watchdog) of a pass over the watchdog, to pass as `stuck_before`
+        at the next probe (None: none).
     """
     if not load.engine_thread_alive:
         return f"{load.name}: its engine thread died (last error: {load.last_engine_error or 'none'})", None
     if load.engine_pass_s <= watchdog_s:
         return None, None
-    stuck = (load.pid, load.engine_passes)
-    if stuck != stuck_before:
-        return None, stuck
+    if stuck_before is None or stuck_before[:2] != (load.pid, load.engine_passes):
+        return None, (load.pid, load.engine_passes, now_s)
+    if now_s - stuck_before[2] < min(watchdog_s, STUCK_CONFIRM_S):
+        return None, stuck_before
     return (
         f"{load.name}: its engine thread has been in one pass of its loop for {load.engine_pass_s:.1f} s "
         f"(engine_watchdog_s {watchdog_s:g})",
-        stuck,
+        stuck_before,
     )

@@ -11,7 +11,10 @@ The probe's loads also feed the engine watchdog (`health.engine_fault`): an inst
 answers while its engine thread died or hangs in one pass (past the pool's `engine_watchdog_s`) is failed
 as dead, and where Ray restarts its actors (`deployment.ray_restarts`) the monitor kills them for Ray to
 restart; the new process is rewired and rejoins as after a crash. Elsewhere the instance stays out of
-routing until its engine passes again.
+routing while its engine fails. Probes (and `stats()`'s loads) run in the actors' own Ray concurrency group
+(`deployment.PROBE_GROUP`), so calls blocked behind a hung engine cannot starve them; and an instance out
+of routing does not rejoin while a rank's pass has run longer than a call may take (`call_timeout_s`): its
+calls that wait for the engine would time out again.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 from pdcluster.orchestrator.actor_errors import EngineFailed, describe_error
 from pdcluster.orchestrator.backend import BackendUnavailable
-from pdcluster.orchestrator.deployment import advertised_address, ray_restarts
+from pdcluster.orchestrator.deployment import PROBE_GROUP, advertised_address, ray_restarts
 from pdcluster.orchestrator.dispatch import PrefillFailed
 from pdcluster.orchestrator.health import (
     InstanceHealth,
@@ -49,7 +52,8 @@ PROBE_INTERVAL_S = 1.0  # the health monitor probes every instance this often (s
 def rank_stats(load: PrefillNodeLoad | DecodeNodeLoad) -> dict[str, Any]:
     """One rank's load for `stats()["ranks"]`: its counters by field name (`orchestrator.messages`; decode:
     free / total KV blocks, running, reserved, waiting for a seat; prefill: queued prompt tokens,
-    requests), its engine's error count, and `ep`: its expert-parallel figures, when its engine has them."""
+    requests), its engine's error count and passes (`engine_passes`), and `ep`: its expert-parallel figures,
+    when its engine has them."""
     fields = {f.name: getattr(load, f.name) for f in dataclasses.fields(load)}
     stats = {k: v for k, v in fields.items() if isinstance(v, int) and not isinstance(v, bool) and k != "pid"}
     if fields.get("ep") is not None:
@@ -107,7 +111,7 @@ class InstanceMonitor:
             for actor in instance.ranks
         ]
         sent_s = time.monotonic()
-        refs = [actor.load.remote() for _, _, actor in targets]
+        refs = [actor.load.options(concurrency_group=PROBE_GROUP).remote() for _, _, actor in targets]
         ray.wait(refs, num_returns=len(refs), timeout=self.call_timeout_s)
         loads: dict[str, list[Any]] = {"prefill": [], "decode": []}
         for (role, i, _), ref in zip(targets, refs, strict=True):
@@ -256,7 +260,10 @@ class InstanceMonitor:
         targets = [instance for role in ROLES for instance in self.instances[role]]
         if not targets or self._closed:
             return
-        refs = [[actor.load.remote() for actor in instance.ranks] for instance in targets]
+        refs = [
+            [actor.load.options(concurrency_group=PROBE_GROUP).remote() for actor in instance.ranks]
+            for instance in targets
+        ]
         flat = [ref for rank_refs in refs for ref in rank_refs]
         ray.wait(flat, num_returns=len(flat), timeout=self.call_timeout_s)
         for instance, rank_refs in zip(targets, refs, strict=True):
@@ -269,43 +276,51 @@ class InstanceMonitor:
                 pids = [load.pid for load in loads]
             except Exception as e:  # noqa: BLE001 - a rank stalled, restarting, dead, its group or engine failed
                 self._mark_failed(instance.role, instance.index, e, "probe")
-                if isinstance(e, EngineFailed):
+                if isinstance(e, EngineFailed) and not self._closed:
                     self._restart_failed_engine(ray, instance, e.pid)
                 continue
             if instance.role == "decode" and instance.routable and instance.health.pid == pids[0]:
                 for rank, load in enumerate(loads):  # the router's view, refreshed (orchestrator.load_board)
                     self._loads.update_decode(RankRef(instance.index, rank), load)
             health = instance.health
-            if not health.routable or health.pid != pids[0]:
+            # Not back while a pass runs longer than a call may take: its calls that wait for the engine
+            # (a reserve) would time out again, and it would leave routing again.
+            in_long_pass = max(load.engine_pass_s for load in loads) > self.call_timeout_s
+            if (not health.routable and not in_long_pass) or health.pid != pids[0]:
                 self._rejoin(instance.role, instance.index, pids[0])
             elif self._reply_channel_lost(instance.role, instance.index):
                 self._reconnect_reply_channel(ray, instance.role, instance.index)
 
     def _check_engines(self, instance: Instance, loads: list[PrefillNodeLoad] | list[DecodeNodeLoad]) -> None:
         """The engine watchdog over one instance's probe answers (`health.engine_fault`). Raises
-        EngineFailed naming the first rank whose engine failed."""
-        watchdog_s = self.topology.pool(instance.role).engine_watchdog_s
+        EngineFailed naming the rank whose engine failed (a dead engine thread first, else the longest pass:
+        in lockstep the other ranks only wait for it in their collectives)."""
+        watchdog_s, now_s = self.topology.pool(instance.role).engine_watchdog_s, time.monotonic()
+        faults = []
         for load in loads:
-            fault, stuck = engine_fault(load, watchdog_s, self._stuck_passes.get(load.name))
+            fault, stuck = engine_fault(load, watchdog_s, self._stuck_passes.get(load.name), now_s)
             if stuck is None:
                 self._stuck_passes.pop(load.name, None)
             else:
                 self._stuck_passes[load.name] = stuck
             if fault is not None:
-                raise EngineFailed(fault, loads[0].pid)
+                faults.append((load.engine_thread_alive, -load.engine_pass_s, fault))
+        if faults:
+            raise EngineFailed(min(faults)[2], loads[0].pid)
 
     def _restart_failed_engine(self, ray, instance: Instance, pid: int) -> None:
-        """Instance `instance`, whose leader runs in process `pid`, failed the engine watchdog: kill its
-        actors for Ray to restart them (once per process), where Ray restarts them; else it stays out of
-        routing until its engine passes again (a dead engine thread: for good)."""
+        """Instance `instance`, whose leader (rank 0) runs in process `pid`, failed the engine watchdog:
+        kill its actors for Ray to restart them (once per process; each restart is one of the actor's
+        MAX_ACTOR_RESTARTS), where Ray restarts them; else it stays out of routing until its engine passes
+        again (for good if its engine thread died). A kill that fails is tried again at the next probe."""
         key = (instance.role, instance.index)
         if self._engine_restarts.get(key) == pid:
             return
-        self._engine_restarts[key] = pid
         if not ray_restarts(self.topology.kv_transport, len(instance.ranks)):
+            self._engine_restarts[key] = pid
             logger.error(
                 "%s-%d: Ray does not restart its actors (kv_transfer %s, %d ranks): it stays out of routing "
-                "until its engine passes again",
+                "while its engine fails",
                 instance.role,
                 instance.index,
                 self.topology.kv_transport,
@@ -313,9 +328,13 @@ class InstanceMonitor:
             )
             return
         logger.error("%s-%d: killing its actor for Ray to restart it (its engine failed)", *key)
-        for actor in instance.ranks:
-            with contextlib.suppress(Exception):  # gone already: Ray restarts it or it stays dead
+        try:
+            for actor in instance.ranks:
                 ray.kill(actor, no_restart=False)
+        except Exception as e:  # noqa: BLE001 - Ray could not be asked now: the next probe tries again
+            logger.warning("%s-%d: killing its actor failed (%r); trying again at the next probe", *key, e)
+            return
+        self._engine_restarts[key] = pid
 
     def _rejoin(self, role: str, index: int, pid: int) -> None:
         """Instance (`role`, `index`) out of routing (or restarted) answered a probe from process `pid`:

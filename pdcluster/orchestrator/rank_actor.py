@@ -146,12 +146,16 @@ class RankActor:
         self._engine_passes += 1
         self._pass_started_s = time.monotonic()
         try:
-            if self._stall_s > 0:  # test-only: inject_stall
-                stall_s, self._stall_s = self._stall_s, 0.0
-                self._stall_released.wait(stall_s)
             yield
         finally:
             self._pass_started_s = None
+
+    def _maybe_stall(self) -> None:
+        """Test-only: hang here (on the engine thread, inside a pass, where the role holds its engine lock)
+        when `inject_stall` armed a stall, until it is released or the rank stops."""
+        if self._stall_s > 0:
+            stall_s, self._stall_s = self._stall_s, 0.0
+            self._stall_released.wait(stall_s)
 
     # ---- calls over the driver's reply socket -------------------------------------------------------------
     def _call_method(self, call: ReserveRequest | PrefillRequest) -> Callable[[Any], Any]:
@@ -263,7 +267,8 @@ class RankActor:
 
     def inject_stall(self, seconds: float) -> None:
         """Test-only: the engine thread's next pass hangs `seconds` (or until `release_stall` or the rank
-        stops), holding no lock: calls on other threads (`load`, reserves, KV receipt) are still answered."""
+        stops) where a step would run, holding what a step holds (decode: the engine lock, so its reserves
+        and aborts wait; `load` is still answered)."""
         self._stall_released.clear()
         self._stall_s = seconds
         self._wake_engine_thread()
@@ -273,8 +278,9 @@ class RankActor:
         self._stall_released.set()
 
     def _faults_armed(self) -> bool:
+        """Whether a test armed a fault or a stall (the engine thread then runs a pass even with no work)."""
         with self._fault_lock:
-            return bool(self._faults)
+            return bool(self._faults) or self._stall_s > 0
 
     def _maybe_fault(self, where: str) -> None:
         """Raise RuntimeError("injected fault at <where>") if a fault is armed there (one use)."""

@@ -322,14 +322,14 @@ class PrefillNode(RankActor):
         tied to one: their handoffs are aborted and `prefill` raises), is logged with its traceback, and
         the loop goes on: it never dies silently."""
         while not self._stopped.is_set():
-            try:
-                with self._engine_pass():
+            with self._engine_pass():
+                try:
                     if not self._run_once():
                         return
-            except Exception as e:  # noqa: BLE001 - the last line of defence: fail everything in flight
-                self._loop_error(e, "prefill engine loop failed")
-                for request_id in list(self._active):
-                    self._fail(request_id, f"prefill engine loop failed: {e!r}", abort_engine=True)
+                except Exception as e:  # noqa: BLE001 - the last line of defence: fail everything in flight
+                    self._loop_error(e, "prefill engine loop failed")
+                    for request_id in list(self._active):
+                        self._fail(request_id, f"prefill engine loop failed: {e!r}", abort_engine=True)
 
     def _run_once(self) -> bool:
         """Take queued commands, run one step. False on `stop`. In lockstep (an expert-parallel rank) it
@@ -369,6 +369,7 @@ class PrefillNode(RankActor):
             except queue.Empty:
                 command = None
         self._maybe_fault("loop")
+        self._maybe_stall()
         if self._group_error is not None or (not engine.has_unfinished_requests() and not self.lockstep):
             return True
         in_engine = [job for job in self._active.values() if job.pending is None]  # (not prefilled yet)

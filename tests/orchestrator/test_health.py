@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdcluster.orchestrator.health import (
+    STUCK_CONFIRM_S,
     Health,
     InstanceHealth,
     ProbeOutcome,
@@ -162,26 +163,32 @@ def _load(pid=41, passes=7, pass_s=0.0, alive=True, error=None) -> DecodeNodeLoa
     )
 
 
-def test_the_engine_watchdog_fails_a_pass_stuck_at_two_probes_in_a_row():
-    """Over the watchdog at one probe is remembered, not failed (a process paused whole answers first with
-    its pre-pause pass); the same pass of the same process over it at the next probe is a fault."""
-    assert engine_fault(_load(pass_s=0.02), 10.0, None) == (None, None)
-    fault, stuck = engine_fault(_load(pass_s=12.0), 10.0, None)
-    assert fault is None and stuck == (41, 7)
-    fault, stuck = engine_fault(_load(pass_s=13.0), 10.0, stuck)
-    assert (
-        fault
-        == "decode-0: its engine thread has been in one pass of its loop for 13.0 s (engine_watchdog_s 10)"
+def test_the_engine_watchdog_fails_a_pass_still_stuck_after_the_confirmation_time():
+    """Over the watchdog at one probe is remembered with the driver's time, not failed (a process paused
+    whole answers first with its pre-pause pass); the same pass of the same process still over it
+    min(watchdog, STUCK_CONFIRM_S) later is a fault."""
+    assert engine_fault(_load(pass_s=0.02), 10.0, None, now_s=100.0) == (None, None)
+    fault, stuck = engine_fault(_load(pass_s=12.0), 10.0, None, now_s=100.0)
+    assert fault is None and stuck == (41, 7, 100.0)
+    assert engine_fault(_load(pass_s=13.0), 10.0, stuck, now_s=109.9) == (None, stuck)  # not yet
+    fault, still = engine_fault(_load(pass_s=22.0), 10.0, stuck, now_s=110.0)
+    assert fault == (
+        "decode-0: its engine thread has been in one pass of its loop for 22.0 s (engine_watchdog_s 10)"
     )
-    assert stuck == (41, 7)
+    assert still == stuck
+    # The confirmation time is at most STUCK_CONFIRM_S, however long the watchdog.
+    assert STUCK_CONFIRM_S < 300.0
+    stuck = (41, 7, 100.0)
+    assert engine_fault(_load(pass_s=301.0), 300.0, stuck, now_s=100.0 + STUCK_CONFIRM_S)[0] is not None
     # The loop moved on (a new pass), or a new process numbers its passes from 1: remembered afresh.
-    assert engine_fault(_load(passes=8, pass_s=12.0), 10.0, (41, 7)) == (None, (41, 8))
-    assert engine_fault(_load(pid=42, pass_s=12.0), 10.0, (41, 7)) == (None, (42, 7))
-    assert engine_fault(_load(pass_s=3.0), 10.0, (41, 7)) == (None, None)  # it passes again
+    assert engine_fault(_load(passes=8, pass_s=12.0), 10.0, stuck, now_s=120.0) == (None, (41, 8, 120.0))
+    assert engine_fault(_load(pid=42, pass_s=12.0), 10.0, stuck, now_s=120.0) == (None, (42, 7, 120.0))
+    assert engine_fault(_load(pass_s=3.0), 10.0, stuck, now_s=120.0) == (None, None)  # it passes again
 
 
 def test_the_engine_watchdog_fails_a_dead_engine_thread_at_once():
-    fault, stuck = engine_fault(_load(alive=False, error="decode step failed: MemoryError()"), 10.0, None)
+    dead = _load(alive=False, error="decode step failed: MemoryError()")
+    fault, stuck = engine_fault(dead, 10.0, None, now_s=100.0)
     assert fault == "decode-0: its engine thread died (last error: decode step failed: MemoryError())"
     assert stuck is None
 
@@ -202,25 +209,55 @@ def _watchdog_monitor(kv_transport: str, num_ranks: int, watchdog_s: float = 10.
 
 def test_the_monitor_has_ray_restart_a_failed_engine_once_per_process(caplog):
     pytest.importorskip("ray")
+    import time
     from types import SimpleNamespace
 
     from pdcluster.orchestrator.actor_errors import EngineFailed
 
-    monitor, instance = _watchdog_monitor("shm", num_ranks=1)
+    monitor, instance = _watchdog_monitor("shm", num_ranks=1, watchdog_s=0.05)  # confirmed after 0.05 s
     monitor._check_engines(instance, [_load(pass_s=11.0)])  # first sighting: remembered
-    assert monitor._stuck_passes == {"decode-0": (41, 7)}
+    assert monitor._stuck_passes["decode-0"][:2] == (41, 7)
+    time.sleep(0.06)
     with pytest.raises(EngineFailed, match="one pass of its loop for 12.0 s") as failed:
         monitor._check_engines(instance, [_load(pass_s=12.0)])
     assert failed.value.pid == 41
-    killed = []
-    ray = SimpleNamespace(kill=lambda actor, no_restart: killed.append((actor, no_restart)))
-    with caplog.at_level("ERROR", logger="pdcluster.orchestrator.cluster"):
-        monitor._restart_failed_engine(ray, instance, failed.value.pid)
-        monitor._restart_failed_engine(ray, instance, failed.value.pid)  # the next probe, same process
-    assert killed == [("actor-0", False)]  # once, and restartable
+    killed, refusals = [], [RuntimeError("the GCS is busy")]
+
+    def kill(actor, no_restart):
+        if refusals:
+            raise refusals.pop()
+        killed.append((actor, no_restart))
+
+    with caplog.at_level("WARNING", logger="pdcluster.orchestrator.cluster"):
+        monitor._restart_failed_engine(SimpleNamespace(kill=kill), instance, failed.value.pid)
+        assert killed == [] and "killing its actor failed (RuntimeError('the GCS is busy'))" in caplog.text
+        monitor._restart_failed_engine(SimpleNamespace(kill=kill), instance, failed.value.pid)  # tried again
+        monitor._restart_failed_engine(SimpleNamespace(kill=kill), instance, failed.value.pid)  # done already
+    assert killed == [("actor-0", False)]  # once it went through, and restartable
     assert "decode-0: killing its actor for Ray to restart it (its engine failed)" in caplog.text
     monitor._check_engines(instance, [_load(pid=42, passes=3)])  # the restarted process passes: no fault
     assert monitor._stuck_passes == {}
+
+
+def test_the_monitor_names_the_rank_whose_engine_failed_not_the_ranks_waiting_for_it():
+    """In lockstep every rank's pass runs long when one hangs (the others wait in its collectives): the
+    fault names a dead engine thread first, else the longest pass."""
+    pytest.importorskip("ray")
+    import dataclasses
+    import time
+
+    from pdcluster.orchestrator.actor_errors import EngineFailed
+
+    monitor, instance = _watchdog_monitor("shm", num_ranks=2, watchdog_s=0.05)
+    ranks = [_load(pass_s=5.0), dataclasses.replace(_load(pid=43, pass_s=9.0), name="decode-0.1")]
+    monitor._check_engines(instance, ranks)
+    time.sleep(0.06)
+    with pytest.raises(EngineFailed, match=r"^decode-0\.1: its engine thread has been in one pass") as failed:
+        monitor._check_engines(instance, ranks)
+    assert failed.value.pid == 41  # the leader's process: the instance is restarted as one unit
+    ranks[0] = _load(alive=False)
+    with pytest.raises(EngineFailed, match=r"^decode-0: its engine thread died"):
+        monitor._check_engines(instance, ranks)
 
 
 def test_an_instance_ray_does_not_restart_is_left_out_of_routing_not_killed(caplog):

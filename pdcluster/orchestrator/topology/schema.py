@@ -206,11 +206,11 @@ class PoolConfig:
             eagerly, with a warning naming the error.
         engine_watchdog_s: the engine watchdog (seconds). A rank whose engine thread died, or has spent
             longer than this in one pass of its loop (a step with the admissions and outputs around it)
-            and is still in that pass at the next probe, fails its instance: out of routing, its in-flight
-            requests failed, and its actors restarted where Ray restarts them (one-rank instances on an
-            addressed KV transport); else it rejoins when its engine passes again. SGLang's
-            `--watchdog-timeout` has the same default (300 s). Set it above the longest step expected (a
-            long prompt on a slow device).
+            and is still in that pass min(this, `health.STUCK_CONFIRM_S`) later, fails its instance: out
+            of routing, its in-flight requests failed, and its actors restarted where Ray restarts them
+            (one-rank instances on an addressed KV transport); elsewhere it stays out of routing while its
+            engine fails. SGLang's `--watchdog-timeout` has the same default (300 s). Set it above the
+            longest step expected (a long prompt on a slow device).
     """
 
     num_instances: int = field(default=1, metadata=between(1, MAX_INSTANCES))
