@@ -3,7 +3,7 @@
 `ClusterDeployment.deploy` runs `ray.init` (RAY_ADDRESS if set, else a local Ray), one placement group per
 instance (`orchestrator.placement.plan_placement`; pinned to its planned node where the Ray nodes carry
 `pdcluster_node_<i>` resources), one rank actor per device of each instance in it, rank r in bundle r
-(`ray.remote(PrefillNode)` / `ray.remote(DecodeNode)`: the actor classes are plain classes), loading
+(`rank_actor_class`: `ray.remote` of `PrefillNode` / `DecodeNode`, plain classes), loading
 weights in parallel; the ranks of a multi-rank instance join their instance group as they start
 (`orchestrator.instance_group`, rendezvous on rank 0's node). Then the KV connectors
 (`orchestrator.wiring`: a gRPC receiver on every decode rank and one sender per decode rank on each prefill
@@ -50,11 +50,17 @@ PROBE_GROUP = "probe"
 PROBE_GROUPS = {PROBE_GROUP: 2}  # the actor classes' `concurrency_groups` (Ray takes them only at ray.remote)
 
 
+def rank_actor_class(ray, cls: type) -> Any:
+    """The Ray actor class of rank class `cls` (`PrefillNode`, `DecodeNode`), with the probe group: every
+    rank actor must be made by it, since a call to a group the actor lacks crashes its process."""
+    return ray.remote(concurrency_groups=PROBE_GROUPS)(cls)
+
+
 def ray_restarts(kv_transport: str, num_ranks: int) -> bool:
     """Whether Ray restarts the actor of a rank that died (up to MAX_ACTOR_RESTARTS times): a one-rank
-    instance on an addressed KV transport (grpc, shm), which the health monitor rewires when it answers
-    again. A torch.distributed group (the KV transport's, a multi-rank instance's) is fixed at deploy
-    time: a restarted rank could not rejoin it."""
+    instance on an addressed KV transport (grpc, shm, shm+grpc), which the health monitor rewires when it
+    answers again. A torch.distributed group (the KV transport's, a multi-rank instance's) is fixed at
+    deploy time: a restarted rank could not rejoin it."""
     return kv_transport in ADDRESSED_KV_TRANSPORTS and num_ranks == 1
 
 
@@ -247,7 +253,7 @@ class ClusterDeployment(ClusterWiring):
         for instance in self.instances["prefill"] + self.instances["decode"]:
             instance.health = InstanceHealth(since_s=up_s, pid=infos[instance.name].pid)
         self._health_lock = threading.Lock()
-        self._stuck_passes = {}  # the engine watchdog's (pid, pass) per rank name (health_monitor)
+        self._stuck_passes = {}  # the watchdog's (pid, pass, first seen) per rank name (health_monitor)
         self._engine_restarts = {}  # the process the monitor last had Ray restart, per instance
         self._decode_addresses = decode_addresses
         self._poll_acked_seq = [[0] * d.num_ranks for d in self.instances["decode"]]  # per decode rank
@@ -326,16 +332,14 @@ class ClusterDeployment(ClusterWiring):
                 name = instance.rank_name(rank)
                 if spec.role == "prefill":
                     actor = (
-                        ray.remote(concurrency_groups=PROBE_GROUPS)(prefill_cls)
+                        rank_actor_class(ray, prefill_cls)
                         .options(**options)
                         .remote(config, name, topo.kv_transfer.layerwise, group)
                     )
                 else:
                     host = "127.0.0.1" if self._loopback else "0.0.0.0"
                     actor = (
-                        ray.remote(concurrency_groups=PROBE_GROUPS)(decode_cls)
-                        .options(**options)
-                        .remote(config, name, host, group)
+                        rank_actor_class(ray, decode_cls).options(**options).remote(config, name, host, group)
                     )
                 instance.ranks.append(actor)
             self.instances[spec.role].append(instance)

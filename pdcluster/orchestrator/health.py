@@ -108,7 +108,8 @@ def after_answer(health: InstanceHealth, pid: int, now_s: float) -> tuple[Instan
 
 # A pass over the watchdog must still be the current pass this long later on the driver's clock (at most the
 # watchdog itself) before it is a fault: a process paused whole (SIGSTOP, swapping) answers its first probe
-# after resuming with a pass clock that counts the pause, and gets this long to finish that pass.
+# after resuming with a pass clock that counts the pause, and gets this long to finish that pass (the
+# monitor forgets a sighting when a probe goes unanswered, so the pause itself does not count).
 STUCK_CONFIRM_S = 10.0
 
 

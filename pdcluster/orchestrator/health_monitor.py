@@ -74,7 +74,7 @@ class InstanceMonitor:
     _num_decode_events_pushed: int
     _num_binds_pushed: int
     _num_calls_pushed: dict[str, int]
-    _stuck_passes: dict[str, tuple[int, int]]  # the engine watchdog's `stuck` per rank name (engine_fault)
+    _stuck_passes: dict[str, tuple[int, int, float]]  # the watchdog's `stuck` per rank name (engine_fault)
     _engine_restarts: dict[tuple[str, int], int]  # the process last killed for Ray to restart, per instance
 
     @property
@@ -276,25 +276,31 @@ class InstanceMonitor:
                 pids = [load.pid for load in loads]
             except Exception as e:  # noqa: BLE001 - a rank stalled, restarting, dead, its group or engine failed
                 self._mark_failed(instance.role, instance.index, e, "probe")
-                if isinstance(e, EngineFailed) and not self._closed:
-                    self._restart_failed_engine(ray, instance, e.pid)
+                if isinstance(e, EngineFailed):
+                    if not self._closed:
+                        self._restart_failed_engine(ray, instance, e.pid)
+                else:  # unanswered: a pause counts in no watchdog sighting (the next answer starts afresh)
+                    for rank in range(len(instance.ranks)):
+                        self._stuck_passes.pop(instance.rank_name(rank), None)
                 continue
             if instance.role == "decode" and instance.routable and instance.health.pid == pids[0]:
                 for rank, load in enumerate(loads):  # the router's view, refreshed (orchestrator.load_board)
                     self._loads.update_decode(RankRef(instance.index, rank), load)
             health = instance.health
-            # Not back while a pass runs longer than a call may take: its calls that wait for the engine
-            # (a reserve) would time out again, and it would leave routing again.
-            in_long_pass = max(load.engine_pass_s for load in loads) > self.call_timeout_s
-            if (not health.routable and not in_long_pass) or health.pid != pids[0]:
-                self._rejoin(instance.role, instance.index, pids[0])
+            if not health.routable or health.pid != pids[0]:
+                # Not back while a pass runs longer than a call may take: the calls that wait for its
+                # engine (decode's reserves, prefill's queued prefills) would time out again, and it would
+                # leave routing again.
+                in_long_pass = max(load.engine_pass_s for load in loads) > self.call_timeout_s
+                if health.pid != pids[0] or not in_long_pass:
+                    self._rejoin(instance.role, instance.index, pids[0])
             elif self._reply_channel_lost(instance.role, instance.index):
                 self._reconnect_reply_channel(ray, instance.role, instance.index)
 
     def _check_engines(self, instance: Instance, loads: list[PrefillNodeLoad] | list[DecodeNodeLoad]) -> None:
         """The engine watchdog over one instance's probe answers (`health.engine_fault`). Raises
-        EngineFailed naming the rank whose engine failed (a dead engine thread first, else the longest pass:
-        in lockstep the other ranks only wait for it in their collectives)."""
+        EngineFailed naming the rank whose engine most likely failed (a dead engine thread first, else the
+        longest confirmed pass: in lockstep the other ranks mostly wait for it in their collectives)."""
         watchdog_s, now_s = self.topology.pool(instance.role).engine_watchdog_s, time.monotonic()
         faults = []
         for load in loads:

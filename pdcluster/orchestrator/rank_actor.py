@@ -267,8 +267,8 @@ class RankActor:
 
     def inject_stall(self, seconds: float) -> None:
         """Test-only: the engine thread's next pass hangs `seconds` (or until `release_stall` or the rank
-        stops) where a step would run, holding what a step holds (decode: the engine lock, so its reserves
-        and aborts wait; `load` is still answered)."""
+        stops) before its step, holding what the pass holds there (decode: its engine and allocation locks,
+        so its reserves and aborts wait; `load` is still answered)."""
         self._stall_released.clear()
         self._stall_s = seconds
         self._wake_engine_thread()

@@ -275,3 +275,95 @@ def test_an_instance_ray_does_not_restart_is_left_out_of_routing_not_killed(capl
             in caplog.text
         )
     assert killed == []
+
+
+class _FakeRank:
+    """A rank actor as `_probe_all` calls it: `load.options(concurrency_group=...).remote()`; the "object
+    ref" is the answer itself (a load, or the exception `ray.get` raises)."""
+
+    def __init__(self, answer) -> None:
+        self.answer, self.groups = answer, []
+
+    @property
+    def load(self):
+        rank = self
+
+        class Method:
+            def options(self, concurrency_group):
+                rank.groups.append(concurrency_group)
+                return self
+
+            def remote(self):
+                return rank.answer
+
+        return Method()
+
+
+def _probing_monitor(monkeypatch, answer, health: InstanceHealth, watchdog_s: float = 10.0):
+    ray = pytest.importorskip("ray")
+    from types import SimpleNamespace
+
+    def get(ref, timeout):
+        if isinstance(ref, BaseException):
+            raise ref
+        return ref
+
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: (refs, []))
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: done.append(("kill", no_restart)))
+    done: list = []
+    rank = _FakeRank(answer)
+
+    class FakeInstance(SimpleNamespace):
+        routable = property(lambda self: self.health.routable)
+
+        def rank_name(self, r):
+            return "decode-0" if r == 0 else f"decode-0.{r}"
+
+    instance = FakeInstance(role="decode", index=0, ranks=[rank], health=health)
+    monitor, _ = _watchdog_monitor("shm", num_ranks=1, watchdog_s=watchdog_s)
+    monitor.instances = {"prefill": [], "decode": [instance]}
+    monitor._closed, monitor.call_timeout_s = False, 3.0
+    monitor._loads = SimpleNamespace(
+        update_decode=lambda ref, load: None, forget_decode=lambda index: done.append(("forget", index))
+    )
+    monitor._fail_attempts = lambda role, index: done.append(("fail attempts", role, index))
+    monitor._rejoin = lambda role, index, pid: done.append(("rejoin", role, index, pid))
+    monitor._reply_channel_lost = lambda role, index: False
+    return monitor, instance, rank, done
+
+
+def test_probes_use_their_own_concurrency_group_and_no_rejoin_while_a_pass_outlasts_a_call(monkeypatch):
+    """An instance out of routing whose rank answers mid-pass longer than a call may take stays out (its
+    calls that wait for the engine would time out again); once that pass ends it rejoins. Every probe goes
+    to the probe concurrency group, which calls blocked behind the engine cannot take."""
+    from pdcluster.orchestrator.deployment import PROBE_GROUP
+
+    out = InstanceHealth(Health.UNRESPONSIVE, "reserve: no answer within 3 s", since_s=30.0, pid=41)
+    monitor, instance, rank, done = _probing_monitor(monkeypatch, _load(pass_s=5.0), out)
+    monitor._probe_all()
+    assert done == [] and not instance.routable
+    rank.answer = _load(passes=8, pass_s=0.01)
+    monitor._probe_all()
+    assert done == [("rejoin", "decode", 0, 41)]
+    assert rank.groups == [PROBE_GROUP, PROBE_GROUP]
+
+
+def test_a_probe_fails_a_stuck_engine_kills_it_once_and_an_unanswered_probe_forgets_the_sighting(monkeypatch):
+    import time
+
+    healthy = InstanceHealth(Health.HEALTHY, "", since_s=30.0, pid=41)
+    monitor, instance, rank, done = _probing_monitor(monkeypatch, _load(pass_s=1.0), healthy, watchdog_s=0.05)
+    monitor._probe_all()  # first sighting
+    assert instance.routable and "decode-0" in monitor._stuck_passes
+    rank.answer = TimeoutError("no answer")  # paused: the sighting is forgotten, the instance unresponsive
+    monitor._probe_all()
+    assert monitor._stuck_passes == {} and instance.health.state is Health.UNRESPONSIVE
+    rank.answer = _load(pass_s=2.0)  # resumed mid-pass: sighted afresh, not failed at once
+    monitor._probe_all()
+    assert instance.health.state is Health.UNRESPONSIVE and ("kill", False) not in done
+    time.sleep(0.06)
+    monitor._probe_all()  # the same pass, still stuck: failed as dead and killed for Ray to restart
+    monitor._probe_all()
+    assert instance.health.state is Health.DEAD and "EngineFailed" in instance.health.reason
+    assert done.count(("kill", False)) == 1
