@@ -151,8 +151,8 @@ class RankActor:
             self._pass_started_s = None
 
     def _maybe_stall(self) -> None:
-        """Test-only: hang here (on the engine thread, inside a pass, where the role holds its engine lock)
-        when `inject_stall` armed a stall, until it is released or the rank stops."""
+        """Test-only: hang here (on the engine thread, inside a pass, before its step; decode calls it under
+        its engine lock) when `inject_stall` armed a stall, until it is released or the rank stops."""
         if self._stall_s > 0:
             stall_s, self._stall_s = self._stall_s, 0.0
             self._stall_released.wait(stall_s)
