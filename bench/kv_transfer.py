@@ -337,10 +337,15 @@ class PagedDestination:
             :num_blocks
         ]
 
-    def on_layer(self, layer_idx: int, layer: Any) -> None:
+    def on_layer(self, layer_idx: int, layer: Any) -> int | None:
+        """Decode's write; an unverified layer's CRC-32C computed as it is copied (`timed_receive` passes
+        `on_layer_checksums`, as decode does)."""
         from pdcluster.kernels.paged_mla import write_prompt_kv
 
-        write_prompt_kv(self.caches[layer_idx], layer.latent, self.block_table)
+        checksum_start = None if layer.verified else 0
+        return write_prompt_kv(
+            self.caches[layer_idx], layer.latent, self.block_table, None, None, checksum_start
+        )
 
     def check(self, layers: list[torch.Tensor]) -> None:
         """AssertionError unless the caches hold `layers` (a float wire: the bytes sent)."""
@@ -360,7 +365,10 @@ def timed_receive(
     """Seconds from `start_sending(bound)` (after `expect`, which returned `bound`: `meta` with its secret)
     to `wait` returning, each layer written into `destination`'s paged cache as it arrives (None: kept by
     the receiver until `wait`); what `start_sending` returned."""
-    bound = receiver.expect(meta, None if destination is None else destination.on_layer)
+    if destination is None:
+        bound = receiver.expect(meta)
+    else:
+        bound = receiver.expect(meta, destination.on_layer, on_layer_checksums=True)
     started_s = time.perf_counter()
     returned = start_sending(bound)
     receiver.wait(meta.request_id, WAIT_S)

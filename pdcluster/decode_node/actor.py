@@ -217,11 +217,13 @@ class DecodeNode(RankActor):
             if not reserved:
                 return ReserveResult(None, self.load())
 
-        def on_layer(layer_idx: int, layer: ReceivedLayer) -> None:
-            engine.write_prompt_kv(handoff_id, layer_idx, layer.latent, layer.scale)
+        def on_layer(layer_idx: int, layer: ReceivedLayer) -> int | None:
+            # not verified yet: its CRC-32C is computed in the same pass as the copy; the receiver checks it
+            checksum_start = None if layer.verified else 0
+            return engine.write_prompt_kv(handoff_id, layer_idx, layer.latent, layer.scale, checksum_start)
 
         try:
-            bound = self.receiver.expect(meta, on_layer)
+            bound = self.receiver.expect(meta, on_layer, on_layer_checksums=True)
         except Exception:
             with self._alloc_lock:
                 engine.release_remote_prefill(handoff_id)

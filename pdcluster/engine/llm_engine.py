@@ -271,17 +271,24 @@ class LLMEngine:
         return self.remote_prefills.reserve(request, num_draft_tokens)
 
     def write_prompt_kv(
-        self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
-    ) -> None:
+        self,
+        request_id: str,
+        layer_idx: int,
+        latent_kv: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        checksum_start: int | None = None,
+    ) -> int | None:
         """Write one layer's received prompt KV (`[num_prompt_tokens, kv_dim]`, model dtype; MTP layer at
         index num_hidden_layers) into the reserved blocks. Safe from a receive thread while steps run: the
         reserved blocks belong to no scheduled request. With `scale` (`[num_prompt_tokens]` float32),
         `latent_kv` is int8 and an int8 cache stores both as they are (a float cache stores them dequantized).
+        With `checksum_start` (float layers) returns the CRC-32C of `latent_kv`'s bytes, computed in the
+        same pass as the copy where it can (a receiver verifying what it stored); else None.
 
         Raises:
-            KeyError: no reservation; ValueError: a shape mismatch.
+            KeyError: no reservation; ValueError: a shape mismatch, or `checksum_start` with `scale`.
         """
-        self.remote_prefills.write_prompt_kv(request_id, layer_idx, latent_kv, scale)
+        return self.remote_prefills.write_prompt_kv(request_id, layer_idx, latent_kv, scale, checksum_start)
 
     def admit_remote_prefill(
         self,

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import crc32c
 import torch
 
 from pdcluster.engine.model_runner import LayerKVCallback, ModelInput, ModelRunner
@@ -127,18 +128,35 @@ class RemotePrefillReservations:
         return True
 
     def write_prompt_kv(
-        self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
-    ) -> None:
+        self,
+        request_id: str,
+        layer_idx: int,
+        latent_kv: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        checksum_start: int | None = None,
+    ) -> int | None:
         """`LLMEngine.write_prompt_kv`: one layer's `[num_prompt_tokens, kv_dim]` received KV into the
         reserved slots. With `scale` (`[num_prompt_tokens]` float32) `latent_kv` is int8: an int8 cache
-        stores both as they are, a float cache stores them dequantized. Any thread. KeyError: no
-        reservation; ValueError: a shape mismatch."""
+        stores both as they are, a float cache stores them dequantized. With `checksum_start` (float
+        `latent_kv` only) returns the CRC-32C of `latent_kv`'s bytes as given, computed as they are copied
+        where it can (`kernels.paged_mla.write_prompt_kv`); else None. Any thread. KeyError: no
+        reservation; ValueError: a shape mismatch, or `checksum_start` with `scale`."""
         table, num_prompt_tokens = self._tables[request_id]
         if latent_kv.shape[:1] != (num_prompt_tokens,):
             raise ValueError(
                 f"{request_id}: layer {layer_idx} has {tuple(latent_kv.shape)[:1]} rows, the reservation "
                 f"{num_prompt_tokens} prompt tokens"
             )
+        if checksum_start is not None and scale is not None:
+            raise ValueError(f"{request_id}: a checksum of the written bytes is for float layers, not int8")
+        if checksum_start is not None and (
+            latent_kv.device != self.runner.device or latent_kv.dtype != self.runner.dtype
+        ):  # the bytes as given, before a cast or a move
+            checksum_start = crc32c.crc32c(
+                latent_kv.detach().contiguous().cpu().view(torch.uint8).numpy(), checksum_start
+            )
+            self.write_prompt_kv(request_id, layer_idx, latent_kv)
+            return checksum_start
         kv_scale = self.runner.kv_scales[layer_idx]
         if scale is not None and kv_scale is None:
             latent_kv, scale = dequantize_kv_int8(latent_kv, scale, self.runner.dtype), None
@@ -146,7 +164,9 @@ class RemotePrefillReservations:
             latent_kv = latent_kv.to(self.runner.device, self.runner.dtype)
         else:
             latent_kv, scale = latent_kv.to(self.runner.device), scale.to(self.runner.device)
-        write_prompt_kv(self.runner.kv_caches[layer_idx], latent_kv, table, kv_scale, latent_scale=scale)
+        return write_prompt_kv(
+            self.runner.kv_caches[layer_idx], latent_kv, table, kv_scale, scale, checksum_start
+        )
 
     def admit(
         self, request_id: str, first_token_id: int, draft_token_ids: list[int]

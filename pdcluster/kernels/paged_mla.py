@@ -35,12 +35,17 @@ This is the torch reference: it reads `seq_lens` / `query_start_loc` on the host
 
 from __future__ import annotations
 
+import crc32c
 import torch
 import torch.nn.functional as F
 
 from pdcluster.kernels.kv_quant import quantize_kv_int8
 from pdcluster.kernels.mla import split_kv_b_weight
 from pdcluster.kernels.mla_cost import expanded_crossover_queries
+
+# write_prompt_kv with a checksum: source bytes CRC'd and then copied per group of blocks of about this size,
+# small enough to be still in cache (L2) for the copy. 14 blocks of DeepSeek-V3's 16 x 576 bf16.
+CHECKSUM_GROUP_BYTES = 256 * 1024
 
 
 def _check_cache(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> None:
@@ -124,7 +129,8 @@ def write_prompt_kv(
     block_ids: torch.Tensor,
     kv_scale: torch.Tensor | None = None,
     latent_scale: torch.Tensor | None = None,
-) -> None:
+    checksum_start: int | None = None,
+) -> int | None:
     """Store positions `0 .. num_tokens - 1` of one request (its latent KV from another instance) into its
     blocks, in place: what `write_kv` does with the slots of those positions, a block at a time.
 
@@ -133,13 +139,20 @@ def write_prompt_kv(
         latent_kv: `[num_tokens, kv_dim]`, the request's first `num_tokens` positions.
         block_ids: `[>= ceil(num_tokens / block_size)]` int32/int64, the request's block table; position
             `pos` goes to block `block_ids[pos // block_size]`, offset `pos % block_size`.
+        checksum_start: when given, also compute the CRC-32C (Castagnoli, the `crc32c` package) of
+            `latent_kv`'s bytes (host, C order) continuing from this value, and return it: a receiver's
+            check of the bytes it stores, in the same pass (see below). None: return None.
 
     On the host, with a float cache and `latent_kv` in its dtype, whole blocks are copied with one numpy
     fancy-index assignment of `block_size * kv_dim` contiguous values per block, and the last partial block
     with a slice copy: about the speed of a memory copy (6.8 GB/s on this repo's 2-core test machine, one
     thread, DeepSeek-V3's 2,048 x 576 bf16 layer into 16-token blocks; `index_copy_` of the token slots,
     `write_kv`'s path, ran at 3.4). Anything else (int8, other devices, a dtype cast) goes through
-    `write_kv`.
+    `write_kv`. With `checksum_start` on that fast path the blocks go in groups of about
+    `CHECKSUM_GROUP_BYTES`, each group's source rows CRC'd right before they are copied, so the copy reads
+    them from cache: one pass over the source instead of a checksum pass and then a copy (5.6 against
+    4.3 GB/s for the V3 layers above, 61 of them: 26 against 33 ms). Elsewhere the checksum is a pass of
+    its own before the write.
 
     Raises:
         ValueError: as `write_kv`; also a block table shorter than the tokens need, or a block id past
@@ -169,19 +182,37 @@ def write_prompt_kv(
         and latent_kv.dtype == kv_cache.dtype
     )
     if not fast:
+        crc = None
+        if checksum_start is not None:
+            crc = crc32c.crc32c(
+                latent_kv.detach().contiguous().cpu().view(torch.uint8).numpy(), checksum_start
+            )
         slots = slots_from_block_tables(block_ids[None].to(kv_cache.device), num_tokens, block_size)[0]
         write_kv(kv_cache, latent_kv, slots, kv_scale, latent_scale)
-        return
+        return crc
     if not needed:
-        return
+        return checksum_start
     cache_rows = kv_cache.view(torch.uint8).numpy().reshape(num_blocks, -1)  # one row per block
     row_bytes = kv_dim * kv_cache.element_size()
-    src = latent_kv.contiguous().view(torch.uint8).numpy().reshape(num_tokens, row_bytes)
+    src = latent_kv.detach().contiguous().view(torch.uint8).numpy().reshape(num_tokens, row_bytes)
     ids = block_ids.numpy()
-    if num_full:
-        cache_rows[ids[:num_full]] = src[: num_full * block_size].reshape(num_full, -1)
+    full_rows = src[: num_full * block_size].reshape(num_full, block_size * row_bytes)
+    tail_bytes = src[num_full * block_size :].reshape(-1)
+    if checksum_start is None:
+        if num_full:
+            cache_rows[ids[:num_full]] = full_rows
+        if tail:
+            cache_rows[ids[num_full], : tail * row_bytes] = tail_bytes
+        return None
+    crc, group = checksum_start, max(1, CHECKSUM_GROUP_BYTES // cache_rows.shape[1])
+    for start in range(0, num_full, group):
+        rows = full_rows[start : start + group]
+        crc = crc32c.crc32c(rows, crc)  # the rows come into cache here; the copy reads them from there
+        cache_rows[ids[start : start + len(rows)]] = rows  # ids also holds the tail's block
     if tail:
-        cache_rows[ids[num_full], : tail * row_bytes] = src[num_full * block_size :].reshape(-1)
+        crc = crc32c.crc32c(tail_bytes, crc)
+        cache_rows[ids[num_full], : tail * row_bytes] = tail_bytes
+    return crc
 
 
 def slots_from_block_tables(block_tables: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:

@@ -11,7 +11,8 @@ Decode instance (receiver side, `KVReceiver`), on the decode actor's thread:
     2. `wait(request_id, timeout_s)` blocks until every layer arrived with a verified checksum and the
        extras arrived, and returns a `ReceivedKV`; otherwise raises a `KVTransferError` subclass.
        `on_layer(layer_idx, ReceivedLayer)` (optional) runs on the transport's receive thread as each layer
-       arrives and verifies, so decode can write it into its paged blocks at once.
+       arrives and verifies, so decode can write it into its paged blocks at once (with
+       `on_layer_checksums`, on a float layer before it verifies; `on_layer` returns the CRC it computed).
     3. `release(request_id)` in all cases (success, error, cancel): forgets the reservation. It returns only
        after an `on_layer` call in progress for the request has returned, and none runs after it, so decode
        may free the request's blocks right away. Later data for the request is refused.
@@ -187,14 +188,19 @@ class ReceivedLayer(NamedTuple):
     latent: `[num_tokens, kv_dim]` in the handoff's model dtype; int8 when the receiver passes an int8 wire
         through (its cache is int8).
     scale: `[num_tokens]` float32 per-token scales when `latent` is int8, else None.
+    verified: False when the checksum is not checked yet: `on_layer` (registered with `on_layer_checksums`)
+        returns the CRC-32C of `latent`'s bytes as it read them, and the receiver checks that afterwards.
     """
 
     latent: torch.Tensor
     scale: torch.Tensor | None = None
+    verified: bool = True
 
 
-# on_layer(layer_idx, layer): runs on the transport's receive thread once a layer arrived and verified.
-LayerCallback = Callable[[int, ReceivedLayer], None]
+# on_layer(layer_idx, layer): runs on the transport's receive thread once a layer arrived and verified
+# (with `expect(..., on_layer_checksums=True)`: a float layer before it is verified; it returns the CRC-32C
+# of the bytes it copied, which the receiver then checks).
+LayerCallback = Callable[[int, ReceivedLayer], int | None]
 
 
 @dataclass
@@ -344,9 +350,16 @@ class KVReceiver(abc.ABC):
     the transport's threads. See the module docstring for the order of calls."""
 
     @abc.abstractmethod
-    def expect(self, handoff: HandoffMeta, on_layer: LayerCallback | None = None) -> HandoffMeta:
+    def expect(
+        self, handoff: HandoffMeta, on_layer: LayerCallback | None = None, on_layer_checksums: bool = False
+    ) -> HandoffMeta:
         """Register a reservation and start its lease; returns `handoff` with a fresh `secret`, the one to
         give the sender (and nobody else).
+
+        `on_layer_checksums`: `on_layer` returns the CRC-32C of a float layer's bytes, computed as it copies
+        them (`kernels.paged_mla.write_prompt_kv(checksum_start=0)`), and is called before the receiver
+        verifies the layer; a mismatch then fails the handoff as an unverified layer would. Only for a
+        callback whose writes nobody reads before the handoff completes (decode's reserved blocks).
 
         Raises:
             ValueError: `request_id` is already reserved, or `handoff` already carries a secret (the

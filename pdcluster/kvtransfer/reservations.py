@@ -12,7 +12,11 @@ per reservation, for the first sender presenting the secret `expect` created (co
 replayed sender cannot fail or feed the reservation. The transport then takes data for the request only
 from the sender that claimed it (the same gRPC stream; the same torch.distributed peer rank). A layer is
 handed to decode (kept, or passed to `on_layer`) only after its header matched the handoff and its
-checksum verified, and only while the lease runs.
+checksum verified, and only while the lease runs; except that an `on_layer` registered with
+`on_layer_checksums` (decode writing into reserved blocks nobody reads before admission) gets a float
+layer before its checksum is verified, returns the CRC-32C of the bytes it copied, and the layer counts
+as arrived only if that matches: one pass over the bytes instead of two (each group of blocks is CRC'd
+and then copied from cache). A mismatch fails the handoff as before, and decode frees those blocks unread.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from pdcluster.kvtransfer.base import (
 from pdcluster.kvtransfer.wire import (
     LayerHeader,
     check_header,
+    check_payload_length,
     copy_with_checksum,
     decode_layer,
     extras_from_dict,
@@ -63,6 +68,7 @@ class State(enum.Enum):
 class _Reservation:
     meta: HandoffMeta  # with its secret
     on_layer: LayerCallback | None
+    on_layer_checksums: bool  # on_layer returns the CRC-32C of a float layer's bytes; verified after it
     expected_at_s: float  # monotonic time of expect()
     state: State = State.EXPECTING
     layers: list[ReceivedLayer | None] = field(default_factory=list)
@@ -100,7 +106,9 @@ class Reservations:
 
     # ---- decode side (KVReceiver) ----
 
-    def expect(self, handoff: HandoffMeta, on_layer: LayerCallback | None = None) -> HandoffMeta:
+    def expect(
+        self, handoff: HandoffMeta, on_layer: LayerCallback | None = None, on_layer_checksums: bool = False
+    ) -> HandoffMeta:
         """Reserve `handoff.request_id`; returns `handoff` bound to it (a fresh secret). See `KVReceiver`."""
         if handoff.secret:
             raise ValueError(
@@ -113,6 +121,7 @@ class Reservations:
             self._reservations[handoff.request_id] = _Reservation(
                 meta=bound,
                 on_layer=on_layer,
+                on_layer_checksums=on_layer is not None and on_layer_checksums,
                 expected_at_s=time.monotonic(),
                 layers=[None] * handoff.num_layers,
                 arrived=[False] * handoff.num_layers,
@@ -240,6 +249,10 @@ class Reservations:
             except KVTransferError as e:
                 self._raise(res, e)
             callback = res.on_layer
+            # on_layer checksums while it copies: float wires on the host (an int8 wire is decoded first)
+            checks_after = (
+                res.on_layer_checksums and header.wire_dtype != "int8" and payload.device.type == "cpu"
+            )
         got = None
         if callback is None and self.copy_kept_layers and payload.device.type == "cpu":
             kept = torch.empty_like(payload)  # the copy's bytes are checksummed as they land (in cache)
@@ -248,11 +261,16 @@ class Reservations:
         elif callback is None and self.copy_kept_layers:
             payload = payload.clone()
         try:
-            verify_layer(header, payload, got)
+            if checks_after:
+                check_payload_length(header, payload)
+            else:
+                verify_layer(header, payload, got)
         except KVTransferError as e:
             with self._lock:
                 self._raise(res, e)
         layer = decode_layer(header, payload, self.int8_passthrough)
+        if checks_after:
+            layer = layer._replace(verified=False)
         with self._lock:
             self._live(header.request_id, need_streaming=True)  # still wanted (not released, lease running)?
             if callback is None:
@@ -262,10 +280,15 @@ class Reservations:
         error: KVTransferError | None = None
         if callback is not None:
             try:
-                callback(header.layer_idx, layer)
+                got = callback(header.layer_idx, layer)
             except Exception as e:
                 error = KVTransferError(f"{header.request_id}: on_layer({header.layer_idx}) raised {e!r}")
                 error.__cause__ = e
+            if checks_after and error is None:
+                try:  # the bytes on_layer stored; a callback that returned no CRC gets it computed here
+                    verify_layer(header, payload, got if isinstance(got, int) else None)
+                except KVTransferError as e:
+                    error = e
         with self._lock:
             if callback is not None:
                 res.num_callbacks_running -= 1
@@ -388,8 +411,10 @@ class ReservationReceiver(KVReceiver):
 
     _reservations: Reservations
 
-    def expect(self, handoff: HandoffMeta, on_layer: LayerCallback | None = None) -> HandoffMeta:
-        return self._reservations.expect(handoff, on_layer)
+    def expect(
+        self, handoff: HandoffMeta, on_layer: LayerCallback | None = None, on_layer_checksums: bool = False
+    ) -> HandoffMeta:
+        return self._reservations.expect(handoff, on_layer, on_layer_checksums)
 
     def wait(self, request_id: str, timeout_s: float) -> ReceivedKV:
         return self._reservations.wait(request_id, timeout_s)

@@ -236,14 +236,19 @@ def check_header(meta: HandoffMeta, header: LayerHeader) -> None:
         )
 
 
-def verify_layer(header: LayerHeader, payload: torch.Tensor, got: int | None = None) -> None:
-    """ChecksumMismatch naming the layer unless `payload` (1-D uint8) has the header's length and CRC
-    (`got`: its CRC-32C already computed by the caller, e.g. `copy_with_checksum` while copying it)."""
+def check_payload_length(header: LayerHeader, payload: torch.Tensor) -> None:
+    """ChecksumMismatch naming the layer unless `payload` (1-D uint8) has the header's length."""
     if payload.numel() != header.num_bytes:
         raise ChecksumMismatch(
             f"{header.request_id}: layer {header.layer_idx} payload is {payload.numel()} B, "
             f"header says {header.num_bytes} B"
         )
+
+
+def verify_layer(header: LayerHeader, payload: torch.Tensor, got: int | None = None) -> None:
+    """ChecksumMismatch naming the layer unless `payload` (1-D uint8) has the header's length and CRC
+    (`got`: its CRC-32C already computed by the caller, e.g. `copy_with_checksum` while copying it)."""
+    check_payload_length(header, payload)
     if got is None:
         got = checksum(payload.cpu().numpy())  # a host copy for accelerator-resident payloads
     if got != header.checksum:

@@ -4,11 +4,14 @@ Proves the handoff state is complete: greedy tokens and MTP acceptance equal a s
 
 from __future__ import annotations
 
+import crc32c
 import pytest
+import torch
 
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm import LLMEngine
 from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.kernels.paged_mla import gather_kv
 from pdcluster.models import bundled_checkpoint_dir
 
 PROMPTS = [
@@ -71,7 +74,11 @@ def test_prefill_decode_handoff_matches_single_engine(model, k: int) -> None:
     for rid in map(str, range(len(prompts))):
         assert sorted(received[rid]) == list(range(num_layers))
         for layer, kv in received[rid].items():
-            decode.write_prompt_kv(rid, layer, kv)
+            if k == 1:  # as DecodeNode writes a received layer: its CRC-32C computed while it is copied
+                crc = decode.write_prompt_kv(rid, layer, kv, checksum_start=0)
+                assert crc == crc32c.crc32c(kv.contiguous().view(torch.uint8).numpy())
+            else:
+                assert decode.write_prompt_kv(rid, layer, kv) is None
         result = prefill.pop_prefill_result(rid)
         assert len(result.draft_token_ids) == k
         # The first token is reported once, after the main layers' KV and before the MTP layer's (the
@@ -90,6 +97,28 @@ def test_prefill_decode_handoff_matches_single_engine(model, k: int) -> None:
         assert got[rid].token_ids == out.token_ids
         assert got[rid].num_accepted_tokens == out.num_accepted_tokens
         assert got[rid].num_draft_tokens == out.num_draft_tokens
+
+
+def test_write_prompt_kv_checksums_the_bytes_as_given(model) -> None:
+    """A layer in another dtype than the cache's is cast on the way in; the CRC is of the bytes given (what
+    the sender checksummed), and what is stored is the cast. An int8 layer (with scales) takes no checksum."""
+    decode = _engine(model, 0)
+    prompt = list(range(2, 40))
+    assert decode.reserve_remote_prefill("r", prompt, SamplingParams(max_tokens=4), 0)
+    other = torch.float32 if decode.runner.dtype != torch.float32 else torch.bfloat16
+    kv = torch.randn(len(prompt), model.config.kv_cache_dim, generator=torch.Generator().manual_seed(0)).to(
+        other
+    )
+    assert decode.write_prompt_kv("r", 0, kv, checksum_start=7) == crc32c.crc32c(
+        kv.view(torch.uint8).numpy(), 7
+    )
+    table, _ = decode.remote_prefills._tables["r"]
+    stored, _ = gather_kv(decode.runner.kv_caches[0], table, len(prompt))
+    assert torch.equal(stored, kv.to(decode.runner.dtype))
+    with pytest.raises(ValueError, match="not int8"):
+        decode.write_prompt_kv("r", 0, kv.to(torch.int8), torch.ones(len(prompt)), checksum_start=0)
+    assert decode.release_remote_prefill("r")
+    decode.scheduler.block_manager.check_no_leaks()
 
 
 def test_released_reservation_frees_blocks(model) -> None:

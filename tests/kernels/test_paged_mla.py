@@ -215,6 +215,36 @@ def test_write_prompt_kv_stores_what_write_kv_stores(dtype: torch.dtype, num_tok
     assert torch.equal(stored, latent)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8, torch.float32])  # fast path, write_kv x2
+@pytest.mark.parametrize("num_tokens", [0, 3, 8, 11, 29])  # none, partial, full, full + partial, 3 groups +
+def test_write_prompt_kv_with_a_checksum_returns_the_crc_of_the_bytes_and_stores_the_same(
+    cache_dtype: torch.dtype, num_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `checksum_start` the CRC-32C of the bf16 source's bytes continuing from it (what a sender's
+    header carries), and the cache ends as it does without a checksum, byte for byte. The float32 cache
+    takes a bf16 source through `write_kv` (a cast): the CRC is still that of the bytes given. Groups of 3
+    blocks here, so 29 tokens (7 full blocks + 1) cross several groups."""
+    import crc32c
+
+    from pdcluster.kernels import paged_mla
+
+    block_size = 4
+    monkeypatch.setattr(paged_mla, "CHECKSUM_GROUP_BYTES", 3 * block_size * KV_DIM * 2)
+    latent = torch.randn(num_tokens, KV_DIM, generator=torch.Generator().manual_seed(num_tokens)).bfloat16()
+    block_ids = torch.randperm(10, generator=torch.Generator().manual_seed(2))
+    caches, returned = [], []
+    for checksum_start in (None, 12345):
+        kv_cache = torch.randn(10, block_size, KV_DIM, generator=torch.Generator().manual_seed(1)).to(
+            cache_dtype
+        )
+        kv_scale = torch.full((10, block_size), 7.0) if cache_dtype == torch.int8 else None
+        returned.append(write_prompt_kv(kv_cache, latent, block_ids, kv_scale, None, checksum_start))
+        caches.append((kv_cache, kv_scale))
+    assert returned == [None, crc32c.crc32c(latent.view(torch.uint8).numpy(), 12345)]
+    (want, want_scale), (got, got_scale) = caches
+    assert torch.equal(got, want) and (want_scale is None or torch.equal(got_scale, want_scale))
+
+
 def test_write_prompt_kv_invalid_arguments_raise() -> None:
     kv_cache = torch.zeros(4, 4, KV_DIM)
     with pytest.raises(ValueError, match="block_ids must be"):

@@ -100,6 +100,41 @@ class GatedCallback:
         )
 
 
+class PagedWriter:
+    """Decode's `on_layer` as `DecodeNode` registers it (`on_layer_checksums=True`): each layer is written
+    into its own paged cache (4-token blocks, the table in a shuffled order) by
+    `kernels.paged_mla.write_prompt_kv`, which returns the CRC-32C of an unverified layer's bytes as it
+    copies them. `verified` records what each call was told; `layers()` reads the caches back."""
+
+    BLOCK_SIZE = 4
+
+    def __init__(self, meta: HandoffMeta) -> None:
+        num_blocks = -(-meta.num_tokens // self.BLOCK_SIZE)
+        self.num_tokens = meta.num_tokens
+        self.caches = [
+            torch.zeros(num_blocks + 2, self.BLOCK_SIZE, meta.kv_dim, dtype=meta.torch_dtype)
+            for _ in range(meta.num_layers)
+        ]
+        self.block_table = torch.randperm(num_blocks + 2, generator=torch.Generator().manual_seed(3))
+        self.verified: dict[int, bool] = {}
+
+    def __call__(self, layer_idx: int, layer: ReceivedLayer) -> int | None:
+        from pdcluster.kernels.paged_mla import write_prompt_kv
+
+        self.verified[layer_idx] = layer.verified
+        checksum_start = None if layer.verified else 0
+        return write_prompt_kv(
+            self.caches[layer_idx], layer.latent, self.block_table, None, None, checksum_start
+        )
+
+    def layers(self) -> list[ReceivedLayer]:
+        from pdcluster.kernels.paged_mla import gather_kv
+
+        return [
+            ReceivedLayer(gather_kv(cache, self.block_table, self.num_tokens)[0]) for cache in self.caches
+        ]
+
+
 def write_test_certificates(directory) -> dict[str, str] | None:
     """A throwaway CA and one node certificate it signed (P-256, valid one day, subjectAltName
     `DNS:pdcluster-kv, IP:127.0.0.1`, usable as server and client), written with the `openssl` CLI into

@@ -21,6 +21,7 @@ from pdcluster.kernels.kv_quant import dequantize_kv_int8, quantize_kv_int8
 from pdcluster.kvtransfer.base import KVReceiver, KVSender, KVTransferError, new_handoff_secret
 from tests.kvtransfer.conftest import (
     GatedCallback,
+    PagedWriter,
     assert_extras_equal,
     bits_equal,
     flip_byte_in_layer,
@@ -286,7 +287,11 @@ def run_receiver(receiver: KVReceiver, sync, events, secrets, out: dict) -> None
             elif name in ("replayed", "lost"):  # tells the sender the first layer is on decode
                 on_layer = GatedCallback(entered=events[name])
                 on_layer.gate.set()
-            meta = receiver.expect(HANDOFFS[name], on_layer=on_layer)
+            elif name in ("bitexact", "corrupt"):  # decode's own callback: checksummed as it is written
+                on_layer = PagedWriter(HANDOFFS[name])
+            meta = receiver.expect(
+                HANDOFFS[name], on_layer=on_layer, on_layer_checksums=isinstance(on_layer, PagedWriter)
+            )
             secrets.put(meta.secret)
             sync.wait()
             if name in ("bitexact", "forged", "replayed", "overlap", "int8", "int8-cache"):
@@ -296,7 +301,13 @@ def run_receiver(receiver: KVReceiver, sync, events, secrets, out: dict) -> None
                     events["forged-checked"].set()
                 received = receiver.wait(meta.request_id, WAIT_S)
                 layers = make_layers(meta)
-                if on_layer is not None:
+                if isinstance(on_layer, PagedWriter):
+                    result["layers_returned"] = len(received.layers)
+                    result["unverified_when_written"] = sorted(
+                        i for i, v in on_layer.verified.items() if not v
+                    )
+                    received.layers = on_layer.layers()
+                elif on_layer is not None:
                     result["layers_returned"] = len(received.layers)
                     received.layers = [on_layer.layers[i] for i in range(meta.num_layers)]
                 if name == "int8":  # a float32 model: within quantize_kv_int8's bound
@@ -319,6 +330,10 @@ def run_receiver(receiver: KVReceiver, sync, events, secrets, out: dict) -> None
                 result = _release_during_callback(receiver, meta.request_id, on_layer)
             else:
                 result = _wait_error(receiver, meta.request_id)
+                if isinstance(on_layer, PagedWriter):  # the corrupted layer was written, then checked
+                    result["unverified_when_written"] = sorted(
+                        i for i, v in on_layer.verified.items() if not v
+                    )
         out[name] = result
         sync.wait()
     out["receiver_pending"] = receiver.pending_request_ids()

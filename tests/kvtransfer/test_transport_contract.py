@@ -57,6 +57,8 @@ def assert_decode_error_reported(results, name: str, errors: tuple[str, ...], te
 def test_five_layer_handoff_arrives_bit_exact_with_extras(results):
     got = results["receiver"]["bitexact"]
     assert got["bit_exact"]  # layers sent in the order 4, 0, 3, 1, 2; extras compared in the receiver
+    # decode's paged writes got every (float) layer unverified and returned its CRC, checked afterwards
+    assert got["layers_returned"] == 0 and got["unverified_when_written"] == [0, 1, 2, 3, 4]
     meta = HANDOFFS["bitexact"]
     assert got["num_wire_bytes"] == 5 * meta.num_tokens * meta.kv_dim * 2  # bfloat16: 72,000 B
     assert sender_failure(results, "bitexact") is None
@@ -79,6 +81,7 @@ def test_send_layer_returns_before_delivery(results):
 def test_corrupted_byte_is_a_checksum_mismatch_naming_the_layer(results):
     got = results["receiver"]["corrupt"]
     assert got["raised"] == "ChecksumMismatch" and "checksum mismatch on layer 3" in got["message"]
+    assert 3 in got["unverified_when_written"]  # caught by the CRC decode's write returned, after the write
     assert_decode_error_reported(results, "corrupt", ("ChecksumMismatch",), "layer 3")
 
 

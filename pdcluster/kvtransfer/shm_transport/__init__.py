@@ -5,13 +5,15 @@ segments (`memfd_create`, mode 0600, no name anywhere), reused across handoffs. 
 secret gets one; its descriptor travels to the prefill sender once, over a Unix socket only the user's own
 processes can reach (a 0700 directory, peer uid checked). Prefill's `ShmKVSender.send_layer` copies each
 layer into the segment; the worker sends its header (with the CRC-32C of the segment's bytes) on the socket;
-decode verifies the bytes and hands `on_layer` a view of them, which decode copies into its paged blocks
-(without `on_layer`, `wait`'s layers are copied out first and the copy is verified). So a layer is copied
+decode hands `on_layer` a view of them, which decode copies into its paged blocks, checksumming them as it
+copies, and the receiver checks that CRC (without `on_layer`, `wait`'s layers are copied out first and the
+copy is verified; an `on_layer` that does not checksum gets verified bytes). So a layer is copied
 once on each side (prefill's tensor -> shared pages -> decode's blocks) and checksummed once on each side
 (CRC-32C, the CPU's instruction), and no byte of KV goes through a socket. Where a side copies, it copies in
 256 KiB chunks and checksums each chunk right after writing it, while it is in cache
-(`wire.copy_with_checksum`: the sender's copy into the segment, the receiver's copy out for `wait`); with
-`on_layer` the receiver checksums the segment's bytes, then decode copies them into its blocks. The sender
+(`wire.copy_with_checksum`: the sender's copy into the segment, the receiver's copy out for `wait`); decode's
+`on_layer` CRCs each group of about 256 KiB of the segment and then copies it into its blocks from cache
+(`kernels.paged_mla.write_prompt_kv(checksum_start=...)`). The sender
 (prefill's thread) and the receiver (its connection thread) work on different layers at once.
 
 What goes over the socket (msgpack records, `channel.py`):

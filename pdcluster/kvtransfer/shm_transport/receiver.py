@@ -3,8 +3,9 @@
 It listens on a Unix socket (`channel.listen`: a 0700 directory, peer uid checked) and serves each prefill
 sender's connection on one thread, which admits begins (`Reservations.claim`, the handoff's secret), lends
 the admitted handoff a segment of the connection's `SegmentPool` (its descriptor passed the first time),
-and for each layer record verifies the bytes the sender wrote there (CRC-32C) and hands decode a view of
-them, which decode's `on_layer` copies into its paged blocks: the one copy on this side. Everything that
+and for each layer record hands decode a view of the bytes the sender wrote there, which decode's `on_layer`
+copies into its paged blocks (the one copy on this side), returning their CRC-32C as it copies them, which
+the receiver then checks (`Reservations.on_layer`; other callbacks get verified bytes). Everything that
 reads a segment runs on that thread, so a segment is free for the next handoff as soon as its sender is
 done writing it (finish, abort, or its `end` after a failure), whatever decode does with the reservation.
 """
