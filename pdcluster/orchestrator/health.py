@@ -19,7 +19,9 @@ restarted one is rewired (its KV transport connected again) before it rejoins.
 An actor can answer while its engine does not run: its engine thread died, or hangs in a step (a deadlock,
 a kernel that never returns). `engine_fault` is the watchdog over what a probe's load reports: such an
 instance is failed as DEAD, like one whose actor died, and stays out of routing while its engine fails
-(the monitor has Ray restart it where Ray restarts actors).
+(the monitor has Ray restart it where Ray restarts actors). An actor can also stop answering altogether and
+stay so (a native call hung holding the GIL, a process stopped): `unresponsive_too_long` says when an
+UNRESPONSIVE instance has been silent past the same watchdog, and the monitor then has Ray restart it too.
 """
 
 from __future__ import annotations
@@ -144,4 +146,24 @@ def engine_fault(
         f"{load.name}: its engine thread has been in one pass of its loop for {load.engine_pass_s:.1f} s "
         f"(engine_watchdog_s {watchdog_s:g})",
         stuck_before,
+    )
+
+
+def unresponsive_too_long(health: InstanceHealth, watchdog_s: float, now_s: float) -> str | None:
+    """Whether an instance has answered nothing for too long (`now_s`: time.monotonic(), seconds): it has
+    been UNRESPONSIVE (a call or probe timed out, and no probe since was answered) for at least
+    `watchdog_s` seconds (the pool's `engine_watchdog_s`), from a known process. Such a process is not
+    coming back by itself often enough to wait for: its engine cannot have passed the watchdog either.
+
+    Returns:
+        why (the reason to log and report), or None.
+    """
+    if health.state is not Health.UNRESPONSIVE or health.pid is None:
+        return None
+    silent_s = now_s - health.since_s
+    if silent_s < watchdog_s:
+        return None
+    return (
+        f"it has answered no call for {silent_s:.1f} s (engine_watchdog_s {watchdog_s:g}; "
+        f"unresponsive since: {health.reason})"
     )

@@ -10,11 +10,12 @@ restarted its actor (a new process id of its leader). An instance fails and rejo
 The probe's loads also feed the engine watchdog (`health.engine_fault`): an instance one of whose ranks
 answers while its engine thread died or hangs in one pass (past the pool's `engine_watchdog_s`) is failed
 as dead, and where Ray restarts its actors (`deployment.ray_restarts`) the monitor kills them for Ray to
-restart; the new process is rewired and rejoins as after a crash. Elsewhere the instance stays out of
-routing while its engine fails. Probes (and `stats()`'s loads) run in the actors' own Ray concurrency group
-(`deployment.PROBE_GROUP`), so calls blocked behind a hung engine cannot starve them; and an instance out
-of routing does not rejoin while a rank's pass has run longer than a call may take (`call_timeout_s`): its
-calls that wait for the engine would time out again.
+restart; the new process is rewired and rejoins as after a crash. So is an instance that has answered no
+probe for as long (`health.unresponsive_too_long`: a native call hung holding the GIL, a stopped
+process). Elsewhere the instance stays out of routing while its engine fails. Probes (and `stats()`'s
+loads) run in the actors' own Ray concurrency group (`deployment.PROBE_GROUP`), so calls blocked behind a
+hung engine cannot starve them; and an instance out of routing does not rejoin while a rank's pass has run
+longer than a call may take (`call_timeout_s`): its calls that wait for the engine would time out again.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pdcluster.orchestrator.health import (
     after_failure,
     engine_fault,
     is_stale,
+    unresponsive_too_long,
 )
 from pdcluster.orchestrator.instance import Instance, check_instance_group
 from pdcluster.orchestrator.messages import DecodeLost, DecodeNodeLoad, PrefillNodeLoad
@@ -279,9 +281,14 @@ class InstanceMonitor:
                 if isinstance(e, EngineFailed):
                     if not self._closed:
                         self._restart_failed_engine(ray, instance, e.pid)
-                else:  # unanswered: a pause counts in no watchdog sighting (the next answer starts afresh)
-                    for rank in range(len(instance.ranks)):
-                        self._stuck_passes.pop(instance.rank_name(rank), None)
+                    continue
+                # unanswered: a pause counts in no watchdog sighting (the next answer starts afresh)
+                for rank in range(len(instance.ranks)):
+                    self._stuck_passes.pop(instance.rank_name(rank), None)
+                watchdog_s = self.topology.pool(instance.role).engine_watchdog_s
+                silent = unresponsive_too_long(instance.health, watchdog_s, time.monotonic())
+                if silent is not None and not self._closed:
+                    self._restart_failed_engine(ray, instance, instance.health.pid, silent)
                 continue
             if instance.role == "decode" and instance.routable and instance.health.pid == pids[0]:
                 for rank, load in enumerate(loads):  # the router's view, refreshed (orchestrator.load_board)
@@ -314,26 +321,30 @@ class InstanceMonitor:
         if faults:
             raise EngineFailed(min(faults)[2], loads[0].pid)
 
-    def _restart_failed_engine(self, ray, instance: Instance, pid: int) -> None:
-        """Instance `instance`, whose leader (rank 0) runs in process `pid`, failed the engine watchdog:
-        kill its actors for Ray to restart them (once per process; each restart is one of the actor's
-        MAX_ACTOR_RESTARTS), where Ray restarts them; else it stays out of routing until its engine passes
-        again (for good if its engine thread died). A kill that fails is tried again at the next probe."""
+    def _restart_failed_engine(
+        self, ray, instance: Instance, pid: int, why: str = "its engine failed"
+    ) -> None:
+        """Instance `instance`, whose leader (rank 0) runs in process `pid`, failed the engine watchdog
+        (`why`: its engine failed, or it answered nothing past the watchdog): kill its actors for Ray to
+        restart them (once per process; each restart is one of the actor's MAX_ACTOR_RESTARTS), where Ray
+        restarts them; else it stays out of routing until it answers with a passing engine (for good if
+        its engine thread died). A kill that fails is tried again at the next probe."""
         key = (instance.role, instance.index)
         if self._engine_restarts.get(key) == pid:
             return
         if not ray_restarts(self.topology.kv_transport, len(instance.ranks)):
             self._engine_restarts[key] = pid
             logger.error(
-                "%s-%d: Ray does not restart its actors (kv_transfer %s, %d ranks): it stays out of routing "
-                "while its engine fails",
+                "%s-%d: %s, but Ray does not restart its actors (kv_transfer %s, %d ranks): it stays out "
+                "of routing until it answers with a passing engine",
                 instance.role,
                 instance.index,
+                why,
                 self.topology.kv_transport,
                 len(instance.ranks),
             )
             return
-        logger.error("%s-%d: killing its actor for Ray to restart it (its engine failed)", *key)
+        logger.error("%s-%d: killing its actor for Ray to restart it (%s)", *key, why)
         try:
             for actor in instance.ranks:
                 ray.kill(actor, no_restart=False)

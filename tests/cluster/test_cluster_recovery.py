@@ -7,6 +7,7 @@ SIGKILL (as the OOM killer would). Nothing else is faked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -76,15 +77,14 @@ def _seconds_until_routable(cluster: Cluster, role: str, bound_s: float) -> floa
     return time.monotonic() - started_s
 
 
-@pytest.mark.parametrize("role", ["decode", "prefill"])
-def test_a_stalled_instance_leaves_routing_and_rejoins_when_it_answers(
-    cluster, expected_tokens, role
-) -> None:
-    """SIGSTOP for longer than the call timeout: a request fails with BackendUnavailable naming the stalled
-    instance (no hang), `check_ready` (/health) and stats() raise naming it, the instance is reported
-    "unresponsive", not dead. After SIGCONT it rejoins routing within two probes (the first answer may
-    still carry the pass the pause interrupted, longer than a call may take) and
-    serves the same greedy tokens as before, with nothing left held."""
+def test_a_stalled_instance_leaves_routing_and_rejoins_when_it_answers(cluster, expected_tokens) -> None:
+    """SIGSTOP of prefill for longer than the call timeout, shorter than its engine watchdog (the default,
+    300 s): a request fails with BackendUnavailable naming the stalled instance (no hang), `check_ready`
+    (/health) and stats() raise naming it, the instance is reported "unresponsive", not dead. After SIGCONT
+    it rejoins routing within two probes (the first answer may still carry the pass the pause interrupted,
+    longer than a call may take) and serves the same greedy tokens as before, with nothing left held.
+    (Decode's watchdog here is 2 s: the next test stalls it past that.)"""
+    role = "prefill"
     pid = _pid(cluster, role)
     cluster.check_ready()
     os.kill(pid, signal.SIGSTOP)
@@ -106,6 +106,37 @@ def test_a_stalled_instance_leaves_routing_and_rejoins_when_it_answers(
     assert _generate(cluster, f"after-{role}-stall") == expected_tokens
     cluster.stats()  # healthy again: no BackendUnavailable
     cluster.check_ready()
+    assert_nothing_held(cluster)
+
+
+def test_a_decode_silent_past_its_engine_watchdog_is_killed_restarted_and_serves_again(
+    cluster, expected_tokens, caplog
+) -> None:
+    """SIGSTOP of decode that never ends (from outside, a native call hung holding the GIL looks the same):
+    a request fails with BackendUnavailable naming it; once it has answered nothing for its
+    engine_watchdog_s (2 s here) the monitor kills it for Ray to restart (SIGKILL ends a stopped process),
+    and the new process is rewired, rejoins routing once and serves the same greedy tokens."""
+    pid = _pid(cluster, "decode")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with caplog.at_level("WARNING", logger="pdcluster.orchestrator.cluster"):
+            with pytest.raises(BackendUnavailable, match="decode-0"):
+                _generate(cluster, "during-decode-silence")
+            # Silent for the watchdog, seen so at a probe, then a restart loads the weights again.
+            probes_s = ENGINE_WATCHDOG_S + 2 * (PROBE_INTERVAL_S + call_bound_s(cluster))
+            recovery_s = _seconds_until_routable_after_restart(
+                cluster, "decode", pid, probes_s + request_bound_s(cluster)
+            )
+        assert _process_ended(pid), "the stopped process was left behind"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)  # only if the test failed before the kill
+    print(f"silent decode killed, restarted and back {recovery_s:.2f} s after the request failed")
+    assert "decode-0: killing its actor for Ray to restart it (it has answered no call for" in caplog.text
+    rejoins = [r.getMessage() for r in caplog.records if "decode-0 rejoined routing" in r.getMessage()]
+    assert len(rejoins) == 1 and rejoins[0].endswith("(restarted and rewired)"), rejoins
+    assert _pid(cluster, "decode") != pid
+    assert _generate(cluster, "after-decode-silence") == expected_tokens
     assert_nothing_held(cluster)
 
 
@@ -202,6 +233,15 @@ def test_a_live_rank_whose_reply_connection_closed_is_connected_again(cluster, e
     assert _generate(cluster, f"after-{role}-reconnect") == expected_tokens
     assert cluster._num_calls_pushed == {k: v + 1 for k, v in calls_before.items()}
     assert_nothing_held(cluster)
+
+
+def _process_ended(pid: int) -> bool:
+    """Process `pid` has exited (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].startswith("Z")
+    except FileNotFoundError:
+        return True
 
 
 def _seconds_until_routable_after_restart(cluster: Cluster, role: str, old_pid: int, bound_s: float) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pdcluster.orchestrator.health import (
@@ -13,6 +15,7 @@ from pdcluster.orchestrator.health import (
     after_failure,
     engine_fault,
     is_stale,
+    unresponsive_too_long,
 )
 from pdcluster.orchestrator.messages import DecodeNodeLoad
 
@@ -271,8 +274,8 @@ def test_an_instance_ray_does_not_restart_is_left_out_of_routing_not_killed(capl
         with caplog.at_level("ERROR", logger="pdcluster.orchestrator.cluster"):
             monitor._restart_failed_engine(ray, instance, pid=41)
         assert (
-            f"decode-0: Ray does not restart its actors (kv_transfer {transport}, {num_ranks} ranks)"
-            in caplog.text
+            f"decode-0: its engine failed, but Ray does not restart its actors (kv_transfer {transport}, "
+            f"{num_ranks} ranks)" in caplog.text
         )
     assert killed == []
 
@@ -367,3 +370,41 @@ def test_a_probe_fails_a_stuck_engine_kills_it_once_and_an_unanswered_probe_forg
     monitor._probe_all()
     assert instance.health.state is Health.DEAD and "EngineFailed" in instance.health.reason
     assert done.count(("kill", False)) == 1
+
+
+def test_an_instance_silent_past_the_watchdog_is_unresponsive_too_long():
+    """Counted from when it became UNRESPONSIVE, on the driver's clock; never for a healthy or dead
+    instance, nor one whose process was never seen (nothing to restart)."""
+    silent = InstanceHealth(Health.UNRESPONSIVE, "reserve: no answer within 3 s", since_s=100.0, pid=41)
+    assert unresponsive_too_long(silent, watchdog_s=20.0, now_s=119.9) is None
+    why = unresponsive_too_long(silent, watchdog_s=20.0, now_s=120.0)
+    assert why == (
+        "it has answered no call for 20.0 s (engine_watchdog_s 20; unresponsive since: reserve: no answer "
+        "within 3 s)"
+    )
+    assert unresponsive_too_long(dataclasses.replace(silent, pid=None), 20.0, 500.0) is None
+    for state in (Health.HEALTHY, Health.DEAD):
+        assert unresponsive_too_long(dataclasses.replace(silent, state=state), 20.0, 500.0) is None
+
+
+def test_an_instance_that_answers_no_probe_past_the_watchdog_is_killed_once_for_ray_to_restart(
+    monkeypatch, caplog
+):
+    """A process that stopped answering altogether (a native call hung holding the GIL) never reports a
+    stuck pass: past `engine_watchdog_s` of silence the monitor kills it, once for that process; Ray's
+    restart then answers from a new process, which rejoins (rewired) as after a crash."""
+    import time
+
+    silent = InstanceHealth(Health.UNRESPONSIVE, "probe: no answer within 3 s", time.monotonic(), pid=41)
+    monitor, instance, rank, done = _probing_monitor(monkeypatch, TimeoutError("no answer"), silent, 0.2)
+    monitor._probe_all()
+    assert ("kill", False) not in done  # silent for less than the watchdog
+    time.sleep(0.25)
+    with caplog.at_level("ERROR", logger="pdcluster.orchestrator.cluster"):
+        monitor._probe_all()
+        monitor._probe_all()
+    assert done.count(("kill", False)) == 1
+    assert "decode-0: killing its actor for Ray to restart it (it has answered no call for" in caplog.text
+    rank.answer = _load(pid=42)  # the restarted process
+    monitor._probe_all()
+    assert done[-1] == ("rejoin", "decode", 0, 42)

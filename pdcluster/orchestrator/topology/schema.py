@@ -209,8 +209,10 @@ class PoolConfig:
             and is still in that pass min(this, `health.STUCK_CONFIRM_S`) later, fails its instance: out
             of routing, its in-flight requests failed, and its actors restarted where Ray restarts them
             (one-rank instances on an addressed KV transport); elsewhere it stays out of routing while its
-            engine fails. SGLang's `--watchdog-timeout` has the same default (300 s). Set it above the
-            longest step expected (a long prompt on a slow device).
+            engine fails. An instance that has answered no probe for this long (unresponsive: a native
+            call hung holding the GIL, a stopped process) is restarted the same way. SGLang's
+            `--watchdog-timeout` has the same default (300 s). Set it above the longest step expected (a
+            long prompt on a slow device) and the longest pause a rank may come back from.
     """
 
     num_instances: int = field(default=1, metadata=between(1, MAX_INSTANCES))
