@@ -254,6 +254,7 @@ class ClusterDeployment(ClusterWiring):
             instance.health = InstanceHealth(since_s=up_s, pid=infos[instance.name].pid)
         self._health_lock = threading.Lock()
         self._stuck_passes = {}  # the watchdog's (pid, pass, first seen) per rank name (health_monitor)
+        self._last_answer_s = {}  # when each instance last answered a probe (health_monitor)
         self._engine_restarts = {}  # the process the monitor last had Ray restart, per instance
         self._decode_addresses = decode_addresses
         self._poll_acked_seq = [[0] * d.num_ranks for d in self.instances["decode"]]  # per decode rank

@@ -4,7 +4,7 @@ Pure policy over plain data (no Ray calls), used by `orchestrator.cluster.Cluste
 
     HEALTHY ──call timed out──▶ UNRESPONSIVE ──answers, same process──▶ HEALTHY
        │                             │
-       ├──actor died──▶ DEAD ◀───────┘ (died while unresponsive)
+       ├──actor died──▶ DEAD ◀───────┘ (died while unresponsive, or killed: silent past the watchdog)
        │                 │
        │                 └──answers, new process (Ray restarted it)──▶ rewired ──▶ HEALTHY
        └──engine failed (answers, but its engine thread died or is stuck: `engine_fault`)──▶ DEAD
@@ -111,7 +111,8 @@ def after_answer(health: InstanceHealth, pid: int, now_s: float) -> tuple[Instan
 # A pass over the watchdog must still be the current pass this long later on the driver's clock (at most the
 # watchdog itself) before it is a fault: a process paused whole (SIGSTOP, swapping) answers its first probe
 # after resuming with a pass clock that counts the pause, and gets this long to finish that pass (the
-# monitor forgets a sighting when a probe goes unanswered, so the pause itself does not count).
+# monitor forgets a sighting when a probe goes unanswered, so the pause itself does not count here; a
+# pause longer than the watchdog is `unresponsive_too_long`).
 STUCK_CONFIRM_S = 10.0
 
 
@@ -149,19 +150,24 @@ def engine_fault(
     )
 
 
-def unresponsive_too_long(health: InstanceHealth, watchdog_s: float, now_s: float) -> str | None:
-    """Whether an instance has answered nothing for too long (`now_s`: time.monotonic(), seconds): it has
-    been UNRESPONSIVE (a call or probe timed out, and no probe since was answered) for at least
-    `watchdog_s` seconds (the pool's `engine_watchdog_s`), from a known process. Such a process is not
-    coming back by itself often enough to wait for: its engine cannot have passed the watchdog either.
+def unresponsive_too_long(
+    health: InstanceHealth, watchdog_s: float, now_s: float, last_answer_s: float, min_silent_s: float
+) -> str | None:
+    """Whether an instance has answered nothing for too long (`now_s`: time.monotonic(), seconds): it is
+    UNRESPONSIVE (a call or probe timed out), from a known process, and has been silent since it became so
+    or since its last answered probe (`last_answer_s`; an answer that did not bring it back, e.g. mid-pass,
+    still shows it alive), whichever is later, for at least `watchdog_s` (the pool's `engine_watchdog_s`)
+    and at least `min_silent_s` (the monitor's floor: two unanswered probes, so that a watchdog shorter than
+    a call's timeout does not make one late answer a kill). Such a process is not coming back by itself
+    often enough to wait for: its engine cannot have passed the watchdog either.
 
     Returns:
         why (the reason to log and report), or None.
     """
     if health.state is not Health.UNRESPONSIVE or health.pid is None:
         return None
-    silent_s = now_s - health.since_s
-    if silent_s < watchdog_s:
+    silent_s = now_s - max(health.since_s, last_answer_s)
+    if silent_s < max(watchdog_s, min_silent_s):
         return None
     return (
         f"it has answered no call for {silent_s:.1f} s (engine_watchdog_s {watchdog_s:g}; "

@@ -77,6 +77,7 @@ class InstanceMonitor:
     _num_binds_pushed: int
     _num_calls_pushed: dict[str, int]
     _stuck_passes: dict[str, tuple[int, int, float]]  # the watchdog's `stuck` per rank name (engine_fault)
+    _last_answer_s: dict[tuple[str, int], float]  # time.monotonic() of each instance's last answered probe
     _engine_restarts: dict[tuple[str, int], int]  # the process last killed for Ray to restart, per instance
 
     @property
@@ -285,11 +286,17 @@ class InstanceMonitor:
                 # unanswered: a pause counts in no watchdog sighting (the next answer starts afresh)
                 for rank in range(len(instance.ranks)):
                     self._stuck_passes.pop(instance.rank_name(rank), None)
-                watchdog_s = self.topology.pool(instance.role).engine_watchdog_s
-                silent = unresponsive_too_long(instance.health, watchdog_s, time.monotonic())
+                silent = unresponsive_too_long(
+                    instance.health,
+                    self.topology.pool(instance.role).engine_watchdog_s,
+                    time.monotonic(),
+                    self._last_answer_s.get((instance.role, instance.index), 0.0),
+                    min_silent_s=2 * (self.call_timeout_s + PROBE_INTERVAL_S),
+                )
                 if silent is not None and not self._closed:
                     self._restart_failed_engine(ray, instance, instance.health.pid, silent)
                 continue
+            self._last_answer_s[(instance.role, instance.index)] = time.monotonic()
             if instance.role == "decode" and instance.routable and instance.health.pid == pids[0]:
                 for rank, load in enumerate(loads):  # the router's view, refreshed (orchestrator.load_board)
                     self._loads.update_decode(RankRef(instance.index, rank), load)

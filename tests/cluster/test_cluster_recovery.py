@@ -77,30 +77,47 @@ def _seconds_until_routable(cluster: Cluster, role: str, bound_s: float) -> floa
     return time.monotonic() - started_s
 
 
-def test_a_stalled_instance_leaves_routing_and_rejoins_when_it_answers(cluster, expected_tokens) -> None:
-    """SIGSTOP of prefill for longer than the call timeout, shorter than its engine watchdog (the default,
-    300 s): a request fails with BackendUnavailable naming the stalled instance (no hang), `check_ready`
-    (/health) and stats() raise naming it, the instance is reported "unresponsive", not dead. After SIGCONT
-    it rejoins routing within two probes (the first answer may still carry the pass the pause interrupted,
-    longer than a call may take) and serves the same greedy tokens as before, with nothing left held.
-    (Decode's watchdog here is 2 s: the next test stalls it past that.)"""
-    role = "prefill"
+@contextlib.contextmanager
+def _decode_watchdog(cluster: Cluster, watchdog_s: float):
+    """Decode's `engine_watchdog_s` at `watchdog_s` within the block (the monitor reads it at each probe)."""
+    before = cluster.topology
+    cluster.topology = dataclasses.replace(
+        before, decode=dataclasses.replace(before.decode, engine_watchdog_s=watchdog_s)
+    )
+    try:
+        yield
+    finally:
+        cluster.topology = before
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_stalled_instance_leaves_routing_and_rejoins_when_it_answers(
+    cluster, expected_tokens, role
+) -> None:
+    """SIGSTOP for longer than the call timeout, shorter than the pool's engine watchdog (300 s: decode's
+    2 s of this module is raised for this test): a request fails with BackendUnavailable naming the stalled
+    instance (no hang), `check_ready` (/health) and stats() raise naming it, the instance is reported
+    "unresponsive", not dead. After SIGCONT it rejoins routing within two probes (the first answer may
+    still carry the pass the pause interrupted, longer than a call may take) and serves the same greedy
+    tokens as before, from the same process, with nothing left held."""
     pid = _pid(cluster, role)
     cluster.check_ready()
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        with pytest.raises(BackendUnavailable, match=f"{role}-0"):
-            _generate(cluster, f"during-{role}-stall")
-        with pytest.raises(BackendUnavailable, match=f"{role}-0 unresponsive"):
-            cluster.check_ready()  # /health's answer, from what the failed call recorded (no call)
-        with pytest.raises(BackendUnavailable, match=f"{role}-0 unresponsive"):
-            cluster.stats()
-        assert cluster.health()[f"{role}-0"]["state"] == "unresponsive"
-        time.sleep(call_bound_s(cluster))  # stalled past a few probes: still not declared dead
-        assert cluster.health()[f"{role}-0"]["state"] == "unresponsive"
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    recovery_s = _seconds_until_routable(cluster, role, 2 * (PROBE_INTERVAL_S + call_bound_s(cluster)))
+    with _decode_watchdog(cluster, 300.0):
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(BackendUnavailable, match=f"{role}-0"):
+                _generate(cluster, f"during-{role}-stall")
+            with pytest.raises(BackendUnavailable, match=f"{role}-0 unresponsive"):
+                cluster.check_ready()  # /health's answer, from what the failed call recorded (no call)
+            with pytest.raises(BackendUnavailable, match=f"{role}-0 unresponsive"):
+                cluster.stats()
+            assert cluster.health()[f"{role}-0"]["state"] == "unresponsive"
+            time.sleep(call_bound_s(cluster))  # stalled past a few probes: still not declared dead
+            assert cluster.health()[f"{role}-0"]["state"] == "unresponsive"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        bound_s = 2 * (PROBE_INTERVAL_S + call_bound_s(cluster))
+        recovery_s = _seconds_until_routable(cluster, role, bound_s)
     print(f"{role} rejoined {recovery_s:.2f} s after SIGCONT")
     assert _pid(cluster, role) == pid  # the same process, not a restart
     assert _generate(cluster, f"after-{role}-stall") == expected_tokens
@@ -114,16 +131,19 @@ def test_a_decode_silent_past_its_engine_watchdog_is_killed_restarted_and_serves
 ) -> None:
     """SIGSTOP of decode that never ends (from outside, a native call hung holding the GIL looks the same):
     a request fails with BackendUnavailable naming it; once it has answered nothing for its
-    engine_watchdog_s (2 s here) the monitor kills it for Ray to restart (SIGKILL ends a stopped process),
-    and the new process is rewired, rejoins routing once and serves the same greedy tokens."""
+    engine_watchdog_s (2 s here; at least two unanswered probes) the monitor kills it for Ray to restart
+    (SIGKILL ends a stopped process), and the new process is rewired, rejoins routing once and serves the
+    same greedy tokens."""
     pid = _pid(cluster, "decode")
     os.kill(pid, signal.SIGSTOP)
     try:
         with caplog.at_level("WARNING", logger="pdcluster.orchestrator.cluster"):
             with pytest.raises(BackendUnavailable, match="decode-0"):
                 _generate(cluster, "during-decode-silence")
-            # Silent for the watchdog, seen so at a probe, then a restart loads the weights again.
-            probes_s = ENGINE_WATCHDOG_S + 2 * (PROBE_INTERVAL_S + call_bound_s(cluster))
+            # Silent for the watchdog, at least two unanswered probes (the monitor's floor), seen so at a
+            # probe; then a restart loads the weights again.
+            floor_s = 2 * (cluster.call_timeout_s + PROBE_INTERVAL_S)
+            probes_s = max(ENGINE_WATCHDOG_S, floor_s) + 2 * (PROBE_INTERVAL_S + call_bound_s(cluster))
             recovery_s = _seconds_until_routable_after_restart(
                 cluster, "decode", pid, probes_s + request_bound_s(cluster)
             )

@@ -206,6 +206,7 @@ def _watchdog_monitor(kv_transport: str, num_ranks: int, watchdog_s: float = 10.
     pool = SimpleNamespace(engine_watchdog_s=watchdog_s)
     monitor.topology = SimpleNamespace(kv_transport=kv_transport, pool=lambda role: pool)
     monitor._health_lock, monitor._stuck_passes, monitor._engine_restarts = threading.Lock(), {}, {}
+    monitor._last_answer_s = {}
     instance = SimpleNamespace(role="decode", index=0, ranks=[f"actor-{r}" for r in range(num_ranks)])
     return monitor, instance
 
@@ -373,18 +374,41 @@ def test_a_probe_fails_a_stuck_engine_kills_it_once_and_an_unanswered_probe_forg
 
 
 def test_an_instance_silent_past_the_watchdog_is_unresponsive_too_long():
-    """Counted from when it became UNRESPONSIVE, on the driver's clock; never for a healthy or dead
-    instance, nor one whose process was never seen (nothing to restart)."""
+    """Counted from when it became UNRESPONSIVE or last answered a probe, whichever is later, on the
+    driver's clock, against the watchdog and the monitor's floor; never for a healthy or dead instance,
+    nor one whose process was never seen (nothing to restart)."""
     silent = InstanceHealth(Health.UNRESPONSIVE, "reserve: no answer within 3 s", since_s=100.0, pid=41)
-    assert unresponsive_too_long(silent, watchdog_s=20.0, now_s=119.9) is None
-    why = unresponsive_too_long(silent, watchdog_s=20.0, now_s=120.0)
+    assert unresponsive_too_long(silent, 20.0, now_s=119.9, last_answer_s=0.0, min_silent_s=8.0) is None
+    why = unresponsive_too_long(silent, 20.0, now_s=120.0, last_answer_s=0.0, min_silent_s=8.0)
     assert why == (
         "it has answered no call for 20.0 s (engine_watchdog_s 20; unresponsive since: reserve: no answer "
         "within 3 s)"
     )
-    assert unresponsive_too_long(dataclasses.replace(silent, pid=None), 20.0, 500.0) is None
+    # it answered a probe at 110 s (mid-pass, not back in routing): silent for 10 s only
+    assert unresponsive_too_long(silent, 20.0, now_s=120.0, last_answer_s=110.0, min_silent_s=8.0) is None
+    assert unresponsive_too_long(silent, 20.0, now_s=130.0, last_answer_s=110.0, min_silent_s=8.0)
+    # a watchdog shorter than the floor (two unanswered probes) waits for the floor
+    assert unresponsive_too_long(silent, 2.0, now_s=107.9, last_answer_s=0.0, min_silent_s=8.0) is None
+    assert unresponsive_too_long(silent, 2.0, now_s=108.0, last_answer_s=0.0, min_silent_s=8.0)
+    assert unresponsive_too_long(dataclasses.replace(silent, pid=None), 20.0, 500.0, 0.0, 8.0) is None
     for state in (Health.HEALTHY, Health.DEAD):
-        assert unresponsive_too_long(dataclasses.replace(silent, state=state), 20.0, 500.0) is None
+        assert unresponsive_too_long(dataclasses.replace(silent, state=state), 20.0, 500.0, 0.0, 8.0) is None
+
+
+def _silent_monitor(monkeypatch, watchdog_s: float):
+    """`_probing_monitor` for an instance UNRESPONSIVE since now whose probes time out, with a call timeout
+    and probe interval short enough that the floor (two unanswered probes) is 0.1 s."""
+    import time
+
+    from pdcluster.orchestrator import health_monitor
+
+    silent = InstanceHealth(Health.UNRESPONSIVE, "probe: no answer within 3 s", time.monotonic(), pid=41)
+    monitor, instance, rank, done = _probing_monitor(
+        monkeypatch, TimeoutError("no answer"), silent, watchdog_s
+    )
+    monitor.call_timeout_s = 0.025
+    monkeypatch.setattr(health_monitor, "PROBE_INTERVAL_S", 0.025)
+    return monitor, instance, rank, done
 
 
 def test_an_instance_that_answers_no_probe_past_the_watchdog_is_killed_once_for_ray_to_restart(
@@ -395,8 +419,7 @@ def test_an_instance_that_answers_no_probe_past_the_watchdog_is_killed_once_for_
     restart then answers from a new process, which rejoins (rewired) as after a crash."""
     import time
 
-    silent = InstanceHealth(Health.UNRESPONSIVE, "probe: no answer within 3 s", time.monotonic(), pid=41)
-    monitor, instance, rank, done = _probing_monitor(monkeypatch, TimeoutError("no answer"), silent, 0.2)
+    monitor, instance, rank, done = _silent_monitor(monkeypatch, watchdog_s=0.2)
     monitor._probe_all()
     assert ("kill", False) not in done  # silent for less than the watchdog
     time.sleep(0.25)
@@ -408,3 +431,25 @@ def test_an_instance_that_answers_no_probe_past_the_watchdog_is_killed_once_for_
     rank.answer = _load(pid=42)  # the restarted process
     monitor._probe_all()
     assert done[-1] == ("rejoin", "decode", 0, 42)
+
+
+def test_an_answered_probe_restarts_the_silence_and_no_kill_after_close(monkeypatch):
+    """An instance out of routing that answers mid-pass (so it does not rejoin) is alive: one unanswered
+    probe after that is not silence past the watchdog. After `close()` nothing is killed."""
+    import time
+
+    monitor, instance, rank, done = _silent_monitor(monkeypatch, watchdog_s=0.2)
+    time.sleep(0.25)
+    rank.answer = _load(pass_s=5.0)  # longer than a call may take: answers, stays out of routing
+    monitor._probe_all()
+    assert not instance.routable and ("rejoin", "decode", 0, 41) not in done
+    rank.answer = TimeoutError("no answer")
+    monitor._probe_all()
+    assert ("kill", False) not in done
+    time.sleep(0.25)
+    monitor._closed = True
+    monitor._probe_all()
+    assert ("kill", False) not in done
+    monitor._closed = False
+    monitor._probe_all()
+    assert done.count(("kill", False)) == 1
