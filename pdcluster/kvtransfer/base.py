@@ -358,8 +358,10 @@ class KVReceiver(abc.ABC):
 
         `on_layer_checksums`: `on_layer` returns the CRC-32C of a float layer's bytes, computed as it copies
         them (`kernels.paged_mla.write_prompt_kv(checksum_start=0)`), and is called before the receiver
-        verifies the layer; a mismatch then fails the handoff as an unverified layer would. Only for a
-        callback whose writes nobody reads before the handoff completes (decode's reserved blocks).
+        verifies the layer (float wires received into host memory; int8 wires and device payloads are
+        verified first, `ReceivedLayer.verified` says which); a mismatch then fails the handoff as an
+        unverified layer would. Only for a callback whose writes nobody reads before the handoff completes
+        (decode's reserved blocks).
 
         Raises:
             ValueError: `request_id` is already reserved, or `handoff` already carries a secret (the

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hmac
+import operator
 import threading
 import time
 from dataclasses import dataclass, field
@@ -233,7 +234,9 @@ class Reservations:
             res.state = State.STREAMING
 
     def on_layer(self, header: LayerHeader, payload: torch.Tensor) -> None:
-        """A whole layer arrived (`payload`: 1-D uint8). Verifies it, then keeps it or calls `on_layer`.
+        """A whole layer arrived (`payload`: 1-D uint8). Verifies it, then keeps it or calls `on_layer`; or,
+        for a callback registered with `on_layer_checksums` and a float wire on the host, calls it with the
+        layer unverified (`verified` False) and verifies the CRC it returns (see the module docstring).
 
         The checksum and decoding run outside the table's lock; `on_layer` runs on the calling thread.
         With `copy_kept_layers` and no `on_layer`, the payload is copied first and the copy is verified: the
@@ -286,7 +289,7 @@ class Reservations:
                 error.__cause__ = e
             if checks_after and error is None:
                 try:  # the bytes on_layer stored; a callback that returned no CRC gets it computed here
-                    verify_layer(header, payload, got if isinstance(got, int) else None)
+                    verify_layer(header, payload, None if got is None else operator.index(got))
                 except KVTransferError as e:
                     error = e
         with self._lock:

@@ -16,7 +16,8 @@ The header is msgpack (torch.distributed transport) or the equivalent protobuf m
 
 Checksum: CRC-32C (Castagnoli; the `crc32c` package, which uses the CPU's CRC32 instruction: SSE 4.2 on
 x86-64, ARMv8's crc32c*, with a software fallback elsewhere) of the payload bytes, computed by the sender
-before the bytes leave it and checked by the receiver before the layer is handed to decode. Why a CRC rather
+before the bytes leave it and checked by the receiver before the layer is handed to decode (or, for decode's
+own write into its reserved blocks, in the same pass as that write: `Reservations.on_layer`). Why a CRC rather
 than BLAKE2b: it is an error-detecting code, not a hash: it is guaranteed to catch every error burst of up
 to 32 bits (so any flipped or overwritten byte, which is what a bad copy, a stale buffer or a torn DMA looks
 like), while other corruptions slip through with probability 2^-32. CRC-32C's polynomial 0x1EDC6F41
@@ -259,7 +260,8 @@ def verify_layer(header: LayerHeader, payload: torch.Tensor, got: int | None = N
 
 
 def decode_layer(header: LayerHeader, payload: torch.Tensor, int8_passthrough: bool = False) -> ReceivedLayer:
-    """The tensors of a verified payload (1-D uint8, any device): views of it on a float wire.
+    """The tensors of a payload (1-D uint8 of the header's length, any device; verified, or to be verified by
+    the callback it goes to): views of it on a float wire.
 
     int8 wire: dequantized to the model dtype, or `(int8 values, float32 scales)` with `int8_passthrough`.
     """

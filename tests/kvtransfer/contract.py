@@ -287,7 +287,7 @@ def run_receiver(receiver: KVReceiver, sync, events, secrets, out: dict) -> None
             elif name in ("replayed", "lost"):  # tells the sender the first layer is on decode
                 on_layer = GatedCallback(entered=events[name])
                 on_layer.gate.set()
-            elif name in ("bitexact", "corrupt"):  # decode's own callback: checksummed as it is written
+            elif name in ("bitexact", "corrupt", "int8", "int8-cache"):  # decode's own callback
                 on_layer = PagedWriter(HANDOFFS[name])
             meta = receiver.expect(
                 HANDOFFS[name], on_layer=on_layer, on_layer_checksums=isinstance(on_layer, PagedWriter)

@@ -104,6 +104,7 @@ def test_explicit_abort(results):
 def test_int8_wire_is_within_the_quantizers_bound_in_half_the_bytes(results):
     got = results["receiver"]["int8"]
     assert got["within_bound"] and got["dtypes"] == ["torch.float32"]
+    assert got["unverified_when_written"] == []  # an int8 wire is verified before decode's write
     # 37 tokens x 24 values: float32 3,552 B per layer; int8 888 B values + 148 B scales = 1,036 B
     assert got["num_wire_bytes"] == 5 * (37 * 24 + 37 * 4)
 

@@ -269,6 +269,46 @@ def test_kept_layers_are_copies_verified_after_copying():
     reservations.release("kept")
 
 
+def test_a_callback_that_checksums_is_held_to_the_crc_it_returns():
+    """`on_layer_checksums`: the receiver takes the CRC the callback returns (it does not compute its own
+    when it has one): a wrong one fails the handoff though the bytes are intact, and the layer does not
+    count as arrived; a callback returning no CRC gets the bytes verified after it; a short payload is
+    refused before the callback runs; an int8 wire is verified before the callback (which is told so)."""
+    meta = make_handoff("cb", num_layers=2)
+    layers = make_layers(meta)
+    calls: list[tuple[int, bool]] = []
+
+    def receive(returns, payload_of=lambda layer: layer.payload, handoff=meta, latents=layers):
+        reservations = Reservations()
+
+        def on_layer(layer_idx, layer):
+            calls.append((layer_idx, layer.verified))
+            return returns(layer)
+
+        bound = reservations.expect(handoff, on_layer, on_layer_checksums=True)
+        reservations.claim(handoff.request_id, bound.secret)
+        reservations.on_begin(handoff)
+        for layer_idx, latent in enumerate(latents):
+            layer = encode_layer(handoff, layer_idx, latent)
+            reservations.on_layer(layer.header, payload_of(layer))
+        reservations.on_finish(handoff.request_id, make_extras(handoff))
+        return reservations.wait(handoff.request_id, 1.0)
+
+    received = receive(lambda layer: checksum(layer.latent.view(torch.uint8).numpy()))
+    assert received.layers == [] and calls == [(0, False), (1, False)]
+    calls.clear()
+    receive(lambda layer: None)  # verified after the callback instead
+    with pytest.raises(ChecksumMismatch, match="checksum mismatch on layer 0"):
+        receive(lambda layer: checksum(layer.latent.view(torch.uint8).numpy()) ^ 1)
+    calls.clear()
+    with pytest.raises(ChecksumMismatch, match="layer 0 payload is"):
+        receive(lambda layer: 0, payload_of=lambda layer: layer.payload[:-2])
+    assert calls == []
+    int8 = make_handoff("cb8", num_layers=2, dtype="float32", wire_dtype="int8")
+    receive(lambda layer: None, handoff=int8, latents=make_layers(int8))
+    assert calls == [(0, True), (1, True)]
+
+
 @pytest.mark.parametrize(
     "num_bytes",
     [0, 1, COPY_CHUNK_BYTES - 1, COPY_CHUNK_BYTES, COPY_CHUNK_BYTES + 1, 3 * COPY_CHUNK_BYTES + 7],

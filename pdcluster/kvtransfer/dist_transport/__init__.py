@@ -33,10 +33,11 @@ connections are unauthenticated. A process that joins or disturbs the rendezvous
 it still cannot forge a handoff decode admits. Where that matters, use the grpc transport with TLS.
 
 Threads: the sender's worker thread encodes (INT8, CRC-32C) and sends, fed by a queue, so `send_layer`
-returns at once. The receiver runs one thread per peer rank, blocked in `recv`, which verifies each layer and
-runs decode's `on_layer`. There is no return path: a request decode refuses (checksum, no reservation) is
-dropped on the receiver and the sender does not learn of it; the decode actor reports it (decode is the one
-that decides). If the peer process dies, gloo's `recv` fails and the peer's handoffs fail with SenderLost.
+returns at once. The receiver runs one thread per peer rank, blocked in `recv`, which hands each layer to
+`Reservations.on_layer` (verification and decode's `on_layer`). There is no return path: a request decode
+refuses (checksum, no reservation) is dropped on the receiver and the sender does not learn of it; the
+decode actor reports it (decode is the one that decides). If the peer process dies, gloo's `recv` fails and
+the peer's handoffs fail with SenderLost.
 
 Limits: a blocked `recv` cannot be interrupted (gloo closes the pair on a wait timeout), so
 `DistKVReceiver.close` returns once each peer said `bye`, or after `join_timeout_s` leaving its daemon

@@ -26,8 +26,9 @@ Threads. Sender: `send_layer` copies the layer onto the request's queue and retu
 float wire already checksummed, CRC-32C, and copied into its chunk messages: its one copy here); gRPC's own
 thread for the call pulls from the queue, encodes the rest (INT8 quantization or dequantization, CRC-32C)
 and streams, so the prefill forward overlaps encoding and transfer. Receiver: each in-flight call occupies
-one server worker thread (`max_concurrent_streams` of them), which assembles layers, verifies them and runs
-decode's `on_layer`; one more thread cuts admitted calls off at their lease.
+one server worker thread (`max_concurrent_streams` of them), which assembles layers and hands them to
+`Reservations.on_layer` (verification and decode's `on_layer`); one more thread cuts admitted calls off at
+their lease.
 
 The receiver fails a call with a status decode's error maps to (DATA_LOSS: checksum mismatch,
 UNAUTHENTICATED: sender refused (`HandoffRefused`: no reservation, missing or wrong secret, replay),

@@ -1,9 +1,10 @@
 """`KVReceiverServer`: the decode side of the gRPC transport.
 
 Each in-flight call occupies one server worker thread (`max_concurrent_streams` of them), which checks the
-call's credentials before reading a message (`Reservations.claim`), assembles layers from their chunks,
-verifies them and runs decode's `on_layer`; one more thread cuts admitted calls off at their lease
-(`_StreamDeadlines`). The package docstring (`kvtransfer.grpc_transport`) gives the limits and statuses.
+call's credentials before reading a message (`Reservations.claim`), assembles layers from their chunks and
+hands them to `Reservations.on_layer` (verification and decode's `on_layer`); one more thread cuts admitted
+calls off at their lease (`_StreamDeadlines`). The package docstring (`kvtransfer.grpc_transport`) gives the
+limits and statuses.
 """
 
 from __future__ import annotations
