@@ -288,8 +288,12 @@ class Reservations:
                 error = KVTransferError(f"{header.request_id}: on_layer({header.layer_idx}) raised {e!r}")
                 error.__cause__ = e
             if checks_after and error is None:
-                try:  # the bytes on_layer stored; a callback that returned no CRC gets it computed here
-                    verify_layer(header, payload, None if got is None else operator.index(got))
+                try:  # a callback that returned no CRC (None, or not an integer) gets it computed here
+                    got = None if got is None else operator.index(got)
+                except TypeError:
+                    got = None
+                try:
+                    verify_layer(header, payload, got)
                 except KVTransferError as e:
                     error = e
         with self._lock:

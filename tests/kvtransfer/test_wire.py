@@ -298,6 +298,7 @@ def test_a_callback_that_checksums_is_held_to_the_crc_it_returns():
     assert received.layers == [] and calls == [(0, False), (1, False)]
     calls.clear()
     receive(lambda layer: None)  # verified after the callback instead
+    receive(lambda layer: "not a crc")  # likewise: nothing escapes on the receive thread
     with pytest.raises(ChecksumMismatch, match="checksum mismatch on layer 0"):
         receive(lambda layer: checksum(layer.latent.view(torch.uint8).numpy()) ^ 1)
     calls.clear()
