@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-import crc32c
 import torch
 
 from pdcluster.engine.model_runner import LayerKVCallback, ModelInput, ModelRunner
@@ -29,7 +28,7 @@ from pdcluster.engine.outputs import ModelRunnerOutput, ScheduledRequest
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.scheduler import Scheduler
 from pdcluster.kernels.kv_quant import dequantize_kv_int8
-from pdcluster.kernels.paged_mla import gather_kv, write_prompt_kv
+from pdcluster.kernels.paged_mla import bytes_crc32c, gather_kv, write_prompt_kv
 
 
 class PrefillResult(NamedTuple):
@@ -149,14 +148,11 @@ class RemotePrefillReservations:
             )
         if checksum_start is not None and scale is not None:
             raise ValueError(f"{request_id}: a checksum of the written bytes is for float layers, not int8")
+        crc = None  # the bytes as given: computed here when they are cast or moved before the write
         if checksum_start is not None and (
             latent_kv.device != self.runner.device or latent_kv.dtype != self.runner.dtype
-        ):  # the bytes as given, before a cast or a move
-            checksum_start = crc32c.crc32c(
-                latent_kv.detach().contiguous().cpu().view(torch.uint8).numpy(), checksum_start
-            )
-            self.write_prompt_kv(request_id, layer_idx, latent_kv)
-            return checksum_start
+        ):
+            crc, checksum_start = bytes_crc32c(latent_kv, checksum_start), None
         kv_scale = self.runner.kv_scales[layer_idx]
         if scale is not None and kv_scale is None:
             latent_kv, scale = dequantize_kv_int8(latent_kv, scale, self.runner.dtype), None
@@ -164,9 +160,10 @@ class RemotePrefillReservations:
             latent_kv = latent_kv.to(self.runner.device, self.runner.dtype)
         else:
             latent_kv, scale = latent_kv.to(self.runner.device), scale.to(self.runner.device)
-        return write_prompt_kv(
+        written_crc = write_prompt_kv(
             self.runner.kv_caches[layer_idx], latent_kv, table, kv_scale, scale, checksum_start
         )
+        return crc if crc is not None else written_crc
 
     def admit(
         self, request_id: str, first_token_id: int, draft_token_ids: list[int]

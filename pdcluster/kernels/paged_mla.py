@@ -48,6 +48,13 @@ from pdcluster.kernels.mla_cost import expanded_crossover_queries
 CHECKSUM_GROUP_BYTES = 256 * 1024
 
 
+def bytes_crc32c(tensor: torch.Tensor, start: int = 0) -> int:
+    """CRC-32C (Castagnoli, the `crc32c` package; unsigned 32-bit) of `tensor`'s bytes in C order (any
+    dtype, any device: copied to the host first), chained from `start`: what a KV sender's layer header
+    carries for the same bytes."""
+    return crc32c.crc32c(tensor.detach().contiguous().cpu().view(torch.uint8).numpy(), start)
+
+
 def _check_cache(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> None:
     if kv_cache.dim() != 3:
         raise ValueError(f"kv_cache must be [num_blocks, block_size, kv_dim], got {tuple(kv_cache.shape)}")
@@ -182,11 +189,7 @@ def write_prompt_kv(
         and latent_kv.dtype == kv_cache.dtype
     )
     if not fast:
-        crc = None
-        if checksum_start is not None:
-            crc = crc32c.crc32c(
-                latent_kv.detach().contiguous().cpu().view(torch.uint8).numpy(), checksum_start
-            )
+        crc = None if checksum_start is None else bytes_crc32c(latent_kv, checksum_start)
         slots = slots_from_block_tables(block_ids[None].to(kv_cache.device), num_tokens, block_size)[0]
         write_kv(kv_cache, latent_kv, slots, kv_scale, latent_scale)
         return crc
