@@ -14,8 +14,8 @@ hardware this machine is not) and prints the actor-layer and weight-dtype limits
   their headers (none truncated), every tensor present with its shape, `tokenizer.json`
   (`models.loader.check_checkpoint_dir`; no tensor data is read). The driver reads the tokenizer from the
   same path, so deploy needs it readable where it runs.
-- The HTTP address (`bind_problem`): `api.host:api.port` (or `--port`) can be bound now. The server binds
-  it again after the actors are up; a port taken in between is still one line (`pdcluster deploy`).
+- The HTTP address (`bind_problem`): `api.host:api.port` (or `--port`) can be bound now. `serve` binds
+  it again before Ray starts and holds it while the actors load (`api.server.bind_server_socket`).
 """
 
 from __future__ import annotations

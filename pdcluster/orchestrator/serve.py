@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdcluster.orchestrator.api.app import build_topology_app
-from pdcluster.orchestrator.api.server import ServerThread
+from pdcluster.orchestrator.api.server import ServerThread, bind_server_socket
 from pdcluster.orchestrator.cluster import Cluster, DeployError
 from pdcluster.orchestrator.topology import Topology, load_topology
 
@@ -51,20 +51,28 @@ def serve(
             `--drain-timeout-s`).
 
     Raises:
-        TopologyError: an invalid topology file; DeployError (one line): an actor or the HTTP server failed
-            to start (e.g. the port was taken while the actors loaded), after everything is torn down.
+        TopologyError: an invalid topology file; DeployError (one line): the HTTP address cannot be bound
+            (checked first, and held from then on), or an actor or the HTTP server failed to start, after
+            everything is torn down.
     """
     topo = topology if isinstance(topology, Topology) else load_topology(topology)
-    cluster = Cluster.deploy(topo, log=log)
+    host, bind_port = topo.api.host, topo.api.port if port is None else port
+    try:  # held from before Ray starts: nothing Ray or the actors open meanwhile can take it
+        sock = bind_server_socket(host, bind_port)
+    except (OSError, OverflowError) as exc:
+        raise DeployError(f"the HTTP server cannot bind {host}:{bind_port}: {_reason(exc)}") from exc
     server = None
     try:
+        cluster = Cluster.deploy(topo, log=log)
+    except BaseException:
+        sock.close()
+        raise
+    try:
         app = build_topology_app(cluster, topo)
-        host, bind_port = topo.api.host, topo.api.port if port is None else port
         try:
-            server = ServerThread(app, host=host, port=bind_port, drain_timeout_s=drain_timeout_s).start()
+            server = ServerThread(app, drain_timeout_s=drain_timeout_s, sock=sock).start()
         except (OSError, RuntimeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise DeployError(f"the HTTP server cannot serve on {host}:{bind_port}: {reason}") from exc
+            raise DeployError(f"the HTTP server cannot serve on {host}:{bind_port}: {_reason(exc)}") from exc
         log(
             f"serving {cluster.model_name} at {server.url} "
             "(OpenAI API: /v1/completions, /v1/chat/completions)"
@@ -75,4 +83,9 @@ def serve(
             if server is not None:
                 server.stop()
         finally:  # also when a second Ctrl-C cut the drain short
+            sock.close()  # closed by stop() already, unless the server never started
             cluster.shutdown()
+
+
+def _reason(exc: BaseException) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)

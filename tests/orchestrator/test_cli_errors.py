@@ -10,6 +10,9 @@ SIGTERM (the only test that starts Ray).
 
 from __future__ import annotations
 
+import errno
+import http.client
+import json
 import os
 import shutil
 import signal
@@ -362,38 +365,83 @@ def test_an_actor_that_fails_to_start_is_one_line_and_exit_2(capsys, tmp_path, c
     assert_one_error_line(err, "deploy", "prefill-0 failed to start: MemoryError: cannot allocate 40 GB")
 
 
-def test_the_port_taken_while_the_actors_load_is_one_line_and_the_cluster_is_shut_down(
-    capsys, tmp_path, checkpoint, monkeypatch
-):
+class _FakeCluster:
+    """What `serve` needs of a deployed cluster to start its HTTP server, without Ray."""
+
+    model_name = "fake"
+    max_model_len = 64
+    shut_down = False
+
+    def stats(self):
+        return {}
+
+    def shutdown(self):
+        type(self).shut_down = True
+
+
+def test_the_http_port_is_held_while_the_actors_load(tmp_path, checkpoint, monkeypatch):
+    """`serve` binds the HTTP address before `Cluster.deploy` and keeps it until the server listens on that
+    same socket: while the actors load, a plain bind of the port fails and a connection is refused (not
+    queued); then the service answers on it, and after the service stops the port is free again."""
     import pdcluster.orchestrator.serve
+    from pdcluster.orchestrator.topology import load_topology
 
-    class FakeCluster:
-        model_name = "fake"
-        shut_down = False
+    port = free_port()
+    seen_while_loading: list[str] = []
 
-        def stats(self):
-            return {}
+    def deploy(*_args, **_kwargs):
+        with socket.socket() as other, pytest.raises(OSError) as taken:
+            other.bind(("127.0.0.1", port))
+        seen_while_loading.append(errno.errorcode[taken.value.errno])
+        with socket.socket() as client, pytest.raises(ConnectionRefusedError):
+            client.connect(("127.0.0.1", port))
+        seen_while_loading.append("refused")
+        return _FakeCluster()
 
-        def shutdown(self):
-            FakeCluster.shut_down = True
+    monkeypatch.setattr(pdcluster.orchestrator.serve.Cluster, "deploy", deploy)
+    topology = load_topology(topology_file(tmp_path, checkpoint, port=port))
+    with pdcluster.orchestrator.serve.serve(topology) as service:
+        assert service.url == f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(f"{service.url}/v1/models", timeout=10) as response:
+            assert json.loads(response.read())["data"][0]["id"] == "fake"
+    assert seen_while_loading == ["EADDRINUSE", "refused"] and _FakeCluster.shut_down
+    with socket.socket() as again:
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", port))
 
+
+def test_a_taken_port_fails_before_the_actors_start_and_a_failed_deploy_frees_it(
+    tmp_path, checkpoint, monkeypatch
+):
+    """The port taken between the preflight and `serve`: one line, and Ray is never started. A deploy that
+    fails after the bind releases the port."""
+    import pdcluster.orchestrator.serve
+    from pdcluster.orchestrator.cluster import DeployError
+    from pdcluster.orchestrator.topology import load_topology
+
+    deploys: list[int] = []
+
+    def deploy(*_args, **_kwargs):
+        deploys.append(1)
+        raise DeployError("prefill-0 failed to start: MemoryError")
+
+    monkeypatch.setattr(pdcluster.orchestrator.serve.Cluster, "deploy", deploy)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-
-        def deploy(*_args, **_kwargs):  # the preflight found the port free; someone took it since
-            return FakeCluster()
-
-        monkeypatch.setattr(pdcluster.orchestrator.serve.Cluster, "deploy", deploy)
-        from pdcluster.orchestrator.cluster import DeployError
-        from pdcluster.orchestrator.topology import load_topology
-
         topology = load_topology(topology_file(tmp_path, checkpoint, port=port))
-        with pytest.raises(DeployError, match=rf"^the HTTP server cannot serve on 127.0.0.1:{port}: Address"):
+        with pytest.raises(DeployError, match=rf"^the HTTP server cannot bind 127.0.0.1:{port}: Address"):
             with pdcluster.orchestrator.serve.serve(topology):
                 pass
-    assert FakeCluster.shut_down
+    assert deploys == []
+
+    with pytest.raises(DeployError, match="prefill-0 failed to start"):
+        with pdcluster.orchestrator.serve.serve(topology):
+            pass
+    assert deploys == [1]
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))  # no SO_REUSEADDR: nothing of ours holds it any more
 
 
 def test_deploy_takes_sigint_even_when_started_with_it_ignored():
@@ -452,7 +500,7 @@ def test_sigterm_shuts_deploy_down_like_ctrl_c(tmp_path, to_group):
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
                     healthy = response.status == 200
-            except OSError:
+            except (OSError, http.client.HTTPException):  # not up yet (refused), or not ours: keep polling
                 pass
             if healthy:
                 break

@@ -45,17 +45,47 @@ def _install_drain_log_filter() -> None:
         uvicorn_logger.addFilter(_DrainLogFilter())
 
 
+def bind_server_socket(host: str, port: int) -> socket.socket:
+    """A TCP/IPv4 socket bound to `host:port` (0: a free port), SO_REUSEADDR (a restart reuses a port whose
+    old connections linger in TIME_WAIT), not yet listening: the port is held, and connections are refused
+    until `ServerThread` starts serving on it.
+
+    `orchestrator.serve` binds it before the actors start, as vLLM's server does before its engine: Ray and
+    our KV servers open ports of their own while the weights load, and a port checked free then and bound
+    only once the actors are up could be taken in between.
+
+    Raises:
+        OSError: the bind failed (address in use, no permission, not an address of this machine).
+        OverflowError: port not in [0, 65535].
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class ServerThread:
     """uvicorn serving `app` on `host` (a free port with port=0) in a background thread; `stop()` ends it.
 
     Used by the tests, `orchestrator.serve` and `pdcluster bench --endpoint local`; binds 127.0.0.1 unless
-    told otherwise. `drain_timeout_s`: at `stop`, the listening socket closes at once (new connections are
-    refused) and requests in flight, streams included, get up to this many seconds to finish before they
-    are cut.
+    told otherwise, or serves on `sock`, a socket from `bind_server_socket` (host and port are then its
+    own; the server owns it from here and closes it at `stop`). `drain_timeout_s`: at `stop`, the listening
+    socket closes at once (new connections are refused) and requests in flight, streams included, get up to
+    this many seconds to finish before they are cut.
     """
 
     def __init__(
-        self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, drain_timeout_s: float = 2.0
+        self,
+        app: FastAPI,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        drain_timeout_s: float = 2.0,
+        *,
+        sock: socket.socket | None = None,
     ) -> None:
         import uvicorn
 
@@ -63,9 +93,7 @@ class ServerThread:
             raise ValueError(f"drain_timeout_s must be >= 0, got {drain_timeout_s}")
         self.drain_timeout_s = drain_timeout_s
 
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, port))
+        self._socket = bind_server_socket(host, port) if sock is None else sock
         self.host, self.port = self._socket.getsockname()[:2]
         config = uvicorn.Config(
             app, log_level="warning", lifespan="off", timeout_graceful_shutdown=drain_timeout_s
