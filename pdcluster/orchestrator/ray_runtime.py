@@ -6,6 +6,7 @@ Used by `Cluster.deploy` (when no Ray is running and RAY_ADDRESS is unset), the 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -18,12 +19,19 @@ from typing import Any
 # 36 against 1024), turning seconds into minutes. Seen here: with two busy processes on a 2-core machine,
 # loading two actors took over 3 minutes instead of ~5 s. Workers run at the driver's priority instead.
 LOCAL_RAY_SYSTEM_CONFIG: dict[str, Any] = {"worker_niceness": 0}
-# Ray gives its raylet a fixed 30 s to register with the GCS (ray._private.node, not configurable) and
-# raises an Exception saying so; on a host whose cores other processes keep busy (seen with two CPU burners
-# on 2 cores) one start can miss it. `init_local_ray` then shuts the half-started session down and tries
-# this many times more.
+# Two of Ray's startup waits can run out on a host whose cores other processes keep busy (both seen with
+# two CPU burners on 2 cores):
+# - the raylet's fixed 30 s to register with the GCS (ray._private.node, not configurable): an Exception
+#   "... timed out during startup";
+# - the driver's wait for the GCS to publish its port, 30 s by default: RuntimeError "Timed out waiting
+#   for file .../gcs_server_port_...". Ray reads RAY_gcs_server_port_wait_time_s for it (its default is
+#   120 s with the RocksDB GCS); `init_local_ray` sets GCS_PORT_WAIT_S there for its `ray.init` unless the
+#   user has set it.
+# After either, `init_local_ray` shuts the half-started session down and tries this many times more.
 STARTUP_RETRIES = 1
-_STARTUP_TIMEOUT_MESSAGE = "timed out during startup"
+GCS_PORT_WAIT_S = 120
+_GCS_PORT_WAIT_VARIABLE = "RAY_gcs_server_port_wait_time_s"
+_STARTUP_TIMEOUT_MESSAGES = ("timed out during startup", "Timed out waiting for file")
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +43,9 @@ def init_local_ray(num_cpus: int, **kwargs: Any) -> None:
         num_cpus: logical CPUs Ray may hand out (>= 1); actors reserve them, they do not pin cores.
         kwargs: further `ray.init` keyword arguments (override the defaults below).
 
-    A start that fails on Ray's own 30 s raylet registration limit is retried `STARTUP_RETRIES` times after
-    `ray.shutdown()`, with a warning; any other failure is raised at once.
+    The driver waits up to GCS_PORT_WAIT_S for Ray's GCS to come up (RAY_gcs_server_port_wait_time_s, if
+    set, wins). A start that runs out of either of Ray's startup waits is retried `STARTUP_RETRIES` times
+    after `ray.shutdown()`, with a warning; any other failure is raised at once.
 
     Raises:
         ValueError: num_cpus < 1.
@@ -57,13 +66,27 @@ def init_local_ray(num_cpus: int, **kwargs: Any) -> None:
     options.update(kwargs)
     for attempt in range(STARTUP_RETRIES + 1):
         try:
-            ray.init(**options)
+            with _environment_default(_GCS_PORT_WAIT_VARIABLE, str(GCS_PORT_WAIT_S)):
+                ray.init(**options)
             return
         except Exception as e:
-            if _STARTUP_TIMEOUT_MESSAGE not in str(e) or attempt == STARTUP_RETRIES:
+            if not any(m in str(e) for m in _STARTUP_TIMEOUT_MESSAGES) or attempt == STARTUP_RETRIES:
                 raise
             logger.warning("Ray did not start in time (%s); shutting it down and starting again", e)
             ray.shutdown()
+
+
+@contextmanager
+def _environment_default(name: str, value: str) -> Iterator[None]:
+    """os.environ[name] = value inside the block unless it is set already; as it was afterwards."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
 
 
 @contextmanager
