@@ -22,6 +22,9 @@ instance is failed as DEAD, like one whose actor died, and stays out of routing 
 (the monitor has Ray restart it where Ray restarts actors). An actor can also stop answering altogether and
 stay so (a native call hung holding the GIL, a process stopped): `unresponsive_too_long` says when an
 UNRESPONSIVE instance has been silent past the same watchdog, and the monitor then has Ray restart it too.
+A restart can hang as well (its weights on a file system that stopped answering): `restart_overdue` says
+when a DEAD instance's probes have timed out for longer than a start may take, and the monitor has Ray
+restart it once more.
 """
 
 from __future__ import annotations
@@ -172,4 +175,29 @@ def unresponsive_too_long(
     return (
         f"it has answered no call for {silent_s:.1f} s (engine_watchdog_s {watchdog_s:g}; "
         f"unresponsive since: {health.reason})"
+    )
+
+
+def restart_overdue(
+    health: InstanceHealth, start_timeout_s: float, now_s: float, last_sign_s: float
+) -> str | None:
+    """Whether the restart of a DEAD instance is overdue (`now_s`: time.monotonic(), seconds): nothing has
+    answered since it became DEAD or since `last_sign_s` (its last answered probe, or the monitor's last
+    kill of it), whichever is later, for at least `start_timeout_s` (how long deploy waits for a rank to
+    load: `deployment.ready_timeout_s` of its pool).
+
+    Call it only for a probe that says Ray is still restarting the actor (the monitor's
+    `_restart_pending`: Ray's "the actor is restarting", or a timeout), not for one Ray has given up on.
+
+    Returns:
+        why (the reason to log and report), or None.
+    """
+    if health.state is not Health.DEAD:
+        return None
+    silent_s = now_s - max(health.since_s, last_sign_s)
+    if silent_s < start_timeout_s:
+        return None
+    return (
+        f"its restart has answered no call for {silent_s:.1f} s (a rank must load within "
+        f"{start_timeout_s:g} s; dead since: {health.reason})"
     )

@@ -29,7 +29,7 @@ from typing import Any
 
 from pdcluster.orchestrator.actor_errors import EngineFailed, describe_error
 from pdcluster.orchestrator.backend import BackendUnavailable
-from pdcluster.orchestrator.deployment import PROBE_GROUP, advertised_address, ray_restarts
+from pdcluster.orchestrator.deployment import PROBE_GROUP, advertised_address, ray_restarts, ready_timeout_s
 from pdcluster.orchestrator.dispatch import PrefillFailed
 from pdcluster.orchestrator.health import (
     InstanceHealth,
@@ -38,6 +38,7 @@ from pdcluster.orchestrator.health import (
     after_failure,
     engine_fault,
     is_stale,
+    restart_overdue,
     unresponsive_too_long,
 )
 from pdcluster.orchestrator.instance import Instance, check_instance_group
@@ -79,6 +80,7 @@ class InstanceMonitor:
     _stuck_passes: dict[str, tuple[int, int, float]]  # the watchdog's `stuck` per rank name (engine_fault)
     _last_answer_s: dict[tuple[str, int], float]  # time.monotonic() of each instance's last answered probe
     _engine_restarts: dict[tuple[str, int], int]  # the process last killed for Ray to restart, per instance
+    _last_kill_s: dict[tuple[str, int], float]  # time.monotonic() of each instance's last such kill
 
     @property
     def _health(self) -> dict[str, list[InstanceHealth]]:
@@ -209,6 +211,17 @@ class InstanceMonitor:
             return ProbeOutcome.TIMED_OUT
         return ProbeOutcome.DIED
 
+    @classmethod
+    def _restart_pending(cls, exc: BaseException) -> bool:
+        """Whether a failed probe says Ray may still bring the actor back: Ray answers a call to an actor
+        it is restarting with ActorUnavailableError ("the actor is restarting"; also while its node is
+        unreachable), and one it has given up on with ActorDiedError; a call it queues times out."""
+        import ray
+
+        return cls._outcome(exc) is ProbeOutcome.TIMED_OUT or isinstance(
+            exc, ray.exceptions.ActorUnavailableError
+        )
+
     def _mark_failed(
         self, role: str, index: int, exc: BaseException, call: str, issued_at_s: float | None = None
     ) -> None:
@@ -286,15 +299,26 @@ class InstanceMonitor:
                 # unanswered: a pause counts in no watchdog sighting (the next answer starts afresh)
                 for rank in range(len(instance.ranks)):
                     self._stuck_passes.pop(instance.rank_name(rank), None)
+                key, now_s = (instance.role, instance.index), time.monotonic()
+                last_answer_s = self._last_answer_s.get(key, 0.0)
                 silent = unresponsive_too_long(
                     instance.health,
                     self.topology.pool(instance.role).engine_watchdog_s,
-                    time.monotonic(),
-                    self._last_answer_s.get((instance.role, instance.index), 0.0),
+                    now_s,
+                    last_answer_s,
                     min_silent_s=2 * (self.call_timeout_s + PROBE_INTERVAL_S),
                 )
                 if silent is not None and not self._closed:
                     self._restart_failed_engine(ray, instance, instance.health.pid, silent)
+                elif self._restart_pending(e) and not self._closed:
+                    overdue = restart_overdue(
+                        instance.health,
+                        ready_timeout_s(self.topology, instance.role),
+                        now_s,
+                        max(last_answer_s, self._last_kill_s.get(key, 0.0)),
+                    )
+                    if overdue is not None:
+                        self._restart_failed_engine(ray, instance, instance.health.pid, overdue, again=True)
                 continue
             self._last_answer_s[(instance.role, instance.index)] = time.monotonic()
             if instance.role == "decode" and instance.routable and instance.health.pid == pids[0]:
@@ -329,17 +353,20 @@ class InstanceMonitor:
             raise EngineFailed(min(faults)[2], loads[0].pid)
 
     def _restart_failed_engine(
-        self, ray, instance: Instance, pid: int, why: str = "its engine failed"
+        self, ray, instance: Instance, pid: int | None, why: str = "its engine failed", again: bool = False
     ) -> None:
         """Instance `instance`, whose leader (rank 0) runs in process `pid`, failed the engine watchdog
         (`why`: its engine failed, or it answered nothing past the watchdog): kill its actors for Ray to
         restart them (once per process; each restart is one of the actor's MAX_ACTOR_RESTARTS), where Ray
         restarts them; else it stays out of routing until it answers with a passing engine (for good if
-        its engine thread died). A kill that fails is tried again at the next probe."""
+        its engine thread died). A kill that fails is tried again at the next probe. `again`: the restart
+        of the process last seen (`pid`) is overdue (`health.restart_overdue`): the incarnation being
+        started, which never answered, is killed even though `pid` was killed before."""
         key = (instance.role, instance.index)
-        if self._engine_restarts.get(key) == pid:
+        restarts = ray_restarts(self.topology.kv_transport, len(instance.ranks))
+        if self._engine_restarts.get(key) == pid and not (again and restarts):
             return
-        if not ray_restarts(self.topology.kv_transport, len(instance.ranks)):
+        if not restarts:
             self._engine_restarts[key] = pid
             logger.error(
                 "%s-%d: %s, but Ray does not restart its actors (kv_transfer %s, %d ranks): it stays out "
@@ -359,6 +386,7 @@ class InstanceMonitor:
             logger.warning("%s-%d: killing its actor failed (%r); trying again at the next probe", *key, e)
             return
         self._engine_restarts[key] = pid
+        self._last_kill_s[key] = time.monotonic()
 
     def _rejoin(self, role: str, index: int, pid: int) -> None:
         """Instance (`role`, `index`) out of routing (or restarted) answered a probe from process `pid`:
@@ -486,7 +514,10 @@ class InstanceMonitor:
         self._fail_attempts("decode", decode_index)
 
     def _fail_attempts_on_loop(self, role: str, index: int) -> None:
-        reason = self._health[role][index].reason or "unknown"
+        instances = self.instances[role]  # empty once shut down, which can come before a queued call runs
+        reason = (
+            instances[index].health.reason if index < len(instances) else "the cluster shut down"
+        ) or "unknown"
         for attempt in list(self._by_handoff.values()):
             if role == "decode" and attempt.decode_index == index:
                 message = f"decode-{index} died or stopped answering ({reason}); the request was lost"

@@ -15,6 +15,7 @@ from pdcluster.orchestrator.health import (
     after_failure,
     engine_fault,
     is_stale,
+    restart_overdue,
     unresponsive_too_long,
 )
 from pdcluster.orchestrator.messages import DecodeNodeLoad
@@ -204,9 +205,11 @@ def _watchdog_monitor(kv_transport: str, num_ranks: int, watchdog_s: float = 10.
 
     monitor = object.__new__(InstanceMonitor)
     pool = SimpleNamespace(engine_watchdog_s=watchdog_s)
-    monitor.topology = SimpleNamespace(kv_transport=kv_transport, pool=lambda role: pool)
+    monitor.topology = SimpleNamespace(
+        kv_transport=kv_transport, pool=lambda role: pool, compiles=lambda role: role == "decode"
+    )
     monitor._health_lock, monitor._stuck_passes, monitor._engine_restarts = threading.Lock(), {}, {}
-    monitor._last_answer_s = {}
+    monitor._last_answer_s, monitor._last_kill_s = {}, {}
     instance = SimpleNamespace(role="decode", index=0, ranks=[f"actor-{r}" for r in range(num_ranks)])
     return monitor, instance
 
@@ -453,3 +456,85 @@ def test_an_answered_probe_restarts_the_silence_and_no_kill_after_close(monkeypa
     monitor._closed = False
     monitor._probe_all()
     assert done.count(("kill", False)) == 1
+
+
+def test_a_dead_instance_whose_restart_answers_nothing_past_the_start_timeout_is_restart_overdue():
+    """Counted from when it became DEAD, its last answer or the monitor's last kill, whichever is later,
+    against the start timeout; never for an instance that is not DEAD."""
+    dead = InstanceHealth(Health.DEAD, "probe: ActorDiedError: killed", since_s=100.0, pid=41)
+    assert restart_overdue(dead, 300.0, now_s=399.9, last_sign_s=0.0) is None
+    assert restart_overdue(dead, 300.0, now_s=400.0, last_sign_s=0.0) == (
+        "its restart has answered no call for 300.0 s (a rank must load within 300 s; dead since: probe: "
+        "ActorDiedError: killed)"
+    )
+    assert restart_overdue(dead, 300.0, now_s=400.0, last_sign_s=150.0) is None  # killed again at 150 s
+    assert restart_overdue(dead, 300.0, now_s=450.0, last_sign_s=150.0)
+    for state in (Health.HEALTHY, Health.UNRESPONSIVE):
+        assert restart_overdue(dataclasses.replace(dead, state=state), 300.0, 1000.0, 0.0) is None
+
+
+def test_a_restart_that_never_answers_is_killed_again_after_the_pools_start_timeout(monkeypatch, caplog):
+    """The decode instance was killed for Ray to restart it (process 41), and the restart hangs: probes to
+    it fail with Ray's "the actor is restarting" (or time out). Once they have for the decode pool's start
+    timeout (deploy's, with its compile time) since that kill, the monitor kills the hanging incarnation
+    too, although process 41 was killed before; then again only after another start timeout. A probe
+    saying the actor died (Ray gave up on it) kills nothing. A restart that answers rejoins. (The
+    monitor's clock is a fake one, so that a busy machine cannot move a probe past a deadline; Ray's
+    errors are constructed, the e2e test in tests/cluster/test_cluster_recovery.py gets them from Ray.)"""
+    from types import SimpleNamespace
+
+    ray = pytest.importorskip("ray")
+    from pdcluster.orchestrator import deployment, health_monitor
+
+    restarting = ray.exceptions.ActorUnavailableError("IOError: The actor is restarting.", None)
+    clock = [1000.0]
+    monkeypatch.setattr(health_monitor, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(deployment, "ACTORS_READY_TIMEOUT_S", 100.0)
+    monkeypatch.setattr(deployment, "COMPILE_READY_TIMEOUT_S", 50.0)  # the decode pool compiles: 150 s
+    dead = InstanceHealth(Health.DEAD, "probe: EngineFailed: stuck", since_s=990.0, pid=41)
+    monitor, instance, rank, done = _probing_monitor(monkeypatch, restarting, dead)
+    monitor._engine_restarts[("decode", 0)] = 41
+    monitor._last_kill_s[("decode", 0)] = 1000.0
+    clock[0] = 1120.0  # past the prefill pool's 100 s, not the decode pool's 150 s
+    monitor._probe_all()
+    assert ("kill", False) not in done
+    clock[0] = 1150.0
+    with caplog.at_level("ERROR", logger="pdcluster.orchestrator.cluster"):
+        monitor._probe_all()
+        monitor._probe_all()
+    assert done.count(("kill", False)) == 1
+    assert (
+        "decode-0: killing its actor for Ray to restart it (its restart has answered no call for 150.0 s"
+        in caplog.text
+    )
+    assert monitor._last_kill_s[("decode", 0)] == 1150.0
+    clock[0] = 1299.0
+    monitor._probe_all()
+    assert done.count(("kill", False)) == 1  # 149 s since that kill
+    clock[0] = 1300.0
+    rank.answer = ray.exceptions.ActorDiedError()  # no restarts left
+    monitor._probe_all()
+    assert done.count(("kill", False)) == 1
+    rank.answer = TimeoutError("no answer")
+    monitor._probe_all()
+    assert done.count(("kill", False)) == 2
+    rank.answer = _load(pid=43)
+    monitor._probe_all()
+    assert done[-1] == ("rejoin", "decode", 0, 43)
+
+
+def test_failing_attempts_queued_before_a_shutdown_still_ends_them(monkeypatch):
+    """The monitor hands `_fail_attempts` to the requests' event loop; when the cluster shuts down before
+    that call runs, its instances are gone: the attempt still gets its DecodeLost (it would otherwise wait
+    for events no one sends), naming the shutdown, and nothing raises on the loop."""
+    from pdcluster.orchestrator.messages import DecodeLost
+    from pdcluster.orchestrator.request_state import Attempt
+    from pdcluster.orchestrator.router import RankRef
+
+    monitor, _ = _watchdog_monitor("shm", num_ranks=1)
+    attempt = Attempt("r@0", RankRef(0, 0), RankRef(0, 0))
+    monitor.instances, monitor._by_handoff = {"prefill": [], "decode": []}, {"r@0": attempt}
+    monitor._fail_attempts_on_loop("decode", 0)
+    event = attempt.events.get_nowait()
+    assert isinstance(event, DecodeLost)
+    assert event.message == "decode-0 died or stopped answering (the cluster shut down); the request was lost"
