@@ -232,6 +232,84 @@ def test_bad_requests_get_400_with_openai_error_body(client: httpx.Client, body:
     assert error["type"] == "invalid_request_error" and error["code"] == 400
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "needle", "param"),
+    [
+        # found by an attack pass: converted and served before (true as token id 1, "10" as 10)
+        (
+            "/v1/completions",
+            {"prompt": [True, False]},
+            "prompt.list[int].0: Input should be a valid integer",
+            "prompt",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": "10"},
+            "Input should be a valid integer",
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": 1e30},
+            "Input should be a valid integer",
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "temperature": "0"},
+            "Input should be a valid number",
+            "temperature",
+        ),
+        ("/v1/completions", {"prompt": "x", "stream": "yes"}, "Input should be a valid boolean", "stream"),
+        # the sampling values' own checks name their field in `param`
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature must be", "temperature"),
+        ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p must be in (0, 1]", "top_p"),
+        ("/v1/completions", {"prompt": "x", "top_k": -2}, "top_k must be an int >= 1", "top_k"),
+        ("/v1/completions", {"prompt": "x", "seed": -1}, "seed must be in [0, 2**64)", "seed"),
+        ("/v1/completions", {"prompt": "x", "stop": ""}, "stop must be non-empty strings", "stop"),
+        # chat: the limit is named as the client sent it
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+            "max_completion_tokens must be >= 1, got 0",
+            "max_completion_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+            "max_tokens must be >= 1, got 0",
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages.0.content.list[TextPart].0.type: Input should be 'text'",
+            "messages.0.content",
+        ),
+    ],
+)
+def test_a_value_of_the_wrong_type_or_range_is_a_400_naming_its_field(
+    client: httpx.Client, path: str, body: Any, needle: str, param: str
+) -> None:
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert needle in error["message"] and error["param"] == param, error
+
+
+def test_chat_content_as_text_parts_equals_the_same_text_as_a_string(client: httpx.Client) -> None:
+    """OpenAI's list form of `content` (current SDKs send it): text parts joined with "\n", as vLLM does;
+    a JSON integer is a valid temperature."""
+    as_parts = [{"type": "text", "text": "import os"}, {"type": "text", "text": "def main():"}]
+    answers = []
+    for content in (as_parts, "import os\ndef main():"):
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        answers.append((r.json()["choices"][0]["message"], r.json()["usage"]))
+    assert answers[0] == answers[1]
+
+
 def test_invalid_unicode_in_chat_gets_400(client: httpx.Client) -> None:
     """Issue 12, finding 3, for chat: a lone surrogate in a message is a 400 naming the message."""
     content = json.dumps(

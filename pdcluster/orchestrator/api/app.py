@@ -212,8 +212,16 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         reject_unsupported(body)
         prompt_ids = await encode(chat_prompt(body.messages))
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        prepared = prepare(backend, body, prompt_ids, max_tokens, default_max_tokens=None, prefix="chatcmpl")
+        completion_limit = body.max_completion_tokens is not None  # OpenAI's newer name wins
+        prepared = prepare(
+            backend,
+            body,
+            prompt_ids,
+            body.max_completion_tokens if completion_limit else body.max_tokens,
+            default_max_tokens=None,
+            prefix="chatcmpl",
+            max_tokens_param="max_completion_tokens" if completion_limit else "max_tokens",
+        )
         return await serve_one(request, prepared, body, "chat")
 
     async def serve_one(
@@ -277,7 +285,7 @@ def _add_error_handlers(app: FastAPI, metrics: ApiMetrics) -> None:
                 loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
                 parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
             message = "invalid request: " + "; ".join(parts)
-            param = ".".join(str(x) for x in errors[0].get("loc", ()) if x != "body") if errors else None
+            param = _field_path(errors[0].get("loc", ())) if errors else None
         metrics.errors.labels("400").inc()
         return error_response(400, message, "invalid_request_error", param or None)
 
@@ -289,3 +297,20 @@ def _add_error_handlers(app: FastAPI, metrics: ApiMetrics) -> None:
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         metrics.errors.labels("500").inc()
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
+
+
+_UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool"})
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    """The request field a pydantic error location names, as `param` gives it: "messages.0.content" for
+    ("body", "messages", 0, "content", "list[TextPart]", 0, "type"), i.e. without "body" and from the first
+    member tag of a union field on (pydantic adds the member it tried, "str", "list[int]", ...)."""
+    path = []
+    for x in loc:
+        if x == "body":
+            continue
+        if isinstance(x, str) and (x in _UNION_MEMBER_TAGS or "[" in x):
+            break
+        path.append(str(x))
+    return ".".join(path)

@@ -34,6 +34,9 @@ class PreparedRequest:
     created_s: int  # Unix time (whole seconds): the responses' `created`
 
 
+_SAMPLING_FIELDS = frozenset({"temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"})
+
+
 def prepare(
     backend: ServingBackend,
     body: CommonRequest,
@@ -41,6 +44,7 @@ def prepare(
     max_tokens: int | None,
     default_max_tokens: int | None,
     prefix: str,
+    max_tokens_param: str = "max_tokens",
 ) -> PreparedRequest:
     """Check `body` and its tokenized prompt against the served model; build the sampling params.
 
@@ -49,6 +53,8 @@ def prepare(
         max_tokens: the request's output limit; None: `default_max_tokens` capped by what the context
             leaves (None there too: all the context leaves).
         prefix: the request id's prefix ("cmpl", "chatcmpl").
+        max_tokens_param: the field `max_tokens` came from, as errors name it (chat's
+            "max_completion_tokens" when the client sent that one).
 
     Raises:
         ApiError: 400 naming the field: an unknown model, an empty prompt, a token id outside the
@@ -82,13 +88,13 @@ def prepare(
             else min(default_max_tokens, max_len - num_prompt)
         )
     if max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        raise ApiError(400, f"{max_tokens_param} must be >= 1, got {max_tokens}", param=max_tokens_param)
     if num_prompt + max_tokens > max_len:
         raise ApiError(
             400,
-            f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) is {num_prompt + max_tokens} "
-            f"tokens, over the model's context (max_model_len) of {max_len} tokens",
-            param="max_tokens",
+            f"the prompt ({num_prompt} tokens) plus {max_tokens_param} ({max_tokens}) is "
+            f"{num_prompt + max_tokens} tokens, over the model's context (max_model_len) of {max_len} tokens",
+            param=max_tokens_param,
         )
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
@@ -103,8 +109,9 @@ def prepare(
             stop=tuple(stop),
             ignore_eos=body.ignore_eos,
         )
-    except ValueError as exc:
-        raise ApiError(400, str(exc)) from exc
+    except ValueError as exc:  # SamplingParams names the field first: "temperature must be ..."
+        field = str(exc).split(" ", 1)[0]
+        raise ApiError(400, str(exc), param=field if field in _SAMPLING_FIELDS else None) from exc
     return PreparedRequest(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         prompt_token_ids=prompt_ids,

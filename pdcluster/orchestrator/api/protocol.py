@@ -37,12 +37,18 @@ def _check_unicode(value: Any) -> Any:
     return value
 
 
+# Every request model validates strictly: a JSON value of the wrong type is a 400 naming the field, never
+# converted ("10" is not max_tokens 10, true is not token id 1, 1e30 is not an integer). A JSON integer is
+# still a valid float (temperature: 1).
+STRICT = ConfigDict(extra="ignore", strict=True)  # extra: OpenAI clients send fields we do not use (user)
+
+
 class StreamOptions(BaseModel):
     """OpenAI `stream_options`: `include_usage` adds a last chunk with an empty `choices` list carrying
     `usage`, before `data: [DONE]` (what vLLM's and SGLang's clients, `vllm bench serve` among them, read
     the completion token count from)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     include_usage: bool = False
 
@@ -50,7 +56,7 @@ class StreamOptions(BaseModel):
 class CommonRequest(BaseModel):
     """The fields /v1/completions and /v1/chat/completions share (sampling, stop strings, streaming)."""
 
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
+    model_config = STRICT
 
     model: str | None = Field(None, description="the served model's id (GET /v1/models); None: that one")
     max_tokens: int | None = Field(
@@ -84,11 +90,32 @@ class CompletionRequest(CommonRequest):
     _check_prompt = field_validator("prompt")(_check_unicode)
 
 
+class TextPart(BaseModel):
+    """One part of a message's `content` in OpenAI's list form (what current OpenAI SDKs send); only text
+    parts: an image or audio part is a 400 naming it."""
+
+    model_config = STRICT
+
+    type: Literal["text"]
+    text: str
+
+    _check_text = field_validator("text")(_check_unicode)
+
+
 class ChatMessage(BaseModel):
+    """A chat message; `content` is a string or a list of text parts, joined with "\n" as vLLM joins
+    them."""
+
+    model_config = STRICT
+
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: str | list[TextPart]
 
     _check_content = field_validator("content")(_check_unicode)
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(CommonRequest):
@@ -101,7 +128,7 @@ class ChatCompletionRequest(CommonRequest):
 
 def chat_prompt(messages: list[ChatMessage]) -> str:
     """The prompt text of a chat request (see `CHAT_TEMPLATE_DOC`)."""
-    return "\n\n".join(m.content for m in messages)
+    return "\n\n".join(m.text for m in messages)
 
 
 def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:

@@ -42,7 +42,11 @@ acceptance and KV transfer time, then shuts everything down."""
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `pdcluster demo`."""
     parser.add_argument(
-        "--cluster", type=Path, default=DEFAULT_TOPOLOGY_PATH, metavar="FILE", help="topology"
+        "--cluster",
+        type=Path,
+        default=DEFAULT_TOPOLOGY_PATH,
+        metavar="FILE",
+        help="topology YAML to deploy. Default: clusters/local.yaml (1 prefill + 1 decode, bundled model)",
     )
     parser.add_argument(
         "--trace",
