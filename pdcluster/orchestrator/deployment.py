@@ -72,12 +72,11 @@ ACTORS_READY_TIMEOUT_S = 300.0
 COMPILE_READY_TIMEOUT_S = 600.0
 
 
-def ready_timeout_s(topology: Topology, role: str | None = None) -> float:
+def ready_timeout_s(topology: Topology) -> float:
     """How long deploy waits for each rank actor to be ready, and the ranks of a multi-rank instance for
     each other at their rendezvous (seconds): ACTORS_READY_TIMEOUT_S, plus COMPILE_READY_TIMEOUT_S when a
-    pool compiles its decode forward at load (`role`: that pool only, as for a restarted rank; None: any)."""
-    roles = ("prefill", "decode") if role is None else (role,)
-    compiles = any(topology.compiles(r) for r in roles)
+    pool compiles its decode forward at load."""
+    compiles = topology.compiles("prefill") or topology.compiles("decode")
     return ACTORS_READY_TIMEOUT_S + (COMPILE_READY_TIMEOUT_S if compiles else 0.0)
 
 
@@ -258,6 +257,7 @@ class ClusterDeployment(ClusterWiring):
         self._last_answer_s = {}  # when each instance last answered a probe (health_monitor)
         self._engine_restarts = {}  # the process the monitor last had Ray restart, per instance
         self._last_kill_s = {}  # when the monitor last had Ray restart each instance (health_monitor)
+        self._overdue_kills = {}  # the death each instance's overdue restart was killed in (health_monitor)
         self._decode_addresses = decode_addresses
         self._poll_acked_seq = [[0] * d.num_ranks for d in self.instances["decode"]]  # per decode rank
         self.call_timeout_s = call_timeout_s(topo.kv_transfer.timeout_s)

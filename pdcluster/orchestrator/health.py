@@ -23,8 +23,8 @@ instance is failed as DEAD, like one whose actor died, and stays out of routing 
 stay so (a native call hung holding the GIL, a process stopped): `unresponsive_too_long` says when an
 UNRESPONSIVE instance has been silent past the same watchdog, and the monitor then has Ray restart it too.
 A restart can hang as well (its weights on a file system that stopped answering): `restart_overdue` says
-when a DEAD instance's probes have timed out for longer than a start may take, and the monitor has Ray
-restart it once more.
+when a DEAD instance's probes have said "restarting" (or timed out) for longer than deploy waits for a rank
+to load, and the monitor has Ray start it once more, once per death.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def restart_overdue(
     """Whether the restart of a DEAD instance is overdue (`now_s`: time.monotonic(), seconds): nothing has
     answered since it became DEAD or since `last_sign_s` (its last answered probe, or the monitor's last
     kill of it), whichever is later, for at least `start_timeout_s` (how long deploy waits for a rank to
-    load: `deployment.ready_timeout_s` of its pool).
+    load: `deployment.ready_timeout_s`).
 
     Call it only for a probe that says Ray is still restarting the actor (the monitor's
     `_restart_pending`: Ray's "the actor is restarting", or a timeout), not for one Ray has given up on.

@@ -81,6 +81,9 @@ class InstanceMonitor:
     _last_answer_s: dict[tuple[str, int], float]  # time.monotonic() of each instance's last answered probe
     _engine_restarts: dict[tuple[str, int], int]  # the process last killed for Ray to restart, per instance
     _last_kill_s: dict[tuple[str, int], float]  # time.monotonic() of each instance's last such kill
+    _overdue_kills: dict[
+        tuple[str, int], float
+    ]  # the DEAD episode (its since_s) of an overdue restart killed
 
     @property
     def _health(self) -> dict[str, list[InstanceHealth]]:
@@ -311,14 +314,26 @@ class InstanceMonitor:
                 if silent is not None and not self._closed:
                     self._restart_failed_engine(ray, instance, instance.health.pid, silent)
                 elif self._restart_pending(e) and not self._closed:
+                    # Once per DEAD episode: a restart that hangs again would hang the same way (a file
+                    # system still not answering), and a node that is away would cost one restart of the
+                    # actor's 5 each time, so that a long outage would leave it dead for good.
+                    episode_s = instance.health.since_s
                     overdue = restart_overdue(
                         instance.health,
-                        ready_timeout_s(self.topology, instance.role),
+                        ready_timeout_s(self.topology),
                         now_s,
                         max(last_answer_s, self._last_kill_s.get(key, 0.0)),
                     )
-                    if overdue is not None:
-                        self._restart_failed_engine(ray, instance, instance.health.pid, overdue, again=True)
+                    if overdue is not None and self._overdue_kills.get(key) != episode_s:
+                        if self._restart_failed_engine(
+                            ray, instance, instance.health.pid, overdue, again=True
+                        ):
+                            self._overdue_kills[key] = episode_s
+                            logger.warning(
+                                "%s-%d: if this restart hangs too, it is not killed again: it stays out of "
+                                "routing until it answers",
+                                *key,
+                            )
                 continue
             self._last_answer_s[(instance.role, instance.index)] = time.monotonic()
             if instance.role == "decode" and instance.routable and instance.health.pid == pids[0]:
@@ -354,18 +369,19 @@ class InstanceMonitor:
 
     def _restart_failed_engine(
         self, ray, instance: Instance, pid: int | None, why: str = "its engine failed", again: bool = False
-    ) -> None:
+    ) -> bool:
         """Instance `instance`, whose leader (rank 0) runs in process `pid`, failed the engine watchdog
         (`why`: its engine failed, or it answered nothing past the watchdog): kill its actors for Ray to
         restart them (once per process; each restart is one of the actor's MAX_ACTOR_RESTARTS), where Ray
         restarts them; else it stays out of routing until it answers with a passing engine (for good if
         its engine thread died). A kill that fails is tried again at the next probe. `again`: the restart
         of the process last seen (`pid`) is overdue (`health.restart_overdue`): the incarnation being
-        started, which never answered, is killed even though `pid` was killed before."""
+        started, which never answered, is killed even though `pid` was killed before. Returns whether
+        it killed."""
         key = (instance.role, instance.index)
         restarts = ray_restarts(self.topology.kv_transport, len(instance.ranks))
         if self._engine_restarts.get(key) == pid and not (again and restarts):
-            return
+            return False
         if not restarts:
             self._engine_restarts[key] = pid
             logger.error(
@@ -377,16 +393,17 @@ class InstanceMonitor:
                 self.topology.kv_transport,
                 len(instance.ranks),
             )
-            return
+            return False
         logger.error("%s-%d: killing its actor for Ray to restart it (%s)", *key, why)
         try:
             for actor in instance.ranks:
                 ray.kill(actor, no_restart=False)
         except Exception as e:  # noqa: BLE001 - Ray could not be asked now: the next probe tries again
             logger.warning("%s-%d: killing its actor failed (%r); trying again at the next probe", *key, e)
-            return
+            return False
         self._engine_restarts[key] = pid
         self._last_kill_s[key] = time.monotonic()
+        return True
 
     def _rejoin(self, role: str, index: int, pid: int) -> None:
         """Instance (`role`, `index`) out of routing (or restarted) answered a probe from process `pid`:
@@ -505,19 +522,27 @@ class InstanceMonitor:
                 on_loop = False
             if not on_loop:
                 with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                    loop.call_soon_threadsafe(self._fail_attempts_on_loop, role, index)
+                    loop.call_soon_threadsafe(
+                        self._fail_attempts_on_loop, role, index, self._why(role, index)
+                    )
                 return
-        self._fail_attempts_on_loop(role, index)
+        self._fail_attempts_on_loop(role, index, self._why(role, index))
+
+    def _why(self, role: str, index: int) -> str:
+        """Why instance (`role`, `index`) left routing, as its health says now."""
+        instances = self.instances[role]  # empty once shut down
+        return (
+            instances[index].health.reason if index < len(instances) else "the cluster shut down"
+        ) or "unknown"
 
     def _fail_decode_attempts(self, decode_index: int) -> None:
         """`_fail_attempts("decode", decode_index)`."""
         self._fail_attempts("decode", decode_index)
 
-    def _fail_attempts_on_loop(self, role: str, index: int) -> None:
-        instances = self.instances[role]  # empty once shut down, which can come before a queued call runs
-        reason = (
-            instances[index].health.reason if index < len(instances) else "the cluster shut down"
-        ) or "unknown"
+    def _fail_attempts_on_loop(self, role: str, index: int, reason: str) -> None:
+        """On the requests' event loop: `_fail_attempts`, with `reason` as the instance's health gave it
+        when the failure was seen (the call can run after the instance rejoined, or the cluster shut
+        down)."""
         for attempt in list(self._by_handoff.values()):
             if role == "decode" and attempt.decode_index == index:
                 message = f"decode-{index} died or stopped answering ({reason}); the request was lost"

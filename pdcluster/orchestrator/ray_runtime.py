@@ -5,6 +5,7 @@ Used by `Cluster.deploy` (when no Ray is running and RAY_ADDRESS is unset), the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -44,8 +45,10 @@ def init_local_ray(num_cpus: int, **kwargs: Any) -> None:
         kwargs: further `ray.init` keyword arguments (override the defaults below).
 
     The driver waits up to GCS_PORT_WAIT_S for Ray's GCS to come up (RAY_gcs_server_port_wait_time_s, if
-    set, wins). A start that runs out of either of Ray's startup waits is retried `STARTUP_RETRIES` times
-    after `ray.shutdown()`, with a warning; any other failure is raised at once.
+    set, wins; Ray also counts its GCS connection attempts by it). A start that runs out of either of Ray's
+    startup waits is retried `STARTUP_RETRIES` times, with a warning, after `ray.shutdown()` and after
+    killing the processes it had started (this process's children started during the attempt: Ray cannot
+    shut down a node it never finished recording); any other failure is raised at once.
 
     Raises:
         ValueError: num_cpus < 1.
@@ -65,15 +68,51 @@ def init_local_ray(num_cpus: int, **kwargs: Any) -> None:
     )
     options.update(kwargs)
     for attempt in range(STARTUP_RETRIES + 1):
+        children = _child_pids()
         try:
             with _environment_default(_GCS_PORT_WAIT_VARIABLE, str(GCS_PORT_WAIT_S)):
                 ray.init(**options)
             return
         except Exception as e:
-            if not any(m in str(e) for m in _STARTUP_TIMEOUT_MESSAGES) or attempt == STARTUP_RETRIES:
+            if not any(m in str(e) for m in _STARTUP_TIMEOUT_MESSAGES):
                 raise
-            logger.warning("Ray did not start in time (%s); shutting it down and starting again", e)
+            # A start that failed inside Ray's Node leaves Ray nothing to shut down (it never recorded the
+            # node), so the daemons it started (the GCS, the raylet) would keep running, on a host already
+            # too busy: they are this process's children started since.
             ray.shutdown()
+            stopped = _kill(_child_pids() - children)
+            if attempt == STARTUP_RETRIES:
+                raise
+            logger.warning(
+                "Ray did not start in time (%s); stopped the %d processes it had started; starting again",
+                e,
+                stopped,
+            )
+
+
+def _child_pids() -> set[int]:
+    """The process ids of this process's children (Linux: from /proc; elsewhere none are known)."""
+    me, children = os.getpid(), set()
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    with open(f"/proc/{entry}/stat") as f:
+                        if int(f.read().rsplit(") ", 1)[1].split()[1]) == me:
+                            children.add(int(entry))
+    return children
+
+
+def _kill(pids: set[int]) -> int:
+    """SIGKILL each of `pids` and reap it; how many were still there."""
+    killed = 0
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    return killed
 
 
 @contextmanager

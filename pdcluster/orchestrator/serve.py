@@ -52,12 +52,12 @@ def serve(
 
     Raises:
         TopologyError: an invalid topology file; DeployError (one line): the HTTP address cannot be bound
-            (checked first, and held from then on), or an actor or the HTTP server failed to start, after
-            everything is torn down.
+            (checked first, and held from then on: `api.server.bind_server_socket`), or an actor or the
+            HTTP server failed to start, after everything is torn down.
     """
     topo = topology if isinstance(topology, Topology) else load_topology(topology)
     host, bind_port = topo.api.host, topo.api.port if port is None else port
-    try:  # held from before Ray starts: nothing Ray or the actors open meanwhile can take it
+    try:  # held from before Ray starts: the ports Ray and the actors open meanwhile cannot be this one
         sock = bind_server_socket(host, bind_port)
     except (OSError, OverflowError) as exc:
         raise DeployError(f"the HTTP server cannot bind {host}:{bind_port}: {_reason(exc)}") from exc
@@ -72,7 +72,8 @@ def serve(
         try:
             server = ServerThread(app, drain_timeout_s=drain_timeout_s, sock=sock).start()
         except (OSError, RuntimeError) as exc:
-            raise DeployError(f"the HTTP server cannot serve on {host}:{bind_port}: {_reason(exc)}") from exc
+            where = "{}:{}".format(*sock.getsockname()[:2])
+            raise DeployError(f"the HTTP server cannot serve on {where}: {_reason(exc)}") from exc
         log(
             f"serving {cluster.model_name} at {server.url} "
             "(OpenAI API: /v1/completions, /v1/chat/completions)"

@@ -370,13 +370,15 @@ class _FakeCluster:
 
     model_name = "fake"
     max_model_len = 64
-    shut_down = False
+
+    def __init__(self) -> None:
+        self.shut_down = False
 
     def stats(self):
         return {}
 
     def shutdown(self):
-        type(self).shut_down = True
+        self.shut_down = True
 
 
 def test_the_http_port_is_held_while_the_actors_load(tmp_path, checkpoint, monkeypatch):
@@ -388,15 +390,18 @@ def test_the_http_port_is_held_while_the_actors_load(tmp_path, checkpoint, monke
 
     port = free_port()
     seen_while_loading: list[str] = []
+    cluster = _FakeCluster()
 
     def deploy(*_args, **_kwargs):
-        with socket.socket() as other, pytest.raises(OSError) as taken:
-            other.bind(("127.0.0.1", port))
-        seen_while_loading.append(errno.errorcode[taken.value.errno])
+        for reuse in (0, 1):  # held without SO_REUSEADDR: not even a socket with it can bind the port
+            with socket.socket() as other, pytest.raises(OSError) as taken:
+                other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, reuse)
+                other.bind(("127.0.0.1", port))
+            seen_while_loading.append(errno.errorcode[taken.value.errno])
         with socket.socket() as client, pytest.raises(ConnectionRefusedError):
             client.connect(("127.0.0.1", port))
         seen_while_loading.append("refused")
-        return _FakeCluster()
+        return cluster
 
     monkeypatch.setattr(pdcluster.orchestrator.serve.Cluster, "deploy", deploy)
     topology = load_topology(topology_file(tmp_path, checkpoint, port=port))
@@ -404,10 +409,39 @@ def test_the_http_port_is_held_while_the_actors_load(tmp_path, checkpoint, monke
         assert service.url == f"http://127.0.0.1:{port}"
         with urllib.request.urlopen(f"{service.url}/v1/models", timeout=10) as response:
             assert json.loads(response.read())["data"][0]["id"] == "fake"
-    assert seen_while_loading == ["EADDRINUSE", "refused"] and _FakeCluster.shut_down
+    assert seen_while_loading == ["EADDRINUSE", "EADDRINUSE", "refused"] and cluster.shut_down
     with socket.socket() as again:
         again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         again.bind(("127.0.0.1", port))
+
+
+def test_a_port_another_server_listens_on_first_is_one_line_and_the_cluster_is_shut_down(
+    tmp_path, checkpoint, monkeypatch
+):
+    """Where the port could only be held with SO_REUSEADDR (here: another socket bound it with SO_REUSEADDR
+    and does not listen yet; in life, connections of an earlier server in TIME_WAIT), another server that
+    binds it with SO_REUSEADDR too and listens first wins: `serve` then fails in one line naming the
+    address and the reason, after shutting the cluster down."""
+    import pdcluster.orchestrator.serve
+    from pdcluster.orchestrator.cluster import DeployError
+    from pdcluster.orchestrator.topology import load_topology
+
+    cluster = _FakeCluster()
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", 0))
+        port = other.getsockname()[1]
+
+        def deploy(*_args, **_kwargs):  # the other server starts listening while the actors load
+            other.listen()
+            return cluster
+
+        monkeypatch.setattr(pdcluster.orchestrator.serve.Cluster, "deploy", deploy)
+        topology = load_topology(topology_file(tmp_path, checkpoint, port=port))
+        with pytest.raises(DeployError, match=rf"^the HTTP server cannot serve on 127.0.0.1:{port}: Address"):
+            with pdcluster.orchestrator.serve.serve(topology):
+                pass
+    assert cluster.shut_down
 
 
 def test_a_taken_port_fails_before_the_actors_start_and_a_failed_deploy_frees_it(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -237,9 +238,12 @@ def test_init_local_ray_retries_rays_startup_timeout_once(monkeypatch, timeout):
     waits: list[str | None] = []
     monkeypatch.delenv("RAY_gcs_server_port_wait_time_s", raising=False)
 
+    started: list[subprocess.Popen] = []
+
     def fake_init(**options):
         calls.append("init")
         waits.append(os.environ.get("RAY_gcs_server_port_wait_time_s"))
+        started.append(subprocess.Popen(["sleep", "600"]))  # what a half-started Ray leaves running
         outcome = outcomes.pop(0)
         if outcome is not None:
             raise outcome
@@ -247,17 +251,29 @@ def test_init_local_ray_retries_rays_startup_timeout_once(monkeypatch, timeout):
     monkeypatch.setattr(ray, "init", fake_init)
     monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
 
-    outcomes[:] = [timeout, None]
-    init_local_ray(num_cpus=2)
-    assert calls == ["init", "shutdown", "init"]
-    assert waits == ["120", "120"] and "RAY_gcs_server_port_wait_time_s" not in os.environ
+    earlier = subprocess.Popen(["sleep", "600"])  # a child from before: not Ray's, left alone
+    try:
+        outcomes[:] = [timeout, None]
+        init_local_ray(num_cpus=2)
+        assert calls == ["init", "shutdown", "init"]
+        assert waits == ["120", "120"] and "RAY_gcs_server_port_wait_time_s" not in os.environ
+        # the failed attempt's process was killed and reaped; the started one and the earlier one run
+        assert not os.path.exists(f"/proc/{started[0].pid}")  # reaped by init_local_ray itself
+        assert started[1].poll() is None and earlier.poll() is None
+    finally:
+        for process in [earlier, *started]:
+            process.kill()
+            process.wait()
+    started.clear()
 
     calls.clear()
     outcomes[:] = [timeout, timeout]
     with pytest.raises(type(timeout), match=str(timeout)[:20]):
         init_local_ray(num_cpus=2)
-    assert calls == ["init", "shutdown", "init"] and ray_runtime.STARTUP_RETRIES == 1
+    # the last attempt is cleaned up too before its error is raised
+    assert calls == ["init", "shutdown", "init", "shutdown"] and ray_runtime.STARTUP_RETRIES == 1
     assert "RAY_gcs_server_port_wait_time_s" not in os.environ
+    assert not any(os.path.exists(f"/proc/{process.pid}") for process in started)
 
     waits.clear()
     monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "7")
@@ -270,3 +286,7 @@ def test_init_local_ray_retries_rays_startup_timeout_once(monkeypatch, timeout):
     with pytest.raises(RuntimeError, match="port in use"):
         init_local_ray(num_cpus=2)
     assert calls == ["init"]
+    assert os.path.exists(f"/proc/{started[-1].pid}")  # not a startup timeout: nothing of it killed
+    for process in started:
+        process.kill()
+        process.wait()

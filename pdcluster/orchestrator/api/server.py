@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import socket
 import threading
@@ -46,26 +47,36 @@ def _install_drain_log_filter() -> None:
 
 
 def bind_server_socket(host: str, port: int) -> socket.socket:
-    """A TCP/IPv4 socket bound to `host:port` (0: a free port), SO_REUSEADDR (a restart reuses a port whose
-    old connections linger in TIME_WAIT), not yet listening: the port is held, and connections are refused
-    until `ServerThread` starts serving on it.
+    """A TCP/IPv4 socket bound to `host:port` (0: a free port), not yet listening: the port is held, and
+    connections are refused until `ServerThread` starts serving on it.
 
     `orchestrator.serve` binds it before the actors start, as vLLM's server does before its engine: Ray and
     our KV servers open ports of their own while the weights load, and a port checked free then and bound
-    only once the actors are up could be taken in between.
+    only once the actors are up could be taken in between. It is bound without SO_REUSEADDR where it can
+    be, so that no other socket can bind the port meanwhile (another deploy's preflight finds it in use);
+    where old connections of an earlier server linger in TIME_WAIT on it, that bind fails and it is bound
+    again with SO_REUSEADDR, which ports the kernel picks (Ray's, ours, outgoing connections) still avoid,
+    but which another server binding it with SO_REUSEADDR too would not: the one that listens first wins.
 
     Raises:
         OSError: the bind failed (address in use, no permission, not an address of this machine).
         OverflowError: port not in [0, 65535].
     """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+    for reuse in (False, True):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            if reuse:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            return sock
+        except OSError as exc:
+            sock.close()
+            if reuse or exc.errno != errno.EADDRINUSE:
+                raise
+        except BaseException:
+            sock.close()
+            raise
+    raise AssertionError("unreachable")
 
 
 class ServerThread:
@@ -109,11 +120,22 @@ class ServerThread:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 10.0) -> ServerThread:
-        """Start serving; returns once uvicorn is up. Raises RuntimeError if it did not start in time."""
+        """Listen on the socket and start serving; returns once uvicorn is up.
+
+        Raises:
+            OSError: the socket cannot listen (EADDRINUSE: another socket listens on its port already).
+            RuntimeError: uvicorn did not start within `timeout_s` seconds (its thread is stopped first).
+        """
+        # SO_REUSEADDR from here on (also where it was bound without): the connections it accepts inherit
+        # it, and once they end in TIME_WAIT a server restarted on the port can bind it again at once.
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.listen(self.server.config.backlog)  # here, so that a failure is an OSError with a reason
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.server.should_exit = True  # the caller closes the socket: not while uvicorn uses it
+                self._thread.join(10.0)
                 raise RuntimeError("the HTTP server did not start")
             time.sleep(0.01)
         return self

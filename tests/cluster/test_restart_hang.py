@@ -1,0 +1,116 @@
+"""A restart of a crashed decode that hangs while loading, on a real local Ray (a deployment of its own: the
+test spends two of the decode actor's Ray restarts, which `test_cluster_recovery`'s tests need).
+
+The crash is SIGKILL, the hang SIGSTOP of Ray's restarted process while it is still in `__init__`; nothing
+else is faked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import time
+
+import pytest
+
+from pdcluster.orchestrator.cluster import PROBE_INTERVAL_S
+from pdcluster.orchestrator.topology import load_topology
+from tests.cluster.conftest import assert_nothing_held, call_bound_s, deployed_with_loop, request_bound_s
+from tests.cluster.test_cluster_recovery import (
+    _generate,
+    _pid,
+    _process_ended,
+    _seconds_until_routable_after_restart,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    topo = load_topology("clusters/local.yaml")
+    topo = dataclasses.replace(
+        topo,
+        # timeout_s 6: call_timeout_s 3 s, so that the crash is noticed within seconds; eager decode
+        kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=6),
+        decode=dataclasses.replace(topo.decode, kv_cache_memory_bytes=16 << 20, compile=False),
+        prefill=dataclasses.replace(topo.prefill, kv_cache_memory_bytes=16 << 20),
+    )
+    with deployed_with_loop(topo) as cluster:
+        yield cluster
+
+
+def test_a_decode_restart_that_hangs_is_killed_once_after_the_load_timeout(
+    cluster, monkeypatch, caplog
+) -> None:
+    """SIGKILL of decode, then SIGSTOP of Ray's restart while it is still in `__init__` (loading weights;
+    from outside, a load from a file system that stopped answering looks the same): Ray says the actor is
+    restarting to every probe. Once that has lasted deploy's load timeout (ACTORS_READY_TIMEOUT_S, 4 s
+    here, in the driver) the monitor kills the hanging restart for Ray to start another, which loads, is
+    rewired, rejoins once and serves the greedy tokens it served before the crash."""
+    from pdcluster.orchestrator import deployment
+
+    expected_tokens = _generate(cluster, "before-crash")
+    monkeypatch.setattr(deployment, "ACTORS_READY_TIMEOUT_S", 4.0)
+    pid = _pid(cluster, "decode")
+    raylet = _parent(pid)
+    hung = None
+    try:
+        with caplog.at_level("WARNING", logger="pdcluster.orchestrator.cluster"):
+            os.kill(pid, signal.SIGKILL)
+            hung = _stop_when_loading(raylet, "ray::DecodeNode.__init__", pid, request_bound_s(cluster))
+            overdue = "decode-0: killing its actor for Ray to restart it (its restart has answered no call"
+            bound_s = 4.0 + 2 * (PROBE_INTERVAL_S + call_bound_s(cluster)) + request_bound_s(cluster)
+            started_s = time.monotonic()
+            while cluster._decode_alive[0]:  # until a probe has found it dead
+                assert time.monotonic() - started_s < bound_s, cluster.health()
+                time.sleep(0.05)
+            while overdue not in caplog.text:
+                assert time.monotonic() - started_s < bound_s, cluster.health()
+                assert not cluster._decode_alive[0], "the stopped restart answered"
+                time.sleep(0.05)
+            # the next restart may take longer than 4 s to load on a busy machine: once per death, it is
+            # not killed (asserted below)
+            recovery_s = _seconds_until_routable_after_restart(
+                cluster, "decode", pid, request_bound_s(cluster)
+            )
+        assert _process_ended(hung), "the hanging restart was left behind"
+    finally:
+        if hung is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung, signal.SIGCONT)  # only if the test failed before the kill
+    print(f"hung decode restart killed, and the next one back {recovery_s:.2f} s later")
+    rejoins = [r.getMessage() for r in caplog.records if "decode-0 rejoined routing" in r.getMessage()]
+    assert len(rejoins) == 1 and rejoins[0].endswith("(restarted and rewired)"), rejoins
+    assert caplog.text.count("decode-0: killing its actor") == 1, caplog.text
+    assert _pid(cluster, "decode") not in (pid, hung)
+    assert _generate(cluster, "after-hung-restart") == expected_tokens
+    assert_nothing_held(cluster)
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(") ", 1)[1].split()[1])
+
+
+def _stop_when_loading(parent: int, title: str, old_pid: int, bound_s: float) -> int:
+    """SIGSTOP the first child of `parent` (Ray's raylet) other than `old_pid` whose process title starts
+    with `title` (Ray names a worker after the task it runs: `ray::DecodeNode.__init__` while an actor is
+    created); its pid."""
+    started_s = time.monotonic()
+    while time.monotonic() - started_s < bound_s:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == old_pid:
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read()
+                if cmdline.startswith(title.encode()) and _parent(int(entry)) == parent:
+                    os.kill(int(entry), signal.SIGSTOP)
+                    return int(entry)
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        time.sleep(0.005)
+    raise AssertionError(f"no {title} under process {parent} within {bound_s:g} s")
