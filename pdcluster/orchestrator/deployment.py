@@ -258,6 +258,7 @@ class ClusterDeployment(ClusterWiring):
         self._engine_restarts = {}  # the process the monitor last had Ray restart, per instance
         self._last_kill_s = {}  # when the monitor last had Ray restart each instance (health_monitor)
         self._overdue_kills = {}  # the death each instance's overdue restart was killed in (health_monitor)
+        self._replacements = {}  # new actors started for each instance Ray gave up on (health_monitor)
         self._decode_addresses = decode_addresses
         self._poll_acked_seq = [[0] * d.num_ranks for d in self.instances["decode"]]  # per decode rank
         self.call_timeout_s = call_timeout_s(topo.kv_transfer.timeout_s)
@@ -299,28 +300,13 @@ class ClusterDeployment(ClusterWiring):
         """Create every instance's rank actors, rank r in bundle r of its placement group (not waiting for
         them); returns their names in `_actors` order. A multi-rank instance's ranks get an
         `InstanceGroupSpec` to join its group in their constructors, its rendezvous on rank 0's node."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        topo = self.topology
-        env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
+        self._plan, self._rank_classes = plan, {"prefill": prefill_cls, "decode": decode_cls}
         names: dict[tuple[str, int], list[str]] = {}
-        for spec_index, (spec, pg) in enumerate(zip(plan.instances, self._placement_groups, strict=True)):
+        for spec_index, spec in enumerate(plan.instances):
             num_ranks = spec.num_devices
             init_method, barrier_port = self._rendezvous(ray, spec_index) if num_ranks > 1 else ("", 0)
             instance = Instance(spec.role, spec.index, [])
             for rank in range(num_ranks):
-                config = topo.engine_config(spec.role, rank)
-                options = {
-                    "num_cpus": spec.bundles[rank].get("CPU", 1),
-                    "max_concurrency": 256,
-                    # A crashed actor is restarted by Ray in its bundle, then rewired by the health monitor.
-                    "max_restarts": MAX_ACTOR_RESTARTS if ray_restarts(topo.kv_transport, num_ranks) else 0,
-                    "runtime_env": env,
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                        pg, placement_group_bundle_index=rank
-                    ),
-                }
-                options.update(actor_resource_options(plan.ray_resource))
                 group = None
                 if num_ranks > 1:
                     group = InstanceGroupSpec(
@@ -330,26 +316,37 @@ class ClusterDeployment(ClusterWiring):
                         barrier_port=barrier_port,
                         backend=plan.collective_backend,
                         timeout_s=self.collective_timeout_s,
-                        rendezvous_timeout_s=ready_timeout_s(topo),
+                        rendezvous_timeout_s=ready_timeout_s(self.topology),
                     )
-                name = instance.rank_name(rank)
-                if spec.role == "prefill":
-                    actor = (
-                        rank_actor_class(ray, prefill_cls)
-                        .options(**options)
-                        .remote(config, name, topo.kv_transfer.layerwise, group)
-                    )
-                else:
-                    host = "127.0.0.1" if self._loopback else "0.0.0.0"
-                    actor = (
-                        rank_actor_class(ray, decode_cls).options(**options).remote(config, name, host, group)
-                    )
-                instance.ranks.append(actor)
+                instance.ranks.append(self._new_rank_actor(ray, spec_index, rank, group))
             self.instances[spec.role].append(instance)
             names[(spec.role, spec.index)] = [instance.rank_name(r) for r in range(num_ranks)]
         return [
             n for role in ROLES for instance in self.instances[role] for n in names[(role, instance.index)]
         ]
+
+    def _new_rank_actor(self, ray, spec_index: int, rank: int, group: InstanceGroupSpec | None = None) -> Any:
+        """A new actor for rank `rank` of the instance `self._plan.instances[spec_index]`, in bundle `rank`
+        of its placement group (deploy; the health monitor's replacement of an actor Ray gave up on)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        topo, plan = self.topology, self._plan
+        spec, pg = plan.instances[spec_index], self._placement_groups[spec_index]
+        options = {
+            "num_cpus": spec.bundles[rank].get("CPU", 1),
+            "max_concurrency": 256,
+            # A crashed actor is restarted by Ray in its bundle, then rewired by the health monitor.
+            "max_restarts": MAX_ACTOR_RESTARTS if ray_restarts(topo.kv_transport, spec.num_devices) else 0,
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}},
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+        }
+        options.update(actor_resource_options(plan.ray_resource))
+        config = topo.engine_config(spec.role, rank)
+        name = Instance(spec.role, spec.index, []).rank_name(rank)
+        cls = rank_actor_class(ray, self._rank_classes[spec.role]).options(**options)
+        if spec.role == "prefill":
+            return cls.remote(config, name, topo.kv_transfer.layerwise, group)
+        return cls.remote(config, name, "127.0.0.1" if self._loopback else "0.0.0.0", group)
 
     @property
     def prefill_actors(self) -> list[Any]:

@@ -12,7 +12,11 @@ answers while its engine thread died or hangs in one pass (past the pool's `engi
 as dead, and where Ray restarts its actors (`deployment.ray_restarts`) the monitor kills them for Ray to
 restart; the new process is rewired and rejoins as after a crash. So is an instance that has answered no
 probe for as long (`health.unresponsive_too_long`: a native call hung holding the GIL, a stopped
-process). Elsewhere the instance stays out of routing while its engine fails. Probes (and `stats()`'s
+process), and, once per death, a restart Ray still reports as restarting after deploy's load timeout
+(`health.restart_overdue`). An actor Ray gave up on (its restarts spent, or a restart whose constructor
+raised: Ray does not restart those) is replaced by a new actor in its placement group bundle
+(`_replace_if_given_up`: REPLACE_AFTER_S after, doubling, at most MAX_REPLACEMENTS times), which rejoins
+the same way. Elsewhere the instance stays out of routing while its engine fails. Probes (and `stats()`'s
 loads) run in the actors' own Ray concurrency group (`deployment.PROBE_GROUP`), so calls blocked behind a
 hung engine cannot starve them; and an instance out of routing does not rejoin while a rank's pass has run
 longer than a call may take (`call_timeout_s`): its calls that wait for the engine would time out again.
@@ -50,6 +54,12 @@ from pdcluster.orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES
 logger = logging.getLogger("pdcluster.orchestrator.cluster")
 
 PROBE_INTERVAL_S = 1.0  # the health monitor probes every instance this often (seconds)
+# An actor Ray gave up on (its restarts spent, or its constructor raised on a restart: Ray does not restart
+# an actor whose creation task failed) is replaced by a new one in its placement group bundle, at most
+# MAX_REPLACEMENTS times per instance, the first REPLACE_AFTER_S seconds after it died, each next one after
+# twice as long (a load that fails for good, a checkpoint deleted, is not retried every second).
+REPLACE_AFTER_S = 10.0
+MAX_REPLACEMENTS = 5
 
 
 def rank_stats(load: PrefillNodeLoad | DecodeNodeLoad) -> dict[str, Any]:
@@ -81,9 +91,9 @@ class InstanceMonitor:
     _last_answer_s: dict[tuple[str, int], float]  # time.monotonic() of each instance's last answered probe
     _engine_restarts: dict[tuple[str, int], int]  # the process last killed for Ray to restart, per instance
     _last_kill_s: dict[tuple[str, int], float]  # time.monotonic() of each instance's last such kill
-    _overdue_kills: dict[
-        tuple[str, int], float
-    ]  # the DEAD episode (its since_s) of an overdue restart killed
+    _overdue_kills: dict[tuple[str, int], float]  # the death (since_s) in which an overdue restart was killed
+    _replacements: dict[tuple[str, int], int]  # new actors started for an instance Ray gave up on
+    _plan: Any  # `ClusterDeployment`'s placement plan, for `_new_rank_actor` (replacements)
 
     @property
     def _health(self) -> dict[str, list[InstanceHealth]]:
@@ -231,16 +241,23 @@ class InstanceMonitor:
         """A call `call` on instance (`role`, `index`) timed out or raised an actor error: take it out of
         routing (unresponsive or dead) and, for decode, fail its in-flight requests. Idempotent. The
         timeout of a call issued (`issued_at_s`, time.monotonic()) before the instance last rejoined routing
-        changes nothing (`health.is_stale`): logged, ignored."""
+        changes nothing (`health.is_stale`): logged, ignored; so does Ray's "unavailable" (the actor was
+        restarting or unreachable when the call went out: the incarnation that rejoined since is another
+        one)."""
+        import ray
+
         if self._outcome(exc) is ProbeOutcome.TIMED_OUT:
             reason = f"{call}: no answer within {self.call_timeout_s:g} s"
         else:
             reason = f"{call}: {describe_error(exc)}"
         with self._health_lock:
             before = self._health[role][index]
-            # Only a timeout: an error saying the actor died may come from a process that died after the
-            # probe that brought it back answered.
-            if self._outcome(exc) is ProbeOutcome.TIMED_OUT and is_stale(before, issued_at_s):
+            # Not an error saying the actor died: that may come from a process that died after the probe
+            # that brought it back answered.
+            about_then = self._outcome(exc) is ProbeOutcome.TIMED_OUT or isinstance(
+                exc, ray.exceptions.ActorUnavailableError
+            )
+            if about_then and is_stale(before, issued_at_s):
                 assert issued_at_s is not None
                 logger.warning(
                     "%s-%d: ignored a failed call (%s) sent %.2f s before the instance rejoined routing",
@@ -295,6 +312,9 @@ class InstanceMonitor:
                 pids = [load.pid for load in loads]
             except Exception as e:  # noqa: BLE001 - a rank stalled, restarting, dead, its group or engine failed
                 self._mark_failed(instance.role, instance.index, e, "probe")
+                if isinstance(e, ray.exceptions.ActorDiedError) and not self._closed:
+                    self._replace_if_given_up(ray, instance, e)
+                    continue
                 if isinstance(e, EngineFailed):
                     if not self._closed:
                         self._restart_failed_engine(ray, instance, e.pid)
@@ -349,6 +369,52 @@ class InstanceMonitor:
                     self._rejoin(instance.role, instance.index, pids[0])
             elif self._reply_channel_lost(instance.role, instance.index):
                 self._reconnect_reply_channel(ray, instance.role, instance.index)
+
+    def _replace_if_given_up(self, ray, instance: Instance, exc: BaseException) -> None:
+        """A probe of `instance` failed with ActorDiedError: Ray has given up on its actor (a call to an actor
+        it restarts fails as unavailable). Where Ray restarts actors (one rank, an addressed KV transport),
+        replace it once due (REPLACE_AFTER_S, doubling; at most MAX_REPLACEMENTS): kill the old one for good
+        (so that a restart Ray might still make cannot hold the bundle) and create a new one in its bundle;
+        the probe that the new process answers rewires it and puts it back in routing, as after a restart.
+        Elsewhere the instance stays out of routing, as before."""
+        key = (instance.role, instance.index)
+        if not ray_restarts(self.topology.kv_transport, len(instance.ranks)):
+            return
+        done = self._replacements.get(key, 0)
+        if done >= MAX_REPLACEMENTS:
+            if done == MAX_REPLACEMENTS:  # said once
+                self._replacements[key] = done + 1
+                logger.error(
+                    "%s-%d: Ray gave up on its actor again and its %d replacements are spent: it stays "
+                    "out of routing (%s)",
+                    *key,
+                    MAX_REPLACEMENTS,
+                    describe_error(exc),
+                )
+            return
+        now_s = time.monotonic()
+        since_s = max(instance.health.since_s, self._last_kill_s.get(key, 0.0))
+        if now_s - since_s < REPLACE_AFTER_S * 2**done:
+            return
+        logger.error(
+            "%s-%d: Ray gave up on its actor (%s); starting a new one in its placement group (%d of %d)",
+            *key,
+            describe_error(exc),
+            done + 1,
+            MAX_REPLACEMENTS,
+        )
+        try:
+            for actor in instance.ranks:
+                ray.kill(actor, no_restart=True)
+            spec_index = next(
+                i for i, spec in enumerate(self._plan.instances) if (spec.role, spec.index) == key
+            )
+            instance.ranks = [self._new_rank_actor(ray, spec_index, 0)]
+        except Exception as e:  # noqa: BLE001 - Ray could not be asked now: the next probe tries again
+            logger.warning("%s-%d: replacing its actor failed (%r); trying again at the next probe", *key, e)
+            return
+        self._replacements[key] = done + 1
+        self._last_kill_s[key] = now_s
 
     def _check_engines(self, instance: Instance, loads: list[PrefillNodeLoad] | list[DecodeNodeLoad]) -> None:
         """The engine watchdog over one instance's probe answers (`health.engine_fault`). Raises

@@ -93,6 +93,18 @@ def test_the_monitor_ignores_a_stale_failure_and_applies_the_next_one(caplog):
     assert decode.health.state is Health.UNRESPONSIVE
     assert decode.health.reason == "poll of rank 0: no answer within 3 s"
     assert done == [("forget loads", 0), ("fail attempts", "decode", 0)]
+    # Ray's "unavailable" from a call sent before the rejoin is about the incarnation it went to (one Ray
+    # was restarting): ignored, as a timeout. Found by an e2e test, where a poll of a restarting decode
+    # failed after the restart had rejoined and took the new incarnation out of routing.
+    ray = pytest.importorskip("ray")
+
+    decode.health = InstanceHealth(Health.HEALTHY, "", since_s=30.0, pid=41)
+    done.clear()
+    restarting = ray.exceptions.ActorUnavailableError("IOError: The actor is restarting.", None)
+    monitor._mark_failed("decode", 0, restarting, "poll of rank 0", issued_at_s=27.0)
+    assert decode.health.routable and done == []
+    monitor._mark_failed("decode", 0, restarting, "poll of rank 0", issued_at_s=31.0)
+    assert decode.health.state is Health.DEAD
     # An error saying the actor died is applied even from a call sent before the rejoin: the process may
     # have died after the probe that brought it back answered.
     decode.health = InstanceHealth(Health.HEALTHY, "", since_s=30.0, pid=41)
@@ -210,6 +222,7 @@ def _watchdog_monitor(kv_transport: str, num_ranks: int, watchdog_s: float = 10.
     )
     monitor._health_lock, monitor._stuck_passes, monitor._engine_restarts = threading.Lock(), {}, {}
     monitor._last_answer_s, monitor._last_kill_s, monitor._overdue_kills = {}, {}, {}
+    monitor._replacements = {}
     instance = SimpleNamespace(role="decode", index=0, ranks=[f"actor-{r}" for r in range(num_ranks)])
     return monitor, instance
 
@@ -481,11 +494,10 @@ def test_a_restart_that_never_answers_is_killed_once_after_deploys_load_timeout(
     it fail with Ray's "the actor is restarting" (or time out). Once they have for deploy's load timeout
     (`ready_timeout_s`: with a pool that compiles, its compile time too) since that kill, the monitor kills
     the hanging incarnation, although process 41 was killed before; but only once in that death: a
-    second restart that hangs stays out of routing. A probe saying the actor died (Ray gave up on it)
-    kills nothing. A restart that answers rejoins, and in a later death an overdue restart is killed
-    again. (The monitor's clock is a fake one, so that a busy machine cannot move a probe past a
-    deadline; Ray's errors are constructed, the e2e test in tests/cluster/test_restart_hang.py gets them
-    from Ray.)"""
+    second restart that hangs stays out of routing. A restart that answers rejoins, and in a later death
+    an overdue restart is killed again. (The monitor's clock is a fake one, so that a busy machine cannot
+    move a probe past a deadline; Ray's errors are constructed, the e2e test in
+    tests/cluster/test_restart_hang.py gets them from Ray.)"""
     from types import SimpleNamespace
 
     ray = pytest.importorskip("ray")
@@ -515,8 +527,6 @@ def test_a_restart_that_never_answers_is_killed_once_after_deploys_load_timeout(
     assert "decode-0: if this restart hangs too, it is not killed again" in caplog.text
     assert monitor._last_kill_s[("decode", 0)] == 1150.0
     clock[0] = 1400.0  # the next restart hangs too: the same death, not killed again
-    monitor._probe_all()
-    rank.answer = ray.exceptions.ActorDiedError()  # no restarts left
     monitor._probe_all()
     assert done.count(("kill", False)) == 1
     rank.answer = _load(pid=43)
@@ -549,3 +559,70 @@ def test_failing_attempts_queued_before_a_shutdown_still_ends_them(monkeypatch):
     event = attempt.events.get_nowait()
     assert isinstance(event, DecodeLost)
     assert event.message == "decode-0 died or stopped answering (the cluster shut down); the request was lost"
+
+
+def test_an_actor_ray_gave_up_on_is_replaced_in_its_bundle_with_backoff_and_a_bound(monkeypatch, caplog):
+    """Probes that fail with ActorDiedError (Ray's restarts spent, or a restart whose constructor raised,
+    which Ray does not restart): REPLACE_AFTER_S after the death the old actor is killed for good and a new
+    one is created for the same instance (`_new_rank_actor`, its placement group bundle); each next
+    replacement waits twice as long; after MAX_REPLACEMENTS it stays out of routing, said once. A new
+    actor that answers rejoins (rewired: a new process). An instance Ray does not restart (a multi-rank
+    group) is never replaced. (Fake clock and Ray calls; the e2e test is in
+    tests/cluster/test_restart_hang.py.)"""
+    from types import SimpleNamespace
+
+    ray = pytest.importorskip("ray")
+    from pdcluster.orchestrator import health_monitor
+
+    clock = [1000.0]
+    monkeypatch.setattr(health_monitor, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(health_monitor, "REPLACE_AFTER_S", 10.0)
+    monkeypatch.setattr(health_monitor, "MAX_REPLACEMENTS", 2)
+    dead = InstanceHealth(Health.DEAD, "probe: the actor process died", since_s=1000.0, pid=41)
+    monitor, instance, rank, done = _probing_monitor(monkeypatch, ray.exceptions.ActorDiedError(), dead)
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: done.append(("kill", actor, no_restart)))
+    monitor._plan = SimpleNamespace(
+        instances=[SimpleNamespace(role="prefill", index=0), SimpleNamespace(role="decode", index=0)]
+    )
+    new_ranks: list[_FakeRank] = []
+
+    def new_rank_actor(ray, spec_index, rank_index):
+        new_ranks.append(_FakeRank(ray.exceptions.ActorDiedError()))
+        done.append(("new actor", spec_index, rank_index))
+        return new_ranks[-1]
+
+    monitor._new_rank_actor = new_rank_actor
+    clock[0] = 1009.9
+    monitor._probe_all()
+    assert [d for d in done if d[0] in ("kill", "new actor")] == []
+    clock[0] = 1010.0
+    with caplog.at_level("ERROR", logger="pdcluster.orchestrator.cluster"):
+        monitor._probe_all()
+    assert done[-2:] == [("kill", rank, True), ("new actor", 1, 0)] and instance.ranks == [new_ranks[0]]
+    assert (
+        "decode-0: Ray gave up on its actor (the actor process died); starting a new one in its placement "
+        "group (1 of 2)" in caplog.text
+    )
+    clock[0] = 1029.9  # the new one failed too: the next replacement 20 s after the last
+    monitor._probe_all()
+    assert len(new_ranks) == 1
+    clock[0] = 1030.0
+    monitor._probe_all()
+    assert len(new_ranks) == 2 and instance.ranks == [new_ranks[1]]
+    clock[0] = 5000.0
+    with caplog.at_level("ERROR", logger="pdcluster.orchestrator.cluster"):
+        monitor._probe_all()
+        monitor._probe_all()
+    assert len(new_ranks) == 2
+    assert caplog.text.count("its 2 replacements are spent: it stays out of routing") == 1
+    new_ranks[1].answer = _load(pid=44)  # (had the last one come up after all)
+    monitor._probe_all()
+    assert done[-1] == ("rejoin", "decode", 0, 44)
+
+    # an instance Ray does not restart: never replaced
+    monitor, instance, rank, done = _probing_monitor(monkeypatch, ray.exceptions.ActorDiedError(), dead)
+    monitor.topology.kv_transport = "dist"
+    monitor._new_rank_actor = new_rank_actor
+    clock[0] = 9000.0
+    monitor._probe_all()
+    assert len(new_ranks) == 2 and instance.ranks == [rank]
