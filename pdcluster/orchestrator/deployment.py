@@ -300,7 +300,11 @@ class ClusterDeployment(ClusterWiring):
         """Create every instance's rank actors, rank r in bundle r of its placement group (not waiting for
         them); returns their names in `_actors` order. A multi-rank instance's ranks get an
         `InstanceGroupSpec` to join its group in their constructors, its rendezvous on rank 0's node."""
-        self._plan, self._rank_classes = plan, {"prefill": prefill_cls, "decode": decode_cls}
+        self._plan = plan
+        self._rank_classes = {
+            "prefill": rank_actor_class(ray, prefill_cls),
+            "decode": rank_actor_class(ray, decode_cls),
+        }
         names: dict[tuple[str, int], list[str]] = {}
         for spec_index, spec in enumerate(plan.instances):
             num_ranks = spec.num_devices
@@ -343,7 +347,7 @@ class ClusterDeployment(ClusterWiring):
         options.update(actor_resource_options(plan.ray_resource))
         config = topo.engine_config(spec.role, rank)
         name = Instance(spec.role, spec.index, []).rank_name(rank)
-        cls = rank_actor_class(ray, self._rank_classes[spec.role]).options(**options)
+        cls = self._rank_classes[spec.role].options(**options)
         if spec.role == "prefill":
             return cls.remote(config, name, topo.kv_transfer.layerwise, group)
         return cls.remote(config, name, "127.0.0.1" if self._loopback else "0.0.0.0", group)
@@ -385,6 +389,10 @@ class ClusterDeployment(ClusterWiring):
 
         self._closed = True
         self._monitor_stop.set()
+        # Before the teardown: a probe round (at most a call timeout) could otherwise still replace an actor
+        # after the placement groups are gone, or, after ray.shutdown(), start a new local Ray by calling it.
+        if self._monitor is not threading.current_thread():
+            self._monitor.join(self.call_timeout_s + 5.0)
         for task in self._pollers:
             task.cancel()
         self._pollers = []

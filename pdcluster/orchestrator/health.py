@@ -186,8 +186,9 @@ def restart_overdue(
     kill of it), whichever is later, for at least `start_timeout_s` (how long deploy waits for a rank to
     load: `deployment.ready_timeout_s`).
 
-    Call it only for a probe that says Ray is still restarting the actor (the monitor's
-    `_restart_pending`: Ray's "the actor is restarting", or a timeout), not for one Ray has given up on.
+    Call it only for a probe that says Ray may still bring the actor up (the monitor's `_restart_pending`:
+    Ray's "the actor is restarting", or a timeout, as for a replacement actor still being created), not for
+    one Ray has given up on.
 
     Returns:
         why (the reason to log and report), or None.

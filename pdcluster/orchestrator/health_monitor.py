@@ -242,8 +242,8 @@ class InstanceMonitor:
         routing (unresponsive or dead) and, for decode, fail its in-flight requests. Idempotent. The
         timeout of a call issued (`issued_at_s`, time.monotonic()) before the instance last rejoined routing
         changes nothing (`health.is_stale`): logged, ignored; so does Ray's "unavailable" (the actor was
-        restarting or unreachable when the call went out: the incarnation that rejoined since is another
-        one)."""
+        restarting or unreachable, or its process died, while the call was out: a probe answered since, and
+        a process that died after that answer is found by the next probe, which is never stale)."""
         import ray
 
         if self._outcome(exc) is ProbeOutcome.TIMED_OUT:
@@ -372,13 +372,17 @@ class InstanceMonitor:
 
     def _replace_if_given_up(self, ray, instance: Instance, exc: BaseException) -> None:
         """A probe of `instance` failed with ActorDiedError: Ray has given up on its actor (a call to an actor
-        it restarts fails as unavailable). Where Ray restarts actors (one rank, an addressed KV transport),
-        replace it once due (REPLACE_AFTER_S, doubling; at most MAX_REPLACEMENTS): kill the old one for good
-        (so that a restart Ray might still make cannot hold the bundle) and create a new one in its bundle;
-        the probe that the new process answers rewires it and puts it back in routing, as after a restart.
-        Elsewhere the instance stays out of routing, as before."""
+        it restarts fails as unavailable; a call in flight when its process died, too), except where the
+        error says the actor's node was preempted (Ray then fails calls as died while it restarts the actor
+        elsewhere). Where Ray restarts actors (one rank, an addressed KV transport), replace it once due
+        (REPLACE_AFTER_S after the death, or after the previous replacement twice as long as before; at
+        most MAX_REPLACEMENTS for the life of the deployment): kill the old one for good (so that a restart
+        Ray might still make cannot hold the bundle) and create a new one in its bundle; the probe that the
+        new process answers rewires it and puts it back in routing, as after a restart. Elsewhere the
+        instance stays out of routing, as before."""
         key = (instance.role, instance.index)
-        if not ray_restarts(self.topology.kv_transport, len(instance.ranks)):
+        restarts = ray_restarts(self.topology.kv_transport, len(instance.ranks))
+        if getattr(exc, "preempted", False) or not restarts:
             return
         done = self._replacements.get(key, 0)
         if done >= MAX_REPLACEMENTS:

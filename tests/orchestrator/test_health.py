@@ -566,9 +566,9 @@ def test_an_actor_ray_gave_up_on_is_replaced_in_its_bundle_with_backoff_and_a_bo
     which Ray does not restart): REPLACE_AFTER_S after the death the old actor is killed for good and a new
     one is created for the same instance (`_new_rank_actor`, its placement group bundle); each next
     replacement waits twice as long; after MAX_REPLACEMENTS it stays out of routing, said once. A new
-    actor that answers rejoins (rewired: a new process). An instance Ray does not restart (a multi-rank
-    group) is never replaced. (Fake clock and Ray calls; the e2e test is in
-    tests/cluster/test_restart_hang.py.)"""
+    actor that answers rejoins (rewired: a new process). Neither an actor whose node was preempted (Ray
+    restarts it elsewhere) nor an instance Ray does not restart (a multi-rank group) is replaced. (Fake
+    clock and Ray calls; the e2e test is in tests/cluster/test_restart_hang.py.)"""
     from types import SimpleNamespace
 
     ray = pytest.importorskip("ray")
@@ -581,9 +581,10 @@ def test_an_actor_ray_gave_up_on_is_replaced_in_its_bundle_with_backoff_and_a_bo
     dead = InstanceHealth(Health.DEAD, "probe: the actor process died", since_s=1000.0, pid=41)
     monitor, instance, rank, done = _probing_monitor(monkeypatch, ray.exceptions.ActorDiedError(), dead)
     monkeypatch.setattr(ray, "kill", lambda actor, no_restart: done.append(("kill", actor, no_restart)))
-    monitor._plan = SimpleNamespace(
+    plan = SimpleNamespace(
         instances=[SimpleNamespace(role="prefill", index=0), SimpleNamespace(role="decode", index=0)]
     )
+    monitor._plan = plan
     new_ranks: list[_FakeRank] = []
 
     def new_rank_actor(ray, spec_index, rank_index):
@@ -619,10 +620,20 @@ def test_an_actor_ray_gave_up_on_is_replaced_in_its_bundle_with_backoff_and_a_bo
     monitor._probe_all()
     assert done[-1] == ("rejoin", "decode", 0, 44)
 
+    # the error says the node was preempted: Ray restarts the actor elsewhere, calls fail as died meanwhile
+    preempted = ray.exceptions.ActorDiedError()
+    preempted._preempted = True
+    assert preempted.preempted
+    monitor, instance, rank, done = _probing_monitor(monkeypatch, preempted, dead)
+    monitor._plan, monitor._new_rank_actor = plan, new_rank_actor
+    clock[0] = 9000.0
+    monitor._probe_all()
+    assert len(new_ranks) == 2 and instance.ranks == [rank]
+
     # an instance Ray does not restart: never replaced
     monitor, instance, rank, done = _probing_monitor(monkeypatch, ray.exceptions.ActorDiedError(), dead)
     monitor.topology.kv_transport = "dist"
-    monitor._new_rank_actor = new_rank_actor
+    monitor._plan, monitor._new_rank_actor = plan, new_rank_actor
     clock[0] = 9000.0
     monitor._probe_all()
     assert len(new_ranks) == 2 and instance.ranks == [rank]
