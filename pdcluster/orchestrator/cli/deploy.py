@@ -98,8 +98,8 @@ file, the parallelism and weight dtypes the actors can run, the checkpoint, that
 be bound); each problem is one FILE:LINE: reason line and the exit code is 2. The address is then
 bound and held while the actors load, so that the ports Ray and the actors open cannot take it (nor
 another deploy, unless it lingers from an earlier server); connections are refused until the
-service is ready. An error after Ray started (an actor that fails to load
-its weights) is one line too, exit code 2, after everything started is shut down."""
+service is ready. An error after Ray started (an actor that fails to load its weights) is one
+line too, exit code 2, after everything started is shut down."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
