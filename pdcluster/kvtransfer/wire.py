@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from pdcluster.kernels.kv_quant import dequantize_kv_int8, quantize_kv_int8
+from pdcluster.kernels.paged_mla import bytes_crc32c
 from pdcluster.kvtransfer.base import (
     INT8_SCALE_DTYPE,
     ChecksumMismatch,
@@ -296,7 +297,7 @@ def extras_checksum(extras: HandoffExtras) -> int:
     ids = [extras.first_token_id, len(extras.draft_token_ids), *extras.draft_token_ids]
     crc = checksum(np.asarray(ids, dtype="<i8"))
     if extras.draft_probs is not None:
-        crc = checksum(tensor_bytes(extras.draft_probs).numpy(), crc)
+        crc = bytes_crc32c(extras.draft_probs, crc)
     return crc
 
 

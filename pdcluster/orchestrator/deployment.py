@@ -34,7 +34,8 @@ from pdcluster.orchestrator.messages import InstanceGroupSpec, NodeReady
 from pdcluster.orchestrator.placement import nodes_to_pin, plan_placement, to_ray_placement_group_args
 from pdcluster.orchestrator.preflight import actor_layer_issues, weight_dtype_issues
 from pdcluster.orchestrator.ray_runtime import gcs_reachable, init_local_ray, keeping_sigterm_handler
-from pdcluster.orchestrator.router import POLICIES, PrefixCacheModel
+from pdcluster.orchestrator.request_state import rank_name
+from pdcluster.orchestrator.router import POLICIES, PrefixCacheModel, RankRef
 from pdcluster.orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES, Topology, load_topology
 from pdcluster.orchestrator.wiring import ClusterWiring, advertised_address, free_ports
 
@@ -346,7 +347,7 @@ class ClusterDeployment(ClusterWiring):
         }
         options.update(actor_resource_options(plan.ray_resource))
         config = topo.engine_config(spec.role, rank)
-        name = Instance(spec.role, spec.index, []).rank_name(rank)
+        name = rank_name(spec.role, RankRef(spec.index, rank))
         cls = self._rank_classes[spec.role].options(**options)
         if spec.role == "prefill":
             return cls.remote(config, name, topo.kv_transfer.layerwise, group)

@@ -226,9 +226,10 @@ class InstanceMonitor:
 
     @classmethod
     def _restart_pending(cls, exc: BaseException) -> bool:
-        """Whether a failed probe says Ray may still bring the actor back: Ray answers a call to an actor
-        it is restarting with ActorUnavailableError ("the actor is restarting"; also while its node is
-        unreachable), and one it has given up on with ActorDiedError; a call it queues times out."""
+        """Whether a failed call says nothing of the actor's death: it timed out (Ray queues a call to an
+        actor being created), or Ray answered ActorUnavailableError ("the actor is restarting"; also while
+        its node is unreachable, or when its process died with the call out). Ray answers a call to an
+        actor it has given up on with ActorDiedError. For a probe: Ray may still bring the actor back."""
         import ray
 
         return cls._outcome(exc) is ProbeOutcome.TIMED_OUT or isinstance(
@@ -244,8 +245,6 @@ class InstanceMonitor:
         changes nothing (`health.is_stale`): logged, ignored; so does Ray's "unavailable" (the actor was
         restarting or unreachable, or its process died, while the call was out: a probe answered since, and
         a process that died after that answer is found by the next probe, which is never stale)."""
-        import ray
-
         if self._outcome(exc) is ProbeOutcome.TIMED_OUT:
             reason = f"{call}: no answer within {self.call_timeout_s:g} s"
         else:
@@ -254,10 +253,7 @@ class InstanceMonitor:
             before = self._health[role][index]
             # Not an error saying the actor died: that may come from a process that died after the probe
             # that brought it back answered.
-            about_then = self._outcome(exc) is ProbeOutcome.TIMED_OUT or isinstance(
-                exc, ray.exceptions.ActorUnavailableError
-            )
-            if about_then and is_stale(before, issued_at_s):
+            if self._restart_pending(exc) and is_stale(before, issued_at_s):
                 assert issued_at_s is not None
                 logger.warning(
                     "%s-%d: ignored a failed call (%s) sent %.2f s before the instance rejoined routing",
