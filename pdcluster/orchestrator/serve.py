@@ -69,6 +69,9 @@ def serve(
         raise
     try:
         app = build_topology_app(cluster, topo)
+        # /health says 503 until the caller has the service (a SIGTERM sent once /health said 200 then
+        # takes the caller's drain path, not the one for a deploy cut short)
+        app.state.starting = True
         try:
             server = ServerThread(app, drain_timeout_s=drain_timeout_s, sock=sock).start()
         except (OSError, RuntimeError) as exc:
@@ -78,7 +81,9 @@ def serve(
             f"serving {cluster.model_name} at {server.url} "
             "(OpenAI API: /v1/completions, /v1/chat/completions)"
         )
-        yield Service(topo, cluster, server)
+        service = Service(topo, cluster, server)
+        app.state.starting = False
+        yield service
     finally:
         try:
             if server is not None:

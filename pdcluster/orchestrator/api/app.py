@@ -168,7 +168,9 @@ def build_app(
     _add_error_handlers(app, metrics)
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
+        if getattr(request.app.state, "starting", False):  # `orchestrator.serve`: listening, not yet serving
+            raise ApiError(503, "the server is starting", "service_unavailable")
         try:
             backend.check_ready()  # bookkeeping only: on the event loop, answered at once
         except BackendUnavailable as exc:

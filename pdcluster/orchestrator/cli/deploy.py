@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         log = lambda m: print(f"[pdcluster] {m}", flush=True)  # noqa: E731
         with serve(topology, port=args.port, log=log, drain_timeout_s=args.drain_timeout_s) as service:
-            print(f"[pdcluster] ready: {service.url}/v1/models — Ctrl-C or SIGTERM to stop", flush=True)
             try:
+                print(f"[pdcluster] ready: {service.url}/v1/models — Ctrl-C or SIGTERM to stop", flush=True)
                 while True:
                     time.sleep(0.5)
             except KeyboardInterrupt:
