@@ -5,8 +5,9 @@ model dtype is moved, `--repeats` times, by:
 
     clone           `tensor.clone()` of every layer in this process: the memory-copy yardstick
     grpc            `GrpcKVSender` -> `KVReceiverServer` over 127.0.0.1 (HTTP/2 over TCP)
-    shm             `ShmKVSender` -> `ShmKVReceiver`: the KV through a memfd segment, the headers over a Unix
-                    socket
+    shm             `ShmKVSender` -> `ShmKVReceiver` as deployed: a float wire written in place into the
+                    receiver's paged cache, shared (`shm_transport.inplace`), the headers over a Unix socket
+    shm_segment     the same through a memfd segment (what an int8 wire or an unshared cache takes)
     dist            `DistKVSender` (rank 0) -> `DistKVReceiver` (rank 1), two spawned processes, gloo
                     over 127.0.0.1; the receiver's clock starts at a barrier both pass before `begin`
 
@@ -81,7 +82,7 @@ from pdcluster.kvtransfer.base import HandoffExtras, HandoffMeta, KVReceiver, KV
 from pdcluster.models.dtypes import MODEL_DTYPE_NAMES
 
 SHAPES = ("deepseek_v3", "tiny")
-TRANSPORTS = ("clone", "grpc", "shm", "dist")
+TRANSPORTS = ("clone", "grpc", "shm", "shm_segment", "dist")
 WAIT_S = 600.0
 
 
@@ -326,13 +327,20 @@ class PagedDestination:
 
     BLOCK_SIZE = 16  # the engine's default (`EngineConfig.block_size`)
 
-    def __init__(self, meta: HandoffMeta) -> None:
+    def __init__(self, meta: HandoffMeta, shared: bool = False) -> None:
+        from pdcluster.kvtransfer.shm_transport.inplace import SharedKVCache
+
         num_blocks = -(-meta.num_tokens // self.BLOCK_SIZE)
         spare = 8  # blocks no handoff writes: a write past its table would show there
-        self.caches = [
-            torch.zeros(num_blocks + spare, self.BLOCK_SIZE, meta.kv_dim, dtype=meta.torch_dtype)
-            for _ in range(meta.num_layers)
-        ]
+        shape = (num_blocks + spare, self.BLOCK_SIZE, meta.kv_dim)
+        # shared: in one memfd, as decode's cache is (`ModelRunner(shared_kv_cache=True)`), for shm in place
+        self.shared = SharedKVCache.for_tensors(meta.num_layers, shape, meta.torch_dtype) if shared else None
+        if self.shared is not None:
+            self.caches = list(self.shared.layers)
+        else:
+            self.caches = [torch.zeros(shape, dtype=meta.torch_dtype) for _ in range(meta.num_layers)]
+        for cache in self.caches:  # touched once: no handoff pays the first-touch page faults
+            cache.fill_(1)
         self.block_table = torch.randperm(num_blocks + spare, generator=torch.Generator().manual_seed(0))[
             :num_blocks
         ]
@@ -367,8 +375,10 @@ def timed_receive(
     the receiver until `wait`); what `start_sending` returned."""
     if destination is None:
         bound = receiver.expect(meta)
-    else:
-        bound = receiver.expect(meta, destination.on_layer, on_layer_checksums=True)
+    else:  # with the block table, as decode does: shm then writes in place when its cache is shared
+        bound = receiver.expect(
+            meta, destination.on_layer, on_layer_checksums=True, block_ids=destination.block_table.tolist()
+        )
     started_s = time.perf_counter()
     returned = start_sending(bound)
     receiver.wait(meta.request_id, WAIT_S)
@@ -378,8 +388,8 @@ def timed_receive(
 
 
 def _make_pair(transport: str) -> tuple[Any, Callable[[], KVSender]]:
-    """The receiver of `transport` (`grpc` or `shm`) and a function that connects a sender to it (run in
-    the sender's process)."""
+    """The receiver of `transport` (`grpc`, `shm` or `shm_segment`) and a function that connects a sender
+    to it (run in the sender's process)."""
     if transport == "grpc":
         from pdcluster.kvtransfer.grpc_transport import KVReceiverServer
 
@@ -431,7 +441,11 @@ def bench_pair(
     different actors) or on a thread of this one (`"thread"`: both sides then share one GIL)."""
     receiver, connect = _make_pair(transport)
     layers = make_layers(make_handoff("x", shape, wire))
-    destination = PagedDestination(make_handoff("x", shape, wire))
+    in_place = transport == "shm" and wire == "model"  # as deployed: decode's float cache is shared
+    destination = PagedDestination(make_handoff("x", shape, wire), shared=in_place)
+    if in_place:
+        assert destination.shared is not None
+        receiver.share_kv_cache(destination.shared)
     elapsed_s, send_return_s, clone_s, clone_faults, copy_s = [], [], [], [], []
     yardstick = PagedDestination(make_handoff("x", shape, wire)) if wire == "model" else None
     if sender_in == "process":
@@ -620,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
             for wire in ["model"] if transport == "clone" else wires:
                 if transport == "clone":
                     run = bench_clone(shape, args.repeats)
-                elif transport in ("grpc", "shm"):
+                elif transport in ("grpc", "shm", "shm_segment"):
                     run = bench_pair(transport, shape, wire, args.repeats, args.sender)
                 else:
                     run = bench_dist(shape, wire, args.repeats)

@@ -9,7 +9,11 @@ instance's placement group. A disaggregated request on this node:
                                then receiver.expect(meta, on_layer=write into the reserved slots), whose
                                bound meta (with the handoff's secret) goes back to the driver for the chosen
                                prefill instance only; a waiter thread blocks in receiver.wait(lease)
-    (prefill streams layers)   on_layer -> engine.write_prompt_kv (the transport's receive thread)
+    (prefill streams layers)   on_layer -> engine.write_prompt_kv (the transport's receive thread); over
+                               shm the sender writes the reserved blocks of this rank's shared KV cache
+                               itself (`expect(block_ids=...)`, `shm_transport.inplace`) and the receiver
+                               checks their CRC; such blocks are freed only once the sender can no longer
+                               write them (`_release_reserved`)
     wait returns               the engine thread admits it (first token + drafts; greedy or sampled drafts
                                with their probabilities) and steps it with the running batch; while
                                max_num_seqs requests run, it waits for a seat (blocks held, first token
@@ -84,6 +88,7 @@ class DecodeNode(RankActor):
     # "admit" (admitting a handoff), "step" (the engine step), "delta" (turning a step output into an
     # event), "loop" (the loop body, outside any request)
     FAULT_POINTS = ("admit", "step", "delta", "loop")
+    SHARED_KV_CACHE = True  # a same-host prefill writes its handoffs into the reserved blocks (shm)
 
     def __init__(
         self,
@@ -106,6 +111,7 @@ class DecodeNode(RankActor):
         self._admissions: list[tuple[str, ReceivedKV]] = []  # received, admitted by the engine thread next
         self._handoffs: dict[str, Handoff] = {}  # admitted, until finished or failed
         self._received_at_s: dict[str, float] = {}  # received, not yet admitted: when wait returned
+        self._fenced: set[str] = set()  # released reservations whose blocks wait for their sender to stop
         self._wakeup = threading.Event()
         self._delays: dict[str, list[float]] = {}  # test-only: inject_delay
         self._delays_released = threading.Event()  # test-only: release_delays ends the delays at once
@@ -140,6 +146,7 @@ class DecodeNode(RankActor):
         from pdcluster.kvtransfer.shm_transport import ShmKVReceiver
 
         receiver = ShmKVReceiver(int8_passthrough=self._int8_cache)
+        self._share_kv_cache(receiver)
         self._set_receiver(receiver)
         return receiver.address
 
@@ -150,11 +157,18 @@ class DecodeNode(RankActor):
         from pdcluster.kvtransfer.paired import PairedReceiver
 
         receiver = PairedReceiver(self.host, int8_passthrough=self._int8_cache, max_concurrent_streams=64)
+        self._share_kv_cache(receiver.shm)
         self._set_receiver(receiver)
         address = receiver.address
         if self.host in ("0.0.0.0", "", "::", "[::]"):
             address = address.with_grpc_host(self.node_ip())
         return address
+
+    def _share_kv_cache(self, receiver: Any) -> None:
+        """Let same-host senders write into this rank's KV cache (when it is in shared memory)."""
+        cache = self.engine.runner.shared_kv_cache
+        if cache is not None:
+            receiver.share_kv_cache(cache)
 
     def _set_receiver(self, receiver: KVReceiver) -> None:
         """Listen with `receiver` from now on; one started earlier in this process (a rewire that failed
@@ -222,8 +236,9 @@ class DecodeNode(RankActor):
             checksum_start = None if layer.verified else 0
             return engine.write_prompt_kv(handoff_id, layer_idx, layer.latent, layer.scale, checksum_start)
 
-        try:
-            bound = self.receiver.expect(meta, on_layer, on_layer_checksums=True)
+        try:  # the block table: a same-host sender writes the layers there itself (shm, in place)
+            block_ids = engine.reserved_block_ids(handoff_id)
+            bound = self.receiver.expect(meta, on_layer, on_layer_checksums=True, block_ids=block_ids)
         except Exception:
             with self._alloc_lock:
                 engine.release_remote_prefill(handoff_id)
@@ -239,7 +254,7 @@ class DecodeNode(RankActor):
         with self._locked():
             self._admissions = [(rid, kv) for rid, kv in self._admissions if rid != handoff_id]
             self._received_at_s.pop(handoff_id, None)
-            self.engine.release_remote_prefill(handoff_id)
+            self._release_reserved(handoff_id)
             self.engine.abort_request(handoff_id)
             self.engine.pop_finished_outputs([handoff_id])  # aborted: no output
             self._handoffs.pop(handoff_id, None)
@@ -342,6 +357,15 @@ class DecodeNode(RankActor):
         """For tests: shared-memory segments the shm receiver maps (its pools; 0 for other transports)."""
         return int(getattr(self.receiver, "num_segments", 0))
 
+    def kv_in_place_stats(self) -> dict[str, int]:
+        """For tests: handoffs the shm receiver granted in place (`shm_transport.inplace`) so far, and those
+        whose sender may still write this rank's cache (`fenced`: their blocks wait; 0 once all ended)."""
+        shm = getattr(self.receiver, "shm", self.receiver)  # a PairedReceiver's shm side
+        return {
+            "granted": int(getattr(shm, "num_in_place_grants", 0)),
+            "fenced": int(getattr(shm, "num_fenced", 0)),
+        }
+
     def close(self) -> None:
         self._stop_engine_thread()
         with self._events_lock:
@@ -366,7 +390,7 @@ class DecodeNode(RankActor):
                 logger.exception("%s: waiting for handoff %s failed", self.name, handoff_id)
             self.receiver.release(handoff_id)
             with self._locked():
-                released = self.engine.release_remote_prefill(handoff_id)
+                released = self._release_reserved(handoff_id)
                 self._handoffs.pop(handoff_id, None)
             if released:  # not already aborted
                 self._emit([RequestError(handoff_id, f"{type(e).__name__}: {e}")])
@@ -469,11 +493,31 @@ class DecodeNode(RankActor):
             logger.exception("%s: releasing handoff %s failed", self.name, handoff_id)
         self._admissions = [(rid, kv) for rid, kv in self._admissions if rid != handoff_id]
         self._received_at_s.pop(handoff_id, None)
-        self.engine.release_remote_prefill(handoff_id)
+        self._release_reserved(handoff_id)
         self.engine.abort_request(handoff_id)
         self.engine.pop_finished_outputs([handoff_id])
         self._handoffs.pop(handoff_id, None)
         return RequestError(handoff_id, message)
+
+    def _release_reserved(self, handoff_id: str) -> bool:
+        """Under the engine lock, after `receiver.release`: give back a reservation's blocks now, or, while
+        a same-host prefill sender may still be writing them in place, once it cannot any more
+        (`KVReceiver.defer_until_writes_end`; meanwhile they stay reserved, so no other request gets
+        them). True if it was reserved (and not already being given back)."""
+        if handoff_id not in self.engine.remote_prefills or handoff_id in self._fenced:
+            return False
+        if self.receiver is not None and self.receiver.defer_until_writes_end(
+            handoff_id, lambda: self._free_fenced(handoff_id)
+        ):
+            self._fenced.add(handoff_id)
+            return True
+        return self.engine.release_remote_prefill(handoff_id)
+
+    def _free_fenced(self, handoff_id: str) -> None:
+        """The in-place sender of a released reservation stopped writing: its blocks go back now."""
+        with self._locked():
+            self._fenced.discard(handoff_id)
+            self.engine.release_remote_prefill(handoff_id)
 
     def _fail_all(self, message: str) -> list[RequestError]:
         """Under the engine lock: fail every request admitted on this rank (running, received and waiting to

@@ -97,13 +97,17 @@ class EngineStepError(RuntimeError):
 class LLMEngine:
     """One engine instance, or one rank of an expert-parallel instance (`config.parallel`, `group` the
     instance's process group): model, KV cache, scheduler, executor. With EP every rank calls `step()` in
-    a loop, work or not; the contract is in `engine.expert_parallel`'s module docstring."""
+    a loop, work or not; the contract is in `engine.expert_parallel`'s module docstring.
+
+    shared_kv_cache: keep a host float KV cache in shared memory (`ModelRunner`), for a decode instance whose
+    same-host prefill senders write handoffs in place (`kvtransfer.shm_transport.inplace`)."""
 
     def __init__(
         self,
         config: EngineConfig,
         model: DeepseekV3ForCausalLM | None = None,
         group: ProcessGroup | None = None,
+        shared_kv_cache: bool = False,
     ) -> None:
         self.config = config
         dtype = torch_dtype(config.dtype, "dtype", MODEL_DTYPES)
@@ -132,7 +136,9 @@ class LLMEngine:
             num_blocks = max(
                 1, config.kv_cache_memory_bytes // (probe.kv_cache_bytes_per_token * config.block_size)
             )
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.kv_cache_dtype)
+        self.runner = ModelRunner(
+            self.model, num_blocks, config.block_size, config.kv_cache_dtype, shared_kv_cache
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -289,6 +295,10 @@ class LLMEngine:
             KeyError: no reservation; ValueError: a shape mismatch, or `checksum_start` with `scale`.
         """
         return self.remote_prefills.write_prompt_kv(request_id, layer_idx, latent_kv, scale, checksum_start)
+
+    def reserved_block_ids(self, request_id: str) -> list[int]:
+        """The block table of a reservation (`reserve_remote_prefill`), in position order. KeyError: none."""
+        return self.remote_prefills.block_ids(request_id)
 
     def admit_remote_prefill(
         self,

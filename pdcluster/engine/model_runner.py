@@ -24,6 +24,7 @@ from pdcluster.engine.config import KV_CACHE_DTYPES
 from pdcluster.engine.input_batch import ScheduledRows
 from pdcluster.kernels.kv_quant import kv_cache_bytes_per_token
 from pdcluster.kernels.paged_mla import paged_mla_attention, write_kv
+from pdcluster.kvtransfer.shm_transport.inplace import SharedKVCache
 from pdcluster.models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3ForCausalLM
 
 # Called after each layer's KV is written: (layer_idx, latent_kv [num_tokens, kv_dim], model_input).
@@ -293,7 +294,13 @@ def build_model_input(
 
 
 class ModelRunner:
-    """Runs main and MTP layers of a `DeepseekV3ForCausalLM` over a paged latent KV cache."""
+    """Runs main and MTP layers of a `DeepseekV3ForCausalLM` over a paged latent KV cache.
+
+    shared_kv_cache: on the host with a float cache, keep the cache in one anonymous shared-memory file
+    (`kvtransfer.shm_transport.inplace.SharedKVCache`, `self.shared_kv_cache`), so that a prefill sender on
+    this host can write a handoff's layers straight into the reserved blocks; elsewhere, or with an int8
+    cache, ignored (`self.shared_kv_cache` None).
+    """
 
     def __init__(
         self,
@@ -301,6 +308,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         kv_cache_dtype: str = "auto",
+        shared_kv_cache: bool = False,
     ) -> None:
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
@@ -316,9 +324,14 @@ class ModelRunner:
         num_layers = len(model.model.layers)
         cache_dtype = torch.int8 if kv_cache_dtype == "int8" else self.dtype
         shape = (num_blocks, block_size, self.config.kv_cache_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in range(num_layers)
-        ]
+        self.shared_kv_cache: SharedKVCache | None = None
+        if shared_kv_cache and self.device.type == "cpu" and kv_cache_dtype != "int8":
+            self.shared_kv_cache = SharedKVCache.for_tensors(num_layers, shape, cache_dtype)
+            self.kv_caches = list(self.shared_kv_cache.layers)
+        else:
+            self.kv_caches = [
+                torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in range(num_layers)
+            ]
         self.num_mtp_forwards = 0  # MTP layer passes so far (the EP lockstep pads a step's passes to k)
         self.kv_scales: list[torch.Tensor | None] = [
             torch.zeros(shape[:2], dtype=torch.float32, device=self.device)

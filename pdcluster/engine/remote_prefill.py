@@ -126,6 +126,10 @@ class RemotePrefillReservations:
         self._tables[request.request_id] = (table, num_prompt_tokens)
         return True
 
+    def block_ids(self, request_id: str) -> list[int]:
+        """A reservation's block table, in position order. KeyError: no reservation."""
+        return self._tables[request_id][0].tolist()
+
     def write_prompt_kv(
         self,
         request_id: str,

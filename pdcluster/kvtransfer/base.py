@@ -56,7 +56,7 @@ from __future__ import annotations
 import abc
 import secrets
 from collections import OrderedDict
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -351,10 +351,19 @@ class KVReceiver(abc.ABC):
 
     @abc.abstractmethod
     def expect(
-        self, handoff: HandoffMeta, on_layer: LayerCallback | None = None, on_layer_checksums: bool = False
+        self,
+        handoff: HandoffMeta,
+        on_layer: LayerCallback | None = None,
+        on_layer_checksums: bool = False,
+        block_ids: Sequence[int] | None = None,
     ) -> HandoffMeta:
         """Register a reservation and start its lease; returns `handoff` with a fresh `secret`, the one to
         give the sender (and nobody else).
+
+        `block_ids`: the reserved blocks the layers go to, in position order, in the KV cache the receiver
+        was given (`ShmKVReceiver.share_kv_cache`): a same-host sender then writes them there itself
+        (`shm_transport.inplace`) and `on_layer` is not called; free those blocks only through
+        `defer_until_writes_end`. Receivers without a shared cache ignore it.
 
         `on_layer_checksums`: `on_layer` returns the CRC-32C of a float layer's bytes, computed as it copies
         them (`kernels.paged_mla.write_prompt_kv(checksum_start=0)`), and is called before the receiver
@@ -376,6 +385,13 @@ class KVReceiver(abc.ABC):
     @abc.abstractmethod
     def release(self, request_id: str) -> None:
         """Forget the reservation, whatever its state (no-op if unknown); after it, no `on_layer` runs."""
+
+    def defer_until_writes_end(self, request_id: str, free: Callable[[], None]) -> bool:
+        """Before decode frees a reservation's blocks (after `release`): True when a sender may still be
+        writing them in place (`expect(block_ids=...)` on a shared cache): `free` is then called, on
+        another thread, once it cannot any more, and the caller must not free them itself; False: free
+        them now (`free` is not called). This base class: always False."""
+        return False
 
     @abc.abstractmethod
     def pending_request_ids(self) -> list[str]:

@@ -27,11 +27,13 @@ import hmac
 import operator
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from pdcluster.kvtransfer.base import (
+    ChecksumMismatch,
     HandoffExtras,
     HandoffMeta,
     HandoffRefused,
@@ -78,6 +80,7 @@ class _Reservation:
     extras: HandoffExtras | None = None
     error: KVTransferError | None = None
     completed_at_s: float = 0.0
+    block_ids: list[int] | None = None  # where a same-host sender writes the layers in place (`expect`)
     num_callbacks_running: int = 0
 
     @property
@@ -108,7 +111,11 @@ class Reservations:
     # ---- decode side (KVReceiver) ----
 
     def expect(
-        self, handoff: HandoffMeta, on_layer: LayerCallback | None = None, on_layer_checksums: bool = False
+        self,
+        handoff: HandoffMeta,
+        on_layer: LayerCallback | None = None,
+        on_layer_checksums: bool = False,
+        block_ids: Sequence[int] | None = None,
     ) -> HandoffMeta:
         """Reserve `handoff.request_id`; returns `handoff` bound to it (a fresh secret). See `KVReceiver`."""
         if handoff.secret:
@@ -126,8 +133,15 @@ class Reservations:
                 expected_at_s=time.monotonic(),
                 layers=[None] * handoff.num_layers,
                 arrived=[False] * handoff.num_layers,
+                block_ids=None if block_ids is None else [int(b) for b in block_ids],
             )
         return bound
+
+    def block_ids(self, request_id: str) -> list[int] | None:
+        """The block table given to `expect` (None: none given, or no such reservation)."""
+        with self._lock:
+            res = self._reservations.get(request_id)
+            return None if res is None else res.block_ids
 
     def wait(self, request_id: str, timeout_s: float) -> ReceivedKV:
         wait_deadline_s = time.monotonic() + timeout_s
@@ -307,6 +321,28 @@ class Reservations:
                 res.num_layers_arrived += 1
                 self._changed.notify_all()
 
+    def on_layer_in_place(self, header: LayerHeader, stored_crc: int) -> None:
+        """A layer the sender wrote into the reservation's blocks itself (`shm_transport.inplace`) is
+        complete: `stored_crc` is the CRC-32C of what the blocks hold, computed by the transport after the
+        header came. Counts the layer as arrived if it matches the header's; raises (and records)
+        ChecksumMismatch otherwise, or what `on_layer` would for a header that does not fit."""
+        with self._lock:
+            res = self._live(header.request_id, need_streaming=True)
+            try:
+                check_header(res.meta, header)
+                if res.arrived[header.layer_idx]:
+                    raise ProtocolError(f"{header.request_id}: layer {header.layer_idx} received twice")
+                if stored_crc != header.checksum:
+                    raise ChecksumMismatch(
+                        f"{header.request_id}: checksum mismatch on layer {header.layer_idx} written in "
+                        f"place (crc32c {stored_crc:#010x} != sender's {header.checksum:#010x})"
+                    )
+            except KVTransferError as e:
+                self._raise(res, e)
+            res.arrived[header.layer_idx] = True
+            res.num_layers_arrived += 1
+            self._changed.notify_all()
+
     def on_finish(self, request_id: str, extras: HandoffExtras) -> None:
         """The sender closed the handoff (extras already checksum-verified by the transport)."""
         with self._lock:
@@ -419,9 +455,13 @@ class ReservationReceiver(KVReceiver):
     _reservations: Reservations
 
     def expect(
-        self, handoff: HandoffMeta, on_layer: LayerCallback | None = None, on_layer_checksums: bool = False
+        self,
+        handoff: HandoffMeta,
+        on_layer: LayerCallback | None = None,
+        on_layer_checksums: bool = False,
+        block_ids: Sequence[int] | None = None,
     ) -> HandoffMeta:
-        return self._reservations.expect(handoff, on_layer, on_layer_checksums)
+        return self._reservations.expect(handoff, on_layer, on_layer_checksums, block_ids)
 
     def wait(self, request_id: str, timeout_s: float) -> ReceivedKV:
         return self._reservations.wait(request_id, timeout_s)

@@ -73,6 +73,8 @@ class RankActor:
     its instance group (None: a single-rank instance)."""
 
     FAULT_POINTS: tuple[str, ...] = ()  # where `inject_fault` may arm a fault (set by each role)
+    # The KV cache in shared memory (decode: same-host prefill writes handoffs in place, `LLMEngine`)
+    SHARED_KV_CACHE = False
 
     def __init__(
         self, engine_config: EngineConfig, name: str, group: InstanceGroupSpec | None = None
@@ -91,7 +93,11 @@ class RankActor:
         self.lockstep = engine_config.parallel.enabled
         if self.lockstep and self.instance_group is None:
             raise ValueError(f"{name}: an expert-parallel engine needs its instance group (group=None)")
-        self.engine = LLMEngine(engine_config, group=self.instance_group.group if self.lockstep else None)
+        self.engine = LLMEngine(
+            engine_config,
+            group=self.instance_group.group if self.lockstep else None,
+            shared_kv_cache=self.SHARED_KV_CACHE,
+        )
         if self.instance_group is not None:  # every rank loaded before the first lockstep collective
             from pdcluster.orchestrator.instance_group import wait_until_loaded
 

@@ -172,6 +172,11 @@ def test_greedy_and_acceptance_match_single_engine(
         )
         assert (text, last.finish_reason) == (stopped.text, "stop")
         _assert_no_blocks_held(cluster)
+        # shm (auto on one node) writes every handoff in place into decode's shared cache; others never
+        decode = cluster.decode_actors[0]
+        in_place = ray_session.get(decode.kv_in_place_stats.remote(), timeout=cluster.call_timeout_s)
+        expected_in_place = len(PROMPTS) + 1 if topo.kv_transport == "shm" else 0
+        assert in_place == {"granted": expected_in_place, "fenced": 0}, in_place
         if (transport, layerwise, k, tls) == ("auto", True, 1, False):  # the default pair: one deploy
             _assert_32_concurrent_requests_complete_without_leaks(cluster)
     finally:
@@ -280,8 +285,8 @@ def pdcluster_shm_entries() -> set[str]:
 def test_only_prefill_killed_fails_fast_with_clear_error(ray_session, transport) -> None:
     """With no other prefill instance, killing the only one mid-request ends the stream with
     BackendUnavailable naming the handoff failure (no hang), and decode holds no block afterwards. Over
-    shm, decode unmaps the dead sender's segments (their memory goes with the last mapping) and nothing
-    appears in /dev/shm."""
+    shm the handoff was written in place into decode's shared cache: its blocks are freed once the dead
+    sender's connection ends (the fence), no segment stays mapped and nothing appears in /dev/shm."""
     shm_before = pdcluster_shm_entries()
     cluster = Cluster.deploy(_topology(transport, True, 1))
     try:
@@ -301,6 +306,9 @@ def test_only_prefill_killed_fails_fast_with_clear_error(ray_session, transport)
         while ray_session.get(decode.num_kv_segments.remote(), timeout=cluster.call_timeout_s):
             assert time.monotonic() < deadline_s, "decode still maps the dead prefill's segments"
             time.sleep(0.05)
+        if transport == "shm":  # in place if prefill began before it died (it may not have): no fence left
+            stats = ray_session.get(decode.kv_in_place_stats.remote(), timeout=cluster.call_timeout_s)
+            assert stats["fenced"] == 0, stats
         assert pdcluster_shm_entries() == shm_before
     finally:
         cluster.shutdown()

@@ -570,8 +570,8 @@ def test_shm_grpc_pairs_take_shm_on_the_node_and_grpc_across() -> None:
     reservations and advertises its node; the prefill rank sends by shm to the decode on its node and by
     gRPC to the other (here the same host, its address labelled with another node's id, as a decode rank on
     another Ray node reports it). Both handoffs complete with the same greedy tokens; only the same-node
-    decode mapped shared memory. A same-node address whose socket cannot be reached falls back to gRPC.
-    Nothing is held afterwards."""
+    decode's was written in place into its shared KV cache. A same-node address whose socket cannot be
+    reached falls back to gRPC. Nothing is held afterwards."""
     from pdcluster.kvtransfer.paired import PairedAddress, node_id
     from pdcluster.prefill_node.actor import PrefillNode
 
@@ -599,7 +599,10 @@ def test_shm_grpc_pairs_take_shm_on_the_node_and_grpc_across() -> None:
             assert events[0].new_token_ids == (result.first_token_id,)
             tokens.append(_tokens(events))
         assert tokens[0] == tokens[1] and len(tokens[0]) == GREEDY.max_tokens
-        assert decodes[0].num_kv_segments() > 0 and decodes[1].num_kv_segments() == 0
+        # shm writes in place (decode's cache is shared): no segment; gRPC takes neither
+        in_place = [d.kv_in_place_stats() for d in decodes]
+        assert in_place == [{"granted": 1, "fenced": 0}, {"granted": 0, "fenced": 0}]
+        assert decodes[0].num_kv_segments() == 0 and decodes[1].num_kv_segments() == 0
         # On this node by id, yet its socket out of reach (another temp dir, container or uid): gRPC.
         prefill.set_decode_address(1, PairedAddress(node_id(), "/nonexistent/kv.sock", there.grpc))
         assert prefill.sender_transports() == [["shm"], ["grpc"]]

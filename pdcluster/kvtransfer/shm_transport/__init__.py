@@ -16,11 +16,20 @@ once on each side (prefill's tensor -> shared pages -> decode's blocks) and chec
 (`kernels.paged_mla.write_prompt_kv(checksum_start=...)`). The sender
 (prefill's thread) and the receiver (its connection thread) work on different layers at once.
 
+In place (`inplace.py`, what a deployed decode rank does with a float wire): decode's whole KV cache is one
+sealed memfd (`SharedKVCache`), its descriptor goes to each connected sender once, and a handoff's grant
+carries the reservation's block table instead of a segment: prefill copies each layer straight into
+decode's blocks, CRC-32C'd as it copies, and decode only reads them to check that CRC. One copy instead of
+two; decode's receive thread reads instead of copying. The blocks stay reserved until the sender can no
+longer write them (its finish, abort or end; its connection closing; its process gone), whatever decode's
+lease says. An int8 wire, or a cache that is not shared, goes through a segment as above.
+
 What goes over the socket (msgpack records, `channel.py`):
 
     prefill -> decode   begin {meta, its secret}, layer {header}, finish {extras + CRC}, abort {reason},
                         end {request} (stopped writing after a failure decode reported)
-    decode -> prefill   grant {request, segment id, capacity; the descriptor the first time},
+    decode -> prefill   grant {request, segment id, capacity; the descriptor the first time}, or in place
+                        grant {request, block table; the cache's layout and descriptor the first time},
                         done {request, error or none}, drop {segment ids to unmap}
 
 Faults, as with gRPC: a corrupted layer is a ChecksumMismatch naming it, reported back (`done`) so the

@@ -231,13 +231,20 @@ def listen(backlog: int = 64) -> tuple[socket.socket, Path]:
     return sock, directory
 
 
-def peer_uid(sock: socket.socket) -> int | None:
-    """The connected peer process's uid (Linux `SO_PEERCRED`); None where the platform does not say."""
+def peer_credentials(sock: socket.socket) -> tuple[int, int] | None:
+    """The connected peer process's `(pid, uid)` (Linux `SO_PEERCRED`); None where the platform does not
+    say."""
     if not sys.platform.startswith("linux"):
         return None
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The connected peer process's uid (Linux `SO_PEERCRED`); None where the platform does not say."""
+    creds = peer_credentials(sock)
+    return None if creds is None else creds[1]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -248,6 +255,21 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, another user's
         return True
     return True
+
+
+def process_gone(pid: int) -> bool:
+    """True when process `pid` no longer runs: it does not exist, or it is a zombie (dead, not yet reaped:
+    it can touch no memory). False for an unknown pid (<= 0)."""
+    if pid <= 0:
+        return False
+    if not _pid_alive(pid):
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return not os.path.exists(f"/proc/{pid}") if os.path.isdir("/proc") else False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
 
 
 def sweep_stale_socket_dirs(temp_dir: str | None = None) -> list[str]:

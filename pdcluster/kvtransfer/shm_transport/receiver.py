@@ -8,6 +8,11 @@ copies into its paged blocks (the one copy on this side), returning their CRC-32
 the receiver then checks (`Reservations.on_layer`; other callbacks get verified bytes). Everything that
 reads a segment runs on that thread, so a segment is free for the next handoff as soon as its sender is
 done writing it (finish, abort, or its `end` after a failure), whatever decode does with the reservation.
+
+With decode's KV cache shared (`share_kv_cache`) a float handoff whose reservation has a block table is
+granted in place instead (`inplace`): the sender writes the layers into decode's blocks itself, the
+receiver checks the CRC-32C of what the blocks hold per layer, and the blocks stay fenced until the
+sender can no longer write them.
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from pdcluster.kvtransfer.base import HandoffMeta, HandoffRefused, KVTransferError, ProtocolError
 from pdcluster.kvtransfer.reservations import ReservationReceiver, Reservations
@@ -28,10 +36,11 @@ from pdcluster.kvtransfer.shm_transport.channel import (
     Channel,
     LogThrottle,
     listen,
-    peer_uid,
+    peer_credentials,
     sweep_stale_socket_dirs,
     wait_readable,
 )
+from pdcluster.kvtransfer.shm_transport.inplace import SharedKVCache, check_block_table, stored_checksum
 from pdcluster.kvtransfer.shm_transport.segments import DEFAULT_MAX_FREE_BYTES, Segment, SegmentPool
 from pdcluster.kvtransfer.wire import LayerHeader, meta_from_dict
 
@@ -51,18 +60,22 @@ def error_record(error: KVTransferError) -> list[str]:
 
 @dataclass
 class _Lent:
-    """A handoff admitted on a connection, and the segment its sender writes."""
+    """A handoff admitted on a connection, and the segment its sender writes, or (in place) the blocks of
+    the shared KV cache."""
 
     meta: HandoffMeta
-    segment: Segment
+    segment: Segment | None
     begun_at_s: float
     failed: bool = False  # decode refused it (the sender was told); the segment waits for the sender's end
+    blocks: np.ndarray | None = None  # in place: the reservation's block table (int64)
 
 
 class _Connection:
-    def __init__(self, channel: Channel, pool: SegmentPool) -> None:
+    def __init__(self, channel: Channel, pool: SegmentPool, pid: int = 0) -> None:
         self.channel = channel
         self.pool = pool
+        self.pid = pid
+        self.cache_sent = False  # the shared KV cache's descriptor went to this sender
         self.lent: dict[str, _Lent] = {}
 
     def send(self, record: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
@@ -74,12 +87,13 @@ class _Connection:
     def done(self, request_id: str, error: KVTransferError | None) -> None:
         self.send({"k": "done", "rid": request_id, "error": None if error is None else error_record(error)})
 
-    def give_back(self, request_id: str, reuse: bool = True) -> None:
+    def give_back(self, request_id: str, reuse: bool = True) -> _Lent | None:
         lent = self.lent.pop(request_id, None)
-        if lent is not None:
+        if lent is not None and lent.segment is not None:
             dropped = self.pool.give_back(lent.segment, reuse=reuse)
             if dropped:
                 self.send({"k": "drop", "segs": dropped})
+        return lent
 
 
 class ShmKVReceiver(ReservationReceiver):
@@ -116,6 +130,8 @@ class ShmKVReceiver(ReservationReceiver):
         self.address = str(self._dir / SOCKET_NAME)
         self._closed = threading.Event()
         self._lock = threading.Lock()
+        self._cache: SharedKVCache | None = None  # share_kv_cache (its `fences`: the in-place handoffs)
+        self._num_in_place_grants = 0
         self._connections: list[_Connection] = []
         self._threads: list[threading.Thread] = []
         self._accept_thread = threading.Thread(target=self._accept_loop, name="kv-shm-accept", daemon=True)
@@ -126,6 +142,34 @@ class ShmKVReceiver(ReservationReceiver):
         """Segments mapped by this receiver, over all connections (a leak check for tests)."""
         with self._lock:
             return sum(c.pool.num_segments for c in self._connections)
+
+    def share_kv_cache(self, cache: SharedKVCache) -> None:
+        """From now on, a handoff whose reservation has a block table (`expect(block_ids=...)`) and whose
+        wire is `cache`'s float dtype is written in place: its sender gets `cache`'s descriptor (once per
+        connection) and the block table, and writes the layers into `cache` itself (`inplace`)."""
+        if cache.fd is None:
+            raise ValueError("share_kv_cache: the cache's descriptor is closed")
+        self._cache = cache
+
+    def defer_until_writes_end(self, request_id: str, free: Callable[[], None]) -> bool:
+        cache = self._cache
+        return cache is not None and cache.fences.defer(request_id, free)
+
+    @property
+    def num_fenced(self) -> int:
+        """In-place handoffs whose sender may still write the shared cache (a leak check for tests)."""
+        cache = self._cache
+        return 0 if cache is None else len(cache.fences)
+
+    @property
+    def num_in_place_grants(self) -> int:
+        """Handoffs granted in place so far (0 without a shared cache)."""
+        with self._lock:
+            return self._num_in_place_grants
+
+    def _end_fence(self, request_id: str) -> None:
+        if self._cache is not None:
+            self._cache.fences.end(request_id)
 
     def close(self, join_timeout_s: float = 2.0) -> None:
         """Stop accepting and serving; connections close (their senders fail what is open), segments are
@@ -147,7 +191,7 @@ class ShmKVReceiver(ReservationReceiver):
                 sock, _ = self._listener.accept()
             except OSError:
                 continue
-            uid = peer_uid(sock)
+            pid, uid = peer_credentials(sock) or (0, None)
             if uid is not None and uid != os.getuid():
                 logger.warning("kv shm: refused a connection from uid %d", uid)
                 sock.close()
@@ -164,7 +208,7 @@ class ShmKVReceiver(ReservationReceiver):
                 )
                 sock.close()
                 continue
-            connection = _Connection(Channel(sock, max_fds=0), SegmentPool(self.max_free_bytes))
+            connection = _Connection(Channel(sock, max_fds=0), SegmentPool(self.max_free_bytes), pid)
             thread = threading.Thread(target=self._serve, args=(connection,), name="kv-shm-recv", daemon=True)
             with self._lock:
                 self._connections.append(connection)
@@ -173,6 +217,7 @@ class ShmKVReceiver(ReservationReceiver):
 
     def _serve(self, connection: _Connection) -> None:
         why = "the sender closed its connection"
+        sender_closed = False  # the sender ended the connection (it writes nothing after that)
         try:
             while not self._closed.is_set():
                 self._reclaim_expired(connection)
@@ -180,10 +225,14 @@ class ShmKVReceiver(ReservationReceiver):
                     continue
                 try:
                     got = connection.channel.recv()
+                except ConnectionResetError:  # closed with our records unread: closed all the same
+                    sender_closed = True
+                    break
                 except (OSError, ProtocolError) as e:
                     why = f"the sender's connection failed: {e}"
                     break
                 if got is None:
+                    sender_closed = True
                     break
                 record, _ = got  # none: senders never pass descriptors (max_fds=0)
                 try:
@@ -206,8 +255,14 @@ class ShmKVReceiver(ReservationReceiver):
             else:
                 why = "the receiver closed"
         finally:
-            for request_id in list(connection.lent):
+            for request_id, lent in list(connection.lent.items()):
                 self._reservations.on_sender_lost(request_id, why)
+                if lent.blocks is None:
+                    continue
+                if sender_closed:
+                    self._end_fence(request_id)
+                elif self._cache is not None:  # decode ended it: the sender may not know; over when it exits
+                    self._cache.fences.orphan(request_id)
             connection.lent.clear()
             connection.channel.close()
             connection.pool.close()
@@ -217,7 +272,8 @@ class ShmKVReceiver(ReservationReceiver):
     def _reclaim_expired(self, connection: _Connection) -> None:
         now_s = time.monotonic()
         for request_id, lent in list(connection.lent.items()):
-            if now_s > lent.begun_at_s + lent.meta.lease_s + LEASE_GRACE_S:
+            # in place: only the sender's end (or its connection's) frees the blocks, never the clock
+            if lent.blocks is None and now_s > lent.begun_at_s + lent.meta.lease_s + LEASE_GRACE_S:
                 connection.give_back(request_id, reuse=False)
 
     def _dispatch(self, connection: _Connection, record: dict[str, Any]) -> None:
@@ -232,8 +288,16 @@ class ShmKVReceiver(ReservationReceiver):
                 return
             try:
                 self._reservations.check_header(header)  # before the header's bytes are looked at
-                offset_bytes = header.layer_idx * lent.meta.layer_wire_bytes
-                self._reservations.on_layer(header, lent.segment.view(offset_bytes, header.num_bytes))
+                if lent.blocks is not None:
+                    assert self._cache is not None
+                    crc = stored_checksum(
+                        self._cache.layers[header.layer_idx], lent.blocks, header.num_tokens
+                    )
+                    self._reservations.on_layer_in_place(header, crc)
+                else:
+                    assert lent.segment is not None
+                    offset_bytes = header.layer_idx * lent.meta.layer_wire_bytes
+                    self._reservations.on_layer(header, lent.segment.view(offset_bytes, header.num_bytes))
             except KVTransferError as e:
                 lent.failed = True
                 connection.done(header.request_id, e)
@@ -245,7 +309,7 @@ class ShmKVReceiver(ReservationReceiver):
         if lent is None:  # not admitted on this connection
             return
         if kind == "end" or lent.failed:  # the sender stopped writing after being told of a failure
-            connection.give_back(request_id)
+            self._give_back(connection, request_id)
             return
         error: KVTransferError | None = None
         try:
@@ -255,8 +319,31 @@ class ShmKVReceiver(ReservationReceiver):
                 self._reservations.on_abort(request_id, str(record["reason"]))
         except KVTransferError as e:
             error = e
-        connection.give_back(request_id)  # the sender writes no more
+        self._give_back(connection, request_id)  # the sender writes no more
         connection.done(request_id, error)
+
+    def _give_back(self, connection: _Connection, request_id: str) -> None:
+        """The sender of `request_id` writes no more: its segment is free, or its in-place fence ends."""
+        lent = connection.give_back(request_id)
+        if lent is not None and lent.blocks is not None:
+            self._end_fence(request_id)
+
+    def _in_place_blocks(self, meta: HandoffMeta) -> np.ndarray | None:
+        """The block table to grant `meta`'s handoff in place, or None: a segment (no shared cache, no
+        block table, an int8 or other-dtype wire, or a layout that does not fit)."""
+        cache, block_ids = self._cache, self._reservations.block_ids(meta.request_id)
+        if cache is None or block_ids is None:
+            return None
+        layout = cache.layout
+        if not (meta.wire_dtype == meta.dtype == layout.dtype and meta.kv_dim == layout.kv_dim):
+            return None
+        if meta.num_layers > layout.num_layers:
+            return None
+        try:
+            return check_block_table(layout, block_ids, meta.num_tokens)
+        except ValueError as e:
+            logger.warning("kv shm: %s: not in place: %s", meta.request_id, e)
+            return None
 
     def _begin(self, connection: _Connection, meta: HandoffMeta) -> None:
         request_id = meta.request_id
@@ -268,6 +355,26 @@ class ShmKVReceiver(ReservationReceiver):
             self._reservations.on_begin(meta)
         except KVTransferError as e:  # refused (nothing recorded) or a mismatch (recorded by on_begin)
             connection.done(request_id, e)
+            return
+        blocks, cache = self._in_place_blocks(meta), self._cache
+        if blocks is not None and cache is not None:
+
+            def still_reserved() -> bool:
+                return self._reservations.block_ids(request_id) is not None
+
+            if not cache.fences.open(request_id, connection.pid, still_reserved):
+                connection.done(request_id, HandoffRefused(f"{request_id}: released before its grant"))
+                return
+            with self._lock:
+                self._num_in_place_grants += 1
+            connection.lent[request_id] = _Lent(meta, None, time.monotonic(), blocks=blocks)
+            grant = {"k": "grant", "rid": request_id, "blocks": blocks.tolist()}
+            if not connection.cache_sent:
+                grant["cache"] = cache.layout.to_dict()
+                connection.send(grant, [cache.fd])
+                connection.cache_sent = True
+            else:
+                connection.send(grant)
             return
         try:
             segment, is_new = connection.pool.acquire(meta.total_wire_bytes)

@@ -20,6 +20,7 @@ done writing; free segments beyond `max_free_bytes` are closed (the sender is to
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import mmap
 import os
@@ -40,11 +41,16 @@ def segment_capacity(num_bytes: int) -> int:
     return max(MIN_SEGMENT_BYTES, 1 << max(0, num_bytes - 1).bit_length())
 
 
-def anonymous_fd(num_bytes: int) -> int:
-    """A new anonymous shared-memory file of `num_bytes` bytes, mode 0600 (see the module docstring)."""
+def anonymous_fd(num_bytes: int, name: str = MEMFD_NAME, seal_size: bool = False) -> int:
+    """A new anonymous shared-memory file of `num_bytes` bytes, mode 0600 (see the module docstring),
+    named `name` in /proc/<pid>/maps. seal_size: a memfd's size is then sealed (`F_SEAL_SHRINK`,
+    `F_SEAL_GROW`, `F_SEAL_SEAL`): no process it is passed to can truncate it under the others' mappings
+    (which would crash them with SIGBUS at their next access)."""
+    sealing = seal_size and hasattr(os, "MFD_ALLOW_SEALING") and hasattr(fcntl, "F_ADD_SEALS")
     if hasattr(os, "memfd_create"):
-        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if sealing else 0))
     else:  # unlinked at once: never visible under a name an unrelated process could open
+        sealing = False
         shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
         with tempfile.TemporaryFile(dir=shm_dir) as f:
             fd = os.dup(f.fileno())
@@ -52,10 +58,24 @@ def anonymous_fd(num_bytes: int) -> int:
         with contextlib.suppress(OSError):
             os.fchmod(fd, 0o600)
         os.ftruncate(fd, num_bytes)
+        if sealing:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def size_is_sealed(fd: int) -> bool | None:
+    """Whether the memfd `fd` can no longer shrink (`F_SEAL_SHRINK`); None: not a memfd with seals (or
+    the platform has none)."""
+    if not hasattr(fcntl, "F_GET_SEALS"):
+        return None
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return None
+    return bool(seals & fcntl.F_SEAL_SHRINK)
 
 
 class Segment:

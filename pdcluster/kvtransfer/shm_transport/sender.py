@@ -9,7 +9,9 @@ encodes it into the segment. `send_layer`'s copy is chunked and each chunk of th
 after it is written, while in cache (`wire.copy_with_checksum`, numpy copies: one thread, the GIL released,
 whatever torch's intra-op threads); then `send_layer` sends the layer's header with that CRC on the control
 socket itself when the socket takes it at once, else (and for the layers the worker encodes) the worker
-thread does, so the caller never waits for decode; decode verifies the same bytes.
+thread does, so the caller never waits for decode; decode verifies the same bytes. A grant in place
+(`inplace`: decode's KV cache descriptor, once per connection, and the reservation's block table) makes
+`send_layer` copy the layer straight into decode's blocks instead, with the same CRC-32C.
 
 A reader thread takes decode's records: grants, `drop` (unmap a segment decode closed) and `done` (the
 handoff was delivered, or decode refused or failed it: the error class and message, which `flush`
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pdcluster.kernels.paged_mla import gather_kv, write_prompt_kv
 from pdcluster.kvtransfer.base import (
     ChecksumMismatch,
     FailureLog,
@@ -45,17 +48,19 @@ from pdcluster.kvtransfer.base import (
     check_begin,
 )
 from pdcluster.kvtransfer.shm_transport.channel import close_fds, connect, wait_readable
+from pdcluster.kvtransfer.shm_transport.inplace import CacheLayout, SharedKVCache, check_block_table
 from pdcluster.kvtransfer.shm_transport.segments import Segment
 from pdcluster.kvtransfer.wire import (
     FaultHook,
+    LayerHeader,
     check_layer,
     copy_with_checksum,
     encode_layer,
     extras_to_dict,
-    layer_header,
     meta_to_dict,
     tensor_bytes,
 )
+from pdcluster.models.dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +92,8 @@ class _Request:
     meta: HandoffMeta
     begun_at_s: float
     segment: Segment | None = None  # granted by decode
+    blocks: np.ndarray | None = None  # granted in place: decode's block table in its shared KV cache
+    cache: SharedKVCache | None = None  # granted in place: the cache those blocks are in
     granted: threading.Event = field(default_factory=threading.Event)
     sent_layers: set[int] = field(default_factory=set)
     closed: bool = False  # finish() or abort() called
@@ -104,6 +111,25 @@ class _Request:
         assert self.segment is not None
         num_bytes = self.meta.layer_wire_bytes
         return self.segment.view(layer_idx * num_bytes, num_bytes)
+
+
+def encoded_dtype(meta: HandoffMeta) -> torch.dtype:
+    """The dtype of a float wire's values (its payload viewed as `[num_tokens, kv_dim]`)."""
+    return torch_dtype(meta.wire_dtype)
+
+
+def _header(meta: HandoffMeta, layer_idx: int, crc: int) -> LayerHeader:
+    """The header of a layer written with CRC-32C `crc` (a segment region or in place: the wire's length)."""
+    return LayerHeader(
+        request_id=meta.request_id,
+        layer_idx=layer_idx,
+        num_tokens=meta.num_tokens,
+        kv_dim=meta.kv_dim,
+        dtype=meta.dtype,
+        wire_dtype=meta.wire_dtype,
+        num_bytes=meta.layer_wire_bytes,
+        checksum=crc,
+    )
 
 
 def _is_raw(meta: HandoffMeta, scale: torch.Tensor | None) -> bool:
@@ -131,6 +157,7 @@ class ShmKVSender(KVSender):
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._segments: dict[int, Segment] = {}
+        self._cache: SharedKVCache | None = None  # decode's KV cache, mapped at its first in-place grant
         self._failures = FailureLog()
         self._closed = False
         self._lost: str | None = None  # why the connection ended (the next begin reconnects)
@@ -208,14 +235,18 @@ class ShmKVSender(KVSender):
             with req.write_lock:
                 if req.done:
                     return
-                region = req.region(layer_idx)
-                num_value_bytes = latent_kv.numel() * latent_kv.element_size()
-                crc = copy_with_checksum(region[:num_value_bytes], tensor_bytes(latent_kv))
-                if scale is not None:
-                    crc = copy_with_checksum(region[num_value_bytes:], tensor_bytes(scale), crc)
+                if req.blocks is not None:  # straight into decode's blocks, CRC'd as copied
+                    crc = self._write_in_place(req, layer_idx, latent_kv)
+                else:
+                    region = req.region(layer_idx)
+                    num_value_bytes = latent_kv.numel() * latent_kv.element_size()
+                    crc = copy_with_checksum(region[:num_value_bytes], tensor_bytes(latent_kv))
+                    if scale is not None:
+                        crc = copy_with_checksum(region[num_value_bytes:], tensor_bytes(scale), crc)
             # The header from here when the socket takes it at once (no hop to the worker thread and
             # back); else, and with a fault hook, the worker sends it (this thread never blocks on decode).
-            if self._fault_hook is not None or not self._try_send_header(req, layer_idx, region, crc):
+            header = _header(req.meta, layer_idx, crc)
+            if self._fault_hook is not None or not self._try_send_header(req, header):
                 self._queue.put(("written", request_id, layer_idx, crc))
         else:
             copies = (latent_kv.detach().clone(), None if scale is None else scale.detach().clone())
@@ -256,6 +287,7 @@ class ShmKVSender(KVSender):
             return
         self._queue.put(("bye", None))
         self._worker.join(join_timeout_s)
+        self._stop_writing("the sender closed")  # before the socket: decode may then free in-place blocks
         self._channel.close()
         self._reader.join(join_timeout_s)
         with self._lock:
@@ -285,6 +317,34 @@ class ShmKVSender(KVSender):
                 self._forget(req)
                 return
         self._queue.put(item)
+
+    def _stop_writing(self, why: str) -> None:
+        """Conclude every open handoff (SenderLost: `why`), each after its write in progress: called before
+        this side closes the connection, since decode frees in-place blocks once it sees the close."""
+        with self._lock:
+            open_requests = [r for r in self._requests.values() if not r.done]
+        for req in open_requests:
+            self._conclude(req, SenderLost(f"{req.meta.request_id}: {why}"), tell_receiver=False)
+
+    def _lose_connection(self, error: OSError) -> None:
+        """A send failed: stop writing, then close (the reader ends on the closed socket)."""
+        logger.warning("kv shm send to %s failed: %r", self.address, error)
+        self._stop_writing(f"a send to the receiver failed: {error!r}")
+        self._channel.close()
+
+    def _write_in_place(self, req: _Request, layer_idx: int, latent_kv: torch.Tensor) -> int:
+        """Copy a layer into decode's blocks (write lock held), CRC-32C'd in the same pass (each group of
+        blocks CRC'd, then copied from cache: `write_prompt_kv(checksum_start=0)`); returns the CRC. The
+        grant was checked against the handoff and the cache (`_on_in_place_grant`), so the write stays
+        inside the blocks granted. (CRC'ing on a second thread beside the copy ran slower in the transfer,
+        2.8-3.2 against 3.6 GB/s, DeepSeek-V3's shape on this repo's 2-core test machine: decode's
+        verification needs the other core.)"""
+        assert req.cache is not None and req.blocks is not None
+        crc = write_prompt_kv(
+            req.cache.layers[layer_idx], latent_kv, torch.from_numpy(req.blocks), checksum_start=0
+        )
+        assert crc is not None
+        return crc
 
     def _forget(self, req: _Request) -> None:
         if self._requests.get(req.meta.request_id) is req:
@@ -339,36 +399,65 @@ class ShmKVSender(KVSender):
                 elif kind == "abort":
                     self._channel.send({"k": "abort", "rid": request_id, "reason": item[2]})
             except OSError as e:  # decode is gone: the reader concludes every open handoff
-                logger.warning("kv shm send to %s failed: %r", self.address, e)
-                self._channel.close()
+                self._lose_connection(e)
+            except Exception as e:  # noqa: BLE001 - fails this handoff only; the worker goes on
+                logger.exception("kv shm: a %r of %s failed", kind, request_id)
+                self._conclude(
+                    req, ProtocolError(f"{request_id}: the sender failed: {e!r}"), tell_receiver=True
+                )
 
     def _send_layer(self, req: _Request, item: tuple) -> None:
         meta, layer_idx = req.meta, item[2]
         if req.stalled or req.abort_reason is not None:
             return
-        if kind_is_copy := item[0] == "layer":
+        if item[0] == "layer":
             if not self._await_grant(req):
                 return
             encoded = encode_layer(meta, layer_idx, item[3], item[4])
             with req.write_lock:
                 if req.done:
                     return
-                np.copyto(req.region(layer_idx).numpy(), encoded.payload.numpy())
-            header = encoded.header
-        region = req.region(layer_idx)
-        if not kind_is_copy:  # written by send_layer, which checksummed the bytes as it wrote them
-            header = layer_header(meta, layer_idx, region, crc=item[3])
+                if req.blocks is not None:  # a float wire: the payload is the layer in the cache's dtype
+                    latent = encoded.payload.view(encoded_dtype(meta)).view(meta.num_tokens, meta.kv_dim)
+                    header = _header(meta, layer_idx, self._write_in_place(req, layer_idx, latent))
+                else:
+                    np.copyto(req.region(layer_idx).numpy(), encoded.payload.numpy())
+                    header = encoded.header
+        else:  # written by send_layer, which checksummed the bytes as it wrote them
+            header = _header(meta, layer_idx, item[3])
         if self._fault_hook is not None:
-            data = bytearray(region.numpy().tobytes())
+            with req.write_lock:
+                if req.done:
+                    return
+                data = bytearray(self._written_bytes(req, layer_idx))
             keep_sending = self._fault_hook(header, data)
             with req.write_lock:
-                region.copy_(torch.frombuffer(data, dtype=torch.uint8))
+                if req.done:
+                    return
+                self._rewrite(req, layer_idx, torch.frombuffer(data, dtype=torch.uint8))
             if not keep_sending:
                 req.stalled = True
                 return
         self._channel.send({"k": "layer", "h": header.to_dict()})
 
-    def _try_send_header(self, req: _Request, layer_idx: int, region: torch.Tensor, crc: int) -> bool:
+    def _written_bytes(self, req: _Request, layer_idx: int) -> bytes:
+        """The layer's wire bytes as written (for the fault hook)."""
+        if req.blocks is None:
+            return req.region(layer_idx).numpy().tobytes()
+        assert req.cache is not None
+        layer = req.cache.layers[layer_idx]
+        latent, _ = gather_kv(layer, torch.from_numpy(req.blocks), req.meta.num_tokens)
+        return latent.contiguous().view(torch.uint8).numpy().tobytes()
+
+    def _rewrite(self, req: _Request, layer_idx: int, data: torch.Tensor) -> None:
+        """Write a layer's wire bytes (`data`, 1-D uint8) where it goes (for the fault hook)."""
+        if req.blocks is None:
+            req.region(layer_idx).copy_(data)
+            return
+        latent = data.view(encoded_dtype(req.meta)).view(req.meta.num_tokens, req.meta.kv_dim)
+        self._write_in_place(req, layer_idx, latent)
+
+    def _try_send_header(self, req: _Request, header: LayerHeader) -> bool:
         """Send a written layer's header from the calling thread if the socket takes it without waiting
         (the begin went first: decode granted the segment in answer to it; layers may go in any order, and
         `finish` is queued after this returns). True when it is sent or nothing is to be sent (the handoff
@@ -376,12 +465,10 @@ class ShmKVSender(KVSender):
         ends every open handoff with SenderLost); False: the worker must send it."""
         if req.done:
             return True
-        header = layer_header(req.meta, layer_idx, region, crc=crc)
         try:
             return self._channel.try_send({"k": "layer", "h": header.to_dict()})
         except OSError as e:
-            logger.warning("kv shm send to %s failed: %r", self.address, e)
-            self._channel.close()
+            self._lose_connection(e)
             return True
 
     def _read(self) -> None:
@@ -405,24 +492,32 @@ class ShmKVSender(KVSender):
                 self._on_record(record, fds)
             except (KeyError, TypeError, ValueError, OSError) as e:
                 logger.warning("kv shm: malformed %r record from the receiver: %r", record.get("k"), e)
+            except Exception:  # noqa: BLE001 - nothing decode sends may end this thread
+                logger.exception("kv shm: taking a %r record from the receiver failed", record.get("k"))
             finally:  # what `_on_record` did not keep (a grant keeps its first, and only a valid one)
                 close_fds(fds)
-        channel.close()
-        with self._lock:  # with the snapshot: a begin from now on reconnects first
-            self._lost = why
-            open_requests = [r for r in self._requests.values() if not r.done]
-        for req in open_requests:
-            self._conclude(req, SenderLost(f"{req.meta.request_id}: {why}"), tell_receiver=False)
-        with self._lock:  # decode is gone: unmap its segments (their memory goes with the last mapping)
+        # In this order: every granted handoff stops writing (each after its write in progress), its
+        # segments and decode's cache are unmapped, then begins reconnect (`_lost`), and the handoffs
+        # begun meanwhile fail too; the socket closes last, as decode frees in-place blocks once it sees
+        # the close.
+        self._stop_writing(why)
+        with self._lock:
             segments, self._segments = list(self._segments.values()), {}
+            self._cache = None
         for segment in segments:
             segment.close()
+        with self._lock:
+            self._lost = why
+        self._stop_writing(why)
+        channel.close()
 
     def _on_record(self, record: dict, fds: list[int]) -> None:
         """Take one of decode's records. A grant's first descriptor is taken out of `fds` once it is mapped;
         the caller closes whatever is left there, whatever this raised."""
         kind = record["k"]
-        if kind == "grant":
+        if kind == "grant" and "blocks" in record:
+            self._on_in_place_grant(record, fds)
+        elif kind == "grant":
             segment_id, capacity = record["seg"], record["cap"]
             if not isinstance(segment_id, int) or not isinstance(capacity, int):
                 raise TypeError(f"a grant's seg and cap must be ints, got {segment_id!r}, {capacity!r}")
@@ -449,6 +544,44 @@ class ShmKVSender(KVSender):
                 segment = self._segments.pop(segment_id, None)
                 if segment is not None:
                     segment.close()
+
+    def _on_in_place_grant(self, record: dict, fds: list[int]) -> None:
+        """A grant in place: decode's block table for the handoff (and, the first time, its KV cache's
+        descriptor and layout, mapped here). A grant that cannot be used (a malformed or second cache, an
+        unsealed one, a table that does not fit the handoff or the cache) fails the handoff (ProtocolError;
+        decode is told, so it frees the blocks) and writes nothing."""
+        problem: str | None = None
+        if "cache" in record:
+            try:
+                layout = CacheLayout.from_dict(record["cache"])
+                if self._cache is not None:
+                    raise ValueError("a second shared KV cache on one connection")
+                if not fds:
+                    raise ValueError("an in-place grant with a cache layout came without its descriptor")
+                self._cache = SharedKVCache.map(fds.pop(0), layout)
+            except (KeyError, TypeError, ValueError, OSError) as e:
+                problem = f"its cache cannot be mapped: {e!r}"
+        with self._lock:
+            req = self._requests.get(record["rid"])
+        if req is None:
+            return
+        meta, cache = req.meta, self._cache
+        try:
+            if problem is not None:
+                raise ValueError(problem)
+            if cache is None:
+                raise ValueError("no shared KV cache was mapped on this connection")
+            layout = cache.layout
+            fits = (meta.dtype, meta.wire_dtype, meta.kv_dim) == (layout.dtype, layout.dtype, layout.kv_dim)
+            if not fits or meta.num_layers > layout.num_layers:
+                raise ValueError(f"the handoff {meta} does not fit the cache {layout}")
+            blocks = check_block_table(layout, record["blocks"], meta.num_tokens)
+        except (TypeError, ValueError) as e:
+            error = ProtocolError(f"{meta.request_id}: decode's in-place grant is unusable: {e}")
+            self._conclude(req, error, tell_receiver=True)
+            return
+        req.blocks, req.cache = blocks, cache
+        req.granted.set()
 
     def _expire_leases(self) -> None:
         now_s = time.monotonic()
