@@ -397,8 +397,8 @@ class DecodeNode(RankActor):
             return
         self._maybe_delay("before_admit")
         received_at_s = time.monotonic()
-        with self._locked():
-            if handoff_id in self.engine.scheduler.reserved:
+        with self._locked():  # not released meanwhile (a fenced reservation is still in `reserved`)
+            if handoff_id in self.engine.scheduler.reserved and handoff_id not in self._fenced:
                 self._admissions.append((handoff_id, received))
                 self._received_at_s[handoff_id] = received_at_s
         self._wakeup.set()
@@ -501,14 +501,14 @@ class DecodeNode(RankActor):
 
     def _release_reserved(self, handoff_id: str) -> bool:
         """Under the engine lock, after `receiver.release`: give back a reservation's blocks now, or, while
-        a same-host prefill sender may still be writing them in place, once it cannot any more
-        (`KVReceiver.defer_until_writes_end`; meanwhile they stay reserved, so no other request gets
-        them). True if it was reserved (and not already being given back)."""
+        a same-host prefill sender may still be writing them in place, once it cannot any more (the shared
+        cache's `FenceBoard`, `kvtransfer.shm_transport.inplace`; meanwhile they stay reserved, so no other
+        request gets them). True if it was reserved (and not already being given back)."""
         if handoff_id not in self.engine.remote_prefills or handoff_id in self._fenced:
             return False
-        if self.receiver is not None and self.receiver.defer_until_writes_end(
-            handoff_id, lambda: self._free_fenced(handoff_id)
-        ):
+        # the cache's own fences (not the receiver's view): they outlive a receiver closed or replaced
+        cache = self.engine.runner.shared_kv_cache
+        if cache is not None and cache.fences.defer(handoff_id, lambda: self._free_fenced(handoff_id)):
             self._fenced.add(handoff_id)
             return True
         return self.engine.release_remote_prefill(handoff_id)

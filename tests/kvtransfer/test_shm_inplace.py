@@ -6,6 +6,7 @@ Senders that get stopped or killed are real spawned processes; decode is this te
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -184,3 +185,97 @@ def test_a_cache_layout_record_is_checked():
             CacheLayout.from_dict(bad)
     with pytest.raises(ValueError, match="unknown dtype"):
         CacheLayout.from_dict({**good.to_dict(), "dtype": "int8"})
+
+
+def test_a_receiver_closed_mid_handoff_frees_the_blocks_once_the_sender_stopped_writing():
+    """Decode closes its receiver (a rewire, a shutdown) while an in-place handoff is open and its sender
+    alive: decode half-closes, the sender sees the end, stops writing and closes its side, and only then
+    do the blocks go back (the fence lives with the cache, not the receiver)."""
+    meta = make_handoff("receiver-closed", num_tokens=100, lease_s=60.0)
+    cache = _cache(meta)
+    receiver = ShmKVReceiver()
+    receiver.share_kv_cache(cache)
+    sender = ShmKVSender(receiver.address)
+    freed = threading.Event()
+    try:
+        bound = receiver.expect(meta, block_ids=_table(meta))
+        sender.begin(bound)
+        assert wait_until(lambda: sender._requests[meta.request_id].granted.is_set())  # nothing sent yet
+        receiver.release(meta.request_id)
+        assert receiver.defer_until_writes_end(meta.request_id, freed.set)
+        receiver.close()
+        assert freed.wait(WAIT_S)
+        assert len(cache.fences) == 0
+        failures = sender.flush(WAIT_S)
+        assert type(failures[meta.request_id]).__name__ == "SenderLost"
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize(
+    ("what", "grant_of"),
+    [
+        ("a block id past the cache", lambda meta, good: {"blocks": [NUM_BLOCKS] + good[1:]}),
+        ("a block id past int64", lambda meta, good: {"blocks": [2**64 - 1] + good[1:]}),
+        ("too few blocks", lambda meta, good: {"blocks": good[:1]}),
+        ("not a list of ints", lambda meta, good: {"blocks": "0,1"}),
+        ("an unsealed cache file", None),
+    ],
+)
+def test_an_unusable_in_place_grant_fails_that_handoff_only_and_writes_nothing(what, grant_of):
+    """A receiver (here a raw socket standing in for a faulty or forged decode) grants in place with a
+    table or a cache the sender cannot use: that handoff fails (ProtocolError, and the receiver is told
+    with `end`), nothing is written, and the sender's threads go on: its next handoff on the same
+    connection is granted with a good table and delivered."""
+    from pdcluster.kvtransfer.base import ProtocolError
+    from pdcluster.kvtransfer.shm_transport.channel import Channel, listen
+    from pdcluster.kvtransfer.shm_transport.segments import anonymous_fd
+
+    bad, good_meta = (
+        dataclasses.replace(make_handoff(name, num_tokens=100), secret=b"s" * 32) for name in ("bad", "good")
+    )
+    listener, directory = listen()
+    sender = ShmKVSender(str(directory / "kv.sock"))
+    cache = _cache(bad)
+    unsealed_fd = anonymous_fd(cache.layout.total_bytes)  # the same size, no seals
+    try:
+        sock, _ = listener.accept()
+        decode = Channel(sock)
+        sender.begin(bad)
+        record, _ = decode.recv()
+        assert record["k"] == "begin"
+        good = _table(bad)
+        grant = {"k": "grant", "rid": bad.request_id, "cache": cache.layout.to_dict()}
+        if grant_of is None:
+            decode.send({**grant, "blocks": good}, [unsealed_fd])
+        else:
+            decode.send({**grant, **grant_of(bad, good)}, [cache.fd])
+        record, _ = decode.recv()
+        assert record == {"k": "end", "rid": bad.request_id}, record
+        failures = sender.flush(WAIT_S)
+        assert isinstance(failures[bad.request_id], ProtocolError), failures
+        assert "in-place grant is unusable" in str(failures[bad.request_id])
+        assert all(int(layer.abs().sum()) == 0 for layer in cache.layers)  # nothing written
+
+        sender.begin(good_meta)  # the same connection: its reader and worker are alive
+        record, _ = decode.recv()
+        assert record["k"] == "begin" and record["meta"]["request_id"] == good_meta.request_id
+        grant = {"k": "grant", "rid": good_meta.request_id, "blocks": good}
+        if grant_of is None:  # the unsealed cache was refused: this connection has none yet
+            grant["cache"] = cache.layout.to_dict()
+            decode.send(grant, [cache.fd])
+        else:
+            decode.send(grant)
+        latent = make_layers(good_meta)[0]
+        sender.send_layer(good_meta.request_id, 0, latent)
+        record, _ = decode.recv()
+        crc = checksum(latent.view(torch.uint8).numpy())
+        assert record["k"] == "layer" and record["h"]["checksum"] == crc
+        got, _ = gather_kv(cache.layers[0], torch.tensor(good), good_meta.num_tokens)
+        assert bits_equal(got, latent)
+        sender.abort(good_meta.request_id, "test over")
+    finally:
+        os.close(unsealed_fd)
+        sender.close()
+        listener.close()

@@ -13,8 +13,9 @@ Fencing. A sender that can write into decode's cache could write into blocks dec
 another request. So decode frees an in-place handoff's blocks only once its sender can no longer write
 them: the sender said so (its `finish`, `abort` or `end` record: it writes nothing after sending one), its
 connection ended from its side (a sender stops writing every handoff before it closes its socket, and a
-dead process writes nothing), or, when decode closed the connection itself, once the sender's process is
-gone. Until then the blocks stay reserved (`KVReceiver.defer_until_writes_end`). A sender whose lease
+dead process writes nothing), or, when decode ended the connection itself, once the sender closed its
+side after seeing that end (decode half-closes and waits) or its process is gone. Until then the blocks
+stay reserved (`KVReceiver.defer_until_writes_end`, `DecodeNode._release_reserved`). A sender whose lease
 expired but that is stopped (SIGSTOP) therefore keeps its blocks held until it runs again or dies; it can
 never write into blocks another request owns. The fences live with the cache (`SharedKVCache.fences`,
 a `FenceBoard`), not with a receiver, so a receiver closed or replaced (a rewire) forgets none of them.
@@ -25,6 +26,7 @@ decode's mappings (which would crash decode with SIGBUS), and a sender maps only
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -37,14 +39,12 @@ import crc32c
 import numpy as np
 import torch
 
-from pdcluster.kvtransfer.shm_transport.channel import process_gone
 from pdcluster.kvtransfer.shm_transport.segments import anonymous_fd, size_is_sealed
 from pdcluster.models.dtypes import MODEL_DTYPES, dtype_name, torch_dtype
 
 logger = logging.getLogger(__name__)
 
 CACHE_MEMFD_NAME = "pdcluster-kv-cache"  # in /proc/<pid>/maps: "/memfd:pdcluster-kv-cache (deleted)"
-REAP_INTERVAL_S = 0.2  # how often an orphaned fence's sender process is looked at
 
 
 @dataclass(frozen=True)
@@ -134,8 +134,9 @@ class SharedKVCache:
             size = os.fstat(fd).st_size
             if size < layout.total_bytes:
                 raise ValueError(f"shared KV cache file is {size} B, its layout needs {layout.total_bytes}")
-            if size_is_sealed(fd) is False:
-                raise ValueError("shared KV cache memfd: its size is not sealed (it could be truncated)")
+            sealed = size_is_sealed(fd)  # None: not a memfd (or no seals on this platform)
+            if sealed is False or (sealed is None and hasattr(fcntl, "F_GET_SEALS")):
+                raise ValueError("shared KV cache file: its size is not sealed (it could be truncated)")
             cache = cls(layout, fd)
         finally:
             os.close(fd)
@@ -196,18 +197,15 @@ def stored_checksum(cache_layer: torch.Tensor, block_ids: np.ndarray, num_tokens
 class _Fence:
     pid: int  # the sender's process (0: unknown)
     frees: list[Callable[[], None]] = field(default_factory=list)  # `defer`'s callbacks
-    orphaned: bool = False  # its connection ended from decode's side: over once the sender's process is
 
 
 class FenceBoard:
     """The in-place handoffs, by request id, whose sender may still write the cache (the module
-    docstring): `open` at the grant, `end` when the sender can no longer write, `orphan` when decode ended
-    the connection itself (ended by a reaper thread once the sender's process is gone). Thread-safe."""
+    docstring): `open` at the grant, `end` when the sender can no longer write. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._fences: dict[str, _Fence] = {}
-        self._reaper: threading.Thread | None = None
 
     def __len__(self) -> int:
         with self._lock:
@@ -240,35 +238,6 @@ class FenceBoard:
             threading.Thread(
                 target=_run_all, args=(fence.frees,), name="kv-inplace-free", daemon=True
             ).start()
-
-    def orphan(self, request_id: str) -> None:
-        """Decode ended the sender's connection: the fence ends once the sender's process is gone."""
-        with self._lock:
-            fence = self._fences.get(request_id)
-            if fence is None:
-                return
-            fence.orphaned = True
-            if self._reaper is None or not self._reaper.is_alive():
-                self._reaper = threading.Thread(target=self._reap, name="kv-inplace-reaper", daemon=True)
-                self._reaper.start()
-        logger.warning(
-            "kv shm: %s's in-place blocks stay reserved until its sender (pid %d) exits",
-            request_id,
-            fence.pid,
-        )
-
-    def _reap(self) -> None:
-        while True:
-            with self._lock:
-                orphans = [(rid, f.pid) for rid, f in self._fences.items() if f.orphaned]
-                if not orphans:
-                    self._reaper = None
-                    return
-            for request_id, pid in orphans:
-                if process_gone(pid):
-                    logger.info("kv shm: the sender of %s is gone; its in-place blocks are free", request_id)
-                    self.end(request_id)
-            threading.Event().wait(REAP_INTERVAL_S)
 
 
 def _run_all(frees: list[Callable[[], None]]) -> None:

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from pdcluster.kvtransfer.shm_transport.channel import (
     LogThrottle,
     listen,
     peer_credentials,
+    process_gone,
     sweep_stale_socket_dirs,
     wait_readable,
 )
@@ -255,19 +257,50 @@ class ShmKVReceiver(ReservationReceiver):
             else:
                 why = "the receiver closed"
         finally:
+            fenced = []
             for request_id, lent in list(connection.lent.items()):
                 self._reservations.on_sender_lost(request_id, why)
-                if lent.blocks is None:
-                    continue
-                if sender_closed:
-                    self._end_fence(request_id)
-                elif self._cache is not None:  # decode ended it: the sender may not know; over when it exits
-                    self._cache.fences.orphan(request_id)
+                if lent.blocks is not None:
+                    fenced.append(request_id)
             connection.lent.clear()
-            connection.channel.close()
+            if fenced and not sender_closed:  # decode ends it: the fences end once the sender knows
+                threading.Thread(
+                    target=self._end_fences_at_sender_close,
+                    args=(connection, fenced),
+                    name="kv-shm-fences",
+                    daemon=True,
+                ).start()
+            else:
+                for request_id in fenced:
+                    self._end_fence(request_id)
+                connection.channel.close()
             connection.pool.close()
             with self._lock:
                 self._connections.remove(connection)
+
+    def _end_fences_at_sender_close(self, connection: _Connection, request_ids: list[str]) -> None:
+        """Decode ended a connection while in-place handoffs were open on it: half-close it, so that the
+        sender's reader sees the end, stops writing every handoff and closes its side (`ShmKVSender._read`);
+        the fences end at that close, or once the sender's process is gone (records after the half-close
+        are dropped). A stopped sender keeps them until it runs or dies."""
+        sock = connection.channel.sock
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
+        logger.warning(
+            "kv shm: %d in-place handoff(s) stay fenced until their sender (pid %d) closes its side: %s",
+            len(request_ids),
+            connection.pid,
+            request_ids,
+        )
+        while not process_gone(connection.pid):
+            try:
+                if wait_readable(sock, POLL_S) and not sock.recv(1 << 16):
+                    break  # the sender's close
+            except (OSError, ValueError):  # reset (closed with records unread) or unusable: closed too
+                break
+        for request_id in request_ids:
+            self._end_fence(request_id)
+        connection.channel.close()
 
     def _reclaim_expired(self, connection: _Connection) -> None:
         now_s = time.monotonic()
@@ -359,8 +392,8 @@ class ShmKVReceiver(ReservationReceiver):
         blocks, cache = self._in_place_blocks(meta), self._cache
         if blocks is not None and cache is not None:
 
-            def still_reserved() -> bool:
-                return self._reservations.block_ids(request_id) is not None
+            def still_reserved() -> bool:  # the same reservation: same id and the block table granted
+                return self._reservations.block_ids(request_id) == blocks.tolist()
 
             if not cache.fences.open(request_id, connection.pid, still_reserved):
                 connection.done(request_id, HandoffRefused(f"{request_id}: released before its grant"))

@@ -47,7 +47,7 @@ from pdcluster.kvtransfer.base import (
     TransferTimeout,
     check_begin,
 )
-from pdcluster.kvtransfer.shm_transport.channel import close_fds, connect, wait_readable
+from pdcluster.kvtransfer.shm_transport.channel import Channel, close_fds, connect, wait_readable
 from pdcluster.kvtransfer.shm_transport.inplace import CacheLayout, SharedKVCache, check_block_table
 from pdcluster.kvtransfer.shm_transport.segments import Segment
 from pdcluster.kvtransfer.wire import (
@@ -167,8 +167,8 @@ class ShmKVSender(KVSender):
             self._start_threads()
 
     def _start_threads(self) -> None:
-        self._worker = threading.Thread(
-            target=self._run, args=(self._queue,), name="kv-shm-send", daemon=True
+        self._worker = threading.Thread(  # bound to this connection's channel: a reconnect's is not its
+            target=self._run, args=(self._queue, self._channel), name="kv-shm-send", daemon=True
         )
         self._reader = threading.Thread(target=self._read, name="kv-shm-replies", daemon=True)
         self._worker.start()
@@ -326,11 +326,11 @@ class ShmKVSender(KVSender):
         for req in open_requests:
             self._conclude(req, SenderLost(f"{req.meta.request_id}: {why}"), tell_receiver=False)
 
-    def _lose_connection(self, error: OSError) -> None:
-        """A send failed: stop writing, then close (the reader ends on the closed socket)."""
+    def _lose_connection(self, error: OSError, channel: Channel) -> None:
+        """A send on `channel` failed: stop writing, then close it (its reader ends on the closed socket)."""
         logger.warning("kv shm send to %s failed: %r", self.address, error)
         self._stop_writing(f"a send to the receiver failed: {error!r}")
-        self._channel.close()
+        channel.close()
 
     def _write_in_place(self, req: _Request, layer_idx: int, latent_kv: torch.Tensor) -> int:
         """Copy a layer into decode's blocks (write lock held), CRC-32C'd in the same pass (each group of
@@ -377,7 +377,7 @@ class ShmKVSender(KVSender):
                 return False
         return not req.done
 
-    def _run(self, jobs: queue.SimpleQueue) -> None:
+    def _run(self, jobs: queue.SimpleQueue, channel: Channel) -> None:
         """The worker: begins, the layer headers `send_layer` did not send itself (and the layers it
         encodes, with their CRC-32C), finishes and aborts, in order."""
         while True:
@@ -391,22 +391,22 @@ class ShmKVSender(KVSender):
                 continue
             try:
                 if kind == "begin":
-                    self._channel.send({"k": "begin", "meta": meta_to_dict(req.meta)})
+                    channel.send({"k": "begin", "meta": meta_to_dict(req.meta)})
                 elif kind in ("layer", "written"):
-                    self._send_layer(req, item)
+                    self._send_layer(req, item, channel)
                 elif kind == "finish" and not req.stalled:
-                    self._channel.send({"k": "finish", "rid": request_id, "x": extras_to_dict(item[2])})
+                    channel.send({"k": "finish", "rid": request_id, "x": extras_to_dict(item[2])})
                 elif kind == "abort":
-                    self._channel.send({"k": "abort", "rid": request_id, "reason": item[2]})
+                    channel.send({"k": "abort", "rid": request_id, "reason": item[2]})
             except OSError as e:  # decode is gone: the reader concludes every open handoff
-                self._lose_connection(e)
+                self._lose_connection(e, channel)
             except Exception as e:  # noqa: BLE001 - fails this handoff only; the worker goes on
                 logger.exception("kv shm: a %r of %s failed", kind, request_id)
                 self._conclude(
                     req, ProtocolError(f"{request_id}: the sender failed: {e!r}"), tell_receiver=True
                 )
 
-    def _send_layer(self, req: _Request, item: tuple) -> None:
+    def _send_layer(self, req: _Request, item: tuple, channel: Channel) -> None:
         meta, layer_idx = req.meta, item[2]
         if req.stalled or req.abort_reason is not None:
             return
@@ -438,7 +438,7 @@ class ShmKVSender(KVSender):
             if not keep_sending:
                 req.stalled = True
                 return
-        self._channel.send({"k": "layer", "h": header.to_dict()})
+        channel.send({"k": "layer", "h": header.to_dict()})
 
     def _written_bytes(self, req: _Request, layer_idx: int) -> bytes:
         """The layer's wire bytes as written (for the fault hook)."""
@@ -465,10 +465,11 @@ class ShmKVSender(KVSender):
         ends every open handoff with SenderLost); False: the worker must send it."""
         if req.done:
             return True
+        channel = self._channel
         try:
-            return self._channel.try_send({"k": "layer", "h": header.to_dict()})
+            return channel.try_send({"k": "layer", "h": header.to_dict()})
         except OSError as e:
-            self._lose_connection(e)
+            self._lose_connection(e, channel)
             return True
 
     def _read(self) -> None:
@@ -501,14 +502,15 @@ class ShmKVSender(KVSender):
         # begun meanwhile fail too; the socket closes last, as decode frees in-place blocks once it sees
         # the close.
         self._stop_writing(why)
-        with self._lock:
+        with self._lock:  # one section: a begin after it reconnects, one before it is in `late`
             segments, self._segments = list(self._segments.values()), {}
             self._cache = None
+            self._lost = why
+            late = [r for r in self._requests.values() if not r.done]  # begun meanwhile, never granted
+        for req in late:
+            self._conclude(req, SenderLost(f"{req.meta.request_id}: {why}"), tell_receiver=False)
         for segment in segments:
             segment.close()
-        with self._lock:
-            self._lost = why
-        self._stop_writing(why)
         channel.close()
 
     def _on_record(self, record: dict, fds: list[int]) -> None:
@@ -563,7 +565,7 @@ class ShmKVSender(KVSender):
                 problem = f"its cache cannot be mapped: {e!r}"
         with self._lock:
             req = self._requests.get(record["rid"])
-        if req is None:
+        if req is None or req.done or req.granted.is_set():  # unknown, over, or granted already: ignored
             return
         meta, cache = req.meta, self._cache
         try:
