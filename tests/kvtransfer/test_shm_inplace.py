@@ -35,9 +35,10 @@ def _cache(meta) -> SharedKVCache:
     return SharedKVCache.for_tensors(meta.num_layers, (NUM_BLOCKS, BLOCK_SIZE, meta.kv_dim), meta.torch_dtype)
 
 
-def _table(meta, seed: int = 0) -> list[int]:
-    """The prompt's blocks in a shuffled order (as a cache that has served requests hands them out)."""
-    needed = -(-meta.num_tokens // BLOCK_SIZE)
+def _table(meta, seed: int = 0, spare: int = 0) -> list[int]:
+    """The prompt's blocks in a shuffled order (as a cache that has served requests hands them out), and
+    `spare` more (decode reserves room for the first token and drafts too)."""
+    needed = -(-meta.num_tokens // BLOCK_SIZE) + spare
     return torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed))[:needed].tolist()
 
 
@@ -53,7 +54,7 @@ def test_an_in_place_handoff_lands_bit_exact_in_the_reserved_blocks_only():
     receiver.share_kv_cache(cache)
     sender = ShmKVSender(receiver.address)
     called: list[int] = []
-    table = _table(meta)
+    table = _table(meta, spare=2)  # two blocks past the prompt's, as a reservation with drafts may hold
     try:
         layers = make_layers(meta)
         bound = receiver.expect(meta, lambda i, layer: called.append(i), block_ids=table)
@@ -64,15 +65,16 @@ def test_an_in_place_handoff_lands_bit_exact_in_the_reserved_blocks_only():
         received = receiver.wait(meta.request_id, WAIT_S)
         assert sender.flush(WAIT_S) == {}
         assert received.layers == [] and called == [] and receiver.num_segments == 0
-        ids = torch.tensor(table)
+        prompt_blocks = table[: -(-meta.num_tokens // BLOCK_SIZE)]
+        ids, last = torch.tensor(prompt_blocks), prompt_blocks[-1]
         for layer_idx, latent in enumerate(layers):
             got, _ = gather_kv(cache.layers[layer_idx], ids, meta.num_tokens)
             assert bits_equal(got, latent), layer_idx
-            untouched = torch.ones(NUM_BLOCKS, dtype=torch.bool)
+            untouched = torch.ones(NUM_BLOCKS, dtype=torch.bool)  # the spare blocks included
             untouched[ids] = False
             assert torch.equal(cache.layers[layer_idx][untouched], before[layer_idx][untouched])
-            tail = cache.layers[layer_idx][table[-1], meta.num_tokens % BLOCK_SIZE :]  # past the prompt
-            assert torch.equal(tail, before[layer_idx][table[-1], meta.num_tokens % BLOCK_SIZE :])
+            tail = cache.layers[layer_idx][last, meta.num_tokens % BLOCK_SIZE :]  # past the prompt
+            assert torch.equal(tail, before[layer_idx][last, meta.num_tokens % BLOCK_SIZE :])
         assert wait_until(lambda: receiver.num_fenced == 0)
         receiver.release(meta.request_id)
         assert receiver.defer_until_writes_end(meta.request_id, lambda: None) is False
@@ -120,11 +122,14 @@ def test_a_corrupted_in_place_layer_fails_the_handoff_and_its_blocks_wait_for_th
         receiver.close()
 
 
-def _stopping_sender(address: str, meta_record: dict, num_layers: int) -> None:
-    """Prefill in its own process: sends `num_layers` layers in place, then stops itself (SIGSTOP: every
-    thread, at once, well inside its lease); the test resumes or kills it."""
-    meta = meta_from_dict(meta_record)
+def _stopping_sender(address: str, pipe, num_layers: int) -> None:
+    """Prefill in its own process: once connected, takes the bound handoff from `pipe` (decode's lease
+    starts only then: spawning may take seconds on a loaded machine), sends `num_layers` layers in place,
+    then stops itself (SIGSTOP: every thread, at once, well inside its lease); the test resumes or kills
+    it."""
     sender = ShmKVSender(address)
+    pipe.send("connected")
+    meta = meta_from_dict(pipe.recv())
     sender.begin(meta)
     while sender._requests[meta.request_id].blocks is None:  # granted in place
         time.sleep(0.001)
@@ -151,12 +156,14 @@ def test_blocks_of_a_stopped_sender_stay_reserved_past_its_lease_until_it_ends_o
     meta = make_handoff(f"stopped-{then}", num_tokens=300, lease_s=lease_s)
     receiver = ShmKVReceiver()
     receiver.share_kv_cache(_cache(meta))
-    bound = receiver.expect(meta, block_ids=_table(meta))
     ctx = multiprocessing.get_context("spawn")
-    child = ctx.Process(target=_stopping_sender, args=(receiver.address, meta_to_dict(bound), 2))
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=_stopping_sender, args=(receiver.address, theirs, 2))
     child.start()
     freed = threading.Event()
     try:
+        assert ours.poll(WAIT_S) and ours.recv() == "connected"
+        ours.send(meta_to_dict(receiver.expect(meta, block_ids=_table(meta))))
         assert wait_until(lambda: receiver.num_fenced == 1 and _stopped(child.pid))  # granted in place
         with pytest.raises(TransferTimeout):
             receiver.wait(meta.request_id, WAIT_S)

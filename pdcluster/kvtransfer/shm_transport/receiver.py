@@ -391,9 +391,11 @@ class ShmKVReceiver(ReservationReceiver):
             return
         blocks, cache = self._in_place_blocks(meta), self._cache
         if blocks is not None and cache is not None:
+            granted = blocks.tolist()  # the prompt's blocks: the table's first ones (it holds more)
 
-            def still_reserved() -> bool:  # the same reservation: same id and the block table granted
-                return self._reservations.block_ids(request_id) == blocks.tolist()
+            def still_reserved() -> bool:  # the same reservation: same id, and the blocks granted its own
+                table = self._reservations.block_ids(request_id)
+                return table is not None and table[: len(granted)] == granted
 
             if not cache.fences.open(request_id, connection.pid, still_reserved):
                 connection.done(request_id, HandoffRefused(f"{request_id}: released before its grant"))
