@@ -191,6 +191,18 @@ def test_models_and_health(client: httpx.Client) -> None:
     assert client.get("/health").json() == {"status": "ok"}
 
 
+def test_health_says_starting_until_serve_hands_the_service_over(backend: LocalEngineBackend) -> None:
+    """Listening but not yet handed to deploy's loop (`orchestrator.serve` sets `app.state.starting`):
+    503, so that a probe's 200 means a SIGTERM takes deploy's drain path."""
+    app = build_app(backend)
+    app.state.starting = True
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["message"] == "the server is starting"
+        app.state.starting = False
+        assert c.get("/health").json() == {"status": "ok"}
+
+
 # ---- errors -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("body", "needle"),

@@ -5,7 +5,8 @@ Endpoints:
     POST /v1/chat/completions   messages -> one prompt through `CHAT_TEMPLATE_DOC`'s template
     GET  /v1/models             the served model
     GET  /health                200 {"status": "ok"}; 503 naming why when the backend's check_ready() raises
-                                BackendUnavailable. No call to any instance: it answers at once, from the
+                                BackendUnavailable (or "the server is starting", while `app.state.starting`:
+                                `orchestrator.serve`). No call to any instance: it answers at once, from the
                                 health the cluster last recorded, even while an instance stalls
     GET  /metrics               Prometheus text (pdcluster/orchestrator/api/metrics.py lists every metric)
 
