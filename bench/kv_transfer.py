@@ -24,7 +24,10 @@ socket, reassembly, verification, decoding (INT8 dequantization) and the writes 
 Reported per run: `kv_GB_per_s` = KV bytes in the model dtype / seconds (what decode gets; the same for
 every wire dtype), `wire_GB_per_s` = payload bytes on the wire / seconds, best and median over repeats;
 `send_return_ms`: how long the sender's `send_layer` calls for all layers took to return (shm: each copies
-the layer into the segment with its CRC and sends its header; gRPC: copies into chunks and enqueues).
+the layer into the segment with its CRC and sends its header; gRPC: copies into chunks and enqueues);
+`receiver_cpu_ms_median` (grpc, shm; `--sender process`): this process's CPU time during a transfer, i.e.
+the decode side's work per handoff (shm in place: reading the blocks back for their CRC; through a
+segment: the CRC and the copy into the blocks; gRPC: framing, reassembly, the CRC and the copy).
 `vs_clone_median`: the median GB/s over the clone run's median GB/s (one clone run per shape, at its
 start); for grpc and shm also `vs_adjacent_clone_median`: the median over repeats of (a clone of the same
 layers timed just before that transfer) / (that transfer's seconds), the ratio to quote on a machine whose
@@ -446,7 +449,7 @@ def bench_pair(
     if in_place:
         assert destination.shared is not None
         receiver.share_kv_cache(destination.shared)
-    elapsed_s, send_return_s, clone_s, clone_faults, copy_s = [], [], [], [], []
+    elapsed_s, send_return_s, clone_s, clone_faults, copy_s, receiver_cpu_s = [], [], [], [], [], []
     yardstick = PagedDestination(make_handoff("x", shape, wire)) if wire == "model" else None
     if sender_in == "process":
         import multiprocessing as mp
@@ -482,7 +485,9 @@ def bench_pair(
             if yardstick is not None:
                 copy_s.append(time_paged_copy(yardstick, layers))
             meta = make_handoff(f"{transport}-{wire}-{i}", shape, wire)
+            cpu_before_s = time.process_time()
             elapsed_s.append(timed_receive(receiver, start, meta, destination)[0])
+            receiver_cpu_s.append(time.process_time() - cpu_before_s)
             send_return_s.append(sent())
         if sender_in == "process":
             here.send(None)
@@ -505,6 +510,12 @@ def bench_pair(
         **result,
         "sender_in": sender_in,
         "adjacent_clone_minor_faults_median": int(statistics.median(clone_faults[1:])),
+        # with the sender on a thread of this process its CPU time is in it too: only for a process
+        **(
+            {"receiver_cpu_ms_median": round(statistics.median(receiver_cpu_s[1:]) * 1e3, 1)}
+            if sender_in == "process"
+            else {}
+        ),
     }
 
 
