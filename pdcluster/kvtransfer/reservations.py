@@ -258,13 +258,7 @@ class Reservations:
         copy is chunked and each chunk checksummed right after it lands (`wire.copy_with_checksum`).
         """
         with self._lock:
-            res = self._live(header.request_id, need_streaming=True)
-            try:
-                check_header(res.meta, header)
-                if res.arrived[header.layer_idx]:
-                    raise ProtocolError(f"{header.request_id}: layer {header.layer_idx} received twice")
-            except KVTransferError as e:
-                self._raise(res, e)
+            res = self._live_for_layer(header)
             callback = res.on_layer
             # on_layer checksums while it copies: float wires on the host (an int8 wire is decoded first)
             checks_after = (
@@ -327,11 +321,8 @@ class Reservations:
         header came. Counts the layer as arrived if it matches the header's; raises (and records)
         ChecksumMismatch otherwise, or what `on_layer` would for a header that does not fit."""
         with self._lock:
-            res = self._live(header.request_id, need_streaming=True)
+            res = self._live_for_layer(header)
             try:
-                check_header(res.meta, header)
-                if res.arrived[header.layer_idx]:
-                    raise ProtocolError(f"{header.request_id}: layer {header.layer_idx} received twice")
                 if stored_crc != header.checksum:
                     raise ChecksumMismatch(
                         f"{header.request_id}: checksum mismatch on layer {header.layer_idx} written in "
@@ -434,6 +425,18 @@ class Reservations:
             )
         if need_streaming and res.state is not State.STREAMING:
             self._raise(res, ProtocolError(f"{request_id}: data before begin"))
+        return res
+
+    def _live_for_layer(self, header: LayerHeader) -> _Reservation:
+        """The streaming reservation `header`'s layer may still arrive into; raises (and records) a header
+        that does not fit the handoff or a layer received twice."""
+        res = self._live(header.request_id, need_streaming=True)
+        try:
+            check_header(res.meta, header)
+            if res.arrived[header.layer_idx]:
+                raise ProtocolError(f"{header.request_id}: layer {header.layer_idx} received twice")
+        except KVTransferError as e:
+            self._raise(res, e)
         return res
 
     def _fail(self, res: _Reservation, error: KVTransferError) -> None:

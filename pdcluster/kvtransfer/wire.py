@@ -193,10 +193,14 @@ def encode_layer(
 
 
 def layer_header(
-    meta: HandoffMeta, layer_idx: int, payload: torch.Tensor, crc: int | None = None
+    meta: HandoffMeta, layer_idx: int, payload: torch.Tensor | None, crc: int | None = None
 ) -> LayerHeader:
     """The header of layer `layer_idx`'s `payload` (1-D uint8, on the host): its length and CRC-32C
-    (`crc` when the caller already has it, e.g. from `copy_with_checksum`)."""
+    (`crc` when the caller already has it, e.g. from `copy_with_checksum`). Without a payload (a layer
+    written where decode reads it, `shm_transport.inplace`): the wire's length and `crc`, which is then
+    required."""
+    if payload is None and crc is None:
+        raise ValueError("layer_header: a header without its payload needs the payload's crc")
     return LayerHeader(
         request_id=meta.request_id,
         layer_idx=layer_idx,
@@ -204,8 +208,8 @@ def layer_header(
         kv_dim=meta.kv_dim,
         dtype=meta.dtype,
         wire_dtype=meta.wire_dtype,
-        num_bytes=payload.numel(),
-        checksum=checksum(payload.numpy()) if crc is None else crc,
+        num_bytes=meta.layer_wire_bytes if payload is None else payload.numel(),
+        checksum=crc if crc is not None else checksum(payload.numpy()),  # type: ignore[union-attr]
     )
 
 

@@ -57,6 +57,7 @@ from pdcluster.kvtransfer.wire import (
     copy_with_checksum,
     encode_layer,
     extras_to_dict,
+    layer_header,
     meta_to_dict,
     tensor_bytes,
 )
@@ -120,16 +121,7 @@ def encoded_dtype(meta: HandoffMeta) -> torch.dtype:
 
 def _header(meta: HandoffMeta, layer_idx: int, crc: int) -> LayerHeader:
     """The header of a layer written with CRC-32C `crc` (a segment region or in place: the wire's length)."""
-    return LayerHeader(
-        request_id=meta.request_id,
-        layer_idx=layer_idx,
-        num_tokens=meta.num_tokens,
-        kv_dim=meta.kv_dim,
-        dtype=meta.dtype,
-        wire_dtype=meta.wire_dtype,
-        num_bytes=meta.layer_wire_bytes,
-        checksum=crc,
-    )
+    return layer_header(meta, layer_idx, None, crc)
 
 
 def _is_raw(meta: HandoffMeta, scale: torch.Tensor | None) -> bool:
