@@ -195,7 +195,6 @@ def stored_checksum(cache_layer: torch.Tensor, block_ids: np.ndarray, num_tokens
 
 @dataclass
 class _Fence:
-    pid: int  # the sender's process (0: unknown)
     frees: list[Callable[[], None]] = field(default_factory=list)  # `defer`'s callbacks
 
 
@@ -211,14 +210,14 @@ class FenceBoard:
         with self._lock:
             return len(self._fences)
 
-    def open(self, request_id: str, pid: int, still_wanted: Callable[[], bool]) -> bool:
-        """Fence `request_id` for the sender process `pid` if `still_wanted()` (asked under the board's
-        lock: decode releases a reservation before it asks `defer`, so a grant either sees the release or
-        is fenced before `defer` looks). False: not fenced, do not grant."""
+    def open(self, request_id: str, still_wanted: Callable[[], bool]) -> bool:
+        """Fence `request_id` if `still_wanted()` (asked under the board's lock: decode releases a
+        reservation before it asks `defer`, so a grant either sees the release or is fenced before `defer`
+        looks). False: not fenced, do not grant."""
         with self._lock:
             if not still_wanted():
                 return False
-            self._fences.setdefault(request_id, _Fence(pid))
+            self._fences.setdefault(request_id, _Fence())
             return True
 
     def defer(self, request_id: str, free: Callable[[], None]) -> bool:

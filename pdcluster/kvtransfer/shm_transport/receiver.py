@@ -397,7 +397,7 @@ class ShmKVReceiver(ReservationReceiver):
                 table = self._reservations.block_ids(request_id)
                 return table is not None and table[: len(granted)] == granted
 
-            if not cache.fences.open(request_id, connection.pid, still_reserved):
+            if not cache.fences.open(request_id, still_reserved):
                 connection.done(request_id, HandoffRefused(f"{request_id}: released before its grant"))
                 return
             with self._lock:
