@@ -362,8 +362,9 @@ class KVReceiver(abc.ABC):
 
         `block_ids`: the reserved blocks the layers go to, in position order, in the KV cache the receiver
         was given (`ShmKVReceiver.share_kv_cache`): a same-host sender then writes them there itself
-        (`shm_transport.inplace`) and `on_layer` is not called; free those blocks only through
-        `defer_until_writes_end`. Receivers without a shared cache ignore it.
+        (`shm_transport.inplace`) and `on_layer` is not called; free those blocks only once the cache's
+        fences allow it (`SharedKVCache.fences`, as `DecodeNode._release_reserved` does). Receivers
+        without a shared cache ignore it.
 
         `on_layer_checksums`: `on_layer` returns the CRC-32C of a float layer's bytes, computed as it copies
         them (`kernels.paged_mla.write_prompt_kv(checksum_start=0)`), and is called before the receiver
@@ -385,13 +386,6 @@ class KVReceiver(abc.ABC):
     @abc.abstractmethod
     def release(self, request_id: str) -> None:
         """Forget the reservation, whatever its state (no-op if unknown); after it, no `on_layer` runs."""
-
-    def defer_until_writes_end(self, request_id: str, free: Callable[[], None]) -> bool:
-        """Before decode frees a reservation's blocks (after `release`): True when a sender may still be
-        writing them in place (`expect(block_ids=...)` on a shared cache): `free` is then called, on
-        another thread, once it cannot any more, and the caller must not free them itself; False: free
-        them now (`free` is not called). This base class: always False."""
-        return False
 
     @abc.abstractmethod
     def pending_request_ids(self) -> list[str]:

@@ -16,7 +16,6 @@ two nodes: their pairs take gRPC, which works between any two hosts.
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdcluster.kvtransfer.reservations import ReservationReceiver, Reservations
@@ -88,19 +87,6 @@ class PairedReceiver(ReservationReceiver):
             self.shm.close()
             raise
         self.address = PairedAddress(node or node_id(), self.shm.address, self.grpc.address)
-
-    def defer_until_writes_end(self, request_id: str, free: Callable[[], None]) -> bool:
-        return self.shm.defer_until_writes_end(request_id, free)
-
-    @property
-    def num_in_place_grants(self) -> int:
-        """Handoffs the shm side granted in place (`ShmKVReceiver.num_in_place_grants`)."""
-        return self.shm.num_in_place_grants
-
-    @property
-    def num_fenced(self) -> int:
-        """In-place handoffs whose sender may still write (`ShmKVReceiver.num_fenced`)."""
-        return self.shm.num_fenced
 
     @property
     def num_segments(self) -> int:

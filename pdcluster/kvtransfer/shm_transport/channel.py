@@ -267,8 +267,8 @@ def process_gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except OSError:
-        return not os.path.exists(f"/proc/{pid}") if os.path.isdir("/proc") else False
+    except OSError:  # no /proc, or the process went meanwhile
+        return not _pid_alive(pid)
     return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
 
 

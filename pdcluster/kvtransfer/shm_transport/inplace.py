@@ -15,7 +15,7 @@ them: the sender said so (its `finish`, `abort` or `end` record: it writes nothi
 connection ended from its side (a sender stops writing every handoff before it closes its socket, and a
 dead process writes nothing), or, when decode ended the connection itself, once the sender closed its
 side after seeing that end (decode half-closes and waits) or its process is gone. Until then the blocks
-stay reserved (`KVReceiver.defer_until_writes_end`, `DecodeNode._release_reserved`). A sender whose lease
+stay reserved (`FenceBoard.defer`, `DecodeNode._release_reserved`). A sender whose lease
 expired but that is stopped (SIGSTOP) therefore keeps its blocks held until it runs again or dies; it can
 never write into blocks another request owns. The fences live with the cache (`SharedKVCache.fences`,
 a `FenceBoard`), not with a receiver, so a receiver closed or replaced (a rewire) forgets none of them.
@@ -151,12 +151,6 @@ class SharedKVCache:
             CacheLayout(num_layers, num_blocks, block_size, kv_dim, dtype_name(dtype))
         )
 
-    def close_fd(self) -> None:
-        """Close the descriptor (after the last sender got it; the mapping stays)."""
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
 
 def check_block_table(layout: CacheLayout, block_ids: Any, num_tokens: int) -> np.ndarray:
     """`block_ids` as int64, checked to cover `num_tokens` positions within the cache's blocks.
@@ -221,7 +215,8 @@ class FenceBoard:
             return True
 
     def defer(self, request_id: str, free: Callable[[], None]) -> bool:
-        """`KVReceiver.defer_until_writes_end`: True (and `free` called at `end`) while fenced."""
+        """True (and `free` called, on a thread, at `end`) while `request_id` is fenced; False: not fenced,
+        the caller frees now and `free` is never called."""
         with self._lock:
             fence = self._fences.get(request_id)
             if fence is None:

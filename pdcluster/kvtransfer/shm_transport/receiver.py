@@ -154,6 +154,9 @@ class ShmKVReceiver(ReservationReceiver):
         self._cache = cache
 
     def defer_until_writes_end(self, request_id: str, free: Callable[[], None]) -> bool:
+        """After `release`, before a reservation's blocks are freed: True when a sender may still write
+        them in place (`free` is then called, on another thread, once it cannot; the caller must not free
+        them itself); False: free them now. The shared cache's `FenceBoard.defer`."""
         cache = self._cache
         return cache is not None and cache.fences.defer(request_id, free)
 
