@@ -88,8 +88,9 @@ def serve(
         try:
             if server is not None:
                 server.stop()
-        finally:  # also when a second Ctrl-C cut the drain short
-            sock.close()  # closed by stop() already, unless the server never started
+        finally:  # also when a second Ctrl-C cut the drain short (stop() then cut the requests in flight)
+            if server is None:  # else the server owns the socket and closes it once it no longer uses it
+                sock.close()
             cluster.shutdown()
 
 

@@ -10,6 +10,7 @@ SIGTERM (the only test that starts Ray).
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import http.client
 import json
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -476,6 +478,81 @@ def test_a_taken_port_fails_before_the_actors_start_and_a_failed_deploy_frees_it
     assert deploys == [1]
     with socket.socket() as again:
         again.bind(("127.0.0.1", port))  # no SO_REUSEADDR: nothing of ours holds it any more
+
+
+class _StreamingFakeCluster(_FakeCluster):
+    """A `_FakeCluster` whose requests stream nothing and never end until cancelled: one stays in flight."""
+
+    vocab_size = 100
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started, self.cancelled = threading.Event(), threading.Event()
+
+    def check_ready(self):
+        pass
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:  # cancelled, or closed by the app when its own task was
+            self.cancelled.set()
+        yield  # an async generator, as the backend protocol says
+
+    async def abort(self, request_id):
+        pass
+
+
+def test_a_second_ctrl_c_while_draining_cuts_the_requests_and_ends_the_server(
+    tmp_path, checkpoint, monkeypatch
+):
+    """Ctrl-C twice (the second one while the first one's drain waits on a request in flight): `serve`
+    re-raises the interrupt only once uvicorn has cut that request and ended, so no thread is left
+    serving a cluster that is shut down, and the listening socket is not closed under uvicorn (it used to
+    be, and uvicorn's HTTP thread then died in `server.close()` with "Invalid file descriptor: -1")."""
+    import pdcluster.orchestrator.serve
+    from pdcluster.orchestrator.topology import load_topology
+
+    cluster = _StreamingFakeCluster()
+    monkeypatch.setattr(pdcluster.orchestrator.serve.Cluster, "deploy", lambda *_a, **_k: cluster)
+    thread_errors: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", thread_errors.append)
+    port = free_port()
+    topology = load_topology(topology_file(tmp_path, checkpoint, port=port))
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 5, "stream": True}).encode()
+    main_thread = threading.get_ident()
+
+    def stream() -> None:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=SHUTDOWN_BOUND_S) as response:
+                response.read()
+        except (OSError, http.client.HTTPException):  # cut: what this test wants
+            pass
+
+    with pytest.raises(KeyboardInterrupt):
+        with pdcluster.orchestrator.serve.serve(topology, drain_timeout_s=SHUTDOWN_BOUND_S) as service:
+            client = threading.Thread(target=stream, daemon=True)
+            client.start()
+            assert cluster.started.wait(SHUTDOWN_BOUND_S), "the request never reached the cluster"
+            server = service.server
+
+            def second_ctrl_c() -> None:  # as soon as the drain has begun
+                while not service.server.server.should_exit:
+                    time.sleep(0.001)
+                signal.pthread_kill(main_thread, signal.SIGINT)
+
+            threading.Thread(target=second_ctrl_c, daemon=True).start()
+    # the drain (SHUTDOWN_BOUND_S) was cut: uvicorn has ended and cancelled the request
+    assert not server.running and cluster.cancelled.is_set() and cluster.shut_down
+    client.join(SHUTDOWN_BOUND_S)
+    assert not client.is_alive() and thread_errors == []
+    with socket.socket() as again:  # our socket is closed (the cut connection may linger in TIME_WAIT)
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", port))
 
 
 def test_deploy_takes_sigint_even_when_started_with_it_ignored():

@@ -89,6 +89,8 @@ class ServerThread:
     this many seconds to finish before they are cut.
     """
 
+    FORCED_EXIT_S = 10.0  # uvicorn's loop ticks every 0.1 s; what it then does without the drain is quick
+
     def __init__(
         self,
         app: FastAPI,
@@ -111,9 +113,21 @@ class ServerThread:
         )
         _install_drain_log_filter()  # after Config, which (re)configures uvicorn's loggers
         self.server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self._socket]}, name="pdcluster-http", daemon=True
-        )
+        # set when uvicorn's thread is done: unlike Thread.is_alive, still right after a join that a signal
+        # interrupted (Python 3.11's join then marks a running thread stopped)
+        self._ended = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pdcluster-http", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.server.run(sockets=[self._socket])
+        finally:
+            self._ended.set()
+
+    @property
+    def running(self) -> bool:
+        """Whether uvicorn's thread has started and not yet ended."""
+        return self._thread.ident is not None and not self._ended.is_set()
 
     @property
     def url(self) -> str:
@@ -133,18 +147,29 @@ class ServerThread:
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
+            if self._ended.is_set() or time.monotonic() > deadline:
                 self.server.should_exit = True  # the caller closes the socket: not while uvicorn uses it
-                self._thread.join(10.0)
+                self._ended.wait(10.0)
                 raise RuntimeError("the HTTP server did not start")
             time.sleep(0.01)
         return self
 
     def stop(self) -> None:
-        """Refuse new connections, let requests in flight finish (`drain_timeout_s`), then end."""
-        self.server.should_exit = True
-        self._thread.join(self.drain_timeout_s + 10.0)  # + uvicorn's own shutdown steps
-        self._socket.close()
+        """Refuse new connections, let requests in flight finish (`drain_timeout_s`), then end.
+
+        Interrupted while it waits (a second Ctrl-C: KeyboardInterrupt, or any exception raised in this
+        thread), it cuts the requests in flight at once, waits up to `FORCED_EXIT_S` seconds for uvicorn to
+        close its server, and re-raises: the socket is never closed under a server still using it."""
+        try:
+            self.server.should_exit = True
+            self._ended.wait(self.drain_timeout_s + 10.0)  # + uvicorn's own shutdown steps
+        except BaseException:
+            self.server.force_exit = True
+            self._ended.wait(self.FORCED_EXIT_S)
+            raise
+        finally:
+            if not self.running:  # else uvicorn closes it itself when its shutdown gets there
+                self._socket.close()
 
     def __enter__(self) -> ServerThread:
         return self.start()
