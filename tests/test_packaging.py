@@ -7,6 +7,7 @@ transformers-backed test failed with an ImportError (CI at 931e4e7, transformers
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import importlib.util
 import sysconfig
@@ -58,3 +59,24 @@ def test_transformers_imports_with_the_repository_root_on_sys_path() -> None:
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
 
     assert DeepseekV3ForCausalLM.__name__ == "DeepseekV3ForCausalLM"
+
+
+def test_the_package_imports_nothing_that_is_not_installed() -> None:
+    """`bench` and `tests` sit at the repository root but are never installed: an import of either from
+    the package works in the tests (run from the root) and fails for a user (`pdcluster profile` once
+    died so, importing `bench.kv_transfer`). Every import statement of the package, lazy ones included."""
+    offending = []
+    for path in sorted((REPO / "pdcluster").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            offending += [
+                f"{path.relative_to(REPO)}:{node.lineno}: {name}"
+                for name in names
+                if name.split(".")[0] in ("bench", "tests")
+            ]
+    assert offending == []

@@ -14,12 +14,12 @@ Method:
    k` tokens with MTP k). Times: CPU seconds of the stepping thread (`time.thread_time`; torch at 1 thread
    as the deployed rank actors run it, the engine's synchronous loop steps in the calling thread), so load
    from other processes does not enter the fit; wall seconds are recorded beside them.
-2. KV transfer. `bench.kv_transfer.bench_pair(transport, ...)` moves one handoff of the model's
-   layers at a few prompt lengths over the topology's KV transport (`Topology.kv_transport`: shm, or gRPC
-   on 127.0.0.1; gRPC stands in for torch_distributed and for shm+grpc's cross-node pairs), the sender in
-   a process of its own and the receiver writing a paged cache, as deployed (wall clock);
-   `seconds = fixed + bytes / bandwidth` fitted through each size's fastest repeat gives the per-handoff
-   cost and the throughput.
+2. KV transfer. `kvtransfer.loopback_bench.bench_pair(transport, ...)` (what `bench.kv_transfer` runs)
+   moves one handoff of the model's layers at a few prompt lengths over the topology's KV transport
+   (`Topology.kv_transport`: shm, or gRPC on 127.0.0.1; gRPC stands in for torch_distributed and for
+   shm+grpc's cross-node pairs), the sender in a process of its own and the receiver writing a paged cache,
+   as deployed (wall clock); `seconds = fixed + bytes / bandwidth` fitted through each size's fastest
+   repeat gives the per-handoff cost and the throughput.
 3. Fit. The model's step time is `host + n_ops op_overhead + sum_ops max(flops x a_kind, bytes x b_kind)`
    with `a = 1 / (peak x compute factor)` and `b = 1 / (bandwidth x memory factor)`. Alternating: each
    op is assigned the regime (compute or memory) the current factors give it, the 7 unknowns (host,
@@ -198,7 +198,7 @@ def measure_kv(
     at `token_counts` sizes: `seconds = fixed_s + bytes /
     bytes_per_s` fitted by non-negative least squares through each size's fastest repeat, the raw points and
     the transport measured."""
-    from bench.kv_transfer import bench_pair
+    from pdcluster.kvtransfer.loopback_bench import bench_pair
     from pdcluster.planner.calibration import measured_kv_transport
 
     transport = measured_kv_transport(transport)
