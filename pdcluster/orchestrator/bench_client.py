@@ -236,8 +236,9 @@ def _phase_medians_ms(results: list[RequestResult]) -> dict[str, float]:
     return medians
 
 
-def format_table(summary: dict[str, Any], description: str = "") -> str:
-    """A human-readable report of `summarize`'s output."""
+def format_table(summary: dict[str, Any], description: str = "", *, simulated: bool = False) -> str:
+    """A human-readable report of `summarize`'s output (`simulated`: its clock is the planner's simulated
+    one, and the report says so)."""
 
     def f(value: float | None, digits: int = 1) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
@@ -248,6 +249,7 @@ def format_table(summary: dict[str, Any], description: str = "") -> str:
     lines.append(
         f"requests: {summary['num_ok']} ok / {summary['num_requests']} "
         f"({summary['num_failed']} failed) in {summary['duration_s']:.2f} s"
+        + (" of simulated time" if simulated else "")
     )
     for error in summary["errors"]:
         lines.append(f"  error: {error}")

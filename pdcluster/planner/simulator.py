@@ -101,7 +101,7 @@ class SimResult:
     num_events: int = 0
 
     def as_table(self, description: str = "") -> str:
-        return format_table(self.summary, description)
+        return format_table(self.summary, description, simulated=True)
 
 
 def kv_cache_bytes_per_token(topology: Topology, role: str) -> int:

@@ -208,7 +208,6 @@ def test_health_says_starting_until_serve_hands_the_service_over(backend: LocalE
     ("body", "needle"),
     [
         ("{not json", "not valid JSON"),
-        ({"model": "gpt-4", "prompt": "x"}, "unknown model 'gpt-4'"),
         ({"prompt": "x", "max_tokens": -3}, "max_tokens must be >= 1, got -3"),
         ({"prompt": "x", "max_tokens": 10**9}, f"max_model_len) of {MAX_MODEL_LEN} tokens"),
         ({"prompt": [5] * MAX_MODEL_LEN}, f"the prompt has {MAX_MODEL_LEN} tokens"),
@@ -242,6 +241,57 @@ def test_bad_requests_get_400_with_openai_error_body(client: httpx.Client, body:
     error = r.json()["error"]
     assert needle in error["message"]
     assert error["type"] == "invalid_request_error" and error["code"] == 400
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "message", "param"),
+    [
+        # mistakes a new user made, answered before with pydantic's union-by-union account
+        (
+            "/v1/completions",
+            {"prompt": ["a", "b"]},
+            {},
+            "prompt: a list of prompts (a batch) is not",
+            "prompt",
+        ),
+        ("/v1/completions", {"prompt": [[1, 2], [3]]}, {}, "prompt: a list of prompts (a batch)", "prompt"),
+        (  # curl -d without -H: a form's content type
+            "/v1/completions",
+            {"prompt": "x"},
+            {"content-type": "application/x-www-form-urlencoded"},
+            "sent with Content-Type: application/json (got Content-Type 'application/x-www-form-urlencoded')",
+            None,
+        ),
+        ("/v1/completions", {"prompt": "x"}, None, "(got no Content-Type)", None),
+        # JSON, but not an object: pydantic's words stay
+        ("/v1/completions", [1], {}, "invalid request: Input should be a valid dictionary", None),
+    ],
+)
+def test_common_mistakes_get_a_400_that_says_what_to_do(
+    client: httpx.Client, path: str, body: Any, headers: dict | None, message: str, param: str | None
+) -> None:
+    if headers is None:  # no Content-Type at all
+        request = client.build_request("POST", path, content=json.dumps(body))
+        request.headers.pop("content-type", None)
+    else:
+        request = client.build_request("POST", path, content=json.dumps(body), headers=headers)
+        request.headers.setdefault("content-type", "application/json")
+    r = client.send(request)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["param"] == param
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_unknown_model_is_404_naming_the_served_one(client: httpx.Client, path: str) -> None:
+    """As OpenAI's API and vLLM answer it: clients tell "no such model" from a malformed request."""
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    prompt = {"prompt": "x"} if path == "/v1/completions" else chat
+    r = client.post(path, json={"model": "gpt-4", **prompt})
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert error["message"].startswith("unknown model 'gpt-4'; this server serves ")
+    assert error == {**error, "type": "invalid_request_error", "param": "model", "code": 404}
 
 
 @pytest.mark.parametrize(
@@ -295,7 +345,7 @@ def test_bad_requests_get_400_with_openai_error_body(client: httpx.Client, body:
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-            "messages.0.content.list[TextPart].0.type: Input should be 'text'",
+            "messages.0.content: only text parts are supported, got a part of type 'image_url'",
             "messages.0.content",
         ),
     ],

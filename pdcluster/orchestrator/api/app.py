@@ -35,12 +35,12 @@ GIL), so a multi-MB prompt does not hold up the event loop: /health and every ot
 
 Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON,
 a schema violation, text that is not valid Unicode (a lone surrogate such as `"\\ud800"` is valid JSON
-but no character: the message names the field, the code point and its index), an unknown model,
-unsupported options (n != 1, logprobs, echo, best_of), a bad sampling value, a prompt or prompt +
-max_tokens over the context (the message gives the lengths); 401 for a missing or wrong API key; 413 for a
-body over the limit; 429 when the edge is full and 503 when the backend raises `BackendUnavailable`
-(both retriable, with `Retry-After: RETRY_AFTER_S`). An error after an SSE stream started is sent as a
-final `data: {"error": ...}` event, then `data: [DONE]`.
+but no character: the message names the field, the code point and its index), unsupported options
+(n != 1, logprobs, echo, best_of), a bad sampling value, a prompt or prompt + max_tokens over the context
+(the message gives the lengths); 404 for an unknown model (as OpenAI's API and vLLM answer it); 401 for
+a missing or wrong API key; 413 for a body over the limit; 429 when the edge is full and 503 when the
+backend raises `BackendUnavailable` (both retriable, with `Retry-After: RETRY_AFTER_S`). An error after an
+SSE stream started is sent as a final `data: {"error": ...}` event, then `data: [DONE]`.
 
 Every response carries `usage` (prompt/completion/total tokens) and a `pdcluster` extension:
     {"request_id", "phases": {queue_s, prefill_s, kv_transfer_s, first_decode_step_s, total_s, ...},
@@ -58,7 +58,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+from collections.abc import Sequence
 from functools import partial
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -278,17 +280,7 @@ def _add_error_handlers(app: FastAPI, metrics: ApiMetrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        if any(e.get("type") == "json_invalid" for e in errors):
-            message = "the request body is not valid JSON"
-            param = None
-        else:
-            parts = []
-            for e in errors:
-                loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-                parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
-            message = "invalid request: " + "; ".join(parts)
-            param = _field_path(errors[0].get("loc", ())) if errors else None
+        message, param = _validation_message(exc.errors(), request.headers.get("content-type"))
         metrics.errors.labels("400").inc()
         return error_response(400, message, "invalid_request_error", param or None)
 
@@ -303,6 +295,38 @@ def _add_error_handlers(app: FastAPI, metrics: ApiMetrics) -> None:
 
 
 _UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool"})
+
+
+def _validation_message(errors: Sequence[Any], content_type: str | None) -> tuple[str, str | None]:
+    """The 400's message and `param` for pydantic's `errors` of a request body: pydantic's own words with
+    the field named, except for mistakes users make often, which get a sentence saying what to do: a body
+    that is not JSON, one sent without `Content-Type: application/json` (curl's `-d` sends a form), a
+    batch of prompts, a message part that is not text."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return "the request body is not valid JSON", None
+    media_type = (content_type or "").split(";")[0].strip().lower()
+    if media_type != "application/json" and any(tuple(e.get("loc", ())) == ("body",) for e in errors):
+        got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+        return (
+            f"the request body must be a JSON object sent with Content-Type: application/json (got {got})",
+            None,
+        )
+    for e in errors:
+        loc = tuple(e.get("loc", ()))
+        if loc == ("body", "prompt", "str") and isinstance(e.get("input"), list):
+            if any(isinstance(p, (str, list)) for p in e["input"]):
+                return (
+                    "prompt: a list of prompts (a batch) is not supported: send one prompt per request, "
+                    "as text or as one list of token ids"
+                ), "prompt"
+        if len(loc) >= 3 and "list[TextPart]" in loc and loc[-1] == "type" and e.get("input") != "text":
+            field = _field_path(loc)
+            return f"{field}: only text parts are supported, got a part of type {e.get('input')!r}", field
+    parts = []
+    for e in errors:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+    return "invalid request: " + "; ".join(parts), (_field_path(errors[0].get("loc", ())) if errors else None)
 
 
 def _field_path(loc: tuple[int | str, ...]) -> str:

@@ -57,13 +57,14 @@ def prepare(
             "max_completion_tokens" when the client sent that one).
 
     Raises:
-        ApiError: 400 naming the field: an unknown model, an empty prompt, a token id outside the
-            vocabulary, a prompt or prompt + max_tokens over `max_model_len` (the message gives the
-            lengths), max_tokens < 1, more than `MAX_STOP_STRINGS` stop strings, a bad sampling value.
+        ApiError: 404 for an unknown model (as OpenAI's API and vLLM answer it); 400 naming the field: an
+            empty prompt, a token id outside the vocabulary, a prompt or prompt + max_tokens over
+            `max_model_len` (the message gives the lengths), max_tokens < 1, more than `MAX_STOP_STRINGS`
+            stop strings, a bad sampling value.
     """
     if body.model is not None and body.model != backend.model_name:
         raise ApiError(
-            400, f"unknown model {body.model!r}; this server serves {backend.model_name!r}", param="model"
+            404, f"unknown model {body.model!r}; this server serves {backend.model_name!r}", param="model"
         )
     num_prompt = len(prompt_ids)
     max_len = backend.max_model_len

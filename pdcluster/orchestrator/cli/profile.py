@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     output.with_suffix(".txt").write_text(table + "\n", encoding="utf-8")
     print(table)
     print(f"calibration written to {output} (table: {output.with_suffix('.txt')}); "
-          f"use it with perf_model_for(..., calibration='{output}')")  # fmt: skip
+          f"plan with it: pdcluster plan ... --calibration {output}")  # fmt: skip
     return 0
 
 

@@ -43,7 +43,10 @@ def read_model_architecture(model: ModelConfig) -> DeepseekV3Config:
     if model.path is None and model.config_path is None:
         hint = " (the bundled checkpoint is written by `python -m pdcluster.models.train_tiny`)"
     elif model.config_path is None:
-        hint = " (set model.config_path to a local copy of the checkpoint's config.json)"
+        hint = (
+            " (check model.path: a checkpoint directory holding config.json; to plan without the"
+            " checkpoint, set model.config_path to a copy of its config.json)"
+        )
     try:
         return DeepseekV3Config.from_json_file(path)
     except FileNotFoundError:
