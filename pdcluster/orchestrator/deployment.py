@@ -222,6 +222,50 @@ class ClusterDeployment(ClusterWiring):
                     ) from None
                 infos[info.name] = info
                 log(f"  {info.name} ready: {load_summary(info)} ({len(infos)}/{len(ready_refs)})")
+            # the driver's state before the reply channel connects (a rank's record may come at once) and
+            # inside this try: a Ctrl-C anywhere here tears down what started
+            first = infos["prefill-0"]
+            self.num_hidden_layers = first.num_hidden_layers
+            self.kv_dim = first.kv_dim
+            config = topo.engine_config("decode")
+            self.num_speculative_tokens = config.num_speculative_tokens
+            self.tokenizer = Tokenizer.from_dir(config.model)
+            self.model_name = Path(config.model).resolve().name
+            self.max_model_len = config.max_model_len or _max_position_embeddings(config.model)
+            self._dtype = config.dtype
+            self._decode_kv_cache_dtype = config.kv_cache_dtype
+            self._policy = POLICIES[topo.router.policy]
+            up_s = time.monotonic()
+            for instance in self.instances["prefill"] + self.instances["decode"]:
+                instance.health = InstanceHealth(since_s=up_s, pid=infos[instance.name].pid)
+            self._health_lock = threading.Lock()
+            self._stuck_passes = {}  # the watchdog's (pid, pass, first seen) per rank name (health_monitor)
+            self._last_answer_s = {}  # when each instance last answered a probe (health_monitor)
+            self._engine_restarts = {}  # the process the monitor last had Ray restart, per instance
+            self._last_kill_s = {}  # when the monitor last had Ray restart each instance (health_monitor)
+            self._overdue_kills = {}  # the death each overdue restart was killed in (health_monitor)
+            self._replacements = {}  # new actors started for each instance Ray gave up on (health_monitor)
+            self._poll_acked_seq = [[0] * d.num_ranks for d in self.instances["decode"]]  # per decode rank
+            self.call_timeout_s = call_timeout_s(topo.kv_transfer.timeout_s)
+            self.event_timeout_s = event_timeout_s(topo.kv_transfer.timeout_s)
+            self._prefix_cache = PrefixCacheModel(topo.prefill.block_size)
+            self._loads = LoadBoard([d.num_ranks for d in self.instances["decode"]])
+            self._counter = itertools.count()
+            self._requests = {}  # request id -> its record (orchestrator.request_dispatch)
+            self._by_handoff = {}  # handoff id -> the attempt it names
+            self._pollers: list[asyncio.Task] = []
+            self._loop: asyncio.AbstractEventLoop | None = None
+            self._kv_transfer_bytes_total = 0
+            self._kv_transfer_seconds_total = 0.0
+            self._num_prefill_replies_received = 0
+            self._num_prefill_replies_pushed = 0
+            self._num_first_tokens_early = 0
+            self._num_decode_events_pushed = 0
+            self._num_binds_pushed = 0  # binds sent on a prefill rank's reply connection (routing)
+            self._num_calls_pushed = {"reserve": 0, "prefill": 0}  # sent on a rank's reply connection
+            self._pending_calls = {}  # call id -> (tag, kind, handoff id, the answer's future) (routing)
+            self._call_ids = itertools.count(1)
+            self._closed = False
             decode_addresses = self._wire(ray, plan)
             if topo.kv_transport == "shm+grpc":  # which transport each prefill -> decode pair took
                 log(f"  KV pairs ({topo.kv_transport}): {self._pair_transports(ray)}")
@@ -234,57 +278,15 @@ class ClusterDeployment(ClusterWiring):
                 f"cluster {topo.name} up in {time.monotonic() - started_s:.1f} s "
                 f"({topo.kv_transport}, layerwise={topo.kv_transfer.layerwise})"
             )
+            self._decode_addresses = decode_addresses
+            self._monitor_stop = threading.Event()
+            self._monitor = threading.Thread(target=self._monitor_health, name="health-monitor", daemon=True)
+            self._monitor.start()
         except BaseException as exc:
             self._teardown(ray, remove_placement_group)
             if isinstance(exc, ray.exceptions.RayError):  # e.g. wiring the KV transfer
                 raise DeployError(f"deploying {topo.name} failed: {actor_error_message(exc)}") from None
             raise
-        first = infos["prefill-0"]
-        self.num_hidden_layers = first.num_hidden_layers
-        self.kv_dim = first.kv_dim
-        config = topo.engine_config("decode")
-        self.num_speculative_tokens = config.num_speculative_tokens
-        self.tokenizer = Tokenizer.from_dir(config.model)
-        self.model_name = Path(config.model).resolve().name
-        self.max_model_len = config.max_model_len or _max_position_embeddings(config.model)
-        self._dtype = config.dtype
-        self._decode_kv_cache_dtype = config.kv_cache_dtype
-        self._policy = POLICIES[topo.router.policy]
-        up_s = time.monotonic()
-        for instance in self.instances["prefill"] + self.instances["decode"]:
-            instance.health = InstanceHealth(since_s=up_s, pid=infos[instance.name].pid)
-        self._health_lock = threading.Lock()
-        self._stuck_passes = {}  # the watchdog's (pid, pass, first seen) per rank name (health_monitor)
-        self._last_answer_s = {}  # when each instance last answered a probe (health_monitor)
-        self._engine_restarts = {}  # the process the monitor last had Ray restart, per instance
-        self._last_kill_s = {}  # when the monitor last had Ray restart each instance (health_monitor)
-        self._overdue_kills = {}  # the death each instance's overdue restart was killed in (health_monitor)
-        self._replacements = {}  # new actors started for each instance Ray gave up on (health_monitor)
-        self._decode_addresses = decode_addresses
-        self._poll_acked_seq = [[0] * d.num_ranks for d in self.instances["decode"]]  # per decode rank
-        self.call_timeout_s = call_timeout_s(topo.kv_transfer.timeout_s)
-        self.event_timeout_s = event_timeout_s(topo.kv_transfer.timeout_s)
-        self._prefix_cache = PrefixCacheModel(topo.prefill.block_size)
-        self._loads = LoadBoard([d.num_ranks for d in self.instances["decode"]])
-        self._counter = itertools.count()
-        self._requests = {}  # request id -> its record (orchestrator.request_dispatch)
-        self._by_handoff = {}  # handoff id -> the attempt it names
-        self._pollers: list[asyncio.Task] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._kv_transfer_bytes_total = 0
-        self._kv_transfer_seconds_total = 0.0
-        self._num_prefill_replies_received = 0
-        self._num_prefill_replies_pushed = 0
-        self._num_first_tokens_early = 0
-        self._num_decode_events_pushed = 0
-        self._num_binds_pushed = 0  # binds sent on a prefill rank's reply connection (routing)
-        self._num_calls_pushed = {"reserve": 0, "prefill": 0}  # sent on a rank's reply connection (routing)
-        self._pending_calls = {}  # call id -> (tag, kind, handoff id, the answer's future) (routing)
-        self._call_ids = itertools.count(1)
-        self._closed = False
-        self._monitor_stop = threading.Event()
-        self._monitor = threading.Thread(target=self._monitor_health, name="health-monitor", daemon=True)
-        self._monitor.start()
         return self
 
     def _pair_transports(self, ray) -> str:

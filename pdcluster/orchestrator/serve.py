@@ -72,8 +72,11 @@ def serve(
         # /health says 503 until the caller has the service (a SIGTERM sent once /health said 200 then
         # takes the caller's drain path, not the one for a deploy cut short)
         app.state.starting = True
+        # assigned before it starts: a Ctrl-C while it starts then stops it (uvicorn may be using the
+        # socket already), rather than closing the socket under it
+        server = ServerThread(app, drain_timeout_s=drain_timeout_s, sock=sock)
         try:
-            server = ServerThread(app, drain_timeout_s=drain_timeout_s, sock=sock).start()
+            server.start()
         except (OSError, RuntimeError) as exc:
             where = "{}:{}".format(*sock.getsockname()[:2])
             raise DeployError(f"the HTTP server cannot serve on {where}: {_reason(exc)}") from exc

@@ -557,18 +557,63 @@ def test_a_second_ctrl_c_while_draining_cuts_the_requests_and_ends_the_server(
 
 def test_deploy_takes_sigint_even_when_started_with_it_ignored():
     """A background job of a non-interactive shell starts with SIGINT ignored; deploy's signal setup puts
-    Ctrl-C's handler back (and SIGTERM's), so `kill -INT` stops it like Ctrl-C."""
-    from pdcluster.orchestrator.cli.deploy import _interrupt_on_sigterm
+    a handler back (SIGTERM's and SIGHUP's too), so `kill -INT` stops it like Ctrl-C. A SIGHUP ignored
+    (`nohup`) stays ignored."""
+    from pdcluster.orchestrator.cli.deploy import ShutdownSignals
 
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.getsignal(signal.SIGTERM)
+    names = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.getsignal(s) for s in names}
     try:
-        _interrupt_on_sigterm()
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        with pytest.raises(KeyboardInterrupt):
-            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signals = ShutdownSignals()
+        signals.install()
+        assert signal.getsignal(signal.SIGINT) is signals and signal.getsignal(signal.SIGTERM) is signals
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        ShutdownSignals().install()
+        assert isinstance(signal.getsignal(signal.SIGHUP), ShutdownSignals)
     finally:
-        signal.signal(signal.SIGINT, previous[0])
-        signal.signal(signal.SIGTERM, previous[1])
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@pytest.mark.parametrize(
+    ("phase", "signals", "raised", "logged"),
+    [
+        # starting: the first signal stops the deploy; nothing interrupts the teardown of what started
+        ("starting", [signal.SIGINT, signal.SIGINT, signal.SIGTERM], [True, False, False], 2),
+        ("starting", [signal.SIGHUP, signal.SIGINT], [True, False], 1),
+        # serving: the first signal drains, Ctrl-C again cuts the drain, then everything is only logged
+        (
+            "serving",
+            [signal.SIGTERM, signal.SIGINT, signal.SIGINT, signal.SIGTERM],
+            [True, True, False, False],
+            2,
+        ),
+        ("serving", [signal.SIGINT, signal.SIGINT, signal.SIGINT], [True, True, False], 1),
+        # a SIGTERM while draining (a service manager's, after the operator's Ctrl-C) lets the drain finish
+        ("serving", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], [True, False, False], 2),
+        # after "stopped": Python's shutdown and Ray's atexit run to their end
+        ("stopping", [signal.SIGINT], [False], 1),
+    ],
+)
+def test_deploy_signals_stop_then_cut_the_drain_then_are_only_logged(phase, signals, raised, logged, capsys):
+    from pdcluster.orchestrator.cli.deploy import ShutdownSignals
+
+    policy = ShutdownSignals()
+    policy.phase = phase
+    seen = []
+    for signum in signals:
+        try:
+            policy(signum, None)
+            seen.append(False)
+        except KeyboardInterrupt:
+            seen.append(True)
+    assert seen == raised
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == logged and all(" already shutting down" in line for line in lines), lines
+    assert policy.drain_cut == (phase == "serving" and raised[:2] == [True, True])
 
 
 # ---- SIGTERM: the same clean shutdown as Ctrl-C (the one test here that starts Ray) -------------------

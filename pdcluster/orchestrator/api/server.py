@@ -159,7 +159,11 @@ class ServerThread:
 
         Interrupted while it waits (a second Ctrl-C: KeyboardInterrupt, or any exception raised in this
         thread), it cuts the requests in flight at once, waits up to `FORCED_EXIT_S` seconds for uvicorn to
-        close its server, and re-raises: the socket is never closed under a server still using it."""
+        close its server, and re-raises: the socket is never closed under a server still using it. A server
+        that never started only closes its socket."""
+        if self._thread.ident is None:
+            self._socket.close()
+            return
         try:
             self.server.should_exit = True
             self._ended.wait(self.drain_timeout_s + 10.0)  # + uvicorn's own shutdown steps

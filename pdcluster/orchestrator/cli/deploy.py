@@ -32,20 +32,41 @@ def deploy_preflight(path: Path, port: int | None) -> Topology:
     return loaded.topology
 
 
-def _interrupt_on_sigterm() -> None:
-    """Make SIGTERM do what Ctrl-C does: raise KeyboardInterrupt in the main thread, wherever it is (a
-    second SIGTERM while shutting down is only logged). `Cluster.deploy` keeps this handler across
-    `ray.init` (`orchestrator.ray_runtime.keeping_sigterm_handler`). SIGINT raises KeyboardInterrupt too
-    even when the process started with it ignored (a background job of a non-interactive shell inherits
-    SIG_IGN, and Python then leaves it so): `kill -INT` stops a server like Ctrl-C does."""
-    import signal
+class ShutdownSignals:
+    """How deploy takes SIGINT (Ctrl-C), SIGTERM and SIGHUP (the terminal or ssh session closed): the first
+    one raises KeyboardInterrupt in the main thread, wherever it is, and deploy shuts down (drains, when it
+    was serving); while it drains, Ctrl-C again raises once more and cuts the requests in flight; every
+    other signal from then on, and any after "stopped", is only logged, so that nothing interrupts the
+    teardown of the actors and of Ray (a third Ctrl-C used to, leaving Ray's agents behind). `install()`
+    sets the handlers; `Cluster.deploy` keeps the SIGTERM one across `ray.init`
+    (`orchestrator.ray_runtime.keeping_sigterm_handler`). SIGINT is taken even when the process started
+    with it ignored (a background job of a non-interactive shell inherits SIG_IGN): `kill -INT` stops a
+    server like Ctrl-C does. SIGHUP is left alone when ignored (`nohup`)."""
 
-    def on_sigterm(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: print("[pdcluster] already shutting down", flush=True))
-        raise KeyboardInterrupt
+    def __init__(self) -> None:
+        self.phase = "starting"  # "serving" (set by the caller), then "draining" or "stopping"
+        self.drain_cut = False  # Ctrl-C again while draining
 
-    signal.signal(signal.SIGTERM, on_sigterm)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    def install(self) -> None:
+        import signal
+
+        signal.signal(signal.SIGINT, self)
+        signal.signal(signal.SIGTERM, self)
+        if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+            signal.signal(signal.SIGHUP, self)
+
+    def __call__(self, signum: int, frame: object) -> None:
+        import signal
+
+        if self.phase in ("starting", "serving"):
+            self.phase = "draining" if self.phase == "serving" else "stopping"
+            raise KeyboardInterrupt
+        if self.phase == "draining" and signum == signal.SIGINT:
+            self.phase, self.drain_cut = "stopping", True
+            raise KeyboardInterrupt
+        name = signal.Signals(signum).name
+        hint = " (Ctrl-C to cut the requests in flight)" if self.phase == "draining" else ""
+        print(f"[pdcluster] {name}: already shutting down{hint}", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,11 +78,13 @@ def run(args: argparse.Namespace) -> int:
         topology = deploy_preflight(args.file, args.port)
     except TopologyError as exc:
         raise CliError(str(exc)) from exc
-    _interrupt_on_sigterm()
+    signals = ShutdownSignals()
+    signals.install()
     try:
         log = lambda m: print(f"[pdcluster] {m}", flush=True)  # noqa: E731
         with serve(topology, port=args.port, log=log, drain_timeout_s=args.drain_timeout_s) as service:
             try:
+                signals.phase = "serving"
                 print(f"[pdcluster] ready: {service.url}/v1/models — Ctrl-C or SIGTERM to stop", flush=True)
                 while True:
                     time.sleep(0.5)
@@ -73,9 +96,13 @@ def run(args: argparse.Namespace) -> int:
                     else "requests in flight are cut (--drain-timeout-s 0)"
                 )
                 print(f"[pdcluster] shutting down: new connections refused; {drain}", flush=True)
+        signals.phase = "stopping"
         print("[pdcluster] stopped", flush=True)
     except KeyboardInterrupt:  # before the service was up, or a second Ctrl-C while shutting down
-        print("[pdcluster] interrupted; what had started is shut down", flush=True)
+        if signals.drain_cut:
+            print("[pdcluster] interrupted again: the requests still in flight were cut; stopped", flush=True)
+        else:
+            print("[pdcluster] interrupted; what had started is shut down", flush=True)
     except (TopologyError, DeployError) as exc:
         raise CliError(str(exc)) from exc
     return 0
@@ -88,10 +115,12 @@ DESCRIPTION = """\
 Validate FILE, connect to the Ray cluster in RAY_ADDRESS (or start a local one), create one
 placement group per instance, start the prefill and decode actors (progress is logged while
 weights load), wire the KV transfer, and serve /v1/completions, /v1/chat/completions,
-/v1/models, /health and /metrics on api.host:api.port until Ctrl-C or SIGTERM.
-Both shut down the same way, also while starting, and exit with code 0: new connections are
-refused at once, requests in flight get --drain-timeout-s to finish, then the HTTP server, the
-actors, the placement groups and Ray (if deploy started it) stop.
+/v1/models, /health and /metrics on api.host:api.port until Ctrl-C, SIGTERM or SIGHUP (unless
+ignored, as under nohup). Each shuts down the same way, also while starting, and exits with code
+0: new connections are refused at once, requests in flight get --drain-timeout-s to finish, then
+the HTTP server, the actors, the placement groups and Ray (if deploy started it) stop. While it
+drains, Ctrl-C again cuts the requests in flight; any other signal from then on is only logged,
+so that the teardown runs to its end.
 
 Before Ray starts, FILE is checked as `pdcluster validate --for-deploy FILE` checks it (the
 file, the parallelism and weight dtypes the actors can run, the checkpoint, that the address can
