@@ -73,6 +73,11 @@ def init_local_ray(num_cpus: int, **kwargs: Any) -> None:
             with _environment_default(_GCS_PORT_WAIT_VARIABLE, str(GCS_PORT_WAIT_S)):
                 ray.init(**options)
             return
+        except (KeyboardInterrupt, SystemExit):  # a Ctrl-C or SIGTERM mid-start: nothing of it may stay
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            _kill(_descendants(_child_pids() - children))
+            raise
         except Exception as e:
             if not any(m in str(e) for m in _STARTUP_TIMEOUT_MESSAGES):
                 raise
@@ -101,6 +106,23 @@ def _child_pids() -> set[int]:
                         if int(f.read().rsplit(") ", 1)[1].split()[1]) == me:
                             children.add(int(entry))
     return children
+
+
+def _descendants(pids: set[int]) -> set[int]:
+    """`pids` and every process below them (Linux: from /proc): Ray's raylet starts agents of its own,
+    which outlive a raylet killed alone by a minute or more."""
+    parents: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    with open(f"/proc/{entry}/stat") as f:
+                        parents[int(entry)] = int(f.read().rsplit(") ", 1)[1].split()[1])
+    found, frontier = set(pids), set(pids)
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
 
 
 def _kill(pids: set[int]) -> int:
@@ -135,13 +157,21 @@ def keeping_sigterm_handler() -> Iterator[None]:
     `ray.init` replaces the driver's SIGTERM handler with `sys.exit(15)`, and Ray's core worker then adds a
     C-level handler that prints a stack dump ("*** SIGTERM received at time=...") before chaining to it,
     so a program that shuts down cleanly on SIGTERM (`pdcluster deploy`) would die mid-way instead. Only a
-    Python handler the caller installed (or SIG_IGN) is restored; with the default one, Ray's stays.
-    Outside the main thread (where handlers cannot be set) this does nothing.
+    Python handler the caller installed (or SIG_IGN) is restored; with the default one, Ray's stays. A
+    SIGTERM that came during the block, and so met Ray's `sys.exit(15)`, is handed to the caller's handler
+    (deploy's raises KeyboardInterrupt: it then shuts down as it would have). Outside the main thread
+    (where handlers cannot be set) this does nothing.
     """
     main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if main else None
     try:
         yield
+    except SystemExit as exc:
+        # a SIGTERM inside the block met Ray's handler (`sys.exit(15)`): the caller's handler takes it
+        if callable(previous) and exc.code == signal.SIGTERM:
+            signal.signal(signal.SIGTERM, previous)
+            previous(signal.SIGTERM, None)
+        raise
     finally:
         if main and (callable(previous) or previous == signal.SIG_IGN):
             signal.signal(signal.SIGTERM, previous)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -290,3 +292,78 @@ def test_init_local_ray_retries_rays_startup_timeout_once(monkeypatch, timeout):
     for process in started:
         process.kill()
         process.wait()
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt(), SystemExit(15)], ids=["ctrl-c", "sigterm"])
+def test_an_interrupt_while_ray_starts_stops_every_process_it_started(monkeypatch, interrupt):
+    """A Ctrl-C, or a SIGTERM meeting Ray's `sys.exit(15)`, during `ray.init`: the processes the attempt
+    started are killed, their own children too (the raylet's agents outlived a raylet killed alone by a
+    minute or more), and the interrupt goes on up; a child from before is left alone. (`ray.init` replaced
+    by one that starts a process with a child of its own, then is interrupted: the fault, injected.)"""
+    import ray
+
+    started: list[subprocess.Popen] = []
+    agents: list[int] = []
+
+    def fake_init(**options):
+        # a "raylet" with an "agent" below it, which prints its pid
+        raylet = subprocess.Popen(
+            ["sh", "-c", "sleep 600 & echo $!; wait"], stdout=subprocess.PIPE, text=True
+        )
+        started.append(raylet)
+        agents.append(int(raylet.stdout.readline()))  # the agent runs from here on
+        raise interrupt
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    earlier = subprocess.Popen(["sleep", "600"])
+    try:
+        with pytest.raises(type(interrupt)):
+            init_local_ray(num_cpus=2)
+        (raylet,), (agent_pid,) = started, agents
+        assert raylet.poll() is not None  # killed and reaped by init_local_ray
+        deadline = time.monotonic() + 10.0  # the agent, reparented, is reaped by init (pid 1) once killed
+        while (
+            os.path.exists(f"/proc/{agent_pid}") and _state(agent_pid) != "Z" and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{agent_pid}") or _state(agent_pid) == "Z"
+        assert earlier.poll() is None
+    finally:
+        earlier.kill()
+        earlier.wait()
+        for process in started:
+            process.kill()
+            process.wait()
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (R, S, Z, ...); "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def test_a_sigterm_meeting_rays_handler_inside_the_block_goes_to_the_callers():
+    """`keeping_sigterm_handler`: Ray's `ray.init` sets SIGTERM to `sys.exit(15)` at once; a SIGTERM then
+    is a SystemExit, which the block hands to the caller's handler (deploy's raises KeyboardInterrupt and
+    shuts down) and whose handler it puts back. Other exits pass unchanged."""
+    from pdcluster.orchestrator.ray_runtime import keeping_sigterm_handler
+
+    def callers(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, callers)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with keeping_sigterm_handler():
+                signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # as ray.init does
+                signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        assert signal.getsignal(signal.SIGTERM) is callers
+        with pytest.raises(SystemExit):
+            with keeping_sigterm_handler():
+                sys.exit(3)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
