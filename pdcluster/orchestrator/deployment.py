@@ -194,13 +194,22 @@ class ClusterDeployment(ClusterWiring):
                     f"placement groups not ready after 120 s: the Ray cluster lacks the resources "
                     f"{plan.instances[0].bundles[0]} per device for {plan.num_devices_used} devices"
                 ) from None
-            compiling = [role for role in ROLES if topo.compiles(role)]
+            # an expert-parallel pool's engines run eagerly whatever `compile` says (its MoE layers dispatch
+            # to other ranks, which the compiled forward does not cover: `CompiledDecodeForward.supported`)
+            compiling = [r for r in ROLES if topo.compiles(r) and topo.pool(r).expert_parallel_size == 1]
+            eager_ep = [r for r in ROLES if topo.compiles(r) and topo.pool(r).expert_parallel_size > 1]
             log(
                 f"placement groups ready in {time.monotonic() - started_s:.1f} s; loading weights"
                 + (
                     f", then compiling the decode forward on the {' and '.join(compiling)} instances "
                     "(compile; tens of seconds, less with inductor's cache from an earlier load)"
                     if compiling
+                    else ""
+                )
+                + (
+                    f"; the {' and '.join(eager_ep)} instances are expert-parallel and run their decode "
+                    "forward eagerly (compile does not cover expert dispatch)"
+                    if eager_ep
                     else ""
                 )
             )
