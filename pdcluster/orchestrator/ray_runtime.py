@@ -95,22 +95,8 @@ def init_local_ray(num_cpus: int, **kwargs: Any) -> None:
             )
 
 
-def _child_pids() -> set[int]:
-    """The process ids of this process's children (Linux: from /proc; elsewhere none are known)."""
-    me, children = os.getpid(), set()
-    with contextlib.suppress(OSError):
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                with contextlib.suppress(OSError, IndexError, ValueError):
-                    with open(f"/proc/{entry}/stat") as f:
-                        if int(f.read().rsplit(") ", 1)[1].split()[1]) == me:
-                            children.add(int(entry))
-    return children
-
-
-def _descendants(pids: set[int]) -> set[int]:
-    """`pids` and every process below them (Linux: from /proc): Ray's raylet starts agents of its own,
-    which outlive a raylet killed alone by a minute or more."""
+def _parent_pids() -> dict[int, int]:
+    """Every process's parent process id, by process id (Linux: from /proc; elsewhere empty)."""
     parents: dict[int, int] = {}
     with contextlib.suppress(OSError):
         for entry in os.listdir("/proc"):
@@ -118,6 +104,19 @@ def _descendants(pids: set[int]) -> set[int]:
                 with contextlib.suppress(OSError, IndexError, ValueError):
                     with open(f"/proc/{entry}/stat") as f:
                         parents[int(entry)] = int(f.read().rsplit(") ", 1)[1].split()[1])
+    return parents
+
+
+def _child_pids() -> set[int]:
+    """The process ids of this process's children (Linux: from /proc; elsewhere none are known)."""
+    me = os.getpid()
+    return {pid for pid, parent in _parent_pids().items() if parent == me}
+
+
+def _descendants(pids: set[int]) -> set[int]:
+    """`pids` and every process below them (Linux: from /proc): Ray's raylet starts agents of its own,
+    which outlive a raylet killed alone by a minute or more."""
+    parents = _parent_pids()
     found, frontier = set(pids), set(pids)
     while frontier:
         frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
