@@ -29,6 +29,8 @@ WAIT_S = 600.0  # a handoff's lease and every wait on the other side: generous, 
 
 
 def make_handoff(request_id: str, shape: dict[str, Any], wire: str) -> HandoffMeta:
+    """The handoff of one request of `shape` (num_layers, num_tokens, kv_dim, dtype name) with the model
+    dtype on the wire (`wire="model"`) or int8, its lease `WAIT_S` seconds."""
     return HandoffMeta(
         request_id=request_id,
         num_layers=shape["num_layers"],
@@ -41,6 +43,8 @@ def make_handoff(request_id: str, shape: dict[str, Any], wire: str) -> HandoffMe
 
 
 def make_layers(meta: HandoffMeta) -> list[torch.Tensor]:
+    """`num_layers` seeded random layers, each `[num_tokens, kv_dim]` in the model dtype (the same values in
+    every process: the receiver checks what arrived against its own copy)."""
     gen = torch.Generator().manual_seed(0)
     return [
         torch.randn(meta.num_tokens, meta.kv_dim, generator=gen).to(meta.torch_dtype)
@@ -49,6 +53,7 @@ def make_layers(meta: HandoffMeta) -> list[torch.Tensor]:
 
 
 def make_extras(meta: HandoffMeta) -> HandoffExtras:
+    """What `finish` carries (a first token; no MTP drafts): the bench times the layers, not the extras."""
     return HandoffExtras(first_token_id=1)
 
 
@@ -70,6 +75,11 @@ def summarize(
     clone_s: list[float] | None = None,
     copy_s: list[float] | None = None,
 ) -> dict[str, Any]:
+    """A run's figures from its transfers' seconds (`elapsed_s`, one per transfer): `kv_bytes` (the model
+    dtype's), `wire_bytes`, `kv_GB_per_s` / `wire_GB_per_s` best and median (GB = 1e9 bytes),
+    `elapsed_ms`; with `send_return_s` its median in ms; with each transfer's adjacent clone (`clone_s`)
+    or paged write (`copy_s`) seconds, the median of their ratios to it (`vs_adjacent_clone_median`,
+    `vs_adjacent_copy_median`). Raises ValueError for an empty `elapsed_s`."""
     kv_bytes = meta.num_layers * meta.num_tokens * meta.kv_dim * meta.torch_dtype.itemsize
     best_s, median_s = min(elapsed_s), statistics.median(elapsed_s)
     result = {
@@ -114,7 +124,7 @@ def time_paged_copy(destination: PagedDestination, layers: list[torch.Tensor]) -
 def time_clone(layers: list[torch.Tensor], minor_faults: list[int] | None = None) -> float:
     """Seconds of one `clone()` of every layer (the copies freed at once); appends to `minor_faults` the
     page faults the clone took (fresh pages from the kernel: whether the allocator kept the memory of the
-    previous copies decides it, and it moves the clone's speed 2x, see the module docstring)."""
+    previous copies decides it, and it moves the clone's speed 2x: `bench.kv_transfer`'s docstring)."""
     faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     started_s = time.perf_counter()
     copies = [latent.clone() for latent in layers]

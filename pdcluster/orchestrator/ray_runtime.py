@@ -168,8 +168,7 @@ def keeping_sigterm_handler() -> Iterator[None]:
     except SystemExit as exc:
         # a SIGTERM inside the block met Ray's handler (`sys.exit(15)`): the caller's handler takes it
         if callable(previous) and exc.code == signal.SIGTERM:
-            signal.signal(signal.SIGTERM, previous)
-            previous(signal.SIGTERM, None)
+            previous(signal.SIGTERM, None)  # (the finally below puts it back as the handler)
         raise
     finally:
         if main and (callable(previous) or previous == signal.SIG_IGN):

@@ -148,7 +148,7 @@ class ServerThread:
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
             if self._ended.is_set() or time.monotonic() > deadline:
-                self.server.should_exit = True  # the caller closes the socket: not while uvicorn uses it
+                self.server.should_exit = True  # the caller's stop() closes the socket once uvicorn ended
                 self._ended.wait(10.0)
                 raise RuntimeError("the HTTP server did not start")
             time.sleep(0.01)
