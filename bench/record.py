@@ -61,11 +61,15 @@ def last_json_object(stdout: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], usage="python -m bench.record NAME [--note TEXT] -- COMMAND ..."
+    )
     parser.add_argument("name", help="result name: bench/results/NAME.json")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the benchmark's command line")
-    args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    parser.add_argument("--note", default="", help="what a reader should know (e.g. 'machine busy')")
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    command = argv[split + 1 :]
     if not command:
         parser.error("give the benchmark's command after --")
     repo = Path(__file__).resolve().parents[1]
@@ -85,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": current_commit(repo),
         "machine": machine_description(),
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
+        "note": args.note,
         "output": output,
     }
     RESULTS_DIR.mkdir(exist_ok=True)
