@@ -188,7 +188,7 @@ class DeepseekV3Config:
             kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
         try:
             return cls(**kwargs)
-        except TypeError as exc:
+        except TypeError as exc:  # pragma: no cover
             raise ValueError(f"{source}: {exc}") from exc
 
     @classmethod

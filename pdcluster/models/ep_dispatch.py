@@ -29,7 +29,7 @@ class EPCollectiveError(RuntimeError):
 def wait(work: dist.Work, what: str, rank: int) -> None:
     try:
         work.wait()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001
         raise EPCollectiveError(f"EP rank {rank}: {what} failed: {e}") from e
 
 

@@ -304,7 +304,7 @@ def load_checkpoint(
                 raise CheckpointError(f"{path}: FP8 tensor {name} has no {scale_name}")
             ((_, scale_inv),) = _iter_tensors(files, [scale_name])
             try:
-                tensor = dequantize_fp8_blockwise(tensor, scale_inv, block_size)
+                tensor = dequantize_fp8_blockwise(tensor, scale_inv, block_size)  # type: ignore[arg-type]
             except CheckpointError as exc:
                 raise CheckpointError(f"{path}: {name}: {exc}") from exc
         if tuple(tensor.shape) != expected[name]:

@@ -225,7 +225,7 @@ class ShmKVReceiver(ReservationReceiver):
                         record.get("k"),
                         e,
                     )
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001
                     logger.exception(
                         "kv shm: serving a %r record failed; closing the connection", record.get("k")
                     )

@@ -351,7 +351,7 @@ class ShmKVSender(KVSender):
                     channel.send({"k": "abort", "rid": request_id, "reason": item[2]})
             except OSError as e:
                 self._lose_connection(e, channel)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001
                 logger.exception("kv shm: a %r of %s failed", kind, request_id)
                 self._conclude(
                     req, ProtocolError(f"{request_id}: the sender failed: {e!r}"), tell_receiver=True
@@ -437,7 +437,7 @@ class ShmKVSender(KVSender):
                 self._on_record(record, fds)
             except (KeyError, TypeError, ValueError, OSError) as e:
                 logger.warning("kv shm: malformed %r record from the receiver: %r", record.get("k"), e)
-            except Exception:
+            except Exception:  # noqa: BLE001
                 logger.exception("kv shm: taking a %r record from the receiver failed", record.get("k"))
             finally:
                 close_fds(fds)
