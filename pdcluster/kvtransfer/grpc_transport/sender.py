@@ -61,8 +61,7 @@ class _Call:
     abort_reason: str | None = None
     stalled: bool = False
     done: bool = False
-    # Set once `_on_done` recorded the outcome (done-callbacks run after the future completes).
-    # so waiting on the future alone can race with the bookkeeping; flush() waits on this.
+    # Set once `_on_done` recorded the outcome; flush() waits on this, not on the future (a race).
     ended: threading.Event = field(default_factory=threading.Event)
 
 

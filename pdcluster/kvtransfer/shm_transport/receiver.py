@@ -1,8 +1,4 @@
-"""`ShmKVReceiver`: the decode side of the shared-memory transport, one thread per connection.
-
-The thread admits begins by secret, lends a segment (or grants decode's blocks in place), and hands
-`on_layer` views of what the sender wrote; a segment is reused once its sender stops writing.
-"""
+"""`ShmKVReceiver`: the decode side of the shared-memory transport, one thread per connection."""
 
 from __future__ import annotations
 
@@ -40,7 +36,6 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.2
 MAX_CONNECTIONS = 256
 # A segment neither finished nor ended is closed, not reused, this long after its lease.
-# the sender stops writing at its lease, so by then no late write can land in another handoff's bytes.
 LEASE_GRACE_S = 5.0
 
 

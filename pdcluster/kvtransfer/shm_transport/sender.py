@@ -443,8 +443,6 @@ class ShmKVSender(KVSender):
                 close_fds(fds)
         # Stop writing, unmap, then mark the connection lost; the socket closes last, since decode
         # frees in-place blocks once it sees the close.
-        # begun meanwhile fail too; the socket closes last, as decode frees in-place blocks once it sees
-        # the close.
         self._stop_writing(why)
         with self._lock:
             segments, self._segments = list(self._segments.values()), {}
