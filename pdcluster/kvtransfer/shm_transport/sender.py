@@ -13,103 +13,41 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from pdcluster.kernels.paged_mla import gather_kv, write_prompt_kv
 from pdcluster.kvtransfer.base import (
-    ChecksumMismatch,
     FailureLog,
     HandoffExtras,
     HandoffMeta,
-    HandoffRefused,
     KVSender,
     KVTransferError,
     ProtocolError,
     SenderLost,
-    TransferAborted,
     TransferTimeout,
     check_begin,
 )
 from pdcluster.kvtransfer.shm_transport.channel import Channel, close_fds, connect, wait_readable
-from pdcluster.kvtransfer.shm_transport.inplace import CacheLayout, SharedKVCache, check_block_table
-from pdcluster.kvtransfer.shm_transport.segments import Segment
+from pdcluster.kvtransfer.shm_transport.handoff import (
+    SenderMappings,
+    SendingHandoff,
+    error_from_record,
+    in_place_blocks,
+    is_raw,
+    written_header,
+)
 from pdcluster.kvtransfer.wire import (
     FaultHook,
     LayerHeader,
     check_layer,
-    copy_with_checksum,
     encode_layer,
     extras_to_dict,
-    layer_header,
     meta_to_dict,
-    tensor_bytes,
 )
-from pdcluster.models.dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
-ERROR_CLASSES = {
-    cls.__name__: cls
-    for cls in (
-        HandoffRefused,
-        ChecksumMismatch,
-        SenderLost,
-        TransferTimeout,
-        TransferAborted,
-        ProtocolError,
-        KVTransferError,
-    )
-}
-
-
-def error_from_record(record: list[str] | None) -> KVTransferError | None:
-    """The error a `done` record carries, as its class; None: delivered."""
-    if record is None:
-        return None
-    name, message = record
-    return ERROR_CLASSES.get(name, KVTransferError)(message)
-
-
-@dataclass
-class _Request:
-    meta: HandoffMeta
-    begun_at_s: float
-    segment: Segment | None = None
-    blocks: np.ndarray | None = None
-    cache: SharedKVCache | None = None
-    granted: threading.Event = field(default_factory=threading.Event)
-    sent_layers: set[int] = field(default_factory=set)
-    closed: bool = False
-    abort_reason: str | None = None
-    stalled: bool = False
-    done: bool = False
-    ended: threading.Event = field(default_factory=threading.Event)
-    write_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def deadline_s(self) -> float:
-        return self.begun_at_s + self.meta.lease_s
-
-    def region(self, layer_idx: int) -> torch.Tensor:
-        assert self.segment is not None
-        num_bytes = self.meta.layer_wire_bytes
-        return self.segment.view(layer_idx * num_bytes, num_bytes)
-
-
-def encoded_dtype(meta: HandoffMeta) -> torch.dtype:
-    return torch_dtype(meta.wire_dtype)
-
-
-def _header(meta: HandoffMeta, layer_idx: int, crc: int) -> LayerHeader:
-    return layer_header(meta, layer_idx, None, crc)
-
-
-def _is_raw(meta: HandoffMeta, scale: torch.Tensor | None) -> bool:
-    return (scale is None) != meta.is_int8_wire
 
 
 class ShmKVSender(KVSender):
@@ -128,9 +66,8 @@ class ShmKVSender(KVSender):
         except OSError as e:
             self._connect_error = e
         self._lock = threading.Lock()
-        self._requests: dict[str, _Request] = {}
-        self._segments: dict[int, Segment] = {}
-        self._cache: SharedKVCache | None = None
+        self._requests: dict[str, SendingHandoff] = {}
+        self._mapped = SenderMappings()
         self._failures = FailureLog()
         self._closed = False
         self._lost: str | None = None
@@ -186,7 +123,7 @@ class ShmKVSender(KVSender):
             check_begin(handoff, "ShmKVSender", self._closed, self._requests)
             if self._lost is not None:
                 raise ConnectionError(f"shm receiver at {self.address}: the connection ended ({self._lost})")
-            self._requests[handoff.request_id] = _Request(handoff, time.monotonic())
+            self._requests[handoff.request_id] = SendingHandoff(handoff, time.monotonic())
         self._queue.put(("begin", handoff.request_id))
 
     def send_layer(
@@ -199,19 +136,12 @@ class ShmKVSender(KVSender):
         req.sent_layers.add(layer_idx)
         if req.done:
             return
-        if _is_raw(req.meta, scale) and req.granted.is_set():
+        if is_raw(req.meta, scale) and req.granted.is_set():
             with req.write_lock:
                 if req.done:
                     return
-                if req.blocks is not None:  # straight into decode's blocks, CRC'd as copied
-                    crc = self._write_in_place(req, layer_idx, latent_kv)
-                else:
-                    region = req.region(layer_idx)
-                    num_value_bytes = latent_kv.numel() * latent_kv.element_size()
-                    crc = copy_with_checksum(region[:num_value_bytes], tensor_bytes(latent_kv))
-                    if scale is not None:
-                        crc = copy_with_checksum(region[num_value_bytes:], tensor_bytes(scale), crc)
-            header = _header(req.meta, layer_idx, crc)
+                crc = req.write_raw(layer_idx, latent_kv, scale)
+            header = written_header(req.meta, layer_idx, crc)
             if self._fault_hook is not None or not self._try_send_header(req, header):
                 self._queue.put(("written", request_id, layer_idx, crc))
         else:
@@ -257,11 +187,11 @@ class ShmKVSender(KVSender):
         self._reader.join(join_timeout_s)
         with self._lock:
             self._requests.clear()
-            segments, self._segments = list(self._segments.values()), {}
+            segments = self._mapped.take_segments()
         for segment in segments:
             segment.close()
 
-    def _open_request(self, request_id: str) -> _Request:
+    def _open_request(self, request_id: str) -> SendingHandoff:
         with self._lock:
             req = self._requests.get(request_id)
         if req is None or req.closed:
@@ -293,20 +223,11 @@ class ShmKVSender(KVSender):
         self._stop_writing(f"a send to the receiver failed: {error!r}")
         channel.close()
 
-    def _write_in_place(self, req: _Request, layer_idx: int, latent_kv: torch.Tensor) -> int:
-        """Copy a layer into decode's granted blocks (write lock held); returns its CRC-32C."""
-        assert req.cache is not None and req.blocks is not None
-        crc = write_prompt_kv(
-            req.cache.layers[layer_idx], latent_kv, torch.from_numpy(req.blocks), checksum_start=0
-        )
-        assert crc is not None
-        return crc
-
-    def _forget(self, req: _Request) -> None:
+    def _forget(self, req: SendingHandoff) -> None:
         if self._requests.get(req.meta.request_id) is req:
             del self._requests[req.meta.request_id]
 
-    def _conclude(self, req: _Request, error: KVTransferError | None, tell_receiver: bool) -> None:
+    def _conclude(self, req: SendingHandoff, error: KVTransferError | None, tell_receiver: bool) -> None:
         """Record the outcome, stop writing, and tell decode the segment is free if it did not see the end."""
         with self._lock:
             if req.done:
@@ -323,7 +244,7 @@ class ShmKVSender(KVSender):
                 self._channel.send({"k": "end", "rid": req.meta.request_id})
         req.ended.set()
 
-    def _await_grant(self, req: _Request) -> bool:
+    def _await_grant(self, req: SendingHandoff) -> bool:
         while not req.granted.wait(POLL_S):
             if req.done or self._closed or time.monotonic() >= req.deadline_s:
                 return False
@@ -357,7 +278,7 @@ class ShmKVSender(KVSender):
                     req, ProtocolError(f"{request_id}: the sender failed: {e!r}"), tell_receiver=True
                 )
 
-    def _send_layer(self, req: _Request, item: tuple, channel: Channel) -> None:
+    def _send_layer(self, req: SendingHandoff, item: tuple, channel: Channel) -> None:
         meta, layer_idx = req.meta, item[2]
         if req.stalled or req.abort_reason is not None:
             return
@@ -368,45 +289,14 @@ class ShmKVSender(KVSender):
             with req.write_lock:
                 if req.done:
                     return
-                if req.blocks is not None:
-                    latent = encoded.payload.view(encoded_dtype(meta)).view(meta.num_tokens, meta.kv_dim)
-                    header = _header(meta, layer_idx, self._write_in_place(req, layer_idx, latent))
-                else:
-                    np.copyto(req.region(layer_idx).numpy(), encoded.payload.numpy())
-                    header = encoded.header
+                header = req.write_encoded(layer_idx, encoded)
         else:
-            header = _header(meta, layer_idx, item[3])
-        if self._fault_hook is not None:
-            with req.write_lock:
-                if req.done:
-                    return
-                data = bytearray(self._written_bytes(req, layer_idx))
-            keep_sending = self._fault_hook(header, data)
-            with req.write_lock:
-                if req.done:
-                    return
-                self._rewrite(req, layer_idx, torch.frombuffer(data, dtype=torch.uint8))
-            if not keep_sending:
-                req.stalled = True
-                return
+            header = written_header(meta, layer_idx, item[3])
+        if self._fault_hook is not None and not req.run_fault_hook(layer_idx, header, self._fault_hook):
+            return
         channel.send({"k": "layer", "h": header.to_dict()})
 
-    def _written_bytes(self, req: _Request, layer_idx: int) -> bytes:
-        if req.blocks is None:
-            return req.region(layer_idx).numpy().tobytes()
-        assert req.cache is not None
-        layer = req.cache.layers[layer_idx]
-        latent, _ = gather_kv(layer, torch.from_numpy(req.blocks), req.meta.num_tokens)
-        return latent.contiguous().view(torch.uint8).numpy().tobytes()
-
-    def _rewrite(self, req: _Request, layer_idx: int, data: torch.Tensor) -> None:
-        if req.blocks is None:
-            req.region(layer_idx).copy_(data)
-            return
-        latent = data.view(encoded_dtype(req.meta)).view(req.meta.num_tokens, req.meta.kv_dim)
-        self._write_in_place(req, layer_idx, latent)
-
-    def _try_send_header(self, req: _Request, header: LayerHeader) -> bool:
+    def _try_send_header(self, req: SendingHandoff, header: LayerHeader) -> bool:
         """Send a header from this thread if the socket takes it now; False: the worker must."""
         if req.done:
             return True
@@ -445,8 +335,7 @@ class ShmKVSender(KVSender):
         # frees in-place blocks once it sees the close.
         self._stop_writing(why)
         with self._lock:
-            segments, self._segments = list(self._segments.values()), {}
-            self._cache = None
+            segments = self._mapped.take_segments()
             self._lost = why
             late = [r for r in self._requests.values() if not r.done]
         for req in late:
@@ -461,20 +350,11 @@ class ShmKVSender(KVSender):
         if kind == "grant" and "blocks" in record:
             self._on_in_place_grant(record, fds)
         elif kind == "grant":
-            segment_id, capacity = record["seg"], record["cap"]
-            if not isinstance(segment_id, int) or not isinstance(capacity, int):
-                raise TypeError(f"a grant's seg and cap must be ints, got {segment_id!r}, {capacity!r}")
-            if fds:
-                segment = Segment(segment_id, capacity, fd=fds.pop(0))  # it owns the descriptor (closes it
-                segment.close_fd()  # if it cannot map it); the mapping stays
-                replaced = self._segments.pop(segment_id, None)
-                if replaced is not None:
-                    replaced.close()
-                self._segments[segment_id] = segment
+            segment = self._mapped.map_segment(record, fds)
             with self._lock:
                 req = self._requests.get(record["rid"])
-            if req is not None and segment_id in self._segments:
-                req.segment = self._segments[segment_id]
+            if req is not None and segment is not None:
+                req.segment = segment
                 req.granted.set()
         elif kind == "done":
             with self._lock:
@@ -483,39 +363,20 @@ class ShmKVSender(KVSender):
                 error = error_from_record(record["error"])
                 self._conclude(req, error, tell_receiver=error is not None)
         elif kind == "drop":
-            for segment_id in record["segs"]:
-                segment = self._segments.pop(segment_id, None)
-                if segment is not None:
-                    segment.close()
+            self._mapped.drop(record["segs"])
 
     def _on_in_place_grant(self, record: dict, fds: list[int]) -> None:
         """A grant in place; an unusable one fails the handoff (ProtocolError) and decode is told."""
-        problem: str | None = None
-        if "cache" in record:
-            try:
-                layout = CacheLayout.from_dict(record["cache"])
-                if self._cache is not None:
-                    raise ValueError("a second shared KV cache on one connection")
-                if not fds:
-                    raise ValueError("an in-place grant with a cache layout came without its descriptor")
-                self._cache = SharedKVCache.map(fds.pop(0), layout)
-            except (KeyError, TypeError, ValueError, OSError) as e:
-                problem = f"its cache cannot be mapped: {e!r}"
+        problem = self._mapped.map_cache(record, fds) if "cache" in record else None
         with self._lock:
             req = self._requests.get(record["rid"])
         if req is None or req.done or req.granted.is_set():
             return
-        meta, cache = req.meta, self._cache
+        meta, cache = req.meta, self._mapped.cache
         try:
             if problem is not None:
                 raise ValueError(problem)
-            if cache is None:
-                raise ValueError("no shared KV cache was mapped on this connection")
-            layout = cache.layout
-            fits = (meta.dtype, meta.wire_dtype, meta.kv_dim) == (layout.dtype, layout.dtype, layout.kv_dim)
-            if not fits or meta.num_layers > layout.num_layers:
-                raise ValueError(f"the handoff {meta} does not fit the cache {layout}")
-            blocks = check_block_table(layout, record["blocks"], meta.num_tokens)
+            blocks = in_place_blocks(meta, cache, record["blocks"])
         except (TypeError, ValueError) as e:
             error = ProtocolError(f"{meta.request_id}: decode's in-place grant is unusable: {e}")
             self._conclude(req, error, tell_receiver=True)
