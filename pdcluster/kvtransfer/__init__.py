@@ -1,8 +1,7 @@
 """KV transfer from prefill to decode instances, layer by layer (DESIGN.md: "transactional P->D handoff").
 
-`base` holds the connector interface; the transports live in `grpc_transport/`, `shm_transport/`
-(one host), `dist_transport/` (torch.distributed) and `paired` (shm on the same node, else gRPC).
-Transports are imported from their packages, so importing `kvtransfer` pulls in neither gRPC nor
+`base` is the connector interface; the transports (`grpc_transport`, `shm_transport`, `dist_transport`,
+`paired`) are imported from their packages, so importing `kvtransfer` pulls in neither gRPC nor
 torch.distributed.
 """
 

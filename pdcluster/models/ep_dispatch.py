@@ -1,11 +1,8 @@
 """Expert-parallel dispatch/combine over one instance's torch.distributed process group.
 
-Per MoE layer, on every rank: each (token, logical expert) pair picks a replica (`(n + rank) % logcnt[e]`),
-an `allgather` exchanges per-expert counts (and checks all ranks are at one layer), `alltoall_base` with
-uneven splits sends rows to their experts' ranks, and the reverse all-to-all returns them for the
-gate-weighted sum. `alltoall_base` is used because gloo refuses the list form with uneven sizes and
-`all_to_all_single` fails on groups made without a default group. A failed or timed-out collective raises
-`EPCollectiveError`. Two-micro-batch overlap follows the DeepSeek-V3 report, section 3.4.
+Per MoE layer on every rank: pick a replica per (token, expert) pair, `allgather` the counts, send rows
+with an uneven `alltoall_base` (gloo refuses the list form), and return them by the reverse all-to-all.
+Failures raise `EPCollectiveError`. Two-micro-batch overlap: DeepSeek-V3 report, section 3.4.
 """
 
 from __future__ import annotations
