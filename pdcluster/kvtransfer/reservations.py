@@ -10,13 +10,11 @@ except with `on_layer_checksums`, where `on_layer` copies first and returns the 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hmac
 import operator
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -30,12 +28,12 @@ from pdcluster.kvtransfer.base import (
     LayerCallback,
     ProtocolError,
     ReceivedKV,
-    ReceivedLayer,
     SenderLost,
     TransferAborted,
     TransferTimeout,
     new_handoff_secret,
 )
+from pdcluster.kvtransfer.reservation import Reservation, State
 from pdcluster.kvtransfer.wire import (
     LayerHeader,
     check_header,
@@ -45,38 +43,6 @@ from pdcluster.kvtransfer.wire import (
     extras_from_dict,
     verify_layer,
 )
-
-
-class State(enum.Enum):
-    EXPECTING = "expecting"
-    CLAIMED = "claimed"
-    STREAMING = "streaming"
-    COMPLETE = "complete"
-    FAILED = "failed"
-
-
-@dataclass
-class _Reservation:
-    meta: HandoffMeta
-    on_layer: LayerCallback | None
-    on_layer_checksums: bool
-    expected_at_s: float
-    state: State = State.EXPECTING
-    layers: list[ReceivedLayer | None] = field(default_factory=list)
-    arrived: list[bool] = field(default_factory=list)
-    num_layers_arrived: int = 0
-    extras: HandoffExtras | None = None
-    error: KVTransferError | None = None
-    completed_at_s: float = 0.0
-    block_ids: list[int] | None = None
-    num_callbacks_running: int = 0
-
-    @property
-    def deadline_s(self) -> float:
-        return self.expected_at_s + self.meta.lease_s
-
-    def progress(self) -> str:
-        return f"{self.num_layers_arrived}/{self.meta.num_layers} layers arrived"
 
 
 class Reservations:
@@ -91,7 +57,7 @@ class Reservations:
         self.copy_kept_layers = copy_kept_layers
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._reservations: dict[str, _Reservation] = {}
+        self._reservations: dict[str, Reservation] = {}
 
     def expect(
         self,
@@ -108,7 +74,7 @@ class Reservations:
         with self._lock:
             if handoff.request_id in self._reservations:
                 raise ValueError(f"{handoff.request_id}: already reserved")
-            self._reservations[handoff.request_id] = _Reservation(
+            self._reservations[handoff.request_id] = Reservation(
                 meta=bound,
                 on_layer=on_layer,
                 on_layer_checksums=on_layer is not None and on_layer_checksums,
@@ -363,7 +329,7 @@ class Reservations:
             res = self._reservations.get(request_id)
             return None if res is None else res.error
 
-    def _live(self, request_id: str, need_streaming: bool = False) -> _Reservation:
+    def _live(self, request_id: str, need_streaming: bool = False) -> Reservation:
         res = self._reservations.get(request_id)
         if res is None:
             raise ProtocolError(
@@ -385,7 +351,7 @@ class Reservations:
             self._raise(res, ProtocolError(f"{request_id}: data before begin"))
         return res
 
-    def _live_for_layer(self, header: LayerHeader) -> _Reservation:
+    def _live_for_layer(self, header: LayerHeader) -> Reservation:
         res = self._live(header.request_id, need_streaming=True)
         try:
             check_header(res.meta, header)
@@ -395,13 +361,13 @@ class Reservations:
             self._raise(res, e)
         return res
 
-    def _fail(self, res: _Reservation, error: KVTransferError) -> None:
+    def _fail(self, res: Reservation, error: KVTransferError) -> None:
         if res.state is not State.FAILED:
             res.state = State.FAILED
             res.error = error
             self._changed.notify_all()
 
-    def _raise(self, res: _Reservation, error: KVTransferError) -> None:
+    def _raise(self, res: Reservation, error: KVTransferError) -> None:
         self._fail(res, error)
         assert res.error is not None
         raise res.error
