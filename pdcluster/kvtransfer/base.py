@@ -232,7 +232,8 @@ class KVSender(abc.ABC):
     def finish(self, request_id: str, extras: HandoffExtras) -> None: ...
 
     @abc.abstractmethod
-    def abort(self, request_id: str, reason: str) -> None: ...
+    def abort(self, request_id: str, reason: str) -> None:
+        """Drop the layers not yet sent; decode's `wait` raises TransferAborted with `reason`."""
 
     @abc.abstractmethod
     def flush(self, timeout_s: float) -> dict[str, KVTransferError]:
@@ -280,4 +281,5 @@ class KVReceiver(abc.ABC):
     def pending_request_ids(self) -> list[str]: ...
 
     @abc.abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Stop receiving; the caller releases pending reservations."""
