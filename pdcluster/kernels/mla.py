@@ -1,16 +1,8 @@
-"""Multi-head Latent Attention (MLA) references: expanded and weight-absorbed.
+"""Multi-head Latent Attention (MLA) references: expanded (prefill) and weight-absorbed (decode).
 
-Source: DeepSeek-V2 paper (arXiv 2405.04434), section 2.1, and DeepSeek-V3 report section 2.1.1.
-The KV cache holds, per token and layer, the compressed latent
-`latent_kv: [kv_lora_rank + qk_rope_head_dim]` = `[c_kv (normalized); k_pe (rotated)]`.
-
-* Expanded (prefill): up-project `c_kv` with `W_UKV = kv_b_proj.weight` to per-head keys/values, then
-  ordinary attention. Cheap when queries are many (the up-projection is amortized over them).
-* Absorbed (decode): fold `W_UK` into the query and `W_UV` into the output, so attention runs directly over
-  the latent (one shared "head" of width `kv_lora_rank + qk_rope_head_dim`): a multi-query attention.
-  Cheap when queries are few and the context is long.
-
-Both compute the same function; the tests compare them.
+Source: DeepSeek-V2 (arXiv 2405.04434) section 2.1; DeepSeek-V3 report section 2.1.1. The cache holds
+`latent_kv = [c_kv (normalized); k_pe (rotated)]` per token; the absorbed form folds `W_UK` into the query
+and `W_UV` into the output, so attention runs over the latent as multi-query attention.
 """
 
 from __future__ import annotations
@@ -21,13 +13,9 @@ import torch
 def split_kv_b_weight(
     kv_b_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split `kv_b_proj.weight` into the key and value up-projections.
+    """kv_b_weight: [num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]
 
-    Args:
-        kv_b_weight: `[num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`.
-
-    Returns:
-        `(w_uk [num_heads, qk_nope_head_dim, kv_lora_rank], w_uv [num_heads, v_head_dim, kv_lora_rank])`.
+    returns w_uk: [num_heads, qk_nope_head_dim, kv_lora_rank], w_uv: [num_heads, v_head_dim, kv_lora_rank]
     """
     kv_lora_rank = kv_b_weight.shape[-1]
     w = kv_b_weight.view(num_heads, qk_nope_head_dim + v_head_dim, kv_lora_rank)
@@ -46,18 +34,11 @@ def mla_attention_expanded(
 ) -> torch.Tensor:
     """Attention with keys/values up-projected from the latent (the prefill form).
 
-    Args:
-        q_nope: `[B, Sq, H, qk_nope_head_dim]`.
-        q_pe: `[B, Sq, H, qk_rope_head_dim]`, already rotated.
-        kv_c: `[B, Sk, kv_lora_rank]`, normalized latent.
-        k_pe: `[B, Sk, qk_rope_head_dim]`, already rotated, shared by all heads.
-        kv_b_weight: `[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`.
-        softmax_scale: multiplier on q.k (`DeepseekV3Config.softmax_scale`).
-        attn_mask: optional bool `[B, Sq, Sk]`, True where the query may attend.
-        is_causal: plain causal mask with Sq == Sk (ignored when `attn_mask` is given).
-
-    Returns:
-        `[B, Sq, H, v_head_dim]` in `q_nope.dtype`.
+    q_nope: [B, Sq, H, qk_nope_head_dim]; q_pe: [B, Sq, H, qk_rope_head_dim], rotated
+    kv_c: [B, Sk, kv_lora_rank], normalized; k_pe: [B, Sk, qk_rope_head_dim], rotated, shared by all heads
+    kv_b_weight: [H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]
+    attn_mask: [B, Sq, Sk] bool, True = may attend (else `is_causal` with Sq == Sk)
+    returns [B, Sq, H, v_head_dim] in `q_nope.dtype`
     """
     batch, num_q, num_heads, qk_nope_head_dim = q_nope.shape
     num_k = kv_c.shape[1]
@@ -89,10 +70,9 @@ def mla_attention_absorbed(
     attn_mask: torch.Tensor | None = None,
     is_causal: bool = False,
 ) -> torch.Tensor:
-    """The same attention computed over the latent, with `W_UK`/`W_UV` absorbed (the decode form).
+    """The same attention over the latent with `W_UK`/`W_UV` absorbed (the decode form).
 
     score[h, i, j] = (q_nope[i, h] W_UK[h]) . kv_c[j] + q_pe[i, h] . k_pe[j];  out[i, h] = W_UV[h] (p . kv_c).
-    Arguments and result as `mla_attention_expanded`.
     """
     batch, num_q, num_heads, qk_nope_head_dim = q_nope.shape
     num_k = kv_c.shape[1]
@@ -117,9 +97,5 @@ def _check_causal(is_causal: bool, attn_mask: torch.Tensor | None, num_q: int, n
 
 
 def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-    """Bool mask `[B, Sq, Sk]`: query i may see key j when `k_positions[j] <= q_positions[i]`.
-
-    Args:
-        q_positions: `[B, Sq]` int64. k_positions: `[B, Sk]` int64.
-    """
+    """[B, Sq, Sk] bool: query i sees key j when `k_positions[j] <= q_positions[i]` (int64)."""
     return k_positions[:, None, :] <= q_positions[:, :, None]

@@ -1,15 +1,8 @@
-"""Absorbed MLA attention for a uniform decode batch with fixed shapes: every request runs the same
-number `q` of query tokens (decode `q = 1`, speculative verification `q = k + 1`).
+"""Absorbed MLA attention for a uniform decode batch, with fixed shapes for graph capture.
 
-The function `kernels.paged_mla.paged_mla_attention` computes (its absorbed form), arranged so that it
-traces into one graph (`torch.compile`, CUDA graphs; see `engine.compiled_forward`): no host sync, no
-data-dependent shape, and the cache is only read. Keys are the request's cached positions
-`0 .. context_len - 1`, gathered through its block table, followed by this step's `q` latents passed in
-directly, so the caller writes them into the cache after the forward instead of before each layer's
-attention. Query `j` sees every cached key and this step's keys `0 ..= j` (causal).
-
-Source: DeepSeek-V2 paper (arXiv 2405.04434), section 2.1 and the weight-absorption remark of 2.1.2:
-`score = (q_nope W_UK) . c_kv + q_pe . k_pe`, `out = W_UV (p . c_kv)`.
+Keys are each request's cached positions followed by this step's `q` latents (passed in, written to the
+cache by the caller afterwards); query j sees the cache and this step's keys 0..j. Source: DeepSeek-V2
+(arXiv 2405.04434) section 2.1.2: `score = (q_nope W_UK) . c_kv + q_pe . k_pe`, `out = W_UV (p . c_kv)`.
 """
 
 from __future__ import annotations
@@ -29,23 +22,14 @@ def mla_decode_attention(
     softmax_scale: float,
     num_queries: int,
 ) -> torch.Tensor:
-    """Causal absorbed MLA attention of `B` requests with `num_queries` queries each.
+    """Causal absorbed MLA attention of `B` requests with `num_queries` (q) queries each.
 
-    Args:
-        q_nope: `[B * q, H, qk_nope_head_dim]`; q_pe: `[B * q, H, qk_rope_head_dim]` (rotated); request
-            b's `q` rows after request b-1's.
-        new_latent: `[B * q, kv_lora_rank + qk_rope_head_dim]`, this step's latent KV, in the cache dtype
-            (a float cache: the model dtype).
-        kv_cache: `[num_blocks, block_size, kv_dim]` float (not int8: no scales here).
-        block_tables: `[B, C]` int64 block ids covering each request's context.
-        context_lens: `[B]` int64, cached tokens before this step (`seq_len - q`), at most `C * block_size`.
-        w_uk: `[H, qk_nope_head_dim, kv_lora_rank]`; w_uv: `[H, v_head_dim, kv_lora_rank]`
-            (`kernels.mla.split_kv_b_weight`).
-        softmax_scale: multiplier on q.k.
-        num_queries: q, query tokens per request.
-
-    Returns:
-        `[B * q, H, v_head_dim]` in `q_nope.dtype` (softmax in float32).
+    q_nope: [B * q, H, qk_nope_head_dim]; q_pe: [B * q, H, qk_rope_head_dim], rotated, request-major
+    new_latent: [B * q, kv_lora_rank + qk_rope_head_dim] cache dtype
+    kv_cache: [num_blocks, block_size, kv_dim] float (not int8)
+    block_tables: [B, C] int64; context_lens: [B] int64, cached tokens before this step
+    w_uk: [H, qk_nope_head_dim, kv_lora_rank]; w_uv: [H, v_head_dim, kv_lora_rank]
+    returns [B * q, H, v_head_dim] in `q_nope.dtype` (softmax in float32)
     """
     batch, num_columns = block_tables.shape
     num_blocks, block_size, kv_dim = kv_cache.shape

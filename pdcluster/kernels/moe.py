@@ -1,8 +1,7 @@
 """DeepSeekMoE routing reference: sigmoid scores, bias for selection only, group-limited top-k.
 
-Source: DeepSeek-V3 technical report (arXiv 2412.19437), section 2.1.2, eqs. 12-16 and the auxiliary-
-loss-free balancing (section 2.1.2, "Auxiliary-Loss-Free Load Balancing"); group-limited routing as in
-the public config (`n_group`, `topk_group`): a group's score is the sum of its two best expert scores.
+Source: DeepSeek-V3 report (arXiv 2412.19437) section 2.1.2, eqs. 12-16 and auxiliary-loss-free balancing;
+a group's score is the sum of its two best expert scores, as in the public config's `n_group`/`topk_group`.
 """
 
 from __future__ import annotations
@@ -20,19 +19,11 @@ def grouped_topk(
     norm_topk_prob: bool,
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick each token's experts and their gate weights.
+    """Each token's experts and gate weights.
 
-    Args:
-        router_logits: `[num_tokens, n_routed_experts]` float32 (`hidden @ gate.weight.T`).
-        e_score_correction_bias: `[n_routed_experts]` float32, added to the scores for *selection* only.
-        top_k: experts per token (`num_experts_per_tok`).
-        n_group / topk_group: experts are split into `n_group` equal groups; only experts of the
-            `topk_group` best groups may be chosen.
-        norm_topk_prob: divide the chosen sigmoid scores by their sum.
-        routed_scaling_factor: multiplier on the final weights (2.5 for DeepSeek-V3).
-
-    Returns:
-        `(topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int64)`.
+    router_logits: [num_tokens, n_routed_experts] float32
+    e_score_correction_bias: [n_routed_experts] float32, for selection only
+    returns topk_weights: [num_tokens, top_k] float32, topk_ids: [num_tokens, top_k] int64
     """
     num_tokens, num_experts = router_logits.shape
     scores = router_logits.float().sigmoid()

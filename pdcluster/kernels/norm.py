@@ -6,16 +6,7 @@ import torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`weight * x / sqrt(mean(x**2) + eps)`, computed in float32.
-
-    Args:
-        x: `[..., dim]` any float dtype.
-        weight: `[dim]`.
-        eps: added to the mean square.
-
-    Returns:
-        `[..., dim]` in `x.dtype`.
-    """
+    """`weight * x / sqrt(mean(x**2) + eps)` in float32; x: [..., dim], weight: [dim]."""
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -1,8 +1,7 @@
 """Rotary position embedding (Su et al., RoFormer, 2021) with YaRN scaling (Peng et al., 2023).
 
-DeepSeek-V3 applies RoPE only to the decoupled `qk_rope_head_dim` part of queries and keys (DeepSeek-V2
-paper, section 2.1.3). The public checkpoints store those dimensions as interleaved pairs
-`(x0, x1), (x2, x3), ...` (`rope_interleave: true`); `rope_interleave: false` rotates halves instead.
+Applied only to the decoupled `qk_rope_head_dim` part (DeepSeek-V2 section 2.1.3); the public checkpoints
+interleave pairs `(x0, x1), (x2, x3), ...` (`rope_interleave: true`).
 """
 
 from __future__ import annotations
@@ -15,12 +14,7 @@ from pdcluster.models.config import DeepseekV3Config
 
 
 def rope_inv_freq(config: DeepseekV3Config) -> torch.Tensor:
-    """Inverse frequencies `[qk_rope_head_dim // 2]` float32, YaRN-blended when `rope_scaling` is set.
-
-    YaRN (paper section 3.2, "NTK-by-parts"): dimensions that rotate more than `beta_fast` times over the
-    original context keep their frequency, those rotating fewer than `beta_slow` times are divided by
-    `factor`, and a linear ramp blends the ones between.
-    """
+    """Inverse frequencies [qk_rope_head_dim // 2] float32, YaRN "NTK-by-parts" (section 3.2) when scaled."""
     dim = config.qk_rope_head_dim
     base = config.rope_theta
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
@@ -48,16 +42,7 @@ def rope_inv_freq(config: DeepseekV3Config) -> torch.Tensor:
 def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for the given positions.
-
-    Args:
-        positions: `[num_tokens]` int64 absolute positions.
-        inv_freq: `[rope_dim // 2]` float32 from `rope_inv_freq`.
-        attention_factor: YaRN multiplier on cos/sin (`DeepseekV3Config.rope_attention_factor`).
-
-    Returns:
-        `(cos, sin)`, each `[num_tokens, rope_dim // 2]` float32.
-    """
+    """positions: [num_tokens] int64; inv_freq: [d // 2] -> cos, sin: [num_tokens, d // 2] float32."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     return freqs.cos() * attention_factor, freqs.sin() * attention_factor
 
@@ -65,15 +50,9 @@ def rope_cos_sin(
 def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = True
 ) -> torch.Tensor:
-    """Rotate the rope dimensions of `x`.
+    """Rotate the rope dimensions of x: [num_tokens, ..., rope_dim]; cos, sin: [num_tokens, rope_dim // 2].
 
-    Args:
-        x: `[num_tokens, ..., rope_dim]` (heads, if any, between tokens and rope_dim).
-        cos, sin: `[num_tokens, rope_dim // 2]` from `rope_cos_sin`.
-        interleave: pairs are `(x[2i], x[2i+1])` when True (DeepSeek layout), `(x[i], x[i + d/2])` when False.
-
-    Returns:
-        Same shape and dtype as `x`. With `interleave=True` the output keeps the interleaved layout.
+    interleave: pairs `(x[2i], x[2i+1])` (DeepSeek layout) or `(x[i], x[i + d/2])`.
     """
     dtype = x.dtype
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)

@@ -1,15 +1,7 @@
-"""One transport's KV handoffs timed on this host, as decode and prefill run them: the measuring part of
-`python -m bench.kv_transfer` (its module docstring says what each figure means), here so that `pdcluster
-profile` (`planner.profiling.measure_kv`) measures the KV link with the same code when the package is
-installed without the repository's `bench/`.
+"""Times one transport's KV handoffs on this host, for `bench.kv_transfer` and `pdcluster profile`.
 
-`bench_pair(transport, shape, wire, repeats, sender_in)` moves one handoff of `shape` (a dict: num_layers,
-num_tokens, kv_dim, dtype) `repeats` times over `transport` (`grpc` on 127.0.0.1, `shm` written in place
-into a shared paged cache, or `shm_segment`), decode's side in this process writing each layer into a paged
-KV cache through a shuffled block table (`PagedDestination`), prefill's side in a spawned process
-(`sender_in="process"`) or on a thread here; it returns seconds, GB/s and the adjacent yardsticks
-(`summarize`). Raises AssertionError if a handoff failed or the cache does not hold the layers sent
-(float wire), TimeoutError if the sender process answers nothing within `WAIT_S` seconds.
+`bench_pair` raises AssertionError if a handoff failed or the cache lacks the layers sent, TimeoutError
+if the sender process answers nothing within `WAIT_S` seconds.
 """
 
 from __future__ import annotations
@@ -25,12 +17,11 @@ import torch
 
 from pdcluster.kvtransfer.base import HandoffExtras, HandoffMeta, KVReceiver, KVSender
 
-WAIT_S = 600.0  # a handoff's lease and every wait on the other side: generous, a run is minutes at most
+WAIT_S = 600.0
 
 
 def make_handoff(request_id: str, shape: dict[str, Any], wire: str) -> HandoffMeta:
-    """The handoff of one request of `shape` (num_layers, num_tokens, kv_dim, dtype name) with the model
-    dtype on the wire (`wire="model"`) or int8, its lease `WAIT_S` seconds."""
+    """One request of `shape` (num_layers, num_tokens, kv_dim, dtype) with `wire` "model" or "int8"."""
     return HandoffMeta(
         request_id=request_id,
         num_layers=shape["num_layers"],
@@ -43,8 +34,7 @@ def make_handoff(request_id: str, shape: dict[str, Any], wire: str) -> HandoffMe
 
 
 def make_layers(meta: HandoffMeta) -> list[torch.Tensor]:
-    """`num_layers` seeded random layers, each `[num_tokens, kv_dim]` in the model dtype (the same values in
-    every process: the receiver checks what arrived against its own copy)."""
+    """Seeded random layers, each [num_tokens, kv_dim] in the model dtype (the same in every process)."""
     gen = torch.Generator().manual_seed(0)
     return [
         torch.randn(meta.num_tokens, meta.kv_dim, generator=gen).to(meta.torch_dtype)
@@ -53,12 +43,11 @@ def make_layers(meta: HandoffMeta) -> list[torch.Tensor]:
 
 
 def make_extras(meta: HandoffMeta) -> HandoffExtras:
-    """What `finish` carries (a first token; no MTP drafts): the bench times the layers, not the extras."""
     return HandoffExtras(first_token_id=1)
 
 
 def send_all(sender: KVSender, meta: HandoffMeta, layers: list[torch.Tensor]) -> float:
-    """Sends one handoff; returns seconds the send_layer calls took to return."""
+    """Send one handoff; returns the seconds the `send_layer` calls took."""
     sender.begin(meta)
     started_s = time.perf_counter()
     for layer_idx, latent in enumerate(layers):
@@ -75,11 +64,7 @@ def summarize(
     clone_s: list[float] | None = None,
     copy_s: list[float] | None = None,
 ) -> dict[str, Any]:
-    """A run's figures from its transfers' seconds (`elapsed_s`, one per transfer): `kv_bytes` (the model
-    dtype's), `wire_bytes`, `kv_GB_per_s` / `wire_GB_per_s` best and median (GB = 1e9 bytes),
-    `elapsed_ms`; with `send_return_s` its median in ms; with each transfer's adjacent clone (`clone_s`)
-    or paged write (`copy_s`) seconds, the median of their ratios to it (`vs_adjacent_clone_median`,
-    `vs_adjacent_copy_median`). Raises ValueError for an empty `elapsed_s`."""
+    """A run's figures from its transfers' `elapsed_s` (GB = 1e9 bytes); ValueError if empty."""
     kv_bytes = meta.num_layers * meta.num_tokens * meta.kv_dim * meta.torch_dtype.itemsize
     best_s, median_s = min(elapsed_s), statistics.median(elapsed_s)
     result = {
@@ -98,7 +83,7 @@ def summarize(
     }
     if send_return_s:
         result["send_return_ms"] = round(statistics.median(send_return_s) * 1e3, 3)
-    if clone_s:  # each transfer's own yardstick, timed just before it: robust to a machine whose load moves
+    if clone_s:
         result["vs_adjacent_clone_median"] = round(
             statistics.median(c / e for c, e in zip(clone_s, elapsed_s, strict=True)), 3
         )
@@ -110,9 +95,7 @@ def summarize(
 
 
 def time_paged_copy(destination: PagedDestination, layers: list[torch.Tensor]) -> float:
-    """Seconds of writing every layer, in this process, into `destination`'s paged cache (touched memory,
-    reused): decode's own copy with nothing before it, the strict yardstick (no allocation, no page
-    faults, one thread)."""
+    """Seconds to write every layer into `destination`'s paged cache in this process (the yardstick)."""
     from pdcluster.kvtransfer.base import ReceivedLayer
 
     started_s = time.perf_counter()
@@ -122,9 +105,7 @@ def time_paged_copy(destination: PagedDestination, layers: list[torch.Tensor]) -
 
 
 def time_clone(layers: list[torch.Tensor], minor_faults: list[int] | None = None) -> float:
-    """Seconds of one `clone()` of every layer (the copies freed at once); appends to `minor_faults` the
-    page faults the clone took (fresh pages from the kernel: whether the allocator kept the memory of the
-    previous copies decides it, and it moves the clone's speed 2x: `bench.kv_transfer`'s docstring)."""
+    """Seconds of one `clone()` of every layer; appends its page faults to `minor_faults`."""
     faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     started_s = time.perf_counter()
     copies = [latent.clone() for latent in layers]
@@ -136,11 +117,7 @@ def time_clone(layers: list[torch.Tensor], minor_faults: list[int] | None = None
 
 
 class PagedDestination:
-    """Decode's side of a handoff as decode does it: each received layer is written into a paged KV cache
-    (`[num_blocks, BLOCK_SIZE, kv_dim]` per layer, allocated and touched once, reused by every handoff)
-    through the block table of a reservation, by the function decode's `write_prompt_kv` calls
-    (`kernels.paged_mla.write_prompt_kv`). The table is the prompt's blocks in a shuffled order (a cache
-    that has served requests hands out scattered blocks)."""
+    """Decode's side: each received layer written through a shuffled block table into a paged cache."""
 
     BLOCK_SIZE = 16  # the engine's default (`EngineConfig.block_size`)
 
@@ -148,23 +125,20 @@ class PagedDestination:
         from pdcluster.kvtransfer.shm_transport.inplace import SharedKVCache
 
         num_blocks = -(-meta.num_tokens // self.BLOCK_SIZE)
-        spare = 8  # blocks no handoff writes: a write past its table would show there
+        spare = 8
         shape = (num_blocks + spare, self.BLOCK_SIZE, meta.kv_dim)
-        # shared: in one memfd, as decode's cache is (`ModelRunner(shared_kv_cache=True)`), for shm in place
         self.shared = SharedKVCache.for_tensors(meta.num_layers, shape, meta.torch_dtype) if shared else None
         if self.shared is not None:
             self.caches = list(self.shared.layers)
         else:
             self.caches = [torch.zeros(shape, dtype=meta.torch_dtype) for _ in range(meta.num_layers)]
-        for cache in self.caches:  # touched once: no handoff pays the first-touch page faults
+        for cache in self.caches:
             cache.fill_(1)
         self.block_table = torch.randperm(num_blocks + spare, generator=torch.Generator().manual_seed(0))[
             :num_blocks
         ]
 
     def on_layer(self, layer_idx: int, layer: Any) -> int | None:
-        """Decode's write; an unverified layer's CRC-32C computed as it is copied (`timed_receive` passes
-        `on_layer_checksums`, as decode does)."""
         from pdcluster.kernels.paged_mla import write_prompt_kv
 
         checksum_start = None if layer.verified else 0
@@ -173,7 +147,7 @@ class PagedDestination:
         )
 
     def check(self, layers: list[torch.Tensor]) -> None:
-        """AssertionError unless the caches hold `layers` (a float wire: the bytes sent)."""
+        """AssertionError unless the caches hold `layers`."""
         from pdcluster.kernels.paged_mla import gather_kv
 
         for layer_idx in (0, len(layers) - 1):
@@ -187,12 +161,10 @@ def timed_receive(
     meta: HandoffMeta,
     destination: PagedDestination | None = None,
 ) -> tuple[float, Any]:
-    """Seconds from `start_sending(bound)` (after `expect`, which returned `bound`: `meta` with its secret)
-    to `wait` returning, each layer written into `destination`'s paged cache as it arrives (None: kept by
-    the receiver until `wait`); what `start_sending` returned."""
+    """Seconds from `start_sending(bound)` until `wait` returns, and what `start_sending` returned."""
     if destination is None:
         bound = receiver.expect(meta)
-    else:  # with the block table, as decode does: shm then writes in place when its cache is shared
+    else:
         bound = receiver.expect(
             meta, destination.on_layer, on_layer_checksums=True, block_ids=destination.block_table.tolist()
         )
@@ -205,8 +177,6 @@ def timed_receive(
 
 
 def _make_pair(transport: str) -> tuple[Any, Callable[[], KVSender]]:
-    """The receiver of `transport` (`grpc`, `shm` or `shm_segment`) and a function that connects a sender
-    to it (run in the sender's process)."""
     if transport == "grpc":
         from pdcluster.kvtransfer.grpc_transport import KVReceiverServer
 
@@ -220,8 +190,6 @@ def _make_pair(transport: str) -> tuple[Any, Callable[[], KVSender]]:
 
 @dataclasses.dataclass(frozen=True)
 class _SenderFactory:
-    """Connects a sender of `transport` to `address` (picklable: it crosses to the sender's process)."""
-
     transport: str
     address: str
 
@@ -236,8 +204,7 @@ class _SenderFactory:
 
 
 def _sender_process(connect: _SenderFactory, shape: dict[str, Any], wire: str, threads: int, conn) -> None:
-    """Prefill's side in its own process: for each bound handoff received on `conn`, send every layer and
-    answer with `send_all`'s seconds; None ends it (after a flush, whose failures it reports)."""
+    """Prefill's side in its own process: sends each handoff received on `conn`; None ends it."""
     torch.set_num_threads(threads)
     sender = connect()
     layers = make_layers(make_handoff("x", shape, wire))
@@ -253,12 +220,10 @@ def _sender_process(connect: _SenderFactory, shape: dict[str, Any], wire: str, t
 def bench_pair(
     transport: str, shape: dict[str, Any], wire: str, repeats: int, sender_in: str
 ) -> dict[str, Any]:
-    """`grpc` or `shm`, the real transport: the receiver (decode's side) in this process, the sender
-    (prefill's) in a spawned process of its own (`sender_in="process"`, as deployed: prefill and decode are
-    different actors) or on a thread of this one (`"thread"`: both sides then share one GIL)."""
+    """Time `transport` ("grpc", "shm" or "shm_segment") with the sender in a spawned process or a thread."""
     receiver, connect = _make_pair(transport)
     layers = make_layers(make_handoff("x", shape, wire))
-    in_place = transport == "shm" and wire == "model"  # as deployed: decode's float cache is shared
+    in_place = transport == "shm" and wire == "model"
     destination = PagedDestination(make_handoff("x", shape, wire), shared=in_place)
     if in_place:
         assert destination.shared is not None
@@ -274,7 +239,7 @@ def bench_pair(
             target=_sender_process, args=(connect, shape, wire, torch.get_num_threads(), there), daemon=True
         )
         child.start()
-        there.close()  # the child's end: a child that dies closes the pipe, and recv raises EOFError
+        there.close()
 
         def start(bound: HandoffMeta) -> None:
             here.send(bound)
@@ -294,7 +259,7 @@ def bench_pair(
             return returned.pop()
 
     try:
-        for i in range(repeats + 1):  # the first one warms the connection (and maps shm's segment)
+        for i in range(repeats + 1):
             clone_s.append(time_clone(layers, clone_faults))
             if yardstick is not None:
                 copy_s.append(time_paged_copy(yardstick, layers))
@@ -324,7 +289,6 @@ def bench_pair(
         **result,
         "sender_in": sender_in,
         "adjacent_clone_minor_faults_median": int(statistics.median(clone_faults[1:])),
-        # with the sender on a thread of this process its CPU time is in it too: only for a process
         **(
             {"receiver_cpu_ms_median": round(statistics.median(receiver_cpu_s[1:]) * 1e3, 1)}
             if sender_in == "process"

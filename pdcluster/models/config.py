@@ -1,9 +1,6 @@
-"""DeepSeek-V3 model configuration.
+"""DeepSeek-V3 model configuration: `config.json` keys map 1:1 onto `DeepseekV3Config`.
 
-`DeepseekV3Config` mirrors the keys of the public `config.json` (DeepSeek-V3, DeepSeek-R1, Kimi-K2 and
-the files `transformers` writes for `model_type: deepseek_v3`), so a checkpoint's config maps 1:1 onto
-the dataclass. Both spellings of the RoPE settings are accepted: the public release's `rope_theta` +
-`rope_scaling` and newer `transformers`' `rope_parameters`.
+Both RoPE spellings are accepted: `rope_theta` + `rope_scaling`, and newer `transformers`' `rope_parameters`.
 """
 
 from __future__ import annotations
@@ -20,13 +17,7 @@ SUPPORTED_MODEL_TYPES = ("deepseek_v3",)
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """YaRN RoPE scaling (Peng et al., "YaRN: Efficient Context Window Extension of LLMs", 2023).
-
-    `factor` stretches the context from `original_max_position_embeddings`; `beta_fast`/`beta_slow` bound
-    the ramp between extrapolated and interpolated frequencies; `mscale`/`mscale_all_dim` set the attention
-    temperature as DeepSeek-V2/V3 configure it (see `DeepseekV3Config.softmax_scale` and
-    `rope_attention_factor`).
-    """
+    """YaRN RoPE scaling (Peng et al. 2023, "YaRN: Efficient Context Window Extension of LLMs")."""
 
     rope_type: str = "yarn"
     factor: float = 1.0
@@ -40,10 +31,7 @@ class RopeScaling:
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN attention temperature `0.1 * mscale * ln(scale) + 1` (YaRN paper, section 3.4).
-
-    Returns 1 for scale <= 1.
-    """
+    """YaRN attention temperature `0.1 * mscale * ln(scale) + 1` (YaRN section 3.4); 1 for scale <= 1."""
     if scale <= 1.0:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
@@ -53,9 +41,8 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
 class DeepseekV3Config:
     """Architecture hyper-parameters; field names equal the public `config.json` keys.
 
-    Sizes are counts (`hidden_size` elements, `num_*` counts). `q_lora_rank=None` means a plain query
-    projection (as in DeepSeek-V2-Lite). `num_nextn_predict_layers` is the number of MTP modules stored
-    after the main layers (the public checkpoints store one, as layer index `num_hidden_layers`).
+    `q_lora_rank=None`: a plain query projection (DeepSeek-V2-Lite); `num_nextn_predict_layers` MTP modules
+    follow the main layers (the first at index `num_hidden_layers`).
     """
 
     vocab_size: int = 129280
@@ -92,15 +79,13 @@ class DeepseekV3Config:
     torch_dtype: str = "bfloat16"
     quantization_config: dict[str, Any] | None = field(default=None, compare=False)
 
-    # ---- derived values -------------------------------------------------------------------------
     @property
     def qk_head_dim(self) -> int:
-        """Per-head query/key width: `qk_nope_head_dim + qk_rope_head_dim` (192 for DeepSeek-V3)."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
     def kv_cache_dim(self) -> int:
-        """Width of one token's MLA latent KV per layer: `kv_lora_rank + qk_rope_head_dim` (576 for V3)."""
+        """One token's latent KV width per layer: `kv_lora_rank + qk_rope_head_dim`."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
@@ -120,8 +105,7 @@ class DeepseekV3Config:
     def rope_attention_factor(self) -> float:
         """Multiplier on cos/sin under YaRN: `mscale(factor, mscale) / mscale(factor, mscale_all_dim)`.
 
-        It is 1.0 for the public DeepSeek-V3 config (mscale == mscale_all_dim == 1); an explicit
-        `attention_factor` wins. Same convention as vLLM's DeepseekScalingRotaryEmbedding.
+        An explicit `attention_factor` wins; as vLLM's DeepseekScalingRotaryEmbedding.
         """
         rs = self.rope_scaling
         if rs is None:
@@ -133,10 +117,8 @@ class DeepseekV3Config:
         return yarn_get_mscale(rs.factor)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        """True for layers whose MLP is DeepSeekMoE (index >= first_k_dense_replace); MTP layers included."""
         return self.n_routed_experts > 0 and layer_idx >= self.first_k_dense_replace
 
-    # ---- construction ---------------------------------------------------------------------------
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"config field {name!r}: {why} (got {getattr(self, name)!r})")
@@ -181,10 +163,9 @@ class DeepseekV3Config:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, source: str = "config") -> DeepseekV3Config:
-        """Build from a `config.json` dict; unknown keys (e.g. `architectures`) are ignored.
+        """Build from a `config.json` dict, ignoring unknown keys.
 
-        Raises:
-            ValueError: unsupported `model_type`, or a field with an invalid value (the message names it).
+        Raises ValueError for an unsupported `model_type` or an invalid field (named).
         """
         model_type = raw.get("model_type", "deepseek_v3")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -194,7 +175,6 @@ class DeepseekV3Config:
             )
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in names}
-        # transformers >= 4.5x writes `rope_parameters` (rope_theta + scaling in one dict).
         rope = dict(raw.get("rope_parameters") or {})
         if "rope_theta" in rope:
             kwargs["rope_theta"] = rope.pop("rope_theta")
@@ -208,18 +188,12 @@ class DeepseekV3Config:
             kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
         try:
             return cls(**kwargs)
-        except TypeError as exc:  # pragma: no cover - dataclass signature mismatch
+        except TypeError as exc:  # pragma: no cover
             raise ValueError(f"{source}: {exc}") from exc
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> DeepseekV3Config:
-        """Read `config.json`.
-
-        Raises:
-            FileNotFoundError: no such file.
-            ValueError naming the file: not a regular file (a FIFO is not opened), not UTF-8, not a JSON
-                object, or fields `from_dict` refuses (also values of the wrong JSON type).
-        """
+        """Read `config.json`; FileNotFoundError, or ValueError naming the file for anything unreadable."""
         path = Path(path)
         if path.exists() and not path.is_file():
             raise ValueError(f"{path}: not a regular file")
@@ -236,7 +210,7 @@ class DeepseekV3Config:
         except ValueError as exc:
             msg = str(exc)
             raise ValueError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from exc
-        except (TypeError, AttributeError, KeyError) as exc:  # e.g. "rope_scaling": "yarn"
+        except (TypeError, AttributeError, KeyError) as exc:
             raise ValueError(f"{path}: a field has a value of the wrong type ({exc})") from exc
 
     def to_dict(self) -> dict[str, Any]:

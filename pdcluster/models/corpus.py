@@ -1,11 +1,6 @@
-"""The tiny model's corpus: the running interpreter's standard library source, with a fixed held-out split.
+"""The tiny model's corpus: the interpreter's standard library source, with a fixed held-out split.
 
-Every machine with Python has this text offline. Files are read in sorted order, so the split and the
-token stream are reproducible for a given interpreter version (recorded in the model card).
-
-Held out (never trained on): the modules in `HELD_OUT_MODULES`. Demo and benchmark prompts are cut from
-them. Excluded from both splits: the test suite, GUI/IDLE code, vendored tools and generated data
-(`EXCLUDED_DIRS`), so the corpus is ordinary library code.
+`HELD_OUT_MODULES` are never trained on; demo and benchmark prompts come from them.
 """
 
 from __future__ import annotations
@@ -49,7 +44,6 @@ EXCLUDED_DIRS: frozenset[str] = frozenset(
 
 
 def stdlib_dir() -> Path:
-    """The running interpreter's pure-Python standard library directory."""
     return Path(sysconfig.get_paths()["stdlib"])
 
 
@@ -58,15 +52,7 @@ def _is_held_out(rel: Path) -> bool:
 
 
 def corpus_files(split: str, root: Path | None = None) -> list[Path]:
-    """Sorted `.py` files of one split.
-
-    Args:
-        split: `"train"` or `"heldout"`.
-        root: the standard library directory (default: `stdlib_dir()`).
-
-    Raises:
-        ValueError: unknown split.
-    """
+    """Sorted `.py` files of `split` ("train" or "heldout"); ValueError for another split."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     root = root or stdlib_dir()
@@ -81,12 +67,11 @@ def corpus_files(split: str, root: Path | None = None) -> list[Path]:
 
 
 def read_documents(split: str, root: Path | None = None) -> list[str]:
-    """The split's files as text, in `corpus_files` order (undecodable bytes replaced)."""
     return [p.read_text(encoding="utf-8", errors="replace") for p in corpus_files(split, root)]
 
 
 def corpus_digest(split: str, root: Path | None = None) -> str:
-    """sha256 over the split's relative paths and contents: identifies the exact text a figure is for."""
+    """sha256 over the split's relative paths and contents."""
     root = root or stdlib_dir()
     h = hashlib.sha256()
     for p in corpus_files(split, root):

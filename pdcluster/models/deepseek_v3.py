@@ -1,12 +1,7 @@
-"""DeepSeek-V3 architecture in torch, read top to bottom: MLA -> MLP / MoE -> decoder layer -> MTP -> model.
+"""DeepSeek-V3 in torch, top to bottom: MLA -> MLP / MoE -> decoder layer -> MTP -> model.
 
-Sources: DeepSeek-V3 technical report (arXiv 2412.19437) sections 2.1 (MLA, DeepSeekMoE) and 2.2 (MTP);
-DeepSeek-V2 paper (arXiv 2405.04434) section 2.1 (MLA, decoupled RoPE). Parameter names equal the public
-checkpoint's tensor names (`model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight`, ...), so a state dict
-loads without renaming; the MTP module is `model.layers.{num_hidden_layers}` as in the public release.
-
-The model is single-device; expert parallelism replaces the `ExpertDispatcher` of each MoE layer, and the
-engine drives layers through `DeepseekV3Attention.project` / `attend` with its own paged KV cache.
+Sources: DeepSeek-V3 report (arXiv 2412.19437) sections 2.1-2.2; DeepSeek-V2 (arXiv 2405.04434) section 2.1.
+Parameter names equal the public checkpoint's, the MTP module at `model.layers.{num_hidden_layers}`.
 """
 
 from __future__ import annotations
@@ -41,12 +36,7 @@ class RMSNorm(nn.Module):
 
 
 class DeepseekV3Attention(nn.Module):
-    """Multi-head Latent Attention with decoupled RoPE.
-
-    Per token: `q = W_UQ RMSNorm(W_DQ h)` (or `W_Q h` when `q_lora_rank` is None), split into
-    `q_nope [H, qk_nope_head_dim]` and `q_pe [H, qk_rope_head_dim]`; `[c_kv; k_pe] = W_DKV h`,
-    `c_kv <- RMSNorm(c_kv)`, `k_pe <- RoPE(k_pe)`. Only `latent_kv = [c_kv; k_pe]` is cached.
-    """
+    """Multi-head Latent Attention with decoupled RoPE; only `latent_kv = [c_kv; k_pe]` is cached."""
 
     def __init__(self, config: DeepseekV3Config) -> None:
         super().__init__()
@@ -71,13 +61,10 @@ class DeepseekV3Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries and this step's latent KV.
 
-        Args:
-            hidden: `[num_tokens, hidden_size]` (already input-normalized).
-            cos, sin: `[num_tokens, qk_rope_head_dim // 2]` float32 for the tokens' positions.
-
-        Returns:
-            `q_nope [num_tokens, H, qk_nope_head_dim]`, `q_pe [num_tokens, H, qk_rope_head_dim]` (rotated),
-            `latent_kv [num_tokens, kv_lora_rank + qk_rope_head_dim]` (normalized c_kv; rotated k_pe).
+        hidden: [num_tokens, hidden_size], input-normalized
+        cos, sin: [num_tokens, qk_rope_head_dim // 2] float32
+        returns q_nope: [num_tokens, H, qk_nope_head_dim], q_pe: [num_tokens, H, qk_rope_head_dim] (rotated),
+            latent_kv: [num_tokens, kv_lora_rank + qk_rope_head_dim]
         """
         cfg = self.config
         num_tokens = hidden.shape[0]
@@ -105,16 +92,11 @@ class DeepseekV3Attention(nn.Module):
         is_causal: bool = False,
         absorbed: bool = False,
     ) -> torch.Tensor:
-        """Attention of batched queries over latent KV, then the output projection.
+        """Attention over latent KV, then `o_proj`; `absorbed` selects the weight-absorbed (decode) path.
 
-        Args:
-            q_nope: `[B, Sq, H, qk_nope_head_dim]`; q_pe: `[B, Sq, H, qk_rope_head_dim]`.
-            latent_kv: `[B, Sk, kv_lora_rank + qk_rope_head_dim]`.
-            attn_mask: bool `[B, Sq, Sk]` (True = may attend), or `is_causal` for a square causal mask.
-            absorbed: use the weight-absorbed computation (decode) instead of the expanded one (prefill).
-
-        Returns:
-            `[B, Sq, hidden_size]`.
+        q_nope: [B, Sq, H, qk_nope_head_dim]; q_pe: [B, Sq, H, qk_rope_head_dim]
+        latent_kv: [B, Sk, kv_lora_rank + qk_rope_head_dim]; attn_mask: [B, Sq, Sk] bool, True = may attend
+        returns [B, Sq, hidden_size]
         """
         cfg = self.config
         kv_c, k_pe = latent_kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
@@ -125,8 +107,6 @@ class DeepseekV3Attention(nn.Module):
 
 
 class DeepseekV3MLP(nn.Module):
-    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`."""
-
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
@@ -138,8 +118,6 @@ class DeepseekV3MLP(nn.Module):
 
 
 class MoEGate(nn.Module):
-    """Router: `weight [n_routed_experts, hidden_size]` and the selection-only `e_score_correction_bias`."""
-
     def __init__(self, config: DeepseekV3Config) -> None:
         super().__init__()
         self.config = config
@@ -148,7 +126,7 @@ class MoEGate(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: `[num_tokens, hidden_size]` -> `(topk_weights [T, k] float32, topk_ids [T, k] int64)`."""
+        """hidden: [num_tokens, hidden_size] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
         cfg = self.config
         logits = F.linear(hidden.float(), self.weight.float())
         return grouped_topk(
@@ -163,11 +141,9 @@ class MoEGate(nn.Module):
 
 
 class DeepseekV3MoE(nn.Module):
-    """DeepSeekMoE: `n_shared_experts` always-on experts plus top-k of `n_routed_experts` (report eq. 12).
+    """DeepSeekMoE: shared experts plus top-k routed experts (report eq. 12).
 
-    `num_local_experts` (expert parallelism): hold only that many routed-expert slots, the physical experts
-    of this EP rank (`models.expert_placement`), which an `models.ep_dispatch.EPDispatcher` feeds; None
-    holds all `n_routed_experts`, fed by a `LocalDispatcher`. The router and shared expert are replicated.
+    num_local_experts: routed-expert slots on this EP rank, fed by an `EPDispatcher`; None: all, local.
     """
 
     def __init__(self, config: DeepseekV3Config, num_local_experts: int | None = None) -> None:
@@ -184,12 +160,10 @@ class DeepseekV3MoE(nn.Module):
             else None
         )
         self.dispatcher: ExpertDispatcher = LocalDispatcher(config.n_routed_experts)
-        # Rows each local expert processed in the last forward (for load balancing statistics).
         self.last_expert_load: torch.Tensor | None = None
 
     def run_experts(self, rows: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
-        """Each local expert over its contiguous slice of `rows [num_rows, hidden_size]` (sorted by local
-        expert, `rows_per_expert` each); returns `[num_rows, hidden_size]` in the same order."""
+        """rows: [num_rows, hidden_size] sorted by local expert -> the same shape and order."""
         self.last_expert_load = torch.tensor(rows_per_expert)
         outputs, start = [], 0
         for expert, num_rows in zip(self.experts, rows_per_expert, strict=True):
@@ -199,7 +173,6 @@ class DeepseekV3MoE(nn.Module):
         return torch.cat(outputs) if outputs else rows[:0]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: `[num_tokens, hidden_size]` -> `[num_tokens, hidden_size]`."""
         topk_weights, topk_ids = self.gate(hidden)
         out = self.dispatcher.forward(hidden, topk_ids, topk_weights, self.run_experts)
         if self.shared_experts is not None:
@@ -207,12 +180,10 @@ class DeepseekV3MoE(nn.Module):
         return out
 
     def forward_dense(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The same function as `forward` with fixed shapes: every local expert runs every token and its
-        output is weighted by the token's gate weight for it (0 when not routed there). No host sync and
-        no data-dependent shape, so it traces into one graph (`engine.compiled_forward`); worth it only
-        where experts are few and small (the work grows with `n_routed_experts`), and only with the
-        local dispatcher (expert parallelism moves tokens). Equal to `forward` up to float rounding of
-        the sum order. hidden: `[num_tokens, hidden_size]` -> `[num_tokens, hidden_size]`."""
+        """`forward` with fixed shapes for graph capture: every local expert runs every token.
+
+        Only for the local dispatcher and few, small experts; equal to `forward` up to summation order.
+        """
         topk_weights, topk_ids = self.gate(hidden)
         weights = torch.zeros(
             hidden.shape[0], len(self.experts), dtype=torch.float32, device=hidden.device
@@ -227,7 +198,7 @@ class DeepseekV3MoE(nn.Module):
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    """Pre-norm block: `h += MLA(RMSNorm(h)); h += FFN(RMSNorm(h))`; FFN dense below first_k_dense_replace."""
+    """Pre-norm block: `h += MLA(RMSNorm(h)); h += FFN(RMSNorm(h))`."""
 
     def __init__(
         self, config: DeepseekV3Config, layer_idx: int, num_local_experts: int | None = None
@@ -251,20 +222,12 @@ class DeepseekV3DecoderLayer(nn.Module):
         attention: AttentionFn,
         mlp: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder block over flattened tokens, with the attention over the KV left to the caller:
-        `h += attention(project(RMSNorm(h))); h += FFN(RMSNorm(h))`. The cache-less `forward` and the
-        engine's paged runner (`engine.model_runner`) both run it.
+        """The block over flattened tokens, the attention over the KV left to the caller.
 
-        Args:
-            hidden: `[num_tokens, hidden_size]` in the model dtype.
-            cos, sin: `[num_tokens, qk_rope_head_dim // 2]` float32 for the tokens' positions.
-            attention: `(q_nope, q_pe, latent_kv) -> [num_tokens, hidden_size]`, the attention output after
-                `o_proj`; gets `DeepseekV3Attention.project`'s outputs for these tokens (and may cache
-                `latent_kv`).
-            mlp: the FFN to run instead of `self.mlp` (the same function, e.g. `DeepseekV3MoE.forward_dense`).
-
-        Returns:
-            `(hidden [num_tokens, hidden_size], latent_kv [num_tokens, kv_lora_rank + qk_rope_head_dim])`.
+        hidden: [num_tokens, hidden_size] model dtype; cos, sin: [num_tokens, qk_rope_head_dim // 2] float32
+        attention: (q_nope, q_pe, latent_kv) -> [num_tokens, hidden_size] after `o_proj`
+        mlp: runs instead of `self.mlp` (the same function)
+        returns (hidden [num_tokens, hidden_size], latent_kv [num_tokens, kv_lora_rank + qk_rope_head_dim])
         """
         q_nope, q_pe, latent_kv = self.self_attn.project(self.input_layernorm(hidden), cos, sin)
         hidden = hidden + attention(q_nope, q_pe, latent_kv)
@@ -274,14 +237,7 @@ class DeepseekV3DecoderLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, absorbed: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cache-less causal forward over whole sequences (`block` with causal attention per sequence).
-
-        Args:
-            hidden: `[B, S, hidden_size]`; cos, sin: `[S, qk_rope_head_dim // 2]` for positions 0..S-1.
-
-        Returns:
-            `(hidden [B, S, hidden_size], latent_kv [B, S, kv_lora_rank + qk_rope_head_dim])`.
-        """
+        """Cache-less causal forward: hidden [B, S, hidden_size] -> (hidden, latent_kv [B, S, kv_dim])."""
         batch, seq_len, hidden_size = hidden.shape
 
         def causal_attention(
@@ -308,10 +264,8 @@ class DeepseekV3DecoderLayer(nn.Module):
 class DeepseekV3MTPLayer(DeepseekV3DecoderLayer):
     """Multi-Token Prediction module (report section 2.2), stored as layer `num_hidden_layers + k`.
 
-    `h' = eh_proj([enorm(Emb(t_{i+1})); hnorm(h_i)])`, one transformer block over `h'`, then the shared
-    output head after `shared_head.norm`. The embedding and output head are the main model's.
-    The concatenation order (embedding first) follows the public checkpoints' `eh_proj` layout, which is
-    the reverse of the order written in the report's eq. 21.
+    `h' = eh_proj([enorm(Emb(t_{i+1})); hnorm(h_i)])`: embedding first, as the checkpoints' `eh_proj` is laid
+    out (the reverse of the report's eq. 21).
     """
 
     def __init__(
@@ -325,7 +279,6 @@ class DeepseekV3MTPLayer(DeepseekV3DecoderLayer):
         self.shared_head.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def combine_inputs(self, next_embeds: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
-        """`eh_proj([enorm(next_embeds); hnorm(prev_hidden)])`; both `[..., hidden_size]`."""
         return self.eh_proj(torch.cat((self.enorm(next_embeds), self.hnorm(prev_hidden)), dim=-1))
 
 
@@ -346,17 +299,12 @@ class DeepseekV3Model(nn.Module):
         self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin `[num_tokens, qk_rope_head_dim // 2]` float32 for int64 `positions [num_tokens]`."""
+        """cos/sin [num_tokens, qk_rope_head_dim // 2] float32 for positions [num_tokens] int64."""
         return rope_cos_sin(positions, self.rope_inv_freq, self.config.rope_attention_factor)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    """DeepSeek-V3 with its MTP module(s).
-
-    `forward(input_ids [B, S]) -> logits [B, S, vocab_size]` float32 is cache-less and causal; the engine
-    uses the layers directly with a paged cache. `num_local_experts`: routed-expert slots per MoE layer on an
-    EP rank (see `DeepseekV3MoE`); None for all experts on this device.
-    """
+    """DeepSeek-V3 with its MTP module(s); `num_local_experts` as in `DeepseekV3MoE`."""
 
     def __init__(self, config: DeepseekV3Config, num_local_experts: int | None = None) -> None:
         super().__init__()
@@ -378,13 +326,12 @@ class DeepseekV3ForCausalLM(nn.Module):
     def from_pretrained(
         cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ) -> DeepseekV3ForCausalLM:
-        """Load a Hugging Face-format checkpoint directory; see `models.loader.load_checkpoint`."""
         from pdcluster.models.loader import load_checkpoint
 
         return load_checkpoint(path, device=device, dtype=dtype)
 
     def hidden_states(self, input_ids: torch.Tensor, absorbed: bool = False) -> torch.Tensor:
-        """Final (post-norm) hidden states `[B, S, hidden_size]` for `input_ids [B, S]` int64."""
+        """Post-norm hidden states [B, S, hidden_size] for input_ids [B, S] int64."""
         batch, seq_len = input_ids.shape
         cos, sin = self.model.rope(torch.arange(seq_len, device=input_ids.device))
         hidden = self.model.embed_tokens(input_ids)
@@ -393,7 +340,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.norm(hidden)
 
     def forward(self, input_ids: torch.Tensor, absorbed: bool = False) -> torch.Tensor:
-        """Logits `[B, S, vocab_size]` float32 for `input_ids [B, S]` int64 (positions 0..S-1)."""
+        """Logits [B, S, vocab_size] float32 for input_ids [B, S] int64 (cache-less, causal)."""
         return self.lm_head(self.hidden_states(input_ids, absorbed)).float()
 
     def mtp_forward(
@@ -401,14 +348,8 @@ class DeepseekV3ForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run MTP module `depth` on its own.
 
-        Args:
-            prev_hidden: `[B, S, hidden_size]`, hidden state at position i (the main model's final,
-                post-norm hidden states for depth 0, or the previous MTP output when chaining).
-            next_ids: `[B, S]` int64, token i+1 (the token that follows each position).
-
-        Returns:
-            `(hidden [B, S, hidden_size], logits [B, S, vocab_size] float32)`: the post-norm hidden state
-            that feeds the head, and logits for token i+2. Positions are 0..S-1.
+        prev_hidden: [B, S, hidden_size], hidden state at position i; next_ids: [B, S] int64, token i+1
+        returns (hidden [B, S, hidden_size], logits [B, S, vocab_size] float32 for token i+2)
         """
         if not self.mtp_layers:
             raise ValueError("this checkpoint has no MTP module (num_nextn_predict_layers = 0)")

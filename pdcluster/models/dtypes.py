@@ -1,8 +1,4 @@
-"""The one table of dtype names: what a config, a CLI flag or a handoff header names -> the torch dtype.
-
-`MODEL_DTYPES` are the parameter (and activation) dtypes a checkpoint may be loaded in; `DTYPES` adds
-int8, the element dtype of an int8 KV cache and of an int8 KV wire. Names are torch's own spellings.
-"""
+"""The one table of dtype names (torch's spellings); `DTYPES` adds int8 to `MODEL_DTYPES`."""
 
 from __future__ import annotations
 
@@ -18,16 +14,7 @@ DTYPES: dict[str, torch.dtype] = {**MODEL_DTYPES, "int8": torch.int8}
 
 
 def torch_dtype(name: str, what: str = "dtype", allowed: dict[str, torch.dtype] = DTYPES) -> torch.dtype:
-    """`"bfloat16"` -> `torch.bfloat16`.
-
-    Args:
-        name: a key of `allowed`.
-        what: what the name is for (a field or flag name), quoted in the error.
-        allowed: the table to look in (`DTYPES`, or `MODEL_DTYPES` for a model dtype).
-
-    Raises:
-        ValueError: an unknown name; the message names `what` and the valid names.
-    """
+    """`"bfloat16"` -> `torch.bfloat16`, looked up in `allowed`; ValueError naming `what` if unknown."""
     try:
         return allowed[name]
     except KeyError:
@@ -35,11 +22,7 @@ def torch_dtype(name: str, what: str = "dtype", allowed: dict[str, torch.dtype] 
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """`torch.bfloat16` -> `"bfloat16"` (inverse of `torch_dtype` over `DTYPES`).
-
-    Raises:
-        ValueError: a dtype without a name in `DTYPES`.
-    """
+    """`torch.bfloat16` -> `"bfloat16"`; ValueError for a dtype not in `DTYPES`."""
     for name, value in DTYPES.items():
         if value == dtype:
             return name

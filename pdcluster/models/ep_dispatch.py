@@ -1,38 +1,8 @@
 """Expert-parallel dispatch/combine over one instance's torch.distributed process group.
 
-Each EP rank holds `num_local_experts` physical experts of every MoE layer (`models.expert_placement`).
-Per MoE layer call, on every rank of the group (`EPDispatcher.dispatch` then `combine`):
-
-1. Every (token, chosen logical expert) pair picks a physical replica of that expert: the n-th pair of
-   logical expert e on rank r goes to replica `(n + r) % logcnt[e]` (deterministic; a replicated expert's
-   rows are split evenly over its replicas).
-2. Counts exchange: one `allgather` of `[layer_idx, rows for each physical expert]` (int64) from every
-   rank. Every rank then knows what it receives from whom, every rank's load (for the imbalance figures),
-   and that all ranks are at the same MoE layer (else `EPCollectiveError`, never wrong output).
-3. Dispatch: one `alltoall_base` with uneven splits sends each row (`[hidden_size]`, model dtype) to the
-   rank holding its physical expert, sorted by local expert slot; the receiver sorts what it got by slot.
-4. The model runs its local experts over their contiguous slices (`DeepseekV3MoE.forward`).
-5. Combine: the reverse `alltoall_base` returns each expert output row to its token's rank, which weights
-   it by its gate weight and sums it into the token (`index_add_`).
-
-Two-micro-batch overlap (`EPDispatcher.overlap_micro_batches`, in the spirit of DeepSeek's two-micro-batch
-overlap, DeepSeek-V3 report section 3.4): the tokens are split in two halves whose all-to-alls are in flight
-(asynchronous work) while the other half's local experts compute; see `EPDispatcher.forward`. Only the
-expert compute overlaps communication here (attention still runs between MoE layers, not beside them).
-
-A rank with no tokens calls the same collectives with empty tensors (it still receives and computes rows
-of other ranks). Collectives wait at most the group's timeout (set where the group is made:
-`engine.parallel.make_instance_group`); a timed-out or broken collective raises `EPCollectiveError`.
-
-Which collective runs where (checked on torch 2.13.0+cpu, gloo, 2 and 4 ranks on 127.0.0.1):
-- `ProcessGroup.alltoall_base` with uneven input/output split sizes (zeros and all-empty included):
-  works on gloo; NCCL and HCCL implement it too. This is what runs, on every backend.
-- `ProcessGroup.alltoall` (list form) with tensors of different sizes: fails on gloo ("invalid tensor
-  size"), so it is not used.
-- `torch.distributed.all_to_all_single(..., group=pg)` on a group made without the default process group
-  (our instance groups) fails with AttributeError in 2.13, so the group's own methods are called directly.
-- `allgather` (counts), `allreduce` (step agreement, EPLB loads), `send`/`recv` (EPLB weight moves): work
-  on gloo with such a group. No fallback path is needed for the backends above.
+Per MoE layer on every rank: pick a replica per (token, expert) pair, `allgather` the counts, send rows
+with an uneven `alltoall_base` (gloo refuses the list form), and return them by the reverse all-to-all.
+Failures raise `EPCollectiveError`. Two-micro-batch overlap: DeepSeek-V3 report, section 3.4.
 """
 
 from __future__ import annotations
@@ -50,23 +20,23 @@ from pdcluster.models.moe_dispatch import Dispatched, ExpertDispatcher, weighted
 
 
 class EPCollectiveError(RuntimeError):
-    """A collective of the instance's EP group failed or timed out (a rank died, stopped answering, or
-    left lockstep). The instance cannot go on: every rank's step fails."""
+    """A collective of the instance's EP group failed or timed out; every rank's step fails."""
 
 
 def wait(work: dist.Work, what: str, rank: int) -> None:
-    """Wait for `work` (within the group's timeout); raise `EPCollectiveError` naming `what` on failure."""
     try:
         work.wait()
-    except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError: one clear error
+    except Exception as e:  # noqa: BLE001
         raise EPCollectiveError(f"EP rank {rank}: {what} failed: {e}") from e
 
 
 def start_alltoall(
     group: dist.ProcessGroup, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]
 ) -> tuple[dist.Work, torch.Tensor]:
-    """Start an uneven all-to-all of `rows [sum(send_counts), ...]` (rank d gets the d-th slice); returns
-    the work and the output `[sum(recv_counts), ...]` (slice s from rank s), valid once the work is done."""
+    """Start an uneven all-to-all of rows [sum(send_counts), ...]; returns the work and the output
+
+    [sum(recv_counts), ...], valid once the work is done.
+    """
     out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
     work = group.alltoall_base(out, rows.contiguous(), recv_counts, send_counts, dist.AllToAllOptions())
     return work, out
@@ -75,7 +45,6 @@ def start_alltoall(
 def alltoall(
     group: dist.ProcessGroup, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], what: str
 ) -> torch.Tensor:
-    """`start_alltoall`, waited for."""
     work, out = start_alltoall(group, rows, send_counts, recv_counts)
     wait(work, what, group.rank())
     return out
@@ -83,14 +52,11 @@ def alltoall(
 
 @dataclass
 class DispatchStats:
-    """What one MoE layer's dispatcher did since the engine last took its figures (`take`).
+    """One MoE layer's dispatch figures since the last `take`.
 
-    logical_load: `[num_logical_experts]` int64, this rank's (token, expert) pairs per logical expert.
-    rank_rows: `[num_ranks]` int64, rows every rank received (computed) over the instance.
-    dispatch_s / combine_s / expert_s: seconds in dispatch (counts exchange + all-to-all), combine
-        (all-to-all back + weighted sum) and in the local experts between them.
-    dispatch_bytes / combine_bytes: token-row bytes this rank sent to *other* ranks (rows to itself stay
-        local); counts_bytes: bytes of the counts exchange it sent.
+    logical_load: [num_logical_experts] int64, this rank's (token, expert) pairs per logical expert
+    rank_rows: [num_ranks] int64, rows every rank computed
+    dispatch_s / combine_s / expert_s: seconds; *_bytes: row bytes sent to other ranks
     """
 
     logical_load: torch.Tensor
@@ -112,9 +78,7 @@ class DispatchStats:
 
 
 class EPDispatchHandle(NamedTuple):
-    """What `EPDispatcher.combine` needs: the source token and gate weight of each row this rank sent
-    (`token_ids`, `weights` `[num_sent]`, in send order), the split sizes, the receive-side sort, and the
-    batch's token count."""
+    """What `combine` needs: each sent row's token and gate weight ([num_sent]), splits, the receive sort."""
 
     token_ids: torch.Tensor
     weights: torch.Tensor
@@ -125,13 +89,9 @@ class EPDispatchHandle(NamedTuple):
 
 
 class EPDispatcher(ExpertDispatcher):
-    """`ExpertDispatcher` for one MoE layer of an EP rank (see the module docstring).
+    """`ExpertDispatcher` for one MoE layer of an EP rank.
 
-    Args:
-        group: the instance's process group (this rank is `group.rank()` of `group.size()` EP ranks).
-        placement: the expert placement; `set_placement` switches it between steps.
-        row: this layer's row in the placement (`models.expert_placement.moe_layer_indices`).
-        layer_idx: the decoder-layer index (checked across ranks at every call).
+    row: this layer's row in `placement` (`moe_layer_indices`); layer_idx: checked across ranks every call.
     """
 
     def __init__(
@@ -155,18 +115,17 @@ class EPDispatcher(ExpertDispatcher):
         self._logcnt = placement.logcnt[self.row]
 
     def take_stats(self) -> DispatchStats:
-        """The figures since the last call, and start new ones."""
         stats = self.stats
         self.stats = DispatchStats.zeros(self.placement.num_logical_experts, self.placement.num_ranks)
         return stats
 
     def choose_physical(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Physical expert `[num_tokens * top_k]` int64 of each flattened (token, logical expert) pair."""
+        """Physical expert [num_tokens * top_k] int64 of each flattened (token, logical expert) pair."""
         flat = topk_ids.reshape(-1)
         by_expert = flat.argsort(stable=True)
         sorted_ids = flat[by_expert]
         counts = torch.bincount(flat, minlength=self._logcnt.numel())
-        first = counts.cumsum(0) - counts  # position of each expert's first pair in sorted order
+        first = counts.cumsum(0) - counts
         nth = torch.arange(flat.numel()) - first[sorted_ids]
         replica = (nth + self.rank) % self._logcnt[sorted_ids]
         physical = torch.empty_like(flat)
@@ -176,12 +135,11 @@ class EPDispatcher(ExpertDispatcher):
     def plan(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> tuple[torch.Tensor, EPDispatchHandle, list[int]]:
-        """Replica choice and the counts exchange (steps 1-2 of the module docstring). Returns the rows
-        to send `[num_pairs, hidden_size]` (by destination rank, then local slot), the handle, and the rows
-        each local expert will receive.
+        """Replica choice and counts exchange.
 
-        Raises:
-            EPCollectiveError: the counts exchange failed or timed out, or the ranks are at different layers.
+        returns rows to send [num_pairs, hidden_size], the handle, and the rows each local expert gets
+
+        Raises EPCollectiveError if the exchange fails or ranks are at different layers.
         """
         num_tokens, top_k = topk_ids.shape
         num_ranks, num_local = self.group.size(), self.num_local_experts
@@ -189,7 +147,7 @@ class EPDispatcher(ExpertDispatcher):
         flat_ids = topk_ids.reshape(-1).cpu()
         self.stats.logical_load += torch.bincount(flat_ids, minlength=self._logcnt.numel())
         physical = self.choose_physical(flat_ids)
-        send_order = physical.argsort(stable=True)  # by destination rank, then local slot
+        send_order = physical.argsort(stable=True)
         rows_per_physical = torch.bincount(physical, minlength=self.placement.num_physical_experts)
 
         # on the model's device: NCCL/HCCL collectives take device tensors only
@@ -223,11 +181,7 @@ class EPDispatcher(ExpertDispatcher):
     def dispatch(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> Dispatched:
-        """hidden: `[num_tokens, hidden_size]`; topk_ids (logical) / topk_weights: `[num_tokens, top_k]`.
-
-        Raises:
-            EPCollectiveError: a collective failed or timed out, or the ranks are at different layers.
-        """
+        """hidden: [num_tokens, hidden_size]; topk_ids/topk_weights: [num_tokens, top_k]. EPCollectiveError"""
         start_s = time.perf_counter()
         send_rows, handle, rows_per_expert = self.plan(hidden, topk_ids, topk_weights)
         what = f"dispatch at MoE layer {self.layer_idx}"
@@ -238,7 +192,6 @@ class EPDispatcher(ExpertDispatcher):
         return Dispatched(recv_rows[handle.recv_order], rows_per_expert, handle)
 
     def _unsort(self, expert_out: torch.Tensor, handle: EPDispatchHandle) -> torch.Tensor:
-        """Expert outputs back in receive order (source-major), ready to return to their ranks."""
         back = torch.empty_like(expert_out)
         back[handle.recv_order] = expert_out
         row_bytes = expert_out.shape[-1] * expert_out.dtype.itemsize
@@ -247,16 +200,10 @@ class EPDispatcher(ExpertDispatcher):
 
     @staticmethod
     def _weighted_sum(returned: torch.Tensor, handle: EPDispatchHandle) -> torch.Tensor:
-        """`[num_tokens, hidden_size]`: each token's gate-weighted sum of its returned expert rows."""
         return weighted_sum(returned, handle.token_ids, handle.weights, handle.num_tokens)
 
     def combine(self, expert_out: torch.Tensor, handle: EPDispatchHandle) -> torch.Tensor:  # type: ignore[override]
-        """expert_out: `[num_received_rows, hidden_size]` in dispatch order. Returns `[num_tokens,
-        hidden_size]`: each token's gate-weighted sum of its experts' outputs.
-
-        Raises:
-            EPCollectiveError: the all-to-all failed or timed out.
-        """
+        """expert_out: [num_received_rows, hidden_size] -> [num_tokens, hidden_size]; EPCollectiveError."""
         start_s = time.perf_counter()
         self.stats.expert_s += start_s - self.stats._expert_start_s
         back = self._unsort(expert_out, handle)
@@ -273,16 +220,9 @@ class EPDispatcher(ExpertDispatcher):
         topk_weights: torch.Tensor,
         run_experts: Callable[[torch.Tensor, list[int]], torch.Tensor],
     ) -> torch.Tensor:
-        """`ExpertDispatcher.forward`; with `overlap_micro_batches`, two micro-batches (the first and second
-        half of the tokens, either may be empty) whose communication overlaps the other's expert compute:
+        """With `overlap_micro_batches`, two halves whose all-to-alls overlap the other half's experts.
 
-            counts A, counts B (blocking), start dispatch A, start dispatch B,
-            wait A -> experts A -> start combine A, wait B -> experts B -> start combine B,
-            wait combine A, wait combine B -> weighted sums
-
-        Every rank issues the collectives in that order, so they match whatever each rank's token count.
-        A token's top-k rows stay in one micro-batch: its weighted sum is the one of the plain path.
-        On gloo the in-flight collectives run on the group's worker threads.
+        Every rank issues the collectives in one order; a token's top-k rows stay in one micro-batch.
         """
         if not self.overlap_micro_batches:
             return super().forward(hidden, topk_ids, topk_weights, run_experts)

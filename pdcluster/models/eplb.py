@@ -1,22 +1,9 @@
-"""Expert-parallel load balancer (EPLB): where each routed expert's replicas go, from measured expert load.
+"""Expert-parallel load balancer (EPLB): replica placement from measured expert load.
 
-Our implementation of the algorithm DeepSeek published with DeepSeek-V3 (github.com/deepseek-ai/EPLB,
-README "Hierarchical Load Balancing" / "Global Load Balancing"; DeepSeek-V3 report, arXiv 2412.19437,
-section 3.4 "redundant experts"):
-
-1. **Replication.** With `num_physical_experts - num_logical_experts` redundant slots, repeatedly give one
-   more replica to the logical expert whose load per replica is highest.
-2. **Balanced packing.** Place items (groups, or physical experts) on bins (nodes, or ranks) with the same
-   number of items per bin: heaviest item first, each into the lightest bin that still has room.
-
-*Hierarchical* (used when `num_groups % num_nodes == 0`): expert groups are packed onto nodes first (the
-group-limited routing of DeepSeek-V3 then keeps a token's experts on few nodes), then experts are
-replicated within each node, then the node's physical experts are packed onto its ranks. Otherwise
-*global*: replication over all experts, then packing onto all ranks (the hierarchical procedure with one
-group and one node).
-
-Physical experts are numbered rank-major: physical expert `p` lives on rank `p // (num_physical_experts //
-num_ranks)`. Every function here is a pure tensor function on CPU tensors.
+Our implementation of DeepSeek's published algorithm (github.com/deepseek-ai/EPLB; DeepSeek-V3 report,
+arXiv 2412.19437, section 3.4): replicate the expert with the highest load per replica, then pack items
+heaviest-first into the lightest bin with room. Hierarchical (groups onto nodes, then ranks) when
+`num_groups % num_nodes == 0`, else global. Physical experts are numbered rank-major. Pure CPU functions.
 """
 
 from __future__ import annotations
@@ -25,19 +12,11 @@ import torch
 
 
 def balanced_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack `num_items` weighted items into `num_packs` packs of exactly `num_items // num_packs` items,
-    greedily (heaviest first, into the lightest pack with room).
+    """Pack items greedily into `num_packs` packs of `num_items // num_packs` items each.
 
-    Args:
-        weight: `[num_layers, num_items]` float (or int) load of each item; each layer is packed alone.
-        num_packs: packs per layer; must divide `num_items`.
-
-    Returns:
-        `(pack_index [num_layers, num_items] int64, rank_in_pack [num_layers, num_items] int64)`: the pack
-        of each item and its slot within the pack (0 .. items_per_pack - 1).
-
-    Raises:
-        ValueError: `num_items` not a multiple of `num_packs`.
+    weight: [num_layers, num_items] load of each item
+    returns pack_index, rank_in_pack: [num_layers, num_items] int64
+    Raises ValueError if `num_items` is not a multiple of `num_packs`.
     """
     num_layers, num_items = weight.shape
     if num_packs < 1 or num_items % num_packs:
@@ -66,18 +45,12 @@ def balanced_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor
 def replicate_experts(
     weight: torch.Tensor, num_physical: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Give `num_physical - num_logical` extra replicas, one at a time, to the logical expert with the
-    highest load per replica.
+    """Give `num_physical - num_logical` extra replicas to the experts with the highest load per replica.
 
-    Args:
-        weight: `[num_layers, num_logical]` load of each logical expert.
-        num_physical: physical experts (replicas) per layer, >= num_logical.
-
-    Returns:
-        `phy2log [num_layers, num_physical]` int64: the logical expert of each physical one (the first
-        num_logical are the logical experts themselves, in order); `replica_index [num_layers,
-        num_physical]` int64: which replica of its logical expert each physical one is (0-based);
-        `logcnt [num_layers, num_logical]` int64: replicas per logical expert.
+    weight: [num_layers, num_logical] load of each logical expert
+    returns phy2log: [num_layers, num_physical] int64, logical expert of each physical expert
+        replica_index: [num_layers, num_physical] int64, replica number of each physical expert
+        logcnt: [num_layers, num_logical] int64, replicas per logical expert
     """
     num_layers, num_logical = weight.shape
     if num_physical < num_logical:
@@ -88,7 +61,7 @@ def replicate_experts(
     replica_index = torch.zeros(num_layers, num_physical, dtype=torch.int64)
     logcnt = torch.ones(num_layers, num_logical, dtype=torch.int64)
     for slot in range(num_logical, num_physical):
-        hottest = (load / logcnt).max(dim=-1).indices  # [num_layers]; ties: the lowest expert id
+        hottest = (load / logcnt).max(dim=-1).indices
         phy2log[:, slot] = hottest
         replica_index[:, slot] = logcnt[layers, hottest]
         logcnt[layers, hottest] += 1
@@ -96,7 +69,6 @@ def replicate_experts(
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    """Inverse of each row's permutation: `out[l, perm[l, i]] = i`."""
     inv = torch.empty_like(perm)
     inv.scatter_(1, perm, torch.arange(perm.shape[1], dtype=perm.dtype).expand_as(perm))
     return inv
@@ -105,7 +77,6 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
 def _rebalance_hierarchical(
     weight: torch.Tensor, num_physical: int, num_groups: int, num_nodes: int, num_ranks: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(phy2log, replica_index, logcnt)` as in `replicate_experts`, physical experts rank-major."""
     num_layers, num_logical = weight.shape
     group_size = num_logical // num_groups
     groups_per_node = num_groups // num_nodes
@@ -114,12 +85,11 @@ def _rebalance_hierarchical(
     physical_per_rank = num_physical // num_ranks
     ranks_per_node = num_ranks // num_nodes
 
-    # 1. Groups onto nodes. "Node-major" logical order: node n holds node-major ids
-    #    [n * logical_per_node, (n + 1) * logical_per_node).
+    # 1. Groups onto nodes (node-major logical order).
     group_load = weight.float().view(num_layers, num_groups, group_size).sum(-1)
-    group_node, group_slot = balanced_packing(group_load, num_nodes)  # [L, num_groups]
-    group_start = (group_node * groups_per_node + group_slot) * group_size  # node-major id of its 1st expert
-    log_to_nodemajor = (group_start[..., None] + torch.arange(group_size)).flatten(1)  # [L, num_logical]
+    group_node, group_slot = balanced_packing(group_load, num_nodes)
+    group_start = (group_node * groups_per_node + group_slot) * group_size
+    log_to_nodemajor = (group_start[..., None] + torch.arange(group_size)).flatten(1)
     nodemajor_to_log = _inverse(log_to_nodemajor)
 
     # 2. Replicate within each node (each node's experts are a row of their own).
@@ -129,11 +99,11 @@ def _rebalance_hierarchical(
     # 3. Each node's physical experts onto its ranks, by load per replica.
     phy_load = (node_load / local_cnt).gather(1, phy_to_local)
     rank_of_phy, slot_of_phy = balanced_packing(phy_load, ranks_per_node)
-    placed_to_phy = _inverse(rank_of_phy * physical_per_rank + slot_of_phy)  # rank-major within the node
+    placed_to_phy = _inverse(rank_of_phy * physical_per_rank + slot_of_phy)
 
     placed_local = phy_to_local.gather(1, placed_to_phy).view(num_layers, num_nodes, physical_per_node)
     node_offset = (torch.arange(num_nodes) * logical_per_node).view(1, num_nodes, 1)
-    placed_nodemajor = (placed_local + node_offset).flatten(1)  # [L, num_physical]
+    placed_nodemajor = (placed_local + node_offset).flatten(1)
     phy2log = nodemajor_to_log.gather(1, placed_nodemajor)
     replica_index = replica.gather(1, placed_to_phy).view(num_layers, num_physical)
     logcnt = local_cnt.view(num_layers, num_logical).gather(1, log_to_nodemajor)
@@ -143,27 +113,13 @@ def _rebalance_hierarchical(
 def rebalance_experts(
     expert_load: torch.Tensor, num_physical_experts: int, num_groups: int, num_nodes: int, num_ranks: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A placement of `num_physical_experts` expert replicas per layer on `num_ranks` ranks.
+    """A placement of `num_physical_experts` replicas per layer on `num_ranks` ranks.
 
-    Args:
-        expert_load: `[num_layers, num_logical_experts]` load (tokens routed) of each logical expert, any
-            real dtype; only ratios within a layer matter.
-        num_physical_experts: replicas per layer (num_logical_experts + redundant experts); a multiple
-            of num_ranks.
-        num_groups: expert groups (the model's `n_group`); must divide num_logical_experts.
-        num_nodes: server nodes; hierarchical balancing when `num_groups % num_nodes == 0` (and ranks
-            split evenly over nodes), otherwise global.
-        num_ranks: EP ranks (devices), rank-major physical numbering (`num_physical_experts // num_ranks`
-            consecutive physical experts per rank).
-
-    Returns:
-        `phy2log [num_layers, num_physical_experts]` int64: logical expert id of each physical expert;
-        `log2phy [num_layers, num_logical_experts, max_replicas]` int64: the physical ids of each logical
-        expert's replicas, -1 padded (`max_replicas = num_physical - num_logical + 1`);
-        `logcnt [num_layers, num_logical_experts]` int64: replicas of each logical expert (>= 1).
-
-    Raises:
-        ValueError: a count that does not divide as required, or a load tensor that is not 2-D.
+    expert_load: [num_layers, num_logical_experts] tokens routed to each logical expert
+    returns phy2log: [num_layers, num_physical_experts] int64, logical expert id of each physical expert
+        log2phy: [num_layers, num_logical_experts, num_physical - num_logical + 1] int64, -1 padded
+        logcnt: [num_layers, num_logical_experts] int64, replicas of each logical expert
+    Raises ValueError for counts that do not divide as required or a load tensor that is not 2-D.
     """
     if expert_load.dim() != 2:
         raise ValueError(

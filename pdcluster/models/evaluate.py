@@ -1,10 +1,6 @@
 """Held-out evaluation of a checkpoint: next-token loss/perplexity and MTP top-1 accuracy.
 
-The MTP figure is the module's top-1 accuracy on the *true* token after next (given the main model's
-hidden state at i and the true token i+1). It does not estimate greedy speculative
-acceptance: greedy verification accepts a draft when it equals the main model's own argmax, and the two
-heads agree with each other far more often than either agrees with the text (the bundled model: 0.243
-here, 0.708 acceptance at k=1 in `bench.spec_decode`).
+The MTP figure is accuracy on the true token i+2, not a greedy speculative acceptance rate.
 """
 
 from __future__ import annotations
@@ -20,13 +16,9 @@ from pdcluster.models.tokenizer import Tokenizer
 
 
 def heldout_windows(tokenizer: Tokenizer, seq_len: int, num_windows: int) -> torch.Tensor:
-    """Evenly spaced, non-overlapping windows of the held-out token stream.
+    """Non-overlapping windows of the held-out stream: [num_windows, seq_len + 2] int64.
 
-    Documents are joined with the EOS token. Returns `[num_windows, seq_len + 2]` int64 (two extra tokens
-    so that every position has a next and a next-but-one target).
-
-    Raises:
-        ValueError: the held-out stream is shorter than `num_windows` windows.
+    Raises ValueError if the stream is too short.
     """
     stream: list[int] = []
     for ids in tokenizer.encode_batch(read_documents("heldout")):
@@ -43,11 +35,7 @@ def heldout_windows(tokenizer: Tokenizer, seq_len: int, num_windows: int) -> tor
 
 @torch.no_grad()
 def evaluate(model: DeepseekV3ForCausalLM, windows: torch.Tensor, batch_size: int = 8) -> dict[str, float]:
-    """Mean next-token cross-entropy (nats), perplexity, and MTP top-1 accuracy on token i+2.
-
-    Args:
-        windows: `[num_windows, seq_len + 2]` int64 from `heldout_windows`.
-    """
+    """Mean next-token cross-entropy (nats), perplexity and MTP top-1 accuracy on token i+2."""
     total_loss, total_tokens, mtp_correct, mtp_tokens = 0.0, 0, 0, 0
     for start in range(0, windows.shape[0], batch_size):
         batch = windows[start : start + batch_size]

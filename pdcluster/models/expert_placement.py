@@ -1,9 +1,7 @@
 """Which physical expert (replica of a routed expert) lives on which EP rank, for every MoE layer.
 
-Physical experts are numbered rank-major (the numbering `models.eplb.rebalance_experts` returns): with
-`num_local_experts = num_physical_experts // num_ranks`, rank r holds physical experts
-`r * num_local_experts .. (r + 1) * num_local_experts - 1`, as its local expert slots 0 .. num_local - 1.
-Rows of the maps are *MoE layers* in model order (`moe_layer_indices`), MTP layers included.
+Rank-major numbering: rank r holds physical experts `r * num_local_experts ..` as local slots 0, 1, ...
+Rows are MoE layers in model order (`moe_layer_indices`), MTP layers included.
 """
 
 from __future__ import annotations
@@ -16,26 +14,18 @@ from pdcluster.models.config import DeepseekV3Config
 
 
 def moe_layer_indices(config: DeepseekV3Config) -> list[int]:
-    """Decoder-layer indices (MTP layers included) whose MLP is DeepSeekMoE, in model order: row i of a
-    placement describes layer `moe_layer_indices(config)[i]`."""
     num_layers = config.num_hidden_layers + config.num_nextn_predict_layers
     return [i for i in range(num_layers) if config.is_moe_layer(i)]
 
 
 @dataclass(frozen=True, eq=False)
 class ExpertPlacement:
-    """Placement of routed-expert replicas on EP ranks (see the module docstring).
+    """Placement of routed-expert replicas on EP ranks.
 
-    Attributes:
-        phy2log: `[num_moe_layers, num_physical_experts]` int64, logical expert id of each physical expert.
-        log2phy: `[num_moe_layers, num_logical_experts, max_replicas]` int64, physical ids of each logical
-            expert's replicas, -1 padded.
-        logcnt: `[num_moe_layers, num_logical_experts]` int64, replicas of each logical expert (>= 1).
-        num_ranks: EP ranks.
-
-    Raises (construction):
-        ValueError: inconsistent shapes, a logical expert with no replica, or a physical count that is not
-            a multiple of num_ranks.
+    phy2log: [num_moe_layers, num_physical_experts] int64, logical expert id of each physical expert
+    log2phy: [num_moe_layers, num_logical_experts, max_replicas] int64, physical ids, -1 padded
+    logcnt: [num_moe_layers, num_logical_experts] int64, replicas of each logical expert (>= 1)
+    Raises ValueError for inconsistent shapes, an unplaced expert, or physical experts not divisible by ranks.
     """
 
     phy2log: torch.Tensor
@@ -60,9 +50,6 @@ class ExpertPlacement:
 
     @classmethod
     def from_phy2log(cls, phy2log: torch.Tensor, num_logical_experts: int, num_ranks: int) -> ExpertPlacement:
-        """The placement whose physical experts hold `phy2log [num_moe_layers, num_physical]` (int64);
-        log2phy lists each logical expert's replicas in physical order, padded with -1 to
-        `num_physical - num_logical_experts + 1` columns."""
         phy2log = phy2log.to(torch.int64)
         num_layers, num_physical = phy2log.shape
         logcnt = torch.zeros(num_layers, num_logical_experts, dtype=torch.int64)
@@ -80,12 +67,9 @@ class ExpertPlacement:
     def default(
         cls, num_moe_layers: int, num_logical_experts: int, num_ranks: int, num_redundant_experts: int = 0
     ) -> ExpertPlacement:
-        """The placement before any load is known: physical expert p < num_logical holds logical expert p
-        (contiguous blocks per rank), redundant physical expert num_logical + i a replica of logical
-        expert `i % num_logical`; the same for every layer.
+        """Before any load is known: physical p < num_logical holds expert p, redundant i `i % num_logical`.
 
-        Raises:
-            ValueError: num_redundant_experts < 0, or a physical count not a multiple of num_ranks.
+        Raises ValueError for num_redundant_experts < 0 or physical experts not divisible by ranks.
         """
         if num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, got {num_redundant_experts}")
@@ -109,21 +93,17 @@ class ExpertPlacement:
 
     @property
     def num_local_experts(self) -> int:
-        """Physical experts (local expert slots) per rank."""
         return self.num_physical_experts // self.num_ranks
 
     def local_physical_experts(self, rank: int) -> range:
-        """Physical expert ids held by `rank`, in local-slot order."""
         n = self.num_local_experts
         return range(rank * n, (rank + 1) * n)
 
     def local_logical_experts(self, row: int, rank: int) -> list[int]:
-        """The logical expert in each local slot of `rank` at MoE layer row `row`."""
         phys = self.local_physical_experts(rank)
         return self.phy2log[row, phys.start : phys.stop].tolist()
 
     def rank_loads(self, expert_load: torch.Tensor) -> torch.Tensor:
-        """Expected rows per rank `[num_moe_layers, num_ranks]` float32 when logical expert loads
-        `expert_load [num_moe_layers, num_logical]` are split evenly over each expert's replicas."""
+        """Rows per rank [num_moe_layers, num_ranks] float32, an expert's load split over its replicas."""
         per_replica = expert_load.float() / self.logcnt
         return per_replica.gather(1, self.phy2log).view(self.num_moe_layers, self.num_ranks, -1).sum(-1)

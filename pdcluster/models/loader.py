@@ -1,14 +1,8 @@
 """Load and save Hugging Face-format DeepSeek-V3 checkpoints.
 
-A checkpoint directory holds `config.json` (`model_type: deepseek_v3`), the weights as
-`model.safetensors` or as shards listed in `model.safetensors.index.json`, and `tokenizer.json`.
-
-* The MTP module is stored as layer `num_hidden_layers` (public layout). Public checkpoints also store a
-  copy of the embedding and output head under that layer (`embed_tokens`, `shared_head.head`); the model
-  shares the main ones, so those copies are skipped. A checkpoint with no tensor at all for the MTP layer
-  (what `transformers`' `save_pretrained` writes) loads with MTP disabled, and says so in the log.
-* FP8 e4m3 weights with `weight_scale_inv` (one float32 scale per 128x128 block, DeepSeek-V3 report
-  section 3.3.2) are dequantized on load: `w = fp8.float() * scale_inv[block]`.
+The MTP module is layer `num_hidden_layers`; its copies of the embedding and head are skipped (the model
+shares the main ones), and a checkpoint without MTP tensors loads with MTP disabled. FP8 e4m3 weights with
+`weight_scale_inv` (128x128 blocks, DeepSeek-V3 report section 3.3.2) are dequantized on load.
 """
 
 from __future__ import annotations
@@ -40,7 +34,7 @@ TOKENIZER_FILE = "tokenizer.json"
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8_HEADER_DTYPES = ("F8_E4M3",)  # how safetensors headers spell FP8_DTYPES
-MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
+MAX_HEADER_BYTES = 100_000_000
 
 
 class CheckpointError(ValueError):
@@ -48,7 +42,6 @@ class CheckpointError(ValueError):
 
 
 def _regular_file(file: Path) -> None:
-    """Raise CheckpointError unless `file` is a regular file (a FIFO would block whoever opens it)."""
     try:
         mode = os.stat(file).st_mode
     except FileNotFoundError:
@@ -60,12 +53,9 @@ def _regular_file(file: Path) -> None:
 
 
 def read_safetensors_header(file: Path) -> dict[str, dict[str, Any]]:
-    """The tensor entries (`{"dtype", "shape", "data_offsets"}` by name) of a safetensors file's header, after
-    checking that the file holds every byte the header declares. Reads the header only (no tensor data).
+    """The tensor entries of a safetensors file's header, checked against the file's size.
 
-    Raises:
-        CheckpointError naming the file: not a regular file or unreadable; shorter than its header, or than
-            the tensor data its header declares (a truncated download or copy); not a safetensors file.
+    Raises CheckpointError naming the file: unreadable, not regular, truncated or not safetensors.
     """
     _regular_file(file)
     try:
@@ -94,7 +84,7 @@ def read_safetensors_header(file: Path) -> dict[str, dict[str, Any]]:
         for entry in header.values():
             entry["shape"] = tuple(int(d) for d in entry["shape"])
             str(entry["dtype"])
-    except (ValueError, TypeError, KeyError, IndexError) as exc:  # JSONDecodeError is a ValueError
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
         raise CheckpointError(f"{file}: not a safetensors file (its header does not parse: {exc})") from None
     data_bytes = size - 8 - header_len
     if data_end > data_bytes:
@@ -106,11 +96,7 @@ def read_safetensors_header(file: Path) -> dict[str, dict[str, Any]]:
 
 
 def checkpoint_files(path: Path) -> dict[str, Path]:
-    """Map each tensor name to the safetensors file holding it.
-
-    Raises:
-        CheckpointError: no weights file, an index that does not parse or names a missing shard.
-    """
+    """Each tensor name -> its safetensors file; CheckpointError for no weights or a bad index."""
     index = path / INDEX_FILE
     if index.exists():
         _regular_file(index)
@@ -118,7 +104,7 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise TypeError("weight_map is not a mapping of tensor names to file names")
-        except (ValueError, TypeError, KeyError) as exc:  # JSONDecodeError, UnicodeDecodeError: ValueError
+        except (ValueError, TypeError, KeyError) as exc:
             raise CheckpointError(f"{index}: not a safetensors index ({exc!r})") from None
         missing = sorted({f for f in weight_map.values() if not (path / f).exists()})
         if missing:
@@ -133,19 +119,12 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
 def dequantize_fp8_blockwise(
     weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int]
 ) -> torch.Tensor:
-    """Blockwise FP8 dequantization.
+    """Blockwise FP8 dequantization: block (i, j) is `weight[block] * scale_inv[i, j]`.
 
-    Args:
-        weight: `[out_features, in_features]` float8_e4m3fn.
-        scale_inv: `[ceil(out / block_out), ceil(in / block_in)]` float32; block (i, j) of the float
-            weight is `weight[block] * scale_inv[i, j]`.
-        block_size: `(block_out, block_in)`, (128, 128) for DeepSeek-V3.
-
-    Returns:
-        `[out_features, in_features]` float32.
-
-    Raises:
-        CheckpointError: `scale_inv` does not cover the weight with the given block size.
+    weight: [out_features, in_features] float8_e4m3fn
+    scale_inv: [ceil(out / block_out), ceil(in / block_in)] float32
+    returns [out_features, in_features] float32
+    Raises CheckpointError if `scale_inv` does not cover the weight.
     """
     out_features, in_features = weight.shape
     block_out, block_in = block_size
@@ -168,19 +147,13 @@ def _iter_tensors(files: dict[str, Path], names: list[str]) -> Iterator[tuple[st
             with safe_open(file, framework="pt") as f:
                 for name in file_names:
                     yield name, f.get_tensor(name)
-        except SafetensorError as exc:  # e.g. the file changed since `inspect_checkpoint` read its header
+        except SafetensorError as exc:
             raise CheckpointError(f"{file}: {exc}") from None
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointLayout:
-    """What `inspect_checkpoint` found in a checkpoint directory, from its headers only.
-
-    Attributes:
-        config: the architecture to build (MTP disabled when the checkpoint has no MTP tensors).
-        files: the safetensors file holding each tensor.
-        expected: the shape the model expects of each tensor it loads.
-    """
+    """What `inspect_checkpoint` found: the config, each tensor's file and its expected shape."""
 
     config: DeepseekV3Config
     files: dict[str, Path]
@@ -188,15 +161,9 @@ class CheckpointLayout:
 
 
 def inspect_checkpoint(path: str | Path) -> CheckpointLayout:
-    """Check a checkpoint directory as far as it can be without reading tensor data: `config.json`, the
-    weights files and their headers (not truncated), every expected tensor present with its expected shape,
-    FP8 weights with a `weight_scale_inv` that covers them. Takes about as long as reading the headers.
+    """Check a checkpoint directory from its headers only, without reading tensor data.
 
-    Raises:
-        FileNotFoundError: no such directory or no `config.json`.
-        ValueError: `config.json` does not parse or has invalid fields (from `DeepseekV3Config`).
-        CheckpointError: as `load_checkpoint`, and a weights file that is truncated, not a regular file
-            or not a safetensors file (named).
+    Raises FileNotFoundError (no directory or `config.json`), ValueError (bad config) or CheckpointError.
     """
     path = Path(path)
     if not path.is_dir():
@@ -265,12 +232,9 @@ def inspect_checkpoint(path: str | Path) -> CheckpointLayout:
 
 
 def check_checkpoint_dir(path: str | Path) -> None:
-    """Everything `LLMEngine` needs from a checkpoint directory, checked without loading any weights:
-    `inspect_checkpoint`, and a `tokenizer.json` that loads with a vocabulary that fits the model's.
+    """`inspect_checkpoint`, plus a `tokenizer.json` whose vocabulary fits the model.
 
-    Raises:
-        FileNotFoundError, ValueError, CheckpointError: as `inspect_checkpoint`; CheckpointError also for
-            a missing, unloadable or too large `tokenizer.json`.
+    Raises as `inspect_checkpoint`; CheckpointError for a missing or unloadable tokenizer.
     """
     from pdcluster.models.tokenizer import Tokenizer
 
@@ -291,10 +255,7 @@ def check_checkpoint_dir(path: str | Path) -> None:
 
 
 def expert_sources(model: DeepseekV3ForCausalLM, placement: ExpertPlacement, ep_rank: int) -> dict[str, str]:
-    """Checkpoint tensor name for each routed-expert tensor of an EP rank's model (built with
-    `num_local_experts = placement.num_local_experts`): local slot s of MoE layer i holds logical expert
-    `placement.local_logical_experts(row, ep_rank)[s]`, stored as `model.layers.{i}.mlp.experts.{logical}.*`.
-    Tensors not listed load under their own name."""
+    """Checkpoint tensor name of each routed-expert tensor of EP rank `ep_rank`'s model."""
     rows = {layer: row for row, layer in enumerate(moe_layer_indices(model.config))}
     sources: dict[str, str] = {}
     for name in model.state_dict():
@@ -315,20 +276,10 @@ def load_checkpoint(
 ) -> DeepseekV3ForCausalLM:
     """Build a `DeepseekV3ForCausalLM` from a checkpoint directory.
 
-    Args:
-        path: directory with `config.json` and safetensors weights.
-        device: where the weights go (`"cpu"`, `"cuda:0"`, `"npu:0"`).
-        dtype: parameter dtype; the router's `e_score_correction_bias` stays float32.
-        placement, ep_rank: expert parallelism: build the model of EP rank `ep_rank`, holding only the
-            routed experts `placement` puts there (`expert_sources`), and read only those experts' tensors
-            from the checkpoint (attention, dense layers, router and shared experts: all of them).
-
-    Raises:
-        FileNotFoundError: no such directory or no `config.json`.
-        ValueError: unsupported `model_type` or invalid config fields (from `DeepseekV3Config`).
-        CheckpointError: missing tensors (all listed by name), tensors of unexpected shape (name, expected,
-            got), FP8 weights without their `weight_scale_inv`, a truncated or unreadable weights file
-            (named); all found from the headers before any tensor is read (`inspect_checkpoint`).
+    dtype: parameter dtype (the router's `e_score_correction_bias` stays float32).
+    placement, ep_rank: build EP rank `ep_rank`'s model, reading only its routed experts' tensors.
+    Raises FileNotFoundError, ValueError (config) or CheckpointError (missing or misshapen tensors),
+    found from the headers before any tensor is read.
     """
     path = Path(path)
     layout = inspect_checkpoint(path)
@@ -354,14 +305,14 @@ def load_checkpoint(
             ((_, scale_inv),) = _iter_tensors(files, [scale_name])
             try:
                 tensor = dequantize_fp8_blockwise(tensor, scale_inv, block_size)  # type: ignore[arg-type]
-            except CheckpointError as exc:  # name the checkpoint and the tensor, not only the shapes
+            except CheckpointError as exc:
                 raise CheckpointError(f"{path}: {name}: {exc}") from exc
         if tuple(tensor.shape) != expected[name]:
             bad_shapes.append(f"{name}: expected {expected[name]}, got {tuple(tensor.shape)}")
             continue
         keep_fp32 = name.endswith("e_score_correction_bias")
         tensor = tensor.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
-        for i, target in enumerate(targets_of[name]):  # an expert with two replicas on this rank: a copy
+        for i, target in enumerate(targets_of[name]):
             state[target] = tensor if i == 0 else tensor.clone()
     if bad_shapes:
         raise CheckpointError(f"{path}: tensor(s) with unexpected shape:\n  " + "\n  ".join(bad_shapes))
@@ -385,11 +336,7 @@ def load_checkpoint(
 
 
 def save_checkpoint(model: DeepseekV3ForCausalLM, path: str | Path, dtype: torch.dtype | None = None) -> None:
-    """Write `config.json` and `model.safetensors` (public tensor names) into `path`.
-
-    Args:
-        dtype: store floating tensors in this dtype (e.g. bfloat16); the router bias stays float32.
-    """
+    """Write `config.json` and `model.safetensors` (public names); `dtype` for floats, router bias float32."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = model.config

@@ -7,10 +7,9 @@ from pdcluster.models.tokenizer import Tokenizer
 
 
 def heldout_def_prompts(num: int, min_chars: int = 20, max_chars: int = 400) -> list[str]:
-    """`num` prompts of mixed length, each the opening of a top-level `def` in a held-out module.
+    """`num` openings of top-level `def`s in held-out modules, lengths cycling in `[min_chars, max_chars)`.
 
-    Lengths cycle deterministically through `[min_chars, max_chars)`. Raises ValueError if the held-out
-    split has fewer than `num` top-level functions.
+    Raises ValueError if there are fewer than `num` such functions.
     """
     prompts: list[str] = []
     for doc in read_documents("heldout"):
@@ -25,12 +24,7 @@ def heldout_def_prompts(num: int, min_chars: int = 20, max_chars: int = 400) -> 
 
 
 def heldout_token_prompts(tokenizer: Tokenizer, lengths: list[int]) -> list[list[int]]:
-    """Token-id prompts of exactly the given lengths, consecutive slices of the held-out token stream
-    (wrapping around when it runs out).
-
-    Raises:
-        ValueError: a length < 1.
-    """
+    """Consecutive slices of the held-out token stream of the given lengths; ValueError for a length < 1."""
     if any(n < 1 for n in lengths):
         raise ValueError(f"prompt lengths must be >= 1, got {min(lengths)}")
     stream: list[int] = []

@@ -1,17 +1,10 @@
 """Train the bundled tiny DeepSeek-V3 checkpoint on the standard library's source.
 
-    python -m pdcluster.models.train_tiny                    # writes pdcluster/models/tiny/ (about 30-40 min on 2 cores)
+    python -m pdcluster.models.train_tiny                    # writes pdcluster/models/tiny/
     python -m pdcluster.models.train_tiny --steps 20 --output /tmp/tiny   # a quick smoke run
 
-What it does, in order:
-1. Trains a byte-level BPE tokenizer (`tokenizers`) on the training split of `models.corpus`.
-2. Trains the model with every DeepSeek-V3 feature on: MLA with q_lora_rank, YaRN RoPE, a dense first
-   layer then DeepSeekMoE (8 routed experts, top-2, 2 groups, 1 shared expert), and one MTP module trained
-   jointly (loss = main CE + `mtp_loss_weight` * MTP CE; report section 2.2, eq. 25, lambda = 0.3).
-   Expert load is balanced without an auxiliary loss: after every step each MoE layer's
-   `e_score_correction_bias` moves by `bias_update_speed` towards under-loaded experts (report 2.1.2).
-3. Saves the weights in bfloat16, reloads them, evaluates held-out loss, perplexity and MTP top-1
-   accuracy on the token after next, and writes `MODEL_CARD.md` and `train_log.json` from those figures.
+Every DeepSeek-V3 feature is on; MTP trains jointly (report section 2.2, eq. 25) and expert load is
+balanced without an auxiliary loss (report 2.1.2).
 """
 
 from __future__ import annotations
@@ -43,7 +36,6 @@ EVAL_NUM_WINDOWS = 48
 
 
 def tiny_config(vocab_size: int) -> DeepseekV3Config:
-    """The bundled model's architecture: DeepSeek-V3 in miniature, every feature switched on."""
     return DeepseekV3Config(
         vocab_size=vocab_size,
         hidden_size=256,
@@ -82,7 +74,7 @@ def tiny_config(vocab_size: int) -> DeepseekV3Config:
 
 
 def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """Byte-level BPE over the training split; special tokens get ids 0 (bos), 1 (eos), 2 (pad)."""
+    """Byte-level BPE over the training split; ids 0 (bos), 1 (eos), 2 (pad)."""
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -97,7 +89,6 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def token_stream(tokenizer: Tokenizer) -> torch.Tensor:
-    """The training split as one int64 stream, documents separated by EOS."""
     stream: list[int] = []
     for ids in tokenizer.encode_batch(read_documents("train")):
         stream.extend(ids)

@@ -1,10 +1,4 @@
-"""Errors out of deploying and calling Ray actors, described in one line for a person or a client.
-
-`DeployError` (deploy failed after it started), `InstanceGroupFailed` (a multi-rank instance's group
-broke), `EngineFailed` (a rank's engine thread died or is stuck), `actor_error_message` (the exception an
-actor method or `__init__` raised, without Ray's traceback and ids) and `describe_error` (any error on the
-request path).
-"""
+"""Errors out of deploying and calling Ray actors, described in one line for a person or a client."""
 
 from __future__ import annotations
 
@@ -14,16 +8,11 @@ from pdcluster.orchestrator.preflight import one_line
 
 
 class InstanceGroupFailed(RuntimeError):
-    """A rank reports that its instance group failed (`instance_group_error` in its load: a collective
-    timed out or broke because a peer rank died or stalled): the instance can never step again, so the
-    driver takes it out of routing as dead, like an actor that died."""
+    """A rank reports its instance group failed: the instance is taken out of routing as dead."""
 
 
 class EngineFailed(RuntimeError):
-    """A rank's engine thread died, or is stuck in one pass of its loop past the pool's `engine_watchdog_s`
-    (`orchestrator.health.engine_fault`), while the actor still answers calls: the instance is failed as
-    if its actor had died. `pid`: the process of the instance's leader (rank 0), by which the health
-    monitor kills the instance's actors once per incarnation, for Ray to restart, where Ray restarts them."""
+    """A rank's engine thread died or is stuck past `engine_watchdog_s`; `pid` is the leader's process."""
 
     def __init__(self, message: str, pid: int) -> None:
         super().__init__(message)
@@ -31,36 +20,27 @@ class EngineFailed(RuntimeError):
 
 
 class DeployError(RuntimeError):
-    """`Cluster.deploy` (or `serve`) failed after it started: an actor did not start (its own exception,
-    named, e.g. a CheckpointError from loading weights), a Ray call failed, the HTTP server could not
-    bind. The message is one line; everything started is torn down before it is raised."""
+    """`Cluster.deploy` failed after it started; everything started is torn down first."""
 
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _raised_in_traceback(text: str) -> str | None:
-    """The exception a formatted Python traceback in `text` ends with (`Type: message`, the module path of
-    the type dropped), or None when `text` holds no traceback frame."""
+    """The `Type: message` a formatted traceback in `text` ends with, or None."""
     lines = _ANSI_ESCAPE.sub("", text).splitlines()
     frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
     if not frames:
         return None
     rest = lines[frames[-1] + 1 :]
-    while rest and rest[0].startswith("    "):  # the frame's source line and caret annotation
+    while rest and rest[0].startswith("    "):
         rest = rest[1:]
     raised = one_line("\n".join(rest))
     return re.sub(r"^(?:\w+\.)+(\w+: )", r"\1", raised) or None
 
 
 def actor_error_message(exc: BaseException) -> str:
-    """One line for an exception out of a Ray call, without Ray's traceback or the actor's ids.
-
-    The exception raised inside the actor or task as `Type: message`: a RayTaskError's cause (also when Ray
-    raises it as the dual `RayTaskError(X)`), or, for an actor whose `__init__` raised (Ray 2.60 raises an
-    ActorDiedError that keeps only the formatted traceback), the exception that traceback ends with. Else
-    Ray's own message without the lines that only identify the actor (ids, pid, node IP).
-    """
+    """One line for an exception out of a Ray call: the actor's own exception, without Ray's ids."""
     from ray.exceptions import RayActorError, RayError, RayTaskError
 
     cause: BaseException = exc
@@ -80,12 +60,10 @@ def actor_error_message(exc: BaseException) -> str:
 
 
 def describe_error(exc: BaseException) -> str:
-    """A one-line description of `exc` fit for a client, for errors on the request path: an exception a
-    remote method raised is described by itself (`actor_error_message`); Ray's own errors, which carry
-    actor ids, process ids and node IPs, become what happened."""
+    """A one-line description for a client; Ray's own errors lose their ids, pids and node IPs."""
     import ray
 
-    if isinstance(exc, ray.exceptions.RayTaskError):  # the method raised: describe its own exception
+    if isinstance(exc, ray.exceptions.RayTaskError):
         return actor_error_message(exc)
     if isinstance(exc, ray.exceptions.ActorUnavailableError):
         return "the actor is unavailable (restarting or unreachable)"

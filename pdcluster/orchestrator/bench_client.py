@@ -1,19 +1,8 @@
 """Replay a scaled trace against an OpenAI-compatible endpoint and report latency, throughput and goodput.
 
-Each request is sent at its (scaled) arrival time as a streaming `POST /v1/completions` with
-`prompt: [token ids]` (exact lengths, no re-tokenization), `max_tokens` = its scaled output length,
-`ignore_eos: true` (so output lengths follow the trace) and greedy sampling.
-
-Measured at the client, per request:
-    TTFT: send -> first SSE chunk carrying text (or the final chunk);
-    TPOT: (last chunk - first chunk) / (completion tokens - 1), completion tokens from `usage` (asked for
-          with `stream_options.include_usage`, as vLLM and SGLang want; a chunk with an empty `choices`
-          list carries it there; without any `usage`, one token per text chunk);
-    e2e:  send -> `data: [DONE]`.
-From the server's `pdcluster` extension: acceptance rate, KV transfer time (phases.kv_transfer_s) and the
-median of every phase it reports (`phases_p50_ms`).
-Goodput: requests meeting both the TTFT and the TPOT SLO (a single-token output has no TPOT to miss),
-as a fraction of all requests and per second of the benchmark's duration (first send -> last answer).
+Each request is a streaming `POST /v1/completions` of token ids at its arrival time, `ignore_eos`, greedy.
+TTFT: send -> first text chunk; TPOT: (last chunk - first chunk) / (completion tokens - 1), tokens from
+`usage`; e2e: send -> `[DONE]`. Goodput counts requests meeting both the TTFT and TPOT SLOs.
 """
 
 from __future__ import annotations
@@ -38,7 +27,7 @@ from pdcluster.orchestrator.trace import Workload
 
 @dataclass
 class RequestResult:
-    """One replayed request (times in seconds; None where not measured)."""
+    """One replayed request (seconds; None where not measured)."""
 
     index: int
     num_input_tokens: int
@@ -98,10 +87,10 @@ async def _one(
                     error = event["error"]
                     result.error = error.get("message", str(error)) if isinstance(error, dict) else str(error)
                     return result
-                usage = event.get("usage") or usage  # on the final chunk (ours) or a chunk of its own
+                usage = event.get("usage") or usage
                 extension = event.get("pdcluster") or extension
                 choices = event.get("choices") or []
-                if not choices:  # a usage-only chunk
+                if not choices:
                     continue
                 now = time.perf_counter()
                 choice = choices[0]
@@ -145,8 +134,7 @@ async def replay(
     show_progress: bool = True,
     timeout_s: float = 600.0,
 ) -> tuple[list[RequestResult], float]:
-    """Send every request at its arrival time; returns the results (in trace order) and the duration in
-    seconds (first send -> last answer)."""
+    """Send every request at its arrival time; the results in trace order and the duration in seconds."""
     from tqdm import tqdm
 
     headers = _auth_headers(api_key)
@@ -179,7 +167,7 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
     ordered = sorted(values)
 
-    def pct(q: float) -> float:  # nearest-rank on the sorted values, linear between neighbours
+    def pct(q: float) -> float:
         pos = q * (len(ordered) - 1)
         lo = int(pos)
         hi = min(lo + 1, len(ordered) - 1)
@@ -191,7 +179,7 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
 def summarize(
     results: list[RequestResult], duration_s: float, ttft_slo_ms: float, tpot_slo_ms: float
 ) -> dict[str, Any]:
-    """Aggregate figures (see the module docstring); times in ms in the output, named `_ms`."""
+    """Aggregate figures, times in ms (named `_ms`)."""
     ok = [r for r in results if r.ok]
     meets = [r for r in ok if meets_slo(r.ttft_s, r.tpot_s, ttft_slo_ms, tpot_slo_ms)]
     num_output = sum(r.num_output_tokens for r in ok)
@@ -224,9 +212,7 @@ def summarize(
 
 
 def _phase_medians_ms(results: list[RequestResult]) -> dict[str, float]:
-    """Median of each phase the server reported (`pdcluster.phases`: seconds, named `*_s`), in ms, over the
-    requests that report it, in the order the server lists them (the order a request meets them): where a
-    server's TTFT goes. Empty for a server without the extension (vLLM, SGLang)."""
+    """Median in ms of each phase the server reported (`pdcluster.phases`), in the server's order."""
     names = dict.fromkeys(name for r in results for name in r.phases if name.endswith("_s"))
     medians: dict[str, float] = {}
     for name in names:
@@ -237,8 +223,7 @@ def _phase_medians_ms(results: list[RequestResult]) -> dict[str, float]:
 
 
 def format_table(summary: dict[str, Any], description: str = "", *, simulated: bool = False) -> str:
-    """A human-readable report of `summarize`'s output (`simulated`: its clock is the planner's simulated
-    one, and the report says so)."""
+    """A human-readable report of `summarize`'s output."""
 
     def f(value: float | None, digits: int = 1) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
@@ -281,7 +266,6 @@ def results_as_dicts(results: list[RequestResult]) -> list[dict[str, Any]]:
     return [asdict(r) for r in results]
 
 
-# ---- the whole benchmark (what `pdcluster bench` runs) ---------------------------------------------------
 @dataclass
 class BenchReport:
     description: str
@@ -297,7 +281,7 @@ class BenchReport:
 
 
 def served_model(endpoint: str, api_key: str | None = None) -> tuple[str, int]:
-    """(model id, max_model_len) from the endpoint's `GET /v1/models`. Raises httpx.HTTPError/ValueError."""
+    """(model id, max_model_len) from `GET /v1/models`; httpx.HTTPError or ValueError."""
     headers = _auth_headers(api_key)
     response = httpx.get(endpoint.rstrip("/") + "/v1/models", headers=headers, timeout=30)
     response.raise_for_status()
@@ -319,10 +303,9 @@ def run_bench(
     api_key: str | None = None,
     show_progress: bool = True,
 ) -> BenchReport:
-    """Load, scale and replay a trace against `endpoint`; see the module docstring.
+    """Load, scale and replay a trace against `endpoint`.
 
-    Raises:
-        FileNotFoundError, ValueError: a bad trace or option; httpx.HTTPError: the endpoint is unreachable.
+    Raises FileNotFoundError or ValueError (trace, options), httpx.HTTPError (endpoint unreachable).
     """
     from pdcluster.models.tokenizer import Tokenizer
     from pdcluster.orchestrator.trace import build_prompts, load_trace, scale_trace

@@ -1,13 +1,7 @@
-"""`pdcluster demo`, the target of `make demo`: the main job on the embedded default topology.
+"""`pdcluster demo` (`make demo`): the main job on the default topology, clusters/local.yaml.
 
-Deploys clusters/local.yaml (one prefill + one decode actor on a local Ray), shows a few completions of
-held-out code through the OpenAI API, replays requests of the Azure conversation trace, prints the summary,
-and shuts everything down.
-
-Prompts are cut from the held-out split of `models.corpus`: in sorted file order, the
-first public module-level function with a one-line docstring of each file, `def` line + docstring, taken
-from the first `num_prompts` files that have one (with CPython 3.11: `calendar.isleap`,
-`heapq.heappush`, `shlex.split`).
+Prompts: the first public module-level function with a one-line docstring of each held-out file, in
+sorted file order (`def` line + docstring).
 """
 
 from __future__ import annotations
@@ -21,11 +15,11 @@ from pdcluster.models.corpus import corpus_files, stdlib_dir
 
 class DemoPrompt(NamedTuple):
     source: str  # "<file relative to the stdlib>:<function name>"
-    text: str  # the function's `def` line(s) and docstring, no trailing newline
+    text: str
 
 
 def heldout_prompts(num_prompts: int, root: Path | None = None) -> list[DemoPrompt]:
-    """Up to `num_prompts` prompts from distinct held-out files (see the module docstring for the rule)."""
+    """Up to `num_prompts` prompts from distinct held-out files."""
     root = root or stdlib_dir()
     prompts: list[DemoPrompt] = []
     for path in corpus_files("heldout", root):
@@ -55,12 +49,7 @@ def run_demo(
     out: TextIO,
     num_prompts: int = 3,
 ) -> int:
-    """The main job: deploy `cluster_path`, show completions, replay a trace through the API, shut down.
-
-    1. `orchestrator.serve.serve`: local Ray, prefill and decode actors, the OpenAI API on a free port.
-    2. `num_prompts` held-out prompts through `/v1/completions` (greedy), printed with their phases.
-    3. The first `num_requests` requests of the trace replayed at their arrival times (`pdcluster bench`),
-       then the summary table: TTFT/TPOT percentiles, throughput, goodput, acceptance, KV transfer time.
+    """Deploy `cluster_path`, show completions, replay a trace through the API, shut down.
 
     Returns the exit code: 0, or 1 when a request failed.
     """

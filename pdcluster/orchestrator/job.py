@@ -4,11 +4,8 @@
         --cluster clusters/local.yaml --trace ../shared/traces/AzureLLMInferenceTrace_conv.csv \\
         --num-requests 50 --output results.jsonl
 
-Inside a Ray job `ray.init()` attaches to the job's cluster (RAY_ADDRESS); run directly, the job starts a
-local Ray. The trace's requests are replayed at their (scaled) arrival times straight into the cluster
-(`Cluster.generate`, no HTTP), and one JSON line per request is written to `--output`:
-its token ids, finish reason, TTFT/TPOT/e2e in seconds, phases and MTP acceptance. A summary (the same
-figures `pdcluster bench` prints) goes to stdout. Exit code 1 if any request failed.
+Replays the trace straight into the cluster (`Cluster.generate`, no HTTP), writes one JSON line per request
+to `--output` and a summary to stdout; exit code 1 if any request failed.
 """
 
 from __future__ import annotations

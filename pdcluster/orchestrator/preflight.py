@@ -1,21 +1,7 @@
 """What `pdcluster deploy` checks before it starts Ray, beyond the topology file's own rules.
 
-`pdcluster validate --for-deploy FILE` reports exactly these, at the lines of the keys they concern;
-`pdcluster deploy` refuses a file with any of them (one `FILE:LINE: reason` line each, exit code 2) before
-it connects to or starts Ray. Plain `pdcluster validate` checks a file as a plan only (it may describe
-hardware this machine is not) and prints the actor-layer and weight-dtype limits below as notes.
-
-- The actor layer runs one rank actor per device with data-parallel attention, routed experts split over
-  every rank of the instance (EP) or replicated on each (`actor_layer_issues`): tensor-parallel attention
-  and experts split over part of an instance are valid plans that deploy cannot run.
-- The weight dtype (`weight_dtype_issues`): the engine loads weights in `model.dtype`; a
-  `model.weight_dtype` that resolves to another dtype (8-bit weights) is a valid plan deploy cannot run.
-- The checkpoint as this machine sees it (`checkpoint_issues`): `config.json`, the safetensors files and
-  their headers (none truncated), every tensor present with its shape, `tokenizer.json`
-  (`models.loader.check_checkpoint_dir`; no tensor data is read). The driver reads the tokenizer from the
-  same path, so deploy needs it readable where it runs.
-- The HTTP address (`bind_problem`): `api.host:api.port` (or `--port`) can be bound now. `serve` binds
-  it again before Ray starts and holds it while the actors load (`api.server.bind_server_socket`).
+`pdcluster validate --for-deploy` reports these at their keys' lines: plans the actor layer cannot run,
+an 8-bit weight dtype, the checkpoint as this machine sees it, and whether the HTTP address binds now.
 """
 
 from __future__ import annotations
@@ -25,12 +11,11 @@ import socket
 
 from pdcluster.orchestrator.topology import ROLES, Issue, ModelConfig, PoolConfig, Topology
 
-MAX_REASON_CHARS = 600  # a reason longer than this (a list of 50 missing tensors) is cut, saying so
+MAX_REASON_CHARS = 600
 
 
 def one_line(text: str, limit: int = MAX_REASON_CHARS) -> str:
-    """`text` on one line: its lines joined by "; " (indentation dropped), cut to about `limit` characters
-    with the number of characters left out."""
+    """`text` on one line ("; "-joined), cut to about `limit` characters, saying how many were cut."""
     joined = "; ".join(part.strip() for part in str(text).splitlines() if part.strip())
     joined = joined.replace(":; ", ": ")
     if len(joined) <= limit:
@@ -39,8 +24,7 @@ def one_line(text: str, limit: int = MAX_REASON_CHARS) -> str:
 
 
 def pool_parallelism(role: str, pool: PoolConfig) -> str | None:
-    """`"prefill: 32 devices, EP32"` for a pool whose instances need more than one device (or TP/EP > 1),
-    None for a pool of single-device instances."""
+    """`"prefill: 32 devices, EP32"` for a multi-device pool, else None."""
     parts = []
     if pool.tensor_parallel_size > 1:
         parts.append(f"TP{pool.tensor_parallel_size}")
@@ -53,11 +37,7 @@ def pool_parallelism(role: str, pool: PoolConfig) -> str | None:
 
 
 def actor_layer_issues(topology: Topology) -> list[Issue]:
-    """What the actor layer cannot run, one issue per pool at the key it concerns. An instance of N devices
-    runs N rank actors with data-parallel attention; its routed experts are either split over all N ranks
-    (`expert_parallel_size` N, EP) or replicated on each (`expert_parallel_size` 1). Refused:
-    `tensor_parallel_size` > 1 (tensor-parallel attention), and 1 < `expert_parallel_size` < N (each
-    expert's FFN split over the rest, `moe_tensor_parallel_size` > 1)."""
+    """Pools the actor layer cannot run: TP attention, or 1 < expert_parallel_size < devices per instance."""
     issues = []
     for role in ROLES:
         pool = topology.pool(role)
@@ -86,10 +66,7 @@ def actor_layer_issues(topology: Topology) -> list[Issue]:
 
 
 def weight_dtype_issues(topology: Topology) -> list[Issue]:
-    """`model.weight_dtype` when it resolves to another dtype than `model.dtype`: the engine loads the
-    checkpoint's weights in `model.dtype` and has no 8-bit GEMMs, so another weight dtype is a planning
-    assumption (`planner.memory`, `planner.perf_model`) that deploy cannot run. At most one issue, at
-    `model.weight_dtype`."""
+    """A `model.weight_dtype` other than `model.dtype`: the engine has no 8-bit GEMMs."""
     model, spec = topology.model, topology.hardware.spec
     weight, engine = model.resolved_weight_dtype(spec), model.resolved_dtype(spec)
     if weight == engine:
@@ -106,8 +83,7 @@ def weight_dtype_issues(topology: Topology) -> list[Issue]:
 
 
 def checkpoint_issues(model: ModelConfig) -> list[Issue]:
-    """The checkpoint directory `model.checkpoint_dir` as `LLMEngine` will load it; at most one issue (at
-    `model.path`), its reason on one line."""
+    """The checkpoint as `LLMEngine` will load it; at most one issue, at `model.path`."""
     from pdcluster.models.loader import check_checkpoint_dir
 
     hint = ""
@@ -121,10 +97,7 @@ def checkpoint_issues(model: ModelConfig) -> list[Issue]:
 
 
 def bind_problem(host: str, port: int) -> tuple[str, str] | None:
-    """Why the HTTP server could not bind `host:port` (TCP, IPv4, SO_REUSEADDR as the server does) right
-    now, as (the `api` key it concerns, reason), or None. Port 0 checks the host only. Binds and closes at
-    once; resolves `host` if it is a name.
-    """
+    """Why `host:port` cannot be bound now, as (the `api` key, reason), or None (port 0: the host only)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -145,16 +118,7 @@ def bind_problem(host: str, port: int) -> tuple[str, str] | None:
 
 
 def deploy_issues(topology: Topology, *, port: int | None = None) -> list[Issue]:
-    """Every reason `pdcluster deploy` would refuse a valid `topology` on this machine now.
-
-    Args:
-        port: the `--port` override of `api.port` (its issue has no line in the file: path `()`).
-
-    Returns:
-        issues at the key paths they concern: `actor_layer_issues`, `weight_dtype_issues`,
-        `checkpoint_issues` and the bind check of `api.host` and the port (in use or no permission: at
-        `api.port`; otherwise at `api.host`).
-    """
+    """Every reason `pdcluster deploy` would refuse `topology` here now; `port` overrides `api.port`."""
     issues = actor_layer_issues(topology) + weight_dtype_issues(topology) + checkpoint_issues(topology.model)
     api = topology.api
     effective_port = api.port if port is None else port

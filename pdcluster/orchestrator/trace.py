@@ -1,14 +1,8 @@
 """Public request traces as workloads: arrival times and token counts, scaled to a model's context.
 
-Two formats (see /work/shared/traces/README.md):
-- Azure LLM inference trace (`*.csv`): `TIMESTAMP` (wall clock, 7 fractional digits), `ContextTokens`,
-  `GeneratedTokens`.
-- Mooncake FAST'25 trace (`*.jsonl`): `timestamp` (ms from start), `input_length`, `output_length`,
-  `hash_ids` (prefix blocks of 512 tokens: requests sharing leading ids share that prefix).
-
-The traces carry no text. `build_prompts` pairs each request with held-out Python source (never trained
-on) cut to the scaled length, as token ids; for Mooncake, each hash id maps to one fixed chunk of held-out
-tokens, so requests that share leading hash ids share a token prefix (the prefix cache sees the reuse).
+Azure LLM inference CSV (`TIMESTAMP`, `ContextTokens`, `GeneratedTokens`) and Mooncake FAST'25 JSONL
+(`timestamp` ms, `input_length`, `output_length`, `hash_ids` of 512-token prefix blocks). The traces carry
+no text: `build_prompts` cuts held-out source to the scaled lengths, shared hash ids giving shared prefixes.
 """
 
 from __future__ import annotations
@@ -24,27 +18,18 @@ from pdcluster.models.tokenizer import Tokenizer
 
 MOONCAKE_BLOCK_TOKENS = 512
 
-# Context each trace's lengths are scaled from: Azure's conversation service ran 8k-context models
-# (p99 input 4,142 tokens); Kimi (Mooncake) serves a 128k context.
+# Reference contexts: Azure's service ran 8k-context models; Kimi (Mooncake) serves 128k.
 REFERENCE_CONTEXT_TOKENS = {"azure": 8192, "mooncake": 131072}
 MIN_INPUT_TOKENS = 16
 
 
 def default_trace_dir() -> Path:
-    """`shared/traces` next to the repository checkout (`<repo>/../shared/traces`)."""
     return Path(__file__).resolve().parents[3] / "shared" / "traces"
 
 
 @dataclass(frozen=True)
 class TraceRequest:
-    """One request of a trace, as recorded.
-
-    Attributes:
-        arrival_s: seconds since the trace's first request.
-        num_input_tokens: prompt tokens.
-        num_output_tokens: generated tokens.
-        hash_ids: Mooncake prefix-block ids (`MOONCAKE_BLOCK_TOKENS` tokens each); empty for Azure.
-    """
+    """One request as recorded: `arrival_s` since the first; `hash_ids` empty for Azure."""
 
     arrival_s: float
     num_input_tokens: int
@@ -54,24 +39,20 @@ class TraceRequest:
 
 @dataclass(frozen=True)
 class Trace:
-    """A loaded trace: `kind` is "azure" or "mooncake"."""
-
     kind: str
     path: Path
     requests: list[TraceRequest]
 
 
 def _parse_azure_timestamp(text: str) -> tuple[datetime, float]:
-    """`2023-11-16 18:15:46.6805900` -> (the whole seconds as a UTC datetime, the fraction in seconds).
-
-    Kept apart because `datetime` holds microseconds and the trace has 7 fractional digits."""
+    """Whole seconds as a UTC datetime, and the fraction (7 digits, beyond datetime's microseconds)."""
     whole, _, frac = text.strip().partition(".")
     stamp = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC)
     return stamp, (int(frac) / 10 ** len(frac)) if frac else 0.0
 
 
 def load_azure_csv(path: str | Path, num_requests: int | None = None) -> Trace:
-    """Load an Azure LLM inference trace CSV. Raises ValueError naming the file and line of a bad row."""
+    """Load an Azure trace CSV; ValueError naming the file and line of a bad row."""
     path = Path(path)
     requests: list[TraceRequest] = []
     first: tuple[datetime, float] | None = None
@@ -93,8 +74,7 @@ def load_azure_csv(path: str | Path, num_requests: int | None = None) -> Trace:
 
 
 def load_mooncake_jsonl(path: str | Path, num_requests: int | None = None) -> Trace:
-    """Load a Mooncake trace (JSONL, ms timestamps). Raises ValueError naming the file and line of a bad
-    row."""
+    """Load a Mooncake trace JSONL; ValueError naming the file and line of a bad row."""
     path = Path(path)
     requests: list[TraceRequest] = []
     first_ms: float | None = None
@@ -118,8 +98,10 @@ def load_mooncake_jsonl(path: str | Path, num_requests: int | None = None) -> Tr
 
 
 def load_trace(path: str | Path, num_requests: int | None = None) -> Trace:
-    """Load a trace by its suffix (`.csv`: Azure, `.jsonl`: Mooncake); a bare name is looked up in
-    `default_trace_dir()`. Raises FileNotFoundError / ValueError naming the file."""
+    """Load a trace by suffix (`.csv`, `.jsonl`), a bare name from `default_trace_dir()`.
+
+    Raises FileNotFoundError / ValueError naming the file.
+    """
     path = Path(path)
     if not path.exists() and not path.is_absolute() and (default_trace_dir() / path).exists():
         path = default_trace_dir() / path
@@ -132,15 +114,9 @@ def load_trace(path: str | Path, num_requests: int | None = None) -> Trace:
     raise ValueError(f"{path}: unknown trace format (expected .csv (Azure) or .jsonl (Mooncake))")
 
 
-# ---- scaling ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Workload:
-    """A trace fitted to one model: what the bench client replays.
-
-    Attributes:
-        requests: scaled requests (arrival compressed by `time_scale`, lengths fitted to the context).
-        description: one paragraph saying exactly how the trace was scaled (print it with results).
-    """
+    """A trace fitted to one model; `description` says how it was scaled."""
 
     requests: list[TraceRequest]
     description: str
@@ -155,16 +131,10 @@ def scale_trace(
     time_scale: float = 1.0,
     reference_context_tokens: int | None = None,
 ) -> Workload:
-    """Fit `trace` to a model of context `max_model_len`.
+    """Fit `trace` to a context of `max_model_len` tokens.
 
-    - input lengths x `max_model_len / reference_context_tokens` (rounded), clamped to
-      [MIN_INPUT_TOKENS, max_model_len - max_tokens_cap];
-    - output lengths unscaled, clamped to [1, max_tokens_cap];
-    - arrival times / `time_scale` (time_scale 10 replays ten times faster);
-    - Mooncake `hash_ids` are kept; a block then stands for `round(512 x scale)` tokens (at least 1).
-
-    Raises:
-        ValueError: max_tokens_cap or time_scale out of range.
+    Inputs scale by `max_model_len / reference_context_tokens`, outputs are capped at `max_tokens_cap`,
+    arrivals divide by `time_scale`. Raises ValueError for max_tokens_cap or time_scale out of range.
     """
     if not 1 <= max_tokens_cap < max_model_len - MIN_INPUT_TOKENS + 1:
         raise ValueError(
@@ -201,12 +171,7 @@ def mooncake_block_tokens(input_scale: float) -> int:
 
 
 def build_prompts(workload: Workload, tokenizer: Tokenizer) -> list[list[int]]:
-    """Token-id prompts of exactly each request's scaled input length, cut from held-out source.
-
-    Azure: consecutive held-out slices (`pdcluster.models.prompts.heldout_token_prompts`). Mooncake: the
-    prompt is the concatenation of one fixed held-out chunk per hash id (so shared leading ids give a shared
-    token prefix), cut or extended with a per-request slice to the scaled length.
-    """
+    """Token-id prompts of each request's scaled input length, cut from held-out source."""
     from pdcluster.models.prompts import heldout_token_prompts
 
     lengths = [r.num_input_tokens for r in workload.requests]
@@ -225,7 +190,6 @@ def build_prompts(workload: Workload, tokenizer: Tokenizer) -> list[list[int]]:
 
 
 def arrival_rate_per_s(requests: Sequence[TraceRequest]) -> float:
-    """Requests per second over the span of the arrivals (0 for fewer than two)."""
     if len(requests) < 2 or requests[-1].arrival_s <= requests[0].arrival_s:
         return 0.0
     return (len(requests) - 1) / (requests[-1].arrival_s - requests[0].arrival_s)

@@ -448,14 +448,14 @@ def test_the_sender_closes_every_descriptor_decode_sends_that_it_does_not_map(ca
         send({"k": "grant", "rid": "a", "seg": 2}, mib)  # no capacity
         send({"k": "grant", "rid": "a", "seg": 3, "cap": "1"}, mib)  # a capacity that is no int
         send({"k": "grant", "rid": "a", "seg": 4, "cap": 4 * mib}, mib)  # more than the file holds
-        assert wait_until(lambda: 1 in sender._segments)
-        first = sender._segments[1]
+        assert wait_until(lambda: 1 in sender._mapped.segments)
+        first = sender._mapped.segments[1]
         send({"k": "grant", "rid": "a", "seg": 1, "cap": 2 * mib}, 2 * mib)  # replaces segment 1
-        assert wait_until(lambda: sender._segments.get(1) is not first)
+        assert wait_until(lambda: sender._mapped.segments.get(1) is not first)
         # One left: the mapping of segment 1 (Python's mmap keeps a duplicate of the descriptor it maps).
         assert wait_until(lambda: _open_descriptors() == baseline + 1), (_open_descriptors(), baseline)
-        assert set(sender._segments) == {1} and sender._segments[1].capacity_bytes == 2 * mib
-        sender._segments[1].view(0, 2 * mib).numpy()[:] = 7  # every byte granted can be written
+        assert set(sender._mapped.segments) == {1} and sender._mapped.segments[1].capacity_bytes == 2 * mib
+        sender._mapped.segments[1].view(0, 2 * mib).numpy()[:] = 7  # every byte granted can be written
         malformed = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
         assert len(malformed) == 3 and "fewer than the 4194304 B granted" in malformed[-1]
     finally:

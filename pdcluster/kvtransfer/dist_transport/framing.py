@@ -1,8 +1,8 @@
-"""One message on a (group, peer) pair: three sends, in order (the package docstring gives the layout).
+"""One message on a (group, peer) pair: frame, msgpack header, optional payload.
 
-frame   int64 [2] = [FRAME_MAGIC, header_num_bytes]
-header  uint8 [header_num_bytes]: msgpack record with a "kind"
-payload uint8 [record["header"]["num_bytes"]]   (layer records only)
+frame: [2] int64 = [FRAME_MAGIC, header_num_bytes]
+header: [header_num_bytes] uint8, a msgpack record with a "kind"
+payload: [record["header"]["num_bytes"]] uint8 (layer records only)
 """
 
 from __future__ import annotations
@@ -15,15 +15,13 @@ import torch.distributed as dist
 
 from pdcluster.kvtransfer.base import ProtocolError
 
-FRAME_MAGIC = 0x4B5658_0001  # "KVX" + wire version 1: a desynchronized stream is caught at the next frame
+FRAME_MAGIC = 0x4B5658_0001  # "KVX" + wire version 1
 
 
 def send_message(
     record: dict[str, Any], payload: torch.Tensor | None, peer_rank: int, group: Any, device: torch.device
 ) -> None:
-    """Send one message to `peer_rank` of `group`: the frame, the msgpack `record` (a "kind" key), then
-    `payload` (`[num_bytes]` uint8, layer records only), moved to `device` (the backend's). Blocks until
-    the three sends completed; a failed send raises the collective backend's error (RuntimeError)."""
+    """Send one message to `peer_rank`; blocks until sent; the backend's RuntimeError on failure."""
     header = msgpack.packb(record, use_bin_type=True)
     header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
     frame = torch.tensor([FRAME_MAGIC, header_t.numel()], dtype=torch.int64, device=device)
@@ -37,12 +35,9 @@ def send_message(
 def recv_message(
     peer_rank: int, group: Any, device: torch.device
 ) -> tuple[dict[str, Any], torch.Tensor | None]:
-    """Receive the next message from `peer_rank` of `group`: `(record, payload)`, payload `[num_bytes]`
-    uint8 on `device` for a layer record, else None. Blocks until it arrives.
+    """The next `(record, payload)` from `peer_rank`; payload is None except for layer records.
 
-    Raises:
-        ProtocolError: the frame's magic is wrong (the stream is out of sync).
-        RuntimeError: the collective backend's receive failed (peer gone, group torn down).
+    Raises ProtocolError on a wrong magic, the backend's RuntimeError when the receive fails.
     """
     frame = torch.empty(2, dtype=torch.int64, device=device)
     dist.recv(frame, src=peer_rank, group=group)

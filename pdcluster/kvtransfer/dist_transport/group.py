@@ -1,5 +1,4 @@
-"""The transfer process group: which backend and device (`DistTransportConfig`), and its rendezvous
-(`init_transport_group`, whose TCPStore listens on the given host only: `rendezvous_store`)."""
+"""The transfer process group: backend and device, and a rendezvous bound to one host."""
 
 from __future__ import annotations
 
@@ -13,15 +12,12 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 DEFAULT_GROUP_TIMEOUT_S = 24 * 3600.0
-# Configuration tables, not transport logic: the topology names a device, this maps it to its backend.
 BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
 @dataclass(frozen=True)
 class DistTransportConfig:
-    """backend: torch.distributed backend of the transfer group ("gloo", "nccl", "hccl").
-    device: where staging tensors live ("cpu", "cuda:0", "npu:3"); the backend must be able to send from it.
-    """
+    """backend: "gloo", "nccl" or "hccl"; device: where staging tensors live ("cpu", "cuda:0", "npu:3")."""
 
     backend: str
     device: str = "cpu"
@@ -37,7 +33,6 @@ class DistTransportConfig:
 
     @classmethod
     def for_device(cls, device: str) -> DistTransportConfig:
-        """The default backend for a topology's `device` (cpu -> gloo, cuda -> nccl, npu -> hccl)."""
         device_type = device.split(":")[0]
         if device_type not in BACKEND_FOR_DEVICE:
             raise ValueError(f"device: must be one of {sorted(BACKEND_FOR_DEVICE)}, got {device!r}")
@@ -45,7 +40,6 @@ class DistTransportConfig:
 
 
 def _loopback_interface() -> str | None:
-    """The loopback interface's name (`lo` on Linux, `lo0` on BSD/macOS), or None if neither exists."""
     names = {name for _, name in socket.if_nameindex()}
     return next((name for name in ("lo", "lo0") if name in names), None)
 
@@ -58,8 +52,10 @@ def _is_loopback(host: str) -> bool:
 
 
 def rendezvous_store(host: str, port: int, *, rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
-    """The group's TCPStore: rank 0 serves it on a socket bound to `host:port` only (torch's own binds every
-    interface whatever the host), the others connect to it. OSError if rank 0 cannot bind there."""
+    """The group's TCPStore, rank 0 binding `host:port` only (torch's binds every interface).
+
+    Raises OSError if rank 0 cannot bind.
+    """
     timeout = timedelta(seconds=timeout_s)
     if rank != 0:
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
@@ -72,7 +68,7 @@ def rendezvous_store(host: str, port: int, *, rank: int, world_size: int, timeou
     except BaseException:
         listener.close()
         raise
-    listener.detach()  # the store owns the descriptor now
+    listener.detach()
     return store
 
 
@@ -84,12 +80,9 @@ def init_transport_group(
     init_method: str,
     timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
 ) -> None:
-    """`torch.distributed.init_process_group` with the configured backend (torch_npu imported lazily for
-    NPU). `timeout_s` bounds how long a pair may sit idle (see the module docstring).
+    """`init_process_group` with the configured backend; `timeout_s` bounds how long a pair may idle.
 
-    `init_method` `tcp://host:port`: the rendezvous store listens on `host` only (`rendezvous_store`), and
-    with gloo on a loopback `host` the pairs bind the loopback interface too (unless `GLOO_SOCKET_IFNAME`
-    is set already). Other init methods (`env://`, `file://`) go to torch unchanged.
+    With `tcp://host:port` the store binds `host` only, and gloo on a loopback host binds loopback too.
     """
     if config.device.startswith("npu"):
         import torch_npu  # noqa: F401  (registers the "npu" device and the HCCL backend)

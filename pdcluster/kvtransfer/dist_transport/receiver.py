@@ -1,9 +1,3 @@
-"""`DistKVReceiver`: the decode side of the torch.distributed transport, one receive thread per peer rank.
-
-A begin is admitted by `Reservations.claim` (the handoff's secret); after it, the handoff's layers, finish
-and abort are taken only from the peer rank whose begin was admitted.
-"""
-
 from __future__ import annotations
 
 import logging
@@ -23,10 +17,9 @@ logger = logging.getLogger(__name__)
 
 
 class DistKVReceiver(ReservationReceiver):
-    """Receives handoffs from the prefill ranks `peer_ranks` of `group` (None: the default group), one
-    receive thread per peer. `int8_passthrough` as in `kvtransfer.reservations.Reservations`.
+    """Receives handoffs from `peer_ranks` of `group`, one receive thread per peer.
 
-    Received tensors live on `config.device` (views of the received payload on a float wire).
+    Tensors live on `config.device`; `int8_passthrough` as in `Reservations`.
     """
 
     def __init__(
@@ -50,8 +43,7 @@ class DistKVReceiver(ReservationReceiver):
             thread.start()
 
     def close(self, join_timeout_s: float = 10.0) -> None:
-        """Waits up to `join_timeout_s` for every peer's `bye` (see the module docstring). A peer that said
-        `bye` is not listened to again: a restarted sender on that rank needs a new receiver."""
+        """Waits up to `join_timeout_s` for each peer's `bye`; a peer that said `bye` is not heard again."""
         deadline_s = time.monotonic() + join_timeout_s
         for thread in self._threads:
             thread.join(max(0.0, deadline_s - time.monotonic()))
@@ -61,7 +53,7 @@ class DistKVReceiver(ReservationReceiver):
         while True:
             try:
                 record, payload = recv_message(peer_rank, self._group, self._device)
-            except Exception as e:  # peer died, pair closed, or the stream is out of sync
+            except Exception as e:
                 logger.warning("kv receive from rank %d stopped: %r", peer_rank, e)
                 for request_id in in_flight:
                     self._reservations.on_sender_lost(
@@ -74,11 +66,11 @@ class DistKVReceiver(ReservationReceiver):
                 return
             try:
                 self._dispatch(peer_rank, record, payload, in_flight)
-            except HandoffRefused as e:  # not this peer's handoff: dropped, nothing recorded
+            except HandoffRefused as e:
                 logger.warning("kv transfer from rank %d refused: %s", peer_rank, e)
-            except KVTransferError as e:  # recorded on the reservation (if any); the rest of it is dropped
+            except KVTransferError as e:
                 logger.info("kv transfer from rank %d: %s", peer_rank, e)
-            except (KeyError, TypeError, ValueError) as e:  # a malformed record: dropped, nothing recorded
+            except (KeyError, TypeError, ValueError) as e:
                 logger.warning(
                     "kv transfer from rank %d: malformed %r record: %r", peer_rank, record.get("kind"), e
                 )
@@ -86,17 +78,12 @@ class DistKVReceiver(ReservationReceiver):
     def _dispatch(
         self, peer_rank: int, record: dict[str, Any], payload: torch.Tensor | None, in_flight: set[str]
     ) -> None:
-        """Apply one record from `peer_rank`. `in_flight`: the requests this peer was admitted to.
-
-        Raises:
-            HandoffRefused: a begin that `Reservations.claim` refused, or data for a request this peer was
-                not admitted to (nothing recorded); other `KVTransferError`s as `Reservations` records them.
-        """
+        """Apply one record; HandoffRefused for data from a peer not admitted to its request."""
         kind = record["kind"]
         if kind == "begin":
             meta = meta_from_dict(record["meta"])
             self._reservations.claim(meta.request_id, meta.secret)
-            in_flight.add(meta.request_id)  # from here on, this peer's data for it is the handoff's
+            in_flight.add(meta.request_id)
             self._reservations.on_begin(meta)
             return
         if kind not in ("layer", "finish", "abort"):

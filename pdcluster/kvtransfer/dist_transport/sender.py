@@ -1,9 +1,3 @@
-"""`DistKVSender`: the prefill side of the torch.distributed transport.
-
-One worker thread per sender encodes (INT8, CRC-32C) and sends, fed by a queue, so `send_layer` returns at
-once. There is no return path: the sender learns only of its own send failures and of its lease ending.
-"""
-
 from __future__ import annotations
 
 import logging
@@ -42,11 +36,11 @@ logger = logging.getLogger(__name__)
 class _Request:
     meta: HandoffMeta
     begun_at_s: float
-    closed: bool = False  # finish() or abort() called
+    closed: bool = False
     abort_reason: str | None = None
-    stalled: bool = False  # the fault hook stopped it
+    stalled: bool = False
     error: KVTransferError | None = None
-    reported: bool = False  # its error went to the sender's FailureLog
+    reported: bool = False
 
 
 @dataclass
@@ -57,9 +51,9 @@ class _Progress:
 
 
 class DistKVSender(KVSender):
-    """Sends handoffs to the decode rank `peer_rank` of `group` (None: the default group).
+    """Sends handoffs to decode rank `peer_rank` of `group` from one worker thread.
 
-    fault_hook: test-only fault injection (`kvtransfer.wire.FaultHook`); it sees every request's layers.
+    fault_hook: test-only fault injection (`kvtransfer.wire.FaultHook`).
     """
 
     def __init__(
@@ -79,7 +73,7 @@ class DistKVSender(KVSender):
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._progress = _Progress()
-        self._failures = FailureLog()  # failed handoffs' errors until flush() reports them
+        self._failures = FailureLog()
         self._closed = False
         self._worker = threading.Thread(target=self._run, name=f"kv-sender-to-rank{peer_rank}", daemon=True)
         self._worker.start()
@@ -105,7 +99,7 @@ class DistKVSender(KVSender):
     def abort(self, request_id: str, reason: str) -> None:
         req = self._open_request(request_id)
         req.closed = True
-        req.abort_reason = reason  # layers still queued are dropped
+        req.abort_reason = reason
         self._enqueue(("abort", request_id, reason))
 
     def flush(self, timeout_s: float) -> dict[str, KVTransferError]:
@@ -127,7 +121,7 @@ class DistKVSender(KVSender):
             return sorted(self._progress.requests)
 
     def close(self, join_timeout_s: float = 10.0) -> None:
-        """Sends what is queued, then `bye` (decode fails this sender's unfinished handoffs), and stops."""
+        """Send what is queued, then `bye` (decode fails unfinished handoffs with SenderLost)."""
         with self._lock:
             if self._closed:
                 return
@@ -160,7 +154,7 @@ class DistKVSender(KVSender):
                     self._send({"kind": "bye"})
                 elif req is not None:
                     self._process(req, item)
-            except Exception as e:  # the pair failed: this request is lost; later ones will try again
+            except Exception as e:
                 logger.warning("kv send to rank %d failed: %r", self.peer_rank, e)
                 if req is not None:
                     with self._lock:
@@ -171,11 +165,11 @@ class DistKVSender(KVSender):
                 with self._lock:
                     self._progress.num_processed += 1
                     if req is not None:
-                        if req.error is not None and not req.reported:  # only the error waits for flush()
+                        if req.error is not None and not req.reported:
                             self._failures.add(request_id, req.error)
                             req.reported = True
                         if kind in ("finish", "abort") and self._progress.requests.get(request_id) is req:
-                            del self._progress.requests[request_id]  # delivered or failed: forget it
+                            del self._progress.requests[request_id]
                     self._changed.notify_all()
             if kind == "bye":
                 return

@@ -1,18 +1,7 @@
-"""Layer chunks on the gRPC stream without protobuf's copies: the `KVMessage{chunk}` bytes built and read by
-hand, wire-compatible with `pdcluster/protos/kv_transfer.proto` (any protobuf peer reads and writes the
-same bytes).
+"""`KVMessage{chunk}` bytes built and read by hand, so a chunk's payload is copied once per side.
 
-Built with protobuf, a chunk's payload is copied four times on the sender (a `bytes` slice of the layer,
-into the message, into its serialization, into gRPC's buffer) and twice on the receiver before it reaches
-the layer (out of the message into a `bytes`, then into the layer). Here the sender joins a small prefix
-and a memoryview of the layer into the message bytes (one copy; gRPC's own copy into its buffer follows)
-and the receiver copies a memoryview of the received message straight into the layer (one copy). Other
-messages (begin, finish, abort) stay protobuf: they are small.
-
-Encoding (protobuf wire format; field numbers from the .proto): `KVMessage.chunk` is field 2,
-length-delimited (tag 0x12); in `LayerChunk`, `layer_idx` is field 1 (varint, tag 0x08), `offset_bytes`
-field 2 (varint, tag 0x10), `data` field 3 (bytes, tag 0x1a), `header` field 4 (message, tag 0x22). Fields
-may come in any order; unknown fields are skipped, as protobuf does.
+Wire-compatible with `protos/kv_transfer.proto`: `KVMessage.chunk` is field 2 (tag 0x12); in `LayerChunk`
+`layer_idx` 1 (0x08), `offset_bytes` 2 (0x10), `data` 3 (0x1a), `header` 4 (0x22); the rest is protobuf.
 """
 
 from __future__ import annotations
@@ -29,8 +18,7 @@ _VARINT, _LENGTH_DELIMITED = 0, 2
 
 
 class RawChunk(NamedTuple):
-    """A received `LayerChunk`: `data` is a memoryview into the received message (valid while it is);
-    `header` the layer's `pb.LayerHeader` on the chunk at offset 0, else None."""
+    """A received `LayerChunk`: `data` a memoryview into the message; `header` only at offset 0."""
 
     layer_idx: int
     offset_bytes: int
@@ -64,7 +52,6 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
 
 
 def encode_chunk(layer_idx: int, offset_bytes: int, data: memoryview, header: pb.LayerHeader | None) -> bytes:
-    """The serialized `KVMessage{chunk: LayerChunk{...}}` of one slice `data` of a layer's payload."""
     fields = [b"\x08", _varint(layer_idx), b"\x10", _varint(offset_bytes)]
     if header is not None:
         header_bytes = header.SerializeToString()
@@ -76,7 +63,6 @@ def encode_chunk(layer_idx: int, offset_bytes: int, data: memoryview, header: pb
 
 
 def serialize_message(message: Any) -> bytes:
-    """gRPC request serializer: pre-encoded chunk bytes as they are, protobuf messages serialized."""
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
@@ -109,8 +95,7 @@ def _decode_chunk(body: memoryview) -> RawChunk:
 
 
 def deserialize_message(data: bytes) -> pb.KVMessage | RawChunk:
-    """gRPC request deserializer: a chunk as a `RawChunk` (its data not copied), anything else as the
-    `pb.KVMessage`. ProtocolError for a malformed chunk (the servicer fails the call with it)."""
+    """A chunk as a `RawChunk` (not copied), anything else as `pb.KVMessage`; ProtocolError if malformed."""
     buf = memoryview(data)
     if len(buf) and buf[0] == KV_MESSAGE_CHUNK_TAG:
         length, pos = _read_varint(buf, 1)

@@ -1,5 +1,4 @@
-"""The gRPC transport's messages: limits, call-metadata keys, protobuf <-> kvtransfer types, and the gRPC
-status code each `KVTransferError` class travels as (`pdcluster/protos/kv_transfer.proto`)."""
+"""The gRPC transport's limits, metadata keys, protobuf <-> kvtransfer types and status codes."""
 
 from __future__ import annotations
 
@@ -29,12 +28,9 @@ from pdcluster.kvtransfer.wire import (
 from pdcluster.protos import kv_transfer_pb2 as pb
 
 GRPC_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's default receive limit; both ends set it explicitly
-MESSAGE_OVERHEAD_BYTES = 64 << 10  # room for the chunk's header and protobuf framing
-# As large as the limit allows: per-message costs (a Python generator step, gRPC's framing) are paid
-# once per 4 MiB; a DeepSeek-V3 layer of 2,048 tokens (2.36 MB in bf16) is one message.
+MESSAGE_OVERHEAD_BYTES = 64 << 10
 DEFAULT_MAX_CHUNK_BYTES = GRPC_MAX_MESSAGE_BYTES - MESSAGE_OVERHEAD_BYTES
-TRANSFER_METHOD = "/pdcluster.kvtransfer.KVTransfer/Transfer"  # the .proto's service and method
-# Call metadata naming the handoff and carrying its secret (a `-bin` key: raw bytes, base64 on the wire).
+TRANSFER_METHOD = "/pdcluster.kvtransfer.KVTransfer/Transfer"
 HANDOFF_ID_KEY = "pdcluster-handoff-id"
 HANDOFF_SECRET_KEY = "pdcluster-handoff-secret-bin"
 
@@ -44,14 +40,13 @@ ERROR_TO_CODE: list[tuple[type[KVTransferError], grpc.StatusCode]] = [
     (SenderLost, grpc.StatusCode.CANCELLED),  # before its base class TransferTimeout: first match wins
     (TransferTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (TransferAborted, grpc.StatusCode.ABORTED),
-    (KVTransferError, grpc.StatusCode.FAILED_PRECONDITION),  # ProtocolError and the rest
+    (KVTransferError, grpc.StatusCode.FAILED_PRECONDITION),
 ]
 CODE_TO_ERROR = {code: cls for cls, code in ERROR_TO_CODE} | {
     grpc.StatusCode.FAILED_PRECONDITION: ProtocolError
 }
 
 
-# `Begin` carries the handoff's fields but its secret (that travels in the call's metadata).
 BEGIN_FIELDS = tuple(f.name for f in dataclasses.fields(HandoffMeta) if f.name != "secret")
 LAYER_HEADER_FIELDS = tuple(f.name for f in dataclasses.fields(LayerHeader))
 
@@ -62,7 +57,7 @@ def meta_to_proto(meta: HandoffMeta) -> pb.Begin:
 
 
 def meta_from_proto(begin: pb.Begin) -> HandoffMeta:
-    """`HandoffMeta` of a received `Begin` (no secret). ProtocolError: fields `HandoffMeta` refuses."""
+    """`HandoffMeta` of a received `Begin` (no secret); ProtocolError for fields it refuses."""
     try:
         return HandoffMeta(**{name: getattr(begin, name) for name in BEGIN_FIELDS})
     except ValueError as e:
@@ -70,12 +65,10 @@ def meta_from_proto(begin: pb.Begin) -> HandoffMeta:
 
 
 def header_to_proto(header: LayerHeader) -> pb.LayerHeader:
-    """A layer's header as the protobuf message (same fields)."""
     return pb.LayerHeader(**header.to_dict())
 
 
 def header_from_proto(header: pb.LayerHeader) -> LayerHeader:
-    """`LayerHeader` of a received protobuf header (same fields)."""
     return LayerHeader(**{name: getattr(header, name) for name in LAYER_HEADER_FIELDS})
 
 
@@ -84,8 +77,6 @@ def _raw_tensor(tensor: torch.Tensor) -> pb.RawTensor:
 
 
 def extras_to_proto(extras: HandoffExtras) -> pb.Finish:
-    """The stream's `Finish`: first token, MTP drafts, their `[num_drafts, vocab_size]` float32
-    probabilities when sampled, and the extras' CRC-32C (`wire.extras_checksum`)."""
     finish = pb.Finish(
         first_token_id=extras.first_token_id,
         draft_token_ids=extras.draft_token_ids,
@@ -97,12 +88,7 @@ def extras_to_proto(extras: HandoffExtras) -> pb.Finish:
 
 
 def extras_from_proto(request_id: str, finish: pb.Finish) -> HandoffExtras:
-    """`HandoffExtras` of a received `Finish`.
-
-    Raises:
-        ProtocolError: malformed fields.
-        ChecksumMismatch: the extras do not match the CRC-32C the sender computed.
-    """
+    """`HandoffExtras` of a received `Finish`; ProtocolError if malformed, ChecksumMismatch on a bad CRC."""
 
     def tensor(raw: pb.RawTensor) -> torch.Tensor:
         return tensor_from_record({"dtype": raw.dtype, "shape": list(raw.shape), "data": raw.data})
@@ -120,12 +106,10 @@ def extras_from_proto(request_id: str, finish: pb.Finish) -> HandoffExtras:
 
 
 def error_from_rpc(error: grpc.RpcError) -> KVTransferError:
-    """The sender's view of a failed call: the receiver's error class where the status code names one."""
     code, details = error.code(), error.details()  # type: ignore[attr-defined]
     cls = CODE_TO_ERROR.get(code, KVTransferError)
     return cls(f"gRPC {code.name}: {details}")
 
 
 def status_code_for(error: KVTransferError) -> grpc.StatusCode:
-    """The status code the receiver fails a call with for `error` (the first matching class wins)."""
     return next(code for cls, code in ERROR_TO_CODE if isinstance(error, cls))

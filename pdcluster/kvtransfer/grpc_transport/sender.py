@@ -1,14 +1,3 @@
-"""`GrpcKVSender`: the prefill side of the gRPC transport (one client-streaming call per handoff).
-
-`send_layer` copies the layer onto the request's queue and returns; gRPC's own thread for the call pulls
-from the queue, encodes what needs encoding (INT8 quantization or dequantization, CRC-32C) and streams, so
-the prefill forward overlaps encoding and transfer. A float layer on a float wire (the common case) is
-checksummed (CRC-32C, several GB/s) and copied straight into its chunk messages by `send_layer` itself: that
-copy is the one the caller is owed, so the layer's bytes are copied once on this side before gRPC's own copy
-(a tensor copy and then the messages' copy, before). A call the receiver fails ends with a status code
-`error_from_rpc` maps back to the receiver's error class; `flush` reports it.
-"""
-
 from __future__ import annotations
 
 import queue
@@ -55,7 +44,6 @@ from pdcluster.protos import kv_transfer_pb2 as pb
 
 
 def _drain(messages: queue.SimpleQueue) -> None:
-    """Drop what is queued (layer tensors included)."""
     while True:
         try:
             messages.get_nowait()
@@ -65,27 +53,23 @@ def _drain(messages: queue.SimpleQueue) -> None:
 
 @dataclass
 class _Call:
-    """One request's stream on the sender."""
-
     meta: HandoffMeta
     begun_at_s: float
     messages: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     future: grpc.Future | None = None
-    closed: bool = False  # finish() or abort() was called
+    closed: bool = False
     abort_reason: str | None = None
-    stalled: bool = False  # the fault hook stopped it
-    done: bool = False  # the RPC ended (delivered or failed): queued messages were dropped
-    # Set once `_on_done` has recorded the outcome. gRPC runs done-callbacks after the future completes,
-    # so waiting on the future alone can race with the bookkeeping; flush() waits on this.
+    stalled: bool = False
+    done: bool = False
+    # Set once `_on_done` recorded the outcome; flush() waits on this, not on the future (a race).
     ended: threading.Event = field(default_factory=threading.Event)
 
 
 class GrpcKVSender(KVSender):
-    """Streams handoffs to one decode instance's `KVReceiverServer` at `target` (`"host:port"`).
+    """Streams handoffs to one `KVReceiverServer` at `target` ("host:port"); encoding runs on gRPC's thread.
 
-    max_chunk_bytes: largest payload slice per gRPC message (must leave room under the 4 MiB limit).
-    tls: mutual TLS (the server must use TLS too); None: a plaintext channel.
-    fault_hook: test-only fault injection (`kvtransfer.wire.FaultHook`).
+    max_chunk_bytes: largest payload slice per gRPC message (under the 4 MiB limit).
+    tls: mutual TLS, or None for plaintext; fault_hook: test-only fault injection.
     """
 
     def __init__(
@@ -114,12 +98,11 @@ class GrpcKVSender(KVSender):
             if tls.server_name is not None:
                 options.append(("grpc.ssl_target_name_override", tls.server_name))
             self._channel = grpc.secure_channel(target, tls.channel_credentials(), options=options)
-        # The generated stub's method, with chunks pre-encoded (`framing`: no protobuf copies of the KV)
         self._transfer = self._channel.stream_unary(
             TRANSFER_METHOD, request_serializer=serialize_message, response_deserializer=pb.Ack.FromString
         )
         self._lock = threading.Lock()
-        self._calls: dict[str, _Call] = {}  # open, or closed and still in flight
+        self._calls: dict[str, _Call] = {}
         self._failures = FailureLog()
         self._closed = False
 
@@ -135,9 +118,7 @@ class GrpcKVSender(KVSender):
         future.add_done_callback(lambda _: self._on_done(call))
 
     def _on_done(self, call: _Call) -> None:
-        """The RPC ended. Its queued layers are dropped at once (the stream generator is woken so it
-        ends), a failure is kept as an error only (for flush), and the call is forgotten if it is closed
-        (else when finish/abort closes it)."""
+        """The RPC ended: drop queued layers, keep a failure for flush, forget a closed call."""
         assert call.future is not None
         error: KVTransferError | None = None
         if not call.future.cancelled():
@@ -162,16 +143,14 @@ class GrpcKVSender(KVSender):
         self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
     ) -> None:
         call = self._open_call(request_id)
-        if call.done:  # failed in the background; flush() reports it
+        if call.done:
             check_layer(call.meta, layer_idx, latent_kv, scale)
             return
         if scale is None and not call.meta.is_int8_wire and self._fault_hook is None:
-            # A float layer on a float wire goes as it is: its chunk messages are built here, and they are
-            # the copy send_layer owes its caller (no tensor copy first, then a second copy into messages).
             check_layer(call.meta, layer_idx, latent_kv)
             layer = encode_layer(call.meta, layer_idx, latent_kv)  # a view of latent_kv, and its CRC-32C
             item: tuple = ("chunks", list(self._chunks(layer.header, layer.payload)))
-        else:  # quantized or dequantized on gRPC's thread, off the caller's
+        else:
             item = ("layer", layer_idx, *copy_layer(call.meta, layer_idx, latent_kv, scale))
         with self._lock:
             if not call.done:
@@ -181,7 +160,7 @@ class GrpcKVSender(KVSender):
         self._close_call(request_id, ("finish", extras))
 
     def abort(self, request_id: str, reason: str) -> None:
-        self._close_call(request_id, ("abort", reason), abort_reason=reason)  # queued layers are dropped
+        self._close_call(request_id, ("abort", reason), abort_reason=reason)
 
     def _close_call(self, request_id: str, message: tuple, abort_reason: str | None = None) -> None:
         with self._lock:
@@ -191,7 +170,7 @@ class GrpcKVSender(KVSender):
             call.closed = True
             if abort_reason is not None:
                 call.abort_reason = abort_reason
-            if call.done:  # already ended (failed): nothing left to send
+            if call.done:
                 self._forget(call)
             else:
                 call.messages.put(message)
@@ -204,7 +183,7 @@ class GrpcKVSender(KVSender):
             call.ended.wait(max(0.0, deadline_s - time.monotonic()))
         with self._lock:
             in_flight = sorted(rid for rid, c in self._calls.items() if c.closed and not c.done)
-            if in_flight:  # failures stay recorded for the next flush
+            if in_flight:
                 raise TransferTimeout(
                     f"flush: {len(in_flight)} finished handoffs in flight after {timeout_s:g} s: {in_flight}"
                 )
@@ -235,14 +214,13 @@ class GrpcKVSender(KVSender):
         return call
 
     def _stream(self, call: _Call) -> Iterator[pb.KVMessage | bytes]:
-        """The call's messages; runs on gRPC's thread for the call, pulling from the request's queue."""
         meta = call.meta
         yield pb.KVMessage(begin=meta_to_proto(meta))
         while True:
             try:
                 item = call.messages.get(timeout=max(0.0, call.begun_at_s + meta.lease_s - time.monotonic()))
             except queue.Empty:
-                return  # lease over: the call's deadline fails it
+                return
             kind = item[0]
             if kind == "cut":
                 return
@@ -269,7 +247,6 @@ class GrpcKVSender(KVSender):
                 return
 
     def _chunks(self, header: LayerHeader, payload: torch.Tensor) -> Iterator[bytes]:
-        """The layer's serialized chunk messages: memoryview slices of the payload, one copy each."""
         data = memoryview(payload.numpy())
         for offset_bytes in range(0, max(len(data), 1), self.max_chunk_bytes):
             yield encode_chunk(

@@ -1,12 +1,3 @@
-"""`KVReceiverServer`: the decode side of the gRPC transport.
-
-Each in-flight call occupies one server worker thread (`max_concurrent_streams` of them), which checks the
-call's credentials before reading a message (`Reservations.claim`), assembles layers from their chunks and
-hands them to `Reservations.on_layer` (verification and decode's `on_layer`); one more thread cuts admitted
-calls off at their lease (`_StreamDeadlines`). The package docstring (`kvtransfer.grpc_transport`) gives the
-limits and statuses.
-"""
-
 from __future__ import annotations
 
 import heapq
@@ -41,13 +32,11 @@ from pdcluster.protos import kv_transfer_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
-QUEUED_STREAMS_PER_THREAD = 4  # default max_queued_streams per worker thread
-REFUSAL_LOG_INTERVAL_S = 10.0  # refused calls are logged at most once per this, with a count
+QUEUED_STREAMS_PER_THREAD = 4
+REFUSAL_LOG_INTERVAL_S = 10.0
 
 
 class _LayerAssembly:
-    """One layer's payload filled from in-order chunks."""
-
     def __init__(self, header: LayerHeader) -> None:
         self.header = header
         self.payload = torch.empty(header.num_bytes, dtype=torch.uint8)
@@ -55,7 +44,7 @@ class _LayerAssembly:
         self.num_bytes_filled = 0
 
     def add(self, chunk: RawChunk) -> bool:
-        """Copies the chunk in (the one copy of its bytes here); True once the layer is whole."""
+        """Copy the chunk in; True once the layer is whole."""
         if chunk.layer_idx != self.header.layer_idx or chunk.offset_bytes != self.num_bytes_filled:
             raise ProtocolError(
                 f"{self.header.request_id}: chunk of layer {chunk.layer_idx} at byte {chunk.offset_bytes}, "
@@ -72,18 +61,16 @@ class _LayerAssembly:
 
 
 def _raw(chunk: pb.LayerChunk) -> RawChunk:
-    """A protobuf chunk as a `RawChunk` (`framing.deserialize_message` gives every chunk as one already)."""
     header = chunk.header if chunk.HasField("header") else None
     return RawChunk(chunk.layer_idx, chunk.offset_bytes, memoryview(chunk.data), header)
 
 
 class _StreamDeadlines:
-    """Cuts admitted calls off at their deadline (`ServicerContext.cancel`, which makes the call's blocked
-    read raise), whatever deadline the client set: one daemon thread for the whole server."""
+    """Cancels admitted calls at their deadline, whatever the client set (one daemon thread)."""
 
     def __init__(self, name: str) -> None:
         self._changed = threading.Condition()
-        self._heap: list[tuple[float, int, grpc.ServicerContext]] = []  # (monotonic deadline, token, call)
+        self._heap: list[tuple[float, int, grpc.ServicerContext]] = []
         self._watched: set[int] = set()
         self._tokens = itertools.count()
         self._stopped = False
@@ -91,7 +78,7 @@ class _StreamDeadlines:
         self._thread.start()
 
     def watch(self, context: grpc.ServicerContext, deadline_s: float) -> int:
-        """Cancel `context` at `deadline_s` (`time.monotonic()` seconds) unless `unwatch`ed first."""
+        """Cancel `context` at `deadline_s` (`time.monotonic()` seconds) unless unwatched first."""
         with self._changed:
             token = next(self._tokens)
             heapq.heappush(self._heap, (deadline_s, token, context))
@@ -114,7 +101,7 @@ class _StreamDeadlines:
             with self._changed:
                 while True:
                     while self._heap and self._heap[0][1] not in self._watched:
-                        heapq.heappop(self._heap)  # ended by itself
+                        heapq.heappop(self._heap)
                     if self._stopped:
                         return
                     now_s = time.monotonic()
@@ -127,8 +114,7 @@ class _StreamDeadlines:
 
 
 class _RefusalLog:
-    """Counts refused calls and logs them at most once per `REFUSAL_LOG_INTERVAL_S`, so that a flood of
-    forged calls cannot flood the log. Thread-safe."""
+    """Logs refused calls at most once per `REFUSAL_LOG_INTERVAL_S` with a count. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -148,7 +134,6 @@ class _RefusalLog:
 
 
 def _credentials(metadata: Sequence[tuple[str, str | bytes]] | None) -> tuple[str, bytes]:
-    """(handoff id, secret) from a call's metadata; HandoffRefused when either is missing."""
     request_id, secret = "", b""
     for key, value in metadata or ():
         if key == HANDOFF_ID_KEY and isinstance(value, str):
@@ -184,7 +169,6 @@ class _Servicer(pb_grpc.KVTransferServicer):
     def _receive(
         self, request_id: str, request_iterator: Iterator[pb.KVMessage], context: grpc.ServicerContext
     ) -> pb.Ack:
-        """The admitted sender's messages for `request_id`; every error is recorded on its reservation."""
         begun = False
         num_layers_received = 0
         assembly: _LayerAssembly | None = None
@@ -196,7 +180,7 @@ class _Servicer(pb_grpc.KVTransferServicer):
                 except StopIteration:
                     lost = "the stream ended before finish"
                     break
-                except Exception as e:  # cancelled (by the client or at the lease by us), connection lost
+                except Exception as e:
                     lost = f"the stream broke ({type(e).__name__}: {e})"
                     break
                 kind = "chunk" if isinstance(message, RawChunk) else message.WhichOneof("kind")
@@ -244,21 +228,12 @@ class _Servicer(pb_grpc.KVTransferServicer):
 
 
 class KVReceiverServer(ReservationReceiver):
-    """The decode instance's gRPC endpoint and its reservations.
+    """The decode instance's gRPC endpoint on `host:port` (`port=0`: free; see `self.address`).
 
-    Serves on `host:port` (`port=0`: a free port; the bound one is `self.port`, the address to give prefill
-    senders is `self.address`). `int8_passthrough` as in `kvtransfer.reservations.Reservations`.
-
-    max_concurrent_streams: handoffs received at once (one server thread each).
-    max_queued_streams: calls that may wait for a free thread beyond those (their leases running); None:
-        `QUEUED_STREAMS_PER_THREAD * max_concurrent_streams`. Further calls fail at once with
-        RESOURCE_EXHAUSTED. Refused calls pass through this queue too, briefly, so it is sized for a burst of
-        them not to crowd out a real sender.
-    tls: serve mutual TLS only (senders need `tls` too); None: plaintext.
-    reservations: the `Reservations` to feed (shared with another receiver of the same decode rank,
-        `kvtransfer.paired`); None: its own, with `int8_passthrough`.
-
-    The module docstring says how senders are authenticated and how long a call may hold a thread.
+    max_concurrent_streams: handoffs received at once, one server thread each.
+    max_queued_streams: calls waiting for a thread beyond those (None: `QUEUED_STREAMS_PER_THREAD` each);
+        further calls fail with RESOURCE_EXHAUSTED.
+    tls: serve mutual TLS only; reservations: shared with another receiver (`kvtransfer.paired`), or None.
     """
 
     def __init__(
@@ -291,7 +266,7 @@ class KVReceiverServer(ReservationReceiver):
             maximum_concurrent_rpcs=max_concurrent_streams + num_queued,
         )
         servicer = _Servicer(self._reservations, self._deadlines, self._refusals)
-        handler = grpc.stream_unary_rpc_method_handler(  # the generated one, with `framing`'s chunks
+        handler = grpc.stream_unary_rpc_method_handler(
             servicer.Transfer,
             request_deserializer=deserialize_message,
             response_serializer=pb.Ack.SerializeToString,
@@ -313,7 +288,6 @@ class KVReceiverServer(ReservationReceiver):
 
     @property
     def num_refused_streams(self) -> int:
-        """Calls refused before any of their data was read (no, wrong or replayed credentials)."""
         return self._refusals.num_refused
 
     def close(self, grace_s: float = 1.0) -> None:

@@ -1,5 +1,3 @@
-"""Mutual TLS on the KV channel: the PEM material both ends present."""
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,12 +8,9 @@ import grpc
 
 @dataclass(frozen=True)
 class TLSCredentials:
-    """PEM material for mutual TLS on the KV channel: every decode server and prefill sender presents
-    `certificate_chain` / `private_key`, and each accepts only a peer whose certificate `root_certificates`
-    (the cluster's CA) signed.
+    """PEM material for mutual TLS: each end presents its chain and accepts peers the CA signed.
 
-    server_name: the name senders check the server's certificate against (its subjectAltName) instead of
-        the host they dial; None: the dialled host (an IP address must then be in the certificate).
+    server_name: the name senders check the server's certificate against; None: the dialled host.
     """
 
     certificate_chain: bytes = field(repr=False)
@@ -27,7 +22,7 @@ class TLSCredentials:
     def from_files(
         cls, cert_file: str | Path, key_file: str | Path, ca_file: str | Path, server_name: str | None = None
     ) -> TLSCredentials:
-        """Read the three PEM files. ValueError naming the file that cannot be read."""
+        """Read the three PEM files; ValueError naming a file that cannot be read."""
 
         def read(what: str, path: str | Path) -> bytes:
             try:

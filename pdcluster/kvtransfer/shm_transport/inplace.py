@@ -1,27 +1,10 @@
 """In-place handoffs: prefill writes each layer straight into decode's paged KV cache.
 
-Decode keeps its float KV cache in one anonymous shared-memory file (`SharedKVCache`: `memfd_create`, as a
-segment; layer `i` is `[num_blocks, block_size, kv_dim]` at byte `i * layout.layer_bytes`). The shm
-receiver passes its descriptor, once per connection, to a prefill sender it admitted, and grants each
-handoff the block table decode reserved for it; the sender then copies a layer from its own tensor into
-those blocks (`kernels.paged_mla.write_prompt_kv`, the CRC-32C of the source computed in the same pass)
-and sends the header with that CRC, and decode computes the CRC of what its blocks hold (`stored_checksum`,
-a read pass) before it counts the layer as arrived. One copy per byte instead of two (into a segment,
-then into the blocks).
-
-Fencing. A sender that can write into decode's cache could write into blocks decode has freed and given to
-another request. So decode frees an in-place handoff's blocks only once its sender can no longer write
-them: the sender said so (its `finish`, `abort` or `end` record: it writes nothing after sending one), its
-connection ended from its side (a sender stops writing every handoff before it closes its socket, and a
-dead process writes nothing), or, when decode ended the connection itself, once the sender closed its
-side after seeing that end (decode half-closes and waits) or its process is gone. Until then the blocks
-stay reserved (`FenceBoard.defer`, `DecodeNode._release_reserved`). A sender whose lease
-expired but that is stopped (SIGSTOP) therefore keeps its blocks held until it runs again or dies; it can
-never write into blocks another request owns. The fences live with the cache (`SharedKVCache.fences`,
-a `FenceBoard`), not with a receiver, so a receiver closed or replaced (a rewire) forgets none of them.
-
-The cache file's size is sealed (`F_SEAL_SHRINK`, `F_SEAL_GROW`): a sender cannot truncate it under
-decode's mappings (which would crash decode with SIGBUS), and a sender maps only a sealed memfd.
+Decode's float cache is one sealed memfd (`SharedKVCache`); the sender gets its descriptor once per
+connection and a block table per handoff, writes each layer with `kernels.paged_mla.write_prompt_kv`
+computing the CRC-32C in the same pass, and decode checks `stored_checksum` of its blocks.
+Fencing: decode frees a handoff's blocks only once its sender can no longer write them (its finish,
+abort or end, its connection closed, or its process gone), whatever the lease says (`FenceBoard`).
 """
 
 from __future__ import annotations
@@ -44,19 +27,18 @@ from pdcluster.models.dtypes import MODEL_DTYPES, dtype_name, torch_dtype
 
 logger = logging.getLogger(__name__)
 
-CACHE_MEMFD_NAME = "pdcluster-kv-cache"  # in /proc/<pid>/maps: "/memfd:pdcluster-kv-cache (deleted)"
+CACHE_MEMFD_NAME = "pdcluster-kv-cache"
 
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """Where a shared KV cache's layers and blocks are: layer `i`, block `b` starts at byte
-    `i * layer_bytes + b * block_bytes`; a block holds `block_size` rows of `kv_dim` values of `dtype`."""
+    """Layer `i`, block `b` of a shared cache starts at byte `i * layer_bytes + b * block_bytes`."""
 
     num_layers: int
     num_blocks: int
     block_size: int
     kv_dim: int
-    dtype: str  # a model dtype name: "bfloat16", "float16", "float32"
+    dtype: str
 
     @property
     def block_bytes(self) -> int:
@@ -81,7 +63,7 @@ class CacheLayout:
 
     @classmethod
     def from_dict(cls, record: dict[str, Any]) -> CacheLayout:
-        """Raises TypeError/ValueError on a malformed record (not positive ints, not a model dtype)."""
+        """Raises TypeError/ValueError on a malformed record."""
         ints = [record[k] for k in ("layers", "blocks", "block_size", "kv_dim")]
         if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in ints):
             raise TypeError(f"a cache layout needs positive ints, got {ints!r}")
@@ -90,14 +72,10 @@ class CacheLayout:
 
 
 class SharedKVCache:
-    """A paged KV cache in one anonymous shared-memory file: `layers[i]` is `[num_blocks, block_size,
-    kv_dim]` of the model dtype (zeros at first), the same shape and dtype as `ModelRunner.kv_caches`.
+    """A paged KV cache in one anonymous shared-memory file.
 
-    Decode creates it (`SharedKVCache.create`) and keeps `fd` open to pass to senders; a sender maps the
-    descriptor it received (`SharedKVCache.map`, which takes ownership of it). The memory goes when the
-    last mapping and descriptor go (nothing is ever named in /dev/shm).
-
-    Raises (create): OSError when the file cannot be made that large.
+    layers[i]: [num_blocks, block_size, kv_dim] model dtype, zeros at first (as `ModelRunner.kv_caches`).
+    Decode `create`s it and keeps `fd` to pass on; a sender `map`s it. Raises OSError (create) if too large.
     """
 
     def __init__(self, layout: CacheLayout, fd: int) -> None:
@@ -111,7 +89,7 @@ class SharedKVCache:
             flat[i * layout.layer_bytes : (i + 1) * layout.layer_bytes].view(dtype).view(shape)
             for i in range(layout.num_layers)
         ]
-        self.fences = FenceBoard()  # decode's: in-place handoffs whose sender may still write
+        self.fences = FenceBoard()
 
     @classmethod
     def create(cls, layout: CacheLayout) -> SharedKVCache:
@@ -124,17 +102,15 @@ class SharedKVCache:
 
     @classmethod
     def map(cls, fd: int, layout: CacheLayout) -> SharedKVCache:
-        """Map a cache decode shared (`fd`, which this closes once mapped, mapped or not).
+        """Map a cache decode shared; closes `fd` in any case.
 
-        Raises:
-            ValueError: the file is smaller than `layout` says, or a memfd whose size is not sealed.
-            OSError: it cannot be mapped.
+        Raises ValueError (file too small, size not sealed) or OSError (cannot map).
         """
         try:
             size = os.fstat(fd).st_size
             if size < layout.total_bytes:
                 raise ValueError(f"shared KV cache file is {size} B, its layout needs {layout.total_bytes}")
-            sealed = size_is_sealed(fd)  # None: not a memfd (or no seals on this platform)
+            sealed = size_is_sealed(fd)
             if sealed is False or (sealed is None and hasattr(fcntl, "F_GET_SEALS")):
                 raise ValueError("shared KV cache file: its size is not sealed (it could be truncated)")
             cache = cls(layout, fd)
@@ -145,7 +121,6 @@ class SharedKVCache:
 
     @staticmethod
     def for_tensors(num_layers: int, shape: tuple[int, int, int], dtype: torch.dtype) -> SharedKVCache:
-        """`num_layers` zeroed `shape` (`[num_blocks, block_size, kv_dim]`) caches of `dtype` in one file."""
         num_blocks, block_size, kv_dim = shape
         return SharedKVCache.create(
             CacheLayout(num_layers, num_blocks, block_size, kv_dim, dtype_name(dtype))
@@ -153,11 +128,7 @@ class SharedKVCache:
 
 
 def check_block_table(layout: CacheLayout, block_ids: Any, num_tokens: int) -> np.ndarray:
-    """`block_ids` as int64, checked to cover `num_tokens` positions within the cache's blocks.
-
-    Raises:
-        ValueError: too few blocks, or a block id outside `[0, layout.num_blocks)`.
-    """
+    """`block_ids` as int64; ValueError if too few for `num_tokens` or out of `[0, num_blocks)`."""
     try:
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
     except (OverflowError, TypeError, ValueError) as e:
@@ -172,9 +143,10 @@ def check_block_table(layout: CacheLayout, block_ids: Any, num_tokens: int) -> n
 
 
 def stored_checksum(cache_layer: torch.Tensor, block_ids: np.ndarray, num_tokens: int) -> int:
-    """CRC-32C (Castagnoli) of positions `0 .. num_tokens - 1` as stored in `cache_layer` (`[num_blocks,
-    block_size, kv_dim]`, host) through `block_ids` (checked, `check_block_table`), in position order: the
-    same value as the CRC of the `[num_tokens, kv_dim]` tensor written there (`write_prompt_kv`)."""
+    """CRC-32C of positions `0 .. num_tokens - 1` in `cache_layer` through `block_ids`, in position order.
+
+    cache_layer: [num_blocks, block_size, kv_dim] on the host; equals the CRC of the source written.
+    """
     num_blocks, block_size, kv_dim = cache_layer.shape
     rows = cache_layer.view(torch.uint8).numpy().reshape(num_blocks, -1)
     row_bytes = kv_dim * cache_layer.element_size()
@@ -189,12 +161,11 @@ def stored_checksum(cache_layer: torch.Tensor, block_ids: np.ndarray, num_tokens
 
 @dataclass
 class _Fence:
-    frees: list[Callable[[], None]] = field(default_factory=list)  # `defer`'s callbacks
+    frees: list[Callable[[], None]] = field(default_factory=list)
 
 
 class FenceBoard:
-    """The in-place handoffs, by request id, whose sender may still write the cache (the module
-    docstring): `open` at the grant, `end` when the sender can no longer write. Thread-safe."""
+    """In-place handoffs whose sender may still write the cache: `open` at grant, `end` when it cannot."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -205,9 +176,7 @@ class FenceBoard:
             return len(self._fences)
 
     def open(self, request_id: str, still_wanted: Callable[[], bool]) -> bool:
-        """Fence `request_id` if `still_wanted()` (asked under the board's lock: decode releases a
-        reservation before it asks `defer`, so a grant either sees the release or is fenced before `defer`
-        looks). False: not fenced, do not grant."""
+        """Fence `request_id` if `still_wanted()` (asked under the lock); False: do not grant."""
         with self._lock:
             if not still_wanted():
                 return False
@@ -215,8 +184,7 @@ class FenceBoard:
             return True
 
     def defer(self, request_id: str, free: Callable[[], None]) -> bool:
-        """True (and `free` called, on a thread, at `end`) while `request_id` is fenced; False: not fenced,
-        the caller frees now and `free` is never called."""
+        """True (and `free` called on a thread at `end`) while fenced; False: the caller frees now."""
         with self._lock:
             fence = self._fences.get(request_id)
             if fence is None:
@@ -225,7 +193,6 @@ class FenceBoard:
             return True
 
     def end(self, request_id: str) -> None:
-        """The sender of `request_id` can no longer write: what waited for that runs, on a thread."""
         with self._lock:
             fence = self._fences.pop(request_id, None)
         if fence is not None and fence.frees:

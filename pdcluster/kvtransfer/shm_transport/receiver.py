@@ -1,19 +1,4 @@
-"""`ShmKVReceiver`: the decode side of the shared-memory transport.
-
-It listens on a Unix socket (`channel.listen`: a 0700 directory, peer uid checked) and serves each prefill
-sender's connection on one thread, which admits begins (`Reservations.claim`, the handoff's secret), lends
-the admitted handoff a segment of the connection's `SegmentPool` (its descriptor passed the first time),
-and for each layer record hands decode a view of the bytes the sender wrote there, which decode's `on_layer`
-copies into its paged blocks (the one copy on this side), returning their CRC-32C as it copies them, which
-the receiver then checks (`Reservations.on_layer`; other callbacks get verified bytes). Everything that
-reads a segment runs on that thread, so a segment is free for the next handoff as soon as its sender is
-done writing it (finish, abort, or its `end` after a failure), whatever decode does with the reservation.
-
-With decode's KV cache shared (`share_kv_cache`) a float handoff whose reservation has a block table is
-granted in place instead (`inplace`): the sender writes the layers into decode's blocks itself, the
-receiver checks the CRC-32C of what the blocks hold per layer, and the blocks stay fenced until the
-sender can no longer write them.
-"""
+"""`ShmKVReceiver`: the decode side of the shared-memory transport, one thread per connection."""
 
 from __future__ import annotations
 
@@ -48,28 +33,24 @@ from pdcluster.kvtransfer.wire import LayerHeader, meta_from_dict
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.2  # how often an idle connection thread looks at its leases and at close()
-MAX_CONNECTIONS = 256  # default `ShmKVReceiver.max_connections`
-# A segment whose sender neither finished nor ended it is closed (not reused) this long after its lease:
-# the sender stops writing at its lease, so by then no late write can land in another handoff's bytes.
+POLL_S = 0.2
+MAX_CONNECTIONS = 256
+# A segment neither finished nor ended is closed, not reused, this long after its lease.
 LEASE_GRACE_S = 5.0
 
 
 def error_record(error: KVTransferError) -> list[str]:
-    """How a `done` record carries an error: `[class name, message]` (`sender.error_from_record`)."""
+    """A `done` record's error: `[class name, message]`."""
     return [type(error).__name__, str(error)]
 
 
 @dataclass
 class _Lent:
-    """A handoff admitted on a connection, and the segment its sender writes, or (in place) the blocks of
-    the shared KV cache."""
-
     meta: HandoffMeta
     segment: Segment | None
     begun_at_s: float
-    failed: bool = False  # decode refused it (the sender was told); the segment waits for the sender's end
-    blocks: np.ndarray | None = None  # in place: the reservation's block table (int64)
+    failed: bool = False
+    blocks: np.ndarray | None = None
 
 
 class _Connection:
@@ -77,13 +58,13 @@ class _Connection:
         self.channel = channel
         self.pool = pool
         self.pid = pid
-        self.cache_sent = False  # the shared KV cache's descriptor went to this sender
+        self.cache_sent = False
         self.lent: dict[str, _Lent] = {}
 
     def send(self, record: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
         try:
             self.channel.send(record, fds)
-        except OSError as e:  # the sender is gone: its connection thread notices at its next receive
+        except OSError as e:
             logger.info("kv shm: telling the sender failed: %r", e)
 
     def done(self, request_id: str, error: KVTransferError | None) -> None:
@@ -99,15 +80,11 @@ class _Connection:
 
 
 class ShmKVReceiver(ReservationReceiver):
-    """The decode instance's shared-memory endpoint and its reservations; senders connect to
-    `self.address` (a socket path on this host). `int8_passthrough` as in `Reservations`.
+    """The decode instance's shared-memory endpoint; senders connect to `self.address` (a socket path).
 
-    max_free_bytes: free segments each connection keeps for reuse (`SegmentPool`).
-    max_connections: connections served at once (one thread each; prefill ranks need one per decode
-        rank); more are closed at accept, logged once per 10 s with a count.
-    reservations: the `Reservations` to feed (shared with another receiver of the same decode rank,
-        `kvtransfer.paired`); it must copy kept layers (`copy_kept_layers`: a segment is reused once its
-        sender is done). None: its own, with `int8_passthrough`.
+    max_free_bytes: free segments each connection keeps for reuse.
+    max_connections: connections served at once (one thread each); more are closed at accept.
+    reservations: shared with another receiver (`kvtransfer.paired`), must copy kept layers; None: its own.
     """
 
     def __init__(
@@ -132,7 +109,7 @@ class ShmKVReceiver(ReservationReceiver):
         self.address = str(self._dir / SOCKET_NAME)
         self._closed = threading.Event()
         self._lock = threading.Lock()
-        self._cache: SharedKVCache | None = None  # share_kv_cache (its `fences`: the in-place handoffs)
+        self._cache: SharedKVCache | None = None
         self._num_in_place_grants = 0
         self._connections: list[_Connection] = []
         self._threads: list[threading.Thread] = []
@@ -141,34 +118,27 @@ class ShmKVReceiver(ReservationReceiver):
 
     @property
     def num_segments(self) -> int:
-        """Segments mapped by this receiver, over all connections (a leak check for tests)."""
         with self._lock:
             return sum(c.pool.num_segments for c in self._connections)
 
     def share_kv_cache(self, cache: SharedKVCache) -> None:
-        """From now on, a handoff whose reservation has a block table (`expect(block_ids=...)`) and whose
-        wire is `cache`'s float dtype is written in place: its sender gets `cache`'s descriptor (once per
-        connection) and the block table, and writes the layers into `cache` itself (`inplace`)."""
+        """Write float handoffs with a block table in place into `cache` from now on."""
         if cache.fd is None:
             raise ValueError("share_kv_cache: the cache's descriptor is closed")
         self._cache = cache
 
     def defer_until_writes_end(self, request_id: str, free: Callable[[], None]) -> bool:
-        """After `release`, before a reservation's blocks are freed: True when a sender may still write
-        them in place (`free` is then called, on another thread, once it cannot; the caller must not free
-        them itself); False: free them now. The shared cache's `FenceBoard.defer`."""
+        """After `release`: True when a sender may still write (`free` runs later); False: free now."""
         cache = self._cache
         return cache is not None and cache.fences.defer(request_id, free)
 
     @property
     def num_fenced(self) -> int:
-        """In-place handoffs whose sender may still write the shared cache (a leak check for tests)."""
         cache = self._cache
         return 0 if cache is None else len(cache.fences)
 
     @property
     def num_in_place_grants(self) -> int:
-        """Handoffs granted in place so far (0 without a shared cache)."""
         with self._lock:
             return self._num_in_place_grants
 
@@ -177,8 +147,7 @@ class ShmKVReceiver(ReservationReceiver):
             self._cache.fences.end(request_id)
 
     def close(self, join_timeout_s: float = 2.0) -> None:
-        """Stop accepting and serving; connections close (their senders fail what is open), segments are
-        unmapped and the socket directory is removed."""
+        """Stop serving; connections close, segments unmap, the socket directory goes."""
         self._closed.set()
         self._accept_thread.join(join_timeout_s)
         with self._lock:
@@ -203,7 +172,7 @@ class ShmKVReceiver(ReservationReceiver):
                 continue
             with self._lock:
                 full = len(self._connections) >= self.max_connections
-            if full:  # a thread per connection: a flood of them must not take the process down
+            if full:
                 self._refusals.warning(
                     logger,
                     "kv shm: refused %d connection(s) (logged at most every %g s): %d open already "
@@ -222,7 +191,7 @@ class ShmKVReceiver(ReservationReceiver):
 
     def _serve(self, connection: _Connection) -> None:
         why = "the sender closed its connection"
-        sender_closed = False  # the sender ended the connection (it writes nothing after that)
+        sender_closed = False
         try:
             while not self._closed.is_set():
                 self._reclaim_expired(connection)
@@ -230,7 +199,7 @@ class ShmKVReceiver(ReservationReceiver):
                     continue
                 try:
                     got = connection.channel.recv()
-                except ConnectionResetError:  # closed with our records unread: closed all the same
+                except ConnectionResetError:
                     sender_closed = True
                     break
                 except (OSError, ProtocolError) as e:
@@ -242,7 +211,7 @@ class ShmKVReceiver(ReservationReceiver):
                 record, _ = got  # none: senders never pass descriptors (max_fds=0)
                 try:
                     self._dispatch(connection, record)
-                except (KeyError, TypeError, ValueError) as e:  # malformed: dropped, nothing recorded
+                except (KeyError, TypeError, ValueError) as e:
                     self._malformed.warning(
                         logger,
                         "kv shm: dropped %d malformed record(s) (logged at most every %g s; latest: a %r "
@@ -251,7 +220,7 @@ class ShmKVReceiver(ReservationReceiver):
                         record.get("k"),
                         e,
                     )
-                except Exception as e:  # noqa: BLE001 - a fault here must not end the thread unseen
+                except Exception as e:  # noqa: BLE001
                     logger.exception(
                         "kv shm: serving a %r record failed; closing the connection", record.get("k")
                     )
@@ -266,7 +235,7 @@ class ShmKVReceiver(ReservationReceiver):
                 if lent.blocks is not None:
                     fenced.append(request_id)
             connection.lent.clear()
-            if fenced and not sender_closed:  # decode ends it: the fences end once the sender knows
+            if fenced and not sender_closed:
                 threading.Thread(
                     target=self._end_fences_at_sender_close,
                     args=(connection, fenced),
@@ -282,10 +251,7 @@ class ShmKVReceiver(ReservationReceiver):
                 self._connections.remove(connection)
 
     def _end_fences_at_sender_close(self, connection: _Connection, request_ids: list[str]) -> None:
-        """Decode ended a connection while in-place handoffs were open on it: half-close it, so that the
-        sender's reader sees the end, stops writing every handoff and closes its side (`ShmKVSender._read`);
-        the fences end at that close, or once the sender's process is gone (records after the half-close
-        are dropped). A stopped sender keeps them until it runs or dies."""
+        """Half-close, then end the fences once the sender closes its side or its process is gone."""
         sock = connection.channel.sock
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_WR)
@@ -298,8 +264,8 @@ class ShmKVReceiver(ReservationReceiver):
         while not process_gone(connection.pid):
             try:
                 if wait_readable(sock, POLL_S) and not sock.recv(1 << 16):
-                    break  # the sender's close
-            except (OSError, ValueError):  # reset (closed with records unread) or unusable: closed too
+                    break
+            except (OSError, ValueError):
                 break
         for request_id in request_ids:
             self._end_fence(request_id)
@@ -320,10 +286,10 @@ class ShmKVReceiver(ReservationReceiver):
         if kind == "layer":
             header = LayerHeader.from_dict(record["h"])
             lent = connection.lent.get(header.request_id)
-            if lent is None or lent.failed:  # not admitted on this connection, or already refused
+            if lent is None or lent.failed:
                 return
             try:
-                self._reservations.check_header(header)  # before the header's bytes are looked at
+                self._reservations.check_header(header)
                 if lent.blocks is not None:
                     assert self._cache is not None
                     crc = stored_checksum(
@@ -342,9 +308,9 @@ class ShmKVReceiver(ReservationReceiver):
         lent = connection.lent.get(request_id)
         if kind not in ("finish", "abort", "end"):
             raise ValueError(f"unknown record kind {kind!r}")
-        if lent is None:  # not admitted on this connection
+        if lent is None:
             return
-        if kind == "end" or lent.failed:  # the sender stopped writing after being told of a failure
+        if kind == "end" or lent.failed:
             self._give_back(connection, request_id)
             return
         error: KVTransferError | None = None
@@ -355,18 +321,16 @@ class ShmKVReceiver(ReservationReceiver):
                 self._reservations.on_abort(request_id, str(record["reason"]))
         except KVTransferError as e:
             error = e
-        self._give_back(connection, request_id)  # the sender writes no more
+        self._give_back(connection, request_id)
         connection.done(request_id, error)
 
     def _give_back(self, connection: _Connection, request_id: str) -> None:
-        """The sender of `request_id` writes no more: its segment is free, or its in-place fence ends."""
         lent = connection.give_back(request_id)
         if lent is not None and lent.blocks is not None:
             self._end_fence(request_id)
 
     def _in_place_blocks(self, meta: HandoffMeta) -> np.ndarray | None:
-        """The block table to grant `meta`'s handoff in place, or None: a segment (no shared cache, no
-        block table, an int8 or other-dtype wire, or a layout that does not fit)."""
+        """The block table to grant `meta` in place, or None for a segment."""
         cache, block_ids = self._cache, self._reservations.block_ids(meta.request_id)
         if cache is None or block_ids is None:
             return None
@@ -389,14 +353,14 @@ class ShmKVReceiver(ReservationReceiver):
         try:
             self._reservations.claim(request_id, meta.secret)
             self._reservations.on_begin(meta)
-        except KVTransferError as e:  # refused (nothing recorded) or a mismatch (recorded by on_begin)
+        except KVTransferError as e:
             connection.done(request_id, e)
             return
         blocks, cache = self._in_place_blocks(meta), self._cache
         if blocks is not None and cache is not None:
-            granted = blocks.tolist()  # the prompt's blocks: the table's first ones (it holds more)
+            granted = blocks.tolist()
 
-            def still_reserved() -> bool:  # the same reservation: same id, and the blocks granted its own
+            def still_reserved() -> bool:
                 table = self._reservations.block_ids(request_id)
                 return table is not None and table[: len(granted)] == granted
 
@@ -416,7 +380,7 @@ class ShmKVReceiver(ReservationReceiver):
             return
         try:
             segment, is_new = connection.pool.acquire(meta.total_wire_bytes)
-        except OSError as e:  # out of descriptors or memory: this handoff fails, the connection goes on
+        except OSError as e:
             error = KVTransferError(
                 f"{request_id}: decode could not map a {meta.total_wire_bytes} B segment: {e}"
             )
@@ -429,6 +393,6 @@ class ShmKVReceiver(ReservationReceiver):
         if is_new:
             connection.send(grant, [segment.fd])
             with contextlib.suppress(OSError):
-                segment.close_fd()  # the mapping stays; the sender has its own descriptor now
+                segment.close_fd()
         else:
             connection.send(grant)

@@ -1,20 +1,7 @@
-"""Shared-memory segments of the shm transport: anonymous (`memfd_create`), owned by the decode side,
-mapped by both, reused across handoffs.
+"""Anonymous shared-memory segments of the shm transport, owned by decode, reused per connection.
 
-Why anonymous. A segment has no name anywhere (nothing in /dev/shm, nothing to guess, nothing left behind):
-the decode receiver creates it with `os.memfd_create` (mode set to 0600), maps it, and hands its file
-descriptor to the one prefill sender admitted to the handoff, over the authenticated control socket
-(`SCM_RIGHTS`). The kernel frees its memory when the last descriptor and mapping go, so a killed actor on
-either side cannot leak it: its mappings die with it, and the survivor unmaps when the channel closes. Where
-`memfd_create` does not exist, the segment is a temporary file in /dev/shm (else the temp dir) created with
-O_EXCL, mode 0600 and a random name, and unlinked before it is ever used (`tempfile.TemporaryFile`): again
-nothing outlives the processes. (It also escapes container /dev/shm size limits: memfd memory is counted
-as the process's shared memory, not against the /dev/shm mount.)
-
-Reuse. Mapping a fresh segment per handoff would fault in every page each time (for DeepSeek-V3's 144 MB a
-handoff, about 35,000 faults). So each connection keeps a `SegmentPool`: a handoff gets the smallest free
-segment that holds it (capacities are powers of two, at least 1 MiB), and returns it when the sender is
-done writing; free segments beyond `max_free_bytes` are closed (the sender is told to unmap them).
+A segment is a `memfd_create` file (mode 0600) or, where that is missing, an unlinked temporary file, so
+nothing outlives the processes. Each connection's `SegmentPool` reuses segments to avoid page faults.
 """
 
 from __future__ import annotations
@@ -31,25 +18,24 @@ import numpy as np
 import torch
 
 MIN_SEGMENT_BYTES = 1 << 20
-DEFAULT_MAX_FREE_BYTES = 1 << 30  # free segments a connection keeps mapped for reuse
-MEMFD_NAME = "pdcluster-kv"  # shown in /proc/<pid>/maps as "/memfd:pdcluster-kv (deleted)"
+DEFAULT_MAX_FREE_BYTES = 1 << 30
+MEMFD_NAME = "pdcluster-kv"
 
 
 def segment_capacity(num_bytes: int) -> int:
-    """The capacity a segment for `num_bytes` gets: the next power of two, at least `MIN_SEGMENT_BYTES`
-    (untouched pages of a mapping cost no memory, so rounding up only costs address space)."""
+    """The next power of two of `num_bytes`, at least `MIN_SEGMENT_BYTES`."""
     return max(MIN_SEGMENT_BYTES, 1 << max(0, num_bytes - 1).bit_length())
 
 
 def anonymous_fd(num_bytes: int, name: str = MEMFD_NAME, seal_size: bool = False) -> int:
-    """A new anonymous shared-memory file of `num_bytes` bytes, mode 0600 (see the module docstring),
-    named `name` in /proc/<pid>/maps. seal_size: a memfd's size is then sealed (`F_SEAL_SHRINK`,
-    `F_SEAL_GROW`, `F_SEAL_SEAL`): no process it is passed to can truncate it under the others' mappings
-    (which would crash them with SIGBUS at their next access)."""
+    """A new anonymous shared file of `num_bytes` bytes, mode 0600.
+
+    seal_size: seal a memfd's size so no process can truncate it under the others' mappings (SIGBUS).
+    """
     sealing = seal_size and hasattr(os, "MFD_ALLOW_SEALING") and hasattr(fcntl, "F_ADD_SEALS")
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create(name, os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if sealing else 0))
-    else:  # unlinked at once: never visible under a name an unrelated process could open
+    else:
         sealing = False
         shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
         with tempfile.TemporaryFile(dir=shm_dir) as f:
@@ -67,8 +53,7 @@ def anonymous_fd(num_bytes: int, name: str = MEMFD_NAME, seal_size: bool = False
 
 
 def size_is_sealed(fd: int) -> bool | None:
-    """Whether the memfd `fd` can no longer shrink (`F_SEAL_SHRINK`); None: not a memfd with seals (or
-    the platform has none)."""
+    """Whether memfd `fd` can no longer shrink; None for no seals (not a memfd or no platform support)."""
     if not hasattr(fcntl, "F_GET_SEALS"):
         return None
     try:
@@ -79,12 +64,10 @@ def size_is_sealed(fd: int) -> bool | None:
 
 
 class Segment:
-    """One mapped segment: `segment_id` (unique per connection), `capacity_bytes`, and its descriptor
-    (`fd`, kept by the owner to pass it on; None once passed and closed, e.g. on the sender). A segment
-    given a descriptor owns it: the constructor closes it when it raises (ValueError: the file is smaller
-    than `capacity_bytes`; OSError: it cannot be mapped).
+    """One mapped segment; `view(offset_bytes, num_bytes)` is a [num_bytes] uint8 tensor on the mapping.
 
-    `view(offset_bytes, num_bytes)` is a 1-D uint8 tensor sharing the mapping (no copy)."""
+    Owns a given `fd`, closing it when the constructor raises (ValueError: file too small; OSError: no map).
+    """
 
     def __init__(self, segment_id: int, capacity_bytes: int, fd: int | None = None) -> None:
         self.segment_id = segment_id
@@ -111,14 +94,12 @@ class Segment:
         return torch.from_numpy(self._array[offset_bytes : offset_bytes + num_bytes])
 
     def close_fd(self) -> None:
-        """Close the descriptor (the mapping stays)."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
 
     def close(self) -> None:
-        """Close the descriptor and unmap. Views still alive keep the mapping until they go (the mmap
-        refuses to close under exported buffers; the garbage collector unmaps it then)."""
+        """Close the descriptor and unmap (live views keep the mapping until collected)."""
         self.close_fd()
         self._array = None
         with contextlib.suppress(BufferError):
@@ -126,18 +107,17 @@ class Segment:
 
 
 class SegmentPool:
-    """A connection's segments on the decode side: `acquire` one for a handoff, `give_back` it when the
-    sender is done with it, `close` all. Thread-safe."""
+    """A connection's segments on the decode side. Thread-safe."""
 
     def __init__(self, max_free_bytes: int = DEFAULT_MAX_FREE_BYTES) -> None:
         self.max_free_bytes = max_free_bytes
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._free: list[Segment] = []  # oldest first
+        self._free: list[Segment] = []
         self._all: dict[int, Segment] = {}
 
     def acquire(self, num_bytes: int) -> tuple[Segment, bool]:
-        """A segment of at least `num_bytes` and whether it is new (its descriptor not yet passed on)."""
+        """A segment of at least `num_bytes` and whether it is new (descriptor not yet passed)."""
         with self._lock:
             fits = [s for s in self._free if s.capacity_bytes >= num_bytes]
             if fits:
@@ -149,8 +129,7 @@ class SegmentPool:
             return segment, True
 
     def give_back(self, segment: Segment, reuse: bool = True) -> list[int]:
-        """Return `segment` (closed instead when `reuse` is False); returns the ids of the segments this
-        closed, which the sender must unmap too."""
+        """Return `segment` (closed if not `reuse`); returns the ids closed, which the sender must unmap."""
         with self._lock:
             if segment.segment_id not in self._all:
                 return []

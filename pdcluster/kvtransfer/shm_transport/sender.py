@@ -1,23 +1,9 @@
 """`ShmKVSender`: the prefill side of the shared-memory transport.
 
-`begin` queues the handoff's begin; decode answers with a grant: the segment (its descriptor the first
-time, then its id) where the handoff's layers go, layer `i` at byte `i * meta.layer_wire_bytes`. From then
-`send_layer` copies a layer straight into the segment (the one copy on this side: prefill's tensor to the
-shared pages) and queues it; before the grant, or when the layer needs re-encoding (INT8 quantization of a
-float layer, dequantization of an int8 one for a float wire), it copies the tensor and the worker thread
-encodes it into the segment. `send_layer`'s copy is chunked and each chunk of the segment is CRC-32C'd right
-after it is written, while in cache (`wire.copy_with_checksum`, numpy copies: one thread, the GIL released,
-whatever torch's intra-op threads); then `send_layer` sends the layer's header with that CRC on the control
-socket itself when the socket takes it at once, else (and for the layers the worker encodes) the worker
-thread does, so the caller never waits for decode; decode verifies the same bytes. A grant in place
-(`inplace`: decode's KV cache descriptor, once per connection, and the reservation's block table) makes
-`send_layer` copy the layer straight into decode's blocks instead, with the same CRC-32C.
-
-A reader thread takes decode's records: grants, `drop` (unmap a segment decode closed) and `done` (the
-handoff was delivered, or decode refused or failed it: the error class and message, which `flush`
-reports). After a failure the sender writes nothing more for the handoff and answers `end`, upon which
-decode reuses the segment. The reader also ends handoffs whose lease ran out on this side (TransferTimeout),
-so a stalled handoff is forgotten by itself. Both sides are on one host and read the same monotonic clock.
+After decode's grant, `send_layer` copies a layer into the segment (or decode's blocks, in place) with its
+CRC-32C and sends the header itself when the socket takes it at once; otherwise the worker thread does,
+and encodes layers that need INT8 (de)quantization. A reader thread takes grants, drops and `done`
+outcomes, and ends handoffs whose lease ran out.
 """
 
 from __future__ import annotations
@@ -27,115 +13,48 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from pdcluster.kernels.paged_mla import gather_kv, write_prompt_kv
 from pdcluster.kvtransfer.base import (
-    ChecksumMismatch,
     FailureLog,
     HandoffExtras,
     HandoffMeta,
-    HandoffRefused,
     KVSender,
     KVTransferError,
     ProtocolError,
     SenderLost,
-    TransferAborted,
     TransferTimeout,
     check_begin,
 )
 from pdcluster.kvtransfer.shm_transport.channel import Channel, close_fds, connect, wait_readable
-from pdcluster.kvtransfer.shm_transport.inplace import CacheLayout, SharedKVCache, check_block_table
-from pdcluster.kvtransfer.shm_transport.segments import Segment
+from pdcluster.kvtransfer.shm_transport.handoff import (
+    SenderMappings,
+    SendingHandoff,
+    error_from_record,
+    in_place_blocks,
+    is_raw,
+    written_header,
+)
 from pdcluster.kvtransfer.wire import (
     FaultHook,
     LayerHeader,
     check_layer,
-    copy_with_checksum,
     encode_layer,
     extras_to_dict,
-    layer_header,
     meta_to_dict,
-    tensor_bytes,
 )
-from pdcluster.models.dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.05  # how often the reader looks at leases while decode is quiet
-ERROR_CLASSES = {
-    cls.__name__: cls
-    for cls in (
-        HandoffRefused,
-        ChecksumMismatch,
-        SenderLost,
-        TransferTimeout,
-        TransferAborted,
-        ProtocolError,
-        KVTransferError,
-    )
-}
-
-
-def error_from_record(record: list[str] | None) -> KVTransferError | None:
-    """The error a `done` record carries (`receiver.error_record`), as its class; None: delivered."""
-    if record is None:
-        return None
-    name, message = record
-    return ERROR_CLASSES.get(name, KVTransferError)(message)
-
-
-@dataclass
-class _Request:
-    meta: HandoffMeta
-    begun_at_s: float
-    segment: Segment | None = None  # granted by decode
-    blocks: np.ndarray | None = None  # granted in place: decode's block table in its shared KV cache
-    cache: SharedKVCache | None = None  # granted in place: the cache those blocks are in
-    granted: threading.Event = field(default_factory=threading.Event)
-    sent_layers: set[int] = field(default_factory=set)
-    closed: bool = False  # finish() or abort() called
-    abort_reason: str | None = None
-    stalled: bool = False  # the fault hook stopped it
-    done: bool = False  # its outcome is known (delivered, failed, lease over): nothing more is written
-    ended: threading.Event = field(default_factory=threading.Event)
-    write_lock: threading.Lock = field(default_factory=threading.Lock)  # held while writing its segment
-
-    @property
-    def deadline_s(self) -> float:
-        return self.begun_at_s + self.meta.lease_s
-
-    def region(self, layer_idx: int) -> torch.Tensor:
-        assert self.segment is not None
-        num_bytes = self.meta.layer_wire_bytes
-        return self.segment.view(layer_idx * num_bytes, num_bytes)
-
-
-def encoded_dtype(meta: HandoffMeta) -> torch.dtype:
-    """The dtype of a float wire's values (its payload viewed as `[num_tokens, kv_dim]`)."""
-    return torch_dtype(meta.wire_dtype)
-
-
-def _header(meta: HandoffMeta, layer_idx: int, crc: int) -> LayerHeader:
-    """The header of a layer written with CRC-32C `crc` (a segment region or in place: the wire's length)."""
-    return layer_header(meta, layer_idx, None, crc)
-
-
-def _is_raw(meta: HandoffMeta, scale: torch.Tensor | None) -> bool:
-    """The layer's bytes are the wire's as they are (float on a float wire, int8 + scales on an int8 one)."""
-    return (scale is None) != meta.is_int8_wire
+POLL_S = 0.05
 
 
 class ShmKVSender(KVSender):
-    """Sends handoffs to the `ShmKVReceiver` listening at `address` (a socket path on this host).
+    """Sends handoffs to the `ShmKVReceiver` at `address` (a socket path on this host).
 
+    An unreachable receiver does not fail the constructor: every `begin` raises ConnectionError instead.
     fault_hook: test-only fault injection (`kvtransfer.wire.FaultHook`).
-    A receiver that cannot be reached (not on this host, or gone) does not fail the constructor, so that
-    one dead decode instance does not keep a prefill instance from connecting to the others: every `begin`
-    raises ConnectionError instead, naming the address and why.
     """
 
     def __init__(self, address: str, *, fault_hook: FaultHook | None = None) -> None:
@@ -147,19 +66,18 @@ class ShmKVSender(KVSender):
         except OSError as e:
             self._connect_error = e
         self._lock = threading.Lock()
-        self._requests: dict[str, _Request] = {}
-        self._segments: dict[int, Segment] = {}
-        self._cache: SharedKVCache | None = None  # decode's KV cache, mapped at its first in-place grant
+        self._requests: dict[str, SendingHandoff] = {}
+        self._mapped = SenderMappings()
         self._failures = FailureLog()
         self._closed = False
-        self._lost: str | None = None  # why the connection ended (the next begin reconnects)
+        self._lost: str | None = None
         self._reconnect_lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         if self._connect_error is None:
             self._start_threads()
 
     def _start_threads(self) -> None:
-        self._worker = threading.Thread(  # bound to this connection's channel: a reconnect's is not its
+        self._worker = threading.Thread(
             target=self._run, args=(self._queue, self._channel), name="kv-shm-send", daemon=True
         )
         self._reader = threading.Thread(target=self._read, name="kv-shm-replies", daemon=True)
@@ -167,9 +85,7 @@ class ShmKVSender(KVSender):
         self._reader.start()
 
     def _reconnect(self) -> None:
-        """After the connection ended (decode closed it, a send failed), connect again, with a fresh queue,
-        worker and reader; every handoff of the old connection was already concluded (SenderLost), and
-        its segments unmapped. Raises ConnectionError when the receiver cannot be reached."""
+        """Connect again with a fresh queue, worker and reader; ConnectionError if unreachable."""
         with self._reconnect_lock:
             with self._lock:
                 why = self._lost
@@ -186,17 +102,14 @@ class ShmKVSender(KVSender):
             self._channel = channel
             with self._lock:
                 self._lost = None
-            old_queue.put(("bye", None))  # the old worker ends
+            old_queue.put(("bye", None))
             self._start_threads()
             logger.warning("kv shm: reconnected to %s after the connection ended (%s)", self.address, why)
 
     @property
     def connect_error(self) -> OSError | None:
-        """Why the receiver could not be reached at construction (every `begin` then raises); None: it
-        was."""
+        """Why the receiver could not be reached at construction; None: it was."""
         return self._connect_error
-
-    # ---- KVSender ----
 
     def begin(self, handoff: HandoffMeta) -> None:
         if self._connect_error is not None:
@@ -208,9 +121,9 @@ class ShmKVSender(KVSender):
             self._reconnect()
         with self._lock:
             check_begin(handoff, "ShmKVSender", self._closed, self._requests)
-            if self._lost is not None:  # lost again since: this handoff would never be concluded
+            if self._lost is not None:
                 raise ConnectionError(f"shm receiver at {self.address}: the connection ended ({self._lost})")
-            self._requests[handoff.request_id] = _Request(handoff, time.monotonic())
+            self._requests[handoff.request_id] = SendingHandoff(handoff, time.monotonic())
         self._queue.put(("begin", handoff.request_id))
 
     def send_layer(
@@ -221,23 +134,14 @@ class ShmKVSender(KVSender):
         if layer_idx in req.sent_layers:
             raise ValueError(f"{request_id}: layer {layer_idx} sent twice")
         req.sent_layers.add(layer_idx)
-        if req.done:  # failed in the background; flush() reports it
+        if req.done:
             return
-        if _is_raw(req.meta, scale) and req.granted.is_set():
+        if is_raw(req.meta, scale) and req.granted.is_set():
             with req.write_lock:
                 if req.done:
                     return
-                if req.blocks is not None:  # straight into decode's blocks, CRC'd as copied
-                    crc = self._write_in_place(req, layer_idx, latent_kv)
-                else:
-                    region = req.region(layer_idx)
-                    num_value_bytes = latent_kv.numel() * latent_kv.element_size()
-                    crc = copy_with_checksum(region[:num_value_bytes], tensor_bytes(latent_kv))
-                    if scale is not None:
-                        crc = copy_with_checksum(region[num_value_bytes:], tensor_bytes(scale), crc)
-            # The header from here when the socket takes it at once (no hop to the worker thread and
-            # back); else, and with a fault hook, the worker sends it (this thread never blocks on decode).
-            header = _header(req.meta, layer_idx, crc)
+                crc = req.write_raw(layer_idx, latent_kv, scale)
+            header = written_header(req.meta, layer_idx, crc)
             if self._fault_hook is not None or not self._try_send_header(req, header):
                 self._queue.put(("written", request_id, layer_idx, crc))
         else:
@@ -269,8 +173,7 @@ class ShmKVSender(KVSender):
             return sorted(self._requests)
 
     def close(self, join_timeout_s: float = 10.0) -> None:
-        """Sends what is queued, then closes the connection (decode fails this sender's unfinished handoffs
-        with SenderLost) and unmaps every segment."""
+        """Send what is queued, close the connection (decode fails open handoffs) and unmap everything."""
         with self._lock:
             if self._closed:
                 return
@@ -284,13 +187,11 @@ class ShmKVSender(KVSender):
         self._reader.join(join_timeout_s)
         with self._lock:
             self._requests.clear()
-            segments, self._segments = list(self._segments.values()), {}
+            segments = self._mapped.take_segments()
         for segment in segments:
             segment.close()
 
-    # ---- bookkeeping ----
-
-    def _open_request(self, request_id: str) -> _Request:
+    def _open_request(self, request_id: str) -> SendingHandoff:
         with self._lock:
             req = self._requests.get(request_id)
         if req is None or req.closed:
@@ -311,40 +212,23 @@ class ShmKVSender(KVSender):
         self._queue.put(item)
 
     def _stop_writing(self, why: str) -> None:
-        """Conclude every open handoff (SenderLost: `why`), each after its write in progress: called before
-        this side closes the connection, since decode frees in-place blocks once it sees the close."""
+        """End every open handoff (SenderLost) after its write in progress, before closing."""
         with self._lock:
             open_requests = [r for r in self._requests.values() if not r.done]
         for req in open_requests:
             self._conclude(req, SenderLost(f"{req.meta.request_id}: {why}"), tell_receiver=False)
 
     def _lose_connection(self, error: OSError, channel: Channel) -> None:
-        """A send on `channel` failed: stop writing, then close it (its reader ends on the closed socket)."""
         logger.warning("kv shm send to %s failed: %r", self.address, error)
         self._stop_writing(f"a send to the receiver failed: {error!r}")
         channel.close()
 
-    def _write_in_place(self, req: _Request, layer_idx: int, latent_kv: torch.Tensor) -> int:
-        """Copy a layer into decode's blocks (write lock held), CRC-32C'd in the same pass (each group of
-        blocks CRC'd, then copied from cache: `write_prompt_kv(checksum_start=0)`); returns the CRC. The
-        grant was checked against the handoff and the cache (`_on_in_place_grant`), so the write stays
-        inside the blocks granted. (CRC'ing on a second thread beside the copy ran slower in the transfer,
-        2.8-3.2 against 3.6 GB/s, DeepSeek-V3's shape on this repo's 2-core test machine: decode's
-        verification needs the other core.)"""
-        assert req.cache is not None and req.blocks is not None
-        crc = write_prompt_kv(
-            req.cache.layers[layer_idx], latent_kv, torch.from_numpy(req.blocks), checksum_start=0
-        )
-        assert crc is not None
-        return crc
-
-    def _forget(self, req: _Request) -> None:
+    def _forget(self, req: SendingHandoff) -> None:
         if self._requests.get(req.meta.request_id) is req:
             del self._requests[req.meta.request_id]
 
-    def _conclude(self, req: _Request, error: KVTransferError | None, tell_receiver: bool) -> None:
-        """The handoff's outcome is known: record it, stop writing its segment, and (after a failure
-        decode did not see end) tell decode the segment is free."""
+    def _conclude(self, req: SendingHandoff, error: KVTransferError | None, tell_receiver: bool) -> None:
+        """Record the outcome, stop writing, and tell decode the segment is free if it did not see the end."""
         with self._lock:
             if req.done:
                 return
@@ -353,25 +237,21 @@ class ShmKVSender(KVSender):
                 self._failures.add(req.meta.request_id, error)
             if req.closed:
                 self._forget(req)
-        with req.write_lock:  # a write in progress ends first; none starts after
+        with req.write_lock:
             pass
         if tell_receiver:
             with contextlib.suppress(OSError):
                 self._channel.send({"k": "end", "rid": req.meta.request_id})
         req.ended.set()
 
-    # ---- threads ----
-
-    def _await_grant(self, req: _Request) -> bool:
-        """Wait for decode's grant of `req`'s segment; False if the handoff ended first."""
+    def _await_grant(self, req: SendingHandoff) -> bool:
         while not req.granted.wait(POLL_S):
             if req.done or self._closed or time.monotonic() >= req.deadline_s:
                 return False
         return not req.done
 
     def _run(self, jobs: queue.SimpleQueue, channel: Channel) -> None:
-        """The worker: begins, the layer headers `send_layer` did not send itself (and the layers it
-        encodes, with their CRC-32C), finishes and aborts, in order."""
+        """The worker: begins, headers `send_layer` did not send, encoded layers, finishes, aborts."""
         while True:
             item = jobs.get()
             kind, request_id = item[0], item[1]
@@ -390,15 +270,15 @@ class ShmKVSender(KVSender):
                     channel.send({"k": "finish", "rid": request_id, "x": extras_to_dict(item[2])})
                 elif kind == "abort":
                     channel.send({"k": "abort", "rid": request_id, "reason": item[2]})
-            except OSError as e:  # decode is gone: the reader concludes every open handoff
+            except OSError as e:
                 self._lose_connection(e, channel)
-            except Exception as e:  # noqa: BLE001 - fails this handoff only; the worker goes on
+            except Exception as e:  # noqa: BLE001
                 logger.exception("kv shm: a %r of %s failed", kind, request_id)
                 self._conclude(
                     req, ProtocolError(f"{request_id}: the sender failed: {e!r}"), tell_receiver=True
                 )
 
-    def _send_layer(self, req: _Request, item: tuple, channel: Channel) -> None:
+    def _send_layer(self, req: SendingHandoff, item: tuple, channel: Channel) -> None:
         meta, layer_idx = req.meta, item[2]
         if req.stalled or req.abort_reason is not None:
             return
@@ -409,52 +289,15 @@ class ShmKVSender(KVSender):
             with req.write_lock:
                 if req.done:
                     return
-                if req.blocks is not None:  # a float wire: the payload is the layer in the cache's dtype
-                    latent = encoded.payload.view(encoded_dtype(meta)).view(meta.num_tokens, meta.kv_dim)
-                    header = _header(meta, layer_idx, self._write_in_place(req, layer_idx, latent))
-                else:
-                    np.copyto(req.region(layer_idx).numpy(), encoded.payload.numpy())
-                    header = encoded.header
-        else:  # written by send_layer, which checksummed the bytes as it wrote them
-            header = _header(meta, layer_idx, item[3])
-        if self._fault_hook is not None:
-            with req.write_lock:
-                if req.done:
-                    return
-                data = bytearray(self._written_bytes(req, layer_idx))
-            keep_sending = self._fault_hook(header, data)
-            with req.write_lock:
-                if req.done:
-                    return
-                self._rewrite(req, layer_idx, torch.frombuffer(data, dtype=torch.uint8))
-            if not keep_sending:
-                req.stalled = True
-                return
+                header = req.write_encoded(layer_idx, encoded)
+        else:
+            header = written_header(meta, layer_idx, item[3])
+        if self._fault_hook is not None and not req.run_fault_hook(layer_idx, header, self._fault_hook):
+            return
         channel.send({"k": "layer", "h": header.to_dict()})
 
-    def _written_bytes(self, req: _Request, layer_idx: int) -> bytes:
-        """The layer's wire bytes as written (for the fault hook)."""
-        if req.blocks is None:
-            return req.region(layer_idx).numpy().tobytes()
-        assert req.cache is not None
-        layer = req.cache.layers[layer_idx]
-        latent, _ = gather_kv(layer, torch.from_numpy(req.blocks), req.meta.num_tokens)
-        return latent.contiguous().view(torch.uint8).numpy().tobytes()
-
-    def _rewrite(self, req: _Request, layer_idx: int, data: torch.Tensor) -> None:
-        """Write a layer's wire bytes (`data`, 1-D uint8) where it goes (for the fault hook)."""
-        if req.blocks is None:
-            req.region(layer_idx).copy_(data)
-            return
-        latent = data.view(encoded_dtype(req.meta)).view(req.meta.num_tokens, req.meta.kv_dim)
-        self._write_in_place(req, layer_idx, latent)
-
-    def _try_send_header(self, req: _Request, header: LayerHeader) -> bool:
-        """Send a written layer's header from the calling thread if the socket takes it without waiting
-        (the begin went first: decode granted the segment in answer to it; layers may go in any order, and
-        `finish` is queued after this returns). True when it is sent or nothing is to be sent (the handoff
-        is over, or the channel failed: a failed send closes it, as the worker does, and the reader then
-        ends every open handoff with SenderLost); False: the worker must send it."""
+    def _try_send_header(self, req: SendingHandoff, header: LayerHeader) -> bool:
+        """Send a header from this thread if the socket takes it now; False: the worker must."""
         if req.done:
             return True
         channel = self._channel
@@ -465,8 +308,7 @@ class ShmKVSender(KVSender):
             return True
 
     def _read(self) -> None:
-        """The reader: decode's grants, drops and outcomes; leases ending on this side. When the connection
-        ends, every open handoff fails (SenderLost) and the next `begin` reconnects."""
+        """The reader: grants, drops, outcomes and leases; on connection end all open handoffs fail."""
         channel = self._channel
         why = "the receiver closed the connection"
         while True:
@@ -475,7 +317,7 @@ class ShmKVSender(KVSender):
                 if not wait_readable(channel.sock, POLL_S):
                     continue
                 got = channel.recv()
-            except (OSError, ValueError, KVTransferError) as e:  # ValueError: the socket was closed
+            except (OSError, ValueError, KVTransferError) as e:
                 why = f"the connection to the receiver failed: {e!r}"
                 break
             if got is None:
@@ -485,20 +327,17 @@ class ShmKVSender(KVSender):
                 self._on_record(record, fds)
             except (KeyError, TypeError, ValueError, OSError) as e:
                 logger.warning("kv shm: malformed %r record from the receiver: %r", record.get("k"), e)
-            except Exception:  # noqa: BLE001 - nothing decode sends may end this thread
+            except Exception:  # noqa: BLE001
                 logger.exception("kv shm: taking a %r record from the receiver failed", record.get("k"))
-            finally:  # what `_on_record` did not keep (a grant keeps its first, and only a valid one)
+            finally:
                 close_fds(fds)
-        # In this order: every granted handoff stops writing (each after its write in progress), its
-        # segments and decode's cache are unmapped, then begins reconnect (`_lost`), and the handoffs
-        # begun meanwhile fail too; the socket closes last, as decode frees in-place blocks once it sees
-        # the close.
+        # Stop writing, unmap, then mark the connection lost; the socket closes last, since decode
+        # frees in-place blocks once it sees the close.
         self._stop_writing(why)
-        with self._lock:  # one section: a begin after it reconnects, one before it is in `late`
-            segments, self._segments = list(self._segments.values()), {}
-            self._cache = None
+        with self._lock:
+            segments = self._mapped.take_segments()
             self._lost = why
-            late = [r for r in self._requests.values() if not r.done]  # begun meanwhile, never granted
+            late = [r for r in self._requests.values() if not r.done]
         for req in late:
             self._conclude(req, SenderLost(f"{req.meta.request_id}: {why}"), tell_receiver=False)
         for segment in segments:
@@ -506,26 +345,16 @@ class ShmKVSender(KVSender):
         channel.close()
 
     def _on_record(self, record: dict, fds: list[int]) -> None:
-        """Take one of decode's records. A grant's first descriptor is taken out of `fds` once it is mapped;
-        the caller closes whatever is left there, whatever this raised."""
+        """Take one of decode's records; a mapped grant's descriptor is popped from `fds`."""
         kind = record["k"]
         if kind == "grant" and "blocks" in record:
             self._on_in_place_grant(record, fds)
         elif kind == "grant":
-            segment_id, capacity = record["seg"], record["cap"]
-            if not isinstance(segment_id, int) or not isinstance(capacity, int):
-                raise TypeError(f"a grant's seg and cap must be ints, got {segment_id!r}, {capacity!r}")
-            if fds:
-                segment = Segment(segment_id, capacity, fd=fds.pop(0))  # it owns the descriptor (closes it
-                segment.close_fd()  # if it cannot map it); the mapping stays
-                replaced = self._segments.pop(segment_id, None)
-                if replaced is not None:  # a second grant under one id: the first mapping goes
-                    replaced.close()
-                self._segments[segment_id] = segment
+            segment = self._mapped.map_segment(record, fds)
             with self._lock:
                 req = self._requests.get(record["rid"])
-            if req is not None and segment_id in self._segments:
-                req.segment = self._segments[segment_id]
+            if req is not None and segment is not None:
+                req.segment = segment
                 req.granted.set()
         elif kind == "done":
             with self._lock:
@@ -534,42 +363,20 @@ class ShmKVSender(KVSender):
                 error = error_from_record(record["error"])
                 self._conclude(req, error, tell_receiver=error is not None)
         elif kind == "drop":
-            for segment_id in record["segs"]:
-                segment = self._segments.pop(segment_id, None)
-                if segment is not None:
-                    segment.close()
+            self._mapped.drop(record["segs"])
 
     def _on_in_place_grant(self, record: dict, fds: list[int]) -> None:
-        """A grant in place: decode's block table for the handoff (and, the first time, its KV cache's
-        descriptor and layout, mapped here). A grant that cannot be used (a malformed or second cache, an
-        unsealed one, a table that does not fit the handoff or the cache) fails the handoff (ProtocolError;
-        decode is told, so it frees the blocks) and writes nothing."""
-        problem: str | None = None
-        if "cache" in record:
-            try:
-                layout = CacheLayout.from_dict(record["cache"])
-                if self._cache is not None:
-                    raise ValueError("a second shared KV cache on one connection")
-                if not fds:
-                    raise ValueError("an in-place grant with a cache layout came without its descriptor")
-                self._cache = SharedKVCache.map(fds.pop(0), layout)
-            except (KeyError, TypeError, ValueError, OSError) as e:
-                problem = f"its cache cannot be mapped: {e!r}"
+        """A grant in place; an unusable one fails the handoff (ProtocolError) and decode is told."""
+        problem = self._mapped.map_cache(record, fds) if "cache" in record else None
         with self._lock:
             req = self._requests.get(record["rid"])
-        if req is None or req.done or req.granted.is_set():  # unknown, over, or granted already: ignored
+        if req is None or req.done or req.granted.is_set():
             return
-        meta, cache = req.meta, self._cache
+        meta, cache = req.meta, self._mapped.cache
         try:
             if problem is not None:
                 raise ValueError(problem)
-            if cache is None:
-                raise ValueError("no shared KV cache was mapped on this connection")
-            layout = cache.layout
-            fits = (meta.dtype, meta.wire_dtype, meta.kv_dim) == (layout.dtype, layout.dtype, layout.kv_dim)
-            if not fits or meta.num_layers > layout.num_layers:
-                raise ValueError(f"the handoff {meta} does not fit the cache {layout}")
-            blocks = check_block_table(layout, record["blocks"], meta.num_tokens)
+            blocks = in_place_blocks(meta, cache, record["blocks"])
         except (TypeError, ValueError) as e:
             error = ProtocolError(f"{meta.request_id}: decode's in-place grant is unusable: {e}")
             self._conclude(req, error, tell_receiver=True)

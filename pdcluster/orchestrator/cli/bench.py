@@ -1,6 +1,4 @@
-"""`pdcluster bench`: replay a request trace against an OpenAI-compatible endpoint (`--endpoint local`: an
-in-process single-engine server) and print TTFT/TPOT, throughput and goodput
-(`orchestrator.bench_client.run_bench`)."""
+"""`pdcluster bench`: replay a request trace against an OpenAI-compatible endpoint (`run_bench`)."""
 
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ from pdcluster.orchestrator.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
 
 
 def run(args: argparse.Namespace) -> int:
-    """Replay a trace against an endpoint (`--endpoint local`: an in-process single-engine server)."""
     import httpx
 
     from pdcluster.orchestrator.bench_client import run_bench
@@ -30,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from exc
     server = backend = None
     endpoint = args.endpoint
-    if endpoint == "local":  # one LocalEngineBackend behind the API on 127.0.0.1, a free port
+    if endpoint == "local":
         from pdcluster.engine.config import EngineConfig
         from pdcluster.orchestrator.api.app import build_app
         from pdcluster.orchestrator.api.server import ServerThread
@@ -69,7 +66,6 @@ def run(args: argparse.Namespace) -> int:
     return 1 if report.summary["num_failed"] else 0
 
 
-# ---- parser ----------------------------------------------------------------------------------------
 NAME = "bench"
 HELP = "replay a request trace against an OpenAI-compatible endpoint: TTFT/TPOT, throughput, goodput"
 DESCRIPTION = """\
@@ -81,7 +77,6 @@ mean acceptance rate and mean KV transfer time. Exit code 1 if any request faile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `pdcluster bench`."""
     parser.add_argument(
         "--endpoint",
         required=True,

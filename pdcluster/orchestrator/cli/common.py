@@ -1,5 +1,4 @@
-"""What the subcommands share: the usage error (`CliError`, exit code 2), option types, the help formatter
-and the model options."""
+"""What the subcommands share: `CliError` (exit code 2), option types, the help formatter, model options."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ class CliError(Exception):
     """A problem the user can fix; `main` prints it as one line and exits with code 2."""
 
 
-# ---- option types (argparse turns their ValueError/ArgumentTypeError into "argument --x: message") ----
+# Option types: argparse turns their ValueError into "argument --x: message".
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -33,7 +32,7 @@ def non_negative_int(text: str) -> int:
 
 def non_negative_float(text: str) -> float:
     value = float(text)
-    if not value >= 0:  # also rejects nan
+    if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
@@ -59,13 +58,10 @@ non_negative_float.__name__ = "number"
 probability.__name__ = "number"
 
 
-# ---- parser pieces -----------------------------------------------------------------------------------
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the descriptions' line breaks; wraps option help normally."""
+class HelpFormatter(argparse.RawDescriptionHelpFormatter): ...
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
-    """--model DIR (default: the bundled checkpoint) and --device."""
     p.add_argument(
         "--model",
         type=Path,

@@ -1,5 +1,4 @@
-"""`pdcluster demo`, what `make demo` runs: deploy the embedded default topology, show a few completions,
-replay trace requests through the API and print the summary (`orchestrator.demo.run_demo`)."""
+"""`pdcluster demo` (`make demo`): deploy the default topology, complete a few prompts, replay a trace."""
 
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from exc
 
 
-# ---- parser ----------------------------------------------------------------------------------------
 NAME = "demo"
 HELP = "the main job: deploy clusters/local.yaml, replay 50 Azure trace requests, print a summary"
 DESCRIPTION = f"""\
@@ -40,7 +38,6 @@ acceptance and KV transfer time, then shuts everything down."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `pdcluster demo`."""
     parser.add_argument(
         "--cluster",
         type=Path,

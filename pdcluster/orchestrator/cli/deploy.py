@@ -1,5 +1,4 @@
-"""`pdcluster deploy FILE`: check FILE as deploy needs it (before Ray starts), then serve the topology behind
-the OpenAI API until Ctrl-C or SIGTERM (`orchestrator.serve.serve`)."""
+"""`pdcluster deploy FILE`: check FILE before Ray starts, then serve it until Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
@@ -13,15 +12,11 @@ from pdcluster.orchestrator.cli.common import CliError, non_negative_float, tcp_
 if TYPE_CHECKING:
     from pdcluster.orchestrator.topology import Topology
 
-DEFAULT_DRAIN_TIMEOUT_S = 30.0  # --drain-timeout-s: how long requests in flight may finish at shutdown
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 def deploy_preflight(path: Path, port: int | None) -> Topology:
-    """`path` read and checked as `pdcluster deploy` needs it (`orchestrator.preflight`), before Ray.
-
-    Raises:
-        TopologyError: the file's own problems, else every reason deploy would refuse it here and now.
-    """
+    """`path` read and checked as deploy needs it, before Ray; TopologyError lists every reason it refuses."""
     from pdcluster.orchestrator.preflight import deploy_issues
     from pdcluster.orchestrator.topology import TopologyError, read_topology
 
@@ -33,19 +28,15 @@ def deploy_preflight(path: Path, port: int | None) -> Topology:
 
 
 class ShutdownSignals:
-    """How deploy takes SIGINT (Ctrl-C), SIGTERM and SIGHUP (the terminal or ssh session closed): the first
-    one raises KeyboardInterrupt in the main thread, wherever it is, and deploy shuts down (drains, when it
-    was serving); while it drains, Ctrl-C again raises once more and cuts the requests in flight; every
-    other signal from then on, and any after "stopped", is only logged, so that nothing interrupts the
-    teardown of the actors and of Ray (a third Ctrl-C used to, leaving Ray's agents behind). `install()`
-    sets the handlers; `Cluster.deploy` keeps the SIGTERM one across `ray.init`
-    (`orchestrator.ray_runtime.keeping_sigterm_handler`). SIGINT is taken even when the process started
-    with it ignored (a background job of a non-interactive shell inherits SIG_IGN): `kill -INT` stops a
-    server like Ctrl-C does. SIGHUP is left alone when ignored (`nohup`)."""
+    """SIGINT, SIGTERM and SIGHUP: the first raises KeyboardInterrupt and deploy drains.
+
+    While draining, Ctrl-C again cuts the requests in flight; later signals are only logged, so
+    nothing interrupts the teardown. SIGINT is taken even if inherited as ignored; SIGHUP not under `nohup`.
+    """
 
     def __init__(self) -> None:
         self.phase = "starting"  # "serving" (set by the caller), then "draining" or "stopping"
-        self.drain_cut = False  # Ctrl-C again while draining
+        self.drain_cut = False
 
     def install(self) -> None:
         import signal
@@ -98,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"[pdcluster] shutting down: new connections refused; {drain}", flush=True)
         signals.phase = "stopping"
         print("[pdcluster] stopped", flush=True)
-    except KeyboardInterrupt:  # before the service was up, or a second Ctrl-C while shutting down
+    except KeyboardInterrupt:
         if signals.drain_cut:
             print("[pdcluster] interrupted again: the requests still in flight were cut; stopped", flush=True)
         else:
@@ -108,7 +99,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- parser ----------------------------------------------------------------------------------------
 NAME = "deploy"
 HELP = "serve a topology (prefill + decode pools on Ray) behind the OpenAI API until interrupted"
 DESCRIPTION = """\
@@ -132,7 +122,6 @@ line too, exit code 2, after everything started is shut down."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `pdcluster deploy`."""
     parser.add_argument("file", type=Path, metavar="FILE", help="topology YAML (see clusters/README.md)")
     parser.add_argument("--port", type=tcp_port, default=None, help="override api.port (0: a free port)")
     parser.add_argument(

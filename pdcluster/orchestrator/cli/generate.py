@@ -1,5 +1,4 @@
-"""`pdcluster generate`: complete one prompt (or a batch file of prompts) with a checkpoint on one device, in
-this process (no cluster involved); the prompt and completion streamed to stdout, or one JSON object."""
+"""`pdcluster generate`: complete prompts with a checkpoint on one device in this process (no cluster)."""
 
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
 
 
 def resolve_device(name: str) -> torch.device:
-    """`cpu`, `cuda[:i]` or `npu[:i]` as a `torch.device`; torch_npu is imported only for `npu`."""
     import torch
 
     try:
@@ -47,7 +45,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
-    """Build an engine over `args.model` with the CLI's engine options; returns it and the seconds taken."""
+    """An engine over `args.model` with the CLI's options, and the seconds it took to build."""
     from pdcluster.engine.config import EngineConfig
     from pdcluster.engine.llm import LLMEngine
 
@@ -64,7 +62,7 @@ def load_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
     from pdcluster.models.loader import check_checkpoint_dir
     from pdcluster.orchestrator.preflight import one_line
 
-    try:  # headers, shapes and tokenizer, before any weight is read (a truncated file is named)
+    try:
         check_checkpoint_dir(model_dir)
     except (OSError, ValueError) as exc:
         raise CliError(f"cannot load the checkpoint: {one_line(str(exc))}{hint}") from exc
@@ -85,13 +83,7 @@ def load_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
 
 
 class TextStreamer:
-    """Writes `prefix` (the prompt) and then a completion to a text stream as the engine releases its text
-    (`RequestOutput.new_text`: never half a character or a possible start of a stop string; the engine
-    detokenizes, `engine.stopping`).
-
-    The prefix is written with the first text (or by `finish`), so nothing is printed for a prompt that
-    `generate` rejects.
-    """
+    """Writes the prompt, then the completion as the engine releases text; nothing for a rejected prompt."""
 
     def __init__(self, out: TextIO, prefix: str = "") -> None:
         self._out = out
@@ -104,7 +96,6 @@ class TextStreamer:
             self._pending_prefix = ""
 
     def finish(self) -> None:
-        """End the completion with a newline (the prefix first if no text came)."""
         self._out.write(self._pending_prefix + "\n")
         self._out.flush()
         self._pending_prefix = ""
@@ -126,7 +117,7 @@ def _sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParam
 
 
 def _queue(engine: LLMEngine, args: argparse.Namespace, prompt: str) -> str:
-    """Queue one prompt; max_tokens is capped so prompt + completion fit the model's context."""
+    """Queue one prompt, max_tokens capped so prompt + completion fit the context."""
     num_prompt_tokens = len(engine.tokenizer.encode(prompt))
     room = engine.max_model_len - num_prompt_tokens
     if num_prompt_tokens == 0:
@@ -261,7 +252,6 @@ def _batch_summary(results: list[RequestOutput]) -> dict:
     }
 
 
-# ---- parser ----------------------------------------------------------------------------------------
 def _add_engine_options(p: argparse.ArgumentParser, default_k: int = 0) -> None:
     p.add_argument(
         "--num-speculative-tokens",
@@ -326,7 +316,6 @@ examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `pdcluster generate`."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", metavar="TEXT", help="text to continue (must not be empty)")
     source.add_argument(

@@ -1,5 +1,4 @@
-"""`pdcluster profile FILE`: measure the live engine here over a grid of step shapes and KV transfers, fit
-the `cpu` catalog entry's efficiency factors, write the fit and its residuals (`planner.profiling`)."""
+"""`pdcluster profile FILE`: measure this engine over step shapes and KV transfers; fit the `cpu` entry."""
 
 from __future__ import annotations
 
@@ -43,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             samples = profiling.measure_steps(topology, grid, progress, seed=args.seed)
-        except (OSError, ValueError) as exc:  # a missing checkpoint, an engine argument refused
+        except (OSError, ValueError) as exc:
             raise CliError(f"cannot run the engine of {args.file}: {exc}") from exc
         bar.total = len(samples) + 1
         model = models["decode"]
@@ -102,7 +101,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- parser ----------------------------------------------------------------------------------------
 NAME = "profile"
 HELP = "measure the engine here and fit the planner's cpu efficiency factors (a calibration JSON)"
 DESCRIPTION = """\
@@ -124,7 +122,6 @@ The default grid takes 30-50 s on this 2-core machine under load; --quick about 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `pdcluster profile`."""
     parser.add_argument("file", type=Path, metavar="FILE", help="topology YAML (accelerator: cpu)")
     parser.add_argument(
         "--output",

@@ -1,5 +1,4 @@
-"""`pdcluster validate FILE...`: check topology files as plans, or with --for-deploy as `pdcluster deploy`
-would here and now."""
+"""`pdcluster validate FILE...`: check topology files as plans, or with --for-deploy as deploy would."""
 
 from __future__ import annotations
 
@@ -35,7 +34,6 @@ def run(args: argparse.Namespace) -> int:
     return exit_code
 
 
-# ---- parser ----------------------------------------------------------------------------------------
 NAME = "validate"
 HELP = "check topology YAML files (clusters/*.yaml) without starting anything"
 DESCRIPTION = """\
@@ -58,7 +56,6 @@ can be bound. A file it calls ok is one deploy will not refuse before starting R
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `pdcluster validate`."""
     parser.add_argument("files", nargs="+", type=Path, metavar="FILE", help="topology YAML files")
     parser.add_argument(
         "--for-deploy",

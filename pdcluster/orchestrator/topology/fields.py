@@ -1,9 +1,4 @@
-"""Field metadata and the checks of one field's value, shared by `__post_init__` and the YAML loader.
-
-A field's `metadata` may hold `choices` (a tuple of allowed values), `min` / `gt` / `max` (inclusive /
-exclusive lower, inclusive upper bound) and `check` (a function returning why a value is refused, or
-None); the builders below write them. `value_problem` applies them after the type check.
-"""
+"""Field metadata (`choices`, `min`/`gt`/`max`, `check`) and the checks of one field's value."""
 
 from __future__ import annotations
 
@@ -18,57 +13,47 @@ from typing import Any
 MIB = 1024**2
 
 
-# ---- metadata builders ---------------------------------------------------------------------------------
 def choices(*values: str) -> dict[str, Any]:
-    """Field metadata: the value must be one of `values`."""
     return {"choices": values}
 
 
 def at_least(bound: float) -> dict[str, Any]:
-    """Field metadata: the value must be >= `bound`."""
     return {"min": bound}
 
 
 def above(bound: float) -> dict[str, Any]:
-    """Field metadata: the value must be > `bound`."""
     return {"gt": bound}
 
 
 def between(low: float, high: float) -> dict[str, Any]:
-    """Field metadata: the value must be in [`low`, `high`]."""
     return {"min": low, "max": high}
 
 
 def above_at_most(low: float, high: float) -> dict[str, Any]:
-    """Field metadata: the value must be in (`low`, `high`]."""
     return {"gt": low, "max": high}
 
 
-# Upper bounds of the integer fields: far above any real deployment, low enough that a typo (`1e29`) is an
-# error at its line instead of a plan or an allocation nobody meant. Every int field has one.
+# Upper bounds of the integer fields, so a typo (`1e29`) is an error at its line.
 MAX_NODES = 65_536
 MAX_DEVICES_PER_NODE = 1_024
-MAX_DEVICES = MAX_NODES * MAX_DEVICES_PER_NODE  # 2**26
+MAX_DEVICES = MAX_NODES * MAX_DEVICES_PER_NODE
 MAX_INSTANCES = 65_536
-MAX_TOKENS = 2**26  # a step's token budget, a context length
+MAX_TOKENS = 2**26
 MAX_SEQS = 2**20
 MAX_BLOCK_SIZE = 65_536
 MAX_KV_CACHE_BYTES = 2**50  # 1 PiB per device; the rule against the device's memory is tighter
 MAX_SPECULATIVE_TOKENS = 64
 MAX_CPUS_PER_DEVICE = 1_024
-MAX_TIMEOUT_S = 86_400.0  # one day
+MAX_TIMEOUT_S = 86_400.0
 
 
-# ---- checks ------------------------------------------------------------------------------------------
 def _shown(value: Any) -> str:
-    """`value` for a message: integers of more than 15 digits in scientific notation (`1e+29`)."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**15:
         return f"{value:.3g}"
     return repr(value)
 
 
 def unwrap_optional(hint: Any) -> tuple[Any, bool]:
-    """`X | None` -> (X, True); anything else -> (hint, False)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(args) == 1 and len(typing.get_args(hint)) == 2:
@@ -121,13 +106,7 @@ _DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
 def host_problem(host: str) -> str | None:
-    """Why `host` cannot be what the HTTP server binds, or None. Purely syntactic (nothing is resolved).
-
-    Accepted: an IPv4 address (`0.0.0.0` for every interface), `localhost`, or a host name of dot-separated
-    DNS labels (letters, digits, inner hyphens; 1-63 characters each, 253 in all). A name whose last label is
-    all digits is taken as a mistyped IPv4 address (`256.1.1.1`). IPv6 addresses are refused: the server
-    binds an IPv4 socket.
-    """
+    """Why `host` cannot be bound by the HTTP server (syntax only), or None; IPv6 is refused."""
     if not host:
         return "must not be empty (127.0.0.1: this machine only; 0.0.0.0: every interface)"
     try:
@@ -150,8 +129,7 @@ def host_problem(host: str) -> str | None:
 
 
 def api_key_problem(key: str) -> str | None:
-    """Why `key` cannot be the API's bearer token, or None: empty (null means no authentication), or a
-    character a client cannot send in `Authorization: Bearer KEY` and have compared as written."""
+    """Why `key` cannot be sent as `Authorization: Bearer KEY`, or None."""
     if not key:
         return "must not be empty (null: no authentication)"
     if not all("!" <= c <= "~" for c in key):

@@ -1,9 +1,4 @@
-"""What a topology problem is: an `Issue` at a key path, and a `TopologyIssue` at a file's line.
-
-Rules (`orchestrator.topology.rules`, `orchestrator.preflight`) report `Issue`s at key paths; the YAML
-loader turns each path into the line of its key and raises every problem of a file at once, in file order,
-as one `TopologyError`.
-"""
+"""A topology problem: an `Issue` at a key path, and a `TopologyIssue` at a file's line."""
 
 from __future__ import annotations
 
@@ -14,15 +9,11 @@ KeyPath = tuple[str, ...]  # a key path in the YAML file, e.g. ("decode", "exper
 
 
 class Issue(NamedTuple):
-    """One problem: where (a YAML key path; the loader turns it into a line) and why."""
-
     path: KeyPath
     reason: str
 
 
 class TopologyIssue(NamedTuple):
-    """One problem of a topology file: `FILE:LINE: reason`, or `FILE: reason` without a line."""
-
     file: str
     line: int | None  # 1-based; None when the problem has no line (file unreadable)
     reason: str
@@ -32,7 +23,7 @@ class TopologyIssue(NamedTuple):
 
 
 def line_of(lines: Mapping[KeyPath, int], path: KeyPath) -> int:
-    """The line of `path`'s key in `lines`, else of its nearest enclosing key that is written, else 1."""
+    """The line of `path`'s key in `lines`, else of its nearest written parent, else 1."""
     while path:
         if path in lines:
             return lines[path]

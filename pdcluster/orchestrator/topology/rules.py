@@ -1,10 +1,7 @@
 """Cross-section rules of a topology: what needs several sections or the model's `config.json`.
 
-Divisibility of the parallelism by the model's heads and experts, MTP, context lengths, the hardware's
-dies and supernodes, device memory (weights + KV cache per device), TLS files, the router's needs, device
-counts and placement. Each rule yields an
-`Issue` at the key path it concerns; `check_topology` runs them on a topology built in code, the YAML
-loader on the sections of a file (a section with a problem of its own is None and its rules are skipped).
+Each rule yields an `Issue` at the key path it concerns; a section with a problem of its own is None and
+its rules are skipped.
 """
 
 from __future__ import annotations
@@ -33,11 +30,7 @@ from pdcluster.orchestrator.topology.schema import (
 
 
 def read_model_architecture(model: ModelConfig) -> DeepseekV3Config:
-    """The architecture `config.json` of `model` (see `ModelConfig.config_json`).
-
-    Raises:
-        ValueError: unreadable or invalid; the message says which file and how to fix it.
-    """
+    """The architecture `config.json` of `model`; ValueError naming the file if unreadable or invalid."""
     path = model.config_json
     hint = ""
     if model.path is None and model.config_path is None:
@@ -146,9 +139,7 @@ def _pool_issues(
 def _device_memory_issue(
     role: str, pool: PoolConfig, hw: HardwareConfig, model: ModelConfig, arch: DeepseekV3Config
 ) -> Iterator[Issue]:
-    """The parameters one device of the pool holds (`planner.memory.pool_resident_params`), in the model's
-    resolved `weight_dtype`, plus `kv_cache_memory_bytes` must fit the device's `hbm_bytes` (a lower bound
-    of what it needs: activations and buffers come on top). At the pool's line."""
+    """One device's parameters (in `weight_dtype`) plus `kv_cache_memory_bytes` must fit its `hbm_bytes`."""
     from pdcluster.planner.memory import pool_memory_overflow  # lazily: the planner imports this package
 
     weight_dtype = model.resolved_weight_dtype(hw.spec)
@@ -169,9 +160,7 @@ def _device_memory_issue(
 def _max_model_len_issues(
     prefill: PoolConfig, decode: PoolConfig, arch: DeepseekV3Config | None, arch_src: str
 ) -> Iterator[Issue]:
-    """Prefill and decode must agree on the context length: a prompt prefill accepts must fit decode, and
-    the HTTP edge checks requests against one `max_model_len`. A null side means the model's
-    `max_position_embeddings` (compared only when the model's config.json was read)."""
+    """Prefill and decode must agree on `max_model_len` (null: `max_position_embeddings`)."""
     if prefill.max_model_len is None and decode.max_model_len is None:
         return
     limit = arch.max_position_embeddings if arch is not None else None
@@ -179,7 +168,7 @@ def _max_model_len_issues(
     for role, pool in (("prefill", prefill), ("decode", decode)):
         value = pool.max_model_len if pool.max_model_len is not None else limit
         if value is None or (limit is not None and value > limit):
-            return  # unknown, or already reported as over max_position_embeddings
+            return
         lengths[role] = value
     if lengths["prefill"] == lengths["decode"]:
         return
@@ -226,7 +215,6 @@ def _hardware_issues(hw: HardwareConfig, ic: InterconnectConfig | None) -> Itera
 
 
 def _pem_file_problem(path: str, marker: str) -> str | None:
-    """Why `path` is not a readable PEM file holding a `-----BEGIN ...{marker}-----` block, or None."""
     file = Path(path)
     if not file.is_file():  # also keeps a FIFO or a directory from being opened
         return f"{path} is not a file" if file.exists() else f"{path} does not exist"
@@ -240,7 +228,6 @@ def _pem_file_problem(path: str, marker: str) -> str | None:
 
 
 def _tls_issues(kv: KVTransferConfig) -> Iterator[Issue]:
-    """The TLS files exist, are PEM, the key matches the certificate and the CA file loads."""
     tls = kv.tls
     assert tls is not None
     if kv.transport == "torch_distributed":
@@ -282,9 +269,7 @@ def _tls_issues(kv: KVTransferConfig) -> Iterator[Issue]:
 def cross_section_issues(
     sections: dict[str, Any], arch: DeepseekV3Config | None, arch_src: str, *, device_memory: bool = True
 ) -> Iterator[Issue]:
-    """Rules over several sections; a section that failed its own checks is None and its rules are skipped.
-    `device_memory`: also check that each pool's weights and KV cache fit one device (the planner's search
-    checks that itself, in the weight dtype it plans with)."""
+    """Rules over several sections; `device_memory` also checks each pool fits one device."""
     from pdcluster.orchestrator.placement import PlacementError, assign_devices
 
     hw: HardwareConfig | None = sections.get("hardware")
@@ -335,7 +320,6 @@ def cross_section_issues(
                 "is false",
             )
 
-    # Device counts and placement, once both pools and the hardware are individually sound.
     if hw is None or hw_issues or prefill is None or decode is None:
         return
     if not all(pool_ok.get(r, False) for r in ROLES):

@@ -1,8 +1,7 @@
 """A topology file as a tree of YAML nodes, read within bounds: `compose_topology_file`.
 
-The file must be a regular file (a FIFO or a device is refused without being opened) of at most
-`MAX_YAML_BYTES`, in UTF-8, nested at most `MAX_YAML_DEPTH` levels and at most `MAX_YAML_NODES` YAML
-nodes with its aliases expanded; anything else is one `TopologyIssue`, never a traceback or a hang.
+Bounds (`MAX_YAML_BYTES`, `MAX_YAML_DEPTH`, `MAX_YAML_NODES` with aliases expanded) are far above any real
+file and keep a hostile one from exhausting memory or the stack; anything out of bounds is one issue.
 """
 
 from __future__ import annotations
@@ -17,21 +16,13 @@ import yaml
 from pdcluster.orchestrator.topology.fields import MIB
 from pdcluster.orchestrator.topology.issues import TopologyError, TopologyIssue
 
-# Bounds on a topology file, far above any real one (the shipped files are under 10 KB, 4 levels deep and a
-# few hundred YAML nodes) and low enough that reading one cannot exhaust memory or the interpreter's stack.
 MAX_YAML_BYTES = 1 * MIB
 MAX_YAML_DEPTH = 32  # nesting levels of mappings and lists, aliases and merge keys expanded
 MAX_YAML_NODES = 100_000  # YAML nodes with every alias expanded (a "billion laughs" file is refused)
 
 
 def _read_yaml_text(path: Path) -> str:
-    """The text of topology file `path`, checked before and while it is opened.
-
-    Raises:
-        TopologyError: no such file or unreadable; not a regular file (a FIFO, a device or a directory,
-            refused from `os.stat` without opening it, so a FIFO cannot block); larger than
-            `MAX_YAML_BYTES`; not valid UTF-8 (the line, the byte and its offset).
-    """
+    """The text of `path`; TopologyError if missing, not a regular file (never opened), too big, not UTF-8."""
     file = str(path)
 
     def fail(reason: str, line: int | None = None) -> TopologyError:
@@ -59,11 +50,7 @@ def _read_yaml_text(path: Path) -> str:
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing to compose nodes nested deeper than `MAX_YAML_DEPTH`.
-
-    PyYAML's composer recurses once per nesting level (50,000 nested brackets end in a RecursionError);
-    this raises a `ComposerError` at the first node too deep instead.
-    """
+    """PyYAML's safe loader, raising `ComposerError` at nodes nested deeper than `MAX_YAML_DEPTH`."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
@@ -83,14 +70,8 @@ class _BoundedLoader(yaml.SafeLoader):
 
 
 def _expansion_problem(root: yaml.Node) -> tuple[yaml.Node, str] | None:
-    """The first node at which `root`, with every alias expanded, is deeper than `MAX_YAML_DEPTH`, has
-    more than `MAX_YAML_NODES` nodes, or contains itself; with the reason. None when it is within bounds.
-
-    Aliases share nodes, so a few lines can stand for billions of nodes (each level aliasing the previous
-    one twice), and merge keys (`<<: *a`) copy them when a mapping is read; a chain of merge keys is also
-    walked recursively. Sizes are computed once per distinct node, without recursion.
-    """
-    sizes: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded nodes, expanded depth)
+    """The first node where `root` with aliases and merge keys expanded breaks the bounds, and why."""
+    sizes: dict[int, tuple[int, int]] = {}
     in_progress: set[int] = set()
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
     while stack:
@@ -124,20 +105,14 @@ def _expansion_problem(root: yaml.Node) -> tuple[yaml.Node, str] | None:
 
 
 def compose_topology_file(path: Path) -> tuple[yaml.SafeLoader, yaml.Node]:
-    """Read topology file `path` and compose its single YAML document.
+    """Read `path` and compose its single YAML document: (the disposed loader, the root node).
 
-    Returns:
-        the (disposed) loader, whose constructors still turn the root's scalar nodes into values, and the
-        root node, which with its aliases expanded is within `MAX_YAML_DEPTH` and `MAX_YAML_NODES`.
-
-    Raises:
-        TopologyError: one issue: unreadable, not a regular file, too large, not UTF-8, a non-printable
-            character, a YAML syntax error, nested too deep, too many nodes or a recursive alias, or empty.
+    Raises TopologyError with one issue when the file cannot be read as a bounded YAML document.
     """
     file = str(path)
     text = _read_yaml_text(path)
     try:
-        loader = _BoundedLoader(text)  # checks every character is printable first
+        loader = _BoundedLoader(text)
     except yaml.reader.ReaderError as exc:
         line = text.count("\n", 0, exc.position) + 1
         reason = f"invalid YAML: character #x{exc.character:04x} at offset {exc.position}: {exc.reason}"

@@ -1,10 +1,4 @@
-"""Reading a topology file: YAML nodes into the schema's dataclasses, every problem at its line.
-
-`read_topology(path)` composes the file (`yaml_file.compose_topology_file`), builds each section on its own
-(so one broken section does not hide another's problems), records the line of every key, checks the
-cross-section rules (`rules.cross_section_issues`) and raises every problem at once, one `FILE:LINE: reason`
-per line, in a `TopologyError`.
-"""
+"""Reading a topology file: YAML nodes into the schema's dataclasses, every problem at its line."""
 
 from __future__ import annotations
 
@@ -29,20 +23,17 @@ from pdcluster.orchestrator.topology.yaml_file import compose_topology_file
 
 
 class _Reader:
-    """Turns composed YAML nodes into dataclasses, recording each key's line and every problem."""
-
     def __init__(self, loader: yaml.SafeLoader, base_dir: Path) -> None:
         self.loader = loader
         self.base_dir = base_dir
         self.lines: dict[KeyPath, int] = {}
         self.problems: list[tuple[int, str]] = []
-        self.broken: set[KeyPath] = set()  # mappings with an unknown, duplicate or missing key
+        self.broken: set[KeyPath] = set()
 
     def error(self, node: yaml.Node, reason: str) -> None:
         self.problems.append((node.start_mark.line + 1, reason))
 
     def line_of(self, path: KeyPath) -> int:
-        """The line of `path`'s key, else of its nearest enclosing key that is written, else 1."""
         return line_of(self.lines, path)
 
     def keys(
@@ -97,7 +88,7 @@ class _Reader:
             return None
         try:
             return cls(**kwargs)
-        except ValueError as exc:  # a rule of the class's own (e.g. an empty name)
+        except ValueError as exc:
             self.error(node, f"{where}: {exc}")
             return None
 
@@ -121,7 +112,7 @@ class _Reader:
             return False, None
         try:
             raw = self.loader.construct_object(node, deep=True)
-        except (yaml.YAMLError, ValueError, KeyError, TypeError) as exc:  # an explicit tag (`!!int abc`)
+        except (yaml.YAMLError, ValueError, KeyError, TypeError) as exc:
             problem = exc.problem if isinstance(exc, yaml.MarkedYAMLError) else str(exc)
             self.error(node, f"{name}: {node.value!r} cannot be read as {node.tag}: {problem}")
             return False, None
@@ -138,11 +129,7 @@ class _Reader:
 
 
 def _coerce(base: Any, raw: Any, plain: bool) -> Any:
-    """Accept what YAML 1.1 reads differently from what a person means; otherwise return `raw` unchanged.
-
-    PyYAML reads `196e9` and `1.6e12` (no dot, or no exponent sign) as strings: for number fields a plain
-    (unquoted) numeric string is taken as a number. Integral floats (`64.0e+9`) are accepted as integers.
-    """
+    """Take plain numeric strings PyYAML 1.1 leaves as text (`196e9`) as numbers, integral floats as ints."""
     if base in (int, float) and isinstance(raw, str) and plain:
         try:
             raw = float(raw.replace("_", ""))
@@ -165,58 +152,36 @@ def _describe(node: yaml.Node) -> str:
 
 @dataclass(frozen=True)
 class LoadedTopology:
-    """A valid topology file: its `Topology` and the line of every key written in it, so that rules checked
-    later (`orchestrator.preflight`: what `pdcluster deploy` needs) are reported at their lines too.
-
-    Attributes:
-        file: the path as given.
-        topology: the validated topology.
-        key_lines: 1-based line of each key path written in the file.
-    """
+    """A valid topology and the 1-based line of every key written in its file."""
 
     file: str
     topology: Topology
     key_lines: Mapping[KeyPath, int]
 
     def line_of(self, path: KeyPath) -> int | None:
-        """The line of `path`'s key, else of its nearest enclosing written key, else 1; None for `()` (an
-        issue about no key of the file, e.g. a command-line override)."""
+        """The line of `path`'s key or its nearest written parent; None for `()` (a command-line override)."""
         return line_of(self.key_lines, path) if path else None
 
     def locate(self, issues: Iterable[Issue]) -> list[TopologyIssue]:
-        """`issues` as `FILE:LINE: reason` issues of this file, in line order."""
         located = [TopologyIssue(self.file, self.line_of(i.path), i.reason) for i in issues]
         return sorted(located, key=lambda i: i.line or 0)
 
 
 def load_topology(path: str | Path) -> Topology:
-    """Read and validate a topology YAML file: `read_topology(path).topology`.
-
-    Raises:
-        TopologyError: as `read_topology`.
-    """
+    """`read_topology(path).topology`."""
     return read_topology(path).topology
 
 
 def read_topology(path: str | Path) -> LoadedTopology:
-    """Read and validate a topology YAML file; the topology with the line of each key.
+    """Read and validate a topology YAML file, keeping the line of each key.
 
-    The file must be a regular file (a FIFO or a device is refused without being opened) of at most
-    `MAX_YAML_BYTES`, in UTF-8, nested at most `MAX_YAML_DEPTH` levels and at most `MAX_YAML_NODES` YAML
-    nodes with its aliases expanded.
-
-    Raises:
-        TopologyError: every problem found, one `FILE:LINE: reason` per line (unknown keys with the
-            closest valid key, wrong types, invalid choices, impossible parallelism for the model, more
-            devices than the hardware has, an instance that cannot be placed); a file that cannot be read
-            as YAML (not a regular file, too large, not UTF-8, a syntax error, too deep) has one issue.
+    Raises TopologyError with every problem, one `FILE:LINE: reason` per line.
     """
     path = Path(path)
     file = str(path)
     loader, root = compose_topology_file(path)
     reader = _Reader(loader, path.resolve().parent)
-    # Each section is read on its own, so one broken section does not hide another's problems; a section
-    # with a problem is None in `sections` and the rules that need it are skipped.
+    # Each section is read on its own, so one broken section does not hide another's problems.
     sections: dict[str, Any] = {}
     topology: Topology | None = None
     if isinstance(root, yaml.MappingNode):
@@ -225,7 +190,7 @@ def read_topology(path: str | Path) -> LoadedTopology:
         for key, value_node in reader.keys(root, fields, ()):
             good, value = reader.value(fields[key], hints[key], value_node, (key,))
             sections[key] = value if good else None
-        for name, f in fields.items():  # sections not written: their defaults, checked like the rest
+        for name, f in fields.items():
             if name not in sections and f.default_factory is not dataclasses.MISSING:
                 sections[name] = f.default_factory()
         if all(v is not None for v in sections.values()) and "name" in sections:
