@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         num_requests=args.num_requests,
         rate_per_s=args.rate,
         max_tokens_cap=args.max_tokens_cap,
-        context_len=args.context_len,
+        scale_to_context=args.scale_to_context,
         acceptance_per_position=args.acceptance,
         seed=args.seed,
         calibration=args.calibration,
@@ -79,8 +79,9 @@ Simulate FILE's cluster on a request trace, without starting anything: a discret
 simulation that calls the live router, dispatch and scheduler policies, with step times
 from the performance model (pdcluster/planner/perf_model.py; FLOPs and bytes per op on the
 hardware catalog entry, EP traffic over the link level the EP group spans, KV transfer
-over the prefill->decode link). The trace is scaled as `pdcluster bench` scales it
-(input lengths to the model's context, outputs capped at --max-tokens-cap).
+over the prefill->decode link). The trace's recorded lengths are kept, inputs clamped
+only to what the model holds (the summary says how many), outputs capped at
+--max-tokens-cap; --scale-to-context scales them to another context instead.
 
 Prints the same summary table as `pdcluster bench` (TTFT/TPOT/e2e percentiles,
 throughput, goodput under the YAML's slo), and writes into --out a Markdown report with
@@ -95,7 +96,7 @@ split as OUT/plan.yaml, a topology file `pdcluster validate` accepts."""
 EPILOG = """\
 examples:
   pdcluster plan clusters/cm384.yaml --trace AzureLLMInferenceTrace_conv.csv --rate 800 \\
-      --num-requests 20000 --context-len 8192 --weight-dtype int8 --acceptance 0.7
+      --num-requests 20000 --weight-dtype int8 --acceptance 0.7
   pdcluster plan clusters/local.yaml --trace AzureLLMInferenceTrace_conv.csv --rate 2 \\
       --num-requests 50 --calibration calibration.json --search"""
 
@@ -145,12 +146,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-tokens-cap", type=positive_int, default=128, metavar="N", help="output cap. Default: 128"
     )
     parser.add_argument(
-        "--context-len",
+        "--scale-to-context",
         type=positive_int,
         default=None,
         metavar="N",
-        help="scale the trace's input lengths to a context of N tokens instead of the decode pool's "
-        "max_model_len (8192 keeps the Azure trace's recorded lengths)",
+        help="scale the trace's input lengths by N / the trace's reference context (Azure 8192, Mooncake "
+        "131072), as `pdcluster bench` does. Default: keep the recorded lengths",
     )
     parser.add_argument(
         "--acceptance",
