@@ -276,6 +276,4 @@ def run_plan(
         plan_path,
     )
     devices = topology.prefill.num_devices + topology.decode.num_devices
-    return PlanOutcome(
-        workload.description, result, report_path, wall_s, searched, plan_path, notes, devices
-    )
+    return PlanOutcome(workload.description, result, report_path, wall_s, searched, plan_path, notes, devices)

@@ -34,10 +34,27 @@ def _positive_float(text: str) -> float:
 _positive_float.__name__ = "number"
 
 
+def validate(args: argparse.Namespace) -> int:
+    """`--validate`: the published deployments predicted (`planner.published`), per row and a summary."""
+    from pdcluster.planner.published import table_text
+    from pdcluster.planner.published import validate as evaluate_published
+
+    result = evaluate_published()
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(table_text(result))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from pdcluster.orchestrator.topology import TopologyError, read_topology
     from pdcluster.planner.plan import PlanOptions, run_plan
 
+    if args.validate:
+        return validate(args)
+    if args.file is None or args.trace is None:
+        raise CliError("FILE and --trace are required (except with --validate)")
     if args.out.exists() and not args.out.is_dir():
         raise CliError(f"--out must be a directory: {args.out} exists and is not one")
     try:
@@ -95,6 +112,7 @@ the frontier of goodput per device against TPOT to the report, and writes the be
 split as OUT/plan.yaml, a topology file `pdcluster validate` accepts."""
 EPILOG = """\
 examples:
+  pdcluster plan --validate          # the model against published deployments, with its error
   pdcluster plan clusters/cm384.yaml --trace AzureLLMInferenceTrace_conv.csv --rate 800 \\
       --num-requests 20000 --weight-dtype int8 --acceptance 0.7
   pdcluster plan clusters/local.yaml --trace AzureLLMInferenceTrace_conv.csv --rate 2 \\
@@ -103,10 +121,18 @@ examples:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `pdcluster plan`."""
-    parser.add_argument("file", type=Path, metavar="FILE", help="topology YAML file (clusters/*.yaml)")
+    parser.add_argument(
+        "file", type=Path, nargs="?", metavar="FILE", help="topology YAML file (clusters/*.yaml)"
+    )
+    parser.add_argument(
+        "--validate",
+        action="store_true",
+        help="predict the shipped table of published deployments (DeepSeek, RTP-LLM, CloudMatrix-Infer) and "
+        "print predicted, published and error per row and a summary (with --json: one object whose "
+        "summary holds checks, within_15pct, beyond_25pct, max_abs_error as a fraction); needs no FILE",
+    )
     parser.add_argument(
         "--trace",
-        required=True,
         type=Path,
         metavar="T",
         help="trace file (.csv Azure, .jsonl Mooncake); a bare name is looked up in ../shared/traces",
