@@ -9,7 +9,8 @@ trace are replayed twice:
                rate (the trace's arrival times scaled);
     simulated  the same scaled workload through `planner.simulator.simulate`, step times from
                `planner.perf_model` with `--calibration` (a `pdcluster profile` JSON; without it the
-               catalog's cpu entry, uncalibrated), MTP acceptance as the live run measured it.
+               catalog's cpu entry, uncalibrated), MTP acceptance as the live run measured it, and the
+               instances sharing this machine's cores (`planner.core_sharing`).
 
 Reported per point: p50 and p90 of TTFT and TPOT, live and simulated, and the simulated/live ratios (the
 issue's target: p50s within 10%). The live side runs while other engineers use this machine's CPUs: its
@@ -46,7 +47,7 @@ def live_and_simulated(
     from pdcluster.orchestrator.topology import load_topology
     from pdcluster.orchestrator.trace import arrival_rate_per_s, load_trace, scale_trace
     from pdcluster.planner.control_plane import control_plane_from_calibration
-    from pdcluster.planner.plan import PlanOptions, step_models
+    from pdcluster.planner.plan import PlanOptions, cores_per_node, step_models
     from pdcluster.planner.simulator import pool_sizing, simulate
 
     topology = load_topology(cluster)
@@ -72,7 +73,8 @@ def live_and_simulated(
         max_tokens_cap=max_tokens_cap,
         time_scale=time_scale,
     )
-    prefill_model, decode_model = step_models(topology, PlanOptions(trace=TRACE, calibration=calibration))
+    options = PlanOptions(trace=TRACE, calibration=calibration)
+    prefill_model, decode_model = step_models(topology, options)
 
     def simulated(control_plane):
         return simulate(
@@ -86,6 +88,7 @@ def live_and_simulated(
             ttft_slo_ms=live.summary["slo"]["ttft_ms"],
             tpot_slo_ms=live.summary["slo"]["tpot_ms"],
             control_plane=control_plane,
+            cores_per_node=cores_per_node(topology, options),
         )
 
     control_plane = control_plane_from_calibration(calibration)

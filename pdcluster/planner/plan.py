@@ -4,6 +4,7 @@ the report (`orchestrator.cli.plan` is its shell)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ class PlanOptions:
         ep_imbalance: slowest EP rank over the mean (None: the model's statistical estimate).
         scale_to_context: scale the trace's lengths to this context (None: keep the recorded lengths).
         search_num_requests: requests per search candidate and per sweep point.
+        cores_per_node: on `cpu`, the cores each node's instances share (`planner.core_sharing`); None:
+            this machine's (`os.cpu_count()`, where the live `cpu` cluster the calibration measured runs).
     """
 
     trace: str
@@ -55,6 +58,7 @@ class PlanOptions:
     search: bool = False
     search_num_requests: int = 500
     sweep: bool = True
+    cores_per_node: float | None = None
 
 
 def step_models(topology: Topology, options: PlanOptions) -> tuple[StepTimeModel, StepTimeModel]:
@@ -104,7 +108,15 @@ def simulate_topology(
         acceptance_for(topology, options),
         seed=options.seed,
         control_plane=control_plane_from_calibration(options.calibration),
+        cores_per_node=cores_per_node(topology, options),
     )
+
+
+def cores_per_node(topology: Topology, options: PlanOptions) -> float | None:
+    """The cores a `cpu` node's instances share (`PlanOptions.cores_per_node`); None on accelerators."""
+    if topology.hardware.spec.is_accelerator:
+        return None
+    return options.cores_per_node or float(os.cpu_count() or 1)
 
 
 def pd_sweep(base: Topology) -> list[Topology]:
