@@ -2,10 +2,10 @@
 operation reaches, and fixed costs, each with its source.
 
 The planner's roofline (`planner.perf_model`) prices an op at `max(flops / (peak x compute factor),
-bytes / (bandwidth x memory factor))`. Every factor here is a vendor figure, a published microbenchmark,
-or, for `cpu`, a measurement here (`pdcluster profile` fits the `cpu` entry and writes a calibration that
-replaces these defaults); where none was at hand the factor says so and names the proxy it borrows.
-None is fitted to the deployment figures `bench/planner_published.py` checks.
+bytes / (bandwidth x memory factor))`. Where published kernel tables exist (`planner.kernel_tables`:
+Hopper, Ascend 910C) they replace the GEMM, attention and EP-link factors here, shape by shape. Every
+factor is a vendor figure, a published microbenchmark, a measurement here (`pdcluster profile` fits `cpu`),
+or fitted on one published deployment and checked on the others (`planner.fit`, named in its source).
 """
 
 from __future__ import annotations
