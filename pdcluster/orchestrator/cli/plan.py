@@ -94,11 +94,14 @@ HELP = "simulate a topology on a trace (capacity planning): summary, report with
 DESCRIPTION = """\
 Simulate FILE's cluster on a request trace, without starting anything: a discrete-event
 simulation that calls the live router, dispatch and scheduler policies, with step times
-from the performance model (pdcluster/planner/perf_model.py; FLOPs and bytes per op on the
-hardware catalog entry, EP traffic over the link level the EP group spans, KV transfer
-over the prefill->decode link). The trace's recorded lengths are kept, inputs clamped
-only to what the model holds (the summary says how many), outputs capped at
---max-tokens-cap; --scale-to-context scales them to another context instead.
+from the performance model (pdcluster/planner/perf_model.py: FLOPs and bytes per op priced
+by published kernel measurements by shape where the catalog has them (DeepGEMM, FlashMLA,
+FlashAttention-3, DeepEP, CloudMatrix-Infer), two micro-batches on a timeline, DP and EP
+imbalance, KV transfer over the prefill->decode link). --validate shows the model's error
+against published deployments. On cpu, instances sharing a node's cores slow each other.
+The trace's recorded lengths are kept, inputs clamped only to what the model holds (the
+summary says how many), outputs capped at --max-tokens-cap; --scale-to-context scales
+them to another context instead.
 
 Prints the same summary table as `pdcluster bench` (TTFT/TPOT/e2e percentiles,
 throughput, goodput under the YAML's slo), and writes into --out a Markdown report with
