@@ -99,12 +99,12 @@ _HOST_H800 = Factor(
 _HOST_ASCEND = Factor(1.5e-3, "proxy: RTP-LLM's H800 host time per step (none published for 910C at hand)")
 _FIT = "by `pdcluster plan --validate --fit` (planner.fit); checked on the other deployments"
 _ROUTING = Factor(
-    1.6925,
+    1.8008,
     "fitted on cm-prefill: CloudMatrix-Infer's 5,655 tok/s per NPU measured over 6,688 under perfect expert "
     f"balance (arXiv:2506.12708), {_FIT}",
 )
-_SERVING = Factor(0.6853, f"fitted on h800-decode: DeepSeek Day 6's production TPOT, {_FIT}")
-_PREFILL_SERVING = Factor(0.6779, f"fitted on h800-prefill: RTP-LLM's 1.5 s step of 2 x 4K prompts, {_FIT}")
+_SERVING = Factor(0.7263, f"fitted on h800-decode: DeepSeek Day 6's production TPOT, {_FIT}")
+_PREFILL_SERVING = Factor(0.6771, f"fitted on h800-prefill: RTP-LLM's 1.5 s step of 2 x 4K prompts, {_FIT}")
 _NO_OP_OVERHEAD = Factor(
     0.0, "assumed 0 under graph capture (kernels queued back to back); not a measurement"
 )

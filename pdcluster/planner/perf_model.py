@@ -34,7 +34,7 @@ from pdcluster.orchestrator.efficiency import Efficiency, get_efficiency
 from pdcluster.orchestrator.hardware import AcceleratorSpec, get_accelerator
 from pdcluster.planner import op_costs as oc
 from pdcluster.planner.comm_costs import Link, ep_layer_s, statistical_imbalance
-from pdcluster.planner.imbalance import dp_max_rank_kv_factor, eplb_static_imbalance, routing_noise_imbalance
+from pdcluster.planner.imbalance import dp_max_rank_kv_factor, eplb_imbalance
 from pdcluster.planner.kernel_tables import KernelTables, tables_for
 from pdcluster.planner.op_costs import Dtypes, OpCost, RankWork
 from pdcluster.planner.rank_split import attention_sums, decode_sums, slowest_rank_chunks
@@ -168,7 +168,6 @@ class PerfModel:
         self._gemm = (self._peaks[0] * eff.gemm_compute.value, bw * eff.gemm_memory.value)
         self._attn = (self._peaks[1] * eff.attention_compute.value, bw * eff.attention_memory.value)
         self._mem = (math.inf, bw * eff.memory.value)
-        self._static_ep = None
 
     # ---- work split ----------------------------------------------------------------------------------
     def rank_work(self, step: StepShape) -> RankWork:
@@ -207,36 +206,23 @@ class PerfModel:
             mtp_logit_rows=mtp_rows,
         )
 
-    def static_ep_imbalance(self) -> float:
-        """The EPLB placement's most loaded EP rank over the mean (`planner.imbalance`); cached."""
-        if self._static_ep is None:
-            cfg, par = self.config, self.parallel
-            ep = par.expert_parallel_size
-            nodes = max(1, ep // self.node_forwarding[0]) if self.node_forwarding else 1
-            physical, sigma = (
-                cfg.n_routed_experts + par.num_redundant_experts,
-                self.efficiency.popularity_sigma.value,
-            )
-            self._static_ep = eplb_static_imbalance(
-                cfg.n_routed_experts, physical, max(cfg.n_group, 1), nodes, ep, sigma
-            )
-        return self._static_ep
-
     def moe_load(self, instance_tokens: float, num_sequences: int = 0) -> tuple[float, float, float]:
         """`(routed pairs on the slowest EP rank, its active experts, imbalance)` for `instance_tokens`
         tokens of `num_sequences` requests of the whole instance through one MoE layer."""
         cfg, par = self.config, self.parallel
         ep, k = par.expert_parallel_size, cfg.num_experts_per_tok
         mean = instance_tokens * k / ep
-        imb = self.ep_imbalance
-        if imb is None:
-            physical, sigma = (
-                cfg.n_routed_experts + par.num_redundant_experts,
-                self.efficiency.routing_sigma.value,
-            )
-            noise = routing_noise_imbalance(ep, physical / ep, sigma, num_sequences)
-            imb = self.static_ep_imbalance() * noise * statistical_imbalance(mean, ep) if ep > 1 else 1.0
         physical = cfg.n_routed_experts + par.num_redundant_experts
+        imb = self.ep_imbalance
+        if imb is None and ep > 1:
+            eff, nodes = self.efficiency, max(1, ep // self.node_forwarding[0]) if self.node_forwarding else 1
+            bucket = 2 ** round(math.log2(num_sequences)) if num_sequences > 0 else 0  # cached per bucket
+            placed = eplb_imbalance(
+                cfg.n_routed_experts, physical, max(cfg.n_group, 1), nodes, ep,
+                eff.popularity_sigma.value, eff.routing_sigma.value, bucket,
+            )  # fmt: skip
+            imb = placed * statistical_imbalance(mean, ep)
+        imb = imb or 1.0
         local = physical / ep
         active = oc.expected_active_experts(local, physical, k, instance_tokens)
         return mean * imb, active, imb

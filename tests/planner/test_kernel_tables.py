@@ -10,7 +10,7 @@ import random
 import pytest
 
 from pdcluster.planner import kernel_tables as kt
-from pdcluster.planner.imbalance import dp_max_rank_kv_factor, eplb_static_imbalance, routing_noise_imbalance
+from pdcluster.planner.imbalance import dp_max_rank_kv_factor, eplb_imbalance
 from pdcluster.planner.op_costs import gemm
 from pdcluster.planner.overlap import layer_timeline, overlapped_s
 from pdcluster.planner.published import load_config, load_table, model_for
@@ -111,11 +111,15 @@ def test_dp_max_rank_holds_more_kv_when_lengths_differ():
     assert dp_max_rank_kv_factor(4, 8, 4000.0, 4e6) == 1.0  # fewer rows than ranks
 
 
-def test_ep_imbalance_terms():
-    assert eplb_static_imbalance(256, 288, 8, 4, 32, 0.0) == 1.0
-    skewed = eplb_static_imbalance(256, 256, 8, 4, 32, 1.0)
-    assert skewed > eplb_static_imbalance(256, 288, 8, 4, 32, 1.0) >= 1.0  # redundant experts help
-    few, many = routing_noise_imbalance(32, 9, 1.5, 64), routing_noise_imbalance(32, 9, 1.5, 6400)
+def test_ep_imbalance_after_eplb():
+    assert eplb_imbalance(256, 288, 8, 4, 32, 0.0) == 1.0  # flat popularity, no step deviations
+    assert eplb_imbalance(256, 288, 8, 4, 1, 1.0, 1.5, 64) == 1.0  # one rank
+    # skewed popularity: EPLB's redundant replicas take load off the hot ranks
+    assert eplb_imbalance(256, 256, 8, 4, 32, 1.0) > eplb_imbalance(256, 288, 8, 4, 32, 1.0) > 1.0
+    # a step's deviations shrink with its number of requests, and weigh more with fewer experts per rank
+    few, many = (
+        eplb_imbalance(256, 288, 8, 4, 32, 0.0, 1.5, 64),
+        eplb_imbalance(256, 288, 8, 4, 32, 0.0, 1.5, 6400),
+    )
     assert few > many > 1.0
-    assert many - 1 == pytest.approx((few - 1) / 10)  # deviations shrink with sqrt(requests)
-    assert routing_noise_imbalance(1, 9, 1.5, 64) == 1.0
+    assert eplb_imbalance(256, 320, 8, 40, 320, 0.0, 1.5, 64) > few
