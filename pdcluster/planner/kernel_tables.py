@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 TERA, GIGA = 1e12, 1e9
-H800_FP8_FLOPS, H800_BF16_FLOPS, H800_HBM_BYTES_PER_S = 1979 * TERA, 989 * TERA, 3.35 * TERA
+H800_FP8_FLOPS, H800_HBM_BYTES_PER_S = 1979 * TERA, 3.35 * TERA
 DEEPGEMM = (
     "DeepGEMM README, 'Performance' tables (github.com/deepseek-ai/DeepGEMM at 327ec92, 2025-04-09): FP8 "
     "GEMMs of DeepSeek-V3/R1 inference shapes on H800 SXM5, NVCC 12.8"
@@ -40,8 +40,8 @@ class GemmPoint:
 
 @dataclass(frozen=True)
 class GemmTable:
-    """Measured GEMMs of one layout on one device kind, as fractions of that device's `peak_flops_per_s`
-    and `peak_bytes_per_s` (so that `rates` scales them to another device)."""
+    """Measured GEMMs of one layout on one device kind; `fractions` divides them by that device's
+    `peak_flops_per_s` and `peak_bytes_per_s` (a device of the same architecture scales them)."""
 
     layout: str
     points: tuple[GemmPoint, ...]
@@ -52,16 +52,7 @@ class GemmTable:
     def fractions(self, m: float, n: int, k: int) -> tuple[float, float]:
         """`(compute fraction, memory fraction)` of a GEMM of `m` rows (per group) and shape `(n, k)`."""
         ms, flops, b = _curve(self, n, k)
-        x = math.log(max(m, 1.0))
-        i = bisect.bisect_left(ms, x)
-        if i == 0:
-            f = flops[0]
-        elif i == len(ms):
-            f = flops[-1]
-        else:
-            w = (x - ms[i - 1]) / (ms[i] - ms[i - 1])
-            f = flops[i - 1] + w * (flops[i] - flops[i - 1])
-        return f / self.peak_flops_per_s, b / self.peak_bytes_per_s
+        return interpolate_log(ms, flops, m) / self.peak_flops_per_s, b / self.peak_bytes_per_s
 
     @property
     def min_m(self) -> int:
@@ -70,11 +61,22 @@ class GemmTable:
 
 @functools.lru_cache(maxsize=1024)
 def _curve(table: GemmTable, n: int, k: int) -> tuple[list[float], list[float], float]:
-    """The rows with the `(n, k)` nearest to `(n, k)` in log distance: `(log m, FLOP/s, best bytes/s)`."""
+    """The rows whose `(n, k)` is nearest `(n, k)` in log distance: `(m, FLOP/s, best bytes/s)`."""
     shapes = {(p.n, p.k) for p in table.points}
     near = min(sorted(shapes), key=lambda s: abs(math.log(s[0] / n)) + abs(math.log(s[1] / k)))
     rows = sorted((p for p in table.points if (p.n, p.k) == near), key=lambda p: p.m)
-    return [math.log(p.m) for p in rows], [p.flops_per_s for p in rows], max(p.bytes_per_s for p in rows)
+    return [p.m for p in rows], [p.flops_per_s for p in rows], max(p.bytes_per_s for p in rows)
+
+
+def interpolate_log(xs, ys, x: float) -> float:
+    """`ys` at `x`, linear in `log x` between the points `xs` (ascending), held at the ends."""
+    i = bisect.bisect_left(xs, x)
+    if i == 0:
+        return ys[0]
+    if i == len(xs):
+        return ys[-1]
+    w = math.log(x / xs[i - 1]) / math.log(xs[i] / xs[i - 1])
+    return ys[i - 1] + w * (ys[i] - ys[i - 1])
 
 
 def _points(rows: tuple[tuple[int, int, int, float, float], ...]) -> tuple[GemmPoint, ...]:
@@ -132,15 +134,7 @@ class AttentionTable:
     source: str
 
     def prefill_compute_fraction(self, seq_len: float) -> float:
-        xs = [math.log(s) for s in self.seq_lens]
-        x = math.log(max(seq_len, 1.0))
-        i = bisect.bisect_left(xs, x)
-        if i == 0:
-            return self.compute_fractions[0]
-        if i == len(xs):
-            return self.compute_fractions[-1]
-        w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return self.compute_fractions[i - 1] + w * (self.compute_fractions[i] - self.compute_fractions[i - 1])
+        return interpolate_log(self.seq_lens, self.compute_fractions, seq_len)
 
 
 _FA3_TFLOPS = (430.32, 517.099, 565.544, 590.233, 614.234, 620.73)
@@ -179,16 +173,11 @@ class EpTable:
     source: str
 
     def bandwidth(self, ep: int) -> tuple[float, float]:
-        xs = [math.log(e) for e in self.ep_sizes]
-        x = math.log(max(ep, 1))
-        i = bisect.bisect_left(xs, x)
-        if i == 0:
-            return self.dispatch_bytes_per_s[0], self.combine_bytes_per_s[0]
-        if i == len(xs):
-            return self.dispatch_bytes_per_s[-1], self.combine_bytes_per_s[-1]
-        w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-        d, c = self.dispatch_bytes_per_s, self.combine_bytes_per_s
-        return d[i - 1] + w * (d[i] - d[i - 1]), c[i - 1] + w * (c[i] - c[i - 1])
+        """`(dispatch, combine)` bytes/s per device at EP size `ep`."""
+        sizes = self.ep_sizes
+        return interpolate_log(sizes, self.dispatch_bytes_per_s, ep), interpolate_log(
+            sizes, self.combine_bytes_per_s, ep
+        )
 
 
 DEEPEP = "DeepEP README, 'Performance' (github.com/deepseek-ai/DeepEP at 567632d): H800, CX7 400 Gb/s per GPU"
