@@ -176,6 +176,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--scale-to-context",
+        "--context-len",  # its former name
+        dest="scale_to_context",
         type=positive_int,
         default=None,
         metavar="N",
