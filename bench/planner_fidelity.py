@@ -9,7 +9,8 @@ trace are replayed twice:
                rate (the trace's arrival times scaled);
     simulated  the same scaled workload through `planner.simulator.simulate`, step times from
                `planner.perf_model` with `--calibration` (a `pdcluster profile` JSON; without it the
-               catalog's cpu entry, uncalibrated), MTP acceptance as the live run measured it.
+               catalog's cpu entry, uncalibrated), MTP acceptance as the live run measured it, and the
+               instances sharing this machine's cores (`planner.core_sharing`).
 
 Reported per point: p50 and p90 of TTFT and TPOT, live and simulated, and the simulated/live ratios (the
 issue's target: p50s within 10%). The live side runs while other engineers use this machine's CPUs: its
@@ -39,6 +40,7 @@ def live_and_simulated(
     max_tokens_cap: int,
     calibration: Path | None,
     show_progress: bool = False,
+    trace: str = TRACE,
 ) -> dict[str, Any]:
     """One point: the live replay and the simulation of the same workload (see the module docstring)."""
     from pdcluster.orchestrator.bench_client import run_bench
@@ -46,16 +48,16 @@ def live_and_simulated(
     from pdcluster.orchestrator.topology import load_topology
     from pdcluster.orchestrator.trace import arrival_rate_per_s, load_trace, scale_trace
     from pdcluster.planner.control_plane import control_plane_from_calibration
-    from pdcluster.planner.plan import PlanOptions, step_models
+    from pdcluster.planner.plan import PlanOptions, cores_per_node, step_models
     from pdcluster.planner.simulator import pool_sizing, simulate
 
     topology = load_topology(cluster)
-    native_rate = arrival_rate_per_s(load_trace(TRACE, num_requests).requests)
+    native_rate = arrival_rate_per_s(load_trace(trace, num_requests).requests)
     time_scale = rate_per_s / native_rate
     with serve(topology, port=0, log=lambda message: None) as service:
         live = run_bench(
             service.url,
-            TRACE,
+            trace,
             tokenizer_dir=topology.engine_config("decode").model,
             num_requests=num_requests,
             time_scale=time_scale,
@@ -67,12 +69,13 @@ def live_and_simulated(
     acceptance_per_position = (acceptance if acceptance is not None else 0.0,) * k
     sizing = {role: pool_sizing(topology, role) for role in ("prefill", "decode")}
     workload = scale_trace(
-        load_trace(TRACE, num_requests),
+        load_trace(trace, num_requests),
         sizing["decode"].scheduler.max_model_len,
         max_tokens_cap=max_tokens_cap,
         time_scale=time_scale,
     )
-    prefill_model, decode_model = step_models(topology, PlanOptions(trace=TRACE, calibration=calibration))
+    options = PlanOptions(trace=trace, calibration=calibration)
+    prefill_model, decode_model = step_models(topology, options)
 
     def simulated(control_plane):
         return simulate(
@@ -86,6 +89,7 @@ def live_and_simulated(
             ttft_slo_ms=live.summary["slo"]["ttft_ms"],
             tpot_slo_ms=live.summary["slo"]["tpot_ms"],
             control_plane=control_plane,
+            cores_per_node=cores_per_node(topology, options),
         )
 
     control_plane = control_plane_from_calibration(calibration)
@@ -134,7 +138,7 @@ def _phases_p50_ms(results: list) -> dict[str, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     points = [
         live_and_simulated(
-            cluster, rate, args.num_requests, args.max_tokens_cap, args.calibration, not args.json
+            cluster, rate, args.num_requests, args.max_tokens_cap, args.calibration, not args.json, args.trace
         )
         for cluster in args.clusters
         for rate in args.rates
@@ -142,7 +146,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "planner_fidelity",
         "config": {
-            "trace": TRACE,
+            "trace": args.trace,
             "num_requests": args.num_requests,
             "max_tokens_cap": args.max_tokens_cap,
             "calibration": str(args.calibration) if args.calibration else None,
@@ -198,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=positive_int, default=40)
     parser.add_argument("--max-tokens-cap", type=positive_int, default=64)
     parser.add_argument("--calibration", type=Path, default=None, help="`pdcluster profile` JSON")
+    parser.add_argument("--trace", default=TRACE, help="trace file (a bare name: ../shared/traces)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     contention = Contention()

@@ -1,8 +1,8 @@
 """Simulator speed: simulated requests per wall second on a topology. `python -m bench.planner_speed`.
 
 The issue's target: >= 100,000 simulated requests in <= 60 s on clusters/cm384.yaml. The workload is the
-Azure conversation trace repeated to `--num-requests`, its lengths kept as recorded (`--context-len 8192`,
-the 8k context the trace's service ran; outputs capped at 128), at `--rate` requests per second; step
+Azure conversation trace repeated to `--num-requests`, its lengths kept as recorded (the default;
+clamped to what the model holds; outputs capped at 128), at `--rate` requests per second; step
 times from `planner.perf_model` (weights `--weight-dtype`, MTP acceptance `--acceptance`). Reported: wall
 and CPU seconds of the simulation alone (the trace loading and the model setup excluded, reported apart;
 the process is single-threaded, so CPU seconds are what the wall time is on an otherwise idle core), events,
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sizing["decode"].scheduler.max_model_len,
         args.num_requests,
         args.rate,
-        context_len=args.context_len,
+        scale_to_context=args.scale_to_context,
     )
     prefill_model, decode_model = step_models(topology, options)
     setup_s = time.perf_counter() - setup_start_s
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", default="AzureLLMInferenceTrace_conv.csv")
     parser.add_argument("--num-requests", type=positive_int, default=100_000)
     parser.add_argument("--rate", type=float, default=800.0, help="requests per second (default 800)")
-    parser.add_argument("--context-len", type=positive_int, default=8192)
+    parser.add_argument("--scale-to-context", type=positive_int, default=None)
     parser.add_argument("--weight-dtype", default="int8")
     parser.add_argument("--acceptance", type=float, default=0.7, help="MTP acceptance of the one draft")
     parser.add_argument("--profile", action="store_true", help="print the cProfile top 20 (slower run)")

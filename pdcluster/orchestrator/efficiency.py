@@ -2,10 +2,10 @@
 operation reaches, and fixed costs, each with its source.
 
 The planner's roofline (`planner.perf_model`) prices an op at `max(flops / (peak x compute factor),
-bytes / (bandwidth x memory factor))`. Every factor here is a vendor figure, a published microbenchmark,
-or, for `cpu`, a measurement here (`pdcluster profile` fits the `cpu` entry and writes a calibration that
-replaces these defaults); where none was at hand the factor says so and names the proxy it borrows.
-None is fitted to the deployment figures `bench/planner_published.py` checks.
+bytes / (bandwidth x memory factor))`. Where published kernel tables exist (`planner.kernel_tables`:
+Hopper, Ascend 910C) they replace the GEMM, attention and EP-link factors here, shape by shape. Every
+factor is a vendor figure, a published microbenchmark, a measurement here (`pdcluster profile` fits `cpu`),
+or fitted on one published deployment and checked on the others (`planner.fit`, named in its source).
 """
 
 from __future__ import annotations
@@ -41,6 +41,12 @@ class Efficiency:
         host_overhead_s: host seconds per engine step not hidden behind the device.
         op_overhead_s: seconds per op launched (kernel launch / framework dispatch) not hidden.
         handoff_overhead_s: fixed seconds per KV handoff (reservation, first message, admission).
+        routing_sigma: spread (lognormal sigma) of one request's preference over the routed experts
+            (`planner.imbalance`); 0: every request routes uniformly.
+        popularity_sigma: spread of the experts' long-run popularity EPLB places (`planner.imbalance`).
+        serving_fraction: fraction of the published kernel rates (`planner.kernel_tables`) kernels reach
+            inside a decode step (graph-captured); 1: the microbenchmark rates.
+        prefill_serving_fraction: the same inside a step with prefill work (eager, host-synchronised EP).
     """
 
     gemm_compute: Factor
@@ -53,6 +59,13 @@ class Efficiency:
     host_overhead_s: Factor
     op_overhead_s: Factor
     handoff_overhead_s: Factor
+    routing_sigma: Factor = Factor(0.0, "uniform routing assumed (no routing statistics at hand)")
+    popularity_sigma: Factor = Factor(
+        0.0,
+        "flat long-run popularity assumed (DeepSeek-V3's auxiliary-loss-free balancing; no statistics)",
+    )
+    serving_fraction: Factor = Factor(1.0, "the microbenchmark rates as published")
+    prefill_serving_fraction: Factor = Factor(1.0, "the microbenchmark rates as published")
 
     def replace(self, **values: float) -> Efficiency:
         """A copy with some factors' values replaced (their source noted as `measured here`)."""
@@ -84,6 +97,14 @@ _HOST_H800 = Factor(
     "time between forward steps ~1.5 ms (its ~2 ms kernel-launch overhead is left out: graph capture)",
 )
 _HOST_ASCEND = Factor(1.5e-3, "proxy: RTP-LLM's H800 host time per step (none published for 910C at hand)")
+_FIT = "by `pdcluster plan --validate --fit` (planner.fit); checked on the other deployments"
+_ROUTING = Factor(
+    1.8008,
+    "fitted on cm-prefill: CloudMatrix-Infer's 5,655 tok/s per NPU measured over 6,688 under perfect expert "
+    f"balance (arXiv:2506.12708), {_FIT}",
+)
+_SERVING = Factor(0.7263, f"fitted on h800-decode: DeepSeek Day 6's production TPOT, {_FIT}")
+_PREFILL_SERVING = Factor(0.6771, f"fitted on h800-prefill: RTP-LLM's 1.5 s step of 2 x 4K prompts, {_FIT}")
 _NO_OP_OVERHEAD = Factor(
     0.0, "assumed 0 under graph capture (kernels queued back to back); not a measurement"
 )
@@ -106,6 +127,9 @@ HOPPER = Efficiency(
     host_overhead_s=_HOST_H800,
     op_overhead_s=_NO_OP_OVERHEAD,
     handoff_overhead_s=_HANDOFF_ACCEL,
+    routing_sigma=_ROUTING,
+    serving_fraction=_SERVING,
+    prefill_serving_fraction=_PREFILL_SERVING,
 )
 
 ASCEND = Efficiency(
@@ -134,6 +158,9 @@ ASCEND = Efficiency(
     host_overhead_s=_HOST_ASCEND,
     op_overhead_s=_NO_OP_OVERHEAD,
     handoff_overhead_s=_HANDOFF_ACCEL,
+    routing_sigma=_ROUTING,
+    serving_fraction=_SERVING,
+    prefill_serving_fraction=_PREFILL_SERVING,
 )
 
 # Defaults for `cpu` before `pdcluster profile` measures them: torch on one CPU worker slot.

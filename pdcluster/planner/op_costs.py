@@ -30,6 +30,7 @@ Symbols: T tokens, h `hidden_size`, H heads, r `kv_lora_rank`, dr `qk_rope_head_
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pdcluster.models.config import DeepseekV3Config
@@ -68,6 +69,8 @@ class OpCost:
         activation_bytes: activation bytes read and written.
         kv_bytes: KV cache bytes read and written.
         count: how many times this op runs in the step (one per layer it is in).
+        gemms: for a `gemm` op, its GEMMs as `(m rows per group, n, k, groups)` (shape-aware pricing).
+        seq_len: for attention, the mean sequence length its keys span (shape-aware pricing).
     """
 
     name: str
@@ -77,6 +80,8 @@ class OpCost:
     activation_bytes: float
     kv_bytes: float = 0.0
     count: int = 1
+    gemms: tuple[tuple[float, int, int, float], ...] = ()
+    seq_len: float = 0.0
 
     @property
     def bytes(self) -> float:
@@ -85,9 +90,7 @@ class OpCost:
 
     def times(self, count: int) -> OpCost:
         """The same op run `count` times (e.g. once in each of `count` layers)."""
-        return OpCost(
-            self.name, self.kind, self.flops, self.weight_bytes, self.activation_bytes, self.kv_bytes, count
-        )
+        return dataclasses.replace(self, count=count)
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,9 @@ class Dtypes:
 
 def gemm(name: str, m: float, k: int, n: int, weight_b: int, act_b: int) -> OpCost:
     """`[m, k] x [k, n]`: `2 m k n` FLOPs, `k n` weight elements, `m (k + n)` activation elements."""
-    return OpCost(name, "gemm", 2.0 * m * k * n, float(k * n * weight_b), m * (k + n) * act_b)
+    return OpCost(
+        name, "gemm", 2.0 * m * k * n, float(k * n * weight_b), m * (k + n) * act_b, gemms=((m, n, k, 1.0),)
+    )
 
 
 def attention_projections(cfg: DeepseekV3Config, t: float, d: Dtypes, tp: int = 1) -> list[OpCost]:
@@ -166,9 +171,11 @@ def attention_core(cfg: DeepseekV3Config, work: RankWork, d: Dtypes, tp: int = 1
         up_flops = 2.0 * keys * r * heads * (dn + dv)
         attn_flops = 2.0 * heads * pairs * (dn + dr) + 2.0 * heads * pairs * dv
         acts = 2.0 * keys * heads * (dn + dv) * ab + q * heads * (dn + dr + dv) * ab
-        ops.append(
-            OpCost("attn.mla_expanded", "attention", up_flops + attn_flops, kv_b_weight, acts, keys * kv_tok)
+        seq_len = 2.0 * pairs / q  # a causal chunk's full length, cache included
+        expanded = OpCost(
+            "attn.mla_expanded", "attention", up_flops + attn_flops, kv_b_weight, acts, keys * kv_tok
         )
+        ops.append(dataclasses.replace(expanded, seq_len=seq_len))
     if work.absorbed_queries:
         keys, pairs, q = work.absorbed_keys, work.absorbed_pairs, work.absorbed_queries
         proj_flops = 2.0 * q * heads * dn * r + 2.0 * q * heads * r * dv
@@ -179,15 +186,7 @@ def attention_core(cfg: DeepseekV3Config, work: RankWork, d: Dtypes, tp: int = 1
             OpCost("attn.mla_absorbed", "attention", proj_flops + attn_flops, weight, acts, keys * kv_tok)
         )
     if ops:
-        first = ops[0]
-        ops[0] = OpCost(
-            first.name,
-            first.kind,
-            first.flops,
-            first.weight_bytes,
-            first.activation_bytes,
-            first.kv_bytes + kv_write,
-        )
+        ops[0] = dataclasses.replace(ops[0], kv_bytes=ops[0].kv_bytes + kv_write)
     return ops
 
 
@@ -195,13 +194,17 @@ def mlp(
     name: str, t: float, h: int, inter: int, weight_b: int, act_b: int, weight_copies: float = 1.0
 ) -> OpCost:
     """SwiGLU `down(silu(gate x) * up x)` over `t` tokens: `6 t h inter` FLOPs, `3 h inter` weights per copy
-    read (`weight_copies` experts' worth), `t (2h + 3 inter)` activations (gate/up in, out; down in, out)."""
+    read (`weight_copies` experts' worth), `t (2h + 3 inter)` activations (gate/up in, out; down in, out).
+    As GEMMs: gate_up `[t/c, h] x [h, 2 inter]` and down `[t/c, inter] x [inter, h]` in c groups."""
+    groups = max(weight_copies, 1.0)
+    m = t / groups
     return OpCost(
         name,
         "gemm",
         6.0 * t * h * inter,
         weight_copies * 3.0 * h * inter * weight_b,
         t * (2 * h + 3 * inter) * act_b,
+        gemms=((m, 2 * inter, h, groups), (m, h, inter, groups)),
     )
 
 

@@ -3,23 +3,20 @@
 `PerfModel` implements `planner.step_model.StepTimeModel` for one instance of one pool:
 
 1. The step's work is split over the instance's ranks (`planner.rank_split`): attention and dense layers
-   data-parallel over `devices / tensor_parallel_size` ranks (DP attention), heads split over
-   `tensor_parallel_size`. A request is never split: prefill chunks go largest first to the least loaded
-   rank and the most loaded rank is priced; decode rows are spread evenly, `ceil(rows / dp)` on the
-   slowest rank. Routed experts live on `expert_parallel_size` ranks, `(n_routed + redundant) / ep` each;
-   the slowest EP rank takes `ep_imbalance` times the mean (token, expert) pairs
-   (`planner.comm_costs.statistical_imbalance` when not given).
-2. `planner.op_costs` counts each op's FLOPs and bytes on that rank (MLA expanded or absorbed per request
-   by the engine's own rule, dense MLP, gate, routed and shared experts, lm_head, the MTP layer).
-3. A roofline prices each op: `max(flops / (peak(dtype) x compute factor), bytes / (bandwidth x memory
-   factor))` (Williams, Waterman, Patterson, "Roofline", CACM 2009), factors from
-   `orchestrator.efficiency` or a calibration written by `pdcluster profile`; plus `op_overhead_s` per op.
-4. EP dispatch/combine per MoE layer moves each token's hidden state to its `k` experts and back over the
-   link level the EP group spans (`planner.topology_models.link_level`; `planner.comm_costs`, optionally
-   once per node with intra-node forwarding); TP attention adds a ring all-reduce of `o_proj`'s output.
-   With `microbatch_overlap` (DeepSeek's dual micro-batch overlap, CloudMatrix-Infer's micro-batch
-   pipeline) communication hides behind compute: `max(compute, comm)`; else they add up.
-5. Host overhead per step is added on top.
+   data-parallel over `devices / tensor_parallel_size` ranks (DP attention). Prefill chunks go largest
+   first to the least loaded rank; decode rows are spread evenly and the slowest rank holds the most KV
+   (`planner.imbalance.dp_max_rank_kv_factor`). Routed experts: the slowest EP rank takes the EPLB
+   placement's static imbalance times finite-token noise (`planner.imbalance`), or `ep_imbalance`.
+2. `planner.op_costs` counts each op's FLOPs and bytes on that rank (MLA expanded or absorbed, projections,
+   dense MLP, gate, routed and shared experts, lm_head, sampling, activation quantization, the MTP layer).
+3. Each op is priced `max(flops / (peak x compute fraction), bytes / (bandwidth x memory fraction))`
+   (Williams et al., "Roofline", CACM 2009). With `kernel_tables` the fractions come from published kernel
+   measurements by shape (`planner.kernel_tables`); without, from `orchestrator.efficiency` scalars (a
+   `pdcluster profile` calibration for `cpu`).
+4. EP dispatch/combine per MoE layer (`planner.comm_costs`, or the tables' EP bandwidth by EP size).
+   With `microbatch_overlap` the step is two halves on a timeline (`planner.overlap`): communication hides
+   only behind the other half's compute, which loses the compute units the EP kernels occupy.
+5. Host time per step and launch time per op are added.
 
 `kv_handoff_s` moves the prompt's latent KV (all layers, MTP layers included, in the wire dtype) over
 the prefill->decode link, layer by layer behind the prefill compute when `layerwise`.
@@ -27,9 +24,8 @@ the prefill->decode link, layer by layer behind the prefill compute when `layerw
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdcluster.kernels.mla_cost import expanded_crossover_queries
@@ -38,9 +34,13 @@ from pdcluster.orchestrator.efficiency import Efficiency, get_efficiency
 from pdcluster.orchestrator.hardware import AcceleratorSpec, get_accelerator
 from pdcluster.planner import op_costs as oc
 from pdcluster.planner.comm_costs import Link, ep_layer_s, statistical_imbalance
+from pdcluster.planner.imbalance import dp_max_rank_kv_factor, eplb_imbalance
+from pdcluster.planner.kernel_tables import KernelTables, tables_for
 from pdcluster.planner.op_costs import Dtypes, OpCost, RankWork
 from pdcluster.planner.rank_split import attention_sums, decode_sums, slowest_rank_chunks
 from pdcluster.planner.step_model import StepShape
+from pdcluster.planner.step_ops import op_groups
+from pdcluster.planner.step_pricing import StepBreakdown, gemm_time_s, price_step
 
 if TYPE_CHECKING:
     from pdcluster.orchestrator.topology import Topology
@@ -74,25 +74,13 @@ class Parallelism:
         return self.devices // self.expert_parallel_size
 
 
-@dataclass(frozen=True)
-class StepBreakdown:
-    """One step priced: seconds per op name (summed over layers), compute, communication, host, total."""
-
-    op_s: dict[str, float]
-    compute_s: float
-    comm_s: float
-    host_s: float
-    total_s: float
-    compute_bound_ops: tuple[str, ...] = field(default=())
-
-
 class PerfModel:
     """The step-time model of one instance (see the module docstring).
 
     Args:
         config: the model architecture.
         spec: the accelerator catalog entry of one device.
-        efficiency: per-op factors (`orchestrator.efficiency.get_efficiency(spec.name)`, or a calibration).
+        efficiency: scalar factors (`orchestrator.efficiency.get_efficiency(spec.name)`, or a calibration).
         dtypes: weight / activation / KV cache dtypes.
         parallel: the instance's split.
         ep_link, tp_link: link levels the EP group and the TP group span.
@@ -100,13 +88,13 @@ class PerfModel:
         kv_wire_dtype: dtype of KV on the wire (int8 or a model dtype).
         layerwise_kv: layer-by-layer KV streaming behind prefill compute.
         mtp_in_prefill: run the MTP layer over prompt tokens (the prefill side drafts the first k).
-        ep_imbalance: slowest EP rank's load over the mean; None: `statistical_imbalance` per step.
+        ep_imbalance: slowest EP rank's load over the mean; None: EPLB placement x finite-token noise.
         dispatch_dtype, combine_dtype: dtypes of the EP dispatch and combine messages.
-        microbatch_overlap: hide communication behind compute (two micro-batches).
+        microbatch_overlap: two micro-batches on a timeline (`planner.overlap`).
         node_forwarding: `(devices_per_node, intra-node link)` when EP traffic crossing nodes is sent once
-            per destination node and forwarded inside it (DeepEP's normal kernels, DeepSeek-V3 report
-            section 3.2.2: node-limited routing, IB then NVLink); None: every (token, expert) pair goes
-            over `ep_link` (DeepEP's low-latency kernels, pure RDMA).
+            per destination node and forwarded inside it (DeepEP's normal kernels); None: point to point.
+        kernel_tables: published kernel measurements (`planner.kernel_tables`); "catalog": the device
+            kind's (none for `cpu`); None: the scalar factors only (a calibration).
 
     Raises:
         ValueError: `ep_imbalance` < 1, more TP ranks than heads, or a dtype the accelerator has no matrix
@@ -132,9 +120,13 @@ class PerfModel:
         combine_dtype: str | None = None,
         microbatch_overlap: bool = False,
         node_forwarding: tuple[int, Link] | None = None,
+        kernel_tables: KernelTables | str | None = "catalog",
     ) -> None:
         self.config = config
         self.spec = spec
+        if kernel_tables == "catalog":
+            kernel_tables = tables_for(spec.name)
+        self.tables = kernel_tables
         self.efficiency = efficiency or get_efficiency(spec.name)
         self.dtypes = dtypes or Dtypes()
         self.parallel = parallel or Parallelism()
@@ -172,11 +164,9 @@ class PerfModel:
         """Peaks times factors, looked up once (ValueError for a dtype the device has no peak for)."""
         spec, eff, d = self.spec, self.efficiency, self.dtypes
         bw = spec.hbm_bytes_per_s
-        self._gemm = (spec.matmul_flops_per_s(d.weight) * eff.gemm_compute.value, bw * eff.gemm_memory.value)
-        self._attn = (
-            spec.matmul_flops_per_s(d.activation) * eff.attention_compute.value,
-            bw * eff.attention_memory.value,
-        )
+        self._peaks = (spec.matmul_flops_per_s(d.weight), spec.matmul_flops_per_s(d.activation), bw)
+        self._gemm = (self._peaks[0] * eff.gemm_compute.value, bw * eff.gemm_memory.value)
+        self._attn = (self._peaks[1] * eff.attention_compute.value, bw * eff.attention_memory.value)
         self._mem = (math.inf, bw * eff.memory.value)
 
     # ---- work split ----------------------------------------------------------------------------------
@@ -189,6 +179,11 @@ class PerfModel:
         rows = len(step.decode)
         d_acc, d_tokens = decode_sums(step.decode, self.crossover_queries)
         fd = math.ceil(rows / dp) / rows if rows else 0.0
+        if rows > dp > 1:  # the rank holding the most KV: keys and pairs scale with it
+            kv_sq = sum(r.context_len * r.context_len for r in step.decode)
+            kv = dp_max_rank_kv_factor(rows, dp, sum(r.context_len for r in step.decode), kv_sq)
+            for i in (1, 2, 4, 5):
+                d_acc[i] *= kv
         share = [a + fd * b for a, b in zip(p_acc, d_acc, strict=True)]
         k = step.num_speculative_tokens if self.config.num_nextn_predict_layers else 0
         mtp_tokens = mtp_rows = 0.0
@@ -211,157 +206,126 @@ class PerfModel:
             mtp_logit_rows=mtp_rows,
         )
 
-    def moe_load(self, instance_tokens: float) -> tuple[float, float, float]:
+    def moe_load(self, instance_tokens: float, num_sequences: int = 0) -> tuple[float, float, float]:
         """`(routed pairs on the slowest EP rank, its active experts, imbalance)` for `instance_tokens`
-        tokens of the whole instance through one MoE layer."""
+        tokens of `num_sequences` requests of the whole instance through one MoE layer."""
         cfg, par = self.config, self.parallel
         ep, k = par.expert_parallel_size, cfg.num_experts_per_tok
         mean = instance_tokens * k / ep
-        imb = self.ep_imbalance if self.ep_imbalance is not None else statistical_imbalance(mean, ep)
         physical = cfg.n_routed_experts + par.num_redundant_experts
+        imb = self.ep_imbalance
+        if imb is None and ep > 1:
+            eff, nodes = self.efficiency, max(1, ep // self.node_forwarding[0]) if self.node_forwarding else 1
+            bucket = 2 ** round(math.log2(num_sequences)) if num_sequences > 0 else 0  # cached per bucket
+            placed = eplb_imbalance(
+                cfg.n_routed_experts, physical, max(cfg.n_group, 1), nodes, ep,
+                eff.popularity_sigma.value, eff.routing_sigma.value, bucket,
+            )  # fmt: skip
+            imb = placed * statistical_imbalance(mean, ep)
+        imb = imb or 1.0
         local = physical / ep
         active = oc.expected_active_experts(local, physical, k, instance_tokens)
         return mean * imb, active, imb
 
-    # ---- ops -----------------------------------------------------------------------------------------
-    def _layer_ops(self, work: RankWork, t: float, instance_tokens: float, moe: bool) -> list[OpCost]:
-        cfg, d, par = self.config, self.dtypes, self.parallel
-        tp = par.tensor_parallel_size
-        ops = oc.attention_projections(cfg, t, d, tp) + oc.attention_core(cfg, work, d, tp)
-        ops.append(
-            oc.elementwise("norms_residuals", 10.0 * t * cfg.hidden_size, oc.dtype_bytes(d.activation))
-        )
-        if moe:
-            pairs, active, _ = self.moe_load(instance_tokens)
-            ops += oc.moe_ops(cfg, t, pairs, active, d, par.moe_tensor_parallel_size, tp)
-        else:
-            wb, ab = oc.dtype_bytes(d.weight), oc.dtype_bytes(d.activation)
-            ops.append(oc.mlp("dense_mlp", t, cfg.hidden_size, cfg.intermediate_size // tp, wb, ab))
-        return ops
-
+    # ---- ops (planner.step_ops) ---------------------------------------------------------------------
     def ops(self, step: StepShape, work: RankWork | None = None) -> list[OpCost]:
         """Every op of the slowest rank in `step`, each with its `count` (layers it runs in)."""
-        cfg, d = self.config, self.dtypes
-        work = work or self.rank_work(step)
-        if work.num_tokens == 0:
-            return []
-        ab = oc.dtype_bytes(d.activation)
-        h = cfg.hidden_size
-        instance_tokens = float(step.num_tokens)
-        num_dense = (
-            min(cfg.first_k_dense_replace, cfg.num_hidden_layers)
-            if cfg.n_routed_experts
-            else cfg.num_hidden_layers
-        )
-        num_moe = cfg.num_hidden_layers - num_dense
-        t = work.num_tokens
-        ops = [oc.elementwise("embedding", t * h, ab)]
-        if num_dense:
-            ops += [op.times(num_dense) for op in self._layer_ops(work, t, instance_tokens, moe=False)]
-        if num_moe:
-            ops += [op.times(num_moe) for op in self._layer_ops(work, t, instance_tokens, moe=True)]
-        ops.append(oc.elementwise("final_norm", 2.0 * t * h, ab))
-        ops.append(oc.lm_head(cfg, work.logit_rows, d))
-        if work.mtp_tokens:
-            mt = work.mtp_tokens
-            mtp_work = dataclasses.replace(work, num_tokens=mt)  # the same positions' attention
-            ops.append(oc.gemm("mtp.eh_proj", mt, 2 * h, h, oc.dtype_bytes(d.weight), ab))
-            ops.append(oc.elementwise("mtp.norms", 4.0 * mt * h, ab))
-            moe = cfg.is_moe_layer(cfg.num_hidden_layers)
-            mtp_instance = mt * instance_tokens / t
-            ops += [self._rename(op, "mtp.") for op in self._layer_ops(mtp_work, mt, mtp_instance, moe)]
-            ops.append(oc.lm_head(cfg, work.mtp_logit_rows, d, name="mtp.lm_head"))
-        return ops
-
-    @staticmethod
-    def _rename(op: OpCost, prefix: str) -> OpCost:
-        return OpCost(
-            prefix + op.name, op.kind, op.flops, op.weight_bytes, op.activation_bytes, op.kv_bytes, op.count
-        )
+        return [op for group in op_groups(self, step, work or self.rank_work(step)) for op in group]
 
     # ---- pricing -------------------------------------------------------------------------------------
-    def op_time_s(self, op: OpCost) -> tuple[float, bool]:
-        """`(seconds of one run of op, compute-bound?)` on the roofline."""
-        peak, bw = self._gemm if op.kind == "gemm" else self._attn if op.kind == "attention" else self._mem
+    def op_time_s(self, op: OpCost, layout: str = "dense", prefill: bool = False) -> tuple[float, bool]:
+        """`(seconds of one run of op, compute-bound?)` on the roofline; GEMMs of `layout` with tables, in a
+        step with prefill work or not (the efficiency's serving fractions)."""
+        tables = self.tables
+        eff = self.efficiency
+        derate = (eff.prefill_serving_fraction if prefill else eff.serving_fraction).value if tables else 1.0
+        if tables is not None and op.kind == "gemm" and op.gemms:
+            seconds, bound = gemm_time_s(tables, layout, op, self._peaks[0], self._peaks[2])
+            return seconds / derate, bound
+        if tables is not None and op.kind == "attention":
+            att = tables.attention
+            if op.seq_len:
+                peak = self._peaks[1] * att.prefill_compute_fraction(op.seq_len)
+            else:
+                peak = self._peaks[1] * att.decode_compute_fraction
+            bw = self._peaks[2] * att.memory_fraction
+        else:
+            peak, bw = (
+                self._gemm if op.kind == "gemm" else self._attn if op.kind == "attention" else self._mem
+            )
         compute_s = op.flops / peak
         memory_s = op.bytes / bw
-        return max(compute_s, memory_s), compute_s > memory_s
+        return max(compute_s, memory_s) / derate, compute_s > memory_s
 
     def comm_time_s(self, step: StepShape, work: RankWork | None = None) -> float:
         """EP dispatch + combine over all MoE layers (MTP's included) and TP all-reduces, slowest rank."""
-        cfg, par = self.config, self.parallel
         work = work or self.rank_work(step)
         if work.num_tokens == 0:
             return 0.0
+        seqs = len(step.prefill) + len(step.decode)
+        dispatch, combine = self._ep_layer_s(work.num_tokens, float(step.num_tokens), not step.prefill, seqs)
+        return self.num_moe_layers * (dispatch + combine) + self._other_comm_s(step, work)
+
+    def _other_comm_s(self, step: StepShape, work: RankWork) -> float:
+        """The MTP layer's EP traffic and the TP all-reduces (never overlapped here)."""
+        cfg, par = self.config, self.parallel
         total = 0.0
-        h = cfg.hidden_size
-        ep, tp = par.expert_parallel_size, par.tensor_parallel_size
-        num_moe = self.num_moe_layers
-        layer_tokens = [(work.num_tokens, float(step.num_tokens), num_moe)]
-        if work.mtp_tokens and cfg.is_moe_layer(cfg.num_hidden_layers):
-            layer_tokens.append((work.mtp_tokens, work.mtp_tokens * step.num_tokens / work.num_tokens, 1))
-        if ep > 1:
-            for t_rank, t_inst, layers in layer_tokens:
-                total += layers * self._ep_layer_s(t_rank, t_inst)
+        if work.mtp_tokens and cfg.is_moe_layer(cfg.num_hidden_layers) and par.expert_parallel_size > 1:
+            inst = work.mtp_tokens * step.num_tokens / work.num_tokens
+            seqs = len(step.prefill) + len(step.decode)
+            total += sum(self._ep_layer_s(work.mtp_tokens, inst, not step.prefill, seqs))
+        tp = par.tensor_parallel_size
         if tp > 1:
             ab = oc.dtype_bytes(self.dtypes.activation)
             bw = self.tp_link.bandwidth_bytes_per_s * self.efficiency.link.value
             layers = cfg.num_hidden_layers + (1 if work.mtp_tokens else 0)
-            ring = 2 * (tp - 1) / tp * work.num_tokens * h * ab
+            ring = 2 * (tp - 1) / tp * work.num_tokens * cfg.hidden_size * ab
             total += layers * (ring / bw + 2 * (tp - 1) * self.tp_link.latency_s)
         return total
 
-    def _ep_layer_s(self, t_rank: float, t_inst: float) -> float:
-        """Dispatch + combine of one MoE layer on the slowest rank (`t_rank` own tokens, `t_inst` in the
-        instance): `planner.comm_costs.ep_layer_s`."""
-        pairs, _, imb = self.moe_load(t_inst)
-        return ep_layer_s(
-            self.config,
-            self.parallel.expert_parallel_size,
-            t_rank,
-            pairs,
-            imb,
-            oc.dtype_bytes(self.dispatch_dtype) + oc.dtype_bytes(self.combine_dtype),
-            self.ep_link,
-            self.efficiency.link.value,
-            self.node_forwarding,
-        )
+    def _ep_layer_s(
+        self, t_rank: float, t_inst: float, decode_only: bool, num_sequences: int = 0
+    ) -> tuple[float, float]:
+        """`(dispatch, combine)` seconds of one MoE layer on the slowest rank (`t_rank` own tokens, `t_inst`
+        in the instance): `planner.comm_costs.ep_layer_s` at the tables' EP bandwidth where there is one."""
+        ep = self.parallel.expert_parallel_size
+        if ep <= 1:
+            return 0.0, 0.0
+        pairs, _, imb = self.moe_load(t_inst, num_sequences)
+        table = None
+        if self.tables is not None:
+            table = self.tables.ep_decode if decode_only else self.tables.ep_prefill
+        sizes = (oc.dtype_bytes(self.dispatch_dtype), oc.dtype_bytes(self.combine_dtype))
+        if table is None:  # one link model for both, latencies once: split by bytes
+            total = ep_layer_s(
+                self.config,
+                ep,
+                t_rank,
+                pairs,
+                imb,
+                sum(sizes),
+                self.ep_link,
+                self.efficiency.link.value,
+                self.node_forwarding,
+            )
+            return total * sizes[0] / sum(sizes), total * sizes[1] / sum(sizes)
+        out = []
+        for nbytes, bandwidth in zip(sizes, table.bandwidth(ep), strict=True):
+            # the tables' bandwidths are latency over bytes as measured: no separate latency term
+            link = Link(bandwidth, 0.0, self.ep_link.level)
+            out.append(
+                ep_layer_s(self.config, ep, t_rank, pairs, imb, nbytes, link, 1.0, self.node_forwarding)
+            )
+        return out[0], out[1]
 
     def breakdown(self, step: StepShape) -> StepBreakdown:
         """`step` priced op by op (seconds summed over the layers each op runs in)."""
-        op_s: dict[str, float] = {}
-        bound = []
-        n_ops = 0
-        work = self.rank_work(step)
-        for op in self.ops(step, work):
-            s, is_compute = self.op_time_s(op)
-            op_s[op.name] = op_s.get(op.name, 0.0) + s * op.count
-            n_ops += op.count
-            if is_compute:
-                bound.append(op.name)
-        if not op_s:
-            return StepBreakdown({}, 0.0, 0.0, 0.0, 0.0)
-        compute = sum(op_s.values()) + n_ops * self.efficiency.op_overhead_s.value
-        comm = self.comm_time_s(step, work)
-        device = max(compute, comm) if self.microbatch_overlap else compute + comm
-        host = self.efficiency.host_overhead_s.value
-        return StepBreakdown(op_s, compute, comm, host, device + host, tuple(bound))
+        return price_step(self, step, record=True)
 
     def step_time_s(self, step: StepShape) -> float:
         """Wall seconds of `step` on this instance (slowest rank); 0 for an empty step. The same sum as
         `breakdown(step).total_s`, without the per-op record."""
-        work = self.rank_work(step)
-        ops = self.ops(step, work)
-        if not ops:
-            return 0.0
-        compute = n_ops = 0.0
-        for op in ops:
-            compute += self.op_time_s(op)[0] * op.count
-            n_ops += op.count
-        compute += n_ops * self.efficiency.op_overhead_s.value
-        comm = self.comm_time_s(step, work)
-        device = max(compute, comm) if self.microbatch_overlap else compute + comm
-        return device + self.efficiency.host_overhead_s.value
+        return price_step(self, step, record=False).total_s
 
     # ---- KV handoff ----------------------------------------------------------------------------------
     def kv_bytes_per_layer(self, num_prompt_tokens: int) -> float:

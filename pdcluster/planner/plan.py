@@ -4,6 +4,7 @@ the report (`orchestrator.cli.plan` is its shell)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,15 +39,17 @@ class PlanOptions:
         weight_dtype: the weight dtype of the memory filter and the perf model (None: the file's
             `model.weight_dtype` resolved; `weight_dtype_for`).
         ep_imbalance: slowest EP rank over the mean (None: the model's statistical estimate).
-        context_len: the context the trace's lengths are scaled to (None: decode's max_model_len).
+        scale_to_context: scale the trace's lengths to this context (None: keep the recorded lengths).
         search_num_requests: requests per search candidate and per sweep point.
+        cores_per_node: on `cpu`, the cores each node's instances share (`planner.core_sharing`); None:
+            this machine's (`os.cpu_count()`, where the live `cpu` cluster the calibration measured runs).
     """
 
     trace: str
     num_requests: int | None = None
     rate_per_s: float | None = None
     max_tokens_cap: int = 128
-    context_len: int | None = None
+    scale_to_context: int | None = None
     acceptance_per_position: tuple[float, ...] | None = None
     seed: int = 0
     calibration: Path | None = None
@@ -55,6 +58,7 @@ class PlanOptions:
     search: bool = False
     search_num_requests: int = 500
     sweep: bool = True
+    cores_per_node: float | None = None
 
 
 def step_models(topology: Topology, options: PlanOptions) -> tuple[StepTimeModel, StepTimeModel]:
@@ -104,7 +108,15 @@ def simulate_topology(
         acceptance_for(topology, options),
         seed=options.seed,
         control_plane=control_plane_from_calibration(options.calibration),
+        cores_per_node=cores_per_node(topology, options),
     )
+
+
+def cores_per_node(topology: Topology, options: PlanOptions) -> float | None:
+    """The cores a `cpu` node's instances share (`PlanOptions.cores_per_node`); None on accelerators."""
+    if topology.hardware.spec.is_accelerator:
+        return None
+    return options.cores_per_node or float(os.cpu_count() or 1)
 
 
 def pd_sweep(base: Topology) -> list[Topology]:
@@ -131,9 +143,25 @@ class PlanOutcome:
     searched: list[Evaluated] = field(default_factory=list)
     plan_path: Path | None = None
     notes: list[str] = field(default_factory=list)
+    num_devices: int = 0
+
+    def per_device(self) -> dict[str, float]:
+        """Output tokens/s, requests/s and goodput requests/s per device of the simulated cluster."""
+        summary, n = self.result.summary, max(self.num_devices, 1)
+        return {
+            "output_tokens_per_s_per_device": summary["output_tokens_per_s"] / n,
+            "requests_per_s_per_device": summary["requests_per_s"] / n,
+            "goodput_requests_per_s_per_device": summary["goodput_requests_per_s"] / n,
+        }
 
     def as_text(self) -> str:
         text = self.result.as_table(self.description)
+        d = self.per_device()
+        text += (
+            f"\nper device ({self.num_devices} devices): {d['output_tokens_per_s_per_device']:.4g} output "
+            f"tokens/s, {d['requests_per_s_per_device']:.4g} requests/s, "
+            f"{d['goodput_requests_per_s_per_device']:.4g} goodput requests/s"
+        )
         text += f"\nsimulated {len(self.result.results)} requests in {self.wall_s:.1f} s wall"
         if self.searched:
             best = self.searched[0]
@@ -145,6 +173,8 @@ class PlanOutcome:
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"workload": self.description, **self.result.summary, "wall_s": self.wall_s}
+        out["num_devices"] = self.num_devices
+        out.update(self.per_device())
         out["report"] = str(self.report_path)
         if self.notes:
             out["notes"] = self.notes
@@ -184,7 +214,7 @@ def run_plan(
         options.num_requests,
         options.rate_per_s,
         options.max_tokens_cap,
-        options.context_len,
+        options.scale_to_context,
     )
     weight_dtype = weight_dtype_for(topology, options)
     notes = [
@@ -257,4 +287,5 @@ def run_plan(
         searched,
         plan_path,
     )
-    return PlanOutcome(workload.description, result, report_path, wall_s, searched, plan_path, notes)
+    devices = topology.prefill.num_devices + topology.decode.num_devices
+    return PlanOutcome(workload.description, result, report_path, wall_s, searched, plan_path, notes, devices)

@@ -33,7 +33,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdcluster.engine.scheduler_policy import SchedulerConfig, check_request_fits
+from pdcluster.engine.scheduler_policy import check_request_fits
 from pdcluster.orchestrator.bench_client import RequestResult, format_table, summarize
 from pdcluster.orchestrator.dispatch import Fail, ReserveOutcome, RetryReserve, StartPrefill, after_reserve
 from pdcluster.orchestrator.router import POLICIES, DecodeLoad, PrefillLoad
@@ -41,7 +41,9 @@ from pdcluster.orchestrator.slo import time_per_output_token_s
 from pdcluster.orchestrator.topology import Topology
 from pdcluster.orchestrator.trace import TraceRequest
 from pdcluster.planner.control_plane import ControlPlane
-from pdcluster.planner.sim_engine import SimEngine, SimRequest, num_kv_blocks
+from pdcluster.planner.core_sharing import NodeCores
+from pdcluster.planner.sim_engine import SimEngine, SimRequest
+from pdcluster.planner.sizing import PoolSizing, pool_sizing
 from pdcluster.planner.step_model import StepTimeModel
 
 # event kinds, in tie-break order at equal times: steps end before handoffs land before arrivals
@@ -49,11 +51,9 @@ _STEP_END, _HANDOFF_DONE, _ARRIVAL, _PREFILL_QUEUED = 0, 1, 2, 3
 
 
 class LengthOnlyPrompt(Sequence[int]):
-    """A prompt known by its length only: the traces carry no text, and the simulation no token ids.
-
-    The prefix-aware router reads `len(prompt)` and the chained hashes of its full blocks; this prompt
-    has none (slicing gives an empty list), so its prefix hit is 0 on every instance: the simulation does
-    not model prefix caching (every prompt is unique, as the Azure trace's held-out prompts are)."""
+    """A prompt known by its length only (traces carry no text): the prefix-aware router reads `len` and
+    the hashes of its full blocks, of which it has none (slicing gives []), so its prefix hit is 0: the
+    simulation does not model prefix caching (every prompt unique, as the Azure trace's held-out ones)."""
 
     __slots__ = ("_len",)
 
@@ -67,15 +67,6 @@ class LengthOnlyPrompt(Sequence[int]):
         if isinstance(index, slice):
             return []
         raise IndexError("a LengthOnlyPrompt has no token ids")
-
-
-@dataclass(frozen=True)
-class PoolSizing:
-    """What the simulator needs of one pool beyond the topology: the scheduler limits and KV blocks of
-    one instance. Built by `pool_sizing` from the topology and the model's KV bytes per token."""
-
-    scheduler: SchedulerConfig
-    num_blocks: int
 
 
 @dataclass
@@ -104,55 +95,6 @@ class SimResult:
         return format_table(self.summary, description, simulated=True)
 
 
-def kv_cache_bytes_per_token(topology: Topology, role: str) -> int:
-    """Bytes of KV cache one token occupies on one device of pool `role`, as the live engine sizes it
-    (`engine.model_runner.ModelRunner.kv_cache_bytes_per_token`: `kv_lora_rank + qk_rope_head_dim` values
-    per main layer, int8 plus a float32 scale for an int8 cache). Reads the model's config.json."""
-    import torch
-
-    from pdcluster.kernels.kv_quant import kv_cache_bytes_per_token as bytes_per_token
-    from pdcluster.models.dtypes import MODEL_DTYPES
-    from pdcluster.orchestrator.topology import read_model_architecture
-
-    arch = read_model_architecture(topology.model)
-    pool = topology.pool(role)
-    if pool.kv_cache_dtype == "int8":
-        dtype = torch.int8
-    else:
-        dtype = MODEL_DTYPES[topology.model.resolved_dtype(topology.hardware.spec)]
-    return bytes_per_token(arch.kv_cache_dim, dtype, arch.num_hidden_layers)
-
-
-def pool_sizing(topology: Topology, role: str, bytes_per_token: int | None = None) -> PoolSizing:
-    """The scheduler limits and KV blocks of one instance of pool `role`, simulated as one engine: the pool's
-    per-instance `max_num_seqs` and `max_num_batched_tokens` (the live instance splits them over its
-    data-parallel attention ranks, `Topology.engine_config` giving each rank its share), the rest as
-    `LLMEngine` builds its `SchedulerConfig` from `Topology.engine_config`; each device's
-    `kv_cache_memory_bytes` over `bytes_per_token` (default: `kv_cache_bytes_per_token`), times the
-    attention data-parallel ranks.
-
-    Raises:
-        ValueError: an unreadable model config or limits the live scheduler refuses.
-    """
-    from pdcluster.orchestrator.topology import read_model_architecture
-
-    engine = topology.engine_config(role)
-    pool = topology.pool(role)
-    if bytes_per_token is None:
-        bytes_per_token = kv_cache_bytes_per_token(topology, role)
-    max_model_len = engine.max_model_len or read_model_architecture(topology.model).max_position_embeddings
-    scheduler = SchedulerConfig(
-        max_num_batched_tokens=pool.max_num_batched_tokens,  # the instance's, not one rank's share
-        max_num_seqs=pool.max_num_seqs,
-        block_size=engine.block_size,
-        max_model_len=max_model_len,
-        enable_chunked_prefill=engine.enable_chunked_prefill,
-        num_lookahead_tokens=max(0, engine.num_speculative_tokens - 1),
-    )
-    per_device = num_kv_blocks(engine.kv_cache_memory_bytes, bytes_per_token, engine.block_size)
-    return PoolSizing(scheduler, per_device * pool.attention_data_parallel_size)
-
-
 class ClusterSimulator:
     """The event loop over one topology (see the module docstring).
 
@@ -168,6 +110,8 @@ class ClusterSimulator:
             reserve round trip delays the prefill's queueing, the first-token extra the first token after
             the prefill's end, the handoff extra the admission, and each decode step (and the first after
             an admission) pays its extra. Zero by default.
+        cores_per_node: on `cpu`, the cores of each node its instances share (`planner.core_sharing`;
+            instances fill nodes in order, prefill first); None: every instance has its devices alone.
     """
 
     def __init__(
@@ -180,6 +124,7 @@ class ClusterSimulator:
         acceptance_per_position: Sequence[float] = (),
         seed: int = 0,
         control_plane: ControlPlane | None = None,
+        cores_per_node: float | None = None,
     ) -> None:
         self.topology = topology
         self.control_plane = cp = control_plane or ControlPlane()
@@ -212,10 +157,28 @@ class ClusterSimulator:
                 cp.decode_step_extra_s,
                 cp.first_decode_step_extra_s,
             )
+        self._nodes: dict[int, NodeCores] | None = None
+        if cores_per_node is not None and not topology.hardware.spec.is_accelerator:
+            self._share_cores(cores_per_node)
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self._counter = 0
         self.num_events = 0
+
+    def _share_cores(self, cores_per_node: float) -> None:
+        """Each engine's node and the cores its busy ranks demand (one torch thread per rank actor)."""
+        self._nodes, self._node_of, self._demand, self._version = {}, {}, {}, {}
+        offset, per_node = 0, self.topology.hardware.devices_per_node
+        for engine in (*self.prefills, *self.decodes):
+            devices, node = self.topology.pool(engine.role).devices_per_instance, offset // per_node
+            offset += devices
+            self._nodes.setdefault(node, NodeCores(cores_per_node))
+            self._node_of[id(engine)], self._demand[id(engine)], self._version[id(engine)] = node, devices, 0
+
+    def _reschedule(self, ends: list[tuple[object, float]]) -> None:
+        for engine, end_s in ends:
+            self._version[id(engine)] += 1
+            self._push(end_s, _STEP_END, (engine, self._version[id(engine)]))
 
     def _push(self, time_s: float, kind: int, payload: object) -> None:
         self._seq += 1
@@ -235,6 +198,12 @@ class ClusterSimulator:
             now_s, kind, _, payload = pop(events)
             self.num_events += 1
             if kind == _STEP_END:
+                if self._nodes is not None:  # (engine, version): an end the node's sharing since moved
+                    engine, version = payload  # type: ignore[misc]
+                    if version != self._version[id(engine)]:
+                        continue
+                    self._reschedule(self._nodes[self._node_of[id(engine)]].finish(engine, now_s))
+                    payload = engine
                 self._step_end(payload, now_s)  # type: ignore[arg-type]
             elif kind == _HANDOFF_DONE:
                 self._handoff_done(payload, now_s)  # type: ignore[arg-type]
@@ -299,8 +268,11 @@ class ClusterSimulator:
             self._start(prefill, now_s)
 
     def _start(self, engine: SimEngine, now_s: float) -> None:
-        duration_s = engine.start_step(now_s)
-        if duration_s > 0:
+        duration_s, key = engine.start_step(now_s), id(engine)
+        if duration_s > 0 and self._nodes is not None:
+            node = self._nodes[self._node_of[key]]
+            self._reschedule(node.start(engine, duration_s, self._demand[key], now_s))
+        elif duration_s > 0:
             self._push(now_s + duration_s, _STEP_END, engine)
 
     def _step_end(self, engine: SimEngine, now_s: float) -> None:
@@ -379,6 +351,7 @@ def simulate(
     ttft_slo_ms: float | None = None,
     tpot_slo_ms: float | None = None,
     control_plane: ControlPlane | None = None,
+    cores_per_node: float | None = None,
 ) -> SimResult:
     """Simulate `requests` on `topology`; see the module docstring.
 
@@ -389,6 +362,7 @@ def simulate(
         ttft_slo_ms / tpot_slo_ms: the SLO of the summary's goodput; default the topology's `slo`, else
             `orchestrator.slo`'s defaults.
         control_plane: `ClusterSimulator`'s (zero by default: engine-side times only).
+        cores_per_node: `ClusterSimulator`'s (on `cpu`, instances sharing a node's cores slow each other).
 
     Raises:
         ValueError: acceptance_per_position shorter than k, or a topology the sizing refuses.
@@ -404,6 +378,7 @@ def simulate(
         acceptance_per_position,
         seed,
         control_plane,
+        cores_per_node,
     )
     sims = simulator.run(requests)
     results, duration_s = to_results(sims)

@@ -84,6 +84,7 @@ def perf_model_for(
         efficiency = load_calibration(
             calibration, efficiency, accelerator=spec.name, kv_transport=topology.kv_transport
         )
+        kwargs.setdefault("kernel_tables", None)  # the measured factors replace the published tables
     parallel = Parallelism(
         pool.devices_per_instance,
         pool.tensor_parallel_size,

@@ -1,7 +1,8 @@
-"""The planner's workload: a trace loaded, repeated to the requested size, scaled and set to a rate.
+"""The planner's workload: a trace loaded, repeated to the requested size and set to a rate.
 
-`orchestrator.trace.scale_trace` does the scaling (input lengths to the model's context, output lengths
-capped, arrival times compressed), exactly as `pdcluster bench` replays the trace live.
+By default the trace's recorded lengths are kept, clamped only to what the model holds
+(`max_model_len - max_tokens_cap` input tokens); scaling them to another context is the explicit
+`scale_to_context` (`orchestrator.trace.scale_trace`, as `pdcluster bench` scales a trace live).
 """
 
 from __future__ import annotations
@@ -9,7 +10,15 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from pdcluster.orchestrator.trace import Trace, Workload, arrival_rate_per_s, load_trace, scale_trace
+from pdcluster.orchestrator.trace import (
+    MIN_INPUT_TOKENS,
+    REFERENCE_CONTEXT_TOKENS,
+    Trace,
+    Workload,
+    arrival_rate_per_s,
+    load_trace,
+    scale_trace,
+)
 
 
 def repeat_trace(trace: Trace, num_requests: int) -> Trace:
@@ -41,12 +50,14 @@ def plan_workload(
     num_requests: int | None = None,
     rate_per_s: float | None = None,
     max_tokens_cap: int = 128,
-    context_len: int | None = None,
+    scale_to_context: int | None = None,
 ) -> Workload:
     """Load `trace_path` (a bare name is looked up in ../shared/traces), repeat it to `num_requests`
-    (default: the trace as it is), scale it to `max_model_len` and, with `rate_per_s`, compress or stretch
-    its arrival times to that mean rate (requests per second). `context_len` (at most `max_model_len`):
-    scale the lengths to that context instead (8192 keeps the Azure trace's own lengths).
+    (default: the trace as it is) and, with `rate_per_s`, compress or stretch its arrival times to that
+    mean rate (requests per second). Input lengths are kept as recorded, clamped to
+    `[MIN_INPUT_TOKENS, max_model_len - max_tokens_cap]` (the description says how many were clamped);
+    `scale_to_context` (at most `max_model_len`) scales them by `scale_to_context / the trace's reference
+    context` first. Outputs are capped at `max_tokens_cap`.
 
     Raises:
         FileNotFoundError, ValueError: a bad trace or option.
@@ -62,10 +73,28 @@ def plan_workload(
         if native <= 0:
             raise ValueError(f"{trace.path}: fewer than two distinct arrival times, no rate to scale")
         time_scale = rate_per_s / native
-    if context_len is not None and not 0 < context_len <= max_model_len:
+    if scale_to_context is not None and not 0 < scale_to_context <= max_model_len:
         raise ValueError(
-            f"the context length must be in [1, max_model_len {max_model_len}], got {context_len}"
+            f"the context to scale to must be in [1, max_model_len {max_model_len}], got {scale_to_context}"
         )
-    return scale_trace(
-        trace, context_len or max_model_len, max_tokens_cap=max_tokens_cap, time_scale=time_scale
+    reference = max_model_len if scale_to_context is None else REFERENCE_CONTEXT_TOKENS[trace.kind]
+    workload = scale_trace(
+        trace,
+        scale_to_context or max_model_len,
+        max_tokens_cap=max_tokens_cap,
+        time_scale=time_scale,
+        reference_context_tokens=reference,
     )
+    if scale_to_context is not None:
+        return workload
+    max_input = max_model_len - max_tokens_cap
+    num_long = sum(r.num_input_tokens > max_input for r in trace.requests)
+    num_short = sum(r.num_input_tokens < MIN_INPUT_TOKENS for r in trace.requests)
+    num_capped = sum(r.num_output_tokens > max_tokens_cap for r in trace.requests)
+    description = (
+        f"{trace.kind} trace {trace.path.name}, {len(workload.requests)} requests at their recorded lengths: "
+        f"{num_long} inputs clamped to {max_input} tokens (max_model_len {max_model_len} - max_tokens_cap "
+        f"{max_tokens_cap}), {num_short} raised to {MIN_INPUT_TOKENS}; {num_capped} outputs capped at "
+        f"{max_tokens_cap}; arrival times / {time_scale:g}"
+    )
+    return replace(workload, description=description)

@@ -34,10 +34,27 @@ def _positive_float(text: str) -> float:
 _positive_float.__name__ = "number"
 
 
+def validate(args: argparse.Namespace) -> int:
+    """`--validate`: the published deployments predicted (`planner.published`), per row and a summary."""
+    from pdcluster.planner.published import table_text
+    from pdcluster.planner.published import validate as evaluate_published
+
+    result = evaluate_published()
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(table_text(result))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from pdcluster.orchestrator.topology import TopologyError, read_topology
     from pdcluster.planner.plan import PlanOptions, run_plan
 
+    if args.validate:
+        return validate(args)
+    if args.file is None or args.trace is None:
+        raise CliError("FILE and --trace are required (except with --validate)")
     if args.out.exists() and not args.out.is_dir():
         raise CliError(f"--out must be a directory: {args.out} exists and is not one")
     try:
@@ -49,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         num_requests=args.num_requests,
         rate_per_s=args.rate,
         max_tokens_cap=args.max_tokens_cap,
-        context_len=args.context_len,
+        scale_to_context=args.scale_to_context,
         acceptance_per_position=args.acceptance,
         seed=args.seed,
         calibration=args.calibration,
@@ -77,10 +94,14 @@ HELP = "simulate a topology on a trace (capacity planning): summary, report with
 DESCRIPTION = """\
 Simulate FILE's cluster on a request trace, without starting anything: a discrete-event
 simulation that calls the live router, dispatch and scheduler policies, with step times
-from the performance model (pdcluster/planner/perf_model.py; FLOPs and bytes per op on the
-hardware catalog entry, EP traffic over the link level the EP group spans, KV transfer
-over the prefill->decode link). The trace is scaled as `pdcluster bench` scales it
-(input lengths to the model's context, outputs capped at --max-tokens-cap).
+from the performance model (pdcluster/planner/perf_model.py: FLOPs and bytes per op priced
+by published kernel measurements by shape where the catalog has them (DeepGEMM, FlashMLA,
+FlashAttention-3, DeepEP, CloudMatrix-Infer), two micro-batches on a timeline, DP and EP
+imbalance, KV transfer over the prefill->decode link). --validate shows the model's error
+against published deployments. On cpu, instances sharing a node's cores slow each other.
+The trace's recorded lengths are kept, inputs clamped only to what the model holds (the
+summary says how many), outputs capped at --max-tokens-cap; --scale-to-context scales
+them to another context instead.
 
 Prints the same summary table as `pdcluster bench` (TTFT/TPOT/e2e percentiles,
 throughput, goodput under the YAML's slo), and writes into --out a Markdown report with
@@ -94,18 +115,27 @@ the frontier of goodput per device against TPOT to the report, and writes the be
 split as OUT/plan.yaml, a topology file `pdcluster validate` accepts."""
 EPILOG = """\
 examples:
+  pdcluster plan --validate          # the model against published deployments, with its error
   pdcluster plan clusters/cm384.yaml --trace AzureLLMInferenceTrace_conv.csv --rate 800 \\
-      --num-requests 20000 --context-len 8192 --weight-dtype int8 --acceptance 0.7
+      --num-requests 20000 --weight-dtype int8 --acceptance 0.7
   pdcluster plan clusters/local.yaml --trace AzureLLMInferenceTrace_conv.csv --rate 2 \\
       --num-requests 50 --calibration calibration.json --search"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `pdcluster plan`."""
-    parser.add_argument("file", type=Path, metavar="FILE", help="topology YAML file (clusters/*.yaml)")
+    parser.add_argument(
+        "file", type=Path, nargs="?", metavar="FILE", help="topology YAML file (clusters/*.yaml)"
+    )
+    parser.add_argument(
+        "--validate",
+        action="store_true",
+        help="predict the shipped table of published deployments (DeepSeek, RTP-LLM, CloudMatrix-Infer) and "
+        "print predicted, published and error per row and a summary (with --json: one object whose "
+        "summary holds checks, within_15pct, beyond_25pct, max_abs_error as a fraction); needs no FILE",
+    )
     parser.add_argument(
         "--trace",
-        required=True,
         type=Path,
         metavar="T",
         help="trace file (.csv Azure, .jsonl Mooncake); a bare name is looked up in ../shared/traces",
@@ -145,12 +175,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-tokens-cap", type=positive_int, default=128, metavar="N", help="output cap. Default: 128"
     )
     parser.add_argument(
-        "--context-len",
+        "--scale-to-context",
+        "--context-len",  # its former name
+        dest="scale_to_context",
         type=positive_int,
         default=None,
         metavar="N",
-        help="scale the trace's input lengths to a context of N tokens instead of the decode pool's "
-        "max_model_len (8192 keeps the Azure trace's recorded lengths)",
+        help="scale the trace's input lengths by N / the trace's reference context (Azure 8192, Mooncake "
+        "131072), as `pdcluster bench` does. Default: keep the recorded lengths",
     )
     parser.add_argument(
         "--acceptance",

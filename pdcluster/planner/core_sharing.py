@@ -1,0 +1,61 @@
+"""Instances that share a node's CPU cores slow each other (the `cpu` catalog entry, where a "device" is a
+CPU worker slot and not a chip of its own).
+
+Processor sharing: every busy engine on a node demands `cores_per_busy_instance` cores (its rank actors'
+torch threads: `orchestrator.rank_actor` sets one per rank); while the busy engines demand more than the
+node's `cores`, each progresses at `cores / demand` of its full speed. A step's duration from the step
+model is its work at full speed; its end moves whenever the node's busy set changes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class NodeCores:
+    """One node's cores shared by its busy engines (any hashable keys).
+
+    Attributes:
+        cores: cores of the node (> 0).
+        busy: per busy engine, `[work seconds left at full speed, cores it demands]`.
+        rate: the fraction of full speed every busy engine progresses at now.
+    """
+
+    cores: float
+    busy: dict = field(default_factory=dict)
+    rate: float = 1.0
+    updated_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.cores > 0:
+            raise ValueError(f"cores must be > 0, got {self.cores}")
+
+    def _advance(self, now_s: float) -> None:
+        elapsed = (now_s - self.updated_s) * self.rate
+        for entry in self.busy.values():
+            entry[0] = max(entry[0] - elapsed, 0.0)
+        self.updated_s = now_s
+
+    def _ends(self, now_s: float) -> list[tuple[object, float]]:
+        demand = sum(d for _, d in self.busy.values())
+        self.rate = min(1.0, self.cores / demand) if demand > 0 else 1.0
+        return [(key, now_s + left / self.rate) for key, (left, _) in self.busy.items()]
+
+    def start(self, key: object, work_s: float, demand: float, now_s: float) -> list[tuple[object, float]]:
+        """`key` starts `work_s` seconds of full-speed work demanding `demand` cores at `now_s`; returns
+        `(key, end_s)` of every busy engine on the node (their ends move)."""
+        if key in self.busy:
+            raise ValueError(f"{key!r} is already busy on this node")
+        if not (work_s >= 0 and math.isfinite(work_s)) or not demand > 0:
+            raise ValueError(f"work_s must be finite and >= 0 and demand > 0, got {work_s}, {demand}")
+        self._advance(now_s)
+        self.busy[key] = [work_s, demand]
+        return self._ends(now_s)
+
+    def finish(self, key: object, now_s: float) -> list[tuple[object, float]]:
+        """`key`'s step ended at `now_s`; returns the new `(key, end_s)` of the others still busy."""
+        self._advance(now_s)
+        del self.busy[key]
+        return self._ends(now_s)

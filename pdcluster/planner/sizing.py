@@ -1,0 +1,67 @@
+"""The scheduler limits and KV blocks of one simulated instance, as the live engine sizes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdcluster.engine.scheduler_policy import SchedulerConfig
+from pdcluster.orchestrator.topology import Topology
+from pdcluster.planner.sim_engine import num_kv_blocks
+
+
+@dataclass(frozen=True)
+class PoolSizing:
+    """What the simulator needs of one pool beyond the topology: the scheduler limits and KV blocks of
+    one instance. Built by `pool_sizing` from the topology and the model's KV bytes per token."""
+
+    scheduler: SchedulerConfig
+    num_blocks: int
+
+
+def kv_cache_bytes_per_token(topology: Topology, role: str) -> int:
+    """Bytes of KV cache one token occupies on one device of pool `role`, as the live engine sizes it
+    (`engine.model_runner.ModelRunner.kv_cache_bytes_per_token`: `kv_lora_rank + qk_rope_head_dim` values
+    per main layer, int8 plus a float32 scale for an int8 cache). Reads the model's config.json."""
+    import torch
+
+    from pdcluster.kernels.kv_quant import kv_cache_bytes_per_token as bytes_per_token
+    from pdcluster.models.dtypes import MODEL_DTYPES
+    from pdcluster.orchestrator.topology import read_model_architecture
+
+    arch = read_model_architecture(topology.model)
+    pool = topology.pool(role)
+    if pool.kv_cache_dtype == "int8":
+        dtype = torch.int8
+    else:
+        dtype = MODEL_DTYPES[topology.model.resolved_dtype(topology.hardware.spec)]
+    return bytes_per_token(arch.kv_cache_dim, dtype, arch.num_hidden_layers)
+
+
+def pool_sizing(topology: Topology, role: str, bytes_per_token: int | None = None) -> PoolSizing:
+    """The scheduler limits and KV blocks of one instance of pool `role`, simulated as one engine: the pool's
+    per-instance `max_num_seqs` and `max_num_batched_tokens` (the live instance splits them over its
+    data-parallel attention ranks, `Topology.engine_config` giving each rank its share), the rest as
+    `LLMEngine` builds its `SchedulerConfig` from `Topology.engine_config`; each device's
+    `kv_cache_memory_bytes` over `bytes_per_token` (default: `kv_cache_bytes_per_token`), times the
+    attention data-parallel ranks.
+
+    Raises:
+        ValueError: an unreadable model config or limits the live scheduler refuses.
+    """
+    from pdcluster.orchestrator.topology import read_model_architecture
+
+    engine = topology.engine_config(role)
+    pool = topology.pool(role)
+    if bytes_per_token is None:
+        bytes_per_token = kv_cache_bytes_per_token(topology, role)
+    max_model_len = engine.max_model_len or read_model_architecture(topology.model).max_position_embeddings
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=pool.max_num_batched_tokens,  # the instance's, not one rank's share
+        max_num_seqs=pool.max_num_seqs,
+        block_size=engine.block_size,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=engine.enable_chunked_prefill,
+        num_lookahead_tokens=max(0, engine.num_speculative_tokens - 1),
+    )
+    per_device = num_kv_blocks(engine.kv_cache_memory_bytes, bytes_per_token, engine.block_size)
+    return PoolSizing(scheduler, per_device * pool.attention_data_parallel_size)

@@ -1,0 +1,59 @@
+"""Instances sharing a node's cores slow each other (`planner.core_sharing`), in the simulator too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdcluster.orchestrator.topology import load_topology
+from pdcluster.orchestrator.trace import TraceRequest
+from pdcluster.planner.core_sharing import NodeCores
+from pdcluster.planner.simulator import simulate
+from pdcluster.planner.step_model import StepShape
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_processor_sharing_moves_the_ends():
+    node = NodeCores(2.0)
+    assert node.start("a", 1.0, 1.0, 0.0) == [("a", 1.0)]
+    assert dict(node.start("b", 1.0, 1.0, 0.5)) == {"a": 1.0, "b": 1.5}  # 2 demanded of 2: full speed
+    ends = dict(node.start("c", 3.0, 1.0, 0.5))  # 3 demanded of 2: each at 2/3 speed from 0.5 on
+    assert ends["a"] == pytest.approx(0.5 + 0.5 * 3 / 2) and ends["c"] == pytest.approx(0.5 + 3 * 3 / 2)
+    ends = dict(node.finish("a", 1.25))  # back to full speed: b had 1 - 0.75 * 2/3 = 0.5 left
+    assert ends["b"] == pytest.approx(1.75) and set(ends) == {"b", "c"}
+    with pytest.raises(ValueError, match="already busy"):
+        node.start("b", 1.0, 1.0, 1.3)
+    with pytest.raises(ValueError, match="cores"):
+        NodeCores(0.0)
+
+
+class FixedStep:
+    """Every non-empty step takes `seconds` of full-speed work; handoffs are instant."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def step_time_s(self, step: StepShape) -> float:
+        return self.seconds if step.prefill or step.decode else 0.0
+
+    def kv_handoff_s(self, num_prompt_tokens: int, prefill_compute_s: float) -> float:
+        return 0.0
+
+
+def test_three_instances_on_two_cores_are_slower_than_on_three():
+    topology = load_topology(ROOT / "clusters" / "local-1p2d.yaml")  # 1 prefill + 2 decode on one node
+    requests = [TraceRequest(0.01 * i, 64, 16) for i in range(40)]
+    model = FixedStep(0.01)
+
+    def run(cores):
+        result = simulate(topology, requests, model, model, (0.5,), cores_per_node=cores)
+        return result.summary["ttft_ms"]["p50"], result.summary["tpot_ms"]["p50"]
+
+    alone = run(None)
+    assert run(3.0) == alone  # as many cores as busy instances: nobody waits
+    ttft, tpot = run(2.0)
+    assert ttft > alone[0] and tpot > alone[1]
+    # with every instance busy the most a step can stretch is 3/2
+    assert tpot <= alone[1] * 1.5 + 1e-9
