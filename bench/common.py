@@ -42,6 +42,30 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def new_parser(module: str, description: str) -> argparse.ArgumentParser:
+    """A benchmark's parser (`prog`: `python -m <module>`) with `add_common_arguments`' options."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+    add_common_arguments(parser)
+    return parser
+
+
+def main_with(
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    table: Callable[[dict[str, Any]], str],
+    problem: Callable[[argparse.Namespace], str | None] = lambda args: None,
+) -> int:
+    """A benchmark's `main`: parse `argv`, refuse a bad `--model` or what `problem(args)` names
+    (`parser.error`: exit status 2), then `run_and_emit(run(args))`; returns 0."""
+    args = parser.parse_args(argv)
+    why = check_checkpoint(args.model) or problem(args)
+    if why:
+        parser.error(why)
+    run_and_emit(lambda: run(args), args, table)
+    return 0
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:

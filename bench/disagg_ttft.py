@@ -61,18 +61,7 @@ from typing import Any
 
 import torch
 
-from bench.common import (
-    Contention,
-    add_common_arguments,
-    check_checkpoint,
-    environment,
-    format_table,
-    int_list,
-    positive_int,
-    ratio,
-    run_and_emit,
-    summarize_ms,
-)
+from bench import common
 from pdcluster.orchestrator.backend import PHASE_NAMES
 
 TARGET_P50_RATIO = 1.05  # issue 13: disaggregated TTFT p50 <= 1.05 x colocated (layerwise, 2K prompts)
@@ -86,9 +75,9 @@ NUM_SPECIAL_TOKENS = 3  # bos, eos, pad: never in a random prompt
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.disagg_ttft",
-        description="TTFT of the disaggregated cluster (1 prefill + 1 decode Ray actor per KV transport; "
+    parser = common.new_parser(
+        "bench.disagg_ttft",
+        "TTFT of the disaggregated cluster (1 prefill + 1 decode Ray actor per KV transport; "
         "layerwise KV streaming, and whole-request with --whole) next to one colocated engine, sequential "
         "single requests, with the per-phase breakdown.",
     )
@@ -98,15 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated KV transports, from {TRANSPORTS}; default: %(default)s",
     )
     parser.add_argument("--whole", action="store_true", help="also whole-request (layerwise off) rows")
-    add_common_arguments(parser)
     parser.add_argument(
         "--prompt-lens",
-        type=int_list,
+        type=common.int_list,
         default=[512, 1024, 2048],
         help="prompt lengths in tokens; default: %(default)s",
     )
     parser.add_argument(
-        "--repeats", type=positive_int, default=10, help="timed requests per point; default: %(default)s"
+        "--repeats",
+        type=common.positive_int,
+        default=10,
+        help="timed requests per point; default: %(default)s",
     )
     parser.add_argument(
         "--warmup", type=int, default=1, help="discarded requests per point first; default: %(default)s"
@@ -175,7 +166,7 @@ def measure(backend, name: str, prompts_by_len: dict[int, list[list[int]]], warm
     async def run() -> dict[int, Any]:
         results = {}
         for num_tokens, prompts in prompts_by_len.items():
-            contention = Contention()
+            contention = common.Contention()
             samples = [
                 await _one_request(backend, f"{name}-{num_tokens}-{i}", prompt)
                 for i, prompt in enumerate(prompts)
@@ -189,7 +180,7 @@ def measure(backend, name: str, prompts_by_len: dict[int, list[list[int]]], warm
 def point_summary(raw: dict[str, Any], kv_bytes: int, disaggregated: bool) -> dict[str, Any]:
     samples = raw["samples"]
     ttft = [s["ttft_s"] for s in samples]
-    out: dict[str, Any] = {"ttft_ms": summarize_ms(ttft)}
+    out: dict[str, Any] = {"ttft_ms": common.summarize_ms(ttft)}
     for phase in PHASE_NAMES if disaggregated else ("queue_s", "prefill_s"):
         values = [s["phases"][phase] for s in samples if phase in s["phases"]]
         if values:
@@ -224,7 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         ckpt = tmp / "tiny_4k"
         checkpoint_info = write_long_context_checkpoint(args.model, ckpt)
-        env = environment(ckpt)  # before the temp dir goes
+        env = common.environment(ckpt)  # before the temp dir goes
         arch = DeepseekV3Config.from_json_file(ckpt / "config.json")
         prompts_by_len = {
             n: make_prompts(n, num_per_point, arch.vocab_size, seed=n) for n in args.prompt_lens
@@ -278,8 +269,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in [c for c in raw if c != "colocated"]:
             ttft = point[name]["ttft_ms"]
             point[f"ratio_{name}_over_colocated"] = {
-                "p50": ratio(ttft["p50"], colo["p50"]),
-                "p90": ratio(ttft["p90"], colo["p90"]),
+                "p50": common.ratio(ttft["p50"], colo["p50"]),
+                "p90": common.ratio(ttft["p90"], colo["p90"]),
             }
             point[f"overhead_{name}_ms_p50"] = round(ttft["p50"] - colo["p50"], 3)
         points.append(point)
@@ -346,28 +337,21 @@ def table(result: dict[str, Any]) -> str:
         "queue - prefill, the prefill call's way there and back; reserve, received and admitted run beside "
         "or after it)"
     )
-    lines = [format_table(header, rows), note, f"target: {result['target']['rule']}"]
+    lines = [common.format_table(header, rows), note, f"target: {result['target']['rule']}"]
     lines += [f"  {k}: {v}" for k, v in result["target"].items() if k != "rule"]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    problem = check_checkpoint(args.model)
-    if problem:
-        print(f"python -m bench.disagg_ttft: {problem}", file=sys.stderr)
-        return 2
+def _problem(args: argparse.Namespace) -> str | None:
     if any(t not in TRANSPORTS for t in args.transports.split(",") if t):
-        print(f"python -m bench.disagg_ttft: --transports must be from {TRANSPORTS}", file=sys.stderr)
-        return 2
+        return f"--transports must be from {TRANSPORTS}"
     if args.warmup < 0 or any(n < 1 or n + MAX_TOKENS > CONTEXT_LEN for n in args.prompt_lens):
-        print(
-            f"python -m bench.disagg_ttft: prompt lengths must be in [1, {CONTEXT_LEN - MAX_TOKENS}]",
-            file=sys.stderr,
-        )
-        return 2
-    run_and_emit(lambda: run(args), args, table)
-    return 0
+        return f"prompt lengths must be in [1, {CONTEXT_LEN - MAX_TOKENS}]"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    return common.main_with(build_parser(), argv, run, table, _problem)
 
 
 if __name__ == "__main__":

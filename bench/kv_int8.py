@@ -28,15 +28,7 @@ import time
 from fractions import Fraction
 from typing import Any
 
-from bench.common import (
-    Contention,
-    add_common_arguments,
-    check_checkpoint,
-    environment,
-    format_table,
-    ratio,
-    run_and_emit,
-)
+from bench.common import Contention, environment, format_table, main_with, new_parser, ratio
 from pdcluster.models.dtypes import DTYPES as DTYPE_TABLE
 from pdcluster.models.dtypes import MODEL_DTYPE_NAMES
 
@@ -44,13 +36,12 @@ DTYPES = MODEL_DTYPE_NAMES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.kv_int8",
-        description="INT8 latent KV cache vs float: KV bytes per token (all layers), greedy-token agreement "
+    parser = new_parser(
+        "bench.kv_int8",
+        "INT8 latent KV cache vs float: KV bytes per token (all layers), greedy-token agreement "
         "(matching tokens before the first divergence / all tokens) and output tokens/s (tokens per "
         "second of wall-clock time).",
     )
-    add_common_arguments(parser)
     parser.add_argument(
         "--dtypes",
         default="float32,bfloat16",
@@ -314,19 +305,21 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _dtypes(args: argparse.Namespace) -> list[str]:
+    return [d.strip() for d in args.dtypes.split(",") if d.strip()]
+
+
+def _problem(args: argparse.Namespace) -> str | None:
+    dtypes = _dtypes(args)
+    if not dtypes or any(d not in DTYPES for d in dtypes):
+        return f"--dtypes: expected a comma-separated subset of {', '.join(DTYPES)}, got {args.dtypes!r}"
+    if min(args.num_prompts, args.max_tokens, args.batch_size, args.num_repeats) < 1:
+        return "--num-prompts, --max-tokens, --batch-size and --num-repeats must be >= 1"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    problem = check_checkpoint(args.model)
-    if problem is None and (not dtypes or any(d not in DTYPES for d in dtypes)):
-        problem = f"--dtypes: expected a comma-separated subset of {', '.join(DTYPES)}, got {args.dtypes!r}"
-    if problem is None and min(args.num_prompts, args.max_tokens, args.batch_size, args.num_repeats) < 1:
-        problem = "--num-prompts, --max-tokens, --batch-size and --num-repeats must be >= 1"
-    if problem is not None:
-        parser.error(problem)
-    run_and_emit(lambda: run(args, dtypes), args, table)
-    return 0
+    return main_with(build_parser(), argv, lambda args: run(args, _dtypes(args)), table, _problem)
 
 
 if __name__ == "__main__":

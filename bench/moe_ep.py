@@ -37,14 +37,7 @@ from typing import Any
 
 import torch
 
-from bench.common import (
-    add_common_arguments,
-    check_checkpoint,
-    environment,
-    format_table,
-    int_list,
-    run_and_emit,
-)
+from bench.common import environment, format_table, int_list, main_with, new_parser
 from pdcluster.engine.expert_parallel import ExpertParallelRuntime
 from pdcluster.engine.local_ranks import run_ranks
 from pdcluster.engine.model_runner import ModelRunner, build_model_input
@@ -243,8 +236,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.moe_ep", description=__doc__.split("\n\n")[0])
-    add_common_arguments(parser)
+    parser = new_parser("bench.moe_ep", __doc__.split("\n\n")[0])
     parser.add_argument("--ep", type=int_list, default=[1, 2, 4], help="EP sizes (default %(default)s)")
     parser.add_argument("--batches", type=int_list, default=[1, 8, 64], help="decode batch per rank")
     parser.add_argument("--context-len", type=int, default=64, help="KV tokens per request (default 64)")
@@ -253,12 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-redundant-experts", type=int, default=4, help="EPLB replicas (default 4)")
     parser.add_argument("--skew", type=float, default=0.3, help="router bias skew for the imbalance runs")
     parser.add_argument("--skip-moe64", action="store_true", help="only the bundled model")
-    args = parser.parse_args(argv)
-    problem = check_checkpoint(args.model)
-    if problem:
-        parser.error(problem)
-    run_and_emit(lambda: run(args), args, table)
-    return 0
+    return main_with(parser, argv, run, table)
 
 
 if __name__ == "__main__":

@@ -21,25 +21,15 @@ import argparse
 import time
 from typing import Any
 
-from bench.common import (
-    Contention,
-    add_common_arguments,
-    check_checkpoint,
-    environment,
-    format_table,
-    int_list,
-    ratio,
-    run_and_emit,
-)
+from bench.common import Contention, environment, format_table, int_list, main_with, new_parser, ratio
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.spec_decode",
-        description="Output tokens/s (tokens per second of wall-clock time) and MTP draft acceptance rate "
+    parser = new_parser(
+        "bench.spec_decode",
+        "Output tokens/s (tokens per second of wall-clock time) and MTP draft acceptance rate "
         "(overall and per draft position) for k = num_speculative_tokens, greedy, on held-out prompts.",
     )
-    add_common_arguments(parser)
     parser.add_argument(
         "--ks",
         type=int_list,
@@ -255,20 +245,18 @@ def table(result: dict[str, Any]) -> str:
     )
 
 
+def _problem(args: argparse.Namespace) -> str | None:
+    if 0 not in args.ks:
+        return "--ks must include 0 (the baseline the speedups are relative to)"
+    if min(args.ks) < 0 or min(args.batch_sizes) < 1:
+        return "--ks must be >= 0 and --batch-sizes >= 1"
+    if args.num_prompts < 1 or args.max_tokens < 1:
+        return "--num-prompts and --max-tokens must be >= 1"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    problem = check_checkpoint(args.model)
-    if problem is None and 0 not in args.ks:
-        problem = "--ks must include 0 (the baseline the speedups are relative to)"
-    if problem is None and (min(args.ks) < 0 or min(args.batch_sizes) < 1):
-        problem = "--ks must be >= 0 and --batch-sizes >= 1"
-    if problem is None and (args.num_prompts < 1 or args.max_tokens < 1):
-        problem = "--num-prompts and --max-tokens must be >= 1"
-    if problem is not None:
-        parser.error(problem)
-    run_and_emit(lambda: run(args), args, table)
-    return 0
+    return main_with(build_parser(), argv, run, table, _problem)
 
 
 if __name__ == "__main__":

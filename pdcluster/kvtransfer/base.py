@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import secrets
 from collections import OrderedDict
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -173,6 +173,21 @@ class HandoffRefused(ProtocolError):
     """A sender was not admitted (no reservation, wrong secret, or a replay); the reservation is untouched."""
 
 
+# Every `KVTransferError` class by name, for transports that send an error as its class name and message.
+ERROR_CLASSES: dict[str, type[KVTransferError]] = {
+    cls.__name__: cls
+    for cls in (
+        KVTransferError,
+        TransferTimeout,
+        SenderLost,
+        ChecksumMismatch,
+        TransferAborted,
+        ProtocolError,
+        HandoffRefused,
+    )
+}
+
+
 class FailureLog:
     """Failed handoffs not yet reported by `flush` (request id -> error), bounded by `max_records`.
 
@@ -195,19 +210,6 @@ class FailureLog:
 
     def __len__(self) -> int:
         return len(self._errors)
-
-
-def check_begin(handoff: HandoffMeta, sender: str, closed: bool, begun: Container[str]) -> None:
-    """What `KVSender.begin` refuses; call with the sender's lock held.
-
-    Raises ValueError (no secret, request already begun) or RuntimeError (sender closed).
-    """
-    if not handoff.secret:
-        raise ValueError(f"{handoff.request_id}: the handoff has no secret; begin with what expect returned")
-    if closed:
-        raise RuntimeError(f"{sender} is closed")
-    if handoff.request_id in begun:
-        raise ValueError(f"{handoff.request_id}: handoff already begun")
 
 
 class KVSender(abc.ABC):

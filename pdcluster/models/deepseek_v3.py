@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcluster.kernels.mla import mla_attention_absorbed, mla_attention_expanded
+from pdcluster.kernels.mla import mla_attention
 from pdcluster.kernels.moe import grouped_topk
 from pdcluster.kernels.norm import rms_norm
 from pdcluster.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -100,8 +100,8 @@ class DeepseekV3Attention(nn.Module):
         """
         cfg = self.config
         kv_c, k_pe = latent_kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        fn = mla_attention_absorbed if absorbed else mla_attention_expanded
-        out = fn(q_nope, q_pe, kv_c, k_pe, self.kv_b_proj.weight, cfg.softmax_scale, attn_mask, is_causal)
+        w_kv_b, scale = self.kv_b_proj.weight, cfg.softmax_scale
+        out = mla_attention(q_nope, q_pe, kv_c, k_pe, w_kv_b, scale, attn_mask, is_causal, absorbed)
         batch, num_q = out.shape[:2]
         return self.o_proj(out.reshape(batch, num_q, -1))
 

@@ -8,7 +8,6 @@ Failures raise `EPCollectiveError`. Two-micro-batch overlap: DeepSeek-V3 report,
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from pdcluster.models.expert_placement import ExpertPlacement
-from pdcluster.models.moe_dispatch import Dispatched, ExpertDispatcher, weighted_sum
+from pdcluster.models.moe_dispatch import Dispatched, ExpertDispatcher, ExpertsFn, weighted_sum
 
 
 class EPCollectiveError(RuntimeError):
@@ -214,11 +213,7 @@ class EPDispatcher(ExpertDispatcher):
         return out
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        run_experts: Callable[[torch.Tensor, list[int]], torch.Tensor],
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, run_experts: ExpertsFn
     ) -> torch.Tensor:
         """With `overlap_micro_batches`, two halves whose all-to-alls overlap the other half's experts.
 

@@ -12,6 +12,9 @@ from typing import NamedTuple
 
 import torch
 
+# run_experts(rows, rows_per_expert): rows [num_rows, hidden_size] sorted by local expert -> the same shape.
+ExpertsFn = Callable[[torch.Tensor, list[int]], torch.Tensor]
+
 
 class DispatchHandle(NamedTuple):
     """token_ids: [num_rows] int64 source token; weights: [num_rows] float32 gate weight of each row."""
@@ -55,11 +58,7 @@ class ExpertDispatcher(ABC):
         """expert_out: [num_rows, hidden_size] in dispatch order -> [num_tokens, hidden_size]."""
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        run_experts: Callable[[torch.Tensor, list[int]], torch.Tensor],
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, run_experts: ExpertsFn
     ) -> torch.Tensor:
         """`dispatch`, `run_experts`, `combine`: [num_tokens, hidden_size]; may overlap them."""
         dispatched = self.dispatch(hidden, topk_ids, topk_weights)

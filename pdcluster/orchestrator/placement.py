@@ -9,7 +9,7 @@ pinned to its planned node (`to_ray_placement_group_args(spec, pin_nodes=True)`)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from pdcluster.orchestrator.topology import HardwareConfig, PoolConfig, Topology
@@ -32,8 +32,7 @@ class PlacementError(ValueError):
         self.role = role
 
 
-@dataclass(frozen=True)
-class DeviceSlot:
+class DeviceSlot(NamedTuple):
     node_index: int
     device_id: int
 

@@ -16,10 +16,10 @@ from pdcluster.kvtransfer.base import (
     KVSender,
     KVTransferError,
     TransferTimeout,
-    check_begin,
 )
 from pdcluster.kvtransfer.dist_transport.framing import send_message
 from pdcluster.kvtransfer.dist_transport.group import DistTransportConfig
+from pdcluster.kvtransfer.sending import SenderHandoff, check_begin, close_handoff, open_handoff
 from pdcluster.kvtransfer.wire import (
     FaultHook,
     apply_fault_hook,
@@ -33,12 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Request:
-    meta: HandoffMeta
-    begun_at_s: float
-    closed: bool = False
-    abort_reason: str | None = None
-    stalled: bool = False
+class _Request(SenderHandoff):
     error: KVTransferError | None = None
     reported: bool = False
 
@@ -93,13 +88,13 @@ class DistKVSender(KVSender):
             self._enqueue(("layer", request_id, layer_idx, latent_copy, scale_copy))
 
     def finish(self, request_id: str, extras: HandoffExtras) -> None:
-        self._open_request(request_id).closed = True
+        with self._lock:
+            close_handoff(self._progress.requests, request_id)
         self._enqueue(("finish", request_id, extras))
 
     def abort(self, request_id: str, reason: str) -> None:
-        req = self._open_request(request_id)
-        req.closed = True
-        req.abort_reason = reason
+        with self._lock:
+            close_handoff(self._progress.requests, request_id, reason)
         self._enqueue(("abort", request_id, reason))
 
     def flush(self, timeout_s: float) -> dict[str, KVTransferError]:
@@ -138,10 +133,7 @@ class DistKVSender(KVSender):
 
     def _open_request(self, request_id: str) -> _Request:
         with self._lock:
-            req = self._progress.requests.get(request_id)
-        if req is None or req.closed:
-            raise ValueError(f"{request_id}: no open handoff (never begun, or already finished/aborted)")
-        return req
+            return open_handoff(self._progress.requests, request_id)
 
     def _run(self) -> None:
         while True:
@@ -180,7 +172,7 @@ class DistKVSender(KVSender):
             return
         if kind == "layer" and req.abort_reason is not None:
             return
-        if kind != "abort" and time.monotonic() >= req.begun_at_s + meta.lease_s:
+        if kind != "abort" and time.monotonic() >= req.deadline_s:
             req.error = TransferTimeout(
                 f"{meta.request_id}: sender's lease of {meta.lease_s:g} s expired before {kind}"
             )

@@ -9,15 +9,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from pdcluster.kvtransfer.base import (
-    FailureLog,
-    HandoffExtras,
-    HandoffMeta,
-    KVSender,
-    KVTransferError,
-    TransferTimeout,
-    check_begin,
-)
+from pdcluster.kvtransfer.base import FailureLog, HandoffExtras, HandoffMeta, KVSender, KVTransferError
 from pdcluster.kvtransfer.grpc_transport.framing import encode_chunk, serialize_message
 from pdcluster.kvtransfer.grpc_transport.messages import (
     DEFAULT_MAX_CHUNK_BYTES,
@@ -32,6 +24,14 @@ from pdcluster.kvtransfer.grpc_transport.messages import (
     meta_to_proto,
 )
 from pdcluster.kvtransfer.grpc_transport.tls import TLSCredentials
+from pdcluster.kvtransfer.sending import (
+    TrackedHandoff,
+    check_begin,
+    close_handoff,
+    flush_closed,
+    forget_handoff,
+    open_handoff,
+)
 from pdcluster.kvtransfer.wire import (
     FaultHook,
     LayerHeader,
@@ -52,17 +52,11 @@ def _drain(messages: queue.SimpleQueue) -> None:
 
 
 @dataclass
-class _Call:
-    meta: HandoffMeta
-    begun_at_s: float
+class _Call(TrackedHandoff):
+    """`ended` is set once `_on_done` recorded the outcome; flush waits on it, not on the future (a race)."""
+
     messages: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     future: grpc.Future | None = None
-    closed: bool = False
-    abort_reason: str | None = None
-    stalled: bool = False
-    done: bool = False
-    # Set once `_on_done` recorded the outcome; flush() waits on this, not on the future (a race).
-    ended: threading.Event = field(default_factory=threading.Event)
 
 
 class GrpcKVSender(KVSender):
@@ -132,12 +126,8 @@ class GrpcKVSender(KVSender):
             if error is not None:
                 self._failures.add(call.meta.request_id, error)
             if call.closed:
-                self._forget(call)
+                forget_handoff(self._calls, call)
         call.ended.set()
-
-    def _forget(self, call: _Call) -> None:
-        if self._calls.get(call.meta.request_id) is call:
-            del self._calls[call.meta.request_id]
 
     def send_layer(
         self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
@@ -164,30 +154,14 @@ class GrpcKVSender(KVSender):
 
     def _close_call(self, request_id: str, message: tuple, abort_reason: str | None = None) -> None:
         with self._lock:
-            call = self._calls.get(request_id)
-            if call is None or call.closed:
-                raise ValueError(f"{request_id}: no open handoff (never begun, or already finished/aborted)")
-            call.closed = True
-            if abort_reason is not None:
-                call.abort_reason = abort_reason
+            call = close_handoff(self._calls, request_id, abort_reason)
             if call.done:
-                self._forget(call)
+                forget_handoff(self._calls, call)
             else:
                 call.messages.put(message)
 
     def flush(self, timeout_s: float) -> dict[str, KVTransferError]:
-        deadline_s = time.monotonic() + timeout_s
-        with self._lock:
-            calls = [c for c in self._calls.values() if c.closed and c.future is not None]
-        for call in calls:
-            call.ended.wait(max(0.0, deadline_s - time.monotonic()))
-        with self._lock:
-            in_flight = sorted(rid for rid, c in self._calls.items() if c.closed and not c.done)
-            if in_flight:
-                raise TransferTimeout(
-                    f"flush: {len(in_flight)} finished handoffs in flight after {timeout_s:g} s: {in_flight}"
-                )
-            return self._failures.pop_all()
+        return flush_closed(self._lock, self._calls, self._failures, timeout_s)
 
     def pending_request_ids(self) -> list[str]:
         with self._lock:
@@ -208,17 +182,14 @@ class GrpcKVSender(KVSender):
 
     def _open_call(self, request_id: str) -> _Call:
         with self._lock:
-            call = self._calls.get(request_id)
-        if call is None or call.closed:
-            raise ValueError(f"{request_id}: no open handoff (never begun, or already finished/aborted)")
-        return call
+            return open_handoff(self._calls, request_id)
 
     def _stream(self, call: _Call) -> Iterator[pb.KVMessage | bytes]:
         meta = call.meta
         yield pb.KVMessage(begin=meta_to_proto(meta))
         while True:
             try:
-                item = call.messages.get(timeout=max(0.0, call.begun_at_s + meta.lease_s - time.monotonic()))
+                item = call.messages.get(timeout=max(0.0, call.deadline_s - time.monotonic()))
             except queue.Empty:
                 return
             kind = item[0]

@@ -9,16 +9,8 @@ import numpy as np
 import torch
 
 from pdcluster.kernels.paged_mla import gather_kv, write_prompt_kv
-from pdcluster.kvtransfer.base import (
-    ChecksumMismatch,
-    HandoffMeta,
-    HandoffRefused,
-    KVTransferError,
-    ProtocolError,
-    SenderLost,
-    TransferAborted,
-    TransferTimeout,
-)
+from pdcluster.kvtransfer.base import ERROR_CLASSES, HandoffMeta, KVTransferError
+from pdcluster.kvtransfer.sending import TrackedHandoff
 from pdcluster.kvtransfer.shm_transport.inplace import CacheLayout, SharedKVCache, check_block_table
 from pdcluster.kvtransfer.shm_transport.segments import Segment
 from pdcluster.kvtransfer.wire import (
@@ -30,19 +22,6 @@ from pdcluster.kvtransfer.wire import (
     tensor_bytes,
 )
 from pdcluster.models.dtypes import torch_dtype
-
-ERROR_CLASSES = {
-    cls.__name__: cls
-    for cls in (
-        HandoffRefused,
-        ChecksumMismatch,
-        SenderLost,
-        TransferTimeout,
-        TransferAborted,
-        ProtocolError,
-        KVTransferError,
-    )
-}
 
 
 def error_from_record(record: list[str] | None) -> KVTransferError | None:
@@ -66,26 +45,15 @@ def is_raw(meta: HandoffMeta, scale: torch.Tensor | None) -> bool:
 
 
 @dataclass
-class SendingHandoff:
+class SendingHandoff(TrackedHandoff):
     """A handoff's sender-side state; every write into shared memory holds `write_lock`."""
 
-    meta: HandoffMeta
-    begun_at_s: float
     segment: Segment | None = None
     blocks: np.ndarray | None = None
     cache: SharedKVCache | None = None
     granted: threading.Event = field(default_factory=threading.Event)
     sent_layers: set[int] = field(default_factory=set)
-    closed: bool = False
-    abort_reason: str | None = None
-    stalled: bool = False
-    done: bool = False
-    ended: threading.Event = field(default_factory=threading.Event)
     write_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def deadline_s(self) -> float:
-        return self.begun_at_s + self.meta.lease_s
 
     def region(self, layer_idx: int) -> torch.Tensor:
         assert self.segment is not None

@@ -9,6 +9,7 @@ abort or end, its connection closed, or its process gone), whatever the lease sa
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import mmap
@@ -28,6 +29,7 @@ from pdcluster.models.dtypes import MODEL_DTYPES, dtype_name, torch_dtype
 logger = logging.getLogger(__name__)
 
 CACHE_MEMFD_NAME = "pdcluster-kv-cache"
+LAYOUT_KEYS = ("layers", "blocks", "block_size", "kv_dim", "dtype")  # a `CacheLayout` record, in field order
 
 
 @dataclass(frozen=True)
@@ -53,18 +55,12 @@ class CacheLayout:
         return self.num_layers * self.layer_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "layers": self.num_layers,
-            "blocks": self.num_blocks,
-            "block_size": self.block_size,
-            "kv_dim": self.kv_dim,
-            "dtype": self.dtype,
-        }
+        return dict(zip(LAYOUT_KEYS, dataclasses.astuple(self), strict=True))
 
     @classmethod
     def from_dict(cls, record: dict[str, Any]) -> CacheLayout:
         """Raises TypeError/ValueError on a malformed record."""
-        ints = [record[k] for k in ("layers", "blocks", "block_size", "kv_dim")]
+        ints = [record[k] for k in LAYOUT_KEYS[:-1]]
         if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in ints):
             raise TypeError(f"a cache layout needs positive ints, got {ints!r}")
         torch_dtype(record["dtype"], "cache layout dtype", MODEL_DTYPES)

@@ -25,7 +25,13 @@ from pdcluster.kvtransfer.base import (
     ProtocolError,
     SenderLost,
     TransferTimeout,
+)
+from pdcluster.kvtransfer.sending import (
     check_begin,
+    close_handoff,
+    flush_closed,
+    forget_handoff,
+    open_handoff,
 )
 from pdcluster.kvtransfer.shm_transport.channel import Channel, close_fds, connect, wait_readable
 from pdcluster.kvtransfer.shm_transport.handoff import (
@@ -155,18 +161,7 @@ class ShmKVSender(KVSender):
         self._close_request(request_id, ("abort", request_id, reason), abort_reason=reason)
 
     def flush(self, timeout_s: float) -> dict[str, KVTransferError]:
-        deadline_s = time.monotonic() + timeout_s
-        with self._lock:
-            closed = [r for r in self._requests.values() if r.closed]
-        for req in closed:
-            req.ended.wait(max(0.0, deadline_s - time.monotonic()))
-        with self._lock:
-            in_flight = sorted(rid for rid, r in self._requests.items() if r.closed and not r.done)
-            if in_flight:
-                raise TransferTimeout(
-                    f"flush: {len(in_flight)} finished handoffs in flight after {timeout_s:g} s: {in_flight}"
-                )
-            return self._failures.pop_all()
+        return flush_closed(self._lock, self._requests, self._failures, timeout_s)
 
     def pending_request_ids(self) -> list[str]:
         with self._lock:
@@ -193,21 +188,13 @@ class ShmKVSender(KVSender):
 
     def _open_request(self, request_id: str) -> SendingHandoff:
         with self._lock:
-            req = self._requests.get(request_id)
-        if req is None or req.closed:
-            raise ValueError(f"{request_id}: no open handoff (never begun, or already finished/aborted)")
-        return req
+            return open_handoff(self._requests, request_id)
 
     def _close_request(self, request_id: str, item: tuple, abort_reason: str | None = None) -> None:
         with self._lock:
-            req = self._requests.get(request_id)
-            if req is None or req.closed:
-                raise ValueError(f"{request_id}: no open handoff (never begun, or already finished/aborted)")
-            req.closed = True
-            if abort_reason is not None:
-                req.abort_reason = abort_reason
+            req = close_handoff(self._requests, request_id, abort_reason)
             if req.done:
-                self._forget(req)
+                forget_handoff(self._requests, req)
                 return
         self._queue.put(item)
 
@@ -223,10 +210,6 @@ class ShmKVSender(KVSender):
         self._stop_writing(f"a send to the receiver failed: {error!r}")
         channel.close()
 
-    def _forget(self, req: SendingHandoff) -> None:
-        if self._requests.get(req.meta.request_id) is req:
-            del self._requests[req.meta.request_id]
-
     def _conclude(self, req: SendingHandoff, error: KVTransferError | None, tell_receiver: bool) -> None:
         """Record the outcome, stop writing, and tell decode the segment is free if it did not see the end."""
         with self._lock:
@@ -236,7 +219,7 @@ class ShmKVSender(KVSender):
             if error is not None:
                 self._failures.add(req.meta.request_id, error)
             if req.closed:
-                self._forget(req)
+                forget_handoff(self._requests, req)
         with req.write_lock:
             pass
         if tell_receiver:
