@@ -129,7 +129,9 @@ class GrammarCompiler:
                 raise GrammarError("choice must be a non-empty list of strings")
             return c.compile_grammar("root ::= " + " | ".join(_literal(s) for s in choices))
         if kind == "grammar":
-            return c.compile_grammar(spec) if "::=" in spec else c.compile_grammar(xgr.Grammar.from_lark(spec))
+            return (
+                c.compile_grammar(spec) if "::=" in spec else c.compile_grammar(xgr.Grammar.from_lark(spec))
+            )
         return c.compile_grammar(self._tool_calls_grammar(json.loads(spec)))
 
     def _tool_calls_grammar(self, spec: dict[str, Any]) -> Any:
@@ -185,7 +187,9 @@ class StructuredOutputs:
         if matcher is None:
             import xgrammar as xgr
 
-            matcher = xgr.GrammarMatcher(self.compiler.compile(item.request.sampling_params.structured_output))
+            matcher = xgr.GrammarMatcher(
+                self.compiler.compile(item.request.sampling_params.structured_output)
+            )
             for token_id in item.request.output_token_ids:  # committed elsewhere (a prefill instance)
                 if not matcher.accept_token(token_id):
                     raise GrammarError(f"output token {token_id} is outside the grammar")
@@ -246,4 +250,3 @@ class StructuredOutputs:
                 if matcher.is_terminated():
                     break
                 matcher.accept_token(token_id)
-
