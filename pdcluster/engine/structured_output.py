@@ -21,6 +21,7 @@ probability is 0) and the recovered or bonus token obeys it.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -81,7 +82,8 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
 
 
 class GrammarCompiler:
-    """Compiles `(kind, spec)` grammars for one tokenizer, keeping the last `CACHE_SIZE` compiled."""
+    """Compiles `(kind, spec)` grammars for one tokenizer, keeping the last `CACHE_SIZE` compiled.
+    Thread-safe (the engine's thread checks a request's grammar, its step worker compiles it)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         import xgrammar as xgr
@@ -89,11 +91,16 @@ class GrammarCompiler:
         self._xgr = xgr
         self._compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size), max_threads=1)
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
         self.vocab_size = vocab_size
 
     def compile(self, spec: tuple[str, str]) -> xgr.CompiledGrammar:
         """The compiled grammar of `spec` (cached). Raises GrammarError naming the kind and the reason."""
         key = check_spec(spec)
+        with self._lock:
+            return self._compile_cached(key)
+
+    def _compile_cached(self, key: tuple[str, str]) -> xgr.CompiledGrammar:
         compiled = self._cache.get(key)
         if compiled is not None:
             self._cache.move_to_end(key)
@@ -166,13 +173,15 @@ class StructuredOutputs:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
         self._matchers: dict[str, Any] = {}
 
     @property
     def compiler(self) -> GrammarCompiler:
-        if self._compiler is None:
-            self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size)
-        return self._compiler
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size)
+            return self._compiler
 
     @property
     def num_tracked_requests(self) -> int:

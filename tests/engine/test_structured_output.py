@@ -70,11 +70,14 @@ def test_a_structured_request_never_changes_its_neighbours(llm: LLM) -> None:
 
 def test_mtp_on_gives_the_same_structured_output(llm: LLM, llm_mtp: LLM) -> None:
     """Greedy: verification under the grammar's masks accepts exactly the tokens decoding without drafts
-    picks, so MTP on and off agree token for token."""
+    picks, so MTP on and off agree token for token; so does the asynchronous loop (placeholder drafts,
+    grammar advanced on the step worker)."""
     params = [greedy(48, ("json_schema", json.dumps(SCHEMA))), greedy(24), greedy(20, ("regex", "[0-9]+"))]
     off = llm.generate(PROMPTS, params)
     on = llm_mtp.generate(PROMPTS, params)
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    pipelined = llm_mtp.replace_config(async_scheduling=True)
+    assert [o.token_ids for o in pipelined.generate(PROMPTS, params)] == [o.token_ids for o in off]
     llm_mtp.generate(["x"], [greedy(1)])  # its step lists the finished requests: their grammars dropped
     assert llm_mtp.engine.executor.structured_outputs.num_tracked_requests == 0
 

@@ -187,7 +187,6 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
-    add_special_tokens: bool = Field(True, description="accepted; the template writes BOS where it wants it")
     tools: list[Tool] | None = None
 
     _check_prompt = field_validator("prompt")(_check_unicode)

@@ -16,6 +16,7 @@ compile is a 400 naming the field.
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 from pdcluster.engine.structured_output import GrammarCompiler, GrammarError
@@ -143,12 +144,14 @@ class EdgeGrammars:
     def __init__(self, backend: ServingBackend) -> None:
         self._backend = backend
         self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
 
     def check(self, grammar: Grammar, param: str) -> None:
         """Raises ApiError 400 naming `param` and the reason when `grammar` does not compile. Blocking."""
-        if self._compiler is None:
-            vocab_size = getattr(self._backend, "vocab_size", None) or self._backend.tokenizer.vocab_size
-            self._compiler = GrammarCompiler(self._backend.tokenizer, vocab_size)
+        with self._lock:
+            if self._compiler is None:
+                vocab_size = getattr(self._backend, "vocab_size", None) or self._backend.tokenizer.vocab_size
+                self._compiler = GrammarCompiler(self._backend.tokenizer, vocab_size)
         try:
             self._compiler.compile(grammar)
         except GrammarError as exc:
