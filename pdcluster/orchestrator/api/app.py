@@ -39,14 +39,14 @@ from the YAML's `api` section under `pdcluster deploy`):
 Prompts are tokenized on worker threads (`TOKENIZER_THREADS`, in the tokenizer's form that releases the
 GIL), so a multi-MB prompt does not hold up the event loop: /health and every other stream go on.
 
-Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON,
-a schema violation, text that is not valid Unicode (a lone surrogate such as `"\\ud800"` is valid JSON
-but no character: the message names the field, the code point and its index), unsupported options
-(n != 1, logprobs, echo, best_of), a grammar that does not compile (naming the field), a bad sampling
-value, a prompt or prompt + max_tokens over the context (the message gives the lengths); 404 for an
-unknown model (as OpenAI's API and vLLM answer it); 401 for a missing or wrong API key; 413 for a body
-over the limit; 429 when the edge is full and 503 when the backend raises `BackendUnavailable` (both retriable, with `Retry-After: RETRY_AFTER_S`). An error after an
-SSE stream started is sent as a final `data: {"error": ...}` event, then `data: [DONE]`.
+Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON, a
+schema violation, text that is not valid Unicode (a lone surrogate such as `"\\ud800"` is valid JSON but no
+character: the message names the field, the code point and its index), unsupported options (n != 1, logprobs,
+echo, best_of), a grammar that does not compile (naming the field), a bad sampling value, a prompt or prompt +
+max_tokens over the context (the message gives the lengths); 404 for an unknown model (as OpenAI's API and
+vLLM answer it); 401 for a missing or wrong API key; 413 for a body over the limit; 429 when the edge is full
+and 503 when the backend raises `BackendUnavailable` (both retriable, with `Retry-After: RETRY_AFTER_S`). An
+error after an SSE stream started is sent as a final `data: {"error": ...}` event, then `data: [DONE]`.
 
 Every response carries `usage` (prompt/completion/total tokens) and a `pdcluster` extension:
     {"request_id", "phases": {queue_s, prefill_s, kv_transfer_s, first_decode_step_s, total_s, ...},
