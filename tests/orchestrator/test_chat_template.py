@@ -145,3 +145,34 @@ def test_streamed_tool_calls_equal_the_whole_parse(piece: int) -> None:
     ]
     plain = ToolCallStream(DEEPSEEK_V3_MARKERS)
     assert plain.feed("a <") == ("a ", []) and plain.feed("b", final=True) == ("<b", [])
+
+
+def test_a_deepseek_v3_spelled_named_template_equals_transformers(tmp_path: Path) -> None:
+    """The same template with DeepSeek-V3's full-width markers and BOS/EOS names, given as named templates
+    ("default" and "tool_use", as transformers reads them): rendered alike, its tool-call markers found."""
+    transformers = pytest.importorskip("transformers")
+    source = ChatTemplate(Tokenizer.from_dir(bundled_checkpoint_dir())).template_text()
+    for plain, v3 in zip(ASCII_MARKERS, DEEPSEEK_V3_MARKERS, strict=True):
+        source = source.replace(plain, v3)
+    source = source.replace("<|User|>", "<｜User｜>").replace("<|Assistant|>", "<｜Assistant｜>")
+    (tmp_path / "tokenizer.json").write_bytes((bundled_checkpoint_dir() / "tokenizer.json").read_bytes())
+    config = {
+        "bos_token": {"__type": "AddedToken", "content": "<｜begin▁of▁sentence｜>", "special": True},
+        "eos_token": "<｜end▁of▁sentence｜>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": [
+            {"name": "default", "template": "{{ bos_token }}{{ messages[0]['content'] }}"},
+            {"name": "tool_use", "template": source},
+        ],
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False))
+    ours = ChatTemplate(Tokenizer.from_dir(tmp_path))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    messages = CONVERSATIONS[2]
+    rendered = ours.render(messages, TOOLS)
+    assert rendered == hf.apply_chat_template(
+        messages, tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
+    assert rendered.startswith("<｜begin▁of▁sentence｜>S1") and DEEPSEEK_V3_MARKERS.calls_begin in rendered
+    assert ours.render(messages[:1]) == "<｜begin▁of▁sentence｜>S1"  # no tools: the default template
+    assert markers_for(ours.template_text(with_tools=True)) == DEEPSEEK_V3_MARKERS
