@@ -865,3 +865,21 @@ def test_stop_refuses_new_connections_and_drains_streams_in_flight(
         assert "the drain timeout ran out: 1 request(s) still in flight were cut" in err, err
         assert "Exception in ASGI application" not in err and "Traceback" not in err, err
     wait_idle(backend)
+
+
+def test_tokenize_detokenize_and_guided_choice(client: httpx.Client, reference: LLM) -> None:
+    """vLLM's /tokenize (prompt, or messages through the chat template) and /detokenize; a completion
+    under `guided_choice` answers one of the choices."""
+    messages = [{"role": "user", "content": "import os\n"}]
+    r = client.post("/tokenize", json={"messages": messages})
+    expected = reference.tokenizer.encode(ChatTemplate(reference.tokenizer).render(messages))
+    assert r.json() == {"count": len(expected), "max_model_len": MAX_MODEL_LEN, "tokens": expected}
+    decoded = client.post("/detokenize", json={"tokens": expected}).json()
+    assert decoded == {"prompt": "<|User|>import os\n<|Assistant|>"}  # BOS (special) skipped
+    bad = client.post("/detokenize", json={"tokens": [10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = client.post("/tokenize", json={"prompt": "x", "messages": messages})
+    assert both.status_code == 400
+    body = {"prompt": PROMPT, "max_tokens": 8, "guided_choice": ["alpha", "beta"], "temperature": 0}
+    answer = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert answer["text"] in ("alpha", "beta") and answer["finish_reason"] == "stop"
