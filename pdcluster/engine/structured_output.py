@@ -213,43 +213,39 @@ class StructuredOutputs:
 
         failed: dict[str, str] = {}
         rows: list[int] = []
-        masks: list[torch.Tensor] = []
+        bitmask: torch.Tensor | None = None  # [rows of logits, ceil(vocab_size / 32)] int32, -1: all allowed
         offset = 0
         for item in items:
             num_rows = len(item.spec_token_ids) + 1
             if item.request.sampling_params.structured_output is not None:
+                if bitmask is None:
+                    bitmask = xgr.allocate_token_bitmask(logits.shape[0], self._vocab_size)
                 try:
-                    masks.append(self._request_masks(item))
+                    self._fill_masks(item, bitmask, offset)
                     rows.extend(range(offset, offset + num_rows))
                 except ValueError as exc:
                     failed[item.request_id] = f"structured output: {exc}"
             offset += num_rows
         if rows:
-            bitmask = torch.full((offset, masks[0].shape[1]), -1, dtype=masks[0].dtype)  # all allowed
-            bitmask[rows] = torch.cat(masks)
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self._vocab_size, indices=rows)
         return failed
 
-    def _request_masks(self, item: ScheduledRequest) -> torch.Tensor:
-        """`[k + 1, ceil(vocab_size / 32)]` int32 bitmask: row j allows what the grammar allows after the
-        committed tokens and drafts d_1..d_j (a draft outside the grammar: later rows allow everything,
-        unused since that draft is rejected)."""
-        import xgrammar as xgr
-
+    def _fill_masks(self, item: ScheduledRequest, bitmask: torch.Tensor, offset: int) -> None:
+        """Fill the request's `k + 1` rows of `bitmask` from `offset`: row j allows what the grammar allows
+        after the committed tokens and drafts d_1..d_j (a draft outside the grammar: later rows stay all
+        allowed, unused since that draft is rejected)."""
         matcher = self._matcher(item)
         drafts = item.spec_token_ids
-        bitmask = xgr.allocate_token_bitmask(len(drafts) + 1, self._vocab_size)  # all allowed
         num_advanced = 0
         for j in range(len(drafts) + 1):
             if matcher.is_terminated():
                 break
-            matcher.fill_next_token_bitmask(bitmask, j)
+            matcher.fill_next_token_bitmask(bitmask, offset + j)
             if j == len(drafts) or not matcher.accept_token(drafts[j]):
                 break
             num_advanced += 1
         if num_advanced:
             matcher.rollback(num_advanced)
-        return bitmask
 
     def accept(self, items: list[ScheduledRequest], sampled: dict[str, list[int]]) -> None:
         """Advance the structured requests' grammars by the tokens sampled for them."""
