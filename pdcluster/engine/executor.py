@@ -289,8 +289,8 @@ class Executor:
             RuntimeError: placeholders of a request the previous step sampled nothing for.
         """
         self.drop(output.finished_request_ids + output.preempted_request_ids)
-        if self.structured_outputs is not None:
-            self.structured_outputs.drop(output.finished_request_ids)
+        if self.structured_outputs is not None:  # a preempted request's grammar is rebuilt from its outputs
+            self.structured_outputs.drop(output.finished_request_ids + output.preempted_request_ids)
         batch = prepared.batch
         mtp_passes_before = self.runner.num_mtp_forwards
         if batch is None:

@@ -9,13 +9,13 @@ A request's `SamplingParams.structured_output` is `(kind, spec)`, kind one of `G
 JSON is compact (no whitespace between tokens, separators "," and ":"), so a small model cannot wander in
 whitespace; the grammar ends with the tokenizer's EOS (xgrammar's stop token).
 
-`StructuredOutputs` is one engine's state: the compiler (its compiled grammars cached, `CACHE_SIZE`) and
-one `xgrammar.GrammarMatcher` per structured request, created at its first sampling step from the output
-tokens it already has (a decode instance admits a request whose first token prefill sampled), advanced
-by every token the sampler commits, dropped when the request finishes. In a step, `mask_logits` sets to
--inf each row's tokens the grammar forbids: row j of a request with drafts d_1..d_k is masked with the
-state after d_1..d_j (then rolled back), so verification rejects a draft outside the grammar (its target
-probability is 0) and the recovered or bonus token obeys it.
+`StructuredOutputs` is one engine's state: the compiler (its compiled grammars cached, `CACHE_SIZE`) and one
+`xgrammar.GrammarMatcher` per structured request, created at its first sampling step from the output tokens it
+already has (a decode instance admits a request whose first token prefill sampled; a preempted request is
+recomputed), advanced by every token the sampler commits, dropped when the request finishes or is preempted.
+In a step, `mask_logits` sets to -inf each row's tokens the grammar forbids: row j of a request with drafts
+d_1..d_k is masked with the state after d_1..d_j (then rolled back), so verification rejects a draft outside
+the grammar (its target probability is 0) and the recovered or bonus token obeys it.
 """
 
 from __future__ import annotations
