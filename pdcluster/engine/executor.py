@@ -80,6 +80,7 @@ from pdcluster.engine.outputs import (
 )
 from pdcluster.engine.sampler import sample_isolated, token_logprobs
 from pdcluster.engine.spec_policy import DEFAULT_DECAY, choose_num_speculative_tokens, decay_counts
+from pdcluster.engine.structured_output import StructuredOutputs
 
 # `Executor.run`'s `on_sampled`: request id -> the tokens one step sampled for it, before its drafts.
 SampledCallback = Callable[[dict[str, list[int]]], None]
@@ -145,6 +146,8 @@ class Executor:
         max_num_blocks_per_req: block-table columns; default the whole cache.
         adaptive_min_accept_prob: None keeps k fixed; else adapt k in [1, num_speculative_tokens] each step
             with this threshold (see the module docstring and `engine.spec_policy`).
+        structured_outputs: the grammar state of structured requests (`engine.structured_output`); None:
+            a request with `structured_output` fails.
     """
 
     def __init__(
@@ -155,7 +158,9 @@ class Executor:
         max_num_reqs: int = 64,
         max_num_blocks_per_req: int | None = None,
         adaptive_min_accept_prob: float | None = None,
+        structured_outputs: StructuredOutputs | None = None,
     ) -> None:
+        self.structured_outputs = structured_outputs
         if num_speculative_tokens and not runner.model.mtp_layers:
             raise ValueError("num_speculative_tokens > 0 needs a checkpoint with an MTP module")
         self.runner = runner
@@ -284,6 +289,8 @@ class Executor:
             RuntimeError: placeholders of a request the previous step sampled nothing for.
         """
         self.drop(output.finished_request_ids + output.preempted_request_ids)
+        if self.structured_outputs is not None:  # a preempted request's grammar is rebuilt from its outputs
+            self.structured_outputs.drop(output.finished_request_ids + output.preempted_request_ids)
         batch = prepared.batch
         mtp_passes_before = self.runner.num_mtp_forwards
         if batch is None:
@@ -307,7 +314,13 @@ class Executor:
             params = prepared.sampling
             if params is not None and len(sampling) < len(scheduled):
                 params = params.take(np.asarray(sampling, dtype=np.int64))
+            grammar_failed = self._mask_by_grammar(items, logits)
             sampled, failed = self.sample(items, logits, params)
+            if self.structured_outputs is not None:
+                self.structured_outputs.accept(items, sampled)
+            for request_id, error in grammar_failed.items():
+                sampled.pop(request_id, None)
+                failed[request_id] = error
             logprobs = token_logprobs(items, logits, sampled)
             if on_sampled is not None:
                 on_sampled({rid: tokens for rid, tokens in sampled.items() if rid not in failed})
@@ -367,6 +380,19 @@ class Executor:
         their generators, stored draft distributions and sampling parameters (`params`, None: from the
         items) (`engine.sampler.sample_isolated`)."""
         return sample_isolated(items, logits, self._generator, self._draft_probs, params)
+
+    def _mask_by_grammar(self, items: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, str]:
+        """Mask the structured requests' rows of `logits` in place; request id -> error of those that
+        fail (`StructuredOutputs.mask_logits`)."""
+        if not any(item.request.sampling_params.structured_output for item in items):
+            return {}
+        if self.structured_outputs is None:
+            return {
+                item.request_id: "structured output is not available on this engine"
+                for item in items
+                if item.request.sampling_params.structured_output
+            }
+        return self.structured_outputs.mask_logits(items, logits)
 
     def _adapt_num_speculative_tokens(
         self, items: list[ScheduledRequest], sampled: dict[str, list[int]]

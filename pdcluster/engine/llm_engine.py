@@ -54,6 +54,7 @@ from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.scheduler import Scheduler
 from pdcluster.engine.scheduler_policy import SchedulerConfig
 from pdcluster.engine.stopping import OutputText
+from pdcluster.engine.structured_output import StructuredOutputs
 from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pdcluster.models.dtypes import MODEL_DTYPES, torch_dtype
 from pdcluster.models.tokenizer import Tokenizer
@@ -163,6 +164,7 @@ class LLMEngine:
             adaptive_min_accept_prob=config.adaptive_speculation_min_accept_prob
             if config.adaptive_speculation
             else None,
+            structured_outputs=StructuredOutputs(self.tokenizer, model_cfg.vocab_size),
         )
         self._compile_s = 0.0
         self._compile_error: str | None = None  # why `compile` is on and nothing runs compiled
@@ -198,11 +200,14 @@ class LLMEngine:
 
         Raises:
             ValueError: empty prompt, prompt + max_tokens over `max_model_len`, a request the KV cache
-                could never hold, or `logprobs` over the vocabulary size.
+                could never hold, `logprobs` over the vocabulary size, or a `structured_output` grammar
+                that does not compile (`engine.structured_output.GrammarError`).
         """
         params = sampling_params or SamplingParams()
         if params.logprobs is not None and params.logprobs > self.model.config.vocab_size:
             raise ValueError(f"logprobs must be <= the vocabulary size {self.model.config.vocab_size}")
+        if params.structured_output is not None:  # a grammar that cannot compile: GrammarError, here
+            self.executor.structured_outputs.compiler.compile(params.structured_output)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:

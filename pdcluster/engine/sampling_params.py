@@ -26,6 +26,8 @@ import math
 import struct
 from dataclasses import dataclass
 
+from pdcluster.engine.structured_output import check_spec
+
 MIN_TEMPERATURE = 1e-5
 """The smallest positive temperature (see the module docstring); 0 means greedy."""
 MAX_SEED = 2**64 - 1
@@ -52,6 +54,8 @@ class SamplingParams:
         ignore_eos: keep generating past the model's EOS token (benchmarks).
         logprobs: None for no log-probabilities, else how many top log-probabilities to return per
             output token (0 = only the sampled token's).
+        structured_output: None, or `(kind, spec)`: a grammar the output must match
+            (`engine.structured_output`).
     """
 
     temperature: float = 1.0
@@ -63,6 +67,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured_output: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples, so the params stay hashable.
@@ -100,6 +105,8 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        if self.structured_output is not None:
+            object.__setattr__(self, "structured_output", check_spec(self.structured_output))
 
     @property
     def is_greedy(self) -> bool:

@@ -1,9 +1,12 @@
-"""Thin wrapper over a `tokenizers` `tokenizer.json` (byte-level BPE for the bundled model)."""
+"""Thin wrapper over a `tokenizers` `tokenizer.json` (byte-level BPE for the bundled model), with the
+special tokens and chat template of the checkpoint's `tokenizer_config.json` where it has one."""
 
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -30,14 +33,33 @@ def check_unicode(text: str) -> None:
         ) from None
 
 
-class Tokenizer:
-    """Text <-> token ids. `eos_token_id` ends generation; ids are Python ints."""
+def _token_text(value: Any) -> str | None:
+    """A special token as `tokenizer_config.json` writes it: a string or an AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value
 
-    def __init__(self, tokenizer: _HFTokenizer) -> None:
+
+class Tokenizer:
+    """Text <-> token ids. `eos_token_id` ends generation; ids are Python ints.
+
+    `config`: the checkpoint's `tokenizer_config.json` (`bos_token`, `eos_token`, `chat_template`), {} where
+    it has none: the bundled names `BOS_TOKEN` / `EOS_TOKEN` then.
+    """
+
+    def __init__(self, tokenizer: _HFTokenizer, config: dict[str, Any] | None = None) -> None:
         self._tok = tokenizer
-        self.eos_token_id = tokenizer.token_to_id(EOS_TOKEN)
-        self.bos_token_id = tokenizer.token_to_id(BOS_TOKEN)
+        self.config = dict(config or {})
+        self.bos_token = _token_text(self.config.get("bos_token")) or BOS_TOKEN
+        self.eos_token = _token_text(self.config.get("eos_token")) or EOS_TOKEN
+        self.eos_token_id = tokenizer.token_to_id(self.eos_token)
+        self.bos_token_id = tokenizer.token_to_id(self.bos_token)
         self.vocab_size = tokenizer.get_vocab_size()
+        # a Jinja template (str), or named ones ([{"name", "template"}]) as transformers writes them
+        self.chat_template: str | list[dict[str, str]] | None = self.config.get("chat_template")
+
+    @property
+    def backend(self) -> _HFTokenizer:
+        """The `tokenizers.Tokenizer` (its vocabulary, for grammar engines)."""
+        return self._tok
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -48,11 +70,20 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load `tokenizer.json` from a checkpoint directory. Raises FileNotFoundError naming the file."""
+        """Load `tokenizer.json` (and `tokenizer_config.json`, if present) from a checkpoint directory.
+
+        Raises:
+            FileNotFoundError: no tokenizer.json, naming the file. ValueError: a tokenizer_config.json
+                that is not a JSON object, naming the file.
+        """
         file = Path(path) / "tokenizer.json"
         if not file.exists():
             raise FileNotFoundError(f"{file}: no tokenizer.json in the checkpoint directory")
-        return cls(_HFTokenizer.from_file(str(file)))
+        config_file = Path(path) / "tokenizer_config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.exists() else {}
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+        return cls(_HFTokenizer.from_file(str(file)), config)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`. Raises ValueError for text that is not valid Unicode (`check_unicode`)."""

@@ -219,3 +219,71 @@ def test_client_gone_before_first_byte_releases_decode_reservation(
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         assert _metric(client.get("/metrics").text, ABORTED) == aborted_before + 1
     assert _is_idle(leaks := cluster.check_no_leaks()), leaks
+
+
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_openai_sdk_json_schema_and_tool_calls_through_the_cluster(served) -> None:
+    """The official `openai` SDK against the disaggregated pair with MTP on (clusters/local.yaml): a
+    json_schema answer parses and validates against the schema, a named tool call comes back as
+    `tool_calls` whose arguments validate against the tool's parameters, each streamed and not, the
+    streamed ones equal to the whole ones (greedy). Prefill samples the first token under the grammar,
+    decode continues it and verifies MTP drafts under it. /tokenize and /detokenize round-trip."""
+    openai = pytest.importorskip("openai")
+    jsonschema = pytest.importorskip("jsonschema")
+    cluster, server = served
+    client = openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", timeout=request_bound_s(cluster), max_retries=0
+    )
+    messages = [{"role": "user", "content": "Is Paris in France? Answer in JSON."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
+    common = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 64}
+    whole = client.chat.completions.create(**common, response_format=response_format)
+    assert whole.choices[0].finish_reason == "stop", whole
+    jsonschema.validate(json.loads(whole.choices[0].message.content), ANSWER_SCHEMA)
+    chunks = list(client.chat.completions.create(**common, response_format=response_format, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert whole.pdcluster["num_draft_tokens"] > 0  # MTP drafts were verified under the grammar
+
+    tools_common = {**common, "max_tokens": 160, "tools": [WEATHER_TOOL]}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    called = client.chat.completions.create(**tools_common, tool_choice=named)
+    (call,) = called.choices[0].message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    assert called.choices[0].finish_reason == "tool_calls"
+    streamed = list(client.chat.completions.create(**tools_common, tool_choice="required", stream=True))
+    deltas = [d for c in streamed for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+        (0, "get_weather", call.function.arguments)
+    ]
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+
+    with httpx.Client(base_url=server.url, timeout=request_bound_s(cluster)) as http:
+        tokens = http.post("/tokenize", json={"prompt": "def f(x):"}).json()
+        assert (
+            tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == cluster.max_model_len
+        )
+        assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "def f(x):"}
+        bad = http.post("/v1/chat/completions", json={**common, "guided_regex": "(unclosed"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex", bad.text
+    assert _is_idle(leaks := cluster.check_no_leaks()), leaks

@@ -19,7 +19,7 @@ from pdcluster.engine.llm import LLM
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.models import bundled_checkpoint_dir
 from pdcluster.orchestrator.api.app import build_app
-from pdcluster.orchestrator.api.protocol import chat_prompt
+from pdcluster.orchestrator.api.chat_template import ChatTemplate
 from pdcluster.orchestrator.api.server import ServerThread
 from pdcluster.orchestrator.backend import BackendUnavailable, LocalEngineBackend, ServingBackend, StreamDelta
 from pdcluster.orchestrator.topology import SLOConfig
@@ -140,7 +140,7 @@ def test_streaming_concatenation_equals_non_streaming(client: httpx.Client, path
     assert len(chunks) > 2  # really streamed, token by token
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
-    assert chunks[-1]["usage"] == whole["usage"]
+    assert all("usage" not in c for c in chunks)  # only the include_usage chunk carries it: counted once
     assert "phases" in chunks[-1]["pdcluster"]
 
 
@@ -169,12 +169,10 @@ def test_include_usage_sends_a_usage_only_last_chunk(client: httpx.Client, path:
     assert all(e["choices"] for e in plain[:-1])
 
 
-def test_chat_uses_the_documented_template(client: httpx.Client, reference: LLM) -> None:
+def test_chat_uses_the_checkpoint_template(client: httpx.Client, reference: LLM) -> None:
     messages = [{"role": "system", "content": "# utilities"}, {"role": "user", "content": "import os\n"}]
-    from pdcluster.orchestrator.api.protocol import ChatMessage
-
-    prompt = chat_prompt([ChatMessage(**m) for m in messages])
-    assert prompt == "# utilities\n\nimport os\n"
+    prompt = ChatTemplate(reference.tokenizer).render(messages)
+    assert prompt == "<|bos|># utilities<|User|>import os\n<|Assistant|>"
     expected = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]
     r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 12, "temperature": 0})
     assert r.status_code == 200, r.text
@@ -217,7 +215,9 @@ def test_health_says_starting_until_serve_hands_the_service_over(backend: LocalE
         # found by an attack pass: accepted and silently ignored before
         ({"prompt": "x", "logit_bias": {"100": 100}}, "logit_bias is not supported"),
         ({"prompt": "x", "suffix": "y"}, "suffix is not supported"),
-        ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format is not supported"),
+        ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format.type must be text"),
+        ({"prompt": "x", "guided_regex": "(a"}, "guided_regex: regex does not compile"),
+        ({"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, "one structured output at a time"),
         ({"prompt": "x", "temperature": -1}, "temperature must be"),
         ({"prompt": [10**6]}, "prompt token ids must be in"),
         ({"prompt": ""}, "the prompt is empty"),
@@ -386,7 +386,7 @@ def test_invalid_unicode_in_chat_gets_400(client: httpx.Client) -> None:
 
 def test_chat_rejects_n_and_logprobs(client: httpx.Client) -> None:
     messages = [{"role": "user", "content": "x"}]
-    for extra in ({"n": 3}, {"logprobs": True}, {"tools": [{"type": "function"}]}, {"logit_bias": {"5": 1}}):
+    for extra in ({"n": 3}, {"logprobs": True}, {"tool_choice": "required"}, {"logit_bias": {"5": 1}}):
         r = client.post("/v1/chat/completions", json={"messages": messages, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), r.text
     plain = {"messages": messages, "max_tokens": 1, "response_format": {"type": "text"}, "logit_bias": {}}
@@ -865,3 +865,21 @@ def test_stop_refuses_new_connections_and_drains_streams_in_flight(
         assert "the drain timeout ran out: 1 request(s) still in flight were cut" in err, err
         assert "Exception in ASGI application" not in err and "Traceback" not in err, err
     wait_idle(backend)
+
+
+def test_tokenize_detokenize_and_guided_choice(client: httpx.Client, reference: LLM) -> None:
+    """vLLM's /tokenize (prompt, or messages through the chat template) and /detokenize; a completion
+    under `guided_choice` answers one of the choices."""
+    messages = [{"role": "user", "content": "import os\n"}]
+    r = client.post("/tokenize", json={"messages": messages})
+    expected = reference.tokenizer.encode(ChatTemplate(reference.tokenizer).render(messages))
+    assert r.json() == {"count": len(expected), "max_model_len": MAX_MODEL_LEN, "tokens": expected}
+    decoded = client.post("/detokenize", json={"tokens": expected}).json()
+    assert decoded == {"prompt": "<|User|>import os\n<|Assistant|>"}  # BOS (special) skipped
+    bad = client.post("/detokenize", json={"tokens": [10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = client.post("/tokenize", json={"prompt": "x", "messages": messages})
+    assert both.status_code == 400
+    body = {"prompt": PROMPT, "max_tokens": 8, "guided_choice": ["alpha", "beta"], "temperature": 0}
+    answer = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert answer["text"] in ("alpha", "beta") and answer["finish_reason"] == "stop"

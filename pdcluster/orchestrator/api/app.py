@@ -2,7 +2,12 @@
 
 Endpoints:
     POST /v1/completions        prompt: text or token ids; streaming (SSE) or not
-    POST /v1/chat/completions   messages -> one prompt through `CHAT_TEMPLATE_DOC`'s template
+    POST /v1/chat/completions   messages -> one prompt through the checkpoint's chat template
+                                (`chat_template`); `tools` / `tool_choice` (`tool_calls`, `structured`)
+    POST /tokenize, /detokenize vLLM's: {prompt | messages} -> {count, max_model_len, tokens};
+                                {tokens} -> {prompt}
+Structured output on both completion routes: `response_format` json_object / json_schema, vLLM's
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` / `structured_outputs` (`structured`).
     GET  /v1/models             the served model
     GET  /health                200 {"status": "ok"}; 503 naming why when the backend's check_ready() raises
                                 BackendUnavailable (or "the server is starting", while `app.state.starting`:
@@ -10,7 +15,8 @@ Endpoints:
                                 health the cluster last recorded, even while an instance stalls
     GET  /metrics               Prometheus text (pdcluster/orchestrator/api/metrics.py lists every metric)
 
-The package by concept: `protocol` (request schemas, error and response bodies), `generation` (checks
+The package by concept: `protocol` (request schemas, error and response bodies), `chat_template`,
+`structured` (grammars of a request), `tool_calls` (DeepSeek-V3's format), `errors`, `generation` (checks
 against the served model, one request's bookkeeping, stop strings at the edge), `sse` (streaming and
 client disconnects), `guard` (API key, admission, body size), `metrics`, `server` (`ServerThread`,
 `python -m pdcluster.orchestrator.api`), and this module (the app and its routes).
@@ -33,14 +39,14 @@ from the YAML's `api` section under `pdcluster deploy`):
 Prompts are tokenized on worker threads (`TOKENIZER_THREADS`, in the tokenizer's form that releases the
 GIL), so a multi-MB prompt does not hold up the event loop: /health and every other stream go on.
 
-Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON,
-a schema violation, text that is not valid Unicode (a lone surrogate such as `"\\ud800"` is valid JSON
-but no character: the message names the field, the code point and its index), unsupported options
-(n != 1, logprobs, echo, best_of), a bad sampling value, a prompt or prompt + max_tokens over the context
-(the message gives the lengths); 404 for an unknown model (as OpenAI's API and vLLM answer it); 401 for
-a missing or wrong API key; 413 for a body over the limit; 429 when the edge is full and 503 when the
-backend raises `BackendUnavailable` (both retriable, with `Retry-After: RETRY_AFTER_S`). An error after an
-SSE stream started is sent as a final `data: {"error": ...}` event, then `data: [DONE]`.
+Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON, a
+schema violation, text that is not valid Unicode (a lone surrogate such as `"\\ud800"` is valid JSON but no
+character: the message names the field, the code point and its index), unsupported options (n != 1, logprobs,
+echo, best_of), a grammar that does not compile (naming the field), a bad sampling value, a prompt or prompt +
+max_tokens over the context (the message gives the lengths); 404 for an unknown model (as OpenAI's API and
+vLLM answer it); 401 for a missing or wrong API key; 413 for a body over the limit; 429 when the edge is full
+and 503 when the backend raises `BackendUnavailable` (both retriable, with `Retry-After: RETRY_AFTER_S`). An
+error after an SSE stream started is sent as a final `data: {"error": ...}` event, then `data: [DONE]`.
 
 Every response carries `usage` (prompt/completion/total tokens) and a `pdcluster` extension:
     {"request_id", "phases": {queue_s, prefill_s, kv_transfer_s, first_decode_step_s, total_s, ...},
@@ -58,31 +64,40 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdcluster.orchestrator.api.chat_template import ChatTemplate, ChatTemplateError
+from pdcluster.orchestrator.api.errors import add_error_handlers
 from pdcluster.orchestrator.api.generation import Generation, PreparedRequest, prepare
 from pdcluster.orchestrator.api.guard import EdgeGuard
 from pdcluster.orchestrator.api.metrics import ApiMetrics
 from pdcluster.orchestrator.api.protocol import (
     ApiError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     Endpoint,
-    chat_prompt,
-    error_response,
+    TokenizeRequest,
+    Tool,
     reject_unsupported,
     response_body,
     usage_chunk,
 )
 from pdcluster.orchestrator.api.sse import DISCONNECTED, SSEResponse, sse_events, until_disconnect
+from pdcluster.orchestrator.api.structured import EdgeGrammars, requested_grammar
+from pdcluster.orchestrator.api.tool_calls import (
+    ToolCallMarkers,
+    ToolCallStream,
+    markers_for,
+    parse_tool_calls,
+)
 from pdcluster.orchestrator.backend import BackendUnavailable, ServingBackend
 from pdcluster.orchestrator.topology import DEFAULT_MAX_REQUEST_BODY_BYTES, SLOConfig, Topology
 
@@ -168,7 +183,7 @@ def build_app(
             )
         return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, encode_off_the_gil, text)
 
-    _add_error_handlers(app, metrics)
+    add_error_handlers(app, metrics)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -203,6 +218,31 @@ def build_app(
             }
         )
 
+    chat_template = ChatTemplate(backend.tokenizer)
+    tool_markers = markers_for(chat_template.template_text(with_tools=True))
+    grammars = EdgeGrammars(backend)
+
+    def render_chat(
+        messages: list[ChatMessage], tools: list[Tool] | None, add_generation_prompt: bool
+    ) -> str:
+        try:
+            return chat_template.render(
+                [m.for_template() for m in messages],
+                [t.model_dump(exclude_none=True) for t in tools] if tools else None,
+                add_generation_prompt,
+            )
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+
+    async def with_grammar(
+        prepared: PreparedRequest, body: CompletionRequest | ChatCompletionRequest
+    ) -> None:
+        """Compile the request's grammar (400 naming the field if it does not) and set it on `prepared`."""
+        grammar, param = requested_grammar(body, tool_markers)
+        if grammar is not None:
+            await asyncio.get_running_loop().run_in_executor(tokenizer_pool, grammars.check, grammar, param)
+            prepared.params = dataclasses.replace(prepared.params, structured_output=grammar)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         reject_unsupported(body)
@@ -211,12 +251,13 @@ def build_app(
         else:
             prompt_ids = list(body.prompt)
         prepared = prepare(backend, body, prompt_ids, body.max_tokens, default_max_tokens=16, prefix="cmpl")
+        await with_grammar(prepared, body)
         return await serve_one(request, prepared, body, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         reject_unsupported(body)
-        prompt_ids = await encode(chat_prompt(body.messages))
+        prompt_ids = await encode(render_chat(body.messages, body.tools, body.add_generation_prompt))
         completion_limit = body.max_completion_tokens is not None  # OpenAI's newer name wins
         prepared = prepare(
             backend,
@@ -227,13 +268,40 @@ def build_app(
             prefix="chatcmpl",
             max_tokens_param="max_completion_tokens" if completion_limit else "max_tokens",
         )
-        return await serve_one(request, prepared, body, "chat")
+        await with_grammar(prepared, body)
+        parse_tools = bool(body.tools) and body.tool_choice != "none"
+        return await serve_one(request, prepared, body, "chat", tool_markers if parse_tools else None)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        """vLLM's /tokenize: `prompt`, or `messages` through the chat template."""
+        _check_model(backend, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "send either prompt or messages", param="prompt")
+        text = (
+            body.prompt
+            if body.prompt is not None
+            else render_chat(body.messages, body.tools, body.add_generation_prompt)
+        )
+        tokens = await encode(text)
+        return JSONResponse({"count": len(tokens), "max_model_len": backend.max_model_len, "tokens": tokens})
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        """vLLM's /detokenize: the text of `tokens` (special tokens skipped)."""
+        _check_model(backend, body.model)
+        vocab_size = getattr(backend, "vocab_size", None) or backend.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise ApiError(400, f"token ids must be in [0, {vocab_size}), got {bad[0]}", param="tokens")
+        return JSONResponse({"prompt": backend.tokenizer.decode(body.tokens)})
 
     async def serve_one(
         request: Request,
         prepared: PreparedRequest,
         body: CompletionRequest | ChatCompletionRequest,
         endpoint: Endpoint,
+        tool_markers: ToolCallMarkers | None = None,
     ) -> Response:
         gen = Generation(backend, prepared, metrics, slo)
         # Wait for the first delta before answering, so a request the backend refuses gets a real 400/503
@@ -249,7 +317,7 @@ def build_app(
             await gen.close()
             return Response(status_code=499)
         if body.stream:
-            chunk = partial(_chunk, endpoint)
+            chunk = partial(_chunk, endpoint) if tool_markers is None else _tool_chunk(tool_markers)
             usage = partial(usage_chunk, endpoint=endpoint)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return SSEResponse(sse_events(gen, chunk, usage if include_usage else None), on_close=gen.close)
@@ -260,84 +328,36 @@ def build_app(
         if result is DISCONNECTED:
             return Response(status_code=499)
         p = gen.progress
-        return JSONResponse(response_body(gen, endpoint, p.text, p.finish_reason, chunk=False))
+        if tool_markers is None:
+            return JSONResponse(response_body(gen, endpoint, p.text, p.finish_reason, chunk=False))
+        content, calls = parse_tool_calls(p.text, tool_markers)
+        finish = "tool_calls" if calls and p.finish_reason == "stop" else p.finish_reason
+        tool_calls = [c.to_openai() for c in calls]
+        return JSONResponse(response_body(gen, endpoint, content, finish, chunk=False, tool_calls=tool_calls))
 
     return app
+
+
+def _check_model(backend: ServingBackend, model: str | None) -> None:
+    if model is not None and model != backend.model_name:
+        raise ApiError(
+            404, f"unknown model {model!r}; this server serves {backend.model_name!r}", param="model"
+        )
 
 
 def _chunk(endpoint: Endpoint, gen: Generation, text: str, finish: str | None, first: bool) -> dict:
     return response_body(gen, endpoint, text, finish, chunk=True, first=first)
 
 
-def _add_error_handlers(app: FastAPI, metrics: ApiMetrics) -> None:
-    """Every error as an OpenAI-style body (`protocol.error_response`), counted in `request_errors`
-    (but a routing error: 404, 405)."""
+def _tool_chunk(markers: ToolCallMarkers) -> Callable[[Generation, str, str | None, bool], dict]:
+    """A chat chunk builder that sends tool calls as `tool_calls` deltas (`ToolCallStream`) and ends with
+    finish_reason "tool_calls" when the model called one."""
+    parser = ToolCallStream(markers)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        metrics.errors.labels(str(exc.status_code)).inc()
-        return exc.response()
+    def chunk(gen: Generation, text: str, finish: str | None, first: bool) -> dict:
+        content, calls = parser.feed(text, final=finish is not None)
+        if finish == "stop" and parser.num_calls:
+            finish = "tool_calls"
+        return response_body(gen, "chat", content, finish, chunk=True, first=first, tool_calls=calls or None)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc.errors(), request.headers.get("content-type"))
-        metrics.errors.labels("400").inc()
-        return error_response(400, message, "invalid_request_error", param or None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        metrics.errors.labels("500").inc()
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
-
-
-_UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool"})
-
-
-def _validation_message(errors: Sequence[Any], content_type: str | None) -> tuple[str, str | None]:
-    """The 400's message and `param` for pydantic's `errors` of a request body: pydantic's own words with
-    the field named, except for mistakes users make often, which get a sentence saying what to do: a body
-    that is not JSON, one sent without `Content-Type: application/json` (curl's `-d` sends a form), a
-    batch of prompts, a message part that is not text."""
-    if any(e.get("type") == "json_invalid" for e in errors):
-        return "the request body is not valid JSON", None
-    media_type = (content_type or "").split(";")[0].strip().lower()
-    if media_type != "application/json" and any(tuple(e.get("loc", ())) == ("body",) for e in errors):
-        got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
-        return (
-            f"the request body must be a JSON object sent with Content-Type: application/json (got {got})",
-            None,
-        )
-    for e in errors:
-        loc = tuple(e.get("loc", ()))
-        if loc == ("body", "prompt", "str") and isinstance(e.get("input"), list):
-            if any(isinstance(p, (str, list)) for p in e["input"]):
-                return (
-                    "prompt: a list of prompts (a batch) is not supported: send one prompt per request, "
-                    "as text or as one list of token ids"
-                ), "prompt"
-        if len(loc) >= 3 and "list[TextPart]" in loc and loc[-1] == "type" and e.get("input") != "text":
-            field = _field_path(loc)
-            return f"{field}: only text parts are supported, got a part of type {e.get('input')!r}", field
-    parts = []
-    for e in errors:
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
-    return "invalid request: " + "; ".join(parts), (_field_path(errors[0].get("loc", ())) if errors else None)
-
-
-def _field_path(loc: tuple[int | str, ...]) -> str:
-    """The request field a pydantic error location names, as `param` gives it: "messages.0.content" for
-    ("body", "messages", 0, "content", "list[TextPart]", 0, "type"), i.e. without "body" and from the first
-    member tag of a union field on (pydantic adds the member it tried, "str", "list[int]", ...)."""
-    path = []
-    for x in loc:
-        if x == "body":
-            continue
-        if isinstance(x, str) and (x in _UNION_MEMBER_TAGS or "[" in x):
-            break
-        path.append(str(x))
-    return ".".join(path)
+    return chunk

@@ -17,11 +17,6 @@ from pdcluster.models.tokenizer import check_unicode
 if TYPE_CHECKING:
     from pdcluster.orchestrator.api.generation import Generation
 
-CHAT_TEMPLATE_DOC = """\
-Chat template. The bundled tiny model is a Python *code completion* model with no chat training, so the
-template is deliberately plain: the messages' contents joined with a blank line ("\\n\\n"), roles dropped,
-and the model continues the text of the last message. Put code to complete in the last message."""
-
 MAX_STOP_STRINGS = 16
 RETRY_AFTER_S = 1  # the Retry-After header (seconds) of a 429 (edge full) and of a 503 (backend unavailable)
 
@@ -75,7 +70,13 @@ class CommonRequest(BaseModel):
     frequency_penalty: float = 0.0
     # read only to refuse them (`reject_unsupported`): accepted silently, they would be ignored
     logit_bias: dict[str, Any] | None = None
+    # structured output (`api.structured`): OpenAI's, and vLLM's extensions
     response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     _check_stop = field_validator("stop")(_check_unicode)
 
@@ -102,20 +103,67 @@ class TextPart(BaseModel):
     _check_text = field_validator("text")(_check_unicode)
 
 
-class ChatMessage(BaseModel):
-    """A chat message; `content` is a string or a list of text parts, joined with "\n" as vLLM joins
-    them."""
+class FunctionCall(BaseModel):
+    model_config = STRICT
+
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant message (OpenAI's `tool_calls` item)."""
 
     model_config = STRICT
 
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """A chat message; `content` is a string or a list of text parts, joined with "\n" as vLLM joins
+    them; None for an assistant message that only calls tools."""
+
+    model_config = STRICT
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     _check_content = field_validator("content")(_check_unicode)
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it (`content` a string)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = STRICT
+
+    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(CommonRequest):
@@ -123,17 +171,37 @@ class ChatCompletionRequest(CommonRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    add_generation_prompt: bool = Field(
+        True, description="extension: end the prompt with the assistant's turn"
+    )
 
 
-def chat_prompt(messages: list[ChatMessage]) -> str:
-    """The prompt text of a chat request (see `CHAT_TEMPLATE_DOC`)."""
-    return "\n\n".join(m.text for m in messages)
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: `prompt` (completions form) or `messages` (chat form, through the template)."""
+
+    model_config = STRICT
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+
+    _check_prompt = field_validator("prompt")(_check_unicode)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = STRICT
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuse the OpenAI options this server does not implement (n != 1, penalties, logprobs, echo, best_of,
-    logit_bias, a response_format other than text, suffix, tools), rather than ignore them.
+    logit_bias, suffix), rather than ignore them.
 
     Raises:
         ApiError: 400 naming the option (`param`).
@@ -147,17 +215,9 @@ def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
             raise ApiError(400, f"{name} is not supported by this server (must be 0)", param=name)
     if body.logit_bias:
         raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
-        raise ApiError(
-            400,
-            'response_format is not supported by this server (only {"type": "text"})',
-            param="response_format",
-        )
     if isinstance(body, ChatCompletionRequest):
         if body.logprobs or body.top_logprobs is not None:
             raise ApiError(400, "logprobs is not supported by this server", param="logprobs")
-        if body.tools:
-            raise ApiError(400, "tools (function calling) is not supported by this server", param="tools")
         return
     if body.suffix:
         raise ApiError(400, "suffix is not supported by this server", param="suffix")
@@ -214,7 +274,14 @@ Endpoint = Literal["completion", "chat"]
 
 
 def response_body(
-    gen: Generation, endpoint: Endpoint, text: str, finish: str | None, *, chunk: bool, first: bool = False
+    gen: Generation,
+    endpoint: Endpoint,
+    text: str | None,
+    finish: str | None,
+    *,
+    chunk: bool,
+    first: bool = False,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A response body of `gen` carrying `text` with `finish` (its finish_reason; None mid-stream).
 
@@ -222,20 +289,23 @@ def response_body(
         endpoint: "completion" (`object: text_completion`, `choices[0].text`) or "chat"
             (`chat.completion` with `choices[0].message`; a chunk: `chat.completion.chunk` with
             `choices[0].delta`, whose first one names the role).
-        chunk: an SSE chunk (usage and the `pdcluster` extension only on the last, `finish` set) rather
-            than the whole response (always with both).
+        chunk: an SSE chunk (the `pdcluster` extension only on the last, `finish` set; `usage` never: the
+            `include_usage` chunk carries it, counted once) rather than the whole response (with both).
         first: the stream's first chunk (chat: the delta carries `role: assistant`).
+        tool_calls: chat: the message's `tool_calls` (OpenAI form; in a chunk, with their `index`).
     """
     choice: dict[str, Any] = {"index": 0}
     if endpoint == "completion":
         object_ = "text_completion"
         choice["text"] = text
-    elif chunk:
-        object_ = "chat.completion.chunk"
-        choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
     else:
-        object_ = "chat.completion"
-        choice["message"] = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text} if first or not chunk else {}
+        if chunk and not first:
+            message["content"] = text
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        object_ = "chat.completion.chunk" if chunk else "chat.completion"
+        choice["delta" if chunk else "message"] = message
     choice.update(logprobs=None, finish_reason=finish)
     prepared = gen.prepared
     body: dict[str, Any] = {
@@ -245,8 +315,9 @@ def response_body(
         "model": prepared.model,
         "choices": [choice],
     }
-    if finish is not None or not chunk:
+    if not chunk:
         body["usage"] = gen.usage()
+    if finish is not None or not chunk:
         body["pdcluster"] = gen.extension()
     return body
 

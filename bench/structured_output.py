@@ -1,0 +1,119 @@
+"""Cost of grammar-constrained decoding: `python -m bench.structured_output [--json]`.
+
+Issue 37's target: constrained decoding costs at most 15% of output tokens/s at batch 32.
+
+Method, per batch size B: one engine (`engine.llm.LLM`, greedy, `ignore_eos`, `--num-tokens` output tokens
+per request, MTP k=`--num-speculative-tokens`) generates B held-out prompts, alternating free and
+constrained runs `--num-repeats` times each. Constrained: every request's output must match the regex
+`[^\\n]*` (one line: xgrammar fills and applies a bitmask for every sampled and verified row, and advances
+each request's grammar by every committed token), so both runs produce the same number of tokens. The
+grammar is compiled once before timing (compiled grammars are cached). Output tokens/s: B x num_tokens /
+wall time of `generate` (prefill included), medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from bench.common import (
+    add_common_arguments,
+    check_checkpoint,
+    environment,
+    format_table,
+    int_list,
+    positive_int,
+    run_and_emit,
+)
+
+TARGET_COST = 0.15
+GRAMMAR = ("regex", r"[^\n]*")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.structured_output", description=__doc__.splitlines()[0]
+    )
+    add_common_arguments(parser)
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 32])
+    parser.add_argument("--num-tokens", type=positive_int, default=64, help="output tokens per request")
+    parser.add_argument("--num-repeats", type=positive_int, default=3, help="timed runs of each kind")
+    parser.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP drafts per step")
+    return parser
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from pdcluster.engine.llm import LLM
+    from pdcluster.engine.sampling_params import SamplingParams
+    from pdcluster.models.prompts import heldout_token_prompts
+
+    llm = LLM(
+        args.model,
+        max_model_len=512,
+        num_speculative_tokens=args.num_speculative_tokens,
+        max_num_seqs=max(args.batch_sizes),
+    )
+    llm.engine.executor.structured_outputs.compiler.compile(GRAMMAR)
+    results = []
+    for batch in args.batch_sizes:
+        prompts = heldout_token_prompts(llm.tokenizer, [48] * batch)
+        kinds = {
+            "free": SamplingParams(temperature=0, max_tokens=args.num_tokens, ignore_eos=True),
+            "constrained": SamplingParams(
+                temperature=0, max_tokens=args.num_tokens, ignore_eos=True, structured_output=GRAMMAR
+            ),
+        }
+        llm.generate(prompts, kinds["free"])  # warm-up
+        times: dict[str, list[float]] = {kind: [] for kind in kinds}
+        for _ in range(args.num_repeats):
+            for kind, params in kinds.items():
+                start = time.perf_counter()
+                outs = llm.generate(prompts, params)
+                times[kind].append(time.perf_counter() - start)
+                assert all(len(o.token_ids) == args.num_tokens for o in outs)
+        per_s = {k: batch * args.num_tokens / statistics.median(v) for k, v in times.items()}
+        results.append(
+            {
+                "batch_size": batch,
+                "free_tokens_per_s": round(per_s["free"], 1),
+                "constrained_tokens_per_s": round(per_s["constrained"], 1),
+                "cost": round(1 - per_s["constrained"] / per_s["free"], 4),
+            }
+        )
+    at_32 = next((r for r in results if r["batch_size"] == 32), None)
+    return {
+        "benchmark": "structured_output",
+        "config": {
+            **vars(args),
+            "model": str(args.model),
+            "grammar": list(GRAMMAR),
+            **environment(args.model),
+        },
+        "results": results,
+        "target_cost": TARGET_COST,
+        "met": None if at_32 is None else at_32["cost"] <= TARGET_COST,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    rows = [
+        (r["batch_size"], r["free_tokens_per_s"], r["constrained_tokens_per_s"], f"{r['cost']:.1%}")
+        for r in result["results"]
+    ]
+    header = ("batch", "free tok/s", "constrained tok/s", "cost")
+    return format_table(header, rows) + f"\ntarget cost <= {TARGET_COST:.0%} at batch 32: met={result['met']}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    problem = check_checkpoint(args.model)
+    if problem:
+        raise SystemExit(problem)
+    run_and_emit(lambda: run(args), args, table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
