@@ -144,8 +144,6 @@ class ServingBackend(Protocol):
         kv_blocks: {instance_name: {"num_used_blocks": int, "num_total_blocks": int}}.
         kv_transfer_bytes_total: int, bytes of KV moved prefill -> decode since start.
         kv_transfer_seconds_total: float, seconds spent in KV transfer since start.
-        pushed_total: {kind: int}, request-path messages sent over a faster channel than the default one
-            (the cluster's: `InstanceMonitor.pushed_total`).
 
         May block (the cluster's asks every rank, waiting up to its call timeout): call it off the event
         loop.

@@ -159,10 +159,6 @@ class ClusterDeployment(ClusterWiring):
         check_deployable(topo)
         self.topology = topo
         self._loopback = is_loopback_topology(topo)
-        self._reply_listener = None
-        self._decode_push_tags = {}  # tag of a decode rank's reply connection -> the rank (wiring)
-        self._decode_tag_of = {}  # the inverse: a decode rank -> its current tag (wiring; read by routing)
-        self._prefill_push_tags = {}  # a prefill rank -> the tag of its reply connection (wiring)
         plan = plan_placement(topo)
         self._started_ray = False
         self._started_ray_head = False
@@ -231,8 +227,7 @@ class ClusterDeployment(ClusterWiring):
                     ) from None
                 infos[info.name] = info
                 log(f"  {info.name} ready: {load_summary(info)} ({len(infos)}/{len(ready_refs)})")
-            # the driver's state before the reply channel connects (a rank's record may come at once) and
-            # inside this try: a Ctrl-C anywhere here tears down what started
+            # the driver's state, inside this try: a Ctrl-C anywhere here tears down what started
             first = infos["prefill-0"]
             self.num_hidden_layers = first.num_hidden_layers
             self.kv_dim = first.kv_dim
@@ -254,7 +249,6 @@ class ClusterDeployment(ClusterWiring):
             self._last_kill_s = {}  # when the monitor last had Ray restart each instance (health_monitor)
             self._overdue_kills = {}  # the death each overdue restart was killed in (health_monitor)
             self._replacements = {}  # new actors started for each instance Ray gave up on (health_monitor)
-            self._poll_acked_seq = [[0] * d.num_ranks for d in self.instances["decode"]]  # per decode rank
             self.call_timeout_s = call_timeout_s(topo.kv_transfer.timeout_s)
             self.event_timeout_s = event_timeout_s(topo.kv_transfer.timeout_s)
             self._prefix_cache = PrefixCacheModel(topo.prefill.block_size)
@@ -266,23 +260,10 @@ class ClusterDeployment(ClusterWiring):
             self._loop: asyncio.AbstractEventLoop | None = None
             self._kv_transfer_bytes_total = 0
             self._kv_transfer_seconds_total = 0.0
-            self._num_prefill_replies_received = 0
-            self._num_prefill_replies_pushed = 0
-            self._num_first_tokens_early = 0
-            self._num_decode_events_pushed = 0
-            self._num_binds_pushed = 0  # binds sent on a prefill rank's reply connection (routing)
-            self._num_calls_pushed = {"reserve": 0, "prefill": 0}  # sent on a rank's reply connection
-            self._pending_calls = {}  # call id -> (tag, kind, handoff id, the answer's future) (routing)
-            self._call_ids = itertools.count(1)
             self._closed = False
             decode_addresses = self._wire(ray, plan)
             if topo.kv_transport == "shm+grpc":  # which transport each prefill -> decode pair took
                 log(f"  KV pairs ({topo.kv_transport}): {self._pair_transports(ray)}")
-            self._connect_reply_channel(
-                ray,
-                prefill_indices=range(len(self.instances["prefill"])),
-                decode_indices=range(len(self.instances["decode"])),
-            )
             log(
                 f"cluster {topo.name} up in {time.monotonic() - started_s:.1f} s "
                 f"({topo.kv_transport}, layerwise={topo.kv_transfer.layerwise})"
@@ -421,9 +402,6 @@ class ClusterDeployment(ClusterWiring):
                     "the actors and placement groups went with it; nothing of Ray's left to stop"
                 )
         self.instances, self._placement_groups = {"prefill": [], "decode": []}, []
-        if self._reply_listener is not None:
-            self._reply_listener.close()
-            self._reply_listener = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

@@ -78,15 +78,6 @@ class InstanceMonitor:
     """Health bookkeeping of `orchestrator.cluster.Cluster` (see the module docstring)."""
 
     instances: dict[str, list[Instance]]
-    _reply_listener: Any  # `ClusterWiring`'s `ReplyListener` (None: not one host)
-    _prefill_push_tags: dict[RankRef, str]  # `ClusterWiring`'s: each prefill rank's reply connection tag
-    _decode_tag_of: dict[RankRef, str]  # `ClusterWiring`'s: each decode rank's reply connection tag
-    # `RequestDispatch`'s and `ClusterRouting`'s counts of what went over a reply connection (`pushed_total`)
-    _num_prefill_replies_pushed: int
-    _num_first_tokens_early: int
-    _num_decode_events_pushed: int
-    _num_binds_pushed: int
-    _num_calls_pushed: dict[str, int]
     _stuck_passes: dict[str, tuple[int, int, float]]  # the watchdog's `stuck` per rank name (engine_fault)
     _last_answer_s: dict[tuple[str, int], float]  # time.monotonic() of each instance's last answered probe
     _engine_restarts: dict[tuple[str, int], int]  # the process last killed for Ray to restart, per instance
@@ -105,8 +96,7 @@ class InstanceMonitor:
 
     def stats(self) -> dict[str, Any]:
         """Load snapshot of the instances in routing, and every instance's health: `ranks` (each rank's
-        counters by rank name, `rank_stats`), `kv_blocks` per decode rank, the totals, `pushed_total`
-        (`pushed_total()`) and `instances`.
+        counters by rank name, `rank_stats`), `kv_blocks` per decode rank, the totals and `instances`.
 
         The snapshots are taken in parallel, waiting at most `call_timeout_s` (derived from
         kv_transfer.timeout_s, like every call on the request path): an instance that does not answer in
@@ -157,24 +147,7 @@ class InstanceMonitor:
             },
             "kv_transfer_bytes_total": self._kv_transfer_bytes_total,
             "kv_transfer_seconds_total": self._kv_transfer_seconds_total,
-            "pushed_total": self.pushed_total(),
             "instances": self.health(),
-        }
-
-    def pushed_total(self) -> dict[str, int]:
-        """What the request path sent over a rank's reply connection (a Unix socket; one host only) instead
-        of a Ray call or its reply, since start, by kind: `prefill_result` (a prefill result taken from the
-        socket before the call's reply), `first_token_early` (of those, a first token pushed as soon as it
-        was sampled, before the MTP drafts and the handoff's finish), `decode_event` (token events),
-        `bind`, `reserve_call`, `prefill_call`. All zero on several nodes or when the socket is down;
-        against the request count they say how much of the request path took the fast one."""
-        return {
-            "prefill_result": self._num_prefill_replies_pushed,
-            "first_token_early": self._num_first_tokens_early,
-            "decode_event": self._num_decode_events_pushed,
-            "bind": self._num_binds_pushed,
-            "reserve_call": self._num_calls_pushed["reserve"],
-            "prefill_call": self._num_calls_pushed["prefill"],
         }
 
     def check_ready(self) -> None:
@@ -363,8 +336,6 @@ class InstanceMonitor:
                 in_long_pass = max(load.engine_pass_s for load in loads) > self.call_timeout_s
                 if health.pid != pids[0] or not in_long_pass:
                     self._rejoin(instance.role, instance.index, pids[0])
-            elif self._reply_channel_lost(instance.role, instance.index):
-                self._reconnect_reply_channel(ray, instance.role, instance.index)
 
     def _replace_if_given_up(self, ray, instance: Instance, exc: BaseException) -> None:
         """A probe of `instance` failed with ActorDiedError: Ray has given up on its actor (a call to an actor
@@ -473,10 +444,10 @@ class InstanceMonitor:
 
     def _rejoin(self, role: str, index: int, pid: int) -> None:
         """Instance (`role`, `index`) out of routing (or restarted) answered a probe from process `pid`:
-        rewire it if Ray restarted it, reconnect its reply channel if that closed, then put it back in
-        routing. The rewiring makes Ray calls (seconds), during which the request path may record a failure
-        of the instance (an actor-died error, say); the health is set only if nobody changed it meanwhile
-        (compare and set under the lock), else the failure stands and the next probe decides."""
+        rewire it if Ray restarted it, then put it back in routing. The rewiring makes Ray calls (seconds),
+        during which the request path may record a failure of the instance (an actor-died error, say); the
+        health is set only if nobody changed it meanwhile (compare and set under the lock), else the failure
+        stands and the next probe decides."""
         import ray
 
         with self._health_lock:
@@ -490,10 +461,9 @@ class InstanceMonitor:
             except Exception as e:  # noqa: BLE001 - try again at the next probe
                 logger.error("%s-%d answers again but could not be rewired: %s", role, index, e)
                 return
-        if not needs_rewire and self._reply_channel_lost(role, index):
-            self._reconnect_reply_channel(ray, role, index)
-        if role == "decode" and needs_rewire:  # a new process numbers its events from 1 again
-            self._poll_acked_seq[index][:] = [0] * len(self._poll_acked_seq[index])
+        if needs_rewire:  # a new process: its events number from 1 again, its commands start a new stream
+            for client in self.instances[role][index].clients:
+                client.restarted()
         with self._health_lock:
             now = self._health[role][index]
             if now is not before:  # the request path recorded a failure meanwhile (its calls, not ours)
@@ -515,36 +485,12 @@ class InstanceMonitor:
             "restarted and rewired" if needs_rewire else "answering again",
         )
 
-    def _reconnect_reply_channel(self, ray, role: str, index: int) -> None:
-        """The same process, but a rank's connection to the reply socket closed (it broke, or the driver
-        dropped it): connect the instance's ranks again, under new tags, so that their binds and calls stop
-        going by Ray from now on."""
-        indices = {"prefill_indices": [index]} if role == "prefill" else {"decode_indices": [index]}
-        logger.warning("%s-%d: its connection to the reply socket closed; reconnecting", role, index)
-        try:
-            self._connect_reply_channel(ray, timeout_s=self.call_timeout_s, restarted=True, **indices)
-        except Exception as e:  # noqa: BLE001 - its Ray calls still carry everything; tried at the next probe
-            logger.warning("%s-%d could not reconnect to the reply socket: %s", role, index, e)
-
-    def _reply_channel_lost(self, role: str, index: int) -> bool:
-        """Whether a rank of instance (`role`, `index`) had a connection to the driver's reply socket (one
-        host) that closed since. A rank that never connected under its tag (it could not, at deploy or at a
-        reconnect) is not asked again at every probe: it keeps its Ray calls."""
-        listener = self._reply_listener
-        if listener is None or listener.closed:
-            return False
-        tags = self._prefill_push_tags if role == "prefill" else self._decode_tag_of
-        ranks = [RankRef(index, r) for r in range(self.instances[role][index].num_ranks)]
-        return any(ref in tags and listener.dropped(tags[ref]) for ref in ranks)
-
     def _rewire(self, ray, role: str, index: int, restarted: bool) -> None:
         """gRPC, shm and shm+grpc only (restarts are off for torch.distributed and for multi-rank instances,
         whose groups are fixed at deploy). A restarted decode starts its receiver on a new port (shm: a new
         socket path; shm+grpc: both, in a new `PairedAddress`), which the prefill ranks in routing learn at
-        once (the others when they rejoin), and (one host) reconnects to the driver's reply socket under a
-        new tag; a rejoining prefill instance's ranks (re)connect to every decode rank's current address, in
-        case one moved meanwhile, and a restarted one (one host) to the reply socket under a new tag, where
-        its binds and calls go from then on."""
+        once (the others when they rejoin); a rejoining prefill instance's ranks (re)connect to every decode
+        rank's current address, in case one moved meanwhile."""
         if role == "decode":
             assert restarted
             decode = self.decode_actors[index]
@@ -561,8 +507,6 @@ class InstanceMonitor:
             ray.get(
                 [p.set_decode_address.remote(index, address) for p in prefills], timeout=self.call_timeout_s
             )
-            # the new process pushes its events under a new tag (the old one's are no longer taken)
-            self._connect_reply_channel(ray, (), self.call_timeout_s, restarted=True, decode_indices=[index])
         else:
             addresses = [list(ranks) for ranks in self._decode_addresses]
             ranks = self.instances["prefill"][index].ranks
@@ -571,8 +515,6 @@ class InstanceMonitor:
                 [a.connect_receivers.remote(transport, addresses, self._kv_tls) for a in ranks],
                 timeout=self.call_timeout_s,
             )
-            if restarted:  # the new process has no reply socket yet
-                self._connect_reply_channel(ray, [index], self.call_timeout_s, restarted=True)
 
     def _fail_attempts(self, role: str, index: int) -> None:
         """End every in-flight attempt on instance (`role`, `index`) with a "decode_lost" event (decode)
@@ -622,8 +564,7 @@ class InstanceMonitor:
 
 
 def _prefill_pending(attempt: Attempt) -> bool:
-    """The attempt's prefill call was sent and neither returned nor pushed its finished result (a prefill
-    lost after that took nothing of the attempt with it: its KV was handed to the sender, decode reports the
-    rest; after an early first token alone it is still pending: its MTP layer and finish are to come)."""
+    """The attempt's prefill call was sent and has not returned (a prefill lost after that took nothing of
+    the attempt with it: its KV was handed to the sender, decode reports the rest)."""
     call = attempt.prefill_call
-    return call is not None and not call.done() and attempt.awaiting_prefill_result
+    return call is not None and not call.done() and not attempt.prefill_reported

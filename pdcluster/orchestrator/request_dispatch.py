@@ -2,29 +2,15 @@
 lifecycle). A thin loop over the pure dispatch policy (`orchestrator.dispatch`):
 
     generate(request_id, ...)         one `RequestRecord`; per attempt (at most MAX_DISPATCH_ATTEMPTS):
-      _dispatch (`orchestrator.routing`) route (`orchestrator.router` policy over the load board's rank
-                                      loads: no call), reserve on decode (`DecodeNode.reserve`);
-                                      `after_reserve` says: start prefill, route again, retry (no room),
-                                      fail (no room until the deadline), or end (aborted)
-      prefill call                    `PrefillNode.prefill(PrefillRequest)`, sent by _dispatch as soon as
-                                      routed (awaiting its bind: prefill computes while decode reserves),
-                                      then its bind with the meta decode bound (on the
-                                      rank's reply connection on one host, else
-                                      `PrefillNode.bind`)
+      _dispatch (`orchestrator.routing`) route, send the prefill awaiting its bind, reserve on decode,
+                                      bind (`after_reserve` decides)
       _next_events                    the attempt's next events: decode's `TokenDelta` / `RequestError`
                                       (handed over by the poll loop), `Aborted`, `DecodeLost`, the prefill
-                                      call's `PrefillDone` / `PrefillFailed`, or `NoEvent` (timeout); on
-                                      one host the prefill rank also pushes its result over a Unix socket
-                                      (`_on_prefill_reply`, `orchestrator.reply_channel`): the first of the
-                                      two is the attempt's `PrefillDone`
-      next_action                     Emit (stream it) | EmitFirstToken (stream prefill's first token
-                                      before decode admits the request) | Wait | EndAborted |
-                                      Redispatch (keeping a first token streamed early) | Fail
-    _poll(decode_index, rank)         one loop per decode rank: `DecodeNode.poll_with_load` -> the attempt
-                                      queues, and the rank's load snapshot -> the load board (routing); on
-                                      one host the decode rank also pushes each engine pass's events with
-                                      its load over the Unix socket (`_on_decode_events`): an event is
-                                      handed over once, in sequence, whichever way came first
+                                      call's `PrefillDone` / `PrefillFailed`, or `NoEvent` (timeout)
+      next_action                     Emit | EmitFirstToken (prefill's first token, before decode admits
+                                      the request) | Wait | EndAborted | Redispatch | Fail
+    _poll(decode_index, rank)         one loop per decode rank: `RankClient.events` -> the attempt queues,
+                                      and the rank's load snapshot -> the load board (routing)
 
 Every wait is bounded: actor calls by `call_timeout_s`, the prefill call and each wait for an event by
 `event_timeout_s` (`orchestrator.dispatch`).
@@ -33,7 +19,6 @@ Every wait is bounded: actor calls by `call_timeout_s`, the prefill call and eac
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -63,15 +48,10 @@ from pdcluster.orchestrator.instance import Instance
 from pdcluster.orchestrator.load_board import LoadBoard
 from pdcluster.orchestrator.messages import (
     Aborted,
-    DecodeNodeLoad,
     Phases,
-    PolledEvent,
-    PollReply,
     PrefillResult,
     TokenDelta,
 )
-from pdcluster.orchestrator.reply_channel import call_soon_on
-from pdcluster.orchestrator.reply_records import handoff_tag
 from pdcluster.orchestrator.request_state import Attempt, RequestRecord
 from pdcluster.orchestrator.router import RankRef
 
@@ -85,11 +65,6 @@ class RequestDispatch:
     _requests: dict[str, RequestRecord]
     _by_handoff: dict[str, Attempt]
     _loads: LoadBoard
-    _num_prefill_replies_received: int  # results the reply socket brought (`_on_prefill_reply`)
-    _num_prefill_replies_pushed: int  # of those, taken before the call's reply
-    _num_first_tokens_early: int  # of those, pushed as soon as sampled (`PrefillResult.handoff_finished`)
-    _decode_push_tags: dict[str, RankRef]  # the current tag of each decode rank's reply connection
-    _num_decode_events_pushed: int  # events handed over from the reply socket (`_on_decode_events`)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -148,7 +123,6 @@ class RequestDispatch:
                             elif isinstance(action, Wait):
                                 self._record_prefill_phases(record, action.phases_from)
                             elif isinstance(action, EndAborted):
-                                self._abort_after_prefill(attempt, prefill_task)
                                 yield record.stream_delta()
                                 return
                             else:
@@ -158,10 +132,8 @@ class RequestDispatch:
                     raise
                 finally:
                     self._by_handoff.pop(attempt.handoff_id, None)
-                    if not record.finished and not prefill_task.done():
-                        if owner_gone:  # released by the outer `finally`, and again after the prefill call
-                            self._abort_after_prefill(attempt, prefill_task)
-                        elif not record.aborted:  # (an aborted one runs on, likewise)
+                    if not record.finished and not prefill_task.done() and not owner_gone:
+                        if not record.aborted:  # (released by the outer `finally` / by abort())
                             prefill_task.cancel()
                 self._release(attempt)
                 if isinstance(action, Fail):
@@ -192,12 +164,6 @@ class RequestDispatch:
     # ---- one attempt ------------------------------------------------------------------------------------
     @staticmethod
     def _record_prefill_phases(record: RequestRecord, result: PrefillResult) -> None:
-        """The prefill phases of a result: all of a finished one's; of an early one (pushed at its first
-        token's sampling, `handoff_finished` False) its queue_s alone, the same as the finished one's (its
-        prefill_s ends at the sampling: the finished result brings the phase)."""
-        if not result.handoff_finished:
-            record.phases = record.phases.merged(Phases(queue_s=result.queue_s))
-            return
         record.phases = record.phases.merged(
             Phases(
                 queue_s=result.queue_s,
@@ -273,9 +239,8 @@ class RequestDispatch:
         call returned meanwhile). A prefill instance found lost is marked so here."""
         getter = asyncio.ensure_future(attempt.events.get())
         # The prefill call is sent while decode reserves, so it may have ended (failed) before the first
-        # wait: it is waited on until its finished result was taken (after an early first token its MTP
-        # layer and the handoff's finish are still to come, and may fail).
-        waits = {getter, prefill_task} if attempt.awaiting_prefill_result else {getter}
+        # wait: it is waited on until its result was taken.
+        waits = {getter, prefill_task} if not attempt.prefill_reported else {getter}
         done, _ = await asyncio.wait(waits, timeout=self.event_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if record.aborted:
             getter.cancel()
@@ -285,89 +250,22 @@ class RequestDispatch:
             return [NoEvent()]
         if getter not in done:  # the prefill call returned first
             getter.cancel()
-            if not attempt.awaiting_prefill_result:  # its finished result was pushed meanwhile: that
-                return []  # PrefillDone is in the queue
+            attempt.prefill_reported = True
             exc = prefill_task.exception()
             if exc is None:
-                attempt.prefill_reported, attempt.first_token_early = True, False
                 return [PrefillDone(prefill_task.result())]
             if isinstance(exc, asyncio.TimeoutError):
                 exc = TimeoutError(f"no answer within {self.event_timeout_s:.0f} s")
-            attempt.prefill_reported, attempt.first_token_early = True, False
             failed = PrefillFailed(describe_error(exc))
             if self._is_lost(exc):
                 self._mark_failed("prefill", attempt.prefill_index, exc, "prefill", attempt.prefill_sent_s)
             return [failed]
         events: list[Event] = []
-        if attempt.awaiting_prefill_result and prefill_task.done() and prefill_task.exception() is None:
-            attempt.prefill_reported, attempt.first_token_early = True, False
+        if not attempt.prefill_reported and prefill_task.done() and prefill_task.exception() is None:
+            attempt.prefill_reported = True
             events.append(PrefillDone(prefill_task.result()))
         events.append(getter.result())
         return events
-
-    # ---- prefill results pushed over the reply socket (`orchestrator.reply_channel`) ---------------------
-    def _on_prefill_reply_threadsafe(self, handoff_id: str, tag: str, result: PrefillResult) -> None:
-        """The reply listener's thread: hand a pushed result to the requests' event loop."""
-        call_soon_on(self._loop, self._on_prefill_reply, handoff_id, tag, result)
-
-    def _on_prefill_reply(self, handoff_id: str, tag: str, result: PrefillResult) -> None:
-        """A prefill rank pushed the result its call is about to return: it is the attempt's `PrefillDone`
-        unless the call's reply came first (then this one is dropped), or it is not this attempt's (an
-        earlier request's, under a reused id: its tag is another reservation's). An early result (its first
-        token, pushed as soon as it was sampled: `handoff_finished` False) is the attempt's `PrefillDone`
-        just the same, and streams the token; the finished result that follows it is queued too, for its
-        phases (`next_action` waits on it: the token is out)."""
-        self._num_prefill_replies_received += 1
-        attempt = self._by_handoff.get(handoff_id)
-        if attempt is None or attempt.meta is None:
-            return
-        if not hmac.compare_digest(tag.encode(), handoff_tag(attempt.meta.secret).encode()):
-            return
-        if attempt.prefill_reported:
-            if attempt.first_token_early and result.handoff_finished:
-                attempt.first_token_early = False
-                attempt.events.put_nowait(PrefillDone(result))
-            return
-        attempt.prefill_reported = True
-        attempt.first_token_early = not result.handoff_finished
-        self._num_prefill_replies_pushed += 1
-        self._num_first_tokens_early += attempt.first_token_early
-        attempt.events.put_nowait(PrefillDone(result))
-
-    # ---- decode events pushed over the reply socket (`orchestrator.reply_channel`) -------------------------
-    def _on_decode_events_threadsafe(self, who: str, events: list[PolledEvent], load: DecodeNodeLoad) -> None:
-        """The reply listener's thread: hand a decode rank's pushed events to the requests' event loop."""
-        call_soon_on(self._loop, self._on_decode_events, who, events, load)
-
-    def _on_decode_events(self, who: str, events: list[PolledEvent], load: DecodeNodeLoad) -> None:
-        """Events a decode rank pushed (consecutive seqs) and its load then, from the connection tagged
-        `who`: taken only while `who` is that rank's current tag (a restarted rank numbers from 1 again, under
-        a new tag). Handed over as the poll's are."""
-        ref = self._decode_push_tags.get(who)
-        if ref is None:
-            return
-        instance = self.instances["decode"][ref.instance]
-        if instance.routable:
-            self._loads.update_decode(ref, load)
-        self._num_decode_events_pushed += self._hand_over(ref, events)
-
-    def _hand_over(self, ref: RankRef, events: list[PolledEvent]) -> int:
-        """Hand decode rank `ref`'s events to their attempts in sequence, once each: an event at or before
-        the rank's acknowledged seq came already; one after a gap waits for the poll (it returns every event
-        not acknowledged), and so do the ones after it. Returns how many were handed over."""
-        acked = self._poll_acked_seq[ref.instance]
-        num_handed = 0
-        for item in events:
-            if item.seq <= acked[ref.rank]:
-                continue
-            if item.seq != acked[ref.rank] + 1:
-                break
-            acked[ref.rank] = item.seq
-            num_handed += 1
-            attempt = self._by_handoff.get(item.event.handoff_id)
-            if attempt is not None:
-                attempt.events.put_nowait(item.event)
-        return num_handed
 
     # ---- the poll loops -----------------------------------------------------------------------------------
     def _ensure_pollers(self) -> None:
@@ -388,12 +286,8 @@ class RequestDispatch:
         the events received so far, so a reply lost to a timeout is sent again by the next poll
         (`DecodeNode.poll`). Ends when cancelled, also when `asyncio.wait_for` swallowed the cancellation
         (Python 3.11 returns the result of a call that completed as the cancellation came, CPython
-        gh-86296): the request is still counted by `Task.cancelling`, and the loop would poll forever. With
-        the rank's events pushed (`_on_decode_events`), a poll returns early only for events the push did
-        not bring, else after `POLL_WAIT_S`, with the load and every event not acknowledged (those the push
-        brought are skipped)."""
+        gh-86296): the request is still counted by `Task.cancelling`, and the loop would poll forever."""
         instance = self.instances["decode"][decode_index]
-        acked = self._poll_acked_seq[decode_index]  # per rank
         task = asyncio.current_task()
         while not self._closed:
             if task is not None and task.cancelling():
@@ -403,16 +297,17 @@ class RequestDispatch:
                 continue
             sent_s = time.monotonic()
             try:
-                reply: PollReply = await self._call(
-                    instance.ranks[rank].poll_with_load.remote(POLL_WAIT_S, acked[rank]),
-                    self.call_timeout_s + POLL_WAIT_S,
+                events, load = await instance.client(rank).events(
+                    POLL_WAIT_S, self.call_timeout_s + POLL_WAIT_S
                 )
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - a dead or stuck decode rank fails its instance
                 self._mark_failed("decode", decode_index, e, f"poll of rank {rank}", sent_s)
                 continue
-            ref = RankRef(decode_index, rank)
             if instance.routable:  # (a reply that raced the instance leaving routing is stale)
-                self._loads.update_decode(ref, reply.load)
-            self._hand_over(ref, reply.events)
+                self._loads.update_decode(RankRef(decode_index, rank), load)
+            for event in events:
+                attempt = self._by_handoff.get(event.handoff_id)
+                if attempt is not None:
+                    attempt.events.put_nowait(event)

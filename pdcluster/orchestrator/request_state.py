@@ -31,16 +31,10 @@ class Attempt:
     decode: RankRef
     meta: HandoffMeta | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    prefill_reported: bool = False  # its prefill call's result was taken (PrefillDone)
-    first_token_early: bool = False  # that result was an early one (handoff_finished False): one more comes
+    prefill_reported: bool = False  # its prefill call's outcome was taken (PrefillDone / PrefillFailed)
     prefill_call: asyncio.Future | None = None  # its prefill call, once sent
     prefill_sent_s: float | None = None  # time.monotonic() when it was sent
     decode_delta_seen: bool = False  # decode's first delta of this attempt was handled
-
-    @property
-    def awaiting_prefill_result(self) -> bool:
-        """Its prefill call's finished result was not taken yet (none was, or only an early first token)."""
-        return not self.prefill_reported or self.first_token_early
 
     @property
     def prefill_index(self) -> int:

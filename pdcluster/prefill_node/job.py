@@ -36,9 +36,6 @@ class Job:
     cpu_wait_s: float | None = 0.0
     # why handing its KV to the sender failed inside a step (`PrefillNode._on_prompt_kv`); failed after it
     step_error: str | None = None
-    # (token id, text) of the first token as `_on_first_token` computed it (`early_first_token_text`), so
-    # the finished result reuses the text instead of decoding it again; None: not computed
-    first_token_text: tuple[int, str | None] | None = None
 
     @property
     def request_id(self) -> str:

@@ -126,7 +126,6 @@ def test_a_failure_recorded_while_an_instance_rejoins_is_not_overwritten(caplog)
     monitor.instances = {"prefill": [prefill], "decode": []}
     monitor._health_lock, monitor.call_timeout_s, failed = threading.Lock(), 3.0, []
     monitor.topology = SimpleNamespace(kv_transport="shm")  # prefill is rewired when it rejoins
-    monitor._reply_channel_lost = lambda role, index: False
     monitor._fail_attempts = lambda role, index: failed.append((role, index))
 
     def rewire_while_the_actor_dies(ray, role, index, needs_rewire):
@@ -349,7 +348,6 @@ def _probing_monitor(monkeypatch, answer, health: InstanceHealth, watchdog_s: fl
     )
     monitor._fail_attempts = lambda role, index: done.append(("fail attempts", role, index))
     monitor._rejoin = lambda role, index, pid: done.append(("rejoin", role, index, pid))
-    monitor._reply_channel_lost = lambda role, index: False
     return monitor, instance, rank, done
 
 
