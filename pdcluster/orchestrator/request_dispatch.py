@@ -43,6 +43,7 @@ from pdcluster.orchestrator.dispatch import (
     next_action,
     without_first_token,
 )
+from pdcluster.orchestrator.handoff import HandoffEvent, decode_has_it
 from pdcluster.orchestrator.health_monitor import PROBE_INTERVAL_S
 from pdcluster.orchestrator.instance import Instance
 from pdcluster.orchestrator.load_board import LoadBoard
@@ -119,13 +120,17 @@ class RequestDispatch:
                                 if record.finished:
                                     return
                             elif isinstance(action, EmitFirstToken):
+                                attempt.advance(HandoffEvent.PREFILLED)
                                 yield self._first_token_from_prefill(record, attempt, action.result)
                             elif isinstance(action, Wait):
+                                attempt.advance(HandoffEvent.PREFILLED)
                                 self._record_prefill_phases(record, action.phases_from)
                             elif isinstance(action, EndAborted):
+                                attempt.advance(HandoffEvent.ABORTED)
                                 yield record.stream_delta()
                                 return
                             else:
+                                attempt.advance(HandoffEvent.FAILED)
                                 break
                 except (asyncio.CancelledError, GeneratorExit):
                     owner_gone = True  # the consumer went away (the HTTP client disconnected)
@@ -193,8 +198,11 @@ class RequestDispatch:
         Raises:
             BackendUnavailable: decode's first token is not the one the prefill reply streamed.
         """
-        first_of_attempt = not attempt.decode_delta_seen
-        attempt.decode_delta_seen = True
+        first_of_attempt = not decode_has_it(attempt.state)
+        if first_of_attempt:  # its KV was received, then the request admitted
+            attempt.advance(HandoffEvent.TRANSFERRED, HandoffEvent.ADMITTED)
+        if delta.finished:
+            attempt.advance(HandoffEvent.FINISHED)
         if first_of_attempt and record.first_token is not None:
             try:
                 delta = without_first_token(delta, *record.first_token)
@@ -223,7 +231,7 @@ class RequestDispatch:
             prefill_instance=attempt.prefill_index,
             decode_instance=attempt.decode_index,
             decode_streamed=record.decode_streamed,
-            first_token_streamed=attempt.decode_delta_seen or record.first_token is not None,
+            first_token_streamed=decode_has_it(attempt.state) or record.first_token is not None,
             earlier_errors=tuple(record.errors),
             decode_down_reason=None if decode.routable else decode.health.reason,
             num_other_prefills=len(others),

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from pdcluster.kvtransfer.base import HandoffMeta
 from pdcluster.orchestrator.backend import StreamDelta
+from pdcluster.orchestrator.handoff import HandoffEvent, HandoffState, advance
 from pdcluster.orchestrator.messages import Phases, TokenDelta
 from pdcluster.orchestrator.router import RankRef
 
@@ -34,7 +35,12 @@ class Attempt:
     prefill_reported: bool = False  # its prefill call's outcome was taken (PrefillDone / PrefillFailed)
     prefill_call: asyncio.Future | None = None  # its prefill call, once sent
     prefill_sent_s: float | None = None  # time.monotonic() when it was sent
-    decode_delta_seen: bool = False  # decode's first delta of this attempt was handled
+    state: HandoffState = HandoffState.ROUTED  # the handoff (`orchestrator.handoff`)
+
+    def advance(self, *events: HandoffEvent) -> None:
+        """Apply `events` in order to the handoff's state. Raises `handoff.IllegalTransition`."""
+        for event in events:
+            self.state = advance(self.state, event)
 
     @property
     def prefill_index(self) -> int:

@@ -28,6 +28,7 @@ from pdcluster.orchestrator.dispatch import (
     StartPrefill,
     after_reserve,
 )
+from pdcluster.orchestrator.handoff import HandoffEvent
 from pdcluster.orchestrator.instance import Instance, check_instance_group
 from pdcluster.orchestrator.load_board import LoadBoard
 from pdcluster.orchestrator.messages import Phases, PrefillBind, PrefillRequest, ReserveRequest, ReserveResult
@@ -180,6 +181,7 @@ class RouteAndReserve:
             if isinstance(action, StartPrefill):
                 assert attempt is not None and bound is not None
                 attempt.meta = bound
+                attempt.advance(HandoffEvent.BOUND)
                 if attempt.prefill_call is None:  # not sent early (MAX_EARLY_PREFILL_CALLS): sent bound now
                     self._start_prefill(attempt, prompt_token_ids, params, first_token_id)
                     started.append(attempt)
@@ -300,17 +302,21 @@ class RouteAndReserve:
                 raise
             self._release(attempt)  # a reservation that did go through after the timeout
             self._mark_failed("decode", attempt.decode_index, e, "reserve", sent_s)
+            attempt.advance(HandoffEvent.REROUTED)
             return ReserveOutcome.INSTANCE_LOST, None
         finally:
             self._loads.reserve_answered(attempt.decode, None if answered is None else answered.load)
         if record.aborted:  # aborted while reserving: abort() saw this attempt
             self._by_handoff.pop(attempt.handoff_id, None)
             self._release(attempt)
+            attempt.advance(HandoffEvent.ABORTED)
             return ReserveOutcome.ABORTED, None
         if result.reserved:
+            attempt.advance(HandoffEvent.RESERVED)
             return ReserveOutcome.BOUND, result.bound_meta
         self._by_handoff.pop(attempt.handoff_id, None)
         record.attempt = None
+        attempt.advance(HandoffEvent.REROUTED)
         return ReserveOutcome.NO_ROOM, None
 
     def _meta(self, attempt: Attempt, prompt_token_ids: list[int]) -> HandoffMeta:
