@@ -1,7 +1,7 @@
 """The request path of a `Cluster`: route, reserve, prefill, stream decode's tokens (DESIGN.md, request
 lifecycle). A thin loop over the pure dispatch policy (`orchestrator.dispatch`):
 
-    generate(request_id, ...)         one `RequestRecord`; per attempt (at most MAX_DISPATCH_ATTEMPTS):
+    generate(request_id, ...)         one `DriverRequest`; per attempt (at most MAX_DISPATCH_ATTEMPTS):
       _dispatch (`orchestrator.routing`) route, send the prefill awaiting its bind, reserve on decode,
                                       bind (`after_reserve` decides)
       _next_events                    the attempt's next events: decode's `TokenDelta` / `RequestError`
@@ -53,7 +53,7 @@ from pdcluster.orchestrator.messages import (
     PrefillResult,
     TokenDelta,
 )
-from pdcluster.orchestrator.request_state import Attempt, RequestRecord
+from pdcluster.orchestrator.request_state import Attempt, DriverRequest
 from pdcluster.orchestrator.router import RankRef
 
 logger = logging.getLogger("pdcluster.orchestrator.cluster")
@@ -63,7 +63,7 @@ class RequestDispatch:
     """The request path of `orchestrator.cluster.Cluster` (a mixin; see the module docstring)."""
 
     instances: dict[str, list[Instance]]
-    _requests: dict[str, RequestRecord]
+    _requests: dict[str, DriverRequest]
     _by_handoff: dict[str, Attempt]
     _loads: LoadBoard
 
@@ -90,7 +90,7 @@ class RequestDispatch:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._ensure_pollers()
         # registered first: abort() may come before the first attempt exists
-        record = self._requests[request_id] = RequestRecord(request_id, time.monotonic())
+        record = self._requests[request_id] = DriverRequest(request_id, time.monotonic())
         try:
             for attempt_index in range(MAX_DISPATCH_ATTEMPTS):
                 try:
@@ -168,7 +168,7 @@ class RequestDispatch:
 
     # ---- one attempt ------------------------------------------------------------------------------------
     @staticmethod
-    def _record_prefill_phases(record: RequestRecord, result: PrefillResult) -> None:
+    def _record_prefill_phases(record: DriverRequest, result: PrefillResult) -> None:
         record.phases = record.phases.merged(
             Phases(
                 queue_s=result.queue_s,
@@ -179,7 +179,7 @@ class RequestDispatch:
         )
 
     def _first_token_from_prefill(
-        self, record: RequestRecord, attempt: Attempt, result: PrefillResult
+        self, record: DriverRequest, attempt: Attempt, result: PrefillResult
     ) -> StreamDelta:
         """`EmitFirstToken`: the prefill call's first token (and text), streamed before decode admits the
         request; decode's first delta of the attempt is then streamed without it (`_from_decode`)."""
@@ -190,7 +190,7 @@ class RequestDispatch:
             TokenDelta(attempt.handoff_id, (result.first_token_id,), new_text=result.first_token_text)
         )
 
-    def _from_decode(self, record: RequestRecord, attempt: Attempt, delta: TokenDelta) -> StreamDelta | None:
+    def _from_decode(self, record: DriverRequest, attempt: Attempt, delta: TokenDelta) -> StreamDelta | None:
         """Account decode's `delta` to the request (phases, KV totals, tokens sent) and build its
         StreamDelta; None when nothing is left for the client (decode's first delta was the first token
         the prefill reply already streamed).
@@ -221,7 +221,7 @@ class RequestDispatch:
             return None
         return record.stream_delta(delta)
 
-    def _attempt_state(self, record: RequestRecord, attempt: Attempt, attempt_index: int) -> AttemptState:
+    def _attempt_state(self, record: DriverRequest, attempt: Attempt, attempt_index: int) -> AttemptState:
         decode = self.instances["decode"][attempt.decode_index]
         tried = record.excluded_prefills | {attempt.prefill_index}
         others = [p for p in self.instances["prefill"] if p.routable and p.index not in tried]
@@ -240,7 +240,7 @@ class RequestDispatch:
         )
 
     async def _next_events(
-        self, record: RequestRecord, attempt: Attempt, prefill_task: asyncio.Future
+        self, record: DriverRequest, attempt: Attempt, prefill_task: asyncio.Future
     ) -> list[Event]:
         """The attempt's next events (waits up to `event_timeout_s`): `[Aborted]`, `[NoEvent]`, the prefill
         call's `[PrefillDone]` / `[PrefillFailed]`, or decode's event (after `PrefillDone` when the prefill

@@ -52,7 +52,7 @@ class Attempt:
 
 
 @dataclass
-class RequestRecord:
+class DriverRequest:
     """One request from `generate` to its end: the attempt in flight (None while routing or between
     attempts), whether it was aborted, what the client received (tokens, phases in seconds, KV bytes; the
     first token when a prefill reply streamed it, which a re-dispatch keeps), the failed attempts'

@@ -32,7 +32,7 @@ from pdcluster.orchestrator.handoff import HandoffEvent
 from pdcluster.orchestrator.instance import Instance, check_instance_group
 from pdcluster.orchestrator.load_board import LoadBoard
 from pdcluster.orchestrator.messages import Phases, PrefillBind, PrefillRequest, ReserveRequest, ReserveResult
-from pdcluster.orchestrator.request_state import Attempt, RequestRecord
+from pdcluster.orchestrator.request_state import Attempt, DriverRequest
 from pdcluster.orchestrator.router import DecodeLoad, PrefillLoad, RankRef
 
 # Prefill calls in flight per prefill rank up to which a new one is sent before its reservation (each
@@ -51,7 +51,7 @@ class RouteAndReserve:
     # ---- routing and reserving ----------------------------------------------------------------------------
     async def _dispatch(
         self,
-        record: RequestRecord,
+        record: DriverRequest,
         attempt_index: int,
         prompt_token_ids: list[int],
         params: SamplingParams,
@@ -84,7 +84,7 @@ class RouteAndReserve:
 
     async def _route_and_reserve(
         self,
-        record: RequestRecord,
+        record: DriverRequest,
         attempt_index: int,
         prompt_token_ids: list[int],
         params: SamplingParams,
@@ -265,7 +265,7 @@ class RouteAndReserve:
         return lost
 
     async def _reserve(
-        self, record: RequestRecord, attempt: Attempt, prompt_token_ids: list[int], params: SamplingParams
+        self, record: DriverRequest, attempt: Attempt, prompt_token_ids: list[int], params: SamplingParams
     ) -> tuple[ReserveOutcome, HandoffMeta | None]:
         """Reserve `attempt` on its decode rank: the outcome and the bound meta (when BOUND). The
         attempt is the request's (and the poll loop's) while reserved; released when not bound."""

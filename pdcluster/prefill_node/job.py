@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdcluster.engine.remote_prefill import PrefillResult as EnginePrefillResult
+from pdcluster.engine.remote_prefill import PrefillOutput
 from pdcluster.kvtransfer.base import HandoffMeta
 from pdcluster.orchestrator.messages import PrefillRequest, PrefillResult
 
@@ -23,7 +23,7 @@ class Job:
     decode_index: int = 0
     decode_rank: int = 0
     # prefilled while awaiting the bind: (first-token result, queue_s), finished once bound
-    pending: tuple[EnginePrefillResult, float] | None = None
+    pending: tuple[PrefillOutput, float] | None = None
     arrival_s: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     result: PrefillResult | None = None

@@ -143,7 +143,8 @@ def test_greedy_and_acceptance_match_single_engine(
             assert last.num_draft_tokens == expected.num_draft_tokens
             assert last.num_accepted_tokens == expected.num_accepted_tokens
             for phase in PHASE_NAMES:  # route, reserve, ..., admitted, first decode step, total
-                assert phase in last.phases, (phase, last.phases)
+                if phase != "prefill_cpu_wait_s" or run_delay_s() is not None:  # (Linux only)
+                    assert phase in last.phases, (phase, last.phases)
             if run_delay_s() is not None:  # Linux: of prefill_s, the prefill engine thread's wait for a CPU
                 waited_s, prefill_s = last.phases["prefill_cpu_wait_s"], last.phases["prefill_s"]
                 assert 0.0 <= waited_s <= last.phases["queue_s"] + prefill_s, last.phases
