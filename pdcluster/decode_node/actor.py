@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from pdcluster.decode_node.deltas import Handoff, token_delta
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm import EngineStepError, RequestOutput
+from pdcluster.engine.stopping import early_first_token_text
 from pdcluster.kvtransfer.base import HandoffMeta, KVReceiver, KVTransferError, ReceivedKV, ReceivedLayer
 from pdcluster.kvtransfer.paired import PairedAddress
 from pdcluster.orchestrator.dispatch import call_timeout_s
@@ -539,22 +540,31 @@ class DecodeNode(RankActor):
         )
         self._handoffs[handoff_id] = handoff
         self._maybe_fault("admit")
+        params = self.engine.scheduler.reserved[handoff_id].sampling_params
         self.engine.admit_remote_prefill(
             handoff_id, extras.first_token_id, extras.draft_token_ids, extras.draft_probs
         )
+        # The first token has one source: prefill's reply when it may go early (the driver streams it),
+        # else this admission. Either way the engine reports it again with the next output: not sent twice.
+        handoff.num_sent = 1
+        early_text = early_first_token_text(self.engine.tokenizer, params, extras.first_token_id)
         request = self.engine.scheduler.get_request(handoff_id)
         if request is None:  # the first token finished it: `_run_once` pops its output right after
+            handoff.text_streamed_by_prefill = early_text or ""
+            if early_text is None:
+                handoff.num_sent = 0
             return []
-        # The first token streams at once, with its text (the driver drops it when the prefill call's reply
-        # streamed it first); the engine reports the token again (its text not) with the next step's output.
-        handoff.num_sent = 1
+        text = self.engine.take_new_text(handoff_id)
+        first = (extras.first_token_id,)
+        if early_text is not None:  # the driver streamed the token and `early_text` from prefill's reply
+            first, text = (), text.removeprefix(early_text)
         return [
             TokenDelta(
                 handoff_id,
-                (extras.first_token_id,),
+                first,
                 phases=Phases(kv_transfer_s=handoff.kv_transfer_s, admit_s=handoff.admit_s),
                 kv_transfer_bytes=handoff.kv_transfer_bytes,
-                new_text=self.engine.take_new_text(handoff_id),
+                new_text=text,
             )
         ]
 

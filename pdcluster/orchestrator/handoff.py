@@ -1,14 +1,15 @@
 """The P->D handoff of one dispatch attempt, as the driver owns it: a pure state machine.
 
     ROUTED --reserved--> RESERVED --bound--> BOUND --prefilled--> PREFILLED --transferred--> TRANSFERRED
-      ^  |                                     |                                                  |
-      +--rerouted (no room, decode lost)       +--transferred (decode's report came first)   admitted
+      ^  |                                                                                        |
+      +--rerouted (no room, decode lost)                                                     admitted
                                                                                                    v
                      DONE <--finished-- ADMITTED <---------------------------------------------- +
 
-Any live state takes `failed` (to FAILED) and `aborted` (to ABORTED); a prefill reply that comes after
-decode's report of the same handoff (`prefilled` in TRANSFERRED or ADMITTED) changes nothing. DONE,
-FAILED and ABORTED are final. Every other (state, event) pair is illegal (`IllegalTransition`).
+Any live state takes `failed` (to FAILED) and `aborted` (to ABORTED). DONE, FAILED and ABORTED are
+final. Every other (state, event) pair is illegal (`IllegalTransition`). The driver takes decode's report
+of a handoff only after the prefill call's reply (`request_dispatch._next_events`), so the path is one
+line.
 
 Who reports what: `reserved` / `rerouted` decode's reserve reply (or its failure); `bound` the driver
 handing prefill the bound meta (a bind, or a prefill sent bound); `prefilled` the prefill call's reply;
@@ -59,11 +60,8 @@ TRANSITIONS: dict[tuple[HandoffState, HandoffEvent], HandoffState] = {
     (S.ROUTED, E.REROUTED): S.ROUTED,
     (S.RESERVED, E.BOUND): S.BOUND,
     (S.BOUND, E.PREFILLED): S.PREFILLED,
-    (S.BOUND, E.TRANSFERRED): S.TRANSFERRED,
     (S.PREFILLED, E.TRANSFERRED): S.TRANSFERRED,
-    (S.TRANSFERRED, E.PREFILLED): S.TRANSFERRED,
     (S.TRANSFERRED, E.ADMITTED): S.ADMITTED,
-    (S.ADMITTED, E.PREFILLED): S.ADMITTED,
     (S.ADMITTED, E.FINISHED): S.DONE,
     **{(state, E.FAILED): S.FAILED for state in LIVE_STATES},
     **{(state, E.ABORTED): S.ABORTED for state in LIVE_STATES},

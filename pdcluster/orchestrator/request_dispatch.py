@@ -41,7 +41,6 @@ from pdcluster.orchestrator.dispatch import (
     Redispatch,
     Wait,
     next_action,
-    without_first_token,
 )
 from pdcluster.orchestrator.handoff import HandoffEvent, decode_has_it
 from pdcluster.orchestrator.health_monitor import PROBE_INTERVAL_S
@@ -181,8 +180,8 @@ class RequestDispatch:
     def _first_token_from_prefill(
         self, record: DriverRequest, attempt: Attempt, result: PrefillResult
     ) -> StreamDelta:
-        """`EmitFirstToken`: the prefill call's first token (and text), streamed before decode admits the
-        request; decode's first delta of the attempt is then streamed without it (`_from_decode`)."""
+        """`EmitFirstToken`: the prefill call's first token (and text), its one source (decode's deltas
+        leave it out), streamed before decode admits the request."""
         self._record_prefill_phases(record, result)
         assert result.first_token_text is not None
         record.first_token = (result.first_token_id, result.first_token_text)
@@ -192,23 +191,13 @@ class RequestDispatch:
 
     def _from_decode(self, record: DriverRequest, attempt: Attempt, delta: TokenDelta) -> StreamDelta | None:
         """Account decode's `delta` to the request (phases, KV totals, tokens sent) and build its
-        StreamDelta; None when nothing is left for the client (decode's first delta was the first token
-        the prefill reply already streamed).
-
-        Raises:
-            BackendUnavailable: decode's first token is not the one the prefill reply streamed.
-        """
+        StreamDelta; None when nothing is in it for the client (decode's admission when prefill's reply
+        streamed the first token)."""
         first_of_attempt = not decode_has_it(attempt.state)
         if first_of_attempt:  # its KV was received, then the request admitted
             attempt.advance(HandoffEvent.TRANSFERRED, HandoffEvent.ADMITTED)
         if delta.finished:
             attempt.advance(HandoffEvent.FINISHED)
-        if first_of_attempt and record.first_token is not None:
-            try:
-                delta = without_first_token(delta, *record.first_token)
-            except ValueError as e:  # the two instances disagree: a bug, never streamed as output
-                logger.error("%s: %s", record.request_id, e)
-                raise BackendUnavailable(f"{record.request_id}: {e}") from e
         if delta.phases.kv_transfer_s is not None and first_of_attempt:
             self._kv_transfer_seconds_total += delta.phases.kv_transfer_s
             self._kv_transfer_bytes_total += delta.kv_transfer_bytes or 0
@@ -231,7 +220,7 @@ class RequestDispatch:
             prefill_instance=attempt.prefill_index,
             decode_instance=attempt.decode_index,
             decode_streamed=record.decode_streamed,
-            first_token_streamed=decode_has_it(attempt.state) or record.first_token is not None,
+            first_token_streamed=record.first_token is not None,
             earlier_errors=tuple(record.errors),
             decode_down_reason=None if decode.routable else decode.health.reason,
             num_other_prefills=len(others),
@@ -243,8 +232,10 @@ class RequestDispatch:
         self, record: DriverRequest, attempt: Attempt, prefill_task: asyncio.Future
     ) -> list[Event]:
         """The attempt's next events (waits up to `event_timeout_s`): `[Aborted]`, `[NoEvent]`, the prefill
-        call's `[PrefillDone]` / `[PrefillFailed]`, or decode's event (after `PrefillDone` when the prefill
-        call returned meanwhile). A prefill instance found lost is marked so here."""
+        call's `[PrefillDone]` / `[PrefillFailed]`, or decode's event. A token delta always comes after the
+        prefill call's outcome (decode admits only a finished handoff, so the call has returned or is about
+        to), so the first token, which that reply streams, goes first. A prefill instance found lost is
+        marked so here."""
         getter = asyncio.ensure_future(attempt.events.get())
         # The prefill call is sent while decode reserves, so it may have ended (failed) before the first
         # wait: it is waited on until its result was taken.
@@ -258,22 +249,26 @@ class RequestDispatch:
             return [NoEvent()]
         if getter not in done:  # the prefill call returned first
             getter.cancel()
-            attempt.prefill_reported = True
-            exc = prefill_task.exception()
-            if exc is None:
-                return [PrefillDone(prefill_task.result())]
-            if isinstance(exc, asyncio.TimeoutError):
-                exc = TimeoutError(f"no answer within {self.event_timeout_s:.0f} s")
-            failed = PrefillFailed(describe_error(exc))
-            if self._is_lost(exc):
-                self._mark_failed("prefill", attempt.prefill_index, exc, "prefill", attempt.prefill_sent_s)
-            return [failed]
-        events: list[Event] = []
-        if not attempt.prefill_reported and prefill_task.done() and prefill_task.exception() is None:
-            attempt.prefill_reported = True
-            events.append(PrefillDone(prefill_task.result()))
-        events.append(getter.result())
-        return events
+            return [self._prefill_outcome(attempt, prefill_task)]
+        event = getter.result()
+        if attempt.prefill_reported or not isinstance(event, TokenDelta):
+            return [event]
+        await asyncio.wait({prefill_task}, timeout=self.event_timeout_s)
+        if not prefill_task.done():
+            return [NoEvent()]
+        return [self._prefill_outcome(attempt, prefill_task), event]
+
+    def _prefill_outcome(self, attempt: Attempt, prefill_task: asyncio.Future) -> Event:
+        """`PrefillDone` / `PrefillFailed` of the attempt's finished prefill call."""
+        attempt.prefill_reported = True
+        exc = prefill_task.exception()
+        if exc is None:
+            return PrefillDone(prefill_task.result())
+        if isinstance(exc, asyncio.TimeoutError):
+            exc = TimeoutError(f"no answer within {self.event_timeout_s:.0f} s")
+        if self._is_lost(exc):
+            self._mark_failed("prefill", attempt.prefill_index, exc, "prefill", attempt.prefill_sent_s)
+        return PrefillFailed(describe_error(exc))
 
     # ---- the poll loops -----------------------------------------------------------------------------------
     def _ensure_pollers(self) -> None:

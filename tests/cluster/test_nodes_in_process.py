@@ -96,13 +96,13 @@ def test_a_handoff_end_to_end_with_typed_messages(nodes) -> None:
     events, _ = _events_until(decode, "h1", lambda e: isinstance(e, RequestError) or e.finished)
     assert all(isinstance(e, TokenDelta) for e in events), events
     first, last = events[0], events[-1]
-    assert first.new_token_ids == (result.first_token_id,)  # the first token prefill sampled, at once
+    assert first.new_token_ids == () and first.new_text == ""  # the first token's one source: prefill's reply
     assert first.phases.kv_transfer_s is not None and first.phases.kv_transfer_s >= 0
     assert isinstance(first.kv_transfer_bytes, int) and first.kv_transfer_bytes > 0
     stepped = events[1]  # the first stepped delta measures the first decode step
     assert stepped.phases.first_decode_step_s is not None
     assert stepped.kv_transfer_bytes == first.kv_transfer_bytes
-    assert sum(len(e.new_token_ids) for e in events) == GREEDY.max_tokens
+    assert sum(len(e.new_token_ids) for e in events) == GREEDY.max_tokens - 1
     assert last.finished and last.finish_reason == "length"
     assert all(not e.finished and e.finish_reason is None for e in events[:-1])
     assert last.drafts.num_accepted_tokens <= last.drafts.num_draft_tokens
@@ -110,6 +110,21 @@ def test_a_handoff_end_to_end_with_typed_messages(nodes) -> None:
     prefill_load = prefill.load()
     assert isinstance(prefill_load, PrefillNodeLoad)
     assert prefill_load.num_queued_prefill_tokens == 0 and prefill_load.num_requests == 0
+    _assert_idle(prefill, decode)
+
+
+def test_decode_streams_the_first_token_when_it_may_not_go_early(nodes) -> None:
+    """With stop strings the first token's text is decode's to release (`early_first_token_text` is
+    None): prefill's reply carries no text and decode's admission delta carries the token, once; without
+    them prefill's reply is its one source and decode's deltas leave it out."""
+    prefill, decode = nodes
+    stopped = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=["never in the output"])
+    reserved = decode.reserve(ReserveRequest("s1", PROMPT, stopped, _meta(prefill, "s1"), 1))
+    result = prefill.prefill(PrefillRequest("s1", PROMPT, stopped, reserved.bound_meta, 0))
+    assert result.first_token_text is None
+    events, _ = _events_until(decode, "s1", lambda e: isinstance(e, RequestError) or e.finished)
+    assert events[0].new_token_ids == (result.first_token_id,)
+    assert len(_tokens(events)) == stopped.max_tokens
     _assert_idle(prefill, decode)
 
 
@@ -137,7 +152,7 @@ def test_a_first_token_the_client_has_replaces_the_sampled_one(nodes) -> None:
     tokens = [t for e in events for t in e.new_token_ids]
     oracle = LLM(bundled_checkpoint_dir(), num_kv_blocks=64)
     rest = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens - 1, ignore_eos=True)
-    assert tokens == [given, *oracle.generate([[*PROMPT, given]], rest)[0].token_ids]
+    assert tokens == oracle.generate([[*PROMPT, given]], rest)[0].token_ids  # the client has `given`
     _assert_idle(prefill, decode)
 
 
@@ -156,7 +171,7 @@ def test_poll_keeps_events_until_acknowledged(nodes) -> None:
         unacked = decode.poll(0.05, 0)
     assert decode.poll(0.0, 0) == unacked  # a reply lost to a timeout is sent again
     assert [p.seq for p in unacked] == list(range(unacked[0].seq, unacked[0].seq + len(unacked)))
-    assert sum(len(p.event.new_token_ids) for p in unacked) == GREEDY.max_tokens
+    assert sum(len(p.event.new_token_ids) for p in unacked) == GREEDY.max_tokens - 1
     assert decode.poll(0.0, unacked[-2].seq) == unacked[-1:]  # acknowledged ones are dropped
     assert decode.poll(0.0, unacked[-1].seq) == []
     _assert_idle(prefill, decode)
@@ -227,7 +242,7 @@ def test_a_stalled_engine_pass_shows_in_the_load_and_the_loop_goes_on(nodes) -> 
     prefill.prefill(PrefillRequest("h-stall", PROMPT, GREEDY, reserved.bound_meta, 0))
     events, _ = _events_until(decode, "h-stall", lambda e: isinstance(e, RequestError) or e.finished)
     assert all(isinstance(e, TokenDelta) for e in events), events
-    assert sum(len(e.new_token_ids) for e in events) == GREEDY.max_tokens
+    assert sum(len(e.new_token_ids) for e in events) == GREEDY.max_tokens - 1
     _assert_idle(prefill, decode)
 
 
@@ -262,7 +277,7 @@ def test_a_prefill_sent_before_its_reservation_hands_off_once_bound(nodes) -> No
     bound = reserve("ref")
     prefill.prefill(PrefillRequest("ref", PROMPT, GREEDY, bound, decode_index=0))
     expected, acked = until_done("ref", 0)
-    assert len(expected) == GREEDY.max_tokens
+    assert len(expected) == GREEDY.max_tokens - 1  # the first token is prefill's reply's
 
     # Prefill first: its call blocks (no reservation yet) until the bind.
     results: list = []
@@ -587,14 +602,14 @@ def test_shm_grpc_pairs_take_shm_on_the_node_and_grpc_across() -> None:
                 ReserveRequest(handoff_id, PROMPT, GREEDY, _meta(prefill, handoff_id), 1)
             )
             assert reserved.reserved
-            result = prefill.prefill(
+            prefill.prefill(
                 PrefillRequest(handoff_id, PROMPT, GREEDY, reserved.bound_meta, decode_index=index)
             )
             events, _ = _events_until(decode, handoff_id, lambda e: isinstance(e, RequestError) or e.finished)
             assert all(isinstance(e, TokenDelta) for e in events), events
-            assert events[0].new_token_ids == (result.first_token_id,)
+            assert events[0].new_token_ids == ()  # the first token is prefill's reply's
             tokens.append(_tokens(events))
-        assert tokens[0] == tokens[1] and len(tokens[0]) == GREEDY.max_tokens
+        assert tokens[0] == tokens[1] and len(tokens[0]) == GREEDY.max_tokens - 1
         # shm writes in place (decode's cache is shared): no segment; gRPC takes neither
         in_place = [d.kv_in_place_stats() for d in decodes]
         assert in_place == [{"granted": 1, "fenced": 0}, {"granted": 0, "fenced": 0}]
@@ -614,4 +629,3 @@ def test_shm_grpc_pairs_take_shm_on_the_node_and_grpc_across() -> None:
         prefill.close()
         for decode in decodes:
             decode.close()
-

@@ -25,11 +25,8 @@ LEGAL: dict[tuple[HandoffState, HandoffEvent], HandoffState] = {
     (S.ROUTED, E.REROUTED): S.ROUTED,
     (S.RESERVED, E.BOUND): S.BOUND,
     (S.BOUND, E.PREFILLED): S.PREFILLED,
-    (S.BOUND, E.TRANSFERRED): S.TRANSFERRED,  # decode's first delta overtook the prefill call's reply
     (S.PREFILLED, E.TRANSFERRED): S.TRANSFERRED,
-    (S.TRANSFERRED, E.PREFILLED): S.TRANSFERRED,  # that late reply changes nothing
     (S.TRANSFERRED, E.ADMITTED): S.ADMITTED,
-    (S.ADMITTED, E.PREFILLED): S.ADMITTED,
     (S.ADMITTED, E.FINISHED): S.DONE,
     **{(s, E.FAILED): S.FAILED for s in LIVE},
     **{(s, E.ABORTED): S.ABORTED for s in LIVE},
@@ -62,10 +59,10 @@ def test_final_states_take_nothing() -> None:
 
 
 def test_the_paths_a_request_takes() -> None:
-    """The overlap (prefill's reply first, or decode's report first), a reroute, a failure, an abort."""
+    """A handoff, one after a reroute, a failure, an abort."""
     paths = [
         [E.RESERVED, E.BOUND, E.PREFILLED, E.TRANSFERRED, E.ADMITTED, E.FINISHED],
-        [E.REROUTED, E.RESERVED, E.BOUND, E.TRANSFERRED, E.ADMITTED, E.PREFILLED, E.FINISHED],
+        [E.REROUTED, E.RESERVED, E.BOUND, E.PREFILLED, E.TRANSFERRED, E.ADMITTED, E.FINISHED],
         [E.RESERVED, E.BOUND, E.FAILED],
         [E.ABORTED],
     ]
