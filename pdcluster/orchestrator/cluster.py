@@ -64,7 +64,10 @@ network namespaces on one machine and cuts, slows and black-holes the link betwe
 
 from __future__ import annotations
 
+from typing import Any
+
 from pdcluster.orchestrator.actor_errors import DeployError, actor_error_message, describe_error
+from pdcluster.orchestrator.cluster_stats import ClusterStats
 from pdcluster.orchestrator.deployment import (
     MAX_ACTOR_RESTARTS,
     ClusterDeployment,
@@ -74,7 +77,8 @@ from pdcluster.orchestrator.deployment import (
     is_loopback_topology,
 )
 from pdcluster.orchestrator.dispatch import CALL_TIMEOUT_MIN_S, EVENT_SLACK_S, MAX_DISPATCH_ATTEMPTS
-from pdcluster.orchestrator.health_monitor import PROBE_INTERVAL_S, InstanceMonitor
+from pdcluster.orchestrator.health_monitor import PROBE_INTERVAL_S, HealthMonitor
+from pdcluster.orchestrator.registry import InstanceRegistry
 from pdcluster.orchestrator.request_dispatch import RequestDispatch
 from pdcluster.orchestrator.router import ROUTER_CACHE_BLOCKS
 from pdcluster.orchestrator.routing import RouteAndReserve
@@ -97,9 +101,37 @@ __all__ = [
 ]
 
 
-class Cluster(ClusterDeployment, InstanceMonitor, RequestDispatch, RouteAndReserve):
+class Cluster(ClusterDeployment, RequestDispatch, RouteAndReserve):
     """A deployed prefill pool + decode pool (`orchestrator.backend.ServingBackend`). Build it with
-    `Cluster.deploy(topology)`; see the module docstring for what each part does and where it lives."""
+    `Cluster.deploy(topology)`; see the module docstring for what each part does and where it lives.
+    Parts with their own state: `registry` (instances and health), `monitor` (the health monitor thread),
+    `cluster_stats` (`stats`, `check_ready`)."""
+
+    registry: InstanceRegistry
+    monitor: HealthMonitor
+    cluster_stats: ClusterStats
 
     def __init__(self) -> None:
         raise TypeError("use Cluster.deploy(topology)")
+
+    def _compose(self) -> None:
+        """At the end of `deploy`: the registry, the stats and the health monitor (started)."""
+        self.registry = InstanceRegistry(self.instances, self.call_timeout_s, self._on_instance_failed)
+        self.cluster_stats = ClusterStats(self.registry, self.call_timeout_s, self, lambda: self._closed)
+        self.monitor = HealthMonitor(self.registry, self, self._loads, self.fail_attempts)
+        self.monitor.start()
+
+    def _on_instance_failed(self, role: str, index: int, left_routing: bool) -> None:
+        if role == "decode":
+            self._loads.forget_decode(index)
+        if left_routing:
+            self.fail_attempts(role, index)
+
+    def stats(self) -> dict[str, Any]:
+        return self.cluster_stats.stats()
+
+    def check_ready(self) -> None:
+        self.cluster_stats.check_ready()
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        return self.registry.health()

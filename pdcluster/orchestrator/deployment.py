@@ -19,7 +19,6 @@ import contextlib
 import itertools
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -242,13 +241,6 @@ class ClusterDeployment(ClusterWiring):
             up_s = time.monotonic()
             for instance in self.instances["prefill"] + self.instances["decode"]:
                 instance.health = InstanceHealth(since_s=up_s, pid=infos[instance.name].pid)
-            self._health_lock = threading.Lock()
-            self._stuck_passes = {}  # the watchdog's (pid, pass, first seen) per rank name (health_monitor)
-            self._last_answer_s = {}  # when each instance last answered a probe (health_monitor)
-            self._engine_restarts = {}  # the process the monitor last had Ray restart, per instance
-            self._last_kill_s = {}  # when the monitor last had Ray restart each instance (health_monitor)
-            self._overdue_kills = {}  # the death each overdue restart was killed in (health_monitor)
-            self._replacements = {}  # new actors started for each instance Ray gave up on (health_monitor)
             self.call_timeout_s = call_timeout_s(topo.kv_transfer.timeout_s)
             self.event_timeout_s = event_timeout_s(topo.kv_transfer.timeout_s)
             self._prefix_cache = PrefixCacheModel(topo.prefill.block_size)
@@ -258,8 +250,8 @@ class ClusterDeployment(ClusterWiring):
             self._by_handoff = {}  # handoff id -> the attempt it names
             self._pollers: list[asyncio.Task] = []
             self._loop: asyncio.AbstractEventLoop | None = None
-            self._kv_transfer_bytes_total = 0
-            self._kv_transfer_seconds_total = 0.0
+            self.kv_transfer_bytes_total = 0
+            self.kv_transfer_seconds_total = 0.0
             self._closed = False
             decode_addresses = self._wire(ray, plan)
             if topo.kv_transport == "shm+grpc":  # which transport each prefill -> decode pair took
@@ -269,9 +261,7 @@ class ClusterDeployment(ClusterWiring):
                 f"({topo.kv_transport}, layerwise={topo.kv_transfer.layerwise})"
             )
             self._decode_addresses = decode_addresses
-            self._monitor_stop = threading.Event()
-            self._monitor = threading.Thread(target=self._monitor_health, name="health-monitor", daemon=True)
-            self._monitor.start()
+            self._compose()
         except BaseException as exc:
             self._teardown(ray, remove_placement_group)
             if isinstance(exc, ray.exceptions.RayError):  # e.g. wiring the KV transfer
@@ -381,11 +371,11 @@ class ClusterDeployment(ClusterWiring):
         from ray.util.placement_group import remove_placement_group
 
         self._closed = True
-        self._monitor_stop.set()
         # Before the teardown: a probe round (at most a call timeout) could otherwise still replace an actor
         # after the placement groups are gone, or, after ray.shutdown(), start a new local Ray by calling it.
-        if self._monitor is not threading.current_thread():
-            self._monitor.join(self.call_timeout_s + 5.0)
+        monitor = getattr(self, "monitor", None)
+        if monitor is not None:
+            monitor.stop(self.call_timeout_s + 5.0)
         for task in self._pollers:
             task.cancel()
         self._pollers = []
@@ -401,7 +391,9 @@ class ClusterDeployment(ClusterWiring):
                     "Ray's GCS is gone (a signal to the whole process group stops Ray's processes too): "
                     "the actors and placement groups went with it; nothing of Ray's left to stop"
                 )
-        self.instances, self._placement_groups = {"prefill": [], "decode": []}, []
+        for role in ROLES:  # the same dict: the registry holds it
+            self.instances[role] = []
+        self._placement_groups = []
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

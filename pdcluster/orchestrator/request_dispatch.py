@@ -19,6 +19,7 @@ Every wait is bounded: actor calls by `call_timeout_s`, the prefill call and eac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -48,10 +49,12 @@ from pdcluster.orchestrator.instance import Instance
 from pdcluster.orchestrator.load_board import LoadBoard
 from pdcluster.orchestrator.messages import (
     Aborted,
+    DecodeLost,
     Phases,
     PrefillResult,
     TokenDelta,
 )
+from pdcluster.orchestrator.registry import InstanceRegistry
 from pdcluster.orchestrator.request_state import Attempt, DriverRequest
 from pdcluster.orchestrator.router import RankRef
 
@@ -62,6 +65,7 @@ class RequestDispatch:
     """The request path of `orchestrator.cluster.Cluster` (a mixin; see the module docstring)."""
 
     instances: dict[str, list[Instance]]
+    registry: InstanceRegistry  # `Cluster`'s: instances and their health
     _requests: dict[str, DriverRequest]
     _by_handoff: dict[str, Attempt]
     _loads: LoadBoard
@@ -199,8 +203,8 @@ class RequestDispatch:
         if delta.finished:
             attempt.advance(HandoffEvent.FINISHED)
         if delta.phases.kv_transfer_s is not None and first_of_attempt:
-            self._kv_transfer_seconds_total += delta.phases.kv_transfer_s
-            self._kv_transfer_bytes_total += delta.kv_transfer_bytes or 0
+            self.kv_transfer_seconds_total += delta.phases.kv_transfer_s
+            self.kv_transfer_bytes_total += delta.kv_transfer_bytes or 0
         record.phases = record.phases.merged(delta.phases)
         if delta.kv_transfer_bytes is not None:
             record.kv_transfer_bytes = delta.kv_transfer_bytes
@@ -267,8 +271,53 @@ class RequestDispatch:
         if isinstance(exc, asyncio.TimeoutError):
             exc = TimeoutError(f"no answer within {self.event_timeout_s:.0f} s")
         if self._is_lost(exc):
-            self._mark_failed("prefill", attempt.prefill_index, exc, "prefill", attempt.prefill_sent_s)
+            self.registry.mark_failed(
+                "prefill", attempt.prefill_index, exc, "prefill", attempt.prefill_sent_s
+            )
         return PrefillFailed(describe_error(exc))
+
+    # ---- an instance lost ---------------------------------------------------------------------------------
+    def fail_attempts(self, role: str, index: int) -> None:
+        """End every in-flight attempt on instance (`role`, `index`) with a "decode_lost" event (decode)
+        or a failed prefill (prefill: the dispatch policy re-dispatches it or fails it, as when its
+        prefill call fails; the call is not waited for). Safe from any thread: off the requests' event
+        loop (the health monitor, stats() in a worker thread) it is handed to that loop, since asyncio
+        queues are not thread-safe."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                on_loop = asyncio.get_running_loop() is loop
+            except RuntimeError:
+                on_loop = False
+            if not on_loop:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(
+                        self._fail_attempts_on_loop, role, index, self._why(role, index)
+                    )
+                return
+        self._fail_attempts_on_loop(role, index, self._why(role, index))
+
+    def _why(self, role: str, index: int) -> str:
+        """Why instance (`role`, `index`) left routing, as its health says now."""
+        instances = self.instances[role]  # empty once shut down
+        return (
+            instances[index].health.reason if index < len(instances) else "the cluster shut down"
+        ) or "unknown"
+
+    def _fail_attempts_on_loop(self, role: str, index: int, reason: str) -> None:
+        """On the requests' event loop: `_fail_attempts`, with `reason` as the instance's health gave it
+        when the failure was seen (the call can run after the instance rejoined, or the cluster shut
+        down)."""
+        for attempt in list(self._by_handoff.values()):
+            if role == "decode" and attempt.decode_index == index:
+                message = f"decode-{index} died or stopped answering ({reason}); the request was lost"
+                event: object = DecodeLost(attempt.handoff_id, message)
+            elif role == "prefill" and attempt.prefill_index == index and _prefill_pending(attempt):
+                event = PrefillFailed(f"died or stopped answering ({reason})")
+            else:
+                continue
+            with contextlib.suppress(RuntimeError):  # a queue of another (closed) event loop
+                attempt.events.put_nowait(event)
 
     # ---- the poll loops -----------------------------------------------------------------------------------
     def _ensure_pollers(self) -> None:
@@ -306,7 +355,7 @@ class RequestDispatch:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - a dead or stuck decode rank fails its instance
-                self._mark_failed("decode", decode_index, e, f"poll of rank {rank}", sent_s)
+                self.registry.mark_failed("decode", decode_index, e, f"poll of rank {rank}", sent_s)
                 continue
             if instance.routable:  # (a reply that raced the instance leaving routing is stale)
                 self._loads.update_decode(RankRef(decode_index, rank), load)
@@ -314,3 +363,10 @@ class RequestDispatch:
                 attempt = self._by_handoff.get(event.handoff_id)
                 if attempt is not None:
                     attempt.events.put_nowait(event)
+
+
+def _prefill_pending(attempt: Attempt) -> bool:
+    """The attempt's prefill call was sent and has not returned (a prefill lost after that took nothing of
+    the attempt with it: its KV was handed to the sender, decode reports the rest)."""
+    call = attempt.prefill_call
+    return call is not None and not call.done() and not attempt.prefill_reported

@@ -32,6 +32,7 @@ from pdcluster.orchestrator.handoff import HandoffEvent
 from pdcluster.orchestrator.instance import Instance, check_instance_group
 from pdcluster.orchestrator.load_board import LoadBoard
 from pdcluster.orchestrator.messages import Phases, PrefillBind, PrefillRequest, ReserveRequest, ReserveResult
+from pdcluster.orchestrator.registry import InstanceRegistry
 from pdcluster.orchestrator.request_state import Attempt, DriverRequest
 from pdcluster.orchestrator.router import DecodeLoad, PrefillLoad, RankRef
 
@@ -45,6 +46,7 @@ class RouteAndReserve:
     """The routing half of the request path (a mixin of `orchestrator.cluster.Cluster`)."""
 
     instances: dict[str, list[Instance]]
+    registry: InstanceRegistry  # `Cluster`'s: instances and their health
     _by_handoff: dict[str, Attempt]
     _loads: LoadBoard
 
@@ -121,12 +123,12 @@ class RouteAndReserve:
             if not prefills:
                 if record.excluded_prefills:  # after a failed attempt (generate adds that attempt's cause)
                     raise BackendUnavailable("no other live prefill instance to re-dispatch to")
-                summary = self._health_summary("prefill")
+                summary = self.registry.summary("prefill")
                 raise BackendUnavailable(f"{request_id}: no live prefill instance ({summary})")
             decodes = [d for d in self.instances["decode"] if d.routable]
             if not decodes:
                 raise BackendUnavailable(
-                    f"{request_id}: no live decode instance ({self._health_summary('decode')})"
+                    f"{request_id}: no live decode instance ({self.registry.summary('decode')})"
                 )
             lost = await self._load_missing_decodes(decodes)
             decode_loads: list[DecodeLoad] = []
@@ -134,7 +136,7 @@ class RouteAndReserve:
                 try:
                     check_instance_group(self._loads.decode_snapshots(d.index))
                 except InstanceGroupFailed as e:  # its latest snapshot reports a failed group
-                    self._mark_failed("decode", d.index, e, "load")
+                    self.registry.mark_failed("decode", d.index, e, "load")
                     lost = True
                     continue
                 decode_loads.extend(self._loads.decode_loads(d.index))
@@ -257,7 +259,7 @@ class RouteAndReserve:
             if isinstance(r, BaseException):
                 if not self._is_lost(r):
                     raise r
-                self._mark_failed(instance.role, instance.index, r, "load", sent_s)
+                self.registry.mark_failed(instance.role, instance.index, r, "load", sent_s)
                 lost = True
                 continue
             for rank, load in enumerate(r):
@@ -301,7 +303,7 @@ class RouteAndReserve:
             if not self._is_lost(e):
                 raise
             self._release(attempt)  # a reservation that did go through after the timeout
-            self._mark_failed("decode", attempt.decode_index, e, "reserve", sent_s)
+            self.registry.mark_failed("decode", attempt.decode_index, e, "reserve", sent_s)
             attempt.advance(HandoffEvent.REROUTED)
             return ReserveOutcome.INSTANCE_LOST, None
         finally:

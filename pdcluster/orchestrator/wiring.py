@@ -1,9 +1,10 @@
 """Wiring a deployed `Cluster`: rendezvous addresses on the nodes that host them, and the KV transport.
 
-`ClusterWiring` (a mixin of `orchestrator.deployment.ClusterDeployment`): `_rendezvous` (where a
+`ClusterWiring` (a base of `orchestrator.deployment.ClusterDeployment`): `_rendezvous` (where a
 multi-rank instance's group meets: rank 0's node), `_probe_node` (a node's IP and free ports, asked from
-inside a placement-group bundle), `_wire` (the KV connectors: a gRPC receiver on every decode rank and one
-sender per decode rank on every prefill rank, or one torch.distributed group of every rank).
+inside a placement-group bundle), `_wire` (the KV connectors at deploy: a gRPC receiver on every decode
+rank and one sender per decode rank on every prefill rank, or one torch.distributed group of every rank),
+`rewire` (a restarted rank's connectors).
 """
 
 from __future__ import annotations
@@ -139,3 +140,34 @@ class ClusterWiring:
         ]
         ray.get(refs, timeout=120)
         return []
+
+    def rewire(self, ray, role: str, index: int, restarted: bool) -> None:
+        """gRPC, shm and shm+grpc only (restarts are off for torch.distributed and for multi-rank instances,
+        whose groups are fixed at deploy). A restarted decode starts its receiver on a new port (shm: a new
+        socket path; shm+grpc: both, in a new `PairedAddress`), which the prefill ranks in routing learn at
+        once (the others when they rejoin); a rejoining prefill instance's ranks (re)connect to every decode
+        rank's current address, in case one moved meanwhile."""
+        if role == "decode":
+            assert restarted
+            decode = self.decode_actors[index]
+            transport = self.topology.kv_transport
+            address = ray.get(
+                decode.start_receiver.remote(transport, self._kv_tls), timeout=self.call_timeout_s
+            )
+            if transport == "grpc" and not self._loopback:
+                address = advertised_address(
+                    address, ray.get(decode.node_ip.remote(), timeout=self.call_timeout_s)
+                )
+            self._decode_addresses[index][0] = address
+            prefills = [a for p in self.instances["prefill"] if p.routable for a in p.ranks]
+            ray.get(
+                [p.set_decode_address.remote(index, address) for p in prefills], timeout=self.call_timeout_s
+            )
+        else:
+            addresses = [list(ranks) for ranks in self._decode_addresses]
+            ranks = self.instances["prefill"][index].ranks
+            transport = self.topology.kv_transport
+            ray.get(
+                [a.connect_receivers.remote(transport, addresses, self._kv_tls) for a in ranks],
+                timeout=self.call_timeout_s,
+            )

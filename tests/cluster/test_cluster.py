@@ -212,7 +212,7 @@ def test_prefill_killed_mid_transfer_is_redispatched(ray_session, single_engine_
             tokens
             == single.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids
         )
-        assert cluster._prefill_alive == [False, True]
+        assert cluster.registry.routable("prefill") == [False, True]
         _assert_no_blocks_held(cluster)
     finally:
         cluster.shutdown()

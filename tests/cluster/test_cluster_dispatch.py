@@ -144,7 +144,7 @@ def test_abort_during_handoff_ends_the_request_and_never_redispatches(ray_sessio
         tokens, last = asyncio.run(run())
         assert last.finished and last.finish_reason == "abort"
         assert attempts == [0]
-        assert cluster._prefill_alive == [True, True]
+        assert cluster.registry.routable("prefill") == [True, True]
         _assert_no_blocks_held(cluster)
 
         async def after():
@@ -192,7 +192,8 @@ def test_dead_decode_is_taken_out_of_routing_and_the_last_one_fails_fast(ray_ses
         survivor = 1 - victim
         for tokens, last in results:
             assert last.finish_reason == "length" and len(tokens) == 16
-        assert cluster._decode_alive[victim] is False and cluster._decode_alive[survivor] is True
+        routable = cluster.registry.routable("decode")
+        assert routable[victim] is False and routable[survivor] is True
         assert set(cluster.stats()["kv_blocks"]) == {f"decode-{survivor}"}
         _assert_no_blocks_held(cluster)
 

@@ -191,7 +191,7 @@ def test_killing_one_rank_fails_its_instance_as_one_unit(cluster, ray_session, p
         else:
             tokens, last = results[rid]
             assert len(tokens) == LONG.max_tokens and last.finish_reason == "length"
-    assert cluster._decode_alive == [True, False]
+    assert cluster.registry.routable("decode") == [True, False]
     assert cluster.health()["decode-1"]["state"] == "dead"
     for i in range(2):  # the others keep serving
         tokens, last = run(cluster, asyncio.wait_for(generate(cluster, f"after{i}", prompts[i], GREEDY), 120))
@@ -239,6 +239,6 @@ def test_a_stalled_rank_fails_its_instance_for_good(cluster, ray_session, prompt
         assert time.monotonic() < deadline_s, cluster.health()
         time.sleep(0.05)
     assert "instance group failed" in cluster.health()["decode-0"]["reason"]
-    assert cluster._decode_alive == [False, False]
+    assert cluster.registry.routable("decode") == [False, False]
     with pytest.raises(BackendUnavailable, match="no live decode instance"):
         run(cluster, asyncio.wait_for(generate(cluster, "none-left", prompts[1], GREEDY), 60))

@@ -69,7 +69,7 @@ def _pid(cluster: Cluster, role: str, index: int = 0) -> int:
 
 def _seconds_until_routable(cluster: Cluster, role: str, bound_s: float) -> float:
     started_s = time.monotonic()
-    while not (cluster._prefill_alive if role == "prefill" else cluster._decode_alive)[0]:
+    while not cluster.registry.routable(role)[0]:
         assert time.monotonic() - started_s < bound_s, cluster.health()
         time.sleep(0.05)
     return time.monotonic() - started_s
@@ -238,7 +238,7 @@ def _process_ended(pid: int) -> bool:
 def _seconds_until_routable_after_restart(cluster: Cluster, role: str, old_pid: int, bound_s: float) -> float:
     started_s = time.monotonic()
     while True:
-        health = cluster._health[role][0]
+        health = cluster.registry.health_of(role)[0]
         if health.routable and health.pid != old_pid:
             return time.monotonic() - started_s
         assert time.monotonic() - started_s < bound_s, cluster.health()
