@@ -14,9 +14,7 @@ rank, or one torch.distributed group of every rank). Each instance is an `orches
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import time
@@ -28,13 +26,12 @@ from pdcluster.orchestrator.actor_errors import DeployError, actor_error_message
 from pdcluster.orchestrator.dispatch import call_timeout_s, collective_timeout_s, event_timeout_s
 from pdcluster.orchestrator.health import InstanceHealth
 from pdcluster.orchestrator.instance import Instance
-from pdcluster.orchestrator.load_board import LoadBoard
 from pdcluster.orchestrator.messages import InstanceGroupSpec, NodeReady
 from pdcluster.orchestrator.placement import nodes_to_pin, plan_placement, to_ray_placement_group_args
 from pdcluster.orchestrator.preflight import actor_layer_issues, weight_dtype_issues
 from pdcluster.orchestrator.ray_runtime import gcs_reachable, init_local_ray, keeping_sigterm_handler
 from pdcluster.orchestrator.request_state import rank_name
-from pdcluster.orchestrator.router import POLICIES, PrefixCacheModel, RankRef
+from pdcluster.orchestrator.router import RankRef
 from pdcluster.orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES, Topology, load_topology
 from pdcluster.orchestrator.wiring import ClusterWiring, advertised_address, free_ports
 
@@ -237,21 +234,11 @@ class ClusterDeployment(ClusterWiring):
             self.max_model_len = config.max_model_len or _max_position_embeddings(config.model)
             self._dtype = config.dtype
             self._decode_kv_cache_dtype = config.kv_cache_dtype
-            self._policy = POLICIES[topo.router.policy]
             up_s = time.monotonic()
             for instance in self.instances["prefill"] + self.instances["decode"]:
                 instance.health = InstanceHealth(since_s=up_s, pid=infos[instance.name].pid)
             self.call_timeout_s = call_timeout_s(topo.kv_transfer.timeout_s)
             self.event_timeout_s = event_timeout_s(topo.kv_transfer.timeout_s)
-            self._prefix_cache = PrefixCacheModel(topo.prefill.block_size)
-            self._loads = LoadBoard([d.num_ranks for d in self.instances["decode"]])
-            self._counter = itertools.count()
-            self._requests = {}  # request id -> its record (orchestrator.request_dispatch)
-            self._by_handoff = {}  # handoff id -> the attempt it names
-            self._pollers: list[asyncio.Task] = []
-            self._loop: asyncio.AbstractEventLoop | None = None
-            self.kv_transfer_bytes_total = 0
-            self.kv_transfer_seconds_total = 0.0
             self._closed = False
             decode_addresses = self._wire(ray, plan)
             if topo.kv_transport == "shm+grpc":  # which transport each prefill -> decode pair took
@@ -376,9 +363,9 @@ class ClusterDeployment(ClusterWiring):
         monitor = getattr(self, "monitor", None)
         if monitor is not None:
             monitor.stop(self.call_timeout_s + 5.0)
-        for task in self._pollers:
-            task.cancel()
-        self._pollers = []
+        dispatcher = getattr(self, "dispatcher", None)
+        if dispatcher is not None:
+            dispatcher.close()
         self._teardown(ray, remove_placement_group)
 
     # ---- internals --------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -56,19 +57,56 @@ from pdcluster.orchestrator.messages import (
 )
 from pdcluster.orchestrator.registry import InstanceRegistry
 from pdcluster.orchestrator.request_state import Attempt, DriverRequest
-from pdcluster.orchestrator.router import RankRef
+from pdcluster.orchestrator.router import POLICIES, PrefixCacheModel, RankRef
+from pdcluster.orchestrator.routing import ModelFacts, RouteAndReserve
+from pdcluster.orchestrator.topology import Topology
 
 logger = logging.getLogger("pdcluster.orchestrator.cluster")
 
 
-class RequestDispatch:
-    """The request path of `orchestrator.cluster.Cluster` (a mixin; see the module docstring)."""
+class Dispatcher(RouteAndReserve):
+    """The request path (see the module docstring; its routing and reserving half is
+    `orchestrator.routing.RouteAndReserve`, one class in two files). It holds the requests in flight, the
+    poll loops and the KV totals; it reads the instances and their health from `registry` and records
+    failures there. `model`: what the handoff's meta needs (`ModelFacts`)."""
 
-    instances: dict[str, list[Instance]]
-    registry: InstanceRegistry  # `Cluster`'s: instances and their health
-    _requests: dict[str, DriverRequest]
-    _by_handoff: dict[str, Attempt]
-    _loads: LoadBoard
+    def __init__(
+        self,
+        registry: InstanceRegistry,
+        loads: LoadBoard,
+        topology: Topology,
+        model: ModelFacts,
+        call_timeout_s: float,
+        event_timeout_s: float,
+    ) -> None:
+        self.registry = registry
+        self._loads = loads
+        self.topology = topology
+        self.model = model
+        self.call_timeout_s = call_timeout_s
+        self.event_timeout_s = event_timeout_s
+        self.num_speculative_tokens = model.num_speculative_tokens
+        self._policy = POLICIES[topology.router.policy]
+        self._prefix_cache = PrefixCacheModel(topology.prefill.block_size)
+        self._counter = itertools.count()
+        self._requests: dict[str, DriverRequest] = {}  # request id -> its record
+        self._by_handoff: dict[str, Attempt] = {}  # handoff id -> the attempt it names
+        self._pollers: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.kv_transfer_bytes_total = 0
+        self.kv_transfer_seconds_total = 0.0
+        self._closed = False
+
+    @property
+    def instances(self) -> dict[str, list[Instance]]:
+        return self.registry.instances
+
+    def close(self) -> None:
+        """No new request; the poll loops stop."""
+        self._closed = True
+        for task in self._pollers:
+            task.cancel()
+        self._pollers = []
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.engine.sampling_params import SamplingParams
@@ -42,11 +43,24 @@ from pdcluster.orchestrator.router import DecodeLoad, PrefillLoad, RankRef
 MAX_EARLY_PREFILL_CALLS = 64
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the driver puts in each handoff's `HandoffMeta`: the model's layers and KV width (prefill's
+    `NodeReady`), its MTP drafts per step, and the dtypes (`dtype`, decode's `kv_cache_dtype`)."""
+
+    num_hidden_layers: int
+    kv_dim: int
+    num_speculative_tokens: int
+    dtype: str
+    decode_kv_cache_dtype: str
+
+
 class RouteAndReserve:
-    """The routing half of the request path (a mixin of `orchestrator.cluster.Cluster`)."""
+    """The routing half of `orchestrator.request_dispatch.Dispatcher` (its state is the Dispatcher's)."""
 
     instances: dict[str, list[Instance]]
-    registry: InstanceRegistry  # `Cluster`'s: instances and their health
+    registry: InstanceRegistry
+    model: ModelFacts
     _by_handoff: dict[str, Attempt]
     _loads: LoadBoard
 
@@ -325,11 +339,11 @@ class RouteAndReserve:
         kv = self.topology.kv_transfer
         return HandoffMeta(
             request_id=attempt.handoff_id,
-            num_layers=self.num_hidden_layers + (1 if self.num_speculative_tokens else 0),
+            num_layers=self.model.num_hidden_layers + (1 if self.model.num_speculative_tokens else 0),
             num_tokens=len(prompt_token_ids),
-            kv_dim=self.kv_dim,
-            dtype=self._dtype,
-            wire_dtype=resolve_wire_dtype(kv.wire_dtype, self._dtype, self._decode_kv_cache_dtype),
+            kv_dim=self.model.kv_dim,
+            dtype=self.model.dtype,
+            wire_dtype=resolve_wire_dtype(kv.wire_dtype, self.model.dtype, self.model.decode_kv_cache_dtype),
             lease_s=kv.timeout_s,
         )
 

@@ -91,7 +91,7 @@ async def generate(cluster, request_id: str, prompt: str, params: SamplingParams
     tokens, last = [], None
     async for delta in cluster.generate(request_id, cluster.tokenizer.encode(prompt), params):
         if routes is not None and request_id not in routes:
-            routes[request_id] = cluster._requests[request_id].attempt.decode
+            routes[request_id] = cluster.dispatcher._requests[request_id].attempt.decode
         tokens += delta.new_token_ids
         last = delta
     return tokens, last
@@ -213,7 +213,7 @@ def test_a_stalled_rank_fails_its_instance_for_good(cluster, ray_session, prompt
     async def first_delta():
         stream = cluster.generate("stalled", cluster.tokenizer.encode(prompts[0]), LONG)
         await stream.__anext__()
-        return stream, cluster._requests["stalled"].attempt.decode
+        return stream, cluster.dispatcher._requests["stalled"].attempt.decode
 
     stream, route = run(cluster, asyncio.wait_for(first_delta(), request_bound_s(cluster)))
     assert route.instance == 0  # decode-1 is dead since the test above

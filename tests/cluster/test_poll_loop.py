@@ -1,11 +1,11 @@
-"""The driver's poll loop (`RequestDispatch._poll`) against a scripted decode rank, in one event loop."""
+"""The driver's poll loop (`Dispatcher._poll`) against a scripted decode rank, in one event loop."""
 
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
 
-from pdcluster.orchestrator.request_dispatch import RequestDispatch
+from pdcluster.orchestrator.request_dispatch import Dispatcher
 
 
 def test_the_poll_loop_ends_when_wait_for_swallowed_its_cancellation() -> None:
@@ -37,7 +37,7 @@ def test_the_poll_loop_ends_when_wait_for_swallowed_its_cancellation() -> None:
     )
 
     async def run() -> bool:
-        task = asyncio.ensure_future(RequestDispatch._poll(driver, 0, 0))
+        task = asyncio.ensure_future(Dispatcher._poll(driver, 0, 0))
         try:
             await asyncio.wait_for(asyncio.shield(task), 5.0)
         except asyncio.CancelledError:

@@ -539,15 +539,17 @@ def test_failing_attempts_queued_before_a_shutdown_still_ends_them(monkeypatch):
     """The dispatcher's `fail_attempts` (the monitor's callback) goes to the requests' event loop with
     the reason it sees; failed after the cluster shut down (its instances gone), the attempt still gets
     its DecodeLost naming the shutdown, and nothing raises IndexError."""
+    from types import SimpleNamespace
+
     from pdcluster.orchestrator.messages import DecodeLost
-    from pdcluster.orchestrator.request_dispatch import RequestDispatch
+    from pdcluster.orchestrator.request_dispatch import Dispatcher
     from pdcluster.orchestrator.request_state import Attempt
     from pdcluster.orchestrator.router import RankRef
 
-    dispatcher = object.__new__(RequestDispatch)
+    dispatcher = object.__new__(Dispatcher)
     attempt = Attempt("r@0", RankRef(0, 0), RankRef(0, 0))
-    dispatcher.instances, dispatcher._by_handoff = {"prefill": [], "decode": []}, {"r@0": attempt}
-    dispatcher._loop = None
+    dispatcher.registry = SimpleNamespace(instances={"prefill": [], "decode": []})  # shut down
+    dispatcher._by_handoff, dispatcher._loop = {"r@0": attempt}, None
     dispatcher.fail_attempts("decode", 0)
     event = attempt.events.get_nowait()
     assert isinstance(event, DecodeLost)
