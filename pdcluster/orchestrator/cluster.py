@@ -58,17 +58,16 @@ from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.orchestrator.actor_errors import DeployError, actor_error_message, describe_error
 from pdcluster.orchestrator.backend import StreamDelta
 from pdcluster.orchestrator.cluster_stats import ClusterStats
-from pdcluster.orchestrator.deployment import (
-    MAX_ACTOR_RESTARTS,
-    ClusterDeployment,
-    actor_resource_options,
-    advertised_address,
-    check_deployable_parallelism,
-    is_loopback_topology,
-)
+from pdcluster.orchestrator.deployment import ClusterDeployment, advertised_address
 from pdcluster.orchestrator.dispatch import CALL_TIMEOUT_MIN_S, EVENT_SLACK_S, MAX_DISPATCH_ATTEMPTS
 from pdcluster.orchestrator.health_monitor import PROBE_INTERVAL_S, HealthMonitor
 from pdcluster.orchestrator.load_board import LoadBoard
+from pdcluster.orchestrator.rank_actors import (
+    MAX_ACTOR_RESTARTS,
+    actor_resource_options,
+    check_deployable_parallelism,
+    is_loopback_topology,
+)
 from pdcluster.orchestrator.registry import InstanceRegistry
 from pdcluster.orchestrator.request_dispatch import Dispatcher
 from pdcluster.orchestrator.router import ROUTER_CACHE_BLOCKS

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 from pdcluster.orchestrator.backend import BackendUnavailable
-from pdcluster.orchestrator.deployment import PROBE_GROUP
 from pdcluster.orchestrator.instance import check_instance_group
 from pdcluster.orchestrator.messages import DecodeNodeLoad, PrefillNodeLoad
+from pdcluster.orchestrator.rank_actors import PROBE_GROUP
 from pdcluster.orchestrator.registry import InstanceRegistry
 from pdcluster.orchestrator.topology import ROLES
 

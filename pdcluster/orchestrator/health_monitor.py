@@ -30,7 +30,6 @@ from collections.abc import Callable
 from typing import Any
 
 from pdcluster.orchestrator.actor_errors import EngineFailed, describe_error
-from pdcluster.orchestrator.deployment import PROBE_GROUP, ray_restarts, ready_timeout_s
 from pdcluster.orchestrator.health import (
     after_answer,
     engine_fault,
@@ -40,6 +39,7 @@ from pdcluster.orchestrator.health import (
 from pdcluster.orchestrator.instance import Instance, check_instance_group
 from pdcluster.orchestrator.load_board import LoadBoard
 from pdcluster.orchestrator.messages import DecodeNodeLoad, PrefillNodeLoad
+from pdcluster.orchestrator.rank_actors import PROBE_GROUP, ray_restarts, ready_timeout_s
 from pdcluster.orchestrator.registry import InstanceRegistry, restart_pending
 from pdcluster.orchestrator.router import RankRef
 from pdcluster.orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES

@@ -22,13 +22,13 @@ from pdcluster.orchestrator.cluster import (
     check_deployable_parallelism,
     is_loopback_topology,
 )
-from pdcluster.orchestrator.deployment import (
+from pdcluster.orchestrator.messages import NodeReady
+from pdcluster.orchestrator.rank_actors import (
     ACTORS_READY_TIMEOUT_S,
     COMPILE_READY_TIMEOUT_S,
     load_summary,
     ready_timeout_s,
 )
-from pdcluster.orchestrator.messages import NodeReady
 from pdcluster.orchestrator.topology import load_topology
 from tests.cluster.conftest import call_bound_s, request_bound_s
 from tests.cluster.test_cluster import _assert_no_blocks_held, _generate, _topology, _wait_reserved

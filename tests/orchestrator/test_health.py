@@ -349,7 +349,7 @@ def test_probes_use_their_own_concurrency_group_and_no_rejoin_while_a_pass_outla
     """An instance out of routing whose rank answers mid-pass longer than a call may take stays out (its
     calls that wait for the engine would time out again); once that pass ends it rejoins. Every probe goes
     to the probe concurrency group, which calls blocked behind the engine cannot take."""
-    from pdcluster.orchestrator.deployment import PROBE_GROUP
+    from pdcluster.orchestrator.rank_actors import PROBE_GROUP
 
     out = InstanceHealth(Health.UNRESPONSIVE, "reserve: no answer within 3 s", since_s=30.0, pid=41)
     monitor, instance, rank, done = _probing_monitor(monkeypatch, _load(pass_s=5.0), out)
