@@ -34,7 +34,7 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm import EngineStepError
 from pdcluster.engine.stopping import early_first_token_text
 from pdcluster.kvtransfer.base import HandoffExtras, KVSender
-from pdcluster.kvtransfer.paired import PairedAddress, node_id
+from pdcluster.kvtransfer.paired import PairedAddress
 from pdcluster.orchestrator.command_order import CommandOrder, CommandSeq
 from pdcluster.orchestrator.dispatch import CALL_TIMEOUT_MIN_S, event_timeout_s
 from pdcluster.orchestrator.messages import (
@@ -47,6 +47,7 @@ from pdcluster.orchestrator.messages import (
 )
 from pdcluster.orchestrator.rank_actor import LOCKSTEP_IDLE_S, RankActor
 from pdcluster.prefill_node.job import Job
+from pdcluster.prefill_node.senders import KVSenders
 from pdcluster.prefill_node.thread_clock import run_delay_s
 
 if TYPE_CHECKING:
@@ -79,10 +80,7 @@ class PrefillNode(RankActor):
     ) -> None:
         super().__init__(engine_config, name, group)
         self.layerwise = layerwise
-        self.senders: list[list[KVSender]] = []  # [decode instance][decode rank]
-        self._transport = "grpc"  # what connect_receivers used, for set_decode_address
-        self._node_id: str | None = None  # this rank's node (kvtransfer.paired.node_id), looked up once
-        self._tls: TLSCredentials | None = None
+        self.kv = KVSenders(name, self.engine.config.device)
         self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._active: dict[str, Job] = {}
         # binds that came and that the engine thread has not taken yet (`_take_bind`: at its next command,
@@ -108,10 +106,14 @@ class PrefillNode(RankActor):
             compile=self.engine.compile_stats(),
         )
 
+    @property
+    def senders(self) -> list[list[KVSender]]:
+        """`[decode instance][decode rank]`: the KV sender to that rank."""
+        return self.kv.table
+
     def connect_grpc(self, decode_addresses: list[list[str]], tls: TLSCredentials | None = None) -> None:
-        """One gRPC sender per decode rank: `decode_addresses[i][r]` is decode instance i's rank r (mutual
-        TLS with `tls`), closing any previous ones."""
-        self.connect_receivers("grpc", decode_addresses, tls)
+        """`KVSenders.connect("grpc", ...)`."""
+        self.kv.connect("grpc", decode_addresses, tls)
 
     def connect_receivers(
         self,
@@ -119,83 +121,31 @@ class PrefillNode(RankActor):
         decode_addresses: list[list[str]] | list[list[PairedAddress]],
         tls: TLSCredentials | None = None,
     ) -> None:
-        """One `transport` sender (`grpc`: to `host:port`, mutual TLS with `tls`; `shm`: to a socket path
-        on this host; `shm+grpc`: to a `PairedAddress`, by shm when that decode rank runs on this node, else
-        by gRPC) per decode rank: `decode_addresses[i][r]` is decode instance i's rank r; closes any
-        previous ones."""
-        if transport not in ("grpc", "shm", "shm+grpc"):
-            raise ValueError(
-                f"transport: senders connect to grpc, shm or shm+grpc receivers, got {transport!r}"
-            )
-        self._transport, self._tls = transport, tls
-        old = self._all_senders()
-        self.senders = [[self._new_sender(a) for a in ranks] for ranks in decode_addresses]
-        for sender in old:
-            sender.close()
-
-    def _new_sender(self, address: str | PairedAddress) -> KVSender:
-        from pdcluster.kvtransfer.grpc_transport import GrpcKVSender
-        from pdcluster.kvtransfer.shm_transport import ShmKVSender
-
-        if isinstance(address, PairedAddress):  # shm+grpc: shm to a decode rank on this node, else gRPC
-            if self._node_id is None:
-                self._node_id = node_id()
-            transport, picked = address.pick(self._node_id)
-            if transport == "grpc":
-                return GrpcKVSender(picked, tls=self._tls)
-            sender = ShmKVSender(picked)
-            if sender.connect_error is None:
-                return sender
-            # the same Ray node, yet its socket is out of reach (another temp dir or container, another
-            # uid): gRPC still works between any two processes
-            logger.warning(
-                "%s: decode's shm socket %s on this node is unreachable (%s); sending to it by gRPC at %s",
-                self.name,
-                picked,
-                sender.connect_error,
-                address.grpc,
-            )
-            sender.close()
-            return GrpcKVSender(address.grpc, tls=self._tls)
-        if self._transport == "shm":
-            return ShmKVSender(address)
-        return GrpcKVSender(address, tls=self._tls)
+        """`KVSenders.connect`."""
+        self.kv.connect(transport, decode_addresses, tls)
 
     def sender_transports(self) -> list[list[str]]:
-        """The transport of each decode rank's sender (`[instance][rank]`: `grpc`, `shm` or `dist`)."""
-        names = {"GrpcKVSender": "grpc", "ShmKVSender": "shm", "DistKVSender": "dist"}
-        return [[names.get(type(s).__name__, type(s).__name__) for s in ranks] for ranks in self.senders]
+        """`KVSenders.transports`."""
+        return self.kv.transports()
 
     def set_decode_address(
         self, decode_index: int, address: str | PairedAddress, decode_rank: int = 0
     ) -> None:
-        """Rank `decode_rank` of decode instance `decode_index` was restarted and listens at `address` now:
-        replace its sender (transfers in flight to the old one fail, as they would have anyway)."""
-        old = self.senders[decode_index][decode_rank]
-        self.senders[decode_index][decode_rank] = self._new_sender(address)
-        old.close()
+        """`KVSenders.replace`."""
+        self.kv.replace(decode_index, address, decode_rank)
 
     def connect_dist(
         self, rank: int, world_size: int, init_method: str, decode_ranks: list[list[int]]
     ) -> None:
-        """Join the transfer process group (collective: every rank actor calls it at once); one sender per
-        decode rank: `decode_ranks[i][r]` is decode instance i's rank r's rank in the transfer group."""
-        from pdcluster.kvtransfer.dist_transport import (
-            DistKVSender,
-            DistTransportConfig,
-            init_transport_group,
-        )
-
-        config = DistTransportConfig.for_device(self.engine.config.device)
-        init_transport_group(config, rank=rank, world_size=world_size, init_method=init_method)
-        self.senders = [[DistKVSender(peer, config) for peer in ranks] for ranks in decode_ranks]
+        """`KVSenders.connect_dist`."""
+        self.kv.connect_dist(rank, world_size, init_method, decode_ranks)
 
     def _all_senders(self) -> list[KVSender]:
-        return [sender for ranks in self.senders for sender in ranks]
+        return self.kv.all()
 
     def _sender(self, job: Job) -> KVSender:
         """The sender to the decode rank `job` goes to."""
-        return self.senders[job.decode_index][job.decode_rank]
+        return self.kv.table[job.decode_index][job.decode_rank]
 
     # ---- requests ---------------------------------------------------------------------------------------
     def prefill(self, request: PrefillRequest, order: CommandSeq | None = None) -> PrefillResult:
