@@ -10,10 +10,13 @@ stream moved past it is refused (`StaleCommand`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,13 @@ class CommandOrder:
             while order.stream == self._stream and order.seq > self._next_seq:
                 remaining_s = deadline_s - time.monotonic()
                 if remaining_s <= 0:
+                    logger.warning(
+                        "commands %d..%d of stream %s did not come in %g s; going on without them",
+                        self._next_seq,
+                        order.seq - 1,
+                        order.stream,
+                        self.gap_timeout_s,
+                    )
                     self.num_gaps_skipped += order.seq - self._next_seq
                     self._next_seq = order.seq
                     break
