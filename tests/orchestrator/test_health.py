@@ -493,13 +493,13 @@ def test_a_restart_that_never_answers_is_killed_once_after_deploys_load_timeout(
     from types import SimpleNamespace
 
     ray = pytest.importorskip("ray")
-    from pdcluster.orchestrator import deployment, health_monitor
+    from pdcluster.orchestrator import health_monitor, rank_actors
 
     restarting = ray.exceptions.ActorUnavailableError("IOError: The actor is restarting.", None)
     clock = [1000.0]
     monkeypatch.setattr(health_monitor, "time", SimpleNamespace(monotonic=lambda: clock[0]))
-    monkeypatch.setattr(deployment, "ACTORS_READY_TIMEOUT_S", 100.0)
-    monkeypatch.setattr(deployment, "COMPILE_READY_TIMEOUT_S", 50.0)  # the decode pool compiles: 150 s
+    monkeypatch.setattr(rank_actors, "ACTORS_READY_TIMEOUT_S", 100.0)
+    monkeypatch.setattr(rank_actors, "COMPILE_READY_TIMEOUT_S", 50.0)  # the decode pool compiles: 150 s
     dead = InstanceHealth(Health.DEAD, "probe: EngineFailed: stuck", since_s=990.0, pid=41)
     monitor, instance, rank, done = _probing_monitor(monkeypatch, restarting, dead)
     monitor._engine_restarts[("decode", 0)] = 41
