@@ -316,11 +316,9 @@ class Dispatcher(RouteAndReserve):
 
     # ---- an instance lost ---------------------------------------------------------------------------------
     def fail_attempts(self, role: str, index: int) -> None:
-        """End every in-flight attempt on instance (`role`, `index`) with a "decode_lost" event (decode)
-        or a failed prefill (prefill: the dispatch policy re-dispatches it or fails it, as when its
-        prefill call fails; the call is not waited for). Safe from any thread: off the requests' event
-        loop (the health monitor, stats() in a worker thread) it is handed to that loop, since asyncio
-        queues are not thread-safe."""
+        """End every in-flight attempt on instance (`role`, `index`): `DecodeLost` (decode) or
+        `PrefillFailed` (prefill: re-dispatched or failed by the policy). Safe from any thread (handed to
+        the requests' event loop: asyncio queues are not thread-safe)."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
             try:
@@ -343,9 +341,7 @@ class Dispatcher(RouteAndReserve):
         ) or "unknown"
 
     def _fail_attempts_on_loop(self, role: str, index: int, reason: str) -> None:
-        """On the requests' event loop: `_fail_attempts`, with `reason` as the instance's health gave it
-        when the failure was seen (the call can run after the instance rejoined, or the cluster shut
-        down)."""
+        """On the requests' event loop: `fail_attempts`, with `reason` as seen when the failure was."""
         for attempt in list(self._by_handoff.values()):
             if role == "decode" and attempt.decode_index == index:
                 message = f"decode-{index} died or stopped answering ({reason}); the request was lost"
@@ -370,13 +366,10 @@ class Dispatcher(RouteAndReserve):
         ]
 
     async def _poll(self, decode_index: int, rank: int = 0) -> None:
-        """Hand the events of rank `rank` of decode instance `decode_index` to their requests. A poll that
-        fails or takes over `call_timeout_s` takes the instance out of routing (the requests of all its
-        ranks fail); polling resumes once the health monitor has brought it back. Each poll acknowledges
-        the events received so far, so a reply lost to a timeout is sent again by the next poll
-        (`DecodeNode.poll`). Ends when cancelled, also when `asyncio.wait_for` swallowed the cancellation
-        (Python 3.11 returns the result of a call that completed as the cancellation came, CPython
-        gh-86296): the request is still counted by `Task.cancelling`, and the loop would poll forever."""
+        """Hand the events of rank `rank` of decode instance `decode_index` to their requests (in order,
+        once: `RankClient.events`). A poll that fails or times out takes the instance out of routing;
+        polling resumes once the health monitor brought it back. Ends when cancelled, also when
+        `asyncio.wait_for` swallowed the cancellation (CPython gh-86296: `Task.cancelling` counts it)."""
         instance = self.instances["decode"][decode_index]
         task = asyncio.current_task()
         while not self._closed:
@@ -404,7 +397,6 @@ class Dispatcher(RouteAndReserve):
 
 
 def _prefill_pending(attempt: Attempt) -> bool:
-    """The attempt's prefill call was sent and has not returned (a prefill lost after that took nothing of
-    the attempt with it: its KV was handed to the sender, decode reports the rest)."""
+    """The attempt's prefill call was sent and has not returned (a prefill lost after that lost nothing)."""
     call = attempt.prefill_call
     return call is not None and not call.done() and not attempt.prefill_reported
