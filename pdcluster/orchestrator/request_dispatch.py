@@ -12,8 +12,7 @@ lifecycle). A thin loop over the pure dispatch policy (`orchestrator.dispatch`):
     _poll(decode_index, rank)         one loop per decode rank: `RankClient.events` -> the attempt queues,
                                       and the rank's load snapshot -> the load board (routing)
 
-Every wait is bounded: actor calls by `call_timeout_s`, the prefill call and each wait for an event by
-`event_timeout_s` (`orchestrator.dispatch`).
+Every wait is bounded: calls by `call_timeout_s`, the prefill call and each event by `event_timeout_s`.
 """
 
 from __future__ import annotations
@@ -316,9 +315,8 @@ class Dispatcher(RouteAndReserve):
 
     # ---- an instance lost ---------------------------------------------------------------------------------
     def fail_attempts(self, role: str, index: int) -> None:
-        """End every in-flight attempt on instance (`role`, `index`): `DecodeLost` (decode) or
-        `PrefillFailed` (prefill: re-dispatched or failed by the policy). Safe from any thread (handed to
-        the requests' event loop: asyncio queues are not thread-safe)."""
+        """End every in-flight attempt on instance (`role`, `index`) (`DecodeLost` / `PrefillFailed`). Safe
+        from any thread: handed to the requests' event loop (asyncio queues are not thread-safe)."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
             try:
