@@ -3,8 +3,7 @@
 The driver (`orchestrator.cluster.Cluster`) wraps the class with `ray.remote` and places it in its
 instance's placement group. A disaggregated request on this node:
 
-    reserve(ReserveRequest)    (a Ray call, or on the driver's host a record on the reply connection,
-                               `RankActor._take_call`, answered there)
+    reserve(ReserveRequest)    (a Ray call)
                                engine.reserve_remote_prefill (blocks for prompt + first token + drafts),
                                then receiver.expect(meta, on_layer=write into the reserved slots), whose
                                bound meta (with the handoff's secret) goes back to the driver for the chosen
@@ -21,10 +20,7 @@ instance's placement group. A disaggregated request on this node:
     wait raises                receiver.release + engine.release_remote_prefill: no block stays held;
                                a `RequestError` event tells the driver, which may re-dispatch
     poll(timeout_s)            the driver's one call per node: token deltas and errors of every request
-                               (`poll_with_load`: with the rank's load snapshot, which is what routes);
-                               on the driver's host each pass's events are also pushed to it as they are
-                               emitted (`connect_reply_channel`, `orchestrator.reply_channel`), and a
-                               poll then returns early only for events that were not pushed
+                               (`poll_with_load`: with the rank's load snapshot, which is what routes)
 
 Locks (both `FairLock`s, granted in request order; taken in this order): `_engine_lock`, held by the
 engine thread for each pass (admissions, the step, its events) and by every call that touches the engine,
@@ -34,15 +30,13 @@ sampling and drafting run (`LLMEngine.step`'s `while_executing`): a reserve take
 allocates its fresh blocks while a step executes instead of waiting for the step to end (unless that step
 has run for half the driver's reserve timeout: then it waits for it, and a hung step still takes the rank
 out of routing). Layer writes go to reserved blocks no scheduled request uses. `_events_lock` (the event
-queue, and the push to the driver under it: a non-blocking send) is taken last and never waits for the
-others.
+queue) is taken last and never waits for the others.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import os
 import threading
@@ -54,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from pdcluster.decode_node.deltas import Handoff, token_delta
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm import EngineStepError, RequestOutput
+from pdcluster.engine.stopping import early_first_token_text
 from pdcluster.kvtransfer.base import HandoffMeta, KVReceiver, KVTransferError, ReceivedKV, ReceivedLayer
 from pdcluster.kvtransfer.paired import PairedAddress
 from pdcluster.orchestrator.dispatch import call_timeout_s
@@ -72,7 +67,6 @@ from pdcluster.orchestrator.messages import (
     TokenDelta,
 )
 from pdcluster.orchestrator.rank_actor import LOCKSTEP_IDLE_S, RankActor
-from pdcluster.orchestrator.reply_pusher import ReplyPusher
 
 if TYPE_CHECKING:
     from pdcluster.kvtransfer.grpc_transport import TLSCredentials
@@ -106,8 +100,6 @@ class DecodeNode(RankActor):
         self._events_lock = threading.Condition()
         self._events: collections.deque[PolledEvent] = collections.deque()  # unacknowledged
         self._next_seq = 0
-        self._pusher: ReplyPusher | None = None  # connect_reply_channel
-        self._pushed_through = 0  # every event up to this seq was pushed or acknowledged by a poll
         self._admissions: list[tuple[str, ReceivedKV]] = []  # received, admitted by the engine thread next
         self._handoffs: dict[str, Handoff] = {}  # admitted, until finished or failed
         self._received_at_s: dict[str, float] = {}  # received, not yet admitted: when wait returned
@@ -249,54 +241,20 @@ class DecodeNode(RankActor):
 
     def abort(self, handoff_id: str) -> None:
         """Drop the request wherever it is (reserved or running); frees its blocks. Unknown ids: no-op."""
-        assert self.receiver is not None
-        self.receiver.release(handoff_id)  # no on_layer runs after this
         with self._locked():
-            self._admissions = [(rid, kv) for rid, kv in self._admissions if rid != handoff_id]
-            self._received_at_s.pop(handoff_id, None)
-            self._release_reserved(handoff_id)
-            self.engine.abort_request(handoff_id)
-            self.engine.pop_finished_outputs([handoff_id])  # aborted: no output
-            self._handoffs.pop(handoff_id, None)
-
-    def connect_reply_channel(self, address: str, secret: str, who: str) -> None:
-        """Push each engine pass's events, with the load, to the driver's socket at `address` too (it is on
-        this host), presenting `secret` and this incarnation's tag `who` (`orchestrator.reply_channel`),
-        and take the driver's reserves on that connection (`RankActor._take_call`). Events not acknowledged
-        yet go with the next pass's push. Replaces an earlier connection. Raises OSError when the socket
-        cannot be reached."""
-        pusher = ReplyPusher(address, secret, who, on_call=self._take_call)
-        with self._events_lock:
-            old, self._pusher = self._pusher, pusher
-        if old is not None:
-            old.close()
-
-    def _call_method(self, call: Any) -> Any:
-        """A reserve sent on the reply connection (`RankActor._take_call`) is served by `reserve`."""
-        if isinstance(call, ReserveRequest):
-            return self.reserve
-        return super()._call_method(call)
-
-    def _answer_lost(self, call: Any, outcome: Any) -> None:
-        """A reservation the driver never learns of is released at once."""
-        if isinstance(outcome, ReserveResult) and outcome.reserved:
-            self.abort(call.handoff_id)
+            self._drop(handoff_id)
 
     def poll(self, timeout_s: float = 0.05, acked_seq: int = 0) -> list[PolledEvent]:
         """Every event after `acked_seq` (seq counts from 1): a `TokenDelta` or a `RequestError` per event.
-        Waits up to `timeout_s` seconds for one that was not pushed to the driver (`connect_reply_channel`;
-        without it, for any event). Events up to `acked_seq` are dropped; later ones are kept until a poll
-        acknowledges them, so neither a reply the driver stopped waiting for (a timed-out poll) nor a push
-        that did not arrive loses anything.
+        Waits up to `timeout_s` seconds for one. Events up to `acked_seq` are dropped; later ones are kept
+        until a poll acknowledges them, so a reply the driver stopped waiting for (a timed-out poll) loses
+        nothing.
         """
         deadline_s = time.monotonic() + timeout_s
         with self._events_lock:
             while self._events and self._events[0].seq <= acked_seq:
                 self._events.popleft()
-            # The driver has every event through acked_seq (a number past the last event is another
-            # incarnation's: a restarted rank's first poll may still carry its predecessor's).
-            self._pushed_through = max(self._pushed_through, min(acked_seq, self._next_seq))
-            while self._next_seq <= self._pushed_through:  # nothing the driver could lack
+            while not self._events:
                 remaining_s = deadline_s - time.monotonic()
                 if remaining_s <= 0 or self._stopped.is_set():
                     break
@@ -368,11 +326,6 @@ class DecodeNode(RankActor):
 
     def close(self) -> None:
         self._stop_engine_thread()
-        with self._events_lock:
-            pusher, self._pusher = self._pusher, None
-        if pusher is not None:
-            pusher.close()
-        self._close_call_threads()
         if self.receiver is not None:
             try:
                 self.receiver.close()
@@ -484,20 +437,24 @@ class DecodeNode(RankActor):
                 events.append(self._fail(out.request_id, f"decode output failed: {e!r}"))
 
     def _fail(self, handoff_id: str, message: str) -> RequestError:
+        """Under the engine lock: `_drop` the request and return its error event."""
+        self._drop(handoff_id)
+        return RequestError(handoff_id, message)
+
+    def _drop(self, handoff_id: str) -> None:
         """Under the engine lock: drop the request wherever it is (receiver, reservation, batch, finished
-        outputs not yet reported), free its blocks, and return its error event."""
+        outputs not yet reported) and free its blocks."""
         assert self.receiver is not None
         try:
-            self.receiver.release(handoff_id)
+            self.receiver.release(handoff_id)  # no on_layer runs after this
         except Exception:  # noqa: BLE001 - still free the engine side
             logger.exception("%s: releasing handoff %s failed", self.name, handoff_id)
         self._admissions = [(rid, kv) for rid, kv in self._admissions if rid != handoff_id]
         self._received_at_s.pop(handoff_id, None)
         self._release_reserved(handoff_id)
         self.engine.abort_request(handoff_id)
-        self.engine.pop_finished_outputs([handoff_id])
+        self.engine.pop_finished_outputs([handoff_id])  # dropped: no output
         self._handoffs.pop(handoff_id, None)
-        return RequestError(handoff_id, message)
 
     def _release_reserved(self, handoff_id: str) -> bool:
         """Under the engine lock, after `receiver.release`: give back a reservation's blocks now, or, while
@@ -583,22 +540,31 @@ class DecodeNode(RankActor):
         )
         self._handoffs[handoff_id] = handoff
         self._maybe_fault("admit")
+        params = self.engine.scheduler.reserved[handoff_id].sampling_params
         self.engine.admit_remote_prefill(
             handoff_id, extras.first_token_id, extras.draft_token_ids, extras.draft_probs
         )
+        # The first token has one source: prefill's reply when it may go early (the driver streams it),
+        # else this admission. Either way the engine reports it again with the next output: not sent twice.
+        handoff.num_sent = 1
+        early_text = early_first_token_text(self.engine.tokenizer, params, extras.first_token_id)
         request = self.engine.scheduler.get_request(handoff_id)
         if request is None:  # the first token finished it: `_run_once` pops its output right after
+            handoff.text_streamed_by_prefill = early_text or ""
+            if early_text is None:
+                handoff.num_sent = 0
             return []
-        # The first token streams at once, with its text (the driver drops it when the prefill call's reply
-        # streamed it first); the engine reports the token again (its text not) with the next step's output.
-        handoff.num_sent = 1
+        text = self.engine.take_new_text(handoff_id)
+        first = (extras.first_token_id,)
+        if early_text is not None:  # the driver streamed the token and `early_text` from prefill's reply
+            first, text = (), text.removeprefix(early_text)
         return [
             TokenDelta(
                 handoff_id,
-                (extras.first_token_id,),
+                first,
                 phases=Phases(kv_transfer_s=handoff.kv_transfer_s, admit_s=handoff.admit_s),
                 kv_transfer_bytes=handoff.kv_transfer_bytes,
-                new_text=self.engine.take_new_text(handoff_id),
+                new_text=text,
             )
         ]
 
@@ -612,25 +578,11 @@ class DecodeNode(RankActor):
         return [delta]
 
     def _emit(self, events: list[DecodeEvent]) -> None:
-        """Number `events`, keep them for the poll, and push every event neither pushed nor acknowledged yet
-        (these, and any a failed push left behind: the driver takes them in sequence) to the driver, with
-        the load; when that push fails, wake the poll. Never raises for the push."""
+        """Number `events`, keep them until a poll acknowledges them, and wake the poll."""
         if not events:
             return
         with self._events_lock:
             first_seq = self._next_seq + 1
-            items = [PolledEvent(first_seq + i, event) for i, event in enumerate(events)]
-            self._next_seq = items[-1].seq
-            self._events.extend(items)
-            if self._pusher is not None:
-                if first_seq != self._pushed_through + 1:  # a push failed since: send its events again
-                    items = [item for item in self._events if item.seq > self._pushed_through]
-                try:  # the load without its EP figures (large; the poll's and stats() carry them)
-                    pushed = self._pusher.push_events(items, dataclasses.replace(self.load(), ep=None))
-                except Exception:  # noqa: BLE001 - the poll brings them
-                    logger.exception("%s: pushing events to the driver failed", self.name)
-                    pushed = False
-                if pushed:
-                    self._pushed_through = self._next_seq
-                    return
+            self._events.extend(PolledEvent(first_seq + i, event) for i, event in enumerate(events))
+            self._next_seq = first_seq + len(events) - 1
             self._events_lock.notify_all()

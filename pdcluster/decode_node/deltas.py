@@ -19,6 +19,8 @@ class Handoff:
     admitted_at_s: float | None = None
     num_sent: int = 0
     admit_s: float | None = None  # received until admitted
+    # the first token's text the driver streamed from prefill's reply, not sent again (`token_delta`)
+    text_streamed_by_prefill: str = ""
 
 
 def token_delta(out: RequestOutput, handoff: Handoff | None) -> TokenDelta:
@@ -44,6 +46,10 @@ def token_delta(out: RequestOutput, handoff: Handoff | None) -> TokenDelta:
         tuple(out.num_draft_tokens_per_position),
         tuple(out.num_accepted_tokens_per_position),
     )
+    new_text = out.new_text
+    if handoff is not None and handoff.text_streamed_by_prefill:  # a first token that finished it
+        new_text = new_text.removeprefix(handoff.text_streamed_by_prefill)
+        handoff.text_streamed_by_prefill = ""
     return TokenDelta(
         out.request_id,
         tuple(out.token_ids[num_sent:]),
@@ -52,5 +58,5 @@ def token_delta(out: RequestOutput, handoff: Handoff | None) -> TokenDelta:
         phases=phases,
         kv_transfer_bytes=kv_transfer_bytes,
         drafts=drafts,
-        new_text=out.new_text,
+        new_text=new_text,
     )

@@ -13,13 +13,13 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm_engine import (
     EngineStepError,
     LLMEngine,
-    PrefillResult,
+    PrefillOutput,
     PromptKVCallback,
     RequestOutput,
 )
 from pdcluster.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineStepError", "LLMEngine", "PrefillResult", "PromptKVCallback", "RequestOutput"]
+__all__ = ["LLM", "EngineStepError", "LLMEngine", "PrefillOutput", "PromptKVCallback", "RequestOutput"]
 
 
 class LLM:

@@ -42,7 +42,7 @@ from pdcluster.engine.expert_parallel import EPStats, setup_expert_parallel
 from pdcluster.engine.model_runner import LayerKVCallback, ModelRunner
 from pdcluster.engine.outputs import RequestOutput, SchedulerOutput
 from pdcluster.engine.remote_prefill import (
-    PrefillResult,
+    PrefillOutput,
     PromptKVCallback,
     RemotePrefillReservations,
     prefill_result,
@@ -63,7 +63,7 @@ __all__ = [
     "CompileStats",
     "EngineStepError",
     "LLMEngine",
-    "PrefillResult",
+    "PrefillOutput",
     "PromptKVCallback",
     "RequestOutput",
     "RequestRecord",
@@ -239,7 +239,7 @@ class LLMEngine:
             logprobs=[] if params.logprobs is not None else None,
         )
 
-    def pop_prefill_result(self, request_id: str) -> PrefillResult | None:
+    def pop_prefill_result(self, request_id: str) -> PrefillOutput | None:
         """The first token and drafts of a finished prefill-only request (once)."""
         record = self._records.get(request_id)
         if record is None or record.prefill_result is None or not record.request.is_finished:

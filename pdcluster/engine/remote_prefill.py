@@ -2,7 +2,7 @@
 
 Prefill instance (`LLMEngine.add_request(prefill_only=True)`): the request stops after its first sampled
 token; the step that samples it streams the whole prompt's KV per layer through `prompt_kv_hook`
-(`PromptKVCallback`), and `PrefillResult` keeps what decode needs besides the KV (first token, MTP drafts
+(`PromptKVCallback`), and `PrefillOutput` keeps what decode needs besides the KV (first token, MTP drafts
 and their distributions) until `LLMEngine.pop_prefill_result`.
 
 Decode instance, a request's handoff in four calls on `RemotePrefillReservations` (through the
@@ -31,7 +31,7 @@ from pdcluster.kernels.kv_quant import dequantize_kv_int8
 from pdcluster.kernels.paged_mla import bytes_crc32c, gather_kv, write_prompt_kv
 
 
-class PrefillResult(NamedTuple):
+class PrefillOutput(NamedTuple):
     """What a prefill-only request hands to decode besides its prompt KV (`LLMEngine.pop_prefill_result`).
 
     first_token_id: the token sampled after the prompt.
@@ -50,13 +50,13 @@ class PrefillResult(NamedTuple):
 PromptKVCallback = Callable[[str, int, torch.Tensor, torch.Tensor | None], None]
 
 
-def prefill_result(runner_output: ModelRunnerOutput, request_id: str) -> PrefillResult | None:
-    """The `PrefillResult` of a prefill-only request from its sampling step's output; None when the step
+def prefill_result(runner_output: ModelRunnerOutput, request_id: str) -> PrefillOutput | None:
+    """The `PrefillOutput` of a prefill-only request from its sampling step's output; None when the step
     sampled nothing for it (it failed)."""
     sampled = runner_output.sampled_token_ids.get(request_id)
     if not sampled:
         return None
-    return PrefillResult(
+    return PrefillOutput(
         first_token_id=sampled[-1],
         draft_token_ids=list(runner_output.spec_token_ids.get(request_id, [])),
         draft_probs=runner_output.draft_probs.get(request_id),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdcluster.engine.outputs import RequestOutput, TokenLogprobs
-from pdcluster.engine.remote_prefill import PrefillResult
+from pdcluster.engine.remote_prefill import PrefillOutput
 from pdcluster.engine.request import Request
 from pdcluster.engine.stopping import OutputText
 
@@ -28,7 +28,7 @@ class RequestRecord:
     prompt: str | None
     output_text: OutputText
     logprobs: list[TokenLogprobs] | None = None
-    prefill_result: PrefillResult | None = None
+    prefill_result: PrefillOutput | None = None
     stream: bool = True
 
     def output(self) -> RequestOutput:

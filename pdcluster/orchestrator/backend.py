@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import queue
 import threading
@@ -43,20 +44,11 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm import EngineStepError, LLMEngine, RequestOutput
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.models.tokenizer import Tokenizer
+from pdcluster.orchestrator.messages import Phases
 
-# Names of the per-request phases a backend may report in `StreamDelta.phases` (seconds). A backend
-# gives the ones it knows; a local engine has no KV transfer.
-PHASE_NAMES = (  # `orchestrator.messages.Phases`, in the order a request meets them
-    "route_s",
-    "reserve_s",
-    "queue_s",
-    "prefill_s",
-    "last_layer_sent_s",
-    "kv_transfer_s",
-    "admit_s",
-    "first_decode_step_s",
-    "total_s",
-)
+# Names of the per-request phases a backend may report in `StreamDelta.phases` (seconds), in the order a
+# request meets them. A backend gives the ones it knows; a local engine has no KV transfer.
+PHASE_NAMES = tuple(f.name for f in dataclasses.fields(Phases))
 
 
 class BackendUnavailable(Exception):
@@ -144,8 +136,6 @@ class ServingBackend(Protocol):
         kv_blocks: {instance_name: {"num_used_blocks": int, "num_total_blocks": int}}.
         kv_transfer_bytes_total: int, bytes of KV moved prefill -> decode since start.
         kv_transfer_seconds_total: float, seconds spent in KV transfer since start.
-        pushed_total: {kind: int}, request-path messages sent over a faster channel than the default one
-            (the cluster's: `InstanceMonitor.pushed_total`).
 
         May block (the cluster's asks every rank, waiting up to its call timeout): call it off the event
         loop.

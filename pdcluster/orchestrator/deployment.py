@@ -14,12 +14,9 @@ rank, or one torch.distributed group of every rank). Each instance is an `orches
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import itertools
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,104 +26,28 @@ from pdcluster.orchestrator.actor_errors import DeployError, actor_error_message
 from pdcluster.orchestrator.dispatch import call_timeout_s, collective_timeout_s, event_timeout_s
 from pdcluster.orchestrator.health import InstanceHealth
 from pdcluster.orchestrator.instance import Instance
-from pdcluster.orchestrator.load_board import LoadBoard
 from pdcluster.orchestrator.messages import InstanceGroupSpec, NodeReady
 from pdcluster.orchestrator.placement import nodes_to_pin, plan_placement, to_ray_placement_group_args
-from pdcluster.orchestrator.preflight import actor_layer_issues, weight_dtype_issues
+from pdcluster.orchestrator.rank_actors import (
+    MAX_ACTOR_RESTARTS,
+    PROBE_GROUP,
+    actor_resource_options,
+    check_deployable,
+    is_loopback_topology,
+    load_summary,
+    rank_actor_class,
+    ray_restarts,
+    ready_timeout_s,
+)
 from pdcluster.orchestrator.ray_runtime import gcs_reachable, init_local_ray, keeping_sigterm_handler
 from pdcluster.orchestrator.request_state import rank_name
-from pdcluster.orchestrator.router import POLICIES, PrefixCacheModel, RankRef
-from pdcluster.orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES, Topology, load_topology
+from pdcluster.orchestrator.router import RankRef
+from pdcluster.orchestrator.topology import ROLES, Topology, load_topology
 from pdcluster.orchestrator.wiring import ClusterWiring, advertised_address, free_ports
 
 __all__ = ["PROBE_GROUP", "ClusterDeployment", "advertised_address", "free_ports", "ray_restarts"]
 
 logger = logging.getLogger("pdcluster.orchestrator.cluster")  # the driver's log, as before the split
-
-MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc, shm) this often; then it stays dead
-# The rank actors' Ray concurrency group for the health monitor's probes (`load`), with threads of its own:
-# calls that wait for a hung engine (a decode abort, a reserve) can take every thread of the default group
-# (max_concurrency), and a probe queued behind them would never be answered.
-PROBE_GROUP = "probe"
-PROBE_GROUPS = {PROBE_GROUP: 2}  # the actor classes' `concurrency_groups` (Ray takes them only at ray.remote)
-
-
-def rank_actor_class(ray, cls: type) -> Any:
-    """The Ray actor class of rank class `cls` (`PrefillNode`, `DecodeNode`), with the probe group: every
-    rank actor must be made by it, since a call to a group the actor lacks crashes its process."""
-    return ray.remote(concurrency_groups=PROBE_GROUPS)(cls)
-
-
-def ray_restarts(kv_transport: str, num_ranks: int) -> bool:
-    """Whether Ray restarts the actor of a rank that died (up to MAX_ACTOR_RESTARTS times): a one-rank
-    instance on an addressed KV transport (grpc, shm, shm+grpc), which the health monitor rewires when it
-    answers again. A torch.distributed group (the KV transport's, a multi-rank instance's) is fixed at
-    deploy time: a restarted rank could not rejoin it."""
-    return kv_transport in ADDRESSED_KV_TRANSPORTS and num_ranks == 1
-
-
-# Seconds deploy waits for each rank actor to load its weights, and the ranks of an instance for each other
-# at their group's rendezvous (they start at once, but on a busy machine not at the same moment).
-ACTORS_READY_TIMEOUT_S = 300.0
-# Seconds more deploy waits for the ranks of a pool with `compile` on (the decode pool's default): compiling
-# the decode forward at load took ~50 s on an idle 2-core machine and 196 s with its cores contended.
-COMPILE_READY_TIMEOUT_S = 600.0
-
-
-def ready_timeout_s(topology: Topology) -> float:
-    """How long deploy waits for each rank actor to be ready, and the ranks of a multi-rank instance for
-    each other at their rendezvous (seconds): ACTORS_READY_TIMEOUT_S, plus COMPILE_READY_TIMEOUT_S when a
-    pool compiles its decode forward at load."""
-    compiles = topology.compiles("prefill") or topology.compiles("decode")
-    return ACTORS_READY_TIMEOUT_S + (COMPILE_READY_TIMEOUT_S if compiles else 0.0)
-
-
-def load_summary(info: NodeReady) -> str:
-    """How a rank's load went, for deploy's log: its load time and what `compile` did (compiled in how
-    long, or why the rank runs eagerly)."""
-    stats = info.compile
-    if stats is None or not stats.requested:
-        return f"weights loaded in {info.load_s:.1f} s"
-    if stats.compiled:
-        return f"loaded in {info.load_s:.1f} s, the decode forward compiled in {stats.compile_s:.1f} s"
-    return f"loaded in {info.load_s:.1f} s; compile is on but the decode forward runs eagerly: {stats.error}"
-
-
-def check_deployable_parallelism(topology: Topology) -> None:
-    """Raise ValueError for parallelism the actor layer cannot run (`orchestrator.preflight.
-    actor_layer_issues`: tensor-parallel attention, experts split over part of an instance), naming the
-    keys, so deploying never silently ignores it. `pdcluster deploy` refuses them before this, at their
-    YAML lines."""
-    issues = actor_layer_issues(topology)
-    if issues:
-        raise ValueError(
-            "; ".join(i.reason for i in issues) + " (`pdcluster validate` checks such a file as a plan only)"
-        )
-
-
-def check_deployable(topology: Topology) -> None:
-    """`check_deployable_parallelism`, then a `model.weight_dtype` the engine does not run
-    (`orchestrator.preflight.weight_dtype_issues`: 8-bit weights are a planning assumption): ValueError
-    naming the key, as `pdcluster deploy` refuses it at its YAML line."""
-    check_deployable_parallelism(topology)
-    issues = weight_dtype_issues(topology)
-    if issues:
-        raise ValueError("; ".join(i.reason for i in issues))
-
-
-def is_loopback_topology(topology: Topology) -> bool:
-    """A single-node `cpu` topology: every transport endpoint stays on 127.0.0.1."""
-    return topology.hardware.spec.ray_resource is None and topology.hardware.num_nodes == 1
-
-
-def actor_resource_options(ray_resource: str | None) -> dict[str, Any]:
-    """The device part of an actor's Ray options: `num_gpus=1` for GPUs (Ray refuses "GPU" in
-    `resources`), `resources={"NPU": 1}` for custom accelerators, nothing on `cpu`."""
-    if ray_resource is None:
-        return {}
-    if ray_resource == "GPU":
-        return {"num_gpus": 1}
-    return {"resources": {ray_resource: 1}}
 
 
 class ClusterDeployment(ClusterWiring):
@@ -159,10 +80,6 @@ class ClusterDeployment(ClusterWiring):
         check_deployable(topo)
         self.topology = topo
         self._loopback = is_loopback_topology(topo)
-        self._reply_listener = None
-        self._decode_push_tags = {}  # tag of a decode rank's reply connection -> the rank (wiring)
-        self._decode_tag_of = {}  # the inverse: a decode rank -> its current tag (wiring; read by routing)
-        self._prefill_push_tags = {}  # a prefill rank -> the tag of its reply connection (wiring)
         plan = plan_placement(topo)
         self._started_ray = False
         self._started_ray_head = False
@@ -231,8 +148,7 @@ class ClusterDeployment(ClusterWiring):
                     ) from None
                 infos[info.name] = info
                 log(f"  {info.name} ready: {load_summary(info)} ({len(infos)}/{len(ready_refs)})")
-            # the driver's state before the reply channel connects (a rank's record may come at once) and
-            # inside this try: a Ctrl-C anywhere here tears down what started
+            # the driver's state, inside this try: a Ctrl-C anywhere here tears down what started
             first = infos["prefill-0"]
             self.num_hidden_layers = first.num_hidden_layers
             self.kv_dim = first.kv_dim
@@ -243,54 +159,21 @@ class ClusterDeployment(ClusterWiring):
             self.max_model_len = config.max_model_len or _max_position_embeddings(config.model)
             self._dtype = config.dtype
             self._decode_kv_cache_dtype = config.kv_cache_dtype
-            self._policy = POLICIES[topo.router.policy]
             up_s = time.monotonic()
             for instance in self.instances["prefill"] + self.instances["decode"]:
                 instance.health = InstanceHealth(since_s=up_s, pid=infos[instance.name].pid)
-            self._health_lock = threading.Lock()
-            self._stuck_passes = {}  # the watchdog's (pid, pass, first seen) per rank name (health_monitor)
-            self._last_answer_s = {}  # when each instance last answered a probe (health_monitor)
-            self._engine_restarts = {}  # the process the monitor last had Ray restart, per instance
-            self._last_kill_s = {}  # when the monitor last had Ray restart each instance (health_monitor)
-            self._overdue_kills = {}  # the death each overdue restart was killed in (health_monitor)
-            self._replacements = {}  # new actors started for each instance Ray gave up on (health_monitor)
-            self._poll_acked_seq = [[0] * d.num_ranks for d in self.instances["decode"]]  # per decode rank
             self.call_timeout_s = call_timeout_s(topo.kv_transfer.timeout_s)
             self.event_timeout_s = event_timeout_s(topo.kv_transfer.timeout_s)
-            self._prefix_cache = PrefixCacheModel(topo.prefill.block_size)
-            self._loads = LoadBoard([d.num_ranks for d in self.instances["decode"]])
-            self._counter = itertools.count()
-            self._requests = {}  # request id -> its record (orchestrator.request_dispatch)
-            self._by_handoff = {}  # handoff id -> the attempt it names
-            self._pollers: list[asyncio.Task] = []
-            self._loop: asyncio.AbstractEventLoop | None = None
-            self._kv_transfer_bytes_total = 0
-            self._kv_transfer_seconds_total = 0.0
-            self._num_prefill_replies_received = 0
-            self._num_prefill_replies_pushed = 0
-            self._num_first_tokens_early = 0
-            self._num_decode_events_pushed = 0
-            self._num_binds_pushed = 0  # binds sent on a prefill rank's reply connection (routing)
-            self._num_calls_pushed = {"reserve": 0, "prefill": 0}  # sent on a rank's reply connection
-            self._pending_calls = {}  # call id -> (tag, kind, handoff id, the answer's future) (routing)
-            self._call_ids = itertools.count(1)
             self._closed = False
             decode_addresses = self._wire(ray, plan)
             if topo.kv_transport == "shm+grpc":  # which transport each prefill -> decode pair took
                 log(f"  KV pairs ({topo.kv_transport}): {self._pair_transports(ray)}")
-            self._connect_reply_channel(
-                ray,
-                prefill_indices=range(len(self.instances["prefill"])),
-                decode_indices=range(len(self.instances["decode"])),
-            )
             log(
                 f"cluster {topo.name} up in {time.monotonic() - started_s:.1f} s "
                 f"({topo.kv_transport}, layerwise={topo.kv_transfer.layerwise})"
             )
             self._decode_addresses = decode_addresses
-            self._monitor_stop = threading.Event()
-            self._monitor = threading.Thread(target=self._monitor_health, name="health-monitor", daemon=True)
-            self._monitor.start()
+            self._compose()
         except BaseException as exc:
             self._teardown(ray, remove_placement_group)
             if isinstance(exc, ray.exceptions.RayError):  # e.g. wiring the KV transfer
@@ -400,14 +283,14 @@ class ClusterDeployment(ClusterWiring):
         from ray.util.placement_group import remove_placement_group
 
         self._closed = True
-        self._monitor_stop.set()
         # Before the teardown: a probe round (at most a call timeout) could otherwise still replace an actor
         # after the placement groups are gone, or, after ray.shutdown(), start a new local Ray by calling it.
-        if self._monitor is not threading.current_thread():
-            self._monitor.join(self.call_timeout_s + 5.0)
-        for task in self._pollers:
-            task.cancel()
-        self._pollers = []
+        monitor = getattr(self, "monitor", None)
+        if monitor is not None:
+            monitor.stop(self.call_timeout_s + 5.0)
+        dispatcher = getattr(self, "dispatcher", None)
+        if dispatcher is not None:
+            dispatcher.close()
         self._teardown(ray, remove_placement_group)
 
     # ---- internals --------------------------------------------------------------------------------------
@@ -420,10 +303,9 @@ class ClusterDeployment(ClusterWiring):
                     "Ray's GCS is gone (a signal to the whole process group stops Ray's processes too): "
                     "the actors and placement groups went with it; nothing of Ray's left to stop"
                 )
-        self.instances, self._placement_groups = {"prefill": [], "decode": []}, []
-        if self._reply_listener is not None:
-            self._reply_listener.close()
-            self._reply_listener = None
+        for role in ROLES:  # the same dict: the registry holds it
+            self.instances[role] = []
+        self._placement_groups = []
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

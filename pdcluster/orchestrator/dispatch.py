@@ -13,15 +13,13 @@ Two decisions:
   finish_reason "abort", re-dispatch to another prefill instance (the handoff failed before decode
   streamed any token), or fail with a message for the client.
 
-The first token from prefill: prefill samples it, so the driver streams it as soon as the prefill call
-returns, without waiting for decode to receive the KV and admit the request (a few ms of hops on the
-TTFT path). Decode still streams it too, at admission; the driver drops it there
-(`without_first_token`). When the prefill instance says the token may not go early (its reply has no
-`first_token_text`: stop strings or logprobs), decode streams it as before. A request whose first token
-went early and whose handoff then fails is re-dispatched with that token as its first
-(`PrefillRequest.first_token_id`: the new prefill hands it to decode instead of the token it samples),
-so the client never sees a token twice or a token taken back, and the rest is what an undisturbed
-request would have produced after it.
+The first token has one source. Prefill samples it; when it may go early (`engine.stopping.
+early_first_token_text`: no stop strings, no logprobs) the driver streams it from the prefill call's reply,
+without waiting for decode to receive the KV and admit the request, and decode's deltas leave it out;
+otherwise decode streams it at admission. A request whose first token went early and whose handoff then
+fails is re-dispatched with that token as its first (`PrefillRequest.first_token_id`: the new prefill hands
+it to decode instead of the token it samples), so the client never sees a token twice or a token taken
+back.
 
 Timeouts (kv_transfer.timeout_s = T) live here, one place for the driver and the actors:
 `call_timeout_s(T)` for every actor call on the request path, `event_timeout_s(T)` for the prefill call and
@@ -30,7 +28,6 @@ every wait for a request's next event.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -262,23 +259,3 @@ def next_action(state: AttemptState, event: Event) -> Action:
     # Decode's side failed (the transfer, the admission) or nothing came, and the prefill instance is still
     # in routing: it may serve the retry (a one-prefill pool then retries too).
     return Redispatch(None, errors[-1])
-
-
-def without_first_token(delta: TokenDelta, first_token_id: int, first_token_text: str) -> TokenDelta:
-    """Decode's first delta of an attempt whose first token the driver already streamed from the prefill
-    reply (`EmitFirstToken`): the same delta (phases, KV bytes, draft counts, finish) without that token
-    and its text.
-
-    Raises:
-        ValueError: decode's first token is not `first_token_id`, or its text does not start with
-            `first_token_text` (the two instances disagree: the request must fail, not stream both).
-    """
-    tokens = delta.new_token_ids
-    if not tokens or tokens[0] != first_token_id or not delta.new_text.startswith(first_token_text):
-        raise ValueError(
-            f"decode's first token {tokens[:1]} / text {delta.new_text[:20]!r} differs from the one prefill "
-            f"streamed ({first_token_id} / {first_token_text[:20]!r})"
-        )
-    return dataclasses.replace(
-        delta, new_token_ids=tuple(tokens[1:]), new_text=delta.new_text[len(first_token_text) :]
-    )

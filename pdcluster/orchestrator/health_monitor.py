@@ -1,9 +1,8 @@
 """The health monitor of a `Cluster`: instances leave routing when a call fails, rejoin when they answer.
 
-`InstanceMonitor` (a mixin of `orchestrator.cluster.Cluster`) applies the pure health policy
-(`orchestrator.health`) to the deployed instances (`orchestrator.instance.Instance`): a call on the request
-path that times out or dies marks its instance (`_mark_failed`; a decode instance's in-flight requests get a
-`DecodeLost` event), and a monitor thread probes every rank of every instance each PROBE_INTERVAL_S
+`HealthMonitor` applies the pure health policy (`orchestrator.health`) to the deployed instances through
+the `orchestrator.registry.InstanceRegistry` (a call on the request path that times out or dies marks its
+instance there, `mark_failed`), and its thread probes every rank of every instance each PROBE_INTERVAL_S
 (`_probe_all`): an instance all of whose ranks answer rejoins, after rewiring its KV transport if Ray
 restarted its actor (a new process id of its leader). An instance fails and rejoins as one unit.
 
@@ -24,30 +23,24 @@ longer than a call may take (`call_timeout_s`): its calls that wait for the engi
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import dataclasses
 import logging
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pdcluster.orchestrator.actor_errors import EngineFailed, describe_error
-from pdcluster.orchestrator.backend import BackendUnavailable
-from pdcluster.orchestrator.deployment import PROBE_GROUP, advertised_address, ray_restarts, ready_timeout_s
-from pdcluster.orchestrator.dispatch import PrefillFailed
 from pdcluster.orchestrator.health import (
-    InstanceHealth,
-    ProbeOutcome,
     after_answer,
-    after_failure,
     engine_fault,
-    is_stale,
     restart_overdue,
     unresponsive_too_long,
 )
 from pdcluster.orchestrator.instance import Instance, check_instance_group
-from pdcluster.orchestrator.messages import DecodeLost, DecodeNodeLoad, PrefillNodeLoad
-from pdcluster.orchestrator.request_state import Attempt
+from pdcluster.orchestrator.load_board import LoadBoard
+from pdcluster.orchestrator.messages import DecodeNodeLoad, PrefillNodeLoad
+from pdcluster.orchestrator.rank_actors import PROBE_GROUP, ray_restarts, ready_timeout_s
+from pdcluster.orchestrator.registry import InstanceRegistry, restart_pending
 from pdcluster.orchestrator.router import RankRef
 from pdcluster.orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES
 
@@ -62,222 +55,56 @@ REPLACE_AFTER_S = 10.0
 MAX_REPLACEMENTS = 5
 
 
-def rank_stats(load: PrefillNodeLoad | DecodeNodeLoad) -> dict[str, Any]:
-    """One rank's load for `stats()["ranks"]`: its counters by field name (`orchestrator.messages`; decode:
-    free / total KV blocks, running, reserved, waiting for a seat; prefill: queued prompt tokens,
-    requests), its engine's error count and passes (`engine_passes`), and `ep`: its expert-parallel figures,
-    when its engine has them."""
-    fields = {f.name: getattr(load, f.name) for f in dataclasses.fields(load)}
-    stats = {k: v for k, v in fields.items() if isinstance(v, int) and not isinstance(v, bool) and k != "pid"}
-    if fields.get("ep") is not None:
-        stats["ep"] = fields["ep"]
-    return stats
+class HealthMonitor:
+    """The monitor thread (see the module docstring). `registry`: the instances and their health;
+    `deployment`: what rewires a restarted rank and starts a replacement actor (`ClusterDeployment`);
+    `loads`: the router's load board; `fail_attempts(role, index)`: end the requests an instance held."""
 
-
-class InstanceMonitor:
-    """Health bookkeeping of `orchestrator.cluster.Cluster` (see the module docstring)."""
-
-    instances: dict[str, list[Instance]]
-    _reply_listener: Any  # `ClusterWiring`'s `ReplyListener` (None: not one host)
-    _prefill_push_tags: dict[RankRef, str]  # `ClusterWiring`'s: each prefill rank's reply connection tag
-    _decode_tag_of: dict[RankRef, str]  # `ClusterWiring`'s: each decode rank's reply connection tag
-    # `RequestDispatch`'s and `ClusterRouting`'s counts of what went over a reply connection (`pushed_total`)
-    _num_prefill_replies_pushed: int
-    _num_first_tokens_early: int
-    _num_decode_events_pushed: int
-    _num_binds_pushed: int
-    _num_calls_pushed: dict[str, int]
-    _stuck_passes: dict[str, tuple[int, int, float]]  # the watchdog's `stuck` per rank name (engine_fault)
-    _last_answer_s: dict[tuple[str, int], float]  # time.monotonic() of each instance's last answered probe
-    _engine_restarts: dict[tuple[str, int], int]  # the process last killed for Ray to restart, per instance
-    _last_kill_s: dict[tuple[str, int], float]  # time.monotonic() of each instance's last such kill
-    _overdue_kills: dict[tuple[str, int], float]  # the death (since_s) in which an overdue restart was killed
-    _replacements: dict[tuple[str, int], int]  # new actors started for an instance Ray gave up on
-    _plan: Any  # `ClusterDeployment`'s placement plan, for `_new_rank_actor` (replacements)
+    def __init__(
+        self,
+        registry: InstanceRegistry,
+        deployment: Any,
+        loads: LoadBoard,
+        fail_attempts: Callable[[str, int], None],
+    ) -> None:
+        self.registry = registry
+        self.deployment = deployment
+        self.topology = deployment.topology
+        self.call_timeout_s = deployment.call_timeout_s
+        self._loads = loads
+        self._fail_attempts = fail_attempts
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stuck_passes: dict[str, tuple[int, int, float]] = {}  # the watchdog's `stuck` per rank name
+        self._last_answer_s: dict[tuple[str, int], float] = {}  # each instance's last answered probe
+        self._engine_restarts: dict[tuple[str, int], int | None] = {}  # the process last killed, per instance
+        self._last_kill_s: dict[tuple[str, int], float] = {}  # each instance's last such kill
+        self._overdue_kills: dict[tuple[str, int], float] = {}  # the death an overdue restart was killed in
+        self._replacements: dict[tuple[str, int], int] = {}  # actors started for one Ray gave up on
 
     @property
-    def _health(self) -> dict[str, list[InstanceHealth]]:
-        """Per role, each instance's health in pool order (read-only view; `_set_health` changes one)."""
-        return {role: [instance.health for instance in self.instances[role]] for role in ROLES}
+    def instances(self) -> dict[str, list[Instance]]:
+        return self.registry.instances
 
-    def _set_health(self, role: str, index: int, health: InstanceHealth) -> None:
-        self.instances[role][index].health = health
+    @property
+    def _closed(self) -> bool:
+        return self._stop.is_set()
 
-    def stats(self) -> dict[str, Any]:
-        """Load snapshot of the instances in routing, and every instance's health: `ranks` (each rank's
-        counters by rank name, `rank_stats`), `kv_blocks` per decode rank, the totals, `pushed_total`
-        (`pushed_total()`) and `instances`.
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._monitor_health, name="health-monitor", daemon=True)
+        self._thread.start()
 
-        The snapshots are taken in parallel, waiting at most `call_timeout_s` (derived from
-        kv_transfer.timeout_s, like every call on the request path): an instance that does not answer in
-        time leaves routing as unresponsive (its requests fail), one whose actor died as dead; the health
-        monitor brings either back once it answers again.
-
-        Raises:
-            BackendUnavailable: no prefill or no decode instance is in routing;
-                the message names each instance's state and why.
-        """
-        import ray
-
-        if self._closed:
-            raise BackendUnavailable("the cluster is shut down")
-        targets = [  # every rank of every instance in routing
-            (role, instance.index, actor)
-            for role in ROLES
-            for instance in self.instances[role]
-            if instance.routable
-            for actor in instance.ranks
-        ]
-        sent_s = time.monotonic()
-        refs = [actor.load.options(concurrency_group=PROBE_GROUP).remote() for _, _, actor in targets]
-        ray.wait(refs, num_returns=len(refs), timeout=self.call_timeout_s)
-        loads: dict[str, list[Any]] = {"prefill": [], "decode": []}
-        for (role, i, _), ref in zip(targets, refs, strict=True):
-            try:
-                load = ray.get(ref, timeout=0)
-                check_instance_group([load])
-                loads[role].append(load)
-            except Exception as e:  # noqa: BLE001 - GetTimeoutError, an actor error, a failed group
-                self._mark_failed(role, i, e, "load", sent_s)
-        for role in ("prefill", "decode"):
-            if not loads[role]:
-                raise BackendUnavailable(f"no live {role} instance ({self._health_summary(role)})")
-        prefill_loads: list[PrefillNodeLoad] = loads["prefill"]
-        decode_loads: list[DecodeNodeLoad] = loads["decode"]
-        return {
-            "ranks": {load.name: rank_stats(load) for load in prefill_loads + decode_loads},
-            "num_waiting_requests": sum(p.num_requests for p in prefill_loads),
-            "num_running_requests": sum(d.num_running for d in decode_loads),
-            "kv_blocks": {
-                d.name: {
-                    "num_used_blocks": d.num_total_blocks - d.num_free_blocks,
-                    "num_total_blocks": d.num_total_blocks,
-                }
-                for d in decode_loads
-            },
-            "kv_transfer_bytes_total": self._kv_transfer_bytes_total,
-            "kv_transfer_seconds_total": self._kv_transfer_seconds_total,
-            "pushed_total": self.pushed_total(),
-            "instances": self.health(),
-        }
-
-    def pushed_total(self) -> dict[str, int]:
-        """What the request path sent over a rank's reply connection (a Unix socket; one host only) instead
-        of a Ray call or its reply, since start, by kind: `prefill_result` (a prefill result taken from the
-        socket before the call's reply), `first_token_early` (of those, a first token pushed as soon as it
-        was sampled, before the MTP drafts and the handoff's finish), `decode_event` (token events),
-        `bind`, `reserve_call`, `prefill_call`. All zero on several nodes or when the socket is down;
-        against the request count they say how much of the request path took the fast one."""
-        return {
-            "prefill_result": self._num_prefill_replies_pushed,
-            "first_token_early": self._num_first_tokens_early,
-            "decode_event": self._num_decode_events_pushed,
-            "bind": self._num_binds_pushed,
-            "reserve_call": self._num_calls_pushed["reserve"],
-            "prefill_call": self._num_calls_pushed["prefill"],
-        }
-
-    def check_ready(self) -> None:
-        """`ServingBackend.check_ready`: from the health the monitor and the request path last recorded (no
-        call: a stalled instance shows here once a probe or a request's call to it timed out: within
-        `PROBE_INTERVAL_S` + `call_timeout_s` of the stall, up to about twice `call_timeout_s` more when a
-        probe round is already waiting on another instance).
-
-        Raises:
-            BackendUnavailable: shut down, or no prefill or no decode instance in routing; the message
-                names each instance's state and why.
-        """
-        if self._closed:
-            raise BackendUnavailable("the cluster is shut down")
-        for role in ROLES:
-            if not any(self._routable(role)):
-                raise BackendUnavailable(f"no live {role} instance ({self._health_summary(role)})")
-
-    def health(self) -> dict[str, dict[str, Any]]:
-        """Every instance's health: `{name: {"state": "healthy" | "unresponsive" | "dead", "reason": str,
-        "for_s": seconds in that state}}` (no calls made)."""
-        now_s = time.monotonic()
-        return {
-            f"{role}-{i}": {"state": h.state.value, "reason": h.reason, "for_s": round(now_s - h.since_s, 3)}
-            for role in ROLES
-            for i, h in enumerate(self._health[role])
-        }
-
-    def _routable(self, role: str) -> list[bool]:
-        """Per instance of pool `role`, in pool order: in routing (healthy)."""
-        return [instance.routable for instance in self.instances[role]]
-
-    _prefill_alive = property(lambda self: self._routable("prefill"))
-    _decode_alive = property(lambda self: self._routable("decode"))
-
-    def _health_summary(self, role: str) -> str:
-        return "; ".join(
-            f"{role}-{i} {h.state.value}" + (f": {h.reason}" if h.reason else "")
-            for i, h in enumerate(self._health[role])
-        )
-
-    @staticmethod
-    def _outcome(exc: BaseException) -> ProbeOutcome:
-        import ray
-
-        if isinstance(exc, (asyncio.TimeoutError, TimeoutError, ray.exceptions.GetTimeoutError)):
-            return ProbeOutcome.TIMED_OUT
-        return ProbeOutcome.DIED
-
-    @classmethod
-    def _restart_pending(cls, exc: BaseException) -> bool:
-        """Whether a failed call says nothing of the actor's death: it timed out (Ray queues a call to an
-        actor being created), or Ray answered ActorUnavailableError ("the actor is restarting"; also while
-        its node is unreachable, or when its process died with the call out). Ray answers a call to an
-        actor it has given up on with ActorDiedError. For a probe: Ray may still bring the actor back."""
-        import ray
-
-        return cls._outcome(exc) is ProbeOutcome.TIMED_OUT or isinstance(
-            exc, ray.exceptions.ActorUnavailableError
-        )
-
-    def _mark_failed(
-        self, role: str, index: int, exc: BaseException, call: str, issued_at_s: float | None = None
-    ) -> None:
-        """A call `call` on instance (`role`, `index`) timed out or raised an actor error: take it out of
-        routing (unresponsive or dead) and, for decode, fail its in-flight requests. Idempotent. The
-        timeout of a call issued (`issued_at_s`, time.monotonic()) before the instance last rejoined routing
-        changes nothing (`health.is_stale`): logged, ignored; so does Ray's "unavailable" (the actor was
-        restarting or unreachable, or its process died, while the call was out: a probe answered since, and
-        a process that died after that answer is found by the next probe, which is never stale)."""
-        if self._outcome(exc) is ProbeOutcome.TIMED_OUT:
-            reason = f"{call}: no answer within {self.call_timeout_s:g} s"
-        else:
-            reason = f"{call}: {describe_error(exc)}"
-        with self._health_lock:
-            before = self._health[role][index]
-            # Not an error saying the actor died: that may come from a process that died after the probe
-            # that brought it back answered.
-            if self._restart_pending(exc) and is_stale(before, issued_at_s):
-                assert issued_at_s is not None
-                logger.warning(
-                    "%s-%d: ignored a failed call (%s) sent %.2f s before the instance rejoined routing",
-                    role,
-                    index,
-                    reason,
-                    before.since_s - issued_at_s,
-                )
-                return
-            after = after_failure(before, self._outcome(exc), reason, time.monotonic())
-            self._set_health(role, index, after)
-        if role == "decode":
-            self._loads.forget_decode(index)
-        if after is before:
-            return
-        logger.error("%s-%d is %s (%s); taken out of routing", role, index, after.state.value, reason)
-        self._fail_attempts(role, index)
+    def stop(self, join_timeout_s: float) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(join_timeout_s)
 
     def _monitor_health(self) -> None:
         """Health monitor thread: every PROBE_INTERVAL_S, probe every instance with one `load` call (all
         at once, waiting `call_timeout_s`). One that does not answer leaves routing, so a crash or stall is
         noticed with no request in flight; one out of routing that answers rejoins, after rewiring its KV
         transport if Ray restarted it (a new process id)."""
-        while not self._monitor_stop.wait(PROBE_INTERVAL_S):
+        while not self._stop.wait(PROBE_INTERVAL_S):
             try:
                 self._probe_all()
             except Exception:  # noqa: BLE001 - Ray going away under a shutdown, or a bug: never die silently
@@ -307,7 +134,7 @@ class InstanceMonitor:
                 self._check_engines(instance, loads)
                 pids = [load.pid for load in loads]
             except Exception as e:  # noqa: BLE001 - a rank stalled, restarting, dead, its group or engine failed
-                self._mark_failed(instance.role, instance.index, e, "probe")
+                self.registry.mark_failed(instance.role, instance.index, e, "probe")
                 if isinstance(e, ray.exceptions.ActorDiedError) and not self._closed:
                     self._replace_if_given_up(ray, instance, e)
                     continue
@@ -329,7 +156,7 @@ class InstanceMonitor:
                 )
                 if silent is not None and not self._closed:
                     self._restart_failed_engine(ray, instance, instance.health.pid, silent)
-                elif self._restart_pending(e) and not self._closed:
+                elif restart_pending(e) and not self._closed:
                     # Once per DEAD episode: a restart that hangs again would hang the same way (a file
                     # system still not answering), and a node that is away would cost one restart of the
                     # actor's 5 each time, so that a long outage would leave it dead for good.
@@ -363,8 +190,6 @@ class InstanceMonitor:
                 in_long_pass = max(load.engine_pass_s for load in loads) > self.call_timeout_s
                 if health.pid != pids[0] or not in_long_pass:
                     self._rejoin(instance.role, instance.index, pids[0])
-            elif self._reply_channel_lost(instance.role, instance.index):
-                self._reconnect_reply_channel(ray, instance.role, instance.index)
 
     def _replace_if_given_up(self, ray, instance: Instance, exc: BaseException) -> None:
         """A probe of `instance` failed with ActorDiedError: Ray has given up on its actor (a call to an actor
@@ -407,9 +232,9 @@ class InstanceMonitor:
             for actor in instance.ranks:
                 ray.kill(actor, no_restart=True)
             spec_index = next(
-                i for i, spec in enumerate(self._plan.instances) if (spec.role, spec.index) == key
+                i for i, spec in enumerate(self.deployment._plan.instances) if (spec.role, spec.index) == key
             )
-            instance.ranks = [self._new_rank_actor(ray, spec_index, 0)]
+            instance.ranks = [self.deployment._new_rank_actor(ray, spec_index, 0)]
         except Exception as e:  # noqa: BLE001 - Ray could not be asked now: the next probe tries again
             logger.warning("%s-%d: replacing its actor failed (%r); trying again at the next probe", *key, e)
             return
@@ -473,39 +298,35 @@ class InstanceMonitor:
 
     def _rejoin(self, role: str, index: int, pid: int) -> None:
         """Instance (`role`, `index`) out of routing (or restarted) answered a probe from process `pid`:
-        rewire it if Ray restarted it, reconnect its reply channel if that closed, then put it back in
-        routing. The rewiring makes Ray calls (seconds), during which the request path may record a failure
-        of the instance (an actor-died error, say); the health is set only if nobody changed it meanwhile
-        (compare and set under the lock), else the failure stands and the next probe decides."""
+        rewire it if Ray restarted it, then put it back in routing. The rewiring makes Ray calls (seconds),
+        during which the request path may record a failure of the instance (an actor-died error, say); the
+        health is set only if nobody changed it meanwhile (compare and set under the lock), else the failure
+        stands and the next probe decides."""
         import ray
 
-        with self._health_lock:
-            before = self._health[role][index]
+        before = self.instances[role][index].health
         after, needs_rewire = after_answer(before, pid, time.monotonic())
         if needs_rewire and role == "decode":  # what ran on the old process is gone
-            self._fail_decode_attempts(index)
+            self._fail_attempts("decode", index)
         if self.topology.kv_transport in ADDRESSED_KV_TRANSPORTS and (needs_rewire or role == "prefill"):
             try:
-                self._rewire(ray, role, index, needs_rewire)
+                self.deployment.rewire(ray, role, index, needs_rewire)
             except Exception as e:  # noqa: BLE001 - try again at the next probe
                 logger.error("%s-%d answers again but could not be rewired: %s", role, index, e)
                 return
-        if not needs_rewire and self._reply_channel_lost(role, index):
-            self._reconnect_reply_channel(ray, role, index)
-        if role == "decode" and needs_rewire:  # a new process numbers its events from 1 again
-            self._poll_acked_seq[index][:] = [0] * len(self._poll_acked_seq[index])
-        with self._health_lock:
-            now = self._health[role][index]
-            if now is not before:  # the request path recorded a failure meanwhile (its calls, not ours)
-                logger.warning(
-                    "%s-%d answered a probe but became %s (%s) while it rejoined; the next probe decides",
-                    role,
-                    index,
-                    now.state.value,
-                    now.reason,
-                )
-                return
-            self._set_health(role, index, after)
+        if needs_rewire:  # a new process: its events number from 1 again, its commands start a new stream
+            for client in self.instances[role][index].clients:
+                client.restarted()
+        now = self.registry.rejoin(role, index, before, after)
+        if now is not after:  # the request path recorded a failure meanwhile (its calls, not ours)
+            logger.warning(
+                "%s-%d answered a probe but became %s (%s) while it rejoined; the next probe decides",
+                role,
+                index,
+                now.state.value,
+                now.reason,
+            )
+            return
         logger.warning(
             "%s-%d rejoined routing after %.1f s %s (%s)",
             role,
@@ -514,116 +335,3 @@ class InstanceMonitor:
             before.state.value,
             "restarted and rewired" if needs_rewire else "answering again",
         )
-
-    def _reconnect_reply_channel(self, ray, role: str, index: int) -> None:
-        """The same process, but a rank's connection to the reply socket closed (it broke, or the driver
-        dropped it): connect the instance's ranks again, under new tags, so that their binds and calls stop
-        going by Ray from now on."""
-        indices = {"prefill_indices": [index]} if role == "prefill" else {"decode_indices": [index]}
-        logger.warning("%s-%d: its connection to the reply socket closed; reconnecting", role, index)
-        try:
-            self._connect_reply_channel(ray, timeout_s=self.call_timeout_s, restarted=True, **indices)
-        except Exception as e:  # noqa: BLE001 - its Ray calls still carry everything; tried at the next probe
-            logger.warning("%s-%d could not reconnect to the reply socket: %s", role, index, e)
-
-    def _reply_channel_lost(self, role: str, index: int) -> bool:
-        """Whether a rank of instance (`role`, `index`) had a connection to the driver's reply socket (one
-        host) that closed since. A rank that never connected under its tag (it could not, at deploy or at a
-        reconnect) is not asked again at every probe: it keeps its Ray calls."""
-        listener = self._reply_listener
-        if listener is None or listener.closed:
-            return False
-        tags = self._prefill_push_tags if role == "prefill" else self._decode_tag_of
-        ranks = [RankRef(index, r) for r in range(self.instances[role][index].num_ranks)]
-        return any(ref in tags and listener.dropped(tags[ref]) for ref in ranks)
-
-    def _rewire(self, ray, role: str, index: int, restarted: bool) -> None:
-        """gRPC, shm and shm+grpc only (restarts are off for torch.distributed and for multi-rank instances,
-        whose groups are fixed at deploy). A restarted decode starts its receiver on a new port (shm: a new
-        socket path; shm+grpc: both, in a new `PairedAddress`), which the prefill ranks in routing learn at
-        once (the others when they rejoin), and (one host) reconnects to the driver's reply socket under a
-        new tag; a rejoining prefill instance's ranks (re)connect to every decode rank's current address, in
-        case one moved meanwhile, and a restarted one (one host) to the reply socket under a new tag, where
-        its binds and calls go from then on."""
-        if role == "decode":
-            assert restarted
-            decode = self.decode_actors[index]
-            transport = self.topology.kv_transport
-            address = ray.get(
-                decode.start_receiver.remote(transport, self._kv_tls), timeout=self.call_timeout_s
-            )
-            if transport == "grpc" and not self._loopback:
-                address = advertised_address(
-                    address, ray.get(decode.node_ip.remote(), timeout=self.call_timeout_s)
-                )
-            self._decode_addresses[index][0] = address
-            prefills = [a for p in self.instances["prefill"] if p.routable for a in p.ranks]
-            ray.get(
-                [p.set_decode_address.remote(index, address) for p in prefills], timeout=self.call_timeout_s
-            )
-            # the new process pushes its events under a new tag (the old one's are no longer taken)
-            self._connect_reply_channel(ray, (), self.call_timeout_s, restarted=True, decode_indices=[index])
-        else:
-            addresses = [list(ranks) for ranks in self._decode_addresses]
-            ranks = self.instances["prefill"][index].ranks
-            transport = self.topology.kv_transport
-            ray.get(
-                [a.connect_receivers.remote(transport, addresses, self._kv_tls) for a in ranks],
-                timeout=self.call_timeout_s,
-            )
-            if restarted:  # the new process has no reply socket yet
-                self._connect_reply_channel(ray, [index], self.call_timeout_s, restarted=True)
-
-    def _fail_attempts(self, role: str, index: int) -> None:
-        """End every in-flight attempt on instance (`role`, `index`) with a "decode_lost" event (decode)
-        or a failed prefill (prefill: the dispatch policy re-dispatches it or fails it, as when its
-        prefill call fails; the call is not waited for). Safe from any thread: off the requests' event
-        loop (the health monitor, stats() in a worker thread) it is handed to that loop, since asyncio
-        queues are not thread-safe."""
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                on_loop = asyncio.get_running_loop() is loop
-            except RuntimeError:
-                on_loop = False
-            if not on_loop:
-                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                    loop.call_soon_threadsafe(
-                        self._fail_attempts_on_loop, role, index, self._why(role, index)
-                    )
-                return
-        self._fail_attempts_on_loop(role, index, self._why(role, index))
-
-    def _why(self, role: str, index: int) -> str:
-        """Why instance (`role`, `index`) left routing, as its health says now."""
-        instances = self.instances[role]  # empty once shut down
-        return (
-            instances[index].health.reason if index < len(instances) else "the cluster shut down"
-        ) or "unknown"
-
-    def _fail_decode_attempts(self, decode_index: int) -> None:
-        """`_fail_attempts("decode", decode_index)`."""
-        self._fail_attempts("decode", decode_index)
-
-    def _fail_attempts_on_loop(self, role: str, index: int, reason: str) -> None:
-        """On the requests' event loop: `_fail_attempts`, with `reason` as the instance's health gave it
-        when the failure was seen (the call can run after the instance rejoined, or the cluster shut
-        down)."""
-        for attempt in list(self._by_handoff.values()):
-            if role == "decode" and attempt.decode_index == index:
-                message = f"decode-{index} died or stopped answering ({reason}); the request was lost"
-                event: object = DecodeLost(attempt.handoff_id, message)
-            elif role == "prefill" and attempt.prefill_index == index and _prefill_pending(attempt):
-                event = PrefillFailed(f"died or stopped answering ({reason})")
-            else:
-                continue
-            with contextlib.suppress(RuntimeError):  # a queue of another (closed) event loop
-                attempt.events.put_nowait(event)
-
-
-def _prefill_pending(attempt: Attempt) -> bool:
-    """The attempt's prefill call was sent and neither returned nor pushed its finished result (a prefill
-    lost after that took nothing of the attempt with it: its KV was handed to the sender, decode reports the
-    rest; after an early first token alone it is still pending: its MTP layer and finish are to come)."""
-    call = attempt.prefill_call
-    return call is not None and not call.done() and attempt.awaiting_prefill_result

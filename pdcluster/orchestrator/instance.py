@@ -19,6 +19,7 @@ from typing import Any
 
 from pdcluster.orchestrator.health import InstanceHealth
 from pdcluster.orchestrator.messages import DecodeNodeLoad, PrefillNodeLoad
+from pdcluster.orchestrator.rank_client import RankClient, RayRankClient
 from pdcluster.orchestrator.request_state import rank_name
 from pdcluster.orchestrator.router import DecodeLoad, PrefillLoad, RankRef
 
@@ -33,6 +34,19 @@ class Instance:
     index: int
     ranks: list[Any]
     health: InstanceHealth = field(default_factory=InstanceHealth)
+    _clients: dict[int, RankClient] = field(default_factory=dict, repr=False)
+
+    def client(self, rank: int) -> RankClient:
+        """The driver's `RankClient` of rank `rank` (a new one when its actor was replaced)."""
+        actor = self.ranks[rank]
+        client = self._clients.get(rank)
+        if client is None or client.actor is not actor:
+            client = self._clients[rank] = RayRankClient(actor, ordered=self.role == "prefill")
+        return client
+
+    @property
+    def clients(self) -> list[RankClient]:
+        return [self.client(rank) for rank in range(self.num_ranks)]
 
     @property
     def name(self) -> str:

@@ -4,14 +4,13 @@ Before, each request's routing called `load` on every rank of every live instanc
 critical path of every request). The board keeps what the steady state already delivers instead:
 
     decode rank   the latest `DecodeNodeLoad` it sent: piggy-backed on every poll reply
-                  (`DecodeNode.poll_with_load`, at least every POLL_WAIT_S) and on every engine pass's
-                  events (the poll reply, or on one host their push, `orchestrator.reply_channel`), on
-                  every reserve reply (`ReserveResult.load`, taken right after the reservation), and the
-                  health monitor's probe each PROBE_INTERVAL_S. Snapshots of one process are ordered by
-                  their `taken_s` (that process's monotonic clock), so a late reply never overwrites a newer
-                  snapshot; a snapshot from another process (a restarted actor: another pid) replaces it.
-                  Reserves the driver has sent and not yet heard back count in the rank's batch (two
-                  requests routed between two snapshots do not both see the rank idle).
+                  (`DecodeNode.poll_with_load`, at least every POLL_WAIT_S), on every reserve reply
+                  (`ReserveResult.load`), and the health monitor's probe each PROBE_INTERVAL_S. Snapshots
+                  of one process are ordered by their `taken_s` (that process's monotonic clock), so a late
+                  reply never overwrites a newer snapshot; a snapshot from another process (a restarted
+                  actor: another pid) replaces it. Reserves the driver has sent and not yet heard back
+                  count in the rank's batch (two requests routed between two snapshots do not both see
+                  the rank idle).
     prefill rank  prompt tokens of the driver's own prefill calls in flight on it (the driver is the only
                   one that sends a prefill rank work, so this is the rank's queue, without the lag of a
                   snapshot).

@@ -221,11 +221,6 @@ class PrefillResult:
 
     first_token_text: the first token's streamed text when the driver may stream the token before decode
     admits the request (`engine.stopping.early_first_token_text`); None: decode streams it.
-
-    handoff_finished: False for the result a prefill rank pushes on its reply connection as soon as the
-    token is sampled, before its MTP drafts are proposed and its handoff is finished (`PrefillNode`
-    streams the first token early): then prefill_s ends at the sampling, num_drafts is 0 and
-    last_layer_sent_s and cpu_wait_s are None, and the finished result follows.
     """
 
     first_token_id: int
@@ -235,7 +230,6 @@ class PrefillResult:
     last_layer_sent_s: float | None = None
     first_token_text: str | None = None
     cpu_wait_s: float | None = None
-    handoff_finished: bool = True
 
 
 # ---- decode events ------------------------------------------------------------------------------------

@@ -11,9 +11,6 @@
 - the engine watchdog's inputs: each pass of the engine loop runs in `_engine_pass`, which counts the
   passes and times the current one; `_engine_health` reports both, and the driver's health monitor fails
   an instance whose engine thread died or is stuck in one pass (`orchestrator.health.engine_fault`);
-- calls over the driver's reply socket (`orchestrator.reply_channel`): `_take_call` runs a call the driver
-  sent there (the subclass's `_call_method`) on a thread of `_call_threads` and answers on the same
-  connection, as a Ray call's reply would (`_answer_lost`: what to undo when the answer cannot be sent);
 - test-only fault injection: `inject_fault(where, count)` arms a fault point (the subclass's
   FAULT_POINTS), `_maybe_fault(where)` raises RuntimeError there on the engine thread; `inject_stall`
   makes the engine thread's next pass hang (a deadlock or a kernel that never returns, as the watchdog
@@ -30,21 +27,13 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pdcluster.engine.compiled_forward import CompileStats
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm import LLMEngine
-from pdcluster.orchestrator.dispatch import call_timeout_s
-from pdcluster.orchestrator.messages import InstanceGroupSpec, PrefillRequest, ReserveRequest
-
-if TYPE_CHECKING:
-    from pdcluster.orchestrator.reply_pusher import ReplyPusher
-    from pdcluster.orchestrator.reply_records import RankCall
+from pdcluster.orchestrator.messages import InstanceGroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +43,6 @@ LOCKSTEP_IDLE_S = 0.002
 # The engine thread copies its engine's EP figures for load snapshots at most this often (seconds): the
 # engine's figures are only safe to read from the thread that steps it.
 EP_STATS_REFRESH_S = 1.0
-# Threads running the calls the driver sends on the reply socket at once, as Ray's call threads did for its
-# calls (`max_concurrency`): a prefill call holds one until its handoff is finished (they wait, using no
-# CPU); more wait their turn.
-MAX_CALL_THREADS = 256
 
 
 def ep_summary(engine: LLMEngine) -> dict | None:
@@ -116,9 +101,6 @@ class RankActor:
         self._group_error: str | None = None  # set once a collective of the instance group failed
         self._ep_summary: dict | None = None  # the engine's EP figures, copied by the engine thread
         self._ep_summary_at_s = 0.0
-        self._calls_lock = threading.Lock()
-        self._call_threads: ThreadPoolExecutor | None = None  # `_take_call`'s, made at the first call
-        self._calls_closed = False
 
     def compile_stats(self) -> CompileStats:
         """What the engine's `compile` did (`engine.compiled_forward.CompileStats`): whether uniform decode
@@ -162,54 +144,6 @@ class RankActor:
         if self._stall_s > 0:
             stall_s, self._stall_s = self._stall_s, 0.0
             self._stall_released.wait(stall_s)
-
-    # ---- calls over the driver's reply socket -------------------------------------------------------------
-    def _call_method(self, call: ReserveRequest | PrefillRequest) -> Callable[[Any], Any]:
-        """The method that serves `call` on this role (`reserve` or `prefill`). ValueError: not one this
-        role takes."""
-        raise ValueError(f"{self.name}: takes no {type(call).__name__} calls")
-
-    def _answer_lost(self, call: ReserveRequest | PrefillRequest, outcome: Any) -> None:
-        """The answer to `call` (its result `outcome`) could not be sent: undo what it set up (the driver's
-        wait for it times out)."""
-
-    def _take_call(self, call: RankCall, pusher: ReplyPusher) -> None:
-        """The reply connection's reader hands over a call the driver sent on it (`ReplyPusher`'s
-        `on_call`): run on a call thread, answered on `pusher`. Once the rank is closing, answered at once
-        with a RuntimeError."""
-        with self._calls_lock:
-            if self._calls_closed:
-                threads = None
-            elif self._call_threads is None:
-                threads = self._call_threads = ThreadPoolExecutor(MAX_CALL_THREADS, thread_name_prefix="call")
-            else:
-                threads = self._call_threads
-        if threads is None:
-            pusher.push_answer(call, RuntimeError(f"{self.name} is closing"), 0.0)
-            return
-        threads.submit(self._serve_call, call, pusher)
-
-    def _serve_call(self, call: RankCall, pusher: ReplyPusher) -> None:
-        request = call.request
-        try:
-            outcome = self._call_method(request)(request)
-        except Exception as e:  # noqa: BLE001 - the driver raises it for the request, as a Ray call's error
-            outcome = e
-        try:
-            if not pusher.push_answer(call, outcome, call_timeout_s(request.meta.lease_s)):
-                logger.warning("%s: the answer to %s did not reach the driver", self.name, request.handoff_id)
-                self._answer_lost(request, outcome)
-        except Exception:  # noqa: BLE001 - a call thread's error would otherwise stay in its future, unseen
-            logger.exception("%s: answering %s failed", self.name, request.handoff_id)
-
-    def _close_call_threads(self) -> None:
-        """At close (after the reply connection's reader has stopped): no new call starts from now on; those
-        queued are dropped (their connection goes with this rank, which fails them on the driver)."""
-        with self._calls_lock:
-            self._calls_closed = True
-            threads, self._call_threads = self._call_threads, None
-        if threads is not None:
-            threads.shutdown(wait=False, cancel_futures=True)
 
     # ---- loop errors ------------------------------------------------------------------------------------
     def _loop_error(self, e: BaseException, what: str) -> None:

@@ -1,39 +1,25 @@
 """The request path of a `Cluster`: route, reserve, prefill, stream decode's tokens (DESIGN.md, request
 lifecycle). A thin loop over the pure dispatch policy (`orchestrator.dispatch`):
 
-    generate(request_id, ...)         one `RequestRecord`; per attempt (at most MAX_DISPATCH_ATTEMPTS):
-      _dispatch (`orchestrator.routing`) route (`orchestrator.router` policy over the load board's rank
-                                      loads: no call), reserve on decode (`DecodeNode.reserve`);
-                                      `after_reserve` says: start prefill, route again, retry (no room),
-                                      fail (no room until the deadline), or end (aborted)
-      prefill call                    `PrefillNode.prefill(PrefillRequest)`, sent by _dispatch as soon as
-                                      routed (awaiting its bind: prefill computes while decode reserves),
-                                      then its bind with the meta decode bound (on the
-                                      rank's reply connection on one host, else
-                                      `PrefillNode.bind`)
+    generate(request_id, ...)         one `DriverRequest`; per attempt (at most MAX_DISPATCH_ATTEMPTS):
+      _dispatch (`orchestrator.routing`) route, send the prefill awaiting its bind, reserve on decode,
+                                      bind (`after_reserve` decides)
       _next_events                    the attempt's next events: decode's `TokenDelta` / `RequestError`
                                       (handed over by the poll loop), `Aborted`, `DecodeLost`, the prefill
-                                      call's `PrefillDone` / `PrefillFailed`, or `NoEvent` (timeout); on
-                                      one host the prefill rank also pushes its result over a Unix socket
-                                      (`_on_prefill_reply`, `orchestrator.reply_channel`): the first of the
-                                      two is the attempt's `PrefillDone`
-      next_action                     Emit (stream it) | EmitFirstToken (stream prefill's first token
-                                      before decode admits the request) | Wait | EndAborted |
-                                      Redispatch (keeping a first token streamed early) | Fail
-    _poll(decode_index, rank)         one loop per decode rank: `DecodeNode.poll_with_load` -> the attempt
-                                      queues, and the rank's load snapshot -> the load board (routing); on
-                                      one host the decode rank also pushes each engine pass's events with
-                                      its load over the Unix socket (`_on_decode_events`): an event is
-                                      handed over once, in sequence, whichever way came first
+                                      call's `PrefillDone` / `PrefillFailed`, or `NoEvent` (timeout)
+      next_action                     Emit | EmitFirstToken (prefill's first token, before decode admits
+                                      the request) | Wait | EndAborted | Redispatch | Fail
+    _poll(decode_index, rank)         one loop per decode rank: `RankClient.events` -> the attempt queues,
+                                      and the rank's load snapshot -> the load board (routing)
 
-Every wait is bounded: actor calls by `call_timeout_s`, the prefill call and each wait for an event by
-`event_timeout_s` (`orchestrator.dispatch`).
+Every wait is bounded: calls by `call_timeout_s`, the prefill call and each event by `event_timeout_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import contextlib
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -56,40 +42,70 @@ from pdcluster.orchestrator.dispatch import (
     Redispatch,
     Wait,
     next_action,
-    without_first_token,
 )
+from pdcluster.orchestrator.handoff import HandoffEvent, decode_has_it
 from pdcluster.orchestrator.health_monitor import PROBE_INTERVAL_S
 from pdcluster.orchestrator.instance import Instance
 from pdcluster.orchestrator.load_board import LoadBoard
 from pdcluster.orchestrator.messages import (
     Aborted,
-    DecodeNodeLoad,
+    DecodeLost,
     Phases,
-    PolledEvent,
-    PollReply,
     PrefillResult,
     TokenDelta,
 )
-from pdcluster.orchestrator.reply_channel import call_soon_on
-from pdcluster.orchestrator.reply_records import handoff_tag
-from pdcluster.orchestrator.request_state import Attempt, RequestRecord
-from pdcluster.orchestrator.router import RankRef
+from pdcluster.orchestrator.registry import InstanceRegistry
+from pdcluster.orchestrator.request_state import Attempt, DriverRequest
+from pdcluster.orchestrator.router import POLICIES, PrefixCacheModel, RankRef
+from pdcluster.orchestrator.routing import ModelFacts, RouteAndReserve
+from pdcluster.orchestrator.topology import Topology
 
 logger = logging.getLogger("pdcluster.orchestrator.cluster")
 
 
-class RequestDispatch:
-    """The request path of `orchestrator.cluster.Cluster` (a mixin; see the module docstring)."""
+class Dispatcher(RouteAndReserve):
+    """The request path (see the module docstring; its routing and reserving half is
+    `orchestrator.routing.RouteAndReserve`, one class in two files). It holds the requests in flight, the
+    poll loops and the KV totals; it reads the instances and their health from `registry` and records
+    failures there. `model`: what the handoff's meta needs (`ModelFacts`)."""
 
-    instances: dict[str, list[Instance]]
-    _requests: dict[str, RequestRecord]
-    _by_handoff: dict[str, Attempt]
-    _loads: LoadBoard
-    _num_prefill_replies_received: int  # results the reply socket brought (`_on_prefill_reply`)
-    _num_prefill_replies_pushed: int  # of those, taken before the call's reply
-    _num_first_tokens_early: int  # of those, pushed as soon as sampled (`PrefillResult.handoff_finished`)
-    _decode_push_tags: dict[str, RankRef]  # the current tag of each decode rank's reply connection
-    _num_decode_events_pushed: int  # events handed over from the reply socket (`_on_decode_events`)
+    def __init__(
+        self,
+        registry: InstanceRegistry,
+        loads: LoadBoard,
+        topology: Topology,
+        model: ModelFacts,
+        call_timeout_s: float,
+        event_timeout_s: float,
+    ) -> None:
+        self.registry = registry
+        self._loads = loads
+        self.topology = topology
+        self.model = model
+        self.call_timeout_s = call_timeout_s
+        self.event_timeout_s = event_timeout_s
+        self.num_speculative_tokens = model.num_speculative_tokens
+        self._policy = POLICIES[topology.router.policy]
+        self._prefix_cache = PrefixCacheModel(topology.prefill.block_size)
+        self._counter = itertools.count()
+        self._requests: dict[str, DriverRequest] = {}  # request id -> its record
+        self._by_handoff: dict[str, Attempt] = {}  # handoff id -> the attempt it names
+        self._pollers: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.kv_transfer_bytes_total = 0
+        self.kv_transfer_seconds_total = 0.0
+        self._closed = False
+
+    @property
+    def instances(self) -> dict[str, list[Instance]]:
+        return self.registry.instances
+
+    def close(self) -> None:
+        """No new request; the poll loops stop."""
+        self._closed = True
+        for task in self._pollers:
+            task.cancel()
+        self._pollers = []
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -114,7 +130,7 @@ class RequestDispatch:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._ensure_pollers()
         # registered first: abort() may come before the first attempt exists
-        record = self._requests[request_id] = RequestRecord(request_id, time.monotonic())
+        record = self._requests[request_id] = DriverRequest(request_id, time.monotonic())
         try:
             for attempt_index in range(MAX_DISPATCH_ATTEMPTS):
                 try:
@@ -144,24 +160,25 @@ class RequestDispatch:
                                 if record.finished:
                                     return
                             elif isinstance(action, EmitFirstToken):
+                                attempt.advance(HandoffEvent.PREFILLED)
                                 yield self._first_token_from_prefill(record, attempt, action.result)
                             elif isinstance(action, Wait):
+                                attempt.advance(HandoffEvent.PREFILLED)
                                 self._record_prefill_phases(record, action.phases_from)
                             elif isinstance(action, EndAborted):
-                                self._abort_after_prefill(attempt, prefill_task)
+                                attempt.advance(HandoffEvent.ABORTED)
                                 yield record.stream_delta()
                                 return
                             else:
+                                attempt.advance(HandoffEvent.FAILED)
                                 break
                 except (asyncio.CancelledError, GeneratorExit):
                     owner_gone = True  # the consumer went away (the HTTP client disconnected)
                     raise
                 finally:
                     self._by_handoff.pop(attempt.handoff_id, None)
-                    if not record.finished and not prefill_task.done():
-                        if owner_gone:  # released by the outer `finally`, and again after the prefill call
-                            self._abort_after_prefill(attempt, prefill_task)
-                        elif not record.aborted:  # (an aborted one runs on, likewise)
+                    if not record.finished and not prefill_task.done() and not owner_gone:
+                        if not record.aborted:  # (released by the outer `finally` / by abort())
                             prefill_task.cancel()
                 self._release(attempt)
                 if isinstance(action, Fail):
@@ -191,13 +208,7 @@ class RequestDispatch:
 
     # ---- one attempt ------------------------------------------------------------------------------------
     @staticmethod
-    def _record_prefill_phases(record: RequestRecord, result: PrefillResult) -> None:
-        """The prefill phases of a result: all of a finished one's; of an early one (pushed at its first
-        token's sampling, `handoff_finished` False) its queue_s alone, the same as the finished one's (its
-        prefill_s ends at the sampling: the finished result brings the phase)."""
-        if not result.handoff_finished:
-            record.phases = record.phases.merged(Phases(queue_s=result.queue_s))
-            return
+    def _record_prefill_phases(record: DriverRequest, result: PrefillResult) -> None:
         record.phases = record.phases.merged(
             Phases(
                 queue_s=result.queue_s,
@@ -208,10 +219,10 @@ class RequestDispatch:
         )
 
     def _first_token_from_prefill(
-        self, record: RequestRecord, attempt: Attempt, result: PrefillResult
+        self, record: DriverRequest, attempt: Attempt, result: PrefillResult
     ) -> StreamDelta:
-        """`EmitFirstToken`: the prefill call's first token (and text), streamed before decode admits the
-        request; decode's first delta of the attempt is then streamed without it (`_from_decode`)."""
+        """`EmitFirstToken`: the prefill call's first token (and text), its one source (decode's deltas
+        leave it out), streamed before decode admits the request."""
         self._record_prefill_phases(record, result)
         assert result.first_token_text is not None
         record.first_token = (result.first_token_id, result.first_token_text)
@@ -219,25 +230,18 @@ class RequestDispatch:
             TokenDelta(attempt.handoff_id, (result.first_token_id,), new_text=result.first_token_text)
         )
 
-    def _from_decode(self, record: RequestRecord, attempt: Attempt, delta: TokenDelta) -> StreamDelta | None:
+    def _from_decode(self, record: DriverRequest, attempt: Attempt, delta: TokenDelta) -> StreamDelta | None:
         """Account decode's `delta` to the request (phases, KV totals, tokens sent) and build its
-        StreamDelta; None when nothing is left for the client (decode's first delta was the first token
-        the prefill reply already streamed).
-
-        Raises:
-            BackendUnavailable: decode's first token is not the one the prefill reply streamed.
-        """
-        first_of_attempt = not attempt.decode_delta_seen
-        attempt.decode_delta_seen = True
-        if first_of_attempt and record.first_token is not None:
-            try:
-                delta = without_first_token(delta, *record.first_token)
-            except ValueError as e:  # the two instances disagree: a bug, never streamed as output
-                logger.error("%s: %s", record.request_id, e)
-                raise BackendUnavailable(f"{record.request_id}: {e}") from e
+        StreamDelta; None when nothing is in it for the client (decode's admission when prefill's reply
+        streamed the first token)."""
+        first_of_attempt = not decode_has_it(attempt.state)
+        if first_of_attempt:  # its KV was received, then the request admitted
+            attempt.advance(HandoffEvent.TRANSFERRED, HandoffEvent.ADMITTED)
+        if delta.finished:
+            attempt.advance(HandoffEvent.FINISHED)
         if delta.phases.kv_transfer_s is not None and first_of_attempt:
-            self._kv_transfer_seconds_total += delta.phases.kv_transfer_s
-            self._kv_transfer_bytes_total += delta.kv_transfer_bytes or 0
+            self.kv_transfer_seconds_total += delta.phases.kv_transfer_s
+            self.kv_transfer_bytes_total += delta.kv_transfer_bytes or 0
         record.phases = record.phases.merged(delta.phases)
         if delta.kv_transfer_bytes is not None:
             record.kv_transfer_bytes = delta.kv_transfer_bytes
@@ -247,7 +251,7 @@ class RequestDispatch:
             return None
         return record.stream_delta(delta)
 
-    def _attempt_state(self, record: RequestRecord, attempt: Attempt, attempt_index: int) -> AttemptState:
+    def _attempt_state(self, record: DriverRequest, attempt: Attempt, attempt_index: int) -> AttemptState:
         decode = self.instances["decode"][attempt.decode_index]
         tried = record.excluded_prefills | {attempt.prefill_index}
         others = [p for p in self.instances["prefill"] if p.routable and p.index not in tried]
@@ -257,7 +261,7 @@ class RequestDispatch:
             prefill_instance=attempt.prefill_index,
             decode_instance=attempt.decode_index,
             decode_streamed=record.decode_streamed,
-            first_token_streamed=attempt.decode_delta_seen or record.first_token is not None,
+            first_token_streamed=record.first_token is not None,
             earlier_errors=tuple(record.errors),
             decode_down_reason=None if decode.routable else decode.health.reason,
             num_other_prefills=len(others),
@@ -266,16 +270,17 @@ class RequestDispatch:
         )
 
     async def _next_events(
-        self, record: RequestRecord, attempt: Attempt, prefill_task: asyncio.Future
+        self, record: DriverRequest, attempt: Attempt, prefill_task: asyncio.Future
     ) -> list[Event]:
         """The attempt's next events (waits up to `event_timeout_s`): `[Aborted]`, `[NoEvent]`, the prefill
-        call's `[PrefillDone]` / `[PrefillFailed]`, or decode's event (after `PrefillDone` when the prefill
-        call returned meanwhile). A prefill instance found lost is marked so here."""
+        call's `[PrefillDone]` / `[PrefillFailed]`, or decode's event. A token delta always comes after the
+        prefill call's outcome (decode admits only a finished handoff, so the call has returned or is about
+        to), so the first token, which that reply streams, goes first. A prefill instance found lost is
+        marked so here."""
         getter = asyncio.ensure_future(attempt.events.get())
         # The prefill call is sent while decode reserves, so it may have ended (failed) before the first
-        # wait: it is waited on until its finished result was taken (after an early first token its MTP
-        # layer and the handoff's finish are still to come, and may fail).
-        waits = {getter, prefill_task} if attempt.awaiting_prefill_result else {getter}
+        # wait: it is waited on until its result was taken.
+        waits = {getter, prefill_task} if not attempt.prefill_reported else {getter}
         done, _ = await asyncio.wait(waits, timeout=self.event_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if record.aborted:
             getter.cancel()
@@ -285,89 +290,66 @@ class RequestDispatch:
             return [NoEvent()]
         if getter not in done:  # the prefill call returned first
             getter.cancel()
-            if not attempt.awaiting_prefill_result:  # its finished result was pushed meanwhile: that
-                return []  # PrefillDone is in the queue
-            exc = prefill_task.exception()
-            if exc is None:
-                attempt.prefill_reported, attempt.first_token_early = True, False
-                return [PrefillDone(prefill_task.result())]
-            if isinstance(exc, asyncio.TimeoutError):
-                exc = TimeoutError(f"no answer within {self.event_timeout_s:.0f} s")
-            attempt.prefill_reported, attempt.first_token_early = True, False
-            failed = PrefillFailed(describe_error(exc))
-            if self._is_lost(exc):
-                self._mark_failed("prefill", attempt.prefill_index, exc, "prefill", attempt.prefill_sent_s)
-            return [failed]
-        events: list[Event] = []
-        if attempt.awaiting_prefill_result and prefill_task.done() and prefill_task.exception() is None:
-            attempt.prefill_reported, attempt.first_token_early = True, False
-            events.append(PrefillDone(prefill_task.result()))
-        events.append(getter.result())
-        return events
+            return [self._prefill_outcome(attempt, prefill_task)]
+        event = getter.result()
+        if attempt.prefill_reported or not isinstance(event, TokenDelta):
+            return [event]
+        await asyncio.wait({prefill_task}, timeout=self.event_timeout_s)
+        if not prefill_task.done():
+            return [NoEvent()]
+        return [self._prefill_outcome(attempt, prefill_task), event]
 
-    # ---- prefill results pushed over the reply socket (`orchestrator.reply_channel`) ---------------------
-    def _on_prefill_reply_threadsafe(self, handoff_id: str, tag: str, result: PrefillResult) -> None:
-        """The reply listener's thread: hand a pushed result to the requests' event loop."""
-        call_soon_on(self._loop, self._on_prefill_reply, handoff_id, tag, result)
-
-    def _on_prefill_reply(self, handoff_id: str, tag: str, result: PrefillResult) -> None:
-        """A prefill rank pushed the result its call is about to return: it is the attempt's `PrefillDone`
-        unless the call's reply came first (then this one is dropped), or it is not this attempt's (an
-        earlier request's, under a reused id: its tag is another reservation's). An early result (its first
-        token, pushed as soon as it was sampled: `handoff_finished` False) is the attempt's `PrefillDone`
-        just the same, and streams the token; the finished result that follows it is queued too, for its
-        phases (`next_action` waits on it: the token is out)."""
-        self._num_prefill_replies_received += 1
-        attempt = self._by_handoff.get(handoff_id)
-        if attempt is None or attempt.meta is None:
-            return
-        if not hmac.compare_digest(tag.encode(), handoff_tag(attempt.meta.secret).encode()):
-            return
-        if attempt.prefill_reported:
-            if attempt.first_token_early and result.handoff_finished:
-                attempt.first_token_early = False
-                attempt.events.put_nowait(PrefillDone(result))
-            return
+    def _prefill_outcome(self, attempt: Attempt, prefill_task: asyncio.Future) -> Event:
+        """`PrefillDone` / `PrefillFailed` of the attempt's finished prefill call."""
         attempt.prefill_reported = True
-        attempt.first_token_early = not result.handoff_finished
-        self._num_prefill_replies_pushed += 1
-        self._num_first_tokens_early += attempt.first_token_early
-        attempt.events.put_nowait(PrefillDone(result))
+        exc = prefill_task.exception()
+        if exc is None:
+            return PrefillDone(prefill_task.result())
+        if isinstance(exc, asyncio.TimeoutError):
+            exc = TimeoutError(f"no answer within {self.event_timeout_s:.0f} s")
+        if self._is_lost(exc):
+            self.registry.mark_failed(
+                "prefill", attempt.prefill_index, exc, "prefill", attempt.prefill_sent_s
+            )
+        return PrefillFailed(describe_error(exc))
 
-    # ---- decode events pushed over the reply socket (`orchestrator.reply_channel`) -------------------------
-    def _on_decode_events_threadsafe(self, who: str, events: list[PolledEvent], load: DecodeNodeLoad) -> None:
-        """The reply listener's thread: hand a decode rank's pushed events to the requests' event loop."""
-        call_soon_on(self._loop, self._on_decode_events, who, events, load)
+    # ---- an instance lost ---------------------------------------------------------------------------------
+    def fail_attempts(self, role: str, index: int) -> None:
+        """End every in-flight attempt on instance (`role`, `index`) (`DecodeLost` / `PrefillFailed`). Safe
+        from any thread: handed to the requests' event loop (asyncio queues are not thread-safe)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                on_loop = asyncio.get_running_loop() is loop
+            except RuntimeError:
+                on_loop = False
+            if not on_loop:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(
+                        self._fail_attempts_on_loop, role, index, self._why(role, index)
+                    )
+                return
+        self._fail_attempts_on_loop(role, index, self._why(role, index))
 
-    def _on_decode_events(self, who: str, events: list[PolledEvent], load: DecodeNodeLoad) -> None:
-        """Events a decode rank pushed (consecutive seqs) and its load then, from the connection tagged
-        `who`: taken only while `who` is that rank's current tag (a restarted rank numbers from 1 again, under
-        a new tag). Handed over as the poll's are."""
-        ref = self._decode_push_tags.get(who)
-        if ref is None:
-            return
-        instance = self.instances["decode"][ref.instance]
-        if instance.routable:
-            self._loads.update_decode(ref, load)
-        self._num_decode_events_pushed += self._hand_over(ref, events)
+    def _why(self, role: str, index: int) -> str:
+        """Why instance (`role`, `index`) left routing, as its health says now."""
+        instances = self.instances[role]  # empty once shut down
+        return (
+            instances[index].health.reason if index < len(instances) else "the cluster shut down"
+        ) or "unknown"
 
-    def _hand_over(self, ref: RankRef, events: list[PolledEvent]) -> int:
-        """Hand decode rank `ref`'s events to their attempts in sequence, once each: an event at or before
-        the rank's acknowledged seq came already; one after a gap waits for the poll (it returns every event
-        not acknowledged), and so do the ones after it. Returns how many were handed over."""
-        acked = self._poll_acked_seq[ref.instance]
-        num_handed = 0
-        for item in events:
-            if item.seq <= acked[ref.rank]:
+    def _fail_attempts_on_loop(self, role: str, index: int, reason: str) -> None:
+        """On the requests' event loop: `fail_attempts`, with `reason` as seen when the failure was."""
+        for attempt in list(self._by_handoff.values()):
+            if role == "decode" and attempt.decode_index == index:
+                message = f"decode-{index} died or stopped answering ({reason}); the request was lost"
+                event: object = DecodeLost(attempt.handoff_id, message)
+            elif role == "prefill" and attempt.prefill_index == index and _prefill_pending(attempt):
+                event = PrefillFailed(f"died or stopped answering ({reason})")
+            else:
                 continue
-            if item.seq != acked[ref.rank] + 1:
-                break
-            acked[ref.rank] = item.seq
-            num_handed += 1
-            attempt = self._by_handoff.get(item.event.handoff_id)
-            if attempt is not None:
-                attempt.events.put_nowait(item.event)
-        return num_handed
+            with contextlib.suppress(RuntimeError):  # a queue of another (closed) event loop
+                attempt.events.put_nowait(event)
 
     # ---- the poll loops -----------------------------------------------------------------------------------
     def _ensure_pollers(self) -> None:
@@ -382,18 +364,11 @@ class RequestDispatch:
         ]
 
     async def _poll(self, decode_index: int, rank: int = 0) -> None:
-        """Hand the events of rank `rank` of decode instance `decode_index` to their requests. A poll that
-        fails or takes over `call_timeout_s` takes the instance out of routing (the requests of all its
-        ranks fail); polling resumes once the health monitor has brought it back. Each poll acknowledges
-        the events received so far, so a reply lost to a timeout is sent again by the next poll
-        (`DecodeNode.poll`). Ends when cancelled, also when `asyncio.wait_for` swallowed the cancellation
-        (Python 3.11 returns the result of a call that completed as the cancellation came, CPython
-        gh-86296): the request is still counted by `Task.cancelling`, and the loop would poll forever. With
-        the rank's events pushed (`_on_decode_events`), a poll returns early only for events the push did
-        not bring, else after `POLL_WAIT_S`, with the load and every event not acknowledged (those the push
-        brought are skipped)."""
+        """Hand the events of rank `rank` of decode instance `decode_index` to their requests (in order,
+        once: `RankClient.events`). A poll that fails or times out takes the instance out of routing;
+        polling resumes once the health monitor brought it back. Ends when cancelled, also when
+        `asyncio.wait_for` swallowed the cancellation (CPython gh-86296: `Task.cancelling` counts it)."""
         instance = self.instances["decode"][decode_index]
-        acked = self._poll_acked_seq[decode_index]  # per rank
         task = asyncio.current_task()
         while not self._closed:
             if task is not None and task.cancelling():
@@ -403,16 +378,23 @@ class RequestDispatch:
                 continue
             sent_s = time.monotonic()
             try:
-                reply: PollReply = await self._call(
-                    instance.ranks[rank].poll_with_load.remote(POLL_WAIT_S, acked[rank]),
-                    self.call_timeout_s + POLL_WAIT_S,
+                events, load = await instance.client(rank).events(
+                    POLL_WAIT_S, self.call_timeout_s + POLL_WAIT_S
                 )
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - a dead or stuck decode rank fails its instance
-                self._mark_failed("decode", decode_index, e, f"poll of rank {rank}", sent_s)
+                self.registry.mark_failed("decode", decode_index, e, f"poll of rank {rank}", sent_s)
                 continue
-            ref = RankRef(decode_index, rank)
             if instance.routable:  # (a reply that raced the instance leaving routing is stale)
-                self._loads.update_decode(ref, reply.load)
-            self._hand_over(ref, reply.events)
+                self._loads.update_decode(RankRef(decode_index, rank), load)
+            for event in events:
+                attempt = self._by_handoff.get(event.handoff_id)
+                if attempt is not None:
+                    attempt.events.put_nowait(event)
+
+
+def _prefill_pending(attempt: Attempt) -> bool:
+    """The attempt's prefill call was sent and has not returned (a prefill lost after that lost nothing)."""
+    call = attempt.prefill_call
+    return call is not None and not call.done() and not attempt.prefill_reported

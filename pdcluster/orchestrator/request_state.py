@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from pdcluster.kvtransfer.base import HandoffMeta
 from pdcluster.orchestrator.backend import StreamDelta
+from pdcluster.orchestrator.handoff import HandoffEvent, HandoffState, advance
 from pdcluster.orchestrator.messages import Phases, TokenDelta
 from pdcluster.orchestrator.router import RankRef
 
@@ -31,16 +32,15 @@ class Attempt:
     decode: RankRef
     meta: HandoffMeta | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    prefill_reported: bool = False  # its prefill call's result was taken (PrefillDone)
-    first_token_early: bool = False  # that result was an early one (handoff_finished False): one more comes
+    prefill_reported: bool = False  # its prefill call's outcome was taken (PrefillDone / PrefillFailed)
     prefill_call: asyncio.Future | None = None  # its prefill call, once sent
     prefill_sent_s: float | None = None  # time.monotonic() when it was sent
-    decode_delta_seen: bool = False  # decode's first delta of this attempt was handled
+    state: HandoffState = HandoffState.ROUTED  # the handoff (`orchestrator.handoff`)
 
-    @property
-    def awaiting_prefill_result(self) -> bool:
-        """Its prefill call's finished result was not taken yet (none was, or only an early first token)."""
-        return not self.prefill_reported or self.first_token_early
+    def advance(self, *events: HandoffEvent) -> None:
+        """Apply `events` in order to the handoff's state. Raises `handoff.IllegalTransition`."""
+        for event in events:
+            self.state = advance(self.state, event)
 
     @property
     def prefill_index(self) -> int:
@@ -52,7 +52,7 @@ class Attempt:
 
 
 @dataclass
-class RequestRecord:
+class DriverRequest:
     """One request from `generate` to its end: the attempt in flight (None while routing or between
     attempts), whether it was aborted, what the client received (tokens, phases in seconds, KV bytes; the
     first token when a prefill reply streamed it, which a re-dispatch keeps), the failed attempts'

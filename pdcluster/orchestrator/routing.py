@@ -1,25 +1,19 @@
 """Routing and reserving one dispatch attempt of a request, and releasing it (`orchestrator.cluster.Cluster`).
 
-`_dispatch` routes with the topology's router policy over the ranks' loads as the driver's load board
-holds them (`orchestrator.load_board`: decode snapshots piggy-backed on poll and reserve replies, prefill
-work the driver has in flight; no `load` call per request once every decode rank has reported once;
-`orchestrator.router`: a (instance, rank) pair per pool). It sends the prefill call at once, awaiting its
-bind (`PrefillRequest.awaiting_bind`: prefill computes while decode reserves), and reserves on the chosen
-decode rank (`DecodeNode.reserve`) meanwhile; on one host both calls go on the rank's reply connection
-(`_push_call`, answered there: `_on_answer`), else they are Ray calls. The pure
-`orchestrator.dispatch.after_reserve` decides what follows: bind the prefill to the reservation (on the
-prefill rank's reply connection on this host, `orchestrator.reply_channel`; else `PrefillNode.bind`),
-route decode again (an instance was lost), retry after RESERVE_RETRY_S while no decode has room
-(back-pressure; the prefill waits where it is), fail at the deadline, or end (aborted). Every end but the
-bind releases the prefill too, so nothing is computed twice or held after. `_release` drops an attempt on
-every rank of its two instances.
+`_dispatch` routes with the router policy over the driver's load board (`orchestrator.load_board`; no
+`load` call per request), sends the prefill at once awaiting its bind (prefill computes while decode
+reserves) and reserves on the chosen decode rank meanwhile, each through the rank's
+`orchestrator.rank_client.RankClient`. `orchestrator.dispatch.after_reserve` decides what follows: bind
+the prefill (ordered after it on the rank), route decode again (an instance was lost), retry after
+RESERVE_RETRY_S while no decode has room, fail at the deadline, or end (aborted). Every end but the bind
+releases the prefill too. `_release` drops an attempt on every rank of its two instances.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.engine.sampling_params import SamplingParams
@@ -35,36 +29,45 @@ from pdcluster.orchestrator.dispatch import (
     StartPrefill,
     after_reserve,
 )
+from pdcluster.orchestrator.handoff import HandoffEvent
 from pdcluster.orchestrator.instance import Instance, check_instance_group
 from pdcluster.orchestrator.load_board import LoadBoard
 from pdcluster.orchestrator.messages import Phases, PrefillBind, PrefillRequest, ReserveRequest, ReserveResult
-from pdcluster.orchestrator.rank_calls import RankCalls, RankConnectionLost
-from pdcluster.orchestrator.reply_channel import ReplyListener
-from pdcluster.orchestrator.request_state import Attempt, RequestRecord
+from pdcluster.orchestrator.registry import InstanceRegistry
+from pdcluster.orchestrator.request_state import Attempt, DriverRequest
 from pdcluster.orchestrator.router import DecodeLoad, PrefillLoad, RankRef
 
 # Prefill calls in flight per prefill rank up to which a new one is sent before its reservation (each
-# blocks one of the actor's call threads, 256 of Ray's (`max_concurrency`) or of the reply connection's
-# (`rank_actor.MAX_CALL_THREADS`), and a bind made by Ray needs another);
+# blocks one of the actor's call threads, 256 of Ray's `max_concurrency`, and its bind needs another);
 # past it, a request reserves first and its prefill is sent bound (the order without the overlap).
 MAX_EARLY_PREFILL_CALLS = 64
 
 
-class RouteAndReserve(RankCalls):
-    """The routing half of the request path (a mixin of `orchestrator.cluster.Cluster`)."""
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the driver puts in each handoff's `HandoffMeta`: the model's layers and KV width (prefill's
+    `NodeReady`), its MTP drafts per step, and the dtypes (`dtype`, decode's `kv_cache_dtype`)."""
+
+    num_hidden_layers: int
+    kv_dim: int
+    num_speculative_tokens: int
+    dtype: str
+    decode_kv_cache_dtype: str
+
+
+class RouteAndReserve:
+    """The routing half of `orchestrator.request_dispatch.Dispatcher` (its state is the Dispatcher's)."""
 
     instances: dict[str, list[Instance]]
+    registry: InstanceRegistry
+    model: ModelFacts
     _by_handoff: dict[str, Attempt]
     _loads: LoadBoard
-    _reply_listener: ReplyListener | None  # `ClusterWiring`'s
-    _prefill_push_tags: dict[RankRef, str]  # `ClusterWiring`'s: each prefill rank's reply connection tag
-    _num_binds_pushed: int  # binds sent on a prefill rank's reply connection, not by a Ray call
-    _decode_tag_of: dict[RankRef, str]  # `ClusterWiring`'s: each decode rank's current reply connection tag
 
     # ---- routing and reserving ----------------------------------------------------------------------------
     async def _dispatch(
         self,
-        record: RequestRecord,
+        record: DriverRequest,
         attempt_index: int,
         prompt_token_ids: list[int],
         params: SamplingParams,
@@ -92,14 +95,12 @@ class RouteAndReserve(RankCalls):
         return attempt
 
     def _drop(self, attempt: Attempt) -> None:
-        """Release `attempt` on both instances, and again once its prefill call ends."""
+        """Release `attempt` on both instances (the prefill rank takes the abort after its prefill)."""
         self._release(attempt)
-        if attempt.prefill_call is not None:
-            self._release_when_done(attempt, attempt.prefill_call)
 
     async def _route_and_reserve(
         self,
-        record: RequestRecord,
+        record: DriverRequest,
         attempt_index: int,
         prompt_token_ids: list[int],
         params: SamplingParams,
@@ -136,12 +137,12 @@ class RouteAndReserve(RankCalls):
             if not prefills:
                 if record.excluded_prefills:  # after a failed attempt (generate adds that attempt's cause)
                     raise BackendUnavailable("no other live prefill instance to re-dispatch to")
-                summary = self._health_summary("prefill")
+                summary = self.registry.summary("prefill")
                 raise BackendUnavailable(f"{request_id}: no live prefill instance ({summary})")
             decodes = [d for d in self.instances["decode"] if d.routable]
             if not decodes:
                 raise BackendUnavailable(
-                    f"{request_id}: no live decode instance ({self._health_summary('decode')})"
+                    f"{request_id}: no live decode instance ({self.registry.summary('decode')})"
                 )
             lost = await self._load_missing_decodes(decodes)
             decode_loads: list[DecodeLoad] = []
@@ -149,7 +150,7 @@ class RouteAndReserve(RankCalls):
                 try:
                     check_instance_group(self._loads.decode_snapshots(d.index))
                 except InstanceGroupFailed as e:  # its latest snapshot reports a failed group
-                    self._mark_failed("decode", d.index, e, "load")
+                    self.registry.mark_failed("decode", d.index, e, "load")
                     lost = True
                     continue
                 decode_loads.extend(self._loads.decode_loads(d.index))
@@ -196,6 +197,7 @@ class RouteAndReserve(RankCalls):
             if isinstance(action, StartPrefill):
                 assert attempt is not None and bound is not None
                 attempt.meta = bound
+                attempt.advance(HandoffEvent.BOUND)
                 if attempt.prefill_call is None:  # not sent early (MAX_EARLY_PREFILL_CALLS): sent bound now
                     self._start_prefill(attempt, prompt_token_ids, params, first_token_id)
                     started.append(attempt)
@@ -232,32 +234,23 @@ class RouteAndReserve(RankCalls):
             awaiting_bind=attempt.meta is None,
             first_token_id=first_token_id,
         )
-        prefill = self.instances["prefill"][attempt.prefill_index].ranks[attempt.prefill.rank]
-        timeout_s = self.event_timeout_s + self.topology.kv_transfer.timeout_s
-        call = self._push_call(self._prefill_push_tags.get(attempt.prefill), request, timeout_s)
-        if call is None:
-            call = asyncio.ensure_future(self._call(prefill.prefill.remote(request), timeout_s))
+        client = self.instances["prefill"][attempt.prefill_index].client(attempt.prefill.rank)
+        call = client.prefill(request, self.event_timeout_s + self.topology.kv_transfer.timeout_s)
         attempt.prefill_call, attempt.prefill_sent_s = call, time.monotonic()
         rank, num_tokens = attempt.prefill, len(prompt_token_ids)
         self._loads.prefill_started(rank, num_tokens)
         call.add_done_callback(lambda _: self._loads.prefill_ended(rank, num_tokens))
-        # After a pushed result (`orchestrator.reply_channel`) nobody waits for the call: its outcome is
-        # taken here so that a late failure is not reported as an exception never retrieved.
+        # After an abort nobody waits for the call: its outcome is taken here so that a late failure is not
+        # reported as an exception never retrieved.
         call.add_done_callback(lambda c: c.cancelled() or c.exception())
 
     def _bind_prefill(self, attempt: Attempt) -> None:
-        """Hand `attempt`'s running prefill the meta decode bound: on the prefill rank's reply connection
-        when it has one on this host (`ReplyListener.send_bind`), else by a `PrefillNode.bind` Ray call.
-        Fire and forget: a bind that does not arrive shows as the prefill call failing or timing out."""
+        """Hand `attempt`'s running prefill the meta decode bound (`PrefillNode.bind`, ordered after the
+        prefill). Fire and forget: a bind that does not arrive shows as the prefill call failing or timing
+        out."""
         assert attempt.meta is not None
         bind = PrefillBind(attempt.handoff_id, attempt.meta, attempt.decode_index, attempt.decode.rank)
-        listener, who = self._reply_listener, self._prefill_push_tags.get(attempt.prefill)
-        if listener is not None and who is not None and listener.send_bind(who, bind):
-            self._num_binds_pushed += 1
-            return
-        prefill = self.instances["prefill"][attempt.prefill_index].ranks[attempt.prefill.rank]
-        with contextlib.suppress(Exception):
-            prefill.bind.remote(bind)
+        self.instances["prefill"][attempt.prefill_index].client(attempt.prefill.rank).bind(bind)
 
     async def _load_missing_decodes(self, decodes: list[Instance]) -> bool:
         """Load (one call per rank) the decode instances of `decodes` no snapshot has reached yet
@@ -268,7 +261,7 @@ class RouteAndReserve(RankCalls):
             return False
 
         async def ranks(instance: Instance) -> list[Any]:
-            loads = list(await asyncio.gather(*[self._call(a.load.remote()) for a in instance.ranks]))
+            loads = list(await asyncio.gather(*[c.load(self.call_timeout_s) for c in instance.clients]))
             check_instance_group(loads)
             return loads
 
@@ -280,7 +273,7 @@ class RouteAndReserve(RankCalls):
             if isinstance(r, BaseException):
                 if not self._is_lost(r):
                     raise r
-                self._mark_failed(instance.role, instance.index, r, "load", sent_s)
+                self.registry.mark_failed(instance.role, instance.index, r, "load", sent_s)
                 lost = True
                 continue
             for rank, load in enumerate(r):
@@ -288,7 +281,7 @@ class RouteAndReserve(RankCalls):
         return lost
 
     async def _reserve(
-        self, record: RequestRecord, attempt: Attempt, prompt_token_ids: list[int], params: SamplingParams
+        self, record: DriverRequest, attempt: Attempt, prompt_token_ids: list[int], params: SamplingParams
     ) -> tuple[ReserveOutcome, HandoffMeta | None]:
         """Reserve `attempt` on its decode rank: the outcome and the bound meta (when BOUND). The
         attempt is the request's (and the poll loop's) while reserved; released when not bound."""
@@ -301,20 +294,18 @@ class RouteAndReserve(RankCalls):
             self._meta(attempt, prompt_token_ids),
             self.num_speculative_tokens,
         )
-        decode = self.instances["decode"][attempt.decode_index].ranks[attempt.decode.rank]
+        decode = self.instances["decode"][attempt.decode_index].client(attempt.decode.rank)
         self._loads.reserve_sent(attempt.decode)
         sent_s = time.monotonic()
-        reserve_call = self._push_call(self._decode_tag_of.get(attempt.decode), reserve, self.call_timeout_s)
-        if reserve_call is None:
-            reserve_call = asyncio.ensure_future(self._call(decode.reserve.remote(reserve)))
+        reserve_call = asyncio.ensure_future(decode.reserve(reserve, self.call_timeout_s))
         answered: ReserveResult | None = None
         try:
             answered = await asyncio.shield(reserve_call)
             result: ReserveResult = answered
         except asyncio.CancelledError:
             # The request's owner went away (the HTTP client disconnected) while decode reserved: the
-            # reservation is released now, and again once the reserve call has returned (Ray runs a
-            # threaded actor's calls unordered, so this abort may overtake the reserve).
+            # reservation is released now, and again once the reserve call has returned (decode's abort
+            # may overtake its reserve).
             self._by_handoff.pop(attempt.handoff_id, None)
             record.attempt = None
             self._release(attempt)
@@ -326,29 +317,33 @@ class RouteAndReserve(RankCalls):
             if not self._is_lost(e):
                 raise
             self._release(attempt)  # a reservation that did go through after the timeout
-            self._mark_failed("decode", attempt.decode_index, e, "reserve", sent_s)
+            self.registry.mark_failed("decode", attempt.decode_index, e, "reserve", sent_s)
+            attempt.advance(HandoffEvent.REROUTED)
             return ReserveOutcome.INSTANCE_LOST, None
         finally:
             self._loads.reserve_answered(attempt.decode, None if answered is None else answered.load)
         if record.aborted:  # aborted while reserving: abort() saw this attempt
             self._by_handoff.pop(attempt.handoff_id, None)
             self._release(attempt)
+            attempt.advance(HandoffEvent.ABORTED)
             return ReserveOutcome.ABORTED, None
         if result.reserved:
+            attempt.advance(HandoffEvent.RESERVED)
             return ReserveOutcome.BOUND, result.bound_meta
         self._by_handoff.pop(attempt.handoff_id, None)
         record.attempt = None
+        attempt.advance(HandoffEvent.REROUTED)
         return ReserveOutcome.NO_ROOM, None
 
     def _meta(self, attempt: Attempt, prompt_token_ids: list[int]) -> HandoffMeta:
         kv = self.topology.kv_transfer
         return HandoffMeta(
             request_id=attempt.handoff_id,
-            num_layers=self.num_hidden_layers + (1 if self.num_speculative_tokens else 0),
+            num_layers=self.model.num_hidden_layers + (1 if self.model.num_speculative_tokens else 0),
             num_tokens=len(prompt_token_ids),
-            kv_dim=self.kv_dim,
-            dtype=self._dtype,
-            wire_dtype=resolve_wire_dtype(kv.wire_dtype, self._dtype, self._decode_kv_cache_dtype),
+            kv_dim=self.model.kv_dim,
+            dtype=self.model.dtype,
+            wire_dtype=resolve_wire_dtype(kv.wire_dtype, self.model.dtype, self.model.decode_kv_cache_dtype),
             lease_s=kv.timeout_s,
         )
 
@@ -368,14 +363,8 @@ class RouteAndReserve(RankCalls):
             asyncio.TimeoutError,
             TimeoutError,
             InstanceGroupFailed,
-            RankConnectionLost,
         )
         return isinstance(exc, lost)
-
-    def _abort_after_prefill(self, attempt: Attempt, prefill_task: asyncio.Future) -> None:
-        """Ray runs a threaded actor's calls unordered, so abort() may overtake the `prefill` call it is
-        meant to stop (and find nothing to abort): release the attempt again once that call returns."""
-        self._release_when_done(attempt, prefill_task)
 
     def _release_when_done(self, attempt: Attempt, call: asyncio.Future) -> None:
         """Release `attempt` (`_release`) again once the actor call `call` has ended, whatever its outcome
@@ -396,6 +385,5 @@ class RouteAndReserve(RankCalls):
         Sent to instances out of routing too: a stalled actor runs the call when it resumes (so what it
         still held for the attempt is freed before it rejoins), a dead one drops it."""
         for role, index in (("decode", attempt.decode_index), ("prefill", attempt.prefill_index)):
-            for actor in self.instances[role][index].ranks:
-                with contextlib.suppress(Exception):
-                    actor.abort.remote(attempt.handoff_id)
+            for client in self.instances[role][index].clients:
+                client.abort(attempt.handoff_id)

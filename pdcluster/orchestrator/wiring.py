@@ -1,24 +1,20 @@
 """Wiring a deployed `Cluster`: rendezvous addresses on the nodes that host them, and the KV transport.
 
-`ClusterWiring` (a mixin of `orchestrator.deployment.ClusterDeployment`): `_rendezvous` (where a
+`ClusterWiring` (a base of `orchestrator.deployment.ClusterDeployment`): `_rendezvous` (where a
 multi-rank instance's group meets: rank 0's node), `_probe_node` (a node's IP and free ports, asked from
-inside a placement-group bundle), `_wire` (the KV connectors: a gRPC receiver on every decode rank and one
-sender per decode rank on every prefill rank, or one torch.distributed group of every rank).
+inside a placement-group bundle), `_wire` (the KV connectors at deploy: a gRPC receiver on every decode
+rank and one sender per decode rank on every prefill rank, or one torch.distributed group of every rank),
+`rewire` (a restarted rank's connectors).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import socket
-import time
-from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from pdcluster.orchestrator.instance import Instance
-from pdcluster.orchestrator.reply_channel import ReplyListener
-from pdcluster.orchestrator.router import RankRef
 
 if TYPE_CHECKING:
     from pdcluster.kvtransfer.paired import PairedAddress
@@ -60,79 +56,6 @@ class ClusterWiring:
     instances: dict[str, list[Instance]]
     _placement_groups: list[Any]
     _loopback: bool
-    _reply_listener: ReplyListener | None
-    _on_prefill_reply_threadsafe: Callable[[str, str, Any], None]  # `RequestDispatch`'s
-    _on_decode_events_threadsafe: Callable[[str, list, Any], None]  # `RequestDispatch`'s
-    _on_answer_threadsafe: Callable[[str, Any], None]  # `RouteAndReserve`'s
-    _decode_push_tags: dict[str, RankRef]
-    _decode_tag_of: dict[RankRef, str]
-    _prefill_push_tags: dict[RankRef, str]
-
-    def _connect_reply_channel(
-        self,
-        ray,
-        prefill_indices: Iterable[int] = (),
-        timeout_s: float = 120.0,
-        restarted: bool = False,
-        decode_indices: Iterable[int] = (),
-    ) -> None:
-        """On a single-node cpu topology (every rank on this host), have the ranks of prefill instances
-        `prefill_indices` push their results and take their binds and prefill calls, and the ranks of
-        decode instances `decode_indices` push their events and take their reserves, over a Unix socket too
-        (`orchestrator.reply_channel`): at deploy the listener starts; `restarted` ranks (the health
-        monitor's rewire) reconnect to it while it is open. Each rank connects under a fresh tag, which
-        replaces its earlier one. A rank that cannot connect is logged and keeps its Ray calls alone."""
-        if not self._loopback:
-            return
-        if not restarted:  # deploy: the listener starts here (a rejoin after shutdown starts none)
-            self._reply_listener = ReplyListener(
-                self._on_prefill_reply_threadsafe,
-                self._on_decode_events_threadsafe,
-                self._on_answer_threadsafe,
-            )
-        listener = self._reply_listener
-        if listener is None or listener.closed:
-            return
-        address, secret = listener.address, listener.secret
-        refs = {}
-        tags: dict[str, str] = {}  # tag -> rank name
-        for index in prefill_indices:
-            instance = self.instances["prefill"][index]
-            for rank, actor in enumerate(instance.ranks):
-                who = f"{instance.rank_name(rank)}:{secrets.token_hex(8)}"
-                self._prefill_push_tags[RankRef(index, rank)] = who  # binds go to this incarnation only
-                tags[who] = instance.rank_name(rank)
-                refs[actor.connect_reply_channel.remote(address, secret, who)] = instance.rank_name(rank)
-        for index in decode_indices:
-            instance = self.instances["decode"][index]
-            for tag in [t for t, ref in self._decode_push_tags.items() if ref.instance == index]:
-                del self._decode_push_tags[tag]  # that incarnation's pushes are no longer taken
-            for rank, actor in enumerate(instance.ranks):
-                who = f"{instance.rank_name(rank)}:{secrets.token_hex(8)}"
-                self._decode_push_tags[who] = RankRef(index, rank)
-                self._decode_tag_of[RankRef(index, rank)] = who  # one atomic store: calls go there now
-                tags[who] = instance.rank_name(rank)
-                refs[actor.connect_reply_channel.remote(address, secret, who)] = instance.rank_name(rank)
-        connected = set()
-        for ref, what in refs.items():
-            try:
-                ray.get(ref, timeout=timeout_s)
-                connected.add(what)
-            except Exception as e:  # noqa: BLE001 - the Ray calls still carry every result and event
-                logger.warning("%s could not connect to the driver's reply socket: %s", what, e)
-        # The rank returns once its hello is sent; the listener thread takes it a moment later. Until then a
-        # bind or a call goes by Ray (correct, only slower): wait, so that the ranks take theirs here from
-        # now on.
-        deadline_s = time.monotonic() + timeout_s
-        waiting = [who for who, name in tags.items() if name in connected]
-        while waiting and time.monotonic() < deadline_s:
-            waiting = [who for who in waiting if not listener.is_registered(who)]
-            if waiting:
-                time.sleep(0.005)
-        for who in waiting:
-            logger.warning(
-                "%s: reply connection not registered in %g s (binds and calls go by Ray)", who, timeout_s
-            )
 
     def _rendezvous(self, ray, spec_index: int) -> tuple[str, int]:
         """(`tcp://host:port` of the group, the barrier's port) for an instance whose rank 0 runs in bundle 0
@@ -217,3 +140,34 @@ class ClusterWiring:
         ]
         ray.get(refs, timeout=120)
         return []
+
+    def rewire(self, ray, role: str, index: int, restarted: bool) -> None:
+        """gRPC, shm and shm+grpc only (restarts are off for torch.distributed and for multi-rank instances,
+        whose groups are fixed at deploy). A restarted decode starts its receiver on a new port (shm: a new
+        socket path; shm+grpc: both, in a new `PairedAddress`), which the prefill ranks in routing learn at
+        once (the others when they rejoin); a rejoining prefill instance's ranks (re)connect to every decode
+        rank's current address, in case one moved meanwhile."""
+        if role == "decode":
+            assert restarted
+            decode = self.decode_actors[index]
+            transport = self.topology.kv_transport
+            address = ray.get(
+                decode.start_receiver.remote(transport, self._kv_tls), timeout=self.call_timeout_s
+            )
+            if transport == "grpc" and not self._loopback:
+                address = advertised_address(
+                    address, ray.get(decode.node_ip.remote(), timeout=self.call_timeout_s)
+                )
+            self._decode_addresses[index][0] = address
+            prefills = [a for p in self.instances["prefill"] if p.routable for a in p.ranks]
+            ray.get(
+                [p.set_decode_address.remote(index, address) for p in prefills], timeout=self.call_timeout_s
+            )
+        else:
+            addresses = [list(ranks) for ranks in self._decode_addresses]
+            ranks = self.instances["prefill"][index].ranks
+            transport = self.topology.kv_transport
+            ray.get(
+                [a.connect_receivers.remote(transport, addresses, self._kv_tls) for a in ranks],
+                timeout=self.call_timeout_s,
+            )

@@ -11,14 +11,12 @@ instance's placement group. Threads inside the actor:
     load() reads counters under a lock                (layerwise), or all layers after the step
                                                     finished jobs: sender.finish(extras: first token,
                                                       drafts and their probabilities), wake the caller
-    On one host, the reader thread of the reply connection (`ReplyPusher`) calls `bind(...)` for each bind
-    the driver sends on it and hands each prefill request sent there to a call thread (`prefill(...)`, as
-    Ray's method threads do, answered on that connection); the engine thread pushes each result there too.
 
 A job that fails (engine error, send error, abort) aborts its handoff (decode's `wait` raises
 `TransferAborted`) and raises in `prefill(...)`. An engine error fails only the jobs it concerns: a
 request whose own sampling fails, or the requests of a step whose execution fails (`EngineStepError`);
 other jobs go on. Only an error the engine cannot tie to requests fails every active job.
+prefill, bind and abort are queued in the driver's command order (`orchestrator.command_order`).
 """
 
 from __future__ import annotations
@@ -36,8 +34,9 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm import EngineStepError
 from pdcluster.engine.stopping import early_first_token_text
 from pdcluster.kvtransfer.base import HandoffExtras, KVSender
-from pdcluster.kvtransfer.paired import PairedAddress, node_id
-from pdcluster.orchestrator.dispatch import event_timeout_s
+from pdcluster.kvtransfer.paired import PairedAddress
+from pdcluster.orchestrator.command_order import CommandOrder, CommandSeq
+from pdcluster.orchestrator.dispatch import CALL_TIMEOUT_MIN_S, event_timeout_s
 from pdcluster.orchestrator.messages import (
     InstanceGroupSpec,
     NodeReady,
@@ -47,18 +46,14 @@ from pdcluster.orchestrator.messages import (
     PrefillResult,
 )
 from pdcluster.orchestrator.rank_actor import LOCKSTEP_IDLE_S, RankActor
-from pdcluster.orchestrator.reply_pusher import ReplyPusher
 from pdcluster.prefill_node.job import Job
+from pdcluster.prefill_node.senders import KVSenders
 from pdcluster.prefill_node.thread_clock import run_delay_s
 
 if TYPE_CHECKING:
     from pdcluster.kvtransfer.grpc_transport import TLSCredentials
 
 logger = logging.getLogger(__name__)
-
-# Aborts remembered for prefill calls not here yet (a threaded actor runs calls unordered; a stalled actor
-# runs the calls queued meanwhile at once). Ids are unique, so only memory bounds it: 4,096 ids, ~0.5 MB.
-MAX_EARLY_ABORTS = 4096
 
 
 class PrefillNode(RankActor):
@@ -85,23 +80,15 @@ class PrefillNode(RankActor):
     ) -> None:
         super().__init__(engine_config, name, group)
         self.layerwise = layerwise
-        self.senders: list[list[KVSender]] = []  # [decode instance][decode rank]
-        self._transport = "grpc"  # what connect_receivers used, for set_decode_address
-        self._node_id: str | None = None  # this rank's node (kvtransfer.paired.node_id), looked up once
-        self._tls: TLSCredentials | None = None
+        self.kv = KVSenders(name, self.engine.config.device)
         self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._active: dict[str, Job] = {}
         # binds that came and that the engine thread has not taken yet (`_take_bind`: at its next command,
         # or at the next layer of the request's prefill step, whichever comes first)
         self._binds: dict[str, PrefillBind] = {}
-        # binds that overtook their prefill call, with when they came (dropped after their lease)
-        self._early_binds: dict[str, tuple[PrefillBind, float]] = {}
-        # aborts that overtook their prefill call (handoff ids are unique), oldest first, at most
-        # MAX_EARLY_ABORTS: the call, when it comes, fails at once instead of awaiting a bind that never comes
-        self._early_aborts: dict[str, None] = {}
+        self._order = CommandOrder(CALL_TIMEOUT_MIN_S)  # prefill, bind, abort in the driver's order
         self._lock = threading.Lock()
         self._num_queued_tokens = 0  # of jobs queued or active
-        self._reply_pusher: ReplyPusher | None = None  # results pushed to the driver too (same host)
         self._start_engine_thread()
 
     # ---- wiring -----------------------------------------------------------------------------------------
@@ -119,10 +106,14 @@ class PrefillNode(RankActor):
             compile=self.engine.compile_stats(),
         )
 
+    @property
+    def senders(self) -> list[list[KVSender]]:
+        """`[decode instance][decode rank]`: the KV sender to that rank."""
+        return self.kv.table
+
     def connect_grpc(self, decode_addresses: list[list[str]], tls: TLSCredentials | None = None) -> None:
-        """One gRPC sender per decode rank: `decode_addresses[i][r]` is decode instance i's rank r (mutual
-        TLS with `tls`), closing any previous ones."""
-        self.connect_receivers("grpc", decode_addresses, tls)
+        """`KVSenders.connect("grpc", ...)`."""
+        self.kv.connect("grpc", decode_addresses, tls)
 
     def connect_receivers(
         self,
@@ -130,109 +121,47 @@ class PrefillNode(RankActor):
         decode_addresses: list[list[str]] | list[list[PairedAddress]],
         tls: TLSCredentials | None = None,
     ) -> None:
-        """One `transport` sender (`grpc`: to `host:port`, mutual TLS with `tls`; `shm`: to a socket path
-        on this host; `shm+grpc`: to a `PairedAddress`, by shm when that decode rank runs on this node, else
-        by gRPC) per decode rank: `decode_addresses[i][r]` is decode instance i's rank r; closes any
-        previous ones."""
-        if transport not in ("grpc", "shm", "shm+grpc"):
-            raise ValueError(
-                f"transport: senders connect to grpc, shm or shm+grpc receivers, got {transport!r}"
-            )
-        self._transport, self._tls = transport, tls
-        old = self._all_senders()
-        self.senders = [[self._new_sender(a) for a in ranks] for ranks in decode_addresses]
-        for sender in old:
-            sender.close()
-
-    def connect_reply_channel(self, address: str, secret: str, who: str | None = None) -> None:
-        """Push each finished prefill's `PrefillResult` to the driver's socket at `address` too (it is on
-        this host), presenting `secret`, beside the `prefill` call's reply (`orchestrator.reply_channel`);
-        and take the binds and the prefill calls the driver sends on that connection, to this rank's tag
-        `who`, as `bind` and `prefill` calls (`RankActor._take_call`). Replaces an earlier connection. Raises
-        OSError when the socket cannot be reached."""
-        pusher = ReplyPusher(address, secret, who, on_bind=self.bind, on_call=self._take_call)
-        old = self._reply_pusher
-        self._reply_pusher = pusher
-        if old is not None:
-            old.close()
-
-    def _new_sender(self, address: str | PairedAddress) -> KVSender:
-        from pdcluster.kvtransfer.grpc_transport import GrpcKVSender
-        from pdcluster.kvtransfer.shm_transport import ShmKVSender
-
-        if isinstance(address, PairedAddress):  # shm+grpc: shm to a decode rank on this node, else gRPC
-            if self._node_id is None:
-                self._node_id = node_id()
-            transport, picked = address.pick(self._node_id)
-            if transport == "grpc":
-                return GrpcKVSender(picked, tls=self._tls)
-            sender = ShmKVSender(picked)
-            if sender.connect_error is None:
-                return sender
-            # the same Ray node, yet its socket is out of reach (another temp dir or container, another
-            # uid): gRPC still works between any two processes
-            logger.warning(
-                "%s: decode's shm socket %s on this node is unreachable (%s); sending to it by gRPC at %s",
-                self.name,
-                picked,
-                sender.connect_error,
-                address.grpc,
-            )
-            sender.close()
-            return GrpcKVSender(address.grpc, tls=self._tls)
-        if self._transport == "shm":
-            return ShmKVSender(address)
-        return GrpcKVSender(address, tls=self._tls)
+        """`KVSenders.connect`."""
+        self.kv.connect(transport, decode_addresses, tls)
 
     def sender_transports(self) -> list[list[str]]:
-        """The transport of each decode rank's sender (`[instance][rank]`: `grpc`, `shm` or `dist`)."""
-        names = {"GrpcKVSender": "grpc", "ShmKVSender": "shm", "DistKVSender": "dist"}
-        return [[names.get(type(s).__name__, type(s).__name__) for s in ranks] for ranks in self.senders]
+        """`KVSenders.transports`."""
+        return self.kv.transports()
 
     def set_decode_address(
         self, decode_index: int, address: str | PairedAddress, decode_rank: int = 0
     ) -> None:
-        """Rank `decode_rank` of decode instance `decode_index` was restarted and listens at `address` now:
-        replace its sender (transfers in flight to the old one fail, as they would have anyway)."""
-        old = self.senders[decode_index][decode_rank]
-        self.senders[decode_index][decode_rank] = self._new_sender(address)
-        old.close()
+        """`KVSenders.replace`."""
+        self.kv.replace(decode_index, address, decode_rank)
 
     def connect_dist(
         self, rank: int, world_size: int, init_method: str, decode_ranks: list[list[int]]
     ) -> None:
-        """Join the transfer process group (collective: every rank actor calls it at once); one sender per
-        decode rank: `decode_ranks[i][r]` is decode instance i's rank r's rank in the transfer group."""
-        from pdcluster.kvtransfer.dist_transport import (
-            DistKVSender,
-            DistTransportConfig,
-            init_transport_group,
-        )
-
-        config = DistTransportConfig.for_device(self.engine.config.device)
-        init_transport_group(config, rank=rank, world_size=world_size, init_method=init_method)
-        self.senders = [[DistKVSender(peer, config) for peer in ranks] for ranks in decode_ranks]
+        """`KVSenders.connect_dist`."""
+        self.kv.connect_dist(rank, world_size, init_method, decode_ranks)
 
     def _all_senders(self) -> list[KVSender]:
-        return [sender for ranks in self.senders for sender in ranks]
+        return self.kv.all()
 
     def _sender(self, job: Job) -> KVSender:
         """The sender to the decode rank `job` goes to."""
-        return self.senders[job.decode_index][job.decode_rank]
+        return self.kv.table[job.decode_index][job.decode_rank]
 
     # ---- requests ---------------------------------------------------------------------------------------
-    def prefill(self, request: PrefillRequest) -> PrefillResult:
+    def prefill(self, request: PrefillRequest, order: CommandSeq | None = None) -> PrefillResult:
         """Prefill one request and hand it to rank `request.decode_rank` of decode instance
         `request.decode_index` (which already `expect`s it); `request.meta` is the one that rank's `reserve`
-        bound, with the handoff's secret.
+        bound, with the handoff's secret, unless the request is `awaiting_bind`. `order`: its place in the
+        driver's command stream (`orchestrator.command_order`).
 
         Returns once the handoff is finished on this side. Raises RuntimeError when the prefill or the send
         failed (the handoff is aborted), or it was not done within `event_timeout_s(meta.lease_s)` seconds.
         """
         job = Job(request)
-        with self._lock:
-            self._num_queued_tokens += job.num_prompt_tokens
-        self._jobs.put(("add", job))
+        with self._order.turn(order):
+            with self._lock:
+                self._num_queued_tokens += job.num_prompt_tokens
+            self._jobs.put(("add", job))
         # sent awaiting the bind: the reservation may take up to its lease (decode back-pressure) first
         timeout_s = event_timeout_s(request.meta.lease_s) + (
             request.meta.lease_s if request.awaiting_bind else 0
@@ -245,29 +174,20 @@ class PrefillNode(RankActor):
         assert job.result is not None
         return job.result
 
-    def _call_method(self, call: Any) -> Any:
-        """A prefill request sent on the reply connection (`RankActor._take_call`) is served by `prefill`
-        (its answer settles the driver's call; nothing to undo when it cannot be sent: the job is over)."""
-        if isinstance(call, PrefillRequest):
-            return self.prefill
-        return super()._call_method(call)
-
-    def bind(self, bind: PrefillBind) -> None:
+    def bind(self, bind: PrefillBind, order: CommandSeq | None = None) -> None:
         """The reservation of a request sent `awaiting_bind` (`PrefillRequest`): its handoff begins with
-        `bind.meta` towards the decode rank named, and the KV computed so far goes out. A bind for an id
-        not (or no longer) here is kept until its request arrives (Ray runs a threaded actor's calls
-        unordered: the bind may overtake its `prefill` call) or an abort names it. A bind that comes while
-        its request's prefill step runs is taken at the step's next layer: the handoff begins there and,
-        with `layerwise`, the layers computed so far go out then rather than after the step."""
-        with self._lock:
-            self._binds[bind.handoff_id] = bind
-        self._jobs.put(("bind", bind.handoff_id))
+        `bind.meta` towards the decode rank named, and the KV computed so far goes out. Taken at the next
+        layer of the request's prefill step when it comes mid-step. A bind for an id no longer here (its
+        prefill failed or was aborted) is dropped."""
+        with self._order.turn(order):
+            with self._lock:
+                self._binds[bind.handoff_id] = bind
+            self._jobs.put(("bind", bind.handoff_id))
 
-    def abort(self, request_id: str) -> None:
-        """Fail the prefill of `request_id` (its `prefill` call raises), freeing its blocks and handoff.
-        An abort that overtakes its `prefill` call is remembered (`MAX_EARLY_ABORTS`), and that call then
-        raises at once without prefilling."""
-        self._jobs.put(("abort", request_id))
+    def abort(self, request_id: str, order: CommandSeq | None = None) -> None:
+        """Fail the prefill of `request_id` (its `prefill` call raises), freeing its blocks and handoff."""
+        with self._order.turn(order):
+            self._jobs.put(("abort", request_id))
 
     def load(self) -> PrefillNodeLoad:
         """Cheap snapshot for the router: queued prompt tokens and requests in flight."""
@@ -293,7 +213,7 @@ class PrefillNode(RankActor):
 
     def close(self) -> None:
         """Stop the engine thread, then fail every job still waiting (their `prefill` calls raise at once
-        instead of waiting out their timeouts), close the reply connection and the senders."""
+        instead of waiting out their timeouts), close the senders."""
         self._jobs.put(("stop", None))
         self._stop_engine_thread()
         waiting = list(self._active.values())
@@ -307,9 +227,6 @@ class PrefillNode(RankActor):
         for job in waiting:
             job.error = f"{self.name} is closing"
             job.done.set()
-        if self._reply_pusher is not None:
-            self._reply_pusher.close()
-        self._close_call_threads()
         for sender in self._all_senders():
             try:
                 sender.close()
@@ -357,13 +274,8 @@ class PrefillNode(RankActor):
                     self._bind(bind)
             elif kind == "abort":
                 self._take_bind(arg)
-                self._early_binds.pop(arg, None)
                 if arg in self._active:
                     self._fail(arg, "aborted by the router", abort_engine=True)
-                else:  # its prefill call has not arrived yet (or it is done: then never will)
-                    self._early_aborts[arg] = None
-                    while len(self._early_aborts) > MAX_EARLY_ABORTS:
-                        del self._early_aborts[next(iter(self._early_aborts))]
             try:
                 command = self._jobs.get_nowait()
             except queue.Empty:
@@ -376,7 +288,7 @@ class PrefillNode(RankActor):
         wait_before_s = run_delay_s()
         try:
             self._maybe_fault("step")
-            outputs = engine.step(on_prompt_kv=self._on_prompt_kv, on_first_token=self._on_first_token)
+            outputs = engine.step(on_prompt_kv=self._on_prompt_kv)
         except EngineStepError as e:  # the step's requests are finished with an error; others go on
             self._loop_error(e, "engine step failed")
             outputs = e.outputs
@@ -407,15 +319,6 @@ class PrefillNode(RankActor):
         return True
 
     def _start(self, job: Job) -> None:
-        if job.request_id in self._early_aborts:  # the abort overtook this call (threaded actor)
-            del self._early_aborts[job.request_id]
-            self._early_binds.pop(job.request_id, None)
-            job.error = "aborted by the router (before its prefill call arrived)"
-            self._finish_job(job)
-            return
-        early, _ = self._early_binds.pop(job.request_id, (None, 0.0))
-        if early is not None and not job.bound:
-            job.bind(early.meta, early.decode_index, early.decode_rank)
         try:
             self._maybe_fault("start")
             if self._group_error is not None:
@@ -468,44 +371,6 @@ class PrefillNode(RankActor):
         except Exception as e:  # noqa: BLE001 - fails this job after the step, not the step's others
             job.step_error = f"handing its KV to the sender failed: {e!r}"
 
-    def _on_first_token(self, request_id: str, token_id: int) -> None:
-        """The engine's first-token callback, inside the step, right after sampling: the token goes to the
-        driver now (a result with `handoff_finished` False on the reply connection), before the MTP drafts
-        are proposed and the handoff is finished, so the client has it that much sooner; the finished result
-        follows as before. Only when the driver could stream it (`early_first_token_text`), when the job is
-        bound (the push names its reservation) and when the client does not have a first token already.
-        Never raises: the finished result carries the token anyway."""
-        job = self._active.get(request_id)
-        pusher = self._reply_pusher
-        if job is None or pusher is None or job.meta is None or job.request.first_token_id is not None:
-            return
-        if job.step_error is not None:  # it fails once the step is over: its token is not the client's
-            return
-        try:
-            text = self._first_token_text(job, token_id)
-            request = self.engine.scheduler.get_request(request_id)
-            if text is None or request is None:
-                return
-            queue_s = request.queue_time_s or 0.0
-            early = PrefillResult(
-                first_token_id=token_id,
-                num_drafts=0,
-                queue_s=queue_s,
-                prefill_s=time.monotonic() - job.arrival_s - queue_s,
-                first_token_text=text,
-                handoff_finished=False,
-            )
-            pusher.push(request_id, job.meta.secret, early)
-        except Exception:  # noqa: BLE001 - an optimization: the finished result still comes
-            logger.exception("%s: pushing the first token of %s early failed", self.name, request_id)
-
-    def _first_token_text(self, job: Job, token_id: int) -> str | None:
-        """`early_first_token_text` of `job`'s first token `token_id`, decoded once per job."""
-        if job.first_token_text is None or job.first_token_text[0] != token_id:
-            text = early_first_token_text(self.engine.tokenizer, job.request.params, token_id)
-            job.first_token_text = (token_id, text)
-        return job.first_token_text[1]
-
     def _take_bind(self, handoff_id: str) -> PrefillBind | None:
         with self._lock:
             return self._binds.pop(handoff_id, None)
@@ -536,14 +401,7 @@ class PrefillNode(RankActor):
         """Begin the handoff of a job that awaited its reservation; send what it computed meanwhile (and
         finish it when its prefill is done)."""
         job = self._active.get(bind.handoff_id)
-        if job is None:  # its prefill call has not arrived yet (or it is gone: dropped after its lease)
-            now_s = time.monotonic()
-            for rid, (b, at_s) in list(self._early_binds.items()):
-                if now_s - at_s > b.meta.lease_s:
-                    del self._early_binds[rid]
-            self._early_binds[bind.handoff_id] = (bind, now_s)
-            return
-        if job.bound:
+        if job is None or job.bound:  # failed or aborted meanwhile
             return
         try:
             self._begin(job, bind)
@@ -599,11 +457,8 @@ class PrefillNode(RankActor):
             cpu_wait_s=job.cpu_wait_s,
             first_token_text=None
             if job.request.first_token_id is not None  # the client has it
-            else self._first_token_text(job, result.first_token_id),
+            else early_first_token_text(self.engine.tokenizer, job.request.params, result.first_token_id),
         )
-        pusher = self._reply_pusher
-        if pusher is not None:  # the driver has it before the reply of the call below
-            pusher.push(job.request_id, job.meta.secret, job.result)
         self._finish_job(job)
 
     def _fail(self, request_id: str, reason: str, abort_engine: bool = False) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdcluster.engine.remote_prefill import PrefillResult as EnginePrefillResult
+from pdcluster.engine.remote_prefill import PrefillOutput
 from pdcluster.kvtransfer.base import HandoffMeta
 from pdcluster.orchestrator.messages import PrefillRequest, PrefillResult
 
@@ -23,7 +23,7 @@ class Job:
     decode_index: int = 0
     decode_rank: int = 0
     # prefilled while awaiting the bind: (first-token result, queue_s), finished once bound
-    pending: tuple[EnginePrefillResult, float] | None = None
+    pending: tuple[PrefillOutput, float] | None = None
     arrival_s: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     result: PrefillResult | None = None
@@ -36,9 +36,6 @@ class Job:
     cpu_wait_s: float | None = 0.0
     # why handing its KV to the sender failed inside a step (`PrefillNode._on_prompt_kv`); failed after it
     step_error: str | None = None
-    # (token id, text) of the first token as `_on_first_token` computed it (`early_first_token_text`), so
-    # the finished result reuses the text instead of decoding it again; None: not computed
-    first_token_text: tuple[int, str | None] | None = None
 
     @property
     def request_id(self) -> str:

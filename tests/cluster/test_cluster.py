@@ -133,26 +133,9 @@ def test_greedy_and_acceptance_match_single_engine(
                 await _generate(cluster, f"r{i}", cluster.tokenizer.encode(p), with_text=True)
                 for i, p in enumerate(PROMPTS)
             ]
-            # One host: every prefill also pushed its result over the driver's reply socket (the first of
-            # it and the call's reply is the attempt's PrefillDone; the outputs are the same either way),
-            # after its first token alone where it could (counted too). Waited for on this loop: a push is
-            # handed to the loop that runs the requests.
-            deadline_s = time.monotonic() + call_bound_s(cluster)
-            while cluster._num_prefill_replies_received < len(PROMPTS) + cluster._num_first_tokens_early:
-                assert time.monotonic() < deadline_s, cluster._num_prefill_replies_received
-                await asyncio.sleep(0.01)
             return results
 
         results = asyncio.run(run())
-        # The decode rank pushed its token events over the socket too (the poll brings any it could not),
-        # each reserve went to decode on its connection, and each prefill request and its bind (sent before
-        # decode reserved) to prefill on its own, not by Ray calls (the socket buffers never fill with one
-        # at a time): the counts the backend exports (`/metrics`: pdcluster_backend_pushed_total{kind}).
-        # A result counts once, from the socket or from the call's reply, whichever came first.
-        pushed = cluster.stats()["pushed_total"]
-        assert pushed["first_token_early"] <= pushed["prefill_result"] <= len(PROMPTS)
-        assert pushed["decode_event"] > 0
-        assert pushed["bind"] == pushed["reserve_call"] == pushed["prefill_call"] == len(PROMPTS)
         for (tokens, last, text), expected in zip(results, single_engine_outputs[k], strict=True):
             assert tokens == expected.token_ids
             assert text == expected.text
@@ -160,7 +143,8 @@ def test_greedy_and_acceptance_match_single_engine(
             assert last.num_draft_tokens == expected.num_draft_tokens
             assert last.num_accepted_tokens == expected.num_accepted_tokens
             for phase in PHASE_NAMES:  # route, reserve, ..., admitted, first decode step, total
-                assert phase in last.phases, (phase, last.phases)
+                if phase != "prefill_cpu_wait_s" or run_delay_s() is not None:  # (Linux only)
+                    assert phase in last.phases, (phase, last.phases)
             if run_delay_s() is not None:  # Linux: of prefill_s, the prefill engine thread's wait for a CPU
                 waited_s, prefill_s = last.phases["prefill_cpu_wait_s"], last.phases["prefill_s"]
                 assert 0.0 <= waited_s <= last.phases["queue_s"] + prefill_s, last.phases
@@ -228,7 +212,7 @@ def test_prefill_killed_mid_transfer_is_redispatched(ray_session, single_engine_
             tokens
             == single.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids
         )
-        assert cluster._prefill_alive == [False, True]
+        assert cluster.registry.routable("prefill") == [False, True]
         _assert_no_blocks_held(cluster)
     finally:
         cluster.shutdown()

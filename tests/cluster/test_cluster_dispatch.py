@@ -22,13 +22,13 @@ from pdcluster.orchestrator.cluster import (
     check_deployable_parallelism,
     is_loopback_topology,
 )
-from pdcluster.orchestrator.deployment import (
+from pdcluster.orchestrator.messages import NodeReady
+from pdcluster.orchestrator.rank_actors import (
     ACTORS_READY_TIMEOUT_S,
     COMPILE_READY_TIMEOUT_S,
     load_summary,
     ready_timeout_s,
 )
-from pdcluster.orchestrator.messages import NodeReady
 from pdcluster.orchestrator.topology import load_topology
 from tests.cluster.conftest import call_bound_s, request_bound_s
 from tests.cluster.test_cluster import _assert_no_blocks_held, _generate, _topology, _wait_reserved
@@ -121,13 +121,13 @@ def test_abort_during_handoff_ends_the_request_and_never_redispatches(ray_sessio
     cluster = Cluster.deploy(topo)
     try:
         attempts: list[int] = []
-        dispatch = cluster._dispatch
+        dispatch = cluster.dispatcher._dispatch
 
         async def spy(request_id, attempt_index, *args):
             attempts.append(attempt_index)
             return await dispatch(request_id, attempt_index, *args)
 
-        cluster._dispatch = spy
+        cluster.dispatcher._dispatch = spy
         long_prompt = cluster.tokenizer.encode("def add(a, b):\n    return" * 60)[:900]
 
         async def run():
@@ -144,7 +144,7 @@ def test_abort_during_handoff_ends_the_request_and_never_redispatches(ray_sessio
         tokens, last = asyncio.run(run())
         assert last.finished and last.finish_reason == "abort"
         assert attempts == [0]
-        assert cluster._prefill_alive == [True, True]
+        assert cluster.registry.routable("prefill") == [True, True]
         _assert_no_blocks_held(cluster)
 
         async def after():
@@ -178,7 +178,7 @@ def test_dead_decode_is_taken_out_of_routing_and_the_last_one_fails_fast(ray_ses
         async def kill_mid_stream():
             stream = cluster.generate("victim", prompt, long_run)
             await stream.__anext__()  # admitted and streaming
-            victim = cluster._requests["victim"].attempt.decode_index
+            victim = cluster.dispatcher._requests["victim"].attempt.decode_index
             ray_session.kill(cluster.decode_actors[victim])
             started_s = time.monotonic()
             with pytest.raises(BackendUnavailable, match=f"decode-{victim} died or stopped answering"):
@@ -192,7 +192,8 @@ def test_dead_decode_is_taken_out_of_routing_and_the_last_one_fails_fast(ray_ses
         survivor = 1 - victim
         for tokens, last in results:
             assert last.finish_reason == "length" and len(tokens) == 16
-        assert cluster._decode_alive[victim] is False and cluster._decode_alive[survivor] is True
+        routable = cluster.registry.routable("decode")
+        assert routable[victim] is False and routable[survivor] is True
         assert set(cluster.stats()["kv_blocks"]) == {f"decode-{survivor}"}
         _assert_no_blocks_held(cluster)
 
@@ -232,12 +233,12 @@ def test_prefill_overlapped_with_the_reservation_or_after_it_gives_the_same_toke
             return [tokens for tokens, _ in done]
 
         overlapped = asyncio.run(batch("early"))
-        assert cluster._loads.missing_decodes([0]) == []
+        assert cluster.dispatcher._loads.missing_decodes([0]) == []
         monkeypatch.setattr(routing, "MAX_EARLY_PREFILL_CALLS", 0)
         sequential = asyncio.run(batch("late"))
         assert len(overlapped[0]) == 16 and overlapped == sequential == [overlapped[0]] * 3
-        assert cluster._loads.prefill_calls(RankRef(0, 0)) == 0
-        assert cluster._loads.prefill_queued_tokens(RankRef(0, 0)) == 0
+        assert cluster.dispatcher._loads.prefill_calls(RankRef(0, 0)) == 0
+        assert cluster.dispatcher._loads.prefill_queued_tokens(RankRef(0, 0)) == 0
         _assert_no_blocks_held(cluster)
     finally:
         cluster.shutdown()

@@ -91,7 +91,7 @@ async def generate(cluster, request_id: str, prompt: str, params: SamplingParams
     tokens, last = [], None
     async for delta in cluster.generate(request_id, cluster.tokenizer.encode(prompt), params):
         if routes is not None and request_id not in routes:
-            routes[request_id] = cluster._requests[request_id].attempt.decode
+            routes[request_id] = cluster.dispatcher._requests[request_id].attempt.decode
         tokens += delta.new_token_ids
         last = delta
     return tokens, last
@@ -191,7 +191,7 @@ def test_killing_one_rank_fails_its_instance_as_one_unit(cluster, ray_session, p
         else:
             tokens, last = results[rid]
             assert len(tokens) == LONG.max_tokens and last.finish_reason == "length"
-    assert cluster._decode_alive == [True, False]
+    assert cluster.registry.routable("decode") == [True, False]
     assert cluster.health()["decode-1"]["state"] == "dead"
     for i in range(2):  # the others keep serving
         tokens, last = run(cluster, asyncio.wait_for(generate(cluster, f"after{i}", prompts[i], GREEDY), 120))
@@ -213,7 +213,7 @@ def test_a_stalled_rank_fails_its_instance_for_good(cluster, ray_session, prompt
     async def first_delta():
         stream = cluster.generate("stalled", cluster.tokenizer.encode(prompts[0]), LONG)
         await stream.__anext__()
-        return stream, cluster._requests["stalled"].attempt.decode
+        return stream, cluster.dispatcher._requests["stalled"].attempt.decode
 
     stream, route = run(cluster, asyncio.wait_for(first_delta(), request_bound_s(cluster)))
     assert route.instance == 0  # decode-1 is dead since the test above
@@ -239,6 +239,6 @@ def test_a_stalled_rank_fails_its_instance_for_good(cluster, ray_session, prompt
         assert time.monotonic() < deadline_s, cluster.health()
         time.sleep(0.05)
     assert "instance group failed" in cluster.health()["decode-0"]["reason"]
-    assert cluster._decode_alive == [False, False]
+    assert cluster.registry.routable("decode") == [False, False]
     with pytest.raises(BackendUnavailable, match="no live decode instance"):
         run(cluster, asyncio.wait_for(generate(cluster, "none-left", prompts[1], GREEDY), 60))

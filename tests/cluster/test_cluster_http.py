@@ -131,7 +131,7 @@ def test_client_disconnect_mid_stream_aborts_on_both_pools(served) -> None:
         while not _is_idle(leaks := cluster.check_no_leaks()):
             assert time.monotonic() - closed_s < call_bound_s(cluster), leaks  # one abort call
             time.sleep(0.05)
-        assert not cluster._requests
+        assert not cluster.dispatcher._requests
         assert _metric(client.get("/metrics").text, ABORTED) == aborted_before + 1
 
         after = client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 4, "temperature": 0})
@@ -190,7 +190,7 @@ def test_client_gone_before_first_byte_releases_decode_reservation(
     sent_s = time.monotonic()
     sock = _send_completion(server, body)
     # the attempt exists (routing done) and its reserve call is in flight
-    attempts = lambda: [r.attempt for r in list(cluster._requests.values())]  # noqa: E731
+    attempts = lambda: [r.attempt for r in list(cluster.dispatcher._requests.values())]  # noqa: E731
     while not any(a is not None and a.meta is None for a in attempts()):
         assert time.monotonic() - sent_s < delay_s, "the request did not reach reserve"
         time.sleep(0.01)
@@ -212,7 +212,7 @@ def test_client_gone_before_first_byte_releases_decode_reservation(
         time.sleep(max(0.0, sent_s + delay_s + call_bound_s(cluster) - time.monotonic()))
         leaks = cluster.check_no_leaks()
         assert _is_idle(leaks), leaks
-    assert not cluster._requests
+    assert not cluster.dispatcher._requests
     assert cluster.health()["decode-0"]["state"] == "healthy"
     with httpx.Client(base_url=server.url, timeout=request_bound_s(cluster)) as client:
         r = client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 4, "temperature": 0})

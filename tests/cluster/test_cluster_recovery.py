@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import os
 import signal
-import socket
 import time
 
 import pytest
@@ -19,7 +18,6 @@ import pytest
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.orchestrator.backend import BackendUnavailable
 from pdcluster.orchestrator.cluster import PROBE_INTERVAL_S, Cluster
-from pdcluster.orchestrator.router import RankRef
 from pdcluster.orchestrator.topology import load_topology
 from tests.cluster.conftest import assert_nothing_held, call_bound_s, deployed_with_loop, request_bound_s
 
@@ -71,7 +69,7 @@ def _pid(cluster: Cluster, role: str, index: int = 0) -> int:
 
 def _seconds_until_routable(cluster: Cluster, role: str, bound_s: float) -> float:
     started_s = time.monotonic()
-    while not (cluster._prefill_alive if role == "prefill" else cluster._decode_alive)[0]:
+    while not cluster.registry.routable(role)[0]:
         assert time.monotonic() - started_s < bound_s, cluster.health()
         time.sleep(0.05)
     return time.monotonic() - started_s
@@ -163,42 +161,36 @@ def test_a_decode_silent_past_its_engine_watchdog_is_killed_restarted_and_serves
 def test_a_crashed_decode_is_restarted_rewired_and_serves_again(cluster, expected_tokens) -> None:
     """SIGKILL of the decode actor's process: Ray restarts it in its placement group bundle (a new
     process, weights loaded again); the health monitor rewires prefill's KV sender to the new receiver and
-    puts it back in routing; the same greedy tokens come out. The new process pushes its token events to
-    the driver, and takes its reserves, under a new tag (the old one's would no longer be taken)."""
+    puts it back in routing; the same greedy tokens come out. The driver's client of the rank starts over
+    (the new process numbers its events from 1)."""
     pid = _pid(cluster, "decode")
-    tags_before = set(cluster._decode_push_tags)
+    client = cluster.instances["decode"][0].client(0)
+    stream_before = client._stream
     os.kill(pid, signal.SIGKILL)
     # A restart loads the weights again: bounded by the deploy's own wait for an actor (request bound).
     recovery_s = _seconds_until_routable_after_restart(cluster, "decode", pid, request_bound_s(cluster))
     print(f"decode restarted and rejoined {recovery_s:.2f} s after SIGKILL")
     assert _pid(cluster, "decode") != pid
-    assert len(cluster._decode_push_tags) == 1 and not tags_before & set(cluster._decode_push_tags)
-    pushed_before = cluster._num_decode_events_pushed
-    reserves_before = cluster._num_calls_pushed["reserve"]
+    assert cluster.instances["decode"][0].client(0) is client and client._stream != stream_before
     assert _generate(cluster, "after-crash") == expected_tokens
-    assert cluster._num_decode_events_pushed > pushed_before
-    assert cluster._num_calls_pushed["reserve"] == reserves_before + 1
+    assert client.acked_seq > 0
     assert_nothing_held(cluster)
 
 
-def test_a_crashed_prefill_is_restarted_and_takes_its_binds_on_its_new_connection(
-    cluster, expected_tokens
-) -> None:
+def test_a_crashed_prefill_is_restarted_and_takes_a_new_command_stream(cluster, expected_tokens) -> None:
     """SIGKILL of the prefill actor's process: Ray restarts it; the health monitor rewires its KV senders
-    and it connects to the driver's reply socket under a new tag, on which the next request and its bind
-    go (not Ray calls); the same greedy tokens come out."""
+    and the driver's client of the rank starts a new command stream (the new process has seen none), on
+    which the next request and its bind go in order; the same greedy tokens come out."""
     pid = _pid(cluster, "prefill")
-    tag_before = cluster._prefill_push_tags[RankRef(0, 0)]
+    client = cluster.instances["prefill"][0].client(0)
+    stream_before = client._stream
     os.kill(pid, signal.SIGKILL)
     recovery_s = _seconds_until_routable_after_restart(cluster, "prefill", pid, request_bound_s(cluster))
     print(f"prefill restarted and rejoined {recovery_s:.2f} s after SIGKILL")
     assert _pid(cluster, "prefill") != pid
-    assert cluster._prefill_push_tags[RankRef(0, 0)] != tag_before
-    binds_before = cluster._num_binds_pushed
-    prefills_before = cluster._num_calls_pushed["prefill"]
+    assert client._stream != stream_before
     assert _generate(cluster, "after-prefill-crash") == expected_tokens
-    assert cluster._num_binds_pushed == binds_before + 1
-    assert cluster._num_calls_pushed["prefill"] == prefills_before + 1
+    assert client._seq >= 2  # its prefill and its bind, numbered in the new stream
     assert_nothing_held(cluster)
 
 
@@ -234,27 +226,6 @@ def test_a_decode_engine_stuck_in_one_pass_is_failed_and_restarted(cluster, expe
     assert_nothing_held(cluster)
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_live_rank_whose_reply_connection_closed_is_connected_again(cluster, expected_tokens, role) -> None:
-    """The driver drops a live rank's connection to its reply socket (as after a broken channel): the
-    health monitor sees at its next probe that the rank's tag is no longer registered and connects the same
-    process again under a new tag, so the next request's calls go on the socket again, not by Ray; the
-    same greedy tokens come out and the instance never left routing."""
-    tags = cluster._prefill_push_tags if role == "prefill" else cluster._decode_tag_of
-    listener, tag_before = cluster._reply_listener, tags[RankRef(0, 0)]
-    pid = _pid(cluster, role)
-    listener._registered[tag_before].sock.shutdown(socket.SHUT_RDWR)  # the listener drops it
-    deadline_s = time.monotonic() + PROBE_INTERVAL_S + 2 * call_bound_s(cluster)
-    while not listener.is_registered(tags[RankRef(0, 0)]) or tags[RankRef(0, 0)] == tag_before:
-        assert time.monotonic() < deadline_s, "not connected again within a probe interval and a call bound"
-        time.sleep(0.05)
-    assert _pid(cluster, role) == pid and cluster.health()[f"{role}-0"]["state"] == "healthy"
-    calls_before = dict(cluster._num_calls_pushed)
-    assert _generate(cluster, f"after-{role}-reconnect") == expected_tokens
-    assert cluster._num_calls_pushed == {k: v + 1 for k, v in calls_before.items()}
-    assert_nothing_held(cluster)
-
-
 def _process_ended(pid: int) -> bool:
     """Process `pid` has exited (gone, or a zombie its parent has not reaped yet)."""
     try:
@@ -267,7 +238,7 @@ def _process_ended(pid: int) -> bool:
 def _seconds_until_routable_after_restart(cluster: Cluster, role: str, old_pid: int, bound_s: float) -> float:
     started_s = time.monotonic()
     while True:
-        health = cluster._health[role][0]
+        health = cluster.registry.health_of(role)[0]
         if health.routable and health.pid != old_pid:
             return time.monotonic() - started_s
         assert time.monotonic() - started_s < bound_s, cluster.health()

@@ -27,7 +27,6 @@ from pdcluster.orchestrator.dispatch import (
     call_timeout_s,
     event_timeout_s,
     next_action,
-    without_first_token,
 )
 from pdcluster.orchestrator.messages import (
     Aborted,
@@ -62,25 +61,6 @@ def test_a_prefill_reply_streams_its_first_token_unless_the_client_has_one() -> 
     # an incomplete character streams no text yet, but the token goes
     partial = PrefillResult(42, 1, 0.25, 1.5, first_token_text="")
     assert next_action(FIRST, PrefillDone(partial)) == EmitFirstToken(partial)
-
-
-def test_decodes_first_delta_after_an_early_first_token_drops_that_token() -> None:
-    delta = TokenDelta(
-        "r1@0", (42, 7), phases=Phases(kv_transfer_s=0.03), kv_transfer_bytes=4096, new_text=" the cat"
-    )
-    assert without_first_token(delta, 42, " the") == TokenDelta(
-        "r1@0", (7,), phases=Phases(kv_transfer_s=0.03), kv_transfer_bytes=4096, new_text=" cat"
-    )
-    finished = TokenDelta("r1@0", (42,), finished=True, finish_reason="stop", new_text=" the")
-    assert without_first_token(finished, 42, " the") == TokenDelta(
-        "r1@0", (), finished=True, finish_reason="stop", new_text=""
-    )
-    with pytest.raises(ValueError, match="differs from the one prefill streamed"):
-        without_first_token(delta, 43, " the")
-    with pytest.raises(ValueError, match="differs from the one prefill streamed"):
-        without_first_token(delta, 42, " a")
-    with pytest.raises(ValueError, match="differs from the one prefill streamed"):
-        without_first_token(TokenDelta("r1@0", ()), 42, "")
 
 
 def test_prefill_died_before_any_token_is_redispatched_to_another_prefill() -> None:
@@ -202,7 +182,6 @@ def test_an_unknown_event_is_refused() -> None:
 
 def test_phases_merge_and_the_reported_phases_keep_bytes_apart_from_seconds() -> None:
     from pdcluster.orchestrator.backend import StreamDelta
-    from pdcluster.orchestrator.messages import Phases
 
     prefill = Phases(queue_s=0.5, prefill_s=1.0)
     decode = Phases(kv_transfer_s=0.25, first_decode_step_s=None)

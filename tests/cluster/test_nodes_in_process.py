@@ -5,8 +5,6 @@ acknowledgement, a handoff that never comes (its lease expires), and the shared 
 
 from __future__ import annotations
 
-import dataclasses
-import queue
 import time
 
 import pytest
@@ -14,6 +12,7 @@ import pytest
 from pdcluster.decode_node.actor import DecodeNode
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kvtransfer.base import HandoffMeta
+from pdcluster.orchestrator.command_order import CommandSeq
 from pdcluster.orchestrator.messages import (
     DecodeNodeLoad,
     PrefillNodeLoad,
@@ -23,8 +22,6 @@ from pdcluster.orchestrator.messages import (
     ReserveRequest,
     TokenDelta,
 )
-from pdcluster.orchestrator.reply_channel import ReplyListener
-from pdcluster.orchestrator.reply_records import RankCall
 from pdcluster.prefill_node.thread_clock import run_delay_s
 from tests.cluster.test_cluster import _topology
 
@@ -99,13 +96,13 @@ def test_a_handoff_end_to_end_with_typed_messages(nodes) -> None:
     events, _ = _events_until(decode, "h1", lambda e: isinstance(e, RequestError) or e.finished)
     assert all(isinstance(e, TokenDelta) for e in events), events
     first, last = events[0], events[-1]
-    assert first.new_token_ids == (result.first_token_id,)  # the first token prefill sampled, at once
+    assert first.new_token_ids == () and first.new_text == ""  # the first token's one source: prefill's reply
     assert first.phases.kv_transfer_s is not None and first.phases.kv_transfer_s >= 0
     assert isinstance(first.kv_transfer_bytes, int) and first.kv_transfer_bytes > 0
     stepped = events[1]  # the first stepped delta measures the first decode step
     assert stepped.phases.first_decode_step_s is not None
     assert stepped.kv_transfer_bytes == first.kv_transfer_bytes
-    assert sum(len(e.new_token_ids) for e in events) == GREEDY.max_tokens
+    assert sum(len(e.new_token_ids) for e in events) == GREEDY.max_tokens - 1
     assert last.finished and last.finish_reason == "length"
     assert all(not e.finished and e.finish_reason is None for e in events[:-1])
     assert last.drafts.num_accepted_tokens <= last.drafts.num_draft_tokens
@@ -113,6 +110,21 @@ def test_a_handoff_end_to_end_with_typed_messages(nodes) -> None:
     prefill_load = prefill.load()
     assert isinstance(prefill_load, PrefillNodeLoad)
     assert prefill_load.num_queued_prefill_tokens == 0 and prefill_load.num_requests == 0
+    _assert_idle(prefill, decode)
+
+
+def test_decode_streams_the_first_token_when_it_may_not_go_early(nodes) -> None:
+    """With stop strings the first token's text is decode's to release (`early_first_token_text` is
+    None): prefill's reply carries no text and decode's admission delta carries the token, once; without
+    them prefill's reply is its one source and decode's deltas leave it out."""
+    prefill, decode = nodes
+    stopped = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=["never in the output"])
+    reserved = decode.reserve(ReserveRequest("s1", PROMPT, stopped, _meta(prefill, "s1"), 1))
+    result = prefill.prefill(PrefillRequest("s1", PROMPT, stopped, reserved.bound_meta, 0))
+    assert result.first_token_text is None
+    events, _ = _events_until(decode, "s1", lambda e: isinstance(e, RequestError) or e.finished)
+    assert events[0].new_token_ids == (result.first_token_id,)
+    assert len(_tokens(events)) == stopped.max_tokens
     _assert_idle(prefill, decode)
 
 
@@ -140,7 +152,7 @@ def test_a_first_token_the_client_has_replaces_the_sampled_one(nodes) -> None:
     tokens = [t for e in events for t in e.new_token_ids]
     oracle = LLM(bundled_checkpoint_dir(), num_kv_blocks=64)
     rest = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens - 1, ignore_eos=True)
-    assert tokens == [given, *oracle.generate([[*PROMPT, given]], rest)[0].token_ids]
+    assert tokens == oracle.generate([[*PROMPT, given]], rest)[0].token_ids  # the client has `given`
     _assert_idle(prefill, decode)
 
 
@@ -159,7 +171,7 @@ def test_poll_keeps_events_until_acknowledged(nodes) -> None:
         unacked = decode.poll(0.05, 0)
     assert decode.poll(0.0, 0) == unacked  # a reply lost to a timeout is sent again
     assert [p.seq for p in unacked] == list(range(unacked[0].seq, unacked[0].seq + len(unacked)))
-    assert sum(len(p.event.new_token_ids) for p in unacked) == GREEDY.max_tokens
+    assert sum(len(p.event.new_token_ids) for p in unacked) == GREEDY.max_tokens - 1
     assert decode.poll(0.0, unacked[-2].seq) == unacked[-1:]  # acknowledged ones are dropped
     assert decode.poll(0.0, unacked[-1].seq) == []
     _assert_idle(prefill, decode)
@@ -230,7 +242,7 @@ def test_a_stalled_engine_pass_shows_in_the_load_and_the_loop_goes_on(nodes) -> 
     prefill.prefill(PrefillRequest("h-stall", PROMPT, GREEDY, reserved.bound_meta, 0))
     events, _ = _events_until(decode, "h-stall", lambda e: isinstance(e, RequestError) or e.finished)
     assert all(isinstance(e, TokenDelta) for e in events), events
-    assert sum(len(e.new_token_ids) for e in events) == GREEDY.max_tokens
+    assert sum(len(e.new_token_ids) for e in events) == GREEDY.max_tokens - 1
     _assert_idle(prefill, decode)
 
 
@@ -240,8 +252,9 @@ def _tokens(events) -> list[int]:
 
 def test_a_prefill_sent_before_its_reservation_hands_off_once_bound(nodes) -> None:
     """The driver's overlap (`PrefillRequest.awaiting_bind`): prefill computes before decode has reserved,
-    holds the prompt's KV, and hands it off when the bind comes, or at once when the bind overtook the
-    prefill call. Greedy tokens equal those of the reserve-first handoff; nothing stays held."""
+    holds the prompt's KV, and hands it off when the bind comes; a bind call that overtakes its prefill
+    call waits for its turn (`orchestrator.command_order`). Greedy tokens equal those of the reserve-first
+    handoff; nothing stays held."""
     import threading
 
     from pdcluster.orchestrator.messages import PrefillBind
@@ -264,7 +277,7 @@ def test_a_prefill_sent_before_its_reservation_hands_off_once_bound(nodes) -> No
     bound = reserve("ref")
     prefill.prefill(PrefillRequest("ref", PROMPT, GREEDY, bound, decode_index=0))
     expected, acked = until_done("ref", 0)
-    assert len(expected) == GREEDY.max_tokens
+    assert len(expected) == GREEDY.max_tokens - 1  # the first token is prefill's reply's
 
     # Prefill first: its call blocks (no reservation yet) until the bind.
     results: list = []
@@ -286,12 +299,18 @@ def test_a_prefill_sent_before_its_reservation_hands_off_once_bound(nodes) -> No
     tokens, acked = until_done("late", acked)
     assert tokens == expected
 
-    # The bind overtakes the prefill call (Ray runs a threaded actor's calls unordered).
-    prefill.bind(PrefillBind("early", reserve("early"), decode_index=0))
+    # The bind's call overtakes the prefill call (Ray runs a threaded actor's calls unordered): it waits
+    # for its turn in the driver's command stream, then binds.
+    bind = PrefillBind("early", reserve("early"), decode_index=0)
+    binder = threading.Thread(target=prefill.bind, args=(bind, CommandSeq("bind-overtakes", 2)))
+    binder.start()
+    binder.join(0.3)
+    assert binder.is_alive()  # waiting for command 1
     request = PrefillRequest(
         "early", PROMPT, GREEDY, _meta(prefill, "early"), decode_index=0, awaiting_bind=True
     )
-    assert isinstance(prefill.prefill(request), PrefillResult)
+    assert isinstance(prefill.prefill(request, CommandSeq("bind-overtakes", 1)), PrefillResult)
+    binder.join(EVENT_WAIT_S)
     tokens, acked = until_done("early", acked)
     assert tokens == expected
     _assert_idle(prefill, decode)
@@ -362,9 +381,7 @@ def test_a_handoff_that_cannot_begin_mid_step_fails_alone(nodes, monkeypatch) ->
     """Two requests prefill in one step; the bind of one comes mid-step and its sender's `begin` raises:
     that request's prefill call fails with the cause, the other one's handoff completes with the reference
     tokens, and nothing stays held (failing it inside the step freed engine state the step still used,
-    which failed every request in the step). On the reply connection the failed one pushes nothing, not
-    even its first token early (the client must not get a token of a failed prefill); the other pushes its
-    early first token, then its finished result."""
+    which failed every request in the step)."""
     import threading
 
     from pdcluster.orchestrator.messages import PrefillBind
@@ -396,9 +413,6 @@ def test_a_handoff_that_cannot_begin_mid_step_fails_alone(nodes, monkeypatch) ->
     monkeypatch.setattr(sender, "begin", begin)
     monkeypatch.setattr(prefill, "_start", start)
     results: dict[str, object] = {}
-    pushed: queue.Queue = queue.Queue()
-    listener = ReplyListener(lambda rid, tag, result: pushed.put((rid, result.handoff_finished)))
-    prefill.connect_reply_channel(listener.address, listener.secret, "prefill-0:mid-step-test")
 
     def call(request: PrefillRequest) -> None:
         try:
@@ -419,13 +433,6 @@ def test_a_handoff_that_cannot_begin_mid_step_fails_alone(nodes, monkeypatch) ->
     first.join(EVENT_WAIT_S)
     second.join(EVENT_WAIT_S)
     monkeypatch.undo()
-    try:
-        assert [pushed.get(timeout=EVENT_WAIT_S) for _ in range(2)] == [("good", False), ("good", True)]
-    finally:
-        pusher, prefill._reply_pusher = prefill._reply_pusher, None
-        pusher.close()
-        listener.close()
-    assert pushed.empty()
     assert isinstance(results["good"], PrefillResult), results
     assert isinstance(results["bad"], RuntimeError) and "injected: the receiver is unreachable" in str(
         results["bad"]
@@ -466,17 +473,21 @@ def test_a_prefill_awaiting_its_bind_is_aborted_cleanly(nodes) -> None:
     _assert_idle(prefill, decode)
 
 
-def test_an_abort_that_overtakes_its_prefill_call_fails_that_call_at_once(nodes) -> None:
-    """Ray runs a threaded actor's calls unordered (and a stalled actor runs the calls queued meanwhile at
-    once): the driver's abort may come before the prefill call it aborts. That call then raises at once,
-    without prefilling or awaiting a bind that never comes, and nothing stays held."""
+def test_an_abort_that_overtakes_its_prefill_call_waits_for_it_then_fails_it(nodes) -> None:
+    """Ray runs a threaded actor's calls unordered: the driver's abort may come before the prefill call it
+    aborts. It waits for its turn in the command stream, so the prefill is queued first and then fails
+    with the abort, without awaiting a bind that never comes; nothing stays held."""
+    import threading
+
     prefill, decode = nodes
-    prefill.abort("overtaken")
+    aborter = threading.Thread(target=prefill.abort, args=("overtaken", CommandSeq("abort-overtakes", 2)))
+    aborter.start()
     request = PrefillRequest(
         "overtaken", PROMPT, GREEDY, _meta(prefill, "overtaken"), decode_index=0, awaiting_bind=True
     )
     with pytest.raises(RuntimeError, match="aborted by the router"):
-        prefill.prefill(request)  # without the fix: waits for the bind until its lease and timeout end
+        prefill.prefill(request, CommandSeq("abort-overtakes", 1))
+    aborter.join(EVENT_WAIT_S)
     assert prefill.load().num_requests == 0
     _assert_idle(prefill, decode)
 
@@ -591,14 +602,14 @@ def test_shm_grpc_pairs_take_shm_on_the_node_and_grpc_across() -> None:
                 ReserveRequest(handoff_id, PROMPT, GREEDY, _meta(prefill, handoff_id), 1)
             )
             assert reserved.reserved
-            result = prefill.prefill(
+            prefill.prefill(
                 PrefillRequest(handoff_id, PROMPT, GREEDY, reserved.bound_meta, decode_index=index)
             )
             events, _ = _events_until(decode, handoff_id, lambda e: isinstance(e, RequestError) or e.finished)
             assert all(isinstance(e, TokenDelta) for e in events), events
-            assert events[0].new_token_ids == (result.first_token_id,)
+            assert events[0].new_token_ids == ()  # the first token is prefill's reply's
             tokens.append(_tokens(events))
-        assert tokens[0] == tokens[1] and len(tokens[0]) == GREEDY.max_tokens
+        assert tokens[0] == tokens[1] and len(tokens[0]) == GREEDY.max_tokens - 1
         # shm writes in place (decode's cache is shared): no segment; gRPC takes neither
         in_place = [d.kv_in_place_stats() for d in decodes]
         assert in_place == [{"granted": 1, "fenced": 0}, {"granted": 0, "fenced": 0}]
@@ -618,164 +629,3 @@ def test_shm_grpc_pairs_take_shm_on_the_node_and_grpc_across() -> None:
         prefill.close()
         for decode in decodes:
             decode.close()
-
-
-def _pushed_until_finished(got: queue.Queue, handoff_id: str) -> list:
-    """The PolledEvents pushed for `handoff_id` until its finished delta (each record checked for sender)."""
-    items, deadline_s = [], time.monotonic() + EVENT_WAIT_S
-    while not (items and items[-1].event.finished):
-        who, events, load = got.get(timeout=max(deadline_s - time.monotonic(), 0.001))
-        assert who == "decode-0:push-test" and isinstance(load, DecodeNodeLoad) and load.name == "decode-0"
-        items.extend(p for p in events if p.event.handoff_id == handoff_id)
-    return items
-
-
-def _run(prefill, decode, handoff_id: str) -> None:
-    reserved = decode.reserve(ReserveRequest(handoff_id, PROMPT, GREEDY, _meta(prefill, handoff_id), 1))
-    prefill.prefill(PrefillRequest(handoff_id, PROMPT, GREEDY, reserved.bound_meta, 0))
-
-
-class _Answers:
-    """A reply connection as `RankActor._serve_call` answers on it: keeps each answer; `reachable` False:
-    the driver cannot be reached (every answer fails)."""
-
-    def __init__(self, reachable: bool = True) -> None:
-        self.reachable = reachable
-        self.got: list = []
-
-    def push_answer(self, call, outcome, wait_s: float) -> bool:
-        self.got.append((call.call_id, outcome))
-        return self.reachable
-
-
-def test_calls_sent_on_the_reply_connection_are_served_and_answered_as_ray_calls_are(nodes) -> None:
-    """`RankActor._serve_call`, as a call the driver sent on a rank's reply connection runs: a reserve is
-    answered with its bound meta and a prefill with its result (the handoff then completes as with Ray
-    calls); a call of the wrong role is answered with a ValueError; a reserve whose answer cannot reach the
-    driver is released on the rank at once (nobody else knows of it)."""
-    prefill, decode = nodes
-    answers = _Answers()
-    decode._serve_call(RankCall(1, ReserveRequest("c1", PROMPT, GREEDY, _meta(prefill, "c1"), 1)), answers)
-    ((call_id, reserved),) = answers.got
-    assert call_id == 1 and reserved.reserved and reserved.bound_meta.secret
-    prefill._serve_call(RankCall(2, PrefillRequest("c1", PROMPT, GREEDY, reserved.bound_meta, 0)), answers)
-    assert answers.got[1][0] == 2 and isinstance(answers.got[1][1], PrefillResult)
-    events, _ = _events_until(decode, "c1", lambda e: isinstance(e, RequestError) or e.finished)
-    assert sum(len(e.new_token_ids) for e in events) == GREEDY.max_tokens, events
-    prefill._serve_call(RankCall(3, ReserveRequest("c2", PROMPT, GREEDY, _meta(prefill, "c2"), 1)), answers)
-    assert answers.got[2][0] == 3 and isinstance(answers.got[2][1], ValueError)
-    _assert_idle(prefill, decode)
-
-    lost = _Answers(reachable=False)
-    decode._serve_call(RankCall(4, ReserveRequest("c3", PROMPT, GREEDY, _meta(prefill, "c3"), 1)), lost)
-    ((_, reserved),) = lost.got
-    assert reserved.reserved  # it did reserve, then released it when the answer failed
-    _assert_idle(prefill, decode)
-
-
-def test_events_are_pushed_in_sequence_and_the_poll_returns_early_only_for_the_rest(nodes) -> None:
-    """With the reply channel connected, a request's events reach the driver's listener as they are
-    emitted; a poll then waits its whole timeout (nothing is missing) and returns them for acknowledgement.
-    When every push fails (injected) the poll returns the events at once. When one push fails, the next
-    pass pushes its events again with its own, so pushes go on in sequence without waiting for a poll."""
-    prefill, decode = nodes
-    got: queue.Queue = queue.Queue()
-    listener = ReplyListener(lambda *result: None, lambda who, events, load: got.put((who, events, load)))
-    try:
-        retained = decode.poll(0.0, 0)
-        if retained:  # acknowledge what earlier tests left
-            decode.poll(0.0, retained[-1].seq)
-        decode.connect_reply_channel(listener.address, listener.secret, "decode-0:push-test")
-        _run(prefill, decode, "p1")
-        pushed = _pushed_until_finished(got, "p1")
-        acked = pushed[0].seq - 1  # every event before was acknowledged
-        assert [p.seq for p in pushed] == list(range(acked + 1, acked + 1 + len(pushed)))
-        assert sum(len(p.event.new_token_ids) for p in pushed) == GREEDY.max_tokens
-        started_s = time.monotonic()
-        assert decode.poll(0.3, acked) == pushed  # kept until acknowledged, but nothing was missing:
-        assert time.monotonic() - started_s >= 0.3  # the poll waited its whole timeout
-        acked = pushed[-1].seq
-
-        real_push = decode._pusher.push_events
-        decode._pusher.push_events = lambda events, load: False  # injected: every push fails
-        _run(prefill, decode, "p2")
-        started_s = time.monotonic()
-        first = decode.poll(EVENT_WAIT_S, acked)  # returns once an event is there, not after its timeout
-        assert first and time.monotonic() - started_s < EVENT_WAIT_S / 2, first
-        polled, acked = _events_until(decode, "p2", lambda e: e.finished, acked)
-        assert sum(len(e.new_token_ids) for e in polled) == GREEDY.max_tokens and got.empty()
-        assert decode.poll(0.0, acked) == []  # acknowledged (the driver's next poll does this at once)
-
-        attempts: list[list[int]] = []
-
-        def fails_once(events, load) -> bool:
-            attempts.append([item.seq for item in events])
-            return len(attempts) > 1 and real_push(events, load)
-
-        decode._pusher.push_events = fails_once
-        _run(prefill, decode, "p3")
-        pushed = _pushed_until_finished(got, "p3")  # no poll meanwhile
-        assert [p.seq for p in pushed] == list(range(acked + 1, acked + 1 + len(pushed)))
-        assert sum(len(p.event.new_token_ids) for p in pushed) == GREEDY.max_tokens
-        assert attempts[1][: len(attempts[0])] == attempts[0]  # the failed one's events went again
-        decode.poll(0.0, pushed[-1].seq)
-    finally:
-        if decode._pusher is not None:
-            decode._pusher.close()
-        decode._pusher = None
-        listener.close()
-    _assert_idle(prefill, decode)
-
-
-def test_a_prefill_pushes_its_first_token_as_soon_as_it_is_sampled_then_the_finished_result(
-    nodes, monkeypatch
-) -> None:
-    """With the reply channel connected, a bound prefill pushes its first token (a result with
-    `handoff_finished` False: no drafts, no last layer yet) before it pushes the finished result (same
-    token and text, decoded once, its drafts and its phases); the call returns the finished one. A request
-    whose first token the client already has pushes no early one; nor does one whose text only decode may
-    stream."""
-    import pdcluster.prefill_node.actor as prefill_actor
-
-    prefill, decode = nodes
-    decoded = []
-    real = prefill_actor.early_first_token_text
-    monkeypatch.setattr(
-        prefill_actor, "early_first_token_text", lambda *args: decoded.append(args[2]) or real(*args)
-    )
-    got: queue.Queue = queue.Queue()
-    listener = ReplyListener(lambda handoff_id, tag, result: got.put((handoff_id, result)))
-    try:
-        prefill.connect_reply_channel(listener.address, listener.secret, "prefill-0:early-test")
-        reserved = decode.reserve(ReserveRequest("e1", PROMPT, GREEDY, _meta(prefill, "e1"), 1))
-        returned = prefill.prefill(PrefillRequest("e1", PROMPT, GREEDY, reserved.bound_meta, 0))
-        early, finished = (got.get(timeout=EVENT_WAIT_S) for _ in range(2))
-        assert (early[0], finished[0]) == ("e1", "e1")
-        early, finished = early[1], finished[1]
-        assert not early.handoff_finished and finished.handoff_finished and finished == returned
-        assert (early.first_token_id, early.first_token_text) == (
-            finished.first_token_id,
-            finished.first_token_text,
-        )
-        assert decoded == [early.first_token_id]  # its text was decoded once, for both results
-        assert early.num_drafts == 0 and finished.num_drafts == 1  # k = 1: its draft went with the finish
-        assert early.last_layer_sent_s is None and finished.last_layer_sent_s is not None
-        assert 0.0 <= early.prefill_s <= finished.prefill_s
-        _events_until(decode, "e1", lambda e: isinstance(e, RequestError) or e.finished)
-
-        reserved = decode.reserve(ReserveRequest("e2", PROMPT, GREEDY, _meta(prefill, "e2"), 1))
-        given = (finished.first_token_id + 1) % prefill.engine.model.config.vocab_size
-        prefill.prefill(PrefillRequest("e2", PROMPT, GREEDY, reserved.bound_meta, 0, first_token_id=given))
-        stopped = dataclasses.replace(GREEDY, stop=["never in the output"])
-        reserved = decode.reserve(ReserveRequest("e3", PROMPT, stopped, _meta(prefill, "e3"), 1))
-        prefill.prefill(PrefillRequest("e3", PROMPT, stopped, reserved.bound_meta, 0))
-        pushed = [got.get(timeout=EVENT_WAIT_S) for _ in range(2)]
-        assert [(rid, r.handoff_finished) for rid, r in pushed] == [("e2", True), ("e3", True)]
-        for handoff_id in ("e2", "e3"):
-            _events_until(decode, handoff_id, lambda e: isinstance(e, RequestError) or e.finished)
-    finally:
-        pusher, prefill._reply_pusher = prefill._reply_pusher, None
-        if pusher is not None:
-            pusher.close()
-        listener.close()
-    _assert_idle(prefill, decode)

@@ -1,12 +1,11 @@
-"""The driver's poll loop (`RequestDispatch._poll`) against a scripted decode rank, in one event loop."""
+"""The driver's poll loop (`Dispatcher._poll`) against a scripted decode rank, in one event loop."""
 
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
 
-from pdcluster.orchestrator.messages import PollReply
-from pdcluster.orchestrator.request_dispatch import RequestDispatch
+from pdcluster.orchestrator.request_dispatch import Dispatcher
 
 
 def test_the_poll_loop_ends_when_wait_for_swallowed_its_cancellation() -> None:
@@ -16,7 +15,7 @@ def test_the_poll_loop_ends_when_wait_for_swallowed_its_cancellation() -> None:
     at its next turn instead, and makes no further call."""
     calls: list[int] = []
 
-    async def call(_ref, _timeout_s=None):
+    async def events(_wait_s, _timeout_s):
         calls.append(1)
         if len(calls) == 1:  # what wait_for does on that race: cancelled, the call's result returned
             asyncio.current_task().cancel()
@@ -26,22 +25,19 @@ def test_the_poll_loop_ends_when_wait_for_swallowed_its_cancellation() -> None:
                 pass
         else:  # later polls: a decode rank with nothing to say (a cancellation now would be delivered)
             await asyncio.sleep(0.01)
-        return PollReply(events=[], load=None)
+        return [], None
 
-    rank = SimpleNamespace(poll_with_load=SimpleNamespace(remote=lambda *_: None))
+    client = SimpleNamespace(events=events)  # the rank's `RankClient`
     driver = SimpleNamespace(
         _closed=False,
-        instances={"decode": [SimpleNamespace(routable=True, ranks=[rank])]},
-        _poll_acked_seq={0: [0]},
+        instances={"decode": [SimpleNamespace(routable=True, client=lambda rank: client)]},
         call_timeout_s=1.0,
-        _call=call,
         _loads=SimpleNamespace(update_decode=lambda *_: None),
         _by_handoff={},
     )
-    driver._hand_over = lambda ref, events: RequestDispatch._hand_over(driver, ref, events)
 
     async def run() -> bool:
-        task = asyncio.ensure_future(RequestDispatch._poll(driver, 0, 0))
+        task = asyncio.ensure_future(Dispatcher._poll(driver, 0, 0))
         try:
             await asyncio.wait_for(asyncio.shield(task), 5.0)
         except asyncio.CancelledError:

@@ -78,12 +78,12 @@ def test_a_decode_restart_that_hangs_is_killed_once_after_the_load_timeout(
             overdue = "decode-0: killing its actor for Ray to restart it (its restart has answered no call"
             bound_s = 4.0 + 2 * (PROBE_INTERVAL_S + call_bound_s(cluster)) + request_bound_s(cluster)
             started_s = time.monotonic()
-            while cluster._decode_alive[0]:  # until a probe has found it dead
+            while cluster.registry.routable("decode")[0]:  # until a probe has found it dead
                 assert time.monotonic() - started_s < bound_s, cluster.health()
                 time.sleep(0.05)
             while overdue not in caplog.text:
                 assert time.monotonic() - started_s < bound_s, cluster.health()
-                assert not cluster._decode_alive[0], "the stopped restart answered"
+                assert not cluster.registry.routable("decode")[0], "the stopped restart answered"
                 time.sleep(0.05)
             # the next restart may take longer than 4 s to load on a busy machine: once per death, it is
             # not killed (asserted below)

@@ -413,7 +413,7 @@ def test_a_cut_longer_than_rays_node_health_check_then_a_replacement_node(cluste
     ray_bin, tmp_b = os.environ.get("PDC_RAY_BIN"), os.environ.get("PDC_RAY_TMP_B")
     if not (ray_bin and tmp_b):
         pytest.skip("run_two_node.sh did not say how to start a replacement Ray worker")
-    old_pid = cluster._health["decode"][0].pid
+    old_pid = cluster.registry.health_of("decode")[0].pid
 
     def node_b_alive() -> bool:
         return any(n["Alive"] for n in ray.nodes() if n["NodeManagerAddress"] == IP_B)
@@ -435,7 +435,7 @@ def test_a_cut_longer_than_rays_node_health_check_then_a_replacement_node(cluste
         assert max(fails_s) < cluster.event_timeout_s
         time.sleep(2 * PROBE_INTERVAL_S + cluster.call_timeout_s)  # the monitor sees the actor's fate
         report("health_after_node_death", cluster.health())
-        assert not cluster._decode_alive[0]
+        assert not cluster.registry.routable("decode")[0]
     finally:
         link(NS_B, VETH_B, "up")
         up_s = time.monotonic()
@@ -457,7 +457,7 @@ def test_a_cut_longer_than_rays_node_health_check_then_a_replacement_node(cluste
     report("replacement_worker_started_in_s", round(time.monotonic() - started_s, 3))
     tokens = first_completion_after(cluster, started_s, "after-replacement", bound_s=180.0)
     assert tokens == oracle(cluster.tokenizer.encode(SHORT_PROMPT))
-    new_pid = cluster._health["decode"][0].pid
+    new_pid = cluster.registry.health_of("decode")[0].pid
     report("decode_pid_before_after", (old_pid, new_pid))
     assert new_pid != old_pid
     address = cluster._decode_addresses[0][0]

@@ -74,17 +74,20 @@ def test_the_monitor_ignores_a_stale_failure_and_applies_the_next_one(caplog):
     """`_mark_failed` with the send time: a timeout of a call sent before the rejoin leaves the instance in
     routing with its loads and requests; the same timeout of a call sent after it takes it out."""
     pytest.importorskip("ray")
-    import threading
     from types import SimpleNamespace
 
-    from pdcluster.orchestrator.health_monitor import InstanceMonitor
+    from pdcluster.orchestrator.registry import InstanceRegistry
 
-    monitor = object.__new__(InstanceMonitor)
     decode = SimpleNamespace(health=InstanceHealth(Health.HEALTHY, "", since_s=30.0, pid=41))
-    monitor.instances = {"prefill": [], "decode": [decode]}
-    monitor._health_lock, monitor.call_timeout_s, done = threading.Lock(), 3.0, []
-    monitor._loads = SimpleNamespace(forget_decode=lambda index: done.append(("forget loads", index)))
-    monitor._fail_attempts = lambda role, index: done.append(("fail attempts", role, index))
+    done: list = []
+
+    def on_failed(role, index, left_routing):  # as `Cluster._on_instance_failed`
+        done.append(("forget loads", index))
+        if left_routing:
+            done.append(("fail attempts", role, index))
+
+    registry = InstanceRegistry({"prefill": [], "decode": [decode]}, 3.0, on_failed)
+    monitor = SimpleNamespace(_mark_failed=registry.mark_failed)
     with caplog.at_level("WARNING", logger="pdcluster.orchestrator.cluster"):
         monitor._mark_failed("decode", 0, TimeoutError(), "poll of rank 0", issued_at_s=27.0)
     assert decode.health.routable and done == []
@@ -116,29 +119,26 @@ def test_a_failure_recorded_while_an_instance_rejoins_is_not_overwritten(caplog)
     """`_rejoin` rewires (Ray calls, seconds) before it puts the instance back: an actor-died error the
     request path records meanwhile stands (the instance stays out of routing); without one it rejoins."""
     pytest.importorskip("ray")
-    import threading
     from types import SimpleNamespace
 
-    from pdcluster.orchestrator.health_monitor import InstanceMonitor
-
-    monitor = object.__new__(InstanceMonitor)
-    prefill = SimpleNamespace(health=InstanceHealth(Health.UNRESPONSIVE, "probe", since_s=30.0, pid=41))
-    monitor.instances = {"prefill": [prefill], "decode": []}
-    monitor._health_lock, monitor.call_timeout_s, failed = threading.Lock(), 3.0, []
-    monitor.topology = SimpleNamespace(kv_transport="shm")  # prefill is rewired when it rejoins
-    monitor._reply_channel_lost = lambda role, index: False
-    monitor._fail_attempts = lambda role, index: failed.append((role, index))
+    prefill = SimpleNamespace(
+        health=InstanceHealth(Health.UNRESPONSIVE, "probe", since_s=30.0, pid=41), clients=[]
+    )
+    failed: list = []
+    # prefill is rewired when it rejoins (shm)
+    monitor = _new_monitor({"prefill": [prefill], "decode": []}, SimpleNamespace(kv_transport="shm"))
+    monitor.registry.on_failed = lambda role, index, left_routing: failed.append((role, index))
 
     def rewire_while_the_actor_dies(ray, role, index, needs_rewire):
-        monitor._mark_failed(role, index, RuntimeError("the actor died"), "prefill")
+        monitor.registry.mark_failed(role, index, RuntimeError("the actor died"), "prefill")
 
-    monitor._rewire = rewire_while_the_actor_dies
+    monitor.deployment.rewire = rewire_while_the_actor_dies
     with caplog.at_level("WARNING", logger="pdcluster.orchestrator.cluster"):
         monitor._rejoin("prefill", 0, pid=41)
     assert prefill.health.state is Health.DEAD and not prefill.health.routable
     assert failed == [("prefill", 0)]
     assert "prefill-0 answered a probe but became dead" in caplog.text
-    monitor._rewire = lambda ray, role, index, needs_rewire: None
+    monitor.deployment.rewire = lambda ray, role, index, needs_rewire: None
     monitor._rejoin("prefill", 0, pid=41)  # the next probe: the same process answers, nothing fails
     assert prefill.health.state is Health.HEALTHY and prefill.health.pid == 41
 
@@ -210,19 +210,13 @@ def test_the_engine_watchdog_fails_a_dead_engine_thread_at_once():
 
 
 def _watchdog_monitor(kv_transport: str, num_ranks: int, watchdog_s: float = 10.0):
-    import threading
     from types import SimpleNamespace
 
-    from pdcluster.orchestrator.health_monitor import InstanceMonitor
-
-    monitor = object.__new__(InstanceMonitor)
     pool = SimpleNamespace(engine_watchdog_s=watchdog_s)
-    monitor.topology = SimpleNamespace(
+    topology = SimpleNamespace(
         kv_transport=kv_transport, pool=lambda role: pool, compiles=lambda role: role == "decode"
     )
-    monitor._health_lock, monitor._stuck_passes, monitor._engine_restarts = threading.Lock(), {}, {}
-    monitor._last_answer_s, monitor._last_kill_s, monitor._overdue_kills = {}, {}, {}
-    monitor._replacements = {}
+    monitor = _new_monitor({"prefill": [], "decode": []}, topology)
     instance = SimpleNamespace(role="decode", index=0, ranks=[f"actor-{r}" for r in range(num_ranks)])
     return monitor, instance
 
@@ -342,14 +336,12 @@ def _probing_monitor(monkeypatch, answer, health: InstanceHealth, watchdog_s: fl
 
     instance = FakeInstance(role="decode", index=0, ranks=[rank], health=health)
     monitor, _ = _watchdog_monitor("shm", num_ranks=1, watchdog_s=watchdog_s)
-    monitor.instances = {"prefill": [], "decode": [instance]}
-    monitor._closed, monitor.call_timeout_s = False, 3.0
+    monitor.registry.instances = {"prefill": [], "decode": [instance]}
     monitor._loads = SimpleNamespace(
         update_decode=lambda ref, load: None, forget_decode=lambda index: done.append(("forget", index))
     )
     monitor._fail_attempts = lambda role, index: done.append(("fail attempts", role, index))
     monitor._rejoin = lambda role, index, pid: done.append(("rejoin", role, index, pid))
-    monitor._reply_channel_lost = lambda role, index: False
     return monitor, instance, rank, done
 
 
@@ -357,7 +349,7 @@ def test_probes_use_their_own_concurrency_group_and_no_rejoin_while_a_pass_outla
     """An instance out of routing whose rank answers mid-pass longer than a call may take stays out (its
     calls that wait for the engine would time out again); once that pass ends it rejoins. Every probe goes
     to the probe concurrency group, which calls blocked behind the engine cannot take."""
-    from pdcluster.orchestrator.deployment import PROBE_GROUP
+    from pdcluster.orchestrator.rank_actors import PROBE_GROUP
 
     out = InstanceHealth(Health.UNRESPONSIVE, "reserve: no answer within 3 s", since_s=30.0, pid=41)
     monitor, instance, rank, done = _probing_monitor(monkeypatch, _load(pass_s=5.0), out)
@@ -463,10 +455,10 @@ def test_an_answered_probe_restarts_the_silence_and_no_kill_after_close(monkeypa
     monitor._probe_all()
     assert ("kill", False) not in done
     time.sleep(0.25)
-    monitor._closed = True
+    monitor._stop.set()  # close()
     monitor._probe_all()
     assert ("kill", False) not in done
-    monitor._closed = False
+    monitor._stop.clear()
     monitor._probe_all()
     assert done.count(("kill", False)) == 1
 
@@ -501,13 +493,13 @@ def test_a_restart_that_never_answers_is_killed_once_after_deploys_load_timeout(
     from types import SimpleNamespace
 
     ray = pytest.importorskip("ray")
-    from pdcluster.orchestrator import deployment, health_monitor
+    from pdcluster.orchestrator import health_monitor, rank_actors
 
     restarting = ray.exceptions.ActorUnavailableError("IOError: The actor is restarting.", None)
     clock = [1000.0]
     monkeypatch.setattr(health_monitor, "time", SimpleNamespace(monotonic=lambda: clock[0]))
-    monkeypatch.setattr(deployment, "ACTORS_READY_TIMEOUT_S", 100.0)
-    monkeypatch.setattr(deployment, "COMPILE_READY_TIMEOUT_S", 50.0)  # the decode pool compiles: 150 s
+    monkeypatch.setattr(rank_actors, "ACTORS_READY_TIMEOUT_S", 100.0)
+    monkeypatch.setattr(rank_actors, "COMPILE_READY_TIMEOUT_S", 50.0)  # the decode pool compiles: 150 s
     dead = InstanceHealth(Health.DEAD, "probe: EngineFailed: stuck", since_s=990.0, pid=41)
     monitor, instance, rank, done = _probing_monitor(monkeypatch, restarting, dead)
     monitor._engine_restarts[("decode", 0)] = 41
@@ -544,18 +536,21 @@ def test_a_restart_that_never_answers_is_killed_once_after_deploys_load_timeout(
 
 
 def test_failing_attempts_queued_before_a_shutdown_still_ends_them(monkeypatch):
-    """The monitor hands `_fail_attempts` to the requests' event loop with the reason it sees; failed after
-    the cluster shut down (its instances gone), the attempt still gets its DecodeLost naming the shutdown,
-    and nothing raises IndexError."""
+    """The dispatcher's `fail_attempts` (the monitor's callback) goes to the requests' event loop with
+    the reason it sees; failed after the cluster shut down (its instances gone), the attempt still gets
+    its DecodeLost naming the shutdown, and nothing raises IndexError."""
+    from types import SimpleNamespace
+
     from pdcluster.orchestrator.messages import DecodeLost
+    from pdcluster.orchestrator.request_dispatch import Dispatcher
     from pdcluster.orchestrator.request_state import Attempt
     from pdcluster.orchestrator.router import RankRef
 
-    monitor, _ = _watchdog_monitor("shm", num_ranks=1)
+    dispatcher = object.__new__(Dispatcher)
     attempt = Attempt("r@0", RankRef(0, 0), RankRef(0, 0))
-    monitor.instances, monitor._by_handoff = {"prefill": [], "decode": []}, {"r@0": attempt}
-    monitor._loop = None
-    monitor._fail_attempts("decode", 0)
+    dispatcher.registry = SimpleNamespace(instances={"prefill": [], "decode": []})  # shut down
+    dispatcher._by_handoff, dispatcher._loop = {"r@0": attempt}, None
+    dispatcher.fail_attempts("decode", 0)
     event = attempt.events.get_nowait()
     assert isinstance(event, DecodeLost)
     assert event.message == "decode-0 died or stopped answering (the cluster shut down); the request was lost"
@@ -584,7 +579,7 @@ def test_an_actor_ray_gave_up_on_is_replaced_in_its_bundle_with_backoff_and_a_bo
     plan = SimpleNamespace(
         instances=[SimpleNamespace(role="prefill", index=0), SimpleNamespace(role="decode", index=0)]
     )
-    monitor._plan = plan
+    monitor.deployment._plan = plan
     new_ranks: list[_FakeRank] = []
 
     def new_rank_actor(ray, spec_index, rank_index):
@@ -592,7 +587,7 @@ def test_an_actor_ray_gave_up_on_is_replaced_in_its_bundle_with_backoff_and_a_bo
         done.append(("new actor", spec_index, rank_index))
         return new_ranks[-1]
 
-    monitor._new_rank_actor = new_rank_actor
+    monitor.deployment._new_rank_actor = new_rank_actor
     clock[0] = 1009.9
     monitor._probe_all()
     assert [d for d in done if d[0] in ("kill", "new actor")] == []
@@ -625,7 +620,7 @@ def test_an_actor_ray_gave_up_on_is_replaced_in_its_bundle_with_backoff_and_a_bo
     preempted._preempted = True
     assert preempted.preempted
     monitor, instance, rank, done = _probing_monitor(monkeypatch, preempted, dead)
-    monitor._plan, monitor._new_rank_actor = plan, new_rank_actor
+    monitor.deployment._plan, monitor.deployment._new_rank_actor = plan, new_rank_actor
     clock[0] = 9000.0
     monitor._probe_all()
     assert len(new_ranks) == 2 and instance.ranks == [rank]
@@ -633,7 +628,27 @@ def test_an_actor_ray_gave_up_on_is_replaced_in_its_bundle_with_backoff_and_a_bo
     # an instance Ray does not restart: never replaced
     monitor, instance, rank, done = _probing_monitor(monkeypatch, ray.exceptions.ActorDiedError(), dead)
     monitor.topology.kv_transport = "dist"
-    monitor._plan, monitor._new_rank_actor = plan, new_rank_actor
+    monitor.deployment._plan, monitor.deployment._new_rank_actor = plan, new_rank_actor
     clock[0] = 9000.0
     monitor._probe_all()
     assert len(new_ranks) == 2 and instance.ranks == [rank]
+
+
+def _new_monitor(instances: dict, topology, call_timeout_s: float = 3.0):
+    """A `HealthMonitor` over fakes: its registry calls `_loads.forget_decode` and `_fail_attempts` on a
+    failure as `Cluster._on_instance_failed` does (assign those on the monitor)."""
+    from types import SimpleNamespace
+
+    from pdcluster.orchestrator.health_monitor import HealthMonitor
+    from pdcluster.orchestrator.registry import InstanceRegistry
+
+    def on_failed(role, index, left_routing):
+        if role == "decode":
+            monitor._loads.forget_decode(index)
+        if left_routing:
+            monitor._fail_attempts(role, index)
+
+    registry = InstanceRegistry(instances, call_timeout_s, on_failed)
+    deployment = SimpleNamespace(topology=topology, call_timeout_s=call_timeout_s)
+    monitor = HealthMonitor(registry, deployment, SimpleNamespace(), lambda role, index: None)
+    return monitor

@@ -33,11 +33,6 @@ Read from `backend.stats()` at scrape time (nothing is cached between scrapes):
                                                             `decode-0.1` is rank 1 of a multi-rank instance)
     pdcluster_backend_kv_transfer_bytes_total, pdcluster_backend_kv_transfer_seconds_total  counters (when
                                                             the backend reports them)
-    pdcluster_backend_pushed_total{kind}                              counter, request-path messages that went
-                                                            over a rank's reply connection instead of a Ray
-                                                            call (`Cluster.pushed_total`: prefill_result,
-                                                            first_token_early, decode_event, bind,
-                                                            reserve_call, prefill_call)
     pdcluster_rank_<counter>{rank}                                   gauges, one per counter of each rank's
                                                             load (`stats()["ranks"]`; rank `decode-0.1` is
                                                             rank 1 of decode-0): num_free_blocks,
@@ -126,17 +121,6 @@ class _BackendStatsCollector(Collector):
                 "Seconds spent in KV transfer, as counted by the backend.",
                 value=stats["kv_transfer_seconds_total"],
             )
-        if "pushed_total" in stats:
-            pushed = CounterMetricFamily(
-                "pdcluster_backend_pushed",
-                "Request-path messages that went over a rank's reply connection (a Unix socket, one host) "
-                "instead of a Ray call or its reply, by kind (first_token_early: first tokens pushed as soon "
-                "as sampled, before the MTP drafts and the handoff's finish).",
-                labels=["kind"],
-            )
-            for kind, count in sorted(stats["pushed_total"].items()):
-                pushed.add_metric([kind], count)
-            yield pushed
 
 
 _RANK_COUNTER_DOCS = {
