@@ -78,7 +78,7 @@ from pdcluster.engine.outputs import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from pdcluster.engine.sampler import sample_isolated, token_logprobs
+from pdcluster.engine.sampler import process_logits, sample_isolated, token_logprobs
 from pdcluster.engine.spec_policy import DEFAULT_DECAY, choose_num_speculative_tokens, decay_counts
 
 # `Executor.run`'s `on_sampled`: request id -> the tokens one step sampled for it, before its drafts.
@@ -307,6 +307,9 @@ class Executor:
             params = prepared.sampling
             if params is not None and len(sampling) < len(scheduled):
                 params = params.take(np.asarray(sampling, dtype=np.int64))
+            if params is None:
+                params = SamplingArrays.of([item.request.sampling_params for item in items])
+            logits = process_logits(items, logits, params, self._output_history)
             sampled, failed = self.sample(items, logits, params)
             logprobs = token_logprobs(items, logits, sampled)
             if on_sampled is not None:
@@ -359,6 +362,13 @@ class Executor:
         depth_limit = len(runner.model.mtp_layers) - 1
         for depth in range(num_mtp_done, self.max_num_speculative_tokens):
             runner.mtp_forward(empty, hidden, min(depth, depth_limit))
+
+    def _output_history(self, item: ScheduledRequest) -> list[int]:
+        """The request's output tokens before this step: committed ones, plus the previous step's when
+        that step is still uncommitted (its placeholders were resolved from `_last_step`)."""
+        committed = item.request.output_token_ids
+        previous = self._last_step.get(item.request_id) if item.num_placeholders else None
+        return committed + previous.token_ids if previous is not None else list(committed)
 
     def sample(
         self, items: list[ScheduledRequest], logits: torch.Tensor, params: SamplingArrays | None = None
