@@ -50,7 +50,9 @@ def _reference(llm: LLM, prompt_ids: list[int], out_ids: list[int], params: Samp
         history = out_ids[:j]
         for token in set(history) | set(prompt_ids):
             value = rows[j, token]
-            rows[j, token] = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+            rows[j, token] = (
+                value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+            )
         for token in set(history):
             rows[j, token] -= params.frequency_penalty * history.count(token) + params.presence_penalty
     return rows.log_softmax(-1)
@@ -85,7 +87,9 @@ def test_greedy_penalties_equal_a_hand_penalised_forward(llm, prompts, num_specu
 
 def test_logit_bias_forces_its_token(llm, prompts):
     token = llm.tokenizer.encode(" banana")[0]
-    out = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=5, logit_bias={token: 100.0}))[0]
+    out = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=5, logit_bias={token: 100.0}))[
+        0
+    ]
     assert out.token_ids == [token] * 5
     sampled = llm.generate(
         prompts[:1], SamplingParams(temperature=1.0, seed=3, max_tokens=5, logit_bias={token: 100.0})
@@ -96,7 +100,9 @@ def test_logit_bias_forces_its_token(llm, prompts):
 def test_min_tokens_holds_back_stop_tokens(llm, prompts):
     first = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2))[0]
     stop = first.token_ids[0]
-    stopped = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[stop]))[0]
+    stopped = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[stop]))[
+        0
+    ]
     assert stopped.token_ids == [stop] and stopped.finish_reason == "stop"
     held = llm.generate(
         prompts[:1],
