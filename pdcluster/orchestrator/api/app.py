@@ -36,7 +36,8 @@ GIL), so a multi-MB prompt does not hold up the event loop: /health and every ot
 Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON,
 a schema violation, text that is not valid Unicode (a lone surrogate such as `"\\ud800"` is valid JSON
 but no character: the message names the field, the code point and its index), unsupported options
-(n != 1, logprobs, echo, best_of), a bad sampling value, a prompt or prompt + max_tokens over the context
+(suffix, tools, echo with logprobs), out-of-range n / best_of / logprobs / top_logprobs, a bad sampling
+value, a prompt or prompt + max_tokens over the context
 (the message gives the lengths); 404 for an unknown model (as OpenAI's API and vLLM answer it); 401 for
 a missing or wrong API key; 413 for a body over the limit; 429 when the edge is full and 503 when the
 backend raises `BackendUnavailable` (both retriable, with `Retry-After: RETRY_AFTER_S`). An error after an
@@ -68,6 +69,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdcluster.orchestrator.api.choices import serve_choices
 from pdcluster.orchestrator.api.generation import Generation, PreparedRequest, prepare
 from pdcluster.orchestrator.api.guard import EdgeGuard
 from pdcluster.orchestrator.api.metrics import ApiMetrics
@@ -78,6 +80,8 @@ from pdcluster.orchestrator.api.protocol import (
     Endpoint,
     chat_prompt,
     error_response,
+    logit_bias,
+    num_top_logprobs,
     reject_unsupported,
     response_body,
     usage_chunk,
@@ -210,7 +214,20 @@ def build_app(
             prompt_ids = await encode(body.prompt)
         else:
             prompt_ids = list(body.prompt)
-        prepared = prepare(backend, body, prompt_ids, body.max_tokens, default_max_tokens=16, prefix="cmpl")
+        echo_text = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else None
+        if echo_text is None:
+            echo_text = backend.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        prepared = prepare(
+            backend,
+            body,
+            prompt_ids,
+            body.max_tokens,
+            default_max_tokens=16,
+            prefix="cmpl",
+            num_top_logprobs=num_top_logprobs(body),
+            logit_bias=logit_bias(body),
+            echo_text=echo_text,
+        )
         return await serve_one(request, prepared, body, "completion")
 
     @app.post("/v1/chat/completions")
@@ -226,6 +243,8 @@ def build_app(
             default_max_tokens=None,
             prefix="chatcmpl",
             max_tokens_param="max_completion_tokens" if completion_limit else "max_tokens",
+            num_top_logprobs=num_top_logprobs(body),
+            logit_bias=logit_bias(body),
         )
         return await serve_one(request, prepared, body, "chat")
 
@@ -235,6 +254,13 @@ def build_app(
         body: CompletionRequest | ChatCompletionRequest,
         endpoint: Endpoint,
     ) -> Response:
+        best_of = getattr(body, "best_of", None) or body.n
+        if best_of > 1:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            start = partial(Generation, backend, metrics=metrics, slo=slo)
+            return await serve_choices(
+                request, prepared, start, endpoint, body.n, best_of, body.stream, include_usage
+            )
         gen = Generation(backend, prepared, metrics, slo)
         # Wait for the first delta before answering, so a request the backend refuses gets a real 400/503
         # instead of an error event inside a 200 stream. On the cluster the first delta is the prefill

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pdcluster.models.tokenizer import check_unicode
+from pdcluster.orchestrator.api.logprobs import MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:
     from pdcluster.orchestrator.api.generation import Generation
@@ -23,6 +24,7 @@ template is deliberately plain: the messages' contents joined with a blank line 
 and the model continues the text of the last message. Put code to complete in the last message."""
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # n and best_of at most
 RETRY_AFTER_S = 1  # the Retry-After header (seconds) of a 429 (edge full) and of a 503 (backend unavailable)
 
 
@@ -69,12 +71,17 @@ class CommonRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, description=f"choices to return, 1 .. {MAX_CHOICES}; the prompt is prefilled once")
     ignore_eos: bool = Field(False, description="extension: generate past EOS (benchmarks)")
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, description="in [-2, 2], subtracted from seen tokens' logits")
+    frequency_penalty: float = Field(0.0, description="in [-2, 2], times a token's output count")
+    repetition_penalty: float = Field(1.0, description="extension: > 0, CTRL's rule over prompt and output")
+    min_tokens: int = Field(0, description="extension: EOS and stop_token_ids held back before this many")
+    stop_token_ids: list[int] | None = Field(None, description="extension: token ids that end the output")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (a string) -> bias in [-100, 100]"
+    )
     # read only to refuse them (`reject_unsupported`): accepted silently, they would be ignored
-    logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
     _check_stop = field_validator("stop")(_check_unicode)
@@ -82,9 +89,11 @@ class CommonRequest(BaseModel):
 
 class CompletionRequest(CommonRequest):
     prompt: str | list[int] = Field(..., description="text, or token ids of the served model's tokenizer")
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
+    logprobs: int | None = Field(None, description="top alternatives per output token, 0 .. 20")
+    echo: bool = Field(False, description="the prompt's text before the output's")
+    best_of: int | None = Field(
+        None, description="generate this many, return the n with the best logprob sum"
+    )
     suffix: str | None = None
 
     _check_prompt = field_validator("prompt")(_check_unicode)
@@ -122,7 +131,7 @@ class ChatCompletionRequest(CommonRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, description="with logprobs: alternatives per token, 0 .. 20")
     tools: list[Any] | None = None
 
 
@@ -132,21 +141,14 @@ def chat_prompt(messages: list[ChatMessage]) -> str:
 
 
 def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
-    """Refuse the OpenAI options this server does not implement (n != 1, penalties, logprobs, echo, best_of,
-    logit_bias, a response_format other than text, suffix, tools), rather than ignore them.
+    """Refuse the OpenAI options this server does not implement (a response_format other than text, suffix,
+    tools, echo with logprobs) rather than ignore them, and out-of-range choice and logprobs counts.
 
     Raises:
         ApiError: 400 naming the option (`param`).
     """
-    if body.n != 1:
-        raise ApiError(
-            400, f"n must be 1 (got {body.n}): this server returns one choice per request", param="n"
-        )
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) != 0:
-            raise ApiError(400, f"{name} is not supported by this server (must be 0)", param=name)
-    if body.logit_bias:
-        raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise ApiError(400, f"n must be in [1, {MAX_CHOICES}], got {body.n}", param="n")
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise ApiError(
             400,
@@ -154,21 +156,46 @@ def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
             param="response_format",
         )
     if isinstance(body, ChatCompletionRequest):
-        if body.logprobs or body.top_logprobs is not None:
-            raise ApiError(400, "logprobs is not supported by this server", param="logprobs")
+        if body.top_logprobs is not None:
+            _check_num_logprobs(body.top_logprobs, "top_logprobs")
+            if not body.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if body.tools:
             raise ApiError(400, "tools (function calling) is not supported by this server", param="tools")
         return
     if body.suffix:
         raise ApiError(400, "suffix is not supported by this server", param="suffix")
     if body.logprobs is not None:
-        raise ApiError(400, "logprobs is not supported by this server", param="logprobs")
-    if body.echo:
-        raise ApiError(400, "echo is not supported by this server", param="echo")
-    if body.best_of not in (None, 1):
-        raise ApiError(
-            400, f"best_of must be 1 (got {body.best_of}): one completion per request", param="best_of"
-        )
+        _check_num_logprobs(body.logprobs, "logprobs")
+        if body.echo:
+            raise ApiError(
+                400, "echo with logprobs (prompt logprobs) is not supported by this server", param="echo"
+            )
+    if body.best_of is not None:
+        if not body.n <= body.best_of <= MAX_CHOICES:
+            raise ApiError(400, f"best_of must be in [n, {MAX_CHOICES}], got {body.best_of}", param="best_of")
+        if body.stream and body.best_of != body.n:
+            raise ApiError(400, "best_of > n cannot be streamed", param="best_of")
+
+
+def _check_num_logprobs(value: int, param: str) -> None:
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"{param} must be in [0, {MAX_TOP_LOGPROBS}], got {value}", param=param)
+
+
+def num_top_logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """Alternatives per output token the response carries; None: no logprobs in the response."""
+    if isinstance(body, ChatCompletionRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs
+
+
+def logit_bias(body: CommonRequest) -> dict[int, float]:
+    """`body.logit_bias` keyed by token id. Raises ApiError 400 for a key that is not an integer."""
+    try:
+        return {int(k): v for k, v in (body.logit_bias or {}).items()}
+    except ValueError:
+        raise ApiError(400, "logit_bias keys must be token ids (integers)", param="logit_bias") from None
 
 
 # ---- errors -----------------------------------------------------------------------------------------------
@@ -214,7 +241,14 @@ Endpoint = Literal["completion", "chat"]
 
 
 def response_body(
-    gen: Generation, endpoint: Endpoint, text: str, finish: str | None, *, chunk: bool, first: bool = False
+    gen: Generation,
+    endpoint: Endpoint,
+    text: str,
+    finish: str | None,
+    *,
+    chunk: bool,
+    first: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
     """A response body of `gen` carrying `text` with `finish` (its finish_reason; None mid-stream).
 
@@ -224,19 +258,22 @@ def response_body(
             `choices[0].delta`, whose first one names the role).
         chunk: an SSE chunk (usage and the `pdcluster` extension only on the last, `finish` set) rather
             than the whole response (always with both).
-        first: the stream's first chunk (chat: the delta carries `role: assistant`).
+        first: the stream's first chunk (chat: the delta carries `role: assistant`; completions with
+            `echo`: the prompt's text comes first).
+        index: the choice's index (`n`).
+    The choice's `logprobs` are those of the tokens not yet sent in a chunk (`Generation.logprobs_body`).
     """
-    choice: dict[str, Any] = {"index": 0}
+    choice: dict[str, Any] = {"index": index}
     if endpoint == "completion":
         object_ = "text_completion"
-        choice["text"] = text
+        choice["text"] = gen.prepared.echo_text + text if first or not chunk else text
     elif chunk:
         object_ = "chat.completion.chunk"
         choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
     else:
         object_ = "chat.completion"
         choice["message"] = {"role": "assistant", "content": text}
-    choice.update(logprobs=None, finish_reason=finish)
+    choice.update(logprobs=gen.logprobs_body(endpoint, chunk), finish_reason=finish)
     prepared = gen.prepared
     body: dict[str, Any] = {
         "id": prepared.request_id,
