@@ -584,7 +584,11 @@ class DecodeNode(RankActor):
         self._handoffs[handoff_id] = handoff
         self._maybe_fault("admit")
         self.engine.admit_remote_prefill(
-            handoff_id, extras.first_token_id, extras.draft_token_ids, extras.draft_probs
+            handoff_id,
+            extras.first_token_id,
+            extras.draft_token_ids,
+            extras.draft_probs,
+            extras.first_token_logprobs,
         )
         request = self.engine.scheduler.get_request(handoff_id)
         if request is None:  # the first token finished it: `_run_once` pops its output right after
@@ -599,6 +603,7 @@ class DecodeNode(RankActor):
                 phases=Phases(kv_transfer_s=handoff.kv_transfer_s, admit_s=handoff.admit_s),
                 kv_transfer_bytes=handoff.kv_transfer_bytes,
                 new_text=self.engine.take_new_text(handoff_id),
+                logprobs=None if extras.first_token_logprobs is None else (extras.first_token_logprobs,),
             )
         ]
 

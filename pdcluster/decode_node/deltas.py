@@ -53,4 +53,5 @@ def token_delta(out: RequestOutput, handoff: Handoff | None) -> TokenDelta:
         kv_transfer_bytes=kv_transfer_bytes,
         drafts=drafts,
         new_text=out.new_text,
+        logprobs=None if out.logprobs is None else tuple(out.logprobs[num_sent:]),
     )

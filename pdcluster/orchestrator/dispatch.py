@@ -280,5 +280,8 @@ def without_first_token(delta: TokenDelta, first_token_id: int, first_token_text
             f"streamed ({first_token_id} / {first_token_text[:20]!r})"
         )
     return dataclasses.replace(
-        delta, new_token_ids=tuple(tokens[1:]), new_text=delta.new_text[len(first_token_text) :]
+        delta,
+        new_token_ids=tuple(tokens[1:]),
+        new_text=delta.new_text[len(first_token_text) :],
+        logprobs=None if delta.logprobs is None else delta.logprobs[1:],
     )

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kvtransfer.base import HandoffMeta, ProtocolError
-from pdcluster.kvtransfer.wire import meta_from_dict, meta_to_dict
+from pdcluster.kvtransfer.wire import logprobs_from_list, logprobs_to_list, meta_from_dict, meta_to_dict
 from pdcluster.orchestrator.messages import (
     DecodeNodeLoad,
     DraftCounts,
@@ -156,6 +156,7 @@ def _event_to_record(item: PolledEvent) -> list[Any]:
             list(drafts.num_accepted_tokens_per_position),
         ],
         event.new_text,
+        None if event.logprobs is None else [logprobs_to_list(lp) for lp in event.logprobs],
     ]
 
 
@@ -186,9 +187,13 @@ def _event_from_record(fields: Any) -> PolledEvent:
         return PolledEvent(
             seq, RequestError(_check("handoff_id", handoff_id, (str,)), _check("message", message, (str,)))
         )
-    if kind != "delta" or len(fields) != 10:
+    if kind != "delta" or len(fields) != 11:
         raise ValueError(f"event {seq}: kind {kind!r} with {len(fields)} fields")
-    _, _, handoff_id, token_ids, finished, finish_reason, phases, num_bytes, drafts, new_text = fields
+    _, _, handoff_id, token_ids, finished, finish_reason, phases, num_bytes, drafts, new_text, logprobs = (
+        fields
+    )
+    if logprobs is not None and (not isinstance(logprobs, list) or len(logprobs) != len(token_ids)):
+        raise ValueError(f"event {seq}: logprobs {logprobs!r} for {len(token_ids)} tokens")
     if not isinstance(phases, dict) or not set(phases) <= _PHASE_NAMES:
         raise ValueError(f"event {seq}: phases {phases!r}")
     for name, seconds in phases.items():
@@ -209,6 +214,7 @@ def _event_from_record(fields: Any) -> PolledEvent:
             _ints("num_accepted_tokens_per_position", drafts[3]),
         ),
         new_text=_check("new_text", new_text, (str,)),
+        logprobs=None if logprobs is None else tuple(logprobs_from_list(lp) for lp in logprobs),
     )
     return PolledEvent(seq, delta)
 
