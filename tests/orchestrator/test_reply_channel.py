@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from pdcluster.engine.outputs import TokenLogprobs
 from pdcluster.kvtransfer.base import HandoffMeta
 from pdcluster.kvtransfer.shm_transport.channel import connect
 from pdcluster.kvtransfer.shm_transport.channel import single_packet as _packet
@@ -274,6 +275,7 @@ LOAD = DecodeNodeLoad(
 DELTA = TokenDelta(
     "r@0", (5, 6), finished=True, finish_reason="length", phases=Phases(kv_transfer_s=0.004, admit_s=0.001),
     kv_transfer_bytes=12_800, drafts=DraftCounts(4, 3, (4,), (3,)), new_text=" a b",
+    logprobs=(TokenLogprobs(5, -0.25, 1, [5, 9], [-0.25, -2.5]), TokenLogprobs(6, -1.5, 2, [], [])),
 )  # fmt: skip
 EVENTS = [
     PolledEvent(7, TokenDelta("r@0", (4,))),
@@ -310,12 +312,17 @@ def test_pushed_events_reach_the_driver_as_they_were_sent_under_the_rank_tag(lis
         ({"e": []}, "non-empty list e"),
         ({"l": {**dataclasses.asdict(LOAD), "pid": "1"}}, "pid is str"),
         ({"l": {"name": "decode-0"}}, "load fields"),
-        ({"e": [[1, "delta", "r", [1], False, None, {"nope_s": 1.0}, None, [0, 0, [], []], ""]]}, "phases"),
         (
-            {"e": [[1, "delta", "r", [1.5], False, None, {}, None, [0, 0, [], []], ""]]},
+            {"e": [[1, "delta", "r", [1], False, None, {"nope_s": 1.0}, None, [0, 0, [], []], "", None]]},
+            "phases",
+        ),
+        (
+            {"e": [[1, "delta", "r", [1.5], False, None, {}, None, [0, 0, [], []], "", None]]},
             "new_token_ids is float",
         ),
-        ({"e": [[1, "delta", "r", [1], 0, None, {}, None, [0, 0, [], []], ""]]}, "finished is int"),
+        ({"e": [[1, "delta", "r", [1], 0, None, {}, None, [0, 0, [], []], "", None]]}, "finished is int"),
+        ({"e": [[1, "delta", "r", [1], False, None, {}, None, [0, 0, [], []], "", [[1]]]]}, "token logprobs"),
+        ({"e": [[1, "delta", "r", [1], False, None, {}, None, [0, 0, [], []], "", []]]}, "logprobs"),
         ({"e": [[1, "error", "r"]]}, "kind 'error' with 3 fields"),
         ({"e": [[1, "error", "r", "m"], [3, "error", "r", "m"]]}, "out of sequence"),
         ({"e": [["1", "error", "r", "m"]]}, "seq is str"),
