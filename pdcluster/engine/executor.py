@@ -364,11 +364,19 @@ class Executor:
             runner.mtp_forward(empty, hidden, min(depth, depth_limit))
 
     def _output_history(self, item: ScheduledRequest) -> list[int]:
-        """The request's output tokens before this step: committed ones, plus the previous step's when
-        that step is still uncommitted (its placeholders were resolved from `_last_step`)."""
-        committed = item.request.output_token_ids
+        """The request's output tokens before this step's inputs end, by position (the engine thread may
+        commit the previous step meanwhile): committed tokens up to the step's first uncommitted input,
+        then the previous step's tokens when its placeholder was resolved from `_last_step` (its accepted
+        drafts sit just before the placeholder, its bonus token is the placeholder)."""
+        request = item.request
+        end = (
+            item.start_position + item.num_scheduled_tokens - len(item.spec_token_ids) - item.num_placeholders
+        )
         previous = self._last_step.get(item.request_id) if item.num_placeholders else None
-        return committed + previous.token_ids if previous is not None else list(committed)
+        if previous is None:
+            return request.all_token_ids[request.num_prompt_tokens : end]
+        end -= len(previous.token_ids) - 1
+        return request.all_token_ids[request.num_prompt_tokens : end] + previous.token_ids
 
     def sample(
         self, items: list[ScheduledRequest], logits: torch.Tensor, params: SamplingArrays | None = None

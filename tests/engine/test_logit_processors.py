@@ -3,7 +3,8 @@
 What they prove: `kernels.sampling.apply_penalties` follows the CTRL/OpenAI rules on hand-computed values;
 through the engine, greedy tokens and logprobs under penalties equal a cache-less full forward with the
 penalties applied by hand over each position's output history (within 1e-4: two forwards of one model
-object, differing only in batching), with MTP on as off (drafts extend the history row by row); a large
+object, differing only in batching), with MTP on as off (drafts extend the history row by row) and with
+asynchronous scheduling (the step in flight's tokens are part of the next step's history); a large
 logit bias forces its token; min_tokens keeps a stop token from being sampled until it is reached.
 """
 
@@ -58,9 +59,13 @@ def _reference(llm: LLM, prompt_ids: list[int], out_ids: list[int], params: Samp
     return rows.log_softmax(-1)
 
 
-@pytest.mark.parametrize("num_speculative_tokens", [0, 2])
-def test_greedy_penalties_equal_a_hand_penalised_forward(llm, prompts, num_speculative_tokens):
-    engine_llm = llm.replace_config(num_speculative_tokens=num_speculative_tokens)
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"num_speculative_tokens": 2}, {"num_speculative_tokens": 2, "async_scheduling": True}],
+    ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "k=0",
+)
+def test_greedy_penalties_equal_a_hand_penalised_forward(llm, prompts, changes):
+    engine_llm = llm.replace_config(**changes)
     penalised = SamplingParams(
         temperature=0.0,
         max_tokens=16,
@@ -78,7 +83,7 @@ def test_greedy_penalties_equal_a_hand_penalised_forward(llm, prompts, num_specu
         assert out.token_ids == reference.argmax(-1).tolist()
         got = torch.tensor([t.logprob for t in out.logprobs])
         torch.testing.assert_close(got, reference.max(-1).values, atol=1e-4, rtol=0)
-    if num_speculative_tokens:
+    if changes:
         assert sum(o.num_accepted_tokens for o in outputs) > 0  # some rows' histories include drafts
     unpenalised = llm.generate(prompts[:2], plain)
     assert outputs[1].token_ids == unpenalised[1].token_ids  # a penalised neighbour changes nothing
