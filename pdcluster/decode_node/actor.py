@@ -542,7 +542,11 @@ class DecodeNode(RankActor):
         self._maybe_fault("admit")
         params = self.engine.scheduler.reserved[handoff_id].sampling_params
         self.engine.admit_remote_prefill(
-            handoff_id, extras.first_token_id, extras.draft_token_ids, extras.draft_probs
+            handoff_id,
+            extras.first_token_id,
+            extras.draft_token_ids,
+            extras.draft_probs,
+            extras.first_token_logprobs,
         )
         # The first token has one source: prefill's reply when it may go early (the driver streams it),
         # else this admission. Either way the engine reports it again with the next output: not sent twice.
@@ -565,6 +569,7 @@ class DecodeNode(RankActor):
                 phases=Phases(kv_transfer_s=handoff.kv_transfer_s, admit_s=handoff.admit_s),
                 kv_transfer_bytes=handoff.kv_transfer_bytes,
                 new_text=text,
+                logprobs=(extras.first_token_logprobs,) if first and extras.first_token_logprobs else None,
             )
         ]
 

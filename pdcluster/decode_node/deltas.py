@@ -59,4 +59,5 @@ def token_delta(out: RequestOutput, handoff: Handoff | None) -> TokenDelta:
         kv_transfer_bytes=kv_transfer_bytes,
         drafts=drafts,
         new_text=new_text,
+        logprobs=None if out.logprobs is None else tuple(out.logprobs[num_sent:]),
     )

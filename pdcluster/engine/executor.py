@@ -78,7 +78,7 @@ from pdcluster.engine.outputs import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from pdcluster.engine.sampler import sample_isolated, token_logprobs
+from pdcluster.engine.sampler import process_logits, sample_isolated, token_logprobs
 from pdcluster.engine.spec_policy import DEFAULT_DECAY, choose_num_speculative_tokens, decay_counts
 from pdcluster.engine.structured_output import StructuredOutputs
 
@@ -315,6 +315,9 @@ class Executor:
             if params is not None and len(sampling) < len(scheduled):
                 params = params.take(np.asarray(sampling, dtype=np.int64))
             grammar_failed = self._mask_by_grammar(items, logits)
+            if params is None:
+                params = SamplingArrays.of([item.request.sampling_params for item in items])
+            logits = process_logits(items, logits, params, self._output_history)
             sampled, failed = self.sample(items, logits, params)
             if self.structured_outputs is not None:
                 self.structured_outputs.accept(items, sampled)
@@ -372,6 +375,21 @@ class Executor:
         depth_limit = len(runner.model.mtp_layers) - 1
         for depth in range(num_mtp_done, self.max_num_speculative_tokens):
             runner.mtp_forward(empty, hidden, min(depth, depth_limit))
+
+    def _output_history(self, item: ScheduledRequest) -> list[int]:
+        """The request's output tokens before this step's inputs end, by position (the engine thread may
+        commit the previous step meanwhile): committed tokens up to the step's first uncommitted input,
+        then the previous step's tokens when its placeholder was resolved from `_last_step` (its accepted
+        drafts sit just before the placeholder, its bonus token is the placeholder)."""
+        request = item.request
+        end = (
+            item.start_position + item.num_scheduled_tokens - len(item.spec_token_ids) - item.num_placeholders
+        )
+        previous = self._last_step.get(item.request_id) if item.num_placeholders else None
+        if previous is None:
+            return request.all_token_ids[request.num_prompt_tokens : end]
+        end -= len(previous.token_ids) - 1
+        return request.all_token_ids[request.num_prompt_tokens : end] + previous.token_ids
 
     def sample(
         self, items: list[ScheduledRequest], logits: torch.Tensor, params: SamplingArrays | None = None

@@ -43,32 +43,67 @@ if TYPE_CHECKING:
 
 class SamplingArrays(NamedTuple):
     """Sampling parameters of a batch, one entry per request (the sampler's own terms, see
-    `kernels.sampling.probs_from_logits`).
+    `kernels.sampling.probs_from_logits` and `kernels.sampling.apply_penalties`).
 
     temperature: `[B]` float32 (0 = greedy); top_k: `[B]` int64 (<= 0 off); top_p: `[B]` float32.
+    presence_penalty, frequency_penalty, repetition_penalty: `[B]` float32 (0, 0, 1: off).
+    min_tokens: `[B]` int64. has_logit_bias: `[B]` bool (the biases themselves stay in `SamplingParams`).
     """
 
     temperature: np.ndarray
     top_k: np.ndarray
     top_p: np.ndarray
+    presence_penalty: np.ndarray
+    frequency_penalty: np.ndarray
+    repetition_penalty: np.ndarray
+    min_tokens: np.ndarray
+    has_logit_bias: np.ndarray
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams]) -> SamplingArrays:
         """From per-request `SamplingParams` (the reference the persistent rows must equal)."""
         n = len(params)
-        return cls(
-            np.fromiter((p.temperature for p in params), np.float32, n),
-            np.fromiter((p.top_k for p in params), np.int64, n),
-            np.fromiter((p.top_p for p in params), np.float32, n),
-        )
+        return cls(*(np.fromiter((_value(p, name) for p in params), dtype, n) for name, dtype in _FIELDS))
 
     def take(self, index: np.ndarray | Sequence[int] | slice) -> SamplingArrays:
         """The entries at `index` (a copy for an index array)."""
-        return SamplingArrays(self.temperature[index], self.top_k[index], self.top_p[index])
+        return SamplingArrays(*(array[index] for array in self))
+
+    def set_row(self, row: int, params: SamplingParams) -> None:
+        """Write `params` into row `row` of every array."""
+        for array, (name, _) in zip(self, _FIELDS, strict=True):
+            array[row] = _value(params, name)
 
     @property
     def all_greedy(self) -> bool:
         return not self.temperature.any()
+
+    @property
+    def processed_rows(self) -> np.ndarray:
+        """`[B]` bool: the requests whose logits a penalty, a logit bias or `min_tokens` changes."""
+        return (
+            (self.presence_penalty != 0)
+            | (self.frequency_penalty != 0)
+            | (self.repetition_penalty != 1)
+            | (self.min_tokens > 0)
+            | self.has_logit_bias
+        )
+
+
+_FIELDS = (
+    ("temperature", np.float32),
+    ("top_k", np.int64),
+    ("top_p", np.float32),
+    ("presence_penalty", np.float32),
+    ("frequency_penalty", np.float32),
+    ("repetition_penalty", np.float32),
+    ("min_tokens", np.int64),
+    ("has_logit_bias", np.bool_),
+)
+
+
+def _value(params: SamplingParams, name: str) -> float | int | bool:
+    return bool(params.logit_bias) if name == "has_logit_bias" else getattr(params, name)
 
 
 class BlockTableRows:
@@ -199,8 +234,7 @@ class RequestRows(BlockTableRows):
         num_tokens = len(token_ids)
         self._check_fits(request_id, num_tokens)
         row = self._allocate(request_id)
-        temperature, top_k, top_p = self.sampling
-        temperature[row], top_k[row], top_p[row] = params.temperature, params.top_k, params.top_p
+        self.sampling.set_row(row, params)
         self.token_ids[row, :num_tokens] = token_ids
         self.num_valid_tokens[row] = num_tokens
         self._num_committed[row] = num_tokens
@@ -287,8 +321,9 @@ class RequestRows(BlockTableRows):
     def remove(self, request_ids: list[str]) -> None:
         rows = [self._row_of[r] for r in request_ids if r in self._row_of]
         super().remove(request_ids)
-        temperature, top_k, top_p = self.sampling
-        temperature[rows], top_k[rows], top_p[rows] = 0.0, 0, 1.0
+        defaults = _default_sampling(1)
+        for array, default in zip(self.sampling, defaults, strict=True):
+            array[rows] = default[0]
         self.num_valid_tokens[rows] = 0
         for row in rows:
             self._num_committed[row] = 0
@@ -335,6 +370,6 @@ class ScheduledRows(NamedTuple):
 
 
 def _default_sampling(num_rows: int) -> SamplingArrays:
-    return SamplingArrays(
-        np.zeros(num_rows, np.float32), np.zeros(num_rows, np.int64), np.ones(num_rows, np.float32)
-    )
+    """Greedy, no filter, no logit processor."""
+    ones = ("top_p", "repetition_penalty")
+    return SamplingArrays(*((np.ones if n in ones else np.zeros)(num_rows, dtype) for n, dtype in _FIELDS))

@@ -40,7 +40,7 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.executor import Executor
 from pdcluster.engine.expert_parallel import EPStats, setup_expert_parallel
 from pdcluster.engine.model_runner import LayerKVCallback, ModelRunner
-from pdcluster.engine.outputs import RequestOutput, SchedulerOutput
+from pdcluster.engine.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
 from pdcluster.engine.remote_prefill import (
     PrefillOutput,
     PromptKVCallback,
@@ -216,7 +216,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.model.config.vocab_size})")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if prefill_only:
-            params = dataclasses.replace(params, max_tokens=1, stop=())
+            # min_tokens >= 1 still holds EOS and stop tokens back from the first token
+            params = dataclasses.replace(params, max_tokens=1, stop=(), min_tokens=min(params.min_tokens, 1))
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -264,11 +265,8 @@ class LLMEngine:
         `release_remote_prefill` on failure. Returns False (nothing held) when the blocks are not free now.
 
         Raises:
-            ValueError: a duplicate id, a bad prompt, a request that could never fit, or `logprobs` (the
-                first token's log-probabilities stay on the prefill instance: not supported yet).
+            ValueError: a duplicate id, a bad prompt, or a request that could never fit.
         """
-        if sampling_params.logprobs is not None:
-            raise ValueError("logprobs are not supported for requests prefilled on another instance yet")
         vocab_size = self.model.config.vocab_size
         if not prompt_token_ids or any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be non-empty and in [0, {vocab_size})")
@@ -311,10 +309,12 @@ class LLMEngine:
         first_token_id: int,
         draft_token_ids: list[int] = (),  # type: ignore[assignment]
         draft_probs: torch.Tensor | None = None,
+        first_token_logprobs: TokenLogprobs | None = None,
     ) -> None:
         """Admit a reserved request whose prompt KV is written (every layer, MTP included) with its first
-        token and drafts. Between steps. It joins the running batch at the next `step()` if fewer than
-        `max_num_seqs` requests run, else waits for a seat there (holding its blocks; never an error).
+        token, its logprobs (computed on prefill; None: the request asks for none) and drafts. Between
+        steps. It joins the running batch at the next `step()` if fewer than `max_num_seqs` requests run,
+        else waits for a seat there (holding its blocks; never an error).
         Its output (first token included) comes with the first `step()` that runs it; when the first
         token already finished it (max_tokens=1, EOS, a stop string), also from `pop_finished_outputs()`,
         as nothing is left to step for it.
@@ -324,6 +324,8 @@ class LLMEngine:
         """
         request, status = self.remote_prefills.admit(request_id, first_token_id, list(draft_token_ids))
         record = self._records[request_id] = self._new_record(request, None)
+        if record.logprobs is not None and first_token_logprobs is not None:
+            record.logprobs.append(first_token_logprobs)
         self._update_text(record)
         if request.is_finished:
             self._finished.append(request_id)

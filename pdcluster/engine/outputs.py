@@ -105,8 +105,9 @@ class SchedulerOutput:
 
 
 class TokenLogprobs(NamedTuple):
-    """Log-probabilities of one output token under the raw distribution `log_softmax(logits)` of the
-    target model at its position (no temperature, top-k or top-p; `kernels.sampling.compute_logprobs`).
+    """Log-probabilities of one output token under the distribution it was sampled from: `log_softmax` of
+    the target model's logits at its position after logit_bias, penalties and min_tokens, divided by the
+    temperature (1 when greedy), before top-k/top-p (`engine.sampler.token_logprobs`).
 
     Attributes:
         token_id: the output token.

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from pdcluster.engine.model_runner import LayerKVCallback, ModelInput, ModelRunner
-from pdcluster.engine.outputs import ModelRunnerOutput, ScheduledRequest
+from pdcluster.engine.outputs import ModelRunnerOutput, ScheduledRequest, TokenLogprobs
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.scheduler import Scheduler
 from pdcluster.kernels.kv_quant import dequantize_kv_int8
@@ -37,11 +37,13 @@ class PrefillOutput(NamedTuple):
     first_token_id: the token sampled after the prompt.
     draft_token_ids: MTP drafts proposed after it (empty without speculative decoding).
     draft_probs: `[num_drafts, vocab_size]` float32 MTP probabilities of sampled drafts; None when greedy.
+    first_token_logprobs: the first token's logprobs when the request asks for them, else None.
     """
 
     first_token_id: int
     draft_token_ids: list[int]
     draft_probs: torch.Tensor | None
+    first_token_logprobs: TokenLogprobs | None = None
 
 
 # Called once per layer (MTP layer: index num_hidden_layers) when a prefill-only request's prompt KV of that
@@ -60,6 +62,7 @@ def prefill_result(runner_output: ModelRunnerOutput, request_id: str) -> Prefill
         first_token_id=sampled[-1],
         draft_token_ids=list(runner_output.spec_token_ids.get(request_id, [])),
         draft_probs=runner_output.draft_probs.get(request_id),
+        first_token_logprobs=(runner_output.logprobs.get(request_id) or [None])[-1],
     )
 
 

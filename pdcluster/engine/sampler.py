@@ -8,6 +8,13 @@ position), after request i-1's. The accept rule itself lives in `kernels.rejecti
 `rejection_sample_batch` (greedy rows by argmax, the others by Leviathan et al.'s rule). Without drafts,
 sampled requests draw from `kernels.sampling.sample`.
 
+Logit processors (`process_logits`) come first, on every row of the requests that set one: `min_tokens`
+(EOS and stop tokens at -inf), `logit_bias`, then the repetition/frequency/presence penalties over each
+row's own history (output tokens so far, plus the drafts before that row), so greedy argmax, sampling and
+draft verification all see the processed distribution, on prefill (the first token) as on decode.
+Reported logprobs (`token_logprobs`) are of that distribution divided by the temperature (greedy rows: 1),
+before top-k/top-p: the distribution the token is sampled from, as vLLM v0 reported them.
+
 Isolation: `sample_isolated` retries request by request when the batch raises, so one request's error
 fails that request alone (see `engine.executor`).
 """
@@ -17,12 +24,20 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping
 
+import numpy as np
 import torch
 
 from pdcluster.engine.input_batch import SamplingArrays
 from pdcluster.engine.outputs import ScheduledRequest, TokenLogprobs
 from pdcluster.kernels.rejection_sampling import greedy_verify_batch, rejection_sample_batch
-from pdcluster.kernels.sampling import argmax, compute_logprobs, probs_from_logits, sample
+from pdcluster.kernels.sampling import (
+    apply_penalties,
+    argmax,
+    compute_logprobs,
+    pad_token_ids,
+    probs_from_logits,
+    sample,
+)
 
 # The request's own torch.Generator (None: torch's global one); the executor creates them lazily.
 GeneratorOf = Callable[[ScheduledRequest], "torch.Generator | None"]
@@ -140,30 +155,111 @@ def sample_or_verify(
     return dict(zip(request_ids, result.token_ids(), strict=True))
 
 
+def process_logits(
+    items: list[ScheduledRequest],
+    logits: torch.Tensor,
+    params: SamplingArrays,
+    output_history: Callable[[ScheduledRequest], list[int]],
+) -> torch.Tensor:
+    """`logits` with the logit processors of `params` applied (see the module docstring); `logits`
+    itself when no request sets one.
+
+    Args:
+        items, logits, params: as `sample_or_verify`.
+        output_history: a request's output tokens before this step's first row (committed, plus those of
+            a step still in flight); row j of the request adds its first j drafts.
+
+    Returns:
+        `[sum(k_i + 1), vocab_size]` float32.
+    """
+    processed = params.processed_rows
+    if not processed.any():
+        return logits
+    vocab_size = logits.shape[1]
+    rows: list[int] = []
+    request_of_row: list[int] = []
+    outputs: list[list[int]] = []
+    prompts: list[list[int]] = []
+    bias: list[tuple[int, int, float]] = []  # (row, token id, bias)
+    banned: list[tuple[int, int]] = []  # (row, token id): min_tokens not reached
+    offset = 0
+    for i, item in enumerate(items):
+        num_rows = len(item.spec_token_ids) + 1
+        if processed[i]:
+            request = item.request
+            sp = request.sampling_params
+            history = output_history(item)
+            stops = list(sp.stop_token_ids)
+            if request.eos_token_id is not None and not sp.ignore_eos:
+                stops.append(request.eos_token_id)
+            for j in range(num_rows):
+                row = len(rows)
+                rows.append(offset + j)
+                request_of_row.append(i)
+                outputs.append(history + item.spec_token_ids[:j])
+                prompts.append(request.prompt_token_ids if sp.repetition_penalty != 1 else [])
+                bias.extend((row, token_id, value) for token_id, value in sp.logit_bias)
+                if len(history) + j < sp.min_tokens:
+                    banned.extend((row, token_id) for token_id in stops)
+        offset += num_rows
+    device = logits.device
+    row_index = torch.tensor(rows, dtype=torch.long, device=device)
+    sub = logits[row_index].float()  # [R, V], a copy
+    if banned:
+        banned_rows, banned_ids = torch.tensor(banned, dtype=torch.long, device=device).T
+        sub[banned_rows, banned_ids] = float("-inf")
+    if bias:
+        bias_rows, bias_ids, bias_values = zip(*bias, strict=True)
+        sub.index_put_(
+            (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device)),
+            torch.tensor(bias_values, dtype=sub.dtype, device=device),
+            accumulate=True,
+        )
+    per_row = params.take(np.asarray(request_of_row, dtype=np.int64))
+    sub = apply_penalties(
+        sub,
+        pad_token_ids(outputs, vocab_size, device),
+        pad_token_ids(prompts, vocab_size, device),
+        torch.from_numpy(per_row.presence_penalty).to(device),
+        torch.from_numpy(per_row.frequency_penalty).to(device),
+        torch.from_numpy(per_row.repetition_penalty).to(device),
+    )
+    return logits.float().index_copy(0, row_index, sub)
+
+
 def token_logprobs(
-    items: list[ScheduledRequest], logits: torch.Tensor, sampled: dict[str, list[int]]
+    items: list[ScheduledRequest],
+    logits: torch.Tensor,
+    sampled: dict[str, list[int]],
 ) -> dict[str, list[TokenLogprobs]]:
-    """Raw log-probabilities of each output token, for the requests that asked for them.
+    """Log-probabilities of each output token, for the requests that asked for them: `log_softmax` of
+    the (processed) logits divided by the request's temperature (1 when greedy).
 
     logits: `[sum(k_i + 1), vocab_size]` target logits, request i's `k_i + 1` rows after request i-1's;
     row j of a request predicts its output token j (accepted draft j+1, or the bonus/recovered token).
     """
     rows: list[int] = []
     token_ids: list[int] = []
+    temperatures: list[float] = []
     wanting: list[ScheduledRequest] = []
     offset = 0
     for item in items:
         tokens = sampled.get(item.request_id)  # None: its sampling failed
-        if tokens is not None and item.request.sampling_params.logprobs is not None:
+        sp = item.request.sampling_params
+        if tokens is not None and sp.logprobs is not None:
             wanting.append(item)
             rows.extend(range(offset, offset + len(tokens)))
             token_ids.extend(tokens)
+            temperatures.extend([sp.temperature or 1.0] * len(tokens))
         offset += len(item.spec_token_ids) + 1
     if not wanting:
         return {}
     num_top = max(item.request.sampling_params.logprobs for item in wanting)
+    scaled = logits[rows].float()
+    if any(t != 1.0 for t in temperatures):
+        scaled = scaled / torch.tensor(temperatures, dtype=torch.float32, device=logits.device)[:, None]
     result = compute_logprobs(
-        logits[rows], torch.tensor(token_ids, dtype=torch.long, device=logits.device), num_top
+        scaled, torch.tensor(token_ids, dtype=torch.long, device=logits.device), num_top
     )
     token_logprobs = result.token_logprobs.tolist()
     ranks = result.token_ranks.tolist()

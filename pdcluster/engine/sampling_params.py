@@ -14,7 +14,8 @@ cannot make the sampler raise or produce NaN probabilities:
   uniform distribution over the tokens top-k/top-p keep.
 - `top_k` becomes an int64 tensor: at most 2**63 - 1 (anything >= the vocabulary size disables it).
 
-The sampler kernel reads `temperature / top_p / top_k / seed`; the scheduler reads the stopping fields
+The sampler reads `temperature / top_p / top_k / seed` and the logit processors (`logit_bias`, the
+penalties, `min_tokens`; `kernels.sampling.apply_penalties`); the scheduler reads the stopping fields
 (`max_tokens`, `stop_token_ids`, `ignore_eos`); `stop` strings need detokenized text: the engine checks
 them on its incremental text (`engine.stopping.OutputText`) and finishes the request through
 `Scheduler.finish_request`.
@@ -34,6 +35,8 @@ MAX_SEED = 2**64 - 1
 """The largest seed: `torch.Generator.manual_seed` takes unsigned 64-bit seeds."""
 MAX_TOP_K = 2**63 - 1
 """The largest top_k: the sampler holds it in an int64 tensor."""
+MAX_LOGIT_BIAS = 100.0
+"""`logit_bias` values lie in [-100, 100] (OpenAI's range)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,15 @@ class SamplingParams:
             output token (0 = only the sampled token's).
         structured_output: None, or `(kind, spec)`: a grammar the output must match
             (`engine.structured_output`).
+            output token (0 = only the sampled token's), of the distribution the token is sampled from
+            (`engine.outputs.TokenLogprobs`).
+        presence_penalty: in [-2, 2]; subtracted from the logit of every token already in the output
+            (OpenAI's definition).
+        frequency_penalty: in [-2, 2]; times a token's count in the output, subtracted from its logit.
+        repetition_penalty: > 0, finite; a token in the prompt or the output has its logit divided by it
+            when positive, multiplied when negative (Keskar et al. 2019, CTRL, section 4.1); 1 is off.
+        min_tokens: EOS and `stop_token_ids` cannot be sampled before this many output tokens, <= max_tokens.
+        logit_bias: (token id, bias) pairs (a dict is accepted), bias in [-100, 100], added to the logit.
     """
 
     temperature: float = 1.0
@@ -68,10 +80,19 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     structured_output: tuple[str, str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples, so the params stay hashable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        if not all(isinstance(pair, tuple | list) and len(pair) == 2 for pair in bias):
+            raise ValueError(f"logit_bias must be (token id, bias) pairs, got {self.logit_bias!r}")
+        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -107,11 +128,39 @@ class SamplingParams:
             raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
         if self.structured_output is not None:
             object.__setattr__(self, "structured_output", check_spec(self.structured_output))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        penalty = self.repetition_penalty
+        if not _is_real(penalty) or not math.isfinite(penalty) or penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {penalty!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens], got {self.min_tokens!r}")
+        for token_id, value in self.logit_bias:
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"logit_bias token ids must be ints >= 0, got {token_id!r}")
+            if not _is_real(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token id twice")
+        object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias)))
 
     @property
     def is_greedy(self) -> bool:
         """True when the next token is the argmax (temperature 0)."""
         return self.temperature == 0
+
+    @property
+    def has_logit_processors(self) -> bool:
+        """True when a penalty, `logit_bias` or `min_tokens` changes the logits before sampling."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.min_tokens
+            or self.logit_bias
+        )
 
     @property
     def top_k_enabled(self) -> bool:

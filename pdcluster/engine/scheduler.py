@@ -52,13 +52,14 @@ from pdcluster.engine.scheduler_policy import (
 
 class SchedulerStats(NamedTuple):
     """A snapshot for metrics. `prefix_cache_hit_rate` is cached / looked-up tokens over all admissions
-    (None before any)."""
+    (None before any); `num_prefix_cache_hit_tokens`: the cached ones, in all."""
 
     num_running: int
     num_waiting: int
     kv_cache_usage: float
     num_preemptions: int
     prefix_cache_hit_rate: float | None
+    num_prefix_cache_hit_tokens: int = 0
 
 
 class Scheduler:
@@ -243,6 +244,7 @@ class Scheduler:
             kv_cache_usage=self.block_manager.usage,
             num_preemptions=self.num_preemptions,
             prefix_cache_hit_rate=self._num_prefix_hit_tokens / queried if queried else None,
+            num_prefix_cache_hit_tokens=self._num_prefix_hit_tokens,
         )
 
     # ---- one step ---------------------------------------------------------------------------------------

@@ -189,8 +189,53 @@ def sample(
     return token_ids
 
 
+def apply_penalties(
+    logits: torch.Tensor,
+    output_token_ids: torch.Tensor,
+    prompt_token_ids: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+    repetition_penalty: torch.Tensor,
+) -> torch.Tensor:
+    """Repetition, frequency and presence penalties of every row at once (the rules vLLM and HF apply).
+
+    Repetition (Keskar et al. 2019, CTRL, section 4.1): a token seen in the prompt or the output has its
+    logit divided by the penalty when positive, multiplied when not. Then OpenAI's
+    `logit -= frequency * count + presence * (count > 0)` over the output's counts.
+
+    Args:
+        logits: `[R, V]` float32.
+        output_token_ids: `[R, L]` int64, each row's output tokens so far, padded with V (ignored).
+        prompt_token_ids: `[R, P]` int64, each row's prompt tokens, padded with V.
+        presence_penalty, frequency_penalty, repetition_penalty: `[R]` float32.
+
+    Returns:
+        `[R, V]` float32, a new tensor.
+    """
+    num_rows, vocab_size = logits.shape
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=logits.device)
+    counts.scatter_add_(1, output_token_ids, torch.ones_like(output_token_ids, dtype=torch.float32))
+    counts = counts[:, :vocab_size]
+    in_prompt = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
+    in_prompt.scatter_(1, prompt_token_ids, True)
+    seen = in_prompt[:, :vocab_size] | (counts > 0)
+    penalty = torch.where(seen, repetition_penalty[:, None], 1.0)
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return logits - frequency_penalty[:, None] * counts - presence_penalty[:, None] * (counts > 0)
+
+
+def pad_token_ids(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+    """`rows` as one `[len(rows), max(len) or 1]` int64 tensor, padded with `pad_id`."""
+    width = max(1, max((len(r) for r in rows), default=0))
+    padded = np.full((len(rows), width), pad_id, dtype=np.int64)
+    for i, row in enumerate(rows):
+        padded[i, : len(row)] = row
+    return torch.from_numpy(padded).to(device)
+
+
 class Logprobs(NamedTuple):
-    """Log-probabilities of the raw (unscaled, unfiltered) distribution `log_softmax(logits)`.
+    """Log-probabilities `log_softmax(logits)` of the logits given (the sampler passes them processed and
+    divided by the temperature; `engine.sampler.token_logprobs`).
 
     token_logprobs: `[B]` float32, of the given tokens.
     token_ranks: `[B]` int64, 1 + number of tokens with a strictly larger logprob.

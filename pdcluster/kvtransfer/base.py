@@ -17,11 +17,14 @@ import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from pdcluster.models.dtypes import DTYPES, MODEL_DTYPE_NAMES
+
+if TYPE_CHECKING:
+    from pdcluster.engine.outputs import TokenLogprobs
 
 # Element dtypes a handoff may name (model dtype / wire dtype), by the name used on the wire: `DTYPES`.
 FLOAT_DTYPE_NAMES = MODEL_DTYPE_NAMES
@@ -110,11 +113,14 @@ class HandoffExtras:
 
     draft_token_ids: MTP drafts after `first_token_id` (may be empty).
     draft_probs: [num_drafts, vocab_size] float32 for sampled drafts; None for greedy drafts or none.
+    first_token_logprobs: the first token's `engine.outputs.TokenLogprobs`, computed on prefill where its
+        logits are, when the request asks for logprobs; else None.
     """
 
     first_token_id: int
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
+    first_token_logprobs: TokenLogprobs | None = None
 
 
 class ReceivedLayer(NamedTuple):

@@ -43,6 +43,7 @@ import crc32c
 import numpy as np
 import torch
 
+from pdcluster.engine.outputs import TokenLogprobs
 from pdcluster.kernels.kv_quant import dequantize_kv_int8, quantize_kv_int8
 from pdcluster.kernels.paged_mla import bytes_crc32c
 from pdcluster.kvtransfer.base import (
@@ -307,12 +308,40 @@ def meta_from_dict(record: dict[str, Any]) -> HandoffMeta:
 
 def extras_checksum(extras: HandoffExtras) -> int:
     """CRC-32C over the extras in a fixed order: token ids as int64 (the drafts with their count), then the
-    raw bytes of `draft_probs` (if any). Independent of how a transport encodes them."""
+    raw bytes of `draft_probs` (if any), then the first token's logprobs (if any: rank and top ids as
+    int64, logprobs as float64). Independent of how a transport encodes them."""
     ids = [extras.first_token_id, len(extras.draft_token_ids), *extras.draft_token_ids]
     crc = checksum(np.asarray(ids, dtype="<i8"))
     if extras.draft_probs is not None:
         crc = bytes_crc32c(extras.draft_probs, crc)
+    logprobs = extras.first_token_logprobs
+    if logprobs is not None:
+        crc = checksum(np.asarray([logprobs.rank, *logprobs.top_token_ids], dtype="<i8"), crc)
+        crc = checksum(np.asarray([logprobs.logprob, *logprobs.top_logprobs], dtype="<f8"), crc)
     return crc
+
+
+def logprobs_to_list(logprobs: TokenLogprobs | None) -> list[Any] | None:
+    """A `TokenLogprobs` as a msgpack-ready list (None stays None)."""
+    if logprobs is None:
+        return None
+    return [logprobs.token_id, logprobs.logprob, logprobs.rank, logprobs.top_token_ids, logprobs.top_logprobs]
+
+
+def logprobs_from_list(fields: Any) -> TokenLogprobs | None:
+    """Inverse of `logprobs_to_list`. ValueError naming what is malformed."""
+    if fields is None:
+        return None
+    if not isinstance(fields, list | tuple) or len(fields) != 5:
+        raise ValueError(f"token logprobs must be [id, logprob, rank, top ids, top logprobs]: {fields!r}")
+    token_id, logprob, rank, top_ids, top_logprobs = fields
+    if not isinstance(token_id, int) or not isinstance(rank, int) or not isinstance(logprob, float):
+        raise ValueError(f"token logprobs {fields!r}: token_id and rank must be ints, logprob a float")
+    if not all(isinstance(t, int) for t in top_ids) or not all(isinstance(v, float) for v in top_logprobs):
+        raise ValueError(f"token logprobs {fields!r}: top ids must be ints, top logprobs floats")
+    if len(top_ids) != len(top_logprobs):
+        raise ValueError(f"token logprobs {fields!r}: {len(top_ids)} top ids, {len(top_logprobs)} logprobs")
+    return TokenLogprobs(token_id, logprob, rank, list(top_ids), list(top_logprobs))
 
 
 def tensor_to_record(tensor: torch.Tensor) -> dict[str, Any]:
@@ -336,6 +365,7 @@ def extras_to_dict(extras: HandoffExtras) -> dict[str, Any]:
         "first_token_id": extras.first_token_id,
         "draft_token_ids": list(extras.draft_token_ids),
         "draft_probs": None if extras.draft_probs is None else tensor_to_record(extras.draft_probs),
+        "logprobs": logprobs_to_list(extras.first_token_logprobs),
         "checksum": extras_checksum(extras),
     }
 
@@ -347,6 +377,7 @@ def extras_from_dict(request_id: str, record: dict[str, Any]) -> HandoffExtras:
             first_token_id=record["first_token_id"],
             draft_token_ids=list(record["draft_token_ids"]),
             draft_probs=None if record["draft_probs"] is None else tensor_from_record(record["draft_probs"]),
+            first_token_logprobs=logprobs_from_list(record.get("logprobs")),
         )
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise ProtocolError(f"{request_id}: malformed extras: {e}") from None

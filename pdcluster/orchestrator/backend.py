@@ -42,6 +42,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm import EngineStepError, LLMEngine, RequestOutput
+from pdcluster.engine.outputs import TokenLogprobs
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.models.tokenizer import Tokenizer
 from pdcluster.orchestrator.messages import Phases
@@ -79,6 +80,8 @@ class StreamDelta:
             for a delta that released none (an abort, tokens held back).
         ranks: the ranks that serve the request, `{"prefill": "prefill-0.1", "decode": "decode-0"}` (rank r
             of instance `<role>-<i>` is `<role>-<i>.<r>`, rank 0 `<role>-<i>`); empty for a local engine.
+        logprobs: one `engine.outputs.TokenLogprobs` per token of `new_token_ids` when the request set
+            `SamplingParams.logprobs`, else None.
     """
 
     new_token_ids: list[int]
@@ -92,6 +95,7 @@ class StreamDelta:
     num_accepted_tokens_per_position: list[int] = field(default_factory=list)
     new_text: str = ""
     ranks: dict[str, str] = field(default_factory=dict)
+    logprobs: list[TokenLogprobs] | None = None
 
     def reported_phases(self) -> dict[str, float | int]:
         """The phases as reports show them (`pdcluster.phases` of the HTTP API, job records): the seconds
@@ -375,4 +379,5 @@ def _delta(out: RequestOutput, new_token_ids: list[int]) -> StreamDelta:
         num_draft_tokens_per_position=list(out.num_draft_tokens_per_position),
         num_accepted_tokens_per_position=list(out.num_accepted_tokens_per_position),
         new_text=out.new_text,
+        logprobs=None if out.logprobs is None else out.logprobs[len(out.token_ids) - len(new_token_ids) :],
     )

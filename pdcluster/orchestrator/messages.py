@@ -24,6 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdcluster.engine.outputs import TokenLogprobs
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kvtransfer.base import HandoffMeta
 
@@ -290,7 +291,9 @@ class TokenDelta:
     phases: what decode measured (kv_transfer_s on the first delta, first_decode_step_s on the first
     stepped one); kv_transfer_bytes: bytes of KV received on the wire for this handoff (on the deltas that
     carry kv_transfer_s), None otherwise. new_text: the text decode's engine released with these tokens
-    (`engine.outputs.RequestOutput.new_text`: stop strings applied), so the edge never detokenizes."""
+    (`engine.outputs.RequestOutput.new_text`: stop strings applied), so the edge never detokenizes.
+    logprobs: one `engine.outputs.TokenLogprobs` per new token when the request asks for logprobs (the
+    first token's computed on prefill, carried with the handoff), else None."""
 
     handoff_id: str
     new_token_ids: tuple[int, ...]
@@ -300,6 +303,7 @@ class TokenDelta:
     kv_transfer_bytes: int | None = None
     drafts: DraftCounts = DraftCounts()
     new_text: str = ""
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)

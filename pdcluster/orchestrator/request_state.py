@@ -98,4 +98,5 @@ class DriverRequest:
             num_accepted_tokens_per_position=list(drafts.num_accepted_tokens_per_position),
             new_text=delta.new_text,
             ranks=ranks,
+            logprobs=None if delta.logprobs is None else list(delta.logprobs),
         )

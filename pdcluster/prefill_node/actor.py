@@ -427,7 +427,9 @@ class PrefillNode(RankActor):
         request_id = job.request_id
         forced = job.request.first_token_id
         if forced is not None and forced != result.first_token_id:
-            result = result._replace(first_token_id=forced, draft_token_ids=[], draft_probs=None)
+            result = result._replace(
+                first_token_id=forced, draft_token_ids=[], draft_probs=None, first_token_logprobs=None
+            )
         sender = self._sender(job)
         try:
             self._send_computed_layers(job)
@@ -441,6 +443,7 @@ class PrefillNode(RankActor):
                     first_token_id=result.first_token_id,
                     draft_token_ids=result.draft_token_ids,
                     draft_probs=result.draft_probs,
+                    first_token_logprobs=result.first_token_logprobs,
                 ),
             )
         except Exception as e:  # noqa: BLE001

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdcluster.engine.outputs import TokenLogprobs
 from pdcluster.kvtransfer.base import HandoffExtras, HandoffMeta, ReceivedLayer
 from pdcluster.kvtransfer.wire import LayerHeader
 
@@ -42,12 +43,15 @@ def make_extras(meta: HandoffMeta, seed: int = 0, with_probs: bool = False) -> H
         first_token_id=7,
         draft_token_ids=[11, 3],
         draft_probs=torch.softmax(torch.randn(2, 64, generator=gen), dim=-1) if with_probs else None,
+        # a sampled request's extras also carry its first token's logprobs
+        first_token_logprobs=TokenLogprobs(7, -0.75, 2, [3, 7], [-0.5, -0.75]) if with_probs else None,
     )
 
 
 def assert_extras_equal(got: HandoffExtras, want: HandoffExtras) -> None:
     assert got.first_token_id == want.first_token_id
     assert got.draft_token_ids == want.draft_token_ids
+    assert got.first_token_logprobs == want.first_token_logprobs
     if want.draft_probs is None:
         assert got.draft_probs is None
     else:

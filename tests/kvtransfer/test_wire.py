@@ -107,6 +107,10 @@ def test_header_and_extras_survive_msgpack_and_corrupted_extras_are_caught():
     record["draft_token_ids"][0] += 1
     with pytest.raises(ChecksumMismatch, match="extras"):
         extras_from_dict(meta.request_id, record)
+    record["draft_token_ids"][0] -= 1
+    record["logprobs"][1] -= 0.5  # the first token's logprob
+    with pytest.raises(ChecksumMismatch, match="extras"):
+        extras_from_dict(meta.request_id, record)
 
 
 def test_wire_bytes_come_from_itemsize():

@@ -210,10 +210,21 @@ def test_health_says_starting_until_serve_hands_the_service_over(backend: LocalE
         ({"prompt": "x", "max_tokens": 10**9}, f"max_model_len) of {MAX_MODEL_LEN} tokens"),
         ({"prompt": [5] * MAX_MODEL_LEN}, f"the prompt has {MAX_MODEL_LEN} tokens"),
         ({"prompt": [5] * 200, "max_tokens": 100}, "the prompt (200 tokens) plus max_tokens (100) is 300"),
-        ({"prompt": "x", "n": 2}, "n must be 1 (got 2)"),
-        ({"prompt": "x", "logprobs": 1}, "logprobs is not supported"),
-        # found by an attack pass: accepted and silently ignored before
-        ({"prompt": "x", "logit_bias": {"100": 100}}, "logit_bias is not supported"),
+        ({"prompt": "x", "n": 17}, "n must be in [1, 16], got 17"),
+        ({"prompt": "x", "n": 3, "best_of": 2}, "best_of must be in [n, 16], got 2"),
+        ({"prompt": "x", "best_of": 3, "stream": True}, "best_of > n cannot be streamed"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs must be in [0, 20], got 21"),
+        (
+            {"prompt": "x", "logprobs": 1, "echo": True},
+            "echo with logprobs (prompt logprobs) is not supported",
+        ),
+        ({"prompt": "x", "logit_bias": {"100000": 1}}, "logit_bias token ids must be in [0, "),
+        ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias values must be numbers in [-100, 100]"),
+        ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias keys must be token ids"),
+        ({"prompt": "x", "presence_penalty": 3}, "presence_penalty must be a number in [-2, 2], got 3"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty must be a finite number > 0"),
+        ({"prompt": "x", "min_tokens": 9, "max_tokens": 5}, "min_tokens must be an int in [0, max_tokens]"),
+        ({"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids token ids must be in [0, "),
         ({"prompt": "x", "suffix": "y"}, "suffix is not supported"),
         ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format.type must be text"),
         ({"prompt": "x", "guided_regex": "(a"}, "guided_regex: regex does not compile"),
@@ -384,9 +395,15 @@ def test_invalid_unicode_in_chat_gets_400(client: httpx.Client) -> None:
     assert error["param"] == "messages.1.content"
 
 
-def test_chat_rejects_n_and_logprobs(client: httpx.Client) -> None:
+def test_chat_rejects_out_of_range_n_and_logprobs(client: httpx.Client) -> None:
     messages = [{"role": "user", "content": "x"}]
-    for extra in ({"n": 3}, {"logprobs": True}, {"tool_choice": "required"}, {"logit_bias": {"5": 1}}):
+    for extra in (
+        {"n": 17},
+        {"top_logprobs": 2},  # without logprobs: true
+        {"top_logprobs": 21, "logprobs": True},
+        {"tool_choice": "required"},  # without tools
+        {"logit_bias": {"5": -101}},
+    ):
         r = client.post("/v1/chat/completions", json={"messages": messages, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), r.text
     plain = {"messages": messages, "max_tokens": 1, "response_format": {"type": "text"}, "logit_bias": {}}

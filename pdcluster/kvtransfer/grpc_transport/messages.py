@@ -7,6 +7,7 @@ import dataclasses
 import grpc
 import torch
 
+from pdcluster.engine.outputs import TokenLogprobs
 from pdcluster.kvtransfer.base import (
     ChecksumMismatch,
     HandoffExtras,
@@ -84,6 +85,16 @@ def extras_to_proto(extras: HandoffExtras) -> pb.Finish:
     )
     if extras.draft_probs is not None:
         finish.draft_probs.CopyFrom(_raw_tensor(extras.draft_probs))
+    logprobs = extras.first_token_logprobs
+    if logprobs is not None:
+        finish.first_token_logprobs.CopyFrom(
+            pb.TokenLogprobs(
+                logprob=logprobs.logprob,
+                rank=logprobs.rank,
+                top_token_ids=logprobs.top_token_ids,
+                top_logprobs=logprobs.top_logprobs,
+            )
+        )
     return finish
 
 
@@ -99,6 +110,11 @@ def extras_from_proto(request_id: str, finish: pb.Finish) -> HandoffExtras:
             draft_token_ids=list(finish.draft_token_ids),
             draft_probs=tensor(finish.draft_probs) if finish.HasField("draft_probs") else None,
         )
+        if finish.HasField("first_token_logprobs"):
+            lp = finish.first_token_logprobs
+            extras.first_token_logprobs = TokenLogprobs(
+                finish.first_token_id, lp.logprob, lp.rank, list(lp.top_token_ids), list(lp.top_logprobs)
+            )
     except (ValueError, RuntimeError) as e:
         raise ProtocolError(f"{request_id}: malformed extras: {e}") from None
     verify_extras(request_id, extras, finish.checksum)

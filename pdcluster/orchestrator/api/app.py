@@ -40,13 +40,13 @@ Prompts are tokenized on worker threads (`TOKENIZER_THREADS`, in the tokenizer's
 GIL), so a multi-MB prompt does not hold up the event loop: /health and every other stream go on.
 
 Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON, a
-schema violation, text that is not valid Unicode (a lone surrogate such as `"\\ud800"` is valid JSON but no
-character: the message names the field, the code point and its index), unsupported options (n != 1, logprobs,
-echo, best_of), a grammar that does not compile (naming the field), a bad sampling value, a prompt or prompt +
-max_tokens over the context (the message gives the lengths); 404 for an unknown model (as OpenAI's API and
-vLLM answer it); 401 for a missing or wrong API key; 413 for a body over the limit; 429 when the edge is full
-and 503 when the backend raises `BackendUnavailable` (both retriable, with `Retry-After: RETRY_AFTER_S`). An
-error after an SSE stream started is sent as a final `data: {"error": ...}` event, then `data: [DONE]`.
+schema violation, text that is not valid Unicode (the message names the field, the code point and its
+index), unsupported options (suffix, echo with logprobs), out-of-range n / best_of / logprobs /
+top_logprobs, a grammar that does not compile (naming the field), a bad sampling value, a prompt or prompt +
+max_tokens over the context; 404 for an unknown model; 401 for a missing or wrong API key; 413 for a body
+over the limit; 429 when the edge is full and 503 when the backend raises `BackendUnavailable` (both with
+`Retry-After: RETRY_AFTER_S`). An error after an SSE stream started is sent as a final
+`data: {"error": ...}` event, then `data: [DONE]`.
 
 Every response carries `usage` (prompt/completion/total tokens) and a `pdcluster` extension:
     {"request_id", "phases": {queue_s, prefill_s, kv_transfer_s, first_decode_step_s, total_s, ...},
@@ -73,6 +73,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdcluster.orchestrator.api.chat_template import ChatTemplate, ChatTemplateError
+from pdcluster.orchestrator.api.choices import serve_choices
 from pdcluster.orchestrator.api.errors import add_error_handlers
 from pdcluster.orchestrator.api.generation import Generation, PreparedRequest, prepare
 from pdcluster.orchestrator.api.guard import EdgeGuard
@@ -86,6 +87,8 @@ from pdcluster.orchestrator.api.protocol import (
     Endpoint,
     TokenizeRequest,
     Tool,
+    logit_bias,
+    num_top_logprobs,
     reject_unsupported,
     response_body,
     usage_chunk,
@@ -250,7 +253,20 @@ def build_app(
             prompt_ids = await encode(body.prompt)
         else:
             prompt_ids = list(body.prompt)
-        prepared = prepare(backend, body, prompt_ids, body.max_tokens, default_max_tokens=16, prefix="cmpl")
+        echo_text = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else None
+        if echo_text is None:
+            echo_text = backend.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        prepared = prepare(
+            backend,
+            body,
+            prompt_ids,
+            body.max_tokens,
+            default_max_tokens=16,
+            prefix="cmpl",
+            num_top_logprobs=num_top_logprobs(body),
+            logit_bias=logit_bias(body),
+            echo_text=echo_text,
+        )
         await with_grammar(prepared, body)
         return await serve_one(request, prepared, body, "completion")
 
@@ -267,6 +283,8 @@ def build_app(
             default_max_tokens=None,
             prefix="chatcmpl",
             max_tokens_param="max_completion_tokens" if completion_limit else "max_tokens",
+            num_top_logprobs=num_top_logprobs(body),
+            logit_bias=logit_bias(body),
         )
         await with_grammar(prepared, body)
         parse_tools = bool(body.tools) and body.tool_choice != "none"
@@ -303,6 +321,13 @@ def build_app(
         endpoint: Endpoint,
         tool_markers: ToolCallMarkers | None = None,
     ) -> Response:
+        best_of = getattr(body, "best_of", None) or body.n
+        if best_of > 1:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            start = partial(Generation, backend, metrics=metrics, slo=slo)
+            return await serve_choices(
+                request, prepared, start, endpoint, body.n, best_of, body.stream, include_usage
+            )
         gen = Generation(backend, prepared, metrics, slo)
         # Wait for the first delta before answering, so a request the backend refuses gets a real 400/503
         # instead of an error event inside a 200 stream. On the cluster the first delta is the prefill

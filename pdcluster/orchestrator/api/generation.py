@@ -15,7 +15,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdcluster.engine.outputs import TokenLogprobs
 from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.orchestrator.api.logprobs import chat_logprobs, completion_logprobs
 from pdcluster.orchestrator.api.metrics import ApiMetrics
 from pdcluster.orchestrator.api.protocol import MAX_STOP_STRINGS, ApiError, CommonRequest
 from pdcluster.orchestrator.backend import PHASE_NAMES, BackendUnavailable, ServingBackend, StreamDelta
@@ -32,9 +34,26 @@ class PreparedRequest:
     params: SamplingParams
     model: str  # the served model's id
     created_s: int  # Unix time (whole seconds): the responses' `created`
+    num_top_logprobs: int | None = None  # alternatives per token in the response; None: no logprobs
+    echo_text: str = ""  # completions' `echo`: the prompt's text, sent before the output's
 
 
-_SAMPLING_FIELDS = frozenset({"temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"})
+_SAMPLING_FIELDS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "ignore_eos",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+        "logit_bias",
+        "stop_token_ids",
+    }
+)
 
 
 def prepare(
@@ -45,6 +64,9 @@ def prepare(
     default_max_tokens: int | None,
     prefix: str,
     max_tokens_param: str = "max_tokens",
+    num_top_logprobs: int | None = None,
+    logit_bias: dict[int, float] | None = None,
+    echo_text: str = "",
 ) -> PreparedRequest:
     """Check `body` and its tokenized prompt against the served model; build the sampling params.
 
@@ -55,12 +77,15 @@ def prepare(
         prefix: the request id's prefix ("cmpl", "chatcmpl").
         max_tokens_param: the field `max_tokens` came from, as errors name it (chat's
             "max_completion_tokens" when the client sent that one).
+        num_top_logprobs: alternatives per output token the response carries (None: no logprobs).
+        logit_bias: token id -> bias (`protocol.logit_bias`); echo_text: completions' echoed prompt.
 
     Raises:
         ApiError: 404 for an unknown model (as OpenAI's API and vLLM answer it); 400 naming the field: an
             empty prompt, a token id outside the vocabulary, a prompt or prompt + max_tokens over
             `max_model_len` (the message gives the lengths), max_tokens < 1, more than `MAX_STOP_STRINGS`
-            stop strings, a bad sampling value.
+            stop strings, a bad sampling value, a stop_token_ids or logit_bias token outside the
+            vocabulary.
     """
     if body.model is not None and body.model != backend.model_name:
         raise ApiError(
@@ -97,6 +122,9 @@ def prepare(
             f"{num_prompt + max_tokens} tokens, over the model's context (max_model_len) of {max_len} tokens",
             param=max_tokens_param,
         )
+    for param, ids in (("stop_token_ids", body.stop_token_ids or []), ("logit_bias", logit_bias or {})):
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise ApiError(400, f"{param} token ids must be in [0, {vocab_size})", param=param)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
@@ -109,6 +137,13 @@ def prepare(
             max_tokens=max_tokens,
             stop=tuple(stop),
             ignore_eos=body.ignore_eos,
+            logprobs=num_top_logprobs,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            min_tokens=body.min_tokens,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            logit_bias=logit_bias or {},
         )
     except ValueError as exc:  # SamplingParams names the field first: "temperature must be ..."
         field = str(exc).split(" ", 1)[0]
@@ -119,6 +154,8 @@ def prepare(
         params=params,
         model=backend.model_name,
         created_s=int(time.time()),
+        num_top_logprobs=num_top_logprobs,
+        echo_text=echo_text,
     )
 
 
@@ -135,6 +172,7 @@ class Progress:
     last_token_s: float | None = None
     last: StreamDelta | None = None
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -161,6 +199,8 @@ class Generation:
         self.progress = Progress(arrival_s=time.perf_counter())
         self._deltas = backend.generate(prepared.request_id, prepared.prompt_token_ids, prepared.params)
         self._closed = False
+        self._num_logprobs_sent = 0  # of progress.logprobs, in chunks sent
+        self._logprobs_text_offset = len(prepared.echo_text)  # completions' text_offset of the next
 
     async def next(self) -> StreamDelta | None:
         """The next delta (already folded into `progress`), or None after the last one.
@@ -194,6 +234,8 @@ class Generation:
                 self.metrics.itl_s.observe(now - p.last_token_s)
             p.last_token_s = now
             p.token_ids.extend(delta.new_token_ids)
+            if delta.logprobs is not None:
+                p.logprobs.extend(delta.logprobs)
         p.last = delta
         p.text += delta.new_text
         if delta.finished:
@@ -231,6 +273,25 @@ class Generation:
         )
 
     # ---- response pieces -----------------------------------------------------------------------------
+    def logprobs_body(self, endpoint: str, chunk: bool) -> dict[str, Any] | None:
+        """The choice's `logprobs` (`api.logprobs`): of every token (`chunk` False), or of the tokens since
+        the previous chunk (advancing past them); None when the client asked for none."""
+        num_top = self.prepared.num_top_logprobs
+        if num_top is None:
+            return None
+        entries = self.progress.logprobs
+        if chunk:
+            entries = entries[self._num_logprobs_sent :]
+            self._num_logprobs_sent += len(entries)
+        tokenizer = self.backend.tokenizer
+        if endpoint == "chat":
+            return chat_logprobs(tokenizer, entries, num_top)
+        start = self._logprobs_text_offset if chunk else len(self.prepared.echo_text)
+        body = completion_logprobs(tokenizer, entries, start, num_top)
+        if chunk and entries:
+            self._logprobs_text_offset = body["text_offset"][-1] + len(body["tokens"][-1])
+        return body
+
     def usage(self) -> dict[str, int]:
         """OpenAI `usage`: prompt, completion and total tokens."""
         num_prompt = len(self.prepared.prompt_token_ids)

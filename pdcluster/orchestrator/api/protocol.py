@@ -13,11 +13,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pdcluster.models.tokenizer import check_unicode
+from pdcluster.orchestrator.api.logprobs import MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:
     from pdcluster.orchestrator.api.generation import Generation
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # n and best_of at most
 RETRY_AFTER_S = 1  # the Retry-After header (seconds) of a 429 (edge full) and of a 503 (backend unavailable)
 
 
@@ -64,12 +66,17 @@ class CommonRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, description=f"choices to return, 1 .. {MAX_CHOICES}; the prompt is prefilled once")
     ignore_eos: bool = Field(False, description="extension: generate past EOS (benchmarks)")
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, description="in [-2, 2], subtracted from seen tokens' logits")
+    frequency_penalty: float = Field(0.0, description="in [-2, 2], times a token's output count")
+    repetition_penalty: float = Field(1.0, description="extension: > 0, CTRL's rule over prompt and output")
+    min_tokens: int = Field(0, description="extension: EOS and stop_token_ids held back before this many")
+    stop_token_ids: list[int] | None = Field(None, description="extension: token ids that end the output")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (a string) -> bias in [-100, 100]"
+    )
     # read only to refuse them (`reject_unsupported`): accepted silently, they would be ignored
-    logit_bias: dict[str, Any] | None = None
     # structured output (`api.structured`): OpenAI's, and vLLM's extensions
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -83,9 +90,11 @@ class CommonRequest(BaseModel):
 
 class CompletionRequest(CommonRequest):
     prompt: str | list[int] = Field(..., description="text, or token ids of the served model's tokenizer")
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
+    logprobs: int | None = Field(None, description="top alternatives per output token, 0 .. 20")
+    echo: bool = Field(False, description="the prompt's text before the output's")
+    best_of: int | None = Field(
+        None, description="generate this many, return the n with the best logprob sum"
+    )
     suffix: str | None = None
 
     _check_prompt = field_validator("prompt")(_check_unicode)
@@ -170,7 +179,7 @@ class ChatCompletionRequest(CommonRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, description="with logprobs: alternatives per token, 0 .. 20")
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     add_generation_prompt: bool = Field(
@@ -200,35 +209,53 @@ class DetokenizeRequest(BaseModel):
 
 
 def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
-    """Refuse the OpenAI options this server does not implement (n != 1, penalties, logprobs, echo, best_of,
-    logit_bias, suffix), rather than ignore them.
+    """Refuse the OpenAI options this server does not implement (suffix, echo with logprobs) rather than
+    ignore them, and out-of-range choice and logprobs counts.
 
     Raises:
         ApiError: 400 naming the option (`param`).
     """
-    if body.n != 1:
-        raise ApiError(
-            400, f"n must be 1 (got {body.n}): this server returns one choice per request", param="n"
-        )
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) != 0:
-            raise ApiError(400, f"{name} is not supported by this server (must be 0)", param=name)
-    if body.logit_bias:
-        raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise ApiError(400, f"n must be in [1, {MAX_CHOICES}], got {body.n}", param="n")
     if isinstance(body, ChatCompletionRequest):
-        if body.logprobs or body.top_logprobs is not None:
-            raise ApiError(400, "logprobs is not supported by this server", param="logprobs")
+        if body.top_logprobs is not None:
+            _check_num_logprobs(body.top_logprobs, "top_logprobs")
+            if not body.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return
     if body.suffix:
         raise ApiError(400, "suffix is not supported by this server", param="suffix")
     if body.logprobs is not None:
-        raise ApiError(400, "logprobs is not supported by this server", param="logprobs")
-    if body.echo:
-        raise ApiError(400, "echo is not supported by this server", param="echo")
-    if body.best_of not in (None, 1):
-        raise ApiError(
-            400, f"best_of must be 1 (got {body.best_of}): one completion per request", param="best_of"
-        )
+        _check_num_logprobs(body.logprobs, "logprobs")
+        if body.echo:
+            raise ApiError(
+                400, "echo with logprobs (prompt logprobs) is not supported by this server", param="echo"
+            )
+    if body.best_of is not None:
+        if not body.n <= body.best_of <= MAX_CHOICES:
+            raise ApiError(400, f"best_of must be in [n, {MAX_CHOICES}], got {body.best_of}", param="best_of")
+        if body.stream and body.best_of != body.n:
+            raise ApiError(400, "best_of > n cannot be streamed", param="best_of")
+
+
+def _check_num_logprobs(value: int, param: str) -> None:
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"{param} must be in [0, {MAX_TOP_LOGPROBS}], got {value}", param=param)
+
+
+def num_top_logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """Alternatives per output token the response carries; None: no logprobs in the response."""
+    if isinstance(body, ChatCompletionRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs
+
+
+def logit_bias(body: CommonRequest) -> dict[int, float]:
+    """`body.logit_bias` keyed by token id. Raises ApiError 400 for a key that is not an integer."""
+    try:
+        return {int(k): v for k, v in (body.logit_bias or {}).items()}
+    except ValueError:
+        raise ApiError(400, "logit_bias keys must be token ids (integers)", param="logit_bias") from None
 
 
 # ---- errors -----------------------------------------------------------------------------------------------
@@ -282,6 +309,7 @@ def response_body(
     chunk: bool,
     first: bool = False,
     tool_calls: list[dict[str, Any]] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     """A response body of `gen` carrying `text` with `finish` (its finish_reason; None mid-stream).
 
@@ -291,13 +319,16 @@ def response_body(
             `choices[0].delta`, whose first one names the role).
         chunk: an SSE chunk (the `pdcluster` extension only on the last, `finish` set; `usage` never: the
             `include_usage` chunk carries it, counted once) rather than the whole response (with both).
-        first: the stream's first chunk (chat: the delta carries `role: assistant`).
+        first: the stream's first chunk (chat: the delta carries `role: assistant`; completions with
+            `echo`: the prompt's text comes first).
         tool_calls: chat: the message's `tool_calls` (OpenAI form; in a chunk, with their `index`).
+        index: the choice's index (`n`).
+    The choice's `logprobs` are those of the tokens not yet sent in a chunk (`Generation.logprobs_body`).
     """
-    choice: dict[str, Any] = {"index": 0}
+    choice: dict[str, Any] = {"index": index}
     if endpoint == "completion":
         object_ = "text_completion"
-        choice["text"] = text
+        choice["text"] = gen.prepared.echo_text + (text or "") if first or not chunk else text
     else:
         message: dict[str, Any] = {"role": "assistant", "content": text} if first or not chunk else {}
         if chunk and not first:
@@ -306,7 +337,7 @@ def response_body(
             message["tool_calls"] = tool_calls
         object_ = "chat.completion.chunk" if chunk else "chat.completion"
         choice["delta" if chunk else "message"] = message
-    choice.update(logprobs=None, finish_reason=finish)
+    choice.update(logprobs=gen.logprobs_body(endpoint, chunk), finish_reason=finish)
     prepared = gen.prepared
     body: dict[str, Any] = {
         "id": prepared.request_id,

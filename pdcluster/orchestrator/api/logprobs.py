@@ -1,0 +1,87 @@
+"""Per-token log-probabilities in OpenAI's response shapes.
+
+The values are the engine's (`engine.outputs.TokenLogprobs`): log_softmax of the logits after logit_bias,
+the penalties and min_tokens, divided by the temperature (1 when greedy), before top-k/top-p, i.e. the
+distribution the token was sampled from before truncation (vLLM v0's default; vLLM v1 reports the raw
+logits' unless `logprobs_mode` says otherwise: both agree for greedy requests without penalties). A
+token's text is its own decode (a byte-level piece of a multi-byte character shows as U+FFFD, as vLLM
+shows it); `-inf` (a token min_tokens holds back) is sent as -9999.0, as vLLM sends it (JSON has no
+infinity).
+
+    completions  choices[i].logprobs = {"tokens", "token_logprobs", "top_logprobs": [{text: logprob}],
+                                        "text_offset"}
+    chat         choices[i].logprobs = {"content": [{"token", "logprob", "bytes",
+                                        "top_logprobs": [{"token", "logprob", "bytes"}]}]}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pdcluster.engine.outputs import TokenLogprobs
+from pdcluster.models.tokenizer import Tokenizer
+
+MAX_TOP_LOGPROBS = 20
+"""`logprobs` (completions) and `top_logprobs` (chat) at most (vLLM's default limit)."""
+MIN_LOGPROB = -9999.0
+
+
+def _value(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def _text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer, entries: Sequence[TokenLogprobs], text_offset: int, num_top: int
+) -> dict[str, Any]:
+    """The completions `logprobs` object of `entries` (consecutive output tokens), offsets counted from
+    `text_offset` characters (the text the choice already sent); `num_top` alternatives per token (the
+    sampled token is added to its dict, as vLLM adds it)."""
+    tokens: list[str] = []
+    offsets: list[int] = []
+    top: list[dict[str, float]] = []
+    for entry in entries:
+        text = _text(tokenizer, entry.token_id)
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        alternatives = {
+            _text(tokenizer, t): _value(v)
+            for t, v in zip(entry.top_token_ids[:num_top], entry.top_logprobs[:num_top], strict=True)
+        }
+        alternatives.setdefault(text, _value(entry.logprob))
+        top.append(alternatives)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_value(e.logprob) for e in entries],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprobs], num_top: int) -> dict[str, Any]:
+    """The chat `logprobs` object of `entries`, `num_top` alternatives per token."""
+    content = []
+    for entry in entries:
+        text = _text(tokenizer, entry.token_id)
+        content.append(
+            {
+                "token": text,
+                "logprob": _value(entry.logprob),
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": (alt := _text(tokenizer, t)), "logprob": _value(v), "bytes": list(alt.encode())}
+                    for t, v in zip(entry.top_token_ids[:num_top], entry.top_logprobs[:num_top], strict=True)
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def cumulative_logprob(entries: Sequence[TokenLogprobs]) -> float:
+    """The sum of the sampled tokens' logprobs (what best_of ranks choices by)."""
+    return sum(entry.logprob for entry in entries)

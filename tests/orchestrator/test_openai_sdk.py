@@ -1,0 +1,128 @@
+"""The official `openai` client against the HTTP edge (a real uvicorn server over a LocalEngineBackend on
+the bundled model, MTP on): logprobs with top_logprobs on both endpoints and n=3, streamed and not.
+
+What it proves: the SDK parses every response and chunk; greedy logprobs equal the offline engine's
+(MTP off, another engine object: within 1e-4, the same float32 model evaluated in different batch
+shapes); a stream carries the same tokens and logprobs as the whole response; n=3 returns choices 0..2
+(streamed: each index finishes once) and the prompt's full blocks come from the prefix cache for
+choices 1 and 2 (the prompt is prefilled once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from pdcluster.engine.llm import LLM
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.orchestrator.api.app import build_app
+from pdcluster.orchestrator.api.server import ServerThread
+from pdcluster.orchestrator.backend import LocalEngineBackend
+
+PROMPT = "def fibonacci(n):\n"
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLM:
+    return LLM(bundled_checkpoint_dir(), max_model_len=256, num_kv_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def backend(reference: LLM) -> Iterator[LocalEngineBackend]:
+    engine = reference.replace_config(num_speculative_tokens=2).engine
+    backend = LocalEngineBackend(engine.config, engine=engine)
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(backend: LocalEngineBackend) -> Iterator[openai.OpenAI]:
+    with ServerThread(build_app(backend)) as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_completion_logprobs_whole_and_streamed(client, reference):
+    expected = reference.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, logprobs=3))[0]
+    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=3)
+    logprobs = whole.choices[0].logprobs
+    assert whole.choices[0].text == expected.text
+    assert len(logprobs.tokens) == whole.usage.completion_tokens == len(expected.token_ids)
+    assert logprobs.token_logprobs == pytest.approx([t.logprob for t in expected.logprobs], abs=TOLERANCE)
+    assert all(
+        len(top) >= 3 for top in logprobs.top_logprobs
+    )  # 3 alternatives (+ the token, if not among them)
+    assert logprobs.text_offset[0] == 0 and "".join(logprobs.tokens) == whole.choices[0].text
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=3, stream=True
+        )
+    )
+    streamed = [
+        v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed == pytest.approx(logprobs.token_logprobs, abs=TOLERANCE)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+
+
+def test_chat_logprobs_whole_and_streamed(client):
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=TOLERANCE)  # greedy: the top
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+        )
+    )
+    streamed = [
+        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=TOLERANCE)
+
+
+def test_n_choices_prefill_the_prompt_once(client, backend):
+    prompt = "def choices_of_a_fresh_prompt(values, weights, k):\n    " * 2  # not cached by another test
+    num_prompt = len(backend.tokenizer.encode(prompt))
+    block_size = backend.engine.config.block_size
+    hits_before = backend.engine.scheduler.stats().num_prefix_cache_hit_tokens
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, seed=0, n=3)
+    hits = backend.engine.scheduler.stats().num_prefix_cache_hit_tokens - hits_before
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert len({c.text for c in whole.choices}) > 1  # seeds seed + i: the choices differ
+    assert whole.usage.prompt_tokens == num_prompt
+    assert hits == 2 * ((num_prompt - 1) // block_size) * block_size  # choices 1 and 2 hit every full block
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=6,
+        n=3,
+        logprobs=True,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    finished: dict[int, int] = {}
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            if choice.finish_reason is not None:
+                finished[choice.index] = finished.get(choice.index, 0) + 1
+    assert finished == {0: 1, 1: 1, 2: 1}
+    assert usage is not None and usage.completion_tokens == 18
