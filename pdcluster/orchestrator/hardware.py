@@ -15,15 +15,8 @@ TERA = 10**12
 
 @dataclass(frozen=True)
 class AcceleratorSpec:
-    """One accelerator kind; `*_flops_per_s` are dense matrix peaks (None: no such unit or no figure).
-
-    Attributes:
-        name: catalog key, as in a topology's `hardware.accelerator`.
-        dies_per_chip: dies in one package; each die is one logical device.
-        hbm_bytes: device memory of one device (host memory budget per worker for `cpu`).
-        ray_resource: the Ray resource one device consumes (`GPU`, `NPU`); None for `cpu`.
-        torch_device_type / collective_backend: `cpu`/`gloo`, `npu`/`hccl` or `cuda`/`nccl`.
-    """
+    """One accelerator kind; `*_flops_per_s` are dense matrix peaks per device (None: no unit or no figure).
+    `hbm_bytes` is a worker's memory budget and `ray_resource` None for `cpu`."""
 
     name: str
     vendor: str

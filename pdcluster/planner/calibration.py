@@ -22,9 +22,7 @@ KV_LINK_FACTORS = ("kv_link", "handoff_overhead_s")
 
 
 def measured_kv_transport(transport: str) -> str:
-    """The transport `pdcluster profile` measures for handoffs over `transport`: `shm` for shm, else
-    `grpc`.
-    """
+    """The transport `pdcluster profile` measures for handoffs over `transport`: shm, else grpc."""
     return "shm" if transport == "shm" else "grpc"
 
 
@@ -39,12 +37,8 @@ def factor_names() -> tuple[str, ...]:
 
 
 def read_calibration(path: str | Path) -> dict[str, Any]:
-    """The calibration JSON object at `path`.
-
-    Raises:
-        ValueError: naming the file and key: missing, not JSON, wrong `format`, or a factor unknown or not a
-            finite number >= 0.
-    """
+    """The calibration JSON object at `path`. Raises ValueError naming the file and key: missing, not JSON,
+    wrong `format`, or a factor unknown or not a finite number >= 0."""
     path = Path(path)
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
@@ -79,12 +73,8 @@ def read_calibration(path: str | Path) -> dict[str, Any]:
 def load_calibration(
     path: str | Path, base: Efficiency, *, accelerator: str | None = None, kv_transport: str | None = None
 ) -> Efficiency:
-    """`base` with the calibration's factors; KV link factors only if measured over `kv_transport`'s
-    transport.
-
-    Raises:
-        ValueError: as `read_calibration`, or the calibration was measured on another accelerator kind.
-    """
+    """`base` with the calibration's factors (KV link ones only if measured over `kv_transport`'s transport).
+    Raises ValueError as `read_calibration`, or for a calibration of another accelerator kind."""
     raw = read_calibration(path)
     if accelerator is not None and raw.get("accelerator") != accelerator:
         raise ValueError(

@@ -46,11 +46,8 @@ class ControlPlane:
 
 
 def control_plane_from_calibration(path: str | Path | None) -> ControlPlane:
-    """The `control_plane` of a calibration JSON; zero when `path` is None or the calibration has none.
-
-    Raises:
-        ValueError: as `planner.calibration.read_calibration`, or a key / value `ControlPlane` refuses.
-    """
+    """The `control_plane` of a calibration JSON; zero when `path` is None or it has none. Raises ValueError
+    as `read_calibration`, or for a key or value `ControlPlane` refuses."""
     if path is None:
         return ControlPlane()
     from pdcluster.planner.calibration import read_calibration
@@ -123,13 +120,9 @@ def measure_control_plane(
     topology, prefill: StepTimeModel, decode: StepTimeModel, num_requests: int, max_tokens: int,
     progress: Callable[[str], None] = lambda label: None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Deploy `topology` here, send `num_requests` greedy requests one at a time, and derive the
-    `ControlPlane`.
+    """Deploy `topology` here, send `num_requests` requests one at a time and derive the `ControlPlane`.
 
-    Returns `{"values": ControlPlane fields, "points": per request, "num_failed": int}`.
-
-    Raises:
-        ValueError: no request succeeded; DeployError / TopologyError: as `serve`.
+    Returns `{"values", "points", "num_failed"}`. Raises ValueError when no request succeeded, and as `serve`.
     """
     from pdcluster.models.tokenizer import Tokenizer
     from pdcluster.orchestrator.bench_client import replay, served_model

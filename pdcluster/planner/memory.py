@@ -1,12 +1,9 @@
 """Parameters each device of an instance holds, for a DeepSeek-V3-architecture config: does a split fit?
 
-Layout from the DeepSeek-V3 report (arXiv 2412.19437) sections 2.1-2.2 and 4.2, tensors as in
-`models.deepseek_v3`. Per device (symbols as in `planner.op_costs`; tp, ep, moe_tp = devices / ep):
-embedding, lm_head (unless tied) and norms whole; MLA with heads split over tp (`q_a`/`kv_a` whole);
-dense MLPs and shared experts split over tp; per MoE layer (main and MTP) the gate `E h` and
-`ceil((E + redundant) / ep)` routed experts of `ceil(3 h mi / moe_tp)`; per MTP module `eh_proj` and
-3 norms (its embedding and head are the main model's). Buffers and quantization scales are not counted,
-so weights + KV cache is a lower bound of a device's memory.
+Layout from the DeepSeek-V3 report (arXiv 2412.19437) sections 2.1-2.2 and 4.2: per device, embedding,
+head and norms whole; attention, dense MLPs and shared experts split over tp; per MoE layer the gate and
+`ceil((E + redundant) / ep)` routed experts, each split over `devices / ep`. Buffers and quantization
+scales are not counted: weights + KV cache is a lower bound.
 """
 
 from __future__ import annotations
@@ -28,9 +25,7 @@ GB = 1e9
 @dataclass(frozen=True)
 class ResidentParams:
     """Parameters (element counts, not bytes) one device of an instance holds, by part; `experts_per_layer` is
-    the
-    routed experts (logical + redundant) it holds per MoE layer.
-    """
+    the routed experts (logical + redundant) it holds per MoE layer."""
 
     embedding: int
     lm_head: int
@@ -65,11 +60,8 @@ def resident_params(
     expert_parallel_size: int = 1,
     num_redundant_experts: int = 0,
 ) -> ResidentParams:
-    """The parameters one device of an instance of `devices` devices holds.
-
-    Raises:
-        ValueError: a parallel size < 1, or one that does not divide `devices`.
-    """
+    """The parameters one device of an instance of `devices` devices holds. Raises ValueError for a parallel
+    size < 1 or one that does not divide `devices`."""
     tp, ep = tensor_parallel_size, expert_parallel_size
     if min(devices, tp, ep) < 1 or devices % tp or devices % ep:
         raise ValueError(
@@ -123,12 +115,8 @@ def pool_resident_params(cfg: DeepseekV3Config, pool: PoolConfig) -> ResidentPar
 def pool_memory_overflow(
     cfg: DeepseekV3Config, pool: PoolConfig, spec: AcceleratorSpec, weight_dtype: str
 ) -> str | None:
-    """Why one device of `pool` cannot hold its weights plus `kv_cache_memory_bytes` in `spec.hbm_bytes`, or
-    None.
-
-    Raises:
-        ValueError: an unknown `weight_dtype`, parallel sizes that do not divide the instance.
-    """
+    """Why one device of `pool` cannot hold its weights plus `kv_cache_memory_bytes`, or None when they fit.
+    Raises ValueError for an unknown `weight_dtype` or parallel sizes that do not divide the instance."""
     params = pool_resident_params(cfg, pool)
     weight_bytes = params.bytes(weight_dtype)
     if weight_bytes + pool.kv_cache_memory_bytes <= spec.hbm_bytes:

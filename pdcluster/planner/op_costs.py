@@ -1,12 +1,10 @@
 """FLOPs and bytes of each op of one engine step on one rank, for a DeepSeek-V3-architecture config.
 
-Symbols: T tokens, h hidden_size, H heads, r kv_lora_rank, dr qk_rope_head_dim, dn qk_nope_head_dim,
-dv v_head_dim. GEMM `[M, K] x [K, N]`: `2 M K N` FLOPs, weights read once per step, activations once.
-MLA (DeepSeek-V2, arXiv 2405.04434, section 2.1): a chunk of n queries over c cached keys has
-`n c + n (n + 1) / 2` causal pairs; expanded form (prefill chunks, `kernels.mla_cost` crossover):
-`2 S r H (dn + dv)` up-projection + `2 H pairs (dn + dr + dv)`; absorbed form (decode):
-`2 q H r (dn + dv)` + `2 H pairs (2 r + dr)`, the latent read once for all heads.
-Routed experts (DeepSeek-V3 report, section 2.1.2): weights read only for experts that get a token.
+Symbols: h hidden, H heads, r kv_lora_rank, dr/dn rope/nope head dims, dv v_head_dim. GEMM `[M, K] x [K, N]`:
+`2 M K N` FLOPs. MLA (DeepSeek-V2, arXiv 2405.04434, section 2.1): n queries over c cached keys make
+`n c + n (n + 1) / 2` causal pairs; expanded (prefill) `2 S r H (dn + dv) + 2 H pairs (dn + dr + dv)`,
+absorbed (decode) `2 q H r (dn + dv) + 2 H pairs (2 r + dr)`. Routed experts (DeepSeek-V3 report,
+section 2.1.2): weights read only for experts that get a token.
 """
 
 from __future__ import annotations
@@ -37,15 +35,8 @@ def kv_bytes_per_token_per_layer(config: DeepseekV3Config, kv_dtype: str) -> int
 
 @dataclass(frozen=True)
 class OpCost:
-    """One operation's work on one rank in one step.
-
-    Attributes:
-        kind: `gemm` (weight-dtype peak), `attention` (activation-dtype peak) or `memory` (bandwidth only).
-        flops: operations, multiply and add counted apart; *_bytes: bytes read and written.
-        count: runs in the step (one per layer it is in).
-        gemms: for a `gemm` op, `(m rows per group, n, k, groups)` per GEMM (shape-aware pricing).
-        seq_len: for attention, the mean sequence length its keys span.
-    """
+    """One op's work on one rank in one step: `kind` picks the roofline (`gemm`, `attention`, `memory`),
+    `count` the layers it runs in, `gemms` its `(m, n, k, groups)`, `seq_len` attention's length."""
 
     name: str
     kind: str
@@ -70,9 +61,7 @@ class OpCost:
 @dataclass(frozen=True)
 class RankWork:
     """One rank's share of a step as the op counts need it (counts, >= 0): tokens, MLA queries/keys/causal
-    pairs
-    per form, lm_head rows, and the MTP layer's tokens and head rows.
-    """
+    pairs per form, lm_head rows, and the MTP layer's tokens and head rows."""
 
     num_tokens: float
     expanded_queries: float = 0.0
@@ -88,9 +77,7 @@ class RankWork:
 
 @dataclass(frozen=True)
 class Dtypes:
-    """Element dtypes of one deployment: `weight` (GEMM weights), `activation`, `kv` (a model dtype or
-    int8).
-    """
+    """Element dtypes of one deployment: `weight`, `activation`, `kv` (a model dtype or int8)."""
 
     weight: str = "bfloat16"
     activation: str = "bfloat16"
@@ -124,9 +111,7 @@ def attention_projections(cfg: DeepseekV3Config, t: float, d: Dtypes, tp: int = 
 
 
 def attention_core(cfg: DeepseekV3Config, work: RankWork, d: Dtypes, tp: int = 1) -> list[OpCost]:
-    """MLA attention of one layer, expanded and absorbed parts apart; the new KV write goes to the first
-    op.
-    """
+    """MLA attention of one layer, expanded and absorbed parts; the KV write goes to the first."""
     wb, ab = dtype_bytes(d.weight), dtype_bytes(d.activation)
     kv_tok = kv_bytes_per_token_per_layer(cfg, d.kv)
     heads, r, dr = cfg.num_attention_heads // tp, cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -161,9 +146,7 @@ def attention_core(cfg: DeepseekV3Config, work: RankWork, d: Dtypes, tp: int = 1
 def mlp(
     name: str, t: float, h: int, inter: int, weight_b: int, act_b: int, weight_copies: float = 1.0
 ) -> OpCost:
-    """SwiGLU over `t` tokens: `6 t h inter` FLOPs, `3 h inter` weights per copy, as gate_up and down
-    GEMMs.
-    """
+    """SwiGLU over `t` tokens: `6 t h inter` FLOPs, `3 h inter` weights per copy."""
     groups = max(weight_copies, 1.0)
     m = t / groups
     return OpCost(
@@ -194,9 +177,7 @@ def moe_ops(
     moe_tp: int = 1,
     tp: int = 1,
 ) -> list[OpCost]:
-    """One DeepSeekMoE layer on one rank: gate, routed experts (FFN split over `moe_tp`), shared expert
-    (over `tp`).
-    """
+    """One DeepSeekMoE layer on one rank: gate, routed experts (over `moe_tp`), shared (over `tp`)."""
     wb, ab = dtype_bytes(d.weight), dtype_bytes(d.activation)
     h, e = cfg.hidden_size, cfg.n_routed_experts
     mi = cfg.moe_intermediate_size

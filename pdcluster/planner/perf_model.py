@@ -1,10 +1,8 @@
 """Seconds of one engine step and of one KV handoff from FLOPs and bytes: the planner's performance model.
 
-Per step: split the work over the instance's DP/EP ranks (`rank_split`, `imbalance`), count each op's FLOPs
-and bytes on the slowest rank (`op_costs`), price each op on the roofline
-`max(flops / (peak x compute fraction), bytes / (bandwidth x memory fraction))` (Williams et al., "Roofline",
-CACM 2009) with fractions from `kernel_tables` or `orchestrator.efficiency`, add EP dispatch/combine
-(`comm_costs`, or two micro-batches via `overlap`), host and launch time.
+Each op of the slowest DP/EP rank (`rank_split`, `imbalance`, `op_costs`) is priced on the roofline
+`max(flops / (peak x compute fraction), bytes / (bandwidth x memory fraction))` (Williams et al.,
+"Roofline", CACM 2009), plus EP communication (`comm_costs`, `overlap`), launch and host time.
 """
 
 from __future__ import annotations
@@ -62,17 +60,10 @@ class Parallelism:
 class PerfModel:
     """The step-time model (`StepTimeModel`) of one instance of one pool.
 
-    Args:
-        efficiency: scalar factors; default `get_efficiency(spec.name)`.
-        ep_link, tp_link, kv_link: link levels of the EP group, the TP group, and prefill -> decode KV.
-        ep_imbalance: slowest EP rank's load over the mean; None: EPLB placement x finite-token noise.
-        node_forwarding: `(devices_per_node, intra-node link)` for DeepEP-style per-node forwarding; None:
-        p2p.
-        kernel_tables: published kernel measurements; "catalog": the device's (none for `cpu`); None: scalars.
-
-    Raises:
-        ValueError: `ep_imbalance` < 1, more TP ranks than heads, or a dtype with no matrix peak in the
-        catalog.
+    ep_imbalance: slowest EP rank's load over the mean (None: EPLB placement x token noise). node_forwarding:
+    (devices_per_node, intra-node link) for DeepEP-style forwarding. kernel_tables: "catalog" (the device's),
+    a table set, or None (scalar factors only). Raises ValueError for ep_imbalance < 1, more TP ranks than
+    heads, or a dtype with no matrix peak in the catalog.
     """
 
     def __init__(
@@ -303,12 +294,9 @@ class PerfModel:
         return self.config.num_hidden_layers + self.config.num_nextn_predict_layers
 
     def kv_handoff_s(self, num_prompt_tokens: int, prefill_compute_s: float) -> float:
-        """Seconds the KV handoff adds after the prefill compute.
-
-        Per layer `t = bytes / bandwidth`, compute `c = prefill_compute_s / L`; layer-wise the last layer
-        lands
-        `max(t, L t - (L - 1) c)` after the compute, else `L t`; plus link latency and per-handoff overhead.
-        """
+        """Seconds the KV handoff adds after the prefill compute: per layer `t = bytes / bandwidth`,
+        `c = compute / L`; layer-wise `max(t, L t - (L - 1) c)`, else `L t`; plus latency and
+        handoff overhead."""
         if num_prompt_tokens <= 0:
             raise ValueError(f"num_prompt_tokens must be >= 1, got {num_prompt_tokens}")
         layers = self.kv_layers

@@ -1,12 +1,8 @@
 """`pdcluster profile`: measure the live engine here and fit the `cpu` catalog entry's efficiency factors.
 
-1. Step times: one `LLMEngine` per pool (its deployed engine arguments), torch at 1 thread; each grid
-   point's step is timed in CPU seconds of the stepping thread (`time.thread_time`), so other processes'
-   load stays out of the fit; the fastest repeat is used.
-2. KV transfer: `kvtransfer.loopback_bench.bench_pair` over the topology's transport; fits
-   `seconds = fixed + bytes / bandwidth`.
-3. Fit: step time `host + n_ops op_overhead + sum_ops max(flops a_kind, bytes b_kind)`; regimes alternate
-   with NNLS on relative errors until they repeat; unknowns the data cannot see keep catalog defaults.
+Step times per grid point are CPU seconds of the stepping thread (torch at 1 thread, fastest repeat), so
+other processes' load stays out; KV handoffs fit `seconds = fixed + bytes / bandwidth`; the factors of
+`host + n_ops op_overhead + sum_ops max(flops a, bytes b)` are fitted by NNLS on relative errors.
 """
 
 from __future__ import annotations
@@ -44,8 +40,7 @@ UNKNOWNS = ("host_overhead_s", "op_overhead_s", "gemm_compute", "gemm_memory", "
 @dataclass
 class Sample:
     """One grid point measured: pool `role`, `batch`, `length` (prompt or context tokens), the `step` priced,
-    per-repeat thread CPU seconds (`times_s`, fitted) and wall seconds.
-    """
+    per-repeat thread CPU seconds (`times_s`, fitted) and wall seconds."""
 
     role: str
     batch: int
@@ -127,9 +122,7 @@ def measure_decode(
 
 
 def measure_steps(topology, grid: Grid, progress: Callable[[str], None], seed: int = 0) -> list[Sample]:
-    """Every step sample of `grid` on both pools' engines, torch at one intra-op thread as the rank actors
-    run.
-    """
+    """Every step sample of `grid` on both pools' engines, torch at one thread as deployed."""
     import torch
 
     threads = torch.get_num_threads()
@@ -173,11 +166,8 @@ def _measure_steps(topology, grid: Grid, progress: Callable[[str], None], seed: 
 def measure_kv(
     config, dtype: str, token_counts: Sequence[int], repeats: int, transport: str = "grpc"
 ) -> dict[str, Any]:
-    """KV handoffs over `transport` (`grpc` or `shm`; others measured as `grpc`) at `token_counts` sizes.
-
-    Returns the transport, raw points, and `fixed_s` and `bytes_per_s` fitted by NNLS through the fastest
-    repeats.
-    """
+    """KV handoffs over `transport` (others than shm measured as grpc) at `token_counts` sizes: the raw points
+    and `fixed_s`, `bytes_per_s` fitted by NNLS through the fastest repeats."""
     from pdcluster.kvtransfer.loopback_bench import bench_pair
     from pdcluster.planner.calibration import measured_kv_transport
 
@@ -253,11 +243,8 @@ def _features(model: PerfModel, step: StepShape, regime: dict[tuple[str, str], b
 def fit_efficiency(
     models: dict[str, PerfModel], samples: Sequence[Sample], base: Efficiency, max_rounds: int = 8
 ) -> tuple[Efficiency, dict[str, Any]]:
-    """Fit `base`'s step-time factors to `samples`, `models[role]` pricing each role's samples.
-
-    Keeps the round with the least rms relative error; returns it and a report (`rounds`, `rms_rel_error`,
-    `not_identified`).
-    """
+    """Fit `base`'s step-time factors to `samples`; returns the round with the least rms relative error and a
+    report (`rounds`, `rms_rel_error`, `not_identified`)."""
     y = np.array([s.best_s for s in samples])
     w = 1.0 / y
     current, regimes = base, None

@@ -54,12 +54,8 @@ def describe(topology: Topology) -> str:
 def memory_overflows(
     topology: Topology, weight_dtype: str, config: DeepseekV3Config | None = None
 ) -> list[str]:
-    """One line per pool of `topology` whose weights in `weight_dtype` plus KV cache exceed one device's
-    memory.
-
-    Raises:
-        ValueError: an unreadable model config.json, an unknown `weight_dtype`.
-    """
+    """One line per pool of `topology` whose weights in `weight_dtype` plus KV cache exceed a device's memory.
+    Raises ValueError for an unreadable model config.json or an unknown `weight_dtype`."""
     from pdcluster.orchestrator.topology.rules import read_model_architecture
 
     cfg = config or read_model_architecture(topology.model)
@@ -104,9 +100,7 @@ def spread_counts(max_count: int, num: int) -> list[int]:
 def candidate_topologies(
     base: Topology, num_decode_counts: int = 2, num_prefill_counts: int = 3
 ) -> Iterator[Topology]:
-    """The candidates of `base`'s hardware that pass the topology rules but the memory one
-    (`fits_in_memory`).
-    """
+    """The candidates of `base`'s hardware that pass the topology rules but the memory one."""
     from pdcluster.orchestrator.preflight import actor_layer_issues
     from pdcluster.orchestrator.topology.rules import cross_section_issues, read_model_architecture
 
@@ -187,9 +181,7 @@ def search(
     candidates: Sequence[Topology] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[Evaluated]:
-    """Simulate every candidate on `requests`; best first by goodput per device, fewer devices, lower p90
-    TPOT.
-    """
+    """Simulate every candidate; best first by goodput per device, fewer devices, lower p90 TPOT."""
     candidates = list(candidate_topologies(base)) if candidates is None else list(candidates)
     evaluated = []
     for i, candidate in enumerate(candidates):
@@ -208,9 +200,7 @@ def search(
 
 def plan_yaml(source_path: str | Path, best: Topology, header: str, weight_dtype: str | None = None) -> str:
     """The topology file of `best`: the source YAML with the searched keys replaced, relative paths made
-    absolute,
-    `model.weight_dtype` set when it differs, and `header` as leading comment lines.
-    """
+    absolute, `model.weight_dtype` set when it differs, and `header` as leading comment lines."""
     source_path = Path(source_path)
     data = yaml.safe_load(source_path.read_text()) or {}
     base_dir = source_path.resolve().parent

@@ -16,9 +16,7 @@ from pdcluster.planner.step_model import DecodeRow, PrefillChunk, StepShape, Ste
 
 
 class SimRequest:
-    """One request's state through the simulated cluster (simulated seconds; token counts as
-    `engine.request`).
-    """
+    """One request's state through the simulated cluster (seconds; counts as `engine.request`)."""
 
     __slots__ = (
         "request_id",
@@ -83,14 +81,8 @@ def num_kv_blocks(kv_cache_memory_bytes: int, kv_cache_bytes_per_token: int, blo
 
 
 class SimEngine:
-    """One prefill or decode instance.
-
-    Args:
-        role: `prefill` (done once the prompt is computed) or `decode` (`reserve` + `admit`, runs to
-        max_tokens).
-        num_blocks: KV blocks of the whole instance.
-        acceptance_per_position: decode only: P(draft i accepted | drafts < i were), length >= k.
-    """
+    """One prefill or decode instance over `num_blocks` KV blocks; `acceptance_per_position` (decode only):
+    P(draft i accepted | drafts < i were)."""
 
     def __init__(
         self,
@@ -146,9 +138,7 @@ class SimEngine:
         self.num_queued_prefill_tokens += request.num_prompt_tokens
 
     def reserve(self, request: SimRequest) -> bool:
-        """Hold blocks for the prompt, the first token and k drafts (`RemotePrefills.reserve`); False: no
-        room now.
-        """
+        """Hold blocks for prompt, first token and k drafts (`RemotePrefills.reserve`); False: no room."""
         num_needed = cdiv(request.num_prompt_tokens + 1 + self.k, self.config.block_size)
         if num_needed > self.num_free_blocks:
             return False
@@ -162,9 +152,7 @@ class SimEngine:
         self.pending_admissions.append(request)
 
     def _admit(self, request: SimRequest, now_s: float) -> None:
-        """`Scheduler.admit_reserved`: prompt computed, first token committed, prefill-side drafts to
-        verify next.
-        """
+        """`Scheduler.admit_reserved`: prompt computed, first token committed, drafts to verify."""
         self.num_reserved -= 1
         request.num_blocks_held, request.num_reserved_blocks = request.num_reserved_blocks, 0
         request.num_computed_tokens = request.num_prompt_tokens
@@ -273,9 +261,7 @@ class SimEngine:
         return duration_s
 
     def finish_step(self, now_s: float) -> list[SimRequest]:
-        """Commit the step ending at `now_s`; returns the requests done here (prompt done, or max_tokens
-        reached).
-        """
+        """Commit the step ending at `now_s`; returns requests done (prompt done, or max_tokens)."""
         self.busy = False
         done: list[SimRequest] = []
         k, acceptance, draw = self.k, self.acceptance, self.rng.random

@@ -31,9 +31,7 @@ _STEP_END, _HANDOFF_DONE, _ARRIVAL, _PREFILL_QUEUED = 0, 1, 2, 3
 
 
 class LengthOnlyPrompt(Sequence[int]):
-    """A prompt known by its length only (traces carry no text); it has no full-block hashes, so prefix
-    hits are 0.
-    """
+    """A prompt known by its length only (traces carry no text), so prefix hits are 0."""
 
     __slots__ = ("_len",)
 
@@ -51,9 +49,7 @@ class LengthOnlyPrompt(Sequence[int]):
 
 @dataclass
 class SimResult:
-    """One simulation's outcome: per-request results in trace order, duration_s, summary and per-pool
-    counters.
-    """
+    """One simulation's outcome: results in trace order, duration_s, summary, per-pool counters."""
 
     results: list[RequestResult]
     duration_s: float
@@ -68,15 +64,8 @@ class SimResult:
 
 
 class ClusterSimulator:
-    """The event loop over one topology.
-
-    Args:
-        prefill_model / decode_model: step time of one instance per pool; prefill also prices `kv_handoff_s`.
-        acceptance_per_position: MTP acceptance per draft position (>= decode.num_speculative_tokens entries).
-        seed: seeds the draft-acceptance draws.
-        control_plane: seconds the live path adds around steps (`planner.control_plane`); zero by default.
-        cores_per_node: on `cpu`, cores each node's instances share (`planner.core_sharing`); None: unshared.
-    """
+    """The event loop over one topology; `control_plane` adds the live path's seconds (zero by default),
+    `cores_per_node` shares each node's cores on `cpu` (None: unshared)."""
 
     def __init__(
         self,
@@ -264,10 +253,8 @@ class ClusterSimulator:
 
 
 def to_results(sims: Sequence[SimRequest]) -> tuple[list[RequestResult], float]:
-    """`RequestResult`s of finished simulations and the duration (first arrival -> last answer), in seconds.
-
-    Phases queue_s, prefill_s, kv_transfer_s, decode_s add up to e2e, as `bench_client.replay` measures them.
-    """
+    """`RequestResult`s and the duration (first arrival -> last answer) in seconds, as `bench_client.replay`
+    measures them; phases queue_s, prefill_s, kv_transfer_s, decode_s add up to e2e."""
     results = []
     first_s = min((s.arrival_s for s in sims), default=0.0)
     last_s = first_s
@@ -312,16 +299,9 @@ def simulate(
     control_plane: ControlPlane | None = None,
     cores_per_node: float | None = None,
 ) -> SimResult:
-    """Simulate `requests` on `topology` and summarize them as `pdcluster bench` does.
-
-    Args:
-        requests: the trace; num_output_tokens is each request's max_tokens (ignore_eos).
-        prefill_sizing / decode_sizing: default `pool_sizing(topology, role)`.
-        ttft_slo_ms / tpot_slo_ms: goodput SLO; default the topology's `slo`, else `orchestrator.slo`'s.
-
-    Raises:
-        ValueError: acceptance_per_position shorter than k, or a topology the sizing refuses.
-    """
+    """Simulate `requests` (num_output_tokens = max_tokens, ignore_eos) on `topology`, summarized as
+    `pdcluster bench` does; SLO defaults to the topology's `slo`. Raises ValueError for
+    acceptance_per_position shorter than k, or a topology the sizing refuses."""
     from pdcluster.orchestrator.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
 
     simulator = ClusterSimulator(

@@ -20,9 +20,7 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class DecodeRow:
-    """One running request's decode work: `context_len` (>= 1) cached, `num_query_tokens` = 1 + drafts
-    verified.
-    """
+    """One running request's decode work: `context_len` (>= 1) cached, 1 + drafts verified."""
 
     context_len: int
     num_query_tokens: int = 1
@@ -30,9 +28,7 @@ class DecodeRow:
 
 @dataclass(frozen=True)
 class StepShape:
-    """One engine step of one instance; `num_speculative_tokens`: MTP drafts proposed per decode row (0:
-    none).
-    """
+    """One engine step of one instance; `num_speculative_tokens`: MTP drafts per decode row."""
 
     prefill: tuple[PrefillChunk, ...] = ()
     decode: tuple[DecodeRow, ...] = ()
@@ -48,13 +44,9 @@ class StepTimeModel(Protocol):
     """Seconds of one engine step and of one P->D KV handoff, for one instance of one pool."""
 
     def step_time_s(self, step: StepShape) -> float:
-        """Wall seconds of `step` on this instance (slowest rank, host overhead included); 0 for an empty
-        step.
-        """
+        """Wall seconds of `step` on this instance (slowest rank, host included); 0 if empty."""
         ...
 
     def kv_handoff_s(self, num_prompt_tokens: int, prefill_compute_s: float) -> float:
-        """Seconds from a request's last prefill step until its KV is admitted on decode, after the
-        overlapped compute.
-        """
+        """Seconds from a request's last prefill step until decode admits its KV."""
         ...
