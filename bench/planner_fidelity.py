@@ -1,25 +1,10 @@
 """Live vs simulated, same YAML: `python -m bench.planner_fidelity [--json]`.
 
-For each topology in `--clusters` (default clusters/local.yaml and clusters/local-1p2d.yaml) and each
-rate in `--rates` (requests per second), the first `--num-requests` requests of the Azure conversation
-trace are replayed twice:
-
-    live       the topology deployed here (`orchestrator.serve.serve`: Ray actors, gRPC KV, the OpenAI API)
-               and replayed by `pdcluster bench`'s client (`orchestrator.bench_client.run_bench`) at the
-               rate (the trace's arrival times scaled);
-    simulated  the same scaled workload through `planner.simulator.simulate`, step times from
-               `planner.perf_model` with `--calibration` (a `pdcluster profile` JSON; without it the
-               catalog's cpu entry, uncalibrated), MTP acceptance as the live run measured it, and the
-               instances sharing this machine's cores (`planner.core_sharing`).
-
-Reported per point: p50 and p90 of TTFT and TPOT, live and simulated, and the simulated/live ratios (the
-issue's target: p50s within 10%). The live side runs while other engineers use this machine's CPUs: its
-figures are measured under contention (the `other_processes_cpu_fraction` says how much), which the
-calibration, measured at another moment, does not see.
-
-The simulated side adds the calibration's `control_plane` (route + reserve, handoff fixed costs,
-admission, decode step host work: `planner.control_plane`, measured by `pdcluster profile` on probes of
-its own, never on this replay); `engine_only_over_live_*` is the same simulation without it.
+Per topology in `--clusters` and rate in `--rates`, the first `--num-requests` Azure conversation requests
+are replayed live (deployed here, `pdcluster bench`'s client) and simulated (`planner.simulator` with
+`--calibration`, the live run's MTP acceptance, shared cores). Reports TTFT/TPOT p50/p90 of both and the
+simulated/live ratios; `engine_only_over_live_*` leaves out the calibration's control plane. The live
+side runs under other processes' CPU load (`other_processes_cpu_fraction`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Simulator speed: simulated requests per wall second on a topology. `python -m bench.planner_speed`.
 
-The issue's target: >= 100,000 simulated requests in <= 60 s on clusters/cm384.yaml. The workload is the
-Azure conversation trace repeated to `--num-requests`, its lengths kept as recorded (the default;
-clamped to what the model holds; outputs capped at 128), at `--rate` requests per second; step
-times from `planner.perf_model` (weights `--weight-dtype`, MTP acceptance `--acceptance`). Reported: wall
-and CPU seconds of the simulation alone (the trace loading and the model setup excluded, reported apart;
-the process is single-threaded, so CPU seconds are what the wall time is on an otherwise idle core), events,
-engine steps, and the simulated summary (TTFT/TPOT percentiles, goodput), so a faster simulator that
-simulates something else shows.
+The Azure conversation trace repeated to `--num-requests` at `--rate` on clusters/cm384.yaml by default;
+reports wall and CPU seconds of the simulation alone, events, steps and the simulated summary.
 
-    python -m bench.planner_speed --json                      # the target run
-    python -m bench.planner_speed --num-requests 20000 --profile   # where the time goes (cProfile top 20)
+    python -m bench.planner_speed --json
+    python -m bench.planner_speed --num-requests 20000 --profile   # cProfile top 20
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""Efficiency factors of the hardware catalog: what fraction of a peak (`orchestrator.hardware`) each kind of
-operation reaches, and fixed costs, each with its source.
-
-The planner's roofline (`planner.perf_model`) prices an op at `max(flops / (peak x compute factor),
-bytes / (bandwidth x memory factor))`. Where published kernel tables exist (`planner.kernel_tables`:
-Hopper, Ascend 910C) they replace the GEMM, attention and EP-link factors here, shape by shape. Every
-factor is a vendor figure, a published microbenchmark, a measurement here (`pdcluster profile` fits `cpu`),
-or fitted on one published deployment and checked on the others (`planner.fit`, named in its source).
-"""
+"""Efficiency factors: the fraction of a catalog peak each kind of op reaches, and fixed costs, each `Factor`
+with its source; `planner.kernel_tables` replaces them shape by shape where published tables exist."""
 
 from __future__ import annotations
 
@@ -28,26 +21,10 @@ class Factor:
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Per-op efficiency of one accelerator kind.
-
-    Attributes:
-        gemm_compute: fraction of the matrix peak (in the weight dtype) a large GEMM reaches.
-        gemm_memory: fraction of memory bandwidth a weight-streaming GEMM (few rows) reaches.
-        attention_compute: fraction of the matrix peak (activation dtype) MLA attention reaches.
-        attention_memory: fraction of memory bandwidth MLA decode attention reaches reading the KV cache.
-        memory: fraction of memory bandwidth elementwise kernels (norms, residuals) reach.
-        link: fraction of a link's bandwidth the EP dispatch/combine all-to-all reaches.
-        kv_link: fraction of the prefill->decode link's bandwidth a KV transfer reaches.
-        host_overhead_s: host seconds per engine step not hidden behind the device.
-        op_overhead_s: seconds per op launched (kernel launch / framework dispatch) not hidden.
-        handoff_overhead_s: fixed seconds per KV handoff (reservation, first message, admission).
-        routing_sigma: spread (lognormal sigma) of one request's preference over the routed experts
-            (`planner.imbalance`); 0: every request routes uniformly.
-        popularity_sigma: spread of the experts' long-run popularity EPLB places (`planner.imbalance`).
-        serving_fraction: fraction of the published kernel rates (`planner.kernel_tables`) kernels reach
-            inside a decode step (graph-captured); 1: the microbenchmark rates.
-        prefill_serving_fraction: the same inside a step with prefill work (eager, host-synchronised EP).
-    """
+    """Per-op efficiency of one accelerator kind: fractions of the matrix peak or bandwidth (`gemm_*`,
+    `attention_*`, `memory`, `link`, `kv_link`), seconds per step / op / handoff (`*_overhead_s`), lognormal
+    spreads of expert routing and popularity (`planner.imbalance`), and the fraction of published kernel rates
+    reached in decode and prefill steps (`serving_fraction`, `prefill_serving_fraction`)."""
 
     gemm_compute: Factor
     gemm_memory: Factor
@@ -68,7 +45,7 @@ class Efficiency:
     prefill_serving_fraction: Factor = Factor(1.0, "the microbenchmark rates as published")
 
     def replace(self, **values: float) -> Efficiency:
-        """A copy with some factors' values replaced (their source noted as `measured here`)."""
+        """A copy with some factors' values replaced, sourced `measured here`."""
         changes = {k: Factor(v, "measured here (pdcluster profile)") for k, v in values.items()}
         return dataclasses.replace(self, **changes)
 
@@ -163,7 +140,6 @@ ASCEND = Efficiency(
     prefill_serving_fraction=_PREFILL_SERVING,
 )
 
-# Defaults for `cpu` before `pdcluster profile` measures them: torch on one CPU worker slot.
 CPU = Efficiency(
     gemm_compute=Factor(0.5, "placeholder until `pdcluster profile` measures it (no published figure)"),
     gemm_memory=Factor(0.5, "placeholder until `pdcluster profile` measures it"),

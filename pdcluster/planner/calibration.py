@@ -1,13 +1,7 @@
-"""Calibration files: efficiency factors measured here by `pdcluster profile`, read back by the planner.
+"""Calibration files: efficiency factors fitted by `pdcluster profile`, read back by the planner.
 
-A calibration is a JSON object (written by `planner.profiling.write_calibration`):
-
-    {"format": "pdcluster-calibration/2", "accelerator": "cpu",
-     "factors": {"gemm_compute": 0.31, ..., "host_overhead_s": 0.0021},
-     "fit": {...}, "samples": [...], "residuals": {...}}
-
-Only `factors` is read here (each key an `orchestrator.efficiency.Efficiency` field, each value a number),
-and `kv_transfer.transport`, the KV transport the link factors were measured over (`KV_LINK_FACTORS`).
+A JSON object `{"format", "accelerator", "factors": {Efficiency field: number}, "kv_transfer":
+{"transport"}, ...}`; only `factors` and the KV transport are read here.
 """
 
 from __future__ import annotations
@@ -23,20 +17,17 @@ from pdcluster.orchestrator.efficiency import Efficiency
 
 logger = logging.getLogger(__name__)
 
-# what `pdcluster profile` fits from KV handoffs over one transport (`planner.profiling.measure_kv`)
+# fitted from KV handoffs over one transport
 KV_LINK_FACTORS = ("kv_link", "handoff_overhead_s")
 
 
 def measured_kv_transport(transport: str) -> str:
-    """The transport `pdcluster profile` measures for a topology whose handoffs use `transport`
-    (`Topology.kv_transport`): `shm` for shm, else `grpc` (loopback gRPC stands in for torch_distributed,
-    and for shm+grpc, whose cross-node pairs are the slower ones)."""
+    """The transport `pdcluster profile` measures for handoffs over `transport`: shm, else grpc."""
     return "shm" if transport == "shm" else "grpc"
 
 
 FORMAT = "pdcluster-calibration/2"
-# /1: its control plane's first_token_extra_s held the KV handoff and the admission (the first token
-# streamed from decode then); read as /2 it would price them twice
+# /1 priced the KV handoff inside first_token_extra_s
 OLD_FORMATS = ("pdcluster-calibration/1",)
 
 
@@ -46,12 +37,8 @@ def factor_names() -> tuple[str, ...]:
 
 
 def read_calibration(path: str | Path) -> dict[str, Any]:
-    """The calibration JSON object at `path`.
-
-    Raises:
-        ValueError: the file is missing, not JSON, not a calibration (`format`), or a factor is unknown
-            or not a finite number >= 0; the message names the file and the key.
-    """
+    """The calibration JSON object at `path`. Raises ValueError naming the file and key: missing, not JSON,
+    wrong `format`, or a factor unknown or not a finite number >= 0."""
     path = Path(path)
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
@@ -86,14 +73,8 @@ def read_calibration(path: str | Path) -> dict[str, Any]:
 def load_calibration(
     path: str | Path, base: Efficiency, *, accelerator: str | None = None, kv_transport: str | None = None
 ) -> Efficiency:
-    """`base` with the factors of the calibration at `path` replaced. With `kv_transport` (the topology's
-    `Topology.kv_transport`), the KV link factors (`KV_LINK_FACTORS`) are taken only from a calibration
-    whose handoffs were measured over the same transport (`measured_kv_transport`): shared memory's
-    bandwidth says nothing of gRPC's; otherwise `base` keeps its own, and a warning says so.
-
-    Raises:
-        ValueError: as `read_calibration`, or the calibration was measured on another accelerator kind.
-    """
+    """`base` with the calibration's factors (KV link ones only if measured over `kv_transport`'s transport).
+    Raises ValueError as `read_calibration`, or for a calibration of another accelerator kind."""
     raw = read_calibration(path)
     if accelerator is not None and raw.get("accelerator") != accelerator:
         raise ValueError(

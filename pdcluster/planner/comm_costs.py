@@ -1,11 +1,8 @@
-"""Seconds of the communication in one engine step: EP dispatch/combine and the slowest EP rank's load.
+"""Seconds of EP dispatch/combine in one engine step, and the slowest EP rank's load.
 
-Per MoE layer every token's hidden state goes to its `k` experts (dispatch) and comes back weighted
-(combine). Without node forwarding each (token, expert) pair crosses the EP link (DeepEP's low-latency
-kernels: pure RDMA, DeepEP README). With it, a token crosses between nodes once per destination node and
-is forwarded to the node's ranks over the intra-node link (DeepEP's normal kernels; DeepSeek-V3 report,
-arXiv:2412.19437, section 3.2.2, node-limited routing: IB then NVLink). A rank's time is the larger of
-what it sends and what it receives on each link, plus two latencies (dispatch, combine).
+Without node forwarding each (token, expert) pair crosses the EP link (DeepEP low-latency kernels, DeepEP
+README); with it a token crosses nodes once per destination node, then the intra-node link (DeepSeek-V3
+report, arXiv:2412.19437, section 3.2.2). A rank's time is the larger of its sent and received bytes.
 """
 
 from __future__ import annotations
@@ -18,8 +15,7 @@ from pdcluster.models.config import DeepseekV3Config
 
 @dataclass(frozen=True)
 class Link:
-    """One link level as the model uses it: `bandwidth_bytes_per_s` per device per direction, `latency_s`,
-    and `level` (its name in the topology's `interconnect`)."""
+    """One link level: `bandwidth_bytes_per_s` per device per direction, `latency_s`, `level`."""
 
     bandwidth_bytes_per_s: float
     latency_s: float
@@ -27,8 +23,7 @@ class Link:
 
 
 def statistical_imbalance(pairs_per_rank: float, ep: int) -> float:
-    """Max over `ep` ranks of a balanced-in-expectation load divided by its mean: `1 + sqrt(2 ln(ep) / mu)`
-    for Poisson loads of mean `mu` (normal approximation of the maximum of `ep` draws). 1 for ep = 1."""
+    """Max of `ep` Poisson loads of mean `mu` over the mean: `1 + sqrt(2 ln(ep) / mu)`; 1 for ep 1."""
     if ep <= 1 or pairs_per_rank <= 0:
         return 1.0
     return 1.0 + math.sqrt(2.0 * math.log(ep) / pairs_per_rank)
@@ -45,15 +40,8 @@ def ep_layer_s(
     efficiency: float,
     node_forwarding: tuple[int, Link] | None = None,
 ) -> float:
-    """Dispatch + combine seconds of one MoE layer on the slowest EP rank.
-
-    Args:
-        t_rank: tokens the rank sends (its own DP share); pairs: (token, expert) pairs it receives.
-        imbalance: its load over the mean (scales what a forwarded rank receives).
-        bytes_per_element: dispatch + combine bytes per hidden element (e.g. fp8 + bf16 = 3).
-        link: the level the EP group spans; efficiency: the fraction of its bandwidth reached.
-        node_forwarding: `(devices_per_node, intra-node link)`, or None (module docstring).
-    """
+    """Dispatch + combine seconds of one MoE layer on the slowest EP rank: `t_rank` tokens sent, `pairs`
+    received, `bytes_per_element` of dispatch + combine (e.g. fp8 + bf16 = 3)."""
     k = config.num_experts_per_tok
     per_token = config.hidden_size * bytes_per_element
     if node_forwarding is None or ep <= node_forwarding[0]:
@@ -61,7 +49,7 @@ def ep_layer_s(
         return traffic / (link.bandwidth_bytes_per_s * efficiency) + 2 * link.latency_s
     per_node, intra = node_forwarding
     nodes = math.ceil(ep / per_node)
-    # destination nodes of a token's k experts (uniform), at most topk_group groups' worth of nodes
+    # destination nodes of a token's k experts, capped by node-limited routing
     distinct = nodes * (1.0 - (1.0 - 1.0 / nodes) ** k)
     if config.n_group > 1:
         distinct = min(distinct, config.topk_group * max(1.0, nodes / config.n_group))

@@ -1,34 +1,10 @@
-"""The live cluster's control-plane and handoff path, as the simulator prices it, and its measurement.
+"""Seconds the live control-plane and handoff path adds around engine steps, and its measurement.
 
-The step model (`planner.perf_model`) prices what an engine computes; a live request also pays for the
-path around it (`orchestrator.messages.Phases` names the pieces): the driver's route and its reserve round
-trip to decode before prefill starts, the prefill call's reply that carries the first token to the client
-(`orchestrator.dispatch.EmitFirstToken`), the KV handoff's fixed costs and the admission on decode, an
-extra cost of the first decode step after an admission, and per decode step the host work the engine loop
-does beside the model (output polling, streaming). `ControlPlane` holds these in seconds; the zero one
-(the default) is the published deployments' case, whose figures are engine-side only.
-
-`measure_control_plane` measures them here, on the live cluster of a topology, from requests that run one
-at a time (no queueing, so each difference below is overhead, not waiting), with prompt lengths and
-output lengths of its own (`PROMPT_LENS`; not a trace, so never the replay the fidelity bench checks):
-
-    dispatch_s                 median of `route_s + reserve_s` (Phases, the driver's clock)
-    first_token_extra_s        median of client TTFT - dispatch - modelled prefill step: the prefill
-                               call's reply and the HTTP/SSE path
-    handoff_extra_s            median of `kv_transfer_s + admit_s` (decode: from its `expect`, inside the
-                               reserve, to the admission; prefill runs inside it) - modelled prefill step -
-                               modelled KV handoff (`StepTimeModel.kv_handoff_s`): the handoff's fixed
-                               costs beyond the model and the admission wait
-    first_decode_step_extra_s  median of Phases `first_decode_step_s` - modelled decode step at batch 1
-    decode_step_extra_s        median of (client decode time - first_decode_step_s) / (steps - 1) -
-                               modelled decode step; the client decode time is the client's last token
-                               - first token less the gap from the first token to the admission
-                               (dispatch + kv_transfer_s + admit_s - TTFT, when positive); steps =
-                               (output tokens - 1) / (1 + accepted drafts per step, from the request's
-                               measured acceptance rate x k)
-
-Each is clamped at 0 (a model slower than the live path adds nothing). Measured at batch 1: per-step
-extras that grow with the batch are not seen (stated, not modelled).
+`measure_control_plane` runs requests one at a time on the live cluster (no queueing, so every difference
+is overhead) and takes, per field of `ControlPlane`, the median of measured minus modelled seconds:
+dispatch_s (route + reserve), first_token_extra_s (TTFT - dispatch - prefill step), handoff_extra_s
+(kv_transfer + admit - prefill step - KV handoff), first_decode_step_extra_s and decode_step_extra_s
+(measured decode steps - modelled step). Clamped at 0; measured at batch 1 only.
 """
 
 from __future__ import annotations
@@ -50,7 +26,7 @@ DEFAULT_MAX_TOKENS, QUICK_MAX_TOKENS = 24, 12
 
 @dataclass(frozen=True)
 class ControlPlane:
-    """Seconds the live path adds around the engine steps (module docstring); all >= 0."""
+    """Seconds the live path adds around the engine steps; all >= 0, zero by default (engine-side only)."""
 
     dispatch_s: float = 0.0
     first_token_extra_s: float = 0.0
@@ -70,12 +46,8 @@ class ControlPlane:
 
 
 def control_plane_from_calibration(path: str | Path | None) -> ControlPlane:
-    """The `control_plane` object of a calibration JSON (`pdcluster profile`); zero when `path` is None or
-    the calibration has none (one written before it was measured).
-
-    Raises:
-        ValueError: as `planner.calibration.read_calibration`, or a key / value `ControlPlane` refuses.
-    """
+    """The `control_plane` of a calibration JSON; zero when `path` is None or it has none. Raises ValueError
+    as `read_calibration`, or for a key or value `ControlPlane` refuses."""
     if path is None:
         return ControlPlane()
     from pdcluster.planner.calibration import read_calibration
@@ -103,7 +75,7 @@ def _modelled(prefill: StepTimeModel, decode: StepTimeModel, prompt_len: int, k:
 
 
 def derive(points: list[dict[str, Any]]) -> ControlPlane:
-    """`ControlPlane` from the per-request points of `measure_control_plane` (module docstring)."""
+    """`ControlPlane` from the per-request points of `measure_control_plane`."""
     if not points:
         raise ValueError("no measured request: cannot derive the control plane")
 
@@ -115,7 +87,7 @@ def derive(points: list[dict[str, Any]]) -> ControlPlane:
 
 
 def point_from_result(result, k: int, modelled: dict[str, float]) -> dict[str, Any]:
-    """One request's measured pieces (seconds) from its `orchestrator.bench_client.RequestResult`."""
+    """One request's measured pieces (seconds) from its `RequestResult`."""
     ph = result.phases
     dispatch = (ph.get("route_s") or 0.0) + (ph.get("reserve_s") or 0.0)
     point: dict[str, Any] = {
@@ -129,7 +101,7 @@ def point_from_result(result, k: int, modelled: dict[str, float]) -> dict[str, A
     }
     point["first_token_extra_s"] = result.ttft_s - dispatch - modelled["prefill_s"]
     kv_transfer, admit = ph.get("kv_transfer_s"), ph.get("admit_s") or 0.0
-    gap = 0.0  # the first token at the client -> its admission on decode
+    gap = 0.0
     if kv_transfer is not None:
         point["handoff_extra_s"] = kv_transfer + admit - modelled["prefill_s"] - modelled["kv_handoff_s"]
         gap = max(0.0, dispatch + kv_transfer + admit - result.ttft_s)
@@ -148,13 +120,9 @@ def measure_control_plane(
     topology, prefill: StepTimeModel, decode: StepTimeModel, num_requests: int, max_tokens: int,
     progress: Callable[[str], None] = lambda label: None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Deploy `topology` here (`orchestrator.serve.serve`: Ray actors, gRPC KV, the OpenAI API), send
-    `num_requests` requests one at a time (prompt lengths cycling over `PROMPT_LENS`, `max_tokens` each,
-    greedy, ignore_eos), and derive the `ControlPlane` against the calibrated `prefill` / `decode` models.
-    Returns `{"values": ControlPlane fields, "points": per request, "num_failed": int}`.
+    """Deploy `topology` here, send `num_requests` requests one at a time and derive the `ControlPlane`.
 
-    Raises:
-        ValueError: no request succeeded; DeployError / TopologyError: as `serve`.
+    Returns `{"values", "points", "num_failed"}`. Raises ValueError when no request succeeded, and as `serve`.
     """
     from pdcluster.models.tokenizer import Tokenizer
     from pdcluster.orchestrator.bench_client import replay, served_model
@@ -172,7 +140,7 @@ def measure_control_plane(
     points, failed = [], 0
     with serve(topology, port=0, log=lambda message: None) as service:
         model, _ = served_model(service.url)
-        for i, prompt_len in enumerate(lengths):  # the first, untimed: warms the path (connections, calls)
+        for i, prompt_len in enumerate(lengths):  # the first warms the path, untimed
             one = Workload([every.requests[i]], every.description, every.kind, every.input_scale)
             (result,), _ = asyncio.run(
                 replay(service.url, one, [prompts[i]], model=model, show_progress=False)

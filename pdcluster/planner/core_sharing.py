@@ -1,10 +1,7 @@
-"""Instances that share a node's CPU cores slow each other (the `cpu` catalog entry, where a "device" is a
-CPU worker slot and not a chip of its own).
+"""Instances sharing a node's CPU cores slow each other (`cpu`, where a device is a worker slot).
 
-Processor sharing: every busy engine on a node demands `cores_per_busy_instance` cores (its rank actors'
-torch threads: `orchestrator.rank_actor` sets one per rank); while the busy engines demand more than the
-node's `cores`, each progresses at `cores / demand` of its full speed. A step's duration from the step
-model is its work at full speed; its end moves whenever the node's busy set changes.
+Processor sharing: while busy engines demand more than the node's cores, each runs at `cores / demand` of
+full speed, and step ends move whenever the busy set changes.
 """
 
 from __future__ import annotations
@@ -15,13 +12,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class NodeCores:
-    """One node's cores shared by its busy engines (any hashable keys).
-
-    Attributes:
-        cores: cores of the node (> 0).
-        busy: per busy engine, `[work seconds left at full speed, cores it demands]`.
-        rate: the fraction of full speed every busy engine progresses at now.
-    """
+    """A node's cores (> 0) shared by busy engines: `busy[key] = [work seconds left, demand]`."""
 
     cores: float
     busy: dict = field(default_factory=dict)
@@ -44,8 +35,7 @@ class NodeCores:
         return [(key, now_s + left / self.rate) for key, (left, _) in self.busy.items()]
 
     def start(self, key: object, work_s: float, demand: float, now_s: float) -> list[tuple[object, float]]:
-        """`key` starts `work_s` seconds of full-speed work demanding `demand` cores at `now_s`; returns
-        `(key, end_s)` of every busy engine on the node (their ends move)."""
+        """`key` starts `work_s` of full-speed work demanding `demand` cores; returns busy ends."""
         if key in self.busy:
             raise ValueError(f"{key!r} is already busy on this node")
         if not (work_s >= 0 and math.isfinite(work_s)) or not demand > 0:

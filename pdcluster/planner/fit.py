@@ -1,13 +1,8 @@
 """The performance model's fitted factors: each fitted on one published deployment, checked on the others.
 
-Three factors have no published figure and are fitted (`fit`) on one row of `planner.published`'s table,
-the others held at their shipped values, three rounds of one-at-a-time bisection:
-* `routing_sigma` (`planner.imbalance`): on cm-prefill, CloudMatrix-Infer's measured throughput over the
-  same deployment under perfect expert balance.
-* `serving_fraction` (decode steps): on h800-decode, DeepSeek's production TPOT.
-* `prefill_serving_fraction` (steps with prefill): on h800-prefill, RTP-LLM's step time.
-`leave_one_out` refits each fraction on the other deployment of its kind and reports every deployment's
-errors, so a reader sees how much each factor carries over.
+Fitted by bisection on one row of `planner.published`: `routing_sigma` on cm-prefill (CloudMatrix-Infer's
+throughput over perfect balance), `serving_fraction` on h800-decode (DeepSeek's TPOT),
+`prefill_serving_fraction` on h800-prefill (RTP-LLM's step time). `leave_one_out` reports how they carry over.
 """
 
 from __future__ import annotations
@@ -95,7 +90,7 @@ def shipped_values() -> dict[str, float]:
 
 
 def fit(sources: tuple[FitSource, ...] = SHIPPED, rounds: int = 3) -> dict[str, float]:
-    """Each factor of `sources` fitted on its row, the others at their current values; `rounds` passes."""
+    """Fit `factor` so `row`'s predicted `quantity` (or ratio to `over_row`) equals the published."""
     context = (load_config(), *load_table())
     values = shipped_values()
     for _ in range(rounds):
@@ -105,8 +100,7 @@ def fit(sources: tuple[FitSource, ...] = SHIPPED, rounds: int = 3) -> dict[str, 
 
 
 def leave_one_out() -> list[dict[str, Any]]:
-    """Per fraction and per deployment it can be fitted on: the fitted value and each deployment's
-    within-15% count and max |error| with it (the other factors at their shipped values)."""
+    """Per fraction and deployment: the value fitted there, each deployment's errors with it."""
     out = []
     shipped = shipped_values()
     for source in (*SHIPPED[1:], *ALTERNATIVES):

@@ -1,15 +1,9 @@
 """How much more than the mean the slowest rank of a step carries: EP ranks after EPLB, DP attention ranks.
 
-* EP: `models.eplb.rebalance_experts` (DeepSeek's EPLB) places the experts' replicas by their long-run
-  popularity (lognormal with spread `popularity_sigma`, deterministic quantiles). One step's loads deviate
-  from it: a request prefers its own experts (its tokens route alike) with lognormal spread `routing_sigma`,
-  so a step of `S` requests moves each expert's load by `sqrt(exp(sigma^2) - 1) / sqrt(S)` of its mean
-  (normal draws, seeded). Each replica takes its expert's load over the replica count; the step's
-  imbalance is the most loaded rank over the mean, averaged over draws (`eplb_imbalance`). Finite tokens
-  add Poisson noise (`comm_costs.statistical_imbalance`).
-* DP attention: decode requests are spread over the ranks in equal numbers, but their KV lengths differ;
-  the slowest rank holds about `mean + sqrt(2 ln dp) x sd x sqrt(n)` KV tokens for `n` requests per rank
-  (normal approximation of the maximum of `dp` sums).
+EP: DeepSeek's EPLB (`models.eplb.rebalance_experts`) places replicas by lognormal long-run popularity; a
+step of S requests deviates per expert by `sqrt(exp(sigma^2) - 1) / sqrt(S)` (seeded normal draws).
+DP attention: the slowest of dp ranks holds about `mean + sqrt(2 ln dp) sd sqrt(n)` KV tokens for n rows
+per rank (normal approximation of the maximum of dp sums).
 """
 
 from __future__ import annotations
@@ -32,20 +26,15 @@ def eplb_imbalance(
     num_sequences: int = 0,
     num_draws: int = 16,
 ) -> float:
-    """Most loaded EP rank over the mean in a step of `num_sequences` requests after EPLB placed
-    `num_physical` replicas of `num_logical` experts on `num_ranks` ranks (module docstring); 1.0 for one
-    rank. `num_sequences` 0: the long-run loads only.
-
-    Raises:
-        ValueError: counts `models.eplb.rebalance_experts` refuses.
-    """
+    """Most loaded EP rank over the mean in a step of `num_sequences` requests after EPLB (0: long-run loads).
+    Raises ValueError for counts `models.eplb.rebalance_experts` refuses."""
     import torch
 
     from pdcluster.models.eplb import rebalance_experts
 
     if num_ranks <= 1:
         return 1.0
-    num_physical -= num_physical % num_ranks  # EPLB places whole experts per rank
+    num_physical -= num_physical % num_ranks
     if num_physical < num_logical:
         return 1.0
     normal = NormalDist()
@@ -64,8 +53,7 @@ def eplb_imbalance(
 
 
 def dp_max_rank_kv_factor(num_rows: int, dp: int, kv_sum: float, kv_sq_sum: float) -> float:
-    """Slowest DP rank's KV tokens over the mean rank's when `num_rows` requests of KV lengths with sum
-    `kv_sum` and sum of squares `kv_sq_sum` are spread evenly over `dp` ranks (module docstring); >= 1."""
+    """Slowest DP rank's KV tokens over the mean, `num_rows` spread evenly over `dp` ranks; >= 1."""
     if dp <= 1 or num_rows <= dp or kv_sum <= 0:
         return 1.0
     mean = kv_sum / num_rows

@@ -1,15 +1,8 @@
-"""Published kernel measurements the planner prices ops with, each table with its source.
+"""Published kernel measurements the planner prices ops with, each table with its `source`.
 
-* GEMMs by shape `(M, N, K)` and layout: `dense`, `contiguous` (grouped, prefill MoE: each group's rows
-  packed), `masked` (grouped, decode MoE: a fixed buffer per expert). A GEMM takes
-  `max(2 M N K / F, bytes / B)`: `F` the measured FLOP/s of the table rows with the nearest `(N, K)`,
-  interpolated in `log M` and held at the ends; `B` the best measured bytes/s of those rows (a small-M GEMM
-  streams its weight). At a published point this is the published time. A grouped layout below its
-  smallest measured M uses the dense rows (one group is one dense GEMM of M rows).
-* Attention (MLA) compute fraction by sequence length, memory fraction (decode reads the latent KV).
-* EP dispatch/combine bandwidth by EP size (DeepEP's normal and low-latency kernels).
-Rates are stored as fractions of the measuring device's peak so that devices of the same architecture
-(H100, H200, H800) share them.
+GEMMs by shape and layout (`dense`, `contiguous`, `masked`): `max(2 M N K / F, bytes / B)` with F, B from the
+rows of nearest `(N, K)`, interpolated in `log M`; MLA attention fractions by sequence length; EP
+dispatch/combine bandwidth by EP size. Stored as fractions of the measuring device's peak.
 """
 
 from __future__ import annotations
@@ -40,8 +33,7 @@ class GemmPoint:
 
 @dataclass(frozen=True)
 class GemmTable:
-    """Measured GEMMs of one layout on one device kind; `fractions` divides them by that device's
-    `peak_flops_per_s` and `peak_bytes_per_s` (a device of the same architecture scales them)."""
+    """Measured GEMMs of one layout on one device kind, as fractions of its peaks."""
 
     layout: str
     points: tuple[GemmPoint, ...]
@@ -107,8 +99,7 @@ HOPPER_GEMM = {
 
 CM_INFER = "Zuo et al., 'Serving Large Language Models on Huawei CloudMatrix384', arXiv:2506.12708 (2025)"
 ASCEND_910C_INT8_OPS, ASCEND_910C_HBM_BYTES_PER_S = 752 * TERA, 1.6 * TERA
-# One large-M point per layout: CM-Infer reports INT8 GEMMs at 77-83% of the INT8 peak (the middle, 80%,
-# here); the small-M bandwidth is borrowed from DeepGEMM's best small-M fraction (none published for 910C).
+# CM-Infer (arXiv:2506.12708): INT8 GEMMs at 77-83% of peak (80% here); small-M bandwidth from DeepGEMM.
 _ASCEND_BW = 2668 / 3350 * ASCEND_910C_HBM_BYTES_PER_S / GIGA
 ASCEND_GEMM = {
     layout: GemmTable(
@@ -124,8 +115,7 @@ ASCEND_GEMM = {
 
 @dataclass(frozen=True)
 class AttentionTable:
-    """MLA attention efficiency: compute fraction of the BF16 peak by sequence length (keys per query),
-    interpolated in log length and held at the ends; `memory_fraction` of HBM bandwidth (decode)."""
+    """MLA compute fraction of the BF16 peak by sequence length; `memory_fraction` for decode."""
 
     seq_lens: tuple[int, ...]
     compute_fractions: tuple[float, ...]
@@ -163,8 +153,7 @@ ASCEND_ATTENTION = AttentionTable(
 
 @dataclass(frozen=True)
 class EpTable:
-    """Achieved EP bandwidth (bytes/s per device) of dispatch and combine by EP size, interpolated in
-    log EP and held at the ends; `comm_sm_fraction`: share of the compute units the kernels occupy."""
+    """EP dispatch/combine bytes/s per device by EP size; `comm_sm_fraction`: cores used."""
 
     ep_sizes: tuple[int, ...]
     dispatch_bytes_per_s: tuple[float, ...]
@@ -201,8 +190,7 @@ HOPPER_EP_NORMAL = EpTable(
 
 @dataclass(frozen=True)
 class KernelTables:
-    """The tables of one device kind: GEMMs by layout, attention, EP (decode: low-latency; prefill: normal;
-    None: the link model of `planner.comm_costs`)."""
+    """One device kind's tables: GEMMs by layout, attention, EP (None: `comm_costs`'s model)."""
 
     gemm: dict[str, GemmTable]
     attention: AttentionTable

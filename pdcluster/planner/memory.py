@@ -1,40 +1,9 @@
 """Parameters each device of an instance holds, for a DeepSeek-V3-architecture config: does a split fit?
 
-Pure arithmetic over `models.config.DeepseekV3Config` (field names are the public `config.json` keys).
-Parameter layout: DeepSeek-V3 technical report (arXiv 2412.19437) section 2.1 (MLA, DeepSeekMoE), 2.2
-(MTP), 4.2 (hyper-parameters: 61 layers, the first 3 dense, 1 shared + 256 routed experts, 1 MTP module);
-the tensors are those of `models.deepseek_v3` (the public checkpoint's names).
-
-Per device of an instance of `devices` devices, `tp = tensor_parallel_size`, `ep = expert_parallel_size`,
-`moe_tp = devices / ep` (symbols as in `planner.op_costs`: h `hidden_size`, H heads, V `vocab_size`,
-r `kv_lora_rank`, dr `qk_rope_head_dim`, dn `qk_nope_head_dim`, dv `v_head_dim`, qr `q_lora_rank`,
-mi `moe_intermediate_size`, E `n_routed_experts`, L `num_hidden_layers`, K `first_k_dense_replace`,
-M `num_nextn_predict_layers`):
-
-* on every device (attention data-parallel when tp == 1):
-    embedding `V h`, lm_head `V h` (none with `tie_word_embeddings`), final norm `h`;
-    per layer (L main + M MTP), MLA: `q_a h qr` + its norm `qr` + `q_b qr (H/tp)(dn + dr)` (or
-    `q_proj h (H/tp)(dn + dr)` when `q_lora_rank` is null), `kv_a h (r + dr)` + its norm `r`,
-    `kv_b r (H/tp)(dn + dv)`, `o (H/tp) dv h`, and the two layer norms `2 h` (tp splits the heads, as
-    `planner.op_costs.attention_projections` does; `q_a`/`kv_a` stay whole);
-    dense MLP of the first K layers `3 h inter / tp`; per MoE layer (layer index >= K: L - K main + M
-    MTP, `DeepseekV3Config.is_moe_layer`) the gate `E h`
-    and the shared expert(s) `3 h mi n_shared / tp`;
-    per MTP module `eh_proj 2h h` and its norms `enorm`, `hnorm`, `shared_head.norm` (`3 h`); its
-    embedding and output head are the main model's (the public checkpoint stores copies under the MTP
-    layer, which `models.loader` skips).
-* routed experts, per MoE layer (main and MTP alike): `ceil((E + num_redundant_experts) / ep)` experts
-  of `3 h mi` parameters each, each split over `moe_tp` devices: `ceil(3 h mi / moe_tp)`.
-
-DeepSeek-V3 in these terms: 671.0B parameters in the main model and 11.6B in the MTP module (without
-its embedding/head copies: the Hugging Face card's 685B = 671B + 14B counts them). Buffers (the router's
-`e_score_correction_bias`, RoPE tables) are not parameters and are not counted (E float32 per MoE layer).
-
-Bytes: every parameter in the weight dtype (`planner.op_costs.dtype_bytes`: bf16 2 B, int8/fp8 1 B).
-The norms and the router gate, which 8-bit checkpoints keep in 16 bits, are charged at the weight dtype
-too (~0.1 GB per device for DeepSeek-V3), and quantization scales are not counted. Weights plus
-`kv_cache_memory_bytes` is thus a lower bound of what a device needs: activations, workspaces and
-communication buffers come on top.
+Layout from the DeepSeek-V3 report (arXiv 2412.19437) sections 2.1-2.2 and 4.2: per device, embedding,
+head and norms whole; attention, dense MLPs and shared experts split over tp; per MoE layer the gate and
+`ceil((E + redundant) / ep)` routed experts, each split over `devices / ep`. Buffers and quantization
+scales are not counted: weights + KV cache is a lower bound.
 """
 
 from __future__ import annotations
@@ -50,25 +19,13 @@ if TYPE_CHECKING:
     from pdcluster.orchestrator.hardware import AcceleratorSpec
     from pdcluster.orchestrator.topology import PoolConfig
 
-GB = 1e9  # for messages
+GB = 1e9
 
 
 @dataclass(frozen=True)
 class ResidentParams:
-    """Parameters one device of an instance holds, by part (counts of elements, not bytes).
-
-    Attributes:
-        embedding: token embedding `[V, h]`, plus the final norm `[h]`.
-        lm_head: output head `[V, h]` (0 when tied to the embedding).
-        attention: MLA projections and their two latent norms, every layer (main and MTP), the TP share.
-        layer_norms: input and post-attention norms of every layer (main and MTP).
-        dense_mlp: the SwiGLU MLPs of the first `first_k_dense_replace` layers, the TP share.
-        moe_gates: the routers `[E, h]` of every MoE layer (main and MTP).
-        shared_experts: the shared experts of every MoE layer, the TP share.
-        mtp_extra: per MTP module `eh_proj [h, 2h]` and the norms `enorm`, `hnorm`, `shared_head.norm`.
-        routed_experts: the routed experts this device holds over all MoE layers (its EP and MoE-TP share).
-        experts_per_layer: routed experts (logical + redundant copies) on this device per MoE layer.
-    """
+    """Parameters (element counts, not bytes) one device of an instance holds, by part; `experts_per_layer` is
+    the routed experts (logical + redundant) it holds per MoE layer."""
 
     embedding: int
     lm_head: int
@@ -83,7 +40,7 @@ class ResidentParams:
 
     @property
     def replicated(self) -> int:
-        """Every part but the routed experts: what each device holds whatever the EP degree."""
+        """Every part but the routed experts."""
         return self.total - self.routed_experts
 
     @property
@@ -92,7 +49,7 @@ class ResidentParams:
         return sum(getattr(self, f.name) for f in fields(self) if f.name != "experts_per_layer")
 
     def bytes(self, weight_dtype: str) -> int:
-        """Bytes of `total` parameters in `weight_dtype` (e.g. bfloat16, int8; see the module docstring)."""
+        """Bytes of `total` parameters in `weight_dtype`."""
         return self.total * dtype_bytes(weight_dtype, "weight dtype")
 
 
@@ -103,11 +60,8 @@ def resident_params(
     expert_parallel_size: int = 1,
     num_redundant_experts: int = 0,
 ) -> ResidentParams:
-    """The parameters one device of an instance of `devices` devices holds (formula: module docstring).
-
-    Raises:
-        ValueError: a parallel size < 1, or one that does not divide `devices`.
-    """
+    """The parameters one device of an instance of `devices` devices holds. Raises ValueError for a parallel
+    size < 1 or one that does not divide `devices`."""
     tp, ep = tensor_parallel_size, expert_parallel_size
     if min(devices, tp, ep) < 1 or devices % tp or devices % ep:
         raise ValueError(
@@ -148,7 +102,7 @@ def resident_params(
 
 
 def pool_resident_params(cfg: DeepseekV3Config, pool: PoolConfig) -> ResidentParams:
-    """`resident_params` of one device of one instance of `pool` (a topology's prefill or decode pool)."""
+    """`resident_params` of one device of one instance of `pool`."""
     return resident_params(
         cfg,
         pool.devices_per_instance,
@@ -161,14 +115,8 @@ def pool_resident_params(cfg: DeepseekV3Config, pool: PoolConfig) -> ResidentPar
 def pool_memory_overflow(
     cfg: DeepseekV3Config, pool: PoolConfig, spec: AcceleratorSpec, weight_dtype: str
 ) -> str | None:
-    """Why one device of `pool` cannot hold its parameters (`pool_resident_params`) in `weight_dtype` plus
-    the pool's `kv_cache_memory_bytes` in `spec.hbm_bytes`, or None when they fit, e.g. `(EP32, 9 routed
-    experts per device per MoE layer): 81.7 GB of bfloat16 weights + 8.6 GB of KV cache per device > 68.7 GB
-    of one ascend-910c device` (GB = 1e9 bytes).
-
-    Raises:
-        ValueError: an unknown `weight_dtype`, parallel sizes that do not divide the instance.
-    """
+    """Why one device of `pool` cannot hold its weights plus `kv_cache_memory_bytes`, or None when they fit.
+    Raises ValueError for an unknown `weight_dtype` or parallel sizes that do not divide the instance."""
     params = pool_resident_params(cfg, pool)
     weight_bytes = params.bytes(weight_dtype)
     if weight_bytes + pool.kv_cache_memory_bytes <= spec.hbm_bytes:

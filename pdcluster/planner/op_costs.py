@@ -1,31 +1,10 @@
-"""FLOPs and bytes of each operation of one engine step on one rank, for a DeepSeek-V3-architecture config.
+"""FLOPs and bytes of each op of one engine step on one rank, for a DeepSeek-V3-architecture config.
 
-Pure arithmetic over `models.config.DeepseekV3Config`; `planner.perf_model` turns these counts into seconds
-(a roofline on a hardware catalog entry). Conventions, the same for every op:
-
-* A GEMM `[M, K] x [K, N]` costs `2 M K N` FLOPs, reads its weight once per step (`K N` elements in the
-  weight dtype: bf16 2 B, fp8/int8 1 B, float32 4 B) and reads/writes its activations once
-  (`M (K + N)` elements in the activation dtype).
-* MLA (DeepSeek-V2 paper, arXiv 2405.04434, section 2.1; the engine's `kernels.paged_mla`): per request the
-  engine picks the *expanded* form when it has at least `kernels.mla_cost.expanded_crossover_queries`
-  queries (a prefill chunk), else the *absorbed* form (decode, speculative verification). A query at
-  position p attends to `p + 1` keys (causal): a chunk of n queries over c cached tokens has
-  `n c + n (n + 1) / 2` query-key pairs.
-    expanded: `kv_b_proj` up-projects every key's latent to per-head K/V (`2 S r H (dn + dv)` FLOPs for S
-      keys), then ordinary attention: `2 H pairs (dn + dr)` for scores and `2 H pairs dv` for P.V.
-      Bytes: the latent of the S keys read from the cache, the up-projected K/V written and read once.
-    absorbed: `W_UK` on the queries (`2 q H dn r`), scores over `[c_kv; k_pe]` (`2 H pairs (r + dr)`),
-      P.c_kv (`2 H pairs r`), `W_UV` on the outputs (`2 q H r dv`). Bytes: the latent of the keys read once
-      for all heads (what makes decode memory-bound).
-  Both write the step's new latent KV (`num_tokens x (r + dr)` in the KV cache dtype; int8 adds one
-  float32 scale per token, `kernels.kv_quant`).
-* Routed experts (DeepSeekMoE, DeepSeek-V3 report section 2.1.2): every token goes to `num_experts_per_tok`
-  experts; the experts' weights are read only for experts that receive a token this step.
-* Elementwise work per decoder layer: two RMSNorms (read + write `h`) and two residual adds (read 2, write
-  1): `10 T h` activation elements. The final norm and the embedding gather: `2 T h` and `T h`.
-
-Symbols: T tokens, h `hidden_size`, H heads, r `kv_lora_rank`, dr `qk_rope_head_dim`, dn
-`qk_nope_head_dim`, dv `v_head_dim`, V `vocab_size`.
+Symbols: h hidden, H heads, r kv_lora_rank, dr/dn rope/nope head dims, dv v_head_dim. GEMM `[M, K] x [K, N]`:
+`2 M K N` FLOPs. MLA (DeepSeek-V2, arXiv 2405.04434, section 2.1): n queries over c cached keys make
+`n c + n (n + 1) / 2` causal pairs; expanded (prefill) `2 S r H (dn + dv) + 2 H pairs (dn + dr + dv)`,
+absorbed (decode) `2 q H r (dn + dv) + 2 H pairs (2 r + dr)`. Routed experts (DeepSeek-V3 report,
+section 2.1.2): weights read only for experts that get a token.
 """
 
 from __future__ import annotations
@@ -35,9 +14,8 @@ from dataclasses import dataclass
 
 from pdcluster.models.config import DeepseekV3Config
 
-# Bytes per element of the dtypes the model names (weights, activations, KV cache, wire).
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
-INT8_SCALE_BYTES = 4  # one float32 scale per token of an int8 KV cache or wire (kernels.kv_quant)
+INT8_SCALE_BYTES = 4  # float32 scale per int8 token (kernels.kv_quant)
 OP_KINDS = ("gemm", "attention", "memory")
 
 
@@ -50,28 +28,15 @@ def dtype_bytes(name: str, what: str = "dtype") -> int:
 
 
 def kv_bytes_per_token_per_layer(config: DeepseekV3Config, kv_dtype: str) -> int:
-    """Bytes of one token's latent KV in one layer: `(r + dr) x dtype`, plus a float32 scale for int8.
-    DeepSeek-V3: 1,152 B in bf16, 580 B in int8."""
+    """Bytes of one token's latent KV in one layer: `(r + dr) x dtype`, plus a float32 scale for int8."""
     scale = INT8_SCALE_BYTES if kv_dtype == "int8" else 0
     return config.kv_cache_dim * dtype_bytes(kv_dtype, "kv dtype") + scale
 
 
 @dataclass(frozen=True)
 class OpCost:
-    """One operation's work on one rank in one step.
-
-    Attributes:
-        name: e.g. `attn.q_b_proj`, `moe.routed_experts`, `lm_head`.
-        kind: `gemm` (matrix peak in the weight dtype), `attention` (matrix peak in the activation dtype)
-            or `memory` (bandwidth only); selects the efficiency factors of the roofline.
-        flops: floating-point (or integer) operations, multiply and add counted apart.
-        weight_bytes: parameter bytes read.
-        activation_bytes: activation bytes read and written.
-        kv_bytes: KV cache bytes read and written.
-        count: how many times this op runs in the step (one per layer it is in).
-        gemms: for a `gemm` op, its GEMMs as `(m rows per group, n, k, groups)` (shape-aware pricing).
-        seq_len: for attention, the mean sequence length its keys span (shape-aware pricing).
-    """
+    """One op's work on one rank in one step: `kind` picks the roofline (`gemm`, `attention`, `memory`),
+    `count` the layers it runs in, `gemms` its `(m, n, k, groups)`, `seq_len` attention's length."""
 
     name: str
     kind: str
@@ -89,23 +54,14 @@ class OpCost:
         return self.weight_bytes + self.activation_bytes + self.kv_bytes
 
     def times(self, count: int) -> OpCost:
-        """The same op run `count` times (e.g. once in each of `count` layers)."""
+        """The same op run `count` times."""
         return dataclasses.replace(self, count=count)
 
 
 @dataclass(frozen=True)
 class RankWork:
-    """What one rank's share of a step amounts to, as the op counts need it (all counts, >= 0).
-
-    Attributes:
-        num_tokens: tokens this rank's attention and dense layers compute (its DP share of the step).
-        expanded_queries, expanded_keys, expanded_pairs: queries, keys (cached + new) and causal
-            query-key pairs of requests computed in the expanded MLA form.
-        absorbed_queries, absorbed_keys, absorbed_pairs: the same for the absorbed form.
-        logit_rows: rows the main model's lm_head computes (one per prefill chunk, one per decode query).
-        mtp_tokens: tokens the MTP layer computes (prefill tokens, verified positions and chained drafts).
-        mtp_logit_rows: rows the MTP head computes (one per proposed draft).
-    """
+    """One rank's share of a step as the op counts need it (counts, >= 0): tokens, MLA queries/keys/causal
+    pairs per form, lm_head rows, and the MTP layer's tokens and head rows."""
 
     num_tokens: float
     expanded_queries: float = 0.0
@@ -121,9 +77,7 @@ class RankWork:
 
 @dataclass(frozen=True)
 class Dtypes:
-    """Element dtypes of one deployment: `weight` (GEMM weights: bfloat16, fp8, int8, float32),
-    `activation` (activations, attention, the MoE gate and norms), `kv` (the KV cache: a model dtype or
-    int8)."""
+    """Element dtypes of one deployment: `weight`, `activation`, `kv` (a model dtype or int8)."""
 
     weight: str = "bfloat16"
     activation: str = "bfloat16"
@@ -157,8 +111,7 @@ def attention_projections(cfg: DeepseekV3Config, t: float, d: Dtypes, tp: int = 
 
 
 def attention_core(cfg: DeepseekV3Config, work: RankWork, d: Dtypes, tp: int = 1) -> list[OpCost]:
-    """MLA attention of one layer, expanded and absorbed parts apart; `kv_b_proj`'s weight is read by
-    whichever part runs (once if both do). The new tokens' KV write is charged to the first op present."""
+    """MLA attention of one layer, expanded and absorbed parts; the KV write goes to the first."""
     wb, ab = dtype_bytes(d.weight), dtype_bytes(d.activation)
     kv_tok = kv_bytes_per_token_per_layer(cfg, d.kv)
     heads, r, dr = cfg.num_attention_heads // tp, cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -193,9 +146,7 @@ def attention_core(cfg: DeepseekV3Config, work: RankWork, d: Dtypes, tp: int = 1
 def mlp(
     name: str, t: float, h: int, inter: int, weight_b: int, act_b: int, weight_copies: float = 1.0
 ) -> OpCost:
-    """SwiGLU `down(silu(gate x) * up x)` over `t` tokens: `6 t h inter` FLOPs, `3 h inter` weights per copy
-    read (`weight_copies` experts' worth), `t (2h + 3 inter)` activations (gate/up in, out; down in, out).
-    As GEMMs: gate_up `[t/c, h] x [h, 2 inter]` and down `[t/c, inter] x [inter, h]` in c groups."""
+    """SwiGLU over `t` tokens: `6 t h inter` FLOPs, `3 h inter` weights per copy."""
     groups = max(weight_copies, 1.0)
     m = t / groups
     return OpCost(
@@ -211,8 +162,7 @@ def mlp(
 def expected_active_experts(
     num_local_experts: float, num_experts: int, top_k: int, num_tokens: float
 ) -> float:
-    """Local experts receiving at least one of `num_tokens` tokens, each choosing `top_k` of `num_experts`
-    uniformly: `E_local (1 - (1 - k/E)^T)` (balanced routing, what EPLB aims for)."""
+    """Local experts receiving at least one token under uniform top-k routing: `E_local (1 - (1 - k/E)^T)`."""
     if num_tokens <= 0 or num_local_experts <= 0:
         return 0.0
     return num_local_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
@@ -227,10 +177,7 @@ def moe_ops(
     moe_tp: int = 1,
     tp: int = 1,
 ) -> list[OpCost]:
-    """One DeepSeekMoE layer on one rank: gate over its `t_rank` tokens (weight in the activation dtype, as
-    the checkpoints keep it), `routed_pairs_rank` (token, expert) pairs through its experts (each FFN split
-    over `moe_tp`), the shared expert over its own tokens (split over the attention's `tp` like the dense
-    MLP)."""
+    """One DeepSeekMoE layer on one rank: gate, routed experts (over `moe_tp`), shared (over `tp`)."""
     wb, ab = dtype_bytes(d.weight), dtype_bytes(d.activation)
     h, e = cfg.hidden_size, cfg.n_routed_experts
     mi = cfg.moe_intermediate_size

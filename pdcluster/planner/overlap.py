@@ -1,12 +1,8 @@
 """Two-micro-batch overlap as a timeline (DeepSeek Day 6 inference overview, "dual micro-batch overlap";
-CloudMatrix-Infer's microbatch pipeline, arXiv:2506.12708).
+CloudMatrix-Infer, arXiv:2506.12708).
 
-The step's batch is split into halves A and B. In each MoE layer a half runs `attention` (compute), then
-`dispatch` (communication), `moe` (compute), `combine` (communication); its next layer's attention waits
-for its combine. One compute stream runs A.attention, B.attention, A.moe, B.moe; one communication stream
-runs A.dispatch, B.dispatch, A.combine, B.combine; an op starts when its stream is free and its input is
-ready. A half's communication can thus only run beside the other half's compute: hidden communication never
-exceeds it.
+Per MoE layer each half runs attention, dispatch, moe, combine; one compute and one communication stream,
+so a half's communication hides only behind the other half's compute.
 """
 
 from __future__ import annotations
@@ -16,8 +12,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Timeline:
-    """`makespan_s`: seconds of the layers; `serial_s`: the same ops back to back; `hidden_comm_s`:
-    communication seconds that ran beside compute (`serial_s - makespan_s`)."""
+    """`makespan_s` of the layers and `serial_s` of the same ops back to back."""
 
     makespan_s: float
     serial_s: float
@@ -30,16 +25,13 @@ class Timeline:
 def layer_timeline(
     num_layers: int, attention_s: float, moe_s: float, dispatch_s: float, combine_s: float
 ) -> Timeline:
-    """The timeline of `num_layers` identical MoE layers; every duration is one half's, in seconds (>= 0).
-
-    Raises:
-        ValueError: a negative duration or layer count.
-    """
+    """The timeline of `num_layers` identical MoE layers; durations are one half's, in seconds. Raises
+    ValueError for a negative duration or layer count."""
     if num_layers < 0 or min(attention_s, moe_s, dispatch_s, combine_s) < 0:
         raise ValueError("layer_timeline: durations and num_layers must be >= 0")
     serial = 2.0 * num_layers * (attention_s + moe_s + dispatch_s + combine_s)
     compute_free = comm_free = 0.0
-    ready = [0.0, 0.0]  # when each half's next layer may start (its previous combine done)
+    ready = [0.0, 0.0]
     for _ in range(num_layers):
         attn_done = [0.0, 0.0]
         for h in (0, 1):
@@ -62,9 +54,7 @@ def layer_timeline(
 def overlapped_s(
     num_layers: int, attention_s: float, moe_s: float, dispatch_s: float, combine_s: float
 ) -> float:
-    """`layer_timeline(...).makespan_s` in constant time: the first two layers simulated, the rest at the
-    second layer's increment (the schedule repeats from the second layer on; `layer_timeline` is the
-    reference the tests compare with)."""
+    """`layer_timeline(...).makespan_s` in constant time: the schedule repeats from the second layer on."""
     if num_layers <= 3:
         return layer_timeline(num_layers, attention_s, moe_s, dispatch_s, combine_s).makespan_s
     two = layer_timeline(2, attention_s, moe_s, dispatch_s, combine_s).makespan_s

@@ -1,25 +1,8 @@
 """Seconds of one engine step and of one KV handoff from FLOPs and bytes: the planner's performance model.
 
-`PerfModel` implements `planner.step_model.StepTimeModel` for one instance of one pool:
-
-1. The step's work is split over the instance's ranks (`planner.rank_split`): attention and dense layers
-   data-parallel over `devices / tensor_parallel_size` ranks (DP attention). Prefill chunks go largest
-   first to the least loaded rank; decode rows are spread evenly and the slowest rank holds the most KV
-   (`planner.imbalance.dp_max_rank_kv_factor`). Routed experts: the slowest EP rank takes the EPLB
-   placement's static imbalance times finite-token noise (`planner.imbalance`), or `ep_imbalance`.
-2. `planner.op_costs` counts each op's FLOPs and bytes on that rank (MLA expanded or absorbed, projections,
-   dense MLP, gate, routed and shared experts, lm_head, sampling, activation quantization, the MTP layer).
-3. Each op is priced `max(flops / (peak x compute fraction), bytes / (bandwidth x memory fraction))`
-   (Williams et al., "Roofline", CACM 2009). With `kernel_tables` the fractions come from published kernel
-   measurements by shape (`planner.kernel_tables`); without, from `orchestrator.efficiency` scalars (a
-   `pdcluster profile` calibration for `cpu`).
-4. EP dispatch/combine per MoE layer (`planner.comm_costs`, or the tables' EP bandwidth by EP size).
-   With `microbatch_overlap` the step is two halves on a timeline (`planner.overlap`): communication hides
-   only behind the other half's compute, which loses the compute units the EP kernels occupy.
-5. Host time per step and launch time per op are added.
-
-`kv_handoff_s` moves the prompt's latent KV (all layers, MTP layers included, in the wire dtype) over
-the prefill->decode link, layer by layer behind the prefill compute when `layerwise`.
+Each op of the slowest DP/EP rank (`rank_split`, `imbalance`, `op_costs`) is priced on the roofline
+`max(flops / (peak x compute fraction), bytes / (bandwidth x memory fraction))` (Williams et al.,
+"Roofline", CACM 2009), plus EP communication (`comm_costs`, `overlap`), launch and host time.
 """
 
 from __future__ import annotations
@@ -75,30 +58,12 @@ class Parallelism:
 
 
 class PerfModel:
-    """The step-time model of one instance (see the module docstring).
+    """The step-time model (`StepTimeModel`) of one instance of one pool.
 
-    Args:
-        config: the model architecture.
-        spec: the accelerator catalog entry of one device.
-        efficiency: scalar factors (`orchestrator.efficiency.get_efficiency(spec.name)`, or a calibration).
-        dtypes: weight / activation / KV cache dtypes.
-        parallel: the instance's split.
-        ep_link, tp_link: link levels the EP group and the TP group span.
-        kv_link: the prefill -> decode link one device sends KV over.
-        kv_wire_dtype: dtype of KV on the wire (int8 or a model dtype).
-        layerwise_kv: layer-by-layer KV streaming behind prefill compute.
-        mtp_in_prefill: run the MTP layer over prompt tokens (the prefill side drafts the first k).
-        ep_imbalance: slowest EP rank's load over the mean; None: EPLB placement x finite-token noise.
-        dispatch_dtype, combine_dtype: dtypes of the EP dispatch and combine messages.
-        microbatch_overlap: two micro-batches on a timeline (`planner.overlap`).
-        node_forwarding: `(devices_per_node, intra-node link)` when EP traffic crossing nodes is sent once
-            per destination node and forwarded inside it (DeepEP's normal kernels); None: point to point.
-        kernel_tables: published kernel measurements (`planner.kernel_tables`); "catalog": the device
-            kind's (none for `cpu`); None: the scalar factors only (a calibration).
-
-    Raises:
-        ValueError: `ep_imbalance` < 1, more TP ranks than heads, or a dtype the accelerator has no matrix
-            peak for in the catalog (e.g. fp8 on an Ascend die).
+    ep_imbalance: slowest EP rank's load over the mean (None: EPLB placement x token noise). node_forwarding:
+    (devices_per_node, intra-node link) for DeepEP-style forwarding. kernel_tables: "catalog" (the device's),
+    a table set, or None (scalar factors only). Raises ValueError for ep_imbalance < 1, more TP ranks than
+    heads, or a dtype with no matrix peak in the catalog.
     """
 
     def __init__(
@@ -153,7 +118,7 @@ class PerfModel:
         self._set_peaks()
 
     def with_efficiency(self, efficiency: Efficiency) -> PerfModel:
-        """The same instance priced with other efficiency factors (a calibration being fitted)."""
+        """The same instance priced with other efficiency factors."""
         other = PerfModel.__new__(PerfModel)
         other.__dict__.update(self.__dict__)
         other.efficiency = efficiency
@@ -161,7 +126,7 @@ class PerfModel:
         return other
 
     def _set_peaks(self) -> None:
-        """Peaks times factors, looked up once (ValueError for a dtype the device has no peak for)."""
+        """Peaks times factors, looked up once."""
         spec, eff, d = self.spec, self.efficiency, self.dtypes
         bw = spec.hbm_bytes_per_s
         self._peaks = (spec.matmul_flops_per_s(d.weight), spec.matmul_flops_per_s(d.activation), bw)
@@ -169,9 +134,8 @@ class PerfModel:
         self._attn = (self._peaks[1] * eff.attention_compute.value, bw * eff.attention_memory.value)
         self._mem = (math.inf, bw * eff.memory.value)
 
-    # ---- work split ----------------------------------------------------------------------------------
     def rank_work(self, step: StepShape) -> RankWork:
-        """The slowest DP rank's share of `step` (module docstring, item 1)."""
+        """The slowest DP rank's share of `step`."""
         dp = self.parallel.data_parallel_size
         chunks = slowest_rank_chunks(step.prefill, dp)
         p_acc = attention_sums(((c.num_tokens, c.context_len) for c in chunks), self.crossover_queries)
@@ -207,8 +171,7 @@ class PerfModel:
         )
 
     def moe_load(self, instance_tokens: float, num_sequences: int = 0) -> tuple[float, float, float]:
-        """`(routed pairs on the slowest EP rank, its active experts, imbalance)` for `instance_tokens`
-        tokens of `num_sequences` requests of the whole instance through one MoE layer."""
+        """`(routed pairs on the slowest EP rank, its active experts, imbalance)` for one MoE layer."""
         cfg, par = self.config, self.parallel
         ep, k = par.expert_parallel_size, cfg.num_experts_per_tok
         mean = instance_tokens * k / ep
@@ -227,15 +190,12 @@ class PerfModel:
         active = oc.expected_active_experts(local, physical, k, instance_tokens)
         return mean * imb, active, imb
 
-    # ---- ops (planner.step_ops) ---------------------------------------------------------------------
     def ops(self, step: StepShape, work: RankWork | None = None) -> list[OpCost]:
         """Every op of the slowest rank in `step`, each with its `count` (layers it runs in)."""
         return [op for group in op_groups(self, step, work or self.rank_work(step)) for op in group]
 
-    # ---- pricing -------------------------------------------------------------------------------------
     def op_time_s(self, op: OpCost, layout: str = "dense", prefill: bool = False) -> tuple[float, bool]:
-        """`(seconds of one run of op, compute-bound?)` on the roofline; GEMMs of `layout` with tables, in a
-        step with prefill work or not (the efficiency's serving fractions)."""
+        """`(seconds of one run of op, compute-bound?)` on the roofline."""
         tables = self.tables
         eff = self.efficiency
         derate = (eff.prefill_serving_fraction if prefill else eff.serving_fraction).value if tables else 1.0
@@ -258,7 +218,7 @@ class PerfModel:
         return max(compute_s, memory_s) / derate, compute_s > memory_s
 
     def comm_time_s(self, step: StepShape, work: RankWork | None = None) -> float:
-        """EP dispatch + combine over all MoE layers (MTP's included) and TP all-reduces, slowest rank."""
+        """EP dispatch + combine over all MoE layers and TP all-reduces, slowest rank, in seconds."""
         work = work or self.rank_work(step)
         if work.num_tokens == 0:
             return 0.0
@@ -267,7 +227,7 @@ class PerfModel:
         return self.num_moe_layers * (dispatch + combine) + self._other_comm_s(step, work)
 
     def _other_comm_s(self, step: StepShape, work: RankWork) -> float:
-        """The MTP layer's EP traffic and the TP all-reduces (never overlapped here)."""
+        """The MTP layer's EP traffic and the TP all-reduces."""
         cfg, par = self.config, self.parallel
         total = 0.0
         if work.mtp_tokens and cfg.is_moe_layer(cfg.num_hidden_layers) and par.expert_parallel_size > 1:
@@ -286,8 +246,7 @@ class PerfModel:
     def _ep_layer_s(
         self, t_rank: float, t_inst: float, decode_only: bool, num_sequences: int = 0
     ) -> tuple[float, float]:
-        """`(dispatch, combine)` seconds of one MoE layer on the slowest rank (`t_rank` own tokens, `t_inst`
-        in the instance): `planner.comm_costs.ep_layer_s` at the tables' EP bandwidth where there is one."""
+        """`(dispatch, combine)` seconds of one MoE layer on the slowest rank."""
         ep = self.parallel.expert_parallel_size
         if ep <= 1:
             return 0.0, 0.0
@@ -311,7 +270,6 @@ class PerfModel:
             return total * sizes[0] / sum(sizes), total * sizes[1] / sum(sizes)
         out = []
         for nbytes, bandwidth in zip(sizes, table.bandwidth(ep), strict=True):
-            # the tables' bandwidths are latency over bytes as measured: no separate latency term
             link = Link(bandwidth, 0.0, self.ep_link.level)
             out.append(
                 ep_layer_s(self.config, ep, t_rank, pairs, imb, nbytes, link, 1.0, self.node_forwarding)
@@ -323,28 +281,22 @@ class PerfModel:
         return price_step(self, step, record=True)
 
     def step_time_s(self, step: StepShape) -> float:
-        """Wall seconds of `step` on this instance (slowest rank); 0 for an empty step. The same sum as
-        `breakdown(step).total_s`, without the per-op record."""
+        """Wall seconds of `step` on this instance (slowest rank); 0 for an empty step."""
         return price_step(self, step, record=False).total_s
 
-    # ---- KV handoff ----------------------------------------------------------------------------------
     def kv_bytes_per_layer(self, num_prompt_tokens: int) -> float:
         """Wire bytes of one layer of a prompt's latent KV."""
         return num_prompt_tokens * oc.kv_bytes_per_token_per_layer(self.config, self.kv_wire_dtype)
 
     @property
     def kv_layers(self) -> int:
-        """Layers whose KV moves: the main layers and the MTP layers (the engine caches both)."""
+        """Layers whose KV moves: the main layers and the MTP layers."""
         return self.config.num_hidden_layers + self.config.num_nextn_predict_layers
 
     def kv_handoff_s(self, num_prompt_tokens: int, prefill_compute_s: float) -> float:
-        """Seconds the KV handoff adds after the prefill compute (`StepTimeModel.kv_handoff_s`).
-
-        One layer moves in `t = bytes_layer / (bandwidth x kv_link factor)`. Layer-wise, layer i can start
-        when its compute is done (`c = prefill_compute_s / layers` each), so the last layer lands
-        `max(t, L t - (L - 1) c)` after the compute ends; otherwise all `L t` follow it. Plus the link's
-        latency and the fixed per-handoff cost.
-        """
+        """Seconds the KV handoff adds after the prefill compute: per layer `t = bytes / bandwidth`,
+        `c = compute / L`; layer-wise `max(t, L t - (L - 1) c)`, else `L t`; plus latency and
+        handoff overhead."""
         if num_prompt_tokens <= 0:
             raise ValueError(f"num_prompt_tokens must be >= 1, got {num_prompt_tokens}")
         layers = self.kv_layers
@@ -362,10 +314,8 @@ def accelerator_model(
     return PerfModel(config, get_accelerator(accelerator), efficiency, **kwargs)
 
 
-# ---- from a topology (planner.topology_models) -------------------------------------------------------
 def perf_model_for(topology: Topology, role: str, **kwargs) -> PerfModel:
-    """The `PerfModel` of one instance of pool `role` of `topology`: `planner.topology_models.perf_model_for`
-    (arguments and errors there)."""
+    """The `PerfModel` of one instance of pool `role` (see `planner.topology_models.perf_model_for`)."""
     from pdcluster.planner.topology_models import perf_model_for as build
 
     return build(topology, role, **kwargs)

@@ -1,5 +1,4 @@
-"""What `pdcluster plan` runs: the workload, the step models, the simulation, the P:D sweep, the search and
-the report (`orchestrator.cli.plan` is its shell)."""
+"""What `pdcluster plan` runs: workload, step models, simulation, P:D sweep, search and report."""
 
 from __future__ import annotations
 
@@ -31,19 +30,8 @@ from pdcluster.planner.workload import plan_workload
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """The inputs of one plan besides the topology (see `pdcluster plan --help`).
-
-    Attributes:
-        acceptance_per_position: MTP acceptance per draft position; None: DEFAULT_ACCEPTANCE for each.
-        calibration: a `pdcluster profile` JSON for the perf model's efficiency factors.
-        weight_dtype: the weight dtype of the memory filter and the perf model (None: the file's
-            `model.weight_dtype` resolved; `weight_dtype_for`).
-        ep_imbalance: slowest EP rank over the mean (None: the model's statistical estimate).
-        scale_to_context: scale the trace's lengths to this context (None: keep the recorded lengths).
-        search_num_requests: requests per search candidate and per sweep point.
-        cores_per_node: on `cpu`, the cores each node's instances share (`planner.core_sharing`); None:
-            this machine's (`os.cpu_count()`, where the live `cpu` cluster the calibration measured runs).
-    """
+    """The inputs of one plan besides the topology (see `pdcluster plan --help`); None means the default:
+    DEFAULT_ACCEPTANCE per draft position, the file's weight dtype, `os.cpu_count()` cores per `cpu` node."""
 
     trace: str
     num_requests: int | None = None
@@ -75,9 +63,7 @@ def step_models(topology: Topology, options: PlanOptions) -> tuple[StepTimeModel
 
 
 def weight_dtype_for(topology: Topology, options: PlanOptions) -> str:
-    """The weight dtype the plan assumes: `options.weight_dtype` (`--weight-dtype`), else the file's
-    `model.weight_dtype` resolved (`auto`: `model.dtype`), as `planner.topology_models.perf_model_for`
-    defaults to."""
+    """The plan's weight dtype: `options.weight_dtype`, else the file's `model.weight_dtype` resolved."""
     return options.weight_dtype or topology.model.resolved_weight_dtype(topology.hardware.spec)
 
 
@@ -95,8 +81,7 @@ def acceptance_for(topology: Topology, options: PlanOptions) -> tuple[float, ...
 def simulate_topology(
     topology: Topology, requests: Sequence[TraceRequest], options: PlanOptions
 ) -> SimResult:
-    """`planner.simulator.simulate` with the perf model, the options' acceptance and the calibration's
-    control-plane path (`planner.control_plane`; none without a calibration)."""
+    """`simulate` with the perf model, the options' acceptance and the calibration's control plane."""
     from pdcluster.planner.control_plane import control_plane_from_calibration
 
     prefill_model, decode_model = step_models(topology, options)
@@ -120,8 +105,7 @@ def cores_per_node(topology: Topology, options: PlanOptions) -> float | None:
 
 
 def pd_sweep(base: Topology) -> list[Topology]:
-    """The file's split with the number of prefill instances varied over what the hardware holds next to
-    the file's decode pool (the file's own count included), each valid by `check_topology`."""
+    """The file's split with the prefill instance count varied over what the hardware holds, each valid."""
     free = base.hardware.num_devices - base.decode.num_devices
     counts = set(spread_counts(free // base.prefill.devices_per_instance, 5)) | {base.prefill.num_instances}
     out = []
@@ -194,15 +178,9 @@ class PlanOutcome:
 def run_plan(
     path: str | Path, topology: Topology, options: PlanOptions, out_dir: Path, show_progress: bool = True
 ) -> PlanOutcome:
-    """Simulate `topology` (read from `path`) on the options' trace, sweep P:D, search if asked, and write
-    the report (and with the search `out_dir/plan.yaml`). The search simulates only the splits whose weights
-    (in `weight_dtype_for`) and KV cache fit device memory (`planner.search.fits_in_memory`); the outcome's
-    notes say how many it dropped, and whether the file's own split fits.
-
-    Raises:
-        FileNotFoundError, ValueError: a bad trace, option, calibration or model config; a search where no
-            split passes the topology rules or fits device memory.
-    """
+    """Simulate `topology` on the options' trace, sweep P:D, search the splits that fit memory if asked, and
+    write the report (and `out_dir/plan.yaml`). Raises FileNotFoundError or ValueError for a bad trace,
+    option, calibration or model config, or a search with no valid split that fits."""
     from tqdm import tqdm
 
     from pdcluster.planner.report import write_report

@@ -1,33 +1,8 @@
 """`pdcluster profile`: measure the live engine here and fit the `cpu` catalog entry's efficiency factors.
 
-Method:
-1. Step times. For each pool of the topology one `engine.llm_engine.LLMEngine` is built with that pool's
-   engine arguments (`Topology.engine_config`; `compile` as the pool deploys it: by default the decode
-   engine compiles its forward while it is built, and its decode points time the compiled steps; the
-   perf model has no compile axis, so one fit spans an eager prefill and a compiled decode) and warmed up
-   by one small untimed request. Prefill points
-   `(batch, prompt_len)`: `batch` random prompts (distinct, so no prefix hits) are added with
-   `max_tokens=1` and the one `step()` that prefills them is timed. Decode points `(batch, context_len)`:
-   `batch` prompts of `context_len` tokens are prefilled (untimed), `WARMUP_STEPS` decode steps run
-   untimed, then each `step()` of the next `num_steps` is timed. A sample keeps every repeat; the fit uses
-   the fastest (contention only adds time); its `StepShape` is what was asked for (decode rows verify `1 +
-   k` tokens with MTP k). Times: CPU seconds of the stepping thread (`time.thread_time`; torch at 1 thread
-   as the deployed rank actors run it, the engine's synchronous loop steps in the calling thread), so load
-   from other processes does not enter the fit; wall seconds are recorded beside them.
-2. KV transfer. `kvtransfer.loopback_bench.bench_pair(transport, ...)` (what `bench.kv_transfer` runs)
-   moves one handoff of the model's layers at a few prompt lengths over the topology's KV transport
-   (`Topology.kv_transport`: shm, or gRPC on 127.0.0.1; gRPC stands in for torch_distributed and for
-   shm+grpc's cross-node pairs), the sender in a process of its own and the receiver writing a paged cache,
-   as deployed (wall clock); `seconds = fixed + bytes / bandwidth` fitted through each size's fastest
-   repeat gives the per-handoff cost and the throughput.
-3. Fit. The model's step time is `host + n_ops op_overhead + sum_ops max(flops x a_kind, bytes x b_kind)`
-   with `a = 1 / (peak x compute factor)` and `b = 1 / (bandwidth x memory factor)`. Alternating: each
-   op is assigned the regime (compute or memory) the current factors give it, the 7 unknowns (host,
-   op_overhead, a and b for GEMMs and attention, b for elementwise) are solved by non-negative least
-   squares on relative errors (each sample weighted by 1 / its fastest time), until the assignment repeats
-   (at most 8 rounds).
-   An unknown the data cannot see (its feature is zero in every sample, or NNLS sets it to 0) keeps the
-   catalog default and is listed in `fit.not_identified`.
+Step times per grid point are CPU seconds of the stepping thread (torch at 1 thread, fastest repeat), so
+other processes' load stays out; KV handoffs fit `seconds = fixed + bytes / bandwidth`; the factors of
+`host + n_ops op_overhead + sum_ops max(flops a, bytes b)` are fitted by NNLS on relative errors.
 """
 
 from __future__ import annotations
@@ -64,9 +39,8 @@ UNKNOWNS = ("host_overhead_s", "op_overhead_s", "gemm_compute", "gemm_memory", "
 
 @dataclass
 class Sample:
-    """One grid point measured: `role` (the pool, whose engine prefills or decodes), `batch`, `length`
-    (prompt or context tokens), the `step` priced, and per repeat the CPU seconds of the stepping thread
-    (`times_s`, what the fit uses: other processes' load does not enter it) and the wall seconds."""
+    """One grid point measured: pool `role`, `batch`, `length` (prompt or context tokens), the `step` priced,
+    per-repeat thread CPU seconds (`times_s`, fitted) and wall seconds."""
 
     role: str
     batch: int
@@ -81,7 +55,7 @@ class Sample:
 
     @property
     def best_s(self) -> float:
-        """The fastest repeat's CPU seconds (cache and memory contention only ever add time)."""
+        """The fastest repeat's CPU seconds (contention only adds time)."""
         return min(self.times_s)
 
 
@@ -122,7 +96,7 @@ def measure_prefill(
     for _ in range(repeats):
         ids = [engine.add_request(p, params) for p in _prompts(rng, batch, prompt_len, engine.config_vocab)]
         out.append(_timed_step(engine))
-        while engine.has_unfinished_requests():  # (not expected: the grid fits one step's budget)
+        while engine.has_unfinished_requests():
             engine.step()
         engine.pop_finished_outputs(ids)
     return out
@@ -148,8 +122,7 @@ def measure_decode(
 
 
 def measure_steps(topology, grid: Grid, progress: Callable[[str], None], seed: int = 0) -> list[Sample]:
-    """Every step sample of `grid` on both pools' engines (see the module docstring), with torch at one
-    intra-op thread as the deployed rank actors run it (`orchestrator.rank_actor`)."""
+    """Every step sample of `grid` on both pools' engines, torch at one thread as deployed."""
     import torch
 
     threads = torch.get_num_threads()
@@ -182,7 +155,7 @@ def _measure_steps(topology, grid: Grid, progress: Callable[[str], None], seed: 
                 step = StepShape(prefill=(PrefillChunk(length),) * batch)
             else:
                 times = measure_decode(engine, batch, length, grid.decode_steps, rng)
-                ctx = length + WARMUP_STEPS + grid.decode_steps // 2  # about the middle timed step
+                ctx = length + WARMUP_STEPS + grid.decode_steps // 2
                 step = StepShape(decode=(DecodeRow(ctx, 1 + k),) * batch, num_speculative_tokens=k)
             samples.append(Sample(role, batch, length, step, [t[1] for t in times], [t[0] for t in times]))
             progress(f"{role} batch={batch} len={length}")
@@ -193,11 +166,8 @@ def _measure_steps(topology, grid: Grid, progress: Callable[[str], None], seed: 
 def measure_kv(
     config, dtype: str, token_counts: Sequence[int], repeats: int, transport: str = "grpc"
 ) -> dict[str, Any]:
-    """KV handoffs over `transport` (`grpc` on loopback or `shm`; torch_distributed and shm+grpc are measured
-    as `grpc`: the bench has no process group, and a mixed topology's cross-node pairs are its slower ones)
-    at `token_counts` sizes: `seconds = fixed_s + bytes /
-    bytes_per_s` fitted by non-negative least squares through each size's fastest repeat, the raw points and
-    the transport measured."""
+    """KV handoffs over `transport` (others than shm measured as grpc) at `token_counts` sizes: the raw points
+    and `fixed_s`, `bytes_per_s` fitted by NNLS through the fastest repeats."""
     from pdcluster.kvtransfer.loopback_bench import bench_pair
     from pdcluster.planner.calibration import measured_kv_transport
 
@@ -228,10 +198,8 @@ def measure_kv(
     }
 
 
-# ---- fit -------------------------------------------------------------------------------------------------
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
-    """Non-negative least squares `min |a x - b|, x >= 0` (Lawson & Hanson, "Solving Least Squares
-    Problems", 1974, ch. 23 active-set method)."""
+    """Non-negative least squares `min |a x - b|, x >= 0` (Lawson & Hanson 1974, ch. 23 active-set method)."""
     m, n = a.shape
     x = np.zeros(n)
     passive = np.zeros(n, dtype=bool)
@@ -275,9 +243,8 @@ def _features(model: PerfModel, step: StepShape, regime: dict[tuple[str, str], b
 def fit_efficiency(
     models: dict[str, PerfModel], samples: Sequence[Sample], base: Efficiency, max_rounds: int = 8
 ) -> tuple[Efficiency, dict[str, Any]]:
-    """Fit the step-time factors of `base` to `samples` (module docstring, item 3); `models[role]` prices
-    the role's samples. Of the rounds' solutions the one whose roofline prices the samples with the least
-    rms relative error is kept. Returns it and a report (`rounds`, `rms_rel_error`, `not_identified`)."""
+    """Fit `base`'s step-time factors to `samples`; returns the round with the least rms relative error and a
+    report (`rounds`, `rms_rel_error`, `not_identified`)."""
     y = np.array([s.best_s for s in samples])
     w = 1.0 / y
     current, regimes = base, None
@@ -286,7 +253,7 @@ def fit_efficiency(
     while rounds < max_rounds:
         rounds += 1
         new_regimes = []
-        for s in samples:  # each op's regime in each sample under the current factors
+        for s in samples:
             priced = models[s.role].with_efficiency(current)
             new_regimes.append({(op.name, op.kind): priced.op_time_s(op)[1] for op in priced.ops(s.step)})
         if new_regimes == regimes:

@@ -1,14 +1,8 @@
 """The performance model against published DeepSeek-V3/R1 deployments (`pdcluster plan --validate`).
 
-The table (`data/published_deployments.json`) holds each deployment's published shape (hardware,
-parallelism, dtypes, EP link, micro-batch overlap) and rows: an operating point, the published figures,
-and the source; what a publication leaves unstated is an assumption named in the row. The operating points:
-* decode: `batch` requests per device at KV length `context_len`, each step verifying `1 + k` tokens; with
-  MTP acceptance `a` a step yields `1 + a` tokens per request: TPOT = step / (1 + a), throughput per device
-  = batch (1 + a) / step.
-* prefill: `prompts` per device per step of `prompt_len` tokens, `cached` of them hit a prefix cache;
-  throughput per device counts all `prompt_len` tokens (DeepSeek's Day 6 figure counts cache hits).
-Per device: one GPU or one Ascend 910C die. The model config is DeepSeek-V3's public config.json.
+`data/published_deployments.json` holds each deployment's shape and rows (operating point, published
+figures, source, named assumptions). Decode: TPOT = step / (1 + a) at MTP acceptance a; prefill
+throughput per device counts all `prompt_len` tokens, cache hits included (as DeepSeek's Day 6 figure).
 """
 
 from __future__ import annotations
@@ -56,11 +50,8 @@ def _link(d: dict[str, Any]) -> Link:
 
 
 def load_table(path: Path = TABLE_PATH) -> tuple[dict[str, Deployment], list[dict[str, Any]]]:
-    """`(deployments by key, rows)` of the published table at `path`.
-
-    Raises:
-        ValueError: a row naming an unknown deployment or kind, or a field missing (named).
-    """
+    """`(deployments by key, rows)` of the published table at `path`. Raises ValueError for a row naming an
+    unknown deployment or kind, or a missing field (named)."""
     raw = json.loads(Path(path).read_text())
     deployments = {}
     for key, d in raw["deployments"].items():
@@ -95,8 +86,7 @@ def model_for(
     ep_imbalance: float | None = None,
     overlap: bool | None = None,
 ) -> PerfModel:
-    """The deployment's `PerfModel`: the catalog's kernel tables and factors (or `efficiency`, a fit);
-    `overlap` overrides the deployment's micro-batch overlap (the sensitivity column)."""
+    """The deployment's `PerfModel` (or with `efficiency`); `overlap` overrides its overlap."""
     spec = get_accelerator(dep.accelerator)
     return PerfModel(
         config,
@@ -126,7 +116,7 @@ def row_step(model: PerfModel, kind: str, point: dict[str, Any]) -> StepShape:
 
 
 def predict(model: PerfModel, kind: str, point: dict[str, Any]) -> dict[str, float]:
-    """Step time (ms) and the row's published quantities at `point` (module docstring)."""
+    """Step time (ms) and the row's published quantities at `point`."""
     step_s = model.step_time_s(row_step(model, kind, point))
     if kind == "decode":
         tokens_per_step = 1 + (point["acceptance"] if point["k"] else 0.0)
@@ -152,9 +142,7 @@ def evaluate(
     efficiency: dict[str, Efficiency] | None = None,
     path: Path = TABLE_PATH,
 ) -> list[dict[str, Any]]:
-    """Every row predicted and compared: `{id, deployment, point, predicted, checks: {quantity: {published,
-    predicted, error (fraction), within_15pct, no_overlap_predicted}}, breakdown, source}`. `efficiency`:
-    factors per accelerator name replacing the catalog's (a fit)."""
+    """Every row predicted and compared; `factors` per accelerator replace the catalog's."""
     config = config or load_config()
     deployments, rows = load_table(path)
     out = []

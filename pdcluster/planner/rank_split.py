@@ -1,9 +1,4 @@
-"""How one step's work splits over an instance's data-parallel attention ranks (`planner.perf_model`).
-
-Attention sums: per MLA form (expanded for requests with at least `crossover_queries` queries, absorbed
-below, as `kernels.paged_mla` chooses), the queries, keys (cached + new) and causal query-key pairs
-(`n c + n (n + 1) / 2` for n queries over c cached tokens).
-"""
+"""How one step's work splits over an instance's data-parallel attention ranks (`planner.perf_model`)."""
 
 from __future__ import annotations
 
@@ -24,8 +19,7 @@ def attention_sums(items, crossover_queries: int) -> list[float]:
 
 
 def decode_sums(rows: tuple[DecodeRow, ...], crossover_queries: int) -> tuple[list[float], int]:
-    """`attention_sums` of decode rows and their query tokens, in one pass when every row verifies
-    the same number of tokens (the usual case: 1 + k), which a simulator calls once per step."""
+    """`attention_sums` of decode rows and their query tokens, in one pass when every row verifies alike."""
     if not rows:
         return [0.0] * 6, 0
     q = rows[0].num_query_tokens
@@ -42,8 +36,7 @@ def decode_sums(rows: tuple[DecodeRow, ...], crossover_queries: int) -> tuple[li
 
 
 def slowest_rank_chunks(chunks: tuple[PrefillChunk, ...], dp: int) -> list[PrefillChunk]:
-    """The chunks of the most loaded DP rank when chunks go, largest first, to the least loaded rank
-    (longest-processing-time-first; a request is never split over ranks)."""
+    """The most loaded DP rank's chunks when chunks go largest first to the least loaded rank (LPT)."""
     if dp == 1 or len(chunks) <= 1:
         return list(chunks)
     ranks = [(0, i, []) for i in range(min(dp, len(chunks)))]

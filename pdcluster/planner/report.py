@@ -1,12 +1,5 @@
-"""The planner's report: a Markdown page and PNG plots (matplotlib, the non-interactive Agg backend).
-
-ttft_tpot_cdf.png      CDFs of TTFT and TPOT of the simulated requests, the SLO marked
-goodput_vs_pd.png      goodput per device against the P:D device ratio (the ratio sweep or the search)
-phase_breakdown.png    mean seconds per phase (queue, prefill, KV transfer, decode), all requests and
-                       those missing the SLO
-frontier.png           (search) goodput per device against p90 TPOT of every candidate, the Pareto
-                       frontier drawn
-"""
+"""The planner's report: a Markdown page and PNG plots (matplotlib, Agg backend): TTFT/TPOT CDFs, goodput
+against the P:D ratio, mean phase breakdown, and with a search the goodput / p90 TPOT frontier."""
 
 from __future__ import annotations
 
@@ -158,14 +151,8 @@ def write_report(
     searched: Sequence[Evaluated] = (),
     plan_path: Path | None = None,
 ) -> Path:
-    """Write `report.md` and the plots into `out_dir` (created); returns the report's path.
-
-    Args:
-        result: the simulation of the topology as written.
-        sweep: simulations at other P:D ratios (goodput against the ratio); with a search, its candidates.
-        searched: the search's candidates, best first (empty: no search).
-        plan_path: where the best plan's YAML was written.
-    """
+    """Write `report.md` and the plots into `out_dir` (created); returns the report's path. `sweep`: other P:D
+    ratios (the search's candidates with a search); `searched`: candidates best first (empty: no search)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = result.summary
     slo = summary["slo"]

@@ -1,23 +1,9 @@
 """Search over splits of one topology's hardware, ranked by goodput per device under its SLO.
 
-`candidate_topologies` enumerates, for the hardware of a topology file (its nodes and devices unchanged):
-devices per instance of each pool (the file's, half and double, whole nodes beyond one node), EP degree
-(when the file's pool uses EP: all of an instance's devices, or half of them with each expert's FFN split
-over 2; else 1), decode max batch (`max_num_seqs`, the file's and half, the token budget scaled with it),
-MTP k (0 and the file's), and instances per pool (1 or 2 decode instances, and prefill counts from a third
-of what the remaining devices hold to all of it).
-Candidates the topology rules refuse (`orchestrator.topology.check_topology`: divisibility by the model's
-experts and heads, placement within nodes and supernodes; all but the device-memory rule, below) are
-dropped, and so are those `pdcluster deploy` does not run (`orchestrator.preflight.actor_layer_issues`:
-tensor-parallel attention, an expert's FFN split over part of an instance), so the half-instance EP degree
-is only simulated where deploy would run it.
-`memory_overflows` says which pools of a candidate cannot hold their weights (`planner.memory`, in the
-plan's weight dtype) plus their `kv_cache_memory_bytes` in one device's memory; `fits_in_memory` splits
-the candidates by it, and `pdcluster plan` simulates only those that fit.
-
-`search` simulates every candidate on the same workload (`planner.simulator.simulate`) and ranks them by
-goodput (requests per second meeting both the TTFT and the TPOT SLO) per device used; `plan_yaml` writes
-the best one as a topology file `pdcluster validate` accepts, its `model.weight_dtype` the one ranked with.
+`candidate_topologies` varies devices per instance, EP degree, decode `max_num_seqs`, MTP k and instance
+counts on the file's nodes, keeping what `check_topology` and deploy's preflight accept; `fits_in_memory`
+drops splits whose weights + KV cache exceed a device; `search` simulates and ranks the rest; `plan_yaml`
+writes the best as a topology file.
 """
 
 from __future__ import annotations
@@ -38,13 +24,7 @@ from pdcluster.planner.simulator import SimResult
 
 @dataclass(frozen=True)
 class Evaluated:
-    """One simulated candidate.
-
-    Attributes:
-        topology: the candidate.
-        num_devices: devices its two pools use.
-        result: its simulation.
-    """
+    """One simulated candidate and the devices its two pools use."""
 
     topology: Topology
     num_devices: int
@@ -74,15 +54,8 @@ def describe(topology: Topology) -> str:
 def memory_overflows(
     topology: Topology, weight_dtype: str, config: DeepseekV3Config | None = None
 ) -> list[str]:
-    """One line per pool of `topology` whose per-device parameters (`planner.memory.resident_params`) in
-    `weight_dtype` plus the pool's `kv_cache_memory_bytes` exceed one device's memory
-    (`hardware.spec.hbm_bytes`; `planner.memory.pool_memory_overflow`); empty when both fit. The topology
-    rules check the same in the file's `model.weight_dtype`; this takes the plan's. `config`: the model's
-    architecture (default: read from `topology.model`).
-
-    Raises:
-        ValueError: an unreadable model config.json, an unknown `weight_dtype`.
-    """
+    """One line per pool of `topology` whose weights in `weight_dtype` plus KV cache exceed a device's memory.
+    Raises ValueError for an unreadable model config.json or an unknown `weight_dtype`."""
     from pdcluster.orchestrator.topology.rules import read_model_architecture
 
     cfg = config or read_model_architecture(topology.model)
@@ -97,8 +70,7 @@ def memory_overflows(
 def fits_in_memory(
     candidates: Sequence[Topology], weight_dtype: str, config: DeepseekV3Config | None = None
 ) -> tuple[list[Topology], list[Topology]]:
-    """`candidates` split into those whose pools fit device memory (`memory_overflows` empty) and those
-    that do not, each in the given order (the model's config.json read once)."""
+    """`candidates` split into `(fit, overflow)` by `memory_overflows`, each in the given order."""
     from pdcluster.orchestrator.topology.rules import read_model_architecture
 
     if config is None and candidates:
@@ -128,9 +100,7 @@ def spread_counts(max_count: int, num: int) -> list[int]:
 def candidate_topologies(
     base: Topology, num_decode_counts: int = 2, num_prefill_counts: int = 3
 ) -> Iterator[Topology]:
-    """The candidates of `base`'s hardware (see the module docstring), each valid by the topology rules
-    (`orchestrator.topology.check_topology`, the model's config.json read once) but the device-memory one,
-    which `fits_in_memory` applies in the plan's weight dtype."""
+    """The candidates of `base`'s hardware that pass the topology rules but the memory one."""
     from pdcluster.orchestrator.preflight import actor_layer_issues
     from pdcluster.orchestrator.topology.rules import cross_section_issues, read_model_architecture
 
@@ -211,8 +181,7 @@ def search(
     candidates: Sequence[Topology] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[Evaluated]:
-    """Simulate every candidate (default `candidate_topologies(base)`) on `requests`; best first by
-    goodput per device, then fewer devices, then lower p90 TPOT."""
+    """Simulate every candidate; best first by goodput per device, fewer devices, lower p90 TPOT."""
     candidates = list(candidate_topologies(base)) if candidates is None else list(candidates)
     evaluated = []
     for i, candidate in enumerate(candidates):
@@ -230,10 +199,8 @@ def search(
 
 
 def plan_yaml(source_path: str | Path, best: Topology, header: str, weight_dtype: str | None = None) -> str:
-    """The topology file of `best`: the source file's YAML with the searched keys of `prefill` and
-    `decode` replaced, `model.weight_dtype` set to the `weight_dtype` the search ranked with when that is
-    not what the source's resolves to (None: the source's), relative paths (model, KV TLS files) made
-    absolute (the file may be written elsewhere), `header` as leading comment lines."""
+    """The topology file of `best`: the source YAML with the searched keys replaced, relative paths made
+    absolute, `model.weight_dtype` set when it differs, and `header` as leading comment lines."""
     source_path = Path(source_path)
     data = yaml.safe_load(source_path.read_text()) or {}
     base_dir = source_path.resolve().parent

@@ -1,19 +1,9 @@
 """One simulated engine instance: its queues and KV blocks, stepped by the live scheduler policy.
 
-`SimEngine` is the planner's stand-in for `engine.scheduler.Scheduler` plus the model runner of one
-prefill or decode instance. Each step it builds `RequestView`s exactly as the live scheduler does
-(`Scheduler._running_view` / `_waiting_view`), calls the live `engine.scheduler_policy.schedule_step`,
-applies the `StepPlan` (preemptions, admissions, new blocks), prices the step with a `StepTimeModel`
-(`planner.step_model`) and, when the step ends, commits tokens the way `Scheduler.update_from_output`
-does: a request whose known tokens (prompt + outputs + drafts) are all computed samples; on decode, its
-drafts are accepted by the MTP acceptance per draft position (a seeded draw), the rejected ones rolled back.
-
-What the simulation leaves out, stated: prefix caching (the traces carry no prompt text, so every block is
-fresh and `num_blocks_exclusive == num_blocks_held`), the lookahead slots of chained MTP (best effort in the
-live policy, never a cause of preemption), and asynchronous scheduling. An instance of several devices is
-one scheduler over the KV blocks of all its attention data-parallel ranks (`kv_cache_memory_bytes` per
-device x `attention_data_parallel_size`); the imbalance between DP ranks and EP ranks is the step model's
-business (it prices the slowest rank).
+Each step builds `RequestView`s as `Scheduler` does, calls the live `schedule_step`, prices the plan with a
+`StepTimeModel` and commits tokens as `Scheduler.update_from_output` does (MTP drafts accepted by a seeded
+draw per position). Left out: prefix caching (traces carry no text), chained-MTP lookahead slots, async
+scheduling. An instance is one scheduler over all its DP ranks' blocks; rank imbalance is the step model's.
 """
 
 from __future__ import annotations
@@ -26,11 +16,7 @@ from pdcluster.planner.step_model import DecodeRow, PrefillChunk, StepShape, Ste
 
 
 class SimRequest:
-    """One request's state through the simulated cluster (times in seconds of simulated time).
-
-    Token counts follow `engine.request.Request`: `num_computed_tokens` have KV, `num_output_tokens` are
-    committed, `num_spec_tokens` drafts await verification in the next step.
-    """
+    """One request's state through the simulated cluster (seconds; counts as `engine.request`)."""
 
     __slots__ = (
         "request_id",
@@ -73,7 +59,7 @@ class SimRequest:
         self.num_computed_tokens = 0
         self.num_output_tokens = 0
         self.num_spec_tokens = 0
-        self.num_blocks_held = 0  # on the engine running it now (prefill, then decode)
+        self.num_blocks_held = 0
         self.num_reserved_blocks = 0  # held on decode from the reservation until admission
         self.num_preemptions = 0
         self.num_draft_tokens = 0
@@ -95,20 +81,8 @@ def num_kv_blocks(kv_cache_memory_bytes: int, kv_cache_bytes_per_token: int, blo
 
 
 class SimEngine:
-    """One prefill or decode instance (see the module docstring).
-
-    Args:
-        role: `prefill` (a request is done once its prompt is computed and its first token sampled) or
-            `decode` (requests arrive through `reserve` + `admit`, and run to `max_tokens`).
-        instance: index in its pool.
-        config: the live scheduler's step limits.
-        num_blocks: KV blocks of the whole instance.
-        model: prices each step (`StepTimeModel.step_time_s`).
-        num_speculative_tokens: MTP k (drafts per decode step; the prefill side drafts k too).
-        acceptance_per_position: decode only: probability that draft i is accepted given drafts < i were,
-            one entry per draft position (length >= k).
-        rng: the seeded draw of draft acceptance.
-    """
+    """One prefill or decode instance over `num_blocks` KV blocks; `acceptance_per_position` (decode only):
+    P(draft i accepted | drafts < i were)."""
 
     def __init__(
         self,
@@ -141,7 +115,7 @@ class SimEngine:
         self.running: list[SimRequest] = []
         self.waiting: list[SimRequest] = []
         self.waiting_for_seat: list[SimRequest] = []
-        self.pending_admissions: list[SimRequest] = []  # handoffs complete, admitted at the next boundary
+        self.pending_admissions: list[SimRequest] = []
         self.pending_reserves: list[SimRequest] = []  # reserves waiting for the step in flight to end
         self.num_reserved = 0
         self.num_queued_prefill_tokens = 0  # prompt tokens of prefill jobs queued or active (PrefillNode)
@@ -156,7 +130,6 @@ class SimEngine:
         # DecodeRow is a frozen dataclass (slow to build); rows are plain values, so equal ones are shared
         self._rows: dict[tuple[int, int], DecodeRow] = {}
 
-    # ---- requests in ---------------------------------------------------------------------------------
     def add(self, request: SimRequest) -> None:
         """Queue a prefill job (prefill role)."""
         request.arrival_index = self._next_arrival_index()
@@ -165,8 +138,7 @@ class SimEngine:
         self.num_queued_prefill_tokens += request.num_prompt_tokens
 
     def reserve(self, request: SimRequest) -> bool:
-        """Hold blocks for the prompt, the first token and k drafts (`RemotePrefills.reserve`); False: no
-        room now."""
+        """Hold blocks for prompt, first token and k drafts (`RemotePrefills.reserve`); False: no room."""
         num_needed = cdiv(request.num_prompt_tokens + 1 + self.k, self.config.block_size)
         if num_needed > self.num_free_blocks:
             return False
@@ -176,12 +148,11 @@ class SimEngine:
         return True
 
     def handoff_done(self, request: SimRequest) -> None:
-        """The prompt KV arrived: admit at the next step boundary (`DecodeNode._run_once`)."""
+        """The prompt KV arrived: admit at the next step boundary."""
         self.pending_admissions.append(request)
 
     def _admit(self, request: SimRequest, now_s: float) -> None:
-        """`Scheduler.admit_reserved`: prompt computed, first token committed (the client has it already
-        from the prefill reply: `EmitFirstToken`), drafts from the prefill side to verify next."""
+        """`Scheduler.admit_reserved`: prompt computed, first token committed, drafts to verify."""
         self.num_reserved -= 1
         request.num_blocks_held, request.num_reserved_blocks = request.num_reserved_blocks, 0
         request.num_computed_tokens = request.num_prompt_tokens
@@ -209,10 +180,8 @@ class SimEngine:
             len(self.running) + self.num_reserved + len(self.waiting_for_seat) + len(self.pending_admissions)
         )
 
-    # ---- one step ------------------------------------------------------------------------------------
     def start_step(self, now_s: float) -> float:
-        """Admit completed handoffs, plan and price one step; returns its duration in seconds, or 0 when
-        there is nothing to run (the engine stays idle)."""
+        """Admit completed handoffs, plan and price one step; returns its seconds, or 0 when idle."""
         extra_s = self.step_extra_s
         if self.pending_admissions:
             extra_s += self.admission_step_extra_s
@@ -292,8 +261,7 @@ class SimEngine:
         return duration_s
 
     def finish_step(self, now_s: float) -> list[SimRequest]:
-        """Commit the step that ends at `now_s`. Returns the requests that finished here: on prefill,
-        those whose prompt is done (first token sampled); on decode, those that reached `max_tokens`."""
+        """Commit the step ending at `now_s`; returns requests done (prompt done, or max_tokens)."""
         self.busy = False
         done: list[SimRequest] = []
         k, acceptance, draw = self.k, self.acceptance, self.rng.random
@@ -302,7 +270,7 @@ class SimEngine:
             num_computed = request.num_computed_tokens + num_new
             num_spec = request.num_spec_tokens
             if num_computed < request.num_prompt_tokens + request.num_output_tokens + num_spec:
-                request.num_computed_tokens = num_computed  # a prefill chunk: nothing sampled yet
+                request.num_computed_tokens = num_computed
                 continue
             if not is_decode:
                 request.num_computed_tokens = num_computed
@@ -328,7 +296,7 @@ class SimEngine:
                 request.num_output_tokens = num_output
                 request.num_spec_tokens = k if k < num_allowed else num_allowed - 1
         self._step = []
-        if done:  # one pass over the batch, not a list.remove per finished request
+        if done:
             finished = set(done)
             self.running = [r for r in self.running if r not in finished]
             for request in done:
@@ -337,7 +305,7 @@ class SimEngine:
         return done
 
     def release_prefill(self, request: SimRequest) -> None:
-        """The handoff of a prefilled request is over: it no longer counts as queued prefill work."""
+        """The handoff is over: the request no longer counts as queued prefill work."""
         self.num_queued_prefill_tokens -= request.num_prompt_tokens
 
     def _preempt(self, request: SimRequest) -> None:

@@ -1,29 +1,9 @@
-"""Discrete-event simulation of a disaggregated cluster, from the same topology YAML the live cluster runs.
+"""Discrete-event simulation of a disaggregated cluster from the topology YAML the live cluster runs.
 
-The loop (a heap of timed events, in the shape of Vidur's `simulator.py`; our own code) replays a trace's
-requests through the live policies, imported and called, never copied:
-
-    arrival / reserve retry   the router policy (`orchestrator.router.POLICIES[topology.router.policy]`) over
-                              `PrefillLoad` / `DecodeLoad` snapshots picks a (prefill, decode) pair; decode
-                              reserves the prompt's blocks, at once when idle, else when its step in flight
-                              ends (the live reserve waits for the engine lock a step holds);
-                              `orchestrator.dispatch.after_reserve` says start the prefill, retry after
-                              RESERVE_RETRY_S (no room), or fail at the deadline (`kv_transfer.timeout_s`
-                              after arrival)
-    step end (prefill)        the live scheduler policy (`engine.scheduler_policy.schedule_step`, in
-                              `planner.sim_engine.SimEngine`) plans each step under the token budget with
-                              chunked prefill; a request whose prompt is done sends its first token to the
-                              client with the prefill call's reply (`orchestrator.dispatch.EmitFirstToken`):
-                              that is the request's TTFT; its KV handoff ends `StepTimeModel.kv_handoff_s`
-                              later (layer-wise overlap is the model's)
-    handoff done              decode admits the request at its next step boundary (`DecodeNode._run_once`;
-                              its first token reaches the client then if the reply has not yet)
-    step end (decode)         continuous batching: every running request verifies its MTP drafts
-                              (acceptance per draft position) and streams its tokens
-
-Per request the result is a `orchestrator.bench_client.RequestResult` (TTFT, TPOT, e2e, acceptance rate,
-phases: queue_s, prefill_s, kv_transfer_s, decode_s), so `orchestrator.bench_client.summarize` and
-`format_table` give the very table `pdcluster bench` prints.
+A heapq event loop (after Vidur's `simulator.py`) replays a trace through the live router, dispatch and
+scheduler policies, imported, never copied. Events: arrival / reserve retry (router picks a pair, decode
+reserves the prompt's blocks, `dispatch.after_reserve` decides), prefill step end (first token = TTFT, then
+the KV handoff), handoff done (decode admits at its next step), decode step end (MTP verify, stream tokens).
 """
 
 from __future__ import annotations
@@ -51,9 +31,7 @@ _STEP_END, _HANDOFF_DONE, _ARRIVAL, _PREFILL_QUEUED = 0, 1, 2, 3
 
 
 class LengthOnlyPrompt(Sequence[int]):
-    """A prompt known by its length only (traces carry no text): the prefix-aware router reads `len` and
-    the hashes of its full blocks, of which it has none (slicing gives []), so its prefix hit is 0: the
-    simulation does not model prefix caching (every prompt unique, as the Azure trace's held-out ones)."""
+    """A prompt known by its length only (traces carry no text), so prefix hits are 0."""
 
     __slots__ = ("_len",)
 
@@ -71,17 +49,7 @@ class LengthOnlyPrompt(Sequence[int]):
 
 @dataclass
 class SimResult:
-    """The outcome of one simulation.
-
-    Attributes:
-        results: one `RequestResult` per trace request, in trace order.
-        duration_s: simulated seconds from the first arrival to the last answer.
-        summary: `orchestrator.bench_client.summarize` of the results under the SLO.
-        num_steps: engine steps per pool (all instances together).
-        busy_fraction: per pool, busy seconds / (instances x duration).
-        num_preemptions: per pool.
-        num_events: events the loop processed.
-    """
+    """One simulation's outcome: results in trace order, duration_s, summary, per-pool counters."""
 
     results: list[RequestResult]
     duration_s: float
@@ -96,23 +64,8 @@ class SimResult:
 
 
 class ClusterSimulator:
-    """The event loop over one topology (see the module docstring).
-
-    Args:
-        topology: the cluster (pools, router policy, kv_transfer.timeout_s, SLO).
-        prefill_model / decode_model: step time of one instance of each pool; the prefill model also
-            prices the KV handoff (`kv_handoff_s`).
-        prefill_sizing / decode_sizing: `pool_sizing` of each pool.
-        acceptance_per_position: MTP acceptance per draft position (decode.num_speculative_tokens entries
-            at least; ignored without MTP).
-        seed: seeds the draft-acceptance draws (same seed, same inputs: the same result).
-        control_plane: the live path's seconds around the steps (`planner.control_plane`): the route +
-            reserve round trip delays the prefill's queueing, the first-token extra the first token after
-            the prefill's end, the handoff extra the admission, and each decode step (and the first after
-            an admission) pays its extra. Zero by default.
-        cores_per_node: on `cpu`, the cores of each node its instances share (`planner.core_sharing`;
-            instances fill nodes in order, prefill first); None: every instance has its devices alone.
-    """
+    """The event loop over one topology; `control_plane` adds the live path's seconds (zero by default),
+    `cores_per_node` shares each node's cores on `cpu` (None: unshared)."""
 
     def __init__(
         self,
@@ -185,7 +138,7 @@ class ClusterSimulator:
         heapq.heappush(self._events, (time_s, kind, self._seq, payload))
 
     def run(self, requests: Sequence[TraceRequest]) -> list[SimRequest]:
-        """Simulate `requests` (arrival_s ascending or not); returns their final states in trace order."""
+        """Simulate `requests`; returns their final states in trace order."""
         sims = [
             SimRequest(i, r.num_input_tokens, r.num_output_tokens, r.arrival_s)
             for i, r in enumerate(requests)
@@ -198,7 +151,7 @@ class ClusterSimulator:
             now_s, kind, _, payload = pop(events)
             self.num_events += 1
             if kind == _STEP_END:
-                if self._nodes is not None:  # (engine, version): an end the node's sharing since moved
+                if self._nodes is not None:
                     engine, version = payload  # type: ignore[misc]
                     if version != self._version[id(engine)]:
                         continue
@@ -213,9 +166,8 @@ class ClusterSimulator:
                 self._route(payload, now_s)  # type: ignore[arg-type]
         return sims
 
-    # ---- events --------------------------------------------------------------------------------------
     def _route(self, request: SimRequest, now_s: float) -> None:
-        """Route + reserve (`orchestrator.routing.RouteAndReserve._dispatch`), then `after_reserve`."""
+        """Route + reserve (`RouteAndReserve._dispatch`), then `after_reserve`."""
         if request.prefill_queued_s is None:  # first round: a request that can never fit fails alone
             try:
                 check_request_fits(
@@ -244,13 +196,13 @@ class ClusterSimulator:
             self._reserve(decode, request, now_s)
 
     def _reserve(self, decode: SimEngine, request: SimRequest, now_s: float) -> None:
-        """Reserve on `decode`, then what `after_reserve` says: start the prefill, retry, or fail."""
+        """Reserve on `decode`, then start the prefill, retry, or fail as `after_reserve` says."""
         bound = decode.reserve(request)
         outcome = ReserveOutcome.BOUND if bound else ReserveOutcome.NO_ROOM
         action = after_reserve(request.request_id, outcome, now_s, request.deadline_s)
         if isinstance(action, StartPrefill):
             request.decode_instance = decode.instance
-            if self.control_plane.dispatch_s > 0:  # the reserve's round trip before the prefill job lands
+            if self.control_plane.dispatch_s > 0:
                 self._push(now_s + self.control_plane.dispatch_s, _PREFILL_QUEUED, request)
             else:
                 self._queue_prefill(request, now_s)
@@ -281,13 +233,12 @@ class ClusterSimulator:
             model, cp = self.prefill_model, self.control_plane
             for request in done:
                 assert request.prefill_start_s is not None
-                # the first token reaches the client with the prefill call's reply (`EmitFirstToken`)
                 request.first_token_s = now_s + cp.first_token_extra_s
                 # MTP state (drafts) travels with the KV; decode starts at full acceptance
                 compute_s = now_s - request.prefill_start_s
                 handoff_s = model.kv_handoff_s(request.num_prompt_tokens, compute_s) + cp.handoff_extra_s
                 self._push(now_s + handoff_s, _HANDOFF_DONE, request)
-        elif engine.pending_reserves:  # the reserves that waited for the engine lock, in arrival order
+        elif engine.pending_reserves:
             reserves, engine.pending_reserves = engine.pending_reserves, []
             for request in reserves:
                 self._reserve(engine, request, now_s)
@@ -302,13 +253,8 @@ class ClusterSimulator:
 
 
 def to_results(sims: Sequence[SimRequest]) -> tuple[list[RequestResult], float]:
-    """`RequestResult`s of finished simulations and the duration (first arrival -> last answer), as
-    `orchestrator.bench_client.replay` measures them at the client. Phases in seconds: queue_s (arrival ->
-    first prefill step, reserve retries included), prefill_s (-> prompt done), kv_transfer_s (-> handoff
-    admitted on decode, waiting for the step boundary included), decode_s (admitted -> last token); they
-    add up to e2e. The first token reaches the client at the prefill's end plus the control plane's
-    `first_token_extra_s` (the prefill reply streams it, `orchestrator.dispatch.EmitFirstToken`), or at
-    the admission if that comes first."""
+    """`RequestResult`s and the duration (first arrival -> last answer) in seconds, as `bench_client.replay`
+    measures them; phases queue_s, prefill_s, kv_transfer_s, decode_s add up to e2e."""
     results = []
     first_s = min((s.arrival_s for s in sims), default=0.0)
     last_s = first_s
@@ -353,20 +299,9 @@ def simulate(
     control_plane: ControlPlane | None = None,
     cores_per_node: float | None = None,
 ) -> SimResult:
-    """Simulate `requests` on `topology`; see the module docstring.
-
-    Args:
-        requests: the (scaled) trace; num_output_tokens is each request's max_tokens (ignore_eos).
-        acceptance_per_position: MTP acceptance per draft position (>= decode.num_speculative_tokens).
-        prefill_sizing / decode_sizing: default `pool_sizing(topology, role)` (reads the model config).
-        ttft_slo_ms / tpot_slo_ms: the SLO of the summary's goodput; default the topology's `slo`, else
-            `orchestrator.slo`'s defaults.
-        control_plane: `ClusterSimulator`'s (zero by default: engine-side times only).
-        cores_per_node: `ClusterSimulator`'s (on `cpu`, instances sharing a node's cores slow each other).
-
-    Raises:
-        ValueError: acceptance_per_position shorter than k, or a topology the sizing refuses.
-    """
+    """Simulate `requests` (num_output_tokens = max_tokens, ignore_eos) on `topology`, summarized as
+    `pdcluster bench` does; SLO defaults to the topology's `slo`. Raises ValueError for
+    acceptance_per_position shorter than k, or a topology the sizing refuses."""
     from pdcluster.orchestrator.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
 
     simulator = ClusterSimulator(

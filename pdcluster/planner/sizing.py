@@ -11,17 +11,14 @@ from pdcluster.planner.sim_engine import num_kv_blocks
 
 @dataclass(frozen=True)
 class PoolSizing:
-    """What the simulator needs of one pool beyond the topology: the scheduler limits and KV blocks of
-    one instance. Built by `pool_sizing` from the topology and the model's KV bytes per token."""
+    """The scheduler limits and KV blocks of one simulated instance (built by `pool_sizing`)."""
 
     scheduler: SchedulerConfig
     num_blocks: int
 
 
 def kv_cache_bytes_per_token(topology: Topology, role: str) -> int:
-    """Bytes of KV cache one token occupies on one device of pool `role`, as the live engine sizes it
-    (`engine.model_runner.ModelRunner.kv_cache_bytes_per_token`: `kv_lora_rank + qk_rope_head_dim` values
-    per main layer, int8 plus a float32 scale for an int8 cache). Reads the model's config.json."""
+    """Bytes of KV cache one token occupies on one device of pool `role`, as `ModelRunner` sizes it."""
     import torch
 
     from pdcluster.kernels.kv_quant import kv_cache_bytes_per_token as bytes_per_token
@@ -38,16 +35,8 @@ def kv_cache_bytes_per_token(topology: Topology, role: str) -> int:
 
 
 def pool_sizing(topology: Topology, role: str, bytes_per_token: int | None = None) -> PoolSizing:
-    """The scheduler limits and KV blocks of one instance of pool `role`, simulated as one engine: the pool's
-    per-instance `max_num_seqs` and `max_num_batched_tokens` (the live instance splits them over its
-    data-parallel attention ranks, `Topology.engine_config` giving each rank its share), the rest as
-    `LLMEngine` builds its `SchedulerConfig` from `Topology.engine_config`; each device's
-    `kv_cache_memory_bytes` over `bytes_per_token` (default: `kv_cache_bytes_per_token`), times the
-    attention data-parallel ranks.
-
-    Raises:
-        ValueError: an unreadable model config or limits the live scheduler refuses.
-    """
+    """Scheduler limits and KV blocks of one instance of pool `role`, simulated as one engine over its DP
+    ranks. Raises ValueError for an unreadable model config or limits the live scheduler refuses."""
     from pdcluster.orchestrator.topology import read_model_architecture
 
     engine = topology.engine_config(role)

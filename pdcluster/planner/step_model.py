@@ -1,12 +1,7 @@
-"""What the simulator asks of a performance model: the duration of one engine step, and of one KV handoff.
+"""What the simulator asks of a performance model: seconds of one engine step and of one KV handoff.
 
-This is the seam between `planner.perf_model` (FLOPs and bytes per op on a hardware catalog entry, a
-roofline, calibrated here by `pdcluster profile`) and `planner.simulator` (a discrete-event loop over a
-trace that calls the live router, dispatch and scheduler policies). Plain data only, no torch.
-
-A step is what the live scheduler (`engine.scheduler_policy.schedule_step`) plans for one instance: some
-prefill chunks and some decode rows. One instance's step runs on all its ranks (DP attention, EP MoE);
-the model prices the step of the slowest rank, so EP imbalance is the model's business, not the caller's.
+The seam between `planner.perf_model` and `planner.simulator`; plain data, no torch. A step is what
+`schedule_step` plans for one instance; the model prices its slowest rank.
 """
 
 from __future__ import annotations
@@ -17,13 +12,7 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """One request's prefill work in a step.
-
-    Attributes:
-        num_tokens: prompt tokens computed in this step (the chunk), >= 1.
-        context_len: prompt tokens already in the KV cache before this chunk (prefix hit or earlier
-            chunks), >= 0. Attention of the chunk reads `context_len + num_tokens` positions.
-    """
+    """One request's prefill work in a step: `num_tokens` (>= 1) computed over `context_len` (>= 0) cached."""
 
     num_tokens: int
     context_len: int = 0
@@ -31,12 +20,7 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class DecodeRow:
-    """One running request's decode work in a step.
-
-    Attributes:
-        context_len: tokens in its KV cache before this step (prompt + output so far), >= 1.
-        num_query_tokens: tokens verified in this step: 1 + the drafts scheduled (k with MTP k), >= 1.
-    """
+    """One running request's decode work: `context_len` (>= 1) cached, 1 + drafts verified."""
 
     context_len: int
     num_query_tokens: int = 1
@@ -44,14 +28,7 @@ class DecodeRow:
 
 @dataclass(frozen=True)
 class StepShape:
-    """One engine step of one instance.
-
-    Attributes:
-        prefill: the prefill chunks of the step.
-        decode: the decode rows of the step.
-        num_speculative_tokens: MTP draft tokens proposed per decode row after the verify (the MTP
-            layer's forwards, k chained), 0 without speculative decoding.
-    """
+    """One engine step of one instance; `num_speculative_tokens`: MTP drafts per decode row."""
 
     prefill: tuple[PrefillChunk, ...] = ()
     decode: tuple[DecodeRow, ...] = ()
@@ -64,15 +41,12 @@ class StepShape:
 
 
 class StepTimeModel(Protocol):
-    """Seconds of one engine step and of one P→D KV handoff, for one instance of one pool."""
+    """Seconds of one engine step and of one P->D KV handoff, for one instance of one pool."""
 
     def step_time_s(self, step: StepShape) -> float:
-        """Wall seconds of `step` on this instance (slowest rank), host overhead included. > 0 unless
-        the step is empty, where it is 0."""
+        """Wall seconds of `step` on this instance (slowest rank, host included); 0 if empty."""
         ...
 
     def kv_handoff_s(self, num_prompt_tokens: int, prefill_compute_s: float) -> float:
-        """Seconds from the end of the last prefill step of a request until its KV cache is admitted on
-        the decode instance: with layer-wise streaming, what the transfer adds after `prefill_compute_s`
-        of compute it overlapped with (at least one layer's transfer and the fixed per-handoff cost)."""
+        """Seconds from a request's last prefill step until decode admits its KV."""
         ...

@@ -1,6 +1,4 @@
-"""The ops of one step on the slowest rank of a `planner.perf_model.PerfModel` instance, grouped as the
-two-micro-batch timeline needs them (`planner.step_pricing`): outside the MoE layers, the MoE layers'
-ops before the EP dispatch, and their routed experts."""
+"""The ops of one step on a `PerfModel` instance's slowest rank, grouped as the micro-batch timeline needs."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ ROUTED = "moe.routed_experts"
 def layer_ops(
     model: PerfModel, work: RankWork, t: float, instance_tokens: float, moe: bool, num_sequences: int = 0
 ) -> list[OpCost]:
-    """One decoder layer's ops for `t` rank tokens: MLA, norms, the MoE (or dense MLP), and the per-token
-    activation quantization in front of each 8-bit GEMM (read 2 B, write 1 B per element)."""
+    """One decoder layer's ops for `t` rank tokens: MLA, norms, MoE or MLP, 8-bit quantization."""
     cfg, d, par = model.config, model.dtypes, model.parallel
     tp = par.tensor_parallel_size
     ops = oc.attention_projections(cfg, t, d, tp) + oc.attention_core(cfg, work, d, tp)
@@ -46,9 +43,7 @@ def layer_ops(
 def op_groups(
     model: PerfModel, step: StepShape, work: RankWork, scale: float = 1.0
 ) -> tuple[list[OpCost], list[OpCost], list[OpCost]]:
-    """`(rest, moe_attention, moe_experts)` of `work` (the rank's share of `scale` of `step`): ops outside
-    the MoE layers (embedding, dense layers, head, sampling, the MTP layer), the MoE layers' ops but the
-    routed experts, and the routed experts; each counted over the layers it runs in."""
+    """`(rest, moe_attention, moe_experts)` of `work`, each op counted over the layers it runs in."""
     cfg, d = model.config, model.dtypes
     if work.num_tokens == 0:
         return [], [], []

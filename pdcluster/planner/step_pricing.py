@@ -1,5 +1,4 @@
-"""One step of `planner.perf_model.PerfModel` priced: ops on the roofline (or the kernel tables), EP
-communication, the two-micro-batch timeline, launch and host time."""
+"""One step of a `PerfModel` priced: ops on the roofline or kernel tables, EP communication, overlap, host."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class StepBreakdown:
-    """One step priced: seconds per op name (summed over layers and micro-batches), compute, communication,
-    host, total (seconds), the compute-bound ops, and `hidden_comm_s` the overlap hid."""
+    """One step priced in seconds: per op name, compute, communication, host, total, and `hidden_comm_s`."""
 
     op_s: dict[str, float]
     compute_s: float
@@ -34,8 +32,7 @@ class StepBreakdown:
 def gemm_time_s(
     tables: KernelTables, layout: str, op: OpCost, peak_flops_per_s: float, peak_bytes_per_s: float
 ) -> tuple[float, bool]:
-    """`(seconds, compute-bound?)` of one run of a GEMM op, each of its GEMMs at the tables' fractions for
-    its shape; the op's weight and activation bytes shared among them by `n k` and `m (n + k)`."""
+    """`(seconds, compute-bound?)` of one run of a GEMM op, at the tables' fractions per shape."""
     kn = sum(n * k * g for _, n, k, g in op.gemms)
     mkn = sum(m * (n + k) * g for m, n, k, g in op.gemms) or 1.0
     seconds, bound = 0.0, False
@@ -54,10 +51,7 @@ def _halved(work: RankWork) -> RankWork:
 
 
 def price_step(model: PerfModel, step: StepShape, record: bool) -> StepBreakdown:
-    """`step` on `model`'s slowest rank. Serial: compute + communication + launch + host. With the
-    model's micro-batch overlap (and EP > 1): each half's ops priced at half the tokens, the MoE layers on
-    `planner.overlap`'s timeline with compute slowed by the compute units the EP kernels hold; the batch is
-    split only where that is faster than serial (as SGLang's two-batch overlap is enabled per batch)."""
+    """`step` on `model`'s slowest rank: serial, or two micro-batches where faster (SGLang)."""
     work = model.rank_work(step)
     if work.num_tokens == 0:
         return StepBreakdown({}, 0.0, 0.0, 0.0, 0.0)

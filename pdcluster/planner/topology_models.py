@@ -1,7 +1,4 @@
-"""A `PerfModel` per pool of a topology YAML: dtypes, parallelism and link levels read from the file.
-
-model = perf_model_for(load_topology("clusters/cm384.yaml"), "decode")  # weights in its model.weight_dtype
-"""
+"""A `PerfModel` per pool of a topology YAML: dtypes, parallelism and link levels read from the file."""
 
 from __future__ import annotations
 
@@ -18,9 +15,7 @@ from pdcluster.planner.perf_model import Link, Parallelism, PerfModel
 
 
 def link_level(topology: Topology, num_devices: int, *, across_instances: bool = False) -> Link:
-    """The interconnect level a group of `num_devices` devices spans (an instance's EP or TP group), or
-    with `across_instances` the level between two instances (the prefill -> decode KV link): the dies of
-    one package, one node, one supernode, or beyond."""
+    """The link level a group of `num_devices` spans, or with `across_instances` P -> D."""
     hw, ic = topology.hardware, topology.interconnect
     dies = hw.spec.dies_per_chip
     if across_instances:
@@ -53,21 +48,9 @@ def perf_model_for(
     node_forwarding: bool = False,
     **kwargs,
 ) -> PerfModel:
-    """The `PerfModel` of one instance of pool `role` (`prefill` or `decode`) of `topology`.
-
-    Dtypes: weights in `weight_dtype` (e.g. `int8`, `fp8`), by default the file's `model.weight_dtype`
-    resolved (`auto`: `model.dtype`, float32 on cpu, bfloat16 on accelerators); activations in the model
-    dtype (bfloat16 for 8-bit weights); the pool's `kv_cache_dtype`; the wire dtype as
-    `kv_transfer.wire_dtype` resolves it (`auto`: decode's cache dtype). The prefill pool runs the MTP
-    layer over prompts when decode speculates. Efficiency: the catalog's, or `calibration` (a JSON file
-    `pdcluster profile` writes).
-    `node_forwarding`: EP traffic between nodes goes once per node and is forwarded over `intra_node`
-    (DeepEP's normal kernels; `planner.comm_costs`). `kwargs` go to `PerfModel` (e.g. `ep_imbalance`,
-    `microbatch_overlap`).
-
-    Raises:
-        ValueError: bad `role`, an unreadable model config.json or calibration, a dtype without a peak.
-    """
+    """The `PerfModel` of one instance of pool `role` of `topology`, dtypes, links and efficiency (catalog or
+    `calibration`) from the file; `kwargs` go to `PerfModel`. Raises ValueError for a bad `role`, an
+    unreadable model config.json or calibration, or a dtype without a peak."""
     from pdcluster.planner.calibration import load_calibration
 
     pool = topology.pool(role)
@@ -84,7 +67,7 @@ def perf_model_for(
         efficiency = load_calibration(
             calibration, efficiency, accelerator=spec.name, kv_transport=topology.kv_transport
         )
-        kwargs.setdefault("kernel_tables", None)  # the measured factors replace the published tables
+        kwargs.setdefault("kernel_tables", None)  # a calibration replaces the published tables
     parallel = Parallelism(
         pool.devices_per_instance,
         pool.tensor_parallel_size,

@@ -1,9 +1,4 @@
-"""The planner's workload: a trace loaded, repeated to the requested size and set to a rate.
-
-By default the trace's recorded lengths are kept, clamped only to what the model holds
-(`max_model_len - max_tokens_cap` input tokens); scaling them to another context is the explicit
-`scale_to_context` (`orchestrator.trace.scale_trace`, as `pdcluster bench` scales a trace live).
-"""
+"""The planner's workload: a trace loaded, repeated to the requested size and set to a rate."""
 
 from __future__ import annotations
 
@@ -22,12 +17,8 @@ from pdcluster.orchestrator.trace import (
 
 
 def repeat_trace(trace: Trace, num_requests: int) -> Trace:
-    """The trace's requests repeated until there are `num_requests`: each repetition starts one mean
-    inter-arrival gap after the previous one ends, so the arrival rate stays the trace's.
-
-    Raises:
-        ValueError: an empty trace or num_requests < 1.
-    """
+    """The trace repeated to `num_requests`, each repetition one mean gap after the last (the rate kept).
+    Raises ValueError for an empty trace or num_requests < 1."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     requests = trace.requests
@@ -52,15 +43,8 @@ def plan_workload(
     max_tokens_cap: int = 128,
     scale_to_context: int | None = None,
 ) -> Workload:
-    """Load `trace_path` (a bare name is looked up in ../shared/traces), repeat it to `num_requests`
-    (default: the trace as it is) and, with `rate_per_s`, compress or stretch its arrival times to that
-    mean rate (requests per second). Input lengths are kept as recorded, clamped to
-    `[MIN_INPUT_TOKENS, max_model_len - max_tokens_cap]` (the description says how many were clamped);
-    `scale_to_context` (at most `max_model_len`) scales them by `scale_to_context / the trace's reference
-    context` first. Outputs are capped at `max_tokens_cap`.
-
-    Raises:
-        FileNotFoundError, ValueError: a bad trace or option.
+    """Load `trace_path` (bare names from ../shared/traces), repeat it to `num_requests`, set its mean rate;
+    input lengths clamped to the model, outputs to `max_tokens_cap`. Raises FileNotFoundError or ValueError.
     """
     trace = load_trace(trace_path, num_requests)
     if num_requests is not None:

@@ -88,7 +88,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- parser ----------------------------------------------------------------------------------------
 NAME = "plan"
 HELP = "simulate a topology on a trace (capacity planning): summary, report with plots, --search"
 DESCRIPTION = """\
