@@ -10,9 +10,9 @@
     pdcluster profile clusters/local.yaml                  # measure the engine, fit the planner's cpu factors
     pdcluster plan clusters/cm384.yaml --trace FILE        # simulate a topology (capacity planning)
 
-Each subcommand module (`generate`, `demo`, `deploy`, `validate`, `accuracy`, `bench`, `profile`, `plan`) declares its
-subparser, `NAME`, `HELP` (the line in `pdcluster --help`), `DESCRIPTION` (and optionally `EPILOG`, both
-printed with their line breaks) and `add_arguments(parser)`, and its handler `run(args) -> exit code`;
+Each subcommand module (`generate`, `demo`, `deploy`, `validate`, `accuracy`, `bench`, `profile`,
+`plan`) declares its subparser, `NAME`, `HELP` (the line in `pdcluster --help`), `DESCRIPTION` (and
+optionally `EPILOG`, both printed with their line breaks) and `add_arguments(parser)`, and its handler `run(args) -> exit code`;
 `common` holds the option types and `CliError`.
 
 Every error the user can cause (bad option values, a bad topology file, a missing or broken checkpoint, a
@@ -32,7 +32,8 @@ from collections.abc import Callable
 from pdcluster.orchestrator.cli import accuracy, bench, demo, deploy, generate, plan, profile, validate
 from pdcluster.orchestrator.cli.common import EXIT_USAGE, PROG, CliError, HelpFormatter
 
-SUBCOMMANDS = (generate, demo, deploy, validate, accuracy, bench, profile, plan)  # in `pdcluster --help` order
+# in `pdcluster --help` order
+SUBCOMMANDS = (generate, demo, deploy, validate, accuracy, bench, profile, plan)
 
 
 def build_parser() -> argparse.ArgumentParser:

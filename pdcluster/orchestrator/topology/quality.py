@@ -60,7 +60,7 @@ class KVBandConfig:
 
 @dataclass(frozen=True)
 class KVPrecisionConfig:
-    """Length bands `short` < `medium` < `long` (the first two optional); `long` takes every longer request."""
+    """Length bands `short` < `medium` < `long` (the first two optional); `long` takes the longer rest."""
 
     short: KVBandConfig | None = None
     medium: KVBandConfig | None = None
@@ -113,7 +113,8 @@ class AccuracyConfig:
             parts = self.band_lengths.split(",")
             if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
                 raise ValueError(
-                    f"AccuracyConfig field 'band_lengths': three positive integers 'a,b,c', got {self.band_lengths!r}"
+                    f"AccuracyConfig field 'band_lengths': three positive integers 'a,b,c', "
+                    f"got {self.band_lengths!r}"
                 )
 
 
