@@ -141,6 +141,18 @@ class KVPrecisionPolicy:
         return sum(kv_cache_bytes_per_token(kv_dim, d, 1) for d in dtypes)
 
 
+def request_kv_cache_dtype(
+    policy: KVPrecisionPolicy | None, default: str, num_prompt_tokens: int, max_tokens: int
+) -> str:
+    """A request's `kv_cache_dtype` for its P->D handoff (`kvtransfer.base.resolve_wire_dtype`): `int8`
+    when its band stores int8 (its KV then crosses the wire as int8), else `auto`; `default` (the pool's
+    `kv_cache_dtype`) without a policy."""
+    if policy is None:
+        return default
+    band = policy.bands[policy.band_index(admission_length(num_prompt_tokens, max_tokens))]
+    return "int8" if band.dtype == "int8" else "auto"
+
+
 def admission_length(num_prompt_tokens: int, max_tokens: int) -> int:
     """The length a request is banded by: the most tokens it can hold (prompt + max_tokens)."""
     return num_prompt_tokens + max_tokens

@@ -141,8 +141,12 @@ class LLMEngine:
             num_blocks = max(
                 1, config.kv_cache_memory_bytes // (probe.kv_cache_bytes_per_token * config.block_size)
             )
-        self.runner = ModelRunner(
-            self.model, num_blocks, config.block_size, config.kv_cache_dtype, shared_kv_cache
+        self.runner = ModelRunner(  # with KV pools: shm handoffs are not written in place (they go by copy)
+            self.model,
+            1 if self.kv_layout else num_blocks,
+            config.block_size,
+            config.kv_cache_dtype,
+            shared_kv_cache and self.kv_layout is None,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -163,6 +167,7 @@ class LLMEngine:
                 counts, config.block_size, config.enable_prefix_caching
             )
             self.runner.kv_caches = self.runner.kv_scales = []  # unused: every layer reads its pool's tensors
+            self.runner.num_blocks = num_blocks
             self.runner.kv_pools = KVPoolCaches(
                 self.kv_layout.pools, counts, config.block_size, model_cfg.kv_cache_dim, self.runner.device
             )

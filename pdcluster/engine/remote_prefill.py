@@ -84,6 +84,8 @@ def prompt_kv_hook(
         for request_id, table, num_prompt_tokens in tables:
             cache, kv_scale, local = runner.layer_cache(layer_idx, table)
             latent, scale = gather_kv(cache, local.to(runner.device), num_prompt_tokens, kv_scale)
+            if scale is None and latent.dtype != runner.dtype:  # a 16-bit KV pool: sent in the model dtype
+                latent = latent.to(runner.dtype)
             on_prompt_kv(request_id, layer_idx, latent, scale)
 
     return hook

@@ -243,6 +243,7 @@ class ClusterDeployment(ClusterWiring):
             self.max_model_len = config.max_model_len or _max_position_embeddings(config.model)
             self._dtype = config.dtype
             self._decode_kv_cache_dtype = config.kv_cache_dtype
+            self._kv_precision = config.kv_precision
             self._policy = POLICIES[topo.router.policy]
             up_s = time.monotonic()
             for instance in self.instances["prefill"] + self.instances["decode"]:

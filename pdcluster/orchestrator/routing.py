@@ -22,6 +22,7 @@ import contextlib
 import time
 from typing import Any
 
+from pdcluster.engine.kv_precision import request_kv_cache_dtype
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kvtransfer.base import HandoffMeta, resolve_wire_dtype
 from pdcluster.orchestrator.actor_errors import InstanceGroupFailed
@@ -226,7 +227,7 @@ class RouteAndReserve(RankCalls):
             attempt.handoff_id,
             tuple(prompt_token_ids),
             params,
-            attempt.meta or self._meta(attempt, prompt_token_ids),
+            attempt.meta or self._meta(attempt, prompt_token_ids, params),
             attempt.decode_index,
             attempt.decode.rank,
             awaiting_bind=attempt.meta is None,
@@ -298,7 +299,7 @@ class RouteAndReserve(RankCalls):
             attempt.handoff_id,
             tuple(prompt_token_ids),
             params,
-            self._meta(attempt, prompt_token_ids),
+            self._meta(attempt, prompt_token_ids, params),
             self.num_speculative_tokens,
         )
         decode = self.instances["decode"][attempt.decode_index].ranks[attempt.decode.rank]
@@ -340,15 +341,18 @@ class RouteAndReserve(RankCalls):
         record.attempt = None
         return ReserveOutcome.NO_ROOM, None
 
-    def _meta(self, attempt: Attempt, prompt_token_ids: list[int]) -> HandoffMeta:
+    def _meta(self, attempt: Attempt, prompt_token_ids: list[int], params: SamplingParams) -> HandoffMeta:
         kv = self.topology.kv_transfer
+        kv_dtype = request_kv_cache_dtype(  # per request: an int8 band's KV is int8 on the wire (`auto`)
+            self._kv_precision, self._decode_kv_cache_dtype, len(prompt_token_ids), params.max_tokens
+        )
         return HandoffMeta(
             request_id=attempt.handoff_id,
             num_layers=self.num_hidden_layers + (1 if self.num_speculative_tokens else 0),
             num_tokens=len(prompt_token_ids),
             kv_dim=self.kv_dim,
             dtype=self._dtype,
-            wire_dtype=resolve_wire_dtype(kv.wire_dtype, self._dtype, self._decode_kv_cache_dtype),
+            wire_dtype=resolve_wire_dtype(kv.wire_dtype, self._dtype, kv_dtype),
             lease_s=kv.timeout_s,
         )
 

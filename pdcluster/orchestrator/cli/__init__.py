@@ -12,8 +12,8 @@
 
 Each subcommand module (`generate`, `demo`, `deploy`, `validate`, `accuracy`, `bench`, `profile`,
 `plan`) declares its subparser, `NAME`, `HELP` (the line in `pdcluster --help`), `DESCRIPTION` (and
-optionally `EPILOG`, both printed with their line breaks) and `add_arguments(parser)`, and its handler `run(args) -> exit code`;
-`common` holds the option types and `CliError`.
+optionally `EPILOG`, both printed with their line breaks) and `add_arguments(parser)`, and its handler
+`run(args) -> exit code`; `common` holds the option types and `CliError`.
 
 Every error the user can cause (bad option values, a bad topology file, a missing or broken checkpoint, a
 port in use or a host that is not this machine's) is one line on stderr per problem and exit code 2,

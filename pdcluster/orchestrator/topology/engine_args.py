@@ -87,8 +87,8 @@ def engine_arguments(topology: Topology, role: str, rank: int = 0) -> dict[str, 
     `model` (the checkpoint directory), `device` (the accelerator's torch device type; the device index is
     the actor's to add), `dtype` (`ModelConfig.resolved_dtype`), `num_speculative_tokens` from decode
     for both pools (prefill drafts the first MTP tokens that travel with the KV), `parallel`
-    (`parallel_config`: the rank's expert-parallel layout) and `compile` (`Topology.compiles`: the
-    decode pool's null default resolved by the accelerator).
+    (`parallel_config`: the rank's expert-parallel layout), `compile` (`Topology.compiles`: the
+    decode pool's null default resolved by the accelerator) and `kv_precision` (the topology's, both pools).
 
     Raises:
         ValueError: `role` is neither `prefill` nor `decode`.
@@ -108,5 +108,6 @@ def engine_arguments(topology: Topology, role: str, rank: int = 0) -> dict[str, 
         num_speculative_tokens=topology.decode.num_speculative_tokens,
         parallel=parallel_config(topology, role, rank),
         compile=topology.compiles(role),
+        kv_precision=None if topology.kv_precision is None else topology.kv_precision.policy(),
     )
     return arguments
