@@ -180,8 +180,3 @@ class KVPoolLayout(NamedTuple):
     def pool_for(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """The pool of a request with this prompt length and `max_tokens` (its band's)."""
         return self.band_to_pool[self.policy.band_index(admission_length(num_prompt_tokens, max_tokens))]
-
-    def pool_dtype(self, pool: int) -> torch.dtype:
-        """The pool's dtype where every layer shares one, else its most common one (for the wire)."""
-        dtypes = self.pools[pool]
-        return max(set(dtypes), key=dtypes.count)

@@ -76,15 +76,20 @@ class KVBand:
         if (self.key_layers is None) != (self.key_layers_dtype is None):
             raise ValueError("key_layers and key_layers_dtype go together")
 
-    def layer_dtypes(self, num_layers: int, model_dtype: torch.dtype) -> LayerDtypes:
-        """Cache dtype of each of `num_layers` layers."""
-        base = kv_torch_dtype(self.dtype, model_dtype)
-        dtypes = [base] * num_layers
+    def layer_dtype_names(self, num_layers: int, model_dtype: str) -> list[str]:
+        """Cache dtype name of each of `num_layers` layers (`auto` resolved to `model_dtype`)."""
+        names = [self.dtype] * num_layers
         if self.key_layers is not None and self.key_layers_dtype is not None:
             first, last = self.key_layers
-            for i in range(first, min(last, num_layers - 1) + 1):
-                dtypes[i] = kv_torch_dtype(self.key_layers_dtype, model_dtype)
-        return tuple(dtypes)
+            names[first : min(last, num_layers - 1) + 1] = [self.key_layers_dtype] * (
+                min(last, num_layers - 1) + 1 - first
+            )
+        return [model_dtype if n == "auto" else n for n in names]
+
+    def layer_dtypes(self, num_layers: int, model_dtype: torch.dtype) -> LayerDtypes:
+        """Cache dtype of each of `num_layers` layers."""
+        names = self.layer_dtype_names(num_layers, "auto")
+        return tuple(kv_torch_dtype(n, model_dtype) for n in names)
 
     def describe(self) -> str:
         text = self.dtype

@@ -44,11 +44,21 @@ class AccuracyReport:
     def passed(self) -> bool:
         return not self.failures
 
+    def mtp_acceptance_by_kv_dtype(self) -> dict[str, float]:
+        """Measured MTP acceptance per band KV dtype (mean over bands of that dtype): the planner's input
+        (`planner.memory.mtp_acceptance_for_request`)."""
+        by_dtype: dict[str, list[float]] = {}
+        for m in self.metrics.values():
+            if m.mtp_acceptance is not None:
+                by_dtype.setdefault(m.kv_dtypes, []).append(m.mtp_acceptance)
+        return {dtype: sum(v) / len(v) for dtype, v in by_dtype.items()}
+
     def to_json(self) -> dict:
         return {
             "topology": self.topology,
             "configuration": self.configuration,
             "metrics": {name: dataclasses.asdict(m) for name, m in self.metrics.items()},
+            "mtp_acceptance_by_kv_dtype": self.mtp_acceptance_by_kv_dtype(),
             "passed": self.passed,
             "failures": self.failures,
         }

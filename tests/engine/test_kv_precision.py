@@ -106,3 +106,29 @@ def test_mixed_batch_equals_single_dtype_engines(mixed):
         alone = single.generate([prompts[i] for i in rows], [params[i] for i in rows])
         for i, out in zip(rows, alone, strict=True):
             assert outputs[i].token_ids == out.token_ids, f"request {i} (band {band}) differs"
+
+
+def test_pool_tensor_bytes_per_token_equal_the_memory_model(mixed):
+    """The engine's pool tensors hold, per token slot, exactly the bytes `planner.memory` counts for the
+    band (every layer's values plus the int8 layers' float32 scales)."""
+    from pdcluster.planner.memory import kv_bytes_per_token_by_band, request_kv_bytes
+
+    engine = mixed.engine
+    cfg, caches = engine.model.config, engine.runner.kv_pools
+    model_bytes = kv_bytes_per_token_by_band(cfg, POLICY, "float32")
+    for band, pool in enumerate(engine.kv_layout.band_to_pool):
+        slots = caches.num_blocks_per_pool[pool] * caches.block_size
+        tensors = [t for t in caches.caches[pool] + caches.scales[pool] if t is not None]
+        assert sum(t.numel() * t.element_size() for t in tensors) == slots * model_bytes[band]
+    assert model_bytes == [5 * (80 + 4), 5 * 80 * 2, 80 * 2 + 4 * 80 * 4]
+    # 20 + 16 = 36 tokens in 16-token blocks: 48 slots of the int8 band
+    assert request_kv_bytes(cfg, POLICY, "float32", 20, 16, 16) == 48 * 5 * 84
+
+
+def test_mtp_acceptance_by_the_band_kv_dtype():
+    from pdcluster.planner.memory import mtp_acceptance_for_request
+
+    measured = {"int8": 0.63, "bfloat16": 0.7}  # `pdcluster accuracy --json`'s mtp_acceptance_by_kv_dtype
+    assert mtp_acceptance_for_request(measured, POLICY, 20, 16, 0.8) == 0.63
+    assert mtp_acceptance_for_request(measured, POLICY, 50, 30, 0.8) == 0.7
+    assert mtp_acceptance_for_request(measured, POLICY, 200, 30, 0.8) == 0.8  # not measured: the default

@@ -116,6 +116,9 @@ def test_accuracy_table_and_json_for_the_reference_configuration(tmp_path, capsy
     assert long["length"] == 64 and long["top1_agreement"] == 1.0 and long["mean_kl"] == 0.0
     assert long["repetition_rate"] == long["reference_repetition_rate"]
     assert long["mtp_acceptance"] == long["reference_mtp_acceptance"] is not None
+    by_dtype = report["mtp_acceptance_by_kv_dtype"]
+    assert list(by_dtype) == ["auto"]
+    assert by_dtype["auto"] == pytest.approx(sum(m["mtp_acceptance"] for m in report["metrics"].values()) / 3)
     code, out, _ = run_cli(capsys, "accuracy", path)
     assert code == 0 and "gate: passed" in out and out.splitlines()[0].split()[:3] == ["band", "length", "KV"]
 
