@@ -12,7 +12,8 @@ Policy (vLLM v1's, plus "decode first"), one step under a token budget:
 2. Waiting requests, first come first served and only in a step without preemption: admitted while
    `max_num_seqs`, the budget and the free blocks allow. Prefix-cache hits cost no budget. Without
    chunked prefill the remaining prompt must fit the budget whole; the first request that cannot be
-   admitted stops admission (no overtaking).
+   admitted stops admission (no overtaking), except that with several KV pools (`engine.kv_pools`) a
+   request short of its own pool's blocks stops only its pool's later requests.
 
 Block accounting is conservative: preempting a request counts only the blocks it holds alone, and a
 prefix hit on a free cached block counts as taking a free block, so the plan is always applicable.
@@ -212,9 +213,12 @@ def schedule_step(
 
     admitted: dict[str, int] = {}
     num_seqs = len(running) - len(preempted)
+    blocked_pools: set[int] = set()
     for view in [] if preempted else sorted(waiting, key=lambda v: v.arrival_index):
         if num_seqs >= config.max_num_seqs or budget == 0:
             break
+        if view.pool in blocked_pools:
+            continue
         num_uncached = view.num_tokens_to_compute - view.num_cached_tokens
         num_new = _chunk_size(config, num_uncached, True, budget)
         if num_new < num_uncached and not config.enable_chunked_prefill:
@@ -222,7 +226,8 @@ def schedule_step(
         num_cached_blocks = view.num_cached_tokens // bs
         num_blocks = cdiv(view.num_computed_tokens + view.num_cached_tokens + num_new, bs) - num_cached_blocks
         if num_blocks + view.num_cached_blocks_evictable > free[view.pool]:
-            break
+            blocked_pools.add(view.pool)  # first come first served within a pool; other pools go on
+            continue
         admitted[view.request_id] = view.num_cached_tokens
         scheduled[view.request_id] = num_new
         new_blocks[view.request_id] = num_blocks

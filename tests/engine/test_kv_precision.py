@@ -11,6 +11,7 @@ import torch
 from pdcluster.engine.kv_pools import PooledBlockManager
 from pdcluster.engine.kv_precision import KVBand, KVPrecisionPolicy
 from pdcluster.engine.llm import LLM
+from pdcluster.engine.request import RequestStatus
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kernels.kv_quant import kv_cache_bytes_per_token
 from pdcluster.models import bundled_checkpoint_dir
@@ -132,3 +133,24 @@ def test_mtp_acceptance_by_the_band_kv_dtype():
     assert mtp_acceptance_for_request(measured, POLICY, 20, 16, 0.8) == 0.63
     assert mtp_acceptance_for_request(measured, POLICY, 50, 30, 0.8) == 0.7
     assert mtp_acceptance_for_request(measured, POLICY, 200, 30, 0.8) == 0.8  # not measured: the default
+
+
+def test_scheduler_counts_blocks_per_pool(make_scheduler, make_request):
+    """A full pool blocks only its own requests: another pool's request is admitted past one waiting for
+    it, and the waiting one is admitted to its own pool once blocks there are freed."""
+    scheduler = make_scheduler(num_blocks=6, max_num_batched_tokens=64)  # block_size 4
+    scheduler.block_manager = bm = PooledBlockManager([2, 4], block_size=4)
+    first = make_request("a", num_prompt_tokens=8, max_tokens=4)  # 2 blocks: fills pool 0
+    waits = make_request("b", num_prompt_tokens=4, max_tokens=4)  # pool 0: no block left
+    other = make_request("c", num_prompt_tokens=8, max_tokens=4)
+    other.kv_pool = 1
+    for r in (first, waits, other):
+        scheduler.add_request(r)
+    out = scheduler.schedule()
+    assert set(out.num_scheduled_tokens) == {"a", "c"}  # c overtakes b: b waits on pool 0 only
+    assert bm.block_ids(other) == [2, 3] and bm.num_free_blocks_per_pool == [0, 2]
+    scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert bm.num_free_blocks_per_pool == [2, 2]
+    out = scheduler.schedule()
+    assert "b" in out.num_scheduled_tokens and bm.block_ids(waits) == [0]
+    assert waits.kv_pool == 0
