@@ -45,6 +45,8 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from pdcluster.decode_node.deltas import Handoff, token_delta
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm import EngineStepError, RequestOutput
@@ -113,7 +115,10 @@ class DecodeNode(RankActor):
     @property
     def _int8_cache(self) -> bool:
         """An int8 KV cache: the receiver hands an int8 wire's values and scales through as they are."""
-        return self.engine.config.kv_cache_dtype == "int8"
+        layout = self.engine.kv_layout  # KV pools: int8 requests' values pass through, others dequantized
+        return self.engine.config.kv_cache_dtype == "int8" or (
+            layout is not None and any(torch.int8 in pool for pool in layout.pools)
+        )
 
     def ready(self) -> NodeReady:
         """Name, process id, load time and what `compile` did, once the engine is loaded (weights read and,

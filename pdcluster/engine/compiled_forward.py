@@ -123,6 +123,8 @@ class CompiledDecodeForward:
     @staticmethod
     def supported(runner) -> str | None:
         """None when the compiled forward can run `runner`'s model, else why not."""
+        if runner.kv_pools is not None:
+            return "kv_precision (KV blocks in several dtypes)"
         if runner.kv_cache_dtype != "auto":
             return "kv_cache_dtype int8 (the compiled attention reads a float cache)"
         for layer in [*runner.model.main_layers, *runner.model.mtp_layers]:

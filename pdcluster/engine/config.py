@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdcluster.engine.kv_precision import KVPrecisionPolicy
 from pdcluster.engine.parallel import ParallelConfig
 from pdcluster.models.dtypes import MODEL_DTYPE_NAMES, MODEL_DTYPES
 
@@ -22,6 +23,8 @@ class EngineConfig:
         num_kv_blocks: KV cache blocks per layer; None sizes the cache from `kv_cache_memory_bytes`.
         kv_cache_memory_bytes: bytes for all layers' KV cache when `num_kv_blocks` is None.
         kv_cache_dtype: `auto` (model dtype) or `int8` (per-token scales, folded into attention).
+        kv_precision: KV dtype by request length (`engine.kv_precision`, one block pool per precision,
+            `engine.kv_pools`); None: every request in `kv_cache_dtype`. Needs `kv_cache_dtype` auto.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes + drafts).
         max_num_seqs: running requests at most.
         max_model_len: context length; None means the model's `max_position_embeddings`.
@@ -52,6 +55,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 256 * 1024 * 1024
     kv_cache_dtype: str = "auto"
+    kv_precision: KVPrecisionPolicy | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None
@@ -72,6 +76,8 @@ class EngineConfig:
             raise bad("dtype", f"must be one of {MODEL_DTYPE_NAMES}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
+        if self.kv_precision is not None and self.kv_cache_dtype != "auto":
+            raise bad("kv_cache_dtype", "must be auto with kv_precision (the policy picks each request's)")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory_bytes"):
             if getattr(self, name) < 1:
                 raise bad(name, "must be >= 1")

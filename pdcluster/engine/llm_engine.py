@@ -39,6 +39,8 @@ from pdcluster.engine.compiled_forward import CompiledDecodeForward, CompileStat
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.executor import Executor
 from pdcluster.engine.expert_parallel import EPStats, setup_expert_parallel
+from pdcluster.engine.kv_pool_attention import KVPoolCaches
+from pdcluster.engine.kv_pools import KVPoolLayout, PooledBlockManager
 from pdcluster.engine.model_runner import LayerKVCallback, ModelRunner
 from pdcluster.engine.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
 from pdcluster.engine.remote_prefill import (
@@ -132,13 +134,20 @@ class LLMEngine:
                 f"{model_cfg.max_position_embeddings}"
             )
         num_blocks = config.num_kv_blocks
-        if num_blocks is None:
+        self.kv_layout = self._kv_layout()
+        if self.kv_layout is not None:
+            num_blocks = sum(self.kv_layout.num_blocks_per_pool)
+        elif num_blocks is None:
             probe = ModelRunner(self.model, 1, config.block_size, config.kv_cache_dtype)
             num_blocks = max(
                 1, config.kv_cache_memory_bytes // (probe.kv_cache_bytes_per_token * config.block_size)
             )
-        self.runner = ModelRunner(
-            self.model, num_blocks, config.block_size, config.kv_cache_dtype, shared_kv_cache
+        self.runner = ModelRunner(  # with KV pools: shm handoffs are not written in place (they go by copy)
+            self.model,
+            1 if self.kv_layout else num_blocks,
+            config.block_size,
+            config.kv_cache_dtype,
+            shared_kv_cache and self.kv_layout is None,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -153,6 +162,16 @@ class LLMEngine:
             config.enable_prefix_caching,
             num_draft_placeholders=config.num_speculative_tokens if config.async_scheduling else 0,
         )
+        if self.kv_layout is not None:  # blocks of several dtypes: one pool each (`engine.kv_pools`)
+            counts = self.kv_layout.num_blocks_per_pool
+            self.scheduler.block_manager = PooledBlockManager(
+                counts, config.block_size, config.enable_prefix_caching
+            )
+            self.runner.kv_caches = self.runner.kv_scales = []  # unused: every layer reads its pool's tensors
+            self.runner.num_blocks = num_blocks
+            self.runner.kv_pools = KVPoolCaches(
+                self.kv_layout.pools, counts, config.block_size, model_cfg.kv_cache_dim, self.runner.device
+            )
         self.executor = Executor(
             self.runner,
             config.num_speculative_tokens,
@@ -175,6 +194,34 @@ class LLMEngine:
         self._records: dict[str, RequestRecord] = {}  # request id -> record, until its final output
         self._finished: list[str] = []  # finished outside a step (abort, admission), not reported yet
         self._ids = itertools.count()
+
+    def _kv_layout(self) -> KVPoolLayout | None:
+        config, cfg = self.config, self.model.config
+        if config.kv_precision is None:
+            return None
+        return KVPoolLayout.build(
+            config.kv_precision,
+            len(self.model.main_layers) + len(self.model.mtp_layers),
+            next(self.model.parameters()).dtype,
+            cfg.kv_cache_dim,
+            config.block_size,
+            config.kv_cache_memory_bytes,
+            config.num_kv_blocks,
+        )
+
+    def _assign_kv_pool(self, request: Request, max_tokens: int) -> None:
+        """Admission: the request's KV pool from its band (`engine.kv_precision`); ValueError when the
+        request could never fit that pool."""
+        layout = self.kv_layout
+        if layout is None:
+            return
+        request.kv_pool = layout.pool_for(request.num_prompt_tokens, max_tokens)
+        num_blocks = -(-(request.num_prompt_tokens + max_tokens) // self.config.block_size)
+        if num_blocks > layout.num_blocks_per_pool[request.kv_pool]:
+            raise ValueError(
+                f"prompt + max_tokens needs {num_blocks} KV blocks, its KV pool "
+                f"{request.kv_pool} holds {layout.num_blocks_per_pool[request.kv_pool]}"
+            )
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(
@@ -215,6 +262,7 @@ class LLMEngine:
         if any(not 0 <= t < self.model.config.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.model.config.vocab_size})")
         request_id = request_id if request_id is not None else str(next(self._ids))
+        max_tokens = params.max_tokens  # the band: the request's whole length, also for its prefill half
         if prefill_only:
             # min_tokens >= 1 still holds EOS and stop tokens back from the first token
             params = dataclasses.replace(params, max_tokens=1, stop=(), min_tokens=min(params.min_tokens, 1))
@@ -226,6 +274,7 @@ class LLMEngine:
             arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s,
             export_kv=prefill_only,
         )
+        self._assign_kv_pool(request, max_tokens)
         self.scheduler.add_request(request)
         self._records[request_id] = self._new_record(request, text)
         self._records[request_id].stream = stream
@@ -277,6 +326,7 @@ class LLMEngine:
             eos_token_id=self.eos_token_id,
             arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s,
         )
+        self._assign_kv_pool(request, sampling_params.max_tokens)  # the band the prefill side chose
         return self.remote_prefills.reserve(request, num_draft_tokens)
 
     def write_prompt_kv(

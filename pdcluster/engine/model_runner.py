@@ -22,6 +22,7 @@ import torch
 from pdcluster.engine.compiled_forward import CompiledDecodeForward
 from pdcluster.engine.config import KV_CACHE_DTYPES
 from pdcluster.engine.input_batch import ScheduledRows
+from pdcluster.engine.kv_pool_attention import KVPoolCaches
 from pdcluster.kernels.kv_quant import kv_cache_bytes_per_token
 from pdcluster.kernels.paged_mla import paged_mla_attention, write_kv
 from pdcluster.kvtransfer.shm_transport.inplace import SharedKVCache
@@ -332,6 +333,9 @@ class ModelRunner:
             self.kv_caches = [
                 torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in range(num_layers)
             ]
+        # Blocks in several dtypes (`engine.kv_pool_attention`), set by the engine with kv_precision; then
+        # every layer's KV goes there and `kv_caches` is unused.
+        self.kv_pools: KVPoolCaches | None = None
         self.num_mtp_forwards = 0  # MTP layer passes so far (the EP lockstep pads a step's passes to k)
         self.kv_scales: list[torch.Tensor | None] = [
             torch.zeros(shape[:2], dtype=torch.float32, device=self.device)
@@ -339,6 +343,15 @@ class ModelRunner:
             else None
             for _ in range(num_layers)
         ]
+
+    def layer_cache(
+        self, layer_idx: int, block_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """`(cache, scale or None, block ids in that cache)` holding a request's blocks (`block_ids`, its
+        block table) of one layer: with KV pools, its pool's tensors and local ids."""
+        if self.kv_pools is not None:
+            return self.kv_pools.layer_cache(layer_idx, block_ids)
+        return self.kv_caches[layer_idx], self.kv_scales[layer_idx], block_ids
 
     @property
     def kv_cache_bytes_per_token(self) -> int:
@@ -362,6 +375,11 @@ class ModelRunner:
         def paged_attention(
             q_nope: torch.Tensor, q_pe: torch.Tensor, latent_kv: torch.Tensor
         ) -> torch.Tensor:
+            if self.kv_pools is not None:
+                out = self.kv_pools.write_and_attend(
+                    idx, q_nope, q_pe, latent_kv, attn.kv_b_proj.weight, self.config.softmax_scale
+                )
+                return attn.o_proj(out.flatten(1))
             write_kv(self.kv_caches[idx], latent_kv, batch.slot_mapping, self.kv_scales[idx])
             out = paged_mla_attention(
                 q_nope,
@@ -393,6 +411,10 @@ class ModelRunner:
         when there is one that takes it (`engine.compiled_forward`), else the eager layers below.
         """
         compiled = self.compiled
+        if self.kv_pools is not None:
+            self.kv_pools.begin_step(
+                batch.slot_mapping, batch.block_tables, batch.seq_lens, batch.query_start_loc
+            )
         if on_layer_kv is None and compiled and compiled.accepts(len(batch.seq_lens), num_queries):
             hidden = compiled(batch, num_queries)
             if hidden is not None:
@@ -426,6 +448,10 @@ class ModelRunner:
             `[num_tokens, hidden_size]` post-norm hidden states (feed `compute_logits`, or the next depth).
         """
         compiled = self.compiled
+        if self.kv_pools is not None:
+            self.kv_pools.begin_step(
+                batch.slot_mapping, batch.block_tables, batch.seq_lens, batch.query_start_loc
+            )
         if (
             depth == 0
             and on_layer_kv is None

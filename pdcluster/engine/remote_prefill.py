@@ -85,12 +85,10 @@ def prompt_kv_hook(
         if on_layer_kv is not None:
             on_layer_kv(layer_idx, latent_kv, batch)
         for request_id, table, num_prompt_tokens in tables:
-            latent, scale = gather_kv(
-                runner.kv_caches[layer_idx],
-                table.to(runner.device),
-                num_prompt_tokens,
-                runner.kv_scales[layer_idx],
-            )
+            cache, kv_scale, local = runner.layer_cache(layer_idx, table)
+            latent, scale = gather_kv(cache, local.to(runner.device), num_prompt_tokens, kv_scale)
+            if scale is None and latent.dtype != runner.dtype:  # a 16-bit KV pool: sent in the model dtype
+                latent = latent.to(runner.dtype)
             on_prompt_kv(request_id, layer_idx, latent, scale)
 
     return hook
@@ -155,21 +153,20 @@ class RemotePrefillReservations:
             )
         if checksum_start is not None and scale is not None:
             raise ValueError(f"{request_id}: a checksum of the written bytes is for float layers, not int8")
+        cache, kv_scale, table = self.runner.layer_cache(layer_idx, table)
+        float_dtype = self.runner.dtype if kv_scale is not None else cache.dtype  # int8: quantized from this
         crc = None  # the bytes as given: computed here when they are cast or moved before the write
         if checksum_start is not None and (
-            latent_kv.device != self.runner.device or latent_kv.dtype != self.runner.dtype
+            latent_kv.device != self.runner.device or latent_kv.dtype != float_dtype
         ):
             crc, checksum_start = bytes_crc32c(latent_kv, checksum_start), None
-        kv_scale = self.runner.kv_scales[layer_idx]
         if scale is not None and kv_scale is None:
             latent_kv, scale = dequantize_kv_int8(latent_kv, scale, self.runner.dtype), None
         if scale is None:
-            latent_kv = latent_kv.to(self.runner.device, self.runner.dtype)
+            latent_kv = latent_kv.to(self.runner.device, float_dtype)
         else:
             latent_kv, scale = latent_kv.to(self.runner.device), scale.to(self.runner.device)
-        written_crc = write_prompt_kv(
-            self.runner.kv_caches[layer_idx], latent_kv, table, kv_scale, scale, checksum_start
-        )
+        written_crc = write_prompt_kv(cache, latent_kv, table, kv_scale, scale, checksum_start)
         return crc if crc is not None else written_crc
 
     def admit(

@@ -92,6 +92,7 @@ class Request:
         export_kv: a prefill-only request whose prompt KV, first token and first drafts are handed
             to a decode instance (`LLMEngine.add_request(prefill_only=True)`); set at creation, never changed.
         error: why the request failed (status FINISHED_ERROR), else None.
+        kv_pool: the KV block pool (precision) it was admitted to (`engine.kv_pools`); 0 with one pool.
     """
 
     request_id: str
@@ -117,6 +118,7 @@ class Request:
     num_accepted_tokens_per_position: list[int] = field(default_factory=list)
     export_kv: bool = False
     error: str | None = None
+    kv_pool: int = 0
 
     def __post_init__(self) -> None:
         if len(self.prompt_token_ids) == 0:

@@ -264,7 +264,7 @@ class Scheduler:
             # A request whose step in flight samples its last allowed token needs no further step.
             [self._running_view(r) for r in self.running if not self._samples_last_token(r)],
             [self._waiting_view(r, lookups[r.request_id]) for r in candidates],
-            bm.num_free_blocks,
+            getattr(bm, "num_free_blocks_per_pool", bm.num_free_blocks),
         )
         return self._apply(plan, lookups)
 
@@ -295,6 +295,7 @@ class Scheduler:
             is_prefill=request.num_computed_tokens < num_known - 1,
             num_blocks_held=self.block_manager.num_blocks_held(request),
             num_blocks_exclusive=self.block_manager.num_exclusive_blocks(request),
+            pool=request.kv_pool,
         )
 
     def _waiting_view(self, request: Request, computed: ComputedBlocks) -> RequestView:
@@ -305,6 +306,7 @@ class Scheduler:
             num_tokens_to_compute=request.num_tokens_to_compute,
             num_cached_tokens=computed.num_cached_tokens,
             num_cached_blocks_evictable=computed.num_evictable_blocks,
+            pool=request.kv_pool,
         )
 
     def _apply(self, plan: StepPlan, lookups: dict[str, ComputedBlocks]) -> SchedulerOutput:

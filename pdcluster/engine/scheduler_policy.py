@@ -12,7 +12,8 @@ Policy (vLLM v1's, plus "decode first"), one step under a token budget:
 2. Waiting requests, first come first served and only in a step without preemption: admitted while
    `max_num_seqs`, the budget and the free blocks allow. Prefix-cache hits cost no budget. Without
    chunked prefill the remaining prompt must fit the budget whole; the first request that cannot be
-   admitted stops admission (no overtaking).
+   admitted stops admission (no overtaking), except that with several KV pools (`engine.kv_pools`) a
+   request short of its own pool's blocks stops only its pool's later requests.
 
 Block accounting is conservative: preempting a request counts only the blocks it holds alone, and a
 prefix hit on a free cached block counts as taking a free block, so the plan is always applicable.
@@ -88,6 +89,7 @@ class RequestView(NamedTuple):
         num_cached_tokens: prefix-cache hit of a waiting request (a multiple of block_size).
         num_cached_blocks_evictable: of the hit blocks, those in the free pool (claiming them uses up
             free blocks).
+        pool: its KV block pool (`engine.kv_pools`); blocks are counted per pool.
     """
 
     request_id: str
@@ -99,6 +101,7 @@ class RequestView(NamedTuple):
     num_blocks_exclusive: int = 0
     num_cached_tokens: int = 0
     num_cached_blocks_evictable: int = 0
+    pool: int = 0
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,7 @@ def schedule_step(
     config: SchedulerConfig,
     running: Sequence[RequestView],
     waiting: Sequence[RequestView],
-    num_free_blocks: int,
+    num_free_blocks: int | Sequence[int],
 ) -> StepPlan:
     """Decide one step: tokens per request, admissions and preemptions (see the module docstring).
 
@@ -172,14 +175,15 @@ def schedule_step(
         config: step limits.
         running: requests in the running batch (any order).
         waiting: queued requests, preempted ones included (any order).
-        num_free_blocks: blocks no request holds, evictable cached blocks included.
+        num_free_blocks: blocks no request holds, evictable cached blocks included; a sequence: per KV
+            pool (`RequestView.pool` indexes it).
 
     Returns:
         The `StepPlan`; it never exceeds the budget, `max_num_seqs` or `num_free_blocks`.
     """
     bs = config.block_size
     budget = config.max_num_batched_tokens
-    free = num_free_blocks
+    free = [num_free_blocks] if isinstance(num_free_blocks, int) else list(num_free_blocks)
     scheduled: dict[str, int] = {}
     new_blocks: dict[str, int] = {}
     preempted: list[str] = []
@@ -193,11 +197,11 @@ def schedule_step(
             continue
         num_new = _chunk_size(config, view.num_tokens_to_compute, view.is_prefill, budget)
         num_blocks = max(0, cdiv(view.num_computed_tokens + num_new, bs) - view.num_blocks_held)
-        while num_blocks > free:
+        while num_blocks > free[view.pool]:
             victim = alive.pop()
             preempted.append(victim.request_id)
             budget += scheduled.pop(victim.request_id, 0)
-            free += new_blocks.pop(victim.request_id, 0) + victim.num_blocks_exclusive
+            free[victim.pool] += new_blocks.pop(victim.request_id, 0) + victim.num_blocks_exclusive
             if victim.request_id == view.request_id:
                 break
         if view.request_id in preempted:
@@ -205,26 +209,30 @@ def schedule_step(
         scheduled[view.request_id] = num_new
         new_blocks[view.request_id] = num_blocks
         budget -= num_new
-        free -= num_blocks
+        free[view.pool] -= num_blocks
 
     admitted: dict[str, int] = {}
     num_seqs = len(running) - len(preempted)
+    blocked_pools: set[int] = set()
     for view in [] if preempted else sorted(waiting, key=lambda v: v.arrival_index):
         if num_seqs >= config.max_num_seqs or budget == 0:
             break
+        if view.pool in blocked_pools:
+            continue
         num_uncached = view.num_tokens_to_compute - view.num_cached_tokens
         num_new = _chunk_size(config, num_uncached, True, budget)
         if num_new < num_uncached and not config.enable_chunked_prefill:
             break
         num_cached_blocks = view.num_cached_tokens // bs
         num_blocks = cdiv(view.num_computed_tokens + view.num_cached_tokens + num_new, bs) - num_cached_blocks
-        if num_blocks + view.num_cached_blocks_evictable > free:
-            break
+        if num_blocks + view.num_cached_blocks_evictable > free[view.pool]:
+            blocked_pools.add(view.pool)  # first come first served within a pool; other pools go on
+            continue
         admitted[view.request_id] = view.num_cached_tokens
         scheduled[view.request_id] = num_new
         new_blocks[view.request_id] = num_blocks
         budget -= num_new
-        free -= num_blocks + view.num_cached_blocks_evictable
+        free[view.pool] -= num_blocks + view.num_cached_blocks_evictable
         num_seqs += 1
 
-    return StepPlan(scheduled, new_blocks, admitted, tuple(preempted), free)
+    return StepPlan(scheduled, new_blocks, admitted, tuple(preempted), sum(free))

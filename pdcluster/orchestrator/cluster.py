@@ -116,6 +116,7 @@ class Cluster(ClusterDeployment):
             self.num_speculative_tokens,
             self._dtype,
             self._decode_kv_cache_dtype,
+            self._kv_precision,
         )
         self.dispatcher = Dispatcher(
             self.registry, loads, self.topology, model, self.call_timeout_s, self.event_timeout_s

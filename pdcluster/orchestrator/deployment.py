@@ -159,6 +159,7 @@ class ClusterDeployment(ClusterWiring):
             self.max_model_len = config.max_model_len or _max_position_embeddings(config.model)
             self._dtype = config.dtype
             self._decode_kv_cache_dtype = config.kv_cache_dtype
+            self._kv_precision = config.kv_precision
             up_s = time.monotonic()
             for instance in self.instances["prefill"] + self.instances["decode"]:
                 instance.health = InstanceHealth(since_s=up_s, pid=infos[instance.name].pid)

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pdcluster.engine.kv_precision import KVPrecisionPolicy, request_kv_cache_dtype
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kvtransfer.base import HandoffMeta, resolve_wire_dtype
 from pdcluster.orchestrator.actor_errors import InstanceGroupFailed
@@ -46,13 +47,15 @@ MAX_EARLY_PREFILL_CALLS = 64
 @dataclass(frozen=True)
 class ModelFacts:
     """What the driver puts in each handoff's `HandoffMeta`: the model's layers and KV width (prefill's
-    `NodeReady`), its MTP drafts per step, and the dtypes (`dtype`, decode's `kv_cache_dtype`)."""
+    `NodeReady`), its MTP drafts per step, and the dtypes (`dtype`, decode's `kv_cache_dtype`, the
+    `kv_precision` policy)."""
 
     num_hidden_layers: int
     kv_dim: int
     num_speculative_tokens: int
     dtype: str
     decode_kv_cache_dtype: str
+    kv_precision: KVPrecisionPolicy | None = None  # the topology's KV dtype by request length
 
 
 class RouteAndReserve:
@@ -228,7 +231,7 @@ class RouteAndReserve:
             attempt.handoff_id,
             tuple(prompt_token_ids),
             params,
-            attempt.meta or self._meta(attempt, prompt_token_ids),
+            attempt.meta or self._meta(attempt, prompt_token_ids, params),
             attempt.decode_index,
             attempt.decode.rank,
             awaiting_bind=attempt.meta is None,
@@ -291,7 +294,7 @@ class RouteAndReserve:
             attempt.handoff_id,
             tuple(prompt_token_ids),
             params,
-            self._meta(attempt, prompt_token_ids),
+            self._meta(attempt, prompt_token_ids, params),
             self.num_speculative_tokens,
         )
         decode = self.instances["decode"][attempt.decode_index].client(attempt.decode.rank)
@@ -335,15 +338,21 @@ class RouteAndReserve:
         attempt.advance(HandoffEvent.REROUTED)
         return ReserveOutcome.NO_ROOM, None
 
-    def _meta(self, attempt: Attempt, prompt_token_ids: list[int]) -> HandoffMeta:
+    def _meta(self, attempt: Attempt, prompt_token_ids: list[int], params: SamplingParams) -> HandoffMeta:
         kv = self.topology.kv_transfer
+        kv_dtype = request_kv_cache_dtype(  # per request: an int8 band's KV is int8 on the wire (`auto`)
+            self.model.kv_precision,
+            self.model.decode_kv_cache_dtype,
+            len(prompt_token_ids),
+            params.max_tokens,
+        )
         return HandoffMeta(
             request_id=attempt.handoff_id,
             num_layers=self.model.num_hidden_layers + (1 if self.model.num_speculative_tokens else 0),
             num_tokens=len(prompt_token_ids),
             kv_dim=self.model.kv_dim,
             dtype=self.model.dtype,
-            wire_dtype=resolve_wire_dtype(kv.wire_dtype, self.model.dtype, self.model.decode_kv_cache_dtype),
+            wire_dtype=resolve_wire_dtype(kv.wire_dtype, self.model.dtype, kv_dtype),
             lease_s=kv.timeout_s,
         )
 

@@ -12,8 +12,9 @@ import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from pdcluster.engine.kv_precision import KVPrecisionPolicy, admission_length
 from pdcluster.models.config import DeepseekV3Config
-from pdcluster.planner.op_costs import dtype_bytes
+from pdcluster.planner.op_costs import dtype_bytes, kv_bytes_per_token_per_layer
 
 if TYPE_CHECKING:
     from pdcluster.orchestrator.hardware import AcceleratorSpec
@@ -128,3 +129,45 @@ def pool_memory_overflow(
         f"{pool.kv_cache_memory_bytes / GB:.1f} GB of KV cache per device > {spec.hbm_bytes / GB:.1f} GB of "
         f"one {spec.name} device"
     )
+
+
+# ---- KV cache bytes and MTP acceptance by request length (`engine.kv_precision`) ---------------------
+def kv_bytes_per_token_by_band(
+    cfg: DeepseekV3Config, policy: KVPrecisionPolicy, model_dtype: str
+) -> list[int]:
+    """KV cache bytes one token of a request in each band occupies over the L + M cached layers: per
+    layer `(r + dr) x dtype`, plus a float32 scale where the layer is int8 (`op_costs`)."""
+    num_layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    return [
+        sum(kv_bytes_per_token_per_layer(cfg, d) for d in band.layer_dtype_names(num_layers, model_dtype))
+        for band in policy.bands
+    ]
+
+
+def request_kv_bytes(
+    cfg: DeepseekV3Config,
+    policy: KVPrecisionPolicy,
+    model_dtype: str,
+    num_prompt_tokens: int,
+    max_tokens: int,
+    block_size: int,
+) -> int:
+    """KV bytes a request holds at its longest (`prompt + max_tokens`, in whole blocks), in its band's
+    dtypes: what admitting it takes from its pool."""
+    length = admission_length(num_prompt_tokens, max_tokens)
+    per_token = kv_bytes_per_token_by_band(cfg, policy, model_dtype)[policy.band_index(length)]
+    return math.ceil(length / block_size) * block_size * per_token
+
+
+def mtp_acceptance_for_request(
+    acceptance_by_kv_dtype: dict[str, float],
+    policy: KVPrecisionPolicy,
+    num_prompt_tokens: int,
+    max_tokens: int,
+    default: float,
+) -> float:
+    """MTP acceptance of a request from its band's KV dtype: `acceptance_by_kv_dtype` as measured by
+    `pdcluster accuracy` (its JSON's `mtp_acceptance_by_kv_dtype`), `default` for a dtype not measured.
+    Lower-precision KV lowers acceptance (FP8 KV: 0.725 -> 0.630 in vLLM issue 55557)."""
+    band = policy.bands[policy.band_index(admission_length(num_prompt_tokens, max_tokens))]
+    return acceptance_by_kv_dtype.get(band.describe(), default)

@@ -5,14 +5,15 @@
     pdcluster demo                                         # what `make demo` runs: the cluster job
     pdcluster deploy clusters/local.yaml                   # serve a topology behind the OpenAI API
     pdcluster validate clusters/*.yaml                     # pre-flight check of topology files
+    pdcluster accuracy clusters/local.yaml                 # output quality vs full precision, and its gate
     pdcluster bench --endpoint URL --trace FILE            # replay a trace against an endpoint
     pdcluster profile clusters/local.yaml                  # measure the engine, fit the planner's cpu factors
     pdcluster plan clusters/cm384.yaml --trace FILE        # simulate a topology (capacity planning)
 
-Each subcommand module (`generate`, `demo`, `deploy`, `validate`, `bench`, `profile`, `plan`) declares its
-subparser, `NAME`, `HELP` (the line in `pdcluster --help`), `DESCRIPTION` (and optionally `EPILOG`, both
-printed with their line breaks) and `add_arguments(parser)`, and its handler `run(args) -> exit code`;
-`common` holds the option types and `CliError`.
+Each subcommand module (`generate`, `demo`, `deploy`, `validate`, `accuracy`, `bench`, `profile`,
+`plan`) declares its subparser, `NAME`, `HELP` (the line in `pdcluster --help`), `DESCRIPTION` (and
+optionally `EPILOG`, both printed with their line breaks) and `add_arguments(parser)`, and its handler
+`run(args) -> exit code`; `common` holds the option types and `CliError`.
 
 Every error the user can cause (bad option values, a bad topology file, a missing or broken checkpoint, a
 port in use or a host that is not this machine's) is one line on stderr per problem and exit code 2,
@@ -28,10 +29,11 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from pdcluster.orchestrator.cli import bench, demo, deploy, generate, plan, profile, validate
+from pdcluster.orchestrator.cli import accuracy, bench, demo, deploy, generate, plan, profile, validate
 from pdcluster.orchestrator.cli.common import EXIT_USAGE, PROG, CliError, HelpFormatter
 
-SUBCOMMANDS = (generate, demo, deploy, validate, bench, profile, plan)  # in `pdcluster --help` order
+# in `pdcluster --help` order
+SUBCOMMANDS = (generate, demo, deploy, validate, accuracy, bench, profile, plan)
 
 
 def build_parser() -> argparse.ArgumentParser:

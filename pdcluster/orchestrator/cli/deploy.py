@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -69,6 +70,14 @@ def run(args: argparse.Namespace) -> int:
         topology = deploy_preflight(args.file, args.port)
     except TopologyError as exc:
         raise CliError(str(exc)) from exc
+    if args.require_accuracy:
+        from pdcluster.orchestrator.accuracy_gate import evaluate_topology, format_report
+
+        report = evaluate_topology(topology)
+        print(format_report(report), flush=True)
+        if not report.passed:
+            print(f"pdcluster deploy: accuracy gate failed: {'; '.join(report.failures)}", file=sys.stderr)
+            return 1
     signals = ShutdownSignals()
     signals.install()
     try:
@@ -124,6 +133,12 @@ line too, exit code 2, after everything started is shut down."""
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=Path, metavar="FILE", help="topology YAML (see clusters/README.md)")
     parser.add_argument("--port", type=tcp_port, default=None, help="override api.port (0: a free port)")
+    parser.add_argument(
+        "--require-accuracy",
+        action="store_true",
+        help="run `pdcluster accuracy FILE` first; below a threshold of its accuracy section, print the "
+        "failed metrics and exit 1 without starting Ray",
+    )
     parser.add_argument(
         "--drain-timeout-s",
         type=non_negative_float,

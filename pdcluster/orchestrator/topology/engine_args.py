@@ -64,8 +64,8 @@ def parallel_config(topology: Topology, role: str, rank: int = 0) -> ParallelCon
 def engine_arguments(topology: Topology, role: str, rank: int = 0) -> dict[str, Any]:
     """`EngineConfig` keyword arguments for rank `rank` of an instance of pool `role`.
 
-    Per-instance `max_num_seqs` and `max_num_batched_tokens` are divided (rounded up) over attention DP ranks.
-    Raises ValueError for an unknown `role`.
+    Per-instance `max_num_seqs` and `max_num_batched_tokens` are divided (rounded up) over attention DP ranks;
+    `kv_precision` is the topology's, for both pools. Raises ValueError for an unknown `role`.
     """
     pool = topology.pool(role)
     spec = topology.hardware.spec
@@ -80,5 +80,6 @@ def engine_arguments(topology: Topology, role: str, rank: int = 0) -> dict[str, 
         num_speculative_tokens=topology.decode.num_speculative_tokens,
         parallel=parallel_config(topology, role, rank),
         compile=topology.compiles(role),
+        kv_precision=None if topology.kv_precision is None else topology.kv_precision.policy(),
     )
     return arguments

@@ -14,6 +14,7 @@ from typing import Any
 
 from pdcluster.models.config import DeepseekV3Config
 from pdcluster.orchestrator.topology.issues import Issue
+from pdcluster.orchestrator.topology.quality import quality_issues
 from pdcluster.orchestrator.topology.schema import (
     EIGHT_BIT_WEIGHT_DTYPES,
     ROLES,
@@ -302,6 +303,8 @@ def cross_section_issues(
                 f"decode.num_speculative_tokens: {decode.num_speculative_tokens} needs an MTP module, but "
                 f"the model has none (num_nextn_predict_layers is 0 in {arch_src})",
             )
+    num_layers = None if arch is None else arch.num_hidden_layers + arch.num_nextn_predict_layers
+    yield from quality_issues(sections, num_layers)
     kv: KVTransferConfig | None = sections.get("kv_transfer")
     if kv is not None and kv.tls is not None:
         yield from _tls_issues(kv)

@@ -43,6 +43,7 @@ from pdcluster.orchestrator.topology.fields import (
     choices,
     host_problem,
 )
+from pdcluster.orchestrator.topology.quality import AccuracyConfig, KVPrecisionConfig
 
 DEFAULT_TOPOLOGY_PATH = Path(__file__).resolve().parents[3] / "clusters" / "local.yaml"
 
@@ -414,6 +415,8 @@ class Topology:
     router: RouterConfig = field(default_factory=RouterConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
+    kv_precision: KVPrecisionConfig | None = None  # KV dtype by request length (`topology.quality`)
+    accuracy: AccuracyConfig = field(default_factory=AccuracyConfig)  # `pdcluster accuracy`'s gate
 
     def __post_init__(self) -> None:
         check_fields(self)
