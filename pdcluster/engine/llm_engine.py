@@ -35,7 +35,8 @@ import torch
 from torch.distributed import ProcessGroup
 
 from pdcluster.engine.async_loop import AsyncStepLoop
-from pdcluster.engine.compiled_forward import CompiledDecodeForward, CompileStats
+from pdcluster.engine.compile_setup import compile_stats, install_compiled_forwards
+from pdcluster.engine.compiled_forward import CompileStats
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.executor import Executor
 from pdcluster.engine.expert_parallel import EPStats, setup_expert_parallel
@@ -69,13 +70,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-MAX_ERROR_CHARS = 300  # of a failed compilation's message in CompileStats.error (inductor's run to pages)
-
-
-def _first_line(message: str) -> str:
-    """The first non-empty line of an exception's message, at most MAX_ERROR_CHARS characters."""
-    line = next((part.strip() for part in message.splitlines() if part.strip()), "")
-    return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 3] + "..."
 
 
 class EngineStepError(RuntimeError):
@@ -167,7 +161,9 @@ class LLMEngine:
         self._compile_s = 0.0
         self._compile_error: str | None = None  # why `compile` is on and nothing runs compiled
         if config.compile:
-            self._compile_decode_forward()
+            self._compile_s, self._compile_error = install_compiled_forwards(
+                self.runner, config, self.executor.max_num_blocks_per_req
+            )
         self.remote_prefills = RemotePrefillReservations(self.scheduler, self.runner)
         self._async_loop = AsyncStepLoop(self.scheduler, self.executor) if config.async_scheduling else None
         self._records: dict[str, RequestRecord] = {}  # request id -> record, until its final output
@@ -461,51 +457,8 @@ class LLMEngine:
 
     def compile_stats(self) -> CompileStats:
         """What `config.compile` did here (`engine.compiled_forward.CompileStats`): compiled or not, why not,
-        the compile time at load and the steps that ran the compiled graph."""
-        compiled = self.runner.compiled
-        return CompileStats(
-            requested=self.config.compile,
-            compiled=compiled is not None,
-            compile_s=self._compile_s,
-            error=self._compile_error,
-            num_compiled_steps=compiled.num_compiled_steps if compiled is not None else 0,
-            num_eager_fallbacks=compiled.num_eager_fallbacks if compiled is not None else 0,
-            num_compiled_mtp_passes=compiled.num_compiled_mtp_passes if compiled is not None else 0,
-        )
-
-    def _compile_decode_forward(self) -> None:
-        """Compile the uniform-decode forward at load (`engine.compiled_forward`) and install it in the
-        runner. Where the model or cache cannot run it, or compiling raises (no C++ compiler for inductor,
-        an inductor or dynamo error), log a warning naming why and leave every step eager (same tokens):
-        `compile` speeds decoding up, and is never a reason for an engine not to start."""
-        why_not = CompiledDecodeForward.supported(self.runner)
-        if why_not is not None:
-            self._compile_error = why_not
-            logger.warning("compile is on, but the decode forward runs eagerly: %s", why_not)
-            return
-        config = self.config
-        started_s = time.perf_counter()
-        try:
-            # q = k + 1 query tokens per request: with drafts, every decode step but the last ones
-            compiled = CompiledDecodeForward(
-                self.runner,
-                config.max_num_seqs,
-                (config.num_speculative_tokens + 1,),
-                self.executor.max_num_blocks_per_req,
-            )
-            self._compile_s = compiled.warm_up()
-        except Exception as e:  # noqa: BLE001 - any failure of an optional speed-up: run eagerly instead
-            self._compile_s = time.perf_counter() - started_s
-            self._compile_error = f"{type(e).__name__}: {_first_line(str(e))}"
-            logger.warning(
-                "compiling the decode forward failed after %.1f s (%s); every step runs the eager forward "
-                "(same tokens, slower decode). Set compile: false to skip the attempt.",
-                self._compile_s,
-                self._compile_error,
-                exc_info=e,
-            )
-            return
-        self.runner.compiled = compiled
+        the compile time at load and the steps that ran the compiled graphs."""
+        return compile_stats(self.runner, self.config.compile, self._compile_s, self._compile_error)
 
     def ep_stats(self) -> EPStats | None:
         """Expert-parallel figures of this rank (`engine.expert_parallel.EPStats`); None on one device."""

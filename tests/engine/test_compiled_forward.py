@@ -109,3 +109,6 @@ def test_greedy_output_identical_with_compile_on_and_off(eager: LLM, changes: di
     assert (stats.requested, stats.compiled, stats.error, stats.compile_s > 0) == (True, True, None, True)
     assert (stats.num_compiled_steps, stats.num_eager_fallbacks) == (forward.num_compiled_steps, 0)
     assert stats.num_compiled_mtp_passes == forward.num_compiled_mtp_passes
+    prefill = compiled.engine.runner.compiled_prefill
+    assert prefill is not None and prefill.num_eager_fallbacks == 0
+    assert stats.num_compiled_prefill_steps == prefill.num_compiled_steps > 0
