@@ -374,14 +374,15 @@ class LLMEngine:
         called on the worker thread, for the step submitted by this call.
 
         `on_prompt_kv(request_id, layer_idx, latent_kv, scale)` (synchronous loop only): for each prefill-only
-        request whose last prompt chunk runs in this step, called right after each layer's KV is written,
-        main layers then the MTP layer, with the whole prompt's KV of that layer (read back from the paged
+        request whose last prompt chunk runs in this step, called right after each layer's KV is written
+        (the last main layer's right after the first tokens are sampled and `on_first_token`), main layers
+        then the MTP layer, with the whole prompt's KV of that layer (read back from the paged
         cache, so earlier chunks and prefix-cache hits are included).
 
         `on_first_token(request_id, token_id)` (synchronous loop only): for each prefill-only request whose
-        first token this step sampled, called as soon as it is sampled, before the MTP drafts are proposed
-        (and before the MTP layer's `on_prompt_kv`), so that the token can be streamed before the handoff is
-        finished; it must not raise. The token is the one `pop_prefill_result` reports.
+        first token this step sampled, called as soon as it is sampled, before the last main layer's
+        `on_prompt_kv`, the MTP drafts and the MTP layer's `on_prompt_kv`, so that the token can be streamed
+        before the handoff is finished; it must not raise. The token is the one `pop_prefill_result` reports.
 
         A request whose own sampling or drafting raised comes back finished with finish_reason "error".
 
@@ -401,17 +402,23 @@ class LLMEngine:
         if self._async_loop is None:
             output = self.scheduler.schedule()
             exporting = [item for item in output.scheduled if item.samples and item.request.export_kv]
-            hook = on_layer_kv
+            hook, flush_prompt_kv = on_layer_kv, None
             if exporting and on_prompt_kv is not None:
-                hook = prompt_kv_hook(self.runner, exporting, on_layer_kv, on_prompt_kv)
+                last_layer_idx = self.model.main_layers[-1].layer_idx
+                hook, flush_prompt_kv = prompt_kv_hook(
+                    self.runner, exporting, on_layer_kv, on_prompt_kv, last_layer_idx
+                )
             on_sampled = None
-            if exporting and on_first_token is not None:
+            if exporting and (on_first_token is not None or flush_prompt_kv is not None):
                 first_token_ids = {item.request_id for item in exporting}
 
                 def on_sampled(sampled: dict[str, list[int]]) -> None:
+                    # First tokens out, then the last layer's KV, then (after this) the MTP pass.
                     for request_id, tokens in sampled.items():
-                        if request_id in first_token_ids and tokens:
+                        if on_first_token is not None and request_id in first_token_ids and tokens:
                             on_first_token(request_id, tokens[-1])
+                    if flush_prompt_kv is not None:
+                        flush_prompt_kv()
 
             try:
                 k = self.executor.max_num_speculative_tokens
@@ -420,6 +427,8 @@ class LLMEngine:
                     runner_output = self.executor.execute(
                         output, hook, join_collectives=lockstep, on_sampled=on_sampled
                     )
+                if flush_prompt_kv is not None:  # (done in on_sampled unless sampling never ran)
+                    flush_prompt_kv()
             except Exception as e:  # noqa: BLE001 - fail the requests this step ran, not the engine
                 raise self._step_failed(output, e) from e
             if self.ep is not None:
