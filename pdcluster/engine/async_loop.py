@@ -35,8 +35,8 @@ reserved past its real end (lookahead for chained MTP drafts) may be freed by th
 N+1 still writes MTP-layer KV there. So a block without cached content freed while a step is in flight
 (rollback, a finished, aborted or preempted request) stays out of the free pool until that step is done
 (`BlockManager.defer_frees`): no new owner, a remote prefill's reservation written from another thread
-included, gets a block a running step may still write. A request left out of step N+1 for lack of token budget runs
-step N's drafts as known tokens in a later step.
+included, gets a block a running step may still write. A request left out of step N+1 for lack of token
+budget runs step N's drafts as known tokens in a later step.
 
 A request that finished in step N (EOS, stop token, stop string; not max_tokens: a request whose step
 in flight may sample its `max_tokens`-th token is not scheduled again until that step is committed) but
