@@ -225,10 +225,12 @@ class BlockManager:
         """
         if not self.enable_prefix_caching or request.request_id not in self._req_to_block_ids:
             return
-        table = self._req_to_block_ids[request.request_id]
         hashes = self._req_to_block_hashes[request.request_id]
-        tokens, bs = request.all_token_ids, self.block_size
+        bs = self.block_size
         num_full_blocks = min(request.num_computed_tokens, request.num_tokens) // bs
+        if num_full_blocks <= len(hashes):  # no block filled up since the last call (most decode steps)
+            return
+        table, tokens = self._req_to_block_ids[request.request_id], request.all_token_ids
         assert num_full_blocks <= len(table), "computed tokens outside the block table"
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full_blocks):
