@@ -308,9 +308,9 @@ class Executor:
             if params is not None and len(sampling) < len(scheduled):
                 params = params.take(np.asarray(sampling, dtype=np.int64))
             sampled, failed = self.sample(items, logits, params)
-            logprobs = token_logprobs(items, logits, sampled)
-            if on_sampled is not None:
+            if on_sampled is not None:  # first: the first tokens go out before anything that can wait
                 on_sampled({rid: tokens for rid, tokens in sampled.items() if rid not in failed})
+            logprobs = token_logprobs(items, logits, sampled)
 
         if self.adaptive_min_accept_prob is not None and self.max_num_speculative_tokens:
             self._adapt_num_speculative_tokens(
