@@ -1,8 +1,8 @@
 """EngineConfig `compile`: install the compiled forwards in an engine's runner at load, and report them.
 
 Two graphs: the uniform-decode forward over batch-size buckets (`engine.compiled_forward`) and the
-ragged-batch forward for prefill and mixed steps of up to `compile_prefill_max_num_tokens` tokens
-(`engine.compiled_prefill`). Where the model or cache cannot run them, or compiling raises (no C++
+ragged-batch forward for prefill and mixed steps of up to `compiled_prefill.DEFAULT_MAX_NUM_TOKENS`
+tokens (`engine.compiled_prefill`). Where the model or cache cannot run them, or compiling raises (no C++
 compiler for inductor, an inductor or dynamo error), a warning names why and every step runs eagerly
 (same tokens): `compile` is a speed-up, never a reason for an engine not to start.
 """
@@ -26,9 +26,9 @@ def _first_line(message: str) -> str:
 
 
 def install_compiled_forwards(runner, config, max_num_blocks_per_req: int) -> tuple[float, str | None]:
-    """Compile and install `runner.compiled` (decode) and `runner.compiled_prefill` (ragged batches, when
-    `config.compile_prefill_max_num_tokens` >= 2). Returns (seconds spent compiling, why nothing runs
-    compiled or None); on a failure neither is installed."""
+    """Compile and install `runner.compiled` (decode) and `runner.compiled_prefill` (ragged batches).
+    Returns (seconds spent compiling, why nothing runs compiled or None); on a failure neither is
+    installed."""
     why_not = CompiledDecodeForward.supported(runner)
     if why_not is not None:
         logger.warning("compile is on, but the decode forward runs eagerly: %s", why_not)
@@ -40,10 +40,8 @@ def install_compiled_forwards(runner, config, max_num_blocks_per_req: int) -> tu
             runner, config.max_num_seqs, (config.num_speculative_tokens + 1,), max_num_blocks_per_req
         )
         compiled.warm_up()
-        prefill = None
-        if config.compile_prefill_max_num_tokens >= 2:
-            prefill = CompiledPrefillForward(runner, config.compile_prefill_max_num_tokens)
-            prefill.warm_up()
+        prefill = CompiledPrefillForward(runner)
+        prefill.warm_up()
     except Exception as e:  # noqa: BLE001 - any failure of an optional speed-up: run eagerly instead
         compile_s = time.perf_counter() - started_s
         error = f"{type(e).__name__}: {_first_line(str(e))}"

@@ -42,10 +42,9 @@ class EngineConfig:
             the default is one device.
         compile: compile the decode forward at load over padded batch-size buckets up to `max_num_seqs`
             (`engine.compiled_forward`: torch.compile; CUDA graphs on cuda); uniform decode steps run it,
-            others run eagerly. Ignored (eager) with an int8 KV cache or expert parallelism.
-        compile_prefill_max_num_tokens: with `compile`, prefill and mixed steps of 2 up to this many tokens
-            run a compiled ragged-batch forward too (`engine.compiled_prefill`, one graph for all such
-            steps); longer ones run eagerly. 0 or 1: none (no compile time spent on it).
+            others run eagerly; prefill and mixed steps of 2 to `compiled_prefill.DEFAULT_MAX_NUM_TOKENS`
+            tokens run a compiled ragged-batch forward (`engine.compiled_prefill`, one graph for all of
+            them), longer ones eagerly. Ignored (eager) with an int8 KV cache or expert parallelism.
     """
 
     model: str
@@ -66,7 +65,6 @@ class EngineConfig:
     async_scheduling: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compile: bool = False
-    compile_prefill_max_num_tokens: int = 64
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -81,8 +79,6 @@ class EngineConfig:
                 raise bad(name, "must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise bad("num_kv_blocks", "must be >= 1 or None")
-        if self.compile_prefill_max_num_tokens < 0:
-            raise bad("compile_prefill_max_num_tokens", "must be >= 0")
         if self.num_speculative_tokens < 0:
             raise bad("num_speculative_tokens", "must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 1:
