@@ -38,14 +38,15 @@ from pdcluster.models.deepseek_v3 import DeepseekV3MoE
 DEFAULT_MAX_NUM_TOKENS = 64
 
 # handle -> the runner (weakly) and the step it runs now: what the custom op reads (its arguments are
-# tensors and ints only). Set around each compiled call.
-_STEPS: dict[int, dict[str, Any]] = {}
+# tensors, ints and strings only). Set around each compiled call. A string, not an int: torch.compile
+# would make an int that differs between two runners' graphs a symbolic (dynamic) one.
+_STEPS: dict[str, dict[str, Any]] = {}
 _handles = itertools.count()
 
 
 @torch.library.custom_op("pdcluster::prefill_attention", mutates_args=())
 def _prefill_attention(
-    q_nope: torch.Tensor, q_pe: torch.Tensor, latent_kv: torch.Tensor, handle: int, layer_idx: int
+    q_nope: torch.Tensor, q_pe: torch.Tensor, latent_kv: torch.Tensor, handle: str, layer_idx: int
 ) -> torch.Tensor:
     step = _STEPS[handle]
     runner, batch = step["runner"](), step["batch"]
@@ -82,7 +83,7 @@ class CompiledPrefillForward:
     def __init__(self, runner, max_num_tokens: int = DEFAULT_MAX_NUM_TOKENS) -> None:
         self.runner = runner
         self.max_num_tokens = max_num_tokens
-        self.handle = next(_handles)
+        self.handle = f"runner-{next(_handles)}"
         _STEPS[self.handle] = {"runner": weakref.ref(runner), "batch": None, "on_layer_kv": None}
         weakref.finalize(self, _STEPS.pop, self.handle, None)
         self.num_compiled_steps = 0  # steps that ran the compiled graph
