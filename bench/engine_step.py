@@ -208,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens are counted from the scheduler's requests); default: %(default)s",
     )
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="EngineConfig compile: the decode (and short prefill) forward compiled at load, for each "
+        "configuration's engine (compile time is not timed)",
+    )
+    parser.add_argument(
         "--no-breakdown",
         action="store_true",
         help="do not time the named engine functions "
@@ -234,7 +240,7 @@ def measure(
     from pdcluster.engine.sampling_params import SamplingParams
 
     batch_size = len(prompts)
-    llm = base.replace_config(async_scheduling=async_scheduling)
+    llm = base.replace_config(async_scheduling=async_scheduling, compile=args.compile)
     engine = llm.engine
     model_timer = CallTimer(record_intervals=True)
     wrapped = [name for name in MODEL_CALLS if model_timer.wrap(engine.runner, name, "model")]
@@ -370,6 +376,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "num_speculative_tokens": args.num_speculative_tokens,
             "temperature": args.temperature,
             "stream": args.stream,
+            "compile": args.compile,
             "engine": {
                 "num_kv_blocks": num_kv_blocks,
                 "block_size": block_size,

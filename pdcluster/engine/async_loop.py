@@ -32,15 +32,17 @@ N were accepted (`1 + k_N` output placeholders) and gives it a bonus placeholder
 request's positions, slots and sequence length back by the drafts step N rejected; committing step N
 rolls `num_computed_tokens` back by the same count, so both sides agree. Slots that step N+1 had
 reserved past its real end (lookahead for chained MTP drafts) may be freed by that rollback while step
-N+1 still writes MTP-layer KV there; as with a finished request's blocks, any new owner writes those
-slots in a later step before reading them. A request left out of step N+1 for lack of token budget runs
-step N's drafts as known tokens in a later step.
+N+1 still writes MTP-layer KV there. So a block without cached content freed while a step is in flight
+(rollback, a finished, aborted or preempted request) stays out of the free pool until that step is done
+(`BlockManager.defer_frees`): no new owner, a remote prefill's reservation written from another thread
+included, gets a block a running step may still write. A request left out of step N+1 for lack of token
+budget runs step N's drafts as known tokens in a later step.
 
 A request that finished in step N (EOS, stop token, stop string; not max_tokens: a request whose step
 in flight may sample its `max_tokens`-th token is not scheduled again until that step is committed) but
 was already scheduled in N+1: `update_from_output(N)`
-finishes it and frees its blocks while N+1 computes it. Step N+1's writes to those blocks land before any
-later step can read or rewrite them (steps run one after another on the worker), and its sample for the
+finishes it and frees its blocks while N+1 computes it (those without cached content out of the pool until
+N+1 is done, as above), and its sample for the
 request is discarded by `update_from_output(N+1)`, which skips requests that are no longer running. The
 same holds for a request aborted or preempted while a step holding it is in flight. The executor drops
 such a request's state (generator, draft distributions) in the first step scheduled after the request
@@ -65,6 +67,7 @@ from pdcluster.engine.scheduler import Scheduler
 class _InFlight(NamedTuple):
     output: SchedulerOutput
     result: Future[ModelRunnerOutput]
+    freed: list[int]  # blocks freed while it runs, out of the pool until it is done (`defer_frees`)
 
 
 class AsyncStepLoop:
@@ -93,15 +96,18 @@ class AsyncStepLoop:
             The committed step's `SchedulerOutput` and `ModelRunnerOutput` (both None when none was in
             flight) and its updates.
         """
+        blocks = self.scheduler.block_manager
         output = self.scheduler.schedule()
         submitted = None
         if output.scheduled or output.finished_request_ids or output.preempted_request_ids:
             prepared = self.executor.prepare(output)
-            submitted = _InFlight(output, self._pool.submit(self.executor.run, output, prepared, on_layer_kv))
+            future = self._pool.submit(self.executor.run, output, prepared, on_layer_kv)
+            submitted = _InFlight(output, future, blocks.defer_frees())
         previous, self._in_flight = self._in_flight, submitted
         if previous is None:
             return None, None, []
         runner_output = previous.result.result()
+        blocks.release_deferred(previous.freed, stop=submitted is None)
         return (
             previous.output,
             runner_output,
@@ -120,9 +126,12 @@ class AsyncStepLoop:
         if self._in_flight is not None:
             previous, self._in_flight = self._in_flight, None
             self.scheduler.update_from_output(previous.output, previous.result.result())
+            self.scheduler.block_manager.release_deferred(previous.freed, stop=True)
         self.executor.execute(self.scheduler.schedule())  # the worker is idle: safe on this thread
 
     def shutdown(self) -> None:
         """Stop the worker thread after the step in flight (whose results are dropped)."""
         self._pool.shutdown(wait=True)
+        if self._in_flight is not None:
+            self.scheduler.block_manager.release_deferred(self._in_flight.freed, stop=True)
         self._in_flight = None

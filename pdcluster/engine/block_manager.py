@@ -94,6 +94,7 @@ class BlockManager:
         # Free pool in eviction order: the first key is taken first. Blocks holding cached content are
         # appended when freed (LRU); blocks holding none are put in front.
         self._free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._deferred: list[int] | None = None  # freed blocks held out of the pool (`defer_frees`)
         self._req_to_block_ids: dict[str, list[int]] = {}
         # Chained hashes of each request's leading full committed blocks (its hashed prefix).
         self._req_to_block_hashes: dict[str, list[BlockHash]] = {}
@@ -224,10 +225,12 @@ class BlockManager:
         """
         if not self.enable_prefix_caching or request.request_id not in self._req_to_block_ids:
             return
-        table = self._req_to_block_ids[request.request_id]
         hashes = self._req_to_block_hashes[request.request_id]
-        tokens, bs = request.all_token_ids, self.block_size
+        bs = self.block_size
         num_full_blocks = min(request.num_computed_tokens, request.num_tokens) // bs
+        if num_full_blocks <= len(hashes):  # no block filled up since the last call (most decode steps)
+            return
+        table, tokens = self._req_to_block_ids[request.request_id], request.all_token_ids
         assert num_full_blocks <= len(table), "computed tokens outside the block table"
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full_blocks):
@@ -264,10 +267,32 @@ class BlockManager:
         for block_id in reversed(table):
             self._release(block_id)
 
+    def defer_frees(self) -> list[int]:
+        """From now on, blocks without cached content that drop to no reference are held out of the free
+        pool in the returned list (a step in flight may still write them: `engine.async_loop`) until
+        `release_deferred` of it; a later call starts a new list. Cached blocks hold committed tokens
+        only, which no step rewrites: they are freed as usual."""
+        self._deferred = []
+        return self._deferred
+
+    def release_deferred(self, block_ids: list[int], stop: bool = False) -> None:
+        """Put the blocks of a `defer_frees` list in the free pool (no content: reused first); `stop`
+        ends deferring too."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                self._free_block_ids[block_id] = None
+                self._free_block_ids.move_to_end(block_id, last=False)
+        block_ids.clear()
+        if stop:
+            self._deferred = None
+
     def _release(self, block_id: int) -> None:
         self._ref_counts[block_id] -= 1
         assert self._ref_counts[block_id] >= 0, f"block {block_id} released twice"
         if self._ref_counts[block_id] == 0:
+            if self._deferred is not None and self._block_hash[block_id] is None:
+                self._deferred.append(block_id)
+                return
             self._free_block_ids[block_id] = None
             if self._block_hash[block_id] is None:
                 self._free_block_ids.move_to_end(block_id, last=False)  # no content: reuse first
@@ -291,7 +316,8 @@ class BlockManager:
                 counts[block_id] += 1
         assert counts == self._ref_counts, "reference counts disagree with the block tables"
         free = {b for b in range(self.num_blocks) if counts[b] == 0}
-        assert set(self._free_block_ids) == free, "free pool disagrees with the reference counts"
+        pooled = set(self._free_block_ids) | set(self._deferred or ())
+        assert pooled == free, "free pool (and deferred frees) disagree with the reference counts"
         for block_hash, block_id in self._hash_to_block_id.items():
             assert self._block_hash[block_id] == block_hash, f"block {block_id} hash mismatch"
         assert sum(h is not None for h in self._block_hash) == len(self._hash_to_block_id)

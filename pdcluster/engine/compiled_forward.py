@@ -70,8 +70,10 @@ class CompileStats:
             (`CompiledDecodeForward.supported`), or `ExceptionType: first line of its message` of a failed
             compilation; None otherwise.
         num_compiled_steps: steps that ran the compiled graph.
-        num_eager_fallbacks: uniform steps that needed a graph not compiled at load (they ran eagerly).
+        num_eager_fallbacks: steps that needed a graph not compiled at load (they ran eagerly).
         num_compiled_mtp_passes: MTP passes (depth 0) that ran the compiled MTP graph.
+        num_compiled_prefill_steps: other steps (prefill, mixed) that ran the compiled ragged-batch graph
+            (`engine.compiled_prefill`).
     """
 
     requested: bool
@@ -81,6 +83,7 @@ class CompileStats:
     num_compiled_steps: int = 0
     num_eager_fallbacks: int = 0
     num_compiled_mtp_passes: int = 0
+    num_compiled_prefill_steps: int = 0
 
 
 class CompiledDecodeForward:

@@ -45,7 +45,9 @@ class EngineConfig:
             the default is one device.
         compile: compile the decode forward at load over padded batch-size buckets up to `max_num_seqs`
             (`engine.compiled_forward`: torch.compile; CUDA graphs on cuda); uniform decode steps run it,
-            others run eagerly. Ignored (eager) with an int8 KV cache or expert parallelism.
+            others run eagerly; prefill and mixed steps of 2 to `compiled_prefill.DEFAULT_MAX_NUM_TOKENS`
+            tokens run a compiled ragged-batch forward (`engine.compiled_prefill`, one graph for all of
+            them), longer ones eagerly. Ignored (eager) with an int8 KV cache or expert parallelism.
     """
 
     model: str

@@ -324,9 +324,9 @@ class Executor:
             for request_id, error in grammar_failed.items():
                 sampled.pop(request_id, None)
                 failed[request_id] = error
-            logprobs = token_logprobs(items, logits, sampled)
-            if on_sampled is not None:
+            if on_sampled is not None:  # first: the first tokens go out before anything that can wait
                 on_sampled({rid: tokens for rid, tokens in sampled.items() if rid not in failed})
+            logprobs = token_logprobs(items, logits, sampled)
 
         if self.adaptive_min_accept_prob is not None and self.max_num_speculative_tokens:
             self._adapt_num_speculative_tokens(

@@ -35,7 +35,8 @@ import torch
 from torch.distributed import ProcessGroup
 
 from pdcluster.engine.async_loop import AsyncStepLoop
-from pdcluster.engine.compiled_forward import CompiledDecodeForward, CompileStats
+from pdcluster.engine.compile_setup import compile_stats, install_compiled_forwards
+from pdcluster.engine.compiled_forward import CompileStats
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.executor import Executor
 from pdcluster.engine.expert_parallel import EPStats, setup_expert_parallel
@@ -72,13 +73,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-MAX_ERROR_CHARS = 300  # of a failed compilation's message in CompileStats.error (inductor's run to pages)
-
-
-def _first_line(message: str) -> str:
-    """The first non-empty line of an exception's message, at most MAX_ERROR_CHARS characters."""
-    line = next((part.strip() for part in message.splitlines() if part.strip()), "")
-    return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 3] + "..."
 
 
 class EngineStepError(RuntimeError):
@@ -188,7 +182,9 @@ class LLMEngine:
         self._compile_s = 0.0
         self._compile_error: str | None = None  # why `compile` is on and nothing runs compiled
         if config.compile:
-            self._compile_decode_forward()
+            self._compile_s, self._compile_error = install_compiled_forwards(
+                self.runner, config, self.executor.max_num_blocks_per_req
+            )
         self.remote_prefills = RemotePrefillReservations(self.scheduler, self.runner)
         self._async_loop = AsyncStepLoop(self.scheduler, self.executor) if config.async_scheduling else None
         self._records: dict[str, RequestRecord] = {}  # request id -> record, until its final output
@@ -435,14 +431,15 @@ class LLMEngine:
         called on the worker thread, for the step submitted by this call.
 
         `on_prompt_kv(request_id, layer_idx, latent_kv, scale)` (synchronous loop only): for each prefill-only
-        request whose last prompt chunk runs in this step, called right after each layer's KV is written,
-        main layers then the MTP layer, with the whole prompt's KV of that layer (read back from the paged
+        request whose last prompt chunk runs in this step, called right after each layer's KV is written
+        (the last main layer's right after the first tokens are sampled and `on_first_token`), main layers
+        then the MTP layer, with the whole prompt's KV of that layer (read back from the paged
         cache, so earlier chunks and prefix-cache hits are included).
 
         `on_first_token(request_id, token_id)` (synchronous loop only): for each prefill-only request whose
-        first token this step sampled, called as soon as it is sampled, before the MTP drafts are proposed
-        (and before the MTP layer's `on_prompt_kv`), so that the token can be streamed before the handoff is
-        finished; it must not raise. The token is the one `pop_prefill_result` reports.
+        first token this step sampled, called as soon as it is sampled, before the last main layer's
+        `on_prompt_kv`, the MTP drafts and the MTP layer's `on_prompt_kv`, so that the token can be streamed
+        before the handoff is finished; it must not raise. The token is the one `pop_prefill_result` reports.
 
         A request whose own sampling or drafting raised comes back finished with finish_reason "error".
 
@@ -462,17 +459,23 @@ class LLMEngine:
         if self._async_loop is None:
             output = self.scheduler.schedule()
             exporting = [item for item in output.scheduled if item.samples and item.request.export_kv]
-            hook = on_layer_kv
+            hook, flush_prompt_kv = on_layer_kv, None
             if exporting and on_prompt_kv is not None:
-                hook = prompt_kv_hook(self.runner, exporting, on_layer_kv, on_prompt_kv)
+                last_layer_idx = self.model.main_layers[-1].layer_idx
+                hook, flush_prompt_kv = prompt_kv_hook(
+                    self.runner, exporting, on_layer_kv, on_prompt_kv, last_layer_idx
+                )
             on_sampled = None
-            if exporting and on_first_token is not None:
+            if exporting and (on_first_token is not None or flush_prompt_kv is not None):
                 first_token_ids = {item.request_id for item in exporting}
 
                 def on_sampled(sampled: dict[str, list[int]]) -> None:
+                    # First tokens out, then the last layer's KV, then (after this) the MTP pass.
                     for request_id, tokens in sampled.items():
-                        if request_id in first_token_ids and tokens:
+                        if on_first_token is not None and request_id in first_token_ids and tokens:
                             on_first_token(request_id, tokens[-1])
+                    if flush_prompt_kv is not None:
+                        flush_prompt_kv()
 
             try:
                 k = self.executor.max_num_speculative_tokens
@@ -481,6 +484,8 @@ class LLMEngine:
                     runner_output = self.executor.execute(
                         output, hook, join_collectives=lockstep, on_sampled=on_sampled
                     )
+                if flush_prompt_kv is not None:  # (done in on_sampled unless sampling never ran)
+                    flush_prompt_kv()
             except Exception as e:  # noqa: BLE001 - fail the requests this step ran, not the engine
                 raise self._step_failed(output, e) from e
             if self.ep is not None:
@@ -518,51 +523,8 @@ class LLMEngine:
 
     def compile_stats(self) -> CompileStats:
         """What `config.compile` did here (`engine.compiled_forward.CompileStats`): compiled or not, why not,
-        the compile time at load and the steps that ran the compiled graph."""
-        compiled = self.runner.compiled
-        return CompileStats(
-            requested=self.config.compile,
-            compiled=compiled is not None,
-            compile_s=self._compile_s,
-            error=self._compile_error,
-            num_compiled_steps=compiled.num_compiled_steps if compiled is not None else 0,
-            num_eager_fallbacks=compiled.num_eager_fallbacks if compiled is not None else 0,
-            num_compiled_mtp_passes=compiled.num_compiled_mtp_passes if compiled is not None else 0,
-        )
-
-    def _compile_decode_forward(self) -> None:
-        """Compile the uniform-decode forward at load (`engine.compiled_forward`) and install it in the
-        runner. Where the model or cache cannot run it, or compiling raises (no C++ compiler for inductor,
-        an inductor or dynamo error), log a warning naming why and leave every step eager (same tokens):
-        `compile` speeds decoding up, and is never a reason for an engine not to start."""
-        why_not = CompiledDecodeForward.supported(self.runner)
-        if why_not is not None:
-            self._compile_error = why_not
-            logger.warning("compile is on, but the decode forward runs eagerly: %s", why_not)
-            return
-        config = self.config
-        started_s = time.perf_counter()
-        try:
-            # q = k + 1 query tokens per request: with drafts, every decode step but the last ones
-            compiled = CompiledDecodeForward(
-                self.runner,
-                config.max_num_seqs,
-                (config.num_speculative_tokens + 1,),
-                self.executor.max_num_blocks_per_req,
-            )
-            self._compile_s = compiled.warm_up()
-        except Exception as e:  # noqa: BLE001 - any failure of an optional speed-up: run eagerly instead
-            self._compile_s = time.perf_counter() - started_s
-            self._compile_error = f"{type(e).__name__}: {_first_line(str(e))}"
-            logger.warning(
-                "compiling the decode forward failed after %.1f s (%s); every step runs the eager forward "
-                "(same tokens, slower decode). Set compile: false to skip the attempt.",
-                self._compile_s,
-                self._compile_error,
-                exc_info=e,
-            )
-            return
-        self.runner.compiled = compiled
+        the compile time at load and the steps that ran the compiled graphs."""
+        return compile_stats(self.runner, self.config.compile, self._compile_s, self._compile_error)
 
     def ep_stats(self) -> EPStats | None:
         """Expert-parallel figures of this rank (`engine.expert_parallel.EPStats`); None on one device."""

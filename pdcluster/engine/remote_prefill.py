@@ -71,19 +71,23 @@ def prompt_kv_hook(
     items: list[ScheduledRequest],
     on_layer_kv: LayerKVCallback | None,
     on_prompt_kv: PromptKVCallback,
-) -> LayerKVCallback:
+    defer_layer_idx: int | None = None,
+) -> tuple[LayerKVCallback, Callable[[], None]]:
     """A `LayerKVCallback` that calls `on_layer_kv` (if any), then `on_prompt_kv` for each of `items`
     (prefill-only requests whose last prompt chunk runs in this step) with the whole prompt's KV of the
     layer, read back from the paged cache (so earlier chunks and prefix-cache hits are included) as the
-    cache stores it: an int8 cache's values with their scales (no dequantization), else the model dtype."""
+    cache stores it: an int8 cache's values with their scales (no dequantization), else the model dtype.
+
+    Returns (hook, flush). `on_prompt_kv` of layer `defer_layer_idx` (the last main layer: no compute is
+    left for its send to overlap) waits for `flush()`, which the caller runs once the first tokens are
+    sampled and emitted; a second `flush()` does nothing."""
     tables = [
         (item.request_id, torch.tensor(item.block_ids, dtype=torch.long), item.request.num_prompt_tokens)
         for item in items
     ]
+    deferred: list[int] = []
 
-    def hook(layer_idx: int, latent_kv: torch.Tensor, batch: ModelInput) -> None:
-        if on_layer_kv is not None:
-            on_layer_kv(layer_idx, latent_kv, batch)
+    def send(layer_idx: int) -> None:
         for request_id, table, num_prompt_tokens in tables:
             cache, kv_scale, local = runner.layer_cache(layer_idx, table)
             latent, scale = gather_kv(cache, local.to(runner.device), num_prompt_tokens, kv_scale)
@@ -91,7 +95,19 @@ def prompt_kv_hook(
                 latent = latent.to(runner.dtype)
             on_prompt_kv(request_id, layer_idx, latent, scale)
 
-    return hook
+    def hook(layer_idx: int, latent_kv: torch.Tensor, batch: ModelInput) -> None:
+        if on_layer_kv is not None:
+            on_layer_kv(layer_idx, latent_kv, batch)
+        if layer_idx == defer_layer_idx:
+            deferred.append(layer_idx)
+        else:
+            send(layer_idx)
+
+    def flush() -> None:
+        while deferred:
+            send(deferred.pop(0))
+
+    return hook, flush
 
 
 class RemotePrefillReservations:

@@ -259,13 +259,18 @@ class Scheduler:
         num_candidates = max(0, self.config.max_num_seqs - len(self.running))
         candidates = sorted(self.waiting, key=lambda r: self._arrival_index[r.request_id])[:num_candidates]
         lookups: dict[str, ComputedBlocks] = {r.request_id: bm.get_computed_blocks(r) for r in candidates}
+        # A request whose step in flight samples its last allowed token needs no further step.
+        running = [r for r in self.running if not self._samples_last_token(r)]
+        waiting = [self._waiting_view(r, lookups[r.request_id]) for r in candidates]
+        free_blocks = getattr(bm, "num_free_blocks_per_pool", bm.num_free_blocks)
+        # Exclusive block counts matter only to pick preemption victims: counted when the plan preempts
+        # (a plan that preempts nobody never reads them).
         plan = schedule_step(
-            self.config,
-            # A request whose step in flight samples its last allowed token needs no further step.
-            [self._running_view(r) for r in self.running if not self._samples_last_token(r)],
-            [self._waiting_view(r, lookups[r.request_id]) for r in candidates],
-            getattr(bm, "num_free_blocks_per_pool", bm.num_free_blocks),
+            self.config, [self._running_view(r, False) for r in running], waiting, free_blocks
         )
+        if plan.preempted_request_ids:
+            views = [self._running_view(r, True) for r in running]
+            plan = schedule_step(self.config, views, waiting, free_blocks)
         return self._apply(plan, lookups)
 
     def _seat_admitted(self) -> None:
@@ -285,16 +290,17 @@ class Scheduler:
         num_outputs = request.num_output_tokens + request.num_output_placeholders
         return request.num_output_placeholders > 0 and num_outputs >= request.sampling_params.max_tokens
 
-    def _running_view(self, request: Request) -> RequestView:
+    def _running_view(self, request: Request, count_exclusive: bool) -> RequestView:
         num_known = request.num_tokens + request.num_output_placeholders  # committed + being sampled
+        bm = self.block_manager
         return RequestView(
             request_id=request.request_id,
             arrival_index=self._arrival_index[request.request_id],
             num_computed_tokens=request.num_computed_tokens,
             num_tokens_to_compute=request.num_tokens_to_compute,
             is_prefill=request.num_computed_tokens < num_known - 1,
-            num_blocks_held=self.block_manager.num_blocks_held(request),
-            num_blocks_exclusive=self.block_manager.num_exclusive_blocks(request),
+            num_blocks_held=bm.num_blocks_held(request),
+            num_blocks_exclusive=bm.num_exclusive_blocks(request) if count_exclusive else 0,
             pool=request.kv_pool,
         )
 

@@ -81,10 +81,11 @@ def test_prefill_decode_handoff_matches_single_engine(model, k: int) -> None:
                 assert decode.write_prompt_kv(rid, layer, kv) is None
         result = prefill.pop_prefill_result(rid)
         assert len(result.draft_token_ids) == k
-        # The first token is reported once, after the main layers' KV and before the MTP layer's (the
-        # drafts are proposed after it): the token prefill_result reports.
+        # The first token is reported once, before the last main layer's KV (nothing left to overlap its
+        # send) and the MTP layer's (the drafts are proposed after it): the token prefill_result reports.
         mtp_layers = list(range(len(main_layers), num_layers))
-        assert order[rid] == [*main_layers, ("first token", result.first_token_id), *mtp_layers]
+        first = ("first token", result.first_token_id)
+        assert order[rid] == [*main_layers[:-1], first, main_layers[-1], *mtp_layers]
         decode.admit_remote_prefill(rid, result.first_token_id, result.draft_token_ids, result.draft_probs)
     prefill.scheduler.block_manager.check_no_leaks()
     got = {}

@@ -517,6 +517,28 @@ def test_abort_while_a_step_is_in_flight(llm, prompts, reference, k):
     assert_nothing_left(other)
 
 
+def test_blocks_freed_while_a_step_is_in_flight_stay_out_of_the_pool_until_it_is_done(llm, prompts):
+    """The in-flight step may still write an aborted request's blocks: none of them (no cached content:
+    prefix caching off) is handed out, e.g. to a remote prefill's reservation written from another thread,
+    before the next `step()` has waited for that step."""
+    other = llm.replace_config(async_scheduling=True, enable_prefix_caching=False)
+    engine, blocks = other.engine, other.engine.scheduler.block_manager
+    ids = [engine.add_request(p, GREEDY) for p in prompts[:2]]
+    engine.step()
+    engine.step()
+    assert engine._async_loop.has_step_in_flight
+    held = blocks.block_ids(engine.scheduler.get_request(ids[0]))
+    assert engine.abort_request(ids[0])
+    blocks.check_invariants()
+    assert not set(held) & set(blocks._free_block_ids)  # the step holding the request is in flight
+    engine.step()  # waits for that step
+    assert set(held) <= set(blocks._free_block_ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()
+    assert_nothing_left(other)
+
+
 @pytest.mark.parametrize("k", [0, 2], ids=lambda k: f"k={k}")
 def test_preemption_under_kv_pressure_with_async_scheduling(llm, prompts, reference, k):
     tight = llm.replace_config(

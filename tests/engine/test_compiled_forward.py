@@ -1,8 +1,8 @@
-"""The compiled decode forward (`engine.compiled_forward`, EngineConfig `compile`): buckets, the dense
-MoE it traces, and the one compile-axis test: greedy tokens identical with compile on and off for
-k = 0, 1, 3 (async scheduling on for k = 1), the compiled graph really used; a compilation that fails at
-load (injected) leaves the engine running eagerly. Compilation is slow, so this is the only engine test
-that compiles (a small `max_num_seqs`: few buckets)."""
+"""The compiled forwards (`engine.compiled_forward`, `engine.compiled_prefill`, EngineConfig `compile`):
+buckets, the dense MoE they trace, and the one compile-axis test: greedy tokens identical with compile on
+and off for k = 0, 1, 3 (async scheduling on for k = 1) and chunked prefill, the compiled graphs used; a
+compilation that fails at load (injected) leaves the engine running eagerly. Compilation is slow, so this
+is the only engine test that compiles (a small `max_num_seqs`: few buckets)."""
 
 from __future__ import annotations
 
@@ -86,10 +86,13 @@ def test_a_compilation_that_fails_at_load_runs_eagerly_with_a_warning(
 @pytest.mark.parametrize(
     "changes",
     [{"num_speculative_tokens": 0}, {"num_speculative_tokens": 1, "async_scheduling": True},
-     {"num_speculative_tokens": 3}],
+     {"num_speculative_tokens": 3}, {"num_speculative_tokens": 0, "max_num_batched_tokens": 24}],
     ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()),
 )  # fmt: skip
 def test_greedy_output_identical_with_compile_on_and_off(eager: LLM, changes: dict) -> None:
+    """Decode steps run the compiled decode graph, prefill and mixed steps of up to 64 tokens the compiled
+    ragged-batch graph (`engine.compiled_prefill`); a budget of 24 tokens chunks every prompt, so every
+    prefill step runs it."""
     prompts = heldout_def_prompts(6)  # more requests than max_num_seqs: requests join and finish
     eager_outputs = eager.replace_config(**changes).generate(prompts, GREEDY)
     compiled = eager.replace_config(compile=True, **changes)
@@ -109,3 +112,6 @@ def test_greedy_output_identical_with_compile_on_and_off(eager: LLM, changes: di
     assert (stats.requested, stats.compiled, stats.error, stats.compile_s > 0) == (True, True, None, True)
     assert (stats.num_compiled_steps, stats.num_eager_fallbacks) == (forward.num_compiled_steps, 0)
     assert stats.num_compiled_mtp_passes == forward.num_compiled_mtp_passes
+    prefill = compiled.engine.runner.compiled_prefill
+    assert prefill is not None and prefill.num_eager_fallbacks == 0
+    assert stats.num_compiled_prefill_steps == prefill.num_compiled_steps > 0
