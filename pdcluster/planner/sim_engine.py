@@ -210,6 +210,9 @@ class SimEngine:
                         r.num_computed_tokens < r.num_prompt_tokens + r.num_output_tokens - 1,
                         r.num_blocks_held,
                         r.num_blocks_held,
+                        0,  # num_cached_tokens
+                        0,  # num_cached_blocks_evictable
+                        0,  # pool: the simulator has one KV pool per instance
                     ),
                 )
                 for r in self.running
