@@ -39,11 +39,7 @@ def _token_text(value: Any) -> str | None:
 
 
 class Tokenizer:
-    """Text <-> token ids. `eos_token_id` ends generation; ids are Python ints.
-
-    `config`: the checkpoint's `tokenizer_config.json` (`bos_token`, `eos_token`, `chat_template`), {} where
-    it has none: the bundled names `BOS_TOKEN` / `EOS_TOKEN` then.
-    """
+    """Text <-> token ids. `eos_token_id` ends generation; ids are Python ints."""
 
     def __init__(self, tokenizer: _HFTokenizer, config: dict[str, Any] | None = None) -> None:
         self._tok = tokenizer
@@ -64,8 +60,8 @@ class Tokenizer:
     @functools.cached_property
     def max_token_chars(self) -> int:
         """Characters one token's text holds at most: the longest vocabulary entry (a byte-level or
-        SentencePiece entry has at least as many characters as its decoded text). A text of n characters
-        has at least ceil(n / max_token_chars) tokens, known without tokenizing it."""
+        SentencePiece entry has at least as many characters as its decoded text).
+        """
         return max((len(token) for token in self._tok.get_vocab(with_added_tokens=True)), default=1) or 1
 
     @classmethod
@@ -109,13 +105,7 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Text of a growing list of output token ids, decoding only the newest tokens each time.
-
-    Decoding the whole output every step costs O(length) per step; this keeps two offsets (the vLLM
-    approach): `decode(ids[prefix:read])` is text already emitted, `decode(ids[prefix:])` is that plus the
-    new text. Text is only advanced when it does not end in an incomplete UTF-8 character (a byte-level
-    token can end mid-character), so the emitted text never contains a half character.
-    """
+    """Text of a growing list of output token ids, decoding only the newest tokens each time."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer

@@ -44,11 +44,6 @@ class ClusterStats:
         """Load snapshot of the instances in routing, and every instance's health: `ranks` (each rank's
         counters by rank name, `rank_stats`), `kv_blocks` per decode rank, the totals and `instances`.
 
-        The snapshots are taken in parallel, waiting at most `call_timeout_s` (derived from
-        kv_transfer.timeout_s, like every call on the request path): an instance that does not answer in
-        time leaves routing as unresponsive (its requests fail), one whose actor died as dead; the health
-        monitor brings either back once it answers again.
-
         Raises:
             BackendUnavailable: no prefill or no decode instance is in routing;
                 the message names each instance's state and why.

@@ -11,8 +11,6 @@ from pdcluster.orchestrator.topology import ADDRESSED_KV_TRANSPORTS, Topology
 
 MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc, shm) this often; then it stays dead
 # The rank actors' Ray concurrency group for the health monitor's probes (`load`), with threads of its own:
-# calls that wait for a hung engine (a decode abort, a reserve) can take every thread of the default group
-# (max_concurrency), and a probe queued behind them would never be answered.
 PROBE_GROUP = "probe"
 PROBE_GROUPS = {PROBE_GROUP: 2}  # the actor classes' `concurrency_groups` (Ray takes them only at ray.remote)
 
@@ -26,8 +24,8 @@ def rank_actor_class(ray, cls: type) -> Any:
 def ray_restarts(kv_transport: str, num_ranks: int) -> bool:
     """Whether Ray restarts the actor of a rank that died (up to MAX_ACTOR_RESTARTS times): a one-rank
     instance on an addressed KV transport (grpc, shm, shm+grpc), which the health monitor rewires when it
-    answers again. A torch.distributed group (the KV transport's, a multi-rank instance's) is fixed at
-    deploy time: a restarted rank could not rejoin it."""
+    answers again.
+    """
     return kv_transport in ADDRESSED_KV_TRANSPORTS and num_ranks == 1
 
 
@@ -59,10 +57,7 @@ def load_summary(info: NodeReady) -> str:
 
 
 def check_deployable_parallelism(topology: Topology) -> None:
-    """Raise ValueError for parallelism the actor layer cannot run (`orchestrator.preflight.
-    actor_layer_issues`: tensor-parallel attention, experts split over part of an instance), naming the
-    keys, so deploying never silently ignores it. `pdcluster deploy` refuses them before this, at their
-    YAML lines."""
+    """Raise ValueError for parallelism the actor layer cannot run (`orchestrator.preflight."""
     issues = actor_layer_issues(topology)
     if issues:
         raise ValueError(

@@ -1,7 +1,5 @@
 """The driver's record of one request and of each of its dispatch attempts (`orchestrator.request_dispatch`):
-one record per request and one per attempt, instead of parallel dicts keyed by id. The attempt's
-reservation is held by its `meta` (bound by decode's reserve); the driver indexes attempts by handoff id
-only to hand decode's events to their queue.
+one record per request and one per attempt, instead of parallel dicts keyed by id.
 """
 
 from __future__ import annotations

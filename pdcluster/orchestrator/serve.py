@@ -1,10 +1,4 @@
-"""Bring a topology up as a service: the Ray cluster (prefill + decode pools) behind the OpenAI API.
-
-    with serve(topology) as service:      # Cluster.deploy + build_app + uvicorn on a thread
-        print(service.url)                # http://127.0.0.1:8000 (port 0 in the YAML: a free port)
-
-Used by `pdcluster deploy` (serves until interrupted) and `pdcluster demo` (replays a trace, then stops).
-"""
+"""Bring a topology up as a service: the Ray cluster (prefill + decode pools) behind the OpenAI API."""
 
 from __future__ import annotations
 
@@ -43,12 +37,6 @@ def serve(
     drain_timeout_s: float = 2.0,
 ) -> Iterator[Service]:
     """Deploy `topology` and serve it over HTTP; everything is torn down on exit (also on errors).
-
-    Args:
-        port: overrides `api.port` (0 picks a free port).
-        drain_timeout_s: on exit, new connections are refused at once and requests in flight get up to
-            this many seconds to finish before the actors stop (`ServerThread`; `pdcluster deploy`'s
-            `--drain-timeout-s`).
 
     Raises:
         TopologyError: an invalid topology file; DeployError (one line): the HTTP address cannot be bound

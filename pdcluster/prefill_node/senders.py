@@ -40,7 +40,8 @@ class KVSenders:
         """One `transport` sender (`grpc`: to `host:port`, mutual TLS with `tls`; `shm`: to a socket path
         on this host; `shm+grpc`: to a `PairedAddress`, by shm when that decode rank runs on this node, else
         by gRPC) per decode rank: `decode_addresses[i][r]` is decode instance i's rank r; closes any
-        previous ones. Raises ValueError for another transport."""
+        previous ones.
+        """
         if transport not in ("grpc", "shm", "shm+grpc"):
             raise ValueError(
                 f"transport: senders connect to grpc, shm or shm+grpc receivers, got {transport!r}"

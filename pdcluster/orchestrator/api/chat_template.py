@@ -2,8 +2,7 @@
 transformers' `apply_chat_template` renders it: a sandboxed Jinja environment with `trim_blocks` and
 `lstrip_blocks`, the `loopcontrols` extension, `raise_exception`, `strftime_now`, a `tojson` that keeps
 non-ASCII text, and the variables `messages`, `tools`, `add_generation_prompt` plus the special tokens
-(`bos_token`, `eos_token`). The rendered text is tokenized without adding special tokens, so BOS is in
-the prompt exactly where the template writes it. A checkpoint without a template gets `PLAIN_JOIN`.
+(`bos_token`, `eos_token`).
 """
 
 from __future__ import annotations

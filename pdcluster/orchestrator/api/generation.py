@@ -1,10 +1,6 @@
 """Edge bookkeeping of one request: admission checks against the served model (`prepare`), then one
 generation against a `ServingBackend` (`Generation`): the deltas folded into what the edge has seen,
 timings, metrics, and the abort of an unfinished request.
-
-The edge never detokenizes and never looks for stop strings: the engine that decodes the request owns the
-stop rule and the text (`engine.stopping`); each `StreamDelta.new_text` is text it released (never part of
-a stop string or an incomplete character), on the cluster path sent by the decode instance.
 """
 
 from __future__ import annotations
@@ -69,16 +65,6 @@ def prepare(
     echo_text: str = "",
 ) -> PreparedRequest:
     """Check `body` and its tokenized prompt against the served model; build the sampling params.
-
-    Args:
-        prompt_ids: the prompt's token ids (tokenized by the route, or sent as ids).
-        max_tokens: the request's output limit; None: `default_max_tokens` capped by what the context
-            leaves (None there too: all the context leaves).
-        prefix: the request id's prefix ("cmpl", "chatcmpl").
-        max_tokens_param: the field `max_tokens` came from, as errors name it (chat's
-            "max_completion_tokens" when the client sent that one).
-        num_top_logprobs: alternatives per output token the response carries (None: no logprobs).
-        logit_bias: token id -> bias (`protocol.logit_bias`); echo_text: completions' echoed prompt.
 
     Raises:
         ApiError: 404 for an unknown model (as OpenAI's API and vLLM answer it); 400 naming the field: an
@@ -180,10 +166,7 @@ class Progress:
 
 
 class Generation:
-    """Drives one backend request: the text the backend released, timings, metrics, abort.
-
-    Created when the request passed `prepare`; that moment is its arrival (TTFT and e2e count from it).
-    """
+    """Drives one backend request: the text the backend released, timings, metrics, abort."""
 
     def __init__(
         self,

@@ -1,7 +1,5 @@
 """Running the app: `ServerThread` (uvicorn on a background thread, for the tests, `pdcluster deploy`,
 `pdcluster bench --endpoint local`) and `main`, a single-engine server in the foreground:
-
-    python -m pdcluster.orchestrator.api --model pdcluster/models/tiny --port 8000
 """
 
 from __future__ import annotations
@@ -25,12 +23,6 @@ from pdcluster.orchestrator.topology import (
 
 
 class _DrainLogFilter(logging.Filter):
-    """uvicorn's log of a drain that ran out, in one line: its ERROR "Cancel N running task(s), timeout
-    graceful shutdown exceeded" becomes a WARNING saying what happened, and the traceback it then logs for
-    each request it cut (an "Exception in ASGI application" whose exception is the CancelledError it
-    injected) is dropped: so is any other record of a CancelledError, which only a cancelled task logs.
-    Every other record passes unchanged."""
-
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, str) and record.msg.startswith("Cancel %s running task(s)"):
             record.levelno, record.levelname = logging.WARNING, "WARNING"
@@ -49,14 +41,6 @@ def _install_drain_log_filter() -> None:
 def bind_server_socket(host: str, port: int) -> socket.socket:
     """A TCP/IPv4 socket bound to `host:port` (0: a free port), not yet listening: the port is held, and
     connections are refused until `ServerThread` starts serving on it.
-
-    `orchestrator.serve` binds it before the actors start, as vLLM's server does before its engine: Ray and
-    our KV servers open ports of their own while the weights load, and a port checked free then and bound
-    only once the actors are up could be taken in between. It is bound without SO_REUSEADDR where it can
-    be, so that no other socket can bind the port meanwhile (another deploy's preflight finds it in use);
-    where old connections of an earlier server linger in TIME_WAIT on it, that bind fails and it is bound
-    again with SO_REUSEADDR, which ports the kernel picks (Ray's, ours, outgoing connections) still avoid,
-    but which another server binding it with SO_REUSEADDR too would not: the one that listens first wins.
 
     Raises:
         OSError: the bind failed (address in use, no permission, not an address of this machine).
@@ -80,14 +64,7 @@ def bind_server_socket(host: str, port: int) -> socket.socket:
 
 
 class ServerThread:
-    """uvicorn serving `app` on `host` (a free port with port=0) in a background thread; `stop()` ends it.
-
-    Used by the tests, `orchestrator.serve` and `pdcluster bench --endpoint local`; binds 127.0.0.1 unless
-    told otherwise, or serves on `sock`, a socket from `bind_server_socket` (host and port are then its
-    own; the server owns it from here and closes it at `stop`). `drain_timeout_s`: at `stop`, the listening
-    socket closes at once (new connections are refused) and requests in flight, streams included, get up to
-    this many seconds to finish before they are cut.
-    """
+    """uvicorn serving `app` on `host` (a free port with port=0) in a background thread; `stop()` ends it."""
 
     FORCED_EXIT_S = 10.0  # uvicorn's loop ticks every 0.1 s; what it then does without the drain is quick
 
@@ -155,12 +132,7 @@ class ServerThread:
         return self
 
     def stop(self) -> None:
-        """Refuse new connections, let requests in flight finish (`drain_timeout_s`), then end.
-
-        Interrupted while it waits (a second Ctrl-C: KeyboardInterrupt, or any exception raised in this
-        thread), it cuts the requests in flight at once, waits up to `FORCED_EXIT_S` seconds for uvicorn to
-        close its server, and re-raises: the socket is never closed under a server still using it. A server
-        that never started only closes its socket."""
+        """Refuse new connections, let requests in flight finish (`drain_timeout_s`), then end."""
         if self._thread.ident is None:
             self._socket.close()
             return

@@ -1,16 +1,5 @@
 """What a request asks its output to match, as the engine's `(kind, spec)` grammar
 (`engine.structured_output`), and tool calling's part of it.
-
-Sources, at most one per request (a second is a 400 naming both):
-- OpenAI `response_format`: {"type": "text"} (none), {"type": "json_object"}, {"type": "json_schema",
-  "json_schema": {"name", "schema", "strict"}};
-- vLLM's extensions: `guided_json` (schema), `guided_regex`, `guided_choice` (list of strings),
-  `guided_grammar` (EBNF or Lark), or `structured_outputs: {"json" | "regex" | "choice" | "grammar": ...}`;
-- chat `tools` with `tool_choice` "required" (one call to any of them) or {"type": "function",
-  "function": {"name"}} (one call to that one), in the checkpoint's tool-call format. "auto" (the default
-  with tools) and "none" constrain nothing; "auto" parses tool calls out of the text, "none" does not.
-The edge compiles the grammar before admitting the request (`EdgeGrammars.check`): one that cannot
-compile is a 400 naming the field.
 """
 
 from __future__ import annotations

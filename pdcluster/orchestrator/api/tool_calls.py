@@ -1,15 +1,4 @@
-"""Tool calls in DeepSeek-V3's format, parsed from the generated text into OpenAI `tool_calls`:
-
-    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
-    ```json
-    ARGUMENTS
-    ```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
-
-(the markers of DeepSeek-V3's `tokenizer_config.json` chat template). The bundled tiny checkpoint spells
-the same markers in ASCII (`<|tool_calls_begin|>`, ...), which its tokenizer splits into a few tokens;
-`markers_for` picks the spelling the checkpoint's template uses. Text before the first marker is the
-message's `content`.
-"""
+"""Tool calls in DeepSeek-V3's format, parsed from the generated text into OpenAI `tool_calls`:"""
 
 from __future__ import annotations
 
