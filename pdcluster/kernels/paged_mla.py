@@ -105,8 +105,7 @@ def write_prompt_kv(
     latent_scale: torch.Tensor | None = None,
     checksum_start: int | None = None,
 ) -> int | None:
-    """Store positions `0 .. num_tokens - 1` of one request (its latent KV from another instance) into its
-    blocks, in place: what `write_kv` does with the slots of those positions, a block at a time.
+    """Store positions `0 .. num_tokens - 1` of one request into its blocks in place (`write_kv` by block).
 
     Args:
         latent_kv: `[num_tokens, kv_dim]`, the request's first `num_tokens` positions.
@@ -188,8 +187,7 @@ def slots_from_block_tables(block_tables: torch.Tensor, num_positions: int, bloc
 def gather_kv(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, kv_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A copy of one request's cached latent (raw: int8 stays int8), e.g. to ship or to test: contiguous,
-    the first `seq_len` rows of a copy of its whole blocks (so it holds up to `block_size - 1` rows more).
+    """A contiguous copy of one request's first `seq_len` cached latent rows (int8 stays int8).
 
     Args:
         kv_cache: `[num_blocks, block_size, kv_dim]`; kv_scale: `[num_blocks, block_size]` float32 or None.

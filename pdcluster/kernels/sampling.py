@@ -106,7 +106,8 @@ def group_rows_by_generator(
 
 
 def sample_from_probs(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
-    """Draw one token per row from (possibly unnormalized) non-negative `probs`.
+    """Draw one token per row from (possibly unnormalized) non-negative `probs` by the exponential race
+    `argmax_v probs[v] / E_v`, `E_v ~ Exp(1)` (exactly `V` draws per row).
 
     Args:
         probs: `[B, V]` float, each row with positive mass.
@@ -209,8 +210,7 @@ def pad_token_ids(rows: Sequence[Sequence[int]], pad_id: int, device: torch.devi
 
 
 class Logprobs(NamedTuple):
-    """Log-probabilities `log_softmax(logits)` of the logits given (the sampler passes them processed and
-    divided by the temperature; `engine.sampler.token_logprobs`).
+    """Log-probabilities `log_softmax(logits)` of the logits given (`engine.sampler.token_logprobs`).
 
     token_logprobs: `[B]` float32, of the given tokens.
     token_ranks: `[B]` int64, 1 + number of tokens with a strictly larger logprob.

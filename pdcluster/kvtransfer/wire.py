@@ -45,7 +45,7 @@ class LayerHeader:
     checksum: int
 
     def to_dict(self) -> dict[str, Any]:
-        # field by field: `asdict` deep-copies, 50 us a header (3 ms per DeepSeek-V3 handoff of 61 layers)
+        # field by field: `asdict` deep-copies
         return {
             "request_id": self.request_id,
             "layer_idx": self.layer_idx,
@@ -85,11 +85,8 @@ COPY_CHUNK_BYTES = 256 << 10  # copied then checksummed while in cache (L2-sized
 
 
 def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor | memoryview | bytes, start: int = 0) -> int:
-    """Copy `src` into `dst` (a 1-D uint8 CPU tensor; `src` one too, or a bytes-like object, of the same
-    length) in `COPY_CHUNK_BYTES` chunks,
-    CRC-32C-ing each chunk of `dst` right after it is written (the bytes still in cache); returns the
-    CRC-32C of the bytes written, chained from `start` (`checksum`).
-    """
+    """Copy `src` into `dst` (1-D uint8 CPU, same length) chunk by chunk, checksumming each chunk while
+    in cache; returns the CRC-32C of the bytes, chained from `start`."""
     src_np = src.numpy() if isinstance(src, torch.Tensor) else np.frombuffer(src, dtype=np.uint8)
     if dst.numel() != src_np.size:
         raise ValueError(f"copy_with_checksum: {src_np.size} B into {dst.numel()} B")

@@ -20,9 +20,7 @@ def check_unicode(text: str) -> None:
     """Check that `text` is valid Unicode, i.e. encodes as UTF-8 (what the tokenizer needs).
 
     Raises:
-        ValueError: `text` holds a lone surrogate (U+D800..U+DFFF, half of a UTF-16 pair: JSON's
-            `\\uXXXX` escapes and Python strings can hold one, UTF-8 cannot), naming the code point and
-            its character index.
+        ValueError: `text` holds a lone surrogate (U+D800..U+DFFF), naming it and its index.
     """
     try:
         text.encode("utf-8")

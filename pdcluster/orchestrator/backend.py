@@ -86,13 +86,10 @@ class ServingBackend(Protocol):
         ...
 
     def check_ready(self) -> None:
-        """Return if the backend can take requests now, as far as it knows without asking anyone (no
-        call, no lock held for longer than a bookkeeping update: `/health` answers in milliseconds even
-        while an instance stalls).
+        """Return if the backend can take requests now, from what it knows without any call.
 
         Raises:
-            BackendUnavailable: it cannot; the message says why (which instance is down, or the engine
-                thread stopped).
+            BackendUnavailable: it cannot; the message says why.
         """
         ...
 
@@ -292,8 +289,7 @@ def _delta(out: RequestOutput, new_token_ids: list[int]) -> StreamDelta:
     if out.queue_s is not None:
         phases["queue_s"] = out.queue_s
     if out.ttft_s is not None:
-        # local engine: prefill = first scheduled -> first token; no KV transfer; the first decode step is
-        # the gap to the second token, which the engine reports only as a mean (tpot_s)
+        # local engine: no KV transfer; the engine reports decode steps only as their mean (tpot_s)
         phases["prefill_s"] = max(0.0, out.ttft_s - (out.queue_s or 0.0))
         phases["kv_transfer_s"] = 0.0
     if out.e2e_s is not None:

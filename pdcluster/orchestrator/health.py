@@ -55,24 +55,21 @@ def after_failure(health: InstanceHealth, outcome: ProbeOutcome, reason: str, no
 
 
 def is_stale(health: InstanceHealth, issued_at_s: float | None) -> bool:
-    """Whether the failure of a call issued at `issued_at_s` (time.monotonic(); None: unknown, never stale)
-    is older than what `health` knows: the instance is HEALTHY since after that call went out, so it
-    answered a probe later than the call was sent (it rejoined after a stall or a restart).
-    """
+    """Whether a call issued at `issued_at_s` (time.monotonic(), s; None: never stale) predates the
+    instance's current HEALTHY state, so its failure is stale."""
     return issued_at_s is not None and health.state is Health.HEALTHY and issued_at_s < health.since_s
 
 
 def after_answer(health: InstanceHealth, pid: int, now_s: float) -> tuple[InstanceHealth, bool]:
-    """The health after the instance answered a call from process `pid`, and whether it must be rewired
-    first (True when `pid` is a new incarnation of an instance seen before: Ray restarted the actor, so
-    its transport endpoints are new).
-    """
+    """The health after the instance answered from process `pid`, and whether it must be rewired first
+    (a new pid: Ray restarted the actor)."""
     needs_rewire = health.pid is not None and pid != health.pid
     if health.state is Health.HEALTHY and not needs_rewire:
         return (health if health.pid == pid else dataclasses.replace(health, pid=pid)), False
     return InstanceHealth(Health.HEALTHY, "", now_s, pid), needs_rewire
 
 
+# A pass over the watchdog must be seen this long (seconds, driver's clock) before it is a fault.
 STUCK_CONFIRM_S = 10.0
 
 
@@ -108,12 +105,8 @@ def engine_fault(
 def unresponsive_too_long(
     health: InstanceHealth, watchdog_s: float, now_s: float, last_answer_s: float, min_silent_s: float
 ) -> str | None:
-    """Whether an instance has answered nothing for too long (`now_s`: time.monotonic(), seconds): it is
-    UNRESPONSIVE (a call or probe timed out), from a known process, and has been silent since it became so
-    or since its last answered probe (`last_answer_s`; an answer that did not bring it back, e.g. mid-pass,
-    still shows it alive), whichever is later, for at least `watchdog_s` (the pool's `engine_watchdog_s`)
-    and at least `min_silent_s` (the monitor's floor: two unanswered probes, so that a watchdog shorter than
-    a call's timeout does not make one late answer a kill).
+    """Whether an UNRESPONSIVE instance has been silent (since it became so or `last_answer_s`, seconds)
+    for at least max(`watchdog_s`, `min_silent_s`).
 
     Returns:
         why (the reason to log and report), or None.
@@ -132,10 +125,8 @@ def unresponsive_too_long(
 def restart_overdue(
     health: InstanceHealth, start_timeout_s: float, now_s: float, last_sign_s: float
 ) -> str | None:
-    """Whether the restart of a DEAD instance is overdue (`now_s`: time.monotonic(), seconds): nothing has
-    answered since it became DEAD or since `last_sign_s` (its last answered probe, or the monitor's last
-    kill of it), whichever is later, for at least `start_timeout_s` (how long deploy waits for a rank to
-    load: `deployment.ready_timeout_s`).
+    """Whether a DEAD instance's restart is overdue: silent since it died or `last_sign_s` (seconds) for at
+    least `start_timeout_s`.
 
     Returns:
         why (the reason to log and report), or None.

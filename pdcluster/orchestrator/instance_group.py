@@ -65,9 +65,7 @@ def join_instance_group(spec: InstanceGroupSpec) -> InstanceGroup:
 
 
 def wait_until_loaded(joined: InstanceGroup) -> None:
-    """Meet the instance's other ranks at the barrier again once this rank's engine is built (collective:
-    every rank calls it after loading), so no rank's first step collective starts while a peer still
-    loads.
+    """Barrier after loading (collective), so no rank's first step starts while a peer still loads.
 
     Raises:
         RuntimeError (torch.distributed's DistStoreError): a rank did not finish loading in time.

@@ -146,13 +146,8 @@ class PrefillBind:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """A finished prefill on the prefill side: the first sampled token, how many MTP drafts went with it,
-    and its phases (seconds): queue_s (arrival to first scheduled), prefill_s (scheduled to handoff
-    finished), last_layer_sent_s (arrival to the last layer handed to the KV sender; None: unknown),
-    cpu_wait_s (of queue_s + prefill_s, how long the prefill engine thread was ready to run but waited for
-    a CPU in the steps it ran while this request was in the engine: `prefill_node.thread_clock`; None where
-    the OS does not say).
-    """
+    """A finished prefill: the first token, the number of MTP drafts sent, and its phases in seconds
+    (`cpu_wait_s`: time runnable but waiting for a CPU, `prefill_node.thread_clock`; None: unknown)."""
 
     first_token_id: int
     num_drafts: int

@@ -22,18 +22,14 @@ def rank_actor_class(ray, cls: type) -> Any:
 
 
 def ray_restarts(kv_transport: str, num_ranks: int) -> bool:
-    """Whether Ray restarts the actor of a rank that died (up to MAX_ACTOR_RESTARTS times): a one-rank
-    instance on an addressed KV transport (grpc, shm, shm+grpc), which the health monitor rewires when it
-    answers again.
-    """
+    """Whether Ray restarts a dead rank's actor: one-rank instances on grpc, shm or shm+grpc."""
     return kv_transport in ADDRESSED_KV_TRANSPORTS and num_ranks == 1
 
 
 # Seconds deploy waits for each rank actor to load its weights, and the ranks of an instance for each other
 # at their group's rendezvous (they start at once, but on a busy machine not at the same moment).
 ACTORS_READY_TIMEOUT_S = 300.0
-# Seconds more deploy waits for the ranks of a pool with `compile` on (the decode pool's default): compiling
-# the decode forward at load took ~50 s on an idle 2-core machine and 196 s with its cores contended.
+# Seconds more deploy waits for the ranks of a pool with `compile` on (the decode forward compiles at load).
 COMPILE_READY_TIMEOUT_S = 600.0
 
 

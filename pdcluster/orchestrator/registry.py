@@ -27,10 +27,7 @@ def probe_outcome(exc: BaseException) -> ProbeOutcome:
 
 
 def restart_pending(exc: BaseException) -> bool:
-    """Whether a failed call says nothing of the actor's death: it timed out (Ray queues a call to an
-    actor being created), or Ray answered ActorUnavailableError ("the actor is restarting"; also while
-    its node is unreachable, or when its process died with the call out).
-    """
+    """Whether a failed call says nothing of the actor's death: a timeout or ActorUnavailableError."""
     import ray
 
     return probe_outcome(exc) is ProbeOutcome.TIMED_OUT or isinstance(
@@ -91,8 +88,7 @@ class InstanceRegistry:
             reason = f"{call}: {describe_error(exc)}"
         with self.lock:
             before = self.instances[role][index].health
-            # Not an error saying the actor died: that may come from a process that died after the probe
-            # that brought it back answered.
+            # Not an actor-died error: that may come from a process that died after its probe answered.
             if restart_pending(exc) and is_stale(before, issued_at_s):
                 assert issued_at_s is not None
                 logger.warning(

@@ -117,11 +117,8 @@ ROUTER_CACHE_BLOCKS = 4096  # block hashes remembered per prefill rank for prefi
 
 
 class PrefixCacheModel:
-    """What the router believes each prefill rank caches (each rank has its own engine and cache): the
-    chained block hashes (`engine.block_manager.compute_block_hashes`) of the prompts it sent there, at most
-    `capacity_blocks` per rank, the least recently sent forgotten first (an estimate: the rank's own cache
-    may have evicted them, or hold more).
-    """
+    """An estimate of each prefill rank's cache: the block hashes of the prompts sent there, LRU, at most
+    `capacity_blocks` per rank."""
 
     def __init__(self, block_size: int, capacity_blocks: int = ROUTER_CACHE_BLOCKS) -> None:
         self.block_size = block_size

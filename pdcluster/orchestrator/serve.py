@@ -57,11 +57,9 @@ def serve(
         raise
     try:
         app = build_topology_app(cluster, topo)
-        # /health says 503 until the caller has the service (a SIGTERM sent once /health said 200 then
-        # takes the caller's drain path, not the one for a deploy cut short)
+        # /health says 503 until the caller has the service (so a SIGTERM after a 200 takes the drain path)
         app.state.starting = True
-        # assigned before it starts: a Ctrl-C while it starts then stops it (uvicorn may be using the
-        # socket already), rather than closing the socket under it
+        # assigned before it starts, so a Ctrl-C while it starts stops it rather than closing its socket
         server = ServerThread(app, drain_timeout_s=drain_timeout_s, sock=sock)
         try:
             server.start()

@@ -56,8 +56,7 @@ class PrefillNode(RankActor):
         self.kv = KVSenders(name, self.engine.config.device)
         self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._active: dict[str, Job] = {}
-        # binds that came and that the engine thread has not taken yet (`_take_bind`: at its next command,
-        # or at the next layer of the request's prefill step, whichever comes first)
+        # binds the engine thread has not taken yet (`_take_bind`)
         self._binds: dict[str, PrefillBind] = {}
         self._order = CommandOrder(CALL_TIMEOUT_MIN_S)  # prefill, bind, abort in the driver's order
         self._lock = threading.Lock()
@@ -122,10 +121,8 @@ class PrefillNode(RankActor):
 
     # ---- requests ---------------------------------------------------------------------------------------
     def prefill(self, request: PrefillRequest, order: CommandSeq | None = None) -> PrefillResult:
-        """Prefill one request and hand it to rank `request.decode_rank` of decode instance
-        `request.decode_index` (which already `expect`s it); `request.meta` is the one that rank's `reserve`
-        bound, with the handoff's secret, unless the request is `awaiting_bind`.
-        """
+        """Prefill one request and hand its KV to decode instance `request.decode_index`, rank
+        `request.decode_rank` (bound by its `reserve`, or later by `bind` when `awaiting_bind`)."""
         job = Job(request)
         with self._order.turn(order):
             with self._lock:

@@ -89,23 +89,20 @@ def build_app(
         max_concurrent_requests=max_concurrent_requests,
         metrics=metrics,
     )
-    # Tokenizing a long prompt takes seconds: done here, the event loop (/health, every stream) goes on.
-    # Its own threads, so a queue of long prompts does not hold up /metrics' stats() in the default pool.
+    # Tokenizing off the event loop, on threads of its own (not the default pool /metrics' stats() uses).
     tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
     app.state.tokenizer_pool = tokenizer_pool
 
     def encode_off_the_gil(text: str) -> list[int]:
-        # `tokenizers`' single `encode` holds the GIL throughout (seconds for a few MB: the event loop
-        # would stall even on another thread); its batch form releases it while the Rust code runs.
+        # `tokenizers`' single `encode` holds the GIL throughout; its batch form releases it.
         return backend.tokenizer.encode_batch([text])[0]
 
     async def encode(text: str) -> list[int]:
         """`text`'s token ids, tokenized on `tokenizer_pool`.
 
         Raises:
-            ValueError: invalid Unicode. ApiError: 400 at once, untokenized, for a text with more characters
-                than `max_model_len` tokens can hold (`Tokenizer.max_token_chars` each): tokenizing a few
-                MB takes seconds of the pool that other requests' prompts wait for.
+            ValueError: invalid Unicode. ApiError: 400, untokenized, for a text longer than `max_model_len`
+                tokens can hold.
         """
         max_chars = backend.tokenizer.max_token_chars  # (cached: the vocabulary is read once)
         if len(text) > backend.max_model_len * max_chars:

@@ -1,9 +1,4 @@
-"""Chat templates: the checkpoint's Jinja `chat_template` (from `tokenizer_config.json`), rendered as
-transformers' `apply_chat_template` renders it: a sandboxed Jinja environment with `trim_blocks` and
-`lstrip_blocks`, the `loopcontrols` extension, `raise_exception`, `strftime_now`, a `tojson` that keeps
-non-ASCII text, and the variables `messages`, `tools`, `add_generation_prompt` plus the special tokens
-(`bos_token`, `eos_token`).
-"""
+"""Chat templates: the checkpoint's Jinja `chat_template`, rendered as transformers' `apply_chat_template`."""
 
 from __future__ import annotations
 

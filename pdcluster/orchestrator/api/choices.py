@@ -43,10 +43,8 @@ async def serve_choices(
     stream: bool,
     include_usage: bool,
 ) -> Response:
-    """Answer a request for `num_choices` choices out of `best_of` generated ones (see the module
-    docstring): the stream interleaves the choices' chunks (each with its `index`), a whole response
-    lists them in `choices`.
-    """
+    """Answer with `num_choices` choices out of `best_of` generated ones, streamed (interleaved by `index`)
+    or whole."""
     rank = best_of > num_choices
     gens = [start(choice_request(prepared, 0, rank))]
     try:

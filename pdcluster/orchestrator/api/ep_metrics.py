@@ -1,7 +1,4 @@
-"""Prometheus families of the expert-parallel figures each EP rank reports (`stats()["ranks"][name]["ep"]`,
-the engine's `engine.expert_parallel.EPStats` as plain data), read at scrape time by
-`orchestrator.api.metrics`.
-"""
+"""Prometheus families of the expert-parallel figures each EP rank reports (`stats()["ranks"][*]["ep"]`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Edge bookkeeping of one request: admission checks against the served model (`prepare`), then one
-generation against a `ServingBackend` (`Generation`): the deltas folded into what the edge has seen,
-timings, metrics, and the abort of an unfinished request.
-"""
+"""Edge bookkeeping of one request: admission checks (`prepare`), then one generation (`Generation`)."""
 
 from __future__ import annotations
 
@@ -67,11 +64,7 @@ def prepare(
     """Check `body` and its tokenized prompt against the served model; build the sampling params.
 
     Raises:
-        ApiError: 404 for an unknown model (as OpenAI's API and vLLM answer it); 400 naming the field: an
-            empty prompt, a token id outside the vocabulary, a prompt or prompt + max_tokens over
-            `max_model_len` (the message gives the lengths), max_tokens < 1, more than `MAX_STOP_STRINGS`
-            stop strings, a bad sampling value, a stop_token_ids or logit_bias token outside the
-            vocabulary.
+        ApiError: 404 for an unknown model; 400 naming the field for an invalid or over-long request.
     """
     if body.model is not None and body.model != backend.model_name:
         raise ApiError(

@@ -29,10 +29,7 @@ class _BackendStatsCollector(Collector):
         self._stats = stats
 
     def describe(self) -> Iterator[Metric]:
-        """Nothing: without it the registry (`auto_describe`) would `collect`, i.e. call `stats()`, when
-        the collector is registered, and `build_app` would wait for every rank's answer (a call timeout on
-        a stalled cluster).
-        """
+        """Nothing, so registering the collector does not call `stats()` (a stalled cluster would block)."""
         return iter(())
 
     def collect(self) -> Iterator[Metric]:

@@ -39,8 +39,7 @@ def _install_drain_log_filter() -> None:
 
 
 def bind_server_socket(host: str, port: int) -> socket.socket:
-    """A TCP/IPv4 socket bound to `host:port` (0: a free port), not yet listening: the port is held, and
-    connections are refused until `ServerThread` starts serving on it.
+    """A TCP/IPv4 socket bound to `host:port` (0: a free port), not yet listening.
 
     Raises:
         OSError: the bind failed (address in use, no permission, not an address of this machine).
@@ -90,8 +89,7 @@ class ServerThread:
         )
         _install_drain_log_filter()  # after Config, which (re)configures uvicorn's loggers
         self.server = uvicorn.Server(config)
-        # set when uvicorn's thread is done: unlike Thread.is_alive, still right after a join that a signal
-        # interrupted (Python 3.11's join then marks a running thread stopped)
+        # set when uvicorn's thread is done (Thread.is_alive is wrong after a join a signal interrupted)
         self._ended = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdcluster-http", daemon=True)
 
@@ -117,8 +115,7 @@ class ServerThread:
             OSError: the socket cannot listen (EADDRINUSE: another socket listens on its port already).
             RuntimeError: uvicorn did not start within `timeout_s` seconds (its thread is stopped first).
         """
-        # SO_REUSEADDR from here on (also where it was bound without): the connections it accepts inherit
-        # it, and once they end in TIME_WAIT a server restarted on the port can bind it again at once.
+        # SO_REUSEADDR, inherited by accepted connections, so a restart can bind the port despite TIME_WAIT.
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.listen(self.server.config.backlog)  # here, so that a failure is an OSError with a reason
         self._thread.start()

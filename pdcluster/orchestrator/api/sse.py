@@ -34,11 +34,8 @@ def sse_event(payload: Any) -> bytes:
 async def sse_events(
     gen: Generation, chunk: ChunkBuilder, usage_chunk: UsageChunkBuilder | None = None
 ) -> AsyncIterator[bytes]:
-    """The events of `gen`'s stream: a first chunk at once (its first delta is already folded), then one
-    chunk per delta with new text to send (`Generation.stream_text`), the last with its finish reason;
-    with `usage_chunk` (the request's `stream_options.include_usage`), a chunk with no choices carrying
-    `usage`; then `[DONE]`.
-    """
+    """The SSE events of `gen`: one chunk per delta with new text, the last with its finish reason, an
+    optional `usage` chunk (`usage_chunk`), then `[DONE]`."""
     num_sent_chars = 0
     first = True
     try:
