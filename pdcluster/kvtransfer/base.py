@@ -1,4 +1,10 @@
-"""The KV connector: one request's latent KV goes from a prefill to a decode instance, layer by layer."""
+"""The KV connector: one request's latent KV goes from a prefill to a decode instance, layer by layer.
+
+Decode (`KVReceiver`): `expect` after reserving blocks, before prefill starts; `wait` until every layer and
+the extras arrived verified; `release` always. Prefill (`KVSender`): `begin`; `send_layer` per layer;
+`finish` or `abort`; `flush` to learn which deliveries failed; `close` at shutdown. Only the first sender
+presenting the handoff's secret is admitted; any `KVTransferError` fails the whole handoff.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +29,10 @@ HANDOFF_SECRET_NUM_BYTES = 32
 
 
 def resolve_wire_dtype(wire_dtype: str, model_dtype: str, kv_cache_dtype: str) -> str:
-    """The `HandoffMeta.wire_dtype` for a topology's `kv_transfer.wire_dtype` (`"auto"` or `"int8"`)."""
+    """The `HandoffMeta.wire_dtype` for a topology's `kv_transfer.wire_dtype` (`"auto"` or `"int8"`).
+
+    Raises ValueError for an unknown `wire_dtype`.
+    """
     if wire_dtype == "int8":
         return "int8"
     if wire_dtype != "auto":
@@ -40,6 +49,7 @@ class HandoffMeta:
     """What both sides agree on before any byte moves.
 
     dtype: model dtype name; wire_dtype: `dtype` or `"int8"` (per-token INT8, `kernels.kv_quant`).
+    lease_s: seconds from `expect()`/`begin()` for the whole handoff.
     """
 
     request_id: str
@@ -173,7 +183,10 @@ ERROR_CLASSES: dict[str, type[KVTransferError]] = {
 
 
 class FailureLog:
-    """Failed handoffs not yet reported by `flush` (request id -> error), bounded by `max_records`."""
+    """Failed handoffs not yet reported by `flush` (request id -> error), bounded by `max_records`.
+
+    Not thread-safe: callers hold their own lock.
+    """
 
     def __init__(self, max_records: int = 1024) -> None:
         self.max_records = max_records
@@ -204,7 +217,12 @@ class KVSender(abc.ABC):
     def send_layer(
         self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
     ) -> None:
-        """Copy one layer's KV and enqueue it; returns before delivery."""
+        """Copy one layer's KV and enqueue it; returns before delivery.
+
+        latent_kv: [num_tokens, kv_dim] model dtype, or int8 from an int8 KV cache.
+        scale: [num_tokens] float32 with int8 `latent_kv`, else None.
+        Raises ValueError for an unknown request, an out-of-range layer or a wrong shape/dtype.
+        """
 
     @abc.abstractmethod
     def finish(self, request_id: str, extras: HandoffExtras) -> None: ...
@@ -215,7 +233,10 @@ class KVSender(abc.ABC):
 
     @abc.abstractmethod
     def flush(self, timeout_s: float) -> dict[str, KVTransferError]:
-        """Wait up to `timeout_s` for closed requests; returns `{request_id: error}` since the last flush."""
+        """Wait up to `timeout_s` for closed requests; returns `{request_id: error}` since the last flush.
+
+        Raises TransferTimeout if a finished request is still in flight.
+        """
 
     @abc.abstractmethod
     def pending_request_ids(self) -> list[str]:
@@ -236,7 +257,10 @@ class KVReceiver(abc.ABC):
         on_layer_checksums: bool = False,
         block_ids: Sequence[int] | None = None,
     ) -> HandoffMeta:
-        """Register a reservation and start its lease; returns `handoff` with a fresh `secret`."""
+        """Register a reservation and start its lease; returns `handoff` with a fresh `secret`.
+
+        Raises ValueError if `request_id` is reserved or `handoff` already carries a secret.
+        """
 
     @abc.abstractmethod
     def wait(self, request_id: str, timeout_s: float) -> ReceivedKV:

@@ -196,7 +196,10 @@ class HealthMonitor:
         self._last_kill_s[key] = now_s
 
     def _check_engines(self, instance: Instance, loads: list[PrefillNodeLoad] | list[DecodeNodeLoad]) -> None:
-        """The engine watchdog over one instance's probe answers (`health.engine_fault`)."""
+        """The engine watchdog over one instance's probe answers (`health.engine_fault`).
+
+        Raises EngineFailed naming the rank whose engine most likely failed.
+        """
         watchdog_s, now_s = self.topology.pool(instance.role).engine_watchdog_s, time.monotonic()
         faults = []
         for load in loads:

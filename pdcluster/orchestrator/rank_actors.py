@@ -53,7 +53,8 @@ def load_summary(info: NodeReady) -> str:
 
 
 def check_deployable_parallelism(topology: Topology) -> None:
-    """Raise ValueError for parallelism the actor layer cannot run (`orchestrator.preflight."""
+    """Raise ValueError, naming the keys, for parallelism the actor layer cannot run
+    (`orchestrator.preflight.actor_layer_issues`)."""
     issues = actor_layer_issues(topology)
     if issues:
         raise ValueError(

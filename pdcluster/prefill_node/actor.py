@@ -122,7 +122,10 @@ class PrefillNode(RankActor):
     # ---- requests ---------------------------------------------------------------------------------------
     def prefill(self, request: PrefillRequest, order: CommandSeq | None = None) -> PrefillResult:
         """Prefill one request and hand its KV to decode instance `request.decode_index`, rank
-        `request.decode_rank` (bound by its `reserve`, or later by `bind` when `awaiting_bind`)."""
+        `request.decode_rank` (bound by its `reserve`, or later by `bind` when `awaiting_bind`).
+
+        Raises RuntimeError when the prefill or the send failed or timed out (the handoff is aborted).
+        """
         job = Job(request)
         with self._order.turn(order):
             with self._lock:

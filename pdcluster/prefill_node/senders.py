@@ -38,7 +38,7 @@ class KVSenders:
         tls: TLSCredentials | None = None,
     ) -> None:
         """One `transport` sender per decode rank (`decode_addresses[i][r]`: instance i, rank r); closes any
-        previous ones."""
+        previous ones. Raises ValueError for another transport."""
         if transport not in ("grpc", "shm", "shm+grpc"):
             raise ValueError(
                 f"transport: senders connect to grpc, shm or shm+grpc receivers, got {transport!r}"
