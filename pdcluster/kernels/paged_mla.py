@@ -1,4 +1,12 @@
-"""MLA attention over a paged latent KV cache (one layer), in float or INT8, with its write path."""
+"""MLA attention over a paged latent KV cache (one layer), in float or INT8, with its write path.
+
+Position `pos` of a request lives in slot `block_table[pos // block_size] * block_size + pos % block_size`.
+Queries are packed vLLM style (`query_start_loc`); query `j` of `n_b` sits at `seq_lens[b] - n_b + j`.
+Two computations (DeepSeek-V2, arXiv 2405.04434, section 2.1 and the absorb remark in 2.1.2): absorbed,
+`score = (q_nope W_UK) . c_kv + q_pe . k_pe`, `out = W_UV (p . c_kv)`, for few queries per request;
+expanded (per-head K/V up-projected once) from `expanded_min_queries` queries. INT8 with `c_j = s_j c8_j`:
+`score_ij = softmax_scale s_j (q_i . c8_j)`, `out_i = sum_j (p_ij s_j) c8_j`, exact in real arithmetic.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""`Cluster`: the disaggregated serving backend on Ray (implements `orchestrator.backend.ServingBackend`)."""
+"""`Cluster`: the disaggregated serving backend on Ray (implements `orchestrator.backend.ServingBackend`).
+
+A request's lifecycle and fault handling: DESIGN.md; the request path is `orchestrator.request_dispatch`.
+"""
 
 from __future__ import annotations
 
