@@ -10,17 +10,12 @@ INT8_MAX = 127  # symmetric range [-127, 127]; -128 is never produced
 def quantize_kv_int8(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize latent KV rows to int8 with a per-row absmax scale.
 
-    Args:
-        latent: `[num_tokens, kv_dim]` float (float32, bf16 or fp16),
-            `kv_dim = kv_lora_rank + qk_rope_head_dim`.
-
-    Returns:
-        `(latent_int8 [num_tokens, kv_dim] int8, scale [num_tokens] float32)` with
-        `scale = max|latent| / 127` per row; an all-zero row gets scale 0 and int8 zeros.
-        The round-trip error per element is at most `scale / 2`.
-
-    Raises:
-        ValueError: `latent` is not 2-D or not a floating-point tensor.
+    latent: `[num_tokens, kv_dim]` float (float32, bf16 or fp16),
+        `kv_dim = kv_lora_rank + qk_rope_head_dim`.
+    Returns `(latent_int8 [num_tokens, kv_dim] int8, scale [num_tokens] float32)` with
+    `scale = max|latent| / 127` per row; an all-zero row gets scale 0 and int8 zeros.
+    The round-trip error per element is at most `scale / 2`.
+    Raises ValueError: `latent` is not 2-D or not a floating-point tensor.
     """
     if latent.dim() != 2 or not latent.is_floating_point():
         raise ValueError(f"latent must be a 2-D float tensor, got {tuple(latent.shape)} {latent.dtype}")
@@ -36,15 +31,10 @@ def dequantize_kv_int8(
 ) -> torch.Tensor:
     """Reference dequantization `latent_int8 * scale`.
 
-    Args:
-        latent_int8: `[..., kv_dim]` int8.
-        scale: `[...]` float32, one scale per token (the leading shape of `latent_int8`).
-
-    Returns:
-        `[..., kv_dim]` in `dtype`.
-
-    Raises:
-        ValueError: dtype or shape mismatch.
+    latent_int8: `[..., kv_dim]` int8.
+    scale: `[...]` float32, one scale per token (the leading shape of `latent_int8`).
+    Returns `[..., kv_dim]` in `dtype`.
+    Raises ValueError: dtype or shape mismatch.
     """
     if latent_int8.dtype != torch.int8:
         raise ValueError(f"latent_int8 must be int8, got {latent_int8.dtype}")
@@ -58,11 +48,8 @@ def dequantize_kv_int8(
 def kv_cache_bytes_per_token(kv_dim: int, dtype: torch.dtype, num_layers: int) -> int:
     """Bytes of latent KV cache one token occupies over `num_layers` layers.
 
-    Args:
-        dtype: cache element dtype (`torch.float32`, `torch.bfloat16`, `torch.float16` or `torch.int8`).
-
-    Raises:
-        ValueError: non-positive sizes or an integer dtype other than int8.
+    dtype: cache element dtype (`torch.float32`, `torch.bfloat16`, `torch.float16` or `torch.int8`).
+    Raises ValueError: non-positive sizes or an integer dtype other than int8.
     """
     if kv_dim <= 0 or num_layers <= 0:
         raise ValueError(f"kv_dim and num_layers must be positive, got {kv_dim}, {num_layers}")

@@ -60,20 +60,17 @@ def write_kv(
 ) -> None:
     """Store this step's latent KV into the paged cache, in place (quantizing for an int8 cache).
 
-    Args:
-        kv_cache: `[num_blocks, block_size, kv_dim]` float, or int8 (then `kv_scale` is required).
-        latent_kv: `[num_tokens, kv_dim]` float, `kv_dim = kv_lora_rank + qk_rope_head_dim`
-            (`DeepseekV3Attention.project`'s third output).
-        slot_mapping: `[num_tokens]` int64, `block_id * block_size + offset` per token; entries `< 0`
-            (padding tokens) are skipped. Duplicate slots leave an unspecified one of the writes.
-        kv_scale: `[num_blocks, block_size]` float32 for an int8 cache, written with each token's
-            `absmax / 127`; None for a float cache.
-        latent_scale: `[num_tokens]` float32 when `latent_kv` is already int8 (an int8 cache's bytes, e.g.
-            received from a prefill instance): values and scales are stored as they are, no re-quantization.
-            Int8 cache only.
-
-    Raises:
-        ValueError: shape/dtype mismatch, a slot past the cache, or `kv_scale` given/missing wrongly.
+    kv_cache: `[num_blocks, block_size, kv_dim]` float, or int8 (then `kv_scale` is required).
+    latent_kv: `[num_tokens, kv_dim]` float, `kv_dim = kv_lora_rank + qk_rope_head_dim`
+        (`DeepseekV3Attention.project`'s third output).
+    slot_mapping: `[num_tokens]` int64, `block_id * block_size + offset` per token; entries `< 0`
+        (padding tokens) are skipped. Duplicate slots leave an unspecified one of the writes.
+    kv_scale: `[num_blocks, block_size]` float32 for an int8 cache, written with each token's
+        `absmax / 127`; None for a float cache.
+    latent_scale: `[num_tokens]` float32 when `latent_kv` is already int8 (an int8 cache's bytes, e.g.
+        received from a prefill instance): values and scales are stored as they are, no re-quantization.
+        Int8 cache only.
+    Raises ValueError: shape/dtype mismatch, a slot past the cache, or `kv_scale` given/missing wrongly.
     """
     _check_cache(kv_cache, kv_scale)
     num_blocks, block_size, kv_dim = kv_cache.shape
@@ -115,13 +112,10 @@ def write_prompt_kv(
 ) -> int | None:
     """Store positions `0 .. num_tokens - 1` of one request into its blocks in place (`write_kv` by block).
 
-    Args:
-        latent_kv: `[num_tokens, kv_dim]`, the request's first `num_tokens` positions.
-        block_ids: `[>= ceil(num_tokens / block_size)]` int32/int64, the request's block table; position
-            `pos` goes to block `block_ids[pos // block_size]`, offset `pos % block_size`.
-
-    Raises:
-        ValueError: as `write_kv`; also a block table shorter than the tokens need, or a block id past
+    latent_kv: `[num_tokens, kv_dim]`, the request's first `num_tokens` positions.
+    block_ids: `[>= ceil(num_tokens / block_size)]` int32/int64, the request's block table; position
+        `pos` goes to block `block_ids[pos // block_size]`, offset `pos % block_size`.
+    Raises ValueError: as `write_kv`; also a block table shorter than the tokens need, or a block id past
         the cache.
     """
     _check_cache(kv_cache, kv_scale)
@@ -180,12 +174,9 @@ def write_prompt_kv(
 def slots_from_block_tables(block_tables: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
     """Cache slots of positions `0 .. num_positions-1` of each request.
 
-    Args:
-        block_tables: `[B, max_blocks]` int32/int64 block ids; padding entries (-1 or any id) past a
-            request's blocks are allowed: their slots are clamped to >= 0 and must be masked by the caller.
-
-    Returns:
-        `[B, num_positions]` int64 slots.
+    block_tables: `[B, max_blocks]` int32/int64 block ids; padding entries (-1 or any id) past a
+        request's blocks are allowed: their slots are clamped to >= 0 and must be masked by the caller.
+    Returns `[B, num_positions]` int64 slots.
     """
     positions = torch.arange(num_positions, device=block_tables.device)
     block_ids = block_tables.long()[:, positions // block_size].clamp_min(0)  # [B, num_positions]
@@ -197,12 +188,9 @@ def gather_kv(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A contiguous copy of one request's first `seq_len` cached latent rows (int8 stays int8).
 
-    Args:
-        kv_cache: `[num_blocks, block_size, kv_dim]`; kv_scale: `[num_blocks, block_size]` float32 or None.
-        block_table: `[max_blocks]` int32/int64 block ids of the request.
-
-    Returns:
-        `(latent [seq_len, kv_dim] in kv_cache.dtype, scale [seq_len] float32 or None)`.
+    kv_cache: `[num_blocks, block_size, kv_dim]`; kv_scale: `[num_blocks, block_size]` float32 or None.
+    block_table: `[max_blocks]` int32/int64 block ids of the request.
+    Returns `(latent [seq_len, kv_dim] in kv_cache.dtype, scale [seq_len] float32 or None)`.
     """
     _check_cache(kv_cache, kv_scale)
     num_blocks, block_size, kv_dim = kv_cache.shape
@@ -234,22 +222,17 @@ def paged_mla_attention(
 ) -> torch.Tensor:
     """Causal MLA attention of packed ragged queries over a paged latent cache (float or INT8).
 
-    Args:
-        q_nope: `[num_tokens, H, qk_nope_head_dim]` float; q_pe: `[num_tokens, H, qk_rope_head_dim]`,
-            rotated (`DeepseekV3Attention.project`'s first two outputs).
-        kv_cache: `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]` float, or int8 with `kv_scale`.
-        block_tables: `[B, max_blocks]` int32/int64 block ids, padded with -1 or 0 past each request's blocks.
-        seq_lens: `[B]` int64, tokens in the cache per request including this step's.
-        query_start_loc: `[B + 1]` int64, cumulative query counts (`0, n_0, n_0 + n_1, ..., num_tokens`).
-        kv_b_weight: `[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]` (`kv_b_proj.weight`).
-        kv_scale: `[num_blocks, block_size]` float32 per-token scales of an int8 cache; None for float.
-
-    Returns:
-        `[num_tokens, H, v_head_dim]` in `q_nope.dtype` (softmax in float32).
-
-    Raises:
-        ValueError: inconsistent shapes/dtypes, `query_start_loc` not a ragged packing of `num_tokens`,
-            `n_b > seq_lens[b]`, a request longer than its block table, or a block id out of range.
+    q_nope: `[num_tokens, H, qk_nope_head_dim]` float; q_pe: `[num_tokens, H, qk_rope_head_dim]`,
+        rotated (`DeepseekV3Attention.project`'s first two outputs).
+    kv_cache: `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]` float, or int8 with `kv_scale`.
+    block_tables: `[B, max_blocks]` int32/int64 block ids, padded with -1 or 0 past each request's blocks.
+    seq_lens: `[B]` int64, tokens in the cache per request including this step's.
+    query_start_loc: `[B + 1]` int64, cumulative query counts (`0, n_0, n_0 + n_1, ..., num_tokens`).
+    kv_b_weight: `[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]` (`kv_b_proj.weight`).
+    kv_scale: `[num_blocks, block_size]` float32 per-token scales of an int8 cache; None for float.
+    Returns `[num_tokens, H, v_head_dim]` in `q_nope.dtype` (softmax in float32).
+    Raises ValueError: inconsistent shapes/dtypes, `query_start_loc` not a ragged packing of `num_tokens`,
+        `n_b > seq_lens[b]`, a request longer than its block table, or a block id out of range.
     """
     num_tokens, num_heads, qk_nope_head_dim = q_nope.shape
     qk_rope_head_dim = q_pe.shape[-1]

@@ -44,13 +44,10 @@ def _check(
 def greedy_verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor) -> VerifyResult:
     """Greedy verification of one request (no randomness).
 
-    Args:
-        draft_token_ids: `[k]` int64 drafts.
-        target_probs: `[k + 1, V]` float32 target probabilities (or logits: only the argmax is used).
-
-    Returns:
-        `VerifyResult`: the longest prefix of drafts equal to the target argmax, then the target argmax at
-        the first mismatch (or the bonus argmax after `k` matches).
+    draft_token_ids: `[k]` int64 drafts.
+    target_probs: `[k + 1, V]` float32 target probabilities (or logits: only the argmax is used).
+    Returns `VerifyResult`: the longest prefix of drafts equal to the target argmax, then the target argmax at
+    the first mismatch (or the bonus argmax after `k` matches).
     """
     _check(draft_token_ids, None, target_probs)
     num_drafts = draft_token_ids.shape[0]
@@ -83,18 +80,13 @@ def rejection_sample(
 ) -> VerifyResult:
     """Lossless speculative sampling for one request: the per-request reference (Leviathan Algorithm 1).
 
-    Args:
-        draft_token_ids: `[k]` int64 drafts `x_1..x_k` (k may be 0).
-        draft_probs: `[k, V]` float32 draft distributions `q_i` the drafts were sampled from, or None for a
-            deterministic drafter (one-hot `q_i`).
-        target_probs: `[k + 1, V]` float32 target distributions `p_1..p_{k+1}` (`probs_from_logits` with the
-            request's temperature/top-k/top-p).
-
-    Returns:
-        `VerifyResult` with `1..k+1` tokens.
-
-    Raises:
-        ValueError: inconsistent shapes or draft ids outside the vocabulary.
+    draft_token_ids: `[k]` int64 drafts `x_1..x_k` (k may be 0).
+    draft_probs: `[k, V]` float32 draft distributions `q_i` the drafts were sampled from, or None for a
+        deterministic drafter (one-hot `q_i`).
+    target_probs: `[k + 1, V]` float32 target distributions `p_1..p_{k+1}` (`probs_from_logits` with the
+        request's temperature/top-k/top-p).
+    Returns `VerifyResult` with `1..k+1` tokens.
+    Raises ValueError: inconsistent shapes or draft ids outside the vocabulary.
     """
     _check(draft_token_ids, draft_probs, target_probs)
     num_drafts = draft_token_ids.shape[0]
@@ -189,13 +181,10 @@ def greedy_verify_batch(
 ) -> BatchVerifyResult:
     """Greedy verification of `B` requests with ragged draft counts (no randomness, no probabilities).
 
-    Args:
-        draft_token_ids: `[N]` int64, the requests' drafts concatenated, `N = sum(num_draft_tokens)`.
-        target_logits: `[N + B, V]` target logits (or probabilities: only the argmax is used, the first
-            index on ties); request b's `k_b + 1` rows follow request b-1's.
-
-    Raises:
-        ValueError: inconsistent shapes.
+    draft_token_ids: `[N]` int64, the requests' drafts concatenated, `N = sum(num_draft_tokens)`.
+    target_logits: `[N + B, V]` target logits (or probabilities: only the argmax is used, the first
+        index on ties); request b's `k_b + 1` rows follow request b-1's.
+    Raises ValueError: inconsistent shapes.
     """
     device = target_logits.device
     ragged = _ragged_drafts(draft_token_ids, num_draft_tokens, target_logits.shape[0], device)
@@ -214,14 +203,11 @@ def rejection_sample_batch(
 ) -> BatchVerifyResult:
     """Verify `B` requests with ragged draft counts in one vectorized pass.
 
-    Args:
-        draft_token_ids: `[N]` int64, the requests' drafts concatenated, `N = sum(num_draft_tokens)`.
-        draft_probs: `[N, V]` float32 draft distributions, or None for deterministic drafters.
-        target_probs: `[N + B, V]` float32; request b's `k_b + 1` rows follow request b-1's.
-        is_greedy: `[B]` bool, temperature 0 requests (verified by argmax, no randomness).
-
-    Raises:
-        ValueError: inconsistent shapes.
+    draft_token_ids: `[N]` int64, the requests' drafts concatenated, `N = sum(num_draft_tokens)`.
+    draft_probs: `[N, V]` float32 draft distributions, or None for deterministic drafters.
+    target_probs: `[N + B, V]` float32; request b's `k_b + 1` rows follow request b-1's.
+    is_greedy: `[B]` bool, temperature 0 requests (verified by argmax, no randomness).
+    Raises ValueError: inconsistent shapes.
     """
     batch = len(num_draft_tokens)
     num_drafts, vocab_size = int(draft_token_ids.shape[0]), target_probs.shape[1]

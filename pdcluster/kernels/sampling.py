@@ -41,21 +41,16 @@ def probs_from_logits(
 ) -> torch.Tensor:
     """The distribution each row samples from: softmax(logits / T), restricted to top-k then top-p.
 
-    Args:
-        logits: `[B, V]` float32 (any float dtype is computed in float32).
-        temperature: `[B]` float32 (or a scalar for all rows), >= 0; 0 makes the row greedy: a one-hot
-            at `argmax(logits)` (first index on ties), top-k/top-p ignored.
-        top_k: `[B]` int64 or scalar; keep tokens whose scaled logit is >= the k-th largest (ties at the
-            k-th value are all kept); `<= 0` or `>= V` disables. None disables for all rows.
-        top_p: `[B]` float32 or scalar in (0, 1]; keep the smallest set of most likely tokens (after top-k)
-            whose mass reaches `top_p` (a token is kept when the mass of the tokens ranked above it is
-            `< top_p`); `1` disables. None disables for all rows.
-
-    Returns:
-        `probs [B, V]` float32, each row summing to 1 (up to rounding), 0 outside the kept set.
-
-    Raises:
-        ValueError: `logits` not 2-D, a negative temperature, or `top_p` outside (0, 1].
+    logits: `[B, V]` float32 (any float dtype is computed in float32).
+    temperature: `[B]` float32 (or a scalar for all rows), >= 0; 0 makes the row greedy: a one-hot
+        at `argmax(logits)` (first index on ties), top-k/top-p ignored.
+    top_k: `[B]` int64 or scalar; keep tokens whose scaled logit is >= the k-th largest (ties at the
+        k-th value are all kept); `<= 0` or `>= V` disables. None disables for all rows.
+    top_p: `[B]` float32 or scalar in (0, 1]; keep the smallest set of most likely tokens (after top-k)
+        whose mass reaches `top_p` (a token is kept when the mass of the tokens ranked above it is
+        `< top_p`); `1` disables. None disables for all rows.
+    Returns `probs [B, V]` float32, each row summing to 1 (up to rounding), 0 outside the kept set.
+    Raises ValueError: `logits` not 2-D, a negative temperature, or `top_p` outside (0, 1].
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got {tuple(logits.shape)}")
@@ -109,11 +104,8 @@ def sample_from_probs(probs: torch.Tensor, generators: Generators = None) -> tor
     """Draw one token per row from (possibly unnormalized) non-negative `probs` by the exponential race
     `argmax_v probs[v] / E_v`, `E_v ~ Exp(1)` (exactly `V` draws per row).
 
-    Args:
-        probs: `[B, V]` float, each row with positive mass.
-
-    Returns:
-        `token_ids [B]` int64; row b is `v` with probability `probs[b, v] / probs[b].sum()`.
+    probs: `[B, V]` float, each row with positive mass.
+    Returns `token_ids [B]` int64; row b is `v` with probability `probs[b, v] / probs[b].sum()`.
     """
     batch, vocab_size = probs.shape
     noise = torch.empty(batch, vocab_size, dtype=torch.float32, device=probs.device)
@@ -142,11 +134,8 @@ def sample(
 ) -> torch.Tensor:
     """Sample the next token of each row (greedy rows take the argmax and consume no randomness).
 
-    Args:
-        logits: `[B, V]` float32; temperature/top_k/top_p: as `probs_from_logits`;
-
-    Returns:
-        `token_ids [B]` int64.
+    logits: `[B, V]` float32; temperature/top_k/top_p: as `probs_from_logits`;
+    Returns `token_ids [B]` int64.
     """
     batch = logits.shape[0]
     is_greedy = _per_row(temperature, batch, torch.float32, logits.device) == 0
@@ -179,14 +168,11 @@ def apply_penalties(
     logit divided by the penalty when positive, multiplied when not. Then OpenAI's
     `logit -= frequency * count + presence * (count > 0)` over the output's counts.
 
-    Args:
-        logits: `[R, V]` float32.
-        output_token_ids: `[R, L]` int64, each row's output tokens so far, padded with V (ignored).
-        prompt_token_ids: `[R, P]` int64, each row's prompt tokens, padded with V.
-        presence_penalty, frequency_penalty, repetition_penalty: `[R]` float32.
-
-    Returns:
-        `[R, V]` float32, a new tensor.
+    logits: `[R, V]` float32.
+    output_token_ids: `[R, L]` int64, each row's output tokens so far, padded with V (ignored).
+    prompt_token_ids: `[R, P]` int64, each row's prompt tokens, padded with V.
+    presence_penalty, frequency_penalty, repetition_penalty: `[R]` float32.
+    Returns `[R, V]` float32, a new tensor.
     """
     num_rows, vocab_size = logits.shape
     counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=logits.device)
@@ -227,11 +213,8 @@ class Logprobs(NamedTuple):
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> Logprobs:
     """Log-probabilities of `token_ids` and the `num_top` most likely tokens per row.
 
-    Args:
-        logits: `[B, V]` float32; token_ids: `[B]` int64; num_top: 0 .. V (`SamplingParams.logprobs`).
-
-    Raises:
-        ValueError: `num_top` outside `[0, V]` or mismatched shapes.
+    logits: `[B, V]` float32; token_ids: `[B]` int64; num_top: 0 .. V (`SamplingParams.logprobs`).
+    Raises ValueError: `num_top` outside `[0, V]` or mismatched shapes.
     """
     batch, vocab_size = logits.shape
     if not 0 <= num_top <= vocab_size:

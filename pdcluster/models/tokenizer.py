@@ -19,8 +19,7 @@ SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)  # ids 0, 1, 2 in the bundled
 def check_unicode(text: str) -> None:
     """Check that `text` is valid Unicode, i.e. encodes as UTF-8 (what the tokenizer needs).
 
-    Raises:
-        ValueError: `text` holds a lone surrogate (U+D800..U+DFFF), naming it and its index.
+    Raises ValueError: `text` holds a lone surrogate (U+D800..U+DFFF), naming it and its index.
     """
     try:
         text.encode("utf-8")
@@ -66,9 +65,8 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """Load `tokenizer.json` (and `tokenizer_config.json`, if present) from a checkpoint directory.
 
-        Raises:
-            FileNotFoundError: no tokenizer.json, naming the file. ValueError: a tokenizer_config.json
-                that is not a JSON object, naming the file.
+        Raises FileNotFoundError: no tokenizer.json, naming the file. ValueError: a tokenizer_config.json
+            that is not a JSON object, naming the file.
         """
         file = Path(path) / "tokenizer.json"
         if not file.exists():

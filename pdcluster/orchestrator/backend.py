@@ -71,9 +71,8 @@ class ServingBackend(Protocol):
     ) -> AsyncIterator[StreamDelta]:
         """Stream the request's output (an async generator: `async def ... yield`).
 
-        Raises:
-            ValueError: a request the backend cannot take (e.g. larger than its KV cache).
-            BackendUnavailable: a retriable failure.
+        Raises ValueError: a request the backend cannot take (e.g. larger than its KV cache).
+        Raises BackendUnavailable: a retriable failure.
         """
         ...
 
@@ -88,8 +87,7 @@ class ServingBackend(Protocol):
     def check_ready(self) -> None:
         """Return if the backend can take requests now, from what it knows without any call.
 
-        Raises:
-            BackendUnavailable: it cannot; the message says why.
+        Raises BackendUnavailable: it cannot; the message says why.
         """
         ...
 

@@ -40,9 +40,8 @@ class ClusterStats:
     def stats(self) -> dict[str, Any]:
         """Load of the instances in routing (`ranks`, `kv_blocks`, totals) and every instance's health.
 
-        Raises:
-            BackendUnavailable: no prefill or no decode instance is in routing;
-                the message names each instance's state and why.
+        Raises BackendUnavailable: no prefill or no decode instance is in routing;
+            the message names each instance's state and why.
         """
         import ray
 
@@ -90,9 +89,8 @@ class ClusterStats:
     def check_ready(self) -> None:
         """`ServingBackend.check_ready` from the health last recorded by the monitor and the request path.
 
-        Raises:
-            BackendUnavailable: shut down, or no prefill or no decode instance in routing; the message
-                names each instance's state and why.
+        Raises BackendUnavailable: shut down, or no prefill or no decode instance in routing; the message
+            names each instance's state and why.
         """
         if self.closed():
             raise BackendUnavailable("the cluster is shut down")

@@ -41,8 +41,7 @@ class ProbeOutcome(enum.Enum):
 def after_failure(health: InstanceHealth, outcome: ProbeOutcome, reason: str, now_s: float) -> InstanceHealth:
     """The health after a call on the request path (or a probe) failed with `outcome`.
 
-    Raises:
-        ValueError: outcome is ANSWERED (use `after_answer`).
+    Raises ValueError: outcome is ANSWERED (use `after_answer`).
     """
     if outcome is ProbeOutcome.ANSWERED:
         raise ValueError("after_failure takes a failed outcome; use after_answer for an answer")
@@ -82,10 +81,9 @@ def engine_fault(
     """The engine watchdog, for one rank's load taken by a probe at `now_s` (the driver's time.monotonic(),
     seconds): whether its engine has failed.
 
-    Returns:
-        (fault, stuck): `fault` says why the engine failed (None: it did not); `stuck` is (pid, pass
-        number, when first seen over the watchdog) of a pass over the watchdog, to pass as `stuck_before`
-        at the next probe (None: none).
+    Returns (fault, stuck): `fault` says why the engine failed (None: it did not); `stuck` is (pid, pass
+    number, when first seen over the watchdog) of a pass over the watchdog, to pass as `stuck_before`
+    at the next probe (None: none).
     """
     if not load.engine_thread_alive:
         return f"{load.name}: its engine thread died (last error: {load.last_engine_error or 'none'})", None
@@ -108,8 +106,7 @@ def unresponsive_too_long(
     """Whether an UNRESPONSIVE instance has been silent (since it became so or `last_answer_s`, seconds)
     for at least max(`watchdog_s`, `min_silent_s`).
 
-    Returns:
-        why (the reason to log and report), or None.
+    Returns why (the reason to log and report), or None.
     """
     if health.state is not Health.UNRESPONSIVE or health.pid is None:
         return None
@@ -128,8 +125,7 @@ def restart_overdue(
     """Whether a DEAD instance's restart is overdue: silent since it died or `last_sign_s` (seconds) for at
     least `start_timeout_s`.
 
-    Returns:
-        why (the reason to log and report), or None.
+    Returns why (the reason to log and report), or None.
     """
     if health.state is not Health.DEAD:
         return None

@@ -26,8 +26,7 @@ class InstanceGroup(NamedTuple):
 def rendezvous_address(init_method: str) -> tuple[str, int]:
     """(host, port) of `tcp://host:port`.
 
-    Raises:
-        ValueError: anything else.
+    Raises ValueError: anything else.
     """
     parsed = urlparse(init_method)
     if parsed.scheme != "tcp" or parsed.hostname is None or parsed.port is None:
@@ -39,10 +38,9 @@ def join_instance_group(spec: InstanceGroupSpec) -> InstanceGroup:
     """Meet the other ranks at the barrier, then make the group (collective: every rank of the instance
     calls it at once).
 
-    Raises:
-        ValueError: a malformed `init_method`, an unknown backend, or a rank out of range.
-        RuntimeError (torch.distributed's DistStoreError / DistError): a rank did not reach the barrier
-            within `rendezvous_timeout_s`, or the group's rendezvous or handshake failed.
+    Raises ValueError: a malformed `init_method`, an unknown backend, or a rank out of range.
+    Raises RuntimeError (torch.distributed's DistStoreError / DistError): a rank did not reach the barrier
+        within `rendezvous_timeout_s`, or the group's rendezvous or handshake failed.
     """
     if not 0 <= spec.rank < spec.num_ranks:
         raise ValueError(f"rank {spec.rank} is not in [0, {spec.num_ranks})")
@@ -67,8 +65,7 @@ def join_instance_group(spec: InstanceGroupSpec) -> InstanceGroup:
 def wait_until_loaded(joined: InstanceGroup) -> None:
     """Barrier after loading (collective), so no rank's first step starts while a peer still loads.
 
-    Raises:
-        RuntimeError (torch.distributed's DistStoreError): a rank did not finish loading in time.
+    Raises RuntimeError (torch.distributed's DistStoreError): a rank did not finish loading in time.
     """
     joined.barrier_store.set(f"loaded{joined.rank}", "ready")
     joined.barrier_store.wait([f"loaded{r}" for r in range(joined.num_ranks)])

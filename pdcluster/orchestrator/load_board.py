@@ -50,8 +50,7 @@ class LoadBoard:
     def decode_snapshots(self, instance: int) -> list[DecodeNodeLoad]:
         """The latest snapshot of each rank of decode `instance`, rank order.
 
-        Raises:
-            KeyError: a rank has none yet (`missing_decodes` says which instances).
+        Raises KeyError: a rank has none yet (`missing_decodes` says which instances).
         """
         with self._lock:
             return [self._decode[RankRef(instance, r)] for r in range(self._num_decode_ranks[instance])]

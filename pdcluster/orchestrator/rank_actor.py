@@ -160,8 +160,7 @@ class RankActor:
         """Test-only fault injection: the next `count` passes through `where` (one of the role's
         FAULT_POINTS) raise RuntimeError on the engine thread.
 
-        Raises:
-            ValueError: `where` is not a fault point of this role.
+        Raises ValueError: `where` is not a fault point of this role.
         """
         if where not in self.FAULT_POINTS:
             raise ValueError(f"unknown fault point {where!r}")

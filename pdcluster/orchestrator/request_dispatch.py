@@ -98,8 +98,7 @@ class Dispatcher(RouteAndReserve):
     ) -> AsyncIterator[StreamDelta]:
         """Stream one request's output through prefill -> KV transfer -> decode.
 
-        Raises:
-            ValueError: an empty prompt, a duplicate id, or a request no decode instance could hold.
+        Raises ValueError: an empty prompt, a duplicate id, or a request no decode instance could hold.
         """
         if self._closed:
             raise BackendUnavailable("the cluster is shut down")

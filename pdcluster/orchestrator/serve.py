@@ -38,10 +38,9 @@ def serve(
 ) -> Iterator[Service]:
     """Deploy `topology` and serve it over HTTP; everything is torn down on exit (also on errors).
 
-    Raises:
-        TopologyError: an invalid topology file; DeployError (one line): the HTTP address cannot be bound
-            (checked first, and held from then on: `api.server.bind_server_socket`), or an actor or the
-            HTTP server failed to start, after everything is torn down.
+    Raises TopologyError: an invalid topology file; DeployError (one line): the HTTP address cannot be bound
+        (checked first, and held from then on: `api.server.bind_server_socket`), or an actor or the
+        HTTP server failed to start, after everything is torn down.
     """
     topo = topology if isinstance(topology, Topology) else load_topology(topology)
     host, bind_port = topo.api.host, topo.api.port if port is None else port

@@ -69,8 +69,7 @@ def build_app(
 ) -> FastAPI:
     """An OpenAI-compatible app over `backend` (see the module docstring). State lives on the app.
 
-    Raises:
-        ValueError: a limit below 1, or an empty api_key (it would let an empty bearer token in).
+    Raises ValueError: a limit below 1, or an empty api_key (it would let an empty bearer token in).
     """
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key must not be empty (None: no authentication)")
@@ -100,9 +99,8 @@ def build_app(
     async def encode(text: str) -> list[int]:
         """`text`'s token ids, tokenized on `tokenizer_pool`.
 
-        Raises:
-            ValueError: invalid Unicode. ApiError: 400, untokenized, for a text longer than `max_model_len`
-                tokens can hold.
+        Raises ValueError: invalid Unicode. ApiError: 400, untokenized, for a text longer than `max_model_len`
+            tokens can hold.
         """
         max_chars = backend.tokenizer.max_token_chars  # (cached: the vocabulary is read once)
         if len(text) > backend.max_model_len * max_chars:

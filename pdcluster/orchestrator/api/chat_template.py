@@ -83,8 +83,7 @@ class ChatTemplate:
     ) -> str:
         """The prompt text of `messages` (OpenAI message dicts, `content` a string or None).
 
-        Raises:
-            ChatTemplateError: the template raised for these messages, with its message.
+        Raises ChatTemplateError: the template raised for these messages, with its message.
         """
         source = self.template_text(with_tools=bool(tools))
         if source is None:

@@ -63,8 +63,7 @@ def prepare(
 ) -> PreparedRequest:
     """Check `body` and its tokenized prompt against the served model; build the sampling params.
 
-    Raises:
-        ApiError: 404 for an unknown model; 400 naming the field for an invalid or over-long request.
+    Raises ApiError: 404 for an unknown model; 400 naming the field for an invalid or over-long request.
     """
     if body.model is not None and body.model != backend.model_name:
         raise ApiError(
@@ -181,8 +180,7 @@ class Generation:
     async def next(self) -> StreamDelta | None:
         """The next delta (already folded into `progress`), or None after the last one.
 
-        Raises:
-            ApiError: 400 for a request the backend refuses (ValueError), 503 for `BackendUnavailable`.
+        Raises ApiError: 400 for a request the backend refuses (ValueError), 503 for `BackendUnavailable`.
         """
         if self.progress.finished:
             return None

@@ -196,9 +196,8 @@ class ApiMetrics:
     ) -> None:
         """Count one ended request; an aborted one only in `requests{finish_reason="abort"}`.
 
-        Args:
-            extension: the response's `pdcluster` field (`Generation.extension()`): ttft_s, tpot_s, e2e_s
-                in seconds, `phases` (names ending in `_s` are seconds, `kv_transfer_bytes` bytes).
+        extension: the response's `pdcluster` field (`Generation.extension()`): ttft_s, tpot_s, e2e_s
+            in seconds, `phases` (names ending in `_s` are seconds, `kv_transfer_bytes` bytes).
         """
         self.requests.labels(finish_reason).inc()
         if finish_reason == "abort":

@@ -203,8 +203,7 @@ def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuse the OpenAI options this server does not implement (suffix, echo with logprobs) rather than
     ignore them, and out-of-range choice and logprobs counts.
 
-    Raises:
-        ApiError: 400 naming the option (`param`).
+    Raises ApiError: 400 naming the option (`param`).
     """
     if not 1 <= body.n <= MAX_CHOICES:
         raise ApiError(400, f"n must be in [1, {MAX_CHOICES}], got {body.n}", param="n")

@@ -41,9 +41,8 @@ def _install_drain_log_filter() -> None:
 def bind_server_socket(host: str, port: int) -> socket.socket:
     """A TCP/IPv4 socket bound to `host:port` (0: a free port), not yet listening.
 
-    Raises:
-        OSError: the bind failed (address in use, no permission, not an address of this machine).
-        OverflowError: port not in [0, 65535].
+    Raises OSError: the bind failed (address in use, no permission, not an address of this machine).
+    Raises OverflowError: port not in [0, 65535].
     """
     for reuse in (False, True):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -111,9 +110,8 @@ class ServerThread:
     def start(self, timeout_s: float = 10.0) -> ServerThread:
         """Listen on the socket and start serving; returns once uvicorn is up.
 
-        Raises:
-            OSError: the socket cannot listen (EADDRINUSE: another socket listens on its port already).
-            RuntimeError: uvicorn did not start within `timeout_s` seconds (its thread is stopped first).
+        Raises OSError: the socket cannot listen (EADDRINUSE: another socket listens on its port already).
+        Raises RuntimeError: uvicorn did not start within `timeout_s` seconds (its thread is stopped first).
         """
         # SO_REUSEADDR, inherited by accepted connections, so a restart can bind the port despite TIME_WAIT.
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

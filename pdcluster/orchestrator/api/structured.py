@@ -64,9 +64,8 @@ def _response_format(value: dict[str, Any]) -> Grammar | None:
 def requested_grammar(body: CommonRequest, markers: ToolCallMarkers) -> tuple[Grammar | None, str | None]:
     """`(grammar, the field it came from)`, `(None, None)` when the output is free.
 
-    Raises:
-        ApiError: 400 naming the field: two sources, a malformed value, a named tool that is not in
-            `tools`, tool_choice without tools.
+    Raises ApiError: 400 naming the field: two sources, a malformed value, a named tool that is not in
+        `tools`, tool_choice without tools.
     """
     found: list[tuple[Grammar, str]] = []
     if body.response_format is not None:
