@@ -24,9 +24,7 @@ CHECKSUM_GROUP_BYTES = 256 * 1024
 
 
 def bytes_crc32c(tensor: torch.Tensor, start: int = 0) -> int:
-    """CRC-32C (Castagnoli, the `crc32c` package; unsigned 32-bit) of `tensor`'s bytes in C order (any
-    dtype, any device: copied to the host first), chained from `start`: what a KV sender's layer header
-    carries for the same bytes."""
+    """CRC-32C (unsigned 32-bit) of `tensor`'s bytes in C order, any dtype or device, chained from `start`."""
     return crc32c.crc32c(tensor.detach().contiguous().cpu().view(torch.uint8).numpy(), start)
 
 

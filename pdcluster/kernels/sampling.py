@@ -90,9 +90,8 @@ def probs_from_logits(
 def group_rows_by_generator(
     generators: Sequence[torch.Generator | None], rows: Sequence[int]
 ) -> list[tuple[torch.Generator | None, list[int]]]:
-    """`rows` grouped by the generator object each uses (`generators[row]`), groups in order of first
-    appearance and rows in order within a group: rows sharing one generator draw their randomness in
-    one call, a row with a generator of its own (a seeded request) draws alone, as it would in any batch."""
+    """`rows` grouped by the generator object each uses, in order of first appearance (a seeded request's
+    row draws alone, as it would in any batch)."""
     groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
     for row in rows:
         generator = generators[row]

@@ -161,8 +161,8 @@ class PrefillResult:
 # ---- decode events ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Phases:
-    """Per-request phase durations in seconds; None: not known (yet) by whoever built it. Each is measured
-    on one process's clock (hosts' clocks need not agree), in the order a request meets them:
+    """Per-request phase durations in seconds, in the order a request meets them; None: not known (yet).
+    Each is measured on one process's clock (hosts' clocks need not agree).
     """
 
     route_s: float | None = None

@@ -81,9 +81,7 @@ class RankActor:
         self._ep_summary_at_s = 0.0
 
     def compile_stats(self) -> CompileStats:
-        """What the engine's `compile` did (`engine.compiled_forward.CompileStats`): whether uniform decode
-        steps run compiled, the compile time at load or why nothing was compiled, and how many steps ran
-        the compiled graph so far (counters the engine thread updates; read as they stand)."""
+        """What `compile` did (`engine.compiled_forward.CompileStats`); counters as they stand."""
         return self.engine.compile_stats()
 
     # ---- engine thread ----------------------------------------------------------------------------------
@@ -169,9 +167,8 @@ class RankActor:
         self._wake_engine_thread()
 
     def inject_stall(self, seconds: float) -> None:
-        """Test-only: the engine thread's next pass hangs `seconds` (or until `release_stall` or the rank
-        stops) before its step, holding what the pass holds there (decode: its engine and allocation locks,
-        so its reserves and aborts wait; `load` is still answered)."""
+        """Test-only: the engine thread's next pass hangs `seconds` (or until `release_stall`) before its
+        step, holding its locks; `load` is still answered."""
         self._stall_released.clear()
         self._stall_s = seconds
         self._wake_engine_thread()

@@ -34,9 +34,8 @@ COMPILE_READY_TIMEOUT_S = 600.0
 
 
 def ready_timeout_s(topology: Topology) -> float:
-    """How long deploy waits for each rank actor to be ready, and the ranks of a multi-rank instance for
-    each other at their rendezvous (seconds): ACTORS_READY_TIMEOUT_S, plus COMPILE_READY_TIMEOUT_S when a
-    pool compiles its decode forward at load."""
+    """Seconds deploy waits for each rank actor to be ready (and ranks for each other at their rendezvous):
+    ACTORS_READY_TIMEOUT_S, plus COMPILE_READY_TIMEOUT_S when a pool compiles at load."""
     compiles = topology.compiles("prefill") or topology.compiles("decode")
     return ACTORS_READY_TIMEOUT_S + (COMPILE_READY_TIMEOUT_S if compiles else 0.0)
 

@@ -1,5 +1,5 @@
 """The request path of a `Cluster`: route, reserve, prefill, stream decode's tokens (DESIGN.md, request
-lifecycle). A thin loop over the pure dispatch policy (`orchestrator.dispatch`):
+lifecycle). A thin loop over the pure dispatch policy (`orchestrator.dispatch`).
 """
 
 from __future__ import annotations
@@ -51,9 +51,7 @@ logger = logging.getLogger("pdcluster.orchestrator.cluster")
 
 
 class Dispatcher(RouteAndReserve):
-    """The request path (see the module docstring; its routing and reserving half is
-    `orchestrator.routing.RouteAndReserve`, one class in two files).
-    """
+    """The request path; its routing and reserving half is `orchestrator.routing.RouteAndReserve`."""
 
     def __init__(
         self,

@@ -277,9 +277,8 @@ class Generation:
         }
 
     def extension(self) -> dict[str, Any]:
-        """The `pdcluster` field: request id, phases (seconds, bytes where named so), TTFT/TPOT/e2e in
-        seconds measured at the edge (None where not measured), MTP draft/accept counts and rates, and
-        `ranks` (the prefill and decode ranks that served it) where the backend names them."""
+        """The `pdcluster` field: request id, phases, TTFT/TPOT/e2e in seconds at the edge, MTP counts and
+        rates, and the ranks that served it."""
         p = self.progress
         end_s = p.last_token_s if p.last_token_s is not None else time.perf_counter()
         ttft_s = None if p.first_token_s is None else p.first_token_s - p.arrival_s

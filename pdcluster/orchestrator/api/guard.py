@@ -17,7 +17,9 @@ _CLOSE = {"Connection": "close"}
 
 class EdgeGuard:
     """Pure ASGI middleware in front of every route. Per HTTP request, in this order, each refusal an
-    OpenAI-style error body sent before the app sees the request:
+    OpenAI-style error body sent before the app sees the request: 401 without the API key (but on
+    `OPEN_PATHS`); 429 with `Retry-After` past `max_concurrent_requests` generation POSTs in flight;
+    413 for a body over `max_request_body_bytes` (with `Connection: close`). Event-loop thread only.
     """
 
     def __init__(

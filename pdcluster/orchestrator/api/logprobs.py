@@ -25,8 +25,7 @@ def completion_logprobs(
     tokenizer: Tokenizer, entries: Sequence[TokenLogprobs], text_offset: int, num_top: int
 ) -> dict[str, Any]:
     """The completions `logprobs` object of `entries` (consecutive output tokens), offsets counted from
-    `text_offset` characters (the text the choice already sent); `num_top` alternatives per token (the
-    sampled token is added to its dict, as vLLM adds it)."""
+    `text_offset` characters; `num_top` alternatives per token plus the sampled one (as vLLM)."""
     tokens: list[str] = []
     offsets: list[int] = []
     top: list[dict[str, float]] = []

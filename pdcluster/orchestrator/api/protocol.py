@@ -32,9 +32,7 @@ STRICT = ConfigDict(extra="ignore", strict=True)  # extra: OpenAI clients send f
 
 
 class StreamOptions(BaseModel):
-    """OpenAI `stream_options`: `include_usage` adds a last chunk with an empty `choices` list carrying
-    `usage`, before `data: [DONE]` (what vLLM's and SGLang's clients, `vllm bench serve` among them, read
-    the completion token count from)."""
+    """OpenAI `stream_options`: `include_usage` adds a last chunk with empty `choices` carrying `usage`."""
 
     model_config = STRICT
 

@@ -1,5 +1,5 @@
 """Running the app: `ServerThread` (uvicorn on a background thread, for the tests, `pdcluster deploy`,
-`pdcluster bench --endpoint local`) and `main`, a single-engine server in the foreground:
+`pdcluster bench --endpoint local`) and `main`, a single-engine server in the foreground.
 """
 
 from __future__ import annotations
