@@ -81,7 +81,10 @@ class ServingBackend(Protocol):
         ...
 
     def stats(self) -> dict[str, Any]:
-        """A snapshot for metrics. Keys (all optional, missing ones are simply not exported):"""
+        """A snapshot for metrics; may block, so call it off the event loop. Keys (all optional):
+        num_waiting_requests, num_running_requests: int; kv_blocks: {instance_name: {"num_used_blocks",
+        "num_total_blocks"}}; kv_transfer_bytes_total: int bytes; kv_transfer_seconds_total: float seconds.
+        """
         ...
 
     def check_ready(self) -> None:

@@ -10,7 +10,8 @@ from pdcluster.orchestrator.preflight import actor_layer_issues, weight_dtype_is
 from pdcluster.orchestrator.topology import ADDRESSED_KV_TRANSPORTS, Topology
 
 MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc, shm) this often; then it stays dead
-# The rank actors' Ray concurrency group for the health monitor's probes (`load`), with threads of its own:
+# A Ray concurrency group of its own for the health monitor's probes, so calls hung on the engine cannot
+# take every thread and leave a probe unanswered.
 PROBE_GROUP = "probe"
 PROBE_GROUPS = {PROBE_GROUP: 2}  # the actor classes' `concurrency_groups` (Ray takes them only at ray.remote)
 

@@ -1,4 +1,12 @@
-"""Tool calls in DeepSeek-V3's format, parsed from the generated text into OpenAI `tool_calls`:"""
+"""Tool calls in DeepSeek-V3's format, parsed from the generated text into OpenAI `tool_calls`:
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+    ```json
+    ARGUMENTS
+    ```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+
+(`markers_for` picks the spelling the checkpoint's template uses). Text before the first marker is `content`.
+"""
 
 from __future__ import annotations
 
