@@ -72,6 +72,7 @@ class EncodedLayer(NamedTuple):
     payload: torch.Tensor
 
 
+# Test-only, in senders: sees each layer's header and a mutable payload copy; False stalls the request.
 FaultHook = Callable[[LayerHeader, bytearray], bool]
 
 

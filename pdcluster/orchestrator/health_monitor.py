@@ -26,6 +26,8 @@ from pdcluster.orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES
 logger = logging.getLogger("pdcluster.orchestrator.cluster")
 
 PROBE_INTERVAL_S = 1.0  # the health monitor probes every instance this often (seconds)
+# An actor Ray gave up on is replaced in its bundle at most MAX_REPLACEMENTS times, REPLACE_AFTER_S seconds
+# after it died, each next one after twice as long.
 REPLACE_AFTER_S = 10.0
 MAX_REPLACEMENTS = 5
 

@@ -28,6 +28,7 @@ def _check_unicode(value: Any) -> Any:
     return value
 
 
+# Strict: a JSON value of the wrong type is a 400 naming the field, never converted.
 STRICT = ConfigDict(extra="ignore", strict=True)  # extra: OpenAI clients send fields we do not use (user)
 
 
