@@ -24,10 +24,8 @@ class Handoff:
 
 
 def token_delta(out: RequestOutput, handoff: Handoff | None) -> TokenDelta:
-    """The `TokenDelta` of `out` (not an error): the tokens after those already sent (`handoff.num_sent`,
-    updated here), the finish reason on the last, the phases and KV bytes on the first stepped output
-    (`first_decode_step_s`: seconds from admission), and the cumulative draft counts. `handoff` None: an
-    output of no handoff this rank tracks (all its tokens are new)."""
+    """The `TokenDelta` of `out`: the tokens not sent yet (updates `handoff.num_sent`), its finish reason,
+    and phases (seconds) and KV bytes on the first stepped output."""
     num_sent = handoff.num_sent if handoff is not None else 0
     phases, kv_transfer_bytes = Phases(), None
     if handoff is not None:

@@ -1,14 +1,4 @@
-"""INT8 latent KV quantization: one symmetric scale per token, and KV cache byte sizes.
-
-Each cached token's latent `[c_kv; k_pe]` (`kv_lora_rank + qk_rope_head_dim` values per layer) is stored
-as int8 with one float32 scale, `scale = absmax / 127`, `value ~= int8 * scale`. The scale is per token
-(not per block or per layer) so a token's bytes never change after it is written, which keeps paged
-blocks immutable for prefix caching and lets the KV stream ship tokens as they are produced.
-
-The attention over an INT8 cache (`kernels.paged_mla.paged_mla_attention`) never builds a dequantized
-copy: the per-token scale is applied to the scores and to the probabilities instead (see that module).
-`dequantize_kv_int8` is the reference for tests and for the expanded (prefill) path's up-projection.
-"""
+"""INT8 latent KV quantization: one symmetric scale per token, and KV cache byte sizes."""
 
 from __future__ import annotations
 
@@ -20,17 +10,12 @@ INT8_MAX = 127  # symmetric range [-127, 127]; -128 is never produced
 def quantize_kv_int8(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize latent KV rows to int8 with a per-row absmax scale.
 
-    Args:
-        latent: `[num_tokens, kv_dim]` float (float32, bf16 or fp16),
-            `kv_dim = kv_lora_rank + qk_rope_head_dim`.
-
-    Returns:
-        `(latent_int8 [num_tokens, kv_dim] int8, scale [num_tokens] float32)` with
-        `scale = max|latent| / 127` per row; an all-zero row gets scale 0 and int8 zeros.
-        The round-trip error per element is at most `scale / 2`.
-
-    Raises:
-        ValueError: `latent` is not 2-D or not a floating-point tensor.
+    latent: `[num_tokens, kv_dim]` float (float32, bf16 or fp16),
+        `kv_dim = kv_lora_rank + qk_rope_head_dim`.
+    Returns `(latent_int8 [num_tokens, kv_dim] int8, scale [num_tokens] float32)` with
+    `scale = max|latent| / 127` per row; an all-zero row gets scale 0 and int8 zeros.
+    The round-trip error per element is at most `scale / 2`.
+    Raises ValueError: `latent` is not 2-D or not a floating-point tensor.
     """
     if latent.dim() != 2 or not latent.is_floating_point():
         raise ValueError(f"latent must be a 2-D float tensor, got {tuple(latent.shape)} {latent.dtype}")
@@ -46,16 +31,10 @@ def dequantize_kv_int8(
 ) -> torch.Tensor:
     """Reference dequantization `latent_int8 * scale`.
 
-    Args:
-        latent_int8: `[..., kv_dim]` int8.
-        scale: `[...]` float32, one scale per token (the leading shape of `latent_int8`).
-        dtype: result dtype.
-
-    Returns:
-        `[..., kv_dim]` in `dtype`.
-
-    Raises:
-        ValueError: dtype or shape mismatch.
+    latent_int8: `[..., kv_dim]` int8.
+    scale: `[...]` float32, one scale per token (the leading shape of `latent_int8`).
+    Returns `[..., kv_dim]` in `dtype`.
+    Raises ValueError: dtype or shape mismatch.
     """
     if latent_int8.dtype != torch.int8:
         raise ValueError(f"latent_int8 must be int8, got {latent_int8.dtype}")
@@ -69,17 +48,8 @@ def dequantize_kv_int8(
 def kv_cache_bytes_per_token(kv_dim: int, dtype: torch.dtype, num_layers: int) -> int:
     """Bytes of latent KV cache one token occupies over `num_layers` layers.
 
-    Float caches hold `kv_dim` elements of `dtype` per layer. An int8 cache holds `kv_dim` int8 values
-    plus one float32 scale per layer. Sizes come from `dtype.itemsize`. For DeepSeek-V3
-    (`kv_dim = 512 + 64 = 576`, one layer): float32 2,304 B, bf16 1,152 B, int8 576 + 4 = 580 B.
-
-    Args:
-        kv_dim: `kv_lora_rank + qk_rope_head_dim`.
-        dtype: cache element dtype (`torch.float32`, `torch.bfloat16`, `torch.float16` or `torch.int8`).
-        num_layers: layers whose cache the token occupies (main layers plus MTP layers, if cached).
-
-    Raises:
-        ValueError: non-positive sizes or an integer dtype other than int8.
+    dtype: cache element dtype (`torch.float32`, `torch.bfloat16`, `torch.float16` or `torch.int8`).
+    Raises ValueError: non-positive sizes or an integer dtype other than int8.
     """
     if kv_dim <= 0 or num_layers <= 0:
         raise ValueError(f"kv_dim and num_layers must be positive, got {kv_dim}, {num_layers}")

@@ -1,36 +1,11 @@
 """MLA attention over a paged latent KV cache (one layer), in float or INT8, with its write path.
 
-Layout (one layer; the engine keeps one per layer, MTP layers included):
-    kv_cache: `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]` float (float32 / bf16 / fp16),
-        or int8 with `kv_scale: [num_blocks, block_size]` float32 (one symmetric scale per token,
-        `absmax / 127`, see `kernels.kv_quant`).
-    A token at position `pos` of a request lives in slot `block_table[pos // block_size] * block_size +
-    pos % block_size` of the flattened `[num_blocks * block_size, kv_dim]` cache.
-
-Batches are packed vLLM style: the `num_tokens` query tokens of `B` requests are concatenated;
-request `b` owns query rows `query_start_loc[b] : query_start_loc[b + 1]`, has `seq_lens[b]` tokens in the
-cache (this step's included, written by `write_kv` before attention), and its query `j` of `n_b` sits at
-position `seq_lens[b] - n_b + j`, so it sees keys `0 ..= seq_lens[b] - n_b + j` (causal). Decode is
-`n_b = 1`, speculative verification `n_b = k + 1`, a chunked-prefill step any `n_b <= seq_lens[b]`.
-
-Two computations of the same function (DeepSeek-V2 paper, arXiv 2405.04434, section 2.1 and its
-"absorb" remark in 2.1.2; `kernels.mla` holds the non-paged references):
-* absorbed: `score = (q_nope W_UK) . c_kv + q_pe . k_pe`, `out = W_UV (p . c_kv)`; attention over the
-  latent as one shared head, cheap for few queries per request. Requests with few queries are padded to a
-  `[B, max_queries, max_seq_len]` problem and computed with one set of einsums.
-* expanded: up-project the request's latent to per-head K/V once, then ordinary attention; cheaper when a
-  request has many queries (a prefill chunk). Used per request with `n_b >= expanded_min_queries`, by
-  default the FLOP crossover of `expanded_crossover_queries` (171 queries for DeepSeek-V3's dims).
-
-INT8 without a dequantized copy: with `c_j = s_j * c8_j` (int8 values `c8_j`, scale `s_j`),
-    score_ij = softmax_scale * s_j * (q_i . c8_j)      (per-key scale applied to Q.K^T before softmax)
-    out_i    = sum_j (p_ij * s_j) c8_j                  (scale folded into the probabilities for V)
-which is the float attention over the dequantized cache, exactly in real arithmetic. Here the int8
-values are cast to the query dtype for the matmuls (torch has no mixed int8 x float matmul on CPU); an
-accelerator kernel does that cast in registers. The expanded path applies `s_j` to the up-projected
-per-head K/V it materializes anyway.
-
-This is the torch reference: it reads `seq_lens` / `query_start_loc` on the host (one sync).
+Position `pos` of a request lives in slot `block_table[pos // block_size] * block_size + pos % block_size`.
+Queries are packed vLLM style (`query_start_loc`); query `j` of `n_b` sits at `seq_lens[b] - n_b + j`.
+Two computations (DeepSeek-V2, arXiv 2405.04434, section 2.1 and the absorb remark in 2.1.2): absorbed,
+`score = (q_nope W_UK) . c_kv + q_pe . k_pe`, `out = W_UV (p . c_kv)`, for few queries per request;
+expanded (per-head K/V up-projected once) from `expanded_min_queries` queries. INT8 with `c_j = s_j c8_j`:
+`score_ij = softmax_scale s_j (q_i . c8_j)`, `out_i = sum_j (p_ij s_j) c8_j`, exact in real arithmetic.
 """
 
 from __future__ import annotations
@@ -49,9 +24,7 @@ CHECKSUM_GROUP_BYTES = 256 * 1024
 
 
 def bytes_crc32c(tensor: torch.Tensor, start: int = 0) -> int:
-    """CRC-32C (Castagnoli, the `crc32c` package; unsigned 32-bit) of `tensor`'s bytes in C order (any
-    dtype, any device: copied to the host first), chained from `start`: what a KV sender's layer header
-    carries for the same bytes."""
+    """CRC-32C (unsigned 32-bit) of `tensor`'s bytes in C order, any dtype or device, chained from `start`."""
     return crc32c.crc32c(tensor.detach().contiguous().cpu().view(torch.uint8).numpy(), start)
 
 
@@ -85,20 +58,17 @@ def write_kv(
 ) -> None:
     """Store this step's latent KV into the paged cache, in place (quantizing for an int8 cache).
 
-    Args:
-        kv_cache: `[num_blocks, block_size, kv_dim]` float, or int8 (then `kv_scale` is required).
-        latent_kv: `[num_tokens, kv_dim]` float, `kv_dim = kv_lora_rank + qk_rope_head_dim`
-            (`DeepseekV3Attention.project`'s third output).
-        slot_mapping: `[num_tokens]` int64, `block_id * block_size + offset` per token; entries `< 0`
-            (padding tokens) are skipped. Duplicate slots leave an unspecified one of the writes.
-        kv_scale: `[num_blocks, block_size]` float32 for an int8 cache, written with each token's
-            `absmax / 127`; None for a float cache.
-        latent_scale: `[num_tokens]` float32 when `latent_kv` is already int8 (an int8 cache's bytes, e.g.
-            received from a prefill instance): values and scales are stored as they are, no re-quantization.
-            Int8 cache only.
-
-    Raises:
-        ValueError: shape/dtype mismatch, a slot past the cache, or `kv_scale` given/missing wrongly.
+    kv_cache: `[num_blocks, block_size, kv_dim]` float, or int8 (then `kv_scale` is required).
+    latent_kv: `[num_tokens, kv_dim]` float, `kv_dim = kv_lora_rank + qk_rope_head_dim`
+        (`DeepseekV3Attention.project`'s third output).
+    slot_mapping: `[num_tokens]` int64, `block_id * block_size + offset` per token; entries `< 0`
+        (padding tokens) are skipped. Duplicate slots leave an unspecified one of the writes.
+    kv_scale: `[num_blocks, block_size]` float32 for an int8 cache, written with each token's
+        `absmax / 127`; None for a float cache.
+    latent_scale: `[num_tokens]` float32 when `latent_kv` is already int8 (an int8 cache's bytes, e.g.
+        received from a prefill instance): values and scales are stored as they are, no re-quantization.
+        Int8 cache only.
+    Raises ValueError: shape/dtype mismatch, a slot past the cache, or `kv_scale` given/missing wrongly.
     """
     _check_cache(kv_cache, kv_scale)
     num_blocks, block_size, kv_dim = kv_cache.shape
@@ -138,31 +108,12 @@ def write_prompt_kv(
     latent_scale: torch.Tensor | None = None,
     checksum_start: int | None = None,
 ) -> int | None:
-    """Store positions `0 .. num_tokens - 1` of one request (its latent KV from another instance) into its
-    blocks, in place: what `write_kv` does with the slots of those positions, a block at a time.
+    """Store positions `0 .. num_tokens - 1` of one request into its blocks in place (`write_kv` by block).
 
-    Args:
-        kv_cache, kv_scale, latent_scale: as in `write_kv`.
-        latent_kv: `[num_tokens, kv_dim]`, the request's first `num_tokens` positions.
-        block_ids: `[>= ceil(num_tokens / block_size)]` int32/int64, the request's block table; position
-            `pos` goes to block `block_ids[pos // block_size]`, offset `pos % block_size`.
-        checksum_start: when given, also compute the CRC-32C (Castagnoli, the `crc32c` package) of
-            `latent_kv`'s bytes (host, C order) continuing from this value, and return it: a receiver's
-            check of the bytes it stores, in the same pass (see below). None: return None.
-
-    On the host, with a float cache and `latent_kv` in its dtype, whole blocks are copied with one numpy
-    fancy-index assignment of `block_size * kv_dim` contiguous values per block, and the last partial block
-    with a slice copy: about the speed of a memory copy (6.8 GB/s on this repo's 2-core test machine, one
-    thread, DeepSeek-V3's 2,048 x 576 bf16 layer into 16-token blocks; `index_copy_` of the token slots,
-    `write_kv`'s path, ran at 3.4). Anything else (int8, other devices, a dtype cast) goes through
-    `write_kv`. With `checksum_start` on that fast path the blocks go in groups of about
-    `CHECKSUM_GROUP_BYTES`, each group's source rows CRC'd right before they are copied, so the copy reads
-    them from cache: one pass over the source instead of a checksum pass and then a copy (5.6 against
-    4.3 GB/s for the V3 layers above, 61 of them: 26 against 33 ms). Elsewhere the checksum is a pass of
-    its own before the write.
-
-    Raises:
-        ValueError: as `write_kv`; also a block table shorter than the tokens need, or a block id past
+    latent_kv: `[num_tokens, kv_dim]`, the request's first `num_tokens` positions.
+    block_ids: `[>= ceil(num_tokens / block_size)]` int32/int64, the request's block table; position
+        `pos` goes to block `block_ids[pos // block_size]`, offset `pos % block_size`.
+    Raises ValueError: as `write_kv`; also a block table shorter than the tokens need, or a block id past
         the cache.
     """
     _check_cache(kv_cache, kv_scale)
@@ -221,14 +172,9 @@ def write_prompt_kv(
 def slots_from_block_tables(block_tables: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
     """Cache slots of positions `0 .. num_positions-1` of each request.
 
-    Args:
-        block_tables: `[B, max_blocks]` int32/int64 block ids; padding entries (-1 or any id) past a
-            request's blocks are allowed: their slots are clamped to >= 0 and must be masked by the caller.
-        num_positions: positions per request (at most `max_blocks * block_size`).
-        block_size: tokens per block.
-
-    Returns:
-        `[B, num_positions]` int64 slots.
+    block_tables: `[B, max_blocks]` int32/int64 block ids; padding entries (-1 or any id) past a
+        request's blocks are allowed: their slots are clamped to >= 0 and must be masked by the caller.
+    Returns `[B, num_positions]` int64 slots.
     """
     positions = torch.arange(num_positions, device=block_tables.device)
     block_ids = block_tables.long()[:, positions // block_size].clamp_min(0)  # [B, num_positions]
@@ -238,16 +184,11 @@ def slots_from_block_tables(block_tables: torch.Tensor, num_positions: int, bloc
 def gather_kv(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, kv_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A copy of one request's cached latent (raw: int8 stays int8), e.g. to ship or to test: contiguous,
-    the first `seq_len` rows of a copy of its whole blocks (so it holds up to `block_size - 1` rows more).
+    """A contiguous copy of one request's first `seq_len` cached latent rows (int8 stays int8).
 
-    Args:
-        kv_cache: `[num_blocks, block_size, kv_dim]`; kv_scale: `[num_blocks, block_size]` float32 or None.
-        block_table: `[max_blocks]` int32/int64 block ids of the request.
-        seq_len: tokens to gather (positions `0 .. seq_len-1`).
-
-    Returns:
-        `(latent [seq_len, kv_dim] in kv_cache.dtype, scale [seq_len] float32 or None)`.
+    kv_cache: `[num_blocks, block_size, kv_dim]`; kv_scale: `[num_blocks, block_size]` float32 or None.
+    block_table: `[max_blocks]` int32/int64 block ids of the request.
+    Returns `(latent [seq_len, kv_dim] in kv_cache.dtype, scale [seq_len] float32 or None)`.
     """
     _check_cache(kv_cache, kv_scale)
     num_blocks, block_size, kv_dim = kv_cache.shape
@@ -257,9 +198,6 @@ def gather_kv(
             f"block_table must be [>= {needed}] for {seq_len} tokens of {block_size}-token blocks, "
             f"got {tuple(block_table.shape)}"
         )
-    # Whole blocks (block_size * kv_dim contiguous values each) with one index_select, then the first
-    # seq_len rows: twice the speed of indexing the token slots (6.5 against 3.2 GB/s, DeepSeek-V3's
-    # 2,048 x 576 bf16 layer in 16-token blocks, one thread, this repo's test machine).
     blocks = block_table[:needed].long().to(kv_cache.device)
     latent = torch.index_select(kv_cache, 0, blocks).view(-1, kv_dim)[:seq_len]
     if kv_scale is None:
@@ -282,25 +220,17 @@ def paged_mla_attention(
 ) -> torch.Tensor:
     """Causal MLA attention of packed ragged queries over a paged latent cache (float or INT8).
 
-    Args:
-        q_nope: `[num_tokens, H, qk_nope_head_dim]` float; q_pe: `[num_tokens, H, qk_rope_head_dim]`,
-            rotated (`DeepseekV3Attention.project`'s first two outputs).
-        kv_cache: `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]` float, or int8 with `kv_scale`.
-        block_tables: `[B, max_blocks]` int32/int64 block ids, padded with -1 or 0 past each request's blocks.
-        seq_lens: `[B]` int64, tokens in the cache per request including this step's.
-        query_start_loc: `[B + 1]` int64, cumulative query counts (`0, n_0, n_0 + n_1, ..., num_tokens`).
-        kv_b_weight: `[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]` (`kv_b_proj.weight`).
-        softmax_scale: multiplier on q.k (`DeepseekV3Config.softmax_scale`).
-        kv_scale: `[num_blocks, block_size]` float32 per-token scales of an int8 cache; None for float.
-        expanded_min_queries: requests with at least this many queries use the expanded form; default
-            `expanded_crossover_queries(...)`. 1 forces expanded everywhere, `sys.maxsize` absorbed.
-
-    Returns:
-        `[num_tokens, H, v_head_dim]` in `q_nope.dtype` (softmax in float32).
-
-    Raises:
-        ValueError: inconsistent shapes/dtypes, `query_start_loc` not a ragged packing of `num_tokens`,
-            `n_b > seq_lens[b]`, a request longer than its block table, or a block id out of range.
+    q_nope: `[num_tokens, H, qk_nope_head_dim]` float; q_pe: `[num_tokens, H, qk_rope_head_dim]`,
+        rotated (`DeepseekV3Attention.project`'s first two outputs).
+    kv_cache: `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]` float, or int8 with `kv_scale`.
+    block_tables: `[B, max_blocks]` int32/int64 block ids, padded with -1 or 0 past each request's blocks.
+    seq_lens: `[B]` int64, tokens in the cache per request including this step's.
+    query_start_loc: `[B + 1]` int64, cumulative query counts (`0, n_0, n_0 + n_1, ..., num_tokens`).
+    kv_b_weight: `[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]` (`kv_b_proj.weight`).
+    kv_scale: `[num_blocks, block_size]` float32 per-token scales of an int8 cache; None for float.
+    Returns `[num_tokens, H, v_head_dim]` in `q_nope.dtype` (softmax in float32).
+    Raises ValueError: inconsistent shapes/dtypes, `query_start_loc` not a ragged packing of `num_tokens`,
+        `n_b > seq_lens[b]`, a request longer than its block table, or a block id out of range.
     """
     num_tokens, num_heads, qk_nope_head_dim = q_nope.shape
     qk_rope_head_dim = q_pe.shape[-1]
@@ -384,11 +314,7 @@ def _absorbed_batch(
     w_uv: torch.Tensor,
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed attention for `b` requests padded to `[b, max_queries, max_seq_len]`.
-
-    Returns `(token_index [sum n_b] int64, out [sum n_b, H, v_head_dim])`: rows of the packed queries
-    and their outputs.
-    """
+    """Absorbed attention for `b` requests padded to `[b, max_queries, max_seq_len]`."""
     device = q_nope.device
     kv_lora_rank = w_uk.shape[-1]
     kv_dim = kv_cache.shape[-1]
@@ -433,11 +359,7 @@ def _expanded_one(
     kv_b_weight: torch.Tensor,
     softmax_scale: float,
 ) -> torch.Tensor:
-    """Expanded attention of one request: `q [n, H, *]` over its gathered `latent [seq_len, kv_dim]`.
-
-    For int8, `token_scale [seq_len]` multiplies the up-projected K/V (`W c_j = s_j W c8_j`).
-    Returns `[n, H, v_head_dim]`.
-    """
+    """Expanded attention of one request: `q [n, H, *]` over its gathered `latent [seq_len, kv_dim]`."""
     num_queries, num_heads, qk_nope_head_dim = q_nope.shape
     seq_len, kv_dim = latent.shape
     kv_lora_rank = kv_b_weight.shape[1]

@@ -3,29 +3,6 @@
 Sources: Leviathan, Kalman, Matias, "Fast Inference from Transformers via Speculative Decoding" (ICML 2023,
 arXiv 2211.17192), section 2.3 and Algorithm 1, correctness in Appendix A.1; Chen et al., "Accelerating
 Large Language Model Decoding with Speculative Sampling" (arXiv 2302.01318), Algorithm 2 and Theorem 1.
-
-One request drafted `k` tokens `x_1..x_k` from draft distributions `q_1..q_k`; the target model scored the
-`k + 1` positions at once, giving `p_1..p_{k+1}` (`p_i` is the target's distribution for the position of
-`x_i`; `p_{k+1}` the one after the last draft). Verification emits 1..k+1 tokens:
-
-* greedy (temperature 0): accept the longest prefix with `x_i == argmax p_i`, then emit `argmax p_j` at
-  the first mismatch `j` (or the bonus `argmax p_{k+1}` when all match). Exactly the tokens plain greedy
-  decoding would produce.
-* sampled: accept `x_i` with probability `min(1, p_i(x_i) / q_i(x_i))`; at the first rejection emit a token
-  from the residual `normalize(max(0, p_i - q_i))` and stop; when all `k` are accepted emit a bonus token
-  from `p_{k+1}`. Each emitted token is then distributed exactly as `p` (the accepted mass `min(p, q)` plus
-  the residual mass `max(0, p - q)` is `p`), so speculation changes speed, never the output distribution.
-  The expected acceptance of one draft is `sum_x min(p(x), q(x))` (Leviathan et al. section 3).
-
-`draft_probs=None` means a deterministic drafter (greedy MTP, n-gram): `q_i` is one-hot at `x_i`, so `x_i`
-is accepted with probability `p_i(x_i)` and the residual is `p_i` with `x_i` removed - still lossless.
-With a one-hot target (temperature 0 through `kernels.sampling.probs_from_logits`) the sampled rule
-gives the greedy tokens too; `greedy_verify` just does it without randomness.
-
-Randomness per sampled request: `k` uniforms, then `V` exponentials for the one final token (see
-`kernels.sampling.sample_from_probs`), always in that order, so the per-request reference
-(`rejection_sample`) and the batched version (`rejection_sample_batch`) agree token for token when each
-request has its own generator.
 """
 
 from __future__ import annotations
@@ -67,13 +44,10 @@ def _check(
 def greedy_verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor) -> VerifyResult:
     """Greedy verification of one request (no randomness).
 
-    Args:
-        draft_token_ids: `[k]` int64 drafts.
-        target_probs: `[k + 1, V]` float32 target probabilities (or logits: only the argmax is used).
-
-    Returns:
-        `VerifyResult`: the longest prefix of drafts equal to the target argmax, then the target argmax at
-        the first mismatch (or the bonus argmax after `k` matches).
+    draft_token_ids: `[k]` int64 drafts.
+    target_probs: `[k + 1, V]` float32 target probabilities (or logits: only the argmax is used).
+    Returns `VerifyResult`: the longest prefix of drafts equal to the target argmax, then the target argmax at
+    the first mismatch (or the bonus argmax after `k` matches).
     """
     _check(draft_token_ids, None, target_probs)
     num_drafts = draft_token_ids.shape[0]
@@ -87,10 +61,7 @@ def greedy_verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor) -> 
 def _residual(
     target_row: torch.Tensor, draft_row: torch.Tensor | None, draft_token_id: int | None
 ) -> torch.Tensor:
-    """Unnormalized `max(0, p - q)` (q one-hot at the draft when `draft_row` is None; q = 0 for the bonus).
-
-    Falls back to `p` when the residual has no mass (only reachable through rounding when p ~= q).
-    """
+    """Unnormalized `max(0, p - q)` (q one-hot at the draft when `draft_row` is None; q = 0 for the bonus)."""
     if draft_token_id is None:  # bonus position: nothing was drafted there
         return target_row
     if draft_row is None:
@@ -109,19 +80,13 @@ def rejection_sample(
 ) -> VerifyResult:
     """Lossless speculative sampling for one request: the per-request reference (Leviathan Algorithm 1).
 
-    Args:
-        draft_token_ids: `[k]` int64 drafts `x_1..x_k` (k may be 0).
-        draft_probs: `[k, V]` float32 draft distributions `q_i` the drafts were sampled from, or None for a
-            deterministic drafter (one-hot `q_i`).
-        target_probs: `[k + 1, V]` float32 target distributions `p_1..p_{k+1}` (`probs_from_logits` with the
-            request's temperature/top-k/top-p).
-        generator: the request's generator (None: torch's global one).
-
-    Returns:
-        `VerifyResult` with `1..k+1` tokens.
-
-    Raises:
-        ValueError: inconsistent shapes or draft ids outside the vocabulary.
+    draft_token_ids: `[k]` int64 drafts `x_1..x_k` (k may be 0).
+    draft_probs: `[k, V]` float32 draft distributions `q_i` the drafts were sampled from, or None for a
+        deterministic drafter (one-hot `q_i`).
+    target_probs: `[k + 1, V]` float32 target distributions `p_1..p_{k+1}` (`probs_from_logits` with the
+        request's temperature/top-k/top-p).
+    Returns `VerifyResult` with `1..k+1` tokens.
+    Raises ValueError: inconsistent shapes or draft ids outside the vocabulary.
     """
     _check(draft_token_ids, draft_probs, target_probs)
     num_drafts = draft_token_ids.shape[0]
@@ -132,7 +97,6 @@ def rejection_sample(
         q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs[i, x].float()
         # Accept x with probability min(1, p(x) / q(x)): u < p/q, written u * q < p so that q(x) = 0 (never
         # drafted by a consistent drafter) accepts iff p(x) > 0, and p == q always accepts (u < 1).
-        # (float32 tensor arithmetic, as in the batched version, so both round alike.)
         if bool(uniform[i] * q_x < p_x):
             continue
         # Rejected: the target keeps the mass the draft under-proposed, max(0, p - q), and samples there.
@@ -159,13 +123,7 @@ class BatchVerifyResult(NamedTuple):
 
 
 class _RaggedDrafts(NamedTuple):
-    """`B` requests' drafts laid out as a padded `[B, max_k]` grid (see `_ragged_drafts`).
-
-    drafts: `[B, max_k]` int64 draft ids, 0 in padding; is_draft: `[B, max_k]` bool, False in padding.
-    draft_rows: `[B, max_k]` int64 row of each draft in the flat `[N]` drafts (0 in padding).
-    target_rows: `[B, max_k + 1]` int64 row of each position in the flat `[N + B]` target rows (padding
-        clamped to the request's bonus row).
-    """
+    """`B` requests' drafts laid out as a padded `[B, max_k]` grid (see `_ragged_drafts`)."""
 
     drafts: torch.Tensor
     is_draft: torch.Tensor
@@ -176,11 +134,7 @@ class _RaggedDrafts(NamedTuple):
 def _ragged_drafts(
     draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[int], num_target_rows: int, device: torch.device
 ) -> _RaggedDrafts:
-    """Check the ragged layout (`N = sum(k_b)` drafts, `N + B` target rows) and pad it to a grid.
-
-    Raises:
-        ValueError: the draft and target row counts do not fit `num_draft_tokens`.
-    """
+    """Check the ragged layout (`N = sum(k_b)` drafts, `N + B` target rows) and pad it to a grid."""
     batch, num_drafts = len(num_draft_tokens), int(draft_token_ids.shape[0])
     if sum(num_draft_tokens) != num_drafts or num_target_rows != num_drafts + batch:
         raise ValueError(
@@ -200,8 +154,6 @@ def _ragged_drafts(
 
 
 def _num_accepted(accept: torch.Tensor, is_draft: torch.Tensor) -> torch.Tensor:
-    """`[B]` int64 length of the all-accepted prefix of each row of `accept` `[B, max_k]` bool: acceptance
-    stops at the first rejected draft."""
     return (accept & is_draft).long().cumprod(dim=1).sum(dim=1)
 
 
@@ -218,14 +170,7 @@ def _batch_result(
 
 
 def _greedy_accept(ragged: _RaggedDrafts, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The greedy rule over a grid: accept drafts while they equal the target argmax, then the argmax.
-
-    Args:
-        target_argmax: `[B, max_k + 1]` int64 target argmax at each position of each request.
-
-    Returns:
-        `(num_accepted [B] int64, final_token [B] int64)`.
-    """
+    """The greedy rule over a grid: accept drafts while they equal the target argmax, then the argmax."""
     max_drafts = ragged.drafts.shape[1]
     num_accepted = _num_accepted(ragged.drafts == target_argmax[:, :max_drafts], ragged.is_draft)
     return num_accepted, target_argmax.gather(1, num_accepted[:, None])[:, 0]
@@ -236,16 +181,10 @@ def greedy_verify_batch(
 ) -> BatchVerifyResult:
     """Greedy verification of `B` requests with ragged draft counts (no randomness, no probabilities).
 
-    Equals `greedy_verify` per request; the same rule as the greedy rows of `rejection_sample_batch`.
-
-    Args:
-        draft_token_ids: `[N]` int64, the requests' drafts concatenated, `N = sum(num_draft_tokens)`.
-        num_draft_tokens: `B` ints `k_b >= 0`.
-        target_logits: `[N + B, V]` target logits (or probabilities: only the argmax is used, the first
-            index on ties); request b's `k_b + 1` rows follow request b-1's.
-
-    Raises:
-        ValueError: inconsistent shapes.
+    draft_token_ids: `[N]` int64, the requests' drafts concatenated, `N = sum(num_draft_tokens)`.
+    target_logits: `[N + B, V]` target logits (or probabilities: only the argmax is used, the first
+        index on ties); request b's `k_b + 1` rows follow request b-1's.
+    Raises ValueError: inconsistent shapes.
     """
     device = target_logits.device
     ragged = _ragged_drafts(draft_token_ids, num_draft_tokens, target_logits.shape[0], device)
@@ -264,20 +203,11 @@ def rejection_sample_batch(
 ) -> BatchVerifyResult:
     """Verify `B` requests with ragged draft counts in one vectorized pass.
 
-    Equals `greedy_verify` (greedy rows) / `rejection_sample` (other rows) per request when each request has
-    its own generator; with one shared generator (or requests naming the same generator object in
-    `generators`) the draws are batched (same distribution, different order).
-
-    Args:
-        draft_token_ids: `[N]` int64, the requests' drafts concatenated, `N = sum(num_draft_tokens)`.
-        num_draft_tokens: `B` ints `k_b >= 0`.
-        draft_probs: `[N, V]` float32 draft distributions, or None for deterministic drafters.
-        target_probs: `[N + B, V]` float32; request b's `k_b + 1` rows follow request b-1's.
-        is_greedy: `[B]` bool, temperature 0 requests (verified by argmax, no randomness).
-        generators: a shared generator / None, or `B` per-request generators (see `sample_from_probs`).
-
-    Raises:
-        ValueError: inconsistent shapes.
+    draft_token_ids: `[N]` int64, the requests' drafts concatenated, `N = sum(num_draft_tokens)`.
+    draft_probs: `[N, V]` float32 draft distributions, or None for deterministic drafters.
+    target_probs: `[N + B, V]` float32; request b's `k_b + 1` rows follow request b-1's.
+    is_greedy: `[B]` bool, temperature 0 requests (verified by argmax, no randomness).
+    Raises ValueError: inconsistent shapes.
     """
     batch = len(num_draft_tokens)
     num_drafts, vocab_size = int(draft_token_ids.shape[0]), target_probs.shape[1]

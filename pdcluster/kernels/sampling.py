@@ -1,16 +1,4 @@
-"""Batched token sampling: temperature, top-k, top-p, per-request generators, and log-probabilities.
-
-The sampling distribution of each row is computed explicitly (`probs_from_logits`), because
-speculative decoding's rejection sampler needs the exact target and draft distributions; sampling from it
-uses the exponential race `argmax_v probs[v] / E_v` with `E_v ~ Exp(1)` i.i.d., which picks `v` with
-probability `probs[v] / sum(probs)` (the minimum of independent exponentials with rates `probs[v]`), needs
-no normalization and consumes exactly `V` draws per row.
-
-Reproducibility: a row sampled with its own `torch.Generator` (seeded per request) draws only from that
-generator, and every per-row computation here is row-independent, so the same request with the same seed
-and the same logits gets the same tokens whatever else is in the batch. Rows with temperature 0 are greedy
-and consume no randomness. Generators must live on the logits' device.
-"""
+"""Batched token sampling: temperature, top-k, top-p, per-request generators, and log-probabilities."""
 
 from __future__ import annotations
 
@@ -31,13 +19,6 @@ _NUMPY_ARGMAX_DTYPES = (torch.float32, torch.float64)
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)`: `[...]` int64, the index of the largest value along the last dimension of `x`
     `[..., V]` (V >= 1), the first on ties, a NaN counting as the largest (torch's and numpy's rule alike).
-
-    Every greedy pick, draft verification and exponential-race draw of the engine goes through here. A CPU
-    float32/float64 tensor takes numpy's vectorized argmax over the same memory (no copy): torch 2.13's CPU
-    argmax over the last dimension is not vectorized: 181 us against numpy's 9.5 us for `[32, 4096]`
-    float32 on one thread of this project's 2-core machine, quiet (353 against 15.5 us for `[64, 4096]`;
-    5.6 ms against 0.69 ms for `[32, 129280]`, DeepSeek-V3's vocabulary). Other devices and dtypes:
-    torch's own.
     """
     if x.device.type == "cpu" and x.dtype in _NUMPY_ARGMAX_DTYPES and not x.requires_grad and x.dim():
         return torch.from_numpy(np.asarray(np.argmax(x.numpy(), axis=-1), dtype=np.int64))
@@ -60,21 +41,16 @@ def probs_from_logits(
 ) -> torch.Tensor:
     """The distribution each row samples from: softmax(logits / T), restricted to top-k then top-p.
 
-    Args:
-        logits: `[B, V]` float32 (any float dtype is computed in float32).
-        temperature: `[B]` float32 (or a scalar for all rows), >= 0; 0 makes the row greedy: a one-hot
-            at `argmax(logits)` (first index on ties), top-k/top-p ignored.
-        top_k: `[B]` int64 or scalar; keep tokens whose scaled logit is >= the k-th largest (ties at the
-            k-th value are all kept); `<= 0` or `>= V` disables. None disables for all rows.
-        top_p: `[B]` float32 or scalar in (0, 1]; keep the smallest set of most likely tokens (after top-k)
-            whose mass reaches `top_p` (a token is kept when the mass of the tokens ranked above it is
-            `< top_p`); `1` disables. None disables for all rows.
-
-    Returns:
-        `probs [B, V]` float32, each row summing to 1 (up to rounding), 0 outside the kept set.
-
-    Raises:
-        ValueError: `logits` not 2-D, a negative temperature, or `top_p` outside (0, 1].
+    logits: `[B, V]` float32 (any float dtype is computed in float32).
+    temperature: `[B]` float32 (or a scalar for all rows), >= 0; 0 makes the row greedy: a one-hot
+        at `argmax(logits)` (first index on ties), top-k/top-p ignored.
+    top_k: `[B]` int64 or scalar; keep tokens whose scaled logit is >= the k-th largest (ties at the
+        k-th value are all kept); `<= 0` or `>= V` disables. None disables for all rows.
+    top_p: `[B]` float32 or scalar in (0, 1]; keep the smallest set of most likely tokens (after top-k)
+        whose mass reaches `top_p` (a token is kept when the mass of the tokens ranked above it is
+        `< top_p`); `1` disables. None disables for all rows.
+    Returns `probs [B, V]` float32, each row summing to 1 (up to rounding), 0 outside the kept set.
+    Raises ValueError: `logits` not 2-D, a negative temperature, or `top_p` outside (0, 1].
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got {tuple(logits.shape)}")
@@ -114,9 +90,8 @@ def probs_from_logits(
 def group_rows_by_generator(
     generators: Sequence[torch.Generator | None], rows: Sequence[int]
 ) -> list[tuple[torch.Generator | None, list[int]]]:
-    """`rows` grouped by the generator object each uses (`generators[row]`), groups in order of first
-    appearance and rows in order within a group: rows sharing one generator draw their randomness in
-    one call, a row with a generator of its own (a seeded request) draws alone, as it would in any batch."""
+    """`rows` grouped by the generator object each uses, in order of first appearance (a seeded request's
+    row draws alone, as it would in any batch)."""
     groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
     for row in rows:
         generator = generators[row]
@@ -125,18 +100,11 @@ def group_rows_by_generator(
 
 
 def sample_from_probs(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
-    """Draw one token per row from (possibly unnormalized) non-negative `probs`.
+    """Draw one token per row from (possibly unnormalized) non-negative `probs` by the exponential race
+    `argmax_v probs[v] / E_v`, `E_v ~ Exp(1)` (exactly `V` draws per row).
 
-    Args:
-        probs: `[B, V]` float, each row with positive mass.
-        generators: one `torch.Generator` (or None for torch's global generator) shared by all rows,
-            drawing `[B, V]` at once; or a sequence of `B` per-row generators (None entries use the
-            global generator): rows naming the same generator object draw together in one call
-            (`group_rows_by_generator`), a row with a generator of its own alone. Each row consumes
-            exactly `V` exponential draws.
-
-    Returns:
-        `token_ids [B]` int64; row b is `v` with probability `probs[b, v] / probs[b].sum()`.
+    probs: `[B, V]` float, each row with positive mass.
+    Returns `token_ids [B]` int64; row b is `v` with probability `probs[b, v] / probs[b].sum()`.
     """
     batch, vocab_size = probs.shape
     noise = torch.empty(batch, vocab_size, dtype=torch.float32, device=probs.device)
@@ -165,12 +133,8 @@ def sample(
 ) -> torch.Tensor:
     """Sample the next token of each row (greedy rows take the argmax and consume no randomness).
 
-    Args:
-        logits: `[B, V]` float32; temperature/top_k/top_p: as `probs_from_logits`;
-        generators: as `sample_from_probs` (a per-row sequence makes a seeded row batch-invariant).
-
-    Returns:
-        `token_ids [B]` int64.
+    logits: `[B, V]` float32; temperature/top_k/top_p: as `probs_from_logits`;
+    Returns `token_ids [B]` int64.
     """
     batch = logits.shape[0]
     is_greedy = _per_row(temperature, batch, torch.float32, logits.device) == 0
@@ -203,14 +167,11 @@ def apply_penalties(
     logit divided by the penalty when positive, multiplied when not. Then OpenAI's
     `logit -= frequency * count + presence * (count > 0)` over the output's counts.
 
-    Args:
-        logits: `[R, V]` float32.
-        output_token_ids: `[R, L]` int64, each row's output tokens so far, padded with V (ignored).
-        prompt_token_ids: `[R, P]` int64, each row's prompt tokens, padded with V.
-        presence_penalty, frequency_penalty, repetition_penalty: `[R]` float32.
-
-    Returns:
-        `[R, V]` float32, a new tensor.
+    logits: `[R, V]` float32.
+    output_token_ids: `[R, L]` int64, each row's output tokens so far, padded with V (ignored).
+    prompt_token_ids: `[R, P]` int64, each row's prompt tokens, padded with V.
+    presence_penalty, frequency_penalty, repetition_penalty: `[R]` float32.
+    Returns `[R, V]` float32, a new tensor.
     """
     num_rows, vocab_size = logits.shape
     counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=logits.device)
@@ -234,8 +195,7 @@ def pad_token_ids(rows: Sequence[Sequence[int]], pad_id: int, device: torch.devi
 
 
 class Logprobs(NamedTuple):
-    """Log-probabilities `log_softmax(logits)` of the logits given (the sampler passes them processed and
-    divided by the temperature; `engine.sampler.token_logprobs`).
+    """Log-probabilities `log_softmax(logits)` of the logits given (`engine.sampler.token_logprobs`).
 
     token_logprobs: `[B]` float32, of the given tokens.
     token_ranks: `[B]` int64, 1 + number of tokens with a strictly larger logprob.
@@ -252,11 +212,8 @@ class Logprobs(NamedTuple):
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> Logprobs:
     """Log-probabilities of `token_ids` and the `num_top` most likely tokens per row.
 
-    Args:
-        logits: `[B, V]` float32; token_ids: `[B]` int64; num_top: 0 .. V (`SamplingParams.logprobs`).
-
-    Raises:
-        ValueError: `num_top` outside `[0, V]` or mismatched shapes.
+    logits: `[B, V]` float32; token_ids: `[B]` int64; num_top: 0 .. V (`SamplingParams.logprobs`).
+    Raises ValueError: `num_top` outside `[0, V]` or mismatched shapes.
     """
     batch, vocab_size = logits.shape
     if not 0 <= num_top <= vocab_size:

@@ -1,13 +1,9 @@
 """The KV connector: one request's latent KV goes from a prefill to a decode instance, layer by layer.
 
-Decode (`KVReceiver`): `expect(handoff, on_layer)` after reserving the blocks and before prefill starts
-(starts the `lease_s` lease, returns the handoff with its secret); `wait(request_id, timeout_s)` until
-every layer and the extras arrived verified; `release(request_id)` always, after which no `on_layer` runs.
-Prefill (`KVSender`): `begin(handoff)`; `send_layer(...)` per layer from the model's `on_layer_kv` hook
-(copies and returns, so the next layer overlaps the transfer); `finish(request_id, extras)` or `abort`;
-`flush(timeout_s)` to learn which deliveries failed; `close()` at shutdown.
-The receiver admits only the first sender presenting the handoff's secret; others get `HandoffRefused`.
-A handoff is all-or-nothing: on any `KVTransferError` decode releases and the request is re-dispatched.
+Decode (`KVReceiver`): `expect` after reserving blocks, before prefill starts; `wait` until every layer and
+the extras arrived verified; `release` always. Prefill (`KVSender`): `begin`; `send_layer` per layer;
+`finish` or `abort`; `flush` to learn which deliveries failed; `close` at shutdown. Only the first sender
+presenting the handoff's secret is admitted; any `KVTransferError` fails the whole handoff.
 """
 
 from __future__ import annotations
@@ -35,7 +31,6 @@ HANDOFF_SECRET_NUM_BYTES = 32
 def resolve_wire_dtype(wire_dtype: str, model_dtype: str, kv_cache_dtype: str) -> str:
     """The `HandoffMeta.wire_dtype` for a topology's `kv_transfer.wire_dtype` (`"auto"` or `"int8"`).
 
-    `"auto"` is the dtype decode's cache stores (`"int8"` for an int8 cache, else `model_dtype`).
     Raises ValueError for an unknown `wire_dtype`.
     """
     if wire_dtype == "int8":
@@ -53,11 +48,8 @@ def new_handoff_secret() -> bytes:
 class HandoffMeta:
     """What both sides agree on before any byte moves.
 
-    num_layers: main layers plus MTP layers (the MTP layer at index `num_hidden_layers`).
-    num_tokens: tokens of KV per layer (the prompt length); kv_dim: `kv_lora_rank + qk_rope_head_dim`.
     dtype: model dtype name; wire_dtype: `dtype` or `"int8"` (per-token INT8, `kernels.kv_quant`).
-    lease_s: seconds from `expect()`/`begin()` (each side's monotonic clock) for the whole handoff.
-    secret: set by the receiver's `expect`; not part of equality or `repr`.
+    lease_s: seconds from `expect()`/`begin()` for the whole handoff.
     """
 
     request_id: str
@@ -111,10 +103,7 @@ class HandoffMeta:
 class HandoffExtras:
     """What decode needs besides the KV to continue at once (the prompt came with `reserve()`).
 
-    draft_token_ids: MTP drafts after `first_token_id` (may be empty).
     draft_probs: [num_drafts, vocab_size] float32 for sampled drafts; None for greedy drafts or none.
-    first_token_logprobs: the first token's `engine.outputs.TokenLogprobs`, computed on prefill where its
-        logits are, when the request asks for logprobs; else None.
     """
 
     first_token_id: int
@@ -128,7 +117,6 @@ class ReceivedLayer(NamedTuple):
 
     latent: [num_tokens, kv_dim] model dtype, or int8 when an int8 wire is passed through.
     scale: [num_tokens] float32 when `latent` is int8, else None.
-    verified: False when `on_layer` must return the CRC-32C for the receiver to check afterwards.
     """
 
     latent: torch.Tensor
@@ -271,9 +259,6 @@ class KVReceiver(abc.ABC):
     ) -> HandoffMeta:
         """Register a reservation and start its lease; returns `handoff` with a fresh `secret`.
 
-        block_ids: the reserved blocks in position order, for a same-host sender that writes the shared cache
-            itself (`shm_transport.inplace`); free them only once `SharedKVCache.fences` allow it.
-        on_layer_checksums: `on_layer` returns a float layer's CRC-32C and runs before it is verified.
         Raises ValueError if `request_id` is reserved or `handoff` already carries a secret.
         """
 

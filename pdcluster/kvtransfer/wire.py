@@ -1,36 +1,4 @@
-"""Wire format of one handoff, shared by both transports.
-
-A handoff is a sequence of messages: `begin` (the `HandoffMeta`), one `layer` per layer index in any order,
-then `finish` (the `HandoffExtras`) or `abort` (a reason). A layer is a `LayerHeader` plus its payload:
-
-    float wire (wire_dtype == dtype): `latent_kv [num_tokens, kv_dim]` raw, row-major, little-endian
-        (`num_tokens * kv_dim * dtype.itemsize` bytes).
-    int8 wire: `latent_int8 [num_tokens, kv_dim]` int8, then `scale [num_tokens]` float32
-        (`kernels.kv_quant.quantize_kv_int8`: `value ~= int8 * scale`, `scale = absmax / 127` per token).
-        A prefill instance with an int8 KV cache sends its cache's int8 values and scales as they are, and a
-        decode instance with an int8 cache (`int8_passthrough`) stores them as they are: the same bytes,
-        quantized once, when prefill wrote its cache.
-
-The header is msgpack (torch.distributed transport) or the equivalent protobuf message (gRPC,
-`pdcluster/protos/kv_transfer.proto`); both carry the same fields as `LayerHeader`.
-
-Checksum: CRC-32C (Castagnoli; the `crc32c` package, which uses the CPU's CRC32 instruction: SSE 4.2 on
-x86-64, ARMv8's crc32c*, with a software fallback elsewhere) of the payload bytes, computed by the sender
-before the bytes leave it and checked by the receiver before the layer is handed to decode (or, for decode's
-own write into its reserved blocks, in the same pass as that write: `Reservations.on_layer`). Why a CRC rather
-than BLAKE2b: it is an error-detecting code, not a hash: it is guaranteed to catch every error burst of up
-to 32 bits (so any flipped or overwritten byte, which is what a bad copy, a stale buffer or a torn DMA looks
-like), while other corruptions slip through with probability 2^-32. CRC-32C's polynomial 0x1EDC6F41
-(Castagnoli, Braeuer, Herrmann 1993, IEEE Trans. Commun. 41(6)) even detects every 3-bit error in messages
-up to 2^31 bits, where CRC-32's stops at 91,607 bits (Koopman 2002, "32-bit cyclic redundancy codes for
-Internet applications", DSN): a 2.36 MB layer is 18.9 Mbit.
-Nobody here is an adversary, so a cryptographic hash buys nothing. Why CRC-32C rather than zlib's CRC-32:
-the hardware instruction runs at about 3x zlib's speed (this 2-core AMD EPYC, shared and under load, one
-thread: 64 MiB buffers 6.9 against 2.3 GB/s; a DeepSeek-V3 handoff's 61 layers of 2.36 MB, the two timed
-alternately, 1.36 against 0.41 GB/s at load average ~38), and `crc32c` releases the GIL on buffers of 32 KiB
-and more, so a transport's checksum thread overlaps the copies of the threads around it. The extras carry
-a CRC-32C too (`extras_checksum`).
-"""
+"""Wire format of one handoff, shared by both transports."""
 
 from __future__ import annotations
 
@@ -65,7 +33,6 @@ class LayerHeader:
     """Describes one layer's payload.
 
     num_bytes: payload bytes (values, plus `num_tokens` float32 scales on an int8 wire).
-    checksum: CRC-32C (`checksum`) of the payload, as an unsigned 32-bit int.
     """
 
     request_id: str
@@ -78,7 +45,7 @@ class LayerHeader:
     checksum: int
 
     def to_dict(self) -> dict[str, Any]:
-        # field by field: `asdict` deep-copies, 50 us a header (3 ms per DeepSeek-V3 handoff of 61 layers)
+        # field by field: `asdict` deep-copies
         return {
             "request_id": self.request_id,
             "layer_idx": self.layer_idx,
@@ -105,9 +72,7 @@ class EncodedLayer(NamedTuple):
     payload: torch.Tensor
 
 
-# Test-only fault injection, in senders: called with each layer's header (checksum of the clean bytes) and
-# a mutable copy of its payload just before sending; may change bytes; returning False stops the sender
-# from sending anything more for that request (a stalled sender: the stream stays open, nothing arrives).
+# Test-only, in senders: sees each layer's header and a mutable payload copy; False stalls the request.
 FaultHook = Callable[[LayerHeader, bytearray], bool]
 
 
@@ -121,12 +86,8 @@ COPY_CHUNK_BYTES = 256 << 10  # copied then checksummed while in cache (L2-sized
 
 
 def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor | memoryview | bytes, start: int = 0) -> int:
-    """Copy `src` into `dst` (a 1-D uint8 CPU tensor; `src` one too, or a bytes-like object, of the same
-    length) in `COPY_CHUNK_BYTES` chunks,
-    CRC-32C-ing each chunk of `dst` right after it is written (the bytes still in cache); returns the
-    CRC-32C of the bytes written, chained from `start` (`checksum`). The copies are numpy's (`np.copyto`),
-    single-threaded and GIL-free whatever torch's intra-op threads are; the checksum too. ValueError on a
-    length mismatch."""
+    """Copy `src` into `dst` (1-D uint8 CPU, same length) chunk by chunk, checksumming each chunk while
+    in cache; returns the CRC-32C of the bytes, chained from `start`."""
     src_np = src.numpy() if isinstance(src, torch.Tensor) else np.frombuffer(src, dtype=np.uint8)
     if dst.numel() != src_np.size:
         raise ValueError(f"copy_with_checksum: {src_np.size} B into {dst.numel()} B")
@@ -197,9 +158,8 @@ def layer_header(
     meta: HandoffMeta, layer_idx: int, payload: torch.Tensor | None, crc: int | None = None
 ) -> LayerHeader:
     """The header of layer `layer_idx`'s `payload` (1-D uint8, on the host): its length and CRC-32C
-    (`crc` when the caller already has it, e.g. from `copy_with_checksum`). Without a payload (a layer
-    written where decode reads it, `shm_transport.inplace`): the wire's length and `crc`, which is then
-    required."""
+    (`crc` when the caller already has it, e.g. from `copy_with_checksum`).
+    """
     if payload is None and crc is None:
         raise ValueError("layer_header: a header without its payload needs the payload's crc")
     return LayerHeader(
@@ -309,7 +269,8 @@ def meta_from_dict(record: dict[str, Any]) -> HandoffMeta:
 def extras_checksum(extras: HandoffExtras) -> int:
     """CRC-32C over the extras in a fixed order: token ids as int64 (the drafts with their count), then the
     raw bytes of `draft_probs` (if any), then the first token's logprobs (if any: rank and top ids as
-    int64, logprobs as float64). Independent of how a transport encodes them."""
+    int64, logprobs as float64).
+    """
     ids = [extras.first_token_id, len(extras.draft_token_ids), *extras.draft_token_ids]
     crc = checksum(np.asarray(ids, dtype="<i8"))
     if extras.draft_probs is not None:

@@ -19,10 +19,7 @@ SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)  # ids 0, 1, 2 in the bundled
 def check_unicode(text: str) -> None:
     """Check that `text` is valid Unicode, i.e. encodes as UTF-8 (what the tokenizer needs).
 
-    Raises:
-        ValueError: `text` holds a lone surrogate (U+D800..U+DFFF, half of a UTF-16 pair: JSON's
-            `\\uXXXX` escapes and Python strings can hold one, UTF-8 cannot), naming the code point and
-            its character index.
+    Raises ValueError: `text` holds a lone surrogate (U+D800..U+DFFF), naming it and its index.
     """
     try:
         text.encode("utf-8")
@@ -39,11 +36,7 @@ def _token_text(value: Any) -> str | None:
 
 
 class Tokenizer:
-    """Text <-> token ids. `eos_token_id` ends generation; ids are Python ints.
-
-    `config`: the checkpoint's `tokenizer_config.json` (`bos_token`, `eos_token`, `chat_template`), {} where
-    it has none: the bundled names `BOS_TOKEN` / `EOS_TOKEN` then.
-    """
+    """Text <-> token ids. `eos_token_id` ends generation; ids are Python ints."""
 
     def __init__(self, tokenizer: _HFTokenizer, config: dict[str, Any] | None = None) -> None:
         self._tok = tokenizer
@@ -64,17 +57,16 @@ class Tokenizer:
     @functools.cached_property
     def max_token_chars(self) -> int:
         """Characters one token's text holds at most: the longest vocabulary entry (a byte-level or
-        SentencePiece entry has at least as many characters as its decoded text). A text of n characters
-        has at least ceil(n / max_token_chars) tokens, known without tokenizing it."""
+        SentencePiece entry has at least as many characters as its decoded text).
+        """
         return max((len(token) for token in self._tok.get_vocab(with_added_tokens=True)), default=1) or 1
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """Load `tokenizer.json` (and `tokenizer_config.json`, if present) from a checkpoint directory.
 
-        Raises:
-            FileNotFoundError: no tokenizer.json, naming the file. ValueError: a tokenizer_config.json
-                that is not a JSON object, naming the file.
+        Raises FileNotFoundError: no tokenizer.json, naming the file. ValueError: a tokenizer_config.json
+            that is not a JSON object, naming the file.
         """
         file = Path(path) / "tokenizer.json"
         if not file.exists():
@@ -109,13 +101,7 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Text of a growing list of output token ids, decoding only the newest tokens each time.
-
-    Decoding the whole output every step costs O(length) per step; this keeps two offsets (the vLLM
-    approach): `decode(ids[prefix:read])` is text already emitted, `decode(ids[prefix:])` is that plus the
-    new text. Text is only advanced when it does not end in an incomplete UTF-8 character (a byte-level
-    token can end mid-character), so the emitted text never contains a half character.
-    """
+    """Text of a growing list of output token ids, decoding only the newest tokens each time."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer

@@ -1,31 +1,4 @@
-"""What the HTTP edge needs from whatever serves tokens: the `ServingBackend` protocol.
-
-Two implementations:
-- `LocalEngineBackend` (here): one `LLMEngine` stepped on a background thread, for tests, the demo and
-  single-machine serving.
-- the Ray cluster backend (`pdcluster/orchestrator/cluster.py`): router -> prefill pool -> KV transfer ->
-  decode pool.
-
-The API server (`pdcluster/orchestrator/api/`) only calls the six members below. It validates the request
-(model name, prompt length against `max_model_len`, sampling parameters) before calling `generate`, and
-calls `abort` when the client goes away before the stream ends.
-
-Who runs what:
-    orchestrator.api (asyncio loop)                 backend
-    -------------------------------                 -------
-    async for delta in backend.generate(...)        queue the request; yield a `StreamDelta` each time
-                                                    the request commits tokens; the last has finished=True
-    await backend.abort(request_id)                 drop the request, free its KV blocks (no-op if it is
-                                                    unknown or already finished)
-    backend.stats()                                 a plain dict read by GET /metrics (see `stats` below)
-    backend.check_ready()                           GET /health: raise BackendUnavailable if it cannot
-                                                    serve now, from its own bookkeeping (no call)
-
-Failures: a backend raises `BackendUnavailable` (from `generate`, before or during the stream) for a
-retriable failure (no instance up, a prefill instance lost with no other to re-dispatch to, overload);
-the server answers HTTP 503 with its message (or ends an SSE stream with an error event). `ValueError`
-from `generate` means the request itself is bad (HTTP 400).
-"""
+"""What the HTTP edge needs from whatever serves tokens: the `ServingBackend` protocol."""
 
 from __future__ import annotations
 
@@ -58,31 +31,7 @@ class BackendUnavailable(Exception):
 
 @dataclass
 class StreamDelta:
-    """One increment of a request's output, in commit order.
-
-    Attributes:
-        new_token_ids: tokens committed since the previous delta (may be empty on the final delta, e.g.
-            after an abort or a stop string).
-        finished: this is the request's last delta.
-        finish_reason: on the last delta: "stop" (EOS, stop token or stop string), "length" (max_tokens),
-            "abort"; None before.
-        phases: per-request phase durations in seconds, keys from `PHASE_NAMES` (whatever the backend
-            knows; the final delta should carry all it knows, `total_s` included).
-        kv_transfer_bytes: bytes of KV moved between instances for this request (on the wire), once
-            known; None when no KV moved (a local engine) or not yet.
-        num_draft_tokens: MTP draft tokens proposed for this request so far (cumulative).
-        num_accepted_tokens: of those, accepted (cumulative).
-        num_draft_tokens_per_position: cumulative drafts per draft depth (index 0 = first draft token).
-        num_accepted_tokens_per_position: cumulative acceptances per draft depth.
-        new_text: text the engine released with this delta (`engine.outputs.RequestOutput.new_text`): cut
-            before a stop string, never ending in an incomplete character or a possible start of a stop
-            string before the last delta; the `new_text` of all deltas joins to the output's text. Empty
-            for a delta that released none (an abort, tokens held back).
-        ranks: the ranks that serve the request, `{"prefill": "prefill-0.1", "decode": "decode-0"}` (rank r
-            of instance `<role>-<i>` is `<role>-<i>.<r>`, rank 0 `<role>-<i>`); empty for a local engine.
-        logprobs: one `engine.outputs.TokenLogprobs` per token of `new_token_ids` when the request set
-            `SamplingParams.logprobs`, else None.
-    """
+    """One increment of a request's output, in commit order."""
 
     new_token_ids: list[int]
     finished: bool = False
@@ -122,9 +71,8 @@ class ServingBackend(Protocol):
     ) -> AsyncIterator[StreamDelta]:
         """Stream the request's output (an async generator: `async def ... yield`).
 
-        Raises:
-            ValueError: a request the backend cannot take (e.g. larger than its KV cache).
-            BackendUnavailable: a retriable failure.
+        Raises ValueError: a request the backend cannot take (e.g. larger than its KV cache).
+        Raises BackendUnavailable: a retriable failure.
         """
         ...
 
@@ -133,27 +81,16 @@ class ServingBackend(Protocol):
         ...
 
     def stats(self) -> dict[str, Any]:
-        """A snapshot for metrics. Keys (all optional, missing ones are simply not exported):
-
-        num_waiting_requests: int, queued requests (all instances).
-        num_running_requests: int.
-        kv_blocks: {instance_name: {"num_used_blocks": int, "num_total_blocks": int}}.
-        kv_transfer_bytes_total: int, bytes of KV moved prefill -> decode since start.
-        kv_transfer_seconds_total: float, seconds spent in KV transfer since start.
-
-        May block (the cluster's asks every rank, waiting up to its call timeout): call it off the event
-        loop.
+        """A snapshot for metrics; may block, so call it off the event loop. Keys (all optional):
+        num_waiting_requests, num_running_requests: int; kv_blocks: {instance_name: {"num_used_blocks",
+        "num_total_blocks"}}; kv_transfer_bytes_total: int bytes; kv_transfer_seconds_total: float seconds.
         """
         ...
 
     def check_ready(self) -> None:
-        """Return if the backend can take requests now, as far as it knows without asking anyone (no
-        call, no lock held for longer than a bookkeeping update: `/health` answers in milliseconds even
-        while an instance stalls).
+        """Return if the backend can take requests now, from what it knows without any call.
 
-        Raises:
-            BackendUnavailable: it cannot; the message says why (which instance is down, or the engine
-                thread stopped).
+        Raises BackendUnavailable: it cannot; the message says why.
         """
         ...
 
@@ -163,17 +100,7 @@ _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 class LocalEngineBackend:
-    """One `LLMEngine` stepped on a background thread.
-
-    Threads: the asyncio loop (HTTP handlers) puts commands (add, abort) on a thread-safe queue; the engine
-    thread applies them between steps, steps while anything is unfinished (else blocks on the queue), and
-    hands each `RequestOutput` to its request's `asyncio.Queue` with `loop.call_soon_threadsafe`. The engine
-    is only ever touched by its thread.
-
-    A request the engine failed alone (its sampling, or a step that ran it: finish_reason "error") raises
-    `BackendUnavailable` with the engine's reason in its stream, as the cluster backend does for a failed
-    decode; the other requests go on. Only an exception the engine cannot tie to requests fails them all.
-    """
+    """One `LLMEngine` stepped on a background thread."""
 
     def __init__(
         self, engine_config: EngineConfig, engine: LLMEngine | None = None, name: str = "local"
@@ -363,8 +290,7 @@ def _delta(out: RequestOutput, new_token_ids: list[int]) -> StreamDelta:
     if out.queue_s is not None:
         phases["queue_s"] = out.queue_s
     if out.ttft_s is not None:
-        # local engine: prefill = first scheduled -> first token; no KV transfer; the first decode step is
-        # the gap to the second token, which the engine reports only as a mean (tpot_s)
+        # local engine: no KV transfer; the engine reports decode steps only as their mean (tpot_s)
         phases["prefill_s"] = max(0.0, out.ttft_s - (out.queue_s or 0.0))
         phases["kv_transfer_s"] = 0.0
     if out.e2e_s is not None:

@@ -16,10 +16,7 @@ from pdcluster.orchestrator.topology import ROLES
 
 
 def rank_stats(load: PrefillNodeLoad | DecodeNodeLoad) -> dict[str, Any]:
-    """One rank's load for `stats()["ranks"]`: its counters by field name (`orchestrator.messages`; decode:
-    free / total KV blocks, running, reserved, waiting for a seat; prefill: queued prompt tokens,
-    requests), its engine's error count and passes (`engine_passes`), and `ep`: its expert-parallel figures,
-    when its engine has them."""
+    """One rank's load for `stats()["ranks"]`: its load fields by name, plus `ep` when its engine has EP."""
     fields = {f.name: getattr(load, f.name) for f in dataclasses.fields(load)}
     stats = {k: v for k, v in fields.items() if isinstance(v, int) and not isinstance(v, bool) and k != "pid"}
     if fields.get("ep") is not None:
@@ -41,17 +38,10 @@ class ClusterStats:
         self.closed = closed
 
     def stats(self) -> dict[str, Any]:
-        """Load snapshot of the instances in routing, and every instance's health: `ranks` (each rank's
-        counters by rank name, `rank_stats`), `kv_blocks` per decode rank, the totals and `instances`.
+        """Load of the instances in routing (`ranks`, `kv_blocks`, totals) and every instance's health.
 
-        The snapshots are taken in parallel, waiting at most `call_timeout_s` (derived from
-        kv_transfer.timeout_s, like every call on the request path): an instance that does not answer in
-        time leaves routing as unresponsive (its requests fail), one whose actor died as dead; the health
-        monitor brings either back once it answers again.
-
-        Raises:
-            BackendUnavailable: no prefill or no decode instance is in routing;
-                the message names each instance's state and why.
+        Raises BackendUnavailable: no prefill or no decode instance is in routing;
+            the message names each instance's state and why.
         """
         import ray
 
@@ -97,14 +87,10 @@ class ClusterStats:
         }
 
     def check_ready(self) -> None:
-        """`ServingBackend.check_ready`: from the health the monitor and the request path last recorded (no
-        call: a stalled instance shows here once a probe or a request's call to it timed out: within
-        `PROBE_INTERVAL_S` + `call_timeout_s` of the stall, up to about twice `call_timeout_s` more when a
-        probe round is already waiting on another instance).
+        """`ServingBackend.check_ready` from the health last recorded by the monitor and the request path.
 
-        Raises:
-            BackendUnavailable: shut down, or no prefill or no decode instance in routing; the message
-                names each instance's state and why.
+        Raises BackendUnavailable: shut down, or no prefill or no decode instance in routing; the message
+            names each instance's state and why.
         """
         if self.closed():
             raise BackendUnavailable("the cluster is shut down")

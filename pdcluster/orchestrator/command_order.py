@@ -1,11 +1,4 @@
-"""One ordered command stream per rank: the rank side (`CommandOrder`).
-
-The driver numbers the commands it sends one rank (prefill, bind, abort) per stream (`CommandSeq`, from
-`orchestrator.rank_client`); Ray runs a threaded actor's calls in any order, so each call waits here for
-its turn. A bind or an abort therefore never overtakes the prefill it names. A gap that does not close
-within `gap_timeout_s` (a call lost with a restarted process) is skipped; a command that comes after its
-stream moved past it is refused (`StaleCommand`).
-"""
+"""One ordered command stream per rank: the rank side (`CommandOrder`)."""
 
 from __future__ import annotations
 

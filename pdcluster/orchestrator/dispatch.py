@@ -1,30 +1,4 @@
-"""The dispatch policy of one request: pure functions over plain data (no Ray, no asyncio, no clock).
-
-`Cluster.generate` (`orchestrator.request_dispatch`) gathers what happens to a request's attempt and asks
-these functions what to do; the capacity planner's simulator calls the same functions with events it
-makes up.
-
-Two decisions:
-- `after_reserve(outcome, now_s, deadline_s)`: after a reserve on decode (or a load round that lost an
-  instance): start the prefill, route again at once, retry the reserve after RESERVE_RETRY_S (back-pressure:
-  no decode has room), or fail once the deadline (kv_transfer.timeout_s after the request arrived) passed.
-- `next_action(state, event)`: for each event of a running attempt: emit a token delta, stream the first
-  token from the prefill call's reply (it returned before decode streamed anything) or wait on, end with
-  finish_reason "abort", re-dispatch to another prefill instance (the handoff failed before decode
-  streamed any token), or fail with a message for the client.
-
-The first token has one source. Prefill samples it; when it may go early (`engine.stopping.
-early_first_token_text`: no stop strings, no logprobs) the driver streams it from the prefill call's reply,
-without waiting for decode to receive the KV and admit the request, and decode's deltas leave it out;
-otherwise decode streams it at admission. A request whose first token went early and whose handoff then
-fails is re-dispatched with that token as its first (`PrefillRequest.first_token_id`: the new prefill hands
-it to decode instead of the token it samples), so the client never sees a token twice or a token taken
-back.
-
-Timeouts (kv_transfer.timeout_s = T) live here, one place for the driver and the actors:
-`call_timeout_s(T)` for every actor call on the request path, `event_timeout_s(T)` for the prefill call and
-every wait for a request's next event.
-"""
+"""The dispatch policy of one request: pure functions over plain data (no Ray, no asyncio, no clock)."""
 
 from __future__ import annotations
 
@@ -47,8 +21,8 @@ def call_timeout_s(kv_timeout_s: float) -> float:
 
 def collective_timeout_s(kv_timeout_s: float) -> float:
     """Seconds one collective of a multi-rank instance's group (`orchestrator.instance_group`) may wait for
-    the other ranks: the handoff's lease. A rank that died or stalled makes the others' steps raise within
-    it, before the driver's `event_timeout_s`, so their requests end with an error and none waits forever."""
+    the other ranks: the handoff's lease.
+    """
     return kv_timeout_s
 
 
@@ -114,23 +88,7 @@ def after_reserve(
 # ---- one attempt's events -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AttemptState:
-    """One dispatch attempt of a request, as plain data.
-
-    Attributes:
-        request_id: the client's id.
-        attempt_index: 0 for the first dispatch, 1 for the re-dispatch.
-        prefill_instance / decode_instance: the pair's pool indices.
-        decode_streamed: a decode instance streamed tokens of the request to the client (any attempt);
-            tokens streamed from a prefill reply alone do not count.
-        first_token_streamed: this attempt's first token already reached the client (from its prefill
-            call's reply or from decode).
-        earlier_errors: one line per failed earlier attempt (`describe_attempt`).
-        decode_down_reason: None while the decode instance is in routing; else why it left routing.
-        num_other_prefills: prefill instances in routing other than those tried so far.
-        prefill_routable: the attempt's prefill instance is still in routing.
-        event_timeout_s: the wait for the next event (`event_timeout_s`), for the timeout message.
-        max_attempts: dispatch attempts allowed (MAX_DISPATCH_ATTEMPTS).
-    """
+    """One dispatch attempt of a request, as plain data."""
 
     request_id: str
     attempt_index: int
@@ -210,16 +168,7 @@ def describe_attempt(state: AttemptState, error: str) -> str:
 
 
 def next_action(state: AttemptState, event: Event) -> Action:
-    """The action for `event` of the attempt `state`.
-
-    A token delta is emitted; a prefill call that returned streams its first token when its reply allows
-    it and nothing of the attempt reached the client yet, else it is waited on; an abort ends the stream.
-    Any failure (prefill call, decode's handoff error, no event in time) ends the attempt: the request
-    fails if its decode instance is lost (what it held is gone), if decode streamed tokens to the client
-    (never restart silently), or if no attempt is left; else it is re-dispatched (keeping a first token a
-    prefill reply streamed) to another prefill instance, or, when there is none, to the same one unless
-    the prefill call itself failed or that instance left routing.
-    """
+    """The action for `event` of the attempt `state`."""
     if isinstance(event, TokenDelta):
         return Emit(event)
     if isinstance(event, PrefillDone):

@@ -1,22 +1,4 @@
-"""The P->D handoff of one dispatch attempt, as the driver owns it: a pure state machine.
-
-    ROUTED --reserved--> RESERVED --bound--> BOUND --prefilled--> PREFILLED --transferred--> TRANSFERRED
-      ^  |                                                                                        |
-      +--rerouted (no room, decode lost)                                                     admitted
-                                                                                                   v
-                     DONE <--finished-- ADMITTED <---------------------------------------------- +
-
-Any live state takes `failed` (to FAILED) and `aborted` (to ABORTED). DONE, FAILED and ABORTED are
-final. Every other (state, event) pair is illegal (`IllegalTransition`). The driver takes decode's report
-of a handoff only after the prefill call's reply (`request_dispatch._next_events`), so the path is one
-line.
-
-Who reports what: `reserved` / `rerouted` decode's reserve reply (or its failure); `bound` the driver
-handing prefill the bound meta (a bind, or a prefill sent bound); `prefilled` the prefill call's reply;
-`transferred` and `admitted` decode's first delta of the attempt (its KV received, then admitted);
-`finished` decode's last delta; `failed` a failed call, decode's `RequestError`, a lost instance or no
-event in time; `aborted` the client.
-"""
+"""The P->D handoff of one dispatch attempt, as the driver owns it: a pure state machine."""
 
 from __future__ import annotations
 

@@ -1,25 +1,4 @@
-"""The health monitor of a `Cluster`: instances leave routing when a call fails, rejoin when they answer.
-
-`HealthMonitor` applies the pure health policy (`orchestrator.health`) to the deployed instances through
-the `orchestrator.registry.InstanceRegistry` (a call on the request path that times out or dies marks its
-instance there, `mark_failed`), and its thread probes every rank of every instance each PROBE_INTERVAL_S
-(`_probe_all`): an instance all of whose ranks answer rejoins, after rewiring its KV transport if Ray
-restarted its actor (a new process id of its leader). An instance fails and rejoins as one unit.
-
-The probe's loads also feed the engine watchdog (`health.engine_fault`): an instance one of whose ranks
-answers while its engine thread died or hangs in one pass (past the pool's `engine_watchdog_s`) is failed
-as dead, and where Ray restarts its actors (`deployment.ray_restarts`) the monitor kills them for Ray to
-restart; the new process is rewired and rejoins as after a crash. So is an instance that has answered no
-probe for as long (`health.unresponsive_too_long`: a native call hung holding the GIL, a stopped
-process), and, once per death, a restart Ray still reports as restarting after deploy's load timeout
-(`health.restart_overdue`). An actor Ray gave up on (its restarts spent, or a restart whose constructor
-raised: Ray does not restart those) is replaced by a new actor in its placement group bundle
-(`_replace_if_given_up`: REPLACE_AFTER_S after, doubling, at most MAX_REPLACEMENTS times), which rejoins
-the same way. Elsewhere the instance stays out of routing while its engine fails. Probes (and `stats()`'s
-loads) run in the actors' own Ray concurrency group (`deployment.PROBE_GROUP`), so calls blocked behind a
-hung engine cannot starve them; and an instance out of routing does not rejoin while a rank's pass has run
-longer than a call may take (`call_timeout_s`): its calls that wait for the engine would time out again.
-"""
+"""The health monitor of a `Cluster`: instances leave routing when a call fails, rejoin when they answer."""
 
 from __future__ import annotations
 
@@ -47,18 +26,14 @@ from pdcluster.orchestrator.topology import ADDRESSED_KV_TRANSPORTS, ROLES
 logger = logging.getLogger("pdcluster.orchestrator.cluster")
 
 PROBE_INTERVAL_S = 1.0  # the health monitor probes every instance this often (seconds)
-# An actor Ray gave up on (its restarts spent, or its constructor raised on a restart: Ray does not restart
-# an actor whose creation task failed) is replaced by a new one in its placement group bundle, at most
-# MAX_REPLACEMENTS times per instance, the first REPLACE_AFTER_S seconds after it died, each next one after
-# twice as long (a load that fails for good, a checkpoint deleted, is not retried every second).
+# An actor Ray gave up on is replaced in its bundle at most MAX_REPLACEMENTS times, REPLACE_AFTER_S seconds
+# after it died, each next one after twice as long.
 REPLACE_AFTER_S = 10.0
 MAX_REPLACEMENTS = 5
 
 
 class HealthMonitor:
-    """The monitor thread (see the module docstring). `registry`: the instances and their health;
-    `deployment`: what rewires a restarted rank and starts a replacement actor (`ClusterDeployment`);
-    `loads`: the router's load board; `fail_attempts(role, index)`: end the requests an instance held."""
+    """The monitor thread (see the module docstring)."""
 
     def __init__(
         self,
@@ -100,10 +75,6 @@ class HealthMonitor:
             self._thread.join(join_timeout_s)
 
     def _monitor_health(self) -> None:
-        """Health monitor thread: every PROBE_INTERVAL_S, probe every instance with one `load` call (all
-        at once, waiting `call_timeout_s`). One that does not answer leaves routing, so a crash or stall is
-        noticed with no request in flight; one out of routing that answers rejoins, after rewiring its KV
-        transport if Ray restarted it (a new process id)."""
         while not self._stop.wait(PROBE_INTERVAL_S):
             try:
                 self._probe_all()
@@ -157,9 +128,6 @@ class HealthMonitor:
                 if silent is not None and not self._closed:
                     self._restart_failed_engine(ray, instance, instance.health.pid, silent)
                 elif restart_pending(e) and not self._closed:
-                    # Once per DEAD episode: a restart that hangs again would hang the same way (a file
-                    # system still not answering), and a node that is away would cost one restart of the
-                    # actor's 5 each time, so that a long outage would leave it dead for good.
                     episode_s = instance.health.since_s
                     overdue = restart_overdue(
                         instance.health,
@@ -184,23 +152,11 @@ class HealthMonitor:
                     self._loads.update_decode(RankRef(instance.index, rank), load)
             health = instance.health
             if not health.routable or health.pid != pids[0]:
-                # Not back while a pass runs longer than a call may take: the calls that wait for its
-                # engine (decode's reserves, prefill's queued prefills) would time out again, and it would
-                # leave routing again.
                 in_long_pass = max(load.engine_pass_s for load in loads) > self.call_timeout_s
                 if health.pid != pids[0] or not in_long_pass:
                     self._rejoin(instance.role, instance.index, pids[0])
 
     def _replace_if_given_up(self, ray, instance: Instance, exc: BaseException) -> None:
-        """A probe of `instance` failed with ActorDiedError: Ray has given up on its actor (a call to an actor
-        it restarts fails as unavailable; a call in flight when its process died, too), except where the
-        error says the actor's node was preempted (Ray then fails calls as died while it restarts the actor
-        elsewhere). Where Ray restarts actors (one rank, an addressed KV transport), replace it once due
-        (REPLACE_AFTER_S after the death, or after the previous replacement twice as long as before; at
-        most MAX_REPLACEMENTS for the life of the deployment): kill the old one for good (so that a restart
-        Ray might still make cannot hold the bundle) and create a new one in its bundle; the probe that the
-        new process answers rewires it and puts it back in routing, as after a restart. Elsewhere the
-        instance stays out of routing, as before."""
         key = (instance.role, instance.index)
         restarts = ray_restarts(self.topology.kv_transport, len(instance.ranks))
         if getattr(exc, "preempted", False) or not restarts:
@@ -242,9 +198,10 @@ class HealthMonitor:
         self._last_kill_s[key] = now_s
 
     def _check_engines(self, instance: Instance, loads: list[PrefillNodeLoad] | list[DecodeNodeLoad]) -> None:
-        """The engine watchdog over one instance's probe answers (`health.engine_fault`). Raises
-        EngineFailed naming the rank whose engine most likely failed (a dead engine thread first, else the
-        longest confirmed pass: in lockstep the other ranks mostly wait for it in their collectives)."""
+        """The engine watchdog over one instance's probe answers (`health.engine_fault`).
+
+        Raises EngineFailed naming the rank whose engine most likely failed.
+        """
         watchdog_s, now_s = self.topology.pool(instance.role).engine_watchdog_s, time.monotonic()
         faults = []
         for load in loads:
@@ -261,14 +218,6 @@ class HealthMonitor:
     def _restart_failed_engine(
         self, ray, instance: Instance, pid: int | None, why: str = "its engine failed", again: bool = False
     ) -> bool:
-        """Instance `instance`, whose leader (rank 0) runs in process `pid`, failed the engine watchdog
-        (`why`: its engine failed, or it answered nothing past the watchdog): kill its actors for Ray to
-        restart them (once per process; each restart is one of the actor's MAX_ACTOR_RESTARTS), where Ray
-        restarts them; else it stays out of routing until it answers with a passing engine (for good if
-        its engine thread died). A kill that fails is tried again at the next probe. `again`: the restart
-        of the process last seen (`pid`) is overdue (`health.restart_overdue`): the incarnation being
-        started, which never answered, is killed even though `pid` was killed before. Returns whether
-        it killed."""
         key = (instance.role, instance.index)
         restarts = ray_restarts(self.topology.kv_transport, len(instance.ranks))
         if self._engine_restarts.get(key) == pid and not (again and restarts):
@@ -297,11 +246,6 @@ class HealthMonitor:
         return True
 
     def _rejoin(self, role: str, index: int, pid: int) -> None:
-        """Instance (`role`, `index`) out of routing (or restarted) answered a probe from process `pid`:
-        rewire it if Ray restarted it, then put it back in routing. The rewiring makes Ray calls (seconds),
-        during which the request path may record a failure of the instance (an actor-died error, say); the
-        health is set only if nobody changed it meanwhile (compare and set under the lock), else the failure
-        stands and the next probe decides."""
         import ray
 
         before = self.instances[role][index].health

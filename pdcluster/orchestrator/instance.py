@@ -1,15 +1,4 @@
-"""`Instance`: one prefill or decode instance as the driver sees it, a group of rank actors.
-
-An instance of `devices_per_instance` = N devices is N rank actors (one per device, in its placement
-group), joined in one torch.distributed group (`orchestrator.instance_group`): attention is data-parallel
-over the ranks, so each rank owns its requests and its paged KV cache and reports its own load; the
-router picks (instance, rank) from them (`prefill_rank_loads` / `decode_rank_loads`,
-`orchestrator.router.RankRef`), and the reservation, the KV handoff and the poll go to that rank. An
-instance fails as one unit: its health (`orchestrator.health.InstanceHealth`) is the instance's, and a rank
-that dies or stops answering takes the whole instance out of routing and fails every request on any of
-its ranks (the MoE collectives need every rank every step). Rank 0 leads: it hosts the group's
-rendezvous, and its process id tells a restarted single-rank instance from a stalled one.
-"""
+"""`Instance`: one prefill or decode instance as the driver sees it, a group of rank actors."""
 
 from __future__ import annotations
 
@@ -27,8 +16,8 @@ from pdcluster.orchestrator.router import DecodeLoad, PrefillLoad, RankRef
 @dataclass
 class Instance:
     """One instance: `role` ("prefill" | "decode"), `index` in its pool, `ranks` (Ray actor handles, rank
-    order; rank 0 leads), and its health. The health is replaced (not mutated) by the driver under its
-    health lock."""
+    order; rank 0 leads), and its health.
+    """
 
     role: str
     index: int

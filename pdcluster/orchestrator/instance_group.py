@@ -1,19 +1,4 @@
-"""Joining the torch.distributed group of one multi-rank instance, from its rank actors.
-
-Each rank actor of an instance of N devices calls `join_instance_group(spec)` in its constructor, before it
-builds its engine (an expert-parallel engine loads only its own experts and runs the MoE all-to-alls over
-this group). The group itself is `engine.parallel.make_instance_group`'s: its own `ProcessGroup` over a
-`TCPStore` rank 0 hosts, never the process's default group (the torch_distributed KV transport owns that
-one, and one process may be in both). Its every collective, the group's own rendezvous included, waits at
-most `spec.timeout_s`, so a rank that died or stalled fails the others' steps within that time.
-
-The ranks start at once but load at different speeds on a busy machine, so they first meet at a barrier
-with a longer wait (`spec.rendezvous_timeout_s`): a store of their own on `spec.barrier_port`, where each
-rank sets its key and waits for all. Only then do they make the group, all present, within the short
-timeout. A handshake all-reduce checks that every rank joined. They meet at the barrier once more when
-each has built its engine (`wait_until_loaded`): the engines' first lockstep collective would otherwise
-wait out the slowest rank's weight loading within the short timeout.
-"""
+"""Joining the torch.distributed group of one multi-rank instance, from its rank actors."""
 
 from __future__ import annotations
 
@@ -41,8 +26,7 @@ class InstanceGroup(NamedTuple):
 def rendezvous_address(init_method: str) -> tuple[str, int]:
     """(host, port) of `tcp://host:port`.
 
-    Raises:
-        ValueError: anything else.
+    Raises ValueError: anything else.
     """
     parsed = urlparse(init_method)
     if parsed.scheme != "tcp" or parsed.hostname is None or parsed.port is None:
@@ -54,12 +38,9 @@ def join_instance_group(spec: InstanceGroupSpec) -> InstanceGroup:
     """Meet the other ranks at the barrier, then make the group (collective: every rank of the instance
     calls it at once).
 
-    Returns the joined group (rank `spec.rank` of `spec.num_ranks`).
-
-    Raises:
-        ValueError: a malformed `init_method`, an unknown backend, or a rank out of range.
-        RuntimeError (torch.distributed's DistStoreError / DistError): a rank did not reach the barrier
-            within `rendezvous_timeout_s`, or the group's rendezvous or handshake failed.
+    Raises ValueError: a malformed `init_method`, an unknown backend, or a rank out of range.
+    Raises RuntimeError (torch.distributed's DistStoreError / DistError): a rank did not reach the barrier
+        within `rendezvous_timeout_s`, or the group's rendezvous or handshake failed.
     """
     if not 0 <= spec.rank < spec.num_ranks:
         raise ValueError(f"rank {spec.rank} is not in [0, {spec.num_ranks})")
@@ -82,12 +63,9 @@ def join_instance_group(spec: InstanceGroupSpec) -> InstanceGroup:
 
 
 def wait_until_loaded(joined: InstanceGroup) -> None:
-    """Meet the instance's other ranks at the barrier again once this rank's engine is built (collective:
-    every rank calls it after loading), so no rank's first step collective starts while a peer still
-    loads. Waits up to the barrier store's timeout (`InstanceGroupSpec.rendezvous_timeout_s`).
+    """Barrier after loading (collective), so no rank's first step starts while a peer still loads.
 
-    Raises:
-        RuntimeError (torch.distributed's DistStoreError): a rank did not finish loading in time.
+    Raises RuntimeError (torch.distributed's DistStoreError): a rank did not finish loading in time.
     """
     joined.barrier_store.set(f"loaded{joined.rank}", "ready")
     joined.barrier_store.wait([f"loaded{r}" for r in range(joined.num_ranks)])

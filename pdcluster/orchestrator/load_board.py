@@ -1,23 +1,4 @@
-"""`LoadBoard`: the router's view of every rank's load, kept without a Ray call per request.
-
-Before, each request's routing called `load` on every rank of every live instance (one round trip on the
-critical path of every request). The board keeps what the steady state already delivers instead:
-
-    decode rank   the latest `DecodeNodeLoad` it sent: piggy-backed on every poll reply
-                  (`DecodeNode.poll_with_load`, at least every POLL_WAIT_S), on every reserve reply
-                  (`ReserveResult.load`), and the health monitor's probe each PROBE_INTERVAL_S. Snapshots
-                  of one process are ordered by their `taken_s` (that process's monotonic clock), so a late
-                  reply never overwrites a newer snapshot; a snapshot from another process (a restarted
-                  actor: another pid) replaces it. Reserves the driver has sent and not yet heard back
-                  count in the rank's batch (two requests routed between two snapshots do not both see
-                  the rank idle).
-    prefill rank  prompt tokens of the driver's own prefill calls in flight on it (the driver is the only
-                  one that sends a prefill rank work, so this is the rank's queue, without the lag of a
-                  snapshot).
-
-Only a decode instance no snapshot has reached yet (right after deploy, or after a restart) is loaded by
-a call (`missing_decodes`). Plain data and a lock (the health monitor thread feeds it too); no Ray.
-"""
+"""`LoadBoard`: the router's view of every rank's load, kept without a Ray call per request."""
 
 from __future__ import annotations
 
@@ -69,8 +50,7 @@ class LoadBoard:
     def decode_snapshots(self, instance: int) -> list[DecodeNodeLoad]:
         """The latest snapshot of each rank of decode `instance`, rank order.
 
-        Raises:
-            KeyError: a rank has none yet (`missing_decodes` says which instances).
+        Raises KeyError: a rank has none yet (`missing_decodes` says which instances).
         """
         with self._lock:
             return [self._decode[RankRef(instance, r)] for r in range(self._num_decode_ranks[instance])]

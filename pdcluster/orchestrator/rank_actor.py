@@ -1,24 +1,4 @@
-"""`RankActor`: what the prefill and decode rank actors share, written once.
-
-- the engine: one `LLMEngine` built from the instance's `EngineConfig`, with torch on one thread;
-- the instance group: a rank of a multi-rank instance joins its instance's torch.distributed group
-  (`orchestrator.instance_group`) before it builds its engine; with routed experts split over the ranks
-  (EP) the engine thread steps in lockstep with the other ranks (`lockstep`, `LOCKSTEP_IDLE_S`);
-- the engine thread: started by the subclass once its own state exists (`_start_engine_thread`), running
-  the subclass's `_run`, stopped by `_stop_engine_thread`;
-- loop-error accounting: `_loop_error` counts and logs an exception the engine thread survived, and
-  `_engine_health` reports it with the thread's liveness in load snapshots;
-- the engine watchdog's inputs: each pass of the engine loop runs in `_engine_pass`, which counts the
-  passes and times the current one; `_engine_health` reports both, and the driver's health monitor fails
-  an instance whose engine thread died or is stuck in one pass (`orchestrator.health.engine_fault`);
-- test-only fault injection: `inject_fault(where, count)` arms a fault point (the subclass's
-  FAULT_POINTS), `_maybe_fault(where)` raises RuntimeError there on the engine thread; `inject_stall`
-  makes the engine thread's next pass hang (a deadlock or a kernel that never returns, as the watchdog
-  sees it) until `release_stall`.
-
-The classes are plain Python (the driver wraps them with `ray.remote` at deploy time), so their logic runs
-in-process in tests.
-"""
+"""`RankActor`: what the prefill and decode rank actors share, written once."""
 
 from __future__ import annotations
 
@@ -53,9 +33,7 @@ def ep_summary(engine: LLMEngine) -> dict | None:
 
 
 class RankActor:
-    """Base of `PrefillNode` and `DecodeNode`. `name`: the rank's name for logs and loads (`decode-0`,
-    `decode-0.1` for rank 1 of a multi-rank instance). `group`: how a rank of a multi-rank instance joins
-    its instance group (None: a single-rank instance)."""
+    """Base of `PrefillNode` and `DecodeNode`."""
 
     FAULT_POINTS: tuple[str, ...] = ()  # where `inject_fault` may arm a fault (set by each role)
     # The KV cache in shared memory (decode: same-host prefill writes handoffs in place, `LLMEngine`)
@@ -103,9 +81,7 @@ class RankActor:
         self._ep_summary_at_s = 0.0
 
     def compile_stats(self) -> CompileStats:
-        """What the engine's `compile` did (`engine.compiled_forward.CompileStats`): whether uniform decode
-        steps run compiled, the compile time at load or why nothing was compiled, and how many steps ran
-        the compiled graph so far (counters the engine thread updates; read as they stand)."""
+        """What `compile` did (`engine.compiled_forward.CompileStats`); counters as they stand."""
         return self.engine.compile_stats()
 
     # ---- engine thread ----------------------------------------------------------------------------------
@@ -129,8 +105,6 @@ class RankActor:
 
     @contextlib.contextmanager
     def _engine_pass(self):
-        """Around one pass of the engine loop (its wait for work included, at most a fraction of a second):
-        counts it and times it for the watchdog (`_engine_health`)."""
         self._engine_passes += 1
         self._pass_started_s = time.monotonic()
         try:
@@ -139,8 +113,6 @@ class RankActor:
             self._pass_started_s = None
 
     def _maybe_stall(self) -> None:
-        """Test-only: hang here (on the engine thread, inside a pass, before its step; decode calls it under
-        its engine lock) when `inject_stall` armed a stall, until it is released or the rank stops."""
         if self._stall_s > 0:
             stall_s, self._stall_s = self._stall_s, 0.0
             self._stall_released.wait(stall_s)
@@ -153,9 +125,6 @@ class RankActor:
         logger.error("%s: %s", self.name, what, exc_info=e)
 
     def _engine_health(self) -> dict[str, object]:
-        """`engine_thread_alive`, `engine_passes`, `engine_pass_s`, `num_engine_errors`,
-        `last_engine_error`, `instance_group_error` and `ep` (`ep_summary`, as the engine thread last copied
-        it) for a load snapshot."""
         started_s = self._pass_started_s
         return {
             "engine_thread_alive": self._thread is not None and self._thread.is_alive(),
@@ -168,19 +137,12 @@ class RankActor:
         }
 
     def _refresh_ep_summary(self) -> None:
-        """On the engine thread, after a step: copy the engine's EP figures for load snapshots, at most
-        every EP_STATS_REFRESH_S seconds (a no-op without EP)."""
         now_s = time.monotonic()
         if self.lockstep and now_s - self._ep_summary_at_s >= EP_STATS_REFRESH_S:
             self._ep_summary = ep_summary(self.engine)
             self._ep_summary_at_s = now_s
 
     def _group_failed(self, e: BaseException) -> bool:
-        """Whether `e` (an exception out of a step) is a failed collective of the instance group
-        (`models.ep_dispatch.EPCollectiveError`, raised or the cause of an `EngineStepError`): a peer rank
-        died or stalled. Then the group is unusable (its collectives time out or are broken for good),
-        so the rank stops stepping and reports it in its loads (`instance_group_error`); the driver takes
-        the instance out of routing for good."""
         from pdcluster.models.ep_dispatch import EPCollectiveError
 
         failure = e if isinstance(e, EPCollectiveError) else e.__cause__
@@ -196,8 +158,7 @@ class RankActor:
         """Test-only fault injection: the next `count` passes through `where` (one of the role's
         FAULT_POINTS) raise RuntimeError on the engine thread.
 
-        Raises:
-            ValueError: `where` is not a fault point of this role.
+        Raises ValueError: `where` is not a fault point of this role.
         """
         if where not in self.FAULT_POINTS:
             raise ValueError(f"unknown fault point {where!r}")
@@ -206,9 +167,8 @@ class RankActor:
         self._wake_engine_thread()
 
     def inject_stall(self, seconds: float) -> None:
-        """Test-only: the engine thread's next pass hangs `seconds` (or until `release_stall` or the rank
-        stops) before its step, holding what the pass holds there (decode: its engine and allocation locks,
-        so its reserves and aborts wait; `load` is still answered)."""
+        """Test-only: the engine thread's next pass hangs `seconds` (or until `release_stall`) before its
+        step, holding its locks; `load` is still answered."""
         self._stall_released.clear()
         self._stall_s = seconds
         self._wake_engine_thread()

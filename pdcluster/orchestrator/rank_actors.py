@@ -10,9 +10,8 @@ from pdcluster.orchestrator.preflight import actor_layer_issues, weight_dtype_is
 from pdcluster.orchestrator.topology import ADDRESSED_KV_TRANSPORTS, Topology
 
 MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc, shm) this often; then it stays dead
-# The rank actors' Ray concurrency group for the health monitor's probes (`load`), with threads of its own:
-# calls that wait for a hung engine (a decode abort, a reserve) can take every thread of the default group
-# (max_concurrency), and a probe queued behind them would never be answered.
+# A Ray concurrency group of its own for the health monitor's probes, so calls hung on the engine cannot
+# take every thread and leave a probe unanswered.
 PROBE_GROUP = "probe"
 PROBE_GROUPS = {PROBE_GROUP: 2}  # the actor classes' `concurrency_groups` (Ray takes them only at ray.remote)
 
@@ -24,25 +23,20 @@ def rank_actor_class(ray, cls: type) -> Any:
 
 
 def ray_restarts(kv_transport: str, num_ranks: int) -> bool:
-    """Whether Ray restarts the actor of a rank that died (up to MAX_ACTOR_RESTARTS times): a one-rank
-    instance on an addressed KV transport (grpc, shm, shm+grpc), which the health monitor rewires when it
-    answers again. A torch.distributed group (the KV transport's, a multi-rank instance's) is fixed at
-    deploy time: a restarted rank could not rejoin it."""
+    """Whether Ray restarts a dead rank's actor: one-rank instances on grpc, shm or shm+grpc."""
     return kv_transport in ADDRESSED_KV_TRANSPORTS and num_ranks == 1
 
 
 # Seconds deploy waits for each rank actor to load its weights, and the ranks of an instance for each other
 # at their group's rendezvous (they start at once, but on a busy machine not at the same moment).
 ACTORS_READY_TIMEOUT_S = 300.0
-# Seconds more deploy waits for the ranks of a pool with `compile` on (the decode pool's default): compiling
-# the decode forward at load took ~50 s on an idle 2-core machine and 196 s with its cores contended.
+# Seconds more deploy waits for the ranks of a pool with `compile` on (the decode forward compiles at load).
 COMPILE_READY_TIMEOUT_S = 600.0
 
 
 def ready_timeout_s(topology: Topology) -> float:
-    """How long deploy waits for each rank actor to be ready, and the ranks of a multi-rank instance for
-    each other at their rendezvous (seconds): ACTORS_READY_TIMEOUT_S, plus COMPILE_READY_TIMEOUT_S when a
-    pool compiles its decode forward at load."""
+    """Seconds deploy waits for each rank actor to be ready (and ranks for each other at their rendezvous):
+    ACTORS_READY_TIMEOUT_S, plus COMPILE_READY_TIMEOUT_S when a pool compiles at load."""
     compiles = topology.compiles("prefill") or topology.compiles("decode")
     return ACTORS_READY_TIMEOUT_S + (COMPILE_READY_TIMEOUT_S if compiles else 0.0)
 
@@ -59,10 +53,8 @@ def load_summary(info: NodeReady) -> str:
 
 
 def check_deployable_parallelism(topology: Topology) -> None:
-    """Raise ValueError for parallelism the actor layer cannot run (`orchestrator.preflight.
-    actor_layer_issues`: tensor-parallel attention, experts split over part of an instance), naming the
-    keys, so deploying never silently ignores it. `pdcluster deploy` refuses them before this, at their
-    YAML lines."""
+    """Raise ValueError, naming the keys, for parallelism the actor layer cannot run
+    (`orchestrator.preflight.actor_layer_issues`)."""
     issues = actor_layer_issues(topology)
     if issues:
         raise ValueError(

@@ -1,19 +1,4 @@
-"""`RankClient`: the driver's one way to talk to one rank actor.
-
-One transport per deployment: every message kind below goes by one mechanism (`RayRankClient`: Ray actor
-calls; objects travel by Ray's own serializer, so there is no codec of ours). The client owns the
-ordering state of its rank: the sequence numbers of its command stream (prefill, bind, abort: see
-`orchestrator.command_order`) and the acknowledged sequence number of its event stream (decode's
-`poll_with_load`), so callers see each event once, in order.
-
-    verb                 to        returns
-    reserve(request)     decode    ReserveResult
-    prefill(request)     prefill   PrefillResult (once the handoff is finished on its side)
-    bind(bind)           prefill   nothing (fire and forget; ordered after its prefill)
-    abort(handoff_id)    either    nothing (fire and forget; ordered after a prefill it names)
-    load()               either    PrefillNodeLoad / DecodeNodeLoad
-    events(wait_s)       decode    (new events in sequence, the rank's load)
-"""
+"""`RankClient`: the driver's one way to talk to one rank actor."""
 
 from __future__ import annotations
 
@@ -85,9 +70,7 @@ class RankClient(abc.ABC):
 
 
 class RayRankClient(RankClient):
-    """`RankClient` over Ray actor calls to `actor` (a `PrefillNode` or `DecodeNode` handle). `ordered`:
-    its commands carry their `CommandSeq` (prefill ranks; decode's reserve is awaited, its aborts go
-    unordered)."""
+    """`RankClient` over Ray actor calls to `actor` (a `PrefillNode` or `DecodeNode` handle)."""
 
     def __init__(self, actor: Any, ordered: bool) -> None:
         self.actor = actor

@@ -1,10 +1,4 @@
-"""`InstanceRegistry`: the deployed instances and their health, with one writer.
-
-Every change of an instance's health goes through here, under one lock: `mark_failed` (a call on the
-request path, a probe or a stats round failed), `rejoin` (the health monitor saw it answer again, compare
-and set), `set_health`. The pure rules are `orchestrator.health`'s; what a failure does to requests in
-flight is the `on_failed` callback's (the dispatcher's).
-"""
+"""`InstanceRegistry`: the deployed instances and their health, with one writer."""
 
 from __future__ import annotations
 
@@ -33,10 +27,7 @@ def probe_outcome(exc: BaseException) -> ProbeOutcome:
 
 
 def restart_pending(exc: BaseException) -> bool:
-    """Whether a failed call says nothing of the actor's death: it timed out (Ray queues a call to an
-    actor being created), or Ray answered ActorUnavailableError ("the actor is restarting"; also while
-    its node is unreachable, or when its process died with the call out). Ray answers a call to an
-    actor it has given up on with ActorDiedError."""
+    """Whether a failed call says nothing of the actor's death: a timeout or ActorUnavailableError."""
     import ray
 
     return probe_outcome(exc) is ProbeOutcome.TIMED_OUT or isinstance(
@@ -45,9 +36,7 @@ def restart_pending(exc: BaseException) -> bool:
 
 
 class InstanceRegistry:
-    """`instances`: role -> the pool's `Instance`s in order. `call_timeout_s`: named in timeout reasons.
-    `on_failed(role, index, left_routing)`: a failure was recorded for the instance (`left_routing`: it
-    just left routing; fail what it held)."""
+    """`instances`: role -> the pool's `Instance`s in order."""
 
     def __init__(
         self,
@@ -91,17 +80,15 @@ class InstanceRegistry:
         self, role: str, index: int, exc: BaseException, call: str, issued_at_s: float | None = None
     ) -> None:
         """A call `call` on instance (`role`, `index`) timed out or raised an actor error: take it out of
-        routing (unresponsive or dead) and tell `on_failed`. Idempotent. A timeout of a call issued
-        (`issued_at_s`, time.monotonic()) before the instance last rejoined routing changes nothing
-        (`health.is_stale`): logged, ignored; so does Ray's "unavailable" for such a call."""
+        routing (unresponsive or dead) and tell `on_failed`.
+        """
         if probe_outcome(exc) is ProbeOutcome.TIMED_OUT:
             reason = f"{call}: no answer within {self.call_timeout_s:g} s"
         else:
             reason = f"{call}: {describe_error(exc)}"
         with self.lock:
             before = self.instances[role][index].health
-            # Not an error saying the actor died: that may come from a process that died after the probe
-            # that brought it back answered.
+            # Not an actor-died error: that may come from a process that died after its probe answered.
             if restart_pending(exc) and is_stale(before, issued_at_s):
                 assert issued_at_s is not None
                 logger.warning(

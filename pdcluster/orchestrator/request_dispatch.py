@@ -1,18 +1,5 @@
 """The request path of a `Cluster`: route, reserve, prefill, stream decode's tokens (DESIGN.md, request
-lifecycle). A thin loop over the pure dispatch policy (`orchestrator.dispatch`):
-
-    generate(request_id, ...)         one `DriverRequest`; per attempt (at most MAX_DISPATCH_ATTEMPTS):
-      _dispatch (`orchestrator.routing`) route, send the prefill awaiting its bind, reserve on decode,
-                                      bind (`after_reserve` decides)
-      _next_events                    the attempt's next events: decode's `TokenDelta` / `RequestError`
-                                      (handed over by the poll loop), `Aborted`, `DecodeLost`, the prefill
-                                      call's `PrefillDone` / `PrefillFailed`, or `NoEvent` (timeout)
-      next_action                     Emit | EmitFirstToken (prefill's first token, before decode admits
-                                      the request) | Wait | EndAborted | Redispatch | Fail
-    _poll(decode_index, rank)         one loop per decode rank: `RankClient.events` -> the attempt queues,
-                                      and the rank's load snapshot -> the load board (routing)
-
-Every wait is bounded: calls by `call_timeout_s`, the prefill call and each event by `event_timeout_s`.
+lifecycle). A thin loop over the pure dispatch policy (`orchestrator.dispatch`).
 """
 
 from __future__ import annotations
@@ -64,10 +51,7 @@ logger = logging.getLogger("pdcluster.orchestrator.cluster")
 
 
 class Dispatcher(RouteAndReserve):
-    """The request path (see the module docstring; its routing and reserving half is
-    `orchestrator.routing.RouteAndReserve`, one class in two files). It holds the requests in flight, the
-    poll loops and the KV totals; it reads the instances and their health from `registry` and records
-    failures there. `model`: what the handoff's meta needs (`ModelFacts`)."""
+    """The request path; its routing and reserving half is `orchestrator.routing.RouteAndReserve`."""
 
     def __init__(
         self,
@@ -112,15 +96,7 @@ class Dispatcher(RouteAndReserve):
     ) -> AsyncIterator[StreamDelta]:
         """Stream one request's output through prefill -> KV transfer -> decode.
 
-        Every delta carries the phases known so far in seconds (`queue_s`, `prefill_s`, `kv_transfer_s`,
-        `first_decode_step_s`, `total_s`), `kv_transfer_bytes` once decode received the KV, and cumulative
-        acceptance counts. An `abort` ends the stream with an empty delta, finish_reason "abort".
-
-        Raises:
-            ValueError: an empty prompt, a duplicate id, or a request no decode instance could hold.
-            BackendUnavailable: no live instance, no KV room within the timeout, the handoff failed
-                twice / with no other prefill instance to re-dispatch to, the decode instance died or
-                stopped answering, or no event came within `event_timeout_s`.
+        Raises ValueError: an empty prompt, a duplicate id, or a request no decode instance could hold.
         """
         if self._closed:
             raise BackendUnavailable("the cluster is shut down")
@@ -221,8 +197,6 @@ class Dispatcher(RouteAndReserve):
     def _first_token_from_prefill(
         self, record: DriverRequest, attempt: Attempt, result: PrefillResult
     ) -> StreamDelta:
-        """`EmitFirstToken`: the prefill call's first token (and text), its one source (decode's deltas
-        leave it out), streamed before decode admits the request."""
         self._record_prefill_phases(record, result)
         assert result.first_token_text is not None
         record.first_token = (result.first_token_id, result.first_token_text)
@@ -231,9 +205,6 @@ class Dispatcher(RouteAndReserve):
         )
 
     def _from_decode(self, record: DriverRequest, attempt: Attempt, delta: TokenDelta) -> StreamDelta | None:
-        """Account decode's `delta` to the request (phases, KV totals, tokens sent) and build its
-        StreamDelta; None when nothing is in it for the client (decode's admission when prefill's reply
-        streamed the first token)."""
         first_of_attempt = not decode_has_it(attempt.state)
         if first_of_attempt:  # its KV was received, then the request admitted
             attempt.advance(HandoffEvent.TRANSFERRED, HandoffEvent.ADMITTED)
@@ -272,11 +243,6 @@ class Dispatcher(RouteAndReserve):
     async def _next_events(
         self, record: DriverRequest, attempt: Attempt, prefill_task: asyncio.Future
     ) -> list[Event]:
-        """The attempt's next events (waits up to `event_timeout_s`): `[Aborted]`, `[NoEvent]`, the prefill
-        call's `[PrefillDone]` / `[PrefillFailed]`, or decode's event. A token delta always comes after the
-        prefill call's outcome (decode admits only a finished handoff, so the call has returned or is about
-        to), so the first token, which that reply streams, goes first. A prefill instance found lost is
-        marked so here."""
         getter = asyncio.ensure_future(attempt.events.get())
         # The prefill call is sent while decode reserves, so it may have ended (failed) before the first
         # wait: it is waited on until its result was taken.
@@ -364,10 +330,6 @@ class Dispatcher(RouteAndReserve):
         ]
 
     async def _poll(self, decode_index: int, rank: int = 0) -> None:
-        """Hand the events of rank `rank` of decode instance `decode_index` to their requests (in order,
-        once: `RankClient.events`). A poll that fails or times out takes the instance out of routing;
-        polling resumes once the health monitor brought it back. Ends when cancelled, also when
-        `asyncio.wait_for` swallowed the cancellation (CPython gh-86296: `Task.cancelling` counts it)."""
         instance = self.instances["decode"][decode_index]
         task = asyncio.current_task()
         while not self._closed:

@@ -1,7 +1,5 @@
 """The driver's record of one request and of each of its dispatch attempts (`orchestrator.request_dispatch`):
-one record per request and one per attempt, instead of parallel dicts keyed by id. The attempt's
-reservation is held by its `meta` (bound by decode's reserve); the driver indexes attempts by handoff id
-only to hand decode's events to their queue.
+one record per request and one per attempt, instead of parallel dicts keyed by id.
 """
 
 from __future__ import annotations
@@ -53,10 +51,8 @@ class Attempt:
 
 @dataclass
 class DriverRequest:
-    """One request from `generate` to its end: the attempt in flight (None while routing or between
-    attempts), whether it was aborted, what the client received (tokens, phases in seconds, KV bytes; the
-    first token when a prefill reply streamed it, which a re-dispatch keeps), the failed attempts'
-    lines and the prefill instances they used (not tried again)."""
+    """One request from `generate` to its end: its attempt in flight, what the client received, and the
+    failed attempts (their prefill instances are not tried again)."""
 
     request_id: str
     arrival_s: float
@@ -64,8 +60,7 @@ class DriverRequest:
     aborted: bool = False
     finished: bool = False
     decode_streamed: bool = False  # a decode delta carried tokens to the client (no re-dispatch after)
-    # (token id, text): the first token, when a prefill call's reply streamed it (`EmitFirstToken`);
-    # decode's first delta of each attempt comes without it, and a re-dispatch keeps it
+    # (token id, text): the first token, when a prefill reply streamed it; a re-dispatch keeps it
     first_token: tuple[int, str] | None = None
     phases: Phases = Phases()
     kv_transfer_bytes: int | None = None

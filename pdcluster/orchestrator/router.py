@@ -1,21 +1,4 @@
-"""Router policies: pure functions over plain load snapshots that pick a (prefill, decode) pair up front.
-
-Both instances are chosen before the request starts (DESIGN.md, request lifecycle step 1), so decode can
-reserve KV blocks before prefill sends the first layer. No Ray, gRPC or device calls here: the live
-cluster (`orchestrator.cluster`) and the capacity planner call the same functions.
-
-Inputs:
-    prefill: one `PrefillLoad` per rank of each live prefill instance (instances the caller knows are dead
-        are left out), `instance` its index in the prefill pool and `rank` its rank in the instance.
-    decode: one `DecodeLoad` per rank of each live decode instance, likewise.
-Attention is data-parallel over an instance's ranks (each rank owns its requests and its paged KV cache,
-DESIGN.md "Instances of several ranks"), so a request goes to one rank: each policy returns
-`RouteChoice(prefill, decode)`, the (instance, rank) pair of each pool, instances named by their pool index
-(the loads' `instance`) and ranks by their rank (the loads' `rank`; 0 for single-rank instances).
-
-The prefix-aware policy's view of what each prefill rank caches is `PrefixCacheModel`: the chained block
-hashes of the prompts the router sent there, least recently sent forgotten first.
-"""
+"""Router policies: pure functions over plain load snapshots that pick a (prefill, decode) pair up front."""
 
 from __future__ import annotations
 
@@ -27,10 +10,7 @@ from pdcluster.engine.block_manager import compute_block_hashes
 
 
 class PrefillLoad(NamedTuple):
-    """One prefill rank. instance: the prefill instance's index in its pool. num_queued_prefill_tokens:
-    prompt tokens queued or being prefilled on the rank. cached_block_hashes: chained block hashes the
-    router believes the rank caches (from the prompts it sent there;
-    `engine.block_manager.hash_block_tokens`). rank: the rank in its instance (0: the leader)."""
+    """One prefill rank. instance: the prefill instance's index in its pool."""
 
     instance: int
     num_queued_prefill_tokens: int
@@ -39,9 +19,7 @@ class PrefillLoad(NamedTuple):
 
 
 class DecodeLoad(NamedTuple):
-    """One decode rank. instance: the decode instance's index. num_free_blocks: KV blocks free now on the
-    rank. num_running: requests in its running batch (reservations and admitted requests waiting for a seat
-    included). rank: the rank in its instance (0: the leader)."""
+    """One decode rank. instance: the decode instance's index."""
 
     instance: int
     num_free_blocks: int
@@ -139,10 +117,8 @@ ROUTER_CACHE_BLOCKS = 4096  # block hashes remembered per prefill rank for prefi
 
 
 class PrefixCacheModel:
-    """What the router believes each prefill rank caches (each rank has its own engine and cache): the
-    chained block hashes (`engine.block_manager.compute_block_hashes`) of the prompts it sent there, at most
-    `capacity_blocks` per rank, the least recently sent forgotten first (an estimate: the rank's own cache
-    may have evicted them, or hold more). Ranks are named by `RankRef`."""
+    """An estimate of each prefill rank's cache: the block hashes of the prompts sent there, LRU, at most
+    `capacity_blocks` per rank."""
 
     def __init__(self, block_size: int, capacity_blocks: int = ROUTER_CACHE_BLOCKS) -> None:
         self.block_size = block_size

@@ -1,10 +1,4 @@
-"""Bring a topology up as a service: the Ray cluster (prefill + decode pools) behind the OpenAI API.
-
-    with serve(topology) as service:      # Cluster.deploy + build_app + uvicorn on a thread
-        print(service.url)                # http://127.0.0.1:8000 (port 0 in the YAML: a free port)
-
-Used by `pdcluster deploy` (serves until interrupted) and `pdcluster demo` (replays a trace, then stops).
-"""
+"""Bring a topology up as a service: the Ray cluster (prefill + decode pools) behind the OpenAI API."""
 
 from __future__ import annotations
 
@@ -44,16 +38,9 @@ def serve(
 ) -> Iterator[Service]:
     """Deploy `topology` and serve it over HTTP; everything is torn down on exit (also on errors).
 
-    Args:
-        port: overrides `api.port` (0 picks a free port).
-        drain_timeout_s: on exit, new connections are refused at once and requests in flight get up to
-            this many seconds to finish before the actors stop (`ServerThread`; `pdcluster deploy`'s
-            `--drain-timeout-s`).
-
-    Raises:
-        TopologyError: an invalid topology file; DeployError (one line): the HTTP address cannot be bound
-            (checked first, and held from then on: `api.server.bind_server_socket`), or an actor or the
-            HTTP server failed to start, after everything is torn down.
+    Raises TopologyError: an invalid topology file; DeployError (one line): the HTTP address cannot be bound
+        (checked first, and held from then on: `api.server.bind_server_socket`), or an actor or the
+        HTTP server failed to start, after everything is torn down.
     """
     topo = topology if isinstance(topology, Topology) else load_topology(topology)
     host, bind_port = topo.api.host, topo.api.port if port is None else port
@@ -69,11 +56,9 @@ def serve(
         raise
     try:
         app = build_topology_app(cluster, topo)
-        # /health says 503 until the caller has the service (a SIGTERM sent once /health said 200 then
-        # takes the caller's drain path, not the one for a deploy cut short)
+        # /health says 503 until the caller has the service (so a SIGTERM after a 200 takes the drain path)
         app.state.starting = True
-        # assigned before it starts: a Ctrl-C while it starts then stops it (uvicorn may be using the
-        # socket already), rather than closing the socket under it
+        # assigned before it starts, so a Ctrl-C while it starts stops it rather than closing its socket
         server = ServerThread(app, drain_timeout_s=drain_timeout_s, sock=sock)
         try:
             server.start()

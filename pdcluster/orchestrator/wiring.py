@@ -1,11 +1,4 @@
-"""Wiring a deployed `Cluster`: rendezvous addresses on the nodes that host them, and the KV transport.
-
-`ClusterWiring` (a base of `orchestrator.deployment.ClusterDeployment`): `_rendezvous` (where a
-multi-rank instance's group meets: rank 0's node), `_probe_node` (a node's IP and free ports, asked from
-inside a placement-group bundle), `_wire` (the KV connectors at deploy: a gRPC receiver on every decode
-rank and one sender per decode rank on every prefill rank, or one torch.distributed group of every rank),
-`rewire` (a restarted rank's connectors).
-"""
+"""Wiring a deployed `Cluster`: rendezvous addresses on the nodes that host them, and the KV transport."""
 
 from __future__ import annotations
 
@@ -43,8 +36,6 @@ def free_ports(host: str, count: int) -> list[int]:
 
 
 def _node_ip_and_free_ports(count: int = 1) -> tuple[str, list[int]]:
-    """Run as a Ray task inside an instance's placement group bundle: that node's IP and `count` ports
-    free there."""
     import ray
 
     return ray.util.get_node_ip_address(), free_ports("", count)
@@ -58,9 +49,6 @@ class ClusterWiring:
     _loopback: bool
 
     def _rendezvous(self, ray, spec_index: int) -> tuple[str, int]:
-        """(`tcp://host:port` of the group, the barrier's port) for an instance whose rank 0 runs in bundle 0
-        of placement group `spec_index`: loopback and ports free here on a single-node cpu topology, else
-        that node's IP and ports free there."""
         if self._loopback:
             host, ports = "127.0.0.1", free_ports("127.0.0.1", 2)
         else:
@@ -68,8 +56,6 @@ class ClusterWiring:
         return f"tcp://{host}:{ports[0]}", ports[1]
 
     def _probe_node(self, ray, spec_index: int, bundle_index: int = 0, count: int | None = None):
-        """(node IP, a free port there) of bundle `bundle_index` (where that rank's actor runs) of instance
-        `spec_index`'s placement group; with `count`, (node IP, `count` distinct free ports)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         probe = ray.remote(_node_ip_and_free_ports).options(
@@ -82,9 +68,6 @@ class ClusterWiring:
         return (ip, ports) if count is not None else (ip, ports[0])
 
     def _wire(self, ray, plan) -> list[list[str]] | list[list[PairedAddress]]:
-        """Connect the KV transport; returns each decode instance's ranks' addresses (grpc: `host:port`,
-        shm: a socket path on this host, shm+grpc: a `kvtransfer.paired.PairedAddress`; torch_distributed:
-        [])."""
         kv = self.topology.kv_transfer
         spec_index = {(spec.role, spec.index): i for i, spec in enumerate(plan.instances)}
         prefill_ranks = [a for p in self.instances["prefill"] for a in p.ranks]
@@ -143,10 +126,8 @@ class ClusterWiring:
 
     def rewire(self, ray, role: str, index: int, restarted: bool) -> None:
         """gRPC, shm and shm+grpc only (restarts are off for torch.distributed and for multi-rank instances,
-        whose groups are fixed at deploy). A restarted decode starts its receiver on a new port (shm: a new
-        socket path; shm+grpc: both, in a new `PairedAddress`), which the prefill ranks in routing learn at
-        once (the others when they rejoin); a rejoining prefill instance's ranks (re)connect to every decode
-        rank's current address, in case one moved meanwhile."""
+        whose groups are fixed at deploy).
+        """
         if role == "decode":
             assert restarted
             decode = self.decode_actors[index]

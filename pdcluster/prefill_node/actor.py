@@ -1,23 +1,4 @@
-"""`PrefillNode`: the prefill role, a thin shell around one `LLMEngine` and a `KVSender` per decode rank.
-
-The driver (`orchestrator.cluster.Cluster`) wraps the class with `ray.remote` and places it in its
-instance's placement group. Threads inside the actor:
-
-    Ray's method threads (max_concurrency)          the engine thread (owns the engine)
-    --------------------------------------          -----------------------------------
-    prefill(...) queues a job, blocks until done    takes jobs: sender.begin, add_request(prefill_only)
-    bind(...) queues the job's reservation          engine.step(on_prompt_kv=...): each layer's prompt KV
-    abort(request_id) queues an abort                 -> sender.send_layer as soon as it is written
-    load() reads counters under a lock                (layerwise), or all layers after the step
-                                                    finished jobs: sender.finish(extras: first token,
-                                                      drafts and their probabilities), wake the caller
-
-A job that fails (engine error, send error, abort) aborts its handoff (decode's `wait` raises
-`TransferAborted`) and raises in `prefill(...)`. An engine error fails only the jobs it concerns: a
-request whose own sampling fails, or the requests of a step whose execution fails (`EngineStepError`);
-other jobs go on. Only an error the engine cannot tie to requests fails every active job.
-prefill, bind and abort are queued in the driver's command order (`orchestrator.command_order`).
-"""
+"""`PrefillNode`: the prefill role, a thin shell around one `LLMEngine` and a `KVSender` per decode rank."""
 
 from __future__ import annotations
 
@@ -57,15 +38,7 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillNode(RankActor):
-    """One prefill rank (of an instance of one or more).
-
-    Args:
-        engine_config: the instance's engine arguments (`Topology.engine_config("prefill")`); the engine
-            runs the synchronous loop (the prompt KV hook needs it).
-        name: instance name for logs and load reports (`prefill-0`).
-        layerwise: send each layer as soon as it is computed; False: all layers after the forward.
-        group: how the rank joins its instance's group (`RankActor`; None: a single-rank instance).
-    """
+    """One prefill rank (of an instance of one or more)."""
 
     # "start" (taking a job), "step" (the engine step), "complete" (handing a finished prefill over),
     # "loop" (the loop body, outside any request)
@@ -83,8 +56,7 @@ class PrefillNode(RankActor):
         self.kv = KVSenders(name, self.engine.config.device)
         self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._active: dict[str, Job] = {}
-        # binds that came and that the engine thread has not taken yet (`_take_bind`: at its next command,
-        # or at the next layer of the request's prefill step, whichever comes first)
+        # binds the engine thread has not taken yet (`_take_bind`)
         self._binds: dict[str, PrefillBind] = {}
         self._order = CommandOrder(CALL_TIMEOUT_MIN_S)  # prefill, bind, abort in the driver's order
         self._lock = threading.Lock()
@@ -149,13 +121,10 @@ class PrefillNode(RankActor):
 
     # ---- requests ---------------------------------------------------------------------------------------
     def prefill(self, request: PrefillRequest, order: CommandSeq | None = None) -> PrefillResult:
-        """Prefill one request and hand it to rank `request.decode_rank` of decode instance
-        `request.decode_index` (which already `expect`s it); `request.meta` is the one that rank's `reserve`
-        bound, with the handoff's secret, unless the request is `awaiting_bind`. `order`: its place in the
-        driver's command stream (`orchestrator.command_order`).
+        """Prefill one request and hand its KV to decode instance `request.decode_index`, rank
+        `request.decode_rank` (bound by its `reserve`, or later by `bind` when `awaiting_bind`).
 
-        Returns once the handoff is finished on this side. Raises RuntimeError when the prefill or the send
-        failed (the handoff is aborted), or it was not done within `event_timeout_s(meta.lease_s)` seconds.
+        Raises RuntimeError when the prefill or the send failed or timed out (the handoff is aborted).
         """
         job = Job(request)
         with self._order.turn(order):
@@ -176,9 +145,8 @@ class PrefillNode(RankActor):
 
     def bind(self, bind: PrefillBind, order: CommandSeq | None = None) -> None:
         """The reservation of a request sent `awaiting_bind` (`PrefillRequest`): its handoff begins with
-        `bind.meta` towards the decode rank named, and the KV computed so far goes out. Taken at the next
-        layer of the request's prefill step when it comes mid-step. A bind for an id no longer here (its
-        prefill failed or was aborted) is dropped."""
+        `bind.meta` towards the decode rank named, and the KV computed so far goes out.
+        """
         with self._order.turn(order):
             with self._lock:
                 self._binds[bind.handoff_id] = bind
@@ -235,9 +203,6 @@ class PrefillNode(RankActor):
 
     # ---- engine thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
-        """The engine thread. Any exception fails the jobs it touches (every active job when it is not
-        tied to one: their handoffs are aborted and `prefill` raises), is logged with its traceback, and
-        the loop goes on: it never dies silently."""
         while not self._stopped.is_set():
             with self._engine_pass():
                 try:
@@ -249,9 +214,7 @@ class PrefillNode(RankActor):
                         self._fail(request_id, f"prefill engine loop failed: {e!r}", abort_engine=True)
 
     def _run_once(self) -> bool:
-        """Take queued commands, run one step. False on `stop`. In lockstep (an expert-parallel rank) it
-        steps even with nothing to run, after waiting at most `LOCKSTEP_IDLE_S` for a command, since the
-        other ranks' MoE collectives need this one."""
+        """Take queued commands, run one step."""
         engine = self.engine
         block = not engine.has_unfinished_requests()
         try:
@@ -354,9 +317,6 @@ class PrefillNode(RankActor):
     def _on_prompt_kv(
         self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None
     ) -> None:
-        """The engine's prompt-KV callback, inside the step: a bind that came meanwhile begins the handoff
-        here, and with `layerwise` the layers go to the sender. An error fails this job only, once the
-        step is over (`Job.step_error`): failing it here would free engine state the step still uses."""
         job = self._active.get(request_id)
         if job is None or job.step_error is not None:
             return
@@ -398,8 +358,6 @@ class PrefillNode(RankActor):
         self._hand_over(job, result, queue_s)
 
     def _bind(self, bind: PrefillBind) -> None:
-        """Begin the handoff of a job that awaited its reservation; send what it computed meanwhile (and
-        finish it when its prefill is done)."""
         job = self._active.get(bind.handoff_id)
         if job is None or job.bound:  # failed or aborted meanwhile
             return
@@ -419,11 +377,6 @@ class PrefillNode(RankActor):
         self._sender(job).begin(bind.meta)
 
     def _hand_over(self, job: Job, result: Any, queue_s: float) -> None:
-        """Send the layers not sent yet, then finish the handoff with the first token and drafts (the
-        request's `first_token_id` instead of the sampled one when it has one; its drafts, proposed after
-        another token, are dropped then. The MTP layer's KV at the prompt's last position was computed
-        with the sampled token's embedding and is sent as it is: decode's drafts attend to it, so their
-        acceptance may be lower for this request, never its tokens, which verification decides)."""
         request_id = job.request_id
         forced = job.request.first_token_id
         if forced is not None and forced != result.first_token_id:
@@ -494,8 +447,6 @@ class PrefillNode(RankActor):
 
 
 def _charge_cpu_wait(jobs: list[Job], wait_before_s: float | None) -> None:
-    """Add the engine thread's run-queue wait during the step just run (`thread_clock.run_delay_s`, read
-    before it) to each job that was in the engine for it; None (unknown) where the OS does not say."""
     wait_after_s = run_delay_s() if wait_before_s is not None else None
     for job in jobs:
         if wait_before_s is None or wait_after_s is None or job.cpu_wait_s is None:

@@ -37,9 +37,7 @@ class KVSenders:
         decode_addresses: list[list[str]] | list[list[PairedAddress]],
         tls: TLSCredentials | None = None,
     ) -> None:
-        """One `transport` sender (`grpc`: to `host:port`, mutual TLS with `tls`; `shm`: to a socket path
-        on this host; `shm+grpc`: to a `PairedAddress`, by shm when that decode rank runs on this node, else
-        by gRPC) per decode rank: `decode_addresses[i][r]` is decode instance i's rank r; closes any
+        """One `transport` sender per decode rank (`decode_addresses[i][r]`: instance i, rank r); closes any
         previous ones. Raises ValueError for another transport."""
         if transport not in ("grpc", "shm", "shm+grpc"):
             raise ValueError(
@@ -92,8 +90,7 @@ class KVSenders:
             sender = ShmKVSender(picked)
             if sender.connect_error is None:
                 return sender
-            # the same Ray node, yet its socket is out of reach (another temp dir or container, another
-            # uid): gRPC still works between any two processes
+            # the same Ray node, yet its socket is out of reach (another temp dir, container or uid)
             logger.warning(
                 "%s: decode's shm socket %s on this node is unreachable (%s); sending to it by gRPC at %s",
                 self.name,

@@ -1,12 +1,4 @@
-"""How long the calling thread waited for a CPU: the run-queue delay Linux keeps per thread.
-
-A prefill engine thread that is ready to run but finds every core taken (by the decode actor, the driver,
-the client, Ray's daemons: on a small host they share the prefill node's cores) waits in the scheduler's
-run queue; that wait is part of the request's prefill time without being compute. Linux counts it per
-thread in `/proc/thread-self/schedstat` (second field, nanoseconds: "time spent waiting on a runqueue",
-Documentation/scheduler/sched-stats.rst); `run_delay_s` reads it. Where the file does not exist (another
-OS, a kernel without schedstats) it returns None and the phase is not reported.
-"""
+"""How long the calling thread waited for a CPU: the run-queue delay Linux keeps per thread."""
 
 from __future__ import annotations
 

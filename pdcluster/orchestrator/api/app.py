@@ -1,64 +1,4 @@
-"""OpenAI-compatible HTTP edge over any `ServingBackend` (`build_app(backend)`).
-
-Endpoints:
-    POST /v1/completions        prompt: text or token ids; streaming (SSE) or not
-    POST /v1/chat/completions   messages -> one prompt through the checkpoint's chat template
-                                (`chat_template`); `tools` / `tool_choice` (`tool_calls`, `structured`)
-    POST /tokenize, /detokenize vLLM's: {prompt | messages} -> {count, max_model_len, tokens};
-                                {tokens} -> {prompt}
-Structured output on both completion routes: `response_format` json_object / json_schema, vLLM's
-`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` / `structured_outputs` (`structured`).
-    GET  /v1/models             the served model
-    GET  /health                200 {"status": "ok"}; 503 naming why when the backend's check_ready() raises
-                                BackendUnavailable (or "the server is starting", while `app.state.starting`:
-                                `orchestrator.serve`). No call to any instance: it answers at once, from the
-                                health the cluster last recorded, even while an instance stalls
-    GET  /metrics               Prometheus text (pdcluster/orchestrator/api/metrics.py lists every metric)
-
-The package by concept: `protocol` (request schemas, error and response bodies), `chat_template`,
-`structured` (grammars of a request), `tool_calls` (DeepSeek-V3's format), `errors`, `generation` (checks
-against the served model, one request's bookkeeping, stop strings at the edge), `sse` (streaming and
-client disconnects), `guard` (API key, admission, body size), `metrics`, `server` (`ServerThread`,
-`python -m pdcluster.orchestrator.api`), and this module (the app and its routes).
-
-Access and limits (`guard.EdgeGuard`, checked before a request's body is read; `build_app`'s arguments,
-from the YAML's `api` section under `pdcluster deploy`):
-- `api_key`: every path needs `Authorization: Bearer <api_key>` (401 otherwise), the interactive docs
-  and the schema included (/docs, /redoc, /openapi.json: they describe the API to whoever asks), except
-  /health and /metrics. Those stay open on purpose: a load balancer's or orchestrator's liveness probe
-  and a Prometheus scraper carry no token, and neither reveals prompts, outputs or the key (/health says
-  ok or which instance is down and why; /metrics has counts, latencies and KV block usage per instance).
-  Where that is too much, bind `api.host` to a private interface or put a proxy in front.
-- `max_concurrent_requests`: completion requests in flight at most (admitted, response not ended); one
-  more is answered 429 with `Retry-After` before its stream starts, never a 200 with an error inside.
-  Past the edge, the cluster queues what it admitted (prefill queue, decode's wait for a KV reservation
-  or a seat in the batch).
-- `max_request_body_bytes`: a larger body is answered 413 (a declared Content-Length at once, a chunked
-  body as soon as it passes the limit) and the connection closed, the rest unread.
-
-Prompts are tokenized on worker threads (`TOKENIZER_THREADS`, in the tokenizer's form that releases the
-GIL), so a multi-MB prompt does not hold up the event loop: /health and every other stream go on.
-
-Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON, a
-schema violation, text that is not valid Unicode (the message names the field, the code point and its
-index), unsupported options (suffix, echo with logprobs), out-of-range n / best_of / logprobs /
-top_logprobs, a grammar that does not compile (naming the field), a bad sampling value, a prompt or prompt +
-max_tokens over the context; 404 for an unknown model; 401 for a missing or wrong API key; 413 for a body
-over the limit; 429 when the edge is full and 503 when the backend raises `BackendUnavailable` (both with
-`Retry-After: RETRY_AFTER_S`). An error after an SSE stream started is sent as a final
-`data: {"error": ...}` event, then `data: [DONE]`.
-
-Every response carries `usage` (prompt/completion/total tokens) and a `pdcluster` extension:
-    {"request_id", "phases": {queue_s, prefill_s, kv_transfer_s, first_decode_step_s, total_s, ...},
-     "ttft_s", "tpot_s", "e2e_s", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
-     "acceptance_rate_per_position", "ranks" (the serving ranks, on a cluster)}
-`phases` are the backend's (seconds); a phase the backend does not report is filled from what the edge saw
-(first_decode_step_s: first -> second token delta; total_s: the edge's e2e), `ttft_s`/`tpot_s`/`e2e_s` are
-measured at the edge. In a stream it rides on the last chunk (the one with `finish_reason`).
-
-A client that disconnects (before the first byte, mid-stream, or while a non-streaming request runs) has
-its request aborted in the backend, which frees its KV blocks and reservations at once.
-"""
+"""OpenAI-compatible HTTP edge over any `ServingBackend` (`build_app(backend)`)."""
 
 from __future__ import annotations
 
@@ -129,16 +69,7 @@ def build_app(
 ) -> FastAPI:
     """An OpenAI-compatible app over `backend` (see the module docstring). State lives on the app.
 
-    Args:
-        api_key: bearer token for every path but /health and /metrics; None: no authentication.
-        slo: TTFT/TPOT targets (milliseconds) counted in `pdcluster_slo_requests_total`; None: not counted.
-        max_request_body_bytes: a larger request body is answered 413, unread (`EdgeGuard`).
-        max_concurrent_requests: completion requests in flight at most; beyond it 429 with `Retry-After`
-            before the stream starts. None: no limit (`orchestrator.serve` passes the topology's,
-            `Topology.max_concurrent_requests`).
-
-    Raises:
-        ValueError: a limit below 1, or an empty api_key (it would let an empty bearer token in).
+    Raises ValueError: a limit below 1, or an empty api_key (it would let an empty bearer token in).
     """
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key must not be empty (None: no authentication)")
@@ -157,23 +88,19 @@ def build_app(
         max_concurrent_requests=max_concurrent_requests,
         metrics=metrics,
     )
-    # Tokenizing a long prompt takes seconds: done here, the event loop (/health, every stream) goes on.
-    # Its own threads, so a queue of long prompts does not hold up /metrics' stats() in the default pool.
+    # Tokenizing off the event loop, on threads of its own (not the default pool /metrics' stats() uses).
     tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
     app.state.tokenizer_pool = tokenizer_pool
 
     def encode_off_the_gil(text: str) -> list[int]:
-        # `tokenizers`' single `encode` holds the GIL throughout (seconds for a few MB: the event loop
-        # would stall even on another thread); its batch form releases it while the Rust code runs.
+        # `tokenizers`' single `encode` holds the GIL throughout; its batch form releases it.
         return backend.tokenizer.encode_batch([text])[0]
 
     async def encode(text: str) -> list[int]:
         """`text`'s token ids, tokenized on `tokenizer_pool`.
 
-        Raises:
-            ValueError: invalid Unicode. ApiError: 400 at once, untokenized, for a text with more characters
-                than `max_model_len` tokens can hold (`Tokenizer.max_token_chars` each): tokenizing a few
-                MB takes seconds of the pool that other requests' prompts wait for.
+        Raises ValueError: invalid Unicode. ApiError: 400, untokenized, for a text longer than `max_model_len`
+            tokens can hold.
         """
         max_chars = backend.tokenizer.max_token_chars  # (cached: the vocabulary is read once)
         if len(text) > backend.max_model_len * max_chars:
@@ -329,10 +256,6 @@ def build_app(
                 request, prepared, start, endpoint, body.n, best_of, body.stream, include_usage
             )
         gen = Generation(backend, prepared, metrics, slo)
-        # Wait for the first delta before answering, so a request the backend refuses gets a real 400/503
-        # instead of an error event inside a 200 stream. On the cluster the first delta is the prefill
-        # reply's first token (`orchestrator.dispatch.EmitFirstToken`): a handoff that fails after it and
-        # cannot be re-dispatched (`next_action`) ends the stream with an error event instead.
         try:
             first = await until_disconnect(request, gen.next())
         except BaseException:
@@ -375,8 +298,6 @@ def _chunk(endpoint: Endpoint, gen: Generation, text: str, finish: str | None, f
 
 
 def _tool_chunk(markers: ToolCallMarkers) -> Callable[[Generation, str, str | None, bool], dict]:
-    """A chat chunk builder that sends tool calls as `tool_calls` deltas (`ToolCallStream`) and ends with
-    finish_reason "tool_calls" when the model called one."""
     parser = ToolCallStream(markers)
 
     def chunk(gen: Generation, text: str, finish: str | None, first: bool) -> dict:

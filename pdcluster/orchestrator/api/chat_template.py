@@ -1,10 +1,4 @@
-"""Chat templates: the checkpoint's Jinja `chat_template` (from `tokenizer_config.json`), rendered as
-transformers' `apply_chat_template` renders it: a sandboxed Jinja environment with `trim_blocks` and
-`lstrip_blocks`, the `loopcontrols` extension, `raise_exception`, `strftime_now`, a `tojson` that keeps
-non-ASCII text, and the variables `messages`, `tools`, `add_generation_prompt` plus the special tokens
-(`bos_token`, `eos_token`). The rendered text is tokenized without adding special tokens, so BOS is in
-the prompt exactly where the template writes it. A checkpoint without a template gets `PLAIN_JOIN`.
-"""
+"""Chat templates: the checkpoint's Jinja `chat_template`, rendered as transformers' `apply_chat_template`."""
 
 from __future__ import annotations
 
@@ -89,8 +83,7 @@ class ChatTemplate:
     ) -> str:
         """The prompt text of `messages` (OpenAI message dicts, `content` a string or None).
 
-        Raises:
-            ChatTemplateError: the template raised for these messages, with its message.
+        Raises ChatTemplateError: the template raised for these messages, with its message.
         """
         source = self.template_text(with_tools=bool(tools))
         if source is None:

@@ -1,17 +1,5 @@
 """Several choices for one request (`n`, completions' `best_of`): the edge fans out one backend request per
 choice, sharing the prompt's KV through the prefix cache.
-
-Fan-out: choice 0 runs first; once its first token arrived (its prompt's KV is computed and, on an
-engine with prefix caching, its full blocks are cached), choices 1 .. m-1 start, each with the same prompt
-and its own request id (`<id>-<i>`) and seed (`seed + i`, so seeded choices differ yet stay
-reproducible); their prefill finds the prompt's full blocks cached and computes only its last, partial
-block. The edge, not the engine, forks: every backend (one engine, the disaggregated cluster) serves a
-choice as any request, with no engine-side parent/child state to keep through a handoff. On a cluster,
-the choices reuse a prefill instance's cache when the router sends them to the one that prefilled
-choice 0 (what a prefix-aware router does); elsewhere they prefill again.
-
-best_of > n: best_of choices are generated (their logprobs computed even when the client asked for none)
-and the n with the largest sum of sampled-token logprobs are returned, best first (vLLM's order).
 """
 
 from __future__ import annotations
@@ -55,9 +43,8 @@ async def serve_choices(
     stream: bool,
     include_usage: bool,
 ) -> Response:
-    """Answer a request for `num_choices` choices out of `best_of` generated ones (see the module
-    docstring): the stream interleaves the choices' chunks (each with its `index`), a whole response
-    lists them in `choices`. Usage counts the prompt once and every generated choice's tokens."""
+    """Answer with `num_choices` choices out of `best_of` generated ones, streamed (interleaved by `index`)
+    or whole."""
     rank = best_of > num_choices
     gens = [start(choice_request(prepared, 0, rank))]
     try:
@@ -113,8 +100,6 @@ async def _close(gens: list[Generation]) -> None:
 async def _events(
     gens: list[Generation], prepared: PreparedRequest, endpoint: Endpoint, include_usage: bool
 ) -> AsyncIterator[bytes]:
-    """The SSE events of every choice, interleaved as their deltas arrive (each choice's first delta is
-    already folded), then the usage chunk when asked for, then `[DONE]`."""
     num_sent_chars = [0] * len(gens)
     first = [True] * len(gens)
 

@@ -1,23 +1,4 @@
-"""Prometheus families of the expert-parallel figures each EP rank reports (`stats()["ranks"][name]["ep"]`,
-the engine's `engine.expert_parallel.EPStats` as plain data), read at scrape time by
-`orchestrator.api.metrics`. Label `rank` is the rank's name (`decode-0.1`: rank 1 of decode-0); `layer` the
-decoder-layer index of a MoE layer (the MTP module's included); `expert` a logical expert id.
-
-    pdcluster_ep_steps_total{rank}                       counter  engine steps run in lockstep
-    pdcluster_ep_idle_steps_total{rank}                  counter  of those, joined with an empty batch
-    pdcluster_ep_imbalance{rank,layer}                   gauge    max / mean rows computed per rank, per MoE
-                                                                  layer, since the last rebalance (1 = even)
-    pdcluster_ep_total_imbalance{rank}                   gauge    the same over all MoE layers' rows
-    pdcluster_ep_expert_load{rank,layer,expert}          gauge    (token, expert) pairs of the rank per
-                                                                  logical expert over the EPLB window
-    pdcluster_ep_seconds_total{rank,phase}               counter  dispatch / combine / expert seconds
-    pdcluster_ep_bytes_total{rank,kind}                  counter  dispatch / combine / counts bytes sent to
-                                                                  other ranks
-    pdcluster_ep_rebalances_total{rank}                  counter  EPLB rebalances
-    pdcluster_ep_rebalance_seconds_total{rank}           counter  seconds spent rebalancing
-    pdcluster_ep_last_rebalance_seconds{rank}            gauge    the last rebalance's duration
-    pdcluster_ep_rebalance_moved_bytes_total{rank}       counter  expert-weight bytes received in rebalances
-"""
+"""Prometheus families of the expert-parallel figures each EP rank reports (`stats()["ranks"][*]["ep"]`)."""
 
 from __future__ import annotations
 

@@ -44,10 +44,6 @@ _UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool"})
 
 
 def _validation_message(errors: Sequence[Any], content_type: str | None) -> tuple[str, str | None]:
-    """The 400's message and `param` for pydantic's `errors` of a request body: pydantic's own words with
-    the field named, except for mistakes users make often, which get a sentence saying what to do: a body
-    that is not JSON, one sent without `Content-Type: application/json` (curl's `-d` sends a form), a
-    batch of prompts, a message part that is not text."""
     if any(e.get("type") == "json_invalid" for e in errors):
         return "the request body is not valid JSON", None
     media_type = (content_type or "").split(";")[0].strip().lower()
@@ -76,9 +72,6 @@ def _validation_message(errors: Sequence[Any], content_type: str | None) -> tupl
 
 
 def _field_path(loc: tuple[int | str, ...]) -> str:
-    """The request field a pydantic error location names, as `param` gives it: "messages.0.content" for
-    ("body", "messages", 0, "content", "list[TextPart]", 0, "type"), i.e. without "body" and from the first
-    member tag of a union field on (pydantic adds the member it tried, "str", "list[int]", ...)."""
     path = []
     for x in loc:
         if x == "body":

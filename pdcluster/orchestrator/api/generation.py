@@ -1,11 +1,4 @@
-"""Edge bookkeeping of one request: admission checks against the served model (`prepare`), then one
-generation against a `ServingBackend` (`Generation`): the deltas folded into what the edge has seen,
-timings, metrics, and the abort of an unfinished request.
-
-The edge never detokenizes and never looks for stop strings: the engine that decodes the request owns the
-stop rule and the text (`engine.stopping`); each `StreamDelta.new_text` is text it released (never part of
-a stop string or an incomplete character), on the cluster path sent by the decode instance.
-"""
+"""Edge bookkeeping of one request: admission checks (`prepare`), then one generation (`Generation`)."""
 
 from __future__ import annotations
 
@@ -70,22 +63,7 @@ def prepare(
 ) -> PreparedRequest:
     """Check `body` and its tokenized prompt against the served model; build the sampling params.
 
-    Args:
-        prompt_ids: the prompt's token ids (tokenized by the route, or sent as ids).
-        max_tokens: the request's output limit; None: `default_max_tokens` capped by what the context
-            leaves (None there too: all the context leaves).
-        prefix: the request id's prefix ("cmpl", "chatcmpl").
-        max_tokens_param: the field `max_tokens` came from, as errors name it (chat's
-            "max_completion_tokens" when the client sent that one).
-        num_top_logprobs: alternatives per output token the response carries (None: no logprobs).
-        logit_bias: token id -> bias (`protocol.logit_bias`); echo_text: completions' echoed prompt.
-
-    Raises:
-        ApiError: 404 for an unknown model (as OpenAI's API and vLLM answer it); 400 naming the field: an
-            empty prompt, a token id outside the vocabulary, a prompt or prompt + max_tokens over
-            `max_model_len` (the message gives the lengths), max_tokens < 1, more than `MAX_STOP_STRINGS`
-            stop strings, a bad sampling value, a stop_token_ids or logit_bias token outside the
-            vocabulary.
+    Raises ApiError: 404 for an unknown model; 400 naming the field for an invalid or over-long request.
     """
     if body.model is not None and body.model != backend.model_name:
         raise ApiError(
@@ -180,10 +158,7 @@ class Progress:
 
 
 class Generation:
-    """Drives one backend request: the text the backend released, timings, metrics, abort.
-
-    Created when the request passed `prepare`; that moment is its arrival (TTFT and e2e count from it).
-    """
+    """Drives one backend request: the text the backend released, timings, metrics, abort."""
 
     def __init__(
         self,
@@ -205,8 +180,7 @@ class Generation:
     async def next(self) -> StreamDelta | None:
         """The next delta (already folded into `progress`), or None after the last one.
 
-        Raises:
-            ApiError: 400 for a request the backend refuses (ValueError), 503 for `BackendUnavailable`.
+        Raises ApiError: 400 for a request the backend refuses (ValueError), 503 for `BackendUnavailable`.
         """
         if self.progress.finished:
             return None
@@ -303,9 +277,8 @@ class Generation:
         }
 
     def extension(self) -> dict[str, Any]:
-        """The `pdcluster` field: request id, phases (seconds, bytes where named so), TTFT/TPOT/e2e in
-        seconds measured at the edge (None where not measured), MTP draft/accept counts and rates, and
-        `ranks` (the prefill and decode ranks that served it) where the backend names them."""
+        """The `pdcluster` field: request id, phases, TTFT/TPOT/e2e in seconds at the edge, MTP counts and
+        rates, and the ranks that served it."""
         p = self.progress
         end_s = p.last_token_s if p.last_token_s is not None else time.perf_counter()
         ttft_s = None if p.first_token_s is None else p.first_token_s - p.arrival_s

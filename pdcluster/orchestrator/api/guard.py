@@ -17,20 +17,9 @@ _CLOSE = {"Connection": "close"}
 
 class EdgeGuard:
     """Pure ASGI middleware in front of every route. Per HTTP request, in this order, each refusal an
-    OpenAI-style error body sent before the app sees the request:
-
-    1. API key (when one is set): every path but `OPEN_PATHS` (/health, /metrics) needs
-       `Authorization: Bearer <key>`, the docs included (/docs, /redoc, /openapi.json): else 401, the body
-       unread.
-    2. Admission: a POST to `GENERATION_PATHS` while `max_concurrent_requests` of them are in flight
-       (admitted here and their response's last body message not yet sent): 429 with
-       `Retry-After: RETRY_AFTER_S`, the body unread. A streamed request is refused with a status, never
-       with an error inside a 200 stream. None: no limit.
-    3. Body size: a `Content-Length` over `max_request_body_bytes`: 413 at once, nothing read; otherwise
-       the body is read here and refused with 413 as soon as more than the limit has arrived (a chunked
-       body), then handed to the app. A 413 carries `Connection: close`, so the rest is not read.
-
-    The counters live on the event loop's thread only (no lock).
+    OpenAI-style error body sent before the app sees the request: 401 without the API key (but on
+    `OPEN_PATHS`); 429 with `Retry-After` past `max_concurrent_requests` generation POSTs in flight;
+    413 for a body over `max_request_body_bytes` (with `Connection: close`). Event-loop thread only.
     """
 
     def __init__(
@@ -118,8 +107,6 @@ class EdgeGuard:
         return False
 
     async def _read_body(self, scope: Any, receive: Any, send: Any) -> Any:
-        """The whole body read (at most `max_request_body_bytes`), as a `receive` for the app that gives it
-        first, then what the server sends (a disconnect); None: refused with 413, or the client left."""
         limit = self.max_request_body_bytes
         too_large = (
             f"the request body is over this server's limit of {limit} bytes (api.max_request_body_bytes)"

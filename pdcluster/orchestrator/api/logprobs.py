@@ -1,18 +1,4 @@
-"""Per-token log-probabilities in OpenAI's response shapes.
-
-The values are the engine's (`engine.outputs.TokenLogprobs`): log_softmax of the logits after logit_bias,
-the penalties and min_tokens, divided by the temperature (1 when greedy), before top-k/top-p, i.e. the
-distribution the token was sampled from before truncation (vLLM v0's default; vLLM v1 reports the raw
-logits' unless `logprobs_mode` says otherwise: both agree for greedy requests without penalties). A
-token's text is its own decode (a byte-level piece of a multi-byte character shows as U+FFFD, as vLLM
-shows it); `-inf` (a token min_tokens holds back) is sent as -9999.0, as vLLM sends it (JSON has no
-infinity).
-
-    completions  choices[i].logprobs = {"tokens", "token_logprobs", "top_logprobs": [{text: logprob}],
-                                        "text_offset"}
-    chat         choices[i].logprobs = {"content": [{"token", "logprob", "bytes",
-                                        "top_logprobs": [{"token", "logprob", "bytes"}]}]}
-"""
+"""Per-token log-probabilities in OpenAI's response shapes."""
 
 from __future__ import annotations
 
@@ -39,8 +25,7 @@ def completion_logprobs(
     tokenizer: Tokenizer, entries: Sequence[TokenLogprobs], text_offset: int, num_top: int
 ) -> dict[str, Any]:
     """The completions `logprobs` object of `entries` (consecutive output tokens), offsets counted from
-    `text_offset` characters (the text the choice already sent); `num_top` alternatives per token (the
-    sampled token is added to its dict, as vLLM adds it)."""
+    `text_offset` characters; `num_top` alternatives per token plus the sampled one (as vLLM)."""
     tokens: list[str] = []
     offsets: list[int] = []
     top: list[dict[str, float]] = []

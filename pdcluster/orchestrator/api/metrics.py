@@ -1,48 +1,4 @@
-"""Prometheus metrics of one API server (`GET /metrics`), in a registry owned by the app.
-
-Per request, recorded by the server when a request ends (`ApiMetrics.record_request`; times in seconds,
-measured at the HTTP edge from the moment the request passed validation):
-
-    pdcluster_time_to_first_token_seconds        histogram  arrival -> first token delta
-    pdcluster_time_per_output_token_seconds      histogram  (last token - first token) / (output tokens - 1)
-    pdcluster_inter_token_latency_seconds        histogram  gap between successive token deltas (a delta may
-                                                            carry several tokens with MTP)
-    pdcluster_e2e_request_latency_seconds        histogram  arrival -> last delta
-    pdcluster_request_phase_seconds{phase}       histogram  the backend's phases (queue_s, prefill_s,
-                                                            kv_transfer_s, first_decode_step_s, total_s)
-    pdcluster_kv_transfer_seconds                histogram  per-request KV transfer time (phase kv_transfer_s)
-    pdcluster_kv_transfer_bytes_total            counter    KV bytes moved prefill -> decode (phases)
-    pdcluster_spec_decode_num_draft_tokens_total{position}     counter  drafted tokens per draft depth
-    pdcluster_spec_decode_num_accepted_tokens_total{position}  counter  accepted tokens per draft depth
-                                                            (acceptance rate at depth i = accepted / drafted)
-    pdcluster_requests_total{finish_reason}      counter    stop / length / abort
-    pdcluster_request_errors_total{status_code}  counter    requests answered with an error
-    pdcluster_prompt_tokens_total, pdcluster_generation_tokens_total  counters
-    pdcluster_requests_in_flight                 gauge      completion requests admitted at the edge and
-                                                            not ended (what api.max_concurrent_requests
-                                                            bounds; a refusal counts in request_errors
-                                                            {status_code="429"})
-    pdcluster_slo_requests_total{attained}       counter    requests meeting both TTFT and TPOT SLOs (only
-                                                            with an SLO configured)
-
-Read from `backend.stats()` at scrape time (nothing is cached between scrapes):
-
-    pdcluster_num_requests_waiting / pdcluster_num_requests_running  gauges (queue depth)
-    pdcluster_kv_cache_used_blocks{instance}, pdcluster_kv_cache_total_blocks{instance},
-    pdcluster_kv_cache_usage_ratio{instance}                          gauges, per decode rank (`decode-0`;
-                                                            `decode-0.1` is rank 1 of a multi-rank instance)
-    pdcluster_backend_kv_transfer_bytes_total, pdcluster_backend_kv_transfer_seconds_total  counters (when
-                                                            the backend reports them)
-    pdcluster_rank_<counter>{rank}                                   gauges, one per counter of each rank's
-                                                            load (`stats()["ranks"]`; rank `decode-0.1` is
-                                                            rank 1 of decode-0): num_free_blocks,
-                                                            num_total_blocks, num_running, num_reserved,
-                                                            num_waiting_for_seat (decode),
-                                                            num_queued_prefill_tokens, num_requests
-                                                            (prefill), num_engine_errors
-    pdcluster_ep_*{rank,...}                                          expert-parallel figures of each EP rank
-                                                            (`orchestrator.api.ep_metrics`)
-"""
+"""Prometheus metrics of one API server (`GET /metrics`), in a registry owned by the app."""
 
 from __future__ import annotations
 
@@ -73,10 +29,7 @@ class _BackendStatsCollector(Collector):
         self._stats = stats
 
     def describe(self) -> Iterator[Metric]:
-        """Nothing: without it the registry (`auto_describe`) would `collect`, i.e. call `stats()`, when
-        the collector is registered, and `build_app` would wait for every rank's answer (a call timeout on
-        a stalled cluster). The gauges' names depend on the ranks anyway; the registry then skips its
-        duplicate-name check for them."""
+        """Nothing, so registering the collector does not call `stats()` (a stalled cluster would block)."""
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
@@ -243,11 +196,8 @@ class ApiMetrics:
     ) -> None:
         """Count one ended request; an aborted one only in `requests{finish_reason="abort"}`.
 
-        Args:
-            extension: the response's `pdcluster` field (`Generation.extension()`): ttft_s, tpot_s, e2e_s
-                in seconds, `phases` (names ending in `_s` are seconds, `kv_transfer_bytes` bytes).
-            last: the request's last delta (its cumulative MTP draft/accept counts per position).
-            slo: counted in `slo_requests` when it sets a TTFT or a TPOT target.
+        extension: the response's `pdcluster` field (`Generation.extension()`): ttft_s, tpot_s, e2e_s
+            in seconds, `phases` (names ending in `_s` are seconds, `kv_transfer_bytes` bytes).
         """
         self.requests.labels(finish_reason).inc()
         if finish_reason == "abort":

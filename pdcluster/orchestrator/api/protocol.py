@@ -1,8 +1,5 @@
 """The OpenAI wire format at the edge: request schemas (pydantic), their validation, error bodies and the
 response bodies of /v1/completions and /v1/chat/completions (whole and streamed chunks).
-
-Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}` (`error_response`);
-`ApiError` is what the routes and the edge bookkeeping raise to answer one.
 """
 
 from __future__ import annotations
@@ -25,25 +22,18 @@ RETRY_AFTER_S = 1  # the Retry-After header (seconds) of a 429 (edge full) and o
 
 # ---- request schemas (pydantic at the edge) -------------------------------------------------------------
 def _check_unicode(value: Any) -> Any:
-    """Field validator: `value` (a str, or a list whose str items are checked) unchanged when all its text
-    is valid Unicode; a lone surrogate raises `models.tokenizer.check_unicode`'s ValueError, which
-    pydantic turns into a 400 naming the field (before tokenization)."""
     for text in value if isinstance(value, list) else [value]:
         if isinstance(text, str):
             check_unicode(text)
     return value
 
 
-# Every request model validates strictly: a JSON value of the wrong type is a 400 naming the field, never
-# converted ("10" is not max_tokens 10, true is not token id 1, 1e30 is not an integer). A JSON integer is
-# still a valid float (temperature: 1).
+# Strict: a JSON value of the wrong type is a 400 naming the field, never converted.
 STRICT = ConfigDict(extra="ignore", strict=True)  # extra: OpenAI clients send fields we do not use (user)
 
 
 class StreamOptions(BaseModel):
-    """OpenAI `stream_options`: `include_usage` adds a last chunk with an empty `choices` list carrying
-    `usage`, before `data: [DONE]` (what vLLM's and SGLang's clients, `vllm bench serve` among them, read
-    the completion token count from)."""
+    """OpenAI `stream_options`: `include_usage` adds a last chunk with empty `choices` carrying `usage`."""
 
     model_config = STRICT
 
@@ -212,8 +202,7 @@ def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuse the OpenAI options this server does not implement (suffix, echo with logprobs) rather than
     ignore them, and out-of-range choice and logprobs counts.
 
-    Raises:
-        ApiError: 400 naming the option (`param`).
+    Raises ApiError: 400 naming the option (`param`).
     """
     if not 1 <= body.n <= MAX_CHOICES:
         raise ApiError(400, f"n must be in [1, {MAX_CHOICES}], got {body.n}", param="n")
@@ -311,20 +300,7 @@ def response_body(
     tool_calls: list[dict[str, Any]] | None = None,
     index: int = 0,
 ) -> dict[str, Any]:
-    """A response body of `gen` carrying `text` with `finish` (its finish_reason; None mid-stream).
-
-    Args:
-        endpoint: "completion" (`object: text_completion`, `choices[0].text`) or "chat"
-            (`chat.completion` with `choices[0].message`; a chunk: `chat.completion.chunk` with
-            `choices[0].delta`, whose first one names the role).
-        chunk: an SSE chunk (the `pdcluster` extension only on the last, `finish` set; `usage` never: the
-            `include_usage` chunk carries it, counted once) rather than the whole response (with both).
-        first: the stream's first chunk (chat: the delta carries `role: assistant`; completions with
-            `echo`: the prompt's text comes first).
-        tool_calls: chat: the message's `tool_calls` (OpenAI form; in a chunk, with their `index`).
-        index: the choice's index (`n`).
-    The choice's `logprobs` are those of the tokens not yet sent in a chunk (`Generation.logprobs_body`).
-    """
+    """A response body of `gen` carrying `text` with `finish` (its finish_reason; None mid-stream)."""
     choice: dict[str, Any] = {"index": index}
     if endpoint == "completion":
         object_ = "text_completion"

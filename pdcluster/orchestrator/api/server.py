@@ -1,7 +1,5 @@
 """Running the app: `ServerThread` (uvicorn on a background thread, for the tests, `pdcluster deploy`,
-`pdcluster bench --endpoint local`) and `main`, a single-engine server in the foreground:
-
-    python -m pdcluster.orchestrator.api --model pdcluster/models/tiny --port 8000
+`pdcluster bench --endpoint local`) and `main`, a single-engine server in the foreground.
 """
 
 from __future__ import annotations
@@ -25,12 +23,6 @@ from pdcluster.orchestrator.topology import (
 
 
 class _DrainLogFilter(logging.Filter):
-    """uvicorn's log of a drain that ran out, in one line: its ERROR "Cancel N running task(s), timeout
-    graceful shutdown exceeded" becomes a WARNING saying what happened, and the traceback it then logs for
-    each request it cut (an "Exception in ASGI application" whose exception is the CancelledError it
-    injected) is dropped: so is any other record of a CancelledError, which only a cancelled task logs.
-    Every other record passes unchanged."""
-
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, str) and record.msg.startswith("Cancel %s running task(s)"):
             record.levelno, record.levelname = logging.WARNING, "WARNING"
@@ -47,20 +39,10 @@ def _install_drain_log_filter() -> None:
 
 
 def bind_server_socket(host: str, port: int) -> socket.socket:
-    """A TCP/IPv4 socket bound to `host:port` (0: a free port), not yet listening: the port is held, and
-    connections are refused until `ServerThread` starts serving on it.
+    """A TCP/IPv4 socket bound to `host:port` (0: a free port), not yet listening.
 
-    `orchestrator.serve` binds it before the actors start, as vLLM's server does before its engine: Ray and
-    our KV servers open ports of their own while the weights load, and a port checked free then and bound
-    only once the actors are up could be taken in between. It is bound without SO_REUSEADDR where it can
-    be, so that no other socket can bind the port meanwhile (another deploy's preflight finds it in use);
-    where old connections of an earlier server linger in TIME_WAIT on it, that bind fails and it is bound
-    again with SO_REUSEADDR, which ports the kernel picks (Ray's, ours, outgoing connections) still avoid,
-    but which another server binding it with SO_REUSEADDR too would not: the one that listens first wins.
-
-    Raises:
-        OSError: the bind failed (address in use, no permission, not an address of this machine).
-        OverflowError: port not in [0, 65535].
+    Raises OSError: the bind failed (address in use, no permission, not an address of this machine).
+    Raises OverflowError: port not in [0, 65535].
     """
     for reuse in (False, True):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -80,14 +62,7 @@ def bind_server_socket(host: str, port: int) -> socket.socket:
 
 
 class ServerThread:
-    """uvicorn serving `app` on `host` (a free port with port=0) in a background thread; `stop()` ends it.
-
-    Used by the tests, `orchestrator.serve` and `pdcluster bench --endpoint local`; binds 127.0.0.1 unless
-    told otherwise, or serves on `sock`, a socket from `bind_server_socket` (host and port are then its
-    own; the server owns it from here and closes it at `stop`). `drain_timeout_s`: at `stop`, the listening
-    socket closes at once (new connections are refused) and requests in flight, streams included, get up to
-    this many seconds to finish before they are cut.
-    """
+    """uvicorn serving `app` on `host` (a free port with port=0) in a background thread; `stop()` ends it."""
 
     FORCED_EXIT_S = 10.0  # uvicorn's loop ticks every 0.1 s; what it then does without the drain is quick
 
@@ -113,8 +88,7 @@ class ServerThread:
         )
         _install_drain_log_filter()  # after Config, which (re)configures uvicorn's loggers
         self.server = uvicorn.Server(config)
-        # set when uvicorn's thread is done: unlike Thread.is_alive, still right after a join that a signal
-        # interrupted (Python 3.11's join then marks a running thread stopped)
+        # set when uvicorn's thread is done (Thread.is_alive is wrong after a join a signal interrupted)
         self._ended = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdcluster-http", daemon=True)
 
@@ -136,12 +110,10 @@ class ServerThread:
     def start(self, timeout_s: float = 10.0) -> ServerThread:
         """Listen on the socket and start serving; returns once uvicorn is up.
 
-        Raises:
-            OSError: the socket cannot listen (EADDRINUSE: another socket listens on its port already).
-            RuntimeError: uvicorn did not start within `timeout_s` seconds (its thread is stopped first).
+        Raises OSError: the socket cannot listen (EADDRINUSE: another socket listens on its port already).
+        Raises RuntimeError: uvicorn did not start within `timeout_s` seconds (its thread is stopped first).
         """
-        # SO_REUSEADDR from here on (also where it was bound without): the connections it accepts inherit
-        # it, and once they end in TIME_WAIT a server restarted on the port can bind it again at once.
+        # SO_REUSEADDR, inherited by accepted connections, so a restart can bind the port despite TIME_WAIT.
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.listen(self.server.config.backlog)  # here, so that a failure is an OSError with a reason
         self._thread.start()
@@ -155,12 +127,7 @@ class ServerThread:
         return self
 
     def stop(self) -> None:
-        """Refuse new connections, let requests in flight finish (`drain_timeout_s`), then end.
-
-        Interrupted while it waits (a second Ctrl-C: KeyboardInterrupt, or any exception raised in this
-        thread), it cuts the requests in flight at once, waits up to `FORCED_EXIT_S` seconds for uvicorn to
-        close its server, and re-raises: the socket is never closed under a server still using it. A server
-        that never started only closes its socket."""
+        """Refuse new connections, let requests in flight finish (`drain_timeout_s`), then end."""
         if self._thread.ident is None:
             self._socket.close()
             return

@@ -1,10 +1,5 @@
 """Server-sent events and client disconnects: the SSE framing, the event stream of one `Generation`, an
 SSE response that aborts its request when it ends, and `until_disconnect` for the non-streaming path.
-
-A stream is `data: <chunk JSON>` events, the last one with `finish_reason` (plus `usage` and the
-`pdcluster` extension), with `stream_options.include_usage` one more with `choices: []` and `usage`
-(OpenAI's form, the one vLLM's clients read), then `data: [DONE]`. An error after the stream started
-is sent as a final `data: {"error": ...}` event, then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -39,10 +34,8 @@ def sse_event(payload: Any) -> bytes:
 async def sse_events(
     gen: Generation, chunk: ChunkBuilder, usage_chunk: UsageChunkBuilder | None = None
 ) -> AsyncIterator[bytes]:
-    """The events of `gen`'s stream: a first chunk at once (its first delta is already folded), then one
-    chunk per delta with new text to send (`Generation.stream_text`), the last with its finish reason;
-    with `usage_chunk` (the request's `stream_options.include_usage`), a chunk with no choices carrying
-    `usage`; then `[DONE]`. An `ApiError` becomes an error event (counted in `request_errors`)."""
+    """The SSE events of `gen`: one chunk per delta with new text, the last with its finish reason, an
+    optional `usage` chunk (`usage_chunk`), then `[DONE]`."""
     num_sent_chars = 0
     first = True
     try:

@@ -1,16 +1,5 @@
 """What a request asks its output to match, as the engine's `(kind, spec)` grammar
 (`engine.structured_output`), and tool calling's part of it.
-
-Sources, at most one per request (a second is a 400 naming both):
-- OpenAI `response_format`: {"type": "text"} (none), {"type": "json_object"}, {"type": "json_schema",
-  "json_schema": {"name", "schema", "strict"}};
-- vLLM's extensions: `guided_json` (schema), `guided_regex`, `guided_choice` (list of strings),
-  `guided_grammar` (EBNF or Lark), or `structured_outputs: {"json" | "regex" | "choice" | "grammar": ...}`;
-- chat `tools` with `tool_choice` "required" (one call to any of them) or {"type": "function",
-  "function": {"name"}} (one call to that one), in the checkpoint's tool-call format. "auto" (the default
-  with tools) and "none" constrain nothing; "auto" parses tool calls out of the text, "none" does not.
-The edge compiles the grammar before admitting the request (`EdgeGrammars.check`): one that cannot
-compile is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -75,9 +64,8 @@ def _response_format(value: dict[str, Any]) -> Grammar | None:
 def requested_grammar(body: CommonRequest, markers: ToolCallMarkers) -> tuple[Grammar | None, str | None]:
     """`(grammar, the field it came from)`, `(None, None)` when the output is free.
 
-    Raises:
-        ApiError: 400 naming the field: two sources, a malformed value, a named tool that is not in
-            `tools`, tool_choice without tools.
+    Raises ApiError: 400 naming the field: two sources, a malformed value, a named tool that is not in
+        `tools`, tool_choice without tools.
     """
     found: list[tuple[Grammar, str]] = []
     if body.response_format is not None:

@@ -5,10 +5,7 @@
     ARGUMENTS
     ```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
 
-(the markers of DeepSeek-V3's `tokenizer_config.json` chat template). The bundled tiny checkpoint spells
-the same markers in ASCII (`<|tool_calls_begin|>`, ...), which its tokenizer splits into a few tokens;
-`markers_for` picks the spelling the checkpoint's template uses. Text before the first marker is the
-message's `content`.
+(`markers_for` picks the spelling the checkpoint's template uses). Text before the first marker is `content`.
 """
 
 from __future__ import annotations
