@@ -1,4 +1,4 @@
-"""bench/RESULTS.md is what bench/results/*.json give, and bench.record keeps a benchmark's last JSON object."""
+"""bench/RESULTS.md is what bench/results/*.json give; bench.record keeps the last JSON object."""
 
 from __future__ import annotations
 
