@@ -1,5 +1,6 @@
-"""How rank actors are made and judged at deploy: their Ray class and options, when Ray restarts them,
-how long deploy waits for them, and the topologies deploy refuses."""
+"""How rank actors are made and judged at deploy: their Ray class and options, when Ray restarts them, how
+long deploy waits for them, and the topologies deploy refuses.
+"""
 
 from __future__ import annotations
 
@@ -9,47 +10,43 @@ from pdcluster.orchestrator.messages import NodeReady
 from pdcluster.orchestrator.preflight import actor_layer_issues, weight_dtype_issues
 from pdcluster.orchestrator.topology import ADDRESSED_KV_TRANSPORTS, Topology
 
-MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc, shm) this often; then it stays dead
-# The rank actors' Ray concurrency group for the health monitor's probes (`load`), with threads of its own:
-# calls that wait for a hung engine (a decode abort, a reserve) can take every thread of the default group
-# (max_concurrency), and a probe queued behind them would never be answered.
+MAX_ACTOR_RESTARTS = 5
 PROBE_GROUP = "probe"
-PROBE_GROUPS = {PROBE_GROUP: 2}  # the actor classes' `concurrency_groups` (Ray takes them only at ray.remote)
+PROBE_GROUPS = {PROBE_GROUP: 2}
 
 
 def rank_actor_class(ray, cls: type) -> Any:
-    """The Ray actor class of rank class `cls` (`PrefillNode`, `DecodeNode`), with the probe group: every
-    rank actor must be made by it, since a call to a group the actor lacks crashes its process."""
+    """The Ray actor class of rank class `cls` (`PrefillNode`, `DecodeNode`), with the probe group: every rank
+    actor must be made by it, since a call to a group the actor lacks crashes its process.
+    """
     return ray.remote(concurrency_groups=PROBE_GROUPS)(cls)
 
 
 def ray_restarts(kv_transport: str, num_ranks: int) -> bool:
     """Whether Ray restarts the actor of a rank that died (up to MAX_ACTOR_RESTARTS times): a one-rank
     instance on an addressed KV transport (grpc, shm, shm+grpc), which the health monitor rewires when it
-    answers again. A torch.distributed group (the KV transport's, a multi-rank instance's) is fixed at
-    deploy time: a restarted rank could not rejoin it."""
+    answers again.
+    """
     return kv_transport in ADDRESSED_KV_TRANSPORTS and num_ranks == 1
 
 
-# Seconds deploy waits for each rank actor to load its weights, and the ranks of an instance for each other
-# at their group's rendezvous (they start at once, but on a busy machine not at the same moment).
 ACTORS_READY_TIMEOUT_S = 300.0
-# Seconds more deploy waits for the ranks of a pool with `compile` on (the decode pool's default): compiling
-# the decode forward at load took ~50 s on an idle 2-core machine and 196 s with its cores contended.
 COMPILE_READY_TIMEOUT_S = 600.0
 
 
 def ready_timeout_s(topology: Topology) -> float:
-    """How long deploy waits for each rank actor to be ready, and the ranks of a multi-rank instance for
-    each other at their rendezvous (seconds): ACTORS_READY_TIMEOUT_S, plus COMPILE_READY_TIMEOUT_S when a
-    pool compiles its decode forward at load."""
+    """How long deploy waits for each rank actor to be ready, and the ranks of a multi-rank instance for each
+    other at their rendezvous (seconds): ACTORS_READY_TIMEOUT_S, plus COMPILE_READY_TIMEOUT_S when a pool
+    compiles its decode forward at load.
+    """
     compiles = topology.compiles("prefill") or topology.compiles("decode")
     return ACTORS_READY_TIMEOUT_S + (COMPILE_READY_TIMEOUT_S if compiles else 0.0)
 
 
 def load_summary(info: NodeReady) -> str:
-    """How a rank's load went, for deploy's log: its load time and what `compile` did (compiled in how
-    long, or why the rank runs eagerly)."""
+    """How a rank's load went, for deploy's log: its load time and what `compile` did (compiled in how long,
+    or why the rank runs eagerly).
+    """
     stats = info.compile
     if stats is None or not stats.requested:
         return f"weights loaded in {info.load_s:.1f} s"
@@ -61,8 +58,8 @@ def load_summary(info: NodeReady) -> str:
 def check_deployable_parallelism(topology: Topology) -> None:
     """Raise ValueError for parallelism the actor layer cannot run (`orchestrator.preflight.
     actor_layer_issues`: tensor-parallel attention, experts split over part of an instance), naming the
-    keys, so deploying never silently ignores it. `pdcluster deploy` refuses them before this, at their
-    YAML lines."""
+    keys, so deploying never silently ignores it.
+    """
     issues = actor_layer_issues(topology)
     if issues:
         raise ValueError(
@@ -73,7 +70,8 @@ def check_deployable_parallelism(topology: Topology) -> None:
 def check_deployable(topology: Topology) -> None:
     """`check_deployable_parallelism`, then a `model.weight_dtype` the engine does not run
     (`orchestrator.preflight.weight_dtype_issues`: 8-bit weights are a planning assumption): ValueError
-    naming the key, as `pdcluster deploy` refuses it at its YAML line."""
+    naming the key, as `pdcluster deploy` refuses it at its YAML line.
+    """
     check_deployable_parallelism(topology)
     issues = weight_dtype_issues(topology)
     if issues:
@@ -86,8 +84,9 @@ def is_loopback_topology(topology: Topology) -> bool:
 
 
 def actor_resource_options(ray_resource: str | None) -> dict[str, Any]:
-    """The device part of an actor's Ray options: `num_gpus=1` for GPUs (Ray refuses "GPU" in
-    `resources`), `resources={"NPU": 1}` for custom accelerators, nothing on `cpu`."""
+    """The device part of an actor's Ray options: `num_gpus=1` for GPUs (Ray refuses "GPU" in `resources`),
+    `resources={"NPU": 1}` for custom accelerators, nothing on `cpu`.
+    """
     if ray_resource is None:
         return {}
     if ray_resource == "GPU":
