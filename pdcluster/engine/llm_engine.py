@@ -18,11 +18,9 @@ from pdcluster.engine.async_loop import AsyncStepLoop
 from pdcluster.engine.compile_setup import compile_stats, install_compiled_forwards
 from pdcluster.engine.compiled_forward import CompileStats
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.executor import Executor
+from pdcluster.engine.engine_build import build_executor, build_kv_and_scheduler
 from pdcluster.engine.expert_parallel import EPStats, setup_expert_parallel
-from pdcluster.engine.kv_pool_attention import KVPoolCaches
-from pdcluster.engine.kv_pools import KVPoolLayout, PooledBlockManager
-from pdcluster.engine.model_runner import LayerKVCallback, ModelRunner
+from pdcluster.engine.model_runner import LayerKVCallback
 from pdcluster.engine.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
 from pdcluster.engine.remote_prefill import (
     PrefillOutput,
@@ -34,10 +32,7 @@ from pdcluster.engine.remote_prefill import (
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.request_record import RequestRecord
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.engine.scheduler import Scheduler
-from pdcluster.engine.scheduler_policy import SchedulerConfig
 from pdcluster.engine.stopping import OutputText
-from pdcluster.engine.structured_output import StructuredOutputs
 from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pdcluster.models.dtypes import MODEL_DTYPES, torch_dtype
 from pdcluster.models.tokenizer import Tokenizer
@@ -98,56 +93,10 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{model_cfg.max_position_embeddings}"
             )
-        num_blocks = config.num_kv_blocks
-        self.kv_layout = self._kv_layout()
-        if self.kv_layout is not None:
-            num_blocks = sum(self.kv_layout.num_blocks_per_pool)
-        elif num_blocks is None:
-            probe = ModelRunner(self.model, 1, config.block_size, config.kv_cache_dtype)
-            num_blocks = max(
-                1, config.kv_cache_memory_bytes // (probe.kv_cache_bytes_per_token * config.block_size)
-            )
-        self.runner = ModelRunner(
-            self.model,
-            1 if self.kv_layout else num_blocks,
-            config.block_size,
-            config.kv_cache_dtype,
-            shared_kv_cache and self.kv_layout is None,
+        self.kv_layout, self.runner, self.scheduler = build_kv_and_scheduler(
+            config, self.model, self.max_model_len, shared_kv_cache
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-                block_size=config.block_size,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                num_lookahead_tokens=max(0, config.num_speculative_tokens - 1),
-            ),
-            num_blocks,
-            config.enable_prefix_caching,
-            num_draft_placeholders=config.num_speculative_tokens if config.async_scheduling else 0,
-        )
-        if self.kv_layout is not None:
-            counts = self.kv_layout.num_blocks_per_pool
-            self.scheduler.block_manager = PooledBlockManager(
-                counts, config.block_size, config.enable_prefix_caching
-            )
-            self.runner.kv_caches = self.runner.kv_scales = []
-            self.runner.num_blocks = num_blocks
-            self.runner.kv_pools = KVPoolCaches(
-                self.kv_layout.pools, counts, config.block_size, model_cfg.kv_cache_dim, self.runner.device
-            )
-        self.executor = Executor(
-            self.runner,
-            config.num_speculative_tokens,
-            max_num_tokens=config.max_num_batched_tokens,
-            max_num_reqs=config.max_num_seqs,
-            max_num_blocks_per_req=self.scheduler.request_rows.table.shape[1],
-            adaptive_min_accept_prob=config.adaptive_speculation_min_accept_prob
-            if config.adaptive_speculation
-            else None,
-            structured_outputs=StructuredOutputs(self.tokenizer, model_cfg.vocab_size),
-        )
+        self.executor = build_executor(config, self.runner, self.scheduler, self.tokenizer)
         self._compile_s = 0.0
         self._compile_error: str | None = None
         if config.compile:
@@ -159,20 +108,6 @@ class LLMEngine:
         self._records: dict[str, RequestRecord] = {}
         self._finished: list[str] = []
         self._ids = itertools.count()
-
-    def _kv_layout(self) -> KVPoolLayout | None:
-        config, cfg = self.config, self.model.config
-        if config.kv_precision is None:
-            return None
-        return KVPoolLayout.build(
-            config.kv_precision,
-            len(self.model.main_layers) + len(self.model.mtp_layers),
-            next(self.model.parameters()).dtype,
-            cfg.kv_cache_dim,
-            config.block_size,
-            config.kv_cache_memory_bytes,
-            config.num_kv_blocks,
-        )
 
     def _assign_kv_pool(self, request: Request, max_tokens: int) -> None:
         """Admission: the request's KV pool from its band (`engine.kv_precision`); ValueError when the request
