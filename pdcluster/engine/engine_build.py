@@ -7,6 +7,7 @@ from pdcluster.engine.executor import Executor
 from pdcluster.engine.kv_pool_attention import KVPoolCaches
 from pdcluster.engine.kv_pools import KVPoolLayout, PooledBlockManager
 from pdcluster.engine.model_runner import ModelRunner
+from pdcluster.engine.request import Request
 from pdcluster.engine.scheduler import Scheduler
 from pdcluster.engine.scheduler_policy import SchedulerConfig
 from pdcluster.engine.structured_output import StructuredOutputs
@@ -90,3 +91,20 @@ def _kv_layout(config: EngineConfig, model: DeepseekV3ForCausalLM) -> KVPoolLayo
         config.kv_cache_memory_bytes,
         config.num_kv_blocks,
     )
+
+
+def assign_kv_pool(layout: KVPoolLayout | None, request: Request, max_tokens: int, block_size: int) -> None:
+    """Admission: the request's KV pool from its band (`engine.kv_precision`).
+
+    Raises:
+        ValueError: the request could never fit that pool.
+    """
+    if layout is None:
+        return
+    request.kv_pool = layout.pool_for(request.num_prompt_tokens, max_tokens)
+    num_blocks = -(-(request.num_prompt_tokens + max_tokens) // block_size)
+    if num_blocks > layout.num_blocks_per_pool[request.kv_pool]:
+        raise ValueError(
+            f"prompt + max_tokens needs {num_blocks} KV blocks, its KV pool "
+            f"{request.kv_pool} holds {layout.num_blocks_per_pool[request.kv_pool]}"
+        )

@@ -18,7 +18,7 @@ from pdcluster.engine.async_loop import AsyncStepLoop
 from pdcluster.engine.compile_setup import compile_stats, install_compiled_forwards
 from pdcluster.engine.compiled_forward import CompileStats
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.engine_build import build_executor, build_kv_and_scheduler
+from pdcluster.engine.engine_build import assign_kv_pool, build_executor, build_kv_and_scheduler
 from pdcluster.engine.expert_parallel import EPStats, setup_expert_parallel
 from pdcluster.engine.model_runner import LayerKVCallback
 from pdcluster.engine.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
@@ -26,8 +26,8 @@ from pdcluster.engine.remote_prefill import (
     PrefillOutput,
     PromptKVCallback,
     RemotePrefillReservations,
+    export_callbacks,
     prefill_result,
-    prompt_kv_hook,
 )
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.request_record import RequestRecord
@@ -51,9 +51,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineStepError(RuntimeError):
-    """`LLMEngine.step()` (synchronous loop): executing the step raised, so the state of the requests it ran
-    (KV written, sampling) is unknown.
-    """
+    """`LLMEngine.step()` (synchronous loop) raised executing the step: its requests' state is unknown."""
 
     def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
         super().__init__(message)
@@ -109,22 +107,6 @@ class LLMEngine:
         self._finished: list[str] = []
         self._ids = itertools.count()
 
-    def _assign_kv_pool(self, request: Request, max_tokens: int) -> None:
-        """Admission: the request's KV pool from its band (`engine.kv_precision`); ValueError when the request
-        could never fit that pool.
-        """
-        layout = self.kv_layout
-        if layout is None:
-            return
-        request.kv_pool = layout.pool_for(request.num_prompt_tokens, max_tokens)
-        num_blocks = -(-(request.num_prompt_tokens + max_tokens) // self.config.block_size)
-        if num_blocks > layout.num_blocks_per_pool[request.kv_pool]:
-            raise ValueError(
-                f"prompt + max_tokens needs {num_blocks} KV blocks, its KV pool "
-                f"{request.kv_pool} holds {layout.num_blocks_per_pool[request.kv_pool]}"
-            )
-
-    # ---- requests ------------------------------------------------------------------------------------
     def add_request(
         self,
         prompt: str | list[int],
@@ -165,7 +147,7 @@ class LLMEngine:
             arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s,
             export_kv=prefill_only,
         )
-        self._assign_kv_pool(request, max_tokens)
+        assign_kv_pool(self.kv_layout, request, max_tokens, self.config.block_size)
         self.scheduler.add_request(request)
         self._records[request_id] = self._new_record(request, text)
         self._records[request_id].stream = stream
@@ -188,7 +170,6 @@ class LLMEngine:
         del self._records[request_id]
         return record.prefill_result
 
-    # ---- requests prefilled elsewhere (decode side of a disaggregated request; engine.remote_prefill) --
     def reserve_remote_prefill(
         self,
         request_id: str,
@@ -213,7 +194,7 @@ class LLMEngine:
             eos_token_id=self.eos_token_id,
             arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s,
         )
-        self._assign_kv_pool(request, sampling_params.max_tokens)
+        assign_kv_pool(self.kv_layout, request, sampling_params.max_tokens, self.config.block_size)
         return self.remote_prefills.reserve(request, num_draft_tokens)
 
     def write_prompt_kv(
@@ -297,7 +278,6 @@ class LLMEngine:
         self._finished = [r for r in self._finished if r not in wanted]
         return [self._output(self._records[rid]) for rid in wanted]
 
-    # ---- the step ------------------------------------------------------------------------------------
     def step(
         self,
         on_layer_kv: LayerKVCallback | None = None,
@@ -317,23 +297,10 @@ class LLMEngine:
         if self._async_loop is None:
             output = self.scheduler.schedule()
             exporting = [item for item in output.scheduled if item.samples and item.request.export_kv]
-            hook, flush_prompt_kv = on_layer_kv, None
-            if exporting and on_prompt_kv is not None:
-                last_layer_idx = self.model.main_layers[-1].layer_idx
-                hook, flush_prompt_kv = prompt_kv_hook(
-                    self.runner, exporting, on_layer_kv, on_prompt_kv, last_layer_idx
-                )
-            on_sampled = None
-            if exporting and (on_first_token is not None or flush_prompt_kv is not None):
-                first_token_ids = {item.request_id for item in exporting}
-
-                def on_sampled(sampled: dict[str, list[int]]) -> None:
-                    # First tokens out, then the last layer's KV, then (after this) the MTP pass.
-                    for request_id, tokens in sampled.items():
-                        if on_first_token is not None and request_id in first_token_ids and tokens:
-                            on_first_token(request_id, tokens[-1])
-                    if flush_prompt_kv is not None:
-                        flush_prompt_kv()
+            last_layer_idx = self.model.main_layers[-1].layer_idx
+            hook, flush_prompt_kv, on_sampled = export_callbacks(
+                self.runner, exporting, on_layer_kv, on_prompt_kv, on_first_token, last_layer_idx
+            )
 
             try:
                 k = self.executor.max_num_speculative_tokens

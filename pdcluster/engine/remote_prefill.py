@@ -169,3 +169,30 @@ class RemotePrefillReservations:
         """Give back a reservation's blocks (handoff failed or cancelled)."""
         self._tables.pop(request_id, None)
         return self.scheduler.release_reserved(request_id)
+
+
+def export_callbacks(
+    runner: ModelRunner,
+    exporting: list[ScheduledRequest],
+    on_layer_kv: LayerKVCallback | None,
+    on_prompt_kv: PromptKVCallback | None,
+    on_first_token: Callable[[str, int], None] | None,
+    last_layer_idx: int,
+) -> tuple[LayerKVCallback | None, Callable[[], None] | None, Callable[[dict[str, list[int]]], None] | None]:
+    """A synchronous step's layer-KV hook, prompt-KV flush and `on_sampled` for its prefill-only requests."""
+    hook, flush_prompt_kv = on_layer_kv, None
+    if exporting and on_prompt_kv is not None:
+        hook, flush_prompt_kv = prompt_kv_hook(runner, exporting, on_layer_kv, on_prompt_kv, last_layer_idx)
+    on_sampled = None
+    if exporting and (on_first_token is not None or flush_prompt_kv is not None):
+        first_token_ids = {item.request_id for item in exporting}
+
+        def on_sampled(sampled: dict[str, list[int]]) -> None:
+            # First tokens out, then the last layer's KV, then (after this) the MTP pass.
+            for request_id, tokens in sampled.items():
+                if on_first_token is not None and request_id in first_token_ids and tokens:
+                    on_first_token(request_id, tokens[-1])
+            if flush_prompt_kv is not None:
+                flush_prompt_kv()
+
+    return hook, flush_prompt_kv, on_sampled
