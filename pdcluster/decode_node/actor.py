@@ -74,7 +74,6 @@ class DecodeNode(RankActor):
         self._delays_released = threading.Event()
         self._start_engine_thread()
 
-    # ---- wiring -----------------------------------------------------------------------------------------
     @property
     def _int8_cache(self) -> bool:
         """An int8 KV cache: the receiver hands an int8 wire's values and scales through as they are."""
@@ -177,7 +176,6 @@ class DecodeNode(RankActor):
         init_transport_group(config, rank=rank, world_size=world_size, init_method=init_method)
         self.receiver = DistKVReceiver(prefill_ranks, config, int8_passthrough=self._int8_cache)
 
-    # ---- requests ---------------------------------------------------------------------------------------
     def reserve(self, request: ReserveRequest) -> ReserveResult:
         """Reserve blocks and expect the handoff (before prefill starts).
 
@@ -304,7 +302,6 @@ class DecodeNode(RankActor):
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 logger.exception("%s: closing the receiver failed", self.name)
 
-    # ---- threads ----------------------------------------------------------------------------------------
     def _await_handoff(self, meta: HandoffMeta) -> None:
         assert self.receiver is not None
         handoff_id = meta.request_id

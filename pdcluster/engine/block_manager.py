@@ -62,8 +62,6 @@ class BlockManager:
         # Chained hashes of each request's leading full committed blocks (its hashed prefix).
         self._req_to_block_hashes: dict[str, list[BlockHash]] = {}
 
-    # ---- queries ---------------------------------------------------------------------------------------
-
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds, including evictable cached ones."""
@@ -125,8 +123,6 @@ class BlockManager:
             hashes.append(parent)
         num_evictable = sum(self._ref_counts[b] == 0 for b in block_ids)
         return ComputedBlocks(block_ids, hashes, len(block_ids) * bs, num_evictable)
-
-    # ---- mutations -------------------------------------------------------------------------------------
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed: ComputedBlocks = NO_COMPUTED_BLOCKS
@@ -246,8 +242,6 @@ class BlockManager:
         if block_hash is not None:
             del self._hash_to_block_id[block_hash]
             self._block_hash[block_id] = None
-
-    # ---- checks ----------------------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         """Assert reference counts equal block-table membership, the free pool is exactly the unreferenced

@@ -154,7 +154,6 @@ class ExpertParallelRuntime:
         self.rebalance_s = self.last_rebalance_s = 0.0
         self.rebalance_moved_bytes = 0
 
-    # ---- per step ------------------------------------------------------------------------------------
     def begin_step(self, has_work: bool, num_speculative_tokens: int) -> bool:
         """The step's agreement (one collective; see the module docstring), then a rebalance when due.
 
@@ -213,7 +212,6 @@ class ExpertParallelRuntime:
         self._load_window.clear()
         self._rank_rows.zero_()
 
-    # ---- EPLB ----------------------------------------------------------------------------------------
     def rebalance_due(self) -> bool:
         interval = self.parallel.eplb_interval_steps
         return interval is not None and self.num_steps > 0 and self.num_steps % interval == 0
@@ -281,7 +279,6 @@ class ExpertParallelRuntime:
                 _unflat(self.moe[row].experts[slot], flat)
         self.rebalance_moved_bytes += sum(buf.numel() * buf.element_size() for _, _, buf in received)
 
-    # ---- figures -------------------------------------------------------------------------------------
     def stats(self) -> EPStats:
         window = sum(self._load_window, self._logical_zero.clone())
         per_layer = max_over_mean(self._rank_rows)

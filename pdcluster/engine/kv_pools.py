@@ -40,7 +40,6 @@ class PooledBlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
 
-    # ---- pools ----------------------------------------------------------------------------------------
     def pool_of(self, request: Request) -> int:
         """The request's pool; ValueError when it names none."""
         if not 0 <= request.kv_pool < len(self.pools):
@@ -63,7 +62,6 @@ class PooledBlockManager:
         p = self.pool_of(request)
         return self.pools[p], self.offsets[p]
 
-    # ---- queries --------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return sum(self.num_free_blocks_per_pool)
@@ -99,7 +97,6 @@ class PooledBlockManager:
         local = bm.get_computed_blocks(request)
         return local._replace(block_ids=[offset + b for b in local.block_ids])
 
-    # ---- mutations ------------------------------------------------------------------------------------
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed: ComputedBlocks = NO_COMPUTED_BLOCKS
     ) -> bool:
@@ -117,7 +114,6 @@ class PooledBlockManager:
     def free(self, request: Request) -> None:
         self._bm(request)[0].free(request)
 
-    # ---- checks ---------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         for bm in self.pools:
             bm.check_invariants()

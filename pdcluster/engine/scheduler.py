@@ -73,8 +73,6 @@ class Scheduler:
         self._num_prefix_query_tokens = 0
         self._num_prefix_hit_tokens = 0
 
-    # ---- queue management (between steps) --------------------------------------------------------------
-
     def add_request(self, request: Request) -> None:
         """Queue a new request.
 
@@ -113,8 +111,6 @@ class Scheduler:
     def abort(self, request_id: str) -> bool:
         """Abort a request (FINISHED_ABORTED)."""
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-
-    # ---- requests prefilled elsewhere (disaggregated decode) -------------------------------------------
 
     def reserve(self, request: Request, num_slots: int) -> bool:
         """Hold KV blocks for `num_slots` positions of a request whose prompt KV another instance computes.
@@ -190,8 +186,6 @@ class Scheduler:
             prefix_cache_hit_rate=self._num_prefix_hit_tokens / queried if queried else None,
             num_prefix_cache_hit_tokens=self._num_prefix_hit_tokens,
         )
-
-    # ---- one step ---------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         """Decide and prepare the next step: preempt, admit, allocate KV slots, advance `num_computed_tokens`

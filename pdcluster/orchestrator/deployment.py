@@ -280,7 +280,6 @@ class ClusterDeployment(ClusterWiring):
             dispatcher.close()
         self._teardown(ray, remove_placement_group)
 
-    # ---- internals --------------------------------------------------------------------------------------
     def _teardown(self, ray, remove_placement_group) -> None:
         if self._actors or self._placement_groups:
             if not self._started_ray_head or gcs_reachable():

@@ -56,7 +56,6 @@ class RouteAndReserve:
     _by_handoff: dict[str, Attempt]
     _loads: LoadBoard
 
-    # ---- routing and reserving ----------------------------------------------------------------------------
     async def _dispatch(
         self,
         record: DriverRequest,
@@ -333,7 +332,6 @@ class RouteAndReserve:
             lease_s=kv.timeout_s,
         )
 
-    # ---- calls and releases -------------------------------------------------------------------------------
     async def _call(self, ref, timeout_s: float | None = None):
         """Await one actor call; asyncio.TimeoutError after `timeout_s` (default `call_timeout_s`)."""
         return await asyncio.wait_for(ref, timeout_s if timeout_s is not None else self.call_timeout_s)
