@@ -1,37 +1,4 @@
-"""`DecodeNode`: the decode role, a thin shell around one `LLMEngine` and one `KVReceiver`.
-
-The driver (`orchestrator.cluster.Cluster`) wraps the class with `ray.remote` and places it in its
-instance's placement group. A disaggregated request on this node:
-
-    reserve(ReserveRequest)    (a Ray call)
-                               engine.reserve_remote_prefill (blocks for prompt + first token + drafts),
-                               then receiver.expect(meta, on_layer=write into the reserved slots), whose
-                               bound meta (with the handoff's secret) goes back to the driver for the chosen
-                               prefill instance only; a waiter thread blocks in receiver.wait(lease)
-    (prefill streams layers)   on_layer -> engine.write_prompt_kv (the transport's receive thread); over
-                               shm the sender writes the reserved blocks of this rank's shared KV cache
-                               itself (`expect(block_ids=...)`, `shm_transport.inplace`) and the receiver
-                               checks their CRC; such blocks are freed only once the sender can no longer
-                               write them (`_release_reserved`)
-    wait returns               the engine thread admits it (first token + drafts; greedy or sampled drafts
-                               with their probabilities) and steps it with the running batch; while
-                               max_num_seqs requests run, it waits for a seat (blocks held, first token
-                               already streamed)
-    wait raises                receiver.release + engine.release_remote_prefill: no block stays held;
-                               a `RequestError` event tells the driver, which may re-dispatch
-    poll(timeout_s)            the driver's one call per node: token deltas and errors of every request
-                               (`poll_with_load`: with the rank's load snapshot, which is what routes)
-
-Locks (both `FairLock`s, granted in request order; taken in this order): `_engine_lock`, held by the
-engine thread for each pass (admissions, the step, its events) and by every call that touches the engine,
-so an abort or a received handoff's admission waits for the step in progress at most, never for the steps
-after it; `_alloc_lock`, held with it, except that the engine thread lets it go while its step's forward,
-sampling and drafting run (`LLMEngine.step`'s `while_executing`): a reserve takes only `_alloc_lock`, so it
-allocates its fresh blocks while a step executes instead of waiting for the step to end (unless that step
-has run for half the driver's reserve timeout: then it waits for it, and a hung step still takes the rank
-out of routing). Layer writes go to reserved blocks no scheduled request uses. `_events_lock` (the event
-queue) is taken last and never waits for the others.
-"""
+"""`DecodeNode`: the decode role, a thin shell around one `LLMEngine` and one `KVReceiver`."""
 
 from __future__ import annotations
 
@@ -77,14 +44,10 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeNode(RankActor):
-    """One decode rank (of an instance of one or more). `host`: address its gRPC receiver binds (grpc
-    transport; the shm transport's socket is a path on this host); `group`: how it joins its instance's
-    group (`RankActor`; None: a single-rank instance)."""
+    """One decode rank (of an instance of one or more)."""
 
-    # "admit" (admitting a handoff), "step" (the engine step), "delta" (turning a step output into an
-    # event), "loop" (the loop body, outside any request)
     FAULT_POINTS = ("admit", "step", "delta", "loop")
-    SHARED_KV_CACHE = True  # a same-host prefill writes its handoffs into the reserved blocks (shm)
+    SHARED_KV_CACHE = True
 
     def __init__(
         self,
@@ -96,39 +59,40 @@ class DecodeNode(RankActor):
         super().__init__(engine_config, name, group)
         self.host = host
         self.receiver: KVReceiver | None = None
-        self._engine_lock = FairLock()  # see the module docstring
+        self._engine_lock = FairLock()
         self._alloc_lock = FairLock()
-        self._step_started_s: float | None = None  # monotonic start of the engine step in progress
+        self._step_started_s: float | None = None
         self._events_lock = threading.Condition()
-        self._events: collections.deque[PolledEvent] = collections.deque()  # unacknowledged
+        self._events: collections.deque[PolledEvent] = collections.deque()
         self._next_seq = 0
-        self._admissions: list[tuple[str, ReceivedKV]] = []  # received, admitted by the engine thread next
-        self._handoffs: dict[str, Handoff] = {}  # admitted, until finished or failed
-        self._received_at_s: dict[str, float] = {}  # received, not yet admitted: when wait returned
-        self._fenced: set[str] = set()  # released reservations whose blocks wait for their sender to stop
+        self._admissions: list[tuple[str, ReceivedKV]] = []
+        self._handoffs: dict[str, Handoff] = {}
+        self._received_at_s: dict[str, float] = {}
+        self._fenced: set[str] = set()
         self._wakeup = threading.Event()
-        self._delays: dict[str, list[float]] = {}  # test-only: inject_delay
-        self._delays_released = threading.Event()  # test-only: release_delays ends the delays at once
+        self._delays: dict[str, list[float]] = {}
+        self._delays_released = threading.Event()
         self._start_engine_thread()
 
-    # ---- wiring -----------------------------------------------------------------------------------------
     @property
     def _int8_cache(self) -> bool:
         """An int8 KV cache: the receiver hands an int8 wire's values and scales through as they are."""
-        layout = self.engine.kv_layout  # KV pools: int8 requests' values pass through, others dequantized
+        layout = self.engine.kv_layout
         return self.engine.config.kv_cache_dtype == "int8" or (
             layout is not None and any(torch.int8 in pool for pool in layout.pools)
         )
 
     def ready(self) -> NodeReady:
         """Name, process id, load time and what `compile` did, once the engine is loaded (weights read and,
-        with `compile`, the decode forward compiled: Ray runs no call before the constructor returns)."""
+        with `compile`, the decode forward compiled: Ray runs no call before the constructor returns).
+        """
         num_blocks = self.engine.scheduler.block_manager.num_blocks
         return NodeReady(self.name, os.getpid(), self.load_s, num_blocks, compile=self.engine.compile_stats())
 
     def start_grpc(self, tls: TLSCredentials | None = None) -> str:
         """Start the gRPC receiver on a free port of `host` (mutual TLS with `tls`); returns the address
-        prefill senders use."""
+        prefill senders use.
+        """
         from pdcluster.kvtransfer.grpc_transport import KVReceiverServer
 
         server = KVReceiverServer(
@@ -138,8 +102,9 @@ class DecodeNode(RankActor):
         return server.address
 
     def start_shm(self) -> str:
-        """Start the shared-memory receiver (prefill on this host only); returns its socket path, the
-        address prefill senders connect to."""
+        """Start the shared-memory receiver (prefill on this host only); returns its socket path, the address
+        prefill senders connect to.
+        """
         from pdcluster.kvtransfer.shm_transport import ShmKVReceiver
 
         receiver = ShmKVReceiver(int8_passthrough=self._int8_cache)
@@ -150,7 +115,8 @@ class DecodeNode(RankActor):
     def start_paired(self) -> PairedAddress:
         """Start the shm receiver and the gRPC server over one set of reservations (`shm+grpc`: prefill on
         this node takes the first, prefill elsewhere the second, `kvtransfer.paired`); returns both
-        addresses and this node's id, the gRPC one at this node's IP when bound to all interfaces."""
+        addresses and this node's id, the gRPC one at this node's IP when bound to all interfaces.
+        """
         from pdcluster.kvtransfer.paired import PairedReceiver
 
         receiver = PairedReceiver(self.host, int8_passthrough=self._int8_cache, max_concurrent_streams=64)
@@ -168,8 +134,9 @@ class DecodeNode(RankActor):
             receiver.share_kv_cache(cache)
 
     def _set_receiver(self, receiver: KVReceiver) -> None:
-        """Listen with `receiver` from now on; one started earlier in this process (a rewire that failed
-        after starting it, then retried) is closed, not leaked."""
+        """Listen with `receiver` from now on; one started earlier in this process (a rewire that failed after
+        starting it, then retried) is closed, not leaked.
+        """
         old, self.receiver = self.receiver, receiver
         if old is not None:
             try:
@@ -178,8 +145,9 @@ class DecodeNode(RankActor):
                 logger.exception("%s: closing the previous receiver failed", self.name)
 
     def start_receiver(self, transport: str, tls: TLSCredentials | None = None) -> str | PairedAddress:
-        """`start_grpc(tls)`, `start_shm()` or `start_paired()` by `transport` (`grpc` / `shm` /
-        `shm+grpc`); returns the address."""
+        """`start_grpc(tls)`, `start_shm()` or `start_paired()` by `transport` (`grpc` / `shm` / `shm+grpc`);
+        returns the address.
+        """
         if transport == "shm":
             return self.start_shm()
         if transport == "shm+grpc":
@@ -208,11 +176,8 @@ class DecodeNode(RankActor):
         init_transport_group(config, rank=rank, world_size=world_size, init_method=init_method)
         self.receiver = DistKVReceiver(prefill_ranks, config, int8_passthrough=self._int8_cache)
 
-    # ---- requests ---------------------------------------------------------------------------------------
     def reserve(self, request: ReserveRequest) -> ReserveResult:
-        """Reserve blocks and expect the handoff (before prefill starts). Returns the request's meta bound
-        to the reservation (with the secret the prefill sender must present: give it to that prefill
-        instance only), or no meta: no room right now.
+        """Reserve blocks and expect the handoff (before prefill starts).
 
         Raises:
             ValueError: a request this instance could never hold.
@@ -233,7 +198,7 @@ class DecodeNode(RankActor):
             checksum_start = None if layer.verified else 0
             return engine.write_prompt_kv(handoff_id, layer_idx, layer.latent, layer.scale, checksum_start)
 
-        try:  # the block table: a same-host sender writes the layers there itself (shm, in place)
+        try:
             block_ids = engine.reserved_block_ids(handoff_id)
             bound = self.receiver.expect(meta, on_layer, on_layer_checksums=True, block_ids=block_ids)
         except Exception:
@@ -245,16 +210,12 @@ class DecodeNode(RankActor):
         return ReserveResult(bound, self.load())
 
     def abort(self, handoff_id: str) -> None:
-        """Drop the request wherever it is (reserved or running); frees its blocks. Unknown ids: no-op."""
+        """Drop the request wherever it is (reserved or running); frees its blocks."""
         with self._locked():
             self._drop(handoff_id)
 
     def poll(self, timeout_s: float = 0.05, acked_seq: int = 0) -> list[PolledEvent]:
-        """Every event after `acked_seq` (seq counts from 1): a `TokenDelta` or a `RequestError` per event.
-        Waits up to `timeout_s` seconds for one. Events up to `acked_seq` are dropped; later ones are kept
-        until a poll acknowledges them, so a reply the driver stopped waiting for (a timed-out poll) loses
-        nothing.
-        """
+        """Every event after `acked_seq` (seq counts from 1): a `TokenDelta` or a `RequestError` per event."""
         deadline_s = time.monotonic() + timeout_s
         with self._events_lock:
             while self._events and self._events[0].seq <= acked_seq:
@@ -267,14 +228,16 @@ class DecodeNode(RankActor):
             return list(self._events)
 
     def poll_with_load(self, timeout_s: float = 0.05, acked_seq: int = 0) -> PollReply:
-        """`poll(timeout_s, acked_seq)` and this rank's `load()` taken as the reply leaves (the router's
-        view without a `load` call per request: `orchestrator.load_board`)."""
+        """`poll(timeout_s, acked_seq)` and this rank's `load()` taken as the reply leaves (the router's view
+        without a `load` call per request: `orchestrator.load_board`).
+        """
         events = self.poll(timeout_s, acked_seq)
         return PollReply(events, self.load())
 
     def load(self) -> DecodeNodeLoad:
         """Cheap snapshot for the router: free KV blocks, batch size, reservations and admitted requests
-        waiting for a seat in the batch."""
+        waiting for a seat in the batch.
+        """
         scheduler = self.engine.scheduler
         bm = scheduler.block_manager
         return DecodeNodeLoad(
@@ -293,7 +256,8 @@ class DecodeNode(RankActor):
         """Test-only: the next `count` passes through `where` wait `seconds` (holding no lock), or until
         `release_delays`: "before_reserve" (a reply that comes late because the reservation does: an abort
         sent meanwhile overtakes it), "after_reserve" (the reservation is made, its reply comes late), or
-        "before_admit" (a handoff is received; its admission comes late)."""
+        "before_admit" (a handoff is received; its admission comes late).
+        """
         if where not in ("before_reserve", "after_reserve", "before_admit"):
             raise ValueError(f"unknown delay point {where!r}")
         with self._locked():
@@ -322,8 +286,9 @@ class DecodeNode(RankActor):
 
     def kv_in_place_stats(self) -> dict[str, int]:
         """For tests: handoffs the shm receiver granted in place (`shm_transport.inplace`) so far, and those
-        whose sender may still write this rank's cache (`fenced`: their blocks wait; 0 once all ended)."""
-        shm = getattr(self.receiver, "shm", self.receiver)  # a PairedReceiver's shm side
+        whose sender may still write this rank's cache (`fenced`: their blocks wait; 0 once all ended).
+        """
+        shm = getattr(self.receiver, "shm", self.receiver)
         return {
             "granted": int(getattr(shm, "num_in_place_grants", 0)),
             "fenced": int(getattr(shm, "num_fenced", 0)),
@@ -337,7 +302,6 @@ class DecodeNode(RankActor):
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 logger.exception("%s: closing the receiver failed", self.name)
 
-    # ---- threads ----------------------------------------------------------------------------------------
     def _await_handoff(self, meta: HandoffMeta) -> None:
         assert self.receiver is not None
         handoff_id = meta.request_id
@@ -350,25 +314,19 @@ class DecodeNode(RankActor):
             with self._locked():
                 released = self._release_reserved(handoff_id)
                 self._handoffs.pop(handoff_id, None)
-            if released:  # not already aborted
+            if released:
                 self._emit([RequestError(handoff_id, f"{type(e).__name__}: {e}")])
             return
         self._maybe_delay("before_admit")
         received_at_s = time.monotonic()
-        with self._locked():  # not released meanwhile (a fenced reservation is still in `reserved`)
+        with self._locked():
             if handoff_id in self.engine.scheduler.reserved and handoff_id not in self._fenced:
                 self._admissions.append((handoff_id, received))
                 self._received_at_s[handoff_id] = received_at_s
         self._wakeup.set()
 
     def _run(self) -> None:
-        """The engine thread. Any exception becomes a `RequestError` event for the requests it touches,
-        logged with its traceback; their blocks are freed and the loop goes on. It never dies silently.
-        A request whose own sampling fails, or a step whose execution fails (`EngineStepError`), fails
-        only the requests concerned (the step's); the others run on. Only an exception the engine cannot
-        tie to requests (scheduling, the loop itself: state unknown) fails every in-flight request.
-        In lockstep (an expert-parallel rank) it steps even with nothing to run, after a short wait
-        (`LOCKSTEP_IDLE_S`), since the other ranks' MoE collectives need this one."""
+        """The engine thread."""
         while not self._stopped.is_set():
             with self._engine_pass():
                 self._run_pass()
@@ -376,7 +334,7 @@ class DecodeNode(RankActor):
     def _run_pass(self) -> None:
         """One pass of the engine thread's loop (`_run`): wait a little for work, then `_run_once`."""
         engine = self.engine
-        if self._group_error is not None:  # the instance cannot step any more: fail what comes
+        if self._group_error is not None:
             self._wakeup.wait(0.05)
             self._wakeup.clear()
             with self._locked():
@@ -411,10 +369,8 @@ class DecodeNode(RankActor):
             except Exception as e:  # noqa: BLE001 - fails this request only
                 self._loop_error(e, f"admitting {handoff_id} failed")
                 events.append(self._fail(handoff_id, f"decode admission failed: {e!r}"))
-        self._emit(list(events))  # the first tokens go to the driver now, not after the step below
+        self._emit(list(events))
         events.clear()
-        # Requests the first token finished at admission (max_tokens=1, EOS): nothing is left to step
-        # for them, so their final output is taken now rather than with a step that may never come.
         outputs: list[RequestOutput] = engine.pop_finished_outputs()
         if engine.has_unfinished_requests() or self.lockstep:
             try:
@@ -424,10 +380,10 @@ class DecodeNode(RankActor):
                     outputs.extend(engine.step(while_executing=self._reserves_allowed))
                 finally:
                     self._step_started_s = None
-            except EngineStepError as e:  # the step's requests are finished with an error; others go on
+            except EngineStepError as e:
                 self._loop_error(e, "engine step failed")
                 outputs.extend(e.outputs)
-                if self._group_failed(e):  # a peer rank died or stalled: nothing here can step again
+                if self._group_failed(e):
                     events.extend(self._fail_all(f"decode step failed: {e}"))
             except Exception as e:  # noqa: BLE001 - not tied to requests: the engine state is unknown
                 self._loop_error(e, "engine step failed")
@@ -448,24 +404,26 @@ class DecodeNode(RankActor):
 
     def _drop(self, handoff_id: str) -> None:
         """Under the engine lock: drop the request wherever it is (receiver, reservation, batch, finished
-        outputs not yet reported) and free its blocks."""
+        outputs not yet reported) and free its blocks.
+        """
         assert self.receiver is not None
         try:
-            self.receiver.release(handoff_id)  # no on_layer runs after this
+            self.receiver.release(handoff_id)
         except Exception:  # noqa: BLE001 - still free the engine side
             logger.exception("%s: releasing handoff %s failed", self.name, handoff_id)
         self._admissions = [(rid, kv) for rid, kv in self._admissions if rid != handoff_id]
         self._received_at_s.pop(handoff_id, None)
         self._release_reserved(handoff_id)
         self.engine.abort_request(handoff_id)
-        self.engine.pop_finished_outputs([handoff_id])  # dropped: no output
+        self.engine.pop_finished_outputs([handoff_id])
         self._handoffs.pop(handoff_id, None)
 
     def _release_reserved(self, handoff_id: str) -> bool:
-        """Under the engine lock, after `receiver.release`: give back a reservation's blocks now, or, while
-        a same-host prefill sender may still be writing them in place, once it cannot any more (the shared
+        """Under the engine lock, after `receiver.release`: give back a reservation's blocks now, or, while a
+        same-host prefill sender may still be writing them in place, once it cannot any more (the shared
         cache's `FenceBoard`, `kvtransfer.shm_transport.inplace`; meanwhile they stay reserved, so no other
-        request gets them). True if it was reserved (and not already being given back)."""
+        request gets them).
+        """
         if handoff_id not in self.engine.remote_prefills or handoff_id in self._fenced:
             return False
         # the cache's own fences (not the receiver's view): they outlive a receiver closed or replaced
@@ -484,7 +442,8 @@ class DecodeNode(RankActor):
     def _fail_all(self, message: str) -> list[RequestError]:
         """Under the engine lock: fail every request admitted on this rank (running, received and waiting to
         be admitted, or finished and not yet reported); reservations still waiting for their handoff are
-        left to their waiters."""
+        left to their waiters.
+        """
         scheduler = self.engine.scheduler
         ids = set(scheduler.requests) | set(self._handoffs)
         ids |= {rid for rid, _ in self._admissions}
@@ -492,7 +451,7 @@ class DecodeNode(RankActor):
         return [self._fail(rid, message) for rid in sorted(ids)]
 
     def _maybe_delay(self, where: str) -> None:
-        if not self._delays.get(where):  # the usual case: no engine lock taken
+        if not self._delays.get(where):
             return
         with self._locked():
             delays = self._delays.get(where)
@@ -514,7 +473,7 @@ class DecodeNode(RankActor):
         waits for the step, as every other call does) once the step in progress has run for half the
         driver's reserve timeout (`orchestrator.dispatch.call_timeout_s` of `kv_timeout_s`, the handoff's
         lease), so a rank whose step hangs stops answering reserves and the driver takes it out of routing
-        (a reserve that times out marks its instance failed)."""
+        """
         started_s = self._step_started_s
         if started_s is not None and time.monotonic() - started_s > call_timeout_s(kv_timeout_s) / 2:
             return self._locked()
@@ -522,9 +481,10 @@ class DecodeNode(RankActor):
 
     @contextlib.contextmanager
     def _reserves_allowed(self) -> Iterator[None]:
-        """The engine thread, inside its step while the forward runs (`LLMEngine.step`'s
-        `while_executing`): `_alloc_lock` is free for reserves meanwhile, and taken back before the step
-        commits its tokens (after any reserve already waiting)."""
+        """The engine thread, inside its step while the forward runs (`LLMEngine.step`'s `while_executing`):
+        `_alloc_lock` is free for reserves meanwhile, and taken back before the step commits its tokens
+        (after any reserve already waiting).
+        """
         self._alloc_lock.release()
         try:
             yield
@@ -553,19 +513,17 @@ class DecodeNode(RankActor):
             extras.draft_probs,
             extras.first_token_logprobs,
         )
-        # The first token has one source: prefill's reply when it may go early (the driver streams it),
-        # else this admission. Either way the engine reports it again with the next output: not sent twice.
         handoff.num_sent = 1
         early_text = early_first_token_text(self.engine.tokenizer, params, extras.first_token_id)
         request = self.engine.scheduler.get_request(handoff_id)
-        if request is None:  # the first token finished it: `_run_once` pops its output right after
+        if request is None:
             handoff.text_streamed_by_prefill = early_text or ""
             if early_text is None:
                 handoff.num_sent = 0
             return []
         text = self.engine.take_new_text(handoff_id)
         first = (extras.first_token_id,)
-        if early_text is not None:  # the driver streamed the token and `early_text` from prefill's reply
+        if early_text is not None:
             first, text = (), text.removeprefix(early_text)
         return [
             TokenDelta(
@@ -580,7 +538,7 @@ class DecodeNode(RankActor):
 
     def _delta(self, out: RequestOutput) -> list[DecodeEvent]:
         rid = out.request_id
-        if out.finish_reason == "error":  # failed alone in the engine (its sampling, or its step)
+        if out.finish_reason == "error":
             return [self._fail(rid, f"decode failed: {out.error}")]
         delta = token_delta(out, self._handoffs.get(rid))
         if out.finished:

@@ -1,15 +1,6 @@
 """Output quality of a serving configuration against the full-precision reference (`pdcluster accuracy`).
 
 Both run the engine's paged path (`ModelRunner`): the reference with float32 weights and a float32 KV
-cache, the configuration with its weight dtype (8-bit weights emulated by a per-output-channel round
-trip, as in DeepSeek-V3's FP8 GEMM weights) and its per-layer KV dtypes. Teacher-forced on held-out
-windows (`models.evaluate.heldout_windows`), per length band:
-    top1_agreement   fraction of positions where argmax(config) == argmax(reference)
-    mean_kl          mean over positions of KL(p_ref || p_config), nats
-    mtp_acceptance   greedy acceptance of the depth-0 MTP draft: draft for position i+2 (given the true
-                     token i+1) equals the same model's argmax at i+1
-Free-running (greedy, EOS ignored) to the long band's length: `repetition_rate`, the fraction of generated
-tokens whose 4-gram ending there already occurred earlier in the generation.
 """
 
 from __future__ import annotations
@@ -25,7 +16,7 @@ from pdcluster.engine.model_runner import ModelRunner, build_model_input
 from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM
 
 REPETITION_NGRAM = 4
-FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+FP8_E4M3_MAX = 448.0
 
 
 @dataclass(frozen=True)
@@ -47,7 +38,6 @@ def emulate_weight_dtype_(model: DeepseekV3ForCausalLM, weight_dtype: str) -> No
     """Round-trip every GEMM weight (`nn.Linear` but `lm_head`) through `weight_dtype`, in place.
 
     `int8`: symmetric per output channel (`absmax / 127`); `fp8`: float8_e4m3fn with a per-output-channel
-    scale `absmax / 448`; a float dtype name: a cast there and back. Raises ValueError for other names.
     """
     for module in model.modules():
         if not isinstance(module, nn.Linear) or module is model.lm_head:
@@ -108,7 +98,6 @@ def teacher_forced_logits(
     """Main and MTP (depth 0) logits of `windows [B, L + 2]` int64 through the paged cache.
 
     Returns `(logits [B, L, vocab] float32 for token i+1, mtp_logits [B, L, vocab] float32 for token i+2
-    or None without an MTP module)`.
     """
     batch, width = windows.shape
     length = width - 2
@@ -129,7 +118,7 @@ def teacher_forced_logits(
 def _mtp_acceptance(logits: torch.Tensor, mtp_logits: torch.Tensor | None) -> float | None:
     if mtp_logits is None:
         return None
-    drafts = mtp_logits[:, :-1].argmax(-1)  # token i+2 proposed at position i
+    drafts = mtp_logits[:, :-1].argmax(-1)
     return (drafts == logits[:, 1:].argmax(-1)).float().mean().item()
 
 
@@ -143,13 +132,14 @@ def compare_teacher_forced(
 ) -> dict[str, float | None]:
     """Teacher-forced `top1_agreement`, `mean_kl`, `mtp_acceptance` and `reference_mtp_acceptance` of
     `config_model` with `config_dtypes` against `reference` (float32 KV) on `windows [N, L + 2]`; when
-    `config_model is reference` with float32 KV everywhere, the configuration is the reference (run once)."""
+    `config_model is reference` with float32 KV everywhere, the configuration is the reference (run once).
+    """
     num_layers = len(config_dtypes)
     ref_dtypes = (torch.float32,) * num_layers
     agree = kl = num = 0.0
     accept: list[float] = []
     ref_accept: list[float] = []
-    same = config_model is reference and tuple(config_dtypes) == ref_dtypes  # the reference itself: run once
+    same = config_model is reference and tuple(config_dtypes) == ref_dtypes
     for start in range(0, windows.shape[0], batch_size):
         chunk = windows[start : start + batch_size]
         ref_logits, ref_mtp = teacher_forced_logits(reference, ref_dtypes, chunk, block_size)

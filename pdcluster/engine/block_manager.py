@@ -1,21 +1,4 @@
-"""Paged KV-cache block manager with prefix caching (vLLM v1 `KVCacheManager`, nano-vllm `BlockManager`).
-
-The cache holds `num_blocks` blocks of `block_size` token slots (for MLA each slot is one latent vector
-of `kv_lora_rank + qk_rope_head_dim` values per layer; the tensors live in the model runner). A request's
-block table lists its block ids; token position `pos` lives in slot
-`block_table[pos // block_size] * block_size + pos % block_size`.
-
-Prefix caching: once a block is full of *committed* tokens (prompt or accepted output, never drafts) and
-its KV is computed, it is registered under a chained hash, `hash(parent block's hash, its token ids)`, so
-the hash names the whole prefix up to and including that block. A later request whose tokens start with
-the same full blocks reuses them (reference count + 1) instead of recomputing. Freed blocks keep their
-hash and stay in the free pool as cached, evictable content; a fresh allocation takes blocks that hold no
-cached content first, then the least recently freed cached block (LRU). A request's blocks are freed
-tail first, so the start of a prefix (needed by every hit on it) is evicted last.
-
-Ownership: the `Scheduler` calls every method and owns the `Request` objects; this class never mutates a
-request, it only reads its tokens and `num_computed_tokens`.
-"""
+"""Paged KV-cache block manager with prefix caching (vLLM v1 `KVCacheManager`, nano-vllm `BlockManager`)."""
 
 from __future__ import annotations
 
@@ -31,11 +14,8 @@ BlockHash = bytes
 
 
 def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Chained hash of one full block: sha256 over the parent block's hash (none for the first block)
-    and the block's token ids as little-endian int64.
-
-    Deterministic across processes (unlike `hash()` of a str), so a router can compute the same hashes
-    to estimate prefix-cache hits, and collision-safe enough to need no token comparison on a hit.
+    """Chained hash of one full block: sha256 over the parent block's hash (none for the first block) and the
+    block's token ids as little-endian int64.
     """
     return hashlib.sha256((parent_hash or b"") + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
@@ -51,15 +31,7 @@ def compute_block_hashes(token_ids: Sequence[int], block_size: int) -> list[Bloc
 
 
 class ComputedBlocks(NamedTuple):
-    """Result of a prefix-cache lookup (`BlockManager.get_computed_blocks`).
-
-    Attributes:
-        block_ids: cached blocks holding the request's leading full blocks, in order.
-        block_hashes: their chained hashes (lets `allocate_slots` detect a stale lookup).
-        num_cached_tokens: `len(block_ids) * block_size`; always < the request's `num_tokens`.
-        num_evictable_blocks: how many of `block_ids` sit in the free pool (reference count 0):
-            claiming them takes that many blocks out of `num_free_blocks`.
-    """
+    """Result of a prefix-cache lookup (`BlockManager.get_computed_blocks`)."""
 
     block_ids: list[int]
     block_hashes: list[BlockHash]
@@ -71,14 +43,7 @@ NO_COMPUTED_BLOCKS = ComputedBlocks([], [], 0, 0)
 
 
 class BlockManager:
-    """Block tables, reference counts and the prefix cache for one KV cache.
-
-    Args:
-        num_blocks: blocks in the cache (>= 1).
-        block_size: token slots per block (>= 1).
-        enable_prefix_caching: register full blocks and serve lookups; off, every request computes all of
-            its tokens and freed blocks hold nothing.
-    """
+    """Block tables, reference counts and the prefix cache for one KV cache."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
@@ -91,15 +56,11 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
         self._hash_to_block_id: dict[BlockHash, int] = {}
-        # Free pool in eviction order: the first key is taken first. Blocks holding cached content are
-        # appended when freed (LRU); blocks holding none are put in front.
         self._free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._deferred: list[int] | None = None  # freed blocks held out of the pool (`defer_frees`)
+        self._deferred: list[int] | None = None
         self._req_to_block_ids: dict[str, list[int]] = {}
         # Chained hashes of each request's leading full committed blocks (its hashed prefix).
         self._req_to_block_hashes: dict[str, list[BlockHash]] = {}
-
-    # ---- queries ---------------------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
@@ -146,11 +107,7 @@ class BlockManager:
         return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        """Longest run of the request's leading full blocks found in the prefix cache. Mutates nothing.
-
-        Looks at `all_token_ids[:num_tokens - 1]`: the last token is always recomputed, so the step that
-        computes it yields logits for the next token.
-        """
+        """Longest run of the request's leading full blocks found in the prefix cache."""
         if not self.enable_prefix_caching:
             return NO_COMPUTED_BLOCKS
         tokens, bs = request.all_token_ids, self.block_size
@@ -167,21 +124,10 @@ class BlockManager:
         num_evictable = sum(self._ref_counts[b] == 0 for b in block_ids)
         return ComputedBlocks(block_ids, hashes, len(block_ids) * bs, num_evictable)
 
-    # ---- mutations -------------------------------------------------------------------------------------
-
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed: ComputedBlocks = NO_COMPUTED_BLOCKS
     ) -> bool:
         """Grow the request's block table to cover `num_computed_tokens + num_cached + num_new_tokens` slots.
-
-        Args:
-            request: the request; its `num_computed_tokens` is read, not changed.
-            num_new_tokens: tokens to be computed in the coming step (drafts included), >= 0.
-            computed: a prefix-cache hit from `get_computed_blocks`, only for a request that holds no
-                blocks and has `num_computed_tokens == 0`; its blocks head the new block table.
-
-        Returns:
-            True when done; False when the free pool is too small, in which case nothing changed.
 
         Raises:
             ValueError: `computed` given for a request that already holds blocks or computed tokens.
@@ -217,18 +163,13 @@ class BlockManager:
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's newly full, computed, committed blocks in the prefix cache.
-
-        Covers tokens `[0, min(num_computed_tokens, num_tokens))`; call after every step's tokens are
-        committed. A block whose content is already cached under another block id stays unregistered (it
-        is freed like any private block).
-        """
+        """Register the request's newly full, computed, committed blocks in the prefix cache."""
         if not self.enable_prefix_caching or request.request_id not in self._req_to_block_ids:
             return
         hashes = self._req_to_block_hashes[request.request_id]
         bs = self.block_size
         num_full_blocks = min(request.num_computed_tokens, request.num_tokens) // bs
-        if num_full_blocks <= len(hashes):  # no block filled up since the last call (most decode steps)
+        if num_full_blocks <= len(hashes):
             return
         table, tokens = self._req_to_block_ids[request.request_id], request.all_token_ids
         assert num_full_blocks <= len(table), "computed tokens outside the block table"
@@ -243,8 +184,6 @@ class BlockManager:
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Shrink the block table to the blocks covering `num_tokens` slots, freeing the trailing ones.
-
-        Used to roll back slots of rejected draft tokens.
 
         Raises:
             ValueError: when `num_tokens` would cut into the request's cached (committed, full) blocks.
@@ -268,16 +207,17 @@ class BlockManager:
             self._release(block_id)
 
     def defer_frees(self) -> list[int]:
-        """From now on, blocks without cached content that drop to no reference are held out of the free
-        pool in the returned list (a step in flight may still write them: `engine.async_loop`) until
-        `release_deferred` of it; a later call starts a new list. Cached blocks hold committed tokens
-        only, which no step rewrites: they are freed as usual."""
+        """From now on, blocks without cached content that drop to no reference are held out of the free pool
+        in the returned list (a step in flight may still write them: `engine.async_loop`) until
+        `release_deferred` of it; a later call starts a new list.
+        """
         self._deferred = []
         return self._deferred
 
     def release_deferred(self, block_ids: list[int], stop: bool = False) -> None:
-        """Put the blocks of a `defer_frees` list in the free pool (no content: reused first); `stop`
-        ends deferring too."""
+        """Put the blocks of a `defer_frees` list in the free pool (no content: reused first); `stop` ends
+        deferring too.
+        """
         for block_id in block_ids:
             if self._ref_counts[block_id] == 0:
                 self._free_block_ids[block_id] = None
@@ -295,7 +235,7 @@ class BlockManager:
                 return
             self._free_block_ids[block_id] = None
             if self._block_hash[block_id] is None:
-                self._free_block_ids.move_to_end(block_id, last=False)  # no content: reuse first
+                self._free_block_ids.move_to_end(block_id, last=False)
 
     def _evict(self, block_id: int) -> None:
         block_hash = self._block_hash[block_id]
@@ -303,11 +243,10 @@ class BlockManager:
             del self._hash_to_block_id[block_hash]
             self._block_hash[block_id] = None
 
-    # ---- checks ----------------------------------------------------------------------------------------
-
     def check_invariants(self) -> None:
         """Assert reference counts equal block-table membership, the free pool is exactly the unreferenced
-        blocks, and the hash map and per-block hashes agree."""
+        blocks, and the hash map and per-block hashes agree.
+        """
         counts = [0] * self.num_blocks
         for request_id, table in self._req_to_block_ids.items():
             assert len(set(table)) == len(table), f"request {request_id!r} holds a block twice"
@@ -324,7 +263,8 @@ class BlockManager:
 
     def check_no_leaks(self) -> None:
         """Assert the allocator is empty: no request holds blocks, every reference count is zero and every
-        block is in the free pool. Call once no request is alive."""
+        block is in the free pool.
+        """
         problems = []
         if self._req_to_block_ids or self._req_to_block_hashes:
             problems.append(f"requests still hold blocks: {sorted(self._req_to_block_ids)}")

@@ -1,11 +1,4 @@
-"""EngineConfig `compile`: install the compiled forwards in an engine's runner at load, and report them.
-
-Two graphs: the uniform-decode forward over batch-size buckets (`engine.compiled_forward`) and the
-ragged-batch forward for prefill and mixed steps of up to `compiled_prefill.DEFAULT_MAX_NUM_TOKENS`
-tokens (`engine.compiled_prefill`). Where the model or cache cannot run them, or compiling raises (no C++
-compiler for inductor, an inductor or dynamo error), a warning names why and every step runs eagerly
-(same tokens): `compile` is a speed-up, never a reason for an engine not to start.
-"""
+"""EngineConfig `compile`: install the compiled forwards in an engine's runner at load, and report them."""
 
 from __future__ import annotations
 
@@ -15,8 +8,8 @@ import time
 from pdcluster.engine.compiled_forward import CompiledDecodeForward, CompileStats
 from pdcluster.engine.compiled_prefill import CompiledPrefillForward
 
-logger = logging.getLogger("pdcluster.engine.llm_engine")  # where the engine's warnings have always gone
-MAX_ERROR_CHARS = 300  # of a failed compilation's message in CompileStats.error (inductor's run to pages)
+logger = logging.getLogger("pdcluster.engine.llm_engine")
+MAX_ERROR_CHARS = 300
 
 
 def _first_line(message: str) -> str:
@@ -26,9 +19,7 @@ def _first_line(message: str) -> str:
 
 
 def install_compiled_forwards(runner, config, max_num_blocks_per_req: int) -> tuple[float, str | None]:
-    """Compile and install `runner.compiled` (decode) and `runner.compiled_prefill` (ragged batches).
-    Returns (seconds spent compiling, why nothing runs compiled or None); on a failure neither is
-    installed."""
+    """Compile and install `runner.compiled` (decode) and `runner.compiled_prefill` (ragged batches)."""
     why_not = CompiledDecodeForward.supported(runner)
     if why_not is not None:
         logger.warning("compile is on, but the decode forward runs eagerly: %s", why_not)

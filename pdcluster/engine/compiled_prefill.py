@@ -1,25 +1,4 @@
-"""The ragged-batch (prefill) forward compiled once, at load, as one graph dynamic in the token count.
-
-A step that is not a uniform decode step (`engine.compiled_forward`) runs the main model over a ragged
-batch: prefill chunks, possibly next to decodes (chunked prefill). Such a step of 2 to `max_num_tokens`
-tokens runs this graph: embeddings, RoPE, norms, projections, dense MLPs, the MoE as
-`DeepseekV3MoE.forward_dense` (every expert over every token: no host sync, no data-dependent shape),
-residuals. The attention of each layer stays opaque to the compiler, as the custom op
-
-    pdcluster::prefill_attention   write the layer's latent KV (`kernels.paged_mla.write_kv`), call the
-                                   step's `on_layer_kv` hook, paged MLA attention (`paged_mla_attention`)
-
-which makes the same calls as the eager forward over the step's batch metadata, so that one graph serves
-any batch layout (block tables and query starts never enter it) and the hook streams each layer's KV as
-the eager forward does. Longer steps run eagerly: the dense MoE's expert work grows with the token count
-times `n_routed_experts / num_experts_per_tok`, while the per-op overhead the graph removes does not.
-
-Greedy output equals the eager forward's up to float rounding (fused kernels, the dense MoE's summation
-order), which greedy argmax does not see on the bundled model (tests/engine/test_compiled_forward.py).
-`warm_up` compiles the graph at load; afterwards a step needing another graph runs eagerly
-(`torch.compiler.set_stance("fail_on_recompile")`), counted in `num_eager_fallbacks`. A one-token step
-(which torch.compile would specialize) runs eagerly too.
-"""
+"""The ragged-batch (prefill) forward compiled once, at load, as one graph dynamic in the token count."""
 
 from __future__ import annotations
 
@@ -37,9 +16,6 @@ from pdcluster.models.deepseek_v3 import DeepseekV3MoE
 # Steps of at most this many tokens run compiled by default (`CompiledPrefillForward.max_num_tokens`).
 DEFAULT_MAX_NUM_TOKENS = 64
 
-# handle -> the runner (weakly) and the step it runs now: what the custom op reads (its arguments are
-# tensors, ints and strings only). Set around each compiled call. A string, not an int: torch.compile
-# would make an int that differs between two runners' graphs a symbolic (dynamic) one.
 _STEPS: dict[str, dict[str, Any]] = {}
 _handles = itertools.count()
 
@@ -73,12 +49,7 @@ def _(q_nope, q_pe, latent_kv, handle, layer_idx):
 
 
 class CompiledPrefillForward:
-    """The compiled ragged-batch forward of one `ModelRunner` (see the module docstring).
-
-    Args:
-        runner: the model runner (what `CompiledDecodeForward.supported` accepts).
-        max_num_tokens: the longest step that runs compiled.
-    """
+    """The compiled ragged-batch forward of one `ModelRunner` (see the module docstring)."""
 
     def __init__(self, runner, max_num_tokens: int = DEFAULT_MAX_NUM_TOKENS) -> None:
         self.runner = runner
@@ -86,8 +57,8 @@ class CompiledPrefillForward:
         self.handle = f"runner-{next(_handles)}"
         _STEPS[self.handle] = {"runner": weakref.ref(runner), "batch": None, "on_layer_kv": None}
         weakref.finalize(self, _STEPS.pop, self.handle, None)
-        self.num_compiled_steps = 0  # steps that ran the compiled graph
-        self.num_eager_fallbacks = 0  # steps that needed a graph not compiled at load
+        self.num_compiled_steps = 0
+        self.num_eager_fallbacks = 0
         self._graph = torch.compile(self._forward_fn(), fullgraph=True)
         self._ready = False
 
@@ -113,12 +84,12 @@ class CompiledPrefillForward:
         return forward
 
     def accepts(self, num_tokens: int) -> bool:
-        """Whether a step of `num_tokens` tokens runs here (2 .. `max_num_tokens`)."""
+        """Whether a step of `num_tokens` tokens runs here (2 .."""
         return self._ready and 2 <= num_tokens <= self.max_num_tokens
 
     def warm_up(self) -> float:
-        """Compile the graph on a dummy step (one request of 2 tokens in block 0, then that block zeroed:
-        no request holds a block before the engine starts). Returns the seconds it took.
+        """Compile the graph on a dummy step (one request of 2 tokens in block 0, then that block zeroed: no
+        request holds a block before the engine starts).
 
         Raises:
             Exception: whatever compiling raised; the forward then stays unusable (`accepts` is False).
@@ -148,12 +119,12 @@ class CompiledPrefillForward:
 
     def __call__(self, batch, on_layer_kv=None) -> torch.Tensor | None:
         """Run a step (`accepts` said yes): writes its KV, calls `on_layer_kv(layer_idx, latent_kv, batch)`
-        per layer. Returns the final hidden states `[num_tokens, hidden_size]`, or None when it would need
-        a graph not compiled at load (then the caller runs the eager forward; nothing was written)."""
+        per layer.
+        """
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
                 hidden = self._call(batch, on_layer_kv)
-        except RuntimeError as e:  # a guard the load-time graph did not cover: never compile per step
+        except RuntimeError as e:
             if "Detected recompile" not in str(e):
                 raise
             self.num_eager_fallbacks += 1

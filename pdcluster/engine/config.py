@@ -15,39 +15,9 @@ KV_CACHE_DTYPES = ("auto", "int8")
 class EngineConfig:
     """Settings of one engine instance (a prefill or decode node runs one).
 
-    Attributes:
-        model: checkpoint directory (Hugging Face format).
-        device: `cpu`, `cuda[:i]` or `npu[:i]`; nothing else in the engine names a device.
-        dtype: parameter dtype name (`float32`, `bfloat16`, `float16`).
-        block_size: token slots per KV cache block.
-        num_kv_blocks: KV cache blocks per layer; None sizes the cache from `kv_cache_memory_bytes`.
-        kv_cache_memory_bytes: bytes for all layers' KV cache when `num_kv_blocks` is None.
-        kv_cache_dtype: `auto` (model dtype) or `int8` (per-token scales, folded into attention).
-        kv_precision: KV dtype by request length (`engine.kv_precision`, one block pool per precision,
-            `engine.kv_pools`); None: every request in `kv_cache_dtype`. Needs `kv_cache_dtype` auto.
-        max_num_batched_tokens: token budget of one step (prefill chunks + decodes + drafts).
-        max_num_seqs: running requests at most.
-        max_model_len: context length; None means the model's `max_position_embeddings`.
-        enable_prefix_caching: reuse KV of identical full prompt blocks across requests.
-        enable_chunked_prefill: split long prompts over several steps under the token budget.
-        num_speculative_tokens: MTP draft tokens per step, k (0 disables speculative decoding).
-        adaptive_speculation: shrink/grow k in [1, num_speculative_tokens] from the recent acceptance rate
-            (`engine.spec_policy`); a no-op when num_speculative_tokens is 0. Not with `async_scheduling`:
-            there step N+1's draft slots are fixed before step N's verification is known, so a smaller k
-            would only be padded back to the maximum with filler drafts (ValueError).
-        adaptive_speculation_min_accept_prob: the probability of reaching and accepting a draft below which
-            adaptive speculation stops drafting that deep (the cost of one more verified draft, in tokens).
-        async_scheduling: prepare step N+1 on the CPU while step N's forward runs (`engine.async_loop`);
-            greedy outputs are identical to the synchronous loop, with or without speculative decoding.
-            Not with expert parallelism (ValueError): every EP rank must join each step's MoE collectives
-            in the same order, which the pipelined loop's worker thread does not guarantee.
-        parallel: the instance's parallel layout as seen by this rank (`engine.parallel.ParallelConfig`);
-            the default is one device.
-        compile: compile the decode forward at load over padded batch-size buckets up to `max_num_seqs`
-            (`engine.compiled_forward`: torch.compile; CUDA graphs on cuda); uniform decode steps run it,
-            others run eagerly; prefill and mixed steps of 2 to `compiled_prefill.DEFAULT_MAX_NUM_TOKENS`
-            tokens run a compiled ragged-batch forward (`engine.compiled_prefill`, one graph for all of
-            them), longer ones eagerly. Ignored (eager) with an int8 KV cache or expert parallelism.
+    dtype: parameter dtype name (`float32`, `bfloat16`, `float16`).
+    kv_cache_dtype: `auto` (model dtype) or `int8` (per-token scales, folded into attention).
+    them), longer ones eagerly. Ignored (eager) with an int8 KV cache or expert parallelism.
     """
 
     model: str

@@ -1,63 +1,12 @@
 """Executes one scheduled step: forward, sample or verify drafts, propose the next drafts with MTP.
 
-    SchedulerOutput --execute--> ModelRunnerOutput (sampled tokens per request, next drafts per request)
-
-`execute` is `prepare` (pack the inputs into persistent buffers; the engine's main thread) followed by
-`run` (resolve placeholders, forward, sample/verify, draft). The asynchronous loop (`engine.async_loop`)
-calls `prepare` for step N+1 while `run` of step N is executing on its worker thread; two buffer sets
-alternate so the two never share memory. Per-request state below is touched by `run` only (the worker),
-never by `prepare`, and `run` reads no request field the engine's thread mutates.
-
-The executor keeps the per-request state that lives on the device side: each seeded request's own
-torch.Generator (it reproduces the same tokens whatever the batch; unseeded requests share one), the
-draft distributions of the drafts it proposed, needed to verify them losslessly next step, and each
-request's last step result (`StepResult`), which resolves the placeholders of its next step under
-asynchronous scheduling. State is dropped for finished/preempted requests when a step lists them.
-
-Placeholders (asynchronous scheduling): a request scheduled while its previous step was in flight has
-only `PLACEHOLDER_TOKEN_ID` inputs: the bonus token then the drafts of that step, unknown when scheduled.
-The scheduler placed them as if every draft of the previous step were accepted; `run` fills in the
-tokens and moves the request's positions, slots and sequence length back by the number of drafts the
-previous step rejected (the scheduler rolls `num_computed_tokens` back by the same number when it commits
-that step). When the previous step proposed fewer drafts than the slots scheduled for them, the rest
-are filled with the bonus token: a deterministic draft, verified like any other.
-
-Speculative decoding (k = `num_speculative_tokens`):
-1. The scheduler runs the newest committed token plus the k drafts as one k+1-token query per request.
-2. `engine.sampler` verifies them with the accept rule of `kernels.rejection_sampling`: greedy requests
-   accept the longest prefix of drafts equal to the target argmax, then take the target's token (exact
-   match: output identical to k = 0); others use rejection sampling (Leviathan et al. 2023, Algorithm 1),
-   which preserves the target distribution.
-3. The MTP layer then runs as the tail of the step's forward, over the same batch and metadata (positions,
-   slots, block tables), writing its own KV; its output at each request's newest committed position
-   proposes d_1; chaining the module gives d_2..d_k (see `mtp_proposer`).
-Adaptive speculation (`adaptive_min_accept_prob` set): after each step's verification the executor folds
-the per-depth draft/accept counts of the batch into exponentially decayed counters and sets
-`num_speculative_tokens` to `spec_policy.choose_num_speculative_tokens(...)` in [1, max k] before proposing
-the next drafts. One k serves the whole batch. The scheduler's lookahead slots stay sized for the maximum.
-
-MTP KV read from a prefix-cache hit was written by an earlier request; a wrong MTP entry can only lower
-acceptance, never change the output, because every draft is verified by the main model.
-
-Isolation: an exception while sampling, verifying or drafting for the batch is retried request by request
-(sampling from the same logits), and only the requests that still raise alone are failed
-(`ModelRunnerOutput.failed`); the others get their tokens as if nothing happened. The batch attempt
-raises before drawing randomness for the validation errors the kernels raise, so seeded requests
-stay reproducible then; an exception in the middle of the draws could leave some generators advanced.
-Exceptions in the batched forward (main model or MTP layer) fail the whole step: they propagate.
-
-Expert parallelism (`run(..., join_collectives=True)`, every rank of an EP instance in the same step):
-every MoE layer call is a collective of the instance, so every rank makes the same passes each step: one
-main forward and, with MTP, `max_num_speculative_tokens` MTP passes. A rank with nothing scheduled runs
-them over an empty batch (0 tokens: no KV written, no sampling); a rank whose drafting needed fewer MTP
-passes (no request to draft for, or fewer drafts) adds empty passes at the depths it skipped.
+Drafts are verified by `kernels.rejection_sampling` (Leviathan et al. 2023, Algorithm 1).
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -80,75 +29,15 @@ from pdcluster.engine.outputs import (
 )
 from pdcluster.engine.sampler import process_logits, sample_isolated, token_logprobs
 from pdcluster.engine.spec_policy import DEFAULT_DECAY, choose_num_speculative_tokens, decay_counts
+from pdcluster.engine.step_inputs import PreparedStep, StepResult, logit_rows, resolve_placeholders
 from pdcluster.engine.structured_output import StructuredOutputs
 
 # `Executor.run`'s `on_sampled`: request id -> the tokens one step sampled for it, before its drafts.
 SampledCallback = Callable[[dict[str, list[int]]], None]
 
 
-class PreparedStep(NamedTuple):
-    """A step's packed inputs, before placeholders are resolved.
-
-    batch: the `ModelInput` (views of one persistent buffer set); None for a step that runs nothing.
-    query_start_loc: `[num_reqs + 1]` host copy of `batch.query_start_loc`.
-    placeholder_items: indices (into the step's `scheduled`) of requests whose inputs are placeholders.
-    sampling: the scheduled requests' sampling parameters, gathered from their persistent rows (a copy:
-        the rows may change before `run` reads it).
-    """
-
-    batch: ModelInput | None
-    query_start_loc: list[int]
-    placeholder_items: list[int]
-    sampling: SamplingArrays | None = None
-
-
-class StepResult(NamedTuple):
-    """One request's result of the last step, what its next step's placeholders resolve to.
-
-    token_ids: tokens the step committed (accepted drafts, then the sampled bonus token).
-    draft_token_ids: drafts proposed for the next step.
-    num_rejected: draft slots of the step that were not accepted; the next step's positions move back by
-        this much from where the scheduler placed them.
-    """
-
-    token_ids: list[int]
-    draft_token_ids: list[int]
-    num_rejected: int
-
-
-def _logit_rows(
-    hidden: torch.Tensor,
-    items: list[ScheduledRequest],
-    sampling: list[int],
-    starts: list[int],
-    query_lens: np.ndarray,
-) -> torch.Tensor:
-    """The rows of `hidden` that yield tokens: each sampling request's last `k_i + 1` (its drafts' and
-    the bonus position's), in batch order. A decode step whose every request runs exactly its drafts and
-    one more token (the uniform decode step) uses every row: `hidden` itself, no gather."""
-    counts = np.fromiter((len(item.spec_token_ids) + 1 for item in items), np.int64, len(items))
-    if len(sampling) == len(query_lens) and (counts == query_lens).all():
-        return hidden
-    ends = np.asarray(starts, dtype=np.int64)[1:][sampling]
-    offsets = np.cumsum(counts) - counts  # first logit row of each request in the gathered rows
-    rows = np.repeat(ends - counts - offsets, counts) + np.arange(int(counts.sum()), dtype=np.int64)
-    return hidden[torch.from_numpy(rows).to(hidden.device)]
-
-
 class Executor:
-    """Device-side half of the engine step. `num_speculative_tokens` may change between steps (adaptive k).
-
-    Args:
-        runner: the model runner (KV cache and forward).
-        num_speculative_tokens: MTP drafts per step, k.
-        max_num_tokens, max_num_reqs: capacity of the persistent input buffers (the scheduler's token
-            budget and `max_num_seqs`).
-        max_num_blocks_per_req: block-table columns; default the whole cache.
-        adaptive_min_accept_prob: None keeps k fixed; else adapt k in [1, num_speculative_tokens] each step
-            with this threshold (see the module docstring and `engine.spec_policy`).
-        structured_outputs: the grammar state of structured requests (`engine.structured_output`); None:
-            a request with `structured_output` fails.
-    """
+    """Device-side half of the engine step."""
 
     def __init__(
         self,
@@ -170,13 +59,13 @@ class Executor:
         # Adaptive k: decayed drafts proposed / accepted per depth over the batch, and k chosen per step.
         self._drafted_per_position: list[float] = []
         self._accepted_per_position: list[float] = []
-        self.num_steps_per_k: dict[int, int] = {}  # k -> steps that proposed drafts with it
+        self.num_steps_per_k: dict[int, int] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._shared_generator = torch.Generator(runner.device).manual_seed(secrets.randbits(63))
         self._draft_probs: dict[str, torch.Tensor | None] = {}
-        self._last_step: dict[str, StepResult] = {}  # request id -> its result in the last step
+        self._last_step: dict[str, StepResult] = {}
         num_columns = min(runner.num_blocks, max_num_blocks_per_req or runner.num_blocks)
-        self.max_num_blocks_per_req = num_columns  # block-table columns of the input buffers
+        self.max_num_blocks_per_req = num_columns
         self._buffers = [
             InputBuffers(max_num_tokens, max_num_reqs, num_columns, runner.block_size, runner.device)
             for _ in range(2)
@@ -189,9 +78,10 @@ class Executor:
         return len(self._generators.keys() | self._draft_probs.keys())
 
     def _generator(self, item: ScheduledRequest) -> torch.Generator | None:
-        """A seeded request's own generator (its tokens do not depend on the batch); unseeded requests
-        share one generator seeded from OS entropy (never a fixed global seed), so the kernels draw their
-        randomness in one call for all of them (`kernels.sampling.group_rows_by_generator`)."""
+        """A seeded request's own generator (its tokens do not depend on the batch); unseeded requests share
+        one generator seeded from OS entropy (never a fixed global seed), so the kernels draw their
+        randomness in one call for all of them (`kernels.sampling.group_rows_by_generator`).
+        """
         request_id = item.request_id
         if request_id not in self._generators:
             seed = item.request.sampling_params.seed
@@ -204,7 +94,8 @@ class Executor:
 
     def set_draft_probs(self, request_id: str, draft_probs: torch.Tensor | None) -> None:
         """Draft distributions of drafts proposed elsewhere (a prefill instance), verified next step:
-        `[num_drafts, vocab_size]` float32, or None for greedy drafts."""
+        `[num_drafts, vocab_size]` float32, or None for greedy drafts.
+        """
         if draft_probs is None:
             self._draft_probs.pop(request_id, None)
         else:
@@ -221,13 +112,9 @@ class Executor:
         sampling parameters gathered from the scheduler's persistent rows (`output.rows`), positions and
         slots computed from them, all with whole-batch numpy ops (`InputBuffers.pack_rows`).
 
-        Runs right after `Scheduler.schedule` (the rows change at the next schedule or commit). Touches
-        no per-request state of the executor, so it may run while the previous step's `run` executes;
-        the returned batch stays valid until the prepare after next.
-
         Raises:
             ValueError: requests scheduled without `output.rows`, or a step the buffers or rows do not
-                cover (see `pack_rows`); a request that mixes placeholders and known tokens.
+            cover (see `pack_rows`); a request that mixes placeholders and known tokens.
         """
         scheduled = output.scheduled
         if not scheduled:
@@ -264,10 +151,9 @@ class Executor:
         join_collectives: bool = False,
         on_sampled: SampledCallback | None = None,
     ) -> ModelRunnerOutput:
-        """Run one step (`prepare` then `run`). Requests whose `samples` is False (mid-prefill) get no
-        tokens."""
+        """Run one step (`prepare` then `run`)."""
         prepared = self.prepare(output)
-        if join_collectives or on_sampled is not None:  # (else the plain call the async loop makes)
+        if join_collectives or on_sampled is not None:
             return self.run(output, prepared, on_layer_kv, join_collectives, on_sampled)
         return self.run(output, prepared, on_layer_kv)
 
@@ -279,17 +165,14 @@ class Executor:
         join_collectives: bool = False,
         on_sampled: SampledCallback | None = None,
     ) -> ModelRunnerOutput:
-        """Execute a prepared step: drop state of finished/preempted requests, resolve placeholders from
-        the previous step's results, forward, sample or verify, propose drafts. `join_collectives`: make
-        every model pass of an EP step even without work (see the module docstring). `on_sampled(sampled)`
-        (request id -> the tokens this step sampled for it, the requests whose sampling failed left out)
-        runs right after sampling, before the drafts are proposed; it must not raise.
+        """Execute a prepared step: drop state of finished/preempted requests, resolve placeholders from the
+        previous step's results, forward, sample or verify, propose drafts.
 
         Raises:
             RuntimeError: placeholders of a request the previous step sampled nothing for.
         """
         self.drop(output.finished_request_ids + output.preempted_request_ids)
-        if self.structured_outputs is not None:  # a preempted request's grammar is rebuilt from its outputs
+        if self.structured_outputs is not None:
             self.structured_outputs.drop(output.finished_request_ids + output.preempted_request_ids)
         batch = prepared.batch
         mtp_passes_before = self.runner.num_mtp_forwards
@@ -310,7 +193,7 @@ class Executor:
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if sampling:
             items = [scheduled[i] for i in sampling]
-            logits = self.runner.compute_logits(_logit_rows(hidden, items, sampling, starts, query_lens))
+            logits = self.runner.compute_logits(logit_rows(hidden, items, sampling, starts, query_lens))
             params = prepared.sampling
             if params is not None and len(sampling) < len(scheduled):
                 params = params.take(np.asarray(sampling, dtype=np.int64))
@@ -324,7 +207,7 @@ class Executor:
             for request_id, error in grammar_failed.items():
                 sampled.pop(request_id, None)
                 failed[request_id] = error
-            if on_sampled is not None:  # first: the first tokens go out before anything that can wait
+            if on_sampled is not None:
                 on_sampled({rid: tokens for rid, tokens in sampled.items() if rid not in failed})
             logprobs = token_logprobs(items, logits, sampled)
 
@@ -347,8 +230,6 @@ class Executor:
         for i in sampling:
             item = scheduled[i]
             if item.request_id in failed:
-                # Finished with an error when this step is committed; a step already scheduled after it
-                # (asynchronous scheduling) still resolves its placeholders: filler, discarded with it.
                 self._last_step[item.request_id] = StepResult([0], [], 0)
                 continue
             tokens = sampled[item.request_id]
@@ -362,9 +243,10 @@ class Executor:
         return ModelRunnerOutput(sampled, spec, draft_probs, logprobs, failed)
 
     def _join_empty_passes(self, main: bool, num_mtp_done: int) -> None:
-        """Expert parallelism: run the passes this rank's step did not make over an empty batch, so it
-        joins every MoE collective of the step: the main forward (`main`), and MTP depths `num_mtp_done ..
-        max_num_speculative_tokens - 1` when speculative decoding is on."""
+        """Expert parallelism: run the passes this rank's step did not make over an empty batch, so it joins
+        every MoE collective of the step: the main forward (`main`), and MTP depths `num_mtp_done ..
+        max_num_speculative_tokens - 1` when speculative decoding is on.
+        """
         runner = self.runner
         empty = build_model_input([], [], [], runner.block_size, runner.device)
         if main:
@@ -380,7 +262,8 @@ class Executor:
         """The request's output tokens before this step's inputs end, by position (the engine thread may
         commit the previous step meanwhile): committed tokens up to the step's first uncommitted input,
         then the previous step's tokens when its placeholder was resolved from `_last_step` (its accepted
-        drafts sit just before the placeholder, its bonus token is the placeholder)."""
+        drafts sit just before the placeholder, its bonus token is the placeholder).
+        """
         request = item.request
         end = (
             item.start_position + item.num_scheduled_tokens - len(item.spec_token_ids) - item.num_placeholders
@@ -396,12 +279,14 @@ class Executor:
     ) -> tuple[dict[str, list[int]], dict[str, str]]:
         """Sample or verify the sampling requests `items` from `logits` `[sum(k_i + 1), vocab_size]` with
         their generators, stored draft distributions and sampling parameters (`params`, None: from the
-        items) (`engine.sampler.sample_isolated`)."""
+        items) (`engine.sampler.sample_isolated`).
+        """
         return sample_isolated(items, logits, self._generator, self._draft_probs, params)
 
     def _mask_by_grammar(self, items: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, str]:
-        """Mask the structured requests' rows of `logits` in place; request id -> error of those that
-        fail (`StructuredOutputs.mask_logits`)."""
+        """Mask the structured requests' rows of `logits` in place; request id -> error of those that fail
+        (`StructuredOutputs.mask_logits`).
+        """
         if not any(item.request.sampling_params.structured_output for item in items):
             return {}
         if self.structured_outputs is None:
@@ -415,8 +300,9 @@ class Executor:
     def _adapt_num_speculative_tokens(
         self, items: list[ScheduledRequest], sampled: dict[str, list[int]]
     ) -> None:
-        """Fold this step's verification results into the decayed counters (steps that verified no draft
-        leave them as they are) and choose k for the drafts proposed next."""
+        """Fold this step's verification results into the decayed counters (steps that verified no draft leave
+        them as they are) and choose k for the drafts proposed next.
+        """
         drafted: list[int] = []
         accepted: list[int] = []
         for item in items:
@@ -439,54 +325,8 @@ class Executor:
     def _resolve_placeholders(
         self, scheduled: list[ScheduledRequest], prepared: PreparedStep
     ) -> list[ScheduledRequest]:
-        """Fill in placeholder inputs and move their requests back by the previous step's rejected drafts
-        (in the batch and in the returned items). See the module docstring. The previous results are
-        looked up per request; the batch is then patched with a few whole-batch ops (input ids, and for
-        shifted requests positions, slots and sequence lengths), not per request."""
-        items = prepared.placeholder_items
-        if not items:
-            return scheduled
-        batch, bs = prepared.batch, self.runner.block_size
-        assert batch is not None
-        scheduled = list(scheduled)
-        values: list[int] = []  # the inputs of every placeholder request, back to back
-        counts: list[int] = []
-        shifts: list[int] = []
-        for i in items:
-            item = scheduled[i]
-            previous = self._last_step.get(item.request_id)
-            if previous is None:
-                raise RuntimeError(f"placeholders of {item.request_id!r}, but the last step sampled nothing")
-            n, shift = item.num_scheduled_tokens, previous.num_rejected
-            bonus = previous.token_ids[-1]
-            inputs = ([bonus] + previous.draft_token_ids)[:n]
-            inputs += [bonus] * (n - len(inputs))  # fewer drafts than slots: filler drafts
-            values.extend(inputs)
-            counts.append(n)
-            shifts.append(shift)
-            # The bonus token stays a placeholder in the item (its `token_ids`): known to this step only.
-            scheduled[i] = item._replace(
-                spec_token_ids=inputs[1:], start_position=item.start_position - shift, num_placeholders=1
-            )
-        device = batch.input_ids.device
-        item_index = np.asarray(items, dtype=np.int64)
-        num_inputs = np.asarray(counts, dtype=np.int64)
-        # flat row of each of their inputs in the batch: query start + offset within the request
-        firsts = np.asarray(prepared.query_start_loc, dtype=np.int64)[item_index]
-        flat = np.repeat(firsts - (np.cumsum(num_inputs) - num_inputs), num_inputs)
-        flat += np.arange(len(values), dtype=np.int64)
-        flat_rows = torch.from_numpy(flat).to(device)
-        batch.input_ids[flat_rows] = torch.tensor(values, dtype=torch.long, device=device)
-        if any(shifts):
-            shift = np.asarray(shifts, dtype=np.int64)
-            positions = batch.positions[flat_rows] - torch.from_numpy(np.repeat(shift, num_inputs)).to(device)
-            batch.positions[flat_rows] = positions
-            request_rows = torch.from_numpy(np.repeat(item_index, num_inputs)).to(device)
-            batch.slot_mapping[flat_rows] = (
-                batch.block_tables[request_rows, positions // bs] * bs + positions % bs
-            )
-            batch.seq_lens[torch.from_numpy(item_index).to(device)] -= torch.from_numpy(shift).to(device)
-        return scheduled
+        """`step_inputs.resolve_placeholders` with this executor's last step results."""
+        return resolve_placeholders(scheduled, prepared, self._last_step, self.runner.block_size)
 
     def _propose(
         self,
@@ -501,8 +341,9 @@ class Executor:
     ) -> dict[str, list[int]]:
         """Run the MTP layer as the tail of this step's forward over the same batch and propose drafts per
         request (see `mtp_proposer.propose`); skips requests in `failed` and adds the requests whose
-        drafting fails alone to it."""
-        rows: list[int] = []  # newest committed position of each request that has the token after it
+        drafting fails alone to it.
+        """
+        rows: list[int] = []
         next_ids: list[int] = []
         works: list[MTPWork] = []
         owners: list[ScheduledRequest] = []
@@ -514,11 +355,11 @@ class Executor:
                 new_tokens = sampled[item.request_id]
                 num_valid = n - (len(item.spec_token_ids) - (len(new_tokens) - 1))
                 after = new_tokens[-1]
-            else:  # a prefill chunk: the committed prompt token after it (immutable: safe to read here)
+            else:
                 num_valid = n
                 following = item.request.all_token_ids[start + n : start + n + 1]
-                if not following:  # the prompt's last token awaits its sample: that row's MTP input is
-                    continue  # unknown until the next step (its MTP KV here is a filler's)
+                if not following:
+                    continue
                 after = following[0]
             newest_row = starts[i] + num_valid - 1
             rows.append(newest_row)
@@ -551,7 +392,8 @@ class Executor:
         return spec
 
     def _num_drafts(self, item: ScheduledRequest, newest_position: int) -> int:
-        """Drafts that fit the request's allocated slots: chained MTP steps write KV at
-        `newest_position .. newest_position + k - 2`."""
+        """Drafts that fit the request's allocated slots: chained MTP steps write KV at `newest_position ..
+        newest_position + k - 2`.
+        """
         capacity = len(item.block_ids) * self.runner.block_size
         return max(0, min(self.num_speculative_tokens, capacity - newest_position + 1))

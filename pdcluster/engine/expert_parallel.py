@@ -1,39 +1,4 @@
-"""The EP side of one rank's engine: lockstep agreement, expert-load window, EPLB rebalancing, EP figures.
-
-The contract of an expert-parallel instance (`EngineConfig.parallel.expert_parallel_size = N > 1`,
-`LLMEngine(config, group=engine.parallel.make_instance_group(...))` on each of the N ranks):
-
-- Each rank has its own engine with its own requests and paged KV cache (data-parallel attention) and
-  holds only its routed experts (loaded so from the checkpoint; the shared expert, dense layers,
-  attention and router are replicated).
-- EVERY rank calls `engine.step()` in a loop, also when it has no request. Each step starts with one
-  small collective where the ranks agree whether any of them has work; then all run the step (a rank
-  without work runs an empty batch, joining every MoE collective) or none does. When no rank has work,
-  `step()` returns promptly with no outputs (aborts aside): the caller sleeps briefly and calls again.
-  `ExpertParallelRuntime.last_stepped` says whether the instance ran the last step.
-- Requests are added, aborted, reserved and admitted between steps on each rank, as on one device.
-- A collective that fails or times out (`ParallelConfig.collective_timeout_s`: a rank died, stopped
-  stepping, or left lockstep) fails the instance: that `step()` finishes every unfinished request of the
-  rank with finish_reason "error" and raises `EngineStepError` carrying their outputs; later steps do the
-  same for requests added since. Async scheduling is refused with EP (`EngineConfig` ValueError).
-- `engine.ep_stats()` (`EPStats`): expert load, imbalance, dispatch/combine seconds and bytes, rebalances.
-
-`ExpertParallelRuntime` installs an `EPDispatcher` in every MoE layer of the rank's model shard and, per
-engine step (`engine.llm_engine.LLMEngine.step`):
-
-- `begin_step(has_work)`: one `allreduce` (MAX) of `[has_work, k, -k, placement_version,
-  -placement_version]`: whether any rank has work (then every rank steps, an idle one with an empty
-  batch), and that all ranks agree on the speculative depth k (the MTP passes each step makes) and on the
-  placement (else `EPCollectiveError`). Every `eplb_interval_steps` stepped steps it rebalances first.
-- `end_step(stepped)`: takes each dispatcher's figures into the sliding window.
-
-Rebalancing (`rebalance`): the window's logical expert loads are summed over the ranks (`allreduce`),
-`models.eplb.rebalance_experts` computes the new placement (identical on every rank: same input, pure
-function), each physical slot whose logical expert changes gets the new expert's weights from the lowest
-physical replica of it in the old placement (a copy on the same rank, else `send`/`recv` over the group),
-and the dispatchers switch maps. It runs between two steps on every rank alike, so no request sees a
-half-moved expert; replicas carry identical weights, so outputs do not depend on the placement.
-"""
+"""The EP side of one rank's engine: lockstep agreement, expert-load window, EPLB rebalancing, EP figures."""
 
 from __future__ import annotations
 
@@ -58,22 +23,8 @@ from pdcluster.models.loader import inspect_checkpoint, load_checkpoint
 class EPStats:
     """Expert-parallel figures of one rank (`LLMEngine.ep_stats()`), for /metrics and benchmarks.
 
-    Attributes:
-        rank, num_ranks: this rank of the instance's EP ranks.
-        moe_layers: decoder-layer index of each MoE layer (MTP included), the rows below.
-        num_steps: engine steps run in lockstep (some rank had work); num_idle_steps: of those, steps this
-            rank joined with an empty batch.
-        expert_load: `[num_moe_layers][num_logical_experts]` (token, expert) pairs of this rank per logical
-            expert over the last `eplb_window_steps` steps.
-        rank_rows: `[num_moe_layers][num_ranks]` rows each rank's experts computed since the last
-            rebalance (instance-wide, identical on every rank).
-        imbalance: per MoE layer, max / mean of `rank_rows` over ranks (1.0 = balanced; 1.0 with no rows).
-        total_imbalance: the same over all MoE layers' rows together.
-        dispatch_s, combine_s, expert_s: seconds this rank spent in dispatch, combine, local experts.
-        dispatch_bytes, combine_bytes: token-row bytes this rank sent to other ranks; counts_bytes: bytes
-            of the per-layer counts exchange it sent.
-        num_rebalances, rebalance_s, last_rebalance_s: rebalances so far, their total and last duration.
-        rebalance_moved_bytes: expert-weight bytes this rank received over the group in rebalances.
+    expert_load: `[num_moe_layers][num_logical_experts]` (token, expert) pairs of this rank per logical
+    rank_rows: `[num_moe_layers][num_ranks]` rows each rank's experts computed since the last
     """
 
     rank: int
@@ -126,9 +77,9 @@ def setup_expert_parallel(
     group: dist.ProcessGroup | None,
     dtype: torch.dtype,
 ) -> tuple[DeepseekV3ForCausalLM | None, ExpertParallelRuntime | None]:
-    """`(model, runtime)` for an engine: on one device `(model, None)` unchanged; with EP this rank's
-    shard (`model` None: loaded with `load_rank_shard`; else a shard built for `default_placement`) and
-    its `ExpertParallelRuntime`.
+    """`(model, runtime)` for an engine: on one device `(model, None)` unchanged; with EP this rank's shard
+    (`model` None: loaded with `load_rank_shard`; else a shard built for `default_placement`) and its
+    `ExpertParallelRuntime`.
 
     Raises:
         ValueError: EP without a process group, or a group/model that does not fit the config.
@@ -157,13 +108,6 @@ def max_over_mean(rows: torch.Tensor) -> torch.Tensor:
 class ExpertParallelRuntime:
     """See the module docstring.
 
-    Args:
-        model: this rank's shard (built with `num_local_experts = placement.num_local_experts`, weights of
-            `placement`'s local experts for `parallel.rank`: `models.loader.load_checkpoint(placement=...)`).
-        parallel: the instance's parallel settings (this rank's view).
-        group: the instance's process group (`engine.parallel.make_instance_group`).
-        placement: the placement the shard was loaded with.
-
     Raises:
         ValueError: the group's size or rank disagree with `parallel`, or the model is not such a shard.
     """
@@ -182,7 +126,7 @@ class ExpertParallelRuntime:
             )
         self.model, self.parallel, self.group, self.placement = model, parallel, group, placement
         self.rank, self.num_ranks = parallel.rank, parallel.expert_parallel_size
-        self.device = next(model.parameters()).device  # collectives' tensors live there (NCCL: on the GPU)
+        self.device = next(model.parameters()).device
         self.layer_indices = moe_layer_indices(model.config)
         self.moe: list[DeepseekV3MoE] = [model.model.layers[i].mlp for i in self.layer_indices]
         for layer_idx, moe in zip(self.layer_indices, self.moe, strict=True):
@@ -205,19 +149,17 @@ class ExpertParallelRuntime:
             ("dispatch_s", "combine_s", "expert_s", "dispatch_bytes", "combine_bytes", "counts_bytes"), 0
         )
         self.num_steps = self.num_idle_steps = self.num_rebalances = 0
-        self.last_stepped = False  # whether the instance ran the last step (some rank had work)
-        self.failure: str | None = None  # why the instance failed (set by the engine); every later step fails
+        self.last_stepped = False
+        self.failure: str | None = None
         self.rebalance_s = self.last_rebalance_s = 0.0
         self.rebalance_moved_bytes = 0
 
-    # ---- per step ------------------------------------------------------------------------------------
     def begin_step(self, has_work: bool, num_speculative_tokens: int) -> bool:
         """The step's agreement (one collective; see the module docstring), then a rebalance when due.
-        Returns True when every rank must run the step (some rank has work).
 
         Raises:
             EPCollectiveError: the collective failed or timed out, the ranks disagree on k or placement, or
-                the instance failed before (`failure`).
+            the instance failed before (`failure`).
         """
         if self.failure is not None:
             raise EPCollectiveError(self.failure)
@@ -260,7 +202,8 @@ class ExpertParallelRuntime:
 
     def set_micro_batch_overlap(self, enabled: bool) -> None:
         """Switch two-micro-batch overlap on or off (between steps, on every rank alike: the collectives'
-        order changes with it)."""
+        order changes with it).
+        """
         for dispatcher in self.dispatchers:
             dispatcher.overlap_micro_batches = enabled
 
@@ -269,15 +212,13 @@ class ExpertParallelRuntime:
         self._load_window.clear()
         self._rank_rows.zero_()
 
-    # ---- EPLB ----------------------------------------------------------------------------------------
     def rebalance_due(self) -> bool:
         interval = self.parallel.eplb_interval_steps
         return interval is not None and self.num_steps > 0 and self.num_steps % interval == 0
 
     def rebalance(self) -> ExpertPlacement:
         """Compute the new placement from the window's instance-wide load, move expert weights, switch the
-        dispatch maps (see the module docstring). Every rank calls it at the same point. Returns the new
-        placement.
+        dispatch maps (see the module docstring).
 
         Raises:
             EPCollectiveError: a collective or transfer failed or timed out.
@@ -306,12 +247,10 @@ class ExpertParallelRuntime:
         return new
 
     def _move_weights(self, old: ExpertPlacement, new: ExpertPlacement) -> None:
-        """Give every local slot the weights of its new logical expert. Plan (the same on every rank):
-        for each (layer, physical slot) whose logical expert changes, the source is the lowest physical id
-        holding that expert in `old`; same rank: a copy, else a `send`/`recv` with the plan index as tag."""
+        """Give every local slot the weights of its new logical expert."""
         n = old.num_local_experts
         works: list[tuple[dist.Work, str]] = []
-        received: list[tuple[int, int, torch.Tensor]] = []  # (row, slot, flat weights)
+        received: list[tuple[int, int, torch.Tensor]] = []
         copies: list[tuple[int, int, torch.Tensor]] = []
         tag = 0
         for row in range(old.num_moe_layers):
@@ -328,7 +267,7 @@ class ExpertParallelRuntime:
                 elif src_rank == self.rank:
                     buf = _flat(experts[src_phy % n])
                     works.append((self.group.send([buf], dst_rank, tag), f"EPLB send of layer row {row}"))
-                    copies.append((-1, -1, buf))  # keep the buffer alive until the send completes
+                    copies.append((-1, -1, buf))
                 elif dst_rank == self.rank:
                     buf = torch.empty_like(_flat(experts[phy % n]))
                     works.append((self.group.recv([buf], src_rank, tag), f"EPLB recv of layer row {row}"))
@@ -340,7 +279,6 @@ class ExpertParallelRuntime:
                 _unflat(self.moe[row].experts[slot], flat)
         self.rebalance_moved_bytes += sum(buf.numel() * buf.element_size() for _, _, buf in received)
 
-    # ---- figures -------------------------------------------------------------------------------------
     def stats(self) -> EPStats:
         window = sum(self._load_window, self._logical_zero.clone())
         per_layer = max_over_mean(self._rank_rows)

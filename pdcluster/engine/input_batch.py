@@ -1,30 +1,5 @@
-"""Persistent batch rows: one preallocated row per running request, updated by deltas (vLLM v1's input
-batch keeps its rows the same way; this is our own, smaller version). `RequestRows` holds, per row, the
-request's block table, its sampling parameters and its token ids. The `Scheduler` owns it and updates
-it on its own thread when it schedules a step (`add_step`) and when a request finishes or is preempted
-(`remove`); the step hands the executor only row indices (`ScheduledRows`), so packing a step
-(`engine.model_runner.InputBuffers.pack_rows`) is a few numpy gathers whatever the batch.
-
-Deltas, per request:
-
-    join            first scheduled (new, resumed after preemption, admitted after a remote prefill):
-                    takes a free row; sampling parameters and every committed token written once
-    add_step        each step it runs: the tokens committed since its previous step (usually one, or
-                    the accepted drafts and a bonus token), the block ids appended (usually none), and
-                    the inputs that are not committed tokens (placeholders, drafts) at their positions
-    remove          finished, aborted or preempted: the row is free for the next request that joins
-
-Token ids: after `add_step`, positions `0 .. num_tokens - 1` of a scheduled request's row equal its
-committed tokens (`Request.all_token_ids`; committed tokens only ever grow, so the row needs only the
-new ones), then come the step's placeholders and drafts; `num_valid_tokens` marks how far the row is
-valid, and packing refuses a step that reads past it. Committed tokens are written when the request is
-next scheduled rather than when they are committed: one pass over the step's requests (under
-asynchronous scheduling the step in flight was packed before its tokens are committed anyway).
-
-Block tables: a running request's block list grows as it runs, so a step writes only the block ids
-appended since the request's previous step; a request whose blocks changed other than by growing
-(rolled back, its first or last known block differs) has its table row rewritten, so a stale row is
-never read. A step's `[num_reqs, max_num_blocks]` block table is one gather of the scheduled rows.
+"""Persistent batch rows: one preallocated row per running request, updated by deltas (vLLM v1's input batch
+keeps its rows the same way; this is our own, smaller version).
 """
 
 from __future__ import annotations
@@ -109,14 +84,8 @@ def _value(params: SamplingParams, name: str) -> float | int | bool:
 class BlockTableRows:
     """Block ids of the running requests, one row each.
 
-    Attributes:
-        table: `[num_rows, num_columns]` int64 block ids; row r's columns past `lens[r]` are 0.
-        lens: `[num_rows]` int64, blocks held in each row.
-
-    Args:
-        num_rows: rows preallocated (the engine's `max_num_seqs`); grows by doubling past it.
-        num_columns: blocks one request may hold at most.
-
+    table: `[num_rows, num_columns]` int64 block ids; row r's columns past `lens[r]` are 0.
+    lens: `[num_rows]` int64, blocks held in each row.
     Raises:
         ValueError: (`update`) a request holds more than `num_columns` blocks.
     """
@@ -146,8 +115,9 @@ class BlockTableRows:
                 self._free.append(row)
 
     def update(self, request_id: str, block_ids: list[int]) -> int:
-        """The row of `request_id` (a new one for a new request), brought up to `block_ids`: writes only
-        the ids appended since the last update, or the whole row when the list did not just grow."""
+        """The row of `request_id` (a new one for a new request), brought up to `block_ids`: writes only the
+        ids appended since the last update, or the whole row when the list did not just grow.
+        """
         row = self._row_of.get(request_id)
         if row is None:
             row = self._allocate(request_id)
@@ -159,7 +129,7 @@ class BlockTableRows:
         n = len(block_ids)
         known_len, first, last = self._known[row]
         if n == known_len and (n == 0 or (block_ids[0] == first and block_ids[-1] == last)):
-            return  # the common decode step: no new block
+            return
         if n > self.table.shape[1]:
             raise ValueError(f"request {request_id!r} holds {n} blocks, the table has {self.table.shape[1]}")
         grew = known_len and n > known_len and block_ids[0] == first and block_ids[known_len - 1] == last
@@ -171,7 +141,7 @@ class BlockTableRows:
         self._known[row] = (n, block_ids[0], block_ids[-1]) if n else (0, -1, -1)
 
     def _allocate(self, request_id: str) -> int:
-        if not self._free:  # more running requests than rows: double the rows
+        if not self._free:
             old = len(self.lens)
             self._grow_rows()
             self._known += [(0, -1, -1)] * old
@@ -190,19 +160,10 @@ class RequestRows(BlockTableRows):
     """`BlockTableRows` plus each row's sampling parameters and token ids: the persistent batch that the
     scheduler keeps up to date by deltas (see the module docstring) and a step packs with a few gathers.
 
-    Attributes (besides `table`, `lens`):
-        sampling: `SamplingArrays` over all rows; a free row holds greedy defaults.
-        token_ids: `[num_rows, max_num_tokens]` int64; row r's positions `0 .. num_valid_tokens[r] - 1`
-            hold its request's committed tokens (as of its last scheduled step), then the placeholders
-            and drafts that step runs; positions past that hold stale values (never read).
-        num_valid_tokens: `[num_rows]` int64, see `token_ids`; 0 for a free row.
-
-    Args:
-        num_rows, num_columns: see `BlockTableRows`.
-        max_num_tokens: token positions of one row (the context length; the scheduler adds its lookahead).
-            The array is allocated zeroed, so the OS backs only the pages rows actually write. int64 (vLLM
-            keeps int32) so that packing gathers straight into the int64 input buffer.
-
+    token_ids: `[num_rows, max_num_tokens]` int64; row r's positions `0 .. num_valid_tokens[r] - 1`
+    num_valid_tokens: `[num_rows]` int64, see `token_ids`; 0 for a free row.
+    The array is allocated zeroed, so the OS backs only the pages rows actually write. int64 (vLLM
+    keeps int32) so that packing gathers straight into the int64 input buffer.
     Raises:
         ValueError: a request's tokens or inputs reach past `max_num_tokens` (`join`, `add_step`).
     """
@@ -212,19 +173,17 @@ class RequestRows(BlockTableRows):
         self.sampling = _default_sampling(len(self.lens))
         self.token_ids = np.zeros((len(self.lens), max(1, max_num_tokens)), dtype=np.int64)
         self.num_valid_tokens = np.zeros(len(self.lens), dtype=np.int64)
-        self._num_committed = [0] * len(self.lens)  # per row: committed tokens written (Python ints)
+        self._num_committed = [0] * len(self.lens)
         self._make_views()
 
     def _make_views(self) -> None:
-        # Flat memoryviews of the token arrays: a per-element write from Python is one C-level store
-        # (tens of ns), where a numpy call on a few elements costs microseconds.
         self._token_ids_flat = memoryview(self.token_ids.reshape(-1))
         self._num_valid_flat = memoryview(self.num_valid_tokens)
 
     def join(self, request_id: str, token_ids: Sequence[int], params: SamplingParams) -> int:
         """Give a request that holds no row one, with its sampling parameters and committed tokens
         (`token_ids`: the prompt; for a request resumed after preemption or admitted after a remote
-        prefill, the prompt and its outputs so far). Returns the row.
+        prefill, the prompt and its outputs so far).
 
         Raises:
             ValueError: the request already holds a row, or `token_ids` is longer than a row.
@@ -241,19 +200,14 @@ class RequestRows(BlockTableRows):
         return row
 
     def add_step(self, items: Sequence[ScheduledRequest]) -> ScheduledRows:
-        """Bring the rows of a step's requests up to date and return the step as row indices. Per
-        request: a request without a row joins (`join`, with `request.all_token_ids`); the tokens
-        committed since its previous step are written (its outputs only ever grow: rejected drafts never
-        become committed tokens); its block table follows the item's `block_ids` (`update`); the inputs
-        that are not committed tokens (placeholders, then drafts: the tail of `item.token_ids`) are
-        written at their positions. Element writes through memoryviews, no numpy call per request.
+        """Bring the rows of a step's requests up to date and return the step as row indices.
 
         Raises:
             ValueError: a request's tokens or inputs reach past a row's `max_num_tokens` positions, its
-                placeholders and drafts would overwrite committed tokens, or it holds more blocks than the
-                table's columns.
+            placeholders and drafts would overwrite committed tokens, or it holds more blocks than the
+            table's columns.
             RuntimeError: a request has fewer committed tokens than its row (the row of a request that
-                left without `remove`, under a reused id).
+            left without `remove`, under a reused id).
         """
         width = self.token_ids.shape[1]
         row_of, num_committed, known = self._row_of, self._num_committed, self._known
@@ -268,20 +222,20 @@ class RequestRows(BlockTableRows):
             row = row_of.get(request_id)
             if row is None:
                 row = self.join(request_id, request.all_token_ids, request.sampling_params)
-                tokens, num_valid = self._token_ids_flat, self._num_valid_flat  # new if the rows doubled
+                tokens, num_valid = self._token_ids_flat, self._num_valid_flat
             all_token_ids = request.all_token_ids
             num_tokens = len(all_token_ids)
             num_written = num_committed[row]
-            if num_tokens > num_written:  # committed since the request's previous step
+            if num_tokens > num_written:
                 self._check_fits(request_id, num_tokens)
                 index = row * width
-                if num_tokens == num_written + 1:  # the usual decode step: one token
+                if num_tokens == num_written + 1:
                     tokens[index + num_written] = all_token_ids[num_written]
                 else:
                     for position in range(num_written, num_tokens):
                         tokens[index + position] = all_token_ids[position]
                 num_committed[row] = num_tokens
-            elif num_tokens < num_written:  # committed tokens never shrink: not the row's request
+            elif num_tokens < num_written:
                 raise RuntimeError(f"request {request_id!r} has {num_tokens} tokens, its row {num_written}")
             # `update`, inlined check: usually the blocks did not change
             block_ids = item.block_ids
@@ -295,7 +249,7 @@ class RequestRows(BlockTableRows):
             starts.append(start)
             counts.append(count)
             num_placeholders, spec_token_ids = item.num_placeholders, item.spec_token_ids
-            if num_placeholders or spec_token_ids:  # at positions num_tokens .. end - 1
+            if num_placeholders or spec_token_ids:
                 end = start + count
                 first_uncommitted = end - num_placeholders - len(spec_token_ids)
                 if first_uncommitted < num_tokens or end > width:
@@ -312,7 +266,7 @@ class RequestRows(BlockTableRows):
                     index += 1
                 num_valid[row] = end
                 num_uncommitted_inputs += num_placeholders + len(spec_token_ids)
-            else:  # drafts of an earlier step past the committed tokens are no longer valid
+            else:
                 num_valid[row] = num_tokens
         # [3, num_reqs]: one conversion for the three per-step arrays
         row_index, start_positions, num_scheduled_tokens = np.array((rows, starts, counts), dtype=np.int64)
@@ -351,15 +305,9 @@ class ScheduledRows(NamedTuple):
     """A step's requests as rows of the persistent `RequestRows` (`RequestRows.add_step`): what
     `engine.model_runner.InputBuffers.pack_rows` packs, with no per-request Python.
 
-    rows: the persistent rows. They change when the scheduler next schedules or a request leaves, so
-        the step must be packed before that (`Executor.prepare` runs right after `Scheduler.schedule`);
-        the packed buffers are copies.
     row_index: `[num_reqs]` int64, each scheduled request's row, in batch order.
     start_positions: `[num_reqs]` int64, the position of its first input this step.
     num_scheduled_tokens: `[num_reqs]` int64, its inputs this step (positions
-        `start .. start + num_scheduled_tokens - 1` of its row).
-    num_uncommitted_inputs: placeholders and drafts among the inputs; 0 when every input is a committed
-        token (then no input can be a placeholder).
     """
 
     rows: RequestRows

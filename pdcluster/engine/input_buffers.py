@@ -1,5 +1,6 @@
 """The step's packed inputs: `ModelInput` (a ragged batch, vLLM-style flattening) and `InputBuffers`, the
-persistent tensors it views, filled in place each step without per-request Python."""
+persistent tensors it views, filled in place each step without per-request Python.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ class ModelInput(NamedTuple):
     slot_mapping: `[num_tokens]` int64, cache slot (`block_id * block_size + offset`) for each token.
     block_tables: `[num_reqs, max_num_blocks]` int64, padded with 0.
     seq_lens: `[num_reqs]` int64, tokens in the cache for each request after this step's writes.
-    query_start_loc: `[num_reqs + 1]` int64, request r owns tokens `query_start_loc[r]:query_start_loc[r+1]`.
     """
 
     input_ids: torch.Tensor
@@ -36,19 +36,10 @@ class ModelInput(NamedTuple):
 
 
 class InputBuffers:
-    """Preallocated tensors that `pack` fills in place and a packed `ModelInput` views: no tensor is
-    allocated per step (vLLM's persistent input batch).
+    """Preallocated tensors that `pack` fills in place and a packed `ModelInput` views: no tensor is allocated
+    per step (vLLM's persistent input batch).
 
     Host buffers are int64 CPU tensors, filled through numpy views; on a non-CPU device each has a device
-    twin, updated with one copy per tensor. A packed `ModelInput` is valid until the next `pack` on the
-    same buffers, so a pipelined engine (`engine.async_loop`) keeps two sets and alternates.
-
-    Args:
-        max_num_tokens: tokens of one batch at most (the step's token budget).
-        max_num_reqs: requests of one batch at most.
-        max_num_blocks_per_req: block-table columns (a request's blocks at most).
-        block_size: token slots per block.
-        device: where the model runs.
     """
 
     def __init__(
@@ -63,12 +54,12 @@ class InputBuffers:
         self.device = torch.device(device)
         max_num_blocks_per_req = max(1, max_num_blocks_per_req)
         shapes = (
-            (max_num_tokens,),  # input_ids
-            (max_num_tokens,),  # positions
-            (max_num_tokens,),  # slot_mapping
-            (max_num_reqs, max_num_blocks_per_req),  # block_tables
-            (max_num_reqs,),  # seq_lens
-            (max_num_reqs + 1,),  # query_start_loc
+            (max_num_tokens,),
+            (max_num_tokens,),
+            (max_num_tokens,),
+            (max_num_reqs, max_num_blocks_per_req),
+            (max_num_reqs,),
+            (max_num_reqs + 1,),
         )
         self._host = [torch.zeros(shape, dtype=torch.long) for shape in shapes]
         self._np = [t.numpy() for t in self._host]
@@ -97,16 +88,10 @@ class InputBuffers:
         """Fill the buffers with one ragged batch given as per-request lists and return the `ModelInput`
         viewing them (the reference packing; the engine's steps use `pack_rows`).
 
-        Args:
-            token_ids: per request, the tokens to run this step (positions `start .. start + n - 1`).
-            start_positions: per request, the position of its first token this step.
-            block_tables: per request, its block ids (enough to cover every position it runs).
-            slot_mapping: `[sum n]` cache slot of every token when the caller has them; None computes
-                them from the block tables.
-
+        slot_mapping: `[sum n]` cache slot of every token when the caller has them; None computes
         Raises:
             ValueError: a request runs a position its block table does not cover, or the batch exceeds
-                the buffers' capacity.
+            the buffers' capacity.
         """
         num_reqs = len(token_ids)
         num_scheduled = np.fromiter(map(len, token_ids), dtype=np.int64, count=num_reqs)
@@ -126,21 +111,14 @@ class InputBuffers:
         return self._views(num_tokens, num_reqs, max_blocks)
 
     def pack_rows(self, step: ScheduledRows) -> ModelInput:
-        """Fill the buffers with one step given as rows of the persistent batch and return the
-        `ModelInput` viewing them, with whole-batch numpy ops only (no per-request Python): token ids
-        are one `np.take` of the rows' `token_ids` at `row * row_width + position`, block tables one
-        gather of the rows, positions `start + arange`, slots from the gathered tables.
-
-        Each numpy call costs microseconds right after a forward (cold caches), so the step is built
-        with few of them; a step of one input per request (decode without drafts) skips the repeats.
-
-        Args:
-            step: the rows (`engine.input_batch.RequestRows`) and, per request, its row, first position
-                and number of inputs (`engine.input_batch.ScheduledRows`).
+        """Fill the buffers with one step given as rows of the persistent batch and return the `ModelInput`
+        viewing them, with whole-batch numpy ops only (no per-request Python): token ids are one `np.take`
+        of the rows' `token_ids` at `row * row_width + position`, block tables one gather of the rows,
+        positions `start + arange`, slots from the gathered tables.
 
         Raises:
             ValueError: a request runs a position its block table does not cover or its row does not
-                hold (`RequestRows.num_valid_tokens`), or the batch exceeds the buffers' capacity.
+            hold (`RequestRows.num_valid_tokens`), or the batch exceeds the buffers' capacity.
         """
         rows, row_index, starts, num_scheduled = step[:4]
         ids_np, pos_np, slots_np, tables_np, seq_lens_np, qsl_np = self._np
@@ -163,7 +141,7 @@ class InputBuffers:
         np.cumsum(num_scheduled, out=qsl_np[1 : num_reqs + 1])
         positions = pos_np[:num_tokens]
         row_width = rows.token_ids.shape[1]
-        if num_tokens == num_reqs and num_scheduled.min(initial=1) == 1:  # one input each: position = start
+        if num_tokens == num_reqs and num_scheduled.min(initial=1) == 1:
             request_of_token = self._arange[:num_reqs]
             positions[:] = starts
             flat = row_index * row_width
@@ -172,7 +150,7 @@ class InputBuffers:
             request_of_token = np.repeat(self._arange[:num_reqs], num_scheduled)
             np.add((starts - qsl_np[:num_reqs])[request_of_token], self._arange[:num_tokens], out=positions)
             flat = (row_index * row_width)[request_of_token]
-        flat += positions  # flat index into the rows' token ids: row * row_width + position
+        flat += positions
         np.take(rows.token_ids, flat, out=ids_np[:num_tokens])
         # rows hold 0 past their blocks: the gather pads with 0
         tables = tables_np[:num_reqs, :max_blocks]
@@ -203,8 +181,8 @@ class InputBuffers:
         self, num_scheduled: np.ndarray, starts: np.ndarray, table_lens: np.ndarray
     ) -> tuple[int, int]:
         """Check the batch against the buffers and block tables, fill query starts, sequence lengths and
-        positions. `num_scheduled`, `starts`, `table_lens`: `[num_reqs]` int64. Returns (num_tokens,
-        block-table columns used)."""
+        positions.
+        """
         _, pos_np, _, _, seq_lens_np, qsl_np = self._np
         num_reqs = len(num_scheduled)
         num_tokens = int(num_scheduled.sum())
@@ -229,9 +207,7 @@ class InputBuffers:
         slots += positions % bs
 
     def _views(self, num_tokens: int, num_reqs: int, max_blocks: int) -> ModelInput:
-        """The `ModelInput` viewing the packed prefix of each buffer (copied to the device ones first).
-        The views of the last shape are kept for the next pack of the same shape (a decode step usually
-        packs the shape of the one before): they stay valid, what they view is refilled in place."""
+        """The `ModelInput` viewing the packed prefix of each buffer (copied to the device ones first)."""
         sizes = (
             (num_tokens,),
             (num_tokens,),

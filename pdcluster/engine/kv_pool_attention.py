@@ -1,12 +1,8 @@
-"""The model runner's side of KV block pools (`engine.kv_pools`): per-pool, per-layer cache tensors, and
-one layer's KV write + paged MLA attention over a batch whose requests sit in different pools.
+"""The model runner's side of KV block pools (`engine.kv_pools`): per-pool, per-layer cache tensors, and one
+layer's KV write + paged MLA attention over a batch whose requests sit in different pools.
 
 Each pool `p` holds, per layer, `[num_blocks[p], block_size, kv_dim]` in that layer's dtype (int8 with
 `[num_blocks[p], block_size]` float32 scales). A request's pool is the pool of its first block id (ids are
-global, `kv_pools.PooledBlockManager`). `begin_step` splits the packed batch by pool once per forward;
-`write_and_attend` then runs `kernels.paged_mla.write_kv` and `paged_mla_attention` per pool on the
-pool's own tensors and local block ids, and scatters the outputs back into the packed order. A request's
-result does not depend on the other requests of its batch beyond what the float kernels already allow.
 """
 
 from __future__ import annotations
@@ -21,8 +17,9 @@ from pdcluster.kernels.paged_mla import paged_mla_attention, write_kv
 
 
 class _PoolSlice(NamedTuple):
-    """The part of a packed batch in one pool. rows: `[n]` int64 token rows; the rest as `ModelInput`
-    with local block ids."""
+    """The part of a packed batch in one pool. rows: `[n]` int64 token rows; the rest as `ModelInput` with
+    local block ids.
+    """
 
     pool: int
     rows: torch.Tensor
@@ -33,14 +30,7 @@ class _PoolSlice(NamedTuple):
 
 
 class KVPoolCaches:
-    """Per-pool cache tensors of every layer (see the module docstring).
-
-    Args:
-        pools: each pool's dtype per layer (`KVPrecisionPolicy.pools`); all of one length, the layers.
-        num_blocks_per_pool: blocks of each pool.
-        block_size, kv_dim: cache geometry (`kv_dim = kv_lora_rank + qk_rope_head_dim`).
-        device: where the tensors live.
-    """
+    """Per-pool cache tensors of every layer (see the module docstring)."""
 
     def __init__(
         self,
@@ -129,7 +119,8 @@ class KVPoolCaches:
         softmax_scale: float,
     ) -> torch.Tensor:
         """Write layer `layer_idx`'s `latent_kv [num_tokens, kv_dim]` into each request's pool and attend;
-        returns `[num_tokens, H, v_head_dim]` in `q_nope.dtype` (rows of no request stay zero)."""
+        returns `[num_tokens, H, v_head_dim]` in `q_nope.dtype` (rows of no request stay zero).
+        """
         num_tokens, num_heads, qk_nope_head_dim = q_nope.shape
         v_head_dim = kv_b_weight.shape[0] // num_heads - qk_nope_head_dim
         out = q_nope.new_zeros(num_tokens, num_heads, v_head_dim)

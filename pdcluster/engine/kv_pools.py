@@ -2,19 +2,6 @@
 
 Separate pools, not a dtype per block: a block's bytes per slot differ by precision (int8 values plus a
 float32 scale per token, 16-bit, float32, or a mix per layer), so one tensor per layer cannot hold blocks
-of several dtypes without reserving the widest one's bytes for every block, which would give back what
-INT8 saves. Each pool is a plain `BlockManager` over its own per-layer tensors of one dtype each
-(`engine.kv_pool_attention`); attention reads every block in its pool's dtype. Prefix caching is per
-pool, so a hit only ever reuses blocks of the request's own dtype. The memory split between pools is
-fixed when the engine starts (`pool_num_blocks`: equal bytes per pool).
-
-Block ids are global: pool `p` owns ids `[offset[p], offset[p] + num_blocks[p])`, so a block table (and
-a slot `block_id * block_size + offset`) names its pool without another field. A request's pool
-(`Request.kv_pool`) is decided once at admission from `len(prompt) + max_tokens`, the most tokens it can
-hold, so it never outgrows its band: it keeps its dtype for its whole life (no re-quantization).
-
-`PooledBlockManager` answers the `BlockManager` interface the scheduler uses; `num_free_blocks_per_pool`
-and `pool_of` let the scheduling policy count each pool's blocks on their own.
 """
 
 from __future__ import annotations
@@ -42,13 +29,7 @@ def pool_num_blocks(memory_bytes: int, pools: list[LayerDtypes], kv_dim: int, bl
 
 
 class PooledBlockManager:
-    """One `BlockManager` per pool behind global block ids (see the module docstring).
-
-    Args:
-        num_blocks_per_pool: blocks of each pool (>= 1 each).
-        block_size: token slots per block.
-        enable_prefix_caching: as `BlockManager`'s (per pool).
-    """
+    """One `BlockManager` per pool behind global block ids (see the module docstring)."""
 
     def __init__(self, num_blocks_per_pool: list[int], block_size: int, enable_prefix_caching: bool = True):
         if not num_blocks_per_pool:
@@ -59,7 +40,6 @@ class PooledBlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
 
-    # ---- pools ----------------------------------------------------------------------------------------
     def pool_of(self, request: Request) -> int:
         """The request's pool; ValueError when it names none."""
         if not 0 <= request.kv_pool < len(self.pools):
@@ -82,7 +62,6 @@ class PooledBlockManager:
         p = self.pool_of(request)
         return self.pools[p], self.offsets[p]
 
-    # ---- queries --------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return sum(self.num_free_blocks_per_pool)
@@ -118,7 +97,6 @@ class PooledBlockManager:
         local = bm.get_computed_blocks(request)
         return local._replace(block_ids=[offset + b for b in local.block_ids])
 
-    # ---- mutations ------------------------------------------------------------------------------------
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed: ComputedBlocks = NO_COMPUTED_BLOCKS
     ) -> bool:
@@ -136,7 +114,6 @@ class PooledBlockManager:
     def free(self, request: Request) -> None:
         self._bm(request)[0].free(request)
 
-    # ---- checks ---------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         for bm in self.pools:
             bm.check_invariants()

@@ -1,12 +1,6 @@
 """KV cache precision by sequence length: a pure policy that picks each request's KV dtype at admission.
 
-A policy is a list of length bands, shortest first. A request's band is the first whose `max_tokens` is
-at least its admission length, `len(prompt) + max_tokens` (the most tokens it can ever hold), so a
-request never outgrows its band: its dtype is decided once and kept (no re-quantization). A band names
-one cache dtype for every layer, optionally another for a range of "key" layers (e.g. 16-bit everywhere
 and float32 in the first layer for long sequences). Bands whose per-layer dtypes are equal share one
-block pool (`KVPrecisionPolicy.pools`).
-
 Names: `auto` (the model dtype), `int8` (per-token scales, `kernels.kv_quant`), `bfloat16`, `float16`,
 `float32`.
 """
@@ -32,7 +26,7 @@ LayerDtypes = tuple[torch.dtype, ...]
 
 
 def kv_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache dtype a name stands for (`auto`: `model_dtype`). Raises ValueError for unknown names."""
+    """The cache dtype a name stands for (`auto`: `model_dtype`)."""
     if name == "auto":
         return model_dtype
     if name not in _TORCH_DTYPES:
@@ -41,7 +35,7 @@ def kv_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def parse_layer_range(text: str) -> tuple[int, int]:
-    """`"a-b"` or `"a"` -> `(a, b)` inclusive layer indices. Raises ValueError when malformed or b < a."""
+    """`"a-b"` or `"a"` -> `(a, b)` inclusive layer indices."""
     parts = text.split("-")
     if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
         raise ValueError(f"layer range must look like '0-3' or '2', got {text!r}")
@@ -53,14 +47,7 @@ def parse_layer_range(text: str) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class KVBand:
-    """One length band.
-
-    Attributes:
-        max_tokens: admission lengths up to this (inclusive) fall in the band; None: no bound (last band).
-        dtype: cache dtype name for the band's layers.
-        key_layers: inclusive layer range `(first, last)` stored in `key_layers_dtype` instead; None: none.
-        key_layers_dtype: dtype name of the key layers (required with `key_layers`).
-    """
+    """One length band."""
 
     max_tokens: int | None
     dtype: str
@@ -149,9 +136,10 @@ class KVPrecisionPolicy:
 def request_kv_cache_dtype(
     policy: KVPrecisionPolicy | None, default: str, num_prompt_tokens: int, max_tokens: int
 ) -> str:
-    """A request's `kv_cache_dtype` for its P->D handoff (`kvtransfer.base.resolve_wire_dtype`): `int8`
-    when its band stores int8 (its KV then crosses the wire as int8), else `auto`; `default` (the pool's
-    `kv_cache_dtype`) without a policy."""
+    """A request's `kv_cache_dtype` for its P->D handoff (`kvtransfer.base.resolve_wire_dtype`): `int8` when
+    its band stores int8 (its KV then crosses the wire as int8), else `auto`; `default` (the pool's
+    `kv_cache_dtype`) without a policy.
+    """
     if policy is None:
         return default
     band = policy.bands[policy.band_index(admission_length(num_prompt_tokens, max_tokens))]

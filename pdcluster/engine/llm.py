@@ -1,8 +1,4 @@
-"""Offline API in the spirit of vLLM's: `LLM(model=DIR, **engine_args).generate(prompts, SamplingParams)`.
-
-The engine itself (`LLMEngine`, its outputs and errors) is `engine.llm_engine`; its names are importable
-from here as well.
-"""
+"""Offline API in the spirit of vLLM's: `LLM(model=DIR, **engine_args).generate(prompts, SamplingParams)`."""
 
 from __future__ import annotations
 
@@ -23,12 +19,7 @@ __all__ = ["LLM", "EngineStepError", "LLMEngine", "PrefillOutput", "PromptKVCall
 
 
 class LLM:
-    """Offline batch generation: `LLM(model=DIR, num_speculative_tokens=1).generate(prompts, params)`.
-
-    Keyword arguments are `EngineConfig` fields (device, dtype, block_size, num_kv_blocks, kv_cache_dtype,
-    max_num_batched_tokens, max_num_seqs, enable_prefix_caching, enable_chunked_prefill,
-    num_speculative_tokens, async_scheduling, ...).
-    """
+    """Offline batch generation: `LLM(model=DIR, num_speculative_tokens=1).generate(prompts, params)`."""
 
     def __init__(self, model: str | Path, **engine_args) -> None:
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
@@ -55,7 +46,7 @@ class LLM:
             for prompt, p in zip(prompts, params, strict=True):
                 ids.append(engine.add_request(prompt, p or SamplingParams(), stream=False))
         except ValueError:
-            for rid in ids:  # all or nothing: withdraw the prompts queued before the bad one
+            for rid in ids:
                 engine.abort_request(rid)
                 engine.pop_finished_outputs([rid])
             raise

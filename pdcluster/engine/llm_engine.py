@@ -1,24 +1,4 @@
-"""`LLMEngine`: the step loop of one instance (a prefill or decode node wraps one).
-
-    add_request(...)   between steps
-    step()             schedule -> execute (forward, sample/verify, MTP drafts) -> commit -> outputs
-    abort_request(...) between steps
-
-With `async_scheduling`, step N+1 is scheduled and its inputs are packed on the calling thread while step
-N's forward runs on a worker thread (see `engine.async_loop`); each `step()` then returns the outputs of
-the step before, and the tokens are the same as the synchronous loop's.
-
-Failures are confined to the requests they concern: an error in one request's sampling or drafting
-finishes that request alone (finish_reason "error", `RequestOutput.error`); an exception in the batched
-execution of a step (synchronous loop) finishes the requests that step ran and raises `EngineStepError`
-with their outputs, while requests it did not run go on with the next `step()`.
-
-Where the rules live: stop tokens, EOS, max_tokens and stop strings in `engine.stopping` (the text of
-each `RequestOutput`, cumulative and as a streamed delta, too); the accept rule of speculative decoding
-in `kernels.rejection_sampling` (called through `engine.sampler`); the handoff of a disaggregated
-request (prefill export; decode reserve / write / admit / release) in `engine.remote_prefill`; what the
-engine keeps per request in `engine.request_record.RequestRecord`.
-"""
+"""`LLMEngine`: the step loop of one instance (a prefill or decode node wraps one)."""
 
 from __future__ import annotations
 
@@ -38,26 +18,21 @@ from pdcluster.engine.async_loop import AsyncStepLoop
 from pdcluster.engine.compile_setup import compile_stats, install_compiled_forwards
 from pdcluster.engine.compiled_forward import CompileStats
 from pdcluster.engine.config import EngineConfig
-from pdcluster.engine.executor import Executor
+from pdcluster.engine.engine_build import assign_kv_pool, build_executor, build_kv_and_scheduler
 from pdcluster.engine.expert_parallel import EPStats, setup_expert_parallel
-from pdcluster.engine.kv_pool_attention import KVPoolCaches
-from pdcluster.engine.kv_pools import KVPoolLayout, PooledBlockManager
-from pdcluster.engine.model_runner import LayerKVCallback, ModelRunner
+from pdcluster.engine.model_runner import LayerKVCallback
 from pdcluster.engine.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
 from pdcluster.engine.remote_prefill import (
     PrefillOutput,
     PromptKVCallback,
     RemotePrefillReservations,
+    export_callbacks,
     prefill_result,
-    prompt_kv_hook,
 )
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.request_record import RequestRecord
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.engine.scheduler import Scheduler
-from pdcluster.engine.scheduler_policy import SchedulerConfig
 from pdcluster.engine.stopping import OutputText
-from pdcluster.engine.structured_output import StructuredOutputs
 from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pdcluster.models.dtypes import MODEL_DTYPES, torch_dtype
 from pdcluster.models.tokenizer import Tokenizer
@@ -76,15 +51,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineStepError(RuntimeError):
-    """`LLMEngine.step()` (synchronous loop): executing the step raised, so the state of the requests it
-    ran (KV written, sampling) is unknown. Those requests are finished with finish_reason "error" and
-    their blocks freed; requests the step did not run are untouched and continue with the next `step()`.
-
-    Attributes:
-        outputs: what the failed `step()` would have returned: the final outputs of the step's requests
-            (finish_reason "error", `error` set) and of requests finished outside the step (aborts,
-            admissions), which the caller must still report.
-    """
+    """`LLMEngine.step()` (synchronous loop) raised executing the step: its requests' state is unknown."""
 
     def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
         super().__init__(message)
@@ -93,11 +60,8 @@ class EngineStepError(RuntimeError):
 
 class LLMEngine:
     """One engine instance, or one rank of an expert-parallel instance (`config.parallel`, `group` the
-    instance's process group): model, KV cache, scheduler, executor. With EP every rank calls `step()` in
-    a loop, work or not; the contract is in `engine.expert_parallel`'s module docstring.
-
-    shared_kv_cache: keep a host float KV cache in shared memory (`ModelRunner`), for a decode instance whose
-    same-host prefill senders write handoffs in place (`kvtransfer.shm_transport.inplace`)."""
+    instance's process group): model, KV cache, scheduler, executor.
+    """
 
     def __init__(
         self,
@@ -127,99 +91,22 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{model_cfg.max_position_embeddings}"
             )
-        num_blocks = config.num_kv_blocks
-        self.kv_layout = self._kv_layout()
-        if self.kv_layout is not None:
-            num_blocks = sum(self.kv_layout.num_blocks_per_pool)
-        elif num_blocks is None:
-            probe = ModelRunner(self.model, 1, config.block_size, config.kv_cache_dtype)
-            num_blocks = max(
-                1, config.kv_cache_memory_bytes // (probe.kv_cache_bytes_per_token * config.block_size)
-            )
-        self.runner = ModelRunner(  # with KV pools: shm handoffs are not written in place (they go by copy)
-            self.model,
-            1 if self.kv_layout else num_blocks,
-            config.block_size,
-            config.kv_cache_dtype,
-            shared_kv_cache and self.kv_layout is None,
+        self.kv_layout, self.runner, self.scheduler = build_kv_and_scheduler(
+            config, self.model, self.max_model_len, shared_kv_cache
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-                block_size=config.block_size,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                num_lookahead_tokens=max(0, config.num_speculative_tokens - 1),
-            ),
-            num_blocks,
-            config.enable_prefix_caching,
-            num_draft_placeholders=config.num_speculative_tokens if config.async_scheduling else 0,
-        )
-        if self.kv_layout is not None:  # blocks of several dtypes: one pool each (`engine.kv_pools`)
-            counts = self.kv_layout.num_blocks_per_pool
-            self.scheduler.block_manager = PooledBlockManager(
-                counts, config.block_size, config.enable_prefix_caching
-            )
-            self.runner.kv_caches = self.runner.kv_scales = []  # unused: every layer reads its pool's tensors
-            self.runner.num_blocks = num_blocks
-            self.runner.kv_pools = KVPoolCaches(
-                self.kv_layout.pools, counts, config.block_size, model_cfg.kv_cache_dim, self.runner.device
-            )
-        self.executor = Executor(
-            self.runner,
-            config.num_speculative_tokens,
-            max_num_tokens=config.max_num_batched_tokens,
-            max_num_reqs=config.max_num_seqs,
-            # the persistent rows' block-table columns (positions < max_model_len plus the lookahead
-            # slots of chained MTP drafts): the step's table is a gather of those rows
-            max_num_blocks_per_req=self.scheduler.request_rows.table.shape[1],
-            adaptive_min_accept_prob=config.adaptive_speculation_min_accept_prob
-            if config.adaptive_speculation
-            else None,
-            structured_outputs=StructuredOutputs(self.tokenizer, model_cfg.vocab_size),
-        )
+        self.executor = build_executor(config, self.runner, self.scheduler, self.tokenizer)
         self._compile_s = 0.0
-        self._compile_error: str | None = None  # why `compile` is on and nothing runs compiled
+        self._compile_error: str | None = None
         if config.compile:
             self._compile_s, self._compile_error = install_compiled_forwards(
                 self.runner, config, self.executor.max_num_blocks_per_req
             )
         self.remote_prefills = RemotePrefillReservations(self.scheduler, self.runner)
         self._async_loop = AsyncStepLoop(self.scheduler, self.executor) if config.async_scheduling else None
-        self._records: dict[str, RequestRecord] = {}  # request id -> record, until its final output
-        self._finished: list[str] = []  # finished outside a step (abort, admission), not reported yet
+        self._records: dict[str, RequestRecord] = {}
+        self._finished: list[str] = []
         self._ids = itertools.count()
 
-    def _kv_layout(self) -> KVPoolLayout | None:
-        config, cfg = self.config, self.model.config
-        if config.kv_precision is None:
-            return None
-        return KVPoolLayout.build(
-            config.kv_precision,
-            len(self.model.main_layers) + len(self.model.mtp_layers),
-            next(self.model.parameters()).dtype,
-            cfg.kv_cache_dim,
-            config.block_size,
-            config.kv_cache_memory_bytes,
-            config.num_kv_blocks,
-        )
-
-    def _assign_kv_pool(self, request: Request, max_tokens: int) -> None:
-        """Admission: the request's KV pool from its band (`engine.kv_precision`); ValueError when the
-        request could never fit that pool."""
-        layout = self.kv_layout
-        if layout is None:
-            return
-        request.kv_pool = layout.pool_for(request.num_prompt_tokens, max_tokens)
-        num_blocks = -(-(request.num_prompt_tokens + max_tokens) // self.config.block_size)
-        if num_blocks > layout.num_blocks_per_pool[request.kv_pool]:
-            raise ValueError(
-                f"prompt + max_tokens needs {num_blocks} KV blocks, its KV pool "
-                f"{request.kv_pool} holds {layout.num_blocks_per_pool[request.kv_pool]}"
-            )
-
-    # ---- requests ------------------------------------------------------------------------------------
     def add_request(
         self,
         prompt: str | list[int],
@@ -229,27 +116,17 @@ class LLMEngine:
         prefill_only: bool = False,
         stream: bool = True,
     ) -> str:
-        """Queue a prompt (text or token ids). Returns the request id.
-
-        `stream`: `step` reports an output each step the request commits tokens (True), or only its
-        final one (False: `LLM.generate`). A request that is not streamed is detokenized once, when it
-        finishes, unless it has stop strings (those are looked for after every step, so they stop it
-        exactly where a streamed request stops); its outputs are not built before then.
-
-        `prefill_only`: the prefill half of a disaggregated request: it stops after its first sampled token
-        (max_tokens 1); with MTP the step that samples it also runs the MTP layer over the prompt and
-        proposes the first drafts. Pass `on_prompt_kv` to `step` to receive its KV per layer, and take the
-        first token and drafts with `pop_prefill_result` once it finished.
+        """Queue a prompt (text or token ids).
 
         Raises:
             ValueError: empty prompt, prompt + max_tokens over `max_model_len`, a request the KV cache
-                could never hold, `logprobs` over the vocabulary size, or a `structured_output` grammar
-                that does not compile (`engine.structured_output.GrammarError`).
+            could never hold, `logprobs` over the vocabulary size, or a `structured_output` grammar
+            that does not compile (`engine.structured_output.GrammarError`).
         """
         params = sampling_params or SamplingParams()
         if params.logprobs is not None and params.logprobs > self.model.config.vocab_size:
             raise ValueError(f"logprobs must be <= the vocabulary size {self.model.config.vocab_size}")
-        if params.structured_output is not None:  # a grammar that cannot compile: GrammarError, here
+        if params.structured_output is not None:
             self.executor.structured_outputs.compiler.compile(params.structured_output)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -258,7 +135,7 @@ class LLMEngine:
         if any(not 0 <= t < self.model.config.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.model.config.vocab_size})")
         request_id = request_id if request_id is not None else str(next(self._ids))
-        max_tokens = params.max_tokens  # the band: the request's whole length, also for its prefill half
+        max_tokens = params.max_tokens
         if prefill_only:
             # min_tokens >= 1 still holds EOS and stop tokens back from the first token
             params = dataclasses.replace(params, max_tokens=1, stop=(), min_tokens=min(params.min_tokens, 1))
@@ -270,7 +147,7 @@ class LLMEngine:
             arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s,
             export_kv=prefill_only,
         )
-        self._assign_kv_pool(request, max_tokens)
+        assign_kv_pool(self.kv_layout, request, max_tokens, self.config.block_size)
         self.scheduler.add_request(request)
         self._records[request_id] = self._new_record(request, text)
         self._records[request_id].stream = stream
@@ -293,7 +170,6 @@ class LLMEngine:
         del self._records[request_id]
         return record.prefill_result
 
-    # ---- requests prefilled elsewhere (decode side of a disaggregated request; engine.remote_prefill) --
     def reserve_remote_prefill(
         self,
         request_id: str,
@@ -302,12 +178,8 @@ class LLMEngine:
         num_draft_tokens: int = 0,
         arrival_time_s: float | None = None,
     ) -> bool:
-        """Hold KV blocks for a request whose prompt KV another instance computes: the prompt, the first
-        token and `num_draft_tokens` drafts (what its first decode step writes). Between steps, or while a
-        synchronous step executes (inside `step`'s `while_executing`).
-
-        Then `write_prompt_kv` per layer (any thread), and `admit_remote_prefill` (between steps), or
-        `release_remote_prefill` on failure. Returns False (nothing held) when the blocks are not free now.
+        """Hold KV blocks for a request whose prompt KV another instance computes: the prompt, the first token
+        and `num_draft_tokens` drafts (what its first decode step writes).
 
         Raises:
             ValueError: a duplicate id, a bad prompt, or a request that could never fit.
@@ -322,7 +194,7 @@ class LLMEngine:
             eos_token_id=self.eos_token_id,
             arrival_time_s=time.monotonic() if arrival_time_s is None else arrival_time_s,
         )
-        self._assign_kv_pool(request, sampling_params.max_tokens)  # the band the prefill side chose
+        assign_kv_pool(self.kv_layout, request, sampling_params.max_tokens, self.config.block_size)
         return self.remote_prefills.reserve(request, num_draft_tokens)
 
     def write_prompt_kv(
@@ -334,11 +206,7 @@ class LLMEngine:
         checksum_start: int | None = None,
     ) -> int | None:
         """Write one layer's received prompt KV (`[num_prompt_tokens, kv_dim]`, model dtype; MTP layer at
-        index num_hidden_layers) into the reserved blocks. Safe from a receive thread while steps run: the
-        reserved blocks belong to no scheduled request. With `scale` (`[num_prompt_tokens]` float32),
-        `latent_kv` is int8 and an int8 cache stores both as they are (a float cache stores them dequantized).
-        With `checksum_start` (float layers) returns the CRC-32C of `latent_kv`'s bytes, computed in the
-        same pass as the copy where it can (a receiver verifying what it stored); else None.
+        index num_hidden_layers) into the reserved blocks.
 
         Raises:
             KeyError: no reservation; ValueError: a shape mismatch, or `checksum_start` with `scale`.
@@ -346,7 +214,7 @@ class LLMEngine:
         return self.remote_prefills.write_prompt_kv(request_id, layer_idx, latent_kv, scale, checksum_start)
 
     def reserved_block_ids(self, request_id: str) -> list[int]:
-        """The block table of a reservation (`reserve_remote_prefill`), in position order. KeyError: none."""
+        """The block table of a reservation (`reserve_remote_prefill`), in position order."""
         return self.remote_prefills.block_ids(request_id)
 
     def admit_remote_prefill(
@@ -358,12 +226,7 @@ class LLMEngine:
         first_token_logprobs: TokenLogprobs | None = None,
     ) -> None:
         """Admit a reserved request whose prompt KV is written (every layer, MTP included) with its first
-        token, its logprobs (computed on prefill; None: the request asks for none) and drafts. Between
-        steps. It joins the running batch at the next `step()` if fewer than `max_num_seqs` requests run,
-        else waits for a seat there (holding its blocks; never an error).
-        Its output (first token included) comes with the first `step()` that runs it; when the first
-        token already finished it (max_tokens=1, EOS, a stop string), also from `pop_finished_outputs()`,
-        as nothing is left to step for it.
+        token, its logprobs (computed on prefill; None: the request asks for none) and drafts.
 
         Raises:
             KeyError: no reservation.
@@ -380,20 +243,19 @@ class LLMEngine:
 
     def take_new_text(self, request_id: str) -> str:
         """Between steps: the text released for `request_id` since its previous output
-        (`RequestOutput.new_text`), taken now, so its next output carries only what follows. A decode
-        instance streams the first token's text at admission with it. "" for an unknown request."""
+        (`RequestOutput.new_text`), taken now, so its next output carries only what follows.
+        """
         record = self._records.get(request_id)
         if record is None:
             return ""
         return record.output_text.new_text(finished=record.request.is_finished)
 
     def release_remote_prefill(self, request_id: str) -> bool:
-        """Give back a reservation's blocks (handoff failed or cancelled). Between steps, or inside `step`'s
-        `while_executing` (a reservation's blocks are in no step). False if unknown."""
+        """Give back a reservation's blocks (handoff failed or cancelled)."""
         return self.remote_prefills.release(request_id)
 
     def abort_request(self, request_id: str) -> bool:
-        """Abort a queued or running request and free its KV blocks. False if it is unknown/finished."""
+        """Abort a queued or running request and free its KV blocks."""
         request = self.scheduler.get_request(request_id)
         if request is None or not self.scheduler.abort(request_id):
             return False
@@ -408,15 +270,14 @@ class LLMEngine:
     def pop_finished_outputs(self, request_ids: list[str] | None = None) -> list[RequestOutput]:
         """Between steps: the outputs of requests that finished outside a step (the first token of
         `admit_remote_prefill` finished them, or `abort_request`), which the next `step()` would report,
-        and forgets them (`request_ids`: only those). Lets a caller with nothing left to step get them
-        at once, or drop an aborted request's output."""
+        and forgets them (`request_ids`: only those).
+        """
         wanted = (
             list(self._finished) if request_ids is None else [r for r in request_ids if r in self._finished]
         )
         self._finished = [r for r in self._finished if r not in wanted]
         return [self._output(self._records[rid]) for rid in wanted]
 
-    # ---- the step ------------------------------------------------------------------------------------
     def step(
         self,
         on_layer_kv: LayerKVCallback | None = None,
@@ -426,56 +287,20 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Run one step; returns outputs of the requests that produced tokens or finished.
 
-        With `async_scheduling` the step submitted by this call is still running when it returns: the
-        outputs are those of the previous call's step (none on the first call), and `on_layer_kv` is
-        called on the worker thread, for the step submitted by this call.
-
-        `on_prompt_kv(request_id, layer_idx, latent_kv, scale)` (synchronous loop only): for each prefill-only
-        request whose last prompt chunk runs in this step, called right after each layer's KV is written
-        (the last main layer's right after the first tokens are sampled and `on_first_token`), main layers
-        then the MTP layer, with the whole prompt's KV of that layer (read back from the paged
-        cache, so earlier chunks and prefix-cache hits are included).
-
-        `on_first_token(request_id, token_id)` (synchronous loop only): for each prefill-only request whose
-        first token this step sampled, called as soon as it is sampled, before the last main layer's
-        `on_prompt_kv`, the MTP drafts and the MTP layer's `on_prompt_kv`, so that the token can be streamed
-        before the handoff is finished; it must not raise. The token is the one `pop_prefill_result` reports.
-
-        A request whose own sampling or drafting raised comes back finished with finish_reason "error".
-
-        `while_executing()` (synchronous loop only; ignored with `async_scheduling`): a context manager
-        entered around the step's forward, sampling and drafting, after the step was scheduled and before
-        its tokens are committed. While it is open the scheduler and the block manager are not touched by
-        this call, so the caller may let another thread `reserve_remote_prefill` (fresh blocks, which no
-        scheduled request uses) or `release_remote_prefill` a reservation meanwhile; nothing else.
-
         Raises:
             EngineStepError: (synchronous loop) executing the step raised; the requests it ran are
-                finished with an error (in `EngineStepError.outputs`), the others go on. With
-                `async_scheduling` such an exception propagates unchanged.
+            finished with an error (in `EngineStepError.outputs`), the others go on. With
+            `async_scheduling` such an exception propagates unchanged.
         """
         if (on_prompt_kv is not None or on_first_token is not None) and self._async_loop is not None:
             raise ValueError("on_prompt_kv and on_first_token need the synchronous loop (no async loop)")
         if self._async_loop is None:
             output = self.scheduler.schedule()
             exporting = [item for item in output.scheduled if item.samples and item.request.export_kv]
-            hook, flush_prompt_kv = on_layer_kv, None
-            if exporting and on_prompt_kv is not None:
-                last_layer_idx = self.model.main_layers[-1].layer_idx
-                hook, flush_prompt_kv = prompt_kv_hook(
-                    self.runner, exporting, on_layer_kv, on_prompt_kv, last_layer_idx
-                )
-            on_sampled = None
-            if exporting and (on_first_token is not None or flush_prompt_kv is not None):
-                first_token_ids = {item.request_id for item in exporting}
-
-                def on_sampled(sampled: dict[str, list[int]]) -> None:
-                    # First tokens out, then the last layer's KV, then (after this) the MTP pass.
-                    for request_id, tokens in sampled.items():
-                        if on_first_token is not None and request_id in first_token_ids and tokens:
-                            on_first_token(request_id, tokens[-1])
-                    if flush_prompt_kv is not None:
-                        flush_prompt_kv()
+            last_layer_idx = self.model.main_layers[-1].layer_idx
+            hook, flush_prompt_kv, on_sampled = export_callbacks(
+                self.runner, exporting, on_layer_kv, on_prompt_kv, on_first_token, last_layer_idx
+            )
 
             try:
                 k = self.executor.max_num_speculative_tokens
@@ -484,7 +309,7 @@ class LLMEngine:
                     runner_output = self.executor.execute(
                         output, hook, join_collectives=lockstep, on_sampled=on_sampled
                     )
-                if flush_prompt_kv is not None:  # (done in on_sampled unless sampling never ran)
+                if flush_prompt_kv is not None:
                     flush_prompt_kv()
             except Exception as e:  # noqa: BLE001 - fail the requests this step ran, not the engine
                 raise self._step_failed(output, e) from e
@@ -502,8 +327,6 @@ class LLMEngine:
             if record.logprobs is not None and runner_output is not None:
                 new = runner_output.logprobs.get(update.request_id, [])
                 record.logprobs.extend(new[: len(update.new_token_ids)])
-            # Off the step path for a request nobody reads until it finishes (`add_request(stream=False)`):
-            # its text (one decode at the end) and its output objects; stop strings are still checked.
             if record.stream or record.output_text.has_stop_strings or request.is_finished:
                 self._update_text(record)
             if not request.is_finished:
@@ -511,7 +334,7 @@ class LLMEngine:
                     results.append(self._output(record))
                 continue
             if self._async_loop is None:
-                self.executor.drop([update.request_id])  # async: the executor drops it after the step
+                self.executor.drop([update.request_id])
             results.append(self._output(record))
         updated = {u.request_id for u in updates}
         # Finished outside the step (abort, admission); reported once.
@@ -523,7 +346,8 @@ class LLMEngine:
 
     def compile_stats(self) -> CompileStats:
         """What `config.compile` did here (`engine.compiled_forward.CompileStats`): compiled or not, why not,
-        the compile time at load and the steps that ran the compiled graphs."""
+        the compile time at load and the steps that ran the compiled graphs.
+        """
         return compile_stats(self.runner, self.config.compile, self._compile_s, self._compile_error)
 
     def ep_stats(self) -> EPStats | None:
@@ -531,10 +355,10 @@ class LLMEngine:
         return self.ep.stats() if self.ep is not None else None
 
     def _step_failed(self, output: SchedulerOutput, error: Exception) -> EngineStepError:
-        """Finish every request `output` scheduled with FINISHED_ERROR (blocks freed, executor state
-        dropped) and return the `EngineStepError` carrying their outputs and those of requests finished
-        outside the step. On an EP rank any step failure fails the instance (the ranks left lockstep):
-        every unfinished request of this rank, and every later step."""
+        """Finish every request `output` scheduled with FINISHED_ERROR (blocks freed, executor state dropped)
+        and return the `EngineStepError` carrying their outputs and those of requests finished outside the
+        step.
+        """
         message = f"engine step failed: {error!r}"
         failed = [item.request for item in output.scheduled]
         if self.ep is not None:
@@ -551,18 +375,20 @@ class LLMEngine:
 
     def _update_text(self, record: RequestRecord) -> None:
         """Detokenize the request's new output tokens (`engine.stopping.OutputText`); a stop string in the
-        text finishes it with FINISHED_STOPPED."""
+        text finishes it with FINISHED_STOPPED.
+        """
         request = record.request
         if not record.output_text.update(request.output_token_ids, final=request.is_finished):
             return
-        if request.is_finished:  # the stop string came with the token that finished it (max_tokens, EOS)
+        if request.is_finished:
             request.status = RequestStatus.FINISHED_STOPPED
         else:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _output(self, record: RequestRecord) -> RequestOutput:
         """The request's output now; its record is forgotten with its final output (kept for
-        `pop_prefill_result` while it holds a prefill result)."""
+        `pop_prefill_result` while it holds a prefill result).
+        """
         request = record.request
         if not record.stream and not record.output_text.has_stop_strings:
             # not detokenized on the step path (see `add_request`): its text now, up to its last token

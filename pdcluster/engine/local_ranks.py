@@ -1,11 +1,5 @@
-"""Run a function on N spawned local processes (the ranks of one EP instance on this machine) and
-collect what each returns; never hangs. Tests and `bench.moe_ep` use it; Ray actors do not.
-
-`run_ranks(fn, world_size, *args, timeout_s=...)` spawns `world_size` processes (torch.multiprocessing,
-spawn) that each call `fn(rank, world_size, port, *args)`, with `port` a free TCP port on 127.0.0.1 for
-the rank-0 store (`engine.parallel.make_instance_group`). `fn` must be importable (module level).
-A rank that raises reports its traceback; a rank that dies without reporting, or any rank still running
-after `timeout_s`, fails the call (`RanksFailed`), and every process still alive is killed.
+"""Run a function on N spawned local processes (the ranks of one EP instance on this machine) and collect what
+each returns; never hangs.
 """
 
 from __future__ import annotations
@@ -32,7 +26,7 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
-    torch.set_num_threads(1)  # N ranks on a few shared cores: one intra-op thread each
+    torch.set_num_threads(1)
     try:
         results.put((rank, True, fn(rank, world_size, port, *args)))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
@@ -59,7 +53,7 @@ def run_ranks(
         p.start()
     out: dict[int, Any] = {}
     errors: list[str] = []
-    done: set[int] = set()  # ranks accounted for (a result, an error, or died)
+    done: set[int] = set()
     deadline = time.monotonic() + timeout_s
     try:
         while len(done) < world_size:
@@ -68,7 +62,7 @@ def run_ranks(
             except queue.Empty:
                 silent = [r for r, p in enumerate(procs) if r not in done and not p.is_alive()]
                 if silent:
-                    time.sleep(0.5)  # a result put just before exiting may still be in the pipe
+                    time.sleep(0.5)
                     if results.empty():
                         for r in silent:
                             done.add(r)

@@ -1,10 +1,5 @@
 """Model runner: one forward step of DeepSeek-V3 over a ragged batch, with a paged latent KV cache.
 
-The runner owns the KV cache (one tensor per layer, MTP layers included) and knows nothing about
-scheduling: the engine hands it a `ModelInput` (flattened tokens of all scheduled requests plus their block
-tables) and gets hidden states back. Every layer, main or MTP, shares the same block tables: a token at
-position p of a request lives at the same slot in every layer's cache.
-
 KV cache per layer: `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]` in the model dtype, or
 int8 with a float32 scale per token (`kv_scales[layer]: [num_blocks, block_size]`) when
 `kv_cache_dtype="int8"`.
@@ -26,9 +21,6 @@ from pdcluster.kernels.paged_mla import paged_mla_attention, write_kv
 from pdcluster.kvtransfer.shm_transport.inplace import SharedKVCache
 from pdcluster.models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3ForCausalLM
 
-# Called after each layer's KV is written: (layer_idx, latent_kv [num_tokens, kv_dim], model_input).
-# The model_input's tensors view persistent buffers (`InputBuffers`) that a later step refills: a callback
-# that keeps them past its return must copy them.
 LayerKVCallback = Callable[[int, torch.Tensor, ModelInput], None]
 
 __all__ = ["InputBuffers", "LayerKVCallback", "ModelInput", "ModelRunner", "build_model_input"]
@@ -37,10 +29,7 @@ __all__ = ["InputBuffers", "LayerKVCallback", "ModelInput", "ModelRunner", "buil
 class ModelRunner:
     """Runs main and MTP layers of a `DeepseekV3ForCausalLM` over a paged latent KV cache.
 
-    shared_kv_cache: on the host with a float cache, keep the cache in one anonymous shared-memory file
-    (`kvtransfer.shm_transport.inplace.SharedKVCache`, `self.shared_kv_cache`), so that a prefill sender on
     this host can write a handoff's layers straight into the reserved blocks; elsewhere, or with an int8
-    cache, ignored (`self.shared_kv_cache` None).
     """
 
     def __init__(
@@ -75,10 +64,8 @@ class ModelRunner:
             self.kv_caches = [
                 torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in range(num_layers)
             ]
-        # Blocks in several dtypes (`engine.kv_pool_attention`), set by the engine with kv_precision; then
-        # every layer's KV goes there and `kv_caches` is unused.
         self.kv_pools: KVPoolCaches | None = None
-        self.num_mtp_forwards = 0  # MTP layer passes so far (the EP lockstep pads a step's passes to k)
+        self.num_mtp_forwards = 0
         self.kv_scales: list[torch.Tensor | None] = [
             torch.zeros(shape[:2], dtype=torch.float32, device=self.device)
             if kv_cache_dtype == "int8"
@@ -90,7 +77,8 @@ class ModelRunner:
         self, layer_idx: int, block_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """`(cache, scale or None, block ids in that cache)` holding a request's blocks (`block_ids`, its
-        block table) of one layer: with KV pools, its pool's tensors and local ids."""
+        block table) of one layer: with KV pools, its pool's tensors and local ids.
+        """
         if self.kv_pools is not None:
             return self.kv_pools.layer_cache(layer_idx, block_ids)
         return self.kv_caches[layer_idx], self.kv_scales[layer_idx], block_ids
@@ -110,7 +98,8 @@ class ModelRunner:
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer over the flattened batch (`DeepseekV3DecoderLayer.block` with paged attention);
-        writes the layer's latent KV. hidden: `[num_tokens, hidden_size]`."""
+        writes the layer's latent KV. hidden: `[num_tokens, hidden_size]`.
+        """
         idx = layer.layer_idx
         attn = layer.self_attn
 
@@ -145,14 +134,7 @@ class ModelRunner:
         on_layer_kv: LayerKVCallback | None = None,
         num_queries: int | None = None,
     ) -> torch.Tensor:
-        """Main layers over `batch`; returns final (post-norm) hidden states `[num_tokens, hidden_size]`.
-
-        `on_layer_kv(layer_idx, latent_kv, batch)` runs right after each layer's KV is computed and
-        written (the prefill side streams it to decode from there). `num_queries`: the query tokens of
-        every request when they are all equal (None otherwise); such a step runs the compiled forward
-        when there is one that takes it (`engine.compiled_forward`); other steps run the compiled
-        ragged-batch forward where it takes them (`engine.compiled_prefill`), else the eager layers below.
-        """
+        """Main layers over `batch`; returns final (post-norm) hidden states `[num_tokens, hidden_size]`."""
         compiled = self.compiled
         if self.kv_pools is not None:
             self.kv_pools.begin_step(
@@ -186,14 +168,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """MTP module `depth` over `batch` (whose `input_ids` are the *next* tokens t_{i+1}).
 
-        Args:
-            prev_hidden: `[num_tokens, hidden_size]`, hidden state at each position i.
-            num_queries: the query tokens of every request when they are all equal (None otherwise): a
-                depth-0 pass over such a batch runs the compiled MTP graph when there is one that takes
-                it (`engine.compiled_forward`, no `on_layer_kv`), else the eager layer below.
-
-        Returns:
-            `[num_tokens, hidden_size]` post-norm hidden states (feed `compute_logits`, or the next depth).
+        prev_hidden: `[num_tokens, hidden_size]`, hidden state at each position i.
         """
         compiled = self.compiled
         if self.kv_pools is not None:

@@ -1,27 +1,5 @@
-"""Draft proposal with the model's own MTP module (DeepSeek-V3 report section 2.2 / 5.4.3), run as the
-tail of the step's main forward (FusionSpec's "post-MTP layer": it reuses the main model's metadata).
-
-After the main model has run positions `c .. c+n-1` of a request, the MTP layer runs the *same* batch, its
-positions, slot mapping, block tables, sequence lengths and query starts, with inputs `(h_i, t_{i+1})`:
-`t_{i+1}` is the step's next input token (an accepted draft, or a prefill chunk's next prompt token), and at
-the newest committed position the token sampled this step. It writes its own latent KV (the MTP layer has
-a cache like any layer, at the same slots). The output at the newest committed position predicts the token
-after the sampled one: draft d_1. Rows past that position (rejected drafts) run too, on whatever input the
-shifted batch gives them: attention is causal, so they do not change the committed rows, and the KV they
-write sits at positions the next step rewrites, in every layer, before anything reads it (the main layers
-leave rejected drafts' KV there in the same way).
-
-For `num_speculative_tokens = k > 1` the single MTP module is chained, as deployed DeepSeek-V3 systems do:
-position `p+1` gets `(MTP hidden at p, d_1)` and predicts d_2, and so on. Each chained depth is one more
-small pass of one token per drafting request; its metadata is derived from the step's batch by tensor ops
-(its block-table rows, position + 1, the slot in that row), not packed again. Chained positions write MTP
-KV at slots the next verification step overwrites, so they must be allocated.
-
-Drafts are greedy for greedy requests; otherwise sampled from the MTP distribution under the request's own
-temperature/top-k/top-p, whose probabilities are kept for lossless rejection sampling. Each depth is
-picked for every drafting request at once (one argmax, batched masks, draws grouped by generator) and the
-drafts of all depths reach the host in one transfer at the end; when the batched pick raises, the depth
-is picked request by request and only the requests that still raise fail.
+"""Draft proposal with the model's own MTP module (DeepSeek-V3 report section 2.2 / 5.4.3), run as the tail of
+the step's main forward (FusionSpec's "post-MTP layer": it reuses the main model's metadata).
 """
 
 from __future__ import annotations
@@ -36,14 +14,7 @@ from pdcluster.kernels.sampling import argmax, probs_from_logits, sample_from_pr
 
 @dataclass
 class MTPWork:
-    """One drafting request's share of the MTP tail.
-
-    request_row: the request's row in the step's batch (`block_tables` row).
-    newest_row: flat token index, in the step's batch, of the request's newest committed position p.
-    num_drafts: drafts to propose (the block table must cover `p + num_drafts - 1`).
-    temperature/top_k/top_p: the request's sampling settings (temperature 0 = greedy drafts).
-    generator: the request's torch.Generator for sampled drafts (None: global RNG).
-    """
+    """One drafting request's share of the MTP tail."""
 
     request_row: int
     newest_row: int
@@ -56,10 +27,10 @@ class MTPWork:
 
 @dataclass
 class Proposal:
-    """draft_token_ids: `num_drafts` ints.
-    draft_probs: `[num_drafts, vocab_size]` float32, or None for greedy drafts.
-    error: why drafting failed for this request alone (an exception picking one of its drafts, e.g.
-        from its sampling settings); the drafts are then incomplete and must not be used. None: success."""
+    """draft_token_ids: `num_drafts` ints. draft_probs: `[num_drafts, vocab_size]` float32, or None for greedy
+    drafts. error: why drafting failed for this request alone (an exception picking one of its drafts, e.g.
+    from its sampling settings); the drafts are then incomplete and must not be used.
+    """
 
     draft_token_ids: list[int]
     draft_probs: torch.Tensor | None
@@ -81,14 +52,11 @@ def _pick(logits: torch.Tensor, work: MTPWork) -> tuple[int, torch.Tensor | None
 
 
 def _pick_batch(logits: torch.Tensor, works: list[MTPWork]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Draft one token per row of MTP logits `[n, vocab_size]` (row j for `works[j]`), vectorized: one
-    argmax over all rows; the sampled rows' distributions (temperature/top-k/top-p masks) in one batch
-    and their draws grouped by generator (`kernels.sampling.sample_from_probs`: a seeded request draws
-    alone from its own generator, the unseeded ones in one call from the shared one), which makes a
-    seeded request's drafts the same as `_pick`'s, whatever the batch.
-
-    Returns `(tokens [n] int64, probs [n, vocab_size] float32 or None when every row is greedy; greedy
-    rows' probabilities are unused)`. Raises what the kernels raise (validation, before any draw)."""
+    """Draft one token per row of MTP logits `[n, vocab_size]` (row j for `works[j]`), vectorized: one argmax
+    over all rows; the sampled rows' distributions (temperature/top-k/top-p masks) in one batch and their
+    draws grouped by generator (`kernels.sampling.sample_from_probs`: a seeded request draws alone from its
+    own generator, the unseeded ones in one call from the shared one), which makes a seeded request's
+    """
     tokens = argmax(logits)
     sampled = [j for j, w in enumerate(works) if w.temperature != 0.0]
     if not sampled:
@@ -109,20 +77,18 @@ def _pick_batch(logits: torch.Tensor, works: list[MTPWork]) -> tuple[torch.Tenso
 
 
 class _Drafts:
-    """The drafts of the active requests, one depth at a time, kept on the device until `finish`.
-
-    Each depth is picked for all active rows at once (`_pick_batch`); if that raises, row by row
-    (`_pick`), and only the rows that still raise fail (their `Proposal.error`)."""
+    """The drafts of the active requests, one depth at a time, kept on the device until `finish`."""
 
     def __init__(self, works: list[MTPWork]) -> None:
         self.works = works
         self.proposals = [Proposal([], None) for _ in works]
-        self._tokens: list[tuple[list[int], torch.Tensor]] = []  # (work indices, tokens [n]) per depth
+        self._tokens: list[tuple[list[int], torch.Tensor]] = []
         self._probs: list[list[torch.Tensor]] = [[] for _ in works]
 
     def pick(self, logits: torch.Tensor, active: list[int]) -> torch.Tensor:
         """Draft the next token of each `active` work from `logits [len(active), V]`; returns the tokens
-        `[len(active)]` (a failed row's is 0: its proposal is dropped)."""
+        `[len(active)]` (a failed row's is 0: its proposal is dropped).
+        """
         works = [self.works[i] for i in active]
         try:
             tokens, probs = _pick_batch(logits, works)
@@ -171,8 +137,8 @@ class _Drafts:
 def mtp_input_ids(batch: ModelInput, rows: list[int], token_ids: list[int]) -> torch.Tensor:
     """The MTP layer's inputs over the step's batch: `[num_tokens]` int64, the batch's next input token at
     each row (`input_ids` shifted by one), with `token_ids` written at the flat indices `rows` (the tokens
-    sampled this step, after each request's newest committed position). A request's last row otherwise
-    gets the next request's first token: a row whose output nobody reads (see the module docstring)."""
+    sampled this step, after each request's newest committed position).
+    """
     ids = torch.empty_like(batch.input_ids)
     if batch.num_tokens:
         ids[:-1] = batch.input_ids[1:]
@@ -194,17 +160,8 @@ def propose(
 ) -> list[Proposal]:
     """Run the MTP layer as the tail of the step's main forward, then chain it for drafts.
 
-    Args:
-        batch: the step's `ModelInput` (after placeholders were resolved).
-        hidden: `[num_tokens, hidden_size]` the main forward's final hidden states over `batch`.
-        input_ids: `[num_tokens]` int64 MTP inputs (`mtp_input_ids`).
-        works: the requests to draft for (a request with no work still gets its MTP KV written).
-        on_layer_kv: runs after the MTP layer's KV over the step's batch is written (not for the chained
-            draft positions, whose KV the next verification step overwrites).
-        num_queries: the step's query tokens per request when uniform (the compiled MTP pass may take it).
-
-    Returns one `Proposal` per work item. An exception while picking one request's draft fails that
-    request's proposal only (`Proposal.error`); exceptions from the batched MTP forward propagate.
+    hidden: `[num_tokens, hidden_size]` the main forward's final hidden states over `batch`.
+    input_ids: `[num_tokens]` int64 MTP inputs (`mtp_input_ids`).
     """
     out = runner.mtp_forward(
         batch._replace(input_ids=input_ids), hidden, on_layer_kv=on_layer_kv, num_queries=num_queries

@@ -1,13 +1,4 @@
-"""Expert-parallel instances: the parallel settings, and the instance's own process group.
-
-An instance of N ranks (`ParallelConfig.expert_parallel_size = data_parallel_size = N`) runs attention
-data-parallel (each rank its own requests and paged KV cache) and routed experts split over the N ranks
-(`models.ep_dispatch`). Its ranks share one torch.distributed process group made by `make_instance_group`
-*without* the default process group (Ray actors already use that one for the KV transfer's
-torch.distributed transport): a `TCPStore` hosted by rank 0, under a `PrefixStore` naming the instance,
-and the backend's `ProcessGroup` class built on it directly (`torch.distributed.new_group` needs an
-initialized default group, so it cannot be used here).
-"""
+"""Expert-parallel instances: the parallel settings, and the instance's own process group."""
 
 from __future__ import annotations
 
@@ -21,25 +12,7 @@ BACKENDS = ("gloo", "nccl", "hccl")
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Parallel layout of one instance, as seen by one of its ranks (picklable; one per rank actor).
-
-    Attributes:
-        expert_parallel_size: EP ranks of the instance (1: no expert parallelism).
-        rank: this rank, 0 .. expert_parallel_size - 1.
-        data_parallel_size: attention replicas; must equal expert_parallel_size (DP attention, tensor
-            parallelism 1). None means expert_parallel_size.
-        num_redundant_experts: extra physical replicas of routed experts per MoE layer (EPLB places
-            them); `n_routed_experts + num_redundant_experts` must be a multiple of expert_parallel_size.
-        eplb_interval_steps: rebalance the experts every that many stepped engine steps; None: never (the
-            default placement stays: logical experts in contiguous blocks, redundant ones round-robin).
-        eplb_window_steps: engine steps of expert load the rebalance looks at (a sliding window).
-        eplb_num_nodes: server nodes of the instance, for EPLB's hierarchical mode (1 here).
-        collective_timeout_s: the most any collective of the instance's group waits, seconds; a dead or
-            stopped rank fails every other rank's step within it. The first step's agreement also waits
-            for the slowest rank to finish loading, so leave room for that.
-        enable_micro_batch_overlap: split each MoE layer's tokens in two micro-batches whose all-to-alls
-            overlap the other's expert compute (`models.ep_dispatch.EPDispatcher.forward`); same outputs.
-    """
+    """Parallel layout of one instance, as seen by one of its ranks (picklable; one per rank actor)."""
 
     expert_parallel_size: int = 1
     rank: int = 0
@@ -92,17 +65,6 @@ def make_instance_group(
     prefix: str = "instance",
 ) -> dist.ProcessGroup:
     """Join (rank 0: host) the process group of one instance's ranks, without the default process group.
-
-    Args:
-        host, port: where rank 0 listens with its `TCPStore` (the others connect there).
-        rank, world_size: this rank within the instance, and the instance's ranks.
-        backend: `gloo` (CPU), `nccl` (CUDA) or `hccl` (Ascend NPU; needs `torch_npu`).
-        timeout_s: store rendezvous timeout and the timeout of every collective on the group, seconds.
-        prefix: store key prefix (distinct per instance when instances share a store host and port).
-
-    Returns:
-        The `ProcessGroup`; call its methods directly (`allreduce`, `allgather`, `alltoall_base`, ...) or
-        pass it as `group=` to `torch.distributed` functions that accept an unregistered group.
 
     Raises:
         ValueError: an unknown backend or a rank outside [0, world_size).

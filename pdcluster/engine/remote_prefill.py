@@ -1,20 +1,4 @@
-"""Disaggregated prefill in the engine: the prefill instance's export and the decode instance's import.
-
-Prefill instance (`LLMEngine.add_request(prefill_only=True)`): the request stops after its first sampled
-token; the step that samples it streams the whole prompt's KV per layer through `prompt_kv_hook`
-(`PromptKVCallback`), and `PrefillOutput` keeps what decode needs besides the KV (first token, MTP drafts
-and their distributions) until `LLMEngine.pop_prefill_result`.
-
-Decode instance, a request's handoff in four calls on `RemotePrefillReservations` (through the
-`LLMEngine.*_remote_prefill` / `write_prompt_kv` methods):
-
-    reserve(...)          between steps: hold KV blocks for the prompt, first token and drafts
-    write_prompt_kv(...)  any thread, per layer: received latent KV into the reserved slots
-    admit(...)            between steps: the prompt KV is complete; commit the first token, queue for a seat
-    release(...)          between steps, instead of admit: the handoff failed or was cancelled
-
-The reserved blocks belong to no scheduled request, so `write_prompt_kv` is safe while steps run.
-"""
+"""Disaggregated prefill in the engine: the prefill instance's export and the decode instance's import."""
 
 from __future__ import annotations
 
@@ -34,10 +18,7 @@ from pdcluster.kernels.paged_mla import bytes_crc32c, gather_kv, write_prompt_kv
 class PrefillOutput(NamedTuple):
     """What a prefill-only request hands to decode besides its prompt KV (`LLMEngine.pop_prefill_result`).
 
-    first_token_id: the token sampled after the prompt.
-    draft_token_ids: MTP drafts proposed after it (empty without speculative decoding).
     draft_probs: `[num_drafts, vocab_size]` float32 MTP probabilities of sampled drafts; None when greedy.
-    first_token_logprobs: the first token's logprobs when the request asks for them, else None.
     """
 
     first_token_id: int
@@ -46,15 +27,13 @@ class PrefillOutput(NamedTuple):
     first_token_logprobs: TokenLogprobs | None = None
 
 
-# Called once per layer (MTP layer: index num_hidden_layers) when a prefill-only request's prompt KV of that
-# layer is complete: (request_id, layer_idx, latent_kv [num_prompt_tokens, kv_dim], scale), the cache's own
-# bytes: the model dtype and scale None, or int8 with scale [num_prompt_tokens] float32 (int8 KV cache).
 PromptKVCallback = Callable[[str, int, torch.Tensor, torch.Tensor | None], None]
 
 
 def prefill_result(runner_output: ModelRunnerOutput, request_id: str) -> PrefillOutput | None:
     """The `PrefillOutput` of a prefill-only request from its sampling step's output; None when the step
-    sampled nothing for it (it failed)."""
+    sampled nothing for it (it failed).
+    """
     sampled = runner_output.sampled_token_ids.get(request_id)
     if not sampled:
         return None
@@ -77,10 +56,7 @@ def prompt_kv_hook(
     (prefill-only requests whose last prompt chunk runs in this step) with the whole prompt's KV of the
     layer, read back from the paged cache (so earlier chunks and prefix-cache hits are included) as the
     cache stores it: an int8 cache's values with their scales (no dequantization), else the model dtype.
-
-    Returns (hook, flush). `on_prompt_kv` of layer `defer_layer_idx` (the last main layer: no compute is
-    left for its send to overlap) waits for `flush()`, which the caller runs once the first tokens are
-    sampled and emitted; a second `flush()` does nothing."""
+    """
     tables = [
         (item.request_id, torch.tensor(item.block_ids, dtype=torch.long), item.request.num_prompt_tokens)
         for item in items
@@ -91,7 +67,7 @@ def prompt_kv_hook(
         for request_id, table, num_prompt_tokens in tables:
             cache, kv_scale, local = runner.layer_cache(layer_idx, table)
             latent, scale = gather_kv(cache, local.to(runner.device), num_prompt_tokens, kv_scale)
-            if scale is None and latent.dtype != runner.dtype:  # a 16-bit KV pool: sent in the model dtype
+            if scale is None and latent.dtype != runner.dtype:
                 latent = latent.to(runner.dtype)
             on_prompt_kv(request_id, layer_idx, latent, scale)
 
@@ -111,12 +87,7 @@ def prompt_kv_hook(
 
 
 class RemotePrefillReservations:
-    """The decode side: requests whose prompt KV another instance computes, from reservation to admission.
-
-    Args:
-        scheduler: holds the reserved blocks (`Scheduler.reserve`) and admits the request.
-        runner: whose KV cache the received layers are written into.
-    """
+    """The decode side: requests whose prompt KV another instance computes, from reservation to admission."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
         self.scheduler = scheduler
@@ -130,7 +101,6 @@ class RemotePrefillReservations:
     def reserve(self, request: Request, num_draft_tokens: int) -> bool:
         """Hold KV blocks for a new request's prompt, first token and `num_draft_tokens` drafts (what its
         first decode step writes; `LLMEngine.reserve_remote_prefill` builds and checks the request).
-        Returns False (nothing held) when the blocks are not free now.
 
         Raises:
             ValueError: a duplicate id or a request that could never fit (`Scheduler.reserve`).
@@ -138,13 +108,13 @@ class RemotePrefillReservations:
         num_prompt_tokens = request.num_prompt_tokens
         if not self.scheduler.reserve(request, num_prompt_tokens + 1 + num_draft_tokens):
             return False
-        self.scheduler.block_manager.slot_mapping(request, 0, num_prompt_tokens)  # ValueError if not covered
+        self.scheduler.block_manager.slot_mapping(request, 0, num_prompt_tokens)
         table = torch.tensor(self.scheduler.block_manager.block_ids(request), dtype=torch.long)
         self._tables[request.request_id] = (table, num_prompt_tokens)
         return True
 
     def block_ids(self, request_id: str) -> list[int]:
-        """A reservation's block table, in position order. KeyError: no reservation."""
+        """A reservation's block table, in position order."""
         return self._tables[request_id][0].tolist()
 
     def write_prompt_kv(
@@ -156,11 +126,8 @@ class RemotePrefillReservations:
         checksum_start: int | None = None,
     ) -> int | None:
         """`LLMEngine.write_prompt_kv`: one layer's `[num_prompt_tokens, kv_dim]` received KV into the
-        reserved slots. With `scale` (`[num_prompt_tokens]` float32) `latent_kv` is int8: an int8 cache
-        stores both as they are, a float cache stores them dequantized. With `checksum_start` (float
-        `latent_kv` only) returns the CRC-32C of `latent_kv`'s bytes as given, computed as they are copied
-        where it can (`kernels.paged_mla.write_prompt_kv`); else None. Any thread. KeyError: no
-        reservation; ValueError: a shape mismatch, or `checksum_start` with `scale`."""
+        reserved slots.
+        """
         table, num_prompt_tokens = self._tables[request_id]
         if latent_kv.shape[:1] != (num_prompt_tokens,):
             raise ValueError(
@@ -170,8 +137,8 @@ class RemotePrefillReservations:
         if checksum_start is not None and scale is not None:
             raise ValueError(f"{request_id}: a checksum of the written bytes is for float layers, not int8")
         cache, kv_scale, table = self.runner.layer_cache(layer_idx, table)
-        float_dtype = self.runner.dtype if kv_scale is not None else cache.dtype  # int8: quantized from this
-        crc = None  # the bytes as given: computed here when they are cast or moved before the write
+        float_dtype = self.runner.dtype if kv_scale is not None else cache.dtype
+        crc = None
         if checksum_start is not None and (
             latent_kv.device != self.runner.device or latent_kv.dtype != float_dtype
         ):
@@ -189,8 +156,7 @@ class RemotePrefillReservations:
         self, request_id: str, first_token_id: int, draft_token_ids: list[int]
     ) -> tuple[Request, RequestStatus]:
         """Admit a reserved request whose prompt KV is written, with its first token and drafts
-        (`Scheduler.admit_reserved`). Returns the request and RUNNING, or the finished status when the
-        first token already finished it.
+        (`Scheduler.admit_reserved`).
 
         Raises:
             KeyError: no reservation.
@@ -200,6 +166,33 @@ class RemotePrefillReservations:
         return request, self.scheduler.admit_reserved(request_id, first_token_id, list(draft_token_ids))
 
     def release(self, request_id: str) -> bool:
-        """Give back a reservation's blocks (handoff failed or cancelled). False if unknown."""
+        """Give back a reservation's blocks (handoff failed or cancelled)."""
         self._tables.pop(request_id, None)
         return self.scheduler.release_reserved(request_id)
+
+
+def export_callbacks(
+    runner: ModelRunner,
+    exporting: list[ScheduledRequest],
+    on_layer_kv: LayerKVCallback | None,
+    on_prompt_kv: PromptKVCallback | None,
+    on_first_token: Callable[[str, int], None] | None,
+    last_layer_idx: int,
+) -> tuple[LayerKVCallback | None, Callable[[], None] | None, Callable[[dict[str, list[int]]], None] | None]:
+    """A synchronous step's layer-KV hook, prompt-KV flush and `on_sampled` for its prefill-only requests."""
+    hook, flush_prompt_kv = on_layer_kv, None
+    if exporting and on_prompt_kv is not None:
+        hook, flush_prompt_kv = prompt_kv_hook(runner, exporting, on_layer_kv, on_prompt_kv, last_layer_idx)
+    on_sampled = None
+    if exporting and (on_first_token is not None or flush_prompt_kv is not None):
+        first_token_ids = {item.request_id for item in exporting}
+
+        def on_sampled(sampled: dict[str, list[int]]) -> None:
+            # First tokens out, then the last layer's KV, then (after this) the MTP pass.
+            for request_id, tokens in sampled.items():
+                if on_first_token is not None and request_id in first_token_ids and tokens:
+                    on_first_token(request_id, tokens[-1])
+            if flush_prompt_kv is not None:
+                flush_prompt_kv()
+
+    return hook, flush_prompt_kv, on_sampled

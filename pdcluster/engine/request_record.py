@@ -14,14 +14,6 @@ from pdcluster.engine.stopping import OutputText
 class RequestRecord:
     """What the engine keeps for one request beside the scheduler's `Request`, from `add_request` (or
     admission after a remote prefill) until its final output.
-
-    Attributes:
-        request: the scheduler's request (tokens, status, timings).
-        prompt: the prompt text, None when given as token ids (or prefilled elsewhere).
-        output_text: its detokenized text, stop strings and streamed deltas.
-        logprobs: one `TokenLogprobs` per committed output token when `SamplingParams.logprobs` is set.
-        prefill_result: a finished prefill-only request's handoff data, until `pop_prefill_result`.
-        stream: an output is reported every step it commits tokens (else only its final output).
     """
 
     request: Request
@@ -33,7 +25,8 @@ class RequestRecord:
 
     def output(self) -> RequestOutput:
         """The request's `RequestOutput` now; takes the text streamed since the previous one
-        (`OutputText.new_text`), so call it once per output reported."""
+        (`OutputText.new_text`), so call it once per output reported.
+        """
         request = self.request
         return RequestOutput(
             request_id=request.request_id,

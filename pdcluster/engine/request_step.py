@@ -1,14 +1,5 @@
-"""One request's share of a step, at both ends: what the scheduler gives it to run, and committing what
-it sampled. The `Scheduler` calls these for each request (it owns the queues, the policy and the blocks);
-they mutate only the request they are given and its blocks.
-
-    schedule_request -> ScheduledRequest       slots; inputs: committed tokens, placeholders, drafts
-    commit_sampled   -> (new tokens, status)   roll back rejected drafts, commit up to a stop, next drafts
-    commit_tokens    -> (new tokens, status)   append tokens up to the first that stops the request
-
-Placeholders (asynchronous scheduling, see `engine.scheduler`): a request whose previous step is still
-in flight runs `PLACEHOLDER_TOKEN_ID` inputs, the bonus token and then the drafts that step proposes,
-placed as if every draft were accepted; the executor fills them in.
+"""One request's share of a step, at both ends: what the scheduler gives it to run, and committing what it
+sampled.
 """
 
 from __future__ import annotations
@@ -25,9 +16,7 @@ def schedule_request(
     """Allocate slots for the request's next `num_new_tokens` positions and describe its step inputs:
     committed tokens, the placeholder of a token still being sampled, then its drafts (drafts beyond the
     budget are dropped); the token ids themselves go to the scheduler's persistent rows
-    (`engine.input_batch.RequestRows.add_step`). Advances `num_computed_tokens`; a step that samples
-    adds its output placeholders and, with `num_draft_placeholders`, the draft placeholders for the
-    next step.
+    (`engine.input_batch.RequestRows.add_step`).
 
     Raises:
         RuntimeError: the slots cannot be allocated (the plan did not fit the free blocks).
@@ -38,7 +27,7 @@ def schedule_request(
         )
     start, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
     num_tokens = request.num_tokens
-    num_known = num_tokens + request.num_output_placeholders  # committed + being sampled
+    num_known = num_tokens + request.num_output_placeholders
     request.spec_token_ids = request.spec_token_ids[: max(0, end - num_known)]
     samples = end >= num_known
     item = ScheduledRequest(
@@ -75,13 +64,7 @@ def commit_sampled(
     """Commit what a sampling step yielded for `item.request`: count and roll back rejected drafts, commit
     tokens up to a stop (`commit_tokens`), cache full blocks, and, unless it finished, take the drafts
     proposed for its next step (`next_draft_token_ids`; with `num_draft_placeholders` only for a request
-    left out of the step in flight). The caller frees a finished request.
-
-    Args:
-        sampled: the accepted drafts then one sampled token.
-
-    Returns:
-        (the tokens committed, RUNNING or the finished status).
+    left out of the step in flight).
 
     Raises:
         ValueError: no token, more tokens than drafts + 1, or "accepted" tokens that differ from the drafts.
@@ -90,12 +73,9 @@ def commit_sampled(
     sampled = list(sampled)
     num_drafts, num_accepted = len(item.spec_token_ids), len(sampled) - 1
     request.num_output_placeholders -= num_drafts + 1
-    if (
-        not 0 <= num_accepted <= num_drafts
-        or any(
-            token != draft and draft != PLACEHOLDER_TOKEN_ID  # placeholder drafts: filled by the executor
-            for token, draft in zip(sampled[:num_accepted], item.spec_token_ids, strict=False)
-        )
+    if not 0 <= num_accepted <= num_drafts or any(
+        token != draft and draft != PLACEHOLDER_TOKEN_ID
+        for token, draft in zip(sampled[:num_accepted], item.spec_token_ids, strict=False)
     ):
         raise ValueError(
             f"request {item.request_id!r}: sampled {sampled} does not fit drafts "
@@ -116,8 +96,6 @@ def commit_sampled(
     if not num_draft_placeholders:
         request.spec_token_ids = list(next_draft_token_ids)[:num_allowed]
     elif request.num_output_placeholders == 0 and request.spec_token_ids:
-        # Left out of the step in flight (no token budget): its draft placeholders stand for the drafts
-        # this step proposed, known now; its next step runs them as known tokens.
         num_drafts = min(len(request.spec_token_ids), num_allowed)
         request.spec_token_ids = list(next_draft_token_ids)[:num_drafts]
     return new_token_ids, status
@@ -125,11 +103,8 @@ def commit_sampled(
 
 def commit_tokens(request: Request, sampled: list[int], now: float) -> tuple[list[int], RequestStatus]:
     """Append sampled tokens up to and including the first that stops the request
-    (`engine.stopping.check_stop_token`: EOS, a stop token id, the max_tokens-th token); sets the first
-    and last token times to `now` (seconds, the scheduler's clock).
-
-    Returns:
-        (the tokens appended, RUNNING or the finished status).
+    (`engine.stopping.check_stop_token`: EOS, a stop token id, the max_tokens-th token); sets the first and
+    last token times to `now` (seconds, the scheduler's clock).
     """
     committed: list[int] = []
     status = RequestStatus.RUNNING

@@ -1,22 +1,8 @@
 """Turn one step's target logits into tokens: sample, or verify drafts, per request; and log-probabilities.
 
-    logits [sum(k_i + 1), vocab_size] --sample_isolated--> request id -> accepted drafts + one token
-
-Request i owns `k_i + 1` rows (its `k_i` drafts `ScheduledRequest.spec_token_ids`, then the bonus
-position), after request i-1's. The accept rule itself lives in `kernels.rejection_sampling`:
-`greedy_verify_batch` when every request is greedy (no probabilities computed), else
-`rejection_sample_batch` (greedy rows by argmax, the others by Leviathan et al.'s rule). Without drafts,
-sampled requests draw from `kernels.sampling.sample`.
-
-Logit processors (`process_logits`) come first, on every row of the requests that set one: `min_tokens`
-(EOS and stop tokens at -inf), `logit_bias`, then the repetition/frequency/presence penalties over each
-row's own history (output tokens so far, plus the drafts before that row), so greedy argmax, sampling and
-draft verification all see the processed distribution, on prefill (the first token) as on decode.
-Reported logprobs (`token_logprobs`) are of that distribution divided by the temperature (greedy rows: 1),
-before top-k/top-p: the distribution the token is sampled from, as vLLM v0 reported them.
-
-Isolation: `sample_isolated` retries request by request when the batch raises, so one request's error
-fails that request alone (see `engine.executor`).
+The accept rule itself lives in `kernels.rejection_sampling`: `greedy_verify_batch` when every request is
+greedy (no probabilities computed), else `rejection_sample_batch` (greedy rows by argmax, the others by
+Leviathan et al.'s rule).
 """
 
 from __future__ import annotations
@@ -50,17 +36,10 @@ def sample_isolated(
     draft_probs: Mapping[str, torch.Tensor | None],
     params: SamplingArrays | None = None,
 ) -> tuple[dict[str, list[int]], dict[str, str]]:
-    """`sample_or_verify` over the batch; if it raises, over each request alone (its own rows of
-    `logits`), so an error one request causes fails only that request.
+    """`sample_or_verify` over the batch; if it raises, over each request alone (its own rows of `logits`), so
+    an error one request causes fails only that request.
 
-    Args:
-        items: the sampling requests, in batch order.
-        logits: `[sum(k_i + 1), vocab_size]` float32, as `sample_or_verify`.
-        generator_of, draft_probs, params: as `sample_or_verify`.
-
-    Returns:
-        (request id -> tokens, for the requests that sampled; request id -> error message, for those
-        that raised even alone).
+    logits: `[sum(k_i + 1), vocab_size]` float32, as `sample_or_verify`.
     """
     if params is None:
         params = SamplingArrays.of([item.request.sampling_params for item in items])
@@ -90,22 +69,13 @@ def sample_or_verify(
     draft_probs: Mapping[str, torch.Tensor | None],
     params: SamplingArrays | None = None,
 ) -> dict[str, list[int]]:
-    """Tokens of each request: its accepted drafts then one sampled (bonus or recovered) token, for the
-    whole batch at once: greedy rows by one argmax over all rows (accept lengths from one compare and a
-    cumulative product, `kernels.rejection_sampling`), the other rows' top-k/top-p masks in one batch,
-    and one host transfer of the result. Seeded requests draw from their own generators (alone, so their
-    tokens do not depend on the batch); unseeded ones share a generator and draw together.
+    """Tokens of each request: its accepted drafts then one sampled (bonus or recovered) token, for the whole
+    batch at once: greedy rows by one argmax over all rows (accept lengths from one compare and a
+    cumulative product, `kernels.rejection_sampling`), the other rows' top-k/top-p masks in one batch, and
+    one host transfer of the result.
 
-    Args:
-        items: the sampling requests, in batch order.
-        logits: `[sum(k_i + 1), vocab_size]` float32, request i's `k_i + 1` rows after request i-1's.
-        generator_of: the request's generator (drawn from for sampled requests only).
-        draft_probs: request id -> `[num_drafts, vocab_size]` float32 distributions its drafts were
-            sampled from (None or absent: deterministic drafts, one-hot). Rows past a stored tensor's
-            length are filler drafts (one-hot).
-        params: the items' sampling parameters (`engine.input_batch.SamplingArrays`, gathered from the
-            persistent rows); None: built from the items' `SamplingParams`.
-
+    logits: `[sum(k_i + 1), vocab_size]` float32, request i's `k_i + 1` rows after request i-1's.
+    draft_probs: request id -> `[num_drafts, vocab_size]` float32 distributions its drafts were
     Raises:
         ValueError: from the kernels, for inconsistent shapes or draft ids outside the vocabulary.
     """
@@ -114,14 +84,14 @@ def sample_or_verify(
     request_ids = [item.request_id for item in items]
     num_drafts = [len(item.spec_token_ids) for item in items]
     all_greedy = params.all_greedy
-    if not any(num_drafts) and all_greedy:  # plain greedy decode
+    if not any(num_drafts) and all_greedy:
         return {rid: [tok] for rid, tok in zip(request_ids, argmax(logits).tolist(), strict=True)}
     draft_ids = torch.tensor(
         list(itertools.chain.from_iterable(item.spec_token_ids for item in items)),
         dtype=torch.long,
         device=logits.device,
     )
-    if all_greedy:  # no randomness: no generator is made or drawn from
+    if all_greedy:
         result = greedy_verify_batch(draft_ids, num_drafts, logits)
         return dict(zip(request_ids, result.token_ids(), strict=True))
     generators = [generator_of(item) for item in items]
@@ -146,7 +116,7 @@ def sample_or_verify(
         for item, k in zip(items, num_drafts, strict=True):
             stored = draft_probs.get(item.request_id)
             if k and stored is not None:
-                m = min(k, stored.shape[0])  # rows past m: filler drafts (one-hot)
+                m = min(k, stored.shape[0])
                 batch_draft_probs[offset : offset + m] = stored[:m]
             offset += k
     result = rejection_sample_batch(
@@ -161,16 +131,10 @@ def process_logits(
     params: SamplingArrays,
     output_history: Callable[[ScheduledRequest], list[int]],
 ) -> torch.Tensor:
-    """`logits` with the logit processors of `params` applied (see the module docstring); `logits`
-    itself when no request sets one.
+    """`logits` with the logit processors of `params` applied (see the module docstring); `logits` itself when
+    no request sets one.
 
-    Args:
-        items, logits, params: as `sample_or_verify`.
-        output_history: a request's output tokens before this step's first row (committed, plus those of
-            a step still in flight); row j of the request adds its first j drafts.
-
-    Returns:
-        `[sum(k_i + 1), vocab_size]` float32.
+    `[sum(k_i + 1), vocab_size]` float32.
     """
     processed = params.processed_rows
     if not processed.any():
@@ -180,8 +144,8 @@ def process_logits(
     request_of_row: list[int] = []
     outputs: list[list[int]] = []
     prompts: list[list[int]] = []
-    bias: list[tuple[int, int, float]] = []  # (row, token id, bias)
-    banned: list[tuple[int, int]] = []  # (row, token id): min_tokens not reached
+    bias: list[tuple[int, int, float]] = []
+    banned: list[tuple[int, int]] = []
     offset = 0
     for i, item in enumerate(items):
         num_rows = len(item.spec_token_ids) + 1
@@ -232,11 +196,10 @@ def token_logprobs(
     logits: torch.Tensor,
     sampled: dict[str, list[int]],
 ) -> dict[str, list[TokenLogprobs]]:
-    """Log-probabilities of each output token, for the requests that asked for them: `log_softmax` of
-    the (processed) logits divided by the request's temperature (1 when greedy).
+    """Log-probabilities of each output token, for the requests that asked for them: `log_softmax` of the
+    (processed) logits divided by the request's temperature (1 when greedy).
 
     logits: `[sum(k_i + 1), vocab_size]` target logits, request i's `k_i + 1` rows after request i-1's;
-    row j of a request predicts its output token j (accepted draft j+1, or the bonus/recovered token).
     """
     rows: list[int] = []
     token_ids: list[int] = []
@@ -244,7 +207,7 @@ def token_logprobs(
     wanting: list[ScheduledRequest] = []
     offset = 0
     for item in items:
-        tokens = sampled.get(item.request_id)  # None: its sampling failed
+        tokens = sampled.get(item.request_id)
         sp = item.request.sampling_params
         if tokens is not None and sp.logprobs is not None:
             wanting.append(item)

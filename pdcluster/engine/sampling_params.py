@@ -1,24 +1,9 @@
 """Per-request sampling and stopping parameters (in the spirit of vLLM's `SamplingParams`).
 
-Plain, frozen and validated at construction: a bad value raises `ValueError` naming the field and the
-value, so the HTTP edge can hand the message back to the client unchanged (HTTP 400, before anything is
-scheduled). Numeric values are checked in the sampler's own terms, so a request that passes validation
-cannot make the sampler raise or produce NaN probabilities:
-- `seed` seeds a `torch.Generator`, whose `manual_seed` takes [-2**63, 2**64) and aliases a negative seed
-  s to s + 2**64; one seed per stream: [0, 2**64).
 - `top_p` is compared in float32: a value that rounds to 0 there (below ~7e-46, e.g. 1e-300) is rejected.
 - `temperature` divides float32 logits: it is 0 (greedy) or >= `MIN_TEMPERATURE` (1e-5). Below, logits /
-  temperature overflows to inf for logits of a few tens once temperature is under ~1e-37 (NaN probabilities),
-  and rounds to 0 (greedy in the kernel, sampled elsewhere) under ~7e-46; any temperature that small is
-  greedy in effect, so send 0. No upper bound: a huge temperature (inf in float32 included) gives the
-  uniform distribution over the tokens top-k/top-p keep.
+greedy in effect, so send 0. No upper bound: a huge temperature (inf in float32 included) gives the
 - `top_k` becomes an int64 tensor: at most 2**63 - 1 (anything >= the vocabulary size disables it).
-
-The sampler reads `temperature / top_p / top_k / seed` and the logit processors (`logit_bias`, the
-penalties, `min_tokens`; `kernels.sampling.apply_penalties`); the scheduler reads the stopping fields
-(`max_tokens`, `stop_token_ids`, `ignore_eos`); `stop` strings need detokenized text: the engine checks
-them on its incremental text (`engine.stopping.OutputText`) and finishes the request through
-`Scheduler.finish_request`.
 """
 
 from __future__ import annotations
@@ -43,31 +28,26 @@ MAX_LOGIT_BIAS = 100.0
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    Attributes:
-        temperature: softmax temperature, 0 or >= `MIN_TEMPERATURE`, finite; 0 means greedy (argmax; `top_p`,
-            `top_k`, `seed` unused).
-        top_p: nucleus mass in (0, 1], > 0 once rounded to float32; 1 keeps the whole distribution.
-        top_k: keep the k most likely tokens, at most `MAX_TOP_K`; 0 or -1 disables the filter.
-        seed: per-request generator seed in [0, `MAX_SEED`] for reproducible sampling; None: a generator
-            seeded from OS entropy.
-        max_tokens: most output tokens to generate, >= 1 (the request finishes with FINISHED_LENGTH).
-        stop_token_ids: token ids that finish the request (FINISHED_STOPPED); the stop token is kept in
-            the output, like the EOS token.
-        stop: stop strings, checked by the engine on its detokenized text (`engine.stopping`).
-        ignore_eos: keep generating past the model's EOS token (benchmarks).
-        logprobs: None for no log-probabilities, else how many top log-probabilities to return per
-            output token (0 = only the sampled token's).
-        structured_output: None, or `(kind, spec)`: a grammar the output must match
-            (`engine.structured_output`).
-            output token (0 = only the sampled token's), of the distribution the token is sampled from
-            (`engine.outputs.TokenLogprobs`).
-        presence_penalty: in [-2, 2]; subtracted from the logit of every token already in the output
-            (OpenAI's definition).
-        frequency_penalty: in [-2, 2]; times a token's count in the output, subtracted from its logit.
-        repetition_penalty: > 0, finite; a token in the prompt or the output has its logit divided by it
-            when positive, multiplied when negative (Keskar et al. 2019, CTRL, section 4.1); 1 is off.
-        min_tokens: EOS and `stop_token_ids` cannot be sampled before this many output tokens, <= max_tokens.
-        logit_bias: (token id, bias) pairs (a dict is accepted), bias in [-100, 100], added to the logit.
+    top_p: nucleus mass in (0, 1], > 0 once rounded to float32; 1 keeps the whole distribution.
+    Attributes: temperature: softmax temperature, 0 or >= `MIN_TEMPERATURE`, finite; 0 means greedy
+    (argmax; `top_p`, `top_k`, `seed` unused). top_p: nucleus mass in (0, 1], > 0 once rounded to float32;
+    1 keeps the whole distribution. top_k: keep the k most likely tokens, at most `MAX_TOP_K`; 0 or -1
+    disables the filter. seed: per-request generator seed in [0, `MAX_SEED`] for reproducible sampling;
+    None: a generator seeded from OS entropy. max_tokens: most output tokens to generate, >= 1 (the
+    request finishes with FINISHED_LENGTH). stop_token_ids: token ids that finish the request
+    (FINISHED_STOPPED); the stop token is kept in the output, like the EOS token. stop: stop strings,
+    checked by the engine on its detokenized text (`engine.stopping`). ignore_eos: keep generating past
+    the model's EOS token (benchmarks). logprobs: None for no log-probabilities, else how many top
+    log-probabilities to return per output token (0 = only the sampled token's). structured_output: None,
+    or `(kind, spec)`: a grammar the output must match (`engine.structured_output`). output token (0 =
+    only the sampled token's), of the distribution the token is sampled from
+    (`engine.outputs.TokenLogprobs`). presence_penalty: in [-2, 2]; subtracted from the logit of every
+    token already in the output (OpenAI's definition). frequency_penalty: in [-2, 2]; times a token's
+    count in the output, subtracted from its logit. repetition_penalty: > 0, finite; a token in the prompt
+    or the output has its logit divided by it when positive, multiplied when negative (Keskar et al. 2019,
+    CTRL, section 4.1); 1 is off. min_tokens: EOS and `stop_token_ids` cannot be sampled before this many
+    output tokens, <= max_tokens. logit_bias: (token id, bias) pairs (a dict is accepted), bias in [-100,
+    100], added to the logit.
     """
 
     temperature: float = 1.0

@@ -1,29 +1,4 @@
-"""The stateful scheduler shell: queues, the block manager, and applying `schedule_step`'s plan.
-
-The engine loop calls, once per step and never while a step is in flight:
-
-    output = scheduler.schedule()                    # plan + allocate KV slots
-    runner_output = model_runner.execute(output)     # forward, sample, verify drafts, propose drafts
-    updates = scheduler.update_from_output(output, runner_output)   # commit tokens, stop, free
-    # between steps: add_request(...), abort(...), finish_request(...) (stop strings)
-
-With asynchronous scheduling (`engine.async_loop`) the order is shifted by one step: `schedule()` for
-step N+1 runs while step N is in flight, before `update_from_output` of step N. A request whose step N
-samples then holds output placeholders (`Request.num_output_placeholders`): as many tokens as step N
-yields at most, 1 + its drafts, as if every draft were accepted. Step N+1 runs the request from there with
-`PLACEHOLDER_TOKEN_ID` inputs: step N's bonus token, then `num_draft_placeholders` drafts that step N
-proposes (the executor fills them in, and moves the request back by the drafts step N rejected, by which
-`update_from_output` of step N rolls `num_computed_tokens` back). A request whose step in flight may
-sample its `max_tokens`-th token is not scheduled again until that step is committed, so no slot beyond
-`check_request_fits`'s count is ever allocated. Results for requests that finished, were aborted or
-preempted after being scheduled are discarded by `update_from_output`.
-
-The decision itself is `engine.scheduler_policy.schedule_step`, a pure function the capacity planner
-shares; this class only builds its inputs (`RequestView`s) and applies its `StepPlan`. Applying it ends
-with the step's delta to the persistent batch rows (`engine.input_batch`): the executor packs the step
-from those rows with whole-batch numpy ops, so a `SchedulerOutput` must be packed (`Executor.prepare`)
-before the next `schedule()`.
-"""
+"""The stateful scheduler shell: queues, the block manager, and applying `schedule_step`'s plan."""
 
 from __future__ import annotations
 
@@ -51,8 +26,7 @@ from pdcluster.engine.scheduler_policy import (
 
 
 class SchedulerStats(NamedTuple):
-    """A snapshot for metrics. `prefix_cache_hit_rate` is cached / looked-up tokens over all admissions
-    (None before any); `num_prefix_cache_hit_tokens`: the cached ones, in all."""
+    """A snapshot for metrics."""
 
     num_running: int
     num_waiting: int
@@ -64,21 +38,9 @@ class SchedulerStats(NamedTuple):
 
 class Scheduler:
     """Owns the waiting and running queues, the reservations of requests prefilled elsewhere and, once
-    admitted, their queue for a seat in the running batch (`waiting_for_seat`), the `BlockManager` of
-    one engine instance, and the running requests' persistent rows (`request_rows`, an
+    admitted, their queue for a seat in the running batch (`waiting_for_seat`), the `BlockManager` of one
+    engine instance, and the running requests' persistent rows (`request_rows`, an
     `engine.input_batch.RequestRows`: token ids, block tables, sampling parameters), which `schedule()`
-    brings up to date and hands to the executor as row indices (`SchedulerOutput.rows`).
-
-    Args:
-        config: step limits (and block size).
-        num_blocks: KV cache blocks available to this instance.
-        enable_prefix_caching: see `BlockManager`.
-        clock: returns the current time in seconds; timestamps on requests use it (inject a simulated
-            clock in the planner and in tests).
-        num_draft_placeholders: asynchronous scheduling with speculative decoding: drafts stay in the
-            executor, and after each sampling step the scheduler reserves this many draft placeholders
-            (k, fewer near `max_tokens`) for the request's next step. 0: drafts come back in
-            `ModelRunnerOutput.spec_token_ids` (synchronous loop).
     """
 
     def __init__(
@@ -92,8 +54,6 @@ class Scheduler:
         self.config = config
         self.num_draft_placeholders = num_draft_placeholders
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching)
-        # The running requests' persistent rows (token ids, block table, sampling parameters), updated by
-        # deltas when they are scheduled (`_apply`: new tokens, blocks, drafts), finished or preempted.
         max_num_positions = config.max_model_len + config.num_lookahead_tokens + 1
         self.request_rows = RequestRows(
             config.max_num_seqs,
@@ -101,28 +61,24 @@ class Scheduler:
             max_num_positions,
         )
         self.clock = clock
-        self.requests: dict[str, Request] = {}  # every unfinished request
-        self.waiting: list[Request] = []  # new and preempted requests
-        self.running: list[Request] = []  # in admission order
-        self.reserved: dict[str, Request] = {}  # holding blocks for KV prefilled elsewhere (`reserve`)
-        # Admitted after a prefill elsewhere (`admit_reserved`), holding their blocks, waiting for a seat in
-        # the running batch (max_num_seqs); in admission order.
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.reserved: dict[str, Request] = {}
         self.waiting_for_seat: list[Request] = []
         self._arrival_index: dict[str, int] = {}
         self._num_arrived = 0
-        self._finished_request_ids: list[str] = []  # since the last schedule()
+        self._finished_request_ids: list[str] = []
         self.num_preemptions = 0
         self._num_prefix_query_tokens = 0
         self._num_prefix_hit_tokens = 0
-
-    # ---- queue management (between steps) --------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         """Queue a new request.
 
         Raises:
             ValueError: duplicate request id, or a request that could never fit (see
-                `check_request_fits`: context length or the whole KV cache).
+            `check_request_fits`: context length or the whole KV cache).
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
@@ -140,8 +96,8 @@ class Scheduler:
 
     def finish_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> bool:
         """Finish a waiting or running request from outside a step (abort, stop string, a failed step:
-        FINISHED_ERROR with `error`, the reason); frees its blocks. Returns False when the id is unknown
-        or already finished."""
+        FINISHED_ERROR with `error`, the reason); frees its blocks.
+        """
         if not status.is_finished:
             raise ValueError(f"status must be a finished status, got {status}")
         request = self.requests.get(request_id)
@@ -153,17 +109,11 @@ class Scheduler:
         return True
 
     def abort(self, request_id: str) -> bool:
-        """Abort a request (FINISHED_ABORTED). Returns False when the id is unknown or already finished."""
+        """Abort a request (FINISHED_ABORTED)."""
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-
-    # ---- requests prefilled elsewhere (disaggregated decode) -------------------------------------------
 
     def reserve(self, request: Request, num_slots: int) -> bool:
         """Hold KV blocks for `num_slots` positions of a request whose prompt KV another instance computes.
-
-        The request is not scheduled until `admit_reserved`; `release_reserved` gives the blocks back. No
-        prefix-cache lookup: the prompt's blocks are fresh, and are written from outside (received KV).
-        Returns False (nothing held) when the free blocks do not suffice now.
 
         Raises:
             ValueError: duplicate request id, or a request that could never fit (`check_request_fits`).
@@ -182,7 +132,7 @@ class Scheduler:
         return True
 
     def release_reserved(self, request_id: str) -> bool:
-        """Free a reservation's blocks (the handoff failed or was cancelled). False when unknown."""
+        """Free a reservation's blocks (the handoff failed or was cancelled)."""
         request = self.reserved.pop(request_id, None)
         if request is None:
             return False
@@ -195,16 +145,6 @@ class Scheduler:
         """Admit a reserved request whose prompt KV is now in its blocks, as if this instance had run its
         prefill: `num_computed_tokens` = prompt length, the first token committed (stop conditions apply),
         `spec_token_ids` the drafts to verify in its next step.
-
-        The request joins `waiting_for_seat` (status WAITING_FOR_SEAT) with its blocks; the next
-        `schedule()` seats it in the running batch once `max_num_seqs` allows, so admissions never
-        overfill the batch (nor the executor's input buffers, which `max_num_seqs` sizes), however many
-        handoffs complete at once. Seated before waiting (new or preempted) requests: its KV is already
-        computed and its blocks held.
-
-        Returns:
-            RUNNING (unfinished: it will run, possibly after waiting for a seat), or the finished status
-            when the first token already finished it (its blocks are freed).
 
         Raises:
             KeyError: no such reservation.
@@ -247,15 +187,12 @@ class Scheduler:
             num_prefix_cache_hit_tokens=self._num_prefix_hit_tokens,
         )
 
-    # ---- one step ---------------------------------------------------------------------------------------
-
     def schedule(self) -> SchedulerOutput:
-        """Decide and prepare the next step: preempt, admit, allocate KV slots, advance
-        `num_computed_tokens` of every scheduled request. Requests waiting for a seat are seated first."""
+        """Decide and prepare the next step: preempt, admit, allocate KV slots, advance `num_computed_tokens`
+        of every scheduled request.
+        """
         self._seat_admitted()
         bm = self.block_manager
-        # Only the first `max_num_seqs - running` waiting requests can be admitted: look up only those
-        # (this also keeps the seats of running requests the policy does not see, below).
         num_candidates = max(0, self.config.max_num_seqs - len(self.running))
         candidates = sorted(self.waiting, key=lambda r: self._arrival_index[r.request_id])[:num_candidates]
         lookups: dict[str, ComputedBlocks] = {r.request_id: bm.get_computed_blocks(r) for r in candidates}
@@ -263,8 +200,6 @@ class Scheduler:
         running = [r for r in self.running if not self._samples_last_token(r)]
         waiting = [self._waiting_view(r, lookups[r.request_id]) for r in candidates]
         free_blocks = getattr(bm, "num_free_blocks_per_pool", bm.num_free_blocks)
-        # Exclusive block counts matter only to pick preemption victims: counted when the plan preempts
-        # (a plan that preempts nobody never reads them).
         plan = schedule_step(
             self.config, [self._running_view(r, False) for r in running], waiting, free_blocks
         )
@@ -275,7 +210,8 @@ class Scheduler:
 
     def _seat_admitted(self) -> None:
         """Move requests admitted after a remote prefill into the running batch, oldest first, while
-        `len(running) < max_num_seqs`; the rest keep waiting (with their blocks)."""
+        `len(running) < max_num_seqs`; the rest keep waiting (with their blocks).
+        """
         num_seats = self.config.max_num_seqs - len(self.running)
         if num_seats <= 0 or not self.waiting_for_seat:
             return
@@ -291,7 +227,7 @@ class Scheduler:
         return request.num_output_placeholders > 0 and num_outputs >= request.sampling_params.max_tokens
 
     def _running_view(self, request: Request, count_exclusive: bool) -> RequestView:
-        num_known = request.num_tokens + request.num_output_placeholders  # committed + being sampled
+        num_known = request.num_tokens + request.num_output_placeholders
         bm = self.block_manager
         return RequestView(
             request_id=request.request_id,
@@ -320,8 +256,6 @@ class Scheduler:
         for request_id in plan.preempted_request_ids:
             self._preempt(self.requests[request_id])
 
-        # Claim every admitted request's prefix-cache hits before any fresh allocation, so that no fresh
-        # allocation can evict a block another admission is about to reuse.
         for request_id in plan.admitted:
             request, computed = self.requests[request_id], lookups[request_id]
             if not bm.allocate_slots(request, 0, computed):
@@ -362,18 +296,12 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestUpdate]:
-        """Commit the step's tokens: roll back rejected drafts, apply stop conditions, cache full blocks,
-        free finished requests, take the next drafts. Requests finished, aborted or preempted since the
-        step was scheduled are skipped (their results are discarded). A request in
-        `runner_output.failed` is finished with FINISHED_ERROR (`Request.error` says why) and its blocks
-        freed; the others commit as usual.
-
-        Returns:
-            One `RequestUpdate` per request that produced tokens or failed this step.
+        """Commit the step's tokens: roll back rejected drafts, apply stop conditions, cache full blocks, free
+        finished requests, take the next drafts.
 
         Raises:
             ValueError: the runner returned no token for a request whose step reached its last token, more
-                tokens than drafts + 1, or "accepted" tokens that differ from the drafts.
+            tokens than drafts + 1, or "accepted" tokens that differ from the drafts.
         """
         bm, now = self.block_manager, self.clock()
         updates: list[RequestUpdate] = []
@@ -384,15 +312,15 @@ class Scheduler:
                 or request.status is not RequestStatus.RUNNING
                 or request.num_preemptions != item.num_preemptions
             ):
-                continue  # finished, aborted or preempted since the step was scheduled
+                continue
             error = runner_output.failed.get(item.request_id)
-            if error is not None:  # failed alone (its sampling): the step's other requests go on
+            if error is not None:
                 request.error = error
                 self._remove(request, RequestStatus.FINISHED_ERROR)
                 updates.append(RequestUpdate(item.request_id, [], RequestStatus.FINISHED_ERROR))
                 continue
             if not item.samples:
-                bm.cache_full_blocks(request)  # a prefill chunk: nothing sampled yet
+                bm.cache_full_blocks(request)
                 continue
             new_token_ids, status = commit_sampled(
                 item,
@@ -414,7 +342,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
-        request.num_output_placeholders = 0  # the step in flight, if any, is discarded
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.running.remove(request)
@@ -423,7 +351,7 @@ class Scheduler:
     def _remove(self, request: Request, status: RequestStatus) -> None:
         self.block_manager.free(request)
         self.request_rows.remove([request.request_id])
-        request.num_output_placeholders = 0  # a step in flight still holding it is discarded
+        request.num_output_placeholders = 0
         queues = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING_FOR_SEAT: self.waiting_for_seat}
         queues.get(request.status, self.waiting).remove(request)
         request.status = status

@@ -1,22 +1,4 @@
-"""Structured output: grammar-constrained decoding with xgrammar's token bitmasks.
-
-A request's `SamplingParams.structured_output` is `(kind, spec)`, kind one of `GRAMMAR_KINDS`:
-    json_schema  spec: a JSON schema (JSON text)     json_object  spec ignored: any JSON object
-    regex        spec: a regular expression          choice       spec: a JSON list of strings
-    grammar      spec: EBNF (xgrammar's GBNF dialect; Lark where it has no "::=")
-    tool_calls   spec: JSON {"markers": [5 strings], "tools": [{"name", "parameters"}]}: exactly one call in
-                 DeepSeek-V3's tool-call format (`orchestrator.api.tool_calls`)
-JSON is compact (no whitespace between tokens, separators "," and ":"), so a small model cannot wander in
-whitespace; the grammar ends with the tokenizer's EOS (xgrammar's stop token).
-
-`StructuredOutputs` is one engine's state: the compiler (its compiled grammars cached, `CACHE_SIZE`) and one
-`xgrammar.GrammarMatcher` per structured request, created at its first sampling step from the output tokens it
-already has (a decode instance admits a request whose first token prefill sampled; a preempted request is
-recomputed), advanced by every token the sampler commits, dropped when the request finishes or is preempted.
-In a step, `mask_logits` sets to -inf each row's tokens the grammar forbids: row j of a request with drafts
-d_1..d_k is masked with the state after d_1..d_j (then rolled back), so verification rejects a draft outside
-the grammar (its target probability is 0) and the recovered or bonus token obeys it.
-"""
+"""Structured output: grammar-constrained decoding with xgrammar's token bitmasks."""
 
 from __future__ import annotations
 
@@ -35,7 +17,7 @@ if TYPE_CHECKING:
     from pdcluster.models.tokenizer import Tokenizer
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")
-CACHE_SIZE = 256  # compiled grammars kept per compiler (least recently used dropped)
+CACHE_SIZE = 256
 _SEPARATORS = (",", ":")
 
 
@@ -44,7 +26,7 @@ class GrammarError(ValueError):
 
 
 def check_spec(spec: Any) -> tuple[str, str]:
-    """`spec` as a `(kind, spec)` tuple. Raises ValueError naming what is wrong."""
+    """`spec` as a `(kind, spec)` tuple."""
     if not isinstance(spec, (tuple, list)) or len(spec) != 2 or not all(isinstance(s, str) for s in spec):
         raise ValueError(f"structured_output must be None or (kind, spec) strings, got {spec!r}")
     if spec[0] not in GRAMMAR_KINDS:
@@ -59,7 +41,8 @@ def _literal(text: str) -> str:
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
     """xgrammar's view of `tokenizer` over the model's `vocab_size` logits: the vocabulary type from
-    `tokenizer.json`, special tokens blanked (never text inside a grammar), the EOS token as stop token."""
+    `tokenizer.json`, special tokens blanked (never text inside a grammar), the EOS token as stop token.
+    """
     import xgrammar as xgr
 
     backend = tokenizer.backend
@@ -82,8 +65,7 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
 
 
 class GrammarCompiler:
-    """Compiles `(kind, spec)` grammars for one tokenizer, keeping the last `CACHE_SIZE` compiled.
-    Thread-safe (the engine's thread checks a request's grammar, its step worker compiles it)."""
+    """Compiles `(kind, spec)` grammars for one tokenizer, keeping the last `CACHE_SIZE` compiled."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         import xgrammar as xgr
@@ -95,7 +77,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
 
     def compile(self, spec: tuple[str, str]) -> xgr.CompiledGrammar:
-        """The compiled grammar of `spec` (cached). Raises GrammarError naming the kind and the reason."""
+        """The compiled grammar of `spec` (cached)."""
         key = check_spec(spec)
         with self._lock:
             return self._compile_cached(key)
@@ -143,7 +125,8 @@ class GrammarCompiler:
 
     def _tool_calls_grammar(self, spec: dict[str, Any]) -> Any:
         """One tool call in DeepSeek-V3's format: calls_begin, call_begin "function" sep NAME, the arguments
-        as compact JSON in a ```json fence, call_end, calls_end."""
+        as compact JSON in a ```json fence, call_end, calls_end.
+        """
         xgr = self._xgr
         calls_begin, call_begin, sep, call_end, calls_end = spec["markers"]
         tools = spec["tools"]
@@ -166,8 +149,7 @@ class GrammarCompiler:
 
 
 class StructuredOutputs:
-    """One engine's grammar state (see the module docstring). Compiles lazily (xgrammar imported at the
-    first structured request)."""
+    """One engine's grammar state (see the module docstring)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self._tokenizer = tokenizer
@@ -199,7 +181,7 @@ class StructuredOutputs:
             matcher = xgr.GrammarMatcher(
                 self.compiler.compile(item.request.sampling_params.structured_output)
             )
-            for token_id in item.request.output_token_ids:  # committed elsewhere (a prefill instance)
+            for token_id in item.request.output_token_ids:
                 if not matcher.accept_token(token_id):
                     raise GrammarError(f"output token {token_id} is outside the grammar")
             self._matchers[item.request_id] = matcher
@@ -207,8 +189,8 @@ class StructuredOutputs:
 
     def mask_logits(self, items: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, str]:
         """Mask, in place, the rows of `logits` `[sum(k_i + 1), vocab_size]` float32 (request i's `k_i + 1`
-        rows after request i-1's) of the structured requests among `items`. Returns request id -> error
-        for requests whose grammar failed (compile, or a token outside it): fail those alone."""
+        rows after request i-1's) of the structured requests among `items`.
+        """
         import xgrammar as xgr
 
         failed: dict[str, str] = {}
@@ -233,7 +215,8 @@ class StructuredOutputs:
     def _fill_masks(self, item: ScheduledRequest, bitmask: torch.Tensor, offset: int) -> None:
         """Fill the request's `k + 1` rows of `bitmask` from `offset`: row j allows what the grammar allows
         after the committed tokens and drafts d_1..d_j (a draft outside the grammar: later rows stay all
-        allowed, unused since that draft is rejected)."""
+        allowed, unused since that draft is rejected).
+        """
         matcher = self._matcher(item)
         drafts = item.spec_token_ids
         num_advanced = 0

@@ -1,10 +1,5 @@
 """The accuracy gate: measure the configuration a topology describes against the full-precision reference
 (`engine.accuracy`) per length band, and check the thresholds of its `accuracy` section.
-
-What is emulated in-process: the model dtype, the weight dtype (8-bit round trip), the KV dtype policy
-(`kv_precision`, else decode's `kv_cache_dtype`) per layer, and MTP (when `decode.num_speculative_tokens`
-> 0). Expert parallelism changes where experts run, not the arithmetic of one token's experts: EP runs
-the same per-expert GEMMs, so it is measured as the single-process model (`ep_emulated` False).
 """
 
 from __future__ import annotations
@@ -33,7 +28,8 @@ GENERATION_PROMPT_TOKENS = 32
 @dataclass(frozen=True)
 class AccuracyReport:
     """Per-band metrics (band name -> `BandMetrics`), the configuration measured, and the gate's verdict:
-    `failures` lists `band: metric value vs threshold` for each threshold not met (empty: passed)."""
+    `failures` lists `band: metric value vs threshold` for each threshold not met (empty: passed).
+    """
 
     topology: str
     configuration: dict
@@ -46,7 +42,8 @@ class AccuracyReport:
 
     def mtp_acceptance_by_kv_dtype(self) -> dict[str, float]:
         """Measured MTP acceptance per band KV dtype (mean over bands of that dtype): the planner's input
-        (`planner.memory.mtp_acceptance_for_request`)."""
+        (`planner.memory.mtp_acceptance_for_request`).
+        """
         by_dtype: dict[str, list[float]] = {}
         for m in self.metrics.values():
             if m.mtp_acceptance is not None:
@@ -72,8 +69,9 @@ def kv_policy(topology: Topology) -> KVPrecisionPolicy:
 
 
 def band_lengths(topology: Topology, context_len: int) -> dict[str, int]:
-    """Evaluation length of each band (tokens): the `kv_precision` bands' bounds (the last: the context),
-    else `accuracy.band_lengths`, else the context / 8, / 2 and all of it; capped at the context."""
+    """Evaluation length of each band (tokens): the `kv_precision` bands' bounds (the last: the context), else
+    `accuracy.band_lengths`, else the context / 8, / 2 and all of it; capped at the context.
+    """
     if topology.kv_precision is not None:
         bands = topology.kv_precision.named_bands()
         return {n: min(b.max_tokens or context_len, context_len) for n, b in bands}
@@ -135,7 +133,7 @@ def evaluate_topology(topology: Topology, block_size: int | None = None) -> Accu
     weight_dtype = topology.model.resolved_weight_dtype(spec)
     torch.manual_seed(0)
     reference = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model = reference  # float32 weights: the reference's (its float32 KV bands are then measured once)
+    model = reference
     if dtype_name != "float32" or weight_dtype != "float32":
         model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=MODEL_DTYPES[dtype_name]).eval()
     if weight_dtype != dtype_name:
@@ -146,7 +144,7 @@ def evaluate_topology(topology: Topology, block_size: int | None = None) -> Accu
     policy = kv_policy(topology)
     block_size = block_size or topology.decode.block_size
     tokenizer = Tokenizer.from_dir(path)
-    stream: list[int] = []  # the held-out text as one token stream, documents joined by EOS
+    stream: list[int] = []
     for ids in tokenizer.encode_batch(read_documents("heldout")):
         stream += [*ids, tokenizer.eos_token_id]
     mtp = topology.decode.num_speculative_tokens > 0 and cfg.num_nextn_predict_layers > 0

@@ -1,16 +1,4 @@
-"""Deploying a `Cluster`: placement, actor start, KV transport wiring, and tearing it down.
-
-`ClusterDeployment.deploy` runs `ray.init` (RAY_ADDRESS if set, else a local Ray), one placement group per
-instance (`orchestrator.placement.plan_placement`; pinned to its planned node where the Ray nodes carry
-`pdcluster_node_<i>` resources), one rank actor per device of each instance in it, rank r in bundle r
-(`rank_actor_class`: `ray.remote` of `PrefillNode` / `DecodeNode`, plain classes), loading
-weights in parallel; the ranks of a multi-rank instance join their instance group as they start
-(`orchestrator.instance_group`, rendezvous on rank 0's node). Then the KV connectors
-(`orchestrator.wiring`: a gRPC receiver on every decode rank and one sender per decode rank on each prefill
-rank, or one torch.distributed group of every rank). Each instance is an `orchestrator.instance.Instance`
-(a group of rank actors). The health monitor and the request path are `orchestrator.health_monitor` and
-`orchestrator.request_dispatch`.
-"""
+"""Deploying a `Cluster`: placement, actor start, KV transport wiring, and tearing it down."""
 
 from __future__ import annotations
 
@@ -47,7 +35,7 @@ from pdcluster.orchestrator.wiring import ClusterWiring, advertised_address, fre
 
 __all__ = ["PROBE_GROUP", "ClusterDeployment", "advertised_address", "free_ports", "ray_restarts"]
 
-logger = logging.getLogger("pdcluster.orchestrator.cluster")  # the driver's log, as before the split
+logger = logging.getLogger("pdcluster.orchestrator.cluster")
 
 
 class ClusterDeployment(ClusterWiring):
@@ -61,13 +49,12 @@ class ClusterDeployment(ClusterWiring):
         devices the topology uses), one placement group per instance (`plan_placement`; pinned to its
         planned node where the Ray nodes carry `pdcluster_node_<i>` resources), one actor per instance in
         it, loading weights in parallel (and compiling the decode forward where `compile` is on), then the
-        KV connectors. Logs progress via `log`, each rank's load time and what `compile` did among it.
 
         Raises:
             ValueError: an invalid topology, parallelism the actor layer cannot run or an 8-bit
-                `model.weight_dtype` (`check_deployable`); DeployError (a RuntimeError, one line): an
-                actor failed to start (what it raised, e.g. loading its weights, named with the rank), a
-                Ray call failed.
+            `model.weight_dtype` (`check_deployable`); DeployError (a RuntimeError, one line): an
+            actor failed to start (what it raised, e.g. loading its weights, named with the rank), a
+            Ray call failed.
         """
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -84,13 +71,13 @@ class ClusterDeployment(ClusterWiring):
         self._started_ray = False
         self._started_ray_head = False
         if not ray.is_initialized():
-            with keeping_sigterm_handler():  # the caller's clean shutdown on SIGTERM, not Ray's sys.exit
+            with keeping_sigterm_handler():
                 if os.environ.get("RAY_ADDRESS"):
                     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
                 else:
                     needed = int(plan.num_devices_used * topo.hardware.cpus_per_device + 0.999)
                     init_local_ray(num_cpus or max(needed, 1))
-                    self._started_ray_head = True  # its GCS and raylet are this process's children
+                    self._started_ray_head = True
             self._started_ray = True
         self._placement_groups = []
         self.instances = {"prefill": [], "decode": []}
@@ -111,8 +98,6 @@ class ClusterDeployment(ClusterWiring):
                     f"placement groups not ready after 120 s: the Ray cluster lacks the resources "
                     f"{plan.instances[0].bundles[0]} per device for {plan.num_devices_used} devices"
                 ) from None
-            # an expert-parallel pool's engines run eagerly whatever `compile` says (its MoE layers dispatch
-            # to other ranks, which the compiled forward does not cover: `CompiledDecodeForward.supported`)
             compiling = [r for r in ROLES if topo.compiles(r) and topo.pool(r).expert_parallel_size == 1]
             eager_ep = [r for r in ROLES if topo.compiles(r) and topo.pool(r).expert_parallel_size > 1]
             log(
@@ -167,7 +152,7 @@ class ClusterDeployment(ClusterWiring):
             self.event_timeout_s = event_timeout_s(topo.kv_transfer.timeout_s)
             self._closed = False
             decode_addresses = self._wire(ray, plan)
-            if topo.kv_transport == "shm+grpc":  # which transport each prefill -> decode pair took
+            if topo.kv_transport == "shm+grpc":
                 log(f"  KV pairs ({topo.kv_transport}): {self._pair_transports(ray)}")
             log(
                 f"cluster {topo.name} up in {time.monotonic() - started_s:.1f} s "
@@ -177,14 +162,15 @@ class ClusterDeployment(ClusterWiring):
             self._compose()
         except BaseException as exc:
             self._teardown(ray, remove_placement_group)
-            if isinstance(exc, ray.exceptions.RayError):  # e.g. wiring the KV transfer
+            if isinstance(exc, ray.exceptions.RayError):
                 raise DeployError(f"deploying {topo.name} failed: {actor_error_message(exc)}") from None
             raise
         return self
 
     def _pair_transports(self, ray) -> str:
         """`prefill-0 -> decode-0 shm, prefill-0 -> decode-1 grpc, ...`: each prefill instance's rank 0 and
-        the transport of its sender to each decode instance's rank 0 (`PrefillNode.sender_transports`)."""
+        the transport of its sender to each decode instance's rank 0 (`PrefillNode.sender_transports`).
+        """
         pairs = []
         for prefill in self.instances["prefill"]:
             transports = ray.get(prefill.ranks[0].sender_transports.remote(), timeout=120)
@@ -194,8 +180,8 @@ class ClusterDeployment(ClusterWiring):
 
     def _start_rank_actors(self, ray, plan, prefill_cls, decode_cls) -> list[str]:
         """Create every instance's rank actors, rank r in bundle r of its placement group (not waiting for
-        them); returns their names in `_actors` order. A multi-rank instance's ranks get an
-        `InstanceGroupSpec` to join its group in their constructors, its rendezvous on rank 0's node."""
+        them); returns their names in `_actors` order.
+        """
         self._plan = plan
         self._rank_classes = {
             "prefill": rank_actor_class(ray, prefill_cls),
@@ -226,8 +212,9 @@ class ClusterDeployment(ClusterWiring):
         ]
 
     def _new_rank_actor(self, ray, spec_index: int, rank: int, group: InstanceGroupSpec | None = None) -> Any:
-        """A new actor for rank `rank` of the instance `self._plan.instances[spec_index]`, in bundle `rank`
-        of its placement group (deploy; the health monitor's replacement of an actor Ray gave up on)."""
+        """A new actor for rank `rank` of the instance `self._plan.instances[spec_index]`, in bundle `rank` of
+        its placement group (deploy; the health monitor's replacement of an actor Ray gave up on).
+        """
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         topo, plan = self.topology, self._plan
@@ -267,7 +254,7 @@ class ClusterDeployment(ClusterWiring):
         """Per live instance: blocks held, reservations, open handoffs (all zero/empty when idle)."""
         import ray
 
-        actors = [  # each rank of the instances in routing: `decode-0`, then `decode-0.1`, ... for more ranks
+        actors = [
             (instance.rank_name(rank), actor)
             for role in ROLES
             for instance in self.instances[role]
@@ -279,13 +266,12 @@ class ClusterDeployment(ClusterWiring):
 
     def shutdown(self) -> None:
         """Stop the poll loops, close and kill the actors, remove the placement groups, and stop Ray if
-        `deploy` started it."""
+        `deploy` started it.
+        """
         import ray
         from ray.util.placement_group import remove_placement_group
 
         self._closed = True
-        # Before the teardown: a probe round (at most a call timeout) could otherwise still replace an actor
-        # after the placement groups are gone, or, after ray.shutdown(), start a new local Ray by calling it.
         monitor = getattr(self, "monitor", None)
         if monitor is not None:
             monitor.stop(self.call_timeout_s + 5.0)
@@ -294,17 +280,16 @@ class ClusterDeployment(ClusterWiring):
             dispatcher.close()
         self._teardown(ray, remove_placement_group)
 
-    # ---- internals --------------------------------------------------------------------------------------
     def _teardown(self, ray, remove_placement_group) -> None:
         if self._actors or self._placement_groups:
             if not self._started_ray_head or gcs_reachable():
                 self._stop_actors(ray, remove_placement_group)
-            else:  # the actors died with the raylet; a Ray call would block until Ray ends the process
+            else:
                 logger.warning(
                     "Ray's GCS is gone (a signal to the whole process group stops Ray's processes too): "
                     "the actors and placement groups went with it; nothing of Ray's left to stop"
                 )
-        for role in ROLES:  # the same dict: the registry holds it
+        for role in ROLES:
             self.instances[role] = []
         self._placement_groups = []
         if self._started_ray:
@@ -318,10 +303,6 @@ class ClusterDeployment(ClusterWiring):
                 closes.append(actor.close.remote())
         with contextlib.suppress(Exception):
             ray.wait(closes, num_returns=len(closes), timeout=15)
-        # A SIGTERM to the whole process group reaches the GCS as it reaches this process; under load the
-        # GCS may still accept connections when `_teardown` looked and be gone by now (the closes above then
-        # waited their whole bound). Look again: `ray.kill` and `remove_placement_group` would block until
-        # Ray's core worker gave up on the GCS (60 s) and ended this process with exit code 1.
         if self._started_ray_head and not gcs_reachable():
             logger.warning("Ray's GCS went away during the teardown: nothing of Ray's left to stop")
             return

@@ -1,5 +1,6 @@
-"""How rank actors are made and judged at deploy: their Ray class and options, when Ray restarts them,
-how long deploy waits for them, and the topologies deploy refuses."""
+"""How rank actors are made and judged at deploy: their Ray class and options, when Ray restarts them, how
+long deploy waits for them, and the topologies deploy refuses.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc, shm) this often; t
 # A Ray concurrency group of its own for the health monitor's probes, so calls hung on the engine cannot
 # take every thread and leave a probe unanswered.
 PROBE_GROUP = "probe"
-PROBE_GROUPS = {PROBE_GROUP: 2}  # the actor classes' `concurrency_groups` (Ray takes them only at ray.remote)
+PROBE_GROUPS = {PROBE_GROUP: 2}
 
 
 def rank_actor_class(ray, cls: type) -> Any:
-    """The Ray actor class of rank class `cls` (`PrefillNode`, `DecodeNode`), with the probe group: every
-    rank actor must be made by it, since a call to a group the actor lacks crashes its process."""
+    """The Ray actor class of rank class `cls` (`PrefillNode`, `DecodeNode`), with the probe group: every rank
+    actor must be made by it, since a call to a group the actor lacks crashes its process.
+    """
     return ray.remote(concurrency_groups=PROBE_GROUPS)(cls)
 
 
@@ -27,8 +29,6 @@ def ray_restarts(kv_transport: str, num_ranks: int) -> bool:
     return kv_transport in ADDRESSED_KV_TRANSPORTS and num_ranks == 1
 
 
-# Seconds deploy waits for each rank actor to load its weights, and the ranks of an instance for each other
-# at their group's rendezvous (they start at once, but on a busy machine not at the same moment).
 ACTORS_READY_TIMEOUT_S = 300.0
 # Seconds more deploy waits for the ranks of a pool with `compile` on (the decode forward compiles at load).
 COMPILE_READY_TIMEOUT_S = 600.0
@@ -42,8 +42,9 @@ def ready_timeout_s(topology: Topology) -> float:
 
 
 def load_summary(info: NodeReady) -> str:
-    """How a rank's load went, for deploy's log: its load time and what `compile` did (compiled in how
-    long, or why the rank runs eagerly)."""
+    """How a rank's load went, for deploy's log: its load time and what `compile` did (compiled in how long,
+    or why the rank runs eagerly).
+    """
     stats = info.compile
     if stats is None or not stats.requested:
         return f"weights loaded in {info.load_s:.1f} s"
@@ -65,7 +66,8 @@ def check_deployable_parallelism(topology: Topology) -> None:
 def check_deployable(topology: Topology) -> None:
     """`check_deployable_parallelism`, then a `model.weight_dtype` the engine does not run
     (`orchestrator.preflight.weight_dtype_issues`: 8-bit weights are a planning assumption): ValueError
-    naming the key, as `pdcluster deploy` refuses it at its YAML line."""
+    naming the key, as `pdcluster deploy` refuses it at its YAML line.
+    """
     check_deployable_parallelism(topology)
     issues = weight_dtype_issues(topology)
     if issues:
@@ -78,8 +80,9 @@ def is_loopback_topology(topology: Topology) -> bool:
 
 
 def actor_resource_options(ray_resource: str | None) -> dict[str, Any]:
-    """The device part of an actor's Ray options: `num_gpus=1` for GPUs (Ray refuses "GPU" in
-    `resources`), `resources={"NPU": 1}` for custom accelerators, nothing on `cpu`."""
+    """The device part of an actor's Ray options: `num_gpus=1` for GPUs (Ray refuses "GPU" in `resources`),
+    `resources={"NPU": 1}` for custom accelerators, nothing on `cpu`.
+    """
     if ray_resource is None:
         return {}
     if ray_resource == "GPU":

@@ -1,13 +1,4 @@
-"""Routing and reserving one dispatch attempt of a request, and releasing it (`orchestrator.cluster.Cluster`).
-
-`_dispatch` routes with the router policy over the driver's load board (`orchestrator.load_board`; no
-`load` call per request), sends the prefill at once awaiting its bind (prefill computes while decode
-reserves) and reserves on the chosen decode rank meanwhile, each through the rank's
-`orchestrator.rank_client.RankClient`. `orchestrator.dispatch.after_reserve` decides what follows: bind
-the prefill (ordered after it on the rank), route decode again (an instance was lost), retry after
-RESERVE_RETRY_S while no decode has room, fail at the deadline, or end (aborted). Every end but the bind
-releases the prefill too. `_release` drops an attempt on every rank of its two instances.
-"""
+"""Routing and reserving one dispatch attempt of a request, and releasing it (`orchestrator.cluster`)."""
 
 from __future__ import annotations
 
@@ -38,9 +29,6 @@ from pdcluster.orchestrator.registry import InstanceRegistry
 from pdcluster.orchestrator.request_state import Attempt, DriverRequest
 from pdcluster.orchestrator.router import DecodeLoad, PrefillLoad, RankRef
 
-# Prefill calls in flight per prefill rank up to which a new one is sent before its reservation (each
-# blocks one of the actor's call threads, 256 of Ray's `max_concurrency`, and its bind needs another);
-# past it, a request reserves first and its prefill is sent bound (the order without the overlap).
 MAX_EARLY_PREFILL_CALLS = 64
 
 
@@ -48,14 +36,15 @@ MAX_EARLY_PREFILL_CALLS = 64
 class ModelFacts:
     """What the driver puts in each handoff's `HandoffMeta`: the model's layers and KV width (prefill's
     `NodeReady`), its MTP drafts per step, and the dtypes (`dtype`, decode's `kv_cache_dtype`, the
-    `kv_precision` policy)."""
+    `kv_precision` policy).
+    """
 
     num_hidden_layers: int
     kv_dim: int
     num_speculative_tokens: int
     dtype: str
     decode_kv_cache_dtype: str
-    kv_precision: KVPrecisionPolicy | None = None  # the topology's KV dtype by request length
+    kv_precision: KVPrecisionPolicy | None = None
 
 
 class RouteAndReserve:
@@ -67,7 +56,6 @@ class RouteAndReserve:
     _by_handoff: dict[str, Attempt]
     _loads: LoadBoard
 
-    # ---- routing and reserving ----------------------------------------------------------------------------
     async def _dispatch(
         self,
         record: DriverRequest,
@@ -75,14 +63,10 @@ class RouteAndReserve:
         prompt_token_ids: list[int],
         params: SamplingParams,
     ) -> Attempt | None:
-        """Route; send the prefill call at once (`awaiting_bind`: prefill computes while decode reserves)
-        and reserve on decode (retrying while no decode instance has room: `after_reserve`, the prefill
-        staying where it is); once bound, hand the prefill the bound meta (`_bind_prefill`). Returns the
-        attempt with its prefill call (`Attempt.prefill_call`) running; None: aborted. On every other end
-        (abort, failure, an exception) the prefill and any reservation are released. Instances whose
-        load/reserve call dies or times out are marked so and routing continues with the others; a
-        prefill lost before its bind is returned unbound with its failure as an event (the dispatch policy
-        re-dispatches it)."""
+        """Route; send the prefill call at once (`awaiting_bind`: prefill computes while decode reserves) and
+        reserve on decode (retrying while no decode instance has room: `after_reserve`, the prefill staying
+        where it is); once bound, hand the prefill the bound meta (`_bind_prefill`).
+        """
         started: list[Attempt] = []
         try:
             attempt, done = await self._route_and_reserve(
@@ -109,8 +93,7 @@ class RouteAndReserve:
         params: SamplingParams,
         started: list[Attempt],
     ) -> tuple[Attempt | None, bool]:
-        """`_dispatch`'s loop: (the attempt, True) to go on with; (the attempt or None, False): aborted.
-        The attempt is appended to `started` once its prefill call is sent."""
+        """`_dispatch`'s loop: (the attempt, True) to go on with; (the attempt or None, False): aborted."""
         request_id = record.request_id
         deadline_s = time.monotonic() + self.topology.kv_transfer.timeout_s
         attempt: Attempt | None = None
@@ -119,7 +102,7 @@ class RouteAndReserve:
             routing_started_s = time.monotonic()
             if record.aborted:
                 return attempt, False
-            if attempt is not None and attempt.prefill_call is not None:  # it stays there: route decode only
+            if attempt is not None and attempt.prefill_call is not None:
                 prefill_instance = self.instances["prefill"][attempt.prefill_index]
                 assert attempt.prefill_call is not None
                 if attempt.prefill_call.done() or not prefill_instance.routable:
@@ -138,7 +121,7 @@ class RouteAndReserve:
                     if p.routable and p.index not in record.excluded_prefills
                 ]
             if not prefills:
-                if record.excluded_prefills:  # after a failed attempt (generate adds that attempt's cause)
+                if record.excluded_prefills:
                     raise BackendUnavailable("no other live prefill instance to re-dispatch to")
                 summary = self.registry.summary("prefill")
                 raise BackendUnavailable(f"{request_id}: no live prefill instance ({summary})")
@@ -152,13 +135,13 @@ class RouteAndReserve:
             for d in decodes if not lost else ():
                 try:
                     check_instance_group(self._loads.decode_snapshots(d.index))
-                except InstanceGroupFailed as e:  # its latest snapshot reports a failed group
+                except InstanceGroupFailed as e:
                     self.registry.mark_failed("decode", d.index, e, "load")
                     lost = True
                     continue
                 decode_loads.extend(self._loads.decode_loads(d.index))
             bound = None
-            if lost:  # out of routing now: the policy routes again over the instances that answered
+            if lost:
                 outcome = ReserveOutcome.INSTANCE_LOST
             elif record.aborted:
                 outcome = ReserveOutcome.ABORTED
@@ -201,7 +184,7 @@ class RouteAndReserve:
                 assert attempt is not None and bound is not None
                 attempt.meta = bound
                 attempt.advance(HandoffEvent.BOUND)
-                if attempt.prefill_call is None:  # not sent early (MAX_EARLY_PREFILL_CALLS): sent bound now
+                if attempt.prefill_call is None:
                     self._start_prefill(attempt, prompt_token_ids, params, first_token_id)
                     started.append(attempt)
                 else:
@@ -225,8 +208,7 @@ class RouteAndReserve:
         """Send `attempt`'s prefill call now: with its bound meta once reserved (`attempt.meta`), else
         awaiting its bind (`PrefillRequest.awaiting_bind`: the prefill computes while decode reserves);
         `first_token_id`: the first token the client already has (`PrefillRequest.first_token_id`).
-        Its prompt tokens count on the load board until it ends. Its timeout: the bind may take the
-        reservation's deadline (kv_transfer.timeout_s), then the prefill its `event_timeout_s`."""
+        """
         request = PrefillRequest(
             attempt.handoff_id,
             tuple(prompt_token_ids),
@@ -243,22 +225,20 @@ class RouteAndReserve:
         rank, num_tokens = attempt.prefill, len(prompt_token_ids)
         self._loads.prefill_started(rank, num_tokens)
         call.add_done_callback(lambda _: self._loads.prefill_ended(rank, num_tokens))
-        # After an abort nobody waits for the call: its outcome is taken here so that a late failure is not
-        # reported as an exception never retrieved.
         call.add_done_callback(lambda c: c.cancelled() or c.exception())
 
     def _bind_prefill(self, attempt: Attempt) -> None:
         """Hand `attempt`'s running prefill the meta decode bound (`PrefillNode.bind`, ordered after the
-        prefill). Fire and forget: a bind that does not arrive shows as the prefill call failing or timing
-        out."""
+        prefill).
+        """
         assert attempt.meta is not None
         bind = PrefillBind(attempt.handoff_id, attempt.meta, attempt.decode_index, attempt.decode.rank)
         self.instances["prefill"][attempt.prefill_index].client(attempt.prefill.rank).bind(bind)
 
     async def _load_missing_decodes(self, decodes: list[Instance]) -> bool:
         """Load (one call per rank) the decode instances of `decodes` no snapshot has reached yet
-        (`LoadBoard.missing_decodes`: right after deploy or a restart), into the board. True: one of them
-        died, stopped answering or reports a failed group (marked so; route again)."""
+        (`LoadBoard.missing_decodes`: right after deploy or a restart), into the board.
+        """
         missing = set(self._loads.missing_decodes(d.index for d in decodes))
         if not missing:
             return False
@@ -286,8 +266,7 @@ class RouteAndReserve:
     async def _reserve(
         self, record: DriverRequest, attempt: Attempt, prompt_token_ids: list[int], params: SamplingParams
     ) -> tuple[ReserveOutcome, HandoffMeta | None]:
-        """Reserve `attempt` on its decode rank: the outcome and the bound meta (when BOUND). The
-        attempt is the request's (and the poll loop's) while reserved; released when not bound."""
+        """Reserve `attempt` on its decode rank: the outcome and the bound meta (when BOUND)."""
         self._by_handoff[attempt.handoff_id] = attempt
         record.attempt = attempt
         reserve = ReserveRequest(
@@ -306,9 +285,6 @@ class RouteAndReserve:
             answered = await asyncio.shield(reserve_call)
             result: ReserveResult = answered
         except asyncio.CancelledError:
-            # The request's owner went away (the HTTP client disconnected) while decode reserved: the
-            # reservation is released now, and again once the reserve call has returned (decode's abort
-            # may overtake its reserve).
             self._by_handoff.pop(attempt.handoff_id, None)
             record.attempt = None
             self._release(attempt)
@@ -319,13 +295,13 @@ class RouteAndReserve:
             record.attempt = None
             if not self._is_lost(e):
                 raise
-            self._release(attempt)  # a reservation that did go through after the timeout
+            self._release(attempt)
             self.registry.mark_failed("decode", attempt.decode_index, e, "reserve", sent_s)
             attempt.advance(HandoffEvent.REROUTED)
             return ReserveOutcome.INSTANCE_LOST, None
         finally:
             self._loads.reserve_answered(attempt.decode, None if answered is None else answered.load)
-        if record.aborted:  # aborted while reserving: abort() saw this attempt
+        if record.aborted:
             self._by_handoff.pop(attempt.handoff_id, None)
             self._release(attempt)
             attempt.advance(HandoffEvent.ABORTED)
@@ -340,7 +316,7 @@ class RouteAndReserve:
 
     def _meta(self, attempt: Attempt, prompt_token_ids: list[int], params: SamplingParams) -> HandoffMeta:
         kv = self.topology.kv_transfer
-        kv_dtype = request_kv_cache_dtype(  # per request: an int8 band's KV is int8 on the wire (`auto`)
+        kv_dtype = request_kv_cache_dtype(
             self.model.kv_precision,
             self.model.decode_kv_cache_dtype,
             len(prompt_token_ids),
@@ -356,7 +332,6 @@ class RouteAndReserve:
             lease_s=kv.timeout_s,
         )
 
-    # ---- calls and releases -------------------------------------------------------------------------------
     async def _call(self, ref, timeout_s: float | None = None):
         """Await one actor call; asyncio.TimeoutError after `timeout_s` (default `call_timeout_s`)."""
         return await asyncio.wait_for(ref, timeout_s if timeout_s is not None else self.call_timeout_s)
@@ -364,7 +339,8 @@ class RouteAndReserve:
     @staticmethod
     def _is_lost(exc: BaseException) -> bool:
         """The actor died or stopped answering, or its instance group failed (as opposed to a method that
-        raised)."""
+        raised).
+        """
         import ray
 
         lost = (
@@ -377,22 +353,21 @@ class RouteAndReserve:
 
     def _release_when_done(self, attempt: Attempt, call: asyncio.Future) -> None:
         """Release `attempt` (`_release`) again once the actor call `call` has ended, whatever its outcome
-        (its result or error is consumed here): what the call set up after an earlier release is freed."""
+        (its result or error is consumed here): what the call set up after an earlier release is freed.
+        """
         if call.done():
             return
 
         def again(task: asyncio.Future) -> None:
             if not task.cancelled():
-                task.exception()  # consumed: the request that made the call is gone
+                task.exception()
             if not self._closed:
                 self._release(attempt)
 
         call.add_done_callback(again)
 
     def _release(self, attempt: Attempt) -> None:
-        """Best effort, fire and forget: drop the attempt on every rank of its prefill and decode instances.
-        Sent to instances out of routing too: a stalled actor runs the call when it resumes (so what it
-        still held for the attempt is freed before it rejoins), a dead one drops it."""
+        """Best effort, fire and forget: drop the attempt on all ranks of its prefill and decode instances."""
         for role, index in (("decode", attempt.decode_index), ("prefill", attempt.prefill_index)):
             for client in self.instances[role][index].clients:
                 client.abort(attempt.handoff_id)

@@ -1,21 +1,4 @@
-"""Cluster topology: the YAML schema as frozen dataclasses, and its pre-flight validation.
-
-One YAML file (see `clusters/README.md` for every key) describes the hardware, the links between devices,
-the model, the prefill and decode pools, KV transfer, routing, SLOs and the HTTP API. YAML keys equal
-field names. `load_topology(path)` reads it with line numbers and checks it before anything starts;
-every problem found is reported at once, one `FILE:LINE: reason` per line, in a `TopologyError`.
-
-Validation happens in two layers: each dataclass checks its own fields (type, choice, range) on
-construction, so one built in code is checked too; `check_topology` checks what needs several sections
-and the model's `config.json` (divisibility, MTP, weights + KV cache per device, device counts, placement).
-
-    fields.py       field metadata (choices, bounds, checks) and the check of one field's value
-    schema.py       the dataclasses, one per YAML section, and `Topology` (pools, engine arguments, summary)
-    rules.py        cross-section rules: `check_topology`, `cross_section_issues`
-    issues.py       `Issue` (at a key path), `TopologyIssue` (at a file's line), `TopologyError`
-    yaml_file.py    the file as YAML nodes within size, depth and alias-expansion bounds
-    yaml_loader.py  nodes into dataclasses with each key's line: `read_topology`, `load_topology`
-"""
+"""Cluster topology: the YAML schema as frozen dataclasses, and its pre-flight validation."""
 
 from pdcluster.orchestrator.topology.fields import MIB, api_key_problem, host_problem
 from pdcluster.orchestrator.topology.issues import Issue, KeyPath, TopologyError, TopologyIssue

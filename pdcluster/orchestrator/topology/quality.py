@@ -1,14 +1,9 @@
-"""Topology sections for output quality: `kv_precision` (KV dtype by request length) and `accuracy` (the
-gate `pdcluster accuracy` checks before a configuration serves).
+"""Topology sections for output quality: `kv_precision` (KV dtype by request length) and `accuracy` (the gate
+`pdcluster accuracy` checks before a configuration serves).
 
-    kv_precision:              # optional; overrides the pools' kv_cache_dtype (which must stay auto)
-      short:  {max_tokens: 256, kv_cache_dtype: int8}
-      medium: {max_tokens: 768, kv_cache_dtype: bfloat16}
-      long:   {kv_cache_dtype: bfloat16, key_layers: "0-0", key_layers_dtype: float32}
-    accuracy:
-      min_top1_agreement: 0.95 # teacher-forced, every band
-
-A request's band is chosen at admission from `len(prompt) + max_tokens` (`engine.kv_precision`).
+short:  {max_tokens: 256, kv_cache_dtype: int8}
+medium: {max_tokens: 768, kv_cache_dtype: bfloat16}
+long:   {kv_cache_dtype: bfloat16, key_layers: "0-0", key_layers_dtype: float32}
 """
 
 from __future__ import annotations
@@ -41,7 +36,8 @@ def _layer_range_problem(text: str) -> str | None:
 @dataclass(frozen=True)
 class KVBandConfig:
     """One band: `max_tokens` (inclusive bound on prompt + max_tokens; null only on `long`), its
-    `kv_cache_dtype`, and optionally `key_layers` (`"first-last"`, inclusive) stored in `key_layers_dtype`."""
+    `kv_cache_dtype`, and optionally `key_layers` (`"first-last"`, inclusive) stored in `key_layers_dtype`.
+    """
 
     max_tokens: int | None = field(default=None, metadata=between(1, MAX_TOKENS))
     kv_cache_dtype: str = field(default="auto", metadata=choices(*KV_DTYPE_NAMES))
@@ -85,19 +81,7 @@ class KVPrecisionConfig:
 
 @dataclass(frozen=True)
 class AccuracyConfig:
-    """What `pdcluster accuracy` measures and the gate it applies (a null threshold is not checked).
-
-    Attributes:
-        num_prompts: held-out windows per length band, scored teacher-forced.
-        num_generations: held-out prompts generated free-running (greedy) to the long band's length.
-        band_lengths: evaluation length per band when `kv_precision` is absent: `"short,medium,long"`
-            tokens; null: the context length / 8, / 2 and all of it.
-        min_top1_agreement: fraction of positions whose argmax equals the full-precision reference's.
-        max_mean_kl: mean KL(reference || configuration) of next-token distributions, nats.
-        max_mtp_acceptance_drop: reference minus configuration MTP (depth 0) greedy acceptance.
-        max_repetition_rate_increase: configuration minus reference repeated-4-gram rate of the
-            free-running generations.
-    """
+    """What `pdcluster accuracy` measures and the gate it applies (a null threshold is not checked)."""
 
     num_prompts: int = field(default=8, metadata=between(1, 256))
     num_generations: int = field(default=4, metadata=between(1, 256))
@@ -120,7 +104,8 @@ class AccuracyConfig:
 
 def quality_issues(sections: dict, num_layers: int | None) -> Iterator[Issue]:
     """Cross-section rules: a `kv_precision` policy leaves the pools' `kv_cache_dtype` at auto, and its key
-    layers exist in the model (`num_layers`: main + MTP layers, None when the model is unknown)."""
+    layers exist in the model (`num_layers`: main + MTP layers, None when the model is unknown).
+    """
     kvp: KVPrecisionConfig | None = sections.get("kv_precision")
     if kvp is None:
         return

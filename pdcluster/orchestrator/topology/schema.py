@@ -1,13 +1,5 @@
 """The topology schema: one frozen dataclass per YAML section, each checking its own fields on construction
 (type, choice, range; `orchestrator.topology.fields`), so one built in code is checked too.
-
-Vocabulary:
-  device    what Ray and torch schedule as one unit: a GPU, an Ascend NPU *die* (a 910C package has two),
-            or for `cpu` one CPU worker slot.
-  instance  one engine (a prefill or a decode node) over `devices_per_instance` devices. Attention runs
-            tensor-parallel over `tensor_parallel_size` devices and data-parallel over the rest;
-            routed experts are split over `expert_parallel_size` devices and each expert's FFN over the
-            rest (`moe_tensor_parallel_size`).
 """
 
 from __future__ import annotations
@@ -56,22 +48,15 @@ KV_TRANSPORTS = ("auto", "grpc", "shm", "torch_distributed")
 # decode listens at an address each prefill sender connects to (shm+grpc: `auto` on several nodes)
 ADDRESSED_KV_TRANSPORTS = ("grpc", "shm", "shm+grpc")
 WIRE_DTYPES = ("auto", "int8")
-ROUTER_POLICIES = tuple(POLICIES)  # the router's policy functions, by name
+ROUTER_POLICIES = tuple(POLICIES)
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * MIB  # api.max_request_body_bytes
-# api.max_concurrent_requests when null, per decode seat (decode.num_instances x decode.max_num_seqs):
-# one batch running on each decode instance and as many again prefilling or waiting for a seat.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * MIB
 CONCURRENT_REQUESTS_PER_DECODE_SEAT = 2
 
 
 @dataclass(frozen=True)
 class LinkConfig:
-    """One level of the interconnect, per device and per direction.
-
-    Attributes:
-        bandwidth_bytes_per_s: bytes per second one device can send over this level.
-        latency_s: one small message's one-way latency.
-    """
+    """One level of the interconnect, per device and per direction."""
 
     bandwidth_bytes_per_s: float = field(metadata=above(0))
     latency_s: float = field(metadata=at_least(0))
@@ -82,14 +67,7 @@ class LinkConfig:
 
 @dataclass(frozen=True)
 class InterconnectConfig:
-    """Links between devices, from the closest level to the farthest.
-
-    `die_to_die`: between the dies of one package (None: single-die accelerators). `intra_node`: between
-    devices of one node. `supernode`: between nodes of one supernode (e.g. Huawei's Unified Bus); None when
-    `hardware.nodes_per_supernode` is. `inter_node`: between nodes that share no supernode (e.g. RoCE).
-    The defaults describe a commodity machine (process-to-process copies; 100 Gb/s Ethernet); files for
-    real clusters set every level.
-    """
+    """Links between devices, from the closest level to the farthest."""
 
     die_to_die: LinkConfig | None = None
     intra_node: LinkConfig = field(default_factory=lambda: LinkConfig(10e9, 5e-6))
@@ -102,15 +80,7 @@ class InterconnectConfig:
 
 @dataclass(frozen=True)
 class HardwareConfig:
-    """The machines.
-
-    Attributes:
-        accelerator: a key of `orchestrator.hardware.ACCELERATORS`.
-        num_nodes: machines in the cluster.
-        devices_per_node: devices (GPUs, NPU dies, CPU worker slots) per machine.
-        nodes_per_supernode: nodes per supernode (a group with its own fast fabric); None for no grouping.
-        cpus_per_device: CPU cores reserved in Ray next to each device.
-    """
+    """The machines."""
 
     accelerator: str = field(default="cpu", metadata=choices(*ACCELERATORS))
     num_nodes: int = field(default=1, metadata=between(1, MAX_NODES))
@@ -134,17 +104,8 @@ class HardwareConfig:
 class ModelConfig:
     """The checkpoint every instance serves.
 
-    Attributes:
-        path: Hugging Face-format checkpoint directory as the nodes see it; None is the bundled tiny
-            checkpoint (`models.bundled_checkpoint_dir()`). Relative paths are relative to the YAML file.
-        config_path: a copy of the checkpoint's `config.json` to validate against when `path` is not
-            readable where validation runs (a cluster's shared storage); None reads `<path>/config.json`.
-        dtype: parameter dtype; `auto` is float32 on cpu and bfloat16 on accelerators.
-        weight_dtype: the dtype the checkpoint's GEMM weights are stored and read in, for planning and
-            validation (the rule that each pool's weights + KV cache fit one device, `planner.memory`; the
-            planner's default weight dtype): `auto` is `dtype` resolved, `int8` / `fp8` are 8-bit weights.
-            The engine loads weights in `dtype`: `pdcluster deploy` refuses a `weight_dtype` that resolves
-            to another dtype (`orchestrator.preflight.weight_dtype_issues`).
+    dtype: parameter dtype; `auto` is float32 on cpu and bfloat16 on accelerators.
+    planner's default weight dtype): `auto` is `dtype` resolved, `int8` / `fp8` are 8-bit weights.
     """
 
     path: str | None = None
@@ -178,42 +139,8 @@ class ModelConfig:
 class PoolConfig:
     """What the prefill and decode pools share: size, parallelism, and engine arguments per instance.
 
-    Attributes:
-        num_instances: engines in the pool.
-        devices_per_instance: devices each engine runs on.
-        span_nodes: allow an instance larger than a node; it then takes whole nodes
-            (`devices_per_instance` a multiple of `devices_per_node`) within one supernode.
-        tensor_parallel_size: devices one attention computation is split over (heads split); the rest of
-            the instance's devices run attention data-parallel.
-        expert_parallel_size: devices the routed experts (plus redundant copies) are split over; each
-            expert's FFN is split over the remaining `devices_per_instance / expert_parallel_size`.
-        num_redundant_experts: extra copies of hot experts (EPLB) placed with the routed experts.
-        eplb_interval_steps: rebalance the experts (EPLB: new placement from the measured load, weights
-            moved between ranks) every this many engine steps; None: never (the initial placement stays).
-        block_size: token slots per KV cache block.
-        kv_cache_dtype: `auto` (the model dtype) or `int8` (per-token scales).
-        kv_cache_memory_bytes: KV cache bytes on each device of an instance.
-        max_num_batched_tokens: token budget of one engine step.
-        max_num_seqs: requests running at once in one instance.
-        max_model_len: context length; None is the model's `max_position_embeddings`.
-        enable_prefix_caching: reuse KV of identical prompt prefixes.
-        compile: compile the decode forward at load over padded batch-size buckets up to `max_num_seqs`
-            (`engine.compiled_forward`; CUDA graphs on cuda); uniform decode steps run it, the rest eagerly,
-            greedy output unchanged. Off by default on prefill: a prefill instance runs prompts and their
-            first tokens, never a uniform decode step, so there `true` only adds compile time at load (on
-            decode, `DecodePoolConfig`: null, on where measured; `Topology.compiles` resolves it).
-            Ignored (eager, with a warning in the rank's log) with an int8 KV cache or expert parallelism;
-            a compilation that fails at load (no C++ compiler, an inductor error) leaves the rank running
-            eagerly, with a warning naming the error.
-        engine_watchdog_s: the engine watchdog (seconds). A rank whose engine thread died, or has spent
-            longer than this in one pass of its loop (a step with the admissions and outputs around it)
-            and is still in that pass min(this, `health.STUCK_CONFIRM_S`) later, fails its instance: out
-            of routing, its in-flight requests failed, and its actors restarted where Ray restarts them
-            (one-rank instances on an addressed KV transport); elsewhere it stays out of routing while its
-            engine fails. An instance that has answered no probe for this long (unresponsive: a native
-            call hung holding the GIL, a stopped process) is restarted the same way. SGLang's
-            `--watchdog-timeout` has the same default (300 s). Set it above the longest step expected (a
-            long prompt on a slow device) and the longest pause a rank may come back from.
+    kv_cache_dtype: `auto` (the model dtype) or `int8` (per-token scales).
+    Ignored (eager, with a warning in the rank's log) with an int8 KV cache or expert parallelism;
     """
 
     num_instances: int = field(default=1, metadata=between(1, MAX_INSTANCES))
@@ -252,27 +179,14 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class PrefillPoolConfig(PoolConfig):
-    """The prefill pool. `enable_chunked_prefill`: split long prompts over several steps."""
+    """The prefill pool."""
 
     enable_chunked_prefill: bool = True
 
 
 @dataclass(frozen=True)
 class DecodePoolConfig(PoolConfig):
-    """The decode pool.
-
-    Attributes:
-        num_speculative_tokens: MTP draft tokens per step, k (0: no speculative decoding). The prefill side
-            drafts the first k too, so decode starts at full acceptance.
-        adaptive_speculation: vary k in [1, num_speculative_tokens] with the recent acceptance rate.
-        compile: as in `PoolConfig`; null (the default) compiles where it was measured to win, on `cpu`:
-            on a 2-core CPU machine it won at every batch size (1.9x / 2.3x / 1.7x output tokens/s at
-            batch 1 / 8 / 32, k=0) and in the cluster (`make demo`: TPOT p50 10.6 -> 6.5 ms, TTFT p50 75
-            -> 62.5 ms, same tokens); the cost is compile time at each decode rank's load (~50 s there;
-            less with inductor's on-disk cache), during which a (re)starting rank is out of routing. On
-            GPUs and NPUs null stays eager until the CUDA-graph / graph-mode path has been measured there
-            (it has not run on this project's machines); `true` turns it on anywhere, `false` off.
-    """
+    """The decode pool."""
 
     num_speculative_tokens: int = field(default=0, metadata=between(0, MAX_SPECULATIVE_TOKENS))
     adaptive_speculation: bool = False
@@ -282,16 +196,7 @@ class DecodePoolConfig(PoolConfig):
 @dataclass(frozen=True)
 class KVTLSConfig:
     """Mutual TLS on the gRPC KV channel: every decode server and prefill sender presents `cert_file`, and
-    accepts a peer only with a certificate `ca_file` signed. The driver reads the files at deploy and gives
-    their contents to the actors over Ray, so they need to be readable where `pdcluster deploy` runs.
-
-    Attributes:
-        cert_file: PEM certificate (chain) of the cluster's KV endpoints, for server and client use.
-        key_file: PEM private key of `cert_file` (unencrypted).
-        ca_file: PEM certificate(s) of the CA that signs the endpoints' certificates.
-        server_name: the name senders check the decode certificate against (its subjectAltName) instead of
-            the address they dial, which is an IP address; None: the dialled address.
-    Relative paths are relative to the YAML file's directory.
+    accepts a peer only with a certificate `ca_file` signed.
     """
 
     cert_file: str
@@ -313,19 +218,8 @@ TLS_FILE_KEYS = ("cert_file", "key_file", "ca_file")
 class KVTransferConfig:
     """Prefill -> decode KV handoff.
 
-    Attributes:
-        transport: `auto`, the default (`resolve_kv_transport`: without TLS, `shm` when every instance is
-            on one node and `shm+grpc` on several: shared memory between the prefill and decode ranks that
-            share a node, gRPC across nodes, `kvtransfer.paired`; with TLS `grpc`), `grpc` (streaming,
-            any network), `shm` (shared memory: prefill and decode on one host, `kvtransfer.shm_transport`)
-            or `torch_distributed` (P2P over the accelerator's collective backend: HCCL, NCCL or gloo).
-        layerwise: send each layer's KV as soon as it is computed (False: once the prompt is done).
-        wire_dtype: `auto` (the dtype decode's KV cache stores: int8 for an int8 cache, whose values and
-            scales then pass through unchanged, else the model dtype) or `int8` (quantized on the wire,
-            per-token scales); `kvtransfer.base.resolve_wire_dtype`.
-        timeout_s: a transfer not complete after this long is abandoned and the request re-dispatched.
-        tls: mutual TLS for the grpc transport; None: plaintext (each handoff is still bound to its
-            reservation by a per-handoff secret, see `kvtransfer.base`).
+    wire_dtype: `auto` (the dtype decode's KV cache stores: int8 for an int8 cache, whose values and
+    scales then pass through unchanged, else the model dtype) or `int8` (quantized on the wire,
     """
 
     transport: str = field(default="auto", metadata=choices(*KV_TRANSPORTS))
@@ -339,11 +233,11 @@ class KVTransferConfig:
 
 
 def resolve_kv_transport(kv: KVTransferConfig, num_nodes: int) -> str:
-    """The transport a topology's `kv_transfer` uses on `num_nodes` nodes: `kv.transport`, except `auto`:
-    with TLS configured `grpc` (TLS asks for the gRPC channel); else `shm` when all instances share one node
-    (no byte of KV then needs a socket), and `shm+grpc` on several nodes: each prefill -> decode pair of
-    ranks on one node through shared memory, the others over gRPC (`kvtransfer.paired`; the pairs are
-    decided by where Ray runs the ranks, not by the plan)."""
+    """The transport a topology's `kv_transfer` uses on `num_nodes` nodes: `kv.transport`, except `auto`: with
+    TLS configured `grpc` (TLS asks for the gRPC channel); else `shm` when all instances share one node (no
+    byte of KV then needs a socket), and `shm+grpc` on several nodes: each prefill -> decode pair of ranks
+    on one node through shared memory, the others over gRPC (`kvtransfer.paired`; the pairs are decided by
+    """
     if kv.transport != "auto":
         return kv.transport
     if kv.tls is not None:
@@ -354,7 +248,8 @@ def resolve_kv_transport(kv: KVTransferConfig, num_nodes: int) -> str:
 @dataclass(frozen=True)
 class RouterConfig:
     """`policy`: how the router picks instances, a name of `orchestrator.router.POLICIES` (round_robin,
-    least_loaded, prefix_aware)."""
+    least_loaded, prefix_aware).
+    """
 
     policy: str = field(default="least_loaded", metadata=choices(*ROUTER_POLICIES))
 
@@ -375,19 +270,7 @@ class SLOConfig:
 
 @dataclass(frozen=True)
 class ApiConfig:
-    """The OpenAI-compatible HTTP endpoint (`orchestrator.api`).
-
-    Attributes:
-        host: the IPv4 address or host name the server binds (`host_problem` says what is accepted).
-        port: TCP port; 0 picks a free one.
-        api_key: bearer token clients must send; None: no authentication; never empty.
-        max_request_body_bytes: bytes of one request body at most (the JSON, headers excluded); a larger
-            one is answered 413 without being read. The default holds a 128K-token prompt as token ids.
-        max_concurrent_requests: completion requests in flight at the edge at most (from the request line
-            until the response ends); beyond it a request is answered 429 with `Retry-After` before its
-            stream starts. None: `CONCURRENT_REQUESTS_PER_DECODE_SEAT` per decode seat
-            (`Topology.max_concurrent_requests`).
-    """
+    """The OpenAI-compatible HTTP endpoint (`orchestrator.api`)."""
 
     host: str = field(default="127.0.0.1", metadata={"check": host_problem})
     port: int = field(default=8000, metadata=between(0, 65535))
@@ -415,8 +298,8 @@ class Topology:
     router: RouterConfig = field(default_factory=RouterConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
-    kv_precision: KVPrecisionConfig | None = None  # KV dtype by request length (`topology.quality`)
-    accuracy: AccuracyConfig = field(default_factory=AccuracyConfig)  # `pdcluster accuracy`'s gate
+    kv_precision: KVPrecisionConfig | None = None
+    accuracy: AccuracyConfig = field(default_factory=AccuracyConfig)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -425,8 +308,9 @@ class Topology:
 
     @property
     def max_concurrent_requests(self) -> int:
-        """Completion requests the HTTP edge lets in at once: `api.max_concurrent_requests`, or when that
-        is null `CONCURRENT_REQUESTS_PER_DECODE_SEAT` x decode.num_instances x decode.max_num_seqs."""
+        """Completion requests the HTTP edge lets in at once: `api.max_concurrent_requests`, or when that is
+        null `CONCURRENT_REQUESTS_PER_DECODE_SEAT` x decode.num_instances x decode.max_num_seqs.
+        """
         if self.api.max_concurrent_requests is not None:
             return self.api.max_concurrent_requests
         return CONCURRENT_REQUESTS_PER_DECODE_SEAT * self.decode.num_instances * self.decode.max_num_seqs
@@ -434,7 +318,8 @@ class Topology:
     @property
     def kv_transport(self) -> str:
         """The KV transport deploy wires: `kv_transfer.transport` with `auto` resolved
-        (`resolve_kv_transport`)."""
+        (`resolve_kv_transport`).
+        """
         return resolve_kv_transport(self.kv_transfer, self.hardware.num_nodes)
 
     def pool(self, role: str) -> PoolConfig:
@@ -444,8 +329,8 @@ class Topology:
         return self.prefill if role == "prefill" else self.decode
 
     def compiles(self, role: str) -> bool:
-        """Whether pool `role`'s engines compile their decode forward: its `compile`, or for null (the
-        decode pool's default) whether the accelerator is `cpu`, the one place it was measured to win.
+        """Whether pool `role`'s engines compile their decode forward: its `compile`, or for null (the decode
+        pool's default) whether the accelerator is `cpu`, the one place it was measured to win.
 
         Raises:
             ValueError: `role` is neither `prefill` nor `decode`.
@@ -463,8 +348,7 @@ class Topology:
         return EngineConfig(**engine_arguments(self, role, rank))
 
     def summary(self) -> str:
-        """One line, e.g. `2 nodes × 8 h200, prefill 1×8 devices, decode 1×8 devices, KV shm+grpc (auto)`:
-        the KV transport deploy wires, and `(auto)` when `kv_transfer.transport: auto` chose it."""
+        """One line, e.g."""
         hw = self.hardware
         dies = hw.spec.dies_per_chip
         per_node = f"{hw.devices_per_node // dies} {hw.accelerator}"
