@@ -4,8 +4,8 @@
 
 Method (the issue's): the first `--num-requests` requests of the Azure LLM inference conversation trace
 (../shared/traces/AzureLLMInferenceTrace_conv.csv), prompt lengths scaled to the served model's context
-and outputs capped at `--max-tokens-cap` (`orchestrator.trace.scale_trace`), replayed at their arrival
-times by one client (`orchestrator.bench_client.replay`, what `pdcluster bench` runs: streaming
+and outputs capped at `--max-tokens-cap` (`planner.trace.scale_trace`), replayed at their arrival
+times by one client (`entrypoints.bench_client.replay`, what `pdcluster bench` runs: streaming
 `/v1/completions` over HTTP, prompts as token ids, ignore_eos, greedy) against each server. Every server is
 a child process of its own (`bench.server_procs`), so none shares this client's interpreter:
 
@@ -30,7 +30,7 @@ All servers start together and stay up for the whole run; each gets one untimed 
 `--warmup-requests` requests, then `--rounds` rounds replay every server in turn (the order rotates each
 round), so machine load drifts into all alike. The warm-up and each round send different prompts
 (consecutive held-out slices of the same lengths), so no server's prefix cache holds a timed prompt.
-Reported per server and round: TTFT p50/p90 and TPOT p50 (ms, `orchestrator.bench_client.summarize`),
+Reported per server and round: TTFT p50/p90 and TPOT p50 (ms, `entrypoints.bench_client.summarize`),
 requests failed or short of their output length, mean KV transfer (ms, ours), the p50 of each phase our
 servers report (`pdcluster.phases`: route, reserve, queue, prefill, KV transfer, admission, ...); the medians
 over the rounds;
@@ -114,7 +114,7 @@ def make_servers(args: argparse.Namespace, topo, log_dir: Path) -> list[ServerPr
             [
                 sys.executable,
                 "-m",
-                "pdcluster.orchestrator.cli",
+                "pdcluster.entrypoints.cli",
                 "deploy",
                 args.topology,
                 "--port",
@@ -209,11 +209,11 @@ def _figures(summary: dict[str, Any], results) -> dict[str, Any]:
 
 def replay_all(args: argparse.Namespace, servers: list[ServerProcess], tokenizer_dir: str) -> dict[str, Any]:
     """Warm-up and timed rounds against every (serving) server; see the module docstring."""
+    from pdcluster.config.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
+    from pdcluster.entrypoints.bench_client import replay, served_model, summarize
     from pdcluster.models.prompts import heldout_token_prompts
     from pdcluster.models.tokenizer import Tokenizer
-    from pdcluster.orchestrator.bench_client import replay, served_model, summarize
-    from pdcluster.orchestrator.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
-    from pdcluster.orchestrator.trace import load_trace, scale_trace
+    from pdcluster.planner.trace import load_trace, scale_trace
 
     served = {s.name: served_model(s.url) for s in servers}
     lengths = {max_len for _, max_len in served.values()}
@@ -276,7 +276,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         ServerStartError: a server did not come up (after every server is stopped).
     """
-    from pdcluster.orchestrator.topology import load_topology
+    from pdcluster.config import load_topology
 
     topo = load_topology(args.topology)
     served = Path(topo.engine_config("decode").model).resolve()
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.num_requests < args.warmup_requests:
         args.warmup_requests = args.num_requests
-    from pdcluster.orchestrator.trace import load_trace
+    from pdcluster.planner.trace import load_trace
 
     try:  # before any server starts: a wrong --trace fails at once
         load_trace(args.trace, 1)

@@ -1,6 +1,6 @@
 """pdcluster's colocated server for `bench.azure_replay`: one `LLMEngine` (prefill and decode in the same
-engine, on one thread of its own) behind `orchestrator.backend.LocalEngineBackend` and the OpenAI API
-with the topology's API settings (`orchestrator.api.app.build_topology_app`), in the foreground:
+engine, on one thread of its own) behind `driver.backend.LocalEngineBackend` and the OpenAI API
+with the topology's API settings (`entrypoints.openai.app.build_topology_app`), in the foreground:
 
     python -m bench.colocated_server --topology clusters/local.yaml --port 8001
 
@@ -21,9 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import uvicorn
 
-    from pdcluster.orchestrator.api.app import build_topology_app
-    from pdcluster.orchestrator.backend import LocalEngineBackend
-    from pdcluster.orchestrator.topology import load_topology
+    from pdcluster.config import load_topology
+    from pdcluster.driver.backend import LocalEngineBackend
+    from pdcluster.entrypoints.openai.app import build_topology_app
 
     parser = argparse.ArgumentParser(prog="python -m bench.colocated_server", description=__doc__)
     parser.add_argument("--topology", default="clusters/local.yaml")

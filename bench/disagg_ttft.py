@@ -3,7 +3,7 @@
 Configurations, each fed the same prompts, one request at a time (no batching), `--warmup` requests per
 prompt length discarded, then `--repeats` timed:
 
-    colocated          one `LLMEngine` in this process behind `orchestrator.backend.LocalEngineBackend`
+    colocated          one `LLMEngine` in this process behind `driver.backend.LocalEngineBackend`
                        (the single-engine server's backend: the engine steps on a background thread)
     disagg_<t>_layerwise  `Cluster.deploy`: 1 prefill + 1 decode Ray actor on a local Ray, KV over
                        transport `<t>` (`--transports`: grpc, shm), each layer's KV sent as soon as it is
@@ -33,10 +33,10 @@ Timing does not depend on the weights' values; the same checkpoint serves every 
 rows it is mostly the cluster itself; for the colocated row it is the machine's background.
 
 Reported per configuration and prompt length: TTFT median/p90 (ms), the medians of every phase the cluster
-reports (`orchestrator.messages.Phases`: route, reserve, queue, prefill compute, last layer sent, received
+reports (`driver.messages.Phases`: route, reserve, queue, prefill compute, last layer sent, received
 (`kv_transfer`: decode's `expect` to the last layer verified), admitted, first decode step), the rest of
 TTFT none of them covers (`unaccounted_ms_p50`: TTFT - route - queue - prefill: the first token streams
-from the prefill call's reply (`orchestrator.dispatch.EmitFirstToken`), so this is the prefill call's way
+from the prefill call's reply (`driver.dispatch.EmitFirstToken`), so this is the prefill call's way
 to the prefill rank and its reply's way back; the reserve runs beside the prefill, and the KV transfer and
 decode's admission come after the first token unless decode's delta is faster than the reply),
 `after_prefill_ms`: TTFT minus queue and prefill, what the prefill compute did not hide, KV bytes per
@@ -62,7 +62,7 @@ from typing import Any
 import torch
 
 from bench import common
-from pdcluster.orchestrator.backend import PHASE_NAMES
+from pdcluster.driver.backend import PHASE_NAMES
 
 TARGET_P50_RATIO = 1.05  # issue 13: disaggregated TTFT p50 <= 1.05 x colocated (layerwise, 2K prompts)
 TARGET_P90_RATIO = 1.10  # and p90 <= 1.10 x colocated p90
@@ -201,11 +201,11 @@ def point_summary(raw: dict[str, Any], kv_bytes: int, disaggregated: bool) -> di
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
+    from pdcluster.config import load_topology
+    from pdcluster.driver.backend import LocalEngineBackend
+    from pdcluster.driver.cluster import Cluster
+    from pdcluster.driver.ray_runtime import init_local_ray
     from pdcluster.models.config import DeepseekV3Config
-    from pdcluster.orchestrator.backend import LocalEngineBackend
-    from pdcluster.orchestrator.cluster import Cluster
-    from pdcluster.orchestrator.ray_runtime import init_local_ray
-    from pdcluster.orchestrator.topology import load_topology
 
     if args.threads is None:
         torch.set_num_threads(1)  # the actors' OMP_NUM_THREADS=1: one thread per engine on both sides

@@ -209,8 +209,8 @@ def _wait_idle(cluster: Any, timeout_s: float) -> tuple[bool, float, dict[str, A
 
 def deploy_main(args: argparse.Namespace) -> dict[str, Any]:
     from bench.common import environment
-    from pdcluster.orchestrator.serve import serve
-    from pdcluster.orchestrator.topology import load_topology
+    from pdcluster.config import load_topology
+    from pdcluster.entrypoints.serve import serve
 
     topo = load_topology(args.cluster)
     if args.max_concurrent_requests is not None:

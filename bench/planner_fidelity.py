@@ -28,13 +28,13 @@ def live_and_simulated(
     trace: str = TRACE,
 ) -> dict[str, Any]:
     """One point: the live replay and the simulation of the same workload (see the module docstring)."""
-    from pdcluster.orchestrator.bench_client import run_bench
-    from pdcluster.orchestrator.serve import serve
-    from pdcluster.orchestrator.topology import load_topology
-    from pdcluster.orchestrator.trace import arrival_rate_per_s, load_trace, scale_trace
+    from pdcluster.config import load_topology
+    from pdcluster.entrypoints.bench_client import run_bench
+    from pdcluster.entrypoints.serve import serve
     from pdcluster.planner.control_plane import control_plane_from_calibration
     from pdcluster.planner.plan import PlanOptions, cores_per_node, step_models
     from pdcluster.planner.simulator import pool_sizing, simulate
+    from pdcluster.planner.trace import arrival_rate_per_s, load_trace, scale_trace
 
     topology = load_topology(cluster)
     native_rate = arrival_rate_per_s(load_trace(trace, num_requests).requests)

@@ -17,7 +17,7 @@ from bench.common import Contention, emit, format_table, positive_int, source_re
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pdcluster.orchestrator.topology import load_topology
+    from pdcluster.config import load_topology
     from pdcluster.planner.plan import PlanOptions, acceptance_for, step_models
     from pdcluster.planner.simulator import pool_sizing, simulate
     from pdcluster.planner.workload import plan_workload

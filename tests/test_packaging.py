@@ -25,7 +25,7 @@ def test_the_package_list_holds_only_pdcluster_and_its_subpackages() -> None:
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     find = find_namespace_packages if config.get("namespaces", True) else find_packages
     packages = find(where=str(REPO), include=config["include"])
-    assert "pdcluster" in packages and "pdcluster.orchestrator.cli" in packages
+    assert "pdcluster" in packages and "pdcluster.entrypoints.cli" in packages
     assert {name.split(".")[0] for name in packages} == {"pdcluster"}
 
 
@@ -37,7 +37,7 @@ def test_the_installed_distribution_declares_one_top_level_name() -> None:
     assert top_level is not None, "setuptools writes top_level.txt for regular and editable installs"
     assert top_level.split() == ["pdcluster"]
     (script,) = [ep for ep in dist.entry_points if ep.group == "console_scripts"]
-    assert script.value == "pdcluster.orchestrator.cli:main"
+    assert script.value == "pdcluster.entrypoints.cli:main"
 
 
 def test_no_other_package_or_module_at_the_repository_root() -> None:

@@ -25,7 +25,7 @@ def check_stop_token(request: Request, token_id: int, num_output_tokens: int) ->
 
 def early_first_token_text(tokenizer: Tokenizer, params: SamplingParams, token_id: int) -> str | None:
     """The streamed text of `token_id` as a request's first output token, when the token may reach the client
-    before the decode instance admits the request (`orchestrator.dispatch`: the prefill instance's reply
+    before the decode instance admits the request (`driver.dispatch`: the prefill instance's reply
     carries it); None when only decode may stream it: the request has stop strings (decode may hold the
     text back or cut it) or asks for `logprobs` (decode reports them).
     """

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pdcluster.orchestrator.efficiency import Efficiency
+from pdcluster.planner.efficiency import Efficiency
 
 logger = logging.getLogger(__name__)
 

@@ -124,10 +124,10 @@ def measure_control_plane(
 
     Returns `{"values", "points", "num_failed"}`. Raises ValueError when no request succeeded, and as `serve`.
     """
+    from pdcluster.entrypoints.bench_client import replay, served_model
+    from pdcluster.entrypoints.serve import serve
     from pdcluster.models.tokenizer import Tokenizer
-    from pdcluster.orchestrator.bench_client import replay, served_model
-    from pdcluster.orchestrator.serve import serve
-    from pdcluster.orchestrator.trace import TraceRequest, Workload, build_prompts
+    from pdcluster.planner.trace import TraceRequest, Workload, build_prompts
 
     k = topology.decode.num_speculative_tokens
     tokenizer = Tokenizer.from_dir(topology.engine_config("decode").model)

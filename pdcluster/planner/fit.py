@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from pdcluster.orchestrator.efficiency import EFFICIENCY, Efficiency, Factor
+from pdcluster.planner.efficiency import EFFICIENCY, Efficiency, Factor
 from pdcluster.planner.kernel_tables import tables_for
 from pdcluster.planner.published import evaluate, load_config, load_table, model_for, predict, summary
 
@@ -84,7 +84,7 @@ def _fit_one(source: FitSource, values: dict[str, float], context, iterations: i
 
 
 def shipped_values() -> dict[str, float]:
-    """The fitted factors as the catalog ships them (`orchestrator.efficiency`)."""
+    """The fitted factors as the catalog ships them (`planner.efficiency`)."""
     eff = EFFICIENCY["h800"]
     return {s.factor: getattr(eff, s.factor).value for s in SHIPPED}
 

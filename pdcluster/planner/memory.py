@@ -17,8 +17,8 @@ from pdcluster.models.config import DeepseekV3Config
 from pdcluster.planner.op_costs import dtype_bytes, kv_bytes_per_token_per_layer
 
 if TYPE_CHECKING:
-    from pdcluster.orchestrator.hardware import AcceleratorSpec
-    from pdcluster.orchestrator.topology import PoolConfig
+    from pdcluster.config import PoolConfig
+    from pdcluster.config.hardware import AcceleratorSpec
 
 GB = 1e9
 

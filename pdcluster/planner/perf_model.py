@@ -11,12 +11,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdcluster.config.hardware import AcceleratorSpec, get_accelerator
 from pdcluster.kernels.mla_cost import expanded_crossover_queries
 from pdcluster.models.config import DeepseekV3Config
-from pdcluster.orchestrator.efficiency import Efficiency, get_efficiency
-from pdcluster.orchestrator.hardware import AcceleratorSpec, get_accelerator
 from pdcluster.planner import op_costs as oc
 from pdcluster.planner.comm_costs import Link, ep_layer_s, statistical_imbalance
+from pdcluster.planner.efficiency import Efficiency, get_efficiency
 from pdcluster.planner.imbalance import dp_max_rank_kv_factor, eplb_imbalance
 from pdcluster.planner.kernel_tables import KernelTables, tables_for
 from pdcluster.planner.op_costs import Dtypes, OpCost, RankWork
@@ -26,7 +26,7 @@ from pdcluster.planner.step_ops import op_groups
 from pdcluster.planner.step_pricing import StepBreakdown, gemm_time_s, price_step
 
 if TYPE_CHECKING:
-    from pdcluster.orchestrator.topology import Topology
+    from pdcluster.config import Topology
 
 
 @dataclass(frozen=True)

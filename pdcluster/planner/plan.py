@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdcluster.orchestrator.topology import Topology, check_topology
-from pdcluster.orchestrator.trace import TraceRequest
+from pdcluster.config import Topology, check_topology
 from pdcluster.planner import DEFAULT_ACCEPTANCE
 from pdcluster.planner.op_costs import dtype_bytes
 from pdcluster.planner.search import (
@@ -25,6 +24,7 @@ from pdcluster.planner.search import (
 )
 from pdcluster.planner.simulator import SimResult, pool_sizing, simulate
 from pdcluster.planner.step_model import StepTimeModel
+from pdcluster.planner.trace import TraceRequest
 from pdcluster.planner.workload import plan_workload
 
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from pdcluster.orchestrator.efficiency import Efficiency
 from pdcluster.planner.calibration import FORMAT
+from pdcluster.planner.efficiency import Efficiency
 from pdcluster.planner.perf_model import PerfModel
 from pdcluster.planner.step_model import DecodeRow, PrefillChunk, StepShape
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdcluster.config.hardware import get_accelerator
 from pdcluster.models.config import DeepseekV3Config
-from pdcluster.orchestrator.efficiency import Efficiency
-from pdcluster.orchestrator.hardware import get_accelerator
 from pdcluster.planner.comm_costs import Link
+from pdcluster.planner.efficiency import Efficiency
 from pdcluster.planner.op_costs import Dtypes
 from pdcluster.planner.perf_model import Parallelism, PerfModel
 from pdcluster.planner.step_model import DecodeRow, PrefillChunk, StepShape

@@ -7,8 +7,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdcluster.orchestrator.bench_client import RequestResult
-from pdcluster.orchestrator.slo import meets_slo
+from pdcluster.config.slo import meets_slo
+from pdcluster.entrypoints.bench_client import RequestResult
 from pdcluster.planner.search import Evaluated, describe
 from pdcluster.planner.simulator import SimResult
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import yaml
 
+from pdcluster.config import TLS_FILE_KEYS, Topology
 from pdcluster.models.config import DeepseekV3Config
-from pdcluster.orchestrator.topology import TLS_FILE_KEYS, Topology
-from pdcluster.orchestrator.trace import TraceRequest
 from pdcluster.planner.memory import pool_memory_overflow
 from pdcluster.planner.simulator import SimResult
+from pdcluster.planner.trace import TraceRequest
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def memory_overflows(
 ) -> list[str]:
     """One line per pool of `topology` whose weights in `weight_dtype` plus KV cache exceed a device's memory.
     Raises ValueError for an unreadable model config.json or an unknown `weight_dtype`."""
-    from pdcluster.orchestrator.topology.rules import read_model_architecture
+    from pdcluster.config.rules import read_model_architecture
 
     cfg = config or read_model_architecture(topology.model)
     lines = []
@@ -71,7 +71,7 @@ def fits_in_memory(
     candidates: Sequence[Topology], weight_dtype: str, config: DeepseekV3Config | None = None
 ) -> tuple[list[Topology], list[Topology]]:
     """`candidates` split into `(fit, overflow)` by `memory_overflows`, each in the given order."""
-    from pdcluster.orchestrator.topology.rules import read_model_architecture
+    from pdcluster.config.rules import read_model_architecture
 
     if config is None and candidates:
         config = read_model_architecture(candidates[0].model)
@@ -101,8 +101,8 @@ def candidate_topologies(
     base: Topology, num_decode_counts: int = 2, num_prefill_counts: int = 3
 ) -> Iterator[Topology]:
     """The candidates of `base`'s hardware that pass the topology rules but the memory one."""
-    from pdcluster.orchestrator.preflight import actor_layer_issues
-    from pdcluster.orchestrator.topology.rules import cross_section_issues, read_model_architecture
+    from pdcluster.config.preflight import actor_layer_issues
+    from pdcluster.config.rules import cross_section_issues, read_model_architecture
 
     arch = read_model_architecture(base.model)
     arch_src = str(base.model.config_json)

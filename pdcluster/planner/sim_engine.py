@@ -67,7 +67,7 @@ class SimRequest:
         self.prefill_queued_s: float | None = None
         self.prefill_start_s: float | None = None
         self.prefill_end_s: float | None = None
-        # at the client: the prefill reply's time (`orchestrator.dispatch.EmitFirstToken`), or the admission
+        # at the client: the prefill reply's time (`driver.dispatch.EmitFirstToken`), or the admission
         self.first_token_s: float | None = None
         self.admitted_s: float | None = None  # on decode
         self.last_token_s: float | None = None
@@ -118,7 +118,7 @@ class SimEngine:
         self.pending_admissions: list[SimRequest] = []
         self.pending_reserves: list[SimRequest] = []  # reserves waiting for the step in flight to end
         self.num_reserved = 0
-        self.num_queued_prefill_tokens = 0  # prompt tokens of prefill jobs queued or active (PrefillNode)
+        self.num_queued_prefill_tokens = 0  # prompt tokens of prefill jobs queued or active (PrefillWorker)
         self.busy = False
         self.num_steps = 0
         self.busy_s = 0.0

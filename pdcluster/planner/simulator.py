@@ -13,18 +13,18 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pdcluster.config import Topology
+from pdcluster.config.slo import time_per_output_token_s
+from pdcluster.driver.dispatch import Fail, ReserveOutcome, RetryReserve, StartPrefill, after_reserve
+from pdcluster.driver.router import POLICIES, DecodeLoad, PrefillLoad
 from pdcluster.engine.scheduler_policy import check_request_fits
-from pdcluster.orchestrator.bench_client import RequestResult, format_table, summarize
-from pdcluster.orchestrator.dispatch import Fail, ReserveOutcome, RetryReserve, StartPrefill, after_reserve
-from pdcluster.orchestrator.router import POLICIES, DecodeLoad, PrefillLoad
-from pdcluster.orchestrator.slo import time_per_output_token_s
-from pdcluster.orchestrator.topology import Topology
-from pdcluster.orchestrator.trace import TraceRequest
+from pdcluster.entrypoints.bench_client import RequestResult, format_table, summarize
 from pdcluster.planner.control_plane import ControlPlane
 from pdcluster.planner.core_sharing import NodeCores
 from pdcluster.planner.sim_engine import SimEngine, SimRequest
 from pdcluster.planner.sizing import PoolSizing, pool_sizing
 from pdcluster.planner.step_model import StepTimeModel
+from pdcluster.planner.trace import TraceRequest
 
 # event kinds, in tie-break order at equal times: steps end before handoffs land before arrivals
 _STEP_END, _HANDOFF_DONE, _ARRIVAL, _PREFILL_QUEUED = 0, 1, 2, 3
@@ -190,7 +190,7 @@ class ClusterSimulator:
         self._counter += 1
         request.prefill_instance = choice.prefill.instance
         decode = self.decodes[choice.decode.instance]
-        if decode.busy:  # `DecodeNode.reserve` takes the engine lock, which a step holds until it ends
+        if decode.busy:  # `DecodeWorker.reserve` takes the engine lock, which a step holds until it ends
             decode.pending_reserves.append(request)
         else:
             self._reserve(decode, request, now_s)
@@ -302,7 +302,7 @@ def simulate(
     """Simulate `requests` (num_output_tokens = max_tokens, ignore_eos) on `topology`, summarized as
     `pdcluster bench` does; SLO defaults to the topology's `slo`. Raises ValueError for
     acceptance_per_position shorter than k, or a topology the sizing refuses."""
-    from pdcluster.orchestrator.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
+    from pdcluster.config.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
 
     simulator = ClusterSimulator(
         topology,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdcluster.config import Topology
 from pdcluster.engine.scheduler_policy import SchedulerConfig
-from pdcluster.orchestrator.topology import Topology
 from pdcluster.planner.sim_engine import num_kv_blocks
 
 
@@ -21,9 +21,9 @@ def kv_cache_bytes_per_token(topology: Topology, role: str) -> int:
     """Bytes of KV cache one token occupies on one device of pool `role`, as `ModelRunner` sizes it."""
     import torch
 
+    from pdcluster.config import read_model_architecture
     from pdcluster.kernels.kv_quant import kv_cache_bytes_per_token as bytes_per_token
     from pdcluster.models.dtypes import MODEL_DTYPES
-    from pdcluster.orchestrator.topology import read_model_architecture
 
     arch = read_model_architecture(topology.model)
     pool = topology.pool(role)
@@ -37,7 +37,7 @@ def kv_cache_bytes_per_token(topology: Topology, role: str) -> int:
 def pool_sizing(topology: Topology, role: str, bytes_per_token: int | None = None) -> PoolSizing:
     """Scheduler limits and KV blocks of one instance of pool `role`, simulated as one engine over its DP
     ranks. Raises ValueError for an unreadable model config or limits the live scheduler refuses."""
-    from pdcluster.orchestrator.topology import read_model_architecture
+    from pdcluster.config import read_model_architecture
 
     engine = topology.engine_config(role)
     pool = topology.pool(role)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from pdcluster.config import Topology
+from pdcluster.config.rules import read_model_architecture
 from pdcluster.models.config import DeepseekV3Config
-from pdcluster.orchestrator.efficiency import get_efficiency
-from pdcluster.orchestrator.topology import Topology
-from pdcluster.orchestrator.topology.rules import read_model_architecture
 from pdcluster.planner import op_costs as oc
+from pdcluster.planner.efficiency import get_efficiency
 from pdcluster.planner.op_costs import Dtypes
 from pdcluster.planner.perf_model import Link, Parallelism, PerfModel
 

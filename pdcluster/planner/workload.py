@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from pdcluster.orchestrator.trace import (
+from pdcluster.planner.trace import (
     MIN_INPUT_TOKENS,
     REFERENCE_CONTEXT_TOKENS,
     Trace,

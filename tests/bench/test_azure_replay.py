@@ -11,7 +11,7 @@ import stat
 
 from bench import azure_replay
 from bench.server_procs import port_in_use
-from pdcluster.orchestrator.topology import DEFAULT_TOPOLOGY_PATH
+from pdcluster.config import DEFAULT_TOPOLOGY_PATH
 from tests.conftest import eager_topology_file
 
 FIGURES = {

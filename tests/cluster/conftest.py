@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pdcluster.orchestrator.ray_runtime import init_local_ray
+from pdcluster.driver.ray_runtime import init_local_ray
 
 
 @pytest.fixture(scope="package")
@@ -26,7 +26,7 @@ def ray_session():
 
 
 # ---- waits derived from the cluster's configured timeouts ------------------------------------------------
-# A test waits for what the cluster promises within its own timeouts (pdcluster/orchestrator/dispatch.py:
+# A test waits for what the cluster promises within its own timeouts (pdcluster/driver/dispatch.py:
 # call_timeout_s, event_timeout_s), never for "what is fast on an idle machine": under load everything is
 # slower, but the timeouts still hold.
 
@@ -73,7 +73,7 @@ def deployed_with_loop(topology, **deploy_kwargs):
     """`Cluster.deploy(topology)` with one event loop of its own, `cluster.test_loop`, for a module's tests:
     the decode pollers live on the loop of the first request, so a poll in flight when an `asyncio.run`
     loop closes would take the next request's events with it. Shut down (and the loop closed) on exit."""
-    from pdcluster.orchestrator.cluster import Cluster
+    from pdcluster.driver.cluster import Cluster
 
     cluster = Cluster.deploy(topology, **deploy_kwargs)
     cluster.test_loop = asyncio.new_event_loop()

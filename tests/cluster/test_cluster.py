@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from pdcluster.config import KVTLSConfig, load_topology
+from pdcluster.driver.backend import PHASE_NAMES, BackendUnavailable, ServingBackend
+from pdcluster.driver.cluster import Cluster
 from pdcluster.engine.llm import LLM
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.models import bundled_checkpoint_dir
-from pdcluster.orchestrator.backend import PHASE_NAMES, BackendUnavailable, ServingBackend
-from pdcluster.orchestrator.cluster import Cluster
-from pdcluster.orchestrator.topology import KVTLSConfig, load_topology
-from pdcluster.prefill_node.thread_clock import run_delay_s
+from pdcluster.workers.thread_clock import run_delay_s
 from tests.cluster.conftest import assert_nothing_held, call_bound_s, request_bound_s
 from tests.kvtransfer.conftest import write_test_certificates
 

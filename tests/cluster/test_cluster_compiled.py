@@ -5,7 +5,7 @@ clusters/local.yaml (MTP k=1) with the decode pool's `compile` left at its defau
 (buckets 1, 2, 4: one q=2 graph, the cheapest compile). Four prompts sent at once, so decode steps run
 batches of 1 to 4 padded up to their buckets. What it proves: each prompt's greedy tokens and MTP
 drafted/accepted counts equal one eager single engine's, one request at a time; the decode rank ran
-compiled steps and no uniform step fell back to eager (`RankActor.compile_stats`), prefill compiled
+compiled steps and no uniform step fell back to eager (`RankWorker.compile_stats`), prefill compiled
 nothing; deploy's log says the decode forward is being compiled and that it was; nothing stays held.
 """
 
@@ -16,12 +16,12 @@ import dataclasses
 
 import pytest
 
+from pdcluster.config import load_topology
 from pdcluster.engine.compiled_forward import CompileStats
 from pdcluster.engine.llm import LLM
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.models import bundled_checkpoint_dir
 from pdcluster.models.prompts import heldout_def_prompts
-from pdcluster.orchestrator.topology import load_topology
 from tests.cluster.conftest import assert_nothing_held, deployed_with_loop, request_bound_s
 from tests.cluster.test_cluster_ep import generate
 

@@ -12,24 +12,24 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.engine.compiled_forward import CompileStats
-from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.orchestrator.backend import BackendUnavailable
-from pdcluster.orchestrator.cluster import (
+from pdcluster.config import load_topology
+from pdcluster.driver.backend import BackendUnavailable
+from pdcluster.driver.cluster import (
     Cluster,
     actor_resource_options,
     advertised_address,
     check_deployable_parallelism,
     is_loopback_topology,
 )
-from pdcluster.orchestrator.messages import NodeReady
-from pdcluster.orchestrator.rank_actors import (
+from pdcluster.driver.messages import NodeReady
+from pdcluster.driver.rank_actors import (
     ACTORS_READY_TIMEOUT_S,
     COMPILE_READY_TIMEOUT_S,
     load_summary,
     ready_timeout_s,
 )
-from pdcluster.orchestrator.topology import load_topology
+from pdcluster.engine.compiled_forward import CompileStats
+from pdcluster.engine.sampling_params import SamplingParams
 from tests.cluster.conftest import call_bound_s, request_bound_s
 from tests.cluster.test_cluster import _assert_no_blocks_held, _generate, _topology, _wait_reserved
 
@@ -221,8 +221,8 @@ def test_prefill_overlapped_with_the_reservation_or_after_it_gives_the_same_toke
     MAX_EARLY_PREFILL_CALLS, after it (bound): the same greedy tokens, concurrent requests included; the
     load board counts no prefill work in flight afterwards and nothing stays held. After the first
     requests the board holds a snapshot of every decode rank (so routing needs no `load` call)."""
-    import pdcluster.orchestrator.routing as routing
-    from pdcluster.orchestrator.router import RankRef
+    import pdcluster.driver.routing as routing
+    from pdcluster.driver.router import RankRef
 
     cluster = Cluster.deploy(_topology("grpc", True, 1))
     try:

@@ -19,13 +19,13 @@ import time
 
 import pytest
 
+from pdcluster.config import load_topology
+from pdcluster.driver.backend import BackendUnavailable
+from pdcluster.driver.router import RankRef
 from pdcluster.engine.llm import LLM
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.models import bundled_checkpoint_dir
 from pdcluster.models.prompts import heldout_def_prompts
-from pdcluster.orchestrator.backend import BackendUnavailable
-from pdcluster.orchestrator.router import RankRef
-from pdcluster.orchestrator.topology import load_topology
 from tests.cluster.conftest import assert_nothing_held, call_bound_s, deployed_with_loop, request_bound_s
 
 pytestmark = pytest.mark.slow
@@ -208,7 +208,7 @@ def test_a_stalled_rank_fails_its_instance_for_good(cluster, ray_session, prompt
     import os
     import signal
 
-    from pdcluster.orchestrator.cluster import PROBE_INTERVAL_S
+    from pdcluster.driver.cluster import PROBE_INTERVAL_S
 
     async def first_delta():
         stream = cluster.generate("stalled", cluster.tokenizer.encode(prompts[0]), LONG)

@@ -12,10 +12,10 @@ import dataclasses
 
 import pytest
 
+from pdcluster.driver.router import RankRef
 from pdcluster.engine.llm import LLM
 from pdcluster.models import bundled_checkpoint_dir
 from pdcluster.models.prompts import heldout_def_prompts
-from pdcluster.orchestrator.router import RankRef
 from tests.cluster.conftest import assert_nothing_held, deployed_with_loop
 from tests.cluster.test_cluster_ep import GREEDY, ep_topology, generate
 

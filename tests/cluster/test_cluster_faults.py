@@ -13,11 +13,11 @@ import dataclasses
 
 import pytest
 
+from pdcluster.config import load_topology
+from pdcluster.driver.backend import BackendUnavailable
+from pdcluster.driver.cluster import Cluster
+from pdcluster.driver.messages import DecodeNodeLoad, PrefillNodeLoad
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.orchestrator.backend import BackendUnavailable
-from pdcluster.orchestrator.cluster import Cluster
-from pdcluster.orchestrator.messages import DecodeNodeLoad, PrefillNodeLoad
-from pdcluster.orchestrator.topology import load_topology
 from tests.cluster.conftest import assert_nothing_held, deployed_with_loop, request_bound_s
 
 pytestmark = pytest.mark.slow

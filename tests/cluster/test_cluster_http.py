@@ -10,10 +10,10 @@ import time
 import httpx
 import pytest
 
-from pdcluster.orchestrator.api.app import build_app
-from pdcluster.orchestrator.api.server import ServerThread
-from pdcluster.orchestrator.cluster import Cluster
-from pdcluster.orchestrator.topology import DEFAULT_TOPOLOGY_PATH, load_topology
+from pdcluster.config import DEFAULT_TOPOLOGY_PATH, load_topology
+from pdcluster.driver.cluster import Cluster
+from pdcluster.entrypoints.openai.app import build_app
+from pdcluster.entrypoints.openai.server import ServerThread
 from tests.cluster.conftest import call_bound_s, request_bound_s
 from tests.conftest import eager_topology_file
 

@@ -10,14 +10,14 @@ import dataclasses
 
 import pytest
 
+from pdcluster.config import load_topology
+from pdcluster.config.quality import KVBandConfig, KVPrecisionConfig
+from pdcluster.driver.cluster import Cluster
 from pdcluster.engine.kv_precision import request_kv_cache_dtype
 from pdcluster.engine.llm import LLM
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.models import bundled_checkpoint_dir
 from pdcluster.models.prompts import heldout_token_prompts
-from pdcluster.orchestrator.cluster import Cluster
-from pdcluster.orchestrator.topology import load_topology
-from pdcluster.orchestrator.topology.quality import KVBandConfig, KVPrecisionConfig
 from tests.cluster.conftest import assert_nothing_held, request_bound_s
 
 pytestmark = pytest.mark.slow

@@ -15,13 +15,13 @@ import dataclasses
 import openai
 import pytest
 
+from pdcluster.config import load_topology
+from pdcluster.driver.cluster import Cluster
 from pdcluster.engine.llm import LLM
 from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.entrypoints.openai.app import build_app
+from pdcluster.entrypoints.openai.server import ServerThread
 from pdcluster.models import bundled_checkpoint_dir
-from pdcluster.orchestrator.api.app import build_app
-from pdcluster.orchestrator.api.server import ServerThread
-from pdcluster.orchestrator.cluster import Cluster
-from pdcluster.orchestrator.topology import load_topology
 from tests.cluster.conftest import request_bound_s
 
 pytestmark = pytest.mark.slow

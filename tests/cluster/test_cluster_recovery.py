@@ -15,10 +15,10 @@ import time
 
 import pytest
 
+from pdcluster.config import load_topology
+from pdcluster.driver.backend import BackendUnavailable
+from pdcluster.driver.cluster import PROBE_INTERVAL_S, Cluster
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.orchestrator.backend import BackendUnavailable
-from pdcluster.orchestrator.cluster import PROBE_INTERVAL_S, Cluster
-from pdcluster.orchestrator.topology import load_topology
 from tests.cluster.conftest import assert_nothing_held, call_bound_s, deployed_with_loop, request_bound_s
 
 pytestmark = pytest.mark.slow
@@ -135,7 +135,7 @@ def test_a_decode_silent_past_its_engine_watchdog_is_killed_restarted_and_serves
     pid = _pid(cluster, "decode")
     os.kill(pid, signal.SIGSTOP)
     try:
-        with caplog.at_level("WARNING", logger="pdcluster.orchestrator.cluster"):
+        with caplog.at_level("WARNING", logger="pdcluster.driver.cluster"):
             with pytest.raises(BackendUnavailable, match="decode-0"):
                 _generate(cluster, "during-decode-silence")
             # Silent for the watchdog, at least two unanswered probes (the monitor's floor), seen so at a
@@ -205,7 +205,7 @@ def test_a_decode_engine_stuck_in_one_pass_is_failed_and_restarted(cluster, expe
 
     pid = _pid(cluster, "decode")
     stall_s = 10 * request_bound_s(cluster)  # never ends by itself within the test
-    with caplog.at_level("WARNING", logger="pdcluster.orchestrator.cluster"):
+    with caplog.at_level("WARNING", logger="pdcluster.driver.cluster"):
         ray.get(cluster.decode_actors[0].inject_stall.remote(stall_s), timeout=cluster.call_timeout_s)
         with pytest.raises(BackendUnavailable, match="decode-0"):
             _generate(cluster, "during-engine-stall")

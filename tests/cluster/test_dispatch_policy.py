@@ -1,11 +1,11 @@
-"""The pure dispatch policy (`orchestrator.dispatch`): every decision `Cluster.generate` takes for an
+"""The pure dispatch policy (`driver.dispatch`): every decision `Cluster.generate` takes for an
 attempt's events, and the reserve back-pressure rule, on plain data (no Ray, no event loop)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdcluster.orchestrator.dispatch import (
+from pdcluster.driver.dispatch import (
     CALL_TIMEOUT_MIN_S,
     EVENT_SLACK_S,
     RESERVE_RETRY_S,
@@ -28,7 +28,7 @@ from pdcluster.orchestrator.dispatch import (
     event_timeout_s,
     next_action,
 )
-from pdcluster.orchestrator.messages import (
+from pdcluster.driver.messages import (
     Aborted,
     DecodeLost,
     Phases,
@@ -181,7 +181,7 @@ def test_an_unknown_event_is_refused() -> None:
 
 
 def test_phases_merge_and_the_reported_phases_keep_bytes_apart_from_seconds() -> None:
-    from pdcluster.orchestrator.backend import StreamDelta
+    from pdcluster.driver.backend import StreamDelta
 
     prefill = Phases(queue_s=0.5, prefill_s=1.0)
     decode = Phases(kv_transfer_s=0.25, first_decode_step_s=None)

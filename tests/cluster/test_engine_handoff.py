@@ -74,7 +74,7 @@ def test_prefill_decode_handoff_matches_single_engine(model, k: int) -> None:
     for rid in map(str, range(len(prompts))):
         assert sorted(received[rid]) == list(range(num_layers))
         for layer, kv in received[rid].items():
-            if k == 1:  # as DecodeNode writes a received layer: its CRC-32C computed while it is copied
+            if k == 1:  # as DecodeWorker writes a received layer: its CRC-32C computed while it is copied
                 crc = decode.write_prompt_kv(rid, layer, kv, checksum_start=0)
                 assert crc == crc32c.crc32c(kv.contiguous().view(torch.uint8).numpy())
             else:

@@ -9,11 +9,8 @@ import time
 
 import pytest
 
-from pdcluster.decode_node.actor import DecodeNode
-from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.kvtransfer.base import HandoffMeta
-from pdcluster.orchestrator.command_order import CommandSeq
-from pdcluster.orchestrator.messages import (
+from pdcluster.driver.command_order import CommandSeq
+from pdcluster.driver.messages import (
     DecodeNodeLoad,
     PrefillNodeLoad,
     PrefillRequest,
@@ -22,7 +19,10 @@ from pdcluster.orchestrator.messages import (
     ReserveRequest,
     TokenDelta,
 )
-from pdcluster.prefill_node.thread_clock import run_delay_s
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.kvtransfer.base import HandoffMeta
+from pdcluster.workers.decode import DecodeWorker
+from pdcluster.workers.thread_clock import run_delay_s
 from tests.cluster.test_cluster import _topology
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -32,11 +32,11 @@ EVENT_WAIT_S = 30.0  # a generous bound on a tiny model's prefill + 6 decode ste
 
 @pytest.fixture(scope="module", params=["grpc", "shm"])
 def nodes(request):
-    from pdcluster.prefill_node.actor import PrefillNode
+    from pdcluster.workers.prefill import PrefillWorker
 
     topo = _topology(k=1)
-    decode = DecodeNode(topo.engine_config("decode"), "decode-0")
-    prefill = PrefillNode(topo.engine_config("prefill"), "prefill-0", layerwise=True)
+    decode = DecodeWorker(topo.engine_config("decode"), "decode-0")
+    prefill = PrefillWorker(topo.engine_config("prefill"), "prefill-0", layerwise=True)
     address = decode.start_receiver(request.param)
     prefill.connect_receivers(request.param, [[address]])
     yield prefill, decode
@@ -253,11 +253,11 @@ def _tokens(events) -> list[int]:
 def test_a_prefill_sent_before_its_reservation_hands_off_once_bound(nodes) -> None:
     """The driver's overlap (`PrefillRequest.awaiting_bind`): prefill computes before decode has reserved,
     holds the prompt's KV, and hands it off when the bind comes; a bind call that overtakes its prefill
-    call waits for its turn (`orchestrator.command_order`). Greedy tokens equal those of the reserve-first
+    call waits for its turn (`driver.command_order`). Greedy tokens equal those of the reserve-first
     handoff; nothing stays held."""
     import threading
 
-    from pdcluster.orchestrator.messages import PrefillBind
+    from pdcluster.driver.messages import PrefillBind
 
     prefill, decode = nodes
 
@@ -347,7 +347,7 @@ def test_a_bind_that_comes_during_the_prefill_step_streams_the_layers_before_the
     handoff begins there, the layers held until then go out in order, and every layer is sent before the
     step returns (not buffered until after it, which delayed the first token by the handoff's begin and
     sends); tokens equal the reserve-first handoff's."""
-    from pdcluster.orchestrator.messages import PrefillBind
+    from pdcluster.driver.messages import PrefillBind
 
     prefill, decode = nodes
     expected, acked = _reference_tokens(prefill, decode, "ref-mid")
@@ -384,7 +384,7 @@ def test_a_handoff_that_cannot_begin_mid_step_fails_alone(nodes, monkeypatch) ->
     which failed every request in the step)."""
     import threading
 
-    from pdcluster.orchestrator.messages import PrefillBind
+    from pdcluster.driver.messages import PrefillBind
 
     prefill, decode = nodes
     expected, acked = _reference_tokens(prefill, decode, "ref-fail")
@@ -497,12 +497,12 @@ def test_a_reserve_is_served_while_a_decode_step_executes(nodes, monkeypatch) ->
     `while_executing`): with a step held inside `Executor.execute`, a reserve returns bound at once (it used
     to wait for the step's end under the engine lock), on blocks disjoint from the held step's, while an
     abort, which may free a running request's blocks, still waits for the step. Once the held step is older
-    than half the reserve's call timeout (`orchestrator.dispatch.call_timeout_s` of its lease) a reserve
+    than half the reserve's call timeout (`driver.dispatch.call_timeout_s` of its lease) a reserve
     waits for it too, so a hung step still makes reserves time out. The held request's tokens equal those of
     an undisturbed handoff, and nothing stays held."""
     import threading
 
-    from pdcluster.orchestrator.dispatch import call_timeout_s
+    from pdcluster.driver.dispatch import call_timeout_s
 
     prefill, decode = nodes
 
@@ -584,11 +584,11 @@ def test_shm_grpc_pairs_take_shm_on_the_node_and_grpc_across() -> None:
     decode's was written in place into its shared KV cache. A same-node address whose socket cannot be
     reached falls back to gRPC. Nothing is held afterwards."""
     from pdcluster.kvtransfer.paired import PairedAddress, node_id
-    from pdcluster.prefill_node.actor import PrefillNode
+    from pdcluster.workers.prefill import PrefillWorker
 
     topo = _topology(k=1)
-    decodes = [DecodeNode(topo.engine_config("decode"), f"decode-{i}") for i in range(2)]
-    prefill = PrefillNode(topo.engine_config("prefill"), "prefill-0", layerwise=True)
+    decodes = [DecodeWorker(topo.engine_config("decode"), f"decode-{i}") for i in range(2)]
+    prefill = PrefillWorker(topo.engine_config("prefill"), "prefill-0", layerwise=True)
     try:
         here, there = (d.start_receiver("shm+grpc") for d in decodes)
         assert isinstance(here, PairedAddress) and here.node_id == node_id()

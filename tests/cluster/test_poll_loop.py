@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from pdcluster.orchestrator.request_dispatch import Dispatcher
+from pdcluster.driver.request_dispatch import Dispatcher
 
 
 def test_the_poll_loop_ends_when_wait_for_swallowed_its_cancellation() -> None:

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from pdcluster.config import load_topology
+from pdcluster.driver.cluster import PROBE_INTERVAL_S
 from pdcluster.models import bundled_checkpoint_dir
-from pdcluster.orchestrator.cluster import PROBE_INTERVAL_S
-from pdcluster.orchestrator.topology import load_topology
 from tests.cluster.conftest import assert_nothing_held, call_bound_s, deployed_with_loop, request_bound_s
 from tests.cluster.test_cluster_recovery import (
     _generate,
@@ -64,7 +64,7 @@ def test_a_decode_restart_that_hangs_is_killed_once_after_the_load_timeout(
     restarting to every probe. Once that has lasted deploy's load timeout (ACTORS_READY_TIMEOUT_S, 4 s
     here, in the driver) the monitor kills the hanging restart for Ray to start another, which loads, is
     rewired, rejoins once and serves the greedy tokens it served before the crash."""
-    from pdcluster.orchestrator import deployment
+    from pdcluster.driver import deployment
 
     expected_tokens = _generate(cluster, "before-crash")
     monkeypatch.setattr(deployment, "ACTORS_READY_TIMEOUT_S", 4.0)
@@ -72,9 +72,9 @@ def test_a_decode_restart_that_hangs_is_killed_once_after_the_load_timeout(
     raylet = _parent(pid)
     hung = None
     try:
-        with caplog.at_level("WARNING", logger="pdcluster.orchestrator.cluster"):
+        with caplog.at_level("WARNING", logger="pdcluster.driver.cluster"):
             os.kill(pid, signal.SIGKILL)
-            hung = _stop_when_loading(raylet, "ray::DecodeNode.__init__", pid, request_bound_s(cluster))
+            hung = _stop_when_loading(raylet, "ray::DecodeWorker.__init__", pid, request_bound_s(cluster))
             overdue = "decode-0: killing its actor for Ray to restart it (its restart has answered no call"
             bound_s = 4.0 + 2 * (PROBE_INTERVAL_S + call_bound_s(cluster)) + request_bound_s(cluster)
             started_s = time.monotonic()
@@ -114,7 +114,7 @@ def test_a_decode_ray_gave_up_on_is_replaced_in_its_bundle_and_serves_again(
     tokens of before; the old actor's process is gone."""
     import ray
 
-    from pdcluster.orchestrator import health_monitor
+    from pdcluster.driver import health_monitor
 
     monkeypatch.setattr(health_monitor, "REPLACE_AFTER_S", 5.0)
     expected_tokens = _generate(cluster, "before-failed-restart")
@@ -123,7 +123,7 @@ def test_a_decode_ray_gave_up_on_is_replaced_in_its_bundle_and_serves_again(
     kept = weights.rename(checkpoint_copy / "model.safetensors.kept")
     try:
         os.mkfifo(weights)
-        with caplog.at_level("WARNING", logger="pdcluster.orchestrator.cluster"):
+        with caplog.at_level("WARNING", logger="pdcluster.driver.cluster"):
             os.kill(pid, signal.SIGKILL)
             started_s, bound_s = time.monotonic(), request_bound_s(cluster)
             died = ""
@@ -163,7 +163,7 @@ def _parent(pid: int) -> int:
 
 def _stop_when_loading(parent: int, title: str, old_pid: int, bound_s: float) -> int:
     """SIGSTOP the first child of `parent` (Ray's raylet) other than `old_pid` whose process title starts
-    with `title` (Ray names a worker after the task it runs: `ray::DecodeNode.__init__` while an actor is
+    with `title` (Ray names a worker after the task it runs: `ray::DecodeWorker.__init__` while an actor is
     created); its pid."""
     started_s = time.monotonic()
     while time.monotonic() - started_s < bound_s:

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.engine.block_manager import compute_block_hashes
-from pdcluster.orchestrator.instance import decode_rank_loads, prefill_rank_loads
-from pdcluster.orchestrator.messages import DecodeNodeLoad, PrefillNodeLoad
-from pdcluster.orchestrator.router import (
+from pdcluster.driver.instance import decode_rank_loads, prefill_rank_loads
+from pdcluster.driver.messages import DecodeNodeLoad, PrefillNodeLoad
+from pdcluster.driver.router import (
     DecodeLoad,
     PrefillLoad,
     PrefixCacheModel,
@@ -18,6 +17,7 @@ from pdcluster.orchestrator.router import (
     prefix_aware,
     round_robin,
 )
+from pdcluster.engine.block_manager import compute_block_hashes
 
 
 def _pair(choice: RouteChoice) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""`prefill_node.thread_clock.run_delay_s`: the calling thread's wait for a CPU, as Linux counts it."""
+"""`workers.thread_clock.run_delay_s`: the calling thread's wait for a CPU, as Linux counts it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pdcluster.prefill_node.thread_clock import run_delay_s
+from pdcluster.workers.thread_clock import run_delay_s
 
 SPIN_S = 0.4  # each side spins this long on one shared CPU
 

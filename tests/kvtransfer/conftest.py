@@ -105,7 +105,7 @@ class GatedCallback:
 
 
 class PagedWriter:
-    """Decode's `on_layer` as `DecodeNode` registers it (`on_layer_checksums=True`): each layer is written
+    """Decode's `on_layer` as `DecodeWorker` registers it (`on_layer_checksums=True`): each layer is written
     into its own paged cache (4-token blocks, the table in a shuffled order) by
     `kernels.paged_mla.write_prompt_kv`, which returns the CRC-32C of an unverified layer's bytes as it
     copies them. `verified` records what each call was told; `layers()` reads the caches back."""

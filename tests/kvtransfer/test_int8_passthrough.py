@@ -59,7 +59,7 @@ def _hand_off(model):
     decode = _int8_engine(model)
     prompt = prefill.tokenizer.encode(PROMPT)
     num_layers = model.config.num_hidden_layers
-    server = KVReceiverServer("127.0.0.1", 0, int8_passthrough=True)  # as DecodeNode sets for an int8 cache
+    server = KVReceiverServer("127.0.0.1", 0, int8_passthrough=True)  # as DecodeWorker sets for an int8 cache
     received_dtypes: dict[int, tuple[torch.dtype, torch.dtype | None]] = {}
     sender = GrpcKVSender(server.address)
     try:

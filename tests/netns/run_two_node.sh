@@ -120,7 +120,7 @@ else
     log "tc netem: REFUSED: \`tc qdisc add dev lo root netem delay 1ms\`: $out"
 fi
 
-# Ray: worker processes at the driver's niceness (as pdcluster.orchestrator.ray_runtime does for local clusters);
+# Ray: worker processes at the driver's niceness (as pdcluster.driver.ray_runtime does for local clusters);
 # no usage-stats upload (there is no route out anyway); no dashboard (CPU).
 export RAY_USAGE_STATS_ENABLED=0 RAY_worker_niceness=0 OMP_NUM_THREADS=1
 export PATH="$BIN:$PATH"

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
+from pdcluster.config import load_topology
+from pdcluster.driver.backend import BackendUnavailable
+from pdcluster.driver.cluster import PROBE_INTERVAL_S
+from pdcluster.driver.dispatch import MAX_DISPATCH_ATTEMPTS
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.orchestrator.backend import BackendUnavailable
-from pdcluster.orchestrator.cluster import PROBE_INTERVAL_S
-from pdcluster.orchestrator.dispatch import MAX_DISPATCH_ATTEMPTS
-from pdcluster.orchestrator.topology import load_topology
 from tests.cluster.conftest import assert_nothing_held, deployed_with_loop
 
 pytestmark = [
@@ -296,7 +296,7 @@ def test_kv_path_black_holed_the_lease_ends_the_handoff_and_the_next_request_com
     started_s = time.monotonic()
     try:
         # each attempt ends within event_timeout_s; the policy retries a failed handoff once, on the same
-        # prefill instance when it is the only one (orchestrator.dispatch.next_action)
+        # prefill instance when it is the only one (driver.dispatch.next_action)
         bound_s = MAX_DISPATCH_ATTEMPTS * cluster.event_timeout_s
         with pytest.raises(BackendUnavailable) as failure:
             generate(cluster, "black-holed", ids, bound_s + 5.0)

@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from pdcluster.orchestrator.topology import load_topology
+from pdcluster.config import load_topology
 from tests.cluster.conftest import assert_nothing_held, deployed_with_loop
 from tests.netns.test_two_node import (
     IP_A,

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdcluster.config import TopologyError, read_topology
 from pdcluster.engine.accuracy import emulate_weight_dtype_, repetition_rate, stream_windows
-from pdcluster.orchestrator.cli import main
-from pdcluster.orchestrator.topology import TopologyError, read_topology
+from pdcluster.entrypoints.cli import main
 from tests.conftest import tiny_model
 
 SMALL = """\
@@ -149,14 +149,14 @@ def test_gate_refuses_int8_kv_at_an_exact_agreement_threshold(tmp_path, capsys):
 def test_deploy_require_accuracy_refuses_before_ray(tmp_path, capsys, monkeypatch):
     import ray
 
-    import pdcluster.orchestrator.deployment
+    import pdcluster.driver.deployment
 
     def refuse(*_args, **_kwargs):
         raise AssertionError("Ray was started though the accuracy gate failed")
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray, "init", refuse)
-    monkeypatch.setattr(pdcluster.orchestrator.deployment, "init_local_ray", refuse)
+    monkeypatch.setattr(pdcluster.driver.deployment, "init_local_ray", refuse)
     yaml_text = SMALL.replace(
         "num_speculative_tokens: 1\n", "num_speculative_tokens: 1\n  kv_cache_dtype: int8\n"
     )

@@ -15,14 +15,14 @@ from typing import Any
 import httpx
 import pytest
 
+from pdcluster.config import SLOConfig
+from pdcluster.driver.backend import BackendUnavailable, LocalEngineBackend, ServingBackend, StreamDelta
 from pdcluster.engine.llm import LLM
 from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.entrypoints.openai.app import build_app
+from pdcluster.entrypoints.openai.chat_template import ChatTemplate
+from pdcluster.entrypoints.openai.server import ServerThread
 from pdcluster.models import bundled_checkpoint_dir
-from pdcluster.orchestrator.api.app import build_app
-from pdcluster.orchestrator.api.chat_template import ChatTemplate
-from pdcluster.orchestrator.api.server import ServerThread
-from pdcluster.orchestrator.backend import BackendUnavailable, LocalEngineBackend, ServingBackend, StreamDelta
-from pdcluster.orchestrator.topology import SLOConfig
 
 MAX_MODEL_LEN = 256
 PROMPT = "def fibonacci(n):\n"
@@ -190,7 +190,7 @@ def test_models_and_health(client: httpx.Client) -> None:
 
 
 def test_health_says_starting_until_serve_hands_the_service_over(backend: LocalEngineBackend) -> None:
-    """Listening but not yet handed to deploy's loop (`orchestrator.serve` sets `app.state.starting`):
+    """Listening but not yet handed to deploy's loop (`entrypoints.serve` sets `app.state.starting`):
     503, so that a probe's 200 means a SIGTERM takes deploy's drain path."""
     app = build_app(backend)
     app.state.starting = True
@@ -584,7 +584,7 @@ def test_speculative_decoding_reports_acceptance(reference: LLM) -> None:
 
 
 def test_bench_replays_a_trace_against_the_server(server: ServerThread) -> None:
-    from pdcluster.orchestrator.bench_client import run_bench
+    from pdcluster.entrypoints.bench_client import run_bench
 
     report = run_bench(
         server.url,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from pdcluster.orchestrator.api.metrics import ApiMetrics
+from pdcluster.entrypoints.openai.metrics import ApiMetrics
 
 
 def _scrape(stats: dict) -> str:

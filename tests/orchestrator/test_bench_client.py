@@ -13,8 +13,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from pdcluster.orchestrator.api.server import ServerThread
-from pdcluster.orchestrator.bench_client import _one
+from pdcluster.entrypoints.bench_client import _one
+from pdcluster.entrypoints.openai.server import ServerThread
 
 
 def _chunk(text: str, finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -95,7 +95,7 @@ def test_a_stream_without_a_finish_reason_is_a_failed_request() -> None:
 def test_summary_gives_the_median_of_each_reported_phase_in_server_order() -> None:
     """`phases_p50_ms`: per phase, the median over the requests that report it (a failed request and one
     without a phase do not count), in the order the server lists them; none for a server without them."""
-    from pdcluster.orchestrator.bench_client import RequestResult, summarize
+    from pdcluster.entrypoints.bench_client import RequestResult, summarize
 
     def ok(**phases: float) -> RequestResult:
         return RequestResult(0, 8, 4, 0.0, ok=True, ttft_s=0.05, tpot_s=0.01, e2e_s=0.2, num_output_tokens=4,

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.models import bundled_checkpoint_dir
-from pdcluster.models.tokenizer import Tokenizer
-from pdcluster.orchestrator.api.chat_template import ChatTemplate, ChatTemplateError
-from pdcluster.orchestrator.api.tool_calls import (
+from pdcluster.entrypoints.openai.chat_template import ChatTemplate, ChatTemplateError
+from pdcluster.entrypoints.openai.tool_calls import (
     ASCII_MARKERS,
     DEEPSEEK_V3_MARKERS,
     ToolCallStream,
     markers_for,
     parse_tool_calls,
 )
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.tokenizer import Tokenizer
 
 TOOLS = [
     {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import http.client
 import json
 import os
@@ -28,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from pdcluster.entrypoints.cli import main
 from pdcluster.models.loader import SINGLE_FILE
-from pdcluster.orchestrator.cli import main
 from tests.conftest import eager_topology_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,14 +46,14 @@ def no_ray(monkeypatch):
     """Make connecting to or starting Ray fail the test: these errors must come before it."""
     import ray
 
-    import pdcluster.orchestrator.deployment
+    import pdcluster.driver.deployment
 
     def refuse(*_args, **_kwargs):
         raise RayStarted("Ray was started; the error should have been found before")
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray, "init", refuse)
-    monkeypatch.setattr(pdcluster.orchestrator.deployment, "init_local_ray", refuse)
+    monkeypatch.setattr(pdcluster.driver.deployment, "init_local_ray", refuse)
 
 
 def run_cli(capsys, *argv: str | Path) -> tuple[int, str, str]:
@@ -285,7 +286,7 @@ def test_a_fifo_as_the_yaml_path_does_not_block_the_real_process(tmp_path):
     for command in (["validate"], ["deploy"]):
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "pdcluster.orchestrator.cli", *command, str(fifo)],
+                [sys.executable, "-m", "pdcluster.entrypoints.cli", *command, str(fifo)],
                 capture_output=True,
                 text=True,
                 timeout=120,
@@ -299,7 +300,7 @@ def test_a_fifo_as_the_yaml_path_does_not_block_the_real_process(tmp_path):
 
 
 # ---- errors after Ray started: one line too -----------------------------------------------------------
-def ray_task_error(exc: Exception, function_name: str = "PrefillNode.__init__"):
+def ray_task_error(exc: Exception, function_name: str = "PrefillWorker.__init__"):
     """A RayTaskError built as Ray builds one in the worker: the exception and its formatted traceback."""
     import traceback
 
@@ -316,7 +317,7 @@ def ray_task_error(exc: Exception, function_name: str = "PrefillNode.__init__"):
         proctitle=f"ray::{function_name}",
         pid=4242,
         ip="10.0.0.7",
-        actor_repr="<prefill_node.actor.PrefillNode object at 0x7f>",
+        actor_repr="<workers.prefill.PrefillWorker object at 0x7f>",
         actor_id="ab" * 14,
     )
 
@@ -324,8 +325,8 @@ def ray_task_error(exc: Exception, function_name: str = "PrefillNode.__init__"):
 def test_actor_errors_are_the_exception_raised_inside_on_one_line():
     from ray.exceptions import ActorDiedError, RayActorError
 
+    from pdcluster.driver.cluster import actor_error_message
     from pdcluster.models.loader import CheckpointError
-    from pdcluster.orchestrator.cluster import actor_error_message
 
     shapes = "model.norm.weight: expected (32,), got (31,)"
     broken = CheckpointError(
@@ -340,7 +341,7 @@ def test_actor_errors_are_the_exception_raised_inside_on_one_line():
     # A worker that died: Ray's reason, without the lines naming the actor, its pid and node.
     died = RayActorError(
         actor_id="ab" * 14,
-        error_msg="The actor died unexpectedly before finishing this task.\n\tclass_name: DecodeNode\n"
+        error_msg="The actor died unexpectedly before finishing this task.\n\tclass_name: DecodeWorker\n"
         "\tactor_id: abab\n\tpid: 4242\n\tip: 10.0.0.7\n"
         "The actor is dead because its worker process has died.",
     )
@@ -354,14 +355,14 @@ def test_actor_errors_are_the_exception_raised_inside_on_one_line():
 def test_an_actor_that_fails_to_start_is_one_line_and_exit_2(capsys, tmp_path, checkpoint, monkeypatch):
     from ray.exceptions import ActorDiedError
 
-    import pdcluster.orchestrator.serve
-    from pdcluster.orchestrator.cluster import DeployError, actor_error_message
+    import pdcluster.entrypoints.serve
+    from pdcluster.driver.cluster import DeployError, actor_error_message
 
     def deploy(*_args, **_kwargs):  # what Cluster.deploy raises when prefill-0's weights do not load
         exc = ActorDiedError(cause=ray_task_error(MemoryError("cannot allocate 40 GB")))
         raise DeployError(f"prefill-0 failed to start: {actor_error_message(exc)}")
 
-    monkeypatch.setattr(pdcluster.orchestrator.serve.Cluster, "deploy", deploy)
+    monkeypatch.setattr(pdcluster.entrypoints.serve.Cluster, "deploy", deploy)
     code, _, err = run_cli(capsys, "deploy", topology_file(tmp_path, checkpoint))
     assert code == 2
     assert_one_error_line(err, "deploy", "prefill-0 failed to start: MemoryError: cannot allocate 40 GB")
@@ -376,6 +377,13 @@ class _FakeCluster:
     def __init__(self) -> None:
         self.shut_down = False
 
+    @functools.cached_property
+    def tokenizer(self):  # the edge builds the chat template from it
+        from pdcluster.models import bundled_checkpoint_dir
+        from pdcluster.models.tokenizer import Tokenizer
+
+        return Tokenizer.from_dir(bundled_checkpoint_dir())
+
     def stats(self):
         return {}
 
@@ -387,8 +395,8 @@ def test_the_http_port_is_held_while_the_actors_load(tmp_path, checkpoint, monke
     """`serve` binds the HTTP address before `Cluster.deploy` and keeps it until the server listens on that
     same socket: while the actors load, a plain bind of the port fails and a connection is refused (not
     queued); then the service answers on it, and after the service stops the port is free again."""
-    import pdcluster.orchestrator.serve
-    from pdcluster.orchestrator.topology import load_topology
+    import pdcluster.entrypoints.serve
+    from pdcluster.config import load_topology
 
     port = free_port()
     seen_while_loading: list[str] = []
@@ -405,9 +413,9 @@ def test_the_http_port_is_held_while_the_actors_load(tmp_path, checkpoint, monke
         seen_while_loading.append("refused")
         return cluster
 
-    monkeypatch.setattr(pdcluster.orchestrator.serve.Cluster, "deploy", deploy)
+    monkeypatch.setattr(pdcluster.entrypoints.serve.Cluster, "deploy", deploy)
     topology = load_topology(topology_file(tmp_path, checkpoint, port=port))
-    with pdcluster.orchestrator.serve.serve(topology) as service:
+    with pdcluster.entrypoints.serve.serve(topology) as service:
         assert service.url == f"http://127.0.0.1:{port}"
         with urllib.request.urlopen(f"{service.url}/v1/models", timeout=10) as response:
             assert json.loads(response.read())["data"][0]["id"] == "fake"
@@ -424,9 +432,9 @@ def test_a_port_another_server_listens_on_first_is_one_line_and_the_cluster_is_s
     and does not listen yet; in life, connections of an earlier server in TIME_WAIT), another server that
     binds it with SO_REUSEADDR too and listens first wins: `serve` then fails in one line naming the
     address and the reason, after shutting the cluster down."""
-    import pdcluster.orchestrator.serve
-    from pdcluster.orchestrator.cluster import DeployError
-    from pdcluster.orchestrator.topology import load_topology
+    import pdcluster.entrypoints.serve
+    from pdcluster.config import load_topology
+    from pdcluster.driver.cluster import DeployError
 
     cluster = _FakeCluster()
     with socket.socket() as other:
@@ -438,10 +446,10 @@ def test_a_port_another_server_listens_on_first_is_one_line_and_the_cluster_is_s
             other.listen()
             return cluster
 
-        monkeypatch.setattr(pdcluster.orchestrator.serve.Cluster, "deploy", deploy)
+        monkeypatch.setattr(pdcluster.entrypoints.serve.Cluster, "deploy", deploy)
         topology = load_topology(topology_file(tmp_path, checkpoint, port=port))
         with pytest.raises(DeployError, match=rf"^the HTTP server cannot serve on 127.0.0.1:{port}: Address"):
-            with pdcluster.orchestrator.serve.serve(topology):
+            with pdcluster.entrypoints.serve.serve(topology):
                 pass
     assert cluster.shut_down
 
@@ -451,9 +459,9 @@ def test_a_taken_port_fails_before_the_actors_start_and_a_failed_deploy_frees_it
 ):
     """The port taken between the preflight and `serve`: one line, and Ray is never started. A deploy that
     fails after the bind releases the port."""
-    import pdcluster.orchestrator.serve
-    from pdcluster.orchestrator.cluster import DeployError
-    from pdcluster.orchestrator.topology import load_topology
+    import pdcluster.entrypoints.serve
+    from pdcluster.config import load_topology
+    from pdcluster.driver.cluster import DeployError
 
     deploys: list[int] = []
 
@@ -461,19 +469,19 @@ def test_a_taken_port_fails_before_the_actors_start_and_a_failed_deploy_frees_it
         deploys.append(1)
         raise DeployError("prefill-0 failed to start: MemoryError")
 
-    monkeypatch.setattr(pdcluster.orchestrator.serve.Cluster, "deploy", deploy)
+    monkeypatch.setattr(pdcluster.entrypoints.serve.Cluster, "deploy", deploy)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         topology = load_topology(topology_file(tmp_path, checkpoint, port=port))
         with pytest.raises(DeployError, match=rf"^the HTTP server cannot bind 127.0.0.1:{port}: Address"):
-            with pdcluster.orchestrator.serve.serve(topology):
+            with pdcluster.entrypoints.serve.serve(topology):
                 pass
     assert deploys == []
 
     with pytest.raises(DeployError, match="prefill-0 failed to start"):
-        with pdcluster.orchestrator.serve.serve(topology):
+        with pdcluster.entrypoints.serve.serve(topology):
             pass
     assert deploys == [1]
     with socket.socket() as again:
@@ -511,11 +519,11 @@ def test_a_second_ctrl_c_while_draining_cuts_the_requests_and_ends_the_server(
     re-raises the interrupt only once uvicorn has cut that request and ended, so no thread is left
     serving a cluster that is shut down, and the listening socket is not closed under uvicorn (it used to
     be, and uvicorn's HTTP thread then died in `server.close()` with "Invalid file descriptor: -1")."""
-    import pdcluster.orchestrator.serve
-    from pdcluster.orchestrator.topology import load_topology
+    import pdcluster.entrypoints.serve
+    from pdcluster.config import load_topology
 
     cluster = _StreamingFakeCluster()
-    monkeypatch.setattr(pdcluster.orchestrator.serve.Cluster, "deploy", lambda *_a, **_k: cluster)
+    monkeypatch.setattr(pdcluster.entrypoints.serve.Cluster, "deploy", lambda *_a, **_k: cluster)
     thread_errors: list[threading.ExceptHookArgs] = []
     monkeypatch.setattr(threading, "excepthook", thread_errors.append)
     port = free_port()
@@ -534,7 +542,7 @@ def test_a_second_ctrl_c_while_draining_cuts_the_requests_and_ends_the_server(
             pass
 
     with pytest.raises(KeyboardInterrupt):
-        with pdcluster.orchestrator.serve.serve(topology, drain_timeout_s=SHUTDOWN_BOUND_S) as service:
+        with pdcluster.entrypoints.serve.serve(topology, drain_timeout_s=SHUTDOWN_BOUND_S) as service:
             client = threading.Thread(target=stream, daemon=True)
             client.start()
             assert cluster.started.wait(SHUTDOWN_BOUND_S), "the request never reached the cluster"
@@ -559,7 +567,7 @@ def test_deploy_takes_sigint_even_when_started_with_it_ignored():
     """A background job of a non-interactive shell starts with SIGINT ignored; deploy's signal setup puts
     a handler back (SIGTERM's and SIGHUP's too), so `kill -INT` stops it like Ctrl-C. A SIGHUP ignored
     (`nohup`) stays ignored."""
-    from pdcluster.orchestrator.cli.deploy import ShutdownSignals
+    from pdcluster.entrypoints.cli.deploy import ShutdownSignals
 
     names = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {s: signal.getsignal(s) for s in names}
@@ -599,7 +607,7 @@ def test_deploy_takes_sigint_even_when_started_with_it_ignored():
     ],
 )
 def test_deploy_signals_stop_then_cut_the_drain_then_are_only_logged(phase, signals, raised, logged, capsys):
-    from pdcluster.orchestrator.cli.deploy import ShutdownSignals
+    from pdcluster.entrypoints.cli.deploy import ShutdownSignals
 
     policy = ShutdownSignals()
     policy.phase = phase
@@ -617,7 +625,7 @@ def test_deploy_signals_stop_then_cut_the_drain_then_are_only_logged(phase, sign
 
 
 # ---- SIGTERM: the same clean shutdown as Ctrl-C (the one test here that starts Ray) -------------------
-# Bounds from the deploy's own timeouts (pdcluster/orchestrator/deployment.py): placement groups 120 s, actors
+# Bounds from the deploy's own timeouts (pdcluster/driver/deployment.py): placement groups 120 s, actors
 # ready 300 s; on this 2-core machine it is up in 20-40 s. Shutdown: the HTTP server's 10 s stop plus the
 # actor teardown and ray.shutdown.
 DEPLOY_UP_BOUND_S = 120 + 300 + 60
@@ -636,7 +644,7 @@ def test_sigterm_shuts_deploy_down_like_ctrl_c(tmp_path, to_group):
         [
             sys.executable,
             "-m",
-            "pdcluster.orchestrator.cli",
+            "pdcluster.entrypoints.cli",
             "deploy",
             str(eager_topology_file(REPO / "clusters" / "local.yaml", tmp_path)),  # loads in seconds
             "--port",

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from pdcluster import models
+from pdcluster.config import DEFAULT_TOPOLOGY_PATH
+from pdcluster.entrypoints.cli import main
+from pdcluster.entrypoints.cli.generate import TextStreamer
+from pdcluster.entrypoints.demo import heldout_prompts
 from pdcluster.models import bundled_checkpoint_dir
 from pdcluster.models.tokenizer import Tokenizer
-from pdcluster.orchestrator.cli import main
-from pdcluster.orchestrator.cli.generate import TextStreamer
-from pdcluster.orchestrator.demo import heldout_prompts
-from pdcluster.orchestrator.topology import DEFAULT_TOPOLOGY_PATH
 from tests.conftest import eager_topology_file
 from tests.orchestrator.conftest import RANDOM_CONTEXT_LEN
 
@@ -132,7 +132,7 @@ def test_error_exit_code_from_the_real_process():
         [
             sys.executable,
             "-m",
-            "pdcluster.orchestrator.cli",
+            "pdcluster.entrypoints.cli",
             "generate",
             "--prompt",
             "x",

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from pdcluster.orchestrator.command_order import CommandOrder, CommandSeq, StaleCommand
+from pdcluster.driver.command_order import CommandOrder, CommandSeq, StaleCommand
 
 WAIT_S = 5.0  # bound on a thread's join; the orders below never need it
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pdcluster.orchestrator.api.guard import EdgeGuard
-from pdcluster.orchestrator.api.metrics import ApiMetrics
+from pdcluster.entrypoints.openai.guard import EdgeGuard
+from pdcluster.entrypoints.openai.metrics import ApiMetrics
 
 SCOPE = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
 

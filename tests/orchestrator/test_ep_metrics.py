@@ -1,4 +1,4 @@
-"""/metrics families of the EP figures (`orchestrator.api.ep_metrics`) from the engine's own `EPStats`."""
+"""/metrics families of the EP figures (`entrypoints.openai.ep_metrics`) from the engine's own `EPStats`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 from prometheus_client import generate_latest
 
 from pdcluster.engine.expert_parallel import EPStats
-from pdcluster.orchestrator.api.metrics import ApiMetrics
+from pdcluster.entrypoints.openai.metrics import ApiMetrics
 
 
 def _stats(rank: int) -> dict:

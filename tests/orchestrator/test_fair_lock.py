@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pdcluster.orchestrator.fair_lock import FairLock
+from pdcluster.driver.fair_lock import FairLock
 
 WAIT_S = 10.0  # bound on each wait below; every wait ends as soon as its condition holds
 

@@ -1,4 +1,4 @@
-"""The P->D handoff state machine (`orchestrator.handoff`), by table: every (state, event) pair."""
+"""The P->D handoff state machine (`driver.handoff`), by table: every (state, event) pair."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from pdcluster.orchestrator.handoff import (
+from pdcluster.driver.handoff import (
     FINAL_STATES,
     TRANSITIONS,
     HandoffEvent,

@@ -1,4 +1,4 @@
-"""The instance health policy (orchestrator.health): pure transitions, no Ray."""
+"""The instance health policy (driver.health): pure transitions, no Ray."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from pdcluster.orchestrator.health import (
+from pdcluster.driver.health import (
     STUCK_CONFIRM_S,
     Health,
     InstanceHealth,
@@ -18,7 +18,7 @@ from pdcluster.orchestrator.health import (
     restart_overdue,
     unresponsive_too_long,
 )
-from pdcluster.orchestrator.messages import DecodeNodeLoad
+from pdcluster.driver.messages import DecodeNodeLoad
 
 
 def test_a_timeout_makes_an_instance_unresponsive_and_an_answer_from_the_same_process_brings_it_back():
@@ -76,7 +76,7 @@ def test_the_monitor_ignores_a_stale_failure_and_applies_the_next_one(caplog):
     pytest.importorskip("ray")
     from types import SimpleNamespace
 
-    from pdcluster.orchestrator.registry import InstanceRegistry
+    from pdcluster.driver.registry import InstanceRegistry
 
     decode = SimpleNamespace(health=InstanceHealth(Health.HEALTHY, "", since_s=30.0, pid=41))
     done: list = []
@@ -88,7 +88,7 @@ def test_the_monitor_ignores_a_stale_failure_and_applies_the_next_one(caplog):
 
     registry = InstanceRegistry({"prefill": [], "decode": [decode]}, 3.0, on_failed)
     monitor = SimpleNamespace(_mark_failed=registry.mark_failed)
-    with caplog.at_level("WARNING", logger="pdcluster.orchestrator.cluster"):
+    with caplog.at_level("WARNING", logger="pdcluster.driver.cluster"):
         monitor._mark_failed("decode", 0, TimeoutError(), "poll of rank 0", issued_at_s=27.0)
     assert decode.health.routable and done == []
     assert "ignored a failed call (poll of rank 0: no answer within 3 s) sent 3.00 s before" in caplog.text
@@ -133,7 +133,7 @@ def test_a_failure_recorded_while_an_instance_rejoins_is_not_overwritten(caplog)
         monitor.registry.mark_failed(role, index, RuntimeError("the actor died"), "prefill")
 
     monitor.deployment.rewire = rewire_while_the_actor_dies
-    with caplog.at_level("WARNING", logger="pdcluster.orchestrator.cluster"):
+    with caplog.at_level("WARNING", logger="pdcluster.driver.cluster"):
         monitor._rejoin("prefill", 0, pid=41)
     assert prefill.health.state is Health.DEAD and not prefill.health.routable
     assert failed == [("prefill", 0)]
@@ -146,7 +146,7 @@ def test_a_failure_recorded_while_an_instance_rejoins_is_not_overwritten(caplog)
 def test_errors_for_clients_carry_no_ray_internals():
     """What a client hears (BackendUnavailable, /health) names what happened, not actor ids, pids, IPs."""
     ray = pytest.importorskip("ray")
-    from pdcluster.orchestrator.cluster import describe_error
+    from pdcluster.driver.cluster import describe_error
 
     unavailable = ray.exceptions.ActorUnavailableError("connection lost", b"\x01" * 16)
     assert "0101" in str(unavailable)  # Ray's own text has the actor id
@@ -226,7 +226,7 @@ def test_the_monitor_has_ray_restart_a_failed_engine_once_per_process(caplog):
     import time
     from types import SimpleNamespace
 
-    from pdcluster.orchestrator.actor_errors import EngineFailed
+    from pdcluster.driver.actor_errors import EngineFailed
 
     monitor, instance = _watchdog_monitor("shm", num_ranks=1, watchdog_s=0.05)  # confirmed after 0.05 s
     monitor._check_engines(instance, [_load(pass_s=11.0)])  # first sighting: remembered
@@ -242,7 +242,7 @@ def test_the_monitor_has_ray_restart_a_failed_engine_once_per_process(caplog):
             raise refusals.pop()
         killed.append((actor, no_restart))
 
-    with caplog.at_level("WARNING", logger="pdcluster.orchestrator.cluster"):
+    with caplog.at_level("WARNING", logger="pdcluster.driver.cluster"):
         monitor._restart_failed_engine(SimpleNamespace(kill=kill), instance, failed.value.pid)
         assert killed == [] and "killing its actor failed (RuntimeError('the GCS is busy'))" in caplog.text
         monitor._restart_failed_engine(SimpleNamespace(kill=kill), instance, failed.value.pid)  # tried again
@@ -260,7 +260,7 @@ def test_the_monitor_names_the_rank_whose_engine_failed_not_the_ranks_waiting_fo
     import dataclasses
     import time
 
-    from pdcluster.orchestrator.actor_errors import EngineFailed
+    from pdcluster.driver.actor_errors import EngineFailed
 
     monitor, instance = _watchdog_monitor("shm", num_ranks=2, watchdog_s=0.05)
     ranks = [_load(pass_s=5.0), dataclasses.replace(_load(pid=43, pass_s=9.0), name="decode-0.1")]
@@ -282,7 +282,7 @@ def test_an_instance_ray_does_not_restart_is_left_out_of_routing_not_killed(capl
     ray = SimpleNamespace(kill=lambda actor, no_restart: killed.append(actor))
     for transport, num_ranks in (("torch_distributed", 1), ("shm", 2)):
         monitor, instance = _watchdog_monitor(transport, num_ranks)
-        with caplog.at_level("ERROR", logger="pdcluster.orchestrator.cluster"):
+        with caplog.at_level("ERROR", logger="pdcluster.driver.cluster"):
             monitor._restart_failed_engine(ray, instance, pid=41)
         assert (
             f"decode-0: its engine failed, but Ray does not restart its actors (kv_transfer {transport}, "
@@ -349,7 +349,7 @@ def test_probes_use_their_own_concurrency_group_and_no_rejoin_while_a_pass_outla
     """An instance out of routing whose rank answers mid-pass longer than a call may take stays out (its
     calls that wait for the engine would time out again); once that pass ends it rejoins. Every probe goes
     to the probe concurrency group, which calls blocked behind the engine cannot take."""
-    from pdcluster.orchestrator.rank_actors import PROBE_GROUP
+    from pdcluster.driver.rank_actors import PROBE_GROUP
 
     out = InstanceHealth(Health.UNRESPONSIVE, "reserve: no answer within 3 s", since_s=30.0, pid=41)
     monitor, instance, rank, done = _probing_monitor(monkeypatch, _load(pass_s=5.0), out)
@@ -408,7 +408,7 @@ def _silent_monitor(monkeypatch, watchdog_s: float):
     and probe interval short enough that the floor (two unanswered probes) is 0.1 s."""
     import time
 
-    from pdcluster.orchestrator import health_monitor
+    from pdcluster.driver import health_monitor
 
     silent = InstanceHealth(Health.UNRESPONSIVE, "probe: no answer within 3 s", time.monotonic(), pid=41)
     monitor, instance, rank, done = _probing_monitor(
@@ -431,7 +431,7 @@ def test_an_instance_that_answers_no_probe_past_the_watchdog_is_killed_once_for_
     monitor._probe_all()
     assert ("kill", False) not in done  # silent for less than the watchdog
     time.sleep(0.25)
-    with caplog.at_level("ERROR", logger="pdcluster.orchestrator.cluster"):
+    with caplog.at_level("ERROR", logger="pdcluster.driver.cluster"):
         monitor._probe_all()
         monitor._probe_all()
     assert done.count(("kill", False)) == 1
@@ -493,7 +493,7 @@ def test_a_restart_that_never_answers_is_killed_once_after_deploys_load_timeout(
     from types import SimpleNamespace
 
     ray = pytest.importorskip("ray")
-    from pdcluster.orchestrator import health_monitor, rank_actors
+    from pdcluster.driver import health_monitor, rank_actors
 
     restarting = ray.exceptions.ActorUnavailableError("IOError: The actor is restarting.", None)
     clock = [1000.0]
@@ -508,7 +508,7 @@ def test_a_restart_that_never_answers_is_killed_once_after_deploys_load_timeout(
     monitor._probe_all()
     assert ("kill", False) not in done
     clock[0] = 1150.0
-    with caplog.at_level("WARNING", logger="pdcluster.orchestrator.cluster"):
+    with caplog.at_level("WARNING", logger="pdcluster.driver.cluster"):
         monitor._probe_all()
         monitor._probe_all()
     assert done.count(("kill", False)) == 1
@@ -541,10 +541,10 @@ def test_failing_attempts_queued_before_a_shutdown_still_ends_them(monkeypatch):
     its DecodeLost naming the shutdown, and nothing raises IndexError."""
     from types import SimpleNamespace
 
-    from pdcluster.orchestrator.messages import DecodeLost
-    from pdcluster.orchestrator.request_dispatch import Dispatcher
-    from pdcluster.orchestrator.request_state import Attempt
-    from pdcluster.orchestrator.router import RankRef
+    from pdcluster.driver.messages import DecodeLost
+    from pdcluster.driver.request_dispatch import Dispatcher
+    from pdcluster.driver.request_state import Attempt
+    from pdcluster.driver.router import RankRef
 
     dispatcher = object.__new__(Dispatcher)
     attempt = Attempt("r@0", RankRef(0, 0), RankRef(0, 0))
@@ -567,7 +567,7 @@ def test_an_actor_ray_gave_up_on_is_replaced_in_its_bundle_with_backoff_and_a_bo
     from types import SimpleNamespace
 
     ray = pytest.importorskip("ray")
-    from pdcluster.orchestrator import health_monitor
+    from pdcluster.driver import health_monitor
 
     clock = [1000.0]
     monkeypatch.setattr(health_monitor, "time", SimpleNamespace(monotonic=lambda: clock[0]))
@@ -592,7 +592,7 @@ def test_an_actor_ray_gave_up_on_is_replaced_in_its_bundle_with_backoff_and_a_bo
     monitor._probe_all()
     assert [d for d in done if d[0] in ("kill", "new actor")] == []
     clock[0] = 1010.0
-    with caplog.at_level("ERROR", logger="pdcluster.orchestrator.cluster"):
+    with caplog.at_level("ERROR", logger="pdcluster.driver.cluster"):
         monitor._probe_all()
     assert done[-2:] == [("kill", rank, True), ("new actor", 1, 0)] and instance.ranks == [new_ranks[0]]
     assert (
@@ -606,7 +606,7 @@ def test_an_actor_ray_gave_up_on_is_replaced_in_its_bundle_with_backoff_and_a_bo
     monitor._probe_all()
     assert len(new_ranks) == 2 and instance.ranks == [new_ranks[1]]
     clock[0] = 5000.0
-    with caplog.at_level("ERROR", logger="pdcluster.orchestrator.cluster"):
+    with caplog.at_level("ERROR", logger="pdcluster.driver.cluster"):
         monitor._probe_all()
         monitor._probe_all()
     assert len(new_ranks) == 2
@@ -639,8 +639,8 @@ def _new_monitor(instances: dict, topology, call_timeout_s: float = 3.0):
     failure as `Cluster._on_instance_failed` does (assign those on the monitor)."""
     from types import SimpleNamespace
 
-    from pdcluster.orchestrator.health_monitor import HealthMonitor
-    from pdcluster.orchestrator.registry import InstanceRegistry
+    from pdcluster.driver.health_monitor import HealthMonitor
+    from pdcluster.driver.registry import InstanceRegistry
 
     def on_failed(role, index, left_routing):
         if role == "decode":

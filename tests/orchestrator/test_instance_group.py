@@ -1,4 +1,4 @@
-"""Joining a multi-rank instance's group (`orchestrator.instance_group`) in-process, one thread per rank:
+"""Joining a multi-rank instance's group (`driver.instance_group`) in-process, one thread per rank:
 every rank joins; a rank that never comes fails the others at the barrier within its timeout; a malformed
 rendezvous is refused."""
 
@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from pdcluster.orchestrator.deployment import free_ports
-from pdcluster.orchestrator.instance_group import join_instance_group
-from pdcluster.orchestrator.messages import InstanceGroupSpec
+from pdcluster.driver.deployment import free_ports
+from pdcluster.driver.instance_group import join_instance_group
+from pdcluster.driver.messages import InstanceGroupSpec
 
 
 def _spec(

@@ -1,4 +1,4 @@
-"""`python -m pdcluster.orchestrator.job` (the `ray job submit` entry point) end to end on a local Ray."""
+"""`python -m pdcluster.entrypoints.job` (the `ray job submit` entry point) end to end on a local Ray."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pdcluster.orchestrator.job import main
-from pdcluster.orchestrator.topology import DEFAULT_TOPOLOGY_PATH
+from pdcluster.config import DEFAULT_TOPOLOGY_PATH
+from pdcluster.entrypoints.job import main
 from tests.conftest import eager_topology_file
 
 PHASES = {"queue_s", "prefill_s", "kv_transfer_s", "first_decode_step_s", "total_s"}

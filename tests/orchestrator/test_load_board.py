@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.orchestrator.load_board import LoadBoard
-from pdcluster.orchestrator.messages import DecodeNodeLoad
-from pdcluster.orchestrator.router import DecodeLoad, RankRef
+from pdcluster.driver.load_board import LoadBoard
+from pdcluster.driver.messages import DecodeNodeLoad
+from pdcluster.driver.router import DecodeLoad, RankRef
 
 
 def _decode(free: int, running: int, taken_s: float, pid: int = 100, reserved: int = 0) -> DecodeNodeLoad:

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from pdcluster.driver.backend import LocalEngineBackend
 from pdcluster.engine.llm import LLM
 from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.entrypoints.openai.app import build_app
+from pdcluster.entrypoints.openai.server import ServerThread
 from pdcluster.models import bundled_checkpoint_dir
-from pdcluster.orchestrator.api.app import build_app
-from pdcluster.orchestrator.api.server import ServerThread
-from pdcluster.orchestrator.backend import LocalEngineBackend
 
 PROMPT = "def fibonacci(n):\n"
 TOLERANCE = 1e-4

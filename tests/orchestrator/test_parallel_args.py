@@ -1,13 +1,13 @@
 """Each rank's `EngineConfig.parallel` as the deployment derives it from the topology
-(`orchestrator.topology.engine_args.parallel_config`)."""
+(`config.engine_args.parallel_config`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
+from pdcluster.config import load_topology
 from pdcluster.engine.parallel import ParallelConfig
-from pdcluster.orchestrator.topology import load_topology
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "clusters"
 
@@ -21,7 +21,7 @@ def test_experts_split_over_every_rank_give_each_rank_its_ep_layout() -> None:
                 rank=rank,
                 num_redundant_experts=2,
                 eplb_interval_steps=None,
-                collective_timeout_s=topo.kv_transfer.timeout_s,  # orchestrator.dispatch.collective_timeout_s
+                collective_timeout_s=topo.kv_transfer.timeout_s,  # driver.dispatch.collective_timeout_s
             )
     rebalancing = dataclasses.replace(topo, decode=dataclasses.replace(topo.decode, eplb_interval_steps=50))
     assert rebalancing.engine_config("decode", 1).parallel.eplb_interval_steps == 50

@@ -14,19 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.models import bundled_checkpoint_dir
-from pdcluster.orchestrator.placement import (
-    PACK,
-    STRICT_PACK,
-    DeviceSlot,
-    PlacementError,
-    PlacementPlan,
-    nodes_to_pin,
-    plan_placement,
-    to_ray_placement_group_args,
-)
-from pdcluster.orchestrator.ray_runtime import init_local_ray
-from pdcluster.orchestrator.topology import (
+from pdcluster.config import (
     DEFAULT_TOPOLOGY_PATH,
     DecodePoolConfig,
     HardwareConfig,
@@ -36,6 +24,18 @@ from pdcluster.orchestrator.topology import (
     Topology,
     load_topology,
 )
+from pdcluster.config.placement import (
+    PACK,
+    STRICT_PACK,
+    DeviceSlot,
+    PlacementError,
+    PlacementPlan,
+    nodes_to_pin,
+    plan_placement,
+    to_ray_placement_group_args,
+)
+from pdcluster.driver.ray_runtime import init_local_ray
+from pdcluster.models import bundled_checkpoint_dir
 from tests.conftest import tiny_config
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "clusters"
@@ -233,7 +233,7 @@ def test_init_local_ray_retries_rays_startup_timeout_once(monkeypatch, timeout):
     (`ray.init` and `ray.shutdown` replaced by recorders: the fault is Ray's message, injected.)"""
     import ray
 
-    from pdcluster.orchestrator import ray_runtime
+    from pdcluster.driver import ray_runtime
 
     calls: list[str] = []
     outcomes: list[BaseException | None] = []
@@ -350,7 +350,7 @@ def test_a_sigterm_meeting_rays_handler_inside_the_block_goes_to_the_callers():
     """`keeping_sigterm_handler`: Ray's `ray.init` sets SIGTERM to `sys.exit(15)` at once; a SIGTERM then
     is a SystemExit, which the block hands to the caller's handler (deploy's raises KeyboardInterrupt and
     shuts down) and whose handler it puts back. Other exits pass unchanged."""
-    from pdcluster.orchestrator.ray_runtime import keeping_sigterm_handler
+    from pdcluster.driver.ray_runtime import keeping_sigterm_handler
 
     def callers(signum, frame):
         raise KeyboardInterrupt

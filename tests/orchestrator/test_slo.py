@@ -1,12 +1,12 @@
-"""`orchestrator.slo`: the TPOT definition and the one SLO rule behind the API's metrics and the benchmarks'
+"""`config.slo`: the TPOT definition and the one SLO rule behind the API's metrics and the benchmarks'
 goodput."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdcluster.orchestrator.bench_client import RequestResult, summarize
-from pdcluster.orchestrator.slo import meets_slo, time_per_output_token_s
+from pdcluster.config.slo import meets_slo, time_per_output_token_s
+from pdcluster.entrypoints.bench_client import RequestResult, summarize
 
 
 @pytest.mark.parametrize(

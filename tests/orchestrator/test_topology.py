@@ -18,11 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.engine.config import EngineConfig
-from pdcluster.models import bundled_checkpoint_dir
-from pdcluster.orchestrator.cli import main
-from pdcluster.orchestrator.hardware import ACCELERATORS, GIB, get_accelerator
-from pdcluster.orchestrator.topology import (
+from pdcluster.config import (
     DEFAULT_TOPOLOGY_PATH,
     MAX_YAML_BYTES,
     MAX_YAML_DEPTH,
@@ -41,6 +37,10 @@ from pdcluster.orchestrator.topology import (
     load_topology,
     resolve_kv_transport,
 )
+from pdcluster.config.hardware import ACCELERATORS, GIB, get_accelerator
+from pdcluster.engine.config import EngineConfig
+from pdcluster.entrypoints.cli import main
+from pdcluster.models import bundled_checkpoint_dir
 from tests.conftest import tiny_config
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "clusters"
@@ -143,7 +143,7 @@ def test_cm384_is_big_ep_decode_on_910c_dies():
 def test_every_engine_argument_is_derived_from_the_topology_or_deliberately_defaulted():
     import dataclasses
 
-    from pdcluster.orchestrator.topology.engine_args import (
+    from pdcluster.config.engine_args import (
         ENGINE_DEFAULTED,
         ENGINE_FIELDS,
         POOL_DEPLOYMENT_FIELDS,
@@ -309,8 +309,8 @@ def test_every_integer_field_has_both_bounds():
     import dataclasses
     import typing
 
-    from pdcluster.orchestrator import topology as t
-    from pdcluster.orchestrator.topology.fields import unwrap_optional
+    from pdcluster.config.fields import unwrap_optional
+    from pdcluster.driver import topology as t
 
     classes = [t.HardwareConfig, t.PrefillPoolConfig, t.DecodePoolConfig, t.KVTransferConfig, t.ApiConfig]
     for cls in classes:
@@ -321,8 +321,8 @@ def test_every_integer_field_has_both_bounds():
 
 
 def test_router_policy_choices_are_the_router_modules_policies():
-    from pdcluster.orchestrator.router import POLICIES
-    from pdcluster.orchestrator.topology import RouterConfig
+    from pdcluster.config import RouterConfig
+    from pdcluster.driver.router import POLICIES
 
     for name in POLICIES:
         assert RouterConfig(policy=name).policy == name

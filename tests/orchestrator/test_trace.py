@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from pdcluster.entrypoints.bench_client import RequestResult, format_table, summarize
 from pdcluster.models import bundled_checkpoint_dir
 from pdcluster.models.tokenizer import Tokenizer
-from pdcluster.orchestrator.bench_client import RequestResult, format_table, summarize
-from pdcluster.orchestrator.trace import (
+from pdcluster.planner.trace import (
     MIN_INPUT_TOKENS,
     TraceRequest,
     build_prompts,
@@ -153,7 +153,7 @@ def test_cli_bench_against_a_local_server(capsys) -> None:
     """`pdcluster bench --endpoint local` end to end: an in-process server, two requests, JSON out."""
     import json
 
-    from pdcluster.orchestrator.cli import main
+    from pdcluster.entrypoints.cli import main
 
     argv = ["bench", "--endpoint", "local", "--trace", MOONCAKE, "--num-requests", "2", "--time-scale", "100"]
     assert main([*argv, "--max-tokens-cap", "4", "--json"]) == 0

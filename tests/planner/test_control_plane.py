@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from pdcluster.orchestrator.bench_client import RequestResult
-from pdcluster.orchestrator.trace import TraceRequest
+from pdcluster.entrypoints.bench_client import RequestResult
 from pdcluster.planner.calibration import FORMAT
 from pdcluster.planner.control_plane import (
     ControlPlane,
@@ -18,6 +17,7 @@ from pdcluster.planner.control_plane import (
     point_from_result,
 )
 from pdcluster.planner.simulator import simulate
+from pdcluster.planner.trace import TraceRequest
 from tests.planner.test_simulator import LinearModel, sizing, topology
 
 TOL_S = 1e-9

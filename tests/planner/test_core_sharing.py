@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.orchestrator.topology import load_topology
-from pdcluster.orchestrator.trace import TraceRequest
+from pdcluster.config import load_topology
 from pdcluster.planner.core_sharing import NodeCores
 from pdcluster.planner.simulator import simulate
 from pdcluster.planner.step_model import StepShape
+from pdcluster.planner.trace import TraceRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -159,7 +159,7 @@ def test_v3_each_op_by_hand(v3):
 def test_v3_active_parameters_per_token(v3):
     """One token's GEMM FLOPs / 2 are the active parameters without the embedding: the report's 37B
     (DeepSeek-V3 technical report, arXiv:2412.19437, section 1) less the 0.93B embedding table."""
-    from pdcluster.orchestrator.hardware import get_accelerator
+    from pdcluster.config.hardware import get_accelerator
     from pdcluster.planner.perf_model import PerfModel
     from pdcluster.planner.step_model import DecodeRow, StepShape
 
@@ -187,7 +187,7 @@ def test_tiny_decode_step_op_list(tiny):
     """Every op of one tiny decode step with MTP k=1 (1 row, 2 verified tokens), with its layer count:
     1 dense + 3 MoE layers (first_k_dense_replace 1), then the MTP module (an MoE layer) over the 2
     verified positions and one draft's lm_head."""
-    from pdcluster.orchestrator.hardware import get_accelerator
+    from pdcluster.config.hardware import get_accelerator
     from pdcluster.planner.perf_model import PerfModel
     from pdcluster.planner.step_model import DecodeRow, StepShape
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from pdcluster.config import load_topology
+from pdcluster.config.hardware import get_accelerator
 from pdcluster.models.config import DeepseekV3Config
-from pdcluster.orchestrator.efficiency import get_efficiency
-from pdcluster.orchestrator.hardware import get_accelerator
-from pdcluster.orchestrator.topology import load_topology
 from pdcluster.planner.calibration import FORMAT, load_calibration
+from pdcluster.planner.efficiency import get_efficiency
 from pdcluster.planner.op_costs import Dtypes
 from pdcluster.planner.perf_model import Link, Parallelism, PerfModel, perf_model_for, statistical_imbalance
 from pdcluster.planner.rank_split import attention_sums, decode_sums

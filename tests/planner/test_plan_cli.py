@@ -6,8 +6,8 @@ import json
 import re
 from pathlib import Path
 
-from pdcluster.orchestrator.cli import main
-from pdcluster.orchestrator.topology import load_topology
+from pdcluster.config import load_topology
+from pdcluster.entrypoints.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE = "AzureLLMInferenceTrace_conv.csv"

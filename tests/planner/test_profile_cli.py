@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.orchestrator.cli import main
-from pdcluster.orchestrator.topology import load_topology
+from pdcluster.config import load_topology
+from pdcluster.entrypoints.cli import main
 from pdcluster.planner.calibration import FORMAT, read_calibration
 from pdcluster.planner.control_plane import ControlPlane, control_plane_from_calibration
 from pdcluster.planner.perf_model import perf_model_for

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from bench import planner_published as bench
-from pdcluster.orchestrator.cli import main
-from pdcluster.orchestrator.efficiency import EFFICIENCY
+from pdcluster.entrypoints.cli import main
 from pdcluster.planner import fit, published
+from pdcluster.planner.efficiency import EFFICIENCY
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.orchestrator.cli import main
-from pdcluster.orchestrator.preflight import actor_layer_issues
-from pdcluster.orchestrator.topology import check_topology, load_topology
-from pdcluster.orchestrator.trace import TraceRequest
+from pdcluster.config import check_topology, load_topology
+from pdcluster.config.preflight import actor_layer_issues
+from pdcluster.entrypoints.cli import main
 from pdcluster.planner.search import (
     Evaluated,
     candidate_topologies,
@@ -22,6 +21,7 @@ from pdcluster.planner.search import (
     spread_counts,
 )
 from pdcluster.planner.simulator import SimResult
+from pdcluster.planner.trace import TraceRequest
 from pdcluster.planner.workload import repeat_trace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,7 +154,7 @@ def test_plan_yaml_is_a_topology_pdcluster_validate_accepts(tmp_path, capsys):
 
 
 def test_repeat_trace_keeps_the_rate():
-    from pdcluster.orchestrator.trace import load_trace
+    from pdcluster.planner.trace import load_trace
 
     trace = load_trace("AzureLLMInferenceTrace_conv.csv", 100)
     repeated = repeat_trace(trace, 250)

@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import pytest
 
+import pdcluster.driver.dispatch
+import pdcluster.driver.router
 import pdcluster.engine.scheduler_policy
-import pdcluster.orchestrator.dispatch
-import pdcluster.orchestrator.router
-from pdcluster.engine.scheduler_policy import SchedulerConfig
-from pdcluster.orchestrator.topology import (
+from pdcluster.config import (
     DecodePoolConfig,
     KVTransferConfig,
     PrefillPoolConfig,
     RouterConfig,
     Topology,
 )
-from pdcluster.orchestrator.trace import TraceRequest
+from pdcluster.engine.scheduler_policy import SchedulerConfig
 from pdcluster.planner import sim_engine, simulator
 from pdcluster.planner.simulator import LengthOnlyPrompt, PoolSizing, simulate
 from pdcluster.planner.step_model import DecodeRow, PrefillChunk, StepShape
+from pdcluster.planner.trace import TraceRequest
 
 TOL_S = 1e-9
 
@@ -74,14 +74,14 @@ def run(requests, prefill, decode, k=0, acceptance=(), decode_blocks=1000, **kw)
 
 
 def test_the_simulator_calls_the_live_policy_functions():
-    assert simulator.POLICIES is pdcluster.orchestrator.router.POLICIES
-    assert simulator.after_reserve is pdcluster.orchestrator.dispatch.after_reserve
+    assert simulator.POLICIES is pdcluster.driver.router.POLICIES
+    assert simulator.after_reserve is pdcluster.driver.dispatch.after_reserve
     assert sim_engine.schedule_step is pdcluster.engine.scheduler_policy.schedule_step
     assert simulator.check_request_fits is pdcluster.engine.scheduler_policy.check_request_fits
     for (
         name,
         live,
-    ) in pdcluster.orchestrator.router.POLICIES.items():  # the instance routes with the live object
+    ) in pdcluster.driver.router.POLICIES.items():  # the instance routes with the live object
         sim = simulator.ClusterSimulator(
             topology(policy=name), LinearModel(0.1), LinearModel(0.01), sizing(), sizing()
         )
@@ -106,12 +106,12 @@ def test_the_simulator_runs_the_policy_functions_it_imports(monkeypatch):
         return wrapper
 
     counting(sim_engine, "schedule_step", pdcluster.engine.scheduler_policy.schedule_step)
-    counting(simulator, "after_reserve", pdcluster.orchestrator.dispatch.after_reserve)
+    counting(simulator, "after_reserve", pdcluster.driver.dispatch.after_reserve)
     counting(simulator, "check_request_fits", pdcluster.engine.scheduler_policy.check_request_fits)
     policy = counting(
-        pdcluster.orchestrator.router.POLICIES,
+        pdcluster.driver.router.POLICIES,
         "least_loaded",
-        pdcluster.orchestrator.router.POLICIES["least_loaded"],
+        pdcluster.driver.router.POLICIES["least_loaded"],
     )
     assert simulator.POLICIES["least_loaded"] is policy  # the simulator's table is the live one
     run([TraceRequest(0.0, 8, 4), TraceRequest(0.5, 8, 4)], LinearModel(0.1), LinearModel(0.01))
@@ -181,7 +181,7 @@ def test_continuous_batching_joins_requests_at_step_boundaries():
 
 
 def test_back_pressure_retries_the_reserve_then_fails_at_the_deadline():
-    from pdcluster.orchestrator.dispatch import RESERVE_RETRY_S
+    from pdcluster.driver.dispatch import RESERVE_RETRY_S
 
     # 100 + 1 tokens need 7 blocks of 16: the decode cache (10 blocks) holds one request at a time
     prefill, decode = LinearModel(0.01), LinearModel(0.1)
@@ -245,7 +245,7 @@ def test_same_seed_same_result_and_the_bench_table():
 def test_length_only_prompt_has_no_prefix_hits():
     prompt = LengthOnlyPrompt(48)
     assert len(prompt) == 48
-    assert pdcluster.orchestrator.router.prefix_hit_tokens(prompt, 16, frozenset({b"x"})) == 0
+    assert pdcluster.driver.router.prefix_hit_tokens(prompt, 16, frozenset({b"x"})) == 0
 
 
 def test_decode_preempts_by_recompute_when_its_blocks_run_out():
@@ -277,7 +277,7 @@ def test_pool_sizing_keeps_the_instances_limits(path, role, max_num_seqs, max_nu
     share made cm384's decode instance take 96 requests instead of 27,648.)"""
     from pathlib import Path
 
-    from pdcluster.orchestrator.topology import load_topology
+    from pdcluster.config import load_topology
     from pdcluster.planner.simulator import pool_sizing
 
     topology = load_topology(Path(__file__).resolve().parents[2] / path)

@@ -1,0 +1,281 @@
+"""The health monitor of a `Cluster`: instances leave routing when a call fails, rejoin when they answer."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pdcluster.config import ADDRESSED_KV_TRANSPORTS, ROLES
+from pdcluster.driver.actor_errors import EngineFailed, describe_error
+from pdcluster.driver.health import (
+    after_answer,
+    engine_fault,
+    restart_overdue,
+    unresponsive_too_long,
+)
+from pdcluster.driver.instance import Instance, check_instance_group
+from pdcluster.driver.load_board import LoadBoard
+from pdcluster.driver.messages import DecodeNodeLoad, PrefillNodeLoad
+from pdcluster.driver.rank_actors import PROBE_GROUP, ray_restarts, ready_timeout_s
+from pdcluster.driver.registry import InstanceRegistry, restart_pending
+from pdcluster.driver.router import RankRef
+
+logger = logging.getLogger("pdcluster.driver.cluster")
+
+PROBE_INTERVAL_S = 1.0  # the health monitor probes every instance this often (seconds)
+# An actor Ray gave up on is replaced in its bundle at most MAX_REPLACEMENTS times, REPLACE_AFTER_S seconds
+# after it died, each next one after twice as long.
+REPLACE_AFTER_S = 10.0
+MAX_REPLACEMENTS = 5
+
+
+class HealthMonitor:
+    """The monitor thread (see the module docstring)."""
+
+    def __init__(
+        self,
+        registry: InstanceRegistry,
+        deployment: Any,
+        loads: LoadBoard,
+        fail_attempts: Callable[[str, int], None],
+    ) -> None:
+        self.registry = registry
+        self.deployment = deployment
+        self.topology = deployment.topology
+        self.call_timeout_s = deployment.call_timeout_s
+        self._loads = loads
+        self._fail_attempts = fail_attempts
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stuck_passes: dict[str, tuple[int, int, float]] = {}  # the watchdog's `stuck` per rank name
+        self._last_answer_s: dict[tuple[str, int], float] = {}  # each instance's last answered probe
+        self._engine_restarts: dict[tuple[str, int], int | None] = {}  # the process last killed, per instance
+        self._last_kill_s: dict[tuple[str, int], float] = {}  # each instance's last such kill
+        self._overdue_kills: dict[tuple[str, int], float] = {}  # the death an overdue restart was killed in
+        self._replacements: dict[tuple[str, int], int] = {}  # actors started for one Ray gave up on
+
+    @property
+    def instances(self) -> dict[str, list[Instance]]:
+        return self.registry.instances
+
+    @property
+    def _closed(self) -> bool:
+        return self._stop.is_set()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._monitor_health, name="health-monitor", daemon=True)
+        self._thread.start()
+
+    def stop(self, join_timeout_s: float) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(join_timeout_s)
+
+    def _monitor_health(self) -> None:
+        while not self._stop.wait(PROBE_INTERVAL_S):
+            try:
+                self._probe_all()
+            except Exception:  # noqa: BLE001 - Ray going away under a shutdown, or a bug: never die silently
+                if self._closed:
+                    return
+                logger.exception("health monitor: a probe round failed; trying again")
+
+    def _probe_all(self) -> None:
+        """One round of the health monitor (see `_monitor_health`)."""
+        import ray
+
+        targets = [instance for role in ROLES for instance in self.instances[role]]
+        if not targets or self._closed:
+            return
+        refs = [
+            [actor.load.options(concurrency_group=PROBE_GROUP).remote() for actor in instance.ranks]
+            for instance in targets
+        ]
+        flat = [ref for rank_refs in refs for ref in rank_refs]
+        ray.wait(flat, num_returns=len(flat), timeout=self.call_timeout_s)
+        for instance, rank_refs in zip(targets, refs, strict=True):
+            if self._closed:
+                return
+            try:
+                loads = [ray.get(ref, timeout=0) for ref in rank_refs]
+                check_instance_group(loads)
+                self._check_engines(instance, loads)
+                pids = [load.pid for load in loads]
+            except Exception as e:  # noqa: BLE001 - a rank stalled, restarting, dead, its group or engine failed
+                self.registry.mark_failed(instance.role, instance.index, e, "probe")
+                if isinstance(e, ray.exceptions.ActorDiedError) and not self._closed:
+                    self._replace_if_given_up(ray, instance, e)
+                    continue
+                if isinstance(e, EngineFailed):
+                    if not self._closed:
+                        self._restart_failed_engine(ray, instance, e.pid)
+                    continue
+                # unanswered: a pause counts in no watchdog sighting (the next answer starts afresh)
+                for rank in range(len(instance.ranks)):
+                    self._stuck_passes.pop(instance.rank_name(rank), None)
+                key, now_s = (instance.role, instance.index), time.monotonic()
+                last_answer_s = self._last_answer_s.get(key, 0.0)
+                silent = unresponsive_too_long(
+                    instance.health,
+                    self.topology.pool(instance.role).engine_watchdog_s,
+                    now_s,
+                    last_answer_s,
+                    min_silent_s=2 * (self.call_timeout_s + PROBE_INTERVAL_S),
+                )
+                if silent is not None and not self._closed:
+                    self._restart_failed_engine(ray, instance, instance.health.pid, silent)
+                elif restart_pending(e) and not self._closed:
+                    episode_s = instance.health.since_s
+                    overdue = restart_overdue(
+                        instance.health,
+                        ready_timeout_s(self.topology),
+                        now_s,
+                        max(last_answer_s, self._last_kill_s.get(key, 0.0)),
+                    )
+                    if overdue is not None and self._overdue_kills.get(key) != episode_s:
+                        if self._restart_failed_engine(
+                            ray, instance, instance.health.pid, overdue, again=True
+                        ):
+                            self._overdue_kills[key] = episode_s
+                            logger.warning(
+                                "%s-%d: if this restart hangs too, it is not killed again: it stays out of "
+                                "routing until it answers",
+                                *key,
+                            )
+                continue
+            self._last_answer_s[(instance.role, instance.index)] = time.monotonic()
+            if instance.role == "decode" and instance.routable and instance.health.pid == pids[0]:
+                for rank, load in enumerate(loads):  # the router's view, refreshed (driver.load_board)
+                    self._loads.update_decode(RankRef(instance.index, rank), load)
+            health = instance.health
+            if not health.routable or health.pid != pids[0]:
+                in_long_pass = max(load.engine_pass_s for load in loads) > self.call_timeout_s
+                if health.pid != pids[0] or not in_long_pass:
+                    self._rejoin(instance.role, instance.index, pids[0])
+
+    def _replace_if_given_up(self, ray, instance: Instance, exc: BaseException) -> None:
+        key = (instance.role, instance.index)
+        restarts = ray_restarts(self.topology.kv_transport, len(instance.ranks))
+        if getattr(exc, "preempted", False) or not restarts:
+            return
+        done = self._replacements.get(key, 0)
+        if done >= MAX_REPLACEMENTS:
+            if done == MAX_REPLACEMENTS:  # said once
+                self._replacements[key] = done + 1
+                logger.error(
+                    "%s-%d: Ray gave up on its actor again and its %d replacements are spent: it stays "
+                    "out of routing (%s)",
+                    *key,
+                    MAX_REPLACEMENTS,
+                    describe_error(exc),
+                )
+            return
+        now_s = time.monotonic()
+        since_s = max(instance.health.since_s, self._last_kill_s.get(key, 0.0))
+        if now_s - since_s < REPLACE_AFTER_S * 2**done:
+            return
+        logger.error(
+            "%s-%d: Ray gave up on its actor (%s); starting a new one in its placement group (%d of %d)",
+            *key,
+            describe_error(exc),
+            done + 1,
+            MAX_REPLACEMENTS,
+        )
+        try:
+            for actor in instance.ranks:
+                ray.kill(actor, no_restart=True)
+            spec_index = next(
+                i for i, spec in enumerate(self.deployment._plan.instances) if (spec.role, spec.index) == key
+            )
+            instance.ranks = [self.deployment._new_rank_actor(ray, spec_index, 0)]
+        except Exception as e:  # noqa: BLE001 - Ray could not be asked now: the next probe tries again
+            logger.warning("%s-%d: replacing its actor failed (%r); trying again at the next probe", *key, e)
+            return
+        self._replacements[key] = done + 1
+        self._last_kill_s[key] = now_s
+
+    def _check_engines(self, instance: Instance, loads: list[PrefillNodeLoad] | list[DecodeNodeLoad]) -> None:
+        """The engine watchdog over one instance's probe answers (`health.engine_fault`).
+
+        Raises EngineFailed naming the rank whose engine most likely failed.
+        """
+        watchdog_s, now_s = self.topology.pool(instance.role).engine_watchdog_s, time.monotonic()
+        faults = []
+        for load in loads:
+            fault, stuck = engine_fault(load, watchdog_s, self._stuck_passes.get(load.name), now_s)
+            if stuck is None:
+                self._stuck_passes.pop(load.name, None)
+            else:
+                self._stuck_passes[load.name] = stuck
+            if fault is not None:
+                faults.append((load.engine_thread_alive, -load.engine_pass_s, fault))
+        if faults:
+            raise EngineFailed(min(faults)[2], loads[0].pid)
+
+    def _restart_failed_engine(
+        self, ray, instance: Instance, pid: int | None, why: str = "its engine failed", again: bool = False
+    ) -> bool:
+        key = (instance.role, instance.index)
+        restarts = ray_restarts(self.topology.kv_transport, len(instance.ranks))
+        if self._engine_restarts.get(key) == pid and not (again and restarts):
+            return False
+        if not restarts:
+            self._engine_restarts[key] = pid
+            logger.error(
+                "%s-%d: %s, but Ray does not restart its actors (kv_transfer %s, %d ranks): it stays out "
+                "of routing until it answers with a passing engine",
+                instance.role,
+                instance.index,
+                why,
+                self.topology.kv_transport,
+                len(instance.ranks),
+            )
+            return False
+        logger.error("%s-%d: killing its actor for Ray to restart it (%s)", *key, why)
+        try:
+            for actor in instance.ranks:
+                ray.kill(actor, no_restart=False)
+        except Exception as e:  # noqa: BLE001 - Ray could not be asked now: the next probe tries again
+            logger.warning("%s-%d: killing its actor failed (%r); trying again at the next probe", *key, e)
+            return False
+        self._engine_restarts[key] = pid
+        self._last_kill_s[key] = time.monotonic()
+        return True
+
+    def _rejoin(self, role: str, index: int, pid: int) -> None:
+        import ray
+
+        before = self.instances[role][index].health
+        after, needs_rewire = after_answer(before, pid, time.monotonic())
+        if needs_rewire and role == "decode":  # what ran on the old process is gone
+            self._fail_attempts("decode", index)
+        if self.topology.kv_transport in ADDRESSED_KV_TRANSPORTS and (needs_rewire or role == "prefill"):
+            try:
+                self.deployment.rewire(ray, role, index, needs_rewire)
+            except Exception as e:  # noqa: BLE001 - try again at the next probe
+                logger.error("%s-%d answers again but could not be rewired: %s", role, index, e)
+                return
+        if needs_rewire:  # a new process: its events number from 1 again, its commands start a new stream
+            for client in self.instances[role][index].clients:
+                client.restarted()
+        now = self.registry.rejoin(role, index, before, after)
+        if now is not after:  # the request path recorded a failure meanwhile (its calls, not ours)
+            logger.warning(
+                "%s-%d answered a probe but became %s (%s) while it rejoined; the next probe decides",
+                role,
+                index,
+                now.state.value,
+                now.reason,
+            )
+            return
+        logger.warning(
+            "%s-%d rejoined routing after %.1f s %s (%s)",
+            role,
+            index,
+            after.since_s - before.since_s,
+            before.state.value,
+            "restarted and rewired" if needs_rewire else "answering again",
+        )

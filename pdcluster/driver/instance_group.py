@@ -1,0 +1,71 @@
+"""Joining the torch.distributed group of one multi-rank instance, from its rank actors."""
+
+from __future__ import annotations
+
+import datetime
+from typing import NamedTuple
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from pdcluster.driver.messages import InstanceGroupSpec
+from pdcluster.engine.parallel import make_instance_group
+
+
+class InstanceGroup(NamedTuple):
+    """A joined instance group: `group` (the ProcessGroup; call its methods directly), `barrier_store`
+    (kept alive with the group: rank 0's hosts the barrier), `rank`, `num_ranks`."""
+
+    group: dist.ProcessGroup
+    barrier_store: dist.TCPStore
+    rank: int
+    num_ranks: int
+
+
+def rendezvous_address(init_method: str) -> tuple[str, int]:
+    """(host, port) of `tcp://host:port`.
+
+    Raises ValueError: anything else.
+    """
+    parsed = urlparse(init_method)
+    if parsed.scheme != "tcp" or parsed.hostname is None or parsed.port is None:
+        raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
+    return parsed.hostname, parsed.port
+
+
+def join_instance_group(spec: InstanceGroupSpec) -> InstanceGroup:
+    """Meet the other ranks at the barrier, then make the group (collective: every rank of the instance
+    calls it at once).
+
+    Raises ValueError: a malformed `init_method`, an unknown backend, or a rank out of range.
+    Raises RuntimeError (torch.distributed's DistStoreError / DistError): a rank did not reach the barrier
+        within `rendezvous_timeout_s`, or the group's rendezvous or handshake failed.
+    """
+    if not 0 <= spec.rank < spec.num_ranks:
+        raise ValueError(f"rank {spec.rank} is not in [0, {spec.num_ranks})")
+    host, port = rendezvous_address(spec.init_method)
+    barrier = dist.TCPStore(
+        host,
+        spec.barrier_port,
+        spec.num_ranks,
+        is_master=spec.rank == 0,
+        timeout=datetime.timedelta(seconds=spec.rendezvous_timeout_s),
+    )
+    barrier.set(f"rank{spec.rank}", "ready")
+    barrier.wait([f"rank{r}" for r in range(spec.num_ranks)])
+    group = make_instance_group(host, port, spec.rank, spec.num_ranks, spec.backend, spec.timeout_s)
+    joined = torch.ones(1)
+    group.allreduce([joined]).wait()
+    if int(joined.item()) != spec.num_ranks:
+        raise RuntimeError(f"instance group handshake: {int(joined.item())} of {spec.num_ranks} ranks")
+    return InstanceGroup(group, barrier, spec.rank, spec.num_ranks)
+
+
+def wait_until_loaded(joined: InstanceGroup) -> None:
+    """Barrier after loading (collective), so no rank's first step starts while a peer still loads.
+
+    Raises RuntimeError (torch.distributed's DistStoreError): a rank did not finish loading in time.
+    """
+    joined.barrier_store.set(f"loaded{joined.rank}", "ready")
+    joined.barrier_store.wait([f"loaded{r}" for r in range(joined.num_ranks)])

@@ -1,0 +1,108 @@
+"""`RankClient`: the driver's one way to talk to one rank actor."""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import secrets
+from typing import Any
+
+from pdcluster.driver.command_order import CommandSeq
+from pdcluster.driver.messages import (
+    DecodeEvent,
+    DecodeNodeLoad,
+    PollReply,
+    PrefillBind,
+    PrefillRequest,
+    PrefillResult,
+    ReserveRequest,
+    ReserveResult,
+)
+
+
+class RankClient(abc.ABC):
+    """The driver's side of one rank (see the module docstring). Timeouts are seconds; a call that takes
+    longer raises asyncio.TimeoutError, one to a dead actor the transport's error."""
+
+    def __init__(self) -> None:
+        self.restarted()
+
+    def restarted(self) -> None:
+        """The rank runs in a new process: its events number from 1 again; commands start a new stream."""
+        self._stream = secrets.token_hex(6)
+        self._seq = 0
+        self.acked_seq = 0
+
+    def _next_command(self) -> CommandSeq:
+        self._seq += 1
+        return CommandSeq(self._stream, self._seq)
+
+    def take_in_order(self, polled: list[Any]) -> list[DecodeEvent]:
+        """Of `polled` (`PolledEvent`s), the events after the acknowledged one, in sequence, each once."""
+        events = []
+        for item in polled:
+            if item.seq <= self.acked_seq:
+                continue
+            if item.seq != self.acked_seq + 1:
+                break
+            self.acked_seq = item.seq
+            events.append(item.event)
+        return events
+
+    @abc.abstractmethod
+    async def reserve(self, request: ReserveRequest, timeout_s: float) -> ReserveResult: ...
+
+    @abc.abstractmethod
+    def prefill(self, request: PrefillRequest, timeout_s: float) -> asyncio.Future[PrefillResult]: ...
+
+    @abc.abstractmethod
+    def bind(self, bind: PrefillBind) -> None: ...
+
+    @abc.abstractmethod
+    def abort(self, handoff_id: str) -> None: ...
+
+    @abc.abstractmethod
+    async def load(self, timeout_s: float) -> Any: ...
+
+    @abc.abstractmethod
+    async def events(self, wait_s: float, timeout_s: float) -> tuple[list[DecodeEvent], DecodeNodeLoad]: ...
+
+
+class RayRankClient(RankClient):
+    """`RankClient` over Ray actor calls to `actor` (a `PrefillWorker` or `DecodeWorker` handle)."""
+
+    def __init__(self, actor: Any, ordered: bool) -> None:
+        self.actor = actor
+        self.ordered = ordered
+        super().__init__()
+
+    def _order(self) -> CommandSeq | None:
+        return self._next_command() if self.ordered else None
+
+    async def reserve(self, request: ReserveRequest, timeout_s: float) -> ReserveResult:
+        return await asyncio.wait_for(self.actor.reserve.remote(request), timeout_s)
+
+    def prefill(self, request: PrefillRequest, timeout_s: float) -> asyncio.Future[PrefillResult]:
+        ref = self.actor.prefill.remote(request, self._order())
+        return asyncio.ensure_future(asyncio.wait_for(ref, timeout_s))
+
+    def bind(self, bind: PrefillBind) -> None:
+        with contextlib.suppress(Exception):  # a bind that cannot go shows as its prefill failing
+            self.actor.bind.remote(bind, self._order())
+
+    def abort(self, handoff_id: str) -> None:
+        with contextlib.suppress(Exception):  # best effort: a dead actor holds nothing
+            if self.ordered:
+                self.actor.abort.remote(handoff_id, self._order())
+            else:
+                self.actor.abort.remote(handoff_id)
+
+    async def load(self, timeout_s: float) -> Any:
+        return await asyncio.wait_for(self.actor.load.remote(), timeout_s)
+
+    async def events(self, wait_s: float, timeout_s: float) -> tuple[list[DecodeEvent], DecodeNodeLoad]:
+        reply: PollReply = await asyncio.wait_for(
+            self.actor.poll_with_load.remote(wait_s, self.acked_seq), timeout_s
+        )
+        return self.take_in_order(reply.events), reply.load

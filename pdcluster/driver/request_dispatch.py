@@ -1,0 +1,362 @@
+"""The request path of a `Cluster`: route, reserve, prefill, stream decode's tokens (DESIGN.md, request
+lifecycle). A thin loop over the pure dispatch policy (`driver.dispatch`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from pdcluster.config import Topology
+from pdcluster.driver.actor_errors import describe_error
+from pdcluster.driver.backend import BackendUnavailable, StreamDelta
+from pdcluster.driver.dispatch import (
+    MAX_DISPATCH_ATTEMPTS,
+    POLL_WAIT_S,
+    AttemptState,
+    Emit,
+    EmitFirstToken,
+    EndAborted,
+    Event,
+    Fail,
+    NoEvent,
+    PrefillDone,
+    PrefillFailed,
+    Redispatch,
+    Wait,
+    next_action,
+)
+from pdcluster.driver.handoff import HandoffEvent, decode_has_it
+from pdcluster.driver.health_monitor import PROBE_INTERVAL_S
+from pdcluster.driver.instance import Instance
+from pdcluster.driver.load_board import LoadBoard
+from pdcluster.driver.messages import (
+    Aborted,
+    DecodeLost,
+    Phases,
+    PrefillResult,
+    TokenDelta,
+)
+from pdcluster.driver.registry import InstanceRegistry
+from pdcluster.driver.request_state import Attempt, DriverRequest
+from pdcluster.driver.router import POLICIES, PrefixCacheModel, RankRef
+from pdcluster.driver.routing import ModelFacts, RouteAndReserve
+from pdcluster.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("pdcluster.driver.cluster")
+
+
+class Dispatcher(RouteAndReserve):
+    """The request path; its routing and reserving half is `driver.routing.RouteAndReserve`."""
+
+    def __init__(
+        self,
+        registry: InstanceRegistry,
+        loads: LoadBoard,
+        topology: Topology,
+        model: ModelFacts,
+        call_timeout_s: float,
+        event_timeout_s: float,
+    ) -> None:
+        self.registry = registry
+        self._loads = loads
+        self.topology = topology
+        self.model = model
+        self.call_timeout_s = call_timeout_s
+        self.event_timeout_s = event_timeout_s
+        self.num_speculative_tokens = model.num_speculative_tokens
+        self._policy = POLICIES[topology.router.policy]
+        self._prefix_cache = PrefixCacheModel(topology.prefill.block_size)
+        self._counter = itertools.count()
+        self._requests: dict[str, DriverRequest] = {}  # request id -> its record
+        self._by_handoff: dict[str, Attempt] = {}  # handoff id -> the attempt it names
+        self._pollers: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.kv_transfer_bytes_total = 0
+        self.kv_transfer_seconds_total = 0.0
+        self._closed = False
+
+    @property
+    def instances(self) -> dict[str, list[Instance]]:
+        return self.registry.instances
+
+    def close(self) -> None:
+        """No new request; the poll loops stop."""
+        self._closed = True
+        for task in self._pollers:
+            task.cancel()
+        self._pollers = []
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[StreamDelta]:
+        """Stream one request's output through prefill -> KV transfer -> decode.
+
+        Raises ValueError: an empty prompt, a duplicate id, or a request no decode instance could hold.
+        """
+        if self._closed:
+            raise BackendUnavailable("the cluster is shut down")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._ensure_pollers()
+        # registered first: abort() may come before the first attempt exists
+        record = self._requests[request_id] = DriverRequest(request_id, time.monotonic())
+        try:
+            for attempt_index in range(MAX_DISPATCH_ATTEMPTS):
+                try:
+                    attempt = await self._dispatch(record, attempt_index, prompt_token_ids, params)
+                except BackendUnavailable as e:
+                    if not record.errors:
+                        raise
+                    # A failed attempt and nowhere to re-dispatch: the client hears the attempt's cause.
+                    raise BackendUnavailable(
+                        f"{request_id}: KV handoff failed: {'; '.join(record.errors)}; {e}"
+                    ) from e
+                if attempt is None:  # aborted while dispatching (its reservation, if any, is released)
+                    yield record.stream_delta()
+                    return
+                prefill_task = attempt.prefill_call  # sent by _dispatch (bound once decode reserved)
+                assert prefill_task is not None
+                action = None
+                owner_gone = False
+                try:
+                    while not isinstance(action, Redispatch | Fail):
+                        for event in await self._next_events(record, attempt, prefill_task):
+                            action = next_action(self._attempt_state(record, attempt, attempt_index), event)
+                            if isinstance(action, Emit):
+                                delta = self._from_decode(record, attempt, action.delta)
+                                if delta is not None:
+                                    yield delta
+                                if record.finished:
+                                    return
+                            elif isinstance(action, EmitFirstToken):
+                                attempt.advance(HandoffEvent.PREFILLED)
+                                yield self._first_token_from_prefill(record, attempt, action.result)
+                            elif isinstance(action, Wait):
+                                attempt.advance(HandoffEvent.PREFILLED)
+                                self._record_prefill_phases(record, action.phases_from)
+                            elif isinstance(action, EndAborted):
+                                attempt.advance(HandoffEvent.ABORTED)
+                                yield record.stream_delta()
+                                return
+                            else:
+                                attempt.advance(HandoffEvent.FAILED)
+                                break
+                except (asyncio.CancelledError, GeneratorExit):
+                    owner_gone = True  # the consumer went away (the HTTP client disconnected)
+                    raise
+                finally:
+                    self._by_handoff.pop(attempt.handoff_id, None)
+                    if not record.finished and not prefill_task.done() and not owner_gone:
+                        if not record.aborted:  # (released by the outer `finally` / by abort())
+                            prefill_task.cancel()
+                self._release(attempt)
+                if isinstance(action, Fail):
+                    raise BackendUnavailable(action.message)
+                record.errors.append(action.error)
+                if action.excluded_prefill is not None:
+                    record.excluded_prefills.add(action.excluded_prefill)
+                logger.warning("%s: %s", request_id, action.error)
+            raise BackendUnavailable(f"{request_id}: KV handoff failed: " + "; ".join(record.errors))
+        finally:
+            self._requests.pop(request_id, None)
+            if record.attempt is not None and not record.finished:
+                self._release(record.attempt)
+
+    async def abort(self, request_id: str) -> None:
+        """End the request with finish_reason "abort" and free it on both pools (prefill job and handoff,
+        decode reservation or running request). Never re-dispatched. Unknown or finished ids: no-op."""
+        record = self._requests.get(request_id)
+        if record is None or record.aborted:
+            return
+        record.aborted = True
+        attempt = record.attempt
+        if attempt is None:  # between attempts / still routing: `_dispatch` sees `aborted`
+            return
+        self._release(attempt)
+        attempt.events.put_nowait(Aborted(attempt.handoff_id))
+
+    # ---- one attempt ------------------------------------------------------------------------------------
+    @staticmethod
+    def _record_prefill_phases(record: DriverRequest, result: PrefillResult) -> None:
+        record.phases = record.phases.merged(
+            Phases(
+                queue_s=result.queue_s,
+                prefill_s=result.prefill_s,
+                last_layer_sent_s=result.last_layer_sent_s,
+                prefill_cpu_wait_s=result.cpu_wait_s,
+            )
+        )
+
+    def _first_token_from_prefill(
+        self, record: DriverRequest, attempt: Attempt, result: PrefillResult
+    ) -> StreamDelta:
+        self._record_prefill_phases(record, result)
+        assert result.first_token_text is not None
+        record.first_token = (result.first_token_id, result.first_token_text)
+        return record.stream_delta(
+            TokenDelta(attempt.handoff_id, (result.first_token_id,), new_text=result.first_token_text)
+        )
+
+    def _from_decode(self, record: DriverRequest, attempt: Attempt, delta: TokenDelta) -> StreamDelta | None:
+        first_of_attempt = not decode_has_it(attempt.state)
+        if first_of_attempt:  # its KV was received, then the request admitted
+            attempt.advance(HandoffEvent.TRANSFERRED, HandoffEvent.ADMITTED)
+        if delta.finished:
+            attempt.advance(HandoffEvent.FINISHED)
+        if delta.phases.kv_transfer_s is not None and first_of_attempt:
+            self.kv_transfer_seconds_total += delta.phases.kv_transfer_s
+            self.kv_transfer_bytes_total += delta.kv_transfer_bytes or 0
+        record.phases = record.phases.merged(delta.phases)
+        if delta.kv_transfer_bytes is not None:
+            record.kv_transfer_bytes = delta.kv_transfer_bytes
+        record.decode_streamed = record.decode_streamed or bool(delta.new_token_ids)
+        record.finished = delta.finished
+        if not (delta.new_token_ids or delta.new_text or delta.finished):
+            return None
+        return record.stream_delta(delta)
+
+    def _attempt_state(self, record: DriverRequest, attempt: Attempt, attempt_index: int) -> AttemptState:
+        decode = self.instances["decode"][attempt.decode_index]
+        tried = record.excluded_prefills | {attempt.prefill_index}
+        others = [p for p in self.instances["prefill"] if p.routable and p.index not in tried]
+        return AttemptState(
+            request_id=record.request_id,
+            attempt_index=attempt_index,
+            prefill_instance=attempt.prefill_index,
+            decode_instance=attempt.decode_index,
+            decode_streamed=record.decode_streamed,
+            first_token_streamed=record.first_token is not None,
+            earlier_errors=tuple(record.errors),
+            decode_down_reason=None if decode.routable else decode.health.reason,
+            num_other_prefills=len(others),
+            prefill_routable=self.instances["prefill"][attempt.prefill_index].routable,
+            event_timeout_s=self.event_timeout_s,
+        )
+
+    async def _next_events(
+        self, record: DriverRequest, attempt: Attempt, prefill_task: asyncio.Future
+    ) -> list[Event]:
+        getter = asyncio.ensure_future(attempt.events.get())
+        # The prefill call is sent while decode reserves, so it may have ended (failed) before the first
+        # wait: it is waited on until its result was taken.
+        waits = {getter, prefill_task} if not attempt.prefill_reported else {getter}
+        done, _ = await asyncio.wait(waits, timeout=self.event_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if record.aborted:
+            getter.cancel()
+            return [Aborted(attempt.handoff_id)]
+        if not done:
+            getter.cancel()
+            return [NoEvent()]
+        if getter not in done:  # the prefill call returned first
+            getter.cancel()
+            return [self._prefill_outcome(attempt, prefill_task)]
+        event = getter.result()
+        if attempt.prefill_reported or not isinstance(event, TokenDelta):
+            return [event]
+        await asyncio.wait({prefill_task}, timeout=self.event_timeout_s)
+        if not prefill_task.done():
+            return [NoEvent()]
+        return [self._prefill_outcome(attempt, prefill_task), event]
+
+    def _prefill_outcome(self, attempt: Attempt, prefill_task: asyncio.Future) -> Event:
+        """`PrefillDone` / `PrefillFailed` of the attempt's finished prefill call."""
+        attempt.prefill_reported = True
+        exc = prefill_task.exception()
+        if exc is None:
+            return PrefillDone(prefill_task.result())
+        if isinstance(exc, asyncio.TimeoutError):
+            exc = TimeoutError(f"no answer within {self.event_timeout_s:.0f} s")
+        if self._is_lost(exc):
+            self.registry.mark_failed(
+                "prefill", attempt.prefill_index, exc, "prefill", attempt.prefill_sent_s
+            )
+        return PrefillFailed(describe_error(exc))
+
+    # ---- an instance lost ---------------------------------------------------------------------------------
+    def fail_attempts(self, role: str, index: int) -> None:
+        """End every in-flight attempt on instance (`role`, `index`) (`DecodeLost` / `PrefillFailed`). Safe
+        from any thread: handed to the requests' event loop (asyncio queues are not thread-safe)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                on_loop = asyncio.get_running_loop() is loop
+            except RuntimeError:
+                on_loop = False
+            if not on_loop:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(
+                        self._fail_attempts_on_loop, role, index, self._why(role, index)
+                    )
+                return
+        self._fail_attempts_on_loop(role, index, self._why(role, index))
+
+    def _why(self, role: str, index: int) -> str:
+        """Why instance (`role`, `index`) left routing, as its health says now."""
+        instances = self.instances[role]  # empty once shut down
+        return (
+            instances[index].health.reason if index < len(instances) else "the cluster shut down"
+        ) or "unknown"
+
+    def _fail_attempts_on_loop(self, role: str, index: int, reason: str) -> None:
+        """On the requests' event loop: `fail_attempts`, with `reason` as seen when the failure was."""
+        for attempt in list(self._by_handoff.values()):
+            if role == "decode" and attempt.decode_index == index:
+                message = f"decode-{index} died or stopped answering ({reason}); the request was lost"
+                event: object = DecodeLost(attempt.handoff_id, message)
+            elif role == "prefill" and attempt.prefill_index == index and _prefill_pending(attempt):
+                event = PrefillFailed(f"died or stopped answering ({reason})")
+            else:
+                continue
+            with contextlib.suppress(RuntimeError):  # a queue of another (closed) event loop
+                attempt.events.put_nowait(event)
+
+    # ---- the poll loops -----------------------------------------------------------------------------------
+    def _ensure_pollers(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and self._pollers:
+            return
+        self._loop = loop
+        self._pollers = [
+            loop.create_task(self._poll(instance.index, rank))
+            for instance in self.instances["decode"]
+            for rank in range(instance.num_ranks)
+        ]
+
+    async def _poll(self, decode_index: int, rank: int = 0) -> None:
+        instance = self.instances["decode"][decode_index]
+        task = asyncio.current_task()
+        while not self._closed:
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
+            if not instance.routable:
+                await asyncio.sleep(PROBE_INTERVAL_S / 4)
+                continue
+            sent_s = time.monotonic()
+            try:
+                events, load = await instance.client(rank).events(
+                    POLL_WAIT_S, self.call_timeout_s + POLL_WAIT_S
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a dead or stuck decode rank fails its instance
+                self.registry.mark_failed("decode", decode_index, e, f"poll of rank {rank}", sent_s)
+                continue
+            if instance.routable:  # (a reply that raced the instance leaving routing is stale)
+                self._loads.update_decode(RankRef(decode_index, rank), load)
+            for event in events:
+                attempt = self._by_handoff.get(event.handoff_id)
+                if attempt is not None:
+                    attempt.events.put_nowait(event)
+
+
+def _prefill_pending(attempt: Attempt) -> bool:
+    """The attempt's prefill call was sent and has not returned (a prefill lost after that lost nothing)."""
+    call = attempt.prefill_call
+    return call is not None and not call.done() and not attempt.prefill_reported

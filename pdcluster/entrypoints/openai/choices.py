@@ -1,0 +1,151 @@
+"""Several choices for one request (`n`, completions' `best_of`): the edge fans out one backend request per
+choice, sharing the prompt's KV through the prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pdcluster.engine.sampling_params import MAX_SEED
+from pdcluster.entrypoints.openai.generation import Generation, PreparedRequest
+from pdcluster.entrypoints.openai.logprobs import cumulative_logprob
+from pdcluster.entrypoints.openai.protocol import ApiError, Endpoint, response_body
+from pdcluster.entrypoints.openai.sse import DISCONNECTED, SSEResponse, sse_event, until_disconnect
+
+StartGeneration = Callable[[PreparedRequest], Generation]
+
+
+def choice_request(prepared: PreparedRequest, index: int, rank_by_logprob: bool) -> PreparedRequest:
+    """The backend request of choice `index` (0: `prepared` itself, its id and seed; the others derive
+    theirs); `rank_by_logprob`: the engine computes the sampled tokens' logprobs (best_of)."""
+    params = prepared.params
+    if index and params.seed is not None:
+        params = dataclasses.replace(params, seed=(params.seed + index) % (MAX_SEED + 1))
+    if rank_by_logprob and params.logprobs is None:
+        params = dataclasses.replace(params, logprobs=0)
+    request_id = f"{prepared.request_id}-{index}" if index else prepared.request_id
+    return dataclasses.replace(prepared, request_id=request_id, params=params)
+
+
+async def serve_choices(
+    request: Request,
+    prepared: PreparedRequest,
+    start: StartGeneration,
+    endpoint: Endpoint,
+    num_choices: int,
+    best_of: int,
+    stream: bool,
+    include_usage: bool,
+) -> Response:
+    """Answer with `num_choices` choices out of `best_of` generated ones, streamed (interleaved by `index`)
+    or whole."""
+    rank = best_of > num_choices
+    gens = [start(choice_request(prepared, 0, rank))]
+    try:
+        first = await until_disconnect(request, gens[0].next())
+        if first is not DISCONNECTED:
+            gens += [start(choice_request(prepared, i, rank)) for i in range(1, best_of)]
+            first = await until_disconnect(request, asyncio.gather(*(g.next() for g in gens[1:])))
+    except BaseException:
+        await _close(gens)
+        raise
+    if first is DISCONNECTED:
+        await _close(gens)
+        return Response(status_code=499)
+    if stream:
+        return SSEResponse(_events(gens, prepared, endpoint, include_usage), on_close=lambda: _close(gens))
+    try:
+        result = await until_disconnect(request, asyncio.gather(*(g.drain() for g in gens)))
+    finally:
+        await _close(gens)
+    if result is DISCONNECTED:
+        return Response(status_code=499)
+    order = list(range(len(gens)))
+    if rank:
+        order.sort(key=lambda i: cumulative_logprob(gens[i].progress.logprobs), reverse=True)
+    body = response_body(
+        gens[0], endpoint, gens[0].progress.text, gens[0].progress.finish_reason, chunk=False
+    )
+    body["choices"] = []
+    for index, i in enumerate(order[:num_choices]):
+        p = gens[i].progress
+        body["choices"] += response_body(
+            gens[i], endpoint, p.text, p.finish_reason, chunk=False, index=index
+        )["choices"]
+    body["usage"] = usage(gens)
+    return JSONResponse(body)
+
+
+def usage(gens: list[Generation]) -> dict[str, int]:
+    """OpenAI `usage` of a request with several choices: the prompt once, the choices' tokens summed."""
+    num_prompt = len(gens[0].prepared.prompt_token_ids)
+    num_completion = sum(len(g.progress.token_ids) for g in gens)
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+    }
+
+
+async def _close(gens: list[Generation]) -> None:
+    await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
+
+
+async def _events(
+    gens: list[Generation], prepared: PreparedRequest, endpoint: Endpoint, include_usage: bool
+) -> AsyncIterator[bytes]:
+    num_sent_chars = [0] * len(gens)
+    first = [True] * len(gens)
+
+    def chunk(i: int) -> dict[str, Any] | None:
+        gen = gens[i]
+        text = gen.stream_text(num_sent_chars[i])
+        num_sent_chars[i] += len(text)
+        finish = gen.progress.finish_reason
+        if not (text or first[i] or finish is not None):
+            return None
+        body = response_body(gen, endpoint, text, finish, chunk=True, first=first[i], index=i)
+        body["id"] = prepared.request_id
+        first[i] = False
+        return body
+
+    pending: dict[asyncio.Future, int] = {}
+    try:
+        for i, gen in enumerate(gens):
+            if (body := chunk(i)) is not None:
+                yield sse_event(body)
+            if not gen.progress.finished:
+                pending[asyncio.ensure_future(gen.next())] = i
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                i = pending.pop(future)
+                future.result()  # an ApiError ends the stream with an error event
+                if (body := chunk(i)) is not None:
+                    yield sse_event(body)
+                if not gens[i].progress.finished:
+                    pending[asyncio.ensure_future(gens[i].next())] = i
+        if include_usage:
+            yield sse_event(
+                {
+                    "id": prepared.request_id,
+                    "object": "text_completion" if endpoint == "completion" else "chat.completion.chunk",
+                    "created": prepared.created_s,
+                    "model": prepared.model,
+                    "choices": [],
+                    "usage": usage(gens),
+                }
+            )
+    except ApiError as exc:
+        gens[0].metrics.errors.labels(str(exc.status_code)).inc()
+        yield sse_event(exc.body())
+    finally:
+        for future in pending:
+            future.cancel()
+    yield sse_event("[DONE]")

@@ -1,0 +1,556 @@
+"""`DecodeWorker`: the decode role, a thin shell around one `LLMEngine` and one `KVReceiver`."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pdcluster.driver.dispatch import call_timeout_s
+from pdcluster.driver.fair_lock import FairLock
+from pdcluster.driver.messages import (
+    DecodeEvent,
+    DecodeNodeLoad,
+    InstanceGroupSpec,
+    NodeReady,
+    Phases,
+    PolledEvent,
+    PollReply,
+    RequestError,
+    ReserveRequest,
+    ReserveResult,
+    TokenDelta,
+)
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.llm import EngineStepError, RequestOutput
+from pdcluster.engine.stopping import early_first_token_text
+from pdcluster.kvtransfer.base import HandoffMeta, KVReceiver, KVTransferError, ReceivedKV, ReceivedLayer
+from pdcluster.kvtransfer.paired import PairedAddress
+from pdcluster.workers.decode_deltas import Handoff, token_delta
+from pdcluster.workers.rank import LOCKSTEP_IDLE_S, RankWorker
+
+if TYPE_CHECKING:
+    from pdcluster.kvtransfer.grpc_transport import TLSCredentials
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeWorker(RankWorker):
+    """One decode rank (of an instance of one or more)."""
+
+    FAULT_POINTS = ("admit", "step", "delta", "loop")
+    SHARED_KV_CACHE = True
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        name: str,
+        host: str = "127.0.0.1",
+        group: InstanceGroupSpec | None = None,
+    ) -> None:
+        super().__init__(engine_config, name, group)
+        self.host = host
+        self.receiver: KVReceiver | None = None
+        self._engine_lock = FairLock()
+        self._alloc_lock = FairLock()
+        self._step_started_s: float | None = None
+        self._events_lock = threading.Condition()
+        self._events: collections.deque[PolledEvent] = collections.deque()
+        self._next_seq = 0
+        self._admissions: list[tuple[str, ReceivedKV]] = []
+        self._handoffs: dict[str, Handoff] = {}
+        self._received_at_s: dict[str, float] = {}
+        self._fenced: set[str] = set()
+        self._wakeup = threading.Event()
+        self._delays: dict[str, list[float]] = {}
+        self._delays_released = threading.Event()
+        self._start_engine_thread()
+
+    @property
+    def _int8_cache(self) -> bool:
+        """An int8 KV cache: the receiver hands an int8 wire's values and scales through as they are."""
+        layout = self.engine.kv_layout
+        return self.engine.config.kv_cache_dtype == "int8" or (
+            layout is not None and any(torch.int8 in pool for pool in layout.pools)
+        )
+
+    def ready(self) -> NodeReady:
+        """Name, process id, load time and what `compile` did, once the engine is loaded (weights read and,
+        with `compile`, the decode forward compiled: Ray runs no call before the constructor returns).
+        """
+        num_blocks = self.engine.scheduler.block_manager.num_blocks
+        return NodeReady(self.name, os.getpid(), self.load_s, num_blocks, compile=self.engine.compile_stats())
+
+    def start_grpc(self, tls: TLSCredentials | None = None) -> str:
+        """Start the gRPC receiver on a free port of `host` (mutual TLS with `tls`); returns the address
+        prefill senders use.
+        """
+        from pdcluster.kvtransfer.grpc_transport import KVReceiverServer
+
+        server = KVReceiverServer(
+            self.host, 0, int8_passthrough=self._int8_cache, max_concurrent_streams=64, tls=tls
+        )
+        self._set_receiver(server)
+        return server.address
+
+    def start_shm(self) -> str:
+        """Start the shared-memory receiver (prefill on this host only); returns its socket path, the address
+        prefill senders connect to.
+        """
+        from pdcluster.kvtransfer.shm_transport import ShmKVReceiver
+
+        receiver = ShmKVReceiver(int8_passthrough=self._int8_cache)
+        self._share_kv_cache(receiver)
+        self._set_receiver(receiver)
+        return receiver.address
+
+    def start_paired(self) -> PairedAddress:
+        """Start the shm receiver and the gRPC server over one set of reservations (`shm+grpc`: prefill on
+        this node takes the first, prefill elsewhere the second, `kvtransfer.paired`); returns both
+        addresses and this node's id, the gRPC one at this node's IP when bound to all interfaces.
+        """
+        from pdcluster.kvtransfer.paired import PairedReceiver
+
+        receiver = PairedReceiver(self.host, int8_passthrough=self._int8_cache, max_concurrent_streams=64)
+        self._share_kv_cache(receiver.shm)
+        self._set_receiver(receiver)
+        address = receiver.address
+        if self.host in ("0.0.0.0", "", "::", "[::]"):
+            address = address.with_grpc_host(self.node_ip())
+        return address
+
+    def _share_kv_cache(self, receiver: Any) -> None:
+        """Let same-host senders write into this rank's KV cache (when it is in shared memory)."""
+        cache = self.engine.runner.shared_kv_cache
+        if cache is not None:
+            receiver.share_kv_cache(cache)
+
+    def _set_receiver(self, receiver: KVReceiver) -> None:
+        """Listen with `receiver` from now on; one started earlier in this process (a rewire that failed after
+        starting it, then retried) is closed, not leaked.
+        """
+        old, self.receiver = self.receiver, receiver
+        if old is not None:
+            try:
+                old.close()
+            except Exception:  # noqa: BLE001 - the new receiver is up; the old one is best effort
+                logger.exception("%s: closing the previous receiver failed", self.name)
+
+    def start_receiver(self, transport: str, tls: TLSCredentials | None = None) -> str | PairedAddress:
+        """`start_grpc(tls)`, `start_shm()` or `start_paired()` by `transport` (`grpc` / `shm` / `shm+grpc`);
+        returns the address.
+        """
+        if transport == "shm":
+            return self.start_shm()
+        if transport == "shm+grpc":
+            return self.start_paired()
+        if transport != "grpc":
+            raise ValueError(
+                f"transport: a decode receiver listens for grpc, shm or shm+grpc, got {transport!r}"
+            )
+        return self.start_grpc(tls)
+
+    def node_ip(self) -> str:
+        """This actor's node IP (what prefill senders dial when the receiver binds 0.0.0.0)."""
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def connect_dist(self, rank: int, world_size: int, init_method: str, prefill_ranks: list[int]) -> None:
+        """Join the transfer process group (collective) and listen to every prefill rank."""
+        from pdcluster.kvtransfer.dist_transport import (
+            DistKVReceiver,
+            DistTransportConfig,
+            init_transport_group,
+        )
+
+        config = DistTransportConfig.for_device(self.engine.config.device)
+        init_transport_group(config, rank=rank, world_size=world_size, init_method=init_method)
+        self.receiver = DistKVReceiver(prefill_ranks, config, int8_passthrough=self._int8_cache)
+
+    def reserve(self, request: ReserveRequest) -> ReserveResult:
+        """Reserve blocks and expect the handoff (before prefill starts).
+
+        Raises:
+            ValueError: a request this instance could never hold.
+        """
+        assert self.receiver is not None, "connect a transport first"
+        self._maybe_delay("before_reserve")
+        engine = self.engine
+        handoff_id, meta = request.handoff_id, request.meta
+        with self._reserve_lock(meta.lease_s):
+            reserved = engine.reserve_remote_prefill(
+                handoff_id, list(request.prompt_token_ids), request.params, request.num_draft_tokens
+            )
+            if not reserved:
+                return ReserveResult(None, self.load())
+
+        def on_layer(layer_idx: int, layer: ReceivedLayer) -> int | None:
+            # not verified yet: its CRC-32C is computed in the same pass as the copy; the receiver checks it
+            checksum_start = None if layer.verified else 0
+            return engine.write_prompt_kv(handoff_id, layer_idx, layer.latent, layer.scale, checksum_start)
+
+        try:
+            block_ids = engine.reserved_block_ids(handoff_id)
+            bound = self.receiver.expect(meta, on_layer, on_layer_checksums=True, block_ids=block_ids)
+        except Exception:
+            with self._alloc_lock:
+                engine.release_remote_prefill(handoff_id)
+            raise
+        threading.Thread(target=self._await_handoff, args=(meta,), daemon=True).start()
+        self._maybe_delay("after_reserve")
+        return ReserveResult(bound, self.load())
+
+    def abort(self, handoff_id: str) -> None:
+        """Drop the request wherever it is (reserved or running); frees its blocks."""
+        with self._locked():
+            self._drop(handoff_id)
+
+    def poll(self, timeout_s: float = 0.05, acked_seq: int = 0) -> list[PolledEvent]:
+        """Every event after `acked_seq` (seq counts from 1): a `TokenDelta` or a `RequestError` per event."""
+        deadline_s = time.monotonic() + timeout_s
+        with self._events_lock:
+            while self._events and self._events[0].seq <= acked_seq:
+                self._events.popleft()
+            while not self._events:
+                remaining_s = deadline_s - time.monotonic()
+                if remaining_s <= 0 or self._stopped.is_set():
+                    break
+                self._events_lock.wait(remaining_s)
+            return list(self._events)
+
+    def poll_with_load(self, timeout_s: float = 0.05, acked_seq: int = 0) -> PollReply:
+        """`poll(timeout_s, acked_seq)` and this rank's `load()` taken as the reply leaves (the router's view
+        without a `load` call per request: `driver.load_board`).
+        """
+        events = self.poll(timeout_s, acked_seq)
+        return PollReply(events, self.load())
+
+    def load(self) -> DecodeNodeLoad:
+        """Cheap snapshot for the router: free KV blocks, batch size, reservations and admitted requests
+        waiting for a seat in the batch.
+        """
+        scheduler = self.engine.scheduler
+        bm = scheduler.block_manager
+        return DecodeNodeLoad(
+            name=self.name,
+            pid=os.getpid(),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            num_running=len(scheduler.running),
+            num_reserved=len(scheduler.reserved),
+            num_waiting_for_seat=len(scheduler.waiting_for_seat),
+            **self._engine_health(),
+            taken_s=time.monotonic(),
+        )
+
+    def inject_delay(self, where: str, seconds: float, count: int = 1) -> None:
+        """Test-only: the next `count` passes through `where` wait `seconds` (holding no lock), or until
+        `release_delays`: "before_reserve" (a reply that comes late because the reservation does: an abort
+        sent meanwhile overtakes it), "after_reserve" (the reservation is made, its reply comes late), or
+        "before_admit" (a handoff is received; its admission comes late).
+        """
+        if where not in ("before_reserve", "after_reserve", "before_admit"):
+            raise ValueError(f"unknown delay point {where!r}")
+        with self._locked():
+            self._delays_released.clear()
+            self._delays.setdefault(where, []).extend([seconds] * count)
+
+    def release_delays(self) -> None:
+        """Test-only: end the injected delays now (those in progress and those armed)."""
+        self._delays_released.set()
+
+    def check_no_leaks(self) -> dict[str, Any]:
+        """For tests: blocks held, reservations and unfinished requests once nothing is in flight."""
+        with self._locked():
+            scheduler = self.engine.scheduler
+            bm = scheduler.block_manager
+            return {
+                "num_used_blocks": bm.num_blocks - bm.num_free_blocks,
+                "num_reserved": len(scheduler.reserved),
+                "num_unfinished": len(scheduler.requests),
+                "pending_handoffs": [] if self.receiver is None else self.receiver.pending_request_ids(),
+            }
+
+    def num_kv_segments(self) -> int:
+        """For tests: shared-memory segments the shm receiver maps (its pools; 0 for other transports)."""
+        return int(getattr(self.receiver, "num_segments", 0))
+
+    def kv_in_place_stats(self) -> dict[str, int]:
+        """For tests: handoffs the shm receiver granted in place (`shm_transport.inplace`) so far, and those
+        whose sender may still write this rank's cache (`fenced`: their blocks wait; 0 once all ended).
+        """
+        shm = getattr(self.receiver, "shm", self.receiver)
+        return {
+            "granted": int(getattr(shm, "num_in_place_grants", 0)),
+            "fenced": int(getattr(shm, "num_fenced", 0)),
+        }
+
+    def close(self) -> None:
+        self._stop_engine_thread()
+        if self.receiver is not None:
+            try:
+                self.receiver.close()
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                logger.exception("%s: closing the receiver failed", self.name)
+
+    def _await_handoff(self, meta: HandoffMeta) -> None:
+        assert self.receiver is not None
+        handoff_id = meta.request_id
+        try:
+            received = self.receiver.wait(handoff_id, meta.lease_s)
+        except Exception as e:  # noqa: BLE001 - KVTransferError, KeyError, or a transport bug: never hang
+            if not isinstance(e, KVTransferError | KeyError):
+                logger.exception("%s: waiting for handoff %s failed", self.name, handoff_id)
+            self.receiver.release(handoff_id)
+            with self._locked():
+                released = self._release_reserved(handoff_id)
+                self._handoffs.pop(handoff_id, None)
+            if released:
+                self._emit([RequestError(handoff_id, f"{type(e).__name__}: {e}")])
+            return
+        self._maybe_delay("before_admit")
+        received_at_s = time.monotonic()
+        with self._locked():
+            if handoff_id in self.engine.scheduler.reserved and handoff_id not in self._fenced:
+                self._admissions.append((handoff_id, received))
+                self._received_at_s[handoff_id] = received_at_s
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        """The engine thread."""
+        while not self._stopped.is_set():
+            with self._engine_pass():
+                self._run_pass()
+
+    def _run_pass(self) -> None:
+        """One pass of the engine thread's loop (`_run`): wait a little for work, then `_run_once`."""
+        engine = self.engine
+        if self._group_error is not None:
+            self._wakeup.wait(0.05)
+            self._wakeup.clear()
+            with self._locked():
+                events = self._fail_all(f"{self.name}: instance group failed: {self._group_error}")
+            self._emit(events)
+            return
+        if not engine.has_unfinished_requests() and not self._admissions and not self._faults_armed():
+            self._wakeup.wait(LOCKSTEP_IDLE_S if self.lockstep else 0.05)
+            self._wakeup.clear()
+            if not self.lockstep:
+                return
+        events: list[DecodeEvent] = []
+        try:
+            with self._locked():
+                self._maybe_fault("loop")
+                self._maybe_stall()
+                self._run_once(events)
+                self._refresh_ep_summary()
+        except Exception as e:  # noqa: BLE001 - the last line of defence: fail everything in flight
+            self._loop_error(e, "decode engine loop failed")
+            with self._locked():
+                events.extend(self._fail_all(f"decode engine loop failed: {e!r}"))
+        self._emit(events)
+
+    def _run_once(self, events: list[DecodeEvent]) -> None:
+        """One pass under the engine lock: admit finished handoffs, step, turn outputs into events."""
+        engine = self.engine
+        admissions, self._admissions = self._admissions, []
+        for handoff_id, received in admissions:
+            try:
+                events.extend(self._admit(handoff_id, received))
+            except Exception as e:  # noqa: BLE001 - fails this request only
+                self._loop_error(e, f"admitting {handoff_id} failed")
+                events.append(self._fail(handoff_id, f"decode admission failed: {e!r}"))
+        self._emit(list(events))
+        events.clear()
+        outputs: list[RequestOutput] = engine.pop_finished_outputs()
+        if engine.has_unfinished_requests() or self.lockstep:
+            try:
+                self._maybe_fault("step")
+                self._step_started_s = time.monotonic()
+                try:
+                    outputs.extend(engine.step(while_executing=self._reserves_allowed))
+                finally:
+                    self._step_started_s = None
+            except EngineStepError as e:
+                self._loop_error(e, "engine step failed")
+                outputs.extend(e.outputs)
+                if self._group_failed(e):
+                    events.extend(self._fail_all(f"decode step failed: {e}"))
+            except Exception as e:  # noqa: BLE001 - not tied to requests: the engine state is unknown
+                self._loop_error(e, "engine step failed")
+                self._group_failed(e)
+                events.extend(self._fail_all(f"decode step failed: {e!r}"))
+        for out in outputs:
+            try:
+                self._maybe_fault("delta")
+                events.extend(self._delta(out))
+            except Exception as e:  # noqa: BLE001 - fails this request only
+                self._loop_error(e, f"reporting {out.request_id} failed")
+                events.append(self._fail(out.request_id, f"decode output failed: {e!r}"))
+
+    def _fail(self, handoff_id: str, message: str) -> RequestError:
+        """Under the engine lock: `_drop` the request and return its error event."""
+        self._drop(handoff_id)
+        return RequestError(handoff_id, message)
+
+    def _drop(self, handoff_id: str) -> None:
+        """Under the engine lock: drop the request wherever it is (receiver, reservation, batch, finished
+        outputs not yet reported) and free its blocks.
+        """
+        assert self.receiver is not None
+        try:
+            self.receiver.release(handoff_id)
+        except Exception:  # noqa: BLE001 - still free the engine side
+            logger.exception("%s: releasing handoff %s failed", self.name, handoff_id)
+        self._admissions = [(rid, kv) for rid, kv in self._admissions if rid != handoff_id]
+        self._received_at_s.pop(handoff_id, None)
+        self._release_reserved(handoff_id)
+        self.engine.abort_request(handoff_id)
+        self.engine.pop_finished_outputs([handoff_id])
+        self._handoffs.pop(handoff_id, None)
+
+    def _release_reserved(self, handoff_id: str) -> bool:
+        """Under the engine lock, after `receiver.release`: give back a reservation's blocks now, or, while a
+        same-host prefill sender may still be writing them in place, once it cannot any more (the shared
+        cache's `FenceBoard`, `kvtransfer.shm_transport.inplace`; meanwhile they stay reserved, so no other
+        request gets them).
+        """
+        if handoff_id not in self.engine.remote_prefills or handoff_id in self._fenced:
+            return False
+        # the cache's own fences (not the receiver's view): they outlive a receiver closed or replaced
+        cache = self.engine.runner.shared_kv_cache
+        if cache is not None and cache.fences.defer(handoff_id, lambda: self._free_fenced(handoff_id)):
+            self._fenced.add(handoff_id)
+            return True
+        return self.engine.release_remote_prefill(handoff_id)
+
+    def _free_fenced(self, handoff_id: str) -> None:
+        """The in-place sender of a released reservation stopped writing: its blocks go back now."""
+        with self._locked():
+            self._fenced.discard(handoff_id)
+            self.engine.release_remote_prefill(handoff_id)
+
+    def _fail_all(self, message: str) -> list[RequestError]:
+        """Under the engine lock: fail every request admitted on this rank (running, received and waiting to
+        be admitted, or finished and not yet reported); reservations still waiting for their handoff are
+        left to their waiters.
+        """
+        scheduler = self.engine.scheduler
+        ids = set(scheduler.requests) | set(self._handoffs)
+        ids |= {rid for rid, _ in self._admissions}
+        ids |= {out.request_id for out in self.engine.pop_finished_outputs()}
+        return [self._fail(rid, message) for rid in sorted(ids)]
+
+    def _maybe_delay(self, where: str) -> None:
+        if not self._delays.get(where):
+            return
+        with self._locked():
+            delays = self._delays.get(where)
+            seconds = delays.pop(0) if delays else 0.0
+        if seconds and not self._delays_released.is_set():
+            self._delays_released.wait(seconds)
+
+    def _wake_engine_thread(self) -> None:
+        self._wakeup.set()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Both locks, in order: the engine to this thread alone (a step never runs meanwhile)."""
+        with self._engine_lock, self._alloc_lock:
+            yield
+
+    def _reserve_lock(self, kv_timeout_s: float) -> AbstractContextManager[Any]:
+        """What a reserve takes: `_alloc_lock` alone, so it is served while a step executes; both locks (it
+        waits for the step, as every other call does) once the step in progress has run for half the
+        driver's reserve timeout (`driver.dispatch.call_timeout_s` of `kv_timeout_s`, the handoff's
+        lease), so a rank whose step hangs stops answering reserves and the driver takes it out of routing
+        """
+        started_s = self._step_started_s
+        if started_s is not None and time.monotonic() - started_s > call_timeout_s(kv_timeout_s) / 2:
+            return self._locked()
+        return self._alloc_lock
+
+    @contextlib.contextmanager
+    def _reserves_allowed(self) -> Iterator[None]:
+        """The engine thread, inside its step while the forward runs (`LLMEngine.step`'s `while_executing`):
+        `_alloc_lock` is free for reserves meanwhile, and taken back before the step commits its tokens
+        (after any reserve already waiting).
+        """
+        self._alloc_lock.release()
+        try:
+            yield
+        finally:
+            self._alloc_lock.acquire()
+
+    def _admit(self, handoff_id: str, received: ReceivedKV) -> list[TokenDelta]:
+        assert self.receiver is not None
+        extras = received.extras
+        self.receiver.release(handoff_id)
+        now_s = time.monotonic()
+        received_at_s = self._received_at_s.pop(handoff_id, now_s)
+        handoff = Handoff(
+            received.elapsed_s,
+            int(received.num_wire_bytes),
+            admitted_at_s=now_s,
+            admit_s=now_s - received_at_s,
+        )
+        self._handoffs[handoff_id] = handoff
+        self._maybe_fault("admit")
+        params = self.engine.scheduler.reserved[handoff_id].sampling_params
+        self.engine.admit_remote_prefill(
+            handoff_id,
+            extras.first_token_id,
+            extras.draft_token_ids,
+            extras.draft_probs,
+            extras.first_token_logprobs,
+        )
+        handoff.num_sent = 1
+        early_text = early_first_token_text(self.engine.tokenizer, params, extras.first_token_id)
+        request = self.engine.scheduler.get_request(handoff_id)
+        if request is None:
+            handoff.text_streamed_by_prefill = early_text or ""
+            if early_text is None:
+                handoff.num_sent = 0
+            return []
+        text = self.engine.take_new_text(handoff_id)
+        first = (extras.first_token_id,)
+        if early_text is not None:
+            first, text = (), text.removeprefix(early_text)
+        return [
+            TokenDelta(
+                handoff_id,
+                first,
+                phases=Phases(kv_transfer_s=handoff.kv_transfer_s, admit_s=handoff.admit_s),
+                kv_transfer_bytes=handoff.kv_transfer_bytes,
+                new_text=text,
+                logprobs=(extras.first_token_logprobs,) if first and extras.first_token_logprobs else None,
+            )
+        ]
+
+    def _delta(self, out: RequestOutput) -> list[DecodeEvent]:
+        rid = out.request_id
+        if out.finish_reason == "error":
+            return [self._fail(rid, f"decode failed: {out.error}")]
+        delta = token_delta(out, self._handoffs.get(rid))
+        if out.finished:
+            self._handoffs.pop(rid, None)
+        return [delta]
+
+    def _emit(self, events: list[DecodeEvent]) -> None:
+        """Number `events`, keep them until a poll acknowledges them, and wake the poll."""
+        if not events:
+            return
+        with self._events_lock:
+            first_seq = self._next_seq + 1
+            self._events.extend(PolledEvent(first_seq + i, event) for i, event in enumerate(events))
+            self._next_seq = first_seq + len(events) - 1
+            self._events_lock.notify_all()

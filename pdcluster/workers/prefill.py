@@ -1,0 +1,455 @@
+"""`PrefillWorker`: the prefill role, a thin shell around one `LLMEngine` and a `KVSender` per decode rank."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pdcluster.driver.command_order import CommandOrder, CommandSeq
+from pdcluster.driver.dispatch import CALL_TIMEOUT_MIN_S, event_timeout_s
+from pdcluster.driver.messages import (
+    InstanceGroupSpec,
+    NodeReady,
+    PrefillBind,
+    PrefillNodeLoad,
+    PrefillRequest,
+    PrefillResult,
+)
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.llm import EngineStepError
+from pdcluster.engine.stopping import early_first_token_text
+from pdcluster.kvtransfer.base import HandoffExtras, KVSender
+from pdcluster.kvtransfer.paired import PairedAddress
+from pdcluster.workers.prefill_job import Job
+from pdcluster.workers.prefill_senders import KVSenders
+from pdcluster.workers.rank import LOCKSTEP_IDLE_S, RankWorker
+from pdcluster.workers.thread_clock import run_delay_s
+
+if TYPE_CHECKING:
+    from pdcluster.kvtransfer.grpc_transport import TLSCredentials
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillWorker(RankWorker):
+    """One prefill rank (of an instance of one or more)."""
+
+    # "start" (taking a job), "step" (the engine step), "complete" (handing a finished prefill over),
+    # "loop" (the loop body, outside any request)
+    FAULT_POINTS = ("start", "step", "complete", "loop")
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        name: str,
+        layerwise: bool = True,
+        group: InstanceGroupSpec | None = None,
+    ) -> None:
+        super().__init__(engine_config, name, group)
+        self.layerwise = layerwise
+        self.kv = KVSenders(name, self.engine.config.device)
+        self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._active: dict[str, Job] = {}
+        # binds the engine thread has not taken yet (`_take_bind`)
+        self._binds: dict[str, PrefillBind] = {}
+        self._order = CommandOrder(CALL_TIMEOUT_MIN_S)  # prefill, bind, abort in the driver's order
+        self._lock = threading.Lock()
+        self._num_queued_tokens = 0  # of jobs queued or active
+        self._start_engine_thread()
+
+    # ---- wiring -----------------------------------------------------------------------------------------
+    def ready(self) -> NodeReady:
+        """Load time and model facts, once the weights are loaded."""
+        cfg = self.engine.model.config
+        num_blocks = self.engine.scheduler.block_manager.num_blocks
+        return NodeReady(
+            self.name,
+            os.getpid(),
+            self.load_s,
+            num_blocks,
+            cfg.num_hidden_layers,
+            cfg.kv_cache_dim,
+            compile=self.engine.compile_stats(),
+        )
+
+    @property
+    def senders(self) -> list[list[KVSender]]:
+        """`[decode instance][decode rank]`: the KV sender to that rank."""
+        return self.kv.table
+
+    def connect_grpc(self, decode_addresses: list[list[str]], tls: TLSCredentials | None = None) -> None:
+        """`KVSenders.connect("grpc", ...)`."""
+        self.kv.connect("grpc", decode_addresses, tls)
+
+    def connect_receivers(
+        self,
+        transport: str,
+        decode_addresses: list[list[str]] | list[list[PairedAddress]],
+        tls: TLSCredentials | None = None,
+    ) -> None:
+        """`KVSenders.connect`."""
+        self.kv.connect(transport, decode_addresses, tls)
+
+    def sender_transports(self) -> list[list[str]]:
+        """`KVSenders.transports`."""
+        return self.kv.transports()
+
+    def set_decode_address(
+        self, decode_index: int, address: str | PairedAddress, decode_rank: int = 0
+    ) -> None:
+        """`KVSenders.replace`."""
+        self.kv.replace(decode_index, address, decode_rank)
+
+    def connect_dist(
+        self, rank: int, world_size: int, init_method: str, decode_ranks: list[list[int]]
+    ) -> None:
+        """`KVSenders.connect_dist`."""
+        self.kv.connect_dist(rank, world_size, init_method, decode_ranks)
+
+    def _all_senders(self) -> list[KVSender]:
+        return self.kv.all()
+
+    def _sender(self, job: Job) -> KVSender:
+        """The sender to the decode rank `job` goes to."""
+        return self.kv.table[job.decode_index][job.decode_rank]
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def prefill(self, request: PrefillRequest, order: CommandSeq | None = None) -> PrefillResult:
+        """Prefill one request and hand its KV to decode instance `request.decode_index`, rank
+        `request.decode_rank` (bound by its `reserve`, or later by `bind` when `awaiting_bind`).
+
+        Raises RuntimeError when the prefill or the send failed or timed out (the handoff is aborted).
+        """
+        job = Job(request)
+        with self._order.turn(order):
+            with self._lock:
+                self._num_queued_tokens += job.num_prompt_tokens
+            self._jobs.put(("add", job))
+        # sent awaiting the bind: the reservation may take up to its lease (decode back-pressure) first
+        timeout_s = event_timeout_s(request.meta.lease_s) + (
+            request.meta.lease_s if request.awaiting_bind else 0
+        )
+        if not job.done.wait(timeout_s):
+            self._jobs.put(("abort", job.request_id))
+            raise RuntimeError(f"{self.name}: prefill of {job.request_id} not done after {timeout_s:g} s")
+        if job.error is not None:
+            raise RuntimeError(f"{self.name}: prefill of {job.request_id} failed: {job.error}")
+        assert job.result is not None
+        return job.result
+
+    def bind(self, bind: PrefillBind, order: CommandSeq | None = None) -> None:
+        """The reservation of a request sent `awaiting_bind` (`PrefillRequest`): its handoff begins with
+        `bind.meta` towards the decode rank named, and the KV computed so far goes out.
+        """
+        with self._order.turn(order):
+            with self._lock:
+                self._binds[bind.handoff_id] = bind
+            self._jobs.put(("bind", bind.handoff_id))
+
+    def abort(self, request_id: str, order: CommandSeq | None = None) -> None:
+        """Fail the prefill of `request_id` (its `prefill` call raises), freeing its blocks and handoff."""
+        with self._order.turn(order):
+            self._jobs.put(("abort", request_id))
+
+    def load(self) -> PrefillNodeLoad:
+        """Cheap snapshot for the router: queued prompt tokens and requests in flight."""
+        with self._lock:
+            return PrefillNodeLoad(
+                name=self.name,
+                pid=os.getpid(),
+                num_queued_prefill_tokens=self._num_queued_tokens,
+                num_requests=len(self._active),
+                **self._engine_health(),
+            )
+
+    def check_no_leaks(self) -> dict[str, Any]:
+        """For tests: blocks held and handoffs still open once nothing is in flight. No `flush` first: a
+        sender must forget a handoff by itself once it is delivered or failed, or this reports it."""
+        bm = self.engine.scheduler.block_manager
+        with self._lock:
+            return {
+                "num_used_blocks": bm.num_blocks - bm.num_free_blocks,
+                "num_active": len(self._active),
+                "pending_handoffs": [rid for s in self._all_senders() for rid in s.pending_request_ids()],
+            }
+
+    def close(self) -> None:
+        """Stop the engine thread, then fail every job still waiting (their `prefill` calls raise at once
+        instead of waiting out their timeouts), close the senders."""
+        self._jobs.put(("stop", None))
+        self._stop_engine_thread()
+        waiting = list(self._active.values())
+        while True:
+            try:
+                kind, arg = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                waiting.append(arg)
+        for job in waiting:
+            job.error = f"{self.name} is closing"
+            job.done.set()
+        for sender in self._all_senders():
+            try:
+                sender.close()
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                logger.exception("%s: closing a sender failed", self.name)
+
+    # ---- engine thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            with self._engine_pass():
+                try:
+                    if not self._run_once():
+                        return
+                except Exception as e:  # noqa: BLE001 - the last line of defence: fail everything in flight
+                    self._loop_error(e, "prefill engine loop failed")
+                    for request_id in list(self._active):
+                        self._fail(request_id, f"prefill engine loop failed: {e!r}", abort_engine=True)
+
+    def _run_once(self) -> bool:
+        """Take queued commands, run one step."""
+        engine = self.engine
+        block = not engine.has_unfinished_requests()
+        try:
+            if block:
+                stepping = self.lockstep and self._group_error is None
+                command = self._jobs.get(timeout=LOCKSTEP_IDLE_S if stepping else 0.1)
+            else:
+                command = self._jobs.get_nowait()
+        except queue.Empty:
+            command = None
+        while command is not None:
+            kind, arg = command
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._start(arg)
+            elif kind == "bind":
+                bind = self._take_bind(arg)
+                if bind is not None:  # (else taken already, mid-step)
+                    self._bind(bind)
+            elif kind == "abort":
+                self._take_bind(arg)
+                if arg in self._active:
+                    self._fail(arg, "aborted by the router", abort_engine=True)
+            try:
+                command = self._jobs.get_nowait()
+            except queue.Empty:
+                command = None
+        self._maybe_fault("loop")
+        self._maybe_stall()
+        if self._group_error is not None or (not engine.has_unfinished_requests() and not self.lockstep):
+            return True
+        in_engine = [job for job in self._active.values() if job.pending is None]  # (not prefilled yet)
+        wait_before_s = run_delay_s()
+        try:
+            self._maybe_fault("step")
+            outputs = engine.step(on_prompt_kv=self._on_prompt_kv)
+        except EngineStepError as e:  # the step's requests are finished with an error; others go on
+            self._loop_error(e, "engine step failed")
+            outputs = e.outputs
+            if self._group_failed(e):  # a peer rank died or stalled: nothing here can step again
+                for request_id in list(self._active):
+                    self._fail(request_id, f"engine step failed: {e}", abort_engine=True)
+        except Exception as e:  # noqa: BLE001 - not tied to requests: fail them all, not the actor
+            self._loop_error(e, "engine step failed")
+            self._group_failed(e)
+            for request_id in list(self._active):
+                self._fail(request_id, f"engine step failed: {e!r}", abort_engine=True)
+            return True
+        _charge_cpu_wait(in_engine, wait_before_s)
+        for job in in_engine:  # failed inside the step (`_on_prompt_kv`): failed now that it is over
+            if job.step_error is not None:
+                self._fail(job.request_id, job.step_error, abort_engine=True)
+        self._refresh_ep_summary()
+        for out in outputs:
+            if out.finish_reason == "error":  # failed alone in the engine (its sampling, or its step)
+                self._fail(out.request_id, f"prefill failed: {out.error}")
+            elif out.finished:
+                try:
+                    self._maybe_fault("complete")
+                    self._complete(out.request_id, out.finish_reason, out.queue_s or 0.0)
+                except Exception as e:  # noqa: BLE001 - fails this request only
+                    self._loop_error(e, f"completing {out.request_id} failed")
+                    self._fail(out.request_id, f"prefill completion failed: {e!r}", abort_engine=True)
+        return True
+
+    def _start(self, job: Job) -> None:
+        try:
+            self._maybe_fault("start")
+            if self._group_error is not None:
+                raise RuntimeError(f"{self.name}: instance group failed: {self._group_error}")
+            if job.bound:
+                assert job.meta is not None
+                self._sender(job).begin(job.meta)
+            self.engine.add_request(
+                list(job.request.prompt_token_ids),
+                job.request.params,
+                request_id=job.request_id,
+                arrival_time_s=job.arrival_s,
+                prefill_only=True,
+            )
+        except Exception as e:  # noqa: BLE001
+            self._loop_error(e, f"starting {job.request_id} failed")
+            job.error = repr(e)
+            with self._lock:
+                self._num_queued_tokens -= job.num_prompt_tokens
+            try:
+                self.engine.abort_request(job.request_id)
+                self.engine.pop_finished_outputs([job.request_id])
+                sender = self._sender(job)
+                if job.request_id in sender.pending_request_ids():
+                    sender.abort(job.request_id, job.error)
+            except Exception:  # noqa: BLE001 - the caller is told either way
+                logger.exception("%s: cleaning up %s failed", self.name, job.request_id)
+            job.done.set()
+            return
+        with self._lock:
+            self._active[job.request_id] = job
+
+    def _on_prompt_kv(
+        self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None
+    ) -> None:
+        job = self._active.get(request_id)
+        if job is None or job.step_error is not None:
+            return
+        try:
+            if not job.bound:  # its bind may have come during this step
+                bind = self._take_bind(request_id)
+                if bind is not None:
+                    self._begin(job, bind)
+            job.layers[layer_idx] = (latent_kv, scale)
+            if self.layerwise and job.bound:
+                self._send_computed_layers(job)
+        except Exception as e:  # noqa: BLE001 - fails this job after the step, not the step's others
+            job.step_error = f"handing its KV to the sender failed: {e!r}"
+
+    def _take_bind(self, handoff_id: str) -> PrefillBind | None:
+        with self._lock:
+            return self._binds.pop(handoff_id, None)
+
+    def _send_computed_layers(self, job: Job) -> None:
+        """Send the layers `job` holds (`job.layers`, computed before its bind, or this step's), in order."""
+        sender = self._sender(job)
+        for layer_idx in sorted(job.layers):
+            latent_kv, scale = job.layers.pop(layer_idx)
+            sender.send_layer(job.request_id, layer_idx, latent_kv, scale)
+            job.num_layers_sent += 1
+            job.last_layer_sent_s = time.monotonic()
+
+    def _complete(self, request_id: str, finish_reason: str | None, queue_s: float) -> None:
+        job = self._active.get(request_id)
+        if job is None:
+            return
+        result = self.engine.pop_prefill_result(request_id)
+        if result is None:
+            self._fail(request_id, f"finished ({finish_reason}) without a sampled token")
+            return
+        if not job.bound:  # its KV (job.layers) waits for the reservation (`_bind`)
+            job.pending = (result, queue_s)
+            return
+        self._hand_over(job, result, queue_s)
+
+    def _bind(self, bind: PrefillBind) -> None:
+        job = self._active.get(bind.handoff_id)
+        if job is None or job.bound:  # failed or aborted meanwhile
+            return
+        try:
+            self._begin(job, bind)
+        except Exception as e:  # noqa: BLE001 - fails this request only
+            self._fail(job.request_id, f"beginning the handoff failed: {e!r}", abort_engine=True)
+            return
+        if job.pending is not None:
+            result, queue_s = job.pending
+            job.pending = None
+            self._hand_over(job, result, queue_s)
+
+    def _begin(self, job: Job, bind: PrefillBind) -> None:
+        """Bind `job` to the reservation and begin its handoff on the sender (raises what `begin` raises)."""
+        job.bind(bind.meta, bind.decode_index, bind.decode_rank)
+        self._sender(job).begin(bind.meta)
+
+    def _hand_over(self, job: Job, result: Any, queue_s: float) -> None:
+        request_id = job.request_id
+        forced = job.request.first_token_id
+        if forced is not None and forced != result.first_token_id:
+            result = result._replace(
+                first_token_id=forced, draft_token_ids=[], draft_probs=None, first_token_logprobs=None
+            )
+        sender = self._sender(job)
+        try:
+            self._send_computed_layers(job)
+            num_layers = job.request.meta.num_layers
+            assert job.meta is not None
+            if job.num_layers_sent != num_layers:
+                raise RuntimeError(f"{job.num_layers_sent} of {num_layers} layers computed")
+            sender.finish(
+                request_id,
+                HandoffExtras(
+                    first_token_id=result.first_token_id,
+                    draft_token_ids=result.draft_token_ids,
+                    draft_probs=result.draft_probs,
+                    first_token_logprobs=result.first_token_logprobs,
+                ),
+            )
+        except Exception as e:  # noqa: BLE001
+            self._fail(request_id, repr(e))
+            return
+        job.result = PrefillResult(
+            first_token_id=result.first_token_id,
+            num_drafts=len(result.draft_token_ids),
+            queue_s=queue_s,
+            prefill_s=time.monotonic() - job.arrival_s - queue_s,
+            last_layer_sent_s=None
+            if job.last_layer_sent_s is None
+            else job.last_layer_sent_s - job.arrival_s,
+            cpu_wait_s=job.cpu_wait_s,
+            first_token_text=None
+            if job.request.first_token_id is not None  # the client has it
+            else early_first_token_text(self.engine.tokenizer, job.request.params, result.first_token_id),
+        )
+        self._finish_job(job)
+
+    def _fail(self, request_id: str, reason: str, abort_engine: bool = False) -> None:
+        """Fail one job: free its blocks, abort its handoff, wake `prefill` with the error. Never raises."""
+        job = self._active.get(request_id)
+        if job is None:
+            return
+        try:
+            if abort_engine:
+                self.engine.abort_request(request_id)
+                self.engine.pop_finished_outputs([request_id])  # aborted: no output
+            self.engine.pop_prefill_result(request_id)
+            job.layers.clear()
+            try:
+                if job.bound:
+                    self._sender(job).abort(request_id, reason)
+            except ValueError:
+                pass  # already finished on the sender
+        except Exception:  # noqa: BLE001 - the job still fails below
+            logger.exception("%s: failing %s did not clean up", self.name, request_id)
+        finally:
+            job.error = reason
+            self._finish_job(job)
+
+    def _finish_job(self, job: Job) -> None:
+        with self._lock:
+            self._active.pop(job.request_id, None)
+            self._num_queued_tokens -= job.num_prompt_tokens
+        job.done.set()
+
+
+def _charge_cpu_wait(jobs: list[Job], wait_before_s: float | None) -> None:
+    wait_after_s = run_delay_s() if wait_before_s is not None else None
+    for job in jobs:
+        if wait_before_s is None or wait_after_s is None or job.cpu_wait_s is None:
+            job.cpu_wait_s = None
+        else:
+            job.cpu_wait_s += wait_after_s - wait_before_s

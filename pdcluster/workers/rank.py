@@ -1,0 +1,193 @@
+"""`RankWorker`: what the prefill and decode rank actors share, written once."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+
+import torch
+
+from pdcluster.driver.messages import InstanceGroupSpec
+from pdcluster.engine.compiled_forward import CompileStats
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.llm import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+# An expert-parallel rank with nothing to run still steps (its MoE collectives need every rank): when no
+# rank of the instance had work, the step returns at once and the engine thread sleeps this long (seconds).
+LOCKSTEP_IDLE_S = 0.002
+# The engine thread copies its engine's EP figures for load snapshots at most this often (seconds): the
+# engine's figures are only safe to read from the thread that steps it.
+EP_STATS_REFRESH_S = 1.0
+
+
+def ep_summary(engine: LLMEngine) -> dict | None:
+    """The rank's expert-parallel figures as plain data for its load snapshot (`LLMEngine.ep_stats`,
+    `engine.expert_parallel.EPStats`): every field of the engine's figures, None without EP."""
+    stats = engine.ep_stats()
+    return None if stats is None else dataclasses.asdict(stats)
+
+
+class RankWorker:
+    """Base of `PrefillWorker` and `DecodeWorker`."""
+
+    FAULT_POINTS: tuple[str, ...] = ()  # where `inject_fault` may arm a fault (set by each role)
+    # The KV cache in shared memory (decode: same-host prefill writes handoffs in place, `LLMEngine`)
+    SHARED_KV_CACHE = False
+
+    def __init__(
+        self, engine_config: EngineConfig, name: str, group: InstanceGroupSpec | None = None
+    ) -> None:
+        torch.set_num_threads(1)
+        started_s = time.monotonic()
+        self.name = name
+        self.group_spec = group
+        self.instance_group = None
+        if group is not None and group.num_ranks > 1:
+            from pdcluster.driver.instance_group import join_instance_group
+
+            self.instance_group = join_instance_group(group)
+        # Expert-parallel ranks step together (`engine.llm_engine.LLMEngine`'s EP contract): every rank
+        # calls `engine.step()` in a loop, idle or not.
+        self.lockstep = engine_config.parallel.enabled
+        if self.lockstep and self.instance_group is None:
+            raise ValueError(f"{name}: an expert-parallel engine needs its instance group (group=None)")
+        self.engine = LLMEngine(
+            engine_config,
+            group=self.instance_group.group if self.lockstep else None,
+            shared_kv_cache=self.SHARED_KV_CACHE,
+        )
+        if self.instance_group is not None:  # every rank loaded before the first lockstep collective
+            from pdcluster.driver.instance_group import wait_until_loaded
+
+            wait_until_loaded(self.instance_group)
+        self.load_s = time.monotonic() - started_s
+        self._stopped = threading.Event()
+        self._num_loop_errors = 0
+        self._last_loop_error: str | None = None
+        self._fault_lock = threading.Lock()
+        self._faults: dict[str, int] = {}  # test-only: inject_fault
+        self._thread: threading.Thread | None = None
+        self._engine_passes = 0  # passes of the engine loop begun (`_engine_pass`)
+        self._pass_started_s: float | None = None  # time.monotonic() when the current one began
+        self._stall_s = 0.0  # test-only: inject_stall, release_stall
+        self._stall_released = threading.Event()
+        self._group_error: str | None = None  # set once a collective of the instance group failed
+        self._ep_summary: dict | None = None  # the engine's EP figures, copied by the engine thread
+        self._ep_summary_at_s = 0.0
+
+    def compile_stats(self) -> CompileStats:
+        """What `compile` did (`engine.compiled_forward.CompileStats`); counters as they stand."""
+        return self.engine.compile_stats()
+
+    # ---- engine thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _start_engine_thread(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"{self.name}-engine", daemon=True)
+        self._thread.start()
+
+    def _stop_engine_thread(self, timeout_s: float = 10.0) -> None:
+        """Ask the engine thread to stop (`_stopped`) and wait up to `timeout_s` seconds for it."""
+        self._stopped.set()
+        self._stall_released.set()
+        self._wake_engine_thread()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _wake_engine_thread(self) -> None:
+        """Wake an engine thread waiting for work (subclasses that wait on something set it here)."""
+
+    @contextlib.contextmanager
+    def _engine_pass(self):
+        self._engine_passes += 1
+        self._pass_started_s = time.monotonic()
+        try:
+            yield
+        finally:
+            self._pass_started_s = None
+
+    def _maybe_stall(self) -> None:
+        if self._stall_s > 0:
+            stall_s, self._stall_s = self._stall_s, 0.0
+            self._stall_released.wait(stall_s)
+
+    # ---- loop errors ------------------------------------------------------------------------------------
+    def _loop_error(self, e: BaseException, what: str) -> None:
+        """Count and log (with its traceback) an exception the engine thread survived."""
+        self._num_loop_errors += 1
+        self._last_loop_error = f"{what}: {e!r}"
+        logger.error("%s: %s", self.name, what, exc_info=e)
+
+    def _engine_health(self) -> dict[str, object]:
+        started_s = self._pass_started_s
+        return {
+            "engine_thread_alive": self._thread is not None and self._thread.is_alive(),
+            "engine_passes": self._engine_passes,
+            "engine_pass_s": 0.0 if started_s is None else time.monotonic() - started_s,
+            "num_engine_errors": self._num_loop_errors,
+            "last_engine_error": self._last_loop_error,
+            "instance_group_error": self._group_error,
+            "ep": self._ep_summary,
+        }
+
+    def _refresh_ep_summary(self) -> None:
+        now_s = time.monotonic()
+        if self.lockstep and now_s - self._ep_summary_at_s >= EP_STATS_REFRESH_S:
+            self._ep_summary = ep_summary(self.engine)
+            self._ep_summary_at_s = now_s
+
+    def _group_failed(self, e: BaseException) -> bool:
+        from pdcluster.models.ep_dispatch import EPCollectiveError
+
+        failure = e if isinstance(e, EPCollectiveError) else e.__cause__
+        if not isinstance(failure, EPCollectiveError):
+            return False
+        if self._group_error is None:
+            self._group_error = str(failure)
+            logger.error("%s: the instance group failed; this rank stops stepping: %s", self.name, failure)
+        return True
+
+    # ---- fault injection (tests) ------------------------------------------------------------------------
+    def inject_fault(self, where: str, count: int = 1) -> None:
+        """Test-only fault injection: the next `count` passes through `where` (one of the role's
+        FAULT_POINTS) raise RuntimeError on the engine thread.
+
+        Raises ValueError: `where` is not a fault point of this role.
+        """
+        if where not in self.FAULT_POINTS:
+            raise ValueError(f"unknown fault point {where!r}")
+        with self._fault_lock:
+            self._faults[where] = self._faults.get(where, 0) + count
+        self._wake_engine_thread()
+
+    def inject_stall(self, seconds: float) -> None:
+        """Test-only: the engine thread's next pass hangs `seconds` (or until `release_stall`) before its
+        step, holding its locks; `load` is still answered."""
+        self._stall_released.clear()
+        self._stall_s = seconds
+        self._wake_engine_thread()
+
+    def release_stall(self) -> None:
+        """Test-only: end an injected stall now."""
+        self._stall_released.set()
+
+    def _faults_armed(self) -> bool:
+        """Whether a test armed a fault or a stall (the engine thread then runs a pass even with no work)."""
+        with self._fault_lock:
+            return bool(self._faults) or self._stall_s > 0
+
+    def _maybe_fault(self, where: str) -> None:
+        """Raise RuntimeError("injected fault at <where>") if a fault is armed there (one use)."""
+        with self._fault_lock:
+            if self._faults.get(where, 0) <= 0:
+                return
+            self._faults[where] -= 1
+            if not self._faults[where]:
+                del self._faults[where]
+        raise RuntimeError(f"injected fault at {where}")
