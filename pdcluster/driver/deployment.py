@@ -168,9 +168,7 @@ class ClusterDeployment(ClusterWiring):
         return self
 
     def _pair_transports(self, ray) -> str:
-        """`prefill-0 -> decode-0 shm, prefill-0 -> decode-1 grpc, ...`: each prefill instance's rank 0 and
-        the transport of its sender to each decode instance's rank 0 (`PrefillWorker.sender_transports`).
-        """
+        """Each prefill instance's rank-0 sender transport to each decode instance's rank 0."""
         pairs = []
         for prefill in self.instances["prefill"]:
             transports = ray.get(prefill.ranks[0].sender_transports.remote(), timeout=120)
@@ -179,9 +177,7 @@ class ClusterDeployment(ClusterWiring):
         return ", ".join(pairs)
 
     def _start_rank_actors(self, ray, plan, prefill_cls, decode_cls) -> list[str]:
-        """Create every instance's rank actors, rank r in bundle r of its placement group (not waiting for
-        them); returns their names in `_actors` order.
-        """
+        """Create every instance's rank actors without waiting; returns their names in `_actors` order."""
         self._plan = plan
         self._rank_classes = {
             "prefill": rank_actor_class(ray, prefill_cls),
@@ -212,9 +208,7 @@ class ClusterDeployment(ClusterWiring):
         ]
 
     def _new_rank_actor(self, ray, spec_index: int, rank: int, group: InstanceGroupSpec | None = None) -> Any:
-        """A new actor for rank `rank` of the instance `self._plan.instances[spec_index]`, in bundle `rank` of
-        its placement group (deploy; the health monitor's replacement of an actor Ray gave up on).
-        """
+        """A new actor for rank `rank` of instance `spec_index`, in bundle `rank` of its placement group."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         topo, plan = self.topology, self._plan

@@ -26,8 +26,7 @@ from pdcluster.driver.router import RankRef
 logger = logging.getLogger("pdcluster.driver.cluster")
 
 PROBE_INTERVAL_S = 1.0  # the health monitor probes every instance this often (seconds)
-# An actor Ray gave up on is replaced in its bundle at most MAX_REPLACEMENTS times, REPLACE_AFTER_S seconds
-# after it died, each next one after twice as long.
+# A dead actor is replaced in its bundle at most MAX_REPLACEMENTS times, after REPLACE_AFTER_S, doubling.
 REPLACE_AFTER_S = 10.0
 MAX_REPLACEMENTS = 5
 
@@ -198,10 +197,7 @@ class HealthMonitor:
         self._last_kill_s[key] = now_s
 
     def _check_engines(self, instance: Instance, loads: list[PrefillNodeLoad] | list[DecodeNodeLoad]) -> None:
-        """The engine watchdog over one instance's probe answers (`health.engine_fault`).
-
-        Raises EngineFailed naming the rank whose engine most likely failed.
-        """
+        """Engine watchdog over one instance's probe answers; raises EngineFailed naming the failed rank."""
         watchdog_s, now_s = self.topology.pool(instance.role).engine_watchdog_s, time.monotonic()
         faults = []
         for load in loads:

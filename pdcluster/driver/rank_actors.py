@@ -11,8 +11,7 @@ from pdcluster.config.preflight import actor_layer_issues, weight_dtype_issues
 from pdcluster.driver.messages import NodeReady
 
 MAX_ACTOR_RESTARTS = 5  # Ray restarts a crashed actor (grpc, shm) this often; then it stays dead
-# A Ray concurrency group of its own for the health monitor's probes, so calls hung on the engine cannot
-# take every thread and leave a probe unanswered.
+# Health probes get their own Ray concurrency group, so calls hung on the engine cannot starve them.
 PROBE_GROUP = "probe"
 PROBE_GROUPS = {PROBE_GROUP: 2}
 

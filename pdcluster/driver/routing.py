@@ -63,10 +63,7 @@ class RouteAndReserve:
         prompt_token_ids: list[int],
         params: SamplingParams,
     ) -> Attempt | None:
-        """Route; send the prefill call at once (`awaiting_bind`: prefill computes while decode reserves) and
-        reserve on decode (retrying while no decode instance has room: `after_reserve`, the prefill staying
-        where it is); once bound, hand the prefill the bound meta (`_bind_prefill`).
-        """
+        """Route: send prefill at once, reserve on decode (retrying), then bind the prefill's meta."""
         started: list[Attempt] = []
         try:
             attempt, done = await self._route_and_reserve(
@@ -205,10 +202,7 @@ class RouteAndReserve:
         params: SamplingParams,
         first_token_id: int | None = None,
     ) -> None:
-        """Send `attempt`'s prefill call now: with its bound meta once reserved (`attempt.meta`), else
-        awaiting its bind (`PrefillRequest.awaiting_bind`: the prefill computes while decode reserves);
-        `first_token_id`: the first token the client already has (`PrefillRequest.first_token_id`).
-        """
+        """Send `attempt`'s prefill call now, with its bound meta once reserved, else awaiting its bind."""
         request = PrefillRequest(
             attempt.handoff_id,
             tuple(prompt_token_ids),
@@ -228,17 +222,13 @@ class RouteAndReserve:
         call.add_done_callback(lambda c: c.cancelled() or c.exception())
 
     def _bind_prefill(self, attempt: Attempt) -> None:
-        """Hand `attempt`'s running prefill the meta decode bound (`PrefillWorker.bind`, ordered after the
-        prefill).
-        """
+        """Hand `attempt`'s running prefill the meta decode bound (`PrefillWorker.bind`)."""
         assert attempt.meta is not None
         bind = PrefillBind(attempt.handoff_id, attempt.meta, attempt.decode_index, attempt.decode.rank)
         self.instances["prefill"][attempt.prefill_index].client(attempt.prefill.rank).bind(bind)
 
     async def _load_missing_decodes(self, decodes: list[Instance]) -> bool:
-        """Load (one call per rank) the decode instances of `decodes` no snapshot has reached yet
-        (`LoadBoard.missing_decodes`: right after deploy or a restart), into the board.
-        """
+        """Load into the board the decode instances of `decodes` no snapshot has reached yet."""
         missing = set(self._loads.missing_decodes(d.index for d in decodes))
         if not missing:
             return False
@@ -338,9 +328,7 @@ class RouteAndReserve:
 
     @staticmethod
     def _is_lost(exc: BaseException) -> bool:
-        """The actor died or stopped answering, or its instance group failed (as opposed to a method that
-        raised).
-        """
+        """The actor died or stopped answering, or its group failed (not a method that raised)."""
         import ray
 
         lost = (
@@ -352,9 +340,7 @@ class RouteAndReserve:
         return isinstance(exc, lost)
 
     def _release_when_done(self, attempt: Attempt, call: asyncio.Future) -> None:
-        """Release `attempt` (`_release`) again once the actor call `call` has ended, whatever its outcome
-        (its result or error is consumed here): what the call set up after an earlier release is freed.
-        """
+        """Release `attempt` again once the actor call `call` has ended, whatever its outcome."""
         if call.done():
             return
 

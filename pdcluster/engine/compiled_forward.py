@@ -86,9 +86,7 @@ class CompiledDecodeForward:
         return None
 
     def _attention(self, layer, block_tables: torch.Tensor, context_lens: torch.Tensor, num_queries: int):
-        """`layer`'s attention as the graphs run it: absorbed MLA over its paged cache plus this step's
-        latents (`kernels.mla_decode`), then the output projection.
-        """
+        """`layer`'s attention as the graphs run it: absorbed MLA over the paged cache, then o_proj."""
         attn, cache = layer.self_attn, self.runner.kv_caches[layer.layer_idx]
         w_uk, w_uv = split_kv_b_weight(attn.kv_b_proj.weight, self._num_heads, self._dn, self._dv)
         scale = self.runner.config.softmax_scale
@@ -203,9 +201,7 @@ class CompiledDecodeForward:
         return time.perf_counter() - start
 
     def _padded(self, batch, num_queries: int, prev_hidden: torch.Tensor | None = None) -> tuple:
-        """The graph inputs of a uniform step: (input_ids, [prev_hidden,] positions, block tables, context
-        lengths), padded to the bucket by repeating request 0's rows.
-        """
+        """A uniform step's graph inputs, padded to the bucket by repeating request 0's rows."""
         num_reqs = batch.block_tables.shape[0]
         pad = max(self.bucket(num_reqs), self._min_rows) - num_reqs
         with torch.inference_mode():

@@ -78,10 +78,7 @@ class Executor:
         return len(self._generators.keys() | self._draft_probs.keys())
 
     def _generator(self, item: ScheduledRequest) -> torch.Generator | None:
-        """A seeded request's own generator (its tokens do not depend on the batch); unseeded requests share
-        one generator seeded from OS entropy (never a fixed global seed), so the kernels draw their
-        randomness in one call for all of them (`kernels.sampling.group_rows_by_generator`).
-        """
+        """A seeded request's own generator; unseeded requests share one seeded from OS entropy."""
         request_id = item.request_id
         if request_id not in self._generators:
             seed = item.request.sampling_params.seed
@@ -243,10 +240,7 @@ class Executor:
         return ModelRunnerOutput(sampled, spec, draft_probs, logprobs, failed)
 
     def _join_empty_passes(self, main: bool, num_mtp_done: int) -> None:
-        """Expert parallelism: run the passes this rank's step did not make over an empty batch, so it joins
-        every MoE collective of the step: the main forward (`main`), and MTP depths `num_mtp_done ..
-        max_num_speculative_tokens - 1` when speculative decoding is on.
-        """
+        """EP: run the passes this step skipped over an empty batch, joining every MoE collective."""
         runner = self.runner
         empty = build_model_input([], [], [], runner.block_size, runner.device)
         if main:
@@ -259,11 +253,7 @@ class Executor:
             runner.mtp_forward(empty, hidden, min(depth, depth_limit))
 
     def _output_history(self, item: ScheduledRequest) -> list[int]:
-        """The request's output tokens before this step's inputs end, by position (the engine thread may
-        commit the previous step meanwhile): committed tokens up to the step's first uncommitted input,
-        then the previous step's tokens when its placeholder was resolved from `_last_step` (its accepted
-        drafts sit just before the placeholder, its bonus token is the placeholder).
-        """
+        """The request's output tokens before this step's inputs end, by position (incl. previous step's)."""
         request = item.request
         end = (
             item.start_position + item.num_scheduled_tokens - len(item.spec_token_ids) - item.num_placeholders
@@ -284,9 +274,7 @@ class Executor:
         return sample_isolated(items, logits, self._generator, self._draft_probs, params)
 
     def _mask_by_grammar(self, items: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, str]:
-        """Mask the structured requests' rows of `logits` in place; request id -> error of those that fail
-        (`StructuredOutputs.mask_logits`).
-        """
+        """Mask structured requests' `logits` rows in place; returns request id -> error of failures."""
         if not any(item.request.sampling_params.structured_output for item in items):
             return {}
         if self.structured_outputs is None:
@@ -300,9 +288,7 @@ class Executor:
     def _adapt_num_speculative_tokens(
         self, items: list[ScheduledRequest], sampled: dict[str, list[int]]
     ) -> None:
-        """Fold this step's verification results into the decayed counters (steps that verified no draft leave
-        them as they are) and choose k for the drafts proposed next.
-        """
+        """Fold this step's verification results into the decayed counters and choose the next k."""
         drafted: list[int] = []
         accepted: list[int] = []
         for item in items:
@@ -339,10 +325,7 @@ class Executor:
         on_layer_kv: LayerKVCallback | None = None,
         num_queries: int | None = None,
     ) -> dict[str, list[int]]:
-        """Run the MTP layer as the tail of this step's forward over the same batch and propose drafts per
-        request (see `mtp_proposer.propose`); skips requests in `failed` and adds the requests whose
-        drafting fails alone to it.
-        """
+        """Run the MTP layer over this step's batch to propose drafts; adds requests that fail to `failed`."""
         rows: list[int] = []
         next_ids: list[int] = []
         works: list[MTPWork] = []
@@ -392,8 +375,6 @@ class Executor:
         return spec
 
     def _num_drafts(self, item: ScheduledRequest, newest_position: int) -> int:
-        """Drafts that fit the request's allocated slots: chained MTP steps write KV at `newest_position ..
-        newest_position + k - 2`.
-        """
+        """Drafts that fit the request's allocated slots (chained MTP steps write KV ahead)."""
         capacity = len(item.block_ids) * self.runner.block_size
         return max(0, min(self.num_speculative_tokens, capacity - newest_position + 1))

@@ -180,9 +180,7 @@ class InputBuffers:
     def _layout(
         self, num_scheduled: np.ndarray, starts: np.ndarray, table_lens: np.ndarray
     ) -> tuple[int, int]:
-        """Check the batch against the buffers and block tables, fill query starts, sequence lengths and
-        positions.
-        """
+        """Check the batch against buffers and block tables; fill query starts, seq lengths and positions."""
         _, pos_np, _, _, seq_lens_np, qsl_np = self._np
         num_reqs = len(num_scheduled)
         num_tokens = int(num_scheduled.sum())

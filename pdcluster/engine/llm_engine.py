@@ -355,10 +355,7 @@ class LLMEngine:
         return self.ep.stats() if self.ep is not None else None
 
     def _step_failed(self, output: SchedulerOutput, error: Exception) -> EngineStepError:
-        """Finish every request `output` scheduled with FINISHED_ERROR (blocks freed, executor state dropped)
-        and return the `EngineStepError` carrying their outputs and those of requests finished outside the
-        step.
-        """
+        """Finish `output`'s scheduled requests with FINISHED_ERROR and return the `EngineStepError`."""
         message = f"engine step failed: {error!r}"
         failed = [item.request for item in output.scheduled]
         if self.ep is not None:
@@ -374,9 +371,7 @@ class LLMEngine:
         return EngineStepError(message, outputs)
 
     def _update_text(self, record: RequestRecord) -> None:
-        """Detokenize the request's new output tokens (`engine.stopping.OutputText`); a stop string in the
-        text finishes it with FINISHED_STOPPED.
-        """
+        """Detokenize the request's new output tokens; a stop string finishes it with FINISHED_STOPPED."""
         request = record.request
         if not record.output_text.update(request.output_token_ids, final=request.is_finished):
             return
@@ -386,9 +381,7 @@ class LLMEngine:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _output(self, record: RequestRecord) -> RequestOutput:
-        """The request's output now; its record is forgotten with its final output (kept for
-        `pop_prefill_result` while it holds a prefill result).
-        """
+        """The request's output now; its record is forgotten with its final output (unless prefill result)."""
         request = record.request
         if not record.stream and not record.output_text.has_stop_strings:
             # not detokenized on the step path (see `add_request`): its text now, up to its last token

@@ -97,9 +97,7 @@ class ModelRunner:
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder layer over the flattened batch (`DeepseekV3DecoderLayer.block` with paged attention);
-        writes the layer's latent KV. hidden: `[num_tokens, hidden_size]`.
-        """
+        """One decoder layer over the flattened batch with paged attention; writes the layer's latent KV."""
         idx = layer.layer_idx
         attn = layer.self_attn
 

@@ -52,11 +52,7 @@ def _pick(logits: torch.Tensor, work: MTPWork) -> tuple[int, torch.Tensor | None
 
 
 def _pick_batch(logits: torch.Tensor, works: list[MTPWork]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Draft one token per row of MTP logits `[n, vocab_size]` (row j for `works[j]`), vectorized: one argmax
-    over all rows; the sampled rows' distributions (temperature/top-k/top-p masks) in one batch and their
-    draws grouped by generator (`kernels.sampling.sample_from_probs`: a seeded request draws alone from its
-    own generator, the unseeded ones in one call from the shared one), which makes a seeded request's
-    """
+    """Draft one token per row of MTP logits `[n, vocab_size]`, vectorized (greedy and sampled rows)."""
     tokens = argmax(logits)
     sampled = [j for j, w in enumerate(works) if w.temperature != 0.0]
     if not sampled:

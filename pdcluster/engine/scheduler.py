@@ -209,9 +209,7 @@ class Scheduler:
         return self._apply(plan, lookups)
 
     def _seat_admitted(self) -> None:
-        """Move requests admitted after a remote prefill into the running batch, oldest first, while
-        `len(running) < max_num_seqs`; the rest keep waiting (with their blocks).
-        """
+        """Move remotely prefilled admitted requests into `running`, oldest first, up to max_num_seqs."""
         num_seats = self.config.max_num_seqs - len(self.running)
         if num_seats <= 0 or not self.waiting_for_seat:
             return

@@ -124,9 +124,7 @@ class GrammarCompiler:
         return c.compile_grammar(self._tool_calls_grammar(json.loads(spec)))
 
     def _tool_calls_grammar(self, spec: dict[str, Any]) -> Any:
-        """One tool call in DeepSeek-V3's format: calls_begin, call_begin "function" sep NAME, the arguments
-        as compact JSON in a ```json fence, call_end, calls_end.
-        """
+        """Grammar for one tool call in DeepSeek-V3's format, arguments as compact JSON in a json fence."""
         xgr = self._xgr
         calls_begin, call_begin, sep, call_end, calls_end = spec["markers"]
         tools = spec["tools"]
@@ -213,10 +211,7 @@ class StructuredOutputs:
         return failed
 
     def _fill_masks(self, item: ScheduledRequest, bitmask: torch.Tensor, offset: int) -> None:
-        """Fill the request's `k + 1` rows of `bitmask` from `offset`: row j allows what the grammar allows
-        after the committed tokens and drafts d_1..d_j (a draft outside the grammar: later rows stay all
-        allowed, unused since that draft is rejected).
-        """
+        """Fill the request's `k + 1` bitmask rows from `offset`: row j follows committed tokens + drafts."""
         matcher = self._matcher(item)
         drafts = item.spec_token_ids
         num_advanced = 0

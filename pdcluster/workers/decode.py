@@ -134,9 +134,7 @@ class DecodeWorker(RankWorker):
             receiver.share_kv_cache(cache)
 
     def _set_receiver(self, receiver: KVReceiver) -> None:
-        """Listen with `receiver` from now on; one started earlier in this process (a rewire that failed after
-        starting it, then retried) is closed, not leaked.
-        """
+        """Listen with `receiver` from now on; one started earlier in this process is closed, not leaked."""
         old, self.receiver = self.receiver, receiver
         if old is not None:
             try:
@@ -403,9 +401,7 @@ class DecodeWorker(RankWorker):
         return RequestError(handoff_id, message)
 
     def _drop(self, handoff_id: str) -> None:
-        """Under the engine lock: drop the request wherever it is (receiver, reservation, batch, finished
-        outputs not yet reported) and free its blocks.
-        """
+        """Under the engine lock: drop the request wherever it is and free its blocks."""
         assert self.receiver is not None
         try:
             self.receiver.release(handoff_id)
@@ -419,11 +415,7 @@ class DecodeWorker(RankWorker):
         self._handoffs.pop(handoff_id, None)
 
     def _release_reserved(self, handoff_id: str) -> bool:
-        """Under the engine lock, after `receiver.release`: give back a reservation's blocks now, or, while a
-        same-host prefill sender may still be writing them in place, once it cannot any more (the shared
-        cache's `FenceBoard`, `kvtransfer.shm_transport.inplace`; meanwhile they stay reserved, so no other
-        request gets them).
-        """
+        """Under the engine lock: free a reservation's blocks now, or once no in-place writer remains."""
         if handoff_id not in self.engine.remote_prefills or handoff_id in self._fenced:
             return False
         # the cache's own fences (not the receiver's view): they outlive a receiver closed or replaced
@@ -440,10 +432,7 @@ class DecodeWorker(RankWorker):
             self.engine.release_remote_prefill(handoff_id)
 
     def _fail_all(self, message: str) -> list[RequestError]:
-        """Under the engine lock: fail every request admitted on this rank (running, received and waiting to
-        be admitted, or finished and not yet reported); reservations still waiting for their handoff are
-        left to their waiters.
-        """
+        """Under the engine lock: fail every admitted request on this rank; pending reservations are left."""
         scheduler = self.engine.scheduler
         ids = set(scheduler.requests) | set(self._handoffs)
         ids |= {rid for rid, _ in self._admissions}
@@ -469,11 +458,7 @@ class DecodeWorker(RankWorker):
             yield
 
     def _reserve_lock(self, kv_timeout_s: float) -> AbstractContextManager[Any]:
-        """What a reserve takes: `_alloc_lock` alone, so it is served while a step executes; both locks (it
-        waits for the step, as every other call does) once the step in progress has run for half the
-        driver's reserve timeout (`driver.dispatch.call_timeout_s` of `kv_timeout_s`, the handoff's
-        lease), so a rank whose step hangs stops answering reserves and the driver takes it out of routing
-        """
+        """The lock(s) a reserve takes: `_alloc_lock` alone, or both once a step has run too long."""
         started_s = self._step_started_s
         if started_s is not None and time.monotonic() - started_s > call_timeout_s(kv_timeout_s) / 2:
             return self._locked()
@@ -481,10 +466,7 @@ class DecodeWorker(RankWorker):
 
     @contextlib.contextmanager
     def _reserves_allowed(self) -> Iterator[None]:
-        """The engine thread, inside its step while the forward runs (`LLMEngine.step`'s `while_executing`):
-        `_alloc_lock` is free for reserves meanwhile, and taken back before the step commits its tokens
-        (after any reserve already waiting).
-        """
+        """Engine thread mid-step: free `_alloc_lock` for reserves while the forward runs, then retake it."""
         self._alloc_lock.release()
         try:
             yield
