@@ -37,7 +37,7 @@ from pdcluster.engine.config import KV_CACHE_DTYPES, EngineConfig
 from pdcluster.models import bundled_checkpoint_dir
 from pdcluster.models.dtypes import MODEL_DTYPE_NAMES
 
-DEFAULT_TOPOLOGY_PATH = Path(__file__).resolve().parents[3] / "clusters" / "local.yaml"
+DEFAULT_TOPOLOGY_PATH = Path(__file__).resolve().parents[2] / "clusters" / "local.yaml"
 
 ROLES = ("prefill", "decode")
 MODEL_DTYPES = ("auto", *MODEL_DTYPE_NAMES)
