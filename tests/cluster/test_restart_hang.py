@@ -64,10 +64,10 @@ def test_a_decode_restart_that_hangs_is_killed_once_after_the_load_timeout(
     restarting to every probe. Once that has lasted deploy's load timeout (ACTORS_READY_TIMEOUT_S, 4 s
     here, in the driver) the monitor kills the hanging restart for Ray to start another, which loads, is
     rewired, rejoins once and serves the greedy tokens it served before the crash."""
-    from pdcluster.driver import deployment
+    from pdcluster.driver import rank_actors
 
     expected_tokens = _generate(cluster, "before-crash")
-    monkeypatch.setattr(deployment, "ACTORS_READY_TIMEOUT_S", 4.0)
+    monkeypatch.setattr(rank_actors, "ACTORS_READY_TIMEOUT_S", 4.0)
     pid = _pid(cluster, "decode")
     raylet = _parent(pid)
     hung = None

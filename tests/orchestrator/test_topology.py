@@ -309,8 +309,8 @@ def test_every_integer_field_has_both_bounds():
     import dataclasses
     import typing
 
+    from pdcluster import config as t
     from pdcluster.config.fields import unwrap_optional
-    from pdcluster.driver import topology as t
 
     classes = [t.HardwareConfig, t.PrefillPoolConfig, t.DecodePoolConfig, t.KVTransferConfig, t.ApiConfig]
     for cls in classes:
