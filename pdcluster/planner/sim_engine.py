@@ -145,6 +145,7 @@ class SimEngine:
         self.busy_s = 0.0
         self.num_preemptions = 0
         self._num_arrived = 0
+        self.num_step_finishing = 0  # prefill: requests whose prompt the step completes
         self.step_extra_s = 0.0  # decode: host seconds per step beside the model (`ControlPlane`)
         self.admission_step_extra_s = 0.0  # decode: extra seconds of a step that admitted handoffs
         self._step: list[tuple[SimRequest, int]] = []
@@ -258,7 +259,7 @@ class SimEngine:
         step = self._step = []
         is_prefill_role = self.role == "prefill"
         rows = self._rows
-        num_taken = 0
+        num_taken = finishing = 0
         for request_id, num_new in plan.num_scheduled_tokens.items():
             request = requests[request_id]
             num_blocks = new_blocks[request_id]
@@ -269,6 +270,7 @@ class SimEngine:
             num_computed = request.num_computed_tokens
             if is_prefill_role or num_computed < request.num_prompt_tokens + request.num_output_tokens - 1:
                 prefill.append(PrefillChunk(num_new, num_computed))
+                finishing += is_prefill_role and num_computed + num_new >= request.num_prompt_tokens
             else:
                 key = (num_computed, num_new)
                 row = rows.get(key)
@@ -276,6 +278,7 @@ class SimEngine:
                     row = rows[key] = DecodeRow(num_computed, num_new)
                 decode.append(row)
         self.num_free_blocks -= num_taken
+        self.num_step_finishing = finishing
         if not step:
             return 0.0
         duration_s = self.model.step_time_s(StepShape(tuple(prefill), tuple(decode), self.k)) + extra_s

@@ -227,8 +227,14 @@ class ClusterSimulator:
     def _start(self, engine: SimEngine, now_s: float) -> None:
         duration_s, key = engine.start_step(now_s), id(engine)
         if duration_s > 0 and self._nodes is not None:
-            node = self._nodes[self._node_of[key]]
-            self._reschedule(node.start(engine, duration_s, self._demand[key], now_s))
+            node_index = self._node_of[key]
+            demand = self._demand[key]
+            if node_index == 0:  # the driver's node: its CPU for this step's requests competes too
+                cp = self.control_plane
+                host_s = cp.host_cpu_per_decode_step_s if engine.role == "decode" else 0.0
+                host_s += cp.host_cpu_per_request_s * engine.num_step_finishing  # (prefill's)
+                demand += min(1.0, host_s / duration_s)  # one driver process: at most a core
+            self._reschedule(self._nodes[node_index].start(engine, duration_s, demand, now_s))
         elif duration_s > 0:
             self._push(now_s + duration_s, _STEP_END, engine)
 
