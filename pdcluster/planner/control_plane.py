@@ -8,12 +8,17 @@ dispatch_s (route + reserve), first_token_extra_s (TTFT - dispatch - prefill ste
 CPU seconds per probe (route, Ray calls, streaming; with `pdcluster bench`'s client in it) are fitted as
 `host_cpu_per_request_s + host_cpu_per_decode_step_s x decode steps` (least squares over probes of two
 output lengths): on `cpu` they compete with the engines for the node's cores (`planner.core_sharing`).
+The rest of the node's load is `background_cores`: the prefill rank's median share of a core while its probe
+step ran (1 - run-queue wait / prefill time, `workers.thread_clock`) is `cores / (1 + background)` under
+processor sharing; the modelled engine times above are divided by that share before the subtractions, so
+the extras hold only what the engines' slowdown does not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -39,6 +44,7 @@ class ControlPlane:
     decode_step_extra_s: float = 0.0
     host_cpu_per_request_s: float = 0.0
     host_cpu_per_decode_step_s: float = 0.0
+    background_cores: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -80,7 +86,7 @@ def _modelled(prefill: StepTimeModel, decode: StepTimeModel, prompt_len: int, k:
     }
 
 
-def derive(points: list[dict[str, Any]]) -> ControlPlane:
+def derive(points: list[dict[str, Any]], background_cores: float = 0.0) -> ControlPlane:
     """`ControlPlane` from the per-request points of `measure_control_plane`."""
     if not points:
         raise ValueError("no measured request: cannot derive the control plane")
@@ -92,10 +98,24 @@ def derive(points: list[dict[str, Any]]) -> ControlPlane:
     host = [(p["num_decode_steps"], p["host_cpu_s"]) for p in points if p.get("host_cpu_s") is not None]
     per_request, per_step = _line(host)
     return ControlPlane(
-        **{f.name: med(f.name) for f in fields(ControlPlane) if not f.name.startswith("host_")},
+        **{f.name: med(f.name) for f in fields(ControlPlane) if f.name.startswith(_MEDIANS)},
+        background_cores=background_cores,
         host_cpu_per_request_s=per_request,
         host_cpu_per_decode_step_s=per_step,
     )
+
+
+_MEDIANS = ("dispatch", "first_", "handoff", "decode")
+
+
+def cpu_share(results: list) -> float:
+    """Median over `results` of the prefill rank's share of a core while its step ran (1 when unreported)."""
+    shares = [
+        1.0 - r.phases["prefill_cpu_wait_s"] / r.phases["prefill_s"]
+        for r in results
+        if r.phases.get("prefill_cpu_wait_s") is not None and (r.phases.get("prefill_s") or 0) > 0
+    ]
+    return min(1.0, max(statistics.median(shares), 0.05)) if shares else 1.0
 
 
 def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -177,7 +197,7 @@ def probe_control_plane(
         1.0,
     )
     prompts = build_prompts(every, tokenizer)
-    points, failed = [], 0
+    measured, failed = [], 0
     model, _ = served_model(url)
     for i, prompt_len in enumerate(lengths):  # the first warms the path, untimed
         one = Workload([every.requests[i]], every.description, every.kind, every.input_scale)
@@ -189,10 +209,14 @@ def probe_control_plane(
         if not result.ok or result.ttft_s is None:
             failed += 1
             continue
-        point = point_from_result(result, k, _modelled(prefill, decode, prompt_len, k))
-        point["host_cpu_s"] = cpu_s
-        points.append(point)
+        measured.append((result, prompt_len, cpu_s))
         progress(f"control plane {i}/{num_requests}")
-    if not points:
+    if not measured:
         raise ValueError(f"none of {num_requests} control-plane probes succeeded")
-    return {"values": derive(points).to_dict(), "points": points, "num_failed": failed}
+    share = cpu_share([result for result, _, _ in measured])
+    points = []
+    for result, prompt_len, cpu_s in measured:
+        modelled = {key: s / share for key, s in _modelled(prefill, decode, prompt_len, k).items()}
+        points.append({**point_from_result(result, k, modelled), "host_cpu_s": cpu_s, "cpu_share": share})
+    background = max(0.0, (os.cpu_count() or 1) / share - 1.0) if share < 1 else 0.0
+    return {"values": derive(points, background).to_dict(), "points": points, "num_failed": failed}

@@ -121,7 +121,7 @@ class ClusterSimulator:
         for engine in (*self.prefills, *self.decodes):
             devices, node = self.topology.pool(engine.role).devices_per_instance, offset // per_node
             offset += devices
-            self._nodes.setdefault(node, NodeCores(cores_per_node))
+            self._nodes.setdefault(node, NodeCores(cores_per_node, self.control_plane.background_cores))
             self._node_of[id(engine)], self._demand[id(engine)], self._version[id(engine)] = node, devices, 0
 
     def _reschedule(self, ends: list[tuple[object, float]]) -> None:

@@ -29,6 +29,15 @@ def test_processor_sharing_moves_the_ends():
         NodeCores(0.0)
 
 
+def test_background_demand_slows_a_lone_engine():
+    node = NodeCores(2.0, background=1.5)  # one busy engine + 1.5 cores of other processes on 2 cores
+    assert node.start("a", 1.0, 1.0, 0.0) == [("a", pytest.approx(2.5 / 2))]
+    assert dict(node.finish("a", 1.25)) == {}
+    assert NodeCores(2.0, background=0.5).start("a", 1.0, 1.0, 0.0) == [("a", 1.0)]  # 1.5 of 2: no wait
+    with pytest.raises(ValueError, match="background"):
+        NodeCores(2.0, background=-1.0)
+
+
 class FixedStep:
     """Every non-empty step takes `seconds` of full-speed work; handoffs are instant."""
 
