@@ -185,9 +185,11 @@ class ClusterSimulator:
                 request.error = str(exc)
                 return
             request.prefill_queued_s = now_s
+        up_prefills = [e for e in self.prefills if not e.down] or self.prefills  # (around a rank loss)
+        up_decodes = [e for e in self.decodes if not e.down] or self.decodes
         choice = self.policy(
-            [PrefillLoad(e.instance, e.num_queued_prefill_tokens) for e in self.prefills],
-            [DecodeLoad(e.instance, e.num_free_blocks, e.batch_load) for e in self.decodes],
+            [PrefillLoad(e.instance, e.num_queued_prefill_tokens) for e in up_prefills],
+            [DecodeLoad(e.instance, e.num_free_blocks, e.batch_load) for e in up_decodes],
             counter=self._counter,
             prompt_token_ids=LengthOnlyPrompt(request.num_prompt_tokens),
             block_size=self.block_size,
