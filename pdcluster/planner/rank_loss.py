@@ -1,4 +1,4 @@
-"""A lost rank of a multi-rank instance, as the simulator prices it (issue 35's elastic EP).
+"""A lost rank of a multi-rank instance, as the simulator prices it (elastic expert parallelism).
 
 At `at_s` the instance stops stepping for `recovery_s` (detection, the survivors' new group, the orphan
 experts read from the checkpoint); the requests the lost rank held lose their KV and go back through a
@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from statistics import NormalDist
 
-RECOVERY_S = 10.0  # issue 35's target: the instance serves again within 10 s of the loss
+RECOVERY_S = 10.0  # the elastic-EP target: an instance serves again within 10 s of a loss
 
 _SPEC = re.compile(r"^(prefill|decode)(\d+):(\d+)@([0-9.eE+-]+?)(?:\+([0-9.eE+-]+))?$")
 

@@ -233,7 +233,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="ROLE I:RANK@T[+R]",
         help="lose rank RANK of instance I of pool ROLE (prefill or decode) T seconds after the first "
-        "arrival, e.g. decode0:3@60: its instance serves nothing for R seconds (default 10, issue 35's "
+        "arrival, e.g. decode0:3@60: its instance serves nothing for R seconds (default 10: the elastic-EP "
         "target), its requests on that rank are prefilled again with the tokens streamed kept, then it "
         "serves on one rank less (KV blocks, experts re-placed by models.elastic_placement and the EP "
         "imbalance that leaves). Repeatable; the plan's own simulation only, not the sweep or search",
