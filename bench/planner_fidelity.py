@@ -97,7 +97,9 @@ def live_and_simulated(
     point["live_phases_p50_ms"] = _phases_p50_ms(live.results)
     point["sim_phases_p50_ms"] = _phases_p50_ms(sim.results)
     point["sim_busy_fraction"] = sim.busy_fraction
-    point["control_plane_ms"] = {k: round(v * 1e3, 3) for k, v in control_plane.to_dict().items()}
+    values = control_plane.to_dict()
+    point["background_cores"] = round(values.pop("background_cores"), 3)
+    point["control_plane_ms"] = {k: round(v * 1e3, 3) for k, v in values.items()}
     point["control_plane_num_probes"] = len(probed["points"])
     for metric in ("ttft_ms", "tpot_ms"):
         value, live_value = engine_only.summary[metric]["p50"], live.summary[metric]["p50"]
