@@ -31,6 +31,7 @@ from pdcluster.planner.step_model import DecodeRow, PrefillChunk, StepShape, Ste
 PROMPT_LENS = (16, 48, 128, 320)  # the local traces' prompts after scaling: median ~50, p90 ~300
 DEFAULT_REQUESTS, QUICK_REQUESTS = 12, 4
 DEFAULT_MAX_TOKENS, QUICK_MAX_TOKENS = 24, 12
+MIN_DECODE_STEPS = 4  # a per-step figure from fewer steps is mostly the first step's and the stream's noise
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def point_from_result(result, k: int, modelled: dict[str, float]) -> dict[str, A
     tokens_per_step = 1.0 + (result.acceptance_rate or 0.0) * k
     num_steps = (result.num_output_tokens - 1) / tokens_per_step
     point["num_decode_steps"] = num_steps
-    if first is not None and result.tpot_s is not None and num_steps > 1.5:
+    if first is not None and result.tpot_s is not None and num_steps >= MIN_DECODE_STEPS:
         decode_time = result.tpot_s * (result.num_output_tokens - 1) - gap
         point["decode_step_extra_s"] = (decode_time - first) / (num_steps - 1) - modelled["decode_s"]
     return point
