@@ -2,9 +2,11 @@
 
 Per topology in `--clusters` and rate in `--rates`, the first `--num-requests` Azure conversation requests
 are replayed live (deployed here, `pdcluster bench`'s client) and simulated (`planner.simulator` with
-`--calibration`, the live run's MTP acceptance, shared cores). Reports TTFT/TPOT p50/p90 of both and the
-simulated/live ratios; `engine_only_over_live_*` leaves out the calibration's control plane. The live
-side runs under other processes' CPU load (`other_processes_cpu_fraction`).
+`--calibration`'s step times, the live run's MTP acceptance, shared cores). The control plane is probed on
+the same deployment just before the replay (`--probes` requests, `planner.control_plane`), so both see
+the machine's load of that moment. Reports TTFT/TPOT p50/p90 of both and the simulated/live ratios;
+`engine_only_over_live_*` leaves the control plane out. The live side runs under other processes' CPU
+load (`other_processes_cpu_fraction`).
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ def live_and_simulated(
     calibration: Path | None,
     show_progress: bool = False,
     trace: str = TRACE,
+    num_probes: int = 12,
 ) -> dict[str, Any]:
     """One point: the live replay and the simulation of the same workload (see the module docstring)."""
     from pdcluster.config import load_topology
     from pdcluster.entrypoints.bench_client import run_bench
     from pdcluster.entrypoints.serve import serve
-    from pdcluster.planner.control_plane import control_plane_from_calibration
+    from pdcluster.planner.control_plane import DEFAULT_MAX_TOKENS, ControlPlane, probe_control_plane
     from pdcluster.planner.plan import PlanOptions, cores_per_node, step_models
     from pdcluster.planner.simulator import pool_sizing, simulate
     from pdcluster.planner.trace import arrival_rate_per_s, load_trace, scale_trace
@@ -39,7 +42,12 @@ def live_and_simulated(
     topology = load_topology(cluster)
     native_rate = arrival_rate_per_s(load_trace(trace, num_requests).requests)
     time_scale = rate_per_s / native_rate
+    options = PlanOptions(trace=trace, calibration=calibration)
+    prefill_model, decode_model = step_models(topology, options)
     with serve(topology, port=0, log=lambda message: None) as service:
+        probed = probe_control_plane(
+            service.url, topology, prefill_model, decode_model, num_probes, DEFAULT_MAX_TOKENS
+        )
         live = run_bench(
             service.url,
             trace,
@@ -59,8 +67,6 @@ def live_and_simulated(
         max_tokens_cap=max_tokens_cap,
         time_scale=time_scale,
     )
-    options = PlanOptions(trace=trace, calibration=calibration)
-    prefill_model, decode_model = step_models(topology, options)
 
     def simulated(control_plane):
         return simulate(
@@ -77,7 +83,7 @@ def live_and_simulated(
             cores_per_node=cores_per_node(topology, options),
         )
 
-    control_plane = control_plane_from_calibration(calibration)
+    control_plane = ControlPlane(**probed["values"])
     sim = simulated(control_plane)
     engine_only = simulated(None)  # the same simulation without the control-plane path, for the A/B
     point: dict[str, Any] = {
@@ -91,7 +97,10 @@ def live_and_simulated(
     point["live_phases_p50_ms"] = _phases_p50_ms(live.results)
     point["sim_phases_p50_ms"] = _phases_p50_ms(sim.results)
     point["sim_busy_fraction"] = sim.busy_fraction
-    point["control_plane_ms"] = {k: round(v * 1e3, 3) for k, v in control_plane.to_dict().items()}
+    values = control_plane.to_dict()
+    point["background_cores"] = round(values.pop("background_cores"), 3)
+    point["control_plane_ms"] = {k: round(v * 1e3, 3) for k, v in values.items()}
+    point["control_plane_num_probes"] = len(probed["points"])
     for metric in ("ttft_ms", "tpot_ms"):
         value, live_value = engine_only.summary[metric]["p50"], live.summary[metric]["p50"]
         point[f"engine_only_over_live_{metric}_p50"] = (
@@ -123,7 +132,14 @@ def _phases_p50_ms(results: list) -> dict[str, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     points = [
         live_and_simulated(
-            cluster, rate, args.num_requests, args.max_tokens_cap, args.calibration, not args.json, args.trace
+            cluster,
+            rate,
+            args.num_requests,
+            args.max_tokens_cap,
+            args.calibration,
+            not args.json,
+            args.trace,
+            args.probes,
         )
         for cluster in args.clusters
         for rate in args.rates
@@ -135,6 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "num_requests": args.num_requests,
             "max_tokens_cap": args.max_tokens_cap,
             "calibration": str(args.calibration) if args.calibration else None,
+            "control_plane_probes": args.probes,
             **source_revision(),
         },
         "points": points,
@@ -187,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=positive_int, default=40)
     parser.add_argument("--max-tokens-cap", type=positive_int, default=64)
     parser.add_argument("--calibration", type=Path, default=None, help="`pdcluster profile` JSON")
+    parser.add_argument(
+        "--probes", type=positive_int, default=12, help="control-plane probes before each live replay"
+    )
     parser.add_argument("--trace", default=TRACE, help="trace file (a bare name: ../shared/traces)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

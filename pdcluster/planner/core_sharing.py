@@ -12,16 +12,18 @@ from dataclasses import dataclass, field
 
 @dataclass
 class NodeCores:
-    """A node's cores (> 0) shared by busy engines: `busy[key] = [work seconds left, demand]`."""
+    """A node's cores (> 0) shared by busy engines (`busy[key] = [work seconds left, demand]`) and a steady
+    `background` demand of other processes, in cores."""
 
     cores: float
+    background: float = 0.0
     busy: dict = field(default_factory=dict)
     rate: float = 1.0
     updated_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.cores > 0:
-            raise ValueError(f"cores must be > 0, got {self.cores}")
+        if not self.cores > 0 or not (self.background >= 0 and math.isfinite(self.background)):
+            raise ValueError(f"cores must be > 0 and background >= 0, got {self.cores}, {self.background}")
 
     def _advance(self, now_s: float) -> None:
         elapsed = (now_s - self.updated_s) * self.rate
@@ -31,7 +33,7 @@ class NodeCores:
 
     def _ends(self, now_s: float) -> list[tuple[object, float]]:
         demand = sum(d for _, d in self.busy.values())
-        self.rate = min(1.0, self.cores / demand) if demand > 0 else 1.0
+        self.rate = min(1.0, self.cores / (demand + self.background)) if demand > 0 else 1.0
         return [(key, now_s + left / self.rate) for key, (left, _) in self.busy.items()]
 
     def start(self, key: object, work_s: float, demand: float, now_s: float) -> list[tuple[object, float]]:

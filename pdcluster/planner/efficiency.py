@@ -88,6 +88,15 @@ _NO_OP_OVERHEAD = Factor(
 _HANDOFF_ACCEL = Factor(
     1e-3, "assumed 1 ms per handoff (RDMA registration + control message); no published figure at hand"
 )
+# the factors every accelerator entry shares (fitted ones are checked on every deployment, `planner.fit`)
+_ACCELERATOR_SHARED = {
+    "memory": Factor(0.9, "proxy: FlashMLA's memory-bound fraction (no elementwise microbenchmark at hand)"),
+    "op_overhead_s": _NO_OP_OVERHEAD,
+    "handoff_overhead_s": _HANDOFF_ACCEL,
+    "routing_sigma": _ROUTING,
+    "serving_fraction": _SERVING,
+    "prefill_serving_fraction": _PREFILL_SERVING,
+}
 
 HOPPER = Efficiency(
     gemm_compute=_DEEPGEMM,
@@ -98,15 +107,10 @@ HOPPER = Efficiency(
     ),
     attention_compute=_FLASHMLA_COMPUTE,
     attention_memory=_FLASHMLA_MEMORY,
-    memory=Factor(0.9, "proxy: FlashMLA's memory-bound fraction (no elementwise microbenchmark at hand)"),
     link=_DEEPEP_LL,
     kv_link=Factor(0.78, "proxy: DeepEP's RDMA fraction (KV transfer also rides the 400 Gb/s NIC)"),
     host_overhead_s=_HOST_H800,
-    op_overhead_s=_NO_OP_OVERHEAD,
-    handoff_overhead_s=_HANDOFF_ACCEL,
-    routing_sigma=_ROUTING,
-    serving_fraction=_SERVING,
-    prefill_serving_fraction=_PREFILL_SERVING,
+    **_ACCELERATOR_SHARED,
 )
 
 ASCEND = Efficiency(
@@ -127,17 +131,12 @@ ASCEND = Efficiency(
         "CloudMatrix-Infer MLA operator (arXiv:2506.12708): 84.1% of HBM bandwidth memory-bound (read from "
         "secondary summaries of the paper's table)",
     ),
-    memory=Factor(0.9, "proxy: FlashMLA's memory-bound fraction (no elementwise microbenchmark at hand)"),
     link=Factor(
         0.78, "proxy: DeepEP low-latency fraction on H800 RDMA; no UB all-to-all microbenchmark at hand"
     ),
     kv_link=Factor(0.78, "proxy: DeepEP low-latency fraction (KV over UB)"),
     host_overhead_s=_HOST_ASCEND,
-    op_overhead_s=_NO_OP_OVERHEAD,
-    handoff_overhead_s=_HANDOFF_ACCEL,
-    routing_sigma=_ROUTING,
-    serving_fraction=_SERVING,
-    prefill_serving_fraction=_PREFILL_SERVING,
+    **_ACCELERATOR_SHARED,
 )
 
 CPU = Efficiency(

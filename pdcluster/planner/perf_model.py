@@ -105,6 +105,7 @@ class PerfModel:
         if ep_imbalance is not None and ep_imbalance < 1:
             raise ValueError(f"ep_imbalance must be >= 1 (slowest rank over the mean), got {ep_imbalance}")
         self.ep_imbalance = ep_imbalance
+        self.ep_imbalance_scale = 1.0  # a shrunk placement's imbalance over EPLB's (`shrunk`)
         self.dispatch_dtype = dispatch_dtype or self.dtypes.activation
         self.combine_dtype = combine_dtype or self.dtypes.activation
         self.microbatch_overlap = microbatch_overlap
@@ -123,6 +124,16 @@ class PerfModel:
         other.__dict__.update(self.__dict__)
         other.efficiency = efficiency
         other._set_peaks()
+        return other
+
+    def shrunk(self, parallel: Parallelism, ep_imbalance_scale: float) -> PerfModel:
+        """The same instance on `parallel` (fewer ranks after a loss), its EP imbalance times
+        `ep_imbalance_scale` (>= 1: the re-placed experts over EPLB's own placement, `planner.rank_loss`)."""
+        if not ep_imbalance_scale >= 1:
+            raise ValueError(f"ep_imbalance_scale must be >= 1, got {ep_imbalance_scale}")
+        other = PerfModel.__new__(PerfModel)
+        other.__dict__.update(self.__dict__)
+        other.parallel, other.ep_imbalance_scale = parallel, ep_imbalance_scale
         return other
 
     def _set_peaks(self) -> None:
@@ -185,7 +196,7 @@ class PerfModel:
                 eff.popularity_sigma.value, eff.routing_sigma.value, bucket,
             )  # fmt: skip
             imb = placed * statistical_imbalance(mean, ep)
-        imb = imb or 1.0
+        imb = (imb or 1.0) * self.ep_imbalance_scale
         local = physical / ep
         active = oc.expected_active_experts(local, physical, k, instance_tokens)
         return mean * imb, active, imb

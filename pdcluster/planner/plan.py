@@ -13,6 +13,7 @@ from typing import Any
 from pdcluster.config import Topology, check_topology
 from pdcluster.planner import DEFAULT_ACCEPTANCE
 from pdcluster.planner.op_costs import dtype_bytes
+from pdcluster.planner.rank_loss import RankLoss, describe_loss
 from pdcluster.planner.search import (
     Evaluated,
     describe,
@@ -47,6 +48,7 @@ class PlanOptions:
     search_num_requests: int = 500
     sweep: bool = True
     cores_per_node: float | None = None
+    rank_losses: tuple[RankLoss, ...] = ()  # the plan's own simulation only (not the sweep or search)
 
 
 def step_models(topology: Topology, options: PlanOptions) -> tuple[StepTimeModel, StepTimeModel]:
@@ -79,9 +81,13 @@ def acceptance_for(topology: Topology, options: PlanOptions) -> tuple[float, ...
 
 
 def simulate_topology(
-    topology: Topology, requests: Sequence[TraceRequest], options: PlanOptions
+    topology: Topology,
+    requests: Sequence[TraceRequest],
+    options: PlanOptions,
+    rank_losses: Sequence[RankLoss] = (),
 ) -> SimResult:
-    """`simulate` with the perf model, the options' acceptance and the calibration's control plane."""
+    """`simulate` with the perf model, the options' acceptance, the calibration's control plane and
+    `rank_losses` (`planner.rank_loss`)."""
     from pdcluster.planner.control_plane import control_plane_from_calibration
 
     prefill_model, decode_model = step_models(topology, options)
@@ -94,6 +100,7 @@ def simulate_topology(
         seed=options.seed,
         control_plane=control_plane_from_calibration(options.calibration),
         cores_per_node=cores_per_node(topology, options),
+        rank_losses=rank_losses,
     )
 
 
@@ -147,6 +154,8 @@ class PlanOutcome:
             f"{d['goodput_requests_per_s_per_device']:.4g} goodput requests/s"
         )
         text += f"\nsimulated {len(self.result.results)} requests in {self.wall_s:.1f} s wall"
+        for loss in self.result.rank_losses:
+            text += "\n" + describe_loss(loss)
         if self.searched:
             best = self.searched[0]
             text += (
@@ -160,6 +169,8 @@ class PlanOutcome:
         out["num_devices"] = self.num_devices
         out.update(self.per_device())
         out["report"] = str(self.report_path)
+        if self.result.rank_losses:
+            out["rank_losses"] = self.result.rank_losses
         if self.notes:
             out["notes"] = self.notes
         if self.searched:
@@ -219,7 +230,7 @@ def run_plan(
             f"{weight_dtype} weights + kv_cache_memory_bytes exceed one device's memory"
         )
     start_s = time.perf_counter()
-    result = simulate_topology(topology, workload.requests, options)
+    result = simulate_topology(topology, workload.requests, options, options.rank_losses)
     wall_s = time.perf_counter() - start_s
     few = workload.requests[: options.search_num_requests]
 

@@ -71,18 +71,30 @@ def plot_phases(results: Sequence[RequestResult], slo: dict, path: Path) -> None
     plt.close(fig)
 
 
+def _save(plt, fig, ax, xlabel: str, ylabel: str, path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Label the axes, grid, save at 100 dpi to `path` and close the figure."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def plot_goodput_vs_pd(points: Sequence[Evaluated], path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     ordered = sorted(points, key=lambda e: e.pd_ratio)
     ax.plot([e.pd_ratio for e in ordered], [e.goodput_per_device for e in ordered], "o-")
     ax.set_xscale("log")
-    ax.set_xlabel("P:D device ratio (prefill devices / decode devices)")
-    ax.set_ylabel("goodput per device (req/s)")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(
+        plt,
+        fig,
+        ax,
+        "P:D device ratio (prefill devices / decode devices)",
+        "goodput per device (req/s)",
+        path,
+    )
 
 
 def pareto_frontier(points: Sequence[Evaluated]) -> list[Evaluated]:
@@ -113,12 +125,7 @@ def plot_frontier(points: Sequence[Evaluated], tpot_slo_ms: float | None, path: 
     if tpot_slo_ms is not None:
         ax.axvline(tpot_slo_ms, color="red", linestyle="--", label=f"TPOT SLO {tpot_slo_ms:g} ms")
         ax.legend()
-    ax.set_xlabel("p90 TPOT (ms)")
-    ax.set_ylabel("goodput per device (req/s)")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, ax, "p90 TPOT (ms)", "goodput per device (req/s)", path)
 
 
 def _engine_line(result: SimResult) -> str:

@@ -15,6 +15,23 @@ from pdcluster.engine.scheduler_policy import RequestView, SchedulerConfig, cdiv
 from pdcluster.planner.step_model import DecodeRow, PrefillChunk, StepShape, StepTimeModel
 
 
+class LengthOnlyPrompt(Sequence[int]):
+    """A prompt known by its length only (traces carry no text), so prefix hits are 0."""
+
+    __slots__ = ("_len",)
+
+    def __init__(self, num_tokens: int) -> None:
+        self._len = num_tokens
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def, override]
+        if isinstance(index, slice):
+            return []
+        raise IndexError("a LengthOnlyPrompt has no token ids")
+
+
 class SimRequest:
     """One request's state through the simulated cluster (seconds; counts as `engine.request`)."""
 
@@ -36,6 +53,7 @@ class SimRequest:
         "num_preemptions",
         "num_draft_tokens",
         "num_accepted_tokens",
+        "num_kept_tokens",
         "prefill_queued_s",
         "prefill_start_s",
         "prefill_end_s",
@@ -64,6 +82,7 @@ class SimRequest:
         self.num_preemptions = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_kept_tokens = 0  # streamed before a rank loss, recomputed as prompt (`planner.rank_loss`)
         self.prefill_queued_s: float | None = None
         self.prefill_start_s: float | None = None
         self.prefill_end_s: float | None = None
@@ -120,10 +139,13 @@ class SimEngine:
         self.num_reserved = 0
         self.num_queued_prefill_tokens = 0  # prompt tokens of prefill jobs queued or active (PrefillWorker)
         self.busy = False
+        self.down = False  # a rank loss's recovery (`planner.rank_loss`): no step, reserves wait
+        self.pending_loss = None  # a rank loss that waits for the step in flight to end
         self.num_steps = 0
         self.busy_s = 0.0
         self.num_preemptions = 0
         self._num_arrived = 0
+        self.num_step_finishing = 0  # prefill: requests whose prompt the step completes
         self.step_extra_s = 0.0  # decode: host seconds per step beside the model (`ControlPlane`)
         self.admission_step_extra_s = 0.0  # decode: extra seconds of a step that admitted handoffs
         self._step: list[tuple[SimRequest, int]] = []
@@ -237,7 +259,7 @@ class SimEngine:
         step = self._step = []
         is_prefill_role = self.role == "prefill"
         rows = self._rows
-        num_taken = 0
+        num_taken = finishing = 0
         for request_id, num_new in plan.num_scheduled_tokens.items():
             request = requests[request_id]
             num_blocks = new_blocks[request_id]
@@ -248,6 +270,7 @@ class SimEngine:
             num_computed = request.num_computed_tokens
             if is_prefill_role or num_computed < request.num_prompt_tokens + request.num_output_tokens - 1:
                 prefill.append(PrefillChunk(num_new, num_computed))
+                finishing += is_prefill_role and num_computed + num_new >= request.num_prompt_tokens
             else:
                 key = (num_computed, num_new)
                 row = rows.get(key)
@@ -255,6 +278,7 @@ class SimEngine:
                     row = rows[key] = DecodeRow(num_computed, num_new)
                 decode.append(row)
         self.num_free_blocks -= num_taken
+        self.num_step_finishing = finishing
         if not step:
             return 0.0
         duration_s = self.model.step_time_s(StepShape(tuple(prefill), tuple(decode), self.k)) + extra_s

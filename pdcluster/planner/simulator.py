@@ -21,30 +21,21 @@ from pdcluster.engine.scheduler_policy import check_request_fits
 from pdcluster.entrypoints.bench_client import RequestResult, format_table, summarize
 from pdcluster.planner.control_plane import ControlPlane
 from pdcluster.planner.core_sharing import NodeCores
-from pdcluster.planner.sim_engine import SimEngine, SimRequest
+from pdcluster.planner.rank_loss import (
+    RankLoss,
+    check_rank_loss,
+    lose_rank,
+    loss_report,
+    requeue,
+    shrunk_model,
+)
+from pdcluster.planner.sim_engine import LengthOnlyPrompt, SimEngine, SimRequest
 from pdcluster.planner.sizing import PoolSizing, pool_sizing
 from pdcluster.planner.step_model import StepTimeModel
 from pdcluster.planner.trace import TraceRequest
 
 # event kinds, in tie-break order at equal times: steps end before handoffs land before arrivals
-_STEP_END, _HANDOFF_DONE, _ARRIVAL, _PREFILL_QUEUED = 0, 1, 2, 3
-
-
-class LengthOnlyPrompt(Sequence[int]):
-    """A prompt known by its length only (traces carry no text), so prefix hits are 0."""
-
-    __slots__ = ("_len",)
-
-    def __init__(self, num_tokens: int) -> None:
-        self._len = num_tokens
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __getitem__(self, index):  # type: ignore[no-untyped-def, override]
-        if isinstance(index, slice):
-            return []
-        raise IndexError("a LengthOnlyPrompt has no token ids")
+_STEP_END, _HANDOFF_DONE, _ARRIVAL, _PREFILL_QUEUED, _RANK_LOST, _RECOVERED = 0, 1, 2, 3, 4, 5
 
 
 @dataclass
@@ -58,6 +49,7 @@ class SimResult:
     busy_fraction: dict[str, float] = field(default_factory=dict)
     num_preemptions: dict[str, int] = field(default_factory=dict)
     num_events: int = 0
+    rank_losses: list[dict] = field(default_factory=list)
 
     def as_table(self, description: str = "") -> str:
         return format_table(self.summary, description, simulated=True)
@@ -78,8 +70,11 @@ class ClusterSimulator:
         seed: int = 0,
         control_plane: ControlPlane | None = None,
         cores_per_node: float | None = None,
+        rank_losses: Sequence[RankLoss] = (),
     ) -> None:
         self.topology = topology
+        self.rank_losses = list(rank_losses)
+        self.rank_loss_reports: list[dict] = []
         self.control_plane = cp = control_plane or ControlPlane()
         self.policy = POLICIES[topology.router.policy]
         self.prefill_model = prefill_model
@@ -110,6 +105,7 @@ class ClusterSimulator:
                 cp.decode_step_extra_s,
                 cp.first_decode_step_extra_s,
             )
+        self._ranks: dict[int, int] = {}  # id(engine) -> ranks left after losses
         self._nodes: dict[int, NodeCores] | None = None
         if cores_per_node is not None and not topology.hardware.spec.is_accelerator:
             self._share_cores(cores_per_node)
@@ -125,7 +121,7 @@ class ClusterSimulator:
         for engine in (*self.prefills, *self.decodes):
             devices, node = self.topology.pool(engine.role).devices_per_instance, offset // per_node
             offset += devices
-            self._nodes.setdefault(node, NodeCores(cores_per_node))
+            self._nodes.setdefault(node, NodeCores(cores_per_node, self.control_plane.background_cores))
             self._node_of[id(engine)], self._demand[id(engine)], self._version[id(engine)] = node, devices, 0
 
     def _reschedule(self, ends: list[tuple[object, float]]) -> None:
@@ -146,6 +142,11 @@ class ClusterSimulator:
         for sim in sims:
             sim.deadline_s = sim.arrival_s + self.timeout_s
             self._push(sim.arrival_s, _ARRIVAL, sim)
+        first_s = min((sim.arrival_s for sim in sims), default=0.0)
+        for loss in self.rank_losses:
+            pool = self.topology.pool(loss.role)
+            check_rank_loss(loss, pool.num_instances, pool.devices_per_instance, pool.tensor_parallel_size)
+            self._push(first_s + loss.at_s, _RANK_LOST, loss)
         events, pop = self._events, heapq.heappop
         while events:
             now_s, kind, _, payload = pop(events)
@@ -162,6 +163,10 @@ class ClusterSimulator:
                 self._handoff_done(payload, now_s)  # type: ignore[arg-type]
             elif kind == _PREFILL_QUEUED:
                 self._queue_prefill(payload, now_s)  # type: ignore[arg-type]
+            elif kind == _RANK_LOST:
+                self._rank_lost(payload, now_s)  # type: ignore[arg-type]
+            elif kind == _RECOVERED:
+                self._recovered(payload, now_s)  # type: ignore[arg-type]
             else:
                 self._route(payload, now_s)  # type: ignore[arg-type]
         return sims
@@ -180,9 +185,11 @@ class ClusterSimulator:
                 request.error = str(exc)
                 return
             request.prefill_queued_s = now_s
+        up_prefills = [e for e in self.prefills if not e.down] or self.prefills  # (around a rank loss)
+        up_decodes = [e for e in self.decodes if not e.down] or self.decodes
         choice = self.policy(
-            [PrefillLoad(e.instance, e.num_queued_prefill_tokens) for e in self.prefills],
-            [DecodeLoad(e.instance, e.num_free_blocks, e.batch_load) for e in self.decodes],
+            [PrefillLoad(e.instance, e.num_queued_prefill_tokens) for e in up_prefills],
+            [DecodeLoad(e.instance, e.num_free_blocks, e.batch_load) for e in up_decodes],
             counter=self._counter,
             prompt_token_ids=LengthOnlyPrompt(request.num_prompt_tokens),
             block_size=self.block_size,
@@ -222,8 +229,14 @@ class ClusterSimulator:
     def _start(self, engine: SimEngine, now_s: float) -> None:
         duration_s, key = engine.start_step(now_s), id(engine)
         if duration_s > 0 and self._nodes is not None:
-            node = self._nodes[self._node_of[key]]
-            self._reschedule(node.start(engine, duration_s, self._demand[key], now_s))
+            node_index = self._node_of[key]
+            demand = self._demand[key]
+            if node_index == 0:  # the driver's node: its CPU for this step's requests competes too
+                cp = self.control_plane
+                host_s = cp.host_cpu_per_decode_step_s if engine.role == "decode" else 0.0
+                host_s += cp.host_cpu_per_request_s * engine.num_step_finishing  # (prefill's)
+                demand += min(1.0, host_s / duration_s)  # one driver process: at most a core
+            self._reschedule(self._nodes[node_index].start(engine, duration_s, demand, now_s))
         elif duration_s > 0:
             self._push(now_s + duration_s, _STEP_END, engine)
 
@@ -233,7 +246,8 @@ class ClusterSimulator:
             model, cp = self.prefill_model, self.control_plane
             for request in done:
                 assert request.prefill_start_s is not None
-                request.first_token_s = now_s + cp.first_token_extra_s
+                if request.first_token_s is None:  # (else a recompute after a rank loss: streamed already)
+                    request.first_token_s = now_s + cp.first_token_extra_s
                 # MTP state (drafts) travels with the KV; decode starts at full acceptance
                 compute_s = now_s - request.prefill_start_s
                 handoff_s = model.kv_handoff_s(request.num_prompt_tokens, compute_s) + cp.handoff_extra_s
@@ -242,6 +256,46 @@ class ClusterSimulator:
             reserves, engine.pending_reserves = engine.pending_reserves, []
             for request in reserves:
                 self._reserve(engine, request, now_s)
+        if engine.pending_loss is not None:
+            loss, engine.pending_loss = engine.pending_loss, None
+            self._rank_lost(loss, now_s)
+            return
+        self._start(engine, now_s)
+
+    def _rank_lost(self, loss: RankLoss, now_s: float) -> None:
+        """`loss` at a step boundary of its instance (`planner.rank_loss`): down for `recovery_s`."""
+        engine = (self.prefills if loss.role == "prefill" else self.decodes)[loss.instance]
+        if engine.busy:  # a step in flight, or a recovery: the loss lands when it ends
+            engine.pending_loss = loss
+            return
+        key = id(engine)
+        num_ranks = self._ranks.get(key, self.topology.pool(loss.role).devices_per_instance)
+        if num_ranks < 2:
+            raise ValueError(f"--fail-rank {loss.label}: the instance has one rank left")
+        blocks_before = engine.num_blocks
+        engine.model, experts = shrunk_model(engine.model, loss.rank % num_ranks)
+        lost = lose_rank(engine, loss, num_ranks)
+        self.rank_loss_reports.append(
+            loss_report(loss, now_s, num_ranks, lost, blocks_before, engine, experts)
+        )
+        for request in lost:
+            requeue(request, now_s, self.timeout_s)
+            self._push(now_s, _ARRIVAL, request)
+        self._ranks[key] = num_ranks - 1
+        if self._nodes is not None:
+            self._demand[key] = max(1, self._demand[key] - 1)
+        engine.busy = engine.down = True
+        self._push(now_s + loss.recovery_s, _RECOVERED, engine)
+
+    def _recovered(self, engine: SimEngine, now_s: float) -> None:
+        engine.busy = engine.down = False
+        if engine.pending_loss is not None:
+            loss, engine.pending_loss = engine.pending_loss, None
+            self._rank_lost(loss, now_s)
+            return
+        reserves, engine.pending_reserves = engine.pending_reserves, []
+        for request in reserves:
+            self._reserve(engine, request, now_s)
         self._start(engine, now_s)
 
     def _handoff_done(self, request: SimRequest, now_s: float) -> None:
@@ -259,7 +313,10 @@ def to_results(sims: Sequence[SimRequest]) -> tuple[list[RequestResult], float]:
     first_s = min((s.arrival_s for s in sims), default=0.0)
     last_s = first_s
     for s in sims:
-        result = RequestResult(s.index, s.num_prompt_tokens, s.max_tokens, s.arrival_s - first_s)
+        kept = s.num_kept_tokens  # streamed before a rank loss, prefilled again as prompt
+        result = RequestResult(
+            s.index, s.num_prompt_tokens - kept, s.max_tokens + kept, s.arrival_s - first_s
+        )
         if s.finished_s is None or s.first_token_s is None:
             result.error = s.error or "not finished when the simulation ended"
             results.append(result)
@@ -267,9 +324,9 @@ def to_results(sims: Sequence[SimRequest]) -> tuple[list[RequestResult], float]:
         assert s.prefill_start_s is not None and s.prefill_end_s is not None and s.last_token_s is not None
         assert s.admitted_s is not None
         result.ok = True
-        result.num_output_tokens = s.num_output_tokens
+        result.num_output_tokens = s.num_output_tokens + kept
         result.ttft_s = s.first_token_s - s.arrival_s
-        result.tpot_s = time_per_output_token_s(s.first_token_s, s.last_token_s, s.num_output_tokens)
+        result.tpot_s = time_per_output_token_s(s.first_token_s, s.last_token_s, result.num_output_tokens)
         result.e2e_s = s.finished_s - s.arrival_s
         if s.num_draft_tokens:
             result.acceptance_rate = s.num_accepted_tokens / s.num_draft_tokens
@@ -298,6 +355,7 @@ def simulate(
     tpot_slo_ms: float | None = None,
     control_plane: ControlPlane | None = None,
     cores_per_node: float | None = None,
+    rank_losses: Sequence[RankLoss] = (),
 ) -> SimResult:
     """Simulate `requests` (num_output_tokens = max_tokens, ignore_eos) on `topology`, summarized as
     `pdcluster bench` does; SLO defaults to the topology's `slo`. Raises ValueError for
@@ -314,6 +372,7 @@ def simulate(
         seed,
         control_plane,
         cores_per_node,
+        rank_losses,
     )
     sims = simulator.run(requests)
     results, duration_s = to_results(sims)
@@ -332,4 +391,5 @@ def simulate(
         },
         num_preemptions={role: sum(e.num_preemptions for e in engines) for role, engines in pools.items()},
         num_events=simulator.num_events,
+        rank_losses=simulator.rank_loss_reports,
     )

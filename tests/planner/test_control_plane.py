@@ -13,6 +13,7 @@ from pdcluster.planner.calibration import FORMAT
 from pdcluster.planner.control_plane import (
     ControlPlane,
     control_plane_from_calibration,
+    cpu_share,
     derive,
     point_from_result,
 )
@@ -92,6 +93,31 @@ def test_derive_subtracts_the_modelled_engine_time_from_the_measured_phases():
     assert derive([slower]).decode_step_extra_s == 0.0
     with pytest.raises(ValueError, match="no measured request"):
         derive([])
+
+
+def test_host_cpu_line_background_and_cpu_share():
+    # driver CPU = 40 ms per request + 2 ms per decode step, exactly on the line
+    points = [{"num_decode_steps": n, "host_cpu_s": 0.040 + 0.002 * n} for n in (4, 30, 4, 30, 12)]
+    cp = derive(points, background_cores=1.5)
+    assert cp.host_cpu_per_request_s == pytest.approx(0.040, abs=TOL_S)
+    assert cp.host_cpu_per_decode_step_s == pytest.approx(0.002, abs=TOL_S)
+    assert cp.background_cores == 1.5 and cp.dispatch_s == 0.0  # no phase measured: zero
+    same = derive([{"num_decode_steps": 5, "host_cpu_s": 0.05}] * 2)  # no spread in steps: the mean only
+    assert (same.host_cpu_per_request_s, same.host_cpu_per_decode_step_s) == (pytest.approx(0.05), 0.0)
+
+    def result(prefill_s, wait_s):
+        phases = (
+            {"prefill_s": prefill_s}
+            if wait_s is None
+            else {"prefill_s": prefill_s, "prefill_cpu_wait_s": wait_s}
+        )
+        return RequestResult(0, 8, 2, 0.0, ok=True, phases=phases)  # fmt: skip
+
+    # median of 1 - wait / prefill over the probes that report a wait
+    assert cpu_share([result(0.040, 0.010), result(0.020, 0.010), result(0.030, 0.0), result(0.1, None)]) == (
+        pytest.approx(0.75)
+    )
+    assert cpu_share([result(0.1, None)]) == 1.0
 
 
 def test_calibration_round_trip_and_bad_values(tmp_path):

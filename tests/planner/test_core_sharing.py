@@ -29,6 +29,15 @@ def test_processor_sharing_moves_the_ends():
         NodeCores(0.0)
 
 
+def test_background_demand_slows_a_lone_engine():
+    node = NodeCores(2.0, background=1.5)  # one busy engine + 1.5 cores of other processes on 2 cores
+    assert node.start("a", 1.0, 1.0, 0.0) == [("a", pytest.approx(2.5 / 2))]
+    assert dict(node.finish("a", 1.25)) == {}
+    assert NodeCores(2.0, background=0.5).start("a", 1.0, 1.0, 0.0) == [("a", 1.0)]  # 1.5 of 2: no wait
+    with pytest.raises(ValueError, match="background"):
+        NodeCores(2.0, background=-1.0)
+
+
 class FixedStep:
     """Every non-empty step takes `seconds` of full-speed work; handoffs are instant."""
 
@@ -57,3 +66,25 @@ def test_three_instances_on_two_cores_are_slower_than_on_three():
     assert ttft > alone[0] and tpot > alone[1]
     # with every instance busy the most a step can stretch is 3/2
     assert tpot <= alone[1] * 1.5 + 1e-9
+
+
+def test_the_driver_and_background_load_slow_the_engines_on_the_driver_node():
+    from pdcluster.planner.control_plane import ControlPlane
+
+    topology = load_topology(ROOT / "clusters" / "local.yaml")  # 1 prefill + 1 decode on one node
+    requests = [TraceRequest(0.5 * i, 64, 16) for i in range(10)]  # one at a time: no queueing
+    model = FixedStep(0.01)
+
+    def tpot_ms(control_plane):
+        result = simulate(
+            topology, requests, model, model, (0.0,), cores_per_node=2.0, control_plane=control_plane
+        )
+        return result.summary["tpot_ms"]["p50"]
+
+    alone = tpot_ms(None)
+    assert alone == pytest.approx(10.0, abs=1e-6)  # one 10 ms decode step per token, 1 of 2 cores busy
+    # 1.5 cores of other load: a lone decode step runs at 2 / 2.5 of full speed
+    assert tpot_ms(ControlPlane(background_cores=1.5)) == pytest.approx(10.0 * 2.5 / 2, abs=1e-6)
+    # the driver's 5 ms of CPU per 10 ms decode step adds half a core: 2 / (1 + 0.5 + 1.5) of full speed
+    both = ControlPlane(background_cores=1.5, host_cpu_per_decode_step_s=0.005)
+    assert tpot_ms(both) == pytest.approx(10.0 * 3.0 / 2, abs=1e-6)

@@ -109,3 +109,18 @@ def test_speed_bench_smoke(capsys):
     assert result["config"]["num_requests"] == 200 and result["simulated"]["num_ok"] == 200
     assert result["wall_s"] > 0 and result["num_steps"]["decode"] > 0
     assert result["target_met_cpu"] is False  # 200 requests are not the 100,000 of the target
+
+
+def test_plan_fail_rank_reports_the_loss_and_refuses_a_bad_one(tmp_path, capsys):
+    argv = ["plan", str(REPO / "clusters" / "local-ep.yaml"), "--trace", TRACE, "--num-requests", "40"]
+    argv += ["--rate", "4", "--no-sweep", "--out", str(tmp_path), "--json"]
+    assert main([*argv, "--fail-rank", "decode0:1@2+1.5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (loss,) = out["rank_losses"]
+    assert loss["loss"] == "decode0:1@2+1.5" and loss["num_ranks_after"] == 1
+    assert loss["served_again_at_s"] - loss["lost_at_s"] == 1.5
+    assert out["num_ok"] == 40
+    assert main([*argv, "--fail-rank", "decode0:2@1"]) == 2  # local-ep's decode instance has ranks 0..1
+    assert "ranks 0..1" in capsys.readouterr().err
+    assert main([*argv, "--fail-rank", "decode0@1"]) == 2
+    assert "ROLE INSTANCE:RANK@T" in capsys.readouterr().err

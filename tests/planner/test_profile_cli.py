@@ -12,7 +12,7 @@ import pytest
 from pdcluster.config import load_topology
 from pdcluster.entrypoints.cli import main
 from pdcluster.planner.calibration import FORMAT, read_calibration
-from pdcluster.planner.control_plane import ControlPlane, control_plane_from_calibration
+from pdcluster.planner.control_plane import QUICK_REQUESTS, ControlPlane, control_plane_from_calibration
 from pdcluster.planner.perf_model import perf_model_for
 from pdcluster.planner.step_model import DecodeRow, StepShape
 
@@ -34,9 +34,9 @@ def test_profile_quick_writes_a_calibration(quick_calibration):
     model = perf_model_for(load_topology(ROOT / "clusters" / "local.yaml"), "decode", calibration=out)
     assert model.efficiency.kv_link.source.startswith("measured here")
     assert model.step_time_s(StepShape(decode=(DecodeRow(64, 2),), num_speculative_tokens=1)) > 0
-    # the live control-plane probes (3 with --quick), each piece of the path measured, none negative
+    # the live control-plane probes (QUICK_REQUESTS of them), each piece of the path measured, none negative
     cp = doc["control_plane"]
-    assert len(cp["points"]) + cp["num_failed"] == 3 and cp["num_failed"] == 0
+    assert len(cp["points"]) + cp["num_failed"] == QUICK_REQUESTS and cp["num_failed"] == 0
     assert set(cp["values"]) == {f.name for f in fields(ControlPlane)}
     assert all(v >= 0 for v in cp["values"].values())
     assert cp["values"]["dispatch_s"] > 0  # route + reserve cross Ray: never free

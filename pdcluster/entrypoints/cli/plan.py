@@ -34,6 +34,18 @@ def _positive_float(text: str) -> float:
 _positive_float.__name__ = "number"
 
 
+def _rank_loss(text: str):
+    from pdcluster.planner.rank_loss import parse_rank_loss
+
+    try:
+        return parse_rank_loss(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_rank_loss.__name__ = "rank loss"
+
+
 def validate(args: argparse.Namespace) -> int:
     """`--validate`: the published deployments predicted (`planner.published`), per row and a summary."""
     from pdcluster.planner.published import table_text
@@ -75,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         search=args.search,
         search_num_requests=args.search_num_requests,
         sweep=not args.no_sweep,
+        rank_losses=tuple(args.fail_rank),
     )
     try:
         outcome = run_plan(args.file, topology, options, args.out, show_progress=not args.json)
@@ -212,5 +225,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="X",
         help="slowest EP rank's routed load over the mean (>= 1). Default: the model's statistical estimate",
+    )
+    parser.add_argument(
+        "--fail-rank",
+        type=_rank_loss,
+        action="append",
+        default=[],
+        metavar="ROLE I:RANK@T[+R]",
+        help="lose rank RANK of instance I of pool ROLE (prefill or decode) T seconds after the first "
+        "arrival, e.g. decode0:3@60: its instance serves nothing for R seconds (default 10: the elastic-EP "
+        "target), its requests on that rank are prefilled again with the tokens streamed kept, then it "
+        "serves on one rank less (KV blocks, experts re-placed by models.elastic_placement and the EP "
+        "imbalance that leaves). Repeatable; the plan's own simulation only, not the sweep or search",
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
