@@ -187,7 +187,7 @@ class ClusterDeployment(ClusterWiring):
         for spec_index, spec in enumerate(plan.instances):
             num_ranks = spec.num_devices
             init_method, barrier_port = self._rendezvous(ray, spec_index) if num_ranks > 1 else ("", 0)
-            instance = Instance(spec.role, spec.index, [])
+            instance = Instance(spec.role, spec.index, [], deployed_ranks=num_ranks)
             for rank in range(num_ranks):
                 group = None
                 if num_ranks > 1:

@@ -332,7 +332,7 @@ class Dispatcher(RouteAndReserve):
     async def _poll(self, decode_index: int, rank: int = 0) -> None:
         instance = self.instances["decode"][decode_index]
         task = asyncio.current_task()
-        while not self._closed:
+        while not self._closed and rank < instance.num_ranks:  # (an instance may shrink: driver.elastic)
             if task is not None and task.cancelling():
                 raise asyncio.CancelledError
             if not instance.routable:
