@@ -207,19 +207,28 @@ class ClusterDeployment(ClusterWiring):
             n for role in ROLES for instance in self.instances[role] for n in names[(role, instance.index)]
         ]
 
-    def _new_rank_actor(self, ray, spec_index: int, rank: int, group: InstanceGroupSpec | None = None) -> Any:
-        """A new actor for rank `rank` of instance `spec_index`, in bundle `rank` of its placement group."""
+    def _new_rank_actor(
+        self,
+        ray,
+        spec_index: int,
+        rank: int,
+        group: InstanceGroupSpec | None = None,
+        bundle: int | None = None,
+    ) -> Any:
+        """A new actor for rank `rank` of instance `spec_index`, in bundle `bundle` (default `rank`) of its
+        placement group."""
+        bundle = rank if bundle is None else bundle
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         topo, plan = self.topology, self._plan
         spec, pg = plan.instances[spec_index], self._placement_groups[spec_index]
         options = {
-            "num_cpus": spec.bundles[rank].get("CPU", 1),
+            "num_cpus": spec.bundles[bundle].get("CPU", 1),
             "max_concurrency": 256,
             # A crashed actor is restarted by Ray in its bundle, then rewired by the health monitor.
             "max_restarts": MAX_ACTOR_RESTARTS if ray_restarts(topo.kv_transport, spec.num_devices) else 0,
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}},
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
         }
         options.update(actor_resource_options(plan.ray_resource))
         config = topo.engine_config(spec.role, rank)

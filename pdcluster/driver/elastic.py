@@ -26,6 +26,21 @@ from pdcluster.driver.messages import InstanceGroupSpec
 logger = logging.getLogger("pdcluster.driver.cluster")
 
 MAX_SHRINK_TRIES = 3  # re-forming an instance's group fails this often before it is left out of routing
+GROW_AFTER_S = 5.0  # a shrunk instance asks Ray for replacement ranks this long after its last change
+
+
+@dataclass
+class Growth:
+    """Replacement ranks joining a shrunk instance: `attempt` id, their actors and bundles, the survivors'
+    `grow_group` calls, the newcomers' `ready` calls."""
+
+    attempt: int
+    newcomers: list[Any]
+    bundles: list[int]
+    grows: list[Any]
+    ready: list[Any]
+    started_s: float
+    aborted: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,6 +94,10 @@ class ElasticInstances:
         self.max_local_experts = max_local_experts
         self._given_up: set[tuple[str, int]] = set()
         self._tries: dict[tuple[str, int], int] = {}
+        self.grow_after_s = GROW_AFTER_S
+        self.growing: dict[tuple[str, int], Growth] = {}
+        self._changed_s: dict[tuple[str, int], float] = {}  # each instance's last shrink or growth attempt
+        self._attempts = 0
 
     def on_probe(self, ray, instance: Instance, outcomes: Sequence[Any]) -> bool:
         """Shrink `instance` if this round shows a `RankLoss`; True when it was handled (shrunk, or refused
@@ -95,6 +114,9 @@ class ElasticInstances:
             )
             return True
         self._fail_attempts(instance.role, instance.index)
+        if key in self.growing:
+            self._abort_growth(ray, instance, self.growing.pop(key), "a rank was lost meanwhile")
+        self._changed_s[key] = time.monotonic()
         try:
             self.shrink(ray, instance, loss, outcomes)
         except Exception as e:  # noqa: BLE001 - refused, or a survivor failed: say so, maybe try again
@@ -167,6 +189,8 @@ class ElasticInstances:
             self._reconnect_prefills(ray)
         else:
             instance.ranks = actors
+        bundles = instance.bundles or list(range(len(outcomes)))
+        instance.bundles = [bundles[r] for r in loss.survivors]
         instance.lost_ranks = instance.lost_ranks + len(loss.lost)
         instance.recoveries += 1
         before = self.registry.instances[key[0]][key[1]].health
@@ -190,4 +214,141 @@ class ElasticInstances:
         ray.get(
             [a.connect_receivers.remote(dep.topology.kv_transport, addresses, dep._kv_tls) for a in prefills],
             timeout=dep.call_timeout_s,
+        )
+
+    # ---- growing back ------------------------------------------------------------------------------------
+    def tick(self, ray) -> None:
+        """Once per probe round: start replacements for shrunk instances, and follow those joining."""
+        from pdcluster.config import ROLES
+
+        now_s = time.monotonic()
+        for role in ROLES:
+            for instance in self.registry.instances[role]:
+                key = (role, instance.index)
+                growth = self.growing.get(key)
+                if growth is not None:
+                    self._follow(ray, instance, growth)
+                elif (
+                    instance.degraded
+                    and instance.routable
+                    and key not in self._given_up
+                    and now_s - self._changed_s.get(key, 0.0) >= self.grow_after_s
+                ):
+                    self._changed_s[key] = now_s
+                    try:
+                        self._start_growth(ray, instance)
+                    except Exception as e:  # noqa: BLE001 - Ray could not place them now: later
+                        logger.warning("%s-%d: starting replacement ranks failed: %r", *key, e)
+
+    def _start_growth(self, ray, instance: Instance) -> None:
+        dep, key = self.deployment, (instance.role, instance.index)
+        spec_index = next(i for i, s in enumerate(dep._plan.instances) if (s.role, s.index) == key)
+        num_ranks, bundles = instance.deployed_ranks, instance.bundles or list(range(instance.num_ranks))
+        free = [b for b in range(num_ranks) if b not in bundles]
+        init_method, barrier_port = dep._rendezvous(ray, spec_index)
+        from pdcluster.driver.rank_actors import ready_timeout_s
+
+        def spec(rank: int) -> InstanceGroupSpec:
+            return InstanceGroupSpec(
+                rank,
+                num_ranks,
+                init_method,
+                barrier_port,
+                dep._plan.collective_backend,
+                dep.collective_timeout_s,
+                ready_timeout_s(dep.topology),
+            )
+
+        self._attempts += 1
+        first = instance.num_ranks
+        newcomers = [
+            dep._new_rank_actor(ray, spec_index, first + i, spec(first + i), bundle=b)
+            for i, b in enumerate(free)
+        ]
+        redundant = dep.topology.pool(instance.role).num_redundant_experts
+        grows = [
+            a.grow_group.remote(spec(r), redundant, self._attempts) for r, a in enumerate(instance.ranks)
+        ]
+        ready = [a.ready.remote() for a in newcomers]
+        self.growing[key] = Growth(self._attempts, newcomers, free, grows, ready, time.monotonic())
+        logger.warning("%s-%d: replacement rank(s) in bundle(s) %s are joining", *key, free)
+
+    def _follow(self, ray, instance: Instance, growth: Growth) -> None:
+        from pdcluster.driver.rank_actors import ready_timeout_s
+
+        key = (instance.role, instance.index)
+        done, _ = ray.wait(growth.grows, num_returns=len(growth.grows), timeout=0)
+        if len(done) == len(growth.grows):
+            del self.growing[key]
+            self._changed_s[key] = time.monotonic()
+            try:
+                ray.get(growth.grows, timeout=0)
+            except Exception as e:  # noqa: BLE001 - aborted, or a newcomer never came: it stays degraded
+                self._kill(ray, growth.newcomers)
+                logger.error(
+                    "%s-%d: replacement ranks did not join (%s); still degraded", *key, describe_error(e)
+                )
+                return
+            self._finish_growth(ray, instance, growth)
+            return
+        if growth.aborted:
+            return
+        ready, _ = ray.wait(growth.ready, num_returns=len(growth.ready), timeout=0)
+        why = None
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as e:  # noqa: BLE001 - a newcomer died while joining
+                why = f"a replacement rank failed while joining: {describe_error(e)}"
+        if why is None and time.monotonic() - growth.started_s > ready_timeout_s(self.deployment.topology):
+            why = "the replacement ranks did not join within the ready timeout"
+        if why is not None:
+            self._abort_growth(ray, instance, growth, why)
+
+    def _abort_growth(self, ray, instance: Instance, growth: Growth, why: str) -> None:
+        growth.aborted = True
+        logger.error("%s-%d: growing aborted (%s)", instance.role, instance.index, why)
+        for actor in instance.ranks:
+            try:
+                actor.abort_grow.remote(growth.attempt)
+            except Exception:  # noqa: BLE001 - a dead survivor: the shrink path handles it
+                pass
+        self._kill(ray, growth.newcomers)
+
+    @staticmethod
+    def _kill(ray, actors: list[Any]) -> None:
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - gone already
+                pass
+
+    def _finish_growth(self, ray, instance: Instance, growth: Growth) -> None:
+        from pdcluster.driver.wiring import advertised_address
+
+        dep, key = self.deployment, (instance.role, instance.index)
+        transport, tls, timeout_s = dep.topology.kv_transport, dep._kv_tls, dep.call_timeout_s
+        if instance.role == "decode":
+            addresses = ray.get(
+                [a.start_receiver.remote(transport, tls) for a in growth.newcomers], timeout=timeout_s
+            )
+            if transport == "grpc" and not dep._loopback:
+                ips = ray.get([a.node_ip.remote() for a in growth.newcomers], timeout=timeout_s)
+                addresses = [advertised_address(a, ip) for a, ip in zip(addresses, ips, strict=True)]
+            dep._decode_addresses[instance.index] = list(dep._decode_addresses[instance.index]) + addresses
+        else:
+            decode_addresses = [list(ranks) for ranks in dep._decode_addresses]
+            ray.get([a.connect_receivers.remote(transport, decode_addresses, tls) for a in growth.newcomers])
+        instance.bundles = (instance.bundles or list(range(instance.num_ranks))) + growth.bundles
+        instance.ranks = instance.ranks + growth.newcomers
+        if instance.role == "decode":
+            self._set_decode_ranks(instance.index, instance.num_ranks)
+            self._reconnect_prefills(ray)
+        instance.rejoins += 1
+        logger.warning(
+            "%s-%d: %d replacement rank(s) joined after %.1f s; %d ranks again",
+            *key,
+            len(growth.newcomers),
+            time.monotonic() - growth.started_s,
+            instance.num_ranks,
         )

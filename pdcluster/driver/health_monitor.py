@@ -85,8 +85,14 @@ class HealthMonitor:
                 logger.exception("health monitor: a probe round failed; trying again")
 
     def _probe_all(self) -> None:
-        """One round of the health monitor (see `_monitor_health`)."""
+        """One round of the health monitor (see `_monitor_health`), then elastic EP's growth (`tick`)."""
         import ray
+
+        self._probe_round(ray)
+        if not self._closed:
+            self.elastic.tick(ray)
+
+    def _probe_round(self, ray) -> None:
 
         targets = [instance for role in ROLES for instance in self.instances[role]]
         if not targets or self._closed:

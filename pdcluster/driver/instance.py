@@ -26,6 +26,8 @@ class Instance:
     deployed_ranks: int = 0  # ranks at deploy (0: as many as `ranks`)
     lost_ranks: int = 0  # ranks lost and shrunk away since deploy (`driver.elastic`)
     recoveries: int = 0  # times it was re-formed on fewer ranks
+    rejoins: int = 0  # times new ranks joined it after that
+    bundles: list[int] = field(default_factory=list)  # placement-group bundle of each rank ([]: rank r, r)
     _clients: dict[int, RankClient] = field(default_factory=dict, repr=False)
 
     def client(self, rank: int) -> RankClient:

@@ -80,6 +80,7 @@ class InstanceRegistry:
                 "deployed_ranks": instance.deployed_ranks or instance.num_ranks,
                 "degraded": instance.degraded,
                 "recoveries": instance.recoveries,
+                "rejoins": instance.rejoins,
             }
             for role in ROLES
             for instance in self.instances[role]

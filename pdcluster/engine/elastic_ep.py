@@ -7,6 +7,7 @@ reads only the experts it did not hold from the checkpoint.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -16,6 +17,7 @@ from pdcluster.engine.expert_parallel import ExpertParallelRuntime
 from pdcluster.models.deepseek_v3 import DeepseekV3MLP
 from pdcluster.models.elastic_placement import ShrunkPlacement, shrink_placement
 from pdcluster.models.ep_dispatch import wait
+from pdcluster.models.expert_placement import ExpertPlacement
 from pdcluster.models.loader import (
     FP8_DTYPES,
     SCALE_SUFFIX,
@@ -76,6 +78,41 @@ def shrink_runtime(
     new = ExpertParallelRuntime(runtime.model, parallel, group, placement)
     new.num_rebalances = 0
     return new, shrunk
+
+
+def grow_runtime(
+    runtime: ExpertParallelRuntime, group: dist.ProcessGroup, num_redundant_experts: int, checkpoint: str
+) -> tuple[ExpertParallelRuntime, int]:
+    """A new runtime for this rank over the grown `group` with `ExpertPlacement.default` (what a rank
+    joining it loads): experts this rank holds are kept, the others read from `checkpoint`. Returns it and
+    how many experts were read. No collective.
+
+    Raises ValueError: experts plus `num_redundant_experts` do not split over the group.
+    """
+    old, rank = runtime.placement, group.rank()
+    new = ExpertPlacement.default(
+        old.num_moe_layers, old.num_logical_experts, group.size(), num_redundant_experts
+    )
+    loads = []
+    for row, moe in enumerate(runtime.moe):
+        held = dict(zip(old.local_logical_experts(row, runtime.rank), moe.experts, strict=True))
+        slots = []
+        for slot, expert in enumerate(new.local_logical_experts(row, rank)):
+            module = held.pop(expert, None)
+            if module is None:
+                module = copy.deepcopy(moe.experts[0])
+                loads.append((row, slot, expert))
+            slots.append(module)
+        moe.experts = torch.nn.ModuleList(slots)
+    _load_experts(runtime, checkpoint, loads)
+    parallel = dataclasses.replace(
+        runtime.parallel,
+        expert_parallel_size=group.size(),
+        rank=rank,
+        data_parallel_size=None,
+        num_redundant_experts=num_redundant_experts,
+    )
+    return ExpertParallelRuntime(runtime.model, parallel, group, new), len(loads)
 
 
 def _grow_slots(runtime: ExpertParallelRuntime, num_slots: int) -> None:

@@ -79,6 +79,7 @@ class RankWorker:
         self._group_error: str | None = None  # set once a collective of the instance group failed
         self._ep_summary: dict | None = None  # the engine's EP figures, copied by the engine thread
         self._ep_summary_at_s = 0.0
+        self._aborted_grows: set[int] = set()  # `abort_grow`
 
     def compile_stats(self) -> CompileStats:
         """What `compile` did (`engine.compiled_forward.CompileStats`); counters as they stand."""
@@ -153,58 +154,24 @@ class RankWorker:
             logger.error("%s: the instance group failed; this rank stops stepping: %s", self.name, failure)
         return True
 
-    # ---- elastic EP ---------------------------------------------------------------------------------------
+    # ---- elastic EP (workers.elastic_rank) ----------------------------------------------------------------
     def reform_group(
         self, spec: InstanceGroupSpec, lost_ranks: list[int], max_local_experts: int | None
     ) -> dict:
-        """Join the survivors' new group `spec` (collective over them) once this rank's old group failed,
-        and take this rank's share of the shrunk expert placement (`engine.elastic_ep.shrink_runtime`).
-        Returns `{"rank", "num_ranks", "num_local_experts", "loaded_experts"}`.
+        """`workers.elastic_rank.shrink`: re-form on the survivors' group `spec` after losing `lost_ranks`."""
+        from pdcluster.workers.elastic_rank import shrink
 
-        Raises:
-            PlacementRefused: the survivors cannot hold every logical expert (checked before joining).
-            RuntimeError: the old group has not failed within its collective timeout, or the new one
-                could not be formed.
-        """
-        from pdcluster.driver.instance_group import join_instance_group, wait_until_loaded
-        from pdcluster.engine.elastic_ep import plan_shrink, shrink_runtime
+        return shrink(self, spec, lost_ranks, max_local_experts)
 
-        runtime, lost = self.engine.ep, frozenset(lost_ranks)
-        if runtime is None:
-            raise RuntimeError(f"{self.name}: not an expert-parallel rank")
-        plan_shrink(runtime, lost, max_local_experts)
-        deadline_s = time.monotonic() + 2 * runtime.parallel.collective_timeout_s
-        while self._group_error is None and runtime.failure is None:
-            if time.monotonic() > deadline_s:
-                raise RuntimeError(f"{self.name}: its instance group has not failed; nothing to re-form")
-            time.sleep(0.05)
-        locked = getattr(self, "_locked", contextlib.nullcontext)
-        with locked():
-            joined = join_instance_group(spec)
-            new, shrunk = shrink_runtime(
-                runtime, joined.group, lost, max_local_experts, self.engine.config.model
-            )
-            wait_until_loaded(joined)
-            self.engine.ep, self.instance_group, self.group_spec = new, joined, spec
-            self.lockstep = spec.num_ranks > 1
-            self._ep_summary, self._ep_summary_at_s = ep_summary(self.engine), time.monotonic()
-            self._group_error = None
-        self._wake_engine_thread()
-        logger.warning(
-            "%s: re-formed as rank %d of %d (lost ranks %s); %d expert slots per MoE layer, %d loaded",
-            self.name,
-            spec.rank,
-            spec.num_ranks,
-            sorted(lost),
-            new.placement.num_local_experts,
-            sum(1 for _, r, _, _ in shrunk.loads if r == spec.rank),
-        )
-        return {
-            "rank": spec.rank,
-            "num_ranks": spec.num_ranks,
-            "num_local_experts": new.placement.num_local_experts,
-            "loaded_experts": sum(1 for _, r, _, _ in shrunk.loads if r == spec.rank),
-        }
+    def grow_group(self, spec: InstanceGroupSpec, num_redundant_experts: int, attempt: int) -> dict:
+        """`workers.elastic_rank.grow`: take in new ranks over group `spec`, at a step boundary."""
+        from pdcluster.workers.elastic_rank import grow
+
+        return grow(self, spec, num_redundant_experts, attempt)
+
+    def abort_grow(self, attempt: int) -> None:
+        """End `grow_group`'s wait for the new ranks of `attempt` (one of them died or never came)."""
+        self._aborted_grows.add(attempt)
 
     # ---- fault injection (tests) ------------------------------------------------------------------------
     def inject_fault(self, where: str, count: int = 1) -> None:

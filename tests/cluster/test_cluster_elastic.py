@@ -83,6 +83,13 @@ def shrink_bound_s(cluster) -> float:
     )
 
 
+def ready_bound_s(cluster) -> float:
+    """A replacement rank's start: an actor's ready timeout (`driver.rank_actors.ready_timeout_s`)."""
+    from pdcluster.driver.rank_actors import ready_timeout_s
+
+    return ready_timeout_s(cluster.topology) + PROBE_INTERVAL_S
+
+
 def wait_shrunk(cluster, name: str, recoveries: int) -> dict:
     deadline_s = time.monotonic() + shrink_bound_s(cluster)
     while True:
@@ -98,8 +105,12 @@ def pid_of(ray, actor, cluster) -> int:
 
 
 def test_a_lost_rank_shrinks_its_instance_which_serves_again(cluster, ray_session, prompts, oracle) -> None:
+    elastic = cluster.monitor.elastic
+    elastic.grow_after_s = float("inf")  # no replacement ranks until the last phase
     for i, prompt in enumerate(prompts[:2]):  # both decode ranks, before
-        assert run(cluster, asyncio.wait_for(generate(cluster, f"before{i}", prompt, GREEDY), 120)) == oracle[i]
+        assert (
+            run(cluster, asyncio.wait_for(generate(cluster, f"before{i}", prompt, GREEDY), 120)) == oracle[i]
+        )
 
     # ---- SIGKILL of decode rank 1 under a steady stream ------------------------------------------------
     async def stream_and_kill():
@@ -123,7 +134,9 @@ def test_a_lost_rank_shrinks_its_instance_which_serves_again(cluster, ray_sessio
     ep = cluster.stats()["ranks"]["decode-0"]["ep"]
     assert (ep["num_ranks"], ep["rank"]) == (1, 0)
     for i, prompt in enumerate(prompts):  # served again, by the survivor alone (EP1, all 8 experts)
-        assert run(cluster, asyncio.wait_for(generate(cluster, f"after{i}", prompt, GREEDY), 120)) == oracle[i]
+        assert (
+            run(cluster, asyncio.wait_for(generate(cluster, f"after{i}", prompt, GREEDY), 120)) == oracle[i]
+        )
 
     # ---- SIGSTOP of prefill rank 1: its peer's collective times out, prefill-0 shrinks --------------------
     stopped = cluster.instances["prefill"][0].ranks[1]
@@ -137,4 +150,32 @@ def test_a_lost_rank_shrinks_its_instance_which_serves_again(cluster, ray_sessio
     for i, prompt in enumerate(prompts):  # the shrunk decode group idled meanwhile: no deadlock
         assert run(cluster, asyncio.wait_for(generate(cluster, f"late{i}", prompt, GREEDY), 120)) == oracle[i]
     assert set(cluster.check_no_leaks()) == {"prefill-0", "decode-0"}
+    assert_nothing_held(cluster)
+
+    # ---- grow back: the first replacement decode rank is killed while it joins; the next one joins -------
+    elastic.grow_after_s = 0.0
+    deadline_s = time.monotonic() + ready_bound_s(cluster)
+    while ("decode", 0) not in elastic.growing:
+        assert time.monotonic() < deadline_s
+        time.sleep(0.01)
+    first = elastic.growing[("decode", 0)]
+    ray_session.kill(first.newcomers[0])
+    for name in ("decode-0", "prefill-0"):
+        deadline_s = time.monotonic() + 2 * ready_bound_s(cluster)
+        while not (cluster.health()[name]["ranks"] == 2 and cluster.health()[name]["state"] == "healthy"):
+            assert time.monotonic() < deadline_s, cluster.health()
+            time.sleep(0.1)
+        assert cluster.health()[name]["degraded"] is False and cluster.health()[name]["rejoins"] == 1
+    assert cluster.instances["decode"][0].ranks[1] is not first.newcomers[0]
+
+    async def concurrently():
+        return await asyncio.gather(
+            *(generate(cluster, f"grown{i}", p, GREEDY) for i, p in enumerate(prompts * 2)),
+            return_exceptions=True,
+        )
+
+    assert run(cluster, asyncio.wait_for(concurrently(), 2 * request_bound_s(cluster))) == oracle * 2
+    ranks = cluster.stats()["ranks"]
+    for name in ("decode-0", "decode-0.1", "prefill-0", "prefill-0.1"):
+        assert (ranks[name]["ep"]["num_ranks"], ranks[name]["ep"]["rank"]) == (2, int(name.endswith(".1")))
     assert_nothing_held(cluster)
