@@ -62,6 +62,7 @@ def meet(spec: InstanceGroupSpec, aborted: Callable[[], bool] | None = None) -> 
         spec.num_ranks,
         is_master=spec.rank == 0,
         timeout=datetime.timedelta(seconds=spec.rendezvous_timeout_s),
+        wait_for_workers=aborted is None,  # (else the keys below are polled, so an abort is seen)
     )
     barrier.set(f"rank{spec.rank}", "ready")
     _wait_keys(barrier, [f"rank{r}" for r in range(spec.num_ranks)], spec.rendezvous_timeout_s, aborted)
