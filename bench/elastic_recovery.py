@@ -90,9 +90,14 @@ async def _measure(cluster, args) -> dict[str, Any]:
     watched, *_ = await asyncio.gather(kill_and_watch(), *(one(i) for i in range(args.concurrency)))
     errors = {k[len("failed: ") :]: v for k, v in outcomes.items() if k.startswith("failed: ")}
     return {
-        "topology": args.topology,
-        "concurrency": args.concurrency,
-        "max_tokens": args.max_tokens,
+        "config": {
+            "topology": args.topology,
+            "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens,
+            "warmup_s": args.warmup_s,
+            "after_s": args.after_s,
+            "kv_timeout_s": args.kv_timeout_s,
+        },
         **{k: None if v is None else round(v, 3) for k, v in watched.items()},
         "time_to_served_again_s": None
         if state["served_again_s"] is None

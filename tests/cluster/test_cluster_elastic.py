@@ -1,11 +1,13 @@
 """Elastic expert parallelism on a real local Ray cluster (one deployment, phases in order): one prefill and
 one decode instance of 2 ranks each (EP2, 2 redundant experts, MTP k=1, gloo), as `clusters/local-ep.yaml`.
 
-What it proves: SIGKILL of one decode rank under a steady stream of requests ends each request either
-complete or with a clear error, none hangs; decode-0 is re-formed on its survivor (a world of 1 holding all
-8 experts, the 3 it lacked read from the checkpoint) and serves again, greedy outputs equal to one engine's,
-with /health's figures saying so. Then SIGSTOP of one prefill rank: the other's collective times out, the
-prefill instance shrinks too and serves again; the idle re-formed decode group stepped through it all.
+What it proves: SIGKILL of one decode rank, under a steady stream and while a handoff to it is in flight,
+ends each request either complete or with a clear error, none hangs; decode-0 is re-formed on its survivor
+(a world of 1 holding all 8 experts) and serves again, greedy outputs equal to one engine's, /health saying
+so. SIGSTOP of one prefill rank: its peer's collective times out and prefill-0 shrinks too, the idle
+re-formed decode group stepping meanwhile. Grow back: the first replacement decode rank is killed while it
+joins (the survivors keep serving), the next one joins; a request running on the survivor across the
+switch goes on untouched; both instances serve on 2 ranks again with outputs equal to one engine's.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import pytest
 from pdcluster.config import load_topology
 from pdcluster.driver.backend import BackendUnavailable
 from pdcluster.driver.cluster import PROBE_INTERVAL_S
+from pdcluster.driver.handoff import decode_has_it
+from pdcluster.driver.router import RankRef
 from pdcluster.engine.llm import LLM
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.models import bundled_checkpoint_dir
@@ -31,6 +35,7 @@ pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 STREAM = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +47,8 @@ def prompts() -> list[str]:
 def oracle(prompts):
     """One single-device engine (all experts local, MTP k=1): the greedy tokens the cluster must give."""
     llm = LLM(bundled_checkpoint_dir(), num_speculative_tokens=1)
-    return [llm.generate([llm.tokenizer.encode(p)], GREEDY)[0].token_ids for p in prompts]
+    short = [llm.generate([llm.tokenizer.encode(p)], GREEDY)[0].token_ids for p in prompts]
+    return short, llm.generate([llm.tokenizer.encode(prompts[0])], LONG)[0].token_ids
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +111,7 @@ def pid_of(ray, actor, cluster) -> int:
 
 
 def test_a_lost_rank_shrinks_its_instance_which_serves_again(cluster, ray_session, prompts, oracle) -> None:
+    oracle, oracle_long = oracle
     elastic = cluster.monitor.elastic
     elastic.grow_after_s = float("inf")  # no replacement ranks until the last phase
     for i, prompt in enumerate(prompts[:2]):  # both decode ranks, before
@@ -112,19 +119,31 @@ def test_a_lost_rank_shrinks_its_instance_which_serves_again(cluster, ray_sessio
             run(cluster, asyncio.wait_for(generate(cluster, f"before{i}", prompt, GREEDY), 120)) == oracle[i]
         )
 
-    # ---- SIGKILL of decode rank 1 under a steady stream ------------------------------------------------
+    # ---- SIGKILL of decode rank 1 under a steady stream, while a handoff to it is in flight -------------
+    rank1 = cluster.instances["decode"][0].ranks[1]
+    pid1 = pid_of(ray_session, rank1, cluster)
+    # every handoff rank 1 receives waits before its admission: one is surely in flight when it is killed
+    ray_session.get(rank1.inject_delay.remote("before_admit", shrink_bound_s(cluster), 100), timeout=60)
+
+    def in_handoff_to_rank1() -> bool:
+        attempts = [r.attempt for r in cluster.dispatcher._requests.values() if r.attempt is not None]
+        return any(a.decode == RankRef(0, 1) and not decode_has_it(a.state) for a in attempts)
+
     async def stream_and_kill():
         tasks, killed = [], False
         for i in range(12):
             tasks.append(asyncio.ensure_future(generate(cluster, f"s{i}", prompts[i % 4], STREAM)))
             await asyncio.sleep(0.3)
-            if i == 3 and not killed:
-                os.kill(pid_of(ray_session, cluster.instances["decode"][0].ranks[1], cluster), signal.SIGKILL)
+            if i >= 3 and not killed and in_handoff_to_rank1():
+                os.kill(pid1, signal.SIGKILL)
                 killed = True
         bound_s = request_bound_s(cluster) + shrink_bound_s(cluster)
-        return await asyncio.gather(*(asyncio.wait_for(t, bound_s) for t in tasks), return_exceptions=True)
+        return killed, await asyncio.gather(
+            *(asyncio.wait_for(t, bound_s) for t in tasks), return_exceptions=True
+        )
 
-    results = run(cluster, stream_and_kill())
+    killed, results = run(cluster, stream_and_kill())
+    assert killed
     assert not [r for r in results if isinstance(r, asyncio.TimeoutError)], results  # none hangs
     errors = [r for r in results if isinstance(r, BaseException)]
     assert all(isinstance(e, BackendUnavailable) and "decode-0" in str(e) for e in errors), errors
@@ -160,11 +179,25 @@ def test_a_lost_rank_shrinks_its_instance_which_serves_again(cluster, ray_sessio
         time.sleep(0.01)
     first = elastic.growing[("decode", 0)]
     ray_session.kill(first.newcomers[0])
-    for name in ("decode-0", "prefill-0"):
-        deadline_s = time.monotonic() + 2 * ready_bound_s(cluster)
-        while not (cluster.health()[name]["ranks"] == 2 and cluster.health()[name]["state"] == "healthy"):
+
+    def grown(name: str) -> bool:
+        health = cluster.health()[name]
+        return health["ranks"] == 2 and health["state"] == "healthy"
+
+    async def long_requests_across_the_switch():
+        """Long requests one after the other on the shrunk instances until both grew: the one running when
+        decode-0 switched groups goes on untouched on its rank (the same tokens as one engine's)."""
+        outputs, spanned, deadline_s = [], 0, time.monotonic() + 2 * ready_bound_s(cluster)
+        while not (grown("decode-0") and grown("prefill-0")):
             assert time.monotonic() < deadline_s, cluster.health()
-            time.sleep(0.1)
+            before = grown("decode-0")
+            outputs.append(await generate(cluster, f"long{len(outputs)}", prompts[0], LONG))
+            spanned += grown("decode-0") and not before
+        return outputs, spanned
+
+    outputs, spanned = run(cluster, long_requests_across_the_switch())
+    assert outputs == [oracle_long] * len(outputs) and spanned == 1
+    for name in ("decode-0", "prefill-0"):
         assert cluster.health()[name]["degraded"] is False and cluster.health()[name]["rejoins"] == 1
     assert cluster.instances["decode"][0].ranks[1] is not first.newcomers[0]
 
