@@ -219,26 +219,23 @@ class ElasticInstances:
     # ---- growing back ------------------------------------------------------------------------------------
     def tick(self, ray) -> None:
         """Once per probe round: start replacements for shrunk instances, and follow those joining."""
-        from pdcluster.config import ROLES
-
         now_s = time.monotonic()
-        for role in ROLES:
-            for instance in self.registry.instances[role]:
-                key = (role, instance.index)
-                growth = self.growing.get(key)
-                if growth is not None:
-                    self._follow(ray, instance, growth)
-                elif (
-                    instance.degraded
-                    and instance.routable
-                    and key not in self._given_up
-                    and now_s - self._changed_s.get(key, 0.0) >= self.grow_after_s
-                ):
-                    self._changed_s[key] = now_s
-                    try:
-                        self._start_growth(ray, instance)
-                    except Exception as e:  # noqa: BLE001 - Ray could not place them now: later
-                        logger.warning("%s-%d: starting replacement ranks failed: %r", *key, e)
+        for key in sorted(self._changed_s):  # the instances that shrank
+            instance = self.registry.instances[key[0]][key[1]]
+            growth = self.growing.get(key)
+            if growth is not None:
+                self._follow(ray, instance, growth)
+            elif (
+                instance.degraded
+                and instance.routable
+                and key not in self._given_up
+                and now_s - self._changed_s[key] >= self.grow_after_s
+            ):
+                self._changed_s[key] = now_s
+                try:
+                    self._start_growth(ray, instance)
+                except Exception as e:  # noqa: BLE001 - Ray could not place them now: later
+                    logger.warning("%s-%d: starting replacement ranks failed: %r", *key, e)
 
     def _start_growth(self, ray, instance: Instance) -> None:
         dep, key = self.deployment, (instance.role, instance.index)

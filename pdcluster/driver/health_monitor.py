@@ -56,7 +56,9 @@ class HealthMonitor:
         self._last_kill_s: dict[tuple[str, int], float] = {}  # each instance's last such kill
         self._overdue_kills: dict[tuple[str, int], float] = {}  # the death an overdue restart was killed in
         self._replacements: dict[tuple[str, int], int] = {}  # actors started for one Ray gave up on
-        self.elastic = ElasticInstances(deployment, registry, loads.set_decode_ranks, fail_attempts)
+        self.elastic = ElasticInstances(
+            deployment, registry, lambda index, n: loads.set_decode_ranks(index, n), fail_attempts
+        )
 
     @property
     def instances(self) -> dict[str, list[Instance]]:
@@ -167,7 +169,7 @@ class HealthMonitor:
 
     def _shrunk(self, ray, instance: Instance, rank_refs: list[Any]) -> bool:
         """Whether elastic EP took over a multi-rank instance that lost ranks (`driver.elastic`)."""
-        if self._closed or instance.num_ranks < 2 or not self.topology.pool(instance.role).elastic_ep:
+        if self._closed or len(instance.ranks) < 2 or not self.topology.pool(instance.role).elastic_ep:
             return False
         outcomes: list[Any] = []
         for ref in rank_refs:
