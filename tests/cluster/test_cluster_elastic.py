@@ -51,8 +51,9 @@ def oracle(prompts):
     return short, llm.generate([llm.tokenizer.encode(prompts[0])], LONG)[0].token_ids
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def cluster(ray_session):
+    """Torn down after its test: the EP4 test's deployment needs the CPUs Ray reserved for it."""
     topo = load_topology("clusters/local-ep.yaml")
     topo = dataclasses.replace(
         topo,
@@ -212,3 +213,50 @@ def test_a_lost_rank_shrinks_its_instance_which_serves_again(cluster, ray_sessio
     for name in ("decode-0", "decode-0.1", "prefill-0", "prefill-0.1"):
         assert (ranks[name]["ep"]["num_ranks"], ranks[name]["ep"]["rank"]) == (2, int(name.endswith(".1")))
     assert_nothing_held(cluster)
+
+
+def test_an_ep4_decode_instance_loses_two_ranks_one_after_the_other(ray_session, prompts, oracle) -> None:
+    """EP4 decode (8 experts, none redundant: 2 per rank) behind a one-rank prefill: SIGKILL of rank 3,
+    then of the leader (rank 0 of the 3 left). Each time it shrinks (to 3 ranks of 3 expert slots, then 2
+    of 4; the lost leader's successor hosts the new group) and serves outputs equal to one engine's."""
+    oracle, _ = oracle
+    topo = load_topology("clusters/local-ep.yaml")
+    topo = dataclasses.replace(
+        topo,
+        hardware=dataclasses.replace(topo.hardware, devices_per_node=5),
+        prefill=dataclasses.replace(
+            topo.prefill,
+            devices_per_instance=1,
+            expert_parallel_size=1,
+            num_redundant_experts=0,
+            kv_cache_memory_bytes=16 << 20,
+        ),
+        decode=dataclasses.replace(
+            topo.decode,
+            devices_per_instance=4,
+            expert_parallel_size=4,
+            num_redundant_experts=0,
+            kv_cache_memory_bytes=16 << 20,
+            compile=False,
+        ),
+        kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=10),
+    )
+    with deployed_with_loop(topo) as cluster:
+        cluster.monitor.elastic.grow_after_s = float("inf")
+        for step, (victim, ranks_left) in enumerate(((3, 3), (0, 2))):
+            actor = cluster.instances["decode"][0].ranks[victim]
+            os.kill(pid_of(ray_session, actor, cluster), signal.SIGKILL)
+            health = wait_shrunk(cluster, "decode-0", step + 1)
+            assert (health["ranks"], health["deployed_ranks"]) == (ranks_left, 4)
+            ep = [r["ep"] for name, r in cluster.stats()["ranks"].items() if name.startswith("decode")]
+            assert sorted((e["rank"], e["num_ranks"]) for e in ep) == [
+                (r, ranks_left) for r in range(ranks_left)
+            ]
+            assert all(len(e["expert_load"][0]) == 8 for e in ep)
+            for i, prompt in enumerate(prompts):
+                got = run(
+                    cluster, asyncio.wait_for(generate(cluster, f"ep4-{step}-{i}", prompt, GREEDY), 120)
+                )
+                assert got == oracle[i], (step, i)
+            assert cluster.monitor.elastic.growing == {}
+        assert_nothing_held(cluster)
