@@ -52,7 +52,7 @@ def shrink(worker: RankWorker, spec: InstanceGroupSpec, lost_ranks: list[int], m
         raise RuntimeError(f"{worker.name}: not an expert-parallel rank")
     plan_shrink(runtime, lost, max_local_experts)
     deadline_s = time.monotonic() + 2 * runtime.parallel.collective_timeout_s
-    while worker._group_error is None and runtime.failure is None:
+    while worker._group_error is None:  # (set by the engine thread once it stopped stepping)
         if time.monotonic() > deadline_s:
             raise RuntimeError(f"{worker.name}: its instance group has not failed; nothing to re-form")
         time.sleep(0.05)
