@@ -13,6 +13,7 @@ from pdcluster.config import ROLES, Topology, load_topology
 from pdcluster.config.placement import nodes_to_pin, plan_placement, to_ray_placement_group_args
 from pdcluster.driver.actor_errors import DeployError, actor_error_message
 from pdcluster.driver.dispatch import call_timeout_s, collective_timeout_s, event_timeout_s
+from pdcluster.driver.elastic import elastic_ep
 from pdcluster.driver.health import InstanceHealth
 from pdcluster.driver.instance import Instance
 from pdcluster.driver.messages import InstanceGroupSpec, NodeReady
@@ -187,7 +188,13 @@ class ClusterDeployment(ClusterWiring):
         for spec_index, spec in enumerate(plan.instances):
             num_ranks = spec.num_devices
             init_method, barrier_port = self._rendezvous(ray, spec_index) if num_ranks > 1 else ("", 0)
-            instance = Instance(spec.role, spec.index, [], deployed_ranks=num_ranks)
+            instance = Instance(
+                spec.role,
+                spec.index,
+                [],
+                deployed_ranks=num_ranks,
+                may_recover=num_ranks > 1 and elastic_ep(self.topology, spec.role),
+            )
             for rank in range(num_ranks):
                 group = None
                 if num_ranks > 1:

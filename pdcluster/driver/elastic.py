@@ -43,6 +43,12 @@ class Growth:
     aborted: bool = False
 
 
+def elastic_ep(topology: Any, role: str) -> bool:
+    """Whether pool `role`'s multi-rank instances shrink when they lose ranks: its `elastic_ep` key, and a
+    KV transport wired per rank (grpc, shm, shm+grpc; torch_distributed's group is fixed at deploy)."""
+    return topology.pool(role).elastic_ep and topology.kv_transport in ADDRESSED_KV_TRANSPORTS
+
+
 @dataclass(frozen=True)
 class RankLoss:
     """One event: ranks `lost` of instance `role`-`index` are gone; `survivors` (old rank ids) answered."""
@@ -130,6 +136,7 @@ class ElasticInstances:
 
     def _give_up(self, key: tuple[str, int], loss: RankLoss, why: str) -> None:
         self._given_up.add(key)
+        self.registry.instances[key[0]][key[1]].may_recover = False
         logger.error(
             "%s-%d: lost %s (%s) and cannot shrink (%s): it stays out of routing, as a multi-rank instance "
             "without elastic EP",

@@ -27,6 +27,7 @@ class Instance:
     lost_ranks: int = 0  # ranks lost and shrunk away since deploy (`driver.elastic`)
     recoveries: int = 0  # times it was re-formed on fewer ranks
     rejoins: int = 0  # times new ranks joined it after that
+    may_recover: bool = False  # out of routing, it may shrink onto its surviving ranks (`driver.elastic`)
     bundles: list[int] = field(default_factory=list)  # placement-group bundle of each rank ([]: rank r, r)
     _clients: dict[int, RankClient] = field(default_factory=dict, repr=False)
 
