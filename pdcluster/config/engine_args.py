@@ -23,6 +23,7 @@ POOL_DEPLOYMENT_FIELDS = frozenset(
         "num_instances",
         "devices_per_instance",
         "span_nodes",
+        "elastic_ep",
         "tensor_parallel_size",
         "expert_parallel_size",
         "num_redundant_experts",

@@ -159,6 +159,9 @@ class PoolConfig:
     enable_prefix_caching: bool = True
     compile: bool = False
     engine_watchdog_s: float = field(default=300.0, metadata=between(1, MAX_TIMEOUT_S))
+    # A multi-rank instance that loses ranks shrinks onto its survivors (`driver.elastic`); false: it
+    # leaves routing for good.
+    elastic_ep: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self)

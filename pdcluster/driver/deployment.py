@@ -13,6 +13,7 @@ from pdcluster.config import ROLES, Topology, load_topology
 from pdcluster.config.placement import nodes_to_pin, plan_placement, to_ray_placement_group_args
 from pdcluster.driver.actor_errors import DeployError, actor_error_message
 from pdcluster.driver.dispatch import call_timeout_s, collective_timeout_s, event_timeout_s
+from pdcluster.driver.elastic import elastic_ep
 from pdcluster.driver.health import InstanceHealth
 from pdcluster.driver.instance import Instance
 from pdcluster.driver.messages import InstanceGroupSpec, NodeReady
@@ -187,7 +188,13 @@ class ClusterDeployment(ClusterWiring):
         for spec_index, spec in enumerate(plan.instances):
             num_ranks = spec.num_devices
             init_method, barrier_port = self._rendezvous(ray, spec_index) if num_ranks > 1 else ("", 0)
-            instance = Instance(spec.role, spec.index, [])
+            instance = Instance(
+                spec.role,
+                spec.index,
+                [],
+                deployed_ranks=num_ranks,
+                may_recover=num_ranks > 1 and elastic_ep(self.topology, spec.role),
+            )
             for rank in range(num_ranks):
                 group = None
                 if num_ranks > 1:
@@ -207,19 +214,28 @@ class ClusterDeployment(ClusterWiring):
             n for role in ROLES for instance in self.instances[role] for n in names[(role, instance.index)]
         ]
 
-    def _new_rank_actor(self, ray, spec_index: int, rank: int, group: InstanceGroupSpec | None = None) -> Any:
-        """A new actor for rank `rank` of instance `spec_index`, in bundle `rank` of its placement group."""
+    def _new_rank_actor(
+        self,
+        ray,
+        spec_index: int,
+        rank: int,
+        group: InstanceGroupSpec | None = None,
+        bundle: int | None = None,
+    ) -> Any:
+        """A new actor for rank `rank` of instance `spec_index`, in bundle `bundle` (default `rank`) of its
+        placement group."""
+        bundle = rank if bundle is None else bundle
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         topo, plan = self.topology, self._plan
         spec, pg = plan.instances[spec_index], self._placement_groups[spec_index]
         options = {
-            "num_cpus": spec.bundles[rank].get("CPU", 1),
+            "num_cpus": spec.bundles[bundle].get("CPU", 1),
             "max_concurrency": 256,
             # A crashed actor is restarted by Ray in its bundle, then rewired by the health monitor.
             "max_restarts": MAX_ACTOR_RESTARTS if ray_restarts(topo.kv_transport, spec.num_devices) else 0,
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}},
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
         }
         options.update(actor_resource_options(plan.ray_resource))
         config = topo.engine_config(spec.role, rank)

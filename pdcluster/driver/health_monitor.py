@@ -10,6 +10,7 @@ from typing import Any
 
 from pdcluster.config import ADDRESSED_KV_TRANSPORTS, ROLES
 from pdcluster.driver.actor_errors import EngineFailed, describe_error
+from pdcluster.driver.elastic import ElasticInstances
 from pdcluster.driver.health import (
     after_answer,
     engine_fault,
@@ -55,6 +56,9 @@ class HealthMonitor:
         self._last_kill_s: dict[tuple[str, int], float] = {}  # each instance's last such kill
         self._overdue_kills: dict[tuple[str, int], float] = {}  # the death an overdue restart was killed in
         self._replacements: dict[tuple[str, int], int] = {}  # actors started for one Ray gave up on
+        self.elastic = ElasticInstances(
+            deployment, registry, lambda index, n: loads.set_decode_ranks(index, n), fail_attempts
+        )
 
     @property
     def instances(self) -> dict[str, list[Instance]]:
@@ -83,8 +87,14 @@ class HealthMonitor:
                 logger.exception("health monitor: a probe round failed; trying again")
 
     def _probe_all(self) -> None:
-        """One round of the health monitor (see `_monitor_health`)."""
+        """One round of the health monitor (see `_monitor_health`), then elastic EP's growth (`tick`)."""
         import ray
+
+        self._probe_round(ray)
+        if not self._closed:
+            self.elastic.tick(ray)
+
+    def _probe_round(self, ray) -> None:
 
         targets = [instance for role in ROLES for instance in self.instances[role]]
         if not targets or self._closed:
@@ -105,6 +115,8 @@ class HealthMonitor:
                 pids = [load.pid for load in loads]
             except Exception as e:  # noqa: BLE001 - a rank stalled, restarting, dead, its group or engine failed
                 self.registry.mark_failed(instance.role, instance.index, e, "probe")
+                if self._shrunk(ray, instance, rank_refs):
+                    continue
                 if isinstance(e, ray.exceptions.ActorDiedError) and not self._closed:
                     self._replace_if_given_up(ray, instance, e)
                     continue
@@ -154,6 +166,18 @@ class HealthMonitor:
                 in_long_pass = max(load.engine_pass_s for load in loads) > self.call_timeout_s
                 if health.pid != pids[0] or not in_long_pass:
                     self._rejoin(instance.role, instance.index, pids[0])
+
+    def _shrunk(self, ray, instance: Instance, rank_refs: list[Any]) -> bool:
+        """Whether elastic EP took over a multi-rank instance that lost ranks (`driver.elastic`)."""
+        if self._closed or len(instance.ranks) < 2 or not self.topology.pool(instance.role).elastic_ep:
+            return False
+        outcomes: list[Any] = []
+        for ref in rank_refs:
+            try:
+                outcomes.append(ray.get(ref, timeout=0))
+            except Exception as e:  # noqa: BLE001 - this rank's outcome: died, timed out, unavailable
+                outcomes.append(e)
+        return self.elastic.on_probe(ray, instance, outcomes)
 
     def _replace_if_given_up(self, ray, instance: Instance, exc: BaseException) -> None:
         key = (instance.role, instance.index)

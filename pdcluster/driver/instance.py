@@ -23,6 +23,12 @@ class Instance:
     index: int
     ranks: list[Any]
     health: InstanceHealth = field(default_factory=InstanceHealth)
+    deployed_ranks: int = 0  # ranks at deploy (0: as many as `ranks`)
+    lost_ranks: int = 0  # ranks lost and shrunk away since deploy (`driver.elastic`)
+    recoveries: int = 0  # times it was re-formed on fewer ranks
+    rejoins: int = 0  # times new ranks joined it after that
+    may_recover: bool = False  # out of routing, it may shrink onto its surviving ranks (`driver.elastic`)
+    bundles: list[int] = field(default_factory=list)  # placement-group bundle of each rank ([]: rank r, r)
     _clients: dict[int, RankClient] = field(default_factory=dict, repr=False)
 
     def client(self, rank: int) -> RankClient:
@@ -57,6 +63,11 @@ class Instance:
     @property
     def routable(self) -> bool:
         return self.health.routable
+
+    @property
+    def degraded(self) -> bool:
+        """Serving on fewer ranks than it was deployed with."""
+        return self.num_ranks < (self.deployed_ranks or self.num_ranks)
 
 
 def check_instance_group(ranks: Sequence[PrefillNodeLoad | DecodeNodeLoad]) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Callable
 from typing import NamedTuple
 from urllib.parse import urlparse
 
@@ -42,18 +44,47 @@ def join_instance_group(spec: InstanceGroupSpec) -> InstanceGroup:
     Raises RuntimeError (torch.distributed's DistStoreError / DistError): a rank did not reach the barrier
         within `rendezvous_timeout_s`, or the group's rendezvous or handshake failed.
     """
+    return form_group(spec, meet(spec))
+
+
+def meet(spec: InstanceGroupSpec, aborted: Callable[[], bool] | None = None) -> dist.TCPStore:
+    """The barrier of `join_instance_group`: returns once every rank reached it. With `aborted`, polled
+    meanwhile: RuntimeError as soon as it says True.
+
+    Raises ValueError / RuntimeError as `join_instance_group`.
+    """
     if not 0 <= spec.rank < spec.num_ranks:
         raise ValueError(f"rank {spec.rank} is not in [0, {spec.num_ranks})")
-    host, port = rendezvous_address(spec.init_method)
+    host, _ = rendezvous_address(spec.init_method)
     barrier = dist.TCPStore(
         host,
         spec.barrier_port,
         spec.num_ranks,
         is_master=spec.rank == 0,
         timeout=datetime.timedelta(seconds=spec.rendezvous_timeout_s),
+        wait_for_workers=aborted is None,  # (else the keys below are polled, so an abort is seen)
     )
     barrier.set(f"rank{spec.rank}", "ready")
-    barrier.wait([f"rank{r}" for r in range(spec.num_ranks)])
+    _wait_keys(barrier, [f"rank{r}" for r in range(spec.num_ranks)], spec.rendezvous_timeout_s, aborted)
+    return barrier
+
+
+def _wait_keys(store: dist.TCPStore, keys: list[str], timeout_s: float, aborted: Callable[[], bool] | None):
+    if aborted is None:
+        store.wait(keys)
+        return
+    deadline_s = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if aborted():
+            raise RuntimeError("joining the instance group was aborted")
+        if time.monotonic() > deadline_s:
+            raise RuntimeError(f"not every rank reached the instance group's barrier within {timeout_s:g} s")
+        time.sleep(0.05)
+
+
+def form_group(spec: InstanceGroupSpec, barrier: dist.TCPStore) -> InstanceGroup:
+    """After `meet`: make the group and check it with one allreduce (collective)."""
+    host, port = rendezvous_address(spec.init_method)
     group = make_instance_group(host, port, spec.rank, spec.num_ranks, spec.backend, spec.timeout_s)
     joined = torch.ones(1)
     group.allreduce([joined]).wait()
@@ -62,10 +93,13 @@ def join_instance_group(spec: InstanceGroupSpec) -> InstanceGroup:
     return InstanceGroup(group, barrier, spec.rank, spec.num_ranks)
 
 
-def wait_until_loaded(joined: InstanceGroup) -> None:
-    """Barrier after loading (collective), so no rank's first step starts while a peer still loads.
+def wait_until_loaded(
+    joined: InstanceGroup, timeout_s: float = 0.0, aborted: Callable[[], bool] | None = None
+):
+    """Barrier after loading (collective), so no rank's first step starts while a peer still loads; with
+    `aborted`, polled as in `meet` for up to `timeout_s` seconds.
 
     Raises RuntimeError (torch.distributed's DistStoreError): a rank did not finish loading in time.
     """
     joined.barrier_store.set(f"loaded{joined.rank}", "ready")
-    joined.barrier_store.wait([f"loaded{r}" for r in range(joined.num_ranks)])
+    _wait_keys(joined.barrier_store, [f"loaded{r}" for r in range(joined.num_ranks)], timeout_s, aborted)

@@ -32,6 +32,16 @@ class LoadBoard:
             if held is None or held.pid != load.pid or load.taken_s >= held.taken_s:
                 self._decode[rank] = load
 
+    def set_decode_ranks(self, instance: int, num_ranks: int) -> None:
+        """Decode `instance` has `num_ranks` ranks now (elastic EP): its snapshots are dropped."""
+        with self._lock:
+            counts = list(self._num_decode_ranks)
+            counts[instance] = num_ranks
+            self._num_decode_ranks = tuple(counts)
+            for table in (self._decode, self._reserving):
+                for rank in [r for r in table if r.instance == instance]:
+                    del table[rank]
+
     def forget_decode(self, instance: int) -> None:
         """Drop every snapshot of decode `instance` (it left routing: what it reported is stale)."""
         with self._lock:

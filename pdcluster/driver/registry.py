@@ -68,12 +68,22 @@ class InstanceRegistry:
 
     def health(self) -> dict[str, dict[str, Any]]:
         """Every instance's health: `{name: {"state": "healthy" | "unresponsive" | "dead", "reason": str,
-        "for_s": seconds in that state}}` (no calls made)."""
+        "for_s": seconds in that state, "ranks": live ranks, "deployed_ranks", "degraded": bool,
+        "recoveries": shrinks so far}}` (no calls made)."""
         now_s = time.monotonic()
         return {
-            f"{role}-{i}": {"state": h.state.value, "reason": h.reason, "for_s": round(now_s - h.since_s, 3)}
+            instance.name: {
+                "state": instance.health.state.value,
+                "reason": instance.health.reason,
+                "for_s": round(now_s - instance.health.since_s, 3),
+                "ranks": instance.num_ranks,
+                "deployed_ranks": instance.deployed_ranks or instance.num_ranks,
+                "degraded": instance.degraded,
+                "recoveries": instance.recoveries,
+                "rejoins": instance.rejoins,
+            }
             for role in ROLES
-            for i, h in enumerate(self.health_of(role))
+            for instance in self.instances[role]
         }
 
     def mark_failed(

@@ -319,36 +319,39 @@ class Dispatcher(RouteAndReserve):
 
     # ---- the poll loops -----------------------------------------------------------------------------------
     def _ensure_pollers(self) -> None:
+        """One poll task per decode rank on the requests' loop (ranks an instance grew since included)."""
         loop = asyncio.get_running_loop()
-        if self._loop is loop and self._pollers:
-            return
-        self._loop = loop
-        self._pollers = [
-            loop.create_task(self._poll(instance.index, rank))
+        if self._loop is not loop:
+            self._loop, self._pollers = loop, []
+        polled = {task.get_name() for task in self._pollers if not task.done()}
+        self._pollers += [
+            loop.create_task(self._poll(instance.index, rank), name=f"poll-{instance.index}.{rank}")
             for instance in self.instances["decode"]
             for rank in range(instance.num_ranks)
+            if f"poll-{instance.index}.{rank}" not in polled
         ]
 
     async def _poll(self, decode_index: int, rank: int = 0) -> None:
         instance = self.instances["decode"][decode_index]
         task = asyncio.current_task()
-        while not self._closed:
+        while not self._closed and rank < instance.num_ranks:  # (an instance may shrink: driver.elastic)
             if task is not None and task.cancelling():
                 raise asyncio.CancelledError
             if not instance.routable:
                 await asyncio.sleep(PROBE_INTERVAL_S / 4)
                 continue
-            sent_s = time.monotonic()
+            sent_s, client = time.monotonic(), instance.client(rank)
             try:
-                events, load = await instance.client(rank).events(
-                    POLL_WAIT_S, self.call_timeout_s + POLL_WAIT_S
-                )
+                events, load = await client.events(POLL_WAIT_S, self.call_timeout_s + POLL_WAIT_S)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - a dead or stuck decode rank fails its instance
-                self.registry.mark_failed("decode", decode_index, e, f"poll of rank {rank}", sent_s)
+                if rank < instance.num_ranks and instance.client(rank) is client:  # (else shrunk away)
+                    self.registry.mark_failed("decode", decode_index, e, f"poll of rank {rank}", sent_s)
                 continue
-            if instance.routable:  # (a reply that raced the instance leaving routing is stale)
+            if (
+                instance.routable and rank < instance.num_ranks and instance.client(rank) is client
+            ):  # (a reply that raced the instance leaving routing is stale)
                 self._loads.update_decode(RankRef(decode_index, rank), load)
             for event in events:
                 attempt = self._by_handoff.get(event.handoff_id)

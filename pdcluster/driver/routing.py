@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pdcluster.config import ROLES
 from pdcluster.driver.actor_errors import InstanceGroupFailed
 from pdcluster.driver.backend import BackendUnavailable
 from pdcluster.driver.dispatch import (
@@ -30,6 +31,7 @@ from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kvtransfer.base import HandoffMeta, resolve_wire_dtype
 
 MAX_EARLY_PREFILL_CALLS = 64
+RECOVERY_POLL_S = 0.05  # with no live instance but one that may shrink and return: look again this often
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,11 @@ class RouteAndReserve:
                     for p in self.instances["prefill"]
                     if p.routable and p.index not in record.excluded_prefills
                 ]
+            missing = not prefills or not any(d.routable for d in self.instances["decode"])
+            recovering = any(i.may_recover and not i.routable for role in ROLES for i in self.instances[role])
+            if missing and recovering and time.monotonic() < deadline_s:
+                await asyncio.sleep(RECOVERY_POLL_S)  # (elastic EP: bounded by kv_transfer.timeout_s)
+                continue
             if not prefills:
                 if record.excluded_prefills:
                     raise BackendUnavailable("no other live prefill instance to re-dispatch to")

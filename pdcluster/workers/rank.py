@@ -79,6 +79,7 @@ class RankWorker:
         self._group_error: str | None = None  # set once a collective of the instance group failed
         self._ep_summary: dict | None = None  # the engine's EP figures, copied by the engine thread
         self._ep_summary_at_s = 0.0
+        self._aborted_grows: set[int] = set()  # `abort_grow`
 
     def compile_stats(self) -> CompileStats:
         """What `compile` did (`engine.compiled_forward.CompileStats`); counters as they stand."""
@@ -152,6 +153,25 @@ class RankWorker:
             self._group_error = str(failure)
             logger.error("%s: the instance group failed; this rank stops stepping: %s", self.name, failure)
         return True
+
+    # ---- elastic EP (workers.elastic_rank) ----------------------------------------------------------------
+    def reform_group(
+        self, spec: InstanceGroupSpec, lost_ranks: list[int], max_local_experts: int | None
+    ) -> dict:
+        """`workers.elastic_rank.shrink`: re-form on the survivors' group `spec` after losing `lost_ranks`."""
+        from pdcluster.workers.elastic_rank import shrink
+
+        return shrink(self, spec, lost_ranks, max_local_experts)
+
+    def grow_group(self, spec: InstanceGroupSpec, num_redundant_experts: int, attempt: int) -> dict:
+        """`workers.elastic_rank.grow`: take in new ranks over group `spec`, at a step boundary."""
+        from pdcluster.workers.elastic_rank import grow
+
+        return grow(self, spec, num_redundant_experts, attempt)
+
+    def abort_grow(self, attempt: int) -> None:
+        """End `grow_group`'s wait for the new ranks of `attempt` (one of them died or never came)."""
+        self._aborted_grows.add(attempt)
 
     # ---- fault injection (tests) ------------------------------------------------------------------------
     def inject_fault(self, where: str, count: int = 1) -> None:

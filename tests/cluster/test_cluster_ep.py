@@ -53,6 +53,7 @@ def ep_topology(num_decode_ranks: int = 2, num_decode_instances: int = 2, redund
             num_redundant_experts=redundant,
             kv_cache_memory_bytes=16 << 20,
             compile=False,  # EP runs eagerly anyway (CompiledDecodeForward.supported); said outright
+            elastic_ep=False,  # the fixed-group behaviour (a lost rank fails its instance for good)
         ),
         kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=10),
         router=dataclasses.replace(topo.router, policy="round_robin"),

@@ -77,3 +77,24 @@ def ep_metrics(ranks: dict[str, dict[str, Any]]) -> Iterator[Metric]:
             for expert, pairs in enumerate(experts):
                 load.add_metric([rank, str(layer), str(expert)], pairs)
     yield from (seconds, sent, imbalance, load)
+
+
+_PER_INSTANCE = (
+    ("pdcluster_instance_live_ranks", "gauge", "Ranks the instance serves on now.", "ranks"),
+    ("pdcluster_instance_deployed_ranks", "gauge", "Ranks the instance was deployed with.", "deployed_ranks"),
+    ("pdcluster_instance_degraded", "gauge", "1 while it serves on fewer ranks than deployed.", "degraded"),
+    ("pdcluster_instance_recoveries", "counter", "Times it shrank onto its surviving ranks.", "recoveries"),
+    ("pdcluster_instance_rejoins", "counter", "Times replacement ranks joined it.", "rejoins"),
+)
+
+
+def instance_metrics(instances: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """Elastic EP figures per instance (`stats()["instances"]`, `driver.registry.InstanceRegistry.health`)."""
+    if not instances:
+        return
+    for name, kind, doc, key in _PER_INSTANCE:
+        family = _family(name, kind, doc, ["instance"])
+        for instance, health in sorted(instances.items()):
+            if key in health:
+                family.add_metric([instance], float(health[key]))
+        yield family

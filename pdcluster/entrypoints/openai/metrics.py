@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pdcluster.config.slo import meets_slo
-from pdcluster.entrypoints.openai.ep_metrics import ep_metrics
+from pdcluster.entrypoints.openai.ep_metrics import ep_metrics, instance_metrics
 
 if TYPE_CHECKING:
     from pdcluster.config import SLOConfig
@@ -62,6 +62,7 @@ class _BackendStatsCollector(Collector):
             yield from (used, total, usage)
         yield from _rank_gauges(stats.get("ranks") or {})
         yield from ep_metrics(stats.get("ranks") or {})
+        yield from instance_metrics(stats.get("instances") or {})
         if "kv_transfer_bytes_total" in stats:
             yield CounterMetricFamily(
                 "pdcluster_backend_kv_transfer_bytes",

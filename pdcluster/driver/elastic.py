@@ -1,0 +1,358 @@
+"""Elastic expert parallelism on the driver: a multi-rank instance that lost ranks shrinks onto its survivors.
+
+The health monitor hands each probe round's per-rank answers of a multi-rank instance to `ElasticInstances`.
+A rank is lost when it died or stopped answering while every rank that answered reports its instance group
+failed (a collective with the lost rank errored or passed the collective timeout). The survivors then form
+a new group (`RankWorker.reform_group`), the lost actors are killed, KV senders and the router learn the
+instance's new ranks, and it rejoins routing. Requests that were in flight on the instance end with a
+clear error (their KV, or the step they were in, is gone). When the survivors cannot hold every expert
+(`PlacementRefused`) the instance stays out of routing, as without elastic EP.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdcluster.config import ADDRESSED_KV_TRANSPORTS
+from pdcluster.driver.actor_errors import describe_error
+from pdcluster.driver.health import InstanceHealth
+from pdcluster.driver.instance import Instance
+from pdcluster.driver.messages import InstanceGroupSpec
+
+logger = logging.getLogger("pdcluster.driver.cluster")
+
+MAX_SHRINK_TRIES = 3  # re-forming an instance's group fails this often before it is left out of routing
+GROW_AFTER_S = 5.0  # a shrunk instance asks Ray for replacement ranks this long after its last change
+
+
+@dataclass
+class Growth:
+    """Replacement ranks joining a shrunk instance: `attempt` id, their actors and bundles, the survivors'
+    `grow_group` calls, the newcomers' `ready` calls."""
+
+    attempt: int
+    newcomers: list[Any]
+    bundles: list[int]
+    grows: list[Any]
+    ready: list[Any]
+    started_s: float
+    aborted: bool = False
+
+
+def elastic_ep(topology: Any, role: str) -> bool:
+    """Whether pool `role`'s multi-rank instances shrink when they lose ranks: its `elastic_ep` key, and a
+    KV transport wired per rank (grpc, shm, shm+grpc; torch_distributed's group is fixed at deploy)."""
+    return topology.pool(role).elastic_ep and topology.kv_transport in ADDRESSED_KV_TRANSPORTS
+
+
+@dataclass(frozen=True)
+class RankLoss:
+    """One event: ranks `lost` of instance `role`-`index` are gone; `survivors` (old rank ids) answered."""
+
+    role: str
+    index: int
+    lost: tuple[int, ...]
+    survivors: tuple[int, ...]
+    why: str
+
+
+def find_rank_loss(instance: Instance, outcomes: Sequence[Any]) -> RankLoss | None:
+    """The `RankLoss` of one probe round (`outcomes[r]`: rank r's load, or the exception its probe raised),
+    or None: every rank answered, none did, or an answering rank's group has not failed (yet)."""
+    import ray
+
+    answered = [r for r, o in enumerate(outcomes) if not isinstance(o, BaseException)]
+    lost = tuple(r for r in range(len(outcomes)) if r not in answered)
+    if not answered or not lost:
+        return None
+    if any(outcomes[r].instance_group_error is None for r in answered):
+        return None
+    died = ray.exceptions.ActorDiedError
+    why = "; ".join(
+        f"rank {r} {'died' if isinstance(outcomes[r], died) else 'stopped answering'} "
+        f"({describe_error(outcomes[r])})"
+        for r in lost
+    )
+    return RankLoss(instance.role, instance.index, lost, tuple(answered), why)
+
+
+class ElasticInstances:
+    """Shrinks instances that lost ranks (see the module docstring). `deployment`: the `ClusterDeployment`
+    (placement groups, rendezvous, KV addresses); `set_decode_ranks(index, n)`: the router's rank count;
+    `max_local_experts`: expert slots a survivor may hold (None: every logical expert)."""
+
+    def __init__(
+        self,
+        deployment: Any,
+        registry: Any,
+        set_decode_ranks: Callable[[int, int], None],
+        fail_attempts: Callable[[str, int], None],
+        max_local_experts: int | None = None,
+    ) -> None:
+        self.deployment = deployment
+        self.registry = registry
+        self._set_decode_ranks = set_decode_ranks
+        self._fail_attempts = fail_attempts
+        self.max_local_experts = max_local_experts
+        self._given_up: set[tuple[str, int]] = set()
+        self._tries: dict[tuple[str, int], int] = {}
+        self.grow_after_s = GROW_AFTER_S
+        self.growing: dict[tuple[str, int], Growth] = {}
+        self._changed_s: dict[tuple[str, int], float] = {}  # each instance's last shrink or growth attempt
+        self._attempts = 0
+
+    def on_probe(self, ray, instance: Instance, outcomes: Sequence[Any]) -> bool:
+        """Shrink `instance` if this round shows a `RankLoss`; True when it was handled (shrunk, or refused
+        and logged), False when the caller's usual failure path applies."""
+        key = (instance.role, instance.index)
+        if instance.num_ranks < 2 or key in self._given_up:
+            return False
+        loss = find_rank_loss(instance, outcomes)
+        if loss is None:
+            return False
+        if self.deployment.topology.kv_transport not in ADDRESSED_KV_TRANSPORTS:
+            self._give_up(
+                key, loss, f"kv_transfer {self.deployment.topology.kv_transport} is wired at deploy"
+            )
+            return True
+        self._fail_attempts(instance.role, instance.index)
+        if key in self.growing:
+            self._abort_growth(ray, instance, self.growing.pop(key), "a rank was lost meanwhile")
+        self._changed_s[key] = time.monotonic()
+        try:
+            self.shrink(ray, instance, loss, outcomes)
+        except Exception as e:  # noqa: BLE001 - refused, or a survivor failed: say so, maybe try again
+            refused = "PlacementRefused" in repr(e)
+            self._tries[key] = self._tries.get(key, 0) + 1
+            if refused or self._tries[key] >= MAX_SHRINK_TRIES:
+                self._give_up(key, loss, f"shrinking failed: {describe_error(e)}")
+            else:
+                logger.error("%s-%d: shrinking failed (%s); trying again at the next probe", *key, e)
+        return True
+
+    def _give_up(self, key: tuple[str, int], loss: RankLoss, why: str) -> None:
+        self._given_up.add(key)
+        self.registry.instances[key[0]][key[1]].may_recover = False
+        logger.error(
+            "%s-%d: lost %s (%s) and cannot shrink (%s): it stays out of routing, as a multi-rank instance "
+            "without elastic EP",
+            *key,
+            list(loss.lost),
+            loss.why,
+            why,
+        )
+
+    def shrink(self, ray, instance: Instance, loss: RankLoss, outcomes: Sequence[Any]) -> None:
+        """Re-form `instance` on `loss.survivors` (renumbered 0.. in old order) and put it back in routing.
+
+        Raises: whatever a survivor's `reform_group` raised (`PlacementRefused` in a RayTaskError), or
+        GetTimeoutError when the survivors did not re-form within their rendezvous timeout.
+        """
+        started_s = time.monotonic()
+        dep, key = self.deployment, (instance.role, instance.index)
+        logger.error(
+            "%s-%d: lost %s (%s); re-forming it on ranks %s",
+            *key,
+            list(loss.lost),
+            loss.why,
+            list(loss.survivors),
+        )
+        spec_index = next(i for i, s in enumerate(dep._plan.instances) if (s.role, s.index) == key)
+        init_method, barrier_port = dep._rendezvous(ray, spec_index)
+        timeout_s = dep.collective_timeout_s
+        rendezvous_s = 2 * timeout_s + dep.call_timeout_s
+        actors = [instance.ranks[r] for r in loss.survivors]
+        refs = [
+            actor.reform_group.remote(
+                InstanceGroupSpec(
+                    new_rank,
+                    len(actors),
+                    init_method,
+                    barrier_port,
+                    dep._plan.collective_backend,
+                    timeout_s,
+                    rendezvous_s,
+                ),
+                list(loss.lost),
+                self.max_local_experts,
+            )
+            for new_rank, actor in enumerate(actors)
+        ]
+        results = ray.get(refs, timeout=2 * rendezvous_s + dep.call_timeout_s)
+        for r in loss.lost:
+            try:
+                ray.kill(instance.ranks[r], no_restart=True)
+            except Exception as e:  # noqa: BLE001 - gone already
+                logger.warning("%s-%d: killing lost rank %d: %r", *key, r, e)
+        if instance.role == "decode":
+            addresses = dep._decode_addresses[instance.index]
+            dep._decode_addresses[instance.index] = [addresses[r] for r in loss.survivors]
+            instance.ranks = actors
+            self._set_decode_ranks(instance.index, len(actors))
+            self._reconnect_prefills(ray)
+        else:
+            instance.ranks = actors
+        bundles = instance.bundles or list(range(len(outcomes)))
+        instance.bundles = [bundles[r] for r in loss.survivors]
+        instance.lost_ranks = instance.lost_ranks + len(loss.lost)
+        instance.recoveries += 1
+        before = self.registry.instances[key[0]][key[1]].health
+        leader = outcomes[loss.survivors[0]]
+        after = InstanceHealth(since_s=time.monotonic(), pid=leader.pid)
+        self.registry.rejoin(*key, before, after)
+        logger.warning(
+            "%s-%d: serving again on %d rank(s) after %.1f s (lost %s; %d expert slots per MoE layer; "
+            "requests in flight on it were failed with an error)",
+            *key,
+            len(actors),
+            time.monotonic() - started_s,
+            list(loss.lost),
+            results[0]["num_local_experts"],
+        )
+
+    def _reconnect_prefills(self, ray) -> None:
+        dep = self.deployment
+        addresses = [list(ranks) for ranks in dep._decode_addresses]
+        prefills = [a for p in dep.instances["prefill"] if p.routable for a in p.ranks]
+        ray.get(
+            [a.connect_receivers.remote(dep.topology.kv_transport, addresses, dep._kv_tls) for a in prefills],
+            timeout=dep.call_timeout_s,
+        )
+
+    # ---- growing back ------------------------------------------------------------------------------------
+    def tick(self, ray) -> None:
+        """Once per probe round: start replacements for shrunk instances, and follow those joining."""
+        now_s = time.monotonic()
+        for key in sorted(self._changed_s):  # the instances that shrank
+            instance = self.registry.instances[key[0]][key[1]]
+            growth = self.growing.get(key)
+            if growth is not None:
+                self._follow(ray, instance, growth)
+            elif (
+                instance.degraded
+                and instance.routable
+                and key not in self._given_up
+                and now_s - self._changed_s[key] >= self.grow_after_s
+            ):
+                self._changed_s[key] = now_s
+                try:
+                    self._start_growth(ray, instance)
+                except Exception as e:  # noqa: BLE001 - Ray could not place them now: later
+                    logger.warning("%s-%d: starting replacement ranks failed: %r", *key, e)
+
+    def _start_growth(self, ray, instance: Instance) -> None:
+        dep, key = self.deployment, (instance.role, instance.index)
+        spec_index = next(i for i, s in enumerate(dep._plan.instances) if (s.role, s.index) == key)
+        num_ranks, bundles = instance.deployed_ranks, instance.bundles or list(range(instance.num_ranks))
+        free = [b for b in range(num_ranks) if b not in bundles]
+        init_method, barrier_port = dep._rendezvous(ray, spec_index)
+        from pdcluster.driver.rank_actors import ready_timeout_s
+
+        def spec(rank: int) -> InstanceGroupSpec:
+            return InstanceGroupSpec(
+                rank,
+                num_ranks,
+                init_method,
+                barrier_port,
+                dep._plan.collective_backend,
+                dep.collective_timeout_s,
+                ready_timeout_s(dep.topology),
+            )
+
+        self._attempts += 1
+        first = instance.num_ranks
+        newcomers = [
+            dep._new_rank_actor(ray, spec_index, first + i, spec(first + i), bundle=b)
+            for i, b in enumerate(free)
+        ]
+        redundant = dep.topology.pool(instance.role).num_redundant_experts
+        grows = [
+            a.grow_group.remote(spec(r), redundant, self._attempts) for r, a in enumerate(instance.ranks)
+        ]
+        ready = [a.ready.remote() for a in newcomers]
+        self.growing[key] = Growth(self._attempts, newcomers, free, grows, ready, time.monotonic())
+        logger.warning("%s-%d: replacement rank(s) in bundle(s) %s are joining", *key, free)
+
+    def _follow(self, ray, instance: Instance, growth: Growth) -> None:
+        from pdcluster.driver.rank_actors import ready_timeout_s
+
+        key = (instance.role, instance.index)
+        done, _ = ray.wait(growth.grows, num_returns=len(growth.grows), timeout=0)
+        if len(done) == len(growth.grows):
+            del self.growing[key]
+            self._changed_s[key] = time.monotonic()
+            try:
+                ray.get(growth.grows, timeout=0)
+            except Exception as e:  # noqa: BLE001 - aborted, or a newcomer never came: it stays degraded
+                self._kill(ray, growth.newcomers)
+                logger.error(
+                    "%s-%d: replacement ranks did not join (%s); still degraded", *key, describe_error(e)
+                )
+                return
+            self._finish_growth(ray, instance, growth)
+            return
+        if growth.aborted:
+            return
+        ready, _ = ray.wait(growth.ready, num_returns=len(growth.ready), timeout=0)
+        why = None
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as e:  # noqa: BLE001 - a newcomer died while joining
+                why = f"a replacement rank failed while joining: {describe_error(e)}"
+        if why is None and time.monotonic() - growth.started_s > ready_timeout_s(self.deployment.topology):
+            why = "the replacement ranks did not join within the ready timeout"
+        if why is not None:
+            self._abort_growth(ray, instance, growth, why)
+
+    def _abort_growth(self, ray, instance: Instance, growth: Growth, why: str) -> None:
+        growth.aborted = True
+        logger.error("%s-%d: growing aborted (%s)", instance.role, instance.index, why)
+        for actor in instance.ranks:
+            try:
+                actor.abort_grow.remote(growth.attempt)
+            except Exception:  # noqa: BLE001 - a dead survivor: the shrink path handles it
+                pass
+        self._kill(ray, growth.newcomers)
+
+    @staticmethod
+    def _kill(ray, actors: list[Any]) -> None:
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - gone already
+                pass
+
+    def _finish_growth(self, ray, instance: Instance, growth: Growth) -> None:
+        from pdcluster.driver.wiring import advertised_address
+
+        dep, key = self.deployment, (instance.role, instance.index)
+        transport, tls, timeout_s = dep.topology.kv_transport, dep._kv_tls, dep.call_timeout_s
+        if instance.role == "decode":
+            addresses = ray.get(
+                [a.start_receiver.remote(transport, tls) for a in growth.newcomers], timeout=timeout_s
+            )
+            if transport == "grpc" and not dep._loopback:
+                ips = ray.get([a.node_ip.remote() for a in growth.newcomers], timeout=timeout_s)
+                addresses = [advertised_address(a, ip) for a, ip in zip(addresses, ips, strict=True)]
+            dep._decode_addresses[instance.index] = list(dep._decode_addresses[instance.index]) + addresses
+        else:
+            decode_addresses = [list(ranks) for ranks in dep._decode_addresses]
+            ray.get([a.connect_receivers.remote(transport, decode_addresses, tls) for a in growth.newcomers])
+        instance.bundles = (instance.bundles or list(range(instance.num_ranks))) + growth.bundles
+        instance.ranks = instance.ranks + growth.newcomers
+        if instance.role == "decode":
+            self._set_decode_ranks(instance.index, instance.num_ranks)
+            self._reconnect_prefills(ray)
+        instance.rejoins += 1
+        logger.warning(
+            "%s-%d: %d replacement rank(s) joined after %.1f s; %d ranks again",
+            *key,
+            len(growth.newcomers),
+            time.monotonic() - growth.started_s,
+            instance.num_ranks,
+        )

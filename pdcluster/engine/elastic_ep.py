@@ -1,0 +1,145 @@
+"""Re-forming one rank's expert parallelism over a new group of survivors (elastic EP).
+
+The rank keeps its engine, KV cache and the experts it holds; it joins the survivors' group, agrees with
+them on the instance-wide expert load, takes its part of `models.elastic_placement.shrink_placement` and
+reads only the experts it did not hold from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from pdcluster.engine.expert_parallel import ExpertParallelRuntime
+from pdcluster.models.deepseek_v3 import DeepseekV3MLP
+from pdcluster.models.elastic_placement import ShrunkPlacement, shrink_placement
+from pdcluster.models.ep_dispatch import wait
+from pdcluster.models.expert_placement import ExpertPlacement
+from pdcluster.models.loader import (
+    FP8_DTYPES,
+    SCALE_SUFFIX,
+    _iter_tensors,
+    dequantize_fp8_blockwise,
+    inspect_checkpoint,
+)
+
+
+def plan_shrink(
+    runtime: ExpertParallelRuntime, lost_ranks: frozenset[int], max_local_experts: int | None
+) -> ShrunkPlacement:
+    """The survivors' placement with every expert weighted alike (`max_local_experts` None: a survivor may
+    hold every logical expert): raises `PlacementRefused` before any collective when they cannot."""
+    return shrink_placement(runtime.placement, lost_ranks, None, _max_slots(runtime, max_local_experts))
+
+
+def _max_slots(runtime: ExpertParallelRuntime, max_local_experts: int | None) -> int:
+    return runtime.placement.num_logical_experts if max_local_experts is None else max_local_experts
+
+
+def shrink_runtime(
+    runtime: ExpertParallelRuntime,
+    group: dist.ProcessGroup,
+    lost_ranks: frozenset[int],
+    max_local_experts: int | None,
+    checkpoint: str,
+) -> tuple[ExpertParallelRuntime, ShrunkPlacement]:
+    """A new `ExpertParallelRuntime` for this rank over `group` (the survivors, in old rank order) holding
+    its share of the shrunk placement; collective over `group`.
+
+    Raises:
+        PlacementRefused: the survivors cannot hold every logical expert.
+        EPCollectiveError: the load allreduce failed or timed out.
+        CheckpointError: an expert's tensors are missing from `checkpoint`.
+    """
+    load = sum(runtime._load_window, runtime._logical_zero.clone()).to(runtime.device)
+    wait(group.allreduce([load]), "elastic EP load allreduce", group.rank())
+    load = load.cpu().double() + 1.0  # +1: an expert never routed to still sorts by id, not at random
+    shrunk = shrink_placement(runtime.placement, lost_ranks, load, _max_slots(runtime, max_local_experts))
+    new_rank = group.rank()
+    if shrunk.survivors[new_rank] != runtime.rank or len(shrunk.survivors) != group.size():
+        raise ValueError(
+            f"group rank {new_rank} of {group.size()} is not old rank {runtime.rank} among survivors "
+            f"{shrunk.survivors}"
+        )
+    _grow_slots(runtime, shrunk.placement.num_local_experts)
+    _load_experts(runtime, checkpoint, [(row, slot, e) for row, r, slot, e in shrunk.loads if r == new_rank])
+    placement = shrunk.placement
+    parallel = dataclasses.replace(
+        runtime.parallel,
+        expert_parallel_size=group.size(),
+        rank=new_rank,
+        data_parallel_size=None,
+        num_redundant_experts=placement.num_physical_experts - placement.num_logical_experts,
+        eplb_num_nodes=1,
+    )
+    new = ExpertParallelRuntime(runtime.model, parallel, group, placement)
+    new.num_rebalances = 0
+    return new, shrunk
+
+
+def grow_runtime(
+    runtime: ExpertParallelRuntime, group: dist.ProcessGroup, num_redundant_experts: int, checkpoint: str
+) -> tuple[ExpertParallelRuntime, int]:
+    """A new runtime for this rank over the grown `group` with `ExpertPlacement.default` (what a rank
+    joining it loads): experts this rank holds are kept, the others read from `checkpoint`. Returns it and
+    how many experts were read. No collective.
+
+    Raises ValueError: experts plus `num_redundant_experts` do not split over the group.
+    """
+    old, rank = runtime.placement, group.rank()
+    new = ExpertPlacement.default(
+        old.num_moe_layers, old.num_logical_experts, group.size(), num_redundant_experts
+    )
+    loads = []
+    for row, moe in enumerate(runtime.moe):
+        held = dict(zip(old.local_logical_experts(row, runtime.rank), moe.experts, strict=True))
+        slots = []
+        for slot, expert in enumerate(new.local_logical_experts(row, rank)):
+            module = held.pop(expert, None)
+            if module is None:
+                module = copy.deepcopy(moe.experts[0])
+                loads.append((row, slot, expert))
+            slots.append(module)
+        moe.experts = torch.nn.ModuleList(slots)
+    _load_experts(runtime, checkpoint, loads)
+    parallel = dataclasses.replace(
+        runtime.parallel,
+        expert_parallel_size=group.size(),
+        rank=rank,
+        data_parallel_size=None,
+        num_redundant_experts=num_redundant_experts,
+    )
+    return ExpertParallelRuntime(runtime.model, parallel, group, new), len(loads)
+
+
+def _grow_slots(runtime: ExpertParallelRuntime, num_slots: int) -> None:
+    """Append empty expert slots to every MoE layer up to `num_slots` (same device and dtype)."""
+    cfg = runtime.model.config
+    for moe in runtime.moe:
+        like = next(moe.experts[0].parameters())
+        while len(moe.experts) < num_slots:
+            expert = DeepseekV3MLP(cfg.hidden_size, cfg.moe_intermediate_size)
+            moe.experts.append(expert.to(device=like.device, dtype=like.dtype))
+
+
+@torch.no_grad()
+def _load_experts(runtime: ExpertParallelRuntime, checkpoint: str, loads: list[tuple[int, int, int]]) -> None:
+    """Read logical expert e's weights from `checkpoint` into local slot `slot` of MoE row `row`."""
+    if not loads:
+        return
+    layout = inspect_checkpoint(checkpoint)
+    block_size = tuple((layout.config.quantization_config or {}).get("weight_block_size", (128, 128)))
+    targets: dict[str, list[torch.Tensor]] = {}
+    for row, slot, expert in loads:
+        layer = runtime.layer_indices[row]
+        for proj, param in runtime.moe[row].experts[slot].named_parameters():
+            targets.setdefault(f"model.layers.{layer}.mlp.experts.{expert}.{proj}", []).append(param)
+    for name, tensor in _iter_tensors(layout.files, list(targets)):
+        if tensor.dtype in FP8_DTYPES:
+            ((_, scale_inv),) = _iter_tensors(layout.files, [name + SCALE_SUFFIX])
+            tensor = dequantize_fp8_blockwise(tensor, scale_inv, block_size)  # type: ignore[arg-type]
+        for param in targets[name]:
+            param.copy_(tensor.to(param.dtype))

@@ -1,0 +1,169 @@
+"""A rank's side of elastic expert parallelism: re-forming its instance's group with another set of ranks.
+
+`shrink`: the old group failed (a peer died or stalled); the survivors form a new group and split the
+experts among themselves. `grow`: new ranks join; the survivors meet them and wait for them to load while
+they keep serving on their current group, then switch at a step boundary. Both keep this rank's engine,
+its KV cache and the requests it holds. (The driver's side: `driver.elastic`.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from pdcluster.driver.messages import InstanceGroupSpec
+
+if TYPE_CHECKING:
+    from pdcluster.workers.rank import RankWorker
+
+logger = logging.getLogger(__name__)
+
+
+def _engine_locked(worker: RankWorker):
+    """The engine lock (decode: `_locked`); prefill's engine thread does not step while `_group_error`."""
+    return getattr(worker, "_locked", contextlib.nullcontext)()
+
+
+def _renamed(worker: RankWorker, rank: int) -> str:
+    """`decode-0.1` as rank 0 becomes `decode-0`; as rank 1 of `decode-0`, `decode-0.1`."""
+    base = worker.name.split(".")[0]
+    return base if rank == 0 else f"{base}.{rank}"
+
+
+def shrink(worker: RankWorker, spec: InstanceGroupSpec, lost_ranks: list[int], max_local_experts: int | None):
+    """Join the survivors' new group `spec` (collective over them) once this rank's old group failed, and
+    take this rank's share of the shrunk placement (`engine.elastic_ep.shrink_runtime`). Returns
+    `{"rank", "num_ranks", "num_local_experts", "loaded_experts"}`.
+
+    Raises:
+        PlacementRefused: the survivors cannot hold every logical expert (checked before joining).
+        RuntimeError: the old group has not failed within twice its collective timeout, or the new one
+            could not be formed.
+    """
+    from pdcluster.driver.instance_group import join_instance_group, wait_until_loaded
+    from pdcluster.engine.elastic_ep import plan_shrink, shrink_runtime
+    from pdcluster.workers.rank import ep_summary
+
+    runtime, lost = worker.engine.ep, frozenset(lost_ranks)
+    if runtime is None:
+        raise RuntimeError(f"{worker.name}: not an expert-parallel rank")
+    plan_shrink(runtime, lost, max_local_experts)
+    deadline_s = time.monotonic() + 2 * runtime.parallel.collective_timeout_s
+    while worker._group_error is None:  # (set by the engine thread once it stopped stepping)
+        if time.monotonic() > deadline_s:
+            raise RuntimeError(f"{worker.name}: its instance group has not failed; nothing to re-form")
+        time.sleep(0.05)
+    with _engine_locked(worker):
+        joined = join_instance_group(spec)
+        new, shrunk = shrink_runtime(
+            runtime, joined.group, lost, max_local_experts, worker.engine.config.model
+        )
+        wait_until_loaded(joined)
+        loaded = sum(1 for _, r, _, _ in shrunk.loads if r == spec.rank)
+        _switch(worker, spec, joined, new)
+        worker._ep_summary = ep_summary(worker.engine)
+        worker._group_error = None
+    worker._wake_engine_thread()
+    logger.warning(
+        "%s: re-formed as rank %d of %d after losing ranks %s; %d expert slots per MoE layer, %d read",
+        worker.name,
+        spec.rank,
+        spec.num_ranks,
+        sorted(lost),
+        new.placement.num_local_experts,
+        loaded,
+    )
+    return {
+        "rank": spec.rank,
+        "num_ranks": spec.num_ranks,
+        "num_local_experts": new.placement.num_local_experts,
+        "loaded_experts": loaded,
+    }
+
+
+def grow(worker: RankWorker, spec: InstanceGroupSpec, num_redundant_experts: int, attempt: int) -> dict:
+    """Meet the new ranks of group `spec` (this rank keeps its rank id; they come after the survivors) and
+    wait for them to load while this rank serves on; then, at a step boundary, switch to the new group
+    with `ExpertPlacement.default` (`engine.elastic_ep.grow_runtime`). Returns as `shrink`.
+
+    Raises:
+        RuntimeError: `abort_grow(attempt)` was called, the new ranks did not come within the rendezvous
+            timeout, or this rank's current group failed meanwhile.
+    """
+    from pdcluster.driver.instance_group import form_group, meet, wait_until_loaded
+    from pdcluster.engine.elastic_ep import grow_runtime
+
+    def aborted() -> bool:
+        return attempt in worker._aborted_grows or worker._group_error is not None
+
+    if worker.engine.ep is None:
+        raise RuntimeError(f"{worker.name}: not an expert-parallel rank")
+    joined = form_group(spec, meet(spec, aborted))
+    wait_until_loaded(joined, spec.rendezvous_timeout_s, aborted)
+    grown = []
+
+    def switch() -> None:
+        if aborted():
+            raise RuntimeError(f"{worker.name}: growing was aborted")
+        engine = worker.engine
+        grown.extend(grow_runtime(engine.ep, joined.group, num_redundant_experts, engine.config.model))
+        _switch(worker, spec, joined, grown[0])
+
+    _at_step_boundary(worker, switch, spec.timeout_s)
+    new, loaded = grown
+    logger.warning(
+        "%s: grew to %d ranks (this rank %d); %d expert slots per MoE layer, %d read",
+        worker.name,
+        spec.num_ranks,
+        spec.rank,
+        new.placement.num_local_experts,
+        loaded,
+    )
+    return {
+        "rank": spec.rank,
+        "num_ranks": spec.num_ranks,
+        "num_local_experts": new.placement.num_local_experts,
+        "loaded_experts": loaded,
+    }
+
+
+def _at_step_boundary(worker: RankWorker, fn, timeout_s: float) -> None:
+    """Run `fn` on the engine thread just before its next `engine.step` (lockstep makes it step even with
+    nothing to run); raises what `fn` raised, or RuntimeError when no step came within `timeout_s`."""
+    engine, lock, done, error = worker.engine, threading.Lock(), threading.Event(), []
+    lockstep = worker.lockstep
+
+    def step(*args, **kwargs):
+        with lock:
+            if "step" in vars(engine):
+                del engine.step
+                try:
+                    fn()
+                except BaseException as e:  # noqa: BLE001 - handed to the caller; this step goes on
+                    error.append(e)
+                    worker.lockstep = lockstep
+                done.set()
+        return type(engine).step(engine, *args, **kwargs)
+
+    engine.step = step
+    worker.lockstep = True
+    worker._wake_engine_thread()
+    if not done.wait(timeout_s):
+        with lock:
+            if "step" in vars(engine):
+                del engine.step
+                worker.lockstep = lockstep
+                raise RuntimeError(f"{worker.name}: no step boundary within {timeout_s:g} s")
+    done.wait()
+    if error:
+        raise error[0]
+
+
+def _switch(worker: RankWorker, spec: InstanceGroupSpec, joined, runtime) -> None:
+    """Under the engine lock: the engine steps on `runtime` over `joined` from its next step."""
+    worker.engine.ep, worker.instance_group, worker.group_spec = runtime, joined, spec
+    worker.lockstep = spec.num_ranks > 1
+    worker.name = _renamed(worker, spec.rank)

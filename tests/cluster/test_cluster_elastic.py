@@ -1,0 +1,262 @@
+"""Elastic expert parallelism on a real local Ray cluster (one deployment, phases in order): one prefill and
+one decode instance of 2 ranks each (EP2, 2 redundant experts, MTP k=1, gloo), as `clusters/local-ep.yaml`.
+
+What it proves: SIGKILL of one decode rank, under a steady stream and while a handoff to it is in flight,
+ends each request either complete or with a clear error, none hangs; decode-0 is re-formed on its survivor
+(a world of 1 holding all 8 experts) and serves again, greedy outputs equal to one engine's, /health saying
+so. SIGSTOP of one prefill rank: its peer's collective times out and prefill-0 shrinks too, the idle
+re-formed decode group stepping meanwhile. Grow back: the first replacement decode rank is killed while it
+joins (the survivors keep serving), the next one joins; a request running on the survivor across the
+switch goes on untouched; both instances serve on 2 ranks again with outputs equal to one engine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import time
+
+import pytest
+
+from pdcluster.config import load_topology
+from pdcluster.driver.backend import BackendUnavailable
+from pdcluster.driver.cluster import PROBE_INTERVAL_S
+from pdcluster.driver.handoff import decode_has_it
+from pdcluster.driver.router import RankRef
+from pdcluster.engine.llm import LLM
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.prompts import heldout_def_prompts
+from tests.cluster.conftest import assert_nothing_held, call_bound_s, deployed_with_loop, request_bound_s
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+STREAM = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[str]:
+    return heldout_def_prompts(4, min_chars=40, max_chars=200)
+
+
+@pytest.fixture(scope="module")
+def oracle(prompts):
+    """One single-device engine (all experts local, MTP k=1): the greedy tokens the cluster must give."""
+    llm = LLM(bundled_checkpoint_dir(), num_speculative_tokens=1)
+    short = [llm.generate([llm.tokenizer.encode(p)], GREEDY)[0].token_ids for p in prompts]
+    return short, llm.generate([llm.tokenizer.encode(prompts[0])], LONG)[0].token_ids
+
+
+@pytest.fixture
+def cluster(ray_session):
+    """Torn down after its test: the EP4 test's deployment needs the CPUs Ray reserved for it."""
+    topo = load_topology("clusters/local-ep.yaml")
+    topo = dataclasses.replace(
+        topo,
+        prefill=dataclasses.replace(topo.prefill, kv_cache_memory_bytes=16 << 20),
+        decode=dataclasses.replace(topo.decode, kv_cache_memory_bytes=16 << 20, compile=False),
+        # 10 s: the collective timeout (a stalled rank is given up on after it) and the handoff lease
+        kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=10),
+    )
+    with deployed_with_loop(topo) as cluster:
+        yield cluster
+
+
+def run(cluster, coro):
+    return cluster.test_loop.run_until_complete(coro)
+
+
+async def generate(cluster, request_id: str, prompt: str, params: SamplingParams) -> list[int]:
+    tokens = []
+    async for delta in cluster.generate(request_id, cluster.tokenizer.encode(prompt), params):
+        tokens += delta.new_token_ids
+    return tokens
+
+
+def shrink_bound_s(cluster) -> float:
+    """Noticing a lost rank (a probe round, bounded by call_timeout_s, after the survivor's collective
+    failed: at once for a dead peer, after collective_timeout_s for a stalled one) plus re-forming (the
+    survivors' rendezvous, bounded by twice the collective timeout plus a call)."""
+    return (
+        PROBE_INTERVAL_S
+        + cluster.collective_timeout_s
+        + 2 * call_bound_s(cluster)
+        + 2 * cluster.collective_timeout_s
+        + cluster.call_timeout_s
+    )
+
+
+def ready_bound_s(cluster) -> float:
+    """A replacement rank's start: an actor's ready timeout (`driver.rank_actors.ready_timeout_s`)."""
+    from pdcluster.driver.rank_actors import ready_timeout_s
+
+    return ready_timeout_s(cluster.topology) + PROBE_INTERVAL_S
+
+
+def wait_shrunk(cluster, name: str, recoveries: int) -> dict:
+    deadline_s = time.monotonic() + shrink_bound_s(cluster)
+    while True:
+        health = cluster.health()[name]
+        if health["state"] == "healthy" and health["recoveries"] == recoveries:
+            return health
+        assert time.monotonic() < deadline_s, cluster.health()
+        time.sleep(0.1)
+
+
+def pid_of(ray, actor, cluster) -> int:
+    return ray.get(actor.load.remote(), timeout=cluster.call_timeout_s).pid
+
+
+def test_a_lost_rank_shrinks_its_instance_which_serves_again(cluster, ray_session, prompts, oracle) -> None:
+    oracle, oracle_long = oracle
+    elastic = cluster.monitor.elastic
+    elastic.grow_after_s = float("inf")  # no replacement ranks until the last phase
+    for i, prompt in enumerate(prompts[:2]):  # both decode ranks, before
+        assert (
+            run(cluster, asyncio.wait_for(generate(cluster, f"before{i}", prompt, GREEDY), 120)) == oracle[i]
+        )
+
+    # ---- SIGKILL of decode rank 1 under a steady stream, while a handoff to it is in flight -------------
+    rank1 = cluster.instances["decode"][0].ranks[1]
+    pid1 = pid_of(ray_session, rank1, cluster)
+    # every handoff rank 1 receives waits before its admission: one is surely in flight when it is killed
+    ray_session.get(rank1.inject_delay.remote("before_admit", shrink_bound_s(cluster), 100), timeout=60)
+
+    def in_handoff_to_rank1() -> bool:
+        attempts = [r.attempt for r in cluster.dispatcher._requests.values() if r.attempt is not None]
+        return any(a.decode == RankRef(0, 1) and not decode_has_it(a.state) for a in attempts)
+
+    async def stream_and_kill():
+        tasks, killed = [], False
+        for i in range(12):
+            tasks.append(asyncio.ensure_future(generate(cluster, f"s{i}", prompts[i % 4], STREAM)))
+            await asyncio.sleep(0.3)
+            if i >= 3 and not killed and in_handoff_to_rank1():
+                os.kill(pid1, signal.SIGKILL)
+                killed = True
+        bound_s = request_bound_s(cluster) + shrink_bound_s(cluster)
+        return killed, await asyncio.gather(
+            *(asyncio.wait_for(t, bound_s) for t in tasks), return_exceptions=True
+        )
+
+    killed, results = run(cluster, stream_and_kill())
+    assert killed
+    assert not [r for r in results if isinstance(r, asyncio.TimeoutError)], results  # none hangs
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert all(isinstance(e, BackendUnavailable) and "decode-0" in str(e) for e in errors), errors
+    assert all(len(r) == STREAM.max_tokens for r in results if not isinstance(r, BaseException))
+    health = wait_shrunk(cluster, "decode-0", 1)
+    assert (health["ranks"], health["deployed_ranks"], health["degraded"]) == (1, 2, True)
+    ep = cluster.stats()["ranks"]["decode-0"]["ep"]
+    assert (ep["num_ranks"], ep["rank"]) == (1, 0)
+    for i, prompt in enumerate(prompts):  # served again, by the survivor alone (EP1, all 8 experts)
+        assert (
+            run(cluster, asyncio.wait_for(generate(cluster, f"after{i}", prompt, GREEDY), 120)) == oracle[i]
+        )
+
+    # ---- SIGSTOP of prefill rank 1: its peer's collective times out, prefill-0 shrinks --------------------
+    stopped = cluster.instances["prefill"][0].ranks[1]
+    pid = pid_of(ray_session, stopped, cluster)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        health = wait_shrunk(cluster, "prefill-0", 1)
+    finally:
+        os.kill(pid, signal.SIGCONT)  # (killed by the driver already; harmless then)
+    assert (health["ranks"], health["degraded"]) == (1, True)
+    for i, prompt in enumerate(prompts):  # the shrunk decode group idled meanwhile: no deadlock
+        assert run(cluster, asyncio.wait_for(generate(cluster, f"late{i}", prompt, GREEDY), 120)) == oracle[i]
+    assert set(cluster.check_no_leaks()) == {"prefill-0", "decode-0"}
+    assert_nothing_held(cluster)
+
+    # ---- grow back: the first replacement decode rank is killed while it joins; the next one joins -------
+    elastic.grow_after_s = 0.0
+    deadline_s = time.monotonic() + ready_bound_s(cluster)
+    while ("decode", 0) not in elastic.growing:
+        assert time.monotonic() < deadline_s
+        time.sleep(0.01)
+    first = elastic.growing[("decode", 0)]
+    ray_session.kill(first.newcomers[0])
+
+    def grown(name: str) -> bool:
+        health = cluster.health()[name]
+        return health["ranks"] == 2 and health["state"] == "healthy"
+
+    async def long_requests_across_the_switch():
+        """Long requests one after the other on the shrunk instances until both grew: the one running when
+        decode-0 switched groups goes on untouched on its rank (the same tokens as one engine's)."""
+        outputs, spanned, deadline_s = [], 0, time.monotonic() + 2 * ready_bound_s(cluster)
+        while not (grown("decode-0") and grown("prefill-0")):
+            assert time.monotonic() < deadline_s, cluster.health()
+            before = grown("decode-0")
+            outputs.append(await generate(cluster, f"long{len(outputs)}", prompts[0], LONG))
+            spanned += grown("decode-0") and not before
+        return outputs, spanned
+
+    outputs, spanned = run(cluster, long_requests_across_the_switch())
+    assert outputs == [oracle_long] * len(outputs) and spanned == 1
+    for name in ("decode-0", "prefill-0"):
+        assert cluster.health()[name]["degraded"] is False and cluster.health()[name]["rejoins"] == 1
+    assert cluster.instances["decode"][0].ranks[1] is not first.newcomers[0]
+
+    async def concurrently():
+        return await asyncio.gather(
+            *(generate(cluster, f"grown{i}", p, GREEDY) for i, p in enumerate(prompts * 2)),
+            return_exceptions=True,
+        )
+
+    assert run(cluster, asyncio.wait_for(concurrently(), 2 * request_bound_s(cluster))) == oracle * 2
+    ranks = cluster.stats()["ranks"]
+    for name in ("decode-0", "decode-0.1", "prefill-0", "prefill-0.1"):
+        assert (ranks[name]["ep"]["num_ranks"], ranks[name]["ep"]["rank"]) == (2, int(name.endswith(".1")))
+    assert_nothing_held(cluster)
+
+
+def test_an_ep4_decode_instance_loses_two_ranks_one_after_the_other(ray_session, prompts, oracle) -> None:
+    """EP4 decode (8 experts, none redundant: 2 per rank) behind a one-rank prefill: SIGKILL of rank 3,
+    then of the leader (rank 0 of the 3 left). Each time it shrinks (to 3 ranks of 3 expert slots, then 2
+    of 4; the lost leader's successor hosts the new group) and serves outputs equal to one engine's."""
+    oracle, _ = oracle
+    topo = load_topology("clusters/local-ep.yaml")
+    topo = dataclasses.replace(
+        topo,
+        hardware=dataclasses.replace(topo.hardware, devices_per_node=5),
+        prefill=dataclasses.replace(
+            topo.prefill,
+            devices_per_instance=1,
+            expert_parallel_size=1,
+            num_redundant_experts=0,
+            kv_cache_memory_bytes=16 << 20,
+        ),
+        decode=dataclasses.replace(
+            topo.decode,
+            devices_per_instance=4,
+            expert_parallel_size=4,
+            num_redundant_experts=0,
+            kv_cache_memory_bytes=16 << 20,
+            compile=False,
+        ),
+        kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=10),
+    )
+    with deployed_with_loop(topo) as cluster:
+        cluster.monitor.elastic.grow_after_s = float("inf")
+        for step, (victim, ranks_left) in enumerate(((3, 3), (0, 2))):
+            actor = cluster.instances["decode"][0].ranks[victim]
+            os.kill(pid_of(ray_session, actor, cluster), signal.SIGKILL)
+            health = wait_shrunk(cluster, "decode-0", step + 1)
+            assert (health["ranks"], health["deployed_ranks"]) == (ranks_left, 4)
+            ep = [r["ep"] for name, r in cluster.stats()["ranks"].items() if name.startswith("decode")]
+            assert sorted((e["rank"], e["num_ranks"]) for e in ep) == [
+                (r, ranks_left) for r in range(ranks_left)
+            ]
+            assert all(len(e["expert_load"][0]) == 8 for e in ep)
+            for i, prompt in enumerate(prompts):
+                got = run(
+                    cluster, asyncio.wait_for(generate(cluster, f"ep4-{step}-{i}", prompt, GREEDY), 120)
+                )
+                assert got == oracle[i], (step, i)
+            assert cluster.monitor.elastic.growing == {}
+        assert_nothing_held(cluster)

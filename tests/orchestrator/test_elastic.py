@@ -1,0 +1,113 @@
+"""Elastic EP's parts without Ray: telling a lost rank from one probe round (`driver.elastic.find_rank_loss`),
+an aborted join (`driver.instance_group.meet`), a survivor's shrink and grow of its experts over real gloo
+groups in-process (`engine.elastic_ep`: every slot holds its logical expert's checkpoint weights), and the
+per-instance figures /metrics shows."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from pdcluster.driver.deployment import free_ports
+from pdcluster.driver.elastic import find_rank_loss
+from pdcluster.driver.instance import Instance
+from pdcluster.driver.instance_group import meet
+from pdcluster.driver.messages import InstanceGroupSpec
+from pdcluster.engine.elastic_ep import grow_runtime, plan_shrink, shrink_runtime
+from pdcluster.engine.expert_parallel import ExpertParallelRuntime, load_rank_shard
+from pdcluster.engine.parallel import ParallelConfig, make_instance_group
+from pdcluster.entrypoints.openai.metrics import ApiMetrics
+from pdcluster.models import bundled_checkpoint_dir
+from pdcluster.models.elastic_placement import PlacementRefused
+from pdcluster.models.loader import load_checkpoint
+
+
+def _load(group_error: str | None) -> SimpleNamespace:
+    return SimpleNamespace(instance_group_error=group_error, pid=1)
+
+
+def test_a_rank_is_lost_once_every_answering_rank_saw_its_group_fail() -> None:
+    ray = pytest.importorskip("ray")
+    instance = Instance("decode", 0, [object(), object(), object()])
+    timeout = ray.exceptions.GetTimeoutError("no answer")
+    assert find_rank_loss(instance, [_load(None)] * 3) is None  # every rank answered
+    assert find_rank_loss(instance, [timeout] * 3) is None  # none did: nothing to shrink onto
+    assert find_rank_loss(instance, [_load(None), timeout, _load("x")]) is None  # rank 0 has not noticed yet
+    loss = find_rank_loss(instance, [_load("gloo: connection closed"), timeout, _load("timed out")])
+    assert (loss.role, loss.index, loss.lost, loss.survivors) == ("decode", 0, (1,), (0, 2))
+    assert "rank 1 stopped answering" in loss.why
+
+
+def test_an_aborted_meet_raises_at_once_instead_of_waiting_its_timeout() -> None:
+    ports = free_ports("127.0.0.1", 2)
+    spec = InstanceGroupSpec(0, 2, f"tcp://127.0.0.1:{ports[0]}", ports[1], "gloo", 10.0, 60.0)
+    started_s = time.monotonic()
+    with pytest.raises(RuntimeError, match="aborted"):
+        meet(spec, aborted=lambda: time.monotonic() - started_s > 0.2)
+    assert time.monotonic() - started_s < spec.rendezvous_timeout_s / 2
+
+
+def _groups(world: int) -> list:
+    host, ports = "127.0.0.1", free_ports("127.0.0.1", 1)
+    groups: dict[int, object] = {}
+    threads = [
+        threading.Thread(
+            target=lambda r=r: groups.__setitem__(r, make_instance_group(host, ports[0], r, world))
+        )
+        for r in range(world)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return [groups[r] for r in range(world)]
+
+
+def _assert_slots_hold_checkpoint_experts(runtime: ExpertParallelRuntime, full) -> None:
+    for row, moe in enumerate(runtime.moe):
+        layer = runtime.layer_indices[row]
+        logical = runtime.placement.local_logical_experts(row, runtime.rank)
+        assert len(moe.experts) == len(logical)
+        for slot, expert in enumerate(logical):
+            want = full.model.layers[layer].mlp.experts[expert].state_dict()
+            for name, tensor in moe.experts[slot].state_dict().items():
+                assert torch.equal(tensor, want[name]), (row, slot, expert, name)  # the same stored values
+
+
+def test_a_survivor_takes_every_expert_then_gives_back_its_peers_share() -> None:
+    path = str(bundled_checkpoint_dir())
+    full = load_checkpoint(path)
+    parallel = ParallelConfig(expert_parallel_size=2, rank=0, num_redundant_experts=2)
+    model, placement = load_rank_shard(path, parallel, "cpu", torch.float32)
+    old_group, _ = _groups(2)
+    runtime = ExpertParallelRuntime(model, parallel, old_group, placement)
+    with pytest.raises(PlacementRefused):  # 5 slots cannot hold 8 experts
+        plan_shrink(runtime, frozenset({1}), max_local_experts=5)
+    (alone,) = _groups(1)
+    shrunk_runtime, shrunk = shrink_runtime(runtime, alone, frozenset({1}), None, path)
+    assert (shrunk_runtime.num_ranks, shrunk_runtime.placement.num_local_experts) == (1, 8)
+    assert sorted(shrunk_runtime.placement.local_logical_experts(0, 0)) == list(range(8))
+    assert {e for _, _, _, e in shrunk.loads} == {5, 6, 7}  # rank 0 held 0..4: only the rest is read
+    _assert_slots_hold_checkpoint_experts(shrunk_runtime, full)
+    grown_group, _ = _groups(2)
+    grown, num_read = grow_runtime(shrunk_runtime, grown_group, 2, path)
+    assert (grown.num_ranks, grown.rank, grown.placement.num_local_experts, num_read) == (2, 0, 5, 0)
+    _assert_slots_hold_checkpoint_experts(grown, full)
+
+
+def test_metrics_show_each_instances_live_ranks_and_recoveries() -> None:
+    instances = {
+        "decode-0": {"ranks": 1, "deployed_ranks": 2, "degraded": True, "recoveries": 1, "rejoins": 0},
+        "prefill-0": {"ranks": 2, "deployed_ranks": 2, "degraded": False, "recoveries": 0, "rejoins": 0},
+    }
+    metrics = ApiMetrics(stats=lambda: {"instances": instances})
+    text = generate_latest(metrics.registry).decode()
+    assert 'pdcluster_instance_live_ranks{instance="decode-0"} 1.0' in text
+    assert 'pdcluster_instance_degraded{instance="decode-0"} 1.0' in text
+    assert 'pdcluster_instance_degraded{instance="prefill-0"} 0.0' in text
+    assert 'pdcluster_instance_recoveries_total{instance="decode-0"} 1.0' in text
