@@ -1,4 +1,5 @@
-"""End to end on a real local Ray cluster with the bundled tiny model (each test says what it proves).
+"""End to end on a real local Ray cluster with the bundled tiny model (each test says what it proves): each
+transport against one engine, concurrency, faults on the engine threads, a killed prefill.
 
 One deployment per transport configuration (`pair`, module-scoped, parametrized indirectly): every test of
 a configuration runs on its deployment, and the test that kills the prefill instance runs last on it
@@ -12,10 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 
 from pdcluster.config import KVTLSConfig, load_topology
 from pdcluster.driver.backend import PHASE_NAMES, BackendUnavailable, ServingBackend
 from pdcluster.driver.cluster import Cluster
+from pdcluster.driver.messages import DecodeNodeLoad, PrefillNodeLoad
 from pdcluster.engine.llm import LLM
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.models import bundled_checkpoint_dir
@@ -34,15 +37,19 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
-def _topology(transport: str = "grpc", layerwise: bool = True, k: int = 1, tls=None, **pools):
+def _topology(transport="grpc", layerwise=True, k=1, tls=None, timeout_s=20, decode_seqs=None, **pools):
     topo = load_topology("clusters/local.yaml")
     topo = dataclasses.replace(
         topo,
         kv_transfer=dataclasses.replace(
-            topo.kv_transfer, transport=transport, layerwise=layerwise, timeout_s=20, tls=tls
+            topo.kv_transfer, transport=transport, layerwise=layerwise, timeout_s=timeout_s, tls=tls
         ),
         decode=dataclasses.replace(  # eager: only test_cluster_compiled.py compiles (tests/conftest.py)
-            topo.decode, num_speculative_tokens=k, kv_cache_memory_bytes=16 << 20, compile=False
+            topo.decode,
+            num_speculative_tokens=k,
+            kv_cache_memory_bytes=16 << 20,
+            compile=False,
+            max_num_seqs=decode_seqs or topo.decode.max_num_seqs,
         ),
         prefill=dataclasses.replace(topo.prefill, kv_cache_memory_bytes=16 << 20, **pools),
     )
@@ -99,9 +106,10 @@ def _assert_no_blocks_held(cluster: Cluster) -> None:
     assert_nothing_held(cluster)
 
 
+DECODE_MAX_NUM_SEQS = 4  # of the "grpc" pair: the fault tests send more handoffs than this at once
 # transport, layerwise, k, TLS: each transport, layerwise and whole, k = 0 and 1, TLS; not every product
 PAIRS = {
-    "grpc": ("grpc", True, 1, False),
+    "grpc": ("grpc", True, 1, False),  # also the fault tests' (kv timeout 10 s, DECODE_MAX_NUM_SEQS)
     "grpc-whole-tls": ("grpc", False, 0, True),
     "torch_distributed": ("torch_distributed", True, 0, False),
     "auto": ("auto", True, 1, False),  # the default pair (auto: shm on this one node)
@@ -120,7 +128,8 @@ def pair(request, ray_session, tmp_path_factory):
         if files is None:
             pytest.skip("the openssl CLI is not installed")
         tls_config = KVTLSConfig(**files, server_name="pdcluster-kv")
-    topo = _topology(transport, layerwise, k, tls_config)
+    faults = request.param == "grpc"
+    topo = _topology(transport, layerwise, k, tls_config, *((10, DECODE_MAX_NUM_SEQS) if faults else ()))
     assert topo.kv_transport == ("shm" if transport == "auto" else transport)
     shm_before = pdcluster_shm_entries()
     with deployed_with_loop(topo) as cluster:
@@ -223,6 +232,100 @@ def test_prefill_overlapped_with_the_reservation_or_after_it_gives_the_same_toke
     assert cluster.dispatcher._loads.prefill_calls(RankRef(0, 0)) == 0
     assert cluster.dispatcher._loads.prefill_queued_tokens(RankRef(0, 0)) == 0
     _assert_no_blocks_held(cluster)
+
+
+# ---- faults on the "grpc" pair: requests that finish at admission, more handoffs than decode's seats, and
+# exceptions on the engine threads (injected through the actors' test-only `inject_fault` hook). Every
+# request runs under a timeout: the failure these tests guard against is a hang.
+FAULT_PROMPT = "def add(a, b):\n    return"
+
+
+def _complete(cluster: Cluster, request_id: str, params: SamplingParams):
+    """(tokens, last delta) of FAULT_PROMPT, or the stream's exception; TimeoutError means it hung."""
+    ids = cluster.tokenizer.encode(FAULT_PROMPT)
+    return _run(
+        cluster, asyncio.wait_for(_generate(cluster, request_id, ids, params), request_bound_s(cluster))
+    )
+
+
+def _healthy_request_completes(cluster: Cluster, request_id: str) -> None:
+    tokens, last = _complete(
+        cluster, request_id, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    )
+    assert len(tokens) == 6 and last.finished and last.finish_reason == "length"
+    _assert_no_blocks_held(cluster)
+
+
+def _load(cluster: Cluster, actor) -> PrefillNodeLoad | DecodeNodeLoad:
+    return ray.get(actor.load.remote(), timeout=cluster.call_timeout_s)  # what the cluster allows one call
+
+
+@pytest.mark.parametrize("pair", ["grpc"], indirect=True)
+def test_request_finished_at_admission_completes_on_an_idle_decode(pair) -> None:
+    """max_tokens=1 (and a first token that is a stop token) finishes the request when decode admits
+    it; with nothing else running, its final delta must still come (it hung: nothing stepped)."""
+    tokens, last = _complete(pair, "one", SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    assert len(tokens) == 1
+    assert last.finished and last.finish_reason == "length"
+    assert "kv_transfer_s" in last.phases and "first_decode_step_s" in last.phases
+    _assert_no_blocks_held(pair)
+    # The same first token as a stop token (as EOS would): finished at admission, reason "stop".
+    params = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(tokens[0],))
+    stopped, last = _complete(pair, "stop-first", params)
+    assert stopped == tokens and last.finished and last.finish_reason == "stop"
+    _assert_no_blocks_held(pair)
+
+
+@pytest.mark.parametrize("pair", ["grpc"], indirect=True)
+def test_more_concurrent_streams_than_decode_max_num_seqs_all_complete(pair) -> None:
+    """With more handoffs in flight than decode's max_num_seqs, the excess waits for a seat on decode;
+    every stream completes (admissions overfilling the batch failed every request's step)."""
+    num_requests = 3 * DECODE_MAX_NUM_SEQS
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ids = [pair.tokenizer.encode(f"{FAULT_PROMPT} {i}") for i in range(num_requests)]
+
+    async def run_all():
+        return await asyncio.gather(
+            *(_generate(pair, f"concurrent-{i}", ids[i], params) for i in range(num_requests))
+        )
+
+    results = _run(pair, asyncio.wait_for(run_all(), request_bound_s(pair)))
+    assert [(len(tokens), last.finish_reason) for tokens, last in results] == [(12, "length")] * num_requests
+    _assert_no_blocks_held(pair)
+
+
+@pytest.mark.parametrize("pair", ["grpc"], indirect=True)
+@pytest.mark.parametrize(
+    ("role", "where"),
+    [("decode", w) for w in ("admit", "delta", "loop")]
+    + [("prefill", w) for w in ("start", "step", "complete")],
+)
+def test_engine_thread_exception_fails_the_request_and_the_loop_survives(pair, role, where) -> None:
+    """An exception on decode's engine thread (admitting a handoff, turning step outputs into deltas, or the
+    loop itself) or prefill's (starting, stepping or completing a prefill) becomes an error for that
+    request: the stream raises BackendUnavailable naming it, or the cluster re-dispatches it and it
+    completes. Blocks are freed (a failed prefill's handoff is aborted, so decode frees its reservation at
+    once), the error is counted in load(), and the same thread serves the next request (it used to die:
+    a hang). With one prefill the client hears the attempt's cause, and no Ray internals."""
+    actor = (pair.decode_actors if role == "decode" else pair.prefill_actors)[0]
+    errors_before = _load(pair, actor).num_engine_errors
+    ray.get(actor.inject_fault.remote(where), timeout=pair.call_timeout_s)
+    request_id = f"{role}-fault-{where}"
+    try:
+        tokens, last = _complete(
+            pair, request_id, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        )
+    except BackendUnavailable as e:
+        assert request_id in str(e)  # failed fast, no hang
+        if role == "prefill":
+            assert f"injected fault at {where}" in str(e), e
+            assert "pid=" not in str(e) and "actor_id" not in str(e), e
+    else:  # an error before the first token: re-dispatched, and the retry is served
+        assert len(tokens) == 4 and last.finished
+    load = _load(pair, actor)
+    assert load.engine_thread_alive and load.num_engine_errors > errors_before
+    _assert_no_blocks_held(pair)
+    _healthy_request_completes(pair, f"after-{role}-{where}")
 
 
 def pdcluster_shm_entries() -> set[str]:
