@@ -59,14 +59,21 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import add_common_arguments, environment, format_table, positive_int, ratio, run_and_emit
-from bench.server_procs import ServerProcess, ServerStartError, free_port, wait_all_ready
+from bench.server_procs import (
+    ROOT,
+    ServerProcess,
+    ServerStartError,
+    free_port,
+    interrupt_on_sigterm,
+    python_module_server,
+    wait_all_ready,
+)
 from pdcluster.models import bundled_checkpoint_dir
 
 TARGET_TTFT_P50_MARGIN_MS = 3.0  # issue 13: disaggregated TTFT p50 <= colocated p50 + this
 TARGET_TTFT_P50_VS_VLLM = 1.5  # issue 13: disaggregated TTFT p50 <= this x vLLM's, same run
 DEFAULT_TRACE = "AzureLLMInferenceTrace_conv.csv"  # a bare name: looked up in ../shared/traces
 VLLM_MODES = ("mtp_eager", "default")
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,42 +116,17 @@ def make_servers(args: argparse.Namespace, topo, log_dir: Path) -> list[ServerPr
     threads = str(args.server_threads)
     base_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     servers = [
-        ServerProcess(
-            "disaggregated",
-            [
-                sys.executable,
-                "-m",
-                "pdcluster.entrypoints.cli",
-                "deploy",
-                args.topology,
-                "--port",
-                str(free_port()),
-            ],
-            port=0,
-            log_path=log_dir / "disaggregated.log",
-            env=base_env,
-            cwd=str(ROOT),
+        python_module_server(
+            "disaggregated", "pdcluster.entrypoints.cli", ["deploy", args.topology], log_dir, base_env
         ),
-        ServerProcess(
+        python_module_server(
             "colocated",
-            [
-                sys.executable,
-                "-m",
-                "bench.colocated_server",
-                "--topology",
-                args.topology,
-                "--threads",
-                threads,
-            ],
-            port=0,
-            log_path=log_dir / "colocated.log",
-            env=dict(base_env, OMP_NUM_THREADS=threads),
-            cwd=str(ROOT),
+            "bench.colocated_server",
+            ["--topology", args.topology, "--threads", threads],
+            log_dir,
+            dict(base_env, OMP_NUM_THREADS=threads),
         ),
     ]
-    servers[0].port = int(servers[0].argv[-1])
-    servers[1].port = free_port()
-    servers[1].argv = [*servers[1].argv, "--port", str(servers[1].port)]
     if args.no_vllm:
         return servers
     modes = [m for m in args.vllm_modes.split(",") if m]
@@ -374,16 +356,6 @@ def table(result: dict[str, Any]) -> str:
     )
 
 
-def _interrupt_on_sigterm():
-    """SIGTERM raises KeyboardInterrupt (so `run`'s cleanup stops the servers); returns the old handler."""
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already
-        raise KeyboardInterrupt
-
-    return signal.signal(signal.SIGTERM, on_sigterm)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.num_requests < args.warmup_requests:
@@ -395,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"azure_replay: {exc}", file=sys.stderr)
         return 1
-    previous = _interrupt_on_sigterm()
+    previous = interrupt_on_sigterm()
     failed: list[int] = []
 
     def go() -> dict[str, Any]:

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from pathlib import Path
 import httpx
 
 PR_SET_PDEATHSIG = 1
+ROOT = Path(__file__).resolve().parent.parent  # the repository: where `python -m bench.X` resolves
 
 
 class ServerStartError(RuntimeError):
@@ -212,3 +214,24 @@ def wait_all_ready(servers: Sequence[ServerProcess], timeout_s: float) -> dict[s
             late = next(s for s in servers if s.name not in ready)
             raise late._failure(f"did not serve /v1/models within {timeout_s:.0f} s")
         time.sleep(0.5)
+
+
+def python_module_server(
+    name: str, module: str, args: Sequence[str], log_dir: Path, env: dict[str, str] | None = None
+) -> ServerProcess:
+    """`python -m MODULE ARGS --port P` (this interpreter, run from the repository) on a free port P,
+    logging to LOG_DIR/NAME.log; not started."""
+    port = free_port()
+    argv = [sys.executable, "-m", module, *args, "--port", str(port)]
+    return ServerProcess(name, argv, port, log_dir / f"{name}.log", env, str(ROOT))
+
+
+def interrupt_on_sigterm():
+    """Make SIGTERM raise KeyboardInterrupt in this process (so the caller's cleanup stops its servers);
+    returns the previous handler, to restore with `signal.signal(signal.SIGTERM, previous)`."""
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, on_sigterm)

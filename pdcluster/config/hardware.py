@@ -55,98 +55,49 @@ class AcceleratorSpec:
         return self.hbm_bytes * self.dies_per_chip
 
 
-# Source: NVIDIA H100 Tensor Core GPU datasheet, "H100 SXM" column, sparse figures halved.
-_H100_SXM = AcceleratorSpec(
-    name="h100",
-    vendor="nvidia",
-    dies_per_chip=1,
-    bf16_flops_per_s=989 * TERA,
-    int8_ops_per_s=1979 * TERA,
-    hbm_bytes=80 * GIB,
-    hbm_bytes_per_s=3.35 * TERA,
-    ray_resource="GPU",
-    torch_device_type="cuda",
-    collective_backend="nccl",
-    fp8_flops_per_s=1979 * TERA,
-)
+# What every device of a vendor shares: its Ray resource, torch device type and collective backend.
+_CPU = dict(vendor="generic", ray_resource=None, torch_device_type="cpu", collective_backend="gloo")
+_NVIDIA = dict(vendor="nvidia", ray_resource="GPU", torch_device_type="cuda", collective_backend="nccl")
+_HUAWEI = dict(vendor="huawei", ray_resource="NPU", torch_device_type="npu", collective_backend="hccl")
 
+
+def _spec(name, platform, dies, bf16_tflops, int8_tops, hbm_gib, hbm_tb_per_s, **peaks) -> AcceleratorSpec:
+    """One catalog row in the datasheets' units (TFLOPS, TOPS, GiB, TB/s); `peaks`: the optional fields."""
+    return AcceleratorSpec(
+        name=name,
+        dies_per_chip=dies,
+        bf16_flops_per_s=bf16_tflops * TERA,
+        int8_ops_per_s=int8_tops * TERA,
+        hbm_bytes=hbm_gib * GIB,
+        hbm_bytes_per_s=hbm_tb_per_s * TERA,
+        **platform,
+        **peaks,
+    )
+
+
+# Source: NVIDIA H100 Tensor Core GPU datasheet, "H100 SXM" column, sparse figures halved.
+_H100_SXM = _spec("h100", _NVIDIA, 1, 989, 1979, 80, 3.35, fp8_flops_per_s=1979 * TERA)
 
 ACCELERATORS: dict[str, AcceleratorSpec] = {
     spec.name: spec
     for spec in (
         # cpu: order of magnitude for one AVX-512 core (2 FMA x 32 BF16 lanes x 2 flop at ~2.5 GHz);
         # not a hardware fact: `pdcluster profile` calibrates it against the live engine.
-        AcceleratorSpec(
-            name="cpu",
-            vendor="generic",
-            dies_per_chip=1,
-            bf16_flops_per_s=0.3 * TERA,
-            int8_ops_per_s=0.6 * TERA,
-            hbm_bytes=8 * GIB,
-            hbm_bytes_per_s=10e9,
-            ray_resource=None,
-            torch_device_type="cpu",
-            collective_backend="gloo",
-            fp32_flops_per_s=0.15 * TERA,
-        ),
+        _spec("cpu", _CPU, 1, 0.3, 0.6, 8, 0.01, fp32_flops_per_s=0.15 * TERA),
         # Ascend 910B3 (Atlas 800T A2): no Huawei datasheet; figures as widely reported, +-15%.
-        AcceleratorSpec(
-            name="ascend-910b",
-            vendor="huawei",
-            dies_per_chip=1,
-            bf16_flops_per_s=313 * TERA,
-            int8_ops_per_s=626 * TERA,
-            hbm_bytes=64 * GIB,
-            hbm_bytes_per_s=1.6 * TERA,
-            ray_resource="NPU",
-            torch_device_type="npu",
-            collective_backend="hccl",
-        ),
+        _spec("ascend-910b", _HUAWEI, 1, 313, 626, 64, 1.6),
         # Ascend 910C per die (package halved). Source: Zuo et al., "Serving Large Language Models on
         # Huawei CloudMatrix384", arXiv:2506.12708, section on the Ascend 910C chip.
-        AcceleratorSpec(
-            name="ascend-910c",
-            vendor="huawei",
-            dies_per_chip=2,
-            bf16_flops_per_s=376 * TERA,
-            int8_ops_per_s=752 * TERA,
-            hbm_bytes=64 * GIB,
-            hbm_bytes_per_s=1.6 * TERA,
-            ray_resource="NPU",
-            torch_device_type="npu",
-            collective_backend="hccl",
-        ),
+        _spec("ascend-910c", _HUAWEI, 2, 376, 752, 64, 1.6),
         _H100_SXM,
         # H800: H100 SXM compute, NVLink cut to 400 GB/s. Sources: NVIDIA H800 product brief;
         # DeepSeek-V3 report (arXiv:2412.19437) section 3.1.
         dataclasses.replace(_H100_SXM, name="h800"),
-        # Source: NVIDIA H200 Tensor Core GPU datasheet, "H200 SXM" column.
-        AcceleratorSpec(
-            name="h200",
-            vendor="nvidia",
-            dies_per_chip=1,
-            bf16_flops_per_s=989 * TERA,
-            int8_ops_per_s=1979 * TERA,
-            hbm_bytes=141 * GIB,
-            hbm_bytes_per_s=4.8 * TERA,
-            ray_resource="GPU",
-            torch_device_type="cuda",
-            collective_backend="nccl",
-            fp8_flops_per_s=1979 * TERA,
-        ),
+        # H200: H100 SXM compute with more and faster HBM. Source: NVIDIA H200 Tensor Core GPU datasheet,
+        # "H200 SXM" column.
+        dataclasses.replace(_H100_SXM, name="h200", hbm_bytes=141 * GIB, hbm_bytes_per_s=4.8 * TERA),
         # Source: NVIDIA A100 Tensor Core GPU datasheet, "A100 80GB SXM" column, sparse figures halved.
-        AcceleratorSpec(
-            name="a100",
-            vendor="nvidia",
-            dies_per_chip=1,
-            bf16_flops_per_s=312 * TERA,
-            int8_ops_per_s=624 * TERA,
-            hbm_bytes=80 * GIB,
-            hbm_bytes_per_s=2.039 * TERA,
-            ray_resource="GPU",
-            torch_device_type="cuda",
-            collective_backend="nccl",
-        ),
+        _spec("a100", _NVIDIA, 1, 312, 624, 80, 2.039),
     )
 }
 

@@ -47,14 +47,13 @@ class InstanceGroupSpec:
 
 
 # ---- loads --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PrefillNodeLoad:
-    """A prefill rank's load snapshot (`PrefillWorker.load`)."""
+@dataclass(frozen=True, kw_only=True)
+class RankLoad:
+    """What every rank's load snapshot carries: who answered, and its engine thread's health
+    (`workers.rank.RankWorker._engine_health`)."""
 
     name: str
     pid: int
-    num_queued_prefill_tokens: int
-    num_requests: int
     engine_thread_alive: bool
     num_engine_errors: int
     last_engine_error: str | None
@@ -64,24 +63,23 @@ class PrefillNodeLoad:
     engine_pass_s: float = 0.0
 
 
-@dataclass(frozen=True)
-class DecodeNodeLoad:
+@dataclass(frozen=True, kw_only=True)
+class PrefillNodeLoad(RankLoad):
+    """A prefill rank's load snapshot (`PrefillWorker.load`)."""
+
+    num_queued_prefill_tokens: int
+    num_requests: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeNodeLoad(RankLoad):
     """A decode rank's load snapshot (`DecodeWorker.load`)."""
 
-    name: str
-    pid: int
     num_free_blocks: int
     num_total_blocks: int
     num_running: int
     num_reserved: int
     num_waiting_for_seat: int
-    engine_thread_alive: bool
-    num_engine_errors: int
-    last_engine_error: str | None
-    instance_group_error: str | None = None
-    ep: dict | None = None
-    engine_passes: int = 0
-    engine_pass_s: float = 0.0
     taken_s: float = 0.0
 
     @property

@@ -93,27 +93,21 @@ def gate_failures(topology: Topology, metrics: dict[str, BandMetrics]) -> list[s
             )
         if acc.max_mean_kl is not None and m.mean_kl > acc.max_mean_kl:
             failures.append(f"{name}: mean_kl {m.mean_kl:.4g} > max_mean_kl {acc.max_mean_kl}")
-        if (
-            acc.max_mtp_acceptance_drop is not None
-            and m.mtp_acceptance is not None
-            and m.reference_mtp_acceptance is not None
-            and m.reference_mtp_acceptance - m.mtp_acceptance > acc.max_mtp_acceptance_drop
+        for metric, value, reference, limit_name, worse in (  # worse: +1 higher is worse, -1 lower
+            ("mtp_acceptance", m.mtp_acceptance, m.reference_mtp_acceptance, "max_mtp_acceptance_drop", -1),
+            (
+                "repetition_rate",
+                m.repetition_rate,
+                m.reference_repetition_rate,
+                "max_repetition_rate_increase",
+                1,
+            ),
         ):
-            failures.append(
-                f"{name}: mtp_acceptance {m.mtp_acceptance:.4f} vs reference "
-                f"{m.reference_mtp_acceptance:.4f}, > max_mtp_acceptance_drop {acc.max_mtp_acceptance_drop}"
-            )
-        if (
-            acc.max_repetition_rate_increase is not None
-            and m.repetition_rate is not None
-            and m.reference_repetition_rate is not None
-            and m.repetition_rate - m.reference_repetition_rate > acc.max_repetition_rate_increase
-        ):
-            failures.append(
-                f"{name}: repetition_rate {m.repetition_rate:.4f} vs reference "
-                f"{m.reference_repetition_rate:.4f}, "
-                f"> max_repetition_rate_increase {acc.max_repetition_rate_increase}"
-            )
+            limit = getattr(acc, limit_name)
+            if None not in (limit, value, reference) and worse * (value - reference) > limit:
+                failures.append(
+                    f"{name}: {metric} {value:.4f} vs reference {reference:.4f}, > {limit_name} {limit}"
+                )
     return failures
 
 

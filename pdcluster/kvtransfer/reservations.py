@@ -15,6 +15,7 @@ import operator
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -378,14 +379,9 @@ class ReservationReceiver(KVReceiver):
 
     _reservations: Reservations
 
-    def expect(
-        self,
-        handoff: HandoffMeta,
-        on_layer: LayerCallback | None = None,
-        on_layer_checksums: bool = False,
-        block_ids: Sequence[int] | None = None,
-    ) -> HandoffMeta:
-        return self._reservations.expect(handoff, on_layer, on_layer_checksums, block_ids)
+    def expect(self, handoff: HandoffMeta, *options: Any, **named: Any) -> HandoffMeta:
+        """`KVReceiver.expect`, done by `Reservations.expect` (the same options)."""
+        return self._reservations.expect(handoff, *options, **named)
 
     def wait(self, request_id: str, timeout_s: float) -> ReceivedKV:
         return self._reservations.wait(request_id, timeout_s)

@@ -154,6 +154,10 @@ def encode_layer(
     return EncodedLayer(layer_header(meta, layer_idx, payload), payload)
 
 
+# what a layer header repeats of its handoff
+_META_FIELDS = ("request_id", "num_tokens", "kv_dim", "dtype", "wire_dtype")
+
+
 def layer_header(
     meta: HandoffMeta, layer_idx: int, payload: torch.Tensor | None, crc: int | None = None
 ) -> LayerHeader:
@@ -163,12 +167,8 @@ def layer_header(
     if payload is None and crc is None:
         raise ValueError("layer_header: a header without its payload needs the payload's crc")
     return LayerHeader(
-        request_id=meta.request_id,
+        **{name: getattr(meta, name) for name in _META_FIELDS},
         layer_idx=layer_idx,
-        num_tokens=meta.num_tokens,
-        kv_dim=meta.kv_dim,
-        dtype=meta.dtype,
-        wire_dtype=meta.wire_dtype,
         num_bytes=meta.layer_wire_bytes if payload is None else payload.numel(),
         checksum=crc if crc is not None else checksum(payload.numpy()),  # type: ignore[union-attr]
     )

@@ -1,7 +1,8 @@
-"""Dispatch faults of `Cluster`: abort ends a request (never re-dispatched), a dead decode instance is taken
-out of routing (its requests fail fast, later ones complete elsewhere), deploy refuses tensor-parallel
-attention, and the multi-node wiring helpers. The helpers are fast unit tests; the rest runs on the
-conftest's local Ray with the bundled tiny model."""
+"""Dispatch faults of `Cluster`: the first token streams from prefill and a failed handoff continues after
+it, abort ends a request (never re-dispatched), a killed prefill's request is re-dispatched, a dead decode
+instance is taken out of routing (its requests fail fast, later ones complete elsewhere), deploy refuses
+tensor-parallel attention, and the multi-node wiring helpers. The helpers are fast unit tests; the rest
+runs on the conftest's local Ray with the bundled tiny model."""
 
 from __future__ import annotations
 
@@ -29,9 +30,18 @@ from pdcluster.driver.rank_actors import (
     ready_timeout_s,
 )
 from pdcluster.engine.compiled_forward import CompileStats
+from pdcluster.engine.llm import LLM
 from pdcluster.engine.sampling_params import SamplingParams
-from tests.cluster.conftest import call_bound_s, request_bound_s
-from tests.cluster.test_cluster import _assert_no_blocks_held, _generate, _topology, _wait_reserved
+from pdcluster.models import bundled_checkpoint_dir
+from tests.cluster.conftest import call_bound_s, deployed_with_loop, request_bound_s
+from tests.cluster.test_cluster import (
+    GREEDY,
+    PROMPTS,
+    _assert_no_blocks_held,
+    _generate,
+    _topology,
+    _wait_reserved,
+)
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "clusters"
 
@@ -113,51 +123,6 @@ def test_deploy_log_and_ready_wait_say_what_compile_does():
 
 # ---- on Ray ----------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_abort_during_handoff_ends_the_request_and_never_redispatches(ray_session) -> None:
-    """abort() while decode holds the reservation (prefill / transfer under way): the stream ends with an
-    empty delta, finish_reason "abort", no second attempt is dispatched, nothing stays held, and the
-    cluster serves the next request."""
-    topo = _topology("grpc", True, 1, num_instances=2)  # a second prefill instance to re-dispatch to
-    cluster = Cluster.deploy(topo)
-    try:
-        attempts: list[int] = []
-        dispatch = cluster.dispatcher._dispatch
-
-        async def spy(request_id, attempt_index, *args):
-            attempts.append(attempt_index)
-            return await dispatch(request_id, attempt_index, *args)
-
-        cluster.dispatcher._dispatch = spy
-        long_prompt = cluster.tokenizer.encode("def add(a, b):\n    return" * 60)[:900]
-
-        async def run():
-            task = asyncio.ensure_future(
-                _generate(cluster, "victim", long_prompt, SamplingParams(temperature=0.0, max_tokens=8))
-            )
-            await _wait_reserved(cluster)
-            await cluster.abort("victim")
-            tokens, last = await asyncio.wait_for(task, request_bound_s(cluster))
-            # A re-dispatch, if any, would start right after the failed attempt's release: one call.
-            await asyncio.sleep(call_bound_s(cluster))
-            return tokens, last
-
-        tokens, last = asyncio.run(run())
-        assert last.finished and last.finish_reason == "abort"
-        assert attempts == [0]
-        assert cluster.registry.routable("prefill") == [True, True]
-        _assert_no_blocks_held(cluster)
-
-        async def after():
-            return await _generate(cluster, "next", long_prompt[:50])
-
-        tokens, last = asyncio.run(after())
-        assert last.finish_reason == "length" and len(tokens) == 16
-        _assert_no_blocks_held(cluster)
-    finally:
-        cluster.shutdown()
-
-
-@pytest.mark.slow
 def test_dead_decode_is_taken_out_of_routing_and_the_last_one_fails_fast(ray_session) -> None:
     """1P2D. ray.kill of the decode instance running a request: that request fails with
     BackendUnavailable naming the dead instance; later requests complete on the other decode instance;
@@ -214,31 +179,130 @@ def test_dead_decode_is_taken_out_of_routing_and_the_last_one_fails_fast(ray_ses
         cluster.shutdown()
 
 
-def test_prefill_overlapped_with_the_reservation_or_after_it_gives_the_same_tokens(
-    ray_session, monkeypatch
+@pytest.fixture(scope="module")
+def two_prefills(ray_session):
+    """2P1D over gRPC, MTP on, round robin: a second prefill instance to re-dispatch to. Shared by the
+    tests below in file order (after the 1P2D test above: both deployments do not fit Ray's 4 CPUs at
+    once); the last one kills a prefill instance."""
+    topo = _topology("grpc", True, 1, num_instances=2)
+    topo = dataclasses.replace(
+        topo,
+        router=dataclasses.replace(topo.router, policy="round_robin"),
+        # timeout_s 10 -> call_timeout_s 5 s: the abort test waits one call bound for a re-dispatch
+        kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=10),
+    )
+    with deployed_with_loop(topo) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def one_engine() -> LLM:
+    return LLM(bundled_checkpoint_dir(), num_speculative_tokens=1, num_kv_blocks=128)
+
+
+def _run(cluster: Cluster, coro):
+    return cluster.test_loop.run_until_complete(coro)
+
+
+@pytest.mark.slow
+def test_the_first_token_streams_from_prefill_and_a_failed_handoff_continues_after_it(
+    ray_session, two_prefills, one_engine
 ) -> None:
-    """The prefill call sent before decode's reservation (awaiting its bind) and, past
-    MAX_EARLY_PREFILL_CALLS, after it (bound): the same greedy tokens, concurrent requests included; the
-    load board counts no prefill work in flight afterwards and nothing stays held. After the first
-    requests the board holds a snapshot of every decode rank (so routing needs no `load` call)."""
-    import pdcluster.driver.routing as routing
-    from pdcluster.driver.router import RankRef
+    """The first token reaches the client from the prefill call's reply, before decode admits the request
+    (decode's admission is held back until the client has it). Decode's admission then fails (an injected
+    fault): the request is re-dispatched to the other prefill instance, which hands decode that token as
+    the first instead of its own, and the client's tokens and text equal one engine's, none twice.
+    Nothing is held afterwards."""
+    cluster = two_prefills
+    decode = cluster.decode_actors[0]
+    errors_before = ray_session.get(decode.load.remote()).num_engine_errors
+    # held until released below, at most one call bound (then the test fails: no early token came)
+    ray_session.get(decode.inject_delay.remote("before_admit", call_bound_s(cluster)))
+    ray_session.get(decode.inject_fault.remote("admit"))
+    prompt = cluster.tokenizer.encode(PROMPTS[1])
 
-    cluster = Cluster.deploy(_topology("grpc", True, 1))
+    async def run():
+        deltas = []
+        async for delta in cluster.generate("early", prompt, GREEDY):
+            if not deltas:
+                await decode.release_delays.remote()
+            deltas.append(delta)
+        return deltas
+
+    deltas = _run(cluster, asyncio.wait_for(run(), request_bound_s(cluster)))
+    first, last = deltas[0], deltas[-1]
+    # from attempt 1's prefill reply: decode had not received / admitted it
+    assert len(first.new_token_ids) == 1 and "kv_transfer_s" not in first.phases, first
+    assert "queue_s" in first.phases  # (prefill_s comes with the finished result, if it came early)
+    assert {"prefill_s", "last_layer_sent_s"} <= set(last.phases), last.phases
+    assert first.ranks["prefill"] != last.ranks["prefill"]  # re-dispatched to the other prefill
+    expected = one_engine.generate([prompt], GREEDY)[0]
+    assert [t for d in deltas for t in d.new_token_ids] == expected.token_ids
+    assert "".join(d.new_text for d in deltas) == expected.text
+    assert last.finished and last.finish_reason == "length"
+    assert ray_session.get(decode.load.remote()).num_engine_errors == errors_before + 1
+    _assert_no_blocks_held(cluster)
+
+
+@pytest.mark.slow
+def test_abort_during_handoff_ends_the_request_and_never_redispatches(two_prefills) -> None:
+    """abort() while decode holds the reservation (prefill / transfer under way): the stream ends with an
+    empty delta, finish_reason "abort", no second attempt is dispatched, nothing stays held, and the
+    cluster serves the next request."""
+    cluster = two_prefills
+    attempts: list[int] = []
+    dispatch = cluster.dispatcher._dispatch
+
+    async def spy(request_id, attempt_index, *args):
+        attempts.append(attempt_index)
+        return await dispatch(request_id, attempt_index, *args)
+
+    cluster.dispatcher._dispatch = spy
+    long_prompt = cluster.tokenizer.encode("def add(a, b):\n    return" * 60)[:900]
+
+    async def run():
+        task = asyncio.ensure_future(
+            _generate(cluster, "victim", long_prompt, SamplingParams(temperature=0.0, max_tokens=8))
+        )
+        await _wait_reserved(cluster)
+        await cluster.abort("victim")
+        tokens, last = await asyncio.wait_for(task, request_bound_s(cluster))
+        # A re-dispatch, if any, would start right after the failed attempt's release: one call.
+        await asyncio.sleep(call_bound_s(cluster))
+        return tokens, last
+
     try:
-        prompt = cluster.tokenizer.encode("def fib(n):\n    if n < 2:\n        return n")
-
-        async def batch(tag: str) -> list[list[int]]:
-            done = await asyncio.gather(*[_generate(cluster, f"{tag}{i}", prompt) for i in range(3)])
-            return [tokens for tokens, _ in done]
-
-        overlapped = asyncio.run(batch("early"))
-        assert cluster.dispatcher._loads.missing_decodes([0]) == []
-        monkeypatch.setattr(routing, "MAX_EARLY_PREFILL_CALLS", 0)
-        sequential = asyncio.run(batch("late"))
-        assert len(overlapped[0]) == 16 and overlapped == sequential == [overlapped[0]] * 3
-        assert cluster.dispatcher._loads.prefill_calls(RankRef(0, 0)) == 0
-        assert cluster.dispatcher._loads.prefill_queued_tokens(RankRef(0, 0)) == 0
+        tokens, last = _run(cluster, run())
+        assert last.finished and last.finish_reason == "abort"
+        assert attempts == [0]
+        assert cluster.registry.routable("prefill") == [True, True]
+        _assert_no_blocks_held(cluster)
+        tokens, last = _run(cluster, _generate(cluster, "next", long_prompt[:50]))
+        assert last.finish_reason == "length" and len(tokens) == 16
         _assert_no_blocks_held(cluster)
     finally:
-        cluster.shutdown()
+        cluster.dispatcher._dispatch = dispatch
+
+
+@pytest.mark.slow
+def test_prefill_killed_mid_transfer_is_redispatched(ray_session, two_prefills, one_engine) -> None:
+    """ray.kill of the prefill actor while decode holds the request's reservation: the request is
+    re-dispatched to the other prefill instance and completes with the right tokens, the dead instance is
+    taken out of routing, decode's reservation for the failed attempt is released, nothing hangs.
+    (Last on `two_prefills`: it leaves one prefill instance dead.)"""
+    cluster = two_prefills
+    long_prompt = cluster.tokenizer.encode(PROMPTS[0] * 60)[:900]
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+
+    async def run():
+        task = asyncio.ensure_future(_generate(cluster, "victim", long_prompt, params))
+        await _wait_reserved(cluster)
+        victim = cluster.dispatcher._requests["victim"].attempt.prefill_index
+        ray_session.kill(cluster.prefill_actors[victim])
+        return victim, await asyncio.wait_for(task, request_bound_s(cluster))
+
+    victim, (tokens, last) = _run(cluster, run())
+    assert last.finished and len(tokens) == 4
+    assert tokens == one_engine.generate([long_prompt], params)[0].token_ids
+    assert cluster.registry.routable("prefill") == [victim != 0, victim != 1]
+    _assert_no_blocks_held(cluster)

@@ -1,4 +1,5 @@
-"""The OpenAI HTTP edge over a deployed Cluster on a local Ray (what `pdcluster deploy` serves)."""
+"""The OpenAI HTTP edge over a deployed Cluster on a local Ray (what `pdcluster deploy` serves): one
+deployed pair (`served`) for the abort, structured-output, tool-call and logprobs tests."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import socket
 import time
 
 import httpx
+import openai
 import pytest
 
 from pdcluster.config import DEFAULT_TOPOLOGY_PATH, load_topology
 from pdcluster.driver.cluster import Cluster
+from pdcluster.engine.llm import LLM
+from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.entrypoints.openai.app import build_app
 from pdcluster.entrypoints.openai.server import ServerThread
+from pdcluster.models import bundled_checkpoint_dir
 from tests.cluster.conftest import call_bound_s, request_bound_s
 from tests.conftest import eager_topology_file
 
@@ -87,8 +92,8 @@ def test_load_test_in_small_against_the_cluster(ray_session, capsys, tmp_path) -
 
 @pytest.fixture(scope="module")
 def served(ray_session):
-    """One deployed pair behind one edge for the two abort tests (each leaves it idle and healthy, and
-    counts its own aborts as a difference, so they share it; a deploy costs seconds)."""
+    """One deployed pair behind one edge for the rest of the module (each test leaves it idle and healthy,
+    and counts its own aborts as a difference)."""
     cluster = Cluster.deploy(_topology())
     try:
         with ServerThread(build_app(cluster)) as server:
@@ -287,3 +292,87 @@ def test_openai_sdk_json_schema_and_tool_calls_through_the_cluster(served) -> No
         bad = http.post("/v1/chat/completions", json={**common, "guided_regex": "(unclosed"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex", bad.text
     assert _is_idle(leaks := cluster.check_no_leaks()), leaks
+
+
+# ---- logprobs and logit processors through the pair ---------------------------------------------------
+# The first token's logprobs (computed on prefill, carried with the KV handoff) and the decode tokens'
+# (accepted MTP drafts' included: the target model's) equal one engine's (MTP off) within TOLERANCE (other
+# processes, thread counts and batch shapes: float32 sums in another order); penalties, min_tokens and
+# logit_bias act on prefill's first token as on decode's; chat streams logprobs, and n=3 gives 3 choices.
+PROMPT = "def merge_sorted(a, b):\n"
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    cluster, server = served
+    assert cluster.topology.decode.num_speculative_tokens >= 1  # MTP on
+    return openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=request_bound_s(cluster)
+    )
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLM:
+    return LLM(bundled_checkpoint_dir())
+
+
+def test_greedy_logprobs_and_penalties_equal_one_engine(client, engine):
+    plain = SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
+    penalised = dataclasses.replace(
+        plain, presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.2, min_tokens=4
+    )
+    for params in (plain, penalised):
+        expected = engine.generate([PROMPT], params)[0]
+        got = client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=16,
+            temperature=0,
+            logprobs=3,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            extra_body={
+                "repetition_penalty": params.repetition_penalty,
+                "min_tokens": params.min_tokens,
+                "ignore_eos": True,
+            },
+        )
+        choice = got.choices[0]
+        assert choice.text == expected.text
+        assert choice.logprobs.token_logprobs == pytest.approx(
+            [t.logprob for t in expected.logprobs], abs=TOLERANCE
+        )
+        top = [max(alternatives.values()) for alternatives in choice.logprobs.top_logprobs]
+        assert top == pytest.approx([t.top_logprobs[0] for t in expected.logprobs], abs=TOLERANCE)
+    forced = engine.tokenizer.encode(" banana")[0]
+    biased = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={str(forced): 100}
+    )
+    assert biased.choices[0].text == engine.tokenizer.decode([forced] * 3)  # the first token is prefill's
+
+
+def test_chat_streamed_logprobs_and_n(client):
+    messages = [{"role": "user", "content": PROMPT}]
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+        )
+    )
+    entries = [
+        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    whole = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
+    )
+    assert [e.token for e in entries] == [e.token for e in whole.choices[0].logprobs.content]
+    assert len(entries) == whole.usage.completion_tokens
+    three = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=3, seed=1, logprobs=1)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert all(len(c.logprobs.tokens) == 4 or c.finish_reason == "stop" for c in three.choices)

@@ -79,15 +79,24 @@ def test_prefix_cache_model_remembers_sent_prompts_and_forgets_the_oldest() -> N
     assert choice.prefill == RankRef(0, 0)  # no hit anywhere: the tie goes to the lower index
 
 
+HEALTHY = dict(engine_thread_alive=True, num_engine_errors=0, last_engine_error=None)
+
+
 def _decode_rank(free: int, running: int, reserved: int = 0, waiting: int = 0) -> DecodeNodeLoad:
-    return DecodeNodeLoad("decode-0", 1, free, 100, running, reserved, waiting, True, 0, None)
+    return DecodeNodeLoad(
+        **HEALTHY, name="decode-0", pid=1, num_free_blocks=free, num_total_blocks=100, num_running=running,
+        num_reserved=reserved, num_waiting_for_seat=waiting,
+    )  # fmt: skip
 
 
 def test_an_instance_reports_one_load_per_rank() -> None:
     assert decode_rank_loads(3, [_decode_rank(40, 1, 1, 1)]) == [DecodeLoad(3, 40, 3)]
     ranks = [_decode_rank(40, 1), _decode_rank(25, 4, 1)]
     assert decode_rank_loads(1, ranks) == [DecodeLoad(1, 40, 1, 0), DecodeLoad(1, 25, 5, 1)]
-    prefill = [PrefillNodeLoad("prefill-2", 7, n, 1, True, 0, None) for n in (30, 80)]
+    prefill = [
+        PrefillNodeLoad(**HEALTHY, name="prefill-2", pid=7, num_queued_prefill_tokens=n, num_requests=1)
+        for n in (30, 80)
+    ]
     cached = {RankRef(2, 1): frozenset({b"x"})}
     loads = prefill_rank_loads(2, prefill, lambda ref: cached.get(ref, frozenset()))
     assert loads == [PrefillLoad(2, 30, frozenset(), 0), PrefillLoad(2, 80, frozenset({b"x"}), 1)]

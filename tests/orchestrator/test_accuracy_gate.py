@@ -79,6 +79,36 @@ def test_bands_must_increase_and_long_is_unbounded(tmp_path):
         read_topology(path)
 
 
+def test_gate_names_each_threshold_missed_and_skips_the_unmeasured():
+    """Each threshold on its own band: agreement and KL against the value, the MTP acceptance drop and the
+    repetition-rate increase against the reference (a band without a reference is not checked)."""
+    from types import SimpleNamespace
+
+    from pdcluster.config.quality import AccuracyConfig
+    from pdcluster.engine.accuracy import BandMetrics
+    from pdcluster.entrypoints.accuracy_gate import gate_failures
+
+    ok = dict(top1_agreement=1.0, mean_kl=0.0, mtp_acceptance=0.5, reference_mtp_acceptance=0.5)
+    ok.update(repetition_rate=0.1, reference_repetition_rate=0.1)
+    bands = {
+        "fine": BandMetrics(10, "auto", **ok),
+        "top1": BandMetrics(10, "int8", **{**ok, "top1_agreement": 0.5}),
+        "kl": BandMetrics(10, "int8", **{**ok, "mean_kl": 0.25}),
+        "mtp": BandMetrics(10, "int8", **{**ok, "mtp_acceptance": 0.25}),
+        "rep": BandMetrics(10, "int8", **{**ok, "repetition_rate": 0.5}),
+        "mtp_better": BandMetrics(10, "int8", **{**ok, "mtp_acceptance": 0.75, "repetition_rate": 0.0}),
+        "unmeasured": BandMetrics(
+            10, "int8", **{**ok, "reference_mtp_acceptance": None, "mtp_acceptance": 0.0}
+        ),
+    }
+    assert gate_failures(SimpleNamespace(accuracy=AccuracyConfig()), bands) == [
+        "top1: top1_agreement 0.5000 < min_top1_agreement 0.95",
+        "kl: mean_kl 0.25 > max_mean_kl 0.05",
+        "mtp: mtp_acceptance 0.2500 vs reference 0.5000, > max_mtp_acceptance_drop 0.05",
+        "rep: repetition_rate 0.5000 vs reference 0.1000, > max_repetition_rate_increase 0.05",
+    ]
+
+
 def test_repetition_rate_counts_repeated_ngrams():
     assert repetition_rate([1, 2, 3, 4, 5, 6]) == 0.0
     # 4-grams of 1 2 3 4 1 2 3 4: (1234)(2341)(3412)(4123)(1234): one of five repeats

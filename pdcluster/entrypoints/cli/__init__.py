@@ -1,14 +1,5 @@
-"""The `pdcluster` command line: a thin shell over library functions, one module per subcommand.
-
-    pdcluster generate --prompt "def fibonacci(n):"        # complete one prompt with the bundled model
-    pdcluster generate --prompt "..." --json               # machine-readable result with timings
-    pdcluster demo                                         # what `make demo` runs: the cluster job
-    pdcluster deploy clusters/local.yaml                   # serve a topology behind the OpenAI API
-    pdcluster validate clusters/*.yaml                     # pre-flight check of topology files
-    pdcluster accuracy clusters/local.yaml                 # output quality vs full precision, and its gate
-    pdcluster bench --endpoint URL --trace FILE            # replay a trace against an endpoint
-    pdcluster profile clusters/local.yaml                  # measure the engine, fit the planner's cpu factors
-    pdcluster plan clusters/cm384.yaml --trace FILE        # simulate a topology (capacity planning)
+"""The `pdcluster` command line (`pdcluster --help` lists the subcommands): a thin shell over library
+functions, one module per subcommand.
 
 Each subcommand module (`generate`, `demo`, `deploy`, `validate`, `accuracy`, `bench`, `profile`,
 `plan`) declares its subparser, `NAME`, `HELP` (the line in `pdcluster --help`), `DESCRIPTION` (and

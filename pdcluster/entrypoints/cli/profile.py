@@ -120,8 +120,7 @@ Writes the fit, every sample and its residual as JSON to --output and a short ta
 beside it (.txt); the planner reads the JSON back (perf_model_for(..., calibration=PATH)).
 Then FILE is deployed here and a few requests run one at a time to measure the live
 control-plane path (route + reserve, handoff fixed costs, admission, first and later decode
-steps' host work) against the calibrated model; the simulator adds these (control_plane).
-The default grid takes 30-50 s on this 2-core machine under load; --quick about 15 s."""
+steps' host work) against the calibrated model; the simulator adds these (control_plane)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
