@@ -446,7 +446,7 @@ def test_a_cut_longer_than_rays_node_health_check_then_a_replacement_node(cluste
 
     started_s = time.monotonic()
     # `ray start` gives a new raylet a fixed 30 s to register with the GCS; on a loaded machine that can run
-    # out, so a failed start's processes are killed and it is tried again (3 tries), each try's error kept for the report.
+    # out, so a failed start's processes are killed and it is tried again (3 tries, each error kept).
     start = ["ip", "netns", "exec", NS_B, ray_bin, "start", "--address", os.environ["RAY_ADDRESS"]]
     start += ["--node-ip-address", IP_B, "--temp-dir", tmp_b, "--num-cpus", "1", "--disable-usage-stats"]
     start += ["--resources", json.dumps({"pdcluster_node_1": 1})]
