@@ -3,14 +3,15 @@
 A pure policy shared by the live cluster and the simulator (`planner.autoscale_sim`): no Ray, no torch.
 Each pool's demand is counted in instances from the window's signals and a per-instance `Capacity`:
 
-    prefill demand = prompt tokens/s arriving / tokens/s of one instance
+    prefill demand = max(prompt tokens/s arriving / tokens/s of one instance, busy fraction summed)
                      + queued prompt tokens / (tokens/s of one instance × TTFT SLO)   (drain the backlog)
     decode demand  = max(requests in flight / batch one instance holds within the TPOT SLO,
                          KV blocks used / (blocks of one instance × KV_HIGH))
 
 each scaled up by how far the window's p90 TTFT (prefill) or TPOT (decode) is over its SLO (at most
 SLO_PRESSURE_CAP). Utilization u = demand / active instances. A move from pool A to B is made when the
-higher utilization M0 exceeds `target_utilization` and the move lowers it by at least `hysteresis`; the
+higher utilization M0 exceeds `target_utilization`, the move lowers it by at least `hysteresis` and
+does not leave A the hotter pool above `target_utilization` (the next decision would undo it); the
 move's own cost (the leaving instance drains for `drain_s`, serving neither pool after it stops taking work)
 is counted against the gain over one dwell time. At most one move per decision, none within `dwell_s` of
 the last one (unparking excepted: the SLO comes first), pools kept within their bounds (>= 1).
@@ -35,8 +36,10 @@ class InstanceView:
 
     role: `prefill`, `decode` or `parked`; `available`: False while it drains or switches (a move of it is
     in progress); last_move_s: when its last move ended (-inf: never moved); queued_tokens: prefill prompt
-    tokens queued or computing; batch: decode requests running, reserved or waiting for a seat;
-    drain_s: the seconds it needs to finish its work if it leaves its pool now.
+    tokens queued or computing; batch: decode requests running or admitted waiting for a seat (not those
+    reserved awaiting their prefill: prefill's load);
+    drain_s: the seconds it needs to finish its work if it leaves its pool now; busy_fraction: of the
+    window it spent computing steps (prefill; 0..1).
     """
 
     instance_id: int
@@ -46,17 +49,20 @@ class InstanceView:
     queued_tokens: int = 0
     batch: int = 0
     drain_s: float = 0.0
+    busy_fraction: float = 0.0
 
 
 @dataclass(frozen=True)
 class Signals:
     """The window's live signals: prompt tokens/s entering prefill, decode KV blocks used / total (0..1),
-    p90 TTFT and TPOT in seconds (None: no sample in the window)."""
+    p90 TTFT and TPOT in seconds (None: no sample in the window); `window_full`: False until a whole
+    window of samples exists (no decision then)."""
 
     prefill_tokens_per_s: float
     kv_occupancy: float = 0.0
     ttft_p90_s: float | None = None
     tpot_p90_s: float | None = None
+    window_full: bool = True
 
 
 @dataclass(frozen=True)
@@ -109,7 +115,8 @@ def pool_demand(
     queued = sum(i.queued_tokens for i in instances if i.role == PREFILL)
     batch = sum(i.batch for i in instances if i.role == DECODE)
     num_decode = sum(1 for i in instances if i.role == DECODE)
-    prefill = signals.prefill_tokens_per_s / capacity.prefill_tokens_per_s
+    busy = sum(i.busy_fraction for i in instances if i.role == PREFILL)
+    prefill = max(signals.prefill_tokens_per_s / capacity.prefill_tokens_per_s, busy)
     prefill += queued / (capacity.prefill_tokens_per_s * policy.ttft_slo_s)
     decode = max(batch / capacity.decode_batch, signals.kv_occupancy * num_decode / KV_HIGH)
     if signals.ttft_p90_s is not None and signals.ttft_p90_s > policy.ttft_slo_s:
@@ -133,7 +140,7 @@ def decide(
     for i in instances:
         if i.role not in (*ROLES, PARKED):
             raise ValueError(f"instance {i.instance_id}: unknown role {i.role!r}")
-    if any(not i.available for i in instances):
+    if any(not i.available for i in instances) or not signals.window_full:
         return None  # one move at a time: the last one has not ended
     count = {r: sum(1 for i in instances if i.role == r) for r in ROLES}
     if any(count[r] == 0 for r in ROLES):
@@ -173,14 +180,17 @@ def _rebalance(
         return None
     peak = util[target]
     source_after = demand[source] / (count[source] - 1)
-    after = max(source_after, demand[target] / (count[target] + 1))
+    target_after = demand[target] / (count[target] + 1)
+    after = max(source_after, target_after)
     if after > peak - policy.hysteresis:
         return None
+    if source_after > policy.target_utilization and source_after >= target_after:
+        return None  # the donor would become the hot pool: the next decision would undo the move
     for candidate in _by_cost(instances, source):
         if candidate.drain_s > policy.drain_timeout_s:
             break  # sorted by drain_s: none later drains faster
         gain = (peak - after) * max(policy.dwell_s - candidate.drain_s, 0.0)
-        loss = max(source_after - peak, 0.0) * candidate.drain_s
+        loss = (source_after - util[source]) * candidate.drain_s  # the donor runs short while it drains
         if gain <= loss:
             return None
         return Move(
@@ -256,6 +266,14 @@ class SignalWindow:
         self._first(now_s)
         self._tpot.append((now_s, tpot_s))
 
+    def full(self, now_s: float) -> bool:
+        """Whether a whole window has passed since the first sample (decide on nothing shorter)."""
+        return self._start_s is not None and now_s - self._start_s >= self.window_s
+
+    def mean_prompt_tokens(self) -> float | None:
+        """Mean prompt length of the window's prompts (as of the last `signals`), None for none."""
+        return sum(n for _, n in self._prompts) / len(self._prompts) if self._prompts else None
+
     def _first(self, now_s: float) -> None:
         if self._start_s is None:
             self._start_s = now_s
@@ -270,7 +288,8 @@ class SignalWindow:
         span_s = self.window_s if self._start_s is None else min(self.window_s, now_s - self._start_s)
         num_tokens = sum(n for _, n in self._prompts)
         rate = num_tokens / span_s if span_s > 0 else 0.0
-        return Signals(rate, kv_occupancy, p90(v for _, v in self._ttft), p90(v for _, v in self._tpot))
+        ttft, tpot = p90(v for _, v in self._ttft), p90(v for _, v in self._tpot)
+        return Signals(rate, kv_occupancy, ttft, tpot, self.full(now_s))
 
 
 def p90(values: Iterable[float]) -> float | None:

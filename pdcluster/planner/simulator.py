@@ -181,8 +181,8 @@ class ClusterSimulator:
                 return
             request.prefill_queued_s = now_s
         choice = self.policy(
-            [PrefillLoad(e.instance, e.num_queued_prefill_tokens) for e in self.prefills],
-            [DecodeLoad(e.instance, e.num_free_blocks, e.batch_load) for e in self.decodes],
+            [PrefillLoad(e.instance, e.num_queued_prefill_tokens) for e in self.routable(self.prefills)],
+            [DecodeLoad(e.instance, e.num_free_blocks, e.batch_load) for e in self.routable(self.decodes)],
             counter=self._counter,
             prompt_token_ids=LengthOnlyPrompt(request.num_prompt_tokens),
             block_size=self.block_size,
@@ -194,6 +194,10 @@ class ClusterSimulator:
             decode.pending_reserves.append(request)
         else:
             self._reserve(decode, request, now_s)
+
+    def routable(self, engines: list[SimEngine]) -> list[SimEngine]:
+        """The engines the router may pick: all (`planner.autoscale_sim` leaves out moving ones)."""
+        return engines
 
     def _reserve(self, decode: SimEngine, request: SimRequest, now_s: float) -> None:
         """Reserve on `decode`, then start the prefill, retry, or fail as `after_reserve` says."""

@@ -22,6 +22,7 @@ from pdcluster.driver.autoscale import (
 CAP = Capacity(prefill_tokens_per_s=1000.0, decode_batch=10.0)
 POLICY = Policy(ttft_slo_s=1.0, tpot_slo_s=0.1, dwell_s=30.0, hysteresis=0.15, drain_timeout_s=20.0)
 NOW = 100.0
+LONG_DRAIN = Policy(ttft_slo_s=1.0, tpot_slo_s=0.1, drain_timeout_s=60.0)
 
 
 def P(i, queued=0, **kw):  # noqa: N802
@@ -85,14 +86,31 @@ CASES = [
         POLICY,
         None,
     ),
-    # the move's cost: a 28 s drain leaves 2 s of the 30 s dwell to gain, the donor overloads meanwhile
+    # the move's cost: u_p 1.2, u_d 0.4 -> 0.8 and 0.53; a 28 s drain leaves 2 s of the 30 s dwell to gain
+    # 0.4 each, the decode pool runs 0.13 higher for 28 s meanwhile
     (
         "cost over gain",
-        [P(0), P(1), D(2, 8, drain_s=28.0), D(3, 8, drain_s=28.0), D(4, 8, drain_s=28.0)],
+        [P(0), P(1), *[D(i, 4, drain_s=28.0) for i in (2, 3, 4, 5)]],
         Signals(2400.0),
-        Policy(ttft_slo_s=1.0, tpot_slo_s=0.1, drain_timeout_s=60.0),
+        LONG_DRAIN,
         None,
     ),
+    (
+        "cost under gain",
+        [P(0), P(1), *[D(i, 4, drain_s=1.0 if i == 5 else 28.0) for i in (2, 3, 4, 5)]],
+        Signals(2400.0),
+        LONG_DRAIN,
+        (5, "decode", "prefill"),
+    ),
+    # measured prefill busy time beats a low arrival rate: 1.8 busy on 2 -> 0.9
+    (
+        "prefill busy",
+        [P(0, busy_fraction=0.9), P(1, busy_fraction=0.9), D(2, 1), D(3, 1)],
+        Signals(100.0),
+        POLICY,
+        (2, "decode", "prefill"),
+    ),
+    ("window not full", [P(0), P(1), D(2, 1), D(3, 3)], Signals(3600.0, window_full=False), POLICY, None),
     # TTFT over its SLO doubles prefill demand (1.2 -> 2.4 on 2 = 1.2 >= 0.8): D->P
     (
         "TTFT over SLO",
@@ -179,7 +197,7 @@ def test_signal_window():
     window.add_prompt(0.0, 100)
     window.add_prompt(2.0, 300)
     # 4 s since the first sample: 400 tokens / 4 s
-    assert window.signals(4.0, 0.5) == Signals(100.0, 0.5, None, None)
+    assert window.signals(4.0, 0.5) == Signals(100.0, 0.5, None, None, window_full=False)
     for t, v in enumerate([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]):
         window.add_ttft(5.0 + t * 0.1, v)
     window.add_tpot(6.0, 0.05)
@@ -187,5 +205,6 @@ def test_signal_window():
     assert got.prefill_tokens_per_s == 300 / 10.0
     assert got.ttft_p90_s == 0.9 and got.tpot_p90_s == 0.05
     assert window.signals(30.0, 0.0) == Signals(0.0, 0.0, None, None)
+    assert window.mean_prompt_tokens() is None
     assert p90([]) is None and p90([3.0]) == 3.0
     assert math.isinf(InstanceView(0, "prefill").last_move_s)
