@@ -74,7 +74,7 @@ class Pricing:
         self.tpot_slo_s = (topology.slo.tpot_ms or 100.0) / 1000
 
     def per_request_s(self, num_input: float, num_output: float) -> tuple[float, float]:
-        from pdcluster.planner.autoscale_sim import capacity_from_models, tokens_per_step
+        from pdcluster.driver.autoscale_capacity import capacity_from_models, tokens_per_step
         from pdcluster.planner.step_model import DecodeRow, StepShape
 
         context = int(num_input + num_output / 2)

@@ -19,12 +19,13 @@ from pdcluster.config import Topology
 from pdcluster.config.autoscale import AutoscaleConfig
 from pdcluster.config.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
 from pdcluster.driver.autoscale import DECODE, PARKED, PREFILL, Capacity, InstanceView, SignalWindow, decide
+from pdcluster.driver.autoscale_capacity import capacity_from_models, tokens_per_step
 from pdcluster.entrypoints.bench_client import summarize
 from pdcluster.planner.control_plane import ControlPlane
 from pdcluster.planner.sim_engine import SimEngine, SimRequest
 from pdcluster.planner.simulator import ClusterSimulator, SimResult, to_results
 from pdcluster.planner.sizing import PoolSizing, pool_sizing
-from pdcluster.planner.step_model import DecodeRow, PrefillChunk, StepShape, StepTimeModel
+from pdcluster.planner.step_model import DecodeRow, StepShape, StepTimeModel
 from pdcluster.planner.trace import TraceRequest
 
 DEFAULT_SWITCH_S = 1.0  # seconds from drained to serving in the other role (role object swapped, no reload)
@@ -53,45 +54,20 @@ class AutoscaleResult:
     moves: list[MoveRecord] = field(default_factory=list)
     roles: list[tuple[float, int, int, int]] = field(default_factory=list)
 
+    def as_json(self) -> dict:
+        moves = [{k: getattr(m, k) for k in MoveRecord.__dataclass_fields__} for m in self.moves]
+        return {**self.result.summary, "moves": moves, "roles": [list(r) for r in self.roles]}
 
-def tokens_per_step(acceptance_per_position: Sequence[float]) -> float:
-    """Expected tokens a decode step emits: 1 + sum over i of prod(acceptance[:i+1])."""
-    total, prob = 1.0, 1.0
-    for a in acceptance_per_position:
-        prob *= a
-        total += prob
-    return total
-
-
-def capacity_from_models(
-    topology: Topology,
-    prefill_model: StepTimeModel,
-    decode_model: StepTimeModel,
-    acceptance_per_position: Sequence[float],
-    tpot_slo_s: float,
-    context_len: int,
-    prompt_len: int,
-) -> Capacity:
-    """One instance's capacity priced by the perf model: prompt tokens/s of a prefill step filled with
-    `prompt_len`-token prompts (`max_num_batched_tokens`), and the largest decode batch (<= max_num_seqs,
-    >= 1) whose step at `context_len` emits tokens within the TPOT SLO."""
-    budget = topology.prefill.max_num_batched_tokens
-    chunk = max(1, min(prompt_len, budget))
-    chunks = (PrefillChunk(chunk),) * max(1, budget // chunk)
-    num_tokens = chunk * len(chunks)
-    prefill_s = prefill_model.step_time_s(StepShape(chunks, (), 0))
-    k = topology.decode.num_speculative_tokens
-    per_step = tokens_per_step(acceptance_per_position[:k])
-
-    def tpot_s(batch: int) -> float:
-        rows = (DecodeRow(max(context_len, 1), 1 + k),) * batch
-        return decode_model.step_time_s(StepShape((), rows, k)) / per_step
-
-    low, high = 1, topology.decode.max_num_seqs
-    while low < high:  # step time grows with the batch: the largest batch within the SLO
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if tpot_s(mid) <= tpot_slo_s else (low, mid - 1)
-    return Capacity(num_tokens / prefill_s, float(low))
+    def as_text(self) -> str:
+        s = self.result.summary
+        lines = [f"with autoscale: goodput {s['goodput_requests_per_s']:.4g} req/s, {s['num_failed']} lost"]
+        lines += [
+            f"  move at {m.decided_s:.1f} s: instance {m.instance_id} {m.source} -> {m.target}, {m.outcome}"
+            + (f" at {m.done_s:.1f} s" if m.done_s is not None else "")
+            + f" ({m.reason})"
+            for m in self.moves
+        ]
+        return "\n".join(lines)
 
 
 @dataclass
@@ -133,17 +109,8 @@ class AutoscaleSimulator(ClusterSimulator):
         config: AutoscaleConfig | None = None,
         switch_s: float = DEFAULT_SWITCH_S,
     ) -> None:
-        super().__init__(
-            topology,
-            prefill_model,
-            decode_model,
-            prefill_sizing,
-            decode_sizing,
-            acceptance_per_position,
-            seed,
-            control_plane,
-            cores_per_node,
-        )
+        pools = (prefill_model, decode_model, prefill_sizing, decode_sizing)
+        super().__init__(topology, *pools, acceptance_per_position, seed, control_plane, cores_per_node)
         self.config = config or AutoscaleConfig(enabled=True)
         self.switch_s = switch_s
         self.decode_model, self.prefill_sizing = decode_model, prefill_sizing
@@ -389,3 +356,32 @@ def simulate_autoscale(
         num_events=simulator.num_events,
     )
     return AutoscaleResult(result, simulator.moves, simulator.roles)
+
+
+def plan_autoscale(topology: Topology, options) -> AutoscaleResult:  # noqa: ANN001
+    """`pdcluster plan --autoscale`: `options`' workload (`planner.plan.PlanOptions`) on `topology` with the
+    controller (its `autoscale` section, enabled), the same models as the plan's own simulation."""
+    from pdcluster.planner.control_plane import control_plane_from_calibration
+    from pdcluster.planner.plan import acceptance_for, cores_per_node, step_models
+    from pdcluster.planner.workload import plan_workload
+
+    max_model_len = pool_sizing(topology, "decode").scheduler.max_model_len
+    workload = plan_workload(
+        options.trace,
+        max_model_len,
+        options.num_requests,
+        options.rate_per_s,
+        options.max_tokens_cap,
+        options.scale_to_context,
+    )
+    prefill_model, decode_model = step_models(topology, options)
+    return simulate_autoscale(
+        topology,
+        workload.requests,
+        prefill_model,
+        decode_model,
+        acceptance_for(topology, options),
+        options.seed,
+        control_plane_from_calibration(options.calibration),
+        cores_per_node(topology, options),
+    )

@@ -14,8 +14,9 @@ import pytest
 from pdcluster.config import DecodePoolConfig, HardwareConfig, PrefillPoolConfig, SLOConfig, Topology
 from pdcluster.config.autoscale import AutoscaleConfig
 from pdcluster.driver import autoscale
+from pdcluster.driver.autoscale_capacity import capacity_from_models, tokens_per_step
 from pdcluster.planner import autoscale_sim
-from pdcluster.planner.autoscale_sim import capacity_from_models, simulate_autoscale, tokens_per_step
+from pdcluster.planner.autoscale_sim import simulate_autoscale
 from pdcluster.planner.simulator import simulate
 from pdcluster.planner.trace import TraceRequest
 from tests.planner.test_simulator import LinearModel
@@ -115,3 +116,37 @@ def test_a_move_past_its_drain_bound_is_aborted(monkeypatch):
     move = auto.moves[0]
     assert move.done_s is not None and 1.0 < move.done_s - move.decided_s <= 1.0 + CONFIG.interval_s
     assert auto.result.summary["num_ok"] == len(requests)
+
+
+def test_plan_autoscale_flag_prints_the_moves(tmp_path, capsys):
+    """`pdcluster plan --autoscale --json`: the controller's run beside the static one, each move with its
+    reason; a prompt-heavy rate on 2P2D moves a decode instance to prefill."""
+    import json
+    from pathlib import Path
+
+    from pdcluster.entrypoints.cli import main
+
+    local = (Path(__file__).resolve().parents[2] / "clusters" / "local.yaml").read_text()
+    text = local.replace("devices_per_node: 2 ", "devices_per_node: 4 ").replace(
+        "num_instances: 1", "num_instances: 2"
+    )
+    text = text.replace("path: null", f"path: {autoscale_sim.__file__.rsplit('/', 2)[0]}/models/tiny")
+    path = tmp_path / "local4.yaml"
+    path.write_text(text + "autoscale:\n  window_s: 2\n  dwell_s: 5\n")
+    argv = [
+        "plan",
+        str(path),
+        "--trace",
+        "AzureLLMInferenceTrace_conv.csv",
+        "--num-requests",
+        "300",
+        "--rate",
+        "30",
+    ]
+    assert main([*argv, "--no-sweep", "--autoscale", "--json", "--out", str(tmp_path / "out")]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    auto = printed["autoscale"]
+    assert auto["num_requests"] == printed["num_requests"] == 300 and auto["num_failed"] == 0
+    first = auto["moves"][0]
+    assert (first["source"], first["target"], first["outcome"]) == ("decode", "prefill", "done")
+    assert "prefill utilization" in first["reason"]
