@@ -150,3 +150,19 @@ def test_plan_autoscale_flag_prints_the_moves(tmp_path, capsys):
     first = auto["moves"][0]
     assert (first["source"], first["target"], first["outcome"]) == ("decode", "prefill", "done")
     assert "prefill utilization" in first["reason"]
+
+
+def test_low_load_parks_instances_and_a_rise_brings_them_back():
+    """The seed's minimum compute unit: at low load the controller parks instances (out of routing) down to
+    the pools' minimums; as load rises it unparks them; no request is lost."""
+    prefill, decode = models()
+    rng = random.Random(3)
+    requests = poisson(1.0, 0.0, 20.0, 100, 20, rng) + poisson(29.0, 20.0, 15.0, 800, 4, rng)
+    config = dataclasses.replace(CONFIG, park=True)
+    auto = simulate_autoscale(topology(), requests, prefill, decode, config=config)
+    parks = [m for m in auto.moves if m.target == "parked" and m.outcome == "done"]
+    unparks = [m for m in auto.moves if m.source == "parked" and m.outcome == "done"]
+    assert len(parks) == 2 and all(m.decided_s < 20.0 for m in parks)  # 2P2D -> 1P1D + 2 parked
+    assert min(r[3] for r in auto.roles) == 0 and max(r[3] for r in auto.roles) == 2
+    assert unparks and all(m.decided_s >= 20.0 and m.target == "prefill" for m in unparks)
+    assert auto.result.summary["num_ok"] == len(requests)
