@@ -10,8 +10,8 @@ Each pool's demand is counted in instances from the window's signals and a per-i
 
 each scaled up by how far the window's p90 TTFT (prefill) or TPOT (decode) is over its SLO (at most
 SLO_PRESSURE_CAP). Utilization u = demand / active instances. A move from pool A to B is made when the
-higher utilization M0 exceeds `target_utilization`, the move lowers it by at least `hysteresis` and
-does not leave A the hotter pool above `target_utilization` (the next decision would undo it); the
+higher utilization M0 exceeds `target_utilization`, the move lowers it by at least `hysteresis`, and A
+stays within `target_utilization` after it unless B is HOT_DONOR_RATIO times hotter than A would be; the
 move's own cost (the leaving instance drains for `drain_s`, serving neither pool after it stops taking work)
 is counted against the gain over one dwell time. At most one move per decision, none within `dwell_s` of
 the last one (unparking excepted: the SLO comes first), pools kept within their bounds (>= 1).
@@ -28,6 +28,7 @@ PREFILL, DECODE, PARKED = "prefill", "decode", "parked"
 ROLES = (PREFILL, DECODE)
 KV_HIGH = 0.9  # KV occupancy one decode instance is planned to reach at most
 SLO_PRESSURE_CAP = 2.0  # the most a missed SLO multiplies a pool's demand
+HOT_DONOR_RATIO = 3.0  # a donor left above target only for a pool this many times hotter
 
 
 @dataclass(frozen=True)
@@ -184,8 +185,8 @@ def _rebalance(
     after = max(source_after, target_after)
     if after > peak - policy.hysteresis:
         return None
-    if source_after > policy.target_utilization and source_after >= target_after:
-        return None  # the donor would become the hot pool: the next decision would undo the move
+    if source_after > policy.target_utilization and peak < HOT_DONOR_RATIO * source_after:
+        return None  # both pools hot: the move would shift the backlog, and the next decision undo it
     for candidate in _by_cost(instances, source):
         if candidate.drain_s > policy.drain_timeout_s:
             break  # sorted by drain_s: none later drains faster

@@ -110,6 +110,16 @@ CASES = [
         POLICY,
         (2, "decode", "prefill"),
     ),
+    # both overloaded (u_d 1.5, u_p after 1.3): the move would only shift the backlog
+    (
+        "both hot",
+        [P(0, busy_fraction=0.65), P(1, busy_fraction=0.65), D(2, 15), D(3, 15)],
+        Signals(100.0),
+        POLICY,
+        None,
+    ),
+    # prefill 10x over, decode after the move 1.4 (< 10 / HOT_DONOR_RATIO): worth it
+    ("much hotter", [P(0, 9000), D(1, 14), D(2, 14)], Signals(1000.0), POLICY, (1, "decode", "prefill")),
     ("window not full", [P(0), P(1), D(2, 1), D(3, 3)], Signals(3600.0, window_full=False), POLICY, None),
     # TTFT over its SLO doubles prefill demand (1.2 -> 2.4 on 2 = 1.2 >= 0.8): D->P
     (
