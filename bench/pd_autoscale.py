@@ -23,7 +23,7 @@ from bench.common import emit, format_table, ratio, source_revision
 
 HOT_INSTANCES_FRACTION = 0.6  # of a phase's hot pool: 2.4 of 4 instances
 STEADY_LOAD = 0.7  # of all instances' capacity
-BENCH_AUTOSCALE = {"interval_s": 0.5, "window_s": 5.0, "dwell_s": 10.0, "drain_timeout_s": 30.0}
+BENCH_AUTOSCALE = {"interval_s": 0.5, "window_s": 3.0, "dwell_s": 5.0, "drain_timeout_s": 30.0}
 
 
 def cluster_topology(name: str):  # noqa: ANN201
@@ -250,7 +250,7 @@ def main() -> None:
     parser.add_argument(
         "--clusters", default="local4", help="comma-separated: local4, cm384. Default: local4"
     )
-    parser.add_argument("--phase-s", type=float, default=40.0, help="seconds per phase. Default: 40")
+    parser.add_argument("--phase-s", type=float, default=60.0, help="seconds per phase. Default: 60")
     parser.add_argument(
         "--splits", type=int, default=6, help="static splits tried at most (about). Default: 6"
     )

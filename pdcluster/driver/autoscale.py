@@ -55,7 +55,8 @@ class InstanceView:
 
 @dataclass(frozen=True)
 class Signals:
-    """The window's live signals: prompt tokens/s entering prefill, decode KV blocks used / total (0..1),
+    """The window's live signals: prompt tokens/s entering prefill, decode KV blocks held by admitted
+    requests / total (0..1; blocks reserved for requests still in prefill are prefill's backlog),
     p90 TTFT and TPOT in seconds (None: no sample in the window); `window_full`: False until a whole
     window of samples exists (no decision then)."""
 

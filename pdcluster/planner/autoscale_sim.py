@@ -282,7 +282,7 @@ class AutoscaleSimulator(ClusterSimulator):
     def _signals(self, now_s: float):  # noqa: ANN202
         decodes = self.routable(self.decodes)
         total = sum(e.num_blocks for e in decodes)
-        used = sum(e.num_blocks - e.num_free_blocks for e in decodes)
+        used = sum(r.num_blocks_held for e in decodes for r in e.requests.values())  # admitted, not reserved
         return self.window.signals(now_s, used / total if total else 0.0)
 
     def _cap(self) -> Capacity:
