@@ -13,8 +13,9 @@ SLO_PRESSURE_CAP). Utilization u = demand / active instances. A move from pool A
 higher utilization M0 exceeds `target_utilization`, the move lowers it by at least `hysteresis`, and A
 stays within `target_utilization` after it unless B is HOT_DONOR_RATIO times hotter than A would be; the
 move's own cost (the leaving instance drains for `drain_s`, serving neither pool after it stops taking work)
-is counted against the gain over one dwell time. At most one move per decision, none within `dwell_s` of
-the last one (unparking excepted: the SLO comes first), pools kept within their bounds (>= 1).
+is counted against the gain over one dwell time. At most one move per decision; within `dwell_s` of the
+last move only one to the same pool (no reversal, no parking; unparking excepted: the SLO comes first);
+pools kept within their bounds (>= 1).
 """
 
 from __future__ import annotations
@@ -153,9 +154,13 @@ def decide(
     parked = [i for i in instances if i.role == PARKED]
     if parked and peak >= policy.target_utilization:
         return _unpark(parked, count, util, policy)
-    last_s = max((i.last_move_s for i in instances), default=-math.inf)
-    if now_s - last_s < policy.dwell_s:
-        return None
+    last = max(instances, key=lambda i: i.last_move_s)
+    if now_s - last.last_move_s < policy.dwell_s:
+        # within the dwell only a move continuing the last one (to the same pool): a reversal waits
+        move = (
+            _rebalance(instances, count, demand, util, policy) if peak >= policy.target_utilization else None
+        )
+        return move if move is not None and move.target == last.role else None
     if peak >= policy.target_utilization:
         return _rebalance(instances, count, demand, util, policy)
     if policy.park and peak < policy.park_below_utilization:

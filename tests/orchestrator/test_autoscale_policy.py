@@ -61,6 +61,21 @@ CASES = [
         POLICY,
         None,
     ),
+    # the last move (to prefill) 2 s ago: continuing it is no reversal
+    (
+        "same direction within dwell",
+        [P(0), P(1, last_move_s=98.0), D(2, 1), D(3, 1), D(4, 1)],
+        Signals(4800.0),
+        POLICY,
+        (2, "decode", "prefill"),
+    ),
+    (
+        "park within dwell",
+        [P(0), P(1), D(2), D(3, last_move_s=98.0)],
+        Signals(10.0),
+        Policy(1.0, 0.1, park=True),
+        None,
+    ),
     # the dwell passed; the decode that drains fastest goes, not the emptiest
     (
         "cheapest drain first",
