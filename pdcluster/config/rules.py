@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pdcluster.config.autoscale import autoscale_issues
 from pdcluster.config.issues import Issue
 from pdcluster.config.quality import quality_issues
 from pdcluster.config.schema import (
@@ -305,6 +306,7 @@ def cross_section_issues(
             )
     num_layers = None if arch is None else arch.num_hidden_layers + arch.num_nextn_predict_layers
     yield from quality_issues(sections, num_layers)
+    yield from autoscale_issues(sections)
     kv: KVTransferConfig | None = sections.get("kv_transfer")
     if kv is not None and kv.tls is not None:
         yield from _tls_issues(kv)

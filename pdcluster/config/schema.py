@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdcluster.config.autoscale import AutoscaleConfig
 from pdcluster.config.engine_args import engine_arguments
 from pdcluster.config.fields import (
     MAX_BLOCK_SIZE,
@@ -303,6 +304,7 @@ class Topology:
     api: ApiConfig = field(default_factory=ApiConfig)
     kv_precision: KVPrecisionConfig | None = None
     accuracy: AccuracyConfig = field(default_factory=AccuracyConfig)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
     def __post_init__(self) -> None:
         check_fields(self)

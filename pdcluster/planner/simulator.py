@@ -185,11 +185,9 @@ class ClusterSimulator:
                 request.error = str(exc)
                 return
             request.prefill_queued_s = now_s
-        up_prefills = [e for e in self.prefills if not e.down] or self.prefills  # (around a rank loss)
-        up_decodes = [e for e in self.decodes if not e.down] or self.decodes
         choice = self.policy(
-            [PrefillLoad(e.instance, e.num_queued_prefill_tokens) for e in up_prefills],
-            [DecodeLoad(e.instance, e.num_free_blocks, e.batch_load) for e in up_decodes],
+            [PrefillLoad(e.instance, e.num_queued_prefill_tokens) for e in self.routable(self.prefills)],
+            [DecodeLoad(e.instance, e.num_free_blocks, e.batch_load) for e in self.routable(self.decodes)],
             counter=self._counter,
             prompt_token_ids=LengthOnlyPrompt(request.num_prompt_tokens),
             block_size=self.block_size,
@@ -201,6 +199,11 @@ class ClusterSimulator:
             decode.pending_reserves.append(request)
         else:
             self._reserve(decode, request, now_s)
+
+    def routable(self, engines: list[SimEngine]) -> list[SimEngine]:
+        """The engines the router may pick: those not recovering from a rank loss while another is up
+        (`planner.autoscale_sim` also leaves out moving ones)."""
+        return [e for e in engines if not e.down] or engines
 
     def _reserve(self, decode: SimEngine, request: SimRequest, now_s: float) -> None:
         """Reserve on `decode`, then start the prefill, retry, or fail as `after_reserve` says."""

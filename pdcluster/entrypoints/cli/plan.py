@@ -93,10 +93,19 @@ def run(args: argparse.Namespace) -> int:
         outcome = run_plan(args.file, topology, options, args.out, show_progress=not args.json)
     except (OSError, ValueError) as exc:
         raise CliError(str(exc)) from exc
+    autoscale = None
+    if args.autoscale:
+        from pdcluster.planner.autoscale_sim import plan_autoscale
+
+        autoscale = plan_autoscale(topology, options)
     if args.json:
-        print(json.dumps(outcome.as_json(), indent=2))
+        print(
+            json.dumps(
+                {**outcome.as_json(), **({"autoscale": autoscale.as_json()} if autoscale else {})}, indent=2
+            )
+        )
     else:
-        print(outcome.as_text())
+        print(outcome.as_text() + (f"\n{autoscale.as_text()}" if autoscale else ""))
     print(f"report: {outcome.report_path}", file=sys.stderr)
     return 0
 
@@ -183,6 +192,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "workload: too few rank a start-up transient, not a steady state). Default: 500",
     )
     parser.add_argument("--no-sweep", action="store_true", help="skip the P:D sweep (one simulation only)")
+    parser.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="also simulate the dynamic P:D controller (the file's autoscale section, enabled) from its "
+        "split: its goodput and every move with its reason",
+    )
     parser.add_argument(
         "--max-tokens-cap", type=positive_int, default=128, metavar="N", help="output cap. Default: 128"
     )

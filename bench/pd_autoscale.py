@@ -1,0 +1,274 @@
+"""Dynamic P:D against the best static split, simulated: `python -m bench.pd_autoscale [--json]`.
+
+Per cluster (`--clusters`: `local4` = clusters/local.yaml on 4 single-device instances, `cm384` =
+clusters/cm384.yaml with both pools at its prefill shape, 32 dies), two traces built from the Azure
+conversation trace: `phase_shift` (prompt-heavy rows, then output-heavy rows, then prompt-heavy again,
+`--phase-s` each) and `steady` (all rows mixed). Arrival gaps are Azure's, rescaled to a rate the perf
+model prices: a phase's hot pool needs `HOT_INSTANCES_FRACTION` of the instances, the steady trace
+`STEADY_LOAD` of all. Each trace runs on every static split (`planner.simulator`) and with the controller
+(`planner.autoscale_sim`, starting from the file's split). Goodput: requests within the SLO per second
+of the trace's arrival span, the same for every run of one trace, so `goodput_over_best_static` is the
+ratio of requests within the SLO; `*_per_s_of_duration` divides by each run's own first-arrival to
+last-answer time instead (`pdcluster bench`'s summary). `lost_requests`: requests that did not complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import statistics
+from typing import Any
+
+from bench.common import emit, format_table, ratio, source_revision
+
+HOT_INSTANCES_FRACTION = 0.6  # of a phase's hot pool: 2.4 of 4 instances
+STEADY_LOAD = 0.7  # of all instances' capacity
+BENCH_AUTOSCALE = {"interval_s": 0.5, "window_s": 3.0, "dwell_s": 5.0, "drain_timeout_s": 30.0}
+
+
+def cluster_topology(name: str):  # noqa: ANN201
+    """The topology of `--clusters` NAME (see the module docstring), autoscale enabled."""
+    from pdcluster.config import load_topology
+    from pdcluster.config.autoscale import AutoscaleConfig
+    from pdcluster.config.schema import DEFAULT_TOPOLOGY_PATH
+
+    if name == "local4":
+        t = load_topology(DEFAULT_TOPOLOGY_PATH)
+        t = dataclasses.replace(
+            t,
+            hardware=dataclasses.replace(t.hardware, devices_per_node=4),
+            prefill=dataclasses.replace(t.prefill, num_instances=2),
+            decode=dataclasses.replace(t.decode, num_instances=2),
+        )
+    elif name == "cm384":
+        t = load_topology(DEFAULT_TOPOLOGY_PATH.parent / "cm384.yaml")
+        per_die_seqs = t.decode.max_num_seqs // t.decode.devices_per_instance
+        shape = t.prefill.devices_per_instance
+        decode = dataclasses.replace(
+            t.decode,
+            num_instances=t.decode.num_devices // shape,
+            devices_per_instance=shape,
+            expert_parallel_size=shape,
+            max_num_seqs=per_die_seqs * shape,
+            max_num_batched_tokens=per_die_seqs * shape * (1 + t.decode.num_speculative_tokens),
+        )
+        t = dataclasses.replace(t, decode=decode)
+    else:
+        raise SystemExit(f"unknown cluster {name!r} (local4, cm384)")
+    return dataclasses.replace(t, autoscale=AutoscaleConfig(enabled=True, **BENCH_AUTOSCALE))
+
+
+def with_split(topology, num_prefill: int):  # noqa: ANN001, ANN201
+    total = topology.prefill.num_instances + topology.decode.num_instances
+    return dataclasses.replace(
+        topology,
+        prefill=dataclasses.replace(topology.prefill, num_instances=num_prefill),
+        decode=dataclasses.replace(topology.decode, num_instances=total - num_prefill),
+    )
+
+
+class Pricing:
+    """Instance-seconds a request costs each pool, from the perf model (`capacity_from_models`)."""
+
+    def __init__(self, topology, prefill_model, decode_model, acceptance) -> None:  # noqa: ANN001
+        self.args = (topology, prefill_model, decode_model, acceptance)
+        self.topology, self.decode_model = topology, decode_model
+        self.tpot_slo_s = (topology.slo.tpot_ms or 100.0) / 1000
+
+    def per_request_s(self, num_input: float, num_output: float) -> tuple[float, float]:
+        from pdcluster.driver.autoscale_capacity import capacity_from_models, tokens_per_step
+        from pdcluster.planner.step_model import DecodeRow, StepShape
+
+        context = int(num_input + num_output / 2)
+        cap = capacity_from_models(*self.args, self.tpot_slo_s, context, int(num_input))
+        k = self.topology.decode.num_speculative_tokens
+        batch = int(cap.decode_batch)
+        step_s = self.decode_model.step_time_s(StepShape((), (DecodeRow(context, 1 + k),) * batch, k))
+        decode_tokens_per_s = batch * tokens_per_step(self.args[3][:k]) / step_s
+        return num_input / cap.prefill_tokens_per_s, num_output / decode_tokens_per_s
+
+
+def azure_rows(max_model_len: int, max_output: int, input_scale: float) -> tuple[list, list[float]]:
+    """Azure conversation rows (inputs x `input_scale`, clamped to the model; outputs capped), and the
+    trace's arrival gaps in seconds."""
+    from pdcluster.planner.trace import MIN_INPUT_TOKENS, TraceRequest, load_trace
+
+    trace = load_trace("AzureLLMInferenceTrace_conv.csv").requests
+    max_input = max_model_len - max_output
+    rows = [
+        TraceRequest(
+            0.0,
+            min(max_input, max(MIN_INPUT_TOKENS, round(r.num_input_tokens * input_scale))),
+            min(max_output, max(1, r.num_output_tokens)),
+        )
+        for r in trace
+    ]
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(trace, trace[1:], strict=False)]
+    return rows, gaps
+
+
+def _arrivals(rows: list, gaps: list[float], rate: float, start_s: float, duration_s: float, rng) -> list:  # noqa: ANN001
+    """`rows` in a seeded order from `start_s` for `duration_s`: a run of consecutive Azure gaps from a seeded
+    point, scaled so that their own mean is 1 / `rate` (the trace's rate drifts: its global mean would not
+    give `rate` over a short run)."""
+    num = max(1, round(rate * duration_s))
+    first = rng.randrange(len(gaps))
+    run = [gaps[(first + i) % len(gaps)] for i in range(num)]
+    scale = statistics.fmean(run) * rate
+    order = rows[:]
+    rng.shuffle(order)
+    out, now_s = [], start_s
+    for i, gap in enumerate(run):
+        now_s += gap / scale
+        if now_s >= start_s + duration_s:
+            break
+        out.append(dataclasses.replace(order[i % len(order)], arrival_s=now_s))
+    return out
+
+
+def build_traces(topology, pricing: Pricing, phase_s: float, seed: int) -> dict[str, list]:  # noqa: ANN001
+    """`phase_shift` and `steady` (see the module docstring)."""
+    from pdcluster.planner.sizing import pool_sizing
+
+    max_model_len = pool_sizing(topology, "decode").scheduler.max_model_len
+    max_output = min(384, max_model_len // 2)
+    rows, gaps = azure_rows(max_model_len, max_output, min(1.0, max_model_len / 4096))
+    inputs = sorted(r.num_input_tokens for r in rows)
+    outputs = sorted(r.num_output_tokens for r in rows)
+    q = len(rows) // 4
+    prompt_heavy = [
+        r for r in rows if r.num_input_tokens >= inputs[3 * q] and r.num_output_tokens <= outputs[q]
+    ]
+    output_heavy = [
+        r for r in rows if r.num_input_tokens <= inputs[q] and r.num_output_tokens >= outputs[3 * q]
+    ]
+    total = topology.prefill.num_instances + topology.decode.num_instances
+    rng = random.Random(seed)
+
+    def mean_cost(subset: list) -> tuple[float, float]:
+        return pricing.per_request_s(
+            statistics.fmean(r.num_input_tokens for r in subset),
+            statistics.fmean(r.num_output_tokens for r in subset),
+        )
+
+    hot = HOT_INSTANCES_FRACTION * total
+    prompt_rate = hot / mean_cost(prompt_heavy)[0]
+    output_rate = hot / mean_cost(output_heavy)[1]
+    phase_shift = []
+    for i, (subset, rate) in enumerate(
+        ((prompt_heavy, prompt_rate), (output_heavy, output_rate), (prompt_heavy, prompt_rate))
+    ):
+        phase_shift += _arrivals(subset, gaps, rate, i * phase_s, phase_s, rng)
+    steady_rate = STEADY_LOAD * total / sum(mean_cost(rows))
+    steady = _arrivals(rows, gaps, steady_rate, 0.0, 3 * phase_s, rng)
+    return {"phase_shift": phase_shift, "steady": steady}
+
+
+def run_cluster(name: str, phase_s: float, seed: int, splits: int) -> list[dict[str, Any]]:
+    """One row per trace on cluster `name`."""
+    from pdcluster.planner.autoscale_sim import simulate_autoscale
+    from pdcluster.planner.plan import PlanOptions, acceptance_for, step_models
+    from pdcluster.planner.simulator import simulate
+
+    topology = cluster_topology(name)
+    options = PlanOptions(trace="AzureLLMInferenceTrace_conv.csv", seed=seed)
+    prefill_model, decode_model = step_models(topology, options)
+    acceptance = acceptance_for(topology, options)
+    traces = build_traces(topology, Pricing(topology, prefill_model, decode_model, acceptance), phase_s, seed)
+    total = topology.prefill.num_instances + topology.decode.num_instances
+    step = max(1, (total - 1) // splits)
+    candidates = sorted({*range(1, total, step), topology.prefill.num_instances, total - 1})
+    rows = []
+    for trace_name, requests in traces.items():
+        static = {}
+        for num_prefill in candidates:
+            summary = simulate(
+                with_split(topology, num_prefill), requests, prefill_model, decode_model, acceptance
+            ).summary
+            static[f"{num_prefill}P{total - num_prefill}D"] = summary
+        auto = simulate_autoscale(topology, requests, prefill_model, decode_model, acceptance, seed=seed)
+        span_s = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
+        met = {s: v["goodput_fraction"] * v["num_requests"] for s, v in static.items()}
+        best_split = max(met, key=lambda s: met[s])
+        summary = auto.result.summary
+        auto_met = summary["goodput_fraction"] * summary["num_requests"]
+        rows.append(
+            {
+                "trace": trace_name,
+                "cluster": name,
+                "num_requests": len(requests),
+                "goodput_over_best_static": ratio(auto_met, met[best_split]),
+                "goodput_over_best_static_per_s_of_duration": ratio(
+                    summary["goodput_requests_per_s"],
+                    max(v["goodput_requests_per_s"] for v in static.values()),
+                ),
+                "lost_requests": summary["num_failed"],
+                "best_static_split": best_split,
+                "goodput_requests_per_s": auto_met / span_s,
+                "goodput_fraction": summary["goodput_fraction"],
+                "static_goodput_requests_per_s": {s: m / span_s for s, m in met.items()},
+                "static_goodput_fraction": {s: v["goodput_fraction"] for s, v in static.items()},
+                "static_lost_requests": {s: v["num_failed"] for s, v in static.items()},
+                "start_split": f"{topology.prefill.num_instances}P{topology.decode.num_instances}D",
+                "num_moves": sum(m.outcome == "done" for m in auto.moves),
+                "num_aborted_moves": sum(m.outcome == "aborted" for m in auto.moves),
+                "moves": [
+                    {
+                        "decided_s": round(m.decided_s, 2),
+                        "instance": m.instance_id,
+                        "move": f"{m.source}->{m.target}",
+                    }
+                    for m in auto.moves
+                ],
+            }
+        )
+    return rows
+
+
+def table(result: dict[str, Any]) -> str:
+    header = ["cluster", "trace", "auto/best static", "lost", "best static", "auto goodput", "moves"]
+    rows = [
+        [
+            r["cluster"],
+            r["trace"],
+            f"{r['goodput_over_best_static']:.3f}",
+            r["lost_requests"],
+            r["best_static_split"],
+            f"{r['goodput_requests_per_s']:.2f}",
+            r["num_moves"],
+        ]
+        for r in result["results"]
+    ]
+    return format_table(header, rows)
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m bench.pd_autoscale", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--clusters", default="local4", help="comma-separated: local4, cm384. Default: local4"
+    )
+    parser.add_argument("--phase-s", type=float, default=60.0, help="seconds per phase. Default: 60")
+    parser.add_argument(
+        "--splits", type=int, default=6, help="static splits tried at most (about). Default: 6"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    results = [
+        row
+        for name in args.clusters.split(",")
+        for row in run_cluster(name, args.phase_s, args.seed, args.splits)
+    ]
+    result = {
+        "results": results,
+        "simulated": True,
+        "config": {"autoscale": BENCH_AUTOSCALE, "phase_s": args.phase_s, "seed": args.seed},
+        **source_revision(),
+    }
+    emit(result, args.json, table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""Dynamic P:D: the controller that moves instances between the prefill and decode pools, and parks them.
+
+A pure policy shared by the live cluster and the simulator (`planner.autoscale_sim`): no Ray, no torch.
+Each pool's demand is counted in instances from the window's signals and a per-instance `Capacity`:
+
+    prefill demand = max(prompt tokens/s arriving / tokens/s of one instance, busy fraction summed)
+                     + queued prompt tokens / (tokens/s of one instance × TTFT SLO)   (drain the backlog)
+    decode demand  = max(requests in flight / batch one instance holds within the TPOT SLO,
+                         KV blocks used / (blocks of one instance × KV_HIGH))
+
+each scaled up by how far the window's p90 TTFT (prefill) or TPOT (decode) is over its SLO (at most
+SLO_PRESSURE_CAP). Utilization u = demand / active instances. A move from pool A to B is made when the
+higher utilization M0 exceeds `target_utilization`, the move lowers it by at least `hysteresis`, and A
+stays within `target_utilization` after it unless B is HOT_DONOR_RATIO times hotter than A would be; the
+move's own cost (the leaving instance drains for `drain_s`, serving neither pool after it stops taking work)
+is counted against the gain over one dwell time. At most one move per decision; within `dwell_s` of the
+last move only one to the same pool (no reversal, no parking; unparking excepted: the SLO comes first);
+pools kept within their bounds (>= 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+PREFILL, DECODE, PARKED = "prefill", "decode", "parked"
+ROLES = (PREFILL, DECODE)
+KV_HIGH = 0.9  # KV occupancy one decode instance is planned to reach at most
+SLO_PRESSURE_CAP = 2.0  # the most a missed SLO multiplies a pool's demand
+HOT_DONOR_RATIO = 3.0  # a donor left above target only for a pool this many times hotter
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    """One instance as the controller sees it; `instance_id` is stable across moves.
+
+    role: `prefill`, `decode` or `parked`; `available`: False while it drains or switches (a move of it is
+    in progress); last_move_s: when its last move ended (-inf: never moved); queued_tokens: prefill prompt
+    tokens queued or computing; batch: decode requests running or admitted waiting for a seat (not those
+    reserved awaiting their prefill: prefill's load);
+    drain_s: the seconds it needs to finish its work if it leaves its pool now; busy_fraction: of the
+    window it spent computing steps (prefill; 0..1).
+    """
+
+    instance_id: int
+    role: str
+    available: bool = True
+    last_move_s: float = -math.inf
+    queued_tokens: int = 0
+    batch: int = 0
+    drain_s: float = 0.0
+    busy_fraction: float = 0.0
+
+
+@dataclass(frozen=True)
+class Signals:
+    """The window's live signals: prompt tokens/s entering prefill, decode KV blocks held by admitted
+    requests / total (0..1; blocks reserved for requests still in prefill are prefill's backlog),
+    p90 TTFT and TPOT in seconds (None: no sample in the window); `window_full`: False until a whole
+    window of samples exists (no decision then)."""
+
+    prefill_tokens_per_s: float
+    kv_occupancy: float = 0.0
+    ttft_p90_s: float | None = None
+    tpot_p90_s: float | None = None
+    window_full: bool = True
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """One instance's capacity (`planner.autoscale_sim.capacity_from_models` prices it with the perf model):
+    prompt tokens/s of a prefill instance, requests a decode instance holds within the TPOT SLO."""
+
+    prefill_tokens_per_s: float
+    decode_batch: float
+
+    def __post_init__(self) -> None:
+        if not (self.prefill_tokens_per_s > 0 and self.decode_batch > 0):
+            raise ValueError(f"Capacity: both must be > 0, got {self}")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The controller's knobs (`config.autoscale.AutoscaleConfig.policy` builds one from the YAML);
+    bounds are (min, max) active instances per pool."""
+
+    ttft_slo_s: float
+    tpot_slo_s: float
+    dwell_s: float = 30.0
+    hysteresis: float = 0.15
+    target_utilization: float = 0.8
+    drain_timeout_s: float = 60.0
+    park: bool = False
+    park_below_utilization: float = 0.4
+    prefill_bounds: tuple[int, int] = (1, 1 << 16)
+    decode_bounds: tuple[int, int] = (1, 1 << 16)
+
+    def bounds(self, role: str) -> tuple[int, int]:
+        return self.prefill_bounds if role == PREFILL else self.decode_bounds
+
+
+@dataclass(frozen=True)
+class Move:
+    """Move `instance_id` from `source` to `target` (a role or `parked`); `reason` is for the log."""
+
+    instance_id: int
+    source: str
+    target: str
+    reason: str
+
+
+def pool_demand(
+    instances: Sequence[InstanceView], signals: Signals, capacity: Capacity, policy: Policy
+) -> dict[str, float]:
+    """Each pool's demand in instances (the formula in the module docstring)."""
+    queued = sum(i.queued_tokens for i in instances if i.role == PREFILL)
+    batch = sum(i.batch for i in instances if i.role == DECODE)
+    num_decode = sum(1 for i in instances if i.role == DECODE)
+    busy = sum(i.busy_fraction for i in instances if i.role == PREFILL)
+    prefill = max(signals.prefill_tokens_per_s / capacity.prefill_tokens_per_s, busy)
+    prefill += queued / (capacity.prefill_tokens_per_s * policy.ttft_slo_s)
+    decode = max(batch / capacity.decode_batch, signals.kv_occupancy * num_decode / KV_HIGH)
+    if signals.ttft_p90_s is not None and signals.ttft_p90_s > policy.ttft_slo_s:
+        prefill *= min(signals.ttft_p90_s / policy.ttft_slo_s, SLO_PRESSURE_CAP)
+    if signals.tpot_p90_s is not None and signals.tpot_p90_s > policy.tpot_slo_s:
+        decode *= min(signals.tpot_p90_s / policy.tpot_slo_s, SLO_PRESSURE_CAP)
+    return {PREFILL: prefill, DECODE: decode}
+
+
+def decide(
+    now_s: float,
+    instances: Sequence[InstanceView],
+    signals: Signals,
+    capacity: Capacity,
+    policy: Policy,
+) -> Move | None:
+    """The one move to make now, or None. Raises ValueError for an unknown role or duplicate ids."""
+    ids = [i.instance_id for i in instances]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate instance ids: {sorted(ids)}")
+    for i in instances:
+        if i.role not in (*ROLES, PARKED):
+            raise ValueError(f"instance {i.instance_id}: unknown role {i.role!r}")
+    if any(not i.available for i in instances) or not signals.window_full:
+        return None  # one move at a time: the last one has not ended
+    count = {r: sum(1 for i in instances if i.role == r) for r in ROLES}
+    if any(count[r] == 0 for r in ROLES):
+        return None  # a pool without instances: nothing to measure (bounds keep a live one at >= 1)
+    demand = pool_demand(instances, signals, capacity, policy)
+    util = {r: demand[r] / count[r] for r in ROLES}
+    peak = max(util.values())
+    parked = [i for i in instances if i.role == PARKED]
+    if parked and peak >= policy.target_utilization:
+        return _unpark(parked, count, util, policy)
+    last = max(instances, key=lambda i: i.last_move_s)
+    if now_s - last.last_move_s < policy.dwell_s:
+        # within the dwell only a move continuing the last one (to the same pool): a reversal waits
+        move = (
+            _rebalance(instances, count, demand, util, policy) if peak >= policy.target_utilization else None
+        )
+        return move if move is not None and move.target == last.role else None
+    if peak >= policy.target_utilization:
+        return _rebalance(instances, count, demand, util, policy)
+    if policy.park and peak < policy.park_below_utilization:
+        return _park(instances, count, demand, policy)
+    return None
+
+
+def _by_cost(instances: Iterable[InstanceView], role: str) -> list[InstanceView]:
+    """`role`'s instances, cheapest to drain first, then least loaded."""
+    ready = [i for i in instances if i.role == role]
+    return sorted(ready, key=lambda i: (i.drain_s, i.queued_tokens + i.batch, i.instance_id))
+
+
+def _rebalance(
+    instances: Sequence[InstanceView],
+    count: dict[str, int],
+    demand: dict[str, float],
+    util: dict[str, float],
+    policy: Policy,
+) -> Move | None:
+    target = max(ROLES, key=lambda r: util[r])
+    source = PREFILL if target == DECODE else DECODE
+    if count[source] <= policy.bounds(source)[0] or count[target] >= policy.bounds(target)[1]:
+        return None
+    peak = util[target]
+    source_after = demand[source] / (count[source] - 1)
+    target_after = demand[target] / (count[target] + 1)
+    after = max(source_after, target_after)
+    if after > peak - policy.hysteresis:
+        return None
+    if source_after > policy.target_utilization and peak < HOT_DONOR_RATIO * source_after:
+        return None  # both pools hot: the move would shift the backlog, and the next decision undo it
+    for candidate in _by_cost(instances, source):
+        if candidate.drain_s > policy.drain_timeout_s:
+            break  # sorted by drain_s: none later drains faster
+        gain = (peak - after) * max(policy.dwell_s - candidate.drain_s, 0.0)
+        loss = (source_after - util[source]) * candidate.drain_s  # the donor runs short while it drains
+        if gain <= loss:
+            return None
+        return Move(
+            candidate.instance_id,
+            source,
+            target,
+            f"{target} utilization {peak:.2f} >= target {policy.target_utilization:.2f} "
+            f"({target} demand {demand[target]:.2f} on {count[target]}, {source} demand "
+            f"{demand[source]:.2f} on {count[source]}); after the move max {after:.2f}, "
+            f"drain {candidate.drain_s:.1f} s",
+        )
+    return None
+
+
+def _park(
+    instances: Sequence[InstanceView], count: dict[str, int], demand: dict[str, float], policy: Policy
+) -> Move | None:
+    for role in sorted(ROLES, key=lambda r: demand[r] / count[r]):
+        if count[role] <= policy.bounds(role)[0]:
+            continue
+        after = demand[role] / (count[role] - 1)
+        if after >= policy.park_below_utilization:
+            continue
+        for candidate in _by_cost(instances, role):
+            if candidate.drain_s <= policy.drain_timeout_s:
+                return Move(
+                    candidate.instance_id,
+                    role,
+                    PARKED,
+                    f"low load: {role} utilization {demand[role] / count[role]:.2f}, {after:.2f} on "
+                    f"{count[role] - 1} (< {policy.park_below_utilization:.2f})",
+                )
+    return None
+
+
+def _unpark(
+    parked: Sequence[InstanceView], count: dict[str, int], util: dict[str, float], policy: Policy
+) -> Move | None:
+    for role in sorted(ROLES, key=lambda r: -util[r]):
+        if util[role] >= policy.target_utilization and count[role] < policy.bounds(role)[1]:
+            candidate = min(parked, key=lambda i: i.instance_id)
+            return Move(
+                candidate.instance_id,
+                PARKED,
+                role,
+                f"load rose: {role} utilization {util[role]:.2f} >= {policy.target_utilization:.2f}",
+            )
+    return None
+
+
+class SignalWindow:
+    """The live signals over the last `window_s` seconds: prompt tokens entering prefill, TTFT and TPOT
+    samples (seconds). Times are the caller's clock (seconds); samples older than the window are dropped."""
+
+    def __init__(self, window_s: float) -> None:
+        if not window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.window_s = window_s
+        self._start_s: float | None = None
+        self._prompts: deque[tuple[float, int]] = deque()
+        self._ttft: deque[tuple[float, float]] = deque()
+        self._tpot: deque[tuple[float, float]] = deque()
+
+    def add_prompt(self, now_s: float, num_tokens: int) -> None:
+        self._first(now_s)
+        self._prompts.append((now_s, num_tokens))
+
+    def add_ttft(self, now_s: float, ttft_s: float) -> None:
+        self._first(now_s)
+        self._ttft.append((now_s, ttft_s))
+
+    def add_tpot(self, now_s: float, tpot_s: float) -> None:
+        self._first(now_s)
+        self._tpot.append((now_s, tpot_s))
+
+    def full(self, now_s: float) -> bool:
+        """Whether a whole window has passed since the first sample (decide on nothing shorter)."""
+        return self._start_s is not None and now_s - self._start_s >= self.window_s
+
+    def mean_prompt_tokens(self) -> float | None:
+        """Mean prompt length of the window's prompts (as of the last `signals`), None for none."""
+        return sum(n for _, n in self._prompts) / len(self._prompts) if self._prompts else None
+
+    def _first(self, now_s: float) -> None:
+        if self._start_s is None:
+            self._start_s = now_s
+
+    def signals(self, now_s: float, kv_occupancy: float) -> Signals:
+        """The window ending at `now_s`; the rate divides by the window, or by the time since the first
+        sample while that is shorter."""
+        cutoff = now_s - self.window_s
+        for samples in (self._prompts, self._ttft, self._tpot):
+            while samples and samples[0][0] < cutoff:
+                samples.popleft()
+        span_s = self.window_s if self._start_s is None else min(self.window_s, now_s - self._start_s)
+        num_tokens = sum(n for _, n in self._prompts)
+        rate = num_tokens / span_s if span_s > 0 else 0.0
+        ttft, tpot = p90(v for _, v in self._ttft), p90(v for _, v in self._tpot)
+        return Signals(rate, kv_occupancy, ttft, tpot, self.full(now_s))
+
+
+def p90(values: Iterable[float]) -> float | None:
+    """The 90th percentile (nearest rank), None for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
