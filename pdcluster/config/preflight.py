@@ -82,6 +82,18 @@ def weight_dtype_issues(topology: Topology) -> list[Issue]:
     ]
 
 
+def autoscale_live_issues(topology: Topology) -> list[Issue]:
+    """`autoscale.enabled` is a plan for the simulator: the live cluster does not move instances between
+    pools, so deploy refuses it rather than ignore it."""
+    if not topology.autoscale.enabled:
+        return []
+    reason = (
+        "autoscale.enabled: the live cluster does not move instances between pools yet; "
+        "simulate the controller with `pdcluster plan FILE --trace T --autoscale`"
+    )
+    return [Issue(("autoscale", "enabled"), reason)]
+
+
 def checkpoint_issues(model: ModelConfig) -> list[Issue]:
     """The checkpoint as `LLMEngine` will load it; at most one issue, at `model.path`."""
     from pdcluster.models.loader import check_checkpoint_dir
@@ -120,6 +132,7 @@ def bind_problem(host: str, port: int) -> tuple[str, str] | None:
 def deploy_issues(topology: Topology, *, port: int | None = None) -> list[Issue]:
     """Every reason `pdcluster deploy` would refuse `topology` here now; `port` overrides `api.port`."""
     issues = actor_layer_issues(topology) + weight_dtype_issues(topology) + checkpoint_issues(topology.model)
+    issues += autoscale_live_issues(topology)
     api = topology.api
     effective_port = api.port if port is None else port
     problem = bind_problem(api.host, effective_port)

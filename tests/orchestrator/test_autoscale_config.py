@@ -117,3 +117,14 @@ def test_minimums_must_fit_the_devices():
     ]
     with pytest.raises(ValueError, match="park_below_utilization 0.9 must be < target_utilization 0.8"):
         AutoscaleConfig(park_below_utilization=0.9)
+
+
+def test_deploy_refuses_autoscale_enabled_and_validate_notes_it(tmp_path, ckpt):  # noqa: F811
+    """The controller runs in the simulator only: deploy must refuse the key, not serve a static split."""
+    from pdcluster.config.preflight import autoscale_live_issues
+
+    path = write(tmp_path, template(ckpt, POOLS + "autoscale:\n  enabled: true\n"))
+    (issue,) = autoscale_live_issues(load_topology(path))
+    assert issue.path == ("autoscale", "enabled") and "--autoscale" in issue.reason
+    off = write(tmp_path, template(ckpt, POOLS))
+    assert autoscale_live_issues(load_topology(off)) == []

@@ -11,7 +11,7 @@ from pdcluster.entrypoints.cli.deploy import deploy_preflight
 
 def run(args: argparse.Namespace) -> int:
     from pdcluster.config import TopologyError, read_topology
-    from pdcluster.config.preflight import actor_layer_issues, weight_dtype_issues
+    from pdcluster.config.preflight import actor_layer_issues, autoscale_live_issues, weight_dtype_issues
 
     exit_code = 0
     for path in args.files:
@@ -22,7 +22,12 @@ def run(args: argparse.Namespace) -> int:
             else:
                 loaded = read_topology(path)
                 topology = loaded.topology
-                notes = loaded.locate(actor_layer_issues(topology) + weight_dtype_issues(topology))
+                notes = (
+                    actor_layer_issues(topology)
+                    + weight_dtype_issues(topology)
+                    + autoscale_live_issues(topology)
+                )
+                notes = loaded.locate(notes)
         except TopologyError as exc:
             print(exc, file=sys.stderr)
             exit_code = 1
