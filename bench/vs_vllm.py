@@ -4,6 +4,8 @@
 Method: `--num-prompts` held-out token prompts of `--prompt-len` tokens; for each batch size b the first
 b prompts are generated greedily (float32, `ignore_eos`, `--max-tokens` each) as one `generate` call,
 once untimed (warm-up), then `--repeats` timed calls; output tokens/s is `b * max_tokens / median wall`.
+TTFT is the median wall of `--repeats` calls on the same batch with `max_tokens=1` (the batch's prefill
+and first token, through the same `generate` API).
 vLLM runs in a subprocess of the given venv (`bench.vllm_child`; it is never a dependency of pdcluster)
 first, in its default (compiled) mode and, with `--vllm-enforce-eager`, eager too; then our
 `engine.llm.LLM` in-process, for each `--compile` setting asked for. Both engines get the same
@@ -124,10 +126,11 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], compile_: bool)
     llm = LLM(args.model, compile=compile_, max_num_seqs=max(args.batch_sizes))
     load_s = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    first_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
-    def run(batch: list[list[int]]) -> tuple[float, list[list[int]]]:
+    def run(batch: list[list[int]], sampling: SamplingParams = params) -> tuple[float, list[list[int]]]:
         t0 = time.perf_counter()
-        outs = llm.generate(batch, params)
+        outs = llm.generate(batch, sampling)
         return time.perf_counter() - t0, [list(o.token_ids) for o in outs]
 
     run(prompts[:1])
@@ -139,7 +142,8 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]], compile_: bool)
         for _ in range(args.repeats):
             wall_s, token_ids = run(batch)
             walls.append(wall_s)
-        batches[str(batch_size)] = {"wall_s": walls, "token_ids": token_ids}
+        ttft_s = [run(batch, first_token)[0] for _ in range(args.repeats)]
+        batches[str(batch_size)] = {"wall_s": walls, "token_ids": token_ids, "ttft_s": ttft_s}
     compiled = llm.engine.runner.compiled
     counts = {}
     if compiled is not None:
@@ -162,7 +166,10 @@ def summarize(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> dict
             ref_s = statistics.median(reference[b]["wall_s"])
             ref_tok_s = int(b) * args.max_tokens / ref_s
             num_match = sum(x == y for x, y in zip(data["token_ids"], reference[b]["token_ids"], strict=True))
+            ttft_s = statistics.median(data["ttft_s"])
             rows[b] = {
+                "ttft_ms": round(ttft_s * 1e3, 2),
+                "ttft_vs_vllm_default": ratio(ttft_s, statistics.median(reference[b]["ttft_s"])),
                 "output_tokens_per_s": round(tok_s, 1),
                 "median_wall_s": round(median_s, 4),
                 "wall_s": [round(w, 4) for w in data["wall_s"]],
@@ -175,6 +182,7 @@ def summarize(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> dict
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import pdcluster.engine.llm  # noqa: F401  (now: the engine measured is the code as of the start)
     from pdcluster.models.prompts import heldout_token_prompts
     from pdcluster.models.tokenizer import Tokenizer
 
@@ -214,8 +222,10 @@ def table(result: dict[str, Any]) -> str:
     for name, per_batch in result["engines"].items():
         for b, row in per_batch.items():
             match = row["prompts_matching_vllm_default"]
-            rows.append([name, b, row["output_tokens_per_s"], row["vs_vllm_default"], match])
-    return format_table(["engine", "batch", "output tok/s", "x vLLM default", "match"], rows)
+            ttft = [row["ttft_ms"], row["ttft_vs_vllm_default"]]
+            rows.append([name, b, *ttft, row["output_tokens_per_s"], row["vs_vllm_default"], match])
+    header = ["engine", "batch", "TTFT ms", "TTFT / vLLM", "output tok/s", "x vLLM default", "match"]
+    return format_table(header, rows)
 
 
 def main(argv: list[str] | None = None) -> None:

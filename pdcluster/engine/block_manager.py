@@ -135,13 +135,15 @@ class BlockManager:
         """
         request_id, bs = request.request_id, self.block_size
         table = self._req_to_block_ids.get(request_id, [])
+        num_total_tokens = request.num_computed_tokens + computed.num_cached_tokens + num_new_tokens
+        if table and not computed.block_ids and len(table) * bs >= num_total_tokens:
+            return True  # the slots are already held
         if computed.block_ids and (table or request.num_computed_tokens):
             raise ValueError(f"request {request_id!r} already holds blocks; cached blocks are for new ones")
         for block_id, block_hash in zip(computed.block_ids, computed.block_hashes, strict=True):
             if self._block_hash[block_id] != block_hash:
                 raise RuntimeError(f"stale prefix-cache lookup: block {block_id} changed since the lookup")
 
-        num_total_tokens = request.num_computed_tokens + computed.num_cached_tokens + num_new_tokens
         num_required_blocks = -(-num_total_tokens // bs)
         num_fresh_blocks = max(0, num_required_blocks - len(table) - len(computed.block_ids))
         num_evictable = sum(self._ref_counts[b] == 0 for b in computed.block_ids)

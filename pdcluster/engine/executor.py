@@ -199,7 +199,7 @@ class Executor:
                 params = SamplingArrays.of([item.request.sampling_params for item in items])
             logits = process_logits(items, logits, params, self._output_history)
             sampled, failed = self.sample(items, logits, params)
-            if self.structured_outputs is not None:
+            if self.structured_outputs is not None and self.structured_outputs.num_tracked_requests:
                 self.structured_outputs.accept(items, sampled)
             for request_id, error in grammar_failed.items():
                 sampled.pop(request_id, None)

@@ -297,10 +297,12 @@ class LLMEngine:
         if self._async_loop is None:
             output = self.scheduler.schedule()
             exporting = [item for item in output.scheduled if item.samples and item.request.export_kv]
-            last_layer_idx = self.model.main_layers[-1].layer_idx
-            hook, flush_prompt_kv, on_sampled = export_callbacks(
-                self.runner, exporting, on_layer_kv, on_prompt_kv, on_first_token, last_layer_idx
-            )
+            hook, flush_prompt_kv, on_sampled = on_layer_kv, None, None
+            if exporting:
+                last_layer_idx = self.model.main_layers[-1].layer_idx
+                hook, flush_prompt_kv, on_sampled = export_callbacks(
+                    self.runner, exporting, on_layer_kv, on_prompt_kv, on_first_token, last_layer_idx
+                )
 
             try:
                 k = self.executor.max_num_speculative_tokens
@@ -321,16 +323,18 @@ class LLMEngine:
         else:
             output, runner_output, updates = self._async_loop.step(on_layer_kv)
         results = []
+        records = self._records
         for update in updates:
-            record = self._records[update.request_id]
+            record = records[update.request_id]
             request = record.request
             if record.logprobs is not None and runner_output is not None:
                 new = runner_output.logprobs.get(update.request_id, [])
                 record.logprobs.extend(new[: len(update.new_token_ids)])
-            if record.stream or record.output_text.has_stop_strings or request.is_finished:
+            stream = record.stream
+            if stream or request.status.is_finished or record.output_text.has_stop_strings:
                 self._update_text(record)
-            if not request.is_finished:
-                if record.stream:
+            if not request.status.is_finished:
+                if stream:
                     results.append(self._output(record))
                 continue
             if self._async_loop is None:

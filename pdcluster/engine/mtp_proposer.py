@@ -170,13 +170,16 @@ def propose(
     newest_rows = torch.tensor([works[i].newest_row for i in active], device=device)
     last_hidden = out[newest_rows]
     last_tokens = drafts.pick(runner.compute_logits(last_hidden), active)
+    max_num_drafts = max(works[i].num_drafts for i in active)
+    if max_num_drafts == 1:
+        return drafts.finish()
     # Chained depths: one token per request, metadata derived from the step's batch.
     request_rows = torch.tensor([works[i].request_row for i in active], device=device)
     positions = batch.positions[newest_rows]
     block_tables = batch.block_tables[request_rows]
     depth_limit = len(runner.model.mtp_layers) - 1
     bs = runner.block_size
-    for depth in range(1, max(works[i].num_drafts for i in active)):
+    for depth in range(1, max_num_drafts):
         proposals = drafts.proposals
         keep = [j for j, i in enumerate(active) if works[i].num_drafts > depth and proposals[i].error is None]
         if not keep:

@@ -28,19 +28,22 @@ class RequestRecord:
         (`OutputText.new_text`), so call it once per output reported.
         """
         request = self.request
+        status = request.status
+        finished = status.is_finished
+        first_token_time_s, num_output_tokens = request.first_token_time_s, len(request.output_token_ids)
         return RequestOutput(
             request_id=request.request_id,
             prompt=self.prompt,
             prompt_token_ids=request.prompt_token_ids,
             text=self.output_text.text,
-            new_text=self.output_text.new_text(finished=request.is_finished),
+            new_text=self.output_text.new_text(finished=finished),
             token_ids=list(request.output_token_ids),
-            finished=request.is_finished,
-            finish_reason=request.status.finish_reason,
+            finished=finished,
+            finish_reason=status.finish_reason,
             num_cached_tokens=max(0, request.num_cached_tokens),
             queue_s=request.queue_time_s,
-            ttft_s=request.ttft_s,
-            tpot_s=request.tpot_s,
+            ttft_s=None if first_token_time_s is None else first_token_time_s - request.arrival_time_s,
+            tpot_s=request.tpot_s if num_output_tokens > 1 else None,
             e2e_s=None
             if request.finished_time_s is None
             else request.finished_time_s - request.arrival_time_s,

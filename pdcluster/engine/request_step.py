@@ -28,18 +28,19 @@ def schedule_request(
     start, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
     num_tokens = request.num_tokens
     num_known = num_tokens + request.num_output_placeholders
-    request.spec_token_ids = request.spec_token_ids[: max(0, end - num_known)]
+    if request.spec_token_ids:
+        request.spec_token_ids = request.spec_token_ids[: max(0, end - num_known)]
     samples = end >= num_known
     item = ScheduledRequest(
-        request=request,
-        start_position=start,
-        num_scheduled_tokens=num_new_tokens,
-        spec_token_ids=list(request.spec_token_ids),
-        block_ids=bm.block_ids(request),
-        samples=samples,
-        num_preemptions=request.num_preemptions,
+        request,
+        start,
+        num_new_tokens,
+        list(request.spec_token_ids),
+        bm.block_ids(request),
+        samples,
+        request.num_preemptions,
         # the tokens still being sampled among the inputs (positions num_tokens .. num_known - 1)
-        num_placeholders=max(0, min(end, num_known) - max(start, num_tokens)),
+        max(0, min(end, num_known) - max(start, num_tokens)),
     )
     request.num_computed_tokens = end
     if samples:
@@ -73,9 +74,13 @@ def commit_sampled(
     sampled = list(sampled)
     num_drafts, num_accepted = len(item.spec_token_ids), len(sampled) - 1
     request.num_output_placeholders -= num_drafts + 1
-    if not 0 <= num_accepted <= num_drafts or any(
-        token != draft and draft != PLACEHOLDER_TOKEN_ID
-        for token, draft in zip(sampled[:num_accepted], item.spec_token_ids, strict=False)
+    if (
+        not 0 <= num_accepted <= num_drafts
+        or num_accepted
+        and any(
+            token != draft and draft != PLACEHOLDER_TOKEN_ID
+            for token, draft in zip(sampled[:num_accepted], item.spec_token_ids, strict=False)
+        )
     ):
         raise ValueError(
             f"request {item.request_id!r}: sampled {sampled} does not fit drafts "
@@ -106,7 +111,15 @@ def commit_tokens(request: Request, sampled: list[int], now: float) -> tuple[lis
     (`engine.stopping.check_stop_token`: EOS, a stop token id, the max_tokens-th token); sets the first and
     last token times to `now` (seconds, the scheduler's clock).
     """
-    committed: list[int] = []
+    if len(sampled) == 1:  # a decode step without drafts
+        committed = sampled
+        status = check_stop_token(request, sampled[0], request.num_output_tokens + 1)
+        request.append_output_token_ids(committed)
+        if request.first_token_time_s is None:
+            request.first_token_time_s = now
+        request.last_token_time_s = now
+        return committed, status
+    committed = []
     status = RequestStatus.RUNNING
     for token_id in sampled:
         committed.append(token_id)

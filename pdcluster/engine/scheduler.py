@@ -80,19 +80,19 @@ class Scheduler:
             ValueError: duplicate request id, or a request that could never fit (see
             `check_request_fits`: context length or the whole KV cache).
         """
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
-        check_request_fits(
-            self.config,
-            self.block_manager.num_blocks,
-            request.num_prompt_tokens,
-            request.sampling_params.max_tokens,
-        )
+        self._check_new(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._arrival_index[request.request_id] = self._num_arrived
         self._num_arrived += 1
         self.waiting.append(request)
+
+    def _check_new(self, request: Request, *taken: dict[str, Request]) -> None:
+        """Raise ValueError for an id already in use (here or in `taken`) or a request that never fits."""
+        if any(request.request_id in ids for ids in (self.requests, *taken)):
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        num_blocks, max_tokens = self.block_manager.num_blocks, request.sampling_params.max_tokens
+        check_request_fits(self.config, num_blocks, request.num_prompt_tokens, max_tokens)
 
     def finish_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> bool:
         """Finish a waiting or running request from outside a step (abort, stop string, a failed step:
@@ -118,14 +118,7 @@ class Scheduler:
         Raises:
             ValueError: duplicate request id, or a request that could never fit (`check_request_fits`).
         """
-        if request.request_id in self.requests or request.request_id in self.reserved:
-            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
-        check_request_fits(
-            self.config,
-            self.block_manager.num_blocks,
-            request.num_prompt_tokens,
-            request.sampling_params.max_tokens,
-        )
+        self._check_new(request, self.reserved)
         if not self.block_manager.allocate_slots(request, num_slots):
             return False
         self.reserved[request.request_id] = request
@@ -198,8 +191,11 @@ class Scheduler:
         lookups: dict[str, ComputedBlocks] = {r.request_id: bm.get_computed_blocks(r) for r in candidates}
         # A request whose step in flight samples its last allowed token needs no further step.
         running = [r for r in self.running if not self._samples_last_token(r)]
-        waiting = [self._waiting_view(r, lookups[r.request_id]) for r in candidates]
         free_blocks = getattr(bm, "num_free_blocks_per_pool", bm.num_free_blocks)
+        plan = None if candidates else self._decode_plan(running, free_blocks)
+        if plan is not None:
+            return self._apply(plan, lookups)
+        waiting = [self._waiting_view(r, lookups[r.request_id]) for r in candidates]
         plan = schedule_step(
             self.config, [self._running_view(r, False) for r in running], waiting, free_blocks
         )
@@ -207,6 +203,27 @@ class Scheduler:
             views = [self._running_view(r, True) for r in running]
             plan = schedule_step(self.config, views, waiting, free_blocks)
         return self._apply(plan, lookups)
+
+    def _decode_plan(self, running: list[Request], free_blocks: int | list[int]) -> StepPlan | None:
+        """`schedule_step`'s plan when nothing waits and every running request decodes within the token
+        budget and the free blocks (no chunking, no preemption); None otherwise.
+        """
+        bs, budget = self.config.block_size, self.config.max_num_batched_tokens
+        arrival, bm = self._arrival_index, self.block_manager
+        free = [free_blocks] if isinstance(free_blocks, int) else list(free_blocks)
+        scheduled: dict[str, int] = {}
+        new_blocks: dict[str, int] = {}
+        for r in sorted(running, key=lambda r: arrival[r.request_id]):
+            num_computed, num_new = r.num_computed_tokens, r.num_tokens_to_compute
+            if budget == 0 or num_new > budget or num_computed < r.num_tokens + r.num_output_placeholders - 1:
+                return None
+            num_blocks = max(0, -(-(num_computed + num_new) // bs) - bm.num_blocks_held(r))
+            if num_blocks > free[r.kv_pool]:
+                return None
+            scheduled[r.request_id], new_blocks[r.request_id] = num_new, num_blocks
+            budget -= num_new
+            free[r.kv_pool] -= num_blocks
+        return StepPlan(scheduled, new_blocks, {}, (), sum(free))
 
     def _seat_admitted(self) -> None:
         """Move remotely prefilled admitted requests into `running`, oldest first, up to max_num_seqs."""
@@ -303,34 +320,33 @@ class Scheduler:
         """
         bm, now = self.block_manager, self.clock()
         updates: list[RequestUpdate] = []
+        requests, failed = self.requests, runner_output.failed
+        sampled, drafts = runner_output.sampled_token_ids, runner_output.spec_token_ids
+        running, num_draft_placeholders = RequestStatus.RUNNING, self.num_draft_placeholders
         for item in scheduler_output.scheduled:
-            request = self.requests.get(item.request_id)
+            request = item.request
+            request_id = request.request_id
             if (
-                request is not item.request
-                or request.status is not RequestStatus.RUNNING
+                requests.get(request_id) is not request
+                or request.status is not running
                 or request.num_preemptions != item.num_preemptions
             ):
                 continue
-            error = runner_output.failed.get(item.request_id)
+            error = failed.get(request_id) if failed else None
             if error is not None:
                 request.error = error
                 self._remove(request, RequestStatus.FINISHED_ERROR)
-                updates.append(RequestUpdate(item.request_id, [], RequestStatus.FINISHED_ERROR))
+                updates.append(RequestUpdate(request_id, [], RequestStatus.FINISHED_ERROR))
                 continue
             if not item.samples:
                 bm.cache_full_blocks(request)
                 continue
             new_token_ids, status = commit_sampled(
-                item,
-                runner_output.sampled_token_ids.get(item.request_id, []),
-                runner_output.spec_token_ids.get(item.request_id, []),
-                bm,
-                self.num_draft_placeholders,
-                now,
+                item, sampled.get(request_id, []), drafts.get(request_id, []), bm, num_draft_placeholders, now
             )
-            if status.is_finished:
+            if status is not running:
                 self._remove(request, status)
-            updates.append(RequestUpdate(item.request_id, new_token_ids, status))
+            updates.append(RequestUpdate(request_id, new_token_ids, status))
         return updates
 
     def _preempt(self, request: Request) -> None:

@@ -75,10 +75,13 @@ class OutputText:
         """
         if self.stopped:
             return True
+        if not self._stop:
+            self.text = self._detokenizer.update(output_token_ids, final)
+            return False
         # Text before `len(previous) - longest stop + 1` held no stop string: search only after it.
         search_from = max(0, len(self.text) - self._max_stop_len + 1)
         self.text = self._detokenizer.update(output_token_ids, final)
-        stop_at = find_stop_string(self.text[search_from:], self._stop) if self._stop else None
+        stop_at = find_stop_string(self.text[search_from:], self._stop)
         if stop_at is not None:
             self.text = self.text[: search_from + stop_at]
             self.stopped = True
@@ -87,7 +90,7 @@ class OutputText:
     def new_text(self, finished: bool) -> str:
         """The text since the previous call, to stream."""
         text = self.text
-        if not finished:
+        if not finished and self._stop:
             text = text[: len(text) - stop_prefix_len(text, self._stop)]
         delta = text[self.num_streamed_chars :]
         self.num_streamed_chars = max(self.num_streamed_chars, len(text))

@@ -316,11 +316,11 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @property
     def main_layers(self) -> list[DeepseekV3DecoderLayer]:
-        return list(self.model.layers[: self.config.num_hidden_layers])
+        return list(self.model.layers)[: self.config.num_hidden_layers]
 
     @property
     def mtp_layers(self) -> list[DeepseekV3MTPLayer]:
-        return list(self.model.layers[self.config.num_hidden_layers :])
+        return list(self.model.layers)[self.config.num_hidden_layers :]
 
     @classmethod
     def from_pretrained(
