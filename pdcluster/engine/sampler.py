@@ -171,7 +171,14 @@ def process_logits(
     sub = logits if whole else logits[row_index]  # [R, V]
     if banned:
         banned_rows, banned_ids = torch.tensor(banned, dtype=torch.long, device=device).T
+        saved = sub[banned_rows, banned_ids]
         sub[banned_rows, banned_ids] = float("-inf")
+        # A row left without a token (a grammar that allows only stop tokens) keeps them: the grammar wins.
+        rows_hit = banned_rows.unique()
+        dead = rows_hit[(sub[rows_hit] == float("-inf")).all(dim=-1)]
+        if dead.numel():
+            keep = torch.isin(banned_rows, dead)
+            sub[banned_rows[keep], banned_ids[keep]] = saved[keep]
     if bias:
         bias_rows, bias_ids, bias_values = zip(*bias, strict=True)
         sub.index_put_(
