@@ -23,6 +23,7 @@ from pdcluster.entrypoints.openai.app import build_app
 from pdcluster.entrypoints.openai.server import ServerThread
 from pdcluster.models import bundled_checkpoint_dir
 from tests.cluster.conftest import request_bound_s
+from tests.openai_checks import chat_logprobs_whole_and_streamed
 
 pytestmark = pytest.mark.slow
 
@@ -87,25 +88,7 @@ def test_greedy_logprobs_and_penalties_equal_one_engine(client, engine):
 
 def test_chat_streamed_logprobs_and_n(client):
     messages = [{"role": "user", "content": PROMPT}]
-    chunks = list(
-        client.chat.completions.create(
-            model="tiny",
-            messages=messages,
-            max_tokens=8,
-            temperature=0,
-            logprobs=True,
-            top_logprobs=2,
-            stream=True,
-        )
-    )
-    entries = [
-        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
-    ]
-    whole = client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
-    )
-    assert [e.token for e in entries] == [e.token for e in whole.choices[0].logprobs.content]
-    assert len(entries) == whole.usage.completion_tokens
+    chat_logprobs_whole_and_streamed(client, messages, TOLERANCE, max_tokens=8, top_logprobs=2)
     three = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=3, seed=1, logprobs=1)
     assert [c.index for c in three.choices] == [0, 1, 2]
     assert all(len(c.logprobs.tokens) == 4 or c.finish_reason == "stop" for c in three.choices)

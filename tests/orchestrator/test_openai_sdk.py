@@ -22,6 +22,7 @@ from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.entrypoints.openai.app import build_app
 from pdcluster.entrypoints.openai.server import ServerThread
 from pdcluster.models import bundled_checkpoint_dir
+from tests.openai_checks import chat_logprobs_whole_and_streamed
 
 PROMPT = "def fibonacci(n):\n"
 TOLERANCE = 1e-4
@@ -71,30 +72,10 @@ def test_completion_logprobs_whole_and_streamed(client, reference):
 
 def test_chat_logprobs_whole_and_streamed(client):
     messages = [{"role": "user", "content": PROMPT}]
-    whole = client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
-    )
-    content = whole.choices[0].logprobs.content
-    assert len(content) == whole.usage.completion_tokens
-    for entry in content:
+    whole = chat_logprobs_whole_and_streamed(client, messages, TOLERANCE, max_tokens=8, top_logprobs=2)
+    for entry in whole.choices[0].logprobs.content:
         assert len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=TOLERANCE)  # greedy: the top
-    chunks = list(
-        client.chat.completions.create(
-            model="tiny",
-            messages=messages,
-            max_tokens=8,
-            temperature=0,
-            logprobs=True,
-            top_logprobs=2,
-            stream=True,
-        )
-    )
-    streamed = [
-        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
-    ]
-    assert [e.token for e in streamed] == [e.token for e in content]
-    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=TOLERANCE)
 
 
 def test_n_choices_prefill_the_prompt_once(client, backend):
