@@ -24,16 +24,8 @@ import statistics
 import time
 from typing import Any
 
-from bench.common import (
-    Contention,
-    add_common_arguments,
-    check_checkpoint,
-    environment,
-    format_table,
-    int_list,
-    positive_int,
-    run_and_emit,
-)
+from bench.batch_sweep import sweep_batch_sizes
+from bench.common import Contention, add_common_arguments, format_table, int_list, main_with, positive_int
 
 TARGET_COST = 0.05
 MAX_CONTENTION = 0.25  # other processes' share of the machine's CPU above which no verdict is given
@@ -100,14 +92,9 @@ def measure(base: Any, batch_size: int, prompts: list[str], args: argparse.Names
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pdcluster.engine.llm import LLM
-    from pdcluster.models.prompts import heldout_def_prompts
-
-    prompts = heldout_def_prompts(max(args.batch_sizes))
-    base = LLM(args.model, num_kv_blocks=8, block_size=16)
-    results = [measure(base, b, prompts, args) for b in args.batch_sizes]
-    config = environment(args.model)
-    config.update(
+    return sweep_batch_sizes(
+        args,
+        measure,
         {
             "max_tokens": args.max_tokens,
             "num_repeats": args.num_repeats,
@@ -115,9 +102,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "target_cost": TARGET_COST,
             "definition": "cost = 1 - median tokens/s with logprobs 5 + presence/frequency/repetition "
             "penalties / median tokens/s without them (greedy, same prompts, one engine)",
-        }
+        },
     )
-    return {"config": config, "results": results}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -134,12 +120,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    problem = check_checkpoint(args.model)
-    if problem:
-        build_parser().error(problem)
-    run_and_emit(lambda: run(args), args, table)
-    return 0
+    return main_with(build_parser(), argv, run, table)
 
 
 if __name__ == "__main__":

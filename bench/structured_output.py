@@ -8,7 +8,10 @@ constrained runs `--num-repeats` times each. Constrained: every request's output
 `[^\\n]*` (one line: xgrammar fills and applies a bitmask for every sampled and verified row, and advances
 each request's grammar by every committed token), so both runs produce the same number of tokens. The
 grammar is compiled once before timing (compiled grammars are cached). Output tokens/s: B x num_tokens /
-wall time of `generate` (prefill included), medians.
+wall time of `generate` (prefill included), medians. Per step (constrained runs): `grammar_ms_per_step`, the
+wall time of `StructuredOutputs.mask_logits` (bitmask fill and apply) plus `accept` (advancing the matchers)
+per engine step, and `step_ms`, the whole `LLMEngine.step`, medians over the timed steps; `steps_per_run`:
+engine steps per `generate` of each kind (with MTP, drafts the grammar rejects cost steps).
 """
 
 from __future__ import annotations
@@ -67,12 +70,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         llm.generate(prompts, kinds["free"])  # warm-up
         times: dict[str, list[float]] = {kind: [] for kind in kinds}
+        steps: dict[str, list[StepTimes]] = {kind: [] for kind in kinds}
         for _ in range(args.num_repeats):
             for kind, params in kinds.items():
+                timer = StepTimes(llm.engine)
                 start = time.perf_counter()
                 outs = llm.generate(prompts, params)
                 times[kind].append(time.perf_counter() - start)
+                steps[kind].append(timer.stop())
                 assert all(len(o.token_ids) == args.num_tokens for o in outs)
+        grammar_s = [g for t in steps["constrained"] for g in t.grammar_s]
+        step_s = [g for t in steps["constrained"] for g in t.step_s]
         per_s = {k: batch * args.num_tokens / statistics.median(v) for k, v in times.items()}
         results.append(
             {
@@ -80,6 +88,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "free_tokens_per_s": round(per_s["free"], 1),
                 "constrained_tokens_per_s": round(per_s["constrained"], 1),
                 "cost": round(1 - per_s["constrained"] / per_s["free"], 4),
+                "grammar_ms_per_step": round(statistics.median(grammar_s) * 1e3, 3),
+                "step_ms": round(statistics.median(step_s) * 1e3, 3),
+                "grammar_share_of_step": round(statistics.median(grammar_s) / statistics.median(step_s), 4),
+                # engine steps per generate call: MTP drafts the grammar rejects add steps
+                "steps_per_run": {k: statistics.median(len(t.step_s) for t in v) for k, v in steps.items()},
             }
         )
     at_32 = next((r for r in results if r["batch_size"] == 32), None)
@@ -97,12 +110,62 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+class StepTimes:
+    """Wall seconds of each `LLMEngine.step` of `engine` and of its grammar work (`mask_logits` + `accept`)
+    until `stop`."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._outputs = engine.executor.structured_outputs
+        self.grammar_s: list[float] = []
+        self.step_s: list[float] = []
+        self._in_step = 0.0
+        for name in ("mask_logits", "accept"):
+            setattr(self._outputs, name, self._timed(getattr(self._outputs, name)))
+        engine.step = self._timed_step(engine.step)
+
+    def _timed(self, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._in_step += time.perf_counter() - start
+
+        return timed
+
+    def _timed_step(self, fn: Any) -> Any:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            self._in_step = 0.0
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.step_s.append(time.perf_counter() - start)
+                self.grammar_s.append(self._in_step)
+
+        return step
+
+    def stop(self) -> StepTimes:
+        for name in ("mask_logits", "accept", "step"):
+            owner = self._engine if name == "step" else self._outputs
+            del owner.__dict__[name]
+        return self
+
+
 def table(result: dict[str, Any]) -> str:
     rows = [
-        (r["batch_size"], r["free_tokens_per_s"], r["constrained_tokens_per_s"], f"{r['cost']:.1%}")
+        (
+            r["batch_size"],
+            r["free_tokens_per_s"],
+            r["constrained_tokens_per_s"],
+            f"{r['cost']:.1%}",
+            r["grammar_ms_per_step"],
+            r["step_ms"],
+        )
         for r in result["results"]
     ]
-    header = ("batch", "free tok/s", "constrained tok/s", "cost")
+    header = ("batch", "free tok/s", "constrained tok/s", "cost", "grammar ms/step", "step ms")
     return format_table(header, rows) + f"\ntarget cost <= {TARGET_COST:.0%} at batch 32: met={result['met']}"
 
 

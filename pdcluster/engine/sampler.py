@@ -17,7 +17,7 @@ from pdcluster.engine.input_batch import SamplingArrays
 from pdcluster.engine.outputs import ScheduledRequest, TokenLogprobs
 from pdcluster.kernels.rejection_sampling import greedy_verify_batch, rejection_sample_batch
 from pdcluster.kernels.sampling import (
-    apply_penalties,
+    apply_penalties_,
     argmax,
     compute_logprobs,
     pad_token_ids,
@@ -125,16 +125,15 @@ def sample_or_verify(
     return dict(zip(request_ids, result.token_ids(), strict=True))
 
 
+@torch.inference_mode()  # logits come from the model's inference-mode forward: changed in place
 def process_logits(
     items: list[ScheduledRequest],
     logits: torch.Tensor,
     params: SamplingArrays,
     output_history: Callable[[ScheduledRequest], list[int]],
 ) -> torch.Tensor:
-    """`logits` with the logit processors of `params` applied (see the module docstring); `logits` itself when
-    no request sets one.
-
-    `[sum(k_i + 1), vocab_size]` float32.
+    """The logit processors of `params` (penalties, logit bias, min_tokens' stop-token ban) applied to
+    `logits` `[sum(k_i + 1), vocab_size]` float32 in place; returns `logits`.
     """
     processed = params.processed_rows
     if not processed.any():
@@ -167,11 +166,19 @@ def process_logits(
                     banned.extend((row, token_id) for token_id in stops)
         offset += num_rows
     device = logits.device
-    row_index = torch.tensor(rows, dtype=torch.long, device=device)
-    sub = logits[row_index].float()  # [R, V], a copy
+    whole = len(rows) == logits.shape[0]
+    row_index = None if whole else torch.tensor(rows, dtype=torch.long, device=device)
+    sub = logits if whole else logits[row_index]  # [R, V]
     if banned:
         banned_rows, banned_ids = torch.tensor(banned, dtype=torch.long, device=device).T
+        saved = sub[banned_rows, banned_ids]
         sub[banned_rows, banned_ids] = float("-inf")
+        # A row left without a token (a grammar that allows only stop tokens) keeps them: the grammar wins.
+        rows_hit = banned_rows.unique()
+        dead = rows_hit[(sub[rows_hit] == float("-inf")).all(dim=-1)]
+        if dead.numel():
+            keep = torch.isin(banned_rows, dead)
+            sub[banned_rows[keep], banned_ids[keep]] = saved[keep]
     if bias:
         bias_rows, bias_ids, bias_values = zip(*bias, strict=True)
         sub.index_put_(
@@ -180,15 +187,22 @@ def process_logits(
             accumulate=True,
         )
     per_row = params.take(np.asarray(request_of_row, dtype=np.int64))
-    sub = apply_penalties(
-        sub,
-        pad_token_ids(outputs, vocab_size, device),
-        pad_token_ids(prompts, vocab_size, device),
-        torch.from_numpy(per_row.presence_penalty).to(device),
-        torch.from_numpy(per_row.frequency_penalty).to(device),
-        torch.from_numpy(per_row.repetition_penalty).to(device),
-    )
-    return logits.float().index_copy(0, row_index, sub)
+    if (
+        per_row.presence_penalty.any()
+        or per_row.frequency_penalty.any()
+        or (per_row.repetition_penalty - 1).any()
+    ):
+        apply_penalties_(
+            sub,
+            pad_token_ids(outputs, vocab_size, device),
+            pad_token_ids(prompts, vocab_size, device),
+            torch.from_numpy(per_row.presence_penalty).to(device),
+            torch.from_numpy(per_row.frequency_penalty).to(device),
+            torch.from_numpy(per_row.repetition_penalty).to(device),
+        )
+    if not whole:
+        logits.index_copy_(0, row_index, sub)
+    return logits
 
 
 def token_logprobs(
@@ -218,7 +232,7 @@ def token_logprobs(
     if not wanting:
         return {}
     num_top = max(item.request.sampling_params.logprobs for item in wanting)
-    scaled = logits[rows].float()
+    scaled = logits if len(rows) == logits.shape[0] else logits[rows]  # rows ascend: all rows is identity
     if any(t != 1.0 for t in temperatures):
         scaled = scaled / torch.tensor(temperatures, dtype=torch.float32, device=logits.device)[:, None]
     result = compute_logprobs(

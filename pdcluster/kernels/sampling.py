@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -161,36 +162,63 @@ def apply_penalties(
     frequency_penalty: torch.Tensor,
     repetition_penalty: torch.Tensor,
 ) -> torch.Tensor:
-    """Repetition, frequency and presence penalties of every row at once (the rules vLLM and HF apply).
+    """`apply_penalties_` on a float32 copy of `logits`; returns the copy."""
+    return apply_penalties_(
+        logits.float().clone(),
+        output_token_ids,
+        prompt_token_ids,
+        presence_penalty,
+        frequency_penalty,
+        repetition_penalty,
+    )
+
+
+def apply_penalties_(
+    logits: torch.Tensor,
+    output_token_ids: torch.Tensor,
+    prompt_token_ids: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+    repetition_penalty: torch.Tensor,
+) -> torch.Tensor:
+    """Repetition, frequency and presence penalties of every row at once (the rules vLLM and HF apply), in
+    place, touching only the listed tokens' logits.
 
     Repetition (Keskar et al. 2019, CTRL, section 4.1): a token seen in the prompt or the output has its
     logit divided by the penalty when positive, multiplied when not. Then OpenAI's
     `logit -= frequency * count + presence * (count > 0)` over the output's counts.
 
-    logits: `[R, V]` float32.
+    logits: `[R, V]` float32, changed in place and returned.
     output_token_ids: `[R, L]` int64, each row's output tokens so far, padded with V (ignored).
     prompt_token_ids: `[R, P]` int64, each row's prompt tokens, padded with V.
     presence_penalty, frequency_penalty, repetition_penalty: `[R]` float32.
-    Returns `[R, V]` float32, a new tensor.
     """
     num_rows, vocab_size = logits.shape
-    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=logits.device)
+    device = logits.device
+    ids = torch.cat([output_token_ids, prompt_token_ids], dim=1)  # [R, M]
+    listed = ids < vocab_size
+    # Padding points at the row's first listed token (0 when none), so it rewrites the value that token's own
+    # entries compute; a row listing nothing rewrites logit 0 unchanged.
+    first = ids.gather(1, listed.to(torch.uint8).argmax(dim=1, keepdim=True))  # [R, 1]
+    ids = torch.where(listed, ids, torch.where(first < vocab_size, first, 0))
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, output_token_ids, torch.ones_like(output_token_ids, dtype=torch.float32))
-    counts = counts[:, :vocab_size]
-    in_prompt = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
-    in_prompt.scatter_(1, prompt_token_ids, True)
-    seen = in_prompt[:, :vocab_size] | (counts > 0)
-    penalty = torch.where(seen, repetition_penalty[:, None], 1.0)
-    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return logits - frequency_penalty[:, None] * counts - presence_penalty[:, None] * (counts > 0)
+    count = counts.gather(1, ids)  # [R, M]: output occurrences of each listed token
+    values = logits.gather(1, ids)
+    penalty = torch.where(listed.any(dim=1, keepdim=True), repetition_penalty[:, None], 1.0)
+    values = torch.where(values > 0, values / penalty, values * penalty)
+    values = values - frequency_penalty[:, None] * count - presence_penalty[:, None] * (count > 0)
+    return logits.scatter_(1, ids, values)
 
 
 def pad_token_ids(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> torch.Tensor:
     """`rows` as one `[len(rows), max(len) or 1]` int64 tensor, padded with `pad_id`."""
-    width = max(1, max((len(r) for r in rows), default=0))
+    lengths = np.fromiter((len(r) for r in rows), np.int64, len(rows))
+    width = max(1, int(lengths.max(initial=0)))
     padded = np.full((len(rows), width), pad_id, dtype=np.int64)
-    for i, row in enumerate(rows):
-        padded[i, : len(row)] = row
+    padded[np.arange(width) < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(rows), np.int64, int(lengths.sum())
+    )
     return torch.from_numpy(padded).to(device)
 
 
@@ -210,7 +238,8 @@ class Logprobs(NamedTuple):
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> Logprobs:
-    """Log-probabilities of `token_ids` and the `num_top` most likely tokens per row.
+    """Log-probabilities of `token_ids` and the `num_top` most likely tokens per row (the rank pass over the
+    vocabulary runs only for rows whose token is not the most likely).
 
     logits: `[B, V]` float32; token_ids: `[B]` int64; num_top: 0 .. V (`SamplingParams.logprobs`).
     Raises ValueError: `num_top` outside `[0, V]` or mismatched shapes.
@@ -221,7 +250,31 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
     if token_ids.shape != (batch,):
         raise ValueError(f"token_ids must be [{batch}], got {tuple(token_ids.shape)}")
     logprobs = logits.float().log_softmax(dim=-1)  # [B, V]
-    token_logprobs = logprobs.gather(-1, token_ids[:, None].long())[:, 0]
-    token_ranks = (logprobs > token_logprobs[:, None]).sum(dim=-1) + 1
-    top_logprobs, top_token_ids = logprobs.topk(num_top, dim=-1)
-    return Logprobs(token_logprobs, token_ranks, top_token_ids, top_logprobs)
+    token_logprobs = logprobs.gather(-1, token_ids[:, None].long())  # [B, 1]
+    top_logprobs, top_token_ids = top_k_largest(logprobs, max(num_top, 1))
+    token_ranks = torch.ones(batch, dtype=torch.int64, device=logits.device)
+    below_top = (token_logprobs[:, 0] < top_logprobs[:, 0]).nonzero()[:, 0]
+    if below_top.numel():
+        token_ranks[below_top] += (logprobs[below_top] > token_logprobs[below_top]).sum(dim=-1)
+    return Logprobs(token_logprobs[:, 0], token_ranks, top_token_ids[:, :num_top], top_logprobs[:, :num_top])
+
+
+_TOP_K_CHUNK = 64
+
+
+def top_k_largest(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x.topk(k, dim=-1)` of `x` `[B, V]`: values `[B, k]` (largest first) and their indices `[B, k]` int64.
+
+    When `V` splits into `_TOP_K_CHUNK`-wide chunks, only the k chunks with the largest maxima are searched:
+    they hold k values at least as large as any value outside them. Which index a tie reports may differ
+    from `topk`'s; the values are the same.
+    """
+    batch, vocab_size = x.shape
+    if vocab_size % _TOP_K_CHUNK or vocab_size < 8 * k * _TOP_K_CHUNK:
+        return x.topk(k, dim=-1)
+    maxima = x.view(batch, vocab_size // _TOP_K_CHUNK, _TOP_K_CHUNK).amax(dim=-1)
+    top_chunks = maxima.topk(k, dim=-1).indices  # [B, k]
+    columns = top_chunks[:, :, None] * _TOP_K_CHUNK + torch.arange(_TOP_K_CHUNK, device=x.device)
+    columns = columns.view(batch, k * _TOP_K_CHUNK)
+    values, positions = x.gather(1, columns).topk(k, dim=-1)
+    return values, columns.gather(1, positions)

@@ -21,6 +21,7 @@ from pdcluster.entrypoints.openai.server import ServerThread
 from pdcluster.models import bundled_checkpoint_dir
 from tests.cluster.conftest import call_bound_s, request_bound_s
 from tests.conftest import eager_topology_file
+from tests.openai_checks import chat_logprobs_whole_and_streamed
 
 pytestmark = pytest.mark.slow
 
@@ -278,9 +279,10 @@ def test_openai_sdk_json_schema_and_tool_calls_through_the_cluster(served) -> No
     assert called.choices[0].finish_reason == "tool_calls"
     streamed = list(client.chat.completions.create(**tools_common, tool_choice="required", stream=True))
     deltas = [d for c in streamed for d in (c.choices[0].delta.tool_calls or [])]
-    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
-        (0, "get_weather", call.function.arguments)
-    ]
+    # the header (id, name, arguments "") first, then argument fragments that join to the whole call's
+    assert deltas[0].id and deltas[0].function.name == "get_weather" and deltas[0].function.arguments == ""
+    assert {d.index for d in deltas} == {0} and len(deltas) > 2
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
 
     with httpx.Client(base_url=server.url, timeout=request_bound_s(cluster)) as http:
@@ -354,25 +356,7 @@ def test_greedy_logprobs_and_penalties_equal_one_engine(client, engine):
 
 def test_chat_streamed_logprobs_and_n(client):
     messages = [{"role": "user", "content": PROMPT}]
-    chunks = list(
-        client.chat.completions.create(
-            model="tiny",
-            messages=messages,
-            max_tokens=8,
-            temperature=0,
-            logprobs=True,
-            top_logprobs=2,
-            stream=True,
-        )
-    )
-    entries = [
-        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
-    ]
-    whole = client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
-    )
-    assert [e.token for e in entries] == [e.token for e in whole.choices[0].logprobs.content]
-    assert len(entries) == whole.usage.completion_tokens
+    chat_logprobs_whole_and_streamed(client, messages, TOLERANCE, max_tokens=8, top_logprobs=2)
     three = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=3, seed=1, logprobs=1)
     assert [c.index for c in three.choices] == [0, 1, 2]
     assert all(len(c.logprobs.tokens) == 4 or c.finish_reason == "stop" for c in three.choices)

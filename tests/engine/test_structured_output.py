@@ -115,3 +115,18 @@ def test_running_out_of_max_tokens_is_length_never_complete(llm: LLM) -> None:
     assert out.finish_reason == "length" and len(out.token_ids) == 5
     with pytest.raises(ValueError):
         json.loads(out.text)
+
+
+def test_a_grammar_that_must_end_overrides_min_tokens(llm: LLM) -> None:
+    """min_tokens bans EOS, the finished grammar allows only EOS: the grammar wins (EOS, "stop"), never a
+    token the grammar refuses; a plain request beside it is unchanged."""
+    choice = SamplingParams(
+        temperature=0, max_tokens=8, min_tokens=6, structured_output=("choice", '["yes"]')
+    )
+    plain = greedy(8)
+    out, beside = llm.generate(PROMPTS[:2], [choice, plain])
+    assert out.text == "yes" and out.finish_reason == "stop"
+    assert (
+        out.token_ids[-1] == llm.tokenizer.eos_token_id and llm.tokenizer.decode(out.token_ids[:-1]) == "yes"
+    )
+    assert beside.token_ids == llm.generate(PROMPTS[1:2], plain)[0].token_ids

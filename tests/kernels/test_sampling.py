@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from pdcluster.kernels.sampling import (
+    apply_penalties,
     compute_logprobs,
     group_rows_by_generator,
     probs_from_logits,
     sample,
     sample_from_probs,
+    top_k_largest,
 )
 from tests.kernels.chi_square import chi_square_p_value
 
@@ -161,3 +163,42 @@ def test_argmax_is_torchs_argmax_ties_nan_and_all() -> None:
     with torch.inference_mode():  # the engine's mode: numpy reads an inference tensor too
         x = torch.randn(4, 10, generator=generator)
         assert torch.equal(argmax(x), x.argmax(dim=-1))
+
+
+def test_top_k_largest_equals_topk_on_the_chunked_path() -> None:
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 4096, generator=generator)
+    x[0, 100:110] = 9.0  # ties at the top, within one chunk
+    x[1, ::64] = 9.0  # every chunk's maximum equal
+    for k in (1, 5, 20):
+        values, indices = top_k_largest(x, k)
+        torch.testing.assert_close(values, x.topk(k, dim=-1).values, rtol=0, atol=0)
+        assert torch.equal(x.gather(1, indices), values)
+        assert all(len(set(row)) == k for row in indices.tolist())
+
+
+def test_apply_penalties_equals_a_dense_reference() -> None:
+    """Rows with repeated tokens, padding, no tokens at all, and tokens in both prompt and output."""
+    generator = torch.Generator().manual_seed(6)
+    num_rows, vocab_size = 5, 50
+    logits = torch.randn(num_rows, vocab_size, generator=generator) * 3
+    outputs = torch.randint(0, vocab_size, (num_rows, 12), generator=generator)
+    prompts = torch.randint(0, vocab_size + 1, (num_rows, 9), generator=generator)  # some V: padding
+    outputs[2], prompts[2] = vocab_size, vocab_size  # a row listing nothing
+    outputs[3, 6:] = vocab_size
+    outputs[4, :4] = prompts[4, :4].clamp(max=vocab_size - 1)
+    presence = torch.tensor([0.5, 0.0, 1.0, -0.5, 2.0])
+    frequency = torch.tensor([0.25, 1.0, 0.0, 0.5, -1.0])
+    repetition = torch.tensor([1.3, 1.0, 2.0, 0.7, 1.1])
+    expected = logits.clone()
+    for r in range(num_rows):
+        out = [t for t in outputs[r].tolist() if t < vocab_size]
+        seen = set(out) | {t for t in prompts[r].tolist() if t < vocab_size}
+        for t in seen:
+            v = expected[r, t]
+            expected[r, t] = v / repetition[r] if v > 0 else v * repetition[r]
+        for t in set(out):
+            expected[r, t] = expected[r, t] - frequency[r] * out.count(t) - presence[r]
+    got = apply_penalties(logits, outputs, prompts, presence, frequency, repetition)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)  # float32 rounding of one op order
+    assert torch.equal(got[2], logits[2])

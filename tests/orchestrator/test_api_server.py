@@ -359,6 +359,19 @@ def test_an_unknown_model_is_404_naming_the_served_one(client: httpx.Client, pat
             "messages.0.content: only text parts are supported, got a part of type 'image_url'",
             "messages.0.content",
         ),
+        # found by an attack pass: rendered and served before
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "sunny"}]},
+            "a tool message needs tool_call_id",
+            "messages.1",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user"}]},
+            "a user message needs content",
+            "messages.0",
+        ),
     ],
 )
 def test_a_value_of_the_wrong_type_or_range_is_a_400_naming_its_field(

@@ -125,26 +125,55 @@ def test_deepseek_v3_tool_calls_are_parsed() -> None:
     assert [c.name for c in parse_tool_calls(ascii_text, ASCII_MARKERS)[1]] == ["get_weather", "get_time"]
 
 
-@pytest.mark.parametrize("piece", [1, 3, 7])
+def _accumulate(deltas: list[dict]) -> list[dict]:
+    """Tool-call deltas joined per index as the openai SDK's stream helpers join them."""
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        call = calls.setdefault(delta["index"], {"id": None, "name": None, "arguments": ""})
+        if "id" in delta:
+            assert call["id"] is None  # the header comes once
+            call["id"], call["name"] = delta["id"], delta["function"]["name"]
+        call["arguments"] += delta["function"]["arguments"]
+    return [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
 def test_streamed_tool_calls_equal_the_whole_parse(piece: int) -> None:
+    """First the header (index, id, name), then argument fragments as they arrive; joined, the whole parse."""
     stream = ToolCallStream(DEEPSEEK_V3_MARKERS)
-    content, deltas = "", []
+    content, deltas, per_feed = "", [], []
     for i in range(0, len(V3_OUTPUT), piece):
         text, calls = stream.feed(V3_OUTPUT[i : i + piece])
         assert "<" not in text  # a possible start of the marker is held back
+        assert len({d["index"] for d in calls}) == len(calls)  # one delta per call and feed
         content += text
         deltas += calls
+        per_feed.append(calls)
     text, calls = stream.feed("", final=True)
     content += text
     deltas += calls
     assert content == "Let me check."
-    assert [d["index"] for d in deltas] == [0, 1]
     _, whole = parse_tool_calls(V3_OUTPUT, DEEPSEEK_V3_MARKERS)
-    assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
-        (c.name, c.arguments) for c in whole
-    ]
+    joined = _accumulate(deltas)
+    assert [(c["name"], c["arguments"]) for c in joined] == [(c.name, c.arguments) for c in whole]
+    assert all(c["id"].startswith("call_") for c in joined) and joined[0]["id"] != joined[1]["id"]
+    assert not any("```" in d["function"]["arguments"] for d in deltas)
+    if piece == 1:  # the arguments arrive in fragments, after a header delta with empty arguments
+        first = next(d for d in deltas if d["index"] == 0)
+        assert first["function"] == {"name": "get_weather", "arguments": ""}
+        assert sum(1 for d in deltas if d["index"] == 0 and d["function"]["arguments"]) > 5
     plain = ToolCallStream(DEEPSEEK_V3_MARKERS)
     assert plain.feed("a <") == ("a ", []) and plain.feed("b", final=True) == ("<b", [])
+
+
+def test_a_streamed_call_cut_short_sends_what_was_written() -> None:
+    """finish_reason "length" inside the arguments: the fragments so far, the held-back suffix on final."""
+    stream = ToolCallStream(DEEPSEEK_V3_MARKERS)
+    cut = V3_OUTPUT[: V3_OUTPUT.index('"Paris"') + 4]
+    _, deltas = stream.feed(cut)
+    _, last = stream.feed("", final=True)
+    assert _accumulate(deltas + last)[0]["arguments"] == '{"city": "Par'
+    assert stream.num_calls == 1
 
 
 def test_a_deepseek_v3_spelled_named_template_equals_transformers(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ choices 1 and 2 (the prompt is prefilled once).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import openai
@@ -21,6 +22,7 @@ from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.entrypoints.openai.app import build_app
 from pdcluster.entrypoints.openai.server import ServerThread
 from pdcluster.models import bundled_checkpoint_dir
+from tests.openai_checks import chat_logprobs_whole_and_streamed
 
 PROMPT = "def fibonacci(n):\n"
 TOLERANCE = 1e-4
@@ -70,30 +72,10 @@ def test_completion_logprobs_whole_and_streamed(client, reference):
 
 def test_chat_logprobs_whole_and_streamed(client):
     messages = [{"role": "user", "content": PROMPT}]
-    whole = client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
-    )
-    content = whole.choices[0].logprobs.content
-    assert len(content) == whole.usage.completion_tokens
-    for entry in content:
+    whole = chat_logprobs_whole_and_streamed(client, messages, TOLERANCE, max_tokens=8, top_logprobs=2)
+    for entry in whole.choices[0].logprobs.content:
         assert len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=TOLERANCE)  # greedy: the top
-    chunks = list(
-        client.chat.completions.create(
-            model="tiny",
-            messages=messages,
-            max_tokens=8,
-            temperature=0,
-            logprobs=True,
-            top_logprobs=2,
-            stream=True,
-        )
-    )
-    streamed = [
-        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
-    ]
-    assert [e.token for e in streamed] == [e.token for e in content]
-    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=TOLERANCE)
 
 
 def test_n_choices_prefill_the_prompt_once(client, backend):
@@ -126,3 +108,58 @@ def test_n_choices_prefill_the_prompt_once(client, backend):
                 finished[choice.index] = finished.get(choice.index, 0) + 1
     assert finished == {0: 1, 1: 1, 2: 1}
     assert usage is not None and usage.completion_tokens == 18
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def long_client(reference: LLM) -> Iterator[openai.OpenAI]:
+    """A server whose context holds a tool call the tiny model spells out character by character."""
+    engine = reference.replace_config(num_speculative_tokens=2, max_model_len=512).engine
+    backend = LocalEngineBackend(engine.config, engine=engine)
+    with ServerThread(build_app(backend)) as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    backend.shutdown()
+
+
+def test_n_choices_each_carry_their_tool_call_whole_and_streamed(long_client):
+    """n=2 with a required tool: every choice answers `tool_calls` (found by an attack pass: the choices
+    came back as raw marker text); streamed, each index gets a header delta, then argument fragments that
+    join to valid JSON."""
+    common = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "weather in Paris?"}],
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "max_tokens": 300,
+        "temperature": 1.0,
+        "seed": 4,
+        "n": 2,
+    }
+    whole = long_client.chat.completions.create(**common)
+    assert [c.index for c in whole.choices] == [0, 1]
+    for choice in whole.choices:
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and choice.finish_reason == "tool_calls"
+        assert isinstance(json.loads(call.function.arguments), dict)
+    arguments: dict[int, str] = {0: "", 1: ""}
+    finish: dict[int, str] = {}
+    for chunk in long_client.chat.completions.create(**common, stream=True):
+        for choice in chunk.choices:
+            assert not choice.delta.content  # the markers never leak as text
+            for delta in choice.delta.tool_calls or []:
+                assert delta.index == 0
+                if delta.id is not None:
+                    assert arguments[choice.index] == "" and delta.function.name == "get_weather"
+                arguments[choice.index] += delta.function.arguments or ""
+            if choice.finish_reason is not None:
+                finish[choice.index] = choice.finish_reason
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    assert all(isinstance(json.loads(a), dict) for a in arguments.values())

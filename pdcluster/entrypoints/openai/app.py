@@ -253,7 +253,7 @@ def build_app(
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             start = partial(Generation, backend, metrics=metrics, slo=slo)
             return await serve_choices(
-                request, prepared, start, endpoint, body.n, best_of, body.stream, include_usage
+                request, prepared, start, endpoint, body.n, best_of, body.stream, include_usage, tool_markers
             )
         gen = Generation(backend, prepared, metrics, slo)
         try:

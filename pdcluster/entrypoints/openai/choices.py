@@ -17,6 +17,7 @@ from pdcluster.entrypoints.openai.generation import Generation, PreparedRequest
 from pdcluster.entrypoints.openai.logprobs import cumulative_logprob
 from pdcluster.entrypoints.openai.protocol import ApiError, Endpoint, response_body
 from pdcluster.entrypoints.openai.sse import DISCONNECTED, SSEResponse, sse_event, until_disconnect
+from pdcluster.entrypoints.openai.tool_calls import ToolCallMarkers, ToolCallStream, parse_tool_calls
 
 StartGeneration = Callable[[PreparedRequest], Generation]
 
@@ -42,9 +43,10 @@ async def serve_choices(
     best_of: int,
     stream: bool,
     include_usage: bool,
+    tool_markers: ToolCallMarkers | None = None,
 ) -> Response:
     """Answer with `num_choices` choices out of `best_of` generated ones, streamed (interleaved by `index`)
-    or whole."""
+    or whole; `tool_markers`: each choice's tool calls parsed (chat with tools)."""
     rank = best_of > num_choices
     gens = [start(choice_request(prepared, 0, rank))]
     try:
@@ -59,7 +61,8 @@ async def serve_choices(
         await _close(gens)
         return Response(status_code=499)
     if stream:
-        return SSEResponse(_events(gens, prepared, endpoint, include_usage), on_close=lambda: _close(gens))
+        events = _events(gens, prepared, endpoint, include_usage, tool_markers)
+        return SSEResponse(events, on_close=lambda: _close(gens))
     try:
         result = await until_disconnect(request, asyncio.gather(*(g.drain() for g in gens)))
     finally:
@@ -75,8 +78,13 @@ async def serve_choices(
     body["choices"] = []
     for index, i in enumerate(order[:num_choices]):
         p = gens[i].progress
+        content, finish, calls = p.text, p.finish_reason, None
+        if tool_markers is not None:
+            content, parsed = parse_tool_calls(p.text, tool_markers)
+            finish = "tool_calls" if parsed and finish == "stop" else finish
+            calls = [c.to_openai() for c in parsed]
         body["choices"] += response_body(
-            gens[i], endpoint, p.text, p.finish_reason, chunk=False, index=index
+            gens[i], endpoint, content, finish, chunk=False, index=index, tool_calls=calls
         )["choices"]
     body["usage"] = usage(gens)
     return JSONResponse(body)
@@ -98,19 +106,30 @@ async def _close(gens: list[Generation]) -> None:
 
 
 async def _events(
-    gens: list[Generation], prepared: PreparedRequest, endpoint: Endpoint, include_usage: bool
+    gens: list[Generation],
+    prepared: PreparedRequest,
+    endpoint: Endpoint,
+    include_usage: bool,
+    tool_markers: ToolCallMarkers | None,
 ) -> AsyncIterator[bytes]:
     num_sent_chars = [0] * len(gens)
     first = [True] * len(gens)
+    parsers = None if tool_markers is None else [ToolCallStream(tool_markers) for _ in gens]
 
     def chunk(i: int) -> dict[str, Any] | None:
         gen = gens[i]
         text = gen.stream_text(num_sent_chars[i])
         num_sent_chars[i] += len(text)
         finish = gen.progress.finish_reason
-        if not (text or first[i] or finish is not None):
+        calls = None
+        if parsers is not None:
+            text, calls = parsers[i].feed(text, final=finish is not None)
+            finish = "tool_calls" if finish == "stop" and parsers[i].num_calls else finish
+        if not (text or calls or first[i] or finish is not None):
             return None
-        body = response_body(gen, endpoint, text, finish, chunk=True, first=first[i], index=i)
+        body = response_body(
+            gen, endpoint, text, finish, chunk=True, first=first[i], index=i, tool_calls=calls or None
+        )
         body["id"] = prepared.request_id
         first[i] = False
         return body

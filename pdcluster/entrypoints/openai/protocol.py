@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pdcluster.entrypoints.openai.logprobs import MAX_TOP_LOGPROBS
 from pdcluster.models.tokenizer import check_unicode
@@ -132,6 +132,14 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     _check_content = field_validator("content")(_check_unicode)
+
+    @model_validator(mode="after")
+    def _check_role_fields(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        if self.role in ("system", "user") and self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     @property
     def text(self) -> str:
