@@ -29,10 +29,10 @@ import statistics
 import time
 from typing import Any
 
+from bench.batch_sweep import sweep_batch_sizes
 from bench.common import (
     add_common_arguments,
     check_checkpoint,
-    environment,
     format_table,
     int_list,
     positive_int,
@@ -144,23 +144,12 @@ def measure(base: Any, batch_size: int, prompts: list[str], args: argparse.Names
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pdcluster.engine.llm import LLM
-    from pdcluster.models.prompts import heldout_def_prompts
-
-    prompts = heldout_def_prompts(max(args.batch_sizes))
-    base = LLM(args.model, num_kv_blocks=8, block_size=16)
-    results = [measure(base, b, prompts, args) for b in args.batch_sizes]
-    config = environment(args.model)
-    config.update(
-        {
-            "compile": args.compile,
-            "num_repeats": args.num_repeats,
-            "target_overhead": TARGET_OVERHEAD,
-            "definition": "overhead = median(k=1 Executor.run) / (median(k=0 forward + logits over the "
-            "same 2 query tokens) + median(MTP forward + draft logits)) - 1",
-        }
+    definition = (
+        "overhead = median(k=1 Executor.run) / (median(k=0 forward + logits over the "
+        "same 2 query tokens) + median(MTP forward + draft logits)) - 1"
     )
-    return {"config": config, "results": results}
+    config = {"compile": args.compile, "num_repeats": args.num_repeats, "target_overhead": TARGET_OVERHEAD}
+    return sweep_batch_sizes(args, measure, {**config, "definition": definition})
 
 
 def table(result: dict[str, Any]) -> str:
