@@ -517,6 +517,31 @@ def test_health_answers_at_once_while_stats_stalls(reference: LLM) -> None:
         fake.released.set()
 
 
+class ShrunkClusterBackend(StalledStatsBackend):
+    """A cluster whose decode instance lost one of its 2 ranks and serves on the other (elastic EP):
+    `health()` is the registry's bookkeeping (`InstanceRegistry.health`)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer)
+        self.released.set()
+        self.instances = {
+            "prefill-0": {"state": "healthy", "ranks": 2, "deployed_ranks": 2, "degraded": False},
+            "decode-0": {"state": "healthy", "ranks": 1, "deployed_ranks": 2, "degraded": True},
+        }
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        return self.instances
+
+
+def test_health_of_a_cluster_names_each_instance_and_a_degraded_one(reference: LLM) -> None:
+    fake = ShrunkClusterBackend(reference.tokenizer)
+    with ServerThread(build_app(fake)) as srv, httpx.Client(base_url=srv.url, timeout=5.0) as c:
+        r = c.get("/health")  # still serving: 200, but says which instance runs on fewer ranks
+        assert r.status_code == 200 and r.json() == {"status": "degraded", "instances": fake.instances}
+        fake.instances["decode-0"] |= {"ranks": 2, "degraded": False}
+        assert c.get("/health").json()["status"] == "ok"
+
+
 # ---- metrics, disconnects, speculative decoding ------------------------------------------------------------
 def metric_value(text: str, name: str) -> float:
     for line in text.splitlines():

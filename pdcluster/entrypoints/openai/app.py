@@ -123,7 +123,12 @@ def build_app(
             backend.check_ready()  # bookkeeping only: on the event loop, answered at once
         except BackendUnavailable as exc:
             raise ApiError(503, str(exc), "service_unavailable") from exc
-        return JSONResponse({"status": "ok"})
+        instances = getattr(backend, "health", None)  # a cluster: each instance's state and live ranks
+        if instances is None:
+            return JSONResponse({"status": "ok"})
+        detail = instances()  # bookkeeping only (`InstanceRegistry.health`), no call to a rank
+        degraded = any(i.get("degraded") or i.get("state") != "healthy" for i in detail.values())
+        return JSONResponse({"status": "degraded" if degraded else "ok", "instances": detail})
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
