@@ -362,18 +362,9 @@ def plan_autoscale(topology: Topology, options) -> AutoscaleResult:  # noqa: ANN
     """`pdcluster plan --autoscale`: `options`' workload (`planner.plan.PlanOptions`) on `topology` with the
     controller (its `autoscale` section, enabled), the same models as the plan's own simulation."""
     from pdcluster.planner.control_plane import control_plane_from_calibration
-    from pdcluster.planner.plan import acceptance_for, cores_per_node, step_models
-    from pdcluster.planner.workload import plan_workload
+    from pdcluster.planner.plan import acceptance_for, cores_per_node, options_workload, step_models
 
-    max_model_len = pool_sizing(topology, "decode").scheduler.max_model_len
-    workload = plan_workload(
-        options.trace,
-        max_model_len,
-        options.num_requests,
-        options.rate_per_s,
-        options.max_tokens_cap,
-        options.scale_to_context,
-    )
+    workload = options_workload(topology, options)
     prefill_model, decode_model = step_models(topology, options)
     return simulate_autoscale(
         topology,

@@ -186,6 +186,19 @@ class PlanOutcome:
         return out
 
 
+def options_workload(topology: Topology, options: PlanOptions) -> Any:
+    """The options' trace as `plan_workload` reads it for `topology`'s decode pool (its max_model_len)."""
+    max_model_len = pool_sizing(topology, "decode").scheduler.max_model_len
+    return plan_workload(
+        options.trace,
+        max_model_len,
+        options.num_requests,
+        options.rate_per_s,
+        options.max_tokens_cap,
+        options.scale_to_context,
+    )
+
+
 def run_plan(
     path: str | Path, topology: Topology, options: PlanOptions, out_dir: Path, show_progress: bool = True
 ) -> PlanOutcome:
@@ -196,15 +209,7 @@ def run_plan(
 
     from pdcluster.planner.report import write_report
 
-    max_model_len = pool_sizing(topology, "decode").scheduler.max_model_len
-    workload = plan_workload(
-        options.trace,
-        max_model_len,
-        options.num_requests,
-        options.rate_per_s,
-        options.max_tokens_cap,
-        options.scale_to_context,
-    )
+    workload = options_workload(topology, options)
     weight_dtype = weight_dtype_for(topology, options)
     notes = [
         f"note: {path}'s own split does not fit device memory: {line}"
