@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdcluster.driver.messages import InstanceGroupSpec
 
@@ -67,21 +67,7 @@ def shrink(worker: RankWorker, spec: InstanceGroupSpec, lost_ranks: list[int], m
         worker._ep_summary = ep_summary(worker.engine)
         worker._group_error = None
     worker._wake_engine_thread()
-    logger.warning(
-        "%s: re-formed as rank %d of %d after losing ranks %s; %d expert slots per MoE layer, %d read",
-        worker.name,
-        spec.rank,
-        spec.num_ranks,
-        sorted(lost),
-        new.placement.num_local_experts,
-        loaded,
-    )
-    return {
-        "rank": spec.rank,
-        "num_ranks": spec.num_ranks,
-        "num_local_experts": new.placement.num_local_experts,
-        "loaded_experts": loaded,
-    }
+    return _reported(worker, f"re-formed after losing ranks {sorted(lost)}", spec, new, loaded)
 
 
 def grow(worker: RankWorker, spec: InstanceGroupSpec, num_redundant_experts: int, attempt: int) -> dict:
@@ -114,18 +100,20 @@ def grow(worker: RankWorker, spec: InstanceGroupSpec, num_redundant_experts: int
 
     _at_step_boundary(worker, switch, spec.timeout_s)
     new, loaded = grown
+    return _reported(worker, "grew", spec, new, loaded)
+
+
+def _reported(worker: RankWorker, what: str, spec: InstanceGroupSpec, new: Any, loaded: int) -> dict:
+    """Log the change to the group and return what `shrink` and `grow` return."""
+    slots = new.placement.num_local_experts
     logger.warning(
-        "%s: grew to %d ranks (this rank %d); %d expert slots per MoE layer, %d read",
-        worker.name,
-        spec.num_ranks,
-        spec.rank,
-        new.placement.num_local_experts,
-        loaded,
+        "%s: %s: now rank %d of %d; %d expert slots per MoE layer, %d read from the checkpoint",
+        *(worker.name, what, spec.rank, spec.num_ranks, slots, loaded),
     )
     return {
         "rank": spec.rank,
         "num_ranks": spec.num_ranks,
-        "num_local_experts": new.placement.num_local_experts,
+        "num_local_experts": slots,
         "loaded_experts": loaded,
     }
 
