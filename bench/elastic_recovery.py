@@ -9,6 +9,8 @@ keeps `--concurrency` streams of greedy requests (`--max-tokens` each) running, 
     time_to_rejoined_s      until decode-0 has its deployed number of ranks again (null: it did not)
     completed / failed      requests over the whole run; `failed` ended with an error (none may hang)
     errors                  each distinct error message (truncated), with its count
+    recomputed              requests re-dispatched with their streamed tokens kept after decode lost their
+                            KV (`driver.recompute`), and those tokens in all
 """
 
 from __future__ import annotations
@@ -105,6 +107,10 @@ async def _measure(cluster, args) -> dict[str, Any]:
         "completed": outcomes["completed"],
         "failed": sum(errors.values()),
         "errors": errors,
+        "recomputed": {
+            "requests": cluster.dispatcher.requests_recomputed_total,
+            "tokens": cluster.dispatcher.recomputed_tokens_total,
+        },
         "health_after": cluster.health(),
     }
 

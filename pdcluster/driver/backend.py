@@ -48,7 +48,8 @@ class StreamDelta:
 
     def reported_phases(self) -> dict[str, float | int]:
         """The phases as reports show them (`pdcluster.phases` of the HTTP API, job records): the seconds
-        of `phases` plus `kv_transfer_bytes` (bytes) when known."""
+        of `phases` (and `recomputed_tokens`, a count, after a lost decode's re-dispatch: `driver.recompute`)
+        plus `kv_transfer_bytes` (bytes) when known."""
         if self.kv_transfer_bytes is None:
             return dict(self.phases)
         return {**self.phases, "kv_transfer_bytes": self.kv_transfer_bytes}

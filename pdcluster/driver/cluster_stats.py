@@ -26,7 +26,8 @@ def rank_stats(load: PrefillNodeLoad | DecodeNodeLoad) -> dict[str, Any]:
 
 class ClusterStats:
     """`registry`: the instances and their health (a rank that does not answer a stats round is marked
-    there); `totals`: what has `kv_transfer_bytes_total` and `kv_transfer_seconds_total` (the dispatcher);
+    there); `totals`: what has `kv_transfer_bytes_total`, `kv_transfer_seconds_total`,
+    `requests_recomputed_total` and `recomputed_tokens_total` (the dispatcher);
     `closed()`: whether the cluster is shut down."""
 
     def __init__(
@@ -83,6 +84,8 @@ class ClusterStats:
             },
             "kv_transfer_bytes_total": self.totals.kv_transfer_bytes_total,
             "kv_transfer_seconds_total": self.totals.kv_transfer_seconds_total,
+            "requests_recomputed_total": self.totals.requests_recomputed_total,
+            "recomputed_tokens_total": self.totals.recomputed_tokens_total,
             "instances": self.registry.health(),
         }
 

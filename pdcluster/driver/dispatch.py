@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from pdcluster.driver.messages import Aborted, DecodeLost, PrefillResult, RequestError, TokenDelta
+from pdcluster.driver.recompute import Recompute
 
 MAX_DISPATCH_ATTEMPTS = 2  # the first try plus one re-dispatch to another prefill instance
 CALL_TIMEOUT_MIN_S = 2.0  # floor of the per-call timeout (max(this, kv_transfer.timeout_s / 2))
@@ -102,6 +103,7 @@ class AttemptState:
     prefill_routable: bool = True
     event_timeout_s: float = 0.0
     max_attempts: int = MAX_DISPATCH_ATTEMPTS
+    recompute_refusal: str | None = None  # why a lost decode's request cannot be re-dispatched (None: can)
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,7 @@ class Redispatch:
 
 
 Event = TokenDelta | RequestError | Aborted | DecodeLost | PrefillFailed | PrefillDone | NoEvent
-Action = Emit | EmitFirstToken | Wait | EndAborted | Redispatch | Fail
+Action = Emit | EmitFirstToken | Wait | EndAborted | Redispatch | Recompute | Fail
 
 
 def describe_attempt(state: AttemptState, error: str) -> str:
@@ -178,7 +180,7 @@ def next_action(state: AttemptState, event: Event) -> Action:
     if isinstance(event, Aborted):
         return EndAborted()
     if isinstance(event, DecodeLost):
-        return Fail(f"{state.request_id}: {event.message}")
+        return _decode_lost(state, event.message)
     if isinstance(event, PrefillFailed):
         error = f"prefill-{state.prefill_instance}: {event.message}"
     elif isinstance(event, RequestError):
@@ -191,9 +193,10 @@ def next_action(state: AttemptState, event: Event) -> Action:
     else:
         raise TypeError(f"not an attempt event: {event!r}")
     if state.decode_down_reason is not None:
-        return Fail(
-            f"{state.request_id}: decode-{state.decode_instance} died or stopped answering "
-            f"({state.decode_down_reason}); the request was lost ({error})"
+        return _decode_lost(
+            state,
+            f"decode-{state.decode_instance} died or stopped answering ({state.decode_down_reason}); "
+            f"the request was lost ({error})",
         )
     if state.decode_streamed:
         return Fail(f"{state.request_id}: decode failed mid-stream: {error}")
@@ -208,3 +211,10 @@ def next_action(state: AttemptState, event: Event) -> Action:
     # Decode's side failed (the transfer, the admission) or nothing came, and the prefill instance is still
     # in routing: it may serve the retry (a one-prefill pool then retries too).
     return Redispatch(None, errors[-1])
+
+
+def _decode_lost(state: AttemptState, message: str) -> Recompute | Fail:
+    """The attempt's decode instance lost the request's KV: re-dispatch it (`driver.recompute`) or fail."""
+    if state.recompute_refusal is None:
+        return Recompute(message)
+    return Fail(f"{state.request_id}: {message}; not re-dispatched: {state.recompute_refusal}")

@@ -41,6 +41,7 @@ from pdcluster.driver.messages import (
     PrefillResult,
     TokenDelta,
 )
+from pdcluster.driver.recompute import MAX_RECOMPUTES, Recompute, recompute_refusal
 from pdcluster.driver.registry import InstanceRegistry
 from pdcluster.driver.request_state import Attempt, DriverRequest
 from pdcluster.driver.router import POLICIES, PrefixCacheModel, RankRef
@@ -78,6 +79,8 @@ class Dispatcher(RouteAndReserve):
         self._loop: asyncio.AbstractEventLoop | None = None
         self.kv_transfer_bytes_total = 0
         self.kv_transfer_seconds_total = 0.0
+        self.requests_recomputed_total = 0  # re-dispatches after a lost decode (`driver.recompute`)
+        self.recomputed_tokens_total = 0
         self._closed = False
 
     @property
@@ -107,11 +110,16 @@ class Dispatcher(RouteAndReserve):
         self._ensure_pollers()
         # registered first: abort() may come before the first attempt exists
         record = self._requests[request_id] = DriverRequest(request_id, time.monotonic())
+        prompt, sampling = prompt_token_ids, params  # a re-dispatch after a lost decode changes both
         try:
-            for attempt_index in range(MAX_DISPATCH_ATTEMPTS):
+            for attempt_index in range(MAX_DISPATCH_ATTEMPTS + MAX_RECOMPUTES):
                 try:
-                    attempt = await self._dispatch(record, attempt_index, prompt_token_ids, params)
+                    attempt = await self._dispatch(record, attempt_index, prompt, sampling)
                 except BackendUnavailable as e:
+                    if record.lost is not None:
+                        raise BackendUnavailable(
+                            f"{request_id}: {record.lost}; its re-dispatch failed: {e}"
+                        ) from e
                     if not record.errors:
                         raise
                     # A failed attempt and nowhere to re-dispatch: the client hears the attempt's cause.
@@ -126,9 +134,10 @@ class Dispatcher(RouteAndReserve):
                 action = None
                 owner_gone = False
                 try:
-                    while not isinstance(action, Redispatch | Fail):
+                    while not isinstance(action, Redispatch | Recompute | Fail):
                         for event in await self._next_events(record, attempt, prefill_task):
-                            action = next_action(self._attempt_state(record, attempt, attempt_index), event)
+                            state = self._attempt_state(record, attempt, attempt_index, params)
+                            action = next_action(state, event)
                             if isinstance(action, Emit):
                                 delta = self._from_decode(record, attempt, action.delta)
                                 if delta is not None:
@@ -159,6 +168,19 @@ class Dispatcher(RouteAndReserve):
                 self._release(attempt)
                 if isinstance(action, Fail):
                     raise BackendUnavailable(action.message)
+                if isinstance(action, Recompute):
+                    resumed = record.recompute(action.error, prompt_token_ids, params)
+                    prompt, sampling, n = (
+                        resumed.prompt_token_ids,
+                        resumed.params,
+                        resumed.num_recomputed_tokens,
+                    )
+                    self.requests_recomputed_total += 1
+                    self.recomputed_tokens_total += n
+                    logger.warning(
+                        "%s: %s; re-dispatched with the %d tokens streamed kept", request_id, action.error, n
+                    )
+                    continue
                 record.errors.append(action.error)
                 if action.excluded_prefill is not None:
                     record.excluded_prefills.add(action.excluded_prefill)
@@ -222,7 +244,9 @@ class Dispatcher(RouteAndReserve):
             return None
         return record.stream_delta(delta)
 
-    def _attempt_state(self, record: DriverRequest, attempt: Attempt, attempt_index: int) -> AttemptState:
+    def _attempt_state(
+        self, record: DriverRequest, attempt: Attempt, attempt_index: int, params: SamplingParams
+    ) -> AttemptState:
         decode = self.instances["decode"][attempt.decode_index]
         tried = record.excluded_prefills | {attempt.prefill_index}
         others = [p for p in self.instances["prefill"] if p.routable and p.index not in tried]
@@ -238,6 +262,10 @@ class Dispatcher(RouteAndReserve):
             num_other_prefills=len(others),
             prefill_routable=self.instances["prefill"][attempt.prefill_index].routable,
             event_timeout_s=self.event_timeout_s,
+            max_attempts=MAX_DISPATCH_ATTEMPTS + record.num_recomputes,
+            recompute_refusal=recompute_refusal(
+                params, record.num_recomputes, record.aborted, record.finished
+            ),
         )
 
     async def _next_events(

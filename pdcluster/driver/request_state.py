@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from pdcluster.driver.backend import StreamDelta
 from pdcluster.driver.handoff import HandoffEvent, HandoffState, advance
 from pdcluster.driver.messages import Phases, TokenDelta
+from pdcluster.driver.recompute import Resumed, resume
 from pdcluster.driver.router import RankRef
+from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kvtransfer.base import HandoffMeta
 
 
@@ -52,7 +54,8 @@ class Attempt:
 @dataclass
 class DriverRequest:
     """One request from `generate` to its end: its attempt in flight, what the client received, and the
-    failed attempts (their prefill instances are not tried again)."""
+    failed attempts (their prefill instances are not tried again). Its phases carry `recomputed_tokens`
+    once a lost decode made it re-dispatch (`driver.recompute`)."""
 
     request_id: str
     arrival_s: float
@@ -66,14 +69,31 @@ class DriverRequest:
     kv_transfer_bytes: int | None = None
     errors: list[str] = field(default_factory=list)
     excluded_prefills: set[int] = field(default_factory=set)
+    streamed_token_ids: list[int] = field(default_factory=list)  # every token id the client received
+    num_recomputes: int = 0  # re-dispatches after a decode instance lost its KV (`driver.recompute`)
+    recomputed_tokens: int | None = None  # streamed tokens whose KV the last of them computed again
+    lost: str | None = None  # what the last such loss was (for the error when its re-dispatch fails)
+
+    def recompute(self, lost: str, prompt_token_ids: list[int], params: SamplingParams) -> Resumed:
+        """Take the re-dispatch after decode lost the KV (`lost` says how): the next attempt's prompt and
+        params (`driver.recompute.resume`). Raises ValueError: nothing was left to generate."""
+        resumed = resume(prompt_token_ids, params, self.streamed_token_ids)
+        if resumed.first_token_id is not None:  # forced as the prefill's first token, never streamed again
+            self.first_token = (resumed.first_token_id, "")
+        self.num_recomputes += 1
+        self.recomputed_tokens = resumed.num_recomputed_tokens
+        self.lost, self.decode_streamed = lost, False
+        return resumed
 
     def stream_delta(self, delta: TokenDelta | None = None) -> StreamDelta:
         """`delta` for the client with the request's phases so far (total_s now); no delta: the abort."""
         self.phases = self.phases.merged(Phases(total_s=time.monotonic() - self.arrival_s))
+        phases: dict[str, float] = self.phases.as_dict()
+        if self.recomputed_tokens is not None:
+            phases["recomputed_tokens"] = self.recomputed_tokens
         if delta is None:
-            return StreamDelta(
-                [], True, "abort", phases=self.phases.as_dict(), kv_transfer_bytes=self.kv_transfer_bytes
-            )
+            return StreamDelta([], True, "abort", phases=phases, kv_transfer_bytes=self.kv_transfer_bytes)
+        self.streamed_token_ids += delta.new_token_ids
         drafts = delta.drafts
         ranks = {}
         if self.attempt is not None:
@@ -85,7 +105,7 @@ class DriverRequest:
             new_token_ids=list(delta.new_token_ids),
             finished=delta.finished,
             finish_reason=delta.finish_reason,
-            phases=self.phases.as_dict(),
+            phases=phases,
             kv_transfer_bytes=self.kv_transfer_bytes,
             num_draft_tokens=drafts.num_draft_tokens,
             num_accepted_tokens=drafts.num_accepted_tokens,

@@ -3,6 +3,8 @@ attempt's events, and the reserve back-pressure rule, on plain data (no Ray, no 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pdcluster.driver.dispatch import (
@@ -131,16 +133,21 @@ def test_the_second_failed_attempt_fails_with_both_causes() -> None:
     )
 
 
-def test_decode_died_fails_the_request() -> None:
+def test_decode_died_fails_a_request_that_cannot_be_re_dispatched() -> None:
+    """(`test_recompute_policy`: the requests that can are re-dispatched.)"""
     lost = DecodeLost("r1@0", "decode-1 died or stopped answering (poll: the actor process died); lost")
-    assert next_action(FIRST, lost) == Fail(
-        "r1: decode-1 died or stopped answering (poll: the actor process died); lost"
+    refused = dataclasses.replace(FIRST, recompute_refusal="the client aborted it")
+    assert next_action(refused, lost) == Fail(
+        "r1: decode-1 died or stopped answering (poll: the actor process died); lost; "
+        "not re-dispatched: the client aborted it"
     )
     # an error that comes while decode is out of routing: what it held is gone too
-    down = AttemptState("r1", 0, 0, 1, decode_down_reason="poll: no answer within 2 s")
+    down = AttemptState(
+        "r1", 0, 0, 1, decode_down_reason="poll: no answer within 2 s", recompute_refusal="it had finished"
+    )
     assert next_action(down, RequestError("r1@0", "KeyError: r1@0")) == Fail(
         "r1: decode-1 died or stopped answering (poll: no answer within 2 s); the request was lost "
-        "(KeyError: r1@0)"
+        "(KeyError: r1@0); not re-dispatched: it had finished"
     )
 
 

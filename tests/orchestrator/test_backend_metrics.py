@@ -20,3 +20,10 @@ def test_backend_totals_reach_metrics() -> None:
 def test_a_backend_without_the_totals_exports_none_of_them() -> None:
     text = _scrape({})
     assert "pdcluster_backend_" not in text
+
+
+def test_re_dispatches_after_a_lost_decode_reach_metrics() -> None:
+    text = _scrape({"requests_recomputed_total": 3, "recomputed_tokens_total": 41})
+    assert "pdcluster_requests_recomputed_total 3.0" in text
+    assert "pdcluster_recomputed_tokens_total 41.0" in text
+    assert "pdcluster_requests_recomputed" not in _scrape({})

@@ -69,6 +69,17 @@ class _BackendStatsCollector(Collector):
                 "KV bytes moved prefill -> decode, as counted by the backend.",
                 value=stats["kv_transfer_bytes_total"],
             )
+        if "requests_recomputed_total" in stats:  # re-dispatched after a lost decode (driver.recompute)
+            yield CounterMetricFamily(
+                "pdcluster_requests_recomputed",
+                "Requests re-dispatched with their streamed tokens kept after decode lost their KV.",
+                value=stats["requests_recomputed_total"],
+            )
+            yield CounterMetricFamily(
+                "pdcluster_recomputed_tokens",
+                "Streamed output tokens whose KV such re-dispatches computed again.",
+                value=stats["recomputed_tokens_total"],
+            )
         if "kv_transfer_seconds_total" in stats:
             yield CounterMetricFamily(
                 "pdcluster_backend_kv_transfer_seconds",
