@@ -171,10 +171,7 @@ class DecodeWorker(RankWorker):
         )
 
     def inject_delay(self, where: str, seconds: float, count: int = 1) -> None:
-        """Test-only: `DelayPoints.inject` at "before_reserve" (a reply that comes late because the
-        reservation does: an abort sent meanwhile overtakes it), "after_reserve" (the reservation is made,
-        its reply comes late), or "before_admit" (a handoff is received; its admission comes late).
-        """
+        """Test-only: `DelayPoints.inject`."""
         self._delays.inject(where, seconds, count)
 
     def release_delays(self) -> None:

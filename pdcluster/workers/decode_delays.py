@@ -19,8 +19,10 @@ class DelayPoints:
         self._released = threading.Event()
 
     def inject(self, where: str, seconds: float, count: int = 1) -> None:
-        """The next `count` passes through `where` wait `seconds`, or until `release`. Raises ValueError for
-        a point not in `DELAY_POINTS`."""
+        """The next `count` passes through `where` wait `seconds` (holding no lock), or until `release`:
+        "before_reserve" (a reply late because the reservation is: an abort sent meanwhile overtakes it),
+        "after_reserve" (reserved, its reply late), "before_admit" (received, admitted late). Raises
+        ValueError for another point."""
         if where not in DELAY_POINTS:
             raise ValueError(f"unknown delay point {where!r}")
         with self._locked():
@@ -32,7 +34,6 @@ class DelayPoints:
         self._released.set()
 
     def maybe_delay(self, where: str) -> None:
-        """Wait out the next delay armed at `where`, if any (holding no lock)."""
         if not self._delays.get(where):
             return
         with self._locked():

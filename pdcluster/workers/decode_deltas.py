@@ -68,8 +68,7 @@ def token_delta(out: RequestOutput, handoff: Handoff | None) -> TokenDelta:
 
 
 def admit(worker: DecodeWorker, handoff_id: str, received: ReceivedKV) -> list[TokenDelta]:
-    """Under the engine lock: admit a received handoff into `worker`'s engine; its first token's delta
-    (none when that token finished it: the driver streamed it from prefill's reply)."""
+    """Under the engine lock: admit a received handoff into `worker`'s engine; its first token's delta."""
     assert worker.receiver is not None
     extras = received.extras
     worker.receiver.release(handoff_id)

@@ -34,8 +34,7 @@ class DecodeReceivers:
 
     def start_grpc(self, tls: TLSCredentials | None = None) -> str:
         """Start the gRPC receiver on a free port of `host` (mutual TLS with `tls`); returns the address
-        prefill senders use.
-        """
+        prefill senders use."""
         from pdcluster.kvtransfer.grpc_transport import KVReceiverServer
 
         server = KVReceiverServer(
@@ -46,8 +45,7 @@ class DecodeReceivers:
 
     def start_shm(self) -> str:
         """Start the shared-memory receiver (prefill on this host only); returns its socket path, the address
-        prefill senders connect to.
-        """
+        prefill senders connect to."""
         from pdcluster.kvtransfer.shm_transport import ShmKVReceiver
 
         receiver = ShmKVReceiver(int8_passthrough=self.int8_cache)
@@ -58,8 +56,7 @@ class DecodeReceivers:
     def start_paired(self) -> PairedAddress:
         """Start the shm receiver and the gRPC server over one set of reservations (`shm+grpc`: prefill on
         this node takes the first, prefill elsewhere the second, `kvtransfer.paired`); returns both
-        addresses and this node's id, the gRPC one at this node's IP when bound to all interfaces.
-        """
+        addresses and this node's id, the gRPC one at this node's IP when bound to all interfaces."""
         from pdcluster.kvtransfer.paired import PairedReceiver
 
         host = self.worker.host
@@ -88,8 +85,7 @@ class DecodeReceivers:
 
     def start_receiver(self, transport: str, tls: TLSCredentials | None = None) -> str | PairedAddress:
         """`start_grpc(tls)`, `start_shm()` or `start_paired()` by `transport` (`grpc` / `shm` / `shm+grpc`);
-        returns the address.
-        """
+        returns the address."""
         if transport == "shm":
             return self.start_shm()
         if transport == "shm+grpc":
@@ -125,8 +121,7 @@ class DecodeReceivers:
 
     def kv_in_place_stats(self) -> dict[str, int]:
         """For tests: handoffs the shm receiver granted in place (`shm_transport.inplace`) so far, and those
-        whose sender may still write this rank's cache (`fenced`: their blocks wait; 0 once all ended).
-        """
+        whose sender may still write this rank's cache (`fenced`: their blocks wait; 0 once all ended)."""
         receiver = self.worker.receiver
         shm = getattr(receiver, "shm", receiver)
         return {
