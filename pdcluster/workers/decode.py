@@ -12,8 +12,6 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from pdcluster.driver.dispatch import call_timeout_s
 from pdcluster.driver.fair_lock import FairLock
 from pdcluster.driver.messages import (
@@ -21,20 +19,19 @@ from pdcluster.driver.messages import (
     DecodeNodeLoad,
     InstanceGroupSpec,
     NodeReady,
-    Phases,
     PolledEvent,
     PollReply,
     RequestError,
     ReserveRequest,
     ReserveResult,
-    TokenDelta,
 )
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm import EngineStepError, RequestOutput
-from pdcluster.engine.stopping import early_first_token_text
 from pdcluster.kvtransfer.base import HandoffMeta, KVReceiver, KVTransferError, ReceivedKV, ReceivedLayer
 from pdcluster.kvtransfer.paired import PairedAddress
-from pdcluster.workers.decode_deltas import Handoff, token_delta
+from pdcluster.workers.decode_delays import DelayPoints
+from pdcluster.workers.decode_deltas import Handoff, admit, token_delta
+from pdcluster.workers.decode_receivers import DecodeReceivers
 from pdcluster.workers.rank import LOCKSTEP_IDLE_S, RankWorker
 
 if TYPE_CHECKING:
@@ -70,17 +67,9 @@ class DecodeWorker(RankWorker):
         self._received_at_s: dict[str, float] = {}
         self._fenced: set[str] = set()
         self._wakeup = threading.Event()
-        self._delays: dict[str, list[float]] = {}
-        self._delays_released = threading.Event()
+        self.receivers = DecodeReceivers(self)
+        self._delays = DelayPoints(self._locked)
         self._start_engine_thread()
-
-    @property
-    def _int8_cache(self) -> bool:
-        """An int8 KV cache: the receiver hands an int8 wire's values and scales through as they are."""
-        layout = self.engine.kv_layout
-        return self.engine.config.kv_cache_dtype == "int8" or (
-            layout is not None and any(torch.int8 in pool for pool in layout.pools)
-        )
 
     def ready(self) -> NodeReady:
         """Name, process id, load time and what `compile` did, once the engine is loaded (weights read and,
@@ -90,89 +79,20 @@ class DecodeWorker(RankWorker):
         return NodeReady(self.name, os.getpid(), self.load_s, num_blocks, compile=self.engine.compile_stats())
 
     def start_grpc(self, tls: TLSCredentials | None = None) -> str:
-        """Start the gRPC receiver on a free port of `host` (mutual TLS with `tls`); returns the address
-        prefill senders use.
-        """
-        from pdcluster.kvtransfer.grpc_transport import KVReceiverServer
-
-        server = KVReceiverServer(
-            self.host, 0, int8_passthrough=self._int8_cache, max_concurrent_streams=64, tls=tls
-        )
-        self._set_receiver(server)
-        return server.address
-
-    def start_shm(self) -> str:
-        """Start the shared-memory receiver (prefill on this host only); returns its socket path, the address
-        prefill senders connect to.
-        """
-        from pdcluster.kvtransfer.shm_transport import ShmKVReceiver
-
-        receiver = ShmKVReceiver(int8_passthrough=self._int8_cache)
-        self._share_kv_cache(receiver)
-        self._set_receiver(receiver)
-        return receiver.address
-
-    def start_paired(self) -> PairedAddress:
-        """Start the shm receiver and the gRPC server over one set of reservations (`shm+grpc`: prefill on
-        this node takes the first, prefill elsewhere the second, `kvtransfer.paired`); returns both
-        addresses and this node's id, the gRPC one at this node's IP when bound to all interfaces.
-        """
-        from pdcluster.kvtransfer.paired import PairedReceiver
-
-        receiver = PairedReceiver(self.host, int8_passthrough=self._int8_cache, max_concurrent_streams=64)
-        self._share_kv_cache(receiver.shm)
-        self._set_receiver(receiver)
-        address = receiver.address
-        if self.host in ("0.0.0.0", "", "::", "[::]"):
-            address = address.with_grpc_host(self.node_ip())
-        return address
-
-    def _share_kv_cache(self, receiver: Any) -> None:
-        """Let same-host senders write into this rank's KV cache (when it is in shared memory)."""
-        cache = self.engine.runner.shared_kv_cache
-        if cache is not None:
-            receiver.share_kv_cache(cache)
-
-    def _set_receiver(self, receiver: KVReceiver) -> None:
-        """Listen with `receiver` from now on; one started earlier in this process is closed, not leaked."""
-        old, self.receiver = self.receiver, receiver
-        if old is not None:
-            try:
-                old.close()
-            except Exception:  # noqa: BLE001 - the new receiver is up; the old one is best effort
-                logger.exception("%s: closing the previous receiver failed", self.name)
+        """`DecodeReceivers.start_grpc`."""
+        return self.receivers.start_grpc(tls)
 
     def start_receiver(self, transport: str, tls: TLSCredentials | None = None) -> str | PairedAddress:
-        """`start_grpc(tls)`, `start_shm()` or `start_paired()` by `transport` (`grpc` / `shm` / `shm+grpc`);
-        returns the address.
-        """
-        if transport == "shm":
-            return self.start_shm()
-        if transport == "shm+grpc":
-            return self.start_paired()
-        if transport != "grpc":
-            raise ValueError(
-                f"transport: a decode receiver listens for grpc, shm or shm+grpc, got {transport!r}"
-            )
-        return self.start_grpc(tls)
+        """`DecodeReceivers.start_receiver`."""
+        return self.receivers.start_receiver(transport, tls)
 
     def node_ip(self) -> str:
-        """This actor's node IP (what prefill senders dial when the receiver binds 0.0.0.0)."""
-        import ray
-
-        return ray.util.get_node_ip_address()
+        """`DecodeReceivers.node_ip`."""
+        return self.receivers.node_ip()
 
     def connect_dist(self, rank: int, world_size: int, init_method: str, prefill_ranks: list[int]) -> None:
-        """Join the transfer process group (collective) and listen to every prefill rank."""
-        from pdcluster.kvtransfer.dist_transport import (
-            DistKVReceiver,
-            DistTransportConfig,
-            init_transport_group,
-        )
-
-        config = DistTransportConfig.for_device(self.engine.config.device)
-        init_transport_group(config, rank=rank, world_size=world_size, init_method=init_method)
-        self.receiver = DistKVReceiver(prefill_ranks, config, int8_passthrough=self._int8_cache)
+        """`DecodeReceivers.connect_dist`."""
+        self.receivers.connect_dist(rank, world_size, init_method, prefill_ranks)
 
     def reserve(self, request: ReserveRequest) -> ReserveResult:
         """Reserve blocks and expect the handoff (before prefill starts).
@@ -181,7 +101,7 @@ class DecodeWorker(RankWorker):
             ValueError: a request this instance could never hold.
         """
         assert self.receiver is not None, "connect a transport first"
-        self._maybe_delay("before_reserve")
+        self._delays.maybe_delay("before_reserve")
         engine = self.engine
         handoff_id, meta = request.handoff_id, request.meta
         with self._reserve_lock(meta.lease_s):
@@ -204,7 +124,7 @@ class DecodeWorker(RankWorker):
                 engine.release_remote_prefill(handoff_id)
             raise
         threading.Thread(target=self._await_handoff, args=(meta,), daemon=True).start()
-        self._maybe_delay("after_reserve")
+        self._delays.maybe_delay("after_reserve")
         return ReserveResult(bound, self.load())
 
     def abort(self, handoff_id: str) -> None:
@@ -251,20 +171,12 @@ class DecodeWorker(RankWorker):
         )
 
     def inject_delay(self, where: str, seconds: float, count: int = 1) -> None:
-        """Test-only: the next `count` passes through `where` wait `seconds` (holding no lock), or until
-        `release_delays`: "before_reserve" (a reply that comes late because the reservation does: an abort
-        sent meanwhile overtakes it), "after_reserve" (the reservation is made, its reply comes late), or
-        "before_admit" (a handoff is received; its admission comes late).
-        """
-        if where not in ("before_reserve", "after_reserve", "before_admit"):
-            raise ValueError(f"unknown delay point {where!r}")
-        with self._locked():
-            self._delays_released.clear()
-            self._delays.setdefault(where, []).extend([seconds] * count)
+        """Test-only: `DelayPoints.inject`."""
+        self._delays.inject(where, seconds, count)
 
     def release_delays(self) -> None:
-        """Test-only: end the injected delays now (those in progress and those armed)."""
-        self._delays_released.set()
+        """Test-only: `DelayPoints.release`."""
+        self._delays.release()
 
     def check_no_leaks(self) -> dict[str, Any]:
         """For tests: blocks held, reservations and unfinished requests once nothing is in flight."""
@@ -279,18 +191,12 @@ class DecodeWorker(RankWorker):
             }
 
     def num_kv_segments(self) -> int:
-        """For tests: shared-memory segments the shm receiver maps (its pools; 0 for other transports)."""
-        return int(getattr(self.receiver, "num_segments", 0))
+        """For tests: `DecodeReceivers.num_kv_segments`."""
+        return self.receivers.num_kv_segments()
 
     def kv_in_place_stats(self) -> dict[str, int]:
-        """For tests: handoffs the shm receiver granted in place (`shm_transport.inplace`) so far, and those
-        whose sender may still write this rank's cache (`fenced`: their blocks wait; 0 once all ended).
-        """
-        shm = getattr(self.receiver, "shm", self.receiver)
-        return {
-            "granted": int(getattr(shm, "num_in_place_grants", 0)),
-            "fenced": int(getattr(shm, "num_fenced", 0)),
-        }
+        """For tests: `DecodeReceivers.kv_in_place_stats`."""
+        return self.receivers.kv_in_place_stats()
 
     def close(self) -> None:
         self._stop_engine_thread()
@@ -315,7 +221,7 @@ class DecodeWorker(RankWorker):
             if released:
                 self._emit([RequestError(handoff_id, f"{type(e).__name__}: {e}")])
             return
-        self._maybe_delay("before_admit")
+        self._delays.maybe_delay("before_admit")
         received_at_s = time.monotonic()
         with self._locked():
             if handoff_id in self.engine.scheduler.reserved and handoff_id not in self._fenced:
@@ -363,7 +269,7 @@ class DecodeWorker(RankWorker):
         admissions, self._admissions = self._admissions, []
         for handoff_id, received in admissions:
             try:
-                events.extend(self._admit(handoff_id, received))
+                events.extend(admit(self, handoff_id, received))
             except Exception as e:  # noqa: BLE001 - fails this request only
                 self._loop_error(e, f"admitting {handoff_id} failed")
                 events.append(self._fail(handoff_id, f"decode admission failed: {e!r}"))
@@ -439,15 +345,6 @@ class DecodeWorker(RankWorker):
         ids |= {out.request_id for out in self.engine.pop_finished_outputs()}
         return [self._fail(rid, message) for rid in sorted(ids)]
 
-    def _maybe_delay(self, where: str) -> None:
-        if not self._delays.get(where):
-            return
-        with self._locked():
-            delays = self._delays.get(where)
-            seconds = delays.pop(0) if delays else 0.0
-        if seconds and not self._delays_released.is_set():
-            self._delays_released.wait(seconds)
-
     def _wake_engine_thread(self) -> None:
         self._wakeup.set()
 
@@ -472,51 +369,6 @@ class DecodeWorker(RankWorker):
             yield
         finally:
             self._alloc_lock.acquire()
-
-    def _admit(self, handoff_id: str, received: ReceivedKV) -> list[TokenDelta]:
-        assert self.receiver is not None
-        extras = received.extras
-        self.receiver.release(handoff_id)
-        now_s = time.monotonic()
-        received_at_s = self._received_at_s.pop(handoff_id, now_s)
-        handoff = Handoff(
-            received.elapsed_s,
-            int(received.num_wire_bytes),
-            admitted_at_s=now_s,
-            admit_s=now_s - received_at_s,
-        )
-        self._handoffs[handoff_id] = handoff
-        self._maybe_fault("admit")
-        params = self.engine.scheduler.reserved[handoff_id].sampling_params
-        self.engine.admit_remote_prefill(
-            handoff_id,
-            extras.first_token_id,
-            extras.draft_token_ids,
-            extras.draft_probs,
-            extras.first_token_logprobs,
-        )
-        handoff.num_sent = 1
-        early_text = early_first_token_text(self.engine.tokenizer, params, extras.first_token_id)
-        request = self.engine.scheduler.get_request(handoff_id)
-        if request is None:
-            handoff.text_streamed_by_prefill = early_text or ""
-            if early_text is None:
-                handoff.num_sent = 0
-            return []
-        text = self.engine.take_new_text(handoff_id)
-        first = (extras.first_token_id,)
-        if early_text is not None:
-            first, text = (), text.removeprefix(early_text)
-        return [
-            TokenDelta(
-                handoff_id,
-                first,
-                phases=Phases(kv_transfer_s=handoff.kv_transfer_s, admit_s=handoff.admit_s),
-                kv_transfer_bytes=handoff.kv_transfer_bytes,
-                new_text=text,
-                logprobs=(extras.first_token_logprobs,) if first and extras.first_token_logprobs else None,
-            )
-        ]
 
     def _delta(self, out: RequestOutput) -> list[DecodeEvent]:
         rid = out.request_id

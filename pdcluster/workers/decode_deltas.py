@@ -1,12 +1,18 @@
-"""Decode's token deltas: what a decode rank sends the driver for one engine output of one handoff."""
+"""Decode's token deltas: what a decode rank sends the driver for one admission or engine output."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdcluster.driver.messages import DraftCounts, Phases, TokenDelta
 from pdcluster.engine.llm import RequestOutput
+from pdcluster.engine.stopping import early_first_token_text
+
+if TYPE_CHECKING:
+    from pdcluster.kvtransfer.base import ReceivedKV
+    from pdcluster.workers.decode import DecodeWorker
 
 
 @dataclass
@@ -59,3 +65,50 @@ def token_delta(out: RequestOutput, handoff: Handoff | None) -> TokenDelta:
         new_text=new_text,
         logprobs=None if out.logprobs is None else tuple(out.logprobs[num_sent:]),
     )
+
+
+def admit(worker: DecodeWorker, handoff_id: str, received: ReceivedKV) -> list[TokenDelta]:
+    """Under the engine lock: admit a received handoff into `worker`'s engine; its first token's delta."""
+    assert worker.receiver is not None
+    extras = received.extras
+    worker.receiver.release(handoff_id)
+    now_s = time.monotonic()
+    received_at_s = worker._received_at_s.pop(handoff_id, now_s)
+    handoff = Handoff(
+        received.elapsed_s,
+        int(received.num_wire_bytes),
+        admitted_at_s=now_s,
+        admit_s=now_s - received_at_s,
+    )
+    worker._handoffs[handoff_id] = handoff
+    worker._maybe_fault("admit")
+    params = worker.engine.scheduler.reserved[handoff_id].sampling_params
+    worker.engine.admit_remote_prefill(
+        handoff_id,
+        extras.first_token_id,
+        extras.draft_token_ids,
+        extras.draft_probs,
+        extras.first_token_logprobs,
+    )
+    handoff.num_sent = 1
+    early_text = early_first_token_text(worker.engine.tokenizer, params, extras.first_token_id)
+    request = worker.engine.scheduler.get_request(handoff_id)
+    if request is None:
+        handoff.text_streamed_by_prefill = early_text or ""
+        if early_text is None:
+            handoff.num_sent = 0
+        return []
+    text = worker.engine.take_new_text(handoff_id)
+    first = (extras.first_token_id,)
+    if early_text is not None:
+        first, text = (), text.removeprefix(early_text)
+    return [
+        TokenDelta(
+            handoff_id,
+            first,
+            phases=Phases(kv_transfer_s=handoff.kv_transfer_s, admit_s=handoff.admit_s),
+            kv_transfer_bytes=handoff.kv_transfer_bytes,
+            new_text=text,
+            logprobs=(extras.first_token_logprobs,) if first and extras.first_token_logprobs else None,
+        )
+    ]

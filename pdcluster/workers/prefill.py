@@ -6,7 +6,6 @@ import logging
 import os
 import queue
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,9 +22,9 @@ from pdcluster.driver.messages import (
 )
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm import EngineStepError
-from pdcluster.engine.stopping import early_first_token_text
-from pdcluster.kvtransfer.base import HandoffExtras, KVSender
+from pdcluster.kvtransfer.base import KVSender
 from pdcluster.kvtransfer.paired import PairedAddress
+from pdcluster.workers.prefill_handover import HandOver
 from pdcluster.workers.prefill_job import Job
 from pdcluster.workers.prefill_senders import KVSenders
 from pdcluster.workers.rank import LOCKSTEP_IDLE_S, RankWorker
@@ -54,6 +53,7 @@ class PrefillWorker(RankWorker):
         super().__init__(engine_config, name, group)
         self.layerwise = layerwise
         self.kv = KVSenders(name, self.engine.config.device)
+        self.handover = HandOver(self)
         self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._active: dict[str, Job] = {}
         # binds the engine thread has not taken yet (`_take_bind`)
@@ -234,7 +234,7 @@ class PrefillWorker(RankWorker):
             elif kind == "bind":
                 bind = self._take_bind(arg)
                 if bind is not None:  # (else taken already, mid-step)
-                    self._bind(bind)
+                    self.handover.bind(bind)
             elif kind == "abort":
                 self._take_bind(arg)
                 if arg in self._active:
@@ -275,7 +275,7 @@ class PrefillWorker(RankWorker):
             elif out.finished:
                 try:
                     self._maybe_fault("complete")
-                    self._complete(out.request_id, out.finish_reason, out.queue_s or 0.0)
+                    self.handover.complete(out.request_id, out.finish_reason, out.queue_s or 0.0)
                 except Exception as e:  # noqa: BLE001 - fails this request only
                     self._loop_error(e, f"completing {out.request_id} failed")
                     self._fail(out.request_id, f"prefill completion failed: {e!r}", abort_engine=True)
@@ -324,98 +324,16 @@ class PrefillWorker(RankWorker):
             if not job.bound:  # its bind may have come during this step
                 bind = self._take_bind(request_id)
                 if bind is not None:
-                    self._begin(job, bind)
+                    self.handover.begin(job, bind)
             job.layers[layer_idx] = (latent_kv, scale)
             if self.layerwise and job.bound:
-                self._send_computed_layers(job)
+                self.handover.send_computed_layers(job)
         except Exception as e:  # noqa: BLE001 - fails this job after the step, not the step's others
             job.step_error = f"handing its KV to the sender failed: {e!r}"
 
     def _take_bind(self, handoff_id: str) -> PrefillBind | None:
         with self._lock:
             return self._binds.pop(handoff_id, None)
-
-    def _send_computed_layers(self, job: Job) -> None:
-        """Send the layers `job` holds (`job.layers`, computed before its bind, or this step's), in order."""
-        sender = self._sender(job)
-        for layer_idx in sorted(job.layers):
-            latent_kv, scale = job.layers.pop(layer_idx)
-            sender.send_layer(job.request_id, layer_idx, latent_kv, scale)
-            job.num_layers_sent += 1
-            job.last_layer_sent_s = time.monotonic()
-
-    def _complete(self, request_id: str, finish_reason: str | None, queue_s: float) -> None:
-        job = self._active.get(request_id)
-        if job is None:
-            return
-        result = self.engine.pop_prefill_result(request_id)
-        if result is None:
-            self._fail(request_id, f"finished ({finish_reason}) without a sampled token")
-            return
-        if not job.bound:  # its KV (job.layers) waits for the reservation (`_bind`)
-            job.pending = (result, queue_s)
-            return
-        self._hand_over(job, result, queue_s)
-
-    def _bind(self, bind: PrefillBind) -> None:
-        job = self._active.get(bind.handoff_id)
-        if job is None or job.bound:  # failed or aborted meanwhile
-            return
-        try:
-            self._begin(job, bind)
-        except Exception as e:  # noqa: BLE001 - fails this request only
-            self._fail(job.request_id, f"beginning the handoff failed: {e!r}", abort_engine=True)
-            return
-        if job.pending is not None:
-            result, queue_s = job.pending
-            job.pending = None
-            self._hand_over(job, result, queue_s)
-
-    def _begin(self, job: Job, bind: PrefillBind) -> None:
-        """Bind `job` to the reservation and begin its handoff on the sender (raises what `begin` raises)."""
-        job.bind(bind.meta, bind.decode_index, bind.decode_rank)
-        self._sender(job).begin(bind.meta)
-
-    def _hand_over(self, job: Job, result: Any, queue_s: float) -> None:
-        request_id = job.request_id
-        forced = job.request.first_token_id
-        if forced is not None and forced != result.first_token_id:
-            result = result._replace(
-                first_token_id=forced, draft_token_ids=[], draft_probs=None, first_token_logprobs=None
-            )
-        sender = self._sender(job)
-        try:
-            self._send_computed_layers(job)
-            num_layers = job.request.meta.num_layers
-            assert job.meta is not None
-            if job.num_layers_sent != num_layers:
-                raise RuntimeError(f"{job.num_layers_sent} of {num_layers} layers computed")
-            sender.finish(
-                request_id,
-                HandoffExtras(
-                    first_token_id=result.first_token_id,
-                    draft_token_ids=result.draft_token_ids,
-                    draft_probs=result.draft_probs,
-                    first_token_logprobs=result.first_token_logprobs,
-                ),
-            )
-        except Exception as e:  # noqa: BLE001
-            self._fail(request_id, repr(e))
-            return
-        job.result = PrefillResult(
-            first_token_id=result.first_token_id,
-            num_drafts=len(result.draft_token_ids),
-            queue_s=queue_s,
-            prefill_s=time.monotonic() - job.arrival_s - queue_s,
-            last_layer_sent_s=None
-            if job.last_layer_sent_s is None
-            else job.last_layer_sent_s - job.arrival_s,
-            cpu_wait_s=job.cpu_wait_s,
-            first_token_text=None
-            if job.request.first_token_id is not None  # the client has it
-            else early_first_token_text(self.engine.tokenizer, job.request.params, result.first_token_id),
-        )
-        self._finish_job(job)
 
     def _fail(self, request_id: str, reason: str, abort_engine: bool = False) -> None:
         """Fail one job: free its blocks, abort its handoff, wake `prefill` with the error. Never raises."""
