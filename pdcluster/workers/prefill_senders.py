@@ -24,6 +24,7 @@ class KVSenders:
         self.name = name
         self.device = device
         self.table: list[list[KVSender]] = []
+        self._addresses: dict[str | PairedAddress, KVSender] = {}  # `connect`'s senders by address
         self._transport = "grpc"  # what `connect` used, for `replace`
         self._node_id: str | None = None  # this rank's node (kvtransfer.paired.node_id), looked up once
         self._tls: TLSCredentials | None = None
@@ -37,16 +38,23 @@ class KVSenders:
         decode_addresses: list[list[str]] | list[list[PairedAddress]],
         tls: TLSCredentials | None = None,
     ) -> None:
-        """One `transport` sender per decode rank (`decode_addresses[i][r]`: instance i, rank r); closes any
-        previous ones. Raises ValueError for another transport."""
+        """One `transport` sender per decode rank (`decode_addresses[i][r]`: instance i, rank r). A rank
+        still at an address it had keeps its sender (a handoff open on it goes on: an instance that grew
+        back); the others are closed. Raises ValueError for another transport."""
         if transport not in ("grpc", "shm", "shm+grpc"):
             raise ValueError(
                 f"transport: senders connect to grpc, shm or shm+grpc receivers, got {transport!r}"
             )
+        reuse = (transport, tls) == (self._transport, self._tls)
         self._transport, self._tls = transport, tls
-        old = self.all()
-        self.table = [[self._new_sender(a) for a in ranks] for ranks in decode_addresses]
-        for sender in old:
+        old = self._addresses if reuse else {}
+        kept: dict[str | PairedAddress, KVSender] = {}
+        for address in (a for ranks in decode_addresses for a in ranks):
+            kept[address] = old.pop(address, None) or kept.get(address) or self._new_sender(address)
+        closing = [s for s in self.all() if all(s is not k for k in kept.values())]
+        self.table = [[kept[a] for a in ranks] for ranks in decode_addresses]
+        self._addresses = kept
+        for sender in closing:
             sender.close()
 
     def connect_dist(
@@ -68,7 +76,8 @@ class KVSenders:
         """Rank `decode_rank` of decode instance `decode_index` was restarted and listens at `address` now:
         replace its sender (transfers in flight to the old one fail, as they would have anyway)."""
         old = self.table[decode_index][decode_rank]
-        self.table[decode_index][decode_rank] = self._new_sender(address)
+        self.table[decode_index][decode_rank] = self._addresses[address] = self._new_sender(address)
+        self._addresses = {a: s for a, s in self._addresses.items() if s is not old}
         old.close()
 
     def transports(self) -> list[list[str]]:
