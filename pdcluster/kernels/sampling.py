@@ -18,9 +18,7 @@ _NUMPY_ARGMAX_DTYPES = (torch.float32, torch.float64)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(dim=-1)`: `[...]` int64, the index of the largest value along the last dimension of `x`
-    `[..., V]` (V >= 1), the first on ties, a NaN counting as the largest (torch's and numpy's rule alike).
-    """
+    """`x.argmax(dim=-1)` of `x [..., V]`: `[...]` int64, the first index on ties, NaN counting as largest."""
     if x.device.type == "cpu" and x.dtype in _NUMPY_ARGMAX_DTYPES and not x.requires_grad and x.dim():
         return torch.from_numpy(np.asarray(np.argmax(x.numpy(), axis=-1), dtype=np.int64))
     return x.argmax(dim=-1)
@@ -40,17 +38,12 @@ def probs_from_logits(
     top_k: torch.Tensor | int | None = None,
     top_p: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
-    """The distribution each row samples from: softmax(logits / T), restricted to top-k then top-p.
+    """softmax(logits / T) restricted to top-k then top-p: `probs [B, V]` float32, 0 outside the kept set.
 
-    logits: `[B, V]` float32 (any float dtype is computed in float32).
-    temperature: `[B]` float32 (or a scalar for all rows), >= 0; 0 makes the row greedy: a one-hot
-        at `argmax(logits)` (first index on ties), top-k/top-p ignored.
-    top_k: `[B]` int64 or scalar; keep tokens whose scaled logit is >= the k-th largest (ties at the
-        k-th value are all kept); `<= 0` or `>= V` disables. None disables for all rows.
-    top_p: `[B]` float32 or scalar in (0, 1]; keep the smallest set of most likely tokens (after top-k)
-        whose mass reaches `top_p` (a token is kept when the mass of the tokens ranked above it is
-        `< top_p`); `1` disables. None disables for all rows.
-    Returns `probs [B, V]` float32, each row summing to 1 (up to rounding), 0 outside the kept set.
+    logits: `[B, V]` float (computed in float32). temperature: `[B]` float32 or scalar >= 0; 0 gives a
+    one-hot at the argmax. top_k: `[B]` int64 or scalar, ties at the k-th value kept; `<= 0`, `>= V` or
+    None disables. top_p: `[B]` float32 or scalar in (0, 1]; a token is kept while the mass ranked above
+    it is `< top_p`; 1 or None disables.
     Raises ValueError: `logits` not 2-D, a negative temperature, or `top_p` outside (0, 1].
     """
     if logits.dim() != 2:
@@ -91,8 +84,7 @@ def probs_from_logits(
 def group_rows_by_generator(
     generators: Sequence[torch.Generator | None], rows: Sequence[int]
 ) -> list[tuple[torch.Generator | None, list[int]]]:
-    """`rows` grouped by the generator object each uses, in order of first appearance (a seeded request's
-    row draws alone, as it would in any batch)."""
+    """`rows` grouped by the generator object each uses, in order of first appearance."""
     groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
     for row in rows:
         generator = generators[row]
@@ -101,12 +93,7 @@ def group_rows_by_generator(
 
 
 def sample_from_probs(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
-    """Draw one token per row from (possibly unnormalized) non-negative `probs` by the exponential race
-    `argmax_v probs[v] / E_v`, `E_v ~ Exp(1)` (exactly `V` draws per row).
-
-    probs: `[B, V]` float, each row with positive mass.
-    Returns `token_ids [B]` int64; row b is `v` with probability `probs[b, v] / probs[b].sum()`.
-    """
+    """`token_ids [B]` int64 from unnormalized `probs [B, V]`: `argmax_v probs[v] / E_v`, `E_v ~ Exp(1)`."""
     batch, vocab_size = probs.shape
     noise = torch.empty(batch, vocab_size, dtype=torch.float32, device=probs.device)
     if generators is None or isinstance(generators, torch.Generator):
@@ -132,11 +119,7 @@ def sample(
     top_p: torch.Tensor | float | None = None,
     generators: Generators = None,
 ) -> torch.Tensor:
-    """Sample the next token of each row (greedy rows take the argmax and consume no randomness).
-
-    logits: `[B, V]` float32; temperature/top_k/top_p: as `probs_from_logits`;
-    Returns `token_ids [B]` int64.
-    """
+    """`token_ids [B]` int64 sampled from `logits [B, V]` float32 (other args: see `probs_from_logits`)."""
     batch = logits.shape[0]
     is_greedy = _per_row(temperature, batch, torch.float32, logits.device) == 0
     token_ids = argmax(logits)
@@ -181,12 +164,8 @@ def apply_penalties_(
     frequency_penalty: torch.Tensor,
     repetition_penalty: torch.Tensor,
 ) -> torch.Tensor:
-    """Repetition, frequency and presence penalties of every row at once (the rules vLLM and HF apply), in
-    place, touching only the listed tokens' logits.
-
-    Repetition (Keskar et al. 2019, CTRL, section 4.1): a token seen in the prompt or the output has its
-    logit divided by the penalty when positive, multiplied when not. Then OpenAI's
-    `logit -= frequency * count + presence * (count > 0)` over the output's counts.
+    """Repetition (CTRL, Keskar et al. 2019, section 4.1: divide a positive logit, multiply otherwise), then
+    OpenAI's `logit -= frequency * count + presence * (count > 0)` over the output's counts, in place.
 
     logits: `[R, V]` float32, changed in place and returned.
     output_token_ids: `[R, L]` int64, each row's output tokens so far, padded with V (ignored).
@@ -197,8 +176,7 @@ def apply_penalties_(
     device = logits.device
     ids = torch.cat([output_token_ids, prompt_token_ids], dim=1)  # [R, M]
     listed = ids < vocab_size
-    # Padding points at the row's first listed token (0 when none), so it rewrites the value that token's own
-    # entries compute; a row listing nothing rewrites logit 0 unchanged.
+    # Padding points at the row's first listed token (0 when none), rewriting the same value.
     first = ids.gather(1, listed.to(torch.uint8).argmax(dim=1, keepdim=True))  # [R, 1]
     ids = torch.where(listed, ids, torch.where(first < vocab_size, first, 0))
     counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
@@ -238,8 +216,7 @@ class Logprobs(NamedTuple):
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> Logprobs:
-    """Log-probabilities of `token_ids` and the `num_top` most likely tokens per row (the rank pass over the
-    vocabulary runs only for rows whose token is not the most likely).
+    """Log-probabilities of `token_ids` and the `num_top` most likely tokens per row.
 
     logits: `[B, V]` float32; token_ids: `[B]` int64; num_top: 0 .. V (`SamplingParams.logprobs`).
     Raises ValueError: `num_top` outside `[0, V]` or mismatched shapes.
@@ -265,9 +242,7 @@ _TOP_K_CHUNK = 64
 def top_k_largest(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`x.topk(k, dim=-1)` of `x` `[B, V]`: values `[B, k]` (largest first) and their indices `[B, k]` int64.
 
-    When `V` splits into `_TOP_K_CHUNK`-wide chunks, only the k chunks with the largest maxima are searched:
-    they hold k values at least as large as any value outside them. Which index a tie reports may differ
-    from `topk`'s; the values are the same.
+    Only the k `_TOP_K_CHUNK`-wide chunks with the largest maxima are searched; a tie's index may differ.
     """
     batch, vocab_size = x.shape
     if vocab_size % _TOP_K_CHUNK or vocab_size < 8 * k * _TOP_K_CHUNK:
