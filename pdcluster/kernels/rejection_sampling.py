@@ -1,9 +1,5 @@
-"""Speculative decoding verification: greedy matching and lossless rejection sampling.
-
-Sources: Leviathan, Kalman, Matias, "Fast Inference from Transformers via Speculative Decoding" (ICML 2023,
-arXiv 2211.17192), section 2.3 and Algorithm 1, correctness in Appendix A.1; Chen et al., "Accelerating
-Large Language Model Decoding with Speculative Sampling" (arXiv 2302.01318), Algorithm 2 and Theorem 1.
-"""
+"""Speculative decoding verification: greedy matching and lossless rejection sampling (Leviathan et al.,
+arXiv 2211.17192, section 2.3, Algorithm 1; Chen et al., arXiv 2302.01318, Algorithm 2)."""
 
 from __future__ import annotations
 
@@ -42,13 +38,8 @@ def _check(
 
 
 def greedy_verify(draft_token_ids: torch.Tensor, target_probs: torch.Tensor) -> VerifyResult:
-    """Greedy verification of one request (no randomness).
-
-    draft_token_ids: `[k]` int64 drafts.
-    target_probs: `[k + 1, V]` float32 target probabilities (or logits: only the argmax is used).
-    Returns `VerifyResult`: the longest prefix of drafts equal to the target argmax, then the target argmax at
-    the first mismatch (or the bonus argmax after `k` matches).
-    """
+    """Greedy verification of drafts `[k]` int64 against `target_probs [k + 1, V]` (or logits): the drafts
+    equal to the target argmax up to the first mismatch, then the target argmax there."""
     _check(draft_token_ids, None, target_probs)
     num_drafts = draft_token_ids.shape[0]
     target_argmax = argmax(target_probs)  # [k + 1]
@@ -78,14 +69,10 @@ def rejection_sample(
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
 ) -> VerifyResult:
-    """Lossless speculative sampling for one request: the per-request reference (Leviathan Algorithm 1).
+    """Lossless speculative sampling for one request (Leviathan Algorithm 1); `VerifyResult` of 1..k+1 tokens.
 
-    draft_token_ids: `[k]` int64 drafts `x_1..x_k` (k may be 0).
-    draft_probs: `[k, V]` float32 draft distributions `q_i` the drafts were sampled from, or None for a
-        deterministic drafter (one-hot `q_i`).
-    target_probs: `[k + 1, V]` float32 target distributions `p_1..p_{k+1}` (`probs_from_logits` with the
-        request's temperature/top-k/top-p).
-    Returns `VerifyResult` with `1..k+1` tokens.
+    draft_token_ids: `[k]` int64 (k may be 0). draft_probs: `[k, V]` float32 `q_i`, None for one-hot.
+    target_probs: `[k + 1, V]` float32 `p_1..p_{k+1}` (`probs_from_logits` with the request's settings).
     Raises ValueError: inconsistent shapes or draft ids outside the vocabulary.
     """
     _check(draft_token_ids, draft_probs, target_probs)
@@ -95,8 +82,7 @@ def rejection_sample(
     for i, x in enumerate(drafts):
         p_x = target_probs[i, x].float()
         q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs[i, x].float()
-        # Accept x with probability min(1, p(x) / q(x)): u < p/q, written u * q < p so that q(x) = 0 (never
-        # drafted by a consistent drafter) accepts iff p(x) > 0, and p == q always accepts (u < 1).
+        # Accept with probability min(1, p(x) / q(x)), as u * q < p so that q(x) = 0 is safe.
         if bool(uniform[i] * q_x < p_x):
             continue
         # Rejected: the target keeps the mass the draft under-proposed, max(0, p - q), and samples there.
@@ -109,15 +95,13 @@ def rejection_sample(
 
 
 class BatchVerifyResult(NamedTuple):
-    """output_token_ids: `[B, max_k + 1]` int64, row b holds `num_accepted[b] + 1` tokens then -1 padding.
-    num_accepted: `[B]` int64 accepted drafts per request."""
+    """output_token_ids: `[B, max_k + 1]` int64, `num_accepted [B] + 1` tokens per row then -1 padding."""
 
     output_token_ids: torch.Tensor
     num_accepted: torch.Tensor
 
     def token_ids(self) -> list[list[int]]:
-        """Per request, the accepted drafts then the one target token (the padding dropped); one host
-        transfer for the whole batch (counts and tokens travel as one tensor)."""
+        """Per request, the accepted drafts then the target token, in one host transfer."""
         both = torch.cat((self.num_accepted[:, None], self.output_token_ids), dim=1).tolist()
         return [row[1 : row[0] + 2] for row in both]
 
@@ -179,7 +163,7 @@ def _greedy_accept(ragged: _RaggedDrafts, target_argmax: torch.Tensor) -> tuple[
 def greedy_verify_batch(
     draft_token_ids: torch.Tensor, num_draft_tokens: Sequence[int], target_logits: torch.Tensor
 ) -> BatchVerifyResult:
-    """Greedy verification of `B` requests with ragged draft counts (no randomness, no probabilities).
+    """Greedy verification of `B` requests with ragged draft counts.
 
     draft_token_ids: `[N]` int64, the requests' drafts concatenated, `N = sum(num_draft_tokens)`.
     target_logits: `[N + B, V]` target logits (or probabilities: only the argmax is used, the first
@@ -255,8 +239,7 @@ def rejection_sample_batch(
         uniform[sampled] = torch.rand(len(sampled), max_drafts, generator=generators, device=device)
         noise[sampled] = noise[sampled].exponential_(generator=generators)
 
-    # Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)), as u * q < p (see `rejection_sample`);
-    # greedy requests follow `_greedy_accept`. Acceptance stops at the first rejection.
+    # Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)) up to the first rejection (greedy: argmax).
     greedy_accepted, greedy_final = _greedy_accept(ragged, argmax(target))
     num_accepted = torch.where(
         is_greedy, greedy_accepted, _num_accepted(uniform * q_x < p_x, ragged.is_draft)
