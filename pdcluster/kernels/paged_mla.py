@@ -18,8 +18,7 @@ from pdcluster.kernels.kv_quant import quantize_kv_int8
 from pdcluster.kernels.mla import split_kv_b_weight
 from pdcluster.kernels.mla_cost import expanded_crossover_queries
 
-# write_prompt_kv with a checksum: source bytes CRC'd and then copied per group of blocks of about this size,
-# small enough to be still in cache (L2) for the copy. 14 blocks of DeepSeek-V3's 16 x 576 bf16.
+# write_prompt_kv with a checksum CRCs and copies source bytes per group of blocks of this size (fits L2).
 CHECKSUM_GROUP_BYTES = 256 * 1024
 
 
@@ -59,15 +58,10 @@ def write_kv(
     """Store this step's latent KV into the paged cache, in place (quantizing for an int8 cache).
 
     kv_cache: `[num_blocks, block_size, kv_dim]` float, or int8 (then `kv_scale` is required).
-    latent_kv: `[num_tokens, kv_dim]` float, `kv_dim = kv_lora_rank + qk_rope_head_dim`
-        (`DeepseekV3Attention.project`'s third output).
-    slot_mapping: `[num_tokens]` int64, `block_id * block_size + offset` per token; entries `< 0`
-        (padding tokens) are skipped. Duplicate slots leave an unspecified one of the writes.
-    kv_scale: `[num_blocks, block_size]` float32 for an int8 cache, written with each token's
-        `absmax / 127`; None for a float cache.
-    latent_scale: `[num_tokens]` float32 when `latent_kv` is already int8 (an int8 cache's bytes, e.g.
-        received from a prefill instance): values and scales are stored as they are, no re-quantization.
-        Int8 cache only.
+    latent_kv: `[num_tokens, kv_dim]` float, `kv_dim = kv_lora_rank + qk_rope_head_dim`.
+    slot_mapping: `[num_tokens]` int64, `block_id * block_size + offset`; `< 0` (padding) is skipped.
+    kv_scale: `[num_blocks, block_size]` float32 (`absmax / 127` per token) for an int8 cache, else None.
+    latent_scale: `[num_tokens]` float32 when `latent_kv` is already int8: both stored as they are.
     Raises ValueError: shape/dtype mismatch, a slot past the cache, or `kv_scale` given/missing wrongly.
     """
     _check_cache(kv_cache, kv_scale)
@@ -108,13 +102,10 @@ def write_prompt_kv(
     latent_scale: torch.Tensor | None = None,
     checksum_start: int | None = None,
 ) -> int | None:
-    """Store positions `0 .. num_tokens - 1` of one request into its blocks in place (`write_kv` by block).
+    """Store one request's positions `0 .. num_tokens - 1` into its blocks in place (`write_kv` by block).
 
-    latent_kv: `[num_tokens, kv_dim]`, the request's first `num_tokens` positions.
-    block_ids: `[>= ceil(num_tokens / block_size)]` int32/int64, the request's block table; position
-        `pos` goes to block `block_ids[pos // block_size]`, offset `pos % block_size`.
-    Raises ValueError: as `write_kv`; also a block table shorter than the tokens need, or a block id past
-        the cache.
+    latent_kv: `[num_tokens, kv_dim]`; block_ids: `[>= ceil(num_tokens / block_size)]` int32/int64.
+    Raises ValueError: as `write_kv`; also a block table too short, or a block id past the cache.
     """
     _check_cache(kv_cache, kv_scale)
     num_blocks, block_size, kv_dim = kv_cache.shape
@@ -129,8 +120,7 @@ def write_prompt_kv(
             f"got {tuple(block_ids.shape)}"
         )
     block_ids = block_ids[:needed].long()
-    if needed and (int(block_ids.min()) < 0 or int(block_ids.max()) >= num_blocks):  # before either path:
-        # write_kv's slots would clamp a negative id (a padded table) into block 0
+    if needed and (int(block_ids.min()) < 0 or int(block_ids.max()) >= num_blocks):  # before either path
         raise ValueError(f"block ids {block_ids.tolist()} outside the cache's {num_blocks} blocks")
     fast = (
         kv_cache.device.type == "cpu"
@@ -170,12 +160,8 @@ def write_prompt_kv(
 
 
 def slots_from_block_tables(block_tables: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
-    """Cache slots of positions `0 .. num_positions-1` of each request.
-
-    block_tables: `[B, max_blocks]` int32/int64 block ids; padding entries (-1 or any id) past a
-        request's blocks are allowed: their slots are clamped to >= 0 and must be masked by the caller.
-    Returns `[B, num_positions]` int64 slots.
-    """
+    """`[B, num_positions]` int64 slots of each request's first positions, from `block_tables [B, max_blocks]`
+    int32/int64 (padding ids are clamped to >= 0: the caller masks them)."""
     positions = torch.arange(num_positions, device=block_tables.device)
     block_ids = block_tables.long()[:, positions // block_size].clamp_min(0)  # [B, num_positions]
     return block_ids * block_size + positions % block_size
@@ -184,10 +170,8 @@ def slots_from_block_tables(block_tables: torch.Tensor, num_positions: int, bloc
 def gather_kv(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, kv_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A contiguous copy of one request's first `seq_len` cached latent rows (int8 stays int8).
+    """A contiguous copy of one request's first `seq_len` cached latent rows (`block_table [max_blocks]`).
 
-    kv_cache: `[num_blocks, block_size, kv_dim]`; kv_scale: `[num_blocks, block_size]` float32 or None.
-    block_table: `[max_blocks]` int32/int64 block ids of the request.
     Returns `(latent [seq_len, kv_dim] in kv_cache.dtype, scale [seq_len] float32 or None)`.
     """
     _check_cache(kv_cache, kv_scale)
