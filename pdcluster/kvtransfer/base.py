@@ -29,10 +29,7 @@ HANDOFF_SECRET_NUM_BYTES = 32
 
 
 def resolve_wire_dtype(wire_dtype: str, model_dtype: str, kv_cache_dtype: str) -> str:
-    """The `HandoffMeta.wire_dtype` for a topology's `kv_transfer.wire_dtype` (`"auto"` or `"int8"`).
-
-    Raises ValueError for an unknown `wire_dtype`.
-    """
+    """The `HandoffMeta.wire_dtype` for `kv_transfer.wire_dtype` (`"auto"`/`"int8"`); ValueError otherwise."""
     if wire_dtype == "int8":
         return "int8"
     if wire_dtype != "auto":
@@ -46,11 +43,8 @@ def new_handoff_secret() -> bytes:
 
 @dataclass(frozen=True)
 class HandoffMeta:
-    """What both sides agree on before any byte moves.
-
-    dtype: model dtype name; wire_dtype: `dtype` or `"int8"` (per-token INT8, `kernels.kv_quant`).
-    lease_s: seconds from `expect()`/`begin()` for the whole handoff.
-    """
+    """What both sides agree on before any byte moves: `dtype` (model), `wire_dtype` (`dtype` or per-token
+    `"int8"`), `lease_s` (seconds from `expect()`/`begin()` for the whole handoff)."""
 
     request_id: str
     num_layers: int
@@ -101,10 +95,7 @@ class HandoffMeta:
 
 @dataclass
 class HandoffExtras:
-    """What decode needs besides the KV to continue at once (the prompt came with `reserve()`).
-
-    draft_probs: [num_drafts, vocab_size] float32 for sampled drafts; None for greedy drafts or none.
-    """
+    """What decode needs besides the KV; draft_probs: [num_drafts, vocab_size] float32 or None (greedy)."""
 
     first_token_id: int
     draft_token_ids: list[int] = field(default_factory=list)
@@ -113,11 +104,7 @@ class HandoffExtras:
 
 
 class ReceivedLayer(NamedTuple):
-    """One layer as decode gets it.
-
-    latent: [num_tokens, kv_dim] model dtype, or int8 when an int8 wire is passed through.
-    scale: [num_tokens] float32 when `latent` is int8, else None.
-    """
+    """One layer: latent [num_tokens, kv_dim] model dtype or int8; scale [num_tokens] float32 with int8."""
 
     latent: torch.Tensor
     scale: torch.Tensor | None = None
@@ -183,10 +170,7 @@ ERROR_CLASSES: dict[str, type[KVTransferError]] = {
 
 
 class FailureLog:
-    """Failed handoffs not yet reported by `flush` (request id -> error), bounded by `max_records`.
-
-    Not thread-safe: callers hold their own lock.
-    """
+    """Failed handoffs not yet reported by `flush` (request id -> error), at most `max_records`; unlocked."""
 
     def __init__(self, max_records: int = 1024) -> None:
         self.max_records = max_records
@@ -217,11 +201,8 @@ class KVSender(abc.ABC):
     def send_layer(
         self, request_id: str, layer_idx: int, latent_kv: torch.Tensor, scale: torch.Tensor | None = None
     ) -> None:
-        """Copy one layer's KV and enqueue it; returns before delivery.
-
-        latent_kv: [num_tokens, kv_dim] model dtype, or int8 from an int8 KV cache.
-        scale: [num_tokens] float32 with int8 `latent_kv`, else None.
-        Raises ValueError for an unknown request, an out-of-range layer or a wrong shape/dtype.
+        """Copy one layer's KV (latent_kv [num_tokens, kv_dim], scale [num_tokens] float32 with int8) and
+        enqueue it. Raises ValueError for an unknown request, an out-of-range layer or a wrong shape/dtype.
         """
 
     @abc.abstractmethod
@@ -233,10 +214,8 @@ class KVSender(abc.ABC):
 
     @abc.abstractmethod
     def flush(self, timeout_s: float) -> dict[str, KVTransferError]:
-        """Wait up to `timeout_s` for closed requests; returns `{request_id: error}` since the last flush.
-
-        Raises TransferTimeout if a finished request is still in flight.
-        """
+        """`{request_id: error}` since the last flush, waiting up to `timeout_s` for closed requests.
+        Raises TransferTimeout if a finished request is still in flight."""
 
     @abc.abstractmethod
     def pending_request_ids(self) -> list[str]:
@@ -257,10 +236,8 @@ class KVReceiver(abc.ABC):
         on_layer_checksums: bool = False,
         block_ids: Sequence[int] | None = None,
     ) -> HandoffMeta:
-        """Register a reservation and start its lease; returns `handoff` with a fresh `secret`.
-
-        Raises ValueError if `request_id` is reserved or `handoff` already carries a secret.
-        """
+        """Register a reservation, start its lease, return `handoff` with a fresh `secret`.
+        Raises ValueError if `request_id` is reserved or `handoff` already carries a secret."""
 
     @abc.abstractmethod
     def wait(self, request_id: str, timeout_s: float) -> ReceivedKV:
