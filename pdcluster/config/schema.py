@@ -1,6 +1,4 @@
-"""The topology schema: one frozen dataclass per YAML section, each checking its own fields on construction
-(type, choice, range; `config.fields`), so one built in code is checked too.
-"""
+"""The topology schema: one frozen dataclass per YAML section, each checking its fields on construction."""
 
 from __future__ import annotations
 
@@ -103,11 +101,8 @@ class HardwareConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The checkpoint every instance serves.
-
-    dtype: parameter dtype; `auto` is float32 on cpu and bfloat16 on accelerators.
-    planner's default weight dtype): `auto` is `dtype` resolved, `int8` / `fp8` are 8-bit weights.
-    """
+    """The checkpoint every instance serves. dtype: `auto` is float32 on cpu, bfloat16 on accelerators;
+    weight_dtype: `auto` is `dtype` resolved, `int8` / `fp8` are 8-bit weights."""
 
     path: str | None = None
     config_path: str | None = None
@@ -138,11 +133,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """What the prefill and decode pools share: size, parallelism, and engine arguments per instance.
-
-    kv_cache_dtype: `auto` (the model dtype) or `int8` (per-token scales).
-    Ignored (eager, with a warning in the rank's log) with an int8 KV cache or expert parallelism;
-    """
+    """What the prefill and decode pools share. kv_cache_dtype: `auto` (model dtype) or `int8` (per-token
+    scales); compile: ignored (eager, with a warning) with an int8 KV cache or expert parallelism."""
 
     num_instances: int = field(default=1, metadata=between(1, MAX_INSTANCES))
     devices_per_instance: int = field(default=1, metadata=between(1, MAX_DEVICES))
@@ -160,8 +152,7 @@ class PoolConfig:
     enable_prefix_caching: bool = True
     compile: bool = False
     engine_watchdog_s: float = field(default=300.0, metadata=between(1, MAX_TIMEOUT_S))
-    # A multi-rank instance that loses ranks shrinks onto its survivors (`driver.elastic`); false: it
-    # leaves routing for good.
+    # A multi-rank instance that loses ranks shrinks onto its survivors (`driver.elastic`); false: it leaves.
     elastic_ep: bool = True
 
     def __post_init__(self) -> None:
@@ -199,9 +190,7 @@ class DecodePoolConfig(PoolConfig):
 
 @dataclass(frozen=True)
 class KVTLSConfig:
-    """Mutual TLS on the gRPC KV channel: every decode server and prefill sender presents `cert_file`, and
-    accepts a peer only with a certificate `ca_file` signed.
-    """
+    """Mutual TLS on the gRPC KV channel: each side presents `cert_file`, accepts peers `ca_file` signed."""
 
     cert_file: str
     key_file: str
@@ -220,11 +209,8 @@ TLS_FILE_KEYS = ("cert_file", "key_file", "ca_file")
 
 @dataclass(frozen=True)
 class KVTransferConfig:
-    """Prefill -> decode KV handoff.
-
-    wire_dtype: `auto` (the dtype decode's KV cache stores: int8 for an int8 cache, whose values and
-    scales then pass through unchanged, else the model dtype) or `int8` (quantized on the wire,
-    """
+    """Prefill -> decode KV handoff. wire_dtype: `auto` (what decode's KV cache stores; int8 passes through
+    unchanged) or `int8` (quantized per token on the wire)."""
 
     transport: str = field(default="auto", metadata=choices(*KV_TRANSPORTS))
     layerwise: bool = True
@@ -237,11 +223,8 @@ class KVTransferConfig:
 
 
 def resolve_kv_transport(kv: KVTransferConfig, num_nodes: int) -> str:
-    """The transport a topology's `kv_transfer` uses on `num_nodes` nodes: `kv.transport`, except `auto`: with
-    TLS configured `grpc` (TLS asks for the gRPC channel); else `shm` when all instances share one node (no
-    byte of KV then needs a socket), and `shm+grpc` on several nodes: each prefill -> decode pair of ranks
-    on one node through shared memory, the others over gRPC (`kvtransfer.paired`; the pairs are decided by
-    """
+    """`kv.transport`, with `auto` resolved: `grpc` with TLS, else `shm` on one node and `shm+grpc` (same-node
+    pairs through shared memory, `kvtransfer.paired`) on several."""
     if kv.transport != "auto":
         return kv.transport
     if kv.tls is not None:
@@ -251,9 +234,7 @@ def resolve_kv_transport(kv: KVTransferConfig, num_nodes: int) -> str:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """`policy`: how the router picks instances, a name of `driver.router.POLICIES` (round_robin,
-    least_loaded, prefix_aware).
-    """
+    """`policy`: a name of `driver.router.POLICIES` (round_robin, least_loaded, prefix_aware)."""
 
     policy: str = field(default="least_loaded", metadata=choices(*ROUTER_POLICIES))
 
@@ -313,18 +294,14 @@ class Topology:
 
     @property
     def max_concurrent_requests(self) -> int:
-        """Completion requests the HTTP edge lets in at once: `api.max_concurrent_requests`, or when that is
-        null `CONCURRENT_REQUESTS_PER_DECODE_SEAT` x decode.num_instances x decode.max_num_seqs.
-        """
+        """`api.max_concurrent_requests`, or if null `CONCURRENT_REQUESTS_PER_DECODE_SEAT` x decode seats."""
         if self.api.max_concurrent_requests is not None:
             return self.api.max_concurrent_requests
         return CONCURRENT_REQUESTS_PER_DECODE_SEAT * self.decode.num_instances * self.decode.max_num_seqs
 
     @property
     def kv_transport(self) -> str:
-        """The KV transport deploy wires: `kv_transfer.transport` with `auto` resolved
-        (`resolve_kv_transport`).
-        """
+        """`kv_transfer.transport` with `auto` resolved (`resolve_kv_transport`)."""
         return resolve_kv_transport(self.kv_transfer, self.hardware.num_nodes)
 
     def pool(self, role: str) -> PoolConfig:
@@ -334,22 +311,14 @@ class Topology:
         return self.prefill if role == "prefill" else self.decode
 
     def compiles(self, role: str) -> bool:
-        """Whether pool `role`'s engines compile their decode forward: its `compile`, or for null (the decode
-        pool's default) whether the accelerator is `cpu`, the one place it was measured to win.
-
-        Raises:
-            ValueError: `role` is neither `prefill` nor `decode`.
-        """
+        """Whether pool `role`'s engines compile their decode forward: its `compile`, or if null `cpu` or not.
+        Raises ValueError: `role` is neither `prefill` nor `decode`."""
         compile_ = self.pool(role).compile
         return compile_ if compile_ is not None else self.hardware.spec.torch_device_type == "cpu"
 
     def engine_config(self, role: str, rank: int = 0) -> EngineConfig:
-        """The engine arguments of rank `rank` of one instance of pool `role`
-        (`engine_args.engine_arguments`).
-
-        Raises:
-            ValueError: `role` is neither `prefill` nor `decode`, or the engine refuses an argument.
-        """
+        """The engine arguments of rank `rank` of pool `role` (`engine_args.engine_arguments`).
+        Raises ValueError: `role` is neither `prefill` nor `decode`, or the engine refuses an argument."""
         return EngineConfig(**engine_arguments(self, role, rank))
 
     def summary(self) -> str:
