@@ -1,6 +1,4 @@
-"""Persistent batch rows: one preallocated row per running request, updated by deltas (vLLM v1's input batch
-keeps its rows the same way; this is our own, smaller version).
-"""
+"""Persistent batch rows: one preallocated row per running request, updated by deltas (as vLLM v1's)."""
 
 from __future__ import annotations
 
@@ -17,8 +15,7 @@ if TYPE_CHECKING:
 
 
 class SamplingArrays(NamedTuple):
-    """Sampling parameters of a batch, one entry per request (the sampler's own terms, see
-    `kernels.sampling.probs_from_logits` and `kernels.sampling.apply_penalties`).
+    """Sampling parameters of a batch, one entry per request (`kernels.sampling`'s terms).
 
     temperature: `[B]` float32 (0 = greedy); top_k: `[B]` int64 (<= 0 off); top_p: `[B]` float32.
     presence_penalty, frequency_penalty, repetition_penalty: `[B]` float32 (0, 0, 1: off).
@@ -82,13 +79,8 @@ def _value(params: SamplingParams, name: str) -> float | int | bool:
 
 
 class BlockTableRows:
-    """Block ids of the running requests, one row each.
-
-    table: `[num_rows, num_columns]` int64 block ids; row r's columns past `lens[r]` are 0.
-    lens: `[num_rows]` int64, blocks held in each row.
-    Raises:
-        ValueError: (`update`) a request holds more than `num_columns` blocks.
-    """
+    """Block ids of the running requests: table `[num_rows, num_columns]` int64 (0 past `lens[r]`), lens
+    `[num_rows]` int64. Raises ValueError (`update`): a request holds more than `num_columns` blocks."""
 
     def __init__(self, num_rows: int, num_columns: int) -> None:
         num_rows = max(1, num_rows)
@@ -115,9 +107,7 @@ class BlockTableRows:
                 self._free.append(row)
 
     def update(self, request_id: str, block_ids: list[int]) -> int:
-        """The row of `request_id` (a new one for a new request), brought up to `block_ids`: writes only the
-        ids appended since the last update, or the whole row when the list did not just grow.
-        """
+        """The row of `request_id` (new for a new request), brought up to `block_ids` (appended ids only)."""
         row = self._row_of.get(request_id)
         if row is None:
             row = self._allocate(request_id)
@@ -157,15 +147,11 @@ class BlockTableRows:
 
 
 class RequestRows(BlockTableRows):
-    """`BlockTableRows` plus each row's sampling parameters and token ids: the persistent batch that the
-    scheduler keeps up to date by deltas (see the module docstring) and a step packs with a few gathers.
+    """`BlockTableRows` plus each row's sampling parameters and token ids: the persistent batch.
 
-    token_ids: `[num_rows, max_num_tokens]` int64; row r's positions `0 .. num_valid_tokens[r] - 1`
-    num_valid_tokens: `[num_rows]` int64, see `token_ids`; 0 for a free row.
-    The array is allocated zeroed, so the OS backs only the pages rows actually write. int64 (vLLM
-    keeps int32) so that packing gathers straight into the int64 input buffer.
-    Raises:
-        ValueError: a request's tokens or inputs reach past `max_num_tokens` (`join`, `add_step`).
+    token_ids: `[num_rows, max_num_tokens]` int64 (zeroed; int64 to gather into the input buffer).
+    num_valid_tokens: `[num_rows]` int64, valid positions of each row; 0 for a free row.
+    Raises ValueError: a request's tokens or inputs reach past `max_num_tokens` (`join`, `add_step`).
     """
 
     def __init__(self, num_rows: int, num_columns: int, max_num_tokens: int) -> None:
@@ -181,13 +167,8 @@ class RequestRows(BlockTableRows):
         self._num_valid_flat = memoryview(self.num_valid_tokens)
 
     def join(self, request_id: str, token_ids: Sequence[int], params: SamplingParams) -> int:
-        """Give a request that holds no row one, with its sampling parameters and committed tokens
-        (`token_ids`: the prompt; for a request resumed after preemption or admitted after a remote
-        prefill, the prompt and its outputs so far).
-
-        Raises:
-            ValueError: the request already holds a row, or `token_ids` is longer than a row.
-        """
+        """Give a request a row with its sampling parameters and committed `token_ids` (prompt and outputs).
+        Raises ValueError: the request already holds a row, or `token_ids` is longer than a row."""
         if request_id in self._row_of:
             raise ValueError(f"request {request_id!r} already holds row {self._row_of[request_id]}")
         num_tokens = len(token_ids)
@@ -302,12 +283,9 @@ class RequestRows(BlockTableRows):
 
 
 class ScheduledRows(NamedTuple):
-    """A step's requests as rows of the persistent `RequestRows` (`RequestRows.add_step`): what
-    `engine.model_runner.InputBuffers.pack_rows` packs, with no per-request Python.
+    """A step's requests as rows of `RequestRows` (`add_step`), for `InputBuffers.pack_rows`.
 
-    row_index: `[num_reqs]` int64, each scheduled request's row, in batch order.
-    start_positions: `[num_reqs]` int64, the position of its first input this step.
-    num_scheduled_tokens: `[num_reqs]` int64, its inputs this step (positions
+    row_index, start_positions (of the first input), num_scheduled_tokens: `[num_reqs]` int64, batch order.
     """
 
     rows: RequestRows
