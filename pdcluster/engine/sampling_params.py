@@ -1,9 +1,7 @@
 """Per-request sampling and stopping parameters (in the spirit of vLLM's `SamplingParams`).
 
-- `top_p` is compared in float32: a value that rounds to 0 there (below ~7e-46, e.g. 1e-300) is rejected.
-- `temperature` divides float32 logits: it is 0 (greedy) or >= `MIN_TEMPERATURE` (1e-5). Below, logits /
-greedy in effect, so send 0. No upper bound: a huge temperature (inf in float32 included) gives the
-- `top_k` becomes an int64 tensor: at most 2**63 - 1 (anything >= the vocabulary size disables it).
+`top_p` must stay > 0 in float32; `temperature` is 0 (greedy) or >= `MIN_TEMPERATURE`, as a smaller one
+overflows float32 logits / T; `top_k` fits int64 (>= the vocabulary size disables it).
 """
 
 from __future__ import annotations
@@ -26,28 +24,18 @@ MAX_LOGIT_BIAS = 100.0
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token and when to stop.
+    """How to pick each next token and when to stop (each field checked; ValueError names a bad one).
 
-    top_p: nucleus mass in (0, 1], > 0 once rounded to float32; 1 keeps the whole distribution.
-    Attributes: temperature: softmax temperature, 0 or >= `MIN_TEMPERATURE`, finite; 0 means greedy
-    (argmax; `top_p`, `top_k`, `seed` unused). top_p: nucleus mass in (0, 1], > 0 once rounded to float32;
-    1 keeps the whole distribution. top_k: keep the k most likely tokens, at most `MAX_TOP_K`; 0 or -1
-    disables the filter. seed: per-request generator seed in [0, `MAX_SEED`] for reproducible sampling;
-    None: a generator seeded from OS entropy. max_tokens: most output tokens to generate, >= 1 (the
-    request finishes with FINISHED_LENGTH). stop_token_ids: token ids that finish the request
-    (FINISHED_STOPPED); the stop token is kept in the output, like the EOS token. stop: stop strings,
-    checked by the engine on its detokenized text (`engine.stopping`). ignore_eos: keep generating past
-    the model's EOS token (benchmarks). logprobs: None for no log-probabilities, else how many top
-    log-probabilities to return per output token (0 = only the sampled token's). structured_output: None,
-    or `(kind, spec)`: a grammar the output must match (`engine.structured_output`). output token (0 =
-    only the sampled token's), of the distribution the token is sampled from
-    (`engine.outputs.TokenLogprobs`). presence_penalty: in [-2, 2]; subtracted from the logit of every
-    token already in the output (OpenAI's definition). frequency_penalty: in [-2, 2]; times a token's
-    count in the output, subtracted from its logit. repetition_penalty: > 0, finite; a token in the prompt
-    or the output has its logit divided by it when positive, multiplied when negative (Keskar et al. 2019,
-    CTRL, section 4.1); 1 is off. min_tokens: EOS and `stop_token_ids` cannot be sampled before this many
-    output tokens, <= max_tokens. logit_bias: (token id, bias) pairs (a dict is accepted), bias in [-100,
-    100], added to the logit.
+    temperature: 0 (greedy: argmax, `top_p`/`top_k`/`seed` unused) or finite >= `MIN_TEMPERATURE`.
+    top_p: nucleus mass in (0, 1]; 1 keeps all. top_k: <= `MAX_TOP_K`; 0 or -1 disables.
+    seed: in [0, `MAX_SEED`]; None seeds from OS entropy. max_tokens: >= 1 (then FINISHED_LENGTH).
+    stop_token_ids: finish the request (FINISHED_STOPPED), kept in the output like EOS. stop: stop strings
+    on the detokenized text (`engine.stopping`). ignore_eos: generate past EOS. logprobs: None, or how many
+    top log-probabilities per output token (0: the sampled token's only; `engine.outputs.TokenLogprobs`).
+    structured_output: None or `(kind, spec)`, a grammar the output must match (`engine.structured_output`).
+    presence_penalty, frequency_penalty: in [-2, 2], OpenAI's definitions. repetition_penalty: finite > 0,
+    1 off (CTRL, Keskar et al. 2019, section 4.1). min_tokens: EOS and stop tokens are masked before this
+    many outputs, <= max_tokens. logit_bias: (token id, bias) pairs or a dict, bias in [-100, 100].
     """
 
     temperature: float = 1.0

@@ -1,11 +1,7 @@
-"""Expert placement after EP ranks are lost: the survivors' new placement, moving as few experts as it can.
+"""Expert placement after EP ranks are lost, moving as few experts as it can (elastic EP).
 
-A pure policy for elastic expert parallelism. Survivors keep every expert they already hold; each logical
-expert left with no replica ("orphan") takes the slot of a redundant replica on a survivor (the copy of the
-expert whose load per replica rises least, on the least-loaded rank holding one); an orphan with no such
-slot to take is refused, unless `max_local_experts` lets every survivor grow its slots. Orphans are the
-only experts loaded from the checkpoint. Placement is per MoE layer, rank-major as in
-`models.expert_placement`.
+Survivors keep their experts; each expert left with no replica (an orphan, the only experts loaded from the
+checkpoint) takes a redundant replica's slot, else a grown slot up to `max_local_experts`, else is refused.
 """
 
 from __future__ import annotations
@@ -23,14 +19,8 @@ class PlacementRefused(ValueError):
 
 @dataclass(frozen=True)
 class ShrunkPlacement:
-    """The survivors' placement and what must be loaded to reach it.
-
-    Attributes:
-        placement: over `len(survivors)` ranks, survivor i renumbered as rank i.
-        survivors: old rank ids of the survivors, in new rank order.
-        loads: `(moe_layer_row, new_rank, local_slot, logical_expert)` for every slot whose expert
-            the rank does not hold yet (read from the checkpoint).
-    """
+    """`placement` over the `survivors` (old rank ids, survivor i renumbered as rank i), and `loads`:
+    `(moe_layer_row, new_rank, local_slot, logical_expert)` of each slot to read from the checkpoint."""
 
     placement: ExpertPlacement
     survivors: tuple[int, ...]
@@ -48,8 +38,7 @@ def shrink_placement(
     Args:
         placement: the placement the instance served with.
         lost_ranks: old rank ids that are gone (at least one, not all).
-        expert_load: `[num_moe_layers, num_logical_experts]` recent load per logical expert (any real
-            dtype); None counts every expert equal.
+        expert_load: `[num_moe_layers, num_logical_experts]` recent load (any real dtype); None: equal.
         max_local_experts: slots a survivor may hold at most; default its current `num_local_experts`.
 
     Raises:
