@@ -13,9 +13,7 @@ if TYPE_CHECKING:
 class Health(enum.Enum):
     HEALTHY = "healthy"  # answers within the call timeout; routed to
     UNRESPONSIVE = "unresponsive"  # a call timed out: out of routing, probed until it answers
-    DEAD = "dead"  # a call said its process died, or its engine failed: out of routing; rejoins when a
-    # probe is answered with a working engine (by a process Ray restarted, rewired first, or by the same
-    # one: then the error was not its death, or its engine passes again)
+    DEAD = "dead"  # its process died or engine failed: out of routing until a probe finds a working engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +37,7 @@ class ProbeOutcome(enum.Enum):
 
 
 def after_failure(health: InstanceHealth, outcome: ProbeOutcome, reason: str, now_s: float) -> InstanceHealth:
-    """The health after a call on the request path (or a probe) failed with `outcome`.
-
-    Raises ValueError: outcome is ANSWERED (use `after_answer`).
-    """
+    """The health after a call or probe failed with `outcome`; ValueError for ANSWERED (`after_answer`)."""
     if outcome is ProbeOutcome.ANSWERED:
         raise ValueError("after_failure takes a failed outcome; use after_answer for an answer")
     state = (
@@ -78,12 +73,10 @@ def engine_fault(
     stuck_before: tuple[int, int, float] | None,
     now_s: float,
 ) -> tuple[str | None, tuple[int, int, float] | None]:
-    """The engine watchdog, for one rank's load taken by a probe at `now_s` (the driver's time.monotonic(),
-    seconds): whether its engine has failed.
+    """The engine watchdog over one rank's load probed at `now_s` (driver's time.monotonic(), seconds).
 
-    Returns (fault, stuck): `fault` says why the engine failed (None: it did not); `stuck` is (pid, pass
-    number, when first seen over the watchdog) of a pass over the watchdog, to pass as `stuck_before`
-    at the next probe (None: none).
+    Returns (fault, stuck): why the engine failed (None: it did not), and (pid, pass number, first seen)
+    of a pass over the watchdog, for `stuck_before` at the next probe (None: none).
     """
     if not load.engine_thread_alive:
         return f"{load.name}: its engine thread died (last error: {load.last_engine_error or 'none'})", None
@@ -103,11 +96,8 @@ def engine_fault(
 def unresponsive_too_long(
     health: InstanceHealth, watchdog_s: float, now_s: float, last_answer_s: float, min_silent_s: float
 ) -> str | None:
-    """Whether an UNRESPONSIVE instance has been silent (since it became so or `last_answer_s`, seconds)
-    for at least max(`watchdog_s`, `min_silent_s`).
-
-    Returns why (the reason to log and report), or None.
-    """
+    """Why an UNRESPONSIVE instance is silent too long: (since it became so or `last_answer_s`, seconds)
+    for at least max(`watchdog_s`, `min_silent_s`); else None."""
     if health.state is not Health.UNRESPONSIVE or health.pid is None:
         return None
     silent_s = now_s - max(health.since_s, last_answer_s)
@@ -122,11 +112,8 @@ def unresponsive_too_long(
 def restart_overdue(
     health: InstanceHealth, start_timeout_s: float, now_s: float, last_sign_s: float
 ) -> str | None:
-    """Whether a DEAD instance's restart is overdue: silent since it died or `last_sign_s` (seconds) for at
-    least `start_timeout_s`.
-
-    Returns why (the reason to log and report), or None.
-    """
+    """Why a DEAD instance's restart is overdue: silent since it died or `last_sign_s` (seconds) for at
+    least `start_timeout_s`; else None."""
     if health.state is not Health.DEAD:
         return None
     silent_s = now_s - max(health.since_s, last_sign_s)
