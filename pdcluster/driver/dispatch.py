@@ -21,9 +21,7 @@ def call_timeout_s(kv_timeout_s: float) -> float:
 
 
 def collective_timeout_s(kv_timeout_s: float) -> float:
-    """Seconds one collective of a multi-rank instance's group (`driver.instance_group`) may wait for
-    the other ranks: the handoff's lease.
-    """
+    """Seconds one collective of an instance group (`driver.instance_group`) may wait: the handoff's lease."""
     return kv_timeout_s
 
 
@@ -150,8 +148,7 @@ class EmitFirstToken:
 @dataclass(frozen=True)
 class Redispatch:
     """Release this attempt and dispatch again to a prefill instance other than `excluded_prefill` (None:
-    any, the attempt's own included); `error` is this attempt's line (`describe_attempt`), kept for the
-    final message."""
+    any); `error` is this attempt's line (`describe_attempt`), kept for the final message."""
 
     excluded_prefill: int | None
     error: str
@@ -208,8 +205,7 @@ def next_action(state: AttemptState, event: Event) -> Action:
         return Redispatch(state.prefill_instance, errors[-1])
     if isinstance(event, PrefillFailed) or not state.prefill_routable:
         return Fail(f"{handoff_failed}; no other live prefill instance to re-dispatch to")
-    # Decode's side failed (the transfer, the admission) or nothing came, and the prefill instance is still
-    # in routing: it may serve the retry (a one-prefill pool then retries too).
+    # Decode's side failed or nothing came, and prefill is still in routing: it may serve the retry.
     return Redispatch(None, errors[-1])
 
 

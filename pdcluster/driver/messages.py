@@ -1,7 +1,4 @@
-"""The control messages between the driver (`driver.cluster.Cluster`) and the rank actors
-(`workers.prefill.PrefillWorker`, `workers.decode.DecodeWorker`): frozen dataclasses, read by field name,
-never by position.
-"""
+"""Control messages between the driver and the rank actors: frozen dataclasses, read by field name."""
 
 from __future__ import annotations
 
@@ -33,9 +30,7 @@ class NodeReady:
 
 @dataclass(frozen=True)
 class InstanceGroupSpec:
-    """How one rank actor of a multi-rank instance joins its instance's torch.distributed group (given to
-    the actor's constructor; the group is made before the engine, which may need it to load its experts).
-    """
+    """How a rank actor joins its instance's torch.distributed group (made before its engine)."""
 
     rank: int
     num_ranks: int
@@ -102,9 +97,8 @@ class ReserveRequest:
 
 @dataclass(frozen=True)
 class ReserveResult:
-    """`bound_meta`: the meta bound to the reservation, with the secret the prefill sender presents (give
-    it to the chosen prefill rank only); None: no room on this decode instance right now.
-    """
+    """`bound_meta`: the meta bound to the reservation, with the secret for the chosen prefill rank only;
+    None: no room on this decode instance right now."""
 
     bound_meta: HandoffMeta | None
     load: DecodeNodeLoad | None = None
@@ -116,9 +110,8 @@ class ReserveResult:
 
 @dataclass(frozen=True)
 class PrefillRequest:
-    """Prefill one handoff and stream it to rank `decode_rank` of decode instance `decode_index` (which
-    already expects it); `meta` is the one that rank's reserve bound (with the secret).
-    """
+    """Prefill one handoff and stream it to rank `decode_rank` of decode instance `decode_index`, under the
+    `meta` (with the secret) that rank's reserve bound."""
 
     handoff_id: str
     prompt_token_ids: tuple[int, ...]
@@ -159,9 +152,7 @@ class PrefillResult:
 # ---- decode events ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Phases:
-    """Per-request phase durations in seconds, in the order a request meets them; None: not known (yet).
-    Each is measured on one process's clock (hosts' clocks need not agree).
-    """
+    """Per-request phase durations in seconds, each on one process's clock; None: not known (yet)."""
 
     route_s: float | None = None
     reserve_s: float | None = None
@@ -197,9 +188,7 @@ class DraftCounts:
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """Tokens decode committed for one handoff since its previous delta (the first one carries the first
-    token prefill sampled).
-    """
+    """Tokens decode committed for one handoff since its previous delta (the first: prefill's token too)."""
 
     handoff_id: str
     new_token_ids: tuple[int, ...]

@@ -17,11 +17,9 @@ from pdcluster.engine.llm import LLMEngine
 
 logger = logging.getLogger(__name__)
 
-# An expert-parallel rank with nothing to run still steps (its MoE collectives need every rank): when no
-# rank of the instance had work, the step returns at once and the engine thread sleeps this long (seconds).
+# Seconds an idle EP rank's engine thread sleeps after a step no rank had work for (EP ranks step together).
 LOCKSTEP_IDLE_S = 0.002
-# The engine thread copies its engine's EP figures for load snapshots at most this often (seconds): the
-# engine's figures are only safe to read from the thread that steps it.
+# Seconds between the engine thread's copies of its EP figures for load snapshots (only it may read them).
 EP_STATS_REFRESH_S = 1.0
 
 
@@ -175,11 +173,8 @@ class RankWorker:
 
     # ---- fault injection (tests) ------------------------------------------------------------------------
     def inject_fault(self, where: str, count: int = 1) -> None:
-        """Test-only fault injection: the next `count` passes through `where` (one of the role's
-        FAULT_POINTS) raise RuntimeError on the engine thread.
-
-        Raises ValueError: `where` is not a fault point of this role.
-        """
+        """Test-only: the next `count` passes through `where` raise RuntimeError on the engine thread.
+        Raises ValueError: `where` is not one of this role's FAULT_POINTS."""
         if where not in self.FAULT_POINTS:
             raise ValueError(f"unknown fault point {where!r}")
         with self._fault_lock:
