@@ -96,7 +96,7 @@ def engine_fault(
 def unresponsive_too_long(
     health: InstanceHealth, watchdog_s: float, now_s: float, last_answer_s: float, min_silent_s: float
 ) -> str | None:
-    """Why an UNRESPONSIVE instance is silent too long: (since it became so or `last_answer_s`, seconds)
+    """Why an UNRESPONSIVE instance is silent too long: since it became so or `last_answer_s` (seconds)
     for at least max(`watchdog_s`, `min_silent_s`); else None."""
     if health.state is not Health.UNRESPONSIVE or health.pid is None:
         return None
