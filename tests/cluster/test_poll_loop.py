@@ -30,7 +30,7 @@ def test_the_poll_loop_ends_when_wait_for_swallowed_its_cancellation() -> None:
     client = SimpleNamespace(events=events)  # the rank's `RankClient`
     driver = SimpleNamespace(
         _closed=False,
-        instances={"decode": [SimpleNamespace(routable=True, client=lambda rank: client)]},
+        instances={"decode": [SimpleNamespace(routable=True, num_ranks=1, client=lambda rank: client)]},
         call_timeout_s=1.0,
         _loads=SimpleNamespace(update_decode=lambda *_: None),
         _by_handoff={},
