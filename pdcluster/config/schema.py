@@ -322,7 +322,7 @@ class Topology:
         return EngineConfig(**engine_arguments(self, role, rank))
 
     def summary(self) -> str:
-        """One line, e.g."""
+        """One line: `1 node × 2 cpu, prefill 1×1 devices, decode 1×1 devices, KV shm (auto)`."""
         hw = self.hardware
         dies = hw.spec.dies_per_chip
         per_node = f"{hw.devices_per_node // dies} {hw.accelerator}"
