@@ -14,6 +14,7 @@ import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdcluster.config import Topology
 from pdcluster.config.autoscale import AutoscaleConfig
@@ -24,7 +25,7 @@ from pdcluster.entrypoints.bench_client import summarize
 from pdcluster.planner.control_plane import ControlPlane
 from pdcluster.planner.sim_engine import SimEngine, SimRequest
 from pdcluster.planner.simulator import ClusterSimulator, SimResult, to_results
-from pdcluster.planner.sizing import PoolSizing, pool_sizing
+from pdcluster.planner.sizing import pool_sizing
 from pdcluster.planner.step_model import DecodeRow, StepShape, StepTimeModel
 from pdcluster.planner.trace import TraceRequest
 
@@ -98,24 +99,17 @@ class AutoscaleSimulator(ClusterSimulator):
     def __init__(
         self,
         topology: Topology,
-        prefill_model: StepTimeModel,
-        decode_model: StepTimeModel,
-        prefill_sizing: PoolSizing,
-        decode_sizing: PoolSizing,
-        acceptance_per_position: Sequence[float] = (),
-        seed: int = 0,
-        control_plane: ControlPlane | None = None,
-        cores_per_node: float | None = None,
+        *args: Any,
         config: AutoscaleConfig | None = None,
         switch_s: float = DEFAULT_SWITCH_S,
+        **kwargs: Any,
     ) -> None:
-        pools = (prefill_model, decode_model, prefill_sizing, decode_sizing)
-        super().__init__(topology, *pools, acceptance_per_position, seed, control_plane, cores_per_node)
+        """`ClusterSimulator`'s arguments, plus the controller's `config` (default: enabled) and the seconds a
+        role switch takes (`switch_s`)."""
+        super().__init__(topology, *args, **kwargs)
         self.config = config or AutoscaleConfig(enabled=True)
         self.switch_s = switch_s
-        self.decode_model, self.prefill_sizing = decode_model, prefill_sizing
-        self.acceptance = tuple(acceptance_per_position)
-        self._rng = random.Random(seed + 1)
+        self._rng = random.Random(self.seed + 1)
         self.ttft_slo_s = (topology.slo.ttft_ms or DEFAULT_TTFT_SLO_MS) / 1000
         self.tpot_slo_s = (topology.slo.tpot_ms or DEFAULT_TPOT_SLO_MS) / 1000
         self.devices = [_Device(i, e.role, e) for i, e in enumerate((*self.prefills, *self.decodes))]
@@ -340,8 +334,8 @@ def simulate_autoscale(
         seed,
         control_plane,
         cores_per_node,
-        config or replace(topology.autoscale, enabled=True),
-        switch_s,
+        config=config or replace(topology.autoscale, enabled=True),
+        switch_s=switch_s,
     )
     sims = simulator.run(requests)
     results, duration_s = to_results(sims)

@@ -77,8 +77,10 @@ class ClusterSimulator:
         self.rank_loss_reports: list[dict] = []
         self.control_plane = cp = control_plane or ControlPlane()
         self.policy = POLICIES[topology.router.policy]
-        self.prefill_model = prefill_model
-        self.decode_sizing = decode_sizing
+        self.prefill_model, self.decode_model = prefill_model, decode_model
+        self.prefill_sizing, self.decode_sizing = prefill_sizing, decode_sizing
+        self.acceptance = tuple(acceptance_per_position)
+        self.seed = seed
         self.block_size = topology.prefill.block_size
         self.timeout_s = topology.kv_transfer.timeout_s
         k = topology.decode.num_speculative_tokens
