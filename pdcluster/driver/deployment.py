@@ -45,11 +45,20 @@ class ClusterDeployment(ClusterWiring):
     instances: dict[str, list[Instance]]
 
     @classmethod
-    def deploy(cls, topology: Topology | str | Path, *, num_cpus: int | None = None, log=logger.info):
+    def deploy(
+        cls,
+        topology: Topology | str | Path,
+        *,
+        num_cpus: int | None = None,
+        log=logger.info,
+        worker_classes: dict[str, type] | None = None,
+    ):
         """Start the cluster: `ray.init` (RAY_ADDRESS if set, else a local Ray with `num_cpus`, default the
         devices the topology uses), one placement group per instance (`plan_placement`; pinned to its
         planned node where the Ray nodes carry `pdcluster_node_<i>` resources), one actor per instance in
         it, loading weights in parallel (and compiling the decode forward where `compile` is on), then the
+        KV transports wired. `worker_classes`: the rank class per role (default `PrefillWorker`,
+        `DecodeWorker`; tests deploy subclasses that take injected faults).
 
         Raises:
             ValueError: an invalid topology, parallelism the actor layer cannot run or an 8-bit
@@ -63,6 +72,7 @@ class ClusterDeployment(ClusterWiring):
         from pdcluster.workers.decode import DecodeWorker
         from pdcluster.workers.prefill import PrefillWorker
 
+        classes = worker_classes or {"prefill": PrefillWorker, "decode": DecodeWorker}
         self = object.__new__(cls)
         topo = topology if isinstance(topology, Topology) else load_topology(topology)
         check_deployable(topo)
@@ -116,7 +126,7 @@ class ClusterDeployment(ClusterWiring):
                     else ""
                 )
             )
-            names = self._start_rank_actors(ray, plan, PrefillWorker, DecodeWorker)
+            names = self._start_rank_actors(ray, plan, classes["prefill"], classes["decode"])
             ready_refs = {a.ready.remote(): n for a, n in zip(self._actors, names, strict=True)}
             pending = list(ready_refs)
             infos: dict[str, NodeReady] = {}

@@ -29,7 +29,6 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm import EngineStepError, RequestOutput
 from pdcluster.kvtransfer.base import HandoffMeta, KVReceiver, KVTransferError, ReceivedKV, ReceivedLayer
 from pdcluster.kvtransfer.paired import PairedAddress
-from pdcluster.workers.decode_delays import DelayPoints
 from pdcluster.workers.decode_deltas import Handoff, admit, token_delta
 from pdcluster.workers.decode_receivers import DecodeReceivers
 from pdcluster.workers.rank import LOCKSTEP_IDLE_S, RankWorker
@@ -43,7 +42,9 @@ logger = logging.getLogger(__name__)
 class DecodeWorker(RankWorker):
     """One decode rank (of an instance of one or more)."""
 
-    FAULT_POINTS = ("admit", "step", "delta", "loop")
+    # "before_reserve", "after_reserve" (a reserve call), "before_admit" (a received handoff, no lock held),
+    # "admit", "step", "delta" (turning an output into events), "loop" (the pass, under the engine lock)
+    CHECKPOINTS = ("before_reserve", "after_reserve", "before_admit", "admit", "step", "delta", "loop")
     SHARED_KV_CACHE = True
 
     def __init__(
@@ -68,7 +69,6 @@ class DecodeWorker(RankWorker):
         self._fenced: set[str] = set()
         self._wakeup = threading.Event()
         self.receivers = DecodeReceivers(self)
-        self._delays = DelayPoints(self._locked)
         self._start_engine_thread()
 
     def ready(self) -> NodeReady:
@@ -101,7 +101,7 @@ class DecodeWorker(RankWorker):
             ValueError: a request this instance could never hold.
         """
         assert self.receiver is not None, "connect a transport first"
-        self._delays.maybe_delay("before_reserve")
+        self._checkpoint("before_reserve")
         engine = self.engine
         handoff_id, meta = request.handoff_id, request.meta
         with self._reserve_lock(meta.lease_s):
@@ -124,7 +124,7 @@ class DecodeWorker(RankWorker):
                 engine.release_remote_prefill(handoff_id)
             raise
         threading.Thread(target=self._await_handoff, args=(meta,), daemon=True).start()
-        self._delays.maybe_delay("after_reserve")
+        self._checkpoint("after_reserve")
         return ReserveResult(bound, self.load())
 
     def abort(self, handoff_id: str) -> None:
@@ -170,14 +170,6 @@ class DecodeWorker(RankWorker):
             taken_s=time.monotonic(),
         )
 
-    def inject_delay(self, where: str, seconds: float, count: int = 1) -> None:
-        """Test-only: `DelayPoints.inject`."""
-        self._delays.inject(where, seconds, count)
-
-    def release_delays(self) -> None:
-        """Test-only: `DelayPoints.release`."""
-        self._delays.release()
-
     def check_no_leaks(self) -> dict[str, Any]:
         """For tests: blocks held, reservations and unfinished requests once nothing is in flight."""
         with self._locked():
@@ -221,7 +213,7 @@ class DecodeWorker(RankWorker):
             if released:
                 self._emit([RequestError(handoff_id, f"{type(e).__name__}: {e}")])
             return
-        self._delays.maybe_delay("before_admit")
+        self._checkpoint("before_admit")
         received_at_s = time.monotonic()
         with self._locked():
             if handoff_id in self.engine.scheduler.reserved and handoff_id not in self._fenced:
@@ -245,7 +237,7 @@ class DecodeWorker(RankWorker):
                 events = self._fail_all(f"{self.name}: instance group failed: {self._group_error}")
             self._emit(events)
             return
-        if not engine.has_unfinished_requests() and not self._admissions and not self._faults_armed():
+        if not engine.has_unfinished_requests() and not self._admissions and not self._checkpoint_armed():
             self._wakeup.wait(LOCKSTEP_IDLE_S if self.lockstep else 0.05)
             self._wakeup.clear()
             if not self.lockstep:
@@ -253,8 +245,7 @@ class DecodeWorker(RankWorker):
         events: list[DecodeEvent] = []
         try:
             with self._locked():
-                self._maybe_fault("loop")
-                self._maybe_stall()
+                self._checkpoint("loop")
                 self._run_once(events)
                 self._refresh_ep_summary()
         except Exception as e:  # noqa: BLE001 - the last line of defence: fail everything in flight
@@ -278,7 +269,7 @@ class DecodeWorker(RankWorker):
         outputs: list[RequestOutput] = engine.pop_finished_outputs()
         if engine.has_unfinished_requests() or self.lockstep:
             try:
-                self._maybe_fault("step")
+                self._checkpoint("step")
                 self._step_started_s = time.monotonic()
                 try:
                     outputs.extend(engine.step(while_executing=self._reserves_allowed))
@@ -295,7 +286,7 @@ class DecodeWorker(RankWorker):
                 events.extend(self._fail_all(f"decode step failed: {e!r}"))
         for out in outputs:
             try:
-                self._maybe_fault("delta")
+                self._checkpoint("delta")
                 events.extend(self._delta(out))
             except Exception as e:  # noqa: BLE001 - fails this request only
                 self._loop_error(e, f"reporting {out.request_id} failed")

@@ -81,7 +81,7 @@ def admit(worker: DecodeWorker, handoff_id: str, received: ReceivedKV) -> list[T
         admit_s=now_s - received_at_s,
     )
     worker._handoffs[handoff_id] = handoff
-    worker._maybe_fault("admit")
+    worker._checkpoint("admit")
     params = worker.engine.scheduler.reserved[handoff_id].sampling_params
     worker.engine.admit_remote_prefill(
         handoff_id,

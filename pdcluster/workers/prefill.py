@@ -41,7 +41,7 @@ class PrefillWorker(RankWorker):
 
     # "start" (taking a job), "step" (the engine step), "complete" (handing a finished prefill over),
     # "loop" (the loop body, outside any request)
-    FAULT_POINTS = ("start", "step", "complete", "loop")
+    CHECKPOINTS = ("start", "step", "complete", "loop")
 
     def __init__(
         self,
@@ -243,14 +243,13 @@ class PrefillWorker(RankWorker):
                 command = self._jobs.get_nowait()
             except queue.Empty:
                 command = None
-        self._maybe_fault("loop")
-        self._maybe_stall()
+        self._checkpoint("loop")
         if self._group_error is not None or (not engine.has_unfinished_requests() and not self.lockstep):
             return True
         in_engine = [job for job in self._active.values() if job.pending is None]  # (not prefilled yet)
         wait_before_s = run_delay_s()
         try:
-            self._maybe_fault("step")
+            self._checkpoint("step")
             outputs = engine.step(on_prompt_kv=self._on_prompt_kv)
         except EngineStepError as e:  # the step's requests are finished with an error; others go on
             self._loop_error(e, "engine step failed")
@@ -274,7 +273,7 @@ class PrefillWorker(RankWorker):
                 self._fail(out.request_id, f"prefill failed: {out.error}")
             elif out.finished:
                 try:
-                    self._maybe_fault("complete")
+                    self._checkpoint("complete")
                     self.handover.complete(out.request_id, out.finish_reason, out.queue_s or 0.0)
                 except Exception as e:  # noqa: BLE001 - fails this request only
                     self._loop_error(e, f"completing {out.request_id} failed")
@@ -283,7 +282,7 @@ class PrefillWorker(RankWorker):
 
     def _start(self, job: Job) -> None:
         try:
-            self._maybe_fault("start")
+            self._checkpoint("start")
             if self._group_error is not None:
                 raise RuntimeError(f"{self.name}: instance group failed: {self._group_error}")
             if job.bound:

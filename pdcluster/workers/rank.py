@@ -33,7 +33,7 @@ def ep_summary(engine: LLMEngine) -> dict | None:
 class RankWorker:
     """Base of `PrefillWorker` and `DecodeWorker`."""
 
-    FAULT_POINTS: tuple[str, ...] = ()  # where `inject_fault` may arm a fault (set by each role)
+    CHECKPOINTS: tuple[str, ...] = ()  # the named points where the rank calls `_checkpoint` (each role's)
     # The KV cache in shared memory (decode: same-host prefill writes handoffs in place, `LLMEngine`)
     SHARED_KV_CACHE = False
 
@@ -67,13 +67,9 @@ class RankWorker:
         self._stopped = threading.Event()
         self._num_loop_errors = 0
         self._last_loop_error: str | None = None
-        self._fault_lock = threading.Lock()
-        self._faults: dict[str, int] = {}  # test-only: inject_fault
         self._thread: threading.Thread | None = None
         self._engine_passes = 0  # passes of the engine loop begun (`_engine_pass`)
         self._pass_started_s: float | None = None  # time.monotonic() when the current one began
-        self._stall_s = 0.0  # test-only: inject_stall, release_stall
-        self._stall_released = threading.Event()
         self._group_error: str | None = None  # set once a collective of the instance group failed
         self._ep_summary: dict | None = None  # the engine's EP figures, copied by the engine thread
         self._ep_summary_at_s = 0.0
@@ -94,7 +90,6 @@ class RankWorker:
     def _stop_engine_thread(self, timeout_s: float = 10.0) -> None:
         """Ask the engine thread to stop (`_stopped`) and wait up to `timeout_s` seconds for it."""
         self._stopped.set()
-        self._stall_released.set()
         self._wake_engine_thread()
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -111,10 +106,13 @@ class RankWorker:
         finally:
             self._pass_started_s = None
 
-    def _maybe_stall(self) -> None:
-        if self._stall_s > 0:
-            stall_s, self._stall_s = self._stall_s, 0.0
-            self._stall_released.wait(stall_s)
+    def _checkpoint(self, where: str) -> None:
+        """Called at each of the role's CHECKPOINTS; does nothing here. A subclass may raise or wait there
+        (the tests' fault injection, tests/faults.py)."""
+
+    def _checkpoint_armed(self) -> bool:
+        """Whether a subclass wants an engine pass though there is no work (False here)."""
+        return False
 
     # ---- loop errors ------------------------------------------------------------------------------------
     def _loop_error(self, e: BaseException, what: str) -> None:
@@ -170,39 +168,3 @@ class RankWorker:
     def abort_grow(self, attempt: int) -> None:
         """End `grow_group`'s wait for the new ranks of `attempt` (one of them died or never came)."""
         self._aborted_grows.add(attempt)
-
-    # ---- fault injection (tests) ------------------------------------------------------------------------
-    def inject_fault(self, where: str, count: int = 1) -> None:
-        """Test-only: the next `count` passes through `where` raise RuntimeError on the engine thread.
-        Raises ValueError: `where` is not one of this role's FAULT_POINTS."""
-        if where not in self.FAULT_POINTS:
-            raise ValueError(f"unknown fault point {where!r}")
-        with self._fault_lock:
-            self._faults[where] = self._faults.get(where, 0) + count
-        self._wake_engine_thread()
-
-    def inject_stall(self, seconds: float) -> None:
-        """Test-only: the engine thread's next pass hangs `seconds` (or until `release_stall`) before its
-        step, holding its locks; `load` is still answered."""
-        self._stall_released.clear()
-        self._stall_s = seconds
-        self._wake_engine_thread()
-
-    def release_stall(self) -> None:
-        """Test-only: end an injected stall now."""
-        self._stall_released.set()
-
-    def _faults_armed(self) -> bool:
-        """Whether a test armed a fault or a stall (the engine thread then runs a pass even with no work)."""
-        with self._fault_lock:
-            return bool(self._faults) or self._stall_s > 0
-
-    def _maybe_fault(self, where: str) -> None:
-        """Raise RuntimeError("injected fault at <where>") if a fault is armed there (one use)."""
-        with self._fault_lock:
-            if self._faults.get(where, 0) <= 0:
-                return
-            self._faults[where] -= 1
-            if not self._faults[where]:
-                del self._faults[where]
-        raise RuntimeError(f"injected fault at {where}")

@@ -24,6 +24,7 @@ from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.models import bundled_checkpoint_dir
 from pdcluster.workers.thread_clock import run_delay_s
 from tests.cluster.conftest import assert_nothing_held, call_bound_s, deployed_with_loop, request_bound_s
+from tests.faults import FAULT_WORKERS
 from tests.kvtransfer.conftest import write_test_certificates
 
 pytestmark = pytest.mark.slow
@@ -132,7 +133,7 @@ def pair(request, ray_session, tmp_path_factory):
     topo = _topology(transport, layerwise, k, tls_config, *((10, DECODE_MAX_NUM_SEQS) if faults else ()))
     assert topo.kv_transport == ("shm" if transport == "auto" else transport)
     shm_before = pdcluster_shm_entries()
-    with deployed_with_loop(topo) as cluster:
+    with deployed_with_loop(topo, worker_classes=FAULT_WORKERS) as cluster:
         cluster.k, cluster.shm_before = k, shm_before
         yield cluster
 

@@ -42,6 +42,7 @@ from tests.cluster.test_cluster import (
     _topology,
     _wait_reserved,
 )
+from tests.faults import FAULT_WORKERS
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "clusters"
 
@@ -197,7 +198,7 @@ def two_prefills(ray_session):
         # timeout_s 10 -> call_timeout_s 5 s: the abort test waits one call bound for a re-dispatch
         kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=10),
     )
-    with deployed_with_loop(topo) as cluster:
+    with deployed_with_loop(topo, worker_classes=FAULT_WORKERS) as cluster:
         yield cluster
 
 

@@ -31,6 +31,7 @@ from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.models import bundled_checkpoint_dir
 from pdcluster.models.prompts import heldout_def_prompts
 from tests.cluster.conftest import assert_nothing_held, call_bound_s, deployed_with_loop, request_bound_s
+from tests.faults import FAULT_WORKERS
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +65,7 @@ def cluster(ray_session):
         # 10 s: the collective timeout (a stalled rank is given up on after it) and the handoff lease
         kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=10),
     )
-    with deployed_with_loop(topo) as cluster:
+    with deployed_with_loop(topo, worker_classes=FAULT_WORKERS) as cluster:
         yield cluster
 
 

@@ -21,6 +21,7 @@ from pdcluster.entrypoints.openai.server import ServerThread
 from pdcluster.models import bundled_checkpoint_dir
 from tests.cluster.conftest import call_bound_s, request_bound_s
 from tests.conftest import eager_topology_file
+from tests.faults import FAULT_WORKERS
 from tests.openai_checks import chat_logprobs_whole_and_streamed
 
 pytestmark = pytest.mark.slow
@@ -95,7 +96,7 @@ def test_load_test_in_small_against_the_cluster(ray_session, capsys, tmp_path) -
 def served(ray_session):
     """One deployed pair behind one edge for the rest of the module (each test leaves it idle and healthy,
     and counts its own aborts as a difference)."""
-    cluster = Cluster.deploy(_topology())
+    cluster = Cluster.deploy(_topology(), worker_classes=FAULT_WORKERS)
     try:
         with ServerThread(build_app(cluster)) as server:
             yield cluster, server

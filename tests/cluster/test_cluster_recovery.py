@@ -20,6 +20,7 @@ from pdcluster.driver.backend import BackendUnavailable
 from pdcluster.driver.cluster import PROBE_INTERVAL_S, Cluster
 from pdcluster.engine.sampling_params import SamplingParams
 from tests.cluster.conftest import assert_nothing_held, call_bound_s, deployed_with_loop, request_bound_s
+from tests.faults import FAULT_WORKERS
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +42,7 @@ def cluster(ray_session):
         ),
         prefill=dataclasses.replace(topo.prefill, kv_cache_memory_bytes=16 << 20),
     )
-    with deployed_with_loop(topo) as cluster:
+    with deployed_with_loop(topo, worker_classes=FAULT_WORKERS) as cluster:
         yield cluster
 
 

@@ -24,6 +24,7 @@ from pdcluster.kvtransfer.base import HandoffMeta
 from pdcluster.workers.decode import DecodeWorker
 from pdcluster.workers.thread_clock import run_delay_s
 from tests.cluster.test_cluster import _topology
+from tests.faults import FaultyDecodeWorker, FaultyPrefillWorker
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPT = tuple(range(10, 50))  # 40 tokens
@@ -32,11 +33,9 @@ EVENT_WAIT_S = 30.0  # a generous bound on a tiny model's prefill + 6 decode ste
 
 @pytest.fixture(scope="module", params=["grpc", "shm"])
 def nodes(request):
-    from pdcluster.workers.prefill import PrefillWorker
-
     topo = _topology(k=1)
-    decode = DecodeWorker(topo.engine_config("decode"), "decode-0")
-    prefill = PrefillWorker(topo.engine_config("prefill"), "prefill-0", layerwise=True)
+    decode = FaultyDecodeWorker(topo.engine_config("decode"), "decode-0")
+    prefill = FaultyPrefillWorker(topo.engine_config("prefill"), "prefill-0", layerwise=True)
     address = decode.start_receiver(request.param)
     prefill.connect_receivers(request.param, [[address]])
     yield prefill, decode
