@@ -199,18 +199,23 @@ def run_and_emit(
     args: argparse.Namespace,
     table: Callable[[dict[str, Any]], str],
 ) -> None:
-    """Run a benchmark with `args.threads` torch threads and print its result (`args.json`).
-
-    Records the machine's 1-minute load average before the run and the CPU time other processes used
-    during it (see `Contention`)."""
+    """Run a benchmark with `args.threads` torch threads and print its result (`measure_and_emit`)."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    measure_and_emit(run, args.json, table)
+
+
+def measure_and_emit(
+    run: Callable[[], dict[str, Any]], as_json: bool, table: Callable[[dict[str, Any]], str]
+) -> None:
+    """Run a benchmark and print its result (`emit`), with the machine's 1-minute load average before the
+    run and the CPU time other processes used during it (`Contention`) in its "config"."""
     load_before = os.getloadavg()[0]
     contention = Contention()
     result = run()
     result["config"]["load_avg_1min_before_run"] = round(load_before, 2)
     result["config"].update(contention.stop())
-    emit(result, args.json, table)
+    emit(result, as_json, table)
 
 
 def emit(result: dict[str, Any], as_json: bool, table: Callable[[dict[str, Any]], str]) -> None:

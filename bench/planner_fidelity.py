@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from bench.common import Contention, emit, format_table, positive_int, ratio, source_revision
+from bench.common import format_table, measure_and_emit, positive_int, ratio, source_revision
 
 TRACE = "AzureLLMInferenceTrace_conv.csv"
 
@@ -210,10 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", default=TRACE, help="trace file (a bare name: ../shared/traces)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    contention = Contention()
-    result = run(args)
-    result["config"].update(contention.stop())
-    emit(result, args.json, table)
+    measure_and_emit(lambda: run(args), args.json, table)
     return 0
 
 

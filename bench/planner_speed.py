@@ -13,7 +13,7 @@ import argparse
 import time
 from typing import Any
 
-from bench.common import Contention, emit, format_table, positive_int, source_revision
+from bench.common import format_table, measure_and_emit, positive_int, source_revision
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -138,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="print the cProfile top 20 (slower run)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    contention = Contention()
-    result = run(args)
-    result["config"].update(contention.stop())
-    emit(result, args.json, table)
+    measure_and_emit(lambda: run(args), args.json, table)
     return 0
 
 
