@@ -21,10 +21,9 @@ from pdcluster.config.autoscale import AutoscaleConfig
 from pdcluster.config.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
 from pdcluster.driver.autoscale import DECODE, PARKED, PREFILL, Capacity, InstanceView, SignalWindow, decide
 from pdcluster.driver.autoscale_capacity import capacity_from_models, tokens_per_step
-from pdcluster.entrypoints.bench_client import summarize
 from pdcluster.planner.control_plane import ControlPlane
 from pdcluster.planner.sim_engine import SimEngine, SimRequest
-from pdcluster.planner.simulator import ClusterSimulator, SimResult, to_results
+from pdcluster.planner.simulator import ClusterSimulator, SimResult, run_simulation
 from pdcluster.planner.sizing import pool_sizing
 from pdcluster.planner.step_model import DecodeRow, StepShape, StepTimeModel
 from pdcluster.planner.trace import TraceRequest
@@ -337,18 +336,7 @@ def simulate_autoscale(
         config=config or replace(topology.autoscale, enabled=True),
         switch_s=switch_s,
     )
-    sims = simulator.run(requests)
-    results, duration_s = to_results(sims)
-    summary = summarize(results, duration_s, simulator.ttft_slo_s * 1000, simulator.tpot_slo_s * 1000)
-    pools = {"prefill": simulator.prefills, "decode": simulator.decodes}
-    result = SimResult(
-        results,
-        duration_s,
-        summary,
-        num_steps={role: sum(e.num_steps for e in engines) for role, engines in pools.items()},
-        num_preemptions={role: sum(e.num_preemptions for e in engines) for role, engines in pools.items()},
-        num_events=simulator.num_events,
-    )
+    result = run_simulation(simulator, requests, simulator.ttft_slo_s * 1000, simulator.tpot_slo_s * 1000)
     return AutoscaleResult(result, simulator.moves, simulator.roles)
 
 

@@ -379,11 +379,18 @@ def simulate(
         cores_per_node,
         rank_losses,
     )
-    sims = simulator.run(requests)
-    results, duration_s = to_results(sims)
     ttft = ttft_slo_ms or topology.slo.ttft_ms or DEFAULT_TTFT_SLO_MS
     tpot = tpot_slo_ms or topology.slo.tpot_ms or DEFAULT_TPOT_SLO_MS
-    summary = summarize(results, duration_s, ttft, tpot)
+    return run_simulation(simulator, requests, ttft, tpot)
+
+
+def run_simulation(
+    simulator: ClusterSimulator, requests: Sequence[TraceRequest], ttft_slo_ms: float, tpot_slo_ms: float
+) -> SimResult:
+    """Run `simulator` over `requests`; its results summarized as `pdcluster bench` does, and its pools'
+    counters (those of the engines it ends with)."""
+    results, duration_s = to_results(simulator.run(requests))
+    summary = summarize(results, duration_s, ttft_slo_ms, tpot_slo_ms)
     pools = {"prefill": simulator.prefills, "decode": simulator.decodes}
     return SimResult(
         results,
@@ -391,7 +398,9 @@ def simulate(
         summary,
         num_steps={role: sum(e.num_steps for e in engines) for role, engines in pools.items()},
         busy_fraction={
-            role: sum(e.busy_s for e in engines) / (len(engines) * duration_s) if duration_s > 0 else 0.0
+            role: sum(e.busy_s for e in engines) / (len(engines) * duration_s)
+            if duration_s > 0 and engines
+            else 0.0
             for role, engines in pools.items()
         },
         num_preemptions={role: sum(e.num_preemptions for e in engines) for role, engines in pools.items()},
