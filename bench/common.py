@@ -205,6 +205,20 @@ def run_and_emit(
     measure_and_emit(run, args.json, table)
 
 
+def main_measured(
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    table: Callable[[dict[str, Any]], str],
+) -> int:
+    """A `main` for a benchmark without a model (no `add_common_arguments`): parse `argv` with `--json`
+    added, then `measure_and_emit(run(args))`; returns 0."""
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    args = parser.parse_args(argv)
+    measure_and_emit(lambda: run(args), args.json, table)
+    return 0
+
+
 def measure_and_emit(
     run: Callable[[], dict[str, Any]], as_json: bool, table: Callable[[dict[str, Any]], str]
 ) -> None:

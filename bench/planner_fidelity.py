@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from bench.common import format_table, measure_and_emit, positive_int, ratio, source_revision
+from bench.common import format_table, main_measured, positive_int, ratio, source_revision
 
 TRACE = "AzureLLMInferenceTrace_conv.csv"
 
@@ -208,10 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "--probes", type=positive_int, default=12, help="control-plane probes before each live replay"
     )
     parser.add_argument("--trace", default=TRACE, help="trace file (a bare name: ../shared/traces)")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    measure_and_emit(lambda: run(args), args.json, table)
-    return 0
+    return main_measured(parser, argv, run, table)
 
 
 if __name__ == "__main__":

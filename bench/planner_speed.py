@@ -13,7 +13,7 @@ import argparse
 import time
 from typing import Any
 
-from bench.common import format_table, measure_and_emit, positive_int, source_revision
+from bench.common import format_table, main_measured, positive_int, source_revision
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,10 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight-dtype", default="int8")
     parser.add_argument("--acceptance", type=float, default=0.7, help="MTP acceptance of the one draft")
     parser.add_argument("--profile", action="store_true", help="print the cProfile top 20 (slower run)")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    measure_and_emit(lambda: run(args), args.json, table)
-    return 0
+    return main_measured(parser, argv, run, table)
 
 
 if __name__ == "__main__":
