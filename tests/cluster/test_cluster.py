@@ -236,7 +236,7 @@ def test_prefill_overlapped_with_the_reservation_or_after_it_gives_the_same_toke
 
 
 # ---- faults on the "grpc" pair: requests that finish at admission, more handoffs than decode's seats, and
-# exceptions on the engine threads (injected through the actors' test-only `inject_fault` hook). Every
+# exceptions on the engine threads (`inject_fault` of the deployed tests.faults workers). Every
 # request runs under a timeout: the failure these tests guard against is a hang.
 FAULT_PROMPT = "def add(a, b):\n    return"
 
