@@ -23,7 +23,8 @@ from pdcluster.driver.autoscale import DECODE, PARKED, PREFILL, Capacity, Instan
 from pdcluster.driver.autoscale_capacity import capacity_from_models, tokens_per_step
 from pdcluster.planner.control_plane import ControlPlane
 from pdcluster.planner.sim_engine import SimEngine, SimRequest
-from pdcluster.planner.simulator import ClusterSimulator, SimResult, run_simulation
+from pdcluster.planner.sim_results import SimResult
+from pdcluster.planner.simulator import ClusterSimulator, run_simulation
 from pdcluster.planner.sizing import pool_sizing
 from pdcluster.planner.step_model import DecodeRow, StepShape, StepTimeModel
 from pdcluster.planner.trace import TraceRequest

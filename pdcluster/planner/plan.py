@@ -23,7 +23,8 @@ from pdcluster.planner.search import (
     search,
     spread_counts,
 )
-from pdcluster.planner.simulator import SimResult, pool_sizing, simulate
+from pdcluster.planner.sim_results import SimResult
+from pdcluster.planner.simulator import pool_sizing, simulate
 from pdcluster.planner.step_model import StepTimeModel
 from pdcluster.planner.trace import TraceRequest
 from pdcluster.planner.workload import plan_workload

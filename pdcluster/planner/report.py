@@ -10,7 +10,7 @@ from pathlib import Path
 from pdcluster.config.slo import meets_slo
 from pdcluster.entrypoints.bench_client import RequestResult
 from pdcluster.planner.search import Evaluated, describe
-from pdcluster.planner.simulator import SimResult
+from pdcluster.planner.sim_results import SimResult
 
 PHASES = ("queue_s", "prefill_s", "kv_transfer_s", "decode_s")
 

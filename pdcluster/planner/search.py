@@ -18,7 +18,7 @@ import yaml
 from pdcluster.config import TLS_FILE_KEYS, Topology
 from pdcluster.models.config import DeepseekV3Config
 from pdcluster.planner.memory import pool_memory_overflow
-from pdcluster.planner.simulator import SimResult
+from pdcluster.planner.sim_results import SimResult
 from pdcluster.planner.trace import TraceRequest
 
 

@@ -20,7 +20,7 @@ from pdcluster.planner.search import (
     search,
     spread_counts,
 )
-from pdcluster.planner.simulator import SimResult
+from pdcluster.planner.sim_results import SimResult
 from pdcluster.planner.trace import TraceRequest
 from pdcluster.planner.workload import repeat_trace
 
