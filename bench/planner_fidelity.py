@@ -42,7 +42,7 @@ def live_point(
     trace: str = TRACE,
     num_probes: int = 12,
 ) -> dict[str, Any]:
-    """Deploy `cluster`, probe its control plane, replay the trace at `rate_per_s`: the live half of a point."""
+    """Deploy `cluster`, probe its control plane and replay the trace at `rate_per_s`: a point's live half."""
     from pdcluster.config import load_topology
     from pdcluster.entrypoints.bench_client import run_bench
     from pdcluster.entrypoints.serve import serve
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "trace": args.trace,
             "num_requests": args.num_requests,
             "max_tokens_cap": args.max_tokens_cap,
-            "calibration": "--calibrate" if args.calibrate else (str(args.calibration) if args.calibration else None),
+            "calibration": "--calibrate" if args.calibrate else args.calibration and str(args.calibration),
             "eager": args.eager,
             "control_plane_probes": args.probes,
             **source_revision(),

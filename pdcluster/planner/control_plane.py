@@ -14,12 +14,12 @@ node's load. Every figure is taken as the simulator would replay the probe (the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import statistics
 import time
 from collections.abc import Callable
-import dataclasses
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -96,9 +96,13 @@ def derive(
         return max(0.0, statistics.median(values)) if values else 0.0
 
     if host_line is None:
-        host_line = _line([(p["num_decode_steps"], p["host_cpu_s"]) for p in points if p.get("host_cpu_s") is not None])
+        host_line = _line(
+            [(p["num_decode_steps"], p["host_cpu_s"]) for p in points if p.get("host_cpu_s") is not None]
+        )
     values = {f.name: med(f.name) for f in fields(ControlPlane) if f.name.startswith(_MEDIANS)}
-    values["first_decode_step_extra_s"] = max(0.0, values["first_decode_step_extra_s"] - values["decode_step_extra_s"])
+    values["first_decode_step_extra_s"] = max(
+        0.0, values["first_decode_step_extra_s"] - values["decode_step_extra_s"]
+    )
     return ControlPlane(
         **values,
         background_cores=background_cores,
@@ -196,7 +200,7 @@ def derive_from_probes(
     per_request, per_step = _line(
         [(num_decode_steps(r, k), p["host_cpu_s"]) for r, p in zip(results, probes, strict=True)]
     )
-    # `ClusterSimulator._start`: a prefill step's driver demand is its finishing requests' CPU over its seconds
+    # as `ClusterSimulator._start`: a prefill step's driver demand is its finished requests' CPU / its time
     prefill_driver = statistics.median(min(1.0, per_request / m["prefill_s"]) for m in base)
     background = max(0.0, cores / share - 1.0 - prefill_driver) if share < 1 else 0.0
     prefill_rate = lone_rate(cores, prefill_driver, background)
