@@ -215,9 +215,12 @@ def calibrate(cluster: str, directory: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.live_from is not None:
-        return resimulate(args)
-    workdir = Path(tempfile.mkdtemp(prefix="planner_fidelity_"))
+    with tempfile.TemporaryDirectory(prefix="planner_fidelity_") as tmp:
+        return resimulate(args, Path(tmp)) if args.live_from is not None else replay_all(args, Path(tmp))
+
+
+def replay_all(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Every point live then simulated; eager copies and calibrations in `workdir` (kept in the output)."""
     points, calibrations = [], {}
     for cluster in args.clusters:
         deployed = eager_copy(cluster, workdir) if args.eager else cluster
@@ -247,17 +250,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def resimulate(args: argparse.Namespace) -> dict[str, Any]:
+def resimulate(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """`--live-from`: the recorded live halves (a `bench.record` file or this bench's JSON) simulated again
     with today's planner; `--calibration` replaces the recorded calibrations."""
     recorded = json.loads(Path(args.live_from).read_text(encoding="utf-8"))
     recorded = recorded.get("output", recorded)
     config = recorded["config"]
-    workdir = Path(tempfile.mkdtemp(prefix="planner_fidelity_"))
     points = []
     for live in recorded["points"]:
         cluster, deployed = live["cluster"], live.get("deployed", live["cluster"])
-        if not Path(deployed).exists():  # an --eager run's temporary copy: made again
+        if config.get("eager") and not Path(deployed).exists():  # its temporary copy: made again
             deployed = eager_copy(cluster, workdir)
         calibration = args.calibration
         if calibration is None and cluster in recorded.get("calibrations", {}):
@@ -272,7 +274,8 @@ def resimulate(args: argparse.Namespace) -> dict[str, Any]:
     config = {**config, "live_from": str(args.live_from), "resimulated_at": source_revision()}
     if args.calibration is not None:
         config["calibration"] = str(args.calibration)
-    return {"benchmark": "planner_fidelity", "config": config, "points": points}
+    calibrations = recorded.get("calibrations", {})
+    return {"benchmark": "planner_fidelity", "config": config, "calibrations": calibrations, "points": points}
 
 
 def table(result: dict[str, Any]) -> str:
