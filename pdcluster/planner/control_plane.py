@@ -1,22 +1,20 @@
 """Seconds the live control-plane and handoff path adds around engine steps, and its measurement.
 
-`measure_control_plane` runs requests one at a time on the live cluster (no queueing, so every difference
-is overhead) and takes, per field of `ControlPlane`, the median of measured minus modelled seconds:
-dispatch_s (route + reserve), first_token_extra_s (TTFT - dispatch - prefill step), handoff_extra_s
-(kv_transfer + admit - prefill step - KV handoff), first_decode_step_extra_s and decode_step_extra_s
-(measured decode steps - modelled step). Clamped at 0; measured at batch 1 only. The driver process's own
-CPU seconds per probe (route, Ray calls, streaming; with `pdcluster bench`'s client in it) are fitted as
-`host_cpu_per_request_s + host_cpu_per_decode_step_s x decode steps` (least squares over probes of two
-output lengths): on `cpu` they compete with the engines for the node's cores (`planner.core_sharing`).
-The rest of the node's load is `background_cores`: the prefill rank's median share of a core while its probe
-step ran (1 - run-queue wait / prefill time, `workers.thread_clock`) is `cores / (1 + background)` under
-processor sharing; the modelled engine times above are divided by that share before the subtractions, so
-the extras hold only what the engines' slowdown does not.
+`probe_control_plane` runs requests one at a time on the live cluster (no queueing, so every difference
+is overhead); `derive_from_probes` takes, per field of `ControlPlane`, the median of measured minus
+modelled seconds: dispatch_s (route + reserve), first_token_extra_s (TTFT - dispatch - prefill step),
+handoff_extra_s (kv_transfer + admit - prefill step - KV handoff), first_decode_step_extra_s and
+decode_step_extra_s (measured decode steps - modelled step). Clamped at 0; batch 1 only. The driver
+process's CPU seconds per probe (route, Ray calls, streaming; `pdcluster bench`'s client in it) are fitted
+as `host_cpu_per_request_s + host_cpu_per_decode_step_s x decode steps`: on `cpu` they compete with the
+engines for the node's cores (`planner.core_sharing`), and so does `background_cores`, the rest of the
+node's load. Every figure is taken as the simulator would replay the probe (the probe's load counted once).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import statistics
@@ -76,19 +74,20 @@ def control_plane_from_calibration(path: str | Path | None) -> ControlPlane:
 
 
 def _modelled(prefill: StepTimeModel, decode: StepTimeModel, prompt_len: int, k: int) -> dict[str, float]:
+    """Full-speed modelled seconds of a lone probe's prefill step and decode step."""
     prefill_s = prefill.step_time_s(StepShape(prefill=(PrefillChunk(prompt_len),), num_speculative_tokens=k))
     decode_s = decode.step_time_s(
         StepShape(decode=(DecodeRow(prompt_len + 2, 1 + k),), num_speculative_tokens=k)
     )
-    return {
-        "prefill_s": prefill_s,
-        "kv_handoff_s": prefill.kv_handoff_s(prompt_len, prefill_s),
-        "decode_s": decode_s,
-    }
+    return {"prefill_s": prefill_s, "decode_s": decode_s}
 
 
-def derive(points: list[dict[str, Any]], background_cores: float = 0.0) -> ControlPlane:
-    """`ControlPlane` from the per-request points of `measure_control_plane`."""
+def derive(
+    points: list[dict[str, Any]], background_cores: float = 0.0, host_line: tuple[float, float] | None = None
+) -> ControlPlane:
+    """`ControlPlane` from per-request points (`point_from_result`): the median of each extra (the first
+    decode step's net of the per-step one, which the simulator adds to every step); the driver's CPU line
+    `host_line`, else fitted on the points' `host_cpu_s`."""
     if not points:
         raise ValueError("no measured request: cannot derive the control plane")
 
@@ -96,13 +95,19 @@ def derive(points: list[dict[str, Any]], background_cores: float = 0.0) -> Contr
         values = [p[key] for p in points if p.get(key) is not None]
         return max(0.0, statistics.median(values)) if values else 0.0
 
-    host = [(p["num_decode_steps"], p["host_cpu_s"]) for p in points if p.get("host_cpu_s") is not None]
-    per_request, per_step = _line(host)
+    if host_line is None:
+        host_line = _line(
+            [(p["num_decode_steps"], p["host_cpu_s"]) for p in points if p.get("host_cpu_s") is not None]
+        )
+    values = {f.name: med(f.name) for f in fields(ControlPlane) if f.name.startswith(_MEDIANS)}
+    values["first_decode_step_extra_s"] = max(
+        0.0, values["first_decode_step_extra_s"] - values["decode_step_extra_s"]
+    )
     return ControlPlane(
-        **{f.name: med(f.name) for f in fields(ControlPlane) if f.name.startswith(_MEDIANS)},
+        **values,
         background_cores=background_cores,
-        host_cpu_per_request_s=per_request,
-        host_cpu_per_decode_step_s=per_step,
+        host_cpu_per_request_s=host_line[0],
+        host_cpu_per_decode_step_s=host_line[1],
     )
 
 
@@ -131,8 +136,16 @@ def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return max(my - b * mx, 0.0), b
 
 
-def point_from_result(result, k: int, modelled: dict[str, float]) -> dict[str, Any]:
-    """One request's measured pieces (seconds) from its `RequestResult`."""
+def num_decode_steps(result, k: int) -> float:
+    """Decode steps after the first token: (output tokens - 1) / (1 + acceptance x k)."""
+    return (result.num_output_tokens - 1) / (1.0 + (result.acceptance_rate or 0.0) * k)
+
+
+def point_from_result(result, k: int, modelled: dict[str, float], decode_rate: float = 1.0) -> dict[str, Any]:
+    """One request's measured pieces (seconds) from its `RequestResult`. `modelled`: the prefill step and
+    KV handoff as wall seconds (`prefill_s`, `kv_handoff_s`), the decode step at full speed (`decode_s`);
+    the simulator stretches a decode step's extra with its step by `decode_rate` (`planner.core_sharing`),
+    so a measured step of wall `t` leaves `t x decode_rate - decode_s`."""
     ph = result.phases
     dispatch = (ph.get("route_s") or 0.0) + (ph.get("reserve_s") or 0.0)
     point: dict[str, Any] = {
@@ -152,14 +165,58 @@ def point_from_result(result, k: int, modelled: dict[str, float]) -> dict[str, A
         gap = max(0.0, dispatch + kv_transfer + admit - result.ttft_s)
     first = ph.get("first_decode_step_s")
     if first is not None:
-        point["first_decode_step_extra_s"] = first - modelled["decode_s"]
-    tokens_per_step = 1.0 + (result.acceptance_rate or 0.0) * k
-    num_steps = (result.num_output_tokens - 1) / tokens_per_step
-    point["num_decode_steps"] = num_steps
+        point["first_decode_step_extra_s"] = first * decode_rate - modelled["decode_s"]
+    num_steps = point["num_decode_steps"] = num_decode_steps(result, k)
     if first is not None and result.tpot_s is not None and num_steps >= MIN_DECODE_STEPS:
         decode_time = result.tpot_s * (result.num_output_tokens - 1) - gap
-        point["decode_step_extra_s"] = (decode_time - first) / (num_steps - 1) - modelled["decode_s"]
+        per_step = (decode_time - first) / (num_steps - 1)
+        point["decode_step_extra_s"] = per_step * decode_rate - modelled["decode_s"]
     return point
+
+
+def lone_rate(cores: float, driver_demand: float, background: float) -> float:
+    """The speed `NodeCores` gives one busy engine beside the driver's and the background's demand."""
+    return min(1.0, cores / (1.0 + driver_demand + background))
+
+
+def derive_from_probes(
+    probes: list[dict[str, Any]], prefill: StepTimeModel, decode: StepTimeModel, k: int, cores: float
+) -> dict[str, Any]:
+    """`{"values", "points"}` of `probes` (`probe_control_plane`'s: a `RequestResult` as a dict, the
+    prompt length, the driver's CPU seconds), as the simulator on `cores` cores would replay them alone.
+
+    The driver's CPU line comes first; the background is what the prefill rank's measured share leaves
+    once its engine and the driver's demand that the simulator adds to that step are counted
+    (share = cores / (1 + driver + background)); each modelled engine time is divided by the simulator's
+    rate for that step before the subtractions. Raises ValueError when `probes` is empty.
+    """
+    from pdcluster.entrypoints.bench_client import RequestResult
+
+    if not probes:
+        raise ValueError("no measured request: cannot derive the control plane")
+    results = [RequestResult(**p["result"]) for p in probes]
+    share = cpu_share(results)
+    base = [_modelled(prefill, decode, p["prompt_len"], k) for p in probes]
+    per_request, per_step = _line(
+        [(num_decode_steps(r, k), p["host_cpu_s"]) for r, p in zip(results, probes, strict=True)]
+    )
+    # as `ClusterSimulator._start`: a prefill step's driver demand is its finished requests' CPU / its time
+    prefill_driver = statistics.median(min(1.0, per_request / m["prefill_s"]) for m in base)
+    background = max(0.0, cores / share - 1.0 - prefill_driver) if share < 1 else 0.0
+    prefill_rate = lone_rate(cores, prefill_driver, background)
+    decode_s, extra, cp = statistics.median(m["decode_s"] for m in base), 0.0, None
+    for _ in range(4):  # a decode step's driver demand depends on its extra, the extra on the step's rate
+        decode_rate = lone_rate(cores, min(1.0, per_step / (decode_s + extra)), background)
+        points = []
+        for r, p, m in zip(results, probes, base, strict=True):
+            wall = {"prefill_s": m["prefill_s"] / prefill_rate, "decode_s": m["decode_s"]}
+            wall["kv_handoff_s"] = prefill.kv_handoff_s(p["prompt_len"], wall["prefill_s"])
+            point = point_from_result(r, k, wall, decode_rate)
+            points.append({**point, "host_cpu_s": p["host_cpu_s"], "cpu_share": share})
+        cp = derive(points, background, (per_request, per_step))
+        extra = cp.decode_step_extra_s
+    rates = {"prefill": prefill_rate, "decode": decode_rate, "prefill_cpu_share": share}
+    return {"values": cp.to_dict(), "points": points, "lone_rates": rates}
 
 
 def measure_control_plane(
@@ -180,7 +237,8 @@ def probe_control_plane(
     """Send `num_requests` requests one at a time to the server at `url` (serving `topology`, driven from
     this process), every other one with a quarter of `max_tokens`, and derive the `ControlPlane`.
 
-    Returns `{"values", "points", "num_failed"}`. Raises ValueError when no request succeeded.
+    Returns `derive_from_probes`'s object with the raw `probes` and `num_failed`. Raises ValueError when
+    no request succeeded.
     """
     from pdcluster.entrypoints.bench_client import replay, served_model
     from pdcluster.models.tokenizer import Tokenizer
@@ -214,10 +272,9 @@ def probe_control_plane(
         progress(f"control plane {i}/{num_requests}")
     if not measured:
         raise ValueError(f"none of {num_requests} control-plane probes succeeded")
-    share = cpu_share([result for result, _, _ in measured])
-    points = []
-    for result, prompt_len, cpu_s in measured:
-        modelled = {key: s / share for key, s in _modelled(prefill, decode, prompt_len, k).items()}
-        points.append({**point_from_result(result, k, modelled), "host_cpu_s": cpu_s, "cpu_share": share})
-    background = max(0.0, (os.cpu_count() or 1) / share - 1.0) if share < 1 else 0.0
-    return {"values": derive(points, background).to_dict(), "points": points, "num_failed": failed}
+    probes = [
+        {"result": dataclasses.asdict(result), "prompt_len": prompt_len, "host_cpu_s": cpu_s}
+        for result, prompt_len, cpu_s in measured
+    ]
+    derived = derive_from_probes(probes, prefill, decode, k, float(os.cpu_count() or 1))
+    return {**derived, "probes": probes, "num_failed": failed}

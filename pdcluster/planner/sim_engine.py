@@ -146,6 +146,7 @@ class SimEngine:
         self.num_preemptions = 0
         self._num_arrived = 0
         self.num_step_finishing = 0  # prefill: requests whose prompt the step completes
+        self.num_step_rows = 0  # decode: requests the step decodes (each streams its tokens)
         self.step_extra_s = 0.0  # decode: host seconds per step beside the model (`ControlPlane`)
         self.admission_step_extra_s = 0.0  # decode: extra seconds of a step that admitted handoffs
         self._step: list[tuple[SimRequest, int]] = []
@@ -278,7 +279,7 @@ class SimEngine:
                     row = rows[key] = DecodeRow(num_computed, num_new)
                 decode.append(row)
         self.num_free_blocks -= num_taken
-        self.num_step_finishing = finishing
+        self.num_step_finishing, self.num_step_rows = finishing, len(decode)
         if not step:
             return 0.0
         duration_s = self.model.step_time_s(StepShape(tuple(prefill), tuple(decode), self.k)) + extra_s

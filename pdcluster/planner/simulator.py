@@ -220,7 +220,7 @@ class ClusterSimulator:
             demand = self._demand[key]
             if node_index == 0:  # the driver's node: its CPU for this step's requests competes too
                 cp = self.control_plane
-                host_s = cp.host_cpu_per_decode_step_s if engine.role == "decode" else 0.0
+                host_s = cp.host_cpu_per_decode_step_s * engine.num_step_rows  # a delta per decoded request
                 host_s += cp.host_cpu_per_request_s * engine.num_step_finishing  # (prefill's)
                 demand += min(1.0, host_s / duration_s)  # one driver process: at most a core
             self._reschedule(self._nodes[node_index].start(engine, duration_s, demand, now_s))

@@ -135,3 +135,39 @@ def test_calibration_round_trip_and_bad_values(tmp_path):
         control_plane_from_calibration(path)
     with pytest.raises(ValueError, match="dispatch_s must be a finite number >= 0"):
         ControlPlane(dispatch_s=-1.0)
+
+
+def test_the_simulator_replays_a_lone_probe_as_it_was_measured():
+    """The derivation inverts the simulator: one probe's control plane, replayed alone on the node's cores
+    with its core sharing, gives back the probe's TTFT and TPOT (the probe's load is counted once)."""
+    import dataclasses
+    from pathlib import Path
+
+    from pdcluster.config import load_topology
+    from pdcluster.planner.control_plane import derive_from_probes
+
+    local = load_topology(Path(__file__).resolve().parents[2] / "clusters" / "local.yaml")  # one node, k=1
+    prefill, decode = LinearModel(0.012, 0.0001, handoff_s=0.002), LinearModel(0.006, 0.0002)
+    probe = RequestResult(0, 48, 13, 0.0, ok=True, num_output_tokens=13, ttft_s=0.045, tpot_s=0.011,
+                          acceptance_rate=0.0,
+                          phases={"route_s": 0.001, "reserve_s": 0.006, "prefill_s": 0.025,
+                                  "prefill_cpu_wait_s": 0.005, "kv_transfer_s": 0.040, "admit_s": 0.001,
+                                  "first_decode_step_s": 0.016})  # fmt: skip
+    cores = 2.0
+    # the driver spent 30 ms of CPU: more than a core over the prefill step, so the step's driver demand is
+    # one core, and the prefill rank's 80% share leaves 2 / 0.8 - 1 - 1 = 0.5 cores of background
+    derived = derive_from_probes(
+        [{"result": dataclasses.asdict(probe), "prompt_len": 48, "host_cpu_s": 0.030}],
+        prefill, decode, 1, cores,
+    )  # fmt: skip
+    cp = ControlPlane(**derived["values"])
+    assert cp.background_cores == pytest.approx(0.5, abs=TOL_S)
+    assert derived["lone_rates"]["prefill"] == pytest.approx(0.8, abs=TOL_S)
+    result = simulate(local, [TraceRequest(0.0, 48, 13)], prefill, decode, (0.0,), control_plane=cp,
+                      cores_per_node=cores, prefill_sizing=sizing(), decode_sizing=sizing())  # fmt: skip
+    (r,) = result.results
+    assert r.ok and r.num_output_tokens == 13
+    assert r.ttft_s == pytest.approx(probe.ttft_s, abs=TOL_S)
+    # the derivation prices every decode step with its draft; the simulated last step has none (one
+    # query token less: 0.2 ms over the 12 tokens after the first)
+    assert r.tpot_s == pytest.approx(probe.tpot_s, abs=0.0002 / 12 + TOL_S)

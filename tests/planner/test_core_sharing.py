@@ -88,3 +88,22 @@ def test_the_driver_and_background_load_slow_the_engines_on_the_driver_node():
     # the driver's 5 ms of CPU per 10 ms decode step adds half a core: 2 / (1 + 0.5 + 1.5) of full speed
     both = ControlPlane(background_cores=1.5, host_cpu_per_decode_step_s=0.005)
     assert tpot_ms(both) == pytest.approx(10.0 * 3.0 / 2, abs=1e-6)
+
+
+def test_the_driver_streams_each_decoded_request_so_its_demand_grows_with_the_batch():
+    from pdcluster.planner.control_plane import ControlPlane
+
+    topology = load_topology(ROOT / "clusters" / "local.yaml")
+    model = FixedStep(0.01)
+    cp = ControlPlane(background_cores=1.0, host_cpu_per_decode_step_s=0.005)
+
+    def tpot_ms(num_requests):
+        requests = [TraceRequest(0.0, 64, 16)] * num_requests
+        result = simulate(topology, requests, model, model, (0.0,), cores_per_node=2.0, control_plane=cp)
+        return [r.tpot_s * 1e3 for r in result.results]
+
+    # 5 ms of driver CPU per decoded request per 10 ms step: alone 2 / (1 + 0.5 + 1) of full speed; two
+    # decoded together 2 / (1 + 1 + 1), and the second one's prefill overlapping the first's decode only
+    # slows them more (charged per step instead of per request, the pair would stay near 12.5 ms)
+    assert tpot_ms(1) == pytest.approx([12.5], abs=1e-6)
+    assert min(tpot_ms(2)) >= 15.0 - 1e-6
