@@ -2,46 +2,27 @@
 
 `python -m bench.azure_replay [--num-requests 50] [--rounds 2] [--vllm-venv DIR | --no-vllm] [--json]`.
 
-Method (the issue's): the first `--num-requests` requests of the Azure LLM inference conversation trace
-(../shared/traces/AzureLLMInferenceTrace_conv.csv), prompt lengths scaled to the served model's context
-and outputs capped at `--max-tokens-cap` (`planner.trace.scale_trace`), replayed at their arrival
-times by one client (`entrypoints.bench_client.replay`, what `pdcluster bench` runs: streaming
-`/v1/completions` over HTTP, prompts as token ids, ignore_eos, greedy) against each server. Every server is
-a child process of its own (`bench.server_procs`), so none shares this client's interpreter:
+The first `--num-requests` requests of the Azure conversation trace (../shared/traces), prompt lengths
+scaled to the served model's context, outputs capped at `--max-tokens-cap` (`planner.trace.scale_trace`),
+replayed at their arrival times by one client (`entrypoints.bench_client.replay`: streamed
+`/v1/completions`, token-id prompts, ignore_eos, greedy) against each server, each a child process:
 
-    disaggregated   `pdcluster deploy TOPOLOGY` (default clusters/local.yaml: 1 prefill + 1 decode Ray
-                    actor, one torch thread each, KV over its transport, MTP k=1), in a Ray it starts
-                    itself (RAY_ADDRESS is dropped from its environment)
-    colocated       `python -m bench.colocated_server`: one `LLMEngine` doing both prefill and decode,
-                    with the topology's decode `EngineConfig` (same model, dtype, MTP k, KV cache,
-                    prefix caching, `compile`: both servers compile their decode forward at load unless
-                    the topology says `decode: compile: false`), `--server-threads` torch threads,
-                    behind the same API
-    vllm_mtp_eager  vLLM's CPU build (`vllm serve` from `--vllm-venv`, `bench.vllm_server`), the same
-                    checkpoint in float32, MTP k=1, `enforce_eager`: the same algorithm as ours
-    vllm_default    the same, in vLLM's default mode (torch.compile, no speculation); `--vllm-modes`
-                    picks which of the two run (the first listed is the one the target compares with)
+    disaggregated   `pdcluster deploy TOPOLOGY` (default clusters/local.yaml), in a Ray of its own
+    colocated       `bench.colocated_server`: one `LLMEngine` doing prefill and decode with the topology's
+                    decode `EngineConfig` (model, MTP k, KV cache, `compile`), `--server-threads` threads
+    vllm_mtp_eager  vLLM's CPU build (`--vllm-venv`, `bench.vllm_server`), the same float32 checkpoint,
+                    MTP k=1, `enforce_eager`: our algorithm; `vllm_default`: torch.compile, no speculation
+                    (`--vllm-modes` picks; the first listed is the target's); ../shared/PEERS.md's
+                    workarounds, OMP_NUM_THREADS=`--server-threads`, no core pinning
 
-vLLM gets ../shared/PEERS.md's workarounds (a checkpoint copy saying `topk_method: noaux_tc`,
-`VLLM_MLA_DISABLE=1`, `VLLM_CPU_KVCACHE_SPACE`) and `VLLM_CPU_OMP_THREADS_BIND=nobind` with
-OMP_NUM_THREADS=`--server-threads` (no core pinning on a shared machine).
-
-All servers start together and stay up for the whole run; each gets one untimed warm-up replay of the first
-`--warmup-requests` requests, then `--rounds` rounds replay every server in turn (the order rotates each
-round), so machine load drifts into all alike. The warm-up and each round send different prompts
-(consecutive held-out slices of the same lengths), so no server's prefix cache holds a timed prompt.
-Reported per server and round: TTFT p50/p90 and TPOT p50 (ms, `entrypoints.bench_client.summarize`),
-requests failed or short of their output length, mean KV transfer (ms, ours), the p50 of each phase our
-servers report (`pdcluster.phases`: route, reserve, queue, prefill, KV transfer, admission, ...); the medians
-over the rounds;
-the targets (disaggregated TTFT p50 - colocated p50 <= TARGET_TTFT_P50_MARGIN_MS, disaggregated / vLLM
-TTFT p50 <= TARGET_TTFT_P50_VS_VLLM); how each server stopped (`clean_shutdown`: every server exited, no
-process of theirs alive, no port still served). Exit code 1 if a server failed to start (the error names
-it, with its log tail) or a request failed; everything started is stopped first, also on Ctrl-C/SIGTERM.
-The model is the topology's (`--model` may only name it); `--threads` sets this client's torch threads.
-`config.other_processes_cpu_fraction` (`bench.common.Contention`) counts the servers' own CPU time too
-(they are other processes to this one), so it does not measure outside contention here; neither do the
-load averages before and after.
+All servers (and a `--baseline` checkout's `deploy`, for before/after) start together and stay up; each
+gets one untimed warm-up replay, then `--rounds` rounds replay every server in turn (the order rotates each
+round), with fresh prompts of the same lengths per round so no prefix cache holds a timed prompt. Reported
+per server and round: TTFT p50/p90, TPOT p50 (ms), failed or short requests, mean KV transfer and each
+phase's p50 (ms, ours); the medians over rounds; the targets (disaggregated TTFT p50 - colocated <=
+TARGET_TTFT_P50_MARGIN_MS, disaggregated / vLLM <= TARGET_TTFT_P50_VS_VLLM); whether every server stopped
+cleanly. Exit code 1 if a server failed to start (named, with its log tail) or a request failed.
+`config.other_processes_cpu_fraction` counts the servers' own CPU too, so it does not measure outside load.
 """
 
 from __future__ import annotations
@@ -95,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm-modes", default="mtp_eager", help=f"comma-separated from {VLLM_MODES}")
     parser.add_argument("--vllm-kvcache-gib", type=positive_int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--no-vllm", action="store_true", help="only our two servers")
+    parser.add_argument(  # before/after in one run: the rounds alternate over every server
+        "--baseline",
+        type=lambda p: Path(p).absolute(),
+        default=None,
+        help="another checkout (e.g. a `git worktree` of an older commit): its own `deploy` of its own "
+        "TOPOLOGY joins the rounds as `disaggregated_baseline`",
+    )
     parser.add_argument("--startup-timeout-s", type=float, default=900.0, help="per server, until it serves")
     parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a new temp dir)")
     return parser
@@ -127,6 +115,8 @@ def make_servers(args: argparse.Namespace, topo, log_dir: Path) -> list[ServerPr
             dict(base_env, OMP_NUM_THREADS=threads),
         ),
     ]
+    if args.baseline is not None:
+        servers.append(_baseline_server(args.baseline, args.topology, log_dir, base_env))
     if args.no_vllm:
         return servers
     modes = [m for m in args.vllm_modes.split(",") if m]
@@ -169,6 +159,22 @@ def make_servers(args: argparse.Namespace, topo, log_dir: Path) -> list[ServerPr
             )
         )
     return servers
+
+
+def _baseline_server(checkout: Path, topology: str, log_dir: Path, env: dict[str, str]) -> ServerProcess:
+    """`deploy TOPOLOGY` run by `checkout`'s own code (its CLI module, wherever that version kept it).
+    Raises FileNotFoundError: `checkout` has no pdcluster CLI."""
+    for module in ("pdcluster.entrypoints.cli", "pdcluster.orchestrator.cli"):
+        if (checkout / module.replace(".", "/")).is_dir():
+            break
+    else:
+        raise FileNotFoundError(f"--baseline {checkout}: no pdcluster CLI package in it")
+    port = free_port()
+    argv = [sys.executable, "-m", module, "deploy", topology, "--port", str(port)]
+    name = "disaggregated_baseline"
+    return ServerProcess(
+        name, argv, port, log_dir / f"{name}.log", dict(env, PYTHONPATH=str(checkout)), str(checkout)
+    )
 
 
 def _figures(summary: dict[str, Any], results) -> dict[str, Any]:
