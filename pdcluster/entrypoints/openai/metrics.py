@@ -116,84 +116,62 @@ class ApiMetrics:
     """The metrics of one app (see the module docstring); `registry` is what `/metrics` exposes."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.ttft_s = Histogram(
-            "pdcluster_time_to_first_token_seconds",
-            "Arrival at the API server -> first token.",
-            buckets=_TTFT_BUCKETS_S,
-            registry=r,
+        self.registry = r = CollectorRegistry(auto_describe=True)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], *labels: str) -> Histogram:
+            return Histogram(f"pdcluster_{name}", doc, labels, buckets=buckets, registry=r)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"pdcluster_{name}", doc, labels, registry=r)
+
+        self.ttft_s = histogram(
+            "time_to_first_token_seconds", "Arrival at the API server -> first token.", _TTFT_BUCKETS_S
         )
-        self.tpot_s = Histogram(
-            "pdcluster_time_per_output_token_seconds",
+        self.tpot_s = histogram(
+            "time_per_output_token_seconds",
             "Per request: (last token time - first token time) / (output tokens - 1).",
-            buckets=_TPOT_BUCKETS_S,
-            registry=r,
+            _TPOT_BUCKETS_S,
         )
-        self.itl_s = Histogram(
-            "pdcluster_inter_token_latency_seconds",
+        self.itl_s = histogram(
+            "inter_token_latency_seconds",
             "Gap between successive token deltas of a request.",
-            buckets=_TPOT_BUCKETS_S,
-            registry=r,
+            _TPOT_BUCKETS_S,
         )
-        self.e2e_s = Histogram(
-            "pdcluster_e2e_request_latency_seconds",
-            "Arrival at the API server -> last token.",
-            buckets=_E2E_BUCKETS_S,
-            registry=r,
+        self.e2e_s = histogram(
+            "e2e_request_latency_seconds", "Arrival at the API server -> last token.", _E2E_BUCKETS_S
         )
-        self.phase_s = Histogram(
-            "pdcluster_request_phase_seconds",
+        self.phase_s = histogram(
+            "request_phase_seconds",
             "Per-request phase durations reported by the backend.",
-            ["phase"],
-            buckets=_E2E_BUCKETS_S,
-            registry=r,
+            _E2E_BUCKETS_S,
+            "phase",
         )
-        self.kv_transfer_s = Histogram(
-            "pdcluster_kv_transfer_seconds",
-            "Per-request KV transfer time prefill -> decode.",
-            buckets=_TPOT_BUCKETS_S,
-            registry=r,
+        self.kv_transfer_s = histogram(
+            "kv_transfer_seconds", "Per-request KV transfer time prefill -> decode.", _TPOT_BUCKETS_S
         )
-        self.kv_transfer_bytes = Counter(
-            "pdcluster_kv_transfer_bytes",
-            "KV bytes moved prefill -> decode (per-request phases).",
-            registry=r,
+        self.kv_transfer_bytes = counter(
+            "kv_transfer_bytes", "KV bytes moved prefill -> decode (per-request phases)."
         )
-        self.num_draft_tokens = Counter(
-            "pdcluster_spec_decode_num_draft_tokens",
-            "MTP draft tokens proposed, per draft position (0 = first draft).",
-            ["position"],
-            registry=r,
+        per_position = "per draft position (0 = first draft)."
+        self.num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", f"MTP draft tokens proposed, {per_position}", "position"
         )
-        self.num_accepted_tokens = Counter(
-            "pdcluster_spec_decode_num_accepted_tokens",
-            "MTP draft tokens accepted, per draft position (0 = first draft).",
-            ["position"],
-            registry=r,
+        self.num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", f"MTP draft tokens accepted, {per_position}", "position"
         )
-        self.requests = Counter(
-            "pdcluster_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r
-        )
-        self.errors = Counter(
-            "pdcluster_request_errors", "Requests answered with an error.", ["status_code"], registry=r
-        )
-        self.prompt_tokens = Counter(
-            "pdcluster_prompt_tokens", "Prompt tokens of served requests.", registry=r
-        )
-        self.generation_tokens = Counter(
-            "pdcluster_generation_tokens", "Output tokens generated.", registry=r
-        )
+        self.requests = counter("requests", "Finished requests by finish reason.", "finish_reason")
+        self.errors = counter("request_errors", "Requests answered with an error.", "status_code")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of served requests.")
+        self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
         self.in_flight = Gauge(
             "pdcluster_requests_in_flight",
             "Completion requests admitted at the HTTP edge whose response has not ended.",
             registry=r,
         )
-        self.slo_requests = Counter(
-            "pdcluster_slo_requests",
+        self.slo_requests = counter(
+            "slo_requests",
             "Finished requests by whether they met both the TTFT and the TPOT SLO.",
-            ["attained"],
-            registry=r,
+            "attained",
         )
         r.register(_BackendStatsCollector(stats))
 
