@@ -137,25 +137,6 @@ def sample(
     return token_ids
 
 
-def apply_penalties(
-    logits: torch.Tensor,
-    output_token_ids: torch.Tensor,
-    prompt_token_ids: torch.Tensor,
-    presence_penalty: torch.Tensor,
-    frequency_penalty: torch.Tensor,
-    repetition_penalty: torch.Tensor,
-) -> torch.Tensor:
-    """`apply_penalties_` on a float32 copy of `logits`; returns the copy."""
-    return apply_penalties_(
-        logits.float().clone(),
-        output_token_ids,
-        prompt_token_ids,
-        presence_penalty,
-        frequency_penalty,
-        repetition_penalty,
-    )
-
-
 def apply_penalties_(
     logits: torch.Tensor,
     output_token_ids: torch.Tensor,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdcluster.kernels.sampling import (
-    apply_penalties,
+    apply_penalties_,
     compute_logprobs,
     group_rows_by_generator,
     probs_from_logits,
@@ -199,6 +199,6 @@ def test_apply_penalties_equals_a_dense_reference() -> None:
             expected[r, t] = v / repetition[r] if v > 0 else v * repetition[r]
         for t in set(out):
             expected[r, t] = expected[r, t] - frequency[r] * out.count(t) - presence[r]
-    got = apply_penalties(logits, outputs, prompts, presence, frequency, repetition)
+    got = apply_penalties_(logits.clone(), outputs, prompts, presence, frequency, repetition)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)  # float32 rounding of one op order
     assert torch.equal(got[2], logits[2])
