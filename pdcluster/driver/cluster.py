@@ -23,6 +23,7 @@ from pdcluster.driver.rank_actors import (
 )
 from pdcluster.driver.registry import InstanceRegistry
 from pdcluster.driver.request_dispatch import Dispatcher
+from pdcluster.driver.role_moves import RoleMover
 from pdcluster.driver.router import ROUTER_CACHE_BLOCKS
 from pdcluster.driver.routing import ModelFacts
 from pdcluster.engine.sampling_params import SamplingParams
@@ -76,6 +77,7 @@ class Cluster(ClusterDeployment):
         )
         self.monitor = HealthMonitor(self.registry, self, loads, self.dispatcher.fail_attempts)
         self.monitor.start()
+        self.mover = RoleMover(self)
 
     def _on_instance_failed(self, role: str, index: int, left_routing: bool) -> None:
         if role == "decode":

@@ -249,7 +249,7 @@ class Dispatcher(RouteAndReserve):
     ) -> AttemptState:
         decode = self.instances["decode"][attempt.decode_index]
         tried = record.excluded_prefills | {attempt.prefill_index}
-        others = [p for p in self.instances["prefill"] if p.routable and p.index not in tried]
+        others = [p for p in self.instances["prefill"] if p.accepting and p.index not in tried]
         return AttemptState(
             request_id=record.request_id,
             attempt_index=attempt_index,
