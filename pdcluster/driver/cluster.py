@@ -78,6 +78,12 @@ class Cluster(ClusterDeployment):
         self.monitor = HealthMonitor(self.registry, self, loads, self.dispatcher.fail_attempts)
         self.monitor.start()
         self.mover = RoleMover(self)
+        self.autoscaler = None
+        if self.mover.issue is None and self.topology.autoscale.controller:
+            from pdcluster.driver.autoscale_live import LiveAutoscaler
+
+            self.autoscaler = LiveAutoscaler(self)
+            self.autoscaler.start()
 
     def _on_instance_failed(self, role: str, index: int, left_routing: bool) -> None:
         if role == "decode":
@@ -88,8 +94,11 @@ class Cluster(ClusterDeployment):
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[StreamDelta]:
-        """`Dispatcher.generate` (its stream itself, so that closing it runs the dispatcher's cleanup)."""
-        return self.dispatcher.generate(request_id, prompt_token_ids, params)
+        """`Dispatcher.generate` (its stream itself, so that closing it runs the dispatcher's cleanup;
+        through `LiveAutoscaler.observe` when the controller runs)."""
+        stream = self.dispatcher.generate(request_id, prompt_token_ids, params)
+        autoscaler = getattr(self, "autoscaler", None)
+        return stream if autoscaler is None else autoscaler.observe(stream, len(prompt_token_ids))
 
     async def abort(self, request_id: str) -> None:
         """`Dispatcher.abort`."""

@@ -293,6 +293,9 @@ class ClusterDeployment(ClusterWiring):
         from ray.util.placement_group import remove_placement_group
 
         self._closed = True
+        autoscaler = getattr(self, "autoscaler", None)
+        if autoscaler is not None:
+            autoscaler.stop(self.call_timeout_s + 5.0)
         monitor = getattr(self, "monitor", None)
         if monitor is not None:
             monitor.stop(self.call_timeout_s + 5.0)

@@ -130,7 +130,7 @@ class RoleMover:
         self.moves[direction] += 1
         self.last_move_s[home] = time.monotonic()
         took_s = time.monotonic() - started_s
-        logger.warning("%s (%s) is now %s, moved in %.2f s (%s)", slot.name, home, slot.name, took_s, reason)
+        logger.warning("%s (%s) is now %s, moved in %.2f s (%s)", source.name, home, slot.name, took_s, reason)
         return {"instance": home, "name": slot.name, "role": target, "took_s": round(took_s, 3)}
 
     # ---- the steps --------------------------------------------------------------------------------------
