@@ -45,9 +45,10 @@ class PoolBounds:
 
 @dataclass(frozen=True)
 class AutoscaleConfig:
-    """Dynamic P:D: when `enabled`, the controller (unless `controller` is false) moves single-device instances between the pools (and with
-    `park` parks them at low load) every `interval_s`, from signals over `window_s`, at most one move per
-    `dwell_s`; a leaving decode instance finishes its running requests within `drain_timeout_s` or stays.
+    """Dynamic P:D: when `enabled`, the controller (unless `controller` is false: moves by hand only) moves
+    single-device instances between the pools (and with `park` parks them at low load, in the simulator)
+    every `interval_s`, from signals over `window_s`, at most one move per `dwell_s`; a leaving instance
+    finishes its queue or running requests within `drain_timeout_s`, or the move fails and it stays.
     Utilizations (demand / instances, `driver.autoscale`): move above `target_utilization` when a move
     lowers the peak by `hysteresis`; park below `park_below_utilization`.
     """

@@ -92,7 +92,8 @@ def autoscale_live_issues(topology: Topology) -> list[Issue]:
     issue = movable_issue(topology)
     if issue is None:
         return []
-    reason = f"autoscale.enabled: {issue}; simulate the controller with `pdcluster plan FILE --trace T --autoscale`"
+    simulate = "simulate the controller with `pdcluster plan FILE --trace T --autoscale`"
+    reason = f"autoscale.enabled: {issue}; {simulate}"
     return [Issue(("autoscale", "enabled"), reason)]
 
 

@@ -53,8 +53,12 @@ def perf_model_capacity(topology: Any) -> Callable[[float, int], Capacity]:
 class LiveAutoscaler:
     """See the module docstring. `capacity`: as `perf_model_capacity` returns; `clock`: seconds."""
 
-    def __init__(self, cluster: Any, capacity: Callable[[float, int], Capacity] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cluster: Any,
+        capacity: Callable[[float, int], Capacity] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         topo = cluster.topology
         self.cluster = cluster
         self.config = topo.autoscale

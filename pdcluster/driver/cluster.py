@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pdcluster.driver.actor_errors import DeployError, actor_error_message, describe_error
+from pdcluster.driver.autoscale_live import LiveAutoscaler
 from pdcluster.driver.backend import StreamDelta
 from pdcluster.driver.cluster_stats import ClusterStats
 from pdcluster.driver.deployment import ClusterDeployment, advertised_address
@@ -78,10 +79,8 @@ class Cluster(ClusterDeployment):
         self.monitor = HealthMonitor(self.registry, self, loads, self.dispatcher.fail_attempts)
         self.monitor.start()
         self.mover = RoleMover(self)
-        self.autoscaler = None
+        self.autoscaler: LiveAutoscaler | None = None
         if self.mover.issue is None and self.topology.autoscale.controller:
-            from pdcluster.driver.autoscale_live import LiveAutoscaler
-
             self.autoscaler = LiveAutoscaler(self)
             self.autoscaler.start()
 

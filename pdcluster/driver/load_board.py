@@ -43,7 +43,7 @@ class LoadBoard:
                     del table[rank]
 
     def add_decode(self, num_ranks: int) -> int:
-        """A new decode instance of `num_ranks` ranks joins the pool's end (dynamic P:D); returns its index."""
+        """A decode instance of `num_ranks` ranks joins the pool's end (dynamic P:D); returns its index."""
         with self._lock:
             self._num_decode_ranks += (num_ranks,)
             return len(self._num_decode_ranks) - 1

@@ -76,7 +76,7 @@ class RoleMover:
         return self.cluster.instances
 
     def find(self, name: str) -> Instance:
-        """The live slot of instance `name` (its current name `decode-2`, or its deploy name). Raises KeyError."""
+        """The live slot of `name` (its name now, `decode-2`, or its deploy name). Raises KeyError."""
         for role in ROLES:
             for slot in self.instances[role]:
                 if slot.pool_state != "away" and name in (slot.name, slot.home):
@@ -96,11 +96,15 @@ class RoleMover:
         if source.role == target:
             raise MoveRefused(f"{source.name} is already a {target} instance")
         if source.num_ranks != 1:
-            raise MoveRefused(f"{source.name} has {source.num_ranks} ranks: only single-device instances move")
+            raise MoveRefused(
+                f"{source.name} has {source.num_ranks} ranks: only single-device instances move"
+            )
         if self.moving is not None:
             raise MoveRefused(f"{self.moving} is moving now: one move at a time")
         if not source.accepting:
-            raise MoveRefused(f"{source.name} is {source.health.state.value} ({source.pool_state}): not moved")
+            raise MoveRefused(
+                f"{source.name} is {source.health.state.value} ({source.pool_state}): not moved"
+            )
         left = [s for s in self.instances[source.role] if s.accepting and s is not source]
         if not left:
             raise MoveRefused(f"moving {source.name} would leave the {source.role} pool empty")
@@ -120,7 +124,7 @@ class RoleMover:
         logger.warning("moving %s (%s) from %s to %s: %s", source.name, home, source.role, target, reason)
         started_s = time.monotonic()
         try:
-            slot = self._move(source, target, home)
+            slot, waited_for = self._move(source, target, home)
         except Exception as e:
             self.failed[direction] += 1
             logger.error("move of %s to %s failed: %s", source.name, target, e)
@@ -130,11 +134,19 @@ class RoleMover:
         self.moves[direction] += 1
         self.last_move_s[home] = time.monotonic()
         took_s = time.monotonic() - started_s
-        logger.warning("%s (%s) is now %s, moved in %.2f s (%s)", source.name, home, slot.name, took_s, reason)
-        return {"instance": home, "name": slot.name, "role": target, "took_s": round(took_s, 3)}
+        logger.warning(
+            "%s (%s) is now %s, moved in %.2f s (%s)", source.name, home, slot.name, took_s, reason
+        )
+        return {
+            "instance": home,
+            "name": slot.name,
+            "role": target,
+            "took_s": round(took_s, 3),
+            "drained": waited_for,  # what it first waited for (None: it was idle)
+        }
 
     # ---- the steps --------------------------------------------------------------------------------------
-    def _move(self, source: Instance, target: str, home: str) -> Instance:
+    def _move(self, source: Instance, target: str, home: str) -> tuple[Instance, str | None]:
         import ray
 
         source.pool_state = "draining"
@@ -142,8 +154,10 @@ class RoleMover:
         actor = source.leader
         transport, tls = self.topology.kv_transport, self.cluster._kv_tls
         dest = self._slot(target, home, actor)
+        waited_for = None
         while True:
             busy = self._driver_holds(source)
+            waited_for = waited_for or busy
             if not source.health.routable:
                 source.pool_state = "active"
                 raise MoveFailed(f"{source.name} left routing while draining ({source.health.reason})")
@@ -181,7 +195,7 @@ class RoleMover:
             dest.health = InstanceHealth(since_s=time.monotonic())
             self.cluster.registry.mark_failed(dest.role, dest.index, e, "rewiring after a move")
             raise MoveFailed(f"{dest.name}: rewiring the KV transport failed: {describe_error(e)}") from e
-        return dest
+        return dest, waited_for
 
     def _slot(self, target: str, home: str, actor: Any) -> Instance:
         """`home`'s slot in pool `target`: the one it had there, or a new one at the pool's end (away)."""
@@ -232,19 +246,25 @@ class RoleMover:
                 ip = ray.get(dest.leader.node_ip.remote(), timeout=cluster.call_timeout_s)
                 address = advertised_address(address, ip)
             cluster._decode_addresses[dest.index] = [address]
-        decodes = cluster.instances["decode"]
-        live = [d.index for d in decodes if d.pool_state != "away" or d is dest]
-        addresses = [
-            cluster._decode_addresses[d.index if d.index in live else live[0]] for d in decodes
-        ]
+        addresses = cluster._kv_addresses(joining=dest)
         prefills = [p for p in cluster.instances["prefill"] if p.pool_state != "away" or p is dest]
         ray.get(
-            [a.connect_receivers.remote(self.topology.kv_transport, addresses, cluster._kv_tls)
-             for p in prefills for a in p.ranks],
+            [
+                a.connect_receivers.remote(self.topology.kv_transport, addresses, cluster._kv_tls)
+                for p in prefills
+                for a in p.ranks
+            ],
             timeout=cluster.call_timeout_s,
         )
-        source_pid = next((s.health.pid for r in ROLES for s in self.instances[r] if s.leader is dest.leader
-                           and s is not dest), None)
+        source_pid = next(
+            (
+                s.health.pid
+                for r in ROLES
+                for s in self.instances[r]
+                if s.leader is dest.leader and s is not dest
+            ),
+            None,
+        )
         dest._clients.clear()  # fresh event and command streams for the new role object
         if dest.role == "decode":
             cluster.dispatcher._loads.forget_decode(dest.index)

@@ -50,7 +50,11 @@ class PrefillRole(_GivenEngine, PrefillWorker):
         with self._lock:
             busy = len(self._active) or self._num_queued_tokens or not self._jobs.empty()
         sending = sum(len(s.pending_request_ids()) for s in self._all_senders())
-        return f"{len(self._active)} prefill jobs active, {sending} handoffs sending" if busy or sending else None
+        return (
+            f"{len(self._active)} prefill jobs active, {sending} handoffs sending"
+            if busy or sending
+            else None
+        )
 
 
 class DecodeRole(_GivenEngine, DecodeWorker):

@@ -79,10 +79,15 @@ async def _move_with_requests_in_flight(cluster, reference, tag: str, name: str,
     ids, _ = reference
     loop = asyncio.get_running_loop()
     before = [asyncio.ensure_future(_generate(cluster, f"{tag}-a{i}", p)) for i, p in enumerate(ids)]
+    source = cluster.mover.find(name)
     deadline_s = time.monotonic() + request_bound_s(cluster)
-    while not any(r.decode_streamed for r in cluster.dispatcher._requests.values()):  # decoding now
+    while not any(  # decoding now (on the moving instance when it is a decode one)
+        r.decode_streamed and (source.role == "prefill" or r.attempt.decode_index == source.index)
+        for r in list(cluster.dispatcher._requests.values())
+        if r.attempt is not None
+    ):
         assert time.monotonic() < deadline_s, "no request reached decode"
-        await asyncio.sleep(0.005)
+        await asyncio.sleep(0.002)
     move = loop.run_in_executor(None, cluster.mover.move, name, role, f"test: {tag}")
     await asyncio.sleep(0.05)
     during = [asyncio.ensure_future(_generate(cluster, f"{tag}-b{i}", p)) for i, p in enumerate(ids)]
@@ -108,7 +113,11 @@ def test_a_move_that_would_empty_a_pool_or_repeat_a_role_is_refused(cluster, mon
     assert client.post(url, json={"role": "standby"}, headers=admin).status_code == 400
     assert client.post("/admin/instances/decode-9/role", json=body, headers=admin).status_code == 404
     listed = client.get("/admin/instances", headers=admin).json()
-    assert listed["movable"] and [i["name"] for i in listed["instances"]] == ["prefill-0", "prefill-1", "decode-0"]
+    assert listed["movable"] and [i["name"] for i in listed["instances"]] == [
+        "prefill-0",
+        "prefill-1",
+        "decode-0",
+    ]
     metrics = client.get("/metrics").text
     assert 'pdcluster_instance_role{instance="prefill-1",role="prefill"} 1.0' in metrics
     with pytest.raises(MoveRefused, match="would leave the decode pool empty"):
@@ -125,7 +134,9 @@ def test_prefill_to_decode_with_requests_in_flight(cluster, reference) -> None:
     """prefill-1 drains its queue and becomes decode-1 (same actor, same process); every request, before
     and during the move, gives the single engine's tokens; later requests also decode on it."""
     pid = ray.get(cluster.instances["prefill"][1].leader.load.remote()).pid
-    result, outputs = _run(cluster, _move_with_requests_in_flight(cluster, reference, "p2d", "prefill-1", "decode"))
+    result, outputs = _run(
+        cluster, _move_with_requests_in_flight(cluster, reference, "p2d", "prefill-1", "decode")
+    )
     assert result["name"] == "decode-1" and result["role"] == "decode"
     assert outputs == reference[1] * 2
     slot = cluster.instances["decode"][1]
@@ -141,8 +152,11 @@ def test_prefill_to_decode_with_requests_in_flight(cluster, reference) -> None:
 
 def test_decode_to_prefill_with_requests_in_flight(cluster, reference) -> None:
     """decode-0 stops admitting, finishes its running requests, becomes prefill-2."""
-    result, outputs = _run(cluster, _move_with_requests_in_flight(cluster, reference, "d2p", "decode-0", "prefill"))
+    result, outputs = _run(
+        cluster, _move_with_requests_in_flight(cluster, reference, "d2p", "decode-0", "prefill")
+    )
     assert (result["name"], result["instance"]) == ("prefill-2", "decode-0")
+    assert "requests decoding" in result["drained"]  # it had running requests to finish
     assert outputs == reference[1] * 2
     assert cluster.mover.roles() == {"prefill-0": "prefill", "prefill-1": "decode", "decode-0": "prefill"}
     assert [s.name for s in cluster.instances["prefill"] if s.accepting] == ["prefill-0", "prefill-2"]
@@ -182,12 +196,17 @@ def test_the_controller_moves_live_from_the_signals(cluster, reference) -> None:
     from pdcluster.driver.autoscale_live import LiveAutoscaler
 
     ids, expected = reference
-    config = dataclasses.replace(cluster.topology.autoscale, window_s=2.0, interval_s=1.0, dwell_s=0.0)
+    config = dataclasses.replace(cluster.topology.autoscale, window_s=2.0, interval_s=1.0, dwell_s=30.0)
     cluster.topology = dataclasses.replace(cluster.topology, autoscale=config)
     decodes_before = [s.home for s in cluster.instances["decode"] if s.accepting]
     assert len(decodes_before) == 2, decodes_before
     # priced so that these prompts alone need more prefill instances than there are (a test's price)
-    autoscaler = LiveAutoscaler(cluster, capacity=lambda context, prompt: Capacity(1.0, 64.0))
+    # its clock a dwell ahead: the manual moves above are a dwell in the past (no reversal within one)
+    autoscaler = LiveAutoscaler(
+        cluster,
+        capacity=lambda context, prompt: Capacity(1.0, 64.0),
+        clock=lambda: time.monotonic() + config.dwell_s,
+    )
     cluster.autoscaler = autoscaler
 
     async def run():

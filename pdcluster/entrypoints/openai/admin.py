@@ -50,17 +50,23 @@ def add_admin_routes(app: FastAPI, backend: Any, token: str | None) -> None:
     def authorize(request: Request) -> None:
         header = request.headers.get("authorization", "")
         if not header.lower().startswith("bearer "):
-            raise ApiError(401, "the admin endpoint needs Authorization: Bearer <admin token>", "authentication_error")
+            raise ApiError(
+                401, "the admin endpoint needs Authorization: Bearer <admin token>", "authentication_error"
+            )
         if token is None:
             raise ApiError(
-                403, f"the admin endpoint is off: set autoscale.admin_token or {ADMIN_TOKEN_ENV}", "permission_error"
+                403,
+                f"the admin endpoint is off: set autoscale.admin_token or {ADMIN_TOKEN_ENV}",
+                "permission_error",
             )
         if not hmac.compare_digest(header[7:].strip().encode(), token.encode()):
             raise ApiError(403, "invalid admin token", "permission_error")
 
     def the_mover() -> Any:
         if mover is None:
-            raise ApiError(404, "this server has no prefill/decode pools to move instances between", "not_found")
+            raise ApiError(
+                404, "this server has no prefill/decode pools to move instances between", "not_found"
+            )
         return mover
 
     @app.get("/admin/instances")
@@ -68,8 +74,13 @@ def add_admin_routes(app: FastAPI, backend: Any, token: str | None) -> None:
         authorize(request)
         m = the_mover()
         slots = [
-            {"instance": s.home or s.name, "name": s.name, "role": s.role, "state": s.pool_state,
-             "health": s.health.state.value}
+            {
+                "instance": s.home or s.name,
+                "name": s.name,
+                "role": s.role,
+                "state": s.pool_state,
+                "health": s.health.state.value,
+            }
             for role in ("prefill", "decode")
             for s in m.instances[role]
             if s.pool_state != "away"
