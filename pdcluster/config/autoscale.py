@@ -48,7 +48,8 @@ class AutoscaleConfig:
     """Dynamic P:D: when `enabled`, the controller (unless `controller` is false: moves by hand only) moves
     single-device instances between the pools (and with `park` parks them at low load, in the simulator)
     every `interval_s`, from signals over `window_s`, at most one move per `dwell_s`; a leaving instance
-    finishes its queue or running requests within `drain_timeout_s`, or the move fails and it stays.
+    finishes its queue or running requests within `drain_timeout_s`, else (`recompute_at_drain_bound`) its
+    running requests are re-dispatched through prefill, or the move fails and it stays.
     Utilizations (demand / instances, `driver.autoscale`): move above `target_utilization` when a move
     lowers the peak by `hysteresis`; park below `park_below_utilization`.
     """
@@ -61,6 +62,9 @@ class AutoscaleConfig:
     hysteresis: float = field(default=0.15, metadata=between(0, 1))
     target_utilization: float = field(default=0.8, metadata=above_at_most(0, 4))
     drain_timeout_s: float = field(default=60.0, metadata=above_at_most(0, MAX_TIMEOUT_S))
+    # at the drain bound a leaving decode instance's running requests are re-dispatched with their
+    # streamed tokens kept (`driver.recompute`: their KV computed again, counted), if each allows it
+    recompute_at_drain_bound: bool = True
     park: bool = False
     park_below_utilization: float = field(default=0.4, metadata=at_least(0))
     prefill: PoolBounds = field(default_factory=PoolBounds)

@@ -109,7 +109,7 @@ class Dispatcher(RouteAndReserve):
             raise ValueError(f"request id {request_id!r} is already in use")
         self._ensure_pollers()
         # registered first: abort() may come before the first attempt exists
-        record = self._requests[request_id] = DriverRequest(request_id, time.monotonic())
+        record = self._requests[request_id] = DriverRequest(request_id, time.monotonic(), params=params)
         prompt, sampling = prompt_token_ids, params  # a re-dispatch after a lost decode changes both
         try:
             for attempt_index in range(MAX_DISPATCH_ATTEMPTS + MAX_RECOMPUTES):

@@ -154,7 +154,7 @@ class RoleMover:
         actor = source.leader
         transport, tls = self.topology.kv_transport, self.cluster._kv_tls
         dest = self._slot(target, home, actor)
-        waited_for = None
+        waited_for, handed_over = None, False
         while True:
             busy = self._driver_holds(source)
             waited_for = waited_for or busy
@@ -182,6 +182,10 @@ class RoleMover:
                         f"{source.name} died or hung while switching to {target}: {describe_error(e)}; "
                         "its requests in flight go the failed-instance way (re-dispatched or failed)"
                     ) from e
+            if time.monotonic() > deadline_s and not handed_over and self._hand_over(source):
+                handed_over = True  # their re-dispatch: each a call round trip or two
+                deadline_s = time.monotonic() + 2 * self.cluster.call_timeout_s
+                continue
             if time.monotonic() > deadline_s:
                 source.pool_state = "active"
                 raise MoveFailed(
@@ -210,6 +214,41 @@ class RoleMover:
             assert index == slot.index, (index, slot.index)
         pool.append(slot)
         return slot
+
+    def _hand_over(self, source: Instance) -> bool:
+        """At the drain bound: re-dispatch every request running on decode `source` with its streamed tokens
+        kept (a `DecodeLost` to each attempt: `driver.recompute`, counted and logged per request). False
+        (nothing done) when off, not a decode instance, or a request refuses (`recompute_refusal`)."""
+        from pdcluster.driver.messages import DecodeLost
+        from pdcluster.driver.recompute import recompute_refusal
+
+        if source.role != "decode" or not self.topology.autoscale.recompute_at_drain_bound:
+            return False
+        dispatcher = self.cluster.dispatcher
+        records = [
+            r
+            for r in list(dispatcher._requests.values())
+            if r.attempt is not None and r.attempt.decode_index == source.index and not r.finished
+        ]
+        for r in records:
+            refusal = recompute_refusal(r.params, r.num_recomputes, r.aborted) if r.params else "unknown"
+            if refusal is not None:
+                logger.warning(
+                    "%s: %s cannot be re-dispatched (%s): no hand-over", source.name, r.request_id, refusal
+                )
+                return False
+        message = f"{source.name} left the decode pool (a move) before it finished"
+        attempts = [r.attempt for r in records if r.attempt is not None]
+
+        def post() -> None:
+            for attempt in attempts:
+                attempt.events.put_nowait(DecodeLost(attempt.handoff_id, message))
+
+        dispatcher._loop.call_soon_threadsafe(post)
+        logger.warning(
+            "%s: drain bound passed; %d running requests re-dispatched", source.name, len(attempts)
+        )
+        return True
 
     def _driver_holds(self, source: Instance) -> str | None:
         """What the driver still has on `source` (requests whose attempt uses it), None when nothing."""

@@ -162,6 +162,17 @@ def test_decode_to_prefill_with_requests_in_flight(cluster, reference) -> None:
     assert [s.name for s in cluster.instances["prefill"] if s.accepting] == ["prefill-0", "prefill-2"]
     with pytest.raises(MoveRefused, match="would leave the decode pool empty"):
         cluster.mover.move("prefill-1", "prefill", "test")  # its deploy name; now the only decode
+    from fastapi.testclient import TestClient
+
+    from pdcluster.entrypoints.openai.app import build_app
+
+    metrics = TestClient(build_app(cluster)).get("/metrics").text
+    for line in (
+        'pdcluster_instance_role{instance="decode-0",role="prefill"} 1.0',
+        'pdcluster_role_moves_total{from_role="prefill",to_role="decode",trigger="manual"} 1.0',
+        'pdcluster_role_moves_total{from_role="decode",to_role="prefill",trigger="manual"} 1.0',
+    ):
+        assert line in metrics, metrics
     assert_nothing_held(cluster)
 
 
@@ -228,6 +239,29 @@ def test_the_controller_moves_live_from_the_signals(cluster, reference) -> None:
     assert cluster.mover.moves[("decode", "prefill", "controller")] == 1
     assert len([s for s in cluster.instances["decode"] if s.accepting]) == 1
     assert _run(cluster, _all(cluster, "ctl-after-", ids)) == expected
+
+
+def test_a_decode_instance_past_its_drain_bound_hands_its_requests_over(cluster, reference) -> None:
+    """A drain bound shorter than the running requests: at the bound they are re-dispatched through
+    prefill with their streamed tokens kept (counted as recomputed, not silently), the move completes, and
+    each request still gives the single engine's tokens."""
+    ids, expected = reference
+    if len([s for s in cluster.instances["decode"] if s.accepting]) < 2:
+        source = next(s for s in cluster.instances["prefill"] if s.accepting)
+        cluster.mover.move(source.name, "decode", "test: a second decode instance")
+    recomputed_before = cluster.dispatcher.requests_recomputed_total
+    name = next(s for s in cluster.instances["decode"] if s.accepting).name
+    cluster.mover.drain_timeout_s = 0.01
+    try:
+        result, outputs = _run(
+            cluster, _move_with_requests_in_flight(cluster, reference, "bound", name, "prefill")
+        )
+    finally:
+        cluster.mover.drain_timeout_s = cluster.topology.autoscale.drain_timeout_s
+    assert result["role"] == "prefill" and "requests decoding" in result["drained"]
+    assert outputs == expected * 2
+    assert cluster.dispatcher.requests_recomputed_total > recomputed_before
+    assert_nothing_held(cluster)
 
 
 def test_the_moving_actor_killed_mid_drain(cluster, reference) -> None:
