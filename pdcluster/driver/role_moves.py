@@ -5,7 +5,8 @@ prefill instance finishes its queue, a decode instance its running requests, wit
 the move fails and X stays in A); the slot goes `away`; X's actor switches role in place
 (`workers.role_rank.RoleWorker.switch_role`: same engine, KV pool reused); every prefill rank is
 re-connected to the decode receivers; X's slot in B (made on its first move there) becomes active. Pool
-indices never change: a slot is reused when its actor comes back.
+indices never change: a slot is reused when its actor comes back. The engine keeps the scheduler budgets
+(`max_num_seqs`, `max_num_batched_tokens`) of the pool it was deployed in.
 """
 
 from __future__ import annotations
@@ -195,8 +196,8 @@ class RoleMover:
             time.sleep(DRAIN_POLL_S)
         try:
             self._rewire(ray, dest, address)
-        except Exception as e:
-            dest.health = InstanceHealth(since_s=time.monotonic())
+        except Exception as e:  # its new role runs: in its new pool, out of routing until a probe rejoins it
+            dest.health, dest.pool_state = InstanceHealth(since_s=time.monotonic()), "active"
             self.cluster.registry.mark_failed(dest.role, dest.index, e, "rewiring after a move")
             raise MoveFailed(f"{dest.name}: rewiring the KV transport failed: {describe_error(e)}") from e
         return dest, waited_for
