@@ -101,9 +101,16 @@ class LiveAutoscaler:
             if first_s is not None and num_tokens > 1:
                 self.window.add_tpot(now_s, (now_s - first_s) / (num_tokens - 1))
 
-    def views(self, now_s: float) -> tuple[list[InstanceView], float]:
-        """Each instance in a pool as the controller sees it, and the decode pool's KV occupancy (0..1)."""
+    def views(self, now_s: float, capacity: Capacity) -> tuple[list[InstanceView], float]:
+        """Each instance in a pool as the controller sees it, and the decode pool's KV occupancy (0..1).
+        drain_s: prefill, its queued prompt tokens at `capacity`; decode, the most output tokens one of its
+        requests has left, at the TPOT SLO."""
         mover, loads = self.cluster.mover, self.cluster.dispatcher._loads
+        left: dict[int, int] = {}  # decode instance -> most output tokens a request of it has left
+        for r in list(self.cluster.dispatcher._requests.values()):
+            if r.attempt is not None and r.params is not None:
+                n = r.params.max_tokens - len(r.streamed_token_ids)
+                left[r.attempt.decode_index] = max(left.get(r.attempt.decode_index, 0), n)
         views, used, total = [], 0, 0
         for role in ("prefill", "decode"):
             for slot in self.cluster.instances[role]:
@@ -120,7 +127,10 @@ class LiveAutoscaler:
                     while busy and busy[0][0] < now_s - self.config.window_s:
                         busy.popleft()
                     fraction = sum(b for _, b in busy) / len(busy)
-                    view = dataclasses.replace(view, queued_tokens=queued, busy_fraction=fraction)
+                    drain_s = queued / capacity.prefill_tokens_per_s
+                    view = dataclasses.replace(
+                        view, queued_tokens=queued, busy_fraction=fraction, drain_s=drain_s
+                    )
                 else:
                     try:
                         (snap,) = loads.decode_snapshots(slot.index)
@@ -129,7 +139,11 @@ class LiveAutoscaler:
                         continue
                     used += snap.num_total_blocks - snap.num_free_blocks
                     total += snap.num_total_blocks
-                    view = dataclasses.replace(view, batch=snap.num_running + snap.num_waiting_for_seat)
+                    view = dataclasses.replace(
+                        view,
+                        batch=snap.num_running + snap.num_waiting_for_seat,
+                        drain_s=left.get(slot.index, 0) * self.tpot_slo_s,
+                    )
                 views.append(view)
         return views, (used / total if total else 0.0)
 
@@ -137,15 +151,17 @@ class LiveAutoscaler:
     def tick(self) -> Move | None:
         """One decision: build the view, `decide`, and execute the move (blocking); returns it or None."""
         now_s = self.clock()
-        views, kv_occupancy = self.views(now_s)
         with self._lock:
-            signals = self.window.signals(now_s, kv_occupancy)
+            self.window.signals(now_s, 0.0)  # (drops the samples older than the window)
             prompt = int(self.window.mean_prompt_tokens() or DEFAULT_PROMPT_TOKENS)
             outputs = [n for t, n in self._outputs if t >= now_s - self.config.window_s]
-        # a running request's mean context: its prompt and half its output
         if self._capacity is None:
             self._capacity = perf_model_capacity(self.cluster.topology)
+        # a running request's mean context: its prompt and half its output
         capacity = self._capacity(prompt + 0.5 * (sum(outputs) / len(outputs) if outputs else 0), prompt)
+        views, kv_occupancy = self.views(now_s, capacity)
+        with self._lock:
+            signals = self.window.signals(now_s, kv_occupancy)
         move = decide(now_s, views, signals, capacity, self.policy)
         if move is None:
             return None
