@@ -6,6 +6,7 @@ autoscale:
   dwell_s: 30         # no move within 30 s of the last one
   prefill: {min_instances: 1, max_instances: 3}
   decode: {min_instances: 1}
+  admin_token: s3cret  # POST /admin/instances/{name}/role (PDCLUSTER_ADMIN_TOKEN overrides it)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pdcluster.config.fields import (
     MAX_INSTANCES,
     MAX_TIMEOUT_S,
     above_at_most,
+    api_key_problem,
     at_least,
     between,
     check_fields,
@@ -43,24 +45,32 @@ class PoolBounds:
 
 @dataclass(frozen=True)
 class AutoscaleConfig:
-    """Dynamic P:D: when `enabled`, the controller moves single-device instances between the pools (and with
-    `park` parks them at low load) every `interval_s`, from signals over `window_s`, at most one move per
-    `dwell_s`; a leaving decode instance finishes its running requests within `drain_timeout_s` or stays.
+    """Dynamic P:D: when `enabled`, the controller (unless `controller` is false: moves by hand only) moves
+    single-device instances between the pools (and with `park` parks them at low load, in the simulator)
+    every `interval_s`, from signals over `window_s`, at most one move per `dwell_s`; a leaving instance
+    finishes its queue or running requests within `drain_timeout_s`, else (`recompute_at_drain_bound`) its
+    running requests are re-dispatched through prefill, or the move fails and it stays.
     Utilizations (demand / instances, `driver.autoscale`): move above `target_utilization` when a move
     lowers the peak by `hysteresis`; park below `park_below_utilization`.
     """
 
     enabled: bool = False
+    controller: bool = True  # false: instances move by hand only (the admin endpoint)
     interval_s: float = field(default=1.0, metadata=above_at_most(0, MAX_TIMEOUT_S))
     window_s: float = field(default=10.0, metadata=above_at_most(0, MAX_TIMEOUT_S))
     dwell_s: float = field(default=30.0, metadata=between(0, MAX_TIMEOUT_S))
     hysteresis: float = field(default=0.15, metadata=between(0, 1))
     target_utilization: float = field(default=0.8, metadata=above_at_most(0, 4))
     drain_timeout_s: float = field(default=60.0, metadata=above_at_most(0, MAX_TIMEOUT_S))
+    # at the drain bound a leaving decode instance's running requests are re-dispatched with their
+    # streamed tokens kept (`driver.recompute`: their KV computed again, counted), if each allows it
+    recompute_at_drain_bound: bool = True
     park: bool = False
     park_below_utilization: float = field(default=0.4, metadata=at_least(0))
     prefill: PoolBounds = field(default_factory=PoolBounds)
     decode: PoolBounds = field(default_factory=PoolBounds)
+    # bearer token of the admin endpoint that moves instances by hand (None: PDCLUSTER_ADMIN_TOKEN, or off)
+    admin_token: str | None = field(default=None, metadata={"check": api_key_problem})
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -83,14 +83,17 @@ def weight_dtype_issues(topology: Topology) -> list[Issue]:
 
 
 def autoscale_live_issues(topology: Topology) -> list[Issue]:
-    """`autoscale.enabled` is a plan for the simulator: the live cluster does not move instances between
-    pools, so deploy refuses it rather than ignore it."""
+    """`autoscale.enabled` on a topology whose instances cannot change role in place
+    (`driver.role_moves.movable_issue`): deploy refuses it rather than ignore it."""
+    from pdcluster.driver.role_moves import movable_issue
+
     if not topology.autoscale.enabled:
         return []
-    reason = (
-        "autoscale.enabled: the live cluster does not move instances between pools yet; "
-        "simulate the controller with `pdcluster plan FILE --trace T --autoscale`"
-    )
+    issue = movable_issue(topology)
+    if issue is None:
+        return []
+    simulate = "simulate the controller with `pdcluster plan FILE --trace T --autoscale`"
+    reason = f"autoscale.enabled: {issue}; {simulate}"
     return [Issue(("autoscale", "enabled"), reason)]
 
 

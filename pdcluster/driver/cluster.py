@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pdcluster.driver.actor_errors import DeployError, actor_error_message, describe_error
+from pdcluster.driver.autoscale_live import LiveAutoscaler
 from pdcluster.driver.backend import StreamDelta
 from pdcluster.driver.cluster_stats import ClusterStats
 from pdcluster.driver.deployment import ClusterDeployment, advertised_address
@@ -23,6 +24,7 @@ from pdcluster.driver.rank_actors import (
 )
 from pdcluster.driver.registry import InstanceRegistry
 from pdcluster.driver.request_dispatch import Dispatcher
+from pdcluster.driver.role_moves import RoleMover
 from pdcluster.driver.router import ROUTER_CACHE_BLOCKS
 from pdcluster.driver.routing import ModelFacts
 from pdcluster.engine.sampling_params import SamplingParams
@@ -76,6 +78,11 @@ class Cluster(ClusterDeployment):
         )
         self.monitor = HealthMonitor(self.registry, self, loads, self.dispatcher.fail_attempts)
         self.monitor.start()
+        self.mover = RoleMover(self)
+        self.autoscaler: LiveAutoscaler | None = None
+        if self.mover.issue is None and self.topology.autoscale.controller:
+            self.autoscaler = LiveAutoscaler(self)
+            self.autoscaler.start()
 
     def _on_instance_failed(self, role: str, index: int, left_routing: bool) -> None:
         if role == "decode":
@@ -86,8 +93,11 @@ class Cluster(ClusterDeployment):
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[StreamDelta]:
-        """`Dispatcher.generate` (its stream itself, so that closing it runs the dispatcher's cleanup)."""
-        return self.dispatcher.generate(request_id, prompt_token_ids, params)
+        """`Dispatcher.generate` (its stream itself, so that closing it runs the dispatcher's cleanup;
+        through `LiveAutoscaler.observe` when the controller runs)."""
+        stream = self.dispatcher.generate(request_id, prompt_token_ids, params)
+        autoscaler = getattr(self, "autoscaler", None)
+        return stream if autoscaler is None else autoscaler.observe(stream, len(prompt_token_ids))
 
     async def abort(self, request_id: str) -> None:
         """`Dispatcher.abort`."""

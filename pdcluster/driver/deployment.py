@@ -30,6 +30,7 @@ from pdcluster.driver.rank_actors import (
 )
 from pdcluster.driver.ray_runtime import gcs_reachable, init_local_ray, keeping_sigterm_handler
 from pdcluster.driver.request_state import rank_name
+from pdcluster.driver.role_moves import movable_issue
 from pdcluster.driver.router import RankRef
 from pdcluster.driver.wiring import ClusterWiring, advertised_address, free_ports
 from pdcluster.models.tokenizer import Tokenizer
@@ -194,6 +195,10 @@ class ClusterDeployment(ClusterWiring):
             "prefill": rank_actor_class(ray, prefill_cls),
             "decode": rank_actor_class(ray, decode_cls),
         }
+        if movable_issue(self.topology) is None:  # dynamic P:D: every rank can change role in place
+            from pdcluster.workers.role_rank import RoleWorker
+
+            self._rank_classes = dict.fromkeys(ROLES, rank_actor_class(ray, RoleWorker))
         names: dict[tuple[str, int], list[str]] = {}
         for spec_index, spec in enumerate(plan.instances):
             num_ranks = spec.num_devices
@@ -250,10 +255,16 @@ class ClusterDeployment(ClusterWiring):
         options.update(actor_resource_options(plan.ray_resource))
         config = topo.engine_config(spec.role, rank)
         name = rank_name(spec.role, RankRef(spec.index, rank))
+        host = "127.0.0.1" if self._loopback else "0.0.0.0"
+        if movable_issue(topo) is None:  # a RoleWorker: not restarted by Ray (it would come back in its
+            options["max_restarts"] = 0  # deploy role while the driver has it in the other pool)
+            configs = {role: topo.engine_config(role, rank) for role in ROLES}
+            cls = self._rank_classes[spec.role].options(**options)
+            return cls.remote(configs, name, spec.role, topo.kv_transfer.layerwise, host)
         cls = self._rank_classes[spec.role].options(**options)
         if spec.role == "prefill":
             return cls.remote(config, name, topo.kv_transfer.layerwise, group)
-        return cls.remote(config, name, "127.0.0.1" if self._loopback else "0.0.0.0", group)
+        return cls.remote(config, name, host, group)
 
     @property
     def prefill_actors(self) -> list[Any]:
@@ -292,6 +303,9 @@ class ClusterDeployment(ClusterWiring):
         from ray.util.placement_group import remove_placement_group
 
         self._closed = True
+        autoscaler = getattr(self, "autoscaler", None)
+        if autoscaler is not None:
+            autoscaler.stop(self.call_timeout_s + 5.0)
         monitor = getattr(self, "monitor", None)
         if monitor is not None:
             monitor.stop(self.call_timeout_s + 5.0)

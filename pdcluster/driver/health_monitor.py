@@ -96,7 +96,7 @@ class HealthMonitor:
 
     def _probe_round(self, ray) -> None:
 
-        targets = [instance for role in ROLES for instance in self.instances[role]]
+        targets = [i for role in ROLES for i in self.instances[role] if i.pool_state != "away"]
         if not targets or self._closed:
             return
         refs = [
@@ -108,6 +108,8 @@ class HealthMonitor:
         for instance, rank_refs in zip(targets, refs, strict=True):
             if self._closed:
                 return
+            if instance.pool_state == "away":  # moved to the other pool during the round (driver.role_moves)
+                continue
             try:
                 loads = [ray.get(ref, timeout=0) for ref in rank_refs]
                 check_instance_group(loads)

@@ -29,6 +29,10 @@ class Instance:
     rejoins: int = 0  # times new ranks joined it after that
     may_recover: bool = False  # out of routing, it may shrink onto its surviving ranks (`driver.elastic`)
     bundles: list[int] = field(default_factory=list)  # placement-group bundle of each rank ([]: rank r, r)
+    # dynamic P:D (`driver.role_moves`): "active"; "draining" (serves its work, takes none); "away" (its
+    # actor serves the other pool, or is switching: this slot is out of routing and unprobed)
+    pool_state: str = "active"
+    home: str = ""  # the name it was deployed with (its actor's across moves; "": `name`)
     _clients: dict[int, RankClient] = field(default_factory=dict, repr=False)
 
     def client(self, rank: int) -> RankClient:
@@ -62,7 +66,13 @@ class Instance:
 
     @property
     def routable(self) -> bool:
-        return self.health.routable
+        """Healthy and in its pool (active or draining): its work in flight is served."""
+        return self.health.routable and self.pool_state != "away"
+
+    @property
+    def accepting(self) -> bool:
+        """Routable and not draining: new requests may be routed to it."""
+        return self.health.routable and self.pool_state == "active"
 
     @property
     def degraded(self) -> bool:

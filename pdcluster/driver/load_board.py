@@ -42,6 +42,12 @@ class LoadBoard:
                 for rank in [r for r in table if r.instance == instance]:
                     del table[rank]
 
+    def add_decode(self, num_ranks: int) -> int:
+        """A decode instance of `num_ranks` ranks joins the pool's end (dynamic P:D); returns its index."""
+        with self._lock:
+            self._num_decode_ranks += (num_ranks,)
+            return len(self._num_decode_ranks) - 1
+
     def forget_decode(self, instance: int) -> None:
         """Drop every snapshot of decode `instance` (it left routing: what it reported is stale)."""
         with self._lock:

@@ -64,6 +64,7 @@ class InstanceRegistry:
         return "; ".join(
             f"{role}-{i} {h.state.value}" + (f": {h.reason}" if h.reason else "")
             for i, h in enumerate(self.health_of(role))
+            if self.instances[role][i].pool_state != "away"
         )
 
     def health(self) -> dict[str, dict[str, Any]]:
@@ -81,9 +82,11 @@ class InstanceRegistry:
                 "degraded": instance.degraded,
                 "recoveries": instance.recoveries,
                 "rejoins": instance.rejoins,
+                **({"pool_state": instance.pool_state, "home": instance.home} if instance.home else {}),
             }
             for role in ROLES
             for instance in self.instances[role]
+            if instance.pool_state != "away"
         }
 
     def mark_failed(
@@ -97,6 +100,8 @@ class InstanceRegistry:
         else:
             reason = f"{call}: {describe_error(exc)}"
         with self.lock:
+            if self.instances[role][index].pool_state == "away":  # a call that raced its move: not a failure
+                return
             before = self.instances[role][index].health
             # Not an actor-died error: that may come from a process that died after its probe answered.
             if restart_pending(exc) and is_stale(before, issued_at_s):

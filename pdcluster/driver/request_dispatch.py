@@ -109,7 +109,7 @@ class Dispatcher(RouteAndReserve):
             raise ValueError(f"request id {request_id!r} is already in use")
         self._ensure_pollers()
         # registered first: abort() may come before the first attempt exists
-        record = self._requests[request_id] = DriverRequest(request_id, time.monotonic())
+        record = self._requests[request_id] = DriverRequest(request_id, time.monotonic(), params=params)
         prompt, sampling = prompt_token_ids, params  # a re-dispatch after a lost decode changes both
         try:
             for attempt_index in range(MAX_DISPATCH_ATTEMPTS + MAX_RECOMPUTES):
@@ -249,7 +249,7 @@ class Dispatcher(RouteAndReserve):
     ) -> AttemptState:
         decode = self.instances["decode"][attempt.decode_index]
         tried = record.excluded_prefills | {attempt.prefill_index}
-        others = [p for p in self.instances["prefill"] if p.routable and p.index not in tried]
+        others = [p for p in self.instances["prefill"] if p.accepting and p.index not in tried]
         return AttemptState(
             request_id=record.request_id,
             attempt_index=attempt_index,

@@ -73,6 +73,7 @@ class DriverRequest:
     num_recomputes: int = 0  # re-dispatches after a decode instance lost its KV (`driver.recompute`)
     recomputed_tokens: int | None = None  # streamed tokens whose KV the last of them computed again
     lost: str | None = None  # what the last such loss was (for the error when its re-dispatch fails)
+    params: SamplingParams | None = None  # as asked (`driver.role_moves` checks it may be re-dispatched)
 
     def recompute(self, lost: str, prompt_token_ids: list[int], params: SamplingParams) -> Resumed:
         """Take the re-dispatch after decode lost the KV (`lost` says how): the next attempt's prompt and

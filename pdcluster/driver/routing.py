@@ -117,9 +117,9 @@ class RouteAndReserve:
                 prefills = [
                     p
                     for p in self.instances["prefill"]
-                    if p.routable and p.index not in record.excluded_prefills
+                    if p.accepting and p.index not in record.excluded_prefills
                 ]
-            missing = not prefills or not any(d.routable for d in self.instances["decode"])
+            missing = not prefills or not any(d.accepting for d in self.instances["decode"])
             recovering = any(i.may_recover and not i.routable for role in ROLES for i in self.instances[role])
             if missing and recovering and time.monotonic() < deadline_s:
                 await asyncio.sleep(RECOVERY_POLL_S)  # (elastic EP: bounded by kv_transfer.timeout_s)
@@ -129,7 +129,7 @@ class RouteAndReserve:
                     raise BackendUnavailable("no other live prefill instance to re-dispatch to")
                 summary = self.registry.summary("prefill")
                 raise BackendUnavailable(f"{request_id}: no live prefill instance ({summary})")
-            decodes = [d for d in self.instances["decode"] if d.routable]
+            decodes = [d for d in self.instances["decode"] if d.accepting]
             if not decodes:
                 raise BackendUnavailable(
                     f"{request_id}: no live decode instance ({self.registry.summary('decode')})"

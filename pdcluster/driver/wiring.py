@@ -124,6 +124,14 @@ class ClusterWiring:
         ray.get(refs, timeout=120)
         return []
 
+    def _kv_addresses(self, joining: Instance | None = None) -> list[list[Any]]:
+        """Each decode slot's receiver addresses, as prefill senders connect to them: a slot whose actor
+        serves the other pool (`driver.role_moves`; `joining` excepted) gets the first live slot's (nothing
+        is routed to it)."""
+        decodes = self.instances["decode"]
+        live = [d.index for d in decodes if d.pool_state != "away" or d is joining] or [0]
+        return [list(self._decode_addresses[d.index if d.index in live else live[0]]) for d in decodes]
+
     def rewire(self, ray, role: str, index: int, restarted: bool) -> None:
         """gRPC, shm and shm+grpc only (restarts are off for torch.distributed and for multi-rank instances,
         whose groups are fixed at deploy).
@@ -145,7 +153,7 @@ class ClusterWiring:
                 [p.set_decode_address.remote(index, address) for p in prefills], timeout=self.call_timeout_s
             )
         else:
-            addresses = [list(ranks) for ranks in self._decode_addresses]
+            addresses = self._kv_addresses()
             ranks = self.instances["prefill"][index].ranks
             transport = self.topology.kv_transport
             ray.get(

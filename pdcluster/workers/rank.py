@@ -54,11 +54,7 @@ class RankWorker:
         self.lockstep = engine_config.parallel.enabled
         if self.lockstep and self.instance_group is None:
             raise ValueError(f"{name}: an expert-parallel engine needs its instance group (group=None)")
-        self.engine = LLMEngine(
-            engine_config,
-            group=self.instance_group.group if self.lockstep else None,
-            shared_kv_cache=self.SHARED_KV_CACHE,
-        )
+        self.engine = self._new_engine(engine_config)
         if self.instance_group is not None:  # every rank loaded before the first lockstep collective
             from pdcluster.driver.instance_group import wait_until_loaded
 
@@ -74,6 +70,11 @@ class RankWorker:
         self._ep_summary: dict | None = None  # the engine's EP figures, copied by the engine thread
         self._ep_summary_at_s = 0.0
         self._aborted_grows: set[int] = set()  # `abort_grow`
+
+    def _new_engine(self, engine_config: EngineConfig) -> LLMEngine:
+        """The rank's engine, loaded here (`workers.role_rank` hands over one already loaded instead)."""
+        group = self.instance_group.group if self.lockstep else None
+        return LLMEngine(engine_config, group=group, shared_kv_cache=self.SHARED_KV_CACHE)
 
     def compile_stats(self) -> CompileStats:
         """What `compile` did (`engine.compiled_forward.CompileStats`); counters as they stand."""

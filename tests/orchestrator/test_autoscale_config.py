@@ -119,12 +119,19 @@ def test_minimums_must_fit_the_devices():
         AutoscaleConfig(park_below_utilization=0.9)
 
 
-def test_deploy_refuses_autoscale_enabled_and_validate_notes_it(tmp_path, ckpt):  # noqa: F811
-    """The controller runs in the simulator only: deploy must refuse the key, not serve a static split."""
+def test_deploy_refuses_autoscale_enabled_only_where_instances_cannot_move(tmp_path, ckpt):  # noqa: F811
+    """Single-device instances on an addressed KV transport, one engine shape: deploy takes the key (the
+    instances are `RoleWorker`s). A torch.distributed transport (its group fixed at deploy) or pools whose
+    engines differ are refused at the key, naming why, not served as a static split."""
     from pdcluster.config.preflight import autoscale_live_issues
 
-    path = write(tmp_path, template(ckpt, POOLS + "autoscale:\n  enabled: true\n"))
-    (issue,) = autoscale_live_issues(load_topology(path))
-    assert issue.path == ("autoscale", "enabled") and "--autoscale" in issue.reason
+    enabled = POOLS + "autoscale:\n  enabled: true\n"
+    assert autoscale_live_issues(load_topology(write(tmp_path, template(ckpt, enabled)))) == []
+    dist = write(tmp_path, template(ckpt, enabled + "kv_transfer:\n  transport: torch_distributed\n"))
+    (issue,) = autoscale_live_issues(load_topology(dist))
+    assert issue.path == ("autoscale", "enabled") and "process group is fixed" in issue.reason
+    shapes = enabled.replace("decode:\n", "decode:\n  block_size: 32\n")
+    (issue,) = autoscale_live_issues(load_topology(write(tmp_path, template(ckpt, shapes))))
+    assert "engines differ in block_size" in issue.reason and "--autoscale" in issue.reason
     off = write(tmp_path, template(ckpt, POOLS))
     assert autoscale_live_issues(load_topology(off)) == []

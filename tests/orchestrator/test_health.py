@@ -78,7 +78,9 @@ def test_the_monitor_ignores_a_stale_failure_and_applies_the_next_one(caplog):
 
     from pdcluster.driver.registry import InstanceRegistry
 
-    decode = SimpleNamespace(health=InstanceHealth(Health.HEALTHY, "", since_s=30.0, pid=41))
+    decode = SimpleNamespace(
+        pool_state="active", health=InstanceHealth(Health.HEALTHY, "", since_s=30.0, pid=41)
+    )
     done: list = []
 
     def on_failed(role, index, left_routing):  # as `Cluster._on_instance_failed`
@@ -122,7 +124,9 @@ def test_a_failure_recorded_while_an_instance_rejoins_is_not_overwritten(caplog)
     from types import SimpleNamespace
 
     prefill = SimpleNamespace(
-        health=InstanceHealth(Health.UNRESPONSIVE, "probe", since_s=30.0, pid=41), clients=[]
+        pool_state="active",
+        health=InstanceHealth(Health.UNRESPONSIVE, "probe", since_s=30.0, pid=41),
+        clients=[],
     )
     failed: list = []
     # prefill is rewired when it rejoins (shm)
@@ -330,6 +334,7 @@ def _probing_monitor(monkeypatch, answer, health: InstanceHealth, watchdog_s: fl
 
     class FakeInstance(SimpleNamespace):
         routable = property(lambda self: self.health.routable)
+        pool_state = "active"  # (dynamic P:D: in its pool)
 
         def rank_name(self, r):
             return "decode-0" if r == 0 else f"decode-0.{r}"

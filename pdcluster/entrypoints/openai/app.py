@@ -14,6 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdcluster.config import DEFAULT_MAX_REQUEST_BODY_BYTES, SLOConfig, Topology
 from pdcluster.driver.backend import BackendUnavailable, ServingBackend
+from pdcluster.entrypoints.openai.admin import add_admin_routes
+from pdcluster.entrypoints.openai.admin import admin_token as resolve_admin_token
 from pdcluster.entrypoints.openai.chat_template import ChatTemplate, ChatTemplateError
 from pdcluster.entrypoints.openai.choices import serve_choices
 from pdcluster.entrypoints.openai.errors import add_error_handlers
@@ -56,6 +58,7 @@ def build_topology_app(backend: ServingBackend, topology: Topology) -> FastAPI:
         slo=topology.slo,
         max_request_body_bytes=topology.api.max_request_body_bytes,
         max_concurrent_requests=topology.max_concurrent_requests,
+        admin_token=topology.autoscale.admin_token,
     )
 
 
@@ -66,6 +69,7 @@ def build_app(
     *,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     max_concurrent_requests: int | None = None,
+    admin_token: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over `backend` (see the module docstring). State lives on the app.
 
@@ -114,6 +118,7 @@ def build_app(
         return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, encode_off_the_gil, text)
 
     add_error_handlers(app, metrics)
+    add_admin_routes(app, backend, resolve_admin_token(admin_token))  # dynamic P:D's moves by hand
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -43,7 +43,8 @@ class EdgeGuard:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
+        admin = path.startswith("/admin/")  # its own token (`entrypoints.openai.admin`)
+        if self.api_key is not None and path not in OPEN_PATHS and not admin and not self._authorized(scope):
             await self._refuse(
                 scope,
                 receive,
