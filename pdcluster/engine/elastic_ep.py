@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from pdcluster.engine.expert_parallel import ExpertParallelRuntime
 from pdcluster.models.deepseek_v3 import DeepseekV3MLP
 from pdcluster.models.elastic_placement import ShrunkPlacement, shrink_placement
-from pdcluster.models.ep_dispatch import wait
+from pdcluster.models.ep_dispatch import EPCollectiveError, wait
 from pdcluster.models.expert_placement import ExpertPlacement
 from pdcluster.models.loader import (
     FP8_DTYPES,
@@ -25,6 +26,26 @@ from pdcluster.models.loader import (
     dequantize_fp8_blockwise,
     inspect_checkpoint,
 )
+
+
+def roll_back_step(scheduler: Any, output: Any, error: BaseException) -> bool:
+    """Undo `scheduler.schedule()`'s `output` (synchronous loop) when its execution failed on a lost peer
+    (`error` or its cause an `EPCollectiveError`; else False, nothing done): each scheduled request is back
+    at its step's start (`num_computed_tokens`, placeholders; drafts dropped, proposed anew) with its
+    blocks and committed KV, to run the step again on the re-formed group. The step's finished and
+    preempted ids go to the next step."""
+    if not isinstance(error, EPCollectiveError) and not isinstance(error.__cause__, EPCollectiveError):
+        return False
+    for item in output.scheduled:
+        request = item.request
+        if scheduler.requests.get(request.request_id) is not request:
+            continue
+        request.num_computed_tokens = item.start_position
+        if item.samples:
+            request.num_output_placeholders -= len(item.spec_token_ids) + 1
+        request.spec_token_ids = []
+    scheduler._finished_request_ids[:0] = output.finished_request_ids + output.preempted_request_ids
+    return True
 
 
 def plan_shrink(

@@ -111,3 +111,45 @@ def test_metrics_show_each_instances_live_ranks_and_recoveries() -> None:
     assert 'pdcluster_instance_degraded{instance="decode-0"} 1.0' in text
     assert 'pdcluster_instance_degraded{instance="prefill-0"} 0.0' in text
     assert 'pdcluster_instance_recoveries_total{instance="decode-0"} 1.0' in text
+
+
+@pytest.mark.parametrize("where", ["forward", "mtp_forward"])
+def test_a_step_rolled_back_after_a_lost_peer_runs_again_with_the_same_tokens(where: str) -> None:
+    """A collective failing inside the main forward (nothing sampled) or inside the MTP forward (main KV
+    written, tokens sampled, drafts half proposed): `roll_back_step` puts every request back at its step's
+    start, and stepping on gives one engine's greedy tokens (the failed step's KV writes are rewritten)."""
+    from pdcluster.engine.elastic_ep import roll_back_step
+    from pdcluster.engine.llm import LLM
+    from pdcluster.engine.sampling_params import SamplingParams
+    from pdcluster.models.ep_dispatch import EPCollectiveError
+    from pdcluster.models.prompts import heldout_def_prompts
+
+    llm = LLM(bundled_checkpoint_dir(), num_speculative_tokens=1)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [llm.tokenizer.encode(p) for p in heldout_def_prompts(2, min_chars=40, max_chars=200)]
+    expected = [out.token_ids for out in llm.generate(prompts, params)]
+    engine = llm.engine
+    ids = [engine.add_request(p, params, stream=False) for p in prompts]
+    for _ in range(6):
+        engine.step()
+    output = engine.scheduler.schedule()
+    before = {item.request_id: item.start_position for item in output.scheduled}
+    assert sorted(before) == sorted(ids)
+    original = getattr(engine.runner, where)
+
+    def lost(*args, **kwargs):
+        raise EPCollectiveError("EP rank 0: the peer is gone")
+
+    setattr(engine.runner, where, lost)
+    with pytest.raises(EPCollectiveError) as raised:
+        engine.executor.execute(output)
+    setattr(engine.runner, where, original)
+    assert not roll_back_step(engine.scheduler, output, RuntimeError("not a collective"))  # nothing done
+    assert roll_back_step(engine.scheduler, output, raised.value)
+    for rid in ids:
+        request = engine.scheduler.requests[rid]
+        assert (request.num_computed_tokens, request.num_output_placeholders) == (before[rid], 0)
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        got.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert [got[rid] for rid in ids] == expected
