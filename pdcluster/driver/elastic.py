@@ -165,7 +165,7 @@ class ElasticInstances:
             list(loss.survivors),
         )
         spec_index = next(i for i, s in enumerate(dep._plan.instances) if (s.role, s.index) == key)
-        init_method, barrier_port = dep._rendezvous(ray, spec_index)
+        init_method, barrier_port, secret = dep._rendezvous(ray, spec_index)
         timeout_s = dep.collective_timeout_s
         rendezvous_s = 2 * timeout_s + dep.call_timeout_s
         actors = [instance.ranks[r] for r in loss.survivors]
@@ -179,6 +179,7 @@ class ElasticInstances:
                     dep._plan.collective_backend,
                     timeout_s,
                     rendezvous_s,
+                    secret,
                 ),
                 list(loss.lost),
                 self.max_local_experts,
@@ -258,7 +259,7 @@ class ElasticInstances:
         spec_index = next(i for i, s in enumerate(dep._plan.instances) if (s.role, s.index) == key)
         num_ranks, bundles = instance.deployed_ranks, instance.bundles or list(range(instance.num_ranks))
         free = [b for b in range(num_ranks) if b not in bundles]
-        init_method, barrier_port = dep._rendezvous(ray, spec_index)
+        init_method, barrier_port, secret = dep._rendezvous(ray, spec_index)
         from pdcluster.driver.rank_actors import ready_timeout_s
 
         def spec(rank: int) -> InstanceGroupSpec:
@@ -270,6 +271,7 @@ class ElasticInstances:
                 dep._plan.collective_backend,
                 dep.collective_timeout_s,
                 ready_timeout_s(dep.topology),
+                secret,
             )
 
         self._attempts += 1

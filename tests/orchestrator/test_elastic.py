@@ -45,7 +45,7 @@ def test_a_rank_is_lost_once_every_answering_rank_saw_its_group_fail() -> None:
 
 def test_an_aborted_meet_raises_at_once_instead_of_waiting_its_timeout() -> None:
     ports = free_ports("127.0.0.1", 2)
-    spec = InstanceGroupSpec(0, 2, f"tcp://127.0.0.1:{ports[0]}", ports[1], "gloo", 10.0, 60.0)
+    spec = InstanceGroupSpec(0, 2, f"tcp://127.0.0.1:{ports[0]}", ports[1], "gloo", 10.0, 60.0, "s")
     started_s = time.monotonic()
     with pytest.raises(RuntimeError, match="aborted"):
         meet(spec, aborted=lambda: time.monotonic() - started_s > 0.2)
