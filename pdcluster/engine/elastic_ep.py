@@ -105,8 +105,9 @@ def grow_runtime(
     runtime: ExpertParallelRuntime, group: dist.ProcessGroup, num_redundant_experts: int, checkpoint: str
 ) -> tuple[ExpertParallelRuntime, int]:
     """A new runtime for this rank over the grown `group` with `ExpertPlacement.default` (what a rank
-    joining it loads): experts this rank holds are kept, the others read from `checkpoint`. Returns it and
-    how many experts were read. No collective.
+    joining it loads): experts this rank holds are kept, the others read from `checkpoint`; it keeps this
+    rank's expert-load window and asks for an EPLB rebalance at the group's first step with work
+    (`ExpertParallelRuntime.begin_step`). Returns it and how many experts were read. No collective.
 
     Raises ValueError: experts plus `num_redundant_experts` do not split over the group.
     """
@@ -133,7 +134,10 @@ def grow_runtime(
         data_parallel_size=None,
         num_redundant_experts=num_redundant_experts,
     )
-    return ExpertParallelRuntime(runtime.model, parallel, group, new), len(loads)
+    grown = ExpertParallelRuntime(runtime.model, parallel, group, new)
+    grown._load_window.extend(runtime._load_window)  # (logical loads: placement-independent)
+    grown.rebalance_requested = True
+    return grown, len(loads)
 
 
 def _grow_slots(runtime: ExpertParallelRuntime, num_slots: int) -> None:

@@ -9,8 +9,8 @@ on its survivor (a world of 1 holding all 8 experts) and serves again, greedy ou
 engine's, /health saying so. SIGSTOP of one prefill rank: its peer's collective times out and prefill-0
 shrinks too, the idle re-formed decode group stepping meanwhile. Grow back: the first replacement decode
 rank is killed while it joins (the survivors keep serving), the next one joins; a request running on the
-survivor across the switch goes on untouched; both instances serve on 2 ranks again with outputs equal to
-one engine's.
+survivor across the switch goes on untouched; both instances serve on 2 ranks again, EPLB rebalanced once
+on the load observed, with outputs equal to one engine's.
 """
 
 from __future__ import annotations
@@ -250,6 +250,7 @@ def test_a_lost_rank_shrinks_its_instance_which_serves_again(cluster, ray_sessio
     ranks = cluster.stats()["ranks"]
     for name in ("decode-0", "decode-0.1", "prefill-0", "prefill-0.1"):
         assert (ranks[name]["ep"]["num_ranks"], ranks[name]["ep"]["rank"]) == (2, int(name.endswith(".1")))
+        assert ranks[name]["ep"]["num_rebalances"] == 1, name  # EPLB on the observed load once grown
     assert_nothing_held(cluster)
 
 

@@ -95,8 +95,11 @@ def test_a_survivor_takes_every_expert_then_gives_back_its_peers_share() -> None
     assert {e for _, _, _, e in shrunk.loads} == {5, 6, 7}  # rank 0 held 0..4: only the rest is read
     _assert_slots_hold_checkpoint_experts(shrunk_runtime, full)
     grown_group, _ = _groups(2)
+    observed = torch.arange(shrunk_runtime._logical_zero.numel()).view_as(shrunk_runtime._logical_zero)
+    shrunk_runtime._load_window.append(observed)
     grown, num_read = grow_runtime(shrunk_runtime, grown_group, 2, path)
     assert (grown.num_ranks, grown.rank, grown.placement.num_local_experts, num_read) == (2, 0, 5, 0)
+    assert grown.rebalance_requested and [torch.equal(w, observed) for w in grown._load_window] == [True]
     _assert_slots_hold_checkpoint_experts(grown, full)
 
 
@@ -153,3 +156,33 @@ def test_a_step_rolled_back_after_a_lost_peer_runs_again_with_the_same_tokens(wh
     while engine.has_unfinished_requests():
         got.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
     assert [got[rid] for rid in ids] == expected
+
+
+def test_one_rank_asking_for_a_rebalance_makes_every_rank_rebalance_at_the_next_step_with_work() -> None:
+    """As a grown survivor asks (`grow_runtime`) while the newcomer does not: both rebalance at once (the
+    step agreement carries the request), the placement versions stay equal, and an idle step waits."""
+    path = str(bundled_checkpoint_dir())
+    groups = _groups(2)
+    runtimes = []
+    for rank in range(2):
+        parallel = ParallelConfig(expert_parallel_size=2, rank=rank, num_redundant_experts=2)
+        model, placement = load_rank_shard(path, parallel, "cpu", torch.float32)
+        runtimes.append(ExpertParallelRuntime(model, parallel, groups[rank], placement))
+    runtimes[0].rebalance_requested = True
+
+    def steps(has_work: bool) -> list[bool]:
+        out: dict[int, bool] = {}
+        threads = [
+            threading.Thread(target=lambda r=r: out.__setitem__(r, runtimes[r].begin_step(has_work, 0)))
+            for r in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return [out[r] for r in range(2)]
+
+    assert steps(False) == [False, False] and [r.num_rebalances for r in runtimes] == [0, 0]
+    assert steps(True) == [True, True] and [r.num_rebalances for r in runtimes] == [1, 1]
+    assert not runtimes[0].rebalance_requested
+    assert steps(True) == [True, True] and [r.num_rebalances for r in runtimes] == [1, 1]
