@@ -27,14 +27,35 @@ from pdcluster.models.loader import (
     inspect_checkpoint,
 )
 
+# NCCL / HCCL watchdog aborts (they cannot run here: no GPU / NPU): how torch's ProcessGroupNCCL and
+# torch_npu's ProcessGroupHCCL report a collective their watchdog timed out or a communicator it aborted,
+# raised from `Work.wait` or from the next op on the stream. The same lost-peer event as gloo's errors.
+WATCHDOG_ABORTS = (
+    "Watchdog caught collective operation timeout",  # WorkNCCL(...) / WorkHCCL(...) ran for N ms ...
+    "NCCL communicator was aborted",
+    "ncclRemoteError",
+    "ncclSystemError",
+    "HCCL function error",
+)
+
+
+def lost_peer(error: BaseException) -> bool:
+    """`error` or one of its causes is an `EPCollectiveError` or an NCCL / HCCL watchdog abort."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, EPCollectiveError) or any(m in str(seen) for m in WATCHDOG_ABORTS):
+            return True
+        seen = seen.__cause__
+    return False
+
 
 def roll_back_step(scheduler: Any, output: Any, error: BaseException) -> bool:
     """Undo `scheduler.schedule()`'s `output` (synchronous loop) when its execution failed on a lost peer
-    (`error` or its cause an `EPCollectiveError`; else False, nothing done): each scheduled request is back
+    (`lost_peer(error)`; else False, nothing done): each scheduled request is back
     at its step's start (`num_computed_tokens`, placeholders; drafts dropped, proposed anew) with its
     blocks and committed KV, to run the step again on the re-formed group. The step's finished and
     preempted ids go to the next step."""
-    if not isinstance(error, EPCollectiveError) and not isinstance(error.__cause__, EPCollectiveError):
+    if not lost_peer(error):
         return False
     for item in output.scheduled:
         request = item.request

@@ -16,6 +16,7 @@ on the load observed, with outputs equal to one engine's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -31,6 +32,7 @@ from pdcluster.engine.llm import LLM
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.models import bundled_checkpoint_dir
 from pdcluster.models.prompts import heldout_def_prompts
+from pdcluster.workers.rank import EP_STATS_REFRESH_S
 from tests.cluster.conftest import assert_nothing_held, call_bound_s, deployed_with_loop, request_bound_s
 
 pytestmark = pytest.mark.slow
@@ -254,9 +256,9 @@ def test_a_lost_rank_shrinks_its_instance_which_serves_again(cluster, ray_sessio
     assert_nothing_held(cluster)
 
 
-async def kill_mid_stream(cluster, pid: int, ids: list[str], prompts: list[str]):
-    """Stream `ids` at once; once decode holds every one's KV and each streamed 2 tokens, SIGKILL `pid`.
-    Returns `ranks_at` the kill and each request's `streamed` (or its exception)."""
+async def kill_mid_stream(cluster, pid: int, ids: list[str], prompts: list[str], sig=signal.SIGKILL):
+    """Stream `ids` at once; once decode holds every one's KV and each streamed 2 tokens, send `sig` to
+    `pid`. Returns `ranks_at` the kill and each request's `streamed` (or its exception)."""
     tasks = [
         asyncio.ensure_future(streamed(cluster, rid, prompts[i % 4], STREAM)) for i, rid in enumerate(ids)
     ]
@@ -271,7 +273,7 @@ async def kill_mid_stream(cluster, pid: int, ids: list[str], prompts: list[str])
         assert time.monotonic() < deadline_s, ranks_at(cluster)
         await asyncio.sleep(0.05)
     at_kill = ranks_at(cluster)
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, sig)
     bound_s = request_bound_s(cluster) + shrink_bound_s(cluster)
     return at_kill, await asyncio.gather(
         *(asyncio.wait_for(t, bound_s) for t in tasks), return_exceptions=True
@@ -280,10 +282,11 @@ async def kill_mid_stream(cluster, pid: int, ids: list[str], prompts: list[str])
 
 def test_an_ep4_decode_instance_loses_two_ranks_one_after_the_other(ray_session, prompts, oracle) -> None:
     """EP4 decode (8 experts, none redundant: 2 per rank) behind a one-rank prefill: SIGKILL of rank 3,
-    then of the leader (rank 0 of the 3 left), each while 8 requests stream on all ranks: the victim's are
-    recomputed, the survivors' go on untouched (renumbered the second time), all with one engine's tokens.
-    Each time it shrinks (to 3 ranks of 3 expert slots, then 2 of 4; the lost leader's successor hosts the
-    new group) and serves outputs equal to one engine's."""
+    then SIGSTOP of the leader (rank 0 of the 3 left: its peers' collectives time out), each while 8
+    requests stream on all ranks: the victim's are recomputed, the survivors' go on untouched (renumbered
+    the second time), all with one engine's tokens. Each time it shrinks (to 3 ranks of 3 expert slots,
+    then 2 of 4; the lost leader's successor hosts the new group) and serves outputs equal to one engine's
+    one request at a time, the ranks without one joining its steps idle (no deadlock)."""
     oracle, oracle_stream = oracle[0], oracle[2]
     topo = load_topology("clusters/local-ep.yaml")
     topo = dataclasses.replace(
@@ -308,10 +311,15 @@ def test_an_ep4_decode_instance_loses_two_ranks_one_after_the_other(ray_session,
     )
     with deployed_with_loop(topo) as cluster:
         cluster.monitor.elastic.grow_after_s = float("inf")
-        for step, (victim, ranks_left) in enumerate(((3, 3), (0, 2))):
+        for step, (victim, ranks_left, sig) in enumerate(((3, 3, signal.SIGKILL), (0, 2, signal.SIGSTOP))):
             pid = pid_of(ray_session, cluster.instances["decode"][0].ranks[victim], cluster)
             ids = [f"ep4-stream-{step}-{i}" for i in range(8)]
-            at_kill, results = run(cluster, kill_mid_stream(cluster, pid, ids, prompts))
+            try:
+                at_kill, results = run(cluster, kill_mid_stream(cluster, pid, ids, prompts, sig))
+            finally:
+                if sig == signal.SIGSTOP:
+                    with contextlib.suppress(ProcessLookupError):  # (killed by the driver already)
+                        os.kill(pid, signal.SIGCONT)
             assert not [r for r in results if isinstance(r, BaseException)], results
             for i, (tokens, text, _) in enumerate(results):
                 assert (tokens, text) == (oracle_stream[i % 4].token_ids, oracle_stream[i % 4].text), i
@@ -332,5 +340,12 @@ def test_an_ep4_decode_instance_loses_two_ranks_one_after_the_other(ray_session,
                     cluster, asyncio.wait_for(generate(cluster, f"ep4-{step}-{i}", prompt, GREEDY), 120)
                 )
                 assert got == oracle[i], (step, i)
+            deadline_s = time.monotonic() + 2 * EP_STATS_REFRESH_S + call_bound_s(cluster)
+            while True:  # the ranks without the request stepped idle (their figures refresh every second)
+                ep = [r["ep"] for name, r in cluster.stats()["ranks"].items() if name.startswith("decode")]
+                if sum(e["num_idle_steps"] for e in ep) > 0:
+                    break
+                assert time.monotonic() < deadline_s, ep
+                time.sleep(0.1)
             assert cluster.monitor.elastic.growing == {}
         assert_nothing_held(cluster)

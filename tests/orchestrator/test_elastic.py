@@ -186,3 +186,31 @@ def test_one_rank_asking_for_a_rebalance_makes_every_rank_rebalance_at_the_next_
     assert steps(True) == [True, True] and [r.num_rebalances for r in runtimes] == [1, 1]
     assert not runtimes[0].rebalance_requested
     assert steps(True) == [True, True] and [r.num_rebalances for r in runtimes] == [1, 1]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=668, OpType=ALLREDUCE, "
+        "NumelIn=6, NumelOut=6, Timeout(ms)=10000) ran for 10097 milliseconds before timing out.",
+        "NCCL communicator was aborted on rank 0.",
+        "NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network error, "
+        "NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a network error",
+        "[Rank 0] Watchdog caught collective operation timeout: WorkHCCL(SeqNum=12, OpType=ALLTOALL_BASE, "
+        "Timeout(ms)=10000) ran for 10010 milliseconds before timing out.",
+        "HCCL function error: hcclAllReduce(...), error code is 7",
+    ],
+)
+def test_nccl_and_hccl_watchdog_aborts_are_the_lost_peer_event(message: str) -> None:
+    """(NCCL / HCCL cannot run here: the mapping alone.) A watchdog abort raised as it is, or as the cause
+    of the engine's step error, is the same event as gloo's failed collective: the step is rolled back and
+    the rank reports its group failed."""
+    from pdcluster.engine.elastic_ep import lost_peer
+    from pdcluster.models.ep_dispatch import EPCollectiveError
+
+    step_error = RuntimeError("engine step failed")
+    step_error.__cause__ = RuntimeError(message)
+    assert lost_peer(RuntimeError(message)) and lost_peer(step_error)
+    assert lost_peer(EPCollectiveError("EP rank 0: step agreement failed: Connection closed by peer"))
+    assert not lost_peer(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not lost_peer(ValueError("request r0: sampled [1, 2] does not fit drafts [3]"))
