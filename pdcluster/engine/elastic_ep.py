@@ -99,7 +99,8 @@ def shrink_runtime(
     load = sum(runtime._load_window, runtime._logical_zero.clone()).to(runtime.device)
     wait(group.allreduce([load]), "elastic EP load allreduce", group.rank())
     load = load.cpu().double() + 1.0  # +1: an expert never routed to still sorts by id, not at random
-    shrunk = shrink_placement(runtime.placement, lost_ranks, load, _max_slots(runtime, max_local_experts))
+    base, mixed = _common_placement(runtime, group)
+    shrunk = shrink_placement(base, lost_ranks, load, _max_slots(runtime, max_local_experts))
     new_rank = group.rank()
     if shrunk.survivors[new_rank] != runtime.rank or len(shrunk.survivors) != group.size():
         raise ValueError(
@@ -107,7 +108,13 @@ def shrink_runtime(
             f"{shrunk.survivors}"
         )
     _grow_slots(runtime, shrunk.placement.num_local_experts)
-    _load_experts(runtime, checkpoint, [(row, slot, e) for row, r, slot, e in shrunk.loads if r == new_rank])
+    loads = [(row, slot, e) for row, r, slot, e in shrunk.loads if r == new_rank]
+    if mixed:  # this rank's slots may not be what `base` says: every one read again
+        mine = shrunk.placement.local_logical_experts
+        loads = [
+            (row, slot, e) for row in range(base.num_moe_layers) for slot, e in enumerate(mine(row, new_rank))
+        ]
+    _load_experts(runtime, checkpoint, loads)
     placement = shrunk.placement
     parallel = dataclasses.replace(
         runtime.parallel,
@@ -120,6 +127,36 @@ def shrink_runtime(
     new = ExpertParallelRuntime(runtime.model, parallel, group, placement)
     new.num_rebalances = 0
     return new, shrunk
+
+
+def _common_placement(
+    runtime: ExpertParallelRuntime, group: dist.ProcessGroup
+) -> tuple[ExpertPlacement, bool]:
+    """The placement the survivors shrink from (collective over `group`): theirs, or, when a rank was lost
+    in the middle of an EPLB rebalance and only some survivors switched (`ExpertParallelRuntime.rebalance`
+    applies moved weights once its own transfers are done), the newest one, broadcast by the first survivor
+    that has it; True then (slots may differ from it on the others)."""
+    rank, version = group.rank(), runtime.num_rebalances
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MAX
+    flags = torch.tensor([version, -version], dtype=torch.int64, device=runtime.device)
+    wait(group.allreduce([flags], options), "elastic EP placement agreement", rank)
+    newest, oldest = int(flags[0]), -int(flags[1])
+    if newest == oldest:
+        return runtime.placement, False
+    first = torch.tensor(
+        [rank if version == newest else group.size()], dtype=torch.int64, device=flags.device
+    )
+    options.reduceOp = dist.ReduceOp.MIN
+    wait(group.allreduce([first], options), "elastic EP placement agreement", rank)
+    phy2log = runtime.placement.phy2log.to(device=flags.device, dtype=torch.int64, copy=True)
+    root = dist.BroadcastOptions()
+    root.rootRank = int(first)
+    wait(group.broadcast([phy2log], root), "elastic EP placement broadcast", rank)
+    placement = runtime.placement
+    return ExpertPlacement.from_phy2log(
+        phy2log.cpu(), placement.num_logical_experts, placement.num_ranks
+    ), True
 
 
 def grow_runtime(

@@ -24,6 +24,7 @@ from pdcluster.engine.parallel import ParallelConfig, make_instance_group
 from pdcluster.entrypoints.openai.metrics import ApiMetrics
 from pdcluster.models import bundled_checkpoint_dir
 from pdcluster.models.elastic_placement import PlacementRefused
+from pdcluster.models.expert_placement import ExpertPlacement
 from pdcluster.models.loader import load_checkpoint
 
 
@@ -214,3 +215,40 @@ def test_nccl_and_hccl_watchdog_aborts_are_the_lost_peer_event(message: str) -> 
     assert lost_peer(EPCollectiveError("EP rank 0: step agreement failed: Connection closed by peer"))
     assert not lost_peer(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert not lost_peer(ValueError("request r0: sampled [1, 2] does not fit drafts [3]"))
+
+
+def test_survivors_at_different_placements_after_a_rank_lost_mid_rebalance_agree_on_one() -> None:
+    """EP3 (9 slots: 8 experts + 1 redundant) loses rank 2 while an EPLB rebalance moved weights: survivor 0
+    switched to the new placement (its transfers were done), survivor 1 did not. Both shrink onto the same
+    placement (the newest, rank 0's) and every slot of each holds its expert's checkpoint weights."""
+    from pdcluster.engine.elastic_ep import _load_experts
+
+    path = str(bundled_checkpoint_dir())
+    full = load_checkpoint(path)
+    old_groups = _groups(3)
+    runtimes = []
+    for rank in range(2):
+        parallel = ParallelConfig(expert_parallel_size=3, rank=rank, num_redundant_experts=1)
+        model, placement = load_rank_shard(path, parallel, "cpu", torch.float32)
+        runtimes.append(ExpertParallelRuntime(model, parallel, old_groups[rank], placement))
+    switched = runtimes[0]
+    phy2log = switched.placement.phy2log.clone()
+    phy2log[:, [0, 3]] = phy2log[:, [3, 0]]  # rank 0's slot 0 and rank 1's slot 0 trade experts
+    switched.placement = ExpertPlacement.from_phy2log(phy2log, 8, 3)
+    _load_experts(switched, path, [(row, 0, int(phy2log[row, 0])) for row in range(phy2log.shape[0])])
+    switched.num_rebalances = 1
+    _assert_slots_hold_checkpoint_experts(switched, full)
+    new_groups = _groups(2)
+    shrunk: dict[int, object] = {}
+
+    def shrink(rank: int) -> None:
+        shrunk[rank] = shrink_runtime(runtimes[rank], new_groups[rank], frozenset({2}), None, path)[0]
+
+    threads = [threading.Thread(target=shrink, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert torch.equal(shrunk[0].placement.phy2log, shrunk[1].placement.phy2log)
+    for rank in range(2):
+        _assert_slots_hold_checkpoint_experts(shrunk[rank], full)
