@@ -114,6 +114,8 @@ class ElasticInstances:
             return False
         loss = find_rank_loss(instance, outcomes)
         if loss is None:
+            if not instance.routable and all(isinstance(o, BaseException) for o in outcomes):
+                self._fail_attempts(*key)  # no survivor holds the requests' KV any more
             return False
         if self.deployment.topology.kv_transport not in ADDRESSED_KV_TRANSPORTS:
             self._give_up(
