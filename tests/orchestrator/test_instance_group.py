@@ -90,17 +90,21 @@ def test_a_process_without_the_secret_can_neither_join_nor_disturb_the_group() -
     results = _join_all(2, ports, range(2), secrets={1: new_rendezvous_secret()})
     assert isinstance(results[0], RuntimeError) and isinstance(results[1], RuntimeError), results
     ports = free_ports("127.0.0.1", 2)
-    stranger = []
+    results = {}
 
-    def disturb() -> None:
-        store = dist.TCPStore("127.0.0.1", ports[1], 2, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
-        for key in ("rank0", "rank1", "loaded0", "instance/0", "instance/1"):
-            store.set(key, "ready")
-        stranger.append(store)
+    def join(rank: int) -> None:
+        results[rank] = join_instance_group(_spec(rank, 2, ports, TIMEOUT_S))
 
-    threading.Thread(target=disturb).start()
-    results = _join_all(2, ports, range(2))
-    assert stranger and all(not isinstance(r, BaseException) for r in results.values()), results
+    first = threading.Thread(target=join, args=(0,))
+    first.start()  # rank 0 hosts the store and waits at the barrier; the stranger writes meanwhile
+    store = dist.TCPStore("127.0.0.1", ports[1], 2, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+    for key in ("rank0", "rank1", "loaded0", "instance/0", "instance/1"):
+        store.set(key, "ready")
+    second = threading.Thread(target=join, args=(1,))
+    second.start()
+    for t in (first, second):
+        t.join(60)
+    assert sorted(results) == [0, 1], results
     values = [torch.ones(1), torch.ones(1)]
     for work in [results[r].group.allreduce([values[r]]) for r in range(2)]:
         work.wait()
