@@ -1,12 +1,21 @@
-"""Elastic EP recovery: `python -m bench.elastic_recovery [--json]`.
+"""Elastic EP recovery: `python -m bench.elastic_recovery [--scenario NAME] [--json]`.
 
-Deploys `clusters/local-ep.yaml` (one prefill and one decode instance of 2 ranks, EP2, gloo) on a local Ray,
-keeps `--concurrency` streams of greedy requests (`--max-tokens` each) running, SIGKILLs decode rank 1 after
-`--warmup-s`, and keeps the streams going for `--after-s`. Reports, from the kill:
+Deploys `--topology` (default `clusters/local-ep.yaml`: one prefill and one decode instance of 2 ranks, EP2,
+gloo) on a local Ray, keeps `--concurrency` streams of greedy requests (`--max-tokens` each) running and,
+after `--warmup-s`, hurts the decode instance as `--scenario` says, one fault after the other (the next
+once the instance served again, `--between-s` later); keeps the streams going for `--after-s`:
 
-    time_to_reformed_s      until decode-0 is in routing again on its survivor (`/health` recoveries 1)
-    time_to_served_again_s  until the first request sent after the kill completes
-    time_to_rejoined_s      until decode-0 has its deployed number of ranks again (null: it did not)
+    kill            SIGKILL of decode rank 1 of the EP2 instance
+    stall           SIGSTOP of decode rank 1 of the EP2 instance (its peer's collective times out)
+    ep4-two-kills   the decode instance made EP4 (8 experts, none redundant, behind a one-rank prefill):
+                    SIGKILL of rank 3, then of the leader (rank 0 of the 3 left)
+
+Reports, for each fault (`events`; the first one's figures also at the top level), from the fault:
+
+    time_to_reformed_s      until decode-0 is in routing again on its survivors (`/health` recoveries)
+    time_to_served_again_s  until the first request sent after the fault completes
+and
+    time_to_rejoined_s      from the last fault until decode-0 has its deployed ranks again (null: not)
     completed / failed      requests over the whole run; `failed` ended with an error (none may hang)
     errors                  each distinct error message (truncated), with its count
     recomputed              requests re-dispatched with their streamed tokens kept after decode lost their
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import os
 import signal
@@ -29,17 +39,40 @@ from pdcluster.engine.sampling_params import SamplingParams
 PROMPTS = ["def add(a, b):\n    return", "class Stack:\n    def push(self, x):", "import os\n\ndef main():"]
 
 
-def run(args) -> dict[str, Any]:
-    from pdcluster.config import load_topology
-    from pdcluster.driver.cluster import Cluster
-    from pdcluster.driver.ray_runtime import init_local_ray
+SCENARIOS = {  # name -> (decode ranks, [(signal, the decode rank it goes to, numbered at that time)])
+    "kill": (2, [(signal.SIGKILL, 1)]),
+    "stall": (2, [(signal.SIGSTOP, 1)]),
+    "ep4-two-kills": (4, [(signal.SIGKILL, 3), (signal.SIGKILL, 0)]),
+}
 
-    init_local_ray(num_cpus=4)
+
+def _topology(args):
+    from pdcluster.config import load_topology
+
     topo = load_topology(args.topology)
     topo = dataclasses.replace(
         topo, kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=args.kv_timeout_s)
     )
-    cluster = Cluster.deploy(topo, log=lambda _: None)
+    if SCENARIOS[args.scenario][0] != 4:
+        return topo
+    return dataclasses.replace(  # as tests/cluster/test_cluster_elastic.py's EP4 deployment
+        topo,
+        hardware=dataclasses.replace(topo.hardware, devices_per_node=5),
+        prefill=dataclasses.replace(
+            topo.prefill, devices_per_instance=1, expert_parallel_size=1, num_redundant_experts=0
+        ),
+        decode=dataclasses.replace(
+            topo.decode, devices_per_instance=4, expert_parallel_size=4, num_redundant_experts=0
+        ),
+    )
+
+
+def run(args) -> dict[str, Any]:
+    from pdcluster.driver.cluster import Cluster
+    from pdcluster.driver.ray_runtime import init_local_ray
+
+    init_local_ray(num_cpus=4)
+    cluster = Cluster.deploy(_topology(args), log=lambda _: None)
     try:
         return asyncio.run(_measure(cluster, args))
     finally:
@@ -52,8 +85,9 @@ async def _measure(cluster, args) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     started_s = time.monotonic()
     end_s = started_s + args.warmup_s + args.after_s
-    state: dict[str, Any] = {"killed_s": None, "served_again_s": None, "n": 0}
+    state: dict[str, Any] = {"n": 0, "faults": []}  # faults: (time.monotonic() of the fault, its event)
     outcomes: collections.Counter[str] = collections.Counter()
+    stopped: list[int] = []
 
     async def one(stream: int) -> None:
         while time.monotonic() < end_s:
@@ -69,41 +103,70 @@ async def _measure(cluster, args) -> dict[str, Any]:
                 await asyncio.sleep(0.1)
                 continue
             outcomes["completed"] += 1
-            killed_s = state["killed_s"]
-            if killed_s is not None and sent_s > killed_s and state["served_again_s"] is None:
-                state["served_again_s"] = time.monotonic() - killed_s
+            for fault_s, event in state["faults"]:
+                if sent_s > fault_s and event["time_to_served_again_s"] is None:
+                    event["time_to_served_again_s"] = round(time.monotonic() - fault_s, 3)
 
-    async def kill_and_watch() -> dict[str, float | None]:
+    async def faults_and_watch() -> float | None:
         await asyncio.sleep(args.warmup_s)
-        victim = cluster.instances["decode"][0].ranks[1]
-        pid = ray.get(victim.load.remote(), timeout=cluster.call_timeout_s).pid
-        os.kill(pid, signal.SIGKILL)
-        killed_s = state["killed_s"] = time.monotonic()
-        reformed = rejoined = None
+        num_ranks = SCENARIOS[args.scenario][0]
+        for k, (sig, rank) in enumerate(SCENARIOS[args.scenario][1], 1):
+            victim = cluster.instances["decode"][0].ranks[rank]
+            pid = ray.get(victim.load.remote(), timeout=cluster.call_timeout_s).pid
+            os.kill(pid, sig)
+            fault_s = time.monotonic()
+            stopped.extend([pid] if sig == signal.SIGSTOP else [])
+            event: dict[str, Any] = {
+                "fault": f"{sig.name} of decode rank {rank} of {num_ranks}",
+                "at_s": round(fault_s - started_s, 3),
+                "time_to_reformed_s": None,
+                "time_to_served_again_s": None,
+            }
+            state["faults"].append((fault_s, event))
+            while time.monotonic() < end_s and None in (
+                event["time_to_reformed_s"],
+                event["time_to_served_again_s"],
+            ):
+                health = cluster.health()["decode-0"]
+                if (
+                    event["time_to_reformed_s"] is None
+                    and health["recoveries"] >= k
+                    and health["state"] == "healthy"
+                ):
+                    event["time_to_reformed_s"] = round(time.monotonic() - fault_s, 3)
+                await asyncio.sleep(0.05)
+            num_ranks -= 1
+            await asyncio.sleep(args.between_s)
+        last_s = state["faults"][-1][0]
         while time.monotonic() < end_s:
-            health = cluster.health()["decode-0"]
-            if reformed is None and health["recoveries"] >= 1 and health["state"] == "healthy":
-                reformed = time.monotonic() - killed_s
-            if reformed is not None and rejoined is None and not health["degraded"]:
-                rejoined = time.monotonic() - killed_s
+            if not cluster.health()["decode-0"]["degraded"]:
+                return time.monotonic() - last_s
             await asyncio.sleep(0.05)
-        return {"time_to_reformed_s": reformed, "time_to_rejoined_s": rejoined}
+        return None
 
-    watched, *_ = await asyncio.gather(kill_and_watch(), *(one(i) for i in range(args.concurrency)))
+    try:
+        rejoined, *_ = await asyncio.gather(faults_and_watch(), *(one(i) for i in range(args.concurrency)))
+    finally:
+        for pid in stopped:  # (killed by the driver already, or never let run again)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     errors = {k[len("failed: ") :]: v for k, v in outcomes.items() if k.startswith("failed: ")}
+    events = [event for _, event in state["faults"]]
     return {
         "config": {
+            "scenario": args.scenario,
             "topology": args.topology,
             "concurrency": args.concurrency,
             "max_tokens": args.max_tokens,
             "warmup_s": args.warmup_s,
+            "between_s": args.between_s,
             "after_s": args.after_s,
             "kv_timeout_s": args.kv_timeout_s,
         },
-        **{k: None if v is None else round(v, 3) for k, v in watched.items()},
-        "time_to_served_again_s": None
-        if state["served_again_s"] is None
-        else round(state["served_again_s"], 3),
+        "time_to_reformed_s": events[0]["time_to_reformed_s"] if events else None,
+        "time_to_served_again_s": events[0]["time_to_served_again_s"] if events else None,
+        "time_to_rejoined_s": None if rejoined is None else round(rejoined, 3),
+        "events": events,
         "completed": outcomes["completed"],
         "failed": sum(errors.values()),
         "errors": errors,
@@ -116,17 +179,30 @@ async def _measure(cluster, args) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    keys = ("time_to_reformed_s", "time_to_served_again_s", "time_to_rejoined_s", "completed", "failed")
-    return format_table(["figure", "value"], [(k, result[k]) for k in keys])
+    rows = [
+        (f"{e['fault']}: {k}", e[k])
+        for e in result["events"]
+        for k in ("time_to_reformed_s", "time_to_served_again_s")
+    ]
+    rows += [(k, result[k]) for k in ("time_to_rejoined_s", "completed", "failed")]
+    return format_table(["figure", "value"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = new_parser("bench.elastic_recovery", __doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--scenario", choices=sorted(SCENARIOS), default="kill", help="the faults (see above)"
+    )
     parser.add_argument("--topology", default="clusters/local-ep.yaml")
     parser.add_argument("--concurrency", type=int, default=4, help="request streams kept running")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--warmup-s", type=float, default=10.0, help="seconds of serving before the kill")
-    parser.add_argument("--after-s", type=float, default=60.0, help="seconds of serving after the kill")
+    parser.add_argument(
+        "--between-s", type=float, default=1.0, help="seconds from served again to the next fault"
+    )
+    parser.add_argument(
+        "--after-s", type=float, default=60.0, help="seconds of serving after the first fault"
+    )
     parser.add_argument("--kv-timeout-s", type=float, default=10.0, help="kv_transfer.timeout_s")
     return main_with(parser, argv, run, table)
 

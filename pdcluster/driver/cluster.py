@@ -88,7 +88,12 @@ class Cluster(ClusterDeployment):
         if role == "decode":
             self.dispatcher._loads.forget_decode(index)
         if left_routing:
-            self.dispatcher.fail_attempts(role, index)
+            instance = self.registry.instances[role][index]
+            # an elastic decode instance keeps its requests' KV until it re-forms (`driver.elastic`)
+            held = role == "decode" and instance.may_recover
+            self.dispatcher.fail_attempts(
+                role, index, {r: r for r in range(instance.num_ranks)} if held else None
+            )
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

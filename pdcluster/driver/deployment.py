@@ -202,7 +202,9 @@ class ClusterDeployment(ClusterWiring):
         names: dict[tuple[str, int], list[str]] = {}
         for spec_index, spec in enumerate(plan.instances):
             num_ranks = spec.num_devices
-            init_method, barrier_port = self._rendezvous(ray, spec_index) if num_ranks > 1 else ("", 0)
+            init_method, barrier_port, secret = (
+                self._rendezvous(ray, spec_index) if num_ranks > 1 else ("", 0, "")
+            )
             instance = Instance(
                 spec.role,
                 spec.index,
@@ -221,6 +223,7 @@ class ClusterDeployment(ClusterWiring):
                         backend=plan.collective_backend,
                         timeout_s=self.collective_timeout_s,
                         rendezvous_timeout_s=ready_timeout_s(self.topology),
+                        secret=secret,
                     )
                 instance.ranks.append(self._new_rank_actor(ray, spec_index, rank, group))
             self.instances[spec.role].append(instance)

@@ -4,8 +4,9 @@ The health monitor hands each probe round's per-rank answers of a multi-rank ins
 A rank is lost when it died or stopped answering while every rank that answered reports its instance group
 failed (a collective with the lost rank errored or passed the collective timeout). The survivors then form
 a new group (`RankWorker.reform_group`), the lost actors are killed, KV senders and the router learn the
-instance's new ranks, and it rejoins routing. Requests that were in flight on the instance end with a
-clear error (their KV, or the step they were in, is gone). When the survivors cannot hold every expert
+instance's new ranks, and it rejoins routing. Requests whose KV was on a lost rank (or still in its
+handoff) are re-dispatched (`driver.recompute`); the survivors' requests were rolled back to the step the
+collective failed in and go on with their KV. When the survivors cannot hold every expert
 (`PlacementRefused`) the instance stays out of routing, as without elastic EP.
 """
 
@@ -90,7 +91,7 @@ class ElasticInstances:
         deployment: Any,
         registry: Any,
         set_decode_ranks: Callable[[int, int], None],
-        fail_attempts: Callable[[str, int], None],
+        fail_attempts: Callable[..., None],
         max_local_experts: int | None = None,
     ) -> None:
         self.deployment = deployment
@@ -113,13 +114,16 @@ class ElasticInstances:
             return False
         loss = find_rank_loss(instance, outcomes)
         if loss is None:
+            if not instance.routable and all(isinstance(o, BaseException) for o in outcomes):
+                self._fail_attempts(*key)  # no survivor holds the requests' KV any more
             return False
         if self.deployment.topology.kv_transport not in ADDRESSED_KV_TRANSPORTS:
             self._give_up(
                 key, loss, f"kv_transfer {self.deployment.topology.kv_transport} is wired at deploy"
             )
             return True
-        self._fail_attempts(instance.role, instance.index)
+        # the lost ranks' requests lost their KV; the survivors' wait for the re-formed group
+        self._fail_attempts(instance.role, instance.index, {r: r for r in loss.survivors})
         if key in self.growing:
             self._abort_growth(ray, instance, self.growing.pop(key), "a rank was lost meanwhile")
         self._changed_s[key] = time.monotonic()
@@ -137,6 +141,7 @@ class ElasticInstances:
     def _give_up(self, key: tuple[str, int], loss: RankLoss, why: str) -> None:
         self._given_up.add(key)
         self.registry.instances[key[0]][key[1]].may_recover = False
+        self._fail_attempts(*key)  # (the survivors' requests were held for the re-formed group)
         logger.error(
             "%s-%d: lost %s (%s) and cannot shrink (%s): it stays out of routing, as a multi-rank instance "
             "without elastic EP",
@@ -162,7 +167,7 @@ class ElasticInstances:
             list(loss.survivors),
         )
         spec_index = next(i for i, s in enumerate(dep._plan.instances) if (s.role, s.index) == key)
-        init_method, barrier_port = dep._rendezvous(ray, spec_index)
+        init_method, barrier_port, secret = dep._rendezvous(ray, spec_index)
         timeout_s = dep.collective_timeout_s
         rendezvous_s = 2 * timeout_s + dep.call_timeout_s
         actors = [instance.ranks[r] for r in loss.survivors]
@@ -176,6 +181,7 @@ class ElasticInstances:
                     dep._plan.collective_backend,
                     timeout_s,
                     rendezvous_s,
+                    secret,
                 ),
                 list(loss.lost),
                 self.max_local_experts,
@@ -188,10 +194,16 @@ class ElasticInstances:
                 ray.kill(instance.ranks[r], no_restart=True)
             except Exception as e:  # noqa: BLE001 - gone already
                 logger.warning("%s-%d: killing lost rank %d: %r", *key, r, e)
+        # each survivor keeps its client (the events it acknowledged) under its new rank
+        clients = {new: instance._clients.get(old) for new, old in enumerate(loss.survivors)}
+        instance._clients = {new: c for new, c in clients.items() if c is not None}
         if instance.role == "decode":
             addresses = dep._decode_addresses[instance.index]
             dep._decode_addresses[instance.index] = [addresses[r] for r in loss.survivors]
             instance.ranks = actors
+            self._fail_attempts(
+                "decode", instance.index, {old: new for new, old in enumerate(loss.survivors)}
+            )
             self._set_decode_ranks(instance.index, len(actors))
             self._reconnect_prefills(ray)
         else:
@@ -206,7 +218,7 @@ class ElasticInstances:
         self.registry.rejoin(*key, before, after)
         logger.warning(
             "%s-%d: serving again on %d rank(s) after %.1f s (lost %s; %d expert slots per MoE layer; "
-            "requests in flight on it were failed with an error)",
+            "the lost ranks' requests were re-dispatched, the survivors' go on)",
             *key,
             len(actors),
             time.monotonic() - started_s,
@@ -249,7 +261,7 @@ class ElasticInstances:
         spec_index = next(i for i, s in enumerate(dep._plan.instances) if (s.role, s.index) == key)
         num_ranks, bundles = instance.deployed_ranks, instance.bundles or list(range(instance.num_ranks))
         free = [b for b in range(num_ranks) if b not in bundles]
-        init_method, barrier_port = dep._rendezvous(ray, spec_index)
+        init_method, barrier_port, secret = dep._rendezvous(ray, spec_index)
         from pdcluster.driver.rank_actors import ready_timeout_s
 
         def spec(rank: int) -> InstanceGroupSpec:
@@ -261,6 +273,7 @@ class ElasticInstances:
                 dep._plan.collective_backend,
                 dep.collective_timeout_s,
                 ready_timeout_s(dep.topology),
+                secret,
             )
 
         self._attempts += 1

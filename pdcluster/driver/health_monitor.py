@@ -40,7 +40,7 @@ class HealthMonitor:
         registry: InstanceRegistry,
         deployment: Any,
         loads: LoadBoard,
-        fail_attempts: Callable[[str, int], None],
+        fail_attempts: Callable[..., None],
     ) -> None:
         self.registry = registry
         self.deployment = deployment

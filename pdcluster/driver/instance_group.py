@@ -1,8 +1,18 @@
-"""Joining the torch.distributed group of one multi-rank instance, from its rank actors."""
+"""Joining the torch.distributed group of one multi-rank instance, from its rank actors.
+
+The rendezvous is authenticated as a KV handoff is: TCPStore has no authentication, so every key a rank
+writes or waits on (the barrier's and the group's own) lives under a namespace derived from the
+rendezvous's secret (`InstanceGroupSpec.secret`, fresh for each rendezvous, sent by the driver to its ranks
+only), and each rank proves the secret at the barrier (an HMAC-SHA256 of its rank) before any group is made.
+A process without the secret can connect to the store but neither find nor write a key of the group.
+"""
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import secrets
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -20,7 +30,7 @@ class InstanceGroup(NamedTuple):
     (kept alive with the group: rank 0's hosts the barrier), `rank`, `num_ranks`."""
 
     group: dist.ProcessGroup
-    barrier_store: dist.TCPStore
+    barrier_store: dist.Store
     rank: int
     num_ranks: int
 
@@ -36,18 +46,35 @@ def rendezvous_address(init_method: str) -> tuple[str, int]:
     return parsed.hostname, parsed.port
 
 
+def new_rendezvous_secret() -> str:
+    """A fresh rendezvous secret (256 random bits, hex)."""
+    return secrets.token_hex(32)
+
+
+def _digest(secret: str, what: str) -> str:
+    return hmac.new(secret.encode(), what.encode(), hashlib.sha256).hexdigest()
+
+
+def _namespace(spec: InstanceGroupSpec) -> str:
+    """The store prefix of the rendezvous of `spec` (raises ValueError without a secret)."""
+    if not spec.secret:
+        raise ValueError("the instance group spec has no rendezvous secret (InstanceGroupSpec.secret)")
+    return _digest(spec.secret, "namespace")[:32]
+
+
 def join_instance_group(spec: InstanceGroupSpec) -> InstanceGroup:
     """Meet the other ranks at the barrier, then make the group (collective: every rank of the instance
     calls it at once).
 
-    Raises ValueError: a malformed `init_method`, an unknown backend, or a rank out of range.
+    Raises ValueError: a malformed `init_method`, an unknown backend, a rank out of range, no secret.
     Raises RuntimeError (torch.distributed's DistStoreError / DistError): a rank did not reach the barrier
-        within `rendezvous_timeout_s`, or the group's rendezvous or handshake failed.
+        within `rendezvous_timeout_s` or did not prove the secret, or the group's rendezvous or handshake
+        failed.
     """
     return form_group(spec, meet(spec))
 
 
-def meet(spec: InstanceGroupSpec, aborted: Callable[[], bool] | None = None) -> dist.TCPStore:
+def meet(spec: InstanceGroupSpec, aborted: Callable[[], bool] | None = None) -> dist.Store:
     """The barrier of `join_instance_group`: returns once every rank reached it. With `aborted`, polled
     meanwhile: RuntimeError as soon as it says True.
 
@@ -55,21 +82,27 @@ def meet(spec: InstanceGroupSpec, aborted: Callable[[], bool] | None = None) -> 
     """
     if not 0 <= spec.rank < spec.num_ranks:
         raise ValueError(f"rank {spec.rank} is not in [0, {spec.num_ranks})")
+    namespace = _namespace(spec)
     host, _ = rendezvous_address(spec.init_method)
-    barrier = dist.TCPStore(
+    store = dist.TCPStore(
         host,
         spec.barrier_port,
         spec.num_ranks,
         is_master=spec.rank == 0,
         timeout=datetime.timedelta(seconds=spec.rendezvous_timeout_s),
-        wait_for_workers=aborted is None,  # (else the keys below are polled, so an abort is seen)
+        wait_for_workers=False,  # (a stranger's connection would count; the keys below are what is waited on)
     )
-    barrier.set(f"rank{spec.rank}", "ready")
-    _wait_keys(barrier, [f"rank{r}" for r in range(spec.num_ranks)], spec.rendezvous_timeout_s, aborted)
+    barrier = dist.PrefixStore(f"{namespace}/", store)
+    keys = [f"rank{r}" for r in range(spec.num_ranks)]
+    barrier.set(keys[spec.rank], _digest(spec.secret, keys[spec.rank]))
+    _wait_keys(barrier, keys, spec.rendezvous_timeout_s, aborted)
+    for key in keys:
+        if not hmac.compare_digest(barrier.get(key), _digest(spec.secret, key).encode()):
+            raise RuntimeError(f"instance group rendezvous: {key} did not prove the rendezvous secret")
     return barrier
 
 
-def _wait_keys(store: dist.TCPStore, keys: list[str], timeout_s: float, aborted: Callable[[], bool] | None):
+def _wait_keys(store: dist.Store, keys: list[str], timeout_s: float, aborted: Callable[[], bool] | None):
     if aborted is None:
         store.wait(keys)
         return
@@ -82,10 +115,12 @@ def _wait_keys(store: dist.TCPStore, keys: list[str], timeout_s: float, aborted:
         time.sleep(0.05)
 
 
-def form_group(spec: InstanceGroupSpec, barrier: dist.TCPStore) -> InstanceGroup:
+def form_group(spec: InstanceGroupSpec, barrier: dist.Store) -> InstanceGroup:
     """After `meet`: make the group and check it with one allreduce (collective)."""
     host, port = rendezvous_address(spec.init_method)
-    group = make_instance_group(host, port, spec.rank, spec.num_ranks, spec.backend, spec.timeout_s)
+    group = make_instance_group(
+        host, port, spec.rank, spec.num_ranks, spec.backend, spec.timeout_s, f"instance-{_namespace(spec)}"
+    )
     joined = torch.ones(1)
     group.allreduce([joined]).wait()
     if int(joined.item()) != spec.num_ranks:

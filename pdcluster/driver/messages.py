@@ -39,6 +39,7 @@ class InstanceGroupSpec:
     backend: str
     timeout_s: float
     rendezvous_timeout_s: float
+    secret: str = dataclasses.field(default="", repr=False)  # the rendezvous's (`driver.instance_group`)
 
 
 # ---- loads --------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from pdcluster.config import Topology
 from pdcluster.driver.actor_errors import describe_error
@@ -30,6 +30,7 @@ from pdcluster.driver.dispatch import (
     Wait,
     next_action,
 )
+from pdcluster.driver.elastic_requests import held, kept, shrink_bound_s, wait_first
 from pdcluster.driver.handoff import HandoffEvent, decode_has_it
 from pdcluster.driver.health_monitor import PROBE_INTERVAL_S
 from pdcluster.driver.instance import Instance
@@ -69,6 +70,7 @@ class Dispatcher(RouteAndReserve):
         self.model = model
         self.call_timeout_s = call_timeout_s
         self.event_timeout_s = event_timeout_s
+        self.hold_s = shrink_bound_s(topology.kv_transfer.timeout_s, PROBE_INTERVAL_S)
         self.num_speculative_tokens = model.num_speculative_tokens
         self._policy = POLICIES[topology.router.policy]
         self._prefix_cache = PrefixCacheModel(topology.prefill.block_size)
@@ -275,7 +277,10 @@ class Dispatcher(RouteAndReserve):
         # The prefill call is sent while decode reserves, so it may have ended (failed) before the first
         # wait: it is waited on until its result was taken.
         waits = {getter, prefill_task} if not attempt.prefill_reported else {getter}
-        done, _ = await asyncio.wait(waits, timeout=self.event_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        decode = self.instances["decode"][attempt.decode_index]
+        done = await wait_first(
+            waits, self.event_timeout_s, self.hold_s, lambda: not record.aborted and held(decode, attempt)
+        )
         if record.aborted:
             getter.cancel()
             return [Aborted(attempt.handoff_id)]
@@ -308,9 +313,9 @@ class Dispatcher(RouteAndReserve):
         return PrefillFailed(describe_error(exc))
 
     # ---- an instance lost ---------------------------------------------------------------------------------
-    def fail_attempts(self, role: str, index: int) -> None:
-        """End every in-flight attempt on instance (`role`, `index`) (`DecodeLost` / `PrefillFailed`). Safe
-        from any thread: handed to the requests' event loop (asyncio queues are not thread-safe)."""
+    def fail_attempts(self, role: str, index: int, keep: Mapping[int, int] | None = None) -> None:
+        """End every in-flight attempt on instance (`role`, `index`) (`DecodeLost` / `PrefillFailed`) but
+        those `keep` keeps (`driver.elastic_requests.kept`); from any thread (run on the requests' loop)."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
             try:
@@ -320,10 +325,10 @@ class Dispatcher(RouteAndReserve):
             if not on_loop:
                 with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                     loop.call_soon_threadsafe(
-                        self._fail_attempts_on_loop, role, index, self._why(role, index)
+                        self._fail_attempts_on_loop, role, index, self._why(role, index), keep
                     )
                 return
-        self._fail_attempts_on_loop(role, index, self._why(role, index))
+        self._fail_attempts_on_loop(role, index, self._why(role, index), keep)
 
     def _why(self, role: str, index: int) -> str:
         """Why instance (`role`, `index`) left routing, as its health says now."""
@@ -332,9 +337,11 @@ class Dispatcher(RouteAndReserve):
             instances[index].health.reason if index < len(instances) else "the cluster shut down"
         ) or "unknown"
 
-    def _fail_attempts_on_loop(self, role: str, index: int, reason: str) -> None:
+    def _fail_attempts_on_loop(self, role: str, index: int, reason: str, keep: Mapping | None) -> None:
         """On the requests' event loop: `fail_attempts`, with `reason` as seen when the failure was."""
         for attempt in list(self._by_handoff.values()):
+            if role == "decode" and attempt.decode_index == index and kept(attempt, index, keep):
+                continue
             if role == "decode" and attempt.decode_index == index:
                 message = f"decode-{index} died or stopped answering ({reason}); the request was lost"
                 event: object = DecodeLost(attempt.handoff_id, message)

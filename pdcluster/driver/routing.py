@@ -57,6 +57,7 @@ class RouteAndReserve:
     model: ModelFacts
     _by_handoff: dict[str, Attempt]
     _loads: LoadBoard
+    hold_s: float  # an instance re-forming (elastic EP) is waited for this long at most
 
     async def _dispatch(
         self,
@@ -95,6 +96,7 @@ class RouteAndReserve:
         """`_dispatch`'s loop: (the attempt, True) to go on with; (the attempt or None, False): aborted."""
         request_id = record.request_id
         deadline_s = time.monotonic() + self.topology.kv_transfer.timeout_s
+        recover_until_s = time.monotonic() + self.hold_s
         attempt: Attempt | None = None
         first_token_id = None if record.first_token is None else record.first_token[0]
         while True:
@@ -121,8 +123,8 @@ class RouteAndReserve:
                 ]
             missing = not prefills or not any(d.accepting for d in self.instances["decode"])
             recovering = any(i.may_recover and not i.routable for role in ROLES for i in self.instances[role])
-            if missing and recovering and time.monotonic() < deadline_s:
-                await asyncio.sleep(RECOVERY_POLL_S)  # (elastic EP: bounded by kv_transfer.timeout_s)
+            if missing and recovering and time.monotonic() < recover_until_s:
+                await asyncio.sleep(RECOVERY_POLL_S)
                 continue
             if not prefills:
                 if record.excluded_prefills:

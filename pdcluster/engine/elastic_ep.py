@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from pdcluster.engine.expert_parallel import ExpertParallelRuntime
 from pdcluster.models.deepseek_v3 import DeepseekV3MLP
 from pdcluster.models.elastic_placement import ShrunkPlacement, shrink_placement
-from pdcluster.models.ep_dispatch import wait
+from pdcluster.models.ep_dispatch import EPCollectiveError, wait
 from pdcluster.models.expert_placement import ExpertPlacement
 from pdcluster.models.loader import (
     FP8_DTYPES,
@@ -25,6 +26,47 @@ from pdcluster.models.loader import (
     dequantize_fp8_blockwise,
     inspect_checkpoint,
 )
+
+# NCCL / HCCL watchdog aborts (they cannot run here: no GPU / NPU): how torch's ProcessGroupNCCL and
+# torch_npu's ProcessGroupHCCL report a collective their watchdog timed out or a communicator it aborted,
+# raised from `Work.wait` or from the next op on the stream. The same lost-peer event as gloo's errors.
+WATCHDOG_ABORTS = (
+    "Watchdog caught collective operation timeout",  # WorkNCCL(...) / WorkHCCL(...) ran for N ms ...
+    "NCCL communicator was aborted",
+    "ncclRemoteError",
+    "ncclSystemError",
+    "HCCL function error",
+)
+
+
+def lost_peer(error: BaseException) -> bool:
+    """`error` or one of its causes is an `EPCollectiveError` or an NCCL / HCCL watchdog abort."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, EPCollectiveError) or any(m in str(seen) for m in WATCHDOG_ABORTS):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+def roll_back_step(scheduler: Any, output: Any, error: BaseException) -> bool:
+    """Undo `scheduler.schedule()`'s `output` (synchronous loop) when its execution failed on a lost peer
+    (`lost_peer(error)`; else False, nothing done): each scheduled request is back
+    at its step's start (`num_computed_tokens`, placeholders; drafts dropped, proposed anew) with its
+    blocks and committed KV, to run the step again on the re-formed group. The step's finished and
+    preempted ids go to the next step."""
+    if not lost_peer(error):
+        return False
+    for item in output.scheduled:
+        request = item.request
+        if scheduler.requests.get(request.request_id) is not request:
+            continue
+        request.num_computed_tokens = item.start_position
+        if item.samples:
+            request.num_output_placeholders -= len(item.spec_token_ids) + 1
+        request.spec_token_ids = []
+    scheduler._finished_request_ids[:0] = output.finished_request_ids + output.preempted_request_ids
+    return True
 
 
 def plan_shrink(
@@ -57,7 +99,8 @@ def shrink_runtime(
     load = sum(runtime._load_window, runtime._logical_zero.clone()).to(runtime.device)
     wait(group.allreduce([load]), "elastic EP load allreduce", group.rank())
     load = load.cpu().double() + 1.0  # +1: an expert never routed to still sorts by id, not at random
-    shrunk = shrink_placement(runtime.placement, lost_ranks, load, _max_slots(runtime, max_local_experts))
+    base, mixed = _common_placement(runtime, group)
+    shrunk = shrink_placement(base, lost_ranks, load, _max_slots(runtime, max_local_experts))
     new_rank = group.rank()
     if shrunk.survivors[new_rank] != runtime.rank or len(shrunk.survivors) != group.size():
         raise ValueError(
@@ -65,7 +108,13 @@ def shrink_runtime(
             f"{shrunk.survivors}"
         )
     _grow_slots(runtime, shrunk.placement.num_local_experts)
-    _load_experts(runtime, checkpoint, [(row, slot, e) for row, r, slot, e in shrunk.loads if r == new_rank])
+    loads = [(row, slot, e) for row, r, slot, e in shrunk.loads if r == new_rank]
+    if mixed:  # this rank's slots may not be what `base` says: every one read again
+        mine = shrunk.placement.local_logical_experts
+        loads = [
+            (row, slot, e) for row in range(base.num_moe_layers) for slot, e in enumerate(mine(row, new_rank))
+        ]
+    _load_experts(runtime, checkpoint, loads)
     placement = shrunk.placement
     parallel = dataclasses.replace(
         runtime.parallel,
@@ -80,12 +129,43 @@ def shrink_runtime(
     return new, shrunk
 
 
+def _common_placement(
+    runtime: ExpertParallelRuntime, group: dist.ProcessGroup
+) -> tuple[ExpertPlacement, bool]:
+    """The placement the survivors shrink from (collective over `group`): theirs, or, when a rank was lost
+    in the middle of an EPLB rebalance and only some survivors switched (`ExpertParallelRuntime.rebalance`
+    applies moved weights once its own transfers are done), the newest one, broadcast by the first survivor
+    that has it; True then (slots may differ from it on the others)."""
+    rank, version = group.rank(), runtime.num_rebalances
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MAX
+    flags = torch.tensor([version, -version], dtype=torch.int64, device=runtime.device)
+    wait(group.allreduce([flags], options), "elastic EP placement agreement", rank)
+    newest, oldest = int(flags[0]), -int(flags[1])
+    if newest == oldest:
+        return runtime.placement, False
+    first = torch.tensor(
+        [rank if version == newest else group.size()], dtype=torch.int64, device=flags.device
+    )
+    options.reduceOp = dist.ReduceOp.MIN
+    wait(group.allreduce([first], options), "elastic EP placement agreement", rank)
+    phy2log = runtime.placement.phy2log.to(device=flags.device, dtype=torch.int64, copy=True)
+    root = dist.BroadcastOptions()
+    root.rootRank = int(first)
+    wait(group.broadcast([phy2log], root), "elastic EP placement broadcast", rank)
+    placement = runtime.placement
+    return ExpertPlacement.from_phy2log(
+        phy2log.cpu(), placement.num_logical_experts, placement.num_ranks
+    ), True
+
+
 def grow_runtime(
     runtime: ExpertParallelRuntime, group: dist.ProcessGroup, num_redundant_experts: int, checkpoint: str
 ) -> tuple[ExpertParallelRuntime, int]:
     """A new runtime for this rank over the grown `group` with `ExpertPlacement.default` (what a rank
-    joining it loads): experts this rank holds are kept, the others read from `checkpoint`. Returns it and
-    how many experts were read. No collective.
+    joining it loads): experts this rank holds are kept, the others read from `checkpoint`; it keeps this
+    rank's expert-load window and asks for an EPLB rebalance at the group's first step with work
+    (`ExpertParallelRuntime.begin_step`). Returns it and how many experts were read. No collective.
 
     Raises ValueError: experts plus `num_redundant_experts` do not split over the group.
     """
@@ -112,7 +192,10 @@ def grow_runtime(
         data_parallel_size=None,
         num_redundant_experts=num_redundant_experts,
     )
-    return ExpertParallelRuntime(runtime.model, parallel, group, new), len(loads)
+    grown = ExpertParallelRuntime(runtime.model, parallel, group, new)
+    grown._load_window.extend(runtime._load_window)  # (logical loads: placement-independent)
+    grown.rebalance_requested = True
+    return grown, len(loads)
 
 
 def _grow_slots(runtime: ExpertParallelRuntime, num_slots: int) -> None:

@@ -150,6 +150,7 @@ class ExpertParallelRuntime:
         )
         self.num_steps = self.num_idle_steps = self.num_rebalances = 0
         self.last_stepped = False
+        self.rebalance_requested = False  # one rank asking is enough: every rank rebalances at its next step
         self.failure: str | None = None
         self.rebalance_s = self.last_rebalance_s = 0.0
         self.rebalance_moved_bytes = 0
@@ -164,12 +165,17 @@ class ExpertParallelRuntime:
         if self.failure is not None:
             raise EPCollectiveError(self.failure)
         k, version = num_speculative_tokens, self.num_rebalances
-        flags = torch.tensor([int(has_work), k, -k, version, -version], dtype=torch.int64, device=self.device)
+        flags = torch.tensor(
+            [int(has_work), k, -k, version, -version, int(self.rebalance_requested)],
+            dtype=torch.int64,
+            device=self.device,
+        )
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MAX
         wait(self.group.allreduce([flags], options), "step agreement", self.rank)
         flags = flags.cpu()
-        any_work, max_k, min_k, max_version, min_version = flags[0], flags[1], -flags[2], flags[3], -flags[4]
+        any_work, max_k, min_k, max_version, min_version, requested = flags.tolist()
+        min_k, min_version = -min_k, -min_version
         if max_k != min_k:
             raise EPCollectiveError(
                 f"EP rank {self.rank}: ranks disagree on num_speculative_tokens (from {min_k} to {max_k}); "
@@ -181,8 +187,9 @@ class ExpertParallelRuntime:
                 f"{max_version}): lockstep was lost"
             )
         stepped = self.last_stepped = bool(any_work)
-        if stepped and self.rebalance_due():
+        if stepped and (self.rebalance_due() or requested):
             self.rebalance()
+            self.rebalance_requested = False
         return stepped
 
     def end_step(self, stepped: bool, was_idle: bool) -> None:

@@ -18,6 +18,7 @@ from pdcluster.engine.async_loop import AsyncStepLoop
 from pdcluster.engine.compile_setup import compile_stats, install_compiled_forwards
 from pdcluster.engine.compiled_forward import CompileStats
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.elastic_ep import roll_back_step
 from pdcluster.engine.engine_build import assign_kv_pool, build_executor, build_kv_and_scheduler
 from pdcluster.engine.expert_parallel import EPStats, setup_expert_parallel
 from pdcluster.engine.model_runner import LayerKVCallback
@@ -106,6 +107,7 @@ class LLMEngine:
         self._records: dict[str, RequestRecord] = {}
         self._finished: list[str] = []
         self._ids = itertools.count()
+        self.hold_on_ep_failure = False  # EP: a lost peer's step is rolled back (`step`)
 
     def add_request(
         self,
@@ -288,9 +290,9 @@ class LLMEngine:
         """Run one step; returns outputs of the requests that produced tokens or finished.
 
         Raises:
-            EngineStepError: (synchronous loop) executing the step raised; the requests it ran are
-            finished with an error (in `EngineStepError.outputs`), the others go on. With
-            `async_scheduling` such an exception propagates unchanged.
+            EngineStepError: (synchronous loop) executing the step raised; its requests finished with an
+            error (`EngineStepError.outputs`; EP: every request, none with `hold_on_ep_failure`: rolled
+            back), the others go on. With `async_scheduling` such an exception propagates unchanged.
         """
         if (on_prompt_kv is not None or on_first_token is not None) and self._async_loop is not None:
             raise ValueError("on_prompt_kv and on_first_token need the synchronous loop (no async loop)")
@@ -365,6 +367,8 @@ class LLMEngine:
         if self.ep is not None:
             self.ep.failure = self.ep.failure or str(error)
             message = f"expert-parallel instance failed: {error}"
+            if self.hold_on_ep_failure and roll_back_step(self.scheduler, output, error):
+                return EngineStepError(message, [])
             failed = [r.request for r in self._records.values() if not r.request.is_finished]
         for request in failed:
             if self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR, message):

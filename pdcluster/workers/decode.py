@@ -69,6 +69,9 @@ class DecodeWorker(RankWorker):
         self._fenced: set[str] = set()
         self._wakeup = threading.Event()
         self.receivers = DecodeReceivers(self)
+        # A lost peer rolls the step back: this rank's requests keep their KV until the driver re-forms
+        # the group (`driver.elastic`) or gives up on them (its abort drops them).
+        self.engine.hold_on_ep_failure = True
         self._start_engine_thread()
 
     def ready(self) -> NodeReady:
@@ -230,12 +233,9 @@ class DecodeWorker(RankWorker):
     def _run_pass(self) -> None:
         """One pass of the engine thread's loop (`_run`): wait a little for work, then `_run_once`."""
         engine = self.engine
-        if self._group_error is not None:
+        if self._group_error is not None:  # holding its requests (see __init__) until re-formed or aborted
             self._wakeup.wait(0.05)
             self._wakeup.clear()
-            with self._locked():
-                events = self._fail_all(f"{self.name}: instance group failed: {self._group_error}")
-            self._emit(events)
             return
         if not engine.has_unfinished_requests() and not self._admissions and not self._checkpoint_armed():
             self._wakeup.wait(LOCKSTEP_IDLE_S if self.lockstep else 0.05)
@@ -278,7 +278,7 @@ class DecodeWorker(RankWorker):
             except EngineStepError as e:
                 self._loop_error(e, "engine step failed")
                 outputs.extend(e.outputs)
-                if self._group_failed(e):
+                if self._group_failed(e) and e.outputs:  # (none: rolled back and held, see __init__)
                     events.extend(self._fail_all(f"decode step failed: {e}"))
             except Exception as e:  # noqa: BLE001 - not tied to requests: the engine state is unknown
                 self._loop_error(e, "engine step failed")

@@ -141,11 +141,12 @@ class RankWorker:
             self._ep_summary_at_s = now_s
 
     def _group_failed(self, e: BaseException) -> bool:
+        from pdcluster.engine.elastic_ep import lost_peer
         from pdcluster.models.ep_dispatch import EPCollectiveError
 
-        failure = e if isinstance(e, EPCollectiveError) else e.__cause__
-        if not isinstance(failure, EPCollectiveError):
+        if not lost_peer(e):  # (gloo's failed collective, or an NCCL / HCCL watchdog abort)
             return False
+        failure = e if isinstance(e, EPCollectiveError) or e.__cause__ is None else e.__cause__
         if self._group_error is None:
             self._group_error = str(failure)
             logger.error("%s: the instance group failed; this rank stops stepping: %s", self.name, failure)

@@ -2,19 +2,21 @@
 one decode instance of 2 ranks each (EP2, 2 redundant experts, MTP k=1, gloo), as `clusters/local-ep.yaml`.
 
 What it proves: SIGKILL of one decode rank, under a steady stream, while a handoff to it is in flight and
-requests stream: none hangs, the requests it lost are re-dispatched with their streamed tokens kept and
-complete with one engine's tokens, their phases saying how many were recomputed; decode-0 is re-formed
+requests stream on the other: none hangs, the requests it lost are re-dispatched with their streamed tokens
+kept (their phases saying how many were recomputed), those streaming on the survivor go on there without a
+recompute, all with one engine's tokens; decode-0 is re-formed
 on its survivor (a world of 1 holding all 8 experts) and serves again, greedy outputs equal to one
 engine's, /health saying so. SIGSTOP of one prefill rank: its peer's collective times out and prefill-0
 shrinks too, the idle re-formed decode group stepping meanwhile. Grow back: the first replacement decode
 rank is killed while it joins (the survivors keep serving), the next one joins; a request running on the
-survivor across the switch goes on untouched; both instances serve on 2 ranks again with outputs equal to
-one engine's.
+survivor across the switch goes on untouched; both instances serve on 2 ranks again, EPLB rebalanced once
+on the load observed, with outputs equal to one engine's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -30,6 +32,7 @@ from pdcluster.engine.llm import LLM
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.models import bundled_checkpoint_dir
 from pdcluster.models.prompts import heldout_def_prompts
+from pdcluster.workers.rank import EP_STATS_REFRESH_S
 from tests.cluster.conftest import assert_nothing_held, call_bound_s, deployed_with_loop, request_bound_s
 from tests.faults import FAULT_WORKERS
 
@@ -121,6 +124,22 @@ def pid_of(ray, actor, cluster) -> int:
     return ray.get(actor.load.remote(), timeout=cluster.call_timeout_s).pid
 
 
+def ranks_at(cluster) -> dict[str, tuple[int, bool]]:
+    """Each request in flight: its decode rank and whether decode holds its KV (`decode_has_it`)."""
+    records = cluster.dispatcher._requests.items()
+    return {rid: (r.attempt.decode.rank, decode_has_it(r.attempt.state)) for rid, r in records if r.attempt}
+
+
+def assert_only_the_lost_rank_recomputed(phases: dict[str, dict], at_kill: dict, lost: set[int]) -> None:
+    """Requests whose KV a lost rank held were recomputed (their streamed tokens counted again); those whose
+    KV a survivor held went on there without a recompute. At least one of each."""
+    on_lost = [rid for rid, (rank, _) in at_kill.items() if rank in lost and rid in phases]
+    on_survivors = [rid for rid, (rank, has) in at_kill.items() if rank not in lost and has and rid in phases]
+    assert on_lost and on_survivors, at_kill
+    assert all("recomputed_tokens" in phases[rid] for rid in on_lost), (at_kill, phases)
+    assert not [rid for rid in on_survivors if "recomputed_tokens" in phases[rid]], (at_kill, phases)
+
+
 def test_a_lost_rank_shrinks_its_instance_which_serves_again(cluster, ray_session, prompts, oracle) -> None:
     oracle, oracle_long, oracle_stream = oracle
     elastic = cluster.monitor.elastic
@@ -144,28 +163,30 @@ def test_a_lost_rank_shrinks_its_instance_which_serves_again(cluster, ray_sessio
         return any(len(r.streamed_token_ids) >= 2 for r in cluster.dispatcher._requests.values())
 
     async def stream_and_kill():
-        tasks, killed = [], False
+        tasks, at_kill = [], None
         for i in range(12):
             tasks.append(asyncio.ensure_future(streamed(cluster, f"s{i}", prompts[i % 4], STREAM)))
             await asyncio.sleep(0.3)
-            if i >= 3 and not killed and in_handoff_to_rank1() and mid_stream():
+            if i >= 3 and at_kill is None and in_handoff_to_rank1() and mid_stream():
+                at_kill = ranks_at(cluster)
                 os.kill(pid1, signal.SIGKILL)
-                killed = True
         bound_s = request_bound_s(cluster) + shrink_bound_s(cluster)
-        return killed, await asyncio.gather(
+        return at_kill, await asyncio.gather(
             *(asyncio.wait_for(t, bound_s) for t in tasks), return_exceptions=True
         )
 
-    killed, results = run(cluster, stream_and_kill())
-    assert killed
+    at_kill, results = run(cluster, stream_and_kill())
+    assert at_kill is not None
     assert not [r for r in results if isinstance(r, asyncio.TimeoutError)], results  # none hangs
-    # the requests decode-0 lost (mid-stream, or in their handoff to rank 1) were re-dispatched with the
-    # tokens already streamed kept: one stream each, no token twice, exactly one engine's tokens and text
+    # the requests rank 1 lost (in their handoff to it) were re-dispatched with the tokens already streamed
+    # kept; those streaming on rank 0 went on there untouched: one stream each, no token twice, exactly one
+    # engine's tokens and text
     assert not [r for r in results if isinstance(r, BaseException)], results
     for i, (tokens, text, _) in enumerate(results):
         assert (tokens, text) == (oracle_stream[i % 4].token_ids, oracle_stream[i % 4].text), i
+    assert_only_the_lost_rank_recomputed({f"s{i}": r[2] for i, r in enumerate(results)}, at_kill, {1})
     recomputed = [phases["recomputed_tokens"] for _, _, phases in results if "recomputed_tokens" in phases]
-    assert max(recomputed) >= 2 and all(0 <= n < STREAM.max_tokens for n in recomputed), recomputed
+    assert all(0 <= n < STREAM.max_tokens for n in recomputed), recomputed
     stats = cluster.stats()
     assert stats["requests_recomputed_total"] == len(recomputed)
     assert stats["recomputed_tokens_total"] == sum(recomputed)
@@ -232,14 +253,42 @@ def test_a_lost_rank_shrinks_its_instance_which_serves_again(cluster, ray_sessio
     ranks = cluster.stats()["ranks"]
     for name in ("decode-0", "decode-0.1", "prefill-0", "prefill-0.1"):
         assert (ranks[name]["ep"]["num_ranks"], ranks[name]["ep"]["rank"]) == (2, int(name.endswith(".1")))
+        assert ranks[name]["ep"]["num_rebalances"] == 1, name  # EPLB on the observed load once grown
     assert_nothing_held(cluster)
+
+
+async def kill_mid_stream(cluster, pid: int, ids: list[str], prompts: list[str], sig=signal.SIGKILL):
+    """Stream `ids` at once; once decode holds every one's KV and each streamed 2 tokens, send `sig` to
+    `pid`. Returns `ranks_at` the kill and each request's `streamed` (or its exception)."""
+    tasks = [
+        asyncio.ensure_future(streamed(cluster, rid, prompts[i % 4], STREAM)) for i, rid in enumerate(ids)
+    ]
+    deadline_s = time.monotonic() + request_bound_s(cluster)
+    records = cluster.dispatcher._requests
+    while not all(
+        rid in records
+        and ranks_at(cluster).get(rid, (0, False))[1]
+        and len(records[rid].streamed_token_ids) >= 2
+        for rid in ids
+    ):
+        assert time.monotonic() < deadline_s, ranks_at(cluster)
+        await asyncio.sleep(0.05)
+    at_kill = ranks_at(cluster)
+    os.kill(pid, sig)
+    bound_s = request_bound_s(cluster) + shrink_bound_s(cluster)
+    return at_kill, await asyncio.gather(
+        *(asyncio.wait_for(t, bound_s) for t in tasks), return_exceptions=True
+    )
 
 
 def test_an_ep4_decode_instance_loses_two_ranks_one_after_the_other(ray_session, prompts, oracle) -> None:
     """EP4 decode (8 experts, none redundant: 2 per rank) behind a one-rank prefill: SIGKILL of rank 3,
-    then of the leader (rank 0 of the 3 left). Each time it shrinks (to 3 ranks of 3 expert slots, then 2
-    of 4; the lost leader's successor hosts the new group) and serves outputs equal to one engine's."""
-    oracle = oracle[0]
+    then SIGSTOP of the leader (rank 0 of the 3 left: its peers' collectives time out), each while 8
+    requests stream on all ranks: the victim's are recomputed, the survivors' go on untouched (renumbered
+    the second time), all with one engine's tokens. Each time it shrinks (to 3 ranks of 3 expert slots,
+    then 2 of 4; the lost leader's successor hosts the new group) and serves outputs equal to one engine's
+    one request at a time, the ranks without one joining its steps idle (no deadlock)."""
+    oracle, oracle_stream = oracle[0], oracle[2]
     topo = load_topology("clusters/local-ep.yaml")
     topo = dataclasses.replace(
         topo,
@@ -263,9 +312,23 @@ def test_an_ep4_decode_instance_loses_two_ranks_one_after_the_other(ray_session,
     )
     with deployed_with_loop(topo) as cluster:
         cluster.monitor.elastic.grow_after_s = float("inf")
-        for step, (victim, ranks_left) in enumerate(((3, 3), (0, 2))):
-            actor = cluster.instances["decode"][0].ranks[victim]
-            os.kill(pid_of(ray_session, actor, cluster), signal.SIGKILL)
+        for step, (victim, ranks_left, sig) in enumerate(((3, 3, signal.SIGKILL), (0, 2, signal.SIGSTOP))):
+            pid = pid_of(ray_session, cluster.instances["decode"][0].ranks[victim], cluster)
+            ids = [f"ep4-stream-{step}-{i}" for i in range(8)]
+            try:
+                at_kill, results = run(cluster, kill_mid_stream(cluster, pid, ids, prompts, sig))
+            finally:
+                if sig == signal.SIGSTOP:
+                    with contextlib.suppress(ProcessLookupError):  # (killed by the driver already)
+                        os.kill(pid, signal.SIGCONT)
+            assert not [r for r in results if isinstance(r, BaseException)], results
+            for i, (tokens, text, _) in enumerate(results):
+                assert (tokens, text) == (oracle_stream[i % 4].token_ids, oracle_stream[i % 4].text), i
+            phases = {rid: r[2] for rid, r in zip(ids, results, strict=True)}
+            assert_only_the_lost_rank_recomputed(phases, at_kill, {victim})
+            assert all(
+                phases[rid]["recomputed_tokens"] >= 2 for rid, (r, _) in at_kill.items() if r == victim
+            )
             health = wait_shrunk(cluster, "decode-0", step + 1)
             assert (health["ranks"], health["deployed_ranks"]) == (ranks_left, 4)
             ep = [r["ep"] for name, r in cluster.stats()["ranks"].items() if name.startswith("decode")]
@@ -278,5 +341,12 @@ def test_an_ep4_decode_instance_loses_two_ranks_one_after_the_other(ray_session,
                     cluster, asyncio.wait_for(generate(cluster, f"ep4-{step}-{i}", prompt, GREEDY), 120)
                 )
                 assert got == oracle[i], (step, i)
+            deadline_s = time.monotonic() + 2 * EP_STATS_REFRESH_S + call_bound_s(cluster)
+            while True:  # the ranks without the request stepped idle (their figures refresh every second)
+                ep = [r["ep"] for name, r in cluster.stats()["ranks"].items() if name.startswith("decode")]
+                if sum(e["num_idle_steps"] for e in ep) > 0:
+                    break
+                assert time.monotonic() < deadline_s, ep
+                time.sleep(0.1)
             assert cluster.monitor.elastic.growing == {}
         assert_nothing_held(cluster)

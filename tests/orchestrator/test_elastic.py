@@ -24,6 +24,7 @@ from pdcluster.engine.parallel import ParallelConfig, make_instance_group
 from pdcluster.entrypoints.openai.metrics import ApiMetrics
 from pdcluster.models import bundled_checkpoint_dir
 from pdcluster.models.elastic_placement import PlacementRefused
+from pdcluster.models.expert_placement import ExpertPlacement
 from pdcluster.models.loader import load_checkpoint
 
 
@@ -45,7 +46,7 @@ def test_a_rank_is_lost_once_every_answering_rank_saw_its_group_fail() -> None:
 
 def test_an_aborted_meet_raises_at_once_instead_of_waiting_its_timeout() -> None:
     ports = free_ports("127.0.0.1", 2)
-    spec = InstanceGroupSpec(0, 2, f"tcp://127.0.0.1:{ports[0]}", ports[1], "gloo", 10.0, 60.0)
+    spec = InstanceGroupSpec(0, 2, f"tcp://127.0.0.1:{ports[0]}", ports[1], "gloo", 10.0, 60.0, "s")
     started_s = time.monotonic()
     with pytest.raises(RuntimeError, match="aborted"):
         meet(spec, aborted=lambda: time.monotonic() - started_s > 0.2)
@@ -95,8 +96,11 @@ def test_a_survivor_takes_every_expert_then_gives_back_its_peers_share() -> None
     assert {e for _, _, _, e in shrunk.loads} == {5, 6, 7}  # rank 0 held 0..4: only the rest is read
     _assert_slots_hold_checkpoint_experts(shrunk_runtime, full)
     grown_group, _ = _groups(2)
+    observed = torch.arange(shrunk_runtime._logical_zero.numel()).view_as(shrunk_runtime._logical_zero)
+    shrunk_runtime._load_window.append(observed)
     grown, num_read = grow_runtime(shrunk_runtime, grown_group, 2, path)
     assert (grown.num_ranks, grown.rank, grown.placement.num_local_experts, num_read) == (2, 0, 5, 0)
+    assert grown.rebalance_requested and [torch.equal(w, observed) for w in grown._load_window] == [True]
     _assert_slots_hold_checkpoint_experts(grown, full)
 
 
@@ -111,3 +115,140 @@ def test_metrics_show_each_instances_live_ranks_and_recoveries() -> None:
     assert 'pdcluster_instance_degraded{instance="decode-0"} 1.0' in text
     assert 'pdcluster_instance_degraded{instance="prefill-0"} 0.0' in text
     assert 'pdcluster_instance_recoveries_total{instance="decode-0"} 1.0' in text
+
+
+@pytest.mark.parametrize("where", ["forward", "mtp_forward"])
+def test_a_step_rolled_back_after_a_lost_peer_runs_again_with_the_same_tokens(where: str) -> None:
+    """A collective failing inside the main forward (nothing sampled) or inside the MTP forward (main KV
+    written, tokens sampled, drafts half proposed): `roll_back_step` puts every request back at its step's
+    start, and stepping on gives one engine's greedy tokens (the failed step's KV writes are rewritten)."""
+    from pdcluster.engine.elastic_ep import roll_back_step
+    from pdcluster.engine.llm import LLM
+    from pdcluster.engine.sampling_params import SamplingParams
+    from pdcluster.models.ep_dispatch import EPCollectiveError
+    from pdcluster.models.prompts import heldout_def_prompts
+
+    llm = LLM(bundled_checkpoint_dir(), num_speculative_tokens=1)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [llm.tokenizer.encode(p) for p in heldout_def_prompts(2, min_chars=40, max_chars=200)]
+    expected = [out.token_ids for out in llm.generate(prompts, params)]
+    engine = llm.engine
+    ids = [engine.add_request(p, params, stream=False) for p in prompts]
+    for _ in range(6):
+        engine.step()
+    output = engine.scheduler.schedule()
+    before = {item.request_id: item.start_position for item in output.scheduled}
+    assert sorted(before) == sorted(ids)
+    original = getattr(engine.runner, where)
+
+    def lost(*args, **kwargs):
+        raise EPCollectiveError("EP rank 0: the peer is gone")
+
+    setattr(engine.runner, where, lost)
+    with pytest.raises(EPCollectiveError) as raised:
+        engine.executor.execute(output)
+    setattr(engine.runner, where, original)
+    assert not roll_back_step(engine.scheduler, output, RuntimeError("not a collective"))  # nothing done
+    assert roll_back_step(engine.scheduler, output, raised.value)
+    for rid in ids:
+        request = engine.scheduler.requests[rid]
+        assert (request.num_computed_tokens, request.num_output_placeholders) == (before[rid], 0)
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        got.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert [got[rid] for rid in ids] == expected
+
+
+def test_one_rank_asking_for_a_rebalance_makes_every_rank_rebalance_at_the_next_step_with_work() -> None:
+    """As a grown survivor asks (`grow_runtime`) while the newcomer does not: both rebalance at once (the
+    step agreement carries the request), the placement versions stay equal, and an idle step waits."""
+    path = str(bundled_checkpoint_dir())
+    groups = _groups(2)
+    runtimes = []
+    for rank in range(2):
+        parallel = ParallelConfig(expert_parallel_size=2, rank=rank, num_redundant_experts=2)
+        model, placement = load_rank_shard(path, parallel, "cpu", torch.float32)
+        runtimes.append(ExpertParallelRuntime(model, parallel, groups[rank], placement))
+    runtimes[0].rebalance_requested = True
+
+    def steps(has_work: bool) -> list[bool]:
+        out: dict[int, bool] = {}
+        threads = [
+            threading.Thread(target=lambda r=r: out.__setitem__(r, runtimes[r].begin_step(has_work, 0)))
+            for r in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return [out[r] for r in range(2)]
+
+    assert steps(False) == [False, False] and [r.num_rebalances for r in runtimes] == [0, 0]
+    assert steps(True) == [True, True] and [r.num_rebalances for r in runtimes] == [1, 1]
+    assert not runtimes[0].rebalance_requested
+    assert steps(True) == [True, True] and [r.num_rebalances for r in runtimes] == [1, 1]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=668, OpType=ALLREDUCE, "
+        "NumelIn=6, NumelOut=6, Timeout(ms)=10000) ran for 10097 milliseconds before timing out.",
+        "NCCL communicator was aborted on rank 0.",
+        "NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network error, "
+        "NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a network error",
+        "[Rank 0] Watchdog caught collective operation timeout: WorkHCCL(SeqNum=12, OpType=ALLTOALL_BASE, "
+        "Timeout(ms)=10000) ran for 10010 milliseconds before timing out.",
+        "HCCL function error: hcclAllReduce(...), error code is 7",
+    ],
+)
+def test_nccl_and_hccl_watchdog_aborts_are_the_lost_peer_event(message: str) -> None:
+    """(NCCL / HCCL cannot run here: the mapping alone.) A watchdog abort raised as it is, or as the cause
+    of the engine's step error, is the same event as gloo's failed collective: the step is rolled back and
+    the rank reports its group failed."""
+    from pdcluster.engine.elastic_ep import lost_peer
+    from pdcluster.models.ep_dispatch import EPCollectiveError
+
+    step_error = RuntimeError("engine step failed")
+    step_error.__cause__ = RuntimeError(message)
+    assert lost_peer(RuntimeError(message)) and lost_peer(step_error)
+    assert lost_peer(EPCollectiveError("EP rank 0: step agreement failed: Connection closed by peer"))
+    assert not lost_peer(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not lost_peer(ValueError("request r0: sampled [1, 2] does not fit drafts [3]"))
+
+
+def test_survivors_at_different_placements_after_a_rank_lost_mid_rebalance_agree_on_one() -> None:
+    """EP3 (9 slots: 8 experts + 1 redundant) loses rank 2 while an EPLB rebalance moved weights: survivor 0
+    switched to the new placement (its transfers were done), survivor 1 did not. Both shrink onto the same
+    placement (the newest, rank 0's) and every slot of each holds its expert's checkpoint weights."""
+    from pdcluster.engine.elastic_ep import _load_experts
+
+    path = str(bundled_checkpoint_dir())
+    full = load_checkpoint(path)
+    old_groups = _groups(3)
+    runtimes = []
+    for rank in range(2):
+        parallel = ParallelConfig(expert_parallel_size=3, rank=rank, num_redundant_experts=1)
+        model, placement = load_rank_shard(path, parallel, "cpu", torch.float32)
+        runtimes.append(ExpertParallelRuntime(model, parallel, old_groups[rank], placement))
+    switched = runtimes[0]
+    phy2log = switched.placement.phy2log.clone()
+    phy2log[:, [0, 3]] = phy2log[:, [3, 0]]  # rank 0's slot 0 and rank 1's slot 0 trade experts
+    switched.placement = ExpertPlacement.from_phy2log(phy2log, 8, 3)
+    _load_experts(switched, path, [(row, 0, int(phy2log[row, 0])) for row in range(phy2log.shape[0])])
+    switched.num_rebalances = 1
+    _assert_slots_hold_checkpoint_experts(switched, full)
+    new_groups = _groups(2)
+    shrunk: dict[int, object] = {}
+
+    def shrink(rank: int) -> None:
+        shrunk[rank] = shrink_runtime(runtimes[rank], new_groups[rank], frozenset({2}), None, path)[0]
+
+    threads = [threading.Thread(target=shrink, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert torch.equal(shrunk[0].placement.phy2log, shrunk[1].placement.phy2log)
+    for rank in range(2):
+        _assert_slots_hold_checkpoint_experts(shrunk[rank], full)

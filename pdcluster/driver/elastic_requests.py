@@ -1,0 +1,50 @@
+"""Requests of an elastic EP decode instance that lost ranks (`driver.elastic`): those whose KV decode holds
+on a surviving rank wait for the re-formed group and go on there, renumbered; the others are re-dispatched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pdcluster.driver.handoff import decode_has_it
+from pdcluster.driver.router import RankRef
+
+
+def shrink_bound_s(kv_timeout_s: float, probe_interval_s: float) -> float:
+    """Seconds from a lost rank to its instance serving again at most: a probe round noticing it (a peer's
+    collective fails at once for a dead rank, after the collective timeout for a stalled one) plus the
+    survivors' `reform_group` calls (their rendezvous, twice, and a call), in `ElasticInstances.shrink`."""
+    from pdcluster.driver.dispatch import call_timeout_s, collective_timeout_s
+
+    collective_s, call_s = collective_timeout_s(kv_timeout_s), call_timeout_s(kv_timeout_s)
+    return probe_interval_s + collective_s + call_s + 2 * (2 * collective_s + call_s) + call_s
+
+
+def held(decode: Any, attempt: Any) -> bool:
+    """Decode holds `attempt`'s KV on `decode`, an instance out of routing that may re-form."""
+    return decode.may_recover and not decode.routable and decode_has_it(attempt.state)
+
+
+def kept(attempt: Any, index: int, keep: Mapping[int, int] | None) -> bool:
+    """Whether `attempt` on decode instance `index` goes on: decode holds its KV on a rank of `keep` (old
+    rank -> new rank); it is renumbered then."""
+    if not keep or not decode_has_it(attempt.state) or attempt.decode.rank not in keep:
+        return False
+    attempt.decode = RankRef(index, keep[attempt.decode.rank])
+    return True
+
+
+async def wait_first(waits: set[Any], timeout_s: float, hold_s: float, holding: Callable[[], bool]) -> set:
+    """`asyncio.wait(waits, timeout_s, FIRST_COMPLETED)`'s done set, waited on for up to `hold_s` more
+    while `holding()` (the attempt's decode instance is re-forming)."""
+    held_until_s = None
+    while True:
+        done, _ = await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if done or not holding():
+            return done
+        held_until_s = held_until_s or time.monotonic() + hold_s
+        if time.monotonic() > held_until_s:
+            return done
