@@ -138,7 +138,7 @@ class Executor:
                 request_id = scheduled[int(mixed[0])].request_id
                 raise ValueError(f"request {request_id!r} mixes placeholders and known tokens")
             placeholder_items = np.flatnonzero(counts).tolist()
-        sampling = step_rows.rows.sampling.take(step_rows.row_index)
+        sampling = step_rows.rows.sampling_of(step_rows.row_index)
         return PreparedStep(batch, qsl.tolist(), placeholder_items, sampling)
 
     def execute(
