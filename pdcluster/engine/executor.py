@@ -138,7 +138,7 @@ class Executor:
                 request_id = scheduled[int(mixed[0])].request_id
                 raise ValueError(f"request {request_id!r} mixes placeholders and known tokens")
             placeholder_items = np.flatnonzero(counts).tolist()
-        sampling = step_rows.rows.sampling.take(step_rows.row_index)
+        sampling = step_rows.rows.sampling_of(step_rows.row_index)
         return PreparedStep(batch, qsl.tolist(), placeholder_items, sampling)
 
     def execute(
@@ -190,14 +190,17 @@ class Executor:
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if sampling:
             items = [scheduled[i] for i in sampling]
-            logits = self.runner.compute_logits(logit_rows(hidden, items, sampling, starts, query_lens))
+            one_row_each = uniform == 1 and len(sampling) == len(scheduled)  # a decode step without drafts
+            rows = hidden if one_row_each else logit_rows(hidden, items, sampling, starts, query_lens)
+            logits = self.runner.compute_logits(rows)
             params = prepared.sampling
             if params is not None and len(sampling) < len(scheduled):
                 params = params.take(np.asarray(sampling, dtype=np.int64))
             grammar_failed = self._mask_by_grammar(items, logits)
             if params is None:
                 params = SamplingArrays.of([item.request.sampling_params for item in items])
-            logits = process_logits(items, logits, params, self._output_history)
+            if params.processed_rows.any():
+                logits = process_logits(items, logits, params, self._output_history)
             sampled, failed = self.sample(items, logits, params)
             if self.structured_outputs is not None and self.structured_outputs.num_tracked_requests:
                 self.structured_outputs.accept(items, sampled)
@@ -219,19 +222,19 @@ class Executor:
             spec = self._propose(scheduled, batch, hidden, starts, sampled, failed, on_layer_kv, uniform)
         # Prefill-only requests (handed off to decode): their draft distributions.
         draft_probs: dict[str, torch.Tensor | None] = {}
+        last_step: dict[str, StepResult] = {}
         for i in sampling:
             item = scheduled[i]
-            if item.request.export_kv and item.request_id not in failed:
-                draft_probs[item.request_id] = self._draft_probs.get(item.request_id)
-        self._last_step = {}
-        for i in sampling:
-            item = scheduled[i]
-            if item.request_id in failed:
-                self._last_step[item.request_id] = StepResult([0], [], 0)
+            request_id = item.request.request_id
+            if request_id in failed:
+                last_step[request_id] = StepResult([0], [], 0)
                 continue
-            tokens = sampled[item.request_id]
+            if item.request.export_kv:
+                draft_probs[request_id] = self._draft_probs.get(request_id)
+            tokens = sampled[request_id]
             num_rejected = len(item.spec_token_ids) - (len(tokens) - 1)
-            self._last_step[item.request_id] = StepResult(tokens, spec.get(item.request_id, []), num_rejected)
+            last_step[request_id] = StepResult(tokens, spec.get(request_id, []), num_rejected)
+        self._last_step = last_step
         for request_id in failed:
             sampled.pop(request_id, None)
             spec.pop(request_id, None)

@@ -20,6 +20,7 @@ class SamplingArrays(NamedTuple):
     temperature: `[B]` float32 (0 = greedy); top_k: `[B]` int64 (<= 0 off); top_p: `[B]` float32.
     presence_penalty, frequency_penalty, repetition_penalty: `[B]` float32 (0, 0, 1: off).
     min_tokens: `[B]` int64. has_logit_bias: `[B]` bool (the biases themselves stay in `SamplingParams`).
+    processed: `[B]` bool, a penalty, a logit bias or `min_tokens` changes the request's logits.
     """
 
     temperature: np.ndarray
@@ -30,6 +31,7 @@ class SamplingArrays(NamedTuple):
     repetition_penalty: np.ndarray
     min_tokens: np.ndarray
     has_logit_bias: np.ndarray
+    processed: np.ndarray
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams]) -> SamplingArrays:
@@ -53,13 +55,7 @@ class SamplingArrays(NamedTuple):
     @property
     def processed_rows(self) -> np.ndarray:
         """`[B]` bool: the requests whose logits a penalty, a logit bias or `min_tokens` changes."""
-        return (
-            (self.presence_penalty != 0)
-            | (self.frequency_penalty != 0)
-            | (self.repetition_penalty != 1)
-            | (self.min_tokens > 0)
-            | self.has_logit_bias
-        )
+        return self.processed
 
 
 _FIELDS = (
@@ -71,10 +67,15 @@ _FIELDS = (
     ("repetition_penalty", np.float32),
     ("min_tokens", np.int64),
     ("has_logit_bias", np.bool_),
+    ("processed", np.bool_),
 )
 
 
 def _value(params: SamplingParams, name: str) -> float | int | bool:
+    if name == "processed":
+        p = params
+        penalized = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+        return penalized or p.min_tokens > 0 or bool(p.logit_bias)
     return bool(params.logit_bias) if name == "has_logit_bias" else getattr(params, name)
 
 
@@ -157,6 +158,7 @@ class RequestRows(BlockTableRows):
     def __init__(self, num_rows: int, num_columns: int, max_num_tokens: int) -> None:
         super().__init__(num_rows, num_columns)
         self.sampling = _default_sampling(len(self.lens))
+        self._last_taken: tuple[bytes, SamplingArrays] | None = None  # `sampling_of`'s last result
         self.token_ids = np.zeros((len(self.lens), max(1, max_num_tokens)), dtype=np.int64)
         self.num_valid_tokens = np.zeros(len(self.lens), dtype=np.int64)
         self._num_committed = [0] * len(self.lens)
@@ -175,6 +177,7 @@ class RequestRows(BlockTableRows):
         self._check_fits(request_id, num_tokens)
         row = self._allocate(request_id)
         self.sampling.set_row(row, params)
+        self._last_taken = None
         self.token_ids[row, :num_tokens] = token_ids
         self.num_valid_tokens[row] = num_tokens
         self._num_committed[row] = num_tokens
@@ -253,8 +256,18 @@ class RequestRows(BlockTableRows):
         row_index, start_positions, num_scheduled_tokens = np.array((rows, starts, counts), dtype=np.int64)
         return ScheduledRows(self, row_index, start_positions, num_scheduled_tokens, num_uncommitted_inputs)
 
+    def sampling_of(self, row_index: np.ndarray) -> SamplingArrays:
+        """`sampling.take(row_index)`: the rows' sampling parameters in batch order (read-only: the same
+        arrays come back while neither the rows nor their parameters change).
+        """
+        key = row_index.tobytes()
+        if self._last_taken is None or self._last_taken[0] != key:
+            self._last_taken = (key, self.sampling.take(row_index))
+        return self._last_taken[1]
+
     def remove(self, request_ids: list[str]) -> None:
         rows = [self._row_of[r] for r in request_ids if r in self._row_of]
+        self._last_taken = None
         super().remove(request_ids)
         defaults = _default_sampling(1)
         for array, default in zip(self.sampling, defaults, strict=True):
@@ -272,6 +285,7 @@ class RequestRows(BlockTableRows):
 
     def _grow_rows(self) -> None:
         super()._grow_rows()
+        self._last_taken = None
         extra = _default_sampling(len(self.lens) - len(self.sampling.temperature))
         self.sampling = SamplingArrays(
             *(np.concatenate(pair) for pair in zip(self.sampling, extra, strict=True))

@@ -333,11 +333,11 @@ class LLMEngine:
                 new = runner_output.logprobs.get(update.request_id, [])
                 record.logprobs.extend(new[: len(update.new_token_ids)])
             stream = record.stream
-            if stream or request.status.is_finished or record.output_text.has_stop_strings:
+            if stream or record.output_text.has_stop_strings or request.status.is_finished:
                 self._update_text(record)
             if not request.status.is_finished:
                 if stream:
-                    results.append(self._output(record))
+                    results.append(record.output())  # `_output` of an unfinished streamed request
                 continue
             if self._async_loop is None:
                 self.executor.drop([update.request_id])

@@ -29,24 +29,29 @@ class RequestRecord:
         """
         request = self.request
         status = request.status
-        finished = status.is_finished
-        first_token_time_s, num_output_tokens = request.first_token_time_s, len(request.output_token_ids)
+        finish_reason = status.finish_reason
+        finished = finish_reason is not None
+        output_token_ids = request.output_token_ids
+        arrival_time_s, first_token_time_s = request.arrival_time_s, request.first_token_time_s
+        scheduled_time_s, finished_time_s = request.first_scheduled_time_s, request.finished_time_s
+        output_text = self.output_text
+        tpot_s = None
+        if len(output_token_ids) > 1 and first_token_time_s is not None and request.last_token_time_s is not None:
+            tpot_s = (request.last_token_time_s - first_token_time_s) / (len(output_token_ids) - 1)
         return RequestOutput(
             request_id=request.request_id,
             prompt=self.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            text=self.output_text.text,
-            new_text=self.output_text.new_text(finished=finished),
-            token_ids=list(request.output_token_ids),
+            text=output_text.text,
+            new_text=output_text.new_text(finished=finished),
+            token_ids=list(output_token_ids),
             finished=finished,
-            finish_reason=status.finish_reason,
+            finish_reason=finish_reason,
             num_cached_tokens=max(0, request.num_cached_tokens),
-            queue_s=request.queue_time_s,
-            ttft_s=None if first_token_time_s is None else first_token_time_s - request.arrival_time_s,
-            tpot_s=request.tpot_s if num_output_tokens > 1 else None,
-            e2e_s=None
-            if request.finished_time_s is None
-            else request.finished_time_s - request.arrival_time_s,
+            queue_s=None if scheduled_time_s is None else scheduled_time_s - arrival_time_s,
+            ttft_s=None if first_token_time_s is None else first_token_time_s - arrival_time_s,
+            tpot_s=tpot_s,
+            e2e_s=None if finished_time_s is None else finished_time_s - arrival_time_s,
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
             num_draft_tokens_per_position=list(request.num_draft_tokens_per_position),

@@ -71,6 +71,15 @@ def commit_sampled(
         ValueError: no token, more tokens than drafts + 1, or "accepted" tokens that differ from the drafts.
     """
     request = item.request
+    if len(sampled) == 1 and not item.spec_token_ids and not num_draft_placeholders:
+        # a decode step without drafts: nothing to verify or roll back
+        request.num_output_placeholders -= 1
+        committed, status = commit_tokens(request, [sampled[0]], now)
+        bm.cache_full_blocks(request)
+        if request.spec_token_ids or next_draft_token_ids:
+            num_allowed = request.sampling_params.max_tokens - request.num_output_tokens - 1
+            request.spec_token_ids = [] if status.is_finished else list(next_draft_token_ids)[:num_allowed]
+        return committed, status
     sampled = list(sampled)
     num_drafts, num_accepted = len(item.spec_token_ids), len(sampled) - 1
     request.num_output_placeholders -= num_drafts + 1

@@ -213,11 +213,13 @@ class Scheduler:
         free = [free_blocks] if isinstance(free_blocks, int) else list(free_blocks)
         scheduled: dict[str, int] = {}
         new_blocks: dict[str, int] = {}
+        held = bm.num_blocks_held
         for r in sorted(running, key=lambda r: arrival[r.request_id]):
-            num_computed, num_new = r.num_computed_tokens, r.num_tokens_to_compute
-            if budget == 0 or num_new > budget or num_computed < r.num_tokens + r.num_output_placeholders - 1:
+            num_computed, num_known = r.num_computed_tokens, r.num_tokens + r.num_output_placeholders
+            num_new = num_known + len(r.spec_token_ids) - num_computed  # `num_tokens_to_compute`
+            if budget == 0 or num_new > budget or num_computed < num_known - 1:
                 return None
-            num_blocks = max(0, -(-(num_computed + num_new) // bs) - bm.num_blocks_held(r))
+            num_blocks = max(0, -(-(num_computed + num_new) // bs) - held(r))
             if num_blocks > free[r.kv_pool]:
                 return None
             scheduled[r.request_id], new_blocks[r.request_id] = num_new, num_blocks

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -101,20 +102,42 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Text of a growing list of output token ids, decoding only the newest tokens each time."""
+    """Text of a growing list of output token ids, decoding only the newest tokens each time: a `tokenizers`
+    `DecodeStream` (the window of tokens since the last emitted text, in Rust), with the same windows kept
+    here to flush an incomplete last character on `final`, or to go on in Python should the stream refuse
+    a step (a decoder whose text of a longer window does not extend the shorter one's).
+    """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
+        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=True)
         self.text = ""
         self._prefix_offset = 0
         self._read_offset = 0
+        self._num_fed = 0
 
     def update(self, token_ids: list[int], final: bool = False) -> str:
         """Text of `token_ids` (the whole output so far). `final`: also emit an incomplete last character."""
+        num_tokens = len(token_ids)
+        stream = self._stream
+        if stream is not None and num_tokens > self._num_fed:
+            new = token_ids[self._num_fed] if num_tokens == self._num_fed + 1 else token_ids[self._num_fed :]
+            self._num_fed = num_tokens
+            try:
+                chunk = stream.step(self._tokenizer.backend, new)
+            except Exception:  # noqa: BLE001 - the windows below reproduce the stream's state
+                self._stream = chunk = None
+            if chunk is not None:
+                self.text += chunk
+                self._prefix_offset, self._read_offset = self._read_offset, num_tokens
+                return self.text
+        if self._stream is not None and not (final and self._read_offset < num_tokens):
+            return self.text
         decode = self._tokenizer.decode
         emitted = decode(token_ids[self._prefix_offset : self._read_offset])
         full = decode(token_ids[self._prefix_offset :])
         if final or (len(full) > len(emitted) and not full.endswith("\ufffd")):
             self.text += full[len(emitted) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
+            self._stream = None  # the stream's window is behind now
         return self.text
