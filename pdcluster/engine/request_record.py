@@ -36,7 +36,11 @@ class RequestRecord:
         scheduled_time_s, finished_time_s = request.first_scheduled_time_s, request.finished_time_s
         output_text = self.output_text
         tpot_s = None
-        if len(output_token_ids) > 1 and first_token_time_s is not None and request.last_token_time_s is not None:
+        if (
+            len(output_token_ids) > 1
+            and first_token_time_s is not None
+            and request.last_token_time_s is not None
+        ):
             tpot_s = (request.last_token_time_s - first_token_time_s) / (len(output_token_ids) - 1)
         return RequestOutput(
             request_id=request.request_id,
