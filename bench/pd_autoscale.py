@@ -1,4 +1,6 @@
-"""Dynamic P:D against the best static split, simulated: `python -m bench.pd_autoscale [--json]`.
+"""Dynamic P:D against the best static split: `python -m bench.pd_autoscale [--clusters local4,cm384]
+[--live [--eager]] [--phase-s 60] [--max-requests N] [--json]`; simulated unless `--live`
+(`bench.pd_autoscale_live`: the local4 traces replayed against real deploys, with these figures beside).
 
 Per cluster (`--clusters`: `local4` = clusters/local.yaml on 4 single-device instances, `cm384` =
 clusters/cm384.yaml with both pools at its prefill shape, 32 dies), two traces built from the Azure
@@ -272,7 +274,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(
         prog="python -m bench.pd_autoscale",
-        description=__doc__.splitlines()[0],
+        description="Dynamic P:D against the best static split (simulated; --live: also live).",
         epilog="--live: see bench.pd_autoscale_live (5 deploys of clusters/local.yaml on 4 devices; "
         "about 6 x --phase-s for the replays plus 1-3 minutes per deploy on 2 CPU cores: about 25 min "
         "at the default --phase-s 60, about 12 min at --phase-s 20).",
@@ -281,7 +283,7 @@ def main() -> None:
     parser.add_argument(
         "--clusters",
         default="local4",
-        help="comma-separated: local4, cm384 (simulated; cm384's trace is sized to its 384 dies). "
+        help="comma-separated: local4, cm384 (simulated; each trace's rate is sized to the cluster's instances). "
         "Default: local4",
     )
     parser.add_argument("--phase-s", type=float, default=60.0, help="seconds per phase. Default: 60")
@@ -300,6 +302,11 @@ def main() -> None:
         action="store_true",
         help="also deploy local4 live (autoscale on from 2P2D, and each static split) and replay the "
         "same traces: bench.pd_autoscale_live",
+    )
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="--live: decode `compile: false` (deploys start in about a minute instead of several)",
     )
     parser.add_argument("--ready-timeout-s", type=float, default=900.0, help="per deploy (--live)")
     args = parser.parse_args()
@@ -324,6 +331,7 @@ def main() -> None:
             "seed": args.seed,
             "max_requests": args.max_requests,
             "live": args.live,
+            "eager": args.eager,
         },
         **source_revision(),
     }

@@ -36,9 +36,10 @@ AUTOSCALE_START_PREFILL = 2  # the simulated start: clusters/local.yaml doubled 
 NUM_WARMUP_REQUESTS = 4
 
 
-def topology_file(directory: Path, num_prefill: int, autoscale: bool) -> Path:
+def topology_file(directory: Path, num_prefill: int, autoscale: bool, eager: bool = False) -> Path:
     """clusters/local.yaml on `NUM_DEVICES` single-device instances, `num_prefill` of them prefill, with
-    the bench's `autoscale:` section when `autoscale`; written into `directory`."""
+    the bench's `autoscale:` section when `autoscale` (and decode `compile: false` when `eager`); written
+    into `directory`."""
     import yaml
 
     from pdcluster.config.schema import DEFAULT_TOPOLOGY_PATH
@@ -47,6 +48,8 @@ def topology_file(directory: Path, num_prefill: int, autoscale: bool) -> Path:
     doc["hardware"]["devices_per_node"] = NUM_DEVICES
     doc["prefill"]["num_instances"] = num_prefill
     doc["decode"]["num_instances"] = NUM_DEVICES - num_prefill
+    if eager:
+        doc["decode"]["compile"] = False
     name = f"{num_prefill}P{NUM_DEVICES - num_prefill}D" + ("_autoscale" if autoscale else "")
     if autoscale:
         doc["autoscale"] = {"enabled": True, **BENCH_AUTOSCALE}
@@ -178,11 +181,11 @@ def run_live(args) -> list[dict[str, Any]]:  # noqa: ANN001
         with tempfile.TemporaryDirectory(prefix="pd_autoscale_live_") as tmp:
             directory = Path(tmp)
             for name, requests in traces.items():
-                path = topology_file(directory, AUTOSCALE_START_PREFILL, autoscale=True)
+                path = topology_file(directory, AUTOSCALE_START_PREFILL, True, args.eager)
                 got = serve_and_replay(directory, path, {name: requests}, prompts, slo, args.ready_timeout_s)
                 auto[name] = got[name]
             for num_prefill in range(1, NUM_DEVICES):
-                path = topology_file(directory, num_prefill, autoscale=False)
+                path = topology_file(directory, num_prefill, False, args.eager)
                 got = serve_and_replay(directory, path, traces, prompts, slo, args.ready_timeout_s)
                 for name in traces:
                     static[name][path.stem] = got[name]
