@@ -194,8 +194,8 @@ def run_cluster(
     return compare(name, topology, models, traces, seed, splits)
 
 
-def compare(  # noqa: ANN201
-    name: str, topology, models, traces: dict[str, list], seed: int, splits: int  # noqa: ANN001
+def compare(
+    name: str, topology: Any, models: tuple, traces: dict[str, list], seed: int, splits: int
 ) -> list[dict[str, Any]]:
     """The simulated rows: each trace on every static split and with the controller."""
     from pdcluster.planner.autoscale_sim import simulate_autoscale
@@ -275,16 +275,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         prog="python -m bench.pd_autoscale",
         description="Dynamic P:D against the best static split (simulated; --live: also live).",
-        epilog="--live: see bench.pd_autoscale_live (5 deploys of clusters/local.yaml on 4 devices; "
-        "about 6 x --phase-s for the replays plus 1-3 minutes per deploy on 2 CPU cores: about 25 min "
-        "at the default --phase-s 60, about 12 min at --phase-s 20).",
+        epilog="--live (bench.pd_autoscale_live): 5 deploys of clusters/local.yaml on 4 devices (about "
+        "1 min each with --eager, several with the decode compile) and 8 replays of 3 x --phase-s each: "
+        "about 11 min at --eager --phase-s 10 --max-requests 60 on a busy 2-core machine, about 15 min "
+        "at --eager --phase-s 20, 25-30 min at the defaults.",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument(
         "--clusters",
         default="local4",
-        help="comma-separated: local4, cm384 (simulated; each trace's rate is sized to the cluster's instances). "
-        "Default: local4",
+        help="comma-separated: local4, cm384 (simulated; each trace's rate is sized to the cluster's "
+        "instances). Default: local4",
     )
     parser.add_argument("--phase-s", type=float, default=60.0, help="seconds per phase. Default: 60")
     parser.add_argument(

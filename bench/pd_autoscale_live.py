@@ -72,7 +72,7 @@ def role_moves(url: str) -> dict[str, float]:
     return counts
 
 
-def replay_trace(server: ServerProcess, requests: list, prompts: list[list[int]], slo) -> dict[str, Any]:  # noqa: ANN001
+def replay_trace(server: ServerProcess, requests: list, prompts: list, slo: tuple) -> dict[str, Any]:
     """Replay `requests` (arrival_s from 0) with `prompts`; goodput and losses under `slo` (ms)."""
     from pdcluster.config.slo import meets_slo
     from pdcluster.entrypoints.bench_client import replay, served_model
@@ -98,7 +98,7 @@ def replay_trace(server: ServerProcess, requests: list, prompts: list[list[int]]
 
 
 def serve_and_replay(
-    log_dir: Path, path: Path, traces: dict[str, list], prompts: dict[str, list], slo, timeout_s: float  # noqa: ANN001
+    log_dir: Path, path: Path, traces: dict[str, list], prompts: dict, slo: tuple, timeout_s: float
 ) -> dict[str, dict[str, Any]]:
     """Deploy `path`, warm it up, replay each trace in turn; per trace the figures (and the moves)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -122,7 +122,9 @@ def serve_and_replay(
     return out
 
 
-def live_row(trace: str, sim: dict[str, Any], auto: dict[str, Any], static: dict[str, dict]) -> dict[str, Any]:
+def live_row(
+    trace: str, sim: dict[str, Any], auto: dict[str, Any], static: dict[str, dict]
+) -> dict[str, Any]:
     """One `results` row: live controller vs live best static split, and the simulated figures."""
     best = max(static, key=lambda s: static[s]["met_slo"])
     sim_best = sim["best_static_split"]
@@ -138,10 +140,12 @@ def live_row(trace: str, sim: dict[str, Any], auto: dict[str, Any], static: dict
         "best_static_split": best,
         "goodput_requests_per_s": round(auto["goodput_requests_per_s"], 4),
         "goodput_fraction": round(auto["goodput_fraction"], 4),
-        "static_goodput_requests_per_s": {s: round(v["goodput_requests_per_s"], 4) for s, v in static.items()},
+        "static_goodput_requests_per_s": {
+            s: round(v["goodput_requests_per_s"], 4) for s, v in static.items()
+        },
         "static_goodput_fraction": {s: round(v["goodput_fraction"], 4) for s, v in static.items()},
-        "num_moves": auto["moves"],
-        "num_failed_moves": auto["moves_failed"],
+        "num_moves": int(auto["moves"]),
+        "num_failed_moves": int(auto["moves_failed"]),
         "errors": sorted({e for v in (auto, *static.values()) for e in v["errors"]})[:5],
         "sim_goodput_over_best_static": sim["goodput_over_best_static"],
         "sim_best_static_split": sim_best,
@@ -149,13 +153,16 @@ def live_row(trace: str, sim: dict[str, Any], auto: dict[str, Any], static: dict
         "sim_static_goodput_requests_per_s": round(sim_static_goodput, 4),
         "sim_over_live": ratio(sim["goodput_requests_per_s"], auto["goodput_requests_per_s"]),
         "sim_over_live_best_static": ratio(sim_static_goodput, static[best]["goodput_requests_per_s"]),
+        "sim_over_live_goodput_over_best_static": ratio(
+            sim["goodput_over_best_static"] or 0.0, ratio(auto["met_slo"], static[best]["met_slo"]) or 0.0
+        ),
         "sim_lost_requests": sim["lost_requests"],
         "sim_num_moves": sim["num_moves"],
         "deploys": {"autoscale": auto, **static},
     }
 
 
-def run_live(args) -> list[dict[str, Any]]:  # noqa: ANN001
+def run_live(args: Any) -> list[dict[str, Any]]:
     """The `results` rows of `--live` (see the module docstring)."""
     from pdcluster.config.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
     from pdcluster.models.prompts import heldout_token_prompts
