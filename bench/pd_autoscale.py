@@ -1,4 +1,6 @@
-"""Dynamic P:D against the best static split, simulated: `python -m bench.pd_autoscale [--json]`.
+"""Dynamic P:D against the best static split: `python -m bench.pd_autoscale [--clusters local4,cm384]
+[--live [--eager]] [--phase-s 60] [--max-requests N] [--json]`; simulated unless `--live`
+(`bench.pd_autoscale_live`: the local4 traces replayed against real deploys, with these figures beside).
 
 Per cluster (`--clusters`: `local4` = clusters/local.yaml on 4 single-device instances, `cm384` =
 clusters/cm384.yaml with both pools at its prefill shape, 32 dies), two traces built from the Azure
@@ -164,17 +166,42 @@ def build_traces(topology, pricing: Pricing, phase_s: float, seed: int) -> dict[
     return {"phase_shift": phase_shift, "steady": steady}
 
 
-def run_cluster(name: str, phase_s: float, seed: int, splits: int) -> list[dict[str, Any]]:
-    """One row per trace on cluster `name`."""
-    from pdcluster.planner.autoscale_sim import simulate_autoscale
+def thinned(requests: list, max_requests: int | None) -> list:
+    """At most `max_requests` of `requests`, evenly spaced in arrival order (a lower load); all for None."""
+    if max_requests is None or len(requests) <= max_requests:
+        return requests
+    return [requests[i * len(requests) // max_requests] for i in range(max_requests)]
+
+
+def prepared(name: str, phase_s: float, seed: int, max_requests: int | None = None):  # noqa: ANN201
+    """(topology, (prefill_model, decode_model, acceptance), {trace name: requests}) of cluster `name`."""
     from pdcluster.planner.plan import PlanOptions, acceptance_for, step_models
-    from pdcluster.planner.simulator import simulate
 
     topology = cluster_topology(name)
     options = PlanOptions(trace="AzureLLMInferenceTrace_conv.csv", seed=seed)
     prefill_model, decode_model = step_models(topology, options)
     acceptance = acceptance_for(topology, options)
     traces = build_traces(topology, Pricing(topology, prefill_model, decode_model, acceptance), phase_s, seed)
+    traces = {k: thinned(v, max_requests) for k, v in traces.items()}
+    return topology, (prefill_model, decode_model, acceptance), traces
+
+
+def run_cluster(
+    name: str, phase_s: float, seed: int, splits: int, max_requests: int | None = None
+) -> list[dict[str, Any]]:
+    """One row per trace on cluster `name`."""
+    topology, models, traces = prepared(name, phase_s, seed, max_requests)
+    return compare(name, topology, models, traces, seed, splits)
+
+
+def compare(
+    name: str, topology: Any, models: tuple, traces: dict[str, list], seed: int, splits: int
+) -> list[dict[str, Any]]:
+    """The simulated rows: each trace on every static split and with the controller."""
+    from pdcluster.planner.autoscale_sim import simulate_autoscale
+    from pdcluster.planner.simulator import simulate
+
+    prefill_model, decode_model, acceptance = models
     total = topology.prefill.num_instances + topology.decode.num_instances
     step = max(1, (total - 1) // splits)
     candidates = sorted({*range(1, total, step), topology.prefill.num_instances, total - 1})
@@ -245,26 +272,68 @@ def table(result: dict[str, Any]) -> str:
 def main() -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m bench.pd_autoscale", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.pd_autoscale",
+        description="Dynamic P:D against the best static split (simulated; --live: also live).",
+        epilog="--live (bench.pd_autoscale_live): 5 deploys of clusters/local.yaml on 4 devices (about "
+        "1 min each with --eager, several with the decode compile) and 8 replays of 3 x --phase-s each: "
+        "about 11 min at --eager --phase-s 10 --max-requests 60 on a busy 2-core machine, about 15 min "
+        "at --eager --phase-s 20, 25-30 min at the defaults.",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument(
-        "--clusters", default="local4", help="comma-separated: local4, cm384. Default: local4"
+        "--clusters",
+        default="local4",
+        help="comma-separated: local4, cm384 (simulated; each trace's rate is sized to the cluster's "
+        "instances). Default: local4",
     )
     parser.add_argument("--phase-s", type=float, default=60.0, help="seconds per phase. Default: 60")
     parser.add_argument(
         "--splits", type=int, default=6, help="static splits tried at most (about). Default: 6"
     )
+    parser.add_argument(
+        "--max-requests",
+        type=int,
+        default=None,
+        help="at most this many requests per trace, evenly thinned (a lower load). Default: all",
+    )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--live",
+        action="store_true",
+        help="also deploy local4 live (autoscale on from 2P2D, and each static split) and replay the "
+        "same traces: bench.pd_autoscale_live",
+    )
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="--live: decode `compile: false` (deploys start in about a minute instead of several)",
+    )
+    parser.add_argument("--ready-timeout-s", type=float, default=900.0, help="per deploy (--live)")
     args = parser.parse_args()
-    results = [
-        row
-        for name in args.clusters.split(",")
-        for row in run_cluster(name, args.phase_s, args.seed, args.splits)
-    ]
+    if args.max_requests is not None and args.max_requests < 1:
+        parser.error(f"--max-requests must be >= 1, got {args.max_requests}")
+    if args.live:
+        from bench.pd_autoscale_live import run_live
+
+        results = run_live(args)
+    else:
+        results = [
+            row
+            for name in args.clusters.split(",")
+            for row in run_cluster(name, args.phase_s, args.seed, args.splits, args.max_requests)
+        ]
     result = {
         "results": results,
-        "simulated": True,
-        "config": {"autoscale": BENCH_AUTOSCALE, "phase_s": args.phase_s, "seed": args.seed},
+        "simulated": not args.live,
+        "config": {
+            "autoscale": BENCH_AUTOSCALE,
+            "phase_s": args.phase_s,
+            "seed": args.seed,
+            "max_requests": args.max_requests,
+            "live": args.live,
+            "eager": args.eager,
+        },
         **source_revision(),
     }
     emit(result, args.json, table)
