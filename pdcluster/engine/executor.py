@@ -365,7 +365,13 @@ class Executor:
             owners.append(item)
         input_ids = mtp_input_ids(batch, rows, next_ids)
         spec: dict[str, list[int]] = {}
-        proposals = propose(self.runner, batch, hidden, input_ids, works, on_layer_kv, num_queries)
+        outputs = self.structured_outputs
+        masks = outputs.draft_masks([item.request_id for item in owners]) if outputs is not None else None
+        try:
+            proposals = propose(self.runner, batch, hidden, input_ids, works, on_layer_kv, num_queries, masks)
+        finally:
+            if masks is not None:
+                masks.finish()
         for item, proposal in zip(owners, proposals, strict=True):
             if proposal.error is not None:
                 failed[item.request_id] = proposal.error
