@@ -197,7 +197,10 @@ class Executor:
             grammar_failed = self._mask_by_grammar(items, logits)
             if params is None:
                 params = SamplingArrays.of([item.request.sampling_params for item in items])
-            logits = process_logits(items, logits, params, self._output_history)
+            token_rows = None
+            if output.rows is not None and len(output.rows.row_index) == len(scheduled):
+                token_rows = (output.rows.rows.token_ids, output.rows.row_index[sampling])
+            logits = process_logits(items, logits, params, self._output_history, token_rows)
             sampled, failed = self.sample(items, logits, params)
             if self.structured_outputs is not None and self.structured_outputs.num_tracked_requests:
                 self.structured_outputs.accept(items, sampled)
