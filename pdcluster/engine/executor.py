@@ -200,7 +200,10 @@ class Executor:
             if params is None:
                 params = SamplingArrays.of([item.request.sampling_params for item in items])
             if params.processed_rows.any():
-                logits = process_logits(items, logits, params, self._output_history)
+                token_rows = None
+                if output.rows is not None and len(output.rows.row_index) == len(scheduled):
+                    token_rows = (output.rows.rows.token_ids, output.rows.row_index[sampling])
+                logits = process_logits(items, logits, params, self._output_history, token_rows)
             sampled, failed = self.sample(items, logits, params)
             if self.structured_outputs is not None and self.structured_outputs.num_tracked_requests:
                 self.structured_outputs.accept(items, sampled)
@@ -368,7 +371,13 @@ class Executor:
             owners.append(item)
         input_ids = mtp_input_ids(batch, rows, next_ids)
         spec: dict[str, list[int]] = {}
-        proposals = propose(self.runner, batch, hidden, input_ids, works, on_layer_kv, num_queries)
+        outputs = self.structured_outputs
+        masks = outputs.draft_masks([item.request_id for item in owners]) if outputs is not None else None
+        try:
+            proposals = propose(self.runner, batch, hidden, input_ids, works, on_layer_kv, num_queries, masks)
+        finally:
+            if masks is not None:
+                masks.finish()
         for item, proposal in zip(owners, proposals, strict=True):
             if proposal.error is not None:
                 failed[item.request_id] = proposal.error

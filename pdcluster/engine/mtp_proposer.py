@@ -5,11 +5,15 @@ the step's main forward (FusionSpec's "post-MTP layer": it reuses the main model
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdcluster.engine.model_runner import LayerKVCallback, ModelInput, ModelRunner
 from pdcluster.kernels.sampling import argmax, probs_from_logits, sample_from_probs
+
+if TYPE_CHECKING:
+    from pdcluster.engine.structured_output import DraftMasks
 
 
 @dataclass
@@ -75,16 +79,22 @@ def _pick_batch(logits: torch.Tensor, works: list[MTPWork]) -> tuple[torch.Tenso
 class _Drafts:
     """The drafts of the active requests, one depth at a time, kept on the device until `finish`."""
 
-    def __init__(self, works: list[MTPWork]) -> None:
+    def __init__(self, works: list[MTPWork], masks: DraftMasks | None = None) -> None:
         self.works = works
+        self.masks = masks
         self.proposals = [Proposal([], None) for _ in works]
         self._tokens: list[tuple[list[int], torch.Tensor]] = []
         self._probs: list[list[torch.Tensor]] = [[] for _ in works]
 
-    def pick(self, logits: torch.Tensor, active: list[int]) -> torch.Tensor:
-        """Draft the next token of each `active` work from `logits [len(active), V]`; returns the tokens
-        `[len(active)]` (a failed row's is 0: its proposal is dropped).
+    def pick(
+        self, logits: torch.Tensor, active: list[int], previous: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Draft the next token of each `active` work from `logits [len(active), V]` (grammar-masked in place
+        after `previous`, the depth before's drafts); returns the tokens `[len(active)]` (a failed row's is 0:
+        its proposal is dropped).
         """
+        if self.masks is not None:
+            self.masks.mask_(logits, active, previous)
         works = [self.works[i] for i in active]
         try:
             tokens, probs = _pick_batch(logits, works)
@@ -153,8 +163,10 @@ def propose(
     works: list[MTPWork],
     on_layer_kv: LayerKVCallback | None = None,
     num_queries: int | None = None,
+    masks: DraftMasks | None = None,
 ) -> list[Proposal]:
-    """Run the MTP layer as the tail of the step's main forward, then chain it for drafts.
+    """Run the MTP layer as the tail of the step's main forward, then chain it for drafts (grammar-masked by
+    `masks`, whose matchers the caller rolls back with `masks.finish`).
 
     hidden: `[num_tokens, hidden_size]` the main forward's final hidden states over `batch`.
     input_ids: `[num_tokens]` int64 MTP inputs (`mtp_input_ids`).
@@ -162,7 +174,7 @@ def propose(
     out = runner.mtp_forward(
         batch._replace(input_ids=input_ids), hidden, on_layer_kv=on_layer_kv, num_queries=num_queries
     )
-    drafts = _Drafts(works)
+    drafts = _Drafts(works, masks)
     active = [i for i, w in enumerate(works) if w.num_drafts > 0]
     if not active:
         return drafts.proposals
@@ -200,5 +212,5 @@ def propose(
             query_start_loc=torch.arange(len(active) + 1, device=device),
         )
         last_hidden = runner.mtp_forward(chain, last_hidden, min(depth, depth_limit))
-        last_tokens = drafts.pick(runner.compute_logits(last_hidden), active)
+        last_tokens = drafts.pick(runner.compute_logits(last_hidden), active, last_tokens)
     return drafts.finish()

@@ -131,9 +131,14 @@ def process_logits(
     logits: torch.Tensor,
     params: SamplingArrays,
     output_history: Callable[[ScheduledRequest], list[int]],
+    token_rows: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> torch.Tensor:
     """The logit processors of `params` (penalties, logit bias, min_tokens' stop-token ban) applied to
     `logits` `[sum(k_i + 1), vocab_size]` float32 in place; returns `logits`.
+
+    token_rows: `(token_ids [num_rows, max_num_tokens] int64, row [len(items)] int64)`, the scheduler's
+    persistent rows holding each item's committed tokens (`RequestRows`); when given and no item has drafts
+    or placeholders, histories are gathered from them in one numpy pass instead of `output_history`.
     """
     processed = params.processed_rows
     if not processed.any():
@@ -145,24 +150,36 @@ def process_logits(
     prompts: list[list[int]] = []
     bias: list[tuple[int, int, float]] = []
     banned: list[tuple[int, int]] = []
+    ends: list[int] = []  # the fast path's history ends (positions in the request's row)
+    fast = token_rows is not None and not any(item.spec_token_ids or item.num_placeholders for item in items)
     offset = 0
     for i, item in enumerate(items):
         num_rows = len(item.spec_token_ids) + 1
         if processed[i]:
             request = item.request
             sp = request.sampling_params
-            history = output_history(item)
-            stops = list(sp.stop_token_ids)
-            if request.eos_token_id is not None and not sp.ignore_eos:
-                stops.append(request.eos_token_id)
+            if fast:
+                end = item.start_position + item.num_scheduled_tokens
+                ends.append(end)
+                num_history = end - request.num_prompt_tokens
+            else:
+                history = output_history(item)
+                num_history = len(history)
+            stops: list[int] = []
+            if num_history < sp.min_tokens:
+                stops.extend(sp.stop_token_ids)
+                if request.eos_token_id is not None and not sp.ignore_eos:
+                    stops.append(request.eos_token_id)
             for j in range(num_rows):
                 row = len(rows)
                 rows.append(offset + j)
                 request_of_row.append(i)
-                outputs.append(history + item.spec_token_ids[:j])
-                prompts.append(request.prompt_token_ids if sp.repetition_penalty != 1 else [])
-                bias.extend((row, token_id, value) for token_id, value in sp.logit_bias)
-                if len(history) + j < sp.min_tokens:
+                if not fast:
+                    outputs.append(history + item.spec_token_ids[:j] if j else history)
+                    prompts.append(request.prompt_token_ids if sp.repetition_penalty != 1 else [])
+                if sp.logit_bias:
+                    bias.extend((row, token_id, value) for token_id, value in sp.logit_bias)
+                if num_history + j < sp.min_tokens:
                     banned.extend((row, token_id) for token_id in stops)
         offset += num_rows
     device = logits.device
@@ -186,16 +203,33 @@ def process_logits(
             torch.tensor(bias_values, dtype=sub.dtype, device=device),
             accumulate=True,
         )
-    per_row = params.take(np.asarray(request_of_row, dtype=np.int64))
+    request_index = np.asarray(request_of_row, dtype=np.int64)
+    per_row = (
+        params if whole and len(request_index) == len(params.temperature) else params.take(request_index)
+    )
     if (
         per_row.presence_penalty.any()
         or per_row.frequency_penalty.any()
         or (per_row.repetition_penalty - 1).any()
     ):
+        if fast:
+            table, table_rows = token_rows
+            num_prompt = np.fromiter((items[i].request.num_prompt_tokens for i in request_of_row), np.int64)
+            output_ids, prompt_ids = _history_from_rows(
+                table,
+                table_rows[request_index],
+                num_prompt,
+                np.asarray(ends, dtype=np.int64),
+                vocab_size,
+                per_row.repetition_penalty != 1,
+            )
+            output_ids, prompt_ids = torch.from_numpy(output_ids), torch.from_numpy(prompt_ids)
+        else:
+            output_ids, prompt_ids = pad_token_ids(outputs, vocab_size), pad_token_ids(prompts, vocab_size)
         apply_penalties_(
             sub,
-            pad_token_ids(outputs, vocab_size, device),
-            pad_token_ids(prompts, vocab_size, device),
+            output_ids.to(device),
+            prompt_ids.to(device),
             torch.from_numpy(per_row.presence_penalty).to(device),
             torch.from_numpy(per_row.frequency_penalty).to(device),
             torch.from_numpy(per_row.repetition_penalty).to(device),
@@ -203,6 +237,28 @@ def process_logits(
     if not whole:
         logits.index_copy_(0, row_index, sub)
     return logits
+
+
+def _history_from_rows(
+    table: np.ndarray,
+    rows: np.ndarray,
+    num_prompt: np.ndarray,
+    ends: np.ndarray,
+    pad_id: int,
+    with_prompt: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's output tokens `table[rows, num_prompt:ends]` `[R, max output len or 1]` and, where
+    `with_prompt`, prompt tokens `table[rows, :num_prompt]` `[R, max prompt len or 1]`, int64 padded with
+    `pad_id`. table: `[num_rows, max_num_tokens]` int64; the others `[R]`.
+    """
+    width = max(1, int((ends - num_prompt).max(initial=0)))
+    columns = np.minimum(num_prompt[:, None] + np.arange(width), table.shape[1] - 1)
+    outputs = np.where(columns < ends[:, None], table[rows[:, None], columns], pad_id)
+    prompt_width = max(1, int(num_prompt[with_prompt].max(initial=0)))
+    columns = np.arange(min(prompt_width, table.shape[1]))
+    in_prompt = (columns < num_prompt[:, None]) & with_prompt[:, None]
+    prompts = np.where(in_prompt, table[rows[:, None], columns], pad_id)
+    return outputs, prompts
 
 
 def token_logprobs(
@@ -221,13 +277,18 @@ def token_logprobs(
     wanting: list[ScheduledRequest] = []
     offset = 0
     for item in items:
-        tokens = sampled.get(item.request_id)
         sp = item.request.sampling_params
-        if tokens is not None and sp.logprobs is not None:
+        tokens = sampled.get(item.request_id) if sp.logprobs is not None else None
+        if tokens is not None:
             wanting.append(item)
-            rows.extend(range(offset, offset + len(tokens)))
-            token_ids.extend(tokens)
-            temperatures.extend([sp.temperature or 1.0] * len(tokens))
+            if len(tokens) == 1:
+                rows.append(offset)
+                token_ids.append(tokens[0])
+                temperatures.append(sp.temperature or 1.0)
+            else:
+                rows.extend(range(offset, offset + len(tokens)))
+                token_ids.extend(tokens)
+                temperatures.extend([sp.temperature or 1.0] * len(tokens))
         offset += len(item.spec_token_ids) + 1
     if not wanting:
         return {}
@@ -245,13 +306,13 @@ def token_logprobs(
     row = 0
     for item in wanting:
         n = item.request.sampling_params.logprobs
-        per_token = []
-        for token_id in sampled[item.request_id]:
-            per_token.append(
-                TokenLogprobs(
-                    token_id, token_logprobs[row], ranks[row], top_ids[row][:n], top_logprobs[row][:n]
-                )
-            )
-            row += 1
-        out[item.request_id] = per_token
+        tokens = sampled[item.request_id]
+        end = row + len(tokens)
+        ids, values = top_ids[row:end], top_logprobs[row:end]
+        if n < num_top:
+            ids, values = [t[:n] for t in ids], [v[:n] for v in values]
+        out[item.request_id] = list(
+            map(TokenLogprobs, tokens, token_logprobs[row:end], ranks[row:end], ids, values)
+        )
+        row = end
     return out

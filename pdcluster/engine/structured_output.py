@@ -233,3 +233,60 @@ class StructuredOutputs:
                 if matcher.is_terminated():
                     break
                 matcher.accept_token(token_id)
+
+    def draft_masks(self, request_ids: list[str]) -> DraftMasks | None:
+        """Masks for the MTP drafts of `request_ids` (one per `MTPWork`); None when none is structured."""
+        matchers = [self._matchers.get(request_id) for request_id in request_ids]
+        return DraftMasks(matchers, self._vocab_size) if any(m is not None for m in matchers) else None
+
+
+class DraftMasks:
+    """The grammar masks of MTP drafts, one depth at a time: each structured request's draft is chosen among
+    the tokens its grammar allows after its committed tokens and its earlier drafts. The matchers advance by
+    the drafts while drafting and `finish` rolls them back. Verification still masks and checks every draft.
+    """
+
+    def __init__(self, matchers: list[Any | None], vocab_size: int) -> None:
+        self._matchers = matchers
+        self._advanced = [0] * len(matchers)
+        self._live = [m is not None and not m.is_terminated() for m in matchers]
+        self._vocab_size = vocab_size
+
+    def mask_(self, logits: torch.Tensor, active: list[int], previous: torch.Tensor | None) -> None:
+        """Mask in place the rows of MTP `logits` `[len(active), vocab_size]` float32 (row j: work
+        `active[j]`) of structured requests. previous: `[len(active)]` int64, each row's draft at the depth
+        before (None at the first depth), accepted by its matcher first.
+        """
+        rows = [j for j, i in enumerate(active) if self._live[i]]
+        if not rows:
+            return
+        import xgrammar as xgr
+
+        previous_ids = previous.tolist() if previous is not None else None
+        bitmask = xgr.allocate_token_bitmask(len(active), self._vocab_size)
+        filled: list[int] = []
+        for j in rows:
+            i = active[j]
+            matcher = self._matchers[i]
+            try:
+                if previous_ids is not None:
+                    if not matcher.accept_token(previous_ids[j]):
+                        self._live[i] = False
+                        continue
+                    self._advanced[i] += 1
+                if matcher.is_terminated():
+                    self._live[i] = False
+                    continue
+                matcher.fill_next_token_bitmask(bitmask, j)
+                filled.append(j)
+            except Exception:  # noqa: BLE001 - drafts left unmasked are still verified under the grammar
+                self._live[i] = False
+        if filled:
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self._vocab_size, indices=filled)
+
+    def finish(self) -> None:
+        """Roll every matcher back to its committed tokens."""
+        for i, matcher in enumerate(self._matchers):
+            if self._advanced[i]:
+                matcher.rollback(self._advanced[i])
+                self._advanced[i] = 0

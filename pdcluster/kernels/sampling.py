@@ -170,15 +170,18 @@ def apply_penalties_(
     return logits.scatter_(1, ids, values)
 
 
-def pad_token_ids(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+def pad_token_ids(
+    rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | None = None
+) -> torch.Tensor:
     """`rows` as one `[len(rows), max(len) or 1]` int64 tensor, padded with `pad_id`."""
-    lengths = np.fromiter((len(r) for r in rows), np.int64, len(rows))
+    lengths = np.fromiter(map(len, rows), np.int64, len(rows))
     width = max(1, int(lengths.max(initial=0)))
     padded = np.full((len(rows), width), pad_id, dtype=np.int64)
     padded[np.arange(width) < lengths[:, None]] = np.fromiter(
         itertools.chain.from_iterable(rows), np.int64, int(lengths.sum())
     )
-    return torch.from_numpy(padded).to(device)
+    tensor = torch.from_numpy(padded)
+    return tensor if device is None else tensor.to(device)
 
 
 class Logprobs(NamedTuple):

@@ -130,3 +130,62 @@ def test_a_grammar_that_must_end_overrides_min_tokens(llm: LLM) -> None:
         out.token_ids[-1] == llm.tokenizer.eos_token_id and llm.tokenizer.decode(out.token_ids[:-1]) == "yes"
     )
     assert beside.token_ids == llm.generate(PROMPTS[1:2], plain)[0].token_ids
+
+
+def test_mtp_drafts_of_a_structured_request_lie_in_its_grammar(llm_mtp: LLM) -> None:
+    """The drafter picks among the tokens the grammar allows (greedy and sampled): every draft verification
+    sees is one the request's matcher accepts after its committed tokens and earlier drafts."""
+    outputs = llm_mtp.engine.executor.structured_outputs
+    seen: list[bool] = []
+
+    def fill_masks(item: ScheduledRequest, bitmask: torch.Tensor, offset: int) -> None:
+        matcher = outputs._matcher(item)
+        advanced = 0
+        for draft in item.spec_token_ids:
+            if matcher.is_terminated():
+                break
+            seen.append(matcher.accept_token(draft))
+            advanced += seen[-1]
+            if not seen[-1]:
+                break
+        if advanced:
+            matcher.rollback(advanced)
+        original(item, bitmask, offset)
+
+    original = outputs._fill_masks
+    outputs._fill_masks = fill_masks
+    try:
+        params = [
+            greedy(32, ("regex", r"[a-z ]+")),
+            SamplingParams(temperature=1.0, seed=5, max_tokens=32, structured_output=("regex", r"[0-9,]+")),
+            greedy(24, ("json_schema", json.dumps(SCHEMA))),
+        ]
+        llm_mtp.generate(PROMPTS, params)
+    finally:
+        del outputs._fill_masks
+    assert len(seen) > 20 and all(seen)
+
+
+def test_draft_masks_mask_each_depth_and_roll_back() -> None:
+    tokenizer = Tokenizer.from_dir(bundled_checkpoint_dir())
+    vocab_size = tokenizer.vocab_size
+    structured = StructuredOutputs(tokenizer, vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=8, structured_output=("regex", "ab"))
+    item = ScheduledRequest(Request("r", [5, 6], params), 2, 1, [], [0], True)
+    committed = torch.zeros(1, vocab_size)
+    structured.mask_logits([item], committed)  # creates the matcher
+    allowed = (committed[0] == 0).nonzero().flatten().tolist()  # "a", and "ab" where it is one token
+    a, b = (tokenizer.encode(c)[0] for c in "ab")
+    assert a in allowed and b not in allowed
+    masks = structured.draft_masks(["plain", "r"])
+    assert masks is not None and structured.draft_masks(["plain"]) is None
+    first = torch.zeros(2, vocab_size)
+    masks.mask_(first, [0, 1], None)
+    assert (first[0] == 0).all() and (first[1] == 0).nonzero().flatten().tolist() == allowed
+    second = torch.zeros(1, vocab_size)
+    masks.mask_(second, [1], torch.tensor([a]))  # work 1 drafted "a" at the first depth
+    assert (second[0] == 0).nonzero().flatten().tolist() == [b]
+    masks.finish()
+    again = torch.zeros(1, vocab_size)
+    structured.mask_logits([item], again)  # rolled back: "a" is next again
+    assert (again[0] == 0).nonzero().flatten().tolist() == allowed
