@@ -261,12 +261,12 @@ def test_bad_requests_get_400_with_openai_error_body(client: httpx.Client, body:
         # mistakes a new user made, answered before with pydantic's union-by-union account
         (
             "/v1/completions",
-            {"prompt": ["a", "b"]},
+            {"prompt": ["a", [1]]},
             {},
-            "prompt: a list of prompts (a batch) is not",
+            "a list of prompts that are all text or all",
             "prompt",
         ),
-        ("/v1/completions", {"prompt": [[1, 2], [3]]}, {}, "prompt: a list of prompts (a batch)", "prompt"),
+        ("/v1/completions", {"prompt": [[1, 2], ["x"]]}, {}, "prompt: must be text, token ids, or", "prompt"),
         (  # curl -d without -H: a form's content type
             "/v1/completions",
             {"prompt": "x"},
