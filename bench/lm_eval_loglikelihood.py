@@ -76,7 +76,8 @@ def counters(url: str) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    with served(args.server, args.topology, args.compile) as url, tempfile.TemporaryDirectory() as out_dir:
+    with served(args.server, args.topology, args.compile) as url, tempfile.TemporaryDirectory() as tmp:
+        out_dir = args.output_dir or tmp
         model_name = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         before = counters(url)
         model_args = ",".join(
@@ -111,6 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finished = {k: v for k, v in delta.items() if k.startswith("pdcluster_requests_total") and v}
     errors = {k: v for k, v in delta.items() if k.startswith("pdcluster_request_errors_total") and v}
     task = results["results"][TASK]
+    pairs = direct_loglikelihoods(args.model, samples)
     num_requests = sum(len(s["resps"]) for s in samples)
     return {
         "benchmark": "lm_eval_loglikelihood",
@@ -130,10 +132,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_server_completions": int(sum(finished.values())),
         "server_finish_reasons": finished,
         "server_errors": errors,
+        # what lm-eval summed from our logprobs vs a cache-less forward of the same weights in this process
+        "max_abs_diff_vs_direct_forward": max(abs(a - b) for a, b in pairs),
+        "num_compared": len(pairs),
         "all_requests_succeeded": not errors and int(sum(finished.values())) == num_requests,
         "lm_eval_s": round(elapsed_s, 2),
         "environment": environment(args.model),
     }
+
+
+def direct_loglikelihoods(model_dir: Path, samples: list[dict]) -> list[tuple[float, float]]:
+    """(lm-eval's loglikelihood, a cache-less forward's) of every request in `samples`: the continuation's
+    token logprobs summed, its tokens split from the context as lm-eval's `_encode_pair` splits them."""
+    import torch
+
+    from pdcluster.engine.llm import LLM
+
+    llm = LLM(model_dir)
+    pairs = []
+    for sample in samples:
+        arguments = sample["arguments"]  # {"gen_args_i": {"arg_0": context, "arg_1": continuation}}
+        if isinstance(arguments, dict):
+            arguments = [[a["arg_0"], a["arg_1"]] for a in arguments.values()]
+        for (context, continuation), resp in zip(arguments, sample["filtered_resps"], strict=True):
+            n_spaces = len(context) - len(context.rstrip())
+            if n_spaces:
+                context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+            context_enc = llm.tokenizer.encode(context)
+            continuation_enc = llm.tokenizer.encode(context + continuation)[len(context_enc) :]
+            num_context = len(context_enc)
+            with torch.no_grad():
+                tokens = torch.tensor([context_enc + continuation_enc])  # what lm-eval sends
+                rows = llm.engine.model(tokens)[0].float().log_softmax(-1)
+            targets = torch.tensor(continuation_enc)
+            direct = rows[num_context - 1 : -1].gather(1, targets[:, None]).sum().item()
+            pairs.append((float(resp[0]), direct))
+    return pairs
 
 
 def _version(dist: str) -> str | None:
@@ -161,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topology", default="clusters/local.yaml", help="topology YAML served")
     parser.add_argument("--batch-size", type=int, default=4, help="prompts per HTTP request (lm-eval's)")
     parser.add_argument("--num-concurrent", type=int, default=2, help="lm-eval's concurrent HTTP requests")
+    parser.add_argument("--output-dir", default=None, help="keep lm-eval's results and samples here")
     parser.add_argument("--compile", action="store_true", help="compile the decode forward (slow to load)")
     parser.add_argument("--max-length", type=int, default=256, help="lm-eval's context limit (tokens)")
     args = parser.parse_args(argv)
