@@ -177,3 +177,22 @@ def test_prompt_logprob_requests_leave_their_neighbours_unchanged(server, refere
         check_prompt_part(
             reference, reference.tokenizer.encode(prompt * 3), answer["choices"][0]["logprobs"], 5
         )
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"prompt": "x", "logprobs": 21, "echo": True}, "logprobs must be in [0, 20], got 21"),
+        ({"prompt": "x", "logprobs": -1, "echo": True}, "logprobs must be in [0, 20], got -1"),
+        ({"prompt": "x", "logprobs": 2, "echo": True, "max_tokens": -1}, "max_tokens must be >= 1, got -1"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens must be >= 1 (0 only with echo"),
+        ({"prompt": ["x", "y"], "stream": True}, "several prompts cannot be streamed"),
+        ({"prompt": ["x", "y"], "best_of": 2}, "several prompts cannot be streamed or use best_of > n"),
+        ({"prompt": ["x"] * 65}, "a list of prompts must hold 1 .. 64"),
+        ({"prompt": [[5], []], "echo": True, "logprobs": 1}, "the prompt is empty"),
+    ],
+)
+def test_bad_echo_requests_get_a_400_naming_the_problem(client, body, needle):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
