@@ -151,6 +151,18 @@ def test_several_prompts_as_lm_eval_sends_them(client, reference):
     for i, choice in enumerate(answer["choices"]):
         check_prompt_part(reference, prompts[i // 2], choice["logprobs"], 1)
     assert answer["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    # one prompt, n choices (the prompt scored once, by choice 0's backend request), streamed too
+    one = {**body, "prompt": prompts[0], "n": 2, "temperature": 1.0}
+    for choice in client.post("/v1/completions", json=one).json()["choices"]:
+        check_prompt_part(reference, prompts[0], choice["logprobs"], 1)
+    with client.stream("POST", "/v1/completions", json={**one, "stream": True}) as response:
+        events = [e for e in sse_events(response.iter_lines()) if e != "[DONE]"]
+    firsts = {}
+    for event in events:
+        firsts.setdefault(event["choices"][0]["index"], event["choices"][0]["logprobs"])
+    assert sorted(firsts) == [0, 1]
+    for logprobs in firsts.values():
+        check_prompt_part(reference, prompts[0], logprobs, 1)
 
 
 def test_prompt_logprob_requests_leave_their_neighbours_unchanged(server, reference):
