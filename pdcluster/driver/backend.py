@@ -45,6 +45,8 @@ class StreamDelta:
     new_text: str = ""
     ranks: dict[str, str] = field(default_factory=dict)
     logprobs: list[TokenLogprobs] | None = None
+    # every prompt token's (`SamplingParams.prompt_logprobs`; None at index 0), on the first delta only
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def reported_phases(self) -> dict[str, float | int]:
         """The phases as reports show them (`pdcluster.phases` of the HTTP API, job records): the seconds
@@ -307,4 +309,5 @@ def _delta(out: RequestOutput, new_token_ids: list[int]) -> StreamDelta:
         num_accepted_tokens_per_position=list(out.num_accepted_tokens_per_position),
         new_text=out.new_text,
         logprobs=None if out.logprobs is None else out.logprobs[len(out.token_ids) - len(new_token_ids) :],
+        prompt_logprobs=out.prompt_logprobs if len(new_token_ids) == len(out.token_ids) else None,
     )

@@ -148,6 +148,8 @@ class PrefillResult:
     last_layer_sent_s: float | None = None
     first_token_text: str | None = None
     cpu_wait_s: float | None = None
+    # `SamplingParams.prompt_logprobs` (None at index 0): scored on prefill, sent to the client from here
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 # ---- decode events ------------------------------------------------------------------------------------

@@ -209,6 +209,8 @@ class Dispatcher(RouteAndReserve):
     # ---- one attempt ------------------------------------------------------------------------------------
     @staticmethod
     def _record_prefill_phases(record: DriverRequest, result: PrefillResult) -> None:
+        if result.prompt_logprobs is not None and not record.streamed_token_ids:
+            record.prompt_logprobs = result.prompt_logprobs  # the first delta to the client carries them
         record.phases = record.phases.merged(
             Phases(
                 queue_s=result.queue_s,

@@ -74,6 +74,8 @@ class DriverRequest:
     recomputed_tokens: int | None = None  # streamed tokens whose KV the last of them computed again
     lost: str | None = None  # what the last such loss was (for the error when its re-dispatch fails)
     params: SamplingParams | None = None  # as asked (`driver.role_moves` checks it may be re-dispatched)
+    # the prefill's prompt logprobs (`PrefillResult.prompt_logprobs`) until the first delta carries them
+    prompt_logprobs: tuple | None = None
 
     def recompute(self, lost: str, prompt_token_ids: list[int], params: SamplingParams) -> Resumed:
         """Take the re-dispatch after decode lost the KV (`lost` says how): the next attempt's prompt and
@@ -95,6 +97,7 @@ class DriverRequest:
         if delta is None:
             return StreamDelta([], True, "abort", phases=phases, kv_transfer_bytes=self.kv_transfer_bytes)
         self.streamed_token_ids += delta.new_token_ids
+        prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
         drafts = delta.drafts
         ranks = {}
         if self.attempt is not None:
@@ -115,4 +118,5 @@ class DriverRequest:
             new_text=delta.new_text,
             ranks=ranks,
             logprobs=None if delta.logprobs is None else list(delta.logprobs),
+            prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs),
         )

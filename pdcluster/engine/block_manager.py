@@ -107,8 +107,9 @@ class BlockManager:
         return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        """Longest run of the request's leading full blocks found in the prefix cache."""
-        if not self.enable_prefix_caching:
+        """Longest run of the request's leading full blocks found in the prefix cache (none for a request
+        asking for prompt logprobs: cached positions have no hidden states, `engine.prompt_logprobs`)."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return NO_COMPUTED_BLOCKS
         tokens, bs = request.all_token_ids, self.block_size
         block_ids: list[int] = []

@@ -27,6 +27,7 @@ from pdcluster.engine.outputs import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from pdcluster.engine.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
 from pdcluster.engine.sampler import process_logits, sample_isolated, token_logprobs
 from pdcluster.engine.spec_policy import DEFAULT_DECAY, choose_num_speculative_tokens, decay_counts
 from pdcluster.engine.step_inputs import PreparedStep, StepResult, logit_rows, resolve_placeholders
@@ -183,6 +184,8 @@ class Executor:
         query_lens = np.diff(starts)
         uniform = int(query_lens[0]) if (query_lens == query_lens[0]).all() else None
         hidden = self.runner.forward(batch, on_layer_kv, num_queries=uniform)
+        scored = wants_prompt_logprobs(scheduled)
+        prompt_lp = prompt_logprobs(self.runner, scheduled, scored, hidden, starts) if scored else {}
 
         sampling = [i for i, item in enumerate(scheduled) if item.samples]
         sampled: dict[str, list[int]] = {}
@@ -243,7 +246,7 @@ class Executor:
             spec.pop(request_id, None)
         if join_collectives:
             self._join_empty_passes(main=False, num_mtp_done=self.runner.num_mtp_forwards - mtp_passes_before)
-        return ModelRunnerOutput(sampled, spec, draft_probs, logprobs, failed)
+        return ModelRunnerOutput(sampled, spec, draft_probs, logprobs, failed, prompt_lp)
 
     def _join_empty_passes(self, main: bool, num_mtp_done: int) -> None:
         """EP: run the passes this step skipped over an empty batch, joining every MoE collective."""

@@ -23,6 +23,7 @@ from pdcluster.engine.engine_build import assign_kv_pool, build_executor, build_
 from pdcluster.engine.expert_parallel import EPStats, setup_expert_parallel
 from pdcluster.engine.model_runner import LayerKVCallback
 from pdcluster.engine.outputs import RequestOutput, SchedulerOutput, TokenLogprobs
+from pdcluster.engine.prompt_logprobs import record_prompt_logprobs
 from pdcluster.engine.remote_prefill import (
     PrefillOutput,
     PromptKVCallback,
@@ -126,8 +127,8 @@ class LLMEngine:
             that does not compile (`engine.structured_output.GrammarError`).
         """
         params = sampling_params or SamplingParams()
-        if params.logprobs is not None and params.logprobs > self.model.config.vocab_size:
-            raise ValueError(f"logprobs must be <= the vocabulary size {self.model.config.vocab_size}")
+        if max(params.logprobs or 0, params.prompt_logprobs or 0) > (vocab := self.model.config.vocab_size):
+            raise ValueError(f"logprobs and prompt_logprobs must be <= the vocabulary size {vocab}")
         if params.structured_output is not None:
             self.executor.structured_outputs.compiler.compile(params.structured_output)
         text = prompt if isinstance(prompt, str) else None
@@ -162,6 +163,7 @@ class LLMEngine:
             prompt,
             OutputText(self.tokenizer, params.stop),
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
 
     def pop_prefill_result(self, request_id: str) -> PrefillOutput | None:
@@ -170,7 +172,7 @@ class LLMEngine:
         if record is None or record.prefill_result is None or not record.request.is_finished:
             return None
         del self._records[request_id]
-        return record.prefill_result
+        return record.prefill_result._replace(prompt_logprobs=record.finished_prompt_logprobs())
 
     def reserve_remote_prefill(
         self,
@@ -326,6 +328,8 @@ class LLMEngine:
             output, runner_output, updates = self._async_loop.step(on_layer_kv)
         results = []
         records = self._records
+        if runner_output is not None and runner_output.prompt_logprobs:
+            record_prompt_logprobs(records, runner_output.prompt_logprobs)
         for update in updates:
             record = records[update.request_id]
             request = record.request

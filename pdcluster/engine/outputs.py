@@ -104,6 +104,7 @@ class RequestOutput:
     num_accepted_tokens_per_position: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # [num_prompt_tokens], None at index 0
     error: str | None = None
     new_text: str = ""
 
@@ -124,6 +125,8 @@ class ModelRunnerOutput:
     draft_probs: dict[str, torch.Tensor | None] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    # request id -> (first prompt index scored, entries): `engine.prompt_logprobs.PromptLogprobs`
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 class RequestUpdate(NamedTuple):

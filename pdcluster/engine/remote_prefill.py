@@ -25,6 +25,7 @@ class PrefillOutput(NamedTuple):
     draft_token_ids: list[int]
     draft_probs: torch.Tensor | None
     first_token_logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # `engine.prompt_logprobs`; None: not asked
 
 
 PromptKVCallback = Callable[[str, int, torch.Tensor, torch.Tensor | None], None]

@@ -20,8 +20,16 @@ class RequestRecord:
     prompt: str | None
     output_text: OutputText
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # index j: prompt token j (None at 0)
     prefill_result: PrefillOutput | None = None
     stream: bool = True
+
+    def finished_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        """The prompt logprobs once every prompt token is scored; None before, or when none were asked."""
+        have = self.prompt_logprobs
+        if have is None or len(have) < len(self.request.prompt_token_ids):
+            return None
+        return list(have)
 
     def output(self) -> RequestOutput:
         """The request's `RequestOutput` now; takes the text streamed since the previous one
@@ -62,5 +70,6 @@ class RequestRecord:
             num_accepted_tokens_per_position=list(request.num_accepted_tokens_per_position),
             num_preemptions=request.num_preemptions,
             logprobs=None if self.logprobs is None else list(self.logprobs),
+            prompt_logprobs=self.finished_prompt_logprobs(),
             error=request.error,
         )

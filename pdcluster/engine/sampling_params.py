@@ -32,6 +32,7 @@ class SamplingParams:
     stop_token_ids: finish the request (FINISHED_STOPPED), kept in the output like EOS. stop: stop strings
     on the detokenized text (`engine.stopping`). ignore_eos: generate past EOS. logprobs: None, or how many
     top log-probabilities per output token (0: the sampled token's only; `engine.outputs.TokenLogprobs`).
+    prompt_logprobs: None, or how many top log-probabilities per prompt token (`engine.prompt_logprobs`).
     structured_output: None or `(kind, spec)`, a grammar the output must match (`engine.structured_output`).
     presence_penalty, frequency_penalty: in [-2, 2], OpenAI's definitions. repetition_penalty: finite > 0,
     1 off (CTRL, Keskar et al. 2019, section 4.1). min_tokens: EOS and stop tokens are masked before this
@@ -47,6 +48,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     structured_output: tuple[str, str] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -92,8 +94,10 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {list(self.stop)!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
         if self.structured_output is not None:
             object.__setattr__(self, "structured_output", check_spec(self.structured_output))
         for name in ("presence_penalty", "frequency_penalty"):

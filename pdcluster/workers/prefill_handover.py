@@ -96,6 +96,7 @@ class HandOver:
             if job.last_layer_sent_s is None
             else job.last_layer_sent_s - job.arrival_s,
             cpu_wait_s=job.cpu_wait_s,
+            prompt_logprobs=None if result.prompt_logprobs is None else tuple(result.prompt_logprobs),
             first_token_text=None
             if job.request.first_token_id is not None  # the client has it
             else early_first_token_text(

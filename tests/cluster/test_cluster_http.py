@@ -361,3 +361,28 @@ def test_chat_streamed_logprobs_and_n(client):
     three = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=3, seed=1, logprobs=1)
     assert [c.index for c in three.choices] == [0, 1, 2]
     assert all(len(c.logprobs.tokens) == 4 or c.finish_reason == "stop" for c in three.choices)
+
+
+def test_echo_prompt_logprobs_equal_one_engine(served, client, engine):
+    """Prompt logprobs (echo) are scored on prefill (MTP on) and reach the client with the first token: equal
+    to one engine's (MTP off) within TOLERANCE, for the whole answer, max_tokens 0 and lm-eval's batch."""
+    ids = engine.tokenizer.encode(PROMPT * 2)
+    expected = engine.generate([ids], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2))[0]
+    want = [None] + [t.logprob for t in expected.prompt_logprobs[1:]]
+    got = client.completions.create(
+        model="tiny", prompt=ids, max_tokens=4, temperature=0, logprobs=2, echo=True
+    )
+    lp = got.choices[0].logprobs
+    assert got.choices[0].text == engine.tokenizer.decode(ids, skip_special_tokens=False) + expected.text
+    assert lp.token_logprobs[0] is None and lp.token_logprobs[1 : len(ids)] == pytest.approx(
+        want[1:], abs=TOLERANCE
+    )
+    tops = [max(a.values()) for a in lp.top_logprobs[1 : len(ids)]]
+    assert tops == pytest.approx([t.top_logprobs[0] for t in expected.prompt_logprobs[1:]], abs=TOLERANCE)
+    with httpx.Client(base_url=served[1].url, timeout=request_bound_s(served[0])) as http:
+        scored = {"prompt": [ids, ids[:5]], "max_tokens": 0, "echo": True, "logprobs": 1}
+        answer = http.post("/v1/completions", json=scored).json()
+    assert [len(c["logprobs"]["tokens"]) for c in answer["choices"]] == [len(ids), 5]
+    for choice, n in zip(answer["choices"], (len(ids), 5), strict=True):
+        assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(want[1:n], abs=TOLERANCE)
+    assert answer["usage"]["completion_tokens"] == 0

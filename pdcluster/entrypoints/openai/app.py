@@ -17,7 +17,7 @@ from pdcluster.driver.backend import BackendUnavailable, ServingBackend
 from pdcluster.entrypoints.openai.admin import add_admin_routes
 from pdcluster.entrypoints.openai.admin import admin_token as resolve_admin_token
 from pdcluster.entrypoints.openai.chat_template import ChatTemplate, ChatTemplateError
-from pdcluster.entrypoints.openai.choices import serve_choices
+from pdcluster.entrypoints.openai.choices import serve_choices, serve_prompts
 from pdcluster.entrypoints.openai.errors import add_error_handlers
 from pdcluster.entrypoints.openai.generation import Generation, PreparedRequest, prepare
 from pdcluster.entrypoints.openai.guard import EdgeGuard
@@ -186,26 +186,38 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         reject_unsupported(body)
-        if isinstance(body.prompt, str):
-            prompt_ids = await encode(body.prompt)
-        else:
-            prompt_ids = list(body.prompt)
-        echo_text = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else None
+        if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int):
+            # a list of prompts: n choices each
+            prepared = [await prepare_completion(p, body) for p in body.prompt]
+            for each in prepared:
+                await with_grammar(each, body)
+            start = partial(Generation, backend, metrics=metrics, slo=slo)
+            return await serve_prompts(request, prepared, start, body.n)
+        prepared = await prepare_completion(body.prompt, body)
+        await with_grammar(prepared, body)
+        return await serve_one(request, prepared, body, "completion")
+
+    async def prepare_completion(prompt: str | list[int], body: CompletionRequest) -> PreparedRequest:
+        prompt_ids = await encode(prompt) if isinstance(prompt, str) else list(prompt)
+        echo_text = "" if not body.echo else prompt if isinstance(prompt, str) else None
         if echo_text is None:
             echo_text = backend.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        echo_only = body.echo and body.max_tokens == 0  # score the prompt: one token generated, dropped
         prepared = prepare(
             backend,
             body,
             prompt_ids,
-            body.max_tokens,
+            1 if echo_only else body.max_tokens,
             default_max_tokens=16,
             prefix="cmpl",
             num_top_logprobs=num_top_logprobs(body),
             logit_bias=logit_bias(body),
             echo_text=echo_text,
         )
-        await with_grammar(prepared, body)
-        return await serve_one(request, prepared, body, "completion")
+        prepared.echo_only = echo_only
+        if body.echo and body.logprobs is not None:
+            prepared.params = dataclasses.replace(prepared.params, prompt_logprobs=body.logprobs)
+        return prepared
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

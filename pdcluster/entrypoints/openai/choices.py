@@ -30,6 +30,8 @@ def choice_request(prepared: PreparedRequest, index: int, rank_by_logprob: bool)
         params = dataclasses.replace(params, seed=(params.seed + index) % (MAX_SEED + 1))
     if rank_by_logprob and params.logprobs is None:
         params = dataclasses.replace(params, logprobs=0)
+    if index and params.prompt_logprobs is not None:  # choice 0 scores the prompt (`share_prompt_logprobs`)
+        params = dataclasses.replace(params, prompt_logprobs=None)
     request_id = f"{prepared.request_id}-{index}" if index else prepared.request_id
     return dataclasses.replace(prepared, request_id=request_id, params=params)
 
@@ -60,6 +62,7 @@ async def serve_choices(
     if first is DISCONNECTED:
         await _close(gens)
         return Response(status_code=499)
+    share_prompt_logprobs(gens)
     if stream:
         events = _events(gens, prepared, endpoint, include_usage, tool_markers)
         return SSEResponse(events, on_close=lambda: _close(gens))
@@ -87,6 +90,51 @@ async def serve_choices(
             gens[i], endpoint, content, finish, chunk=False, index=index, tool_calls=calls
         )["choices"]
     body["usage"] = usage(gens)
+    return JSONResponse(body)
+
+
+def share_prompt_logprobs(gens: list[Generation]) -> None:
+    """Give the choices of one prompt the prompt logprobs its first choice's backend request computed
+    (`choice_request` asks only that one); each first delta was folded already."""
+    params = gens[0].prepared.params
+    for gen in gens[1:]:
+        gen.prepared = dataclasses.replace(
+            gen.prepared,
+            params=dataclasses.replace(gen.prepared.params, prompt_logprobs=params.prompt_logprobs),
+        )
+        gen.progress.prompt_logprobs = gens[0].progress.prompt_logprobs
+
+
+async def serve_prompts(
+    request: Request, prepared: list[PreparedRequest], start: StartGeneration, num_choices: int
+) -> Response:
+    """Answer a completions request with several prompts, whole: `num_choices` choices per prompt, choice
+    `index` = prompt index * num_choices + choice, `usage` summed over the prompts."""
+    gens = [start(choice_request(p, i, False)) for p in prepared for i in range(num_choices)]
+    try:
+        result = await until_disconnect(request, asyncio.gather(*(g.drain() for g in gens)))
+    finally:
+        await _close(gens)
+    if result is DISCONNECTED:
+        return Response(status_code=499)
+    for k in range(0, len(gens), num_choices):
+        share_prompt_logprobs(gens[k : k + num_choices])
+    body = response_body(
+        gens[0], "completion", gens[0].progress.text, gens[0].progress.finish_reason, chunk=False
+    )
+    body["choices"] = []
+    for index, gen in enumerate(gens):
+        p = gen.progress
+        body["choices"] += response_body(
+            gen, "completion", p.text, p.finish_reason, chunk=False, index=index
+        )["choices"]
+    num_prompt = sum(len(p.prompt_token_ids) for p in prepared)  # once per prompt, not per choice
+    num_completion = sum(len(g.progress.token_ids) for g in gens)
+    body["usage"] = {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+    }
     return JSONResponse(body)
 
 

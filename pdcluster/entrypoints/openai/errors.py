@@ -58,8 +58,8 @@ def _validation_message(errors: Sequence[Any], content_type: str | None) -> tupl
         if loc == ("body", "prompt", "str") and isinstance(e.get("input"), list):
             if any(isinstance(p, (str, list)) for p in e["input"]):
                 return (
-                    "prompt: a list of prompts (a batch) is not supported: send one prompt per request, "
-                    "as text or as one list of token ids"
+                    "prompt: must be text, token ids, or a list of prompts that are all text or all "
+                    "lists of token ids"
                 ), "prompt"
         if len(loc) >= 3 and "list[TextPart]" in loc and loc[-1] == "type" and e.get("input") != "text":
             field = _field_path(loc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -13,7 +14,11 @@ from pdcluster.config.slo import time_per_output_token_s
 from pdcluster.driver.backend import PHASE_NAMES, BackendUnavailable, ServingBackend, StreamDelta
 from pdcluster.engine.outputs import TokenLogprobs
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
+from pdcluster.entrypoints.openai.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    prompt_completion_logprobs,
+)
 from pdcluster.entrypoints.openai.metrics import ApiMetrics
 from pdcluster.entrypoints.openai.protocol import MAX_STOP_STRINGS, ApiError, CommonRequest
 
@@ -29,6 +34,7 @@ class PreparedRequest:
     created_s: int  # Unix time (whole seconds): the responses' `created`
     num_top_logprobs: int | None = None  # alternatives per token in the response; None: no logprobs
     echo_text: str = ""  # completions' `echo`: the prompt's text, sent before the output's
+    echo_only: bool = False  # completions' `echo` with max_tokens 0: the prompt only, output dropped
 
 
 _SAMPLING_FIELDS = frozenset(
@@ -151,6 +157,7 @@ class Progress:
     last: StreamDelta | None = None
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # `SamplingParams.prompt_logprobs`
 
     @property
     def finished(self) -> bool:
@@ -176,6 +183,7 @@ class Generation:
         self._closed = False
         self._num_logprobs_sent = 0  # of progress.logprobs, in chunks sent
         self._logprobs_text_offset = len(prepared.echo_text)  # completions' text_offset of the next
+        self._prompt_logprobs_sent = False  # (streamed) the first chunk carried the prompt's
 
     async def next(self) -> StreamDelta | None:
         """The next delta (already folded into `progress`), or None after the last one.
@@ -199,6 +207,11 @@ class Generation:
 
     def _fold(self, delta: StreamDelta) -> None:
         p, now = self.progress, time.perf_counter()
+        if delta.prompt_logprobs is not None:
+            p.prompt_logprobs = delta.prompt_logprobs
+        if self.prepared.echo_only:  # the engine generates one token: the client sees none of it
+            delta = dataclasses.replace(delta, new_token_ids=[], new_text="", logprobs=None)
+            p.first_token_s = p.first_token_s or now
         if delta.new_token_ids:
             if p.first_token_s is None:
                 p.first_token_s = now
@@ -264,7 +277,25 @@ class Generation:
         body = completion_logprobs(tokenizer, entries, start, num_top)
         if chunk and entries:
             self._logprobs_text_offset = body["text_offset"][-1] + len(body["tokens"][-1])
-        return body
+        if self.prepared.params.prompt_logprobs is None or (chunk and self._prompt_logprobs_sent):
+            return body
+        self._prompt_logprobs_sent = True
+        prompt = self._prompt_logprobs_body(num_top)
+        return {key: prompt[key] + body[key] for key in body}
+
+    def _prompt_logprobs_body(self, num_top: int) -> dict[str, Any]:
+        """The prompt's part of the completions `logprobs` (`echo`). Raises ApiError 500: the backend
+        finished the request without them (never answered as a success without them)."""
+        p = self.progress
+        try:
+            if p.prompt_logprobs is None:
+                raise ValueError("the backend returned no prompt logprobs")
+            tokenizer = self.backend.tokenizer
+            return prompt_completion_logprobs(
+                tokenizer, self.prepared.prompt_token_ids, p.prompt_logprobs, num_top
+            )
+        except ValueError as exc:
+            raise ApiError(500, f"prompt logprobs: {exc}", "internal_server_error") from exc
 
     def usage(self) -> dict[str, int]:
         """OpenAI `usage`: prompt, completion and total tokens."""

@@ -48,6 +48,30 @@ def completion_logprobs(
     }
 
 
+def prompt_completion_logprobs(
+    tokenizer: Tokenizer,
+    prompt_token_ids: Sequence[int],
+    entries: Sequence[TokenLogprobs | None],
+    num_top: int,
+) -> dict[str, Any]:
+    """The completions `logprobs` object of the prompt (`echo`), offsets from 0: `entries` one per prompt
+    token (`engine.prompt_logprobs`), the first None: nothing scores it, so its logprob and alternatives are
+    null (as OpenAI and vLLM answer).
+
+    Raises ValueError: `entries` do not match the prompt.
+    """
+    if len(entries) != len(prompt_token_ids) or entries[0] is not None or None in entries[1:]:
+        raise ValueError(f"{len(entries)} prompt logprobs for {len(prompt_token_ids)} prompt tokens")
+    first = _text(tokenizer, prompt_token_ids[0])
+    rest = completion_logprobs(tokenizer, entries[1:], len(first), num_top)  # type: ignore[arg-type]
+    return {
+        "tokens": [first, *rest["tokens"]],
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": [0, *rest["text_offset"]],
+    }
+
+
 def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprobs], num_top: int) -> dict[str, Any]:
     """The chat `logprobs` object of `entries`, `num_top` alternatives per token."""
     content = []

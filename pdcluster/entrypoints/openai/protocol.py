@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # n and best_of at most
+MAX_PROMPTS = 64  # prompts of one completions request at most
 RETRY_AFTER_S = 1  # the Retry-After header (seconds) of a 429 (edge full) and of a 503 (backend unavailable)
 
 
@@ -79,9 +80,15 @@ class CommonRequest(BaseModel):
 
 
 class CompletionRequest(CommonRequest):
-    prompt: str | list[int] = Field(..., description="text, or token ids of the served model's tokenizer")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        ..., description="text or token ids of the served model's tokenizer; a list of them: one choice each"
+    )
     logprobs: int | None = Field(None, description="top alternatives per output token, 0 .. 20")
-    echo: bool = Field(False, description="the prompt's text before the output's")
+    echo: bool = Field(
+        False,
+        description="the prompt's text before the output's; with logprobs, the prompt tokens' logprobs too "
+        "(the first one's None); max_tokens 0: the prompt only (scored, nothing generated)",
+    )
     best_of: int | None = Field(
         None, description="generate this many, return the n with the best logprob sum"
     )
@@ -207,8 +214,8 @@ class DetokenizeRequest(BaseModel):
 
 
 def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
-    """Refuse the OpenAI options this server does not implement (suffix, echo with logprobs) rather than
-    ignore them, and out-of-range choice and logprobs counts.
+    """Refuse the OpenAI options this server does not implement (suffix; several prompts streamed) rather
+    than ignore them, out-of-range choice and logprobs counts, and max_tokens 0 without echo (as vLLM).
 
     Raises ApiError: 400 naming the option (`param`).
     """
@@ -224,10 +231,15 @@ def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
         raise ApiError(400, "suffix is not supported by this server", param="suffix")
     if body.logprobs is not None:
         _check_num_logprobs(body.logprobs, "logprobs")
-        if body.echo:
-            raise ApiError(
-                400, "echo with logprobs (prompt logprobs) is not supported by this server", param="echo"
-            )
+    if body.max_tokens == 0 and not body.echo:
+        raise ApiError(
+            400, "max_tokens must be >= 1 (0 only with echo: score the prompt)", param="max_tokens"
+        )
+    if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int):
+        if not 1 <= len(body.prompt) <= MAX_PROMPTS:
+            raise ApiError(400, f"a list of prompts must hold 1 .. {MAX_PROMPTS}", param="prompt")
+        if body.stream or (body.best_of or body.n) > body.n:
+            raise ApiError(400, "several prompts cannot be streamed or use best_of > n", param="prompt")
     if body.best_of is not None:
         if not body.n <= body.best_of <= MAX_CHOICES:
             raise ApiError(400, f"best_of must be in [n, {MAX_CHOICES}], got {body.best_of}", param="best_of")
