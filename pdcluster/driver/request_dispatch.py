@@ -1,6 +1,4 @@
-"""The request path of a `Cluster`: route, reserve, prefill, stream decode's tokens (DESIGN.md, request
-lifecycle). A thin loop over the pure dispatch policy (`driver.dispatch`).
-"""
+"""A `Cluster`'s request path: route, reserve, prefill, stream decode's tokens, over `driver.dispatch`."""
 
 from __future__ import annotations
 
@@ -100,9 +98,7 @@ class Dispatcher(RouteAndReserve):
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[StreamDelta]:
         """Stream one request's output through prefill -> KV transfer -> decode.
-
-        Raises ValueError: an empty prompt, a duplicate id, or a request no decode instance could hold.
-        """
+        Raises ValueError: an empty prompt, a duplicate id, or a request no decode instance could hold."""
         if self._closed:
             raise BackendUnavailable("the cluster is shut down")
         if not prompt_token_ids:

@@ -61,9 +61,7 @@ class EngineStepError(RuntimeError):
 
 
 class LLMEngine:
-    """One engine instance, or one rank of an expert-parallel instance (`config.parallel`, `group` the
-    instance's process group): model, KV cache, scheduler, executor.
-    """
+    """One engine, or one rank of an EP instance (`config.parallel`; `group`: its process group)."""
 
     def __init__(
         self,
@@ -81,11 +79,8 @@ class LLMEngine:
         )
         self.tokenizer = Tokenizer.from_dir(config.model)
         # The tokenizer's end-of-text token, else the config's (public DeepSeek tokenizers name it otherwise).
-        self.eos_token_id = (
-            self.tokenizer.eos_token_id
-            if self.tokenizer.eos_token_id is not None
-            else self.model.config.eos_token_id
-        )
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_id = eos if eos is not None else self.model.config.eos_token_id
         model_cfg = self.model.config
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         if self.max_model_len > model_cfg.max_position_embeddings:
