@@ -1,12 +1,8 @@
 """The dynamic P:D controller on a live `Cluster`: the driver's signals in, `driver.role_moves` moves out.
 
-Every `autoscale.interval_s` a thread builds the controller's view (`driver.autoscale.decide`): per instance
-its prefill queued prompt tokens (the driver's prefill calls in flight, `driver.load_board`), its decode
-batch (running + waiting for a seat, from the latest decode snapshot) and whether it may move; the window's
-prompt tokens/s, TTFT and TPOT samples (`observe`, fed by `Cluster.generate`) and decode KV occupancy; and
-each pool's capacity priced by the planner's perf model (`driver.autoscale_capacity`). A move it decides is
-executed by `RoleMover.move` (trigger `controller`, its reason in the log). Parking is simulated only: the
-live policy runs with `park` off.
+Every `autoscale.interval_s` a thread gives `driver.autoscale.decide` each instance's prefill queued tokens
+and decode batch, the window's prompt tokens/s, TTFT/TPOT samples and KV occupancy, and each pool's capacity
+from the planner's perf model; `RoleMover.move` executes what it decides. Parking is simulated only.
 """
 
 from __future__ import annotations
@@ -78,7 +74,6 @@ class LiveAutoscaler:
         self._thread: threading.Thread | None = None
         self.decisions: list[tuple[float, Move, str]] = []  # (when, the move, "done" | why it was not)
 
-    # ---- signals ----------------------------------------------------------------------------------------
     async def observe(self, stream: AsyncIterator[Any], num_prompt_tokens: int) -> AsyncIterator[Any]:
         """`stream` (a `Cluster.generate` stream) passed through, its prompt, TTFT and TPOT recorded."""
         started_s = self.clock()
@@ -147,7 +142,6 @@ class LiveAutoscaler:
                 views.append(view)
         return views, (used / total if total else 0.0)
 
-    # ---- decisions ----------------------------------------------------------------------------------------
     def tick(self) -> Move | None:
         """One decision: build the view, `decide`, and execute the move (blocking); returns it or None."""
         now_s = self.clock()

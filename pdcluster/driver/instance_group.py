@@ -1,10 +1,8 @@
 """Joining the torch.distributed group of one multi-rank instance, from its rank actors.
 
-The rendezvous is authenticated as a KV handoff is: TCPStore has no authentication, so every key a rank
-writes or waits on (the barrier's and the group's own) lives under a namespace derived from the
-rendezvous's secret (`InstanceGroupSpec.secret`, fresh for each rendezvous, sent by the driver to its ranks
-only), and each rank proves the secret at the barrier (an HMAC-SHA256 of its rank) before any group is made.
-A process without the secret can connect to the store but neither find nor write a key of the group.
+TCPStore has no authentication, so every key of the rendezvous lives under a namespace derived from its
+secret (`InstanceGroupSpec.secret`, fresh per rendezvous, sent to the ranks only), and each rank proves the
+secret at the barrier (HMAC-SHA256 of its rank) before any group is made.
 """
 
 from __future__ import annotations

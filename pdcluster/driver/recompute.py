@@ -1,10 +1,8 @@
 """Resuming a request whose decode instance lost its KV (a dead instance, or one that shrank: elastic EP).
 
-The request is dispatched again through a prefill instance with the tokens the client already received
-kept: the new prompt is the original prompt plus every streamed token but the last, the last one is forced
-as the prefill's first token (`PrefillRequest.first_token_id`, never streamed again) and `max_tokens` drops
-by the tokens moved into the prompt, so the client sees one stream and greedy output is unchanged. Pure
-functions over plain data (no Ray, no asyncio).
+It goes again through prefill with the original prompt plus every streamed token but the last; the last is
+forced as prefill's first token (never streamed again) and `max_tokens` drops to match, so the client sees
+one stream and greedy output is unchanged. Pure functions over plain data.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Moving a single-device instance between the prefill and decode pools while serving (dynamic P:D).
 
-A move of instance X from pool A to pool B: X's slot in A drains (out of routing for new requests; a
-prefill instance finishes its queue, a decode instance its running requests, within `drain_timeout_s`, or
-the move fails and X stays in A); the slot goes `away`; X's actor switches role in place
-(`workers.role_rank.RoleWorker.switch_role`: same engine, KV pool reused); every prefill rank is
-re-connected to the decode receivers; X's slot in B (made on its first move there) becomes active. Pool
-indices never change: a slot is reused when its actor comes back. The engine keeps the scheduler budgets
-(`max_num_seqs`, `max_num_batched_tokens`) of the pool it was deployed in.
+X's slot in pool A drains (out of routing; a prefill instance finishes its queue, a decode instance its
+running requests within `drain_timeout_s`, else the move fails) and goes `away`; X's actor switches role in
+place (`RoleWorker.switch_role`); every prefill rank is re-connected to the decode receivers; X's slot in B
+becomes active. Pool indices never change. The engine keeps its deploy pool's scheduler budgets.
 """
 
 from __future__ import annotations
@@ -111,11 +108,8 @@ class RoleMover:
             raise MoveRefused(f"moving {source.name} would leave the {source.role} pool empty")
 
     def move(self, name: str, target: str, reason: str, trigger: str = "manual") -> dict[str, Any]:
-        """Move instance `name` to pool `target` (blocking; `reason` goes to the log). Returns its new slot.
-
-        Raises: KeyError (no such instance), `MoveRefused` (nothing changed), `MoveFailed` (it began; the
-        message says where the instance is now).
-        """
+        """Move instance `name` to pool `target` (blocking; `reason` goes to the log); returns its new slot.
+        Raises KeyError (no such instance), `MoveRefused` (nothing changed), `MoveFailed` (it began)."""
         with self._lock:
             source = self.find(name)
             self.check(source, target)
@@ -146,7 +140,6 @@ class RoleMover:
             "drained": waited_for,  # what it first waited for (None: it was idle)
         }
 
-    # ---- the steps --------------------------------------------------------------------------------------
     def _move(self, source: Instance, target: str, home: str) -> tuple[Instance, str | None]:
         import ray
 

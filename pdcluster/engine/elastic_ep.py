@@ -1,8 +1,5 @@
-"""Re-forming one rank's expert parallelism over a new group of survivors (elastic EP).
-
-The rank keeps its engine, KV cache and the experts it holds; it joins the survivors' group, agrees with
-them on the instance-wide expert load, takes its part of `models.elastic_placement.shrink_placement` and
-reads only the experts it did not hold from the checkpoint.
+"""Re-forming one rank's expert parallelism over a new group of survivors (elastic EP): the rank keeps its
+engine, KV cache and experts, takes its part of `shrink_placement` and reads only the missing experts.
 """
 
 from __future__ import annotations
@@ -50,11 +47,9 @@ def lost_peer(error: BaseException) -> bool:
 
 
 def roll_back_step(scheduler: Any, output: Any, error: BaseException) -> bool:
-    """Undo `scheduler.schedule()`'s `output` (synchronous loop) when its execution failed on a lost peer
-    (`lost_peer(error)`; else False, nothing done): each scheduled request is back
-    at its step's start (`num_computed_tokens`, placeholders; drafts dropped, proposed anew) with its
-    blocks and committed KV, to run the step again on the re-formed group. The step's finished and
-    preempted ids go to the next step."""
+    """Undo `scheduler.schedule()`'s `output` after it failed on a lost peer (`lost_peer(error)`, else False):
+    each request is back at its step's start with its blocks and committed KV (drafts dropped), to run again
+    on the re-formed group; the step's finished and preempted ids go to the next step."""
     if not lost_peer(error):
         return False
     for item in output.scheduled:
@@ -162,10 +157,9 @@ def _common_placement(
 def grow_runtime(
     runtime: ExpertParallelRuntime, group: dist.ProcessGroup, num_redundant_experts: int, checkpoint: str
 ) -> tuple[ExpertParallelRuntime, int]:
-    """A new runtime for this rank over the grown `group` with `ExpertPlacement.default` (what a rank
-    joining it loads): experts this rank holds are kept, the others read from `checkpoint`; it keeps this
-    rank's expert-load window and asks for an EPLB rebalance at the group's first step with work
-    (`ExpertParallelRuntime.begin_step`). Returns it and how many experts were read. No collective.
+    """A new runtime for this rank over the grown `group` with `ExpertPlacement.default` (experts held are
+    kept, others read from `checkpoint`), keeping its load window for an EPLB rebalance at the first step
+    with work. Returns it and how many experts were read. No collective.
 
     Raises ValueError: experts plus `num_redundant_experts` do not split over the group.
     """

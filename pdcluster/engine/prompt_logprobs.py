@@ -1,12 +1,9 @@
-"""Prompt logprobs (completions' `echo` with `logprobs`): each prompt token's log-probability under the model
-given the tokens before it, and the top-k, as vLLM's `prompt_logprobs`: the raw `log_softmax` of the target
-model's logits (no temperature, penalties or logit_bias, which shape sampling, not the prompt).
+"""Prompt logprobs (completions' `echo` with `logprobs`), as vLLM's `prompt_logprobs`: each prompt token's
+raw `log_softmax` under the target model given the tokens before it (no temperature or penalties), and top-k.
 
-Computed on the engine that prefills the prompt (a prefill instance in a cluster): its forward already holds
-every prompt position's hidden state, so they cost one extra lm_head over those positions (in slices of
-`MAX_ROWS` rows). A prefill instance returns them to the driver in its `PrefillResult`; decode never needs
-them, so the KV handoff stays as it is. A prefix-cache hit has no hidden states for its positions, so a
-request asking for prompt logprobs skips the prefix cache (`BlockManager.get_computed_blocks`), as vLLM does.
+Computed on the engine that prefills the prompt: its forward holds every prompt position's hidden state, so
+they cost one more lm_head over them; a prefill instance returns them in its `PrefillResult` (the KV handoff
+is unchanged). A prefix-cache hit has no hidden states, so such requests skip the prefix cache, as in vLLM.
 """
 
 from __future__ import annotations

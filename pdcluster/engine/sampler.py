@@ -1,8 +1,5 @@
 """Turn one step's target logits into tokens: sample, or verify drafts, per request; and log-probabilities.
-
-The accept rule itself lives in `kernels.rejection_sampling`: `greedy_verify_batch` when every request is
-greedy (no probabilities computed), else `rejection_sample_batch` (greedy rows by argmax, the others by
-Leviathan et al.'s rule).
+The accept rule (Leviathan et al.'s for sampled rows, argmax for greedy) is in `kernels.rejection_sampling`.
 """
 
 from __future__ import annotations
@@ -69,10 +66,8 @@ def sample_or_verify(
     draft_probs: Mapping[str, torch.Tensor | None],
     params: SamplingArrays | None = None,
 ) -> dict[str, list[int]]:
-    """Tokens of each request: its accepted drafts then one sampled (bonus or recovered) token, for the whole
-    batch at once: greedy rows by one argmax over all rows (accept lengths from one compare and a
-    cumulative product, `kernels.rejection_sampling`), the other rows' top-k/top-p masks in one batch, and
-    one host transfer of the result.
+    """Tokens of each request: its accepted drafts then one sampled (bonus or recovered) token, batched
+    (greedy rows by one argmax, `kernels.rejection_sampling`; one host transfer of the result).
 
     logits: `[sum(k_i + 1), vocab_size]` float32, request i's `k_i + 1` rows after request i-1's.
     draft_probs: request id -> `[num_drafts, vocab_size]` float32 distributions its drafts were
@@ -136,9 +131,8 @@ def process_logits(
     """The logit processors of `params` (penalties, logit bias, min_tokens' stop-token ban) applied to
     `logits` `[sum(k_i + 1), vocab_size]` float32 in place; returns `logits`.
 
-    token_rows: `(token_ids [num_rows, max_num_tokens] int64, row [len(items)] int64)`, the scheduler's
-    persistent rows holding each item's committed tokens (`RequestRows`); when given and no item has drafts
-    or placeholders, histories are gathered from them in one numpy pass instead of `output_history`.
+    token_rows: `(token_ids [num_rows, max_num_tokens] int64, row [len(items)] int64)` (`RequestRows`):
+    without drafts or placeholders, histories are gathered from them instead of `output_history`.
     """
     processed = params.processed_rows
     if not processed.any():

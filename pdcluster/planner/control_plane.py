@@ -1,14 +1,10 @@
 """Seconds the live control-plane and handoff path adds around engine steps, and its measurement.
 
-`probe_control_plane` runs requests one at a time on the live cluster (no queueing, so every difference
-is overhead); `derive_from_probes` takes, per field of `ControlPlane`, the median of measured minus
-modelled seconds: dispatch_s (route + reserve), first_token_extra_s (TTFT - dispatch - prefill step),
-handoff_extra_s (kv_transfer + admit - prefill step - KV handoff), first_decode_step_extra_s and
-decode_step_extra_s (measured decode steps - modelled step). Clamped at 0; batch 1 only. The driver
-process's CPU seconds per probe (route, Ray calls, streaming; `pdcluster bench`'s client in it) are fitted
-as `host_cpu_per_request_s + host_cpu_per_decode_step_s x decode steps`: on `cpu` they compete with the
-engines for the node's cores (`planner.core_sharing`), and so does `background_cores`, the rest of the
-node's load. Every figure is taken as the simulator would replay the probe (the probe's load counted once).
+`probe_control_plane` runs requests one at a time on the live cluster (no queueing: every difference is
+overhead); `derive_from_probes` takes per `ControlPlane` field the median of measured minus modelled seconds
+(clamped at 0), and fits the driver's CPU per probe as `host_cpu_per_request_s + host_cpu_per_decode_step_s
+x decode steps` (on `cpu` it competes for the node's cores, as `background_cores` does), each as the
+simulator would replay the probe.
 """
 
 from __future__ import annotations

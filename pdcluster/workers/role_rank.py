@@ -1,9 +1,8 @@
 """`RoleWorker`: a single-device rank actor that serves as prefill or decode and changes role in place.
 
-Its role is a component: a `PrefillRole` or a `DecodeRole` (the `PrefillWorker` / `DecodeWorker` code)
-built over the one `LLMEngine` the actor loaded, so a move keeps the weights and the KV pool. `switch_role`
-runs at a quiet point: the driver first drains the instance (`driver.role_moves`), the old role's engine
-thread and transport are closed, and the new role starts over the same engine.
+Its role (`PrefillRole` / `DecodeRole`: the `PrefillWorker` / `DecodeWorker` code) is built over the one
+`LLMEngine` the actor loaded, so a move keeps the weights and the KV pool; `switch_role` runs once the
+driver drained the instance (`driver.role_moves`).
 """
 
 from __future__ import annotations
@@ -79,10 +78,8 @@ ROLE_CLASSES: dict[str, type] = {"prefill": PrefillRole, "decode": DecodeRole}
 class RoleWorker:
     """One single-device rank actor whose role (`prefill` | `decode`) changes with `switch_role`.
 
-    `engine_configs`: each role's engine arguments (the engine is loaded with `role`'s; the driver moves an
-    instance only when the two differ in scheduler budgets and `compile` alone). Every public method of
-    `PrefillWorker` and `DecodeWorker` is answered by the current role; one of the other role raises
-    `WrongRole`.
+    `engine_configs`: each role's engine arguments (loaded with `role`'s). The current role answers every
+    public method of `PrefillWorker` / `DecodeWorker`; one of the other role raises `WrongRole`.
     """
 
     def __init__(

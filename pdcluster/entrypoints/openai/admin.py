@@ -3,11 +3,9 @@
     GET  /admin/instances                  each instance's role and slot
     POST /admin/instances/{name}/role      {"role": "decode", "reason": "..."}: move it (blocks until done)
 
-Authenticated by `Authorization: Bearer <token>`: the token is PDCLUSTER_ADMIN_TOKEN, else the YAML's
-`autoscale.admin_token`; 401 without the header, 403 with another token or with none configured. A move is
-refused with 409 (it would leave a pool empty, another move runs, the instance is not serving) or 400 (an
-unknown role, a topology whose instances cannot move), 404 for an unknown instance, 500 when it began and
-failed (the message says where the instance is).
+Bearer token: PDCLUSTER_ADMIN_TOKEN, else `autoscale.admin_token` (401 without one, 403 if wrong or unset).
+409: a pool would be left empty, another move runs, the instance is not serving; 400: unknown role or
+unmovable topology; 404: unknown instance; 500: the move began and failed (the message says where it is).
 """
 
 from __future__ import annotations
