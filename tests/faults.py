@@ -8,6 +8,7 @@ import threading
 
 from pdcluster.workers.decode import DecodeWorker
 from pdcluster.workers.prefill import PrefillWorker
+from pdcluster.workers.role_rank import DecodeRole, PrefillRole, RoleWorker
 
 DELAY_POINTS = ("before_reserve", "after_reserve", "before_admit")
 
@@ -97,4 +98,30 @@ class FaultyDecodeWorker(FaultHooks, DecodeWorker):
     DELAY_POINTS = DELAY_POINTS
 
 
-FAULT_WORKERS = {"prefill": FaultyPrefillWorker, "decode": FaultyDecodeWorker}
+class FaultyPrefillRole(FaultHooks, PrefillRole):
+    FAULT_POINTS = PrefillWorker.CHECKPOINTS
+
+
+class FaultyDecodeRole(FaultHooks, DecodeRole):
+    FAULT_POINTS = FaultyDecodeWorker.FAULT_POINTS
+    DELAY_POINTS = DELAY_POINTS
+
+
+class FaultyRoleWorker(RoleWorker):
+    """A `RoleWorker` whose roles take the hooks; they go with the role object (a switch starts clean)."""
+
+    ROLE_CLASSES = {"prefill": FaultyPrefillRole, "decode": FaultyDecodeRole}
+
+
+def _to_current_role(name: str):
+    def method(self: RoleWorker, *args, **kwargs):
+        return getattr(self.current, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+for _hook in ("inject_fault", "inject_stall", "release_stall", "inject_delay", "release_delays"):
+    setattr(FaultyRoleWorker, _hook, _to_current_role(_hook))
+
+FAULT_WORKERS = {"prefill": FaultyPrefillWorker, "decode": FaultyDecodeWorker, "role": FaultyRoleWorker}

@@ -59,7 +59,8 @@ class ClusterDeployment(ClusterWiring):
         planned node where the Ray nodes carry `pdcluster_node_<i>` resources), one actor per instance in
         it, loading weights in parallel (and compiling the decode forward where `compile` is on), then the
         KV transports wired. `worker_classes`: the rank class per role (default `PrefillWorker`,
-        `DecodeWorker`; tests deploy subclasses that take injected faults).
+        `DecodeWorker`, and `RoleWorker` as "role" where instances can move; tests deploy subclasses that
+        take injected faults).
 
         Raises:
             ValueError: an invalid topology, parallelism the actor layer cannot run or an 8-bit
@@ -72,8 +73,14 @@ class ClusterDeployment(ClusterWiring):
 
         from pdcluster.workers.decode import DecodeWorker
         from pdcluster.workers.prefill import PrefillWorker
+        from pdcluster.workers.role_rank import RoleWorker
 
-        classes = worker_classes or {"prefill": PrefillWorker, "decode": DecodeWorker}
+        classes = {
+            "prefill": PrefillWorker,
+            "decode": DecodeWorker,
+            "role": RoleWorker,
+            **(worker_classes or {}),
+        }
         self = object.__new__(cls)
         topo = topology if isinstance(topology, Topology) else load_topology(topology)
         check_deployable(topo)
@@ -127,7 +134,7 @@ class ClusterDeployment(ClusterWiring):
                     else ""
                 )
             )
-            names = self._start_rank_actors(ray, plan, classes["prefill"], classes["decode"])
+            names = self._start_rank_actors(ray, plan, classes)
             ready_refs = {a.ready.remote(): n for a, n in zip(self._actors, names, strict=True)}
             pending = list(ready_refs)
             infos: dict[str, NodeReady] = {}
@@ -188,17 +195,15 @@ class ClusterDeployment(ClusterWiring):
                 pairs.append(f"{prefill.name} -> {decode.name} {ranks[0]}")
         return ", ".join(pairs)
 
-    def _start_rank_actors(self, ray, plan, prefill_cls, decode_cls) -> list[str]:
+    def _start_rank_actors(self, ray, plan, classes: dict[str, type]) -> list[str]:
         """Create every instance's rank actors without waiting; returns their names in `_actors` order."""
         self._plan = plan
         self._rank_classes = {
-            "prefill": rank_actor_class(ray, prefill_cls),
-            "decode": rank_actor_class(ray, decode_cls),
+            "prefill": rank_actor_class(ray, classes["prefill"]),
+            "decode": rank_actor_class(ray, classes["decode"]),
         }
         if movable_issue(self.topology) is None:  # dynamic P:D: every rank can change role in place
-            from pdcluster.workers.role_rank import RoleWorker
-
-            self._rank_classes = dict.fromkeys(ROLES, rank_actor_class(ray, RoleWorker))
+            self._rank_classes = dict.fromkeys(ROLES, rank_actor_class(ray, classes["role"]))
         names: dict[tuple[str, int], list[str]] = {}
         for spec_index, spec in enumerate(plan.instances):
             num_ranks = spec.num_devices

@@ -101,14 +101,16 @@ class RoleWorker:
         engine = LLMEngine(engine_configs[role], shared_kv_cache=True)
         self.current = self._build(role, engine, name)
 
+    ROLE_CLASSES: dict[str, type] = ROLE_CLASSES  # what `_build` makes (a test subclass adds fault hooks)
+
     def _build(self, role: str, engine: LLMEngine, name: str) -> Any:
         if role == "prefill":
-            return PrefillRole(engine, name, self.layerwise)
-        return DecodeRole(engine, name, self.host)
+            return self.ROLE_CLASSES["prefill"](engine, name, self.layerwise)
+        return self.ROLE_CLASSES["decode"](engine, name, self.host)
 
     def role(self) -> str:
         """`prefill` or `decode`: the role serving now."""
-        return "prefill" if isinstance(self.current, PrefillRole) else "decode"
+        return "prefill" if isinstance(self.current, PrefillWorker) else "decode"
 
     def switch_role(
         self, role: str, name: str, transport: str | None = None, tls: TLSCredentials | None = None

@@ -20,6 +20,7 @@ from pdcluster.engine.llm import LLM
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.models import bundled_checkpoint_dir
 from tests.cluster.conftest import assert_nothing_held, call_bound_s, deployed_with_loop, request_bound_s
+from tests.faults import FAULT_WORKERS
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +55,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def cluster(ray_session):
-    with deployed_with_loop(_topology()) as deployed:
+    with deployed_with_loop(_topology(), worker_classes=FAULT_WORKERS) as deployed:
         yield deployed
 
 
