@@ -115,8 +115,8 @@ class ToolCallStream:
         self.num_calls = 0  # calls whose header was sent
 
     def feed(self, new_text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
-        """`(content delta, tool-call deltas)` for `new_text` (at most one delta per call index);
-        `final`: the last text (nothing held back)."""
+        """`(content delta, tool-call deltas)` for `new_text`: a call's header delta (arguments "") and its
+        arguments' delta are separate entries, even when one text brings both; `final`: the last text."""
         self._text += new_text
         content = ""
         if self._calls_start < 0:
@@ -131,14 +131,14 @@ class ToolCallStream:
             content = self._text[self._num_content_chars : begin]
             self._calls_start = begin + len(self._markers.calls_begin)
         rest = self._text[self._calls_start :]
-        deltas: dict[int, dict[str, Any]] = {}
+        deltas: dict[tuple[int, str], dict[str, Any]] = {}  # (call index, "header" | "arguments")
         while True:
             if self._args_start < 0:
                 header = self._header.search(rest, self._pos)
                 if header is None:
                     break
                 call = ToolCall(header["name"].strip(), "", _new_id())
-                deltas[self.num_calls] = call.to_openai(self.num_calls)
+                deltas[self.num_calls, "header"] = call.to_openai(self.num_calls)
                 self.num_calls += 1
                 self._args_start = self._pos = header.end()
                 self._sent_args = False
@@ -153,7 +153,9 @@ class ToolCallStream:
             if fragment:
                 self._sent_args = True
                 index = self.num_calls - 1
-                delta = deltas.setdefault(index, {"index": index, "function": {"arguments": ""}})
+                delta = deltas.setdefault(
+                    (index, "arguments"), {"index": index, "function": {"arguments": ""}}
+                )
                 delta["function"]["arguments"] += fragment
                 self._pos = rest.index(fragment, self._pos) + len(fragment)
             if close < 0:
