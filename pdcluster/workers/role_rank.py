@@ -117,11 +117,7 @@ class RoleWorker:
     ) -> str | PairedAddress | None:
         """Become `role` (named `name` in logs) over the same engine; for decode, start its KV receiver on
         `transport` and return its address (None for prefill: the driver connects its senders).
-
-        Raises:
-            ValueError: already `role`, or an unknown role.
-            RuntimeError: the current role is not drained (requests still queued, reserved or running).
-        """
+        Raises ValueError (already `role`, or unknown), RuntimeError (the current role is not drained)."""
         if role not in ROLE_CLASSES:
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         with self._switch_lock:

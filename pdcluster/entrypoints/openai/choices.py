@@ -66,11 +66,7 @@ async def serve_choices(
     if stream:
         events = _events(gens, prepared, endpoint, include_usage, tool_markers)
         return SSEResponse(events, on_close=lambda: _close(gens))
-    try:
-        result = await until_disconnect(request, asyncio.gather(*(g.drain() for g in gens)))
-    finally:
-        await _close(gens)
-    if result is DISCONNECTED:
+    if not await _drain_all(request, gens):
         return Response(status_code=499)
     order = list(range(len(gens)))
     if rank:
@@ -105,17 +101,22 @@ def share_prompt_logprobs(gens: list[Generation]) -> None:
         gen.progress.prompt_logprobs = gens[0].progress.prompt_logprobs
 
 
+async def _drain_all(request: Request, gens: list) -> bool:
+    """Run every generation to its end (then close them); False when the client went away first."""
+    try:
+        result = await until_disconnect(request, asyncio.gather(*(g.drain() for g in gens)))
+    finally:
+        await _close(gens)
+    return result is not DISCONNECTED
+
+
 async def serve_prompts(
     request: Request, prepared: list[PreparedRequest], start: StartGeneration, num_choices: int
 ) -> Response:
     """Answer a completions request with several prompts, whole: `num_choices` choices per prompt, choice
     `index` = prompt index * num_choices + choice, `usage` summed over the prompts."""
     gens = [start(choice_request(p, i, False)) for p in prepared for i in range(num_choices)]
-    try:
-        result = await until_disconnect(request, asyncio.gather(*(g.drain() for g in gens)))
-    finally:
-        await _close(gens)
-    if result is DISCONNECTED:
+    if not await _drain_all(request, gens):
         return Response(status_code=499)
     for k in range(0, len(gens), num_choices):
         share_prompt_logprobs(gens[k : k + num_choices])
