@@ -11,7 +11,6 @@ and workers among them, wherever they moved). Process trees are read from /proc 
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -81,11 +80,19 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+# Sets the parent-death signal, then execs the server. A launcher rather than Popen's preexec_fn: that one
+# forces a plain fork(), whose atfork handlers (gRPC's, once imported) run in the child and may abort it.
+_PDEATHSIG_EXEC = (
+    "import ctypes, os, sys; ctypes.CDLL(None).prctl(int(sys.argv[1]), int(sys.argv[2]));"
+    "os.getppid() == int(sys.argv[3]) or sys.exit('parent already gone');"
+    "os.execvp(sys.argv[4], sys.argv[4:])"
+)
+
+
+def _with_parent_death_signal(argv: Sequence[str]) -> list[str]:
+    """`argv` behind the launcher: SIGTERM reaches the server when this process dies (Linux)."""
+    pdeathsig = [str(PR_SET_PDEATHSIG), str(int(signal.SIGTERM)), str(os.getpid())]
+    return [sys.executable, "-c", _PDEATHSIG_EXEC, *pdeathsig, *argv]
 
 
 @dataclass
@@ -109,14 +116,13 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                list(self.argv),
+                _with_parent_death_signal(self.argv),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 cwd=self.cwd,
                 start_new_session=True,
-                preexec_fn=_set_parent_death_signal,
             )
         return self
 
