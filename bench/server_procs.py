@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 PR_SET_PDEATHSIG = 1
+STRAGGLER_GRACE_S = 10.0  # `stop`: the least time a server's descendants get to exit after it did
 ROOT = Path(__file__).resolve().parent.parent  # the repository: where `python -m bench.X` resolves
 
 
@@ -165,14 +166,16 @@ class ServerProcess:
             return {"exit_code": None, "killed": False, "leaked_pids": [], "port_in_use": False}
         tree = descendants(self.process.pid)
         killed = False
+        deadline_s = time.monotonic() + timeout_s
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 killed = True
-        # Ray's daemons and vLLM's engine core may linger a moment after their parent exits
-        grace = time.monotonic() + 10.0
+        # Ray's daemons and vLLM's engine core may linger after their parent exits: the same timeout_s
+        # holds for them (at least STRAGGLER_GRACE_S after the main process ended)
+        grace = max(deadline_s, time.monotonic() + STRAGGLER_GRACE_S)
         while any(alive(p) for p in tree) and time.monotonic() < grace and not killed:
             time.sleep(0.2)
         stragglers = [p for p in tree if alive(p)]
