@@ -19,14 +19,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/pdcluster demo
 
+# Two xdist workers, each taking whole files (a module's cluster is deployed once, for its tests): most of
+# the suite waits on Ray actors and child processes, so two files at a time overlap those waits.
 # --durations: the slowest tests, so a run's log says where the suite's time went (budget ~10 minutes).
+PYTEST_WORKERS ?= -n 2 --dist loadfile
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q $(PYTEST_WORKERS) --durations=15
 
 # The whole suite while two bounded CPU burners (one per core here) keep the machine busy: a suite that
 # passes only on an idle machine fails for users. The burners stop with the suite, or after an hour.
 test-under-load: $(STAMP)
-	$(PY) -m tests.cpu_burner --max-seconds 3600 -- $(PY) -m pytest -q
+	$(PY) -m tests.cpu_burner --max-seconds 3600 -- $(PY) -m pytest -q $(PYTEST_WORKERS)
 
 # Two Ray nodes in two network namespaces joined by a veth pair (root; iproute2): prefill on one, decode
 # on the other, KV across the link; bandwidth limits and a cut mid-transfer (tests/netns/). Everything it

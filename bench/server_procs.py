@@ -11,7 +11,6 @@ and workers among them, wherever they moved). Process trees are read from /proc 
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -25,6 +24,7 @@ from pathlib import Path
 import httpx
 
 PR_SET_PDEATHSIG = 1
+STRAGGLER_GRACE_S = 10.0  # `stop`: the least time a server's descendants get to exit after it did
 ROOT = Path(__file__).resolve().parent.parent  # the repository: where `python -m bench.X` resolves
 
 
@@ -81,11 +81,19 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+# Sets the parent-death signal, then execs the server. A launcher rather than Popen's preexec_fn: that one
+# forces a plain fork(), whose atfork handlers (gRPC's, once imported) run in the child and may abort it.
+_PDEATHSIG_EXEC = (
+    "import ctypes, os, sys; ctypes.CDLL(None).prctl(int(sys.argv[1]), int(sys.argv[2]));"
+    "os.getppid() == int(sys.argv[3]) or sys.exit('parent already gone');"
+    "os.execvp(sys.argv[4], sys.argv[4:])"
+)
+
+
+def _with_parent_death_signal(argv: Sequence[str]) -> list[str]:
+    """`argv` behind the launcher: SIGTERM reaches the server when this process dies (Linux)."""
+    pdeathsig = [str(PR_SET_PDEATHSIG), str(int(signal.SIGTERM)), str(os.getpid())]
+    return [sys.executable, "-c", _PDEATHSIG_EXEC, *pdeathsig, *argv]
 
 
 @dataclass
@@ -109,14 +117,13 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                list(self.argv),
+                _with_parent_death_signal(self.argv),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 cwd=self.cwd,
                 start_new_session=True,
-                preexec_fn=_set_parent_death_signal,
             )
         return self
 
@@ -159,14 +166,16 @@ class ServerProcess:
             return {"exit_code": None, "killed": False, "leaked_pids": [], "port_in_use": False}
         tree = descendants(self.process.pid)
         killed = False
+        deadline_s = time.monotonic() + timeout_s
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 killed = True
-        # Ray's daemons and vLLM's engine core may linger a moment after their parent exits
-        grace = time.monotonic() + 10.0
+        # Ray's daemons and vLLM's engine core may linger after their parent exits: the same timeout_s
+        # holds for them (at least STRAGGLER_GRACE_S after the main process ended)
+        grace = max(deadline_s, time.monotonic() + STRAGGLER_GRACE_S)
         while any(alive(p) for p in tree) and time.monotonic() < grace and not killed:
             time.sleep(0.2)
         stragglers = [p for p in tree if alive(p)]

@@ -17,6 +17,7 @@ from typing import Any
 
 from pdcluster.config.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
 from pdcluster.driver.autoscale import Capacity, InstanceView, Move, SignalWindow, decide
+from pdcluster.driver.periodic import PeriodicThread
 from pdcluster.driver.role_moves import MoveFailed, MoveRefused
 from pdcluster.driver.router import RankRef
 
@@ -46,8 +47,10 @@ def perf_model_capacity(topology: Any) -> Callable[[float, int], Capacity]:
     return capacity
 
 
-class LiveAutoscaler:
+class LiveAutoscaler(PeriodicThread):
     """See the module docstring. `capacity`: as `perf_model_capacity` returns; `clock`: seconds."""
+
+    thread_name = "autoscale"
 
     def __init__(
         self,
@@ -58,6 +61,7 @@ class LiveAutoscaler:
         topo = cluster.topology
         self.cluster = cluster
         self.config = topo.autoscale
+        super().__init__(self.config.interval_s)
         self.clock = clock
         self._capacity = capacity  # priced on the first decision (the perf model takes a while to build)
         self.ttft_slo_s = (topo.slo.ttft_ms or DEFAULT_TTFT_SLO_MS) / 1000
@@ -70,8 +74,6 @@ class LiveAutoscaler:
         self._busy: dict[str, deque[tuple[float, bool]]] = {}
         self._outputs: deque[tuple[float, int]] = deque(maxlen=4096)  # (when finished, output tokens)
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.decisions: list[tuple[float, Move, str]] = []  # (when, the move, "done" | why it was not)
 
     async def observe(self, stream: AsyncIterator[Any], num_prompt_tokens: int) -> AsyncIterator[Any]:
@@ -169,18 +171,5 @@ class LiveAutoscaler:
         self.decisions.append((now_s, move, outcome))
         return move
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="autoscale", daemon=True)
-        self._thread.start()
-
-    def stop(self, join_timeout_s: float) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(join_timeout_s)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.config.interval_s):
-            try:
-                self.tick()
-            except Exception:  # noqa: BLE001 - a bug or a cluster going away: never die silently
-                logger.exception("autoscale: a decision round failed; trying again")
+    def run_round(self) -> None:
+        self.tick()

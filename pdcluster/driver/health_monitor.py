@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +19,7 @@ from pdcluster.driver.health import (
 from pdcluster.driver.instance import Instance, check_instance_group
 from pdcluster.driver.load_board import LoadBoard
 from pdcluster.driver.messages import DecodeNodeLoad, PrefillNodeLoad
+from pdcluster.driver.periodic import PeriodicThread
 from pdcluster.driver.rank_actors import PROBE_GROUP, ray_restarts, ready_timeout_s
 from pdcluster.driver.registry import InstanceRegistry, restart_pending
 from pdcluster.driver.router import RankRef
@@ -32,8 +32,10 @@ REPLACE_AFTER_S = 10.0
 MAX_REPLACEMENTS = 5
 
 
-class HealthMonitor:
-    """The monitor thread (see the module docstring)."""
+class HealthMonitor(PeriodicThread):
+    """The monitor thread (see the module docstring): a probe round every PROBE_INTERVAL_S."""
+
+    thread_name = "health-monitor"
 
     def __init__(
         self,
@@ -42,14 +44,13 @@ class HealthMonitor:
         loads: LoadBoard,
         fail_attempts: Callable[..., None],
     ) -> None:
+        super().__init__(PROBE_INTERVAL_S)
         self.registry = registry
         self.deployment = deployment
         self.topology = deployment.topology
         self.call_timeout_s = deployment.call_timeout_s
         self._loads = loads
         self._fail_attempts = fail_attempts
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._stuck_passes: dict[str, tuple[int, int, float]] = {}  # the watchdog's `stuck` per rank name
         self._last_answer_s: dict[tuple[str, int], float] = {}  # each instance's last answered probe
         self._engine_restarts: dict[tuple[str, int], int | None] = {}  # the process last killed, per instance
@@ -64,30 +65,8 @@ class HealthMonitor:
     def instances(self) -> dict[str, list[Instance]]:
         return self.registry.instances
 
-    @property
-    def _closed(self) -> bool:
-        return self._stop.is_set()
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._monitor_health, name="health-monitor", daemon=True)
-        self._thread.start()
-
-    def stop(self, join_timeout_s: float) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(join_timeout_s)
-
-    def _monitor_health(self) -> None:
-        while not self._stop.wait(PROBE_INTERVAL_S):
-            try:
-                self._probe_all()
-            except Exception:  # noqa: BLE001 - Ray going away under a shutdown, or a bug: never die silently
-                if self._closed:
-                    return
-                logger.exception("health monitor: a probe round failed; trying again")
-
-    def _probe_all(self) -> None:
-        """One round of the health monitor (see `_monitor_health`), then elastic EP's growth (`tick`)."""
+    def run_round(self) -> None:
+        """One round of the health monitor, then elastic EP's growth (`tick`)."""
         import ray
 
         self._probe_round(ray)

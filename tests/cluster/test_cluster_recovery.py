@@ -18,6 +18,7 @@ import pytest
 from pdcluster.config import load_topology
 from pdcluster.driver.backend import BackendUnavailable
 from pdcluster.driver.cluster import PROBE_INTERVAL_S, Cluster
+from pdcluster.driver.rank_actors import ready_timeout_s
 from pdcluster.engine.sampling_params import SamplingParams
 from tests.cluster.conftest import assert_nothing_held, call_bound_s, deployed_with_loop, request_bound_s
 from tests.faults import FAULT_WORKERS
@@ -59,6 +60,13 @@ def _generate(cluster: Cluster, request_id: str) -> list[int]:
         return tokens
 
     return cluster.test_loop.run_until_complete(asyncio.wait_for(run(), request_bound_s(cluster)))
+
+
+def restart_bound_s(cluster: Cluster) -> float:
+    """How long a killed rank may take to serve again: Ray restarts it and it loads within deploy's own
+    wait for an actor (`ready_timeout_s`, after which the monitor kills the restart as overdue), then a
+    probe finds it answering and rewires it."""
+    return ready_timeout_s(cluster.topology) + 2 * (PROBE_INTERVAL_S + call_bound_s(cluster))
 
 
 def _pid(cluster: Cluster, role: str, index: int = 0) -> int:
@@ -144,7 +152,7 @@ def test_a_decode_silent_past_its_engine_watchdog_is_killed_restarted_and_serves
             floor_s = 2 * (cluster.call_timeout_s + PROBE_INTERVAL_S)
             probes_s = max(ENGINE_WATCHDOG_S, floor_s) + 2 * (PROBE_INTERVAL_S + call_bound_s(cluster))
             recovery_s = _seconds_until_routable_after_restart(
-                cluster, "decode", pid, probes_s + request_bound_s(cluster)
+                cluster, "decode", pid, probes_s + restart_bound_s(cluster)
             )
         assert _process_ended(pid), "the stopped process was left behind"
     finally:
@@ -168,8 +176,7 @@ def test_a_crashed_decode_is_restarted_rewired_and_serves_again(cluster, expecte
     client = cluster.instances["decode"][0].client(0)
     stream_before = client._stream
     os.kill(pid, signal.SIGKILL)
-    # A restart loads the weights again: bounded by the deploy's own wait for an actor (request bound).
-    recovery_s = _seconds_until_routable_after_restart(cluster, "decode", pid, request_bound_s(cluster))
+    recovery_s = _seconds_until_routable_after_restart(cluster, "decode", pid, restart_bound_s(cluster))
     print(f"decode restarted and rejoined {recovery_s:.2f} s after SIGKILL")
     assert _pid(cluster, "decode") != pid
     assert cluster.instances["decode"][0].client(0) is client and client._stream != stream_before
@@ -186,7 +193,7 @@ def test_a_crashed_prefill_is_restarted_and_takes_a_new_command_stream(cluster, 
     client = cluster.instances["prefill"][0].client(0)
     stream_before = client._stream
     os.kill(pid, signal.SIGKILL)
-    recovery_s = _seconds_until_routable_after_restart(cluster, "prefill", pid, request_bound_s(cluster))
+    recovery_s = _seconds_until_routable_after_restart(cluster, "prefill", pid, restart_bound_s(cluster))
     print(f"prefill restarted and rejoined {recovery_s:.2f} s after SIGKILL")
     assert _pid(cluster, "prefill") != pid
     assert client._stream != stream_before
@@ -214,7 +221,7 @@ def test_a_decode_engine_stuck_in_one_pass_is_failed_and_restarted(cluster, expe
         # more at the probes, then a restart loads the weights again (bounded as in the crash test).
         probes_s = 2 * ENGINE_WATCHDOG_S + 2 * (PROBE_INTERVAL_S + call_bound_s(cluster))
         recovery_s = _seconds_until_routable_after_restart(
-            cluster, "decode", pid, probes_s + request_bound_s(cluster)
+            cluster, "decode", pid, probes_s + restart_bound_s(cluster)
         )
     print(f"decode failed by the watchdog, restarted and back {recovery_s:.2f} s after the request failed")
     failed = "decode-0 is dead (probe: EngineFailed: decode-0: its engine thread has been in one pass of its"

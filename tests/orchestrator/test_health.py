@@ -296,7 +296,7 @@ def test_an_instance_ray_does_not_restart_is_left_out_of_routing_not_killed(capl
 
 
 class _FakeRank:
-    """A rank actor as `_probe_all` calls it: `load.options(concurrency_group=...).remote()`; the "object
+    """A rank actor as `run_round` calls it: `load.options(concurrency_group=...).remote()`; the "object
     ref" is the answer itself (a load, or the exception `ray.get` raises)."""
 
     def __init__(self, answer) -> None:
@@ -358,10 +358,10 @@ def test_probes_use_their_own_concurrency_group_and_no_rejoin_while_a_pass_outla
 
     out = InstanceHealth(Health.UNRESPONSIVE, "reserve: no answer within 3 s", since_s=30.0, pid=41)
     monitor, instance, rank, done = _probing_monitor(monkeypatch, _load(pass_s=5.0), out)
-    monitor._probe_all()
+    monitor.run_round()
     assert done == [] and not instance.routable
     rank.answer = _load(passes=8, pass_s=0.01)
-    monitor._probe_all()
+    monitor.run_round()
     assert done == [("rejoin", "decode", 0, 41)]
     assert rank.groups == [PROBE_GROUP, PROBE_GROUP]
 
@@ -371,17 +371,17 @@ def test_a_probe_fails_a_stuck_engine_kills_it_once_and_an_unanswered_probe_forg
 
     healthy = InstanceHealth(Health.HEALTHY, "", since_s=30.0, pid=41)
     monitor, instance, rank, done = _probing_monitor(monkeypatch, _load(pass_s=1.0), healthy, watchdog_s=0.05)
-    monitor._probe_all()  # first sighting
+    monitor.run_round()  # first sighting
     assert instance.routable and "decode-0" in monitor._stuck_passes
     rank.answer = TimeoutError("no answer")  # paused: the sighting is forgotten, the instance unresponsive
-    monitor._probe_all()
+    monitor.run_round()
     assert monitor._stuck_passes == {} and instance.health.state is Health.UNRESPONSIVE
     rank.answer = _load(pass_s=2.0)  # resumed mid-pass: sighted afresh, not failed at once
-    monitor._probe_all()
+    monitor.run_round()
     assert instance.health.state is Health.UNRESPONSIVE and ("kill", False) not in done
     time.sleep(0.06)
-    monitor._probe_all()  # the same pass, still stuck: failed as dead and killed for Ray to restart
-    monitor._probe_all()
+    monitor.run_round()  # the same pass, still stuck: failed as dead and killed for Ray to restart
+    monitor.run_round()
     assert instance.health.state is Health.DEAD and "EngineFailed" in instance.health.reason
     assert done.count(("kill", False)) == 1
 
@@ -433,16 +433,16 @@ def test_an_instance_that_answers_no_probe_past_the_watchdog_is_killed_once_for_
     import time
 
     monitor, instance, rank, done = _silent_monitor(monkeypatch, watchdog_s=0.2)
-    monitor._probe_all()
+    monitor.run_round()
     assert ("kill", False) not in done  # silent for less than the watchdog
     time.sleep(0.25)
     with caplog.at_level("ERROR", logger="pdcluster.driver.cluster"):
-        monitor._probe_all()
-        monitor._probe_all()
+        monitor.run_round()
+        monitor.run_round()
     assert done.count(("kill", False)) == 1
     assert "decode-0: killing its actor for Ray to restart it (it has answered no call for" in caplog.text
     rank.answer = _load(pid=42)  # the restarted process
-    monitor._probe_all()
+    monitor.run_round()
     assert done[-1] == ("rejoin", "decode", 0, 42)
 
 
@@ -454,17 +454,17 @@ def test_an_answered_probe_restarts_the_silence_and_no_kill_after_close(monkeypa
     monitor, instance, rank, done = _silent_monitor(monkeypatch, watchdog_s=0.2)
     time.sleep(0.25)
     rank.answer = _load(pass_s=5.0)  # longer than a call may take: answers, stays out of routing
-    monitor._probe_all()
+    monitor.run_round()
     assert not instance.routable and ("rejoin", "decode", 0, 41) not in done
     rank.answer = TimeoutError("no answer")
-    monitor._probe_all()
+    monitor.run_round()
     assert ("kill", False) not in done
     time.sleep(0.25)
     monitor._stop.set()  # close()
-    monitor._probe_all()
+    monitor.run_round()
     assert ("kill", False) not in done
     monitor._stop.clear()
-    monitor._probe_all()
+    monitor.run_round()
     assert done.count(("kill", False)) == 1
 
 
@@ -510,12 +510,12 @@ def test_a_restart_that_never_answers_is_killed_once_after_deploys_load_timeout(
     monitor._engine_restarts[("decode", 0)] = 41
     monitor._last_kill_s[("decode", 0)] = 1000.0
     clock[0] = 1149.9
-    monitor._probe_all()
+    monitor.run_round()
     assert ("kill", False) not in done
     clock[0] = 1150.0
     with caplog.at_level("WARNING", logger="pdcluster.driver.cluster"):
-        monitor._probe_all()
-        monitor._probe_all()
+        monitor.run_round()
+        monitor.run_round()
     assert done.count(("kill", False)) == 1
     assert (
         "decode-0: killing its actor for Ray to restart it (its restart has answered no call for 150.0 s (a "
@@ -524,19 +524,19 @@ def test_a_restart_that_never_answers_is_killed_once_after_deploys_load_timeout(
     assert "decode-0: if this restart hangs too, it is not killed again" in caplog.text
     assert monitor._last_kill_s[("decode", 0)] == 1150.0
     clock[0] = 1400.0  # the next restart hangs too: the same death, not killed again
-    monitor._probe_all()
+    monitor.run_round()
     assert done.count(("kill", False)) == 1
     rank.answer = _load(pid=43)
-    monitor._probe_all()
+    monitor.run_round()
     assert done[-1] == ("rejoin", "decode", 0, 43)
     # a later death (the fake `_rejoin` did not change the health: a new DEAD episode by hand)
     instance.health = InstanceHealth(Health.DEAD, "probe: the actor process died", since_s=2000.0, pid=43)
     rank.answer = TimeoutError("no answer")
     clock[0] = 2149.9
-    monitor._probe_all()
+    monitor.run_round()
     assert done.count(("kill", False)) == 1
     clock[0] = 2150.0
-    monitor._probe_all()
+    monitor.run_round()
     assert done.count(("kill", False)) == 2
 
 
@@ -594,30 +594,30 @@ def test_an_actor_ray_gave_up_on_is_replaced_in_its_bundle_with_backoff_and_a_bo
 
     monitor.deployment._new_rank_actor = new_rank_actor
     clock[0] = 1009.9
-    monitor._probe_all()
+    monitor.run_round()
     assert [d for d in done if d[0] in ("kill", "new actor")] == []
     clock[0] = 1010.0
     with caplog.at_level("ERROR", logger="pdcluster.driver.cluster"):
-        monitor._probe_all()
+        monitor.run_round()
     assert done[-2:] == [("kill", rank, True), ("new actor", 1, 0)] and instance.ranks == [new_ranks[0]]
     assert (
         "decode-0: Ray gave up on its actor (the actor process died); starting a new one in its placement "
         "group (1 of 2)" in caplog.text
     )
     clock[0] = 1029.9  # the new one failed too: the next replacement 20 s after the last
-    monitor._probe_all()
+    monitor.run_round()
     assert len(new_ranks) == 1
     clock[0] = 1030.0
-    monitor._probe_all()
+    monitor.run_round()
     assert len(new_ranks) == 2 and instance.ranks == [new_ranks[1]]
     clock[0] = 5000.0
     with caplog.at_level("ERROR", logger="pdcluster.driver.cluster"):
-        monitor._probe_all()
-        monitor._probe_all()
+        monitor.run_round()
+        monitor.run_round()
     assert len(new_ranks) == 2
     assert caplog.text.count("its 2 replacements are spent: it stays out of routing") == 1
     new_ranks[1].answer = _load(pid=44)  # (had the last one come up after all)
-    monitor._probe_all()
+    monitor.run_round()
     assert done[-1] == ("rejoin", "decode", 0, 44)
 
     # the error says the node was preempted: Ray restarts the actor elsewhere, calls fail as died meanwhile
@@ -627,7 +627,7 @@ def test_an_actor_ray_gave_up_on_is_replaced_in_its_bundle_with_backoff_and_a_bo
     monitor, instance, rank, done = _probing_monitor(monkeypatch, preempted, dead)
     monitor.deployment._plan, monitor.deployment._new_rank_actor = plan, new_rank_actor
     clock[0] = 9000.0
-    monitor._probe_all()
+    monitor.run_round()
     assert len(new_ranks) == 2 and instance.ranks == [rank]
 
     # an instance Ray does not restart: never replaced
@@ -635,7 +635,7 @@ def test_an_actor_ray_gave_up_on_is_replaced_in_its_bundle_with_backoff_and_a_bo
     monitor.topology.kv_transport = "dist"
     monitor.deployment._plan, monitor.deployment._new_rank_actor = plan, new_rank_actor
     clock[0] = 9000.0
-    monitor._probe_all()
+    monitor.run_round()
     assert len(new_ranks) == 2 and instance.ranks == [rank]
 
 

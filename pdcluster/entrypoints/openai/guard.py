@@ -4,6 +4,7 @@ reaches the app (`EdgeGuard`, a pure ASGI middleware)."""
 from __future__ import annotations
 
 import hmac
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from pdcluster.entrypoints.openai.metrics import ApiMetrics
@@ -15,6 +16,7 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})  # never behind the API key (pro
 _CLOSE = {"Connection": "close"}
 
 
+@dataclass(eq=False)
 class EdgeGuard:
     """Pure ASGI middleware in front of every route. Per HTTP request, in this order, each refusal an
     OpenAI-style error body sent before the app sees the request: 401 without the API key (but on
@@ -22,21 +24,13 @@ class EdgeGuard:
     413 for a body over `max_request_body_bytes` (with `Connection: close`). Event-loop thread only.
     """
 
-    def __init__(
-        self,
-        app: Any,
-        *,
-        api_key: str | None,
-        max_request_body_bytes: int,
-        max_concurrent_requests: int | None,
-        metrics: ApiMetrics,
-    ) -> None:
-        self.app = app
-        self.api_key = api_key
-        self.max_request_body_bytes = max_request_body_bytes
-        self.max_concurrent_requests = max_concurrent_requests
-        self.metrics = metrics
-        self.num_in_flight = 0
+    app: Any
+    _: KW_ONLY
+    api_key: str | None
+    max_request_body_bytes: int
+    max_concurrent_requests: int | None
+    metrics: ApiMetrics
+    num_in_flight: int = field(default=0, init=False)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
