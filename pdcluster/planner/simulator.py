@@ -84,6 +84,8 @@ class ClusterSimulator:
             )
             for i in range(topology.decode.num_instances)
         ]
+        for engine in self.prefills:
+            engine.finishing_extra_s = cp.prefill_extra_s
         for engine in self.decodes:
             engine.step_extra_s, engine.admission_step_extra_s = (
                 cp.decode_step_extra_s,
