@@ -31,8 +31,9 @@ MIN_DECODE_STEPS = 4  # a per-step figure from fewer steps is mostly the first s
 @dataclass(frozen=True)
 class ControlPlane:
     """Seconds the live path adds around the engine steps; all >= 0, zero by default (engine-side only).
-    `prefill_extra_s`: full-speed seconds a prefill instance stays busy per request its step completes (the
-    rank's KV send and reply); `first_token_extra_s`: from then until the client has the first token."""
+    `prefill_extra_s`: full-speed seconds a prefill instance stays busy per request its step completes after
+    sampling the first token (last KV send, MTP pass, reply); `first_token_extra_s`: from the sampling
+    until the client has the token."""
 
     dispatch_s: float = 0.0
     prefill_extra_s: float = 0.0
@@ -146,8 +147,8 @@ def point_from_result(
     """One request's measured pieces (seconds) from its `RequestResult`. `modelled`: the prefill step and
     KV handoff as wall seconds (`prefill_s`, `kv_handoff_s`), the decode step at full speed (`decode_s`);
     the simulator stretches a step's extra with its step by its rate (`planner.core_sharing`), so a
-    measured step of wall `t` leaves `t x rate - modelled full-speed seconds`. The first token and the
-    handoff are timed from the end of the measured prefill call (`prefill_s` phase) when there is one."""
+    measured step of wall `t` leaves `t x rate - modelled full-speed seconds`. The first token is timed from
+    the modelled step's end (it is sampled there), the handoff from the measured call's (`prefill_s`)."""
     ph = result.phases
     dispatch = (ph.get("route_s") or 0.0) + (ph.get("reserve_s") or 0.0)
     point: dict[str, Any] = {
@@ -163,7 +164,7 @@ def point_from_result(
     if ph.get("prefill_s") is not None:
         prefill_end = ph["prefill_s"]
         point["prefill_extra_s"] = (prefill_end - modelled["prefill_s"]) * prefill_rate
-    point["first_token_extra_s"] = result.ttft_s - dispatch - prefill_end
+    point["first_token_extra_s"] = result.ttft_s - dispatch - modelled["prefill_s"]
     kv_transfer, admit = ph.get("kv_transfer_s"), ph.get("admit_s") or 0.0
     gap = 0.0
     if kv_transfer is not None:

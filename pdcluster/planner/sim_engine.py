@@ -150,6 +150,7 @@ class SimEngine:
         self.step_extra_s = 0.0  # decode: host seconds per step beside the model (`ControlPlane`)
         self.admission_step_extra_s = 0.0  # decode: extra seconds of a step that admitted handoffs
         self.finishing_extra_s = 0.0  # prefill: seconds per request the step completes (`ControlPlane`)
+        self.step_started_s = self.step_full_s = 0.0  # the step in flight: start, full-speed seconds
         self._step: list[tuple[SimRequest, int]] = []
         # DecodeRow is a frozen dataclass (slow to build); rows are plain values, so equal ones are shared
         self._rows: dict[tuple[int, int], DecodeRow] = {}
@@ -285,6 +286,7 @@ class SimEngine:
             return 0.0
         duration_s = self.model.step_time_s(StepShape(tuple(prefill), tuple(decode), self.k)) + extra_s
         duration_s += finishing * self.finishing_extra_s
+        self.step_started_s, self.step_full_s = now_s, duration_s
         self.busy = True
         self.num_steps += 1
         self.busy_s += duration_s
