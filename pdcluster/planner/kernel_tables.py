@@ -180,8 +180,8 @@ class EpTable:
 
 PPLX = (
     "pplx-kernels README, 'Benchmark Results', 1 token per GPU (github.com/perplexityai/pplx-kernels at "
-    "2bd6e30): IBGDA dispatch/combine, EP16-EP128, 8 GPUs a node (GPU and NIC not named; its 128-token table "
-    "sits beside DeepEP's H800 figures)"
+    "2bd6e30): IBGDA dispatch/combine at EP16-EP128, NVLink at EP8 (one node of 8 GPUs; GPU and NIC not "
+    "named, its 128-token table sits beside DeepEP's H800 figures)"
 )
 DEEPEP = "DeepEP README, 'Performance' (github.com/deepseek-ai/DeepEP at 567632d): H800, CX7 400 Gb/s per GPU"
 HOPPER_EP_LOW_LATENCY = EpTable(
@@ -192,8 +192,9 @@ HOPPER_EP_LOW_LATENCY = EpTable(
     f"{DEEPEP}, low-latency kernels (pure RDMA, 128 tokens per rank, FP8 dispatch, BF16 combine); they hold "
     "no SMs while the transfer runs (DeepEP README; DeepSeek profile-data README, decoding); the floor of a "
     f"call moving ~1 token per rank: {PPLX} (the same GPU-initiated RDMA path)",
-    ((16, 32, 64, 128), (102.7e-6, 115.7e-6, 121.0e-6, 125.9e-6), (62.7e-6, 55.4e-6, 58.6e-6, 63.2e-6)),
-)
+    ((8, 16, 32, 64, 128), (41.6e-6, 102.7e-6, 115.7e-6, 121.0e-6, 125.9e-6),
+     (41.7e-6, 62.7e-6, 55.4e-6, 58.6e-6, 63.2e-6)),
+)  # fmt: skip
 HOPPER_EP_NORMAL = EpTable(
     (8, 16, 32, 64),
     tuple(g * GIGA for g in (153, 43, 58, 51)),

@@ -46,6 +46,9 @@ def test_each_table_interpolates_to_its_published_points(tables):
         if ep_table.floor is not None:
             for ep, dispatch, combine in zip(*ep_table.floor, strict=True):
                 assert ep_table.latency_floor_s(ep) == (dispatch, combine)
+                # the ~1-token floor stays below the table's own 128-token call (fp8 out, bf16 back, top-8)
+                out, back = ep_table.bandwidth(ep)
+                assert dispatch < 128 * 8 * 7168 / out and combine < 128 * 8 * 7168 * 2 / back
 
 
 def test_grouped_layouts_below_their_smallest_m_use_the_dense_rows():
