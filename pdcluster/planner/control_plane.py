@@ -30,9 +30,13 @@ MIN_DECODE_STEPS = 4  # a per-step figure from fewer steps is mostly the first s
 
 @dataclass(frozen=True)
 class ControlPlane:
-    """Seconds the live path adds around the engine steps; all >= 0, zero by default (engine-side only)."""
+    """Seconds the live path adds around the engine steps; all >= 0, zero by default (engine-side only).
+    `prefill_extra_s`: full-speed seconds a prefill instance stays busy per request its step completes after
+    sampling the first token (last KV send, MTP pass, reply); `first_token_extra_s`: from the sampling
+    until the client has the token."""
 
     dispatch_s: float = 0.0
+    prefill_extra_s: float = 0.0
     first_token_extra_s: float = 0.0
     handoff_extra_s: float = 0.0
     first_decode_step_extra_s: float = 0.0
@@ -107,7 +111,7 @@ def derive(
     )
 
 
-_MEDIANS = ("dispatch", "first_", "handoff", "decode")
+_MEDIANS = ("dispatch", "prefill_extra", "first_", "handoff", "decode")
 
 
 def cpu_share(results: list) -> float:
@@ -137,11 +141,14 @@ def num_decode_steps(result, k: int) -> float:
     return (result.num_output_tokens - 1) / (1.0 + (result.acceptance_rate or 0.0) * k)
 
 
-def point_from_result(result, k: int, modelled: dict[str, float], decode_rate: float = 1.0) -> dict[str, Any]:
+def point_from_result(
+    result, k: int, modelled: dict[str, float], decode_rate: float = 1.0, prefill_rate: float = 1.0
+) -> dict[str, Any]:
     """One request's measured pieces (seconds) from its `RequestResult`. `modelled`: the prefill step and
     KV handoff as wall seconds (`prefill_s`, `kv_handoff_s`), the decode step at full speed (`decode_s`);
-    the simulator stretches a decode step's extra with its step by `decode_rate` (`planner.core_sharing`),
-    so a measured step of wall `t` leaves `t x decode_rate - decode_s`."""
+    the simulator stretches a step's extra with its step by its rate (`planner.core_sharing`), so a
+    measured step of wall `t` leaves `t x rate - modelled full-speed seconds`. The first token is timed from
+    the modelled step's end (it is sampled there), the handoff from the measured call's (`prefill_s`)."""
     ph = result.phases
     dispatch = (ph.get("route_s") or 0.0) + (ph.get("reserve_s") or 0.0)
     point: dict[str, Any] = {
@@ -153,11 +160,15 @@ def point_from_result(result, k: int, modelled: dict[str, float], decode_rate: f
         "modelled": modelled,
         "dispatch_s": dispatch,
     }
+    prefill_end = modelled["prefill_s"]
+    if ph.get("prefill_s") is not None:
+        prefill_end = ph["prefill_s"]
+        point["prefill_extra_s"] = (prefill_end - modelled["prefill_s"]) * prefill_rate
     point["first_token_extra_s"] = result.ttft_s - dispatch - modelled["prefill_s"]
     kv_transfer, admit = ph.get("kv_transfer_s"), ph.get("admit_s") or 0.0
     gap = 0.0
     if kv_transfer is not None:
-        point["handoff_extra_s"] = kv_transfer + admit - modelled["prefill_s"] - modelled["kv_handoff_s"]
+        point["handoff_extra_s"] = kv_transfer + admit - prefill_end - modelled["kv_handoff_s"]
         gap = max(0.0, dispatch + kv_transfer + admit - result.ttft_s)
     first = ph.get("first_decode_step_s")
     if first is not None:
@@ -196,21 +207,25 @@ def derive_from_probes(
     per_request, per_step = _line(
         [(num_decode_steps(r, k), p["host_cpu_s"]) for r, p in zip(results, probes, strict=True)]
     )
-    # as `ClusterSimulator._start`: a prefill step's driver demand is its finished requests' CPU / its time
-    prefill_driver = statistics.median(min(1.0, per_request / m["prefill_s"]) for m in base)
-    background = max(0.0, cores / share - 1.0 - prefill_driver) if share < 1 else 0.0
-    prefill_rate = lone_rate(cores, prefill_driver, background)
     decode_s, extra, cp = statistics.median(m["decode_s"] for m in base), 0.0, None
-    for _ in range(4):  # a decode step's driver demand depends on its extra, the extra on the step's rate
+    prefill_extra = 0.0
+    for _ in range(4):  # a step's driver demand depends on its extra, the extra on the step's rate
+        # as `ClusterSimulator._start`: a prefill step's driver demand is its requests' CPU / its time
+        prefill_driver = statistics.median(
+            min(1.0, per_request / (m["prefill_s"] + prefill_extra)) for m in base
+        )
+        background = max(0.0, cores / share - 1.0 - prefill_driver) if share < 1 else 0.0
+        prefill_rate = lone_rate(cores, prefill_driver, background)
         decode_rate = lone_rate(cores, min(1.0, per_step / (decode_s + extra)), background)
         points = []
         for r, p, m in zip(results, probes, base, strict=True):
             wall = {"prefill_s": m["prefill_s"] / prefill_rate, "decode_s": m["decode_s"]}
-            wall["kv_handoff_s"] = prefill.kv_handoff_s(p["prompt_len"], wall["prefill_s"])
-            point = point_from_result(r, k, wall, decode_rate)
+            call_s = r.phases.get("prefill_s") or wall["prefill_s"]
+            wall["kv_handoff_s"] = prefill.kv_handoff_s(p["prompt_len"], call_s)
+            point = point_from_result(r, k, wall, decode_rate, prefill_rate)
             points.append({**point, "host_cpu_s": p["host_cpu_s"], "cpu_share": share})
         cp = derive(points, background, (per_request, per_step))
-        extra = cp.decode_step_extra_s
+        extra, prefill_extra = cp.decode_step_extra_s, cp.prefill_extra_s
     rates = {"prefill": prefill_rate, "decode": decode_rate, "prefill_cpu_share": share}
     return {"values": cp.to_dict(), "points": points, "lone_rates": rates}
 

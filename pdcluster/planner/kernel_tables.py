@@ -153,13 +153,15 @@ ASCEND_ATTENTION = AttentionTable(
 
 @dataclass(frozen=True)
 class EpTable:
-    """EP dispatch/combine bytes/s per device by EP size; `comm_sm_fraction`: cores used."""
+    """EP dispatch/combine bytes/s per device by EP size; `comm_sm_fraction`: cores used; `floor`: the
+    `(ep_sizes, dispatch_s, combine_s)` one call takes however few tokens it moves (None: no floor)."""
 
     ep_sizes: tuple[int, ...]
     dispatch_bytes_per_s: tuple[float, ...]
     combine_bytes_per_s: tuple[float, ...]
     comm_sm_fraction: float
     source: str
+    floor: tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...]] | None = None
 
     def bandwidth(self, ep: int) -> tuple[float, float]:
         """`(dispatch, combine)` bytes/s per device at EP size `ep`."""
@@ -168,7 +170,19 @@ class EpTable:
             sizes, self.combine_bytes_per_s, ep
         )
 
+    def latency_floor_s(self, ep: int) -> tuple[float, float]:
+        """`(dispatch, combine)` seconds of one call at EP size `ep` however few tokens; 0 without a floor."""
+        if self.floor is None:
+            return 0.0, 0.0
+        sizes, dispatch, combine = self.floor
+        return interpolate_log(sizes, dispatch, ep), interpolate_log(sizes, combine, ep)
 
+
+PPLX = (
+    "pplx-kernels README, 'Benchmark Results', 1 token per GPU (github.com/perplexityai/pplx-kernels at "
+    "2bd6e30): IBGDA dispatch/combine at EP16-EP128, NVLink at EP8 (one node of 8 GPUs; GPU and NIC not "
+    "named, its 128-token table sits beside DeepEP's H800 figures)"
+)
 DEEPEP = "DeepEP README, 'Performance' (github.com/deepseek-ai/DeepEP at 567632d): H800, CX7 400 Gb/s per GPU"
 HOPPER_EP_LOW_LATENCY = EpTable(
     (8, 16, 32, 64, 128, 256),
@@ -176,8 +190,11 @@ HOPPER_EP_LOW_LATENCY = EpTable(
     tuple(g * GIGA for g in (127, 74, 53, 46, 39, 40)),
     0.0,
     f"{DEEPEP}, low-latency kernels (pure RDMA, 128 tokens per rank, FP8 dispatch, BF16 combine); they hold "
-    "no SMs while the transfer runs (DeepEP README; DeepSeek profile-data README, decoding)",
-)
+    "no SMs while the transfer runs (DeepEP README; DeepSeek profile-data README, decoding); the floor of a "
+    f"call moving ~1 token per rank: {PPLX} (the same GPU-initiated RDMA path)",
+    ((8, 16, 32, 64, 128), (41.6e-6, 102.7e-6, 115.7e-6, 121.0e-6, 125.9e-6),
+     (41.7e-6, 62.7e-6, 55.4e-6, 58.6e-6, 63.2e-6)),
+)  # fmt: skip
 HOPPER_EP_NORMAL = EpTable(
     (8, 16, 32, 64),
     tuple(g * GIGA for g in (153, 43, 58, 51)),

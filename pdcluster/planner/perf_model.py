@@ -60,6 +60,7 @@ class Parallelism:
 class PerfModel:
     """The step-time model (`StepTimeModel`) of one instance of one pool.
 
+    microbatch_overlap: two micro-batches where faster (True) or at every step ("always").
     ep_imbalance: slowest EP rank's load over the mean (None: EPLB placement x token noise). node_forwarding:
     (devices_per_node, intra-node link) for DeepEP-style forwarding. kernel_tables: "catalog" (the device's),
     a table set, or None (scalar factors only). Raises ValueError for ep_imbalance < 1, more TP ranks than
@@ -83,7 +84,7 @@ class PerfModel:
         ep_imbalance: float | None = None,
         dispatch_dtype: str | None = None,
         combine_dtype: str | None = None,
-        microbatch_overlap: bool = False,
+        microbatch_overlap: bool | str = False,
         node_forwarding: tuple[int, Link] | None = None,
         kernel_tables: KernelTables | str | None = "catalog",
     ) -> None:
@@ -280,11 +281,12 @@ class PerfModel:
             )
             return total * sizes[0] / sum(sizes), total * sizes[1] / sum(sizes)
         out = []
-        for nbytes, bandwidth in zip(sizes, table.bandwidth(ep), strict=True):
+        for nbytes, bandwidth, floor in zip(
+            sizes, table.bandwidth(ep), table.latency_floor_s(ep), strict=True
+        ):
             link = Link(bandwidth, 0.0, self.ep_link.level)
-            out.append(
-                ep_layer_s(self.config, ep, t_rank, pairs, imb, nbytes, link, 1.0, self.node_forwarding)
-            )
+            moved = ep_layer_s(self.config, ep, t_rank, pairs, imb, nbytes, link, 1.0, self.node_forwarding)
+            out.append(max(floor, moved))
         return out[0], out[1]
 
     def breakdown(self, step: StepShape) -> StepBreakdown:

@@ -7,6 +7,7 @@ throughput per device counts all `prompt_len` tokens, cache hits included (as De
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 from pdcluster.config.hardware import get_accelerator
 from pdcluster.models.config import DeepseekV3Config
 from pdcluster.planner.comm_costs import Link
-from pdcluster.planner.efficiency import Efficiency
+from pdcluster.planner.efficiency import Efficiency, Factor, get_efficiency
 from pdcluster.planner.op_costs import Dtypes
 from pdcluster.planner.perf_model import Parallelism, PerfModel
 from pdcluster.planner.step_model import DecodeRow, PrefillChunk, StepShape
@@ -28,7 +29,8 @@ WITHIN = 0.15
 
 @dataclass(frozen=True)
 class Deployment:
-    """One published deployment shape (`devices` per instance)."""
+    """One published deployment shape (`devices` per instance). `microbatch_overlap`: True (two micro-batches
+    where faster), False, or "always"; `host_overhead`: its own per-step host time, if published."""
 
     key: str
     name: str
@@ -40,9 +42,10 @@ class Deployment:
     ep_link: Link
     dispatch_dtype: str
     combine_dtype: str
-    microbatch_overlap: bool
+    microbatch_overlap: bool | str
     node_forwarding: tuple[int, Link] | None
     facts: tuple[str, ...]
+    host_overhead: Factor | None = None
 
 
 def _link(d: dict[str, Any]) -> Link:
@@ -56,14 +59,22 @@ def load_table(path: Path = TABLE_PATH) -> tuple[dict[str, Deployment], list[dic
     deployments = {}
     for key, d in raw["deployments"].items():
         try:
-            forwarding = d["node_forwarding"]
+            forwarding, host, overlap = (
+                d["node_forwarding"],
+                d.get("host_overhead_s"),
+                d["microbatch_overlap"],
+            )
+            if overlap not in (True, False, "always"):
+                raise ValueError(
+                    f"{path}: deployment {key!r}: microbatch_overlap {overlap!r} is not true, false or always"
+                )
             deployments[key] = Deployment(
                 key, d["name"], d["accelerator"], int(d["devices"]), int(d["expert_parallel_size"]),
                 int(d["num_redundant_experts"]), Dtypes(**d["dtypes"]), _link(d["ep_link"]),
-                d["dispatch_dtype"], d["combine_dtype"], bool(d["microbatch_overlap"]),
+                d["dispatch_dtype"], d["combine_dtype"], overlap,
                 None if forwarding is None
                 else (int(forwarding["devices_per_node"]), _link(forwarding["link"])),
-                tuple(d["facts"]),
+                tuple(d["facts"]), None if host is None else Factor(float(host["value"]), host["source"]),
             )  # fmt: skip
         except KeyError as exc:
             raise ValueError(f"{path}: deployment {key!r} has no field {exc}") from None
@@ -88,6 +99,10 @@ def model_for(
 ) -> PerfModel:
     """The deployment's `PerfModel` (or with `efficiency`); `overlap` overrides its overlap."""
     spec = get_accelerator(dep.accelerator)
+    if dep.host_overhead is not None:
+        efficiency = dataclasses.replace(
+            efficiency or get_efficiency(spec.name), host_overhead_s=dep.host_overhead
+        )
     return PerfModel(
         config,
         spec,

@@ -149,6 +149,8 @@ class SimEngine:
         self.num_step_rows = 0  # decode: requests the step decodes (each streams its tokens)
         self.step_extra_s = 0.0  # decode: host seconds per step beside the model (`ControlPlane`)
         self.admission_step_extra_s = 0.0  # decode: extra seconds of a step that admitted handoffs
+        self.finishing_extra_s = 0.0  # prefill: seconds per request the step completes (`ControlPlane`)
+        self.step_started_s = self.step_full_s = 0.0  # the step in flight: start, full-speed seconds
         self._step: list[tuple[SimRequest, int]] = []
         # DecodeRow is a frozen dataclass (slow to build); rows are plain values, so equal ones are shared
         self._rows: dict[tuple[int, int], DecodeRow] = {}
@@ -181,8 +183,8 @@ class SimEngine:
         request.num_computed_tokens = request.num_prompt_tokens
         request.num_output_tokens = 1
         request.admitted_s = request.last_token_s = now_s
-        if request.first_token_s is None or request.first_token_s > now_s:
-            request.first_token_s = now_s  # decode's delta reaches the client before the prefill reply
+        if request.first_token_s is None:  # prefill's reply streams it (`DecodeWorker` admits it textless)
+            request.first_token_s = now_s
         if request.max_tokens <= 1:  # the first token finished it
             request.finished_s = now_s
             self._free(request)
@@ -283,6 +285,8 @@ class SimEngine:
         if not step:
             return 0.0
         duration_s = self.model.step_time_s(StepShape(tuple(prefill), tuple(decode), self.k)) + extra_s
+        duration_s += finishing * self.finishing_extra_s
+        self.step_started_s, self.step_full_s = now_s, duration_s
         self.busy = True
         self.num_steps += 1
         self.busy_s += duration_s
@@ -315,6 +319,8 @@ class SimEngine:
             request.num_computed_tokens = num_computed
             num_output = request.num_output_tokens + 1 + num_accepted
             request.last_token_s = now_s
+            if request.first_token_s is None or request.first_token_s > now_s:
+                request.first_token_s = now_s  # a reply slower than this delta: it brings the first token
             num_allowed = request.max_tokens - num_output
             if num_allowed <= 0:
                 request.num_output_tokens = request.max_tokens

@@ -84,6 +84,8 @@ class ClusterSimulator:
             )
             for i in range(topology.decode.num_instances)
         ]
+        for engine in self.prefills:
+            engine.finishing_extra_s = cp.prefill_extra_s
         for engine in self.decodes:
             engine.step_extra_s, engine.admission_step_extra_s = (
                 cp.decode_step_extra_s,
@@ -231,10 +233,14 @@ class ClusterSimulator:
         done = engine.finish_step(now_s)
         if engine.role == "prefill":
             model, cp = self.prefill_model, self.control_plane
+            # the first token is sampled before the tail (KV send, MTP pass) the step's wall also holds
+            tail_s = engine.num_step_finishing * engine.finishing_extra_s
+            if tail_s > 0:
+                tail_s *= (now_s - engine.step_started_s) / engine.step_full_s
             for request in done:
                 assert request.prefill_start_s is not None
                 if request.first_token_s is None:  # (else a recompute after a rank loss: streamed already)
-                    request.first_token_s = now_s + cp.first_token_extra_s
+                    request.first_token_s = now_s - tail_s + cp.first_token_extra_s
                 # MTP state (drafts) travels with the KV; decode starts at full acceptance
                 compute_s = now_s - request.prefill_start_s
                 handoff_s = model.kv_handoff_s(request.num_prompt_tokens, compute_s) + cp.handoff_extra_s

@@ -51,12 +51,16 @@ def _halved(work: RankWork) -> RankWork:
 
 
 def price_step(model: PerfModel, step: StepShape, record: bool) -> StepBreakdown:
-    """`step` on `model`'s slowest rank: serial, or two micro-batches where faster (SGLang)."""
+    """`step` on `model`'s slowest rank: serial, or two micro-batches where faster (SGLang) or
+    `microbatch_overlap == "always"`."""
     work = model.rank_work(step)
     if work.num_tokens == 0:
         return StepBreakdown({}, 0.0, 0.0, 0.0, 0.0)
+    split = model.microbatch_overlap and model.parallel.expert_parallel_size > 1
+    if split and model.microbatch_overlap == "always":
+        return _price(model, step, work, True, record)
     serial = _price(model, step, work, False, record)
-    if model.microbatch_overlap and model.parallel.expert_parallel_size > 1:
+    if split:
         overlapped = _price(model, step, work, True, record)
         if overlapped.total_s < serial.total_s:
             return overlapped

@@ -59,10 +59,17 @@ def test_one_request_pays_each_control_plane_cost_once_where_the_live_path_does(
     )
     assert r.e2e_s == pytest.approx(sum(r.phases.values()), abs=TOL_S)
     assert r.tpot_s == pytest.approx((0.004 + 0.010 + 0.007 + decode_s - r.ttft_s) / 4, abs=TOL_S)
-    # a reply slower than the handoff: decode's delta (at the admission) is the first token the client sees
+    # a reply slower than the handoff and the first decode step: decode admits the request without a token
+    # (the reply streams it), so the first token the client sees comes with that step's delta
     late = _one_request(ControlPlane(first_token_extra_s=0.050))
-    assert late.ttft_s == pytest.approx(0.010 + 0.003, abs=TOL_S)
-    assert late.tpot_s == pytest.approx(0.002, abs=TOL_S) and late.e2e_s >= late.ttft_s
+    assert late.ttft_s == pytest.approx(0.010 + 0.003 + 0.002, abs=TOL_S)
+    assert late.tpot_s == pytest.approx(3 * 0.002 / 4, abs=TOL_S) and late.e2e_s >= late.ttft_s
+    # the prefill instance stays busy for the per-request extra after sampling the first token: the call
+    # (prefill_s) and the handoff move, the first token does not
+    held = _one_request(ControlPlane(prefill_extra_s=0.005, first_token_extra_s=0.002))
+    assert held.phases["prefill_s"] == pytest.approx(0.015, abs=TOL_S)
+    assert held.ttft_s == pytest.approx(0.010 + 0.002, abs=TOL_S)
+    assert held.phases["kv_transfer_s"] == pytest.approx(0.003, abs=TOL_S)
 
 
 def test_derive_subtracts_the_modelled_engine_time_from_the_measured_phases():
@@ -87,6 +94,14 @@ def test_derive_subtracts_the_modelled_engine_time_from_the_measured_phases():
     assert early["decode_step_extra_s"] == pytest.approx(
         (0.064 - gap - 0.010) / (steps - 1) - 0.004, abs=TOL_S
     )
+    # with the measured prefill call (30 ms at half speed): its excess over the modelled step is the busy
+    # extra at full speed; the handoff is timed from the call's end, the reply from the sampling
+    called = RequestResult(0, 64, 9, 0.0, ok=True, num_output_tokens=9, ttft_s=0.050, tpot_s=0.008,
+                           acceptance_rate=0.5, phases={**result.phases, "prefill_s": 0.030})  # fmt: skip
+    with_call = point_from_result(called, 1, modelled, prefill_rate=0.5)
+    assert with_call["prefill_extra_s"] == pytest.approx((0.030 - 0.020) * 0.5, abs=TOL_S)
+    assert with_call["first_token_extra_s"] == pytest.approx(0.050 - 0.003 - 0.020, abs=TOL_S)
+    assert with_call["handoff_extra_s"] == pytest.approx(0.040 + 0.001 - 0.030 - 0.005, abs=TOL_S)
     slower = dict(point, decode_step_extra_s=-0.5)  # a model slower than the live path adds nothing
     cp = derive([point, slower, point])
     assert cp.decode_step_extra_s == pytest.approx(point["decode_step_extra_s"], abs=TOL_S)

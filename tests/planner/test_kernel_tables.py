@@ -43,6 +43,12 @@ def test_each_table_interpolates_to_its_published_points(tables):
                 ep_table.dispatch_bytes_per_s[i],
                 ep_table.combine_bytes_per_s[i],
             )
+        if ep_table.floor is not None:
+            for ep, dispatch, combine in zip(*ep_table.floor, strict=True):
+                assert ep_table.latency_floor_s(ep) == (dispatch, combine)
+                # the ~1-token floor stays below the table's own 128-token call (fp8 out, bf16 back, top-8)
+                out, back = ep_table.bandwidth(ep)
+                assert dispatch < 128 * 8 * 7168 / out and combine < 128 * 8 * 7168 * 2 / back
 
 
 def test_grouped_layouts_below_their_smallest_m_use_the_dense_rows():
@@ -123,3 +129,18 @@ def test_ep_imbalance_after_eplb():
     )
     assert few > many > 1.0
     assert eplb_imbalance(256, 320, 8, 40, 320, 0.0, 1.5, 64) > few
+
+
+def test_a_tiny_decode_step_pays_the_ep_latency_floor_and_always_runs_two_micro_batches(deployments):
+    deps, config = deployments
+    model = model_for(deps["h800-decode"], config, overlap=False)
+    one = StepShape(decode=(DecodeRow(4096, 2),) * model.parallel.devices, num_speculative_tokens=1)
+    floor = kt.HOPPER_EP_LOW_LATENCY.latency_floor_s(model.parallel.expert_parallel_size)
+    assert min(floor) > 0
+    # one token per rank moves a few KB: the floor, not the bytes, prices every MoE layer's dispatch/combine
+    assert model.comm_time_s(one) >= model.num_moe_layers * sum(floor)
+    always = model_for(deps["rtp-h800-decode"], config)
+    assert always.microbatch_overlap == "always"
+    serial = model_for(deps["rtp-h800-decode"], config, overlap=False)
+    # at one request per rank two micro-batches read every weight twice: slower than one batch, yet priced so
+    assert always.step_time_s(one) > serial.step_time_s(one)

@@ -83,3 +83,12 @@ def test_a_row_naming_an_unknown_deployment_is_refused(tmp_path):
     path.write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="unknown deployment"):
         published.load_table(path)
+
+
+def test_a_deployment_with_an_unknown_overlap_mode_is_refused(tmp_path):
+    raw = json.loads(published.TABLE_PATH.read_text())
+    next(iter(raw["deployments"].values()))["microbatch_overlap"] = "sometimes"
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="microbatch_overlap 'sometimes'"):
+        published.load_table(path)
