@@ -28,6 +28,7 @@ logger = logging.getLogger("pdcluster.driver.cluster")
 ROLES = ("prefill", "decode")
 PARKED = "parked"
 DRAIN_POLL_S = 0.05
+REWIRE_ATTEMPTS = 3  # each bounded by the call timeout
 # engine arguments the two roles may differ in and still share one engine (the deploy role's stand)
 ROLE_FREE_FIELDS = frozenset({"compile", "max_num_seqs", "max_num_batched_tokens"})
 
@@ -209,12 +210,17 @@ class RoleMover:
                     f"{source.role}"
                 )
             time.sleep(DRAIN_POLL_S)
-        try:
-            self._rewire(ray, dest, address)
-        except Exception as e:  # its new role runs: in its new pool, out of routing until a probe rejoins it
-            dest.health, dest.pool_state = InstanceHealth(since_s=time.monotonic()), "active"
-            self.cluster.registry.mark_failed(dest.role, dest.index, e, "rewiring after a move")
-            raise MoveFailed(f"{dest.name}: rewiring the KV transport failed: {describe_error(e)}") from e
+        for attempt in range(1, REWIRE_ATTEMPTS + 1):  # its new role runs: a passing fault is tried again
+            try:
+                self._rewire(ray, dest, address)
+                break
+            except Exception as e:  # noqa: BLE001 - out of routing until a probe rejoins it
+                if attempt < REWIRE_ATTEMPTS:
+                    logger.warning("%s: rewiring after a move failed (%s)", dest.name, describe_error(e))
+                    continue
+                dest.health, dest.pool_state = InstanceHealth(since_s=time.monotonic()), "active"
+                self.cluster.registry.mark_failed(dest.role, dest.index, e, "rewiring after a move")
+                raise MoveFailed(f"{dest.name}: rewiring the KV transport failed: {describe_error(e)}") from e
         return dest, waited_for
 
     def _drain(self, source: Instance) -> str | None:
