@@ -100,6 +100,8 @@ class RoleMover:
             raise MoveRefused(f"{source.name} cannot move: {self.issue}")
         if target not in (*ROLES, PARKED):
             raise MoveRefused(f"role must be prefill, decode or parked, got {target!r}")
+        if self.moving is not None:
+            raise MoveRefused(f"{self.moving} is moving now: one move at a time")
         if source.pool_state == PARKED and target == source.role:
             return  # unparking: it rejoins its pool
         if source.pool_state == PARKED and target == PARKED:
@@ -110,8 +112,6 @@ class RoleMover:
             raise MoveRefused(
                 f"{source.name} has {source.num_ranks} ranks: only single-device instances move"
             )
-        if self.moving is not None:
-            raise MoveRefused(f"{self.moving} is moving now: one move at a time")
         if not source.accepting and source.pool_state != PARKED:
             raise MoveRefused(
                 f"{source.name} is {source.health.state.value} ({source.pool_state}): not moved"
