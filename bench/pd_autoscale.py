@@ -8,10 +8,12 @@ conversation trace: `phase_shift` (prompt-heavy rows, then output-heavy rows, th
 `--phase-s` each) and `steady` (all rows mixed). Arrival gaps are Azure's, rescaled to a rate the perf
 model prices: a phase's hot pool needs `HOT_INSTANCES_FRACTION` of the instances, the steady trace
 `STEADY_LOAD` of all. Each trace runs on every static split (`planner.simulator`) and with the controller
-(`planner.autoscale_sim`, starting from the file's split). Goodput: requests within the SLO per second
-of the trace's arrival span, the same for every run of one trace, so `goodput_over_best_static` is the
-ratio of requests within the SLO; `*_per_s_of_duration` divides by each run's own first-arrival to
-last-answer time instead (`pdcluster bench`'s summary). `lost_requests`: requests that did not complete.
+(`planner.autoscale_sim`, starting from the file's split; a quarter of the instances may move at once;
+prefill's step budget at most half the TTFT SLO: `prefill_budget_within_slo`). Goodput: requests within
+the SLO per second of the trace's arrival span, the same for every run of one trace, so
+`goodput_over_best_static` is the ratio of requests within the SLO; `*_per_s_of_duration` divides by
+each run's own first-arrival to last-answer time instead (`pdcluster bench`'s summary).
+`lost_requests`: requests that did not complete.
 """
 
 from __future__ import annotations
@@ -57,7 +59,33 @@ def cluster_topology(name: str):  # noqa: ANN201
         t = dataclasses.replace(t, decode=decode)
     else:
         raise SystemExit(f"unknown cluster {name!r} (local4, cm384)")
-    return dataclasses.replace(t, autoscale=AutoscaleConfig(enabled=True, **BENCH_AUTOSCALE))
+    total = t.prefill.num_instances + t.decode.num_instances
+    config = AutoscaleConfig(enabled=True, max_moves_in_flight=max(1, total // 4), **BENCH_AUTOSCALE)
+    return dataclasses.replace(t, autoscale=config)
+
+
+def prefill_budget_within_slo(topology, prefill_model, prompt_len: int = 1024):  # noqa: ANN001, ANN201
+    """`topology` with prefill's `max_num_batched_tokens` lowered (multiples of `prompt_len`) until a full
+    step of `prompt_len`-token prompts takes at most half the TTFT SLO (a prompt waits for the step in
+    progress, then its own); unchanged when it already does. Raises SystemExit when no step fits."""
+    from pdcluster.config.slo import DEFAULT_TTFT_SLO_MS
+    from pdcluster.planner.step_model import PrefillChunk, StepShape
+
+    bound_s = (topology.slo.ttft_ms or DEFAULT_TTFT_SLO_MS) / 2000
+    budget = topology.prefill.max_num_batched_tokens
+
+    def step_s(num_tokens: int) -> float:
+        chunk = min(prompt_len, num_tokens)
+        return prefill_model.step_time_s(StepShape((PrefillChunk(chunk),) * (num_tokens // chunk)))
+
+    if step_s(budget) <= bound_s:
+        return topology
+    fits = [n for n in range(prompt_len, budget, prompt_len) if step_s(n) <= bound_s]
+    if not fits:
+        raise SystemExit(f"no prefill step of {prompt_len} tokens fits half the TTFT SLO ({bound_s} s)")
+    return dataclasses.replace(
+        topology, prefill=dataclasses.replace(topology.prefill, max_num_batched_tokens=fits[-1])
+    )
 
 
 def with_split(topology, num_prefill: int):  # noqa: ANN001, ANN201
@@ -180,6 +208,7 @@ def prepared(name: str, phase_s: float, seed: int, max_requests: int | None = No
     topology = cluster_topology(name)
     options = PlanOptions(trace="AzureLLMInferenceTrace_conv.csv", seed=seed)
     prefill_model, decode_model = step_models(topology, options)
+    topology = prefill_budget_within_slo(topology, prefill_model)
     acceptance = acceptance_for(topology, options)
     traces = build_traces(topology, Pricing(topology, prefill_model, decode_model, acceptance), phase_s, seed)
     traces = {k: thinned(v, max_requests) for k, v in traces.items()}

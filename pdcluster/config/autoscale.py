@@ -46,7 +46,7 @@ class PoolBounds:
 @dataclass(frozen=True)
 class AutoscaleConfig:
     """Dynamic P:D: when `enabled`, the controller (unless `controller` is false: moves by hand only) moves
-    single-device instances between the pools (and with `park` parks them at low load, in the simulator)
+    single-device instances between the pools (and with `park` parks them at low load: loaded, out of routing)
     every `interval_s`, from signals over `window_s`, at most one move per `dwell_s`; a leaving instance
     finishes its queue or running requests within `drain_timeout_s`, else (`recompute_at_drain_bound`) its
     running requests are re-dispatched through prefill, or the move fails and it stays.
@@ -67,6 +67,8 @@ class AutoscaleConfig:
     recompute_at_drain_bound: bool = True
     park: bool = False
     park_below_utilization: float = field(default=0.4, metadata=at_least(0))
+    # moves the controller may have under way at once (the simulator's; the live mover makes one at a time)
+    max_moves_in_flight: int = field(default=1, metadata=between(1, MAX_INSTANCES))
     prefill: PoolBounds = field(default_factory=PoolBounds)
     decode: PoolBounds = field(default_factory=PoolBounds)
     # bearer token of the admin endpoint that moves instances by hand (None: PDCLUSTER_ADMIN_TOKEN, or off)
@@ -93,6 +95,7 @@ class AutoscaleConfig:
             drain_timeout_s=self.drain_timeout_s,
             park=self.park,
             park_below_utilization=self.park_below_utilization,
+            max_moves_in_flight=self.max_moves_in_flight,
             prefill_bounds=(self.prefill.min_instances, self.prefill.max_instances or num_instances),
             decode_bounds=(self.decode.min_instances, self.decode.max_instances or num_instances),
         )

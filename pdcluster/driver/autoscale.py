@@ -9,13 +9,15 @@ Each pool's demand is counted in instances from the window's signals and a per-i
                          KV blocks used / (blocks of one instance × KV_HIGH))
 
 each scaled up by how far the window's p90 TTFT (prefill) or TPOT (decode) is over its SLO (at most
-SLO_PRESSURE_CAP). Utilization u = demand / active instances. A move from pool A to B is made when the
-higher utilization M0 exceeds `target_utilization`, the move lowers it by at least `hysteresis`, and A
-stays within `target_utilization` after it unless B is HOT_DONOR_RATIO times hotter than A would be; the
-move's own cost (the leaving instance drains for `drain_s`, serving neither pool after it stops taking work)
-is counted against the gain over one dwell time. At most one move per decision; within `dwell_s` of the
-last move only one to the same pool (no reversal, no parking; unparking excepted: the SLO comes first);
-pools kept within their bounds (>= 1).
+SLO_PRESSURE_CAP). Utilization u = demand / instances (an instance moving counts in the pool it goes to).
+A move from pool A to B is made when the higher utilization M0 exceeds `target_utilization`, the best
+split reachable by moves from A to B (the k minimizing max(dA / (nA - k), dB / (nB + k))) lowers it by at
+least `hysteresis`, and A stays within `target_utilization` after this move unless B is HOT_DONOR_RATIO
+times hotter than A would be; the move's own cost (the leaving instance drains for `drain_s`, serving
+neither pool after it stops taking work) is counted against its gain over one dwell time. At most one move
+per decision and `max_moves_in_flight` at once; while moves are in flight or within `dwell_s` of the last
+move only one to the same pool (no reversal, no parking; unparking excepted: the SLO comes first); pools
+kept within their bounds (>= 1).
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ class InstanceView:
     """One instance as the controller sees it; `instance_id` is stable across moves.
 
     role: `prefill`, `decode` or `parked`; `available`: False while it drains or switches (a move of it is
-    in progress); last_move_s: when its last move ended (-inf: never moved); queued_tokens: prefill prompt
-    tokens queued or computing; batch: decode requests running or admitted waiting for a seat (not those
-    reserved awaiting their prefill: prefill's load);
+    in progress, to `moving_to`; None: its role); last_move_s: when its last move ended (-inf: never moved);
+    queued_tokens: prefill prompt tokens queued or computing; batch: decode requests running or admitted
+    waiting for a seat (not those reserved awaiting their prefill: prefill's load);
     drain_s: the seconds it needs to finish its work if it leaves its pool now; busy_fraction: of the
     window it spent computing steps (prefill; 0..1).
     """
@@ -52,6 +54,7 @@ class InstanceView:
     batch: int = 0
     drain_s: float = 0.0
     busy_fraction: float = 0.0
+    moving_to: str | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class Policy:
     drain_timeout_s: float = 60.0
     park: bool = False
     park_below_utilization: float = 0.4
+    max_moves_in_flight: int = 1
     prefill_bounds: tuple[int, int] = (1, 1 << 16)
     decode_bounds: tuple[int, int] = (1, 1 << 16)
 
@@ -143,28 +147,33 @@ def decide(
     for i in instances:
         if i.role not in (*ROLES, PARKED):
             raise ValueError(f"instance {i.instance_id}: unknown role {i.role!r}")
-    if any(not i.available for i in instances) or not signals.window_full:
-        return None  # one move at a time: the last one has not ended
-    count = {r: sum(1 for i in instances if i.role == r) for r in ROLES}
+    moving = [i for i in instances if not i.available]
+    if len(moving) >= policy.max_moves_in_flight or not signals.window_full:
+        return None  # as many moves as allowed have not ended
+    settled = [i for i in instances if i.available]
+    count = {r: sum(1 for i in settled if i.role == r) for r in ROLES}
     if any(count[r] == 0 for r in ROLES):
         return None  # a pool without instances: nothing to measure (bounds keep a live one at >= 1)
-    demand = pool_demand(instances, signals, capacity, policy)
+    for i in moving:
+        count[i.moving_to or i.role] = count.get(i.moving_to or i.role, 0) + 1
+    demand = pool_demand(settled, signals, capacity, policy)
     util = {r: demand[r] / count[r] for r in ROLES}
     peak = max(util.values())
-    parked = [i for i in instances if i.role == PARKED]
+    parked = [i for i in settled if i.role == PARKED]
     if parked and peak >= policy.target_utilization:
         return _unpark(parked, count, util, policy)
     last = max(instances, key=lambda i: i.last_move_s)
-    if now_s - last.last_move_s < policy.dwell_s:
-        # within the dwell only a move continuing the last one (to the same pool): a reversal waits
-        move = (
-            _rebalance(instances, count, demand, util, policy) if peak >= policy.target_utilization else None
-        )
-        return move if move is not None and move.target == last.role else None
+    direction = (moving[0].moving_to or moving[0].role) if moving else None
+    if direction is None and now_s - last.last_move_s < policy.dwell_s:
+        direction = last.role
+    if direction is not None:
+        # moves in flight or within the dwell: only one continuing them (to the same pool); a reversal waits
+        move = _rebalance(settled, count, demand, util, policy) if peak >= policy.target_utilization else None
+        return move if move is not None and move.target == direction else None
     if peak >= policy.target_utilization:
         return _rebalance(instances, count, demand, util, policy)
     if policy.park and peak < policy.park_below_utilization:
-        return _park(instances, count, demand, policy)
+        return _park(settled, count, demand, policy)
     return None
 
 
@@ -183,14 +192,18 @@ def _rebalance(
 ) -> Move | None:
     target = max(ROLES, key=lambda r: util[r])
     source = PREFILL if target == DECODE else DECODE
-    if count[source] <= policy.bounds(source)[0] or count[target] >= policy.bounds(target)[1]:
+    most = min(count[source] - policy.bounds(source)[0], policy.bounds(target)[1] - count[target])
+    if most < 1:
         return None
     peak = util[target]
-    source_after = demand[source] / (count[source] - 1)
-    target_after = demand[target] / (count[target] + 1)
-    after = max(source_after, target_after)
-    if after > peak - policy.hysteresis:
+    best = min(
+        max(demand[source] / (count[source] - k), demand[target] / (count[target] + k))
+        for k in range(1, most + 1)
+    )
+    if best > peak - policy.hysteresis:
         return None
+    source_after = demand[source] / (count[source] - 1)
+    after = max(source_after, demand[target] / (count[target] + 1))
     if source_after > policy.target_utilization and peak < HOT_DONOR_RATIO * source_after:
         return None  # both pools hot: the move would shift the backlog, and the next decision undo it
     for candidate in _by_cost(instances, source):
@@ -206,7 +219,8 @@ def _rebalance(
             target,
             f"{target} utilization {peak:.2f} >= target {policy.target_utilization:.2f} "
             f"({target} demand {demand[target]:.2f} on {count[target]}, {source} demand "
-            f"{demand[source]:.2f} on {count[source]}); after the move max {after:.2f}, "
+            f"{demand[source]:.2f} on {count[source]}); after the move max {after:.2f}, best reachable "
+            f"{best:.2f}, "
             f"drain {candidate.drain_s:.1f} s",
         )
     return None

@@ -2,7 +2,8 @@
 
 Every `autoscale.interval_s` a thread gives `driver.autoscale.decide` each instance's prefill queued tokens
 and decode batch, the window's prompt tokens/s, TTFT/TPOT samples and KV occupancy, and each pool's capacity
-from the planner's perf model; `RoleMover.move` executes what it decides. Parking is simulated only.
+from the planner's perf model; `RoleMover.move` executes what it decides (parking included: a parked
+instance stays loaded in its pool, out of routing).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pdcluster.config.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
-from pdcluster.driver.autoscale import Capacity, InstanceView, Move, SignalWindow, decide
+from pdcluster.driver.autoscale import PARKED, Capacity, InstanceView, Move, SignalWindow, decide
 from pdcluster.driver.periodic import PeriodicThread
 from pdcluster.driver.role_moves import MoveFailed, MoveRefused
 from pdcluster.driver.router import RankRef
@@ -68,8 +69,7 @@ class LiveAutoscaler(PeriodicThread):
         self.tpot_slo_s = (topo.slo.tpot_ms or DEFAULT_TPOT_SLO_MS) / 1000
         homes = [s.home or s.name for role in ("prefill", "decode") for s in cluster.instances[role]]
         self.ids = {home: i for i, home in enumerate(homes)}  # stable across moves
-        policy = self.config.policy(self.ttft_slo_s, self.tpot_slo_s, len(homes))
-        self.policy = dataclasses.replace(policy, park=False)
+        self.policy = self.config.policy(self.ttft_slo_s, self.tpot_slo_s, len(homes))
         self.window = SignalWindow(self.config.window_s)
         self._busy: dict[str, deque[tuple[float, bool]]] = {}
         self._outputs: deque[tuple[float, int]] = deque(maxlen=4096)  # (when finished, output tokens)
@@ -114,9 +114,13 @@ class LiveAutoscaler(PeriodicThread):
                 if slot.pool_state == "away" or not slot.routable:
                     continue
                 home = slot.home or slot.name
-                available = slot.accepting and mover.moving is None
+                parked = slot.pool_state == PARKED
+                available = (slot.accepting or parked) and mover.moving is None
                 last_s = mover.last_move_s.get(home, float("-inf"))
-                view = InstanceView(self.ids[home], role, available, last_s)
+                view = InstanceView(self.ids[home], PARKED if parked else role, available, last_s)
+                if parked:
+                    views.append(view)
+                    continue
                 if role == "prefill":
                     queued = loads.prefill_queued_tokens(RankRef(slot.index, 0))
                     busy = self._busy.setdefault(home, deque())

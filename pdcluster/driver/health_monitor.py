@@ -181,6 +181,19 @@ class HealthMonitor(PeriodicThread):
         since_s = max(instance.health.since_s, self._last_kill_s.get(key, 0.0))
         if now_s - since_s < REPLACE_AFTER_S * 2**done:
             return
+        plan = self.deployment._plan.instances
+        spec_index = next((i for i, spec in enumerate(plan) if (spec.role, spec.index) == key), None)
+        if spec_index is None or (instance.home and instance.home != instance.name):
+            # a slot a role move made (driver.role_moves): its actor was deployed for another slot
+            self._replacements[key] = MAX_REPLACEMENTS + 1  # said once
+            logger.error(
+                "%s-%d (deployed as %s): Ray gave up on its actor; a moved instance is not replaced: it "
+                "stays out of routing (%s)",
+                *key,
+                instance.home or instance.name,
+                describe_error(exc),
+            )
+            return
         logger.error(
             "%s-%d: Ray gave up on its actor (%s); starting a new one in its placement group (%d of %d)",
             *key,
@@ -191,9 +204,6 @@ class HealthMonitor(PeriodicThread):
         try:
             for actor in instance.ranks:
                 ray.kill(actor, no_restart=True)
-            spec_index = next(
-                i for i, spec in enumerate(self.deployment._plan.instances) if (spec.role, spec.index) == key
-            )
             instance.ranks = [self.deployment._new_rank_actor(ray, spec_index, 0)]
         except Exception as e:  # noqa: BLE001 - Ray could not be asked now: the next probe tries again
             logger.warning("%s-%d: replacing its actor failed (%r); trying again at the next probe", *key, e)

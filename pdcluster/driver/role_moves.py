@@ -4,6 +4,8 @@ X's slot in pool A drains (out of routing; a prefill instance finishes its queue
 running requests within `drain_timeout_s`, else the move fails) and goes `away`; X's actor switches role in
 place (`RoleWorker.switch_role`); every prefill rank is re-connected to the decode receivers; X's slot in B
 becomes active. Pool indices never change. The engine keeps its deploy pool's scheduler budgets.
+Parking (target `parked`) drains X the same way and leaves it loaded in its pool, probed, out of routing
+(`pool_state` parked) until a move back to its role (or to the other pool) returns it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from pdcluster.driver.router import RankRef
 logger = logging.getLogger("pdcluster.driver.cluster")
 
 ROLES = ("prefill", "decode")
+PARKED = "parked"
 DRAIN_POLL_S = 0.05
+REWIRE_ATTEMPTS = 3  # each bounded by the call timeout
 # engine arguments the two roles may differ in and still share one engine (the deploy role's stand)
 ROLE_FREE_FIELDS = frozenset({"compile", "max_num_seqs", "max_num_batched_tokens"})
 
@@ -82,44 +86,63 @@ class RoleMover:
         raise KeyError(f"no instance {name!r} (instances: {', '.join(self.roles())})")
 
     def roles(self) -> dict[str, str]:
-        """Deploy name -> current role, for every instance in a pool (`/metrics`)."""
-        return {s.home or s.name: s.role for r in ROLES for s in self.instances[r] if s.pool_state != "away"}
+        """Deploy name -> current role (or `parked`), for every instance in a pool (`/metrics`)."""
+        return {
+            s.home or s.name: PARKED if s.pool_state == PARKED else s.role
+            for r in ROLES
+            for s in self.instances[r]
+            if s.pool_state != "away"
+        }
 
     def check(self, source: Instance, target: str) -> None:
         """Raise `MoveRefused` naming the rule a move of `source` to pool `target` would break."""
         if self.issue is not None:
             raise MoveRefused(f"{source.name} cannot move: {self.issue}")
-        if target not in ROLES:
-            raise MoveRefused(f"role must be prefill or decode, got {target!r}")
+        if target not in (*ROLES, PARKED):
+            raise MoveRefused(f"role must be prefill, decode or parked, got {target!r}")
+        if self.moving is not None:
+            raise MoveRefused(f"{self.moving} is moving now: one move at a time")
+        if source.pool_state == PARKED and target == source.role:
+            return  # unparking: it rejoins its pool
+        if source.pool_state == PARKED and target == PARKED:
+            raise MoveRefused(f"{source.name} is already parked")
         if source.role == target:
             raise MoveRefused(f"{source.name} is already a {target} instance")
         if source.num_ranks != 1:
             raise MoveRefused(
                 f"{source.name} has {source.num_ranks} ranks: only single-device instances move"
             )
-        if self.moving is not None:
-            raise MoveRefused(f"{self.moving} is moving now: one move at a time")
-        if not source.accepting:
+        if not source.accepting and source.pool_state != PARKED:
             raise MoveRefused(
                 f"{source.name} is {source.health.state.value} ({source.pool_state}): not moved"
             )
         left = [s for s in self.instances[source.role] if s.accepting and s is not source]
-        if not left:
+        if not left and source.pool_state != PARKED:
             raise MoveRefused(f"moving {source.name} would leave the {source.role} pool empty")
 
     def move(self, name: str, target: str, reason: str, trigger: str = "manual") -> dict[str, Any]:
-        """Move instance `name` to pool `target` (blocking; `reason` goes to the log); returns its new slot.
-        Raises KeyError (no such instance), `MoveRefused` (nothing changed), `MoveFailed` (it began)."""
+        """Move instance `name` to pool `target`, or park it (`parked`; moved to its own role a parked one
+        rejoins its pool), blocking; `reason` goes to the log; returns its new slot. Raises KeyError (no
+        such instance), `MoveRefused` (nothing changed), `MoveFailed` (it began)."""
         with self._lock:
             source = self.find(name)
             self.check(source, target)
             home = source.home or source.name
             self.moving = home
-        direction = (source.role, target, trigger)
-        logger.warning("moving %s (%s) from %s to %s: %s", source.name, home, source.role, target, reason)
+        parked = source.pool_state == PARKED
+        direction = (PARKED if parked else source.role, target, trigger)
+        logger.warning("moving %s (%s) from %s to %s: %s", source.name, home, direction[0], target, reason)
         started_s = time.monotonic()
         try:
-            slot, waited_for = self._move(source, target, home)
+            if parked:
+                source.pool_state = "active"  # back in routing; to the other pool it drains at once
+            if target == PARKED:
+                slot, waited_for = source, self._drain(source)
+                source.pool_state = PARKED
+            elif target == source.role:
+                slot, waited_for = source, None
+            else:
+                slot, waited_for = self._move(source, target, home)
         except Exception as e:
             self.failed[direction] += 1
             logger.error("move of %s to %s failed: %s", source.name, target, e)
@@ -187,13 +210,38 @@ class RoleMover:
                     f"{source.role}"
                 )
             time.sleep(DRAIN_POLL_S)
-        try:
-            self._rewire(ray, dest, address)
-        except Exception as e:  # its new role runs: in its new pool, out of routing until a probe rejoins it
-            dest.health, dest.pool_state = InstanceHealth(since_s=time.monotonic()), "active"
-            self.cluster.registry.mark_failed(dest.role, dest.index, e, "rewiring after a move")
-            raise MoveFailed(f"{dest.name}: rewiring the KV transport failed: {describe_error(e)}") from e
+        for attempt in range(1, REWIRE_ATTEMPTS + 1):  # its new role runs: a passing fault is tried again
+            try:
+                self._rewire(ray, dest, address)
+                break
+            except Exception as e:  # noqa: BLE001 - out of routing until a probe rejoins it
+                if attempt < REWIRE_ATTEMPTS:
+                    logger.warning("%s: rewiring after a move failed (%s)", dest.name, describe_error(e))
+                    continue
+                dest.health, dest.pool_state = InstanceHealth(since_s=time.monotonic()), "active"
+                self.cluster.registry.mark_failed(dest.role, dest.index, e, "rewiring after a move")
+                raise MoveFailed(f"{dest.name}: rewiring the KV transport failed: {describe_error(e)}") from e
         return dest, waited_for
+
+    def _drain(self, source: Instance) -> str | None:
+        """Take `source` out of routing and wait until the driver holds nothing on it (at the drain bound a
+        decode instance's requests are handed over, as a move's); returns what it first waited for.
+        Raises `MoveFailed` (back in routing) when it leaves routing or does not drain."""
+        source.pool_state = "draining"
+        deadline_s, waited_for, handed_over = time.monotonic() + self.drain_timeout_s, None, False
+        while (busy := self._driver_holds(source)) is not None:
+            waited_for = waited_for or busy
+            if not source.health.routable:
+                source.pool_state = "active"
+                raise MoveFailed(f"{source.name} left routing while draining ({source.health.reason})")
+            if time.monotonic() > deadline_s and not handed_over and self._hand_over(source):
+                handed_over = True
+                deadline_s = time.monotonic() + 2 * self.cluster.call_timeout_s
+            elif time.monotonic() > deadline_s:
+                source.pool_state = "active"
+                raise MoveFailed(f"{source.name} did not drain within {self.drain_timeout_s:g} s ({busy})")
+            time.sleep(DRAIN_POLL_S)
+        return waited_for
 
     def _slot(self, target: str, home: str, actor: Any) -> Instance:
         """`home`'s slot in pool `target`: the one it had there, or a new one at the pool's end (away)."""

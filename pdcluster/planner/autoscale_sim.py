@@ -239,8 +239,11 @@ class AutoscaleSimulator(ClusterSimulator):
     def _view(self, device: _Device, now_s: float) -> InstanceView:
         engine = device.engine
         available = device.move is None
+        moving_to = device.move.target if device.move is not None else None
         if engine is None:
-            return InstanceView(device.instance_id, device.role, available, device.last_move_s)
+            return InstanceView(
+                device.instance_id, device.role, available, device.last_move_s, moving_to=moving_to
+            )
         if device.role == PREFILL:
             queued = engine.num_queued_prefill_tokens
             drain_s = queued / self._cap().prefill_tokens_per_s
@@ -252,6 +255,7 @@ class AutoscaleSimulator(ClusterSimulator):
                 queued_tokens=queued,
                 drain_s=drain_s,
                 busy_fraction=device.busy_fraction(now_s, self.config.window_s),
+                moving_to=moving_to,
             )
         running = engine.running
         remaining = max((r.max_tokens - r.num_output_tokens for r in running), default=0)
@@ -271,6 +275,7 @@ class AutoscaleSimulator(ClusterSimulator):
             device.last_move_s,
             batch=len(running) + len(engine.waiting_for_seat) + len(engine.pending_admissions),
             drain_s=drain_s,
+            moving_to=moving_to,
         )
 
     def _signals(self, now_s: float):  # noqa: ANN202

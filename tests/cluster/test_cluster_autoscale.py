@@ -265,6 +265,70 @@ def test_a_decode_instance_past_its_drain_bound_hands_its_requests_over(cluster,
     assert_nothing_held(cluster)
 
 
+def test_a_parked_instance_takes_no_traffic_and_serves_again_when_unparked(cluster, reference) -> None:
+    """Parking prefill A with requests in flight: they complete, A stays loaded (same process) and in its
+    pool but out of routing, so the next requests all go to B; unparked, A serves again (B parked in turn
+    leaves it the only prefill). Every request gives the single engine's tokens; /metrics says parked."""
+    from fastapi.testclient import TestClient
+
+    from pdcluster.entrypoints.openai.app import build_app
+
+    ids, expected = reference
+    while len(prefills := [s for s in cluster.instances["prefill"] if s.accepting]) < 2:
+        back = next(s for s in cluster.instances["decode"] if s.accepting and s.num_ranks == 1)
+        cluster.mover.move(back.name, "prefill", "test: two prefill instances to park one")
+    a, b = prefills[:2]
+    pid = ray.get(a.leader.load.remote()).pid
+
+    def prefill_indices(tag: str) -> set[int]:
+        return {
+            r.attempt.prefill_index
+            for rid, r in list(cluster.dispatcher._requests.items())
+            if rid.startswith(tag) and r.attempt is not None
+        }
+
+    async def park_with_requests_in_flight():
+        loop = asyncio.get_running_loop()
+        before = asyncio.ensure_future(_all(cluster, "park-a", ids * 2))
+        await asyncio.sleep(0.05)
+        park = loop.run_in_executor(None, cluster.mover.move, a.name, "parked", "test: park")
+        outputs = await asyncio.wait_for(before, 2 * request_bound_s(cluster))
+        return await asyncio.wait_for(park, cluster.topology.autoscale.drain_timeout_s + 60), outputs
+
+    result, outputs = _run(cluster, park_with_requests_in_flight())
+    assert outputs == expected * 2 and result["role"] == "parked"
+    assert a.pool_state == "parked" and a.routable and not a.accepting
+    assert ray.get(a.leader.load.remote()).pid == pid  # kept loaded: no new process
+    assert cluster.mover.roles()[a.home] == "parked"
+    metrics = TestClient(build_app(cluster)).get("/metrics").text
+    assert f'pdcluster_instance_role{{instance="{a.home}",role="parked"}} 1.0' in metrics, metrics
+
+    async def watched(tag: str):  # the records stay while their streams run: read them then
+        task = asyncio.ensure_future(_all(cluster, tag, ids * 2))
+        seen: set[int] = set()
+        while not task.done():
+            seen |= prefill_indices(tag)
+            await asyncio.sleep(0.001)
+        return await task, seen
+
+    outputs, used = _run(cluster, watched("parked-"))
+    assert outputs == expected * 2 and used == {b.index}, used
+    with pytest.raises(MoveRefused, match="already parked"):
+        cluster.mover.move(a.name, "parked", "test")
+    with pytest.raises(MoveRefused, match="would leave the prefill pool empty"):
+        cluster.mover.move(b.name, "parked", "test")  # A parked: B is the only prefill in routing
+
+    assert cluster.mover.move(a.name, a.role, "test: unpark")["role"] == "prefill"
+    assert a.accepting and cluster.mover.moves[("parked", "prefill", "manual")] == 1
+    cluster.mover.move(b.name, "parked", "test: park the other")
+    outputs, used = _run(cluster, watched("unparked-"))
+    assert outputs == expected * 2 and used == {a.index}, used
+    cluster.mover.move(b.name, "prefill", "test: unpark the other")
+    assert a.accepting and b.accepting
+    assert cluster.mover.moves[("prefill", "parked", "manual")] == 2
+    assert_nothing_held(cluster)
+
+
 def test_the_moving_actor_killed_mid_drain(cluster, reference) -> None:
     """The moving prefill instance's actor is killed while it drains: the move fails naming it, and every
     request completes with the single engine's tokens or fails with a clear error (none hangs)."""

@@ -85,6 +85,37 @@ CASES = [
         (3, "decode", "prefill"),
     ),
     ("a move in progress", [P(0), P(1, available=False), D(2, 1), D(3, 1)], Signals(3600.0), POLICY, None),
+    # 10P10D, u_p 1.2 and u_d 0.4: one move alone lowers the peak 0.11 (< hysteresis), 5 of them to 0.8
+    (
+        "many instances: the reachable split counts",
+        [*[P(i) for i in range(10)], *[D(i, 4) for i in range(10, 20)]],
+        Signals(12000.0),
+        POLICY,
+        (10, "decode", "prefill"),
+    ),
+    # one of two allowed moves under way (to prefill, counted there: 3 vs demand 3.6): a second continues it
+    (
+        "a second move in flight",
+        [P(0), P(1), D(2, 1, available=False, moving_to="prefill"), D(3, 1), D(4, 1), D(5, 1)],
+        Signals(3600.0),
+        Policy(1.0, 0.1, max_moves_in_flight=2),
+        (3, "decode", "prefill"),
+    ),
+    (
+        "moves in flight at the limit",
+        [P(0), P(1), D(2, 1, available=False, moving_to="prefill"), D(3, 1), D(4, 1), D(5, 1)],
+        Signals(3600.0),
+        Policy(1.0, 0.1, max_moves_in_flight=1),
+        None,
+    ),
+    # a move to decode under way: the prefill pool's need waits for it (no reversal while in flight)
+    (
+        "no reversal in flight",
+        [P(0), P(1), P(2, available=False, moving_to="decode"), D(3, 1), D(4, 1)],
+        Signals(3600.0),
+        Policy(1.0, 0.1, max_moves_in_flight=2),
+        None,
+    ),
     ("decode at its min bound", [P(0), P(1), D(2, 1)], Signals(3600.0), POLICY, None),
     (
         "prefill at its max bound",

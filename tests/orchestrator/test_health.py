@@ -335,6 +335,7 @@ def _probing_monitor(monkeypatch, answer, health: InstanceHealth, watchdog_s: fl
     class FakeInstance(SimpleNamespace):
         routable = property(lambda self: self.health.routable)
         pool_state = "active"  # (dynamic P:D: in its pool)
+        name, home = "decode-0", ""  # (home: its deploy name when a role move made this slot)
 
         def rank_name(self, r):
             return "decode-0" if r == 0 else f"decode-0.{r}"
@@ -637,6 +638,18 @@ def test_an_actor_ray_gave_up_on_is_replaced_in_its_bundle_with_backoff_and_a_bo
     clock[0] = 9000.0
     monitor.run_round()
     assert len(new_ranks) == 2 and instance.ranks == [rank]
+
+    # a slot a role move made (deployed as prefill-0): not replaced by another slot's actor, said once
+    monitor, instance, rank, done = _probing_monitor(monkeypatch, ray.exceptions.ActorDiedError(), dead)
+    instance.home = "prefill-0"
+    monitor.deployment._plan, monitor.deployment._new_rank_actor = plan, new_rank_actor
+    caplog.clear()
+    with caplog.at_level("ERROR", logger="pdcluster.driver.cluster"):
+        for _ in range(3):
+            clock[0] += 100.0
+            monitor.run_round()
+    assert len(new_ranks) == 2 and instance.ranks == [rank]
+    assert caplog.text.count("decode-0 (deployed as prefill-0): Ray gave up on its actor; a moved") == 1
 
 
 def _new_monitor(instances: dict, topology, call_timeout_s: float = 3.0):

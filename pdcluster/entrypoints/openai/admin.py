@@ -1,7 +1,8 @@
 """The admin endpoint of dynamic P:D (`driver.role_moves`) and its `/metrics` families.
 
     GET  /admin/instances                  each instance's role and slot
-    POST /admin/instances/{name}/role      {"role": "decode", "reason": "..."}: move it (blocks until done)
+    POST /admin/instances/{name}/role      {"role": "decode", "reason": "..."}: move it (blocks until done);
+                                           "parked": drain it and keep it loaded out of routing
 
 Bearer token: PDCLUSTER_ADMIN_TOKEN, else `autoscale.admin_token` (401 without one, 403 if wrong or unset).
 409: a pool would be left empty, another move runs, the instance is not serving; 400: unknown role or
@@ -26,11 +27,11 @@ from pdcluster.entrypoints.openai.protocol import ApiError
 
 ADMIN_TOKEN_ENV = "PDCLUSTER_ADMIN_TOKEN"
 # MoveRefused messages that are a conflict with the cluster's state (409); other refusals are 400
-CONFLICTS = ("would leave", "one move at a time", "already a", "not moved")
+CONFLICTS = ("would leave", "one move at a time", "already a", "already parked", "not moved")
 
 
 class RoleChange(BaseModel):
-    role: str = Field(description="prefill or decode")
+    role: str = Field(description="prefill, decode, or parked (loaded, out of routing)")
     reason: str = Field(default="by hand", max_length=200, description="for the log")
 
 
@@ -115,7 +116,9 @@ class RoleCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         roles = GaugeMetricFamily(
-            "pdcluster_instance_role", "The pool each instance serves (1).", labels=["instance", "role"]
+            "pdcluster_instance_role",
+            "The pool each instance serves, or parked (1).",
+            labels=["instance", "role"],
         )
         for instance, role in sorted(self.mover.roles().items()):
             roles.add_metric([instance, role], 1)
