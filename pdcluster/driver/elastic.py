@@ -1,9 +1,10 @@
 """Elastic expert parallelism on the driver: a multi-rank instance that lost ranks shrinks onto its survivors.
 
 The health monitor hands each probe round's per-rank answers of a multi-rank instance to `ElasticInstances`.
-A rank is lost when it died or stopped answering while every rank that answered reports its instance group
-failed (a collective with the lost rank errored or passed the collective timeout). The survivors then form
-a new group (`RankWorker.reform_group`), the lost actors are killed, KV senders and the router learn the
+A rank is lost when it died, or when it stopped answering probes for a call timeout while every rank that
+answered saw the group fail or has been blocked in one collective for as long (`find_rank_loss`). The lost
+actors are killed first (a stalled one cannot come back with stale state), the survivors give up the old
+group's collectives and form a new group (`RankWorker.reform_group`), KV senders and the router learn the
 instance's new ranks, and it rejoins routing. Requests whose KV was on a lost rank (or still in its
 handoff) are re-dispatched (`driver.recompute`); the survivors' requests were rolled back to the step the
 collective failed in and go on with their KV. When the survivors cannot hold every expert
@@ -61,24 +62,32 @@ class RankLoss:
     why: str
 
 
-def find_rank_loss(instance: Instance, outcomes: Sequence[Any]) -> RankLoss | None:
+def find_rank_loss(instance: Instance, outcomes: Sequence[Any], stall_s: float) -> RankLoss | None:
     """The `RankLoss` of one probe round (`outcomes[r]`: rank r's load, or the exception its probe raised),
-    or None: every rank answered, none did, or an answering rank's group has not failed (yet)."""
+    or None: every rank answered, none did, or a rank only stopped answering while an answering rank has
+    neither seen the group fail nor been blocked in one collective for `stall_s` seconds (yet)."""
     import ray
 
+    died = ray.exceptions.ActorDiedError
     answered = [r for r, o in enumerate(outcomes) if not isinstance(o, BaseException)]
     lost = tuple(r for r in range(len(outcomes)) if r not in answered)
     if not answered or not lost:
         return None
-    if any(outcomes[r].instance_group_error is None for r in answered):
+    if not all(isinstance(outcomes[r], died) for r in lost) and not all(
+        outcomes[r].instance_group_error is not None or blocked_s(outcomes[r]) >= stall_s for r in answered
+    ):
         return None
-    died = ray.exceptions.ActorDiedError
     why = "; ".join(
         f"rank {r} {'died' if isinstance(outcomes[r], died) else 'stopped answering'} "
         f"({describe_error(outcomes[r])})"
         for r in lost
     )
     return RankLoss(instance.role, instance.index, lost, tuple(answered), why)
+
+
+def blocked_s(load: Any) -> float:
+    """Seconds the rank of `load` has been blocked in one collective of its group (0.0: not blocked)."""
+    return getattr(load, "collective_wait_s", 0.0)
 
 
 class ElasticInstances:
@@ -112,7 +121,11 @@ class ElasticInstances:
         key = (instance.role, instance.index)
         if instance.num_ranks < 2 or key in self._given_up:
             return False
-        loss = find_rank_loss(instance, outcomes)
+        stall_s = self.deployment.call_timeout_s
+        loss = find_rank_loss(instance, outcomes, stall_s)
+        if loss is None and self._maybe_stalled(outcomes):
+            outcomes = self._probe_again(ray, instance, outcomes, stall_s)
+            loss = find_rank_loss(instance, outcomes, stall_s)
         if loss is None:
             if not instance.routable and all(isinstance(o, BaseException) for o in outcomes):
                 self._fail_attempts(*key)  # no survivor holds the requests' KV any more
@@ -137,6 +150,31 @@ class ElasticInstances:
             else:
                 logger.error("%s-%d: shrinking failed (%s); trying again at the next probe", *key, e)
         return True
+
+    @staticmethod
+    def _maybe_stalled(outcomes: Sequence[Any]) -> bool:
+        """A rank did not answer while every rank that did is blocked in a collective (or saw it fail)."""
+        answered = [o for o in outcomes if not isinstance(o, BaseException)]
+        return 0 < len(answered) < len(outcomes) and all(
+            o.instance_group_error is not None or blocked_s(o) > 0 for o in answered
+        )
+
+    def _probe_again(self, ray, instance: Instance, outcomes: Sequence[Any], stall_s: float) -> list[Any]:
+        """`outcomes` with the answering ranks probed again once their collective wait may have reached
+        `stall_s` (a silent peer stalled: they stay in that wait; a slow one: they move on)."""
+        from pdcluster.driver.rank_actors import PROBE_GROUP
+
+        answered = [r for r, o in enumerate(outcomes) if not isinstance(o, BaseException)]
+        waited_s = min(blocked_s(outcomes[r]) for r in answered)
+        time.sleep(min(stall_s, max(0.0, stall_s - waited_s)) + 0.05)
+        refs = {r: instance.ranks[r].load.options(concurrency_group=PROBE_GROUP).remote() for r in answered}
+        again = list(outcomes)
+        for r, ref in refs.items():
+            try:
+                again[r] = ray.get(ref, timeout=self.deployment.call_timeout_s)
+            except Exception as e:  # noqa: BLE001 - this rank's outcome now
+                again[r] = e
+        return again
 
     def _give_up(self, key: tuple[str, int], loss: RankLoss, why: str) -> None:
         self._given_up.add(key)
@@ -170,6 +208,11 @@ class ElasticInstances:
         init_method, barrier_port, secret = dep._rendezvous(ray, spec_index)
         timeout_s = dep.collective_timeout_s
         rendezvous_s = 2 * timeout_s + dep.call_timeout_s
+        for r in loss.lost:  # first: a stalled rank cannot come back into the old group meanwhile
+            try:
+                ray.kill(instance.ranks[r], no_restart=True)
+            except Exception as e:  # noqa: BLE001 - gone already
+                logger.warning("%s-%d: killing lost rank %d: %r", *key, r, e)
         actors = [instance.ranks[r] for r in loss.survivors]
         refs = [
             actor.reform_group.remote(
@@ -189,11 +232,6 @@ class ElasticInstances:
             for new_rank, actor in enumerate(actors)
         ]
         results = ray.get(refs, timeout=2 * rendezvous_s + dep.call_timeout_s)
-        for r in loss.lost:
-            try:
-                ray.kill(instance.ranks[r], no_restart=True)
-            except Exception as e:  # noqa: BLE001 - gone already
-                logger.warning("%s-%d: killing lost rank %d: %r", *key, r, e)
         # each survivor keeps its client (the events it acknowledged) under its new rank
         clients = {new: instance._clients.get(old) for new, old in enumerate(loss.survivors)}
         instance._clients = {new: c for new, c in clients.items() if c is not None}

@@ -45,12 +45,14 @@ def shrink(worker: RankWorker, spec: InstanceGroupSpec, lost_ranks: list[int], m
     """
     from pdcluster.driver.instance_group import join_instance_group, wait_until_loaded
     from pdcluster.engine.elastic_ep import plan_shrink, shrink_runtime
+    from pdcluster.models.ep_dispatch import WAITS
     from pdcluster.workers.rank import ep_summary
 
     runtime, lost = worker.engine.ep, frozenset(lost_ranks)
     if runtime is None:
         raise RuntimeError(f"{worker.name}: not an expert-parallel rank")
     plan_shrink(runtime, lost, max_local_experts)
+    WAITS.abandon()  # a collective blocked on the lost ranks (or a peer blocked on them) gives up now
     deadline_s = time.monotonic() + 2 * runtime.parallel.collective_timeout_s
     while worker._group_error is None:  # (set by the engine thread once it stopped stepping)
         if time.monotonic() > deadline_s:
@@ -58,6 +60,7 @@ def shrink(worker: RankWorker, spec: InstanceGroupSpec, lost_ranks: list[int], m
         time.sleep(0.05)
     with _engine_locked(worker):
         joined = join_instance_group(spec)
+        WAITS.watch(joined.group)
         new, shrunk = shrink_runtime(
             runtime, joined.group, lost, max_local_experts, worker.engine.config.model
         )
