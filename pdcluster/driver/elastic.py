@@ -21,6 +21,7 @@ from typing import Any
 
 from pdcluster.config import ADDRESSED_KV_TRANSPORTS
 from pdcluster.driver.actor_errors import describe_error
+from pdcluster.driver.elastic_loss import RankLoss, find_rank_loss, maybe_stalled, probe_again
 from pdcluster.driver.health import InstanceHealth
 from pdcluster.driver.instance import Instance
 from pdcluster.driver.messages import InstanceGroupSpec
@@ -49,45 +50,6 @@ def elastic_ep(topology: Any, role: str) -> bool:
     """Whether pool `role`'s multi-rank instances shrink when they lose ranks: its `elastic_ep` key, and a
     KV transport wired per rank (grpc, shm, shm+grpc; torch_distributed's group is fixed at deploy)."""
     return topology.pool(role).elastic_ep and topology.kv_transport in ADDRESSED_KV_TRANSPORTS
-
-
-@dataclass(frozen=True)
-class RankLoss:
-    """One event: ranks `lost` of instance `role`-`index` are gone; `survivors` (old rank ids) answered."""
-
-    role: str
-    index: int
-    lost: tuple[int, ...]
-    survivors: tuple[int, ...]
-    why: str
-
-
-def find_rank_loss(instance: Instance, outcomes: Sequence[Any], stall_s: float) -> RankLoss | None:
-    """The `RankLoss` of one probe round (`outcomes[r]`: rank r's load, or the exception its probe raised),
-    or None: every rank answered, none did, or a rank only stopped answering while an answering rank has
-    neither seen the group fail nor been blocked in one collective for `stall_s` seconds (yet)."""
-    import ray
-
-    died = ray.exceptions.ActorDiedError
-    answered = [r for r, o in enumerate(outcomes) if not isinstance(o, BaseException)]
-    lost = tuple(r for r in range(len(outcomes)) if r not in answered)
-    if not answered or not lost:
-        return None
-    if not all(isinstance(outcomes[r], died) for r in lost) and not all(
-        outcomes[r].instance_group_error is not None or blocked_s(outcomes[r]) >= stall_s for r in answered
-    ):
-        return None
-    why = "; ".join(
-        f"rank {r} {'died' if isinstance(outcomes[r], died) else 'stopped answering'} "
-        f"({describe_error(outcomes[r])})"
-        for r in lost
-    )
-    return RankLoss(instance.role, instance.index, lost, tuple(answered), why)
-
-
-def blocked_s(load: Any) -> float:
-    """Seconds the rank of `load` has been blocked in one collective of its group (0.0: not blocked)."""
-    return getattr(load, "collective_wait_s", 0.0)
 
 
 class ElasticInstances:
@@ -123,8 +85,8 @@ class ElasticInstances:
             return False
         stall_s = self.deployment.call_timeout_s
         loss = find_rank_loss(instance, outcomes, stall_s)
-        if loss is None and self._maybe_stalled(outcomes):
-            outcomes = self._probe_again(ray, instance, outcomes, stall_s)
+        if loss is None and maybe_stalled(outcomes):
+            outcomes = probe_again(ray, instance, outcomes, stall_s, self.deployment.call_timeout_s)
             loss = find_rank_loss(instance, outcomes, stall_s)
         if loss is None:
             if not instance.routable and all(isinstance(o, BaseException) for o in outcomes):
@@ -150,31 +112,6 @@ class ElasticInstances:
             else:
                 logger.error("%s-%d: shrinking failed (%s); trying again at the next probe", *key, e)
         return True
-
-    @staticmethod
-    def _maybe_stalled(outcomes: Sequence[Any]) -> bool:
-        """A rank did not answer while every rank that did is blocked in a collective (or saw it fail)."""
-        answered = [o for o in outcomes if not isinstance(o, BaseException)]
-        return 0 < len(answered) < len(outcomes) and all(
-            o.instance_group_error is not None or blocked_s(o) > 0 for o in answered
-        )
-
-    def _probe_again(self, ray, instance: Instance, outcomes: Sequence[Any], stall_s: float) -> list[Any]:
-        """`outcomes` with the answering ranks probed again once their collective wait may have reached
-        `stall_s` (a silent peer stalled: they stay in that wait; a slow one: they move on)."""
-        from pdcluster.driver.rank_actors import PROBE_GROUP
-
-        answered = [r for r, o in enumerate(outcomes) if not isinstance(o, BaseException)]
-        waited_s = min(blocked_s(outcomes[r]) for r in answered)
-        time.sleep(min(stall_s, max(0.0, stall_s - waited_s)) + 0.05)
-        refs = {r: instance.ranks[r].load.options(concurrency_group=PROBE_GROUP).remote() for r in answered}
-        again = list(outcomes)
-        for r, ref in refs.items():
-            try:
-                again[r] = ray.get(ref, timeout=self.deployment.call_timeout_s)
-            except Exception as e:  # noqa: BLE001 - this rank's outcome now
-                again[r] = e
-        return again
 
     def _give_up(self, key: tuple[str, int], loss: RankLoss, why: str) -> None:
         self._given_up.add(key)

@@ -1,6 +1,7 @@
-"""Elastic EP's parts without Ray: telling a lost rank from one probe round (`driver.elastic.find_rank_loss`),
-an aborted join (`driver.instance_group.meet`), a survivor's shrink and grow of its experts over real gloo
-groups in-process (`engine.elastic_ep`: every slot holds its logical expert's checkpoint weights), and the
+"""Elastic EP's parts without Ray: telling a lost rank from one probe round
+(`driver.elastic_loss.find_rank_loss`), an abandoned collective (`models.ep_dispatch.WAITS`), an aborted
+join (`driver.instance_group.meet`), a survivor's shrink and grow of its experts over real gloo groups
+in-process (`engine.elastic_ep`: every slot holds its logical expert's checkpoint weights), and the
 per-instance figures /metrics shows."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from prometheus_client import generate_latest
 
 from pdcluster.driver.deployment import free_ports
-from pdcluster.driver.elastic import find_rank_loss
+from pdcluster.driver.elastic_loss import find_rank_loss
 from pdcluster.driver.instance import Instance
 from pdcluster.driver.instance_group import meet
 from pdcluster.driver.messages import InstanceGroupSpec
