@@ -2,13 +2,13 @@
 
 The health monitor hands each probe round's per-rank answers of a multi-rank instance to `ElasticInstances`.
 A rank is lost when it died, or when it stopped answering probes for a call timeout while every rank that
-answered saw the group fail or has been blocked in one collective for as long (`find_rank_loss`). The lost
-actors are killed first (a stalled one cannot come back with stale state), the survivors give up the old
-group's collectives and form a new group (`RankWorker.reform_group`), KV senders and the router learn the
-instance's new ranks, and it rejoins routing. Requests whose KV was on a lost rank (or still in its
-handoff) are re-dispatched (`driver.recompute`); the survivors' requests were rolled back to the step the
-collective failed in and go on with their KV. When the survivors cannot hold every expert
-(`PlacementRefused`) the instance stays out of routing, as without elastic EP.
+answered saw the group fail or has been blocked in one collective for as long (`driver.elastic_loss`).
+The survivors give up the old group's collectives and form a new group (`RankWorker.reform_group`; a
+stalled rank that wakes cannot join it: a new rendezvous secret), the lost actors are killed, KV senders
+and the router learn the instance's new ranks, and it rejoins routing. Requests whose KV was on a lost
+rank (or still in its handoff) are re-dispatched (`driver.recompute`); the survivors' requests were rolled
+back to the step the collective failed in and go on with their KV. When the survivors cannot hold every
+expert (`PlacementRefused`) the instance stays out of routing, as without elastic EP.
 """
 
 from __future__ import annotations
@@ -145,11 +145,6 @@ class ElasticInstances:
         init_method, barrier_port, secret = dep._rendezvous(ray, spec_index)
         timeout_s = dep.collective_timeout_s
         rendezvous_s = 2 * timeout_s + dep.call_timeout_s
-        for r in loss.lost:  # first: a stalled rank cannot come back into the old group meanwhile
-            try:
-                ray.kill(instance.ranks[r], no_restart=True)
-            except Exception as e:  # noqa: BLE001 - gone already
-                logger.warning("%s-%d: killing lost rank %d: %r", *key, r, e)
         actors = [instance.ranks[r] for r in loss.survivors]
         refs = [
             actor.reform_group.remote(
@@ -169,6 +164,11 @@ class ElasticInstances:
             for new_rank, actor in enumerate(actors)
         ]
         results = ray.get(refs, timeout=2 * rendezvous_s + dep.call_timeout_s)
+        for r in loss.lost:  # (a stalled one: its old group was given up, the new one has a new secret)
+            try:
+                ray.kill(instance.ranks[r], no_restart=True)
+            except Exception as e:  # noqa: BLE001 - gone already
+                logger.warning("%s-%d: killing lost rank %d: %r", *key, r, e)
         # each survivor keeps its client (the events it acknowledged) under its new rank
         clients = {new: instance._clients.get(old) for new, old in enumerate(loss.survivors)}
         instance._clients = {new: c for new, c in clients.items() if c is not None}

@@ -281,7 +281,7 @@ class ExpertParallelRuntime:
                     works.append((self.group.recv([buf], src_rank, tag), f"EPLB recv of layer row {row}"))
                     received.append((row, phy % n, buf))
         for work, what in works:
-            wait(work, what, self.rank)
+            wait(work, what, self.rank, sliced=False)
         for row, slot, flat in copies + received:
             if row >= 0:
                 _unflat(self.moe[row].experts[slot], flat)

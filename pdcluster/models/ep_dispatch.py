@@ -53,21 +53,23 @@ class _Waits:
 WAITS = _Waits()
 
 
-def wait(work: dist.Work, what: str, rank: int) -> None:
-    """`work.wait()`; raises EPCollectiveError when it failed, timed out or `WAITS.abandon()` was called."""
+def wait(work: dist.Work, what: str, rank: int, sliced: bool = True) -> None:
+    """`work.wait()`; raises EPCollectiveError when it failed, timed out or `WAITS.abandon()` was called.
+    `sliced` False: waited whole, never abandoned (gloo's send / recv: a timed wait fails them)."""
     try:
-        if not WAITS.sliced or work.is_completed():
+        WAITS.since_s = time.monotonic()
+        if not (sliced and WAITS.sliced) or work.is_completed():
             work.wait()
             return
-        WAITS.since_s = time.monotonic()
         slice_ = datetime.timedelta(seconds=WAIT_SLICE_S)
         while not WAITS.abandoned.is_set():
             try:
                 work.wait(slice_)
                 return
             except RuntimeError:
-                if work.is_completed():  # (else only this slice ran out)
-                    raise
+                if work.is_completed():  # failed, or done just after this slice ran out
+                    work.wait()
+                    return
         raise RuntimeError("abandoned: the instance group is re-formed without a lost rank")
     except Exception as e:  # noqa: BLE001
         raise EPCollectiveError(f"EP rank {rank}: {what} failed: {e}") from e
