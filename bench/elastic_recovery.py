@@ -99,7 +99,7 @@ async def _measure(cluster, args) -> dict[str, Any]:
                 ):
                     pass
             except Exception as e:  # noqa: BLE001 - counted: every request completes or errs
-                outcomes["failed: " + str(e).split(": ", 1)[-1][:100]] += 1  # (without the request id)
+                outcomes["failed: " + str(e).split(": ", 1)[-1][:300]] += 1  # (without the request id)
                 await asyncio.sleep(0.1)
                 continue
             outcomes["completed"] += 1

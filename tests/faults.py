@@ -27,6 +27,7 @@ class FaultHooks:
         self._stall_released = threading.Event()
         self._delays: dict[str, list[float]] = {}
         self._delays_released = threading.Event()
+        self._rebalancing = threading.Event()
         super().__init__(*args, **kwargs)
 
     def inject_fault(self, where: str, count: int = 1) -> None:
@@ -58,6 +59,27 @@ class FaultHooks:
         with self._hooks_lock:
             self._delays_released.clear()
             self._delays.setdefault(where, []).extend([seconds] * count)
+
+    def hold_next_rebalance(self, seconds: float) -> None:
+        """Ask for an EPLB rebalance at the next step with work (every rank of the group joins it); this
+        rank waits `seconds` (or until `release_delays`) inside it, between the load allreduce and moving
+        the expert weights, `rebalancing()` saying True from then on."""
+        runtime = self.engine.ep
+        move = runtime._move_weights
+
+        def held(old, new) -> None:
+            del runtime._move_weights  # (once)
+            self._rebalancing.set()
+            self._delays_released.wait(seconds)
+            move(old, new)
+
+        self._delays_released.clear()
+        runtime._move_weights = held
+        runtime.rebalance_requested = True
+        self._wake_engine_thread()
+
+    def rebalancing(self) -> bool:
+        return self._rebalancing.is_set()
 
     def release_delays(self) -> None:
         """End the injected delays now (those in progress and those armed)."""

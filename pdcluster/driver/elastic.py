@@ -1,13 +1,14 @@
 """Elastic expert parallelism on the driver: a multi-rank instance that lost ranks shrinks onto its survivors.
 
 The health monitor hands each probe round's per-rank answers of a multi-rank instance to `ElasticInstances`.
-A rank is lost when it died or stopped answering while every rank that answered reports its instance group
-failed (a collective with the lost rank errored or passed the collective timeout). The survivors then form
-a new group (`RankWorker.reform_group`), the lost actors are killed, KV senders and the router learn the
-instance's new ranks, and it rejoins routing. Requests whose KV was on a lost rank (or still in its
-handoff) are re-dispatched (`driver.recompute`); the survivors' requests were rolled back to the step the
-collective failed in and go on with their KV. When the survivors cannot hold every expert
-(`PlacementRefused`) the instance stays out of routing, as without elastic EP.
+A rank is lost when it died, or when it stopped answering probes for a call timeout while every rank that
+answered saw the group fail or has been blocked in one collective for as long (`driver.elastic_loss`).
+The survivors give up the old group's collectives and form a new group (`RankWorker.reform_group`; a
+stalled rank that wakes cannot join it: a new rendezvous secret), the lost actors are killed, KV senders
+and the router learn the instance's new ranks, and it rejoins routing. Requests whose KV was on a lost
+rank (or still in its handoff) are re-dispatched (`driver.recompute`); the survivors' requests were rolled
+back to the step the collective failed in and go on with their KV. When the survivors cannot hold every
+expert (`PlacementRefused`) the instance stays out of routing, as without elastic EP.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from pdcluster.config import ADDRESSED_KV_TRANSPORTS
 from pdcluster.driver.actor_errors import describe_error
+from pdcluster.driver.elastic_loss import RankLoss, find_rank_loss, maybe_stalled, probe_again
 from pdcluster.driver.health import InstanceHealth
 from pdcluster.driver.instance import Instance
 from pdcluster.driver.messages import InstanceGroupSpec
@@ -48,37 +50,6 @@ def elastic_ep(topology: Any, role: str) -> bool:
     """Whether pool `role`'s multi-rank instances shrink when they lose ranks: its `elastic_ep` key, and a
     KV transport wired per rank (grpc, shm, shm+grpc; torch_distributed's group is fixed at deploy)."""
     return topology.pool(role).elastic_ep and topology.kv_transport in ADDRESSED_KV_TRANSPORTS
-
-
-@dataclass(frozen=True)
-class RankLoss:
-    """One event: ranks `lost` of instance `role`-`index` are gone; `survivors` (old rank ids) answered."""
-
-    role: str
-    index: int
-    lost: tuple[int, ...]
-    survivors: tuple[int, ...]
-    why: str
-
-
-def find_rank_loss(instance: Instance, outcomes: Sequence[Any]) -> RankLoss | None:
-    """The `RankLoss` of one probe round (`outcomes[r]`: rank r's load, or the exception its probe raised),
-    or None: every rank answered, none did, or an answering rank's group has not failed (yet)."""
-    import ray
-
-    answered = [r for r, o in enumerate(outcomes) if not isinstance(o, BaseException)]
-    lost = tuple(r for r in range(len(outcomes)) if r not in answered)
-    if not answered or not lost:
-        return None
-    if any(outcomes[r].instance_group_error is None for r in answered):
-        return None
-    died = ray.exceptions.ActorDiedError
-    why = "; ".join(
-        f"rank {r} {'died' if isinstance(outcomes[r], died) else 'stopped answering'} "
-        f"({describe_error(outcomes[r])})"
-        for r in lost
-    )
-    return RankLoss(instance.role, instance.index, lost, tuple(answered), why)
 
 
 class ElasticInstances:
@@ -112,7 +83,11 @@ class ElasticInstances:
         key = (instance.role, instance.index)
         if instance.num_ranks < 2 or key in self._given_up:
             return False
-        loss = find_rank_loss(instance, outcomes)
+        stall_s = self.deployment.call_timeout_s
+        loss = find_rank_loss(instance, outcomes, stall_s)
+        if loss is None and maybe_stalled(outcomes):
+            outcomes = probe_again(ray, instance, outcomes, stall_s, self.deployment.call_timeout_s)
+            loss = find_rank_loss(instance, outcomes, stall_s)
         if loss is None:
             if not instance.routable and all(isinstance(o, BaseException) for o in outcomes):
                 self._fail_attempts(*key)  # no survivor holds the requests' KV any more
@@ -189,7 +164,7 @@ class ElasticInstances:
             for new_rank, actor in enumerate(actors)
         ]
         results = ray.get(refs, timeout=2 * rendezvous_s + dep.call_timeout_s)
-        for r in loss.lost:
+        for r in loss.lost:  # (a stalled one: its old group was given up, the new one has a new secret)
             try:
                 ray.kill(instance.ranks[r], no_restart=True)
             except Exception as e:  # noqa: BLE001 - gone already

@@ -14,13 +14,15 @@ from pdcluster.driver.router import RankRef
 
 
 def shrink_bound_s(kv_timeout_s: float, probe_interval_s: float) -> float:
-    """Seconds from a lost rank to its instance serving again at most: a probe round noticing it (a peer's
-    collective fails at once for a dead rank, after the collective timeout for a stalled one) plus the
-    survivors' `reform_group` calls (their rendezvous, twice, and a call), in `ElasticInstances.shrink`."""
+    """Seconds from a lost rank to its instance serving again at most: a probe round noticing it (at once
+    for a dead rank; for a stalled one its missed probe plus two re-probes of its peers and the wait between
+    them, `driver.elastic_loss`, or else its peers' collective timing out) plus the survivors'
+    `reform_group` calls (their rendezvous, twice, and a call), in `ElasticInstances.shrink`."""
     from pdcluster.driver.dispatch import call_timeout_s, collective_timeout_s
 
     collective_s, call_s = collective_timeout_s(kv_timeout_s), call_timeout_s(kv_timeout_s)
-    return probe_interval_s + collective_s + call_s + 2 * (2 * collective_s + call_s) + call_s
+    notice_s = max(collective_s + call_s, 4 * call_s)
+    return probe_interval_s + notice_s + 2 * (2 * collective_s + call_s) + call_s
 
 
 def held(decode: Any, attempt: Any) -> bool:

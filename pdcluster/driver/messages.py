@@ -57,6 +57,7 @@ class RankLoad:
     ep: dict | None = None
     engine_passes: int = 0
     engine_pass_s: float = 0.0
+    collective_wait_s: float = 0.0  # how long its engine has been blocked in one instance-group collective
 
 
 @dataclass(frozen=True, kw_only=True)

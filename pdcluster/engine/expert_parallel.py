@@ -13,7 +13,7 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.parallel import ParallelConfig
 from pdcluster.models.config import DeepseekV3Config
 from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
-from pdcluster.models.ep_dispatch import EPCollectiveError, EPDispatcher, wait
+from pdcluster.models.ep_dispatch import WAITS, EPCollectiveError, EPDispatcher, wait
 from pdcluster.models.eplb import rebalance_experts
 from pdcluster.models.expert_placement import ExpertPlacement, moe_layer_indices
 from pdcluster.models.loader import inspect_checkpoint, load_checkpoint
@@ -125,6 +125,7 @@ class ExpertParallelRuntime:
                 f"{parallel.rank} of expert_parallel_size {parallel.expert_parallel_size}"
             )
         self.model, self.parallel, self.group, self.placement = model, parallel, group, placement
+        WAITS.watch(group)
         self.rank, self.num_ranks = parallel.rank, parallel.expert_parallel_size
         self.device = next(model.parameters()).device
         self.layer_indices = moe_layer_indices(model.config)
@@ -280,7 +281,7 @@ class ExpertParallelRuntime:
                     works.append((self.group.recv([buf], src_rank, tag), f"EPLB recv of layer row {row}"))
                     received.append((row, phy % n, buf))
         for work, what in works:
-            wait(work, what, self.rank)
+            wait(work, what, self.rank, sliced=False)
         for row, slot, flat in copies + received:
             if row >= 0:
                 _unflat(self.moe[row].experts[slot], flat)

@@ -7,6 +7,8 @@ Failures raise `EPCollectiveError`. Two-micro-batch overlap: DeepSeek-V3 report,
 
 from __future__ import annotations
 
+import datetime
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -22,11 +24,57 @@ class EPCollectiveError(RuntimeError):
     """A collective of the instance's EP group failed or timed out; every rank's step fails."""
 
 
-def wait(work: dist.Work, what: str, rank: int) -> None:
+WAIT_SLICE_S = 0.05  # a blocked gloo wait checks this often whether its group was abandoned
+
+
+class _Waits:
+    """This process's instance-group waits (one rank per process): since when one is blocked (`blocked_s`),
+    and whether the group was given up (`abandon`: blocked and later waits raise). Gloo waits are timed
+    slices (a timed wait on NCCL / HCCL would block the host; their watchdog abort is the way out)."""
+
+    def __init__(self) -> None:
+        self.sliced, self.since_s = True, None
+        self.abandoned = threading.Event()
+
+    def watch(self, group: dist.ProcessGroup) -> None:
+        """Waits are on `group` from now: sliced when it is gloo; not abandoned."""
+        self.sliced = group.name() == "gloo"
+        self.abandoned.clear()
+
+    def abandon(self) -> None:
+        self.abandoned.set()
+
+    def blocked_s(self) -> float:
+        """Seconds the current wait has been blocked (0.0: none)."""
+        since_s = self.since_s
+        return 0.0 if since_s is None else time.monotonic() - since_s
+
+
+WAITS = _Waits()
+
+
+def wait(work: dist.Work, what: str, rank: int, sliced: bool = True) -> None:
+    """`work.wait()`; raises EPCollectiveError when it failed, timed out or `WAITS.abandon()` was called.
+    `sliced` False: waited whole, never abandoned (gloo's send / recv: a timed wait fails them)."""
     try:
-        work.wait()
+        WAITS.since_s = time.monotonic()
+        if not (sliced and WAITS.sliced) or work.is_completed():
+            work.wait()
+            return
+        slice_ = datetime.timedelta(seconds=WAIT_SLICE_S)
+        while not WAITS.abandoned.is_set():
+            try:
+                work.wait(slice_)
+                return
+            except RuntimeError:
+                if work.is_completed():  # failed, or done just after this slice ran out
+                    work.wait()
+                    return
+        raise RuntimeError("abandoned: the instance group is re-formed without a lost rank")
     except Exception as e:  # noqa: BLE001
         raise EPCollectiveError(f"EP rank {rank}: {what} failed: {e}") from e
+    finally:
+        WAITS.since_s = None
 
 
 def start_alltoall(

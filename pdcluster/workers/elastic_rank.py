@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Given-up groups, kept (time.monotonic() when given up, group) until their blocked collectives timed out:
+# destroying a gloo group joins its threads, and does so holding the GIL, freezing this process meanwhile.
+_given_up: list[tuple[float, Any]] = []
+
 
 def _engine_locked(worker: RankWorker):
     """The engine lock (decode: `_locked`); prefill's engine thread does not step while `_group_error`."""
@@ -45,12 +49,14 @@ def shrink(worker: RankWorker, spec: InstanceGroupSpec, lost_ranks: list[int], m
     """
     from pdcluster.driver.instance_group import join_instance_group, wait_until_loaded
     from pdcluster.engine.elastic_ep import plan_shrink, shrink_runtime
+    from pdcluster.models.ep_dispatch import WAITS
     from pdcluster.workers.rank import ep_summary
 
     runtime, lost = worker.engine.ep, frozenset(lost_ranks)
     if runtime is None:
         raise RuntimeError(f"{worker.name}: not an expert-parallel rank")
     plan_shrink(runtime, lost, max_local_experts)
+    WAITS.abandon()  # a collective blocked on the lost ranks (or a peer blocked on them) gives up now
     deadline_s = time.monotonic() + 2 * runtime.parallel.collective_timeout_s
     while worker._group_error is None:  # (set by the engine thread once it stopped stepping)
         if time.monotonic() > deadline_s:
@@ -58,16 +64,24 @@ def shrink(worker: RankWorker, spec: InstanceGroupSpec, lost_ranks: list[int], m
         time.sleep(0.05)
     with _engine_locked(worker):
         joined = join_instance_group(spec)
+        WAITS.watch(joined.group)
         new, shrunk = shrink_runtime(
             runtime, joined.group, lost, max_local_experts, worker.engine.config.model
         )
         wait_until_loaded(joined)
         loaded = sum(1 for _, r, _, _ in shrunk.loads if r == spec.rank)
+        _keep_given_up(worker.instance_group, 2 * runtime.parallel.collective_timeout_s)
         _switch(worker, spec, joined, new)
         worker._ep_summary = ep_summary(worker.engine)
         worker._group_error = None
     worker._wake_engine_thread()
     return _reported(worker, f"re-formed after losing ranks {sorted(lost)}", spec, new, loaded)
+
+
+def _keep_given_up(old_group: Any, timeout_s: float) -> None:
+    """Keep `old_group` alive for `timeout_s` seconds (see `_given_up`); let go of those kept longer."""
+    now_s = time.monotonic()
+    _given_up[:] = [(s, g) for s, g in _given_up if now_s - s < timeout_s] + [(now_s, old_group)]
 
 
 def grow(worker: RankWorker, spec: InstanceGroupSpec, num_redundant_experts: int, attempt: int) -> dict:

@@ -14,6 +14,7 @@ from pdcluster.driver.messages import InstanceGroupSpec
 from pdcluster.engine.compiled_forward import CompileStats
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm import LLMEngine
+from pdcluster.models.ep_dispatch import WAITS
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,7 @@ class RankWorker:
             "num_engine_errors": self._num_loop_errors,
             "last_engine_error": self._last_loop_error,
             "instance_group_error": self._group_error,
+            "collective_wait_s": WAITS.blocked_s(),
             "ep": self._ep_summary,
         }
 

@@ -1,10 +1,12 @@
-"""Elastic EP's parts without Ray: telling a lost rank from one probe round (`driver.elastic.find_rank_loss`),
-an aborted join (`driver.instance_group.meet`), a survivor's shrink and grow of its experts over real gloo
-groups in-process (`engine.elastic_ep`: every slot holds its logical expert's checkpoint weights), and the
+"""Elastic EP's parts without Ray: telling a lost rank from one probe round
+(`driver.elastic_loss.find_rank_loss`), an abandoned collective (`models.ep_dispatch.WAITS`), an aborted
+join (`driver.instance_group.meet`), a survivor's shrink and grow of its experts over real gloo groups
+in-process (`engine.elastic_ep`: every slot holds its logical expert's checkpoint weights), and the
 per-instance figures /metrics shows."""
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from types import SimpleNamespace
@@ -14,7 +16,7 @@ import torch
 from prometheus_client import generate_latest
 
 from pdcluster.driver.deployment import free_ports
-from pdcluster.driver.elastic import find_rank_loss
+from pdcluster.driver.elastic_loss import find_rank_loss
 from pdcluster.driver.instance import Instance
 from pdcluster.driver.instance_group import meet
 from pdcluster.driver.messages import InstanceGroupSpec
@@ -24,24 +26,77 @@ from pdcluster.engine.parallel import ParallelConfig, make_instance_group
 from pdcluster.entrypoints.openai.metrics import ApiMetrics
 from pdcluster.models import bundled_checkpoint_dir
 from pdcluster.models.elastic_placement import PlacementRefused
+from pdcluster.models.ep_dispatch import WAITS, EPCollectiveError, wait
 from pdcluster.models.expert_placement import ExpertPlacement
 from pdcluster.models.loader import load_checkpoint
 
 
-def _load(group_error: str | None) -> SimpleNamespace:
-    return SimpleNamespace(instance_group_error=group_error, pid=1)
+def _load(group_error: str | None, blocked_s: float = 0.0) -> SimpleNamespace:
+    return SimpleNamespace(instance_group_error=group_error, pid=1, collective_wait_s=blocked_s)
 
 
 def test_a_rank_is_lost_once_every_answering_rank_saw_its_group_fail() -> None:
     ray = pytest.importorskip("ray")
     instance = Instance("decode", 0, [object(), object(), object()])
     timeout = ray.exceptions.GetTimeoutError("no answer")
-    assert find_rank_loss(instance, [_load(None)] * 3) is None  # every rank answered
-    assert find_rank_loss(instance, [timeout] * 3) is None  # none did: nothing to shrink onto
-    assert find_rank_loss(instance, [_load(None), timeout, _load("x")]) is None  # rank 0 has not noticed yet
-    loss = find_rank_loss(instance, [_load("gloo: connection closed"), timeout, _load("timed out")])
+    assert find_rank_loss(instance, [_load(None)] * 3, 5.0) is None  # every rank answered
+    assert find_rank_loss(instance, [timeout] * 3, 5.0) is None  # none did: nothing to shrink onto
+    assert find_rank_loss(instance, [_load(None), timeout, _load("x")], 5.0) is None  # rank 0 has not noticed
+    loss = find_rank_loss(instance, [_load("gloo: connection closed"), timeout, _load("timed out")], 5.0)
     assert (loss.role, loss.index, loss.lost, loss.survivors) == ("decode", 0, (1,), (0, 2))
     assert "rank 1 stopped answering" in loss.why
+
+
+def test_a_silent_rank_is_stalled_once_its_peers_waited_the_stall_time_in_one_collective() -> None:
+    ray = pytest.importorskip("ray")
+    instance = Instance("decode", 0, [object(), object(), object()])
+    timeout = ray.exceptions.GetTimeoutError("no answer")
+    assert find_rank_loss(instance, [_load(None, 4.9), timeout, _load(None, 6.0)], 5.0) is None  # not yet
+    assert find_rank_loss(instance, [_load(None, 0.0), timeout, _load("x")], 5.0) is None  # rank 0 steps on
+    loss = find_rank_loss(instance, [_load(None, 5.0), timeout, _load("timed out")], 5.0)
+    assert (loss.lost, loss.survivors) == ((1,), (0, 2))
+
+
+def test_a_dead_rank_is_lost_at_once_whatever_its_peers_report() -> None:
+    ray = pytest.importorskip("ray")
+    instance = Instance("decode", 0, [object(), object(), object()])
+    died = ray.exceptions.ActorDiedError()
+    loss = find_rank_loss(instance, [_load(None), died, _load(None, 0.2)], 5.0)
+    assert (loss.lost, loss.survivors) == ((1,), (0, 2)) and "rank 1 died" in loss.why
+    timeout = ray.exceptions.GetTimeoutError("no answer")  # and a silent one: its peers decide
+    assert find_rank_loss(instance, [died, timeout, _load(None, 1.0)], 5.0) is None
+
+
+def test_an_abandoned_group_ends_its_blocked_collectives_at_once() -> None:
+    """Two ranks of a gloo group of 3 block in an allreduce the third never joins; `WAITS.abandon()`
+    ends both waits long before the group's collective timeout."""
+    groups = _groups(3)
+    WAITS.watch(groups[0])
+    errors: list[BaseException] = []
+
+    def blocked(group) -> None:
+        try:
+            wait(group.allreduce([torch.ones(4)]), "test allreduce", group.rank())
+        except EPCollectiveError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=blocked, args=(g,)) for g in groups[:2]]
+    for t in threads:
+        t.start()
+    deadline_s = time.monotonic() + 30.0
+    while WAITS.blocked_s() < 0.2 and time.monotonic() < deadline_s:
+        time.sleep(0.01)
+    assert WAITS.blocked_s() >= 0.2
+    started_s = time.monotonic()
+    WAITS.abandon()
+    for t in threads:
+        t.join(30.0)
+    try:
+        assert len(errors) == 2 and all("abandoned" in str(e) for e in errors)
+        assert time.monotonic() - started_s < GROUP_TIMEOUT_S / 2  # not the collective's timeout
+        assert WAITS.blocked_s() == 0.0
+    finally:
+        WAITS.watch(groups[0])  # (this process's waits are not abandoned for the next tests)
 
 
 def test_an_aborted_meet_raises_at_once_instead_of_waiting_its_timeout() -> None:
@@ -51,6 +106,9 @@ def test_an_aborted_meet_raises_at_once_instead_of_waiting_its_timeout() -> None
     with pytest.raises(RuntimeError, match="aborted"):
         meet(spec, aborted=lambda: time.monotonic() - started_s > 0.2)
     assert time.monotonic() - started_s < spec.rendezvous_timeout_s / 2
+
+
+GROUP_TIMEOUT_S = inspect.signature(make_instance_group).parameters["timeout_s"].default
 
 
 def _groups(world: int) -> list:
