@@ -137,16 +137,28 @@ class PrefillBind:
 
 
 @dataclass(frozen=True)
+class PrefillFirstToken:
+    """The prefill call's first reply, sent as the first token is sampled (before the MTP drafts and the
+    last layers' KV send). `first_token_text`: streamed to the client now; None when decode streams the
+    token (`engine.stopping.early_first_token_text`) or the client has it (`PrefillRequest.first_token_id`).
+    `queue_s`: seconds from the prefill's arrival to its first step."""
+
+    first_token_id: int
+    first_token_text: str | None = None
+    queue_s: float | None = None
+
+
+@dataclass(frozen=True)
 class PrefillResult:
-    """A finished prefill: the first token, the number of MTP drafts sent, and its phases in seconds
-    (`cpu_wait_s`: time runnable but waiting for a CPU, `workers.thread_clock`; None: unknown)."""
+    """The prefill call's last reply, once its KV is handed to the sender: the first token, the number of
+    MTP drafts sent, and its phases in seconds (`cpu_wait_s`: time runnable but waiting for a CPU,
+    `workers.thread_clock`; None: unknown)."""
 
     first_token_id: int
     num_drafts: int
     queue_s: float
     prefill_s: float
     last_layer_sent_s: float | None = None
-    first_token_text: str | None = None
     cpu_wait_s: float | None = None
     # `SamplingParams.prompt_logprobs` (None at index 0): scored on prefill, sent to the client from here
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
