@@ -127,7 +127,7 @@ class PrefillSampled:
 
 @dataclass(frozen=True)
 class PrefillDone:
-    """The attempt's prefill call returned its last reply (its KV went to the sender)."""
+    """The attempt's prefill call returned its last reply."""
 
     result: PrefillResult
 
@@ -153,16 +153,14 @@ class Wait:
 
 @dataclass(frozen=True)
 class EmitFirstToken:
-    """The handoff is prefilled: stream its first token (`first.first_token_id`, text
-    `first.first_token_text`) now, before the prefill's drafts and decode's admission."""
+    """The handoff is prefilled: stream its first token now, before decode admits the request."""
 
     first: PrefillFirstToken
 
 
 @dataclass(frozen=True)
 class Prefilled:
-    """The handoff is prefilled; its first token is not for the client now (the client has it, or decode
-    streams it)."""
+    """The handoff is prefilled; the client has its first token, or decode streams it."""
 
     first: PrefillFirstToken
 

@@ -138,10 +138,8 @@ class PrefillBind:
 
 @dataclass(frozen=True)
 class PrefillFirstToken:
-    """The prefill call's first reply, sent as the first token is sampled (before the MTP drafts and the
-    last layers' KV send). `first_token_text`: streamed to the client now; None when decode streams the
-    token (`engine.stopping.early_first_token_text`) or the client has it (`PrefillRequest.first_token_id`).
-    `queue_s`: seconds from the prefill's arrival to its first step."""
+    """The prefill call's first reply, as the token is sampled. `first_token_text` None: decode streams it
+    (`engine.stopping.early_first_token_text`) or the client has it. `queue_s`: arrival to first step."""
 
     first_token_id: int
     first_token_text: str | None = None
@@ -150,9 +148,8 @@ class PrefillFirstToken:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """The prefill call's last reply, once its KV is handed to the sender: the first token, the number of
-    MTP drafts sent, and its phases in seconds (`cpu_wait_s`: time runnable but waiting for a CPU,
-    `workers.thread_clock`; None: unknown)."""
+    """The prefill call's last reply (its KV and drafts went to the sender); phases in seconds (`cpu_wait_s`:
+    runnable but waiting for a CPU, `workers.thread_clock`; None: unknown)."""
 
     first_token_id: int
     num_drafts: int

@@ -23,8 +23,7 @@ from pdcluster.driver.messages import (
 
 
 class PrefillCall(NamedTuple):
-    """One prefill call's two replies: `first` (`PrefillFirstToken`, as the token is sampled), then `result`
-    (`PrefillResult`, the call's end). A call that fails or times out before its first reply fails both."""
+    """A prefill call's two replies, in order; a call failed before its first reply fails both."""
 
     first: asyncio.Future[PrefillFirstToken]
     result: asyncio.Future[PrefillResult]
@@ -93,9 +92,9 @@ class RayRankClient(RankClient):
         return await asyncio.wait_for(self.actor.reserve.remote(request), timeout_s)
 
     def prefill(self, request: PrefillRequest, timeout_s: float) -> PrefillCall:
-        replies = self.actor.prefill.remote(request, self._order())  # a generator method: streamed
+        replies = self.actor.prefill.remote(request, self._order())
         first: asyncio.Future[PrefillFirstToken] = asyncio.get_running_loop().create_future()
-        first.add_done_callback(lambda f: f.cancelled() or f.exception())  # (read from `result` too)
+        first.add_done_callback(lambda f: f.cancelled() or f.exception())
         result = asyncio.ensure_future(asyncio.wait_for(_two_replies(replies, first), timeout_s))
         result.add_done_callback(lambda r: _end_first(first, r))
         return PrefillCall(first, result)
@@ -122,8 +121,7 @@ class RayRankClient(RankClient):
 
 
 async def _two_replies(replies: Any, first: asyncio.Future[PrefillFirstToken]) -> PrefillResult:
-    """Read a prefill call's two streamed replies (a Ray `ObjectRefGenerator`): the first into `first`, the
-    last returned (the stream's end is not waited for). Raises RuntimeError for a reply of another kind."""
+    """The replies of a Ray `ObjectRefGenerator`: the first into `first`, the last returned. RuntimeError."""
     token = await _reply(replies, PrefillFirstToken)
     first.set_result(token)
     return await _reply(replies, PrefillResult)

@@ -26,9 +26,8 @@ def check_stop_token(request: Request, token_id: int, num_output_tokens: int) ->
 def early_first_token_text(tokenizer: Tokenizer, params: SamplingParams, token_id: int) -> str | None:
     """The streamed text of `token_id` as a request's first output token, when the token may reach the client
     before the decode instance admits the request (`driver.dispatch`: the prefill call's first reply
-    carries it); None when only decode may stream it: the request has stop strings (decode may hold the
-    text back or cut it), asks for `logprobs` (decode reports them) or `prompt_logprobs` (they come with
-    prefill's last reply, so the first delta to the client carries them).
+    carries it); None when only decode may stream it: stop strings (decode may hold the text back or cut
+    it), `logprobs` (decode reports them), `prompt_logprobs` (prefill's last reply brings them).
     """
     if params.stop or params.logprobs is not None or params.prompt_logprobs is not None:
         return None

@@ -126,19 +126,14 @@ class PrefillWorker(RankWorker):
     def prefill(
         self, request: PrefillRequest, order: CommandSeq | None = None
     ) -> Iterator[PrefillFirstToken | PrefillResult]:
-        """Prefill one request and hand its KV to decode instance `request.decode_index`, rank
-        `request.decode_rank` (bound by its `reserve`, or later by `bind` when `awaiting_bind`). Yields its
-        `PrefillFirstToken` as soon as the token is sampled, then its `PrefillResult` once its KV and
-        drafts went to the sender (one Ray call: a streaming generator).
-
-        Raises RuntimeError when the prefill or the send failed or timed out (the handoff is aborted).
-        """
+        """Prefill one request and hand its KV to decode rank (`decode_index`, `decode_rank`) its reserve or
+        `bind` bound; yields `PrefillFirstToken` as the token is sampled, then `PrefillResult`.
+        Raises RuntimeError when the prefill or the send failed or timed out (the handoff is aborted)."""
         job = Job(request)
         with self._order.turn(order):
             with self._lock:
                 self._num_queued_tokens += job.num_prompt_tokens
             self._jobs.put(("add", job))
-        # sent awaiting the bind: the reservation may take up to its lease (decode back-pressure) first
         timeout_s = event_timeout_s(request.meta.lease_s) + (
             request.meta.lease_s if request.awaiting_bind else 0
         )
@@ -151,8 +146,7 @@ class PrefillWorker(RankWorker):
         yield job.result
 
     def _wait(self, job: Job, event: threading.Event, deadline_s: float, timeout_s: float) -> None:
-        """Wait for `event` of `job` until `deadline_s`; RuntimeError (the job aborted) when it times out or
-        the job failed."""
+        """Wait for `event` until `deadline_s`. RuntimeError: timed out (the job aborted) or failed."""
         if not event.wait(max(0.0, deadline_s - time.monotonic())):
             self._jobs.put(("abort", job.request_id))
             raise RuntimeError(f"{self.name}: prefill of {job.request_id} not done after {timeout_s:g} s")

@@ -30,8 +30,7 @@ class HandOver:
             job.last_layer_sent_s = time.monotonic()
 
     def first_token(self, request_id: str, token_id: int) -> None:
-        """Mid-step, as the token is sampled (`LLMEngine.step`'s `on_first_token`): wake the first reply
-        of `PrefillWorker.prefill`."""
+        """`LLMEngine.step`'s `on_first_token`: wake `PrefillWorker.prefill`'s first reply."""
         job = self.worker._active.get(request_id)
         if job is None or job.step_error is not None:
             return

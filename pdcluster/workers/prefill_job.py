@@ -26,7 +26,6 @@ class Job:
     pending: tuple[PrefillOutput, float] | None = None
     arrival_s: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
-    # set once `first` is known, or with `done` (failed before its first token)
     sampled: threading.Event = field(default_factory=threading.Event)
     first: PrefillFirstToken | None = None
     result: PrefillResult | None = None

@@ -147,7 +147,7 @@ def _forwarded(method_name: str) -> Any:
             raise WrongRole(f"{self.current.name} is a {self.role()} instance: it has no {method_name}")
         return target(*args, **kwargs)
 
-    def streamed(self: RoleWorker, *args: Any, **kwargs: Any) -> Any:  # Ray streams generator methods only
+    def streamed(self: RoleWorker, *args: Any, **kwargs: Any) -> Any:
         yield from call(self, *args, **kwargs)
 
     roles = (PrefillWorker, DecodeWorker)
