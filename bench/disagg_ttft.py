@@ -36,9 +36,10 @@ Reported per configuration and prompt length: TTFT median/p90 (ms), the medians 
 reports (`driver.messages.Phases`: route, reserve, queue, prefill compute, last layer sent, received
 (`kv_transfer`: decode's `expect` to the last layer verified), admitted, first decode step), the rest of
 TTFT none of them covers (`unaccounted_ms_p50`: TTFT - route - queue - prefill: the first token streams
-from the prefill call's reply (`driver.dispatch.EmitFirstToken`), so this is the prefill call's way
-to the prefill rank and its reply's way back; the reserve runs beside the prefill, and the KV transfer and
-decode's admission come after the first token unless decode's delta is faster than the reply),
+from the prefill call's first reply (`driver.dispatch.EmitFirstToken`), sent as it is sampled, before the
+MTP pass and the last layers' send that prefill covers, so this is the prefill call's way to the prefill
+rank and back less that tail; the reserve runs beside the prefill, and the KV transfer and decode's
+admission come after the first token),
 `after_prefill_ms`: TTFT minus queue and prefill, what the prefill compute did not hide, KV bytes per
 request (model dtype, all layers incl. MTP) and the bytes the transfer reported; per prompt length the
 ratios disaggregated / colocated, and whether the issue's targets hold per transport: disaggregated TTFT
@@ -333,9 +334,9 @@ def table(result: dict[str, Any]) -> str:
     header = ("prompt", "config", "ttft p50", "p90", "ratio p50", "p90", "route", "reserve", "queue",
               "prefill", "last layer sent", "received", "admitted", "rest")  # fmt: skip
     note = (
-        "(ms; phases are medians; the first token streams from the prefill reply: rest = TTFT - route - "
-        "queue - prefill, the prefill call's way there and back; reserve, received and admitted run beside "
-        "or after it)"
+        "(ms; phases are medians; the first token streams from the prefill call's first reply, as it is "
+        "sampled: rest = TTFT - route - queue - prefill, the call's way there and back less prefill's tail "
+        "after the token; reserve, received and admitted run beside or after it)"
     )
     lines = [common.format_table(header, rows), note, f"target: {result['target']['rule']}"]
     lines += [f"  {k}: {v}" for k, v in result["target"].items() if k != "rule"]

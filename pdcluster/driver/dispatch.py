@@ -5,7 +5,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from pdcluster.driver.messages import Aborted, DecodeLost, PrefillResult, RequestError, TokenDelta
+from pdcluster.driver.messages import (
+    Aborted,
+    DecodeLost,
+    PrefillFirstToken,
+    PrefillResult,
+    RequestError,
+    TokenDelta,
+)
 from pdcluster.driver.recompute import Recompute
 
 MAX_DISPATCH_ATTEMPTS = 2  # the first try plus one re-dispatch to another prefill instance
@@ -112,8 +119,15 @@ class PrefillFailed:
 
 
 @dataclass(frozen=True)
+class PrefillSampled:
+    """The attempt's prefill call's first reply: its first token was sampled."""
+
+    first: PrefillFirstToken
+
+
+@dataclass(frozen=True)
 class PrefillDone:
-    """The attempt's prefill call returned."""
+    """The attempt's prefill call returned its last reply."""
 
     result: PrefillResult
 
@@ -139,10 +153,16 @@ class Wait:
 
 @dataclass(frozen=True)
 class EmitFirstToken:
-    """Record the prefill's phases and stream its first token (`result.first_token_id`, text
-    `result.first_token_text`) now, before decode admits the request."""
+    """The handoff is prefilled: stream its first token now, before decode admits the request."""
 
-    result: PrefillResult
+    first: PrefillFirstToken
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """The handoff is prefilled; the client has its first token, or decode streams it."""
+
+    first: PrefillFirstToken
 
 
 @dataclass(frozen=True)
@@ -154,8 +174,10 @@ class Redispatch:
     error: str
 
 
-Event = TokenDelta | RequestError | Aborted | DecodeLost | PrefillFailed | PrefillDone | NoEvent
-Action = Emit | EmitFirstToken | Wait | EndAborted | Redispatch | Recompute | Fail
+Event = (
+    TokenDelta | RequestError | Aborted | DecodeLost | PrefillFailed | PrefillSampled | PrefillDone | NoEvent
+)
+Action = Emit | EmitFirstToken | Prefilled | Wait | EndAborted | Redispatch | Recompute | Fail
 
 
 def describe_attempt(state: AttemptState, error: str) -> str:
@@ -170,9 +192,11 @@ def next_action(state: AttemptState, event: Event) -> Action:
     """The action for `event` of the attempt `state`."""
     if isinstance(event, TokenDelta):
         return Emit(event)
+    if isinstance(event, PrefillSampled):
+        if event.first.first_token_text is not None and not state.first_token_streamed:
+            return EmitFirstToken(event.first)
+        return Prefilled(event.first)
     if isinstance(event, PrefillDone):
-        if event.result.first_token_text is not None and not state.first_token_streamed:
-            return EmitFirstToken(event.result)
         return Wait(event.result)
     if isinstance(event, Aborted):
         return EndAborted()

@@ -138,16 +138,25 @@ class PrefillBind:
 
 
 @dataclass(frozen=True)
+class PrefillFirstToken:
+    """The prefill call's first reply, as the token is sampled. `first_token_text` None: decode streams it
+    (`engine.stopping.early_first_token_text`) or the client has it. `queue_s`: arrival to first step."""
+
+    first_token_id: int
+    first_token_text: str | None = None
+    queue_s: float | None = None
+
+
+@dataclass(frozen=True)
 class PrefillResult:
-    """A finished prefill: the first token, the number of MTP drafts sent, and its phases in seconds
-    (`cpu_wait_s`: time runnable but waiting for a CPU, `workers.thread_clock`; None: unknown)."""
+    """The prefill call's last reply (its KV and drafts went to the sender); phases in seconds (`cpu_wait_s`:
+    runnable but waiting for a CPU, `workers.thread_clock`; None: unknown)."""
 
     first_token_id: int
     num_drafts: int
     queue_s: float
     prefill_s: float
     last_layer_sent_s: float | None = None
-    first_token_text: str | None = None
     cpu_wait_s: float | None = None
     # `SamplingParams.prompt_logprobs` (None at index 0): scored on prefill, sent to the client from here
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None

@@ -6,7 +6,7 @@ import abc
 import asyncio
 import contextlib
 import secrets
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdcluster.driver.command_order import CommandSeq
 from pdcluster.driver.messages import (
@@ -14,11 +14,19 @@ from pdcluster.driver.messages import (
     DecodeNodeLoad,
     PollReply,
     PrefillBind,
+    PrefillFirstToken,
     PrefillRequest,
     PrefillResult,
     ReserveRequest,
     ReserveResult,
 )
+
+
+class PrefillCall(NamedTuple):
+    """A prefill call's two replies, in order; a call failed before its first reply fails both."""
+
+    first: asyncio.Future[PrefillFirstToken]
+    result: asyncio.Future[PrefillResult]
 
 
 class RankClient(abc.ABC):
@@ -54,7 +62,7 @@ class RankClient(abc.ABC):
     async def reserve(self, request: ReserveRequest, timeout_s: float) -> ReserveResult: ...
 
     @abc.abstractmethod
-    def prefill(self, request: PrefillRequest, timeout_s: float) -> asyncio.Future[PrefillResult]: ...
+    def prefill(self, request: PrefillRequest, timeout_s: float) -> PrefillCall: ...
 
     @abc.abstractmethod
     def bind(self, bind: PrefillBind) -> None: ...
@@ -83,9 +91,13 @@ class RayRankClient(RankClient):
     async def reserve(self, request: ReserveRequest, timeout_s: float) -> ReserveResult:
         return await asyncio.wait_for(self.actor.reserve.remote(request), timeout_s)
 
-    def prefill(self, request: PrefillRequest, timeout_s: float) -> asyncio.Future[PrefillResult]:
-        ref = self.actor.prefill.remote(request, self._order())
-        return asyncio.ensure_future(asyncio.wait_for(ref, timeout_s))
+    def prefill(self, request: PrefillRequest, timeout_s: float) -> PrefillCall:
+        replies = self.actor.prefill.remote(request, self._order())
+        first: asyncio.Future[PrefillFirstToken] = asyncio.get_running_loop().create_future()
+        first.add_done_callback(lambda f: f.cancelled() or f.exception())
+        result = asyncio.ensure_future(asyncio.wait_for(_two_replies(replies, first), timeout_s))
+        result.add_done_callback(lambda r: _end_first(first, r))
+        return PrefillCall(first, result)
 
     def bind(self, bind: PrefillBind) -> None:
         with contextlib.suppress(Exception):  # a bind that cannot go shows as its prefill failing
@@ -106,3 +118,30 @@ class RayRankClient(RankClient):
             self.actor.poll_with_load.remote(wait_s, self.acked_seq), timeout_s
         )
         return self.take_in_order(reply.events), reply.load
+
+
+async def _two_replies(replies: Any, first: asyncio.Future[PrefillFirstToken]) -> PrefillResult:
+    """The replies of a Ray `ObjectRefGenerator`: the first into `first`, the last returned. RuntimeError."""
+    token = await _reply(replies, PrefillFirstToken)
+    first.set_result(token)
+    return await _reply(replies, PrefillResult)
+
+
+async def _reply(replies: Any, kind: type) -> Any:
+    try:
+        reply = await (await replies.__anext__())
+    except StopAsyncIteration:
+        reply = None
+    if not isinstance(reply, kind):
+        raise RuntimeError(f"a prefill call replied {type(reply).__name__} where {kind.__name__} was due")
+    return reply
+
+
+def _end_first(first: asyncio.Future[PrefillFirstToken], result: asyncio.Future[PrefillResult]) -> None:
+    """The call ended: a first reply still missing fails (or is cancelled) as the call did."""
+    if first.done():
+        return
+    if result.cancelled():
+        first.cancel()
+    else:
+        first.set_exception(result.exception() or RuntimeError("the prefill call ended without its token"))

@@ -23,7 +23,9 @@ from pdcluster.driver.dispatch import (
     Fail,
     NoEvent,
     PrefillDone,
+    Prefilled,
     PrefillFailed,
+    PrefillSampled,
     Redispatch,
     Wait,
     next_action,
@@ -37,7 +39,6 @@ from pdcluster.driver.messages import (
     Aborted,
     DecodeLost,
     Phases,
-    PrefillResult,
     TokenDelta,
 )
 from pdcluster.driver.recompute import MAX_RECOMPUTES, Recompute, recompute_refusal
@@ -142,12 +143,13 @@ class Dispatcher(RouteAndReserve):
                                     yield delta
                                 if record.finished:
                                     return
-                            elif isinstance(action, EmitFirstToken):
+                            elif isinstance(action, EmitFirstToken | Prefilled):
                                 attempt.advance(HandoffEvent.PREFILLED)
-                                yield self._first_token_from_prefill(record, attempt, action.result)
+                                record.phases = record.phases.merged(Phases(queue_s=action.first.queue_s))
+                                if isinstance(action, EmitFirstToken):
+                                    yield record.first_token_delta(attempt, action.first)
                             elif isinstance(action, Wait):
-                                attempt.advance(HandoffEvent.PREFILLED)
-                                self._record_prefill_phases(record, action.phases_from)
+                                record.record_prefill(action.phases_from)
                             elif isinstance(action, EndAborted):
                                 attempt.advance(HandoffEvent.ABORTED)
                                 yield record.stream_delta()
@@ -203,29 +205,6 @@ class Dispatcher(RouteAndReserve):
         attempt.events.put_nowait(Aborted(attempt.handoff_id))
 
     # ---- one attempt ------------------------------------------------------------------------------------
-    @staticmethod
-    def _record_prefill_phases(record: DriverRequest, result: PrefillResult) -> None:
-        if result.prompt_logprobs is not None and not record.streamed_token_ids:
-            record.prompt_logprobs = result.prompt_logprobs  # the first delta to the client carries them
-        record.phases = record.phases.merged(
-            Phases(
-                queue_s=result.queue_s,
-                prefill_s=result.prefill_s,
-                last_layer_sent_s=result.last_layer_sent_s,
-                prefill_cpu_wait_s=result.cpu_wait_s,
-            )
-        )
-
-    def _first_token_from_prefill(
-        self, record: DriverRequest, attempt: Attempt, result: PrefillResult
-    ) -> StreamDelta:
-        self._record_prefill_phases(record, result)
-        assert result.first_token_text is not None
-        record.first_token = (result.first_token_id, result.first_token_text)
-        return record.stream_delta(
-            TokenDelta(attempt.handoff_id, (result.first_token_id,), new_text=result.first_token_text)
-        )
-
     def _from_decode(self, record: DriverRequest, attempt: Attempt, delta: TokenDelta) -> StreamDelta | None:
         first_of_attempt = not decode_has_it(attempt.state)
         if first_of_attempt:  # its KV was received, then the request admitted
@@ -272,9 +251,10 @@ class Dispatcher(RouteAndReserve):
         self, record: DriverRequest, attempt: Attempt, prefill_task: asyncio.Future
     ) -> list[Event]:
         getter = asyncio.ensure_future(attempt.events.get())
-        # The prefill call is sent while decode reserves, so it may have ended (failed) before the first
-        # wait: it is waited on until its result was taken.
-        waits = {getter, prefill_task} if not attempt.prefill_reported else {getter}
+        # The prefill call is sent while decode reserves, so it may have replied (or failed) before the first
+        # wait: each of its two replies is waited on until taken.
+        reply = attempt.prefill_first if not attempt.first_reported else prefill_task
+        waits = {getter, reply} if not attempt.prefill_reported else {getter}
         decode = self.instances["decode"][attempt.decode_index]
         done = await wait_first(
             waits, self.event_timeout_s, self.hold_s, lambda: not record.aborted and held(decode, attempt)
@@ -285,19 +265,29 @@ class Dispatcher(RouteAndReserve):
         if not done:
             getter.cancel()
             return [NoEvent()]
-        if getter not in done:  # the prefill call returned first
+        if getter not in done:  # a prefill reply came first
             getter.cancel()
             return [self._prefill_outcome(attempt, prefill_task)]
         event = getter.result()
         if attempt.prefill_reported or not isinstance(event, TokenDelta):
             return [event]
+        # Decode's first delta: the prefill call's replies (sent before its KV's end) are taken first.
         await asyncio.wait({prefill_task}, timeout=self.event_timeout_s)
         if not prefill_task.done():
             return [NoEvent()]
-        return [self._prefill_outcome(attempt, prefill_task), event]
+        outcomes = [self._prefill_outcome(attempt, prefill_task)]
+        if not attempt.prefill_reported:
+            outcomes.append(self._prefill_outcome(attempt, prefill_task))
+        return [*outcomes, event]
 
     def _prefill_outcome(self, attempt: Attempt, prefill_task: asyncio.Future) -> Event:
-        """`PrefillDone` / `PrefillFailed` of the attempt's finished prefill call."""
+        """`PrefillSampled` of the attempt's first prefill reply, then `PrefillDone` of its last; or
+        `PrefillFailed` when the call failed."""
+        if not attempt.first_reported:
+            attempt.first_reported = True
+            assert attempt.prefill_first is not None
+            if attempt.prefill_first.exception() is None:
+                return PrefillSampled(attempt.prefill_first.result())
         attempt.prefill_reported = True
         exc = prefill_task.exception()
         if exc is None:
@@ -305,9 +295,8 @@ class Dispatcher(RouteAndReserve):
         if isinstance(exc, asyncio.TimeoutError):
             exc = TimeoutError(f"no answer within {self.event_timeout_s:.0f} s")
         if self._is_lost(exc):
-            self.registry.mark_failed(
-                "prefill", attempt.prefill_index, exc, "prefill", attempt.prefill_sent_s
-            )
+            sent_s = attempt.prefill_sent_s
+            self.registry.mark_failed("prefill", attempt.prefill_index, exc, "prefill", sent_s)
         return PrefillFailed(describe_error(exc))
 
     # ---- an instance lost ---------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from pdcluster.driver.backend import StreamDelta
 from pdcluster.driver.handoff import HandoffEvent, HandoffState, advance
-from pdcluster.driver.messages import Phases, TokenDelta
+from pdcluster.driver.messages import Phases, PrefillFirstToken, PrefillResult, TokenDelta
 from pdcluster.driver.recompute import Resumed, resume
 from pdcluster.driver.router import RankRef
 from pdcluster.engine.sampling_params import SamplingParams
@@ -32,8 +32,10 @@ class Attempt:
     decode: RankRef
     meta: HandoffMeta | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_reported: bool = False  # its prefill call's first reply was taken (PrefillSampled / PrefillFailed)
     prefill_reported: bool = False  # its prefill call's outcome was taken (PrefillDone / PrefillFailed)
-    prefill_call: asyncio.Future | None = None  # its prefill call, once sent
+    prefill_first: asyncio.Future | None = None  # its prefill call's first reply (`PrefillFirstToken`)
+    prefill_call: asyncio.Future | None = None  # its prefill call (to its last reply), once sent
     prefill_sent_s: float | None = None  # time.monotonic() when it was sent
     state: HandoffState = HandoffState.ROUTED  # the handoff (`driver.handoff`)
 
@@ -87,6 +89,27 @@ class DriverRequest:
         self.recomputed_tokens = resumed.num_recomputed_tokens
         self.lost, self.decode_streamed = lost, False
         return resumed
+
+    def record_prefill(self, result: PrefillResult) -> None:
+        """The phases of the prefill call's last reply; its prompt logprobs, for the first delta."""
+        if result.prompt_logprobs is not None and not self.streamed_token_ids:
+            self.prompt_logprobs = result.prompt_logprobs
+        self.phases = self.phases.merged(
+            Phases(
+                queue_s=result.queue_s,
+                prefill_s=result.prefill_s,
+                last_layer_sent_s=result.last_layer_sent_s,
+                prefill_cpu_wait_s=result.cpu_wait_s,
+            )
+        )
+
+    def first_token_delta(self, attempt: Attempt, first: PrefillFirstToken) -> StreamDelta:
+        """The client's delta of the first token of `attempt`'s prefill call (kept for a re-dispatch)."""
+        assert first.first_token_text is not None
+        self.first_token = (first.first_token_id, first.first_token_text)
+        return self.stream_delta(
+            TokenDelta(attempt.handoff_id, (first.first_token_id,), new_text=first.first_token_text)
+        )
 
     def stream_delta(self, delta: TokenDelta | None = None) -> StreamDelta:
         """`delta` for the client with the request's phases so far (total_s now); no delta: the abort."""

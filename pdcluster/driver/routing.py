@@ -223,8 +223,8 @@ class RouteAndReserve:
             first_token_id=first_token_id,
         )
         client = self.instances["prefill"][attempt.prefill_index].client(attempt.prefill.rank)
-        call = client.prefill(request, self.event_timeout_s + self.topology.kv_transfer.timeout_s)
-        attempt.prefill_call, attempt.prefill_sent_s = call, time.monotonic()
+        first, call = client.prefill(request, self.event_timeout_s + self.topology.kv_transfer.timeout_s)
+        attempt.prefill_first, attempt.prefill_call, attempt.prefill_sent_s = first, call, time.monotonic()
         rank, num_tokens = attempt.prefill, len(prompt_token_ids)
         self._loads.prefill_started(rank, num_tokens)
         call.add_done_callback(lambda _: self._loads.prefill_ended(rank, num_tokens))

@@ -25,11 +25,11 @@ def check_stop_token(request: Request, token_id: int, num_output_tokens: int) ->
 
 def early_first_token_text(tokenizer: Tokenizer, params: SamplingParams, token_id: int) -> str | None:
     """The streamed text of `token_id` as a request's first output token, when the token may reach the client
-    before the decode instance admits the request (`driver.dispatch`: the prefill instance's reply
-    carries it); None when only decode may stream it: the request has stop strings (decode may hold the
-    text back or cut it) or asks for `logprobs` (decode reports them).
+    before the decode instance admits the request (`driver.dispatch`: the prefill call's first reply
+    carries it); None when only decode may stream it: stop strings (decode may hold the text back or cut
+    it), `logprobs` (decode reports them), `prompt_logprobs` (prefill's last reply brings them).
     """
-    if params.stop or params.logprobs is not None:
+    if params.stop or params.logprobs is not None or params.prompt_logprobs is not None:
         return None
     text = OutputText(tokenizer)
     text.update([token_id], final=False)

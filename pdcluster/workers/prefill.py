@@ -6,6 +6,8 @@ import logging
 import os
 import queue
 import threading
+import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,6 +18,7 @@ from pdcluster.driver.messages import (
     InstanceGroupSpec,
     NodeReady,
     PrefillBind,
+    PrefillFirstToken,
     PrefillNodeLoad,
     PrefillRequest,
     PrefillResult,
@@ -120,28 +123,35 @@ class PrefillWorker(RankWorker):
         return self.kv.table[job.decode_index][job.decode_rank]
 
     # ---- requests ---------------------------------------------------------------------------------------
-    def prefill(self, request: PrefillRequest, order: CommandSeq | None = None) -> PrefillResult:
-        """Prefill one request and hand its KV to decode instance `request.decode_index`, rank
-        `request.decode_rank` (bound by its `reserve`, or later by `bind` when `awaiting_bind`).
-
-        Raises RuntimeError when the prefill or the send failed or timed out (the handoff is aborted).
-        """
+    def prefill(
+        self, request: PrefillRequest, order: CommandSeq | None = None
+    ) -> Iterator[PrefillFirstToken | PrefillResult]:
+        """Prefill one request and hand its KV to decode rank (`decode_index`, `decode_rank`) its reserve or
+        `bind` bound; yields `PrefillFirstToken` as the token is sampled, then `PrefillResult`.
+        Raises RuntimeError when the prefill or the send failed or timed out (the handoff is aborted)."""
         job = Job(request)
         with self._order.turn(order):
             with self._lock:
                 self._num_queued_tokens += job.num_prompt_tokens
             self._jobs.put(("add", job))
-        # sent awaiting the bind: the reservation may take up to its lease (decode back-pressure) first
         timeout_s = event_timeout_s(request.meta.lease_s) + (
             request.meta.lease_s if request.awaiting_bind else 0
         )
-        if not job.done.wait(timeout_s):
+        deadline_s = time.monotonic() + timeout_s
+        self._wait(job, job.sampled, deadline_s, timeout_s)
+        assert job.first is not None
+        yield job.first
+        self._wait(job, job.done, deadline_s, timeout_s)
+        assert job.result is not None
+        yield job.result
+
+    def _wait(self, job: Job, event: threading.Event, deadline_s: float, timeout_s: float) -> None:
+        """Wait for `event` until `deadline_s`. RuntimeError: timed out (the job aborted) or failed."""
+        if not event.wait(max(0.0, deadline_s - time.monotonic())):
             self._jobs.put(("abort", job.request_id))
             raise RuntimeError(f"{self.name}: prefill of {job.request_id} not done after {timeout_s:g} s")
         if job.error is not None:
             raise RuntimeError(f"{self.name}: prefill of {job.request_id} failed: {job.error}")
-        assert job.result is not None
-        return job.result
 
     def bind(self, bind: PrefillBind, order: CommandSeq | None = None) -> None:
         """The reservation of a request sent `awaiting_bind` (`PrefillRequest`): its handoff begins with
@@ -194,7 +204,7 @@ class PrefillWorker(RankWorker):
                 waiting.append(arg)
         for job in waiting:
             job.error = f"{self.name} is closing"
-            job.done.set()
+            job.wake()
         for sender in self._all_senders():
             try:
                 sender.close()
@@ -250,7 +260,7 @@ class PrefillWorker(RankWorker):
         wait_before_s = run_delay_s()
         try:
             self._checkpoint("step")
-            outputs = engine.step(on_prompt_kv=self._on_prompt_kv)
+            outputs = engine.step(on_prompt_kv=self._on_prompt_kv, on_first_token=self.handover.first_token)
         except EngineStepError as e:  # the step's requests are finished with an error; others go on
             self._loop_error(e, "engine step failed")
             outputs = e.outputs
@@ -308,7 +318,7 @@ class PrefillWorker(RankWorker):
                     sender.abort(job.request_id, job.error)
             except Exception:  # noqa: BLE001 - the caller is told either way
                 logger.exception("%s: cleaning up %s failed", self.name, job.request_id)
-            job.done.set()
+            job.wake()
             return
         with self._lock:
             self._active[job.request_id] = job
@@ -360,7 +370,8 @@ class PrefillWorker(RankWorker):
         with self._lock:
             self._active.pop(job.request_id, None)
             self._num_queued_tokens -= job.num_prompt_tokens
-        job.done.set()
+        job.wake()
+        job.sampled.set()
 
 
 def _charge_cpu_wait(jobs: list[Job], wait_before_s: float | None) -> None:

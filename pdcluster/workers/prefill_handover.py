@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from pdcluster.driver.messages import PrefillBind, PrefillResult
+from pdcluster.driver.messages import PrefillBind, PrefillFirstToken, PrefillResult
 from pdcluster.engine.stopping import early_first_token_text
 from pdcluster.kvtransfer.base import HandoffExtras
 from pdcluster.workers.prefill_job import Job
@@ -28,6 +28,26 @@ class HandOver:
             sender.send_layer(job.request_id, layer_idx, latent_kv, scale)
             job.num_layers_sent += 1
             job.last_layer_sent_s = time.monotonic()
+
+    def first_token(self, request_id: str, token_id: int) -> None:
+        """`LLMEngine.step`'s `on_first_token`: wake `PrefillWorker.prefill`'s first reply."""
+        job = self.worker._active.get(request_id)
+        if job is None or job.step_error is not None:
+            return
+        try:
+            forced = job.request.first_token_id
+            request = self.worker.engine.scheduler.get_request(request_id)
+            job.first = PrefillFirstToken(
+                token_id if forced is None else forced,
+                None  # the client has it
+                if forced is not None
+                else early_first_token_text(self.worker.engine.tokenizer, job.request.params, token_id),
+                None if request is None else request.queue_time_s,
+            )
+        except Exception as e:  # noqa: BLE001 - fails this job after the step, not the step's others
+            job.step_error = f"its first token's reply failed: {e!r}"
+            return
+        job.sampled.set()
 
     def complete(self, request_id: str, finish_reason: str | None, queue_s: float) -> None:
         job = self.worker._active.get(request_id)
@@ -97,10 +117,5 @@ class HandOver:
             else job.last_layer_sent_s - job.arrival_s,
             cpu_wait_s=job.cpu_wait_s,
             prompt_logprobs=None if result.prompt_logprobs is None else tuple(result.prompt_logprobs),
-            first_token_text=None
-            if job.request.first_token_id is not None  # the client has it
-            else early_first_token_text(
-                self.worker.engine.tokenizer, job.request.params, result.first_token_id
-            ),
         )
         self.worker._finish_job(job)

@@ -1,4 +1,4 @@
-"""`Job`: one prefill request on a `PrefillWorker`, from its `prefill` call until its caller is woken."""
+"""`Job`: one prefill request on a `PrefillWorker`, from its `prefill` call until its caller's last reply."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdcluster.driver.messages import PrefillRequest, PrefillResult
+from pdcluster.driver.messages import PrefillFirstToken, PrefillRequest, PrefillResult
 from pdcluster.engine.remote_prefill import PrefillOutput
 from pdcluster.kvtransfer.base import HandoffMeta
 
@@ -26,6 +26,8 @@ class Job:
     pending: tuple[PrefillOutput, float] | None = None
     arrival_s: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
+    sampled: threading.Event = field(default_factory=threading.Event)
+    first: PrefillFirstToken | None = None
     result: PrefillResult | None = None
     error: str | None = None
     # layerwise off: buffered layers, (latent_kv, scale) as the engine's PromptKVCallback gives them
@@ -48,6 +50,11 @@ class Job:
     def __post_init__(self) -> None:
         if not self.request.awaiting_bind:
             self.bind(self.request.meta, self.request.decode_index, self.request.decode_rank)
+
+    def wake(self) -> None:
+        """End its caller's waits: for the last reply, and for the first (a job ended before it failed)."""
+        self.done.set()
+        self.sampled.set()
 
     @property
     def bound(self) -> bool:

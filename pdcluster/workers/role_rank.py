@@ -141,12 +141,18 @@ class RoleWorker:
 
 
 def _forwarded(method_name: str) -> Any:
-    def method(self: RoleWorker, *args: Any, **kwargs: Any) -> Any:
+    def call(self: RoleWorker, *args: Any, **kwargs: Any) -> Any:
         target = getattr(self.current, method_name, None)
         if target is None:
             raise WrongRole(f"{self.current.name} is a {self.role()} instance: it has no {method_name}")
         return target(*args, **kwargs)
 
+    def streamed(self: RoleWorker, *args: Any, **kwargs: Any) -> Any:
+        yield from call(self, *args, **kwargs)
+
+    roles = (PrefillWorker, DecodeWorker)
+    generator = any(inspect.isgeneratorfunction(getattr(c, method_name, None)) for c in roles)
+    method = streamed if generator else call
     method.__name__ = method.__qualname__ = method_name
     return method
 

@@ -252,6 +252,45 @@ def test_the_first_token_streams_from_prefill_and_a_failed_handoff_continues_aft
 
 
 @pytest.mark.slow
+def test_a_prefill_failing_after_its_first_token_is_redispatched_and_the_token_streams_once(
+    ray_session, two_prefills, one_engine
+) -> None:
+    """The prefill's hand-over fails after its first token was sampled (an injected fault at "complete",
+    after the call's first reply): the call's last reply raises, the request is re-dispatched to the other
+    prefill instance (with the streamed token forced, `PrefillRequest.first_token_id`, when the first reply
+    reached the client before the failure), and the client's tokens and text equal one engine's, none
+    twice. Nothing is held afterwards."""
+    cluster = two_prefills
+    dispatcher = cluster.dispatcher
+    start_prefill, forced = dispatcher._start_prefill, []
+
+    def armed(attempt, prompt_token_ids, params, first_token_id=None):
+        if attempt.handoff_id.endswith("@0"):  # the first attempt's prefill fails after its first reply
+            ray_session.get(cluster.prefill_actors[attempt.prefill_index].inject_fault.remote("complete"))
+        else:
+            forced.append(first_token_id)
+        start_prefill(attempt, prompt_token_ids, params, first_token_id)
+
+    prompt = cluster.tokenizer.encode(PROMPTS[2])
+    dispatcher._start_prefill = armed
+    try:
+        deltas = _run(cluster, asyncio.wait_for(_deltas(cluster, "late", prompt), request_bound_s(cluster)))
+    finally:
+        dispatcher._start_prefill = start_prefill
+    expected = one_engine.generate([prompt], GREEDY)[0]
+    assert [t for d in deltas for t in d.new_token_ids] == expected.token_ids
+    assert "".join(d.new_text for d in deltas) == expected.text
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+    assert len(forced) == 1 and forced[0] in (None, expected.token_ids[0])  # re-dispatched once
+    assert deltas[0].ranks["prefill"] != deltas[-1].ranks["prefill"] or forced == [None]
+    _assert_no_blocks_held(cluster)
+
+
+async def _deltas(cluster: Cluster, request_id: str, prompt: list[int]) -> list:
+    return [delta async for delta in cluster.generate(request_id, prompt, GREEDY)]
+
+
+@pytest.mark.slow
 def test_abort_during_handoff_ends_the_request_and_never_redispatches(two_prefills) -> None:
     """abort() while decode holds the reservation (prefill / transfer under way): the stream ends with an
     empty delta, finish_reason "abort", no second attempt is dispatched, nothing stays held, and the

@@ -18,7 +18,9 @@ from pdcluster.driver.dispatch import (
     Fail,
     NoEvent,
     PrefillDone,
+    Prefilled,
     PrefillFailed,
+    PrefillSampled,
     Redispatch,
     ReserveOutcome,
     RetryReserve,
@@ -34,6 +36,7 @@ from pdcluster.driver.messages import (
     Aborted,
     DecodeLost,
     Phases,
+    PrefillFirstToken,
     PrefillResult,
     RequestError,
     TokenDelta,
@@ -50,19 +53,23 @@ def test_the_first_token_delta_is_emitted_as_it_came() -> None:
 
 
 def test_a_returned_prefill_call_is_waited_on() -> None:
+    """The prefill call's last reply (its KV went to the sender) only brings phases."""
     result = PrefillResult(first_token_id=42, num_drafts=1, queue_s=0.25, prefill_s=1.5)
     assert next_action(FIRST, PrefillDone(result)) == Wait(result)
 
 
 def test_a_prefill_reply_streams_its_first_token_unless_the_client_has_one() -> None:
-    result = PrefillResult(42, 1, 0.25, 1.5, first_token_text=" the")
-    assert next_action(FIRST, PrefillDone(result)) == EmitFirstToken(result)
-    # decode's delta came first: the reply is only waited on (decode streamed the token)
-    streamed = AttemptState("r1", 0, 0, 1, decode_streamed=True, first_token_streamed=True)
-    assert next_action(streamed, PrefillDone(result)) == Wait(result)
+    """The prefill call's first reply (its token just sampled) streams the token, unless its text is
+    decode's to stream or the client has a first token already."""
+    first = PrefillFirstToken(42, " the", queue_s=0.25)
+    assert next_action(FIRST, PrefillSampled(first)) == EmitFirstToken(first)
+    streamed = AttemptState("r1", 0, 0, 1, first_token_streamed=True)  # a re-dispatch after it streamed
+    assert next_action(streamed, PrefillSampled(first)) == Prefilled(first)
+    decodes = PrefillFirstToken(42, None, queue_s=0.25)  # stop strings / logprobs: decode streams it
+    assert next_action(FIRST, PrefillSampled(decodes)) == Prefilled(decodes)
     # an incomplete character streams no text yet, but the token goes
-    partial = PrefillResult(42, 1, 0.25, 1.5, first_token_text="")
-    assert next_action(FIRST, PrefillDone(partial)) == EmitFirstToken(partial)
+    partial = PrefillFirstToken(42, "")
+    assert next_action(FIRST, PrefillSampled(partial)) == EmitFirstToken(partial)
 
 
 def test_prefill_died_before_any_token_is_redispatched_to_another_prefill() -> None:

@@ -12,6 +12,7 @@ import pytest
 from pdcluster.driver.command_order import CommandSeq
 from pdcluster.driver.messages import (
     DecodeNodeLoad,
+    PrefillFirstToken,
     PrefillNodeLoad,
     PrefillRequest,
     PrefillResult,
@@ -69,6 +70,18 @@ def _events_until(decode, handoff_id: str, done, acked_seq: int = 0) -> tuple[li
     raise AssertionError(f"no final event for {handoff_id} within {EVENT_WAIT_S} s: {events}")
 
 
+def _replies(prefill, request: PrefillRequest, order: CommandSeq | None = None):
+    """`PrefillWorker.prefill`'s two replies: (its `PrefillFirstToken`, its `PrefillResult`)."""
+    first, result = prefill.prefill(request, order)
+    assert isinstance(first, PrefillFirstToken) and isinstance(result, PrefillResult)
+    assert first.first_token_id == result.first_token_id
+    return first, result
+
+
+def _prefill(prefill, request: PrefillRequest, order: CommandSeq | None = None) -> PrefillResult:
+    return _replies(prefill, request, order)[1]
+
+
 def _assert_idle(prefill, decode) -> None:
     assert prefill.check_no_leaks() == {"num_used_blocks": 0, "num_active": 0, "pending_handoffs": []}
     assert decode.check_no_leaks() == {
@@ -89,7 +102,7 @@ def test_a_handoff_end_to_end_with_typed_messages(nodes) -> None:
     assert isinstance(load, DecodeNodeLoad) and load.num_reserved == 1 and load.batch_load == 1
     assert load.num_free_blocks < free_before and load.engine_thread_alive
 
-    result = prefill.prefill(PrefillRequest("h1", PROMPT, GREEDY, reserved.bound_meta, decode_index=0))
+    result = _prefill(prefill, PrefillRequest("h1", PROMPT, GREEDY, reserved.bound_meta, decode_index=0))
     assert isinstance(result, PrefillResult) and result.num_drafts == 1
     assert result.queue_s >= 0 and result.prefill_s > 0
     events, _ = _events_until(decode, "h1", lambda e: isinstance(e, RequestError) or e.finished)
@@ -119,10 +132,10 @@ def test_decode_streams_the_first_token_when_it_may_not_go_early(nodes) -> None:
     prefill, decode = nodes
     stopped = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=["never in the output"])
     reserved = decode.reserve(ReserveRequest("s1", PROMPT, stopped, _meta(prefill, "s1"), 1))
-    result = prefill.prefill(PrefillRequest("s1", PROMPT, stopped, reserved.bound_meta, 0))
-    assert result.first_token_text is None
+    first, _ = _replies(prefill, PrefillRequest("s1", PROMPT, stopped, reserved.bound_meta, 0))
+    assert first.first_token_text is None
     events, _ = _events_until(decode, "s1", lambda e: isinstance(e, RequestError) or e.finished)
-    assert events[0].new_token_ids == (result.first_token_id,)
+    assert events[0].new_token_ids == (first.first_token_id,)
     assert len(_tokens(events)) == stopped.max_tokens
     _assert_idle(prefill, decode)
 
@@ -137,15 +150,15 @@ def test_a_first_token_the_client_has_replaces_the_sampled_one(nodes) -> None:
 
     prefill, decode = nodes
     reserved = decode.reserve(ReserveRequest("f0", PROMPT, GREEDY, _meta(prefill, "f0"), 1))
-    sampled = prefill.prefill(PrefillRequest("f0", PROMPT, GREEDY, reserved.bound_meta, 0))
+    sampled, _ = _replies(prefill, PrefillRequest("f0", PROMPT, GREEDY, reserved.bound_meta, 0))
     assert sampled.first_token_text is not None  # greedy, no stop strings: it may go early
     _events_until(decode, "f0", lambda e: isinstance(e, RequestError) or e.finished)
     given = (sampled.first_token_id + 1) % prefill.engine.model.config.vocab_size
     reserved = decode.reserve(ReserveRequest("f1", PROMPT, GREEDY, _meta(prefill, "f1"), 1))
-    result = prefill.prefill(
-        PrefillRequest("f1", PROMPT, GREEDY, reserved.bound_meta, 0, first_token_id=given)
+    first, result = _replies(
+        prefill, PrefillRequest("f1", PROMPT, GREEDY, reserved.bound_meta, 0, first_token_id=given)
     )
-    assert (result.first_token_id, result.num_drafts, result.first_token_text) == (given, 0, None)
+    assert (result.first_token_id, result.num_drafts, first.first_token_text) == (given, 0, None)
     events, _ = _events_until(decode, "f1", lambda e: isinstance(e, RequestError) or e.finished)
     assert all(isinstance(e, TokenDelta) for e in events), events
     tokens = [t for e in events for t in e.new_token_ids]
@@ -161,7 +174,7 @@ def test_poll_keeps_events_until_acknowledged(nodes) -> None:
     if retained:  # acknowledge what earlier tests left
         decode.poll(0.0, retained[-1].seq)
     reserved = decode.reserve(ReserveRequest("h2", PROMPT, GREEDY, _meta(prefill, "h2"), 1))
-    prefill.prefill(PrefillRequest("h2", PROMPT, GREEDY, reserved.bound_meta, 0))
+    _prefill(prefill, PrefillRequest("h2", PROMPT, GREEDY, reserved.bound_meta, 0))
     deadline_s = time.monotonic() + EVENT_WAIT_S
     unacked = decode.poll(0.05, 0)
     while not (unacked and unacked[-1].event.finished):  # never acknowledged: every poll repeats them
@@ -193,7 +206,7 @@ def test_an_injected_prefill_fault_fails_that_request_and_is_counted(nodes) -> N
     reserved = decode.reserve(ReserveRequest("h4", PROMPT, GREEDY, _meta(prefill, "h4"), 1))
     prefill.inject_fault("start")
     with pytest.raises(RuntimeError, match="prefill of h4 failed: RuntimeError.'injected fault at start'"):
-        prefill.prefill(PrefillRequest("h4", PROMPT, GREEDY, reserved.bound_meta, 0))
+        _prefill(prefill, PrefillRequest("h4", PROMPT, GREEDY, reserved.bound_meta, 0))
     load = prefill.load()
     assert load.num_engine_errors == errors_before + 1 and load.engine_thread_alive
     assert load.last_engine_error == "starting h4 failed: RuntimeError('injected fault at start')"
@@ -206,7 +219,7 @@ def test_an_injected_decode_fault_is_an_error_event_and_the_loop_survives(nodes)
     errors_before = decode.load().num_engine_errors
     decode.inject_fault("delta")
     reserved = decode.reserve(ReserveRequest("h5", PROMPT, GREEDY, _meta(prefill, "h5"), 1))
-    prefill.prefill(PrefillRequest("h5", PROMPT, GREEDY, reserved.bound_meta, 0))
+    _prefill(prefill, PrefillRequest("h5", PROMPT, GREEDY, reserved.bound_meta, 0))
     events, _ = _events_until(decode, "h5", lambda e: isinstance(e, RequestError))
     assert events[-1].message == "decode output failed: RuntimeError('injected fault at delta')"
     load = decode.load()
@@ -238,7 +251,7 @@ def test_a_stalled_engine_pass_shows_in_the_load_and_the_loop_goes_on(nodes) -> 
             time.sleep(0.01)
         assert after.engine_pass_s < EVENT_WAIT_S
     reserved = decode.reserve(ReserveRequest("h-stall", PROMPT, GREEDY, _meta(prefill, "h-stall"), 1))
-    prefill.prefill(PrefillRequest("h-stall", PROMPT, GREEDY, reserved.bound_meta, 0))
+    _prefill(prefill, PrefillRequest("h-stall", PROMPT, GREEDY, reserved.bound_meta, 0))
     events, _ = _events_until(decode, "h-stall", lambda e: isinstance(e, RequestError) or e.finished)
     assert all(isinstance(e, TokenDelta) for e in events), events
     assert sum(len(e.new_token_ids) for e in events) == GREEDY.max_tokens - 1
@@ -274,7 +287,7 @@ def test_a_prefill_sent_before_its_reservation_hands_off_once_bound(nodes) -> No
         return _tokens(events), acked
 
     bound = reserve("ref")
-    prefill.prefill(PrefillRequest("ref", PROMPT, GREEDY, bound, decode_index=0))
+    _prefill(prefill, PrefillRequest("ref", PROMPT, GREEDY, bound, decode_index=0))
     expected, acked = until_done("ref", 0)
     assert len(expected) == GREEDY.max_tokens - 1  # the first token is prefill's reply's
 
@@ -283,7 +296,7 @@ def test_a_prefill_sent_before_its_reservation_hands_off_once_bound(nodes) -> No
     request = PrefillRequest(
         "late", PROMPT, GREEDY, _meta(prefill, "late"), decode_index=0, awaiting_bind=True
     )
-    caller = threading.Thread(target=lambda: results.append(prefill.prefill(request)))
+    caller = threading.Thread(target=lambda: results.append(_prefill(prefill, request)))
     caller.start()
     deadline_s = time.monotonic() + EVENT_WAIT_S
     while prefill.load().num_requests == 0:  # taken by the engine thread
@@ -308,7 +321,7 @@ def test_a_prefill_sent_before_its_reservation_hands_off_once_bound(nodes) -> No
     request = PrefillRequest(
         "early", PROMPT, GREEDY, _meta(prefill, "early"), decode_index=0, awaiting_bind=True
     )
-    assert isinstance(prefill.prefill(request, CommandSeq("bind-overtakes", 1)), PrefillResult)
+    assert isinstance(_prefill(prefill, request, CommandSeq("bind-overtakes", 1)), PrefillResult)
     binder.join(EVENT_WAIT_S)
     tokens, acked = until_done("early", acked)
     assert tokens == expected
@@ -333,10 +346,71 @@ def _deliver_bind_at_layer(prefill, monkeypatch, handoff_id: str, bind) -> None:
 
 def _reference_tokens(prefill, decode, handoff_id: str) -> tuple[list[int], int]:
     reserved = decode.reserve(ReserveRequest(handoff_id, PROMPT, GREEDY, _meta(prefill, handoff_id), 1))
-    prefill.prefill(PrefillRequest(handoff_id, PROMPT, GREEDY, reserved.bound_meta, decode_index=0))
+    _prefill(prefill, PrefillRequest(handoff_id, PROMPT, GREEDY, reserved.bound_meta, decode_index=0))
     events, acked = _events_until(decode, handoff_id, lambda e: isinstance(e, RequestError) or e.finished)
     assert all(isinstance(e, TokenDelta) for e in events), events
     return _tokens(events), acked
+
+
+def test_the_first_reply_leaves_as_the_token_is_sampled_before_the_rest_of_the_step(
+    nodes, monkeypatch
+) -> None:
+    """`prefill` yields its first reply as the token is sampled: with the engine thread held right after
+    sampling (before the last layer's KV send and the MTP pass over the prompt), the first reply comes and
+    the last does not; let go, the last reply and decode's tokens are the reserve-first handoff's."""
+    import threading
+
+    prefill, decode = nodes
+    expected, acked = _reference_tokens(prefill, decode, "ref-first")
+    held, release, real_first_token = threading.Event(), threading.Event(), prefill.handover.first_token
+
+    def first_token(request_id: str, token_id: int) -> None:
+        real_first_token(request_id, token_id)
+        if request_id == "first":
+            held.set()
+            release.wait(EVENT_WAIT_S)
+
+    monkeypatch.setattr(prefill.handover, "first_token", first_token)
+    reserved = decode.reserve(ReserveRequest("first", PROMPT, GREEDY, _meta(prefill, "first"), 1))
+    replies = prefill.prefill(PrefillRequest("first", PROMPT, GREEDY, reserved.bound_meta, decode_index=0))
+    try:
+        first = next(replies)
+        assert held.is_set() and not release.is_set()  # came while the engine thread was held
+        job = prefill._active["first"]
+        assert not job.done.is_set() and job.num_layers_sent < reserved.bound_meta.num_layers
+    finally:
+        release.set()
+    result = next(replies)
+    monkeypatch.undo()
+    assert isinstance(first, PrefillFirstToken) and first.first_token_text is not None
+    assert first.queue_s is not None and 0.0 <= first.queue_s <= result.queue_s + result.prefill_s
+    assert isinstance(result, PrefillResult) and result.first_token_id == first.first_token_id
+    assert result.num_drafts == 1  # the MTP pass ran after the first reply
+    events, _ = _events_until(decode, "first", lambda e: isinstance(e, RequestError) or e.finished, acked)
+    assert all(isinstance(e, TokenDelta) for e in events), events
+    assert _tokens(events) == expected
+    _assert_idle(prefill, decode)
+
+
+def test_a_prefill_that_fails_after_its_first_reply_raises_on_its_last(nodes) -> None:
+    """The hand-over after the first token fails (an injected fault at "complete"): the call's first reply
+    came, its last raises with the cause, decode's reservation ends in an error event (the handoff was
+    aborted), and nothing stays held."""
+    prefill, decode = nodes
+    reserved = decode.reserve(ReserveRequest("late-fail", PROMPT, GREEDY, _meta(prefill, "late-fail"), 1))
+    prefill.inject_fault("complete")
+    replies = prefill.prefill(PrefillRequest("late-fail", PROMPT, GREEDY, reserved.bound_meta, 0))
+    assert isinstance(next(replies), PrefillFirstToken)
+    with pytest.raises(RuntimeError, match="prefill of late-fail failed: .*injected fault at complete"):
+        next(replies)
+    events, _ = _events_until(decode, "late-fail", lambda e: isinstance(e, RequestError))
+    assert "injected fault at complete" in events[-1].message, events
+    decode.abort("late-fail")  # the driver releases the failed attempt
+    deadline_s = time.monotonic() + EVENT_WAIT_S
+    while prefill.check_no_leaks()["pending_handoffs"]:  # the sender forgets it once its stream closed
+        assert time.monotonic() < deadline_s, prefill.check_no_leaks()
+        time.sleep(0.01)
+    _assert_idle(prefill, decode)
 
 
 def test_a_bind_that_comes_during_the_prefill_step_streams_the_layers_before_the_step_ends(
@@ -363,7 +437,7 @@ def test_a_bind_that_comes_during_the_prefill_step_streams_the_layers_before_the
 
     monkeypatch.setattr(engine, "step", step)
     request = PrefillRequest("mid", PROMPT, GREEDY, _meta(prefill, "mid"), decode_index=0, awaiting_bind=True)
-    result = prefill.prefill(request)
+    result = _prefill(prefill, request)
     monkeypatch.undo()
     assert isinstance(result, PrefillResult)
     if run_delay_s() is not None:  # the engine thread's wait for a CPU: part of the prefill time
@@ -415,7 +489,7 @@ def test_a_handoff_that_cannot_begin_mid_step_fails_alone(nodes, monkeypatch) ->
 
     def call(request: PrefillRequest) -> None:
         try:
-            results[request.handoff_id] = prefill.prefill(request)
+            results[request.handoff_id] = _prefill(prefill, request)
         except RuntimeError as e:
             results[request.handoff_id] = e
 
@@ -456,7 +530,7 @@ def test_a_prefill_awaiting_its_bind_is_aborted_cleanly(nodes) -> None:
 
     def call() -> None:
         try:
-            prefill.prefill(request)
+            _prefill(prefill, request)
         except RuntimeError as e:
             errors.append(str(e))
 
@@ -485,7 +559,7 @@ def test_an_abort_that_overtakes_its_prefill_call_waits_for_it_then_fails_it(nod
         "overtaken", PROMPT, GREEDY, _meta(prefill, "overtaken"), decode_index=0, awaiting_bind=True
     )
     with pytest.raises(RuntimeError, match="aborted by the router"):
-        prefill.prefill(request, CommandSeq("abort-overtakes", 1))
+        _prefill(prefill, request, CommandSeq("abort-overtakes", 1))
     aborter.join(EVENT_WAIT_S)
     assert prefill.load().num_requests == 0
     _assert_idle(prefill, decode)
@@ -507,7 +581,7 @@ def test_a_reserve_is_served_while_a_decode_step_executes(nodes, monkeypatch) ->
 
     def handoff(handoff_id: str) -> None:
         reserved = decode.reserve(ReserveRequest(handoff_id, PROMPT, GREEDY, _meta(prefill, handoff_id), 1))
-        prefill.prefill(PrefillRequest(handoff_id, PROMPT, GREEDY, reserved.bound_meta, decode_index=0))
+        _prefill(prefill, PrefillRequest(handoff_id, PROMPT, GREEDY, reserved.bound_meta, decode_index=0))
 
     retained = decode.poll(0.0, 0)
     acked = retained[-1].seq if retained else 0
@@ -601,8 +675,8 @@ def test_shm_grpc_pairs_take_shm_on_the_node_and_grpc_across() -> None:
                 ReserveRequest(handoff_id, PROMPT, GREEDY, _meta(prefill, handoff_id), 1)
             )
             assert reserved.reserved
-            prefill.prefill(
-                PrefillRequest(handoff_id, PROMPT, GREEDY, reserved.bound_meta, decode_index=index)
+            _prefill(
+                prefill, PrefillRequest(handoff_id, PROMPT, GREEDY, reserved.bound_meta, decode_index=index)
             )
             events, _ = _events_until(decode, handoff_id, lambda e: isinstance(e, RequestError) or e.finished)
             assert all(isinstance(e, TokenDelta) for e in events), events
@@ -619,7 +693,7 @@ def test_shm_grpc_pairs_take_shm_on_the_node_and_grpc_across() -> None:
         reserved = decodes[1].reserve(
             ReserveRequest("pair-far", PROMPT, GREEDY, _meta(prefill, "pair-far"), 1)
         )
-        prefill.prefill(PrefillRequest("pair-far", PROMPT, GREEDY, reserved.bound_meta, decode_index=1))
+        _prefill(prefill, PrefillRequest("pair-far", PROMPT, GREEDY, reserved.bound_meta, decode_index=1))
         events, _ = _events_until(decodes[1], "pair-far", lambda e: isinstance(e, RequestError) or e.finished)
         assert _tokens(events) == tokens[0]
         for decode in decodes:

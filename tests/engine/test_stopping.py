@@ -39,7 +39,7 @@ def test_check_stop_token(make_request) -> None:
 def test_the_first_token_goes_early_only_when_decode_would_stream_it_unchanged(tokenizer: Tokenizer) -> None:
     """`early_first_token_text`: the text decode's first output streams for the token (an incomplete
     character streams nothing yet), or None where decode may hold it back or cut it (stop strings) or
-    reports more than the token (logprobs)."""
+    reports more than the token (logprobs, prompt logprobs)."""
     plain = SamplingParams(max_tokens=8)
     (the,) = tokenizer.encode(" the")
     assert early_first_token_text(tokenizer, plain, the) == " the"
@@ -47,6 +47,7 @@ def test_the_first_token_goes_early_only_when_decode_would_stream_it_unchanged(t
     assert early_first_token_text(tokenizer, plain, partial) == ""
     assert early_first_token_text(tokenizer, SamplingParams(max_tokens=8, stop=("x",)), the) is None
     assert early_first_token_text(tokenizer, SamplingParams(max_tokens=8, logprobs=2), the) is None
+    assert early_first_token_text(tokenizer, SamplingParams(max_tokens=8, prompt_logprobs=0), the) is None
     # a token that finishes the request goes too: decode's final text for it starts with this one
     assert early_first_token_text(tokenizer, SamplingParams(max_tokens=1), the) == " the"
     assert early_first_token_text(tokenizer, plain, tokenizer.eos_token_id) == ""
