@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdcluster.kernels.sampling import (
-    apply_penalties_,
+    apply_penalties,
     compute_logprobs,
     group_rows_by_generator,
     probs_from_logits,
@@ -178,7 +178,7 @@ def test_top_k_largest_equals_topk_on_the_chunked_path() -> None:
 
 
 def test_apply_penalties_equals_a_dense_reference() -> None:
-    """Rows with repeated tokens, padding, no tokens at all, and tokens in both prompt and output."""
+    """Rows with repeated tokens, no tokens at all, and tokens in both prompt and output (V: no token)."""
     generator = torch.Generator().manual_seed(6)
     num_rows, vocab_size = 5, 50
     logits = torch.randn(num_rows, vocab_size, generator=generator) * 3
@@ -199,6 +199,10 @@ def test_apply_penalties_equals_a_dense_reference() -> None:
             expected[r, t] = v / repetition[r] if v > 0 else v * repetition[r]
         for t in set(out):
             expected[r, t] = expected[r, t] - frequency[r] * out.count(t) - presence[r]
-    got = apply_penalties_(logits.clone(), outputs, prompts, presence, frequency, repetition)
+    counts = torch.zeros(num_rows, vocab_size + 1).scatter_add_(1, outputs, torch.ones(outputs.shape))
+    prompt_mask = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool).scatter_(1, prompts, True)
+    got = apply_penalties(
+        logits.clone(), counts[:, :-1], prompt_mask[:, :-1], presence, frequency, repetition
+    )
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)  # float32 rounding of one op order
     assert torch.equal(got[2], logits[2])
