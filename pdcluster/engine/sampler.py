@@ -143,7 +143,8 @@ def process_logits(
     slots, lengths = counts.update(penalized_items, output_history) if penalized_items else ([], [])
     length_of = dict(zip((item.request_id for item in penalized_items), lengths, strict=True))
     rows: list[int] = []
-    request_of_row: list[int] = []
+    penalized_rows: list[int] = []  # of `rows`
+    penalized_request_of_row: list[int] = []
     slot_of_row: list[int] = []
     drafts: list[list[int]] = []
     bias: list[tuple[int, int, float]] = []
@@ -167,8 +168,9 @@ def process_logits(
             for j in range(num_rows):
                 row = len(rows)
                 rows.append(offset + j)
-                request_of_row.append(i)
                 if slot >= 0:
+                    penalized_rows.append(row)
+                    penalized_request_of_row.append(i)
                     slot_of_row.append(slot)
                     drafts.append(item.spec_token_ids[:j])
                 if sp.logit_bias:
@@ -198,23 +200,16 @@ def process_logits(
             accumulate=True,
         )
     if slot_of_row:
-        request_index = np.asarray(request_of_row, dtype=np.int64)
-        penalized_rows = penalized[request_index]
-        per_row = params.take(request_index[penalized_rows])
-        all_penalized = bool(penalized_rows.all())
-        target = sub if all_penalized else sub[torch.from_numpy(penalized_rows).to(device)]
-        values = counts.penalize(
-            target,
+        per_row = params.take(np.asarray(penalized_request_of_row, dtype=np.int64))
+        counts.penalize_(
+            sub,
+            penalized_rows,
             slot_of_row,
             drafts,
             per_row.presence_penalty,
             per_row.frequency_penalty,
             per_row.repetition_penalty,
         )
-        if all_penalized:
-            sub.copy_(values)
-        else:
-            sub[torch.from_numpy(penalized_rows).to(device)] = values
     if not whole:
         logits.index_copy_(0, row_index, sub)
     return logits

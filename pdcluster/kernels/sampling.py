@@ -136,33 +136,33 @@ def sample(
     return token_ids
 
 
-def apply_penalties(
+def apply_penalties_(
     logits: torch.Tensor,
+    rows: torch.Tensor,
+    token_ids: torch.Tensor,
     output_counts: torch.Tensor,
-    prompt_mask: torch.Tensor | None,
     presence_penalty: torch.Tensor | None,
     frequency_penalty: torch.Tensor | None,
     repetition_penalty: torch.Tensor | None,
 ) -> torch.Tensor:
     """Repetition (CTRL, Keskar et al. 2019, section 4.1: divide a positive logit, multiply otherwise) over
-    the prompt's and output's tokens, then OpenAI's `logit -= frequency * count + presence * (count > 0)`
-    over the output's counts; returns the penalised logits (a new tensor).
+    each row's listed tokens, then OpenAI's `logit -= frequency * count + presence * (count > 0)`, in place.
 
-    logits: `[R, V]` float32. output_counts: `[R, V]` float32, each token's count in the row's output.
-    prompt_mask: `[R, V]` bool, the row's prompt tokens (None: none). Penalties: `[R]` float32 (None: off).
+    logits: `[N, V]` float32, changed in place and returned; rows: `[R]` int64, the rows penalised.
+    token_ids: `[R, M]` int64, row i's listed tokens (its prompt's and output's; a token may repeat).
+    output_counts: `[R, M]` float32, each listed token's count in the row's output.
+    presence_penalty, frequency_penalty, repetition_penalty: `[R]` float32 (None: off).
     """
-    seen = output_counts > 0
+    index = (rows[:, None], token_ids)
+    values = logits[index]
     if repetition_penalty is not None:
-        listed = seen if prompt_mask is None else seen | prompt_mask
         penalty = repetition_penalty[:, None]
-        logits = torch.where(listed, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-    if frequency_penalty is not None or presence_penalty is not None:
-        penalised = logits
-        if frequency_penalty is not None:
-            penalised = penalised - frequency_penalty[:, None] * output_counts
-        if presence_penalty is not None:
-            penalised = penalised - presence_penalty[:, None] * seen
-        logits = torch.where(seen, penalised, logits)
+        values = torch.where(values > 0, values / penalty, values * penalty)
+    if frequency_penalty is not None:
+        values = values - frequency_penalty[:, None] * output_counts
+    if presence_penalty is not None:
+        values = values - presence_penalty[:, None] * (output_counts > 0)
+    logits[index] = values
     return logits
 
 
