@@ -1,6 +1,6 @@
 """Logit processors (penalties, logit_bias, min_tokens, stop_token_ids) and the logprobs they report.
 
-What they prove: `kernels.sampling.apply_penalties` follows the CTRL/OpenAI rules on hand-computed values;
+What they prove: `kernels.sampling.apply_penalties_` follows the CTRL/OpenAI rules on hand-computed values;
 through the engine, greedy tokens and logprobs under penalties equal a cache-less full forward with the
 penalties applied by hand over each position's output history (within 1e-4: two forwards of one model
 object, differing only in batching), with MTP on as off (drafts extend the history row by row) and with
@@ -15,7 +15,7 @@ import torch
 
 from pdcluster.engine.llm import LLM
 from pdcluster.engine.sampling_params import SamplingParams
-from pdcluster.kernels.sampling import apply_penalties
+from pdcluster.kernels.sampling import apply_penalties_
 from pdcluster.models import bundled_checkpoint_dir
 from pdcluster.models.prompts import heldout_def_prompts
 
@@ -30,12 +30,18 @@ def prompts() -> list[str]:
     return heldout_def_prompts(3)
 
 
-def test_apply_penaltiesexact_values():
+def test_apply_penalties_exact_values():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
-    counts = torch.tensor([[0.0, 1.0, 0.0, 2.0, 0.0]])  # outputs 3, 3, 1
-    prompt = torch.tensor([[False, False, True, False, False]])  # prompt 2
-    got = apply_penalties(
-        logits, counts, prompt, torch.tensor([0.5]), torch.tensor([0.25]), torch.tensor([2.0])
+    listed = torch.tensor([[3, 1, 2, 3]])  # outputs 3, 3, 1; prompt 2; a token may repeat
+    counts = torch.tensor([[2.0, 1.0, 0.0, 2.0]])
+    got = apply_penalties_(
+        logits,
+        torch.tensor([0]),
+        listed,
+        counts,
+        torch.tensor([0.5]),
+        torch.tensor([0.25]),
+        torch.tensor([2.0]),
     )
     # token 0 unseen; 1 seen once (negative: x2), 2 in the prompt only, 3 seen twice (positive: /2)
     expected = torch.tensor([[2.0, -2.0 - 0.25 - 0.5, 0.25, 1.5 - 0.5 - 0.5, 1.0]])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdcluster.kernels.sampling import (
-    apply_penalties,
+    apply_penalties_,
     compute_logprobs,
     group_rows_by_generator,
     probs_from_logits,
@@ -178,7 +178,7 @@ def test_top_k_largest_equals_topk_on_the_chunked_path() -> None:
 
 
 def test_apply_penalties_equals_a_dense_reference() -> None:
-    """Rows with repeated tokens, no tokens at all, and tokens in both prompt and output (V: no token)."""
+    """Rows with repeated tokens, padding, no tokens at all, and tokens in both prompt and output."""
     generator = torch.Generator().manual_seed(6)
     num_rows, vocab_size = 5, 50
     logits = torch.randn(num_rows, vocab_size, generator=generator) * 3
@@ -200,9 +200,13 @@ def test_apply_penalties_equals_a_dense_reference() -> None:
         for t in set(out):
             expected[r, t] = expected[r, t] - frequency[r] * out.count(t) - presence[r]
     counts = torch.zeros(num_rows, vocab_size + 1).scatter_add_(1, outputs, torch.ones(outputs.shape))
-    prompt_mask = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool).scatter_(1, prompts, True)
-    got = apply_penalties(
-        logits.clone(), counts[:, :-1], prompt_mask[:, :-1], presence, frequency, repetition
+    ids = torch.cat([outputs, prompts], dim=1)
+    listed = ids < vocab_size
+    ids = torch.where(listed, ids, ids.gather(1, listed.to(torch.uint8).argmax(dim=1, keepdim=True)))
+    keep = listed.any(dim=1).nonzero()[:, 0]  # a row listing nothing is not passed
+    got = logits.clone()
+    apply_penalties_(
+        got, keep, ids[keep], counts.gather(1, ids)[keep], presence[keep], frequency[keep], repetition[keep]
     )
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)  # float32 rounding of one op order
     assert torch.equal(got[2], logits[2])
