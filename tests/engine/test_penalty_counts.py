@@ -119,7 +119,7 @@ def test_engine_slots_equal_a_recount_under_preemption(k):
     llm = LLM(bundled_checkpoint_dir(), num_kv_blocks=24, block_size=8, num_speculative_tokens=k)
     engine = llm.engine
     params = SamplingParams(
-        temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=0.5, repetition_penalty=1.2
+        temperature=0.0, max_tokens=16, ignore_eos=True, presence_penalty=0.5, repetition_penalty=1.2
     )
     for prompt in heldout_def_prompts(6):
         engine.add_request(prompt, params)
