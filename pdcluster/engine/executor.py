@@ -27,6 +27,7 @@ from pdcluster.engine.outputs import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from pdcluster.engine.penalties import PenaltyCounts
 from pdcluster.engine.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
 from pdcluster.engine.sampler import process_logits, sample_isolated, token_logprobs
 from pdcluster.engine.spec_policy import DEFAULT_DECAY, choose_num_speculative_tokens, decay_counts
@@ -72,11 +73,13 @@ class Executor:
             for _ in range(2)
         ]
         self._num_prepared = 0
+        self.penalty_counts = PenaltyCounts(runner.config.vocab_size, runner.device)
 
     @property
     def num_tracked_requests(self) -> int:
-        """Requests with per-request state (generators, draft distributions); 0 once all are dropped."""
-        return len(self._generators.keys() | self._draft_probs.keys())
+        """Requests with per-request state (generators, draft distributions, penalty counts); 0 once all are
+        dropped."""
+        return len(self._generators.keys() | self._draft_probs.keys() | self.penalty_counts.request_ids)
 
     def _generator(self, item: ScheduledRequest) -> torch.Generator | None:
         """A seeded request's own generator; unseeded requests share one seeded from OS entropy."""
@@ -104,6 +107,7 @@ class Executor:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
             self._draft_probs.pop(request_id, None)
+        self.penalty_counts.drop(request_ids)
 
     def prepare(self, output: SchedulerOutput) -> PreparedStep:
         """Pack the scheduled requests into the next persistent buffer set: token ids, block tables and
@@ -203,10 +207,7 @@ class Executor:
             if params is None:
                 params = SamplingArrays.of([item.request.sampling_params for item in items])
             if params.processed_rows.any():
-                token_rows = None
-                if output.rows is not None and len(output.rows.row_index) == len(scheduled):
-                    token_rows = (output.rows.rows.token_ids, output.rows.row_index[sampling])
-                logits = process_logits(items, logits, params, self._output_history, token_rows)
+                logits = process_logits(items, logits, params, self._output_history, self.penalty_counts)
             sampled, failed = self.sample(items, logits, params)
             if self.structured_outputs is not None and self.structured_outputs.num_tracked_requests:
                 self.structured_outputs.accept(items, sampled)
@@ -261,17 +262,21 @@ class Executor:
         for depth in range(num_mtp_done, self.max_num_speculative_tokens):
             runner.mtp_forward(empty, hidden, min(depth, depth_limit))
 
-    def _output_history(self, item: ScheduledRequest) -> list[int]:
-        """The request's output tokens before this step's inputs end, by position (incl. previous step's)."""
+    def _output_history(self, item: ScheduledRequest, start: int = 0) -> list[int]:
+        """The request's output tokens before this step's inputs end, by position (incl. previous step's),
+        from output index `start` on."""
         request = item.request
         end = (
             item.start_position + item.num_scheduled_tokens - len(item.spec_token_ids) - item.num_placeholders
         )
+        begin = request.num_prompt_tokens + start
         previous = self._last_step.get(item.request_id) if item.num_placeholders else None
         if previous is None:
-            return request.all_token_ids[request.num_prompt_tokens : end]
+            return request.all_token_ids[begin:end]
         end -= len(previous.token_ids) - 1
-        return request.all_token_ids[request.num_prompt_tokens : end] + previous.token_ids
+        if begin > end:
+            return previous.token_ids[begin - end :]
+        return request.all_token_ids[begin:end] + previous.token_ids
 
     def sample(
         self, items: list[ScheduledRequest], logits: torch.Tensor, params: SamplingArrays | None = None

@@ -12,12 +12,11 @@ import torch
 
 from pdcluster.engine.input_batch import SamplingArrays
 from pdcluster.engine.outputs import ScheduledRequest, TokenLogprobs
+from pdcluster.engine.penalties import OutputHistory, PenaltyCounts
 from pdcluster.kernels.rejection_sampling import greedy_verify_batch, rejection_sample_batch
 from pdcluster.kernels.sampling import (
-    apply_penalties_,
     argmax,
     compute_logprobs,
-    pad_token_ids,
     probs_from_logits,
     sample,
 )
@@ -125,55 +124,58 @@ def process_logits(
     items: list[ScheduledRequest],
     logits: torch.Tensor,
     params: SamplingArrays,
-    output_history: Callable[[ScheduledRequest], list[int]],
-    token_rows: tuple[np.ndarray, np.ndarray] | None = None,
+    output_history: OutputHistory,
+    counts: PenaltyCounts,
 ) -> torch.Tensor:
     """The logit processors of `params` (penalties, logit bias, min_tokens' stop-token ban) applied to
     `logits` `[sum(k_i + 1), vocab_size]` float32 in place; returns `logits`.
 
-    token_rows: `(token_ids [num_rows, max_num_tokens] int64, row [len(items)] int64)` (`RequestRows`):
-    without drafts or placeholders, histories are gathered from them instead of `output_history`.
+    output_history: `(item, start)` -> the item's output tokens before its inputs end, from index `start`;
+    counts: the penalised requests' token counts, brought up to their histories here.
     """
     processed = params.processed_rows
     if not processed.any():
         return logits
-    vocab_size = logits.shape[1]
+    penalized = (
+        (params.presence_penalty != 0) | (params.frequency_penalty != 0) | (params.repetition_penalty != 1)
+    )
+    penalized_items = [item for item, p in zip(items, penalized.tolist(), strict=True) if p]
+    slots, lengths = counts.update(penalized_items, output_history) if penalized_items else ([], [])
+    length_of = dict(zip((item.request_id for item in penalized_items), lengths, strict=True))
     rows: list[int] = []
-    request_of_row: list[int] = []
-    outputs: list[list[int]] = []
-    prompts: list[list[int]] = []
+    penalized_rows: list[int] = []  # of `rows`
+    penalized_request_of_row: list[int] = []
+    slot_of_row: list[int] = []
+    drafts: list[list[int]] = []
     bias: list[tuple[int, int, float]] = []
     banned: list[tuple[int, int]] = []
-    ends: list[int] = []  # the fast path's history ends (positions in the request's row)
-    fast = token_rows is not None and not any(item.spec_token_ids or item.num_placeholders for item in items)
     offset = 0
+    next_slot = iter(slots)
     for i, item in enumerate(items):
         num_rows = len(item.spec_token_ids) + 1
         if processed[i]:
             request = item.request
             sp = request.sampling_params
-            if fast:
-                end = item.start_position + item.num_scheduled_tokens
-                ends.append(end)
-                num_history = end - request.num_prompt_tokens
-            else:
-                history = output_history(item)
-                num_history = len(history)
+            slot = next(next_slot) if penalized[i] else -1
+            num_history = length_of.get(item.request_id)
+            if num_history is None and sp.min_tokens:
+                num_history = len(output_history(item, 0))
             stops: list[int] = []
-            if num_history < sp.min_tokens:
+            if sp.min_tokens and num_history < sp.min_tokens:
                 stops.extend(sp.stop_token_ids)
                 if request.eos_token_id is not None and not sp.ignore_eos:
                     stops.append(request.eos_token_id)
             for j in range(num_rows):
                 row = len(rows)
                 rows.append(offset + j)
-                request_of_row.append(i)
-                if not fast:
-                    outputs.append(history + item.spec_token_ids[:j] if j else history)
-                    prompts.append(request.prompt_token_ids if sp.repetition_penalty != 1 else [])
+                if slot >= 0:
+                    penalized_rows.append(row)
+                    penalized_request_of_row.append(i)
+                    slot_of_row.append(slot)
+                    drafts.append(item.spec_token_ids[:j])
                 if sp.logit_bias:
                     bias.extend((row, token_id, value) for token_id, value in sp.logit_bias)
-                if num_history + j < sp.min_tokens:
+                if stops and num_history + j < sp.min_tokens:
                     banned.extend((row, token_id) for token_id in stops)
         offset += num_rows
     device = logits.device
@@ -197,62 +199,20 @@ def process_logits(
             torch.tensor(bias_values, dtype=sub.dtype, device=device),
             accumulate=True,
         )
-    request_index = np.asarray(request_of_row, dtype=np.int64)
-    per_row = (
-        params if whole and len(request_index) == len(params.temperature) else params.take(request_index)
-    )
-    if (
-        per_row.presence_penalty.any()
-        or per_row.frequency_penalty.any()
-        or (per_row.repetition_penalty - 1).any()
-    ):
-        if fast:
-            table, table_rows = token_rows
-            num_prompt = np.fromiter((items[i].request.num_prompt_tokens for i in request_of_row), np.int64)
-            output_ids, prompt_ids = _history_from_rows(
-                table,
-                table_rows[request_index],
-                num_prompt,
-                np.asarray(ends, dtype=np.int64),
-                vocab_size,
-                per_row.repetition_penalty != 1,
-            )
-            output_ids, prompt_ids = torch.from_numpy(output_ids), torch.from_numpy(prompt_ids)
-        else:
-            output_ids, prompt_ids = pad_token_ids(outputs, vocab_size), pad_token_ids(prompts, vocab_size)
-        apply_penalties_(
+    if slot_of_row:
+        per_row = params.take(np.asarray(penalized_request_of_row, dtype=np.int64))
+        counts.penalize_(
             sub,
-            output_ids.to(device),
-            prompt_ids.to(device),
-            torch.from_numpy(per_row.presence_penalty).to(device),
-            torch.from_numpy(per_row.frequency_penalty).to(device),
-            torch.from_numpy(per_row.repetition_penalty).to(device),
+            penalized_rows,
+            slot_of_row,
+            drafts,
+            per_row.presence_penalty,
+            per_row.frequency_penalty,
+            per_row.repetition_penalty,
         )
     if not whole:
         logits.index_copy_(0, row_index, sub)
     return logits
-
-
-def _history_from_rows(
-    table: np.ndarray,
-    rows: np.ndarray,
-    num_prompt: np.ndarray,
-    ends: np.ndarray,
-    pad_id: int,
-    with_prompt: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's output tokens `table[rows, num_prompt:ends]` `[R, max output len or 1]` and, where
-    `with_prompt`, prompt tokens `table[rows, :num_prompt]` `[R, max prompt len or 1]`, int64 padded with
-    `pad_id`. table: `[num_rows, max_num_tokens]` int64; the others `[R]`.
-    """
-    width = max(1, int((ends - num_prompt).max(initial=0)))
-    columns = np.minimum(num_prompt[:, None] + np.arange(width), table.shape[1] - 1)
-    outputs = np.where(columns < ends[:, None], table[rows[:, None], columns], pad_id)
-    prompt_width = max(1, int(num_prompt[with_prompt].max(initial=0)))
-    columns = np.arange(min(prompt_width, table.shape[1]))
-    in_prompt = (columns < num_prompt[:, None]) & with_prompt[:, None]
-    prompts = np.where(in_prompt, table[rows[:, None], columns], pad_id)
-    return outputs, prompts
 
 
 def token_logprobs(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -139,49 +138,32 @@ def sample(
 
 def apply_penalties_(
     logits: torch.Tensor,
-    output_token_ids: torch.Tensor,
-    prompt_token_ids: torch.Tensor,
-    presence_penalty: torch.Tensor,
-    frequency_penalty: torch.Tensor,
-    repetition_penalty: torch.Tensor,
+    rows: torch.Tensor,
+    token_ids: torch.Tensor,
+    output_counts: torch.Tensor,
+    presence_penalty: torch.Tensor | None,
+    frequency_penalty: torch.Tensor | None,
+    repetition_penalty: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Repetition (CTRL, Keskar et al. 2019, section 4.1: divide a positive logit, multiply otherwise), then
-    OpenAI's `logit -= frequency * count + presence * (count > 0)` over the output's counts, in place.
+    """Repetition (CTRL, Keskar et al. 2019, section 4.1: divide a positive logit, multiply otherwise) over
+    each row's listed tokens, then OpenAI's `logit -= frequency * count + presence * (count > 0)`, in place.
 
-    logits: `[R, V]` float32, changed in place and returned.
-    output_token_ids: `[R, L]` int64, each row's output tokens so far, padded with V (ignored).
-    prompt_token_ids: `[R, P]` int64, each row's prompt tokens, padded with V.
-    presence_penalty, frequency_penalty, repetition_penalty: `[R]` float32.
+    logits: `[N, V]` float32, changed in place and returned; rows: `[R]` int64, the rows penalised.
+    token_ids: `[R, M]` int64, row i's listed tokens (its prompt's and output's; a token may repeat).
+    output_counts: `[R, M]` float32, each listed token's count in the row's output.
+    presence_penalty, frequency_penalty, repetition_penalty: `[R]` float32 (None: off).
     """
-    num_rows, vocab_size = logits.shape
-    device = logits.device
-    ids = torch.cat([output_token_ids, prompt_token_ids], dim=1)  # [R, M]
-    listed = ids < vocab_size
-    # Padding points at the row's first listed token (0 when none), rewriting the same value.
-    first = ids.gather(1, listed.to(torch.uint8).argmax(dim=1, keepdim=True))  # [R, 1]
-    ids = torch.where(listed, ids, torch.where(first < vocab_size, first, 0))
-    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, output_token_ids, torch.ones_like(output_token_ids, dtype=torch.float32))
-    count = counts.gather(1, ids)  # [R, M]: output occurrences of each listed token
-    values = logits.gather(1, ids)
-    penalty = torch.where(listed.any(dim=1, keepdim=True), repetition_penalty[:, None], 1.0)
-    values = torch.where(values > 0, values / penalty, values * penalty)
-    values = values - frequency_penalty[:, None] * count - presence_penalty[:, None] * (count > 0)
-    return logits.scatter_(1, ids, values)
-
-
-def pad_token_ids(
-    rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | None = None
-) -> torch.Tensor:
-    """`rows` as one `[len(rows), max(len) or 1]` int64 tensor, padded with `pad_id`."""
-    lengths = np.fromiter(map(len, rows), np.int64, len(rows))
-    width = max(1, int(lengths.max(initial=0)))
-    padded = np.full((len(rows), width), pad_id, dtype=np.int64)
-    padded[np.arange(width) < lengths[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(rows), np.int64, int(lengths.sum())
-    )
-    tensor = torch.from_numpy(padded)
-    return tensor if device is None else tensor.to(device)
+    index = (rows[:, None], token_ids)
+    values = logits[index]
+    if repetition_penalty is not None:
+        penalty = repetition_penalty[:, None]
+        values = torch.where(values > 0, values / penalty, values * penalty)
+    if frequency_penalty is not None:
+        values = values - frequency_penalty[:, None] * output_counts
+    if presence_penalty is not None:
+        values = values - presence_penalty[:, None] * (output_counts > 0)
+    logits[index] = values
+    return logits
 
 
 class Logprobs(NamedTuple):

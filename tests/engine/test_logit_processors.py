@@ -32,10 +32,16 @@ def prompts() -> list[str]:
 
 def test_apply_penalties_exact_values():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
-    outputs = torch.tensor([[3, 3, 1, 5]])  # 5 = V: padding
-    prompt = torch.tensor([[2, 5]])
+    listed = torch.tensor([[3, 1, 2, 3]])  # outputs 3, 3, 1; prompt 2; a token may repeat
+    counts = torch.tensor([[2.0, 1.0, 0.0, 2.0]])
     got = apply_penalties_(
-        logits.clone(), outputs, prompt, torch.tensor([0.5]), torch.tensor([0.25]), torch.tensor([2.0])
+        logits,
+        torch.tensor([0]),
+        listed,
+        counts,
+        torch.tensor([0.5]),
+        torch.tensor([0.25]),
+        torch.tensor([2.0]),
     )
     # token 0 unseen; 1 seen once (negative: x2), 2 in the prompt only, 3 seen twice (positive: /2)
     expected = torch.tensor([[2.0, -2.0 - 0.25 - 0.5, 0.25, 1.5 - 0.5 - 0.5, 1.0]])

@@ -199,6 +199,14 @@ def test_apply_penalties_equals_a_dense_reference() -> None:
             expected[r, t] = v / repetition[r] if v > 0 else v * repetition[r]
         for t in set(out):
             expected[r, t] = expected[r, t] - frequency[r] * out.count(t) - presence[r]
-    got = apply_penalties_(logits.clone(), outputs, prompts, presence, frequency, repetition)
+    counts = torch.zeros(num_rows, vocab_size + 1).scatter_add_(1, outputs, torch.ones(outputs.shape))
+    ids = torch.cat([outputs, prompts], dim=1)
+    listed = ids < vocab_size
+    ids = torch.where(listed, ids, ids.gather(1, listed.to(torch.uint8).argmax(dim=1, keepdim=True)))
+    keep = listed.any(dim=1).nonzero()[:, 0]  # a row listing nothing is not passed
+    got = logits.clone()
+    apply_penalties_(
+        got, keep, ids[keep], counts.gather(1, ids)[keep], presence[keep], frequency[keep], repetition[keep]
+    )
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)  # float32 rounding of one op order
     assert torch.equal(got[2], logits[2])
