@@ -161,7 +161,9 @@ class RequestRows(BlockTableRows):
     def __init__(self, num_rows: int, num_columns: int, max_num_tokens: int) -> None:
         super().__init__(num_rows, num_columns)
         self.sampling = _default_sampling(len(self.lens))
-        self._last_taken: tuple[bytes, SamplingArrays] | None = None  # `sampling_of`'s last result
+        self._last_taken: tuple[object, bytes, SamplingArrays] | None = None  # `sampling_of`'s last result
+        # `[num_rows]` bool: the row's request asks for no logprobs, prompt logprobs nor structured output
+        self.plain = np.zeros(len(self.lens), dtype=np.bool_)
         self.token_ids = np.zeros((len(self.lens), max(1, max_num_tokens)), dtype=np.int64)
         self.num_valid_tokens = np.zeros(len(self.lens), dtype=np.int64)
         self._num_committed = [0] * len(self.lens)
@@ -181,6 +183,8 @@ class RequestRows(BlockTableRows):
         self._check_fits(request_id, num_tokens)
         row = self._allocate(request_id)
         self.sampling.set_row(row, params)
+        wants = params.logprobs is not None or params.prompt_logprobs is not None or params.structured_output
+        self.plain[row] = not wants
         self._last_taken = None
         self.token_ids[row, :num_tokens] = token_ids
         self.num_valid_tokens[row] = num_tokens
@@ -305,10 +309,13 @@ class RequestRows(BlockTableRows):
         """`sampling.take(row_index)`: the rows' sampling parameters in batch order (read-only: the same
         arrays come back while neither the rows nor their parameters change).
         """
+        last = self._last_taken
+        if last is not None and last[0] is row_index and not row_index.flags.writeable:
+            return last[2]  # the same read-only array (`add_decode_step`'s): the same rows
         key = row_index.tobytes()
-        if self._last_taken is None or self._last_taken[0] != key:
-            self._last_taken = (key, self.sampling.take(row_index))
-        return self._last_taken[1]
+        if last is None or last[1] != key:
+            last = self._last_taken = (row_index, key, self.sampling.take(row_index))
+        return last[2]
 
     def remove(self, request_ids: list[str]) -> None:
         rows = [self._row_of[r] for r in request_ids if r in self._row_of]
@@ -318,6 +325,7 @@ class RequestRows(BlockTableRows):
         for array, default in zip(self.sampling, defaults, strict=True):
             array[rows] = default[0]
         self.num_valid_tokens[rows] = 0
+        self.plain[rows] = False
         for row in rows:
             self._num_committed[row] = 0
 
@@ -337,6 +345,7 @@ class RequestRows(BlockTableRows):
         )
         self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])
         self.num_valid_tokens = np.concatenate([self.num_valid_tokens, np.zeros_like(self.num_valid_tokens)])
+        self.plain = np.concatenate([self.plain, np.zeros_like(self.plain)])
         self._num_committed += [0] * (len(self.lens) - len(self._num_committed))
         self._make_views()
 

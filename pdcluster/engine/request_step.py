@@ -108,6 +108,22 @@ def schedule_decode(order: list[Request], bm: BlockManager, block_size: int) -> 
     return step
 
 
+def commit_decode_token(request: Request, sampled: list[int], bm: BlockManager, now: float) -> RequestStatus:
+    """`commit_sampled` of a decode step without drafts, none proposed for the next and none pending
+    (`sampled`: its one token): commit it (`commit_tokens`), cache full blocks.
+    """
+    request.num_output_placeholders -= 1
+    status = check_stop_token(request, sampled[0], len(request.output_token_ids) + 1)
+    request.append_output_token_ids(sampled)
+    if request.first_token_time_s is None:
+        request.first_token_time_s = now
+    request.last_token_time_s = now
+    bm.cache_full_blocks(request)
+    if request.spec_token_ids:
+        request.spec_token_ids = []
+    return status
+
+
 def commit_sampled(
     item: ScheduledRequest,
     sampled: list[int],

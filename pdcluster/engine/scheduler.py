@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 from pdcluster.engine.block_manager import BlockManager, ComputedBlocks
 from pdcluster.engine.input_batch import RequestRows
 from pdcluster.engine.outputs import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.request_step import (
+    commit_decode_token,
     commit_sampled,
     commit_tokens,
     samples_last_token,
@@ -20,21 +20,11 @@ from pdcluster.engine.request_step import (
 from pdcluster.engine.scheduler_policy import (
     RequestView,
     SchedulerConfig,
+    SchedulerStats,
     StepPlan,
     check_request_fits,
     schedule_step,
 )
-
-
-class SchedulerStats(NamedTuple):
-    """A snapshot for metrics."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_hit_rate: float | None
-    num_prefix_cache_hit_tokens: int = 0
 
 
 class Scheduler:
@@ -46,9 +36,13 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: SchedulerConfig, num_blocks: int, enable_prefix_caching: bool = True,
-        clock: Callable[[], float] = time.monotonic, num_draft_placeholders: int = 0,
-    ) -> None:  # fmt: skip
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        enable_prefix_caching: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        num_draft_placeholders: int = 0,
+    ) -> None:
         self.config = config
         self.num_draft_placeholders = num_draft_placeholders
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching)
@@ -364,9 +358,13 @@ class Scheduler:
             if not item.samples:
                 bm.cache_full_blocks(request)
                 continue
-            new_token_ids, status = commit_sampled(
-                item, sampled.get(request_id, []), drafts.get(request_id, []), bm, num_draft_placeholders, now
-            )
+            new_token_ids = sampled.get(request_id, ())
+            if len(new_token_ids) == 1 and not (item.spec_token_ids or num_draft_placeholders or drafts):
+                status = commit_decode_token(request, new_token_ids, bm, now)
+            else:
+                new_token_ids, status = commit_sampled(
+                    item, list(new_token_ids), drafts.get(request_id, []), bm, num_draft_placeholders, now
+                )
             if status is not running:
                 self._remove(request, status)
             updates.append(RequestUpdate(request_id, new_token_ids, status))
