@@ -40,6 +40,7 @@ class ComputedBlocks(NamedTuple):
 
 
 NO_COMPUTED_BLOCKS = ComputedBlocks([], [], 0, 0)
+_NO_BLOCKS: list[int] = []
 
 
 class BlockManager:
@@ -80,6 +81,10 @@ class BlockManager:
     def block_ids(self, request: Request) -> list[int]:
         """The request's block table (a copy; empty when it holds none)."""
         return list(self._req_to_block_ids.get(request.request_id, ()))
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's block table itself (not a copy: read it, never change it); empty when none."""
+        return self._req_to_block_ids.get(request_id, _NO_BLOCKS)
 
     def num_blocks_held(self, request: Request) -> int:
         return len(self._req_to_block_ids.get(request.request_id, ()))

@@ -31,7 +31,13 @@ from pdcluster.engine.penalties import PenaltyCounts
 from pdcluster.engine.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
 from pdcluster.engine.sampler import process_logits, sample_isolated, token_logprobs
 from pdcluster.engine.spec_policy import DEFAULT_DECAY, choose_num_speculative_tokens, decay_counts
-from pdcluster.engine.step_inputs import PreparedStep, StepResult, logit_rows, resolve_placeholders
+from pdcluster.engine.step_inputs import (
+    PreparedStep,
+    StepResult,
+    last_step_results,
+    logit_rows,
+    resolve_placeholders,
+)
 from pdcluster.engine.structured_output import StructuredOutputs
 
 # `Executor.run`'s `on_sampled`: request id -> the tokens one step sampled for it, before its drafts.
@@ -65,7 +71,7 @@ class Executor:
         self._generators: dict[str, torch.Generator | None] = {}
         self._shared_generator = torch.Generator(runner.device).manual_seed(secrets.randbits(63))
         self._draft_probs: dict[str, torch.Tensor | None] = {}
-        self._last_step: dict[str, StepResult] = {}
+        self._last_step: dict[str, StepResult] | None = {}  # None: build from `_last_step_parts`
         num_columns = min(runner.num_blocks, max_num_blocks_per_req or runner.num_blocks)
         self.max_num_blocks_per_req = num_columns
         self._buffers = [
@@ -77,8 +83,7 @@ class Executor:
 
     @property
     def num_tracked_requests(self) -> int:
-        """Requests with per-request state (generators, draft distributions, penalty counts); 0 once all are
-        dropped."""
+        """Requests with per-request state (generators, draft distributions, penalty counts)."""
         return len(self._generators.keys() | self._draft_probs.keys() | self.penalty_counts.request_ids)
 
     def _generator(self, item: ScheduledRequest) -> torch.Generator | None:
@@ -94,9 +99,7 @@ class Executor:
         return self._generators[request_id]
 
     def set_draft_probs(self, request_id: str, draft_probs: torch.Tensor | None) -> None:
-        """Draft distributions of drafts proposed elsewhere (a prefill instance), verified next step:
-        `[num_drafts, vocab_size]` float32, or None for greedy drafts.
-        """
+        """Draft distributions (`[num_drafts, vocab_size]` float32; None: greedy) of drafts from prefill."""
         if draft_probs is None:
             self._draft_probs.pop(request_id, None)
         else:
@@ -143,8 +146,9 @@ class Executor:
                 request_id = scheduled[int(mixed[0])].request_id
                 raise ValueError(f"request {request_id!r} mixes placeholders and known tokens")
             placeholder_items = np.flatnonzero(counts).tolist()
-        sampling = step_rows.rows.sampling_of(step_rows.row_index)
-        return PreparedStep(batch, qsl.tolist(), placeholder_items, sampling)
+        rows, row_index = step_rows.rows, step_rows.row_index
+        plain = bool(rows.plain[row_index].all())
+        return PreparedStep(batch, qsl.tolist(), placeholder_items, rows.sampling_of(row_index), plain)
 
     def execute(
         self,
@@ -188,7 +192,8 @@ class Executor:
         query_lens = np.diff(starts)
         uniform = int(query_lens[0]) if (query_lens == query_lens[0]).all() else None
         hidden = self.runner.forward(batch, on_layer_kv, num_queries=uniform)
-        scored = wants_prompt_logprobs(scheduled)
+        plain = prepared.plain  # nothing below asks for logprobs, prompt logprobs or structured output
+        scored = [] if plain else wants_prompt_logprobs(scheduled)
         prompt_lp = prompt_logprobs(self.runner, scheduled, scored, hidden, starts) if scored else {}
 
         sampling = [i for i, item in enumerate(scheduled) if item.samples]
@@ -203,7 +208,7 @@ class Executor:
             params = prepared.sampling
             if params is not None and len(sampling) < len(scheduled):
                 params = params.take(np.asarray(sampling, dtype=np.int64))
-            grammar_failed = self._mask_by_grammar(items, logits)
+            grammar_failed = {} if plain else self._mask_by_grammar(items, logits)
             if params is None:
                 params = SamplingArrays.of([item.request.sampling_params for item in items])
             if params.processed_rows.any():
@@ -216,7 +221,7 @@ class Executor:
                 failed[request_id] = error
             if on_sampled is not None:
                 on_sampled({rid: tokens for rid, tokens in sampled.items() if rid not in failed})
-            logprobs = token_logprobs(items, logits, sampled)
+            logprobs = {} if plain else token_logprobs(items, logits, sampled)
 
         if self.adaptive_min_accept_prob is not None and self.max_num_speculative_tokens:
             self._adapt_num_speculative_tokens(
@@ -228,20 +233,11 @@ class Executor:
             self.num_steps_per_k[k] = self.num_steps_per_k.get(k, 0) + 1
             spec = self._propose(scheduled, batch, hidden, starts, sampled, failed, on_layer_kv, uniform)
         # Prefill-only requests (handed off to decode): their draft distributions.
-        draft_probs: dict[str, torch.Tensor | None] = {}
-        last_step: dict[str, StepResult] = {}
-        for i in sampling:
-            item = scheduled[i]
-            request_id = item.request.request_id
-            if request_id in failed:
-                last_step[request_id] = StepResult([0], [], 0)
-                continue
-            if item.request.export_kv:
-                draft_probs[request_id] = self._draft_probs.get(request_id)
-            tokens = sampled[request_id]
-            num_rejected = len(item.spec_token_ids) - (len(tokens) - 1)
-            last_step[request_id] = StepResult(tokens, spec.get(request_id, []), num_rejected)
-        self._last_step = last_step
+        exporting = [scheduled[i].request_id for i in sampling if scheduled[i].request.export_kv]
+        draft_probs = {rid: self._draft_probs.get(rid) for rid in exporting if rid not in failed}
+        # what the next step's placeholders resolve to, built when one asks (`_last_results`)
+        self._last_step = None
+        self._last_step_parts = (scheduled, sampling, dict(sampled), dict(spec), failed)
         for request_id in failed:
             sampled.pop(request_id, None)
             spec.pop(request_id, None)
@@ -266,11 +262,10 @@ class Executor:
         """The request's output tokens before this step's inputs end, by position (incl. previous step's),
         from output index `start` on."""
         request = item.request
-        end = (
-            item.start_position + item.num_scheduled_tokens - len(item.spec_token_ids) - item.num_placeholders
-        )
+        end = item.start_position + item.num_scheduled_tokens - len(item.spec_token_ids)
+        end -= item.num_placeholders
         begin = request.num_prompt_tokens + start
-        previous = self._last_step.get(item.request_id) if item.num_placeholders else None
+        previous = self._last_results().get(item.request_id) if item.num_placeholders else None
         if previous is None:
             return request.all_token_ids[begin:end]
         end -= len(previous.token_ids) - 1
@@ -283,8 +278,7 @@ class Executor:
     ) -> tuple[dict[str, list[int]], dict[str, str]]:
         """Sample or verify the sampling requests `items` from `logits` `[sum(k_i + 1), vocab_size]` with
         their generators, stored draft distributions and sampling parameters (`params`, None: from the
-        items) (`engine.sampler.sample_isolated`).
-        """
+        items) (`engine.sampler.sample_isolated`)."""
         return sample_isolated(items, logits, self._generator, self._draft_probs, params)
 
     def _mask_by_grammar(self, items: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, str]:
@@ -326,7 +320,13 @@ class Executor:
         self, scheduled: list[ScheduledRequest], prepared: PreparedStep
     ) -> list[ScheduledRequest]:
         """`step_inputs.resolve_placeholders` with this executor's last step results."""
-        return resolve_placeholders(scheduled, prepared, self._last_step, self.runner.block_size)
+        return resolve_placeholders(scheduled, prepared, self._last_results(), self.runner.block_size)
+
+    def _last_results(self) -> dict[str, StepResult]:
+        """Request id -> its result of the last step that ran a batch (`last_step_results`)."""
+        if self._last_step is None:
+            self._last_step = last_step_results(*self._last_step_parts)
+        return self._last_step
 
     def _propose(
         self,

@@ -91,6 +91,7 @@ class BlockTableRows:
         # Per row, as Python ints for the per-step check: (blocks held, first block id, last block id).
         self._known: list[tuple[int, int, int]] = [(0, -1, -1)] * num_rows
         self._free = list(range(num_rows - 1, -1, -1))
+        self._num_row_changes = 0  # rows given or taken back so far
 
     @property
     def num_requests(self) -> int:
@@ -102,6 +103,7 @@ class BlockTableRows:
         for request_id in request_ids:
             row = self._row_of.pop(request_id, None)
             if row is not None:
+                self._num_row_changes += 1
                 self.table[row, : self._known[row][0]] = 0
                 self.lens[row] = 0
                 self._known[row] = (0, -1, -1)
@@ -138,6 +140,7 @@ class BlockTableRows:
             self._known += [(0, -1, -1)] * old
             self._free = list(range(2 * old - 1, old - 1, -1))
         row = self._free.pop()
+        self._num_row_changes += 1
         self._row_of[request_id] = row
         return row
 
@@ -158,10 +161,13 @@ class RequestRows(BlockTableRows):
     def __init__(self, num_rows: int, num_columns: int, max_num_tokens: int) -> None:
         super().__init__(num_rows, num_columns)
         self.sampling = _default_sampling(len(self.lens))
-        self._last_taken: tuple[bytes, SamplingArrays] | None = None  # `sampling_of`'s last result
+        self._last_taken: tuple[object, bytes, SamplingArrays] | None = None  # `sampling_of`'s last result
+        # `[num_rows]` bool: the row's request asks for no logprobs, prompt logprobs nor structured output
+        self.plain = np.zeros(len(self.lens), dtype=np.bool_)
         self.token_ids = np.zeros((len(self.lens), max(1, max_num_tokens)), dtype=np.int64)
         self.num_valid_tokens = np.zeros(len(self.lens), dtype=np.int64)
         self._num_committed = [0] * len(self.lens)
+        self._decode_rows: tuple[object, int, list[int], np.ndarray] | None = None  # `add_decode_step`'s
         self._make_views()
 
     def _make_views(self) -> None:
@@ -177,6 +183,8 @@ class RequestRows(BlockTableRows):
         self._check_fits(request_id, num_tokens)
         row = self._allocate(request_id)
         self.sampling.set_row(row, params)
+        wants = params.logprobs is not None or params.prompt_logprobs is not None or params.structured_output
+        self.plain[row] = not wants
         self._last_taken = None
         self.token_ids[row, :num_tokens] = token_ids
         self.num_valid_tokens[row] = num_tokens
@@ -256,14 +264,58 @@ class RequestRows(BlockTableRows):
         row_index, start_positions, num_scheduled_tokens = np.array((rows, starts, counts), dtype=np.int64)
         return ScheduledRows(self, row_index, start_positions, num_scheduled_tokens, num_uncommitted_inputs)
 
+    def add_decode_step(
+        self, key: object, items: Sequence[ScheduledRequest], *per_item: list[int]
+    ) -> ScheduledRows | None:
+        """`add_step` of a step in which each request of `items` holding a row runs only its newest committed
+        token (at `item.start_position`, its `last_token_ids` entry) and holds `table_lens` blocks, the last
+        one `last_block_ids`; None (nothing changed) when a request holds no row or its row is not one token
+        behind. `key`: the same object for the same requests in the same order (their rows are cached).
+        `per_item`: `last_token_ids, table_lens, last_block_ids` (`engine.request_step.DecodeStep`).
+        """
+        last_token_ids, table_lens, last_block_ids = per_item
+        cached = self._decode_rows
+        if cached is None or cached[0] is not key or cached[1] != self._num_row_changes:
+            rows = [self._row_of.get(item.request_id, -1) for item in items]
+            if -1 in rows:
+                return None
+            row_index = np.array(rows, dtype=np.int64)
+            row_index.flags.writeable = False
+            cached = self._decode_rows = (key, self._num_row_changes, rows, row_index)
+        rows, row_index = cached[2], cached[3]
+        starts = [item.start_position for item in items]
+        num_committed = self._num_committed
+        if any(num_committed[row] != start for row, start in zip(rows, starts, strict=True)):
+            return None
+        start_positions = np.array(starts, dtype=np.int64)
+        if start_positions.max() >= self.token_ids.shape[1]:
+            return None
+        self.token_ids[row_index, start_positions] = last_token_ids
+        ends = start_positions + 1
+        self.num_valid_tokens[row_index] = ends
+        for row, end in zip(rows, ends.tolist(), strict=True):
+            num_committed[row] = end
+        # block tables: rows whose length or last block changed (usually the ones that took a new block)
+        lens = np.array(table_lens, dtype=np.int64)
+        changed = lens != self.lens[row_index]
+        last_column = np.clip(lens - 1, 0, self.table.shape[1] - 1)
+        changed |= np.asarray(last_block_ids) != self.table[row_index, last_column]
+        for i in np.flatnonzero(changed).tolist():
+            item = items[i]
+            self._write_blocks(rows[i], item.request_id, item.block_ids)
+        return ScheduledRows(self, row_index, start_positions, np.ones(len(rows), dtype=np.int64))
+
     def sampling_of(self, row_index: np.ndarray) -> SamplingArrays:
         """`sampling.take(row_index)`: the rows' sampling parameters in batch order (read-only: the same
         arrays come back while neither the rows nor their parameters change).
         """
+        last = self._last_taken
+        if last is not None and last[0] is row_index and not row_index.flags.writeable:
+            return last[2]  # the same read-only array (`add_decode_step`'s): the same rows
         key = row_index.tobytes()
-        if self._last_taken is None or self._last_taken[0] != key:
-            self._last_taken = (key, self.sampling.take(row_index))
-        return self._last_taken[1]
+        if last is None or last[1] != key:
+            last = self._last_taken = (row_index, key, self.sampling.take(row_index))
+        return last[2]
 
     def remove(self, request_ids: list[str]) -> None:
         rows = [self._row_of[r] for r in request_ids if r in self._row_of]
@@ -273,6 +325,7 @@ class RequestRows(BlockTableRows):
         for array, default in zip(self.sampling, defaults, strict=True):
             array[rows] = default[0]
         self.num_valid_tokens[rows] = 0
+        self.plain[rows] = False
         for row in rows:
             self._num_committed[row] = 0
 
@@ -292,6 +345,7 @@ class RequestRows(BlockTableRows):
         )
         self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])
         self.num_valid_tokens = np.concatenate([self.num_valid_tokens, np.zeros_like(self.num_valid_tokens)])
+        self.plain = np.concatenate([self.plain, np.zeros_like(self.plain)])
         self._num_committed += [0] * (len(self.lens) - len(self._num_committed))
         self._make_views()
 

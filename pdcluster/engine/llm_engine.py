@@ -325,26 +325,27 @@ class LLMEngine:
         records = self._records
         if runner_output is not None and runner_output.prompt_logprobs:
             record_prompt_logprobs(records, runner_output.prompt_logprobs)
+        logprobs = runner_output.logprobs if runner_output is not None else None
         for update in updates:
             record = records[update.request_id]
             request = record.request
-            if record.logprobs is not None and runner_output is not None:
-                new = runner_output.logprobs.get(update.request_id, [])
-                record.logprobs.extend(new[: len(update.new_token_ids)])
-            stream = record.stream
-            if stream or record.output_text.has_stop_strings or request.status.is_finished:
+            if logprobs and record.logprobs is not None:
+                record.logprobs.extend(logprobs.get(update.request_id, [])[: len(update.new_token_ids)])
+            stream, finished = record.stream, request.status.is_finished
+            if stream or finished or record.output_text.has_stop_strings:
                 self._update_text(record)
-            if not request.status.is_finished:
+                finished = request.status.is_finished
+            if not finished:
                 if stream:
                     results.append(record.output())  # `_output` of an unfinished streamed request
                 continue
             if self._async_loop is None:
                 self.executor.drop([update.request_id])
             results.append(self._output(record))
-        updated = {u.request_id for u in updates}
-        # Finished outside the step (abort, admission); reported once.
-        results += [self._output(self._records[rid]) for rid in self._finished if rid not in updated]
-        self._finished = []
+        if self._finished:  # finished outside the step (abort, admission); reported once
+            updated = {u.request_id for u in updates}
+            results += [self._output(self._records[rid]) for rid in self._finished if rid not in updated]
+            self._finished = []
         if self._async_loop is not None and not self.scheduler.has_unfinished():
             self._async_loop.drain()
         return results

@@ -36,40 +36,43 @@ class RequestRecord:
         (`OutputText.new_text`), so call it once per output reported.
         """
         request = self.request
-        status = request.status
-        finish_reason = status.finish_reason
+        finish_reason = request.status.finish_reason
         finished = finish_reason is not None
         output_token_ids = request.output_token_ids
+        num_output_tokens = len(output_token_ids)
         arrival_time_s, first_token_time_s = request.arrival_time_s, request.first_token_time_s
         scheduled_time_s, finished_time_s = request.first_scheduled_time_s, request.finished_time_s
+        last_token_time_s = request.last_token_time_s
         output_text = self.output_text
         tpot_s = None
-        if (
-            len(output_token_ids) > 1
-            and first_token_time_s is not None
-            and request.last_token_time_s is not None
-        ):
-            tpot_s = (request.last_token_time_s - first_token_time_s) / (len(output_token_ids) - 1)
+        if num_output_tokens > 1 and first_token_time_s is not None and last_token_time_s is not None:
+            tpot_s = (last_token_time_s - first_token_time_s) / (num_output_tokens - 1)
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is not None:
+            prompt_logprobs = self.finished_prompt_logprobs()
+        draft_counts = request.num_draft_tokens_per_position
+        accepted_counts = request.num_accepted_tokens_per_position
+        # positional, in `RequestOutput`'s field order: a keyword call costs twice as much per step
         return RequestOutput(
-            request_id=request.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            text=output_text.text,
-            new_text=output_text.new_text(finished=finished),
-            token_ids=list(output_token_ids),
-            finished=finished,
-            finish_reason=finish_reason,
-            num_cached_tokens=max(0, request.num_cached_tokens),
-            queue_s=None if scheduled_time_s is None else scheduled_time_s - arrival_time_s,
-            ttft_s=None if first_token_time_s is None else first_token_time_s - arrival_time_s,
-            tpot_s=tpot_s,
-            e2e_s=None if finished_time_s is None else finished_time_s - arrival_time_s,
-            num_draft_tokens=request.num_draft_tokens,
-            num_accepted_tokens=request.num_accepted_tokens,
-            num_draft_tokens_per_position=list(request.num_draft_tokens_per_position),
-            num_accepted_tokens_per_position=list(request.num_accepted_tokens_per_position),
-            num_preemptions=request.num_preemptions,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
-            prompt_logprobs=self.finished_prompt_logprobs(),
-            error=request.error,
+            request.request_id,
+            self.prompt,
+            request.prompt_token_ids,
+            output_text.text,
+            output_token_ids[:],
+            finished,
+            finish_reason,
+            request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
+            None if scheduled_time_s is None else scheduled_time_s - arrival_time_s,
+            None if first_token_time_s is None else first_token_time_s - arrival_time_s,
+            tpot_s,
+            None if finished_time_s is None else finished_time_s - arrival_time_s,
+            request.num_draft_tokens,
+            request.num_accepted_tokens,
+            draft_counts[:] if draft_counts else [],
+            accepted_counts[:] if accepted_counts else [],
+            request.num_preemptions,
+            None if self.logprobs is None else self.logprobs[:],
+            prompt_logprobs,
+            request.error,
+            output_text.new_text(finished=finished),
         )

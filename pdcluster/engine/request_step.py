@@ -4,6 +4,8 @@ sampled.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from pdcluster.engine.block_manager import BlockManager
 from pdcluster.engine.outputs import PLACEHOLDER_TOKEN_ID, ScheduledRequest
 from pdcluster.engine.request import Request, RequestStatus
@@ -52,6 +54,74 @@ def schedule_request(
             num_drafts = max(0, min(num_draft_placeholders, num_allowed))
             request.spec_token_ids = [PLACEHOLDER_TOKEN_ID] * num_drafts
     return item
+
+
+def samples_last_token(request: Request) -> bool:
+    """The step in flight (asynchronous scheduling) may sample the request's `max_tokens`-th token."""
+    num_outputs = request.num_output_tokens + request.num_output_placeholders
+    return request.num_output_placeholders > 0 and num_outputs >= request.sampling_params.max_tokens
+
+
+class DecodeStep(NamedTuple):
+    """`schedule_decode`'s step: its items, and per item the newest committed token, the blocks held and
+    the last block id (-1: none), for `engine.input_batch.RequestRows.add_decode_step`.
+    """
+
+    scheduled: list[ScheduledRequest]
+    last_token_ids: list[int]
+    table_lens: list[int]
+    last_block_ids: list[int]
+
+
+def schedule_decode(order: list[Request], bm: BlockManager, block_size: int) -> DecodeStep | None:
+    """`schedule_request(r, 1, ...)` of each request of `order` when every one decodes one token without
+    drafts and the free blocks cover the new ones (else None, nothing changed).
+
+    Raises:
+        RuntimeError: a block cannot be allocated although the free blocks covered it.
+    """
+    table_of = bm.block_table
+    num_new_blocks = 0
+    for r in order:
+        num_computed = r.num_computed_tokens
+        if r.spec_token_ids or r.num_output_placeholders or len(r.all_token_ids) != num_computed + 1:
+            return None
+        if len(table_of(r.request_id)) * block_size <= num_computed:
+            num_new_blocks += 1
+    if num_new_blocks > bm.num_free_blocks:
+        return None
+    step = DecodeStep([], [], [], [])
+    scheduled, last_token_ids, table_lens, last_block_ids = step
+    for r in order:
+        num_computed = r.num_computed_tokens
+        table = table_of(r.request_id)
+        if len(table) * block_size <= num_computed:
+            if not bm.allocate_slots(r, 1):
+                raise RuntimeError(f"scheduler plan not applicable: 1 slot for {r.request_id!r}")
+            table = table_of(r.request_id)
+        scheduled.append(ScheduledRequest(r, num_computed, 1, [], table[:], True, r.num_preemptions))
+        last_token_ids.append(r.all_token_ids[num_computed])
+        table_lens.append(len(table))
+        last_block_ids.append(table[-1] if table else -1)
+        r.num_computed_tokens = num_computed + 1
+        r.num_output_placeholders = 1
+    return step
+
+
+def commit_decode_token(request: Request, sampled: list[int], bm: BlockManager, now: float) -> RequestStatus:
+    """`commit_sampled` of a decode step without drafts, none proposed for the next and none pending
+    (`sampled`: its one token): commit it (`commit_tokens`), cache full blocks.
+    """
+    request.num_output_placeholders -= 1
+    status = check_stop_token(request, sampled[0], len(request.output_token_ids) + 1)
+    request.append_output_token_ids(sampled)
+    if request.first_token_time_s is None:
+        request.first_token_time_s = now
+    request.last_token_time_s = now
+    bm.cache_full_blocks(request)
+    if request.spec_token_ids:
+        request.spec_token_ids = []
+    return status
 
 
 def commit_sampled(

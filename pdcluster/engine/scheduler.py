@@ -4,43 +4,35 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 from pdcluster.engine.block_manager import BlockManager, ComputedBlocks
 from pdcluster.engine.input_batch import RequestRows
-from pdcluster.engine.outputs import (
-    ModelRunnerOutput,
-    RequestUpdate,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from pdcluster.engine.outputs import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from pdcluster.engine.request import Request, RequestStatus
-from pdcluster.engine.request_step import commit_sampled, commit_tokens, schedule_request
+from pdcluster.engine.request_step import (
+    commit_decode_token,
+    commit_sampled,
+    commit_tokens,
+    samples_last_token,
+    schedule_decode,
+    schedule_request,
+)
 from pdcluster.engine.scheduler_policy import (
     RequestView,
     SchedulerConfig,
+    SchedulerStats,
     StepPlan,
     check_request_fits,
     schedule_step,
 )
 
 
-class SchedulerStats(NamedTuple):
-    """A snapshot for metrics."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_hit_rate: float | None
-    num_prefix_cache_hit_tokens: int = 0
-
-
 class Scheduler:
     """Owns the waiting and running queues, the reservations of requests prefilled elsewhere and, once
     admitted, their queue for a seat in the running batch (`waiting_for_seat`), the `BlockManager` of one
     engine instance, and the running requests' persistent rows (`request_rows`, an
-    `engine.input_batch.RequestRows`: token ids, block tables, sampling parameters), which `schedule()`
+    `engine.input_batch.RequestRows`: token ids, block tables, sampling parameters) that `schedule()`
+    brings up to date for the step's inputs.
     """
 
     def __init__(
@@ -64,6 +56,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self._running_by_arrival: list[Request] | None = None  # `running` in arrival order, None: stale
         self.reserved: dict[str, Request] = {}
         self.waiting_for_seat: list[Request] = []
         self._arrival_index: dict[str, int] = {}
@@ -185,12 +178,15 @@ class Scheduler:
         of every scheduled request.
         """
         self._seat_admitted()
+        output = self._schedule_decode()
+        if output is not None:
+            return output
         bm = self.block_manager
         num_candidates = max(0, self.config.max_num_seqs - len(self.running))
         candidates = sorted(self.waiting, key=lambda r: self._arrival_index[r.request_id])[:num_candidates]
         lookups: dict[str, ComputedBlocks] = {r.request_id: bm.get_computed_blocks(r) for r in candidates}
         # A request whose step in flight samples its last allowed token needs no further step.
-        running = [r for r in self.running if not self._samples_last_token(r)]
+        running = [r for r in self.running if not samples_last_token(r)]
         free_blocks = getattr(bm, "num_free_blocks_per_pool", bm.num_free_blocks)
         plan = None if candidates else self._decode_plan(running, free_blocks)
         if plan is not None:
@@ -203,6 +199,30 @@ class Scheduler:
             views = [self._running_view(r, True) for r in running]
             plan = schedule_step(self.config, views, waiting, free_blocks)
         return self._apply(plan, lookups)
+
+    def _schedule_decode(self) -> SchedulerOutput | None:
+        """`schedule()` of a step in which every running request decodes one token without drafts (what
+        the general plan gives then), in one pass; None for any other step.
+        """
+        bm, running, config = self.block_manager, self.running, self.config
+        # no seat or nobody waiting: `_decode_plan`'s case
+        seated = not self.waiting or len(running) >= config.max_num_seqs
+        if not (running and seated) or self.num_draft_placeholders or config.num_lookahead_tokens:
+            return None
+        if len(running) > config.max_num_batched_tokens or type(bm) is not BlockManager:
+            return None
+        order = self._running_by_arrival
+        if order is None:
+            arrival = self._arrival_index
+            order = self._running_by_arrival = sorted(running, key=lambda r: arrival[r.request_id])
+        step = schedule_decode(order, bm, config.block_size)
+        if step is None:
+            return None
+        scheduled = step.scheduled
+        rows = self.request_rows.add_decode_step(order, *step) or self.request_rows.add_step(scheduled)
+        finished, self._finished_request_ids = self._finished_request_ids, []
+        num_scheduled_tokens = dict.fromkeys([r.request_id for r in order], 1)
+        return SchedulerOutput(scheduled, num_scheduled_tokens, len(order), [], [], finished, rows)
 
     def _decode_plan(self, running: list[Request], free_blocks: int | list[int]) -> StepPlan | None:
         """`schedule_step`'s plan when nothing waits and every running request decodes within the token
@@ -236,12 +256,7 @@ class Scheduler:
         for request in seated:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-
-    @staticmethod
-    def _samples_last_token(request: Request) -> bool:
-        """The step in flight (asynchronous scheduling) may sample the request's `max_tokens`-th token."""
-        num_outputs = request.num_output_tokens + request.num_output_placeholders
-        return request.num_output_placeholders > 0 and num_outputs >= request.sampling_params.max_tokens
+        self._running_by_arrival = None
 
     def _running_view(self, request: Request, count_exclusive: bool) -> RequestView:
         num_known = request.num_tokens + request.num_output_placeholders
@@ -287,12 +302,12 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.waiting.remove(request)
             self.running.append(request)
+            self._running_by_arrival = None
 
-        scheduled: list[ScheduledRequest] = []
-        for request_id, num_new_tokens in plan.num_scheduled_tokens.items():
-            scheduled.append(
-                schedule_request(self.requests[request_id], num_new_tokens, bm, self.num_draft_placeholders)
-            )
+        scheduled = [
+            schedule_request(self.requests[request_id], num_new_tokens, bm, self.num_draft_placeholders)
+            for request_id, num_new_tokens in plan.num_scheduled_tokens.items()
+        ]
         if self.config.num_lookahead_tokens:
             # Best effort, after every planned allocation: a request that gets no lookahead drafts less.
             for item in scheduled:
@@ -343,9 +358,13 @@ class Scheduler:
             if not item.samples:
                 bm.cache_full_blocks(request)
                 continue
-            new_token_ids, status = commit_sampled(
-                item, sampled.get(request_id, []), drafts.get(request_id, []), bm, num_draft_placeholders, now
-            )
+            new_token_ids = sampled.get(request_id, ())
+            if len(new_token_ids) == 1 and not (item.spec_token_ids or num_draft_placeholders or drafts):
+                status = commit_decode_token(request, new_token_ids, bm, now)
+            else:
+                new_token_ids, status = commit_sampled(
+                    item, list(new_token_ids), drafts.get(request_id, []), bm, num_draft_placeholders, now
+                )
             if status is not running:
                 self._remove(request, status)
             updates.append(RequestUpdate(request_id, new_token_ids, status))
@@ -362,6 +381,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.running.remove(request)
+        self._running_by_arrival = None
         self.waiting.append(request)
 
     def _remove(self, request: Request, status: RequestStatus) -> None:
@@ -370,6 +390,7 @@ class Scheduler:
         request.num_output_placeholders = 0
         queues = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING_FOR_SEAT: self.waiting_for_seat}
         queues.get(request.status, self.waiting).remove(request)
+        self._running_by_arrival = None
         request.status = status
         request.finished_time_s = self.clock()
         del self.requests[request.request_id]

@@ -7,6 +7,17 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 
+class SchedulerStats(NamedTuple):
+    """A snapshot for metrics."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_hit_rate: float | None
+    num_prefix_cache_hit_tokens: int = 0
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one engine step."""

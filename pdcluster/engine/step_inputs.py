@@ -22,6 +22,7 @@ class PreparedStep(NamedTuple):
     query_start_loc: list[int]
     placeholder_items: list[int]
     sampling: SamplingArrays | None = None
+    plain: bool = False  # no request asks for logprobs, prompt logprobs or structured output
 
 
 class StepResult(NamedTuple):
@@ -30,6 +31,30 @@ class StepResult(NamedTuple):
     token_ids: list[int]
     draft_token_ids: list[int]
     num_rejected: int
+
+
+def last_step_results(
+    scheduled: list[ScheduledRequest],
+    sampling: list[int],
+    sampled: dict[str, list[int]],
+    spec: dict[str, list[int]],
+    failed: dict[str, str],
+) -> dict[str, StepResult]:
+    """Request id -> `StepResult` of each sampling item `scheduled[i]`, i in `sampling`: its sampled tokens,
+    next drafts and rejected drafts (a failed request: one token 0, nothing rejected).
+    """
+    results: dict[str, StepResult] = {}
+    for i in sampling:
+        item = scheduled[i]
+        request_id = item.request.request_id
+        if request_id in failed:
+            results[request_id] = StepResult([0], [], 0)
+            continue
+        tokens = sampled[request_id]
+        results[request_id] = StepResult(
+            tokens, spec.get(request_id, []), len(item.spec_token_ids) + 1 - len(tokens)
+        )
+    return results
 
 
 def logit_rows(

@@ -351,3 +351,56 @@ def test_remote_prefilled_admissions_wait_for_a_seat(make_scheduler, make_reques
     assert [r.output_token_ids for r in requests[:4]] == [[5, 7, 7]] * 4
     assert requests[4].status is RequestStatus.FINISHED_ABORTED
     scheduler.block_manager.check_no_leaks()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_decode_fast_path_schedules_as_the_general_plan(make_scheduler, make_request, seed):
+    """`Scheduler._schedule_decode` (every running request decodes one token, no drafts) gives the step the
+    general plan gives: two schedulers in lockstep, one with the fast path turned off, schedule the same
+    items (positions, counts, block tables) and pack the same inputs from their rows, through block
+    crossings, stop tokens, drafts in some steps (whose trims the fast path must see), aborts, arrivals
+    and preemptions; the fast path runs in most steps."""
+    rng = random.Random(seed)
+    fast = make_scheduler(num_blocks=20, max_num_batched_tokens=24, max_num_seqs=5, max_model_len=64)
+    slow = make_scheduler(num_blocks=20, max_num_batched_tokens=24, max_num_seqs=5, max_model_len=64)
+    slow._schedule_decode = lambda: None
+    fast_path, num_fast = fast._schedule_decode, []
+
+    def counted():
+        output = fast_path()
+        num_fast.append(output is not None)
+        return output
+
+    fast._schedule_decode = counted
+    num_added = num_steps = 0
+    while num_added < 40 or fast.has_unfinished():
+        if num_added < 40 and rng.random() < 0.15:
+            prompt = [rng.randrange(1, 50) for _ in range(rng.randrange(1, 12))]
+            max_tokens = rng.randrange(1, 30)
+            for scheduler in (fast, slow):
+                scheduler.add_request(make_request(f"q{num_added}", prompt=prompt, max_tokens=max_tokens))
+            num_added += 1
+        if fast.running and rng.random() < 0.03:
+            request_id = rng.choice(fast.running).request_id
+            assert fast.abort(request_id) and slow.abort(request_id)
+        tokens = {r.request_id: rng.randrange(0, 50) for r in fast.running + fast.waiting}
+        drafts = {rid: [rng.randrange(1, 50)] * (rng.random() < 0.05) for rid in tokens}
+        outputs = [scheduler.schedule() for scheduler in (fast, slow)]
+        got, want = (
+            [(i.request_id, i.start_position, i.num_scheduled_tokens, i.block_ids) for i in o.scheduled]
+            for o in outputs
+        )
+        assert got == want
+        assert outputs[0].finished_request_ids == outputs[1].finished_request_ids
+        check_packed_rows(outputs[0], block_size=4)
+        for scheduler, output in zip((fast, slow), outputs, strict=True):
+            runner_output = fake_runner_output(
+                output, next_token=tokens.__getitem__, drafts=drafts.__getitem__
+            )
+            scheduler.update_from_output(output, runner_output)
+            scheduler.block_manager.check_invariants()
+        num_steps += 1
+        assert num_steps < 3000, "no progress"
+    assert fast.stats().num_preemptions == slow.stats().num_preemptions
+    assert sum(num_fast) > num_steps // 3
+    fast.block_manager.check_no_leaks()
