@@ -138,20 +138,20 @@ class PrefillWorker(RankWorker):
             request.meta.lease_s if request.awaiting_bind else 0
         )
         deadline_s = time.monotonic() + timeout_s
-        self._wait(job, job.sampled, deadline_s, timeout_s)
-        assert job.first is not None
-        yield job.first
-        self._wait(job, job.done, deadline_s, timeout_s)
-        assert job.result is not None
-        yield job.result
+        yield self._wait(job, job.sampled, "first", deadline_s, timeout_s)
+        yield self._wait(job, job.done, "result", deadline_s, timeout_s)
 
-    def _wait(self, job: Job, event: threading.Event, deadline_s: float, timeout_s: float) -> None:
-        """Wait for `event` until `deadline_s`. RuntimeError: timed out (the job aborted) or failed."""
+    def _wait(
+        self, job: Job, event: threading.Event, reply: str, deadline_s: float, timeout_s: float
+    ) -> PrefillFirstToken | PrefillResult:
+        """`job.<reply>` once `event` is set (a first token sampled before a later failure still goes out).
+        RuntimeError: timed out by `deadline_s` (the job aborted), or failed without that reply."""
         if not event.wait(max(0.0, deadline_s - time.monotonic())):
             self._jobs.put(("abort", job.request_id))
             raise RuntimeError(f"{self.name}: prefill of {job.request_id} not done after {timeout_s:g} s")
-        if job.error is not None:
+        if getattr(job, reply) is None or (reply == "result" and job.error is not None):
             raise RuntimeError(f"{self.name}: prefill of {job.request_id} failed: {job.error}")
+        return getattr(job, reply)
 
     def bind(self, bind: PrefillBind, order: CommandSeq | None = None) -> None:
         """The reservation of a request sent `awaiting_bind` (`PrefillRequest`): its handoff begins with
