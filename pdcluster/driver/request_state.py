@@ -54,7 +54,7 @@ class Attempt:
 @dataclass
 class DriverRequest:
     """One request from `generate` to its end: its attempt in flight, what the client received, the failed
-    attempts (their prefill instances not tried again); phases with `recomputed_tokens` (`driver.recompute`)."""
+    attempts (their prefill instances not tried again); phases with `recomputed_tokens` (driver.recompute)."""
 
     request_id: str
     arrival_s: float
