@@ -1,10 +1,6 @@
-"""Telling a lost rank of a multi-rank instance from the health monitor's probes (`driver.elastic`).
-
-A rank that died is lost at once. One that only stopped answering (stalled: SIGSTOP, a hung host) is lost
-once it missed a probe for `stall_s` (the call timeout: max(2, kv_transfer.timeout_s / 2) seconds) while
-every rank that answered saw the group fail or has been blocked in one collective for as long: its peers
-cannot step without it. A slow rank moves its peers on and is not lost.
-"""
+"""Telling a lost rank of a multi-rank instance from the health monitor's probes (`driver.elastic`): a dead
+rank at once; a stalled one once it missed probes for `stall_s` (the call timeout) while every peer that
+answered has been blocked in one collective as long (or saw the group fail). A slow rank is not lost."""
 
 from __future__ import annotations
 
@@ -29,9 +25,8 @@ class RankLoss:
 
 
 def find_rank_loss(instance: Instance, outcomes: Sequence[Any], stall_s: float) -> RankLoss | None:
-    """The `RankLoss` of one probe round (`outcomes[r]`: rank r's load, or the exception its probe raised),
-    or None: every rank answered, none did, or a rank only stopped answering while an answering rank has
-    neither seen the group fail nor been blocked in one collective for `stall_s` seconds (yet)."""
+    """The `RankLoss` of one probe round (`outcomes[r]`: rank r's load or its probe's exception), or None:
+    all or none answered, or a silent rank's peers are not (yet) blocked `stall_s` in one collective."""
     import ray
 
     died = ray.exceptions.ActorDiedError
@@ -67,8 +62,7 @@ def maybe_stalled(outcomes: Sequence[Any]) -> bool:
 def probe_again(
     ray, instance: Instance, outcomes: Sequence[Any], stall_s: float, call_timeout_s: float
 ) -> list[Any]:
-    """`outcomes` with the answering ranks probed again (now, and once more when their collective wait
-    may reach `stall_s` by then): a silent peer stalled keeps them in that wait; a slow one does not."""
+    """`outcomes` with the answering ranks probed again (now, and when their wait may reach `stall_s`)."""
     from pdcluster.driver.rank_actors import PROBE_GROUP
 
     answered = [r for r, o in enumerate(outcomes) if not isinstance(o, BaseException)]

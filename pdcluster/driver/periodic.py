@@ -9,9 +9,8 @@ logger = logging.getLogger("pdcluster.driver.cluster")
 
 
 class PeriodicThread:
-    """Calls `run_round()` every `interval_s` seconds on a daemon thread named `thread_name`, from `start()`
-    until `stop()`. A round that raises is logged and the next one runs; one that raises while stopping
-    (Ray going away under a shutdown) ends the thread quietly."""
+    """Calls `run_round()` every `interval_s` seconds on a daemon thread from `start()` until `stop()`; a
+    round that raises is logged (quietly ends the thread while stopping)."""
 
     thread_name = "periodic"
 

@@ -1,6 +1,4 @@
-"""The driver's record of one request and of each of its dispatch attempts (`driver.request_dispatch`):
-one record per request and one per attempt, instead of parallel dicts keyed by id.
-"""
+"""The driver's record of one request and of each of its dispatch attempts (`driver.request_dispatch`)."""
 
 from __future__ import annotations
 
@@ -55,9 +53,8 @@ class Attempt:
 
 @dataclass
 class DriverRequest:
-    """One request from `generate` to its end: its attempt in flight, what the client received, and the
-    failed attempts (their prefill instances are not tried again). Its phases carry `recomputed_tokens`
-    once a lost decode made it re-dispatch (`driver.recompute`)."""
+    """One request from `generate` to its end: its attempt in flight, what the client received, the failed
+    attempts (their prefill instances not tried again); phases with `recomputed_tokens` (driver.recompute)."""
 
     request_id: str
     arrival_s: float

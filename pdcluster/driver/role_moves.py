@@ -1,12 +1,8 @@
-"""Moving a single-device instance between the prefill and decode pools while serving (dynamic P:D).
-
-X's slot in pool A drains (out of routing; a prefill instance finishes its queue, a decode instance its
-running requests within `drain_timeout_s`, else the move fails) and goes `away`; X's actor switches role in
-place (`RoleWorker.switch_role`); every prefill rank is re-connected to the decode receivers; X's slot in B
-becomes active. Pool indices never change. The engine keeps its deploy pool's scheduler budgets.
-Parking (target `parked`) drains X the same way and leaves it loaded in its pool, probed, out of routing
-(`pool_state` parked) until a move back to its role (or to the other pool) returns it.
-"""
+"""Moving a single-device instance between the prefill and decode pools while serving (dynamic P:D): its
+slot drains (out of routing; queue or running requests finished within `drain_timeout_s`), its actor
+switches role in place (`RoleWorker.switch_role`), prefill ranks are re-connected to the decode receivers,
+its slot in the other pool becomes active. Parking drains it the same way and leaves it loaded, out of
+routing, until moved back to a role."""
 
 from __future__ import annotations
 

@@ -267,12 +267,9 @@ class RequestRows(BlockTableRows):
     def add_decode_step(
         self, key: object, items: Sequence[ScheduledRequest], *per_item: list[int]
     ) -> ScheduledRows | None:
-        """`add_step` of a step in which each request of `items` holding a row runs only its newest committed
-        token (at `item.start_position`, its `last_token_ids` entry) and holds `table_lens` blocks, the last
-        one `last_block_ids`; None (nothing changed) when a request holds no row or its row is not one token
-        behind. `key`: the same object for the same requests in the same order (their rows are cached).
-        `per_item`: `last_token_ids, table_lens, last_block_ids` (`engine.request_step.DecodeStep`).
-        """
+        """`add_step` of a step where every request of `items` runs its newest token (`per_item`: a
+        `DecodeStep`'s last_token_ids, table_lens, last_block_ids); None (nothing changed) when one holds no
+        row or is not one token behind. `key`: one object per running set (its rows are cached)."""
         last_token_ids, table_lens, last_block_ids = per_item
         cached = self._decode_rows
         if cached is None or cached[0] is not key or cached[1] != self._num_row_changes:
@@ -306,9 +303,7 @@ class RequestRows(BlockTableRows):
         return ScheduledRows(self, row_index, start_positions, np.ones(len(rows), dtype=np.int64))
 
     def sampling_of(self, row_index: np.ndarray) -> SamplingArrays:
-        """`sampling.take(row_index)`: the rows' sampling parameters in batch order (read-only: the same
-        arrays come back while neither the rows nor their parameters change).
-        """
+        """`sampling.take(row_index)` (read-only; the same arrays while rows and parameters are unchanged)."""
         last = self._last_taken
         if last is not None and last[0] is row_index and not row_index.flags.writeable:
             return last[2]  # the same read-only array (`add_decode_step`'s): the same rows

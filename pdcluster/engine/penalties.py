@@ -1,6 +1,4 @@
-"""Presence, frequency and repetition penalties from per-request token counts kept across steps (as vLLM v1's
-sampler and SGLang's penalizer orchestrator keep them), updated with each step's new output tokens only.
-"""
+"""Presence, frequency and repetition penalties from per-request token counts kept across steps."""
 
 from __future__ import annotations
 
@@ -17,12 +15,9 @@ OutputHistory = Callable[[ScheduledRequest, int], list[int]]
 
 
 class PenaltyCounts:
-    """Per penalised request, one slot: its output-token counts (row of `[slots, V]` float32) and its listed
-    tokens (row of `[slots, W]` int64: the distinct output tokens, and prompt tokens when it has a repetition
-    penalty), counted from its whole output history on first sight; later steps add only the tokens that
-    history gained. A slot is reset when its request is dropped (finished, aborted, preempted) or comes back
-    preempted since, so it always equals a recount of the history.
-    """
+    """Per penalised request a slot: output-token counts (`[slots, V]` float32), listed tokens (`[slots, W]`
+    int64: distinct output tokens, plus the prompt's under repetition penalty), counted in full on first
+    sight, then per step only the new tokens; reset when dropped or preempted (always equal to a recount)."""
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu", capacity: int = 8) -> None:
         self.vocab_size = vocab_size
@@ -58,9 +53,7 @@ class PenaltyCounts:
         return self._counts[slot].clone(), listed, self._num_counted[slot]
 
     def update(self, items: list[ScheduledRequest], history: OutputHistory) -> tuple[list[int], list[int]]:
-        """Bring the slots of `items` up to their output histories; returns each item's slot and number of
-        output tokens before this step's inputs end.
-        """
+        """Bring the slots of `items` up to their output histories; returns each item's slot and count."""
         slots: list[int] = []
         lengths: list[int] = []
         new_rows: list[int] = []  # (slot, token) of each new output token
@@ -109,14 +102,10 @@ class PenaltyCounts:
         frequency_penalty: np.ndarray,
         repetition_penalty: np.ndarray,
     ) -> None:
-        """Penalise rows `rows` of `logits` `[N, V]` float32 in place (`kernels.sampling.apply_penalties_`):
-        row `rows[i]` by slot `slots[i]`'s tokens plus `drafts[i]` (the drafts before its position), with the
-        penalties `[len(rows)]` float32.
-        """
+        """Penalise `logits[rows[i]]` (`[N, V]` float32, in place) by slot `slots[i]`'s tokens and `drafts[i]`
+        (drafts before it), penalties `[len(rows)]` float32 (`kernels.sampling.apply_penalties_`)."""
         num_listed = [len(self._listed[slot]) for slot in slots]
-        keep = [
-            i for i, n in enumerate(num_listed) if n or drafts[i]
-        ]  # a row listing nothing keeps its logits
+        keep = [i for i, n in enumerate(num_listed) if n or drafts[i]]  # a row listing nothing is left alone
         if not keep:
             return
         if len(keep) < len(rows):

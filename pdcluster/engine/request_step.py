@@ -63,9 +63,7 @@ def samples_last_token(request: Request) -> bool:
 
 
 class DecodeStep(NamedTuple):
-    """`schedule_decode`'s step: its items, and per item the newest committed token, the blocks held and
-    the last block id (-1: none), for `engine.input_batch.RequestRows.add_decode_step`.
-    """
+    """`schedule_decode`'s step: items, and per item its newest token, blocks held, last block (-1: none)."""
 
     scheduled: list[ScheduledRequest]
     last_token_ids: list[int]
@@ -109,9 +107,7 @@ def schedule_decode(order: list[Request], bm: BlockManager, block_size: int) -> 
 
 
 def commit_decode_token(request: Request, sampled: list[int], bm: BlockManager, now: float) -> RequestStatus:
-    """`commit_sampled` of a decode step without drafts, none proposed for the next and none pending
-    (`sampled`: its one token): commit it (`commit_tokens`), cache full blocks.
-    """
+    """`commit_sampled` of one token (`sampled`) with no drafts verified, proposed or pending."""
     request.num_output_placeholders -= 1
     status = check_stop_token(request, sampled[0], len(request.output_token_ids) + 1)
     request.append_output_token_ids(sampled)

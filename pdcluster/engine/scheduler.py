@@ -201,9 +201,7 @@ class Scheduler:
         return self._apply(plan, lookups)
 
     def _schedule_decode(self) -> SchedulerOutput | None:
-        """`schedule()` of a step in which every running request decodes one token without drafts (what
-        the general plan gives then), in one pass; None for any other step.
-        """
+        """`schedule()` in one pass when every running request decodes one token without drafts; else None."""
         bm, running, config = self.block_manager, self.running, self.config
         # no seat or nobody waiting: `_decode_plan`'s case
         seated = not self.waiting or len(running) >= config.max_num_seqs

@@ -13,10 +13,7 @@ from pdcluster.engine.outputs import ScheduledRequest
 
 
 class PreparedStep(NamedTuple):
-    """A step's packed inputs, before placeholders are resolved.
-
-    query_start_loc: `[num_reqs + 1]` host copy of `batch.query_start_loc`.
-    """
+    """A step's packed inputs before placeholders are resolved; query_start_loc `[num_reqs + 1]` on host."""
 
     batch: ModelInput | None
     query_start_loc: list[int]
@@ -64,9 +61,7 @@ def logit_rows(
     starts: list[int],
     query_lens: np.ndarray,
 ) -> torch.Tensor:
-    """The rows of `hidden` that yield tokens: each sampling request's last `k_i + 1` (its drafts' and the
-    bonus position's), in batch order.
-    """
+    """The rows of `hidden` that yield tokens: each sampling request's last `k_i + 1`, in batch order."""
     counts = np.fromiter((len(item.spec_token_ids) + 1 for item in items), np.int64, len(items))
     if len(sampling) == len(query_lens) and (counts == query_lens).all():
         return hidden
@@ -82,9 +77,7 @@ def resolve_placeholders(
     last_step: dict[str, StepResult],
     block_size: int,
 ) -> list[ScheduledRequest]:
-    """Fill in placeholder inputs and move their requests back by the previous step's rejected drafts (in
-    the batch and in the returned items).
-    """
+    """Fill in placeholder inputs and move their requests back by the previous step's rejected drafts."""
     items = prepared.placeholder_items
     if not items:
         return scheduled

@@ -81,9 +81,7 @@ def start_alltoall(
     group: dist.ProcessGroup, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]
 ) -> tuple[dist.Work, torch.Tensor]:
     """Start an uneven all-to-all of rows [sum(send_counts), ...]; returns the work and the output
-
-    [sum(recv_counts), ...], valid once the work is done.
-    """
+    [sum(recv_counts), ...], valid once the work is done."""
     out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
     work = group.alltoall_base(out, rows.contiguous(), recv_counts, send_counts, dist.AllToAllOptions())
     return work, out
@@ -182,12 +180,8 @@ class EPDispatcher(ExpertDispatcher):
     def plan(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> tuple[torch.Tensor, EPDispatchHandle, list[int]]:
-        """Replica choice and counts exchange.
-
-        returns rows to send [num_pairs, hidden_size], the handle, and the rows each local expert gets
-
-        Raises EPCollectiveError if the exchange fails or ranks are at different layers.
-        """
+        """Replica choice, counts exchange: rows to send [num_pairs, hidden_size], the handle, the rows each
+        local expert gets. Raises EPCollectiveError: the exchange failed or ranks are at different layers."""
         num_tokens, top_k = topk_ids.shape
         num_ranks, num_local = self.group.size(), self.num_local_experts
         device = hidden.device

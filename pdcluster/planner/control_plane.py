@@ -30,10 +30,9 @@ MIN_DECODE_STEPS = 4  # a per-step figure from fewer steps is mostly the first s
 
 @dataclass(frozen=True)
 class ControlPlane:
-    """Seconds the live path adds around the engine steps; all >= 0, zero by default (engine-side only).
-    `prefill_extra_s`: full-speed seconds a prefill instance stays busy per request its step completes after
-    sampling the first token (last KV send, MTP pass, reply); `first_token_extra_s`: from the sampling
-    until the client has the token."""
+    """Seconds the live path adds around the engine steps (>= 0; zero: engine-side only). `prefill_extra_s`:
+    a prefill instance busy per request after its first token (last KV, MTP pass, reply) at full speed;
+    `first_token_extra_s`: sampling to the client."""
 
     dispatch_s: float = 0.0
     prefill_extra_s: float = 0.0

@@ -1,10 +1,6 @@
-"""A rank's side of elastic expert parallelism: re-forming its instance's group with another set of ranks.
-
-`shrink`: the old group failed (a peer died or stalled); the survivors form a new group and split the
-experts among themselves. `grow`: new ranks join; the survivors meet them and wait for them to load while
-they keep serving on their current group, then switch at a step boundary. Both keep this rank's engine,
-its KV cache and the requests it holds. (The driver's side: `driver.elastic`.)
-"""
+"""A rank's side of elastic expert parallelism (the driver's: `driver.elastic`): `shrink` re-forms the group
+over the survivors of a failed one, which split the experts; `grow` meets new ranks, serves while they load
+and switches at a step boundary. Both keep this rank's engine, KV cache and requests."""
 
 from __future__ import annotations
 
@@ -85,9 +81,8 @@ def _keep_given_up(old_group: Any, timeout_s: float) -> None:
 
 
 def grow(worker: RankWorker, spec: InstanceGroupSpec, num_redundant_experts: int, attempt: int) -> dict:
-    """Meet the new ranks of group `spec` (this rank keeps its rank id; they come after the survivors) and
-    wait for them to load while this rank serves on; then, at a step boundary, switch to the new group
-    with `ExpertPlacement.default` (`engine.elastic_ep.grow_runtime`). Returns as `shrink`.
+    """Meet the new ranks of group `spec` (after the survivors' ids), serve while they load, then switch to
+    it at a step boundary with `ExpertPlacement.default` (`elastic_ep.grow_runtime`). Returns as `shrink`.
 
     Raises:
         RuntimeError: `abort_grow(attempt)` was called, the new ranks did not come within the rendezvous
