@@ -142,7 +142,8 @@ class ElasticInstances:
             list(loss.survivors),
         )
         spec_index = next(i for i, s in enumerate(dep._plan.instances) if (s.role, s.index) == key)
-        init_method, barrier_port, secret = dep._rendezvous(ray, spec_index)
+        first_bundle = (instance.bundles or list(range(len(instance.ranks))))[loss.survivors[0]]
+        init_method, barrier_port, secret = dep._rendezvous(ray, spec_index, first_bundle)
         timeout_s = dep.collective_timeout_s
         rendezvous_s = 2 * timeout_s + dep.call_timeout_s
         actors = [instance.ranks[r] for r in loss.survivors]
@@ -236,7 +237,7 @@ class ElasticInstances:
         spec_index = next(i for i, s in enumerate(dep._plan.instances) if (s.role, s.index) == key)
         num_ranks, bundles = instance.deployed_ranks, instance.bundles or list(range(instance.num_ranks))
         free = [b for b in range(num_ranks) if b not in bundles]
-        init_method, barrier_port, secret = dep._rendezvous(ray, spec_index)
+        init_method, barrier_port, secret = dep._rendezvous(ray, spec_index, bundles[0])
         from pdcluster.driver.rank_actors import ready_timeout_s
 
         def spec(rank: int) -> InstanceGroupSpec:
@@ -330,7 +331,10 @@ class ElasticInstances:
             dep._decode_addresses[instance.index] = list(dep._decode_addresses[instance.index]) + addresses
         else:
             decode_addresses = [list(ranks) for ranks in dep._decode_addresses]
-            ray.get([a.connect_receivers.remote(transport, decode_addresses, tls) for a in growth.newcomers])
+            ray.get(
+                [a.connect_receivers.remote(transport, decode_addresses, tls) for a in growth.newcomers],
+                timeout=timeout_s,
+            )
         instance.bundles = (instance.bundles or list(range(instance.num_ranks))) + growth.bundles
         instance.ranks = instance.ranks + growth.newcomers
         if instance.role == "decode":

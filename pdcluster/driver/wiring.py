@@ -48,14 +48,15 @@ class ClusterWiring:
     _placement_groups: list[Any]
     _loopback: bool
 
-    def _rendezvous(self, ray, spec_index: int) -> tuple[str, int, str]:
-        """A new rendezvous for instance `spec_index`'s group: init method, barrier port, secret."""
+    def _rendezvous(self, ray, spec_index: int, bundle_index: int = 0) -> tuple[str, int, str]:
+        """A new rendezvous for instance `spec_index`'s group, hosted on the node of its placement group's
+        bundle `bundle_index` (where the group's rank 0 runs): init method, barrier port, secret."""
         from pdcluster.driver.instance_group import new_rendezvous_secret
 
         if self._loopback:
             host, ports = "127.0.0.1", free_ports("127.0.0.1", 2)
         else:
-            host, ports = self._probe_node(ray, spec_index, count=2)
+            host, ports = self._probe_node(ray, spec_index, bundle_index, count=2)
         return f"tcp://{host}:{ports[0]}", ports[1], new_rendezvous_secret()
 
     def _probe_node(self, ray, spec_index: int, bundle_index: int = 0, count: int | None = None):
