@@ -228,9 +228,9 @@ def compare(
 ) -> list[dict[str, Any]]:
     """The simulated rows: each trace on every static split and with the controller."""
     from pdcluster.planner.autoscale_sim import simulate_autoscale
-    from pdcluster.planner.simulator import simulate
+    from pdcluster.planner.simulator import SimOptions, simulate
 
-    prefill_model, decode_model, acceptance = models
+    options = SimOptions(*models)
     total = topology.prefill.num_instances + topology.decode.num_instances
     step = max(1, (total - 1) // splits)
     candidates = sorted({*range(1, total, step), topology.prefill.num_instances, total - 1})
@@ -238,11 +238,9 @@ def compare(
     for trace_name, requests in traces.items():
         static = {}
         for num_prefill in candidates:
-            summary = simulate(
-                with_split(topology, num_prefill), requests, prefill_model, decode_model, acceptance
-            ).summary
+            summary = simulate(with_split(topology, num_prefill), requests, options).summary
             static[f"{num_prefill}P{total - num_prefill}D"] = summary
-        auto = simulate_autoscale(topology, requests, prefill_model, decode_model, acceptance, seed=seed)
+        auto = simulate_autoscale(topology, requests, dataclasses.replace(options, seed=seed))
         span_s = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
         met = {s: v["goodput_fraction"] * v["num_requests"] for s, v in static.items()}
         best_split = max(met, key=lambda s: met[s])

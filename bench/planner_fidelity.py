@@ -98,7 +98,7 @@ def simulated_point(
     from pdcluster.config import load_topology
     from pdcluster.planner.control_plane import ControlPlane, derive_from_probes
     from pdcluster.planner.plan import PlanOptions, cores_per_node, step_models
-    from pdcluster.planner.simulator import pool_sizing, simulate
+    from pdcluster.planner.simulator import SimOptions, pool_sizing, simulate
     from pdcluster.planner.trace import arrival_rate_per_s, load_trace, scale_trace
 
     topology = load_topology(live["cluster"])
@@ -127,20 +127,17 @@ def simulated_point(
         time_scale=live["rate_per_s"] / arrival_rate_per_s(load_trace(trace, n).requests),
     )
     slo = live.get("live_slo_ms") or {}
+    draws = (acceptance if acceptance is not None else 0.0,) * k
 
     def simulated(cp: ControlPlane | None):
         return simulate(
             topology,
             workload.requests,
-            prefill_model,
-            decode_model,
-            (acceptance if acceptance is not None else 0.0,) * k,
+            SimOptions(prefill_model, decode_model, draws, control_plane=cp, cores_per_node=cores),
             prefill_sizing=sizing["prefill"],
             decode_sizing=sizing["decode"],
             ttft_slo_ms=slo.get("ttft_ms"),
             tpot_slo_ms=slo.get("tpot_ms"),
-            control_plane=cp,
-            cores_per_node=cores,
         )
 
     sim, engine_only = simulated(control_plane), simulated(None)  # engine_only: the A/B without the path

@@ -19,7 +19,7 @@ from bench.common import format_table, main_measured, positive_int, source_revis
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from pdcluster.config import load_topology
     from pdcluster.planner.plan import PlanOptions, acceptance_for, step_models
-    from pdcluster.planner.simulator import pool_sizing, simulate
+    from pdcluster.planner.simulator import SimOptions, pool_sizing, simulate
     from pdcluster.planner.workload import plan_workload
 
     setup_start_s = time.perf_counter()
@@ -47,9 +47,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = simulate(
         topology,
         workload.requests,
-        prefill_model,
-        decode_model,
-        acceptance_for(topology, options),
+        SimOptions(prefill_model, decode_model, acceptance_for(topology, options)),
         prefill_sizing=sizing["prefill"],
         decode_sizing=sizing["decode"],
     )

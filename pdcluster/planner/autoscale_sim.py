@@ -21,12 +21,12 @@ from pdcluster.config.autoscale import AutoscaleConfig
 from pdcluster.config.slo import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
 from pdcluster.driver.autoscale import DECODE, PARKED, PREFILL, Capacity, InstanceView, SignalWindow, decide
 from pdcluster.driver.autoscale_capacity import capacity_from_models, tokens_per_step
-from pdcluster.planner.control_plane import ControlPlane
 from pdcluster.planner.sim_engine import SimEngine, SimRequest
+from pdcluster.planner.sim_options import SimOptions
 from pdcluster.planner.sim_results import SimResult
 from pdcluster.planner.simulator import ClusterSimulator, run_simulation
 from pdcluster.planner.sizing import pool_sizing
-from pdcluster.planner.step_model import DecodeRow, StepShape, StepTimeModel
+from pdcluster.planner.step_model import DecodeRow, StepShape
 from pdcluster.planner.trace import TraceRequest
 
 DEFAULT_SWITCH_S = 1.0  # seconds from drained to serving in the other role (role object swapped, no reload)
@@ -316,12 +316,7 @@ def _drained(engine: SimEngine) -> bool:
 def simulate_autoscale(
     topology: Topology,
     requests: Sequence[TraceRequest],
-    prefill_model: StepTimeModel,
-    decode_model: StepTimeModel,
-    acceptance_per_position: Sequence[float] = (),
-    seed: int = 0,
-    control_plane: ControlPlane | None = None,
-    cores_per_node: float | None = None,
+    options: SimOptions,
     config: AutoscaleConfig | None = None,
     switch_s: float = DEFAULT_SWITCH_S,
 ) -> AutoscaleResult:
@@ -331,14 +326,9 @@ def simulate_autoscale(
 
     simulator = AutoscaleSimulator(
         topology,
-        prefill_model,
-        decode_model,
+        options,
         pool_sizing(topology, "prefill"),
         pool_sizing(topology, "decode"),
-        acceptance_per_position,
-        seed,
-        control_plane,
-        cores_per_node,
         config=config or replace(topology.autoscale, enabled=True),
         switch_s=switch_s,
     )
@@ -349,18 +339,7 @@ def simulate_autoscale(
 def plan_autoscale(topology: Topology, options) -> AutoscaleResult:  # noqa: ANN001
     """`pdcluster plan --autoscale`: `options`' workload (`planner.plan.PlanOptions`) on `topology` with the
     controller (its `autoscale` section, enabled), the same models as the plan's own simulation."""
-    from pdcluster.planner.control_plane import control_plane_from_calibration
-    from pdcluster.planner.plan import acceptance_for, cores_per_node, options_workload, step_models
+    from pdcluster.planner.plan import options_workload, sim_options
 
     workload = options_workload(topology, options)
-    prefill_model, decode_model = step_models(topology, options)
-    return simulate_autoscale(
-        topology,
-        workload.requests,
-        prefill_model,
-        decode_model,
-        acceptance_for(topology, options),
-        options.seed,
-        control_plane_from_calibration(options.calibration),
-        cores_per_node(topology, options),
-    )
+    return simulate_autoscale(topology, workload.requests, sim_options(topology, options))

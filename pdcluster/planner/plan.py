@@ -23,6 +23,7 @@ from pdcluster.planner.search import (
     search,
     spread_counts,
 )
+from pdcluster.planner.sim_options import SimOptions
 from pdcluster.planner.sim_results import SimResult
 from pdcluster.planner.simulator import pool_sizing, simulate
 from pdcluster.planner.step_model import StepTimeModel
@@ -87,21 +88,22 @@ def simulate_topology(
     options: PlanOptions,
     rank_losses: Sequence[RankLoss] = (),
 ) -> SimResult:
-    """`simulate` with the perf model, the options' acceptance, the calibration's control plane and
-    `rank_losses` (`planner.rank_loss`)."""
+    """`simulate` with `sim_options` and `rank_losses` (`planner.rank_loss`)."""
+    return simulate(topology, requests, sim_options(topology, options), rank_losses=rank_losses)
+
+
+def sim_options(topology: Topology, options: PlanOptions) -> SimOptions:
+    """The perf model, the options' acceptance and seed, the calibration's control plane, the node's cores."""
     from pdcluster.planner.control_plane import control_plane_from_calibration
 
     prefill_model, decode_model = step_models(topology, options)
-    return simulate(
-        topology,
-        requests,
+    return SimOptions(
         prefill_model,
         decode_model,
         acceptance_for(topology, options),
-        seed=options.seed,
-        control_plane=control_plane_from_calibration(options.calibration),
-        cores_per_node=cores_per_node(topology, options),
-        rank_losses=rank_losses,
+        options.seed,
+        control_plane_from_calibration(options.calibration),
+        cores_per_node(topology, options),
     )
 
 

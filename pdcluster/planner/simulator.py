@@ -28,9 +28,9 @@ from pdcluster.planner.rank_loss import (
     shrunk_model,
 )
 from pdcluster.planner.sim_engine import LengthOnlyPrompt, SimEngine, SimRequest
+from pdcluster.planner.sim_options import SimOptions
 from pdcluster.planner.sim_results import SimResult, to_results
 from pdcluster.planner.sizing import PoolSizing, pool_sizing
-from pdcluster.planner.step_model import StepTimeModel
 from pdcluster.planner.trace import TraceRequest
 
 # event kinds, in tie-break order at equal times: steps end before handoffs land before arrivals
@@ -38,37 +38,33 @@ _STEP_END, _HANDOFF_DONE, _ARRIVAL, _PREFILL_QUEUED, _RANK_LOST, _RECOVERED = 0,
 
 
 class ClusterSimulator:
-    """The event loop over one topology; `control_plane` adds the live path's seconds (zero by default),
-    `cores_per_node` shares each node's cores on `cpu` (None: unshared)."""
+    """The event loop over one topology, run with `options` (`SimOptions`)."""
 
     def __init__(
         self,
         topology: Topology,
-        prefill_model: StepTimeModel,
-        decode_model: StepTimeModel,
+        options: SimOptions,
         prefill_sizing: PoolSizing,
         decode_sizing: PoolSizing,
-        acceptance_per_position: Sequence[float] = (),
-        seed: int = 0,
-        control_plane: ControlPlane | None = None,
-        cores_per_node: float | None = None,
         rank_losses: Sequence[RankLoss] = (),
     ) -> None:
         self.topology = topology
         self.rank_losses = list(rank_losses)
         self.rank_loss_reports: list[dict] = []
-        self.control_plane = cp = control_plane or ControlPlane()
+        self.control_plane = cp = options.control_plane or ControlPlane()
         self.policy = POLICIES[topology.router.policy]
-        self.prefill_model, self.decode_model = prefill_model, decode_model
+        self.prefill_model, self.decode_model = options.prefill_model, options.decode_model
         self.prefill_sizing, self.decode_sizing = prefill_sizing, decode_sizing
-        self.acceptance = tuple(acceptance_per_position)
-        self.seed = seed
+        self.acceptance = tuple(options.acceptance_per_position)
+        self.seed = options.seed
         self.block_size = topology.prefill.block_size
         self.timeout_s = topology.kv_transfer.timeout_s
         k = topology.decode.num_speculative_tokens
-        rng = random.Random(seed)
+        rng = random.Random(self.seed)
         self.prefills = [
-            SimEngine("prefill", i, prefill_sizing.scheduler, prefill_sizing.num_blocks, prefill_model, k)
+            SimEngine(
+                "prefill", i, prefill_sizing.scheduler, prefill_sizing.num_blocks, options.prefill_model, k
+            )
             for i in range(topology.prefill.num_instances)
         ]
         self.decodes = [
@@ -77,9 +73,9 @@ class ClusterSimulator:
                 i,
                 decode_sizing.scheduler,
                 decode_sizing.num_blocks,
-                decode_model,
+                self.decode_model,
                 k,
-                acceptance_per_position,
+                self.acceptance,
                 rng,
             )
             for i in range(topology.decode.num_instances)
@@ -93,8 +89,8 @@ class ClusterSimulator:
             )
         self._ranks: dict[int, int] = {}  # id(engine) -> ranks left after losses
         self._nodes: dict[int, NodeCores] | None = None
-        if cores_per_node is not None and not topology.hardware.spec.is_accelerator:
-            self._share_cores(cores_per_node)
+        if options.cores_per_node is not None and not topology.hardware.spec.is_accelerator:
+            self._share_cores(options.cores_per_node)
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self._counter = 0
@@ -302,16 +298,11 @@ class ClusterSimulator:
 def simulate(
     topology: Topology,
     requests: Sequence[TraceRequest],
-    prefill_model: StepTimeModel,
-    decode_model: StepTimeModel,
-    acceptance_per_position: Sequence[float] = (),
-    seed: int = 0,
+    options: SimOptions,
     prefill_sizing: PoolSizing | None = None,
     decode_sizing: PoolSizing | None = None,
     ttft_slo_ms: float | None = None,
     tpot_slo_ms: float | None = None,
-    control_plane: ControlPlane | None = None,
-    cores_per_node: float | None = None,
     rank_losses: Sequence[RankLoss] = (),
 ) -> SimResult:
     """Simulate `requests` (num_output_tokens = max_tokens, ignore_eos) on `topology`, summarized as
@@ -321,14 +312,9 @@ def simulate(
 
     simulator = ClusterSimulator(
         topology,
-        prefill_model,
-        decode_model,
+        options,
         prefill_sizing or pool_sizing(topology, "prefill"),
         decode_sizing or pool_sizing(topology, "decode"),
-        acceptance_per_position,
-        seed,
-        control_plane,
-        cores_per_node,
         rank_losses,
     )
     ttft = ttft_slo_ms or topology.slo.ttft_ms or DEFAULT_TTFT_SLO_MS

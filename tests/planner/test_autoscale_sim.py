@@ -17,7 +17,7 @@ from pdcluster.driver import autoscale
 from pdcluster.driver.autoscale_capacity import capacity_from_models, tokens_per_step
 from pdcluster.planner import autoscale_sim
 from pdcluster.planner.autoscale_sim import simulate_autoscale
-from pdcluster.planner.simulator import simulate
+from pdcluster.planner.simulator import SimOptions, simulate
 from pdcluster.planner.trace import TraceRequest
 from tests.planner.test_simulator import LinearModel
 
@@ -70,7 +70,7 @@ def test_capacity_from_the_step_models():
 def test_moves_follow_the_phase_and_no_request_is_lost():
     prefill, decode = models()
     requests = phase_shift()
-    auto = simulate_autoscale(topology(), requests, prefill, decode)
+    auto = simulate_autoscale(topology(), requests, SimOptions(prefill, decode))
     done = [m for m in auto.moves if m.outcome == "done"]
     assert done, auto.moves
     assert (done[0].source, done[0].target) == ("decode", "prefill") and done[0].decided_s < 15.0
@@ -79,15 +79,15 @@ def test_moves_follow_the_phase_and_no_request_is_lost():
     assert auto.result.summary["num_ok"] == len(requests)  # 0 lost
     for _, num_prefill, num_decode, num_parked in auto.roles:  # never a pool emptied
         assert num_prefill >= 1 and num_decode >= 1 and num_prefill + num_decode + num_parked <= 4
-    static = simulate(topology(), requests, prefill, decode).summary
+    static = simulate(topology(), requests, SimOptions(prefill, decode)).summary
     assert auto.result.summary["goodput_requests_per_s"] > static["goodput_requests_per_s"]
 
 
 def test_a_quiet_controller_changes_nothing():
     prefill, decode = models()
     requests = poisson(2.0, 0.0, 30.0, 200, 50, random.Random(1))
-    auto = simulate_autoscale(topology(), requests, prefill, decode)
-    static = simulate(topology(), requests, prefill, decode)
+    auto = simulate_autoscale(topology(), requests, SimOptions(prefill, decode))
+    static = simulate(topology(), requests, SimOptions(prefill, decode))
     assert auto.moves == []
     # the same events in the same order: identical per-request times
     assert [(r.ttft_s, r.tpot_s, r.e2e_s) for r in auto.result.results] == [
@@ -111,7 +111,7 @@ def test_a_move_past_its_drain_bound_is_aborted(monkeypatch):
     prefill, decode = models()
     requests = poisson(4.0, 0.0, 10.0, 64, 400, random.Random(2))
     config = dataclasses.replace(CONFIG, drain_timeout_s=1.0)
-    auto = simulate_autoscale(topology(), requests, prefill, decode, config=config)
+    auto = simulate_autoscale(topology(), requests, SimOptions(prefill, decode), config=config)
     assert [m.outcome for m in auto.moves] == ["aborted"]
     move = auto.moves[0]
     assert move.done_s is not None and 1.0 < move.done_s - move.decided_s <= 1.0 + CONFIG.interval_s
@@ -159,7 +159,7 @@ def test_low_load_parks_instances_and_a_rise_brings_them_back():
     rng = random.Random(3)
     requests = poisson(1.0, 0.0, 20.0, 100, 20, rng) + poisson(29.0, 20.0, 15.0, 800, 4, rng)
     config = dataclasses.replace(CONFIG, park=True)
-    auto = simulate_autoscale(topology(), requests, prefill, decode, config=config)
+    auto = simulate_autoscale(topology(), requests, SimOptions(prefill, decode), config=config)
     parks = [m for m in auto.moves if m.target == "parked" and m.outcome == "done"]
     unparks = [m for m in auto.moves if m.source == "parked" and m.outcome == "done"]
     assert len(parks) == 2 and all(m.decided_s < 20.0 for m in parks)  # 2P2D -> 1P1D + 2 parked

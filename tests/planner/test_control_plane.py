@@ -17,7 +17,7 @@ from pdcluster.planner.control_plane import (
     derive,
     point_from_result,
 )
-from pdcluster.planner.simulator import simulate
+from pdcluster.planner.simulator import SimOptions, simulate
 from pdcluster.planner.trace import TraceRequest
 from tests.planner.test_simulator import LinearModel, sizing, topology
 
@@ -28,11 +28,9 @@ def _one_request(control_plane: ControlPlane | None):
     result = simulate(
         topology(),
         [TraceRequest(0.0, 100, 5)],
-        LinearModel(0.010, handoff_s=0.003),
-        LinearModel(0.002),
+        SimOptions(LinearModel(0.010, handoff_s=0.003), LinearModel(0.002), control_plane=control_plane),
         prefill_sizing=sizing(),
         decode_sizing=sizing(),
-        control_plane=control_plane,
     )
     (r,) = result.results
     assert r.ok
@@ -178,8 +176,10 @@ def test_the_simulator_replays_a_lone_probe_as_it_was_measured():
     cp = ControlPlane(**derived["values"])
     assert cp.background_cores == pytest.approx(0.5, abs=TOL_S)
     assert derived["lone_rates"]["prefill"] == pytest.approx(0.8, abs=TOL_S)
-    result = simulate(local, [TraceRequest(0.0, 48, 13)], prefill, decode, (0.0,), control_plane=cp,
-                      cores_per_node=cores, prefill_sizing=sizing(), decode_sizing=sizing())  # fmt: skip
+    options = SimOptions(prefill, decode, (0.0,), control_plane=cp, cores_per_node=cores)
+    result = simulate(
+        local, [TraceRequest(0.0, 48, 13)], options, prefill_sizing=sizing(), decode_sizing=sizing()
+    )
     (r,) = result.results
     assert r.ok and r.num_output_tokens == 13
     assert r.ttft_s == pytest.approx(probe.ttft_s, abs=TOL_S)

@@ -8,7 +8,7 @@ import pytest
 
 from pdcluster.config import load_topology
 from pdcluster.planner.core_sharing import NodeCores
-from pdcluster.planner.simulator import simulate
+from pdcluster.planner.simulator import SimOptions, simulate
 from pdcluster.planner.step_model import StepShape
 from pdcluster.planner.trace import TraceRequest
 
@@ -57,7 +57,7 @@ def test_three_instances_on_two_cores_are_slower_than_on_three():
     model = FixedStep(0.01)
 
     def run(cores):
-        result = simulate(topology, requests, model, model, (0.5,), cores_per_node=cores)
+        result = simulate(topology, requests, SimOptions(model, model, (0.5,), cores_per_node=cores))
         return result.summary["ttft_ms"]["p50"], result.summary["tpot_ms"]["p50"]
 
     alone = run(None)
@@ -76,9 +76,8 @@ def test_the_driver_and_background_load_slow_the_engines_on_the_driver_node():
     model = FixedStep(0.01)
 
     def tpot_ms(control_plane):
-        result = simulate(
-            topology, requests, model, model, (0.0,), cores_per_node=2.0, control_plane=control_plane
-        )
+        options = SimOptions(model, model, (0.0,), cores_per_node=2.0, control_plane=control_plane)
+        result = simulate(topology, requests, options)
         return result.summary["tpot_ms"]["p50"]
 
     alone = tpot_ms(None)
@@ -99,7 +98,9 @@ def test_the_driver_streams_each_decoded_request_so_its_demand_grows_with_the_ba
 
     def tpot_ms(num_requests):
         requests = [TraceRequest(0.0, 64, 16)] * num_requests
-        result = simulate(topology, requests, model, model, (0.0,), cores_per_node=2.0, control_plane=cp)
+        result = simulate(
+            topology, requests, SimOptions(model, model, (0.0,), cores_per_node=2.0, control_plane=cp)
+        )
         return [r.tpot_s * 1e3 for r in result.results]
 
     # 5 ms of driver CPU per decoded request per 10 ms step: alone 2 / (1 + 0.5 + 1) of full speed; two

@@ -21,7 +21,7 @@ from pdcluster.config import (
 )
 from pdcluster.engine.scheduler_policy import SchedulerConfig
 from pdcluster.planner import sim_engine, simulator
-from pdcluster.planner.simulator import LengthOnlyPrompt, PoolSizing, simulate
+from pdcluster.planner.simulator import LengthOnlyPrompt, PoolSizing, SimOptions, simulate
 from pdcluster.planner.step_model import DecodeRow, PrefillChunk, StepShape
 from pdcluster.planner.trace import TraceRequest
 
@@ -65,9 +65,7 @@ def run(requests, prefill, decode, k=0, acceptance=(), decode_blocks=1000, **kw)
     return simulate(
         topo,
         requests,
-        prefill,
-        decode,
-        acceptance,
+        SimOptions(prefill, decode, acceptance),
         prefill_sizing=sizing(),
         decode_sizing=sizing(num_blocks=decode_blocks),
     )
@@ -83,7 +81,7 @@ def test_the_simulator_calls_the_live_policy_functions():
         live,
     ) in pdcluster.driver.router.POLICIES.items():  # the instance routes with the live object
         sim = simulator.ClusterSimulator(
-            topology(policy=name), LinearModel(0.1), LinearModel(0.01), sizing(), sizing()
+            topology(policy=name), SimOptions(LinearModel(0.1), LinearModel(0.01)), sizing(), sizing()
         )
         assert sim.policy is live
 
