@@ -167,15 +167,11 @@ def live_and_simulated(
     num_requests: int,
     max_tokens_cap: int,
     calibration: Path | None,
-    show_progress: bool = False,
-    trace: str = TRACE,
-    num_probes: int = 12,
+    **kw: Any,
 ) -> dict[str, Any]:
-    """One point: the live replay and the simulation of the same workload (see the module docstring)."""
-    live = live_point(
-        cluster, rate_per_s, num_requests, max_tokens_cap, calibration, show_progress, trace, num_probes
-    )
-    return {**live, **simulated_point(live, calibration, trace, max_tokens_cap)}
+    """One point: `live_point` (same arguments) and the simulation of the same workload (module docstring)."""
+    live = live_point(cluster, rate_per_s, num_requests, max_tokens_cap, calibration, **kw)
+    return {**live, **simulated_point(live, calibration, kw.get("trace", TRACE), max_tokens_cap)}
 
 
 def _phases_p50_ms(results: list) -> dict[str, float]:
