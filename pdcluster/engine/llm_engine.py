@@ -196,21 +196,9 @@ class LLMEngine:
         assign_kv_pool(self.kv_layout, request, sampling_params.max_tokens, self.config.block_size)
         return self.remote_prefills.reserve(request, num_draft_tokens)
 
-    def write_prompt_kv(
-        self,
-        request_id: str,
-        layer_idx: int,
-        latent_kv: torch.Tensor,
-        scale: torch.Tensor | None = None,
-        checksum_start: int | None = None,
-    ) -> int | None:
-        """Write one layer's received prompt KV (`[num_prompt_tokens, kv_dim]`, model dtype; MTP layer at
-        index num_hidden_layers) into the reserved blocks.
-
-        Raises:
-            KeyError: no reservation; ValueError: a shape mismatch, or `checksum_start` with `scale`.
-        """
-        return self.remote_prefills.write_prompt_kv(request_id, layer_idx, latent_kv, scale, checksum_start)
+    def write_prompt_kv(self, request_id: str, layer_idx: int, *kv: Any, **named: Any) -> int | None:
+        """`RemotePrefillReservations.write_prompt_kv` (the same arguments)."""
+        return self.remote_prefills.write_prompt_kv(request_id, layer_idx, *kv, **named)
 
     def reserved_block_ids(self, request_id: str) -> list[int]:
         """The block table of a reservation (`reserve_remote_prefill`), in position order."""
