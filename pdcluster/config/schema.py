@@ -131,8 +131,25 @@ class ModelConfig:
         return self.resolved_dtype(spec) if self.weight_dtype == "auto" else self.weight_dtype
 
 
+class InstanceSplit:
+    """An instance's `devices_per_instance` over TP (attention DP = devices / TP) and EP (MoE TP = devices /
+    EP); mixed into the pool config and the planner's `Parallelism`."""
+
+    devices_per_instance: int
+    tensor_parallel_size: int
+    expert_parallel_size: int
+
+    @property
+    def attention_data_parallel_size(self) -> int:
+        return self.devices_per_instance // self.tensor_parallel_size
+
+    @property
+    def moe_tensor_parallel_size(self) -> int:
+        return self.devices_per_instance // self.expert_parallel_size
+
+
 @dataclass(frozen=True)
-class PoolConfig:
+class PoolConfig(InstanceSplit):
     """What the prefill and decode pools share. kv_cache_dtype: `auto` (model dtype) or `int8` (per-token
     scales); compile: ignored (eager, with a warning) with an int8 KV cache or expert parallelism."""
 
@@ -162,14 +179,6 @@ class PoolConfig:
     def num_devices(self) -> int:
         """Devices of the whole pool."""
         return self.num_instances * self.devices_per_instance
-
-    @property
-    def attention_data_parallel_size(self) -> int:
-        return self.devices_per_instance // self.tensor_parallel_size
-
-    @property
-    def moe_tensor_parallel_size(self) -> int:
-        return self.devices_per_instance // self.expert_parallel_size
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdcluster.config.hardware import AcceleratorSpec, get_accelerator
+from pdcluster.config.schema import InstanceSplit
 from pdcluster.kernels.mla_cost import expanded_crossover_queries
 from pdcluster.models.config import DeepseekV3Config
 from pdcluster.planner import op_costs as oc
@@ -30,8 +31,9 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Parallelism:
-    """How one instance is split (the topology pool's fields of the same names)."""
+class Parallelism(InstanceSplit):
+    """How one instance is split (the topology pool's fields of the same names; `devices`:
+    `devices_per_instance`)."""
 
     devices: int = 1
     tensor_parallel_size: int = 1
@@ -49,12 +51,8 @@ class Parallelism:
             )
 
     @property
-    def data_parallel_size(self) -> int:
-        return self.devices // self.tensor_parallel_size
-
-    @property
-    def moe_tensor_parallel_size(self) -> int:
-        return self.devices // self.expert_parallel_size
+    def devices_per_instance(self) -> int:
+        return self.devices
 
 
 class PerfModel:
@@ -148,7 +146,7 @@ class PerfModel:
 
     def rank_work(self, step: StepShape) -> RankWork:
         """The slowest DP rank's share of `step`."""
-        dp = self.parallel.data_parallel_size
+        dp = self.parallel.attention_data_parallel_size
         chunks = slowest_rank_chunks(step.prefill, dp)
         p_acc = attention_sums(((c.num_tokens, c.context_len) for c in chunks), self.crossover_queries)
         p_tokens = sum(c.num_tokens for c in chunks)

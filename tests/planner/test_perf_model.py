@@ -143,7 +143,7 @@ def test_kv_handoff_layerwise_overlap(v3):
 def test_perf_model_for_reads_the_pools_of_a_topology():
     cm = load_topology(ROOT / "clusters" / "cm384.yaml")
     d = perf_model_for(cm, "decode")  # weights: the file's model.weight_dtype, int8
-    assert (d.parallel.devices, d.parallel.expert_parallel_size, d.parallel.data_parallel_size) == (
+    assert (d.parallel.devices, d.parallel.expert_parallel_size, d.parallel.attention_data_parallel_size) == (
         288,
         288,
         288,
