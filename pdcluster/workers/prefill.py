@@ -90,14 +90,9 @@ class PrefillWorker(RankWorker):
         """`KVSenders.connect("grpc", ...)`."""
         self.kv.connect("grpc", decode_addresses, tls)
 
-    def connect_receivers(
-        self,
-        transport: str,
-        decode_addresses: list[list[str]] | list[list[PairedAddress]],
-        tls: TLSCredentials | None = None,
-    ) -> None:
-        """`KVSenders.connect`."""
-        self.kv.connect(transport, decode_addresses, tls)
+    def connect_receivers(self, transport: str, *addresses_and_tls: Any) -> None:
+        """`KVSenders.connect` (the same arguments)."""
+        self.kv.connect(transport, *addresses_and_tls)
 
     def sender_transports(self) -> list[list[str]]:
         """`KVSenders.transports`."""
