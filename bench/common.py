@@ -32,7 +32,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         help="checkpoint directory (config.json, model.safetensors, tokenizer.json); "
         "default: the bundled tiny checkpoint (%(default)s). Never downloaded.",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_json_option(parser)
     parser.add_argument(
         "--threads",
         type=positive_int,
@@ -40,6 +40,10 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch intra-op threads (torch.set_num_threads); default: torch's own choice "
         "(OMP_NUM_THREADS, else the core count). 1 is steadier on a shared machine.",
     )
+
+
+def add_json_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def new_parser(module: str, description: str) -> argparse.ArgumentParser:
@@ -213,7 +217,7 @@ def main_measured(
 ) -> int:
     """A `main` for a benchmark without a model (no `add_common_arguments`): parse `argv` with `--json`
     added, then `measure_and_emit(run(args))`; returns 0."""
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_json_option(parser)
     args = parser.parse_args(argv)
     measure_and_emit(lambda: run(args), args.json, table)
     return 0

@@ -79,7 +79,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.common import emit, format_table, source_revision
+from bench.common import add_json_option, emit, format_table, source_revision
 from pdcluster.kvtransfer.base import HandoffMeta
 from pdcluster.kvtransfer.loopback_bench import (
     WAIT_S,
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         "torch.distributed (gloo) transports on this host, next to an in-process tensor.clone() of the "
         "same bytes.",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_json_option(parser)
     parser.add_argument(
         "--shapes", default=",".join(SHAPES), help=f"comma-separated, from {SHAPES}; default: %(default)s"
     )

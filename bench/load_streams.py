@@ -283,7 +283,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.common import positive_int
+    from bench.common import add_json_option, positive_int
 
     parser = argparse.ArgumentParser(
         prog="python -m bench.load_streams",
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--client-url", default=None, help="run only the client against this server")
     parser.add_argument("--api-key", default=None, help="(with --client-url) the server's API key")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_json_option(parser)
     args = parser.parse_args(argv)
     report = client_main(args) if args.client_url else deploy_main(args)
     if args.json:

@@ -23,7 +23,7 @@ import random
 import statistics
 from typing import Any
 
-from bench.common import emit, format_table, ratio, source_revision
+from bench.common import add_json_option, emit, format_table, ratio, source_revision
 
 HOT_INSTANCES_FRACTION = 0.6  # of a phase's hot pool: 2.4 of 4 instances
 STEADY_LOAD = 0.7  # of all instances' capacity
@@ -307,7 +307,7 @@ def main() -> None:
         "about 11 min at --eager --phase-s 10 --max-requests 60 on a busy 2-core machine, about 15 min "
         "at --eager --phase-s 20, 25-30 min at the defaults.",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_json_option(parser)
     parser.add_argument(
         "--clusters",
         default="local4",

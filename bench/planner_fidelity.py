@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import Contention, emit, format_table, positive_int, ratio, source_revision
+from bench.common import Contention, add_json_option, emit, format_table, positive_int, ratio, source_revision
 
 TRACE = "AzureLLMInferenceTrace_conv.csv"
 QUANTILES = ("p50", "p90")
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--live-from", type=Path, default=None, help="re-simulate this recorded result; deploys nothing"
     )
-    parser.add_argument("--json", action="store_true")
+    add_json_option(parser)
     args = parser.parse_args(argv)
     if args.live_from is not None and (args.calibrate or args.eager):
         parser.error("--live-from re-simulates a recorded run: --calibrate and --eager apply to live runs")

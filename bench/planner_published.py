@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from bench.common import format_table
+from bench.common import add_json_option, format_table
 from pdcluster.planner.published import table_text, validate
 
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.planner_published", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_json_option(parser)
     parser.add_argument("--breakdown", action="store_true", help="also print each row's op breakdown")
     parser.add_argument(
         "--fit", action="store_true", help="refit the fitted factors; leave-one-deployment-out"
