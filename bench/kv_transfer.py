@@ -104,30 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="KV transfer throughput (GB/s, 1e9 bytes/s) of the gRPC, shared-memory and "
         "torch.distributed (gloo) transports on this host, next to an in-process tensor.clone() of the "
         "same bytes.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_json_option(parser)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {SHAPES}")
     parser.add_argument(
-        "--shapes", default=",".join(SHAPES), help=f"comma-separated, from {SHAPES}; default: %(default)s"
+        "--transports", default=",".join(TRANSPORTS), help=f"comma-separated, from {TRANSPORTS}"
     )
+    parser.add_argument("--wire", default="model,int8", help="wire dtypes: model (raw) and/or int8")
+    parser.add_argument("--repeats", type=int, default=3, help="timed transfers per configuration")
+    parser.add_argument("--num-tokens", type=int, default=2048, help="tokens per layer (cap)")
     parser.add_argument(
-        "--transports",
-        default=",".join(TRANSPORTS),
-        help=f"comma-separated, from {TRANSPORTS}; default: %(default)s",
-    )
-    parser.add_argument(
-        "--wire", default="model,int8", help="wire dtypes: model (raw) and/or int8; default: %(default)s"
-    )
-    parser.add_argument(
-        "--repeats", type=int, default=3, help="timed transfers per configuration; default: %(default)s"
-    )
-    parser.add_argument(
-        "--num-tokens", type=int, default=2048, help="tokens per layer (cap); default: %(default)s"
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch.set_num_threads for every run, the clone yardstick included; default: %(default)s",
+        "--threads", type=int, default=1, help="torch.set_num_threads for every run and the clone"
     )
     parser.add_argument(
         "--stages",
@@ -140,8 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("process", "thread"),
         default="process",
         help="where grpc's and shm's sender runs: its own spawned process (as deployed: prefill and "
-        "decode are different actors) or a thread of the receiver's process (one GIL for both); "
-        "default: %(default)s",
+        "decode are different actors) or a thread of the receiver's process (one GIL for both)",
     )
     parser.add_argument(
         "--model", type=Path, default=None, help="checkpoint directory whose config.json gives the tiny shape"
