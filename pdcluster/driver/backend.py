@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from pdcluster.driver.messages import Phases
+from pdcluster.driver.messages import DraftCounts, Phases
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm import EngineStepError, LLMEngine, RequestOutput
 from pdcluster.engine.outputs import TokenLogprobs
@@ -38,10 +38,7 @@ class StreamDelta:
     finish_reason: str | None = None
     phases: dict[str, float] = field(default_factory=dict)
     kv_transfer_bytes: int | None = None
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_draft_tokens_per_position: list[int] = field(default_factory=list)
-    num_accepted_tokens_per_position: list[int] = field(default_factory=list)
+    drafts: DraftCounts = DraftCounts()
     new_text: str = ""
     ranks: dict[str, str] = field(default_factory=dict)
     logprobs: list[TokenLogprobs] | None = None
@@ -55,10 +52,6 @@ class StreamDelta:
         if self.kv_transfer_bytes is None:
             return dict(self.phases)
         return {**self.phases, "kv_transfer_bytes": self.kv_transfer_bytes}
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
 
 @runtime_checkable
@@ -303,10 +296,7 @@ def _delta(out: RequestOutput, new_token_ids: list[int]) -> StreamDelta:
         finished=out.finished,
         finish_reason=_FINISH_REASONS.get(out.finish_reason, out.finish_reason) if out.finished else None,
         phases=phases,
-        num_draft_tokens=out.num_draft_tokens,
-        num_accepted_tokens=out.num_accepted_tokens,
-        num_draft_tokens_per_position=list(out.num_draft_tokens_per_position),
-        num_accepted_tokens_per_position=list(out.num_accepted_tokens_per_position),
+        drafts=DraftCounts.of(out),
         new_text=out.new_text,
         logprobs=None if out.logprobs is None else out.logprobs[len(out.token_ids) - len(new_token_ids) :],
         prompt_logprobs=out.prompt_logprobs if len(new_token_ids) == len(out.token_ids) else None,

@@ -118,7 +118,6 @@ class DriverRequest:
             return StreamDelta([], True, "abort", phases=phases, kv_transfer_bytes=self.kv_transfer_bytes)
         self.streamed_token_ids += delta.new_token_ids
         prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
-        drafts = delta.drafts
         ranks = {}
         if self.attempt is not None:
             ranks = {
@@ -131,10 +130,7 @@ class DriverRequest:
             finish_reason=delta.finish_reason,
             phases=phases,
             kv_transfer_bytes=self.kv_transfer_bytes,
-            num_draft_tokens=drafts.num_draft_tokens,
-            num_accepted_tokens=drafts.num_accepted_tokens,
-            num_draft_tokens_per_position=list(drafts.num_draft_tokens_per_position),
-            num_accepted_tokens_per_position=list(drafts.num_accepted_tokens_per_position),
+            drafts=delta.drafts,
             new_text=delta.new_text,
             ranks=ranks,
             logprobs=None if delta.logprobs is None else list(delta.logprobs),

@@ -57,7 +57,7 @@ async def _run_one(
     if last is not None:
         result.phases = last.reported_phases()
         result.kv_transfer_s = last.phases.get("kv_transfer_s")
-        result.acceptance_rate = last.acceptance_rate
+        result.acceptance_rate = last.drafts.acceptance_rate
     record.update(
         token_ids=token_ids,
         finish_reason=None if last is None else last.finish_reason,

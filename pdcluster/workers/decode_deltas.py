@@ -44,12 +44,7 @@ def token_delta(out: RequestOutput, handoff: Handoff | None) -> TokenDelta:
             )
             kv_transfer_bytes = handoff.kv_transfer_bytes
             handoff.admitted_at_s = None
-    drafts = DraftCounts(
-        out.num_draft_tokens,
-        out.num_accepted_tokens,
-        tuple(out.num_draft_tokens_per_position),
-        tuple(out.num_accepted_tokens_per_position),
-    )
+    drafts = DraftCounts.of(out)
     new_text = out.new_text
     if handoff is not None and handoff.text_streamed_by_prefill:  # a first token that finished it
         new_text = new_text.removeprefix(handoff.text_streamed_by_prefill)

@@ -61,7 +61,7 @@ def test_default_compiled_decode_matches_one_eager_engine(ray_session) -> None:
         for i, ((tokens, last), want) in enumerate(zip(results, expected, strict=True)):
             assert tokens == want.token_ids, i
             assert last.finish_reason == "length"
-            assert (last.num_draft_tokens, last.num_accepted_tokens) == (
+            assert (last.drafts.num_draft_tokens, last.drafts.num_accepted_tokens) == (
                 want.num_draft_tokens,
                 want.num_accepted_tokens,
             ), i

@@ -107,7 +107,7 @@ def test_every_rank_serves_outputs_equal_to_one_engine(cluster, prompts, oracle)
             routes[f"r{i}"].rank
         )
         assert last.finish_reason == "length"
-        assert (last.num_draft_tokens, last.num_accepted_tokens) == (
+        assert (last.drafts.num_draft_tokens, last.drafts.num_accepted_tokens) == (
             expected.num_draft_tokens,
             expected.num_accepted_tokens,
         )
@@ -122,7 +122,7 @@ def test_a_long_request_on_one_rank_while_its_peer_idles(cluster, prompts, oracl
     tokens, last = run(cluster, asyncio.wait_for(generate(cluster, "long", prompts[0], LONG), 300))
     expected = oracle["long"]
     assert tokens == expected.token_ids
-    assert (last.num_draft_tokens, last.num_accepted_tokens) == (
+    assert (last.drafts.num_draft_tokens, last.drafts.num_accepted_tokens) == (
         expected.num_draft_tokens,
         expected.num_accepted_tokens,
     )

@@ -36,7 +36,7 @@ def test_ep4_decode_ranks_match_one_engine(ray_session) -> None:
             coro = asyncio.wait_for(generate(cluster, f"r{i}", prompt, GREEDY, routes), 120)
             tokens, last = cluster.test_loop.run_until_complete(coro)
             assert tokens == want.token_ids, (i, routes[f"r{i}"])
-            assert (last.num_draft_tokens, last.num_accepted_tokens) == (
+            assert (last.drafts.num_draft_tokens, last.drafts.num_accepted_tokens) == (
                 want.num_draft_tokens,
                 want.num_accepted_tokens,
             )

@@ -134,6 +134,8 @@ def _queue(engine: LLMEngine, args: argparse.Namespace, prompt: str) -> str:
 
 
 def _result_json(out: RequestOutput, load_s: float) -> dict:
+    from pdcluster.driver.messages import DraftCounts
+
     ttft = out.ttft_s
     decode_s = None if out.e2e_s is None or ttft is None else out.e2e_s - ttft
     return {
@@ -151,17 +153,7 @@ def _result_json(out: RequestOutput, load_s: float) -> dict:
             "e2e_s": out.e2e_s,
             "tokens_per_s": len(out.token_ids) / out.e2e_s if out.e2e_s else None,
         },
-        "spec_decode": {
-            "num_draft_tokens": out.num_draft_tokens,
-            "num_accepted_tokens": out.num_accepted_tokens,
-            "acceptance_rate": out.acceptance_rate,
-            "acceptance_rate_per_position": [
-                a / d if d else None
-                for a, d in zip(
-                    out.num_accepted_tokens_per_position, out.num_draft_tokens_per_position, strict=True
-                )
-            ],
-        },
+        "spec_decode": DraftCounts.of(out).summary(),
     }
 
 

@@ -320,12 +320,6 @@ class Generation:
         if "first_decode_step_s" not in phases and p.second_delta_s is not None:
             phases["first_decode_step_s"] = p.second_delta_s - p.first_token_s
         phases.setdefault("total_s", e2e_s)
-        per_position = [
-            a / d if d else None
-            for a, d in zip(
-                last.num_accepted_tokens_per_position, last.num_draft_tokens_per_position, strict=False
-            )
-        ]
         return {
             "request_id": self.prepared.request_id,
             "phases": {
@@ -334,9 +328,6 @@ class Generation:
             "ttft_s": ttft_s,
             "tpot_s": tpot_s,
             "e2e_s": e2e_s,
-            "num_draft_tokens": last.num_draft_tokens,
-            "num_accepted_tokens": last.num_accepted_tokens,
-            "acceptance_rate": last.acceptance_rate,
-            "acceptance_rate_per_position": per_position,
+            **last.drafts.summary(),
             **({"ranks": last.ranks} if last.ranks else {}),
         }

@@ -208,9 +208,9 @@ class ApiMetrics:
         if "kv_transfer_bytes" in phases:
             self.kv_transfer_bytes.inc(phases["kv_transfer_bytes"])
         if last is not None:
-            for i, n in enumerate(last.num_draft_tokens_per_position):
+            for i, n in enumerate(last.drafts.num_draft_tokens_per_position):
                 self.num_draft_tokens.labels(str(i)).inc(n)
-            for i, n in enumerate(last.num_accepted_tokens_per_position):
+            for i, n in enumerate(last.drafts.num_accepted_tokens_per_position):
                 self.num_accepted_tokens.labels(str(i)).inc(n)
         if slo is not None and (slo.ttft_ms is not None or slo.tpot_ms is not None):
             attained = meets_slo(extension["ttft_s"], extension["tpot_s"], slo.ttft_ms, slo.tpot_ms)
