@@ -132,8 +132,7 @@ class ModelConfig:
 
 
 class InstanceSplit:
-    """An instance's `devices_per_instance` over TP (attention DP = devices / TP) and EP (MoE TP = devices /
-    EP); mixed into the pool config and the planner's `Parallelism`."""
+    """An instance's devices over TP (attention DP = devices / TP) and EP (MoE TP = devices / EP)."""
 
     devices_per_instance: int
     tensor_parallel_size: int

@@ -212,7 +212,6 @@ class DraftCounts:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     def summary(self) -> dict[str, Any]:
-        """The counts and acceptance rates (in all, per position: None where nothing was drafted)."""
         drafted, accepted = self.num_draft_tokens_per_position, self.num_accepted_tokens_per_position
         return {
             "num_draft_tokens": self.num_draft_tokens,

@@ -126,9 +126,8 @@ class RemotePrefillReservations:
         scale: torch.Tensor | None = None,
         checksum_start: int | None = None,
     ) -> int | None:
-        """Write one layer's received prompt KV (`[num_prompt_tokens, kv_dim]`, model dtype; MTP layer at
-        index num_hidden_layers) into the reserved slots. Raises KeyError without a reservation, ValueError
-        for a shape mismatch or `checksum_start` with `scale`."""
+        """One layer's received KV (`[num_prompt_tokens, kv_dim]`, model dtype; MTP: num_hidden_layers) into
+        the reserved slots. Raises KeyError: no reservation; ValueError: shape, or checksum_start + scale."""
         table, num_prompt_tokens = self._tables[request_id]
         if latent_kv.shape[:1] != (num_prompt_tokens,):
             raise ValueError(

@@ -32,8 +32,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Parallelism(InstanceSplit):
-    """How one instance is split (the topology pool's fields of the same names; `devices`:
-    `devices_per_instance`)."""
+    """How one instance is split (the pool's fields of the same names; `devices`: devices_per_instance)."""
 
     devices: int = 1
     tensor_parallel_size: int = 1

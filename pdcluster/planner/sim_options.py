@@ -1,5 +1,4 @@
-"""What a simulation runs with besides the topology and the trace (`simulator.simulate`, `ClusterSimulator`,
-`autoscale_sim.simulate_autoscale`)."""
+"""What a simulation runs with besides the topology and the trace (`simulator.simulate`)."""
 
 from __future__ import annotations
 
@@ -12,9 +11,7 @@ from pdcluster.planner.step_model import StepTimeModel
 
 @dataclass(frozen=True)
 class SimOptions:
-    """Step-time models per pool, MTP acceptance per draft position, the seed of the acceptance draws,
-    the live path's seconds (`control_plane`, None: zero) and the cores a `cpu` node's ranks share
-    (`cores_per_node`, None: unshared)."""
+    """Step models, MTP acceptance per position, seed, live path (None: 0 s), node cores (None: unshared)."""
 
     prefill_model: StepTimeModel
     decode_model: StepTimeModel
