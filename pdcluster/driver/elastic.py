@@ -8,7 +8,8 @@ every rank that answered saw the group fail or has been blocked in one collectiv
 actors are killed, KV senders and the router learn the instance's new ranks, and it rejoins routing.
 Requests whose KV was on a lost rank (or still in its handoff) are re-dispatched (`driver.recompute`); the
 survivors' requests were rolled back to the step the collective failed in and go on with their KV. When the
-survivors cannot hold every expert (`PlacementRefused`) the instance stays out of routing, as without
+survivors cannot hold every expert in the slots their device's memory allows (`driver.elastic_budget`;
+`PlacementRefused`, before any new group forms), the instance is left dead with that reason, as without
 elastic EP.
 """
 
@@ -139,12 +140,8 @@ class ElasticInstances:
                 health, state=Health.DEAD, reason=reason, since_s=time.monotonic()
             )
         self._fail_attempts(*key)
-        logger.error(
-            "%s-%d: %s (%s): it stays out of routing, as a multi-rank instance without elastic EP",
-            *key,
-            reason,
-            loss.why,
-        )
+        why_lost = f"{reason} ({loss.why})"
+        logger.error("%s-%d: %s: it stays out of routing, as without elastic EP", *key, why_lost)
 
     def shrink(self, ray, instance: Instance, loss: RankLoss, outcomes: Sequence[Any]) -> None:
         """Re-form `instance` on `loss.survivors` (renumbered 0.. in old order) and put it back in routing.

@@ -87,9 +87,9 @@ def test_a_replacement_whose_wiring_fails_is_killed_and_its_instance_shrinks_aga
         )
 
     health = _wait_for(
-        cluster, lambda h: h["state"] == "healthy" and h["ranks"] == 2, 2 * ready_bound_s(cluster)
+        cluster, lambda h: h["state"] == "healthy" and h["rejoins"] == 1, 2 * ready_bound_s(cluster)
     )
-    assert (health["degraded"], health["rejoins"], health["recoveries"]) == (False, 1, 2)
+    assert (health["ranks"], health["degraded"], health["recoveries"]) == (2, False, 2)
     assert [b for _, b in starts] == [[0], [0]], starts  # no growth into a bundle a rank held
     _assert_metrics(cluster, 2, 0, 2)
 
