@@ -15,6 +15,7 @@ elastic EP.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -85,7 +86,7 @@ class ElasticInstances:
         """Shrink `instance` if this round shows a `RankLoss`; True when it was handled (shrunk, or refused
         and logged), False when the caller's usual failure path applies."""
         key = (instance.role, instance.index)
-        if instance.num_ranks < 2 or key in self._given_up:
+        if not self.may_shrink(instance):
             return False
         loss, outcomes = self.rank_loss(ray, instance, outcomes)
         if loss is None:
@@ -112,6 +113,10 @@ class ElasticInstances:
             else:
                 logger.error("%s-%d: shrinking failed (%s); trying again at the next probe", *key, e)
         return True
+
+    def may_shrink(self, instance: Instance) -> bool:
+        """`instance` has several ranks and was not given up on (`PlacementRefused`, or failed shrinks)."""
+        return instance.num_ranks >= 2 and (instance.role, instance.index) not in self._given_up
 
     def stall_s(self, role: str) -> float:
         """Pool `role`'s `elastic_stall_s`: how long a silent rank's peers must wait in one collective."""
@@ -328,19 +333,15 @@ class ElasticInstances:
         growth.aborted = True
         logger.error("%s-%d: growing aborted (%s)", instance.role, instance.index, why)
         for actor in instance.ranks:
-            try:
+            with contextlib.suppress(Exception):  # a dead survivor: the shrink path handles it
                 actor.abort_grow.remote(growth.attempt)
-            except Exception:  # noqa: BLE001 - a dead survivor: the shrink path handles it
-                pass
         self._kill(ray, growth.newcomers)
 
     @staticmethod
     def _kill(ray, actors: list[Any]) -> None:
         for actor in actors:
-            try:
+            with contextlib.suppress(Exception):  # gone already
                 ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - gone already
-                pass
 
     def _joined(self, ray, instance: Instance, growth: Growth) -> None:
         """The survivors switched to the grown group: its newcomers are ranks of the instance from now on

@@ -168,7 +168,7 @@ class HealthMonitor(PeriodicThread):
     def _stalled(self, ray, instance: Instance, rank_refs: list[Any]) -> bool:
         """After the round's first wait: an elastic instance's silent rank is lost (`driver.elastic_loss`),
         so the round need not wait the call timeout for it."""
-        if self._closed or not self._elastic(instance):
+        if self._closed or not self._elastic(instance) or not self.elastic.may_shrink(instance):
             return False
         ready, _ = ray.wait(rank_refs, num_returns=len(rank_refs), timeout=0)
         if len(ready) == len(rank_refs):
