@@ -50,9 +50,10 @@ def _topology(args):
     from pdcluster.config import load_topology
 
     topo = load_topology(args.topology)
-    topo = dataclasses.replace(
-        topo, kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=args.kv_timeout_s)
-    )
+    if args.kv_timeout_s is not None:
+        topo = dataclasses.replace(
+            topo, kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=args.kv_timeout_s)
+        )
     if SCENARIOS[args.scenario][0] != 4:
         return topo
     return dataclasses.replace(  # as tests/cluster/test_cluster_elastic.py's EP4 deployment
@@ -161,7 +162,8 @@ async def _measure(cluster, args) -> dict[str, Any]:
             "warmup_s": args.warmup_s,
             "between_s": args.between_s,
             "after_s": args.after_s,
-            "kv_timeout_s": args.kv_timeout_s,
+            "kv_timeout_s": cluster.topology.kv_transfer.timeout_s,
+            "elastic_stall_s": cluster.topology.decode.elastic_stall_s,
         },
         "time_to_reformed_s": events[0]["time_to_reformed_s"] if events else None,
         "time_to_served_again_s": events[0]["time_to_served_again_s"] if events else None,
@@ -203,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--after-s", type=float, default=60.0, help="seconds of serving after the first fault"
     )
-    parser.add_argument("--kv-timeout-s", type=float, default=10.0, help="kv_transfer.timeout_s")
+    parser.add_argument(
+        "--kv-timeout-s", type=float, default=None, help="kv_transfer.timeout_s (default: the topology's)"
+    )
     return main_with(parser, argv, run, table)
 
 

@@ -24,6 +24,7 @@ POOL_DEPLOYMENT_FIELDS = frozenset(
         "devices_per_instance",
         "span_nodes",
         "elastic_ep",
+        "elastic_stall_s",
         "tensor_parallel_size",
         "expert_parallel_size",
         "num_redundant_experts",

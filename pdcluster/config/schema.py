@@ -150,7 +150,9 @@ class InstanceSplit:
 @dataclass(frozen=True)
 class PoolConfig(InstanceSplit):
     """What the prefill and decode pools share. kv_cache_dtype: `auto` (model dtype) or `int8` (per-token
-    scales); compile: ignored (eager, with a warning) with an int8 KV cache or expert parallelism."""
+    scales); compile: ignored (eager, with a warning) with an int8 KV cache or expert parallelism.
+    elastic_stall_s: seconds a rank of a multi-rank instance may leave probes unanswered while its peers
+    wait that long in one collective before elastic EP counts it lost (> 0; a slow rank is not lost)."""
 
     num_instances: int = field(default=1, metadata=between(1, MAX_INSTANCES))
     devices_per_instance: int = field(default=1, metadata=between(1, MAX_DEVICES))
@@ -170,6 +172,7 @@ class PoolConfig(InstanceSplit):
     engine_watchdog_s: float = field(default=300.0, metadata=between(1, MAX_TIMEOUT_S))
     # A multi-rank instance that loses ranks shrinks onto its survivors (`driver.elastic`); false: it leaves.
     elastic_ep: bool = True
+    elastic_stall_s: float = field(default=5.0, metadata=above_at_most(0, MAX_TIMEOUT_S))
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -1,18 +1,22 @@
 """Elastic expert parallelism on the driver: a multi-rank instance that lost ranks shrinks onto its survivors.
 
 The health monitor hands each probe round's per-rank answers of a multi-rank instance to `ElasticInstances`.
-A rank is lost when it died, or when it stopped answering probes for a call timeout while every rank that
-answered saw the group fail or has been blocked in one collective for as long (`driver.elastic_loss`).
-The survivors give up the old group's collectives and form a new group (`RankWorker.reform_group`; a
-stalled rank that wakes cannot join it: a new rendezvous secret), the lost actors are killed, KV senders
-and the router learn the instance's new ranks, and it rejoins routing. Requests whose KV was on a lost
-rank (or still in its handoff) are re-dispatched (`driver.recompute`); the survivors' requests were rolled
-back to the step the collective failed in and go on with their KV. When the survivors cannot hold every
-expert (`PlacementRefused`) the instance stays out of routing, as without elastic EP.
+A rank is lost when it died, or when it stopped answering probes for its pool's `elastic_stall_s` while
+every rank that answered saw the group fail or has been blocked in one collective as long
+(`driver.elastic_loss`). The survivors give up the old group's collectives and form a new group
+(`RankWorker.reform_group`; a stalled rank that wakes cannot join it: a new rendezvous secret), the lost
+actors are killed, KV senders and the router learn the instance's new ranks, and it rejoins routing.
+Requests whose KV was on a lost rank (or still in its handoff) are re-dispatched (`driver.recompute`); the
+survivors' requests were rolled back to the step the collective failed in and go on with their KV. When the
+survivors cannot hold every expert in the slots their device's memory allows (`driver.elastic_budget`;
+`PlacementRefused`, before any new group forms), the instance is left dead with that reason, as without
+elastic EP.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +26,7 @@ from typing import Any
 from pdcluster.config import ADDRESSED_KV_TRANSPORTS
 from pdcluster.driver.actor_errors import describe_error
 from pdcluster.driver.elastic_loss import RankLoss, find_rank_loss, maybe_stalled, probe_again
-from pdcluster.driver.health import InstanceHealth
+from pdcluster.driver.health import Health, InstanceHealth
 from pdcluster.driver.instance import Instance
 from pdcluster.driver.messages import InstanceGroupSpec
 
@@ -55,7 +59,8 @@ def elastic_ep(topology: Any, role: str) -> bool:
 class ElasticInstances:
     """Shrinks instances that lost ranks (see the module docstring). `deployment`: the `ClusterDeployment`
     (placement groups, rendezvous, KV addresses); `set_decode_ranks(index, n)`: the router's rank count;
-    `max_local_experts`: expert slots a survivor may hold (None: every logical expert)."""
+    `max_local_experts`: role -> expert slots a survivor may hold per MoE layer (default: what its device's
+    memory holds, `driver.elastic_budget.survivor_expert_slots`)."""
 
     def __init__(
         self,
@@ -63,13 +68,13 @@ class ElasticInstances:
         registry: Any,
         set_decode_ranks: Callable[[int, int], None],
         fail_attempts: Callable[..., None],
-        max_local_experts: int | None = None,
+        max_local_experts: dict[str, int] | None = None,
     ) -> None:
         self.deployment = deployment
         self.registry = registry
         self._set_decode_ranks = set_decode_ranks
         self._fail_attempts = fail_attempts
-        self.max_local_experts = max_local_experts
+        self.max_local_experts = dict(max_local_experts or {})
         self._given_up: set[tuple[str, int]] = set()
         self._tries: dict[tuple[str, int], int] = {}
         self.grow_after_s = GROW_AFTER_S
@@ -81,13 +86,9 @@ class ElasticInstances:
         """Shrink `instance` if this round shows a `RankLoss`; True when it was handled (shrunk, or refused
         and logged), False when the caller's usual failure path applies."""
         key = (instance.role, instance.index)
-        if instance.num_ranks < 2 or key in self._given_up:
+        if not self.may_shrink(instance):
             return False
-        stall_s = self.deployment.call_timeout_s
-        loss = find_rank_loss(instance, outcomes, stall_s)
-        if loss is None and maybe_stalled(outcomes):
-            outcomes = probe_again(ray, instance, outcomes, stall_s, self.deployment.call_timeout_s)
-            loss = find_rank_loss(instance, outcomes, stall_s)
+        loss, outcomes = self.rank_loss(ray, instance, outcomes)
         if loss is None:
             if not instance.routable and all(isinstance(o, BaseException) for o in outcomes):
                 self._fail_attempts(*key)  # no survivor holds the requests' KV any more
@@ -113,18 +114,39 @@ class ElasticInstances:
                 logger.error("%s-%d: shrinking failed (%s); trying again at the next probe", *key, e)
         return True
 
+    def may_shrink(self, instance: Instance) -> bool:
+        """`instance` has several ranks and was not given up on (`PlacementRefused`, or failed shrinks)."""
+        return instance.num_ranks >= 2 and (instance.role, instance.index) not in self._given_up
+
+    def stall_s(self, role: str) -> float:
+        """Pool `role`'s `elastic_stall_s`: how long a silent rank's peers must wait in one collective."""
+        return self.deployment.topology.pool(role).elastic_stall_s
+
+    def rank_loss(self, ray, instance: Instance, outcomes: Sequence[Any]) -> tuple[RankLoss | None, list]:
+        """The `RankLoss` in one probe round's `outcomes` of `instance` (a stalled rank's peers probed again
+        until their wait may reach `stall_s`), or None; and the outcomes it was found in."""
+        stall_s, outcomes = self.stall_s(instance.role), list(outcomes)
+        loss = find_rank_loss(instance, outcomes, stall_s)
+        if loss is None and maybe_stalled(outcomes):
+            outcomes = probe_again(ray, instance, outcomes, stall_s, self.deployment.call_timeout_s)
+            loss = find_rank_loss(instance, outcomes, stall_s)
+        return loss, outcomes
+
     def _give_up(self, key: tuple[str, int], loss: RankLoss, why: str) -> None:
+        """Leave the instance out of routing for good, dead with `why` as its /health reason; its requests
+        end with that reason (the survivors' were held for the re-formed group)."""
         self._given_up.add(key)
-        self.registry.instances[key[0]][key[1]].may_recover = False
-        self._fail_attempts(*key)  # (the survivors' requests were held for the re-formed group)
-        logger.error(
-            "%s-%d: lost %s (%s) and cannot shrink (%s): it stays out of routing, as a multi-rank instance "
-            "without elastic EP",
-            *key,
-            list(loss.lost),
-            loss.why,
-            why,
-        )
+        reason = f"lost rank(s) {list(loss.lost)} and cannot shrink onto the survivors: {why}"
+        with self.registry.lock:
+            instance = self.registry.instances[key[0]][key[1]]
+            instance.may_recover = False
+            health = instance.health
+            instance.health = dataclasses.replace(
+                health, state=Health.DEAD, reason=reason, since_s=time.monotonic()
+            )
+        self._fail_attempts(*key)
+        why_lost = f"{reason} ({loss.why})"
+        logger.error("%s-%d: %s: it stays out of routing, as without elastic EP", *key, why_lost)
 
     def shrink(self, ray, instance: Instance, loss: RankLoss, outcomes: Sequence[Any]) -> None:
         """Re-form `instance` on `loss.survivors` (renumbered 0.. in old order) and put it back in routing.
@@ -141,6 +163,7 @@ class ElasticInstances:
             loss.why,
             list(loss.survivors),
         )
+        max_slots = self.survivor_slots(instance.role)
         spec_index = next(i for i, s in enumerate(dep._plan.instances) if (s.role, s.index) == key)
         first_bundle = (instance.bundles or list(range(len(instance.ranks))))[loss.survivors[0]]
         init_method, barrier_port, secret = dep._rendezvous(ray, spec_index, first_bundle)
@@ -160,7 +183,7 @@ class ElasticInstances:
                     secret,
                 ),
                 list(loss.lost),
-                self.max_local_experts,
+                max_slots,
             )
             for new_rank, actor in enumerate(actors)
         ]
@@ -201,6 +224,14 @@ class ElasticInstances:
             list(loss.lost),
             results[0]["num_local_experts"],
         )
+
+    def survivor_slots(self, role: str) -> int:
+        """`max_local_experts[role]`, derived from the topology the first time it is needed."""
+        if role not in self.max_local_experts:
+            from pdcluster.driver.elastic_budget import survivor_expert_slots
+
+            self.max_local_experts[role] = survivor_expert_slots(self.deployment.topology, role)
+        return self.max_local_experts[role]
 
     def _reconnect_prefills(self, ray) -> None:
         dep = self.deployment
@@ -282,7 +313,7 @@ class ElasticInstances:
                     "%s-%d: replacement ranks did not join (%s); still degraded", *key, describe_error(e)
                 )
                 return
-            self._finish_growth(ray, instance, growth)
+            self._joined(ray, instance, growth)
             return
         if growth.aborted:
             return
@@ -302,24 +333,51 @@ class ElasticInstances:
         growth.aborted = True
         logger.error("%s-%d: growing aborted (%s)", instance.role, instance.index, why)
         for actor in instance.ranks:
-            try:
+            with contextlib.suppress(Exception):  # a dead survivor: the shrink path handles it
                 actor.abort_grow.remote(growth.attempt)
-            except Exception:  # noqa: BLE001 - a dead survivor: the shrink path handles it
-                pass
         self._kill(ray, growth.newcomers)
 
     @staticmethod
     def _kill(ray, actors: list[Any]) -> None:
         for actor in actors:
-            try:
+            with contextlib.suppress(Exception):  # gone already
                 ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - gone already
-                pass
 
-    def _finish_growth(self, ray, instance: Instance, growth: Growth) -> None:
+    def _joined(self, ray, instance: Instance, growth: Growth) -> None:
+        """The survivors switched to the grown group: its newcomers are ranks of the instance from now on
+        (so no later tick grows into their bundles). Wire them; when that fails, take the instance out of
+        routing and kill them: the next probe round shrinks it again as after any rank loss."""
+        key = (instance.role, instance.index)
+        instance.bundles = (instance.bundles or list(range(instance.num_ranks))) + growth.bundles
+        instance.ranks = instance.ranks + growth.newcomers
+        try:
+            self._wire_newcomers(ray, instance, growth)
+        except Exception as e:  # noqa: BLE001 - a newcomer died or did not answer: lose it
+            self.registry.mark_failed(*key, e, "wiring replacement ranks")
+            self._kill(ray, growth.newcomers)
+            logger.error(
+                "%s-%d: wiring the replacement rank(s) in bundle(s) %s failed (%s); they were killed and "
+                "the instance shrinks again",
+                *key,
+                growth.bundles,
+                describe_error(e),
+            )
+            return
+        instance.rejoins += 1
+        logger.warning(
+            "%s-%d: %d replacement rank(s) joined after %.1f s; %d ranks again",
+            *key,
+            len(growth.newcomers),
+            time.monotonic() - growth.started_s,
+            instance.num_ranks,
+        )
+
+    def _wire_newcomers(self, ray, instance: Instance, growth: Growth) -> None:
+        """KV wiring of `growth`'s newcomers (already ranks of `instance`): decode ones start receivers that
+        prefill ranks then reach; prefill ones connect to every decode rank. Raises what a call raised."""
         from pdcluster.driver.wiring import advertised_address
 
-        dep, key = self.deployment, (instance.role, instance.index)
+        dep = self.deployment
         transport, tls, timeout_s = dep.topology.kv_transport, dep._kv_tls, dep.call_timeout_s
         if instance.role == "decode":
             addresses = ray.get(
@@ -329,22 +387,11 @@ class ElasticInstances:
                 ips = ray.get([a.node_ip.remote() for a in growth.newcomers], timeout=timeout_s)
                 addresses = [advertised_address(a, ip) for a, ip in zip(addresses, ips, strict=True)]
             dep._decode_addresses[instance.index] = list(dep._decode_addresses[instance.index]) + addresses
+            self._set_decode_ranks(instance.index, instance.num_ranks)
+            self._reconnect_prefills(ray)
         else:
             decode_addresses = [list(ranks) for ranks in dep._decode_addresses]
             ray.get(
                 [a.connect_receivers.remote(transport, decode_addresses, tls) for a in growth.newcomers],
                 timeout=timeout_s,
             )
-        instance.bundles = (instance.bundles or list(range(instance.num_ranks))) + growth.bundles
-        instance.ranks = instance.ranks + growth.newcomers
-        if instance.role == "decode":
-            self._set_decode_ranks(instance.index, instance.num_ranks)
-            self._reconnect_prefills(ray)
-        instance.rejoins += 1
-        logger.warning(
-            "%s-%d: %d replacement rank(s) joined after %.1f s; %d ranks again",
-            *key,
-            len(growth.newcomers),
-            time.monotonic() - growth.started_s,
-            instance.num_ranks,
-        )

@@ -1,6 +1,7 @@
 """Telling a lost rank of a multi-rank instance from the health monitor's probes (`driver.elastic`): a dead
-rank at once; a stalled one once it missed probes for `stall_s` (the call timeout) while every peer that
-answered has been blocked in one collective as long (or saw the group fail). A slow rank is not lost."""
+rank at once; a stalled one once it missed probes for `stall_s` (its pool's `elastic_stall_s`) while every
+peer that answered has been blocked in one collective as long (or saw the group fail). A slow rank is not
+lost."""
 
 from __future__ import annotations
 

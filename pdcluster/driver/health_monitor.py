@@ -83,7 +83,17 @@ class HealthMonitor(PeriodicThread):
             for instance in targets
         ]
         flat = [ref for rank_refs in refs for ref in rank_refs]
-        ray.wait(flat, num_returns=len(flat), timeout=self.call_timeout_s)
+        started_s = time.monotonic()
+        ray.wait(flat, num_returns=len(flat), timeout=min([self.call_timeout_s, *self._stall_times(targets)]))
+        rest = [
+            ref
+            for instance, rank_refs in zip(targets, refs, strict=True)
+            if not self._stalled(ray, instance, rank_refs)
+            for ref in rank_refs
+        ]
+        left_s = self.call_timeout_s - (time.monotonic() - started_s)
+        if rest and left_s > 0:
+            ray.wait(rest, num_returns=len(rest), timeout=left_s)
         for instance, rank_refs in zip(targets, refs, strict=True):
             if self._closed:
                 return
@@ -148,17 +158,28 @@ class HealthMonitor(PeriodicThread):
                 if health.pid != pids[0] or not in_long_pass:
                     self._rejoin(instance.role, instance.index, pids[0])
 
+    def _elastic(self, instance: Instance) -> bool:
+        return len(instance.ranks) >= 2 and self.topology.pool(instance.role).elastic_ep
+
+    def _stall_times(self, targets: list[Instance]) -> list[float]:
+        """The `elastic_stall_s` of each elastic multi-rank instance probed: the round's first wait."""
+        return [self.elastic.stall_s(i.role) for i in targets if self._elastic(i)]
+
+    def _stalled(self, ray, instance: Instance, rank_refs: list[Any]) -> bool:
+        """After the round's first wait: an elastic instance's silent rank is lost (`driver.elastic_loss`),
+        so the round need not wait the call timeout for it."""
+        if self._closed or not self._elastic(instance) or not self.elastic.may_shrink(instance):
+            return False
+        ready, _ = ray.wait(rank_refs, num_returns=len(rank_refs), timeout=0)
+        if len(ready) == len(rank_refs):
+            return False
+        return self.elastic.rank_loss(ray, instance, _outcomes(ray, rank_refs))[0] is not None
+
     def _shrunk(self, ray, instance: Instance, rank_refs: list[Any]) -> bool:
         """Whether elastic EP took over a multi-rank instance that lost ranks (`driver.elastic`)."""
-        if self._closed or len(instance.ranks) < 2 or not self.topology.pool(instance.role).elastic_ep:
+        if self._closed or not self._elastic(instance):
             return False
-        outcomes: list[Any] = []
-        for ref in rank_refs:
-            try:
-                outcomes.append(ray.get(ref, timeout=0))
-            except Exception as e:  # noqa: BLE001 - this rank's outcome: died, timed out, unavailable
-                outcomes.append(e)
-        return self.elastic.on_probe(ray, instance, outcomes)
+        return self.elastic.on_probe(ray, instance, _outcomes(ray, rank_refs))
 
     def _replace_if_given_up(self, ray, instance: Instance, exc: BaseException) -> None:
         key = (instance.role, instance.index)
@@ -290,3 +311,14 @@ class HealthMonitor(PeriodicThread):
             before.state.value,
             "restarted and rewired" if needs_rewire else "answering again",
         )
+
+
+def _outcomes(ray, rank_refs: list[Any]) -> list[Any]:
+    """Each rank's probe answer, or the exception it ended with (died, timed out, unavailable) by now."""
+    outcomes: list[Any] = []
+    for ref in rank_refs:
+        try:
+            outcomes.append(ray.get(ref, timeout=0))
+        except Exception as e:  # noqa: BLE001 - this rank's outcome
+            outcomes.append(e)
+    return outcomes

@@ -35,6 +35,15 @@ def free_ports(host: str, count: int) -> list[int]:
         return [s.getsockname()[1] for s in sockets]
 
 
+def probe_timeout_s(topology: Any) -> float:
+    """Seconds a node probe (`ClusterWiring._probe_node`) may take: as long as a re-formed group's
+    rendezvous (`driver.elastic`), twice the collective timeout plus a call, from kv_transfer.timeout_s."""
+    from pdcluster.driver.dispatch import call_timeout_s, collective_timeout_s
+
+    kv_timeout_s = topology.kv_transfer.timeout_s
+    return 2 * collective_timeout_s(kv_timeout_s) + call_timeout_s(kv_timeout_s)
+
+
 def _node_ip_and_free_ports(count: int = 1) -> tuple[str, list[int]]:
     import ray
 
@@ -60,6 +69,9 @@ class ClusterWiring:
         return f"tcp://{host}:{ports[0]}", ports[1], new_rendezvous_secret()
 
     def _probe_node(self, ray, spec_index: int, bundle_index: int = 0, count: int | None = None):
+        """The IP of the node holding bundle `bundle_index` of instance `spec_index` and a free port there
+        (`count` given: a list of `count`), from a task in that bundle, waited for `probe_timeout_s`.
+        Raises GetTimeoutError past it."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         probe = ray.remote(_node_ip_and_free_ports).options(
@@ -68,7 +80,7 @@ class ClusterWiring:
                 self._placement_groups[spec_index], placement_group_bundle_index=bundle_index
             ),
         )
-        ip, ports = ray.get(probe.remote(count or 1), timeout=60)
+        ip, ports = ray.get(probe.remote(count or 1), timeout=probe_timeout_s(self.topology))
         return (ip, ports) if count is not None else (ip, ports[0])
 
     def _wire(self, ray, plan) -> list[list[str]] | list[list[PairedAddress]]:

@@ -310,3 +310,71 @@ def test_survivors_at_different_placements_after_a_rank_lost_mid_rebalance_agree
     assert torch.equal(shrunk[0].placement.phy2log, shrunk[1].placement.phy2log)
     for rank in range(2):
         _assert_slots_hold_checkpoint_experts(shrunk[rank], full)
+
+
+@pytest.mark.parametrize(
+    ("path", "role"),
+    [
+        ("clusters/local-ep.yaml", "decode"),
+        ("clusters/cm384.yaml", "decode"),
+        ("clusters/gpu-2node.yaml", "decode"),
+    ],
+)
+def test_survivor_expert_slots_are_the_most_the_devices_memory_holds(path: str, role: str) -> None:
+    """`survivor_expert_slots` against the preflight memory rule (`planner.memory.pool_memory_overflow`): a
+    pool of that many slots per rank fits one device, one slot more does not (unless it is every expert)."""
+    import dataclasses
+
+    from pdcluster.config import load_topology
+    from pdcluster.config.rules import read_model_architecture
+    from pdcluster.driver.elastic_budget import survivor_expert_slots
+    from pdcluster.planner.memory import pool_memory_overflow, pool_resident_params
+
+    topology = load_topology(path)
+    pool, spec = topology.pool(role), topology.hardware.spec
+    arch, dtype = read_model_architecture(topology.model), topology.model.resolved_weight_dtype(spec)
+    slots, ep = survivor_expert_slots(topology, role), pool.expert_parallel_size
+
+    def fits(n: int) -> bool:
+        grown = dataclasses.replace(pool, num_redundant_experts=n * ep - arch.n_routed_experts)
+        return pool_memory_overflow(arch, grown, spec, dtype) is None
+
+    assert slots >= pool_resident_params(arch, pool).experts_per_layer and fits(slots)
+    assert slots == arch.n_routed_experts or not fits(slots + 1)
+
+
+def test_a_silent_rank_is_lost_after_its_pools_stall_time_not_the_call_timeout() -> None:
+    """`ElasticInstances.rank_loss` with elastic_stall_s 5 and a 15 s call timeout (kv_transfer.timeout_s
+    30): peers blocked 6 s in one collective lose the silent rank (no probe again)."""
+    ray = pytest.importorskip("ray")
+    from pdcluster.config import load_topology
+    from pdcluster.driver.elastic import ElasticInstances
+
+    topology = load_topology("clusters/local-ep.yaml")
+    assert (topology.decode.elastic_stall_s, topology.kv_transfer.timeout_s) == (5.0, 30.0)
+    deployment = SimpleNamespace(topology=topology, call_timeout_s=15.0)
+    elastic = ElasticInstances(deployment, None, lambda index, n: None, lambda *a: None)
+    instance = Instance("decode", 0, [object(), object()])
+    silent = ray.exceptions.GetTimeoutError("no answer")
+    loss, _ = elastic.rank_loss(None, instance, [_load(None, 6.0), silent])
+    assert (loss.lost, loss.survivors) == ((1,), (0,))
+
+
+def test_elastic_stall_s_must_be_positive(tmp_path) -> None:
+    from pdcluster.config import TopologyError, load_topology
+
+    path = tmp_path / "t.yaml"
+    path.write_text(
+        "name: t\nhardware: {accelerator: cpu, num_nodes: 1, devices_per_node: 4}\n"
+        "decode: {devices_per_instance: 2, expert_parallel_size: 2, elastic_stall_s: 0}\n"
+    )
+    with pytest.raises(TopologyError, match=r"t.yaml:3: decode.elastic_stall_s: must be > 0, got 0.0"):
+        load_topology(path)
+
+
+def test_the_recovery_bench_keeps_the_topologys_timeouts_by_default() -> None:
+    from bench.elastic_recovery import _topology
+
+    args = SimpleNamespace(topology="clusters/local-ep.yaml", kv_timeout_s=None, scenario="stall")
+    topology = _topology(args)
+    assert (topology.kv_transfer.timeout_s, topology.decode.elastic_stall_s) == (30.0, 5.0)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from pdcluster.config import load_topology
-from pdcluster.models.elastic_placement import PlacementRefused
+from pdcluster.models.elastic_placement import PlacementRefused, shrink_placement
+from pdcluster.models.expert_placement import ExpertPlacement
 from pdcluster.planner.plan import PlanOptions, simulate_topology, step_models
 from pdcluster.planner.rank_loss import RECOVERY_S, RankLoss, parse_rank_loss, shrink_experts, shrunk_model
 from pdcluster.planner.step_model import DecodeRow, StepShape
@@ -44,7 +45,11 @@ def test_shrink_experts_keeps_every_expert_and_counts_what_is_loaded():
     assert bare.num_physical == 7 * 2 and bare.num_loaded == 7  # the orphan + the 6 other grown slots
     with pytest.raises(ValueError):  # a lost rank id out of range is refused by shrink_placement
         shrink_experts(8, 8, 1, 1, 8, 1.0, lost_rank=8)
-    assert issubclass(PlacementRefused, ValueError)  # a refusal reaches the CLI as a clear error
+    # 8 ranks of 1 slot, no redundancy: 7 survivors held to 1 slot each cannot keep all 8 experts. The
+    # refusal is a ValueError (what `pdcluster plan` reports as an error) saying what would fix it.
+    with pytest.raises(ValueError, match=r"7 surviving ranks × 1 expert slots cannot hold 8 .* >= 2") as e:
+        shrink_placement(ExpertPlacement.default(1, 8, 8, 0), {0}, None, max_local_experts=1)
+    assert e.type is PlacementRefused
 
 
 def test_shrunk_model_prices_fewer_ranks():
