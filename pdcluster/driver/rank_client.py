@@ -97,7 +97,8 @@ class RayRankClient(RankClient):
         # reply reaches the event loop in one pass, a streamed item in several.
         first = _reply_future(self.actor.prefill_first.remote(request, self._order()), None)
         first.add_done_callback(lambda f: f.cancelled() or f.exception())
-        result = _reply_future(self.actor.prefill_result.remote(request.handoff_id, self._order()), timeout_s)
+        last = _reply_future(self.actor.prefill_result.remote(request.handoff_id, self._order()), timeout_s)
+        result = asyncio.ensure_future(_after_first(last, first, timeout_s))
         result.add_done_callback(lambda r: _end_first(first, r))
         return PrefillCall(first, result)
 
@@ -148,6 +149,16 @@ def _reply_future(ref: Any, timeout_s: float | None) -> asyncio.Future:
 
     ref.future().add_done_callback(on_done)
     return future
+
+
+async def _after_first(last: asyncio.Future, first: asyncio.Future, timeout_s: float) -> PrefillResult:
+    """`last`'s value once `first` is done too: the first reply is always taken first. TimeoutError."""
+    value = await last
+    if not first.done():
+        await asyncio.wait({first}, timeout=timeout_s)
+        if not first.done():
+            raise TimeoutError("the prefill's first reply never came")
+    return value
 
 
 def _end_first(first: asyncio.Future[PrefillFirstToken], result: asyncio.Future[PrefillResult]) -> None:
