@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
 import contextlib
 import secrets
 from typing import Any, NamedTuple
@@ -23,7 +24,7 @@ from pdcluster.driver.messages import (
 
 
 class PrefillCall(NamedTuple):
-    """A prefill call's two replies, in order; a call failed before its first reply fails both."""
+    """A prefill's two replies, in order; a prefill failed before its first reply fails both."""
 
     first: asyncio.Future[PrefillFirstToken]
     result: asyncio.Future[PrefillResult]
@@ -89,13 +90,15 @@ class RayRankClient(RankClient):
         return self._next_command() if self.ordered else None
 
     async def reserve(self, request: ReserveRequest, timeout_s: float) -> ReserveResult:
-        return await asyncio.wait_for(self.actor.reserve.remote(request), timeout_s)
+        return await _reply_future(self.actor.reserve.remote(request), timeout_s)
 
     def prefill(self, request: PrefillRequest, timeout_s: float) -> PrefillCall:
-        replies = self.actor.prefill.remote(request, self._order())
-        first: asyncio.Future[PrefillFirstToken] = asyncio.get_running_loop().create_future()
+        # Two plain calls (`PrefillWorker.prefill_first`, `prefill_result`), not one streamed call: a plain
+        # reply reaches the event loop in one pass, a streamed item in several.
+        first = _reply_future(self.actor.prefill_first.remote(request, self._order()), None)
         first.add_done_callback(lambda f: f.cancelled() or f.exception())
-        result = asyncio.ensure_future(asyncio.wait_for(_two_replies(replies, first), timeout_s))
+        last = _reply_future(self.actor.prefill_result.remote(request.handoff_id, self._order()), timeout_s)
+        result = asyncio.ensure_future(_after_first(last, first, timeout_s))
         result.add_done_callback(lambda r: _end_first(first, r))
         return PrefillCall(first, result)
 
@@ -111,30 +114,51 @@ class RayRankClient(RankClient):
                 self.actor.abort.remote(handoff_id)
 
     async def load(self, timeout_s: float) -> Any:
-        return await asyncio.wait_for(self.actor.load.remote(), timeout_s)
+        return await _reply_future(self.actor.load.remote(), timeout_s)
 
     async def events(self, wait_s: float, timeout_s: float) -> tuple[list[DecodeEvent], DecodeNodeLoad]:
-        reply: PollReply = await asyncio.wait_for(
+        reply: PollReply = await _reply_future(
             self.actor.poll_with_load.remote(wait_s, self.acked_seq), timeout_s
         )
         return self.take_in_order(reply.events), reply.load
 
 
-async def _two_replies(replies: Any, first: asyncio.Future[PrefillFirstToken]) -> PrefillResult:
-    """The replies of a Ray `ObjectRefGenerator`: the first into `first`, the last returned. RuntimeError."""
-    token = await _reply(replies, PrefillFirstToken)
-    first.set_result(token)
-    return await _reply(replies, PrefillResult)
+def _reply_future(ref: Any, timeout_s: float | None) -> asyncio.Future:
+    """A future on the running loop for Ray ObjectRef `ref`: its value, the call's exception, or
+    asyncio.TimeoutError after `timeout_s` (None: no limit). One `call_soon_threadsafe` from Ray's io thread
+    (`asyncio.wait_for` over `await ref` takes several loop passes)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    if timeout_s is not None:
+        timer = loop.call_later(timeout_s, lambda: future.done() or future.set_exception(TimeoutError()))
+        future.add_done_callback(lambda _: timer.cancel())
+
+    def settle(done: concurrent.futures.Future) -> None:
+        if future.done():
+            return
+        if done.cancelled():
+            future.cancel()
+        elif done.exception() is not None:
+            future.set_exception(done.exception())
+        else:
+            future.set_result(done.result())
+
+    def on_done(done: concurrent.futures.Future) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, done)
+
+    ref.future().add_done_callback(on_done)
+    return future
 
 
-async def _reply(replies: Any, kind: type) -> Any:
-    try:
-        reply = await (await replies.__anext__())
-    except StopAsyncIteration:
-        reply = None
-    if not isinstance(reply, kind):
-        raise RuntimeError(f"a prefill call replied {type(reply).__name__} where {kind.__name__} was due")
-    return reply
+async def _after_first(last: asyncio.Future, first: asyncio.Future, timeout_s: float) -> PrefillResult:
+    """`last`'s value once `first` is done too: the first reply is always taken first. TimeoutError."""
+    value = await last
+    if not first.done():
+        await asyncio.wait({first}, timeout=timeout_s)
+        if not first.done():
+            raise TimeoutError("the prefill's first reply never came")
+    return value
 
 
 def _end_first(first: asyncio.Future[PrefillFirstToken], result: asyncio.Future[PrefillResult]) -> None:

@@ -63,6 +63,8 @@ class DecodeWorker(RankWorker):
         self._events_lock = threading.Condition()
         self._events: collections.deque[PolledEvent] = collections.deque()
         self._next_seq = 0
+        # received handoffs the engine thread admits at its next pass (appended without the engine lock)
+        self._admissions_lock = threading.Lock()
         self._admissions: list[tuple[str, ReceivedKV]] = []
         self._handoffs: dict[str, Handoff] = {}
         self._received_at_s: dict[str, float] = {}
@@ -217,11 +219,9 @@ class DecodeWorker(RankWorker):
                 self._emit([RequestError(handoff_id, f"{type(e).__name__}: {e}")])
             return
         self._checkpoint("before_admit")
-        received_at_s = time.monotonic()
-        with self._locked():
-            if handoff_id in self.engine.scheduler.reserved and handoff_id not in self._fenced:
-                self._admissions.append((handoff_id, received))
-                self._received_at_s[handoff_id] = received_at_s
+        with self._admissions_lock:  # not the engine lock: a step may hold that (`_run_once` checks it)
+            self._admissions.append((handoff_id, received))
+            self._received_at_s[handoff_id] = time.monotonic()
         self._wakeup.set()
 
     def _run(self) -> None:
@@ -257,8 +257,13 @@ class DecodeWorker(RankWorker):
     def _run_once(self, events: list[DecodeEvent]) -> None:
         """One pass under the engine lock: admit finished handoffs, step, turn outputs into events."""
         engine = self.engine
-        admissions, self._admissions = self._admissions, []
+        with self._admissions_lock:
+            admissions, self._admissions = self._admissions, []
         for handoff_id, received in admissions:
+            if handoff_id not in engine.scheduler.reserved or handoff_id in self._fenced:
+                with self._admissions_lock:  # dropped after it was received (`_drop`)
+                    self._received_at_s.pop(handoff_id, None)
+                continue
             try:
                 events.extend(admit(self, handoff_id, received))
             except Exception as e:  # noqa: BLE001 - fails this request only
@@ -304,8 +309,9 @@ class DecodeWorker(RankWorker):
             self.receiver.release(handoff_id)
         except Exception:  # noqa: BLE001 - still free the engine side
             logger.exception("%s: releasing handoff %s failed", self.name, handoff_id)
-        self._admissions = [(rid, kv) for rid, kv in self._admissions if rid != handoff_id]
-        self._received_at_s.pop(handoff_id, None)
+        with self._admissions_lock:
+            self._admissions = [(rid, kv) for rid, kv in self._admissions if rid != handoff_id]
+            self._received_at_s.pop(handoff_id, None)
         self._release_reserved(handoff_id)
         self.engine.abort_request(handoff_id)
         self.engine.pop_finished_outputs([handoff_id])
@@ -332,7 +338,8 @@ class DecodeWorker(RankWorker):
         """Under the engine lock: fail every admitted request on this rank; pending reservations are left."""
         scheduler = self.engine.scheduler
         ids = set(scheduler.requests) | set(self._handoffs)
-        ids |= {rid for rid, _ in self._admissions}
+        with self._admissions_lock:
+            ids |= {rid for rid, _ in self._admissions}
         ids |= {out.request_id for out in self.engine.pop_finished_outputs()}
         return [self._fail(rid, message) for rid in sorted(ids)]
 

@@ -68,7 +68,8 @@ def admit(worker: DecodeWorker, handoff_id: str, received: ReceivedKV) -> list[T
     extras = received.extras
     worker.receiver.release(handoff_id)
     now_s = time.monotonic()
-    received_at_s = worker._received_at_s.pop(handoff_id, now_s)
+    with worker._admissions_lock:
+        received_at_s = worker._received_at_s.pop(handoff_id, now_s)
     handoff = Handoff(
         received.elapsed_s,
         int(received.num_wire_bytes),

@@ -59,6 +59,7 @@ class PrefillWorker(RankWorker):
         self.handover = HandOver(self)
         self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._active: dict[str, Job] = {}
+        self._calls: dict[str, Job] = {}  # prefill_first calls whose prefill_result has not come yet
         # binds the engine thread has not taken yet (`_take_bind`)
         self._binds: dict[str, PrefillBind] = {}
         self._order = CommandOrder(CALL_TIMEOUT_MIN_S)  # prefill, bind, abort in the driver's order
@@ -121,29 +122,42 @@ class PrefillWorker(RankWorker):
     def prefill(
         self, request: PrefillRequest, order: CommandSeq | None = None
     ) -> Iterator[PrefillFirstToken | PrefillResult]:
-        """Prefill one request and hand its KV to decode rank (`decode_index`, `decode_rank`) its reserve or
-        `bind` bound; yields `PrefillFirstToken` as the token is sampled, then `PrefillResult`.
-        Raises RuntimeError when the prefill or the send failed or timed out (the handoff is aborted)."""
+        """In-process: the replies of `prefill_first`, then of `prefill_result` (the driver calls each)."""
+        yield self.prefill_first(request, order)
+        yield self.prefill_result(request.handoff_id)
+
+    def prefill_first(self, request: PrefillRequest, order: CommandSeq | None = None) -> PrefillFirstToken:
+        """Start prefilling one request towards decode rank (`decode_index`, `decode_rank`) its reserve or
+        `bind` bound; returns its `PrefillFirstToken` as the token is sampled (`prefill_result` takes the
+        rest of the call). Raises RuntimeError when the prefill failed or timed out before its token."""
         job = Job(request)
-        with self._order.turn(order):
-            with self._lock:
-                self._num_queued_tokens += job.num_prompt_tokens
-            self._jobs.put(("add", job))
         timeout_s = event_timeout_s(request.meta.lease_s) + (
             request.meta.lease_s if request.awaiting_bind else 0
         )
-        deadline_s = time.monotonic() + timeout_s
-        yield self._wait(job, job.sampled, "first", deadline_s, timeout_s)
-        yield self._wait(job, job.done, "result", deadline_s, timeout_s)
+        job.deadline_s, job.timeout_s = time.monotonic() + timeout_s, timeout_s
+        with self._order.turn(order):
+            with self._lock:
+                self._num_queued_tokens += job.num_prompt_tokens
+                self._calls[job.request_id] = job
+            self._jobs.put(("add", job))
+        return self._wait(job, job.sampled, "first")
 
-    def _wait(
-        self, job: Job, event: threading.Event, reply: str, deadline_s: float, timeout_s: float
-    ) -> PrefillFirstToken | PrefillResult:
+    def prefill_result(self, handoff_id: str, order: CommandSeq | None = None) -> PrefillResult:
+        """The `PrefillResult` of the `prefill_first` call of `handoff_id` (commanded before this), once its
+        KV is handed over. Raises RuntimeError when the prefill or the send failed or timed out (the
+        handoff is aborted), or no such call came."""
+        with self._order.turn(order), self._lock:
+            job = self._calls.pop(handoff_id, None)
+        if job is None:
+            raise RuntimeError(f"{self.name}: no prefill call of {handoff_id} to answer")
+        return self._wait(job, job.done, "result")
+
+    def _wait(self, job: Job, event: threading.Event, reply: str) -> PrefillFirstToken | PrefillResult:
         """`job.<reply>` once `event` is set (a first token sampled before a later failure still goes out).
-        RuntimeError: timed out by `deadline_s` (the job aborted), or failed without that reply."""
-        if not event.wait(max(0.0, deadline_s - time.monotonic())):
+        RuntimeError: timed out by `job.deadline_s` (the job aborted), or failed without that reply."""
+        if not event.wait(max(0.0, job.deadline_s - time.monotonic())):
             self._jobs.put(("abort", job.request_id))
-            raise RuntimeError(f"{self.name}: prefill of {job.request_id} not done after {timeout_s:g} s")
+            raise RuntimeError(f"{self.name}: prefill of {job.request_id} not done after {job.timeout_s:g} s")
         if getattr(job, reply) is None or (reply == "result" and job.error is not None):
             raise RuntimeError(f"{self.name}: prefill of {job.request_id} failed: {job.error}")
         return getattr(job, reply)

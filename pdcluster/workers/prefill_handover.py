@@ -30,7 +30,7 @@ class HandOver:
             job.last_layer_sent_s = time.monotonic()
 
     def first_token(self, request_id: str, token_id: int) -> None:
-        """`LLMEngine.step`'s `on_first_token`: wake `PrefillWorker.prefill`'s first reply."""
+        """`LLMEngine.step`'s `on_first_token`: wake `PrefillWorker.prefill_first`."""
         job = self.worker._active.get(request_id)
         if job is None or job.step_error is not None:
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ class Job:
     # prefilled while awaiting the bind: (first-token result, queue_s), finished once bound
     pending: tuple[PrefillOutput, float] | None = None
     arrival_s: float = field(default_factory=time.monotonic)
+    deadline_s: float = math.inf  # monotonic time its caller's waits give up (`PrefillWorker._wait`)
+    timeout_s: float = math.inf
     done: threading.Event = field(default_factory=threading.Event)
     sampled: threading.Event = field(default_factory=threading.Event)
     first: PrefillFirstToken | None = None
