@@ -187,7 +187,8 @@ class Executor:
             if join_collectives:
                 self._join_empty_passes(main=True, num_mtp_done=0)
             return ModelRunnerOutput({})
-        scheduled = self._resolve_placeholders(output.scheduled, prepared)
+        scheduled, placeholders = output.scheduled, prepared.placeholder_items  # last results built for these
+        scheduled = self._resolve_placeholders(scheduled, prepared) if placeholders else scheduled
         starts = prepared.query_start_loc
         query_lens = np.diff(starts)
         uniform = int(query_lens[0]) if (query_lens == query_lens[0]).all() else None
@@ -276,9 +277,8 @@ class Executor:
     def sample(
         self, items: list[ScheduledRequest], logits: torch.Tensor, params: SamplingArrays | None = None
     ) -> tuple[dict[str, list[int]], dict[str, str]]:
-        """Sample or verify the sampling requests `items` from `logits` `[sum(k_i + 1), vocab_size]` with
-        their generators, stored draft distributions and sampling parameters (`params`, None: from the
-        items) (`engine.sampler.sample_isolated`)."""
+        """`engine.sampler.sample_isolated` of `items` from `logits` `[sum(k_i + 1), vocab_size]` with their
+        generators, stored draft distributions and sampling parameters (`params`, None: from the items)."""
         return sample_isolated(items, logits, self._generator, self._draft_probs, params)
 
     def _mask_by_grammar(self, items: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, str]:
