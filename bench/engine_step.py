@@ -48,8 +48,8 @@ OVERHEAD_INCLUDES = (
     "compute_logits (lm_head + cast to float32 count as model time). It includes: Scheduler.schedule "
     "(policy, KV block allocation, slot mapping), Executor.prepare / build_input (packing the ragged "
     "batch into tensors), sampling/verification (kernels.sampling on the logits), MTP draft bookkeeping "
-    "when k > 0, Scheduler.update_from_output (commit, stop checks, freeing), LLMEngine._update_text "
-    "(incremental detokenization and stop strings), RequestOutput construction, Python interpreter and "
+    "when k > 0, Scheduler.update_from_output (commit, stop checks, freeing), LLMEngine._step_outputs "
+    "(incremental detokenization, stop strings, RequestOutput construction), Python interpreter and "
     "GC time, and the benchmark's own timers (two perf_counter calls per wrapped call). Host wall-clock "
     "time on time.perf_counter, not CPU time of the process."
 )
@@ -62,7 +62,7 @@ BREAKDOWN_CALLS = (
     ("executor", ("prepare", "build_input"), "prepare_input"),
     ("executor", ("sample", "_sample_or_verify"), "sample"),
     ("scheduler", ("update_from_output",), "update_from_output"),
-    ("", ("_update_text", "_detokenize"), "detokenize"),
+    ("", ("_step_outputs",), "outputs"),
 )
 
 
@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-breakdown",
         action="store_true",
         help="do not time the named engine functions "
-        "(schedule, prepare_input, sample, update_from_output, detokenize)",
+        "(schedule, prepare_input, sample, update_from_output, outputs)",
     )
     return parser
 

@@ -1,7 +1,14 @@
-"""Asynchronous scheduling: the CPU prepares step N+1 while step N's forward runs."""
+"""Asynchronous scheduling: the CPU prepares step N+1 while step N's forward runs.
+
+One worker thread runs the steps in order. A step's result is handed to the engine thread only once the
+next step, already submitted, reaches its forward (or right away when none is queued): the worker's work
+between two forwards (sampling, resolving placeholders) then does not wait for the engine thread's Python
+(the GIL).
+"""
 
 from __future__ import annotations
 
+import queue
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -9,12 +16,16 @@ from pdcluster.engine.executor import Executor
 from pdcluster.engine.model_runner import LayerKVCallback
 from pdcluster.engine.outputs import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from pdcluster.engine.scheduler import Scheduler
+from pdcluster.engine.step_inputs import PreparedStep
 
 
 class _InFlight(NamedTuple):
     output: SchedulerOutput
     result: Future[ModelRunnerOutput]
     freed: list[int]
+
+
+_Job = tuple[SchedulerOutput, PreparedStep, LayerKVCallback | None, "Future[ModelRunnerOutput]"]
 
 
 class AsyncStepLoop:
@@ -24,6 +35,7 @@ class AsyncStepLoop:
         self.scheduler = scheduler
         self.executor = executor
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdcluster-step")
+        self._worker = _Worker(executor)
         self._in_flight: _InFlight | None = None
 
     @property
@@ -39,7 +51,9 @@ class AsyncStepLoop:
         submitted = None
         if output.scheduled or output.finished_request_ids or output.preempted_request_ids:
             prepared = self.executor.prepare(output)
-            future = self._pool.submit(self.executor.run, output, prepared, on_layer_kv)
+            future: Future[ModelRunnerOutput] = Future()
+            self._worker.jobs.put((output, prepared, on_layer_kv, future))
+            self._pool.submit(self._worker.run_next)
             submitted = _InFlight(output, future, blocks.defer_frees())
         previous, self._in_flight = self._in_flight, submitted
         if previous is None:
@@ -73,3 +87,33 @@ class AsyncStepLoop:
         if self._in_flight is not None:
             self.scheduler.block_manager.release_deferred(self._in_flight.freed, stop=True)
         self._in_flight = None
+
+
+class _Worker:
+    """The steps submitted to the worker thread: each runs in order (`run_next`); a step's result is handed
+    over when the next one's forward starts (`Executor.run`'s `before_forward`), when the next one fails, or
+    at once if none waits.
+    """
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+        self.jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._held: list[tuple[Future[ModelRunnerOutput], ModelRunnerOutput]] = []
+
+    def hand_over(self) -> None:
+        while self._held:
+            future, result = self._held.pop()
+            future.set_result(result)
+
+    def run_next(self) -> None:
+        output, prepared, on_layer_kv, future = self.jobs.get_nowait()
+        try:
+            result = self.executor.run(output, prepared, on_layer_kv, before_forward=self.hand_over)
+        except BaseException as e:  # noqa: BLE001 - the engine thread re-raises it from the future
+            self.hand_over()
+            future.set_exception(e)
+            return
+        self.hand_over()  # a step without a forward
+        self._held.append((future, result))
+        if self.jobs.empty():
+            self.hand_over()

@@ -113,9 +113,8 @@ class Executor:
         self.penalty_counts.drop(request_ids)
 
     def prepare(self, output: SchedulerOutput) -> PreparedStep:
-        """Pack the scheduled requests into the next persistent buffer set: token ids, block tables and
-        sampling parameters gathered from the scheduler's persistent rows (`output.rows`), positions and
-        slots computed from them, all with whole-batch numpy ops (`InputBuffers.pack_rows`).
+        """Pack the scheduled requests into the next persistent buffer set from the scheduler's persistent
+        rows (`output.rows`) with whole-batch numpy ops (`InputBuffers.pack_rows`).
 
         Raises:
             ValueError: requests scheduled without `output.rows`, or a step the buffers or rows do not
@@ -170,9 +169,10 @@ class Executor:
         on_layer_kv: LayerKVCallback | None = None,
         join_collectives: bool = False,
         on_sampled: SampledCallback | None = None,
+        before_forward: Callable[[], None] | None = None,
     ) -> ModelRunnerOutput:
-        """Execute a prepared step: drop state of finished/preempted requests, resolve placeholders from the
-        previous step's results, forward, sample or verify, propose drafts.
+        """Execute a prepared step: drop finished/preempted requests' state, resolve placeholders from the
+        last step's results, call `before_forward` (a batch runs), forward, sample or verify, propose drafts.
 
         Raises:
             RuntimeError: placeholders of a request the previous step sampled nothing for.
@@ -187,10 +187,13 @@ class Executor:
             if join_collectives:
                 self._join_empty_passes(main=True, num_mtp_done=0)
             return ModelRunnerOutput({})
-        scheduled = self._resolve_placeholders(output.scheduled, prepared)
+        scheduled, placeholders = output.scheduled, prepared.placeholder_items  # last results built for these
+        scheduled = self._resolve_placeholders(scheduled, prepared) if placeholders else scheduled
         starts = prepared.query_start_loc
         query_lens = np.diff(starts)
         uniform = int(query_lens[0]) if (query_lens == query_lens[0]).all() else None
+        if before_forward is not None:
+            before_forward()
         hidden = self.runner.forward(batch, on_layer_kv, num_queries=uniform)
         plain = prepared.plain  # nothing below asks for logprobs, prompt logprobs or structured output
         scored = [] if plain else wants_prompt_logprobs(scheduled)
@@ -259,8 +262,7 @@ class Executor:
             runner.mtp_forward(empty, hidden, min(depth, depth_limit))
 
     def _output_history(self, item: ScheduledRequest, start: int = 0) -> list[int]:
-        """The request's output tokens before this step's inputs end, by position (incl. previous step's),
-        from output index `start` on."""
+        """The request's output tokens (incl. the last step's) before this step's inputs end, from `start`."""
         request = item.request
         end = item.start_position + item.num_scheduled_tokens - len(item.spec_token_ids)
         end -= item.num_placeholders
@@ -276,9 +278,7 @@ class Executor:
     def sample(
         self, items: list[ScheduledRequest], logits: torch.Tensor, params: SamplingArrays | None = None
     ) -> tuple[dict[str, list[int]], dict[str, str]]:
-        """Sample or verify the sampling requests `items` from `logits` `[sum(k_i + 1), vocab_size]` with
-        their generators, stored draft distributions and sampling parameters (`params`, None: from the
-        items) (`engine.sampler.sample_isolated`)."""
+        """`sampler.sample_isolated` of `items`, logits `[sum(k_i + 1), V]` (`params` None: from items)."""
         return sample_isolated(items, logits, self._generator, self._draft_probs, params)
 
     def _mask_by_grammar(self, items: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, str]:

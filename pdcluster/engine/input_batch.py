@@ -167,7 +167,8 @@ class RequestRows(BlockTableRows):
         self.token_ids = np.zeros((len(self.lens), max(1, max_num_tokens)), dtype=np.int64)
         self.num_valid_tokens = np.zeros(len(self.lens), dtype=np.int64)
         self._num_committed = [0] * len(self.lens)
-        self._decode_rows: tuple[object, int, list[int], np.ndarray] | None = None  # `add_decode_step`'s
+        # `add_decode_step`'s cache: (key, row changes, rows, row index, ones)
+        self._decode_rows: tuple[object, int, list[int], np.ndarray, np.ndarray] | None = None
         self._make_views()
 
     def _make_views(self) -> None:
@@ -268,39 +269,36 @@ class RequestRows(BlockTableRows):
         self, key: object, items: Sequence[ScheduledRequest], *per_item: list[int]
     ) -> ScheduledRows | None:
         """`add_step` of a step where every request of `items` runs its newest token (`per_item`: a
-        `DecodeStep`'s last_token_ids, table_lens, last_block_ids); None (nothing changed) when one holds no
-        row or is not one token behind. `key`: one object per running set (its rows are cached)."""
-        last_token_ids, table_lens, last_block_ids = per_item
+        `DecodeStep`'s last_token_ids, start_positions, table_lens, last_block_ids); None (nothing changed)
+        when one holds no row or is not one token behind. `key`: one object per running set (its rows are
+        cached)."""
+        last_token_ids, starts, table_lens, last_block_ids = per_item
         cached = self._decode_rows
         if cached is None or cached[0] is not key or cached[1] != self._num_row_changes:
             rows = [self._row_of.get(item.request_id, -1) for item in items]
             if -1 in rows:
                 return None
-            row_index = np.array(rows, dtype=np.int64)
-            row_index.flags.writeable = False
-            cached = self._decode_rows = (key, self._num_row_changes, rows, row_index)
+            row_index, ones = np.array(rows, dtype=np.int64), np.ones(len(rows), dtype=np.int64)
+            row_index.flags.writeable = ones.flags.writeable = False
+            cached = self._decode_rows = (key, self._num_row_changes, rows, row_index, ones)
         rows, row_index = cached[2], cached[3]
-        starts = [item.start_position for item in items]
-        num_committed = self._num_committed
-        if any(num_committed[row] != start for row, start in zip(rows, starts, strict=True)):
-            return None
-        start_positions = np.array(starts, dtype=np.int64)
-        if start_positions.max() >= self.token_ids.shape[1]:
-            return None
-        self.token_ids[row_index, start_positions] = last_token_ids
-        ends = start_positions + 1
-        self.num_valid_tokens[row_index] = ends
-        for row, end in zip(rows, ends.tolist(), strict=True):
-            num_committed[row] = end
-        # block tables: rows whose length or last block changed (usually the ones that took a new block)
-        lens = np.array(table_lens, dtype=np.int64)
-        changed = lens != self.lens[row_index]
-        last_column = np.clip(lens - 1, 0, self.table.shape[1] - 1)
-        changed |= np.asarray(last_block_ids) != self.table[row_index, last_column]
-        for i in np.flatnonzero(changed).tolist():
-            item = items[i]
-            self._write_blocks(rows[i], item.request_id, item.block_ids)
-        return ScheduledRows(self, row_index, start_positions, np.ones(len(rows), dtype=np.int64))
+        num_committed, width = self._num_committed, self.token_ids.shape[1]
+        for row, start in zip(rows, starts, strict=True):
+            if num_committed[row] != start or start >= width:
+                return None
+        # per-element writes: cheaper than numpy calls at decode batch sizes
+        tokens, num_valid, known = self._token_ids_flat, self._num_valid_flat, self._known
+        changed = []
+        per_row = zip(rows, starts, table_lens, last_block_ids, strict=True)
+        for i, (row, start, num_blocks, last) in enumerate(per_row):
+            tokens[row * width + start] = last_token_ids[i]
+            num_valid[row] = num_committed[row] = start + 1
+            held = known[row]
+            if held[0] != num_blocks or held[2] != last:
+                changed.append(i)
+        for i in changed:  # usually the rows that took a new block
+            self._write_blocks(rows[i], items[i].request_id, items[i].block_ids)
+        return ScheduledRows(self, row_index, np.array(starts, dtype=np.int64), cached[4])
 
     def sampling_of(self, row_index: np.ndarray) -> SamplingArrays:
         """`sampling.take(row_index)` (read-only; the same arrays while rows and parameters are unchanged)."""

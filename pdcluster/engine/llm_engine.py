@@ -32,7 +32,7 @@ from pdcluster.engine.remote_prefill import (
     prefill_result,
 )
 from pdcluster.engine.request import Request, RequestStatus
-from pdcluster.engine.request_record import RequestRecord
+from pdcluster.engine.request_record import RequestRecord, step_outputs
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.stopping import OutputText
 from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -309,27 +309,10 @@ class LLMEngine:
             updates = self.scheduler.update_from_output(output, runner_output)
         else:
             output, runner_output, updates = self._async_loop.step(on_layer_kv)
-        results = []
-        records = self._records
         if runner_output is not None and runner_output.prompt_logprobs:
-            record_prompt_logprobs(records, runner_output.prompt_logprobs)
+            record_prompt_logprobs(self._records, runner_output.prompt_logprobs)
         logprobs = runner_output.logprobs if runner_output is not None else None
-        for update in updates:
-            record = records[update.request_id]
-            request = record.request
-            if logprobs and record.logprobs is not None:
-                record.logprobs.extend(logprobs.get(update.request_id, [])[: len(update.new_token_ids)])
-            stream, finished = record.stream, request.status.is_finished
-            if stream or finished or record.output_text.has_stop_strings:
-                self._update_text(record)
-                finished = request.status.is_finished
-            if not finished:
-                if stream:
-                    results.append(record.output())  # `_output` of an unfinished streamed request
-                continue
-            if self._async_loop is None:
-                self.executor.drop([update.request_id])
-            results.append(self._output(record))
+        results = self._step_outputs(self._records, updates, logprobs, self._stop_request, self._final_output)
         if self._finished:  # finished outside the step (abort, admission); reported once
             updated = {u.request_id for u in updates}
             results += [self._output(self._records[rid]) for rid in self._finished if rid not in updated]
@@ -366,15 +349,26 @@ class LLMEngine:
         self._finished = []
         return EngineStepError(message, outputs)
 
+    _step_outputs = staticmethod(step_outputs)  # an attribute: `bench.engine_step` times it
+
     def _update_text(self, record: RequestRecord) -> None:
         """Detokenize the request's new output tokens; a stop string finishes it with FINISHED_STOPPED."""
         request = record.request
-        if not record.output_text.update(request.output_token_ids, final=request.is_finished):
-            return
+        if record.output_text.update(request.output_token_ids, final=request.is_finished):
+            self._stop_request(request)
+
+    def _stop_request(self, request: Request) -> None:
+        """Finish `request` with FINISHED_STOPPED (a stop string ended it)."""
         if request.is_finished:
             request.status = RequestStatus.FINISHED_STOPPED
         else:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _final_output(self, record: RequestRecord) -> RequestOutput:
+        """`_output` of a request that finished in the step (the executor forgets it too)."""
+        if self._async_loop is None:
+            self.executor.drop([record.request.request_id])
+        return self._output(record)
 
     def _output(self, record: RequestRecord) -> RequestOutput:
         """The request's output now; its record is forgotten with its final output (unless prefill result)."""

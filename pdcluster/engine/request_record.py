@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdcluster.engine.outputs import RequestOutput, TokenLogprobs
+from pdcluster.engine.outputs import RequestOutput, RequestUpdate, TokenLogprobs
 from pdcluster.engine.remote_prefill import PrefillOutput
 from pdcluster.engine.request import Request
 from pdcluster.engine.stopping import OutputText
@@ -76,3 +77,32 @@ class RequestRecord:
             request.error,
             output_text.new_text(finished=finished),
         )
+
+
+def step_outputs(
+    records: dict[str, RequestRecord],
+    updates: list[RequestUpdate],
+    logprobs: dict[str, list[TokenLogprobs]] | None,
+    stop_request: Callable[[Request], None],
+    finished_output: Callable[[RequestRecord], RequestOutput],
+) -> list[RequestOutput]:
+    """The outputs of one step's `updates`, in their order: logprobs kept, text detokenized where it is read
+    (a streamed or finished request, or one with stop strings; `stop_request` finishes a request a stop
+    string ended), an output for each streamed request and, by `finished_output`, each finished one.
+    """
+    outputs: list[RequestOutput] = []
+    for update in updates:
+        record = records[update.request_id]
+        request = record.request
+        if logprobs and record.logprobs is not None:
+            record.logprobs.extend(logprobs.get(update.request_id, [])[: len(update.new_token_ids)])
+        stream, text = record.stream, record.output_text
+        finished = request.status.is_finished
+        if (stream or finished or text.has_stop_strings) and text.update(request.output_token_ids, finished):
+            stop_request(request)
+            finished = True
+        if finished:
+            outputs.append(finished_output(record))
+        elif stream:
+            outputs.append(record.output())
+    return outputs

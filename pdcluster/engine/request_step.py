@@ -63,10 +63,13 @@ def samples_last_token(request: Request) -> bool:
 
 
 class DecodeStep(NamedTuple):
-    """`schedule_decode`'s step: items, and per item its newest token, blocks held, last block (-1: none)."""
+    """`schedule_decode`'s step: items, and per item its newest token, its position, blocks held and last
+    block (-1: none).
+    """
 
     scheduled: list[ScheduledRequest]
     last_token_ids: list[int]
+    start_positions: list[int]
     table_lens: list[int]
     last_block_ids: list[int]
 
@@ -79,26 +82,28 @@ def schedule_decode(order: list[Request], bm: BlockManager, block_size: int) -> 
         RuntimeError: a block cannot be allocated although the free blocks covered it.
     """
     table_of = bm.block_table
+    step = DecodeStep([], [], [], [], [])
+    scheduled, last_token_ids, starts, table_lens, last_block_ids = step
+    tables = []
     num_new_blocks = 0
     for r in order:
-        num_computed = r.num_computed_tokens
-        if r.spec_token_ids or r.num_output_placeholders or len(r.all_token_ids) != num_computed + 1:
+        num_computed, tokens = r.num_computed_tokens, r.all_token_ids
+        if r.spec_token_ids or r.num_output_placeholders or len(tokens) != num_computed + 1:
             return None
-        if len(table_of(r.request_id)) * block_size <= num_computed:
+        table = table_of(r.request_id)
+        tables.append(table)
+        starts.append(num_computed)
+        last_token_ids.append(tokens[num_computed])
+        if len(table) * block_size <= num_computed:
             num_new_blocks += 1
     if num_new_blocks > bm.num_free_blocks:
         return None
-    step = DecodeStep([], [], [], [])
-    scheduled, last_token_ids, table_lens, last_block_ids = step
-    for r in order:
-        num_computed = r.num_computed_tokens
-        table = table_of(r.request_id)
+    for r, table, num_computed in zip(order, tables, starts, strict=True):
         if len(table) * block_size <= num_computed:
             if not bm.allocate_slots(r, 1):
                 raise RuntimeError(f"scheduler plan not applicable: 1 slot for {r.request_id!r}")
             table = table_of(r.request_id)
         scheduled.append(ScheduledRequest(r, num_computed, 1, [], table[:], True, r.num_preemptions))
-        last_token_ids.append(r.all_token_ids[num_computed])
         table_lens.append(len(table))
         last_block_ids.append(table[-1] if table else -1)
         r.num_computed_tokens = num_computed + 1

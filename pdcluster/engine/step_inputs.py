@@ -94,6 +94,11 @@ def resolve_placeholders(
             raise RuntimeError(f"placeholders of {item.request_id!r}, but the last step sampled nothing")
         n, shift = item.num_scheduled_tokens, previous.num_rejected
         bonus = previous.token_ids[-1]
+        if n == 1 and not shift and item.num_placeholders == 1 and not item.spec_token_ids:
+            values.append(bonus)  # a decode input: the item stays as it is
+            counts.append(1)
+            shifts.append(0)
+            continue
         inputs = ([bonus] + previous.draft_token_ids)[:n]
         inputs += [bonus] * (n - len(inputs))
         values.extend(inputs)
@@ -107,9 +112,13 @@ def resolve_placeholders(
     item_index = np.asarray(items, dtype=np.int64)
     num_inputs = np.asarray(counts, dtype=np.int64)
     # flat row of each of their inputs in the batch: query start + offset within the request
-    firsts = np.asarray(prepared.query_start_loc, dtype=np.int64)[item_index]
-    flat = np.repeat(firsts - (np.cumsum(num_inputs) - num_inputs), num_inputs)
-    flat += np.arange(len(values), dtype=np.int64)
+    flat = np.asarray(prepared.query_start_loc, dtype=np.int64)[item_index]
+    if len(values) > len(items):
+        flat = np.repeat(flat - (np.cumsum(num_inputs) - num_inputs), num_inputs)
+        flat += np.arange(len(values), dtype=np.int64)
+    if device.type == "cpu" and not any(shifts):  # host buffers: one numpy write
+        batch.input_ids.numpy()[flat] = values
+        return scheduled
     flat_rows = torch.from_numpy(flat).to(device)
     batch.input_ids[flat_rows] = torch.tensor(values, dtype=torch.long, device=device)
     if any(shifts):

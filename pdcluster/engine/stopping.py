@@ -63,11 +63,8 @@ class OutputText:
         self.text = ""
         self.stopped = False
         self.num_streamed_chars = 0
-
-    @property
-    def has_stop_strings(self) -> bool:
-        """The request has `SamplingParams.stop` strings (its text must be checked after every step)."""
-        return bool(self._stop)
+        # The request has `SamplingParams.stop` strings (its text must be checked after every step).
+        self.has_stop_strings = bool(stop)
 
     def update(self, output_token_ids: list[int], final: bool) -> bool:
         """Detokenize the committed output tokens (the whole list so far; only new ones are decoded) and look

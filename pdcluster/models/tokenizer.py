@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
-from tokenizers.decoders import DecodeStream
+from tokenizers.decoders import ByteLevel, DecodeStream
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -61,6 +61,18 @@ class Tokenizer:
         SentencePiece entry has at least as many characters as its decoded text).
         """
         return max((len(token) for token in self._tok.get_vocab(with_added_tokens=True)), default=1) or 1
+
+    @functools.cached_property
+    def token_pieces(self) -> list[str | None] | None:
+        """Index id: the text a byte-level BPE token adds after text that ends on a character boundary,
+        None where it is not whole characters by itself (or is an added token); None for another decoder.
+        """
+        if type(self._tok.decoder) is not ByteLevel:
+            return None
+        added = set(self._tok.get_added_tokens_decoder())
+        ids = [[i] for i in range(self._tok.get_vocab_size(with_added_tokens=False))]
+        texts = self._tok.decode_batch(ids, skip_special_tokens=True)
+        return [None if i in added or not t or "\ufffd" in t else t for i, t in enumerate(texts)]
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -115,12 +127,28 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self._num_fed = 0
+        # Byte-level: a token of whole characters after everything emitted appends its own text, which
+        # is what the stream would emit (its bytes decode alone); the stream restarts after such tokens.
+        self._pieces = getattr(tokenizer, "token_pieces", None)
+        self._num_streamed = 0  # tokens fed to `_stream`
 
     def update(self, token_ids: list[int], final: bool = False) -> str:
         """Text of `token_ids` (the whole output so far). `final`: also emit an incomplete last character."""
         num_tokens = len(token_ids)
         stream = self._stream
+        num_fed = self._num_fed
+        if num_tokens == num_fed + 1 and self._read_offset == num_fed and self._pieces is not None:
+            token_id = token_ids[num_fed]
+            piece = self._pieces[token_id] if 0 <= token_id < len(self._pieces) else None
+            if piece is not None and stream is not None:
+                self.text += piece
+                self._num_fed = num_tokens
+                self._prefix_offset, self._read_offset = num_fed, num_tokens
+                return self.text
+            if stream is not None and self._num_streamed != num_fed:
+                stream = self._stream = DecodeStream(skip_special_tokens=True)
         if stream is not None and num_tokens > self._num_fed:
+            self._num_streamed = num_tokens
             new = token_ids[self._num_fed] if num_tokens == self._num_fed + 1 else token_ids[self._num_fed :]
             self._num_fed = num_tokens
             try:

@@ -394,15 +394,16 @@ def assert_nothing_left(llm: LLM) -> None:
 
 
 def test_forward_of_step_n_overlaps_scheduling_of_step_n_plus_1(llm, prompts, reference):
-    """Each step's execution on the worker waits (up to 30 s) until the main thread has scheduled the
+    """Each step's forward on the worker waits (up to 30 s) until the main thread has scheduled the
     following step. A synchronous loop could never get there; the pipeline always does (except for the
     step still in flight when the last request finishes: the drain waits for it)."""
     other = llm.replace_config(async_scheduling=True)
     engine, loop = other.engine, other.engine._async_loop
     changed = threading.Condition()
     schedule_index: dict[int, int] = {}  # id(SchedulerOutput) -> its schedule() call number
-    num_scheduled, draining, overlapped = [0], [False], []
+    num_scheduled, draining, overlapped, running = [0], [False], [], [None]
     schedule, run, drain = engine.scheduler.schedule, engine.executor.run, loop.drain
+    forward = engine.runner.forward
 
     def counting_schedule():
         output = schedule()
@@ -412,14 +413,22 @@ def test_forward_of_step_n_overlaps_scheduling_of_step_n_plus_1(llm, prompts, re
             changed.notify_all()
         return output
 
-    def waiting_run(output, prepared, on_layer_kv=None):
-        if output.scheduled:
-            assert threading.current_thread() is not threading.main_thread()
+    def recording_run(output, prepared, on_layer_kv=None, **kwargs):
+        running[0] = output
+        return run(output, prepared, on_layer_kv, **kwargs)
+
+    def waiting_forward(*args, **kwargs):
+        output = running[0]
+        if (
+            output is not None
+            and output.scheduled
+            and threading.current_thread() is not threading.main_thread()
+        ):
             with changed:
                 next_index = schedule_index[id(output)] + 1
                 changed.wait_for(lambda: num_scheduled[0] > next_index or draining[0], timeout=30)
                 overlapped.append(num_scheduled[0] > next_index)
-        return run(output, prepared, on_layer_kv)
+        return forward(*args, **kwargs)
 
     def flagged_drain():
         with changed:
@@ -427,7 +436,12 @@ def test_forward_of_step_n_overlaps_scheduling_of_step_n_plus_1(llm, prompts, re
             changed.notify_all()
         drain()
 
-    engine.scheduler.schedule, engine.executor.run, loop.drain = counting_schedule, waiting_run, flagged_drain
+    engine.scheduler.schedule, engine.executor.run, loop.drain = (
+        counting_schedule,
+        recording_run,
+        flagged_drain,
+    )
+    engine.runner.forward = waiting_forward
     outputs = other.generate(prompts[:4], GREEDY)
     assert [o.token_ids for o in outputs] == reference[:4]
     assert len(overlapped) > 4 and sum(overlapped) >= len(overlapped) - 1

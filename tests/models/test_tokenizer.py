@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pdcluster.models import bundled_checkpoint_dir
@@ -31,3 +33,20 @@ def test_invalid_unicode_is_a_value_error_naming_the_code_point():
     with pytest.raises(ValueError, match=message):
         tokenizer.encode_batch(["ok", "x = \ud800"])
     assert tokenizer.encode("x = \U0001f600") == tokenizer.encode_batch(["x = \U0001f600"])[0]  # a real pair
+
+
+def test_token_piece_fast_path_gives_the_stream_text_on_any_ids():
+    """Byte-level tokens of whole characters append their own text instead of a `DecodeStream` step; on
+    arbitrary ids (special tokens, partial UTF-8 bytes, invalid sequences) every intermediate and the
+    final text equal those of the detokenizer without the pieces (the stream and the Python windows)."""
+    tokenizer = Tokenizer.from_dir(bundled_checkpoint_dir())
+    pieces = tokenizer.token_pieces
+    assert pieces is not None and any(p is None for p in pieces) and any(p is not None for p in pieces)
+    rng = random.Random(0)
+    for trial in range(100):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 40))]
+        fast, reference = IncrementalDetokenizer(tokenizer), IncrementalDetokenizer(tokenizer)
+        reference._pieces = None  # the stream only
+        for n in range(1, len(ids) + 1):
+            assert fast.update(ids[:n]) == reference.update(ids[:n]), (trial, ids[:n])
+        assert fast.update(ids, final=True) == reference.update(ids, final=True) == tokenizer.decode(ids)
