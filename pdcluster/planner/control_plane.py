@@ -255,7 +255,7 @@ def probe_control_plane(
     Returns `derive_from_probes`'s object with the raw `probes` and `num_failed`. Raises ValueError when
     no request succeeded.
     """
-    from pdcluster.entrypoints.bench_client import replay, served_model
+    from pdcluster.entrypoints.bench_client import served_model
     from pdcluster.models.tokenizer import Tokenizer
     from pdcluster.planner.trace import TraceRequest, Workload, build_prompts
 
@@ -273,18 +273,12 @@ def probe_control_plane(
     prompts = build_prompts(every, tokenizer)
     measured, failed = [], 0
     model, _ = served_model(url)
-    for i, prompt_len in enumerate(lengths):  # the first warms the path, untimed
-        one = Workload([every.requests[i]], every.description, every.kind, every.input_scale)
-        cpu_s = time.process_time()
-        (result,), _ = asyncio.run(replay(url, one, [prompts[i]], model=model, show_progress=False))
-        cpu_s = time.process_time() - cpu_s
-        if i == 0:
-            continue
+    sent = asyncio.run(_in_turn(url, every, prompts, model, progress))
+    for (result, cpu_s), prompt_len in list(zip(sent, lengths, strict=True))[1:]:  # the first warmed up
         if not result.ok or result.ttft_s is None:
             failed += 1
             continue
         measured.append((result, prompt_len, cpu_s))
-        progress(f"control plane {i}/{num_requests}")
     if not measured:
         raise ValueError(f"none of {num_requests} control-plane probes succeeded")
     probes = [
@@ -293,3 +287,20 @@ def probe_control_plane(
     ]
     derived = derive_from_probes(probes, prefill, decode, k, float(os.cpu_count() or 1))
     return {**derived, "probes": probes, "num_failed": failed}
+
+
+async def _in_turn(
+    url: str, workload, prompts: list[list[int]], model: str, progress: Callable[[str], None]
+) -> list[tuple[Any, float]]:
+    """`send_in_turn`'s results, each with this process's CPU seconds while it ran (the driver's and the
+    client's per-request work, as in a replay: one client for all, opened by the first)."""
+    from pdcluster.entrypoints.bench_client import send_in_turn
+
+    out, cpu_s = [], time.process_time()
+    async for result in send_in_turn(url, workload, prompts, model):
+        now_s = time.process_time()
+        out.append((result, now_s - cpu_s))
+        cpu_s = now_s
+        if len(out) > 1:
+            progress(f"control plane {len(out) - 1}/{len(prompts) - 1}")
+    return out
