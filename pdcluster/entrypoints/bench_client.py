@@ -11,6 +11,7 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -160,6 +161,18 @@ async def replay(
         duration_s = time.perf_counter() - start_s
     progress.close()
     return list(results), duration_s
+
+
+async def send_in_turn(
+    endpoint: str, workload: Workload, prompts: list[list[int]], model: str | None = None,
+    timeout_s: float = 600.0,
+) -> AsyncIterator[RequestResult]:  # fmt: skip
+    """Send the requests one at a time, each when the previous has ended, over one client as `replay`'s;
+    yields each result as it ends."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=endpoint.rstrip("/"), timeout=timeout_s, limits=limits) as client:
+        for index, request in enumerate(workload.requests):
+            yield await _one(client, index, prompts[index], request.num_output_tokens, 0.0, model)
 
 
 def _percentiles(values: list[float]) -> dict[str, float | None]:

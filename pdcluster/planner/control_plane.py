@@ -73,12 +73,16 @@ def control_plane_from_calibration(path: str | Path | None) -> ControlPlane:
 
 
 def _modelled(prefill: StepTimeModel, decode: StepTimeModel, prompt_len: int, k: int) -> dict[str, float]:
-    """Full-speed modelled seconds of a lone probe's prefill step and decode step."""
-    prefill_s = prefill.step_time_s(StepShape(prefill=(PrefillChunk(prompt_len),), num_speculative_tokens=k))
+    """Full-speed modelled seconds of a lone probe's prefill step, of that step up to its first token
+    (`sampled_s`) and of a decode step."""
+    step = StepShape(prefill=(PrefillChunk(prompt_len),), num_speculative_tokens=k)
+    prefill_s = prefill.step_time_s(step)
+    sampled = getattr(prefill, "first_token_s", None)
     decode_s = decode.step_time_s(
         StepShape(decode=(DecodeRow(prompt_len + 2, 1 + k),), num_speculative_tokens=k)
     )
-    return {"prefill_s": prefill_s, "decode_s": decode_s}
+    return {"prefill_s": prefill_s, "sampled_s": prefill_s if sampled is None else sampled(step),
+            "decode_s": decode_s}  # fmt: skip
 
 
 def derive(
@@ -147,7 +151,7 @@ def point_from_result(
     KV handoff as wall seconds (`prefill_s`, `kv_handoff_s`), the decode step at full speed (`decode_s`);
     the simulator stretches a step's extra with its step by its rate (`planner.core_sharing`), so a
     measured step of wall `t` leaves `t x rate - modelled full-speed seconds`. The first token is timed from
-    the modelled step's end (it is sampled there), the handoff from the measured call's (`prefill_s`)."""
+    its modelled sampling (`sampled_s`, else the step's end), the handoff from the measured call's end."""
     ph = result.phases
     dispatch = (ph.get("route_s") or 0.0) + (ph.get("reserve_s") or 0.0)
     point: dict[str, Any] = {
@@ -163,7 +167,7 @@ def point_from_result(
     if ph.get("prefill_s") is not None:
         prefill_end = ph["prefill_s"]
         point["prefill_extra_s"] = (prefill_end - modelled["prefill_s"]) * prefill_rate
-    point["first_token_extra_s"] = result.ttft_s - dispatch - modelled["prefill_s"]
+    point["first_token_extra_s"] = result.ttft_s - dispatch - modelled.get("sampled_s", modelled["prefill_s"])
     kv_transfer, admit = ph.get("kv_transfer_s"), ph.get("admit_s") or 0.0
     gap = 0.0
     if kv_transfer is not None:
@@ -218,7 +222,8 @@ def derive_from_probes(
         decode_rate = lone_rate(cores, min(1.0, per_step / (decode_s + extra)), background)
         points = []
         for r, p, m in zip(results, probes, base, strict=True):
-            wall = {"prefill_s": m["prefill_s"] / prefill_rate, "decode_s": m["decode_s"]}
+            wall = {"prefill_s": m["prefill_s"] / prefill_rate, "sampled_s": m["sampled_s"] / prefill_rate,
+                    "decode_s": m["decode_s"]}  # fmt: skip
             call_s = r.phases.get("prefill_s") or wall["prefill_s"]
             wall["kv_handoff_s"] = prefill.kv_handoff_s(p["prompt_len"], call_s)
             point = point_from_result(r, k, wall, decode_rate, prefill_rate)
@@ -250,7 +255,7 @@ def probe_control_plane(
     Returns `derive_from_probes`'s object with the raw `probes` and `num_failed`. Raises ValueError when
     no request succeeded.
     """
-    from pdcluster.entrypoints.bench_client import replay, served_model
+    from pdcluster.entrypoints.bench_client import served_model
     from pdcluster.models.tokenizer import Tokenizer
     from pdcluster.planner.trace import TraceRequest, Workload, build_prompts
 
@@ -268,18 +273,12 @@ def probe_control_plane(
     prompts = build_prompts(every, tokenizer)
     measured, failed = [], 0
     model, _ = served_model(url)
-    for i, prompt_len in enumerate(lengths):  # the first warms the path, untimed
-        one = Workload([every.requests[i]], every.description, every.kind, every.input_scale)
-        cpu_s = time.process_time()
-        (result,), _ = asyncio.run(replay(url, one, [prompts[i]], model=model, show_progress=False))
-        cpu_s = time.process_time() - cpu_s
-        if i == 0:
-            continue
+    sent = asyncio.run(_in_turn(url, every, prompts, model, progress))
+    for (result, cpu_s), prompt_len in list(zip(sent, lengths, strict=True))[1:]:  # the first warmed up
         if not result.ok or result.ttft_s is None:
             failed += 1
             continue
         measured.append((result, prompt_len, cpu_s))
-        progress(f"control plane {i}/{num_requests}")
     if not measured:
         raise ValueError(f"none of {num_requests} control-plane probes succeeded")
     probes = [
@@ -288,3 +287,20 @@ def probe_control_plane(
     ]
     derived = derive_from_probes(probes, prefill, decode, k, float(os.cpu_count() or 1))
     return {**derived, "probes": probes, "num_failed": failed}
+
+
+async def _in_turn(
+    url: str, workload, prompts: list[list[int]], model: str, progress: Callable[[str], None]
+) -> list[tuple[Any, float]]:
+    """`send_in_turn`'s results, each with this process's CPU seconds while it ran (the driver's and the
+    client's per-request work, as in a replay: one client for all, opened by the first)."""
+    from pdcluster.entrypoints.bench_client import send_in_turn
+
+    out, cpu_s = [], time.process_time()
+    async for result in send_in_turn(url, workload, prompts, model):
+        now_s = time.process_time()
+        out.append((result, now_s - cpu_s))
+        cpu_s = now_s
+        if len(out) > 1:
+            progress(f"control plane {len(out) - 1}/{len(prompts) - 1}")
+    return out

@@ -294,6 +294,16 @@ class PerfModel:
         """Wall seconds of `step` on this instance (slowest rank); 0 for an empty step."""
         return price_step(self, step, record=False).total_s
 
+    def first_token_s(self, step: StepShape) -> float:
+        """Seconds into `step` when its prompts' first tokens are sampled: the step less the prefill MTP
+        pass, which runs after the sampling (`engine.remote_prefill.export_callbacks`)."""
+        if not (self.mtp_in_prefill and step.prefill):
+            return self.step_time_s(step)
+        other = PerfModel.__new__(PerfModel)
+        other.__dict__.update(self.__dict__)
+        other.mtp_in_prefill = False
+        return other.step_time_s(step)
+
     def kv_bytes_per_layer(self, num_prompt_tokens: int) -> float:
         """Wire bytes of one layer of a prompt's latent KV."""
         return num_prompt_tokens * oc.kv_bytes_per_token_per_layer(self.config, self.kv_wire_dtype)

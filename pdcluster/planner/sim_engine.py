@@ -151,6 +151,7 @@ class SimEngine:
         self.admission_step_extra_s = 0.0  # decode: extra seconds of a step that admitted handoffs
         self.finishing_extra_s = 0.0  # prefill: seconds per request the step completes (`ControlPlane`)
         self.step_started_s = self.step_full_s = 0.0  # the step in flight: start, full-speed seconds
+        self.step_tail_s = 0.0  # prefill: full-speed seconds of the step after its first tokens are sampled
         self._step: list[tuple[SimRequest, int]] = []
         # DecodeRow is a frozen dataclass (slow to build); rows are plain values, so equal ones are shared
         self._rows: dict[tuple[int, int], DecodeRow] = {}
@@ -284,8 +285,13 @@ class SimEngine:
         self.num_step_finishing, self.num_step_rows = finishing, len(decode)
         if not step:
             return 0.0
-        duration_s = self.model.step_time_s(StepShape(tuple(prefill), tuple(decode), self.k)) + extra_s
-        duration_s += finishing * self.finishing_extra_s
+        shape = StepShape(tuple(prefill), tuple(decode), self.k)
+        model_s = self.model.step_time_s(shape)
+        self.step_tail_s = finishing * self.finishing_extra_s
+        sampled = getattr(self.model, "first_token_s", None) if finishing else None
+        if sampled is not None:  # the MTP pass over the prompts runs after their first tokens are sampled
+            self.step_tail_s += model_s - sampled(shape)
+        duration_s = model_s + extra_s + finishing * self.finishing_extra_s
         self.step_started_s, self.step_full_s = now_s, duration_s
         self.busy = True
         self.num_steps += 1

@@ -229,8 +229,8 @@ class ClusterSimulator:
         done = engine.finish_step(now_s)
         if engine.role == "prefill":
             model, cp = self.prefill_model, self.control_plane
-            # the first token is sampled before the tail (KV send, MTP pass) the step's wall also holds
-            tail_s = engine.num_step_finishing * engine.finishing_extra_s
+            # the first token is sampled before the tail (MTP pass, KV send) the step's wall also holds
+            tail_s = engine.step_tail_s
             if tail_s > 0:
                 tail_s *= (now_s - engine.step_started_s) / engine.step_full_s
             for request in done:

@@ -70,6 +70,32 @@ def test_one_request_pays_each_control_plane_cost_once_where_the_live_path_does(
     assert held.phases["kv_transfer_s"] == pytest.approx(0.003, abs=TOL_S)
 
 
+class SampledEarly(LinearModel):
+    """A prefill step whose first tokens are sampled `tail_s` before its end (the MTP pass after them)."""
+
+    def __init__(self, base_s: float, tail_s: float, handoff_s: float = 0.0) -> None:
+        super().__init__(base_s, handoff_s=handoff_s)
+        self.tail_s = tail_s
+
+    def first_token_s(self, step) -> float:  # noqa: ANN001
+        return self.step_time_s(step) - self.tail_s
+
+
+def test_the_first_token_comes_before_the_prefill_mtp_pass_and_the_derivation_follows():
+    prefill = SampledEarly(0.010, 0.004, handoff_s=0.003)
+    cp = ControlPlane(prefill_extra_s=0.005, first_token_extra_s=0.002)
+    result = simulate(topology(), [TraceRequest(0.0, 100, 5)], prefill, LinearModel(0.002),
+                      prefill_sizing=sizing(), decode_sizing=sizing(), control_plane=cp)  # fmt: skip
+    (r,) = result.results
+    # sampled 4 ms before the modelled step's end; the call holds the MTP pass and the per-request extra
+    assert r.ttft_s == pytest.approx(0.010 - 0.004 + 0.002, abs=TOL_S)
+    assert r.phases["prefill_s"] == pytest.approx(0.010 + 0.005, abs=TOL_S)
+    measured = RequestResult(0, 64, 9, 0.0, ok=True, num_output_tokens=9, ttft_s=0.040, tpot_s=0.008,
+                             acceptance_rate=0.5, phases={"route_s": 0.001, "reserve_s": 0.002})  # fmt: skip
+    point = point_from_result(measured, 1, {"prefill_s": 0.020, "sampled_s": 0.015, "decode_s": 0.004})
+    assert point["first_token_extra_s"] == pytest.approx(0.040 - 0.003 - 0.015, abs=TOL_S)
+
+
 def test_derive_subtracts_the_modelled_engine_time_from_the_measured_phases():
     result = RequestResult(0, 64, 9, 0.0, ok=True, num_output_tokens=9, ttft_s=0.050, tpot_s=0.008,
                            acceptance_rate=0.5,

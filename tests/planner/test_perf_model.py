@@ -114,6 +114,21 @@ def test_step_time_is_the_breakdown_total_for_mixed_steps(v3):
     assert decode_sums(rows, model.crossover_queries) == (general, 32)
 
 
+def test_first_tokens_are_sampled_before_the_prefill_mtp_pass(v3):
+    def model(mtp: bool) -> PerfModel:
+        return PerfModel(v3, get_accelerator("h800"), dtypes=FP8, parallel=Parallelism(8, 1, 8),
+                         mtp_in_prefill=mtp)  # fmt: skip
+
+    with_mtp, without = model(True), model(False)
+    step = StepShape(prefill=(PrefillChunk(2048), PrefillChunk(512, 64)), num_speculative_tokens=1)
+    # the sampling point is the step priced without the MTP layer over the prompts; after it, that pass
+    assert with_mtp.first_token_s(step) == pytest.approx(without.step_time_s(step), rel=REL)
+    assert 0 < with_mtp.first_token_s(step) < with_mtp.step_time_s(step)
+    assert without.first_token_s(step) == without.step_time_s(step)
+    assert with_mtp.mtp_in_prefill  # the model asked is left as it was
+    assert with_mtp.first_token_s(decode(8, k=1)) == with_mtp.step_time_s(decode(8, k=1))
+
+
 def test_statistical_imbalance():
     assert statistical_imbalance(100.0, 1) == 1.0
     assert statistical_imbalance(768.0, 288) == pytest.approx(1 + math.sqrt(2 * math.log(288) / 768))
