@@ -16,7 +16,8 @@ OutputHistory = Callable[[ScheduledRequest, int], list[int]]
 
 class PenaltyCounts:
     """Per penalised request a slot: output-token counts (`[slots, V]` float32), listed tokens (`[slots, W]`
-    int64: distinct output tokens, plus the prompt's under repetition penalty), counted in full on first
+    int64: distinct output tokens, plus the prompt's under repetition penalty; columns past them repeat the
+    first), counted in full on first
     sight, then per step only the new tokens; reset when dropped or preempted (always equal to a recount)."""
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu", capacity: int = 8) -> None:
@@ -61,18 +62,23 @@ class PenaltyCounts:
         listed_rows: list[int] = []  # (slot, column, token) of each newly listed token
         listed_columns: list[int] = []
         listed_ids: list[int] = []
+        first_listed: list[int] = []  # slots whose first token is listed now: their padding follows
+        slot_of, num_counted, preemptions = self._slot_of, self._num_counted, self._preemptions
+        listed_of = self._listed
         for item in items:
-            slot = self._slot_of.get(item.request_id)
-            if slot is None or self._preemptions[slot] != item.num_preemptions:
+            slot = slot_of.get(item.request_id)
+            if slot is None or preemptions[slot] != item.num_preemptions:
                 slot = self._reset(item, slot)
-            counted = self._num_counted[slot]
+            counted = num_counted[slot]
             new = history(item, counted)
             if new:
                 new_rows.extend([slot] * len(new))
                 new_ids.extend(new)
                 counted += len(new)
-                self._num_counted[slot] = counted
-                listed = self._listed[slot]
+                num_counted[slot] = counted
+                listed = listed_of[slot]
+                if not listed:
+                    first_listed.append(slot)
                 for token in new:
                     if token not in listed:
                         listed_rows.append(slot)
@@ -90,6 +96,8 @@ class PenaltyCounts:
             self._ensure_width(max(len(self._listed[slot]) for slot in slots))
             index = torch.tensor([listed_rows, listed_columns, listed_ids], dtype=torch.long).to(self.device)
             self._ids.index_put_((index[0], index[1]), index[2])
+            for slot in first_listed:
+                self._pad(slot)
         return slots, lengths
 
     def penalize_(
@@ -97,15 +105,21 @@ class PenaltyCounts:
         logits: torch.Tensor,
         rows: list[int],
         slots: list[int],
-        drafts: list[list[int]],
+        drafts: list[list[int]] | None,
         presence_penalty: np.ndarray,
         frequency_penalty: np.ndarray,
         repetition_penalty: np.ndarray,
     ) -> None:
         """Penalise `logits[rows[i]]` (`[N, V]` float32, in place) by slot `slots[i]`'s tokens and `drafts[i]`
-        (drafts before it), penalties `[len(rows)]` float32 (`kernels.sampling.apply_penalties_`)."""
-        num_listed = [len(self._listed[slot]) for slot in slots]
-        keep = [i for i, n in enumerate(num_listed) if n or drafts[i]]  # a row listing nothing is left alone
+        (drafts before it; None: none); penalties `[len(rows)]` float32
+        (`kernels.sampling.apply_penalties_`)."""
+        listed_of = self._listed
+        num_listed = [len(listed_of[slot]) for slot in slots]
+        if drafts is None:
+            drafts = [[]] * len(rows)
+            keep = [i for i, n in enumerate(num_listed) if n]  # a row listing nothing is left alone
+        else:
+            keep = [i for i, n in enumerate(num_listed) if n or drafts[i]]
         if not keep:
             return
         if len(keep) < len(rows):
@@ -116,16 +130,16 @@ class PenaltyCounts:
         device = logits.device
         width = max(num_listed)
         slot_index = torch.tensor(slots, dtype=torch.long).to(device)
-        ids = self._ids[:, :width].index_select(0, slot_index)  # [R, W]
-        valid = torch.arange(width, device=device) < torch.tensor(num_listed, device=device)[:, None]
+        ids = self._ids[:, :width].index_select(0, slot_index)  # [R, W]; past a row's tokens: its first
         num_drafts = max(map(len, drafts))
         if num_drafts:
+            valid = torch.arange(width, device=device) < torch.tensor(num_listed, device=device)[:, None]
             padded = [d + [-1] * (num_drafts - len(d)) for d in drafts]
             draft_ids = torch.tensor(padded, dtype=torch.long).to(device)  # [R, D], -1: none
             ids = torch.cat([ids, draft_ids], dim=1)
             valid = torch.cat([valid, draft_ids >= 0], dim=1)
-        # Entries past a row's tokens repeat its first token: the same value is written twice.
-        ids = torch.where(valid, ids, ids.gather(1, valid.to(torch.uint8).argmax(dim=1, keepdim=True)))
+            # Entries past a row's tokens repeat its first token: the same value is written twice.
+            ids = torch.where(valid, ids, ids.gather(1, valid.to(torch.uint8).argmax(dim=1, keepdim=True)))
         counts = self._counts.view(-1).take(slot_index[:, None] * self.vocab_size + ids)
         if num_drafts:
             counts = counts + (ids[:, :, None] == draft_ids[:, None, :]).sum(dim=-1)
@@ -156,13 +170,19 @@ class PenaltyCounts:
             self._ensure_width(len(listed))
             row = torch.tensor(list(listed), dtype=torch.long)
             self._ids[slot, : len(row)] = row.to(self.device)
+            self._pad(slot)
         return slot
+
+    def _pad(self, slot: int) -> None:
+        """Fill the slot's columns past its listed tokens with its first one (a harmless repeat)."""
+        self._ids[slot, len(self._listed[slot]) :] = self._ids[slot, 0]
 
     def _ensure_width(self, width: int) -> None:
         if width > self._ids.shape[1]:
             wider = torch.zeros(self._ids.shape[0], max(width, 2 * self._ids.shape[1]), dtype=torch.long)
             wider = wider.to(self.device)
             wider[:, : self._ids.shape[1]] = self._ids
+            wider[:, self._ids.shape[1] :] = self._ids[:, :1]  # the padding: each slot's first token
             self._ids = wider
 
     def _grow(self) -> None:

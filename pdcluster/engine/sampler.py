@@ -139,6 +139,22 @@ def process_logits(
     penalized = (
         (params.presence_penalty != 0) | (params.frequency_penalty != 0) | (params.repetition_penalty != 1)
     )
+    if not (params.min_tokens.any() or params.has_logit_bias.any() or any(i.spec_token_ids for i in items)):
+        # penalties alone, one row per request: the rows are the penalised requests' indices
+        index = np.flatnonzero(penalized)
+        whole = len(index) == len(items)
+        slots, _ = counts.update(items if whole else [items[i] for i in index.tolist()], output_history)
+        per_row = params if whole else params.take(index)
+        counts.penalize_(
+            logits,
+            index.tolist(),
+            slots,
+            None,
+            per_row.presence_penalty,
+            per_row.frequency_penalty,
+            per_row.repetition_penalty,
+        )
+        return logits
     penalized_items = [item for item, p in zip(items, penalized.tolist(), strict=True) if p]
     slots, lengths = counts.update(penalized_items, output_history) if penalized_items else ([], [])
     length_of = dict(zip((item.request_id for item in penalized_items), lengths, strict=True))
@@ -224,49 +240,59 @@ def token_logprobs(
     (processed) logits divided by the request's temperature (1 when greedy).
 
     logits: `[sum(k_i + 1), vocab_size]` target logits, request i's `k_i + 1` rows after request i-1's;
+    one `compute_logprobs` and one host transfer per tensor for the whole batch.
     """
     rows: list[int] = []
     token_ids: list[int] = []
     temperatures: list[float] = []
-    wanting: list[ScheduledRequest] = []
+    wanting: list[tuple[str, int, int]] = []  # request id, logprobs asked, tokens
     offset = 0
     for item in items:
         sp = item.request.sampling_params
         tokens = sampled.get(item.request_id) if sp.logprobs is not None else None
         if tokens is not None:
-            wanting.append(item)
-            if len(tokens) == 1:
+            n = len(tokens)
+            wanting.append((item.request_id, sp.logprobs, n))
+            if n == 1:
                 rows.append(offset)
                 token_ids.append(tokens[0])
                 temperatures.append(sp.temperature or 1.0)
             else:
-                rows.extend(range(offset, offset + len(tokens)))
+                rows.extend(range(offset, offset + n))
                 token_ids.extend(tokens)
-                temperatures.extend([sp.temperature or 1.0] * len(tokens))
+                temperatures.extend([sp.temperature or 1.0] * n)
         offset += len(item.spec_token_ids) + 1
     if not wanting:
         return {}
-    num_top = max(item.request.sampling_params.logprobs for item in wanting)
+    num_top = max(n for _, n, _ in wanting)
     scaled = logits if len(rows) == logits.shape[0] else logits[rows]  # rows ascend: all rows is identity
     if any(t != 1.0 for t in temperatures):
         scaled = scaled / torch.tensor(temperatures, dtype=torch.float32, device=logits.device)[:, None]
     result = compute_logprobs(
         scaled, torch.tensor(token_ids, dtype=torch.long, device=logits.device), num_top
     )
-    token_logprobs = result.token_logprobs.tolist()
-    ranks = result.token_ranks.tolist()
     top_ids, top_logprobs = result.top_token_ids.tolist(), result.top_logprobs.tolist()
+    if any(n < num_top for _, n, _ in wanting):  # fewer asked than the batch's most: cut their rows
+        row = 0
+        for _, n, num_tokens in wanting:
+            for r in range(row, row + num_tokens):
+                top_ids[r], top_logprobs[r] = top_ids[r][:n], top_logprobs[r][:n]
+            row += num_tokens
+    per_row = list(
+        map(
+            TokenLogprobs,
+            token_ids,
+            result.token_logprobs.tolist(),
+            result.token_ranks.tolist(),
+            top_ids,
+            top_logprobs,
+        )
+    )
+    if len(per_row) == len(wanting):  # one token each: no drafts accepted
+        return {request_id: [lp] for (request_id, _, _), lp in zip(wanting, per_row, strict=True)}
     out: dict[str, list[TokenLogprobs]] = {}
     row = 0
-    for item in wanting:
-        n = item.request.sampling_params.logprobs
-        tokens = sampled[item.request_id]
-        end = row + len(tokens)
-        ids, values = top_ids[row:end], top_logprobs[row:end]
-        if n < num_top:
-            ids, values = [t[:n] for t in ids], [v[:n] for v in values]
-        out[item.request_id] = list(
-            map(TokenLogprobs, tokens, token_logprobs[row:end], ranks[row:end], ids, values)
-        )
-        row = end
+    for request_id, _, num_tokens in wanting:
+        out[request_id] = per_row[row : row + num_tokens]
+        row += num_tokens
     return out

@@ -153,6 +153,15 @@ def apply_penalties_(
     output_counts: `[R, M]` float32, each listed token's count in the row's output.
     presence_penalty, frequency_penalty, repetition_penalty: `[R]` float32 (None: off).
     """
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.is_contiguous()
+        and not logits.requires_grad
+    ):
+        return _apply_penalties_numpy(
+            logits, rows, token_ids, output_counts, presence_penalty, frequency_penalty, repetition_penalty
+        )
     index = (rows[:, None], token_ids)
     values = logits[index]
     if repetition_penalty is not None:
@@ -163,6 +172,31 @@ def apply_penalties_(
     if presence_penalty is not None:
         values = values - presence_penalty[:, None] * (output_counts > 0)
     logits[index] = values
+    return logits
+
+
+def _apply_penalties_numpy(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    token_ids: torch.Tensor,
+    output_counts: torch.Tensor,
+    presence_penalty: torch.Tensor | None,
+    frequency_penalty: torch.Tensor | None,
+    repetition_penalty: torch.Tensor | None,
+) -> torch.Tensor:
+    """`apply_penalties_` on a contiguous CPU float32 `logits` through numpy views (the same float32 ops)."""
+    flat = logits.numpy().reshape(-1)
+    index = rows.numpy()[:, None] * logits.shape[1] + token_ids.numpy()
+    values = flat[index]
+    counts = output_counts.numpy()
+    if repetition_penalty is not None:
+        penalty = repetition_penalty.numpy()[:, None]
+        values = np.where(values > 0, values / penalty, values * penalty)
+    if frequency_penalty is not None:
+        values = values - frequency_penalty.numpy()[:, None] * counts
+    if presence_penalty is not None:
+        values = values - presence_penalty.numpy()[:, None] * (counts > 0)
+    flat[index] = values
     return logits
 
 
