@@ -1,16 +1,12 @@
 """Elastic expert parallelism on the driver: a multi-rank instance that lost ranks shrinks onto its survivors.
 
-The health monitor hands each probe round's per-rank answers of a multi-rank instance to `ElasticInstances`.
-A rank is lost when it died, or when it stopped answering probes for its pool's `elastic_stall_s` while
-every rank that answered saw the group fail or has been blocked in one collective as long
-(`driver.elastic_loss`). The survivors give up the old group's collectives and form a new group
-(`RankWorker.reform_group`; a stalled rank that wakes cannot join it: a new rendezvous secret), the lost
-actors are killed, KV senders and the router learn the instance's new ranks, and it rejoins routing.
-Requests whose KV was on a lost rank (or still in its handoff) are re-dispatched (`driver.recompute`); the
-survivors' requests were rolled back to the step the collective failed in and go on with their KV. When the
-survivors cannot hold every expert in the slots their device's memory allows (`driver.elastic_budget`;
-`PlacementRefused`, before any new group forms), the instance is left dead with that reason, as without
-elastic EP.
+A rank is lost when it died, or stopped answering probes for its pool's `elastic_stall_s` while every rank
+that answered saw the group fail or was blocked in one collective as long (`driver.elastic_loss`). The
+survivors form a new group (`RankWorker.reform_group`, a new rendezvous secret), the lost actors are killed,
+KV senders and the router learn the new ranks, and the instance rejoins routing. Requests with KV on a lost
+rank (or in its handoff) are re-dispatched (`driver.recompute`); the survivors' roll back to the failed step
+and keep their KV. When the survivors cannot hold every expert in their device's memory
+(`driver.elastic_budget`; `PlacementRefused`, before any new group forms), the instance is left dead.
 """
 
 from __future__ import annotations
@@ -57,10 +53,8 @@ def elastic_ep(topology: Any, role: str) -> bool:
 
 
 class ElasticInstances:
-    """Shrinks instances that lost ranks (see the module docstring). `deployment`: the `ClusterDeployment`
-    (placement groups, rendezvous, KV addresses); `set_decode_ranks(index, n)`: the router's rank count;
-    `max_local_experts`: role -> expert slots a survivor may hold per MoE layer (default: what its device's
-    memory holds, `driver.elastic_budget.survivor_expert_slots`)."""
+    """Shrinks instances that lost ranks. `set_decode_ranks(index, n)`: the router's rank count;
+    `max_local_experts`: role -> expert slots per MoE layer a survivor may hold (`survivor_expert_slots`)."""
 
     def __init__(
         self,
@@ -98,7 +92,6 @@ class ElasticInstances:
                 key, loss, f"kv_transfer {self.deployment.topology.kv_transport} is wired at deploy"
             )
             return True
-        # the lost ranks' requests lost their KV; the survivors' wait for the re-formed group
         self._fail_attempts(instance.role, instance.index, {r: r for r in loss.survivors})
         if key in self.growing:
             self._abort_growth(ray, instance, self.growing.pop(key), "a rank was lost meanwhile")
@@ -150,10 +143,8 @@ class ElasticInstances:
 
     def shrink(self, ray, instance: Instance, loss: RankLoss, outcomes: Sequence[Any]) -> None:
         """Re-form `instance` on `loss.survivors` (renumbered 0.. in old order) and put it back in routing.
-
-        Raises: whatever a survivor's `reform_group` raised (`PlacementRefused` in a RayTaskError), or
-        GetTimeoutError when the survivors did not re-form within their rendezvous timeout.
-        """
+        Raises what a survivor's `reform_group` raised (`PlacementRefused` in a RayTaskError), or
+        GetTimeoutError when the survivors did not re-form within their rendezvous timeout."""
         started_s = time.monotonic()
         dep, key = self.deployment, (instance.role, instance.index)
         logger.error(
@@ -193,7 +184,6 @@ class ElasticInstances:
                 ray.kill(instance.ranks[r], no_restart=True)
             except Exception as e:  # noqa: BLE001 - gone already
                 logger.warning("%s-%d: killing lost rank %d: %r", *key, r, e)
-        # each survivor keeps its client (the events it acknowledged) under its new rank
         clients = {new: instance._clients.get(old) for new, old in enumerate(loss.survivors)}
         instance._clients = {new: c for new, c in clients.items() if c is not None}
         if instance.role == "decode":
@@ -344,9 +334,8 @@ class ElasticInstances:
                 ray.kill(actor, no_restart=True)
 
     def _joined(self, ray, instance: Instance, growth: Growth) -> None:
-        """The survivors switched to the grown group: its newcomers are ranks of the instance from now on
-        (so no later tick grows into their bundles). Wire them; when that fails, take the instance out of
-        routing and kill them: the next probe round shrinks it again as after any rank loss."""
+        """The survivors switched to the grown group: wire its newcomers (now ranks of the instance); when
+        that fails, take the instance out of routing and kill them (the next probe round shrinks it)."""
         key = (instance.role, instance.index)
         instance.bundles = (instance.bundles or list(range(instance.num_ranks))) + growth.bundles
         instance.ranks = instance.ranks + growth.newcomers

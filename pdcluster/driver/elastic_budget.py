@@ -7,13 +7,10 @@ from typing import Any
 
 
 def survivor_expert_slots(topology: Any, role: str) -> int:
-    """Routed expert slots per MoE layer one rank of pool `role` may hold: the most whose weights, with the
-    rank's other parameters (`planner.memory.pool_resident_params`, in the resolved weight dtype) and its
-    `kv_cache_memory_bytes`, fit one device's `hbm_bytes`; at least its deployed slots, at most every
-    logical expert (0 for a model without routed experts).
-
-    Raises ValueError: the model's config.json is unreadable, or its weight dtype unknown.
-    """
+    """Routed expert slots per MoE layer one rank of pool `role` may hold: the most that, with its other
+    parameters (`pool_resident_params`) and `kv_cache_memory_bytes`, fit one device's `hbm_bytes`; at least
+    its deployed slots, at most every logical expert (0 without routed experts).
+    Raises ValueError: the model's config.json is unreadable, or its weight dtype unknown."""
     from pdcluster.config.rules import read_model_architecture
     from pdcluster.planner.memory import pool_resident_params
     from pdcluster.planner.op_costs import dtype_bytes

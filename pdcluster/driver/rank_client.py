@@ -93,8 +93,7 @@ class RayRankClient(RankClient):
         return await _reply_future(self.actor.reserve.remote(request), timeout_s)
 
     def prefill(self, request: PrefillRequest, timeout_s: float) -> PrefillCall:
-        # Two plain calls (`PrefillWorker.prefill_first`, `prefill_result`), not one streamed call: a plain
-        # reply reaches the event loop in one pass, a streamed item in several.
+        # two plain calls, not one streamed: a plain reply reaches the event loop in one pass
         first = _reply_future(self.actor.prefill_first.remote(request, self._order()), None)
         first.add_done_callback(lambda f: f.cancelled() or f.exception())
         last = _reply_future(self.actor.prefill_result.remote(request.handoff_id, self._order()), timeout_s)
@@ -125,8 +124,7 @@ class RayRankClient(RankClient):
 
 def _reply_future(ref: Any, timeout_s: float | None) -> asyncio.Future:
     """A future on the running loop for Ray ObjectRef `ref`: its value, the call's exception, or
-    asyncio.TimeoutError after `timeout_s` (None: no limit). One `call_soon_threadsafe` from Ray's io thread
-    (`asyncio.wait_for` over `await ref` takes several loop passes)."""
+    asyncio.TimeoutError after `timeout_s` (None: no limit), set from Ray's io thread in one loop pass."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
     if timeout_s is not None:

@@ -16,8 +16,7 @@ logger = logging.getLogger("pdcluster.driver.cluster")
 
 
 def advertised_address(bound_address: str, node_ip: str) -> str:
-    """The address prefill senders dial: `node_ip:port` for a server bound to all interfaces (an IPv6 node
-    IP bracketed)."""
+    """The address prefill senders dial: `node_ip:port` (IPv6 bracketed) for a server on all interfaces."""
     host, _, port = bound_address.rpartition(":")
     if host not in ("0.0.0.0", "", "[::]", "::"):
         return bound_address
@@ -141,17 +140,14 @@ class ClusterWiring:
         return []
 
     def _kv_addresses(self, joining: Instance | None = None) -> list[list[Any]]:
-        """Each decode slot's receiver addresses, as prefill senders connect to them: a slot whose actor
-        serves the other pool (`driver.role_moves`; `joining` excepted) gets the first live slot's (nothing
-        is routed to it)."""
+        """Each decode slot's receiver addresses for prefill senders; a slot whose actor serves the other
+        pool (`driver.role_moves`; `joining` excepted) gets the first live slot's."""
         decodes = self.instances["decode"]
         live = [d.index for d in decodes if d.pool_state != "away" or d is joining] or [0]
         return [list(self._decode_addresses[d.index if d.index in live else live[0]]) for d in decodes]
 
     def rewire(self, ray, role: str, index: int, restarted: bool) -> None:
-        """gRPC, shm and shm+grpc only (restarts are off for torch.distributed and for multi-rank instances,
-        whose groups are fixed at deploy).
-        """
+        """gRPC, shm and shm+grpc only (torch.distributed and multi-rank groups are fixed at deploy)."""
         if role == "decode":
             assert restarted
             decode = self.decode_actors[index]

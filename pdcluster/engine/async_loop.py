@@ -1,9 +1,8 @@
 """Asynchronous scheduling: the CPU prepares step N+1 while step N's forward runs.
 
-One worker thread runs the steps in order. A step's result is handed to the engine thread only once the
-next step, already submitted, reaches its forward (or right away when none is queued): the worker's work
-between two forwards (sampling, resolving placeholders) then does not wait for the engine thread's Python
-(the GIL).
+One worker thread runs the steps in order. A step's result is handed to the engine thread once the next
+step reaches its forward (or at once when none is queued), so the worker's work between two forwards does
+not wait on the engine thread's GIL.
 """
 
 from __future__ import annotations
@@ -67,12 +66,8 @@ class AsyncStepLoop:
         )
 
     def drain(self) -> None:
-        """Once no request is left: wait for the step in flight and discard it, then let the executor drop the
-        state of finished requests (an empty step).
-
-        Raises:
-            RuntimeError: a request is still unfinished (its tokens would be lost).
-        """
+        """Once no request is left: discard the step in flight, then let the executor drop finished
+        requests' state (an empty step). Raises RuntimeError: a request is still unfinished."""
         if self.scheduler.has_unfinished():
             raise RuntimeError("drain() with unfinished requests; call step() until none is left")
         if self._in_flight is not None:
@@ -90,10 +85,8 @@ class AsyncStepLoop:
 
 
 class _Worker:
-    """The steps submitted to the worker thread: each runs in order (`run_next`); a step's result is handed
-    over when the next one's forward starts (`Executor.run`'s `before_forward`), when the next one fails, or
-    at once if none waits.
-    """
+    """Steps submitted to the worker thread, run in order; a result is handed over when the next step's
+    forward starts (`Executor.run`'s `before_forward`) or fails, or at once if none waits."""
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor

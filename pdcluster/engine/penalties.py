@@ -17,8 +17,7 @@ OutputHistory = Callable[[ScheduledRequest, int], list[int]]
 class PenaltyCounts:
     """Per penalised request a slot: output-token counts (`[slots, V]` float32), listed tokens (`[slots, W]`
     int64: distinct output tokens, plus the prompt's under repetition penalty; columns past them repeat the
-    first), counted in full on first
-    sight, then per step only the new tokens; reset when dropped or preempted (always equal to a recount)."""
+    first); counted in full on first sight, then only new tokens; reset when dropped or preempted."""
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu", capacity: int = 8) -> None:
         self.vocab_size = vocab_size
@@ -111,8 +110,7 @@ class PenaltyCounts:
         repetition_penalty: np.ndarray,
     ) -> None:
         """Penalise `logits[rows[i]]` (`[N, V]` float32, in place) by slot `slots[i]`'s tokens and `drafts[i]`
-        (drafts before it; None: none); penalties `[len(rows)]` float32
-        (`kernels.sampling.apply_penalties_`)."""
+        (None: none); penalties `[len(rows)]` float32 (`kernels.sampling.apply_penalties_`)."""
         listed_of = self._listed
         num_listed = [len(listed_of[slot]) for slot in slots]
         if drafts is None:
@@ -138,7 +136,6 @@ class PenaltyCounts:
             draft_ids = torch.tensor(padded, dtype=torch.long).to(device)  # [R, D], -1: none
             ids = torch.cat([ids, draft_ids], dim=1)
             valid = torch.cat([valid, draft_ids >= 0], dim=1)
-            # Entries past a row's tokens repeat its first token: the same value is written twice.
             ids = torch.where(valid, ids, ids.gather(1, valid.to(torch.uint8).argmax(dim=1, keepdim=True)))
         counts = self._counts.view(-1).take(slot_index[:, None] * self.vocab_size + ids)
         if num_drafts:

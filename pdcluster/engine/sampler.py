@@ -1,6 +1,5 @@
-"""Turn one step's target logits into tokens: sample, or verify drafts, per request; and log-probabilities.
-The accept rule (Leviathan et al.'s for sampled rows, argmax for greedy) is in `kernels.rejection_sampling`.
-"""
+"""Turn one step's target logits into tokens (sample, or verify drafts: `kernels.rejection_sampling`, after
+Leviathan et al.), and log-probabilities."""
 
 from __future__ import annotations
 
@@ -32,11 +31,8 @@ def sample_isolated(
     draft_probs: Mapping[str, torch.Tensor | None],
     params: SamplingArrays | None = None,
 ) -> tuple[dict[str, list[int]], dict[str, str]]:
-    """`sample_or_verify` over the batch; if it raises, over each request alone (its own rows of `logits`), so
-    an error one request causes fails only that request.
-
-    logits: `[sum(k_i + 1), vocab_size]` float32, as `sample_or_verify`.
-    """
+    """`sample_or_verify` over the batch; if it raises, over each request alone, so an error one request
+    causes fails only that request. logits: `[sum(k_i + 1), vocab_size]` float32, as `sample_or_verify`."""
     if params is None:
         params = SamplingArrays.of([item.request.sampling_params for item in items])
     try:
@@ -65,8 +61,7 @@ def sample_or_verify(
     draft_probs: Mapping[str, torch.Tensor | None],
     params: SamplingArrays | None = None,
 ) -> dict[str, list[int]]:
-    """Tokens of each request: its accepted drafts then one sampled (bonus or recovered) token, batched
-    (greedy rows by one argmax, `kernels.rejection_sampling`; one host transfer of the result).
+    """Tokens of each request: its accepted drafts then one sampled (bonus or recovered) token, batched.
 
     logits: `[sum(k_i + 1), vocab_size]` float32, request i's `k_i + 1` rows after request i-1's.
     draft_probs: request id -> `[num_drafts, vocab_size]` float32 distributions its drafts were
@@ -129,7 +124,6 @@ def process_logits(
 ) -> torch.Tensor:
     """The logit processors of `params` (penalties, logit bias, min_tokens' stop-token ban) applied to
     `logits` `[sum(k_i + 1), vocab_size]` float32 in place; returns `logits`.
-
     output_history: `(item, start)` -> the item's output tokens before its inputs end, from index `start`;
     counts: the penalised requests' token counts, brought up to their histories here.
     """
@@ -238,10 +232,7 @@ def token_logprobs(
 ) -> dict[str, list[TokenLogprobs]]:
     """Log-probabilities of each output token, for the requests that asked for them: `log_softmax` of the
     (processed) logits divided by the request's temperature (1 when greedy).
-
-    logits: `[sum(k_i + 1), vocab_size]` target logits, request i's `k_i + 1` rows after request i-1's;
-    one `compute_logprobs` and one host transfer per tensor for the whole batch.
-    """
+    logits: `[sum(k_i + 1), vocab_size]` target logits, request i's `k_i + 1` rows after request i-1's."""
     rows: list[int] = []
     token_ids: list[int] = []
     temperatures: list[float] = []

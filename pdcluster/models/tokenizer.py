@@ -18,10 +18,8 @@ SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)  # ids 0, 1, 2 in the bundled
 
 
 def check_unicode(text: str) -> None:
-    """Check that `text` is valid Unicode, i.e. encodes as UTF-8 (what the tokenizer needs).
-
-    Raises ValueError: `text` holds a lone surrogate (U+D800..U+DFFF), naming it and its index.
-    """
+    """Check that `text` encodes as UTF-8. Raises ValueError: a lone surrogate (U+D800..U+DFFF), naming
+    it and its index."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -57,16 +55,14 @@ class Tokenizer:
 
     @functools.cached_property
     def max_token_chars(self) -> int:
-        """Characters one token's text holds at most: the longest vocabulary entry (a byte-level or
-        SentencePiece entry has at least as many characters as its decoded text).
-        """
+        """Characters one token's text holds at most: the longest vocabulary entry (no shorter than its
+        decoded text)."""
         return max((len(token) for token in self._tok.get_vocab(with_added_tokens=True)), default=1) or 1
 
     @functools.cached_property
     def token_pieces(self) -> list[str | None] | None:
-        """Index id: the text a byte-level BPE token adds after text that ends on a character boundary,
-        None where it is not whole characters by itself (or is an added token); None for another decoder.
-        """
+        """Index id: the text a byte-level BPE token adds after a character boundary; None where it is not
+        whole characters (or is an added token), and for another decoder."""
         if type(self._tok.decoder) is not ByteLevel:
             return None
         added = set(self._tok.get_added_tokens_decoder())
@@ -77,10 +73,8 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """Load `tokenizer.json` (and `tokenizer_config.json`, if present) from a checkpoint directory.
-
-        Raises FileNotFoundError: no tokenizer.json, naming the file. ValueError: a tokenizer_config.json
-            that is not a JSON object, naming the file.
-        """
+        Raises FileNotFoundError: no tokenizer.json; ValueError: a tokenizer_config.json that is not a JSON
+        object (each naming the file)."""
         file = Path(path) / "tokenizer.json"
         if not file.exists():
             raise FileNotFoundError(f"{file}: no tokenizer.json in the checkpoint directory")
@@ -114,11 +108,9 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Text of a growing list of output token ids, decoding only the newest tokens each time: a `tokenizers`
-    `DecodeStream` (the window of tokens since the last emitted text, in Rust), with the same windows kept
-    here to flush an incomplete last character on `final`, or to go on in Python should the stream refuse
-    a step (a decoder whose text of a longer window does not extend the shorter one's).
-    """
+    """Text of a growing list of output token ids, decoding only the newest tokens: a `tokenizers`
+    `DecodeStream`, with its windows kept here to flush an incomplete last character on `final`, or to go
+    on in Python should the stream refuse a step."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer

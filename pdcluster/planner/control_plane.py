@@ -1,10 +1,8 @@
 """Seconds the live control-plane and handoff path adds around engine steps, and its measurement.
 
-`probe_control_plane` runs requests one at a time on the live cluster (no queueing: every difference is
-overhead); `derive_from_probes` takes per `ControlPlane` field the median of measured minus modelled seconds
-(clamped at 0), and fits the driver's CPU per probe as `host_cpu_per_request_s + host_cpu_per_decode_step_s
-x decode steps` (on `cpu` it competes for the node's cores, as `background_cores` does), each as the
-simulator would replay the probe.
+`probe_control_plane` runs requests one at a time on the live cluster (no queueing); `derive_from_probes`
+takes per `ControlPlane` field the median of measured minus modelled seconds (clamped at 0), and fits the
+driver's CPU per probe as `host_cpu_per_request_s + host_cpu_per_decode_step_s x decode steps`.
 """
 
 from __future__ import annotations
@@ -149,9 +147,7 @@ def point_from_result(
 ) -> dict[str, Any]:
     """One request's measured pieces (seconds) from its `RequestResult`. `modelled`: the prefill step and
     KV handoff as wall seconds (`prefill_s`, `kv_handoff_s`), the decode step at full speed (`decode_s`);
-    the simulator stretches a step's extra with its step by its rate (`planner.core_sharing`), so a
-    measured step of wall `t` leaves `t x rate - modelled full-speed seconds`. The first token is timed from
-    its modelled sampling (`sampled_s`, else the step's end), the handoff from the measured call's end."""
+    a measured step of wall `t` leaves `t x rate - modelled full-speed seconds` (`planner.core_sharing`)."""
     ph = result.phases
     dispatch = (ph.get("route_s") or 0.0) + (ph.get("reserve_s") or 0.0)
     point: dict[str, Any] = {
@@ -193,13 +189,9 @@ def derive_from_probes(
     probes: list[dict[str, Any]], prefill: StepTimeModel, decode: StepTimeModel, k: int, cores: float
 ) -> dict[str, Any]:
     """`{"values", "points"}` of `probes` (`probe_control_plane`'s: a `RequestResult` as a dict, the
-    prompt length, the driver's CPU seconds), as the simulator on `cores` cores would replay them alone.
-
-    The driver's CPU line comes first; the background is what the prefill rank's measured share leaves
-    once its engine and the driver's demand that the simulator adds to that step are counted
-    (share = cores / (1 + driver + background)); each modelled engine time is divided by the simulator's
-    rate for that step before the subtractions. Raises ValueError when `probes` is empty.
-    """
+    prompt length, the driver's CPU seconds), as the simulator on `cores` cores would replay them alone;
+    background from the prefill rank's share = cores / (1 + driver + background).
+    Raises ValueError when `probes` is empty."""
     from pdcluster.entrypoints.bench_client import RequestResult
 
     if not probes:
@@ -250,11 +242,8 @@ def probe_control_plane(
     progress: Callable[[str], None] = lambda label: None,
 ) -> dict[str, Any]:  # fmt: skip
     """Send `num_requests` requests one at a time to the server at `url` (serving `topology`, driven from
-    this process), every other one with a quarter of `max_tokens`, and derive the `ControlPlane`.
-
-    Returns `derive_from_probes`'s object with the raw `probes` and `num_failed`. Raises ValueError when
-    no request succeeded.
-    """
+    this process), every other one with a quarter of `max_tokens`, and derive the `ControlPlane`. Returns
+    `derive_from_probes`'s object with `probes` and `num_failed`. Raises ValueError: no request succeeded."""
     from pdcluster.entrypoints.bench_client import served_model
     from pdcluster.models.tokenizer import Tokenizer
     from pdcluster.planner.trace import TraceRequest, Workload, build_prompts

@@ -42,8 +42,7 @@ logger = logging.getLogger(__name__)
 class PrefillWorker(RankWorker):
     """One prefill rank (of an instance of one or more)."""
 
-    # "start" (taking a job), "step" (the engine step), "complete" (handing a finished prefill over),
-    # "loop" (the loop body, outside any request)
+    # "start" (taking a job), "step", "complete" (handing a prefill over), "loop" (outside any request)
     CHECKPOINTS = ("start", "step", "complete", "loop")
 
     def __init__(
@@ -163,9 +162,8 @@ class PrefillWorker(RankWorker):
         return getattr(job, reply)
 
     def bind(self, bind: PrefillBind, order: CommandSeq | None = None) -> None:
-        """The reservation of a request sent `awaiting_bind` (`PrefillRequest`): its handoff begins with
-        `bind.meta` towards the decode rank named, and the KV computed so far goes out.
-        """
+        """Bind a request sent `awaiting_bind`: its handoff to the decode rank named in `bind.meta` begins,
+        and the KV computed so far goes out."""
         with self._order.turn(order):
             with self._lock:
                 self._binds[bind.handoff_id] = bind
@@ -199,8 +197,8 @@ class PrefillWorker(RankWorker):
             }
 
     def close(self) -> None:
-        """Stop the engine thread, then fail every job still waiting (their `prefill` calls raise at once
-        instead of waiting out their timeouts), close the senders."""
+        """Stop the engine thread, fail every job still waiting (their `prefill` calls raise at once), close
+        the senders."""
         self._jobs.put(("stop", None))
         self._stop_engine_thread()
         waiting = list(self._active.values())
