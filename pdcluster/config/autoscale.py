@@ -49,10 +49,9 @@ class AutoscaleConfig:
     single-device instances between the pools (and with `park` parks them at low load: loaded, out of routing)
     every `interval_s`, from signals over `window_s`, at most one move per `dwell_s`; a leaving instance
     finishes its queue or running requests within `drain_timeout_s`, else (`recompute_at_drain_bound`) its
-    running requests are re-dispatched through prefill, or the move fails and it stays.
-    Utilizations (demand / instances, `driver.autoscale`): move above `target_utilization` when a move
-    lowers the peak by `hysteresis`; park below `park_below_utilization`.
-    """
+    running requests are re-dispatched through prefill, or the move fails and it stays. Utilizations
+    (`driver.autoscale`): move above `target_utilization` when a move lowers the peak by `hysteresis`;
+    park below `park_below_utilization`."""
 
     enabled: bool = False
     controller: bool = True  # false: instances move by hand only (the admin endpoint)

@@ -37,7 +37,6 @@ HOT_DONOR_RATIO = 3.0  # a donor left above target only for a pool this many tim
 @dataclass(frozen=True)
 class InstanceView:
     """One instance as the controller sees it; `instance_id` is stable across moves.
-
     role: `prefill`, `decode` or `parked`; `available`: False while it drains or switches (a move of it is
     in progress, to `moving_to`; None: its role); last_move_s: when its last move ended (-inf: never moved);
     queued_tokens: prefill prompt tokens queued or computing; batch: decode requests running or admitted

@@ -55,19 +55,13 @@ class ClusterDeployment(ClusterWiring):
         worker_classes: dict[str, type] | None = None,
     ):
         """Start the cluster: `ray.init` (RAY_ADDRESS if set, else a local Ray with `num_cpus`, default the
-        devices the topology uses), one placement group per instance (`plan_placement`; pinned to its
-        planned node where the Ray nodes carry `pdcluster_node_<i>` resources), one actor per instance in
-        it, loading weights in parallel (and compiling the decode forward where `compile` is on), then the
-        KV transports wired. `worker_classes`: the rank class per role (default `PrefillWorker`,
-        `DecodeWorker`, and `RoleWorker` as "role" where instances can move; tests deploy subclasses that
-        take injected faults).
-
-        Raises:
-            ValueError: an invalid topology, parallelism the actor layer cannot run or an 8-bit
-            `model.weight_dtype` (`check_deployable`); DeployError (a RuntimeError, one line): an
-            actor failed to start (what it raised, e.g. loading its weights, named with the rank), a
-            Ray call failed.
-        """
+        devices the topology uses), one placement group per instance (`plan_placement`; pinned to its node
+        where Ray nodes carry `pdcluster_node_<i>` resources), its actors loading weights in parallel, then
+        the KV transports wired. `worker_classes`: the rank class per role (default `PrefillWorker`,
+        `DecodeWorker`, and `RoleWorker` as "role" where instances can move).
+        Raises ValueError: an invalid topology, parallelism the actor layer cannot run or an 8-bit
+        `model.weight_dtype` (`check_deployable`); DeployError (a RuntimeError, one line): an actor failed
+        to start (named with the rank), or a Ray call failed."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 

@@ -33,18 +33,11 @@ def shrink_placement(
     expert_load: torch.Tensor | None = None,
     max_local_experts: int | None = None,
 ) -> ShrunkPlacement:
-    """The placement of `placement`'s experts on the ranks not in `lost_ranks`.
-
-    Args:
-        placement: the placement the instance served with.
-        lost_ranks: old rank ids that are gone (at least one, not all).
-        expert_load: `[num_moe_layers, num_logical_experts]` recent load (any real dtype); None: equal.
-        max_local_experts: slots a survivor may hold at most; default its current `num_local_experts`.
-
-    Raises:
-        ValueError: no rank lost, every rank lost, a rank id out of range, or a load of the wrong shape.
-        PlacementRefused: some logical expert cannot be given a replica within the slots allowed.
-    """
+    """The placement of `placement`'s experts on the ranks not in `lost_ranks` (at least one, not all).
+    expert_load: `[num_moe_layers, num_logical_experts]` recent load (any real dtype); None: equal.
+    max_local_experts: slots a survivor may hold at most; default its current `num_local_experts`.
+    Raises ValueError: no rank lost, every rank lost, a rank id out of range, or a load of the wrong shape;
+    PlacementRefused: some logical expert cannot be given a replica within the slots allowed."""
     num_ranks = placement.num_ranks
     if not lost_ranks or any(not 0 <= r < num_ranks for r in lost_ranks):
         raise ValueError(f"lost_ranks must name 1..{num_ranks - 1} of ranks 0..{num_ranks - 1}: {lost_ranks}")

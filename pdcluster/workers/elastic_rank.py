@@ -36,13 +36,9 @@ def _renamed(worker: RankWorker, rank: int) -> str:
 def shrink(worker: RankWorker, spec: InstanceGroupSpec, lost_ranks: list[int], max_local_experts: int | None):
     """Join the survivors' new group `spec` (collective over them) once this rank's old group failed, and
     take this rank's share of the shrunk placement (`engine.elastic_ep.shrink_runtime`). Returns
-    `{"rank", "num_ranks", "num_local_experts", "loaded_experts"}`.
-
-    Raises:
-        PlacementRefused: the survivors cannot hold every logical expert (checked before joining).
-        RuntimeError: the old group has not failed within twice its collective timeout, or the new one
-            could not be formed.
-    """
+    `{"rank", "num_ranks", "num_local_experts", "loaded_experts"}`. Raises PlacementRefused: the survivors
+    cannot hold every logical expert (checked before joining); RuntimeError: the old group has not failed
+    within twice its collective timeout, or the new one could not be formed."""
     from pdcluster.driver.instance_group import join_instance_group, wait_until_loaded
     from pdcluster.engine.elastic_ep import plan_shrink, shrink_runtime
     from pdcluster.models.ep_dispatch import WAITS

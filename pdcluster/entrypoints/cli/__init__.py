@@ -1,17 +1,13 @@
-"""The `pdcluster` command line (`pdcluster --help` lists the subcommands): a thin shell over library
-functions, one module per subcommand.
+"""The `pdcluster` command line: a thin shell over library functions, one module per subcommand.
 
-Each subcommand module (`generate`, `demo`, `deploy`, `validate`, `accuracy`, `bench`, `profile`,
-`plan`) declares its subparser, `NAME`, `HELP` (the line in `pdcluster --help`), `DESCRIPTION` (and
-optionally `EPILOG`, both printed with their line breaks) and `add_arguments(parser)`, and its handler
-`run(args) -> exit code`; `common` holds the option types and `CliError`.
+Each subcommand module (`generate`, `demo`, `deploy`, `validate`, `accuracy`, `bench`, `profile`, `plan`)
+declares `NAME`, `HELP`, `DESCRIPTION` (and optionally `EPILOG`, printed with their line breaks),
+`add_arguments(parser)` and `run(args) -> exit code`; `common` holds the option types and `CliError`.
 
-Every error the user can cause (bad option values, a bad topology file, a missing or broken checkpoint, a
-port in use or a host that is not this machine's) is one line on stderr per problem and exit code 2,
-never a traceback; `deploy` finds all it can before it starts Ray (`config.preflight`, also what
-`validate --for-deploy` reports). `deploy` shuts down the same way on Ctrl-C and SIGTERM, exit code 0.
-Torch and the model code are imported only by the subcommand that needs them, so `--help` and option
-errors answer at once.
+Every error the user can cause (bad options, topology, checkpoint, a port in use, a host not this machine's)
+is one line on stderr per problem and exit code 2, never a traceback; `deploy` checks all it can before Ray
+starts (`config.preflight`) and exits 0 on Ctrl-C and SIGTERM. Torch is imported only by the subcommands
+that need it, so `--help` and option errors answer at once.
 """
 
 from __future__ import annotations
