@@ -75,10 +75,7 @@ def paged_runner(
 
 def stream_windows(stream: list[int], width: int, num_windows: int) -> torch.Tensor:
     """`[num_windows, width]` int64: evenly spaced, non-overlapping windows of a token stream.
-
-    Raises:
-        ValueError: the stream holds fewer than `num_windows` windows of `width` tokens.
-    """
+    Raises ValueError: the stream holds fewer than `num_windows` windows of `width` tokens."""
     available = len(stream) // width
     if available < num_windows:
         raise ValueError(f"held-out text has {available} windows of {width} tokens, asked for {num_windows}")

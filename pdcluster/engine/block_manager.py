@@ -98,10 +98,7 @@ class BlockManager:
 
     def slot_mapping(self, request: Request, start: int, end: int) -> list[int]:
         """Cache slot `block_id * block_size + offset` of each token position in [start, end).
-
-        Raises:
-            ValueError: when the positions are not all covered by the request's block table.
-        """
+        Raises ValueError: when the positions are not all covered by the request's block table."""
         table = self._req_to_block_ids.get(request.request_id, [])
         if not 0 <= start <= end <= len(table) * self.block_size:
             raise ValueError(
@@ -192,10 +189,7 @@ class BlockManager:
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Shrink the block table to the blocks covering `num_tokens` slots, freeing the trailing ones.
-
-        Raises:
-            ValueError: when `num_tokens` would cut into the request's cached (committed, full) blocks.
-        """
+        Raises ValueError: when `num_tokens` would cut into the request's cached (committed, full) blocks."""
         table = self._req_to_block_ids.get(request.request_id, [])
         num_hashed = len(self._req_to_block_hashes.get(request.request_id, ()))
         if num_tokens < num_hashed * self.block_size:

@@ -90,10 +90,7 @@ class CompiledPrefillForward:
     def warm_up(self) -> float:
         """Compile the graph on a dummy step (one request of 2 tokens in block 0, then that block zeroed: no
         request holds a block before the engine starts).
-
-        Raises:
-            Exception: whatever compiling raised; the forward then stays unusable (`accepts` is False).
-        """
+        Raises Exception: whatever compiling raised; the forward then stays unusable (`accepts` is False)."""
         from pdcluster.engine.model_runner import build_model_input
 
         start = time.perf_counter()

@@ -95,10 +95,7 @@ def _kv_layout(config: EngineConfig, model: DeepseekV3ForCausalLM) -> KVPoolLayo
 
 def assign_kv_pool(layout: KVPoolLayout | None, request: Request, max_tokens: int, block_size: int) -> None:
     """Admission: the request's KV pool from its band (`engine.kv_precision`).
-
-    Raises:
-        ValueError: the request could never fit that pool.
-    """
+    Raises ValueError: the request could never fit that pool."""
     if layout is None:
         return
     request.kv_pool = layout.pool_for(request.num_prompt_tokens, max_tokens)

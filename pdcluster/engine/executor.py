@@ -173,10 +173,7 @@ class Executor:
     ) -> ModelRunnerOutput:
         """Execute a prepared step: drop finished/preempted requests' state, resolve placeholders from the
         last step's results, call `before_forward` (a batch runs), forward, sample or verify, propose drafts.
-
-        Raises:
-            RuntimeError: placeholders of a request the previous step sampled nothing for.
-        """
+        Raises RuntimeError: placeholders of a request the previous step sampled nothing for."""
         self.drop(output.finished_request_ids + output.preempted_request_ids)
         if self.structured_outputs is not None:
             self.structured_outputs.drop(output.finished_request_ids + output.preempted_request_ids)

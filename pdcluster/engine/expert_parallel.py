@@ -50,10 +50,7 @@ class EPStats:
 
 def default_placement(config: DeepseekV3Config, parallel: ParallelConfig) -> ExpertPlacement:
     """The placement an instance starts with (`ExpertPlacement.default`: no load known yet).
-
-    Raises:
-        ValueError: `n_routed_experts + num_redundant_experts` not a multiple of expert_parallel_size.
-    """
+    Raises ValueError: `n_routed_experts + num_redundant_experts` not a multiple of expert_parallel_size."""
     return ExpertPlacement.default(
         len(moe_layer_indices(config)),
         config.n_routed_experts,
@@ -80,10 +77,7 @@ def setup_expert_parallel(
     """`(model, runtime)` for an engine: on one device `(model, None)` unchanged; with EP this rank's shard
     (`model` None: loaded with `load_rank_shard`; else a shard built for `default_placement`) and its
     `ExpertParallelRuntime`.
-
-    Raises:
-        ValueError: EP without a process group, or a group/model that does not fit the config.
-    """
+    Raises ValueError: EP without a process group, or a group/model that does not fit the config."""
     parallel = config.parallel
     if not parallel.enabled:
         return model, None
@@ -107,10 +101,7 @@ def max_over_mean(rows: torch.Tensor) -> torch.Tensor:
 
 class ExpertParallelRuntime:
     """See the module docstring.
-
-    Raises:
-        ValueError: the group's size or rank disagree with `parallel`, or the model is not such a shard.
-    """
+    Raises ValueError: the group's size or rank disagree with `parallel`, or the model is not such a shard."""
 
     def __init__(
         self,
@@ -227,10 +218,7 @@ class ExpertParallelRuntime:
     def rebalance(self) -> ExpertPlacement:
         """Compute the new placement from the window's instance-wide load, move expert weights, switch the
         dispatch maps (see the module docstring).
-
-        Raises:
-            EPCollectiveError: a collective or transfer failed or timed out.
-        """
+        Raises EPCollectiveError: a collective or transfer failed or timed out."""
         start_s = time.perf_counter()
         load = sum(self._load_window, self._logical_zero.clone()).to(self.device)
         wait(self.group.allreduce([load]), "EPLB load allreduce", self.rank)

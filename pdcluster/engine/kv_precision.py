@@ -88,10 +88,7 @@ class KVBand:
 @dataclass(frozen=True)
 class KVPrecisionPolicy:
     """Length bands, shortest first; the last has `max_tokens` None.
-
-    Raises:
-        ValueError: no bands, bounds not increasing, or a bounded last band.
-    """
+    Raises ValueError: no bands, bounds not increasing, or a bounded last band."""
 
     bands: tuple[KVBand, ...]
 

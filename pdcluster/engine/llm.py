@@ -31,10 +31,7 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns outputs in prompt order.
-
-        Raises:
-            ValueError: an invalid prompt (see `LLMEngine.add_request`); nothing is queued then.
-        """
+        Raises ValueError: an invalid prompt (see `LLMEngine.add_request`); nothing is queued then."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)

@@ -179,10 +179,7 @@ class LLMEngine:
     ) -> bool:
         """Hold KV blocks for a request whose prompt KV another instance computes: the prompt, the first token
         and `num_draft_tokens` drafts (what its first decode step writes).
-
-        Raises:
-            ValueError: a duplicate id, a bad prompt, or a request that could never fit.
-        """
+        Raises ValueError: a duplicate id, a bad prompt, or a request that could never fit."""
         vocab_size = self.model.config.vocab_size
         if not prompt_token_ids or any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be non-empty and in [0, {vocab_size})")
@@ -214,10 +211,7 @@ class LLMEngine:
     ) -> None:
         """Admit a reserved request whose prompt KV is written (every layer, MTP included) with its first
         token, its logprobs (computed on prefill; None: the request asks for none) and drafts.
-
-        Raises:
-            KeyError: no reservation.
-        """
+        Raises KeyError: no reservation."""
         request, status = self.remote_prefills.admit(request_id, first_token_id, list(draft_token_ids))
         record = self._records[request_id] = self._new_record(request, None)
         if record.logprobs is not None and first_token_logprobs is not None:

@@ -38,10 +38,7 @@ def run_ranks(
 ) -> dict[int, Any]:
     """`{rank: fn's return value}`; ranks in `allow_failed` may raise or die (their entry is then the
     traceback string, or None when they died without reporting).
-
-    Raises:
-        RanksFailed: another rank raised, died, or the ranks were not all done within `timeout_s`.
-    """
+    Raises RanksFailed: another rank raised, died, or the ranks were not all done within `timeout_s`."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

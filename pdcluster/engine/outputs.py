@@ -44,10 +44,7 @@ class ScheduledRequest(NamedTuple):
 
     def slot_mapping(self, block_size: int) -> list[int]:
         """`[num_scheduled_tokens]` cache slot `block_id * block_size + offset` of each input.
-
-        Raises:
-            IndexError: `block_ids` does not cover the inputs' positions.
-        """
+        Raises IndexError: `block_ids` does not cover the inputs' positions."""
         start = self.start_position
         blocks = self.block_ids
         return [

@@ -102,10 +102,7 @@ class RemotePrefillReservations:
     def reserve(self, request: Request, num_draft_tokens: int) -> bool:
         """Hold KV blocks for a new request's prompt, first token and `num_draft_tokens` drafts (what its
         first decode step writes; `LLMEngine.reserve_remote_prefill` builds and checks the request).
-
-        Raises:
-            ValueError: a duplicate id or a request that could never fit (`Scheduler.reserve`).
-        """
+        Raises ValueError: a duplicate id or a request that could never fit (`Scheduler.reserve`)."""
         num_prompt_tokens = request.num_prompt_tokens
         if not self.scheduler.reserve(request, num_prompt_tokens + 1 + num_draft_tokens):
             return False
@@ -157,10 +154,7 @@ class RemotePrefillReservations:
     ) -> tuple[Request, RequestStatus]:
         """Admit a reserved request whose prompt KV is written, with its first token and drafts
         (`Scheduler.admit_reserved`).
-
-        Raises:
-            KeyError: no reservation.
-        """
+        Raises KeyError: no reservation."""
         self._tables.pop(request_id)
         request = self.scheduler.reserved[request_id]
         return request, self.scheduler.admit_reserved(request_id, first_token_id, list(draft_token_ids))

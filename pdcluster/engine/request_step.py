@@ -19,10 +19,7 @@ def schedule_request(
     committed tokens, the placeholder of a token still being sampled, then its drafts (drafts beyond the
     budget are dropped); the token ids themselves go to the scheduler's persistent rows
     (`engine.input_batch.RequestRows.add_step`).
-
-    Raises:
-        RuntimeError: the slots cannot be allocated (the plan did not fit the free blocks).
-    """
+    Raises RuntimeError: the slots cannot be allocated (the plan did not fit the free blocks)."""
     if not bm.allocate_slots(request, num_new_tokens):
         raise RuntimeError(
             f"scheduler plan not applicable: {num_new_tokens} slots for {request.request_id!r}"
@@ -77,10 +74,7 @@ class DecodeStep(NamedTuple):
 def schedule_decode(order: list[Request], bm: BlockManager, block_size: int) -> DecodeStep | None:
     """`schedule_request(r, 1, ...)` of each request of `order` when every one decodes one token without
     drafts and the free blocks cover the new ones (else None, nothing changed).
-
-    Raises:
-        RuntimeError: a block cannot be allocated although the free blocks covered it.
-    """
+    Raises RuntimeError: a block cannot be allocated although the free blocks covered it."""
     table_of = bm.block_table
     step = DecodeStep([], [], [], [], [])
     scheduled, last_token_ids, starts, table_lens, last_block_ids = step

@@ -107,10 +107,7 @@ class Scheduler:
 
     def reserve(self, request: Request, num_slots: int) -> bool:
         """Hold KV blocks for `num_slots` positions of a request whose prompt KV another instance computes.
-
-        Raises:
-            ValueError: duplicate request id, or a request that could never fit (`check_request_fits`).
-        """
+        Raises ValueError: duplicate request id, or a request that could never fit (`check_request_fits`)."""
         self._check_new(request, self.reserved)
         if not self.block_manager.allocate_slots(request, num_slots):
             return False
@@ -131,10 +128,7 @@ class Scheduler:
         """Admit a reserved request whose prompt KV is now in its blocks, as if this instance had run its
         prefill: `num_computed_tokens` = prompt length, the first token committed (stop conditions apply),
         `spec_token_ids` the drafts to verify in its next step.
-
-        Raises:
-            KeyError: no such reservation.
-        """
+        Raises KeyError: no such reservation."""
         request = self.reserved.pop(request_id)
         request.num_computed_tokens = request.num_prompt_tokens
         now = self.clock()

@@ -101,10 +101,7 @@ class DecodeWorker(RankWorker):
 
     def reserve(self, request: ReserveRequest) -> ReserveResult:
         """Reserve blocks and expect the handoff (before prefill starts).
-
-        Raises:
-            ValueError: a request this instance could never hold.
-        """
+        Raises ValueError: a request this instance could never hold."""
         assert self.receiver is not None, "connect a transport first"
         self._checkpoint("before_reserve")
         engine = self.engine
