@@ -131,11 +131,8 @@ class BlockManager:
         self, request: Request, num_new_tokens: int, computed: ComputedBlocks = NO_COMPUTED_BLOCKS
     ) -> bool:
         """Grow the request's block table to cover `num_computed_tokens + num_cached + num_new_tokens` slots.
-
-        Raises:
-            ValueError: `computed` given for a request that already holds blocks or computed tokens.
-            RuntimeError: a block in `computed` was evicted or re-hashed since the lookup.
-        """
+        Raises ValueError: `computed` given for a request that already holds blocks or computed tokens;
+        RuntimeError: a block in `computed` was evicted or re-hashed since the lookup."""
         request_id, bs = request.request_id, self.block_size
         table = self._req_to_block_ids.get(request_id, [])
         num_total_tokens = request.num_computed_tokens + computed.num_cached_tokens + num_new_tokens

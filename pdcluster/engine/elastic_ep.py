@@ -84,13 +84,9 @@ def shrink_runtime(
     checkpoint: str,
 ) -> tuple[ExpertParallelRuntime, ShrunkPlacement]:
     """A new `ExpertParallelRuntime` for this rank over `group` (the survivors, in old rank order) holding
-    its share of the shrunk placement; collective over `group`.
-
-    Raises:
-        PlacementRefused: the survivors cannot hold every logical expert.
-        EPCollectiveError: the load allreduce failed or timed out.
-        CheckpointError: an expert's tensors are missing from `checkpoint`.
-    """
+    its share of the shrunk placement; collective over `group`. Raises PlacementRefused: the survivors
+    cannot hold every logical expert; EPCollectiveError: the load allreduce failed or timed out;
+    CheckpointError: an expert's tensors are missing from `checkpoint`."""
     load = sum(runtime._load_window, runtime._logical_zero.clone()).to(runtime.device)
     wait(group.allreduce([load]), "elastic EP load allreduce", group.rank())
     load = load.cpu().double() + 1.0  # +1: an expert never routed to still sorts by id, not at random

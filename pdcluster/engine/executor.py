@@ -115,11 +115,8 @@ class Executor:
     def prepare(self, output: SchedulerOutput) -> PreparedStep:
         """Pack the scheduled requests into the next persistent buffer set from the scheduler's persistent
         rows (`output.rows`) with whole-batch numpy ops (`InputBuffers.pack_rows`).
-
-        Raises:
-            ValueError: requests scheduled without `output.rows`, or a step the buffers or rows do not
-            cover (see `pack_rows`); a request that mixes placeholders and known tokens.
-        """
+        Raises ValueError: requests scheduled without `output.rows`, or a step the buffers or rows do not
+        cover (see `pack_rows`); a request that mixes placeholders and known tokens."""
         scheduled = output.scheduled
         if not scheduled:
             return PreparedStep(None, [0], [])

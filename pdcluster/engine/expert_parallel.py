@@ -149,11 +149,8 @@ class ExpertParallelRuntime:
 
     def begin_step(self, has_work: bool, num_speculative_tokens: int) -> bool:
         """The step's agreement (one collective; see the module docstring), then a rebalance when due.
-
-        Raises:
-            EPCollectiveError: the collective failed or timed out, the ranks disagree on k or placement, or
-            the instance failed before (`failure`).
-        """
+        Raises EPCollectiveError: the collective failed or timed out, the ranks disagree on k or placement,
+        or the instance failed before (`failure`)."""
         if self.failure is not None:
             raise EPCollectiveError(self.failure)
         k, version = num_speculative_tokens, self.num_rebalances

@@ -194,14 +194,10 @@ class RequestRows(BlockTableRows):
 
     def add_step(self, items: Sequence[ScheduledRequest]) -> ScheduledRows:
         """Bring the rows of a step's requests up to date and return the step as row indices.
-
-        Raises:
-            ValueError: a request's tokens or inputs reach past a row's `max_num_tokens` positions, its
-            placeholders and drafts would overwrite committed tokens, or it holds more blocks than the
-            table's columns.
-            RuntimeError: a request has fewer committed tokens than its row (the row of a request that
-            left without `remove`, under a reused id).
-        """
+        Raises ValueError: a request's tokens or inputs reach past a row's `max_num_tokens` positions, its
+        placeholders and drafts would overwrite committed tokens, or it holds more blocks than the table's
+        columns; RuntimeError: a request has fewer committed tokens than its row (a request that left
+        without `remove`, under a reused id)."""
         width = self.token_ids.shape[1]
         row_of, num_committed, known = self._row_of, self._num_committed, self._known
         tokens, num_valid = self._token_ids_flat, self._num_valid_flat

@@ -88,11 +88,9 @@ class InputBuffers:
         """Fill the buffers with one ragged batch given as per-request lists and return the `ModelInput`
         viewing them (the reference packing; the engine's steps use `pack_rows`).
 
-        slot_mapping: `[sum n]` cache slot of every token when the caller has them; None computes
-        Raises:
-            ValueError: a request runs a position its block table does not cover, or the batch exceeds
-            the buffers' capacity.
-        """
+        slot_mapping: `[sum n]` cache slot of every token when the caller has them; None computes them.
+        Raises ValueError: a request runs a position its block table does not cover, or the batch exceeds
+        the buffers' capacity."""
         num_reqs = len(token_ids)
         num_scheduled = np.fromiter(map(len, token_ids), dtype=np.int64, count=num_reqs)
         table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_reqs)
@@ -112,14 +110,9 @@ class InputBuffers:
 
     def pack_rows(self, step: ScheduledRows) -> ModelInput:
         """Fill the buffers with one step given as rows of the persistent batch and return the `ModelInput`
-        viewing them, with whole-batch numpy ops only (no per-request Python): token ids are one `np.take`
-        of the rows' `token_ids` at `row * row_width + position`, block tables one gather of the rows,
-        positions `start + arange`, slots from the gathered tables.
-
-        Raises:
-            ValueError: a request runs a position its block table does not cover or its row does not
-            hold (`RequestRows.num_valid_tokens`), or the batch exceeds the buffers' capacity.
-        """
+        viewing them, with whole-batch numpy ops only (no per-request Python).
+        Raises ValueError: a request runs a position its block table does not cover or its row does not
+        hold (`RequestRows.num_valid_tokens`), or the batch exceeds the buffers' capacity."""
         rows, row_index, starts, num_scheduled = step[:4]
         ids_np, pos_np, slots_np, tables_np, seq_lens_np, qsl_np = self._np
         num_reqs = len(row_index)

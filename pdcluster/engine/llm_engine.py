@@ -114,13 +114,9 @@ class LLMEngine:
         prefill_only: bool = False,
         stream: bool = True,
     ) -> str:
-        """Queue a prompt (text or token ids).
-
-        Raises:
-            ValueError: empty prompt, prompt + max_tokens over `max_model_len`, a request the KV cache
-            could never hold, `logprobs` over the vocabulary size, or a `structured_output` grammar
-            that does not compile (`engine.structured_output.GrammarError`).
-        """
+        """Queue a prompt (text or token ids). Raises ValueError: empty prompt, prompt + max_tokens over
+        `max_model_len`, a request the KV cache could never hold, `logprobs` over the vocabulary size, or a
+        `structured_output` grammar that does not compile (`engine.structured_output.GrammarError`)."""
         params = sampling_params or SamplingParams()
         if max(params.logprobs or 0, params.prompt_logprobs or 0) > (vocab := self.model.config.vocab_size):
             raise ValueError(f"logprobs and prompt_logprobs must be <= the vocabulary size {vocab}")

@@ -65,11 +65,8 @@ def make_instance_group(
     prefix: str = "instance",
 ) -> dist.ProcessGroup:
     """Join (rank 0: host) the process group of one instance's ranks, without the default process group.
-
-    Raises:
-        ValueError: an unknown backend or a rank outside [0, world_size).
-        RuntimeError / DistStoreError: the rendezvous did not complete within `timeout_s`.
-    """
+    Raises ValueError: an unknown backend or a rank outside [0, world_size); RuntimeError /
+    DistStoreError: the rendezvous did not complete within `timeout_s`."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown process group backend {backend!r}; expected one of {BACKENDS}")
     if not 0 <= rank < world_size:

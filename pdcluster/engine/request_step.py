@@ -17,8 +17,7 @@ def schedule_request(
 ) -> ScheduledRequest:
     """Allocate slots for the request's next `num_new_tokens` positions and describe its step inputs:
     committed tokens, the placeholder of a token still being sampled, then its drafts (drafts beyond the
-    budget are dropped); the token ids themselves go to the scheduler's persistent rows
-    (`engine.input_batch.RequestRows.add_step`).
+    budget are dropped); the token ids go to the scheduler's rows (`RequestRows.add_step`).
     Raises RuntimeError: the slots cannot be allocated (the plan did not fit the free blocks)."""
     if not bm.allocate_slots(request, num_new_tokens):
         raise RuntimeError(
@@ -130,11 +129,8 @@ def commit_sampled(
     """Commit what a sampling step yielded for `item.request`: count and roll back rejected drafts, commit
     tokens up to a stop (`commit_tokens`), cache full blocks, and, unless it finished, take the drafts
     proposed for its next step (`next_draft_token_ids`; with `num_draft_placeholders` only for a request
-    left out of the step in flight).
-
-    Raises:
-        ValueError: no token, more tokens than drafts + 1, or "accepted" tokens that differ from the drafts.
-    """
+    left out of the step in flight). Raises ValueError: no token, more tokens than drafts + 1, or
+    "accepted" tokens that differ from the drafts."""
     request = item.request
     if len(sampled) == 1 and not item.spec_token_ids and not num_draft_placeholders:
         # a decode step without drafts: nothing to verify or roll back

@@ -64,10 +64,9 @@ def sample_or_verify(
     """Tokens of each request: its accepted drafts then one sampled (bonus or recovered) token, batched.
 
     logits: `[sum(k_i + 1), vocab_size]` float32, request i's `k_i + 1` rows after request i-1's.
-    draft_probs: request id -> `[num_drafts, vocab_size]` float32 distributions its drafts were
-    Raises:
-        ValueError: from the kernels, for inconsistent shapes or draft ids outside the vocabulary.
-    """
+    draft_probs: request id -> `[num_drafts, vocab_size]` float32 distributions its drafts were sampled
+    from (None or absent: deterministic drafts, one-hot).
+    Raises ValueError: from the kernels, for inconsistent shapes or draft ids outside the vocabulary."""
     if params is None:
         params = SamplingArrays.of([item.request.sampling_params for item in items])
     request_ids = [item.request_id for item in items]

@@ -67,12 +67,8 @@ class Scheduler:
         self._num_prefix_hit_tokens = 0
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request.
-
-        Raises:
-            ValueError: duplicate request id, or a request that could never fit (see
-            `check_request_fits`: context length or the whole KV cache).
-        """
+        """Queue a new request. Raises ValueError: duplicate request id, or a request that could never fit
+        (`check_request_fits`: context length or the whole KV cache)."""
         self._check_new(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -322,11 +318,8 @@ class Scheduler:
     ) -> list[RequestUpdate]:
         """Commit the step's tokens: roll back rejected drafts, apply stop conditions, cache full blocks, free
         finished requests, take the next drafts.
-
-        Raises:
-            ValueError: the runner returned no token for a request whose step reached its last token, more
-            tokens than drafts + 1, or "accepted" tokens that differ from the drafts.
-        """
+        Raises ValueError: the runner returned no token for a request whose step reached its last token,
+        more tokens than drafts + 1, or "accepted" tokens that differ from the drafts."""
         bm, now = self.block_manager, self.clock()
         updates: list[RequestUpdate] = []
         requests, failed = self.requests, runner_output.failed

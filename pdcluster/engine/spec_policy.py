@@ -33,10 +33,9 @@ def choose_num_speculative_tokens(
     verifying the drafts (see the module docstring for the rule).
 
     accepted_per_position: `[num_positions]` (decayed) drafts accepted at depth i+1; a draft counts
+    as accepted only when every shallower draft of its step was accepted too.
     drafted_per_position: `[num_positions]` (decayed) drafts proposed at depth i+1.
-    Raises:
-        ValueError: `max_k < 1`, `min_accept_prob` outside (0, 1], or lists of different lengths.
-    """
+    Raises ValueError: `max_k < 1`, `min_accept_prob` outside (0, 1], or lists of different lengths."""
     if max_k < 1:
         raise ValueError(f"max_k must be >= 1, got {max_k}")
     if not 0 < min_accept_prob <= 1:

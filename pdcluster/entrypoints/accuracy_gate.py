@@ -113,11 +113,8 @@ def gate_failures(topology: Topology, metrics: dict[str, BandMetrics]) -> list[s
 
 def evaluate_topology(topology: Topology, block_size: int | None = None) -> AccuracyReport:
     """Measure `topology`'s configuration against the float32 reference; see the module docstring.
-
-    Raises:
-        ValueError: the held-out text is too short for the bands, or an unknown weight dtype.
-        models.loader.CheckpointError: the checkpoint cannot be read.
-    """
+    Raises ValueError: the held-out text is too short for the bands, or an unknown weight dtype;
+    models.loader.CheckpointError: the checkpoint cannot be read."""
     from pdcluster.models.corpus import read_documents
     from pdcluster.models.tokenizer import Tokenizer
 

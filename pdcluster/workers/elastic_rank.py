@@ -79,11 +79,8 @@ def _keep_given_up(old_group: Any, timeout_s: float) -> None:
 def grow(worker: RankWorker, spec: InstanceGroupSpec, num_redundant_experts: int, attempt: int) -> dict:
     """Meet the new ranks of group `spec` (after the survivors' ids), serve while they load, then switch to
     it at a step boundary with `ExpertPlacement.default` (`elastic_ep.grow_runtime`). Returns as `shrink`.
-
-    Raises:
-        RuntimeError: `abort_grow(attempt)` was called, the new ranks did not come within the rendezvous
-            timeout, or this rank's current group failed meanwhile.
-    """
+    Raises RuntimeError: `abort_grow(attempt)` was called, the new ranks did not come within the
+    rendezvous timeout, or this rank's current group failed meanwhile."""
     from pdcluster.driver.instance_group import form_group, meet, wait_until_loaded
     from pdcluster.engine.elastic_ep import grow_runtime
 
