@@ -60,6 +60,7 @@ def test_capacity_from_the_step_models():
     # two 800-token chunks fill the 2048-token budget: 1600 / (0.01 + 1600e-4)
     assert cap.prefill_tokens_per_s == pytest.approx(1600 / 0.17, rel=1e-12)  # float sums, not modelling
     assert cap.decode_batch == 64  # 64 rows: 0.0164 s <= 0.05 s
+    assert cap.decode_tokens_per_s == pytest.approx(64 / 0.0164, rel=1e-12)  # one token per row per step
     cap = capacity_from_models(
         topology(), prefill, decode, (), tpot_slo_s=0.0105, context_len=100, prompt_len=800
     )
