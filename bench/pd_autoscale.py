@@ -216,24 +216,44 @@ def prepared(name: str, phase_s: float, seed: int, max_requests: int | None = No
 
 
 def run_cluster(
-    name: str, phase_s: float, seed: int, splits: int, max_requests: int | None = None
+    name: str,
+    phase_s: float,
+    seed: int,
+    splits: int,
+    max_requests: int | None = None,
+    trace_names: tuple[str, ...] = ("phase_shift", "steady"),
+    static_splits: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:
-    """One row per trace on cluster `name`."""
+    """One row per trace of `trace_names` on cluster `name`."""
     topology, models, traces = prepared(name, phase_s, seed, max_requests)
-    return compare(name, topology, models, traces, seed, splits)
+    if unknown := set(trace_names) - set(traces):
+        raise SystemExit(f"--traces: unknown {sorted(unknown)} (phase_shift, steady)")
+    traces = {k: v for k, v in traces.items() if k in trace_names}
+    return compare(name, topology, models, traces, seed, splits, static_splits)
 
 
 def compare(
-    name: str, topology: Any, models: tuple, traces: dict[str, list], seed: int, splits: int
+    name: str,
+    topology: Any,
+    models: tuple,
+    traces: dict[str, list],
+    seed: int,
+    splits: int,
+    static_splits: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:
-    """The simulated rows: each trace on every static split and with the controller."""
+    """The simulated rows: each trace on every static split (prefill instances `static_splits`, else about
+    `splits` of them evenly spaced, the start and the ends) and with the controller."""
     from pdcluster.planner.autoscale_sim import simulate_autoscale
     from pdcluster.planner.simulator import simulate
 
     prefill_model, decode_model, acceptance = models
     total = topology.prefill.num_instances + topology.decode.num_instances
     step = max(1, (total - 1) // splits)
-    candidates = sorted({*range(1, total, step), topology.prefill.num_instances, total - 1})
+    candidates = sorted(static_splits) or sorted(
+        {*range(1, total, step), topology.prefill.num_instances, total - 1}
+    )
+    if not all(0 < n < total for n in candidates):
+        raise SystemExit(f"--static-splits: prefill instances must be in [1, {total - 1}], got {candidates}")
     rows = []
     for trace_name, requests in traces.items():
         static = {}
@@ -326,6 +346,15 @@ def main() -> None:
         default=None,
         help="at most this many requests per trace, evenly thinned (a lower load). Default: all",
     )
+    parser.add_argument(
+        "--static-splits",
+        default="",
+        help="comma-separated prefill instance counts of the static splits to try (instead of --splits' "
+        "grid; the best static is the best of these). Default: the grid",
+    )
+    parser.add_argument(
+        "--traces", default="phase_shift,steady", help="comma-separated: phase_shift, steady. Default: both"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--live",
@@ -350,7 +379,15 @@ def main() -> None:
         results = [
             row
             for name in args.clusters.split(",")
-            for row in run_cluster(name, args.phase_s, args.seed, args.splits, args.max_requests)
+            for row in run_cluster(
+                name,
+                args.phase_s,
+                args.seed,
+                args.splits,
+                args.max_requests,
+                tuple(args.traces.split(",")),
+                tuple(int(n) for n in args.static_splits.split(",") if n),
+            )
         ]
     result = {
         "results": results,
@@ -359,6 +396,7 @@ def main() -> None:
             "autoscale": BENCH_AUTOSCALE,
             "phase_s": args.phase_s,
             "seed": args.seed,
+            "static_splits": args.static_splits or f"grid of --splits {args.splits}",
             "max_requests": args.max_requests,
             "live": args.live,
             "eager": args.eager,
