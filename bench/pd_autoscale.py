@@ -215,21 +215,14 @@ def prepared(name: str, phase_s: float, seed: int, max_requests: int | None = No
     return topology, (prefill_model, decode_model, acceptance), traces
 
 
-def run_cluster(
-    name: str,
-    phase_s: float,
-    seed: int,
-    splits: int,
-    max_requests: int | None = None,
-    trace_names: tuple[str, ...] = ("phase_shift", "steady"),
-    static_splits: tuple[int, ...] = (),
-) -> list[dict[str, Any]]:
-    """One row per trace of `trace_names` on cluster `name`."""
-    topology, models, traces = prepared(name, phase_s, seed, max_requests)
-    if unknown := set(trace_names) - set(traces):
+def run_cluster(name: str, args: Any) -> list[dict[str, Any]]:
+    """One row per trace of `--traces` on cluster `name` (`args`: the parsed command line)."""
+    topology, models, traces = prepared(name, args.phase_s, args.seed, args.max_requests)
+    if unknown := set(names := args.traces.split(",")) - set(traces):
         raise SystemExit(f"--traces: unknown {sorted(unknown)} (phase_shift, steady)")
-    traces = {k: v for k, v in traces.items() if k in trace_names}
-    return compare(name, topology, models, traces, seed, splits, static_splits)
+    static = tuple(int(n) for n in args.static_splits.split(",") if n)
+    traces = {k: v for k, v in traces.items() if k in names}
+    return compare(name, topology, models, traces, args.seed, args.splits, static)
 
 
 def compare(
@@ -352,9 +345,7 @@ def main() -> None:
         help="comma-separated prefill instance counts of the static splits to try (instead of --splits' "
         "grid; the best static is the best of these). Default: the grid",
     )
-    parser.add_argument(
-        "--traces", default="phase_shift,steady", help="comma-separated: phase_shift, steady. Default: both"
-    )
+    parser.add_argument("--traces", default="phase_shift,steady", help="comma-separated. Default: both")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--live",
@@ -376,19 +367,7 @@ def main() -> None:
 
         results = run_live(args)
     else:
-        results = [
-            row
-            for name in args.clusters.split(",")
-            for row in run_cluster(
-                name,
-                args.phase_s,
-                args.seed,
-                args.splits,
-                args.max_requests,
-                tuple(args.traces.split(",")),
-                tuple(int(n) for n in args.static_splits.split(",") if n),
-            )
-        ]
+        results = [row for name in args.clusters.split(",") for row in run_cluster(name, args)]
     result = {
         "results": results,
         "simulated": not args.live,
