@@ -11,7 +11,7 @@ Each pool's demand is counted in instances from the window's signals and a per-i
     prefill demand = max(arrivals(P) + queued prompt tokens / (prompt tokens/s of one instance × H), busy)
     decode demand  = arrivals(D) + output tokens queued in prefill / (output tokens/s of one instance × H)
 
-with H = max(TTFT SLO, dwell_s): a backlog drained over the time a split is kept. Output tokens are
+with H = the TTFT SLO (a backlog drained within one, as its requests wait). Output tokens are
 forecast at admission: each prompt entering prefill becomes a decode request of its max_tokens, so a prompt
 burst that will become decode load raises both pools' demand (no such terms where the capacity has no
 output tokens/s). Each demand is scaled up by how far the window's p90 TTFT (prefill) or TPOT (decode) is
@@ -155,7 +155,7 @@ def pool_demand(
 ) -> dict[str, float]:
     """Each pool's demand in instances (the formula in the module docstring)."""
     prefills = [i for i in instances if i.role == PREFILL]
-    horizon_s = max(policy.ttft_slo_s, policy.dwell_s)
+    horizon_s = policy.ttft_slo_s
     arrivals = arrival_demand(instances, signals, capacity, policy)
     backlog = sum(i.queued_tokens for i in prefills) / (capacity.prefill_tokens_per_s * horizon_s)
     prefill = max(arrivals[PREFILL] + backlog, sum(i.busy_fraction for i in prefills))

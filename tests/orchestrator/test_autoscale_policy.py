@@ -174,16 +174,8 @@ CASES = [
         POLICY,
         None,
     ),
-    # prefill 10x over (its backlog drained over H = 1 s), decode's 2.8 on 1 after (< 10 / HOT_DONOR_RATIO)
-    (
-        "much hotter",
-        [P(0, 9000), D(1, 14), D(2, 14)],
-        Signals(1000.0),
-        Policy(1.0, 0.1, dwell_s=1.0),
-        (1, "decode", "prefill"),
-    ),
-    # the same backlog drained over H = dwell 30 s: prefill 1.3, decode 1.4 on 2
-    ("backlog over the dwell", [P(0, 9000), D(1, 14), D(2, 14)], Signals(1000.0), POLICY, None),
+    # prefill 10x over, decode's 2.8 on 1 after (< 10 / HOT_DONOR_RATIO): worth it
+    ("much hotter", [P(0, 9000), D(1, 14), D(2, 14)], Signals(1000.0), POLICY, (1, "decode", "prefill")),
     ("window not full", [P(0), P(1), D(2, 1), D(3, 3)], Signals(3600.0, window_full=False), POLICY, None),
     # TTFT over its SLO doubles prefill demand (1.2 -> 2.4 on 2 = 1.2 >= 0.8): D->P
     (
@@ -246,7 +238,7 @@ def test_decide(instances, signals, policy, expected):
         assert move.reason  # the log says why
 
 
-# the forecast: one decode instance also emits 200 output tokens/s; H = max(TTFT SLO, dwell) = 1 s
+# the forecast: one decode instance also emits 200 output tokens/s; H = the TTFT SLO, 1 s
 CAP_F = Capacity(prefill_tokens_per_s=1000.0, decode_batch=10.0, decode_tokens_per_s=200.0)
 FORECAST = Policy(ttft_slo_s=1.0, tpot_slo_s=0.1, dwell_s=1.0, drain_timeout_s=20.0)
 BURST = [P(0, 600, queued_output_tokens=120), P(1, 600, queued_output_tokens=120), D(2, 1), D(3, 1)]
@@ -313,12 +305,11 @@ def test_decide_with_the_decode_forecast(instances, signals, capacity, expected)
 
 
 def test_a_backlog_does_not_make_the_donor_hot():
-    # prefill: 6 s of queued work each (over the TTFT SLO: busy measures it), H = 10 s: demand
-    # max(0.6, 3.0) + 18000/10000 = 4.8 on 3 (2.4 on 2 after a move), its arrivals 0.6 (0.3 on 2);
-    # decode 1200/200 = 6.0 on 2 (3.0) takes one: max(2.4, 2.0) < 3.0 - hysteresis
-    instances = [P(i, 6000, busy_fraction=1.0) for i in range(3)] + [D(3, 1), D(4, 1)]
-    policy = Policy(ttft_slo_s=1.0, tpot_slo_s=0.1, dwell_s=10.0, drain_timeout_s=20.0)
-    move = decide(NOW, instances, Signals(600.0, decode_tokens_per_s=1200.0), CAP_F, policy)
+    # prefill: 1.5 s of queued work each (over the TTFT SLO: busy measures it): demand
+    # max(0.6 + 4500/1000, 3.0) = 5.1 on 3 (2.55 on 2 after a move), its arrivals 0.6 (0.3 on 2);
+    # decode 1200/200 = 6.0 on 2 (3.0) takes one: max(2.55, 2.0) < 3.0 - hysteresis
+    instances = [P(i, 1500, busy_fraction=1.0) for i in range(3)] + [D(3, 1), D(4, 1)]
+    move = decide(NOW, instances, Signals(600.0, decode_tokens_per_s=1200.0), CAP_F, FORECAST)
     assert move is not None and (move.instance_id, move.source, move.target) == (0, "prefill", "decode")
 
 
@@ -339,11 +330,10 @@ def test_forecast_demand_formula():
 
 def test_pool_demand_formula():
     instances = [P(0, 500), D(1, 5), D(2, 10)]
-    policy = Policy(1.0, 0.1, dwell_s=0.5)  # H = max(TTFT SLO, dwell) = 1 s
-    demand = pool_demand(instances, Signals(2000.0, kv_occupancy=0.45), CAP, policy)
+    demand = pool_demand(instances, Signals(2000.0, kv_occupancy=0.45), CAP, POLICY)
     # prefill: 2000/1000 + 500/(1000*1.0); decode: max(15/10, 0.45*2/0.9)
     assert demand == {"prefill": 2.5, "decode": 1.5}
-    demand = pool_demand(instances, Signals(2000.0, tpot_p90_s=0.5), CAP, policy)
+    demand = pool_demand(instances, Signals(2000.0, tpot_p90_s=0.5), CAP, POLICY)
     assert demand["decode"] == 1.5 * 2.0  # capped at SLO_PRESSURE_CAP
 
 

@@ -148,8 +148,9 @@ def test_plan_autoscale_flag_prints_the_moves(tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out)
     auto = printed["autoscale"]
     assert auto["num_requests"] == printed["num_requests"] == 300 and auto["num_failed"] == 0
-    first = auto["moves"][0]
-    assert (first["source"], first["target"], first["outcome"]) == ("decode", "prefill", "done")
+    first = auto["moves"][0]  # made once decode's forecast load (these prompts' outputs) leaves it room:
+    assert (first["source"], first["target"]) == ("decode", "prefill")  # it may end after the last request
+    assert first["outcome"] in ("done", "in progress")  # not aborted
     assert "prefill utilization" in first["reason"]
 
 
