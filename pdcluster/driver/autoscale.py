@@ -19,7 +19,8 @@ over its SLO (at most SLO_PRESSURE_CAP). Utilization u = demand / instances (a m
 the pool it goes to). A move from pool A to B is made when B's utilization, the higher, exceeds
 `target_utilization`, the best split reachable by moves from A to B (the k minimizing
 max(dA / (nA - k), dB / (nB + k))) lowers it by at least `hysteresis`, and A's arrivals (its backlog
-passes) stay within `target_utilization` after this move unless B is HOT_DONOR_RATIO times hotter; the
+passes; decode's held batch and KV, not the forecast, which lags a load moving away from it by the window)
+stay within `target_utilization` after this move unless B is HOT_DONOR_RATIO times hotter; the
 move's own cost (the leaving instance drains for `drain_s`, serving neither pool after it stops taking
 work) is counted against its gain over the dwell it then holds (a drain longer than the dwell, as a decode
 instance's reserved requests wait for a prefill backlog, no bar by itself). At most one move per decision and
@@ -131,11 +132,15 @@ class Move:
 
 
 def arrival_demand(
-    instances: Sequence[InstanceView], signals: Signals, capacity: Capacity, policy: Policy
+    instances: Sequence[InstanceView],
+    signals: Signals,
+    capacity: Capacity,
+    policy: Policy,
+    forecast: bool = True,
 ) -> dict[str, float]:
     """Each pool's demand in instances from the load arriving and held, no backlog nor SLO pressure: prompt
     tokens/s over prefill's (or the busy fraction summed, unless a queue over one TTFT SLO keeps it busy);
-    decode's max of its batch, KV and output tokens/s terms."""
+    decode's max of its batch, KV and (`forecast`) output tokens/s terms."""
     prefills = [i for i in instances if i.role == PREFILL]
     prefill = signals.prefill_tokens_per_s / capacity.prefill_tokens_per_s
     queued_s = sum(i.queued_tokens for i in prefills) / (
@@ -146,7 +151,7 @@ def arrival_demand(
     batch = sum(i.batch for i in instances if i.role == DECODE)
     num_decode = sum(1 for i in instances if i.role == DECODE)
     decode = max(batch / capacity.decode_batch, signals.kv_occupancy * num_decode / KV_HIGH)
-    if capacity.decode_tokens_per_s > 0:
+    if forecast and capacity.decode_tokens_per_s > 0:
         decode = max(decode, signals.decode_tokens_per_s / capacity.decode_tokens_per_s)
     return {PREFILL: prefill, DECODE: decode}
 
@@ -195,6 +200,7 @@ def decide(
         count[i.moving_to or i.role] = count.get(i.moving_to or i.role, 0) + 1
     demand = pool_demand(settled, signals, capacity, policy)
     arrivals = arrival_demand(settled, signals, capacity, policy)
+    held = arrival_demand(settled, signals, capacity, policy, forecast=False)  # a donor's own load
     util = {r: demand[r] / count[r] for r in ROLES}
     peak = max(util.values())
     parked = [i for i in settled if i.role == PARKED]
@@ -207,7 +213,7 @@ def decide(
     if direction is not None:
         # moves in flight or within the dwell: only one continuing them (to the same pool); a reversal waits
         move = (
-            _rebalance(settled, count, demand, arrivals, util, policy)
+            _rebalance(settled, count, demand, held, util, policy)
             if peak >= policy.target_utilization
             else None
         )
@@ -217,7 +223,7 @@ def decide(
         overloaded = not moving and arrivals[move.target] >= count[move.target]
         return move if move.target == direction or overloaded else None
     if peak >= policy.target_utilization:
-        return _rebalance(instances, count, demand, arrivals, util, policy)
+        return _rebalance(instances, count, demand, held, util, policy)
     if policy.park and peak < policy.park_below_utilization:
         return _park(settled, count, demand, policy)
     return None

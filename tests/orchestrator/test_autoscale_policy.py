@@ -283,6 +283,24 @@ FORECAST_CASES = [
         CAP_F,
         (2, "decode", "prefill"),
     ),
+    # output-heavy load falling away (a phase of long outputs ending): prefill 2000/1000 = 2.0 on 1; decode
+    # max(15/10, 500/200) = 2.5 on 3. The donor is judged by its held batch, 1.5 / 2 = 0.75 <= 0.8 after a
+    # move (the forecast's 2.5 / 2 = 1.25 lags the window): D->P, max(1.25, 1.0) <= 2.0 - 0.15
+    (
+        "forecast lagging a falling output load: D->P",
+        [P(0), D(1, 5), D(2, 5), D(3, 5)],
+        Signals(2000.0, decode_tokens_per_s=500.0),
+        CAP_F,
+        (1, "decode", "prefill"),
+    ),
+    # the same with a held batch of 18: 1.8 / 2 = 0.9 > 0.8 after a move, and 2.0 < 3 x 0.9
+    (
+        "same, the donor's held batch hot: no move",
+        [P(0), D(1, 6), D(2, 6), D(3, 6)],
+        Signals(2000.0, decode_tokens_per_s=500.0),
+        CAP_F,
+        None,
+    ),
     (
         "forecast within capacity",
         [P(0), P(1), D(2, 1), D(3, 1)],
@@ -319,6 +337,9 @@ def test_forecast_demand_formula():
     # prefill: max(2000/1000, 0.9) + 500/(1000*1); decode: max(15/10, 0.45*2/0.9, 400/200) + 100/(200*1)
     assert pool_demand(instances, signals, CAP_F, FORECAST) == {"prefill": 2.5, "decode": 2.5}
     assert arrival_demand(instances, signals, CAP_F, FORECAST) == {"prefill": 2.0, "decode": 2.0}
+    # a donor's own load: no forecast term, decode max(15/10, 0.45*2/0.9)
+    held = arrival_demand(instances, signals, CAP_F, FORECAST, forecast=False)
+    assert held == {"prefill": 2.0, "decode": 1.5}
     # a queue over one TTFT SLO: the busy fraction measures it, not arrivals
     busy = [P(0, 1500, busy_fraction=1.0), D(1)]
     assert arrival_demand(busy, Signals(100.0), CAP_F, FORECAST)["prefill"] == 0.1
