@@ -215,25 +215,38 @@ def prepared(name: str, phase_s: float, seed: int, max_requests: int | None = No
     return topology, (prefill_model, decode_model, acceptance), traces
 
 
-def run_cluster(
-    name: str, phase_s: float, seed: int, splits: int, max_requests: int | None = None
-) -> list[dict[str, Any]]:
-    """One row per trace on cluster `name`."""
-    topology, models, traces = prepared(name, phase_s, seed, max_requests)
-    return compare(name, topology, models, traces, seed, splits)
+def run_cluster(name: str, args: Any) -> list[dict[str, Any]]:
+    """One row per trace of `--traces` on cluster `name` (`args`: the parsed command line)."""
+    topology, models, traces = prepared(name, args.phase_s, args.seed, args.max_requests)
+    if unknown := set(names := args.traces.split(",")) - set(traces):
+        raise SystemExit(f"--traces: unknown {sorted(unknown)} (phase_shift, steady)")
+    static = tuple(int(n) for n in args.static_splits.split(",") if n)
+    traces = {k: v for k, v in traces.items() if k in names}
+    return compare(name, topology, models, traces, args.seed, args.splits, static)
 
 
 def compare(
-    name: str, topology: Any, models: tuple, traces: dict[str, list], seed: int, splits: int
+    name: str,
+    topology: Any,
+    models: tuple,
+    traces: dict[str, list],
+    seed: int,
+    splits: int,
+    static_splits: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:
-    """The simulated rows: each trace on every static split and with the controller."""
+    """The simulated rows: each trace on every static split (prefill instances `static_splits`, else about
+    `splits` of them evenly spaced, the start and the ends) and with the controller."""
     from pdcluster.planner.autoscale_sim import simulate_autoscale
     from pdcluster.planner.simulator import SimOptions, simulate
 
     options = SimOptions(*models)
     total = topology.prefill.num_instances + topology.decode.num_instances
     step = max(1, (total - 1) // splits)
-    candidates = sorted({*range(1, total, step), topology.prefill.num_instances, total - 1})
+    candidates = sorted(static_splits) or sorted(
+        {*range(1, total, step), topology.prefill.num_instances, total - 1}
+    )
+    if not all(0 < n < total for n in candidates):
+        raise SystemExit(f"--static-splits: prefill instances must be in [1, {total - 1}], got {candidates}")
     rows = []
     for trace_name, requests in traces.items():
         static = {}
@@ -324,6 +337,13 @@ def main() -> None:
         default=None,
         help="at most this many requests per trace, evenly thinned (a lower load). Default: all",
     )
+    parser.add_argument(
+        "--static-splits",
+        default="",
+        help="comma-separated prefill instance counts of the static splits to try (instead of --splits' "
+        "grid; the best static is the best of these). Default: the grid",
+    )
+    parser.add_argument("--traces", default="phase_shift,steady", help="comma-separated. Default: both")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--live",
@@ -345,11 +365,7 @@ def main() -> None:
 
         results = run_live(args)
     else:
-        results = [
-            row
-            for name in args.clusters.split(",")
-            for row in run_cluster(name, args.phase_s, args.seed, args.splits, args.max_requests)
-        ]
+        results = [row for name in args.clusters.split(",") for row in run_cluster(name, args)]
     result = {
         "results": results,
         "simulated": not args.live,
@@ -357,6 +373,7 @@ def main() -> None:
             "autoscale": BENCH_AUTOSCALE,
             "phase_s": args.phase_s,
             "seed": args.seed,
+            "static_splits": args.static_splits or f"grid of --splits {args.splits}",
             "max_requests": args.max_requests,
             "live": args.live,
             "eager": args.eager,

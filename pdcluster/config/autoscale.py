@@ -47,7 +47,9 @@ class PoolBounds:
 class AutoscaleConfig:
     """Dynamic P:D: when `enabled`, the controller (unless `controller` is false: moves by hand only) moves
     single-device instances between the pools (and with `park` parks them at low load: loaded, out of routing)
-    every `interval_s`, from signals over `window_s`, at most one move per `dwell_s`; a leaving instance
+    every `interval_s`, from signals over `window_s`: at most one move per decision and `max_moves_in_flight`
+    under way at once (they may overlap); while moves are under way or within `dwell_s` of the last one's
+    end, only moves to the same pool (no reversal, no parking; unparking excepted); a leaving instance
     finishes its queue or running requests within `drain_timeout_s`, else (`recompute_at_drain_bound`) its
     running requests are re-dispatched through prefill, or the move fails and it stays. Utilizations
     (`driver.autoscale`): move above `target_utilization` when a move lowers the peak by `hysteresis`;

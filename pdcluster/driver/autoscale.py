@@ -3,20 +3,29 @@
 A pure policy shared by the live cluster and the simulator (`planner.autoscale_sim`): no Ray, no torch.
 Each pool's demand is counted in instances from the window's signals and a per-instance `Capacity`:
 
-    prefill demand = max(prompt tokens/s arriving / tokens/s of one instance, busy fraction summed)
-                     + queued prompt tokens / (tokens/s of one instance × TTFT SLO)   (drain the backlog)
-    decode demand  = max(requests in flight / batch one instance holds within the TPOT SLO,
-                         KV blocks used / (blocks of one instance × KV_HIGH))
+    arrivals(P) = prompt tokens/s arriving / prompt tokens/s of one instance (or the busy fraction summed,
+                  where higher and its queue is within one TTFT SLO)
+    arrivals(D) = max(requests in flight / batch one instance holds within the TPOT SLO,
+                      KV blocks used / (blocks of one instance × KV_HIGH),
+                      output tokens/s arriving / output tokens/s of one instance)
+    prefill demand = max(arrivals(P) + queued prompt tokens / (prompt tokens/s of one instance × H), busy)
+    decode demand  = arrivals(D) + output tokens queued in prefill / (output tokens/s of one instance × H)
 
-each scaled up by how far the window's p90 TTFT (prefill) or TPOT (decode) is over its SLO (at most
-SLO_PRESSURE_CAP). Utilization u = demand / instances (an instance moving counts in the pool it goes to).
-A move from pool A to B is made when the higher utilization M0 exceeds `target_utilization`, the best
-split reachable by moves from A to B (the k minimizing max(dA / (nA - k), dB / (nB + k))) lowers it by at
-least `hysteresis`, and A stays within `target_utilization` after this move unless B is HOT_DONOR_RATIO
-times hotter than A would be; the move's own cost (the leaving instance drains for `drain_s`, serving
-neither pool after it stops taking work) is counted against its gain over one dwell time. At most one move
-per decision and `max_moves_in_flight` at once; while moves are in flight or within `dwell_s` of the last
-move only one to the same pool (no reversal, no parking; unparking excepted: the SLO comes first); pools
+with H = the TTFT SLO (a backlog drained within one, as its requests wait). Output tokens are
+forecast at admission: each prompt entering prefill becomes a decode request of its max_tokens, so a prompt
+burst that will become decode load raises both pools' demand (no such terms where the capacity has no
+output tokens/s). Each demand is scaled up by how far the window's p90 TTFT (prefill) or TPOT (decode) is
+over its SLO (at most SLO_PRESSURE_CAP). Utilization u = demand / instances (a moving instance counts in
+the pool it goes to). A move from pool A to B is made when B's utilization, the higher, exceeds
+`target_utilization`, the best split reachable by moves from A to B (the k minimizing
+max(dA / (nA - k), dB / (nB + k))) lowers it by at least `hysteresis`, and A's arrivals (its backlog
+passes; decode's held batch and KV, not the forecast, which lags a load moving away from it by the window)
+stay within `target_utilization` after this move unless B is HOT_DONOR_RATIO times hotter; the
+move's own cost (the leaving instance drains for `drain_s`, serving neither pool after it stops taking
+work) is counted against its gain over one dwell time. At most one move per decision and
+`max_moves_in_flight` under way at once (they may overlap); while moves are under way only more to the same
+pool; within `dwell_s` of the last move's end the same, or a reversal to a pool its arrivals alone
+overload (arrivals >= its instances); no parking then (unparking excepted: the SLO comes first); pools
 kept within their bounds (>= 1).
 """
 
@@ -42,7 +51,8 @@ class InstanceView:
     queued_tokens: prefill prompt tokens queued or computing; batch: decode requests running or admitted
     waiting for a seat (not those reserved awaiting their prefill: prefill's load);
     drain_s: the seconds it needs to finish its work if it leaves its pool now; busy_fraction: of the
-    window it spent computing steps (prefill; 0..1).
+    window it spent computing steps (prefill; 0..1); queued_output_tokens: the expected output tokens
+    (max_tokens) of the requests its queue holds (prefill: decode load on its way).
     """
 
     instance_id: int
@@ -54,6 +64,7 @@ class InstanceView:
     drain_s: float = 0.0
     busy_fraction: float = 0.0
     moving_to: str | None = None
+    queued_output_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,26 +72,30 @@ class Signals:
     """The window's live signals: prompt tokens/s entering prefill, decode KV blocks held by admitted
     requests / total (0..1; blocks reserved for requests still in prefill are prefill's backlog),
     p90 TTFT and TPOT in seconds (None: no sample in the window); `window_full`: False until a whole
-    window of samples exists (no decision then)."""
+    window of samples exists (no decision then); `decode_tokens_per_s`: expected output tokens/s (their
+    max_tokens) of the prompts entering prefill, the decode load on its way."""
 
     prefill_tokens_per_s: float
     kv_occupancy: float = 0.0
     ttft_p90_s: float | None = None
     tpot_p90_s: float | None = None
     window_full: bool = True
+    decode_tokens_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class Capacity:
     """One instance's capacity (`planner.autoscale_sim.capacity_from_models` prices it with the perf model):
-    prompt tokens/s of a prefill instance, requests a decode instance holds within the TPOT SLO."""
+    prompt tokens/s of a prefill instance, requests a decode instance holds within the TPOT SLO, and the
+    output tokens/s it emits at that batch (0: unknown, no decode demand forecast from arrivals)."""
 
     prefill_tokens_per_s: float
     decode_batch: float
+    decode_tokens_per_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.prefill_tokens_per_s > 0 and self.decode_batch > 0):
-            raise ValueError(f"Capacity: both must be > 0, got {self}")
+        if not (self.prefill_tokens_per_s > 0 and self.decode_batch > 0 and self.decode_tokens_per_s >= 0):
+            raise ValueError(f"Capacity: prefill_tokens_per_s, decode_batch must be > 0, got {self}")
 
 
 @dataclass(frozen=True)
@@ -114,17 +129,43 @@ class Move:
     reason: str
 
 
+def arrival_demand(
+    instances: Sequence[InstanceView],
+    signals: Signals,
+    capacity: Capacity,
+    policy: Policy,
+    forecast: bool = True,
+) -> dict[str, float]:
+    """Each pool's demand in instances from the load arriving and held, no backlog nor SLO pressure: prompt
+    tokens/s over prefill's (or the busy fraction summed, unless a queue over one TTFT SLO keeps it busy);
+    decode's max of its batch, KV and (`forecast`) output tokens/s terms."""
+    prefills = [i for i in instances if i.role == PREFILL]
+    prefill = signals.prefill_tokens_per_s / capacity.prefill_tokens_per_s
+    queued_s = sum(i.queued_tokens for i in prefills) / (
+        capacity.prefill_tokens_per_s * max(1, len(prefills))
+    )
+    if queued_s <= policy.ttft_slo_s:
+        prefill = max(prefill, sum(i.busy_fraction for i in prefills))
+    batch = sum(i.batch for i in instances if i.role == DECODE)
+    num_decode = sum(1 for i in instances if i.role == DECODE)
+    decode = max(batch / capacity.decode_batch, signals.kv_occupancy * num_decode / KV_HIGH)
+    if forecast and capacity.decode_tokens_per_s > 0:
+        decode = max(decode, signals.decode_tokens_per_s / capacity.decode_tokens_per_s)
+    return {PREFILL: prefill, DECODE: decode}
+
+
 def pool_demand(
     instances: Sequence[InstanceView], signals: Signals, capacity: Capacity, policy: Policy
 ) -> dict[str, float]:
     """Each pool's demand in instances (the formula in the module docstring)."""
-    queued = sum(i.queued_tokens for i in instances if i.role == PREFILL)
-    batch = sum(i.batch for i in instances if i.role == DECODE)
-    num_decode = sum(1 for i in instances if i.role == DECODE)
-    busy = sum(i.busy_fraction for i in instances if i.role == PREFILL)
-    prefill = max(signals.prefill_tokens_per_s / capacity.prefill_tokens_per_s, busy)
-    prefill += queued / (capacity.prefill_tokens_per_s * policy.ttft_slo_s)
-    decode = max(batch / capacity.decode_batch, signals.kv_occupancy * num_decode / KV_HIGH)
+    prefills = [i for i in instances if i.role == PREFILL]
+    horizon_s = policy.ttft_slo_s
+    arrivals = arrival_demand(instances, signals, capacity, policy)
+    backlog = sum(i.queued_tokens for i in prefills) / (capacity.prefill_tokens_per_s * horizon_s)
+    prefill = max(arrivals[PREFILL] + backlog, sum(i.busy_fraction for i in prefills))
+    decode = arrivals[DECODE]
+    if capacity.decode_tokens_per_s > 0:
+        decode += sum(i.queued_output_tokens for i in prefills) / (capacity.decode_tokens_per_s * horizon_s)
     if signals.ttft_p90_s is not None and signals.ttft_p90_s > policy.ttft_slo_s:
         prefill *= min(signals.ttft_p90_s / policy.ttft_slo_s, SLO_PRESSURE_CAP)
     if signals.tpot_p90_s is not None and signals.tpot_p90_s > policy.tpot_slo_s:
@@ -156,6 +197,8 @@ def decide(
     for i in moving:
         count[i.moving_to or i.role] = count.get(i.moving_to or i.role, 0) + 1
     demand = pool_demand(settled, signals, capacity, policy)
+    arrivals = arrival_demand(settled, signals, capacity, policy)
+    held = arrival_demand(settled, signals, capacity, policy, forecast=False)  # a donor's own load
     util = {r: demand[r] / count[r] for r in ROLES}
     peak = max(util.values())
     parked = [i for i in settled if i.role == PARKED]
@@ -167,10 +210,18 @@ def decide(
         direction = last.role
     if direction is not None:
         # moves in flight or within the dwell: only one continuing them (to the same pool); a reversal waits
-        move = _rebalance(settled, count, demand, util, policy) if peak >= policy.target_utilization else None
-        return move if move is not None and move.target == direction else None
+        move = (
+            _rebalance(settled, count, demand, held, util, policy)
+            if peak >= policy.target_utilization
+            else None
+        )
+        if move is None:
+            return None
+        # a reversal within the dwell only for a pool its arrivals alone overload (the SLO comes first)
+        overloaded = not moving and arrivals[move.target] >= count[move.target]
+        return move if move.target == direction or overloaded else None
     if peak >= policy.target_utilization:
-        return _rebalance(instances, count, demand, util, policy)
+        return _rebalance(instances, count, demand, held, util, policy)
     if policy.park and peak < policy.park_below_utilization:
         return _park(settled, count, demand, policy)
     return None
@@ -186,6 +237,7 @@ def _rebalance(
     instances: Sequence[InstanceView],
     count: dict[str, int],
     demand: dict[str, float],
+    arrivals: dict[str, float],
     util: dict[str, float],
     policy: Policy,
 ) -> Move | None:
@@ -203,7 +255,8 @@ def _rebalance(
         return None
     source_after = demand[source] / (count[source] - 1)
     after = max(source_after, demand[target] / (count[target] + 1))
-    if source_after > policy.target_utilization and peak < HOT_DONOR_RATIO * source_after:
+    donor_after = arrivals[source] / (count[source] - 1)  # its backlog passes; its arrivals stay
+    if donor_after > policy.target_utilization and peak < HOT_DONOR_RATIO * donor_after:
         return None  # both pools hot: the move would shift the backlog, and the next decision undo it
     for candidate in _by_cost(instances, source):
         if candidate.drain_s > policy.drain_timeout_s:
@@ -262,21 +315,22 @@ def _unpark(
 
 
 class SignalWindow:
-    """The live signals over the last `window_s` seconds: prompt tokens entering prefill, TTFT and TPOT
-    samples (seconds). Times are the caller's clock (seconds); samples older than the window are dropped."""
+    """The live signals over the last `window_s` seconds: prompt tokens entering prefill and their expected
+    output tokens, TTFT and TPOT samples (seconds). Times are the caller's clock (seconds); samples older
+    than the window are dropped."""
 
     def __init__(self, window_s: float) -> None:
         if not window_s > 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
         self.window_s = window_s
         self._start_s: float | None = None
-        self._prompts: deque[tuple[float, int]] = deque()
+        self._prompts: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, expected output)
         self._ttft: deque[tuple[float, float]] = deque()
         self._tpot: deque[tuple[float, float]] = deque()
 
-    def add_prompt(self, now_s: float, num_tokens: int) -> None:
+    def add_prompt(self, now_s: float, num_tokens: int, expected_output_tokens: int = 0) -> None:
         self._first(now_s)
-        self._prompts.append((now_s, num_tokens))
+        self._prompts.append((now_s, num_tokens, expected_output_tokens))
 
     def add_ttft(self, now_s: float, ttft_s: float) -> None:
         self._first(now_s)
@@ -292,7 +346,7 @@ class SignalWindow:
 
     def mean_prompt_tokens(self) -> float | None:
         """Mean prompt length of the window's prompts (as of the last `signals`), None for none."""
-        return sum(n for _, n in self._prompts) / len(self._prompts) if self._prompts else None
+        return sum(p[1] for p in self._prompts) / len(self._prompts) if self._prompts else None
 
     def _first(self, now_s: float) -> None:
         if self._start_s is None:
@@ -306,10 +360,11 @@ class SignalWindow:
             while samples and samples[0][0] < cutoff:
                 samples.popleft()
         span_s = self.window_s if self._start_s is None else min(self.window_s, now_s - self._start_s)
-        num_tokens = sum(n for _, n in self._prompts)
-        rate = num_tokens / span_s if span_s > 0 else 0.0
+        num_tokens = sum(p[1] for p in self._prompts)
+        num_output = sum(p[2] for p in self._prompts)
+        rate, output_rate = (num_tokens / span_s, num_output / span_s) if span_s > 0 else (0.0, 0.0)
         ttft, tpot = p90(v for _, v in self._ttft), p90(v for _, v in self._tpot)
-        return Signals(rate, kv_occupancy, ttft, tpot, self.full(now_s))
+        return Signals(rate, kv_occupancy, ttft, tpot, self.full(now_s), output_rate)
 
 
 def p90(values: Iterable[float]) -> float | None:

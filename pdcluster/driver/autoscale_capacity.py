@@ -30,7 +30,7 @@ def capacity_from_models(
 ) -> Capacity:
     """One instance's capacity priced by the perf model: prompt tokens/s of a prefill step filled with
     `prompt_len`-token prompts (`max_num_batched_tokens`), and the largest decode batch (<= max_num_seqs,
-    >= 1) whose step at `context_len` emits tokens within the TPOT SLO."""
+    >= 1) whose step at `context_len` emits tokens within the TPOT SLO, and the output tokens/s it emits."""
     budget = topology.prefill.max_num_batched_tokens
     chunk = max(1, min(prompt_len, budget))
     chunks = (PrefillChunk(chunk),) * max(1, budget // chunk)
@@ -47,4 +47,4 @@ def capacity_from_models(
     while low < high:  # step time grows with the batch: the largest batch within the SLO
         mid = (low + high + 1) // 2
         low, high = (mid, high) if tpot_s(mid) <= tpot_slo_s else (low, mid - 1)
-    return Capacity(num_tokens / prefill_s, float(low))
+    return Capacity(num_tokens / prefill_s, float(low), low / tpot_s(low))

@@ -76,11 +76,14 @@ class LiveAutoscaler(PeriodicThread):
         self._lock = threading.Lock()
         self.decisions: list[tuple[float, Move, str]] = []  # (when, the move, "done" | why it was not)
 
-    async def observe(self, stream: AsyncIterator[Any], num_prompt_tokens: int) -> AsyncIterator[Any]:
-        """`stream` (a `Cluster.generate` stream) passed through, its prompt, TTFT and TPOT recorded."""
+    async def observe(
+        self, stream: AsyncIterator[Any], num_prompt_tokens: int, max_tokens: int = 0
+    ) -> AsyncIterator[Any]:
+        """`stream` (a `Cluster.generate` stream) passed through, its prompt (and `max_tokens`, the decode
+        load it forecasts), TTFT and TPOT recorded."""
         started_s = self.clock()
         with self._lock:
-            self.window.add_prompt(started_s, num_prompt_tokens)
+            self.window.add_prompt(started_s, num_prompt_tokens, max_tokens)
         first_s, num_tokens = None, 0
         try:
             async for delta in stream:
@@ -104,10 +107,13 @@ class LiveAutoscaler(PeriodicThread):
         requests has left, at the TPOT SLO."""
         mover, loads = self.cluster.mover, self.cluster.dispatcher._loads
         left: dict[int, int] = {}  # decode instance -> most output tokens a request of it has left
+        coming: dict[int, int] = {}  # prefill instance -> max_tokens of the requests it has not handed off
         for r in list(self.cluster.dispatcher._requests.values()):
             if r.attempt is not None and r.params is not None:
                 n = r.params.max_tokens - len(r.streamed_token_ids)
                 left[r.attempt.decode_index] = max(left.get(r.attempt.decode_index, 0), n)
+                if not r.attempt.prefill_reported:
+                    coming[r.attempt.prefill_index] = coming.get(r.attempt.prefill_index, 0) + n
         views, used, total = [], 0, 0
         for role in ("prefill", "decode"):
             for slot in self.cluster.instances[role]:
@@ -130,7 +136,11 @@ class LiveAutoscaler(PeriodicThread):
                     fraction = sum(b for _, b in busy) / len(busy)
                     drain_s = queued / capacity.prefill_tokens_per_s
                     view = dataclasses.replace(
-                        view, queued_tokens=queued, busy_fraction=fraction, drain_s=drain_s
+                        view,
+                        queued_tokens=queued,
+                        busy_fraction=fraction,
+                        drain_s=drain_s,
+                        queued_output_tokens=coming.get(slot.index, 0),
                     )
                 else:
                     try:

@@ -102,7 +102,9 @@ class Cluster(ClusterDeployment):
         through `LiveAutoscaler.observe` when the controller runs)."""
         stream = self.dispatcher.generate(request_id, prompt_token_ids, params)
         autoscaler = getattr(self, "autoscaler", None)
-        return stream if autoscaler is None else autoscaler.observe(stream, len(prompt_token_ids))
+        if autoscaler is None:
+            return stream
+        return autoscaler.observe(stream, len(prompt_token_ids), params.max_tokens)
 
     async def abort(self, request_id: str) -> None:
         """`Dispatcher.abort`."""

@@ -135,7 +135,7 @@ class AutoscaleSimulator(ClusterSimulator):
             self._tick(now_s)
             return
         if request.prefill_queued_s is None:
-            self.window.add_prompt(now_s, request.num_prompt_tokens)
+            self.window.add_prompt(now_s, request.num_prompt_tokens, request.max_tokens)
         super()._route(request, now_s)
 
     def _reserve(self, decode: SimEngine, request: SimRequest, now_s: float) -> None:
@@ -253,6 +253,7 @@ class AutoscaleSimulator(ClusterSimulator):
                 available,
                 device.last_move_s,
                 queued_tokens=queued,
+                queued_output_tokens=sum(r.max_tokens for r in engine.requests.values()),
                 drain_s=drain_s,
                 busy_fraction=device.busy_fraction(now_s, self.config.window_s),
                 moving_to=moving_to,

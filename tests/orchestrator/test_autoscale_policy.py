@@ -13,6 +13,7 @@ from pdcluster.driver.autoscale import (
     Policy,
     Signals,
     SignalWindow,
+    arrival_demand,
     decide,
     p90,
     pool_demand,
@@ -54,12 +55,21 @@ CASES = [
     ("balanced: nothing", [P(0), P(1), D(2, 9), D(3, 9)], Signals(1800.0), POLICY, None),
     # u_p 0.9, u_d 0.7: a move gives max(1.8/3, 1.4/1)=1.4 > 0.9 - 0.15
     ("move would hurt donor", [P(0), P(1), D(2, 7), D(3, 7)], Signals(1800.0), POLICY, None),
+    # the last move (to decode) 20 s ago: u_p 0.9 waits for the dwell (arrivals 1.8 < 2 instances)
     (
         "last move within dwell",
         [P(0), P(1), D(2, 1), D(3, 1, last_move_s=80.0)],
-        Signals(3600.0),
+        Signals(1800.0),
         POLICY,
         None,
+    ),
+    # prefill's arrivals alone (3.6) overload its 2 instances: the reversal does not wait
+    (
+        "reversal within dwell to an overloaded pool",
+        [P(0), P(1), D(2, 1), D(3, 1, last_move_s=80.0)],
+        Signals(3600.0),
+        POLICY,
+        (2, "decode", "prefill"),
     ),
     # the last move (to prefill) 2 s ago: continuing it is no reversal
     (
@@ -164,7 +174,7 @@ CASES = [
         POLICY,
         None,
     ),
-    # prefill 10x over, decode after the move 1.4 (< 10 / HOT_DONOR_RATIO): worth it
+    # prefill 10x over, decode's 2.8 on 1 after (< 10 / HOT_DONOR_RATIO): worth it
     ("much hotter", [P(0, 9000), D(1, 14), D(2, 14)], Signals(1000.0), POLICY, (1, "decode", "prefill")),
     ("window not full", [P(0), P(1), D(2, 1), D(3, 3)], Signals(3600.0, window_full=False), POLICY, None),
     # TTFT over its SLO doubles prefill demand (1.2 -> 2.4 on 2 = 1.2 >= 0.8): D->P
@@ -228,6 +238,117 @@ def test_decide(instances, signals, policy, expected):
         assert move.reason  # the log says why
 
 
+# the forecast: one decode instance also emits 200 output tokens/s; H = the TTFT SLO, 1 s
+CAP_F = Capacity(prefill_tokens_per_s=1000.0, decode_batch=10.0, decode_tokens_per_s=200.0)
+FORECAST = Policy(ttft_slo_s=1.0, tpot_slo_s=0.1, dwell_s=1.0, drain_timeout_s=20.0)
+BURST = [P(0, 600, queued_output_tokens=120), P(1, 600, queued_output_tokens=120), D(2, 1), D(3, 1)]
+SHORT = [P(0, 600, queued_output_tokens=10), P(1, 600, queued_output_tokens=10), D(2, 1), D(3, 1)]
+FORECAST_CASES = [
+    # (id, instances, signals, capacity, expected)
+    # 600 output tokens/s arriving: decode 3.0 on 2 before its batch grows; prefill 0.2 on 2
+    (
+        "output-heavy arrivals: P->D ahead",
+        [P(0), P(1), D(2, 1), D(3, 1)],
+        Signals(200.0, decode_tokens_per_s=600.0),
+        CAP_F,
+        (0, "prefill", "decode"),
+    ),
+    (
+        "same window, no forecast",
+        [P(0), P(1), D(2, 1), D(3, 1)],
+        Signals(200.0, decode_tokens_per_s=600.0),
+        CAP,
+        None,
+    ),
+    # a prompt burst that becomes decode load: prefill 1.0 + 1200/1000 = 2.2, decode 1.0 + 240/200 = 2.2
+    (
+        "prompt burst to become decode load: no over-moving",
+        BURST,
+        Signals(1000.0, decode_tokens_per_s=200.0),
+        CAP_F,
+        None,
+    ),
+    (
+        "same burst, decode seen by its batch only: D->P",
+        BURST,
+        Signals(1000.0, decode_tokens_per_s=200.0),
+        CAP,
+        (2, "decode", "prefill"),
+    ),
+    # the same burst with short outputs: decode max(0.2, 0.1) + 20/200 = 0.3, prefill 2.2
+    (
+        "prompt burst of short outputs: D->P",
+        SHORT,
+        Signals(1000.0, decode_tokens_per_s=20.0),
+        CAP_F,
+        (2, "decode", "prefill"),
+    ),
+    # output-heavy load falling away (a phase of long outputs ending): prefill 2000/1000 = 2.0 on 1; decode
+    # max(15/10, 500/200) = 2.5 on 3. The donor is judged by its held batch, 1.5 / 2 = 0.75 <= 0.8 after a
+    # move (the forecast's 2.5 / 2 = 1.25 lags the window): D->P, max(1.25, 1.0) <= 2.0 - 0.15
+    (
+        "forecast lagging a falling output load: D->P",
+        [P(0), D(1, 5), D(2, 5), D(3, 5)],
+        Signals(2000.0, decode_tokens_per_s=500.0),
+        CAP_F,
+        (1, "decode", "prefill"),
+    ),
+    # the same with a held batch of 18: 1.8 / 2 = 0.9 > 0.8 after a move, and 2.0 < 3 x 0.9
+    (
+        "same, the donor's held batch hot: no move",
+        [P(0), D(1, 6), D(2, 6), D(3, 6)],
+        Signals(2000.0, decode_tokens_per_s=500.0),
+        CAP_F,
+        None,
+    ),
+    (
+        "forecast within capacity",
+        [P(0), P(1), D(2, 1), D(3, 1)],
+        Signals(800.0, decode_tokens_per_s=160.0),
+        CAP_F,
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("instances", "signals", "capacity", "expected"),
+    [c[1:] for c in FORECAST_CASES],
+    ids=[c[0] for c in FORECAST_CASES],
+)
+def test_decide_with_the_decode_forecast(instances, signals, capacity, expected):
+    move = decide(NOW, instances, signals, capacity, FORECAST)
+    got = None if move is None else (move.instance_id, move.source, move.target)
+    assert got == expected, move
+
+
+def test_a_backlog_does_not_make_the_donor_hot():
+    # prefill: 1.5 s of queued work each (over the TTFT SLO: busy measures it): demand
+    # max(0.6 + 4500/1000, 3.0) = 5.1 on 3 (2.55 on 2 after a move), its arrivals 0.6 (0.3 on 2);
+    # decode 1200/200 = 6.0 on 2 (3.0) takes one: max(2.55, 2.0) < 3.0 - hysteresis
+    instances = [P(i, 1500, busy_fraction=1.0) for i in range(3)] + [D(3, 1), D(4, 1)]
+    move = decide(NOW, instances, Signals(600.0, decode_tokens_per_s=1200.0), CAP_F, FORECAST)
+    assert move is not None and (move.instance_id, move.source, move.target) == (0, "prefill", "decode")
+
+
+def test_forecast_demand_formula():
+    instances = [P(0, 500, queued_output_tokens=100, busy_fraction=0.9), D(1, 5), D(2, 10)]
+    signals = Signals(2000.0, kv_occupancy=0.45, decode_tokens_per_s=400.0)
+    # prefill: max(2000/1000, 0.9) + 500/(1000*1); decode: max(15/10, 0.45*2/0.9, 400/200) + 100/(200*1)
+    assert pool_demand(instances, signals, CAP_F, FORECAST) == {"prefill": 2.5, "decode": 2.5}
+    assert arrival_demand(instances, signals, CAP_F, FORECAST) == {"prefill": 2.0, "decode": 2.0}
+    # a donor's own load: no forecast term, decode max(15/10, 0.45*2/0.9)
+    held = arrival_demand(instances, signals, CAP_F, FORECAST, forecast=False)
+    assert held == {"prefill": 2.0, "decode": 1.5}
+    # a queue over one TTFT SLO: the busy fraction measures it, not arrivals
+    busy = [P(0, 1500, busy_fraction=1.0), D(1)]
+    assert arrival_demand(busy, Signals(100.0), CAP_F, FORECAST)["prefill"] == 0.1
+    assert (
+        arrival_demand([P(0, 500, busy_fraction=1.0), D(1)], Signals(100.0), CAP_F, FORECAST)["prefill"]
+        == 1.0
+    )
+
+
 def test_pool_demand_formula():
     instances = [P(0, 500), D(1, 5), D(2, 10)]
     demand = pool_demand(instances, Signals(2000.0, kv_occupancy=0.45), CAP, POLICY)
@@ -250,10 +371,10 @@ def test_bad_inputs():
 
 def test_signal_window():
     window = SignalWindow(10.0)
-    window.add_prompt(0.0, 100)
+    window.add_prompt(0.0, 100, 40)
     window.add_prompt(2.0, 300)
-    # 4 s since the first sample: 400 tokens / 4 s
-    assert window.signals(4.0, 0.5) == Signals(100.0, 0.5, None, None, window_full=False)
+    # 4 s since the first sample: 400 tokens / 4 s, 40 expected output tokens / 4 s
+    assert window.signals(4.0, 0.5) == Signals(100.0, 0.5, None, None, False, decode_tokens_per_s=10.0)
     for t, v in enumerate([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]):
         window.add_ttft(5.0 + t * 0.1, v)
     window.add_tpot(6.0, 0.05)

@@ -60,6 +60,7 @@ def test_capacity_from_the_step_models():
     # two 800-token chunks fill the 2048-token budget: 1600 / (0.01 + 1600e-4)
     assert cap.prefill_tokens_per_s == pytest.approx(1600 / 0.17, rel=1e-12)  # float sums, not modelling
     assert cap.decode_batch == 64  # 64 rows: 0.0164 s <= 0.05 s
+    assert cap.decode_tokens_per_s == pytest.approx(64 / 0.0164, rel=1e-12)  # one token per row per step
     cap = capacity_from_models(
         topology(), prefill, decode, (), tpot_slo_s=0.0105, context_len=100, prompt_len=800
     )
@@ -147,8 +148,9 @@ def test_plan_autoscale_flag_prints_the_moves(tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out)
     auto = printed["autoscale"]
     assert auto["num_requests"] == printed["num_requests"] == 300 and auto["num_failed"] == 0
-    first = auto["moves"][0]
-    assert (first["source"], first["target"], first["outcome"]) == ("decode", "prefill", "done")
+    first = auto["moves"][0]  # made once decode's forecast load (these prompts' outputs) leaves it room:
+    assert (first["source"], first["target"]) == ("decode", "prefill")  # it may end after the last request
+    assert first["outcome"] in ("done", "in progress")  # not aborted
     assert "prefill utilization" in first["reason"]
 
 
