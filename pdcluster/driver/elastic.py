@@ -25,7 +25,7 @@ from typing import Any
 
 from pdcluster.config import ADDRESSED_KV_TRANSPORTS
 from pdcluster.driver.actor_errors import describe_error
-from pdcluster.driver.elastic_loss import RankLoss, find_rank_loss, maybe_stalled, probe_again
+from pdcluster.driver.elastic_loss import RankLoss, confirmed_rank_loss
 from pdcluster.driver.health import Health, InstanceHealth
 from pdcluster.driver.instance import Instance
 from pdcluster.driver.messages import InstanceGroupSpec
@@ -123,14 +123,10 @@ class ElasticInstances:
         return self.deployment.topology.pool(role).elastic_stall_s
 
     def rank_loss(self, ray, instance: Instance, outcomes: Sequence[Any]) -> tuple[RankLoss | None, list]:
-        """The `RankLoss` in one probe round's `outcomes` of `instance` (a stalled rank's peers probed again
-        until their wait may reach `stall_s`), or None; and the outcomes it was found in."""
-        stall_s, outcomes = self.stall_s(instance.role), list(outcomes)
-        loss = find_rank_loss(instance, outcomes, stall_s)
-        if loss is None and maybe_stalled(outcomes):
-            outcomes = probe_again(ray, instance, outcomes, stall_s, self.deployment.call_timeout_s)
-            loss = find_rank_loss(instance, outcomes, stall_s)
-        return loss, outcomes
+        """`driver.elastic_loss.confirmed_rank_loss` of one probe round's `outcomes` of `instance`."""
+        return confirmed_rank_loss(
+            ray, instance, outcomes, self.stall_s(instance.role), self.deployment.call_timeout_s
+        )
 
     def _give_up(self, key: tuple[str, int], loss: RankLoss, why: str) -> None:
         """Leave the instance out of routing for good, dead with `why` as its /health reason; its requests
