@@ -1,4 +1,5 @@
-"""Stall detection: a silent rank is probed again, and lost only when that probe goes unanswered too."""
+"""Elastic EP on the driver: stall detection (a silent rank is probed again, and lost only when that probe
+goes unanswered too), refusals carried through Ray, the rendezvous bundle."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdcluster.driver.elastic import ElasticInstances
+from pdcluster.driver.elastic import ElasticInstances, rendezvous_bundle
+from pdcluster.driver.elastic_budget import placement_refused
 from pdcluster.driver.instance import Instance
+from pdcluster.models.elastic_placement import PlacementRefused
 
 ray = pytest.importorskip("ray")
 STALL_S, CALL_TIMEOUT_S = 0.4, 2.0  # (ordered as clusters/local-ep.yaml's 5 s and a 15 s call timeout)
@@ -85,3 +88,24 @@ def test_a_dead_rank_is_not_probed_again() -> None:
         _Ray, Instance("decode", 0, ranks), [_load(0.0), ray.exceptions.ActorDiedError()]
     )
     assert loss.lost == (1,) and [r.probes for r in ranks] == [0, 0]
+
+
+def test_a_refusal_is_told_by_its_type_through_ray_not_by_its_text() -> None:
+    refused = PlacementRefused("2 surviving ranks x 4 expert slots cannot hold 9 logical experts")
+    in_actor = ray.exceptions.RayTaskError("reform_group", "Traceback ...", refused)
+    assert placement_refused(refused) and placement_refused(in_actor)
+    assert placement_refused(in_actor.as_instanceof_cause())
+    other = ray.exceptions.RayTaskError("reform_group", "Traceback ...", ValueError("PlacementRefused?"))
+    assert not placement_refused(other) and not placement_refused(RuntimeError("PlacementRefused"))
+
+
+@pytest.mark.parametrize(
+    "bundles,num_ranks,survivors,want",
+    [
+        (None, 4, (1, 2, 3), 1),  # deployed bundles; rank 0 lost: old rank 1 leads on bundle 1
+        ([0, 2, 3], 3, (1, 2), 2),  # shrunk before (bundle 1 gone); rank 0 lost again: bundle 2
+        ([2, 3], 2, (0,), 2),  # growing back: rank 0 (bundle 2) stays the leader, not bundle 0
+    ],
+)
+def test_the_rendezvous_is_on_the_new_groups_rank_0s_bundle(bundles, num_ranks, survivors, want) -> None:
+    assert rendezvous_bundle(bundles, num_ranks, survivors) == want
