@@ -1,6 +1,7 @@
 """A rank's side of elastic expert parallelism (the driver's: `driver.elastic`): `shrink` re-forms the group
 over the survivors of a failed one, which split the experts; `grow` meets new ranks, serves while they load
-and switches at a step boundary. Both keep this rank's engine, KV cache and requests."""
+and switches after the step whose agreement found every survivor ready. Both keep this rank's engine, KV
+cache and requests."""
 
 from __future__ import annotations
 
