@@ -111,7 +111,6 @@ def grow(worker: RankWorker, spec: InstanceGroupSpec, num_redundant_experts: int
 
     runtime.grow_vote = worker._grow_votes[attempt] = vote
     try:
-        vote.ready()
         if aborted():  # (`abort_grow` came before the vote was registered)
             vote.abort()
         _at_agreed_step(worker, vote, switch, spec.timeout_s, aborted)
@@ -138,9 +137,9 @@ def _reported(worker: RankWorker, what: str, spec: InstanceGroupSpec, new: Any, 
 
 
 def _at_agreed_step(worker: RankWorker, vote, fn, timeout_s: float, aborted) -> None:
-    """Run `fn` on the engine thread before the step after the one whose agreement set `vote.agreed`
-    (lockstep makes it step even with nothing to run). Raises what `fn` raised, or RuntimeError when
-    `aborted()` or `timeout_s` passed before that agreement (the vote is withdrawn first)."""
+    """Vote ready, then run `fn` on the engine thread before the step after the one whose agreement set
+    `vote.agreed` (lockstep makes it step even with nothing to run). Raises what `fn` raised, or
+    RuntimeError when `aborted()` or `timeout_s` passed before that agreement (the vote withdrawn first)."""
     engine, lock, done, error = worker.engine, threading.Lock(), threading.Event(), []
     lockstep = worker.lockstep
 
@@ -164,6 +163,7 @@ def _at_agreed_step(worker: RankWorker, vote, fn, timeout_s: float, aborted) -> 
 
     engine.step = step
     worker.lockstep = True
+    vote.ready()  # (after the hook: the step after any agreement runs through it)
     worker._wake_engine_thread()
     deadline_s, why = time.monotonic() + timeout_s, None
     while why is None and not done.wait(0.05):

@@ -63,7 +63,6 @@ def _run(workers, ready_at: list[int], aborted_at: list[int | None]) -> tuple[li
         worker, vote = workers[r], votes[r]
         step_events[r][ready_at[r]].wait(60)
         worker.engine.ep.grow_vote = vote
-        vote.ready()
 
         def switch() -> None:
             switched[r] = worker.engine.steps
