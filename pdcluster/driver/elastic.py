@@ -21,7 +21,8 @@ from typing import Any
 
 from pdcluster.config import ADDRESSED_KV_TRANSPORTS
 from pdcluster.driver.actor_errors import describe_error
-from pdcluster.driver.elastic_loss import RankLoss, find_rank_loss, maybe_stalled, probe_again
+from pdcluster.driver.elastic_budget import placement_refused
+from pdcluster.driver.elastic_loss import RankLoss, confirmed_rank_loss
 from pdcluster.driver.health import Health, InstanceHealth
 from pdcluster.driver.instance import Instance
 from pdcluster.driver.messages import InstanceGroupSpec
@@ -50,6 +51,12 @@ def elastic_ep(topology: Any, role: str) -> bool:
     """Whether pool `role`'s multi-rank instances shrink when they lose ranks: its `elastic_ep` key, and a
     KV transport wired per rank (grpc, shm, shm+grpc; torch_distributed's group is fixed at deploy)."""
     return topology.pool(role).elastic_ep and topology.kv_transport in ADDRESSED_KV_TRANSPORTS
+
+
+def rendezvous_bundle(bundles: list[int] | None, num_ranks: int, survivors: Sequence[int] = (0,)) -> int:
+    """The bundle hosting a re-formed group's rendezvous: its rank 0's, the first of the `survivors` (old
+    rank ids; growing: rank 0 stays), over the instance's `bundles` (None: `0..num_ranks-1`)."""
+    return (bundles or list(range(num_ranks)))[survivors[0]]
 
 
 class ElasticInstances:
@@ -99,7 +106,7 @@ class ElasticInstances:
         try:
             self.shrink(ray, instance, loss, outcomes)
         except Exception as e:  # noqa: BLE001 - refused, or a survivor failed: say so, maybe try again
-            refused = "PlacementRefused" in repr(e)
+            refused = placement_refused(e)
             self._tries[key] = self._tries.get(key, 0) + 1
             if refused or self._tries[key] >= MAX_SHRINK_TRIES:
                 self._give_up(key, loss, f"shrinking failed: {describe_error(e)}")
@@ -116,14 +123,10 @@ class ElasticInstances:
         return self.deployment.topology.pool(role).elastic_stall_s
 
     def rank_loss(self, ray, instance: Instance, outcomes: Sequence[Any]) -> tuple[RankLoss | None, list]:
-        """The `RankLoss` in one probe round's `outcomes` of `instance` (a stalled rank's peers probed again
-        until their wait may reach `stall_s`), or None; and the outcomes it was found in."""
-        stall_s, outcomes = self.stall_s(instance.role), list(outcomes)
-        loss = find_rank_loss(instance, outcomes, stall_s)
-        if loss is None and maybe_stalled(outcomes):
-            outcomes = probe_again(ray, instance, outcomes, stall_s, self.deployment.call_timeout_s)
-            loss = find_rank_loss(instance, outcomes, stall_s)
-        return loss, outcomes
+        """`driver.elastic_loss.confirmed_rank_loss` of one probe round's `outcomes` of `instance`."""
+        return confirmed_rank_loss(
+            ray, instance, outcomes, self.stall_s(instance.role), self.deployment.call_timeout_s
+        )
 
     def _give_up(self, key: tuple[str, int], loss: RankLoss, why: str) -> None:
         """Leave the instance out of routing for good, dead with `why` as its /health reason; its requests
@@ -156,8 +159,8 @@ class ElasticInstances:
         )
         max_slots = self.survivor_slots(instance.role)
         spec_index = next(i for i, s in enumerate(dep._plan.instances) if (s.role, s.index) == key)
-        first_bundle = (instance.bundles or list(range(len(instance.ranks))))[loss.survivors[0]]
-        init_method, barrier_port, secret = dep._rendezvous(ray, spec_index, first_bundle)
+        bundle = rendezvous_bundle(instance.bundles, len(instance.ranks), loss.survivors)
+        init_method, barrier_port, secret = dep._rendezvous(ray, spec_index, bundle)
         timeout_s = dep.collective_timeout_s
         rendezvous_s = 2 * timeout_s + dep.call_timeout_s
         actors = [instance.ranks[r] for r in loss.survivors]
@@ -258,7 +261,7 @@ class ElasticInstances:
         spec_index = next(i for i, s in enumerate(dep._plan.instances) if (s.role, s.index) == key)
         num_ranks, bundles = instance.deployed_ranks, instance.bundles or list(range(instance.num_ranks))
         free = [b for b in range(num_ranks) if b not in bundles]
-        init_method, barrier_port, secret = dep._rendezvous(ray, spec_index, bundles[0])
+        init_method, barrier_port, secret = dep._rendezvous(ray, spec_index, rendezvous_bundle(bundles, 1))
         from pdcluster.driver.rank_actors import ready_timeout_s
 
         def spec(rank: int) -> InstanceGroupSpec:

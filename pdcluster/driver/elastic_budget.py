@@ -1,5 +1,6 @@
 """Expert slots one rank may hold after its instance shrank (elastic EP): what its device's memory budget
-leaves for routed experts once its other weights and its KV cache are counted (`planner.memory`)."""
+leaves for routed experts once its other weights and its KV cache are counted (`planner.memory`); and
+whether a shrink was refused for want of them."""
 
 from __future__ import annotations
 
@@ -25,3 +26,10 @@ def survivor_expert_slots(topology: Any, role: str) -> int:
     slot_bytes = params.routed_experts // deployed * width  # one slot in every MoE layer
     free_bytes = spec.hbm_bytes - pool.kv_cache_memory_bytes - params.replicated * width
     return max(deployed, min(arch.n_routed_experts, free_bytes // slot_bytes))
+
+
+def placement_refused(error: BaseException) -> bool:
+    """`error` is a `PlacementRefused`, raised here or in a rank actor (Ray's `RayTaskError.cause`)."""
+    from pdcluster.models.elastic_placement import PlacementRefused
+
+    return isinstance(error, PlacementRefused) or isinstance(getattr(error, "cause", None), PlacementRefused)

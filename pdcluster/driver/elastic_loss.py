@@ -60,25 +60,72 @@ def maybe_stalled(outcomes: Sequence[Any]) -> bool:
     )
 
 
+def confirmed_rank_loss(
+    ray, instance: Instance, outcomes: Sequence[Any], stall_s: float, call_timeout_s: float
+) -> tuple[RankLoss | None, list[Any]]:
+    """The `RankLoss` of `outcomes`, or None; a silent rank that did not die is lost only once a fresh
+    probe of it went unanswered too (`probe_again`). Returns it and the outcomes used."""
+    died = ray.exceptions.ActorDiedError
+    outcomes = list(outcomes)
+    loss = find_rank_loss(instance, outcomes, stall_s)
+    if (loss is None and maybe_stalled(outcomes)) or (
+        loss is not None and not all(isinstance(outcomes[r], died) for r in loss.lost)
+    ):
+        outcomes = probe_again(ray, instance, outcomes, stall_s, call_timeout_s)
+        loss = find_rank_loss(instance, outcomes, stall_s)
+    return loss, outcomes
+
+
 def probe_again(
     ray, instance: Instance, outcomes: Sequence[Any], stall_s: float, call_timeout_s: float
 ) -> list[Any]:
-    """`outcomes` with the answering ranks probed again (now, and when their wait may reach `stall_s`)."""
+    """`outcomes` with the answering ranks probed again (now, and when their wait may reach `stall_s`) and
+    the silent ones that did not die probed once more, that answer awaited meanwhile and, before they
+    count as lost, for at least the probe round's first wait (`min(stall_s, call_timeout_s)`)."""
     from pdcluster.driver.rank_actors import PROBE_GROUP
 
+    def probe(r: int):
+        return instance.ranks[r].load.options(concurrency_group=PROBE_GROUP).remote()
+
+    died = ray.exceptions.ActorDiedError
     answered = [r for r, o in enumerate(outcomes) if not isinstance(o, BaseException)]
+    asked_s = time.monotonic()
+    silent = {
+        r: probe(r)
+        for r, o in enumerate(outcomes)
+        if isinstance(o, BaseException) and not isinstance(o, died)
+    }
     again = list(outcomes)
-    for probe in range(2):
-        refs = {r: instance.ranks[r].load.options(concurrency_group=PROBE_GROUP) for r in answered}
-        refs = {r: load.remote() for r, load in refs.items()}
+    for round_ in range(2):
+        refs = {r: probe(r) for r in answered}
         for r, ref in refs.items():
-            try:
-                again[r] = ray.get(ref, timeout=call_timeout_s)
-            except Exception as e:  # noqa: BLE001 - this rank's outcome now
-                again[r] = e
-        if probe or find_rank_loss(instance, again, stall_s) or not maybe_stalled(again):
+            again[r] = _answer(ray, ref, call_timeout_s)
+        _hear(ray, silent, again, 0.0)
+        if find_rank_loss(instance, again, stall_s):  # before a silent rank counts as lost: its full wait
+            _hear(ray, silent, again, max(0.0, min(stall_s, call_timeout_s) - (time.monotonic() - asked_s)))
+        if round_ or find_rank_loss(instance, again, stall_s) or not maybe_stalled(again):
             break
         waiting = [o for o in again if not isinstance(o, BaseException) and o.instance_group_error is None]
         blocked = [blocked_s(o) for o in waiting]
-        time.sleep(max(0.0, stall_s - min(blocked, default=stall_s)) + 0.05)
+        sleep_s = max(0.0, stall_s - min(blocked, default=stall_s)) + 0.05
+        if silent:
+            _hear(ray, silent, again, sleep_s)
+        else:
+            time.sleep(sleep_s)
     return again
+
+
+def _answer(ray, ref: Any, timeout_s: float) -> Any:
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except Exception as e:  # noqa: BLE001 - this rank's outcome now
+        return e
+
+
+def _hear(ray, silent: dict[int, Any], outcomes: list[Any], timeout_s: float) -> None:
+    """Put the answers of the `silent` probes that came within `timeout_s` into `outcomes` (and drop them)."""
+    if not silent:
+        return
+    ready, _ = ray.wait(list(silent.values()), num_returns=len(silent), timeout=timeout_s)
+    for r in [r for r, ref in silent.items() if ref in ready]:
+        outcomes[r] = _answer(ray, silent.pop(r), 0.0)

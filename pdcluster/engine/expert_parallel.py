@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.grow_vote import GrowVote
 from pdcluster.engine.parallel import ParallelConfig
 from pdcluster.models.config import DeepseekV3Config
 from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
@@ -144,6 +145,7 @@ class ExpertParallelRuntime:
         self.last_stepped = False
         self.rebalance_requested = False  # one rank asking is enough: every rank rebalances at its next step
         self.failure: str | None = None
+        self.grow_vote: GrowVote | None = None  # a survivor's vote to switch to a grown group
         self.rebalance_s = self.last_rebalance_s = 0.0
         self.rebalance_moved_bytes = 0
 
@@ -153,17 +155,23 @@ class ExpertParallelRuntime:
         or the instance failed before (`failure`)."""
         if self.failure is not None:
             raise EPCollectiveError(self.failure)
-        k, version = num_speculative_tokens, self.num_rebalances
+        k, version, vote = num_speculative_tokens, self.num_rebalances, self.grow_vote
+        ready = vote.contribute() if vote is not None else 0
         flags = torch.tensor(
-            [int(has_work), k, -k, version, -version, int(self.rebalance_requested)],
+            [int(has_work), k, -k, version, -version, int(self.rebalance_requested), -ready],
             dtype=torch.int64,
             device=self.device,
         )
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MAX
-        wait(self.group.allreduce([flags], options), "step agreement", self.rank)
-        flags = flags.cpu()
-        any_work, max_k, min_k, max_version, min_version, requested = flags.tolist()
+        agreed = False
+        try:
+            wait(self.group.allreduce([flags], options), "step agreement", self.rank)
+            flags, agreed = flags.cpu(), True
+        finally:
+            if vote is not None:  # every rank voted ready: the MIN of the votes is 1
+                vote.resolve(agreed and int(flags[-1]) == -1)
+        any_work, max_k, min_k, max_version, min_version, requested, _ = flags.tolist()
         min_k, min_version = -min_k, -min_version
         if max_k != min_k:
             raise EPCollectiveError(

@@ -1,7 +1,8 @@
 """Expert placement after EP ranks are lost, moving as few experts as it can (elastic EP).
 
-Survivors keep their experts; each expert left with no replica (an orphan, the only experts loaded from the
-checkpoint) takes a redundant replica's slot, else a grown slot up to `max_local_experts`, else is refused.
+Survivors keep their experts and grow only the slots every expert needs (at most `max_local_experts`, else
+refused). Each expert left with no replica (an orphan) is read from the checkpoint into an empty grown slot
+of the least-loaded survivor, else into the redundant replica's slot whose loss costs least.
 """
 
 from __future__ import annotations

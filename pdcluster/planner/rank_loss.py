@@ -1,21 +1,22 @@
 """A lost rank of a multi-rank instance, as the simulator prices it (elastic expert parallelism).
 
-At `at_s` the instance stops stepping for `recovery_s` (detection, the survivors' new group, the orphan
-experts read from the checkpoint); the requests the lost rank held lose their KV and go back through a
-prefill instance, the tokens already streamed kept as prompt (a recompute). After it the instance serves on
-`n - 1` ranks: KV blocks `(n - 1) / n` of before, and the routed experts re-placed on the survivors by
-`models.elastic_placement.shrink_placement`, whose slowest rank carries more than EPLB's own placement would.
+At `at_s` the instance stops stepping for `recovery_s` (given, or the pool's `elastic_stall_s`: how long the
+live driver lets a silent rank's peers wait before it is lost; re-forming is not priced); the requests the
+lost rank held lose their KV and go back through a prefill instance, the tokens already streamed kept as
+prompt (a recompute). After it the instance serves on `n - 1` ranks: KV blocks `(n - 1) / n` of before, and
+the routed experts re-placed on the survivors by `models.elastic_placement.shrink_placement` within the
+slots a survivor's device memory holds (`driver.elastic_budget.survivor_expert_slots`, as live), whose
+slowest rank carries more than EPLB's own placement would.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import re
 from dataclasses import dataclass
 from statistics import NormalDist
-
-RECOVERY_S = 10.0  # the elastic-EP target: an instance serves again within 10 s of a loss
 
 _SPEC = re.compile(r"^(prefill|decode)(\d+):(\d+)@([0-9.eE+-]+?)(?:\+([0-9.eE+-]+))?$")
 
@@ -23,13 +24,13 @@ _SPEC = re.compile(r"^(prefill|decode)(\d+):(\d+)@([0-9.eE+-]+?)(?:\+([0-9.eE+-]
 @dataclass(frozen=True)
 class RankLoss:
     """Rank `rank` of instance `instance` of pool `role` lost at `at_s` (seconds from the first arrival);
-    the instance serves nothing for `recovery_s`."""
+    the instance serves nothing for `recovery_s` (None: the pool's `elastic_stall_s`, `with_recovery`)."""
 
     role: str
     instance: int
     rank: int
     at_s: float
-    recovery_s: float = RECOVERY_S
+    recovery_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -38,12 +39,18 @@ class RankLoss:
             raise ValueError(f"rank loss: instance and rank must be >= 0, got {self.instance}:{self.rank}")
         for name in ("at_s", "recovery_s"):
             value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
+            if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"rank loss: {name} must be a finite number >= 0, got {value!r}")
 
     @property
     def label(self) -> str:
-        return f"{self.role}{self.instance}:{self.rank}@{self.at_s:g}+{self.recovery_s:g}"
+        recovery = "" if self.recovery_s is None else f"+{self.recovery_s:g}"
+        return f"{self.role}{self.instance}:{self.rank}@{self.at_s:g}{recovery}"
+
+    def with_recovery(self, elastic_stall_s: float) -> RankLoss:
+        """This loss with `recovery_s` set: its own, else the pool's `elastic_stall_s`."""
+        recovery_s = elastic_stall_s if self.recovery_s is None else self.recovery_s
+        return dataclasses.replace(self, recovery_s=recovery_s)
 
 
 def parse_rank_loss(text: str) -> RankLoss:
@@ -56,7 +63,7 @@ def parse_rank_loss(text: str) -> RankLoss:
         )
     role, instance, rank, at_s, recovery_s = match.groups()
     try:
-        at, recovery = float(at_s), RECOVERY_S if recovery_s is None else float(recovery_s)
+        at, recovery = float(at_s), None if recovery_s is None else float(recovery_s)
     except ValueError:
         raise ValueError(f"--fail-rank {text!r}: T and RECOVERY_S must be numbers of seconds") from None
     return RankLoss(role, int(instance), int(rank), at, recovery)
@@ -97,11 +104,11 @@ class ShrunkExperts:
 
 def shrink_experts(
     num_logical: int, num_physical: int, num_groups: int, num_nodes: int, num_ranks: int,
-    popularity_sigma: float, lost_rank: int,
+    popularity_sigma: float, lost_rank: int, max_local_experts: int,
 ) -> ShrunkExperts:  # fmt: skip
     """EPLB's placement of `num_physical` replicas on `num_ranks` (lognormal popularity, as
     `planner.imbalance.eplb_imbalance`), shrunk by `shrink_placement` after `lost_rank` is lost, the
-    survivors' slots growing as far as every logical expert (the live default). Raises ValueError as
+    survivors' slots growing up to `max_local_experts`. Raises ValueError (`PlacementRefused`) as
     `shrink_placement`."""
     import torch
 
@@ -119,8 +126,8 @@ def shrink_experts(
     else:  # fewer slots than experts cannot serve: `ExpertPlacement` refuses it below
         phy2log = torch.arange(num_physical).view(1, -1)
     placement = ExpertPlacement.from_phy2log(phy2log, num_logical, num_ranks)
-    # as the live instance shrinks (`engine.elastic_ep.plan_shrink`): experts alike, slots may grow
-    shrunk = shrink_placement(placement, {lost_rank}, None, num_logical)
+    # as the live instance shrinks (`engine.elastic_ep.plan_shrink`): experts alike, slots within budget
+    shrunk = shrink_placement(placement, {lost_rank}, None, max_local_experts)
     survivors = num_ranks - 1
     after = shrunk.placement.rank_loads(popularity)[0].double()
     physical_after = shrunk.placement.num_physical_experts
@@ -133,9 +140,10 @@ def shrink_experts(
     return ShrunkExperts(physical_after, len(shrunk.loads), float(after.max() / after.mean()), eplb)
 
 
-def shrunk_model(model, lost_rank: int):
-    """`(model of the instance on its survivors, ShrunkExperts or None without EP)`. Raises ValueError for a
-    step model with no roofline to shrink, `PlacementRefused` as `shrink_experts`."""
+def shrunk_model(model, lost_rank: int, max_local_experts: int):
+    """`(model of the instance on its survivors, ShrunkExperts or None without EP)`, a survivor holding at
+    most `max_local_experts` slots. Raises ValueError for a step model with no roofline to shrink,
+    `PlacementRefused` as `shrink_experts`."""
     from pdcluster.planner.perf_model import Parallelism, PerfModel
 
     if not isinstance(model, PerfModel):
@@ -151,7 +159,8 @@ def shrunk_model(model, lost_rank: int):
     nodes = max(1, ep // model.node_forwarding[0]) if model.node_forwarding else 1
     num_logical, sigma = cfg.n_routed_experts, model.efficiency.popularity_sigma.value
     physical = num_logical + par.num_redundant_experts
-    experts = shrink_experts(num_logical, physical, max(cfg.n_group, 1), nodes, ep, sigma, lost_rank)
+    groups = max(cfg.n_group, 1)
+    experts = shrink_experts(num_logical, physical, groups, nodes, ep, sigma, lost_rank, max_local_experts)
     parallel = Parallelism(devices, 1, ep - 1, experts.num_physical - cfg.n_routed_experts)
     return model.shrunk(parallel, experts.relative_imbalance), experts
 

@@ -17,6 +17,7 @@ from pdcluster.driver.dispatch import Fail, ReserveOutcome, RetryReserve, StartP
 from pdcluster.driver.router import POLICIES, DecodeLoad, PrefillLoad
 from pdcluster.engine.scheduler_policy import check_request_fits
 from pdcluster.entrypoints.bench_client import summarize
+from pdcluster.models.elastic_placement import PlacementRefused
 from pdcluster.planner.control_plane import ControlPlane
 from pdcluster.planner.core_sharing import NodeCores
 from pdcluster.planner.rank_loss import (
@@ -128,7 +129,7 @@ class ClusterSimulator:
         for loss in self.rank_losses:
             pool = self.topology.pool(loss.role)
             check_rank_loss(loss, pool.num_instances, pool.devices_per_instance, pool.tensor_parallel_size)
-            self._push(first_s + loss.at_s, _RANK_LOST, loss)
+            self._push(first_s + loss.at_s, _RANK_LOST, loss.with_recovery(pool.elastic_stall_s))
         events, pop = self._events, heapq.heappop
         while events:
             now_s, kind, _, payload = pop(events)
@@ -262,7 +263,12 @@ class ClusterSimulator:
         if num_ranks < 2:
             raise ValueError(f"--fail-rank {loss.label}: the instance has one rank left")
         blocks_before = engine.num_blocks
-        engine.model, experts = shrunk_model(engine.model, loss.rank % num_ranks)
+        try:
+            engine.model, experts = shrunk_model(engine.model, loss.rank % num_ranks, self._slots(loss))
+        except PlacementRefused as e:
+            raise PlacementRefused(
+                f"--fail-rank {loss.label}: live, the instance would not shrink: {e}"
+            ) from e
         lost = lose_rank(engine, loss, num_ranks)
         self.rank_loss_reports.append(
             loss_report(loss, now_s, num_ranks, lost, blocks_before, engine, experts)
@@ -275,6 +281,15 @@ class ClusterSimulator:
             self._demand[key] = max(1, self._demand[key] - 1)
         engine.busy = engine.down = True
         self._push(now_s + loss.recovery_s, _RECOVERED, engine)
+
+    def _slots(self, loss: RankLoss) -> int:
+        """A survivor's expert slots as the live driver allows them (`survivor_expert_slots`)."""
+        from pdcluster.driver.elastic_budget import survivor_expert_slots
+
+        try:
+            return survivor_expert_slots(self.topology, loss.role)
+        except ValueError as e:
+            raise ValueError(f"--fail-rank {loss.label}: {e}") from e
 
     def _recovered(self, engine: SimEngine, now_s: float) -> None:
         engine.busy = engine.down = False

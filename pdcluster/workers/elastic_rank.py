@@ -1,6 +1,7 @@
 """A rank's side of elastic expert parallelism (the driver's: `driver.elastic`): `shrink` re-forms the group
 over the survivors of a failed one, which split the experts; `grow` meets new ranks, serves while they load
-and switches at a step boundary. Both keep this rank's engine, KV cache and requests."""
+and switches after the step whose agreement found every survivor ready. Both keep this rank's engine, KV
+cache and requests."""
 
 from __future__ import annotations
 
@@ -78,29 +79,37 @@ def _keep_given_up(old_group: Any, timeout_s: float) -> None:
 
 def grow(worker: RankWorker, spec: InstanceGroupSpec, num_redundant_experts: int, attempt: int) -> dict:
     """Meet the new ranks of group `spec` (after the survivors' ids), serve while they load, then switch to
-    it at a step boundary with `ExpertPlacement.default` (`elastic_ep.grow_runtime`). Returns as `shrink`.
-    Raises RuntimeError: `abort_grow(attempt)` was called, the new ranks did not come within the
-    rendezvous timeout, or this rank's current group failed meanwhile."""
+    it with `ExpertPlacement.default` (`elastic_ep.grow_runtime`) after the first step whose agreement over
+    the old group found every survivor ready (`engine.grow_vote`). Returns as `shrink`.
+    Raises RuntimeError: `abort_grow(attempt)` was called or this rank's current group failed before the
+    survivors agreed, or the new ranks did not come within the rendezvous timeout."""
     from pdcluster.driver.instance_group import form_group, meet, wait_until_loaded
     from pdcluster.engine.elastic_ep import grow_runtime
+    from pdcluster.engine.grow_vote import GrowVote
 
     def aborted() -> bool:
         return attempt in worker._aborted_grows or worker._group_error is not None
 
-    if worker.engine.ep is None:
+    runtime = worker.engine.ep
+    if runtime is None:
         raise RuntimeError(f"{worker.name}: not an expert-parallel rank")
     joined = form_group(spec, meet(spec, aborted))
     wait_until_loaded(joined, spec.rendezvous_timeout_s, aborted)
-    grown = []
+    grown, vote = [], GrowVote()
 
     def switch() -> None:
-        if aborted():
-            raise RuntimeError(f"{worker.name}: growing was aborted")
         engine = worker.engine
         grown.extend(grow_runtime(engine.ep, joined.group, num_redundant_experts, engine.config.model))
         _switch(worker, spec, joined, grown[0])
 
-    _at_step_boundary(worker, switch, spec.timeout_s)
+    runtime.grow_vote = worker._grow_votes[attempt] = vote
+    try:
+        if aborted():  # (`abort_grow` came before the vote was registered)
+            vote.abort()
+        _at_agreed_step(worker, vote, switch, spec.timeout_s, aborted)
+    finally:
+        runtime.grow_vote = None
+        del worker._grow_votes[attempt]
     new, loaded = grown
     return _reported(worker, "grew", spec, new, loaded)
 
@@ -120,15 +129,16 @@ def _reported(worker: RankWorker, what: str, spec: InstanceGroupSpec, new: Any, 
     }
 
 
-def _at_step_boundary(worker: RankWorker, fn, timeout_s: float) -> None:
-    """Run `fn` on the engine thread just before its next `engine.step` (lockstep makes it step even with
-    nothing to run); raises what `fn` raised, or RuntimeError when no step came within `timeout_s`."""
+def _at_agreed_step(worker: RankWorker, vote, fn, timeout_s: float, aborted) -> None:
+    """Vote ready, then run `fn` on the engine thread before the step after the one whose agreement set
+    `vote.agreed` (lockstep makes it step even with nothing to run). Raises what `fn` raised, or
+    RuntimeError when `aborted()` or `timeout_s` passed before that agreement (the vote withdrawn first)."""
     engine, lock, done, error = worker.engine, threading.Lock(), threading.Event(), []
     lockstep = worker.lockstep
 
     def step(*args, **kwargs):
         with lock:
-            if "step" in vars(engine):
+            if "step" in vars(engine) and vote.agreed:
                 del engine.step
                 try:
                     fn()
@@ -138,16 +148,27 @@ def _at_step_boundary(worker: RankWorker, fn, timeout_s: float) -> None:
                 done.set()
         return type(engine).step(engine, *args, **kwargs)
 
-    engine.step = step
-    worker.lockstep = True
-    worker._wake_engine_thread()
-    if not done.wait(timeout_s):
+    def unhook() -> None:
         with lock:
             if "step" in vars(engine):
                 del engine.step
                 worker.lockstep = lockstep
-                raise RuntimeError(f"{worker.name}: no step boundary within {timeout_s:g} s")
-    done.wait()
+
+    engine.step = step
+    worker.lockstep = True
+    vote.ready()  # (after the hook: the step after any agreement runs through it)
+    worker._wake_engine_thread()
+    deadline_s, why = time.monotonic() + timeout_s, None
+    while why is None and not done.wait(0.05):
+        why = "growing was aborted" if vote.aborted or aborted() else None
+        if why is None and time.monotonic() > deadline_s:
+            why = f"the survivors did not agree to switch within {timeout_s:g} s"
+    if why is not None and vote.withdraw(2 * timeout_s):
+        unhook()
+        raise RuntimeError(f"{worker.name}: {why}")
+    if not done.wait(2 * timeout_s):  # agreed: every survivor switches before its next step
+        unhook()
+        raise RuntimeError(f"{worker.name}: no step after the survivors agreed to switch")
     if error:
         raise error[0]
 

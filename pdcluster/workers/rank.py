@@ -13,6 +13,7 @@ import torch
 from pdcluster.driver.messages import InstanceGroupSpec
 from pdcluster.engine.compiled_forward import CompileStats
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.grow_vote import GrowVote
 from pdcluster.engine.llm import LLMEngine
 from pdcluster.models.ep_dispatch import WAITS
 
@@ -71,6 +72,7 @@ class RankWorker:
         self._ep_summary: dict | None = None  # the engine's EP figures, copied by the engine thread
         self._ep_summary_at_s = 0.0
         self._aborted_grows: set[int] = set()  # `abort_grow`
+        self._grow_votes: dict[int, GrowVote] = {}  # attempt: its vote, while `grow_group` runs
 
     def _new_engine(self, engine_config: EngineConfig) -> LLMEngine:
         """The rank's engine, loaded here (`workers.role_rank` hands over one already loaded instead)."""
@@ -172,3 +174,6 @@ class RankWorker:
     def abort_grow(self, attempt: int) -> None:
         """End `grow_group`'s wait for the new ranks of `attempt` (one of them died or never came)."""
         self._aborted_grows.add(attempt)
+        vote = self._grow_votes.get(attempt)
+        if vote is not None:  # withdrawn from the next step's agreement on, unless it already agreed
+            vote.abort()

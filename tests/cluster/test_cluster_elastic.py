@@ -293,7 +293,8 @@ def test_an_ep4_decode_instance_loses_two_ranks_one_after_the_other(ray_session,
     requests stream on all ranks: the victim's are recomputed, the survivors' go on untouched (renumbered
     the second time), all with one engine's tokens. Each time it shrinks (to 3 ranks of 3 expert slots,
     then 2 of 4; the lost leader's successor hosts the new group) and serves outputs equal to one engine's
-    one request at a time, the ranks without one joining its steps idle (no deadlock)."""
+    one request at a time, the ranks without one joining its steps idle (no deadlock); then the two
+    survivors grow back to 4 ranks and serve one engine's outputs."""
     oracle, oracle_stream = oracle[0], oracle[2]
     topo = load_topology("clusters/local-ep.yaml")
     topo = dataclasses.replace(
@@ -355,4 +356,13 @@ def test_an_ep4_decode_instance_loses_two_ranks_one_after_the_other(ray_session,
                 assert time.monotonic() < deadline_s, ep
                 time.sleep(0.1)
             assert cluster.monitor.elastic.growing == {}
+        # grow back: both survivors switch to the EP4 group after the same step (`engine.grow_vote`)
+        cluster.monitor.elastic.grow_after_s = 0.0
+        deadline_s = time.monotonic() + 2 * ready_bound_s(cluster)
+        while (h := cluster.health()["decode-0"])["ranks"] != 4 or h["state"] != "healthy":
+            assert time.monotonic() < deadline_s, h
+            time.sleep(0.1)
+        for i, prompt in enumerate(prompts):
+            got = run(cluster, asyncio.wait_for(generate(cluster, f"ep4-grown-{i}", prompt, GREEDY), 120))
+            assert got == oracle[i], i
         assert_nothing_held(cluster)

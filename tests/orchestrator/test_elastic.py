@@ -343,23 +343,6 @@ def test_survivor_expert_slots_are_the_most_the_devices_memory_holds(path: str, 
     assert slots == arch.n_routed_experts or not fits(slots + 1)
 
 
-def test_a_silent_rank_is_lost_after_its_pools_stall_time_not_the_call_timeout() -> None:
-    """`ElasticInstances.rank_loss` with elastic_stall_s 5 and a 15 s call timeout (kv_transfer.timeout_s
-    30): peers blocked 6 s in one collective lose the silent rank (no probe again)."""
-    ray = pytest.importorskip("ray")
-    from pdcluster.config import load_topology
-    from pdcluster.driver.elastic import ElasticInstances
-
-    topology = load_topology("clusters/local-ep.yaml")
-    assert (topology.decode.elastic_stall_s, topology.kv_transfer.timeout_s) == (5.0, 30.0)
-    deployment = SimpleNamespace(topology=topology, call_timeout_s=15.0)
-    elastic = ElasticInstances(deployment, None, lambda index, n: None, lambda *a: None)
-    instance = Instance("decode", 0, [object(), object()])
-    silent = ray.exceptions.GetTimeoutError("no answer")
-    loss, _ = elastic.rank_loss(None, instance, [_load(None, 6.0), silent])
-    assert (loss.lost, loss.survivors) == ((1,), (0,))
-
-
 def test_elastic_stall_s_must_be_positive(tmp_path) -> None:
     from pdcluster.config import TopologyError, load_topology
 

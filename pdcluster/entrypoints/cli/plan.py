@@ -248,9 +248,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="ROLE I:RANK@T[+R]",
         help="lose rank RANK of instance I of pool ROLE (prefill or decode) T seconds after the first "
-        "arrival, e.g. decode0:3@60: its instance serves nothing for R seconds (default 10: the elastic-EP "
-        "target), its requests on that rank are prefilled again with the tokens streamed kept, then it "
+        "arrival, e.g. decode0:3@60: its instance serves nothing for R seconds (default: the pool's "
+        "elastic_stall_s, the live wait before a silent rank is lost; re-forming not counted), its requests "
+        "on that rank are prefilled again with the tokens streamed kept, then it "
         "serves on one rank less (KV blocks, experts re-placed by models.elastic_placement and the EP "
-        "imbalance that leaves). Repeatable; the plan's own simulation only, not the sweep or search",
+        "imbalance that leaves; refused, as live, when the survivors' device memory cannot hold every "
+        "expert). Repeatable; the plan's own simulation only, not the sweep or search",
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
