@@ -177,8 +177,10 @@ def test_top_k_largest_equals_topk_on_the_chunked_path() -> None:
         assert all(len(set(row)) == k for row in indices.tolist())
 
 
-def test_apply_penalties_equals_a_dense_reference() -> None:
-    """Rows with repeated tokens, padding, no tokens at all, and tokens in both prompt and output."""
+@pytest.mark.parametrize("contiguous", [True, False], ids=["numpy-branch", "torch-branch"])
+def test_apply_penalties_equals_a_dense_reference(contiguous: bool) -> None:
+    """Rows with repeated tokens, padding, no tokens at all, and tokens in both prompt and output; contiguous
+    CPU logits take the numpy branch, a transposed view the torch one (the path other devices use)."""
     generator = torch.Generator().manual_seed(6)
     num_rows, vocab_size = 5, 50
     logits = torch.randn(num_rows, vocab_size, generator=generator) * 3
@@ -204,7 +206,8 @@ def test_apply_penalties_equals_a_dense_reference() -> None:
     listed = ids < vocab_size
     ids = torch.where(listed, ids, ids.gather(1, listed.to(torch.uint8).argmax(dim=1, keepdim=True)))
     keep = listed.any(dim=1).nonzero()[:, 0]  # a row listing nothing is not passed
-    got = logits.clone()
+    got = logits.clone() if contiguous else logits.t().contiguous().t()
+    assert got.is_contiguous() == contiguous
     apply_penalties_(
         got, keep, ids[keep], counts.gather(1, ids)[keep], presence[keep], frequency[keep], repetition[keep]
     )
