@@ -49,7 +49,7 @@ def test_engine_step(capsys, checkpoint):
         assert {"mean", "p50", "p90"} <= sync[key].keys()
     assert sync["num_steps"] == 2 and sync["tokens_per_step"] == 2
     assert sync["model_ms"]["mean"] > 0
-    assert {"schedule", "prepare_input", "sample", "detokenize"} <= sync["breakdown_ms"].keys()
+    assert {"schedule", "prepare_input", "sample", "outputs"} <= sync["breakdown_ms"].keys()
     assert "error" in result["results"][1] or "overhead_ms" in result["results"][1]
     assert {"met_async_off", "met_async_on", "description"} <= result["target"].keys()
 

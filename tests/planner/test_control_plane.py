@@ -84,8 +84,10 @@ class SampledEarly(LinearModel):
 def test_the_first_token_comes_before_the_prefill_mtp_pass_and_the_derivation_follows():
     prefill = SampledEarly(0.010, 0.004, handoff_s=0.003)
     cp = ControlPlane(prefill_extra_s=0.005, first_token_extra_s=0.002)
-    result = simulate(topology(), [TraceRequest(0.0, 100, 5)], prefill, LinearModel(0.002),
-                      prefill_sizing=sizing(), decode_sizing=sizing(), control_plane=cp)  # fmt: skip
+    options = SimOptions(prefill, LinearModel(0.002), control_plane=cp)
+    result = simulate(
+        topology(), [TraceRequest(0.0, 100, 5)], options, prefill_sizing=sizing(), decode_sizing=sizing()
+    )
     (r,) = result.results
     # sampled 4 ms before the modelled step's end; the call holds the MTP pass and the per-request extra
     assert r.ttft_s == pytest.approx(0.010 - 0.004 + 0.002, abs=TOL_S)
