@@ -208,3 +208,16 @@ def test_bad_echo_requests_get_a_400_naming_the_problem(client, body, needle):
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
+
+
+def test_best_of_answers_the_choices_with_the_highest_summed_logprob(client):
+    """n=2 of best_of=4 equals the two of the same four seeded candidates (choice i's seed is seed + i) whose
+    sampled tokens' logprobs sum highest, highest first."""
+    body = {"prompt": "The capital", "max_tokens": 8, "temperature": 1.0, "seed": 11, "logprobs": 1}
+    every = client.post("/v1/completions", json={**body, "n": 4}).json()["choices"]
+    assert len({c["text"] for c in every}) > 2  # the ranking has something to choose between
+    sums = [sum(c["logprobs"]["token_logprobs"]) for c in every]
+    best = client.post("/v1/completions", json={**body, "n": 2, "best_of": 4}).json()["choices"]
+    expected = sorted(range(4), key=lambda i: sums[i], reverse=True)[:2]
+    assert [c["text"] for c in best] == [every[i]["text"] for i in expected]
+    assert [c["index"] for c in best] == [0, 1]
