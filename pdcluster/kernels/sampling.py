@@ -163,16 +163,20 @@ def apply_penalties_(
             logits, rows, token_ids, output_counts, presence_penalty, frequency_penalty, repetition_penalty
         )
     index = (rows[:, None], token_ids)
-    values = logits[index]
-    if repetition_penalty is not None:
-        penalty = repetition_penalty[:, None]
-        values = torch.where(values > 0, values / penalty, values * penalty)
-    if frequency_penalty is not None:
-        values = values - frequency_penalty[:, None] * output_counts
-    if presence_penalty is not None:
-        values = values - presence_penalty[:, None] * (output_counts > 0)
-    logits[index] = values
+    penalties = (presence_penalty, frequency_penalty, repetition_penalty)
+    logits[index] = _penalized(logits[index], output_counts, *penalties, where=torch.where)
     return logits
+
+
+def _penalized(values, counts, presence, frequency, repetition, where):  # noqa: ANN001, ANN202
+    """The penalty rules over gathered `values [R, M]` (torch tensors or numpy arrays, with their `where`)."""
+    if repetition is not None:
+        values = where(values > 0, values / repetition[:, None], values * repetition[:, None])
+    if frequency is not None:
+        values = values - frequency[:, None] * counts
+    if presence is not None:
+        values = values - presence[:, None] * (counts > 0)
+    return values
 
 
 def _apply_penalties_numpy(
@@ -187,16 +191,10 @@ def _apply_penalties_numpy(
     """`apply_penalties_` on a contiguous CPU float32 `logits` through numpy views (the same float32 ops)."""
     flat = logits.numpy().reshape(-1)
     index = rows.numpy()[:, None] * logits.shape[1] + token_ids.numpy()
-    values = flat[index]
-    counts = output_counts.numpy()
-    if repetition_penalty is not None:
-        penalty = repetition_penalty.numpy()[:, None]
-        values = np.where(values > 0, values / penalty, values * penalty)
-    if frequency_penalty is not None:
-        values = values - frequency_penalty.numpy()[:, None] * counts
-    if presence_penalty is not None:
-        values = values - presence_penalty.numpy()[:, None] * (counts > 0)
-    flat[index] = values
+    penalties = [
+        None if p is None else p.numpy() for p in (presence_penalty, frequency_penalty, repetition_penalty)
+    ]
+    flat[index] = _penalized(flat[index], output_counts.numpy(), *penalties, where=np.where)
     return logits
 
 
