@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from pdcluster.config import load_topology
+from pdcluster.config import Topology, load_topology
 from pdcluster.driver.cluster import PROBE_INTERVAL_S
 from pdcluster.driver.handoff import decode_has_it
 from pdcluster.driver.router import RankRef
@@ -88,6 +88,25 @@ async def streamed(
     async for delta in cluster.generate(request_id, cluster.tokenizer.encode(prompt), params):
         tokens, text, phases = tokens + delta.new_token_ids, text + delta.new_text, delta.phases
     return tokens, text, phases
+
+
+def five_device_topology(**decode: object) -> Topology:
+    """`clusters/local-ep.yaml` on 5 devices: one single-device prefill instance; the decode pool changed by
+    `decode` (eager); 16 MiB of KV cache per rank; KV timeout 10 s."""
+    topo = load_topology("clusters/local-ep.yaml")
+    return dataclasses.replace(
+        topo,
+        hardware=dataclasses.replace(topo.hardware, devices_per_node=5),
+        prefill=dataclasses.replace(
+            topo.prefill,
+            devices_per_instance=1,
+            expert_parallel_size=1,
+            num_redundant_experts=0,
+            kv_cache_memory_bytes=16 << 20,
+        ),
+        decode=dataclasses.replace(topo.decode, compile=False, kv_cache_memory_bytes=16 << 20, **decode),
+        kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=10),
+    )
 
 
 def shrink_bound_s(cluster) -> float:
@@ -296,27 +315,7 @@ def test_an_ep4_decode_instance_loses_two_ranks_one_after_the_other(ray_session,
     one request at a time, the ranks without one joining its steps idle (no deadlock); then the two
     survivors grow back to 4 ranks and serve one engine's outputs."""
     oracle, oracle_stream = oracle[0], oracle[2]
-    topo = load_topology("clusters/local-ep.yaml")
-    topo = dataclasses.replace(
-        topo,
-        hardware=dataclasses.replace(topo.hardware, devices_per_node=5),
-        prefill=dataclasses.replace(
-            topo.prefill,
-            devices_per_instance=1,
-            expert_parallel_size=1,
-            num_redundant_experts=0,
-            kv_cache_memory_bytes=16 << 20,
-        ),
-        decode=dataclasses.replace(
-            topo.decode,
-            devices_per_instance=4,
-            expert_parallel_size=4,
-            num_redundant_experts=0,
-            kv_cache_memory_bytes=16 << 20,
-            compile=False,
-        ),
-        kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=10),
-    )
+    topo = five_device_topology(devices_per_instance=4, expert_parallel_size=4, num_redundant_experts=0)
     with deployed_with_loop(topo) as cluster:
         cluster.monitor.elastic.grow_after_s = float("inf")
         for step, (victim, ranks_left, sig) in enumerate(((3, 3, signal.SIGKILL), (0, 2, signal.SIGSTOP))):

@@ -10,7 +10,6 @@ refusal, none hangs; decode-1 keeps serving and the health monitor's rounds neve
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import signal
@@ -18,7 +17,6 @@ import time
 
 import pytest
 
-from pdcluster.config import load_topology
 from pdcluster.driver.cluster import PROBE_INTERVAL_S
 from tests.cluster import test_cluster_elastic as base
 from tests.cluster.conftest import deployed_with_loop, request_bound_s
@@ -32,22 +30,7 @@ def test_a_refused_re_placement_fails_the_instance_and_the_others_keep_serving(
     ray_session, prompts, oracle, caplog
 ) -> None:
     oracle, _, oracle_stream = oracle
-    topo = load_topology("clusters/local-ep.yaml")
-    topo = dataclasses.replace(
-        topo,
-        hardware=dataclasses.replace(topo.hardware, devices_per_node=5),
-        prefill=dataclasses.replace(
-            topo.prefill,
-            devices_per_instance=1,
-            expert_parallel_size=1,
-            num_redundant_experts=0,
-            kv_cache_memory_bytes=16 << 20,
-        ),
-        decode=dataclasses.replace(
-            topo.decode, num_instances=2, kv_cache_memory_bytes=16 << 20, compile=False
-        ),
-        kv_transfer=dataclasses.replace(topo.kv_transfer, timeout_s=10),
-    )
+    topo = base.five_device_topology(num_instances=2)
     caplog.set_level(logging.WARNING, logger="pdcluster.driver.cluster")
     with deployed_with_loop(topo) as cluster:
         elastic = cluster.monitor.elastic
