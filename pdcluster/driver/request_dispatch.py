@@ -283,13 +283,17 @@ class Dispatcher(RouteAndReserve):
     def _prefill_outcome(self, attempt: Attempt, prefill_task: asyncio.Future) -> Event:
         """`PrefillSampled` of the attempt's first prefill reply, then `PrefillDone` of its last; or
         `PrefillFailed` when the call failed."""
+        first_failed: BaseException | None = None
         if not attempt.first_reported:
             attempt.first_reported = True
             assert attempt.prefill_first is not None
-            if attempt.prefill_first.exception() is None:
+            first_failed = attempt.prefill_first.exception()
+            if first_failed is None:
                 return PrefillSampled(attempt.prefill_first.result())
         attempt.prefill_reported = True
-        exc = prefill_task.exception()
+        if not prefill_task.done():  # the first reply failed before the last: the call failed with it
+            prefill_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        exc = prefill_task.exception() if prefill_task.done() else first_failed
         if exc is None:
             return PrefillDone(prefill_task.result())
         if isinstance(exc, asyncio.TimeoutError):

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import socket
 from typing import TYPE_CHECKING, Any
 
 from pdcluster.driver.instance import Instance
+from pdcluster.kvtransfer.ports import free_ports
 
 if TYPE_CHECKING:
     from pdcluster.kvtransfer.paired import PairedAddress
@@ -23,15 +22,6 @@ def advertised_address(bound_address: str, node_ip: str) -> str:
     if ":" in node_ip and not node_ip.startswith("["):
         node_ip = f"[{node_ip}]"
     return f"{node_ip}:{port}"
-
-
-def free_ports(host: str, count: int) -> list[int]:
-    """`count` distinct ports free on `host` now (all bound at once, then released)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in sockets]
 
 
 def probe_timeout_s(topology: Any) -> float:
@@ -120,9 +110,7 @@ class ClusterWiring:
         num_prefill = len(prefill_ranks)
         world_size = num_prefill + sum(d.num_ranks for d in decodes)
         if self._loopback:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                host, port = "127.0.0.1", s.getsockname()[1]
+            host, port = "127.0.0.1", free_ports("127.0.0.1", 1)[0]
         else:  # the rendezvous store runs in rank 0 (prefill-0's rank 0): its node's IP and a port free there
             host, port = self._probe_node(ray, spec_index[("prefill", 0)])
         init_method = f"tcp://{host}:{port}"

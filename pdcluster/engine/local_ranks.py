@@ -5,7 +5,6 @@ each returns; never hangs.
 from __future__ import annotations
 
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -14,15 +13,16 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from pdcluster.kvtransfer.ports import free_ports
+
 
 class RanksFailed(AssertionError):
     """Some rank raised, died or did not finish in time; the message says which and why."""
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 for the ranks' rendezvous (`kvtransfer.ports.free_ports`)."""
+    return free_ports("127.0.0.1", 1)[0]
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:

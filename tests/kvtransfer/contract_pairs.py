@@ -10,7 +10,6 @@ import dataclasses
 import json
 import os
 import queue
-import socket
 import threading
 import time
 import traceback
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from pdcluster.kvtransfer.ports import free_ports
 from tests.kvtransfer.conftest import make_layers
 from tests.kvtransfer.contract import (
     EVENT_NAMES,
@@ -248,9 +248,7 @@ class DistTransport(Transport):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports("127.0.0.1", 1)[0]
 
 
 def _dist_rank(rank: int, port: int, result_dir: str, sync, events, secrets) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from pdcluster.entrypoints.cli import main
+from pdcluster.kvtransfer.ports import free_ports
 from pdcluster.models.loader import SINGLE_FILE
 from tests.conftest import eager_topology_file
 
@@ -63,9 +64,7 @@ def run_cli(capsys, *argv: str | Path) -> tuple[int, str, str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports("127.0.0.1", 1)[0]
 
 
 def topology_file(tmp_path: Path, checkpoint: Path, extra: str = "", port: int | None = None) -> Path:

@@ -93,3 +93,28 @@ def test_a_cancelled_call_cancels_its_first_reply() -> None:
         await _passes()
 
     asyncio.run(go())
+
+
+def test_a_first_reply_that_fails_before_the_last_is_the_call_failing() -> None:
+    """The dispatcher takes a failed first reply as the prefill call's failure, whether or not the last
+    reply has failed yet (a killed actor's two replies fail one after the other)."""
+    from pdcluster.driver.dispatch import PrefillFailed
+    from pdcluster.driver.request_dispatch import Dispatcher
+
+    async def go():
+        client, actor = _client()
+        call = client.prefill(SimpleNamespace(handoff_id="h3"), timeout_s=10.0)
+        actor.prefill_first.futures[0].set_exception(RuntimeError("the actor process died"))
+        await _passes()
+        assert call.first.done() and not call.result.done()
+        dispatcher = object.__new__(Dispatcher)
+        dispatcher.event_timeout_s = 10.0
+        attempt = SimpleNamespace(first_reported=False, prefill_reported=False, prefill_first=call.first)
+        outcome = dispatcher._prefill_outcome(attempt, call.result)
+        assert outcome == PrefillFailed("RuntimeError: the actor process died")
+        assert attempt.first_reported and attempt.prefill_reported
+        actor.prefill_result.futures[0].set_exception(RuntimeError("the actor process died"))
+        await _passes()
+        assert call.result.done()
+
+    asyncio.run(go())
