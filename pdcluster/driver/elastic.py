@@ -83,13 +83,21 @@ class ElasticInstances:
         self._changed_s: dict[tuple[str, int], float] = {}  # each instance's last shrink or growth attempt
         self._attempts = 0
 
-    def on_probe(self, ray, instance: Instance, outcomes: Sequence[Any]) -> bool:
-        """Shrink `instance` if this round shows a `RankLoss`; True when it was handled (shrunk, or refused
+    def on_probe(
+        self,
+        ray,
+        instance: Instance,
+        outcomes: Sequence[Any],
+        sent: dict[int, tuple[Any, float]] | None = None,
+        found: tuple[RankLoss | None, list[Any]] | None = None,
+    ) -> bool:
+        """Shrink `instance` if this round shows a `RankLoss` (`found`: this round's, confirmed already;
+        `sent`: re-probes of its silent ranks out already); True when it was handled (shrunk, or refused
         and logged), False when the caller's usual failure path applies."""
         key = (instance.role, instance.index)
         if not self.may_shrink(instance):
             return False
-        loss, outcomes = self.rank_loss(ray, instance, outcomes)
+        loss, outcomes = found or self.rank_loss(ray, instance, outcomes, sent)
         if loss is None:
             if not instance.routable and all(isinstance(o, BaseException) for o in outcomes):
                 self._fail_attempts(*key)  # no survivor holds the requests' KV any more
@@ -122,10 +130,12 @@ class ElasticInstances:
         """Pool `role`'s `elastic_stall_s`: how long a silent rank's peers must wait in one collective."""
         return self.deployment.topology.pool(role).elastic_stall_s
 
-    def rank_loss(self, ray, instance: Instance, outcomes: Sequence[Any]) -> tuple[RankLoss | None, list]:
+    def rank_loss(
+        self, ray, instance: Instance, outcomes: Sequence[Any], sent: dict | None = None
+    ) -> tuple[RankLoss | None, list]:
         """`driver.elastic_loss.confirmed_rank_loss` of one probe round's `outcomes` of `instance`."""
         return confirmed_rank_loss(
-            ray, instance, outcomes, self.stall_s(instance.role), self.deployment.call_timeout_s
+            ray, instance, outcomes, self.stall_s(instance.role), self.deployment.call_timeout_s, sent
         )
 
     def _give_up(self, key: tuple[str, int], loss: RankLoss, why: str) -> None:

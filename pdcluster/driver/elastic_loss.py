@@ -61,40 +61,67 @@ def maybe_stalled(outcomes: Sequence[Any]) -> bool:
 
 
 def confirmed_rank_loss(
-    ray, instance: Instance, outcomes: Sequence[Any], stall_s: float, call_timeout_s: float
+    ray,
+    instance: Instance,
+    outcomes: Sequence[Any],
+    stall_s: float,
+    call_timeout_s: float,
+    sent: dict[int, tuple[Any, float]] | None = None,
 ) -> tuple[RankLoss | None, list[Any]]:
     """The `RankLoss` of `outcomes`, or None; a silent rank that did not die is lost only once a fresh
-    probe of it went unanswered too (`probe_again`). Returns it and the outcomes used."""
+    probe of it (`sent`: rank -> (its ref, monotonic time sent), if out already) went unanswered too
+    (`probe_again`). Returns it and the outcomes used."""
     died = ray.exceptions.ActorDiedError
     outcomes = list(outcomes)
     loss = find_rank_loss(instance, outcomes, stall_s)
     if (loss is None and maybe_stalled(outcomes)) or (
         loss is not None and not all(isinstance(outcomes[r], died) for r in loss.lost)
     ):
-        outcomes = probe_again(ray, instance, outcomes, stall_s, call_timeout_s)
+        outcomes = probe_again(ray, instance, outcomes, stall_s, call_timeout_s, sent)
         loss = find_rank_loss(instance, outcomes, stall_s)
     return loss, outcomes
 
 
+def reprobe_wait_s(stall_s: float, call_timeout_s: float) -> float:
+    """How long a silent rank's fresh probe must go unanswered: half the probe round's first wait."""
+    return min(stall_s, call_timeout_s) / 2
+
+
+def probe_silent(
+    ray, instance: Instance, outcomes: Sequence[Any], sent: dict[int, tuple[Any, float]] | None = None
+) -> dict[int, tuple[Any, float]]:
+    """A fresh probe of each rank of `instance` whose `outcomes` entry is an exception other than its death
+    (those in `sent` keep theirs): rank -> (ref, monotonic time sent)."""
+    from pdcluster.driver.rank_actors import PROBE_GROUP
+
+    died, now_s, sent = ray.exceptions.ActorDiedError, time.monotonic(), sent or {}
+    return {
+        r: sent.get(r) or (instance.ranks[r].load.options(concurrency_group=PROBE_GROUP).remote(), now_s)
+        for r, o in enumerate(outcomes)
+        if isinstance(o, BaseException) and not isinstance(o, died)
+    }
+
+
 def probe_again(
-    ray, instance: Instance, outcomes: Sequence[Any], stall_s: float, call_timeout_s: float
+    ray,
+    instance: Instance,
+    outcomes: Sequence[Any],
+    stall_s: float,
+    call_timeout_s: float,
+    sent: dict[int, tuple[Any, float]] | None = None,
 ) -> list[Any]:
     """`outcomes` with the answering ranks probed again (now, and when their wait may reach `stall_s`) and
-    the silent ones that did not die probed once more, that answer awaited meanwhile and, before they
-    count as lost, for at least the probe round's first wait (`min(stall_s, call_timeout_s)`)."""
+    the silent ones that did not die probed once more (`sent` ones are not sent again), that answer awaited
+    meanwhile and, before they count as lost, for `reprobe_wait_s` after it was sent."""
     from pdcluster.driver.rank_actors import PROBE_GROUP
 
     def probe(r: int):
         return instance.ranks[r].load.options(concurrency_group=PROBE_GROUP).remote()
 
-    died = ray.exceptions.ActorDiedError
     answered = [r for r, o in enumerate(outcomes) if not isinstance(o, BaseException)]
-    asked_s = time.monotonic()
-    silent = {
-        r: probe(r)
-        for r, o in enumerate(outcomes)
-        if isinstance(o, BaseException) and not isinstance(o, died)
-    }
+    fresh = probe_silent(ray, instance, outcomes, sent)
+    silent = {r: ref for r, (ref, _) in fresh.items()}
+    heard_by_s = max((s for _, s in fresh.values()), default=0.0) + reprobe_wait_s(stall_s, call_timeout_s)
     again = list(outcomes)
     for round_ in range(2):
         refs = {r: probe(r) for r in answered}
@@ -102,7 +129,7 @@ def probe_again(
             again[r] = _answer(ray, ref, call_timeout_s)
         _hear(ray, silent, again, 0.0)
         if find_rank_loss(instance, again, stall_s):  # before a silent rank counts as lost: its full wait
-            _hear(ray, silent, again, max(0.0, min(stall_s, call_timeout_s) - (time.monotonic() - asked_s)))
+            _hear(ray, silent, again, max(0.0, heard_by_s - time.monotonic()))
         if round_ or find_rank_loss(instance, again, stall_s) or not maybe_stalled(again):
             break
         waiting = [o for o in again if not isinstance(o, BaseException) and o.instance_group_error is None]

@@ -10,6 +10,7 @@ from typing import Any
 from pdcluster.config import ADDRESSED_KV_TRANSPORTS, ROLES
 from pdcluster.driver.actor_errors import EngineFailed, describe_error
 from pdcluster.driver.elastic import ElasticInstances
+from pdcluster.driver.elastic_loss import probe_silent
 from pdcluster.driver.health import (
     after_answer,
     engine_fault,
@@ -57,6 +58,7 @@ class HealthMonitor(PeriodicThread):
         self._last_kill_s: dict[tuple[str, int], float] = {}  # each instance's last such kill
         self._overdue_kills: dict[tuple[str, int], float] = {}  # the death an overdue restart was killed in
         self._replacements: dict[tuple[str, int], int] = {}  # actors started for one Ray gave up on
+        self._losses: dict[tuple[str, int], tuple[Any, list]] = {}  # this round's confirmed rank losses
         self.elastic = ElasticInstances(
             deployment, registry, lambda index, n: loads.set_decode_ranks(index, n), fail_attempts
         )
@@ -84,11 +86,21 @@ class HealthMonitor(PeriodicThread):
         ]
         flat = [ref for rank_refs in refs for ref in rank_refs]
         started_s = time.monotonic()
-        ray.wait(flat, num_returns=len(flat), timeout=min([self.call_timeout_s, *self._stall_times(targets)]))
+        stall_times = self._stall_times(targets)
+        first_s = min([self.call_timeout_s, *stall_times])
+        # elastic instances: a silent rank's re-probe (driver.elastic_loss) goes out halfway through
+        ray.wait(flat, num_returns=len(flat), timeout=first_s / 2 if stall_times else first_s)
+        sent = {
+            (i.role, i.index): probe_silent(ray, i, _outcomes(ray, rank_refs))
+            for i, rank_refs in zip(targets, refs, strict=True)
+            if stall_times and self._elastic(i) and self.elastic.may_shrink(i)
+        }
+        ray.wait(flat, num_returns=len(flat), timeout=max(0.0, first_s - (time.monotonic() - started_s)))
+        self._losses = {}
         rest = [
             ref
             for instance, rank_refs in zip(targets, refs, strict=True)
-            if not self._stalled(ray, instance, rank_refs)
+            if not self._stalled(ray, instance, rank_refs, sent.get((instance.role, instance.index)))
             for ref in rank_refs
         ]
         left_s = self.call_timeout_s - (time.monotonic() - started_s)
@@ -106,7 +118,7 @@ class HealthMonitor(PeriodicThread):
                 pids = [load.pid for load in loads]
             except Exception as e:  # noqa: BLE001 - a rank stalled, restarting, dead, its group or engine failed
                 self.registry.mark_failed(instance.role, instance.index, e, "probe")
-                if self._shrunk(ray, instance, rank_refs):
+                if self._shrunk(ray, instance, rank_refs, sent.get((instance.role, instance.index))):
                     continue
                 if isinstance(e, ray.exceptions.ActorDiedError) and not self._closed:
                     self._replace_if_given_up(ray, instance, e)
@@ -165,21 +177,25 @@ class HealthMonitor(PeriodicThread):
         """The `elastic_stall_s` of each elastic multi-rank instance probed: the round's first wait."""
         return [self.elastic.stall_s(i.role) for i in targets if self._elastic(i)]
 
-    def _stalled(self, ray, instance: Instance, rank_refs: list[Any]) -> bool:
-        """After the round's first wait: an elastic instance's silent rank is lost (`driver.elastic_loss`),
-        so the round need not wait the call timeout for it."""
+    def _stalled(self, ray, instance: Instance, rank_refs: list[Any], sent: dict | None) -> bool:
+        """After the round's first wait: an elastic instance's silent rank is lost (`driver.elastic_loss`;
+        `sent`: its re-probes already out), so the round need not wait the call timeout for it."""
         if self._closed or not self._elastic(instance) or not self.elastic.may_shrink(instance):
             return False
         ready, _ = ray.wait(rank_refs, num_returns=len(rank_refs), timeout=0)
         if len(ready) == len(rank_refs):
             return False
-        return self.elastic.rank_loss(ray, instance, _outcomes(ray, rank_refs))[0] is not None
+        found = self.elastic.rank_loss(ray, instance, _outcomes(ray, rank_refs), sent)
+        if found[0] is not None:
+            self._losses[(instance.role, instance.index)] = found
+        return found[0] is not None
 
-    def _shrunk(self, ray, instance: Instance, rank_refs: list[Any]) -> bool:
+    def _shrunk(self, ray, instance: Instance, rank_refs: list[Any], sent: dict | None) -> bool:
         """Whether elastic EP took over a multi-rank instance that lost ranks (`driver.elastic`)."""
         if self._closed or not self._elastic(instance):
             return False
-        return self.elastic.on_probe(ray, instance, _outcomes(ray, rank_refs))
+        found = self._losses.pop((instance.role, instance.index), None)
+        return self.elastic.on_probe(ray, instance, _outcomes(ray, rank_refs), sent, found)
 
     def _replace_if_given_up(self, ray, instance: Instance, exc: BaseException) -> None:
         key = (instance.role, instance.index)
