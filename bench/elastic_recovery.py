@@ -20,6 +20,10 @@ and
     errors                  each distinct error message (truncated), with its count
     recomputed              requests re-dispatched with their streamed tokens kept after decode lost their
                             KV (`driver.recompute`), and those tokens in all
+    greedy_vs_one_engine    per phase (`before` the first fault; `during`: sent after it while decode-0 is
+                            degraded; `after`: sent once it has its deployed ranks again): completed
+                            requests `compared` with one single-device engine's greedy tokens (same
+                            checkpoint and num_speculative_tokens) and how many `mismatched`
 """
 
 from __future__ import annotations
@@ -68,19 +72,31 @@ def _topology(args):
     )
 
 
+def one_engine_tokens(topology, max_tokens: int) -> dict[str, list[int]]:
+    """Each of PROMPTS' greedy token ids from one single-device engine with every expert local (the
+    topology's checkpoint, its decode pool's num_speculative_tokens)."""
+    from pdcluster.engine.llm import LLM
+
+    llm = LLM(topology.model.checkpoint_dir, num_speculative_tokens=topology.decode.num_speculative_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return {p: llm.generate([llm.tokenizer.encode(p)], params)[0].token_ids for p in PROMPTS}
+
+
 def run(args) -> dict[str, Any]:
     from pdcluster.driver.cluster import Cluster
     from pdcluster.driver.ray_runtime import init_local_ray
 
+    topology = _topology(args)
+    expected = one_engine_tokens(topology, args.max_tokens)
     init_local_ray(num_cpus=4)
-    cluster = Cluster.deploy(_topology(args), log=lambda _: None)
+    cluster = Cluster.deploy(topology, log=lambda _: None)
     try:
-        return asyncio.run(_measure(cluster, args))
+        return asyncio.run(_measure(cluster, args, expected))
     finally:
         cluster.shutdown()
 
 
-async def _measure(cluster, args) -> dict[str, Any]:
+async def _measure(cluster, args, expected: dict[str, list[int]]) -> dict[str, Any]:
     import ray
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -89,21 +105,25 @@ async def _measure(cluster, args) -> dict[str, Any]:
     state: dict[str, Any] = {"n": 0, "faults": []}  # faults: (time.monotonic() of the fault, its event)
     outcomes: collections.Counter[str] = collections.Counter()
     stopped: list[int] = []
+    greedy = {phase: {"compared": 0, "mismatched": 0} for phase in ("before", "during", "after")}
 
     async def one(stream: int) -> None:
         while time.monotonic() < end_s:
             state["n"] += 1
-            sent_s, prompt = time.monotonic(), PROMPTS[state["n"] % len(PROMPTS)]
+            sent_s, prompt, tokens = time.monotonic(), PROMPTS[state["n"] % len(PROMPTS)], []
+            phase = "after" if state.get("rejoined_s") else "during" if state["faults"] else "before"
             try:
-                async for _ in cluster.generate(
+                async for delta in cluster.generate(
                     f"c{stream}-{state['n']}", cluster.tokenizer.encode(prompt), params
                 ):
-                    pass
+                    tokens += delta.new_token_ids
             except Exception as e:  # noqa: BLE001 - counted: every request completes or errs
                 outcomes["failed: " + str(e).split(": ", 1)[-1][:300]] += 1  # (without the request id)
                 await asyncio.sleep(0.1)
                 continue
             outcomes["completed"] += 1
+            greedy[phase]["compared"] += 1
+            greedy[phase]["mismatched"] += tokens != expected[prompt]
             for fault_s, event in state["faults"]:
                 if sent_s > fault_s and event["time_to_served_again_s"] is None:
                     event["time_to_served_again_s"] = round(time.monotonic() - fault_s, 3)
@@ -141,6 +161,7 @@ async def _measure(cluster, args) -> dict[str, Any]:
         last_s = state["faults"][-1][0]
         while time.monotonic() < end_s:
             if not cluster.health()["decode-0"]["degraded"]:
+                state["rejoined_s"] = time.monotonic()
                 return time.monotonic() - last_s
             await asyncio.sleep(0.05)
         return None
@@ -176,6 +197,7 @@ async def _measure(cluster, args) -> dict[str, Any]:
             "requests": cluster.dispatcher.requests_recomputed_total,
             "tokens": cluster.dispatcher.recomputed_tokens_total,
         },
+        "greedy_vs_one_engine": greedy,
         "health_after": cluster.health(),
     }
 
@@ -187,6 +209,10 @@ def table(result: dict[str, Any]) -> str:
         for k in ("time_to_reformed_s", "time_to_served_again_s")
     ]
     rows += [(k, result[k]) for k in ("time_to_rejoined_s", "completed", "failed")]
+    rows += [
+        (f"greedy mismatches {p}", f"{v['mismatched']} of {v['compared']}")
+        for p, v in result["greedy_vs_one_engine"].items()
+    ]
     return format_table(["figure", "value"], rows)
 
 
