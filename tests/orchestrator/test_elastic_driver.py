@@ -1,5 +1,6 @@
 """Elastic EP on the driver: stall detection (a silent rank is probed again, and lost only when that probe
-goes unanswered too), refusals carried through Ray, the rendezvous bundle."""
+goes unanswered too, for half the round's first wait from when it was sent: the health monitor sends it
+halfway through the round), refusals carried through Ray, the rendezvous bundle."""
 
 from __future__ import annotations
 
@@ -65,8 +66,8 @@ def _elastic() -> ElasticInstances:
 @pytest.mark.parametrize("peers_blocked_s", [0.1, 2 * STALL_S])
 def test_a_rank_answering_late_is_not_lost_though_its_peers_waited_the_stall_time(peers_blocked_s) -> None:
     """Rank 1 missed this round's probe, its peers wait on it (under or over `elastic_stall_s`); probed
-    again it answers within the stall time: slow, not lost."""
-    ranks = [_Rank(_load(2 * STALL_S), 0.0), _Rank(_load(0.0), STALL_S / 2), _Rank(_load(2 * STALL_S), 0.0)]
+    again it answers within half the stall time: slow, not lost."""
+    ranks = [_Rank(_load(2 * STALL_S), 0.0), _Rank(_load(0.0), STALL_S / 4), _Rank(_load(2 * STALL_S), 0.0)]
     first = [_load(peers_blocked_s), ray.exceptions.GetTimeoutError("no answer"), _load(peers_blocked_s)]
     loss, outcomes = _elastic().rank_loss(_Ray, Instance("decode", 0, ranks), first)
     assert loss is None and ranks[1].probes == 1
@@ -79,7 +80,21 @@ def test_a_rank_silent_to_its_second_probe_for_the_stall_time_is_lost_before_the
     started_s = time.monotonic()
     loss, _ = _elastic().rank_loss(_Ray, Instance("decode", 0, ranks), first)
     assert (loss.lost, loss.survivors) == ((1,), (0, 2)) and ranks[1].probes == 1
-    assert STALL_S <= time.monotonic() - started_s < CALL_TIMEOUT_S
+    assert STALL_S / 2 <= time.monotonic() - started_s < STALL_S
+
+
+def test_a_re_probe_sent_earlier_is_awaited_only_for_what_is_left_of_its_wait() -> None:
+    """The health monitor's re-probe, sent half the stall time before the round's first wait ended: a rank
+    silent to it is lost at once; one that answers it meanwhile is not."""
+    for delay_s, lost in ((None, (1,)), (STALL_S / 4, ())):
+        ranks = [_Rank(_load(2 * STALL_S), 0.0), _Rank(_load(0.0), delay_s)]
+        first = [_load(2 * STALL_S), ray.exceptions.GetTimeoutError("no answer")]
+        sent = {1: (ranks[1].load.options().remote(), time.monotonic())}
+        time.sleep(STALL_S / 2)
+        started_s = time.monotonic()
+        loss, _ = _elastic().rank_loss(_Ray, Instance("decode", 0, ranks), first, sent)
+        assert (loss.lost if loss else ()) == lost and ranks[1].probes == 1
+        assert time.monotonic() - started_s < STALL_S / 4
 
 
 def test_a_dead_rank_is_not_probed_again() -> None:
