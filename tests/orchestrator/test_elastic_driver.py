@@ -80,7 +80,7 @@ def test_a_rank_silent_to_its_second_probe_for_the_stall_time_is_lost_before_the
     started_s = time.monotonic()
     loss, _ = _elastic().rank_loss(_Ray, Instance("decode", 0, ranks), first)
     assert (loss.lost, loss.survivors) == ((1,), (0, 2)) and ranks[1].probes == 1
-    assert STALL_S / 2 <= time.monotonic() - started_s < STALL_S
+    assert STALL_S / 2 <= time.monotonic() - started_s < CALL_TIMEOUT_S
 
 
 def test_a_re_probe_sent_earlier_is_awaited_only_for_what_is_left_of_its_wait() -> None:
@@ -94,7 +94,7 @@ def test_a_re_probe_sent_earlier_is_awaited_only_for_what_is_left_of_its_wait() 
         started_s = time.monotonic()
         loss, _ = _elastic().rank_loss(_Ray, Instance("decode", 0, ranks), first, sent)
         assert (loss.lost if loss else ()) == lost and ranks[1].probes == 1
-        assert time.monotonic() - started_s < STALL_S / 4
+        assert time.monotonic() - started_s < STALL_S / 2  # (no fresh wait of its own)
 
 
 def test_a_dead_rank_is_not_probed_again() -> None:
