@@ -113,9 +113,11 @@ class AttemptState:
 
 @dataclass(frozen=True)
 class PrefillFailed:
-    """The attempt's prefill call raised or timed out; `message` describes it (one line)."""
+    """The attempt's prefill call raised or timed out; `message` describes it (one line). `reforming`: its
+    multi-rank instance lost a rank and re-forms (`driver.elastic_requests.reforming`): not excluded."""
 
     message: str
+    reforming: bool = False
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,8 @@ def next_action(state: AttemptState, event: Event) -> Action:
     handoff_failed = f"{state.request_id}: KV handoff failed: {'; '.join(errors)}"
     if state.attempt_index + 1 >= state.max_attempts:
         return Fail(handoff_failed)
+    if isinstance(event, PrefillFailed) and event.reforming:
+        return Redispatch(None, f"{errors[-1]}; re-dispatched, its instance re-forming on its other ranks")
     if state.num_other_prefills > 0:
         return Redispatch(state.prefill_instance, errors[-1])
     if isinstance(event, PrefillFailed) or not state.prefill_routable:

@@ -1,5 +1,7 @@
-"""Requests of an elastic EP decode instance that lost ranks (`driver.elastic`): those whose KV decode holds
+"""Requests of an elastic EP instance that lost ranks (`driver.elastic`). Decode: those whose KV decode holds
 on a surviving rank wait for the re-formed group and go on there, renumbered; the others are re-dispatched.
+Prefill: a surviving rank's step failed with its group (its KV was streaming layer-wise, so it is not rolled
+back), so every in-flight prefill is re-dispatched, the re-formed instance not excluded (`reforming`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,32 @@ from typing import Any
 
 from pdcluster.driver.handoff import decode_has_it
 from pdcluster.driver.router import RankRef
+
+GROUP_FAILED = "instance group failed"  # in a prefill rank's error for the requests its failed group ended
+
+
+def reforming(prefill: Any, elastic: bool, message: str = GROUP_FAILED) -> bool:
+    """A prefill call on instance `prefill` (of an `elastic` pool) that failed with `message` (by default:
+    a rank or the instance was lost) failed with a group that re-forms (`driver.elastic`): re-dispatch it
+    with the instance not excluded."""
+    return elastic and prefill.num_ranks >= 2 and prefill.may_recover and GROUP_FAILED in message
+
+
+def prefill_failed(prefill: Any, elastic: bool, message: str, lost: bool) -> Any:
+    """The `PrefillFailed` of a call on instance `prefill` that failed with `message` (`lost`: its rank)."""
+    from pdcluster.driver.dispatch import PrefillFailed
+
+    return PrefillFailed(message, reforming=reforming(prefill, elastic, GROUP_FAILED if lost else message))
+
+
+def prefill_lost(attempt: Any, prefill: Any, elastic: bool, reason: str, keep: Mapping | None) -> Any:
+    """The `PrefillFailed` of `attempt`, pending on instance `prefill` that left routing for `reason`
+    (`keep`: its surviving ranks, when it shrinks): re-dispatched to it again once it re-formed."""
+    from pdcluster.driver.dispatch import PrefillFailed
+
+    survives = f"; its rank {attempt.prefill.rank} survives" if keep and attempt.prefill.rank in keep else ""
+    again = bool(keep) or reforming(prefill, elastic)
+    return PrefillFailed(f"died or stopped answering ({reason}){survives}", reforming=again)
 
 
 def shrink_bound_s(kv_timeout_s: float, probe_interval_s: float) -> float:

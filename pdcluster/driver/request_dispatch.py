@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 
 from pdcluster.config import Topology
+from pdcluster.driver import elastic_requests as elastic_attempts
 from pdcluster.driver.actor_errors import describe_error
 from pdcluster.driver.backend import BackendUnavailable, StreamDelta
 from pdcluster.driver.dispatch import (
@@ -24,12 +25,12 @@ from pdcluster.driver.dispatch import (
     NoEvent,
     PrefillDone,
     Prefilled,
-    PrefillFailed,
     PrefillSampled,
     Redispatch,
     Wait,
     next_action,
 )
+from pdcluster.driver.elastic import elastic_ep
 from pdcluster.driver.elastic_requests import held, kept, shrink_bound_s, wait_first
 from pdcluster.driver.handoff import HandoffEvent, decode_has_it
 from pdcluster.driver.health_monitor import PROBE_INTERVAL_S
@@ -70,6 +71,7 @@ class Dispatcher(RouteAndReserve):
         self.call_timeout_s = call_timeout_s
         self.event_timeout_s = event_timeout_s
         self.hold_s = shrink_bound_s(topology.kv_transfer.timeout_s, PROBE_INTERVAL_S)
+        self._elastic_prefill = elastic_ep(topology, "prefill")
         self.num_speculative_tokens = model.num_speculative_tokens
         self._policy = POLICIES[topology.router.policy]
         self._prefix_cache = PrefixCacheModel(topology.prefill.block_size)
@@ -298,10 +300,11 @@ class Dispatcher(RouteAndReserve):
             return PrefillDone(prefill_task.result())
         if isinstance(exc, asyncio.TimeoutError):
             exc = TimeoutError(f"no answer within {self.event_timeout_s:.0f} s")
-        if self._is_lost(exc):
-            sent_s = attempt.prefill_sent_s
-            self.registry.mark_failed("prefill", attempt.prefill_index, exc, "prefill", sent_s)
-        return PrefillFailed(describe_error(exc))
+        lost, prefill = self._is_lost(exc), self.instances["prefill"][attempt.prefill_index]
+        event = elastic_attempts.prefill_failed(prefill, self._elastic_prefill, describe_error(exc), lost)
+        if lost or event.reforming:  # out of routing until it answers again / re-formed
+            self.registry.mark_failed("prefill", prefill.index, exc, "prefill", attempt.prefill_sent_s)
+        return event
 
     # ---- an instance lost ---------------------------------------------------------------------------------
     def fail_attempts(self, role: str, index: int, keep: Mapping[int, int] | None = None) -> None:
@@ -337,7 +340,9 @@ class Dispatcher(RouteAndReserve):
                 message = f"decode-{index} died or stopped answering ({reason}); the request was lost"
                 event: object = DecodeLost(attempt.handoff_id, message)
             elif role == "prefill" and attempt.prefill_index == index and _prefill_pending(attempt):
-                event = PrefillFailed(f"died or stopped answering ({reason})")
+                event = elastic_attempts.prefill_lost(
+                    attempt, self.instances["prefill"][index], self._elastic_prefill, reason, keep
+                )
             else:
                 continue
             with contextlib.suppress(RuntimeError):  # a queue of another (closed) event loop

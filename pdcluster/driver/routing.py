@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.config import ROLES
-from pdcluster.driver.actor_errors import InstanceGroupFailed
+from pdcluster.driver.actor_errors import InstanceGroupFailed, describe_error
 from pdcluster.driver.backend import BackendUnavailable
 from pdcluster.driver.dispatch import (
     EndAborted,
@@ -19,6 +19,8 @@ from pdcluster.driver.dispatch import (
     StartPrefill,
     after_reserve,
 )
+from pdcluster.driver.elastic import elastic_ep
+from pdcluster.driver.elastic_requests import reforming
 from pdcluster.driver.handoff import HandoffEvent
 from pdcluster.driver.instance import Instance, check_instance_group
 from pdcluster.driver.load_board import LoadBoard
@@ -110,9 +112,24 @@ class RouteAndReserve:
                     # lost before its bind: the caller's policy re-dispatches it (PrefillFailed)
                     self._by_handoff[attempt.handoff_id] = attempt
                     record.attempt = attempt
-                    if not attempt.prefill_call.done():
+                    if attempt.prefill_call.done():  # it ended unbound (failed): its replies are not taken
+                        attempt.first_reported = attempt.prefill_reported = True
+                        call = attempt.prefill_call
+                        error = call.exception() if not call.cancelled() else None
+                        for reply in (attempt.prefill_first, call):
+                            if reply is not None:
+                                reply.add_done_callback(lambda t: t.cancelled() or t.exception())
+                        why = describe_error(error) if error is not None else "cancelled"
+                        again = reforming(prefill_instance, elastic_ep(self.topology, "prefill"), why)
+                        attempt.events.put_nowait(
+                            PrefillFailed(f"ended before decode reserved: {why}", reforming=again)
+                        )
+                    else:
                         reason = prefill_instance.health.reason or "out of routing"
-                        attempt.events.put_nowait(PrefillFailed(f"died or stopped answering ({reason})"))
+                        again = reforming(prefill_instance, elastic_ep(self.topology, "prefill"))
+                        attempt.events.put_nowait(
+                            PrefillFailed(f"died or stopped answering ({reason})", reforming=again)
+                        )
                     return attempt, True
                 prefills = [prefill_instance]
             else:

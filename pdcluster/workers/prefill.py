@@ -14,6 +14,7 @@ import torch
 
 from pdcluster.driver.command_order import CommandOrder, CommandSeq
 from pdcluster.driver.dispatch import CALL_TIMEOUT_MIN_S, event_timeout_s
+from pdcluster.driver.elastic_requests import GROUP_FAILED
 from pdcluster.driver.messages import (
     InstanceGroupSpec,
     NodeReady,
@@ -273,12 +274,12 @@ class PrefillWorker(RankWorker):
             outputs = e.outputs
             if self._group_failed(e):  # a peer rank died or stalled: nothing here can step again
                 for request_id in list(self._active):
-                    self._fail(request_id, f"engine step failed: {e}", abort_engine=True)
+                    self._fail(request_id, f"engine step failed: {GROUP_FAILED}: {e}", abort_engine=True)
         except Exception as e:  # noqa: BLE001 - not tied to requests: fail them all, not the actor
             self._loop_error(e, "engine step failed")
-            self._group_failed(e)
+            why = f"{GROUP_FAILED}: {e!r}" if self._group_failed(e) else repr(e)
             for request_id in list(self._active):
-                self._fail(request_id, f"engine step failed: {e!r}", abort_engine=True)
+                self._fail(request_id, f"engine step failed: {why}", abort_engine=True)
             return True
         _charge_cpu_wait(in_engine, wait_before_s)
         for job in in_engine:  # failed inside the step (`_on_prompt_kv`): failed now that it is over
@@ -301,7 +302,7 @@ class PrefillWorker(RankWorker):
         try:
             self._checkpoint("start")
             if self._group_error is not None:
-                raise RuntimeError(f"{self.name}: instance group failed: {self._group_error}")
+                raise RuntimeError(f"{self.name}: {GROUP_FAILED}: {self._group_error}")
             if job.bound:
                 assert job.meta is not None
                 self._sender(job).begin(job.meta)
