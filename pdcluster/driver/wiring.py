@@ -25,8 +25,9 @@ def advertised_address(bound_address: str, node_ip: str) -> str:
 
 
 def probe_timeout_s(topology: Any) -> float:
-    """Seconds a node probe (`ClusterWiring._probe_node`) may take: as long as a re-formed group's
-    rendezvous (`driver.elastic`), twice the collective timeout plus a call, from kv_transfer.timeout_s."""
+    """Seconds a node probe (`ClusterWiring._probe_node`) or a KV wiring call at deploy may take: as long as
+    a re-formed group's rendezvous (`driver.elastic`), twice the collective timeout plus a call, from
+    kv_transfer.timeout_s."""
     from pdcluster.driver.dispatch import call_timeout_s, collective_timeout_s
 
     kv_timeout_s = topology.kv_transfer.timeout_s
@@ -73,7 +74,7 @@ class ClusterWiring:
         return (ip, ports) if count is not None else (ip, ports[0])
 
     def _wire(self, ray, plan) -> list[list[str]] | list[list[PairedAddress]]:
-        kv = self.topology.kv_transfer
+        kv, timeout_s = self.topology.kv_transfer, probe_timeout_s(self.topology)  # (a rendezvous' wait)
         spec_index = {(spec.role, spec.index): i for i, spec in enumerate(plan.instances)}
         prefill_ranks = [a for p in self.instances["prefill"] for a in p.ranks]
         decodes = self.instances["decode"]
@@ -83,8 +84,10 @@ class ClusterWiring:
             # on both (its gRPC address at its node's IP); each prefill rank picks per decode rank by node.
             transport = self.topology.kv_transport
             refs = [[d.start_receiver.remote(transport) for d in instance.ranks] for instance in decodes]
-            addresses = [ray.get(rank_refs, timeout=120) for rank_refs in refs]
-            ray.get([p.connect_receivers.remote(transport, addresses) for p in prefill_ranks], timeout=120)
+            addresses = [ray.get(rank_refs, timeout=timeout_s) for rank_refs in refs]
+            ray.get(
+                [p.connect_receivers.remote(transport, addresses) for p in prefill_ranks], timeout=timeout_s
+            )
             return addresses
         if self.topology.kv_transport == "grpc":
             tls = None
@@ -95,7 +98,7 @@ class ClusterWiring:
                     kv.tls.cert_file, kv.tls.key_file, kv.tls.ca_file, kv.tls.server_name
                 )
             refs = [[d.start_grpc.remote(tls) for d in instance.ranks] for instance in decodes]
-            addresses = [ray.get(rank_refs, timeout=120) for rank_refs in refs]
+            addresses = [ray.get(rank_refs, timeout=timeout_s) for rank_refs in refs]
             if not self._loopback:  # bound to 0.0.0.0: senders dial the decode node's IP
                 addresses = [
                     [
@@ -104,7 +107,7 @@ class ClusterWiring:
                     ]
                     for j, rank_addresses in enumerate(addresses)
                 ]
-            ray.get([p.connect_grpc.remote(addresses, tls) for p in prefill_ranks], timeout=120)
+            ray.get([p.connect_grpc.remote(addresses, tls) for p in prefill_ranks], timeout=timeout_s)
             self._kv_tls = tls
             return addresses
         num_prefill = len(prefill_ranks)
@@ -124,7 +127,7 @@ class ClusterWiring:
             for d, rank_ids in zip(decodes, decode_ranks, strict=True)
             for actor, r in zip(d.ranks, rank_ids, strict=True)
         ]
-        ray.get(refs, timeout=120)
+        ray.get(refs, timeout=timeout_s)
         return []
 
     def _kv_addresses(self, joining: Instance | None = None) -> list[list[Any]]:
