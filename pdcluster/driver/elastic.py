@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from pdcluster.config import ADDRESSED_KV_TRANSPORTS
 from pdcluster.driver.actor_errors import describe_error
 from pdcluster.driver.elastic_budget import placement_refused
+from pdcluster.driver.elastic_grow import GrowBack, Growth, rendezvous_bundle  # noqa: F401 - re-exported
 from pdcluster.driver.elastic_loss import RankLoss, confirmed_rank_loss
 from pdcluster.driver.health import Health, InstanceHealth
 from pdcluster.driver.instance import Instance
@@ -31,20 +34,7 @@ logger = logging.getLogger("pdcluster.driver.cluster")
 
 MAX_SHRINK_TRIES = 3  # re-forming an instance's group fails this often before it is left out of routing
 GROW_AFTER_S = 5.0  # a shrunk instance asks Ray for replacement ranks this long after its last change
-
-
-@dataclass
-class Growth:
-    """Replacement ranks joining a shrunk instance: `attempt` id, their actors and bundles, the survivors'
-    `grow_group` calls, the newcomers' `ready` calls."""
-
-    attempt: int
-    newcomers: list[Any]
-    bundles: list[int]
-    grows: list[Any]
-    ready: list[Any]
-    started_s: float
-    aborted: bool = False
+ELASTIC_WORKERS = 4  # instances shrinking or growing at once (each instance's steps run one at a time)
 
 
 def elastic_ep(topology: Any, role: str) -> bool:
@@ -53,15 +43,11 @@ def elastic_ep(topology: Any, role: str) -> bool:
     return topology.pool(role).elastic_ep and topology.kv_transport in ADDRESSED_KV_TRANSPORTS
 
 
-def rendezvous_bundle(bundles: list[int] | None, num_ranks: int, survivors: Sequence[int] = (0,)) -> int:
-    """The bundle hosting a re-formed group's rendezvous: its rank 0's, the first of the `survivors` (old
-    rank ids; growing: rank 0 stays), over the instance's `bundles` (None: `0..num_ranks-1`)."""
-    return (bundles or list(range(num_ranks)))[survivors[0]]
-
-
-class ElasticInstances:
-    """Shrinks instances that lost ranks. `set_decode_ranks(index, n)`: the router's rank count;
-    `max_local_experts`: role -> expert slots per MoE layer a survivor may hold (`survivor_expert_slots`)."""
+class ElasticInstances(GrowBack):
+    """Shrinks instances that lost ranks and grows them back. `set_decode_ranks(index, n)`: the router's
+    rank count; `max_local_experts`: role -> expert slots per MoE layer a survivor may hold
+    (`survivor_expert_slots`). Shrinking and growing run on its own worker threads (`_submit`), one step
+    of an instance at a time, never on the health monitor's."""
 
     def __init__(
         self,
@@ -81,7 +67,38 @@ class ElasticInstances:
         self.grow_after_s = GROW_AFTER_S
         self.growing: dict[tuple[str, int], Growth] = {}
         self._changed_s: dict[tuple[str, int], float] = {}  # each instance's last shrink or growth attempt
-        self._attempts = 0
+        self._attempt_ids = itertools.count(1)
+        self._grow_misses: dict[tuple[str, int], int] = {}  # growth attempts failed in a row
+        self._grow_given_up: set[tuple[str, int]] = set()  # no more growth attempts (MAX_GROW_TRIES)
+        self._pool = ThreadPoolExecutor(ELASTIC_WORKERS, thread_name_prefix="elastic-ep")
+        self._jobs: dict[tuple[str, int], Future] = {}  # each instance's last step on the pool
+        self._wiring = threading.Lock()  # the deployment's KV addresses, changed by one step at a time
+
+    def busy(self, key: tuple[str, int]) -> bool:
+        """A step of instance `key` (shrinking, growing) is queued or running on the elastic worker."""
+        job = self._jobs.get(key)
+        return job is not None and not job.done()
+
+    def _submit(self, key: tuple[str, int], fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn(*args)` on the elastic worker as instance `key`'s next step; what it raises is logged."""
+
+        def step() -> None:
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - a bug, or the cluster going away: said, the next round goes on
+                logger.exception("%s-%d: an elastic EP step failed", *key)
+
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            self._jobs[key] = self._pool.submit(step)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Whether every queued step ended within `timeout_s` seconds."""
+        done, pending = wait(list(self._jobs.values()), timeout=timeout_s)
+        return not pending
+
+    def close(self) -> None:
+        """Stop taking steps; queued ones are dropped, a running one ends on its own."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def on_probe(
         self,
@@ -97,6 +114,8 @@ class ElasticInstances:
         key = (instance.role, instance.index)
         if not self.may_shrink(instance):
             return False
+        if self.busy(key):  # re-forming (or a growth step) on the elastic worker: the next round sees
+            return True
         loss, outcomes = found or self.rank_loss(ray, instance, outcomes, sent)
         if loss is None:
             if not instance.routable and all(isinstance(o, BaseException) for o in outcomes):
@@ -108,6 +127,15 @@ class ElasticInstances:
             )
             return True
         self._fail_attempts(instance.role, instance.index, {r: r for r in loss.survivors})
+        self._submit(key, self._lose, ray, instance, loss, outcomes)
+        return True
+
+    def _lose(self, ray, instance: Instance, loss: RankLoss, outcomes: Sequence[Any]) -> None:
+        """On the elastic worker: end a growth under way, then `shrink` (tried again at a later round when
+        it failed, up to MAX_SHRINK_TRIES; given up at once when refused)."""
+        key = (instance.role, instance.index)
+        self._grow_misses.pop(key, None)
+        self._grow_given_up.discard(key)
         if key in self.growing:
             self._abort_growth(ray, instance, self.growing.pop(key), "a rank was lost meanwhile")
         self._changed_s[key] = time.monotonic()
@@ -120,11 +148,14 @@ class ElasticInstances:
                 self._give_up(key, loss, f"shrinking failed: {describe_error(e)}")
             else:
                 logger.error("%s-%d: shrinking failed (%s); trying again at the next probe", *key, e)
-        return True
 
     def may_shrink(self, instance: Instance) -> bool:
         """`instance` has several ranks and was not given up on (`PlacementRefused`, or failed shrinks)."""
         return instance.num_ranks >= 2 and (instance.role, instance.index) not in self._given_up
+
+    def may_detect(self, instance: Instance) -> bool:
+        """`may_shrink`, and no step of `instance` runs on the elastic worker now."""
+        return self.may_shrink(instance) and not self.busy((instance.role, instance.index))
 
     def stall_s(self, role: str) -> float:
         """Pool `role`'s `elastic_stall_s`: how long a silent rank's peers must wait in one collective."""
@@ -191,12 +222,37 @@ class ElasticInstances:
             )
             for new_rank, actor in enumerate(actors)
         ]
-        results = ray.get(refs, timeout=2 * rendezvous_s + dep.call_timeout_s)
+        try:
+            results = ray.get(refs, timeout=2 * rendezvous_s + dep.call_timeout_s)
+        except Exception:
+            self._abort_reform(ray, actors, refs, secret)
+            raise
         for r in loss.lost:  # (a stalled one: its old group was given up, the new one has a new secret)
             try:
                 ray.kill(instance.ranks[r], no_restart=True)
             except Exception as e:  # noqa: BLE001 - gone already
                 logger.warning("%s-%d: killing lost rank %d: %r", *key, r, e)
+        with self._wiring:
+            self._rewire_shrunk(ray, instance, loss, actors, outcomes)
+        before = self.registry.instances[key[0]][key[1]].health
+        leader = outcomes[loss.survivors[0]]
+        after = InstanceHealth(since_s=time.monotonic(), pid=leader.pid)
+        self.registry.rejoin(*key, before, after)
+        logger.warning(
+            "%s-%d: serving again on %d rank(s) after %.1f s (lost %s; %d expert slots per MoE layer; "
+            "the lost ranks' requests were re-dispatched, the survivors' go on)",
+            *key,
+            len(actors),
+            time.monotonic() - started_s,
+            list(loss.lost),
+            results[0]["num_local_experts"],
+        )
+
+    def _rewire_shrunk(
+        self, ray, instance: Instance, loss: RankLoss, actors: list[Any], outcomes: Sequence[Any]
+    ) -> None:
+        """The re-formed `instance`'s ranks, clients, bundles and (decode) KV addresses and router ranks."""
+        dep = self.deployment
         clients = {new: instance._clients.get(old) for new, old in enumerate(loss.survivors)}
         instance._clients = {new: c for new, c in clients.items() if c is not None}
         if instance.role == "decode":
@@ -214,19 +270,16 @@ class ElasticInstances:
         instance.bundles = [bundles[r] for r in loss.survivors]
         instance.lost_ranks = instance.lost_ranks + len(loss.lost)
         instance.recoveries += 1
-        before = self.registry.instances[key[0]][key[1]].health
-        leader = outcomes[loss.survivors[0]]
-        after = InstanceHealth(since_s=time.monotonic(), pid=leader.pid)
-        self.registry.rejoin(*key, before, after)
-        logger.warning(
-            "%s-%d: serving again on %d rank(s) after %.1f s (lost %s; %d expert slots per MoE layer; "
-            "the lost ranks' requests were re-dispatched, the survivors' go on)",
-            *key,
-            len(actors),
-            time.monotonic() - started_s,
-            list(loss.lost),
-            results[0]["num_local_experts"],
-        )
+
+    def _abort_reform(self, ray, actors: list[Any], refs: list[Any], secret: Any) -> None:
+        """A re-forming that failed or timed out: every survivor stops joining its group (`abort_reform`),
+        awaited up to a call timeout, so a later try does not meet a stale one."""
+        for actor in actors:
+            with contextlib.suppress(Exception):  # a dead survivor: the next probe round sees it
+                actor.abort_reform.remote(secret)
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=self.deployment.call_timeout_s)
+        if pending:
+            logger.error("%d survivor(s) still joining an aborted re-forming", len(pending))
 
     def survivor_slots(self, role: str) -> int:
         """`max_local_experts[role]`, derived from the topology the first time it is needed."""
@@ -244,156 +297,3 @@ class ElasticInstances:
             [a.connect_receivers.remote(dep.topology.kv_transport, addresses, dep._kv_tls) for a in prefills],
             timeout=dep.call_timeout_s,
         )
-
-    # ---- growing back ------------------------------------------------------------------------------------
-    def tick(self, ray) -> None:
-        """Once per probe round: start replacements for shrunk instances, and follow those joining."""
-        now_s = time.monotonic()
-        for key in sorted(self._changed_s):  # the instances that shrank
-            instance = self.registry.instances[key[0]][key[1]]
-            growth = self.growing.get(key)
-            if growth is not None:
-                self._follow(ray, instance, growth)
-            elif (
-                instance.degraded
-                and instance.routable
-                and key not in self._given_up
-                and now_s - self._changed_s[key] >= self.grow_after_s
-            ):
-                self._changed_s[key] = now_s
-                try:
-                    self._start_growth(ray, instance)
-                except Exception as e:  # noqa: BLE001 - Ray could not place them now: later
-                    logger.warning("%s-%d: starting replacement ranks failed: %r", *key, e)
-
-    def _start_growth(self, ray, instance: Instance) -> None:
-        dep, key = self.deployment, (instance.role, instance.index)
-        spec_index = next(i for i, s in enumerate(dep._plan.instances) if (s.role, s.index) == key)
-        num_ranks, bundles = instance.deployed_ranks, instance.bundles or list(range(instance.num_ranks))
-        free = [b for b in range(num_ranks) if b not in bundles]
-        init_method, barrier_port, secret = dep._rendezvous(ray, spec_index, rendezvous_bundle(bundles, 1))
-        from pdcluster.driver.rank_actors import ready_timeout_s
-
-        def spec(rank: int) -> InstanceGroupSpec:
-            return InstanceGroupSpec(
-                rank,
-                num_ranks,
-                init_method,
-                barrier_port,
-                dep._plan.collective_backend,
-                dep.collective_timeout_s,
-                ready_timeout_s(dep.topology),
-                secret,
-            )
-
-        self._attempts += 1
-        first = instance.num_ranks
-        newcomers = [
-            dep._new_rank_actor(ray, spec_index, first + i, spec(first + i), bundle=b)
-            for i, b in enumerate(free)
-        ]
-        redundant = dep.topology.pool(instance.role).num_redundant_experts
-        grows = [
-            a.grow_group.remote(spec(r), redundant, self._attempts) for r, a in enumerate(instance.ranks)
-        ]
-        ready = [a.ready.remote() for a in newcomers]
-        self.growing[key] = Growth(self._attempts, newcomers, free, grows, ready, time.monotonic())
-        logger.warning("%s-%d: replacement rank(s) in bundle(s) %s are joining", *key, free)
-
-    def _follow(self, ray, instance: Instance, growth: Growth) -> None:
-        from pdcluster.driver.rank_actors import ready_timeout_s
-
-        key = (instance.role, instance.index)
-        done, _ = ray.wait(growth.grows, num_returns=len(growth.grows), timeout=0)
-        if len(done) == len(growth.grows):
-            del self.growing[key]
-            self._changed_s[key] = time.monotonic()
-            try:
-                ray.get(growth.grows, timeout=0)
-            except Exception as e:  # noqa: BLE001 - aborted, or a newcomer never came: it stays degraded
-                self._kill(ray, growth.newcomers)
-                logger.error(
-                    "%s-%d: replacement ranks did not join (%s); still degraded", *key, describe_error(e)
-                )
-                return
-            self._joined(ray, instance, growth)
-            return
-        if growth.aborted:
-            return
-        ready, _ = ray.wait(growth.ready, num_returns=len(growth.ready), timeout=0)
-        why = None
-        for ref in ready:
-            try:
-                ray.get(ref, timeout=0)
-            except Exception as e:  # noqa: BLE001 - a newcomer died while joining
-                why = f"a replacement rank failed while joining: {describe_error(e)}"
-        if why is None and time.monotonic() - growth.started_s > ready_timeout_s(self.deployment.topology):
-            why = "the replacement ranks did not join within the ready timeout"
-        if why is not None:
-            self._abort_growth(ray, instance, growth, why)
-
-    def _abort_growth(self, ray, instance: Instance, growth: Growth, why: str) -> None:
-        growth.aborted = True
-        logger.error("%s-%d: growing aborted (%s)", instance.role, instance.index, why)
-        for actor in instance.ranks:
-            with contextlib.suppress(Exception):  # a dead survivor: the shrink path handles it
-                actor.abort_grow.remote(growth.attempt)
-        self._kill(ray, growth.newcomers)
-
-    @staticmethod
-    def _kill(ray, actors: list[Any]) -> None:
-        for actor in actors:
-            with contextlib.suppress(Exception):  # gone already
-                ray.kill(actor, no_restart=True)
-
-    def _joined(self, ray, instance: Instance, growth: Growth) -> None:
-        """The survivors switched to the grown group: wire its newcomers (now ranks of the instance); when
-        that fails, take the instance out of routing and kill them (the next probe round shrinks it)."""
-        key = (instance.role, instance.index)
-        instance.bundles = (instance.bundles or list(range(instance.num_ranks))) + growth.bundles
-        instance.ranks = instance.ranks + growth.newcomers
-        try:
-            self._wire_newcomers(ray, instance, growth)
-        except Exception as e:  # noqa: BLE001 - a newcomer died or did not answer: lose it
-            self.registry.mark_failed(*key, e, "wiring replacement ranks")
-            self._kill(ray, growth.newcomers)
-            logger.error(
-                "%s-%d: wiring the replacement rank(s) in bundle(s) %s failed (%s); they were killed and "
-                "the instance shrinks again",
-                *key,
-                growth.bundles,
-                describe_error(e),
-            )
-            return
-        instance.rejoins += 1
-        logger.warning(
-            "%s-%d: %d replacement rank(s) joined after %.1f s; %d ranks again",
-            *key,
-            len(growth.newcomers),
-            time.monotonic() - growth.started_s,
-            instance.num_ranks,
-        )
-
-    def _wire_newcomers(self, ray, instance: Instance, growth: Growth) -> None:
-        """KV wiring of `growth`'s newcomers (already ranks of `instance`): decode ones start receivers that
-        prefill ranks then reach; prefill ones connect to every decode rank. Raises what a call raised."""
-        from pdcluster.driver.wiring import advertised_address
-
-        dep = self.deployment
-        transport, tls, timeout_s = dep.topology.kv_transport, dep._kv_tls, dep.call_timeout_s
-        if instance.role == "decode":
-            addresses = ray.get(
-                [a.start_receiver.remote(transport, tls) for a in growth.newcomers], timeout=timeout_s
-            )
-            if transport == "grpc" and not dep._loopback:
-                ips = ray.get([a.node_ip.remote() for a in growth.newcomers], timeout=timeout_s)
-                addresses = [advertised_address(a, ip) for a, ip in zip(addresses, ips, strict=True)]
-            dep._decode_addresses[instance.index] = list(dep._decode_addresses[instance.index]) + addresses
-            self._set_decode_ranks(instance.index, instance.num_ranks)
-            self._reconnect_prefills(ray)
-        else:
-            decode_addresses = [list(ranks) for ranks in dep._decode_addresses]
-            ray.get(
-                [a.connect_receivers.remote(transport, decode_addresses, tls) for a in growth.newcomers],
-                timeout=timeout_s,
-            )

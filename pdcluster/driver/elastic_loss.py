@@ -91,10 +91,12 @@ def probe_silent(
     ray, instance: Instance, outcomes: Sequence[Any], sent: dict[int, tuple[Any, float]] | None = None
 ) -> dict[int, tuple[Any, float]]:
     """A fresh probe of each rank of `instance` whose `outcomes` entry is an exception other than its death
-    (those in `sent` keep theirs): rank -> (ref, monotonic time sent)."""
+    (those in `sent` keep theirs), when another rank answered: rank -> (ref, monotonic time sent)."""
     from pdcluster.driver.rank_actors import PROBE_GROUP
 
     died, now_s, sent = ray.exceptions.ActorDiedError, time.monotonic(), sent or {}
+    if all(isinstance(o, BaseException) for o in outcomes):
+        return {}
     return {
         r: sent.get(r) or (instance.ranks[r].load.options(concurrency_group=PROBE_GROUP).remote(), now_s)
         for r, o in enumerate(outcomes)

@@ -63,6 +63,11 @@ class HealthMonitor(PeriodicThread):
             deployment, registry, lambda index, n: loads.set_decode_ranks(index, n), fail_attempts
         )
 
+    def stop(self, join_timeout_s: float) -> None:
+        """Stop after the round in progress, and the elastic worker (`ElasticInstances.close`)."""
+        super().stop(join_timeout_s)
+        self.elastic.close()
+
     @property
     def instances(self) -> dict[str, list[Instance]]:
         return self.registry.instances
@@ -80,9 +85,10 @@ class HealthMonitor(PeriodicThread):
         targets = [i for role in ROLES for i in self.instances[role] if i.pool_state != "away"]
         if not targets or self._closed:
             return
+        probed = [instance.ranks for instance in targets]  # (a new list once re-formed or grown)
         refs = [
-            [actor.load.options(concurrency_group=PROBE_GROUP).remote() for actor in instance.ranks]
-            for instance in targets
+            [actor.load.options(concurrency_group=PROBE_GROUP).remote() for actor in ranks]
+            for ranks in probed
         ]
         flat = [ref for rank_refs in refs for ref in rank_refs]
         started_s = time.monotonic()
@@ -93,7 +99,7 @@ class HealthMonitor(PeriodicThread):
         sent = {
             (i.role, i.index): probe_silent(ray, i, _outcomes(ray, rank_refs))
             for i, rank_refs in zip(targets, refs, strict=True)
-            if stall_times and self._elastic(i) and self.elastic.may_shrink(i)
+            if stall_times and self._elastic(i) and self.elastic.may_detect(i)
         }
         ray.wait(flat, num_returns=len(flat), timeout=max(0.0, first_s - (time.monotonic() - started_s)))
         self._losses = {}
@@ -106,10 +112,12 @@ class HealthMonitor(PeriodicThread):
         left_s = self.call_timeout_s - (time.monotonic() - started_s)
         if rest and left_s > 0:
             ray.wait(rest, num_returns=len(rest), timeout=left_s)
-        for instance, rank_refs in zip(targets, refs, strict=True):
+        for instance, ranks, rank_refs in zip(targets, probed, refs, strict=True):
             if self._closed:
                 return
             if instance.pool_state == "away":  # moved to the other pool during the round (driver.role_moves)
+                continue
+            if instance.ranks is not ranks:  # re-formed or grown meanwhile (driver.elastic): the next round
                 continue
             try:
                 loads = [ray.get(ref, timeout=0) for ref in rank_refs]
@@ -180,7 +188,7 @@ class HealthMonitor(PeriodicThread):
     def _stalled(self, ray, instance: Instance, rank_refs: list[Any], sent: dict | None) -> bool:
         """After the round's first wait: an elastic instance's silent rank is lost (`driver.elastic_loss`;
         `sent`: its re-probes already out), so the round need not wait the call timeout for it."""
-        if self._closed or not self._elastic(instance) or not self.elastic.may_shrink(instance):
+        if self._closed or not self._elastic(instance) or not self.elastic.may_detect(instance):
             return False
         ready, _ = ray.wait(rank_refs, num_returns=len(rank_refs), timeout=0)
         if len(ready) == len(rank_refs):

@@ -43,8 +43,18 @@ class DecodeWorker(RankWorker):
     """One decode rank (of an instance of one or more)."""
 
     # "before_reserve", "after_reserve" (a reserve call), "before_admit" (a received handoff, no lock held),
-    # "admit", "step", "delta" (turning an output into events), "loop" (the pass, under the engine lock)
-    CHECKPOINTS = ("before_reserve", "after_reserve", "before_admit", "admit", "step", "delta", "loop")
+    # "admit", "step", "delta" (turning an output into events), "loop" (the pass, under the engine lock),
+    # "grow" (switching to a grown group, `workers.elastic_rank.grow`)
+    CHECKPOINTS = (
+        "before_reserve",
+        "after_reserve",
+        "before_admit",
+        "admit",
+        "step",
+        "delta",
+        "loop",
+        "grow",
+    )
     SHARED_KV_CACHE = True
 
     def __init__(

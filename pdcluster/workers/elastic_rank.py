@@ -39,11 +39,14 @@ def shrink(worker: RankWorker, spec: InstanceGroupSpec, lost_ranks: list[int], m
     take this rank's share of the shrunk placement (`engine.elastic_ep.shrink_runtime`). Returns
     `{"rank", "num_ranks", "num_local_experts", "loaded_experts"}`. Raises PlacementRefused: the survivors
     cannot hold every logical expert (checked before joining); RuntimeError: the old group has not failed
-    within twice its collective timeout, or the new one could not be formed."""
-    from pdcluster.driver.instance_group import join_instance_group, wait_until_loaded
+    within twice its collective timeout, the new one could not be formed, or `abort_reform` ended it."""
+    from pdcluster.driver.instance_group import form_group, meet, wait_until_loaded
     from pdcluster.engine.elastic_ep import plan_shrink, shrink_runtime
     from pdcluster.models.ep_dispatch import WAITS
     from pdcluster.workers.rank import ep_summary
+
+    def aborted() -> bool:
+        return spec.secret in worker._aborted_reforms
 
     runtime, lost = worker.engine.ep, frozenset(lost_ranks)
     if runtime is None:
@@ -52,16 +55,22 @@ def shrink(worker: RankWorker, spec: InstanceGroupSpec, lost_ranks: list[int], m
     WAITS.abandon()  # a collective blocked on the lost ranks (or a peer blocked on them) gives up now
     deadline_s = time.monotonic() + 2 * runtime.parallel.collective_timeout_s
     while worker._group_error is None:  # (set by the engine thread once it stopped stepping)
+        if aborted():
+            raise RuntimeError(f"{worker.name}: re-forming aborted by the driver")
         if time.monotonic() > deadline_s:
             raise RuntimeError(f"{worker.name}: its instance group has not failed; nothing to re-form")
         time.sleep(0.05)
     with _engine_locked(worker):
-        joined = join_instance_group(spec)
-        WAITS.watch(joined.group)
-        new, shrunk = shrink_runtime(
-            runtime, joined.group, lost, max_local_experts, worker.engine.config.model
-        )
-        wait_until_loaded(joined)
+        joined = form_group(spec, meet(spec, aborted))
+        try:
+            WAITS.watch(joined.group)
+            new, shrunk = shrink_runtime(
+                runtime, joined.group, lost, max_local_experts, worker.engine.config.model
+            )
+            wait_until_loaded(joined, spec.rendezvous_timeout_s, aborted)
+        except BaseException:  # aborted, or a peer never loaded: this group is given up too
+            _keep_given_up(joined, 2 * runtime.parallel.collective_timeout_s)
+            raise
         loaded = sum(1 for _, r, _, _ in shrunk.loads if r == spec.rank)
         _keep_given_up(worker.instance_group, 2 * runtime.parallel.collective_timeout_s)
         _switch(worker, spec, joined, new)
@@ -98,6 +107,7 @@ def grow(worker: RankWorker, spec: InstanceGroupSpec, num_redundant_experts: int
     grown, vote = [], GrowVote()
 
     def switch() -> None:
+        worker._checkpoint("grow")
         engine = worker.engine
         grown.extend(grow_runtime(engine.ep, joined.group, num_redundant_experts, engine.config.model))
         _switch(worker, spec, joined, grown[0])
@@ -107,6 +117,9 @@ def grow(worker: RankWorker, spec: InstanceGroupSpec, num_redundant_experts: int
         if aborted():  # (`abort_grow` came before the vote was registered)
             vote.abort()
         _at_agreed_step(worker, vote, switch, spec.timeout_s, aborted)
+    except BaseException:  # not switched: the grown group is given up
+        _keep_given_up(joined, 2 * spec.timeout_s)
+        raise
     finally:
         runtime.grow_vote = None
         del worker._grow_votes[attempt]

@@ -72,6 +72,7 @@ class RankWorker:
         self._ep_summary: dict | None = None  # the engine's EP figures, copied by the engine thread
         self._ep_summary_at_s = 0.0
         self._aborted_grows: set[int] = set()  # `abort_grow`
+        self._aborted_reforms: set[str] = set()  # `abort_reform`: the secrets of re-formings given up
         self._grow_votes: dict[int, GrowVote] = {}  # attempt: its vote, while `grow_group` runs
 
     def _new_engine(self, engine_config: EngineConfig) -> LLMEngine:
@@ -164,6 +165,10 @@ class RankWorker:
         from pdcluster.workers.elastic_rank import shrink
 
         return shrink(self, spec, lost_ranks, max_local_experts)
+
+    def abort_reform(self, secret: str) -> None:
+        """End `reform_group`'s joining of the group with rendezvous `secret` (the driver gave up on it)."""
+        self._aborted_reforms.add(secret)
 
     def grow_group(self, spec: InstanceGroupSpec, num_redundant_experts: int, attempt: int) -> dict:
         """`workers.elastic_rank.grow`: take in new ranks over group `spec`, at a step boundary."""

@@ -124,3 +124,51 @@ def test_a_refusal_is_told_by_its_type_through_ray_not_by_its_text() -> None:
 )
 def test_the_rendezvous_is_on_the_new_groups_rank_0s_bundle(bundles, num_ranks, survivors, want) -> None:
     assert rendezvous_bundle(bundles, num_ranks, survivors) == want
+
+
+def test_shrinking_runs_on_the_elastic_worker_and_the_monitor_round_goes_on() -> None:
+    """The fault: a re-forming that hangs until released. `on_probe` hands it to the elastic worker and
+    returns; while it runs the instance is neither detected again nor re-formed twice."""
+    released, calls = threading.Event(), []
+    elastic = _elastic()
+    elastic._fail_attempts = lambda *a: calls.append(("fail", a))
+
+    def shrink(ray, instance, loss, outcomes):  # (the re-forming, hanging)
+        calls.append(("shrink", loss.lost))
+        released.wait(CALL_TIMEOUT_S)
+
+    elastic.shrink = shrink
+    elastic.deployment.topology.kv_transport = "grpc"
+    instance = Instance("decode", 0, [_Rank(_load(0.0), 0.0), _Rank(_load(0.0), None)])
+    outcomes = [_load(0.0), ray.exceptions.ActorDiedError()]
+    started_s = time.monotonic()
+    assert elastic.on_probe(_Ray, instance, outcomes)
+    assert elastic.busy(("decode", 0)) and not elastic.may_detect(instance)
+    assert elastic.on_probe(_Ray, instance, outcomes)  # the next round: handled, not shrunk again
+    assert time.monotonic() - started_s < CALL_TIMEOUT_S / 2
+    released.set()
+    assert elastic.wait_idle(CALL_TIMEOUT_S) and not elastic.busy(("decode", 0))
+    assert [c for c in calls if c[0] == "shrink"] == [("shrink", (1,))]
+    assert calls[0] == ("fail", ("decode", 0, {0: 0}))
+    elastic.close()
+
+
+def test_growth_failing_in_a_row_backs_off_then_stops_with_a_log_line(caplog) -> None:
+    """A replacement that cannot be placed (the fault: each attempt fails): the next attempt waits
+    `grow_after_s` doubled per failure; after MAX_GROW_TRIES in a row no more attempts, said once."""
+    from pdcluster.driver.elastic_grow import MAX_GROW_TRIES
+
+    elastic, key = _elastic(), ("decode", 0)
+    elastic.grow_after_s = 10.0
+    instance = Instance("decode", 0, [object()])
+    for tries in range(1, MAX_GROW_TRIES):
+        before_s = time.monotonic()
+        elastic._missed(key, instance, "bundle(s) [1] are on no live node now")
+        wait_s = elastic._changed_s[key] - before_s + elastic.grow_after_s
+        assert wait_s == pytest.approx(2 ** (tries - 1) * elastic.grow_after_s, abs=0.5)  # (clock slack)
+        assert key not in elastic._grow_given_up
+    elastic._missed(key, instance, "bundle(s) [1] are on no live node now")
+    assert key in elastic._grow_given_up
+    assert f"growing back given up after {MAX_GROW_TRIES} tries in a row" in caplog.text
+    assert "serves degraded on 1 rank(s)" in caplog.text
+    elastic.close()
