@@ -55,7 +55,7 @@ class GrowBack:
     def tick(self, ray) -> None:
         """Once per probe round: start replacements for shrunk instances, and follow those joining (each
         on the elastic worker, `_submit`, unless a step of that instance runs there still)."""
-        for key in sorted(self._changed_s):  # the instances that shrank
+        for key in sorted(self._changed_s.copy()):  # the instances that shrank (changed on the worker)
             if not self.busy(key):
                 self._submit(key, self._tick_one, ray, key)
 
