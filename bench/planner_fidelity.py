@@ -81,6 +81,7 @@ def live_point(
             for r in live.results
         ],
         "control_plane_probes": probed["probes"],
+        "control_plane_idle_cores": probed.get("idle_cores"),
     }
     for metric in ("ttft_ms", "tpot_ms"):
         for q in QUANTILES:
@@ -109,7 +110,8 @@ def simulated_point(
     point: dict[str, Any] = {}
     if live.get("control_plane_probes"):
         derived = derive_from_probes(
-            live["control_plane_probes"], prefill_model, decode_model, k, cores or float(os.cpu_count() or 1)
+            live["control_plane_probes"], prefill_model, decode_model, k, cores or float(os.cpu_count() or 1),
+            live.get("control_plane_idle_cores"),
         )
         values = derived["values"]
         point["lone_rates"] = {key: round(v, 4) for key, v in derived["lone_rates"].items()}
@@ -145,6 +147,7 @@ def simulated_point(
     point["sim_busy_fraction"] = sim.busy_fraction
     values = control_plane.to_dict()
     point["background_cores"] = round(values.pop("background_cores"), 3)
+    point["prefill_corunner_cores"] = round(values.pop("prefill_corunner_cores"), 3)
     point["control_plane_ms"] = {key: round(v * 1e3, 3) for key, v in values.items()}
     for metric in ("ttft_ms", "tpot_ms"):
         value, live_value = engine_only.summary[metric]["p50"], live[f"live_{metric}_p50"]
