@@ -289,7 +289,9 @@ def probe_control_plane(
 
 def idle_busy_cores(window_s: float = IDLE_WINDOW_S) -> float | None:
     """Cores this machine keeps busy over `window_s` seconds (every process, from /proc/stat), measured
-    while the cluster has no request: its steady background. None where /proc/stat is unreadable."""
+    while the cluster has no request: its steady background. Niced time is left out: under CFS a nice-19
+    process weighs 15 against a nice-0 one's 1024, so it yields the cores to the cluster's processes.
+    None where /proc/stat is unreadable."""
 
     def busy_s() -> float | None:
         try:
@@ -297,7 +299,7 @@ def idle_busy_cores(window_s: float = IDLE_WINDOW_S) -> float | None:
                 ticks = [int(v) for v in f.readline().split()[1:]]
         except (OSError, ValueError):
             return None
-        return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle, iowait
+        return (sum(ticks[:8]) - sum(ticks[1:5])) / os.sysconf("SC_CLK_TCK")  # not nice, idle, iowait
 
     start, start_s = busy_s(), time.perf_counter()
     time.sleep(window_s)
