@@ -31,7 +31,8 @@ MIN_DECODE_STEPS = 4  # a per-step figure from fewer steps is mostly the first s
 class ControlPlane:
     """Seconds the live path adds around the engine steps (>= 0; zero: engine-side only). `prefill_extra_s`:
     a prefill instance busy per request after its first token (last KV, MTP pass, reply) at full speed;
-    `first_token_extra_s`: sampling to the client."""
+    `first_token_extra_s`: sampling to the client. Cores: `background_cores` busy all the time,
+    `prefill_corunner_cores` only while a prefill step runs (`derive_from_probes`)."""
 
     dispatch_s: float = 0.0
     prefill_extra_s: float = 0.0
