@@ -146,7 +146,8 @@ def simulated_point(
     sim, engine_only = simulated(control_plane), simulated(None)  # engine_only: the A/B without the path
     point["sim_phases_p50_ms"] = _phases_p50_ms(sim.results)
     if live.get("live_requests") is not None:  # (recorded before per-request figures were kept: none)
-        point["sim_over_live_per_request"] = overlap_split(workload.requests, live["live_requests"], sim.results)
+        split = overlap_split(workload.requests, live["live_requests"], sim.results)
+        point["sim_over_live_per_request"] = split
     point["sim_busy_fraction"] = sim.busy_fraction
     values = control_plane.to_dict()
     point["background_cores"] = round(values.pop("background_cores"), 3)
@@ -197,8 +198,10 @@ def overlap_split(requests: list, live: list, sim: list) -> dict[str, dict[str, 
     def med(values: list[float]) -> float | None:
         return round(statistics.median(values), 4) if values else None
 
-    return {name: {"num_requests": len(g), "ttft": med([t for t, _ in g]),
-                   "tpot": med([t for _, t in g if t is not None])} for name, g in groups.items()}  # fmt: skip
+    return {
+        name: {"num_requests": len(g), "ttft": med([t for t, _ in g]), "tpot": med([t for _, t in g if t])}
+        for name, g in groups.items()
+    }
 
 
 def _phases_p50_ms(results: list) -> dict[str, float]:
