@@ -5,7 +5,8 @@ are replayed live (deployed here, `pdcluster bench`'s client) and simulated (`pl
 calibration's step times, the live run's MTP acceptance, shared cores). The control plane is probed on
 the same deployment just before the replay (`--probes` requests, `planner.control_plane`), so both see
 the machine's load of that moment. Reports TTFT/TPOT p50/p90 of both and the simulated/live ratios;
-`engine_only_over_live_*` leaves the control plane out.
+`engine_only_over_live_*` leaves the control plane out; `sim_over_live_per_request` splits the per-request
+ratios between requests that ran alone live and those that overlapped another (where contention acts).
 
 `--calibrate` runs `pdcluster profile` (full grid, no control-plane probes) on each deployed file just
 before its replays and simulates with it; `--eager` deploys, profiles and simulates copies of the files
@@ -81,6 +82,7 @@ def live_point(
             for r in live.results
         ],
         "control_plane_probes": probed["probes"],
+        "control_plane_idle_cores": probed.get("idle_cores"),
     }
     for metric in ("ttft_ms", "tpot_ms"):
         for q in QUANTILES:
@@ -109,7 +111,8 @@ def simulated_point(
     point: dict[str, Any] = {}
     if live.get("control_plane_probes"):
         derived = derive_from_probes(
-            live["control_plane_probes"], prefill_model, decode_model, k, cores or float(os.cpu_count() or 1)
+            live["control_plane_probes"], prefill_model, decode_model, k, cores or float(os.cpu_count() or 1),
+            live.get("control_plane_idle_cores"),
         )
         values = derived["values"]
         point["lone_rates"] = {key: round(v, 4) for key, v in derived["lone_rates"].items()}
@@ -142,9 +145,13 @@ def simulated_point(
 
     sim, engine_only = simulated(control_plane), simulated(None)  # engine_only: the A/B without the path
     point["sim_phases_p50_ms"] = _phases_p50_ms(sim.results)
+    if live.get("live_requests") is not None:  # (recorded before per-request figures were kept: none)
+        split = overlap_split(workload.requests, live["live_requests"], sim.results)
+        point["sim_over_live_per_request"] = split
     point["sim_busy_fraction"] = sim.busy_fraction
     values = control_plane.to_dict()
     point["background_cores"] = round(values.pop("background_cores"), 3)
+    point["prefill_corunner_cores"] = round(values.pop("prefill_corunner_cores"), 3)
     point["control_plane_ms"] = {key: round(v * 1e3, 3) for key, v in values.items()}
     for metric in ("ttft_ms", "tpot_ms"):
         value, live_value = engine_only.summary[metric]["p50"], live[f"live_{metric}_p50"]
@@ -172,6 +179,29 @@ def live_and_simulated(
     """One point: `live_point` (same arguments) and the simulation of the same workload (module docstring)."""
     live = live_point(cluster, rate_per_s, num_requests, max_tokens_cap, calibration, **kw)
     return {**live, **simulated_point(live, calibration, kw.get("trace", TRACE), max_tokens_cap)}
+
+
+def overlap_split(requests: list, live: list, sim: list) -> dict[str, dict[str, Any]]:
+    """Median per-request simulated/live TTFT and TPOT, apart for the requests that ran alone live and those
+    that overlapped another (live spans: arrival to arrival + TTFT + TPOT x (output tokens - 1))."""
+    spans = [None if x is None else (r.arrival_s, r.arrival_s + x[2] + (x[3] or 0.0) * (x[1] - 1))
+             for r, x in zip(requests, live, strict=True)]  # fmt: skip
+    groups: dict[str, list[tuple[float, float | None]]] = {"alone": [], "overlapped": []}
+    for i, (span, x, s) in enumerate(zip(spans, live, sim, strict=True)):
+        if span is None or not s.ok:
+            continue
+        overlapped = any(o is not None and j != i and o[0] < span[1] and o[1] > span[0]
+                         for j, o in enumerate(spans))  # fmt: skip
+        tpot = s.tpot_s / x[3] if s.tpot_s is not None and x[3] else None
+        groups["overlapped" if overlapped else "alone"].append((s.ttft_s / x[2], tpot))
+
+    def med(values: list[float]) -> float | None:
+        return round(statistics.median(values), 4) if values else None
+
+    return {
+        name: {"num_requests": len(g), "ttft": med([t for t, _ in g]), "tpot": med([t for _, t in g if t])}
+        for name, g in groups.items()
+    }
 
 
 def _phases_p50_ms(results: list) -> dict[str, float]:

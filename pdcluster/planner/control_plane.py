@@ -23,6 +23,7 @@ from pdcluster.planner.step_model import DecodeRow, PrefillChunk, StepShape, Ste
 PROMPT_LENS = (16, 48, 128, 320)  # the local traces' prompts after scaling: median ~50, p90 ~300
 DEFAULT_REQUESTS, QUICK_REQUESTS = 12, 4
 DEFAULT_MAX_TOKENS, QUICK_MAX_TOKENS = 24, 12
+IDLE_WINDOW_S = 3.0  # long enough for several of the cluster's periodic polls
 MIN_DECODE_STEPS = 4  # a per-step figure from fewer steps is mostly the first step's and the stream's noise
 
 
@@ -30,7 +31,8 @@ MIN_DECODE_STEPS = 4  # a per-step figure from fewer steps is mostly the first s
 class ControlPlane:
     """Seconds the live path adds around the engine steps (>= 0; zero: engine-side only). `prefill_extra_s`:
     a prefill instance busy per request after its first token (last KV, MTP pass, reply) at full speed;
-    `first_token_extra_s`: sampling to the client."""
+    `first_token_extra_s`: sampling to the client. Cores: `background_cores` busy all the time,
+    `prefill_corunner_cores` only while a prefill step runs (`derive_from_probes`)."""
 
     dispatch_s: float = 0.0
     prefill_extra_s: float = 0.0
@@ -41,6 +43,7 @@ class ControlPlane:
     host_cpu_per_request_s: float = 0.0
     host_cpu_per_decode_step_s: float = 0.0
     background_cores: float = 0.0
+    prefill_corunner_cores: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -84,7 +87,8 @@ def _modelled(prefill: StepTimeModel, decode: StepTimeModel, prompt_len: int, k:
 
 
 def derive(
-    points: list[dict[str, Any]], background_cores: float = 0.0, host_line: tuple[float, float] | None = None
+    points: list[dict[str, Any]], background_cores: float = 0.0, host_line: tuple[float, float] | None = None,
+    prefill_corunner_cores: float = 0.0,
 ) -> ControlPlane:
     """`ControlPlane` from per-request points (`point_from_result`): the median of each extra (the first
     decode step's net of the per-step one, which the simulator adds to every step); the driver's CPU line
@@ -107,6 +111,7 @@ def derive(
     return ControlPlane(
         **values,
         background_cores=background_cores,
+        prefill_corunner_cores=prefill_corunner_cores,
         host_cpu_per_request_s=host_line[0],
         host_cpu_per_decode_step_s=host_line[1],
     )
@@ -186,12 +191,15 @@ def lone_rate(cores: float, driver_demand: float, background: float) -> float:
 
 
 def derive_from_probes(
-    probes: list[dict[str, Any]], prefill: StepTimeModel, decode: StepTimeModel, k: int, cores: float
+    probes: list[dict[str, Any]], prefill: StepTimeModel, decode: StepTimeModel, k: int, cores: float,
+    idle_cores: float | None = None,
 ) -> dict[str, Any]:
     """`{"values", "points"}` of `probes` (`probe_control_plane`'s: a `RequestResult` as a dict, the
-    prompt length, the driver's CPU seconds), as the simulator on `cores` cores would replay them alone;
-    background from the prefill rank's share = cores / (1 + driver + background).
-    Raises ValueError when `probes` is empty."""
+    prompt length, the driver's CPU seconds), as the simulator on `cores` cores would replay them alone.
+    The prefill rank's share = cores / (1 + driver + co-runners) gives the demand beside a lone prefill;
+    of it, `idle_cores` (the node's busy cores while the cluster idled, `idle_busy_cores`) is the steady
+    `background_cores` and the rest `prefill_corunner_cores` (present only while a prefill step runs);
+    None: all of it steady. Raises ValueError when `probes` is empty."""
     from pdcluster.entrypoints.bench_client import RequestResult
 
     if not probes:
@@ -209,8 +217,9 @@ def derive_from_probes(
         prefill_driver = statistics.median(
             min(1.0, per_request / (m["prefill_s"] + prefill_extra)) for m in base
         )
-        background = max(0.0, cores / share - 1.0 - prefill_driver) if share < 1 else 0.0
-        prefill_rate = lone_rate(cores, prefill_driver, background)
+        beside = max(0.0, cores / share - 1.0 - prefill_driver) if share < 1 else 0.0
+        background = beside if idle_cores is None else min(beside, idle_cores)
+        prefill_rate = lone_rate(cores, prefill_driver, beside)
         decode_rate = lone_rate(cores, min(1.0, per_step / (decode_s + extra)), background)
         points = []
         for r, p, m in zip(results, probes, base, strict=True):
@@ -220,7 +229,7 @@ def derive_from_probes(
             wall["kv_handoff_s"] = prefill.kv_handoff_s(p["prompt_len"], call_s)
             point = point_from_result(r, k, wall, decode_rate, prefill_rate)
             points.append({**point, "host_cpu_s": p["host_cpu_s"], "cpu_share": share})
-        cp = derive(points, background, (per_request, per_step))
+        cp = derive(points, background, (per_request, per_step), beside - background)
         extra, prefill_extra = cp.decode_step_extra_s, cp.prefill_extra_s
     rates = {"prefill": prefill_rate, "decode": decode_rate, "prefill_cpu_share": share}
     return {"values": cp.to_dict(), "points": points, "lone_rates": rates}
@@ -263,6 +272,7 @@ def probe_control_plane(
     measured, failed = [], 0
     model, _ = served_model(url)
     sent = asyncio.run(_in_turn(url, every, prompts, model, progress))
+    idle = idle_busy_cores()
     for (result, cpu_s), prompt_len in list(zip(sent, lengths, strict=True))[1:]:  # the first warmed up
         if not result.ok or result.ttft_s is None:
             failed += 1
@@ -274,8 +284,28 @@ def probe_control_plane(
         {"result": dataclasses.asdict(result), "prompt_len": prompt_len, "host_cpu_s": cpu_s}
         for result, prompt_len, cpu_s in measured
     ]
-    derived = derive_from_probes(probes, prefill, decode, k, float(os.cpu_count() or 1))
-    return {**derived, "probes": probes, "num_failed": failed}
+    derived = derive_from_probes(probes, prefill, decode, k, float(os.cpu_count() or 1), idle)
+    return {**derived, "probes": probes, "num_failed": failed, "idle_cores": idle}
+
+
+def idle_busy_cores(window_s: float = IDLE_WINDOW_S) -> float | None:
+    """Cores this machine keeps busy over `window_s` seconds (every process, from /proc/stat), measured
+    while the cluster has no request: its steady background. Niced time is left out: under CFS a nice-19
+    process weighs 15 against a nice-0 one's 1024, so it yields the cores to the cluster's processes.
+    None where /proc/stat is unreadable."""
+
+    def busy_s() -> float | None:
+        try:
+            with open("/proc/stat", encoding="ascii") as f:
+                ticks = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        return (sum(ticks[:8]) - sum(ticks[1:5])) / os.sysconf("SC_CLK_TCK")  # not nice, idle, iowait
+
+    start, start_s = busy_s(), time.perf_counter()
+    time.sleep(window_s)
+    end = busy_s()
+    return None if start is None or end is None else max(0.0, (end - start) / (time.perf_counter() - start_s))
 
 
 async def _in_turn(

@@ -217,6 +217,8 @@ class ClusterSimulator:
         if duration_s > 0 and self._nodes is not None:
             node_index = self._node_of[key]
             demand = self._demand[key]
+            if engine.role == "prefill":  # what runs beside a prefill step (`derive_from_probes`)
+                demand += self.control_plane.prefill_corunner_cores
             if node_index == 0:  # the driver's node: its CPU for this step's requests competes too
                 cp = self.control_plane
                 host_s = cp.host_cpu_per_decode_step_s * engine.num_step_rows  # a delta per decoded request

@@ -55,3 +55,20 @@ def test_live_from_refuses_live_only_options(tmp_path, capsys):
     with pytest.raises(SystemExit):
         planner_fidelity.main(["--live-from", str(_record(tmp_path)), "--eager"])
     assert "--live-from re-simulates a recorded run" in capsys.readouterr().err
+
+
+def test_overlap_split_parts_the_requests_that_ran_alone_from_those_that_overlapped():
+    from types import SimpleNamespace
+
+    from pdcluster.planner.trace import TraceRequest
+
+    requests = [TraceRequest(0.0, 16, 3), TraceRequest(0.1, 16, 3), TraceRequest(5.0, 16, 3)]
+    # live spans: 0 .. 0.2 + 0.05 x 2 = 0.3 and 0.1 .. 0.4 overlap; the third (5.0 .. 5.3) runs alone
+    live = [[16, 3, 0.2, 0.05], [16, 3, 0.2, 0.05], [16, 3, 0.2, 0.05]]
+    sim = [SimpleNamespace(ok=True, ttft_s=0.1, tpot_s=0.05),
+           SimpleNamespace(ok=True, ttft_s=0.3, tpot_s=0.1),
+           SimpleNamespace(ok=True, ttft_s=0.2, tpot_s=None)]  # fmt: skip
+    split = planner_fidelity.overlap_split(requests, live, sim)
+    assert split["alone"] == {"num_requests": 1, "ttft": 1.0, "tpot": None}
+    # the medians of 0.5 and 1.5 (TTFT), of 1 and 2 (TPOT)
+    assert split["overlapped"] == {"num_requests": 2, "ttft": 1.0, "tpot": 1.5}

@@ -178,9 +178,11 @@ def test_calibration_round_trip_and_bad_values(tmp_path):
         ControlPlane(dispatch_s=-1.0)
 
 
-def test_the_simulator_replays_a_lone_probe_as_it_was_measured():
+@pytest.mark.parametrize("idle_cores", [None, 0.1])
+def test_the_simulator_replays_a_lone_probe_as_it_was_measured(idle_cores):
     """The derivation inverts the simulator: one probe's control plane, replayed alone on the node's cores
-    with its core sharing, gives back the probe's TTFT and TPOT (the probe's load is counted once)."""
+    with its core sharing, gives back the probe's TTFT and TPOT (the probe's load is counted once), whether
+    the demand beside the prefill is all steady background or (a measured idle load) mostly co-runners."""
     import dataclasses
     from pathlib import Path
 
@@ -199,10 +201,12 @@ def test_the_simulator_replays_a_lone_probe_as_it_was_measured():
     # one core, and the prefill rank's 80% share leaves 2 / 0.8 - 1 - 1 = 0.5 cores of background
     derived = derive_from_probes(
         [{"result": dataclasses.asdict(probe), "prompt_len": 48, "host_cpu_s": 0.030}],
-        prefill, decode, 1, cores,
+        prefill, decode, 1, cores, idle_cores,
     )  # fmt: skip
     cp = ControlPlane(**derived["values"])
-    assert cp.background_cores == pytest.approx(0.5, abs=TOL_S)
+    steady = 0.5 if idle_cores is None else idle_cores
+    assert cp.background_cores == pytest.approx(steady, abs=TOL_S)
+    assert cp.prefill_corunner_cores == pytest.approx(0.5 - steady, abs=TOL_S)
     assert derived["lone_rates"]["prefill"] == pytest.approx(0.8, abs=TOL_S)
     options = SimOptions(prefill, decode, (0.0,), control_plane=cp, cores_per_node=cores)
     result = simulate(

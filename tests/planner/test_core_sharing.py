@@ -108,3 +108,25 @@ def test_the_driver_streams_each_decoded_request_so_its_demand_grows_with_the_ba
     # slows them more (charged per step instead of per request, the pair would stay near 12.5 ms)
     assert tpot_ms(1) == pytest.approx([12.5], abs=1e-6)
     assert min(tpot_ms(2)) >= 15.0 - 1e-6
+
+
+def test_a_prefills_corunners_slow_decode_steps_only_while_the_prefill_runs():
+    """`prefill_corunner_cores` joins a prefill step's demand; a decode step alone does not see it, as it
+    sees `background_cores`."""
+    from pdcluster.planner.control_plane import ControlPlane
+
+    topology = load_topology(ROOT / "clusters" / "local.yaml")
+    requests = [TraceRequest(0.5 * i, 64, 16) for i in range(10)]  # one at a time: no overlap
+    model = FixedStep(0.01)
+
+    def ttft_tpot_ms(control_plane):
+        options = SimOptions(model, model, (0.0,), cores_per_node=2.0, control_plane=control_plane)
+        summary = simulate(topology, requests, options).summary
+        return summary["ttft_ms"]["p50"], summary["tpot_ms"]["p50"]
+
+    # a lone prefill step demands 1 + 1.5 cores of 2: it runs at 2 / 2.5 of full speed; decode at full
+    ttft, tpot = ttft_tpot_ms(ControlPlane(prefill_corunner_cores=1.5))
+    assert ttft == pytest.approx(10.0 * 2.5 / 2, abs=1e-6) and tpot == pytest.approx(10.0, abs=1e-6)
+    # the same 1.5 cores as steady background slow both
+    ttft, tpot = ttft_tpot_ms(ControlPlane(background_cores=1.5))
+    assert ttft == pytest.approx(10.0 * 2.5 / 2, abs=1e-6) and tpot == pytest.approx(10.0 * 2.5 / 2, abs=1e-6)

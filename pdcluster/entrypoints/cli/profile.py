@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     table = profiling.summary_table(rows, kv)
     if control_plane is not None:
         values = ", ".join(
-            f"{k} {v:.2f} cores" if k == "background_cores" else f"{k} {v * 1e3:.2f} ms"
+            f"{k} {v:.2f} cores" if k.endswith("_cores") else f"{k} {v * 1e3:.2f} ms"
             for k, v in control_plane["values"].items()
         )
         table += f"\ncontrol plane (live, {len(control_plane['points'])} probes one at a time): {values}"
