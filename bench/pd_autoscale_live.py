@@ -1,15 +1,18 @@
-"""Dynamic P:D live: `python -m bench.pd_autoscale --live [--phase-s 20] [--max-requests N] [--json]`.
+"""Dynamic P:D live: `python -m bench.pd_autoscale --live --eager [--phase-s 15] [--calibration F] [--json]`.
 
-The `local4` traces of `bench.pd_autoscale` (built, thinned and simulated exactly as there) replayed
-against real deployments: `pdcluster deploy` (a child process, `bench.server_procs`) of clusters/local.yaml
-on 4 single-device instances, once per static split (1P3D, 2P2D, 3P1D, autoscale off) serving both traces,
-and with `autoscale: {enabled: true}` from 2P2D (the simulated start) deployed afresh for each trace, so
-each trace starts from the same split. One client (`entrypoints.bench_client.replay`: streamed
-`/v1/completions` of held-out token-id prompts at their arrival times, ignore_eos, greedy), a few untimed
-warm-up requests per deploy. Goodput: requests meeting the YAML's TTFT and TPOT SLO per second of the
-trace's arrival span; `lost_requests`: requests that failed or ended short. Each row carries the simulated
-figures of the same trace and `sim_over_live` (simulated / live goodput) for the controller and for the
-best static split, and the load average of the machine during the run (a shared machine makes it noisy).
+This machine is profiled first (`pdcluster profile` of clusters/local.yaml: step times and the live
+control plane; `--calibration` skips it), and the `local4` traces of `bench.pd_autoscale` are built and
+simulated with that calibration and this machine's cores (`prepared`), so the live and simulated runs
+share one model. The traces are replayed against real deployments: `pdcluster deploy` (a child process,
+`bench.server_procs`) of clusters/local.yaml on 4 single-device instances, once per static split (1P3D,
+2P2D, 3P1D, autoscale off) serving both traces, and with `autoscale: {enabled: true, calibration: ...}`
+from 2P2D (the simulated start) deployed afresh for each trace. One client (`entrypoints.bench_client.
+replay`: streamed `/v1/completions` of held-out token-id prompts at their arrival times, ignore_eos,
+greedy), a few untimed warm-up requests per deploy. Goodput: requests meeting the YAML's TTFT and TPOT SLO
+per second of the trace's arrival span; `lost_requests`: requests that failed or ended short. Each row
+carries the simulated figures of the same trace, `sim_over_live` (simulated / live goodput) for the
+controller and the best static split, the machine's load average and the run's `wall_s`; the output's
+`config.calibration_json` is the calibration (`--calibration RESULT.json` simulates with it again).
 """
 
 from __future__ import annotations
