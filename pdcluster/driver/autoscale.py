@@ -22,7 +22,7 @@ max(dA / (nA - k), dB / (nB + k))) lowers it by at least `hysteresis`, and A's a
 passes; decode's held batch and KV, not the forecast, which lags a load moving away from it by the window)
 stay within `target_utilization` after this move unless B is HOT_DONOR_RATIO times hotter; the
 move's own cost (the leaving instance drains for `drain_s`, serving neither pool after it stops taking
-work) is counted against its gain over the dwell after the move's end. At most one move per decision and
+work) is counted against its gain over one dwell time. At most one move per decision and
 `max_moves_in_flight` under way at once (they may overlap); while moves are under way only more to the same
 pool; within `dwell_s` of the last move's end the same, or a reversal to a pool its arrivals alone
 overload (arrivals >= its instances); no parking then (unparking excepted: the SLO comes first); pools
@@ -261,7 +261,7 @@ def _rebalance(
     for candidate in _by_cost(instances, source):
         if candidate.drain_s > policy.drain_timeout_s:
             break  # sorted by drain_s: none later drains faster
-        gain = (peak - after) * policy.dwell_s  # it serves the target at least a dwell once moved
+        gain = (peak - after) * max(policy.dwell_s - candidate.drain_s, 0.0)
         loss = (source_after - util[source]) * candidate.drain_s  # the donor runs short while it drains
         if gain <= loss:
             return None
