@@ -123,7 +123,8 @@ def prepared(
     prefill_model, decode_model = step_models(topology, options)
     topology = prefill_budget_within_slo(topology, prefill_model)
     acceptance = acceptance_for(topology, options)
-    pricing = Pricing(topology, prefill_model, decode_model, acceptance)
+    control_plane = control_plane_from_calibration(calibration)
+    pricing = Pricing(topology, prefill_model, decode_model, acceptance, control_plane)
     traces = build_traces(topology, pricing, phase_s, seed, cores, load, max_output)
     traces = {k: thinned(v, max_requests) for k, v in traces.items()}
     sim = SimOptions(
@@ -131,7 +132,7 @@ def prepared(
         decode_model,
         acceptance,
         seed,
-        control_plane_from_calibration(calibration),
+        control_plane,
         cores if cores is not None and not topology.hardware.spec.is_accelerator else None,
     )
     return topology, sim, traces

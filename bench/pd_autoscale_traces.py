@@ -15,10 +15,20 @@ MAX_OUTPUT_TOKENS = 384  # outputs capped (and at half the model's context)
 class Pricing:
     """Instance-seconds a request costs each pool, from the perf model (`capacity_from_models`)."""
 
-    def __init__(self, topology, prefill_model, decode_model, acceptance) -> None:  # noqa: ANN001
+    def __init__(self, topology, prefill_model, decode_model, acceptance, control_plane=None) -> None:  # noqa: ANN001
         self.args = (topology, prefill_model, decode_model, acceptance)
-        self.topology, self.decode_model = topology, decode_model
+        self.topology, self.decode_model, self.control_plane = topology, decode_model, control_plane
         self.tpot_slo_s = (topology.slo.tpot_ms or 100.0) / 1000
+
+    def host_s(self, num_output: float) -> float:
+        """Core-seconds the driver spends on a request (`ControlPlane.host_cpu_*`; 0 without one)."""
+        from pdcluster.driver.autoscale_capacity import tokens_per_step
+
+        cp = self.control_plane
+        if cp is None:
+            return 0.0
+        steps = num_output / tokens_per_step(self.args[3][: self.topology.decode.num_speculative_tokens])
+        return cp.host_cpu_per_request_s + cp.host_cpu_per_decode_step_s * steps
 
     def per_request_s(self, num_input: float, num_output: float) -> tuple[float, float]:
         from pdcluster.driver.autoscale_capacity import capacity_from_models, tokens_per_step
@@ -80,8 +90,9 @@ def build_traces(
     load: float = 1.0,
     max_output: int = MAX_OUTPUT_TOKENS,
 ) -> dict[str, list]:
-    """`phase_shift` and `steady` (see the module docstring); with `cores` (instances sharing a CPU node's
-    cores) the rates are sized to min(instances, cores) instances, times `load`."""
+    """`phase_shift` and `steady` (`bench.pd_autoscale`'s docstring); with `cores` (instances sharing a CPU
+    node's cores) the rates are sized to min(instances, cores the control plane's background leaves)
+    instances, the driver's CPU per request counted with the hot pool's, times `load`."""
     from pdcluster.planner.sizing import pool_sizing
 
     max_model_len = pool_sizing(topology, "decode").scheduler.max_model_len
@@ -97,18 +108,23 @@ def build_traces(
         r for r in rows if r.num_input_tokens <= inputs[q] and r.num_output_tokens >= outputs[3 * q]
     ]
     total = topology.prefill.num_instances + topology.decode.num_instances
-    sized = min(total, cores) * load if cores is not None else total * load
+    sized, host = total * load, 0.0
+    if cores is not None:  # the cores the control plane's background leaves, at least a quarter
+        cp = pricing.control_plane
+        free = max(cores - (cp.background_cores if cp is not None else 0.0), cores / 4)
+        sized, host = min(total, free) * load, 1.0
     rng = random.Random(seed)
 
-    def mean_cost(subset: list) -> tuple[float, float]:
-        return pricing.per_request_s(
-            statistics.fmean(r.num_input_tokens for r in subset),
-            statistics.fmean(r.num_output_tokens for r in subset),
+    def mean_cost(subset: list) -> tuple[float, float, float]:
+        num_output = statistics.fmean(r.num_output_tokens for r in subset)
+        prefill_s, decode_s = pricing.per_request_s(
+            statistics.fmean(r.num_input_tokens for r in subset), num_output
         )
+        return prefill_s, decode_s, host * pricing.host_s(num_output)
 
     hot = HOT_INSTANCES_FRACTION * sized
-    prompt_rate = hot / mean_cost(prompt_heavy)[0]
-    output_rate = hot / mean_cost(output_heavy)[1]
+    prompt_rate = hot / (mean_cost(prompt_heavy)[0] + mean_cost(prompt_heavy)[2])
+    output_rate = hot / (mean_cost(output_heavy)[1] + mean_cost(output_heavy)[2])
     phase_shift = []
     for i, (subset, rate) in enumerate(
         ((prompt_heavy, prompt_rate), (output_heavy, output_rate), (prompt_heavy, prompt_rate))
