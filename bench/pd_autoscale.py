@@ -269,7 +269,9 @@ def main() -> None:
         description="Dynamic P:D against the best static split (simulated; --live: also live).",
         epilog="--live (bench.pd_autoscale_live): `pdcluster profile` of this machine, then 5 deploys of "
         "clusters/local.yaml on 4 devices (about 1 min each with --eager, several with the decode compile) "
-        "and 8 replays of 3 x --phase-s each: about 15 min at --eager --phase-s 15.",
+        "and 8 replays of 3 x --phase-s each: about 15 min at --eager --phase-s 15 on a quiet machine. "
+        "--load 1.5 there: the calibrated model has the SLO binding in every phase and the static splits "
+        "apart.",
     )
     add_json_option(parser)
     parser.add_argument(
