@@ -1,37 +1,39 @@
 """Dynamic P:D against the best static split: `python -m bench.pd_autoscale [--clusters local4,cm384]
-[--live [--eager]] [--phase-s 60] [--max-requests N] [--json]`; simulated unless `--live`
+[--calibration FILE] [--live [--eager]] [--phase-s 60] [--json]`; simulated unless `--live`
 (`bench.pd_autoscale_live`: the local4 traces replayed against real deploys, with these figures beside).
 
 Per cluster (`--clusters`: `local4` = clusters/local.yaml on 4 single-device instances, `cm384` =
 clusters/cm384.yaml with both pools at its prefill shape, 32 dies), two traces built from the Azure
 conversation trace: `phase_shift` (prompt-heavy rows, then output-heavy rows, then prompt-heavy again,
-`--phase-s` each) and `steady` (all rows mixed). Arrival gaps are Azure's, rescaled to a rate the perf
-model prices: a phase's hot pool needs `HOT_INSTANCES_FRACTION` of the instances, the steady trace
-`STEADY_LOAD` of all. Each trace runs on every static split (`planner.simulator`) and with the controller
-(`planner.autoscale_sim`, starting from the file's split; a quarter of the instances may move at once;
-prefill's step budget at most half the TTFT SLO: `prefill_budget_within_slo`). Goodput: requests within
-the SLO per second of the trace's arrival span, the same for every run of one trace, so
-`goodput_over_best_static` is the ratio of requests within the SLO; `*_per_s_of_duration` divides by
-each run's own first-arrival to last-answer time instead (`pdcluster bench`'s summary).
-`lost_requests`: requests that did not complete.
+`--phase-s` each) and `steady` (all rows mixed; `bench.pd_autoscale_traces`). Arrival gaps are Azure's,
+rescaled to a rate the perf model prices: a phase's hot pool needs `HOT_INSTANCES_FRACTION` of the
+instances, the steady trace `STEADY_LOAD` of all (local4 on a machine, `--calibration`/`--live`: of
+min(instances, `--cores`), its instances sharing the cores as processes do: `planner.core_sharing`). Each
+trace runs on every static split (`planner.simulator`) and with the controller (`planner.autoscale_sim`,
+starting from the file's split; a quarter of the instances may move at once; prefill's step budget at most
+half the TTFT SLO: `prefill_budget_within_slo`). Goodput: requests within the SLO per second of the
+trace's arrival span, the same for every run of one trace, so `goodput_over_best_static` is the ratio of
+requests within the SLO; `*_per_s_of_duration` divides by each run's own first-arrival to last-answer time
+instead. `lost_requests`: requests that did not complete.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import random
-import statistics
+import os
+from pathlib import Path
 from typing import Any
 
 from bench.common import add_json_option, emit, format_table, ratio, source_revision
+from bench.pd_autoscale_traces import MAX_OUTPUT_TOKENS, Pricing, build_traces, thinned
 
-HOT_INSTANCES_FRACTION = 0.6  # of a phase's hot pool: 2.4 of 4 instances
-STEADY_LOAD = 0.7  # of all instances' capacity
+MACHINE_MAX_OUTPUT_TOKENS = 64  # local4 priced on this machine (--calibration, --live)
 BENCH_AUTOSCALE = {"interval_s": 0.5, "window_s": 3.0, "dwell_s": 5.0, "drain_timeout_s": 30.0}
 
 
-def cluster_topology(name: str):  # noqa: ANN201
-    """The topology of `--clusters` NAME (see the module docstring), autoscale enabled."""
+def cluster_topology(name: str, calibration: str | None = None):  # noqa: ANN201
+    """The topology of `--clusters` NAME (see the module docstring), autoscale enabled (pricing capacity
+    with `calibration`)."""
     from pdcluster.config import load_topology
     from pdcluster.config.autoscale import AutoscaleConfig
     from pdcluster.config.schema import DEFAULT_TOPOLOGY_PATH
@@ -60,7 +62,9 @@ def cluster_topology(name: str):  # noqa: ANN201
     else:
         raise SystemExit(f"unknown cluster {name!r} (local4, cm384)")
     total = t.prefill.num_instances + t.decode.num_instances
-    config = AutoscaleConfig(enabled=True, max_moves_in_flight=max(1, total // 4), **BENCH_AUTOSCALE)
+    config = AutoscaleConfig(
+        enabled=True, max_moves_in_flight=max(1, total // 4), calibration=calibration, **BENCH_AUTOSCALE
+    )
     return dataclasses.replace(t, autoscale=config)
 
 
@@ -97,149 +101,77 @@ def with_split(topology, num_prefill: int):  # noqa: ANN001, ANN201
     )
 
 
-class Pricing:
-    """Instance-seconds a request costs each pool, from the perf model (`capacity_from_models`)."""
-
-    def __init__(self, topology, prefill_model, decode_model, acceptance) -> None:  # noqa: ANN001
-        self.args = (topology, prefill_model, decode_model, acceptance)
-        self.topology, self.decode_model = topology, decode_model
-        self.tpot_slo_s = (topology.slo.tpot_ms or 100.0) / 1000
-
-    def per_request_s(self, num_input: float, num_output: float) -> tuple[float, float]:
-        from pdcluster.driver.autoscale_capacity import capacity_from_models, tokens_per_step
-        from pdcluster.planner.step_model import DecodeRow, StepShape
-
-        context = int(num_input + num_output / 2)
-        cap = capacity_from_models(*self.args, self.tpot_slo_s, context, int(num_input))
-        k = self.topology.decode.num_speculative_tokens
-        batch = int(cap.decode_batch)
-        step_s = self.decode_model.step_time_s(StepShape((), (DecodeRow(context, 1 + k),) * batch, k))
-        decode_tokens_per_s = batch * tokens_per_step(self.args[3][:k]) / step_s
-        return num_input / cap.prefill_tokens_per_s, num_output / decode_tokens_per_s
-
-
-def azure_rows(max_model_len: int, max_output: int, input_scale: float) -> tuple[list, list[float]]:
-    """Azure conversation rows (inputs x `input_scale`, clamped to the model; outputs capped), and the
-    trace's arrival gaps in seconds."""
-    from pdcluster.planner.trace import MIN_INPUT_TOKENS, TraceRequest, load_trace
-
-    trace = load_trace("AzureLLMInferenceTrace_conv.csv").requests
-    max_input = max_model_len - max_output
-    rows = [
-        TraceRequest(
-            0.0,
-            min(max_input, max(MIN_INPUT_TOKENS, round(r.num_input_tokens * input_scale))),
-            min(max_output, max(1, r.num_output_tokens)),
-        )
-        for r in trace
-    ]
-    gaps = [b.arrival_s - a.arrival_s for a, b in zip(trace, trace[1:], strict=False)]
-    return rows, gaps
-
-
-def _arrivals(rows: list, gaps: list[float], rate: float, start_s: float, duration_s: float, rng) -> list:  # noqa: ANN001
-    """`rows` in a seeded order from `start_s` for `duration_s`: a run of consecutive Azure gaps from a seeded
-    point, scaled so that their own mean is 1 / `rate` (the trace's rate drifts: its global mean would not
-    give `rate` over a short run)."""
-    num = max(1, round(rate * duration_s))
-    first = rng.randrange(len(gaps))
-    run = [gaps[(first + i) % len(gaps)] for i in range(num)]
-    scale = statistics.fmean(run) * rate
-    order = rows[:]
-    rng.shuffle(order)
-    out, now_s = [], start_s
-    for i, gap in enumerate(run):
-        now_s += gap / scale
-        if now_s >= start_s + duration_s:
-            break
-        out.append(dataclasses.replace(order[i % len(order)], arrival_s=now_s))
-    return out
-
-
-def build_traces(topology, pricing: Pricing, phase_s: float, seed: int) -> dict[str, list]:  # noqa: ANN001
-    """`phase_shift` and `steady` (see the module docstring)."""
-    from pdcluster.planner.sizing import pool_sizing
-
-    max_model_len = pool_sizing(topology, "decode").scheduler.max_model_len
-    max_output = min(384, max_model_len // 2)
-    rows, gaps = azure_rows(max_model_len, max_output, min(1.0, max_model_len / 4096))
-    inputs = sorted(r.num_input_tokens for r in rows)
-    outputs = sorted(r.num_output_tokens for r in rows)
-    q = len(rows) // 4
-    prompt_heavy = [
-        r for r in rows if r.num_input_tokens >= inputs[3 * q] and r.num_output_tokens <= outputs[q]
-    ]
-    output_heavy = [
-        r for r in rows if r.num_input_tokens <= inputs[q] and r.num_output_tokens >= outputs[3 * q]
-    ]
-    total = topology.prefill.num_instances + topology.decode.num_instances
-    rng = random.Random(seed)
-
-    def mean_cost(subset: list) -> tuple[float, float]:
-        return pricing.per_request_s(
-            statistics.fmean(r.num_input_tokens for r in subset),
-            statistics.fmean(r.num_output_tokens for r in subset),
-        )
-
-    hot = HOT_INSTANCES_FRACTION * total
-    prompt_rate = hot / mean_cost(prompt_heavy)[0]
-    output_rate = hot / mean_cost(output_heavy)[1]
-    phase_shift = []
-    for i, (subset, rate) in enumerate(
-        ((prompt_heavy, prompt_rate), (output_heavy, output_rate), (prompt_heavy, prompt_rate))
-    ):
-        phase_shift += _arrivals(subset, gaps, rate, i * phase_s, phase_s, rng)
-    steady_rate = STEADY_LOAD * total / sum(mean_cost(rows))
-    steady = _arrivals(rows, gaps, steady_rate, 0.0, 3 * phase_s, rng)
-    return {"phase_shift": phase_shift, "steady": steady}
-
-
-def thinned(requests: list, max_requests: int | None) -> list:
-    """At most `max_requests` of `requests`, evenly spaced in arrival order (a lower load); all for None."""
-    if max_requests is None or len(requests) <= max_requests:
-        return requests
-    return [requests[i * len(requests) // max_requests] for i in range(max_requests)]
-
-
-def prepared(name: str, phase_s: float, seed: int, max_requests: int | None = None):  # noqa: ANN201
-    """(topology, (prefill_model, decode_model, acceptance), {trace name: requests}) of cluster `name`."""
+def prepared(
+    name: str,
+    phase_s: float,
+    seed: int,
+    max_requests: int | None = None,
+    calibration: str | None = None,
+    cores: float | None = None,
+    load: float = 1.0,
+    max_output: int = MAX_OUTPUT_TOKENS,
+):  # noqa: ANN201
+    """(topology, SimOptions, {trace name: requests}) of cluster `name`. `calibration`: a `pdcluster
+    profile` JSON pricing the steps, the control plane (its `control_plane`) and the controller's
+    capacity (`autoscale.calibration`); `cores`: the CPU node's cores the instances share (None: unshared)."""
+    from pdcluster.planner.control_plane import control_plane_from_calibration
     from pdcluster.planner.plan import PlanOptions, acceptance_for, step_models
+    from pdcluster.planner.sim_options import SimOptions
 
-    topology = cluster_topology(name)
-    options = PlanOptions(trace="AzureLLMInferenceTrace_conv.csv", seed=seed)
+    topology = cluster_topology(name, calibration)
+    options = PlanOptions(trace="AzureLLMInferenceTrace_conv.csv", seed=seed, calibration=calibration)
     prefill_model, decode_model = step_models(topology, options)
     topology = prefill_budget_within_slo(topology, prefill_model)
     acceptance = acceptance_for(topology, options)
-    traces = build_traces(topology, Pricing(topology, prefill_model, decode_model, acceptance), phase_s, seed)
+    control_plane = control_plane_from_calibration(calibration)
+    pricing = Pricing(topology, prefill_model, decode_model, acceptance, control_plane)
+    traces = build_traces(topology, pricing, phase_s, seed, cores, load, max_output)
     traces = {k: thinned(v, max_requests) for k, v in traces.items()}
-    return topology, (prefill_model, decode_model, acceptance), traces
+    sim = SimOptions(
+        prefill_model,
+        decode_model,
+        acceptance,
+        seed,
+        control_plane,
+        cores if cores is not None and not topology.hardware.spec.is_accelerator else None,
+    )
+    return topology, sim, traces
 
 
 def run_cluster(name: str, args: Any) -> list[dict[str, Any]]:
     """One row per trace of `--traces` on cluster `name` (`args`: the parsed command line)."""
-    topology, models, traces = prepared(name, args.phase_s, args.seed, args.max_requests)
+    local = name == "local4"
+    calibration = str(args.calibration) if args.calibration and local else None
+    topology, options, traces = prepared(
+        name,
+        args.phase_s,
+        args.seed,
+        args.max_requests,
+        calibration,
+        args.cores if local else None,
+        args.load,
+        args.max_output if local else MAX_OUTPUT_TOKENS,
+    )
     if unknown := set(names := args.traces.split(",")) - set(traces):
         raise SystemExit(f"--traces: unknown {sorted(unknown)} (phase_shift, steady)")
     static = tuple(int(n) for n in args.static_splits.split(",") if n)
     traces = {k: v for k, v in traces.items() if k in names}
-    return compare(name, topology, models, traces, args.seed, args.splits, static)
+    return compare(name, topology, options, traces, args.splits, static)
 
 
 def compare(
     name: str,
     topology: Any,
-    models: tuple,
+    options: Any,
     traces: dict[str, list],
-    seed: int,
     splits: int,
     static_splits: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:
     """The simulated rows: each trace on every static split (prefill instances `static_splits`, else about
     `splits` of them evenly spaced, the start and the ends) and with the controller."""
     from pdcluster.planner.autoscale_sim import simulate_autoscale
-    from pdcluster.planner.simulator import SimOptions, simulate
+    from pdcluster.planner.simulator import simulate
 
-    options = SimOptions(*models)
     total = topology.prefill.num_instances + topology.decode.num_instances
     step = max(1, (total - 1) // splits)
     candidates = sorted(static_splits) or sorted(
@@ -253,7 +185,7 @@ def compare(
         for num_prefill in candidates:
             summary = simulate(with_split(topology, num_prefill), requests, options).summary
             static[f"{num_prefill}P{total - num_prefill}D"] = summary
-        auto = simulate_autoscale(topology, requests, dataclasses.replace(options, seed=seed))
+        auto = simulate_autoscale(topology, requests, options)
         span_s = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
         met = {s: v["goodput_fraction"] * v["num_requests"] for s, v in static.items()}
         best_split = max(met, key=lambda s: met[s])
@@ -292,6 +224,26 @@ def compare(
     return rows
 
 
+def calibration_file(path: Path) -> Path:
+    """`path` if it is a calibration JSON, else the calibration a recorded `--live` result carries
+    (`output.config.calibration_json`) written to a temporary file. Raises SystemExit for neither."""
+    import json
+    import tempfile
+
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--calibration {path}: not a readable JSON file ({exc})") from None
+    if "format" in raw:
+        return path
+    carried = raw.get("output", raw).get("config", {}).get("calibration_json")
+    if not isinstance(carried, dict):
+        raise SystemExit(f"--calibration {path}: neither a calibration nor a --live result carrying one")
+    with tempfile.NamedTemporaryFile("w", suffix=".calibration.json", delete=False) as out:
+        json.dump(carried, out)
+    return Path(out.name)
+
+
 def table(result: dict[str, Any]) -> str:
     header = ["cluster", "trace", "auto/best static", "lost", "best static", "auto goodput", "moves"]
     rows = [
@@ -315,10 +267,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         prog="python -m bench.pd_autoscale",
         description="Dynamic P:D against the best static split (simulated; --live: also live).",
-        epilog="--live (bench.pd_autoscale_live): 5 deploys of clusters/local.yaml on 4 devices (about "
-        "1 min each with --eager, several with the decode compile) and 8 replays of 3 x --phase-s each: "
-        "about 11 min at --eager --phase-s 10 --max-requests 60 on a busy 2-core machine, about 15 min "
-        "at --eager --phase-s 20, 25-30 min at the defaults.",
+        epilog="--live (bench.pd_autoscale_live): `pdcluster profile` of this machine, then 5 deploys of "
+        "clusters/local.yaml on 4 devices (about 1 min each with --eager, several with the decode compile) "
+        "and 8 replays of 3 x --phase-s each: about 15 min at --eager --phase-s 15 on a quiet machine. "
+        "--load 1.5 there: the calibrated model has the SLO binding in every phase and the static splits "
+        "apart.",
     )
     add_json_option(parser)
     parser.add_argument(
@@ -346,6 +299,30 @@ def main() -> None:
     parser.add_argument("--traces", default="phase_shift,steady", help="comma-separated. Default: both")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--calibration",
+        type=Path,
+        default=None,
+        help="local4: a `pdcluster profile` JSON of this machine (--live writes one) pricing steps, control "
+        "plane and the controller's capacity; its instances then share --cores. Default: the catalog",
+    )
+    parser.add_argument(
+        "--cores",
+        type=float,
+        default=None,
+        help="local4: the cores its 4 instances share (rates sized to min(4, cores) instances). Default: "
+        "this machine's with --calibration or --live, else unshared",
+    )
+    parser.add_argument(
+        "--load", type=float, default=1.0, help="every trace's arrival rate times this. Default: 1"
+    )
+    parser.add_argument(
+        "--max-output",
+        type=int,
+        default=None,
+        help=f"output tokens cap. Default: {MACHINE_MAX_OUTPUT_TOKENS} with --calibration or --live (short "
+        f"requests: a phase of seconds reaches its steady load), else {MAX_OUTPUT_TOKENS}",
+    )
+    parser.add_argument(
         "--live",
         action="store_true",
         help="also deploy local4 live (autoscale on from 2P2D, and each static split) and replay the "
@@ -358,6 +335,17 @@ def main() -> None:
     )
     parser.add_argument("--ready-timeout-s", type=float, default=900.0, help="per deploy (--live)")
     args = parser.parse_args()
+    machine = args.calibration is not None or args.live
+    if args.cores is None and machine:
+        args.cores = float(os.cpu_count() or 1)
+    if args.max_output is None:
+        args.max_output = MACHINE_MAX_OUTPUT_TOKENS if machine else MAX_OUTPUT_TOKENS
+    if args.max_output < 1:
+        parser.error(f"--max-output must be >= 1, got {args.max_output}")
+    if args.calibration is not None:
+        args.calibration = calibration_file(args.calibration)
+    if not args.load > 0 or (args.cores is not None and not args.cores > 0):
+        parser.error(f"--load and --cores must be > 0, got {args.load}, {args.cores}")
     if args.max_requests is not None and args.max_requests < 1:
         parser.error(f"--max-requests must be >= 1, got {args.max_requests}")
     if args.live:
@@ -375,6 +363,11 @@ def main() -> None:
             "seed": args.seed,
             "static_splits": args.static_splits or f"grid of --splits {args.splits}",
             "max_requests": args.max_requests,
+            "calibration": str(args.calibration) if args.calibration else None,
+            "cores": args.cores,
+            "load": args.load,
+            "max_output": args.max_output,
+            "calibration_json": getattr(args, "calibration_json", None),
             "live": args.live,
             "eager": args.eager,
         },

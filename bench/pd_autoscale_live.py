@@ -1,22 +1,28 @@
-"""Dynamic P:D live: `python -m bench.pd_autoscale --live [--phase-s 20] [--max-requests N] [--json]`.
+"""Dynamic P:D live: `python -m bench.pd_autoscale --live --eager [--phase-s 15] [--calibration F] [--json]`.
 
-The `local4` traces of `bench.pd_autoscale` (built, thinned and simulated exactly as there) replayed
-against real deployments: `pdcluster deploy` (a child process, `bench.server_procs`) of clusters/local.yaml
-on 4 single-device instances, once per static split (1P3D, 2P2D, 3P1D, autoscale off) serving both traces,
-and with `autoscale: {enabled: true}` from 2P2D (the simulated start) deployed afresh for each trace, so
-each trace starts from the same split. One client (`entrypoints.bench_client.replay`: streamed
-`/v1/completions` of held-out token-id prompts at their arrival times, ignore_eos, greedy), a few untimed
-warm-up requests per deploy. Goodput: requests meeting the YAML's TTFT and TPOT SLO per second of the
-trace's arrival span; `lost_requests`: requests that failed or ended short. Each row carries the simulated
-figures of the same trace and `sim_over_live` (simulated / live goodput) for the controller and for the
-best static split, and the load average of the machine during the run (a shared machine makes it noisy).
+This machine is profiled first (`pdcluster profile` of clusters/local.yaml: step times and the live
+control plane; `--calibration` skips it), and the `local4` traces of `bench.pd_autoscale` are built and
+simulated with that calibration and this machine's cores (`prepared`), so the live and simulated runs
+share one model. The traces are replayed against real deployments: `pdcluster deploy` (a child process,
+`bench.server_procs`) of clusters/local.yaml on 4 single-device instances, once per static split (1P3D,
+2P2D, 3P1D, autoscale off) serving both traces, and with `autoscale: {enabled: true, calibration: ...}`
+from 2P2D (the simulated start) deployed afresh for each trace. One client (`entrypoints.bench_client.
+replay`: streamed `/v1/completions` of held-out token-id prompts at their arrival times, ignore_eos,
+greedy), a few untimed warm-up requests per deploy. Goodput: requests meeting the YAML's TTFT and TPOT SLO
+per second of the trace's arrival span; `lost_requests`: requests that failed or ended short. Each row
+carries the simulated figures of the same trace, `sim_over_live` (simulated / live goodput) for the
+controller and the best static split, the machine's load average and the run's `wall_s`; the output's
+`config.calibration_json` is the calibration (`--calibration RESULT.json` simulates with it again).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,27 +42,63 @@ AUTOSCALE_START_PREFILL = 2  # the simulated start: clusters/local.yaml doubled 
 NUM_WARMUP_REQUESTS = 4
 
 
-def topology_file(directory: Path, num_prefill: int, autoscale: bool, eager: bool = False) -> Path:
-    """clusters/local.yaml on `NUM_DEVICES` single-device instances, `num_prefill` of them prefill, with
-    the bench's `autoscale:` section when `autoscale` (and decode `compile: false` when `eager`); written
+def topology_file(
+    directory: Path,
+    num_prefill: int,
+    autoscale: bool,
+    eager: bool = False,
+    calibration: Path | None = None,
+    num_devices: int = NUM_DEVICES,
+    prefill_budget: int | None = None,
+) -> Path:
+    """clusters/local.yaml on `num_devices` single-device instances, `num_prefill` of them prefill, with
+    the bench's `autoscale:` section when `autoscale` (its capacity priced with `calibration`), decode
+    `compile: false` when `eager`, prefill's `max_num_batched_tokens` `prefill_budget` if given; written
     into `directory`."""
     import yaml
 
     from pdcluster.config.schema import DEFAULT_TOPOLOGY_PATH
 
     doc = yaml.safe_load(DEFAULT_TOPOLOGY_PATH.read_text(encoding="utf-8"))
-    doc["hardware"]["devices_per_node"] = NUM_DEVICES
+    doc["hardware"]["devices_per_node"] = num_devices
     doc["prefill"]["num_instances"] = num_prefill
-    doc["decode"]["num_instances"] = NUM_DEVICES - num_prefill
+    doc["decode"]["num_instances"] = num_devices - num_prefill
+    if prefill_budget is not None:
+        doc["prefill"]["max_num_batched_tokens"] = prefill_budget
     if eager:
         doc["decode"]["compile"] = False
-    name = f"{num_prefill}P{NUM_DEVICES - num_prefill}D" + ("_autoscale" if autoscale else "")
+    name = f"{num_prefill}P{num_devices - num_prefill}D" + ("_autoscale" if autoscale else "")
     if autoscale:
         doc["autoscale"] = {"enabled": True, **BENCH_AUTOSCALE}
+        if calibration is not None:
+            doc["autoscale"]["calibration"] = str(calibration)
     doc["name"] = f"pd-autoscale-{name}".replace("_", "-").lower()
     path = directory / f"{name}.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
     return path
+
+
+def measure_calibration(directory: Path, eager: bool, timeout_s: float) -> Path:
+    """`pdcluster profile` (step grid and control-plane probes) of clusters/local.yaml, eager decode when
+    `eager`, in a child process; the calibration JSON's path. Raises SystemExit when it fails."""
+    path = topology_file(directory, 1, False, eager, num_devices=2)
+    output = directory / "local4.calibration.json"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    command = [
+        sys.executable,
+        "-m",
+        "pdcluster.entrypoints.cli",
+        "profile",
+        str(path),
+        "--output",
+        str(output),
+    ]
+    done = subprocess.run(
+        [*command, "--no-progress"], env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"pdcluster profile failed ({done.returncode}): {done.stderr[-2000:]}")
+    return output
 
 
 def role_moves(url: str) -> dict[str, float]:
@@ -168,9 +210,25 @@ def run_live(args: Any) -> list[dict[str, Any]]:
     from pdcluster.models.prompts import heldout_token_prompts
     from pdcluster.models.tokenizer import Tokenizer
 
-    topology, models, traces = prepared("local4", args.phase_s, args.seed, args.max_requests)
-    sim_rows = {r["trace"]: r for r in compare("local4", topology, models, traces, args.seed, args.splits)}
+    started = time.monotonic()
+    tmp = tempfile.TemporaryDirectory(prefix="pd_autoscale_live_")
+    directory = Path(tmp.name)
+    calibration = Path(args.calibration or measure_calibration(directory, args.eager, args.ready_timeout_s))
+    calibration = calibration.resolve()
+    args.calibration_json = json.loads(calibration.read_text(encoding="utf-8"))
+    topology, options, traces = prepared(
+        "local4",
+        args.phase_s,
+        args.seed,
+        args.max_requests,
+        str(calibration),
+        args.cores,
+        args.load,
+        args.max_output,
+    )
+    sim_rows = {r["trace"]: r for r in compare("local4", topology, options, traces, args.splits)}
     slo = (topology.slo.ttft_ms or DEFAULT_TTFT_SLO_MS, topology.slo.tpot_ms or DEFAULT_TPOT_SLO_MS)
+    budget = topology.prefill.max_num_batched_tokens
     warmup = traces["steady"][:NUM_WARMUP_REQUESTS]
     sizes = [r.num_input_tokens for r in [*warmup, *traces["phase_shift"], *traces["steady"]]]
     ids = heldout_token_prompts(Tokenizer.from_dir(topology.engine_config("decode").model), sizes)
@@ -185,20 +243,25 @@ def run_live(args: Any) -> list[dict[str, Any]]:
     static: dict[str, dict[str, dict]] = {name: {} for name in traces}
     auto: dict[str, dict] = {}
     try:
-        with tempfile.TemporaryDirectory(prefix="pd_autoscale_live_") as tmp:
-            directory = Path(tmp)
-            for name, requests in traces.items():
-                path = topology_file(directory, AUTOSCALE_START_PREFILL, True, args.eager)
-                got = serve_and_replay(directory, path, {name: requests}, prompts, slo, args.ready_timeout_s)
-                auto[name] = got[name]
-            for num_prefill in range(1, NUM_DEVICES):
-                path = topology_file(directory, num_prefill, False, args.eager)
-                got = serve_and_replay(directory, path, traces, prompts, slo, args.ready_timeout_s)
-                for name in traces:
-                    static[name][path.stem] = got[name]
+        for name, requests in traces.items():
+            path = topology_file(
+                directory, AUTOSCALE_START_PREFILL, True, args.eager, calibration, NUM_DEVICES, budget
+            )
+            got = serve_and_replay(directory, path, {name: requests}, prompts, slo, args.ready_timeout_s)
+            auto[name] = got[name]
+        for num_prefill in range(1, NUM_DEVICES):
+            path = topology_file(directory, num_prefill, False, args.eager, None, NUM_DEVICES, budget)
+            got = serve_and_replay(directory, path, traces, prompts, slo, args.ready_timeout_s)
+            for name in traces:
+                static[name][path.stem] = got[name]
     finally:
         import signal
 
         signal.signal(signal.SIGTERM, previous)
-    load = {"loadavg_5min_before": round(load_before, 2), "loadavg_5min_after": round(os.getloadavg()[1], 2)}
+        tmp.cleanup()
+    load = {
+        "loadavg_5min_before": round(load_before, 2),
+        "loadavg_5min_after": round(os.getloadavg()[1], 2),
+        "wall_s": round(time.monotonic() - started, 1),
+    }
     return [live_row(n, sim_rows[n], auto[n], static[n]) | load for n in traces]

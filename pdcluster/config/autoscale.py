@@ -7,6 +7,7 @@ autoscale:
   prefill: {min_instances: 1, max_instances: 3}
   decode: {min_instances: 1}
   admin_token: s3cret  # POST /admin/instances/{name}/role (PDCLUSTER_ADMIN_TOKEN overrides it)
+  calibration: local.calibration.json  # `pdcluster profile` JSON the controller prices capacity with
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class AutoscaleConfig:
     decode: PoolBounds = field(default_factory=PoolBounds)
     # bearer token of the admin endpoint that moves instances by hand (None: PDCLUSTER_ADMIN_TOKEN, or off)
     admin_token: str | None = field(default=None, metadata={"check": api_key_problem})
+    # `pdcluster profile` JSON pricing each pool's capacity (None: the catalog's efficiency for the hardware)
+    calibration: str | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -104,7 +107,8 @@ class AutoscaleConfig:
 
 def autoscale_issues(sections: dict) -> Iterator[Issue]:
     """With `autoscale.enabled`: both pools single-device (re-forming a multi-device instance at the other
-    pool's shape is elastic EP's), and the file's split within the bounds, whose minimums fit together."""
+    pool's shape is elastic EP's), a readable `calibration`, and the file's split within the bounds, whose
+    minimums fit together."""
     config: AutoscaleConfig | None = sections.get("autoscale")
     prefill, decode = sections.get("prefill"), sections.get("decode")
     if config is None or not config.enabled or prefill is None or decode is None:
@@ -117,6 +121,13 @@ def autoscale_issues(sections: dict) -> Iterator[Issue]:
                 f"{pool.devices_per_instance}",
             )
             return
+    if config.calibration is not None:
+        from pdcluster.planner.calibration import read_calibration
+
+        try:
+            read_calibration(config.calibration)
+        except ValueError as e:
+            yield Issue(("autoscale", "calibration"), f"autoscale.calibration: {e}")
     total = prefill.num_instances + decode.num_instances
     for role, pool, bounds in (("prefill", prefill, config.prefill), ("decode", decode, config.decode)):
         if pool.num_instances < bounds.min_instances:

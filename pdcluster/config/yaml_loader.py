@@ -121,7 +121,7 @@ class _Reader:
         if problem is not None:
             self.error(node, f"{name}: {problem}")
             return False, None
-        relative_to_file = [("model", "path"), ("model", "config_path")]
+        relative_to_file = [("model", "path"), ("model", "config_path"), ("autoscale", "calibration")]
         relative_to_file += [("kv_transfer", "tls", key) for key in TLS_FILE_KEYS]
         if path in relative_to_file and not Path(value).is_absolute():
             value = str((self.base_dir / value).resolve())

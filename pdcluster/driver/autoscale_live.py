@@ -29,12 +29,13 @@ DEFAULT_PROMPT_TOKENS = 256  # prompt length capacity is priced at before the wi
 
 def perf_model_capacity(topology: Any) -> Callable[[float, int], Capacity]:
     """`(mean context tokens, mean prompt tokens) -> Capacity` priced by `planner.topology_models`' model
-    of one instance of each pool (cached on a grid of 64 / 16 tokens)."""
+    of one instance of each pool (`autoscale.calibration` when set; cached on a grid of 64 / 16 tokens)."""
     from pdcluster.driver.autoscale_capacity import capacity_from_models
     from pdcluster.planner import DEFAULT_ACCEPTANCE
     from pdcluster.planner.topology_models import perf_model_for
 
-    prefill, decode = perf_model_for(topology, "prefill"), perf_model_for(topology, "decode")
+    calibration = topology.autoscale.calibration
+    prefill, decode = (perf_model_for(topology, r, calibration=calibration) for r in ("prefill", "decode"))
     acceptance = (DEFAULT_ACCEPTANCE,) * topology.decode.num_speculative_tokens
     tpot_slo_s = (topology.slo.tpot_ms or DEFAULT_TPOT_SLO_MS) / 1000
     cache: dict[tuple[int, int], Capacity] = {}

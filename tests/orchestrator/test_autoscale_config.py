@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pdcluster.config import load_topology
@@ -135,3 +137,28 @@ def test_deploy_refuses_autoscale_enabled_only_where_instances_cannot_move(tmp_p
     assert "engines differ in block_size" in issue.reason and "--autoscale" in issue.reason
     off = write(tmp_path, template(ckpt, POOLS))
     assert autoscale_live_issues(load_topology(off)) == []
+
+
+def test_calibration_is_read_relative_to_the_file_and_prices_the_controller(tmp_path, ckpt):  # noqa: F811
+    """`autoscale.calibration`: a path relative to the YAML, refused at its line when it is no calibration;
+    the live controller's capacity is priced with its factors (another step time than the catalog's)."""
+    from pdcluster.driver.autoscale_live import perf_model_capacity
+    from pdcluster.planner.calibration import FORMAT
+
+    (tmp_path / "bad.json").write_text('{"format": "something else"}')
+    text = template(ckpt, POOLS + "autoscale:\n  enabled: true\n  calibration: bad.json\n")
+    issues = issues_of(write(tmp_path, text))
+    assert [i.line for i in issues] == [line_of(text, "calibration: bad")]
+    assert (
+        issues[0].reason.startswith("autoscale.calibration: ")
+        and "not a calibration file" in issues[0].reason
+    )
+    factors = {"gemm_compute": 0.01, "gemm_memory": 0.01, "attention_compute": 0.01, "memory": 0.01}
+    (tmp_path / "slow.json").write_text(
+        json.dumps({"format": FORMAT, "accelerator": "cpu", "factors": factors})
+    )
+    topology = load_topology(write(tmp_path, text.replace("bad.json", "slow.json")))
+    assert topology.autoscale.calibration == str((tmp_path / "slow.json").resolve())
+    calibrated = perf_model_capacity(topology)(256, 128)
+    catalog = perf_model_capacity(load_topology(write(tmp_path, template(ckpt, POOLS))))(256, 128)
+    assert calibrated.prefill_tokens_per_s < catalog.prefill_tokens_per_s
