@@ -111,7 +111,11 @@ def simulated_point(
     point: dict[str, Any] = {}
     if live.get("control_plane_probes"):
         derived = derive_from_probes(
-            live["control_plane_probes"], prefill_model, decode_model, k, cores or float(os.cpu_count() or 1),
+            live["control_plane_probes"],
+            prefill_model,
+            decode_model,
+            k,
+            cores or float(os.cpu_count() or 1),
             live.get("control_plane_idle_cores"),
         )
         values = derived["values"]

@@ -87,7 +87,9 @@ def _modelled(prefill: StepTimeModel, decode: StepTimeModel, prompt_len: int, k:
 
 
 def derive(
-    points: list[dict[str, Any]], background_cores: float = 0.0, host_line: tuple[float, float] | None = None,
+    points: list[dict[str, Any]],
+    background_cores: float = 0.0,
+    host_line: tuple[float, float] | None = None,
     prefill_corunner_cores: float = 0.0,
 ) -> ControlPlane:
     """`ControlPlane` from per-request points (`point_from_result`): the median of each extra (the first
@@ -191,7 +193,11 @@ def lone_rate(cores: float, driver_demand: float, background: float) -> float:
 
 
 def derive_from_probes(
-    probes: list[dict[str, Any]], prefill: StepTimeModel, decode: StepTimeModel, k: int, cores: float,
+    probes: list[dict[str, Any]],
+    prefill: StepTimeModel,
+    decode: StepTimeModel,
+    k: int,
+    cores: float,
     idle_cores: float | None = None,
 ) -> dict[str, Any]:
     """`{"values", "points"}` of `probes` (`probe_control_plane`'s: a `RequestResult` as a dict, the
