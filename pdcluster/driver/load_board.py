@@ -22,6 +22,7 @@ class LoadBoard:
         self._reserving: dict[RankRef, int] = {}  # reserve calls sent, reply not yet seen
         self._prefill_tokens: dict[RankRef, int] = {}  # prompt tokens of prefill calls in flight
         self._prefill_calls: dict[RankRef, int] = {}  # prefill calls in flight
+        self._decode_epoch: dict[int, int] = {}  # decode instance -> times its ranks were re-counted
 
     # ---- decode ---------------------------------------------------------------------------------------
     def update_decode(self, rank: RankRef, load: DecodeNodeLoad) -> None:
@@ -38,6 +39,7 @@ class LoadBoard:
             counts = list(self._num_decode_ranks)
             counts[instance] = num_ranks
             self._num_decode_ranks = tuple(counts)
+            self._decode_epoch[instance] = self._decode_epoch.get(instance, 0) + 1
             for table in (self._decode, self._reserving):
                 for rank in [r for r in table if r.instance == instance]:
                     del table[rank]
@@ -83,15 +85,22 @@ class LoadBoard:
                 loads.append(DecodeLoad(instance, snapshot.num_free_blocks, batch, r))
             return loads
 
-    def reserve_sent(self, rank: RankRef) -> None:
-        """A reserve call to decode `rank` is on its way (counted in the rank's batch until its reply)."""
+    def reserve_sent(self, rank: RankRef) -> int:
+        """A reserve call to decode `rank` is on its way (counted in the rank's batch until its reply);
+        returns the instance's epoch, to give back to `reserve_answered`."""
         self._check_decode(rank)
         with self._lock:
             self._reserving[rank] = self._reserving.get(rank, 0) + 1
+            return self._decode_epoch.get(rank.instance, 0)
 
-    def reserve_answered(self, rank: RankRef, load: DecodeNodeLoad | None) -> None:
-        """The reserve call to `rank` ended; `load`: the snapshot its reply carried (None: it failed)."""
+    def reserve_answered(self, rank: RankRef, load: DecodeNodeLoad | None, epoch: int = 0) -> None:
+        """The reserve call to `rank` ended; `load`: the snapshot its reply carried (None: it failed).
+        A call sent before the instance's ranks were re-counted (`set_decode_ranks`; `epoch` older) is
+        forgotten already: neither its count nor its snapshot is kept.
+        Raises ValueError: more answers than calls sent in this epoch."""
         with self._lock:
+            if epoch != self._decode_epoch.get(rank.instance, 0):
+                return
             left = self._reserving.get(rank, 0) - 1
             if left < 0:
                 raise ValueError(f"decode rank {tuple(rank)}: a reserve answered that was never sent")

@@ -293,7 +293,7 @@ class RouteAndReserve:
             self.num_speculative_tokens,
         )
         decode = self.instances["decode"][attempt.decode_index].client(attempt.decode.rank)
-        self._loads.reserve_sent(attempt.decode)
+        epoch = self._loads.reserve_sent(attempt.decode)
         sent_s = time.monotonic()
         reserve_call = asyncio.ensure_future(decode.reserve(reserve, self.call_timeout_s))
         answered: ReserveResult | None = None
@@ -316,7 +316,7 @@ class RouteAndReserve:
             attempt.advance(HandoffEvent.REROUTED)
             return ReserveOutcome.INSTANCE_LOST, None
         finally:
-            self._loads.reserve_answered(attempt.decode, None if answered is None else answered.load)
+            self._loads.reserve_answered(attempt.decode, None if answered is None else answered.load, epoch)
         if record.aborted:
             self._by_handoff.pop(attempt.handoff_id, None)
             self._release(attempt)

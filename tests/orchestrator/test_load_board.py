@@ -92,3 +92,19 @@ def test_bad_ranks_are_refused():
         board.update_decode(RankRef(0, 2), _decode(1, 0, 0.0))
     with pytest.raises(ValueError, match=r"no decode rank \(1, 0\)"):
         board.reserve_sent(RankRef(1, 0))
+
+
+def test_a_reserve_sent_before_its_instance_was_re_formed_is_forgotten_when_it_answers():
+    """Elastic EP re-counts an instance's ranks while reserves to it are in flight: their answers neither
+    fail their requests nor count against the re-formed ranks' batches."""
+    board = LoadBoard([2])
+    old = board.reserve_sent(RankRef(0, 1))
+    board.set_decode_ranks(0, 1)
+    new = board.reserve_sent(RankRef(0, 0))
+    board.reserve_answered(RankRef(0, 1), _decode(36, 1, taken_s=2.0), old)  # stale: dropped
+    board.update_decode(RankRef(0, 0), _decode(30, 0, taken_s=1.0))
+    assert [load.num_running for load in board.decode_loads(0)] == [1]  # the new reserve only
+    board.reserve_answered(RankRef(0, 0), None, new)
+    assert [load.num_running for load in board.decode_loads(0)] == [0]
+    with pytest.raises(ValueError, match="never sent"):
+        board.reserve_answered(RankRef(0, 0), None, new)
