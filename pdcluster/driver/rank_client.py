@@ -60,6 +60,10 @@ class RankClient(abc.ABC):
         return events
 
     @abc.abstractmethod
+    def close(self) -> None:
+        """(Any thread) let go of the rank: calls in flight fail."""
+
+    @abc.abstractmethod
     async def reserve(self, request: ReserveRequest, timeout_s: float) -> ReserveResult: ...
 
     @abc.abstractmethod
@@ -85,6 +89,9 @@ class RayRankClient(RankClient):
         self.actor = actor
         self.ordered = ordered
         super().__init__()
+
+    def close(self) -> None:
+        """Nothing held: each Ray call stands alone."""
 
     def _order(self) -> CommandSeq | None:
         return self._next_command() if self.ordered else None
