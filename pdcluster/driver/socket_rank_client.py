@@ -10,6 +10,7 @@ time; the events after the last acknowledged one come again), and a new rank pro
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -111,13 +112,14 @@ class SocketRankClient(RankClient):
         self._outbox: list[Callable[[], Any]] = []  # records to write once linked, in order
         self._calls: dict[int, _Call] = {}
         self._next_call = 0
-        self._pushes: asyncio.Queue | None = None
+        self._pushes: collections.deque = collections.deque()  # `Events` pushed, or the error that ended them
+        self._pushed = asyncio.Event()
         self._subscribed = False
         self._incarnation: str | None = None
         self._acked_sent = 0
         self._acked_at_s = 0.0
-        self._stale = False
         super().__init__()
+        self._stale = False
 
     def restarted(self) -> None:
         super().restarted()
@@ -168,15 +170,15 @@ class SocketRankClient(RankClient):
         if not self._subscribed:
             self._subscribed = True
             self._send(lambda: wire.Subscribe(self.acked_seq))
-        assert self._pushes is not None
-        pushes = [await asyncio.wait_for(self._pushes.get(), timeout_s)]
-        while not self._pushes.empty():
-            pushes.append(self._pushes.get_nowait())
+        pushes, pushed = self._pushes, self._pushed
+        if not pushes:
+            pushed.clear()
+            await asyncio.wait_for(pushed.wait(), timeout_s)
+        if isinstance(pushes[0], BaseException):
+            raise pushes.popleft()
         events: list[DecodeEvent] = []
-        load = None
-        for push in pushes:
-            if isinstance(push, BaseException):
-                raise push
+        while pushes and not isinstance(pushes[0], BaseException):  # (an error waits for the next call)
+            push = pushes.popleft()
             events += self.take_in_order(wire.polled(push))
             load = push.load
         now_s = time.monotonic()
@@ -219,7 +221,7 @@ class SocketRankClient(RankClient):
                 with contextlib.suppress(RuntimeError):
                     self._link.transport.close()
             self._drop_link(wire.RankConnectionLost(f"{self.name}: its channel was replaced"))
-            self._loop, self._pushes = loop, asyncio.Queue()
+            self._loop, self._pushes, self._pushed = loop, collections.deque(), asyncio.Event()
         if self._link is None and self._linking is None:
             self._linking = loop.create_task(self._connect())
 
@@ -274,8 +276,9 @@ class SocketRankClient(RankClient):
             if not link.welcome.done():
                 link.welcome.set_result(record)
         elif isinstance(record, wire.Events):
-            if link is self._link and self._pushes is not None:
-                self._pushes.put_nowait(record)
+            if link is self._link:
+                self._pushes.append(record)
+                self._pushed.set()
         elif isinstance(record, wire.Reply | wire.Failed):
             call = self._calls.get(record.call)
             if call is not None and link is self._link and call.take(record):
@@ -301,8 +304,9 @@ class SocketRankClient(RankClient):
         with contextlib.suppress(RuntimeError):  # futures of a loop that closed
             for call in calls.values():
                 call.fail(error)
-            if self._subscribed and self._pushes is not None:
-                self._pushes.put_nowait(error)
+            if self._subscribed:
+                self._pushes.append(error)
+                self._pushed.set()
         self._subscribed = False
 
 
