@@ -230,3 +230,28 @@ def test_connections_without_the_secret_are_refused(nodes) -> None:
         return await SocketRankClient(None, "decode", "decode-0", address).load(EVENT_WAIT_S)
 
     assert isinstance(asyncio.run(run()), DecodeNodeLoad)
+
+
+def test_the_transport_is_chosen_once_per_deployment_from_its_topology(monkeypatch) -> None:
+    from pathlib import Path
+
+    from pdcluster.config import load_topology
+    from pdcluster.driver.instance import Instance
+    from pdcluster.driver.rank_client import RayRankClient
+    from pdcluster.driver.wiring import RANK_TRANSPORT_ENV, rank_transport
+
+    clusters = Path(__file__).resolve().parents[2] / "clusters"
+    local, two_nodes = load_topology(clusters / "local.yaml"), load_topology(clusters / "gpu-2node.yaml")
+    monkeypatch.delenv(RANK_TRANSPORT_ENV, raising=False)
+    assert (rank_transport(local), rank_transport(two_nodes)) == ("socket", "ray")
+    monkeypatch.setenv(RANK_TRANSPORT_ENV, "ray")
+    assert rank_transport(local) == "ray"
+    monkeypatch.setenv(RANK_TRANSPORT_ENV, "socket")
+    with pytest.raises(ValueError, match="driver's host"):
+        rank_transport(two_nodes)
+    monkeypatch.setenv(RANK_TRANSPORT_ENV, "grpc")
+    with pytest.raises(ValueError, match="one of auto, ray, socket"):
+        rank_transport(local)
+    actor = object()
+    assert isinstance(Instance("decode", 0, [actor], transport="socket").client(0), SocketRankClient)
+    assert isinstance(Instance("prefill", 0, [actor]).client(0), RayRankClient)
