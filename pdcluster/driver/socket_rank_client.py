@@ -29,7 +29,7 @@ from pdcluster.driver.messages import (
     ReserveRequest,
     ReserveResult,
 )
-from pdcluster.driver.rank_client import PrefillCall, RankClient, _reply_future
+from pdcluster.driver.rank_client import PrefillCall, RankClient, ray_reply_future
 from pdcluster.kvtransfer.base import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -246,7 +246,7 @@ class SocketRankClient(RankClient):
         loop = asyncio.get_running_loop()
         for attempt in range(2):
             if self._address is None:
-                self._address = await _reply_future(
+                self._address = await ray_reply_future(
                     self.actor.serve_driver_channel.remote(), CONNECT_TIMEOUT_S
                 )
             try:
