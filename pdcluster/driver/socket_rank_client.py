@@ -226,15 +226,21 @@ class SocketRankClient(RankClient):
             self._linking = loop.create_task(self._connect())
 
     async def _connect(self) -> None:
+        me = asyncio.current_task()
         try:
             link = await asyncio.wait_for(self._open(), CONNECT_TIMEOUT_S)
         except BaseException as e:  # noqa: BLE001 - every call waiting on this link fails as on a dead actor
-            self._linking = None
-            error = e if isinstance(e, wire.RankConnectionLost | TimeoutError) else None
-            self._fail_waiting(error or wire.RankConnectionLost(f"{self.name}: no channel: {e!r}"))
-            self._outbox.clear()
+            if self._linking is me:  # (else dropped meanwhile: a newer link owns the state)
+                self._linking = None
+                error = e if isinstance(e, wire.RankConnectionLost | TimeoutError) else None
+                self._fail_waiting(error or wire.RankConnectionLost(f"{self.name}: no channel: {e!r}"))
+                self._outbox.clear()
             if isinstance(e, asyncio.CancelledError):
                 raise
+            return
+        if self._linking is not me:
+            assert link.transport is not None
+            link.transport.close()
             return
         self._linking, self._link = None, link
         self._stream_restarted()
