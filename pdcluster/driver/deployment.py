@@ -32,7 +32,7 @@ from pdcluster.driver.ray_runtime import gcs_reachable, init_local_ray, keeping_
 from pdcluster.driver.request_state import rank_name
 from pdcluster.driver.role_moves import movable_issue
 from pdcluster.driver.router import RankRef
-from pdcluster.driver.wiring import ClusterWiring, advertised_address, free_ports
+from pdcluster.driver.wiring import ClusterWiring, advertised_address, free_ports, rank_transport
 from pdcluster.models.tokenizer import Tokenizer
 
 __all__ = ["PROBE_GROUP", "ClusterDeployment", "advertised_address", "free_ports", "ray_restarts"]
@@ -80,6 +80,7 @@ class ClusterDeployment(ClusterWiring):
         check_deployable(topo)
         self.topology = topo
         self._loopback = is_loopback_topology(topo)
+        self.rank_transport = rank_transport(topo)  # the driver's one way to call ranks
         plan = plan_placement(topo)
         self._started_ray = False
         self._started_ray_head = False
@@ -210,6 +211,7 @@ class ClusterDeployment(ClusterWiring):
                 [],
                 deployed_ranks=num_ranks,
                 may_recover=num_ranks > 1 and elastic_ep(self.topology, spec.role),
+                transport=self.rank_transport,
             )
             for rank in range(num_ranks):
                 group = None

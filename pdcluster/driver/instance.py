@@ -33,6 +33,7 @@ class Instance:
     # actor serves the other pool, or is switching: this slot is out of routing and unprobed)
     pool_state: str = "active"
     home: str = ""  # the name it was deployed with (its actor's across moves; "": `name`)
+    transport: str = "ray"  # how the driver calls its ranks (`driver.wiring.rank_transport`): ray | socket
     _clients: dict[int, RankClient] = field(default_factory=dict, repr=False)
 
     def client(self, rank: int) -> RankClient:
@@ -40,7 +41,15 @@ class Instance:
         actor = self.ranks[rank]
         client = self._clients.get(rank)
         if client is None or client.actor is not actor:
-            client = self._clients[rank] = RayRankClient(actor, ordered=self.role == "prefill")
+            if client is not None:
+                client.close()
+            if self.transport == "socket":
+                from pdcluster.driver.socket_rank_client import SocketRankClient
+
+                client = SocketRankClient(actor, self.role, self.rank_name(rank))
+            else:
+                client = RayRankClient(actor, ordered=self.role == "prefill")
+            self._clients[rank] = client
         return client
 
     @property

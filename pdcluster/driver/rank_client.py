@@ -1,4 +1,6 @@
-"""`RankClient`: the driver's one way to talk to one rank actor."""
+"""`RankClient`: the driver's one way to talk to one rank actor, picked once per deployment
+(`driver.wiring.rank_transport`): `RayRankClient` (Ray actor calls), or `SocketRankClient`
+(`driver.socket_rank_client`) where every rank runs on the driver's host."""
 
 from __future__ import annotations
 
@@ -60,6 +62,10 @@ class RankClient(abc.ABC):
         return events
 
     @abc.abstractmethod
+    def close(self) -> None:
+        """(Any thread) let go of the rank: calls in flight fail."""
+
+    @abc.abstractmethod
     async def reserve(self, request: ReserveRequest, timeout_s: float) -> ReserveResult: ...
 
     @abc.abstractmethod
@@ -86,17 +92,22 @@ class RayRankClient(RankClient):
         self.ordered = ordered
         super().__init__()
 
+    def close(self) -> None:
+        """Nothing held: each Ray call stands alone."""
+
     def _order(self) -> CommandSeq | None:
         return self._next_command() if self.ordered else None
 
     async def reserve(self, request: ReserveRequest, timeout_s: float) -> ReserveResult:
-        return await _reply_future(self.actor.reserve.remote(request), timeout_s)
+        return await ray_reply_future(self.actor.reserve.remote(request), timeout_s)
 
     def prefill(self, request: PrefillRequest, timeout_s: float) -> PrefillCall:
         # two plain calls, not one streamed: a plain reply reaches the event loop in one pass
-        first = _reply_future(self.actor.prefill_first.remote(request, self._order()), None)
+        first = ray_reply_future(self.actor.prefill_first.remote(request, self._order()), None)
         first.add_done_callback(lambda f: f.cancelled() or f.exception())
-        last = _reply_future(self.actor.prefill_result.remote(request.handoff_id, self._order()), timeout_s)
+        last = ray_reply_future(
+            self.actor.prefill_result.remote(request.handoff_id, self._order()), timeout_s
+        )
         result = asyncio.ensure_future(_after_first(last, first, timeout_s))
         result.add_done_callback(lambda r: _end_first(first, r))
         return PrefillCall(first, result)
@@ -113,16 +124,16 @@ class RayRankClient(RankClient):
                 self.actor.abort.remote(handoff_id)
 
     async def load(self, timeout_s: float) -> Any:
-        return await _reply_future(self.actor.load.remote(), timeout_s)
+        return await ray_reply_future(self.actor.load.remote(), timeout_s)
 
     async def events(self, wait_s: float, timeout_s: float) -> tuple[list[DecodeEvent], DecodeNodeLoad]:
-        reply: PollReply = await _reply_future(
+        reply: PollReply = await ray_reply_future(
             self.actor.poll_with_load.remote(wait_s, self.acked_seq), timeout_s
         )
         return self.take_in_order(reply.events), reply.load
 
 
-def _reply_future(ref: Any, timeout_s: float | None) -> asyncio.Future:
+def ray_reply_future(ref: Any, timeout_s: float | None) -> asyncio.Future:
     """A future on the running loop for Ray ObjectRef `ref`: its value, the call's exception, or
     asyncio.TimeoutError after `timeout_s` (None: no limit), set from Ray's io thread in one loop pass."""
     loop = asyncio.get_running_loop()

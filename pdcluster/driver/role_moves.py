@@ -245,7 +245,7 @@ class RoleMover:
         for slot in pool:
             if (slot.home or slot.name) == home:
                 return slot
-        slot = Instance(target, len(pool), [actor], pool_state="away", home=home)
+        slot = Instance(target, len(pool), [actor], pool_state="away", home=home, transport=pool[0].transport)
         if target == "decode":
             self.cluster._decode_addresses.append([None])
             index = self.cluster.dispatcher._loads.add_decode(1)

@@ -25,6 +25,7 @@ from pdcluster.driver.handoff import HandoffEvent
 from pdcluster.driver.instance import Instance, check_instance_group
 from pdcluster.driver.load_board import LoadBoard
 from pdcluster.driver.messages import Phases, PrefillBind, PrefillRequest, ReserveRequest, ReserveResult
+from pdcluster.driver.rank_wire import RankConnectionLost
 from pdcluster.driver.registry import InstanceRegistry
 from pdcluster.driver.request_state import Attempt, DriverRequest
 from pdcluster.driver.router import DecodeLoad, PrefillLoad, RankRef
@@ -359,6 +360,7 @@ class RouteAndReserve:
 
         lost = (
             ray.exceptions.RayActorError,
+            RankConnectionLost,
             asyncio.TimeoutError,
             TimeoutError,
             InstanceGroupFailed,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from pdcluster.driver.instance import Instance
@@ -32,6 +33,30 @@ def probe_timeout_s(topology: Any) -> float:
 
     kv_timeout_s = topology.kv_transfer.timeout_s
     return 2 * collective_timeout_s(kv_timeout_s) + call_timeout_s(kv_timeout_s)
+
+
+RANK_TRANSPORT_ENV = "PDCLUSTER_RANK_TRANSPORT"
+RANK_TRANSPORTS = ("auto", "ray", "socket")
+
+
+def rank_transport(topology: Any) -> str:
+    """How the driver calls its ranks, chosen once per deployment: "socket" (`driver.socket_rank_client`)
+    when every rank runs on the driver's host (`is_loopback_topology`), else "ray". The environment
+    variable PDCLUSTER_RANK_TRANSPORT (auto | ray | socket) overrides it. ValueError: an unknown value, or
+    socket for ranks on other hosts."""
+    from pdcluster.driver.rank_actors import is_loopback_topology
+
+    wanted = os.environ.get(RANK_TRANSPORT_ENV, "auto") or "auto"
+    if wanted not in RANK_TRANSPORTS:
+        raise ValueError(f"{RANK_TRANSPORT_ENV}={wanted!r}: must be one of {', '.join(RANK_TRANSPORTS)}")
+    loopback = is_loopback_topology(topology)
+    if wanted == "socket" and not loopback:
+        raise ValueError(
+            f"{RANK_TRANSPORT_ENV}=socket needs every rank on the driver's host (a cpu topology)"
+        )
+    if wanted == "auto":
+        return "socket" if loopback else "ray"
+    return wanted
 
 
 def _node_ip_and_free_ports(count: int = 1) -> tuple[str, list[int]]:

@@ -144,18 +144,22 @@ class DecodeWorker(RankWorker):
         with self._locked():
             self._drop(handoff_id)
 
-    def poll(self, timeout_s: float = 0.05, acked_seq: int = 0) -> list[PolledEvent]:
-        """Every event after `acked_seq` (seq counts from 1): a `TokenDelta` or a `RequestError` per event."""
+    def poll(
+        self, timeout_s: float = 0.05, acked_seq: int = 0, sent_seq: int | None = None
+    ) -> list[PolledEvent]:
+        """Every event after `sent_seq` (default `acked_seq`; seq counts from 1), waiting up to `timeout_s`
+        for one: a `TokenDelta` or a `RequestError` per event. Events up to `acked_seq` are forgotten."""
+        after_seq = acked_seq if sent_seq is None else max(acked_seq, sent_seq)
         deadline_s = time.monotonic() + timeout_s
         with self._events_lock:
             while self._events and self._events[0].seq <= acked_seq:
                 self._events.popleft()
-            while not self._events:
+            while not self._events or self._events[-1].seq <= after_seq:
                 remaining_s = deadline_s - time.monotonic()
                 if remaining_s <= 0 or self._stopped.is_set():
                     break
                 self._events_lock.wait(remaining_s)
-            return list(self._events)
+            return [e for e in self._events if e.seq > after_seq]
 
     def poll_with_load(self, timeout_s: float = 0.05, acked_seq: int = 0) -> PollReply:
         """`poll(timeout_s, acked_seq)` and this rank's `load()` taken as the reply leaves (the router's view

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,10 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.grow_vote import GrowVote
 from pdcluster.engine.llm import LLMEngine
 from pdcluster.models.ep_dispatch import WAITS
+from pdcluster.workers.rank_channel import close_driver_channel, serve_driver_channel
+
+if TYPE_CHECKING:
+    from pdcluster.driver.rank_wire import ChannelAddress
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +97,13 @@ class RankWorker:
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-engine", daemon=True)
         self._thread.start()
 
+    def serve_driver_channel(self) -> ChannelAddress:
+        """`workers.rank_channel.serve_driver_channel`: this rank's one-host channel to the driver."""
+        return serve_driver_channel(self, self.name)
+
     def _stop_engine_thread(self, timeout_s: float = 10.0) -> None:
         """Ask the engine thread to stop (`_stopped`) and wait up to `timeout_s` seconds for it."""
+        close_driver_channel(self)
         self._stopped.set()
         self._wake_engine_thread()
         if self._thread is not None:

@@ -16,8 +16,10 @@ from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.llm import LLMEngine
 from pdcluster.workers.decode import DecodeWorker
 from pdcluster.workers.prefill import PrefillWorker
+from pdcluster.workers.rank_channel import close_driver_channel, serve_driver_channel
 
 if TYPE_CHECKING:
+    from pdcluster.driver.rank_wire import ChannelAddress
     from pdcluster.kvtransfer.grpc_transport import TLSCredentials
     from pdcluster.kvtransfer.paired import PairedAddress
 
@@ -136,7 +138,12 @@ class RoleWorker:
                 return self.current.start_receiver(transport, tls)
             return None
 
+    def serve_driver_channel(self) -> ChannelAddress:
+        """`workers.rank_channel.serve_driver_channel` for this actor: calls go to the current role."""
+        return serve_driver_channel(self, self.name)
+
     def close(self) -> None:
+        close_driver_channel(self)
         self.current.close()
 
 
