@@ -109,7 +109,11 @@ def test_a_first_reply_that_fails_before_the_last_is_the_call_failing() -> None:
         assert call.first.done() and not call.result.done()
         dispatcher = object.__new__(Dispatcher)
         dispatcher.event_timeout_s = 10.0
-        attempt = SimpleNamespace(first_reported=False, prefill_reported=False, prefill_first=call.first)
+        dispatcher.registry = SimpleNamespace(instances={"prefill": [SimpleNamespace(index=0, num_ranks=1)]})
+        dispatcher._elastic_prefill = False
+        attempt = SimpleNamespace(
+            first_reported=False, prefill_reported=False, prefill_first=call.first, prefill_index=0
+        )
         outcome = dispatcher._prefill_outcome(attempt, call.result)
         assert outcome == PrefillFailed("RuntimeError: the actor process died")
         assert attempt.first_reported and attempt.prefill_reported
