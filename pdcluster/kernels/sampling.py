@@ -159,7 +159,7 @@ def apply_penalties_(
         and logits.dtype == torch.float32
         and logits.is_contiguous()
         and not logits.requires_grad
-    ):  # numpy views of the same memory: the same float32 ops
+    ):
         flat = logits.numpy().reshape(-1)
         index = rows.numpy()[:, None] * logits.shape[1] + token_ids.numpy()
         arrays = [None if p is None else p.numpy() for p in penalties]
