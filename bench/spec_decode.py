@@ -129,10 +129,11 @@ def measure(
     decode_s = sum(g["decode_s"] for g in groups)
     num_decode_tokens = sum(g["num_decode_tokens"] for g in groups)
     num_decode_request_steps = sum(g["num_decode_request_steps"] for g in groups)
-    drafted = [sum(x) for x in zip(*(o.num_draft_tokens_per_position for o in outputs), strict=False)]
-    accepted = [sum(x) for x in zip(*(o.num_accepted_tokens_per_position for o in outputs), strict=False)]
-    num_draft = sum(o.num_draft_tokens for o in outputs)
-    num_accepted = sum(o.num_accepted_tokens for o in outputs)
+    drafts = [o.drafts for o in outputs]
+    drafted = [sum(x) for x in zip(*(d.num_draft_tokens_per_position for d in drafts), strict=False)]
+    accepted = [sum(x) for x in zip(*(d.num_accepted_tokens_per_position for d in drafts), strict=False)]
+    num_draft = sum(d.num_draft_tokens for d in drafts)
+    num_accepted = sum(d.num_accepted_tokens for d in drafts)
     contended = contention.stop()
     tpots = [o.tpot_s for o in outputs if o.tpot_s is not None]
     return {

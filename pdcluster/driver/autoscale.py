@@ -227,10 +227,11 @@ def decide(
     return None
 
 
-def _by_cost(instances: Iterable[InstanceView], role: str) -> list[InstanceView]:
-    """`role`'s instances, cheapest to drain first, then least loaded."""
+def _cheapest(instances: Iterable[InstanceView], role: str, policy: Policy) -> InstanceView | None:
+    """`role`'s instance cheapest to drain, then least loaded, if it drains within the policy's timeout."""
     ready = [i for i in instances if i.role == role]
-    return sorted(ready, key=lambda i: (i.drain_s, i.queued_tokens + i.batch, i.instance_id))
+    best = min(ready, key=lambda i: (i.drain_s, i.queued_tokens + i.batch, i.instance_id), default=None)
+    return best if best is not None and best.drain_s <= policy.drain_timeout_s else None
 
 
 def _rebalance(
@@ -258,24 +259,23 @@ def _rebalance(
     donor_after = arrivals[source] / (count[source] - 1)  # its backlog passes; its arrivals stay
     if donor_after > policy.target_utilization and peak < HOT_DONOR_RATIO * donor_after:
         return None  # both pools hot: the move would shift the backlog, and the next decision undo it
-    for candidate in _by_cost(instances, source):
-        if candidate.drain_s > policy.drain_timeout_s:
-            break  # sorted by drain_s: none later drains faster
-        gain = (peak - after) * max(policy.dwell_s - candidate.drain_s, 0.0)
-        loss = (source_after - util[source]) * candidate.drain_s  # the donor runs short while it drains
-        if gain <= loss:
-            return None
-        return Move(
-            candidate.instance_id,
-            source,
-            target,
-            f"{target} utilization {peak:.2f} >= target {policy.target_utilization:.2f} "
-            f"({target} demand {demand[target]:.2f} on {count[target]}, {source} demand "
-            f"{demand[source]:.2f} on {count[source]}); after the move max {after:.2f}, best reachable "
-            f"{best:.2f}, "
-            f"drain {candidate.drain_s:.1f} s",
-        )
-    return None
+    candidate = _cheapest(instances, source, policy)
+    if candidate is None:
+        return None
+    gain = (peak - after) * max(policy.dwell_s - candidate.drain_s, 0.0)
+    loss = (source_after - util[source]) * candidate.drain_s  # the donor runs short while it drains
+    if gain <= loss:
+        return None
+    return Move(
+        candidate.instance_id,
+        source,
+        target,
+        f"{target} utilization {peak:.2f} >= target {policy.target_utilization:.2f} "
+        f"({target} demand {demand[target]:.2f} on {count[target]}, {source} demand "
+        f"{demand[source]:.2f} on {count[source]}); after the move max {after:.2f}, best reachable "
+        f"{best:.2f}, "
+        f"drain {candidate.drain_s:.1f} s",
+    )
 
 
 def _park(
@@ -285,33 +285,31 @@ def _park(
         if count[role] <= policy.bounds(role)[0]:
             continue
         after = demand[role] / (count[role] - 1)
-        if after >= policy.park_below_utilization:
-            continue
-        for candidate in _by_cost(instances, role):
-            if candidate.drain_s <= policy.drain_timeout_s:
-                return Move(
-                    candidate.instance_id,
-                    role,
-                    PARKED,
-                    f"low load: {role} utilization {demand[role] / count[role]:.2f}, {after:.2f} on "
-                    f"{count[role] - 1} (< {policy.park_below_utilization:.2f})",
-                )
+        candidate = _cheapest(instances, role, policy)
+        if after < policy.park_below_utilization and candidate is not None:
+            return Move(
+                candidate.instance_id,
+                role,
+                PARKED,
+                f"low load: {role} utilization {demand[role] / count[role]:.2f}, {after:.2f} on "
+                f"{count[role] - 1} (< {policy.park_below_utilization:.2f})",
+            )
     return None
 
 
 def _unpark(
     parked: Sequence[InstanceView], count: dict[str, int], util: dict[str, float], policy: Policy
 ) -> Move | None:
-    for role in sorted(ROLES, key=lambda r: -util[r]):
-        if util[role] >= policy.target_utilization and count[role] < policy.bounds(role)[1]:
-            candidate = min(parked, key=lambda i: i.instance_id)
-            return Move(
-                candidate.instance_id,
-                PARKED,
-                role,
-                f"load rose: {role} utilization {util[role]:.2f} >= {policy.target_utilization:.2f}",
-            )
-    return None
+    hot = [r for r in ROLES if util[r] >= policy.target_utilization and count[r] < policy.bounds(r)[1]]
+    if not hot:
+        return None
+    role = max(hot, key=lambda r: util[r])
+    return Move(
+        min(parked, key=lambda i: i.instance_id).instance_id,
+        PARKED,
+        role,
+        f"load rose: {role} utilization {util[role]:.2f} >= {policy.target_utilization:.2f}",
+    )
 
 
 class SignalWindow:

@@ -296,7 +296,7 @@ def _delta(out: RequestOutput, new_token_ids: list[int]) -> StreamDelta:
         finished=out.finished,
         finish_reason=_FINISH_REASONS.get(out.finish_reason, out.finish_reason) if out.finished else None,
         phases=phases,
-        drafts=DraftCounts.of(out),
+        drafts=out.drafts,
         new_text=out.new_text,
         logprobs=None if out.logprobs is None else out.logprobs[len(out.token_ids) - len(new_token_ids) :],
         prompt_logprobs=out.prompt_logprobs if len(new_token_ids) == len(out.token_ids) else None,

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pdcluster.engine.outputs import RequestOutput, TokenLogprobs
+from pdcluster.engine.outputs import TokenLogprobs
+from pdcluster.engine.request import DraftCounts
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.kvtransfer.base import HandoffMeta
 
@@ -186,41 +187,6 @@ class Phases:
     def as_dict(self) -> dict[str, float]:
         """The known phases as `{name: seconds}` (`driver.backend.PHASE_NAMES` order)."""
         return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
-
-
-@dataclass(frozen=True)
-class DraftCounts:
-    """Cumulative MTP draft statistics of one request: drafts proposed / accepted, in all and per draft
-    depth (index 0 = the first draft token)."""
-
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_draft_tokens_per_position: tuple[int, ...] = ()
-    num_accepted_tokens_per_position: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, out: RequestOutput) -> DraftCounts:
-        return cls(
-            out.num_draft_tokens,
-            out.num_accepted_tokens,
-            tuple(out.num_draft_tokens_per_position),
-            tuple(out.num_accepted_tokens_per_position),
-        )
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
-
-    def summary(self) -> dict[str, Any]:
-        drafted, accepted = self.num_draft_tokens_per_position, self.num_accepted_tokens_per_position
-        return {
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "acceptance_rate": self.acceptance_rate,
-            "acceptance_rate_per_position": [
-                a / d if d else None for a, d in zip(accepted, drafted, strict=False)
-            ],
-        }
 
 
 @dataclass(frozen=True)

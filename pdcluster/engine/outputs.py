@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.request import DraftCounts, Request, RequestStatus
 
 if TYPE_CHECKING:
     import torch
@@ -95,10 +95,7 @@ class RequestOutput:
     ttft_s: float | None = None
     tpot_s: float | None = None
     e2e_s: float | None = None
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_draft_tokens_per_position: list[int] = field(default_factory=list)
-    num_accepted_tokens_per_position: list[int] = field(default_factory=list)
+    drafts: DraftCounts = DraftCounts()
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # [num_prompt_tokens], None at index 0
@@ -107,7 +104,7 @@ class RequestOutput:
 
     @property
     def acceptance_rate(self) -> float | None:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+        return self.drafts.acceptance_rate
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdcluster.engine.sampling_params import SamplingParams
 
@@ -41,6 +42,51 @@ _FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True)
+class DraftCounts:
+    """MTP drafts of one request proposed / accepted, in all and per draft depth (index 0: the first)."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_draft_tokens_per_position: tuple[int, ...] = ()
+    num_accepted_tokens_per_position: tuple[int, ...] = ()
+
+    def plus(self, num_draft_tokens: int, num_accepted_tokens: int) -> DraftCounts:
+        """One more verification: `num_draft_tokens` drafts, the first `num_accepted_tokens` accepted."""
+        if not 0 <= num_accepted_tokens <= num_draft_tokens:
+            raise ValueError(
+                f"num_accepted_tokens must be in [0, {num_draft_tokens}], got {num_accepted_tokens}"
+            )
+        drafted = list(self.num_draft_tokens_per_position)
+        accepted = list(self.num_accepted_tokens_per_position)
+        for counts, n in ((drafted, num_draft_tokens), (accepted, num_accepted_tokens)):
+            counts.extend([0] * (num_draft_tokens - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+        return DraftCounts(
+            self.num_draft_tokens + num_draft_tokens,
+            self.num_accepted_tokens + num_accepted_tokens,
+            tuple(drafted),
+            tuple(accepted),
+        )
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens, None before any verification."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    def summary(self) -> dict[str, Any]:
+        drafted, accepted = self.num_draft_tokens_per_position, self.num_accepted_tokens_per_position
+        return {
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "acceptance_rate_per_position": [
+                a / d if d else None for a, d in zip(accepted, drafted, strict=False)
+            ],
+        }
+
+
 @dataclass(eq=False)
 class Request:
     """Mutable state of one request inside one engine instance."""
@@ -62,10 +108,7 @@ class Request:
     first_token_time_s: float | None = None
     last_token_time_s: float | None = None
     finished_time_s: float | None = None
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_draft_tokens_per_position: list[int] = field(default_factory=list)
-    num_accepted_tokens_per_position: list[int] = field(default_factory=list)
+    drafts: DraftCounts = DraftCounts()
     export_kv: bool = False
     error: str | None = None
     kv_pool: int = 0
@@ -118,30 +161,6 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
-
-    def record_spec_result(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        """Count one verification of `num_draft_tokens` drafts of which the first `num_accepted_tokens` were
-        accepted (0 <= accepted <= drafts).
-        """
-        if not 0 <= num_accepted_tokens <= num_draft_tokens:
-            raise ValueError(
-                f"num_accepted_tokens must be in [0, {num_draft_tokens}], got {num_accepted_tokens}"
-            )
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted_tokens
-        # Both lists grow to the deepest draft position seen, so they always have equal lengths.
-        for counts, n in (
-            (self.num_draft_tokens_per_position, num_draft_tokens),
-            (self.num_accepted_tokens_per_position, num_accepted_tokens),
-        ):
-            counts.extend([0] * (num_draft_tokens - len(counts)))
-            for i in range(n):
-                counts[i] += 1
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        """Accepted / proposed draft tokens, None before any verification."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
     def queue_time_s(self) -> float | None:

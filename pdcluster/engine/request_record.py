@@ -51,8 +51,6 @@ class RequestRecord:
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is not None:
             prompt_logprobs = self.finished_prompt_logprobs()
-        draft_counts = request.num_draft_tokens_per_position
-        accepted_counts = request.num_accepted_tokens_per_position
         # positional, in `RequestOutput`'s field order: a keyword call costs twice as much per step
         return RequestOutput(
             request.request_id,
@@ -67,10 +65,7 @@ class RequestRecord:
             None if first_token_time_s is None else first_token_time_s - arrival_time_s,
             tpot_s,
             None if finished_time_s is None else finished_time_s - arrival_time_s,
-            request.num_draft_tokens,
-            request.num_accepted_tokens,
-            draft_counts[:] if draft_counts else [],
-            accepted_counts[:] if accepted_counts else [],
+            request.drafts,
             request.num_preemptions,
             None if self.logprobs is None else self.logprobs[:],
             prompt_logprobs,

@@ -157,7 +157,7 @@ def commit_sampled(
             f"{item.spec_token_ids} (expected the accepted drafts then one sampled token)"
         )
     if num_drafts:
-        request.record_spec_result(num_drafts, num_accepted)
+        request.drafts = request.drafts.plus(num_drafts, num_accepted)
         request.num_computed_tokens -= num_drafts - num_accepted
         bm.trim(request, request.num_computed_tokens)
     if not num_draft_placeholders:

@@ -59,7 +59,7 @@ def sample_or_verify(
     logits: torch.Tensor,
     generator_of: GeneratorOf,
     draft_probs: Mapping[str, torch.Tensor | None],
-    params: SamplingArrays | None = None,
+    params: SamplingArrays,
 ) -> dict[str, list[int]]:
     """Tokens of each request: its accepted drafts then one sampled (bonus or recovered) token, batched.
 
@@ -67,8 +67,6 @@ def sample_or_verify(
     draft_probs: request id -> `[num_drafts, vocab_size]` float32 distributions its drafts were sampled
     from (None or absent: deterministic drafts, one-hot).
     Raises ValueError: from the kernels, for inconsistent shapes or draft ids outside the vocabulary."""
-    if params is None:
-        params = SamplingArrays.of([item.request.sampling_params for item in items])
     request_ids = [item.request_id for item in items]
     num_drafts = [len(item.spec_token_ids) for item in items]
     all_greedy = params.all_greedy

@@ -153,17 +153,19 @@ def apply_penalties_(
     output_counts: `[R, M]` float32, each listed token's count in the row's output.
     presence_penalty, frequency_penalty, repetition_penalty: `[R]` float32 (None: off).
     """
+    penalties = (presence_penalty, frequency_penalty, repetition_penalty)
     if (
         logits.device.type == "cpu"
         and logits.dtype == torch.float32
         and logits.is_contiguous()
         and not logits.requires_grad
     ):
-        return _apply_penalties_numpy(
-            logits, rows, token_ids, output_counts, presence_penalty, frequency_penalty, repetition_penalty
-        )
+        flat = logits.numpy().reshape(-1)
+        index = rows.numpy()[:, None] * logits.shape[1] + token_ids.numpy()
+        arrays = [None if p is None else p.numpy() for p in penalties]
+        flat[index] = _penalized(flat[index], output_counts.numpy(), *arrays, where=np.where)
+        return logits
     index = (rows[:, None], token_ids)
-    penalties = (presence_penalty, frequency_penalty, repetition_penalty)
     logits[index] = _penalized(logits[index], output_counts, *penalties, where=torch.where)
     return logits
 
@@ -177,25 +179,6 @@ def _penalized(values, counts, presence, frequency, repetition, where):  # noqa:
     if presence is not None:
         values = values - presence[:, None] * (counts > 0)
     return values
-
-
-def _apply_penalties_numpy(
-    logits: torch.Tensor,
-    rows: torch.Tensor,
-    token_ids: torch.Tensor,
-    output_counts: torch.Tensor,
-    presence_penalty: torch.Tensor | None,
-    frequency_penalty: torch.Tensor | None,
-    repetition_penalty: torch.Tensor | None,
-) -> torch.Tensor:
-    """`apply_penalties_` on a contiguous CPU float32 `logits` through numpy views (the same float32 ops)."""
-    flat = logits.numpy().reshape(-1)
-    index = rows.numpy()[:, None] * logits.shape[1] + token_ids.numpy()
-    penalties = [
-        None if p is None else p.numpy() for p in (presence_penalty, frequency_penalty, repetition_penalty)
-    ]
-    flat[index] = _penalized(flat[index], output_counts.numpy(), *penalties, where=np.where)
-    return logits
 
 
 class Logprobs(NamedTuple):

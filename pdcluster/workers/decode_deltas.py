@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdcluster.driver.messages import DraftCounts, Phases, TokenDelta
+from pdcluster.driver.messages import Phases, TokenDelta
 from pdcluster.engine.llm import RequestOutput
 from pdcluster.engine.stopping import early_first_token_text
 
@@ -44,7 +44,6 @@ def token_delta(out: RequestOutput, handoff: Handoff | None) -> TokenDelta:
             )
             kv_transfer_bytes = handoff.kv_transfer_bytes
             handoff.admitted_at_s = None
-    drafts = DraftCounts.of(out)
     new_text = out.new_text
     if handoff is not None and handoff.text_streamed_by_prefill:  # a first token that finished it
         new_text = new_text.removeprefix(handoff.text_streamed_by_prefill)
@@ -56,7 +55,7 @@ def token_delta(out: RequestOutput, handoff: Handoff | None) -> TokenDelta:
         finish_reason=out.finish_reason if out.finished else None,
         phases=phases,
         kv_transfer_bytes=kv_transfer_bytes,
-        drafts=drafts,
+        drafts=out.drafts,
         new_text=new_text,
         logprobs=None if out.logprobs is None else tuple(out.logprobs[num_sent:]),
     )

@@ -164,8 +164,8 @@ def test_greedy_and_acceptance_match_single_engine(ray_session, single_engine_ou
         assert tokens == expected.token_ids
         assert text == expected.text
         assert last.finished and last.finish_reason == "length"
-        assert last.drafts.num_draft_tokens == expected.num_draft_tokens
-        assert last.drafts.num_accepted_tokens == expected.num_accepted_tokens
+        assert last.drafts.num_draft_tokens == expected.drafts.num_draft_tokens
+        assert last.drafts.num_accepted_tokens == expected.drafts.num_accepted_tokens
         for phase in PHASE_NAMES:  # route, reserve, ..., admitted, first decode step, total
             if phase != "prefill_cpu_wait_s" or run_delay_s() is not None:  # (Linux only)
                 assert phase in last.phases, (phase, last.phases)

@@ -62,8 +62,8 @@ def test_default_compiled_decode_matches_one_eager_engine(ray_session) -> None:
             assert tokens == want.token_ids, i
             assert last.finish_reason == "length"
             assert (last.drafts.num_draft_tokens, last.drafts.num_accepted_tokens) == (
-                want.num_draft_tokens,
-                want.num_accepted_tokens,
+                want.drafts.num_draft_tokens,
+                want.drafts.num_accepted_tokens,
             ), i
         decode, prefill = ray_session.get(
             [a.compile_stats.remote() for a in (cluster.decode_actors[0], cluster.prefill_actors[0])],

@@ -108,8 +108,8 @@ def test_every_rank_serves_outputs_equal_to_one_engine(cluster, prompts, oracle)
         )
         assert last.finish_reason == "length"
         assert (last.drafts.num_draft_tokens, last.drafts.num_accepted_tokens) == (
-            expected.num_draft_tokens,
-            expected.num_accepted_tokens,
+            expected.drafts.num_draft_tokens,
+            expected.drafts.num_accepted_tokens,
         )
     # round robin over the 4 decode ranks: each served 2 of the 8 requests
     assert sorted(routes.values()) == sorted([RankRef(i, r) for i in (0, 1) for r in (0, 1)] * 2)
@@ -123,8 +123,8 @@ def test_a_long_request_on_one_rank_while_its_peer_idles(cluster, prompts, oracl
     expected = oracle["long"]
     assert tokens == expected.token_ids
     assert (last.drafts.num_draft_tokens, last.drafts.num_accepted_tokens) == (
-        expected.num_draft_tokens,
-        expected.num_accepted_tokens,
+        expected.drafts.num_draft_tokens,
+        expected.drafts.num_accepted_tokens,
     )
     assert_nothing_held(cluster)
 

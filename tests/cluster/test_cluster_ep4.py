@@ -37,8 +37,8 @@ def test_ep4_decode_ranks_match_one_engine(ray_session) -> None:
             tokens, last = cluster.test_loop.run_until_complete(coro)
             assert tokens == want.token_ids, (i, routes[f"r{i}"])
             assert (last.drafts.num_draft_tokens, last.drafts.num_accepted_tokens) == (
-                want.num_draft_tokens,
-                want.num_accepted_tokens,
+                want.drafts.num_draft_tokens,
+                want.drafts.num_accepted_tokens,
             )
         assert sorted(routes.values()) == [RankRef(0, r) for r in range(4)]
         ep = {name: r["ep"] for name, r in cluster.stats()["ranks"].items() if name.startswith("decode")}

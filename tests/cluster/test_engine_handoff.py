@@ -96,8 +96,8 @@ def test_prefill_decode_handoff_matches_single_engine(model, k: int) -> None:
     decode.scheduler.block_manager.check_no_leaks()
     for rid, out in expected.items():
         assert got[rid].token_ids == out.token_ids
-        assert got[rid].num_accepted_tokens == out.num_accepted_tokens
-        assert got[rid].num_draft_tokens == out.num_draft_tokens
+        assert got[rid].drafts.num_accepted_tokens == out.drafts.num_accepted_tokens
+        assert got[rid].drafts.num_draft_tokens == out.drafts.num_draft_tokens
 
 
 def test_write_prompt_kv_checksums_the_bytes_as_given(model) -> None:

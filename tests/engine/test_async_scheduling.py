@@ -179,7 +179,7 @@ def test_pipelined_scheduler_commits_what_sync_commits(make_request, seed, num_b
         if num_blocks == 14:
             assert scheduler.num_preemptions > 0
         if k:
-            assert sum(r.num_accepted_tokens for r in requests.values()) > 0
+            assert sum(r.drafts.num_accepted_tokens for r in requests.values()) > 0
     assert results[True] == results[False]
     statuses = {status for _, status in results[False].values()}
     assert statuses == {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH}
@@ -252,10 +252,10 @@ def test_draft_placeholders_are_placed_optimistically_and_rolled_back(make_reque
     step_2 = scheduler.schedule()  # as if step 1 accepted both drafts: bonus at position 6
     assert [(i.start_position, i.num_scheduled_tokens) for i in step_2.scheduled] == [(6, 3)]
     scheduler.update_from_output(step_1, ModelRunnerOutput({"r0": [8, 9]}))  # 1 of 2 drafts accepted
-    assert request.output_token_ids == [7, 8, 9] and request.num_accepted_tokens == 1
+    assert request.output_token_ids == [7, 8, 9] and request.drafts.num_accepted_tokens == 1
     # Step 2 really runs positions 5..7 (moved back by 1): its KV ends where num_computed_tokens says.
     assert request.num_computed_tokens == 8 and request.num_output_placeholders == 3
-    assert request.num_draft_tokens_per_position == [1, 1]
+    assert request.drafts.num_draft_tokens_per_position == (1, 1)
     scheduler.update_from_output(step_2, ModelRunnerOutput({"r0": [10]}))  # both drafts rejected
     # As between synchronous steps: the newest token (10, position 6) has no KV yet.
     assert request.num_computed_tokens == 6 == request.num_tokens - 1
@@ -482,7 +482,7 @@ def test_finished_in_step_n_but_scheduled_in_n_plus_1_is_dropped(llm, prompts, r
             assert out.token_ids == ref.token_ids
     assert_nothing_left(other)
     if k:
-        assert sum(o.num_draft_tokens for o in outputs) > 0
+        assert sum(o.drafts.num_draft_tokens for o in outputs) > 0
         return  # several tokens per step: the step counts below hold for k = 0
     wasted = 0
     for out in outputs:

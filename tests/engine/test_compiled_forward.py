@@ -101,8 +101,8 @@ def test_greedy_output_identical_with_compile_on_and_off(eager: LLM, changes: di
     # The drafts too (the depth-0 MTP pass runs compiled with drafts): the same accepted counts per
     # position. Greedy drafts are argmaxes, which the compiled graph's other summation order does not move
     # on the bundled model (as for the tokens above).
-    assert [o.num_accepted_tokens_per_position for o in outputs] == [
-        o.num_accepted_tokens_per_position for o in eager_outputs
+    assert [o.drafts.num_accepted_tokens_per_position for o in outputs] == [
+        o.drafts.num_accepted_tokens_per_position for o in eager_outputs
     ]
     forward = compiled.engine.runner.compiled
     assert forward is not None and forward.num_compiled_steps > 0 and forward.num_eager_fallbacks == 0

@@ -74,8 +74,8 @@ def ep_worker(rank: int, world_size: int, port: int, case: dict) -> dict:
         for request_id, prompt, max_tokens in round_prompts[rank]:
             engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens), request_id)
         tokens, finals, num_calls = run_until_idle(engine, case.get("min_steps", 0))
-        accepted = sum(o.num_accepted_tokens for o in finals)
-        drafted = sum(o.num_draft_tokens for o in finals)
+        accepted = sum(o.drafts.num_accepted_tokens for o in finals)
+        drafted = sum(o.drafts.num_draft_tokens for o in finals)
         result["rounds"].append(
             {"tokens": tokens, "calls": num_calls, "accepted": accepted, "drafted": drafted}
         )
@@ -92,8 +92,8 @@ def reference(prompts: list[tuple[str, str, int]], k: int) -> tuple[dict[str, li
         for out in engine.step():
             if out.finished:
                 tokens[out.request_id] = out.token_ids
-                accepted += out.num_accepted_tokens
-                drafted += out.num_draft_tokens
+                accepted += out.drafts.num_accepted_tokens
+                drafted += out.drafts.num_draft_tokens
     return tokens, accepted / max(drafted, 1)
 
 

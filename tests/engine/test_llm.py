@@ -85,7 +85,7 @@ def test_greedy_output_is_identical_across_engine_settings(llm, prompts, referen
     assert [o.token_ids for o in outputs] == reference
     assert_no_blocks_held(other)
     if changes.get("num_speculative_tokens"):
-        assert sum(o.num_draft_tokens for o in outputs) > 0
+        assert sum(o.drafts.num_draft_tokens for o in outputs) > 0
 
 
 def test_batch_of_one_equals_batch_of_sixteen(llm, prompts, reference):
@@ -95,11 +95,13 @@ def test_batch_of_one_equals_batch_of_sixteen(llm, prompts, reference):
 
 def test_speculative_acceptance_is_counted_per_position(llm, prompts):
     outputs = llm.replace_config(num_speculative_tokens=3).generate(prompts, GREEDY)
-    drafted = [sum(x) for x in zip(*(o.num_draft_tokens_per_position for o in outputs), strict=False)]
-    accepted = [sum(x) for x in zip(*(o.num_accepted_tokens_per_position for o in outputs), strict=False)]
+    drafted = [sum(x) for x in zip(*(o.drafts.num_draft_tokens_per_position for o in outputs), strict=False)]
+    accepted = [
+        sum(x) for x in zip(*(o.drafts.num_accepted_tokens_per_position for o in outputs), strict=False)
+    ]
     assert len(drafted) == 3 and all(a <= d for a, d in zip(accepted, drafted, strict=True))
-    assert sum(accepted) == sum(o.num_accepted_tokens for o in outputs)
-    assert sum(drafted) == sum(o.num_draft_tokens for o in outputs)
+    assert sum(accepted) == sum(o.drafts.num_accepted_tokens for o in outputs)
+    assert sum(drafted) == sum(o.drafts.num_draft_tokens for o in outputs)
     assert accepted[0] > 0 and accepted[2] > 0  # the trained MTP module is right at every depth sometimes
 
 
@@ -208,9 +210,9 @@ def test_sampling_with_speculation_preserves_the_distribution(llm):
         outputs = engine_llm.generate([prompt] * num, params)
         if k:  # depth-2 drafts were verified, not only depth 1
             assert sum(
-                o.num_draft_tokens_per_position[1]
+                o.drafts.num_draft_tokens_per_position[1]
                 for o in outputs
-                if len(o.num_draft_tokens_per_position) > 1
+                if len(o.drafts.num_draft_tokens_per_position) > 1
             )
         return [o.token_ids for o in outputs]
 
@@ -314,7 +316,7 @@ def test_a_drafting_error_fails_only_its_request(llm, prompts, reference, monkey
         ],
     )
     assert bad.finish_reason == "error" and "injected drafting fault" in bad.error
-    assert greedy.token_ids == reference[0] and greedy.num_draft_tokens > 0
+    assert greedy.token_ids == reference[0] and greedy.drafts.num_draft_tokens > 0
     assert good.finish_reason == "length" and len(good.token_ids) == 8
     assert_no_blocks_held(llm_k)
 

@@ -90,7 +90,7 @@ def test_greedy_penalties_equal_a_hand_penalised_forward(llm, prompts, changes):
         got = torch.tensor([t.logprob for t in out.logprobs])
         torch.testing.assert_close(got, reference.max(-1).values, atol=1e-4, rtol=0)
     if changes:
-        assert sum(o.num_accepted_tokens for o in outputs) > 0  # some rows' histories include drafts
+        assert sum(o.drafts.num_accepted_tokens for o in outputs) > 0  # some rows' histories include drafts
     unpenalised = llm.generate(prompts[:2], plain)
     assert outputs[1].token_ids == unpenalised[1].token_ids  # a penalised neighbour changes nothing
     assert outputs[0].token_ids != unpenalised[0].token_ids  # the penalties changed the tokens

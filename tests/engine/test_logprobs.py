@@ -44,7 +44,9 @@ def test_greedy_logprobs_equal_cacheless_log_softmax(llm, prompts, changes):
     outputs = engine_llm.generate(prompts, params)
     assert outputs[1].logprobs is None
     if changes.get("num_speculative_tokens"):
-        assert sum(o.num_accepted_tokens for o in outputs) > 0  # some logprobs come from accepted drafts
+        assert (
+            sum(o.drafts.num_accepted_tokens for o in outputs) > 0
+        )  # some logprobs come from accepted drafts
     model = llm.engine.model
     for prompt, out in zip(prompts, outputs, strict=True):
         if out.logprobs is None:

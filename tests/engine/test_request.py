@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.request import DraftCounts, Request, RequestStatus
 
 
 def test_token_accounting(make_request):
@@ -21,21 +21,19 @@ def test_empty_prompt_is_rejected():
         Request("x", [])
 
 
-def test_spec_counters_per_position(make_request):
-    request = make_request()
-    assert request.acceptance_rate is None
-    request.record_spec_result(3, 2)
-    request.record_spec_result(2, 0)
-    request.record_spec_result(4, 4)
-    assert (request.num_draft_tokens, request.num_accepted_tokens) == (9, 6)
-    assert request.num_draft_tokens_per_position == [3, 3, 2, 1]
-    assert request.num_accepted_tokens_per_position == [2, 2, 1, 1]
-    request.record_spec_result(5, 0)
-    assert request.num_draft_tokens_per_position == [4, 4, 3, 2, 1]
-    assert request.num_accepted_tokens_per_position == [2, 2, 1, 1, 0]
-    assert request.acceptance_rate == 6 / 14
+def test_draft_counts_per_position():
+    drafts = DraftCounts()
+    assert drafts.acceptance_rate is None
+    drafts = drafts.plus(3, 2).plus(2, 0).plus(4, 4)
+    assert (drafts.num_draft_tokens, drafts.num_accepted_tokens) == (9, 6)
+    assert drafts.num_draft_tokens_per_position == (3, 3, 2, 1)
+    assert drafts.num_accepted_tokens_per_position == (2, 2, 1, 1)
+    drafts = drafts.plus(5, 0)
+    assert drafts.num_draft_tokens_per_position == (4, 4, 3, 2, 1)
+    assert drafts.num_accepted_tokens_per_position == (2, 2, 1, 1, 0)
+    assert drafts.acceptance_rate == 6 / 14
     with pytest.raises(ValueError, match=r"num_accepted_tokens must be in \[0, 2\], got 3"):
-        request.record_spec_result(2, 3)
+        drafts.plus(2, 3)
 
 
 def test_phase_times(make_request):

@@ -86,8 +86,8 @@ def test_drafts_verified_rolled_back_and_counted(make_scheduler, make_request):
     assert request.output_token_ids == [50, 51, 60] and request.num_computed_tokens == 8
     assert scheduler.block_manager.block_ids(request) == [0, 1]  # the draft-only block 2 was trimmed
     assert scheduler.block_manager.num_cached_blocks == 2  # tokens 1..6, 50, 51 committed and computed
-    assert (request.num_draft_tokens, request.num_accepted_tokens) == (3, 1)
-    assert request.num_accepted_tokens_per_position == [1, 0, 0]
+    assert (request.drafts.num_draft_tokens, request.drafts.num_accepted_tokens) == (3, 1)
+    assert request.drafts.num_accepted_tokens_per_position == (1, 0, 0)
     output, _ = step(scheduler)
     assert output.scheduled[0].token_ids == [60, 61]
 

@@ -84,7 +84,7 @@ def test_adaptive_speculation_keeps_greedy_output_and_changes_k():
     assert set(steps_per_k) <= {1, 2, 3}
     # Fewer deep drafts than fixed k=3 proposes.
     fixed = plain.replace_config(num_speculative_tokens=3).generate(prompts, greedy)
-    assert sum(o.num_draft_tokens for o in outputs) < sum(o.num_draft_tokens for o in fixed)
+    assert sum(o.drafts.num_draft_tokens for o in outputs) < sum(o.drafts.num_draft_tokens for o in fixed)
 
 
 def test_adaptive_speculation_with_async_scheduling_is_rejected():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from pdcluster.engine.input_batch import SamplingArrays
 from pdcluster.engine.mtp_proposer import MTPWork, _pick, _pick_batch
 from pdcluster.engine.outputs import ScheduledRequest
 from pdcluster.engine.request import Request
@@ -29,6 +30,16 @@ def peaked(argmaxes: list[int]) -> torch.Tensor:
     return logits
 
 
+def verify(items, logits, generator_of, draft_probs) -> dict[str, list[int]]:
+    return sample_or_verify(
+        items,
+        logits,
+        generator_of,
+        draft_probs,
+        SamplingArrays.of([i.request.sampling_params for i in items]),
+    )
+
+
 def count_tolist(monkeypatch) -> list[int]:
     calls = [0]
     tolist = torch.Tensor.tolist
@@ -47,7 +58,7 @@ def test_greedy_verify_exact_tokens_in_one_host_transfer(monkeypatch):
     # a: accepts 5, rejects 7 -> target 1; b: no drafts -> 8; c: all 3 accepted + bonus 9; d: rejects -> 0
     logits = peaked([5, 1, 3] + [8] + [2, 3, 4, 9] + [0, 6])
     calls = count_tolist(monkeypatch)
-    result = sample_or_verify(items, logits, lambda item: None, {})
+    result = verify(items, logits, lambda item: None, {})
     assert result == {"a": [5, 1], "b": [8], "c": [2, 3, 4, 9], "d": [0]}
     assert calls[0] == 1
 
@@ -55,7 +66,7 @@ def test_greedy_verify_exact_tokens_in_one_host_transfer(monkeypatch):
 def test_plain_greedy_decode_is_one_argmax_and_one_transfer(monkeypatch):
     items = [scheduled(str(i), [], temperature=0.0) for i in range(5)]
     calls = count_tolist(monkeypatch)
-    assert sample_or_verify(items, peaked([3, 1, 4, 1, 5]), lambda item: None, {}) == {
+    assert verify(items, peaked([3, 1, 4, 1, 5]), lambda item: None, {}) == {
         "0": [3], "1": [1], "2": [4], "3": [1], "4": [5]}  # fmt: skip
     assert calls[0] == 1
 
@@ -68,9 +79,7 @@ def test_sampled_rows_accept_exactly_where_the_target_has_all_the_mass():
     logits = peaked([5, 6, 0] + [2, 3, 4, 9] + [3, 1])  # g: [5, 6]; s: 2 accepted, 8 rejected -> 3; t: [3, 1]
     shared = torch.Generator().manual_seed(0)
     own = torch.Generator().manual_seed(11)
-    result = sample_or_verify(
-        items, logits, lambda item: own if item.request.sampling_params.seed else shared, {}
-    )
+    result = verify(items, logits, lambda item: own if item.request.sampling_params.seed else shared, {})
     assert result == {"g": [5, 6], "s": [2, 3], "t": [3, 1]}
 
 
@@ -91,7 +100,7 @@ def test_a_seeded_request_verifies_as_it_would_alone():
             return own[item.request_id]
 
         shared.manual_seed(int(torch.randint(0, 1000, ())))
-        result = sample_or_verify(items, logits, generator_of, {"s": draft_probs})
+        result = verify(items, logits, generator_of, {"s": draft_probs})
         target = probs_from_logits(logits[5:], 0.7, 5, 0.9)
         reference = rejection_sample(
             torch.tensor(drafts), draft_probs, target, torch.Generator().manual_seed(1234)

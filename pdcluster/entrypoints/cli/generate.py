@@ -134,8 +134,6 @@ def _queue(engine: LLMEngine, args: argparse.Namespace, prompt: str) -> str:
 
 
 def _result_json(out: RequestOutput, load_s: float) -> dict:
-    from pdcluster.driver.messages import DraftCounts
-
     ttft = out.ttft_s
     decode_s = None if out.e2e_s is None or ttft is None else out.e2e_s - ttft
     return {
@@ -153,7 +151,7 @@ def _result_json(out: RequestOutput, load_s: float) -> dict:
             "e2e_s": out.e2e_s,
             "tokens_per_s": len(out.token_ids) / out.e2e_s if out.e2e_s else None,
         },
-        "spec_decode": DraftCounts.of(out).summary(),
+        "spec_decode": out.drafts.summary(),
     }
 
 
@@ -168,10 +166,9 @@ def _summary_line(out: RequestOutput) -> str:
         parts.append(f"tpot {out.tpot_s * 1e3:.1f} ms")
     if out.e2e_s:
         parts.append(f"{len(out.token_ids) / out.e2e_s:.1f} tokens/s")
-    if out.acceptance_rate is not None:
-        parts.append(
-            f"acceptance {out.acceptance_rate:.2f} ({out.num_accepted_tokens}/{out.num_draft_tokens})"
-        )
+    d = out.drafts
+    if d.acceptance_rate is not None:
+        parts.append(f"acceptance {d.acceptance_rate:.2f} ({d.num_accepted_tokens}/{d.num_draft_tokens})")
     return " | ".join(parts)
 
 
@@ -235,8 +232,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _batch_summary(results: list[RequestOutput]) -> dict:
-    drafted = sum(r.num_draft_tokens for r in results)
-    accepted = sum(r.num_accepted_tokens for r in results)
+    drafted = sum(r.drafts.num_draft_tokens for r in results)
+    accepted = sum(r.drafts.num_accepted_tokens for r in results)
     return {
         "num_requests": len(results),
         "num_output_tokens": sum(len(r.token_ids) for r in results),
