@@ -2,21 +2,24 @@
 
 Issue 37's target: constrained decoding costs at most 15% of output tokens/s at batch 32.
 
-Method, per batch size B: one engine (`engine.llm.LLM`, greedy, `ignore_eos`, `--num-tokens` output tokens
-per request, MTP k=`--num-speculative-tokens`) generates B held-out prompts, alternating free and
-constrained runs `--num-repeats` times each. Constrained: every request's output must match the regex
-`[^\\n]*` (one line: xgrammar fills and applies a bitmask for every sampled and verified row, and advances
-each request's grammar by every committed token), so both runs produce the same number of tokens. The
-grammar is compiled once before timing (compiled grammars are cached). Output tokens/s: B x num_tokens /
-wall time of `generate` (prefill included), medians. Per step (constrained runs): `grammar_ms_per_step`, the
-wall time of `StructuredOutputs.mask_logits` (bitmask fill and apply) plus `accept` (advancing the matchers)
-per engine step, and `step_ms`, the whole `LLMEngine.step`, medians over the timed steps; `steps_per_run`:
-engine steps per `generate` of each kind (with MTP, drafts the grammar rejects cost steps).
+Method, per batch size B: one engine (`engine.llm.LLM`, greedy, `ignore_eos`, `--num-tokens` output tokens per
+request, MTP k=`--num-speculative-tokens`) generates B held-out prompts, alternating free and constrained runs
+`--num-repeats` times each. Constrained (`--grammar`): every request's output must match the regex `[^\\n]*`
+(one line), or a JSON schema (an array of at least 32 objects with a short string, an integer and an array of
+short strings each); xgrammar fills and applies a bitmask for every sampled and verified row and advances each
+request's grammar by every committed token. Neither completes within 64 tokens, so both runs produce the same
+number of tokens. The grammar is compiled once before timing (compiled grammars are cached). Output tokens/s:
+B x num_tokens / wall time of `generate` (prefill included), medians. Per step (constrained runs):
+`grammar_ms_per_step`, the wall time of `StructuredOutputs.mask_logits` (bitmask fill and apply) plus `accept`
+(advancing the matchers) per engine step, and `step_ms`, the whole `LLMEngine.step`, medians over the timed
+steps; `steps_per_run`: engine steps per `generate` of each kind (with MTP, drafts the grammar rejects cost
+steps).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from typing import Any
@@ -32,7 +35,20 @@ from bench.common import (
 )
 
 TARGET_COST = 0.15
-GRAMMAR = ("regex", r"[^\n]*")
+# Each never completes within --num-tokens (64): the runs being compared produce the same number of tokens.
+ITEM = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "id": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+    },
+    "required": ["name", "id", "tags"],
+}
+GRAMMARS = {
+    "regex": ("regex", r"[^\n]*"),
+    "json_schema": ("json_schema", json.dumps({"type": "array", "items": ITEM, "minItems": 32})),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-tokens", type=positive_int, default=64, help="output tokens per request")
     parser.add_argument("--num-repeats", type=positive_int, default=3, help="timed runs of each kind")
     parser.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP drafts per step")
+    parser.add_argument(
+        "--grammar", choices=sorted(GRAMMARS), default="regex", help="the constraint (GRAMMARS)"
+    )
     return parser
 
 
@@ -58,14 +77,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         num_speculative_tokens=args.num_speculative_tokens,
         max_num_seqs=max(args.batch_sizes),
     )
-    llm.engine.executor.structured_outputs.compiler.compile(GRAMMAR)
+    grammar = GRAMMARS[args.grammar]
+    llm.engine.executor.structured_outputs.compiler.compile(grammar)
     results = []
     for batch in args.batch_sizes:
         prompts = heldout_token_prompts(llm.tokenizer, [48] * batch)
         kinds = {
             "free": SamplingParams(temperature=0, max_tokens=args.num_tokens, ignore_eos=True),
             "constrained": SamplingParams(
-                temperature=0, max_tokens=args.num_tokens, ignore_eos=True, structured_output=GRAMMAR
+                temperature=0, max_tokens=args.num_tokens, ignore_eos=True, structured_output=grammar
             ),
         }
         llm.generate(prompts, kinds["free"])  # warm-up
@@ -101,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {
             **vars(args),
             "model": str(args.model),
-            "grammar": list(GRAMMAR),
+            "grammar": list(grammar),
             **environment(args.model),
         },
         "results": results,

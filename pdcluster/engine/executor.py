@@ -29,7 +29,7 @@ from pdcluster.engine.outputs import (
 )
 from pdcluster.engine.penalties import PenaltyCounts
 from pdcluster.engine.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
-from pdcluster.engine.sampler import process_logits, sample_isolated, token_logprobs
+from pdcluster.engine.sampler import process_logits_isolated, sample_isolated, token_logprobs_isolated
 from pdcluster.engine.spec_policy import DEFAULT_DECAY, choose_num_speculative_tokens, decay_counts
 from pdcluster.engine.step_inputs import (
     PreparedStep,
@@ -201,24 +201,29 @@ class Executor:
             items = [scheduled[i] for i in sampling]
             one_row_each = uniform == 1 and len(sampling) == len(scheduled)  # a decode step without drafts
             rows = hidden if one_row_each else logit_rows(hidden, items, sampling, starts, query_lens)
-            logits = self.runner.compute_logits(rows)
+            logits, grammar_failed = self._logits(items, rows, plain)
             params = prepared.sampling
             if params is not None and len(sampling) < len(scheduled):
                 params = params.take(np.asarray(sampling, dtype=np.int64))
-            grammar_failed = {} if plain else self._mask_by_grammar(items, logits)
             if params is None:
                 params = SamplingArrays.of([item.request.sampling_params for item in items])
-            if params.processed_rows.any():
-                logits = process_logits(items, logits, params, self._output_history, self.penalty_counts)
+            if params.processed_rows.any():  # a processor that raises fails its request alone
+                logits, processing_failed = process_logits_isolated(
+                    items, logits, params, self._output_history, self.penalty_counts,
+                    lambda: self._logits(items, rows, plain)[0],
+                )  # fmt: skip
+                grammar_failed.update(processing_failed)
             sampled, failed = self.sample(items, logits, params)
-            if self.structured_outputs is not None and self.structured_outputs.num_tracked_requests:
-                self.structured_outputs.accept(items, sampled)
             for request_id, error in grammar_failed.items():
                 sampled.pop(request_id, None)
                 failed[request_id] = error
+            if self.structured_outputs is not None and self.structured_outputs.num_tracked_requests:
+                self.structured_outputs.accept(items, sampled)
             if on_sampled is not None:
                 on_sampled({rid: tokens for rid, tokens in sampled.items() if rid not in failed})
-            logprobs = {} if plain else token_logprobs(items, logits, sampled)
+            if not plain:
+                logprobs, logprobs_failed = token_logprobs_isolated(items, logits, sampled)
+                failed.update(logprobs_failed)
 
         if self.adaptive_min_accept_prob is not None and self.max_num_speculative_tokens:
             self._adapt_num_speculative_tokens(
@@ -275,17 +280,15 @@ class Executor:
         """`sampler.sample_isolated` of `items`, logits `[sum(k_i + 1), V]` (`params` None: from items)."""
         return sample_isolated(items, logits, self._generator, self._draft_probs, params)
 
-    def _mask_by_grammar(self, items: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, str]:
-        """Mask structured requests' `logits` rows in place; returns request id -> error of failures."""
-        if not any(item.request.sampling_params.structured_output for item in items):
-            return {}
+    def _logits(self, items: list[ScheduledRequest], rows: torch.Tensor, plain: bool) -> tuple:
+        """Logits `[R, V]` of hidden `rows` `[R, H]`, grammar-masked; request id -> error of failed masks."""
+        logits = self.runner.compute_logits(rows)
+        if plain or not any(item.request.sampling_params.structured_output for item in items):
+            return logits, {}
         if self.structured_outputs is None:
-            return {
-                item.request_id: "structured output is not available on this engine"
-                for item in items
-                if item.request.sampling_params.structured_output
-            }
-        return self.structured_outputs.mask_logits(items, logits)
+            no = "structured output is not available on this engine"
+            return logits, {i.request_id: no for i in items if i.request.sampling_params.structured_output}
+        return logits, self.structured_outputs.mask_logits(items, logits)
 
     def _adapt_num_speculative_tokens(
         self, items: list[ScheduledRequest], sampled: dict[str, list[int]]

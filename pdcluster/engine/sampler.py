@@ -111,6 +111,37 @@ def sample_or_verify(
     return dict(zip(request_ids, result.token_ids(), strict=True))
 
 
+def process_logits_isolated(
+    items: list[ScheduledRequest],
+    logits: torch.Tensor,
+    params: SamplingArrays,
+    output_history: OutputHistory,
+    counts: PenaltyCounts,
+    fresh_logits: Callable[[], torch.Tensor],
+) -> tuple[torch.Tensor, dict[str, str]]:
+    """`process_logits` over the batch; if it raises, over `fresh_logits()` (the step's logits rebuilt as they
+    were before any processor ran) one request at a time, its penalty counts recounted, so a request whose
+    processors raise fails alone. Returns the processed logits and request id -> error of the failures."""
+    try:
+        return process_logits(items, logits, params, output_history, counts), {}
+    except Exception:  # noqa: BLE001 - find the request(s) it came from, below
+        pass
+    counts.drop([item.request_id for item in items])  # a batched update may have stopped half-way
+    logits = fresh_logits()
+    failed: dict[str, str] = {}
+    row = 0
+    for i, item in enumerate(items):
+        num_rows = len(item.spec_token_ids) + 1
+        if params.processed_rows[i]:
+            alone = params.take(slice(i, i + 1))
+            try:
+                process_logits([item], logits[row : row + num_rows], alone, output_history, counts)
+            except Exception as e:  # noqa: BLE001 - this request's error, this request's failure
+                failed[item.request_id] = f"logits processing failed: {e!r}"
+        row += num_rows
+    return logits, failed
+
+
 @torch.inference_mode()  # logits come from the model's inference-mode forward: changed in place
 def process_logits(
     items: list[ScheduledRequest],
@@ -220,6 +251,28 @@ def process_logits(
     if not whole:
         logits.index_copy_(0, row_index, sub)
     return logits
+
+
+def token_logprobs_isolated(
+    items: list[ScheduledRequest], logits: torch.Tensor, sampled: dict[str, list[int]]
+) -> tuple[dict[str, list[TokenLogprobs]], dict[str, str]]:
+    """`token_logprobs` over the batch; if it raises, one request at a time, so a request whose logprobs
+    raise fails alone. Returns the logprobs and request id -> error of the failures."""
+    try:
+        return token_logprobs(items, logits, sampled), {}
+    except Exception:  # noqa: BLE001 - find the request(s) it came from, below
+        pass
+    out: dict[str, list[TokenLogprobs]] = {}
+    failed: dict[str, str] = {}
+    row = 0
+    for item in items:
+        num_rows = len(item.spec_token_ids) + 1
+        try:
+            out.update(token_logprobs([item], logits[row : row + num_rows], sampled))
+        except Exception as e:  # noqa: BLE001 - this request's error, this request's failure
+            failed[item.request_id] = f"logprobs failed: {e!r}"
+        row += num_rows
+    return out, failed
 
 
 def token_logprobs(

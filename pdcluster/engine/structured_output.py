@@ -203,7 +203,7 @@ class StructuredOutputs:
                 try:
                     self._fill_masks(item, bitmask, offset)
                     rows.extend(range(offset, offset + num_rows))
-                except ValueError as exc:
+                except Exception as exc:  # noqa: BLE001 - this request's grammar, this request's failure
                     failed[item.request_id] = f"structured output: {exc}"
             offset += num_rows
         if rows:

@@ -363,6 +363,51 @@ def test_chat_streamed_logprobs_and_n(client):
     assert all(len(c.logprobs.tokens) == 4 or c.finish_reason == "stop" for c in three.choices)
 
 
+def test_streamed_completion_logprobs_and_streamed_n(client, engine):
+    """A streamed completion's logprobs and top_logprobs equal one engine's (greedy, MTP off); a streamed
+    n=3 finishes each index once, each with its own logprobs, and include_usage counts every choice once."""
+    expected = engine.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
+    )
+    common = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "temperature": 0,
+        "stream": True,
+        "extra_body": {"ignore_eos": True},
+    }
+    chunks = [c for c in client.completions.create(**common, max_tokens=10, logprobs=3) if c.choices]
+    entries = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    token_logprobs = [v for lp in entries for v in lp.token_logprobs]
+    tops = [top for lp in entries for top in lp.top_logprobs]
+    assert "".join(c.choices[0].text for c in chunks) == expected[0].text
+    assert token_logprobs == pytest.approx([t.logprob for t in expected[0].logprobs], abs=TOLERANCE)
+    assert [sorted(top.values(), reverse=True)[:3] for top in tops] == [
+        pytest.approx(t.top_logprobs[:3], abs=TOLERANCE) for t in expected[0].logprobs
+    ]
+    streamed = client.completions.create(
+        **{**common, "temperature": 1.0},
+        max_tokens=4,
+        n=3,
+        seed=1,
+        logprobs=2,
+        stream_options={"include_usage": True},
+    )
+    finished: dict[int, int] = {}
+    num_logprobs: dict[int, int] = {}
+    usage = None
+    for chunk in streamed:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            if choice.logprobs:
+                num_logprobs[choice.index] = num_logprobs.get(choice.index, 0) + len(choice.logprobs.tokens)
+                assert all(len(top) >= 2 for top in choice.logprobs.top_logprobs)
+            if choice.finish_reason is not None:
+                finished[choice.index] = finished.get(choice.index, 0) + 1
+    assert finished == {0: 1, 1: 1, 2: 1} and num_logprobs == {0: 4, 1: 4, 2: 4}
+    assert usage is not None and usage.completion_tokens == 12
+
+
 def test_echo_prompt_logprobs_equal_one_engine(served, client, engine):
     """Prompt logprobs (echo) are scored on prefill (MTP on) and reach the client with the first token: equal
     to one engine's (MTP off) within TOLERANCE, for the whole answer, max_tokens 0 and lm-eval's batch."""
