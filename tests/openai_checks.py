@@ -23,4 +23,15 @@ def chat_logprobs_whole_and_streamed(
     assert len(content) == whole.usage.completion_tokens
     assert [e.token for e in streamed] == [e.token for e in content]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=tolerance)
+    k = params.get("top_logprobs") or 0
+    for whole_entry, streamed_entry in zip(content, streamed, strict=True):
+        top = whole_entry.top_logprobs
+        assert len(top) == k and len(streamed_entry.top_logprobs) == k
+        assert [t.token for t in streamed_entry.top_logprobs] == [t.token for t in top]
+        values = [t.logprob for t in top]
+        assert [t.logprob for t in streamed_entry.top_logprobs] == pytest.approx(values, abs=tolerance)
+        assert values == sorted(values, reverse=True)
+        if k:  # greedy: the chosen token is the most likely one
+            assert top[0].token == whole_entry.token
+            assert top[0].logprob == pytest.approx(whole_entry.logprob, abs=tolerance)
     return whole
