@@ -3,7 +3,8 @@
 Deploys `--topology` (default `clusters/local-ep.yaml`: one prefill and one decode instance of 2 ranks, EP2,
 gloo) on a local Ray, keeps `--concurrency` streams of greedy requests (`--max-tokens` each) running and,
 after `--warmup-s`, hurts the decode instance as `--scenario` says, one fault after the other (the next
-once the instance served again, `--between-s` later); keeps the streams going for `--after-s`:
+once the instance served again, `--between-s` later); keeps the streams going for `--after-s`, and at least
+`--after-rejoin-s` once the instance has its deployed ranks again:
 
     kill            SIGKILL of decode rank 1 of the EP2 instance
     stall           SIGSTOP of decode rank 1 of the EP2 instance (its peer's collective times out)
@@ -16,7 +17,8 @@ Reports, for each fault (`events`; the first one's figures also at the top level
     time_to_served_again_s  until the first request sent after the fault completes
 and
     time_to_rejoined_s      from the last fault until decode-0 has its deployed ranks again (null: not)
-    completed / failed      requests over the whole run; `failed` ended with an error (none may hang)
+    completed / failed / hung  requests over the whole run; `failed` ended with an error; `hung` got no end
+                            within `request_bound_s` (every attempt's event timeout; none may hang)
     errors                  each distinct error message (truncated), with its count
     recomputed              requests re-dispatched with their streamed tokens kept after decode lost their
                             KV (`driver.recompute`), and those tokens in all
@@ -101,22 +103,28 @@ async def _measure(cluster, args, expected: dict[str, list[int]]) -> dict[str, A
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     started_s = time.monotonic()
-    end_s = started_s + args.warmup_s + args.after_s
+    state_end = {"s": started_s + args.warmup_s + args.after_s}  # pushed back once decode-0 rejoined
+    bound_s = cluster.event_timeout_s * (len(cluster.instances["prefill"]) + 1)  # MAX attempts, then decode
     state: dict[str, Any] = {"n": 0, "faults": []}  # faults: (time.monotonic() of the fault, its event)
     outcomes: collections.Counter[str] = collections.Counter()
     stopped: list[int] = []
     greedy = {phase: {"compared": 0, "mismatched": 0} for phase in ("before", "during", "after")}
 
     async def one(stream: int) -> None:
-        while time.monotonic() < end_s:
+        while time.monotonic() < state_end["s"]:
             state["n"] += 1
             sent_s, prompt, tokens = time.monotonic(), PROMPTS[state["n"] % len(PROMPTS)], []
             phase = "after" if state.get("rejoined_s") else "during" if state["faults"] else "before"
-            try:
-                async for delta in cluster.generate(
-                    f"c{stream}-{state['n']}", cluster.tokenizer.encode(prompt), params
-                ):
+
+            async def collect(request_id: str, prompt: str = prompt, tokens: list[int] = tokens) -> None:
+                async for delta in cluster.generate(request_id, cluster.tokenizer.encode(prompt), params):
                     tokens += delta.new_token_ids
+
+            try:
+                await asyncio.wait_for(collect(f"c{stream}-{state['n']}"), bound_s)
+            except TimeoutError:
+                outcomes["hung"] += 1
+                continue
             except Exception as e:  # noqa: BLE001 - counted: every request completes or errs
                 outcomes["failed: " + str(e).split(": ", 1)[-1][:300]] += 1  # (without the request id)
                 await asyncio.sleep(0.1)
@@ -144,7 +152,7 @@ async def _measure(cluster, args, expected: dict[str, list[int]]) -> dict[str, A
                 "time_to_served_again_s": None,
             }
             state["faults"].append((fault_s, event))
-            while time.monotonic() < end_s and None in (
+            while time.monotonic() < state_end["s"] and None in (
                 event["time_to_reformed_s"],
                 event["time_to_served_again_s"],
             ):
@@ -159,9 +167,10 @@ async def _measure(cluster, args, expected: dict[str, list[int]]) -> dict[str, A
             num_ranks -= 1
             await asyncio.sleep(args.between_s)
         last_s = state["faults"][-1][0]
-        while time.monotonic() < end_s:
+        while time.monotonic() < state_end["s"]:
             if not cluster.health()["decode-0"]["degraded"]:
                 state["rejoined_s"] = time.monotonic()
+                state_end["s"] = max(state_end["s"], state["rejoined_s"] + args.after_rejoin_s)
                 return time.monotonic() - last_s
             await asyncio.sleep(0.05)
         return None
@@ -183,6 +192,8 @@ async def _measure(cluster, args, expected: dict[str, list[int]]) -> dict[str, A
             "warmup_s": args.warmup_s,
             "between_s": args.between_s,
             "after_s": args.after_s,
+            "after_rejoin_s": args.after_rejoin_s,
+            "request_bound_s": bound_s,
             "kv_timeout_s": cluster.topology.kv_transfer.timeout_s,
             "elastic_stall_s": cluster.topology.decode.elastic_stall_s,
         },
@@ -192,6 +203,7 @@ async def _measure(cluster, args, expected: dict[str, list[int]]) -> dict[str, A
         "events": events,
         "completed": outcomes["completed"],
         "failed": sum(errors.values()),
+        "hung": outcomes["hung"],
         "errors": errors,
         "recomputed": {
             "requests": cluster.dispatcher.requests_recomputed_total,
@@ -208,7 +220,7 @@ def table(result: dict[str, Any]) -> str:
         for e in result["events"]
         for k in ("time_to_reformed_s", "time_to_served_again_s")
     ]
-    rows += [(k, result[k]) for k in ("time_to_rejoined_s", "completed", "failed")]
+    rows += [(k, result[k]) for k in ("time_to_rejoined_s", "completed", "failed", "hung")]
     rows += [
         (f"greedy mismatches {p}", f"{v['mismatched']} of {v['compared']}")
         for p, v in result["greedy_vs_one_engine"].items()
@@ -230,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--after-s", type=float, default=60.0, help="seconds of serving after the first fault"
+    )
+    parser.add_argument(
+        "--after-rejoin-s",
+        type=float,
+        default=15.0,
+        help="seconds of serving at least, once the instance has its deployed ranks again",
     )
     parser.add_argument(
         "--kv-timeout-s", type=float, default=None, help="kv_transfer.timeout_s (default: the topology's)"

@@ -141,6 +141,7 @@ class ElasticInstances(GrowBack):
         self._changed_s[key] = time.monotonic()
         try:
             self.shrink(ray, instance, loss, outcomes)
+            self._tries.pop(key, None)  # MAX_SHRINK_TRIES counts the tries of one loss
         except Exception as e:  # noqa: BLE001 - refused, or a survivor failed: say so, maybe try again
             refused = placement_refused(e)
             self._tries[key] = self._tries.get(key, 0) + 1
@@ -255,21 +256,22 @@ class ElasticInstances(GrowBack):
         dep = self.deployment
         clients = {new: instance._clients.get(old) for new, old in enumerate(loss.survivors)}
         instance._clients = {new: c for new, c in clients.items() if c is not None}
-        if instance.role == "decode":
-            addresses = dep._decode_addresses[instance.index]
-            dep._decode_addresses[instance.index] = [addresses[r] for r in loss.survivors]
-            instance.ranks = actors
-            self._fail_attempts(
-                "decode", instance.index, {old: new for new, old in enumerate(loss.survivors)}
-            )
-            self._set_decode_ranks(instance.index, len(actors))
-            self._reconnect_prefills(ray)
-        else:
-            instance.ranks = actors
         bundles = instance.bundles or list(range(len(outcomes)))
         instance.bundles = [bundles[r] for r in loss.survivors]
         instance.lost_ranks = instance.lost_ranks + len(loss.lost)
         instance.recoveries += 1
+        instance.ranks = actors
+        if instance.role == "decode":
+            addresses = dep._decode_addresses[instance.index]
+            dep._decode_addresses[instance.index] = [addresses[r] for r in loss.survivors]
+            self._fail_attempts(
+                "decode", instance.index, {old: new for new, old in enumerate(loss.survivors)}
+            )
+            self._set_decode_ranks(instance.index, len(actors))
+            try:
+                self._reconnect_prefills(ray)
+            except Exception as e:  # noqa: BLE001 - re-formed all the same: its handoffs from that prefill fail
+                logger.error("decode-%d re-formed; a prefill rank missed its ranks: %r", instance.index, e)
 
     def _abort_reform(self, ray, actors: list[Any], refs: list[Any], secret: Any) -> None:
         """A re-forming that failed or timed out: every survivor stops joining its group (`abort_reform`),
