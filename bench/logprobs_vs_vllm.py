@@ -48,12 +48,21 @@ def parse_args_parser() -> argparse.ArgumentParser:
 def run_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict[str, Any]]:
     """vLLM's per-prompt token ids and logprobs. Raises RuntimeError: the subprocess failed (stderr tail)."""
     python = args.vllm_venv / "bin" / "python"
+    return vllm_logprobs(python, args.model, prompts, args.max_tokens, args.top_logprobs, args.vllm_timeout_s)
+
+
+def vllm_logprobs(
+    python: Path, model: Path, prompts: list[list[int]], max_tokens: int, top_logprobs: int, timeout_s: float
+) -> list[dict[str, Any]]:
+    """vLLM's greedy token ids and (top-`top_logprobs`) logprobs per prompt of token ids, from a subprocess
+    of vLLM's venv `python` (`bench/vllm_logprobs_child.py`) on a vLLM-loadable copy of checkpoint `model`.
+    Raises RuntimeError: the subprocess failed (stderr tail); subprocess.TimeoutExpired past `timeout_s`."""
     with tempfile.TemporaryDirectory() as tmp:
         job = {
-            "model": str(vllm_checkpoint(args.model, Path(tmp) / "ckpt")),
+            "model": str(vllm_checkpoint(model, Path(tmp) / "ckpt")),
             "prompts": prompts,
-            "max_tokens": args.max_tokens,
-            "logprobs": args.top_logprobs,
+            "max_tokens": max_tokens,
+            "logprobs": top_logprobs,
         }
         done = subprocess.run(
             [str(python), str(CHILD)],
@@ -62,7 +71,7 @@ def run_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict[st
             text=True,
             env=dict(os.environ, VLLM_MLA_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1"),
             cwd=tempfile.gettempdir(),  # not the repository: its packages must not shadow vLLM's imports
-            timeout=args.vllm_timeout_s,
+            timeout=timeout_s,
         )
     lines = [line for line in done.stdout.splitlines() if line.startswith("VLLM_LOGPROBS ")]
     if done.returncode != 0 or not lines:

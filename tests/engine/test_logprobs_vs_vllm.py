@@ -11,7 +11,6 @@ processors: equal for greedy requests without processors.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import tempfile
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.vs_vllm import vllm_checkpoint
+from bench.logprobs_vs_vllm import vllm_logprobs
 from pdcluster.engine.llm import LLM
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.models import bundled_checkpoint_dir
@@ -29,7 +28,6 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("PDCLUSTER_VLLM_VENV", REPO.parent / "vllm-venv"))
-CHILD = REPO / "bench" / "vllm_logprobs_child.py"
 TOLERANCE = 1e-3
 VLLM_TIMEOUT_S = 900  # model load and generation of vLLM's CPU build on a shared 2-core machine
 NUM_TOP = 5
@@ -45,28 +43,11 @@ def _vllm_python() -> Path:
     return python
 
 
-def test_greedy_logprobs_equal_vllms(tmp_path: Path) -> None:
+def test_greedy_logprobs_equal_vllms() -> None:
     python = _vllm_python()
     llm = LLM(bundled_checkpoint_dir(), max_model_len=512)
     prompts = [llm.tokenizer.encode(p) for p in heldout_def_prompts(4)]
-    job = {
-        "model": str(vllm_checkpoint(bundled_checkpoint_dir(), tmp_path / "ckpt")),
-        "prompts": prompts,
-        "max_tokens": 16,
-        "logprobs": NUM_TOP,
-    }
-    done = subprocess.run(
-        [str(python), str(CHILD)],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, VLLM_MLA_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1"),
-        cwd=tempfile.gettempdir(),  # not the repository: its packages must not shadow vLLM's imports
-        timeout=VLLM_TIMEOUT_S,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("VLLM_LOGPROBS ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    theirs = json.loads(lines[-1].removeprefix("VLLM_LOGPROBS "))
+    theirs = vllm_logprobs(python, bundled_checkpoint_dir(), prompts, 16, NUM_TOP, VLLM_TIMEOUT_S)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=NUM_TOP)
     ours = llm.generate(prompts, params)
     for mine, other in zip(ours, theirs, strict=True):
