@@ -304,6 +304,43 @@ def test_a_sender_whose_connection_ended_reconnects_at_its_next_begin():
         receiver.close()
 
 
+def test_a_begin_after_a_failed_send_reconnects_before_the_reader_noticed(monkeypatch):
+    """The worker's send fails first (decode closed the connection before `begin` went out) while the
+    reader has not yet seen the close: once flush reports the handoff lost, the next `begin` still
+    connects again instead of queueing onto the closed socket (CI saw "after" wait out its lease)."""
+    from pdcluster.kvtransfer.shm_transport import sender as sender_module
+
+    reader_may_run = threading.Event()
+    reader_may_run.set()
+    real_wait_readable = sender_module.wait_readable
+
+    def held_wait_readable(sock, timeout_s):
+        reader_may_run.wait()
+        return real_wait_readable(sock, timeout_s)
+
+    monkeypatch.setattr(sender_module, "wait_readable", held_wait_readable)
+    receiver = ShmKVReceiver()
+    sender = ShmKVSender(receiver.address)
+    try:
+        _handoff(receiver, sender, "before")
+        assert sender.flush(WAIT_S) == {}
+        assert wait_until(lambda: receiver._connections)
+        reader_may_run.clear()
+        time.sleep(2 * sender_module.POLL_S)  # the reader is now held before its next poll
+        receiver._connections[0].channel.close()
+        open_meta = make_handoff("open")
+        sender.begin(receiver.expect(open_meta))  # the worker's send of it fails
+        assert wait_until(lambda: open_meta.request_id in sender.flush(0.0))
+        receiver.release(open_meta.request_id)
+        threading.Timer(0.2, reader_may_run.set).start()
+        _handoff(receiver, sender, "after")
+        assert sender.flush(WAIT_S) == {}
+    finally:
+        reader_may_run.set()
+        sender.close()
+        receiver.close()
+
+
 def test_descriptors_past_1024_work():
     """With this process's descriptors 0..1100 taken, the receiver's and sender's sockets get numbers past
     1024, which `select()` refuses (the attack's decode crashed its connection threads so): a handoff still

@@ -91,12 +91,15 @@ class ShmKVSender(KVSender):
         self._reader.start()
 
     def _reconnect(self) -> None:
-        """Connect again with a fresh queue, worker and reader; ConnectionError if unreachable."""
+        """Connect again with a fresh queue, worker and reader, once the old reader has ended (it fails
+        the old connection's handoffs and unmaps its segments); ConnectionError if unreachable."""
         with self._reconnect_lock:
             with self._lock:
                 why = self._lost
             if why is None or self._closed:
                 return
+            self._channel.close()  # the old reader sees it within POLL_S
+            self._reader.join()
             try:
                 channel = connect(self.address)
             except OSError as e:
@@ -206,8 +209,14 @@ class ShmKVSender(KVSender):
             self._conclude(req, SenderLost(f"{req.meta.request_id}: {why}"), tell_receiver=False)
 
     def _lose_connection(self, error: OSError, channel: Channel) -> None:
+        """Mark the connection lost before failing its handoffs: whoever sees a failure and begins
+        again must reconnect, not queue onto this channel."""
         logger.warning("kv shm send to %s failed: %r", self.address, error)
-        self._stop_writing(f"a send to the receiver failed: {error!r}")
+        why = f"a send to the receiver failed: {error!r}"
+        with self._lock:
+            if channel is self._channel and self._lost is None:
+                self._lost = why
+        self._stop_writing(why)
         channel.close()
 
     def _conclude(self, req: SendingHandoff, error: KVTransferError | None, tell_receiver: bool) -> None:
@@ -314,12 +323,14 @@ class ShmKVSender(KVSender):
                 logger.exception("kv shm: taking a %r record from the receiver failed", record.get("k"))
             finally:
                 close_fds(fds)
-        # Stop writing, unmap, then mark the connection lost; the socket closes last, since decode
-        # frees in-place blocks once it sees the close.
+        # Mark the connection lost (a `begin` then waits for this thread to end), stop writing, unmap;
+        # the socket closes last, since decode frees in-place blocks once it sees the close.
+        with self._lock:
+            if self._lost is None:
+                self._lost = why
         self._stop_writing(why)
         with self._lock:
             segments = self._mapped.take_segments()
-            self._lost = why
             late = [r for r in self._requests.values() if not r.done]
         for req in late:
             self._conclude(req, SenderLost(f"{req.meta.request_id}: {why}"), tell_receiver=False)
