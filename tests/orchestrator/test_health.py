@@ -284,15 +284,29 @@ def test_an_instance_ray_does_not_restart_is_left_out_of_routing_not_killed(capl
 
     killed = []
     ray = SimpleNamespace(kill=lambda actor, no_restart: killed.append(actor))
-    for transport, num_ranks in (("torch_distributed", 1), ("shm", 2)):
+    for transport, num_ranks, deployed_ranks in (("torch_distributed", 1, 1), ("shm", 2, 2), ("shm", 1, 2)):
         monitor, instance = _watchdog_monitor(transport, num_ranks)
+        instance.deployed_ranks = deployed_ranks  # (shm, 1 of 2): an EP2 instance elastic EP shrank
         with caplog.at_level("ERROR", logger="pdcluster.driver.cluster"):
             monitor._restart_failed_engine(ray, instance, pid=41)
         assert (
             f"decode-0: its engine failed, but Ray does not restart its actors (kv_transfer {transport}, "
-            f"{num_ranks} ranks)" in caplog.text
+            f"{deployed_ranks} ranks deployed)" in caplog.text
         )
     assert killed == []
+
+
+def test_a_shrunk_instance_whose_last_rank_died_gets_no_one_rank_replacement():
+    """An EP2 instance shrunk to one rank (elastic EP) whose last rank dies: its actor was deployed
+    with an EP config a one-rank actor refuses, so no replacement is started in its place."""
+    pytest.importorskip("ray")
+    from types import SimpleNamespace
+
+    monitor, instance = _watchdog_monitor("shm", num_ranks=1)
+    instance.deployed_ranks, instance.health = 2, SimpleNamespace(since_s=0.0)  # died long ago
+    ray = SimpleNamespace(kill=lambda actor, no_restart: pytest.fail(f"killed {actor}"))
+    monitor._replace_if_given_up(ray, instance, RuntimeError("the actor died"))
+    assert instance.ranks == ["actor-0"] and monitor._replacements == {}
 
 
 class _FakeRank:
