@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import environment, format_table, int_list, main_with, new_parser, ratio
+from bench.common import environment, format_table, int_list, main_with, missing_vllm, new_parser, ratio
 
 CHILD = Path(__file__).with_name("vllm_child.py")
 
@@ -219,14 +218,8 @@ def table(result: dict[str, Any]) -> str:
     return format_table(header, rows)
 
 
-def no_vllm(args: argparse.Namespace) -> str | None:
-    if shutil.which(str(args.vllm_venv / "bin" / "python")) is None:
-        return f"{args.vllm_venv}: no bin/python (see ../shared/PEERS.md for how to make the venv)"
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
-    return main_with(build_parser(), argv, run, table, problem=no_vllm)
+    return main_with(build_parser(), argv, run, table, problem=lambda args: missing_vllm(args.vllm_venv))
 
 
 if __name__ == "__main__":
