@@ -22,7 +22,6 @@ import torch
 
 from pdcluster.models import bundled_checkpoint_dir
 
-# vLLM's CPU build (../shared/PEERS.md): $PDCLUSTER_VLLM_VENV, else vllm-venv beside the repository
 DEFAULT_VLLM_VENV = Path(
     os.environ.get("PDCLUSTER_VLLM_VENV", Path(__file__).resolve().parents[2] / "vllm-venv")
 )
@@ -52,11 +51,16 @@ def add_json_option(parser: argparse.ArgumentParser) -> None:
 
 
 def add_vllm_venv_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV, help="default: %(default)s")
+    parser.add_argument(
+        "--vllm-venv",
+        type=Path,
+        default=DEFAULT_VLLM_VENV,
+        help="venv of vLLM's CPU build (../shared/PEERS.md); default: $PDCLUSTER_VLLM_VENV, else vllm-venv "
+        "beside the repository (%(default)s)",
+    )
 
 
 def missing_vllm(venv: Path) -> str | None:
-    """None if `venv` has bin/python, else the error to show."""
     return None if (venv / "bin" / "python").exists() else f"no vLLM venv at {venv} (see ../shared/PEERS.md)"
 
 

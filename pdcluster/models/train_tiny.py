@@ -38,7 +38,6 @@ EVAL_NUM_WINDOWS = 48
 
 
 def tiny_config(vocab_size: int) -> DeepseekV3Config:
-    """The bundled checkpoint's architecture (its config.json) with the new tokenizer's vocabulary."""
     bundled = DeepseekV3Config.from_json_file(DEFAULT_OUTPUT / "config.json")
     return dataclasses.replace(bundled, vocab_size=vocab_size)
 
@@ -59,7 +58,6 @@ def bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
 
 
 def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """`bpe_tokenizer` over the training split."""
     return Tokenizer(bpe_tokenizer(read_documents("train"), vocab_size))
 
 

@@ -19,8 +19,7 @@ from pdcluster.driver.handoff import (
 S, E = HandoffState, HandoffEvent
 LIVE = [s for s in S if s not in FINAL_STATES]
 
-# Written out independently of the module's table: the path of a served request, each event leading to
-# the next state; a reroute before the reservation; a failure or an abort from any live state.
+# Written out independently of the module's table: a served request's path, a reroute, failure or abort.
 PATH = [S.ROUTED, S.RESERVED, S.BOUND, S.PREFILLED, S.TRANSFERRED, S.ADMITTED, S.DONE]
 PATH_EVENTS = [E.RESERVED, E.BOUND, E.PREFILLED, E.TRANSFERRED, E.ADMITTED, E.FINISHED]
 LEGAL: dict[tuple[HandoffState, HandoffEvent], HandoffState] = {
