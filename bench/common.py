@@ -22,6 +22,10 @@ import torch
 
 from pdcluster.models import bundled_checkpoint_dir
 
+DEFAULT_VLLM_VENV = Path(
+    os.environ.get("PDCLUSTER_VLLM_VENV", Path(__file__).resolve().parents[2] / "vllm-venv")
+)
+
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """`--model` (checkpoint directory, default: the bundled one) and `--json`."""
@@ -44,6 +48,20 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_json_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def add_vllm_venv_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--vllm-venv",
+        type=Path,
+        default=DEFAULT_VLLM_VENV,
+        help="venv of vLLM's CPU build (../shared/PEERS.md); default: $PDCLUSTER_VLLM_VENV, else vllm-venv "
+        "beside the repository (%(default)s)",
+    )
+
+
+def missing_vllm(venv: Path) -> str | None:
+    return None if (venv / "bin" / "python").exists() else f"no vLLM venv at {venv} (see ../shared/PEERS.md)"
 
 
 def new_parser(module: str, description: str) -> argparse.ArgumentParser:

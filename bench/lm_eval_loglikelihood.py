@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import add_common_arguments, check_checkpoint, environment, run_and_emit
+from bench.common import environment, main_with, new_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK_DIR = ROOT / "bench" / "lm_eval"
@@ -189,8 +189,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.lm_eval_loglikelihood", description=__doc__)
-    add_common_arguments(parser)
+    parser = new_parser("bench.lm_eval_loglikelihood", __doc__)
     parser.add_argument("--server", choices=("cluster", "colocated"), default="cluster")
     parser.add_argument("--topology", default="clusters/local.yaml", help="topology YAML served")
     parser.add_argument("--batch-size", type=int, default=4, help="prompts per HTTP request (lm-eval's)")
@@ -198,11 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", default=None, help="keep lm-eval's results and samples here")
     parser.add_argument("--compile", action="store_true", help="compile the decode forward (slow to load)")
     parser.add_argument("--max-length", type=int, default=256, help="lm-eval's context limit (tokens)")
-    args = parser.parse_args(argv)
-    if why := check_checkpoint(args.model):
-        parser.error(why)
-    run_and_emit(lambda: run(args), args, table)
-    return 0
+    return main_with(parser, argv, run, table)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import environment, format_table, main_with, new_parser, positive_int
+from bench.common import (
+    add_vllm_venv_option,
+    environment,
+    format_table,
+    main_with,
+    missing_vllm,
+    new_parser,
+    positive_int,
+)
 from bench.vs_vllm import vllm_checkpoint
 
 CHILD = Path(__file__).resolve().parent / "vllm_logprobs_child.py"
@@ -28,12 +36,7 @@ CHILD = Path(__file__).resolve().parent / "vllm_logprobs_child.py"
 
 def parse_args_parser() -> argparse.ArgumentParser:
     parser = new_parser("bench.logprobs_vs_vllm", __doc__.split("\n\n")[0])
-    repo = Path(__file__).resolve().parents[1]
-    parser.add_argument(
-        "--vllm-venv",
-        type=Path,
-        default=Path(os.environ.get("PDCLUSTER_VLLM_VENV", repo.parent / "vllm-venv")),
-    )
+    add_vllm_venv_option(parser)
     parser.add_argument("--num-prompts", type=positive_int, default=8)
     parser.add_argument("--max-tokens", type=positive_int, default=32)
     parser.add_argument("--top-logprobs", type=positive_int, default=5, help="k of the top-k (<= 20)")
@@ -182,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = parse_args_parser()
 
     def problem(args: argparse.Namespace) -> str | None:
-        if not (args.vllm_venv / "bin" / "python").exists():
-            return f"no vLLM venv at {args.vllm_venv} (see ../shared/PEERS.md)"
-        return None if args.top_logprobs <= 20 else "--top-logprobs must be <= 20"
+        if args.top_logprobs > 20:
+            return "--top-logprobs must be <= 20"
+        return missing_vllm(args.vllm_venv)
 
     return main_with(parser, argv, run, table, problem)
 

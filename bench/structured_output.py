@@ -24,16 +24,7 @@ import statistics
 import time
 from typing import Any
 
-from bench.common import (
-    Contention,
-    add_common_arguments,
-    check_checkpoint,
-    environment,
-    format_table,
-    int_list,
-    positive_int,
-    run_and_emit,
-)
+from bench.common import Contention, environment, format_table, int_list, main_with, new_parser, positive_int
 
 TARGET_COST = 0.15
 MAX_CONTENTION = 0.25  # other processes' share of the machine's CPU above which no verdict is given
@@ -54,10 +45,7 @@ GRAMMARS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.structured_output", description=__doc__.splitlines()[0]
-    )
-    add_common_arguments(parser)
+    parser = new_parser("bench.structured_output", __doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 32])
     parser.add_argument("--num-tokens", type=positive_int, default=64, help="output tokens per request")
     parser.add_argument("--num-repeats", type=positive_int, default=3, help="timed runs of each kind")
@@ -199,12 +187,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    problem = check_checkpoint(args.model)
-    if problem:
-        raise SystemExit(problem)
-    run_and_emit(lambda: run(args), args, table)
-    return 0
+    return main_with(build_parser(), argv, run, table)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import environment, format_table, main_measured, positive_int
-from bench.server_procs import ROOT, python_module_server, wait_all_ready
+from bench.common import (
+    add_vllm_venv_option,
+    environment,
+    format_table,
+    main_measured,
+    missing_vllm,
+    positive_int,
+)
+from bench.server_procs import python_module_server, wait_all_ready
 from pdcluster.models import bundled_checkpoint_dir
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -43,11 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m bench.vllm_bench_serve", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--topology", default="clusters/local.yaml")
-    parser.add_argument(
-        "--vllm-venv",
-        type=Path,
-        default=Path(os.environ.get("PDCLUSTER_VLLM_VENV", ROOT.parent / "vllm-venv")),
-    )
+    add_vllm_venv_option(parser)
     parser.add_argument("--num-prompts", type=positive_int, default=16)
     parser.add_argument("--input-len", type=positive_int, default=64)
     parser.add_argument("--output-len", type=positive_int, default=32)
@@ -72,9 +74,9 @@ def client_argv(args: argparse.Namespace, url: str, result_dir: str) -> list[str
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if why := missing_vllm(args.vllm_venv):
+        raise SystemExit(why)
     python = args.vllm_venv / "bin" / "python"
-    if not python.exists():
-        raise SystemExit(f"no vLLM venv at {args.vllm_venv} (see ../shared/PEERS.md)")
     with tempfile.TemporaryDirectory() as tmp:
         server = python_module_server(
             "deploy", "pdcluster.entrypoints.cli", ["deploy", args.topology], Path(tmp) / "logs"

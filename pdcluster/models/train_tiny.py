@@ -10,12 +10,14 @@ balanced without an auxiliary loss (report 2.1.2).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
 import random
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from pdcluster.models.config import DeepseekV3Config, RopeScaling
+from pdcluster.models.config import DeepseekV3Config
 from pdcluster.models.corpus import HELD_OUT_MODULES, corpus_digest, corpus_files, read_documents
 from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
 from pdcluster.models.evaluate import evaluate, heldout_windows
@@ -36,45 +38,12 @@ EVAL_NUM_WINDOWS = 48
 
 
 def tiny_config(vocab_size: int) -> DeepseekV3Config:
-    return DeepseekV3Config(
-        vocab_size=vocab_size,
-        hidden_size=256,
-        intermediate_size=640,
-        moe_intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        n_shared_experts=1,
-        n_routed_experts=8,
-        routed_scaling_factor=2.5,
-        kv_lora_rank=64,
-        q_lora_rank=96,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
-        qk_nope_head_dim=32,
-        n_group=2,
-        topk_group=1,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
-        norm_topk_prob=True,
-        max_position_embeddings=1024,
-        rope_theta=10000.0,
-        rope_scaling=RopeScaling(
-            factor=2.0,
-            original_max_position_embeddings=512,
-            beta_fast=32,
-            beta_slow=1,
-            mscale=1.0,
-            mscale_all_dim=1.0,
-        ),
-        num_nextn_predict_layers=1,
-        bos_token_id=0,
-        eos_token_id=1,
-        torch_dtype="bfloat16",
-    )
+    bundled = DeepseekV3Config.from_json_file(DEFAULT_OUTPUT / "config.json")
+    return dataclasses.replace(bundled, vocab_size=vocab_size)
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """Byte-level BPE over the training split; ids 0 (bos), 1 (eos), 2 (pad)."""
+def bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
+    """Byte-level BPE trained on `texts`; ids 0 (bos), 1 (eos), 2 (pad)."""
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -84,8 +53,12 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(read_documents("train"), trainer=trainer)
-    return Tokenizer(tok)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def train_tokenizer(vocab_size: int) -> Tokenizer:
+    return Tokenizer(bpe_tokenizer(read_documents("train"), vocab_size))
 
 
 def token_stream(tokenizer: Tokenizer) -> torch.Tensor:

@@ -11,13 +11,13 @@ processors: equal for greedy requests without processors.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from bench.common import DEFAULT_VLLM_VENV
 from bench.logprobs_vs_vllm import vllm_logprobs
 from pdcluster.engine.llm import LLM
 from pdcluster.engine.sampling_params import SamplingParams
@@ -26,8 +26,7 @@ from pdcluster.models.prompts import heldout_def_prompts
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("PDCLUSTER_VLLM_VENV", REPO.parent / "vllm-venv"))
+VENV = DEFAULT_VLLM_VENV
 TOLERANCE = 1e-3
 VLLM_TIMEOUT_S = 900  # model load and generation of vLLM's CPU build on a shared 2-core machine
 NUM_TOP = 5

@@ -7,33 +7,23 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from pdcluster.models.config import DeepseekV3Config
 from pdcluster.models.corpus import corpus_files
 from pdcluster.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pdcluster.models.loader import save_checkpoint
-from pdcluster.models.tokenizer import EOS_TOKEN, SPECIAL_TOKENS
+from pdcluster.models.tokenizer import EOS_TOKEN
+from pdcluster.models.train_tiny import bpe_tokenizer
 from tests.conftest import tiny_config
 
 RANDOM_CONTEXT_LEN = 128  # max_position_embeddings of the random checkpoint: small, to reach it in a test
 
 
 def train_small_tokenizer(vocab_size: int = 320, num_chars: int = 8000) -> HFTokenizer:
-    """Byte-level BPE set up like `models.train_tiny.train_tokenizer`, on a few KB of stdlib text."""
+    """`models.train_tiny.bpe_tokenizer` on a few KB of stdlib text."""
     files = corpus_files("train")[:3]
     text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in files)[:num_chars]
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([text], trainer=trainer)
-    return tok
+    return bpe_tokenizer([text], vocab_size)
 
 
 def random_tiny_config(vocab_size: int) -> DeepseekV3Config:

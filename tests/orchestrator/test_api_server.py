@@ -737,17 +737,15 @@ def test_body_over_the_limit_gets_413(backend: LocalEngineBackend) -> None:
 
 class GatedBackend:
     """Wraps a backend: every request waits for `gate` before it is passed on; counts requests in
-    `generate` (now and at most)."""
+    `generate` (now and at most). Everything else is the inner backend's."""
 
     def __init__(self, inner: LocalEngineBackend) -> None:
         self.inner = inner
-        self.model_name, self.tokenizer, self.max_model_len = (
-            inner.model_name,
-            inner.tokenizer,
-            inner.max_model_len,
-        )
         self.gate = threading.Event()
         self.num_running = self.max_running = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -761,15 +759,6 @@ class GatedBackend:
                 yield delta
         finally:
             self.num_running -= 1
-
-    async def abort(self, request_id: str) -> None:
-        await self.inner.abort(request_id)
-
-    def stats(self) -> dict[str, Any]:
-        return self.inner.stats()
-
-    def check_ready(self) -> None:
-        self.inner.check_ready()
 
 
 def test_edge_refuses_beyond_max_concurrent_requests_with_429(backend: LocalEngineBackend) -> None:

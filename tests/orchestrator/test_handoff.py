@@ -19,15 +19,12 @@ from pdcluster.driver.handoff import (
 S, E = HandoffState, HandoffEvent
 LIVE = [s for s in S if s not in FINAL_STATES]
 
-# Written out independently of the module's table: every legal pair and where it leads.
+# Written out independently of the module's table: a served request's path, a reroute, failure or abort.
+PATH = [S.ROUTED, S.RESERVED, S.BOUND, S.PREFILLED, S.TRANSFERRED, S.ADMITTED, S.DONE]
+PATH_EVENTS = [E.RESERVED, E.BOUND, E.PREFILLED, E.TRANSFERRED, E.ADMITTED, E.FINISHED]
 LEGAL: dict[tuple[HandoffState, HandoffEvent], HandoffState] = {
-    (S.ROUTED, E.RESERVED): S.RESERVED,
+    **{(s, e): after for s, e, after in zip(PATH[:-1], PATH_EVENTS, PATH[1:], strict=True)},
     (S.ROUTED, E.REROUTED): S.ROUTED,
-    (S.RESERVED, E.BOUND): S.BOUND,
-    (S.BOUND, E.PREFILLED): S.PREFILLED,
-    (S.PREFILLED, E.TRANSFERRED): S.TRANSFERRED,
-    (S.TRANSFERRED, E.ADMITTED): S.ADMITTED,
-    (S.ADMITTED, E.FINISHED): S.DONE,
     **{(s, E.FAILED): S.FAILED for s in LIVE},
     **{(s, E.ABORTED): S.ABORTED for s in LIVE},
 }
