@@ -141,6 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="requests sent one at a time to FILE's live cluster to measure route/reserve, handoff, "
-        "admission and per-decode-step costs (pdcluster/planner/control_plane.py); default 9 (--quick 3); "
-        "0 skips",
+        "admission and per-decode-step costs (pdcluster/planner/control_plane.py), then half as many after "
+        "an idle pause each (the first token of a request that finds the cluster idle); default 12 "
+        "(--quick 4); 0 skips",
     )
