@@ -324,6 +324,15 @@ def probe_control_plane(
     return {**derived, "probes": probes, "num_failed": failed, "idle_cores": idle}
 
 
+def busy_ticks(cpu_line: str) -> int:
+    """Busy ticks of /proc/stat's `cpu` line (user nice system idle iowait irq softirq steal ...): all of
+    the first eight but nice, idle and iowait. Raises ValueError for a line that is not one."""
+    ticks = [int(v) for v in cpu_line.split()[1:9]]
+    if len(ticks) < 8:
+        raise ValueError(f"not a /proc/stat cpu line: {cpu_line!r}")
+    return sum(ticks) - ticks[1] - ticks[3] - ticks[4]
+
+
 def idle_busy_cores(window_s: float = IDLE_WINDOW_S) -> float | None:
     """Cores this machine keeps busy over `window_s` seconds (every process, from /proc/stat), measured
     while the cluster has no request: its steady background. Niced time is left out: under CFS a nice-19
@@ -333,10 +342,9 @@ def idle_busy_cores(window_s: float = IDLE_WINDOW_S) -> float | None:
     def busy_s() -> float | None:
         try:
             with open("/proc/stat", encoding="ascii") as f:
-                ticks = [int(v) for v in f.readline().split()[1:]]
+                return busy_ticks(f.readline()) / os.sysconf("SC_CLK_TCK")
         except (OSError, ValueError):
             return None
-        return (sum(ticks[:8]) - sum(ticks[1:5])) / os.sysconf("SC_CLK_TCK")  # not nice, idle, iowait
 
     start, start_s = busy_s(), time.perf_counter()
     time.sleep(window_s)

@@ -263,3 +263,12 @@ def test_probes_sent_after_a_pause_give_the_idle_extra_only():
     assert in_turn["values"]["idle_first_token_extra_s"] == 0.0
     faster = derive_from_probes([probe(0.030, 0.0), probe(0.020, 1.0)], model, LinearModel(0.006), 1, 2.0)
     assert faster["values"]["idle_first_token_extra_s"] == 0.0  # an excess only: never negative
+
+
+def test_busy_ticks_count_system_time_and_leave_out_nice_idle_and_iowait():
+    from pdcluster.planner.control_plane import busy_ticks
+
+    # user 100, nice 50, system 30, idle 1000, iowait 20, irq 5, softirq 5, steal 10 (guest fields after)
+    assert busy_ticks("cpu  100 50 30 1000 20 5 5 10 7 0") == 100 + 30 + 5 + 5 + 10
+    with pytest.raises(ValueError, match="not a /proc/stat cpu line"):
+        busy_ticks("cpu  1 2 3")
