@@ -347,7 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--calibrate", action="store_true", help="profile each file just before its replays")
     parser.add_argument("--eager", action="store_true", help="deploy copies of the files with compile: false")
     parser.add_argument(
-        "--probes", type=positive_int, default=24, help="control-plane probes before each live replay"
+        "--probes",
+        type=positive_int,
+        default=24,
+        help="control-plane probes before each live replay (and half as many after an idle pause each)",
     )
     parser.add_argument("--trace", default=TRACE, help="trace file (a bare name: ../shared/traces)")
     parser.add_argument(

@@ -1,8 +1,9 @@
 """Seconds the live control-plane and handoff path adds around engine steps, and its measurement.
 
-`probe_control_plane` runs requests one at a time on the live cluster (no queueing); `derive_from_probes`
-takes per `ControlPlane` field the median of measured minus modelled seconds (clamped at 0), and fits the
-driver's CPU per probe as `host_cpu_per_request_s + host_cpu_per_decode_step_s x decode steps`.
+`probe_control_plane` runs requests one at a time on the live cluster (no queueing), each as the previous
+ends, then some after an idle pause; `derive_from_probes` takes per `ControlPlane` field the median of
+measured minus modelled seconds of the former (clamped at 0), the first-token excess of the latter over them,
+and fits the driver's CPU per probe as `host_cpu_per_request_s + host_cpu_per_decode_step_s x decode steps`.
 """
 
 from __future__ import annotations
@@ -25,18 +26,21 @@ DEFAULT_REQUESTS, QUICK_REQUESTS = 12, 4
 DEFAULT_MAX_TOKENS, QUICK_MAX_TOKENS = 24, 12
 IDLE_WINDOW_S = 3.0  # long enough for several of the cluster's periodic polls
 MIN_DECODE_STEPS = 4  # a per-step figure from fewer steps is mostly the first step's and the stream's noise
+IDLE_PAUSE_S = 1.0  # before each idle probe: the gap a low-rate trace leaves between requests
 
 
 @dataclass(frozen=True)
 class ControlPlane:
     """Seconds the live path adds around the engine steps (>= 0; zero: engine-side only). `prefill_extra_s`:
     a prefill instance busy per request after its first token (last KV, MTP pass, reply) at full speed;
-    `first_token_extra_s`: sampling to the client. Cores: `background_cores` busy all the time,
+    `first_token_extra_s`: sampling to the client; `idle_first_token_extra_s`: more for a request that
+    finds no other in flight (the path woken from idle). Cores: `background_cores` busy all the time,
     `prefill_corunner_cores` only while a prefill step runs (`derive_from_probes`)."""
 
     dispatch_s: float = 0.0
     prefill_extra_s: float = 0.0
     first_token_extra_s: float = 0.0
+    idle_first_token_extra_s: float = 0.0
     handoff_extra_s: float = 0.0
     first_decode_step_extra_s: float = 0.0
     decode_step_extra_s: float = 0.0
@@ -192,6 +196,16 @@ def lone_rate(cores: float, driver_demand: float, background: float) -> float:
     return min(1.0, cores / (1.0 + driver_demand + background))
 
 
+def _probe_point(result, prompt_len: int, m: dict[str, float], prefill: StepTimeModel, k: int,
+                 rates: tuple[float, float]) -> dict[str, Any]:  # fmt: skip
+    """`point_from_result` of one probe, its modelled prefill at the lone rate `rates[0]` (wall seconds)."""
+    wall = {"prefill_s": m["prefill_s"] / rates[0], "sampled_s": m["sampled_s"] / rates[0],
+            "decode_s": m["decode_s"]}  # fmt: skip
+    call_s = result.phases.get("prefill_s") or wall["prefill_s"]
+    wall["kv_handoff_s"] = prefill.kv_handoff_s(prompt_len, call_s)
+    return point_from_result(result, k, wall, rates[1], rates[0])
+
+
 def derive_from_probes(
     probes: list[dict[str, Any]],
     prefill: StepTimeModel,
@@ -205,11 +219,14 @@ def derive_from_probes(
     The prefill rank's share = cores / (1 + driver + co-runners) gives the demand beside a lone prefill;
     of it, `idle_cores` (the node's busy cores while the cluster idled, `idle_busy_cores`) is the steady
     `background_cores` and the rest `prefill_corunner_cores` (present only while a prefill step runs);
-    None: all of it steady. Raises ValueError when `probes` is empty."""
+    None: all of it steady. Probes with `after_pause_s` > 0 (sent after an idle pause) give only
+    `idle_first_token_extra_s`. Raises ValueError when `probes` is empty."""
     from pdcluster.entrypoints.bench_client import RequestResult
 
     if not probes:
         raise ValueError("no measured request: cannot derive the control plane")
+    paused = [p for p in probes if (p.get("after_pause_s") or 0) > 0]
+    probes = [p for p in probes if p not in paused] or paused
     results = [RequestResult(**p["result"]) for p in probes]
     share = cpu_share(results)
     base = [_modelled(prefill, decode, p["prompt_len"], k) for p in probes]
@@ -229,15 +246,18 @@ def derive_from_probes(
         decode_rate = lone_rate(cores, min(1.0, per_step / (decode_s + extra)), background)
         points = []
         for r, p, m in zip(results, probes, base, strict=True):
-            wall = {"prefill_s": m["prefill_s"] / prefill_rate, "sampled_s": m["sampled_s"] / prefill_rate,
-                    "decode_s": m["decode_s"]}  # fmt: skip
-            call_s = r.phases.get("prefill_s") or wall["prefill_s"]
-            wall["kv_handoff_s"] = prefill.kv_handoff_s(p["prompt_len"], call_s)
-            point = point_from_result(r, k, wall, decode_rate, prefill_rate)
+            point = _probe_point(r, p["prompt_len"], m, prefill, k, (prefill_rate, decode_rate))
             points.append({**point, "host_cpu_s": p["host_cpu_s"], "cpu_share": share})
         cp = derive(points, background, (per_request, per_step), beside - background)
         extra, prefill_extra = cp.decode_step_extra_s, cp.prefill_extra_s
     rates = {"prefill": prefill_rate, "decode": decode_rate, "prefill_cpu_share": share}
+    if paused and paused is not probes:  # their first-token excess over the in-turn probes'
+        woken = [_probe_point(RequestResult(**p["result"]), p["prompt_len"],
+                              _modelled(prefill, decode, p["prompt_len"], k), prefill, k,
+                              (prefill_rate, decode_rate)) for p in paused]  # fmt: skip
+        excess = statistics.median(w["first_token_extra_s"] for w in woken) - cp.first_token_extra_s
+        cp = dataclasses.replace(cp, idle_first_token_extra_s=max(0.0, excess))
+        points += [{**w, "after_pause_s": p["after_pause_s"]} for w, p in zip(woken, paused, strict=True)]
     return {"values": cp.to_dict(), "points": points, "lone_rates": rates}
 
 
@@ -257,16 +277,21 @@ def probe_control_plane(
     progress: Callable[[str], None] = lambda label: None,
 ) -> dict[str, Any]:  # fmt: skip
     """Send `num_requests` requests one at a time to the server at `url` (serving `topology`, driven from
-    this process), every other one with a quarter of `max_tokens`, and derive the `ControlPlane`. Returns
-    `derive_from_probes`'s object with `probes` and `num_failed`. Raises ValueError: no request succeeded."""
+    this process), every other one with a quarter of `max_tokens`, then half as many short ones each after
+    `IDLE_PAUSE_S` of idle, and derive the `ControlPlane`. Returns `derive_from_probes`'s object with
+    `probes` and `num_failed`. Raises ValueError: no request succeeded."""
     from pdcluster.entrypoints.bench_client import served_model
     from pdcluster.models.tokenizer import Tokenizer
     from pdcluster.planner.trace import TraceRequest, Workload, build_prompts
 
     k = topology.decode.num_speculative_tokens
     tokenizer = Tokenizer.from_dir(topology.engine_config("decode").model)
-    lengths = [PROMPT_LENS[i % len(PROMPT_LENS)] for i in range(num_requests + 1)]
-    outputs = [max_tokens if i % 2 else max(2, max_tokens // 4) for i in range(num_requests + 1)]
+    num_sent = num_requests + 1 + max(1, num_requests // 2)
+    lengths = [PROMPT_LENS[i % len(PROMPT_LENS)] for i in range(num_sent)]
+    outputs = [
+        max_tokens if i % 2 and i <= num_requests else max(2, max_tokens // 4) for i in range(num_sent)
+    ]
+    pauses = [IDLE_PAUSE_S if i > num_requests else 0.0 for i in range(num_sent)]
     # consecutive held-out slices: distinct prompts, so no prefix hit shortens a prefill priced in full
     every = Workload(
         [TraceRequest(0.0, n, m) for n, m in zip(lengths, outputs, strict=True)],
@@ -277,21 +302,35 @@ def probe_control_plane(
     prompts = build_prompts(every, tokenizer)
     measured, failed = [], 0
     model, _ = served_model(url)
-    sent = asyncio.run(_in_turn(url, every, prompts, model, progress))
+    sent = asyncio.run(_in_turn(url, every, prompts, model, progress, pauses))
     idle = idle_busy_cores()
-    for (result, cpu_s), prompt_len in list(zip(sent, lengths, strict=True))[1:]:  # the first warmed up
-        if not result.ok or result.ttft_s is None:
+    for (result, cpu_s), prompt_len, pause_s in list(zip(sent, lengths, pauses, strict=True))[1:]:
+        if not result.ok or result.ttft_s is None:  # (the first warmed up)
             failed += 1
             continue
-        measured.append((result, prompt_len, cpu_s))
+        measured.append((result, prompt_len, cpu_s, pause_s))
     if not measured:
-        raise ValueError(f"none of {num_requests} control-plane probes succeeded")
+        raise ValueError(f"none of {num_sent - 1} control-plane probes succeeded")
     probes = [
-        {"result": dataclasses.asdict(result), "prompt_len": prompt_len, "host_cpu_s": cpu_s}
-        for result, prompt_len, cpu_s in measured
+        {
+            "result": dataclasses.asdict(result),
+            "prompt_len": prompt_len,
+            "host_cpu_s": cpu_s,
+            "after_pause_s": pause_s,
+        }
+        for result, prompt_len, cpu_s, pause_s in measured
     ]
     derived = derive_from_probes(probes, prefill, decode, k, float(os.cpu_count() or 1), idle)
     return {**derived, "probes": probes, "num_failed": failed, "idle_cores": idle}
+
+
+def busy_ticks(cpu_line: str) -> int:
+    """Busy ticks of /proc/stat's `cpu` line (user nice system idle iowait irq softirq steal ...): all of
+    the first eight but nice, idle and iowait. Raises ValueError for a line that is not one."""
+    ticks = [int(v) for v in cpu_line.split()[1:9]]
+    if len(ticks) < 8:
+        raise ValueError(f"not a /proc/stat cpu line: {cpu_line!r}")
+    return sum(ticks) - ticks[1] - ticks[3] - ticks[4]
 
 
 def idle_busy_cores(window_s: float = IDLE_WINDOW_S) -> float | None:
@@ -303,10 +342,9 @@ def idle_busy_cores(window_s: float = IDLE_WINDOW_S) -> float | None:
     def busy_s() -> float | None:
         try:
             with open("/proc/stat", encoding="ascii") as f:
-                ticks = [int(v) for v in f.readline().split()[1:]]
+                return busy_ticks(f.readline()) / os.sysconf("SC_CLK_TCK")
         except (OSError, ValueError):
             return None
-        return (sum(ticks[:8]) - sum(ticks[1:5])) / os.sysconf("SC_CLK_TCK")  # not nice, idle, iowait
 
     start, start_s = busy_s(), time.perf_counter()
     time.sleep(window_s)
@@ -315,17 +353,20 @@ def idle_busy_cores(window_s: float = IDLE_WINDOW_S) -> float | None:
 
 
 async def _in_turn(
-    url: str, workload, prompts: list[list[int]], model: str, progress: Callable[[str], None]
-) -> list[tuple[Any, float]]:
+    url: str, workload, prompts: list[list[int]], model: str, progress: Callable[[str], None],
+    pauses: list[float],
+) -> list[tuple[Any, float]]:  # fmt: skip
     """`send_in_turn`'s results, each with this process's CPU seconds while it ran (the driver's and the
-    client's per-request work, as in a replay: one client for all, opened by the first)."""
+    client's per-request work, as in a replay: one client for all, opened by the first); request i sent
+    `pauses[i]` seconds after the previous one ended."""
     from pdcluster.entrypoints.bench_client import send_in_turn
 
     out, cpu_s = [], time.process_time()
     async for result in send_in_turn(url, workload, prompts, model):
-        now_s = time.process_time()
-        out.append((result, now_s - cpu_s))
-        cpu_s = now_s
+        out.append((result, time.process_time() - cpu_s))
         if len(out) > 1:
             progress(f"control plane {len(out) - 1}/{len(prompts) - 1}")
+        if len(out) < len(pauses) and pauses[len(out)] > 0:
+            await asyncio.sleep(pauses[len(out)])  # the next request is sent when this loop resumes
+        cpu_s = time.process_time()
     return out

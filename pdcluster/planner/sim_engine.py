@@ -62,6 +62,7 @@ class SimRequest:
         "last_token_s",
         "finished_s",
         "error",
+        "arrived_idle",
     )
 
     def __init__(self, index: int, num_prompt_tokens: int, max_tokens: int, arrival_s: float) -> None:
@@ -92,6 +93,7 @@ class SimRequest:
         self.last_token_s: float | None = None
         self.finished_s: float | None = None
         self.error: str | None = None
+        self.arrived_idle = False  # no other request in flight at its arrival (`ControlPlane`'s idle extra)
 
 
 def num_kv_blocks(kv_cache_memory_bytes: int, kv_cache_bytes_per_token: int, block_size: int) -> int:

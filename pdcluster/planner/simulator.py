@@ -95,6 +95,7 @@ class ClusterSimulator:
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self._counter = 0
+        self._num_in_flight = 0  # arrived, neither finished nor failed (`_route`: an idle arrival)
         self.num_events = 0
 
     def _share_cores(self, cores_per_node: float) -> None:
@@ -168,6 +169,8 @@ class ClusterSimulator:
                 request.error = str(exc)
                 return
             request.prefill_queued_s = now_s
+            request.arrived_idle = self._num_in_flight == 0
+            self._num_in_flight += 1
         choice = self.policy(
             [PrefillLoad(e.instance, e.num_queued_prefill_tokens) for e in self.routable(self.prefills)],
             [DecodeLoad(e.instance, e.num_free_blocks, e.batch_load) for e in self.routable(self.decodes)],
@@ -203,6 +206,7 @@ class ClusterSimulator:
             self._push(now_s + action.delay_s, _ARRIVAL, request)
         elif isinstance(action, Fail):
             request.error = action.message
+            self._num_in_flight -= 1
         else:  # RouteAgain / EndAborted: no instance is lost nor a request aborted in the simulation
             raise AssertionError(f"unexpected dispatch action {action!r}")
 
@@ -240,14 +244,18 @@ class ClusterSimulator:
                 assert request.prefill_start_s is not None
                 if request.first_token_s is None:  # (else a recompute after a rank loss: streamed already)
                     request.first_token_s = now_s - tail_s + cp.first_token_extra_s
+                    if request.arrived_idle:
+                        request.first_token_s += cp.idle_first_token_extra_s
                 # MTP state (drafts) travels with the KV; decode starts at full acceptance
                 compute_s = now_s - request.prefill_start_s
                 handoff_s = model.kv_handoff_s(request.num_prompt_tokens, compute_s) + cp.handoff_extra_s
                 self._push(now_s + handoff_s, _HANDOFF_DONE, request)
-        elif engine.pending_reserves:
-            reserves, engine.pending_reserves = engine.pending_reserves, []
-            for request in reserves:
-                self._reserve(engine, request, now_s)
+        else:
+            self._num_in_flight -= len(done)
+            if engine.pending_reserves:
+                reserves, engine.pending_reserves = engine.pending_reserves, []
+                for request in reserves:
+                    self._reserve(engine, request, now_s)
         if engine.pending_loss is not None:
             loss, engine.pending_loss = engine.pending_loss, None
             self._rank_lost(loss, now_s)
@@ -306,6 +314,8 @@ class ClusterSimulator:
 
     def _handoff_done(self, request: SimRequest, now_s: float) -> None:
         self.prefills[request.prefill_instance].release_prefill(request)
+        if request.max_tokens <= 1:  # its first token finishes it at the admission
+            self._num_in_flight -= 1
         decode = self.decodes[request.decode_instance]
         decode.handoff_done(request)
         if not decode.busy:

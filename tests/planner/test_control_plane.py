@@ -218,3 +218,57 @@ def test_the_simulator_replays_a_lone_probe_as_it_was_measured(idle_cores):
     # the derivation prices every decode step with its draft; the simulated last step has none (one
     # query token less: 0.2 ms over the 12 tokens after the first)
     assert r.tpot_s == pytest.approx(probe.tpot_s, abs=0.0002 / 12 + TOL_S)
+
+
+def test_a_request_that_finds_the_cluster_idle_pays_the_idle_extra_on_its_first_token():
+    """Arrivals at 0 (idle), 1 ms (the first still in flight) and 10 s (idle again, all done)."""
+    requests = [TraceRequest(0.0, 100, 5), TraceRequest(0.001, 100, 5), TraceRequest(10.0, 100, 5)]
+
+    def ttfts(idle_s: float) -> list[float]:
+        cp = ControlPlane(first_token_extra_s=0.002, idle_first_token_extra_s=idle_s)
+        options = SimOptions(LinearModel(0.010, handoff_s=0.003), LinearModel(0.002), control_plane=cp)
+        result = simulate(topology(), requests, options, prefill_sizing=sizing(), decode_sizing=sizing())
+        assert all(r.ok for r in result.results)
+        return [r.ttft_s for r in result.results]
+
+    # (an extra under the handoff and first decode step: the reply, not that step's delta, brings the token)
+    base, woken = ttfts(0.0), ttfts(0.001)
+    assert [w - b for w, b in zip(woken, base, strict=True)] == pytest.approx([0.001, 0.0, 0.001], abs=TOL_S)
+
+
+def test_probes_sent_after_a_pause_give_the_idle_extra_only():
+    import dataclasses
+
+    from pdcluster.planner.control_plane import derive_from_probes
+
+    phases = {"route_s": 0.001, "reserve_s": 0.002, "prefill_s": 0.020, "kv_transfer_s": 0.021,
+              "admit_s": 0.001, "first_decode_step_s": 0.008}  # fmt: skip
+
+    def probe(ttft_s: float, pause_s: float) -> dict:
+        result = RequestResult(0, 48, 9, 0.0, ok=True, num_output_tokens=9, ttft_s=ttft_s, tpot_s=0.008,
+                               acceptance_rate=0.0, phases=phases)  # fmt: skip
+        return {"result": dataclasses.asdict(result), "prompt_len": 48, "host_cpu_s": 0.0,
+                "after_pause_s": pause_s}  # fmt: skip
+
+    model = LinearModel(0.012, handoff_s=0.001)
+    in_turn = derive_from_probes([probe(0.030, 0.0)] * 3, model, LinearModel(0.006), 1, 2.0, 0.0)
+    both = derive_from_probes(
+        [probe(0.030, 0.0)] * 3 + [probe(0.036, 1.0), probe(0.033, 1.0), probe(0.040, 1.0)],
+        model, LinearModel(0.006), 1, 2.0, 0.0,
+    )  # fmt: skip
+    # the paused probes' median first token (36 ms) over the in-turn ones' (30 ms); nothing else moves
+    assert both["values"] == pytest.approx(
+        {**in_turn["values"], "idle_first_token_extra_s": 0.006}, abs=TOL_S
+    )
+    assert in_turn["values"]["idle_first_token_extra_s"] == 0.0
+    faster = derive_from_probes([probe(0.030, 0.0), probe(0.020, 1.0)], model, LinearModel(0.006), 1, 2.0)
+    assert faster["values"]["idle_first_token_extra_s"] == 0.0  # an excess only: never negative
+
+
+def test_busy_ticks_count_system_time_and_leave_out_nice_idle_and_iowait():
+    from pdcluster.planner.control_plane import busy_ticks
+
+    # user 100, nice 50, system 30, idle 1000, iowait 20, irq 5, softirq 5, steal 10 (guest fields after)
+    assert busy_ticks("cpu  100 50 30 1000 20 5 5 10 7 0") == 100 + 30 + 5 + 5 + 10
+    with pytest.raises(ValueError, match="not a /proc/stat cpu line"):
+        busy_ticks("cpu  1 2 3")

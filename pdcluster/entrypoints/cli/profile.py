@@ -96,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
             f"{k} {v:.2f} cores" if k.endswith("_cores") else f"{k} {v * 1e3:.2f} ms"
             for k, v in control_plane["values"].items()
         )
-        table += f"\ncontrol plane (live, {len(control_plane['points'])} probes one at a time): {values}"
+        paused = sum(1 for p in control_plane["points"] if p.get("after_pause_s"))
+        probes = f"{len(control_plane['points']) - paused} probes one at a time, {paused} after an idle pause"
+        table += f"\ncontrol plane (live, {probes}): {values}"
     output.with_suffix(".txt").write_text(table + "\n", encoding="utf-8")
     print(table)
     print(f"calibration written to {output} (table: {output.with_suffix('.txt')}); "
@@ -141,6 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="requests sent one at a time to FILE's live cluster to measure route/reserve, handoff, "
-        "admission and per-decode-step costs (pdcluster/planner/control_plane.py); default 9 (--quick 3); "
-        "0 skips",
+        "admission and per-decode-step costs (pdcluster/planner/control_plane.py), then half as many after "
+        "an idle pause each (the first token of a request that finds the cluster idle); default 12 "
+        "(--quick 4); 0 skips",
     )
