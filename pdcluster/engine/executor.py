@@ -126,6 +126,10 @@ class Executor:
         buffers = self._buffers[self._num_prepared % 2]
         self._num_prepared += 1
         batch = buffers.pack_rows(step_rows)
+        rows, row_index = step_rows.rows, step_rows.row_index
+        sampling, plain = rows.sampling_of(row_index), rows.all_plain(row_index)
+        if step_rows.decode is not None:  # one known input per request: no placeholder, one query each
+            return PreparedStep(batch, list(range(len(scheduled) + 1)), [], sampling, plain, num_queries=1)
         # Placeholders, for the whole batch at once: count them per request over the packed input ids.
         num_tokens, num_reqs = batch.num_tokens, len(scheduled)
         qsl = buffers.host_query_start_loc[: num_reqs + 1]
@@ -142,9 +146,7 @@ class Executor:
                 request_id = scheduled[int(mixed[0])].request_id
                 raise ValueError(f"request {request_id!r} mixes placeholders and known tokens")
             placeholder_items = np.flatnonzero(counts).tolist()
-        rows, row_index = step_rows.rows, step_rows.row_index
-        plain = bool(rows.plain[row_index].all())
-        return PreparedStep(batch, qsl.tolist(), placeholder_items, rows.sampling_of(row_index), plain)
+        return PreparedStep(batch, qsl.tolist(), placeholder_items, sampling, plain)
 
     def execute(
         self,
@@ -181,11 +183,13 @@ class Executor:
             if join_collectives:
                 self._join_empty_passes(main=True, num_mtp_done=0)
             return ModelRunnerOutput({})
-        scheduled, placeholders = output.scheduled, prepared.placeholder_items  # last results built for these
-        scheduled = self._resolve_placeholders(scheduled, prepared) if placeholders else scheduled
-        starts = prepared.query_start_loc
-        query_lens = np.diff(starts)
-        uniform = int(query_lens[0]) if (query_lens == query_lens[0]).all() else None
+        scheduled = output.scheduled  # the last results are built for these (placeholders resolved)
+        if prepared.placeholder_items:
+            scheduled = self._resolve_placeholders(scheduled, prepared)
+        starts, uniform = prepared.query_start_loc, prepared.num_queries
+        if uniform is None:
+            query_lens = np.diff(starts)
+            uniform = int(query_lens[0]) if (query_lens == query_lens[0]).all() else None
         if before_forward is not None:
             before_forward()
         hidden = self.runner.forward(batch, on_layer_kv, num_queries=uniform)
@@ -200,7 +204,7 @@ class Executor:
         if sampling:
             items = [scheduled[i] for i in sampling]
             one_row_each = uniform == 1 and len(sampling) == len(scheduled)  # a decode step without drafts
-            rows = hidden if one_row_each else logit_rows(hidden, items, sampling, starts, query_lens)
+            rows = hidden if one_row_each else logit_rows(hidden, items, sampling, starts, np.diff(starts))
             logits, grammar_failed = self._logits(items, rows, plain)
             params = prepared.sampling
             if params is not None and len(sampling) < len(scheduled):

@@ -207,7 +207,7 @@ class Scheduler:
         if step is None:
             return None
         scheduled = step.scheduled
-        rows = self.request_rows.add_decode_step(order, *step) or self.request_rows.add_step(scheduled)
+        rows = self.request_rows.add_decode_step(order, step) or self.request_rows.add_step(scheduled)
         finished, self._finished_request_ids = self._finished_request_ids, []
         num_scheduled_tokens = dict.fromkeys([r.request_id for r in order], 1)
         return SchedulerOutput(scheduled, num_scheduled_tokens, len(order), [], [], finished, rows)

@@ -20,6 +20,7 @@ class PreparedStep(NamedTuple):
     placeholder_items: list[int]
     sampling: SamplingArrays | None = None
     plain: bool = False  # no request asks for logprobs, prompt logprobs or structured output
+    num_queries: int | None = None  # inputs per request when known to be equal (a decode step: 1)
 
 
 class StepResult(NamedTuple):
