@@ -127,17 +127,16 @@ class Executor:
         self._num_prepared += 1
         batch = buffers.pack_rows(step_rows)
         rows, row_index = step_rows.rows, step_rows.row_index
-        sampling, plain = rows.sampling_of(row_index), rows.all_plain(row_index)
+        sampling, (plain, processed) = rows.sampling_of(row_index), rows.row_flags(row_index)
         if step_rows.decode is not None:  # one known input per request: no placeholder, one query each
-            return PreparedStep(batch, list(range(len(scheduled) + 1)), [], sampling, plain, num_queries=1)
+            return PreparedStep(batch, list(range(len(scheduled) + 1)), [], sampling, plain, 1, processed)
         # Placeholders, for the whole batch at once: count them per request over the packed input ids.
         num_tokens, num_reqs = batch.num_tokens, len(scheduled)
         qsl = buffers.host_query_start_loc[: num_reqs + 1]
         placeholder_items: list[int] = []
         # Only inputs the scheduler wrote as uncommitted (placeholders, drafts) can be placeholders.
-        is_placeholder = None
-        if step_rows.num_uncommitted_inputs:
-            is_placeholder = buffers.host_input_ids[:num_tokens] == PLACEHOLDER_TOKEN_ID
+        uncommitted = step_rows.num_uncommitted_inputs
+        is_placeholder = buffers.host_input_ids[:num_tokens] == PLACEHOLDER_TOKEN_ID if uncommitted else None
         if is_placeholder is not None and is_placeholder.any():
             cumulative = np.concatenate(([0], np.cumsum(is_placeholder, dtype=np.int64)))
             counts, lens = cumulative[qsl[1:]] - cumulative[qsl[:-1]], np.diff(qsl)
@@ -146,7 +145,7 @@ class Executor:
                 request_id = scheduled[int(mixed[0])].request_id
                 raise ValueError(f"request {request_id!r} mixes placeholders and known tokens")
             placeholder_items = np.flatnonzero(counts).tolist()
-        return PreparedStep(batch, qsl.tolist(), placeholder_items, sampling, plain)
+        return PreparedStep(batch, qsl.tolist(), placeholder_items, sampling, plain, None, processed)
 
     def execute(
         self,
@@ -211,7 +210,7 @@ class Executor:
                 params = params.take(np.asarray(sampling, dtype=np.int64))
             if params is None:
                 params = SamplingArrays.of([item.request.sampling_params for item in items])
-            if params.processed_rows.any():  # a processor that raises fails its request alone
+            if prepared.processed if params is prepared.sampling else params.processed_rows.any():
                 logits, processing_failed = process_logits_isolated(
                     items, logits, params, self._output_history, self.penalty_counts,
                     lambda: self._logits(items, rows, plain)[0],

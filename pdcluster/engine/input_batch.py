@@ -167,7 +167,7 @@ class RequestRows(BlockTableRows):
         self._last_taken: tuple[object, bytes, SamplingArrays] | None = None  # `sampling_of`'s last result
         # `[num_rows]` bool: the row's request asks for no logprobs, prompt logprobs nor structured output
         self.plain = np.zeros(len(self.lens), dtype=np.bool_)
-        self._last_plain: tuple[np.ndarray, int, bool] | None = None  # `all_plain`'s cache
+        self._last_flags: tuple[np.ndarray, int, tuple[bool, bool]] | None = None  # `row_flags`' cache
         self.token_ids = np.zeros((len(self.lens), max(1, max_num_tokens)), dtype=np.int64)
         self.num_valid_tokens = np.zeros(len(self.lens), dtype=np.int64)
         self._num_committed = [0] * len(self.lens)
@@ -308,16 +308,17 @@ class RequestRows(BlockTableRows):
             last = self._last_taken = (row_index, key, self.sampling.take(row_index))
         return last[2]
 
-    def all_plain(self, row_index: np.ndarray) -> bool:
-        """Whether no request of `row_index` asks for logprobs, prompt logprobs or structured output (cached
-        for `add_decode_step`'s read-only row index while no row changes)."""
-        last = self._last_plain
+    def row_flags(self, row_index: np.ndarray) -> tuple[bool, bool]:
+        """(plain, processed) of the requests of `row_index`: none asks for logprobs, prompt logprobs or
+        structured output; one's logits a penalty, a logit bias or `min_tokens` changes. Cached for
+        `add_decode_step`'s read-only row index while no row changes."""
+        last = self._last_flags
         if last is not None and last[0] is row_index and last[1] == self._num_row_changes:
             return last[2]
-        plain = bool(self.plain[row_index].all())
+        flags = bool(self.plain[row_index].all()), bool(self.sampling.processed[row_index].any())
         if not row_index.flags.writeable:
-            self._last_plain = (row_index, self._num_row_changes, plain)
-        return plain
+            self._last_flags = (row_index, self._num_row_changes, flags)
+        return flags
 
     def remove(self, request_ids: list[str]) -> None:
         rows = [self._row_of[r] for r in request_ids if r in self._row_of]

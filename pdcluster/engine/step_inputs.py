@@ -21,6 +21,7 @@ class PreparedStep(NamedTuple):
     sampling: SamplingArrays | None = None
     plain: bool = False  # no request asks for logprobs, prompt logprobs or structured output
     num_queries: int | None = None  # inputs per request when known to be equal (a decode step: 1)
+    processed: bool = True  # a request's logits a penalty, a logit bias or min_tokens changes
 
 
 class StepResult(NamedTuple):
