@@ -106,15 +106,19 @@ def schedule_decode(order: list[Request], bm: BlockManager, block_size: int) -> 
     return step
 
 
-def commit_decode_token(request: Request, sampled: list[int], bm: BlockManager, now: float) -> RequestStatus:
-    """`commit_sampled` of one token (`sampled`) with no drafts verified, proposed or pending."""
+def commit_decode_token(
+    request: Request, sampled: list[int], bm: BlockManager, now: float, block_size: int = 0
+) -> RequestStatus:
+    """`commit_sampled` of one token (`sampled`) with no drafts verified, proposed or pending. `block_size`:
+    the step ran this one input (a decode step), so a block filled only if its position ends one."""
     request.num_output_placeholders -= 1
     status = check_stop_token(request, sampled[0], len(request.output_token_ids) + 1)
     request.append_output_token_ids(sampled)
     if request.first_token_time_s is None:
         request.first_token_time_s = now
     request.last_token_time_s = now
-    bm.cache_full_blocks(request)
+    if not block_size or request.num_computed_tokens % block_size == 0:
+        bm.cache_full_blocks(request)
     if request.spec_token_ids:
         request.spec_token_ids = []
     return status
