@@ -186,9 +186,9 @@ class Executor:
         if prepared.placeholder_items:
             scheduled = self._resolve_placeholders(scheduled, prepared)
         starts, uniform = prepared.query_start_loc, prepared.num_queries
-        if uniform is None:
-            query_lens = np.diff(starts)
-            uniform = int(query_lens[0]) if (query_lens == query_lens[0]).all() else None
+        if uniform is None:  # the inputs per request, when every request runs as many
+            uniform = scheduled[0].num_scheduled_tokens
+            uniform = uniform if all(item.num_scheduled_tokens == uniform for item in scheduled) else None
         if before_forward is not None:
             before_forward()
         hidden = self.runner.forward(batch, on_layer_kv, num_queries=uniform)
@@ -203,7 +203,7 @@ class Executor:
         if sampling:
             items = [scheduled[i] for i in sampling]
             one_row_each = uniform == 1 and len(sampling) == len(scheduled)  # a decode step without drafts
-            rows = hidden if one_row_each else logit_rows(hidden, items, sampling, starts, np.diff(starts))
+            rows = hidden if one_row_each else logit_rows(hidden, items, sampling, starts)
             logits, grammar_failed = self._logits(items, rows, plain)
             params = prepared.sampling
             if params is not None and len(sampling) < len(scheduled):
