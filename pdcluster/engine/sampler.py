@@ -14,7 +14,7 @@ from pdcluster.engine.outputs import ScheduledRequest, TokenLogprobs
 from pdcluster.engine.penalties import OutputHistory, PenaltyCounts
 from pdcluster.kernels.rejection_sampling import greedy_verify_lists, rejection_sample_batch
 from pdcluster.kernels.sampling import (
-    argmax,
+    argmax_list,
     compute_logprobs,
     probs_from_logits,
     sample,
@@ -71,7 +71,7 @@ def sample_or_verify(
     num_drafts = [len(item.spec_token_ids) for item in items]
     all_greedy = params.all_greedy
     if not any(num_drafts) and all_greedy:
-        return {rid: [tok] for rid, tok in zip(request_ids, argmax(logits).tolist(), strict=True)}
+        return {rid: [tok] for rid, tok in zip(request_ids, argmax_list(logits), strict=True)}
     if all_greedy:
         tokens = greedy_verify_lists([item.spec_token_ids for item in items], logits)
         return dict(zip(request_ids, tokens, strict=True))

@@ -8,7 +8,13 @@ from typing import NamedTuple
 
 import torch
 
-from pdcluster.kernels.sampling import Generators, argmax, group_rows_by_generator, sample_from_probs
+from pdcluster.kernels.sampling import (
+    Generators,
+    argmax,
+    argmax_list,
+    group_rows_by_generator,
+    sample_from_probs,
+)
 
 
 class VerifyResult(NamedTuple):
@@ -189,7 +195,7 @@ def greedy_verify_lists(
     num_rows = sum(map(len, draft_token_ids)) + len(draft_token_ids)
     if target_logits.shape[0] != num_rows:
         raise ValueError(f"{target_logits.shape[0]} target rows for {num_rows} drafts and bonus tokens")
-    target = argmax(target_logits).tolist()
+    target = argmax_list(target_logits)
     tokens: list[list[int]] = []
     row = 0
     for drafts in draft_token_ids:
