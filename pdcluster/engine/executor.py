@@ -126,14 +126,17 @@ class Executor:
         buffers = self._buffers[self._num_prepared % 2]
         self._num_prepared += 1
         batch = buffers.pack_rows(step_rows)
+        rows, row_index = step_rows.rows, step_rows.row_index
+        sampling, (plain, processed) = rows.sampling_of(row_index), rows.row_flags(row_index)
+        if step_rows.decode is not None:  # one known input per request: no placeholder, one query each
+            return PreparedStep(batch, list(range(len(scheduled) + 1)), [], sampling, plain, 1, processed)
         # Placeholders, for the whole batch at once: count them per request over the packed input ids.
         num_tokens, num_reqs = batch.num_tokens, len(scheduled)
         qsl = buffers.host_query_start_loc[: num_reqs + 1]
         placeholder_items: list[int] = []
         # Only inputs the scheduler wrote as uncommitted (placeholders, drafts) can be placeholders.
-        is_placeholder = None
-        if step_rows.num_uncommitted_inputs:
-            is_placeholder = buffers.host_input_ids[:num_tokens] == PLACEHOLDER_TOKEN_ID
+        uncommitted = step_rows.num_uncommitted_inputs
+        is_placeholder = buffers.host_input_ids[:num_tokens] == PLACEHOLDER_TOKEN_ID if uncommitted else None
         if is_placeholder is not None and is_placeholder.any():
             cumulative = np.concatenate(([0], np.cumsum(is_placeholder, dtype=np.int64)))
             counts, lens = cumulative[qsl[1:]] - cumulative[qsl[:-1]], np.diff(qsl)
@@ -142,9 +145,7 @@ class Executor:
                 request_id = scheduled[int(mixed[0])].request_id
                 raise ValueError(f"request {request_id!r} mixes placeholders and known tokens")
             placeholder_items = np.flatnonzero(counts).tolist()
-        rows, row_index = step_rows.rows, step_rows.row_index
-        plain = bool(rows.plain[row_index].all())
-        return PreparedStep(batch, qsl.tolist(), placeholder_items, rows.sampling_of(row_index), plain)
+        return PreparedStep(batch, qsl.tolist(), placeholder_items, sampling, plain, None, processed)
 
     def execute(
         self,
@@ -181,11 +182,13 @@ class Executor:
             if join_collectives:
                 self._join_empty_passes(main=True, num_mtp_done=0)
             return ModelRunnerOutput({})
-        scheduled, placeholders = output.scheduled, prepared.placeholder_items  # last results built for these
-        scheduled = self._resolve_placeholders(scheduled, prepared) if placeholders else scheduled
-        starts = prepared.query_start_loc
-        query_lens = np.diff(starts)
-        uniform = int(query_lens[0]) if (query_lens == query_lens[0]).all() else None
+        scheduled = output.scheduled  # the last results are built for these (placeholders resolved)
+        if prepared.placeholder_items:
+            scheduled = self._resolve_placeholders(scheduled, prepared)
+        starts, uniform = prepared.query_start_loc, prepared.num_queries
+        if uniform is None:  # the inputs per request, when every request runs as many
+            uniform = scheduled[0].num_scheduled_tokens
+            uniform = uniform if all(item.num_scheduled_tokens == uniform for item in scheduled) else None
         if before_forward is not None:
             before_forward()
         hidden = self.runner.forward(batch, on_layer_kv, num_queries=uniform)
@@ -200,14 +203,14 @@ class Executor:
         if sampling:
             items = [scheduled[i] for i in sampling]
             one_row_each = uniform == 1 and len(sampling) == len(scheduled)  # a decode step without drafts
-            rows = hidden if one_row_each else logit_rows(hidden, items, sampling, starts, query_lens)
+            rows = hidden if one_row_each else logit_rows(hidden, items, sampling, starts)
             logits, grammar_failed = self._logits(items, rows, plain)
             params = prepared.sampling
             if params is not None and len(sampling) < len(scheduled):
                 params = params.take(np.asarray(sampling, dtype=np.int64))
             if params is None:
                 params = SamplingArrays.of([item.request.sampling_params for item in items])
-            if params.processed_rows.any():  # a processor that raises fails its request alone
+            if prepared.processed if params is prepared.sampling else params.processed_rows.any():
                 logits, processing_failed = process_logits_isolated(
                     items, logits, params, self._output_history, self.penalty_counts,
                     lambda: self._logits(items, rows, plain)[0],

@@ -11,6 +11,7 @@ from pdcluster.engine.outputs import PLACEHOLDER_TOKEN_ID
 
 if TYPE_CHECKING:
     from pdcluster.engine.outputs import ScheduledRequest
+    from pdcluster.engine.request_step import DecodeStep
     from pdcluster.engine.sampling_params import SamplingParams
 
 
@@ -92,6 +93,7 @@ class BlockTableRows:
         self._known: list[tuple[int, int, int]] = [(0, -1, -1)] * num_rows
         self._free = list(range(num_rows - 1, -1, -1))
         self._num_row_changes = 0  # rows given or taken back so far
+        self._num_table_writes = 0  # `_write_blocks` calls that changed the table so far
 
     @property
     def num_requests(self) -> int:
@@ -127,6 +129,7 @@ class BlockTableRows:
             raise ValueError(f"request {request_id!r} holds {n} blocks, the table has {self.table.shape[1]}")
         grew = known_len and n > known_len and block_ids[0] == first and block_ids[known_len - 1] == last
         start = known_len if grew else 0
+        self._num_table_writes += 1
         self.table[row, start:n] = block_ids[start:]
         if n < known_len:
             self.table[row, n:known_len] = 0
@@ -164,6 +167,7 @@ class RequestRows(BlockTableRows):
         self._last_taken: tuple[object, bytes, SamplingArrays] | None = None  # `sampling_of`'s last result
         # `[num_rows]` bool: the row's request asks for no logprobs, prompt logprobs nor structured output
         self.plain = np.zeros(len(self.lens), dtype=np.bool_)
+        self._last_flags: tuple[np.ndarray, int, tuple[bool, bool]] | None = None  # `row_flags`' cache
         self.token_ids = np.zeros((len(self.lens), max(1, max_num_tokens)), dtype=np.int64)
         self.num_valid_tokens = np.zeros(len(self.lens), dtype=np.int64)
         self._num_committed = [0] * len(self.lens)
@@ -261,14 +265,11 @@ class RequestRows(BlockTableRows):
         row_index, start_positions, num_scheduled_tokens = np.array((rows, starts, counts), dtype=np.int64)
         return ScheduledRows(self, row_index, start_positions, num_scheduled_tokens, num_uncommitted_inputs)
 
-    def add_decode_step(
-        self, key: object, items: Sequence[ScheduledRequest], *per_item: list[int]
-    ) -> ScheduledRows | None:
-        """`add_step` of a step where every request of `items` runs its newest token (`per_item`: a
-        `DecodeStep`'s last_token_ids, start_positions, table_lens, last_block_ids); None (nothing changed)
-        when one holds no row or is not one token behind. `key`: one object per running set (its rows are
-        cached)."""
-        last_token_ids, starts, table_lens, last_block_ids = per_item
+    def add_decode_step(self, key: object, step: DecodeStep) -> ScheduledRows | None:
+        """`add_step` of a `request_step.DecodeStep` (every request runs its newest token); None (nothing
+        changed) when one holds no row or is not one token behind. `key`: one object per running set (its
+        rows are cached). The result carries `step`, for `InputBuffers.pack_rows`'s decode path."""
+        items, last_token_ids, starts, table_lens, last_block_ids = step[:5]
         cached = self._decode_rows
         if cached is None or cached[0] is not key or cached[1] != self._num_row_changes:
             rows = [self._row_of.get(item.request_id, -1) for item in items]
@@ -294,7 +295,8 @@ class RequestRows(BlockTableRows):
                 changed.append(i)
         for i in changed:  # usually the rows that took a new block
             self._write_blocks(rows[i], items[i].request_id, items[i].block_ids)
-        return ScheduledRows(self, row_index, np.array(starts, dtype=np.int64), cached[4])
+        version = (self._num_row_changes, self._num_table_writes)
+        return ScheduledRows(self, row_index, np.array(starts, dtype=np.int64), cached[4], 0, step, version)
 
     def sampling_of(self, row_index: np.ndarray) -> SamplingArrays:
         """`sampling.take(row_index)` (read-only; the same arrays while rows and parameters are unchanged)."""
@@ -305,6 +307,18 @@ class RequestRows(BlockTableRows):
         if last is None or last[1] != key:
             last = self._last_taken = (row_index, key, self.sampling.take(row_index))
         return last[2]
+
+    def row_flags(self, row_index: np.ndarray) -> tuple[bool, bool]:
+        """(plain, processed) of the requests of `row_index`: none asks for logprobs, prompt logprobs or
+        structured output; one's logits a penalty, a logit bias or `min_tokens` changes. Cached for
+        `add_decode_step`'s read-only row index while no row changes."""
+        last = self._last_flags
+        if last is not None and last[0] is row_index and last[1] == self._num_row_changes:
+            return last[2]
+        flags = bool(self.plain[row_index].all()), bool(self.sampling.processed[row_index].any())
+        if not row_index.flags.writeable:
+            self._last_flags = (row_index, self._num_row_changes, flags)
+        return flags
 
     def remove(self, request_ids: list[str]) -> None:
         rows = [self._row_of[r] for r in request_ids if r in self._row_of]
@@ -343,6 +357,8 @@ class ScheduledRows(NamedTuple):
     """A step's requests as rows of `RequestRows` (`add_step`), for `InputBuffers.pack_rows`.
 
     row_index, start_positions (of the first input), num_scheduled_tokens: `[num_reqs]` int64, batch order.
+    decode: a decode step's per-request lists (`add_decode_step`); table_version: the rows' block-table
+    changes as of `add_decode_step` (equal versions with the same `row_index` object: equal tables).
     """
 
     rows: RequestRows
@@ -350,6 +366,8 @@ class ScheduledRows(NamedTuple):
     start_positions: np.ndarray
     num_scheduled_tokens: np.ndarray
     num_uncommitted_inputs: int = 0
+    decode: DecodeStep | None = None
+    table_version: tuple[int, int] | None = None
 
 
 def _default_sampling(num_rows: int) -> SamplingArrays:

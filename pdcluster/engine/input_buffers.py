@@ -65,8 +65,10 @@ class InputBuffers:
         self._np = [t.numpy() for t in self._host]
         on_host = self.device.type == "cpu"
         self._device = [t if on_host else torch.zeros_like(t, device=self.device) for t in self._host]
-        self._arange = np.arange(max(max_num_tokens, max_num_reqs), dtype=np.int64)
+        self._arange = np.arange(max(max_num_tokens, max_num_reqs + 1), dtype=np.int64)
         self._last_views: tuple[tuple[int, int, int], ModelInput] | None = None
+        # `_pack_decode`'s last (row index, table version, max blocks): the tables it copied
+        self._tables_key: tuple | None = None
 
     @property
     def host_input_ids(self) -> np.ndarray:
@@ -91,6 +93,7 @@ class InputBuffers:
         slot_mapping: `[sum n]` cache slot of every token when the caller has them; None computes them.
         Raises ValueError: a request runs a position its block table does not cover, or the batch exceeds
         the buffers' capacity."""
+        self._tables_key = None
         num_reqs = len(token_ids)
         num_scheduled = np.fromiter(map(len, token_ids), dtype=np.int64, count=num_reqs)
         table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_reqs)
@@ -113,6 +116,9 @@ class InputBuffers:
         viewing them, with whole-batch numpy ops only (no per-request Python).
         Raises ValueError: a request runs a position its block table does not cover or its row does not
         hold (`RequestRows.num_valid_tokens`), or the batch exceeds the buffers' capacity."""
+        if step.decode is not None:
+            return self._pack_decode(step)
+        self._tables_key = None
         rows, row_index, starts, num_scheduled = step[:4]
         ids_np, pos_np, slots_np, tables_np, seq_lens_np, qsl_np = self._np
         num_reqs = len(row_index)
@@ -152,6 +158,30 @@ class InputBuffers:
         np.multiply(tables[request_of_token, positions // bs], bs, out=slots)
         slots += positions % bs
         return self._views(num_tokens, num_reqs, max_blocks)
+
+    def _pack_decode(self, step: ScheduledRows) -> ModelInput:
+        """`pack_rows` of a decode step (one input per request) from its per-request lists (`step.decode`,
+        whose slots `request_step.schedule_decode` computed); the block tables are copied only when they or
+        the rows changed since this buffer set's last decode pack."""
+        decode = step.decode
+        assert decode is not None
+        ids_np, pos_np, slots_np, tables_np, seq_lens_np, qsl_np = self._np
+        num_reqs = len(decode.start_positions)
+        max_blocks = max(decode.table_lens)
+        self._check_capacity(num_reqs, num_reqs, max_blocks)
+        ids_np[:num_reqs] = decode.last_token_ids
+        positions = pos_np[:num_reqs]
+        positions[:] = decode.start_positions
+        slots_np[:num_reqs] = decode.slot_mapping
+        np.add(positions, 1, out=seq_lens_np[:num_reqs])
+        key = (step.row_index, step.table_version, max_blocks)
+        last = self._tables_key
+        if last is None or last[0] is not key[0] or last[1:] != key[1:] or key[1] is None:
+            tables = tables_np[:num_reqs, :max_blocks]
+            np.take(step.rows.table[:, :max_blocks], step.row_index, axis=0, out=tables)
+            qsl_np[: num_reqs + 1] = self._arange[: num_reqs + 1]
+            self._tables_key = key
+        return self._views(num_reqs, num_reqs, max_blocks)
 
     def _check_capacity(self, num_tokens: int, num_reqs: int, max_blocks: int) -> None:
         _, pos_np, _, tables_np, seq_lens_np, _ = self._np

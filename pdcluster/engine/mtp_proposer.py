@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pdcluster.engine.model_runner import LayerKVCallback, ModelInput, ModelRunner
@@ -145,6 +146,11 @@ def mtp_input_ids(batch: ModelInput, rows: list[int], token_ids: list[int]) -> t
     each row (`input_ids` shifted by one), with `token_ids` written at the flat indices `rows` (the tokens
     sampled this step, after each request's newest committed position).
     """
+    if batch.input_ids.device.type == "cpu":  # host buffers: numpy views, cheaper per call than torch ops
+        ids = np.zeros(batch.num_tokens, dtype=np.int64)
+        ids[:-1] = batch.input_ids.numpy()[1:]
+        ids[rows] = token_ids
+        return torch.from_numpy(ids)
     ids = torch.empty_like(batch.input_ids)
     if batch.num_tokens:
         ids[:-1] = batch.input_ids[1:]

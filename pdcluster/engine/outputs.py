@@ -79,7 +79,7 @@ class TokenLogprobs(NamedTuple):
     top_logprobs: list[float]
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """The result of one request, as of one `LLMEngine.step()` (or `pop_finished_outputs`)."""
 

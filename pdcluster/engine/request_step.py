@@ -59,8 +59,8 @@ def samples_last_token(request: Request) -> bool:
 
 
 class DecodeStep(NamedTuple):
-    """`schedule_decode`'s step: items, and per item its newest token, its position, blocks held and last
-    block (-1: none).
+    """`schedule_decode`'s step: items, and per item its newest token, its position, blocks held, last
+    block (-1: none) and the cache slot its input writes.
     """
 
     scheduled: list[ScheduledRequest]
@@ -68,6 +68,7 @@ class DecodeStep(NamedTuple):
     start_positions: list[int]
     table_lens: list[int]
     last_block_ids: list[int]
+    slot_mapping: list[int]
 
 
 def schedule_decode(order: list[Request], bm: BlockManager, block_size: int) -> DecodeStep | None:
@@ -75,8 +76,8 @@ def schedule_decode(order: list[Request], bm: BlockManager, block_size: int) -> 
     drafts and the free blocks cover the new ones (else None, nothing changed).
     Raises RuntimeError: a block cannot be allocated although the free blocks covered it."""
     table_of = bm.block_table
-    step = DecodeStep([], [], [], [], [])
-    scheduled, last_token_ids, starts, table_lens, last_block_ids = step
+    step = DecodeStep([], [], [], [], [], [])
+    scheduled, last_token_ids, starts, table_lens, last_block_ids, slots = step
     tables = []
     num_new_blocks = 0
     for r in order:
@@ -98,21 +99,26 @@ def schedule_decode(order: list[Request], bm: BlockManager, block_size: int) -> 
             table = table_of(r.request_id)
         scheduled.append(ScheduledRequest(r, num_computed, 1, [], table[:], True, r.num_preemptions))
         table_lens.append(len(table))
-        last_block_ids.append(table[-1] if table else -1)
+        last_block_ids.append(table[-1])
+        slots.append(table[num_computed // block_size] * block_size + num_computed % block_size)
         r.num_computed_tokens = num_computed + 1
         r.num_output_placeholders = 1
     return step
 
 
-def commit_decode_token(request: Request, sampled: list[int], bm: BlockManager, now: float) -> RequestStatus:
-    """`commit_sampled` of one token (`sampled`) with no drafts verified, proposed or pending."""
+def commit_decode_token(
+    request: Request, sampled: list[int], bm: BlockManager, now: float, block_size: int = 0
+) -> RequestStatus:
+    """`commit_sampled` of one token (`sampled`) with no drafts verified, proposed or pending. `block_size`:
+    the step ran this one input (a decode step), so a block filled only if its position ends one."""
     request.num_output_placeholders -= 1
     status = check_stop_token(request, sampled[0], len(request.output_token_ids) + 1)
     request.append_output_token_ids(sampled)
     if request.first_token_time_s is None:
         request.first_token_time_s = now
     request.last_token_time_s = now
-    bm.cache_full_blocks(request)
+    if not block_size or request.num_computed_tokens % block_size == 0:
+        bm.cache_full_blocks(request)
     if request.spec_token_ids:
         request.spec_token_ids = []
     return status

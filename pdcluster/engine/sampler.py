@@ -12,9 +12,9 @@ import torch
 from pdcluster.engine.input_batch import SamplingArrays
 from pdcluster.engine.outputs import ScheduledRequest, TokenLogprobs
 from pdcluster.engine.penalties import OutputHistory, PenaltyCounts
-from pdcluster.kernels.rejection_sampling import greedy_verify_batch, rejection_sample_batch
+from pdcluster.kernels.rejection_sampling import greedy_verify_lists, rejection_sample_batch
 from pdcluster.kernels.sampling import (
-    argmax,
+    argmax_list,
     compute_logprobs,
     probs_from_logits,
     sample,
@@ -71,15 +71,15 @@ def sample_or_verify(
     num_drafts = [len(item.spec_token_ids) for item in items]
     all_greedy = params.all_greedy
     if not any(num_drafts) and all_greedy:
-        return {rid: [tok] for rid, tok in zip(request_ids, argmax(logits).tolist(), strict=True)}
+        return {rid: [tok] for rid, tok in zip(request_ids, argmax_list(logits), strict=True)}
+    if all_greedy:
+        tokens = greedy_verify_lists([item.spec_token_ids for item in items], logits)
+        return dict(zip(request_ids, tokens, strict=True))
     draft_ids = torch.tensor(
         list(itertools.chain.from_iterable(item.spec_token_ids for item in items)),
         dtype=torch.long,
         device=logits.device,
     )
-    if all_greedy:
-        result = greedy_verify_batch(draft_ids, num_drafts, logits)
-        return dict(zip(request_ids, result.token_ids(), strict=True))
     generators = [generator_of(item) for item in items]
     temperature = torch.from_numpy(params.temperature)
     top_k, top_p = torch.from_numpy(params.top_k), torch.from_numpy(params.top_p)

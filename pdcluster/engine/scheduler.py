@@ -207,7 +207,7 @@ class Scheduler:
         if step is None:
             return None
         scheduled = step.scheduled
-        rows = self.request_rows.add_decode_step(order, *step) or self.request_rows.add_step(scheduled)
+        rows = self.request_rows.add_decode_step(order, step) or self.request_rows.add_step(scheduled)
         finished, self._finished_request_ids = self._finished_request_ids, []
         num_scheduled_tokens = dict.fromkeys([r.request_id for r in order], 1)
         return SchedulerOutput(scheduled, num_scheduled_tokens, len(order), [], [], finished, rows)
@@ -325,6 +325,8 @@ class Scheduler:
         requests, failed = self.requests, runner_output.failed
         sampled, drafts = runner_output.sampled_token_ids, runner_output.spec_token_ids
         running, num_draft_placeholders = RequestStatus.RUNNING, self.num_draft_placeholders
+        rows = scheduler_output.rows
+        decode_block_size = self.config.block_size if rows is not None and rows.decode is not None else 0
         for item in scheduler_output.scheduled:
             request = item.request
             request_id = request.request_id
@@ -345,7 +347,7 @@ class Scheduler:
                 continue
             new_token_ids = sampled.get(request_id, ())
             if len(new_token_ids) == 1 and not (item.spec_token_ids or num_draft_placeholders or drafts):
-                status = commit_decode_token(request, new_token_ids, bm, now)
+                status = commit_decode_token(request, new_token_ids, bm, now, decode_block_size)
             else:
                 new_token_ids, status = commit_sampled(
                     item, list(new_token_ids), drafts.get(request_id, []), bm, num_draft_placeholders, now

@@ -20,6 +20,8 @@ class PreparedStep(NamedTuple):
     placeholder_items: list[int]
     sampling: SamplingArrays | None = None
     plain: bool = False  # no request asks for logprobs, prompt logprobs or structured output
+    num_queries: int | None = None  # inputs per request when known to be equal (a decode step: 1)
+    processed: bool = True  # a request's logits a penalty, a logit bias or min_tokens changes
 
 
 class StepResult(NamedTuple):
@@ -55,16 +57,14 @@ def last_step_results(
 
 
 def logit_rows(
-    hidden: torch.Tensor,
-    items: list[ScheduledRequest],
-    sampling: list[int],
-    starts: list[int],
-    query_lens: np.ndarray,
+    hidden: torch.Tensor, items: list[ScheduledRequest], sampling: list[int], starts: list[int]
 ) -> torch.Tensor:
     """The rows of `hidden` that yield tokens: each sampling request's last `k_i + 1`, in batch order."""
+    if len(sampling) == len(starts) - 1 and all(
+        item.num_scheduled_tokens == len(item.spec_token_ids) + 1 for item in items
+    ):
+        return hidden  # every request samples from all its inputs
     counts = np.fromiter((len(item.spec_token_ids) + 1 for item in items), np.int64, len(items))
-    if len(sampling) == len(query_lens) and (counts == query_lens).all():
-        return hidden
     ends = np.asarray(starts, dtype=np.int64)[1:][sampling]
     offsets = np.cumsum(counts) - counts
     rows = np.repeat(ends - counts - offsets, counts) + np.arange(int(counts.sum()), dtype=np.int64)

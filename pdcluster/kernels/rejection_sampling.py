@@ -8,7 +8,13 @@ from typing import NamedTuple
 
 import torch
 
-from pdcluster.kernels.sampling import Generators, argmax, group_rows_by_generator, sample_from_probs
+from pdcluster.kernels.sampling import (
+    Generators,
+    argmax,
+    argmax_list,
+    group_rows_by_generator,
+    sample_from_probs,
+)
 
 
 class VerifyResult(NamedTuple):
@@ -175,6 +181,30 @@ def greedy_verify_batch(
     target_argmax = argmax(target_logits)[ragged.target_rows]  # [B, max_k + 1]
     num_accepted, final_token = _greedy_accept(ragged, target_argmax)
     return _batch_result(ragged.drafts, num_accepted, final_token)
+
+
+def greedy_verify_lists(
+    draft_token_ids: Sequence[Sequence[int]], target_logits: torch.Tensor
+) -> list[list[int]]:
+    """`greedy_verify_batch(...).token_ids()` with the drafts as host lists: one argmax over the target rows,
+    then the accept rule per request on host ints (no per-step grid of small tensors).
+
+    draft_token_ids: request b's `k_b` drafts. target_logits: `[sum(k_b) + B, V]`, as `greedy_verify_batch`.
+    Raises ValueError: a row count other than `sum(k_b) + B`.
+    """
+    num_rows = sum(map(len, draft_token_ids)) + len(draft_token_ids)
+    if target_logits.shape[0] != num_rows:
+        raise ValueError(f"{target_logits.shape[0]} target rows for {num_rows} drafts and bonus tokens")
+    target = argmax_list(target_logits)
+    tokens: list[list[int]] = []
+    row = 0
+    for drafts in draft_token_ids:
+        num_accepted, k = 0, len(drafts)
+        while num_accepted < k and drafts[num_accepted] == target[row + num_accepted]:
+            num_accepted += 1
+        tokens.append(target[row : row + num_accepted + 1])  # the accepted drafts equal the argmax
+        row += k + 1
+    return tokens
 
 
 def rejection_sample_batch(

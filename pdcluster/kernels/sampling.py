@@ -23,6 +23,13 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def argmax_list(x: torch.Tensor) -> list[int]:
+    """`argmax(x).tolist()` of `x [N, V]` (a CPU float tensor: numpy alone, no tensor in between)."""
+    if x.device.type == "cpu" and x.dtype in _NUMPY_ARGMAX_DTYPES and not x.requires_grad and x.dim() == 2:
+        return np.argmax(x.numpy(), axis=-1).tolist()
+    return argmax(x).tolist()
+
+
 def _per_row(
     value: torch.Tensor | float | int | None, batch: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor | None:

@@ -41,14 +41,16 @@ def verify(items, logits, generator_of, draft_probs) -> dict[str, list[int]]:
 
 
 def count_tolist(monkeypatch) -> list[int]:
+    """Counts reads of tensor data to host objects: `Tensor.tolist` and `Tensor.numpy` (the CPU path's)."""
     calls = [0]
-    tolist = torch.Tensor.tolist
+    for name in ("tolist", "numpy"):
+        original = getattr(torch.Tensor, name)
 
-    def counting(self):
-        calls[0] += 1
-        return tolist(self)
+        def counting(self, *args, _original=original, **kwargs):
+            calls[0] += 1
+            return _original(self, *args, **kwargs)
 
-    monkeypatch.setattr(torch.Tensor, "tolist", counting)
+        monkeypatch.setattr(torch.Tensor, name, counting)
     return calls
 
 

@@ -8,6 +8,7 @@ import torch
 from pdcluster.kernels.rejection_sampling import (
     greedy_verify,
     greedy_verify_batch,
+    greedy_verify_lists,
     rejection_sample,
     rejection_sample_batch,
 )
@@ -188,11 +189,15 @@ def test_greedy_verify_batch_equals_greedy_verify_per_request() -> None:
         assert len(expected[-1]) == one.num_accepted + 1
         draft_start, target_start = draft_start + k, target_start + k + 1
     assert batched.token_ids() == expected
+    ragged = draft_ids.split(num_draft_tokens)
+    assert greedy_verify_lists([d.tolist() for d in ragged], logits) == expected  # the host-list variant
     assert batched.num_accepted.tolist() == [len(t) - 1 for t in expected]
     assert any(len(t) - 1 < k for t, k in zip(expected, num_draft_tokens, strict=True))  # some rejections
     assert any(len(t) - 1 == k > 0 for t, k in zip(expected, num_draft_tokens, strict=True))  # all accepted
     with pytest.raises(ValueError, match="target rows"):
         greedy_verify_batch(draft_ids, num_draft_tokens, logits[:-1])
+    with pytest.raises(ValueError, match="target rows"):
+        greedy_verify_lists([d.tolist() for d in ragged], logits[:-1])
 
 
 def test_invalid_arguments_raise() -> None:

@@ -138,7 +138,7 @@ def test_argmax_is_torchs_argmax_ties_nan_and_all() -> None:
     """`kernels.sampling.argmax` (numpy's on CPU float32/float64, torch's otherwise) gives exactly
     `torch.argmax(dim=-1)`: the first index on ties, NaN as the largest, -inf rows, strided views, 1-D,
     empty batches, and the bfloat16 fallback; int64 either way."""
-    from pdcluster.kernels.sampling import argmax
+    from pdcluster.kernels.sampling import argmax, argmax_list
 
     nan, inf = float("nan"), float("inf")
     special = torch.tensor(
@@ -160,6 +160,7 @@ def test_argmax_is_torchs_argmax_ties_nan_and_all() -> None:
         got, expected = argmax(x), x.argmax(dim=-1)
         assert got.dtype == torch.int64 and got.shape == expected.shape
         assert torch.equal(got, expected), x
+        assert argmax_list(x) == expected.tolist()  # the host-list variant
     with torch.inference_mode():  # the engine's mode: numpy reads an inference tensor too
         x = torch.randn(4, 10, generator=generator)
         assert torch.equal(argmax(x), x.argmax(dim=-1))
