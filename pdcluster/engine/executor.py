@@ -222,7 +222,7 @@ class Executor:
             if on_sampled is not None:
                 on_sampled({rid: tokens for rid, tokens in sampled.items() if rid not in failed})
             if not plain:
-                logprobs, logprobs_failed = token_logprobs_isolated(items, logits, sampled)
+                logprobs, logprobs_failed = token_logprobs_isolated(items, logits, sampled, params)
                 failed.update(logprobs_failed)
 
         if self.adaptive_min_accept_prob is not None and self.max_num_speculative_tokens:

@@ -21,6 +21,7 @@ class SamplingArrays(NamedTuple):
     presence_penalty, frequency_penalty, repetition_penalty: `[B]` float32 (0, 0, 1: off).
     min_tokens: `[B]` int64. has_logit_bias: `[B]` bool (the biases themselves stay in `SamplingParams`).
     processed: `[B]` bool, a penalty, a logit bias or `min_tokens` changes the request's logits.
+    logprobs: `[B]` int64, top log-probabilities asked per output token; -1: none asked.
     """
 
     temperature: np.ndarray
@@ -32,6 +33,7 @@ class SamplingArrays(NamedTuple):
     min_tokens: np.ndarray
     has_logit_bias: np.ndarray
     processed: np.ndarray
+    logprobs: np.ndarray
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams]) -> SamplingArrays:
@@ -68,6 +70,7 @@ _FIELDS = (
     ("min_tokens", np.int64),
     ("has_logit_bias", np.bool_),
     ("processed", np.bool_),
+    ("logprobs", np.int64),
 )
 
 
@@ -76,6 +79,8 @@ def _value(params: SamplingParams, name: str) -> float | int | bool:
         p = params
         penalized = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
         return penalized or p.min_tokens > 0 or bool(p.logit_bias)
+    if name == "logprobs":
+        return -1 if params.logprobs is None else params.logprobs
     return bool(params.logit_bias) if name == "has_logit_bias" else getattr(params, name)
 
 
@@ -353,6 +358,6 @@ class ScheduledRows(NamedTuple):
 
 
 def _default_sampling(num_rows: int) -> SamplingArrays:
-    """Greedy, no filter, no logit processor."""
-    ones = ("top_p", "repetition_penalty")
-    return SamplingArrays(*((np.ones if n in ones else np.zeros)(num_rows, dtype) for n, dtype in _FIELDS))
+    """Greedy, no filter, no logit processor, no logprobs."""
+    fill = {"top_p": 1, "repetition_penalty": 1, "logprobs": -1}
+    return SamplingArrays(*(np.full(num_rows, fill.get(n, 0), dtype) for n, dtype in _FIELDS))

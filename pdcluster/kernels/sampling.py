@@ -154,23 +154,23 @@ def apply_penalties_(
     presence_penalty, frequency_penalty, repetition_penalty: `[R]` float32 (None: off).
     """
     penalties = (presence_penalty, frequency_penalty, repetition_penalty)
-    if (
-        logits.device.type == "cpu"
-        and logits.dtype == torch.float32
-        and logits.is_contiguous()
-        and not logits.requires_grad
-    ):
+    if numpy_writable(logits):
         flat = logits.numpy().reshape(-1)
         index = rows.numpy()[:, None] * logits.shape[1] + token_ids.numpy()
         arrays = [None if p is None else p.numpy() for p in penalties]
-        flat[index] = _penalized(flat[index], output_counts.numpy(), *arrays, where=np.where)
+        flat[index] = penalized(flat[index], output_counts.numpy(), *arrays, where=np.where)
         return logits
     index = (rows[:, None], token_ids)
-    logits[index] = _penalized(logits[index], output_counts, *penalties, where=torch.where)
+    logits[index] = penalized(logits[index], output_counts, *penalties, where=torch.where)
     return logits
 
 
-def _penalized(values, counts, presence, frequency, repetition, where):  # noqa: ANN001, ANN202
+def numpy_writable(x: torch.Tensor) -> bool:
+    """True when `x.numpy()` is a writable view of `x` in place (contiguous CPU float32, no grad)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and not x.requires_grad
+
+
+def penalized(values, counts, presence, frequency, repetition, where):  # noqa: ANN001, ANN202
     """The penalty rules over gathered `values [R, M]` (torch tensors or numpy arrays, with their `where`)."""
     if repetition is not None:
         values = where(values > 0, values / repetition[:, None], values * repetition[:, None])
