@@ -207,7 +207,7 @@ class Executor:
                 params = params.take(np.asarray(sampling, dtype=np.int64))
             if params is None:
                 params = SamplingArrays.of([item.request.sampling_params for item in items])
-            if params.processed_rows.any():  # a processor that raises fails its request alone
+            if params.any_processed:  # a processor that raises fails its request alone
                 logits, processing_failed = process_logits_isolated(
                     items, logits, params, self._output_history, self.penalty_counts,
                     lambda: self._logits(items, rows, plain)[0],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -14,16 +15,7 @@ if TYPE_CHECKING:
     from pdcluster.engine.sampling_params import SamplingParams
 
 
-class SamplingArrays(NamedTuple):
-    """Sampling parameters of a batch, one entry per request (`kernels.sampling`'s terms).
-
-    temperature: `[B]` float32 (0 = greedy); top_k: `[B]` int64 (<= 0 off); top_p: `[B]` float32.
-    presence_penalty, frequency_penalty, repetition_penalty: `[B]` float32 (0, 0, 1: off).
-    min_tokens: `[B]` int64. has_logit_bias: `[B]` bool (the biases themselves stay in `SamplingParams`).
-    processed: `[B]` bool, a penalty, a logit bias or `min_tokens` changes the request's logits.
-    logprobs: `[B]` int64, top log-probabilities asked per output token; -1: none asked.
-    """
-
+class _SamplingFields(NamedTuple):
     temperature: np.ndarray
     top_k: np.ndarray
     top_p: np.ndarray
@@ -34,6 +26,18 @@ class SamplingArrays(NamedTuple):
     has_logit_bias: np.ndarray
     processed: np.ndarray
     logprobs: np.ndarray
+
+
+class SamplingArrays(_SamplingFields):
+    """Sampling parameters of a batch, one entry per request (`kernels.sampling`'s terms).
+
+    temperature: `[B]` float32 (0 = greedy); top_k: `[B]` int64 (<= 0 off); top_p: `[B]` float32.
+    presence_penalty, frequency_penalty, repetition_penalty: `[B]` float32 (0, 0, 1: off).
+    min_tokens: `[B]` int64. has_logit_bias: `[B]` bool (the biases themselves stay in `SamplingParams`).
+    processed: `[B]` bool, a penalty, a logit bias or `min_tokens` changes the request's logits.
+    logprobs: `[B]` int64, top log-probabilities asked per output token; -1: none asked.
+    The batch-wide flags below are computed once per object: a step's arrays are not written after `take`.
+    """
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams]) -> SamplingArrays:
@@ -50,7 +54,7 @@ class SamplingArrays(NamedTuple):
         for array, (name, _) in zip(self, _FIELDS, strict=True):
             array[row] = _value(params, name)
 
-    @property
+    @cached_property
     def all_greedy(self) -> bool:
         return not self.temperature.any()
 
@@ -58,6 +62,39 @@ class SamplingArrays(NamedTuple):
     def processed_rows(self) -> np.ndarray:
         """`[B]` bool: the requests whose logits a penalty, a logit bias or `min_tokens` changes."""
         return self.processed
+
+    @cached_property
+    def any_processed(self) -> bool:
+        return bool(self.processed.any())
+
+    @cached_property
+    def penalized(self) -> np.ndarray:
+        """`[B]` bool: the requests with a presence, frequency or repetition penalty."""
+        return (self.presence_penalty != 0) | (self.frequency_penalty != 0) | (self.repetition_penalty != 1)
+
+    @cached_property
+    def only_penalties(self) -> bool:
+        """No `min_tokens` nor logit bias in the batch: penalties are its only logit processors."""
+        return not (self.min_tokens.any() or self.has_logit_bias.any())
+
+    @cached_property
+    def penalties_on(self) -> tuple[bool, bool, bool]:
+        """Whether any request has a presence, a frequency, a repetition penalty."""
+        return (
+            bool(self.presence_penalty.any()),
+            bool(self.frequency_penalty.any()),
+            bool((self.repetition_penalty != 1).any()),
+        )
+
+    @cached_property
+    def any_logprobs(self) -> bool:
+        return bool((self.logprobs >= 0).any())
+
+    @cached_property
+    def logprob_temperature(self) -> np.ndarray | None:
+        """`[B]` float32 the logprobs divide by (1 when greedy); None when every entry is 1."""
+        t = self.temperature
+        return np.where(t == 0, np.float32(1), t) if ((t != 0) & (t != 1)).any() else None
 
 
 _FIELDS = (

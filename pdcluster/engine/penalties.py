@@ -116,9 +116,11 @@ class PenaltyCounts:
         presence_penalty: np.ndarray,
         frequency_penalty: np.ndarray,
         repetition_penalty: np.ndarray,
+        penalties_on: tuple[bool, bool, bool] | None = None,
     ) -> None:
         """Penalise `logits[rows[i]]` (`[N, V]` float32, in place) by slot `slots[i]`'s tokens and `drafts[i]`
-        (None: none); penalties `[len(rows)]` float32 (`kernels.sampling.apply_penalties_`)."""
+        (None: none); penalties `[len(rows)]` float32 (`kernels.sampling.apply_penalties_`); penalties_on:
+        whether each penalty is set in any row (None: found here)."""
         listed_of = self._listed
         num_listed = [len(listed_of[slot]) for slot in slots]
         if drafts is None:
@@ -134,7 +136,14 @@ class PenaltyCounts:
             presence_penalty, frequency_penalty = presence_penalty[keep], frequency_penalty[keep]
             repetition_penalty = repetition_penalty[keep]
         width = max(num_listed)
-        penalties = (presence_penalty, frequency_penalty, repetition_penalty)
+        if penalties_on is None:
+            penalties_on = presence_penalty.any(), frequency_penalty.any(), (repetition_penalty != 1).any()
+        penalties = tuple(
+            p if on else None
+            for p, on in zip(
+                (presence_penalty, frequency_penalty, repetition_penalty), penalties_on, strict=True
+            )
+        )
         if self._on_host and numpy_writable(logits) and not any(drafts):
             self._penalize_host(logits, rows, slots, width, penalties)
             return
@@ -157,9 +166,7 @@ class PenaltyCounts:
             torch.tensor(rows, dtype=torch.long).to(device),
             ids,
             counts,
-            _tensor_if_any(presence_penalty, presence_penalty.any(), device),
-            _tensor_if_any(frequency_penalty, frequency_penalty.any(), device),
-            _tensor_if_any(repetition_penalty, (repetition_penalty != 1).any(), device),
+            *(None if p is None else torch.from_numpy(p).to(device) for p in penalties),
         )
 
     def _penalize_host(
@@ -171,14 +178,7 @@ class PenaltyCounts:
         presence, frequency, repetition = penalties
         index = np.asarray(rows, dtype=np.int64)[:, None] * logits.shape[1] + ids
         flat = logits.numpy().reshape(-1)
-        flat[index] = penalized(
-            flat[index],
-            counts,
-            presence if presence.any() else None,
-            frequency if frequency.any() else None,
-            repetition if (repetition != 1).any() else None,
-            where=np.where,
-        )
+        flat[index] = penalized(flat[index], counts, presence, frequency, repetition, where=np.where)
 
     def _reset(self, item: ScheduledRequest, slot: int | None) -> int:
         """A fresh slot for `item`'s request: nothing counted; its prompt listed under repetition penalty."""
@@ -220,7 +220,3 @@ class PenaltyCounts:
         self._preemptions.extend([0] * capacity)
         self._listed.extend({} for _ in range(capacity))
         self._free = list(range(2 * capacity - 1, capacity - 1, -1))
-
-
-def _tensor_if_any(values: np.ndarray, any_on: bool, device: torch.device) -> torch.Tensor | None:
-    return torch.from_numpy(values).to(device) if any_on else None

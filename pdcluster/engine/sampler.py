@@ -156,12 +156,10 @@ def process_logits(
     counts: the penalised requests' token counts, brought up to their histories here.
     """
     processed = params.processed_rows
-    if not processed.any():
+    if not params.any_processed:
         return logits
-    penalized = (
-        (params.presence_penalty != 0) | (params.frequency_penalty != 0) | (params.repetition_penalty != 1)
-    )
-    if not (params.min_tokens.any() or params.has_logit_bias.any() or any(i.spec_token_ids for i in items)):
+    penalized = params.penalized
+    if params.only_penalties and not any(i.spec_token_ids for i in items):
         # penalties alone, one row per request: the rows are the penalised requests' indices
         index = np.flatnonzero(penalized)
         whole = len(index) == len(items)
@@ -175,6 +173,7 @@ def process_logits(
             per_row.presence_penalty,
             per_row.frequency_penalty,
             per_row.repetition_penalty,
+            per_row.penalties_on,
         )
         return logits
     penalized_items = [item for item, p in zip(items, penalized.tolist(), strict=True) if p]
@@ -293,9 +292,9 @@ def token_logprobs(
     params: the batch's `SamplingArrays` (None: from `items`)."""
     if params is None:
         params = SamplingArrays.of([item.request.sampling_params for item in items])
-    asked = params.logprobs
-    if not (asked >= 0).any():
+    if not params.any_logprobs:
         return {}
+    asked = params.logprobs
     rows: list[int] = []
     token_ids: list[int] = []
     wanting: list[tuple[str, int, int]] = []  # request id, logprobs asked, tokens
@@ -319,9 +318,9 @@ def token_logprobs(
         return {}
     num_tokens = [n for _, _, n in wanting]
     scaled = logits if len(rows) == logits.shape[0] else logits[rows]  # rows ascend: all rows is identity
-    temperature = params.temperature[index]
-    if ((temperature != 0) & (temperature != 1)).any():
-        temperature = np.where(temperature == 0, np.float32(1), temperature)
+    temperature = params.logprob_temperature
+    if temperature is not None:
+        temperature = temperature[index]
         if len(rows) != len(index):
             temperature = np.repeat(temperature, num_tokens)
         scaled = scaled / torch.from_numpy(temperature).to(logits.device)[:, None]
