@@ -208,8 +208,6 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
     if token_ids.shape != (batch,):
         raise ValueError(f"token_ids must be [{batch}], got {tuple(token_ids.shape)}")
     logprobs = logits.float().log_softmax(dim=-1)  # [B, V]
-    if numpy_writable(logprobs) and token_ids.device.type == "cpu":  # fewer torch ops
-        return _compute_logprobs_host(logprobs, token_ids.long(), num_top)
     token_logprobs = logprobs.gather(-1, token_ids[:, None].long())  # [B, 1]
     top_logprobs, top_token_ids = top_k_largest(logprobs, max(num_top, 1))
     token_ranks = torch.ones(batch, dtype=torch.int64, device=logits.device)
@@ -217,20 +215,6 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
     if below_top.numel():
         token_ranks[below_top] += (logprobs[below_top] > token_logprobs[below_top]).sum(dim=-1)
     return Logprobs(token_logprobs[:, 0], token_ranks, top_token_ids[:, :num_top], top_logprobs[:, :num_top])
-
-
-def _compute_logprobs_host(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> Logprobs:
-    """`compute_logprobs` after the `log_softmax` of CPU rows: the ranks' bookkeeping in numpy."""
-    token_logprobs = logprobs.gather(-1, token_ids[:, None])[:, 0]  # [B]
-    top_logprobs, top_token_ids = top_k_largest(logprobs, max(num_top, 1))
-    token_ranks = np.ones(len(token_ids), dtype=np.int64)
-    chosen, best = token_logprobs.numpy(), top_logprobs.numpy()[:, 0]
-    below_top = np.flatnonzero(chosen < best)
-    if below_top.size:
-        token_ranks[below_top] += (logprobs.numpy()[below_top] > chosen[below_top, None]).sum(axis=-1)
-    return Logprobs(
-        token_logprobs, torch.from_numpy(token_ranks), top_token_ids[:, :num_top], top_logprobs[:, :num_top]
-    )
 
 
 _TOP_K_CHUNK = 64
