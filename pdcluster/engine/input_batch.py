@@ -15,17 +15,19 @@ if TYPE_CHECKING:
     from pdcluster.engine.sampling_params import SamplingParams
 
 
-class _SamplingFields(NamedTuple):
-    temperature: np.ndarray
-    top_k: np.ndarray
-    top_p: np.ndarray
-    presence_penalty: np.ndarray
-    frequency_penalty: np.ndarray
-    repetition_penalty: np.ndarray
-    min_tokens: np.ndarray
-    has_logit_bias: np.ndarray
-    processed: np.ndarray
-    logprobs: np.ndarray
+_FIELDS = (
+    ("temperature", np.float32),
+    ("top_k", np.int64),
+    ("top_p", np.float32),
+    ("presence_penalty", np.float32),
+    ("frequency_penalty", np.float32),
+    ("repetition_penalty", np.float32),
+    ("min_tokens", np.int64),
+    ("has_logit_bias", np.bool_),
+    ("processed", np.bool_),
+    ("logprobs", np.int64),
+)
+_SamplingFields = NamedTuple("_SamplingFields", [(name, np.ndarray) for name, _ in _FIELDS])
 
 
 class SamplingArrays(_SamplingFields):
@@ -58,11 +60,6 @@ class SamplingArrays(_SamplingFields):
     def all_greedy(self) -> bool:
         return not self.temperature.any()
 
-    @property
-    def processed_rows(self) -> np.ndarray:
-        """`[B]` bool: the requests whose logits a penalty, a logit bias or `min_tokens` changes."""
-        return self.processed
-
     @cached_property
     def any_processed(self) -> bool:
         return bool(self.processed.any())
@@ -80,10 +77,9 @@ class SamplingArrays(_SamplingFields):
     @cached_property
     def penalties_on(self) -> tuple[bool, bool, bool]:
         """Whether any request has a presence, a frequency, a repetition penalty."""
-        return (
-            bool(self.presence_penalty.any()),
-            bool(self.frequency_penalty.any()),
-            bool((self.repetition_penalty != 1).any()),
+        return tuple(
+            bool(a.any())
+            for a in (self.presence_penalty, self.frequency_penalty, self.repetition_penalty - 1)
         )
 
     @cached_property
@@ -95,20 +91,6 @@ class SamplingArrays(_SamplingFields):
         """`[B]` float32 the logprobs divide by (1 when greedy); None when every entry is 1."""
         t = self.temperature
         return np.where(t == 0, np.float32(1), t) if ((t != 0) & (t != 1)).any() else None
-
-
-_FIELDS = (
-    ("temperature", np.float32),
-    ("top_k", np.int64),
-    ("top_p", np.float32),
-    ("presence_penalty", np.float32),
-    ("frequency_penalty", np.float32),
-    ("repetition_penalty", np.float32),
-    ("min_tokens", np.int64),
-    ("has_logit_bias", np.bool_),
-    ("processed", np.bool_),
-    ("logprobs", np.int64),
-)
 
 
 def _value(params: SamplingParams, name: str) -> float | int | bool:

@@ -132,7 +132,7 @@ def process_logits_isolated(
     row = 0
     for i, item in enumerate(items):
         num_rows = len(item.spec_token_ids) + 1
-        if params.processed_rows[i]:
+        if params.processed[i]:
             alone = params.take(slice(i, i + 1))
             try:
                 process_logits([item], logits[row : row + num_rows], alone, output_history, counts)
@@ -155,7 +155,7 @@ def process_logits(
     output_history: `(item, start)` -> the item's output tokens before its inputs end, from index `start`;
     counts: the penalised requests' token counts, brought up to their histories here.
     """
-    processed = params.processed_rows
+    processed = params.processed
     if not params.any_processed:
         return logits
     penalized = params.penalized
