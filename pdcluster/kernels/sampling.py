@@ -218,6 +218,7 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
 
 
 _TOP_K_CHUNK = 64
+_CHUNK_OFFSETS: dict[torch.device, torch.Tensor] = {}  # per device: arange(_TOP_K_CHUNK)
 
 
 def top_k_largest(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,7 +231,9 @@ def top_k_largest(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return x.topk(k, dim=-1)
     maxima = x.view(batch, vocab_size // _TOP_K_CHUNK, _TOP_K_CHUNK).amax(dim=-1)
     top_chunks = maxima.topk(k, dim=-1).indices  # [B, k]
-    columns = top_chunks[:, :, None] * _TOP_K_CHUNK + torch.arange(_TOP_K_CHUNK, device=x.device)
-    columns = columns.view(batch, k * _TOP_K_CHUNK)
+    offsets = _CHUNK_OFFSETS.get(x.device)
+    if offsets is None:
+        offsets = _CHUNK_OFFSETS[x.device] = torch.arange(_TOP_K_CHUNK, device=x.device)
+    columns = torch.add(offsets, top_chunks[:, :, None], alpha=_TOP_K_CHUNK).view(batch, k * _TOP_K_CHUNK)
     values, positions = x.gather(1, columns).topk(k, dim=-1)
     return values, columns.gather(1, positions)
