@@ -210,7 +210,7 @@ class Executor:
                 params = params.take(np.asarray(sampling, dtype=np.int64))
             if params is None:
                 params = SamplingArrays.of([item.request.sampling_params for item in items])
-            if prepared.processed if params is prepared.sampling else params.processed_rows.any():
+            if params.any_processed:  # a processor that raises fails its request alone
                 logits, processing_failed = process_logits_isolated(
                     items, logits, params, self._output_history, self.penalty_counts,
                     lambda: self._logits(items, rows, plain)[0],
@@ -225,7 +225,7 @@ class Executor:
             if on_sampled is not None:
                 on_sampled({rid: tokens for rid, tokens in sampled.items() if rid not in failed})
             if not plain:
-                logprobs, logprobs_failed = token_logprobs_isolated(items, logits, sampled)
+                logprobs, logprobs_failed = token_logprobs_isolated(items, logits, sampled, params)
                 failed.update(logprobs_failed)
 
         if self.adaptive_min_accept_prob is not None and self.max_num_speculative_tokens:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -15,24 +16,31 @@ if TYPE_CHECKING:
     from pdcluster.engine.sampling_params import SamplingParams
 
 
-class SamplingArrays(NamedTuple):
+_FIELDS = (
+    ("temperature", np.float32),
+    ("top_k", np.int64),
+    ("top_p", np.float32),
+    ("presence_penalty", np.float32),
+    ("frequency_penalty", np.float32),
+    ("repetition_penalty", np.float32),
+    ("min_tokens", np.int64),
+    ("has_logit_bias", np.bool_),
+    ("processed", np.bool_),
+    ("logprobs", np.int64),
+)
+_SamplingFields = NamedTuple("_SamplingFields", [(name, np.ndarray) for name, _ in _FIELDS])
+
+
+class SamplingArrays(_SamplingFields):
     """Sampling parameters of a batch, one entry per request (`kernels.sampling`'s terms).
 
     temperature: `[B]` float32 (0 = greedy); top_k: `[B]` int64 (<= 0 off); top_p: `[B]` float32.
     presence_penalty, frequency_penalty, repetition_penalty: `[B]` float32 (0, 0, 1: off).
     min_tokens: `[B]` int64. has_logit_bias: `[B]` bool (the biases themselves stay in `SamplingParams`).
     processed: `[B]` bool, a penalty, a logit bias or `min_tokens` changes the request's logits.
+    logprobs: `[B]` int64, top log-probabilities asked per output token; -1: none asked.
+    The batch-wide flags below are computed once per object: a step's arrays are not written after `take`.
     """
-
-    temperature: np.ndarray
-    top_k: np.ndarray
-    top_p: np.ndarray
-    presence_penalty: np.ndarray
-    frequency_penalty: np.ndarray
-    repetition_penalty: np.ndarray
-    min_tokens: np.ndarray
-    has_logit_bias: np.ndarray
-    processed: np.ndarray
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams]) -> SamplingArrays:
@@ -49,27 +57,41 @@ class SamplingArrays(NamedTuple):
         for array, (name, _) in zip(self, _FIELDS, strict=True):
             array[row] = _value(params, name)
 
-    @property
+    @cached_property
     def all_greedy(self) -> bool:
         return not self.temperature.any()
 
-    @property
-    def processed_rows(self) -> np.ndarray:
-        """`[B]` bool: the requests whose logits a penalty, a logit bias or `min_tokens` changes."""
-        return self.processed
+    @cached_property
+    def any_processed(self) -> bool:
+        return bool(self.processed.any())
 
+    @cached_property
+    def penalized(self) -> np.ndarray:
+        """`[B]` bool: the requests with a presence, frequency or repetition penalty."""
+        return (self.presence_penalty != 0) | (self.frequency_penalty != 0) | (self.repetition_penalty != 1)
 
-_FIELDS = (
-    ("temperature", np.float32),
-    ("top_k", np.int64),
-    ("top_p", np.float32),
-    ("presence_penalty", np.float32),
-    ("frequency_penalty", np.float32),
-    ("repetition_penalty", np.float32),
-    ("min_tokens", np.int64),
-    ("has_logit_bias", np.bool_),
-    ("processed", np.bool_),
-)
+    @cached_property
+    def only_penalties(self) -> bool:
+        """No `min_tokens` nor logit bias in the batch: penalties are its only logit processors."""
+        return not (self.min_tokens.any() or self.has_logit_bias.any())
+
+    @cached_property
+    def penalties_on(self) -> tuple[bool, bool, bool]:
+        """Whether any request has a presence, a frequency, a repetition penalty."""
+        return tuple(
+            bool(a.any())
+            for a in (self.presence_penalty, self.frequency_penalty, self.repetition_penalty - 1)
+        )
+
+    @cached_property
+    def any_logprobs(self) -> bool:
+        return bool((self.logprobs >= 0).any())
+
+    @cached_property
+    def logprob_temperature(self) -> np.ndarray | None:
+        """`[B]` float32 the logprobs divide by (1 when greedy); None when every entry is 1."""
+        t = self.temperature
+        return np.where(t == 0, np.float32(1), t) if ((t != 0) & (t != 1)).any() else None
 
 
 def _value(params: SamplingParams, name: str) -> float | int | bool:
@@ -77,6 +99,8 @@ def _value(params: SamplingParams, name: str) -> float | int | bool:
         p = params
         penalized = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
         return penalized or p.min_tokens > 0 or bool(p.logit_bias)
+    if name == "logprobs":
+        return -1 if params.logprobs is None else params.logprobs
     return bool(params.logit_bias) if name == "has_logit_bias" else getattr(params, name)
 
 
@@ -371,6 +395,6 @@ class ScheduledRows(NamedTuple):
 
 
 def _default_sampling(num_rows: int) -> SamplingArrays:
-    """Greedy, no filter, no logit processor."""
-    ones = ("top_p", "repetition_penalty")
-    return SamplingArrays(*((np.ones if n in ones else np.zeros)(num_rows, dtype) for n, dtype in _FIELDS))
+    """Greedy, no filter, no logit processor, no logprobs."""
+    fill = {"top_p": 1, "repetition_penalty": 1, "logprobs": -1}
+    return SamplingArrays(*(np.full(num_rows, fill.get(n, 0), dtype) for n, dtype in _FIELDS))

@@ -115,11 +115,15 @@ class LLMEngine:
         stream: bool = True,
     ) -> str:
         """Queue a prompt (text or token ids). Raises ValueError: empty prompt, prompt + max_tokens over
-        `max_model_len`, a request the KV cache could never hold, `logprobs` over the vocabulary size, or a
-        `structured_output` grammar that does not compile (`engine.structured_output.GrammarError`)."""
+        `max_model_len`, a request the KV cache could never hold, `logprobs` over the vocabulary size, a
+        `logit_bias` token id outside it, or a `structured_output` grammar that does not compile
+        (`engine.structured_output.GrammarError`)."""
         params = sampling_params or SamplingParams()
         if max(params.logprobs or 0, params.prompt_logprobs or 0) > (vocab := self.model.config.vocab_size):
             raise ValueError(f"logprobs and prompt_logprobs must be <= the vocabulary size {vocab}")
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by token id
+            bad = next(t for t, _ in params.logit_bias if t >= vocab)
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
         if params.structured_output is not None:
             self.executor.structured_outputs.compiler.compile(params.structured_output)
         text = prompt if isinstance(prompt, str) else None

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from pdcluster.engine.outputs import ScheduledRequest
-from pdcluster.kernels.sampling import apply_penalties_
+from pdcluster.kernels.sampling import apply_penalties_, numpy_writable, penalized
 
 # `(item, start)` -> the request's output tokens before this step's inputs end, from output index `start` on.
 OutputHistory = Callable[[ScheduledRequest, int], list[int]]
@@ -30,6 +30,7 @@ class PenaltyCounts:
         self._preemptions = [0] * capacity
         self._listed: list[dict[int, None]] = [{} for _ in range(capacity)]
         self._free = list(range(capacity - 1, -1, -1))
+        self._on_host = self.device.type == "cpu"  # CPU tensors: index through their numpy views
 
     @property
     def request_ids(self) -> KeysView[str]:
@@ -65,7 +66,7 @@ class PenaltyCounts:
         slot_of, num_counted, preemptions = self._slot_of, self._num_counted, self._preemptions
         listed_of = self._listed
         for item in items:
-            slot = slot_of.get(item.request_id)
+            slot = slot_of.get(item.request.request_id)
             if slot is None or preemptions[slot] != item.num_preemptions:
                 slot = self._reset(item, slot)
             counted = num_counted[slot]
@@ -87,14 +88,21 @@ class PenaltyCounts:
             slots.append(slot)
             lengths.append(counted)
         if new_ids:
-            index = torch.tensor([new_rows, new_ids], dtype=torch.long).to(self.device)
-            self._counts.index_put_(
-                (index[0], index[1]), torch.ones(len(new_ids), device=self.device), accumulate=True
-            )
+            if self._on_host:  # numpy views: no per-call tensor construction
+                np.add.at(self._counts.numpy(), (new_rows, new_ids), 1)
+            else:
+                index = torch.tensor([new_rows, new_ids], dtype=torch.long).to(self.device)
+                self._counts.index_put_(
+                    (index[0], index[1]), torch.ones(len(new_ids), device=self.device), accumulate=True
+                )
         if listed_ids:
             self._ensure_width(max(len(self._listed[slot]) for slot in slots))
-            index = torch.tensor([listed_rows, listed_columns, listed_ids], dtype=torch.long).to(self.device)
-            self._ids.index_put_((index[0], index[1]), index[2])
+            if self._on_host:
+                self._ids.numpy()[listed_rows, listed_columns] = listed_ids
+            else:
+                index = torch.tensor([listed_rows, listed_columns, listed_ids], dtype=torch.long)
+                index = index.to(self.device)
+                self._ids.index_put_((index[0], index[1]), index[2])
             for slot in first_listed:
                 self._pad(slot)
         return slots, lengths
@@ -108,9 +116,11 @@ class PenaltyCounts:
         presence_penalty: np.ndarray,
         frequency_penalty: np.ndarray,
         repetition_penalty: np.ndarray,
+        penalties_on: tuple[bool, bool, bool] | None = None,
     ) -> None:
         """Penalise `logits[rows[i]]` (`[N, V]` float32, in place) by slot `slots[i]`'s tokens and `drafts[i]`
-        (None: none); penalties `[len(rows)]` float32 (`kernels.sampling.apply_penalties_`)."""
+        (None: none); penalties `[len(rows)]` float32 (`kernels.sampling.apply_penalties_`); penalties_on:
+        whether each penalty is set in any row (None: found here)."""
         listed_of = self._listed
         num_listed = [len(listed_of[slot]) for slot in slots]
         if drafts is None:
@@ -125,8 +135,19 @@ class PenaltyCounts:
             num_listed = [num_listed[i] for i in keep]
             presence_penalty, frequency_penalty = presence_penalty[keep], frequency_penalty[keep]
             repetition_penalty = repetition_penalty[keep]
-        device = logits.device
         width = max(num_listed)
+        if penalties_on is None:
+            penalties_on = presence_penalty.any(), frequency_penalty.any(), (repetition_penalty != 1).any()
+        penalties = tuple(
+            p if on else None
+            for p, on in zip(
+                (presence_penalty, frequency_penalty, repetition_penalty), penalties_on, strict=True
+            )
+        )
+        if self._on_host and numpy_writable(logits) and not any(drafts):
+            self._penalize_host(logits, rows, slots, width, penalties)
+            return
+        device = logits.device
         slot_index = torch.tensor(slots, dtype=torch.long).to(device)
         ids = self._ids[:, :width].index_select(0, slot_index)  # [R, W]; past a row's tokens: its first
         num_drafts = max(map(len, drafts))
@@ -145,10 +166,19 @@ class PenaltyCounts:
             torch.tensor(rows, dtype=torch.long).to(device),
             ids,
             counts,
-            _tensor_if_any(presence_penalty, presence_penalty.any(), device),
-            _tensor_if_any(frequency_penalty, frequency_penalty.any(), device),
-            _tensor_if_any(repetition_penalty, (repetition_penalty != 1).any(), device),
+            *(None if p is None else torch.from_numpy(p).to(device) for p in penalties),
         )
+
+    def _penalize_host(
+        self, logits: torch.Tensor, rows: list[int], slots: list[int], width: int, penalties: tuple
+    ) -> None:
+        """`penalize_` without drafts, every array on the host: numpy over `[R, width]`."""
+        ids = self._ids.numpy()[slots, :width]  # [R, W]; past a row's tokens: its first
+        counts = self._counts.numpy()[np.asarray(slots)[:, None], ids]
+        presence, frequency, repetition = penalties
+        index = np.asarray(rows, dtype=np.int64)[:, None] * logits.shape[1] + ids
+        flat = logits.numpy().reshape(-1)
+        flat[index] = penalized(flat[index], counts, presence, frequency, repetition, where=np.where)
 
     def _reset(self, item: ScheduledRequest, slot: int | None) -> int:
         """A fresh slot for `item`'s request: nothing counted; its prompt listed under repetition penalty."""
@@ -190,7 +220,3 @@ class PenaltyCounts:
         self._preemptions.extend([0] * capacity)
         self._listed.extend({} for _ in range(capacity))
         self._free = list(range(2 * capacity - 1, capacity - 1, -1))
-
-
-def _tensor_if_any(values: np.ndarray, any_on: bool, device: torch.device) -> torch.Tensor | None:
-    return torch.from_numpy(values).to(device) if any_on else None

@@ -132,7 +132,7 @@ def process_logits_isolated(
     row = 0
     for i, item in enumerate(items):
         num_rows = len(item.spec_token_ids) + 1
-        if params.processed_rows[i]:
+        if params.processed[i]:
             alone = params.take(slice(i, i + 1))
             try:
                 process_logits([item], logits[row : row + num_rows], alone, output_history, counts)
@@ -155,13 +155,11 @@ def process_logits(
     output_history: `(item, start)` -> the item's output tokens before its inputs end, from index `start`;
     counts: the penalised requests' token counts, brought up to their histories here.
     """
-    processed = params.processed_rows
-    if not processed.any():
+    processed = params.processed
+    if not params.any_processed:
         return logits
-    penalized = (
-        (params.presence_penalty != 0) | (params.frequency_penalty != 0) | (params.repetition_penalty != 1)
-    )
-    if not (params.min_tokens.any() or params.has_logit_bias.any() or any(i.spec_token_ids for i in items)):
+    penalized = params.penalized
+    if params.only_penalties and not any(i.spec_token_ids for i in items):
         # penalties alone, one row per request: the rows are the penalised requests' indices
         index = np.flatnonzero(penalized)
         whole = len(index) == len(items)
@@ -175,6 +173,7 @@ def process_logits(
             per_row.presence_penalty,
             per_row.frequency_penalty,
             per_row.repetition_penalty,
+            per_row.penalties_on,
         )
         return logits
     penalized_items = [item for item, p in zip(items, penalized.tolist(), strict=True) if p]
@@ -254,21 +253,27 @@ def process_logits(
 
 
 def token_logprobs_isolated(
-    items: list[ScheduledRequest], logits: torch.Tensor, sampled: dict[str, list[int]]
+    items: list[ScheduledRequest],
+    logits: torch.Tensor,
+    sampled: dict[str, list[int]],
+    params: SamplingArrays | None = None,
 ) -> tuple[dict[str, list[TokenLogprobs]], dict[str, str]]:
     """`token_logprobs` over the batch; if it raises, one request at a time, so a request whose logprobs
     raise fails alone. Returns the logprobs and request id -> error of the failures."""
+    if params is None:
+        params = SamplingArrays.of([item.request.sampling_params for item in items])
     try:
-        return token_logprobs(items, logits, sampled), {}
+        return token_logprobs(items, logits, sampled, params), {}
     except Exception:  # noqa: BLE001 - find the request(s) it came from, below
         pass
     out: dict[str, list[TokenLogprobs]] = {}
     failed: dict[str, str] = {}
     row = 0
-    for item in items:
+    for i, item in enumerate(items):
         num_rows = len(item.spec_token_ids) + 1
         try:
-            out.update(token_logprobs([item], logits[row : row + num_rows], sampled))
+            alone = params.take(slice(i, i + 1))
+            out.update(token_logprobs([item], logits[row : row + num_rows], sampled, alone))
         except Exception as e:  # noqa: BLE001 - this request's error, this request's failure
             failed[item.request_id] = f"logprobs failed: {e!r}"
         row += num_rows
@@ -279,46 +284,58 @@ def token_logprobs(
     items: list[ScheduledRequest],
     logits: torch.Tensor,
     sampled: dict[str, list[int]],
+    params: SamplingArrays | None = None,
 ) -> dict[str, list[TokenLogprobs]]:
     """Log-probabilities of each output token, for the requests that asked for them: `log_softmax` of the
-    (processed) logits divided by the request's temperature (1 when greedy).
-    logits: `[sum(k_i + 1), vocab_size]` target logits, request i's `k_i + 1` rows after request i-1's."""
+    (processed) logits divided by the request's temperature (1 when greedy), one batched pass.
+    logits: `[sum(k_i + 1), vocab_size]` target logits, request i's `k_i + 1` rows after request i-1's;
+    params: the batch's `SamplingArrays` (None: from `items`)."""
+    if params is None:
+        params = SamplingArrays.of([item.request.sampling_params for item in items])
+    if not params.any_logprobs:
+        return {}
+    asked = params.logprobs
     rows: list[int] = []
     token_ids: list[int] = []
-    temperatures: list[float] = []
     wanting: list[tuple[str, int, int]] = []  # request id, logprobs asked, tokens
+    index: list[int] = []  # of `items`, per entry of `wanting`
     offset = 0
-    for item in items:
-        sp = item.request.sampling_params
-        tokens = sampled.get(item.request_id) if sp.logprobs is not None else None
+    for i, (item, num_top) in enumerate(zip(items, asked.tolist(), strict=True)):
+        request_id = item.request.request_id
+        tokens = sampled.get(request_id) if num_top >= 0 else None
         if tokens is not None:
             n = len(tokens)
-            wanting.append((item.request_id, sp.logprobs, n))
+            wanting.append((request_id, num_top, n))
+            index.append(i)
             if n == 1:
                 rows.append(offset)
                 token_ids.append(tokens[0])
-                temperatures.append(sp.temperature or 1.0)
             else:
                 rows.extend(range(offset, offset + n))
                 token_ids.extend(tokens)
-                temperatures.extend([sp.temperature or 1.0] * n)
         offset += len(item.spec_token_ids) + 1
     if not wanting:
         return {}
-    num_top = max(n for _, n, _ in wanting)
+    num_tokens = [n for _, _, n in wanting]
     scaled = logits if len(rows) == logits.shape[0] else logits[rows]  # rows ascend: all rows is identity
-    if any(t != 1.0 for t in temperatures):
-        scaled = scaled / torch.tensor(temperatures, dtype=torch.float32, device=logits.device)[:, None]
+    temperature = params.logprob_temperature
+    if temperature is not None:
+        temperature = temperature[index]
+        if len(rows) != len(index):
+            temperature = np.repeat(temperature, num_tokens)
+        scaled = scaled / torch.from_numpy(temperature).to(logits.device)[:, None]
+    num_top = max(n for _, n, _ in wanting)
     result = compute_logprobs(
         scaled, torch.tensor(token_ids, dtype=torch.long, device=logits.device), num_top
     )
     top_ids, top_logprobs = result.top_token_ids.tolist(), result.top_logprobs.tolist()
     if any(n < num_top for _, n, _ in wanting):  # fewer asked than the batch's most: cut their rows
         row = 0
-        for _, n, num_tokens in wanting:
-            for r in range(row, row + num_tokens):
-                top_ids[r], top_logprobs[r] = top_ids[r][:n], top_logprobs[r][:n]
-            row += num_tokens
+        for _, n, count in wanting:
+            if n < num_top:
+                for r in range(row, row + count):
+                    top_ids[r], top_logprobs[r] = top_ids[r][:n], top_logprobs[r][:n]
+            row += count
     per_row = list(
         map(
             TokenLogprobs,
@@ -333,7 +350,7 @@ def token_logprobs(
         return {request_id: [lp] for (request_id, _, _), lp in zip(wanting, per_row, strict=True)}
     out: dict[str, list[TokenLogprobs]] = {}
     row = 0
-    for request_id, _, num_tokens in wanting:
-        out[request_id] = per_row[row : row + num_tokens]
-        row += num_tokens
+    for (request_id, _, _), count in zip(wanting, num_tokens, strict=True):
+        out[request_id] = per_row[row : row + count]
+        row += count
     return out

@@ -10,10 +10,11 @@ from pdcluster.models.tokenizer import IncrementalDetokenizer, Tokenizer
 def check_stop_token(request: Request, token_id: int, num_output_tokens: int) -> RequestStatus:
     """Whether committing `token_id` as the request's `num_output_tokens`-th output token (1-based, this token
     included) finishes it: FINISHED_STOPPED (EOS, a stop token id; sets `request.stop_reason` for the
-    latter), FINISHED_LENGTH (`max_tokens` reached), else RUNNING.
+    latter), FINISHED_LENGTH (`max_tokens` reached), else RUNNING. A structured request's grammar allows EOS
+    only once it is complete: its EOS stops it even under `ignore_eos` (no free text past the grammar).
     """
     params = request.sampling_params
-    if token_id == request.eos_token_id and not params.ignore_eos:
+    if token_id == request.eos_token_id and (not params.ignore_eos or params.structured_output is not None):
         return RequestStatus.FINISHED_STOPPED
     if token_id in params.stop_token_ids:
         request.stop_reason = token_id

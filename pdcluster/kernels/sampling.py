@@ -161,23 +161,23 @@ def apply_penalties_(
     presence_penalty, frequency_penalty, repetition_penalty: `[R]` float32 (None: off).
     """
     penalties = (presence_penalty, frequency_penalty, repetition_penalty)
-    if (
-        logits.device.type == "cpu"
-        and logits.dtype == torch.float32
-        and logits.is_contiguous()
-        and not logits.requires_grad
-    ):
+    if numpy_writable(logits):
         flat = logits.numpy().reshape(-1)
         index = rows.numpy()[:, None] * logits.shape[1] + token_ids.numpy()
         arrays = [None if p is None else p.numpy() for p in penalties]
-        flat[index] = _penalized(flat[index], output_counts.numpy(), *arrays, where=np.where)
+        flat[index] = penalized(flat[index], output_counts.numpy(), *arrays, where=np.where)
         return logits
     index = (rows[:, None], token_ids)
-    logits[index] = _penalized(logits[index], output_counts, *penalties, where=torch.where)
+    logits[index] = penalized(logits[index], output_counts, *penalties, where=torch.where)
     return logits
 
 
-def _penalized(values, counts, presence, frequency, repetition, where):  # noqa: ANN001, ANN202
+def numpy_writable(x: torch.Tensor) -> bool:
+    """True when `x.numpy()` is a writable view of `x` in place (contiguous CPU float32, no grad)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and not x.requires_grad
+
+
+def penalized(values, counts, presence, frequency, repetition, where):  # noqa: ANN001, ANN202
     """The penalty rules over gathered `values [R, M]` (torch tensors or numpy arrays, with their `where`)."""
     if repetition is not None:
         values = where(values > 0, values / repetition[:, None], values * repetition[:, None])
@@ -225,6 +225,7 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
 
 
 _TOP_K_CHUNK = 64
+_CHUNK_OFFSETS: dict[torch.device, torch.Tensor] = {}  # per device: arange(_TOP_K_CHUNK)
 
 
 def top_k_largest(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,7 +238,9 @@ def top_k_largest(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return x.topk(k, dim=-1)
     maxima = x.view(batch, vocab_size // _TOP_K_CHUNK, _TOP_K_CHUNK).amax(dim=-1)
     top_chunks = maxima.topk(k, dim=-1).indices  # [B, k]
-    columns = top_chunks[:, :, None] * _TOP_K_CHUNK + torch.arange(_TOP_K_CHUNK, device=x.device)
-    columns = columns.view(batch, k * _TOP_K_CHUNK)
+    offsets = _CHUNK_OFFSETS.get(x.device)
+    if offsets is None:
+        offsets = _CHUNK_OFFSETS[x.device] = torch.arange(_TOP_K_CHUNK, device=x.device)
+    columns = torch.add(offsets, top_chunks[:, :, None], alpha=_TOP_K_CHUNK).view(batch, k * _TOP_K_CHUNK)
     values, positions = x.gather(1, columns).topk(k, dim=-1)
     return values, columns.gather(1, positions)

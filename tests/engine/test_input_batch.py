@@ -95,6 +95,25 @@ def test_request_rows_keep_sampling_parameters_from_join_to_finish() -> None:
     assert c == a and rows.sampling.temperature[c] == 0 and rows.sampling.top_k[c] == 0
 
 
+def test_sampling_arrays_batch_flags() -> None:
+    """The batch-wide flags the sampler reads instead of per-step reductions, on a mixed batch and a part."""
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3, presence_penalty=0.5),
+        SamplingParams(temperature=0.5, repetition_penalty=1.2, min_tokens=2),
+        SamplingParams(temperature=1.0, logit_bias={3: 1.0}),
+    ]
+    arrays = SamplingArrays.of(params)
+    assert not arrays.all_greedy and arrays.any_processed and arrays.any_logprobs
+    assert arrays.penalized.tolist() == [True, True, False] and not arrays.only_penalties
+    assert arrays.penalties_on == (True, False, True)
+    assert arrays.logprob_temperature.tolist() == [1.0, 0.5, 1.0]  # greedy rows: divided by 1
+    first = arrays.take(np.array([0]))
+    assert first.all_greedy and first.only_penalties and first.penalties_on == (True, False, False)
+    assert first.logprob_temperature is None  # nothing to divide
+    last = arrays.take(np.array([2]))
+    assert not last.any_logprobs and last.any_processed and not last.penalized.any()
+
+
 def make_item(
     request: Request, start: int, count: int, spec: list[int], blocks: list[int], **kw
 ) -> ScheduledRequest:

@@ -108,6 +108,14 @@ def test_logit_bias_forces_its_token(llm, prompts):
     assert sampled.token_ids == [token] * 5
 
 
+def test_logit_bias_outside_the_vocabulary_is_refused_by_the_engine(llm, prompts):
+    vocab_size = llm.engine.model.config.vocab_size
+    params = SamplingParams(max_tokens=2, logit_bias={5: 1.0, vocab_size + 7: 1.0})
+    with pytest.raises(ValueError, match=f"logit_bias token id {vocab_size + 7} is outside the vocabulary"):
+        llm.engine.add_request(prompts[0], params)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_min_tokens_holds_back_stop_tokens(llm, prompts):
     first = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2))[0]
     stop = first.token_ids[0]

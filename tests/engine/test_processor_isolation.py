@@ -1,9 +1,9 @@
 """A request whose logit processors, grammar mask or logprobs raise fails alone: the requests batched with it
 complete with the tokens (and logprobs) they have without it, with MTP off and on. The faults: a logit_bias
-token id outside the vocabulary (the edge refuses it; forced past the engine here), and injected exceptions
-in the grammar mask and the logprobs of one request. Greedy token ids are compared exactly (one engine
-object: the same model and kernels; batches of other composition give the same argmax on these prompts),
-logprobs within 1e-4.
+token id outside the vocabulary (the edge and `add_request` refuse it; forced in after `add_request` here),
+and injected exceptions in the grammar mask and the logprobs of one request. Greedy token ids are compared
+exactly (one engine object: the same model and kernels; batches of other composition give the same argmax on
+these prompts), logprobs within 1e-4.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ def prompts() -> list[str]:
     return heldout_def_prompts(4)
 
 
-def _run(llm: LLM, requests: list[tuple[str, SamplingParams]]):
+def _run(llm: LLM, requests: list[tuple[str, SamplingParams]], after_add=lambda: None):
     engine = llm.engine
     ids = [engine.add_request(prompt, params) for prompt, params in requests]
+    after_add()
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -64,11 +65,14 @@ def _check_neighbours(llm: LLM, prompts: list[str], outs: list) -> None:
 def test_a_logit_bias_fault_fails_only_its_request(llm, prompts, num_speculative_tokens):
     llm_k = llm.replace_config(num_speculative_tokens=num_speculative_tokens)
     vocab_size = llm_k.engine.model.config.vocab_size
-    poisoned = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=0.2)
-    object.__setattr__(poisoned, "logit_bias", ((vocab_size + 5, 1.0),))  # past add_request's check
+    poisoned = SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=0.2, logit_bias={5: 1.0}
+    )
     outs = _run(
         llm_k,
         [(prompts[0], PENALIZED), (prompts[1], poisoned), (prompts[2], WITH_LOGPROBS), (prompts[3], SAMPLED)],
+        # past add_request's check: the request holds this params object, read when it is first scheduled
+        after_add=lambda: object.__setattr__(poisoned, "logit_bias", ((vocab_size + 5, 1.0),)),
     )
     assert outs[1].finish_reason == "error" and "logits processing failed" in outs[1].error
     assert outs[1].token_ids == []

@@ -57,6 +57,21 @@ def test_outputs_match_their_grammar(llm: LLM) -> None:
     assert schema_out.token_ids[-1] == llm.tokenizer.eos_token_id  # the grammar ends with EOS
 
 
+def test_ignore_eos_ends_when_the_grammar_is_complete(llm: LLM) -> None:
+    """ignore_eos: the grammar's EOS still ends the request ("stop"), never free text after the grammar."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, structured_output=grammar)
+        for grammar in (("choice", '["yes", "no"]'), ("regex", r"[a-z]{2,5}-[0-9]{2}"))
+    ]
+    for out in llm.generate(PROMPTS[:2], params):
+        assert out.finish_reason == "stop" and len(out.token_ids) < 32, out.text
+        assert out.token_ids[-1] == llm.tokenizer.eos_token_id
+    choice_out, regex_out = llm.generate(PROMPTS[:2], params)
+    assert choice_out.text in ("yes", "no") and re.fullmatch(r"[a-z]{2,5}-[0-9]{2}", regex_out.text)
+    plain = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert len(plain.token_ids) == 12 and plain.finish_reason == "length"  # unstructured: past EOS
+
+
 def test_a_structured_request_never_changes_its_neighbours(llm: LLM) -> None:
     """Same batch shape, the middle request with and without a grammar: the others' tokens are equal."""
     free = llm.generate(PROMPTS, [greedy(24), greedy(24), greedy(24)])
