@@ -39,19 +39,30 @@ def sample_isolated(
         return sample_or_verify(items, logits, generator_of, draft_probs, params), {}
     except Exception:  # noqa: BLE001 - find the request(s) it came from, below
         pass
-    sampled: dict[str, list[int]] = {}
+    return _one_at_a_time(
+        items,
+        "sampling",
+        lambda i, item, rows: sample_or_verify(
+            [item], logits[rows], generator_of, draft_probs, params.take(slice(i, i + 1))
+        ),
+    )
+
+
+def _one_at_a_time(
+    items: list[ScheduledRequest], what: str, run_one: Callable[[int, ScheduledRequest, slice], dict]
+) -> tuple[dict, dict[str, str]]:
+    """`run_one(i, item, its logits rows)` per request; one that raises fails alone ("<what> failed: ...")."""
+    out: dict = {}
     failed: dict[str, str] = {}
     row = 0
     for i, item in enumerate(items):
         num_rows = len(item.spec_token_ids) + 1
         try:
-            rows = logits[row : row + num_rows]
-            alone = params.take(slice(i, i + 1))
-            sampled.update(sample_or_verify([item], rows, generator_of, draft_probs, alone))
+            out.update(run_one(i, item, slice(row, row + num_rows)))
         except Exception as e:  # noqa: BLE001 - this request's error, this request's failure
-            failed[item.request_id] = f"sampling failed: {e!r}"
+            failed[item.request_id] = f"{what} failed: {e!r}"
         row += num_rows
-    return sampled, failed
+    return out, failed
 
 
 def sample_or_verify(
@@ -266,18 +277,11 @@ def token_logprobs_isolated(
         return token_logprobs(items, logits, sampled, params), {}
     except Exception:  # noqa: BLE001 - find the request(s) it came from, below
         pass
-    out: dict[str, list[TokenLogprobs]] = {}
-    failed: dict[str, str] = {}
-    row = 0
-    for i, item in enumerate(items):
-        num_rows = len(item.spec_token_ids) + 1
-        try:
-            alone = params.take(slice(i, i + 1))
-            out.update(token_logprobs([item], logits[row : row + num_rows], sampled, alone))
-        except Exception as e:  # noqa: BLE001 - this request's error, this request's failure
-            failed[item.request_id] = f"logprobs failed: {e!r}"
-        row += num_rows
-    return out, failed
+    return _one_at_a_time(
+        items,
+        "logprobs",
+        lambda i, item, rows: token_logprobs([item], logits[rows], sampled, params.take(slice(i, i + 1))),
+    )
 
 
 def token_logprobs(
