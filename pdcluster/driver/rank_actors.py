@@ -23,8 +23,7 @@ def rank_actor_class(ray, cls: type) -> Any:
 
 
 def ray_restarts(kv_transport: str, num_ranks: int) -> bool:
-    """Whether Ray restarts a dead rank's actor: instances deployed with one rank (`num_ranks`: at deploy,
-    not after an elastic shrink) on grpc, shm or shm+grpc."""
+    """Whether Ray restarts a dead rank's actor: instances deployed with one rank, on grpc or shm."""
     return kv_transport in ADDRESSED_KV_TRANSPORTS and num_ranks == 1
 
 

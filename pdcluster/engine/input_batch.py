@@ -35,12 +35,10 @@ class SamplingArrays(_SamplingFields):
     """Sampling parameters of a batch, one entry per request (`kernels.sampling`'s terms).
 
     temperature: `[B]` float32 (0 = greedy); top_k: `[B]` int64 (<= 0 off); top_p: `[B]` float32.
-    presence_penalty, frequency_penalty, repetition_penalty: `[B]` float32 (0, 0, 1: off).
-    min_tokens: `[B]` int64. has_logit_bias: `[B]` bool (the biases themselves stay in `SamplingParams`).
-    processed: `[B]` bool, a penalty, a logit bias or `min_tokens` changes the request's logits.
-    logprobs: `[B]` int64, top log-probabilities asked per output token; -1: none asked.
-    The batch-wide flags below are computed once per object: a step's arrays are not written after `take`.
-    """
+    presence_penalty, frequency_penalty, repetition_penalty: `[B]` float32 (0, 0, 1: off); min_tokens: `[B]`
+    int64; has_logit_bias: `[B]` bool (biases stay in `SamplingParams`); processed: `[B]` bool, a penalty,
+    logit bias or `min_tokens` changes its logits; logprobs: `[B]` int64, top logprobs asked (-1: none).
+    Batch-wide flags below are cached per object (only `set_row` writes, on the persistent batch's)."""
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams]) -> SamplingArrays:
@@ -333,9 +331,8 @@ class RequestRows(BlockTableRows):
         return last[2]
 
     def row_flags(self, row_index: np.ndarray) -> tuple[bool, bool]:
-        """(plain, processed) of the requests of `row_index`: none asks for logprobs, prompt logprobs or
-        structured output; one's logits a penalty, a logit bias or `min_tokens` changes. Cached for
-        `add_decode_step`'s read-only row index while no row changes."""
+        """(plain: none wants logprobs or structured output, processed: one has a logit processor) of
+        `row_index`'s requests; cached for `add_decode_step`'s read-only row index while no row changes."""
         last = self._last_flags
         if last is not None and last[0] is row_index and last[1] == self._num_row_changes:
             return last[2]

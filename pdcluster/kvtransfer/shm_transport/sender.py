@@ -91,8 +91,7 @@ class ShmKVSender(KVSender):
         self._reader.start()
 
     def _reconnect(self) -> None:
-        """Connect again with a fresh queue, worker and reader, once the old reader has ended (it fails
-        the old connection's handoffs and unmaps its segments); ConnectionError if unreachable."""
+        """Connect again (fresh queue, worker, reader) once the old reader ended; ConnectionError if not."""
         with self._reconnect_lock:
             with self._lock:
                 why = self._lost
@@ -209,8 +208,7 @@ class ShmKVSender(KVSender):
             self._conclude(req, SenderLost(f"{req.meta.request_id}: {why}"), tell_receiver=False)
 
     def _lose_connection(self, error: OSError, channel: Channel) -> None:
-        """Mark the connection lost before failing its handoffs: whoever sees a failure and begins
-        again must reconnect, not queue onto this channel."""
+        """Mark the connection lost first: whoever sees its handoffs fail and begins again reconnects."""
         logger.warning("kv shm send to %s failed: %r", self.address, error)
         why = f"a send to the receiver failed: {error!r}"
         with self._lock:
@@ -323,8 +321,7 @@ class ShmKVSender(KVSender):
                 logger.exception("kv shm: taking a %r record from the receiver failed", record.get("k"))
             finally:
                 close_fds(fds)
-        # Mark the connection lost (a `begin` then waits for this thread to end), stop writing, unmap;
-        # the socket closes last, since decode frees in-place blocks once it sees the close.
+        # Lost first (a `begin` waits for this thread), unmap, close the socket last (decode frees then).
         with self._lock:
             if self._lost is None:
                 self._lost = why
