@@ -207,7 +207,7 @@ class HealthMonitor(PeriodicThread):
 
     def _replace_if_given_up(self, ray, instance: Instance, exc: BaseException) -> None:
         key = (instance.role, instance.index)
-        restarts = ray_restarts(self.topology.kv_transport, _deployed_ranks(instance))
+        restarts = ray_restarts(self.topology.kv_transport, instance.num_deployed_ranks)
         if getattr(exc, "preempted", False) or not restarts:
             return
         done = self._replacements.get(key, 0)
@@ -275,7 +275,7 @@ class HealthMonitor(PeriodicThread):
         self, ray, instance: Instance, pid: int | None, why: str = "its engine failed", again: bool = False
     ) -> bool:
         key = (instance.role, instance.index)
-        restarts = ray_restarts(self.topology.kv_transport, _deployed_ranks(instance))
+        restarts = ray_restarts(self.topology.kv_transport, instance.num_deployed_ranks)
         if self._engine_restarts.get(key) == pid and not (again and restarts):
             return False
         if not restarts:
@@ -287,7 +287,7 @@ class HealthMonitor(PeriodicThread):
                 instance.index,
                 why,
                 self.topology.kv_transport,
-                _deployed_ranks(instance),
+                instance.num_deployed_ranks,
             )
             return False
         logger.error("%s-%d: killing its actor for Ray to restart it (%s)", *key, why)
@@ -346,8 +346,3 @@ def _outcomes(ray, rank_refs: list[Any]) -> list[Any]:
         except Exception as e:  # noqa: BLE001 - this rank's outcome
             outcomes.append(e)
     return outcomes
-
-
-def _deployed_ranks(instance: Instance) -> int:
-    """Ranks at deploy: an EP instance shrunk to one rank is no one-rank instance Ray could restart."""
-    return getattr(instance, "deployed_ranks", 0) or len(instance.ranks)

@@ -84,9 +84,14 @@ class Instance:
         return self.health.routable and self.pool_state == "active"
 
     @property
+    def num_deployed_ranks(self) -> int:
+        """Ranks at deploy (an elastic shrink leaves fewer live)."""
+        return self.deployed_ranks or self.num_ranks
+
+    @property
     def degraded(self) -> bool:
         """Serving on fewer ranks than it was deployed with."""
-        return self.num_ranks < (self.deployed_ranks or self.num_ranks)
+        return self.num_ranks < self.num_deployed_ranks
 
 
 def check_instance_group(ranks: Sequence[PrefillNodeLoad | DecodeNodeLoad]) -> None:

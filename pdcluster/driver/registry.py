@@ -78,7 +78,7 @@ class InstanceRegistry:
                 "reason": instance.health.reason,
                 "for_s": round(now_s - instance.health.since_s, 3),
                 "ranks": instance.num_ranks,
-                "deployed_ranks": instance.deployed_ranks or instance.num_ranks,
+                "deployed_ranks": instance.num_deployed_ranks,
                 "degraded": instance.degraded,
                 "recoveries": instance.recoveries,
                 "rejoins": instance.rejoins,

@@ -221,7 +221,9 @@ def _watchdog_monitor(kv_transport: str, num_ranks: int, watchdog_s: float = 10.
         kv_transport=kv_transport, pool=lambda role: pool, compiles=lambda role: role == "decode"
     )
     monitor = _new_monitor({"prefill": [], "decode": []}, topology)
-    instance = SimpleNamespace(role="decode", index=0, ranks=[f"actor-{r}" for r in range(num_ranks)])
+    instance = SimpleNamespace(
+        role="decode", index=0, ranks=[f"actor-{r}" for r in range(num_ranks)], num_deployed_ranks=num_ranks
+    )
     return monitor, instance
 
 
@@ -286,7 +288,7 @@ def test_an_instance_ray_does_not_restart_is_left_out_of_routing_not_killed(capl
     ray = SimpleNamespace(kill=lambda actor, no_restart: killed.append(actor))
     for transport, num_ranks, deployed_ranks in (("torch_distributed", 1, 1), ("shm", 2, 2), ("shm", 1, 2)):
         monitor, instance = _watchdog_monitor(transport, num_ranks)
-        instance.deployed_ranks = deployed_ranks  # (shm, 1 of 2): an EP2 instance elastic EP shrank
+        instance.num_deployed_ranks = deployed_ranks  # (shm, 1 of 2): an EP2 instance elastic EP shrank
         with caplog.at_level("ERROR", logger="pdcluster.driver.cluster"):
             monitor._restart_failed_engine(ray, instance, pid=41)
         assert (
@@ -303,7 +305,7 @@ def test_a_shrunk_instance_whose_last_rank_died_gets_no_one_rank_replacement():
     from types import SimpleNamespace
 
     monitor, instance = _watchdog_monitor("shm", num_ranks=1)
-    instance.deployed_ranks, instance.health = 2, SimpleNamespace(since_s=0.0)  # died long ago
+    instance.num_deployed_ranks, instance.health = 2, SimpleNamespace(since_s=0.0)  # died long ago
     ray = SimpleNamespace(kill=lambda actor, no_restart: pytest.fail(f"killed {actor}"))
     monitor._replace_if_given_up(ray, instance, RuntimeError("the actor died"))
     assert instance.ranks == ["actor-0"] and monitor._replacements == {}
@@ -350,6 +352,7 @@ def _probing_monitor(monkeypatch, answer, health: InstanceHealth, watchdog_s: fl
         routable = property(lambda self: self.health.routable)
         pool_state = "active"  # (dynamic P:D: in its pool)
         name, home = "decode-0", ""  # (home: its deploy name when a role move made this slot)
+        num_deployed_ranks = 1
 
         def rank_name(self, r):
             return "decode-0" if r == 0 else f"decode-0.{r}"

@@ -54,6 +54,7 @@ from pdcluster.kvtransfer.wire import (
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
+RECONNECT_JOIN_S = 10.0  # the most a `begin` waits for the lost connection's reader to end
 
 
 class ShmKVSender(KVSender):
@@ -98,7 +99,9 @@ class ShmKVSender(KVSender):
             if why is None or self._closed:
                 return
             self._channel.close()  # the old reader sees it within POLL_S
-            self._reader.join()
+            self._reader.join(RECONNECT_JOIN_S)
+            if self._reader.is_alive():
+                raise ConnectionError(f"shm receiver at {self.address}: the old reader is stuck")
             try:
                 channel = connect(self.address)
             except OSError as e:
