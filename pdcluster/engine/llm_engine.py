@@ -121,8 +121,8 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if max(params.logprobs or 0, params.prompt_logprobs or 0) > (vocab := self.model.config.vocab_size):
             raise ValueError(f"logprobs and prompt_logprobs must be <= the vocabulary size {vocab}")
-        if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by token id
-            bad = next(t for t, _ in params.logit_bias if t >= vocab)
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
             raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
         if params.structured_output is not None:
             self.executor.structured_outputs.compiler.compile(params.structured_output)
