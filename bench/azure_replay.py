@@ -20,7 +20,8 @@ gets one untimed warm-up replay, then `--rounds` rounds replay every server in t
 round), with fresh prompts of the same lengths per round so no prefix cache holds a timed prompt. Reported
 per server and round: TTFT p50/p90, TPOT p50 (ms), failed or short requests, mean KV transfer and each
 phase's p50 (ms, ours); the medians over rounds; the targets (disaggregated TTFT p50 - colocated <=
-TARGET_TTFT_P50_MARGIN_MS, disaggregated / vLLM <= TARGET_TTFT_P50_VS_VLLM); whether every server stopped
+TARGET_TTFT_P50_MARGIN_MS, disaggregated / vLLM <= TARGET_TTFT_P50_VS_VLLM; against `vllm_default` when run:
+colocated <= its TTFT p50, disaggregated <= it + 3 ms); whether every server stopped
 cleanly. Exit code 1 if a server failed to start (named, with its log tail) or a request failed.
 `config.other_processes_cpu_fraction` counts the servers' own CPU too, so it does not measure outside load.
 """
@@ -53,6 +54,8 @@ from pdcluster.models import bundled_checkpoint_dir
 
 TARGET_TTFT_P50_MARGIN_MS = 3.0  # issue 13: disaggregated TTFT p50 <= colocated p50 + this
 TARGET_TTFT_P50_VS_VLLM = 1.5  # issue 13: disaggregated TTFT p50 <= this x vLLM's, same run
+TARGET_COLOCATED_OVER_VLLM_DEFAULT_MS = 0.0  # issue 39: colocated TTFT p50 <= vllm_default's + this
+TARGET_DISAGG_OVER_VLLM_DEFAULT_MS = 3.0  # issue 39: disaggregated TTFT p50 <= vllm_default's + this
 DEFAULT_TRACE = "AzureLLMInferenceTrace_conv.csv"  # a bare name: looked up in ../shared/traces
 VLLM_MODES = ("mtp_eager", "default")
 
@@ -255,7 +258,26 @@ def targets(medians: dict[str, dict[str, Any]], vllm_reference: str | None) -> d
         "disagg_over_vllm_ttft_p50": vs_vllm,
         "max_ratio_vs_vllm": TARGET_TTFT_P50_VS_VLLM,
         "met_vs_vllm": None if vs_vllm is None else vs_vllm <= TARGET_TTFT_P50_VS_VLLM,
+        **_vs_vllm_default(medians, {"colocated": col, "disaggregated": dis}),
     }
+
+
+def _vs_vllm_default(medians: dict[str, dict[str, Any]], ours: dict[str, float | None]) -> dict[str, Any]:
+    """Issue 39's targets: each of our TTFT p50s minus `vllm_default`'s, in ms (empty when it did not run)."""
+    ref = medians.get("vllm_default", {}).get("ttft_p50_ms")
+    if ref is None:
+        return {}
+    limits = {
+        "colocated": TARGET_COLOCATED_OVER_VLLM_DEFAULT_MS,
+        "disaggregated": TARGET_DISAGG_OVER_VLLM_DEFAULT_MS,
+    }
+    out: dict[str, Any] = {}
+    for name, limit in limits.items():
+        excess = None if ours[name] is None else round(ours[name] - ref, 3)
+        out[f"{name}_minus_vllm_default_ttft_p50_ms"] = excess
+        out[f"{name}_max_over_vllm_default_ms"] = limit
+        out[f"met_{name}_vs_vllm_default"] = None if excess is None else excess <= limit
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

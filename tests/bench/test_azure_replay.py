@@ -85,3 +85,15 @@ def test_a_missing_trace_fails_before_any_server_starts(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "trace file not found" in err and "nosuch.csv" in err
     assert "starting" not in err and "stopping" not in err  # no server was started
+
+
+def test_targets_against_vllm_default_are_differences_in_ms():
+    """Issue 39's targets: colocated TTFT p50 <= vllm_default's, disaggregated <= it + 3 ms."""
+    from bench.azure_replay import targets
+
+    ours = {"colocated": {"ttft_p50_ms": 16.0}, "disaggregated": {"ttft_p50_ms": 21.5}}
+    got = targets(ours | {"vllm_default": {"ttft_p50_ms": 17.0}}, "vllm_default")
+    assert got["colocated_minus_vllm_default_ttft_p50_ms"] == -1.0 and got["met_colocated_vs_vllm_default"]
+    assert got["disaggregated_minus_vllm_default_ttft_p50_ms"] == 4.5
+    assert got["met_disaggregated_vs_vllm_default"] is False
+    assert "met_colocated_vs_vllm_default" not in targets(ours, None) | targets({}, None)
