@@ -68,10 +68,9 @@ def confirmed_rank_loss(
     call_timeout_s: float,
     sent: dict[int, tuple[Any, float]] | None = None,
 ) -> tuple[RankLoss | None, list[Any]]:
-    """The `RankLoss` of `outcomes` and the outcomes used. Unless every silent rank died, the answering
-    ranks are probed again (now, and when their wait may reach `stall_s`) and each silent one once more
-    (`sent`: rank -> (its ref, monotonic time sent), not sent again); it counts as lost only once that
-    probe went unanswered for `reprobe_wait_s` after it was sent."""
+    """The `RankLoss` of `outcomes` and the outcomes used. Unless every silent rank died, the answering ranks
+    are probed again (now, and when their wait may reach `stall_s`) and each silent one once more (`sent`:
+    rank -> (ref, monotonic time sent), not sent again), lost once unanswered for `reprobe_wait_s`."""
     died = ray.exceptions.ActorDiedError
     loss = find_rank_loss(instance, outcomes, stall_s)
     if (loss is None and not maybe_stalled(outcomes)) or (
