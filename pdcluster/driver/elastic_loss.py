@@ -68,65 +68,22 @@ def confirmed_rank_loss(
     call_timeout_s: float,
     sent: dict[int, tuple[Any, float]] | None = None,
 ) -> tuple[RankLoss | None, list[Any]]:
-    """The `RankLoss` of `outcomes`, or None; a silent rank that did not die is lost only once a fresh
-    probe of it (`sent`: rank -> (its ref, monotonic time sent), if out already) went unanswered too
-    (`probe_again`). Returns it and the outcomes used."""
+    """The `RankLoss` of `outcomes` and the outcomes used. Unless every silent rank died, the answering ranks
+    are probed again (now, and when their wait may reach `stall_s`) and each silent one once more (`sent`:
+    rank -> (ref, monotonic time sent), not sent again), lost once unanswered for `reprobe_wait_s`."""
     died = ray.exceptions.ActorDiedError
-    outcomes = list(outcomes)
     loss = find_rank_loss(instance, outcomes, stall_s)
-    if (loss is None and maybe_stalled(outcomes)) or (
-        loss is not None and not all(isinstance(outcomes[r], died) for r in loss.lost)
+    if (loss is None and not maybe_stalled(outcomes)) or (
+        loss is not None and all(isinstance(outcomes[r], died) for r in loss.lost)
     ):
-        outcomes = probe_again(ray, instance, outcomes, stall_s, call_timeout_s, sent)
-        loss = find_rank_loss(instance, outcomes, stall_s)
-    return loss, outcomes
-
-
-def reprobe_wait_s(stall_s: float, call_timeout_s: float) -> float:
-    """How long a silent rank's fresh probe must go unanswered: half the probe round's first wait."""
-    return min(stall_s, call_timeout_s) / 2
-
-
-def probe_silent(
-    ray, instance: Instance, outcomes: Sequence[Any], sent: dict[int, tuple[Any, float]] | None = None
-) -> dict[int, tuple[Any, float]]:
-    """A fresh probe of each rank of `instance` whose `outcomes` entry is an exception other than its death
-    (those in `sent` keep theirs), when another rank answered: rank -> (ref, monotonic time sent)."""
-    from pdcluster.driver.rank_actors import PROBE_GROUP
-
-    died, now_s, sent = ray.exceptions.ActorDiedError, time.monotonic(), sent or {}
-    if all(isinstance(o, BaseException) for o in outcomes):
-        return {}
-    return {
-        r: sent.get(r) or (instance.ranks[r].load.options(concurrency_group=PROBE_GROUP).remote(), now_s)
-        for r, o in enumerate(outcomes)
-        if isinstance(o, BaseException) and not isinstance(o, died)
-    }
-
-
-def probe_again(
-    ray,
-    instance: Instance,
-    outcomes: Sequence[Any],
-    stall_s: float,
-    call_timeout_s: float,
-    sent: dict[int, tuple[Any, float]] | None = None,
-) -> list[Any]:
-    """`outcomes` with the answering ranks probed again (now, and when their wait may reach `stall_s`) and
-    the silent ones that did not die probed once more (`sent` ones are not sent again), that answer awaited
-    meanwhile and, before they count as lost, for `reprobe_wait_s` after it was sent."""
-    from pdcluster.driver.rank_actors import PROBE_GROUP
-
-    def probe(r: int):
-        return instance.ranks[r].load.options(concurrency_group=PROBE_GROUP).remote()
-
+        return loss, list(outcomes)
     answered = [r for r, o in enumerate(outcomes) if not isinstance(o, BaseException)]
     fresh = probe_silent(ray, instance, outcomes, sent)
     silent = {r: ref for r, (ref, _) in fresh.items()}
     heard_by_s = max((s for _, s in fresh.values()), default=0.0) + reprobe_wait_s(stall_s, call_timeout_s)
     again = list(outcomes)
     for round_ in range(2):
-        refs = {r: probe(r) for r in answered}
+        refs = {r: _probe(instance, r) for r in answered}
         for r, ref in refs.items():
             again[r] = _answer(ray, ref, call_timeout_s)
         _hear(ray, silent, again, 0.0)
@@ -141,7 +98,34 @@ def probe_again(
             _hear(ray, silent, again, sleep_s)
         else:
             time.sleep(sleep_s)
-    return again
+    return find_rank_loss(instance, again, stall_s), again
+
+
+def reprobe_wait_s(stall_s: float, call_timeout_s: float) -> float:
+    """How long a silent rank's fresh probe must go unanswered: half the probe round's first wait."""
+    return min(stall_s, call_timeout_s) / 2
+
+
+def probe_silent(
+    ray, instance: Instance, outcomes: Sequence[Any], sent: dict[int, tuple[Any, float]] | None = None
+) -> dict[int, tuple[Any, float]]:
+    """A fresh probe of each rank of `instance` whose `outcomes` entry is an exception other than its death
+    (those in `sent` keep theirs), when another rank answered: rank -> (ref, monotonic time sent)."""
+    died, now_s, sent = ray.exceptions.ActorDiedError, time.monotonic(), sent or {}
+    if all(isinstance(o, BaseException) for o in outcomes):
+        return {}
+    return {
+        r: sent.get(r) or (_probe(instance, r), now_s)
+        for r, o in enumerate(outcomes)
+        if isinstance(o, BaseException) and not isinstance(o, died)
+    }
+
+
+def _probe(instance: Instance, r: int) -> Any:
+    """A `load` call to rank `r` of `instance` on the actor's probe concurrency group: its ref."""
+    from pdcluster.driver.rank_actors import PROBE_GROUP
+
+    return instance.ranks[r].load.options(concurrency_group=PROBE_GROUP).remote()
 
 
 def _answer(ray, ref: Any, timeout_s: float) -> Any:
