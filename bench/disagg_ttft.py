@@ -36,7 +36,7 @@ Reported per configuration and prompt length: TTFT median/p90 (ms), the medians 
 reports (`driver.messages.Phases`: route, reserve, queue, prefill compute, last layer sent, received
 (`kv_transfer`: decode's `expect` to the last layer verified), admitted, first decode step), the rest of
 TTFT none of them covers (`unaccounted_ms_p50`: TTFT - route - queue - prefill: the first token streams
-from the prefill call's first reply (`driver.dispatch.EmitFirstToken`), sent as it is sampled, before the
+from the prefill call's first reply (`driver.dispatch.Prefilled`), sent as it is sampled, before the
 MTP pass and the last layers' send that prefill covers, so this is the prefill call's way to the prefill
 rank and back less that tail; the reserve runs beside the prefill, and the KV transfer and decode's
 admission come after the first token),

@@ -154,17 +154,12 @@ class Wait:
 
 
 @dataclass(frozen=True)
-class EmitFirstToken:
-    """The handoff is prefilled: stream its first token now, before decode admits the request."""
-
-    first: PrefillFirstToken
-
-
-@dataclass(frozen=True)
 class Prefilled:
-    """The handoff is prefilled; the client has its first token, or decode streams it."""
+    """The handoff is prefilled. `emit`: stream its first token now, before decode admits the request;
+    otherwise the client has it already, or decode streams it."""
 
     first: PrefillFirstToken
+    emit: bool
 
 
 @dataclass(frozen=True)
@@ -179,7 +174,7 @@ class Redispatch:
 Event = (
     TokenDelta | RequestError | Aborted | DecodeLost | PrefillFailed | PrefillSampled | PrefillDone | NoEvent
 )
-Action = Emit | EmitFirstToken | Prefilled | Wait | EndAborted | Redispatch | Recompute | Fail
+Action = Emit | Prefilled | Wait | EndAborted | Redispatch | Recompute | Fail
 
 
 def describe_attempt(state: AttemptState, error: str) -> str:
@@ -195,9 +190,8 @@ def next_action(state: AttemptState, event: Event) -> Action:
     if isinstance(event, TokenDelta):
         return Emit(event)
     if isinstance(event, PrefillSampled):
-        if event.first.first_token_text is not None and not state.first_token_streamed:
-            return EmitFirstToken(event.first)
-        return Prefilled(event.first)
+        emit = event.first.first_token_text is not None and not state.first_token_streamed
+        return Prefilled(event.first, emit)
     if isinstance(event, PrefillDone):
         return Wait(event.result)
     if isinstance(event, Aborted):

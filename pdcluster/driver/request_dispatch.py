@@ -18,7 +18,6 @@ from pdcluster.driver.dispatch import (
     POLL_WAIT_S,
     AttemptState,
     Emit,
-    EmitFirstToken,
     EndAborted,
     Event,
     Fail,
@@ -145,10 +144,10 @@ class Dispatcher(RouteAndReserve):
                                     yield delta
                                 if record.finished:
                                     return
-                            elif isinstance(action, EmitFirstToken | Prefilled):
+                            elif isinstance(action, Prefilled):
                                 attempt.advance(HandoffEvent.PREFILLED)
                                 record.phases = record.phases.merged(Phases(queue_s=action.first.queue_s))
-                                if isinstance(action, EmitFirstToken):
+                                if action.emit:
                                     yield record.first_token_delta(attempt, action.first)
                             elif isinstance(action, Wait):
                                 record.record_prefill(action.phases_from)

@@ -87,7 +87,7 @@ class SimRequest:
         self.prefill_queued_s: float | None = None
         self.prefill_start_s: float | None = None
         self.prefill_end_s: float | None = None
-        # at the client: the prefill reply's time (`driver.dispatch.EmitFirstToken`), or the admission
+        # at the client: the prefill reply's time (`driver.dispatch.Prefilled` with `emit`), or the admission
         self.first_token_s: float | None = None
         self.admitted_s: float | None = None  # on decode
         self.last_token_s: float | None = None

@@ -13,7 +13,6 @@ from pdcluster.driver.dispatch import (
     RESERVE_RETRY_S,
     AttemptState,
     Emit,
-    EmitFirstToken,
     EndAborted,
     Fail,
     NoEvent,
@@ -62,14 +61,14 @@ def test_a_prefill_reply_streams_its_first_token_unless_the_client_has_one() -> 
     """The prefill call's first reply (its token just sampled) streams the token, unless its text is
     decode's to stream or the client has a first token already."""
     first = PrefillFirstToken(42, " the", queue_s=0.25)
-    assert next_action(FIRST, PrefillSampled(first)) == EmitFirstToken(first)
+    assert next_action(FIRST, PrefillSampled(first)) == Prefilled(first, emit=True)
     streamed = AttemptState("r1", 0, 0, 1, first_token_streamed=True)  # a re-dispatch after it streamed
-    assert next_action(streamed, PrefillSampled(first)) == Prefilled(first)
+    assert next_action(streamed, PrefillSampled(first)) == Prefilled(first, emit=False)
     decodes = PrefillFirstToken(42, None, queue_s=0.25)  # stop strings / logprobs: decode streams it
-    assert next_action(FIRST, PrefillSampled(decodes)) == Prefilled(decodes)
+    assert next_action(FIRST, PrefillSampled(decodes)) == Prefilled(decodes, emit=False)
     # an incomplete character streams no text yet, but the token goes
     partial = PrefillFirstToken(42, "")
-    assert next_action(FIRST, PrefillSampled(partial)) == EmitFirstToken(partial)
+    assert next_action(FIRST, PrefillSampled(partial)) == Prefilled(partial, emit=True)
 
 
 def test_prefill_died_before_any_token_is_redispatched_to_another_prefill() -> None:
