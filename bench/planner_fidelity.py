@@ -31,6 +31,7 @@ from bench.common import Contention, add_json_option, emit, format_table, positi
 
 TRACE = "AzureLLMInferenceTrace_conv.csv"
 QUANTILES = ("p50", "p90")
+PROBE_QUANTILES = (0.1, 0.3, 0.5, 0.7, 0.9)  # of the replay's prompt lengths: five, so each gets both outputs
 
 
 def live_point(
@@ -45,19 +46,22 @@ def live_point(
 ) -> dict[str, Any]:
     """Deploy `cluster`, probe its control plane and replay the trace at `rate_per_s`: a point's live half."""
     from pdcluster.config import load_topology
-    from pdcluster.entrypoints.bench_client import run_bench
+    from pdcluster.entrypoints.bench_client import run_bench, served_model
     from pdcluster.entrypoints.serve import serve
-    from pdcluster.planner.control_plane import DEFAULT_MAX_TOKENS, probe_control_plane
+    from pdcluster.planner.control_plane import probe_control_plane
     from pdcluster.planner.plan import PlanOptions, step_models
-    from pdcluster.planner.trace import arrival_rate_per_s, load_trace
+    from pdcluster.planner.trace import arrival_rate_per_s, load_trace, scale_trace
 
     topology = load_topology(cluster)
     native_rate = arrival_rate_per_s(load_trace(trace, num_requests).requests)
     prefill_model, decode_model = step_models(topology, PlanOptions(trace=trace, calibration=calibration))
     with serve(topology, port=0, log=lambda message: None) as service:
-        probed = probe_control_plane(
-            service.url, topology, prefill_model, decode_model, num_probes, DEFAULT_MAX_TOKENS
-        )
+        # the probes' prompts at quantiles of the replay's, their outputs at its cap: the steps it takes
+        scaled = scale_trace(load_trace(trace, num_requests), served_model(service.url)[1], max_tokens_cap)
+        lens = sorted(r.num_input_tokens for r in scaled.requests)
+        quantiles = [lens[int(q * (len(lens) - 1))] for q in PROBE_QUANTILES]
+        probed = probe_control_plane(service.url, topology, prefill_model, decode_model, num_probes,
+                                     max_tokens_cap, prompt_lens=quantiles)  # fmt: skip
         live = run_bench(
             service.url,
             trace,
@@ -349,8 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--probes",
         type=positive_int,
-        default=24,
-        help="control-plane probes before each live replay (and half as many after an idle pause each)",
+        default=36,
+        help="control-plane probes before each live replay (and half as many after an idle pause each), "
+        "their prompts at quantiles of the replay's, their outputs at --max-tokens-cap",
     )
     parser.add_argument("--trace", default=TRACE, help="trace file (a bare name: ../shared/traces)")
     parser.add_argument(

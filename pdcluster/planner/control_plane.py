@@ -2,7 +2,8 @@
 
 `probe_control_plane` runs requests one at a time on the live cluster (no queueing), each as the previous
 ends, then some after an idle pause; `derive_from_probes` takes per `ControlPlane` field the median of
-measured minus modelled seconds of the former (clamped at 0), the first-token excess of the latter over them,
+measured minus modelled seconds of the former (clamped at 0; the per-step extra pooled over all their
+steps), the first-token excess of the latter over them,
 and fits the driver's CPU per probe as `host_cpu_per_request_s + host_cpu_per_decode_step_s x decode steps`.
 """
 
@@ -14,14 +15,14 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from pdcluster.planner.step_model import DecodeRow, PrefillChunk, StepShape, StepTimeModel
 
-PROMPT_LENS = (16, 48, 128, 320)  # the local traces' prompts after scaling: median ~50, p90 ~300
+PROMPT_LENS = (16, 48, 128, 192, 320)  # five: every other probe is long, so each length gets both
 DEFAULT_REQUESTS, QUICK_REQUESTS = 12, 4
 DEFAULT_MAX_TOKENS, QUICK_MAX_TOKENS = 24, 12
 IDLE_WINDOW_S = 3.0  # long enough for several of the cluster's periodic polls
@@ -97,8 +98,9 @@ def derive(
     prefill_corunner_cores: float = 0.0,
 ) -> ControlPlane:
     """`ControlPlane` from per-request points (`point_from_result`): the median of each extra (the first
-    decode step's net of the per-step one, which the simulator adds to every step); the driver's CPU line
-    `host_line`, else fitted on the points' `host_cpu_s`."""
+    decode step's net of the per-step one, which the simulator adds to every step) but the per-step one,
+    pooled over the points' `later_steps` (measured minus modelled seconds over their steps); the driver's
+    CPU line `host_line`, else fitted on the points' `host_cpu_s`."""
     if not points:
         raise ValueError("no measured request: cannot derive the control plane")
 
@@ -111,6 +113,10 @@ def derive(
             [(p["num_decode_steps"], p["host_cpu_s"]) for p in points if p.get("host_cpu_s") is not None]
         )
     values = {f.name: med(f.name) for f in fields(ControlPlane) if f.name.startswith(_MEDIANS)}
+    later = [p["later_steps"] for p in points if p.get("later_steps", (0,))[0] >= MIN_DECODE_STEPS - 1]
+    if later:  # pooled: all their seconds over all their steps (the per-probe figures' median otherwise)
+        pooled_s = sum(s - m for _, s, m in later) / sum(n for n, _, _ in later)
+        values["decode_step_extra_s"] = max(0.0, pooled_s)
     values["first_decode_step_extra_s"] = max(
         0.0, values["first_decode_step_extra_s"] - values["decode_step_extra_s"]
     )
@@ -184,10 +190,12 @@ def point_from_result(
     if first is not None:
         point["first_decode_step_extra_s"] = first * decode_rate - modelled["decode_s"]
     num_steps = point["num_decode_steps"] = num_decode_steps(result, k)
-    if first is not None and result.tpot_s is not None and num_steps >= MIN_DECODE_STEPS:
-        decode_time = result.tpot_s * (result.num_output_tokens - 1) - gap
-        per_step = (decode_time - first) / (num_steps - 1)
-        point["decode_step_extra_s"] = per_step * decode_rate - modelled["decode_s"]
+    if first is not None and result.tpot_s is not None and num_steps > 1:
+        # the steps after the first, at full speed, and their modelled seconds (`derive` pools them)
+        rest_s = (result.tpot_s * (result.num_output_tokens - 1) - gap - first) * decode_rate
+        point["later_steps"] = (num_steps - 1, rest_s, (num_steps - 1) * modelled["decode_s"])
+        if num_steps >= MIN_DECODE_STEPS:
+            point["decode_step_extra_s"] = (rest_s - point["later_steps"][2]) / (num_steps - 1)
     return point
 
 
@@ -274,20 +282,23 @@ def measure_control_plane(
 
 def probe_control_plane(
     url: str, topology, prefill: StepTimeModel, decode: StepTimeModel, num_requests: int, max_tokens: int,
-    progress: Callable[[str], None] = lambda label: None,
+    progress: Callable[[str], None] = lambda label: None, prompt_lens: Sequence[int] = PROMPT_LENS,
 ) -> dict[str, Any]:  # fmt: skip
     """Send `num_requests` requests one at a time to the server at `url` (serving `topology`, driven from
     this process), every other one with a quarter of `max_tokens`, then half as many short ones each after
-    `IDLE_PAUSE_S` of idle, and derive the `ControlPlane`. Returns `derive_from_probes`'s object with
-    `probes` and `num_failed`. Raises ValueError: no request succeeded."""
+    `IDLE_PAUSE_S` of idle, and derive the `ControlPlane`. Prompt lengths cycle through `prompt_lens` (an
+    odd count gives each length both outputs). Returns `derive_from_probes`'s object with `probes` and
+    `num_failed`. Raises ValueError: no request succeeded, or an empty or non-positive `prompt_lens`."""
     from pdcluster.entrypoints.bench_client import served_model
     from pdcluster.models.tokenizer import Tokenizer
     from pdcluster.planner.trace import TraceRequest, Workload, build_prompts
 
+    if not prompt_lens or min(prompt_lens) < 1:
+        raise ValueError(f"prompt_lens must be positive token counts, got {list(prompt_lens)!r}")
     k = topology.decode.num_speculative_tokens
     tokenizer = Tokenizer.from_dir(topology.engine_config("decode").model)
     num_sent = num_requests + 1 + max(1, num_requests // 2)
-    lengths = [PROMPT_LENS[i % len(PROMPT_LENS)] for i in range(num_sent)]
+    lengths = [prompt_lens[i % len(prompt_lens)] for i in range(num_sent)]
     outputs = [
         max_tokens if i % 2 and i <= num_requests else max(2, max_tokens // 4) for i in range(num_sent)
     ]

@@ -128,12 +128,25 @@ def test_derive_subtracts_the_modelled_engine_time_from_the_measured_phases():
     assert with_call["prefill_extra_s"] == pytest.approx((0.030 - 0.020) * 0.5, abs=TOL_S)
     assert with_call["first_token_extra_s"] == pytest.approx(0.050 - 0.003 - 0.020, abs=TOL_S)
     assert with_call["handoff_extra_s"] == pytest.approx(0.040 + 0.001 - 0.030 - 0.005, abs=TOL_S)
-    slower = dict(point, decode_step_extra_s=-0.5)  # a model slower than the live path adds nothing
-    cp = derive([point, slower, point])
-    assert cp.decode_step_extra_s == pytest.approx(point["decode_step_extra_s"], abs=TOL_S)
+    n, rest_s, modelled_s = point["later_steps"]
+    expected = (steps - 1, 0.064 - 0.010, (steps - 1) * 0.004)  # the later steps, measured and modelled
+    assert (n, rest_s, modelled_s) == pytest.approx(expected, abs=TOL_S)
+    # a model slower than the live path adds nothing
+    slower = dict(point, decode_step_extra_s=-0.5, later_steps=(n, rest_s, rest_s + 0.5 * n))
     assert derive([slower]).decode_step_extra_s == 0.0
     with pytest.raises(ValueError, match="no measured request"):
         derive([])
+
+
+def test_the_per_step_extra_is_pooled_over_all_the_probes_steps():
+    """Two probes, 3 and 9 later steps with 6 and 18 ms over the model: 24 ms over 12 steps (2 ms a step);
+    the median of their per-step figures (2 ms, 2 ms) agrees, a third of 1 step (under the minimum) is out,
+    and a probe with more steps weighs more: (3 + 27) ms over 12 steps, not the mean of its 1 and 3 ms."""
+    points = [{"later_steps": (3, 0.018, 0.012)}, {"later_steps": (9, 0.054, 0.036)},
+              {"later_steps": (1, 0.050, 0.004)}]  # fmt: skip
+    assert derive(points).decode_step_extra_s == pytest.approx(0.002, abs=TOL_S)
+    weighted = [{"later_steps": (3, 0.015, 0.012)}, {"later_steps": (9, 0.063, 0.036)}]
+    assert derive(weighted).decode_step_extra_s == pytest.approx(0.030 / 12, abs=TOL_S)
 
 
 def test_host_cpu_line_background_and_cpu_share():
@@ -272,3 +285,12 @@ def test_busy_ticks_count_system_time_and_leave_out_nice_idle_and_iowait():
     assert busy_ticks("cpu  100 50 30 1000 20 5 5 10 7 0") == 100 + 30 + 5 + 5 + 10
     with pytest.raises(ValueError, match="not a /proc/stat cpu line"):
         busy_ticks("cpu  1 2 3")
+
+
+@pytest.mark.parametrize("prompt_lens", [(), (48, 0)])
+def test_probes_refuse_prompt_lengths_that_are_not_token_counts(prompt_lens):
+    from pdcluster.planner.control_plane import probe_control_plane
+
+    model = LinearModel(0.01)
+    with pytest.raises(ValueError, match="prompt_lens must be positive token counts"):  # before any request
+        probe_control_plane("http://127.0.0.1:9", topology(), model, model, 4, 8, prompt_lens=prompt_lens)
