@@ -195,13 +195,13 @@ class Executor:
         plain = prepared.plain  # nothing below asks for logprobs, prompt logprobs or structured output
         scored = [] if plain else wants_prompt_logprobs(scheduled)
         prompt_lp = prompt_logprobs(self.runner, scheduled, scored, hidden, starts) if scored else {}
-
-        sampling = [i for i, item in enumerate(scheduled) if item.samples]
+        decode = output.rows is not None and output.rows.decode is not None  # all sample, none exports
+        sampling = [*range(len(scheduled))] if decode else [i for i, x in enumerate(scheduled) if x.samples]
         sampled: dict[str, list[int]] = {}
         failed: dict[str, str] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if sampling:
-            items = [scheduled[i] for i in sampling]
+            items = scheduled if decode else [scheduled[i] for i in sampling]
             one_row_each = uniform == 1 and len(sampling) == len(scheduled)  # a decode step without drafts
             rows = hidden if one_row_each else logit_rows(hidden, items, sampling, starts)
             logits, grammar_failed = self._logits(items, rows, plain)
@@ -237,8 +237,8 @@ class Executor:
             k = self.num_speculative_tokens
             self.num_steps_per_k[k] = self.num_steps_per_k.get(k, 0) + 1
             spec = self._propose(scheduled, batch, hidden, starts, sampled, failed, on_layer_kv, uniform)
-        # Prefill-only requests (handed off to decode): their draft distributions.
-        exporting = [scheduled[i].request_id for i in sampling if scheduled[i].request.export_kv]
+        exp = [] if decode else sampling  # prefill-only requests (handed off): their draft distributions
+        exporting = [scheduled[i].request_id for i in exp if scheduled[i].request.export_kv]
         draft_probs = {rid: self._draft_probs.get(rid) for rid in exporting if rid not in failed}
         # what the next step's placeholders resolve to, built when one asks (`_last_results`)
         self._last_step = None

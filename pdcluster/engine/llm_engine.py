@@ -277,7 +277,10 @@ class LLMEngine:
             raise ValueError("on_prompt_kv and on_first_token need the synchronous loop (no async loop)")
         if self._async_loop is None:
             output = self.scheduler.schedule()
-            exporting = [item for item in output.scheduled if item.samples and item.request.export_kv]
+            decode = output.rows is not None and output.rows.decode is not None  # none exports
+            exporting = (
+                [] if decode else [it for it in output.scheduled if it.samples and it.request.export_kv]
+            )
             hook, flush_prompt_kv, on_sampled = on_layer_kv, None, None
             if exporting:
                 last_layer_idx = self.model.main_layers[-1].layer_idx

@@ -51,6 +51,7 @@ class RequestRecord:
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is not None:
             prompt_logprobs = self.finished_prompt_logprobs()
+        logprobs = self.logprobs
         # positional, in `RequestOutput`'s field order: a keyword call costs twice as much per step
         return RequestOutput(
             request.request_id,
@@ -67,10 +68,10 @@ class RequestRecord:
             None if finished_time_s is None else finished_time_s - arrival_time_s,
             request.drafts,
             request.num_preemptions,
-            None if self.logprobs is None else self.logprobs[:],
+            None if logprobs is None else logprobs[:],
             prompt_logprobs,
             request.error,
-            output_text.new_text(finished=finished),
+            output_text.new_text(finished),
         )
 
 

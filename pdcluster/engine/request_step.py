@@ -4,10 +4,11 @@ sampled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from pdcluster.engine.block_manager import BlockManager
-from pdcluster.engine.outputs import PLACEHOLDER_TOKEN_ID, ScheduledRequest
+from pdcluster.engine.outputs import PLACEHOLDER_TOKEN_ID, RequestUpdate, ScheduledRequest
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.stopping import check_stop_token
 
@@ -71,37 +72,49 @@ class DecodeStep(NamedTuple):
     slot_mapping: list[int]
 
 
+# A NamedTuple built by `tuple.__new__` skips its Python-level constructor (every field must be given).
+_new_tuple = tuple.__new__
+
+
 def schedule_decode(order: list[Request], bm: BlockManager, block_size: int) -> DecodeStep | None:
     """`schedule_request(r, 1, ...)` of each request of `order` when every one decodes one token without
-    drafts and the free blocks cover the new ones (else None, nothing changed).
+    drafts, none exports its KV, and the free blocks cover the new ones (else None, nothing changed).
     Raises RuntimeError: a block cannot be allocated although the free blocks covered it."""
     table_of = bm.block_table
     step = DecodeStep([], [], [], [], [], [])
     scheduled, last_token_ids, starts, table_lens, last_block_ids, slots = step
-    tables = []
-    num_new_blocks = 0
+    grow: list[int] = []  # items whose input starts a new block
     for r in order:
         num_computed, tokens = r.num_computed_tokens, r.all_token_ids
-        if r.spec_token_ids or r.num_output_placeholders or len(tokens) != num_computed + 1:
+        if r.spec_token_ids or r.num_output_placeholders or len(tokens) != num_computed + 1 or r.export_kv:
             return None
         table = table_of(r.request_id)
-        tables.append(table)
+        index = num_computed // block_size
+        if index < len(table):
+            slots.append(table[index] * block_size + num_computed - index * block_size)
+            last_block_ids.append(table[-1])
+        else:
+            grow.append(len(starts))
+            slots.append(-1)
+            last_block_ids.append(-1)
         starts.append(num_computed)
         last_token_ids.append(tokens[num_computed])
-        if len(table) * block_size <= num_computed:
-            num_new_blocks += 1
-    if num_new_blocks > bm.num_free_blocks:
-        return None
-    for r, table, num_computed in zip(order, tables, starts, strict=True):
-        if len(table) * block_size <= num_computed:
+        table_lens.append(len(table))
+        item = (r, num_computed, 1, [], table[:], True, r.num_preemptions, 0)
+        scheduled.append(_new_tuple(ScheduledRequest, item))
+    if grow:
+        if len(grow) > bm.num_free_blocks:
+            return None
+        for i in grow:
+            r, num_computed = order[i], starts[i]
             if not bm.allocate_slots(r, 1):
                 raise RuntimeError(f"scheduler plan not applicable: 1 slot for {r.request_id!r}")
             table = table_of(r.request_id)
-        scheduled.append(ScheduledRequest(r, num_computed, 1, [], table[:], True, r.num_preemptions))
-        table_lens.append(len(table))
-        last_block_ids.append(table[-1])
-        slots.append(table[num_computed // block_size] * block_size + num_computed % block_size)
-        r.num_computed_tokens = num_computed + 1
+            scheduled[i] = scheduled[i]._replace(block_ids=table[:])
+            table_lens[i], last_block_ids[i] = len(table), table[-1]
+            slots[i] = table[num_computed // block_size] * block_size + num_computed % block_size
+    for r in order:
+        r.num_computed_tokens += 1
         r.num_output_placeholders = 1
     return step
 
@@ -122,6 +135,51 @@ def commit_decode_token(
     if request.spec_token_ids:
         request.spec_token_ids = []
     return status
+
+
+def commit_decode_step(
+    scheduled: list[ScheduledRequest],
+    sampled: dict[str, list[int]],
+    requests: dict[str, Request],
+    bm: BlockManager,
+    now: float,
+    block_size: int,
+    remove: Callable[[Request, RequestStatus], None],
+) -> list[RequestUpdate]:
+    """`commit_decode_token` of each item of a `schedule_decode` step still current in `requests` (no drafts
+    verified nor proposed), `remove` of each request it finished; an item that did not sample exactly one
+    token goes through `commit_sampled` (which raises ValueError for none). Returns the updates in order."""
+    running, updates = RequestStatus.RUNNING, []
+    cache_full_blocks = bm.cache_full_blocks
+    for item in scheduled:
+        request = item[0]
+        request_id = request.request_id
+        if (
+            requests.get(request_id) is not request
+            or request.status is not running
+            or request.num_preemptions != item[6]
+        ):
+            continue
+        new_token_ids = sampled.get(request_id, ())
+        if len(new_token_ids) == 1:
+            request.num_output_placeholders -= 1
+            output_token_ids, token_id = request.output_token_ids, new_token_ids[0]
+            status = check_stop_token(request, token_id, len(output_token_ids) + 1)
+            output_token_ids.append(token_id)
+            request.all_token_ids.append(token_id)  # the owner's list: prompt then output
+            if request.first_token_time_s is None:
+                request.first_token_time_s = now
+            request.last_token_time_s = now
+            if request.num_computed_tokens % block_size == 0:  # its one input filled a block
+                cache_full_blocks(request)
+            if request.spec_token_ids:
+                request.spec_token_ids = []
+        else:
+            new_token_ids, status = commit_sampled(item, list(new_token_ids), [], bm, 0, now)
+        if status is not running:
+            remove(request, status)
+        updates.append(_new_tuple(RequestUpdate, (request_id, new_token_ids, status)))
+    return updates
 
 
 def commit_sampled(

@@ -10,6 +10,7 @@ from pdcluster.engine.input_batch import RequestRows
 from pdcluster.engine.outputs import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.request_step import (
+    commit_decode_step,
     commit_decode_token,
     commit_sampled,
     commit_tokens,
@@ -327,6 +328,10 @@ class Scheduler:
         running, num_draft_placeholders = RequestStatus.RUNNING, self.num_draft_placeholders
         rows = scheduler_output.rows
         decode_block_size = self.config.block_size if rows is not None and rows.decode is not None else 0
+        if decode_block_size and not (failed or drafts or num_draft_placeholders):
+            return commit_decode_step(
+                scheduler_output.scheduled, sampled, requests, bm, now, decode_block_size, self._remove
+            )
         for item in scheduler_output.scheduled:
             request = item.request
             request_id = request.request_id

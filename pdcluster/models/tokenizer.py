@@ -129,14 +129,15 @@ class IncrementalDetokenizer:
         num_tokens = len(token_ids)
         stream = self._stream
         num_fed = self._num_fed
-        if num_tokens == num_fed + 1 and self._read_offset == num_fed and self._pieces is not None:
+        pieces = self._pieces
+        if num_tokens == num_fed + 1 and self._read_offset == num_fed and pieces is not None:
             token_id = token_ids[num_fed]
-            piece = self._pieces[token_id] if 0 <= token_id < len(self._pieces) else None
+            piece = pieces[token_id] if 0 <= token_id < len(pieces) else None
             if piece is not None and stream is not None:
-                self.text += piece
-                self._num_fed = num_tokens
-                self._prefix_offset, self._read_offset = num_fed, num_tokens
-                return self.text
+                self.text = text = self.text + piece
+                self._num_fed = self._read_offset = num_tokens
+                self._prefix_offset = num_fed
+                return text
             if stream is not None and self._num_streamed != num_fed:
                 stream = self._stream = DecodeStream(skip_special_tokens=True)
         if stream is not None and num_tokens > self._num_fed:

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+import pdcluster.engine.scheduler as scheduler_module
 from pdcluster.engine.outputs import ModelRunnerOutput
 from pdcluster.engine.request import RequestStatus
 from tests.engine.conftest import FakeClock, check_packed_rows, fake_runner_output, step
@@ -353,13 +354,17 @@ def test_remote_prefilled_admissions_wait_for_a_seat(make_scheduler, make_reques
     scheduler.block_manager.check_no_leaks()
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_decode_fast_path_schedules_as_the_general_plan(make_scheduler, make_request, seed):
+@pytest.mark.parametrize("seed,with_drafts", [(0, True), (1, True), (2, False), (3, False)])
+def test_decode_fast_path_schedules_as_the_general_plan(
+    make_scheduler, make_request, seed, with_drafts, monkeypatch
+):
     """`Scheduler._schedule_decode` (every running request decodes one token, no drafts) gives the step the
     general plan gives: two schedulers in lockstep, one with the fast path turned off, schedule the same
     items (positions, counts, block tables) and pack the same inputs from their rows, through block
     crossings, stop tokens, drafts in some steps (whose trims the fast path must see), aborts, arrivals
-    and preemptions; the fast path runs in most steps."""
+    and preemptions; the fast path runs in most steps. Without drafts (`with_drafts` False: the runner
+    proposes none, as with k = 0) its steps commit through `request_step.commit_decode_step`, and the
+    updates equal the general commit's."""
     rng = random.Random(seed)
     fast = make_scheduler(num_blocks=20, max_num_batched_tokens=24, max_num_seqs=5, max_model_len=64)
     slow = make_scheduler(num_blocks=20, max_num_batched_tokens=24, max_num_seqs=5, max_model_len=64)
@@ -372,6 +377,10 @@ def test_decode_fast_path_schedules_as_the_general_plan(make_scheduler, make_req
         return output
 
     fast._schedule_decode = counted
+    num_commits = []
+    commit = scheduler_module.commit_decode_step
+    counted_commit = lambda *args: num_commits.append(1) or commit(*args)  # noqa: E731
+    monkeypatch.setattr(scheduler_module, "commit_decode_step", counted_commit)
     num_added = num_steps = 0
     while num_added < 40 or fast.has_unfinished():
         if num_added < 40 and rng.random() < 0.15:
@@ -393,14 +402,19 @@ def test_decode_fast_path_schedules_as_the_general_plan(make_scheduler, make_req
         assert got == want
         assert outputs[0].finished_request_ids == outputs[1].finished_request_ids
         check_packed_rows(outputs[0], block_size=4)
+        updates = []
         for scheduler, output in zip((fast, slow), outputs, strict=True):
             runner_output = fake_runner_output(
                 output, next_token=tokens.__getitem__, drafts=drafts.__getitem__
             )
-            scheduler.update_from_output(output, runner_output)
+            if not with_drafts:
+                runner_output = ModelRunnerOutput(runner_output.sampled_token_ids)
+            updates.append(scheduler.update_from_output(output, runner_output))
             scheduler.block_manager.check_invariants()
+        assert updates[0] == updates[1]
         num_steps += 1
         assert num_steps < 3000, "no progress"
     assert fast.stats().num_preemptions == slow.stats().num_preemptions
     assert sum(num_fast) > num_steps // 3
+    assert (len(num_commits) > num_steps // 3) if not with_drafts else not num_commits
     fast.block_manager.check_no_leaks()
