@@ -146,11 +146,9 @@ def commit_decode_step(
     block_size: int,
     remove: Callable[[Request, RequestStatus], None],
 ) -> list[RequestUpdate]:
-    """`commit_decode_token` of each item of a `schedule_decode` step still current in `requests` (no drafts
-    verified nor proposed), `remove` of each request it finished; an item that did not sample exactly one
-    token goes through `commit_sampled` (which raises ValueError for none). Returns the updates in order."""
+    """`commit_decode_token` of each item of a `schedule_decode` step still current in `requests`, `remove`
+    of each it finished (one without exactly one token: `commit_sampled`). Returns the updates, in order."""
     running, updates = RequestStatus.RUNNING, []
-    cache_full_blocks = bm.cache_full_blocks
     for item in scheduled:
         request = item[0]
         request_id = request.request_id
@@ -162,18 +160,7 @@ def commit_decode_step(
             continue
         new_token_ids = sampled.get(request_id, ())
         if len(new_token_ids) == 1:
-            request.num_output_placeholders -= 1
-            output_token_ids, token_id = request.output_token_ids, new_token_ids[0]
-            status = check_stop_token(request, token_id, len(output_token_ids) + 1)
-            output_token_ids.append(token_id)
-            request.all_token_ids.append(token_id)  # the owner's list: prompt then output
-            if request.first_token_time_s is None:
-                request.first_token_time_s = now
-            request.last_token_time_s = now
-            if request.num_computed_tokens % block_size == 0:  # its one input filled a block
-                cache_full_blocks(request)
-            if request.spec_token_ids:
-                request.spec_token_ids = []
+            status = commit_decode_token(request, new_token_ids, bm, now, block_size)
         else:
             new_token_ids, status = commit_sampled(item, list(new_token_ids), [], bm, 0, now)
         if status is not running:
