@@ -12,6 +12,7 @@ from pdcluster.kernels.sampling import (
     Generators,
     argmax,
     argmax_list,
+    exponential_,
     group_rows_by_generator,
     sample_from_probs,
 )
@@ -259,15 +260,13 @@ def rejection_sample_batch(
                 uniform[b, : num_draft_tokens[b]] = torch.rand(
                     num_draft_tokens[b], generator=generator, device=device
                 )
-                noise[b].exponential_(generator=generator)
+                exponential_(noise[b], generator)
             else:  # requests sharing one generator (unseeded): one draw for the group
                 uniform[rows] = torch.rand(len(rows), max_drafts, generator=generator, device=device)
-                noise[rows] = torch.empty(len(rows), vocab_size, device=device).exponential_(
-                    generator=generator
-                )
+                noise[rows] = exponential_(torch.empty(len(rows), vocab_size, device=device), generator)
     elif sampled:
         uniform[sampled] = torch.rand(len(sampled), max_drafts, generator=generators, device=device)
-        noise[sampled] = noise[sampled].exponential_(generator=generators)
+        noise[sampled] = exponential_(noise[sampled], generators)
 
     # Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)) up to the first rejection (greedy: argmax).
     greedy_accepted, greedy_final = _greedy_accept(ragged, argmax(target))

@@ -63,22 +63,27 @@ def probs_from_logits(
     is_greedy = temperature == 0
     scaled = logits / torch.where(is_greedy, 1.0, temperature)[:, None]
 
+    # Each filter runs on the rows it changes only (top_k in [1, V), top_p < 1): the others keep every token.
     top_k = _per_row(top_k, batch, torch.int64, device)
-    if top_k is not None:
-        k = torch.where((top_k <= 0) | (top_k >= vocab_size), vocab_size, top_k)  # [B]
-        kth_largest = scaled.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])  # [B, 1]
-        scaled = scaled.masked_fill(scaled < kth_largest, float("-inf"))
+    rows = None if top_k is None else ((top_k > 0) & (top_k < vocab_size)).nonzero()[:, 0]
+    if rows is not None and rows.numel():
+        sub, k = scaled[rows], top_k[rows]
+        kth_largest = sub.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])  # [R, 1]
+        scaled[rows] = sub.masked_fill(sub < kth_largest, float("-inf"))
 
     top_p = _per_row(top_p, batch, torch.float32, device)
     if top_p is not None:
         if bool(((top_p <= 0) | (top_p > 1)).any()):
             raise ValueError(f"top_p must be in (0, 1], got {top_p.tolist()}")
-        sorted_probs, order = scaled.softmax(dim=-1).sort(dim=-1, descending=True)
-        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs  # [B, V] exclusive cumulative mass
         # top_p == 1 keeps everything explicitly: rounding can push the cumulative mass to 1 early.
-        drop_sorted = (mass_above >= top_p[:, None]) & (top_p < 1)[:, None]
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scaled = scaled.masked_fill(drop, float("-inf"))
+        rows = (top_p < 1).nonzero()[:, 0]
+        if rows.numel():
+            sub = scaled[rows]
+            sorted_probs, order = sub.softmax(dim=-1).sort(dim=-1, descending=True)
+            mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs  # [R, V] exclusive cumulative mass
+            drop_sorted = mass_above >= top_p[rows][:, None]
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            scaled[rows] = sub.masked_fill(drop, float("-inf"))
 
     probs = scaled.softmax(dim=-1)
     if bool(is_greedy.any()):
@@ -98,22 +103,27 @@ def group_rows_by_generator(
     return list(groups.values())
 
 
+def exponential_(noise: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fill float32 `noise` with Exp(1) draws in place, `-log(1 - U)`, `U ~ Uniform[0, 1)` from `generator`
+    (inverse transform; one uniform per entry, as `Tensor.exponential_` draws, at a fraction of its CPU cost).
+    """
+    return noise.uniform_(generator=generator).neg_().log1p_().neg_()
+
+
 def sample_from_probs(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
     """`token_ids [B]` int64 from unnormalized `probs [B, V]`: `argmax_v probs[v] / E_v`, `E_v ~ Exp(1)`."""
     batch, vocab_size = probs.shape
     noise = torch.empty(batch, vocab_size, dtype=torch.float32, device=probs.device)
     if generators is None or isinstance(generators, torch.Generator):
-        noise.exponential_(generator=generators)
+        exponential_(noise, generators)
     else:
         if len(generators) != batch:
             raise ValueError(f"{len(generators)} generators for {batch} rows")
         for generator, rows in group_rows_by_generator(generators, range(batch)):
             if len(rows) == 1:
-                noise[rows[0]].exponential_(generator=generator)
+                exponential_(noise[rows[0]], generator)
             else:  # rows sharing one generator (unseeded requests): one draw for all of them
-                noise[rows] = torch.empty(len(rows), vocab_size, device=probs.device).exponential_(
-                    generator=generator
-                )
+                noise[rows] = exponential_(torch.empty(len(rows), vocab_size, device=probs.device), generator)
     # Exp(1) can return exactly 0; clamping keeps 0/0 from producing NaN (bias ~1e-38 per draw).
     return argmax(probs.float() / noise.clamp_min_(torch.finfo(torch.float32).tiny))
 

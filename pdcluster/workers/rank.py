@@ -9,11 +9,13 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+import ray
 import torch
 
 from pdcluster.driver.messages import InstanceGroupSpec
 from pdcluster.engine.compiled_forward import CompileStats
 from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.gc_heap import freeze_gc_heap
 from pdcluster.engine.grow_vote import GrowVote
 from pdcluster.engine.llm import LLMEngine
 from pdcluster.models.ep_dispatch import WAITS
@@ -79,6 +81,8 @@ class RankWorker:
         self._aborted_grows: set[int] = set()  # `abort_grow`
         self._aborted_reforms: set[str] = set()  # `abort_reform`: the secrets of re-formings given up
         self._grow_votes: dict[int, GrowVote] = {}  # attempt: its vote, while `grow_group` runs
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            freeze_gc_heap()  # an actor process: its engine lives as long as the process
 
     def _new_engine(self, engine_config: EngineConfig) -> LLMEngine:
         """The rank's engine, loaded here (`workers.role_rank` hands over one already loaded instead)."""

@@ -355,6 +355,51 @@ def test_greedy_logprobs_and_penalties_equal_one_engine(client, engine):
     assert biased.choices[0].text == engine.tokenizer.decode([forced] * 3)  # the first token is prefill's
 
 
+def test_min_tokens_holds_back_eos_and_an_unfinishable_schema_ends_with_length(client, engine):
+    """min_tokens through the pair: a logit bias makes EOS the argmax at every position; without min_tokens
+    the answer is EOS alone, with min_tokens 4 EOS is held back on prefill's first token and decode's next
+    three and ends the answer as its fifth, as on one engine. A json_schema answer cut by max_tokens before
+    the JSON closes ends with finish_reason "length" (whole and streamed), its text not valid JSON."""
+    eos = engine.tokenizer.eos_token_id
+    common = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "temperature": 0,
+        "max_tokens": 12,
+        "logit_bias": {str(eos): 100},
+    }
+    free = client.completions.create(**common)
+    assert free.choices[0].finish_reason == "stop" and free.usage.completion_tokens == 1, free
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=4, logit_bias={eos: 100})
+    expected = engine.generate([PROMPT], params)[0]
+    assert expected.token_ids[4:] == [eos] and eos not in expected.token_ids[:4]
+    for stream in (False, True):
+        held = client.completions.create(**common, extra_body={"min_tokens": 4}, stream=stream)
+        if stream:
+            chunks = [c for c in held if c.choices]
+            text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, finish = held.choices[0].text, held.choices[0].finish_reason
+            assert held.usage.completion_tokens == len(expected.token_ids), held
+        assert (text, finish) == (expected.text, "stop")
+
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
+    messages = [{"role": "user", "content": "Is Paris in France? Answer in JSON."}]
+    chat = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 5}
+    whole = client.chat.completions.create(**chat, response_format=response_format)
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 5, whole
+    with pytest.raises(ValueError):
+        json.loads(whole.choices[0].message.content)
+    chunks = [c for c in client.chat.completions.create(**chat, response_format=response_format, stream=True)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "length"
+    ]
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == whole.choices[0].message.content
+    )
+
+
 def test_chat_streamed_logprobs_and_n(client):
     messages = [{"role": "user", "content": PROMPT}]
     chat_logprobs_whole_and_streamed(client, messages, TOLERANCE, max_tokens=8, top_logprobs=2)
