@@ -9,10 +9,8 @@ _unfreeze_registered = False
 
 
 def freeze_gc_heap() -> None:
-    """Collect, then move every object the collector tracks into its permanent generation (`gc.freeze`), so
-    the oldest generation's collections scan only what was allocated since (as vLLM's engine core does after
-    start-up: `vllm.utils.gc_utils.freeze_gc_heap`). For a process that keeps its engine until it exits:
-    cyclic garbage among frozen objects is never collected. Unfrozen again at exit."""
+    """Collect, then `gc.freeze()` the startup heap so full collections scan only newer objects (as vLLM's
+    engine core does). Cycles among frozen objects are never freed; unfrozen at exit."""
     global _unfreeze_registered
     for generation in range(3):
         gc.collect(generation)
