@@ -61,14 +61,10 @@ def _namespace(spec: InstanceGroupSpec) -> str:
 
 
 def join_instance_group(spec: InstanceGroupSpec) -> InstanceGroup:
-    """Meet the other ranks at the barrier, then make the group (collective: every rank of the instance
-    calls it at once).
-
+    """Meet the other ranks at the barrier, then make the group (collective: every rank calls it at once).
     Raises ValueError: a malformed `init_method`, an unknown backend, a rank out of range, no secret.
     Raises RuntimeError (torch.distributed's DistStoreError / DistError): a rank did not reach the barrier
-        within `rendezvous_timeout_s` or did not prove the secret, or the group's rendezvous or handshake
-        failed.
-    """
+        within `rendezvous_timeout_s` or did not prove the secret, or the rendezvous or handshake failed."""
     return form_group(spec, meet(spec))
 
 

@@ -15,7 +15,6 @@ from pdcluster.engine.input_batch import ScheduledRows
 
 class ModelInput(NamedTuple):
     """One step's flattened batch (vLLM-style ragged packing).
-
     input_ids: `[num_tokens]` int64, the tokens of all requests back to back.
     positions: `[num_tokens]` int64, each token's position in its request.
     slot_mapping: `[num_tokens]` int64, cache slot (`block_id * block_size + offset`) for each token.

@@ -9,9 +9,7 @@ INT8_MAX = 127  # symmetric range [-127, 127]; -128 is never produced
 
 def quantize_kv_int8(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize latent KV rows to int8 with a per-row absmax scale.
-
-    latent: `[num_tokens, kv_dim]` float (float32, bf16 or fp16),
-        `kv_dim = kv_lora_rank + qk_rope_head_dim`.
+    latent: `[num_tokens, kv_dim]` float (float32, bf16 or fp16), `kv_dim = kv_lora_rank + qk_rope_head_dim`.
     Returns `(latent_int8 [num_tokens, kv_dim] int8, scale [num_tokens] float32)` with
     `scale = max|latent| / 127` per row; an all-zero row gets scale 0 and int8 zeros.
     The round-trip error per element is at most `scale / 2`.
