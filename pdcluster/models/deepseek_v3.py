@@ -181,9 +181,9 @@ class DeepseekV3MoE(nn.Module):
         return out
 
     def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(w_gate_up [2 * U, hidden_size], w_down [hidden_size, U])`, U = (experts + shared) * I: all experts'
-        projections side by side, the experts' parameters re-pointed at views of them (one copy of the
-        weights; in-place updates reach both). Built on first use.
+        """`(w_gate_up [2 * U, hidden_size], w_down [hidden_size, U])`, U = (experts + shared) * I:
+        all experts' projections side by side, the experts' parameters re-pointed at views of them (one
+        copy of the weights; in-place updates reach both). Built on first use.
         """
         if self._dense_weights is None:
             mlps = [*self.experts, *([self.shared_experts] if self.shared_experts is not None else [])]
