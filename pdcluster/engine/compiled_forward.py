@@ -23,6 +23,13 @@ def batch_size_buckets(max_num_reqs: int) -> list[int]:
     return sorted(set(sizes + [max_num_reqs]))
 
 
+def stack_dense_moe_weights(model) -> None:
+    """Build every MoE layer's `dense_weights` (expert parameters re-pointed at views of them)."""
+    for module in model.modules():
+        if isinstance(module, DeepseekV3MoE):
+            module.dense_weights()
+
+
 def _progress(line: str) -> None:
     """Overwrite the progress line on stderr (padded: a shorter line hides the longer one before it)."""
     sys.stderr.write("\r" + line.ljust(80))
@@ -58,9 +65,15 @@ class CompiledDecodeForward:
         cfg = runner.config
         self._num_heads, self._dn, self._dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
         cuda = self._cuda = runner.device.type == "cuda"
-        options = {"mode": "reduce-overhead", "dynamic": False} if cuda else {"dynamic": True}
+        # CPU: a C++ wrapper calls the kernels (no Python per op: decode at small batch is dispatch-bound).
+        options = (
+            {"mode": "reduce-overhead", "dynamic": False}
+            if cuda
+            else {"dynamic": True, "options": {"cpp_wrapper": True}}
+        )
         # CPU: pad to >= 2 rows and columns, so that one dynamic-shape graph serves every bucket.
         self._min_rows, self._min_columns = (1, max_num_columns) if cuda else (2, 2)
+        stack_dense_moe_weights(runner.model)  # before tracing: the graphs read the stacked weights
         self._graphs: dict[int, Callable] = {
             q: torch.compile(self._forward_fn(q), fullgraph=True, **options) for q in self.query_lens
         }

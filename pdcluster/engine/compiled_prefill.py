@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pdcluster.engine.compiled_forward import stack_dense_moe_weights
 from pdcluster.kernels.paged_mla import paged_mla_attention, write_kv
 from pdcluster.models.deepseek_v3 import DeepseekV3MoE
 
@@ -59,6 +60,7 @@ class CompiledPrefillForward:
         weakref.finalize(self, _STEPS.pop, self.handle, None)
         self.num_compiled_steps = 0
         self.num_eager_fallbacks = 0
+        stack_dense_moe_weights(runner.model)  # before tracing: the graph reads the stacked weights
         self._graph = torch.compile(self._forward_fn(), fullgraph=True)
         self._ready = False
 

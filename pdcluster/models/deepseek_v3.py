@@ -160,6 +160,7 @@ class DeepseekV3MoE(nn.Module):
             else None
         )
         self.dispatcher: ExpertDispatcher = LocalDispatcher(config.n_routed_experts)
+        self._dense_weights: tuple[torch.Tensor, torch.Tensor] | None = None
         self.last_expert_load: torch.Tensor | None = None
 
     def run_experts(self, rows: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
@@ -179,22 +180,46 @@ class DeepseekV3MoE(nn.Module):
             out = out + self.shared_experts(hidden)
         return out
 
+    def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(w_gate_up [2 * U, hidden_size], w_down [hidden_size, U])`, U = (experts + shared) * I:
+        all experts' projections side by side, the experts' parameters re-pointed at views of them (one
+        copy of the weights; in-place updates reach both). Built on first use.
+        """
+        if self._dense_weights is None:
+            mlps = [*self.experts, *([self.shared_experts] if self.shared_experts is not None else [])]
+            with torch.no_grad():
+                gate = torch.cat([m.gate_proj.weight for m in mlps])
+                w_gate_up = torch.cat((gate, torch.cat([m.up_proj.weight for m in mlps])))
+                w_down = torch.cat([m.down_proj.weight for m in mlps], dim=1)
+                start, num_units = 0, gate.shape[0]
+                for m in mlps:
+                    end = start + m.gate_proj.weight.shape[0]
+                    m.gate_proj.weight.data = w_gate_up[start:end]
+                    m.up_proj.weight.data = w_gate_up[num_units + start : num_units + end]
+                    m.down_proj.weight.data = w_down[:, start:end]
+                    start = end
+            self._dense_weights = (w_gate_up, w_down)
+        return self._dense_weights
+
     def forward_dense(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`forward` with fixed shapes for graph capture: every local expert runs every token.
+        """`forward` with fixed shapes for graph capture: every local expert runs every token, all experts in
+        two matmuls over `dense_weights`, each expert's intermediate units scaled by its gate weight.
 
         Only for the local dispatcher and few, small experts; equal to `forward` up to summation order.
         """
+        w_gate_up, w_down = self.dense_weights()
+        num_tokens, num_experts = hidden.shape[0], len(self.experts)
         topk_weights, topk_ids = self.gate(hidden)
-        weights = torch.zeros(
-            hidden.shape[0], len(self.experts), dtype=torch.float32, device=hidden.device
-        ).scatter_(1, topk_ids, topk_weights.float())
-        weights = weights.to(hidden.dtype)
-        out = hidden.new_zeros(hidden.shape)
-        for e, expert in enumerate(self.experts):
-            out = out + expert(hidden) * weights[:, e : e + 1]
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden)
-        return out
+        weights = torch.zeros(num_tokens, num_experts, dtype=torch.float32, device=hidden.device).scatter_(
+            1, topk_ids, topk_weights.float()
+        )
+        size = self.experts[0].gate_proj.weight.shape[0] if num_experts else 0
+        unit_weights = weights.to(hidden.dtype)[:, :, None].expand(-1, -1, size).reshape(num_tokens, -1)
+        num_shared = w_down.shape[1] - num_experts * size
+        if num_shared:
+            unit_weights = torch.cat((unit_weights, unit_weights.new_ones(num_tokens, num_shared)), dim=1)
+        gate, up = F.linear(hidden, w_gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up * unit_weights, w_down)
 
 
 class DeepseekV3DecoderLayer(nn.Module):
