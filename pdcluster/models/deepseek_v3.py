@@ -181,10 +181,8 @@ class DeepseekV3MoE(nn.Module):
         return out
 
     def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(w_gate_up [2 * U, hidden_size], w_down [hidden_size, U])`, U = (experts + shared) * I:
-        all experts' projections side by side, the experts' parameters re-pointed at views of them (one
-        copy of the weights; in-place updates reach both). Built on first use.
-        """
+        """`(w_gate_up [2 * U, hidden_size], w_down [hidden_size, U])`, U = (experts + shared) * I, built on
+        first use; the experts' parameters become views of them (one copy; in-place updates reach both)."""
         if self._dense_weights is None:
             mlps = [*self.experts, *([self.shared_experts] if self.shared_experts is not None else [])]
             with torch.no_grad():
@@ -202,11 +200,9 @@ class DeepseekV3MoE(nn.Module):
         return self._dense_weights
 
     def forward_dense(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`forward` with fixed shapes for graph capture: every local expert runs every token, all experts in
-        two matmuls over `dense_weights`, each expert's intermediate units scaled by its gate weight.
-
-        Only for the local dispatcher and few, small experts; equal to `forward` up to summation order.
-        """
+        """`forward` with fixed shapes for graph capture: every expert runs every token (two matmuls over
+        `dense_weights`, units scaled by their expert's gate weight). Only for the local dispatcher and few,
+        small experts; equal to `forward` up to summation order."""
         w_gate_up, w_down = self.dense_weights()
         num_tokens, num_experts = hidden.shape[0], len(self.experts)
         topk_weights, topk_ids = self.gate(hidden)
