@@ -257,17 +257,18 @@ class Dispatcher(RouteAndReserve):
         reply = attempt.prefill_first if not attempt.first_reported else prefill_task
         waits = {getter, reply} if not attempt.prefill_reported else {getter}
         decode = self.instances["decode"][attempt.decode_index]
-        done = await wait_first(
-            waits, self.event_timeout_s, self.hold_s, lambda: not record.aborted and held(decode, attempt)
-        )
+        try:
+            done = await wait_first(
+                waits, self.event_timeout_s, self.hold_s, lambda: not record.aborted and held(decode, attempt)
+            )
+        finally:  # also when the client went away (this task cancelled): no pending getter left behind
+            if not getter.done():
+                getter.cancel()
         if record.aborted:
-            getter.cancel()
             return [Aborted(attempt.handoff_id)]
         if not done:
-            getter.cancel()
             return [NoEvent()]
         if getter not in done:  # a prefill reply came first
-            getter.cancel()
             return [self._prefill_outcome(attempt, prefill_task)]
         event = getter.result()
         if attempt.prefill_reported or not isinstance(event, TokenDelta):
