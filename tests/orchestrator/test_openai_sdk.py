@@ -114,7 +114,12 @@ WEATHER = {
     "type": "function",
     "function": {
         "name": "get_weather",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}},
+        "parameters": {  # bounded: whatever the draws, a call fits in max_tokens
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
     },
 }
 
