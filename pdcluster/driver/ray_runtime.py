@@ -14,7 +14,7 @@ from typing import Any
 # Workers run at the driver's priority, not Ray's nice 15: the actors are the workload.
 LOCAL_RAY_SYSTEM_CONFIG: dict[str, Any] = {"worker_niceness": 0}
 # Ray's startup waits can run out on a busy host; `init_local_ray` retries this many times.
-STARTUP_RETRIES = 1
+STARTUP_RETRIES = 2
 GCS_PORT_WAIT_S = 120
 _GCS_PORT_WAIT_VARIABLE = "RAY_gcs_server_port_wait_time_s"
 _STARTUP_TIMEOUT_MESSAGES = ("timed out during startup", "Timed out waiting for file")

@@ -225,10 +225,10 @@ def test_local_plan_creates_real_placement_groups_on_a_local_ray_cluster(tmp_pat
     ],
     ids=["raylet-registration", "gcs-port"],
 )
-def test_init_local_ray_retries_rays_startup_timeout_once(monkeypatch, timeout):
+def test_init_local_ray_retries_rays_startup_timeout_twice(monkeypatch, timeout):
     """Ray's startup waits (the raylet's fixed 30 s to register, the driver's wait for the GCS port) can run
-    out on a busy host: `init_local_ray` shuts the half-started session down and starts again, once; any
-    other failure, or a second timeout, is raised. The GCS port wait is GCS_PORT_WAIT_S during `ray.init`
+    out on a busy host: `init_local_ray` shuts the half-started session down and starts again, twice; any
+    other failure, or a third timeout, is raised. The GCS port wait is GCS_PORT_WAIT_S during `ray.init`
     unless the user set RAY_gcs_server_port_wait_time_s, and the environment is left as it was.
     (`ray.init` and `ray.shutdown` replaced by recorders: the fault is Ray's message, injected.)"""
     import ray
@@ -269,11 +269,11 @@ def test_init_local_ray_retries_rays_startup_timeout_once(monkeypatch, timeout):
     started.clear()
 
     calls.clear()
-    outcomes[:] = [timeout, timeout]
+    outcomes[:] = [timeout, timeout, timeout]
     with pytest.raises(type(timeout), match=str(timeout)[:20]):
         init_local_ray(num_cpus=2)
     # the last attempt is cleaned up too before its error is raised
-    assert calls == ["init", "shutdown", "init", "shutdown"] and ray_runtime.STARTUP_RETRIES == 1
+    assert calls == ["init", "shutdown"] * 3 and ray_runtime.STARTUP_RETRIES == 2
     assert "RAY_gcs_server_port_wait_time_s" not in os.environ
     assert not any(os.path.exists(f"/proc/{process.pid}") for process in started)
 
